@@ -1,0 +1,123 @@
+package projection
+
+import (
+	"errors"
+	"fmt"
+)
+
+// Sentinel errors. The typed errors below match them with errors.Is and
+// carry the details for errors.As.
+var (
+	// ErrInvalidVersion: a Write's version is zero or negative.
+	ErrInvalidVersion = errors.New("projection: version must be positive")
+	// ErrScoreOutOfRange: a sorted-set score lies outside [MinScore, MaxScore].
+	ErrScoreOutOfRange = errors.New("projection: sorted-set score outside ±2^53")
+	// ErrInvalidTarget: a Target has an unknown Kind, or a document target
+	// has a Member, or a target is used where its Kind is not allowed.
+	ErrInvalidTarget = errors.New("projection: invalid target")
+	// ErrCorruptVersion: the version stored in Redis is not a canonical
+	// decimal integer, so the gate cannot order the write against it. The
+	// write is refused (never guessed); reconcile repairs such entries.
+	ErrCorruptVersion = errors.New("projection: stored version is not a decimal integer")
+	// ErrUnexpectedReply: Redis answered the gate script with a reply this
+	// package does not understand (a different script under the same SHA,
+	// or a proxy rewriting replies).
+	ErrUnexpectedReply = errors.New("projection: unexpected reply from gate script")
+	// ErrUnmappedStream: a StreamMapper has no Mapper for a record's stream.
+	ErrUnmappedStream = errors.New("projection: no mapper for stream")
+)
+
+// InvalidVersionError reports a Write whose Version is not positive.
+type InvalidVersionError struct {
+	Index   int // position of the write in the batch
+	Target  Target
+	Version int64
+}
+
+func (e *InvalidVersionError) Error() string {
+	return fmt.Sprintf("projection: write %d (%s): version %d must be positive", e.Index, e.Target, e.Version)
+}
+
+// Is matches ErrInvalidVersion.
+func (e *InvalidVersionError) Is(target error) bool { return target == ErrInvalidVersion }
+
+// ScoreOutOfRangeError reports a sorted-set score that a Redis double
+// cannot hold exactly.
+type ScoreOutOfRangeError struct {
+	Index  int // position of the write in the batch
+	Target Target
+	Score  int64
+}
+
+func (e *ScoreOutOfRangeError) Error() string {
+	return fmt.Sprintf("projection: write %d (%s): score %d outside [%d, %d]", e.Index, e.Target, e.Score, MinScore, MaxScore)
+}
+
+// Is matches ErrScoreOutOfRange.
+func (e *ScoreOutOfRangeError) Is(target error) bool { return target == ErrScoreOutOfRange }
+
+// InvalidTargetError reports a malformed or misplaced Target.
+type InvalidTargetError struct {
+	Index  int // position of the write in the batch
+	Target Target
+	Reason string
+}
+
+func (e *InvalidTargetError) Error() string {
+	return fmt.Sprintf("projection: write %d (%s): invalid target: %s", e.Index, e.Target, e.Reason)
+}
+
+// Is matches ErrInvalidTarget.
+func (e *InvalidTargetError) Is(target error) bool { return target == ErrInvalidTarget }
+
+// CorruptVersionError reports a write refused because the version stored
+// for its target is unreadable.
+type CorruptVersionError struct {
+	Index  int // position of the write in the batch
+	Target Target
+	Stored string // the stored version, verbatim
+}
+
+func (e *CorruptVersionError) Error() string {
+	return fmt.Sprintf("projection: write %d (%s): stored version %q is not a decimal integer", e.Index, e.Target, e.Stored)
+}
+
+// Is matches ErrCorruptVersion.
+func (e *CorruptVersionError) Is(target error) bool { return target == ErrCorruptVersion }
+
+// MapError reports a record its Mapper could not map, or whose Write was
+// invalid.
+type MapError struct {
+	Index    int   // position of the record in the batch
+	RecordID int64 // outbox.Record.ID
+	Stream   string
+	Err      error
+}
+
+func (e *MapError) Error() string {
+	return fmt.Sprintf("projection: record %d (outbox id %d, stream %q): %v", e.Index, e.RecordID, e.Stream, e.Err)
+}
+
+func (e *MapError) Unwrap() error { return e.Err }
+
+// validateWrite checks w before anything is sent to Redis.
+func validateWrite(i int, w *Write) error {
+	t := w.Target
+	switch t.Kind {
+	case KindSortedSet:
+		if w.Value.Score < MinScore || w.Value.Score > MaxScore {
+			return &ScoreOutOfRangeError{Index: i, Target: t, Score: w.Value.Score}
+		}
+	case KindHash:
+	case KindDocument:
+		if t.Member != "" {
+			return &InvalidTargetError{Index: i, Target: t, Reason: "a document target must have an empty Member"}
+		}
+	default:
+		return &InvalidTargetError{Index: i, Target: t, Reason: "unknown Kind; use KindSortedSet, KindHash or KindDocument"}
+	}
+	if w.Version <= 0 {
+		return &InvalidVersionError{Index: i, Target: t, Version: w.Version}
+	}
+	return nil
+}
