@@ -1,0 +1,69 @@
+package keyenc
+
+import (
+	"strings"
+	"testing"
+	"unicode/utf8"
+
+	"github.com/stretchr/testify/require"
+)
+
+func TestEscape(t *testing.T) {
+	t.Parallel()
+
+	hazards := []string{
+		"", "plain", "a:b", "{a}", "}{", "a{b}c", "line\nbreak", "\xff\xfe invalid",
+		"%", "%25", "Ünïcödé", "\x00", strings.Repeat("x{", 512),
+	}
+	seen := map[string]string{}
+	for _, in := range hazards {
+		out := Escape(in)
+		require.False(t, strings.ContainsAny(out, "{}:\n\x00"), "escaped %q = %q", in, out)
+		require.True(t, utf8.ValidString(out))
+		if prev, dup := seen[out]; dup {
+			t.Fatalf("Escape(%q) == Escape(%q) == %q", in, prev, out)
+		}
+		seen[out] = in
+		back, err := Unescape(out)
+		require.NoError(t, err)
+		require.Equal(t, in, back)
+	}
+	require.Equal(t, "plain-id_1.2", Escape("plain-id_1.2"), "safe ids stay readable")
+}
+
+func TestUnescapeRejectsWhatEscapeCannotProduce(t *testing.T) {
+	t.Parallel()
+	for _, bad := range []string{"%", "%4", "%zz", "%41" /* 'A' is safe */, "a b", "{x}", "%7b"} {
+		_, err := Unescape(bad)
+		require.ErrorIs(t, err, ErrMalformed, bad)
+	}
+}
+
+func TestTagged(t *testing.T) {
+	t.Parallel()
+	require.Equal(t, "p:{board}:z", Tagged("p:", "board", ":z"))
+	require.Equal(t, "p:{%}:z", Tagged("p:", "", ":z"), "an empty tag must still be a tag")
+	require.Equal(t, "p:{%7Bx%7D}:z", Tagged("p:", "{x}", ":z"))
+	require.Error(t, ValidatePrefix("a{b"))
+	require.NoError(t, ValidatePrefix("app:v1:"))
+}
+
+func FuzzEscape(f *testing.F) {
+	for _, s := range []string{"", "a", "{", "}", ":", "%", "\xff", "a%7Bb"} {
+		f.Add(s)
+	}
+	f.Fuzz(func(t *testing.T, s string) {
+		out := Escape(s)
+		if strings.ContainsAny(out, "{}:") {
+			t.Fatalf("Escape(%q) = %q contains a separator", s, out)
+		}
+		back, err := Unescape(out)
+		if err != nil || back != s {
+			t.Fatalf("round trip of %q: %q, %v", s, back, err)
+		}
+		// Unescape accepts only canonical encodings, so decoding is injective too.
+		if dec, err := Unescape(s); err == nil && Escape(dec) != s {
+			t.Fatalf("Unescape(%q) = %q but Escape of it is %q", s, dec, Escape(dec))
+		}
+	})
+}

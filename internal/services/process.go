@@ -1,0 +1,184 @@
+package services
+
+import (
+	"errors"
+	"fmt"
+	"net"
+	"os"
+	"os/exec"
+	"os/user"
+	"path/filepath"
+	"sort"
+	"strconv"
+	"sync"
+	"syscall"
+	"time"
+)
+
+// FreePort returns a TCP port on 127.0.0.1 that was free a moment ago.
+// Another process may take it before it is used; callers that start servers
+// retry on a bind failure.
+func FreePort() (int, error) {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return 0, err
+	}
+	defer l.Close()
+	return l.Addr().(*net.TCPAddr).Port, nil
+}
+
+// process is one server child process that can be stopped, killed and
+// started again with the same arguments.
+type process struct {
+	name string
+	args []string
+	cred *syscall.Credential
+	log  string // file receiving stdout and stderr
+
+	mu   sync.Mutex
+	cmd  *exec.Cmd
+	done chan struct{}
+}
+
+func (p *process) start() error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.cmd != nil {
+		return errors.New("already running")
+	}
+	logFile, err := os.OpenFile(p.log, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
+	if err != nil {
+		return err
+	}
+	cmd := exec.Command(p.name, p.args...)
+	cmd.Stdout, cmd.Stderr = logFile, logFile
+	cmd.SysProcAttr = &syscall.SysProcAttr{
+		// Own process group, so Kill takes the server's children too
+		// (PostgreSQL backends would otherwise hold its shared memory).
+		Setpgid: true,
+		// If the test binary dies, so does the server. Go sets this after
+		// switching credentials, so it survives the switch.
+		Pdeathsig:  syscall.SIGKILL,
+		Credential: p.cred,
+	}
+	if err := cmd.Start(); err != nil {
+		logFile.Close()
+		return err
+	}
+	done := make(chan struct{})
+	go func() {
+		_ = cmd.Wait()
+		logFile.Close()
+		close(done)
+	}()
+	p.cmd, p.done = cmd, done
+	return nil
+}
+
+// signal sends sig to the whole process group and waits for the leader to
+// exit.
+func (p *process) signal(sig syscall.Signal, timeout time.Duration) error {
+	p.mu.Lock()
+	cmd, done := p.cmd, p.done
+	p.mu.Unlock()
+	if cmd == nil {
+		return nil
+	}
+	_ = syscall.Kill(-cmd.Process.Pid, sig)
+	select {
+	case <-done:
+	case <-time.After(timeout):
+		_ = syscall.Kill(-cmd.Process.Pid, syscall.SIGKILL)
+		<-done
+	}
+	if sig == syscall.SIGKILL {
+		// Children in the group got the signal too; give the kernel a moment
+		// to reap them before the caller restarts on the same port.
+		time.Sleep(50 * time.Millisecond)
+	}
+	p.mu.Lock()
+	p.cmd, p.done = nil, nil
+	p.mu.Unlock()
+	return nil
+}
+
+func (p *process) exited() <-chan struct{} {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.done
+}
+
+func (p *process) logTail() string {
+	b, err := os.ReadFile(p.log)
+	if err != nil {
+		return ""
+	}
+	if len(b) > 2000 {
+		b = b[len(b)-2000:]
+	}
+	return string(b)
+}
+
+// unprivilegedCredential returns the credential to run PostgreSQL under when
+// this process is root (PostgreSQL refuses to run as root): the "postgres"
+// user if it exists, else "nobody". It returns nil when not root.
+func unprivilegedCredential() (*syscall.Credential, error) {
+	if os.Geteuid() != 0 {
+		return nil, nil
+	}
+	for _, name := range []string{"postgres", "nobody"} {
+		u, err := user.Lookup(name)
+		if err != nil {
+			continue
+		}
+		uid, _ := strconv.Atoi(u.Uid)
+		gid, _ := strconv.Atoi(u.Gid)
+		return &syscall.Credential{Uid: uint32(uid), Gid: uint32(gid), NoSetGroups: true}, nil
+	}
+	return nil, errors.New("running as root and neither user postgres nor nobody exists")
+}
+
+// findPostgresBin returns the directory holding initdb and postgres: from
+// PATH, else the newest /usr/lib/postgresql/*/bin.
+func findPostgresBin() (string, error) {
+	if p, err := exec.LookPath("initdb"); err == nil {
+		if _, err := exec.LookPath("postgres"); err == nil {
+			return filepath.Dir(p), nil
+		}
+	}
+	dirs, _ := filepath.Glob("/usr/lib/postgresql/*/bin")
+	sort.Slice(dirs, func(i, j int) bool { return versionOf(dirs[i]) > versionOf(dirs[j]) })
+	for _, d := range dirs {
+		if _, err := os.Stat(filepath.Join(d, "initdb")); err == nil {
+			return d, nil
+		}
+	}
+	return "", errors.New("initdb/postgres not found in PATH or /usr/lib/postgresql/*/bin")
+}
+
+func versionOf(binDir string) float64 {
+	v, _ := strconv.ParseFloat(filepath.Base(filepath.Dir(binDir)), 64)
+	return v
+}
+
+// makeDir creates a fresh directory for a private server. When cred is set,
+// the directory is handed to that user; it lives directly under the system
+// temp dir because a test's own temp dir is not traversable by others.
+func makeDir(parent, pattern string, cred *syscall.Credential) (string, error) {
+	if parent == "" {
+		parent = os.TempDir()
+	}
+	dir, err := os.MkdirTemp(parent, pattern)
+	if err != nil {
+		return "", err
+	}
+	if cred != nil {
+		if err := os.Chmod(dir, 0o755); err != nil {
+			return "", err
+		}
+		if err := os.Chown(dir, int(cred.Uid), int(cred.Gid)); err != nil {
+			return "", fmt.Errorf("chown %s: %w", dir, err)
+		}
+	}
+	return dir, nil
+}

@@ -1,0 +1,164 @@
+package services
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"os"
+	"strings"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/redis/go-redis/v9"
+)
+
+// Defaults tried after the environment variables.
+const (
+	DefaultPostgresURL = "postgres://postgres@127.0.0.1:5432/postgres"
+	DefaultRedisURL    = "redis://127.0.0.1:6379/0"
+)
+
+// Origin says where a resolved server came from.
+type Origin string
+
+const (
+	OriginEnv     Origin = "env"
+	OriginLocal   Origin = "local"
+	OriginPrivate Origin = "private"
+	OriginDocker  Origin = "docker"
+)
+
+// ErrUnavailable is returned when no step of the resolution yields a server.
+var ErrUnavailable = errors.New("services: no server available")
+
+// Options tune Resolve.
+type Options struct {
+	// PostgresEnv and RedisEnv name the environment variables consulted
+	// first. Defaults to DATABASE_URL and REDIS_URL.
+	PostgresEnv, RedisEnv string
+	// Dir is where private servers keep their files. Defaults to a new
+	// directory under os.TempDir(), removed by Close.
+	Dir string
+	// Logger receives one line per resolved service. Defaults to discarding.
+	Logger *slog.Logger
+}
+
+// Endpoints are resolved servers. Close stops whatever Resolve started.
+type Endpoints struct {
+	PostgresURL    string
+	RedisURL       string
+	PostgresOrigin Origin
+	RedisOrigin    Origin
+
+	closers []func()
+}
+
+// Close stops private servers and containers started by Resolve. It is safe to
+// call more than once.
+func (e *Endpoints) Close() {
+	for i := len(e.closers) - 1; i >= 0; i-- {
+		e.closers[i]()
+	}
+	e.closers = nil
+}
+
+// Resolve finds a PostgreSQL and a Redis server as described in the package
+// documentation.
+func Resolve(ctx context.Context, opts Options) (*Endpoints, error) {
+	if opts.PostgresEnv == "" {
+		opts.PostgresEnv = "DATABASE_URL"
+	}
+	if opts.RedisEnv == "" {
+		opts.RedisEnv = "REDIS_URL"
+	}
+	logger := opts.Logger
+	if logger == nil {
+		logger = slog.New(slog.DiscardHandler)
+	}
+	ep := &Endpoints{}
+	var err error
+	ep.PostgresURL, ep.PostgresOrigin, err = resolveOne(ctx, ep, opts, opts.PostgresEnv, DefaultPostgresURL, pingPostgres, startPrivatePostgres, startDockerPostgres)
+	if err != nil {
+		ep.Close()
+		return nil, fmt.Errorf("postgres: %w", err)
+	}
+	ep.RedisURL, ep.RedisOrigin, err = resolveOne(ctx, ep, opts, opts.RedisEnv, DefaultRedisURL, pingRedis, startPrivateRedis, startDockerRedis)
+	if err != nil {
+		ep.Close()
+		return nil, fmt.Errorf("redis: %w", err)
+	}
+	logger.Info("services resolved",
+		slog.String("postgres", string(ep.PostgresOrigin)), slog.String("redis", string(ep.RedisOrigin)))
+	return ep, nil
+}
+
+type starter func(ctx context.Context, dir string) (url string, stop func(), err error)
+
+func resolveOne(ctx context.Context, ep *Endpoints, opts Options, env, def string,
+	ping func(context.Context, string) error, private, docker starter,
+) (string, Origin, error) {
+	if u := strings.TrimSpace(os.Getenv(env)); u != "" {
+		// An explicit URL is never second-guessed: if it does not answer,
+		// that is an error, not a reason to use something else.
+		if err := ping(ctx, u); err != nil {
+			return "", "", fmt.Errorf("%s is set but does not answer: %w", env, err)
+		}
+		return u, OriginEnv, nil
+	}
+	if ping(ctx, def) == nil {
+		return def, OriginLocal, nil
+	}
+	var errs []error
+	for _, s := range []struct {
+		origin Origin
+		start  starter
+	}{{OriginPrivate, private}, {OriginDocker, docker}} {
+		u, stop, err := s.start(ctx, opts.Dir)
+		if err != nil {
+			errs = append(errs, fmt.Errorf("%s: %w", s.origin, err))
+			continue
+		}
+		ep.closers = append(ep.closers, stop)
+		return u, s.origin, nil
+	}
+	return "", "", fmt.Errorf("%w (%s unset, %s not answering; %w)", ErrUnavailable, env, redactURL(def), errors.Join(errs...))
+}
+
+func pingPostgres(ctx context.Context, url string) error {
+	ctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+	defer cancel()
+	conn, err := pgx.Connect(ctx, url)
+	if err != nil {
+		return err
+	}
+	defer conn.Close(context.Background())
+	return conn.Ping(ctx)
+}
+
+func pingRedis(ctx context.Context, url string) error {
+	opt, err := redis.ParseURL(url)
+	if err != nil {
+		return err
+	}
+	opt.MaxRetries = -1
+	c := redis.NewClient(opt)
+	defer c.Close()
+	ctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+	defer cancel()
+	return c.Ping(ctx).Err()
+}
+
+// redactURL drops any password from a URL before it goes into an error.
+func redactURL(u string) string {
+	at := strings.LastIndexByte(u, '@')
+	scheme := strings.Index(u, "://")
+	if at < 0 || scheme < 0 {
+		return u
+	}
+	userinfo := u[scheme+3 : at]
+	if i := strings.IndexByte(userinfo, ':'); i >= 0 {
+		return u[:scheme+3] + userinfo[:i] + ":xxxxx" + u[at:]
+	}
+	return u
+}

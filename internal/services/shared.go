@@ -1,0 +1,96 @@
+package services
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"fmt"
+	"net/url"
+	"strings"
+	"sync"
+
+	"github.com/jackc/pgx/v5"
+)
+
+// TestOptions are the options tests resolve services with: TEST_DATABASE_URL
+// and TEST_REDIS_URL first.
+var TestOptions = Options{PostgresEnv: "TEST_DATABASE_URL", RedisEnv: "TEST_REDIS_URL"}
+
+var shared struct {
+	once sync.Once
+	ep   *Endpoints
+	err  error
+}
+
+// Shared resolves services once per process with TestOptions and returns the
+// same Endpoints to every caller. Private servers it starts live until the
+// process exits (they are killed with it).
+func Shared(ctx context.Context) (*Endpoints, error) {
+	shared.once.Do(func() {
+		shared.ep, shared.err = Resolve(ctx, TestOptions)
+	})
+	return shared.ep, shared.err
+}
+
+// RandomSuffix returns n random lower-case hex characters.
+func RandomSuffix(n int) string {
+	b := make([]byte, (n+1)/2)
+	_, _ = rand.Read(b)
+	return hex.EncodeToString(b)[:n]
+}
+
+// CreateSchema creates a schema with a fresh name starting with prefix and
+// returns its name and a connection string whose search_path is that schema.
+func CreateSchema(ctx context.Context, baseURL, prefix string) (schema, connString string, err error) {
+	schema = prefix + "_" + RandomSuffix(10)
+	conn, err := pgx.Connect(ctx, baseURL)
+	if err != nil {
+		return "", "", err
+	}
+	defer conn.Close(context.Background())
+	if _, err := conn.Exec(ctx, "CREATE SCHEMA "+pgx.Identifier{schema}.Sanitize()); err != nil {
+		return "", "", err
+	}
+	return schema, WithSearchPath(baseURL, schema), nil
+}
+
+// DropSchema drops schema and everything in it.
+func DropSchema(ctx context.Context, baseURL, schema string) error {
+	conn, err := pgx.Connect(ctx, baseURL)
+	if err != nil {
+		return err
+	}
+	defer conn.Close(context.Background())
+	_, err = conn.Exec(ctx, "DROP SCHEMA IF EXISTS "+pgx.Identifier{schema}.Sanitize()+" CASCADE")
+	return err
+}
+
+// WithSearchPath returns a copy of a postgres:// URL that sets search_path.
+func WithSearchPath(baseURL, schema string) string {
+	u, err := url.Parse(baseURL)
+	if err != nil || (u.Scheme != "postgres" && u.Scheme != "postgresql") {
+		// keyword/value form
+		return strings.TrimSpace(baseURL) + " search_path=" + schema
+	}
+	q := u.Query()
+	q.Set("search_path", schema)
+	u.RawQuery = q.Encode()
+	return u.String()
+}
+
+// ResolveForExample serves runnable Example functions, which cannot take a
+// *testing.T: it resolves services like tests do, creates a fresh schema and
+// returns a PostgreSQL URL whose search_path is that schema, the Redis URL,
+// and a cleanup that drops the schema. Examples choose their own key prefix.
+func ResolveForExample() (pgURL, redisURL string, cleanup func(), err error) {
+	ctx := context.Background()
+	ep, err := Shared(ctx)
+	if err != nil {
+		return "", "", nil, err
+	}
+	schema, conn, err := CreateSchema(ctx, ep.PostgresURL, "example")
+	if err != nil {
+		return "", "", nil, fmt.Errorf("create schema: %w", err)
+	}
+	return conn, ep.RedisURL, func() { _ = DropSchema(context.Background(), ep.PostgresURL, schema) }, nil
+}

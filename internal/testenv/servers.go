@@ -1,0 +1,66 @@
+package testenv
+
+import (
+	"context"
+	"testing"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/redis/go-redis/v9"
+
+	"github.com/verity-go/verity/internal/services"
+)
+
+// PostgresServer is a private PostgreSQL server owned by one test.
+type PostgresServer struct {
+	*services.PostgresServer
+}
+
+// StartPostgres starts a private PostgreSQL server for the test, killed and
+// removed at cleanup. The test may Stop, Kill and Start it at will; data and
+// port survive restarts.
+func StartPostgres(t testing.TB) *PostgresServer {
+	t.Helper()
+	s, err := services.StartPostgres(context.Background(), "")
+	if err != nil {
+		Unavailable(t, "start private postgres: %v", err)
+	}
+	t.Cleanup(s.Close)
+	return &PostgresServer{s}
+}
+
+// Start starts the server again after Stop or Kill.
+func (s *PostgresServer) Start() error { return s.PostgresServer.Start(context.Background()) }
+
+// Pool opens a pool on the server's postgres database, closed at cleanup.
+func (s *PostgresServer) Pool(t testing.TB) *pgxpool.Pool {
+	t.Helper()
+	return NewPool(t, s.ConnString())
+}
+
+// RedisServer is a private redis-server owned by one test, persistence off.
+type RedisServer struct {
+	*services.RedisServer
+}
+
+// StartRedis starts a private redis-server for the test, killed and removed at
+// cleanup. extraArgs are appended to its command line.
+func StartRedis(t testing.TB, extraArgs ...string) *RedisServer {
+	t.Helper()
+	s, err := services.StartRedis(context.Background(), "", extraArgs...)
+	if err != nil {
+		Unavailable(t, "start private redis: %v", err)
+	}
+	t.Cleanup(s.Close)
+	return &RedisServer{s}
+}
+
+// Start starts the server again after Stop or Kill; it comes back empty.
+func (s *RedisServer) Start() error { return s.RedisServer.Start(context.Background()) }
+
+// Client returns a client for the server, closed at cleanup.
+func (s *RedisServer) Client(t testing.TB) *redis.Client {
+	t.Helper()
+	c := redis.NewClient(&redis.Options{Addr: s.Addr()})
+	t.Cleanup(func() { _ = c.Close() })
+	return c
+}

@@ -1,0 +1,88 @@
+package outbox
+
+import (
+	"context"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+)
+
+// Message is one unit of projection work appended to the outbox inside the
+// caller's transaction.
+//
+// Payload is the ABSOLUTE state of the entity identified by (Stream, Key) as of
+// Version — never a delta. Because every message carries the whole state and a
+// version, delivering it twice, or delivering an older message after a newer
+// one, can be made harmless by a version gate downstream.
+type Message struct {
+	// EventID identifies the command that produced this state change. It is
+	// unique in the outbox: appending the same EventID twice fails.
+	EventID uuid.UUID
+	// Stream names the projection the message feeds, for example
+	// "leaderboard:weekly". Relays may be restricted to some streams.
+	Stream string
+	// Key identifies the entity within the stream (a user id, a product id).
+	// Any bytes that form a valid UTF-8 string are allowed.
+	Key string
+	// Version is the entity's version after the change. It must be positive
+	// and strictly increase with every change of (Stream, Key); take it from
+	// the caller's own state row, in the same transaction.
+	Version int64
+	// Payload is the absolute state as of Version.
+	Payload []byte
+}
+
+// Record is a message as the relay hands it to a Handler: the appended
+// Message plus the bookkeeping the outbox keeps for it.
+type Record struct {
+	Message
+	// ID is the outbox row's id; it increases with commit order only
+	// approximately (ids are assigned at insert time, not commit time).
+	ID int64
+	// CreatedAt is when the row was inserted (the transaction's clock).
+	CreatedAt time.Time
+	// Attempts counts claims of this row, including the current one.
+	Attempts int
+}
+
+// Result is a Handler's verdict on one record of a batch.
+type Result struct {
+	// Err, when nil, means the record was processed and may be acknowledged.
+	// When non-nil, the record is retried after a backoff, or moved to the
+	// dead-letter table once it has been attempted MaxAttempts times.
+	Err error
+}
+
+// Handler processes batches of claimed records. The relay calls Handle with at
+// most BatchSize records and acknowledges exactly those whose Result has a nil
+// Err. Handle must return len(batch) results, or a non-nil error, which fails
+// every record of the batch.
+//
+// Delivery is at-least-once: a record may be handed to Handle again after a
+// crash, a lost lease or a failed acknowledgement, so Handle must be
+// idempotent (the projection package's version gate is).
+type Handler interface {
+	Handle(ctx context.Context, batch []Record) ([]Result, error)
+}
+
+// HandlerFunc adapts a function to the Handler interface.
+type HandlerFunc func(ctx context.Context, batch []Record) ([]Result, error)
+
+// Handle calls f(ctx, batch).
+func (f HandlerFunc) Handle(ctx context.Context, batch []Record) ([]Result, error) {
+	return f(ctx, batch)
+}
+
+// Tx is the narrow view of a database transaction that writes to the outbox
+// need. pgx.Tx satisfies it; SQLTx adapts a *sql.Tx.
+type Tx interface {
+	Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
+	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
+}
+
+var (
+	_ Tx      = (pgx.Tx)(nil)
+	_ Handler = HandlerFunc(nil)
+)
