@@ -1,0 +1,125 @@
+package outbox
+
+import (
+	"crypto/sha256"
+	"encoding/hex"
+	"fmt"
+	"strings"
+	"unicode/utf8"
+
+	"github.com/jackc/pgx/v5"
+)
+
+const (
+	// SchemaDefault is the default for Config.Schema and RelayConfig.Schema.
+	SchemaDefault = "public"
+	// TableDefault is the default for Config.Table and RelayConfig.Table.
+	TableDefault = "verity_outbox"
+
+	// MaxTableLength is the longest Table name accepted, in bytes. The
+	// outbox derives other names from it (for example Table+"_idempotency"),
+	// and PostgreSQL silently truncates identifiers longer than 63 bytes, so
+	// longer names would make the derived ones collide.
+	MaxTableLength = 63 - len("_idempotency_created_idx")
+	// maxIdentifierLength is PostgreSQL's NAMEDATALEN-1.
+	maxIdentifierLength = 63
+)
+
+// Config locates the outbox tables. It is used by NewWriter, Migrate and
+// MigrationSQL; RelayConfig carries the same two fields. A nil *Config means
+// all defaults.
+//
+// Names are never interpolated into SQL unquoted: every identifier goes
+// through pgx.Identifier.Sanitize, so any string, including one containing
+// quotes, semicolons or spaces, is used literally as a name.
+type Config struct {
+	// Schema is the PostgreSQL schema holding the outbox tables. Migrate
+	// creates it if it does not exist. Defaults to SchemaDefault ("public").
+	Schema string
+
+	// Table is the name of the outbox table. The dead-letter table is
+	// Table+"_dead" and the idempotency table Table+"_idempotency"; index
+	// names are derived the same way. At most MaxTableLength bytes. Defaults
+	// to TableDefault ("verity_outbox").
+	Table string
+}
+
+// WithDefaults returns a copy of c with every zero field set to its default.
+// It is safe to call on a nil *Config.
+func (c *Config) WithDefaults() *Config {
+	out := Config{}
+	if c != nil {
+		out = *c
+	}
+	if out.Schema == "" {
+		out.Schema = SchemaDefault
+	}
+	if out.Table == "" {
+		out.Table = TableDefault
+	}
+	return &out
+}
+
+func (c *Config) validate() error {
+	return validateNames(c.Schema, c.Table)
+}
+
+func validateNames(schema, table string) error {
+	if err := validateIdentifier("Schema", schema, maxIdentifierLength); err != nil {
+		return err
+	}
+	return validateIdentifier("Table", table, MaxTableLength)
+}
+
+func validateIdentifier(field, value string, maxLen int) error {
+	switch {
+	case value == "":
+		return &ConfigError{Field: field, Reason: "must not be empty; leave it unset to use the default"}
+	case len(value) > maxLen:
+		return &ConfigError{Field: field, Reason: fmt.Sprintf("is %d bytes long; use at most %d bytes", len(value), maxLen)}
+	case !utf8.ValidString(value):
+		return &ConfigError{Field: field, Reason: "is not valid UTF-8; use a UTF-8 name"}
+	case strings.IndexByte(value, 0) >= 0:
+		return &ConfigError{Field: field, Reason: "contains a NUL byte, which PostgreSQL names cannot hold; remove it"}
+	}
+	return nil
+}
+
+// names holds the quoted, qualified identifiers of one outbox installation.
+// It is computed once from a validated Config; the SQL of the package is built
+// only from these strings and from bind parameters.
+type names struct {
+	Schema                  string // quoted schema
+	Outbox                  string // quoted schema.table
+	Dead                    string // quoted schema.table_dead
+	Idempotency             string // quoted schema.table_idempotency
+	PendingIndex            string // quoted index name (unqualified: indexes live in the table's schema)
+	CreatedIndex            string
+	IdempotencyCreatedIndex string
+	// Channel is the NOTIFY channel, unquoted: it is passed to pg_notify as
+	// a bind parameter and quoted when used in LISTEN.
+	Channel string
+}
+
+func newNames(schema, table string) names {
+	qualified := func(name string) string { return pgx.Identifier{schema, name}.Sanitize() }
+	return names{
+		Schema:                  pgx.Identifier{schema}.Sanitize(),
+		Outbox:                  qualified(table),
+		Dead:                    qualified(table + "_dead"),
+		Idempotency:             qualified(table + "_idempotency"),
+		PendingIndex:            pgx.Identifier{table + "_pending_idx"}.Sanitize(),
+		CreatedIndex:            pgx.Identifier{table + "_created_idx"}.Sanitize(),
+		IdempotencyCreatedIndex: pgx.Identifier{table + "_idempotency_created_idx"}.Sanitize(),
+		Channel:                 channelName(schema, table),
+	}
+}
+
+// channelName derives the NOTIFY channel from the schema and table, so that
+// outboxes in different schemas (for example one per test) never wake each
+// other's relays. A hash keeps it short and free of characters that would
+// need quoting, whatever the names contain.
+func channelName(schema, table string) string {
+	sum := sha256.Sum256([]byte(schema + "\x00" + table))
+	return "verity_outbox_" + hex.EncodeToString(sum[:8])
+}

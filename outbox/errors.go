@@ -1,0 +1,144 @@
+package outbox
+
+import (
+	"errors"
+	"fmt"
+	"strings"
+
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+)
+
+// Sentinel errors. Every error the package returns for one of these conditions
+// matches the sentinel with errors.Is; the typed errors below carry details
+// for errors.As.
+var (
+	// ErrInvalidConfig reports a Config or RelayConfig field that cannot be
+	// used. The error is a *ConfigError naming the field.
+	ErrInvalidConfig = errors.New("outbox: invalid config")
+
+	// ErrInvalidMessage reports a Message that Append refused before writing
+	// anything. The error is a *MessageError naming the message and field.
+	ErrInvalidMessage = errors.New("outbox: invalid message")
+
+	// ErrEventIDExists reports that Append tried to insert an event id that
+	// the outbox already holds. The insert failed as a whole and, as with
+	// any failed statement, the caller's transaction is aborted.
+	ErrEventIDExists = errors.New("outbox: event id already in the outbox")
+
+	// ErrIdempotencyConflict reports a command whose event id was already
+	// recorded with a different fingerprint: the same id was reused for a
+	// different command. The error is an *IdempotencyConflictError.
+	ErrIdempotencyConflict = errors.New("outbox: event id reused with a different command fingerprint")
+
+	// ErrCommandNotRecorded reports StoreCommandResult for an event id that
+	// RecordCommand has not recorded in this transaction or before.
+	ErrCommandNotRecorded = errors.New("outbox: command not recorded")
+
+	// ErrLeaseLost reports that a relay could not acknowledge (or retry, or
+	// dead-letter) rows because their lease had expired and another relay
+	// claimed them again. The other relay now owns them; nothing was changed.
+	// The error is a *LeaseLostError.
+	ErrLeaseLost = errors.New("outbox: lease lost to another relay")
+
+	// ErrHandlerContract reports a Handler that returned a number of results
+	// different from the batch size, or panicked. Every record of the batch
+	// is treated as failed.
+	ErrHandlerContract = errors.New("outbox: handler broke its contract")
+
+	// ErrRelayRunning reports a second concurrent call of Relay.Run.
+	ErrRelayRunning = errors.New("outbox: relay already running")
+
+	// ErrNotMigrated reports that the outbox tables do not exist: run Migrate
+	// (or apply MigrationSQL) with the same Schema and Table first.
+	ErrNotMigrated = errors.New("outbox: tables not found; run outbox.Migrate first")
+)
+
+// ConfigError describes an unusable configuration field.
+type ConfigError struct {
+	Field  string // name of the field, e.g. "BatchSize"
+	Reason string // what is wrong and how to fix it
+}
+
+func (e *ConfigError) Error() string {
+	return fmt.Sprintf("outbox: invalid config: %s %s", e.Field, e.Reason)
+}
+
+// Is makes a *ConfigError match ErrInvalidConfig.
+func (e *ConfigError) Is(target error) bool { return target == ErrInvalidConfig }
+
+// MessageError describes the first invalid message of an Append call.
+type MessageError struct {
+	Index   int       // position of the message in the Append call
+	EventID uuid.UUID // its event id (possibly uuid.Nil)
+	Field   string    // "EventID", "Stream", "Key" or "Version"
+	Reason  string
+}
+
+func (e *MessageError) Error() string {
+	return fmt.Sprintf("outbox: invalid message %d (event %s): %s %s", e.Index, e.EventID, e.Field, e.Reason)
+}
+
+// Is makes a *MessageError match ErrInvalidMessage.
+func (e *MessageError) Is(target error) bool { return target == ErrInvalidMessage }
+
+// IdempotencyConflictError is returned when an event id was recorded before
+// with a different fingerprint. Nothing was written.
+type IdempotencyConflictError struct {
+	EventID             uuid.UUID
+	RecordedFingerprint []byte // the fingerprint stored first
+	GivenFingerprint    []byte // the fingerprint of the refused call
+}
+
+func (e *IdempotencyConflictError) Error() string {
+	return fmt.Sprintf("outbox: event id %s reused with a different command fingerprint (recorded %x, given %x)",
+		e.EventID, e.RecordedFingerprint, e.GivenFingerprint)
+}
+
+// Is makes an *IdempotencyConflictError match ErrIdempotencyConflict.
+func (e *IdempotencyConflictError) Is(target error) bool { return target == ErrIdempotencyConflict }
+
+// LeaseLostError lists the rows a relay could not settle because another
+// relay had re-claimed them after this relay's lease expired.
+type LeaseLostError struct {
+	IDs []int64 // outbox row ids, ascending
+}
+
+func (e *LeaseLostError) Error() string {
+	ids := make([]string, 0, len(e.IDs))
+	for _, id := range e.IDs {
+		ids = append(ids, fmt.Sprint(id))
+	}
+	return fmt.Sprintf("outbox: lease lost to another relay for %d row(s): ids %s", len(e.IDs), strings.Join(ids, ","))
+}
+
+// Is makes a *LeaseLostError match ErrLeaseLost.
+func (e *LeaseLostError) Is(target error) bool { return target == ErrLeaseLost }
+
+// PostgreSQL error codes the package interprets.
+const (
+	pgUniqueViolation = "23505"
+	pgUndefinedTable  = "42P01"
+)
+
+// mapError is the one place that turns driver errors into the package's own.
+// op names the operation for the message.
+func mapError(op string, err error) error {
+	if err == nil {
+		return nil
+	}
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) {
+		switch pgErr.Code {
+		case pgUndefinedTable:
+			return fmt.Errorf("outbox: %s: %w (%w)", op, ErrNotMigrated, err)
+		}
+	}
+	if errors.Is(err, pgx.ErrNoRows) {
+		// Callers that expect "no rows" check for it before calling mapError;
+		// reaching here means a statement that always returns a row did not.
+		return fmt.Errorf("outbox: %s: unexpected empty result: %w", op, err)
+	}
+	return fmt.Errorf("outbox: %s: %w", op, err)
+}

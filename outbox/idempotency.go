@@ -1,0 +1,133 @@
+package outbox
+
+import (
+	"bytes"
+	"context"
+	"crypto/sha256"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
+)
+
+// Command is what RecordCommand knows about a command after recording it.
+type Command struct {
+	// EventID is the command's id.
+	EventID uuid.UUID
+	// Duplicate is true when the id had already been recorded (by a
+	// committed transaction, or earlier in this one) with the same
+	// fingerprint. The caller must not apply the command's effects again.
+	Duplicate bool
+	// Result is the result stored by StoreCommandResult the first time, or
+	// nil. Only meaningful when Duplicate is true.
+	Result []byte
+	// RecordedAt is when the id was first recorded.
+	RecordedAt time.Time
+}
+
+// Fingerprint returns the SHA-256 of a command's canonical bytes (for example
+// its JSON with sorted keys, or the protobuf encoding of the request), a
+// convenient fingerprint for RecordCommand. Any stable byte string works; two
+// different commands must not share one.
+func Fingerprint(canonical []byte) []byte {
+	sum := sha256.Sum256(canonical)
+	return sum[:]
+}
+
+// The insert and the lookup are two statements on purpose: in READ COMMITTED
+// an INSERT … ON CONFLICT DO NOTHING that waited for a concurrent twin sees
+// its outcome, but a SELECT in the same statement would use the snapshot
+// taken before the wait and miss the twin's row. A second statement takes a
+// fresh snapshot.
+const (
+	recordCommandSQL = `INSERT INTO %s (event_id, fingerprint) VALUES ($1, $2)
+ON CONFLICT (event_id) DO NOTHING
+RETURNING created_at`
+
+	lookupCommandSQL = `SELECT fingerprint, result, created_at FROM %s WHERE event_id = $1`
+
+	storeResultSQL = `UPDATE %s SET result = $2 WHERE event_id = $1 RETURNING true`
+)
+
+// RecordCommand records, within tx, that the command eventID with the given
+// fingerprint is being executed. Call it first in the transaction that applies
+// the command's effects and appends its outbox messages:
+//
+//   - first time: Duplicate is false; apply the effects, optionally
+//     StoreCommandResult, commit. If tx rolls back, the record goes with it.
+//   - same id, same fingerprint, committed before: Duplicate is true and
+//     Result holds the stored result; apply nothing and return Result.
+//   - same id, different fingerprint: an *IdempotencyConflictError
+//     (errors.Is(err, ErrIdempotencyConflict)); nothing is written and tx
+//     remains usable.
+//
+// Concurrent transactions with the same id are serialised by the primary key:
+// the second one waits in RecordCommand until the first commits (then it sees
+// a duplicate) or rolls back (then it records the command itself). This
+// relies on READ COMMITTED, PostgreSQL's default; under REPEATABLE READ or
+// SERIALIZABLE the waiting transaction fails with a serialization error
+// instead, which the caller retries.
+func (w *Writer) RecordCommand(ctx context.Context, tx Tx, eventID uuid.UUID, fingerprint []byte) (Command, error) {
+	if eventID == uuid.Nil {
+		return Command{}, &MessageError{Field: "EventID", Reason: "is the nil UUID; give every command a stable, unique id"}
+	}
+	if len(fingerprint) == 0 {
+		return Command{}, &MessageError{EventID: eventID, Field: "Fingerprint", Reason: "is empty; use outbox.Fingerprint(canonical command bytes)"}
+	}
+	cmd := Command{EventID: eventID}
+	err := tx.QueryRow(ctx, w.recordSQL, eventID, fingerprint).Scan(&cmd.RecordedAt)
+	if err == nil {
+		return cmd, nil
+	}
+	if !errors.Is(err, pgx.ErrNoRows) {
+		return Command{}, mapError("record command", err)
+	}
+
+	// Conflict: the id exists (committed, or recorded earlier in this tx).
+	var recorded []byte
+	err = tx.QueryRow(ctx, w.lookupSQL, eventID).Scan(&recorded, &cmd.Result, &cmd.RecordedAt)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return Command{}, fmt.Errorf("outbox: record command %s: the id exists but is not visible to this transaction's snapshot; use READ COMMITTED or retry the transaction", eventID)
+	}
+	if err != nil {
+		return Command{}, mapError("look up command", err)
+	}
+	if !bytes.Equal(recorded, fingerprint) {
+		return Command{}, &IdempotencyConflictError{EventID: eventID, RecordedFingerprint: recorded, GivenFingerprint: bytes.Clone(fingerprint)}
+	}
+	cmd.Duplicate = true
+	return cmd, nil
+}
+
+// StoreCommandResult stores result for the command eventID, recorded by
+// RecordCommand, within tx, so that a duplicate of the command can return the
+// same answer. Call it in the transaction that recorded the command. It
+// returns ErrCommandNotRecorded when the id is unknown.
+func (w *Writer) StoreCommandResult(ctx context.Context, tx Tx, eventID uuid.UUID, result []byte) error {
+	var ok bool
+	err := tx.QueryRow(ctx, w.storeResultSQL, eventID, result).Scan(&ok)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return fmt.Errorf("%w: %s", ErrCommandNotRecorded, eventID)
+	}
+	return mapError("store command result", err)
+}
+
+const pruneCommandsSQL = `DELETE FROM %s WHERE created_at < now() - $1 * interval '1 microsecond'`
+
+// PruneCommands deletes idempotency records older than retention and returns
+// how many it deleted. A command retried after its record is pruned is
+// executed again, so keep records longer than any client retries. The
+// deletion is index-backed (created_at); run it periodically, from any
+// process.
+func (w *Writer) PruneCommands(ctx context.Context, db Execer, retention time.Duration) (int64, error) {
+	if retention <= 0 {
+		return 0, &ConfigError{Field: "retention", Reason: "must be positive"}
+	}
+	tag, err := db.Exec(ctx, fmt.Sprintf(pruneCommandsSQL, w.names.Idempotency), retention.Microseconds())
+	if err != nil {
+		return 0, mapError("prune commands", err)
+	}
+	return tag.RowsAffected(), nil
+}

@@ -1,0 +1,108 @@
+package outbox
+
+import (
+	"bytes"
+	"context"
+	"embed"
+	"fmt"
+	"io/fs"
+	"sort"
+	"text/template"
+
+	"github.com/jackc/pgx/v5/pgconn"
+)
+
+//go:embed migrations/*.sql
+var migrationFiles embed.FS
+
+// Execer is the narrowest database handle Migrate needs. *pgx.Conn,
+// *pgxpool.Pool, pgx.Tx and every Tx satisfy it.
+type Execer interface {
+	Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
+}
+
+// migrationLockKey serialises concurrent Migrate calls (several processes
+// starting at once) with a transaction-scoped advisory lock: without it two
+// "CREATE TABLE IF NOT EXISTS" can race and one fails on the catalog's unique
+// index. The constant is arbitrary; it spells "verity" in ASCII.
+const migrationLockKey = 0x766572697479
+
+// Migration is one embedded migration file rendered for a configuration.
+type Migration struct {
+	Name string // file name, e.g. "001_outbox.sql"; files apply in name order
+	SQL  string // the statements, identifiers quoted
+}
+
+// Migrations renders the embedded migration files for cfg (nil means
+// defaults), in the order they must be applied. Every statement is idempotent,
+// so a tool that tracks applied versions (goose, golang-migrate, atlas) can
+// store each Migration as one version, and a tool that does not can apply all
+// of them every time.
+func Migrations(cfg *Config) ([]Migration, error) {
+	cfg = cfg.WithDefaults()
+	if err := cfg.validate(); err != nil {
+		return nil, err
+	}
+	n := newNames(cfg.Schema, cfg.Table)
+
+	entries, err := fs.ReadDir(migrationFiles, "migrations")
+	if err != nil {
+		return nil, fmt.Errorf("outbox: read embedded migrations: %w", err)
+	}
+	sort.Slice(entries, func(i, j int) bool { return entries[i].Name() < entries[j].Name() })
+
+	out := make([]Migration, 0, len(entries))
+	for _, e := range entries {
+		raw, err := migrationFiles.ReadFile("migrations/" + e.Name())
+		if err != nil {
+			return nil, fmt.Errorf("outbox: read migration %s: %w", e.Name(), err)
+		}
+		// The template only ever substitutes fields of names, which are
+		// quoted identifiers; option "missingkey=error" has no effect on
+		// structs, so Execute itself fails on an unknown field.
+		tmpl, err := template.New(e.Name()).Parse(string(raw))
+		if err != nil {
+			return nil, fmt.Errorf("outbox: parse migration %s: %w", e.Name(), err)
+		}
+		var buf bytes.Buffer
+		if err := tmpl.Execute(&buf, n); err != nil {
+			return nil, fmt.Errorf("outbox: render migration %s: %w", e.Name(), err)
+		}
+		out = append(out, Migration{Name: e.Name(), SQL: buf.String()})
+	}
+	return out, nil
+}
+
+// MigrationSQL returns every migration for cfg (nil means defaults) as one
+// SQL script, for users who manage schema changes with their own tool. The
+// script is idempotent.
+func MigrationSQL(cfg *Config) (string, error) {
+	migrations, err := Migrations(cfg)
+	if err != nil {
+		return "", err
+	}
+	var buf bytes.Buffer
+	for _, m := range migrations {
+		fmt.Fprintf(&buf, "-- %s\n%s\n", m.Name, m.SQL)
+	}
+	return buf.String(), nil
+}
+
+// Migrate creates the outbox tables described by cfg (nil means defaults) if
+// they do not exist. It is idempotent and safe to call from several processes
+// at once: the statements run as one implicit transaction under an advisory
+// lock. db may be a pool, a connection or a transaction (then the lock is held
+// until that transaction ends).
+func Migrate(ctx context.Context, db Execer, cfg *Config) error {
+	script, err := MigrationSQL(cfg)
+	if err != nil {
+		return err
+	}
+	// Without arguments pgx uses the simple protocol, which accepts several
+	// statements and runs them in one implicit transaction.
+	script = fmt.Sprintf("SELECT pg_advisory_xact_lock(%d);\n%s", migrationLockKey, script)
+	if _, err := db.Exec(ctx, script); err != nil {
+		return mapError("migrate", err)
+	}
+	return nil
+}

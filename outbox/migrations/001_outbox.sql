@@ -1,0 +1,64 @@
+-- verity outbox, migration 001: the outbox, its dead-letter table and the
+-- command idempotency table. Every statement is idempotent (IF NOT EXISTS), so
+-- running this file again is harmless. Identifiers are rendered from the
+-- configured schema and table names, each quoted with pgx.Identifier.
+
+CREATE SCHEMA IF NOT EXISTS {{.Schema}};
+
+-- One row per message awaiting delivery. A writer that composes its own
+-- INSERT names only (event_id, stream, key, version, payload); every other
+-- column has a default or is generated.
+CREATE TABLE IF NOT EXISTS {{.Outbox}} (
+    id           bigint      GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    event_id     uuid        NOT NULL UNIQUE,
+    stream       text        NOT NULL CHECK (stream <> ''),
+    key          text        NOT NULL,
+    version      bigint      NOT NULL CHECK (version > 0),
+    payload      bytea       NOT NULL,
+    created_at   timestamptz NOT NULL DEFAULT now(),
+    attempts     integer     NOT NULL DEFAULT 0,
+    available_at timestamptz NOT NULL DEFAULT now(),
+    claim_token  uuid,
+    last_error   text,
+    published_at timestamptz
+);
+
+-- Claims scan due rows in (available_at, id) order: rows that are leased or
+-- backing off sort after now() and are never visited by a claim.
+CREATE INDEX IF NOT EXISTS {{.PendingIndex}}
+    ON {{.Outbox}} (available_at, id)
+    WHERE published_at IS NULL;
+
+-- Backs the "oldest pending" figure of Stats in O(1), also when published rows
+-- are kept for audit.
+CREATE INDEX IF NOT EXISTS {{.CreatedIndex}}
+    ON {{.Outbox}} (created_at)
+    WHERE published_at IS NULL;
+
+-- Messages that failed MaxAttempts times, with the last error. id is the
+-- original outbox id, kept so that a replay restores the row as it was.
+CREATE TABLE IF NOT EXISTS {{.Dead}} (
+    id         bigint      PRIMARY KEY,
+    event_id   uuid        NOT NULL UNIQUE,
+    stream     text        NOT NULL,
+    key        text        NOT NULL,
+    version    bigint      NOT NULL,
+    payload    bytea       NOT NULL,
+    created_at timestamptz NOT NULL,
+    attempts   integer     NOT NULL,
+    last_error text        NOT NULL,
+    failed_at  timestamptz NOT NULL DEFAULT now()
+);
+
+-- Commands already executed, keyed by their event id, with a fingerprint of
+-- the command and, optionally, the result returned the first time.
+CREATE TABLE IF NOT EXISTS {{.Idempotency}} (
+    event_id    uuid        PRIMARY KEY,
+    fingerprint bytea       NOT NULL,
+    result      bytea,
+    created_at  timestamptz NOT NULL DEFAULT now()
+);
+
+-- Lets PruneCommands find expired idempotency records without a full scan.
+CREATE INDEX IF NOT EXISTS {{.IdempotencyCreatedIndex}}
+    ON {{.Idempotency}} (created_at);

@@ -1,0 +1,343 @@
+package outbox_test
+
+import (
+	"context"
+	"fmt"
+	"testing"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/stretchr/testify/require"
+
+	"github.com/verity-go/verity/internal/testenv"
+	"github.com/verity-go/verity/outbox"
+)
+
+// testBundle is one test's outbox: its own schema, migrated.
+type testBundle struct {
+	pg     *testenv.PG
+	pool   *pgxpool.Pool
+	cfg    *outbox.Config
+	writer *outbox.Writer
+}
+
+func setup(t *testing.T) *testBundle {
+	t.Helper()
+	pg := testenv.Postgres(t)
+	cfg := &outbox.Config{Schema: pg.Schema}
+	ctx := context.Background()
+	require.NoError(t, outbox.Migrate(ctx, pg.Pool, cfg))
+	w, err := outbox.NewWriter(cfg)
+	require.NoError(t, err)
+	return &testBundle{pg: pg, pool: pg.Pool, cfg: cfg, writer: w}
+}
+
+func newMessage(stream, key string, version int64) outbox.Message {
+	return outbox.Message{
+		EventID: uuid.New(),
+		Stream:  stream,
+		Key:     key,
+		Version: version,
+		Payload: []byte(fmt.Sprintf(`{"key":%q,"version":%d}`, key, version)),
+	}
+}
+
+// appendCommitted appends msgs in a transaction of its own and commits it.
+func (b *testBundle) appendCommitted(t *testing.T, msgs ...outbox.Message) {
+	t.Helper()
+	ctx := context.Background()
+	tx, err := b.pool.Begin(ctx)
+	require.NoError(t, err)
+	defer tx.Rollback(ctx) //nolint:errcheck // no-op after commit
+	require.NoError(t, b.writer.Append(ctx, tx, msgs...))
+	require.NoError(t, tx.Commit(ctx))
+}
+
+// outboxRow is a row of the outbox as stored.
+type outboxRow struct {
+	ID          int64
+	EventID     uuid.UUID
+	Stream      string
+	Key         string
+	Version     int64
+	Payload     []byte
+	Attempts    int
+	AvailableAt time.Time
+	ClaimToken  *uuid.UUID
+	LastError   *string
+	PublishedAt *time.Time
+}
+
+func (b *testBundle) rows(t *testing.T) []outboxRow {
+	t.Helper()
+	rows, err := b.pool.Query(context.Background(), `SELECT id, event_id, stream, key, version, payload, attempts,
+		available_at, claim_token, last_error, published_at FROM `+b.writer.Table()+` ORDER BY id`)
+	require.NoError(t, err)
+	out, err := pgx.CollectRows(rows, pgx.RowToStructByPos[outboxRow])
+	require.NoError(t, err)
+	return out
+}
+
+func (b *testBundle) count(t *testing.T, table string) int {
+	t.Helper()
+	var n int
+	require.NoError(t, b.pool.QueryRow(context.Background(), `SELECT count(*) FROM `+table).Scan(&n))
+	return n
+}
+
+func TestAppend(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+
+	t.Run("CommitMakesRowsVisible", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		msgs := []outbox.Message{newMessage("scores", "user-a", 1), newMessage("scores", "user-b", 7), newMessage("prices", "", 3)}
+		msgs[2].Payload = nil // stored as empty
+		b.appendCommitted(t, msgs...)
+
+		rows := b.rows(t)
+		require.Len(t, rows, len(msgs))
+		for i, r := range rows {
+			require.Equal(t, msgs[i].EventID, r.EventID, "ids ascend in message order")
+			require.Equal(t, msgs[i].Stream, r.Stream)
+			require.Equal(t, msgs[i].Key, r.Key)
+			require.Equal(t, msgs[i].Version, r.Version)
+			require.Equal(t, string(msgs[i].Payload), string(r.Payload))
+			require.Zero(t, r.Attempts)
+			require.Nil(t, r.ClaimToken)
+			require.Nil(t, r.LastError)
+			require.Nil(t, r.PublishedAt)
+			require.WithinDuration(t, time.Now(), r.AvailableAt, time.Minute)
+		}
+		require.NotNil(t, rows[2].Payload)
+	})
+
+	t.Run("ManyMessagesOneStatement", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		msgs := make([]outbox.Message, 1000)
+		for i := range msgs {
+			msgs[i] = newMessage("bulk", fmt.Sprint("k", i), int64(i+1))
+		}
+		b.appendCommitted(t, msgs...)
+		require.Equal(t, len(msgs), b.count(t, b.writer.Table()))
+	})
+
+	t.Run("RollbackLeavesNothing", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		tx, err := b.pool.Begin(ctx)
+		require.NoError(t, err)
+		require.NoError(t, b.writer.Append(ctx, tx, newMessage("scores", "user-a", 1), newMessage("scores", "user-a", 2)))
+		require.NoError(t, tx.Rollback(ctx))
+		require.Zero(t, b.count(t, b.writer.Table()))
+	})
+
+	t.Run("NoMessagesIsNoOp", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		require.NoError(t, b.writer.Append(ctx, nil))
+		require.Zero(t, b.count(t, b.writer.Table()))
+	})
+
+	t.Run("ValidationWritesNothing", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		dup := newMessage("s", "k", 1)
+		cases := []struct {
+			name  string
+			bad   func(m *outbox.Message)
+			field string
+		}{
+			{"NilEventID", func(m *outbox.Message) { m.EventID = uuid.Nil }, "EventID"},
+			{"EmptyStream", func(m *outbox.Message) { m.Stream = "" }, "Stream"},
+			{"ZeroVersion", func(m *outbox.Message) { m.Version = 0 }, "Version"},
+			{"NegativeVersion", func(m *outbox.Message) { m.Version = -5 }, "Version"},
+			{"InvalidUTF8Key", func(m *outbox.Message) { m.Key = "\xff\xfe" }, "Key"},
+			{"NULInStream", func(m *outbox.Message) { m.Stream = "a\x00b" }, "Stream"},
+			{"DuplicateEventIDInCall", func(m *outbox.Message) { m.EventID = dup.EventID }, "EventID"},
+		}
+		for _, tc := range cases {
+			tx, err := b.pool.Begin(ctx)
+			require.NoError(t, err)
+			bad := newMessage("s", "k2", 2)
+			tc.bad(&bad)
+			err = b.writer.Append(ctx, tx, dup, bad)
+			require.ErrorIs(t, err, outbox.ErrInvalidMessage, tc.name)
+			var msgErr *outbox.MessageError
+			require.ErrorAs(t, err, &msgErr, tc.name)
+			require.Equal(t, 1, msgErr.Index, tc.name)
+			require.Equal(t, tc.field, msgErr.Field, tc.name)
+			// The transaction is untouched: it still commits, and nothing
+			// (not even the valid first message) was written.
+			require.NoError(t, tx.Commit(ctx), tc.name)
+			require.Zero(t, b.count(t, b.writer.Table()), tc.name)
+		}
+	})
+
+	t.Run("EventIDAlreadyInOutbox", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		first := newMessage("s", "k", 1)
+		b.appendCommitted(t, first)
+
+		tx, err := b.pool.Begin(ctx)
+		require.NoError(t, err)
+		defer tx.Rollback(ctx) //nolint:errcheck
+		again := newMessage("s", "k", 2)
+		again.EventID = first.EventID
+		err = b.writer.Append(ctx, tx, newMessage("s", "other", 1), again)
+		require.ErrorIs(t, err, outbox.ErrEventIDExists)
+		require.NoError(t, tx.Rollback(ctx))
+		require.Equal(t, 1, b.count(t, b.writer.Table()))
+	})
+
+	t.Run("NotMigrated", func(t *testing.T) {
+		t.Parallel()
+		pg := testenv.Postgres(t)
+		w, err := outbox.NewWriter(&outbox.Config{Schema: pg.Schema})
+		require.NoError(t, err)
+		tx, err := pg.Pool.Begin(ctx)
+		require.NoError(t, err)
+		defer tx.Rollback(ctx) //nolint:errcheck
+		err = w.Append(ctx, tx, newMessage("s", "k", 1))
+		require.ErrorIs(t, err, outbox.ErrNotMigrated)
+	})
+}
+
+func TestMigrate(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+
+	t.Run("Idempotent", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		b.appendCommitted(t, newMessage("s", "k", 1))
+		require.NoError(t, outbox.Migrate(ctx, b.pool, b.cfg))
+		require.Equal(t, 1, b.count(t, b.writer.Table()), "a second Migrate keeps the data")
+	})
+
+	t.Run("Concurrent", func(t *testing.T) {
+		t.Parallel()
+		pg := testenv.Postgres(t)
+		cfg := &outbox.Config{Schema: pg.Schema, Table: "concurrent"}
+		errs := make(chan error, 4)
+		for range 4 {
+			go func() { errs <- outbox.Migrate(ctx, pg.Pool, cfg) }()
+		}
+		for range 4 {
+			require.NoError(t, <-errs)
+		}
+	})
+
+	t.Run("SQLTextMatchesMigrate", func(t *testing.T) {
+		t.Parallel()
+		pg := testenv.Postgres(t)
+		cfg := &outbox.Config{Schema: pg.Schema, Table: "by_tool"}
+		script, err := outbox.MigrationSQL(cfg)
+		require.NoError(t, err)
+		require.Contains(t, script, `CREATE TABLE IF NOT EXISTS "`+pg.Schema+`"."by_tool"`)
+		// Apply it the way an external tool would, then use the outbox.
+		_, err = pg.Pool.Exec(ctx, script)
+		require.NoError(t, err)
+		w, err := outbox.NewWriter(cfg)
+		require.NoError(t, err)
+		tx, err := pg.Pool.Begin(ctx)
+		require.NoError(t, err)
+		require.NoError(t, w.Append(ctx, tx, newMessage("s", "k", 1)))
+		require.NoError(t, tx.Commit(ctx))
+	})
+}
+
+func TestComposedInsert(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	b := setup(t)
+
+	// A caller composes its own single statement: the INSERT names only the
+	// five message columns, everything else defaults.
+	eventID := uuid.New()
+	_, err := b.pool.Exec(ctx, `WITH o AS (
+		INSERT INTO `+b.writer.Table()+` (event_id, stream, key, version, payload)
+		VALUES ($1, 'scores', 'user-a', 3, '\x7b7d'::bytea) RETURNING id)
+		SELECT pg_notify($2, '') FROM o`, eventID, b.writer.Channel())
+	require.NoError(t, err)
+	rows := b.rows(t)
+	require.Len(t, rows, 1)
+	require.Equal(t, eventID, rows[0].EventID)
+	require.Equal(t, "{}", string(rows[0].Payload))
+	require.Zero(t, rows[0].Attempts)
+	require.Nil(t, rows[0].ClaimToken)
+
+	// The CHECK constraints hold for composed inserts too.
+	_, err = b.pool.Exec(ctx, `INSERT INTO `+b.writer.Table()+` (event_id, stream, key, version, payload)
+		VALUES ($1, 'scores', 'user-a', 0, '')`, uuid.New())
+	require.Error(t, err)
+}
+
+func TestConfig(t *testing.T) {
+	t.Parallel()
+
+	long := func(n int) string {
+		b := make([]byte, n)
+		for i := range b {
+			b[i] = 'a'
+		}
+		return string(b)
+	}
+	cases := []struct {
+		name  string
+		cfg   outbox.Config
+		field string
+	}{
+		{"TableTooLong", outbox.Config{Table: long(outbox.MaxTableLength + 1)}, "Table"},
+		{"SchemaTooLong", outbox.Config{Schema: long(64)}, "Schema"},
+		{"NULInTable", outbox.Config{Table: "a\x00b"}, "Table"},
+		{"InvalidUTF8Schema", outbox.Config{Schema: "\xff"}, "Schema"},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			_, err := outbox.NewWriter(&tc.cfg)
+			require.ErrorIs(t, err, outbox.ErrInvalidConfig)
+			var cfgErr *outbox.ConfigError
+			require.ErrorAs(t, err, &cfgErr)
+			require.Equal(t, tc.field, cfgErr.Field)
+			require.Contains(t, err.Error(), tc.field)
+
+			_, err = outbox.MigrationSQL(&tc.cfg)
+			require.ErrorIs(t, err, outbox.ErrInvalidConfig)
+		})
+	}
+
+	t.Run("Defaults", func(t *testing.T) {
+		t.Parallel()
+		var nilCfg *outbox.Config
+		got := nilCfg.WithDefaults()
+		require.Equal(t, outbox.SchemaDefault, got.Schema)
+		require.Equal(t, outbox.TableDefault, got.Table)
+		w, err := outbox.NewWriter(nil)
+		require.NoError(t, err)
+		require.Equal(t, `"public"."verity_outbox"`, w.Table())
+
+		orig := &outbox.Config{Table: "x"}
+		_ = orig.WithDefaults()
+		require.Empty(t, orig.Schema, "WithDefaults returns a copy")
+	})
+
+	t.Run("ChannelDependsOnSchemaAndTable", func(t *testing.T) {
+		t.Parallel()
+		a, err := outbox.NewWriter(&outbox.Config{Schema: "a", Table: "t"})
+		require.NoError(t, err)
+		b, err := outbox.NewWriter(&outbox.Config{Schema: "b", Table: "t"})
+		require.NoError(t, err)
+		c, err := outbox.NewWriter(&outbox.Config{Schema: "a", Table: "u"})
+		require.NoError(t, err)
+		require.NotEqual(t, a.Channel(), b.Channel())
+		require.NotEqual(t, a.Channel(), c.Channel())
+		require.LessOrEqual(t, len(a.Channel()), 63)
+	})
+}
