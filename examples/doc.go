@@ -1,0 +1,8 @@
+// Package examples holds runnable programs, one directory each, that show
+// verity working against real PostgreSQL and Redis servers. Each finds its
+// servers the way the tests do (environment, local default ports, private
+// servers from local binaries, Docker) and cleans up after itself.
+//
+//	go run ./examples/failure-experiment   # the leaderboard failure experiment
+//	go run ./examples/race-test            # the read-through stale-set race
+package examples
