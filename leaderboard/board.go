@@ -1,0 +1,347 @@
+package leaderboard
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+	"sync"
+	"time"
+	"unicode/utf8"
+
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/redis/go-redis/v9"
+
+	"github.com/verity-go/verity/outbox"
+	"github.com/verity-go/verity/projection"
+)
+
+// StreamPrefix prefixes the outbox stream of every board: a board named N
+// appends to stream StreamPrefix+N.
+const StreamPrefix = "leaderboard:"
+
+// Command is one score change submitted by a client.
+type Command struct {
+	// EventID identifies the command. A client that retries must send the
+	// same EventID; it makes Submit idempotent. It must not be uuid.Nil.
+	EventID uuid.UUID
+	// UserID is the user whose score changes: non-empty, at most
+	// Config.MaxUserIDLength bytes, valid UTF-8 without NUL bytes
+	// (PostgreSQL text cannot hold either). Any other character is fine —
+	// spaces, braces, colons, newlines, emoji — and is stored verbatim.
+	UserID string
+	// Delta is added to the score; it must lie within
+	// [Config.MinDelta, Config.MaxDelta].
+	Delta int64
+}
+
+// Result is the outcome of a command.
+type Result struct {
+	// Score is the user's score right after the command.
+	Score int64
+	// Version is the user's version right after the command: 1 for the
+	// first command of a user, one more for each later one. A read can ask
+	// the projection for at least this version with AtLeast.
+	Version int64
+	// Duplicate is true when the event id had been applied before; Score
+	// and Version are then the original result, and nothing was changed.
+	Duplicate bool
+}
+
+// Board is one leaderboard. It is safe for concurrent use.
+type Board struct {
+	cfg     *Config
+	pool    *pgxpool.Pool
+	rdb     redis.UniversalClient
+	stream  string
+	channel string
+	ks      projection.Keyspace
+	zsetKey string
+	verKey  string
+
+	sql struct {
+		submit, lookupEvent, submitBatch           string
+		page, countBefore, userScore, aroundBefore string
+		lag                                        string
+	}
+
+	lagMu    sync.Mutex
+	lagProbe lagProbe
+}
+
+// New returns the Board cfg names. It does not touch the database or Redis;
+// run Migrate (and outbox.Migrate) once before using it.
+func New(pool *pgxpool.Pool, rdb redis.UniversalClient, cfg *Config) (*Board, error) {
+	if pool == nil {
+		return nil, errors.New("leaderboard: New needs a *pgxpool.Pool")
+	}
+	if rdb == nil {
+		return nil, errors.New("leaderboard: New needs a redis.UniversalClient")
+	}
+	if cfg == nil {
+		return nil, errors.New("leaderboard: New needs a *Config (Name is required)")
+	}
+	c := cfg.WithDefaults()
+	if err := c.validate(); err != nil {
+		return nil, err
+	}
+	w, err := outbox.NewWriter(&outbox.Config{Schema: c.Schema, Table: c.OutboxTable})
+	if err != nil {
+		return nil, fmt.Errorf("leaderboard: outbox: %w", err)
+	}
+	ks, err := projection.NewKeyspace(c.KeyPrefix)
+	if err != nil {
+		return nil, fmt.Errorf("leaderboard: Config.KeyPrefix: %w", err)
+	}
+	b := &Board{
+		cfg:     c,
+		pool:    pool,
+		rdb:     rdb,
+		stream:  StreamPrefix + c.Name,
+		channel: w.Channel(),
+		ks:      ks,
+	}
+	t := b.target("")
+	b.zsetKey, b.verKey = ks.ValueKey(t), ks.VersionKey(t)
+	r := func(q string) string { return renderSQL(q, c.Schema, w.Table()) }
+	b.sql.submit, b.sql.lookupEvent, b.sql.submitBatch = r(submitSQL), r(lookupEventSQL), r(submitBatchSQL)
+	b.sql.page, b.sql.countBefore = r(pageSQL), r(countBeforeSQL)
+	b.sql.userScore, b.sql.aroundBefore = r(userScoreSQL), r(aroundBeforeSQL)
+	b.sql.lag = r(lagSQL)
+	return b, nil
+}
+
+// Name returns the board's name.
+func (b *Board) Name() string { return b.cfg.Name }
+
+// Stream returns the outbox stream the board appends to: StreamPrefix+Name.
+func (b *Board) Stream() string { return b.stream }
+
+// Config returns a copy of the board's configuration, defaults applied.
+func (b *Board) Config() Config { return *b.cfg }
+
+// Keyspace returns the Redis keyspace of the board's projection.
+func (b *Board) Keyspace() projection.Keyspace { return b.ks }
+
+// SortedSetKey returns the Redis key of the board's sorted set. Its scores
+// are the NEGATED scores (see the package documentation on ordering).
+func (b *Board) SortedSetKey() string { return b.zsetKey }
+
+// target returns the projection target of user on this board.
+func (b *Board) target(user string) projection.Target {
+	return projection.Target{Kind: projection.KindSortedSet, Name: b.cfg.Name, Member: user}
+}
+
+// validate checks one command; index is its position in a batch.
+func (b *Board) validate(index int, cmd Command) error {
+	fail := func(field, reason string) error {
+		return &ValidationError{Index: index, Field: field, Reason: reason}
+	}
+	switch {
+	case cmd.EventID == uuid.Nil:
+		return fail("EventID", "must be a non-nil UUID")
+	case cmd.UserID == "":
+		return fail("UserID", "must not be empty")
+	case len(cmd.UserID) > b.cfg.MaxUserIDLength:
+		return fail("UserID", fmt.Sprintf("is %d bytes long; the limit is %d", len(cmd.UserID), b.cfg.MaxUserIDLength))
+	case !utf8.ValidString(cmd.UserID):
+		return fail("UserID", "must be valid UTF-8")
+	case strings.IndexByte(cmd.UserID, 0) >= 0:
+		return fail("UserID", "must not contain NUL bytes")
+	case cmd.Delta < b.cfg.MinDelta || cmd.Delta > b.cfg.MaxDelta:
+		return fail("Delta", fmt.Sprintf("%d is outside [%d, %d]", cmd.Delta, b.cfg.MinDelta, b.cfg.MaxDelta))
+	}
+	return nil
+}
+
+// Submit applies cmd and returns the user's resulting score and version.
+//
+// The event record, the score change, the outbox row carrying the absolute
+// score and the relay wake-up commit together, in one statement sent in one
+// round trip. Submitting an event id again changes nothing and returns the
+// original Result with Duplicate set, also when the twins race; reusing an
+// event id for a different command returns an *IdempotencyConflictError.
+// Invalid commands return a *ValidationError and a resulting score outside
+// [MinScore, MaxScore] a *ScoreOutOfRangeError; in every error case nothing
+// is written.
+func (b *Board) Submit(ctx context.Context, cmd Command) (Result, error) {
+	if err := b.validate(0, cmd); err != nil {
+		return Result{}, err
+	}
+	var (
+		res         Result
+		board, user string
+		delta       int64
+	)
+	err := b.pool.QueryRow(ctx, b.sql.submit,
+		cmd.EventID, b.cfg.Name, cmd.UserID, cmd.Delta, b.stream, b.channel,
+	).Scan(&res.Duplicate, &res.Score, &res.Version, &board, &user, &delta)
+	switch {
+	case err == nil:
+	case isUniqueViolation(err):
+		// A twin committed after our snapshot; it is recorded now.
+		err = b.pool.QueryRow(ctx, b.sql.lookupEvent, cmd.EventID).Scan(&board, &user, &delta, &res.Score, &res.Version)
+		if err != nil {
+			return Result{}, fmt.Errorf("leaderboard: submit: reading the concurrent twin of event %s: %w", cmd.EventID, err)
+		}
+		res.Duplicate = true
+	case isScoreRangeViolation(err):
+		return Result{}, &ScoreOutOfRangeError{UserID: cmd.UserID, Delta: cmd.Delta}
+	default:
+		return Result{}, fmt.Errorf("leaderboard: submit: %w", err)
+	}
+	if res.Duplicate && (board != b.cfg.Name || user != cmd.UserID || delta != cmd.Delta) {
+		return Result{}, &IdempotencyConflictError{EventID: cmd.EventID, Board: board, UserID: user, Delta: delta, Attempted: cmd}
+	}
+	return res, nil
+}
+
+// SubmitBatch applies many commands in one statement, for bulk imports and
+// backfills. It returns one Result per command, in order.
+//
+// Every command is validated first; any invalid command fails the whole
+// batch with a *ValidationError (Index says which) and nothing is written.
+// Likewise an event id reused for a different command (within the batch or
+// against an earlier submission) fails the batch with an
+// *IdempotencyConflictError, and an out-of-range score, even an
+// intermediate one, with a *ScoreOutOfRangeError. Commands whose event id
+// was applied before are reported as duplicates with their original result.
+//
+// Commands of the same user are applied in batch order, each getting its
+// own version; the outbox receives only each user's final state (the
+// projection would skip the intermediate ones anyway).
+func (b *Board) SubmitBatch(ctx context.Context, cmds []Command) ([]Result, error) {
+	if len(cmds) == 0 {
+		return nil, nil
+	}
+	// first maps an event id to its first position; later copies of the
+	// same command take that command's result.
+	first := make(map[uuid.UUID]int, len(cmds))
+	ids := make([]uuid.UUID, 0, len(cmds))
+	users := make([]string, 0, len(cmds))
+	deltas := make([]int64, 0, len(cmds))
+	sent := make([]int, 0, len(cmds)) // position in cmds of each sent row
+	for i, cmd := range cmds {
+		if err := b.validate(i, cmd); err != nil {
+			return nil, err
+		}
+		if j, ok := first[cmd.EventID]; ok {
+			if cmds[j].UserID != cmd.UserID || cmds[j].Delta != cmd.Delta {
+				return nil, &IdempotencyConflictError{EventID: cmd.EventID, Board: b.cfg.Name, UserID: cmds[j].UserID, Delta: cmds[j].Delta, Attempted: cmd}
+			}
+			continue
+		}
+		first[cmd.EventID] = i
+		ids, users, deltas = append(ids, cmd.EventID), append(users, cmd.UserID), append(deltas, cmd.Delta)
+		sent = append(sent, i)
+	}
+
+	out := make([]Result, len(cmds))
+	// A concurrent twin committed after the snapshot aborts the statement
+	// with a unique violation; nothing was written, and the next attempt
+	// sees the twin as a prior event.
+	const attempts = 3
+	var err error
+	for attempt := 0; attempt < attempts; attempt++ {
+		err = b.submitBatchOnce(ctx, cmds, sent, ids, users, deltas, out)
+		if err == nil || !isUniqueViolation(err) {
+			break
+		}
+	}
+	if err != nil {
+		return nil, err
+	}
+	for i, cmd := range cmds {
+		if j := first[cmd.EventID]; j != i {
+			out[i] = out[j]
+			out[i].Duplicate = true
+		}
+	}
+	return out, nil
+}
+
+func (b *Board) submitBatchOnce(ctx context.Context, cmds []Command, sent []int, ids []uuid.UUID, users []string, deltas []int64, out []Result) error {
+	rows, err := b.pool.Query(ctx, b.sql.submitBatch, ids, users, deltas, b.cfg.Name, b.stream, b.channel)
+	if err != nil {
+		return b.mapBatchError(err, cmds)
+	}
+	defer rows.Close()
+	var conflict *IdempotencyConflictError
+	seen := 0
+	for rows.Next() {
+		var (
+			ord         int64
+			res         Result
+			board, user string
+			delta, n    int64
+		)
+		if err := rows.Scan(&ord, &res.Duplicate, &res.Score, &res.Version, &board, &user, &delta, &n); err != nil {
+			return fmt.Errorf("leaderboard: submit batch: %w", err)
+		}
+		if ord < 1 || int(ord) > len(sent) {
+			return fmt.Errorf("leaderboard: submit batch: unexpected row number %d", ord)
+		}
+		i := sent[ord-1]
+		cmd := cmds[i]
+		if res.Duplicate && conflict == nil && (board != b.cfg.Name || user != cmd.UserID || delta != cmd.Delta) {
+			conflict = &IdempotencyConflictError{EventID: cmd.EventID, Board: board, UserID: user, Delta: delta, Attempted: cmd}
+		}
+		out[i] = res
+		seen++
+	}
+	if err := rows.Err(); err != nil {
+		return b.mapBatchError(err, cmds)
+	}
+	if conflict != nil {
+		return conflict
+	}
+	if seen != len(sent) {
+		return fmt.Errorf("leaderboard: submit batch: %d results for %d commands", seen, len(sent))
+	}
+	return nil
+}
+
+func (b *Board) mapBatchError(err error, cmds []Command) error {
+	switch {
+	case isUniqueViolation(err):
+		return err
+	case isScoreRangeViolation(err):
+		// The constraint does not say which user; name the first command
+		// so the error is still actionable.
+		return &ScoreOutOfRangeError{UserID: cmds[0].UserID, Delta: cmds[0].Delta}
+	}
+	return fmt.Errorf("leaderboard: submit batch: %w", err)
+}
+
+// isUniqueViolation reports a unique-key violation (SQLSTATE 23505).
+func isUniqueViolation(err error) bool {
+	var pgErr *pgconn.PgError
+	return errors.As(err, &pgErr) && pgErr.Code == "23505"
+}
+
+// isScoreRangeViolation reports a violation of the score range constraints
+// (SQLSTATE 23514 on one of ours) or an integer overflow (22003).
+func isScoreRangeViolation(err error) bool {
+	var pgErr *pgconn.PgError
+	if !errors.As(err, &pgErr) {
+		return false
+	}
+	switch pgErr.Code {
+	case "22003":
+		return true
+	case "23514":
+		return pgErr.ConstraintName == "verity_user_scores_score_range" ||
+			pgErr.ConstraintName == "verity_score_events_score_range"
+	}
+	return false
+}
+
+// lagProbe caches the last lag measurement.
+type lagProbe struct {
+	at      time.Time     // local time of the measurement
+	lag     time.Duration // lag at that time; 0 when nothing was pending
+	pending bool
+	err     error
+}

@@ -1,0 +1,285 @@
+package leaderboard
+
+import (
+	"context"
+	"errors"
+	"strings"
+	"sync"
+	"testing"
+
+	"github.com/google/uuid"
+	"github.com/stretchr/testify/require"
+
+	"github.com/verity-go/verity/internal/testenv"
+)
+
+type testBundle struct {
+	board *Board
+	pg    *testenv.PG
+	rd    *testenv.RD
+}
+
+// setup returns a migrated board in the test's own schema and key prefix.
+// mutate, when given, adjusts the Config before New.
+func setup(t *testing.T, mutate ...func(*Config)) *testBundle {
+	t.Helper()
+	pg := testenv.Postgres(t)
+	rd := testenv.Redis(t)
+	cfg := &Config{Name: "weekly-2026-48", Schema: pg.Schema, KeyPrefix: rd.Prefix}
+	for _, m := range mutate {
+		m(cfg)
+	}
+	require.NoError(t, Migrate(context.Background(), pg.Pool, cfg))
+	board, err := New(pg.Pool, rd.Client, cfg)
+	require.NoError(t, err)
+	return &testBundle{board: board, pg: pg, rd: rd}
+}
+
+// counts returns the number of score events, user rows and outbox rows.
+func (tb *testBundle) counts(t *testing.T) (events, users, queued int) {
+	t.Helper()
+	ctx := context.Background()
+	require.NoError(t, tb.pg.Pool.QueryRow(ctx, `SELECT
+		(SELECT count(*) FROM score_events),
+		(SELECT count(*) FROM user_scores),
+		(SELECT count(*) FROM verity_outbox)`).Scan(&events, &users, &queued))
+	return events, users, queued
+}
+
+func TestSubmit(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+
+	t.Run("AppliesAndQueuesAbsoluteScore", func(t *testing.T) {
+		t.Parallel()
+		tb := setup(t)
+		res, err := tb.board.Submit(ctx, Command{EventID: uuid.New(), UserID: "user-a", Delta: 10})
+		require.NoError(t, err)
+		require.Equal(t, Result{Score: 10, Version: 1}, res)
+		res, err = tb.board.Submit(ctx, Command{EventID: uuid.New(), UserID: "user-a", Delta: 7})
+		require.NoError(t, err)
+		require.Equal(t, Result{Score: 17, Version: 2}, res)
+
+		var stream, key string
+		var version int64
+		var payload []byte
+		require.NoError(t, tb.pg.Pool.QueryRow(ctx,
+			`SELECT stream, key, version, payload FROM verity_outbox ORDER BY id DESC LIMIT 1`).
+			Scan(&stream, &key, &version, &payload))
+		require.Equal(t, "leaderboard:weekly-2026-48", stream)
+		require.Equal(t, "user-a", key)
+		require.Equal(t, int64(2), version)
+		require.Equal(t, "17", string(payload))
+	})
+
+	t.Run("DuplicateEventID", func(t *testing.T) {
+		t.Parallel()
+		tb := setup(t)
+		cmd := Command{EventID: uuid.New(), UserID: "user-a", Delta: 10}
+		first, err := tb.board.Submit(ctx, cmd)
+		require.NoError(t, err)
+		_, err = tb.board.Submit(ctx, Command{EventID: uuid.New(), UserID: "user-a", Delta: 5})
+		require.NoError(t, err)
+		again, err := tb.board.Submit(ctx, cmd)
+		require.NoError(t, err)
+		require.Equal(t, Result{Score: first.Score, Version: first.Version, Duplicate: true}, again)
+		events, users, queued := tb.counts(t)
+		require.Equal(t, []int{2, 1, 2}, []int{events, users, queued})
+	})
+
+	t.Run("ConcurrentTwins", func(t *testing.T) {
+		t.Parallel()
+		tb := setup(t)
+		for round := 0; round < 5; round++ {
+			cmd := Command{EventID: uuid.New(), UserID: "racer", Delta: 3}
+			const twins = 8
+			results := make([]Result, twins)
+			errs := make([]error, twins)
+			var wg sync.WaitGroup
+			for i := 0; i < twins; i++ {
+				wg.Add(1)
+				go func() {
+					defer wg.Done()
+					results[i], errs[i] = tb.board.Submit(ctx, cmd)
+				}()
+			}
+			wg.Wait()
+			applied := 0
+			for i := range results {
+				require.NoError(t, errs[i])
+				require.Equal(t, int64(3*(round+1)), results[i].Score)
+				require.Equal(t, int64(round+1), results[i].Version)
+				if !results[i].Duplicate {
+					applied++
+				}
+			}
+			require.Equal(t, 1, applied)
+		}
+		events, users, queued := tb.counts(t)
+		require.Equal(t, []int{5, 1, 5}, []int{events, users, queued})
+	})
+
+	t.Run("IdempotencyConflict", func(t *testing.T) {
+		t.Parallel()
+		tb := setup(t)
+		id := uuid.New()
+		_, err := tb.board.Submit(ctx, Command{EventID: id, UserID: "user-a", Delta: 10})
+		require.NoError(t, err)
+		for _, cmd := range []Command{
+			{EventID: id, UserID: "user-a", Delta: 11},
+			{EventID: id, UserID: "user-b", Delta: 10},
+		} {
+			_, err = tb.board.Submit(ctx, cmd)
+			require.ErrorIs(t, err, ErrIdempotencyConflict)
+			var conflict *IdempotencyConflictError
+			require.ErrorAs(t, err, &conflict)
+			require.Equal(t, "user-a", conflict.UserID)
+			require.Equal(t, int64(10), conflict.Delta)
+			require.Equal(t, cmd, conflict.Attempted)
+		}
+		// Another board of the same tables must not reuse the id either.
+		other, err := New(tb.pg.Pool, tb.rd.Client, &Config{Name: "other", Schema: tb.pg.Schema, KeyPrefix: tb.rd.Prefix})
+		require.NoError(t, err)
+		_, err = other.Submit(ctx, Command{EventID: id, UserID: "user-a", Delta: 10})
+		require.ErrorIs(t, err, ErrIdempotencyConflict)
+
+		events, users, queued := tb.counts(t)
+		require.Equal(t, []int{1, 1, 1}, []int{events, users, queued})
+	})
+
+	t.Run("Validation", func(t *testing.T) {
+		t.Parallel()
+		tb := setup(t)
+		for _, tc := range []struct {
+			name  string
+			cmd   Command
+			field string
+		}{
+			{"NilEventID", Command{UserID: "u", Delta: 1}, "EventID"},
+			{"EmptyUserID", Command{EventID: uuid.New(), Delta: 1}, "UserID"},
+			{"LongUserID", Command{EventID: uuid.New(), UserID: strings.Repeat("x", 129), Delta: 1}, "UserID"},
+			{"InvalidUTF8", Command{EventID: uuid.New(), UserID: "bad\xff", Delta: 1}, "UserID"},
+			{"NULByte", Command{EventID: uuid.New(), UserID: "a\x00b", Delta: 1}, "UserID"},
+			{"DeltaTooLow", Command{EventID: uuid.New(), UserID: "u", Delta: -1001}, "Delta"},
+			{"DeltaTooHigh", Command{EventID: uuid.New(), UserID: "u", Delta: 1001}, "Delta"},
+		} {
+			t.Run(tc.name, func(t *testing.T) {
+				_, err := tb.board.Submit(ctx, tc.cmd)
+				require.ErrorIs(t, err, ErrInvalidCommand)
+				var verr *ValidationError
+				require.ErrorAs(t, err, &verr)
+				require.Equal(t, tc.field, verr.Field)
+
+				_, err = tb.board.SubmitBatch(ctx, []Command{{EventID: uuid.New(), UserID: "ok", Delta: 1}, tc.cmd})
+				require.ErrorAs(t, err, &verr)
+				require.Equal(t, 1, verr.Index)
+			})
+		}
+		// Limits are inclusive, and any other bytes are accepted verbatim.
+		for _, cmd := range []Command{
+			{EventID: uuid.New(), UserID: strings.Repeat("x", 128), Delta: 1000},
+			{EventID: uuid.New(), UserID: "{brace}:colon\nnewline 🎮 'quote\"; DROP TABLE user_scores; --", Delta: -1000},
+		} {
+			_, err := tb.board.Submit(ctx, cmd)
+			require.NoError(t, err)
+		}
+		events, users, queued := tb.counts(t)
+		require.Equal(t, []int{2, 2, 2}, []int{events, users, queued})
+	})
+
+	t.Run("ScoreOutOfRange", func(t *testing.T) {
+		t.Parallel()
+		tb := setup(t, func(c *Config) { c.MinDelta, c.MaxDelta = MinScore, MaxScore })
+		_, err := tb.board.Submit(ctx, Command{EventID: uuid.New(), UserID: "u", Delta: MaxScore})
+		require.NoError(t, err)
+		_, err = tb.board.Submit(ctx, Command{EventID: uuid.New(), UserID: "u", Delta: 1})
+		require.ErrorIs(t, err, ErrScoreOutOfRange)
+		var rangeErr *ScoreOutOfRangeError
+		require.ErrorAs(t, err, &rangeErr)
+		require.Equal(t, "u", rangeErr.UserID)
+
+		_, err = tb.board.Submit(ctx, Command{EventID: uuid.New(), UserID: "v", Delta: MinScore})
+		require.NoError(t, err)
+		_, err = tb.board.Submit(ctx, Command{EventID: uuid.New(), UserID: "v", Delta: -1})
+		require.ErrorIs(t, err, ErrScoreOutOfRange)
+
+		// A batch whose intermediate score leaves the range is refused whole.
+		_, err = tb.board.SubmitBatch(ctx, []Command{
+			{EventID: uuid.New(), UserID: "w", Delta: 5},
+			{EventID: uuid.New(), UserID: "u", Delta: 1},
+			{EventID: uuid.New(), UserID: "u", Delta: -10},
+		})
+		require.ErrorIs(t, err, ErrScoreOutOfRange)
+
+		events, users, queued := tb.counts(t)
+		require.Equal(t, []int{2, 2, 2}, []int{events, users, queued})
+	})
+}
+
+func TestSubmitBatch(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+
+	t.Run("MatchesSequentialSubmits", func(t *testing.T) {
+		t.Parallel()
+		tb := setup(t)
+		prior := Command{EventID: uuid.New(), UserID: "b", Delta: 4}
+		priorRes, err := tb.board.Submit(ctx, prior)
+		require.NoError(t, err)
+
+		repeated := Command{EventID: uuid.New(), UserID: "a", Delta: 2}
+		cmds := []Command{
+			{EventID: uuid.New(), UserID: "a", Delta: 10},
+			{EventID: uuid.New(), UserID: "b", Delta: 1},
+			prior,
+			repeated,
+			{EventID: uuid.New(), UserID: "a", Delta: -3},
+			repeated,
+		}
+		got, err := tb.board.SubmitBatch(ctx, cmds)
+		require.NoError(t, err)
+		require.Equal(t, []Result{
+			{Score: 10, Version: 1},
+			{Score: 5, Version: 2},
+			{Score: priorRes.Score, Version: priorRes.Version, Duplicate: true},
+			{Score: 12, Version: 2},
+			{Score: 9, Version: 3},
+			{Score: 12, Version: 2, Duplicate: true},
+		}, got)
+
+		// Resubmitting the batch changes nothing and reports duplicates.
+		again, err := tb.board.SubmitBatch(ctx, cmds)
+		require.NoError(t, err)
+		for i := range again {
+			require.True(t, again[i].Duplicate)
+			require.Equal(t, got[i].Score, again[i].Score)
+			require.Equal(t, got[i].Version, again[i].Version)
+		}
+		events, users, queued := tb.counts(t)
+		// 5 events; the outbox holds b's single submit plus one final state per user.
+		require.Equal(t, []int{5, 2, 3}, []int{events, users, queued})
+	})
+
+	t.Run("ConflictWritesNothing", func(t *testing.T) {
+		t.Parallel()
+		tb := setup(t)
+		id := uuid.New()
+		_, err := tb.board.Submit(ctx, Command{EventID: id, UserID: "a", Delta: 1})
+		require.NoError(t, err)
+		_, err = tb.board.SubmitBatch(ctx, []Command{
+			{EventID: uuid.New(), UserID: "c", Delta: 1},
+			{EventID: id, UserID: "a", Delta: 2},
+		})
+		require.ErrorIs(t, err, ErrIdempotencyConflict)
+
+		dup := uuid.New()
+		_, err = tb.board.SubmitBatch(ctx, []Command{
+			{EventID: dup, UserID: "c", Delta: 1},
+			{EventID: dup, UserID: "c", Delta: 2},
+		})
+		require.True(t, errors.Is(err, ErrIdempotencyConflict))
+
+		events, users, queued := tb.counts(t)
+		require.Equal(t, []int{1, 1, 1}, []int{events, users, queued})
+	})
+}

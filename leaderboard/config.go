@@ -1,0 +1,207 @@
+package leaderboard
+
+import (
+	"errors"
+	"fmt"
+	"log/slog"
+	"strings"
+	"time"
+	"unicode/utf8"
+
+	"github.com/verity-go/verity/internal/keyenc"
+	"github.com/verity-go/verity/outbox"
+)
+
+// ReadPolicy decides what a read does when the Redis projection cannot be
+// trusted to be fresh enough: it lags by more than Config.MaxLag, or a
+// read-your-writes requirement (AtLeast) was not met in time.
+type ReadPolicy uint8
+
+const (
+	// ServeStale always answers from Redis and reports how stale the answer
+	// may be in Freshness. It never puts read load on PostgreSQL (apart
+	// from the cheap lag probe); a Redis error is returned to the caller.
+	ServeStale ReadPolicy = iota + 1
+	// FallbackToPostgres answers from Redis while it is fresh enough and
+	// from PostgreSQL otherwise, including when Redis fails. Answers from
+	// PostgreSQL are exact (Freshness.Source is SourcePostgres, Lag zero).
+	// Choose it only if PostgreSQL can absorb the read load of an outage.
+	FallbackToPostgres
+	// FailClosed answers from Redis while it is fresh enough and returns a
+	// *StaleError (errors.Is(err, ErrStale)) otherwise. A Redis error is
+	// returned to the caller.
+	FailClosed
+)
+
+// String returns "serve-stale", "fallback-to-postgres", "fail-closed" or
+// "policy(N)".
+func (p ReadPolicy) String() string {
+	switch p {
+	case ServeStale:
+		return "serve-stale"
+	case FallbackToPostgres:
+		return "fallback-to-postgres"
+	case FailClosed:
+		return "fail-closed"
+	}
+	return fmt.Sprintf("policy(%d)", uint8(p))
+}
+
+// Defaults applied by Config.WithDefaults to zero-valued fields.
+const (
+	MinDeltaDefault              int64         = -1000
+	MaxDeltaDefault              int64         = 1000
+	MaxUserIDLengthDefault                     = 128
+	ReadPolicyDefault                          = ServeStale
+	MaxLagDefault                time.Duration = 5 * time.Second
+	ReadYourWritesTimeoutDefault time.Duration = 250 * time.Millisecond
+	LagProbeIntervalDefault      time.Duration = 100 * time.Millisecond
+	KeyPrefixDefault                           = "verity:lb:"
+	SchemaDefault                              = outbox.SchemaDefault
+	OutboxTableDefault                         = outbox.TableDefault
+)
+
+// Hard limits that configuration cannot exceed.
+const (
+	// MaxNameLength bounds Config.Name in bytes.
+	MaxNameLength = 200
+	// MaxUserIDLengthLimit bounds Config.MaxUserIDLength: user ids are
+	// primary-key columns, and PostgreSQL B-tree entries must stay well
+	// under a third of a page.
+	MaxUserIDLengthLimit = 1024
+	// MaxScore and MinScore bound every score a board stores: ±2^53, the
+	// range in which a Redis score (an IEEE-754 double) represents every
+	// integer exactly. They also bound the delta limits.
+	MaxScore int64 = 1 << 53
+	MinScore int64 = -(1 << 53)
+)
+
+// Config configures a Board. The zero value of every field except Name
+// selects the documented default.
+type Config struct {
+	// Name identifies the board, for example "weekly-2026-48". Many boards
+	// (games, seasons) live side by side in the same tables and the same
+	// Redis key prefix, keyed by name. It must be non-empty valid UTF-8
+	// without NUL bytes, at most MaxNameLength bytes. There is no default.
+	Name string
+
+	// Schema is the PostgreSQL schema holding the board's tables and the
+	// outbox table. Defaults to SchemaDefault ("public").
+	Schema string
+
+	// OutboxTable is the name of the outbox table (in Schema) the board
+	// appends its projection work to. Defaults to OutboxTableDefault.
+	OutboxTable string
+
+	// MinDelta and MaxDelta bound Command.Delta (inclusive). They are taken
+	// as a pair: when both are zero they default to MinDeltaDefault and
+	// MaxDeltaDefault; otherwise both are used as given (so MinDelta 0,
+	// MaxDelta 50 allows increments only). Both must lie within
+	// [MinScore, MaxScore].
+	MinDelta, MaxDelta int64
+
+	// MaxUserIDLength bounds Command.UserID in bytes. Defaults to
+	// MaxUserIDLengthDefault; at most MaxUserIDLengthLimit.
+	MaxUserIDLength int
+
+	// ReadPolicy decides what reads do when the projection lags by more
+	// than MaxLag or an AtLeast requirement is not met. Defaults to
+	// ReadPolicyDefault (ServeStale).
+	ReadPolicy ReadPolicy
+
+	// MaxLag is the largest projection lag at which Redis answers are
+	// considered fresh. Defaults to MaxLagDefault.
+	MaxLag time.Duration
+
+	// ReadYourWritesTimeout bounds how long a read with AtLeast waits for
+	// the projection to reach the requested version before ReadPolicy
+	// applies. Defaults to ReadYourWritesTimeoutDefault.
+	ReadYourWritesTimeout time.Duration
+
+	// LagProbeInterval is how long a measured lag is reused before
+	// PostgreSQL is asked again, so that reads do not each cost a database
+	// query. Reported lag may be understated by up to this interval.
+	// Defaults to LagProbeIntervalDefault.
+	LagProbeInterval time.Duration
+
+	// KeyPrefix prefixes every Redis key of the projection. It must not
+	// contain '{' or '}'. Defaults to KeyPrefixDefault.
+	KeyPrefix string
+
+	// Logger receives the board's logs. Defaults to discarding them.
+	Logger *slog.Logger
+}
+
+// WithDefaults returns a copy of c with every zero field set to its default.
+// A nil c is treated as the zero Config.
+func (c *Config) WithDefaults() *Config {
+	out := &Config{}
+	if c != nil {
+		*out = *c
+	}
+	if out.Schema == "" {
+		out.Schema = SchemaDefault
+	}
+	if out.OutboxTable == "" {
+		out.OutboxTable = OutboxTableDefault
+	}
+	if out.MinDelta == 0 && out.MaxDelta == 0 {
+		out.MinDelta, out.MaxDelta = MinDeltaDefault, MaxDeltaDefault
+	}
+	if out.MaxUserIDLength == 0 {
+		out.MaxUserIDLength = MaxUserIDLengthDefault
+	}
+	if out.ReadPolicy == 0 {
+		out.ReadPolicy = ReadPolicyDefault
+	}
+	if out.MaxLag == 0 {
+		out.MaxLag = MaxLagDefault
+	}
+	if out.ReadYourWritesTimeout == 0 {
+		out.ReadYourWritesTimeout = ReadYourWritesTimeoutDefault
+	}
+	if out.LagProbeInterval == 0 {
+		out.LagProbeInterval = LagProbeIntervalDefault
+	}
+	if out.KeyPrefix == "" {
+		out.KeyPrefix = KeyPrefixDefault
+	}
+	if out.Logger == nil {
+		out.Logger = slog.New(slog.DiscardHandler)
+	}
+	return out
+}
+
+// validate checks a Config that has been through WithDefaults.
+func (c *Config) validate() error {
+	switch {
+	case c.Name == "":
+		return errors.New("leaderboard: Config.Name is required (for example \"weekly-2026-48\")")
+	case len(c.Name) > MaxNameLength:
+		return fmt.Errorf("leaderboard: Config.Name is %d bytes; shorten it to at most %d", len(c.Name), MaxNameLength)
+	case !utf8.ValidString(c.Name) || strings.IndexByte(c.Name, 0) >= 0:
+		return errors.New("leaderboard: Config.Name must be valid UTF-8 without NUL bytes")
+	case strings.IndexByte(c.Schema, 0) >= 0 || !utf8.ValidString(c.Schema):
+		return errors.New("leaderboard: Config.Schema must be valid UTF-8 without NUL bytes")
+	case strings.IndexByte(c.OutboxTable, 0) >= 0 || !utf8.ValidString(c.OutboxTable):
+		return errors.New("leaderboard: Config.OutboxTable must be valid UTF-8 without NUL bytes")
+	case c.MinDelta > c.MaxDelta:
+		return fmt.Errorf("leaderboard: Config.MinDelta (%d) is above Config.MaxDelta (%d); swap them", c.MinDelta, c.MaxDelta)
+	case c.MinDelta < MinScore || c.MaxDelta > MaxScore:
+		return fmt.Errorf("leaderboard: Config.MinDelta and Config.MaxDelta must lie within [%d, %d]", MinScore, MaxScore)
+	case c.MaxUserIDLength < 1 || c.MaxUserIDLength > MaxUserIDLengthLimit:
+		return fmt.Errorf("leaderboard: Config.MaxUserIDLength must be between 1 and %d (got %d)", MaxUserIDLengthLimit, c.MaxUserIDLength)
+	case c.ReadPolicy < ServeStale || c.ReadPolicy > FailClosed:
+		return fmt.Errorf("leaderboard: Config.ReadPolicy %s is unknown; use ServeStale, FallbackToPostgres or FailClosed", c.ReadPolicy)
+	case c.MaxLag < 0:
+		return errors.New("leaderboard: Config.MaxLag must not be negative")
+	case c.ReadYourWritesTimeout < 0:
+		return errors.New("leaderboard: Config.ReadYourWritesTimeout must not be negative")
+	case c.LagProbeInterval < 0:
+		return errors.New("leaderboard: Config.LagProbeInterval must not be negative")
+	}
+	if err := keyenc.ValidatePrefix(c.KeyPrefix); err != nil {
+		return fmt.Errorf("leaderboard: Config.KeyPrefix %q: %v", c.KeyPrefix, err)
+	}
+	return nil
+}

@@ -1,0 +1,113 @@
+package leaderboard
+
+import (
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/google/uuid"
+)
+
+// Sentinel errors. Every error the package returns for a caller's mistake or
+// a refused operation matches one of them with errors.Is; the typed errors
+// below carry the details for errors.As.
+var (
+	// ErrInvalidCommand matches every *ValidationError: a Command that was
+	// refused before anything was written.
+	ErrInvalidCommand = errors.New("leaderboard: invalid command")
+	// ErrIdempotencyConflict matches *IdempotencyConflictError: an event id
+	// was reused for a different command.
+	ErrIdempotencyConflict = errors.New("leaderboard: event id already used for a different command")
+	// ErrScoreOutOfRange matches *ScoreOutOfRangeError: the resulting score
+	// would leave [MinScore, MaxScore].
+	ErrScoreOutOfRange = errors.New("leaderboard: resulting score out of range")
+	// ErrStale matches *StaleError: the projection is not fresh enough and
+	// the read policy is FailClosed.
+	ErrStale = errors.New("leaderboard: projection too stale")
+	// ErrUserNotFound is returned by Rank and Around for a user without a
+	// score on the board (in the source the read used).
+	ErrUserNotFound = errors.New("leaderboard: user has no score on this board")
+	// ErrInvalidCursor is returned by Page for a cursor that this board did
+	// not produce.
+	ErrInvalidCursor = errors.New("leaderboard: invalid page cursor")
+)
+
+// ValidationError reports a Command field that was refused. Nothing was
+// written. It matches ErrInvalidCommand.
+type ValidationError struct {
+	// Index is the command's position in a SubmitBatch call (0 for Submit).
+	Index int
+	// Field is "EventID", "UserID" or "Delta".
+	Field string
+	// Reason says what is wrong, in words fit for an API response.
+	Reason string
+}
+
+func (e *ValidationError) Error() string {
+	return fmt.Sprintf("leaderboard: invalid command %d: %s %s", e.Index, e.Field, e.Reason)
+}
+
+// Unwrap returns ErrInvalidCommand.
+func (e *ValidationError) Unwrap() error { return ErrInvalidCommand }
+
+// IdempotencyConflictError reports an event id that is already recorded for
+// a different command (another board, user or delta). Nothing was written.
+// It matches ErrIdempotencyConflict.
+type IdempotencyConflictError struct {
+	EventID uuid.UUID
+	// Board, UserID and Delta describe the command first recorded.
+	Board  string
+	UserID string
+	Delta  int64
+	// Attempted is the refused command.
+	Attempted Command
+}
+
+func (e *IdempotencyConflictError) Error() string {
+	return fmt.Sprintf("leaderboard: event %s was recorded for board %q user %q delta %d; refusing user %q delta %d",
+		e.EventID, e.Board, e.UserID, e.Delta, e.Attempted.UserID, e.Attempted.Delta)
+}
+
+// Unwrap returns ErrIdempotencyConflict.
+func (e *IdempotencyConflictError) Unwrap() error { return ErrIdempotencyConflict }
+
+// ScoreOutOfRangeError reports a command whose resulting score would leave
+// [MinScore, MaxScore] (which also keeps it far from int64 overflow).
+// Nothing was written. It matches ErrScoreOutOfRange.
+type ScoreOutOfRangeError struct {
+	UserID string
+	Delta  int64
+}
+
+func (e *ScoreOutOfRangeError) Error() string {
+	return fmt.Sprintf("leaderboard: adding %d to the score of user %q would leave [%d, %d]", e.Delta, e.UserID, MinScore, MaxScore)
+}
+
+// Unwrap returns ErrScoreOutOfRange.
+func (e *ScoreOutOfRangeError) Unwrap() error { return ErrScoreOutOfRange }
+
+// StaleError is returned under the FailClosed policy when the projection
+// lags by more than MaxLag, or an AtLeast requirement was not met within
+// ReadYourWritesTimeout. It matches ErrStale.
+type StaleError struct {
+	// Lag is the measured lag (negative when it could not be measured).
+	Lag time.Duration
+	// MaxLag is the configured limit.
+	MaxLag time.Duration
+	// UserID and Version are set when an AtLeast requirement was not met.
+	UserID  string
+	Version int64
+}
+
+func (e *StaleError) Error() string {
+	if e.Version > 0 {
+		return fmt.Sprintf("leaderboard: projection has not reached version %d of user %q", e.Version, e.UserID)
+	}
+	if e.Lag < 0 {
+		return "leaderboard: projection lag could not be measured"
+	}
+	return fmt.Sprintf("leaderboard: projection lags by %s (max %s)", e.Lag, e.MaxLag)
+}
+
+// Unwrap returns ErrStale.
+func (e *StaleError) Unwrap() error { return ErrStale }

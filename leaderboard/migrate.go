@@ -1,0 +1,66 @@
+package leaderboard
+
+import (
+	"context"
+	_ "embed"
+	"fmt"
+	"strings"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+
+	"github.com/verity-go/verity/outbox"
+)
+
+//go:embed schema.sql
+var schemaSQL string
+
+// Table names, created in Config.Schema.
+const (
+	ScoreEventsTable = "score_events"
+	UserScoresTable  = "user_scores"
+	rankIndexName    = "user_scores_rank_idx"
+)
+
+// Execer is the narrow database dependency of Migrate: *pgxpool.Pool,
+// *pgx.Conn and pgx.Tx satisfy it.
+type Execer interface {
+	Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
+}
+
+// MigrationSQL returns the SQL that creates the board tables of cfg.Schema,
+// for use with goose, golang-migrate, atlas and the like. It is idempotent.
+// It does not include the outbox's own migration (outbox.MigrationSQL).
+func MigrationSQL(cfg *Config) string {
+	schema := cfg.WithDefaults().Schema
+	return strings.NewReplacer(
+		"{{score_events}}", qualify(schema, ScoreEventsTable),
+		"{{user_scores}}", qualify(schema, UserScoresTable),
+		"{{rank_index}}", pgx.Identifier{rankIndexName}.Sanitize(),
+		"{{schema}}", pgx.Identifier{schema}.Sanitize(),
+	).Replace(schemaSQL)
+}
+
+// Migrate creates (if missing) the tables every board of cfg.Schema shares,
+// and the outbox tables (cfg.Schema, cfg.OutboxTable) through
+// outbox.Migrate. It is idempotent and safe to run concurrently (each part
+// takes an advisory lock). Only Schema and OutboxTable are used; Name may be
+// empty.
+func Migrate(ctx context.Context, db Execer, cfg *Config) error {
+	c := cfg.WithDefaults()
+	if err := outbox.Migrate(ctx, db, &outbox.Config{Schema: c.Schema, Table: c.OutboxTable}); err != nil {
+		return fmt.Errorf("leaderboard: migrate: %w", err)
+	}
+	// Without arguments pgx sends the script with the simple protocol: all
+	// statements run in one implicit transaction, so the advisory lock is
+	// held until the last one is done.
+	if _, err := db.Exec(ctx, MigrationSQL(cfg)); err != nil {
+		return fmt.Errorf("leaderboard: migrate: %w", err)
+	}
+	return nil
+}
+
+// qualify returns schema.name quoted.
+func qualify(schema, name string) string {
+	return pgx.Identifier{schema, name}.Sanitize()
+}

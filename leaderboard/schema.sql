@@ -1,0 +1,45 @@
+-- verity leaderboard schema. The double-brace placeholders are replaced by
+-- quoted identifiers (tables schema-qualified) from the board's Config.
+-- Idempotent: every statement may run again.
+
+SELECT pg_advisory_xact_lock(8317442061);
+
+CREATE SCHEMA IF NOT EXISTS {{schema}};
+
+-- One row per accepted command. The primary key on event_id is the
+-- idempotency boundary; score and version record the command's result so a
+-- duplicate can be answered with the original outcome.
+CREATE TABLE IF NOT EXISTS {{score_events}} (
+    event_id   uuid        PRIMARY KEY,
+    board      text        NOT NULL,
+    user_id    text        COLLATE "C" NOT NULL,
+    delta      bigint      NOT NULL,
+    score      bigint      NOT NULL,
+    version    bigint      NOT NULL,
+    created_at timestamptz NOT NULL DEFAULT now(),
+    -- Also checked per event, so a bulk import cannot pass through an
+    -- out-of-range intermediate score.
+    CONSTRAINT verity_score_events_score_range
+        CHECK (score BETWEEN -9007199254740992 AND 9007199254740992)
+);
+
+-- The authoritative score of every user on every board. user_id uses the C
+-- collation so that ORDER BY user_id is byte order, the order Redis uses
+-- for members with equal scores.
+CREATE TABLE IF NOT EXISTS {{user_scores}} (
+    board      text        NOT NULL,
+    user_id    text        COLLATE "C" NOT NULL,
+    score      bigint      NOT NULL,
+    version    bigint      NOT NULL,
+    updated_at timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (board, user_id),
+    CONSTRAINT verity_user_scores_score_range
+        CHECK (score BETWEEN -9007199254740992 AND 9007199254740992),
+    CONSTRAINT verity_user_scores_version_positive CHECK (version > 0)
+);
+
+-- Ranking order: score descending, then user id ascending by bytes, written
+-- as ascending (-score, user_id) so that keyset pages are one row
+-- comparison and one index range scan.
+CREATE INDEX IF NOT EXISTS {{rank_index}}
+    ON {{user_scores}} (board, (-score), user_id);

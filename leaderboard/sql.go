@@ -1,0 +1,206 @@
+package leaderboard
+
+import "strings"
+
+// All SQL of the package. Placeholders in double braces are replaced once,
+// in New, by quoted identifiers; values are always bind parameters.
+
+// submitSQL applies one command in one statement (one round trip, run in
+// autocommit so the statement is its own transaction).
+//
+//	$1 event id, $2 board, $3 user id, $4 delta, $5 stream, $6 channel
+//
+// prior finds an earlier use of the event id. If there is none, upserted
+// changes the score, recorded keeps the command and its result, queued
+// appends the absolute score to the outbox and notified wakes the relays
+// (delivered on commit). The statement returns the new result, or the prior
+// row when the event id was already used (Go compares it with the command).
+//
+// A twin committed after this statement's snapshot is invisible to prior;
+// then the INSERT into score_events waits for it and fails with a unique
+// violation, which aborts the whole statement. Submit answers that case
+// with a follow-up read (lookupEventSQL).
+const submitSQL = `
+WITH prior AS (
+    SELECT board, user_id, delta, score, version
+    FROM {{score_events}}
+    WHERE event_id = $1::uuid
+),
+upserted AS (
+    INSERT INTO {{user_scores}} AS s (board, user_id, score, version)
+    SELECT $2::text, $3::text, $4::bigint, 1
+    WHERE NOT EXISTS (SELECT 1 FROM prior)
+    ON CONFLICT (board, user_id) DO UPDATE
+    SET score = s.score + EXCLUDED.score,
+        version = s.version + 1,
+        updated_at = now()
+    RETURNING score, version
+),
+recorded AS (
+    INSERT INTO {{score_events}} (event_id, board, user_id, delta, score, version)
+    SELECT $1::uuid, $2::text, $3::text, $4::bigint, score, version
+    FROM upserted
+),
+queued AS (
+    INSERT INTO {{outbox}} (event_id, stream, key, version, payload)
+    SELECT $1::uuid, $5::text, $3::text, version, convert_to(score::text, 'UTF8')
+    FROM upserted
+),
+notified AS (
+    SELECT pg_notify($6::text, '') FROM upserted
+)
+SELECT false, u.score, u.version, $2::text, $3::text, $4::bigint
+FROM upserted AS u, (SELECT count(*) FROM notified) AS n
+UNION ALL
+SELECT true, score, version, board, user_id, delta
+FROM prior`
+
+// lookupEventSQL reads the recorded result of an event id.
+const lookupEventSQL = `
+SELECT board, user_id, delta, score, version
+FROM {{score_events}}
+WHERE event_id = $1::uuid`
+
+// submitBatchSQL applies many commands in one statement.
+//
+//	$1 event ids, $2 user ids, $3 deltas (parallel arrays, no repeated id),
+//	$4 board, $5 stream, $6 channel
+//
+// When any event id was already used for a different command, conflicted
+// is non-empty and nothing is written; the prior rows are returned and Go
+// reports the conflict. Otherwise every new command is applied: each user's
+// row is upserted once (ON CONFLICT cannot touch a row twice), in user id
+// order so that concurrent batches lock rows in the same order, and each
+// command's own score and version are derived from running sums in batch
+// order. Only each user's last state goes to the outbox: payloads are
+// absolute, so the intermediate ones would be superseded anyway.
+const submitBatchSQL = `
+WITH input AS (
+    SELECT i.ord, i.event_id, i.user_id COLLATE "C" AS user_id, i.delta
+    FROM unnest($1::uuid[], $2::text[], $3::bigint[]) WITH ORDINALITY AS i(event_id, user_id, delta, ord)
+),
+prior AS (
+    SELECT e.event_id, e.board, e.user_id, e.delta, e.score, e.version
+    FROM {{score_events}} AS e
+    WHERE e.event_id = ANY ($1::uuid[])
+),
+conflicted AS (
+    SELECT 1
+    FROM prior AS p JOIN input AS i USING (event_id)
+    WHERE p.board <> $4::text OR p.user_id <> i.user_id OR p.delta <> i.delta
+    LIMIT 1
+),
+fresh AS (
+    SELECT i.ord, i.event_id, i.user_id, i.delta,
+           sum(i.delta) OVER w AS running, row_number() OVER w AS seq
+    FROM input AS i
+    WHERE NOT EXISTS (SELECT 1 FROM conflicted)
+      AND NOT EXISTS (SELECT 1 FROM prior AS p WHERE p.event_id = i.event_id)
+    WINDOW w AS (PARTITION BY i.user_id ORDER BY i.ord)
+),
+totals AS (
+    SELECT user_id, sum(delta) AS total, count(*) AS n
+    FROM fresh
+    GROUP BY user_id
+),
+upserted AS (
+    INSERT INTO {{user_scores}} AS s (board, user_id, score, version)
+    SELECT $4::text, user_id, total, n
+    FROM totals
+    ORDER BY user_id
+    ON CONFLICT (board, user_id) DO UPDATE
+    SET score = s.score + EXCLUDED.score,
+        version = s.version + EXCLUDED.version,
+        updated_at = now()
+    RETURNING user_id, score, version
+),
+results AS (
+    SELECT f.ord, f.event_id, f.user_id, f.delta,
+           u.score - t.total + f.running AS score,
+           u.version - t.n + f.seq AS version,
+           f.seq = t.n AS last
+    FROM fresh AS f
+    JOIN totals AS t USING (user_id)
+    JOIN upserted AS u USING (user_id)
+),
+recorded AS (
+    INSERT INTO {{score_events}} (event_id, board, user_id, delta, score, version)
+    SELECT event_id, $4::text, user_id, delta, score, version
+    FROM results
+),
+queued AS (
+    INSERT INTO {{outbox}} (event_id, stream, key, version, payload)
+    SELECT event_id, $5::text, user_id, version, convert_to(score::text, 'UTF8')
+    FROM results
+    WHERE last
+),
+notified AS (
+    SELECT pg_notify($6::text, '')
+    WHERE EXISTS (SELECT 1 FROM upserted)
+)
+SELECT r.ord, false, r.score, r.version, $4::text, r.user_id::text, r.delta,
+       (SELECT count(*) FROM notified)
+FROM results AS r
+UNION ALL
+SELECT i.ord, true, p.score, p.version, p.board, p.user_id::text, p.delta, 0
+FROM prior AS p JOIN input AS i USING (event_id)`
+
+// Reads. The ranking order is (-score, user_id) ascending, user_id in the C
+// collation: score descending, ties by user id bytes ascending. rankIndex
+// serves every one of these as an index range scan.
+
+// pageSQL: $1 board, $2 limit, $3 has cursor, $4 cursor score, $5 cursor user.
+const pageSQL = `
+SELECT user_id, score, version
+FROM {{user_scores}}
+WHERE board = $1::text
+  AND (NOT $3::bool OR (-score, user_id) > (-$4::bigint, $5::text COLLATE "C"))
+ORDER BY -score, user_id
+LIMIT $2::bigint`
+
+// countBeforeSQL counts the entries ranked before (score, user):
+// $1 board, $2 score, $3 user.
+const countBeforeSQL = `
+SELECT count(*)
+FROM {{user_scores}}
+WHERE board = $1::text
+  AND (-score, user_id) < (-$2::bigint, $3::text COLLATE "C")`
+
+// userScoreSQL: $1 board, $2 user.
+const userScoreSQL = `
+SELECT score, version
+FROM {{user_scores}}
+WHERE board = $1::text AND user_id = $2::text`
+
+// aroundBeforeSQL returns up to $4 entries ranked just before (score $2,
+// user $3), nearest first.
+const aroundBeforeSQL = `
+SELECT user_id, score, version
+FROM {{user_scores}}
+WHERE board = $1::text
+  AND (-score, user_id) < (-$2::bigint, $3::text COLLATE "C")
+ORDER BY -score DESC, user_id DESC
+LIMIT $4::bigint`
+
+// lagSQL reads the age of the board's oldest pending outbox row, measured
+// by the database clock: $1 stream. The outbox's partial index on
+// created_at makes this a short index scan (it skips pending rows of other
+// streams that are older).
+const lagSQL = `
+SELECT clock_timestamp(), (
+    SELECT created_at
+    FROM {{outbox}}
+    WHERE published_at IS NULL AND stream = $1::text
+    ORDER BY created_at
+    LIMIT 1
+)`
+
+// renderSQL replaces the identifier placeholders of q.
+func renderSQL(q string, schema, outboxTable string) string {
+	// outboxTable is already quoted and qualified (outbox.Writer.Table).
+	return strings.NewReplacer(
+		"{{score_events}}", qualify(schema, ScoreEventsTable),
+		"{{user_scores}}", qualify(schema, UserScoresTable),
+		"{{outbox}}", outboxTable,
+	).Replace(q)
+}
