@@ -11,6 +11,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -76,7 +77,7 @@ var shared struct {
 // SharedRedisCluster returns one 3-master, 1-replica-per-master cluster
 // shared by every test of the test binary, started on first use. It is for
 // tests that only read and write: isolate them with a unique key prefix
-// (KeyPrefix) and never stop or kill its nodes — use StartRedisCluster for
+// (Prefix) and never stop or kill its nodes — use StartRedisCluster for
 // fault tests. Its processes die with the test binary (parent-death signal);
 // its small directory under os.TempDir() is left behind.
 func SharedRedisCluster(t testing.TB) *RedisCluster {
@@ -98,21 +99,36 @@ func SharedRedisCluster(t testing.TB) *RedisCluster {
 	return shared.cluster
 }
 
-// ClusterKeyPrefix returns a key prefix unique to t (no braces), for tests
-// sharing a cluster. Keys under it are not cleaned up: the shared cluster's
-// data dies with the test binary.
-func ClusterKeyPrefix(t testing.TB) string {
+// Prefix returns a key prefix unique to t (ASCII letters, digits and '_'
+// only: no braces, no glob characters) for tests sharing a cluster. Keys
+// under it are deleted from every master when t ends.
+func (c *RedisCluster) Prefix(t testing.TB) string {
+	t.Helper()
 	var b strings.Builder
-	b.WriteString("t:")
-	for _, r := range t.Name() {
-		if r == '{' || r == '}' {
-			r = '_'
+	b.WriteString("t_")
+	for i, r := range t.Name() {
+		if i >= 40 {
+			break
 		}
-		b.WriteRune(r)
+		if r >= 'a' && r <= 'z' || r >= 'A' && r <= 'Z' || r >= '0' && r <= '9' {
+			b.WriteRune(r)
+		} else {
+			b.WriteByte('_')
+		}
 	}
-	fmt.Fprintf(&b, ":%d:", time.Now().UnixNano())
-	return b.String()
+	fmt.Fprintf(&b, "_%d_%d:", time.Now().UnixNano(), prefixSeq.Add(1))
+	prefix := b.String()
+	t.Cleanup(func() {
+		client := redis.NewClusterClient(&redis.ClusterOptions{Addrs: c.Addrs()})
+		defer client.Close()
+		if err := DeletePrefix(context.Background(), client, prefix); err != nil {
+			t.Logf("testenv: delete cluster keys under %q: %v", prefix, err)
+		}
+	})
+	return prefix
 }
+
+var prefixSeq atomic.Int64
 
 var errClusterBinaries = errors.New("redis-server or redis-cli not found on PATH")
 

@@ -62,7 +62,7 @@ func TestSharedRedisCluster(t *testing.T) {
 	b := SharedRedisCluster(t)
 	require.Same(t, a, b, "one cluster per test binary")
 
-	p1, p2 := ClusterKeyPrefix(t), ClusterKeyPrefix(t)
+	p1, p2 := a.Prefix(t), a.Prefix(t)
 	require.NotEqual(t, p1, p2)
 	require.NotContains(t, p1, "{")
 
@@ -70,4 +70,6 @@ func TestSharedRedisCluster(t *testing.T) {
 	client := a.Client(t)
 	require.NoError(t, client.Set(ctx, p1+"x", "1", 0).Err())
 	require.Equal(t, "1", client.Get(ctx, p1+"x").Val())
+	require.NoError(t, DeletePrefix(ctx, client, p1))
+	require.Zero(t, client.Exists(ctx, p1+"x").Val(), "a prefix is usable with DeletePrefix")
 }
