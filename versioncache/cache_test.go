@@ -1,0 +1,362 @@
+package versioncache
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+	"github.com/stretchr/testify/require"
+
+	"github.com/verity-go/verity/internal/keyenc"
+	"github.com/verity-go/verity/internal/testenv"
+)
+
+// product is the cached type of these tests. Version is the source of
+// truth's own row version, which is how staleness is judged.
+type product struct {
+	ID      string `json:"id"`
+	Price   int    `json:"price"`
+	Version int64  `json:"version"`
+}
+
+// truth is the source of truth the loaders read: a map standing in for
+// table rows, updated under a mutex and versioned like a row_version column.
+type truth struct {
+	mu    sync.Mutex
+	rows  map[string]product
+	loads atomic.Int64
+}
+
+func newTruth() *truth { return &truth{rows: map[string]product{}} }
+
+func (s *truth) write(id string, price int) product {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	p := s.rows[id]
+	p.ID, p.Price, p.Version = id, price, p.Version+1
+	s.rows[id] = p
+	return p
+}
+
+func (s *truth) read(id string) product {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.rows[id]
+}
+
+func (s *truth) loader(id string) Loader[product] {
+	return func(ctx context.Context) (product, error) {
+		s.loads.Add(1)
+		return s.read(id), nil
+	}
+}
+
+type testBundle struct {
+	client redis.UniversalClient
+	prefix string
+	cache  *Cache[product]
+	truth  *truth
+}
+
+func setup(t *testing.T, cfg *Config) *testBundle {
+	t.Helper()
+	rd := testenv.Redis(t)
+	return setupWith(t, rd.Client, rd.Prefix, cfg)
+}
+
+func setupWith(t *testing.T, client redis.UniversalClient, prefix string, cfg *Config) *testBundle {
+	t.Helper()
+	c := Config{}
+	if cfg != nil {
+		c = *cfg
+	}
+	c.Prefix = prefix
+	cache, err := New[product](client, &c)
+	require.NoError(t, err)
+	return &testBundle{client: client, prefix: prefix, cache: cache, truth: newTruth()}
+}
+
+func TestNew(t *testing.T) {
+	t.Parallel()
+
+	t.Run("NilClient", func(t *testing.T) {
+		t.Parallel()
+		_, err := New[product](nil, nil)
+		require.ErrorIs(t, err, ErrNilClient)
+	})
+
+	t.Run("InvalidConfig", func(t *testing.T) {
+		t.Parallel()
+		client := redis.NewClient(&redis.Options{Addr: "127.0.0.1:1"})
+		defer client.Close()
+		for _, tc := range []struct {
+			field string
+			cfg   Config
+		}{
+			{"Prefix", Config{Prefix: "a{b}:"}},
+			{"TTL", Config{TTL: time.Microsecond}},
+			{"FailureMode", Config{FailureMode: 7}},
+			{"FillLeaseTTL", Config{FillLeaseTTL: -time.Second}},
+			{"FillLeaseWait", Config{FillLeaseWait: -time.Second}},
+			{"FillLeasePoll", Config{FillLeasePoll: -time.Second}},
+		} {
+			_, err := New[product](client, &tc.cfg)
+			var cerr *ConfigError
+			require.ErrorAs(t, err, &cerr, tc.field)
+			require.Equal(t, tc.field, cerr.Field)
+			require.ErrorIs(t, err, ErrInvalidConfig)
+		}
+	})
+
+	t.Run("Defaults", func(t *testing.T) {
+		t.Parallel()
+		cfg := (*Config)(nil).WithDefaults()
+		require.Equal(t, PrefixDefault, cfg.Prefix)
+		require.Equal(t, TTLDefault, cfg.TTL)
+		require.Equal(t, FailOpen, cfg.FailureMode)
+		require.Equal(t, FillLeaseWaitDefault, cfg.FillLeaseWait)
+		require.NotNil(t, cfg.Logger)
+	})
+}
+
+func TestGet(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+
+	t.Run("MissThenHit", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t, nil)
+		want := b.truth.write("p1", 4900)
+		for range 3 {
+			got, err := b.cache.Get(ctx, "p1", b.truth.loader("p1"))
+			require.NoError(t, err)
+			require.Equal(t, want, got)
+		}
+		require.EqualValues(t, 1, b.truth.loads.Load())
+		st := b.cache.Stats()
+		require.EqualValues(t, 2, st.Hits)
+		require.EqualValues(t, 1, st.Misses)
+		require.EqualValues(t, 1, st.Fills)
+	})
+
+	t.Run("InvalidateServesNewValue", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t, nil)
+		b.truth.write("p1", 4900)
+		_, err := b.cache.Get(ctx, "p1", b.truth.loader("p1"))
+		require.NoError(t, err)
+
+		want := b.truth.write("p1", 4400)
+		require.NoError(t, b.cache.Invalidate(ctx, "p1"))
+		got, err := b.cache.Get(ctx, "p1", b.truth.loader("p1"))
+		require.NoError(t, err)
+		require.Equal(t, want, got)
+
+		st := b.cache.Stats()
+		require.EqualValues(t, 1, st.Invalidations)
+		require.EqualValues(t, 1, st.OrphanedValueKeys, "the 4900 value is left under the old version")
+
+		// The next bump orphans the cached 4400; the one after it finds
+		// nothing cached under its version and orphans nothing.
+		require.NoError(t, b.cache.Invalidate(ctx, "p1"))
+		require.NoError(t, b.cache.Invalidate(ctx, "p1"))
+		require.EqualValues(t, 2, b.cache.Stats().OrphanedValueKeys)
+	})
+
+	// The seed's timeline: a read misses and queries the database, a write
+	// commits and invalidates, then the read fills. The fill must not be
+	// readable afterwards.
+	t.Run("StaleFillIsNeverServed", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t, nil)
+		b.truth.write("p41", 4900)
+
+		loaded := make(chan struct{})
+		release := make(chan struct{})
+		slowLoader := func(ctx context.Context) (product, error) {
+			p := b.truth.read("p41") // T2: reads 4900
+			close(loaded)
+			<-release // T5 happens after the write below
+			return p, nil
+		}
+		done := make(chan product)
+		go func() {
+			p, err := b.cache.Get(ctx, "p41", slowLoader)
+			require.NoError(t, err)
+			done <- p
+		}()
+		<-loaded
+		want := b.truth.write("p41", 4400)               // T3
+		require.NoError(t, b.cache.Invalidate(ctx, "p41")) // T4
+		close(release)
+		require.Equal(t, 4900, (<-done).Price, "a read that began before the write may return the old value")
+
+		got, err := b.cache.Get(ctx, "p41", b.truth.loader("p41"))
+		require.NoError(t, err)
+		require.Equal(t, want, got)
+		require.EqualValues(t, 1, b.cache.Stats().StaleFillsSkipped)
+	})
+
+	t.Run("LoaderErrorCachesNothing", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t, nil)
+		boom := errors.New("boom")
+		_, err := b.cache.Get(ctx, "p1", func(context.Context) (product, error) { return product{}, boom })
+		var lerr *LoadError
+		require.ErrorAs(t, err, &lerr)
+		require.Equal(t, "p1", lerr.ID)
+		require.ErrorIs(t, err, boom)
+		require.ErrorIs(t, err, ErrLoad)
+
+		_, _, ok, err := b.cache.Peek(ctx, "p1")
+		require.NoError(t, err)
+		require.False(t, ok)
+	})
+
+	t.Run("NilLoader", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t, nil)
+		_, err := b.cache.Get(ctx, "p1", nil)
+		require.ErrorIs(t, err, ErrNilLoader)
+	})
+
+	t.Run("UndecodableValueIsReloaded", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t, nil)
+		want := b.truth.write("p1", 10)
+		_, err := b.cache.Get(ctx, "p1", b.truth.loader("p1"))
+		require.NoError(t, err)
+		_, version, ok, err := b.cache.Peek(ctx, "p1")
+		require.NoError(t, err)
+		require.True(t, ok)
+		valueKey := keyenc.Tagged(b.prefix, "p1", fmt.Sprintf("%s%d", suffixValue, version))
+		require.NoError(t, b.client.Set(ctx, valueKey, "not json", 0).Err())
+
+		got, err := b.cache.Get(ctx, "p1", b.truth.loader("p1"))
+		require.NoError(t, err)
+		require.Equal(t, want, got)
+		require.EqualValues(t, 1, b.cache.Stats().DecodeErrors)
+		_, _, ok, err = b.cache.Peek(ctx, "p1")
+		require.NoError(t, err)
+		require.True(t, ok, "the reload overwrote the bad value")
+	})
+
+	t.Run("AwkwardIDs", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t, nil)
+		ids := []string{"", "a{b}c", "}{", "with:colon", "%41", "A", "ü"}
+		for i, id := range ids {
+			b.truth.write(id, i)
+		}
+		for _, id := range ids {
+			got, err := b.cache.Get(ctx, id, b.truth.loader(id))
+			require.NoError(t, err)
+			require.Equal(t, b.truth.read(id), got, id)
+		}
+		// Each id has its own key space: no loads shared between ids.
+		require.EqualValues(t, len(ids), b.truth.loads.Load())
+	})
+}
+
+func TestVersionNeverGoesBackwards(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+
+	t.Run("AfterVersionKeyLoss", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t, nil)
+		b.truth.write("p1", 1)
+		_, err := b.cache.Get(ctx, "p1", b.truth.loader("p1"))
+		require.NoError(t, err)
+		var highest int64
+		for range 5 {
+			require.NoError(t, b.cache.Invalidate(ctx, "p1"))
+			_, v, _, err := b.cache.Peek(ctx, "p1")
+			require.NoError(t, err)
+			require.Greater(t, v, highest)
+			highest = v
+		}
+		// The old value keys are still there; losing the version key must
+		// not make any of them reachable again.
+		require.NoError(t, b.client.Del(ctx, keyenc.Tagged(b.prefix, "p1", suffixVersion)).Err())
+		want := b.truth.write("p1", 2)
+		got, err := b.cache.Get(ctx, "p1", b.truth.loader("p1"))
+		require.NoError(t, err)
+		require.Equal(t, want, got)
+		_, v, ok, err := b.cache.Peek(ctx, "p1")
+		require.NoError(t, err)
+		require.True(t, ok)
+		require.Greater(t, v, highest)
+	})
+
+	// Readers, writers and a goroutine that keeps deleting the version key,
+	// all at once. A read that begins after a write's Invalidate returned
+	// must never see an older row version.
+	t.Run("ConcurrentVersionKeyLoss", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t, &Config{DisableFillLease: true})
+		const id = "hot"
+		b.truth.write(id, 0)
+		versionKey := keyenc.Tagged(b.prefix, id, suffixVersion)
+
+		var acked, reads, stale, deletes atomic.Int64
+		ctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+		defer cancel()
+		var wg sync.WaitGroup
+		slowLoader := func(ctx context.Context) (product, error) {
+			p := b.truth.read(id)
+			time.Sleep(200 * time.Microsecond) // widen the read→fill window
+			return p, nil
+		}
+		for range 8 {
+			wg.Go(func() {
+				for ctx.Err() == nil {
+					floor := acked.Load()
+					p, err := b.cache.Get(ctx, id, slowLoader)
+					if err != nil {
+						continue // only the deadline
+					}
+					reads.Add(1)
+					if p.Version < floor {
+						stale.Add(1)
+					}
+				}
+			})
+		}
+		for i := range 2 {
+			wg.Go(func() {
+				for n := 0; ctx.Err() == nil; n++ {
+					p := b.truth.write(id, 1000*i+n)
+					if b.cache.Invalidate(context.Background(), id) == nil {
+						for {
+							cur := acked.Load()
+							if p.Version <= cur || acked.CompareAndSwap(cur, p.Version) {
+								break
+							}
+						}
+					}
+					time.Sleep(time.Millisecond)
+				}
+			})
+		}
+		wg.Go(func() {
+			for ctx.Err() == nil {
+				if b.client.Del(context.Background(), versionKey).Val() == 1 {
+					deletes.Add(1)
+				}
+				time.Sleep(3 * time.Millisecond)
+			}
+		})
+		wg.Wait()
+		t.Logf("reads=%d writes=%d version-key deletions=%d stale=%d",
+			reads.Load(), acked.Load(), deletes.Load(), stale.Load())
+		require.Positive(t, reads.Load())
+		require.Positive(t, deletes.Load())
+		require.Zero(t, stale.Load())
+	})
+}

@@ -1,0 +1,121 @@
+package versioncache
+
+import (
+	"bytes"
+	"context"
+	"math/rand/v2"
+)
+
+// IDLoader loads the current value of one id from the source of truth, for
+// Check. To let Check see a deleted row that is still cached, return a value
+// that encodes differently (a tombstone) instead of an error.
+type IDLoader[T any] func(ctx context.Context, id string) (T, error)
+
+// CheckReport is the outcome of Check.
+type CheckReport[T any] struct {
+	Sampled   int // ids examined
+	Cached    int // of those, ids with a value under their current version
+	NotCached int // ids with nothing cached: nothing to diverge
+	// Moved counts ids whose version changed while they were being compared:
+	// a write was in flight, so the comparison proves nothing either way.
+	Moved int
+	// Divergent counts cached values that differed from the source of truth
+	// twice, with the version unchanged in between.
+	Divergent   int
+	Divergences []Divergence[T]
+}
+
+// Divergence is a cached value that disagrees with the source of truth.
+type Divergence[T any] struct {
+	ID      string
+	Version int64
+	Cached  T
+	Current T
+}
+
+// Check compares the cached values of up to n ids picked at random from ids
+// (all of them when n <= 0 or n >= len(ids)) with the source of truth: the
+// standing, sampled assertion that the cache is honest (say 500 ids an hour).
+// It reads through Peek, so it neither fills nor disturbs the cache.
+//
+// Values are compared by their Codec encoding. A mismatch is confirmed by a
+// second Peek and load; if the version moved in between, the id counts as
+// Moved, not Divergent, because a write was still settling. Check stops at
+// the first Redis or loader error and returns the report so far.
+func (c *Cache[T]) Check(ctx context.Context, ids []string, n int, load IDLoader[T]) (CheckReport[T], error) {
+	var report CheckReport[T]
+	if load == nil {
+		return report, ErrNilLoader
+	}
+	for _, id := range sample(ids, n) {
+		if err := ctx.Err(); err != nil {
+			return report, err
+		}
+		report.Sampled++
+		cached, version, ok, err := c.Peek(ctx, id)
+		if err != nil {
+			return report, err
+		}
+		if !ok {
+			report.NotCached++
+			continue
+		}
+		report.Cached++
+		current, same, err := c.compare(ctx, id, cached, load)
+		if err != nil || same {
+			if err != nil {
+				return report, err
+			}
+			continue
+		}
+		// Confirm: a write committed but not yet invalidated looks exactly
+		// like a divergence for a moment.
+		again, version2, ok, err := c.Peek(ctx, id)
+		if err != nil {
+			return report, err
+		}
+		if !ok || version2 != version {
+			report.Moved++
+			continue
+		}
+		current, same, err = c.compare(ctx, id, again, load)
+		if err != nil {
+			return report, err
+		}
+		if !same {
+			report.Divergent++
+			report.Divergences = append(report.Divergences,
+				Divergence[T]{ID: id, Version: version, Cached: again, Current: current})
+		}
+	}
+	return report, nil
+}
+
+func (c *Cache[T]) compare(ctx context.Context, id string, cached T, load IDLoader[T]) (T, bool, error) {
+	current, err := load(ctx, id)
+	if err != nil {
+		return current, false, &LoadError{ID: id, Err: err}
+	}
+	a, err := c.config.Codec.Marshal(cached)
+	if err != nil {
+		return current, false, &CodecError{ID: id, Err: err}
+	}
+	b, err := c.config.Codec.Marshal(current)
+	if err != nil {
+		return current, false, &CodecError{ID: id, Err: err}
+	}
+	return current, bytes.Equal(a, b), nil
+}
+
+// sample returns n distinct elements of ids in random order, or all of them.
+func sample(ids []string, n int) []string {
+	out := append([]string(nil), ids...)
+	if n <= 0 || n >= len(out) {
+		return out
+	}
+	for i := 0; i < n; i++ {
+		j := i + rand.IntN(len(out)-i)
+		out[i], out[j] = out[j], out[i]
+	}
+	return out[:n]
+}

@@ -1,0 +1,143 @@
+package versioncache
+
+import (
+	"fmt"
+	"log/slog"
+	"time"
+
+	"github.com/verity-go/verity/internal/keyenc"
+)
+
+// Defaults for Config fields left at their zero value.
+const (
+	// PrefixDefault is the key prefix used when Config.Prefix is empty.
+	PrefixDefault = "verity:vc:"
+	// TTLDefault is how long a cached value lives.
+	TTLDefault = time.Hour
+	// FillLeaseTTLDefault is how long a cross-process fill lease is held
+	// before another process may take it over.
+	FillLeaseTTLDefault = 5 * time.Second
+	// FillLeaseWaitDefault is how long a process that lost the fill lease
+	// polls for the winner's value before it loads on its own.
+	FillLeaseWaitDefault = 500 * time.Millisecond
+	// FillLeasePollDefault is the interval between those polls.
+	FillLeasePollDefault = 5 * time.Millisecond
+)
+
+// FailureMode says what Get does when Redis cannot be reached.
+type FailureMode int
+
+const (
+	// FailOpen serves the loader's value, straight from the source of truth,
+	// and does not cache it. Availability follows the database.
+	FailOpen FailureMode = iota
+	// FailClosed returns a *RedisError instead, protecting the database from
+	// the full read load when the cache is down.
+	FailClosed
+)
+
+func (m FailureMode) String() string {
+	switch m {
+	case FailOpen:
+		return "fail-open"
+	case FailClosed:
+		return "fail-closed"
+	}
+	return fmt.Sprintf("FailureMode(%d)", int(m))
+}
+
+// Config configures a Cache. The zero value is usable.
+type Config struct {
+	// Prefix is prepended to every key. Use one prefix per cached type: two
+	// caches sharing a prefix share versions and values. It must not contain
+	// '{' or '}'. Defaults to PrefixDefault.
+	Prefix string
+
+	// TTL bounds how long a value (and therefore an orphaned value key) is
+	// kept. Together with the write rate it bounds the dead keys left behind:
+	// at most one orphan per Invalidate, each gone within TTL. Defaults to
+	// TTLDefault.
+	TTL time.Duration
+
+	// Codec encodes cached values. Defaults to JSONCodec.
+	Codec Codec
+
+	// FailureMode decides between serving the loader's value and returning
+	// an error when Redis fails. A stale value is never served in either
+	// mode. Defaults to FailOpen.
+	FailureMode FailureMode
+
+	// DisableFillLease turns off the cross-process fill lease, leaving only
+	// the in-process single flight. Defaults to false (lease on).
+	DisableFillLease bool
+
+	// FillLeaseTTL is how long the process that won a miss may take to load
+	// and fill before the lease lapses and another process may load. It
+	// should exceed a slow load. Defaults to FillLeaseTTLDefault.
+	FillLeaseTTL time.Duration
+
+	// FillLeaseWait is how long a process that lost the lease waits for the
+	// winner's value before loading itself. Defaults to FillLeaseWaitDefault.
+	FillLeaseWait time.Duration
+
+	// FillLeasePoll is the interval at which a waiting process looks for the
+	// winner's value. Defaults to FillLeasePollDefault.
+	FillLeasePoll time.Duration
+
+	// Logger receives warnings about Redis failures and codec errors.
+	// Defaults to a logger that discards everything.
+	Logger *slog.Logger
+}
+
+// WithDefaults returns a copy of c (or of the zero Config when c is nil)
+// with every unset field set to its default.
+func (c *Config) WithDefaults() *Config {
+	out := Config{}
+	if c != nil {
+		out = *c
+	}
+	if out.Prefix == "" {
+		out.Prefix = PrefixDefault
+	}
+	if out.TTL == 0 {
+		out.TTL = TTLDefault
+	}
+	if out.Codec == nil {
+		out.Codec = JSONCodec{}
+	}
+	if out.FillLeaseTTL == 0 {
+		out.FillLeaseTTL = FillLeaseTTLDefault
+	}
+	if out.FillLeaseWait == 0 {
+		out.FillLeaseWait = FillLeaseWaitDefault
+	}
+	if out.FillLeasePoll == 0 {
+		out.FillLeasePoll = FillLeasePollDefault
+	}
+	if out.Logger == nil {
+		out.Logger = slog.New(slog.DiscardHandler)
+	}
+	return &out
+}
+
+func (c *Config) validate() error {
+	if err := keyenc.ValidatePrefix(c.Prefix); err != nil {
+		return &ConfigError{Field: "Prefix", Reason: err.Error()}
+	}
+	if c.TTL < time.Millisecond {
+		return &ConfigError{Field: "TTL", Reason: "must be at least 1ms (Redis expiries are in milliseconds); leave it zero for the default"}
+	}
+	if c.FailureMode != FailOpen && c.FailureMode != FailClosed {
+		return &ConfigError{Field: "FailureMode", Reason: "must be FailOpen or FailClosed"}
+	}
+	if c.FillLeaseTTL < time.Millisecond {
+		return &ConfigError{Field: "FillLeaseTTL", Reason: "must be at least 1ms; leave it zero for the default, or set DisableFillLease"}
+	}
+	if c.FillLeaseWait < 0 {
+		return &ConfigError{Field: "FillLeaseWait", Reason: "must not be negative"}
+	}
+	if c.FillLeasePoll <= 0 {
+		return &ConfigError{Field: "FillLeasePoll", Reason: "must be positive; leave it zero for the default"}
+	}
+	return nil
+}

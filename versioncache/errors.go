@@ -1,0 +1,88 @@
+package versioncache
+
+import (
+	"errors"
+	"fmt"
+)
+
+// Sentinel errors. Match them with errors.Is; the typed errors below match
+// the relevant sentinel too.
+var (
+	// ErrNilClient is returned by New without a Redis client.
+	ErrNilClient = errors.New("versioncache: nil redis client")
+	// ErrNilLoader is returned by Get, GetAt and Check without a loader.
+	ErrNilLoader = errors.New("versioncache: nil loader")
+	// ErrInvalidConfig is matched by every *ConfigError.
+	ErrInvalidConfig = errors.New("versioncache: invalid config")
+	// ErrRedis is matched by every *RedisError.
+	ErrRedis = errors.New("versioncache: redis failed")
+	// ErrLoad is matched by every *LoadError.
+	ErrLoad = errors.New("versioncache: loader failed")
+	// ErrCodec is matched by every *CodecError.
+	ErrCodec = errors.New("versioncache: codec failed")
+	// ErrInvalidVersion is returned by GetAt for a negative version.
+	ErrInvalidVersion = errors.New("versioncache: version must not be negative")
+)
+
+// ConfigError reports a Config field that cannot be used.
+type ConfigError struct {
+	Field  string
+	Reason string
+}
+
+func (e *ConfigError) Error() string {
+	return fmt.Sprintf("versioncache: Config.%s %s", e.Field, e.Reason)
+}
+
+// Is reports whether target is ErrInvalidConfig.
+func (e *ConfigError) Is(target error) bool { return target == ErrInvalidConfig }
+
+// RedisError is a failed Redis operation. With FailOpen, Get never returns
+// it (it serves the loader's value); Invalidate always does, because a lost
+// invalidation leaves the previous value readable until its TTL.
+type RedisError struct {
+	Op  string // "read", "fill", "invalidate", "peek"
+	ID  string
+	Err error
+}
+
+func (e *RedisError) Error() string {
+	return fmt.Sprintf("versioncache: redis %s of id %q: %v", e.Op, e.ID, e.Err)
+}
+
+func (e *RedisError) Unwrap() error { return e.Err }
+
+// Is reports whether target is ErrRedis.
+func (e *RedisError) Is(target error) bool { return target == ErrRedis }
+
+// LoadError wraps an error returned by the caller's loader. Nothing is cached
+// when the loader fails.
+type LoadError struct {
+	ID  string
+	Err error
+}
+
+func (e *LoadError) Error() string {
+	return fmt.Sprintf("versioncache: load of id %q: %v", e.ID, e.Err)
+}
+
+func (e *LoadError) Unwrap() error { return e.Err }
+
+// Is reports whether target is ErrLoad.
+func (e *LoadError) Is(target error) bool { return target == ErrLoad }
+
+// CodecError is a value the Codec could not encode. (A cached value that does
+// not decode is treated as a miss and overwritten, not returned as an error.)
+type CodecError struct {
+	ID  string
+	Err error
+}
+
+func (e *CodecError) Error() string {
+	return fmt.Sprintf("versioncache: encode value of id %q: %v", e.ID, e.Err)
+}
+
+func (e *CodecError) Unwrap() error { return e.Err }
+
+// Is reports whether target is ErrCodec.
+func (e *CodecError) Is(target error) bool { return target == ErrCodec }

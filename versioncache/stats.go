@@ -1,0 +1,48 @@
+package versioncache
+
+import "sync/atomic"
+
+// Stats are counters since the Cache was created. They are per process.
+type Stats struct {
+	Hits   uint64 // reads served from Redis
+	Misses uint64 // reads that had to load (or join a load)
+	Loads  uint64 // calls of a loader, including fail-open loads
+	// SharedLoads are misses that joined another goroutine's load of the same
+	// id and version instead of loading.
+	SharedLoads uint64
+	Fills       uint64 // values stored
+	// StaleFillsSkipped are loads not stored because the version moved
+	// while loading: each is a stale-set race that versioning closed.
+	StaleFillsSkipped uint64
+	Invalidations     uint64
+	// OrphanedValueKeys counts Invalidate calls that left a value behind
+	// under the old version. Each orphan expires within TTL, so live orphans
+	// are bounded by the invalidation rate times TTL.
+	OrphanedValueKeys uint64
+	LeaseWaits        uint64 // misses that found another process filling
+	LeaseWaitHits     uint64 // ... and got its value while waiting
+	LeaseFallbacks    uint64 // ... and loaded themselves after FillLeaseWait
+	RedisErrors       uint64
+	DecodeErrors      uint64 // cached values the Codec could not decode
+}
+
+type counters struct {
+	hits, misses, loads, sharedLoads, fills, staleFillsSkipped atomic.Uint64
+	invalidations, orphanedValueKeys                           atomic.Uint64
+	leaseWaits, leaseWaitHits, leaseFallbacks                  atomic.Uint64
+	redisErrors, decodeErrors                                  atomic.Uint64
+}
+
+// Stats returns a snapshot of the counters.
+func (c *Cache[T]) Stats() Stats {
+	s := &c.stats
+	return Stats{
+		Hits: s.hits.Load(), Misses: s.misses.Load(), Loads: s.loads.Load(),
+		SharedLoads: s.sharedLoads.Load(), Fills: s.fills.Load(),
+		StaleFillsSkipped: s.staleFillsSkipped.Load(),
+		Invalidations:     s.invalidations.Load(), OrphanedValueKeys: s.orphanedValueKeys.Load(),
+		LeaseWaits: s.leaseWaits.Load(), LeaseWaitHits: s.leaseWaitHits.Load(),
+		LeaseFallbacks: s.leaseFallbacks.Load(),
+		RedisErrors:    s.redisErrors.Load(), DecodeErrors: s.decodeErrors.Load(),
+	}
+}
