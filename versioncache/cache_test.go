@@ -191,7 +191,7 @@ func TestGet(t *testing.T) {
 			done <- p
 		}()
 		<-loaded
-		want := b.truth.write("p41", 4400)               // T3
+		want := b.truth.write("p41", 4400)                 // T3
 		require.NoError(t, b.cache.Invalidate(ctx, "p41")) // T4
 		close(release)
 		require.Equal(t, 4900, (<-done).Price, "a read that began before the write may return the old value")
