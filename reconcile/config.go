@@ -1,0 +1,204 @@
+package reconcile
+
+import (
+	"context"
+	"log/slog"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+
+	"github.com/verity-go/verity/projection"
+)
+
+// Defaults of Config.
+const (
+	// PageSizeDefault is the default number of source rows read, compared
+	// and repaired per round trip.
+	PageSizeDefault = 1000
+	// ExamplesPerClassDefault is the default number of findings kept per
+	// class in Report.Examples.
+	ExamplesPerClassDefault = 10
+	// RepairTimeoutDefault bounds a repair batch once it has been sent.
+	RepairTimeoutDefault = 10 * time.Second
+	// RebuildMarkerTTLDefault is the default lifetime of a rebuild marker.
+	RebuildMarkerTTLDefault = time.Minute
+)
+
+// Action is what a run does about a class of findings.
+type Action uint8
+
+const (
+	// ActionDefault uses the class's default: repair missing, stale and
+	// corrupt; report ahead and orphan.
+	ActionDefault Action = iota
+	// ActionReport counts and reports findings without writing anything.
+	ActionReport
+	// ActionRepair repairs findings with a compare-and-set write. For ahead
+	// and orphan it is the explicit opt-in to force the source's state
+	// onto the projection (ahead is overwritten with the source's older
+	// version; orphans are removed).
+	ActionRepair
+)
+
+// Policy chooses an Action per class. The zero Policy is the default.
+type Policy struct {
+	Missing Action
+	Stale   Action
+	Corrupt Action
+	Ahead   Action
+	Orphan  Action
+}
+
+// For returns the resolved action (never ActionDefault) for class c.
+func (p Policy) For(c Class) Action {
+	var a Action
+	switch c {
+	case ClassMissing:
+		a = p.Missing
+	case ClassStale:
+		a = p.Stale
+	case ClassCorrupt:
+		a = p.Corrupt
+	case ClassAhead:
+		a = p.Ahead
+	case ClassOrphan:
+		a = p.Orphan
+	default:
+		return ActionReport
+	}
+	if a != ActionDefault {
+		return a
+	}
+	if c == ClassAhead || c == ClassOrphan {
+		return ActionReport
+	}
+	return ActionRepair
+}
+
+// Config tunes a Reconciler. The zero Config is valid.
+type Config struct {
+	// PageSize is the number of source rows read per page, and the number
+	// of projection entries read (and repaired) per round trip. Memory use
+	// is proportional to it, not to the table. Defaults to PageSizeDefault.
+	PageSize int
+	// ExamplesPerClass is the number of findings kept per class in
+	// Report.Examples; -1 keeps none. Defaults to ExamplesPerClassDefault.
+	ExamplesPerClass int
+	// Policy chooses what is repaired. Defaults to repairing missing, stale
+	// and corrupt entries and only reporting ahead and orphan ones.
+	Policy Policy
+	// SkipOrphans turns off the orphan scan that ends a full (non-sampled)
+	// run. Defaults to false: full runs scan the projection for entries the
+	// source does not have.
+	SkipOrphans bool
+	// BeforeRepair, when set, is called before each repair with the finding
+	// (Result is ResultNone); returning false vetoes it (ResultVetoed).
+	// Defaults to nil (every repair the policy allows proceeds).
+	BeforeRepair func(ctx context.Context, f Finding) bool
+	// AfterRepair, when set, is called after each repair attempt with its
+	// Result (repaired, raced or uncertain). Defaults to nil.
+	AfterRepair func(ctx context.Context, f Finding)
+	// OnAlert, when set, is called for every ahead and orphan finding,
+	// before any repair: they mean the projection knows something the
+	// source does not, which deserves a human. Defaults to nil.
+	OnAlert func(ctx context.Context, f Finding)
+	// RepairTimeout bounds a batch of repairs once sent. Repairs run on a
+	// context detached from the run's cancellation, so that a cancelled run
+	// still learns (and reports) what its last batch did. Defaults to
+	// RepairTimeoutDefault.
+	RepairTimeout time.Duration
+	// RebuildMarkerTTL is the lifetime of a rebuild's marker key, refreshed
+	// while the rebuild makes progress. If the rebuilding process dies, the
+	// gate stops dual-writing once it expires. Defaults to
+	// RebuildMarkerTTLDefault.
+	RebuildMarkerTTL time.Duration
+	// Logger receives a line per run and per rebuild. Defaults to
+	// discarding.
+	Logger *slog.Logger
+}
+
+// WithDefaults returns a copy of c (nil allowed) with defaults filled in.
+func (c *Config) WithDefaults() *Config {
+	var out Config
+	if c != nil {
+		out = *c
+	}
+	if out.PageSize == 0 {
+		out.PageSize = PageSizeDefault
+	}
+	if out.ExamplesPerClass == 0 {
+		out.ExamplesPerClass = ExamplesPerClassDefault
+	}
+	if out.RepairTimeout == 0 {
+		out.RepairTimeout = RepairTimeoutDefault
+	}
+	if out.RebuildMarkerTTL == 0 {
+		out.RebuildMarkerTTL = RebuildMarkerTTLDefault
+	}
+	if out.Logger == nil {
+		out.Logger = slog.New(slog.DiscardHandler)
+	}
+	return &out
+}
+
+func (c *Config) validate() error {
+	switch {
+	case c.PageSize < 1 || c.PageSize > 100_000:
+		return &ConfigError{Field: "Config.PageSize", Reason: "must be between 1 and 100000 (0 uses the default)"}
+	case c.ExamplesPerClass < -1:
+		return &ConfigError{Field: "Config.ExamplesPerClass", Reason: "must be -1 (none) or more"}
+	case c.RepairTimeout < 0:
+		return &ConfigError{Field: "Config.RepairTimeout", Reason: "must be positive (0 uses the default)"}
+	case c.RebuildMarkerTTL < 0 || (c.RebuildMarkerTTL > 0 && c.RebuildMarkerTTL < 100*time.Millisecond):
+		return &ConfigError{Field: "Config.RebuildMarkerTTL", Reason: "must be at least 100ms (0 uses the default)"}
+	}
+	for _, a := range []struct {
+		field string
+		a     Action
+	}{{"Missing", c.Policy.Missing}, {"Stale", c.Policy.Stale}, {"Corrupt", c.Policy.Corrupt}, {"Ahead", c.Policy.Ahead}, {"Orphan", c.Policy.Orphan}} {
+		if a.a > ActionRepair {
+			return &ConfigError{Field: "Config.Policy." + a.field, Reason: "must be ActionDefault, ActionReport or ActionRepair"}
+		}
+	}
+	return nil
+}
+
+// Target says which projection a Reconciler checks.
+type Target struct {
+	// Client reaches the Redis server, Sentinel group or Cluster holding
+	// the projection. Required.
+	Client redis.UniversalClient
+	// Keyspace names the projection's keys; it must be the one the gate
+	// writes with.
+	Keyspace projection.Keyspace
+	// Kind is the projection's data structure. Required.
+	Kind projection.Kind
+	// Name is the collection (sorted set or hash) whose members are the
+	// source's keys. For KindDocument it must be empty: every source key
+	// is a document id.
+	Name string
+}
+
+func (t Target) validate() error {
+	if t.Client == nil {
+		return &ConfigError{Field: "Target.Client", Reason: "must not be nil"}
+	}
+	switch t.Kind {
+	case projection.KindSortedSet, projection.KindHash:
+	case projection.KindDocument:
+		if t.Name != "" {
+			return &ConfigError{Field: "Target.Name", Reason: "must be empty for KindDocument (source keys are the document ids)"}
+		}
+	default:
+		return &ConfigError{Field: "Target.Kind", Reason: "must be projection.KindSortedSet, KindHash or KindDocument"}
+	}
+	return nil
+}
+
+// target returns the projection target of the entity key.
+func (t Target) target(key string) projection.Target {
+	if t.Kind == projection.KindDocument {
+		return projection.Target{Kind: t.Kind, Name: key}
+	}
+	return projection.Target{Kind: t.Kind, Name: t.Name, Member: key}
+}

@@ -1,0 +1,59 @@
+package reconcile
+
+import (
+	"errors"
+	"fmt"
+)
+
+// Sentinel errors. The typed errors below match them with errors.Is and carry
+// details for errors.As.
+var (
+	// ErrInvalidConfig: a Config, SQLSourceConfig or Target field is out of
+	// range. The error names the field.
+	ErrInvalidConfig = errors.New("reconcile: invalid configuration")
+	// ErrInvalidRow: the source produced a row the projection cannot hold
+	// (a version that is not positive, a NULL column, a score outside ±2^53).
+	// The pass stops there rather than guess.
+	ErrInvalidRow = errors.New("reconcile: invalid source row")
+	// ErrRebuildInProgress: Rebuild found another rebuild's marker on the
+	// collection. Wait for it to finish (or for its marker TTL to expire).
+	ErrRebuildInProgress = errors.New("reconcile: a rebuild of this collection is already running")
+	// ErrRebuildAborted: the rebuild lost its marker before the switch (its
+	// TTL expired, or someone deleted it), so the gate may have stopped
+	// dual-writing into the shadow keys. The live projection was left
+	// untouched; run Rebuild again.
+	ErrRebuildAborted = errors.New("reconcile: rebuild marker lost before the switch; live projection untouched")
+	// ErrRebuildUnsupported: Rebuild was asked to rebuild documents. Each
+	// document lives in its own slot, so there is no single key set to
+	// switch atomically; Run repairs documents one by one instead.
+	ErrRebuildUnsupported = errors.New("reconcile: rebuild supports sorted-set and hash targets only")
+	// ErrUnexpectedReply: Redis answered a script or command with a reply
+	// this package does not understand.
+	ErrUnexpectedReply = errors.New("reconcile: unexpected reply from redis")
+)
+
+// ConfigError reports an invalid configuration field.
+type ConfigError struct {
+	Field  string // for example "Config.PageSize"
+	Reason string // what is wrong and how to fix it
+}
+
+func (e *ConfigError) Error() string {
+	return fmt.Sprintf("reconcile: %s: %s", e.Field, e.Reason)
+}
+
+// Is matches ErrInvalidConfig.
+func (e *ConfigError) Is(target error) bool { return target == ErrInvalidConfig }
+
+// InvalidRowError reports a source row that cannot be projected.
+type InvalidRowError struct {
+	Key    string
+	Reason string
+}
+
+func (e *InvalidRowError) Error() string {
+	return fmt.Sprintf("reconcile: source row %q: %s", e.Key, e.Reason)
+}
+
+// Is matches ErrInvalidRow.
+func (e *InvalidRowError) Is(target error) bool { return target == ErrInvalidRow }

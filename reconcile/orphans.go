@@ -1,0 +1,231 @@
+package reconcile
+
+import (
+	"context"
+	"fmt"
+	"strings"
+
+	"github.com/redis/go-redis/v9"
+
+	"github.com/verity-go/verity/internal/keyenc"
+	"github.com/verity-go/verity/projection"
+)
+
+// scanOrphans looks for projection entries the source does not have. It
+// walks the projection with cursor scans, PageSize entries at a time, and
+// looks each batch up in the source:
+//
+//   - entries with a version: HSCAN of the version hash (documents: SCAN of
+//     the version keys);
+//   - entries with a value but no version: ZSCAN/HSCAN of the value key
+//     (documents: SCAN of the value keys), keeping only those whose version
+//     is absent, so no entry is counted twice.
+//
+// SCAN-family cursors guarantee every entry present for the whole scan is
+// returned at least once; an entry may be returned twice while Redis
+// rehashes, and would then be counted twice.
+func (r *Reconciler) scanOrphans(ctx context.Context, opts RunOptions, rep *Report) error {
+	if r.target.Kind == projection.KindDocument {
+		if err := r.scanDocuments(ctx, ":dv", func(ids []string) error {
+			return r.checkCandidates(ctx, opts, ids, false, rep)
+		}); err != nil {
+			return err
+		}
+		return r.scanDocuments(ctx, ":d", func(ids []string) error {
+			return r.checkCandidates(ctx, opts, ids, true, rep)
+		})
+	}
+	if err := r.scanCollection(ctx, "HSCAN", r.versionKey, func(members []string) error {
+		return r.checkCandidates(ctx, opts, members, false, rep)
+	}); err != nil {
+		return err
+	}
+	valueScan := "HSCAN"
+	if r.target.Kind == projection.KindSortedSet {
+		valueScan = "ZSCAN"
+	}
+	return r.scanCollection(ctx, valueScan, r.valueKey, func(members []string) error {
+		return r.checkCandidates(ctx, opts, members, true, rep)
+	})
+}
+
+// checkCandidates classifies projection entries found by a scan: those the
+// source lacks are orphans. versionless restricts the check to entries
+// without a version (the value-key scan).
+func (r *Reconciler) checkCandidates(ctx context.Context, opts RunOptions, keys []string, versionless bool, rep *Report) error {
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	keys = dedupe(keys)
+	if versionless {
+		projected, err := r.read(ctx, keys)
+		if err != nil {
+			return err
+		}
+		kept := keys[:0]
+		for i, k := range keys {
+			if !projected[i].HasVersion {
+				kept = append(kept, k)
+			}
+		}
+		keys = kept
+	}
+	rep.Scanned += int64(len(keys))
+	if len(keys) == 0 {
+		return nil
+	}
+	found, err := r.source.Lookup(ctx, keys)
+	if err != nil {
+		return fmt.Errorf("reconcile: looking up projection entries in the source: %w", err)
+	}
+	inSource := make(map[string]struct{}, len(found))
+	for _, row := range found {
+		inSource[row.Key] = struct{}{}
+	}
+	var missing []string
+	for _, k := range keys {
+		if _, ok := inSource[k]; !ok {
+			missing = append(missing, k)
+		}
+	}
+	if len(missing) == 0 {
+		return nil
+	}
+	// Read again, now that the source said no: this is the state the
+	// compare-and-set removal will insist on.
+	projected, err := r.read(ctx, missing)
+	if err != nil {
+		return err
+	}
+	var findings []Finding
+	for i, k := range missing {
+		if c := Classify(r.target.Kind, nil, projected[i]); c == ClassOrphan {
+			findings = append(findings, Finding{Class: c, Key: k, Projected: projected[i]})
+		}
+	}
+	return r.settle(ctx, opts, findings, rep)
+}
+
+// scanCollection runs HSCAN or ZSCAN over key and hands each batch of
+// members (fields) to fn.
+func (r *Reconciler) scanCollection(ctx context.Context, cmd, key string, fn func([]string) error) error {
+	var cursor uint64
+	for {
+		var (
+			pairs []string
+			err   error
+		)
+		if cmd == "ZSCAN" {
+			pairs, cursor, err = r.target.Client.ZScan(ctx, key, cursor, "", int64(r.cfg.PageSize)).Result()
+		} else {
+			pairs, cursor, err = r.target.Client.HScan(ctx, key, cursor, "", int64(r.cfg.PageSize)).Result()
+		}
+		if err != nil {
+			return fmt.Errorf("reconcile: %s %s: %w", cmd, key, err)
+		}
+		members := make([]string, 0, len(pairs)/2)
+		for i := 0; i+1 < len(pairs); i += 2 {
+			members = append(members, pairs[i])
+		}
+		if len(members) > 0 {
+			if err := fn(members); err != nil {
+				return err
+			}
+		}
+		if cursor == 0 {
+			return nil
+		}
+	}
+}
+
+// scanDocuments SCANs every master for the keys of documents ending in
+// suffix and hands each batch of document ids to fn.
+func (r *Reconciler) scanDocuments(ctx context.Context, suffix string, fn func([]string) error) error {
+	prefix := r.target.Keyspace.Prefix()
+	pattern := escapeGlob(prefix) + "{*}" + suffix
+	scanNode := func(ctx context.Context, node *redis.Client) error {
+		var cursor uint64
+		for {
+			keys, next, err := node.Scan(ctx, cursor, pattern, int64(r.cfg.PageSize)).Result()
+			if err != nil {
+				return fmt.Errorf("reconcile: SCAN %s: %w", pattern, err)
+			}
+			ids := make([]string, 0, len(keys))
+			for _, k := range keys {
+				if id, ok := documentID(k, prefix, suffix); ok {
+					ids = append(ids, id)
+				}
+			}
+			if len(ids) > 0 {
+				if err := fn(ids); err != nil {
+					return err
+				}
+			}
+			if cursor = next; cursor == 0 {
+				return nil
+			}
+		}
+	}
+	switch c := r.target.Client.(type) {
+	case *redis.Client:
+		return scanNode(ctx, c)
+	case *redis.ClusterClient:
+		// Sequential per master: fn is not safe for concurrent use.
+		var masters []*redis.Client
+		if err := c.ForEachMaster(ctx, func(_ context.Context, node *redis.Client) error {
+			masters = append(masters, node)
+			return nil
+		}); err != nil {
+			return fmt.Errorf("reconcile: listing cluster masters: %w", err)
+		}
+		for _, m := range masters {
+			if err := scanNode(ctx, m); err != nil {
+				return err
+			}
+		}
+		return nil
+	}
+	return &ConfigError{Field: "Target.Client", Reason: fmt.Sprintf("orphan scan of documents needs a *redis.Client or *redis.ClusterClient, not %T; set Config.SkipOrphans", r.target.Client)}
+}
+
+// documentID extracts and unescapes the document id from a key
+// prefix{escaped-id}suffix.
+func documentID(key, prefix, suffix string) (string, bool) {
+	if !strings.HasPrefix(key, prefix+"{") || !strings.HasSuffix(key, "}"+suffix) {
+		return "", false
+	}
+	tag := key[len(prefix)+1 : len(key)-len(suffix)-1]
+	if tag == "%" {
+		return "", true
+	}
+	id, err := keyenc.Unescape(tag)
+	if err != nil || strings.ContainsAny(tag, "{}") {
+		return "", false
+	}
+	return id, true
+}
+
+// escapeGlob escapes the characters SCAN MATCH treats specially.
+func escapeGlob(s string) string {
+	var b strings.Builder
+	for i := 0; i < len(s); i++ {
+		switch s[i] {
+		case '*', '?', '[', ']', '\\':
+			b.WriteByte('\\')
+		}
+		b.WriteByte(s[i])
+	}
+	return b.String()
+}
+
+func dedupe(keys []string) []string {
+	seen := make(map[string]struct{}, len(keys))
+	out := keys[:0]
+	for _, k := range keys {
+		if _, ok := seen[k]; !ok {
+			seen[k] = struct{}{}
+			out = append(out, k)
+		}
+	}
+	return out
+}

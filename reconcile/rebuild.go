@@ -1,0 +1,152 @@
+package reconcile
+
+import (
+	"context"
+	"crypto/rand"
+	_ "embed"
+	"encoding/hex"
+	"fmt"
+	"log/slog"
+	"strconv"
+	"time"
+
+	"github.com/verity-go/verity/projection"
+)
+
+//go:embed rebuild.lua
+var rebuildSource string
+
+// RebuildReport summarises a Rebuild.
+type RebuildReport struct {
+	// Started is when the rebuild began; Duration how long it took.
+	Started  time.Time
+	Duration time.Duration
+	// Rows counts source rows copied into the shadow keys.
+	Rows int64
+	// Applied counts rows written into the shadow keys; Kept counts rows
+	// whose shadow entry was already as new or newer (a gate write made
+	// during the rebuild, dual-written into the shadow, wins).
+	Applied int64
+	Kept    int64
+	// Switched reports whether the shadow keys replaced the live keys.
+	Switched bool
+}
+
+// Rebuild rebuilds a collection projection (sorted set or hash) from the
+// source and switches readers to it atomically:
+//
+//  1. One script clears leftover shadow keys and sets the rebuild marker
+//     (with Config.RebuildMarkerTTL). From then on the gate applies every
+//     live write to the shadow keys too.
+//  2. The source is copied page by page into the shadow keys through
+//     projection.Gate.ApplyShadow, by the gate's rule: only a newer version
+//     is written, so a newer gate write made meanwhile is never overwritten
+//     by an older source page. The marker's TTL is extended as pages go.
+//  3. One script, if the marker is still this rebuild's, RENAMEs the shadow
+//     keys over the live keys and deletes the marker.
+//
+// Readers keep reading the old projection until the switch and never see
+// an empty or half-built one. Every key involved shares the collection's
+// hash tag, so this works unchanged on Redis Cluster. The result matches
+// the source: ahead entries are replaced by the source's state and orphans
+// disappear, which makes Rebuild the remedy when a Run reports many.
+//
+// If ctx is cancelled or anything fails before the switch, the marker and
+// shadow keys are removed and the live projection is left as it was. If
+// the marker was lost (its TTL expired because the process stalled),
+// Rebuild returns ErrRebuildAborted. If another rebuild holds the marker,
+// it returns ErrRebuildInProgress. Documents cannot be rebuilt
+// (ErrRebuildUnsupported): use Run.
+func (r *Reconciler) Rebuild(ctx context.Context) (*RebuildReport, error) {
+	rep := &RebuildReport{Started: time.Now()}
+	if r.target.Kind == projection.KindDocument {
+		return rep, ErrRebuildUnsupported
+	}
+	ks, kind, name := r.target.Keyspace, r.target.Kind, r.target.Name
+	keys := []string{
+		ks.RebuildMarkerKey(name, kind),
+		ks.ShadowValueKey(name, kind),
+		ks.ShadowVersionKey(name, kind),
+		r.valueKey,
+		r.versionKey,
+	}
+	var buf [16]byte
+	_, _ = rand.Read(buf[:])
+	token := hex.EncodeToString(buf[:])
+	ttl := strconv.FormatInt(r.cfg.RebuildMarkerTTL.Milliseconds(), 10)
+	step := func(ctx context.Context, name string) (bool, error) {
+		n, err := r.rebuildScript.Run(ctx, r.target.Client, keys, name, token, ttl).Int64()
+		if err != nil {
+			return false, fmt.Errorf("reconcile: rebuild %s: %w", name, err)
+		}
+		return n == 1, nil
+	}
+
+	ok, err := step(ctx, "start")
+	if err != nil {
+		return rep, err
+	}
+	if !ok {
+		return rep, ErrRebuildInProgress
+	}
+	err = r.copyToShadow(ctx, rep, step)
+	if err == nil {
+		// The switch runs even if ctx is cancelled now: the copy is
+		// complete, and a switch whose reply is lost would leave the
+		// caller unsure which projection is live.
+		switchCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), r.cfg.RepairTimeout)
+		rep.Switched, err = step(switchCtx, "switch")
+		cancel()
+		if err == nil && !rep.Switched {
+			err = ErrRebuildAborted
+		}
+	}
+	if err != nil && !rep.Switched {
+		abortCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), r.cfg.RepairTimeout)
+		_, _ = step(abortCtx, "abort")
+		cancel()
+	}
+	rep.Duration = time.Since(rep.Started)
+	r.logger.Log(ctx, slog.LevelInfo, "reconcile rebuild finished",
+		slog.String("collection", name), slog.Int64("rows", rep.Rows), slog.Int64("applied", rep.Applied),
+		slog.Int64("kept", rep.Kept), slog.Bool("switched", rep.Switched), slog.Duration("duration", rep.Duration), slog.Any("error", err))
+	return rep, err
+}
+
+func (r *Reconciler) copyToShadow(ctx context.Context, rep *RebuildReport, step func(context.Context, string) (bool, error)) error {
+	pages, stop := r.pages(ctx)
+	defer stop()
+	lastRefresh := time.Now()
+	for p := range pages {
+		if p.err != nil {
+			return p.err
+		}
+		writes := make([]projection.Write, len(p.rows))
+		for i, row := range p.rows {
+			writes[i] = projection.Write{Target: r.target.target(row.Key), Version: row.Version, Value: row.Value}
+		}
+		outcomes, err := r.gate.ApplyShadow(ctx, writes)
+		if err != nil {
+			return fmt.Errorf("reconcile: rebuild copy: %w", err)
+		}
+		rep.Rows += int64(len(writes))
+		for _, o := range outcomes {
+			if o == projection.OutcomeApplied {
+				rep.Applied++
+			} else {
+				rep.Kept++
+			}
+		}
+		if time.Since(lastRefresh) > r.cfg.RebuildMarkerTTL/4 {
+			ok, err := step(ctx, "refresh")
+			if err != nil {
+				return err
+			}
+			if !ok {
+				return ErrRebuildAborted
+			}
+			lastRefresh = time.Now()
+		}
+	}
+	return ctx.Err()
+}

@@ -1,0 +1,268 @@
+package reconcile
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+
+	"github.com/verity-go/verity/projection"
+)
+
+// RunOptions select what one Run does.
+type RunOptions struct {
+	// Sample, when positive, checks up to Sample source rows chosen by
+	// Source.Sample instead of the whole source, and skips the orphan scan.
+	// Memory is proportional to Sample; keep samples small.
+	Sample int
+	// DryRun classifies and reports without writing anything; findings the
+	// policy would repair get ResultDryRun. Hooks other than OnAlert are not
+	// called.
+	DryRun bool
+}
+
+// Reconciler compares a Source with a Redis projection and repairs drift.
+// A Reconciler is safe for concurrent use, but two runs over the same
+// projection only waste work.
+type Reconciler struct {
+	source        Source
+	target        Target
+	cfg           *Config
+	gate          *projection.Gate
+	repairScript  *redis.Script
+	rebuildScript *redis.Script
+	logger        *slog.Logger
+
+	// valueKey and versionKey are the collection's keys (empty for
+	// documents).
+	valueKey, versionKey string
+}
+
+// New returns a Reconciler checking target against source. cfg may be nil.
+func New(source Source, target Target, cfg *Config) (*Reconciler, error) {
+	if source == nil {
+		return nil, &ConfigError{Field: "source", Reason: "must not be nil; use NewSQLSource"}
+	}
+	if err := target.validate(); err != nil {
+		return nil, err
+	}
+	cfg = cfg.WithDefaults()
+	if err := cfg.validate(); err != nil {
+		return nil, err
+	}
+	r := &Reconciler{
+		source:        source,
+		target:        target,
+		cfg:           cfg,
+		gate:          projection.NewGate(target.Client, target.Keyspace),
+		repairScript:  redis.NewScript(repairSource),
+		rebuildScript: redis.NewScript(rebuildSource),
+		logger:        cfg.Logger,
+	}
+	if target.Kind != projection.KindDocument {
+		t := projection.Target{Kind: target.Kind, Name: target.Name}
+		r.valueKey = target.Keyspace.ValueKey(t)
+		r.versionKey = target.Keyspace.VersionKey(t)
+	}
+	return r, nil
+}
+
+// Run compares the source with the projection, page by page, repairs what
+// the policy allows, and returns a Report.
+//
+// A full run (opts.Sample == 0) walks the whole source by keyset pagination
+// and then, unless Config.SkipOrphans, scans the projection for orphans. A
+// sampled run checks opts.Sample random rows.
+//
+// When ctx is cancelled, or anything fails, Run stops and returns the
+// Report so far together with the error. No repair goes unreported: a
+// batch of repairs already sent is allowed to finish (bounded by
+// Config.RepairTimeout) and counted; findings whose repair was not sent are
+// ResultNotAttempted; a repair whose reply was lost is ResultUncertain.
+func (r *Reconciler) Run(ctx context.Context, opts RunOptions) (*Report, error) {
+	rep := newReport(opts)
+	var err error
+	if opts.Sample > 0 {
+		err = r.runSample(ctx, opts, rep)
+	} else if opts.Sample < 0 {
+		err = &ConfigError{Field: "RunOptions.Sample", Reason: "must not be negative (0 runs a full pass)"}
+	} else {
+		err = r.runFull(ctx, opts, rep)
+	}
+	rep.Duration = time.Since(rep.Started)
+	level := slog.LevelInfo
+	if err != nil {
+		level = slog.LevelWarn
+	}
+	r.logger.Log(ctx, level, "reconcile run finished",
+		slog.Int64("checked", rep.Checked), slog.Int64("drift", rep.Drift()),
+		slog.Int64("repaired", rep.Repaired), slog.Int64("skipped", rep.Skipped),
+		slog.Int64("uncertain", rep.Uncertain), slog.Duration("duration", rep.Duration), slog.Any("error", err))
+	return rep, err
+}
+
+func (r *Reconciler) runSample(ctx context.Context, opts RunOptions, rep *Report) error {
+	rows, err := r.source.Sample(ctx, opts.Sample)
+	if err != nil {
+		return fmt.Errorf("reconcile: sampling source: %w", err)
+	}
+	for len(rows) > 0 {
+		n := min(len(rows), r.cfg.PageSize)
+		if err := r.checkRows(ctx, opts, rows[:n], rep); err != nil {
+			return err
+		}
+		rows = rows[n:]
+	}
+	return nil
+}
+
+// page is one source page handed from the prefetching reader to the
+// checker.
+type page struct {
+	rows []Row
+	err  error
+}
+
+func (r *Reconciler) runFull(ctx context.Context, opts RunOptions, rep *Report) error {
+	pages, stop := r.pages(ctx)
+	defer stop()
+	for p := range pages {
+		if p.err != nil {
+			return p.err
+		}
+		if err := r.checkRows(ctx, opts, p.rows, rep); err != nil {
+			return err
+		}
+	}
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	if r.cfg.SkipOrphans {
+		return nil
+	}
+	return r.scanOrphans(ctx, opts, rep)
+}
+
+// pages walks the source by keyset pagination in a goroutine that reads
+// the next page while the caller works on the current one, so PostgreSQL
+// and Redis latency overlap; at most two pages are in memory. The channel
+// closes after the last page or after a page carrying an error. stop must
+// be called; it returns once the goroutine has exited.
+func (r *Reconciler) pages(ctx context.Context) (<-chan page, func()) {
+	fetchCtx, cancel := context.WithCancel(ctx)
+	out := make(chan page, 1)
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		defer close(out)
+		var cursor Cursor
+		for {
+			rows, err := r.source.Page(fetchCtx, cursor, r.cfg.PageSize)
+			if err != nil {
+				err = fmt.Errorf("reconcile: reading source page: %w", err)
+			} else if len(rows) == 0 {
+				return
+			} else {
+				last := rows[len(rows)-1].Key
+				if k, ok := cursor.Key(); ok && k == last {
+					err = fmt.Errorf("reconcile: source returned key %q again; Page must return keys after the cursor", last)
+				}
+				cursor = After(last)
+			}
+			select {
+			case out <- page{rows: rows, err: err}:
+			case <-fetchCtx.Done():
+				return
+			}
+			if err != nil {
+				return
+			}
+		}
+	}()
+	return out, func() {
+		cancel()
+		<-done
+	}
+}
+
+// checkRows reads the projection for rows, classifies, repairs and records.
+func (r *Reconciler) checkRows(ctx context.Context, opts RunOptions, rows []Row, rep *Report) error {
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	keys := make([]string, len(rows))
+	for i := range rows {
+		keys[i] = rows[i].Key
+	}
+	projected, err := r.read(ctx, keys)
+	if err != nil {
+		return err
+	}
+	findings := make([]Finding, len(rows))
+	for i := range rows {
+		findings[i] = Finding{
+			Class:     Classify(r.target.Kind, &rows[i], projected[i]),
+			Key:       rows[i].Key,
+			Source:    &rows[i],
+			Projected: projected[i],
+		}
+	}
+	rep.Checked += int64(len(rows))
+	return r.settle(ctx, opts, findings, rep)
+}
+
+// settle applies the policy and hooks to findings, sends the repairs, and
+// records every finding in the report, whatever happens.
+func (r *Reconciler) settle(ctx context.Context, opts RunOptions, findings []Finding, rep *Report) (err error) {
+	var viaGate, viaCAS []*Finding
+	defer func() {
+		for i := range findings {
+			rep.record(&findings[i], r.cfg.ExamplesPerClass)
+		}
+	}()
+
+	for i := range findings {
+		f := &findings[i]
+		if f.Class == ClassCurrent {
+			continue
+		}
+		if (f.Class == ClassAhead || f.Class == ClassOrphan) && r.cfg.OnAlert != nil {
+			r.cfg.OnAlert(ctx, *f)
+		}
+		switch {
+		case r.cfg.Policy.For(f.Class) != ActionRepair:
+			f.Result = ResultReported
+		case opts.DryRun:
+			f.Result = ResultDryRun
+		case r.cfg.BeforeRepair != nil && !r.cfg.BeforeRepair(ctx, *f):
+			f.Result = ResultVetoed
+		case f.Class == ClassMissing || f.Class == ClassStale:
+			f.Result = ResultNotAttempted // until the repair's outcome is known
+			viaGate = append(viaGate, f)
+		default:
+			f.Result = ResultNotAttempted
+			viaCAS = append(viaCAS, f)
+		}
+	}
+	if len(viaGate)+len(viaCAS) == 0 {
+		return nil
+	}
+	// Last point at which cancellation stops repairs: after it, the batch
+	// is sent on a detached context so its outcome is always learnt.
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	repairCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), r.cfg.RepairTimeout)
+	defer cancel()
+	errGate := r.gateRepair(repairCtx, viaGate)
+	errCAS := r.casRepair(repairCtx, viaCAS)
+	if r.cfg.AfterRepair != nil {
+		for _, f := range append(viaGate, viaCAS...) {
+			r.cfg.AfterRepair(ctx, *f)
+		}
+	}
+	return errors.Join(errGate, errCAS)
+}

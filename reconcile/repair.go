@@ -1,0 +1,167 @@
+package reconcile
+
+import (
+	"context"
+	_ "embed"
+	"errors"
+	"fmt"
+	"strconv"
+
+	"github.com/redis/go-redis/v9"
+
+	"github.com/verity-go/verity/projection"
+)
+
+//go:embed repair.lua
+var repairSource string
+
+// repairArgs is the number of ARGV entries repair.lua reads per repair.
+const repairArgs = 7
+
+// gateRepair writes the source's state for missing and stale findings
+// through the projection gate, so a newer version written meanwhile wins by
+// construction (the gate answers duplicate or stale and writes nothing).
+func (r *Reconciler) gateRepair(ctx context.Context, fs []*Finding) error {
+	if len(fs) == 0 {
+		return nil
+	}
+	writes := make([]projection.Write, len(fs))
+	for i, f := range fs {
+		writes[i] = projection.Write{Target: r.target.target(f.Key), Version: f.Source.Version, Value: f.Source.Value}
+	}
+	outcomes, err := r.gate.Apply(ctx, writes)
+	if err != nil && (outcomes == nil || !errors.Is(err, projection.ErrCorruptVersion)) {
+		for _, f := range fs {
+			f.Result = ResultUncertain
+		}
+		return fmt.Errorf("reconcile: repairing %d entries through the gate: %w", len(fs), err)
+	}
+	for i, f := range fs {
+		if outcomes[i] == projection.OutcomeApplied {
+			f.Result = ResultRepaired
+		} else {
+			// Duplicate, stale, or a version corrupted since it was read:
+			// the projection changed under us, so leave it to the next run.
+			f.Result = ResultRaced
+		}
+	}
+	return nil
+}
+
+// casRepair overwrites (set) or removes (del) entries with repair.lua, only
+// where the stored version and value are still what was read. Documents are
+// grouped per slot; a collection's entries share one slot.
+func (r *Reconciler) casRepair(ctx context.Context, fs []*Finding) error {
+	if len(fs) == 0 {
+		return nil
+	}
+	kind := map[projection.Kind]string{projection.KindSortedSet: "z", projection.KindHash: "h", projection.KindDocument: "d"}[r.target.Kind]
+	type group struct {
+		keys  []string
+		args  []any
+		items []*Finding
+	}
+	var groups []*group
+	byKey := make(map[string]*group)
+	for _, f := range fs {
+		t := r.target.target(f.Key)
+		gk := ""
+		if r.target.Kind == projection.KindDocument {
+			gk = r.groupKey(t)
+		}
+		g := byKey[gk]
+		if g == nil {
+			g = &group{args: []any{kind}}
+			byKey[gk] = g
+			groups = append(groups, g)
+		}
+		base := len(g.keys) + 1
+		if r.target.Kind != projection.KindDocument && len(g.keys) > 0 {
+			base = 1 // collection keys are passed once
+		} else {
+			g.keys = append(g.keys, r.target.Keyspace.ValueKey(t), r.target.Keyspace.VersionKey(t))
+		}
+		action, version, value := "del", "", any("")
+		if f.Source != nil {
+			action = "set"
+			version = strconv.FormatInt(f.Source.Version, 10)
+			if r.target.Kind == projection.KindSortedSet {
+				value = strconv.FormatInt(f.Source.Value.Score, 10)
+			} else {
+				value = nonNil(f.Source.Value.Data)
+			}
+		}
+		g.args = append(g.args, base, f.Key, expectVersion(f.Projected), r.expectValue(f.Projected), action, version, value)
+		g.items = append(g.items, f)
+	}
+
+	cmds := make([]*redis.Cmd, len(groups))
+	if len(groups) == 1 {
+		cmds[0] = r.repairScript.Run(ctx, r.target.Client, groups[0].keys, groups[0].args...)
+	} else {
+		pipe := r.target.Client.Pipeline()
+		for i, g := range groups {
+			cmds[i] = r.repairScript.EvalSha(ctx, pipe, g.keys, g.args...)
+		}
+		_, _ = pipe.Exec(ctx)
+		var retry []int
+		for i, cmd := range cmds {
+			if err := cmd.Err(); err != nil && redis.HasErrorPrefix(err, "NOSCRIPT") {
+				retry = append(retry, i)
+			}
+		}
+		if len(retry) > 0 {
+			pipe := r.target.Client.Pipeline()
+			for _, i := range retry {
+				cmds[i] = r.repairScript.Eval(ctx, pipe, groups[i].keys, groups[i].args...)
+			}
+			_, _ = pipe.Exec(ctx)
+		}
+	}
+
+	var errs []error
+	for i, g := range groups {
+		codes, err := cmds[i].Int64Slice()
+		if err == nil && len(codes) != len(g.items) {
+			err = fmt.Errorf("%w: %d results for %d repairs", ErrUnexpectedReply, len(codes), len(g.items))
+		}
+		for j, f := range g.items {
+			switch {
+			case err != nil:
+				f.Result = ResultUncertain
+			case codes[j] == 1:
+				f.Result = ResultRepaired
+			default:
+				f.Result = ResultRaced
+			}
+		}
+		if err != nil {
+			errs = append(errs, fmt.Errorf("reconcile: compare-and-set repair of %d entries: %w", len(g.items), err))
+		}
+	}
+	return errors.Join(errs...)
+}
+
+func expectVersion(p Projected) string {
+	if !p.HasVersion {
+		return "-"
+	}
+	return "=" + p.RawVersion
+}
+
+func (r *Reconciler) expectValue(p Projected) any {
+	if !p.HasValue {
+		return "-"
+	}
+	if r.target.Kind == projection.KindSortedSet {
+		return "=" + strconv.FormatFloat(p.Score, 'g', -1, 64)
+	}
+	return append([]byte{'='}, p.Data...)
+}
+
+func nonNil(b []byte) []byte {
+	if b == nil {
+		return []byte{}
+	}
+	return b
+}

@@ -1,0 +1,77 @@
+-- verity reconcile: compare-and-set repairs.
+--
+-- ARGV[1] is the kind: "z" sorted set, "h" hash, "d" document. Then seven
+-- arguments per repair:
+--   base        index into KEYS of the value key; the version key follows it
+--   member      sorted-set member or hash field ("" for documents)
+--   expVersion  the version read before deciding: "-" absent, "=" .. raw
+--   expValue    the value read before deciding:   "-" absent, "=" .. raw
+--               (for sorted sets the raw score is compared as a number)
+--   action      "set" writes newVersion/newValue, "del" removes both
+--   newVersion  canonical decimal (set only)
+--   newValue    score as a decimal integer, or bytes (set only)
+-- A repair is written only if the stored version and value are still
+-- exactly what was read: anything written in between (a newer gate write,
+-- another repair, a hand edit) wins, and the repair reports 0.
+-- Returns one integer per repair: 1 written, 0 declined.
+
+local kind = ARGV[1]
+
+local function storedVersion(versionKey, member)
+  if kind == 'd' then return redis.call('GET', versionKey) end
+  return redis.call('HGET', versionKey, member)
+end
+
+local function storedValue(valueKey, member)
+  if kind == 'z' then return redis.call('ZSCORE', valueKey, member) end
+  if kind == 'h' then return redis.call('HGET', valueKey, member) end
+  return redis.call('GET', valueKey)
+end
+
+local function matches(stored, expected)
+  if expected == '-' then return not stored end
+  if not stored then return false end
+  local raw = string.sub(expected, 2)
+  if kind == 'z' and stored ~= raw then
+    return tonumber(stored) == tonumber(raw)
+  end
+  return stored == raw
+end
+
+local out = {}
+for a = 2, #ARGV, 7 do
+  local base = tonumber(ARGV[a])
+  local valueKey, versionKey = KEYS[base], KEYS[base + 1]
+  local member = ARGV[a + 1]
+  local ok = matches(storedVersion(versionKey, member), ARGV[a + 2])
+    and matches(storedValue(valueKey, member), ARGV[a + 3])
+  if ok then
+    local action, version, value = ARGV[a + 4], ARGV[a + 5], ARGV[a + 6]
+    if action == 'set' then
+      if kind == 'z' then
+        redis.call('ZADD', valueKey, value, member)
+        redis.call('HSET', versionKey, member, version)
+      elseif kind == 'h' then
+        redis.call('HSET', valueKey, member, value)
+        redis.call('HSET', versionKey, member, version)
+      else
+        redis.call('SET', valueKey, value)
+        redis.call('SET', versionKey, version)
+      end
+    else
+      if kind == 'z' then
+        redis.call('ZREM', valueKey, member)
+        redis.call('HDEL', versionKey, member)
+      elseif kind == 'h' then
+        redis.call('HDEL', valueKey, member)
+        redis.call('HDEL', versionKey, member)
+      else
+        redis.call('DEL', valueKey, versionKey)
+      end
+    end
+    out[#out + 1] = 1
+  else
+    out[#out + 1] = 0
+  end
+end
+return out

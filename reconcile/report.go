@@ -1,0 +1,145 @@
+package reconcile
+
+import (
+	"strconv"
+	"time"
+)
+
+// Result says what a run did about one finding.
+type Result uint8
+
+const (
+	// ResultNone: nothing to do (the entity is current).
+	ResultNone Result = iota
+	// ResultRepaired: the repair was written.
+	ResultRepaired
+	// ResultReported: the policy for the class is to report only (the
+	// default for ahead and orphan).
+	ResultReported
+	// ResultDryRun: the repair would have been written, but the run was a
+	// dry run.
+	ResultDryRun
+	// ResultVetoed: Config.BeforeRepair returned false.
+	ResultVetoed
+	// ResultRaced: the projection changed between the read and the repair
+	// (typically a newer gate write), so the compare-and-set declined to
+	// overwrite it. The newer state is kept; the next run checks it again.
+	ResultRaced
+	// ResultNotAttempted: the run stopped (context cancelled or an error)
+	// before this repair was sent.
+	ResultNotAttempted
+	// ResultUncertain: the repair was sent but its reply was lost (a
+	// network error); it may or may not have been applied. Every such
+	// finding is counted in Report.Uncertain, never silently dropped.
+	ResultUncertain
+)
+
+var resultNames = [...]string{
+	ResultNone: "none", ResultRepaired: "repaired", ResultReported: "reported", ResultDryRun: "dry-run",
+	ResultVetoed: "vetoed", ResultRaced: "raced", ResultNotAttempted: "not-attempted", ResultUncertain: "uncertain",
+}
+
+// String returns the result's name, for example "repaired" or "raced".
+func (r Result) String() string {
+	if int(r) < len(resultNames) {
+		return resultNames[r]
+	}
+	return "result(" + strconv.Itoa(int(r)) + ")"
+}
+
+// MarshalText makes results readable as JSON map keys.
+func (r Result) MarshalText() ([]byte, error) { return []byte(r.String()), nil }
+
+// Finding is one entity that is not current (or, for examples, any entity a
+// hook is told about).
+type Finding struct {
+	// Class is the verdict.
+	Class Class
+	// Key is the entity's key: the sorted-set member, hash field or
+	// document id.
+	Key string
+	// Source is the source row; nil for orphans.
+	Source *Row
+	// Projected is what Redis held when it was read.
+	Projected Projected
+	// Result is what the run did about it. Hooks called before the repair
+	// see ResultNone.
+	Result Result
+}
+
+// Report summarises a Run. The counters always add up:
+// sum of Counts over every class but ClassCurrent = Repaired + Skipped +
+// Uncertain.
+type Report struct {
+	// Started is when the run began; Duration how long it took.
+	Started  time.Time
+	Duration time.Duration
+	// Sampled and DryRun echo the RunOptions.
+	Sampled bool
+	DryRun  bool
+	// Checked counts source rows compared with the projection.
+	Checked int64
+	// Scanned counts projection entries examined for orphans.
+	Scanned int64
+	// Counts holds the number of entities per Class (current included).
+	Counts map[Class]int64
+	// Results breaks the findings (every class but current) down by what
+	// was done about them.
+	Results map[Result]int64
+	// Repaired counts repairs written; RepairedByClass splits it by class.
+	Repaired        int64
+	RepairedByClass map[Class]int64
+	// Skipped counts findings left as they were: reported only, dry run,
+	// vetoed, raced or not attempted (see Results for which).
+	Skipped int64
+	// Uncertain counts repairs sent whose outcome is unknown because the
+	// reply was lost. Run also returns an error in that case.
+	Uncertain int64
+	// Examples holds the first Config.ExamplesPerClass findings of each
+	// class other than current.
+	Examples map[Class][]Finding
+}
+
+// Drift returns the number of findings: entities in any class but current.
+func (r *Report) Drift() int64 {
+	var n int64
+	for c, k := range r.Counts {
+		if c != ClassCurrent {
+			n += k
+		}
+	}
+	return n
+}
+
+func newReport(opts RunOptions) *Report {
+	return &Report{
+		Started:         time.Now(),
+		Sampled:         opts.Sample > 0,
+		DryRun:          opts.DryRun,
+		Counts:          make(map[Class]int64),
+		Results:         make(map[Result]int64),
+		RepairedByClass: make(map[Class]int64),
+		Examples:        make(map[Class][]Finding),
+	}
+}
+
+// record accounts for one finding whose Result is final.
+func (r *Report) record(f *Finding, examples int) {
+	r.Counts[f.Class]++
+	if f.Class == ClassCurrent {
+		return
+	}
+	r.Results[f.Result]++
+	switch f.Result {
+	case ResultRepaired:
+		r.Repaired++
+		r.RepairedByClass[f.Class]++
+	case ResultUncertain:
+		r.Uncertain++
+	default:
+		r.Skipped++
+	}
+	if len(r.Examples[f.Class]) < examples {
+		r.Examples[f.Class] = append(r.Examples[f.Class], *f)
+	}
+}

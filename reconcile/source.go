@@ -1,0 +1,46 @@
+package reconcile
+
+import (
+	"context"
+
+	"github.com/verity-go/verity/projection"
+)
+
+// Row is one entity as the source of truth has it: its key (the sorted-set
+// member, hash field or document id), its version and its absolute value.
+type Row struct {
+	Key     string
+	Version int64
+	Value   projection.Value
+}
+
+// Cursor is a keyset position in a Source: the last key of the previous page.
+// The zero Cursor is the start, before every key (the empty string
+// included).
+type Cursor struct {
+	key string
+	set bool
+}
+
+// After returns the cursor positioned just after key.
+func After(key string) Cursor { return Cursor{key: key, set: true} }
+
+// Key returns the last key already returned, and false for the start.
+func (c Cursor) Key() (string, bool) { return c.key, c.set }
+
+// Source reads the source of truth. Implementations must be safe for use by
+// one Reconciler at a time; SQLSource is the PostgreSQL implementation.
+type Source interface {
+	// Page returns up to limit rows whose key sorts after the cursor, in
+	// ascending key order, or no rows at the end. It must use keyset
+	// pagination (WHERE key > $after ORDER BY key LIMIT n): pages stay
+	// cheap however deep the pass is, and concurrent inserts or deletes
+	// never make a pass skip or repeat a row that existed throughout.
+	Page(ctx context.Context, after Cursor, limit int) ([]Row, error)
+	// Sample returns up to n rows chosen at random, in any order. It should
+	// be cheap on large tables (SQLSource documents its method and bias).
+	Sample(ctx context.Context, n int) ([]Row, error)
+	// Lookup returns the rows, among keys, that exist in the source, in any
+	// order. Keys that do not exist are simply absent from the result.
+	Lookup(ctx context.Context, keys []string) ([]Row, error)
+}

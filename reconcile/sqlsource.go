@@ -1,0 +1,260 @@
+package reconcile
+
+import (
+	"context"
+	"fmt"
+	"math"
+	"strconv"
+	"strings"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/verity-go/verity/projection"
+)
+
+// DBTX is the narrow view of PostgreSQL that SQLSource needs. *pgxpool.Pool,
+// *pgx.Conn and pgx.Tx satisfy it.
+type DBTX interface {
+	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
+	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
+}
+
+var (
+	_ DBTX   = (*pgxpool.Pool)(nil)
+	_ DBTX   = (*pgx.Conn)(nil)
+	_ DBTX   = (pgx.Tx)(nil)
+	_ Source = (*SQLSource)(nil)
+)
+
+// Filter restricts a SQLSource to the rows where Column = Value, for example
+// the board a leaderboard projects.
+type Filter struct {
+	Column string
+	Value  any
+}
+
+// SQLSourceConfig describes the table a SQLSource reads. Every identifier is
+// quoted (pgx.Identifier.Sanitize), so names are used verbatim, case
+// included, and can never inject SQL.
+type SQLSourceConfig struct {
+	// Schema qualifies Table. Defaults to "" (the connection's search_path).
+	Schema string
+	// Table is the table to read. Required. It must be a table or a
+	// materialized view for Sample (TABLESAMPLE needs physical blocks); Page
+	// and Lookup also work on views.
+	Table string
+	// KeyColumn identifies the entity: it becomes Row.Key through a ::text
+	// cast. Any type with ordering and a text form works (text, bigint,
+	// uuid). Required. Index it (it is usually the primary key): every page
+	// is an index range scan. Rows whose key is NULL are ignored.
+	KeyColumn string
+	// VersionColumn holds the entity's version, an integer column. Required.
+	VersionColumn string
+	// ValueColumn holds the absolute value: an integer score for
+	// projection.KindSortedSet, bytes for KindHash and KindDocument (bytea,
+	// text and json columns all scan as bytes; the projector must write the
+	// same bytes for rows to compare as current). Required.
+	ValueColumn string
+	// Kind is the projection kind the values feed; it decides how
+	// ValueColumn is read. Required.
+	Kind projection.Kind
+	// Filters restrict the rows to those matching every Column = Value.
+	// Defaults to none (the whole table).
+	Filters []Filter
+}
+
+// SQLSource is a Source reading one PostgreSQL table (optionally filtered) by
+// keyset pagination.
+//
+// Sample uses TABLESAMPLE SYSTEM, which picks whole heap blocks at random: it
+// reads only about the sampled fraction of the table, but the rows it returns
+// are correlated (rows stored together are sampled together), so a sample
+// over-represents clusters of recently inserted or updated rows when those
+// share blocks. Every row still has the same chance of being chosen. When a
+// block sample returns fewer than n rows (a small or freshly loaded table
+// whose pg_class.reltuples estimate is low, or a selective filter), the
+// fraction is raised and the sample retried, up to the whole table.
+type SQLSource struct {
+	db   DBTX
+	kind projection.Kind
+	args []any // filter values, $1..$len(args)
+
+	pageFirstSQL string
+	pageAfterSQL string
+	lookupSQL    string
+	sampleSQL    string
+	estimateSQL  string
+	relation     string
+}
+
+// NewSQLSource validates cfg and returns a source reading through db.
+func NewSQLSource(db DBTX, cfg *SQLSourceConfig) (*SQLSource, error) {
+	if db == nil {
+		return nil, &ConfigError{Field: "db", Reason: "must not be nil; pass a *pgxpool.Pool"}
+	}
+	if cfg == nil {
+		return nil, &ConfigError{Field: "SQLSourceConfig", Reason: "must not be nil"}
+	}
+	for _, f := range []struct{ name, val string }{
+		{"SQLSourceConfig.Table", cfg.Table},
+		{"SQLSourceConfig.KeyColumn", cfg.KeyColumn},
+		{"SQLSourceConfig.VersionColumn", cfg.VersionColumn},
+		{"SQLSourceConfig.ValueColumn", cfg.ValueColumn},
+	} {
+		if f.val == "" {
+			return nil, &ConfigError{Field: f.name, Reason: "is required"}
+		}
+	}
+	switch cfg.Kind {
+	case projection.KindSortedSet, projection.KindHash, projection.KindDocument:
+	default:
+		return nil, &ConfigError{Field: "SQLSourceConfig.Kind", Reason: "must be projection.KindSortedSet, KindHash or KindDocument"}
+	}
+	for i, f := range cfg.Filters {
+		if f.Column == "" {
+			return nil, &ConfigError{Field: fmt.Sprintf("SQLSourceConfig.Filters[%d].Column", i), Reason: "is required"}
+		}
+	}
+
+	s := &SQLSource{db: db, kind: cfg.Kind}
+	s.buildSQL(cfg)
+	return s, nil
+}
+
+// buildSQL renders every statement once; it is the only place this package
+// writes SQL.
+func (s *SQLSource) buildSQL(cfg *SQLSourceConfig) {
+	rel := pgx.Identifier{cfg.Table}
+	if cfg.Schema != "" {
+		rel = pgx.Identifier{cfg.Schema, cfg.Table}
+	}
+	s.relation = rel.Sanitize()
+	key := pgx.Identifier{cfg.KeyColumn}.Sanitize()
+	ver := pgx.Identifier{cfg.VersionColumn}.Sanitize()
+	val := pgx.Identifier{cfg.ValueColumn}.Sanitize()
+
+	conds := []string{key + " IS NOT NULL"}
+	for _, f := range cfg.Filters {
+		s.args = append(s.args, f.Value)
+		conds = append(conds, fmt.Sprintf("%s = $%d", pgx.Identifier{f.Column}.Sanitize(), len(s.args)))
+	}
+	where := strings.Join(conds, " AND ")
+	n := len(s.args)
+	cols := fmt.Sprintf("SELECT %s::text, %s, %s FROM %s", key, ver, val, s.relation)
+
+	// The key is compared and ordered in its own type (so an index on it is
+	// used) and only cast to text for the caller; the $after parameter is a
+	// string, which PostgreSQL converts to the column's type.
+	s.pageFirstSQL = fmt.Sprintf("%s WHERE %s ORDER BY %s LIMIT $%d", cols, where, key, n+1)
+	s.pageAfterSQL = fmt.Sprintf("%s WHERE %s AND %s > $%d ORDER BY %s LIMIT $%d", cols, where, key, n+1, key, n+2)
+	s.lookupSQL = fmt.Sprintf("%s WHERE %s AND %s = ANY($%d)", cols, where, key, n+1)
+	s.sampleSQL = fmt.Sprintf("SELECT %s::text, %s, %s FROM %s TABLESAMPLE SYSTEM ($%d::float8) WHERE %s ORDER BY random() LIMIT $%d",
+		key, ver, val, s.relation, n+1, where, n+2)
+	s.estimateSQL = "SELECT COALESCE((SELECT reltuples::float8 FROM pg_class WHERE oid = to_regclass($1)), -1)"
+}
+
+// Page implements Source with keyset pagination.
+func (s *SQLSource) Page(ctx context.Context, after Cursor, limit int) ([]Row, error) {
+	if limit <= 0 {
+		return nil, nil
+	}
+	args := append([]any(nil), s.args...)
+	sql := s.pageFirstSQL
+	if k, ok := after.Key(); ok {
+		sql = s.pageAfterSQL
+		args = append(args, k)
+	}
+	args = append(args, limit)
+	return s.query(ctx, limit, sql, args...)
+}
+
+// Lookup implements Source.
+func (s *SQLSource) Lookup(ctx context.Context, keys []string) ([]Row, error) {
+	if len(keys) == 0 {
+		return nil, nil
+	}
+	args := append(append([]any(nil), s.args...), keys)
+	return s.query(ctx, len(keys), s.lookupSQL, args...)
+}
+
+// Sample implements Source with TABLESAMPLE SYSTEM; see SQLSource for the
+// bias this implies.
+func (s *SQLSource) Sample(ctx context.Context, n int) ([]Row, error) {
+	if n <= 0 {
+		return nil, nil
+	}
+	var estimate float64
+	if err := s.db.QueryRow(ctx, s.estimateSQL, s.relation).Scan(&estimate); err != nil {
+		return nil, fmt.Errorf("reconcile: estimating rows of %s: %w", s.relation, err)
+	}
+	// Ask for twice the needed fraction so that one sample usually suffices
+	// despite filters and estimate error; unknown estimates start at 1%.
+	percent := 1.0
+	if estimate > 0 {
+		percent = 200 * float64(n) / estimate
+	}
+	for {
+		percent = math.Min(math.Max(percent, 0.0001), 100)
+		args := append(append([]any(nil), s.args...), percent, n)
+		rows, err := s.query(ctx, n, s.sampleSQL, args...)
+		if err != nil || len(rows) >= n || percent >= 100 {
+			return rows, err
+		}
+		percent *= 4
+	}
+}
+
+func (s *SQLSource) query(ctx context.Context, capHint int, sql string, args ...any) ([]Row, error) {
+	rows, err := s.db.Query(ctx, sql, args...)
+	if err != nil {
+		return nil, fmt.Errorf("reconcile: querying %s: %w", s.relation, err)
+	}
+	defer rows.Close()
+	out := make([]Row, 0, min(capHint, 4096))
+	for rows.Next() {
+		r, err := s.scan(rows)
+		if err != nil {
+			return nil, err
+		}
+		out = append(out, r)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, fmt.Errorf("reconcile: reading %s: %w", s.relation, err)
+	}
+	return out, nil
+}
+
+func (s *SQLSource) scan(rows pgx.Rows) (Row, error) {
+	var (
+		r       Row
+		version *int64
+		score   *int64
+		data    *[]byte
+		dest    any = &data
+	)
+	if s.kind == projection.KindSortedSet {
+		dest = &score
+	}
+	if err := rows.Scan(&r.Key, &version, dest); err != nil {
+		return Row{}, fmt.Errorf("reconcile: scanning %s: %w", s.relation, err)
+	}
+	switch {
+	case version == nil:
+		return Row{}, &InvalidRowError{Key: r.Key, Reason: "version is NULL"}
+	case *version <= 0:
+		return Row{}, &InvalidRowError{Key: r.Key, Reason: "version " + strconv.FormatInt(*version, 10) + " is not positive"}
+	case s.kind == projection.KindSortedSet && score == nil, s.kind != projection.KindSortedSet && data == nil:
+		return Row{}, &InvalidRowError{Key: r.Key, Reason: "value is NULL"}
+	}
+	r.Version = *version
+	if score != nil {
+		if *score < projection.MinScore || *score > projection.MaxScore {
+			return Row{}, &InvalidRowError{Key: r.Key, Reason: fmt.Sprintf("score %d outside ±2^53", *score)}
+		}
+		r.Value.Score = *score
+	} else {
+		r.Value.Data = *data
+	}
+	return r, nil
+}
