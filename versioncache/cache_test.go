@@ -187,7 +187,9 @@ func TestGet(t *testing.T) {
 		done := make(chan product)
 		go func() {
 			p, err := b.cache.Get(ctx, "p41", slowLoader)
-			require.NoError(t, err)
+			if err != nil {
+				t.Errorf("Get: %v", err)
+			}
 			done <- p
 		}()
 		<-loaded
@@ -294,69 +296,73 @@ func TestVersionNeverGoesBackwards(t *testing.T) {
 		require.Greater(t, v, highest)
 	})
 
-	// Readers, writers and a goroutine that keeps deleting the version key,
-	// all at once. A read that begins after a write's Invalidate returned
-	// must never see an older row version.
 	t.Run("ConcurrentVersionKeyLoss", func(t *testing.T) {
 		t.Parallel()
 		b := setup(t, &Config{DisableFillLease: true})
-		const id = "hot"
-		b.truth.write(id, 0)
-		versionKey := keyenc.Tagged(b.prefix, id, suffixVersion)
+		versionLossRace(t, b, 2*time.Second)
+	})
+}
 
-		var acked, reads, stale, deletes atomic.Int64
-		ctx, cancel := context.WithTimeout(ctx, 2*time.Second)
-		defer cancel()
-		var wg sync.WaitGroup
-		slowLoader := func(ctx context.Context) (product, error) {
-			p := b.truth.read(id)
-			time.Sleep(200 * time.Microsecond) // widen the read→fill window
-			return p, nil
-		}
-		for range 8 {
-			wg.Go(func() {
-				for ctx.Err() == nil {
-					floor := acked.Load()
-					p, err := b.cache.Get(ctx, id, slowLoader)
-					if err != nil {
-						continue // only the deadline
-					}
-					reads.Add(1)
-					if p.Version < floor {
-						stale.Add(1)
-					}
-				}
-			})
-		}
-		for i := range 2 {
-			wg.Go(func() {
-				for n := 0; ctx.Err() == nil; n++ {
-					p := b.truth.write(id, 1000*i+n)
-					if b.cache.Invalidate(context.Background(), id) == nil {
-						for {
-							cur := acked.Load()
-							if p.Version <= cur || acked.CompareAndSwap(cur, p.Version) {
-								break
-							}
-						}
-					}
-					time.Sleep(time.Millisecond)
-				}
-			})
-		}
+// versionLossRace runs readers, writers and a goroutine that keeps deleting
+// the version key, all at once. A read that begins after a write's
+// Invalidate returned must never see an older row version.
+func versionLossRace(t *testing.T, b *testBundle, d time.Duration) {
+	const id = "hot"
+	b.truth.write(id, 0)
+	versionKey := keyenc.Tagged(b.prefix, id, suffixVersion)
+
+	var acked, reads, stale, deletes atomic.Int64
+	ctx, cancel := context.WithTimeout(context.Background(), d)
+	defer cancel()
+	var wg sync.WaitGroup
+	slowLoader := func(ctx context.Context) (product, error) {
+		p := b.truth.read(id)
+		time.Sleep(200 * time.Microsecond) // widen the read→fill window
+		return p, nil
+	}
+	for range 8 {
 		wg.Go(func() {
 			for ctx.Err() == nil {
-				if b.client.Del(context.Background(), versionKey).Val() == 1 {
-					deletes.Add(1)
+				floor := acked.Load()
+				p, err := b.cache.Get(ctx, id, slowLoader)
+				if err != nil {
+					continue // only the deadline
 				}
-				time.Sleep(3 * time.Millisecond)
+				reads.Add(1)
+				if p.Version < floor {
+					stale.Add(1)
+				}
 			}
 		})
-		wg.Wait()
-		t.Logf("reads=%d writes=%d version-key deletions=%d stale=%d",
-			reads.Load(), acked.Load(), deletes.Load(), stale.Load())
-		require.Positive(t, reads.Load())
-		require.Positive(t, deletes.Load())
-		require.Zero(t, stale.Load())
+	}
+	for i := range 2 {
+		wg.Go(func() {
+			for n := 0; ctx.Err() == nil; n++ {
+				p := b.truth.write(id, 1000*i+n)
+				if b.cache.Invalidate(context.Background(), id) == nil {
+					for {
+						cur := acked.Load()
+						if p.Version <= cur || acked.CompareAndSwap(cur, p.Version) {
+							break
+						}
+					}
+				}
+				time.Sleep(time.Millisecond)
+			}
+		})
+	}
+	wg.Go(func() {
+		for ctx.Err() == nil {
+			if b.client.Del(context.Background(), versionKey).Val() == 1 {
+				deletes.Add(1)
+			}
+			time.Sleep(3 * time.Millisecond)
+		}
 	})
+	wg.Wait()
+	t.Logf("reads=%d writes=%d version-key deletions=%d stale=%d",
+		reads.Load(), acked.Load(), deletes.Load(), stale.Load())
+	require.Positive(t, reads.Load())
+	require.Positive(t, deletes.Load())
+	require.Zero(t, stale.Load())
 }

@@ -1,0 +1,89 @@
+package versioncache
+
+import (
+	"context"
+	"fmt"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/verity-go/verity/internal/keyenc"
+)
+
+func TestCheck(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+
+	fill := func(t *testing.T, b *testBundle, n int) []string {
+		t.Helper()
+		ids := make([]string, n)
+		for i := range ids {
+			ids[i] = fmt.Sprintf("p%d", i)
+			b.truth.write(ids[i], 100+i)
+			_, err := b.cache.Get(ctx, ids[i], b.truth.loader(ids[i]))
+			require.NoError(t, err)
+		}
+		return ids
+	}
+	byID := func(b *testBundle) IDLoader[product] {
+		return func(ctx context.Context, id string) (product, error) { return b.truth.read(id), nil }
+	}
+
+	t.Run("HonestCache", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t, nil)
+		ids := fill(t, b, 20)
+		ids = append(ids, "never-read")
+		report, err := b.cache.Check(ctx, ids, 0, byID(b))
+		require.NoError(t, err)
+		require.Equal(t, 21, report.Sampled)
+		require.Equal(t, 20, report.Cached)
+		require.Equal(t, 1, report.NotCached)
+		require.Zero(t, report.Divergent)
+	})
+
+	t.Run("FindsDivergence", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t, nil)
+		ids := fill(t, b, 20)
+		// A write nobody invalidated: exactly the bug the check exists for.
+		want := b.truth.write("p7", 1)
+
+		report, err := b.cache.Check(ctx, ids, 0, byID(b))
+		require.NoError(t, err)
+		require.Equal(t, 1, report.Divergent)
+		require.Len(t, report.Divergences, 1)
+		d := report.Divergences[0]
+		require.Equal(t, "p7", d.ID)
+		require.Equal(t, 107, d.Cached.Price)
+		require.Equal(t, want, d.Current)
+		_, version, _, err := b.cache.Peek(ctx, "p7")
+		require.NoError(t, err)
+		require.Equal(t, version, d.Version)
+		require.NotEmpty(t, b.client.Exists(ctx, keyenc.Tagged(b.prefix, "p7", fmt.Sprintf(":d:%d", version))).Val())
+	})
+
+	t.Run("Samples", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t, nil)
+		ids := fill(t, b, 20)
+		seen := map[string]bool{}
+		for range 10 {
+			report, err := b.cache.Check(ctx, ids, 5, func(ctx context.Context, id string) (product, error) {
+				seen[id] = true
+				return b.truth.read(id), nil
+			})
+			require.NoError(t, err)
+			require.Equal(t, 5, report.Sampled)
+			require.Equal(t, 5, report.Cached)
+		}
+		require.Greater(t, len(seen), 5, "samples differ between runs")
+	})
+
+	t.Run("NilLoader", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t, nil)
+		_, err := b.cache.Check(ctx, []string{"a"}, 1, nil)
+		require.ErrorIs(t, err, ErrNilLoader)
+	})
+}

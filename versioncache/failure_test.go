@@ -1,0 +1,77 @@
+package versioncache
+
+import (
+	"context"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/verity-go/verity/internal/testenv"
+)
+
+func TestRedisUnavailable(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+
+	setupPrivate := func(t *testing.T, mode FailureMode) (*testenv.RedisServer, *testBundle) {
+		t.Helper()
+		rs := testenv.StartRedis(t)
+		client := rs.Client(t)
+		client.Options().MaxRetries = -1
+		return rs, setupWith(t, client, "vc:", &Config{FailureMode: mode})
+	}
+
+	t.Run("FailOpenServesTheDatabaseNeverTheOldValue", func(t *testing.T) {
+		t.Parallel()
+		rs, b := setupPrivate(t, FailOpen)
+		b.truth.write("p1", 4900)
+		_, err := b.cache.Get(ctx, "p1", b.truth.loader("p1"))
+		require.NoError(t, err)
+
+		require.NoError(t, rs.Stop())
+		want := b.truth.write("p1", 4400)
+		err = b.cache.Invalidate(ctx, "p1")
+		var rerr *RedisError
+		require.ErrorAs(t, err, &rerr, "a lost invalidation must be reported")
+		require.Equal(t, "invalidate", rerr.Op)
+
+		got, err := b.cache.Get(ctx, "p1", b.truth.loader("p1"))
+		require.NoError(t, err)
+		require.Equal(t, want, got)
+		require.Positive(t, b.cache.Stats().RedisErrors)
+
+		// Back, empty (no persistence): the version restarts from the clock.
+		require.NoError(t, rs.Start())
+		got, err = b.cache.Get(ctx, "p1", b.truth.loader("p1"))
+		require.NoError(t, err)
+		require.Equal(t, want, got)
+		_, _, ok, err := b.cache.Peek(ctx, "p1")
+		require.NoError(t, err)
+		require.True(t, ok, "filled again once Redis is back")
+	})
+
+	t.Run("FailClosedReturnsTypedError", func(t *testing.T) {
+		t.Parallel()
+		rs, b := setupPrivate(t, FailClosed)
+		b.truth.write("p1", 4900)
+		require.NoError(t, rs.Stop())
+		loadsBefore := b.truth.loads.Load()
+		_, err := b.cache.Get(ctx, "p1", b.truth.loader("p1"))
+		var rerr *RedisError
+		require.ErrorAs(t, err, &rerr)
+		require.Equal(t, "read", rerr.Op)
+		require.Equal(t, "p1", rerr.ID)
+		require.ErrorIs(t, err, ErrRedis)
+		require.Equal(t, loadsBefore, b.truth.loads.Load(), "fail-closed does not touch the database")
+	})
+
+	t.Run("CanceledContext", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t, nil)
+		ctx, cancel := context.WithCancel(ctx)
+		cancel()
+		_, err := b.cache.Get(ctx, "p1", b.truth.loader("p1"))
+		require.ErrorIs(t, err, context.Canceled)
+		require.Zero(t, b.truth.loads.Load())
+	})
+}

@@ -1,0 +1,68 @@
+package versioncache
+
+import (
+	"context"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+)
+
+func TestGetAt(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+
+	t.Run("KeyedByCallerVersion", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t, nil)
+		v1 := b.truth.write("p1", 4900)
+		got, err := b.cache.GetAt(ctx, "p1", v1.Version, b.truth.loader("p1"))
+		require.NoError(t, err)
+		require.Equal(t, v1, got)
+		got, err = b.cache.GetAt(ctx, "p1", v1.Version, b.truth.loader("p1"))
+		require.NoError(t, err)
+		require.Equal(t, v1, got)
+		require.EqualValues(t, 1, b.truth.loads.Load(), "second read is a hit")
+
+		v2 := b.truth.write("p1", 4400)
+		got, err = b.cache.GetAt(ctx, "p1", v2.Version, b.truth.loader("p1"))
+		require.NoError(t, err)
+		require.Equal(t, v2, got)
+		require.EqualValues(t, 2, b.truth.loads.Load())
+	})
+
+	// The documented trap: a write that does not move the version (a bulk
+	// UPDATE forgetting row_version) is invisible to GetAt until TTL.
+	t.Run("TrapWriteWithoutVersionBump", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t, nil)
+		v1 := b.truth.write("p1", 4900)
+		_, err := b.cache.GetAt(ctx, "p1", v1.Version, b.truth.loader("p1"))
+		require.NoError(t, err)
+
+		b.truth.mu.Lock()
+		row := b.truth.rows["p1"]
+		row.Price = 1 // "bulk UPDATE" that leaves the version alone
+		b.truth.rows["p1"] = row
+		b.truth.mu.Unlock()
+
+		got, err := b.cache.GetAt(ctx, "p1", row.Version, b.truth.loader("p1"))
+		require.NoError(t, err)
+		require.Equal(t, 4900, got.Price, "GetAt cannot see a write that keeps the version")
+
+		// Get with Invalidate after the write is not fooled.
+		require.NoError(t, b.cache.Invalidate(ctx, "p1"))
+		got, err = b.cache.Get(ctx, "p1", b.truth.loader("p1"))
+		require.NoError(t, err)
+		require.Equal(t, 1, got.Price)
+	})
+
+	t.Run("BadInput", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t, nil)
+		_, err := b.cache.GetAt(ctx, "p1", -1, b.truth.loader("p1"))
+		require.ErrorIs(t, err, ErrInvalidVersion)
+		_, err = b.cache.GetAt(ctx, "p1", 1, nil)
+		require.ErrorIs(t, err, ErrNilLoader)
+		require.Zero(t, b.truth.loads.Load())
+	})
+}

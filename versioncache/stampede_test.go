@@ -1,0 +1,143 @@
+package versioncache
+
+import (
+	"context"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/verity-go/verity/internal/testenv"
+)
+
+// missStorm invalidates id, then lets processes×goroutines Gets of it start
+// at once, each process being its own Cache (own single flight, own lease
+// token). It returns how many loads the storm caused and checks every Get
+// returned the current row.
+func missStorm(tb testing.TB, caches []*Cache[product], src *truth, id string, goroutines int, loadTime time.Duration) int64 {
+	tb.Helper()
+	ctx := context.Background()
+	want := src.write(id, int(time.Now().UnixNano()%10000))
+	require.NoError(tb, caches[0].Invalidate(ctx, id))
+	var loads atomic.Int64
+	loader := func(ctx context.Context) (product, error) {
+		loads.Add(1)
+		p := src.read(id)
+		time.Sleep(loadTime)
+		return p, nil
+	}
+	start := make(chan struct{})
+	var wg sync.WaitGroup
+	results := make(chan product, len(caches)*goroutines)
+	for _, c := range caches {
+		for range goroutines {
+			wg.Go(func() {
+				<-start
+				p, err := c.Get(ctx, id, loader)
+				if err != nil {
+					tb.Errorf("Get: %v", err)
+				}
+				results <- p
+			})
+		}
+	}
+	close(start)
+	wg.Wait()
+	close(results)
+	for p := range results {
+		require.Equal(tb, want, p)
+	}
+	return loads.Load()
+}
+
+func newProcesses(tb testing.TB, n int, cfg Config) ([]*Cache[product], *truth) {
+	tb.Helper()
+	rd := testenv.Redis(tb)
+	cfg.Prefix = rd.Prefix
+	caches := make([]*Cache[product], n)
+	for i := range caches {
+		c, err := New[product](rd.Client, &cfg)
+		require.NoError(tb, err)
+		caches[i] = c
+	}
+	return caches, newTruth()
+}
+
+func TestStampede(t *testing.T) {
+	t.Parallel()
+	const processes, goroutines, storms = 4, 16, 5
+
+	t.Run("FillLease", func(t *testing.T) {
+		t.Parallel()
+		caches, src := newProcesses(t, processes, Config{})
+		var total int64
+		for range storms {
+			loads := missStorm(t, caches, src, "hot", goroutines, 20*time.Millisecond)
+			require.GreaterOrEqual(t, loads, int64(1))
+			// One load, give or take a lease holder that stalled past
+			// FillLeaseWait on a loaded machine.
+			require.LessOrEqual(t, loads, int64(2))
+			total += loads
+		}
+		var waits, waitHits uint64
+		for _, c := range caches {
+			waits += c.Stats().LeaseWaits
+			waitHits += c.Stats().LeaseWaitHits
+		}
+		t.Logf("%d processes x %d goroutines: %.2f loads per miss storm (lease waits %d, served by the winner %d)",
+			processes, goroutines, float64(total)/storms, waits, waitHits)
+	})
+
+	t.Run("SingleFlightOnly", func(t *testing.T) {
+		t.Parallel()
+		caches, src := newProcesses(t, processes, Config{DisableFillLease: true})
+		var total int64
+		for range storms {
+			loads := missStorm(t, caches, src, "hot", goroutines, 20*time.Millisecond)
+			require.GreaterOrEqual(t, loads, int64(1))
+			require.LessOrEqual(t, loads, int64(processes), "at most one load per process")
+			total += loads
+		}
+		t.Logf("%d processes x %d goroutines, no lease: %.2f loads per miss storm",
+			processes, goroutines, float64(total)/storms)
+	})
+
+	t.Run("LeaseHolderVanishes", func(t *testing.T) {
+		t.Parallel()
+		// A process takes the lease and never fills (it crashed). Others
+		// wait at most FillLeaseWait, then load themselves.
+		caches, src := newProcesses(t, 2, Config{FillLeaseWait: 50 * time.Millisecond})
+		want := src.write("p", 1)
+		ctx := context.Background()
+		r, err := caches[0].read(ctx, "p", true)
+		require.NoError(t, err)
+		require.EqualValues(t, leaseHeldByUs, r.lease)
+
+		got, err := caches[1].Get(ctx, "p", src.loader("p"))
+		require.NoError(t, err)
+		require.Equal(t, want, got)
+		require.EqualValues(t, 1, caches[1].Stats().LeaseFallbacks)
+	})
+}
+
+// BenchmarkMissStorm reports loads per miss storm: 4 processes × 16
+// goroutines missing the same key at once, with a 5 ms load.
+//
+//	go test -run XXX -bench MissStorm -benchtime 20x ./versioncache
+func BenchmarkMissStorm(b *testing.B) {
+	for _, tc := range []struct {
+		name string
+		cfg  Config
+	}{{"FillLease", Config{}}, {"SingleFlightOnly", Config{DisableFillLease: true}}} {
+		b.Run(tc.name, func(b *testing.B) {
+			caches, src := newProcesses(b, 4, tc.cfg)
+			var loads int64
+			for b.Loop() {
+				loads += missStorm(b, caches, src, "hot", 16, 5*time.Millisecond)
+			}
+			b.ReportMetric(float64(loads)/float64(b.N), "loads/storm")
+		})
+	}
+}
