@@ -25,6 +25,8 @@ var (
 	ErrUnexpectedReply = errors.New("projection: unexpected reply from gate script")
 	// ErrUnmappedStream: a StreamMapper has no Mapper for a record's stream.
 	ErrUnmappedStream = errors.New("projection: no mapper for stream")
+	// ErrInvalidPayload: a built-in Mapper cannot read a record's payload.
+	ErrInvalidPayload = errors.New("projection: invalid payload")
 )
 
 // InvalidVersionError reports a Write whose Version is not positive.

@@ -1,0 +1,493 @@
+package projection
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math"
+	"math/rand/v2"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+
+	"github.com/redis/go-redis/v9"
+	"github.com/stretchr/testify/require"
+
+	"github.com/verity-go/verity/internal/testenv"
+)
+
+// hazardIDs are identifiers that would break naive key building: hash-tag
+// braces, separators, control bytes, invalid UTF-8 and very long ids.
+var hazardIDs = []string{
+	"", "plain", "{", "}", "{}", "}{", "{x}", "a{b}c", "{a}{b}", ":", "a:b", "a:b:", ":z", "}:z",
+	"%", "%7B", "%%", "line\nbreak", "\r\n", "\x00", "nul\x00byte", "\xff\xfe\xfd", "日本語",
+	"~r", "x~rebuild", strings.Repeat("k", 1024), strings.Repeat("{", 1024), strings.Repeat("}:", 512),
+}
+
+type gateBundle struct {
+	client redis.UniversalClient
+	ks     Keyspace
+	gate   *Gate
+}
+
+func setupGate(t *testing.T, b backend) *gateBundle {
+	t.Helper()
+	client, prefix := b.connect(t)
+	ks, err := NewKeyspace(prefix)
+	require.NoError(t, err)
+	return &gateBundle{client: client, ks: ks, gate: NewGate(client, ks)}
+}
+
+func (gb *gateBundle) apply(t *testing.T, writes ...Write) []Outcome {
+	t.Helper()
+	outcomes, err := gb.gate.Apply(context.Background(), writes)
+	require.NoError(t, err)
+	require.Len(t, outcomes, len(writes))
+	return outcomes
+}
+
+func zset(name, member string, version, score int64) Write {
+	return Write{Target: Target{Kind: KindSortedSet, Name: name, Member: member}, Version: version, Value: Value{Score: score}}
+}
+
+func hash(name, field string, version int64, data string) Write {
+	return Write{Target: Target{Kind: KindHash, Name: name, Member: field}, Version: version, Value: Value{Data: []byte(data)}}
+}
+
+func doc(id string, version int64, data string) Write {
+	return Write{Target: Target{Kind: KindDocument, Name: id}, Version: version, Value: Value{Data: []byte(data)}}
+}
+
+// valueOf is the value a write stores, as readState renders it.
+func valueOf(w Write) string {
+	if w.Target.Kind == KindSortedSet {
+		return strconv.FormatInt(w.Value.Score, 10)
+	}
+	return string(w.Value.Data)
+}
+
+func TestKeySlot(t *testing.T) {
+	t.Parallel()
+
+	t.Run("KnownVectors", func(t *testing.T) {
+		t.Parallel()
+		require.Equal(t, uint16(0x31C3), crc16("123456789"), "CRC-16/XMODEM check value")
+		require.Equal(t, 12182, KeySlot("foo"))
+		require.Equal(t, KeySlot("user1000"), KeySlot("{user1000}.following"))
+		require.Equal(t, KeySlot("{}x"), KeySlot("{}x"), "an empty tag hashes the whole key")
+		require.NotEqual(t, KeySlot("{}x"), KeySlot(""))
+	})
+
+	t.Run("MatchesClusterKeySlot", func(t *testing.T) {
+		t.Parallel()
+		c := testenv.SharedRedisCluster(t)
+		client := c.Client(t)
+		ks, err := NewKeyspace("p:")
+		require.NoError(t, err)
+		ctx := context.Background()
+		var keys []string
+		for _, id := range hazardIDs {
+			tg := Target{Kind: KindSortedSet, Name: id, Member: id}
+			keys = append(keys, id, "{"+id+"}", ks.ValueKey(tg), ks.VersionKey(tg), ks.RebuildMarkerKey(id, KindHash),
+				ks.ValueKey(Target{Kind: KindDocument, Name: id}))
+		}
+		for _, key := range keys {
+			want, err := client.ClusterKeySlot(ctx, key).Result()
+			require.NoError(t, err)
+			require.Equal(t, int(want), KeySlot(key), "key %q", key)
+		}
+	})
+}
+
+func TestKeyspace(t *testing.T) {
+	t.Parallel()
+
+	t.Run("PrefixWithBraceRejected", func(t *testing.T) {
+		t.Parallel()
+		for _, prefix := range []string{"a{", "}b", "{x}"} {
+			_, err := NewKeyspace(prefix)
+			require.Error(t, err, prefix)
+		}
+		ks, err := NewKeyspace("")
+		require.NoError(t, err)
+		require.Equal(t, "", ks.Prefix())
+	})
+
+	t.Run("HazardousIDsGiveDistinctKeysInOneSlotPerCollection", func(t *testing.T) {
+		t.Parallel()
+		ks, err := NewKeyspace("app:")
+		require.NoError(t, err)
+		seen := map[string]string{}
+		add := func(key, what string) {
+			prev, dup := seen[key]
+			require.False(t, dup, "%s and %s share key %q", prev, what, key)
+			seen[key] = what
+		}
+		for _, id := range hazardIDs {
+			var slots []int
+			for _, kind := range []Kind{KindSortedSet, KindHash} {
+				tg := Target{Kind: kind, Name: id}
+				keys := []string{ks.ValueKey(tg), ks.VersionKey(tg), ks.RebuildMarkerKey(id, kind),
+					ks.ShadowValueKey(id, kind), ks.ShadowVersionKey(id, kind)}
+				for i, key := range keys {
+					add(key, fmt.Sprintf("%s %q key %d", kind, id, i))
+					slots = append(slots, KeySlot(key))
+				}
+			}
+			d := Target{Kind: KindDocument, Name: id}
+			add(ks.ValueKey(d), fmt.Sprintf("document %q", id))
+			add(ks.VersionKey(d), fmt.Sprintf("document %q version", id))
+			slots = append(slots, KeySlot(ks.ValueKey(d)), KeySlot(ks.VersionKey(d)))
+			for _, s := range slots {
+				require.Equal(t, ks.Slot(d), s, "every key of %q is in one slot", id)
+			}
+			require.Equal(t, KeySlot(ks.HashTag(d)), ks.Slot(d))
+		}
+	})
+
+	t.Run("NonCollectionKindsHaveNoShadowKeys", func(t *testing.T) {
+		t.Parallel()
+		ks, err := NewKeyspace("")
+		require.NoError(t, err)
+		require.Empty(t, ks.RebuildMarkerKey("x", KindDocument))
+		require.Empty(t, ks.ShadowValueKey("x", KindDocument))
+		require.Empty(t, ks.ShadowVersionKey("x", Kind(9)))
+		require.Empty(t, ks.ValueKey(Target{Kind: Kind(9)}))
+	})
+}
+
+func TestGate(t *testing.T) {
+	t.Parallel()
+
+	forEachBackend(t, func(t *testing.T, b backend) {
+		t.Run("AppliedDuplicateStale", func(t *testing.T) {
+			t.Parallel()
+			gb := setupGate(t, b)
+			for _, mk := range []func(v int64) Write{
+				func(v int64) Write { return zset("board", "alice", v, v*10) },
+				func(v int64) Write { return hash("profiles", "alice", v, fmt.Sprintf("state-%d", v)) },
+				func(v int64) Write { return doc("order-1", v, fmt.Sprintf(`{"v":%d}`, v)) },
+			} {
+				v1, v2, v3 := mk(1), mk(2), mk(3)
+				kind := v1.Target.Kind
+				require.Equal(t, []Outcome{OutcomeApplied}, gb.apply(t, v2), kind)
+				require.Equal(t, []Outcome{OutcomeDuplicate}, gb.apply(t, v2), kind)
+				require.Equal(t, []Outcome{OutcomeStale}, gb.apply(t, v1), kind)
+				require.Equal(t, storedState{true, valueOf(v2), "2"}, readState(t, gb.client, gb.ks, v2.Target), kind)
+				require.Equal(t, []Outcome{OutcomeApplied}, gb.apply(t, v3), kind)
+				require.Equal(t, storedState{true, valueOf(v3), "3"}, readState(t, gb.client, gb.ks, v3.Target), kind)
+			}
+		})
+
+		t.Run("DuplicateWritesNothing", func(t *testing.T) {
+			t.Parallel()
+			gb := setupGate(t, b)
+			first := hash("h", "f", 5, "original")
+			gb.apply(t, first)
+			// Same version, different bytes: the gate trusts the version and
+			// keeps what it has (a redelivery carries the same state).
+			require.Equal(t, []Outcome{OutcomeDuplicate}, gb.apply(t, hash("h", "f", 5, "other")))
+			require.Equal(t, "original", readState(t, gb.client, gb.ks, first.Target).value)
+		})
+
+		t.Run("BatchOrderWithinOneBatch", func(t *testing.T) {
+			t.Parallel()
+			gb := setupGate(t, b)
+			out := gb.apply(t,
+				zset("b", "m", 1, 10), zset("b", "m", 3, 30), zset("b", "m", 2, 20), zset("b", "m", 3, 31),
+				doc("d", 7, "seven"), doc("d", 7, "again"), doc("d", 8, "eight"))
+			require.Equal(t, []Outcome{OutcomeApplied, OutcomeApplied, OutcomeStale, OutcomeDuplicate,
+				OutcomeApplied, OutcomeDuplicate, OutcomeApplied}, out)
+			require.Equal(t, storedState{true, "30", "3"}, readState(t, gb.client, gb.ks, zset("b", "m", 0, 0).Target))
+			require.Equal(t, storedState{true, "eight", "8"}, readState(t, gb.client, gb.ks, doc("d", 0, "").Target))
+		})
+
+		t.Run("VersionsNearMaxInt64ComparedExactly", func(t *testing.T) {
+			t.Parallel()
+			gb := setupGate(t, b)
+			// Above 2^53 neighbouring int64s are the same double: a gate
+			// comparing Lua numbers would call these duplicates.
+			const p53 = int64(1) << 53
+			for _, pair := range [][2]int64{{p53, p53 + 1}, {math.MaxInt64 - 1, math.MaxInt64}, {999999999999999999, 1000000000000000000}, {9, 10}} {
+				lo, hi := pair[0], pair[1]
+				member := strconv.FormatInt(lo, 10)
+				require.Equal(t, []Outcome{OutcomeApplied}, gb.apply(t, zset("big", member, lo, 1)))
+				require.Equal(t, []Outcome{OutcomeApplied}, gb.apply(t, zset("big", member, hi, 2)), "%d after %d", hi, lo)
+				require.Equal(t, []Outcome{OutcomeStale}, gb.apply(t, zset("big", member, lo, 3)), "%d after %d", lo, hi)
+				require.Equal(t, []Outcome{OutcomeDuplicate}, gb.apply(t, zset("big", member, hi, 4)))
+				require.Equal(t, storedState{true, "2", strconv.FormatInt(hi, 10)},
+					readState(t, gb.client, gb.ks, zset("big", member, 0, 0).Target))
+			}
+			require.Equal(t, []Outcome{OutcomeApplied, OutcomeApplied, OutcomeStale},
+				gb.apply(t, doc("max", math.MaxInt64-1, "a"), doc("max", math.MaxInt64, "b"), doc("max", math.MaxInt64-1, "c")))
+		})
+
+		t.Run("ScoreRange", func(t *testing.T) {
+			t.Parallel()
+			gb := setupGate(t, b)
+			out := gb.apply(t, zset("s", "max", 1, MaxScore), zset("s", "min", 1, MinScore))
+			require.Equal(t, []Outcome{OutcomeApplied, OutcomeApplied}, out)
+			require.Equal(t, "9007199254740992", readState(t, gb.client, gb.ks, zset("s", "max", 0, 0).Target).value)
+			require.Equal(t, "-9007199254740992", readState(t, gb.client, gb.ks, zset("s", "min", 0, 0).Target).value)
+
+			for _, score := range []int64{MaxScore + 1, MinScore - 1, math.MaxInt64, math.MinInt64} {
+				ok := zset("s", "ok", 1, 5)
+				bad := zset("s", "bad", 1, score)
+				_, err := gb.gate.Apply(context.Background(), []Write{ok, bad})
+				require.ErrorIs(t, err, ErrScoreOutOfRange)
+				var rangeErr *ScoreOutOfRangeError
+				require.ErrorAs(t, err, &rangeErr)
+				require.Equal(t, 1, rangeErr.Index)
+				require.Equal(t, score, rangeErr.Score)
+				require.Equal(t, bad.Target, rangeErr.Target)
+				require.False(t, readState(t, gb.client, gb.ks, ok.Target).exists, "nothing is written")
+			}
+		})
+
+		t.Run("InvalidWritesWriteNothing", func(t *testing.T) {
+			t.Parallel()
+			gb := setupGate(t, b)
+			ok := hash("h", "ok", 1, "x")
+			cases := []struct {
+				bad  Write
+				want error
+			}{
+				{hash("h", "f", 0, "x"), ErrInvalidVersion},
+				{doc("d", -1, "x"), ErrInvalidVersion},
+				{zset("z", "m", math.MinInt64, 1), ErrInvalidVersion},
+				{Write{Target: Target{Kind: KindDocument, Name: "d", Member: "m"}, Version: 1}, ErrInvalidTarget},
+				{Write{Target: Target{Name: "x"}, Version: 1}, ErrInvalidTarget},
+				{Write{Target: Target{Kind: Kind(42), Name: "x"}, Version: 1}, ErrInvalidTarget},
+			}
+			for _, tc := range cases {
+				_, err := gb.gate.Apply(context.Background(), []Write{ok, tc.bad})
+				require.ErrorIs(t, err, tc.want, "%+v", tc.bad)
+				if errors.Is(err, ErrInvalidVersion) {
+					var verr *InvalidVersionError
+					require.ErrorAs(t, err, &verr)
+					require.Equal(t, 1, verr.Index)
+					require.Equal(t, tc.bad.Version, verr.Version)
+				}
+				require.False(t, readState(t, gb.client, gb.ks, ok.Target).exists)
+			}
+			out, err := gb.gate.Apply(context.Background(), nil)
+			require.NoError(t, err)
+			require.Empty(t, out)
+		})
+
+		t.Run("HazardousIDsInOneBatch", func(t *testing.T) {
+			t.Parallel()
+			gb := setupGate(t, b)
+			var writes []Write
+			for i, id := range hazardIDs {
+				v := int64(i + 1)
+				writes = append(writes,
+					zset("b:"+id, id, v, v),                 // many collections, hazardous member
+					zset("board", id, v, v*100),             // one collection, every member
+					hash(id, id, v, "hash-"+id),             // hazardous collection name
+					hash(id, id+"2", v, "hash2-"+id),        // second field, same collection
+					doc(id, v, "doc-"+id),                   // hazardous document id
+					doc(id+"\x00\x01", v, "doc0-"+id),       // near-identical document id
+					zset(id, "member", v, int64(len(id))+1)) // collection name = document id
+			}
+			out := gb.apply(t, writes...)
+			for i, o := range out {
+				require.Equal(t, OutcomeApplied, o, "write %d (%s)", i, writes[i].Target)
+			}
+			for _, w := range writes {
+				require.Equal(t, storedState{true, valueOf(w), strconv.FormatInt(w.Version, 10)},
+					readState(t, gb.client, gb.ks, w.Target), "%s", w.Target)
+			}
+			card, err := gb.client.ZCard(context.Background(), gb.ks.ValueKey(zset("board", "", 0, 0).Target)).Result()
+			require.NoError(t, err)
+			require.Equal(t, int64(len(hazardIDs)), card, "distinct members stay distinct")
+			// A redelivery of the whole batch changes nothing.
+			for i, o := range gb.apply(t, writes...) {
+				require.Equal(t, OutcomeDuplicate, o, "write %d", i)
+			}
+		})
+
+		t.Run("CorruptStoredVersionRefused", func(t *testing.T) {
+			t.Parallel()
+			gb := setupGate(t, b)
+			ctx := context.Background()
+			good := hash("h", "good", 1, "fine")
+			bad := hash("h", "bad", 5, "new")
+			badDoc := doc("d", 5, "new")
+			require.NoError(t, gb.client.HSet(ctx, gb.ks.VersionKey(bad.Target), "bad", "007").Err())
+			require.NoError(t, gb.client.Set(ctx, gb.ks.VersionKey(badDoc.Target), "1e3", 0).Err())
+			out, err := gb.gate.Apply(ctx, []Write{bad, good, badDoc})
+			require.ErrorIs(t, err, ErrCorruptVersion)
+			var cerr *CorruptVersionError
+			require.ErrorAs(t, err, &cerr)
+			require.Equal(t, 0, cerr.Index)
+			require.Equal(t, "007", cerr.Stored)
+			require.Equal(t, []Outcome{OutcomeUnknown, OutcomeApplied, OutcomeUnknown}, out)
+			require.Contains(t, err.Error(), `"1e3"`)
+			require.False(t, readState(t, gb.client, gb.ks, badDoc.Target).exists == true &&
+				readState(t, gb.client, gb.ks, badDoc.Target).value == "new", "refused write stored nothing")
+			v, err := gb.client.HGet(ctx, gb.ks.ValueKey(bad.Target), "bad").Result()
+			require.ErrorIs(t, err, redis.Nil, "refused write stored nothing: %q", v)
+		})
+
+		t.Run("RebuildDualWrite", func(t *testing.T) {
+			t.Parallel()
+			gb := setupGate(t, b)
+			ctx := context.Background()
+			before := zset("r", "a", 1, 10)
+			gb.apply(t, before)
+			require.False(t, readShadowState(t, gb.client, gb.ks, before.Target).exists, "no marker, no shadow write")
+
+			require.NoError(t, gb.client.Set(ctx, gb.ks.RebuildMarkerKey("r", KindSortedSet), "1", 0).Err())
+			// The rebuild has copied a newer version into the shadow already.
+			out, err := gb.gate.ApplyShadow(ctx, []Write{zset("r", "b", 7, 70)})
+			require.NoError(t, err)
+			require.Equal(t, []Outcome{OutcomeApplied}, out)
+			require.False(t, readState(t, gb.client, gb.ks, zset("r", "b", 0, 0).Target).exists, "ApplyShadow leaves live keys alone")
+
+			out = gb.apply(t, zset("r", "a", 2, 20), zset("r", "b", 6, 60), hash("r", "a", 1, "other kind"))
+			require.Equal(t, []Outcome{OutcomeApplied, OutcomeApplied, OutcomeApplied}, out)
+			require.Equal(t, storedState{true, "20", "2"}, readShadowState(t, gb.client, gb.ks, zset("r", "a", 0, 0).Target))
+			require.Equal(t, storedState{true, "70", "7"}, readShadowState(t, gb.client, gb.ks, zset("r", "b", 0, 0).Target),
+				"the shadow keeps its newer version: same rule, independent outcome")
+			require.Equal(t, storedState{true, "60", "6"}, readState(t, gb.client, gb.ks, zset("r", "b", 0, 0).Target))
+			require.False(t, readShadowState(t, gb.client, gb.ks, hash("r", "a", 0, "").Target).exists,
+				"the marker of the sorted set does not affect the hash of the same name")
+
+			out, err = gb.gate.ApplyShadow(ctx, []Write{zset("r", "a", 2, 20), zset("r", "a", 1, 10)})
+			require.NoError(t, err)
+			require.Equal(t, []Outcome{OutcomeDuplicate, OutcomeStale}, out)
+
+			_, err = gb.gate.ApplyShadow(ctx, []Write{doc("d", 1, "x")})
+			require.ErrorIs(t, err, ErrInvalidTarget)
+		})
+
+		t.Run("ConcurrentWritersHighestVersionWins", func(t *testing.T) {
+			t.Parallel()
+			gb := setupGate(t, b)
+			const writers, keys, versions = 4, 20, 12
+			// Every writer delivers every version of every key, in its own
+			// random order, in batches of mixed keys.
+			var wg sync.WaitGroup
+			errs := make(chan error, writers)
+			for w := 0; w < writers; w++ {
+				wg.Add(1)
+				go func(seed uint64) {
+					defer wg.Done()
+					var all []Write
+					for k := 0; k < keys; k++ {
+						for v := int64(1); v <= versions; v++ {
+							all = append(all, zset("c"+strconv.Itoa(k%3), strconv.Itoa(k), v, v*7), doc("doc"+strconv.Itoa(k), v, "v"+strconv.FormatInt(v, 10)))
+						}
+					}
+					r := rand.New(rand.NewPCG(seed, seed))
+					r.Shuffle(len(all), func(i, j int) { all[i], all[j] = all[j], all[i] })
+					for len(all) > 0 {
+						n := min(len(all), 1+r.IntN(25))
+						if _, err := gb.gate.Apply(context.Background(), all[:n]); err != nil {
+							errs <- err
+							return
+						}
+						all = all[n:]
+					}
+				}(uint64(w + 1))
+			}
+			wg.Wait()
+			close(errs)
+			for err := range errs {
+				require.NoError(t, err)
+			}
+			for k := 0; k < keys; k++ {
+				require.Equal(t, storedState{true, strconv.Itoa(versions * 7), strconv.Itoa(versions)},
+					readState(t, gb.client, gb.ks, zset("c"+strconv.Itoa(k%3), strconv.Itoa(k), 0, 0).Target))
+				require.Equal(t, storedState{true, "v" + strconv.Itoa(versions), strconv.Itoa(versions)},
+					readState(t, gb.client, gb.ks, doc("doc"+strconv.Itoa(k), 0, "").Target))
+			}
+		})
+	})
+}
+
+// TestGateOneScriptCallPerBatch counts EVALSHA calls on a private server: a
+// batch over many collections and documents costs one call.
+func TestGateOneScriptCallPerBatch(t *testing.T) {
+	t.Parallel()
+	srv := testenv.StartRedis(t)
+	client := srv.Client(t)
+	ctx := context.Background()
+	ks, err := NewKeyspace("one:")
+	require.NoError(t, err)
+	gate := NewGate(client, ks)
+	require.NoError(t, gate.Load(ctx))
+
+	calls := func() int {
+		info, err := client.Info(ctx, "commandstats").Result()
+		require.NoError(t, err)
+		for _, line := range strings.Split(info, "\n") {
+			if rest, ok := strings.CutPrefix(line, "cmdstat_evalsha:calls="); ok {
+				n, err := strconv.Atoi(rest[:strings.IndexByte(rest, ',')])
+				require.NoError(t, err)
+				return n
+			}
+		}
+		return 0
+	}
+	var writes []Write
+	for i := 0; i < 100; i++ {
+		writes = append(writes, zset("board"+strconv.Itoa(i%10), strconv.Itoa(i), 1, int64(i)), doc(strconv.Itoa(i), 1, "x"))
+	}
+	before := calls()
+	out, err := gate.Apply(ctx, writes)
+	require.NoError(t, err)
+	require.Len(t, out, 200)
+	require.Equal(t, before+1, calls())
+}
+
+// TestGateClusterGroupsBySlot checks that a Cluster batch is split into
+// exactly one script call per slot touched, and that those calls survive a
+// flushed script cache (NOSCRIPT → EVAL fallback, pipelined).
+func TestGateClusterGroupsBySlot(t *testing.T) {
+	t.Parallel()
+	c := testenv.SharedRedisCluster(t)
+	client := c.Client(t)
+	ks, err := NewKeyspace(c.Prefix(t))
+	require.NoError(t, err)
+	gate := NewGate(client, ks)
+	ctx := context.Background()
+
+	var writes []Write
+	slots := map[int]bool{}
+	for i := 0; i < 60; i++ {
+		w := doc("doc-"+strconv.Itoa(i), 1, "x")
+		if i%2 == 0 {
+			w = zset("board-"+strconv.Itoa(i%7), strconv.Itoa(i), 1, int64(i))
+		}
+		writes = append(writes, w)
+		slots[ks.Slot(w.Target)] = true
+	}
+	groups := gate.group(modeLive, writes)
+	require.Len(t, groups, len(slots))
+	for _, grp := range groups {
+		slot := KeySlot(grp.keys[0])
+		for _, key := range grp.keys {
+			require.Equal(t, slot, KeySlot(key), "one group, one slot")
+		}
+	}
+
+	// A flushed script cache on every master: both the single-group path
+	// (Script.Run) and the pipelined path must fall back to EVAL.
+	require.NoError(t, client.ForEachMaster(ctx, func(ctx context.Context, m *redis.Client) error {
+		return m.ScriptFlush(ctx).Err()
+	}))
+	out, err := gate.Apply(ctx, writes)
+	require.NoError(t, err)
+	for i, o := range out {
+		require.Equal(t, OutcomeApplied, o, "write %d", i)
+	}
+	require.NoError(t, client.ForEachMaster(ctx, func(ctx context.Context, m *redis.Client) error {
+		return m.ScriptFlush(ctx).Err()
+	}))
+	out, err = gate.Apply(ctx, writes[:1])
+	require.NoError(t, err)
+	require.Equal(t, []Outcome{OutcomeDuplicate}, out)
+}
