@@ -1,0 +1,348 @@
+package reconcile
+
+import (
+	"context"
+	"errors"
+	"sync"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/verity-go/verity/projection"
+)
+
+var allKinds = []projection.Kind{projection.KindSortedSet, projection.KindHash, projection.KindDocument}
+
+// drift builds one entity of every class and returns the expected class per
+// key.
+func (b *testBundle) drift(t *testing.T) map[string]Class {
+	t.Helper()
+	b.insert(t, "cur", 2)
+	b.project(t, "cur", 2)
+
+	b.insert(t, "miss", 1)
+
+	b.insert(t, "stale", 3)
+	b.project(t, "stale", 2)
+
+	b.insert(t, "ahead", 1)
+	b.project(t, "ahead", 2)
+
+	b.insert(t, "corrupt", 2)
+	b.project(t, "corrupt", 2)
+	b.setRaw(t, "corrupt", &projection.Value{Score: 999, Data: []byte("garbage")}, nil)
+
+	b.insert(t, "bad{ver}", 1)
+	b.project(t, "bad{ver}", 1)
+	b.setRaw(t, "bad{ver}", nil, ptr("01"))
+
+	b.insert(t, "nover", 1)
+	b.project(t, "nover", 1)
+	b.setRaw(t, "nover", nil, ptr(""))
+
+	b.project(t, "orphan", 1)
+
+	// In the source, but on another board: the filter hides it.
+	_, err := b.pool.Exec(context.Background(), `INSERT INTO items (key, board, version, score, data) VALUES ('elsewhere', 'daily', 1, 1, 'x')`)
+	require.NoError(t, err)
+	b.project(t, "elsewhere", 1)
+
+	return map[string]Class{
+		"cur": ClassCurrent, "miss": ClassMissing, "stale": ClassStale, "ahead": ClassAhead,
+		"corrupt": ClassCorrupt, "bad{ver}": ClassCorrupt, "nover": ClassCorrupt,
+		"orphan": ClassOrphan, "elsewhere": ClassOrphan,
+	}
+}
+
+func countClasses(m map[string]Class) map[Class]int64 {
+	out := make(map[Class]int64)
+	for _, c := range m {
+		out[c]++
+	}
+	return out
+}
+
+func TestRunClasses(t *testing.T) {
+	t.Parallel()
+	for _, kind := range allKinds {
+		t.Run(kindName(kind), func(t *testing.T) {
+			t.Parallel()
+			b := setup(t, kind)
+			want := b.drift(t)
+			ctx := context.Background()
+
+			var mu sync.Mutex
+			alerts := map[string]Class{}
+			r := b.reconciler(t, &Config{PageSize: 3, OnAlert: func(_ context.Context, f Finding) {
+				mu.Lock()
+				defer mu.Unlock()
+				alerts[f.Key] = f.Class
+			}})
+			rep, err := r.Run(ctx, RunOptions{})
+			require.NoError(t, err)
+			require.Equal(t, countClasses(want), rep.Counts)
+			require.EqualValues(t, 7, rep.Checked)
+			require.EqualValues(t, 5, rep.Repaired) // missing, stale, 3 corrupt
+			require.EqualValues(t, 3, rep.Skipped)  // ahead and 2 orphans, reported only
+			require.EqualValues(t, 3, rep.Results[ResultReported])
+			require.Equal(t, map[string]Class{"ahead": ClassAhead, "orphan": ClassOrphan, "elsewhere": ClassOrphan}, alerts)
+			for key, c := range want {
+				if c == ClassCurrent {
+					continue
+				}
+				ex := rep.Examples[c]
+				found := false
+				for _, f := range ex {
+					found = found || f.Key == key
+				}
+				require.True(t, found, "example for %s (%s)", key, c)
+			}
+
+			// Repaired entries now hold the source's state; ahead and orphans
+			// are untouched.
+			for _, key := range []string{"miss", "stale", "corrupt", "bad{ver}", "nover"} {
+				rows, err := b.source.Lookup(ctx, []string{key})
+				require.NoError(t, err)
+				require.Equal(t, ClassCurrent, Classify(kind, &rows[0], b.state(t, r, key)), key)
+			}
+			require.Equal(t, int64(2), b.state(t, r, "ahead").Version)
+			require.True(t, b.state(t, r, "orphan").HasValue)
+
+			// A second run finds only what the policy leaves alone.
+			rep, err = r.Run(ctx, RunOptions{})
+			require.NoError(t, err)
+			require.Equal(t, map[Class]int64{ClassCurrent: 6, ClassAhead: 1, ClassOrphan: 2}, rep.Counts)
+			require.Zero(t, rep.Repaired)
+		})
+	}
+}
+
+func TestRunForceAheadAndOrphan(t *testing.T) {
+	t.Parallel()
+	for _, kind := range allKinds {
+		t.Run(kindName(kind), func(t *testing.T) {
+			t.Parallel()
+			b := setup(t, kind)
+			b.drift(t)
+			r := b.reconciler(t, &Config{Policy: Policy{Ahead: ActionRepair, Orphan: ActionRepair}})
+			rep, err := r.Run(context.Background(), RunOptions{})
+			require.NoError(t, err)
+			require.EqualValues(t, 8, rep.Repaired)
+			require.EqualValues(t, 1, rep.RepairedByClass[ClassAhead])
+			require.EqualValues(t, 2, rep.RepairedByClass[ClassOrphan])
+
+			require.Equal(t, int64(1), b.state(t, r, "ahead").Version)
+			require.Equal(t, Projected{}, b.state(t, r, "orphan"))
+			require.Equal(t, Projected{}, b.state(t, r, "elsewhere"))
+
+			rep, err = r.Run(context.Background(), RunOptions{})
+			require.NoError(t, err)
+			require.Equal(t, map[Class]int64{ClassCurrent: 7}, rep.Counts)
+		})
+	}
+}
+
+func TestRunDryRun(t *testing.T) {
+	t.Parallel()
+	b := setup(t, projection.KindSortedSet)
+	want := b.drift(t)
+	called := false
+	r := b.reconciler(t, &Config{
+		Policy:       Policy{Orphan: ActionRepair},
+		BeforeRepair: func(context.Context, Finding) bool { called = true; return true },
+	})
+	for range 2 { // nothing was written, so the second run sees the same
+		rep, err := r.Run(context.Background(), RunOptions{DryRun: true})
+		require.NoError(t, err)
+		require.True(t, rep.DryRun)
+		require.Equal(t, countClasses(want), rep.Counts)
+		require.Zero(t, rep.Repaired)
+		require.EqualValues(t, 7, rep.Results[ResultDryRun]) // missing, stale, 3 corrupt, 2 orphans
+		require.EqualValues(t, 1, rep.Results[ResultReported])
+	}
+	require.False(t, called)
+}
+
+func TestRunPolicyAndVeto(t *testing.T) {
+	t.Parallel()
+	b := setup(t, projection.KindHash)
+	b.drift(t)
+	var after []Finding
+	r := b.reconciler(t, &Config{
+		SkipOrphans: true,
+		Policy:      Policy{Stale: ActionReport},
+		BeforeRepair: func(_ context.Context, f Finding) bool {
+			require.Equal(t, ResultNone, f.Result)
+			return f.Key != "corrupt"
+		},
+		AfterRepair: func(_ context.Context, f Finding) { after = append(after, f) },
+	})
+	rep, err := r.Run(context.Background(), RunOptions{})
+	require.NoError(t, err)
+	require.Zero(t, rep.Scanned)
+	require.Zero(t, rep.Counts[ClassOrphan])
+	require.EqualValues(t, 1, rep.Results[ResultVetoed])
+	require.EqualValues(t, 2, rep.Results[ResultReported]) // stale by policy, ahead by default
+	require.EqualValues(t, 3, rep.Repaired)                // miss, bad{ver}, nover
+	require.Len(t, after, 3)
+	for _, f := range after {
+		require.Equal(t, ResultRepaired, f.Result)
+	}
+	require.Equal(t, int64(2), b.state(t, r, "stale").Version)
+	require.Equal(t, []byte("garbage"), b.state(t, r, "corrupt").Data)
+}
+
+// TestRepairRace makes a newer gate write land between the classification
+// and the repair of every repairable class: the repair must decline and the
+// newer state must survive.
+func TestRepairRace(t *testing.T) {
+	t.Parallel()
+	for _, kind := range allKinds {
+		t.Run(kindName(kind), func(t *testing.T) {
+			t.Parallel()
+			b := setup(t, kind)
+			want := b.drift(t)
+			raced := map[string]int64{}
+			r := b.reconciler(t, &Config{
+				Policy: Policy{Ahead: ActionRepair, Orphan: ActionRepair},
+				BeforeRepair: func(_ context.Context, f Finding) bool {
+					// The outbox delivers version 7 just now. For bad{ver}
+					// and nover the gate cannot order the write, so a hand
+					// edit stands in for it.
+					switch f.Key {
+					case "bad{ver}":
+						b.setRaw(t, f.Key, nil, ptr("02"))
+					case "nover":
+						b.setRaw(t, f.Key, &projection.Value{Score: 5, Data: []byte("5")}, nil)
+					default:
+						require.Equal(t, projection.OutcomeApplied, b.project(t, f.Key, 7))
+						raced[f.Key] = 7
+					}
+					return true
+				},
+			})
+			rep, err := r.Run(context.Background(), RunOptions{})
+			require.NoError(t, err)
+			require.Equal(t, countClasses(want), rep.Counts)
+			require.Zero(t, rep.Repaired)
+			require.EqualValues(t, 8, rep.Results[ResultRaced])
+			for key, v := range raced {
+				p := b.state(t, r, key)
+				require.Equal(t, v, p.Version, key)
+				require.Equal(t, ClassCurrent, Classify(kind, &Row{Key: key, Version: v, Value: b.value(key, v)}, p), key)
+			}
+			require.Equal(t, "02", b.state(t, r, "bad{ver}").RawVersion)
+		})
+	}
+}
+
+// TestRunCancelled cancels the run while the first page's repairs are being
+// prepared: every repair that reached Redis is counted, the others are
+// reported as not attempted, and nothing is left unreported.
+func TestRunCancelled(t *testing.T) {
+	t.Parallel()
+	b := setup(t, projection.KindSortedSet)
+	rows := b.insertMany(t, 50)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	seen := 0
+	r := b.reconciler(t, &Config{PageSize: 10, BeforeRepair: func(context.Context, Finding) bool {
+		seen++
+		if seen == 15 { // in the second page
+			cancel()
+		}
+		return true
+	}})
+	rep, err := r.Run(ctx, RunOptions{})
+	require.ErrorIs(t, err, context.Canceled)
+	require.EqualValues(t, 20, rep.Checked)
+	require.EqualValues(t, 20, rep.Counts[ClassMissing])
+	require.EqualValues(t, 10, rep.Repaired)
+	require.EqualValues(t, 10, rep.Results[ResultNotAttempted])
+	require.Equal(t, rep.Drift(), rep.Repaired+rep.Skipped+rep.Uncertain)
+
+	n, err := b.client.ZCard(context.Background(), b.ks.ValueKey(b.target.target(""))).Result()
+	require.NoError(t, err)
+	require.Equal(t, rep.Repaired, n, "every repair written is reported")
+	_ = rows
+
+	// Cancelled while a batch is in flight: the batch completes on the
+	// detached context and is counted.
+	b2 := setup(t, projection.KindSortedSet)
+	b2.insertMany(t, 30)
+	ctx2, cancel2 := context.WithCancel(context.Background())
+	defer cancel2()
+	r2 := b2.reconciler(t, &Config{PageSize: 30, BeforeRepair: func(context.Context, Finding) bool { return true },
+		AfterRepair: func(context.Context, Finding) { cancel2() }})
+	rep2, err := r2.Run(ctx2, RunOptions{})
+	require.ErrorIs(t, err, context.Canceled)
+	require.EqualValues(t, 30, rep2.Repaired)
+	n, err = b2.client.ZCard(context.Background(), b2.ks.ValueKey(b2.target.target(""))).Result()
+	require.NoError(t, err)
+	require.EqualValues(t, 30, n)
+}
+
+func TestRunSample(t *testing.T) {
+	t.Parallel()
+	b := setup(t, projection.KindSortedSet)
+	rows := b.insertMany(t, 3000)
+	// Project every row except each tenth.
+	var projected []Row
+	for i, r := range rows {
+		if i%10 != 0 {
+			projected = append(projected, r)
+		}
+	}
+	b.projectRows(t, projected)
+	_, err := b.pool.Exec(context.Background(), "ANALYZE items")
+	require.NoError(t, err)
+
+	r := b.reconciler(t, &Config{PageSize: 50})
+	rep, err := r.Run(context.Background(), RunOptions{Sample: 400, DryRun: true})
+	require.NoError(t, err)
+	require.True(t, rep.Sampled)
+	require.EqualValues(t, 400, rep.Checked)
+	require.Zero(t, rep.Scanned, "samples skip the orphan scan")
+	require.Equal(t, rep.Checked, rep.Counts[ClassCurrent]+rep.Counts[ClassMissing])
+	// 10% are missing; with 400 draws, 15..70 is far beyond 4 sigma.
+	require.InDelta(t, 40, rep.Counts[ClassMissing], 25)
+
+	sample, err := b.source.Sample(context.Background(), 400)
+	require.NoError(t, err)
+	keys := map[string]bool{}
+	for _, s := range sample {
+		require.False(t, keys[s.Key], "sample rows are distinct")
+		keys[s.Key] = true
+	}
+	require.Len(t, keys, 400)
+
+	// More than the table holds: all of it.
+	all, err := b.source.Sample(context.Background(), 5000)
+	require.NoError(t, err)
+	require.Len(t, all, 3000)
+}
+
+func TestRunSourceError(t *testing.T) {
+	t.Parallel()
+	b := setup(t, projection.KindSortedSet)
+	b.insert(t, "a", 1)
+	_, err := b.pool.Exec(context.Background(), `INSERT INTO items (key, board, version, score) VALUES ('b', $1, 0, 1)`, testBoard)
+	require.NoError(t, err)
+	r := b.reconciler(t, nil)
+	rep, err := r.Run(context.Background(), RunOptions{})
+	var rowErr *InvalidRowError
+	require.ErrorAs(t, err, &rowErr)
+	require.Equal(t, "b", rowErr.Key)
+	require.True(t, errors.Is(err, ErrInvalidRow))
+	require.NotNil(t, rep)
+}
+
+func kindName(k projection.Kind) string {
+	switch k {
+	case projection.KindSortedSet:
+		return "SortedSet"
+	case projection.KindHash:
+		return "Hash"
+	}
+	return "Document"
+}
