@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"strings"
 	"sync"
-	"time"
 	"unicode/utf8"
 
 	"github.com/google/uuid"
@@ -62,9 +61,8 @@ type Board struct {
 	verKey  string
 
 	sql struct {
-		submit, lookupEvent, submitBatch           string
-		page, countBefore, userScore, aroundBefore string
-		lag                                        string
+		submit, lookupEvent, submitBatch string
+		page, rank, around, lag          string
 	}
 
 	lagMu    sync.Mutex
@@ -107,9 +105,7 @@ func New(pool *pgxpool.Pool, rdb redis.UniversalClient, cfg *Config) (*Board, er
 	b.zsetKey, b.verKey = ks.ValueKey(t), ks.VersionKey(t)
 	r := func(q string) string { return renderSQL(q, c.Schema, w.Table()) }
 	b.sql.submit, b.sql.lookupEvent, b.sql.submitBatch = r(submitSQL), r(lookupEventSQL), r(submitBatchSQL)
-	b.sql.page, b.sql.countBefore = r(pageSQL), r(countBeforeSQL)
-	b.sql.userScore, b.sql.aroundBefore = r(userScoreSQL), r(aroundBeforeSQL)
-	b.sql.lag = r(lagSQL)
+	b.sql.page, b.sql.rank, b.sql.around, b.sql.lag = r(pageSQL), r(rankSQL), r(aroundSQL), r(lagSQL)
 	return b, nil
 }
 
@@ -336,12 +332,4 @@ func isScoreRangeViolation(err error) bool {
 			pgErr.ConstraintName == "verity_score_events_score_range"
 	}
 	return false
-}
-
-// lagProbe caches the last lag measurement.
-type lagProbe struct {
-	at      time.Time     // local time of the measurement
-	lag     time.Duration // lag at that time; 0 when nothing was pending
-	pending bool
-	err     error
 }

@@ -149,38 +149,72 @@ FROM prior AS p JOIN input AS i USING (event_id)`
 // collation: score descending, ties by user id bytes ascending. rankIndex
 // serves every one of these as an index range scan.
 
-// pageSQL: $1 board, $2 limit, $3 has cursor, $4 cursor score, $5 cursor user.
+// pageSQL returns up to $2 entries with their ranks, from the top or
+// after the cursor ($3 set, score $4, user $5): $1 board. The rank base is
+// counted in the same statement, so ranks and rows share one snapshot.
 const pageSQL = `
-SELECT user_id, score, version
-FROM {{user_scores}}
-WHERE board = $1::text
-  AND (NOT $3::bool OR (-score, user_id) > (-$4::bigint, $5::text COLLATE "C"))
-ORDER BY -score, user_id
-LIMIT $2::bigint`
+SELECT user_id::text, score,
+       CASE WHEN $3::bool THEN (
+           SELECT count(*)
+           FROM {{user_scores}}
+           WHERE board = $1::text
+             AND (-score, user_id) <= (-$4::bigint, $5::text COLLATE "C")
+       ) ELSE 0 END + row_number() OVER (ORDER BY -score, user_id)
+FROM (
+    SELECT user_id, score
+    FROM {{user_scores}}
+    WHERE board = $1::text
+      AND (NOT $3::bool OR (-score, user_id) > (-$4::bigint, $5::text COLLATE "C"))
+    ORDER BY -score, user_id
+    LIMIT $2::bigint
+) AS page
+ORDER BY -score, user_id`
 
-// countBeforeSQL counts the entries ranked before (score, user):
-// $1 board, $2 score, $3 user.
-const countBeforeSQL = `
-SELECT count(*)
-FROM {{user_scores}}
-WHERE board = $1::text
-  AND (-score, user_id) < (-$2::bigint, $3::text COLLATE "C")`
+// rankSQL returns the score and rank of user $2 on board $1.
+const rankSQL = `
+SELECT me.score, 1 + (
+    SELECT count(*)
+    FROM {{user_scores}} AS s
+    WHERE s.board = $1::text
+      AND (-s.score, s.user_id) < (-me.score, me.user_id)
+)
+FROM {{user_scores}} AS me
+WHERE me.board = $1::text AND me.user_id = $2::text`
 
-// userScoreSQL: $1 board, $2 user.
-const userScoreSQL = `
-SELECT score, version
-FROM {{user_scores}}
-WHERE board = $1::text AND user_id = $2::text`
-
-// aroundBeforeSQL returns up to $4 entries ranked just before (score $2,
-// user $3), nearest first.
-const aroundBeforeSQL = `
-SELECT user_id, score, version
-FROM {{user_scores}}
-WHERE board = $1::text
-  AND (-score, user_id) < (-$2::bigint, $3::text COLLATE "C")
-ORDER BY -score DESC, user_id DESC
-LIMIT $4::bigint`
+// aroundSQL returns user $2 of board $1 with up to $3 neighbours on each
+// side, ranks included, in ranking order; no rows when the user is absent.
+const aroundSQL = `
+WITH me AS (
+    SELECT score, user_id
+    FROM {{user_scores}}
+    WHERE board = $1::text AND user_id = $2::text
+),
+before AS (
+    SELECT s.user_id, s.score
+    FROM {{user_scores}} AS s, me
+    WHERE s.board = $1::text
+      AND (-s.score, s.user_id) < (-me.score, me.user_id)
+    ORDER BY -s.score DESC, s.user_id DESC
+    LIMIT $3::bigint
+),
+after AS (
+    SELECT s.user_id, s.score
+    FROM {{user_scores}} AS s, me
+    WHERE s.board = $1::text
+      AND (-s.score, s.user_id) >= (-me.score, me.user_id)
+    ORDER BY -s.score, s.user_id
+    LIMIT $3::bigint + 1
+),
+base AS (
+    SELECT count(*) AS ahead
+    FROM {{user_scores}} AS s, me
+    WHERE s.board = $1::text
+      AND (-s.score, s.user_id) < (-me.score, me.user_id)
+)
+SELECT w.user_id::text, w.score,
+       base.ahead - (SELECT count(*) FROM before) + row_number() OVER (ORDER BY -w.score, w.user_id)
+FROM (SELECT * FROM before UNION ALL SELECT * FROM after) AS w, base
+ORDER BY -w.score, w.user_id`
 
 // lagSQL reads the age of the board's oldest pending outbox row, measured
 // by the database clock: $1 stream. The outbox's partial index on

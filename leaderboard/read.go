@@ -1,0 +1,469 @@
+package leaderboard
+
+import (
+	"context"
+	_ "embed"
+	"errors"
+	"fmt"
+	"math"
+	"strconv"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/redis/go-redis/v9"
+)
+
+// MaxPageSize bounds the n of Top, Page and Authoritative and the
+// neighbourhood of Around.
+const MaxPageSize = 1000
+
+// ErrInvalidLimit is returned for a page size outside [1, MaxPageSize]
+// (Around accepts 0).
+var ErrInvalidLimit = fmt.Errorf("leaderboard: page size must be between 1 and %d", MaxPageSize)
+
+// Entry is one line of a ranking.
+type Entry struct {
+	UserID string
+	Score  int64
+	// Rank is the 1-based position in the ranking order: score descending,
+	// then user id ascending by bytes. Ties in score therefore get distinct
+	// ranks, ordered by user id; a product that wants shared ranks can
+	// derive them from Score.
+	Rank int64
+}
+
+// Source says which store answered a read.
+type Source string
+
+const (
+	// SourceRedis means the answer came from the Redis projection.
+	SourceRedis Source = "redis"
+	// SourcePostgres means the answer came from PostgreSQL, the source of
+	// truth; it is exact as of the read.
+	SourcePostgres Source = "postgres"
+)
+
+// Freshness describes how current an answer is.
+type Freshness struct {
+	// Source is the store that answered.
+	Source Source
+	// ProjectedThrough is a time before which every committed change of the
+	// board is reflected in the answer: the creation time of the board's
+	// oldest outbox row not yet projected, or, when none was pending, the
+	// time of the last lag measurement (at most Config.LagProbeInterval
+	// old). For PostgreSQL answers it is the time of the read. Zero when
+	// the lag could not be measured.
+	ProjectedThrough time.Time
+	// Lag is how long the oldest unprojected change has been waiting: the
+	// age of the board's oldest pending outbox row by the database clock,
+	// 0 when none was pending at the last measurement, 0 for PostgreSQL
+	// answers, and negative when it could not be measured (PostgreSQL
+	// unreachable).
+	Lag time.Duration
+	// AtLeastMet is false only when the read asked for AtLeast, the
+	// projection did not reach that version in time, and the ServeStale
+	// policy answered from Redis anyway.
+	AtLeastMet bool
+}
+
+// Ranking is a page of entries with its freshness.
+type Ranking struct {
+	Entries []Entry
+	// Next is the cursor of the following page for Page, or "" when this
+	// page reached the end of the board.
+	Next      string
+	Freshness Freshness
+}
+
+// ReadOption adjusts one read.
+type ReadOption func(*readOptions)
+
+type readOptions struct {
+	user       string
+	version    int64
+	policy     ReadPolicy
+	forceStale bool // tests: treat the projection as stale
+}
+
+// AtLeast asks for read-your-writes: the answer must reflect at least
+// version of user (the Version of the Result that Submit returned). When
+// the projection has not reached it, the read waits up to
+// Config.ReadYourWritesTimeout; if it is still behind, the read policy
+// decides (FallbackToPostgres reads PostgreSQL, FailClosed returns a
+// *StaleError, ServeStale answers from Redis with Freshness.AtLeastMet
+// false).
+func AtLeast(user string, version int64) ReadOption {
+	return func(o *readOptions) { o.user, o.version = user, version }
+}
+
+// WithPolicy overrides Config.ReadPolicy for one read.
+func WithPolicy(p ReadPolicy) ReadOption {
+	return func(o *readOptions) { o.policy = p }
+}
+
+var (
+	//go:embed page.lua
+	pageLua    string
+	pageScript = redis.NewScript(pageLua)
+
+	//go:embed around.lua
+	aroundLua    string
+	aroundScript = redis.NewScript(aroundLua)
+)
+
+// Top returns the first n entries of the board. It is Page with no cursor.
+func (b *Board) Top(ctx context.Context, n int, opts ...ReadOption) (Ranking, error) {
+	return b.Page(ctx, "", n, opts...)
+}
+
+// Page returns up to n entries following cursor ("" for the first page).
+// Ranking.Next is the cursor of the next page. Cursors are keyset
+// positions: a page starts right after the (score, user) where the previous
+// one ended, so concurrent score changes never make a page repeat or skip
+// an entry that kept its place, and a cursor works against Redis and
+// PostgreSQL alike. A cursor of another board returns ErrInvalidCursor.
+func (b *Board) Page(ctx context.Context, cursorText string, n int, opts ...ReadOption) (Ranking, error) {
+	if n < 1 || n > MaxPageSize {
+		return Ranking{}, ErrInvalidLimit
+	}
+	var after *cursor
+	if cursorText != "" {
+		c, err := b.decodeCursor(cursorText)
+		if err != nil {
+			return Ranking{}, err
+		}
+		after = &c
+	}
+	var entries []Entry
+	fresh, err := b.read(ctx, opts,
+		func(ctx context.Context) (err error) { entries, err = b.redisPage(ctx, after, n+1); return err },
+		func(ctx context.Context) (err error) { entries, err = b.pgPage(ctx, b.pool, after, n+1); return err },
+	)
+	if err != nil {
+		return Ranking{}, err
+	}
+	return b.ranking(entries, n, fresh), nil
+}
+
+// Rank returns user's entry. It returns ErrUserNotFound when the user has
+// no score in the store that answered.
+func (b *Board) Rank(ctx context.Context, user string, opts ...ReadOption) (Entry, Freshness, error) {
+	var entry Entry
+	fresh, err := b.read(ctx, opts,
+		func(ctx context.Context) (err error) { entry, err = b.redisRank(ctx, user); return err },
+		func(ctx context.Context) (err error) { entry, err = b.pgRank(ctx, user); return err },
+	)
+	if err != nil {
+		return Entry{}, Freshness{}, err
+	}
+	return entry, fresh, nil
+}
+
+// Around returns user's entry with up to n neighbours on each side, in
+// ranking order. It returns ErrUserNotFound when the user has no score in
+// the store that answered.
+func (b *Board) Around(ctx context.Context, user string, n int, opts ...ReadOption) (Ranking, error) {
+	if n < 0 || n > MaxPageSize {
+		return Ranking{}, ErrInvalidLimit
+	}
+	var entries []Entry
+	fresh, err := b.read(ctx, opts,
+		func(ctx context.Context) (err error) { entries, err = b.redisAround(ctx, user, n); return err },
+		func(ctx context.Context) (err error) { entries, err = b.pgAround(ctx, user, n); return err },
+	)
+	if err != nil {
+		return Ranking{}, err
+	}
+	return Ranking{Entries: entries, Freshness: fresh}, nil
+}
+
+// Authoritative returns the first n entries of the board from PostgreSQL,
+// the source of truth, never from Redis, read in one snapshot.
+//
+// USE THIS, AND ONLY THIS, FOR PAYOUTS, PRIZES AND ANY OTHER IRREVERSIBLE
+// DECISION. The Redis projection may lag, may have lost keys or may have
+// been edited by hand until the reconciler repairs it; it is a read model
+// for display, never the authority on who won.
+func (b *Board) Authoritative(ctx context.Context, n int) ([]Entry, error) {
+	if n < 1 || n > MaxPageSize {
+		return nil, ErrInvalidLimit
+	}
+	entries, err := b.pgPage(ctx, b.pool, nil, n)
+	if err != nil {
+		return nil, err
+	}
+	return entries, nil
+}
+
+// ranking trims a page fetched with one extra entry and sets Next.
+func (b *Board) ranking(entries []Entry, n int, fresh Freshness) Ranking {
+	r := Ranking{Entries: entries, Freshness: fresh}
+	if len(entries) > n {
+		r.Entries = entries[:n]
+		last := r.Entries[n-1]
+		r.Next = b.encodeCursor(cursor{score: last.Score, user: last.UserID})
+	}
+	return r
+}
+
+// read runs one read under the policy: fromRedis when the projection is
+// fresh enough (or the policy serves stale answers), fromPostgres when the
+// policy falls back.
+func (b *Board) read(ctx context.Context, opts []ReadOption, fromRedis, fromPostgres func(context.Context) error) (Freshness, error) {
+	o := readOptions{policy: b.cfg.ReadPolicy}
+	for _, opt := range opts {
+		opt(&o)
+	}
+	fallback := func() (Freshness, error) {
+		if err := fromPostgres(ctx); err != nil {
+			return Freshness{}, err
+		}
+		return Freshness{Source: SourcePostgres, ProjectedThrough: time.Now(), AtLeastMet: true}, nil
+	}
+
+	atLeastMet := true
+	if o.version > 0 {
+		met, err := b.waitForVersion(ctx, o.user, o.version)
+		if err != nil && o.policy != FallbackToPostgres {
+			return Freshness{}, err
+		}
+		if !met {
+			switch o.policy {
+			case FallbackToPostgres:
+				return fallback()
+			case FailClosed:
+				return Freshness{}, &StaleError{Lag: -1, MaxLag: b.cfg.MaxLag, UserID: o.user, Version: o.version}
+			}
+			atLeastMet = false
+		}
+	}
+
+	fresh := b.freshness(ctx)
+	fresh.AtLeastMet = atLeastMet
+	if fresh.Lag < 0 || fresh.Lag > b.cfg.MaxLag || o.forceStale {
+		switch o.policy {
+		case FallbackToPostgres:
+			return fallback()
+		case FailClosed:
+			return Freshness{}, &StaleError{Lag: fresh.Lag, MaxLag: b.cfg.MaxLag}
+		}
+	}
+	if err := fromRedis(ctx); err != nil {
+		if o.policy == FallbackToPostgres && !errors.Is(err, ErrUserNotFound) && ctx.Err() == nil {
+			b.cfg.Logger.WarnContext(ctx, "leaderboard: Redis read failed; answering from PostgreSQL", "board", b.cfg.Name, "error", err)
+			return fallback()
+		}
+		return Freshness{}, err
+	}
+	return fresh, nil
+}
+
+// waitForVersion polls the projection's version of user until it reaches
+// version or Config.ReadYourWritesTimeout passes.
+func (b *Board) waitForVersion(ctx context.Context, user string, version int64) (bool, error) {
+	deadline := time.Now().Add(b.cfg.ReadYourWritesTimeout)
+	backoff := 2 * time.Millisecond
+	for {
+		got, err := b.rdb.HGet(ctx, b.verKey, user).Result()
+		switch {
+		case errors.Is(err, redis.Nil):
+		case err != nil:
+			return false, fmt.Errorf("leaderboard: reading the projected version: %w", err)
+		default:
+			if v, perr := strconv.ParseInt(got, 10, 64); perr == nil && v >= version {
+				return true, nil
+			}
+		}
+		wait := min(backoff, time.Until(deadline))
+		if wait <= 0 {
+			return false, nil
+		}
+		t := time.NewTimer(wait)
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return false, ctx.Err()
+		case <-t.C:
+		}
+		backoff = min(2*backoff, 50*time.Millisecond)
+	}
+}
+
+// lagProbe caches the last lag measurement.
+type lagProbe struct {
+	at      time.Time     // local time of the measurement; zero before the first
+	lag     time.Duration // age of the oldest pending row then
+	pending bool          // whether any row was pending
+	failed  bool          // whether the measurement failed
+}
+
+// freshness returns the projection's freshness, measuring the lag at most
+// once per Config.LagProbeInterval.
+func (b *Board) freshness(ctx context.Context) Freshness {
+	b.lagMu.Lock()
+	defer b.lagMu.Unlock()
+	now := time.Now()
+	if b.lagProbe.at.IsZero() || now.Sub(b.lagProbe.at) >= b.cfg.LagProbeInterval {
+		var dbNow time.Time
+		var oldest *time.Time
+		err := b.pool.QueryRow(ctx, b.sql.lag, b.stream).Scan(&dbNow, &oldest)
+		b.lagProbe = lagProbe{at: now, failed: err != nil}
+		if err != nil {
+			b.cfg.Logger.WarnContext(ctx, "leaderboard: measuring projection lag failed", "board", b.cfg.Name, "error", err)
+		} else if oldest != nil {
+			b.lagProbe.pending = true
+			b.lagProbe.lag = max(0, dbNow.Sub(*oldest))
+		}
+	}
+	p := b.lagProbe
+	switch {
+	case p.failed:
+		return Freshness{Source: SourceRedis, Lag: -1}
+	case p.pending:
+		lag := p.lag + now.Sub(p.at)
+		return Freshness{Source: SourceRedis, Lag: lag, ProjectedThrough: now.Add(-lag)}
+	}
+	return Freshness{Source: SourceRedis, ProjectedThrough: p.at}
+}
+
+// redisPage reads up to n entries after c (or from the top) from Redis.
+func (b *Board) redisPage(ctx context.Context, c *cursor, n int) ([]Entry, error) {
+	if c == nil {
+		zs, err := b.rdb.ZRangeWithScores(ctx, b.zsetKey, 0, int64(n-1)).Result()
+		if err != nil {
+			return nil, fmt.Errorf("leaderboard: reading Redis: %w", err)
+		}
+		entries := make([]Entry, len(zs))
+		for i, z := range zs {
+			user, _ := z.Member.(string)
+			entries[i] = Entry{UserID: user, Score: -int64(z.Score), Rank: int64(i) + 1}
+		}
+		return entries, nil
+	}
+	res, err := pageScript.Run(ctx, b.rdb, []string{b.zsetKey},
+		strconv.FormatInt(-c.score, 10), c.user, n).Result()
+	if err != nil {
+		return nil, fmt.Errorf("leaderboard: reading Redis: %w", err)
+	}
+	return parseScriptRange(res)
+}
+
+// redisRank reads user's entry from Redis, score and rank atomically.
+func (b *Board) redisRank(ctx context.Context, user string) (Entry, error) {
+	var score *redis.FloatCmd
+	var rank *redis.IntCmd
+	_, err := b.rdb.TxPipelined(ctx, func(p redis.Pipeliner) error {
+		score = p.ZScore(ctx, b.zsetKey, user)
+		rank = p.ZRank(ctx, b.zsetKey, user)
+		return nil
+	})
+	if errors.Is(err, redis.Nil) {
+		return Entry{}, ErrUserNotFound
+	}
+	if err != nil {
+		return Entry{}, fmt.Errorf("leaderboard: reading Redis: %w", err)
+	}
+	return Entry{UserID: user, Score: -int64(score.Val()), Rank: rank.Val() + 1}, nil
+}
+
+// redisAround reads user's neighbourhood from Redis.
+func (b *Board) redisAround(ctx context.Context, user string, n int) ([]Entry, error) {
+	res, err := aroundScript.Run(ctx, b.rdb, []string{b.zsetKey}, user, n).Result()
+	if errors.Is(err, redis.Nil) {
+		return nil, ErrUserNotFound
+	}
+	if err != nil {
+		return nil, fmt.Errorf("leaderboard: reading Redis: %w", err)
+	}
+	return parseScriptRange(res)
+}
+
+// parseScriptRange decodes {first index, {member, score, ...}}.
+func parseScriptRange(res any) ([]Entry, error) {
+	bad := func() ([]Entry, error) { return nil, fmt.Errorf("leaderboard: unexpected script reply %v", res) }
+	pair, ok := res.([]any)
+	if !ok || len(pair) != 2 {
+		return bad()
+	}
+	first, ok1 := pair[0].(int64)
+	flat, ok2 := pair[1].([]any)
+	if !ok1 || !ok2 || len(flat)%2 != 0 {
+		return bad()
+	}
+	entries := make([]Entry, 0, len(flat)/2)
+	for i := 0; i < len(flat); i += 2 {
+		user, ok1 := flat[i].(string)
+		text, ok2 := flat[i+1].(string)
+		if !ok1 || !ok2 {
+			return bad()
+		}
+		f, err := strconv.ParseFloat(text, 64)
+		if err != nil || math.IsNaN(f) || math.IsInf(f, 0) {
+			return bad()
+		}
+		entries = append(entries, Entry{UserID: user, Score: -int64(f), Rank: first + int64(i/2) + 1})
+	}
+	return entries, nil
+}
+
+// querier is what the PostgreSQL reads need: a pool or a transaction.
+type querier interface {
+	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
+	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
+}
+
+// pgPage reads up to n entries after c (or from the top) from PostgreSQL,
+// ranks included, in one statement (one snapshot).
+func (b *Board) pgPage(ctx context.Context, db querier, c *cursor, n int) ([]Entry, error) {
+	var score int64
+	var user string
+	if c != nil {
+		score, user = c.score, c.user
+	}
+	rows, err := db.Query(ctx, b.sql.page, b.cfg.Name, n, c != nil, score, user)
+	if err != nil {
+		return nil, fmt.Errorf("leaderboard: reading PostgreSQL: %w", err)
+	}
+	entries, err := pgx.CollectRows(rows, func(row pgx.CollectableRow) (Entry, error) {
+		var e Entry
+		err := row.Scan(&e.UserID, &e.Score, &e.Rank)
+		return e, err
+	})
+	if err != nil {
+		return nil, fmt.Errorf("leaderboard: reading PostgreSQL: %w", err)
+	}
+	return entries, nil
+}
+
+// pgRank reads user's entry from PostgreSQL.
+func (b *Board) pgRank(ctx context.Context, user string) (Entry, error) {
+	e := Entry{UserID: user}
+	err := b.pool.QueryRow(ctx, b.sql.rank, b.cfg.Name, user).Scan(&e.Score, &e.Rank)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return Entry{}, ErrUserNotFound
+	}
+	if err != nil {
+		return Entry{}, fmt.Errorf("leaderboard: reading PostgreSQL: %w", err)
+	}
+	return e, nil
+}
+
+// pgAround reads user's neighbourhood from PostgreSQL in one statement.
+func (b *Board) pgAround(ctx context.Context, user string, n int) ([]Entry, error) {
+	rows, err := b.pool.Query(ctx, b.sql.around, b.cfg.Name, user, n)
+	if err != nil {
+		return nil, fmt.Errorf("leaderboard: reading PostgreSQL: %w", err)
+	}
+	entries, err := pgx.CollectRows(rows, func(row pgx.CollectableRow) (Entry, error) {
+		var e Entry
+		err := row.Scan(&e.UserID, &e.Score, &e.Rank)
+		return e, err
+	})
+	if err != nil {
+		return nil, fmt.Errorf("leaderboard: reading PostgreSQL: %w", err)
+	}
+	if len(entries) == 0 {
+		return nil, ErrUserNotFound
+	}
+	return entries, nil
+}

@@ -1,0 +1,330 @@
+package leaderboard
+
+import (
+	"context"
+	"sort"
+	"testing"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/stretchr/testify/require"
+)
+
+// submit applies commands and fails the test on error.
+func (tb *testBundle) submit(t *testing.T, user string, delta int64) Result {
+	t.Helper()
+	res, err := tb.board.Submit(context.Background(), Command{EventID: uuid.New(), UserID: user, Delta: delta})
+	require.NoError(t, err)
+	return res
+}
+
+// drain projects everything pending.
+func (tb *testBundle) drain(t *testing.T) {
+	t.Helper()
+	w, err := tb.board.Worker(nil)
+	require.NoError(t, err)
+	_, err = w.Drain(context.Background())
+	require.NoError(t, err)
+}
+
+// tieUsers are ids whose byte order differs from most locale collations:
+// upper case before lower case, accents and emoji after ASCII, a prefix
+// before its extensions.
+var tieUsers = []string{"b", "B", "a", "ä", "Z", "z", "é", "e", "ab", "a b", "🎮", "ω", "A", "a{1}", "a:1", "日本"}
+
+// allPages walks every page of n entries.
+func allPages(t *testing.T, b *Board, n int, opts ...ReadOption) ([]Entry, Source) {
+	t.Helper()
+	var out []Entry
+	var source Source
+	cur := ""
+	for {
+		r, err := b.Page(context.Background(), cur, n, opts...)
+		require.NoError(t, err)
+		out = append(out, r.Entries...)
+		source = r.Freshness.Source
+		if r.Next == "" {
+			return out, source
+		}
+		cur = r.Next
+	}
+}
+
+func TestOrdering(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	tb := setup(t)
+
+	// Half the users tie on 50, the others on 20, one alone at 70 and one
+	// negative.
+	for i, u := range tieUsers {
+		delta := int64(50)
+		if i%2 == 1 {
+			delta = 20
+		}
+		tb.submit(t, u, delta)
+	}
+	tb.submit(t, "solo", 70)
+	tb.submit(t, "neg", -5)
+	tb.drain(t)
+
+	// The expected order, computed independently: score descending, then
+	// user id ascending by bytes (Go compares strings bytewise).
+	type su struct {
+		user  string
+		score int64
+	}
+	var want []su
+	for i, u := range tieUsers {
+		s := int64(50)
+		if i%2 == 1 {
+			s = 20
+		}
+		want = append(want, su{u, s})
+	}
+	want = append(want, su{"solo", 70}, su{"neg", -5})
+	sort.Slice(want, func(i, j int) bool {
+		if want[i].score != want[j].score {
+			return want[i].score > want[j].score
+		}
+		return want[i].user < want[j].user
+	})
+
+	redisPolicy := WithPolicy(ServeStale)
+	for _, size := range []int{1, 3, 100} {
+		fromRedis, src := allPages(t, tb.board, size, redisPolicy)
+		require.Equal(t, SourceRedis, src)
+		fromPG, err := tb.board.pgPage(ctx, tb.pg.Pool, nil, MaxPageSize)
+		require.NoError(t, err)
+		require.Equal(t, fromPG, fromRedis, "page size %d", size)
+		require.Len(t, fromRedis, len(want))
+		for i, e := range fromRedis {
+			require.Equal(t, want[i].user, e.UserID)
+			require.Equal(t, want[i].score, e.Score)
+			require.Equal(t, int64(i+1), e.Rank)
+		}
+		// The PostgreSQL pages, walked with the same cursors, agree too.
+		fromPGPages, src := allPages(t, tb.board, size, WithPolicy(FallbackToPostgres), forcePostgres())
+		require.Equal(t, SourcePostgres, src)
+		require.Equal(t, fromRedis, fromPGPages)
+	}
+
+	auth, err := tb.board.Authoritative(ctx, 5)
+	require.NoError(t, err)
+	require.Equal(t, "solo", auth[0].UserID)
+	require.Len(t, auth, 5)
+
+	for i, w := range want {
+		e, fr, err := tb.board.Rank(ctx, w.user, redisPolicy)
+		require.NoError(t, err)
+		require.Equal(t, SourceRedis, fr.Source)
+		require.Equal(t, Entry{UserID: w.user, Score: w.score, Rank: int64(i + 1)}, e)
+		pe, err := tb.board.pgRank(ctx, w.user)
+		require.NoError(t, err)
+		require.Equal(t, e, pe)
+
+		ar, err := tb.board.Around(ctx, w.user, 2, redisPolicy)
+		require.NoError(t, err)
+		pa, err := tb.board.pgAround(ctx, w.user, 2)
+		require.NoError(t, err)
+		require.Equal(t, pa, ar.Entries)
+		lo, hi := max(0, i-2), min(len(want), i+3)
+		require.Len(t, ar.Entries, hi-lo)
+		require.Equal(t, int64(lo+1), ar.Entries[0].Rank)
+	}
+	_, _, err = tb.board.Rank(ctx, "nobody", redisPolicy)
+	require.ErrorIs(t, err, ErrUserNotFound)
+	_, err = tb.board.pgRank(ctx, "nobody")
+	require.ErrorIs(t, err, ErrUserNotFound)
+	_, err = tb.board.Around(ctx, "nobody", 1, redisPolicy)
+	require.ErrorIs(t, err, ErrUserNotFound)
+	_, err = tb.board.pgAround(ctx, "nobody", 1)
+	require.ErrorIs(t, err, ErrUserNotFound)
+}
+
+// forcePostgres makes every read look stale, so FallbackToPostgres answers
+// from PostgreSQL (test only).
+func forcePostgres() ReadOption {
+	return func(o *readOptions) { o.forceStale = true }
+}
+
+func TestPageCursor(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	tb := setup(t)
+	for i := 0; i < 6; i++ {
+		tb.submit(t, string(rune('a'+i)), int64(10*(6-i))) // a 60, b 50, ... f 10
+	}
+	tb.drain(t)
+
+	first, err := tb.board.Top(ctx, 3)
+	require.NoError(t, err)
+	require.Equal(t, []string{"a", "b", "c"}, users(first.Entries))
+	require.NotEmpty(t, first.Next)
+
+	// An entry of the first page moves up and a new user jumps ahead: the
+	// next page still starts right after (40, "c"), where the first ended.
+	tb.submit(t, "b", 1000)
+	tb.submit(t, "new", 500)
+	tb.drain(t)
+	second, err := tb.board.Page(ctx, first.Next, 3)
+	require.NoError(t, err)
+	require.Equal(t, []string{"d", "e", "f"}, users(second.Entries))
+	require.Equal(t, int64(5), second.Entries[0].Rank) // behind b, new, a and c
+	require.Empty(t, second.Next)
+	pgSecond, err := tb.board.Page(ctx, first.Next, 3, WithPolicy(FallbackToPostgres), forcePostgres())
+	require.NoError(t, err)
+	require.Equal(t, second.Entries, pgSecond.Entries)
+
+	_, err = tb.board.Page(ctx, "not-a-cursor", 3)
+	require.ErrorIs(t, err, ErrInvalidCursor)
+	other, err := New(tb.pg.Pool, tb.rd.Client, &Config{Name: "other", Schema: tb.pg.Schema, KeyPrefix: tb.rd.Prefix})
+	require.NoError(t, err)
+	_, err = other.Page(ctx, first.Next, 3)
+	require.ErrorIs(t, err, ErrInvalidCursor)
+	_, err = tb.board.Top(ctx, 0)
+	require.ErrorIs(t, err, ErrInvalidLimit)
+}
+
+func users(entries []Entry) []string {
+	out := make([]string, len(entries))
+	for i, e := range entries {
+		out[i] = e.UserID
+	}
+	return out
+}
+
+func TestReadPolicies(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+
+	// lagging returns a board whose projection holds user-a 10 while
+	// PostgreSQL holds 17 and an outbox row older than MaxLag is pending.
+	lagging := func(t *testing.T, policy ReadPolicy) *testBundle {
+		tb := setup(t, func(c *Config) {
+			c.ReadPolicy = policy
+			c.MaxLag = 50 * time.Millisecond
+			c.LagProbeInterval = time.Nanosecond
+			c.ReadYourWritesTimeout = 20 * time.Millisecond
+		})
+		tb.submit(t, "user-a", 10)
+		tb.drain(t)
+		tb.submit(t, "user-a", 7)
+		_, err := tb.pg.Pool.Exec(ctx, `UPDATE verity_outbox SET created_at = created_at - interval '1 minute'`)
+		require.NoError(t, err)
+		return tb
+	}
+
+	t.Run("ServeStale", func(t *testing.T) {
+		t.Parallel()
+		tb := lagging(t, ServeStale)
+		r, err := tb.board.Top(ctx, 10)
+		require.NoError(t, err)
+		require.Equal(t, SourceRedis, r.Freshness.Source)
+		require.Equal(t, int64(10), r.Entries[0].Score)
+		require.Greater(t, r.Freshness.Lag, 59*time.Second)
+		require.WithinDuration(t, time.Now().Add(-r.Freshness.Lag), r.Freshness.ProjectedThrough, time.Second)
+	})
+
+	t.Run("FallbackToPostgres", func(t *testing.T) {
+		t.Parallel()
+		tb := lagging(t, FallbackToPostgres)
+		r, err := tb.board.Top(ctx, 10)
+		require.NoError(t, err)
+		require.Equal(t, SourcePostgres, r.Freshness.Source)
+		require.Equal(t, int64(17), r.Entries[0].Score)
+		e, fr, err := tb.board.Rank(ctx, "user-a")
+		require.NoError(t, err)
+		require.Equal(t, SourcePostgres, fr.Source)
+		require.Equal(t, int64(17), e.Score)
+
+		// Once drained, the same board answers from Redis again.
+		tb.drain(t)
+		r, err = tb.board.Top(ctx, 10)
+		require.NoError(t, err)
+		require.Equal(t, SourceRedis, r.Freshness.Source)
+		require.Equal(t, int64(17), r.Entries[0].Score)
+		require.Zero(t, r.Freshness.Lag)
+	})
+
+	t.Run("FailClosed", func(t *testing.T) {
+		t.Parallel()
+		tb := lagging(t, FailClosed)
+		_, err := tb.board.Top(ctx, 10)
+		require.ErrorIs(t, err, ErrStale)
+		var stale *StaleError
+		require.ErrorAs(t, err, &stale)
+		require.Greater(t, stale.Lag, 59*time.Second)
+		_, err = tb.board.Around(ctx, "user-a", 1)
+		require.ErrorIs(t, err, ErrStale)
+	})
+
+	t.Run("FallbackWhenRedisFails", func(t *testing.T) {
+		t.Parallel()
+		tb := setup(t, func(c *Config) { c.ReadPolicy = FallbackToPostgres })
+		tb.submit(t, "user-a", 10)
+		tb.drain(t)
+		// A value of the wrong type makes the Redis read fail.
+		require.NoError(t, tb.rd.Client.Del(ctx, tb.board.SortedSetKey()).Err())
+		require.NoError(t, tb.rd.Client.Set(ctx, tb.board.SortedSetKey(), "x", 0).Err())
+		r, err := tb.board.Top(ctx, 10)
+		require.NoError(t, err)
+		require.Equal(t, SourcePostgres, r.Freshness.Source)
+		require.Equal(t, int64(10), r.Entries[0].Score)
+
+		_, err = tb.board.Top(ctx, 10, WithPolicy(ServeStale))
+		require.Error(t, err)
+	})
+}
+
+func TestReadYourWrites(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+
+	t.Run("WaitsForTheProjection", func(t *testing.T) {
+		t.Parallel()
+		tb := setup(t, func(c *Config) {
+			c.ReadPolicy = FailClosed
+			c.ReadYourWritesTimeout = 5 * time.Second
+		})
+		res := tb.submit(t, "user-a", 10)
+		worker, err := tb.board.Worker(nil)
+		require.NoError(t, err)
+		drained := make(chan error, 1)
+		go func() {
+			time.Sleep(50 * time.Millisecond)
+			_, err := worker.Drain(ctx)
+			drained <- err
+		}()
+		e, fr, err := tb.board.Rank(ctx, "user-a", AtLeast("user-a", res.Version))
+		require.NoError(t, <-drained)
+		require.NoError(t, err)
+		require.Equal(t, SourceRedis, fr.Source)
+		require.True(t, fr.AtLeastMet)
+		require.Equal(t, int64(10), e.Score)
+	})
+
+	t.Run("FallsBack", func(t *testing.T) {
+		t.Parallel()
+		tb := setup(t, func(c *Config) {
+			c.ReadPolicy = FallbackToPostgres
+			c.ReadYourWritesTimeout = 10 * time.Millisecond
+		})
+		tb.submit(t, "user-a", 10)
+		tb.drain(t)
+		res := tb.submit(t, "user-a", 5)
+		e, fr, err := tb.board.Rank(ctx, "user-a", AtLeast("user-a", res.Version))
+		require.NoError(t, err)
+		require.Equal(t, SourcePostgres, fr.Source)
+		require.Equal(t, int64(15), e.Score)
+
+		// FailClosed refuses; ServeStale answers from Redis and says so.
+		_, _, err = tb.board.Rank(ctx, "user-a", AtLeast("user-a", res.Version), WithPolicy(FailClosed))
+		require.ErrorIs(t, err, ErrStale)
+		e, fr, err = tb.board.Rank(ctx, "user-a", AtLeast("user-a", res.Version), WithPolicy(ServeStale))
+		require.NoError(t, err)
+		require.Equal(t, SourceRedis, fr.Source)
+		require.False(t, fr.AtLeastMet)
+		require.Equal(t, int64(10), e.Score)
+	})
+}
