@@ -1,0 +1,6 @@
+package outbox
+
+import "time"
+
+// Backoff exposes the retry delay computation to the external tests.
+func (r *Relay) Backoff(attempts int) time.Duration { return r.backoff(attempts) }

@@ -1,0 +1,70 @@
+package outbox
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+)
+
+// listenCloseTimeout bounds closing the LISTEN connection.
+const listenCloseTimeout = 2 * time.Second
+
+// listen keeps a dedicated connection LISTENing on the outbox channel until
+// ctx is done, signalling wake on every notification. The connection is
+// opened from the pool's configuration but is not a pool connection: holding
+// a pooled connection forever would shrink the pool, and a pooled connection
+// may be reset or closed under the listener. After any error it reconnects
+// with a growing pause.
+func (r *Relay) listen(ctx context.Context, wake chan<- struct{}) {
+	pause := newPauser(r.cfg.ReconnectBackoffMax)
+	for {
+		err := r.listenOnce(ctx, wake, pause.reset)
+		if ctx.Err() != nil {
+			return
+		}
+		d := pause.next()
+		r.logger.Warn("outbox relay LISTEN connection failed; reconnecting",
+			slog.String("error", err.Error()), slog.Duration("pause", d))
+		if !sleep(ctx, d) {
+			return
+		}
+	}
+}
+
+// listenOnce connects, LISTENs and relays notifications until an error. It
+// calls connected once LISTEN is in effect and then signals wake, because a
+// notification sent while no connection was listening is lost for good.
+func (r *Relay) listenOnce(ctx context.Context, wake chan<- struct{}, connected func()) error {
+	conn, err := pgx.ConnectConfig(ctx, r.pool.Config().ConnConfig)
+	if err != nil {
+		return fmt.Errorf("connect: %w", err)
+	}
+	defer func() {
+		closeCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), listenCloseTimeout)
+		defer cancel()
+		_ = conn.Close(closeCtx) // the connection is discarded either way
+	}()
+	if _, err := conn.Exec(ctx, "LISTEN "+pgx.Identifier{r.names.Channel}.Sanitize()); err != nil {
+		return fmt.Errorf("listen: %w", err)
+	}
+	connected()
+	r.logger.Debug("outbox relay listening", slog.String("channel", r.names.Channel))
+	signal(wake)
+	for {
+		if _, err := conn.WaitForNotification(ctx); err != nil {
+			return fmt.Errorf("wait for notification: %w", err)
+		}
+		signal(wake)
+	}
+}
+
+// signal records a wake-up without blocking; one pending wake-up is enough.
+func signal(wake chan<- struct{}) {
+	select {
+	case wake <- struct{}{}:
+	default:
+	}
+}

@@ -1,0 +1,191 @@
+package outbox
+
+import (
+	"fmt"
+	"log/slog"
+	"time"
+)
+
+const (
+	// BatchSizeDefault is the default for RelayConfig.BatchSize.
+	BatchSizeDefault = 100
+	// BatchSizeMax is the largest RelayConfig.BatchSize accepted.
+	BatchSizeMax = 10_000
+	// LeaseDurationDefault is the default for RelayConfig.LeaseDuration.
+	LeaseDurationDefault = 30 * time.Second
+	// PollIntervalDefault is the default for RelayConfig.PollInterval.
+	PollIntervalDefault = 5 * time.Second
+	// MaxAttemptsDefault is the default for RelayConfig.MaxAttempts.
+	MaxAttemptsDefault = 10
+	// RetryBackoffMinDefault is the default for RelayConfig.RetryBackoffMin.
+	RetryBackoffMinDefault = time.Second
+	// RetryBackoffMaxDefault is the default for RelayConfig.RetryBackoffMax.
+	RetryBackoffMaxDefault = 10 * time.Minute
+	// ShutdownTimeoutDefault is the default for RelayConfig.ShutdownTimeout.
+	ShutdownTimeoutDefault = 10 * time.Second
+	// ReconnectBackoffMaxDefault is the default for
+	// RelayConfig.ReconnectBackoffMax.
+	ReconnectBackoffMaxDefault = 5 * time.Second
+)
+
+// RelayConfig configures a Relay. A nil *RelayConfig means all defaults.
+// Zero fields take their defaults; negative durations and counts are errors.
+type RelayConfig struct {
+	// Schema is the schema of the outbox tables, as given to Migrate.
+	// Defaults to SchemaDefault ("public").
+	Schema string
+
+	// Table is the outbox table, as given to Migrate. Defaults to
+	// TableDefault ("verity_outbox").
+	Table string
+
+	// BatchSize is the most rows claimed, handed to the Handler and
+	// acknowledged together. At most BatchSizeMax. Defaults to
+	// BatchSizeDefault (100).
+	BatchSize int
+
+	// LeaseDuration is how long a claim lasts. While it lasts no other relay
+	// takes the rows; when it ends without an acknowledgement (the relay
+	// died, hung or lost its database connection) any relay claims them
+	// again. The Handler's context expires with the lease. Choose it well
+	// above the Handler's worst expected latency. Defaults to
+	// LeaseDurationDefault (30s).
+	LeaseDuration time.Duration
+
+	// PollInterval is how often an idle relay looks for due rows without
+	// being notified. Notifications wake it at once; polling picks up rows
+	// whose backoff or lease expired, and covers a lost LISTEN connection.
+	// Defaults to PollIntervalDefault (5s).
+	PollInterval time.Duration
+
+	// MaxAttempts is how many times a row is claimed before a failure moves
+	// it to the dead-letter table. Defaults to MaxAttemptsDefault (10).
+	MaxAttempts int
+
+	// RetryBackoffMin is the delay before the second attempt of a failed
+	// row. The delay doubles with each attempt up to RetryBackoffMax; each
+	// delay is jittered uniformly within its upper half, so failures of many
+	// rows do not retry in lockstep. Defaults to RetryBackoffMinDefault (1s).
+	RetryBackoffMin time.Duration
+
+	// RetryBackoffMax caps the retry delay. Must be at least
+	// RetryBackoffMin. Defaults to RetryBackoffMaxDefault (10m).
+	RetryBackoffMax time.Duration
+
+	// ShutdownTimeout bounds how long Run, once its context is cancelled,
+	// waits for the in-flight batch. Within it the Handler finishes
+	// normally and its results are settled; past it the Handler's context
+	// is cancelled and the rows it did not complete are released for
+	// immediate re-delivery. Defaults to ShutdownTimeoutDefault (10s).
+	ShutdownTimeout time.Duration
+
+	// ReconnectBackoffMax caps the pause after a database error, both
+	// before reconnecting the LISTEN connection and before claiming again.
+	// Pauses start at 100ms and double. Defaults to
+	// ReconnectBackoffMaxDefault (5s).
+	ReconnectBackoffMax time.Duration
+
+	// KeepPublished keeps acknowledged rows, marked with published_at, for
+	// audit, instead of deleting them. The partial indexes exclude them, so
+	// claims and Stats stay cheap; deleting old published rows is then the
+	// application's job. Defaults to false (delete on acknowledgement).
+	KeepPublished bool
+
+	// DisableNotify turns off LISTEN: the relay finds work by polling only.
+	// Use it behind a transaction-pooling proxy (PgBouncer in transaction
+	// mode) that cannot hold a LISTEN session. Defaults to false.
+	DisableNotify bool
+
+	// Streams, when not empty, restricts the relay to rows of these streams,
+	// so that different processes can serve different projections.
+	// Defaults to nil (every stream).
+	Streams []string
+
+	// Name identifies the relay in logs. Defaults to "relay-" followed by
+	// random characters.
+	Name string
+
+	// Logger receives the relay's logs. Defaults to a logger that discards
+	// everything.
+	Logger *slog.Logger
+}
+
+// WithDefaults returns a copy of c with every zero field set to its default.
+// It is safe to call on a nil *RelayConfig.
+func (c *RelayConfig) WithDefaults() *RelayConfig {
+	out := RelayConfig{}
+	if c != nil {
+		out = *c
+		out.Streams = append([]string(nil), c.Streams...)
+	}
+	setDefault(&out.Schema, SchemaDefault)
+	setDefault(&out.Table, TableDefault)
+	setDefault(&out.BatchSize, BatchSizeDefault)
+	setDefault(&out.LeaseDuration, LeaseDurationDefault)
+	setDefault(&out.PollInterval, PollIntervalDefault)
+	setDefault(&out.MaxAttempts, MaxAttemptsDefault)
+	setDefault(&out.RetryBackoffMin, RetryBackoffMinDefault)
+	setDefault(&out.RetryBackoffMax, RetryBackoffMaxDefault)
+	setDefault(&out.ShutdownTimeout, ShutdownTimeoutDefault)
+	setDefault(&out.ReconnectBackoffMax, ReconnectBackoffMaxDefault)
+	if out.Name == "" {
+		out.Name = "relay-" + randomSuffix()
+	}
+	if out.Logger == nil {
+		out.Logger = slog.New(slog.DiscardHandler)
+	}
+	return &out
+}
+
+func setDefault[T comparable](field *T, def T) {
+	var zero T
+	if *field == zero {
+		*field = def
+	}
+}
+
+func (c *RelayConfig) validate() error {
+	if err := validateNames(c.Schema, c.Table); err != nil {
+		return err
+	}
+	positive := func(field string, v time.Duration) error {
+		if v <= 0 {
+			return &ConfigError{Field: field, Reason: fmt.Sprintf("is %s; use a positive duration, or zero for the default", v)}
+		}
+		return nil
+	}
+	for _, d := range []struct {
+		field string
+		v     time.Duration
+	}{
+		{"LeaseDuration", c.LeaseDuration},
+		{"PollInterval", c.PollInterval},
+		{"RetryBackoffMin", c.RetryBackoffMin},
+		{"RetryBackoffMax", c.RetryBackoffMax},
+		{"ShutdownTimeout", c.ShutdownTimeout},
+		{"ReconnectBackoffMax", c.ReconnectBackoffMax},
+	} {
+		if err := positive(d.field, d.v); err != nil {
+			return err
+		}
+	}
+	switch {
+	case c.BatchSize < 1 || c.BatchSize > BatchSizeMax:
+		return &ConfigError{Field: "BatchSize", Reason: fmt.Sprintf("is %d; use 1 to %d, or zero for the default", c.BatchSize, BatchSizeMax)}
+	case c.MaxAttempts < 1:
+		return &ConfigError{Field: "MaxAttempts", Reason: fmt.Sprintf("is %d; use at least 1, or zero for the default", c.MaxAttempts)}
+	case c.RetryBackoffMax < c.RetryBackoffMin:
+		return &ConfigError{Field: "RetryBackoffMax", Reason: fmt.Sprintf("is %s, below RetryBackoffMin (%s); raise it", c.RetryBackoffMax, c.RetryBackoffMin)}
+	case c.LeaseDuration < time.Millisecond:
+		return &ConfigError{Field: "LeaseDuration", Reason: fmt.Sprintf("is %s; use at least 1ms", c.LeaseDuration)}
+	}
+	for i, s := range c.Streams {
+		if s == "" {
+			return &ConfigError{Field: "Streams", Reason: fmt.Sprintf("element %d is empty; remove it", i)}
+		}
+		if reason := textProblem(s); reason != "" {
+			return &ConfigError{Field: "Streams", Reason: fmt.Sprintf("element %d %s", i, reason)}
+		}
+	}
+	return nil
+}

@@ -1,0 +1,801 @@
+package outbox_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/stretchr/testify/require"
+
+	"github.com/verity-go/verity/internal/testenv"
+	"github.com/verity-go/verity/outbox"
+)
+
+// relay builds a relay on the bundle's outbox; cfg's Schema and Table are
+// filled in from the bundle.
+func (b *testBundle) relay(t *testing.T, pool *pgxpool.Pool, h outbox.Handler, cfg outbox.RelayConfig) *outbox.Relay {
+	t.Helper()
+	if pool == nil {
+		pool = b.pool
+	}
+	cfg.Schema, cfg.Table = b.cfg.Schema, b.cfg.Table
+	r, err := outbox.NewRelay(pool, h, &cfg)
+	require.NoError(t, err)
+	return r
+}
+
+// startRun runs r.Run in the background. The returned stop cancels it and
+// waits for Run to return, failing the test if it does not within 10s; it
+// also runs at cleanup.
+func startRun(t *testing.T, r *outbox.Relay) (stop func() error) {
+	t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- r.Run(ctx) }()
+	var once sync.Once
+	var runErr error
+	stop = func() error {
+		once.Do(func() {
+			cancel()
+			select {
+			case runErr = <-done:
+			case <-time.After(10 * time.Second):
+				runErr = errors.New("Run did not return within 10s of cancellation")
+			}
+		})
+		return runErr
+	}
+	t.Cleanup(func() { require.NoError(t, stop()) })
+	return stop
+}
+
+// recorder is a Handler that remembers what it was given.
+type recorder struct {
+	mu      sync.Mutex
+	records []outbox.Record
+	fail    func(rec outbox.Record) error // nil: every record succeeds
+}
+
+func (h *recorder) Handle(_ context.Context, batch []outbox.Record) ([]outbox.Result, error) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	results := make([]outbox.Result, len(batch))
+	for i, rec := range batch {
+		h.records = append(h.records, rec)
+		if h.fail != nil {
+			results[i].Err = h.fail(rec)
+		}
+	}
+	return results, nil
+}
+
+func (h *recorder) seen() []outbox.Record {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return append([]outbox.Record(nil), h.records...)
+}
+
+func TestRelayDelivery(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+
+	t.Run("BatchesAndAcks", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		msgs := make([]outbox.Message, 250)
+		for i := range msgs {
+			msgs[i] = newMessage("scores", fmt.Sprint("user-", i), int64(i+1))
+		}
+		b.appendCommitted(t, msgs...)
+		h := &recorder{}
+		r := b.relay(t, nil, h, outbox.RelayConfig{BatchSize: 100})
+
+		for _, want := range []int{100, 100, 50, 0} {
+			n, err := r.RunOnce(ctx)
+			require.NoError(t, err)
+			require.Equal(t, want, n)
+		}
+		seen := h.seen()
+		require.Len(t, seen, len(msgs))
+		for i, rec := range seen {
+			require.Equal(t, msgs[i].EventID, rec.EventID, "rows are delivered in id order")
+			require.Equal(t, msgs[i].Key, rec.Key)
+			require.Equal(t, msgs[i].Version, rec.Version)
+			require.Equal(t, msgs[i].Payload, rec.Payload)
+			require.Equal(t, 1, rec.Attempts)
+			require.Positive(t, rec.ID)
+			require.WithinDuration(t, time.Now(), rec.CreatedAt, time.Minute)
+		}
+		require.Zero(t, b.count(t, b.writer.Table()), "acknowledged rows are deleted")
+	})
+
+	t.Run("KeepPublished", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		b.appendCommitted(t, newMessage("s", "a", 1), newMessage("s", "b", 1))
+		r := b.relay(t, nil, &recorder{}, outbox.RelayConfig{KeepPublished: true})
+		n, err := r.RunOnce(ctx)
+		require.NoError(t, err)
+		require.Equal(t, 2, n)
+		n, err = r.RunOnce(ctx)
+		require.NoError(t, err)
+		require.Zero(t, n, "published rows are not delivered again")
+		rows := b.rows(t)
+		require.Len(t, rows, 2)
+		for _, row := range rows {
+			require.NotNil(t, row.PublishedAt)
+			require.Nil(t, row.ClaimToken)
+		}
+		stats, err := r.Stats(ctx)
+		require.NoError(t, err)
+		require.Zero(t, stats.Pending)
+	})
+
+	t.Run("StreamsFilter", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		b.appendCommitted(t, newMessage("a", "k", 1), newMessage("b", "k", 1), newMessage("c", "k", 1))
+		h := &recorder{}
+		r := b.relay(t, nil, h, outbox.RelayConfig{Streams: []string{"a", "c"}})
+		n, err := r.RunOnce(ctx)
+		require.NoError(t, err)
+		require.Equal(t, 2, n)
+		for _, rec := range h.seen() {
+			require.NotEqual(t, "b", rec.Stream)
+		}
+		rows := b.rows(t)
+		require.Len(t, rows, 1)
+		require.Equal(t, "b", rows[0].Stream)
+	})
+
+	t.Run("PartialFailure", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		good, bad := newMessage("s", "good", 1), newMessage("s", "bad", 1)
+		b.appendCommitted(t, good, bad)
+		h := &recorder{fail: func(rec outbox.Record) error {
+			if rec.Key == "bad" {
+				return errors.New("redis said no")
+			}
+			return nil
+		}}
+		r := b.relay(t, nil, h, outbox.RelayConfig{})
+		n, err := r.RunOnce(ctx)
+		require.NoError(t, err)
+		require.Equal(t, 2, n)
+		rows := b.rows(t)
+		require.Len(t, rows, 1)
+		require.Equal(t, bad.EventID, rows[0].EventID)
+		require.Equal(t, "redis said no", *rows[0].LastError)
+		require.Nil(t, rows[0].ClaimToken)
+	})
+
+	t.Run("HandlerBreaksContract", func(t *testing.T) {
+		t.Parallel()
+		handlers := map[string]outbox.HandlerFunc{
+			"WrongResultCount": func(context.Context, []outbox.Record) ([]outbox.Result, error) {
+				return []outbox.Result{}, nil
+			},
+			"Panic": func(context.Context, []outbox.Record) ([]outbox.Result, error) {
+				panic("handler bug")
+			},
+			"BatchError": func(context.Context, []outbox.Record) ([]outbox.Result, error) {
+				return nil, errors.New("redis unreachable")
+			},
+		}
+		for name, h := range handlers {
+			b := setup(t)
+			b.appendCommitted(t, newMessage("s", "a", 1), newMessage("s", "b", 1))
+			r := b.relay(t, nil, h, outbox.RelayConfig{})
+			n, err := r.RunOnce(ctx)
+			require.NoError(t, err, name)
+			require.Equal(t, 2, n, name)
+			rows := b.rows(t)
+			require.Len(t, rows, 2, "%s: nothing is acknowledged", name)
+			for _, row := range rows {
+				require.NotNil(t, row.LastError, name)
+				require.Equal(t, 1, row.Attempts, name)
+				require.True(t, row.AvailableAt.After(time.Now().Add(-time.Second)), name)
+			}
+			if name != "BatchError" {
+				require.Contains(t, *rows[0].LastError, "handler broke its contract", name)
+			}
+		}
+	})
+}
+
+func TestRelayLease(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+
+	// blockingHandler signals started when called, then waits for release
+	// regardless of its context, like a relay whose process froze.
+	type blockingHandler struct {
+		started  chan []outbox.Record
+		release  chan struct{}
+		deadline chan time.Time
+	}
+	newBlocking := func() *blockingHandler {
+		return &blockingHandler{started: make(chan []outbox.Record, 1), release: make(chan struct{}), deadline: make(chan time.Time, 1)}
+	}
+	handle := func(h *blockingHandler) outbox.HandlerFunc {
+		return func(ctx context.Context, batch []outbox.Record) ([]outbox.Result, error) {
+			d, _ := ctx.Deadline()
+			h.deadline <- d
+			h.started <- batch
+			<-h.release
+			return make([]outbox.Result, len(batch)), nil
+		}
+	}
+
+	t.Run("ExpiryRedeliversAndLateAckIsRefused", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		msg := newMessage("s", "k", 1)
+		b.appendCommitted(t, msg)
+		const lease = 300 * time.Millisecond
+
+		slow := newBlocking()
+		relayA := b.relay(t, nil, handle(slow), outbox.RelayConfig{LeaseDuration: lease, Name: "a"})
+		claimedAt := time.Now()
+		type outcome struct {
+			n   int
+			err error
+		}
+		doneA := make(chan outcome, 1)
+		go func() {
+			n, err := relayA.RunOnce(ctx)
+			doneA <- outcome{n, err}
+		}()
+		batchA := <-slow.started
+		require.Len(t, batchA, 1)
+		require.Equal(t, 1, batchA[0].Attempts)
+		deadline := <-slow.deadline
+		require.False(t, deadline.IsZero(), "the handler's context carries the lease deadline")
+		require.WithinDuration(t, claimedAt.Add(lease), deadline, 200*time.Millisecond)
+
+		// While A's lease lasts nobody else gets the row.
+		h := &recorder{}
+		relayB := b.relay(t, nil, h, outbox.RelayConfig{LeaseDuration: time.Minute, Name: "b"})
+		n, err := relayB.RunOnce(ctx)
+		require.NoError(t, err)
+		require.Zero(t, n, "a leased row is not claimed again")
+		stats, err := relayB.Stats(ctx)
+		require.NoError(t, err)
+		require.EqualValues(t, 1, stats.InFlight)
+
+		// After it, B claims and acknowledges it.
+		require.Eventually(t, func() bool {
+			n, err := relayB.RunOnce(ctx)
+			return err == nil && n == 1
+		}, 5*time.Second, 50*time.Millisecond)
+		seen := h.seen()
+		require.Len(t, seen, 1)
+		require.Equal(t, msg.EventID, seen[0].EventID)
+		require.Equal(t, 2, seen[0].Attempts, "the re-delivery is the second attempt")
+
+		// A finally finishes: its acknowledgement is refused.
+		close(slow.release)
+		resA := <-doneA
+		require.Equal(t, 1, resA.n)
+		require.ErrorIs(t, resA.err, outbox.ErrLeaseLost)
+		var lost *outbox.LeaseLostError
+		require.ErrorAs(t, resA.err, &lost)
+		require.Equal(t, []int64{batchA[0].ID}, lost.IDs)
+		require.Zero(t, b.count(t, b.writer.Table()))
+	})
+
+	t.Run("LostLeaseDoesNotTouchReclaimedRow", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		b.appendCommitted(t, newMessage("s", "k", 1))
+		const lease = 200 * time.Millisecond
+
+		// A fails its batch after B has re-claimed it: A's failure must not
+		// reschedule or release B's claim.
+		slow := newBlocking()
+		relayA := b.relay(t, nil, outbox.HandlerFunc(func(ctx context.Context, batch []outbox.Record) ([]outbox.Result, error) {
+			slow.started <- batch
+			<-slow.release
+			return nil, errors.New("too late anyway")
+		}), outbox.RelayConfig{LeaseDuration: lease})
+		doneA := make(chan error, 1)
+		go func() {
+			_, err := relayA.RunOnce(ctx)
+			doneA <- err
+		}()
+		<-slow.started
+		time.Sleep(lease + 100*time.Millisecond)
+
+		hold := newBlocking()
+		relayB := b.relay(t, nil, handle(hold), outbox.RelayConfig{LeaseDuration: time.Minute})
+		doneB := make(chan error, 1)
+		go func() {
+			_, err := relayB.RunOnce(ctx)
+			doneB <- err
+		}()
+		<-hold.started
+		rowsBefore := b.rows(t)
+		require.Len(t, rowsBefore, 1)
+
+		close(slow.release)
+		require.ErrorIs(t, <-doneA, outbox.ErrLeaseLost)
+		rowsAfter := b.rows(t)
+		require.Equal(t, rowsBefore, rowsAfter, "A's late failure changed nothing")
+
+		close(hold.release)
+		require.NoError(t, <-doneB)
+		require.Zero(t, b.count(t, b.writer.Table()))
+	})
+
+	t.Run("ExpiredButNotReclaimedStillAcks", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		b.appendCommitted(t, newMessage("s", "k", 1))
+		slow := newBlocking()
+		r := b.relay(t, nil, handle(slow), outbox.RelayConfig{LeaseDuration: 100 * time.Millisecond})
+		done := make(chan error, 1)
+		go func() {
+			_, err := r.RunOnce(ctx)
+			done <- err
+		}()
+		<-slow.started
+		time.Sleep(250 * time.Millisecond)
+		close(slow.release)
+		require.NoError(t, <-done, "the claim token is still ours, so the work counts")
+		require.Zero(t, b.count(t, b.writer.Table()))
+	})
+}
+
+func TestRelayRetries(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+
+	t.Run("BackoffThenDeadLetterThenReplay", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		msg := newMessage("scores", "user-a", 4)
+		b.appendCommitted(t, msg, newMessage("other", "x", 1))
+
+		var failing atomic.Bool
+		failing.Store(true)
+		h := &recorder{fail: func(rec outbox.Record) error {
+			if failing.Load() {
+				return fmt.Errorf("attempt %d failed", rec.Attempts)
+			}
+			return nil
+		}}
+		const backoffMin = 80 * time.Millisecond
+		r := b.relay(t, nil, h, outbox.RelayConfig{MaxAttempts: 3, RetryBackoffMin: backoffMin, RetryBackoffMax: 150 * time.Millisecond, Streams: []string{"scores"}})
+
+		n, err := r.RunOnce(ctx)
+		require.NoError(t, err)
+		require.Equal(t, 1, n)
+		var row outboxRow
+		for _, rr := range b.rows(t) {
+			if rr.EventID == msg.EventID {
+				row = rr
+			}
+		}
+		require.Equal(t, 1, row.Attempts)
+		require.Equal(t, "attempt 1 failed", *row.LastError)
+		require.Nil(t, row.ClaimToken)
+		var delayUS int64
+		require.NoError(t, b.pool.QueryRow(ctx, `SELECT (EXTRACT(EPOCH FROM available_at - now()) * 1000000)::bigint FROM `+
+			b.writer.Table()+` WHERE id = $1`, row.ID).Scan(&delayUS))
+		delay := time.Duration(delayUS) * time.Microsecond
+		require.Greater(t, delay, time.Duration(0), "the row waits out a backoff")
+		require.LessOrEqual(t, delay, backoffMin)
+
+		n, err = r.RunOnce(ctx)
+		require.NoError(t, err)
+		require.Zero(t, n, "not due during its backoff")
+		stats, err := r.Stats(ctx)
+		require.NoError(t, err)
+		require.EqualValues(t, 1, stats.Retrying)
+
+		// Attempts 2 and 3 fail; the third moves the row to dead letters.
+		require.Eventually(t, func() bool {
+			if _, err := r.RunOnce(ctx); err != nil {
+				return false
+			}
+			stats, err := r.Stats(ctx)
+			return err == nil && stats.DeadLetters == 1
+		}, 10*time.Second, 20*time.Millisecond)
+		require.Len(t, h.seen(), 3)
+		dead, err := r.DeadLetters(ctx, 0, 10)
+		require.NoError(t, err)
+		require.Len(t, dead, 1)
+		require.Equal(t, msg.EventID, dead[0].EventID)
+		require.Equal(t, row.ID, dead[0].ID)
+		require.Equal(t, 3, dead[0].Attempts)
+		require.Equal(t, "attempt 3 failed", dead[0].LastError)
+		require.Equal(t, msg.Payload, dead[0].Payload)
+		require.Equal(t, msg.Version, dead[0].Version)
+		stats, err = r.Stats(ctx)
+		require.NoError(t, err)
+		require.EqualValues(t, 1, stats.Pending, "only the other stream's row is pending")
+
+		// Replaying an unknown event moves nothing.
+		moved, err := r.ReplayDead(ctx, outbox.ReplayFilter{EventIDs: []uuid.UUID{uuid.New()}})
+		require.NoError(t, err)
+		require.Zero(t, moved)
+
+		// Fixed: replay and deliver.
+		failing.Store(false)
+		moved, err = r.ReplayDead(ctx, outbox.ReplayFilter{Stream: "scores"})
+		require.NoError(t, err)
+		require.EqualValues(t, 1, moved)
+		n, err = r.RunOnce(ctx)
+		require.NoError(t, err)
+		require.Equal(t, 1, n)
+		seen := h.seen()
+		last := seen[len(seen)-1]
+		require.Equal(t, msg.EventID, last.EventID)
+		require.Equal(t, row.ID, last.ID, "a replayed row keeps its id")
+		require.Equal(t, 1, last.Attempts, "attempts restart after a replay")
+		stats, err = r.Stats(ctx)
+		require.NoError(t, err)
+		require.Zero(t, stats.DeadLetters)
+		require.EqualValues(t, 1, stats.Pending)
+	})
+
+	t.Run("BackoffGrowsWithJitter", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		r := b.relay(t, nil, &recorder{}, outbox.RelayConfig{RetryBackoffMin: time.Second, RetryBackoffMax: time.Minute})
+		for attempts := 1; attempts <= 12; attempts++ {
+			ceiling := min(time.Second<<(attempts-1), time.Minute)
+			for range 50 {
+				d := r.Backoff(attempts)
+				require.GreaterOrEqual(t, d, ceiling/2, "attempt %d", attempts)
+				require.LessOrEqual(t, d, ceiling, "attempt %d", attempts)
+			}
+		}
+		// Jitter: many draws are not all equal.
+		draws := map[time.Duration]bool{}
+		for range 20 {
+			draws[r.Backoff(3)] = true
+		}
+		require.Greater(t, len(draws), 1)
+	})
+
+	t.Run("ReplayConflictMovesNothing", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		msg := newMessage("s", "k", 1)
+		b.appendCommitted(t, msg)
+		r := b.relay(t, nil, &recorder{fail: func(outbox.Record) error { return errors.New("no") }}, outbox.RelayConfig{MaxAttempts: 1})
+		_, err := r.RunOnce(ctx)
+		require.NoError(t, err)
+		// The same event is appended again while its first row is dead.
+		b.appendCommitted(t, msg)
+		_, err = r.ReplayDead(ctx, outbox.ReplayFilter{})
+		require.ErrorIs(t, err, outbox.ErrEventIDExists)
+		stats, err := r.Stats(ctx)
+		require.NoError(t, err)
+		require.EqualValues(t, 1, stats.DeadLetters)
+		require.EqualValues(t, 1, stats.Pending)
+	})
+}
+
+func TestRelayConcurrency(t *testing.T) {
+	t.Parallel()
+
+	b := setup(t)
+	const (
+		relays = 4
+		rows   = 600
+	)
+	msgs := make([]outbox.Message, rows)
+	for i := range msgs {
+		msgs[i] = newMessage("s", fmt.Sprint("k", i%50), int64(i+1))
+	}
+
+	var (
+		mu         sync.Mutex
+		inFlight   = map[uuid.UUID]string{}
+		deliveries = map[uuid.UUID]int{}
+		overlap    atomic.Value
+		handledBy  = map[string]int{}
+	)
+	handler := func(name string) outbox.HandlerFunc {
+		return func(ctx context.Context, batch []outbox.Record) ([]outbox.Result, error) {
+			mu.Lock()
+			for _, rec := range batch {
+				if other, busy := inFlight[rec.EventID]; busy {
+					overlap.Store(fmt.Sprintf("row %d handled by %s and %s at once", rec.ID, other, name))
+				}
+				inFlight[rec.EventID] = name
+			}
+			mu.Unlock()
+			time.Sleep(time.Duration(rand.IntN(3000)) * time.Microsecond)
+			mu.Lock()
+			for _, rec := range batch {
+				delete(inFlight, rec.EventID)
+				deliveries[rec.EventID]++
+				handledBy[name]++
+			}
+			mu.Unlock()
+			return make([]outbox.Result, len(batch)), nil
+		}
+	}
+	// Two pools stand for two processes.
+	pools := []*pgxpool.Pool{b.pool, testenv.NewPool(t, b.pg.ConnString)}
+	for i := range relays {
+		name := fmt.Sprint("relay-", i)
+		r := b.relay(t, pools[i%len(pools)], handler(name), outbox.RelayConfig{BatchSize: 10, PollInterval: 50 * time.Millisecond, Name: name})
+		startRun(t, r)
+	}
+	// Append while the relays run, in several transactions.
+	for i := 0; i < rows; i += 100 {
+		b.appendCommitted(t, msgs[i:i+100]...)
+	}
+	require.Eventually(t, func() bool {
+		mu.Lock()
+		defer mu.Unlock()
+		return len(deliveries) == rows
+	}, 30*time.Second, 20*time.Millisecond)
+	require.Nil(t, overlap.Load(), "no row is handled by two relays at once")
+	require.Eventually(t, func() bool { return b.count(t, b.writer.Table()) == 0 }, 5*time.Second, 20*time.Millisecond)
+	mu.Lock()
+	defer mu.Unlock()
+	for _, m := range msgs {
+		require.Equal(t, 1, deliveries[m.EventID], "with leases that never expire every row is delivered once")
+	}
+	t.Logf("rows handled per relay: %v", handledBy)
+}
+
+func TestRelayRun(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+
+	t.Run("NotifyWakesRelay", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		handled := make(chan time.Time, 10)
+		r := b.relay(t, nil, outbox.HandlerFunc(func(_ context.Context, batch []outbox.Record) ([]outbox.Result, error) {
+			for range batch {
+				handled <- time.Now()
+			}
+			return make([]outbox.Result, len(batch)), nil
+		}), outbox.RelayConfig{PollInterval: time.Hour})
+		startRun(t, r)
+		waitListening(t, b)
+
+		// With an hourly poll, only notifications can wake the relay. A
+		// relay passes at start and once after LISTEN succeeds, so three
+		// sequential rounds cannot all be served without notifications.
+		for round := range 3 {
+			committed := b.appendNow(t, newMessage("s", fmt.Sprint("k", round), 1))
+			select {
+			case at := <-handled:
+				t.Logf("round %d: NOTIFY to handler latency %s", round, at.Sub(committed))
+			case <-time.After(2 * time.Second):
+				t.Fatalf("round %d: relay not woken within 2s", round)
+			}
+		}
+	})
+
+	t.Run("ListenReconnects", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		h := &recorder{}
+		r := b.relay(t, nil, h, outbox.RelayConfig{PollInterval: time.Hour, ReconnectBackoffMax: 100 * time.Millisecond})
+		startRun(t, r)
+		pid := waitListening(t, b)
+		_, err := b.pool.Exec(ctx, `SELECT pg_terminate_backend($1)`, pid)
+		require.NoError(t, err)
+		require.Eventually(t, func() bool {
+			newPid := listenerPid(b)
+			return newPid != 0 && newPid != pid
+		}, 10*time.Second, 20*time.Millisecond, "the relay listens again on a new connection")
+		b.appendNow(t, newMessage("s", "k", 1))
+		require.Eventually(t, func() bool { return len(h.seen()) == 1 }, 5*time.Second, 10*time.Millisecond)
+	})
+
+	t.Run("GracefulShutdownFinishesBatch", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		started := make(chan struct{}, 1)
+		var finished atomic.Bool
+		r := b.relay(t, nil, outbox.HandlerFunc(func(_ context.Context, batch []outbox.Record) ([]outbox.Result, error) {
+			started <- struct{}{}
+			time.Sleep(300 * time.Millisecond) // the work in flight
+			finished.Store(true)
+			return make([]outbox.Result, len(batch)), nil
+		}), outbox.RelayConfig{ShutdownTimeout: 5 * time.Second})
+		stop := startRun(t, r)
+		b.appendCommitted(t, newMessage("s", "a", 1), newMessage("s", "b", 1))
+		<-started
+		require.NoError(t, stop())
+		require.True(t, finished.Load(), "Run returned only after the batch finished")
+		require.Zero(t, b.count(t, b.writer.Table()), "the finished batch was acknowledged")
+		require.Zero(t, listenerPid(b), "the LISTEN connection is closed")
+	})
+
+	t.Run("ShutdownTimeoutReleasesRows", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		started := make(chan struct{}, 1)
+		r := b.relay(t, nil, outbox.HandlerFunc(func(ctx context.Context, batch []outbox.Record) ([]outbox.Result, error) {
+			started <- struct{}{}
+			<-ctx.Done() // a handler that only stops when told to
+			return nil, ctx.Err()
+		}), outbox.RelayConfig{ShutdownTimeout: 200 * time.Millisecond})
+		stop := startRun(t, r)
+		b.appendCommitted(t, newMessage("s", "a", 1))
+		<-started
+		began := time.Now()
+		require.NoError(t, stop())
+		require.Less(t, time.Since(began), 5*time.Second)
+		rows := b.rows(t)
+		require.Len(t, rows, 1)
+		require.Nil(t, rows[0].ClaimToken, "released")
+		require.Nil(t, rows[0].LastError, "a release is not a failure")
+		require.False(t, rows[0].AvailableAt.After(time.Now().Add(time.Second)), "due again at once")
+	})
+
+	t.Run("RunTwiceIsRefused", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		r := b.relay(t, nil, &recorder{}, outbox.RelayConfig{})
+		stop := startRun(t, r)
+		waitListening(t, b) // the first Run is under way
+		probeCtx, cancel := context.WithTimeout(ctx, 5*time.Second)
+		defer cancel()
+		require.ErrorIs(t, r.Run(probeCtx), outbox.ErrRelayRunning)
+		require.NoError(t, stop())
+		// Once stopped, it may run again.
+		require.NoError(t, startRun(t, r)())
+	})
+
+	t.Run("CancelledBeforeStart", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		r := b.relay(t, nil, &recorder{}, outbox.RelayConfig{})
+		cctx, cancel := context.WithCancel(ctx)
+		cancel()
+		require.NoError(t, r.Run(cctx))
+		_, err := r.RunOnce(cctx)
+		require.ErrorIs(t, err, context.Canceled)
+	})
+}
+
+// appendNow appends and commits msgs and returns the commit time.
+func (b *testBundle) appendNow(t *testing.T, msgs ...outbox.Message) time.Time {
+	t.Helper()
+	b.appendCommitted(t, msgs...)
+	return time.Now()
+}
+
+// listenerPid finds the backend LISTENing on the bundle's channel, or 0 (also
+// on error: it runs inside Eventually, where the test must not be failed).
+func listenerPid(b *testBundle) int {
+	var pid int
+	err := b.pool.QueryRow(context.Background(), `SELECT COALESCE(max(pid), 0) FROM pg_stat_activity WHERE query = $1`,
+		`LISTEN "`+b.writer.Channel()+`"`).Scan(&pid)
+	if err != nil {
+		return 0
+	}
+	return pid
+}
+
+func waitListening(t *testing.T, b *testBundle) int {
+	t.Helper()
+	var pid int
+	require.Eventually(t, func() bool {
+		pid = listenerPid(b)
+		return pid != 0
+	}, 10*time.Second, 10*time.Millisecond, "relay never LISTENed")
+	return pid
+}
+
+func TestRelayStats(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	b := setup(t)
+	r := b.relay(t, nil, &recorder{}, outbox.RelayConfig{})
+
+	stats, err := r.Stats(ctx)
+	require.NoError(t, err)
+	require.Equal(t, outbox.Stats{}, stats, "empty outbox")
+
+	b.appendCommitted(t, newMessage("s", "a", 1), newMessage("s", "b", 1), newMessage("s", "c", 1))
+	time.Sleep(50 * time.Millisecond)
+
+	started, release := make(chan struct{}), make(chan struct{})
+	holder := b.relay(t, nil, outbox.HandlerFunc(func(_ context.Context, batch []outbox.Record) ([]outbox.Result, error) {
+		close(started)
+		<-release
+		return make([]outbox.Result, len(batch)), nil
+	}), outbox.RelayConfig{BatchSize: 2})
+	done := make(chan error, 1)
+	go func() {
+		_, err := holder.RunOnce(ctx)
+		done <- err
+	}()
+	<-started
+	stats, err = r.Stats(ctx)
+	require.NoError(t, err)
+	require.EqualValues(t, 3, stats.Pending)
+	require.EqualValues(t, 2, stats.InFlight)
+	require.Zero(t, stats.Retrying)
+	require.Zero(t, stats.DeadLetters)
+	require.GreaterOrEqual(t, stats.OldestPendingAge, 50*time.Millisecond)
+	require.Less(t, stats.OldestPendingAge, time.Minute)
+
+	close(release)
+	require.NoError(t, <-done)
+	stats, err = r.Stats(ctx)
+	require.NoError(t, err)
+	require.EqualValues(t, 1, stats.Pending)
+	require.Zero(t, stats.InFlight)
+}
+
+func TestRelayConfig(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	h := &recorder{}
+
+	cases := []struct {
+		name  string
+		cfg   outbox.RelayConfig
+		field string
+	}{
+		{"NegativeBatchSize", outbox.RelayConfig{BatchSize: -1}, "BatchSize"},
+		{"HugeBatchSize", outbox.RelayConfig{BatchSize: outbox.BatchSizeMax + 1}, "BatchSize"},
+		{"NegativeLease", outbox.RelayConfig{LeaseDuration: -time.Second}, "LeaseDuration"},
+		{"TinyLease", outbox.RelayConfig{LeaseDuration: time.Microsecond}, "LeaseDuration"},
+		{"NegativePoll", outbox.RelayConfig{PollInterval: -1}, "PollInterval"},
+		{"NegativeMaxAttempts", outbox.RelayConfig{MaxAttempts: -3}, "MaxAttempts"},
+		{"BackoffMaxBelowMin", outbox.RelayConfig{RetryBackoffMin: time.Minute, RetryBackoffMax: time.Second}, "RetryBackoffMax"},
+		{"NegativeShutdown", outbox.RelayConfig{ShutdownTimeout: -time.Second}, "ShutdownTimeout"},
+		{"EmptyStream", outbox.RelayConfig{Streams: []string{"a", ""}}, "Streams"},
+		{"BadTable", outbox.RelayConfig{Table: "x\x00"}, "Table"},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			_, err := outbox.NewRelay(b.pool, h, &tc.cfg)
+			require.ErrorIs(t, err, outbox.ErrInvalidConfig)
+			var cfgErr *outbox.ConfigError
+			require.ErrorAs(t, err, &cfgErr)
+			require.Equal(t, tc.field, cfgErr.Field)
+		})
+	}
+
+	t.Run("MissingDependencies", func(t *testing.T) {
+		t.Parallel()
+		_, err := outbox.NewRelay(nil, h, nil)
+		require.ErrorIs(t, err, outbox.ErrInvalidConfig)
+		_, err = outbox.NewRelay(b.pool, nil, nil)
+		require.ErrorIs(t, err, outbox.ErrInvalidConfig)
+	})
+
+	t.Run("Defaults", func(t *testing.T) {
+		t.Parallel()
+		r, err := outbox.NewRelay(b.pool, h, nil)
+		require.NoError(t, err)
+		got := r.Config()
+		require.Equal(t, outbox.SchemaDefault, got.Schema)
+		require.Equal(t, outbox.TableDefault, got.Table)
+		require.Equal(t, outbox.BatchSizeDefault, got.BatchSize)
+		require.Equal(t, outbox.LeaseDurationDefault, got.LeaseDuration)
+		require.Equal(t, outbox.PollIntervalDefault, got.PollInterval)
+		require.Equal(t, outbox.MaxAttemptsDefault, got.MaxAttempts)
+		require.Equal(t, outbox.RetryBackoffMinDefault, got.RetryBackoffMin)
+		require.Equal(t, outbox.RetryBackoffMaxDefault, got.RetryBackoffMax)
+		require.Equal(t, outbox.ShutdownTimeoutDefault, got.ShutdownTimeout)
+		require.Equal(t, outbox.ReconnectBackoffMaxDefault, got.ReconnectBackoffMax)
+		require.NotEmpty(t, got.Name)
+		require.NotNil(t, got.Logger)
+	})
+}
