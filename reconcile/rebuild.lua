@@ -14,7 +14,9 @@
 --          marker, atomically: readers see the old projection, then the
 --          new one, never a half-built one. Returns 1, or 0 if the marker
 --          is gone or not ours (nothing is touched).
--- abort:   if the marker is ours, remove it and the shadow keys (1), else 0.
+-- abort:   remove the marker if it is ours, and the shadow keys if no other
+--          rebuild owns them (marker ours or gone): 1, or 0 if another
+--          rebuild holds the marker (nothing is touched).
 
 local step, token = ARGV[1], ARGV[2]
 local marker, shadowValue, shadowVersion = KEYS[1], KEYS[2], KEYS[3]
@@ -26,7 +28,15 @@ if step == 'start' then
   return 1
 end
 
-if redis.call('GET', marker) ~= token then return 0 end
+local current = redis.call('GET', marker)
+
+if step == 'abort' then
+  if current and current ~= token then return 0 end
+  redis.call('DEL', marker, shadowValue, shadowVersion)
+  return 1
+end
+
+if current ~= token then return 0 end
 
 if step == 'refresh' then
   redis.call('PEXPIRE', marker, ARGV[3])
@@ -43,11 +53,6 @@ if step == 'switch' then
     end
   end
   redis.call('DEL', marker)
-  return 1
-end
-
-if step == 'abort' then
-  redis.call('DEL', marker, shadowValue, shadowVersion)
   return 1
 end
 

@@ -1,0 +1,252 @@
+package reconcile
+
+import (
+	"context"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/verity-go/verity/projection"
+)
+
+// hookedSource delegates to a real Source and calls onPage before each page,
+// to pace or interrupt a pass.
+type hookedSource struct {
+	Source
+	onPage func(ctx context.Context, n int)
+	pages  atomic.Int64
+}
+
+func (s *hookedSource) Page(ctx context.Context, after Cursor, limit int) ([]Row, error) {
+	if s.onPage != nil {
+		s.onPage(ctx, int(s.pages.Add(1)))
+	}
+	return s.Source.Page(ctx, after, limit)
+}
+
+// outboxWrite updates key to version in the source, then gates it into the
+// projection, as a transaction plus its outbox relay would.
+func (b *testBundle) outboxWrite(ctx context.Context, key string, version int64) (bool, error) {
+	v := b.value(key, version)
+	if _, err := b.pool.Exec(ctx, `UPDATE items SET version = $3, score = $4, data = $5 WHERE board = $1 AND key = $2`,
+		testBoard, key, version, v.Score, v.Data); err != nil {
+		return false, err
+	}
+	out, err := b.gate.Apply(ctx, []projection.Write{{Target: b.target.target(key), Version: version, Value: v}})
+	if err != nil {
+		return false, err
+	}
+	return out[0] == projection.OutcomeApplied, nil
+}
+
+func (b *testBundle) keysExist(t *testing.T, keys ...string) []bool {
+	t.Helper()
+	out := make([]bool, len(keys))
+	for i, k := range keys {
+		n, err := b.client.Exists(context.Background(), k).Result()
+		require.NoError(t, err)
+		out[i] = n == 1
+	}
+	return out
+}
+
+func (b *testBundle) rebuildKeys() (marker, shadowValue, shadowVersion string) {
+	k, n := b.kind, b.target.Name
+	return b.ks.RebuildMarkerKey(n, k), b.ks.ShadowValueKey(n, k), b.ks.ShadowVersionKey(n, k)
+}
+
+func TestRebuild(t *testing.T) {
+	t.Parallel()
+	for _, kind := range []projection.Kind{projection.KindSortedSet, projection.KindHash} {
+		t.Run(kindName(kind), func(t *testing.T) {
+			t.Parallel()
+			b := setup(t, kind)
+			want := b.drift(t)
+			r := b.reconciler(t, &Config{PageSize: 2})
+			rep, err := r.Rebuild(context.Background())
+			require.NoError(t, err)
+			require.True(t, rep.Switched)
+			require.EqualValues(t, len(want)-2, rep.Rows)
+			require.EqualValues(t, rep.Rows, rep.Applied)
+
+			marker, sv, sver := b.rebuildKeys()
+			require.Equal(t, []bool{false, false, false}, b.keysExist(t, marker, sv, sver))
+
+			run, err := r.Run(context.Background(), RunOptions{DryRun: true})
+			require.NoError(t, err)
+			require.Equal(t, map[Class]int64{ClassCurrent: 7}, run.Counts, "ahead replaced, orphans gone")
+		})
+	}
+	t.Run("Documents", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t, projection.KindDocument)
+		_, err := b.reconciler(t, nil).Rebuild(context.Background())
+		require.ErrorIs(t, err, ErrRebuildUnsupported)
+	})
+	t.Run("EmptySource", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t, projection.KindSortedSet)
+		b.project(t, "orphan", 1)
+		rep, err := b.reconciler(t, nil).Rebuild(context.Background())
+		require.NoError(t, err)
+		require.True(t, rep.Switched)
+		value, version := b.ks.ValueKey(b.target.target("")), b.ks.VersionKey(b.target.target(""))
+		require.Equal(t, []bool{false, false}, b.keysExist(t, value, version))
+	})
+}
+
+// TestRebuildConcurrentWrites runs the outbox (source update, then gate
+// write) and readers while a rebuild copies the source slowly: readers
+// always see the whole projection, and no gate write is lost.
+func TestRebuildConcurrentWrites(t *testing.T) {
+	t.Parallel()
+	for _, kind := range []projection.Kind{projection.KindSortedSet, projection.KindHash} {
+		t.Run(kindName(kind), func(t *testing.T) {
+			t.Parallel()
+			rebuildUnderWrites(t, setup(t, kind))
+		})
+	}
+}
+
+func rebuildUnderWrites(t *testing.T, b *testBundle) {
+	const n = 600
+	rows := b.insertMany(t, n)
+	b.projectRows(t, rows)
+	// Some drift for the rebuild to fix.
+	b.setRaw(t, rows[1].Key, &projection.Value{Score: -1, Data: []byte("x")}, nil)
+	b.project(t, "orphan", 3)
+
+	ctx := context.Background()
+	src := &hookedSource{Source: b.source, onPage: func(context.Context, int) { time.Sleep(25 * time.Millisecond) }}
+	r, err := New(src, b.target, &Config{PageSize: 50})
+	require.NoError(t, err)
+
+	var (
+		stop      = make(chan struct{})
+		wg        sync.WaitGroup
+		written   atomic.Int64
+		minSeen   atomic.Int64
+		readerErr atomic.Value
+	)
+	minSeen.Store(n + 1)
+	valueKey := b.ks.ValueKey(b.target.target(""))
+	wg.Add(2)
+	go func() { // the outbox: newer versions of random rows
+		defer wg.Done()
+		version := int64(1)
+		for i := 0; ; i++ {
+			select {
+			case <-stop:
+				return
+			default:
+			}
+			if i%n == 0 {
+				version++
+			}
+			key := rows[(i*7919)%n].Key
+			applied, err := b.outboxWrite(ctx, key, version)
+			if err != nil {
+				readerErr.Store(err)
+				return
+			}
+			if applied {
+				written.Add(1)
+			}
+		}
+	}()
+	go func() { // readers
+		defer wg.Done()
+		for {
+			select {
+			case <-stop:
+				return
+			default:
+			}
+			var size int64
+			var err error
+			if b.kind == projection.KindSortedSet {
+				size, err = b.client.ZCard(ctx, valueKey).Result()
+			} else {
+				size, err = b.client.HLen(ctx, valueKey).Result()
+			}
+			if err != nil {
+				readerErr.Store(err)
+				return
+			}
+			if size < minSeen.Load() {
+				minSeen.Store(size)
+			}
+		}
+	}()
+
+	rep, err := r.Rebuild(ctx)
+	close(stop)
+	wg.Wait()
+	require.NoError(t, err)
+	require.True(t, rep.Switched)
+	require.Nil(t, readerErr.Load())
+	require.Greater(t, written.Load(), int64(10), "gate writes happened during the rebuild")
+	require.GreaterOrEqual(t, minSeen.Load(), int64(n), "readers never saw a partial projection")
+
+	// Every gate write survived: source and projection agree everywhere.
+	check, err := New(b.source, b.target, nil)
+	require.NoError(t, err)
+	run, err := check.Run(ctx, RunOptions{DryRun: true})
+	require.NoError(t, err)
+	require.Equal(t, map[Class]int64{ClassCurrent: n}, run.Counts)
+}
+
+func TestRebuildInProgress(t *testing.T) {
+	t.Parallel()
+	b := setup(t, projection.KindSortedSet)
+	b.insert(t, "a", 1)
+	marker, sv, _ := b.rebuildKeys()
+	require.NoError(t, b.client.Set(context.Background(), marker, "someone-else", time.Minute).Err())
+	b.project(t, "a", 1) // dual-written into the other rebuild's shadow
+	_, err := b.reconciler(t, nil).Rebuild(context.Background())
+	require.ErrorIs(t, err, ErrRebuildInProgress)
+	require.Equal(t, []bool{true, true}, b.keysExist(t, marker, sv), "the other rebuild's keys are untouched")
+}
+
+func TestRebuildAborted(t *testing.T) {
+	t.Parallel()
+	t.Run("MarkerExpired", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t, projection.KindSortedSet)
+		b.insertMany(t, 30)
+		b.project(t, "orphan", 1)
+		src := &hookedSource{Source: b.source, onPage: func(context.Context, int) { time.Sleep(250 * time.Millisecond) }}
+		r, err := New(src, b.target, &Config{PageSize: 10, RebuildMarkerTTL: 200 * time.Millisecond})
+		require.NoError(t, err)
+		rep, err := r.Rebuild(context.Background())
+		require.ErrorIs(t, err, ErrRebuildAborted)
+		require.False(t, rep.Switched)
+		require.True(t, b.state(t, r, "orphan").HasValue, "live projection untouched")
+		marker, sv, sver := b.rebuildKeys()
+		require.Equal(t, []bool{false, false, false}, b.keysExist(t, marker, sv, sver))
+	})
+	t.Run("Cancelled", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t, projection.KindHash)
+		b.insertMany(t, 30)
+		b.project(t, "orphan", 1)
+		ctx, cancel := context.WithCancel(context.Background())
+		defer cancel()
+		src := &hookedSource{Source: b.source, onPage: func(_ context.Context, n int) {
+			if n == 2 {
+				cancel()
+			}
+		}}
+		r, err := New(src, b.target, &Config{PageSize: 10})
+		require.NoError(t, err)
+		rep, err := r.Rebuild(ctx)
+		require.ErrorIs(t, err, context.Canceled)
+		require.False(t, rep.Switched)
+		require.True(t, b.state(t, r, "orphan").HasValue, "live projection untouched")
+		marker, sv, sver := b.rebuildKeys()
+		require.Equal(t, []bool{false, false, false}, b.keysExist(t, marker, sv, sver))
+	})
+}
