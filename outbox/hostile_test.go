@@ -1,0 +1,84 @@
+package outbox_test
+
+import (
+	"context"
+	"errors"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
+	"github.com/stretchr/testify/require"
+
+	"github.com/verity-go/verity/internal/testenv"
+	"github.com/verity-go/verity/outbox"
+)
+
+// TestHostileIdentifiers configures names built to break out of naive SQL
+// quoting. They must neither inject SQL nor fail: the outbox works under
+// exactly those names.
+func TestHostileIdentifiers(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pg := testenv.Postgres(t)
+
+	// A sentinel table the injected statements would drop.
+	_, err := pg.Pool.Exec(ctx, `CREATE TABLE victim (id int)`)
+	require.NoError(t, err)
+
+	schema := pg.Schema + `"; DROP TABLE victim; --`
+	table := `out"box; DROP TABLE victim; -- 'x' $1`
+	t.Cleanup(func() {
+		_, err := pg.Pool.Exec(context.Background(), `DROP SCHEMA IF EXISTS `+pgx.Identifier{schema}.Sanitize()+` CASCADE`)
+		require.NoError(t, err)
+	})
+	cfg := &outbox.Config{Schema: schema, Table: table}
+
+	script, err := outbox.MigrationSQL(cfg)
+	require.NoError(t, err)
+	require.Contains(t, script, `"`+strings.ReplaceAll(table, `"`, `""`)+`"`)
+	require.NoError(t, outbox.Migrate(ctx, pg.Pool, cfg))
+
+	// The tables exist under exactly the configured names.
+	rows, err := pg.Pool.Query(ctx, `SELECT tablename FROM pg_tables WHERE schemaname = $1 ORDER BY tablename`, schema)
+	require.NoError(t, err)
+	names, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	require.NoError(t, err)
+	require.Equal(t, []string{table, table + "_dead", table + "_idempotency"}, names)
+
+	w, err := outbox.NewWriter(cfg)
+	require.NoError(t, err)
+	tx, err := pg.Pool.Begin(ctx)
+	require.NoError(t, err)
+	id := uuid.New()
+	cmd, err := w.RecordCommand(ctx, tx, id, outbox.Fingerprint([]byte("c")))
+	require.NoError(t, err)
+	require.False(t, cmd.Duplicate)
+	require.NoError(t, w.Append(ctx, tx, outbox.Message{EventID: id, Stream: `s"; --`, Key: `k'); DROP TABLE victim; --`, Version: 1}))
+	require.NoError(t, tx.Commit(ctx))
+
+	handled := make(chan outbox.Record, 1)
+	r, err := outbox.NewRelay(pg.Pool, outbox.HandlerFunc(func(_ context.Context, batch []outbox.Record) ([]outbox.Result, error) {
+		for _, rec := range batch {
+			handled <- rec
+		}
+		return []outbox.Result{{Err: errors.New("fails once, to exercise the dead-letter path")}}, nil
+	}), &outbox.RelayConfig{Schema: schema, Table: table, MaxAttempts: 1, PollInterval: 50 * time.Millisecond})
+	require.NoError(t, err)
+	stop := startRun(t, r)
+	rec := <-handled
+	require.Equal(t, `k'); DROP TABLE victim; --`, rec.Key)
+	require.NoError(t, stop())
+
+	stats, err := r.Stats(ctx)
+	require.NoError(t, err)
+	require.EqualValues(t, 1, stats.DeadLetters)
+	moved, err := r.ReplayDead(ctx, outbox.ReplayFilter{})
+	require.NoError(t, err)
+	require.EqualValues(t, 1, moved)
+
+	var victimExists bool
+	require.NoError(t, pg.Pool.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, pgx.Identifier{pg.Schema, "victim"}.Sanitize()).Scan(&victimExists))
+	require.True(t, victimExists, "no injected statement ran")
+}

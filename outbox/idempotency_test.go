@@ -1,0 +1,264 @@
+package outbox_test
+
+import (
+	"context"
+	"database/sql"
+	"testing"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
+	_ "github.com/jackc/pgx/v5/stdlib" // registers the "pgx" database/sql driver
+	"github.com/stretchr/testify/require"
+
+	"github.com/verity-go/verity/outbox"
+)
+
+func (b *testBundle) idempotencyRows(t *testing.T) int {
+	t.Helper()
+	var n int
+	require.NoError(t, b.pool.QueryRow(context.Background(),
+		`SELECT count(*) FROM `+pgx.Identifier{b.cfg.Schema, outbox.TableDefault + "_idempotency"}.Sanitize()).Scan(&n))
+	return n
+}
+
+func TestRecordCommand(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+
+	// execute runs one command the way a handler would: record it, and
+	// when it is new, store a result, append its message and commit.
+	execute := func(t *testing.T, b *testBundle, id uuid.UUID, command string) (outbox.Command, error) {
+		t.Helper()
+		tx, err := b.pool.Begin(ctx)
+		require.NoError(t, err)
+		defer tx.Rollback(ctx) //nolint:errcheck
+		cmd, err := b.writer.RecordCommand(ctx, tx, id, outbox.Fingerprint([]byte(command)))
+		if err != nil {
+			return cmd, err
+		}
+		if !cmd.Duplicate {
+			require.NoError(t, b.writer.StoreCommandResult(ctx, tx, id, []byte("result of "+command)))
+			require.NoError(t, b.writer.Append(ctx, tx, outbox.Message{EventID: id, Stream: "s", Key: "k", Version: 1, Payload: []byte(command)}))
+		}
+		require.NoError(t, tx.Commit(ctx))
+		return cmd, nil
+	}
+
+	t.Run("FirstThenDuplicate", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		id := uuid.New()
+		first, err := execute(t, b, id, "add 10 to user-a")
+		require.NoError(t, err)
+		require.False(t, first.Duplicate)
+		require.Equal(t, id, first.EventID)
+
+		again, err := execute(t, b, id, "add 10 to user-a")
+		require.NoError(t, err)
+		require.True(t, again.Duplicate)
+		require.Equal(t, "result of add 10 to user-a", string(again.Result))
+		require.WithinDuration(t, first.RecordedAt, again.RecordedAt, time.Millisecond)
+		require.Equal(t, 1, b.count(t, b.writer.Table()), "one effect only")
+	})
+
+	t.Run("ConflictingFingerprint", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		id := uuid.New()
+		_, err := execute(t, b, id, "add 10 to user-a")
+		require.NoError(t, err)
+
+		tx, err := b.pool.Begin(ctx)
+		require.NoError(t, err)
+		defer tx.Rollback(ctx) //nolint:errcheck
+		_, err = b.writer.RecordCommand(ctx, tx, id, outbox.Fingerprint([]byte("add 99 to user-b")))
+		require.ErrorIs(t, err, outbox.ErrIdempotencyConflict)
+		var conflict *outbox.IdempotencyConflictError
+		require.ErrorAs(t, err, &conflict)
+		require.Equal(t, id, conflict.EventID)
+		require.Equal(t, outbox.Fingerprint([]byte("add 10 to user-a")), conflict.RecordedFingerprint)
+		require.Equal(t, outbox.Fingerprint([]byte("add 99 to user-b")), conflict.GivenFingerprint)
+		// The transaction is still usable and nothing was written.
+		require.NoError(t, tx.Commit(ctx))
+		require.Equal(t, 1, b.idempotencyRows(t))
+	})
+
+	t.Run("RollbackForgetsCommand", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		id := uuid.New()
+		tx, err := b.pool.Begin(ctx)
+		require.NoError(t, err)
+		_, err = b.writer.RecordCommand(ctx, tx, id, outbox.Fingerprint([]byte("c")))
+		require.NoError(t, err)
+		require.NoError(t, tx.Rollback(ctx))
+		cmd, err := execute(t, b, id, "c")
+		require.NoError(t, err)
+		require.False(t, cmd.Duplicate, "a rolled-back attempt leaves no record")
+	})
+
+	t.Run("InvalidInput", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		tx, err := b.pool.Begin(ctx)
+		require.NoError(t, err)
+		defer tx.Rollback(ctx) //nolint:errcheck
+		_, err = b.writer.RecordCommand(ctx, tx, uuid.Nil, []byte("x"))
+		require.ErrorIs(t, err, outbox.ErrInvalidMessage)
+		_, err = b.writer.RecordCommand(ctx, tx, uuid.New(), nil)
+		require.ErrorIs(t, err, outbox.ErrInvalidMessage)
+		err = b.writer.StoreCommandResult(ctx, tx, uuid.New(), []byte("r"))
+		require.ErrorIs(t, err, outbox.ErrCommandNotRecorded)
+		require.NoError(t, tx.Commit(ctx))
+		require.Zero(t, b.idempotencyRows(t))
+	})
+
+	// Two transactions race on one id: the second waits in RecordCommand on
+	// the first's uncommitted row, then sees the first's outcome.
+	concurrent := func(t *testing.T, secondCommand string, firstCommits bool) (*testBundle, outbox.Command, error) {
+		b := setup(t)
+		id := uuid.New()
+		tx1, err := b.pool.Begin(ctx)
+		require.NoError(t, err)
+		defer tx1.Rollback(ctx) //nolint:errcheck
+		first, err := b.writer.RecordCommand(ctx, tx1, id, outbox.Fingerprint([]byte("cmd")))
+		require.NoError(t, err)
+		require.False(t, first.Duplicate)
+		require.NoError(t, b.writer.StoreCommandResult(ctx, tx1, id, []byte("first result")))
+
+		type outcome struct {
+			cmd outbox.Command
+			err error
+		}
+		done := make(chan outcome, 1)
+		tx2, err := b.pool.Begin(ctx)
+		require.NoError(t, err)
+		defer tx2.Rollback(ctx) //nolint:errcheck
+		go func() {
+			cmd, err := b.writer.RecordCommand(ctx, tx2, id, outbox.Fingerprint([]byte(secondCommand)))
+			done <- outcome{cmd, err}
+		}()
+		// The second transaction must be blocked on the first.
+		require.Eventually(t, func() bool {
+			var waiting bool
+			err := b.pool.QueryRow(ctx, `SELECT COALESCE(bool_or(wait_event_type = 'Lock'), false) FROM pg_stat_activity WHERE pid = $1`,
+				tx2.Conn().PgConn().PID()).Scan(&waiting)
+			return err == nil && waiting
+		}, 5*time.Second, 10*time.Millisecond)
+		select {
+		case <-done:
+			t.Fatal("the twin did not wait for the first transaction")
+		default:
+		}
+		if firstCommits {
+			require.NoError(t, tx1.Commit(ctx))
+		} else {
+			require.NoError(t, tx1.Rollback(ctx))
+		}
+		res := <-done
+		if res.err == nil {
+			require.NoError(t, tx2.Commit(ctx))
+		}
+		return b, res.cmd, res.err
+	}
+
+	t.Run("ConcurrentDuplicate", func(t *testing.T) {
+		t.Parallel()
+		b, cmd, err := concurrent(t, "cmd", true)
+		require.NoError(t, err)
+		require.True(t, cmd.Duplicate)
+		require.Equal(t, "first result", string(cmd.Result))
+		require.Equal(t, 1, b.idempotencyRows(t))
+	})
+
+	t.Run("ConcurrentConflict", func(t *testing.T) {
+		t.Parallel()
+		b, _, err := concurrent(t, "another cmd", true)
+		require.ErrorIs(t, err, outbox.ErrIdempotencyConflict)
+		require.Equal(t, 1, b.idempotencyRows(t))
+	})
+
+	t.Run("ConcurrentAfterRollback", func(t *testing.T) {
+		t.Parallel()
+		b, cmd, err := concurrent(t, "another cmd", false)
+		require.NoError(t, err)
+		require.False(t, cmd.Duplicate, "the first attempt rolled back, so the twin runs the command")
+		require.Equal(t, 1, b.idempotencyRows(t))
+	})
+
+	t.Run("Prune", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		_, err := execute(t, b, uuid.New(), "old")
+		require.NoError(t, err)
+		_, err = b.pool.Exec(ctx, `UPDATE `+pgx.Identifier{b.cfg.Schema, outbox.TableDefault + "_idempotency"}.Sanitize()+
+			` SET created_at = now() - interval '2 days'`)
+		require.NoError(t, err)
+		_, err = execute(t, b, uuid.New(), "new")
+		require.NoError(t, err)
+		n, err := b.writer.PruneCommands(ctx, b.pool, 24*time.Hour)
+		require.NoError(t, err)
+		require.EqualValues(t, 1, n)
+		require.Equal(t, 1, b.idempotencyRows(t))
+		_, err = b.writer.PruneCommands(ctx, b.pool, 0)
+		require.ErrorIs(t, err, outbox.ErrInvalidConfig)
+	})
+}
+
+func TestSQLTx(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	b := setup(t)
+	db, err := sql.Open("pgx", b.pg.ConnString)
+	require.NoError(t, err)
+	t.Cleanup(func() { db.Close() })
+
+	id := uuid.New()
+	msgs := []outbox.Message{
+		{EventID: id, Stream: "s", Key: "a", Version: 1, Payload: []byte("x")},
+		{EventID: uuid.New(), Stream: "s", Key: "b", Version: 2},
+	}
+	run := func(command string) (outbox.Command, error) {
+		sqlTx, err := db.BeginTx(ctx, nil)
+		require.NoError(t, err)
+		defer sqlTx.Rollback() //nolint:errcheck
+		tx := outbox.SQLTx(sqlTx)
+		cmd, err := b.writer.RecordCommand(ctx, tx, id, outbox.Fingerprint([]byte(command)))
+		if err != nil {
+			return cmd, err
+		}
+		if !cmd.Duplicate {
+			require.NoError(t, b.writer.StoreCommandResult(ctx, tx, id, []byte("ok")))
+			require.NoError(t, b.writer.Append(ctx, tx, msgs...))
+		}
+		return cmd, sqlTx.Commit()
+	}
+
+	cmd, err := run("c")
+	require.NoError(t, err)
+	require.False(t, cmd.Duplicate)
+	cmd, err = run("c")
+	require.NoError(t, err)
+	require.True(t, cmd.Duplicate)
+	require.Equal(t, "ok", string(cmd.Result))
+	_, err = run("d")
+	require.ErrorIs(t, err, outbox.ErrIdempotencyConflict)
+
+	rows := b.rows(t)
+	require.Len(t, rows, 2)
+	require.Equal(t, id, rows[0].EventID)
+	require.Equal(t, "x", string(rows[0].Payload))
+
+	// Exec reports rows affected; errors and rollback pass through.
+	sqlTx, err := db.BeginTx(ctx, nil)
+	require.NoError(t, err)
+	tag, err := outbox.SQLTx(sqlTx).Exec(ctx, `UPDATE `+b.writer.Table()+` SET attempts = 5`)
+	require.NoError(t, err)
+	require.EqualValues(t, 2, tag.RowsAffected())
+	require.ErrorIs(t, outbox.SQLTx(sqlTx).QueryRow(ctx, `SELECT 1 WHERE false`).Scan(new(int)), pgx.ErrNoRows)
+	require.NoError(t, sqlTx.Rollback())
+	for _, r := range b.rows(t) {
+		require.Zero(t, r.Attempts)
+	}
+}
