@@ -96,7 +96,7 @@ func (g *Gate) Load(ctx context.Context) error {
 // valid. Any other error means the batch's effect is unknown: some slot
 // groups may have been applied. Applying the batch again is always safe.
 func (g *Gate) Apply(ctx context.Context, writes []Write) ([]Outcome, error) {
-	return g.run(ctx, modeLive, writes)
+	return joinRun(g.run(ctx, modeLive, writes))
 }
 
 // ApplyShadow is Apply for the shadow keys of a running rebuild: each
@@ -111,29 +111,43 @@ func (g *Gate) ApplyShadow(ctx context.Context, writes []Write) ([]Outcome, erro
 			return nil, &InvalidTargetError{Index: i, Target: writes[i].Target, Reason: "documents have no rebuild shadow keys"}
 		}
 	}
-	return g.run(ctx, modeShadow, writes)
+	return joinRun(g.run(ctx, modeShadow, writes))
 }
 
-func (g *Gate) run(ctx context.Context, mode string, writes []Write) ([]Outcome, error) {
+// joinRun folds run's per-write errors into one error for Apply's callers.
+func joinRun(outcomes []Outcome, perWrite []error, err error) ([]Outcome, error) {
+	if err != nil {
+		return nil, err
+	}
+	if errs := compact(perWrite); len(errs) > 0 {
+		return outcomes, errors.Join(errs...)
+	}
+	return outcomes, nil
+}
+
+// run validates and applies writes. It returns either a batch error, or
+// the outcomes together with a per-write error slice (nil entries except
+// for writes refused because their stored version is unreadable).
+func (g *Gate) run(ctx context.Context, mode string, writes []Write) ([]Outcome, []error, error) {
 	for i := range writes {
 		if err := validateWrite(i, &writes[i]); err != nil {
-			return nil, err
+			return nil, nil, err
 		}
 	}
 	outcomes := make([]Outcome, len(writes))
+	perWrite := make([]error, len(writes))
 	if len(writes) == 0 {
-		return outcomes, nil
+		return outcomes, perWrite, nil
 	}
 	groups := g.group(mode, writes)
 	replies, err := g.eval(ctx, groups)
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
-	var corrupt []error
 	for gi, grp := range groups {
 		codes := replies[gi]
 		if len(codes) != len(grp.index) {
-			return nil, fmt.Errorf("%w: %d results for %d writes", ErrUnexpectedReply, len(codes), len(grp.index))
+			return nil, nil, fmt.Errorf("%w: %d results for %d writes", ErrUnexpectedReply, len(codes), len(grp.index))
 		}
 		for j, code := range codes {
 			i := grp.index[j]
@@ -145,16 +159,13 @@ func (g *Gate) run(ctx context.Context, mode string, writes []Write) ([]Outcome,
 			case replyStale:
 				outcomes[i] = OutcomeStale
 			case replyCorrupt:
-				corrupt = append(corrupt, g.corruptError(ctx, mode, i, writes[i]))
+				perWrite[i] = g.corruptError(ctx, mode, i, writes[i])
 			default:
-				return nil, fmt.Errorf("%w: result code %d", ErrUnexpectedReply, code)
+				return nil, nil, fmt.Errorf("%w: result code %d", ErrUnexpectedReply, code)
 			}
 		}
 	}
-	if len(corrupt) > 0 {
-		return outcomes, errors.Join(corrupt...)
-	}
-	return outcomes, nil
+	return outcomes, perWrite, nil
 }
 
 // corruptError reads the unreadable version back for the error message; the

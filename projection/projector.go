@@ -1,0 +1,203 @@
+package projection
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+
+	"github.com/redis/go-redis/v9"
+
+	"github.com/verity-go/verity/outbox"
+)
+
+// PrefixDefault is the default Config.Prefix.
+const PrefixDefault = "verity:"
+
+// Config configures a RedisProjector.
+type Config struct {
+	// Prefix starts every key the projector writes (see Keyspace). It must
+	// not contain '{' or '}'. Defaults to PrefixDefault ("verity:").
+	Prefix string
+	// Logger receives a debug line per batch. Defaults to a logger that
+	// discards everything.
+	Logger *slog.Logger
+}
+
+// WithDefaults returns a copy of c (or of the zero Config when c is nil)
+// with every unset field set to its default.
+func (c *Config) WithDefaults() *Config {
+	out := Config{}
+	if c != nil {
+		out = *c
+	}
+	if out.Prefix == "" {
+		out.Prefix = PrefixDefault
+	}
+	if out.Logger == nil {
+		out.Logger = slog.New(slog.NewTextHandler(io.Discard, nil))
+	}
+	return &out
+}
+
+func (c *Config) validate() error {
+	if _, err := NewKeyspace(c.Prefix); err != nil {
+		return fmt.Errorf("projection: Config.Prefix %q must not contain '{' or '}' (it would become the Redis Cluster hash tag); choose a prefix such as %q", c.Prefix, PrefixDefault)
+	}
+	return nil
+}
+
+// RedisProjector projects outbox records into Redis through a Gate. It maps
+// each record with the caller's Mapper and applies the whole batch with one
+// script call per Redis Cluster slot. It implements Projector and
+// outbox.Handler, so it can be given directly to outbox.NewRelay. It is safe
+// for concurrent use.
+type RedisProjector struct {
+	gate   *Gate
+	mapper Mapper
+	logger *slog.Logger
+}
+
+var (
+	_ Projector      = (*RedisProjector)(nil)
+	_ outbox.Handler = (*RedisProjector)(nil)
+)
+
+// NewRedisProjector returns a projector writing through client (single
+// node, Sentinel or Cluster) the writes that mapper derives from records.
+// cfg may be nil for the defaults.
+func NewRedisProjector(client redis.UniversalClient, mapper Mapper, cfg *Config) (*RedisProjector, error) {
+	if client == nil {
+		return nil, errors.New("projection: NewRedisProjector: client is nil; pass a redis.UniversalClient")
+	}
+	if mapper == nil {
+		return nil, errors.New("projection: NewRedisProjector: mapper is nil; pass a Mapper such as SortedSetMapper(\"board\")")
+	}
+	cfg = cfg.WithDefaults()
+	if err := cfg.validate(); err != nil {
+		return nil, err
+	}
+	ks, err := NewKeyspace(cfg.Prefix)
+	if err != nil {
+		return nil, err
+	}
+	return &RedisProjector{gate: NewGate(client, ks), mapper: mapper, logger: cfg.Logger}, nil
+}
+
+// Gate returns the projector's gate, for writes that do not come from the
+// outbox (reconciliation repairs).
+func (p *RedisProjector) Gate() *Gate { return p.gate }
+
+// Keyspace returns the keys the projector writes, for readers.
+func (p *RedisProjector) Keyspace() Keyspace { return p.gate.ks }
+
+// Project maps and gates batch and returns one Outcome per record.
+//
+// Records are validated before anything is written: a record that its
+// Mapper rejects, or whose Write is invalid, fails the whole call with a
+// *MapError (wrapping the Mapper's error or the typed validation error) and
+// nothing is written. Records whose stored version is unreadable get
+// OutcomeUnknown and make the returned error non-nil (ErrCorruptVersion)
+// while the other outcomes stay valid. Any other error leaves the batch's
+// effect unknown; projecting it again is safe.
+func (p *RedisProjector) Project(ctx context.Context, batch []outbox.Record) ([]Outcome, error) {
+	writes := make([]Write, len(batch))
+	for i := range batch {
+		w, err := p.mapRecord(i, batch[i])
+		if err != nil {
+			return nil, err
+		}
+		writes[i] = w
+	}
+	outcomes, perWrite, err := p.gate.run(ctx, modeLive, writes)
+	if err != nil {
+		return nil, err
+	}
+	p.logBatch(ctx, batch, outcomes, nil)
+	if errs := compact(perWrite); len(errs) > 0 {
+		return outcomes, errors.Join(errs...)
+	}
+	return outcomes, nil
+}
+
+// Handle implements outbox.Handler. Unlike Project, it isolates bad
+// records: a record that cannot be mapped, is invalid, or meets an
+// unreadable stored version gets its own Result.Err (so the relay retries
+// or dead-letters only that record) while the rest of the batch is applied
+// and acknowledged. A Redis error fails the whole batch, which the relay
+// retries after its backoff.
+func (p *RedisProjector) Handle(ctx context.Context, batch []outbox.Record) ([]outbox.Result, error) {
+	results := make([]outbox.Result, len(batch))
+	writes := make([]Write, 0, len(batch))
+	positions := make([]int, 0, len(batch)) // batch index of each write
+	for i := range batch {
+		w, err := p.mapRecord(i, batch[i])
+		if err != nil {
+			results[i].Err = err
+			continue
+		}
+		writes = append(writes, w)
+		positions = append(positions, i)
+	}
+	outcomes, perWrite, err := p.gate.run(ctx, modeLive, writes)
+	if err != nil {
+		return nil, err
+	}
+	all := make([]Outcome, len(batch))
+	for j, i := range positions {
+		all[i] = outcomes[j]
+		if err := perWrite[j]; err != nil {
+			var corrupt *CorruptVersionError
+			if errors.As(err, &corrupt) {
+				corrupt.Index = i // report the record's position, not the write's
+			}
+			results[i].Err = err
+		}
+	}
+	p.logBatch(ctx, batch, all, results)
+	return results, nil
+}
+
+// mapRecord maps and validates one record.
+func (p *RedisProjector) mapRecord(i int, rec outbox.Record) (Write, error) {
+	w, err := p.mapper.Map(rec)
+	if err == nil {
+		err = validateWrite(i, &w)
+	}
+	if err != nil {
+		return Write{}, &MapError{Index: i, RecordID: rec.ID, Stream: rec.Stream, Err: err}
+	}
+	return w, nil
+}
+
+func (p *RedisProjector) logBatch(ctx context.Context, batch []outbox.Record, outcomes []Outcome, results []outbox.Result) {
+	if !p.logger.Enabled(ctx, slog.LevelDebug) {
+		return
+	}
+	var applied, duplicate, stale, failed int
+	for i, o := range outcomes {
+		switch {
+		case results != nil && results[i].Err != nil, o == OutcomeUnknown:
+			failed++
+		case o == OutcomeApplied:
+			applied++
+		case o == OutcomeDuplicate:
+			duplicate++
+		case o == OutcomeStale:
+			stale++
+		}
+	}
+	p.logger.DebugContext(ctx, "projection: batch projected", "records", len(batch),
+		"applied", applied, "duplicate", duplicate, "stale", stale, "failed", failed)
+}
+
+func compact(errs []error) []error {
+	var out []error
+	for _, err := range errs {
+		if err != nil {
+			out = append(out, err)
+		}
+	}
+	return out
+}

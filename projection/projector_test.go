@@ -1,0 +1,230 @@
+package projection
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"log/slog"
+	"strconv"
+	"sync/atomic"
+	"testing"
+
+	"github.com/google/uuid"
+	"github.com/redis/go-redis/v9"
+	"github.com/stretchr/testify/require"
+
+	"github.com/verity-go/verity/outbox"
+)
+
+type projectorBundle struct {
+	client    redis.UniversalClient
+	projector *RedisProjector
+	ks        Keyspace
+}
+
+// testMapper routes the three demo streams to the built-in mappers.
+func testMapper() Mapper {
+	return StreamMapper{
+		"scores":   SortedSetMapper("board"),
+		"profiles": HashMapper("profiles"),
+		"orders":   DocumentMapper("order:"),
+	}
+}
+
+func setupProjector(t *testing.T, b backend) *projectorBundle {
+	t.Helper()
+	client, prefix := b.connect(t)
+	p, err := NewRedisProjector(client, testMapper(), &Config{Prefix: prefix})
+	require.NoError(t, err)
+	return &projectorBundle{client: client, projector: p, ks: p.Keyspace()}
+}
+
+var recordSeq atomic.Int64
+
+func record(stream, key string, version int64, payload string) outbox.Record {
+	return outbox.Record{
+		Message: outbox.Message{EventID: uuid.New(), Stream: stream, Key: key, Version: version, Payload: []byte(payload)},
+		ID:      recordSeq.Add(1), Attempts: 1,
+	}
+}
+
+func TestRedisProjector(t *testing.T) {
+	t.Parallel()
+
+	forEachBackend(t, func(t *testing.T, b backend) {
+		t.Run("ProjectAllKindsAndRedelivery", func(t *testing.T) {
+			t.Parallel()
+			pb := setupProjector(t, b)
+			ctx := context.Background()
+			batch := []outbox.Record{
+				record("scores", "alice", 1, "10"),
+				record("scores", "bob{x}", 1, "25"),
+				record("profiles", "alice", 3, `{"name":"Alice"}`),
+				record("orders", "41:a", 2, `{"total":4400}`),
+				record("scores", "alice", 2, "17"),
+			}
+			out, err := pb.projector.Project(ctx, batch)
+			require.NoError(t, err)
+			require.Equal(t, []Outcome{OutcomeApplied, OutcomeApplied, OutcomeApplied, OutcomeApplied, OutcomeApplied}, out)
+
+			board := pb.ks.ValueKey(Target{Kind: KindSortedSet, Name: "board"})
+			ranking, err := pb.client.ZRevRangeWithScores(ctx, board, 0, -1).Result()
+			require.NoError(t, err)
+			require.Equal(t, []redis.Z{{Score: 25, Member: "bob{x}"}, {Score: 17, Member: "alice"}}, ranking)
+			require.Equal(t, storedState{true, `{"name":"Alice"}`, "3"},
+				readState(t, pb.client, pb.ks, Target{Kind: KindHash, Name: "profiles", Member: "alice"}))
+			require.Equal(t, storedState{true, `{"total":4400}`, "2"},
+				readState(t, pb.client, pb.ks, Target{Kind: KindDocument, Name: "order:41:a"}))
+
+			// Redelivery of the whole batch: every record whose version is
+			// stored again is a duplicate; alice v1 is now stale.
+			out, err = pb.projector.Project(ctx, batch)
+			require.NoError(t, err)
+			require.Equal(t, []Outcome{OutcomeStale, OutcomeDuplicate, OutcomeDuplicate, OutcomeDuplicate, OutcomeDuplicate}, out)
+			again, err := pb.client.ZRevRangeWithScores(ctx, board, 0, -1).Result()
+			require.NoError(t, err)
+			require.Equal(t, ranking, again)
+
+			results, err := pb.projector.Handle(ctx, batch)
+			require.NoError(t, err)
+			require.Len(t, results, len(batch))
+			for _, r := range results {
+				require.NoError(t, r.Err)
+			}
+		})
+
+		t.Run("ProjectRefusesBadBatchAndWritesNothing", func(t *testing.T) {
+			t.Parallel()
+			pb := setupProjector(t, b)
+			ctx := context.Background()
+			good := record("scores", "carol", 1, "5")
+			for _, tc := range []struct {
+				name string
+				bad  outbox.Record
+				want error
+			}{
+				{"UnmappedStream", record("unknown", "k", 1, "1"), ErrUnmappedStream},
+				{"BadScorePayload", record("scores", "k", 1, "12.5"), ErrInvalidPayload},
+				{"ScoreOutOfRange", record("scores", "k", 1, strconv.FormatInt(MaxScore+1, 10)), ErrScoreOutOfRange},
+				{"ZeroVersion", record("orders", "k", 0, "{}"), ErrInvalidVersion},
+			} {
+				out, err := pb.projector.Project(ctx, []outbox.Record{good, tc.bad})
+				require.ErrorIs(t, err, tc.want, tc.name)
+				require.Nil(t, out)
+				var mapErr *MapError
+				require.ErrorAs(t, err, &mapErr, tc.name)
+				require.Equal(t, 1, mapErr.Index)
+				require.Equal(t, tc.bad.ID, mapErr.RecordID)
+				require.Equal(t, tc.bad.Stream, mapErr.Stream)
+			}
+			require.False(t, readState(t, pb.client, pb.ks, Target{Kind: KindSortedSet, Name: "board", Member: "carol"}).exists)
+		})
+
+		t.Run("HandleIsolatesBadRecords", func(t *testing.T) {
+			t.Parallel()
+			pb := setupProjector(t, b)
+			ctx := context.Background()
+			corrupt := Target{Kind: KindHash, Name: "profiles", Member: "dave"}
+			require.NoError(t, pb.client.HSet(ctx, pb.ks.VersionKey(corrupt), "dave", "not-a-number").Err())
+			batch := []outbox.Record{
+				record("scores", "erin", 1, "7"),
+				record("scores", "frank", 1, "seven"),
+				record("profiles", "dave", 1, "{}"),
+				record("elsewhere", "x", 1, ""),
+				record("orders", "9", 1, "{}"),
+			}
+			results, err := pb.projector.Handle(ctx, batch)
+			require.NoError(t, err)
+			require.Len(t, results, len(batch))
+			require.NoError(t, results[0].Err)
+			require.ErrorIs(t, results[1].Err, ErrInvalidPayload)
+			require.ErrorIs(t, results[2].Err, ErrCorruptVersion)
+			var cerr *CorruptVersionError
+			require.ErrorAs(t, results[2].Err, &cerr)
+			require.Equal(t, 2, cerr.Index, "the index is the record's position in the batch")
+			require.Equal(t, "not-a-number", cerr.Stored)
+			require.ErrorIs(t, results[3].Err, ErrUnmappedStream)
+			require.NoError(t, results[4].Err)
+			require.Equal(t, "7", readState(t, pb.client, pb.ks, Target{Kind: KindSortedSet, Name: "board", Member: "erin"}).value)
+			require.True(t, readState(t, pb.client, pb.ks, Target{Kind: KindDocument, Name: "order:9"}).exists)
+
+			out, err := pb.projector.Project(ctx, []outbox.Record{batch[0], batch[2]})
+			require.ErrorIs(t, err, ErrCorruptVersion)
+			require.Equal(t, []Outcome{OutcomeDuplicate, OutcomeUnknown}, out)
+		})
+
+		t.Run("RedisErrorFailsTheBatch", func(t *testing.T) {
+			t.Parallel()
+			pb := setupProjector(t, b)
+			ctx := context.Background()
+			board := pb.ks.ValueKey(Target{Kind: KindSortedSet, Name: "board"})
+			require.NoError(t, pb.client.Set(ctx, board, "not a sorted set", 0).Err())
+			results, err := pb.projector.Handle(ctx, []outbox.Record{record("scores", "g", 1, "1")})
+			require.Error(t, err)
+			require.Contains(t, err.Error(), "WRONGTYPE")
+			require.Nil(t, results)
+
+			cancelled, cancel := context.WithCancel(ctx)
+			cancel()
+			_, err = pb.projector.Project(cancelled, []outbox.Record{record("orders", "h", 1, "{}")})
+			require.ErrorIs(t, err, context.Canceled)
+		})
+	})
+}
+
+func TestNewRedisProjector(t *testing.T) {
+	t.Parallel()
+	client := redis.NewClient(&redis.Options{Addr: "127.0.0.1:1"}) // never dialled
+	t.Cleanup(func() { _ = client.Close() })
+
+	_, err := NewRedisProjector(nil, testMapper(), nil)
+	require.ErrorContains(t, err, "client is nil")
+	_, err = NewRedisProjector(client, nil, nil)
+	require.ErrorContains(t, err, "mapper is nil")
+	_, err = NewRedisProjector(client, testMapper(), &Config{Prefix: "bad{"})
+	require.ErrorContains(t, err, "Config.Prefix")
+
+	p, err := NewRedisProjector(client, testMapper(), nil)
+	require.NoError(t, err)
+	require.Equal(t, PrefixDefault, p.Keyspace().Prefix())
+	require.Same(t, p.Gate(), p.Gate())
+
+	cfg := &Config{Prefix: "x:"}
+	d := cfg.WithDefaults()
+	require.Equal(t, "x:", d.Prefix)
+	require.NotNil(t, d.Logger)
+	require.Nil(t, cfg.Logger, "WithDefaults returns a copy")
+}
+
+func TestProjectorLogs(t *testing.T) {
+	t.Parallel()
+	pb := setupProjector(t, backends[0])
+	var buf bytes.Buffer
+	logger := slog.New(slog.NewTextHandler(&buf, &slog.HandlerOptions{Level: slog.LevelDebug}))
+	p, err := NewRedisProjector(pb.client, testMapper(), &Config{Prefix: pb.ks.Prefix(), Logger: logger})
+	require.NoError(t, err)
+	_, err = p.Handle(context.Background(), []outbox.Record{record("scores", "a", 1, "1"), record("scores", "a", 1, "1"), record("x", "a", 1, "1")})
+	require.NoError(t, err)
+	require.Contains(t, buf.String(), "applied=1 duplicate=1 stale=0 failed=1")
+}
+
+func TestMappers(t *testing.T) {
+	t.Parallel()
+	rec := record("s", "k{1}", 4, "-3")
+	w, err := SortedSetMapper("b").Map(rec)
+	require.NoError(t, err)
+	require.Equal(t, Write{Target: Target{Kind: KindSortedSet, Name: "b", Member: "k{1}"}, Version: 4, Value: Value{Score: -3}}, w)
+	for _, payload := range []string{"", " 1", "1.0", "1e3", "99999999999999999999", `{"score":1}`} {
+		_, err := SortedSetMapper("b").Map(record("s", "k", 1, payload))
+		require.ErrorIs(t, err, ErrInvalidPayload, payload)
+	}
+	w, err = HashMapper("h").Map(rec)
+	require.NoError(t, err)
+	require.Equal(t, Target{Kind: KindHash, Name: "h", Member: "k{1}"}, w.Target)
+	require.Equal(t, []byte("-3"), w.Value.Data)
+	w, err = DocumentMapper("ns:").Map(rec)
+	require.NoError(t, err)
+	require.Equal(t, Target{Kind: KindDocument, Name: "ns:k{1}"}, w.Target)
+	_, err = StreamMapper{"s": nil}.Map(rec)
+	require.True(t, errors.Is(err, ErrUnmappedStream))
+}
