@@ -1,0 +1,84 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/verity-go/verity/internal/testenv"
+)
+
+func TestExperiment(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pg := testenv.Postgres(t)
+	rd := testenv.Redis(t)
+
+	schema := pg.Schema + "_experiment"
+	report, err := Run(ctx, Options{PostgresURL: pg.ServerURL, RedisURL: rd.URL, Schema: schema, KeyPrefix: rd.Prefix})
+	require.NoError(t, err)
+
+	type state = map[string]SourceState
+	a10 := state{"user-a": {Score: 10, Version: 1}}
+	both := state{"user-a": {Score: 17, Version: 2}, "user-b": {Score: 25, Version: 1}}
+	want := []struct {
+		name       string
+		source     state
+		projection map[string]int64
+	}{
+		{"first command for user-a", a10, map[string]int64{"user-a": 10}},
+		{"same event id again", a10, map[string]int64{"user-a": 10}},
+		{"worker stopped", both, map[string]int64{"user-a": 10}},
+		{"worker restarted", both, map[string]int64{"user-a": 17, "user-b": 25}},
+		{"redis user-a changed to 999", both, map[string]int64{"user-a": 999, "user-b": 25}},
+		{"repair complete", both, map[string]int64{"user-a": 17, "user-b": 25}},
+	}
+	require.Len(t, report.Stages, len(want))
+	for i, w := range want {
+		st := report.Stages[i]
+		require.Equal(t, w.name, st.Name)
+		require.Equal(t, w.source, st.Source, st.Name)
+		require.Equal(t, w.projection, st.Projection, st.Name)
+	}
+	require.Contains(t, report.Stages[0].Result, "applied")
+	require.Contains(t, report.Stages[1].Result, "duplicate")
+	require.Contains(t, report.Stages[2].Result, "2 outbox rows pending")
+	require.Contains(t, report.Stages[3].Result, "drained (0 pending)")
+	require.Contains(t, report.Stages[4].Result, "user-a as corrupt")
+	require.Equal(t, ReconcileFigures{Checked: 2, Current: 1, Corrupt: 1, Repaired: 1}, report.Reconcile)
+	require.True(t, report.OrderingMatch)
+
+	// The JSON shape is the documented one.
+	raw, err := json.Marshal(report)
+	require.NoError(t, err)
+	var generic map[string]any
+	require.NoError(t, json.Unmarshal(raw, &generic))
+	require.ElementsMatch(t, []string{"stages", "reconcile", "ordering_match"}, keys(generic))
+	stage := generic["stages"].([]any)[0].(map[string]any)
+	require.ElementsMatch(t, []string{"name", "source", "projection", "result"}, keys(stage))
+	require.ElementsMatch(t, []string{"score", "version"}, keys(stage["source"].(map[string]any)["user-a"].(map[string]any)))
+	require.ElementsMatch(t, []string{"checked", "current", "corrupt", "repaired"}, keys(generic["reconcile"].(map[string]any)))
+
+	// It cleaned up after itself.
+	var exists bool
+	require.NoError(t, pg.Pool.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM pg_namespace WHERE nspname = $1)`, schema).Scan(&exists))
+	require.False(t, exists)
+	left, err := rd.Client.Keys(ctx, rd.Prefix+"*").Result()
+	require.NoError(t, err)
+	require.Empty(t, left)
+
+	var table bytes.Buffer
+	require.NoError(t, printTable(&table, report))
+	require.Contains(t, table.String(), "reconcile: 2 checked, 1 current, 1 corrupt, 1 repaired")
+}
+
+func keys(m map[string]any) []string {
+	out := make([]string, 0, len(m))
+	for k := range m {
+		out = append(out, k)
+	}
+	return out
+}

@@ -1,0 +1,100 @@
+package leaderboard
+
+import (
+	"context"
+	"fmt"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/verity-go/verity/projection"
+	"github.com/verity-go/verity/reconcile"
+)
+
+// Reconciler returns a reconcile.Reconciler that compares the board's
+// user_scores rows (the source of truth) with its Redis sorted set and
+// repairs drift: missing, stale and corrupt entries by default (see the
+// reconcile package for the policy, hooks, sampling and Rebuild). cfg may
+// be nil. Run it on a schedule: idempotent projection handles duplicates,
+// not lost keys or hand edits.
+func (b *Board) Reconciler(cfg *reconcile.Config) (*reconcile.Reconciler, error) {
+	r, err := reconcile.New(b.Source(), reconcile.Target{
+		Client:   b.rdb,
+		Keyspace: b.ks,
+		Kind:     projection.KindSortedSet,
+		Name:     b.cfg.Name,
+	}, cfg)
+	if err != nil {
+		return nil, fmt.Errorf("leaderboard: reconciler: %w", err)
+	}
+	return r, nil
+}
+
+// Source returns the board's rows as a reconcile.Source: key = user id,
+// version = the user's version, value = the NEGATED score, exactly what the
+// board's Mapper projects.
+func (b *Board) Source() reconcile.Source { return (*boardSource)(b) }
+
+// boardSource reads user_scores of one board for reconcile.
+type boardSource Board
+
+var _ reconcile.Source = (*boardSource)(nil)
+
+// Source queries: $1 board. Keys are user ids in byte order (C collation),
+// served by the primary key (board, user_id).
+const (
+	sourcePageSQL = `
+SELECT user_id::text, version, score
+FROM {{user_scores}}
+WHERE board = $1::text AND (NOT $2::bool OR user_id > $3::text COLLATE "C")
+ORDER BY user_id
+LIMIT $4::bigint`
+
+	// ORDER BY random() reads the whole board once per sample: fine for
+	// boards of up to a few million users at an hourly cadence. For more,
+	// reconcile page by page instead.
+	sourceSampleSQL = `
+SELECT user_id::text, version, score
+FROM {{user_scores}}
+WHERE board = $1::text
+ORDER BY random()
+LIMIT $2::bigint`
+
+	sourceLookupSQL = `
+SELECT user_id::text, version, score
+FROM {{user_scores}}
+WHERE board = $1::text AND user_id = ANY ($2::text[])`
+)
+
+func (s *boardSource) rows(ctx context.Context, q string, args ...any) ([]reconcile.Row, error) {
+	rows, err := s.pool.Query(ctx, renderSQL(q, s.cfg.Schema, ""), args...)
+	if err != nil {
+		return nil, fmt.Errorf("leaderboard: source: %w", err)
+	}
+	out, err := pgx.CollectRows(rows, func(row pgx.CollectableRow) (reconcile.Row, error) {
+		var r reconcile.Row
+		var score int64
+		err := row.Scan(&r.Key, &r.Version, &score)
+		r.Value.Score = -score
+		return r, err
+	})
+	if err != nil {
+		return nil, fmt.Errorf("leaderboard: source: %w", err)
+	}
+	return out, nil
+}
+
+// Page implements reconcile.Source.
+func (s *boardSource) Page(ctx context.Context, after reconcile.Cursor, limit int) ([]reconcile.Row, error) {
+	key, ok := after.Key()
+	return s.rows(ctx, sourcePageSQL, s.cfg.Name, ok, key, limit)
+}
+
+// Sample implements reconcile.Source.
+func (s *boardSource) Sample(ctx context.Context, n int) ([]reconcile.Row, error) {
+	return s.rows(ctx, sourceSampleSQL, s.cfg.Name, n)
+}
+
+// Lookup implements reconcile.Source.
+func (s *boardSource) Lookup(ctx context.Context, keys []string) ([]reconcile.Row, error) {
+	return s.rows(ctx, sourceLookupSQL, s.cfg.Name, keys)
+}
