@@ -1,0 +1,120 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/verity-go/verity/internal/testenv"
+)
+
+type testBundle struct {
+	deps deps
+}
+
+func setup(t *testing.T) *testBundle {
+	t.Helper()
+	pg := testenv.Postgres(t)
+	rd := testenv.Redis(t)
+	return &testBundle{deps: deps{Pool: pg.Pool, Redis: rd.Client, Prefix: rd.Prefix}}
+}
+
+func TestRun(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+
+	t.Run("VersionedNeverStale", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		results, err := run(ctx, config{
+			Readers: 8, Writers: 2, Duration: 3 * time.Second, Modes: []string{modeVersioned},
+			WritePause: time.Millisecond,
+		}, b.deps)
+		require.NoError(t, err)
+		require.Len(t, results, 1)
+		r := results[0]
+		t.Logf("%+v", r)
+		require.Equal(t, modeVersioned, r.Mode)
+		require.Positive(t, r.Writes)
+		require.Positive(t, r.Reads)
+		require.Zero(t, r.Divergences)
+		require.Nil(t, r.FirstDivergenceS)
+		require.Zero(t, r.StaleReadsAfterAck)
+		require.True(t, r.Converged)
+		require.Positive(t, r.ReadP50us)
+		require.GreaterOrEqual(t, r.ReadP99us, r.ReadP50us)
+	})
+
+	// The harness must be able to see the bug: with the read→fill window
+	// widened, delete-on-write serves stale reads within seconds.
+	t.Run("NaiveIsCaught", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		results, err := run(ctx, config{
+			Readers: 8, Writers: 2, Duration: 3 * time.Second, Modes: []string{modeNaive},
+			Window: 2 * time.Millisecond, WritePause: time.Millisecond,
+		}, b.deps)
+		require.NoError(t, err)
+		r := results[0]
+		t.Logf("%+v", r)
+		require.Positive(t, r.StaleReadsAfterAck)
+		require.Positive(t, r.Divergences)
+		require.NotNil(t, r.FirstDivergenceS)
+	})
+
+	t.Run("CleansUp", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		_, err := run(ctx, config{Readers: 2, Writers: 1, Duration: 200 * time.Millisecond,
+			Modes: []string{modeNaive, modeVersioned}}, b.deps)
+		require.NoError(t, err)
+		var tables int
+		require.NoError(t, b.deps.Pool.QueryRow(ctx,
+			`SELECT count(*) FROM pg_tables WHERE tablename LIKE 'race_products_%'
+			 AND schemaname = current_schema()`).Scan(&tables))
+		require.Zero(t, tables)
+		keys, err := b.deps.Redis.Keys(ctx, b.deps.Prefix+"*").Result()
+		require.NoError(t, err)
+		require.Empty(t, keys)
+	})
+
+	t.Run("BadConfig", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		for _, cfg := range []config{
+			{Readers: 0, Writers: 1, Duration: time.Second, Modes: []string{modeNaive}},
+			{Readers: 1, Writers: 0, Duration: time.Second, Modes: []string{modeNaive}},
+			{Readers: 1, Writers: 1, Duration: 0, Modes: []string{modeNaive}},
+			{Readers: 1, Writers: 1, Duration: time.Second, Modes: []string{"bogus"}},
+			{Readers: 1, Writers: 1, Duration: time.Second},
+		} {
+			_, err := run(ctx, cfg, b.deps)
+			require.Error(t, err, "%+v", cfg)
+		}
+	})
+}
+
+func TestJSONKeys(t *testing.T) {
+	t.Parallel()
+	var buf bytes.Buffer
+	require.NoError(t, json.NewEncoder(&buf).Encode(Result{Mode: modeNaive}))
+	var obj map[string]any
+	require.NoError(t, json.Unmarshal(buf.Bytes(), &obj))
+	keys := make([]string, 0, len(obj))
+	for k := range obj {
+		keys = append(keys, k)
+	}
+	require.ElementsMatch(t, []string{"mode", "writes", "divergences", "first_divergence_s", "reads",
+		"stale_reads_after_ack", "read_p50_us", "read_p99_us", "converged"}, keys)
+}
+
+func TestGroup(t *testing.T) {
+	t.Parallel()
+	for in, want := range map[int64]string{0: "0", 999: "999", 4102: "4,102", 41208: "41,208", 1234567: "1,234,567", -4102: "-4,102"} {
+		require.Equal(t, want, group(in))
+	}
+}
