@@ -130,18 +130,21 @@ func (s *SQLSource) buildSQL(cfg *SQLSourceConfig) {
 		rel = pgx.Identifier{cfg.Schema, cfg.Table}
 	}
 	s.relation = rel.Sanitize()
-	key := pgx.Identifier{cfg.KeyColumn}.Sanitize()
-	ver := pgx.Identifier{cfg.VersionColumn}.Sanitize()
-	val := pgx.Identifier{cfg.ValueColumn}.Sanitize()
+	// Columns are qualified with the alias "src" so that ORDER BY means the
+	// key column itself, never the output column of the same name (its
+	// ::text cast would sort 10 before 9 and break the keyset).
+	key := "src." + pgx.Identifier{cfg.KeyColumn}.Sanitize()
+	ver := "src." + pgx.Identifier{cfg.VersionColumn}.Sanitize()
+	val := "src." + pgx.Identifier{cfg.ValueColumn}.Sanitize()
 
 	conds := []string{key + " IS NOT NULL"}
 	for _, f := range cfg.Filters {
 		s.args = append(s.args, f.Value)
-		conds = append(conds, fmt.Sprintf("%s = $%d", pgx.Identifier{f.Column}.Sanitize(), len(s.args)))
+		conds = append(conds, fmt.Sprintf("src.%s = $%d", pgx.Identifier{f.Column}.Sanitize(), len(s.args)))
 	}
 	where := strings.Join(conds, " AND ")
 	n := len(s.args)
-	cols := fmt.Sprintf("SELECT %s::text, %s, %s FROM %s", key, ver, val, s.relation)
+	cols := fmt.Sprintf("SELECT %s::text, %s, %s FROM %s AS src", key, ver, val, s.relation)
 
 	// The key is compared and ordered in its own type (so an index on it is
 	// used) and only cast to text for the caller; the $after parameter is a
@@ -149,8 +152,8 @@ func (s *SQLSource) buildSQL(cfg *SQLSourceConfig) {
 	s.pageFirstSQL = fmt.Sprintf("%s WHERE %s ORDER BY %s LIMIT $%d", cols, where, key, n+1)
 	s.pageAfterSQL = fmt.Sprintf("%s WHERE %s AND %s > $%d ORDER BY %s LIMIT $%d", cols, where, key, n+1, key, n+2)
 	s.lookupSQL = fmt.Sprintf("%s WHERE %s AND %s = ANY($%d)", cols, where, key, n+1)
-	s.sampleSQL = fmt.Sprintf("SELECT %s::text, %s, %s FROM %s TABLESAMPLE SYSTEM ($%d::float8) WHERE %s ORDER BY random() LIMIT $%d",
-		key, ver, val, s.relation, n+1, where, n+2)
+	s.sampleSQL = fmt.Sprintf("%s TABLESAMPLE SYSTEM ($%d::float8) WHERE %s ORDER BY random() LIMIT $%d",
+		cols, n+1, where, n+2)
 	s.estimateSQL = "SELECT COALESCE((SELECT reltuples::float8 FROM pg_class WHERE oid = to_regclass($1)), -1)"
 }
 

@@ -1,0 +1,203 @@
+package reconcile
+
+import (
+	"context"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/verity-go/verity/internal/testenv"
+	"github.com/verity-go/verity/projection"
+)
+
+func TestSQLSource(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+
+	t.Run("KeysetOverBigintKeys", func(t *testing.T) {
+		t.Parallel()
+		pg := testenv.Postgres(t)
+		_, err := pg.Pool.Exec(ctx, `CREATE TABLE "Scores" ("User Id" bigint PRIMARY KEY, "Ver" bigint NOT NULL, "Pts" bigint NOT NULL);
+			INSERT INTO "Scores" SELECT g, 1, g * 3 FROM generate_series(1, 25) g`)
+		require.NoError(t, err)
+		src, err := NewSQLSource(pg.Pool, &SQLSourceConfig{
+			Table: "Scores", Schema: pg.Schema, KeyColumn: "User Id", VersionColumn: "Ver", ValueColumn: "Pts", Kind: projection.KindSortedSet,
+		})
+		require.NoError(t, err)
+		var keys []string
+		var cursor Cursor
+		for {
+			rows, err := src.Page(ctx, cursor, 7)
+			require.NoError(t, err)
+			if len(rows) == 0 {
+				break
+			}
+			require.LessOrEqual(t, len(rows), 7)
+			for _, r := range rows {
+				keys = append(keys, r.Key)
+			}
+			cursor = After(rows[len(rows)-1].Key)
+		}
+		// Numeric order, not text order ("10" after "9"), and nothing twice.
+		require.Len(t, keys, 25)
+		require.Equal(t, "9", keys[8])
+		require.Equal(t, "10", keys[9])
+
+		found, err := src.Lookup(ctx, []string{"3", "30", "12"})
+		require.NoError(t, err)
+		require.ElementsMatch(t, []Row{
+			{Key: "3", Version: 1, Value: projection.Value{Score: 9}},
+			{Key: "12", Version: 1, Value: projection.Value{Score: 36}},
+		}, found)
+	})
+
+	t.Run("EmptyKeyAndFilter", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t, projection.KindHash)
+		b.insert(t, "", 1)
+		b.insert(t, "b", 2)
+		_, err := b.pool.Exec(ctx, `INSERT INTO items VALUES ('a', 'daily', 1, NULL, 'x')`)
+		require.NoError(t, err)
+		rows, err := b.source.Page(ctx, Cursor{}, 10)
+		require.NoError(t, err)
+		require.Equal(t, []Row{
+			{Key: "", Version: 1, Value: projection.Value{Data: []byte("@1")}},
+			{Key: "b", Version: 2, Value: projection.Value{Data: []byte("b@2")}},
+		}, rows)
+		rows, err = b.source.Page(ctx, After(""), 10)
+		require.NoError(t, err)
+		require.Len(t, rows, 1)
+	})
+
+	t.Run("InvalidRows", func(t *testing.T) {
+		t.Parallel()
+		for name, stmt := range map[string]string{
+			"NullVersion":   `INSERT INTO items VALUES ('k', 'weekly', NULL, 1, 'x')`,
+			"ZeroVersion":   `INSERT INTO items VALUES ('k', 'weekly', 0, 1, 'x')`,
+			"NullValue":     `INSERT INTO items VALUES ('k', 'weekly', 1, NULL, 'x')`,
+			"ScoreTooLarge": `INSERT INTO items VALUES ('k', 'weekly', 1, 9007199254740993, 'x')`,
+		} {
+			t.Run(name, func(t *testing.T) {
+				t.Parallel()
+				b := setup(t, projection.KindSortedSet)
+				_, err := b.pool.Exec(ctx, stmt)
+				require.NoError(t, err)
+				_, err = b.source.Page(ctx, Cursor{}, 10)
+				var rowErr *InvalidRowError
+				require.ErrorAs(t, err, &rowErr)
+				require.Equal(t, "k", rowErr.Key)
+			})
+		}
+	})
+
+	t.Run("Config", func(t *testing.T) {
+		t.Parallel()
+		pg := testenv.Postgres(t)
+		ok := SQLSourceConfig{Table: "t", KeyColumn: "k", VersionColumn: "v", ValueColumn: "x", Kind: projection.KindHash}
+		for field, mutate := range map[string]func(c *SQLSourceConfig){
+			"SQLSourceConfig.Table":             func(c *SQLSourceConfig) { c.Table = "" },
+			"SQLSourceConfig.KeyColumn":         func(c *SQLSourceConfig) { c.KeyColumn = "" },
+			"SQLSourceConfig.VersionColumn":     func(c *SQLSourceConfig) { c.VersionColumn = "" },
+			"SQLSourceConfig.ValueColumn":       func(c *SQLSourceConfig) { c.ValueColumn = "" },
+			"SQLSourceConfig.Kind":              func(c *SQLSourceConfig) { c.Kind = 0 },
+			"SQLSourceConfig.Filters[0].Column": func(c *SQLSourceConfig) { c.Filters = []Filter{{Value: 1}} },
+		} {
+			cfg := ok
+			mutate(&cfg)
+			_, err := NewSQLSource(pg.Pool, &cfg)
+			var cfgErr *ConfigError
+			require.ErrorAs(t, err, &cfgErr, field)
+			require.Equal(t, field, cfgErr.Field)
+			require.ErrorIs(t, err, ErrInvalidConfig)
+		}
+		_, err := NewSQLSource(pg.Pool, &ok)
+		require.NoError(t, err)
+	})
+}
+
+func TestClassify(t *testing.T) {
+	t.Parallel()
+	row := &Row{Key: "k", Version: 5, Value: projection.Value{Score: 42, Data: []byte("v")}}
+	proj := func(raw string, score float64, data string) Projected {
+		var p Projected
+		if raw != "" {
+			p.parseVersion(raw)
+		}
+		p.HasValue = score != 0 || data != ""
+		p.Score, p.Data = score, []byte(data)
+		return p
+	}
+	for name, tc := range map[string]struct {
+		kind projection.Kind
+		row  *Row
+		p    Projected
+		want Class
+	}{
+		"Current":             {projection.KindSortedSet, row, proj("5", 42, ""), ClassCurrent},
+		"CurrentBytes":        {projection.KindHash, row, proj("5", 0, "v"), ClassCurrent},
+		"Missing":             {projection.KindSortedSet, row, Projected{}, ClassMissing},
+		"Stale":               {projection.KindSortedSet, row, proj("4", 42, ""), ClassStale},
+		"StaleValueGone":      {projection.KindHash, row, proj("4", 0, ""), ClassStale},
+		"Ahead":               {projection.KindDocument, row, proj("6", 0, "v"), ClassAhead},
+		"CorruptScore":        {projection.KindSortedSet, row, proj("5", 999, ""), ClassCorrupt},
+		"CorruptFraction":     {projection.KindSortedSet, row, proj("5", 42.5, ""), ClassCorrupt},
+		"CorruptBytes":        {projection.KindHash, row, proj("5", 0, "w"), ClassCorrupt},
+		"VersionWithoutValue": {projection.KindHash, row, proj("5", 0, ""), ClassCorrupt},
+		"ValueWithoutVersion": {projection.KindSortedSet, row, proj("", 42, ""), ClassCorrupt},
+		"NonCanonicalVersion": {projection.KindSortedSet, row, proj("05", 42, ""), ClassCorrupt},
+		"NegativeVersion":     {projection.KindSortedSet, row, proj("-5", 42, ""), ClassCorrupt},
+		"GarbageVersion":      {projection.KindSortedSet, row, proj("five", 42, ""), ClassCorrupt},
+		"HugeVersion":         {projection.KindSortedSet, row, proj("99999999999999999999", 42, ""), ClassCorrupt},
+		"Orphan":              {projection.KindSortedSet, nil, proj("1", 1, ""), ClassOrphan},
+		"OrphanVersionOnly":   {projection.KindSortedSet, nil, proj("1", 0, ""), ClassOrphan},
+		"AbsentEverywhere":    {projection.KindSortedSet, nil, Projected{}, ClassCurrent},
+	} {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			require.Equal(t, tc.want, Classify(tc.kind, tc.row, tc.p))
+		})
+	}
+	require.Equal(t, "corrupt", ClassCorrupt.String())
+	require.Equal(t, "class(99)", Class(99).String())
+}
+
+func TestNewValidation(t *testing.T) {
+	t.Parallel()
+	rd := testenv.Redis(t)
+	src := &SQLSource{}
+	ks, err := projection.NewKeyspace(rd.Prefix)
+	require.NoError(t, err)
+	okTarget := Target{Client: rd.Client, Keyspace: ks, Kind: projection.KindSortedSet, Name: "b"}
+
+	for field, tc := range map[string]struct {
+		source Source
+		target Target
+		cfg    *Config
+	}{
+		"source":                  {nil, okTarget, nil},
+		"Target.Client":           {src, Target{Kind: projection.KindHash}, nil},
+		"Target.Kind":             {src, Target{Client: rd.Client}, nil},
+		"Target.Name":             {src, Target{Client: rd.Client, Kind: projection.KindDocument, Name: "x"}, nil},
+		"Config.PageSize":         {src, okTarget, &Config{PageSize: -1}},
+		"Config.ExamplesPerClass": {src, okTarget, &Config{ExamplesPerClass: -2}},
+		"Config.RepairTimeout":    {src, okTarget, &Config{RepairTimeout: -1}},
+		"Config.RebuildMarkerTTL": {src, okTarget, &Config{RebuildMarkerTTL: 1}},
+		"Config.Policy.Ahead":     {src, okTarget, &Config{Policy: Policy{Ahead: 7}}},
+	} {
+		_, err := New(tc.source, tc.target, tc.cfg)
+		var cfgErr *ConfigError
+		require.ErrorAs(t, err, &cfgErr, field)
+		require.Equal(t, field, cfgErr.Field)
+	}
+	r, err := New(src, okTarget, nil)
+	require.NoError(t, err)
+	require.Equal(t, PageSizeDefault, r.cfg.PageSize)
+
+	_, err = r.Run(context.Background(), RunOptions{Sample: -1})
+	require.ErrorIs(t, err, ErrInvalidConfig)
+
+	require.Equal(t, ActionRepair, Policy{}.For(ClassStale))
+	require.Equal(t, ActionReport, Policy{}.For(ClassOrphan))
+	require.Equal(t, ActionRepair, Policy{Orphan: ActionRepair}.For(ClassOrphan))
+	require.Equal(t, ActionReport, Policy{Missing: ActionReport}.For(ClassMissing))
+}
