@@ -31,13 +31,13 @@ const testBoard = "weekly"
 // setup creates a source table "items" (key text, board text, version
 // bigint, score bigint, data bytea) in a fresh schema and a projection
 // under a fresh key prefix on the shared single-node Redis.
-func setup(t *testing.T, kind projection.Kind) *testBundle {
+func setup(t testing.TB, kind projection.Kind) *testBundle {
 	t.Helper()
 	rd := testenv.Redis(t)
 	return setupWith(t, kind, rd.Client, rd.Prefix)
 }
 
-func setupWith(t *testing.T, kind projection.Kind, client redis.UniversalClient, prefix string) *testBundle {
+func setupWith(t testing.TB, kind projection.Kind, client redis.UniversalClient, prefix string) *testBundle {
 	t.Helper()
 	pg := testenv.Postgres(t)
 	_, err := pg.Pool.Exec(context.Background(), `CREATE TABLE items (
@@ -70,7 +70,7 @@ func setupWith(t *testing.T, kind projection.Kind, client redis.UniversalClient,
 	}
 }
 
-func (b *testBundle) reconciler(t *testing.T, cfg *Config) *Reconciler {
+func (b *testBundle) reconciler(t testing.TB, cfg *Config) *Reconciler {
 	t.Helper()
 	r, err := New(b.source, b.target, cfg)
 	require.NoError(t, err)

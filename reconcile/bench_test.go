@@ -1,0 +1,161 @@
+package reconcile
+
+import (
+	"context"
+	"os"
+	"runtime"
+	"strconv"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/redis/go-redis/v9"
+	"github.com/stretchr/testify/require"
+
+	"github.com/verity-go/verity/projection"
+)
+
+// benchRows is the table size of the benchmarks; VERITY_BENCH_ROWS
+// overrides it.
+func benchRows() int {
+	if n, err := strconv.Atoi(os.Getenv("VERITY_BENCH_ROWS")); err == nil && n > 0 {
+		return n
+	}
+	return 20_000
+}
+
+// The three ways to check a sorted-set projection against PostgreSQL, on
+// the same data. Each reports rows/s.
+func BenchmarkCheck(b *testing.B) {
+	bundle := setupBench(b)
+	n := benchRows()
+	ctx := context.Background()
+
+	b.Run("Reconciler", func(b *testing.B) {
+		r, err := New(bundle.source, bundle.target, &Config{PageSize: 1000, SkipOrphans: true})
+		require.NoError(b, err)
+		for b.Loop() {
+			rep, err := r.Run(ctx, RunOptions{DryRun: true})
+			require.NoError(b, err)
+			require.EqualValues(b, n, rep.Checked)
+		}
+		b.ReportMetric(float64(n)*float64(b.N)/b.Elapsed().Seconds(), "rows/s")
+	})
+
+	b.Run("NaiveZScorePerRow", func(b *testing.B) {
+		// SELECT everything, then one ZSCORE and one HGET round trip per row.
+		key, verKey := bundle.ks.ValueKey(bundle.target.target("")), bundle.ks.VersionKey(bundle.target.target(""))
+		for b.Loop() {
+			rows, err := bundle.pool.Query(ctx, `SELECT key, version, score FROM items WHERE board = $1`, testBoard)
+			require.NoError(b, err)
+			checked := 0
+			for rows.Next() {
+				var k string
+				var v, s int64
+				require.NoError(b, rows.Scan(&k, &v, &s))
+				score, err := bundle.client.ZScore(ctx, key, k).Result()
+				if err != nil && err != redis.Nil {
+					b.Fatal(err)
+				}
+				ver, err := bundle.client.HGet(ctx, verKey, k).Result()
+				if err != nil && err != redis.Nil {
+					b.Fatal(err)
+				}
+				_, _ = score, ver
+				checked++
+			}
+			require.NoError(b, rows.Err())
+			require.Equal(b, n, checked)
+		}
+		b.ReportMetric(float64(n)*float64(b.N)/b.Elapsed().Seconds(), "rows/s")
+	})
+
+	b.Run("KeysetPipelinedLoop", func(b *testing.B) {
+		// Hand-written keyset pages of 1000 and one pipelined ZMSCORE+HMGET
+		// per page, sequential (no prefetch, no repairs, no report).
+		key, verKey := bundle.ks.ValueKey(bundle.target.target("")), bundle.ks.VersionKey(bundle.target.target(""))
+		for b.Loop() {
+			after, first, checked := "", true, 0
+			for {
+				var rows pgx.Rows
+				var err error
+				if first {
+					rows, err = bundle.pool.Query(ctx, `SELECT key, version, score FROM items WHERE board = $1 ORDER BY key LIMIT 1000`, testBoard)
+				} else {
+					rows, err = bundle.pool.Query(ctx, `SELECT key, version, score FROM items WHERE board = $1 AND key > $2 ORDER BY key LIMIT 1000`, testBoard, after)
+				}
+				require.NoError(b, err)
+				var members []any
+				for rows.Next() {
+					var k string
+					var v, s int64
+					require.NoError(b, rows.Scan(&k, &v, &s))
+					members = append(members, k)
+				}
+				require.NoError(b, rows.Err())
+				if len(members) == 0 {
+					break
+				}
+				pipe := bundle.client.Pipeline()
+				pipe.Do(ctx, append([]any{"ZMSCORE", key}, members...)...)
+				pipe.Do(ctx, append([]any{"HMGET", verKey}, members...)...)
+				_, err = pipe.Exec(ctx)
+				require.NoError(b, err)
+				checked += len(members)
+				after, first = members[len(members)-1].(string), false
+			}
+			require.Equal(b, n, checked)
+		}
+		b.ReportMetric(float64(n)*float64(b.N)/b.Elapsed().Seconds(), "rows/s")
+	})
+}
+
+// setupBench loads benchRows() rows, all projected, one in 100 corrupted.
+func setupBench(b *testing.B) *testBundle {
+	bundle := setup(b, projection.KindSortedSet)
+	rows := bundle.insertMany(b, benchRows())
+	bundle.projectRows(b, rows)
+	for i := 0; i < len(rows); i += 100 {
+		bundle.setRaw(b, rows[i].Key, &projection.Value{Score: -1}, nil)
+	}
+	_, err := bundle.pool.Exec(context.Background(), "ANALYZE items")
+	require.NoError(b, err)
+	return bundle
+}
+
+// TestMillionRows is an opt-in scale test (VERITY_TEST_MILLION=1): a full
+// pass over 1,000,000 rows with memory bounded by the page size. It logs
+// rows/s and the peak heap.
+func TestMillionRows(t *testing.T) {
+	if os.Getenv("VERITY_TEST_MILLION") != "1" {
+		t.Skip("set VERITY_TEST_MILLION=1 to run the 1M-row pass")
+	}
+	const n = 1_000_000
+	b := setup(t, projection.KindSortedSet)
+	rows := b.insertMany(t, n)
+	b.projectRows(t, rows[:n-1000]) // the last 1000 are missing
+	rows = nil
+	runtime.GC()
+
+	var peak uint64
+	stop := make(chan struct{})
+	go func() {
+		var ms runtime.MemStats
+		for {
+			select {
+			case <-stop:
+				return
+			case <-time.After(50 * time.Millisecond):
+				runtime.ReadMemStats(&ms)
+				peak = max(peak, ms.HeapInuse)
+			}
+		}
+	}()
+	r := b.reconciler(t, &Config{PageSize: 1000})
+	rep, err := r.Run(context.Background(), RunOptions{})
+	close(stop)
+	require.NoError(t, err)
+	require.EqualValues(t, n, rep.Checked)
+	require.EqualValues(t, 1000, rep.Repaired)
+	t.Logf("1M rows: %s, %.0f rows/s, peak heap in use %.1f MiB", rep.Duration, float64(n)/rep.Duration.Seconds(), float64(peak)/(1<<20))
+}
