@@ -71,6 +71,9 @@ local function gate(kind, valueKey, versionKey, member, version, value)
 end
 
 local shadowOnly = ARGV[1] == 'shadow'
+-- rebuilding[base] caches whether a collection's rebuild marker exists; the
+-- script is atomic, so it cannot appear or vanish during the batch.
+local rebuilding = {}
 local out = {}
 for a = 2, #ARGV, 5 do
   local kind, base = ARGV[a], tonumber(ARGV[a + 1])
@@ -79,8 +82,13 @@ for a = 2, #ARGV, 5 do
     out[#out + 1] = gate(kind, KEYS[base + 3], KEYS[base + 4], member, version, value)
   else
     out[#out + 1] = gate(kind, KEYS[base], KEYS[base + 1], member, version, value)
-    if kind ~= 'd' and redis.call('EXISTS', KEYS[base + 2]) == 1 then
-      gate(kind, KEYS[base + 3], KEYS[base + 4], member, version, value)
+    if kind ~= 'd' then
+      if rebuilding[base] == nil then
+        rebuilding[base] = redis.call('EXISTS', KEYS[base + 2]) == 1
+      end
+      if rebuilding[base] then
+        gate(kind, KEYS[base + 3], KEYS[base + 4], member, version, value)
+      end
     end
   end
 end

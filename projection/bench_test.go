@@ -1,0 +1,115 @@
+package projection
+
+import (
+	"context"
+	"strconv"
+	"testing"
+
+	"github.com/redis/go-redis/v9"
+
+	"github.com/verity-go/verity/internal/testenv"
+)
+
+// perEventScript is the per-event design the gate replaces, rebuilt here
+// only as the benchmark's baseline: one script call per event, a marker key
+// per event id, and versions compared as Lua numbers.
+// KEYS: marker, sorted set, versions. ARGV: member, score, version, marker TTL.
+var perEventScript = redis.NewScript(`
+if redis.call('EXISTS', KEYS[1]) == 1 then return 2 end
+local stored = tonumber(redis.call('HGET', KEYS[3], ARGV[1]) or '0')
+redis.call('SET', KEYS[1], '1', 'EX', ARGV[4])
+if tonumber(ARGV[3]) <= stored then return 3 end
+redis.call('ZADD', KEYS[2], ARGV[2], ARGV[1])
+redis.call('HSET', KEYS[3], ARGV[1], ARGV[3])
+return 1
+`)
+
+const (
+	benchBatch   = 100 // events per batch, the relay's default batch size
+	benchMembers = 1000
+)
+
+// benchEvents returns batch number n: benchBatch score events for distinct
+// members, each with a version above every earlier batch's, so every event
+// is applied (the expensive path) in both variants.
+func benchEvents(n int) []Write {
+	writes := make([]Write, benchBatch)
+	for i := range writes {
+		member := (n*benchBatch + i) % benchMembers
+		version := int64(n*benchBatch+i) + 1
+		writes[i] = zset("leaderboard", "user-"+strconv.Itoa(member), version, version%100000)
+	}
+	return writes
+}
+
+// BenchmarkGate compares the batched gate with one script call per event on
+// identical data: batches of 100 sorted-set events, single Redis node.
+//
+//	go test -run '^$' -bench BenchmarkGate -benchtime 2s ./projection
+func BenchmarkGate(b *testing.B) {
+	rd := testenv.Redis(b)
+	ctx := context.Background()
+	ks, err := NewKeyspace(rd.Prefix)
+	if err != nil {
+		b.Fatal(err)
+	}
+
+	b.Run("Batched", func(b *testing.B) {
+		gate := NewGate(rd.Client, ks)
+		if err := gate.Load(ctx); err != nil {
+			b.Fatal(err)
+		}
+		b.ResetTimer()
+		for n := 0; n < b.N; n++ {
+			if _, err := gate.Apply(ctx, benchEvents(n)); err != nil {
+				b.Fatal(err)
+			}
+		}
+		reportEventsPerSecond(b)
+	})
+
+	perEvent := func(b *testing.B, pipelined bool) {
+		name := "perevent"
+		if pipelined {
+			name += "-pipelined"
+		}
+		zkey := ks.ValueKey(Target{Kind: KindSortedSet, Name: name}) // tagged: same slot as versions
+		vkey := ks.VersionKey(Target{Kind: KindSortedSet, Name: name})
+		if err := perEventScript.Load(ctx, rd.Client).Err(); err != nil {
+			b.Fatal(err)
+		}
+		b.ResetTimer()
+		for n := 0; n < b.N; n++ {
+			events := benchEvents(n)
+			var pipe redis.Pipeliner
+			var scripter redis.Scripter = rd.Client
+			if pipelined {
+				pipe = rd.Client.Pipeline()
+				scripter = pipe
+			}
+			for i, w := range events {
+				marker := rd.Prefix + "marker:" + strconv.Itoa(n*benchBatch+i)
+				cmd := perEventScript.EvalSha(ctx, scripter, []string{marker, zkey, vkey},
+					w.Target.Member, w.Value.Score, w.Version, 3600)
+				if !pipelined {
+					if err := cmd.Err(); err != nil {
+						b.Fatal(err)
+					}
+				}
+			}
+			if pipelined {
+				if _, err := pipe.Exec(ctx); err != nil {
+					b.Fatal(err)
+				}
+			}
+		}
+		reportEventsPerSecond(b)
+	}
+	b.Run("PerEvent", func(b *testing.B) { perEvent(b, false) })
+	b.Run("PerEventPipelined", func(b *testing.B) { perEvent(b, true) })
+}
+
+func reportEventsPerSecond(b *testing.B) {
+	b.ReportMetric(float64(b.N*benchBatch)/b.Elapsed().Seconds(), "events/s")
+	b.ReportMetric(float64(b.Elapsed().Nanoseconds())/float64(b.N*benchBatch), "ns/event")
+}
