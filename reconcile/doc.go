@@ -1,0 +1,93 @@
+// Package reconcile finds and repairs drift between a source of truth in
+// PostgreSQL and the Redis projection that the projection package's version
+// gate maintains.
+//
+// Idempotency is not repair. The gate makes redelivered and reordered outbox
+// messages harmless, but nothing in it notices a key that Redis evicted or
+// lost in a failover, a member someone edited by hand, a buggy writer, or a
+// row deleted from the source. A cache that is rebuilt only at start-up and
+// never checked again serves wrong answers until the next restart. This
+// package checks, on a schedule you choose, and puts things right.
+//
+// # Classes
+//
+// Every source row is compared with what Redis holds for it, and every
+// projection entry is looked up in the source, giving one Class each:
+//
+//	current   same version, same value
+//	missing   nothing projected (lost key, eviction, never projected)
+//	stale     projected version lower (the outbox is lagging, or a write was lost)
+//	ahead     projected version higher than the source's
+//	corrupt   same version but another value; a value without a version or
+//	          the reverse; a version the gate would not have written
+//	orphan    projected, but absent from the source (or outside its filter)
+//
+// Classify is the pure function behind this, usable on its own.
+//
+// # Repairs
+//
+// By default missing, stale and corrupt entries are repaired; ahead and orphan
+// entries are reported and Config.OnAlert fires, because Redis knowing more
+// than the source can mean that the source read was stale (a lagging replica,
+// the wrong database) rather than that Redis is wrong. Config.Policy opts in
+// to forcing them (ActionRepair) or turns any repair off (ActionReport).
+// Config.BeforeRepair can veto single repairs and Config.AfterRepair observes
+// them; RunOptions.DryRun writes nothing at all.
+//
+// Every repair is a compare-and-set, so a repair can never regress a newer
+// write that lands between the read and the repair:
+//
+//   - missing and stale entries are written through projection.Gate.Apply:
+//     a gate write of a newer version made meanwhile makes the gate answer
+//     duplicate or stale, and nothing is written;
+//   - corrupt, ahead and orphan entries are overwritten or removed by a Lua
+//     script that acts only if the stored version and value are still
+//     exactly those that were read.
+//
+// A declined repair is reported as ResultRaced; the next run looks again.
+//
+// # Runs
+//
+// Reconciler.Run walks the source by keyset pagination (WHERE key > $last
+// ORDER BY key LIMIT n; never OFFSET, which rescans every skipped row and
+// skips or repeats rows when the table changes). Each page costs one
+// PostgreSQL query and one Redis round trip: ZMSCORE + HMGET of the
+// versions for a sorted set, HMGET + HMGET for a hash, one MGET per Cluster
+// slot (pipelined) for documents. The next page is read from PostgreSQL
+// while the current one is checked in Redis. Repairs of a page go out in one
+// more round trip. Memory is proportional to Config.PageSize, not to the
+// table: a 1,000,000-row pass runs in a few MiB.
+//
+// After the source, a full run scans the projection (HSCAN/ZSCAN, or SCAN
+// on every master for documents) and looks the entries up in the source in
+// batches, to find orphans. RunOptions.Sample checks a random sample
+// instead, which is cheap on large tables; SQLSource samples with
+// TABLESAMPLE SYSTEM and documents the bias that implies.
+//
+// A run returns a Report: rows checked, entries scanned, counts per class,
+// what was done (repaired, skipped, uncertain, and why), the duration, and
+// the first few findings per class. When the context is cancelled, Run
+// stops and returns the partial Report with the error. No repair goes
+// unreported: repairs already sent are completed on a detached context and
+// counted, repairs not yet sent are ResultNotAttempted, and a repair whose
+// reply was lost is ResultUncertain.
+//
+// # Rebuild
+//
+// Reconciler.Rebuild replaces a whole collection (sorted set or hash) with
+// the source's state, without readers ever seeing it empty or half built:
+// it sets the collection's rebuild marker (clearing old shadow keys in the
+// same script), copies the source into shadow keys with the gate's rule,
+// and then, in one script, renames the shadow keys over the live ones if
+// the marker is still its own. While the marker exists, the gate writes
+// every update to the shadow keys as well, so updates made during the
+// rebuild are not lost. All keys share the collection's hash tag, so this
+// works on Redis Cluster.
+//
+// # Sources
+//
+// A Source pages through (key, version, absolute value) rows, samples them,
+// and looks keys up. SQLSource implements it over one PostgreSQL table,
+// optionally filtered (Filters, for example a board column), with every
+// identifier quoted.
+package reconcile
