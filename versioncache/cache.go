@@ -65,6 +65,14 @@ func New[T any](client redis.UniversalClient, config *Config) (*Cache[T], error)
 	if err := cfg.validate(); err != nil {
 		return nil, err
 	}
+	if cfg.InvalidateReplicas > 0 {
+		switch client.(type) {
+		case *redis.Client, *redis.ClusterClient:
+		default:
+			return nil, &ConfigError{Field: "InvalidateReplicas",
+				Reason: fmt.Sprintf("is not supported with %T; use *redis.Client or *redis.ClusterClient, or leave it 0", client)}
+		}
+	}
 	var token [12]byte
 	if _, err := rand.Read(token[:]); err != nil {
 		return nil, fmt.Errorf("versioncache: lease token: %w", err)
@@ -312,12 +320,24 @@ func (c *Cache[T]) GetAt(ctx context.Context, id string, version int64, load Loa
 // caches the pre-commit value under the new version).
 //
 // The value cached under the previous version, if any, becomes an orphan that
-// expires within TTL; Stats counts them. An error (always a *RedisError)
-// means the bump may not have happened and the previous value may be served
-// until its TTL: retry, or invalidate from an outbox.
+// expires within TTL; Stats counts them. A *RedisError means the bump may
+// not have happened and the previous value may be served until its TTL:
+// retry, or invalidate from an outbox. A *ReplicationError (only with
+// Config.InvalidateReplicas) means the bump happened on the primary but
+// fewer replicas than asked confirmed it.
 func (c *Cache[T]) Invalidate(ctx context.Context, id string) error {
-	res, err := bumpScript.Run(ctx, c.client,
-		[]string{c.versionKey(id), c.valueStem(id)}, c.config.TTL.Milliseconds()).Slice()
+	keys := []string{c.versionKey(id), c.valueStem(id)}
+	ttl := c.config.TTL.Milliseconds()
+	var (
+		res      []any
+		err      error
+		replicas = -1
+	)
+	if c.config.InvalidateReplicas > 0 {
+		res, replicas, err = c.bumpAndWait(ctx, keys, ttl)
+	} else {
+		res, err = bumpScript.Run(ctx, c.client, keys, ttl).Slice()
+	}
 	if err != nil {
 		c.stats.redisErrors.Add(1)
 		return &RedisError{Op: "invalidate", ID: id, Err: err}
@@ -328,7 +348,46 @@ func (c *Cache[T]) Invalidate(ctx context.Context, id string) error {
 			c.stats.orphanedValueKeys.Add(1)
 		}
 	}
+	if replicas >= 0 && replicas < c.config.InvalidateReplicas {
+		return &ReplicationError{ID: id, Want: c.config.InvalidateReplicas, Got: replicas}
+	}
 	return nil
+}
+
+// bumpAndWait runs the bump and WAIT in one pipeline on one connection of the
+// primary that owns the id: WAIT only counts that connection's writes.
+func (c *Cache[T]) bumpAndWait(ctx context.Context, keys []string, ttl int64) ([]any, int, error) {
+	var node *redis.Client
+	switch client := c.client.(type) {
+	case *redis.ClusterClient:
+		var err error
+		if node, err = client.MasterForKey(ctx, keys[0]); err != nil {
+			return nil, 0, err
+		}
+	case *redis.Client:
+		node = client
+	}
+	var bump *redis.Cmd
+	var wait *redis.Cmd
+	_, err := node.Pipelined(ctx, func(p redis.Pipeliner) error {
+		// EVAL, not EVALSHA: a NOSCRIPT inside the pipeline would still run
+		// the WAIT, for nothing.
+		bump = p.Eval(ctx, bumpLua, keys, ttl)
+		wait = p.Do(ctx, "WAIT", c.config.InvalidateReplicas, c.config.InvalidateWaitTimeout.Milliseconds())
+		return nil
+	})
+	if err != nil {
+		return nil, 0, err
+	}
+	res, err := bump.Slice()
+	if err != nil {
+		return nil, 0, err
+	}
+	acked, err := wait.Int()
+	if err != nil {
+		return nil, 0, err
+	}
+	return res, acked, nil
 }
 
 // Peek returns the value cached for id and its version without loading,

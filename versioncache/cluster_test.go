@@ -3,9 +3,11 @@ package versioncache
 import (
 	"context"
 	"fmt"
+	"strings"
 	"testing"
 	"time"
 
+	"github.com/redis/go-redis/v9"
 	"github.com/stretchr/testify/require"
 
 	"github.com/verity-go/verity/internal/keyenc"
@@ -86,9 +88,49 @@ func TestCluster(t *testing.T) {
 		}
 	})
 
+	t.Run("InvalidateReplicasConfirmed", func(t *testing.T) {
+		t.Parallel()
+		// One replica per master: the bump is confirmed on the replica of
+		// whichever master owns each id.
+		b := setupCluster(t, &Config{InvalidateReplicas: 1, InvalidateWaitTimeout: time.Second})
+		waitReplicasOnline(t, b.client.(*redis.ClusterClient))
+		for i := range 10 {
+			id := fmt.Sprintf("r%d", i)
+			b.truth.write(id, i)
+			require.NoError(t, b.cache.Invalidate(ctx, id))
+			got, err := b.cache.Get(ctx, id, b.truth.loader(id))
+			require.NoError(t, err)
+			require.Equal(t, b.truth.read(id), got)
+		}
+	})
+
 	t.Run("ConcurrentVersionKeyLoss", func(t *testing.T) {
 		t.Parallel()
 		b := setupCluster(t, &Config{DisableFillLease: true})
 		versionLossRace(t, b, time.Second)
 	})
+}
+
+// waitReplicasOnline waits until every master's replicas finished their
+// initial sync: a cluster reports healthy while they are still in
+// wait_bgsave, and WAIT counts no replica until then.
+func waitReplicasOnline(t *testing.T, client *redis.ClusterClient) {
+	t.Helper()
+	ctx := context.Background()
+	require.Eventually(t, func() bool {
+		err := client.ForEachMaster(ctx, func(ctx context.Context, c *redis.Client) error {
+			info, err := c.Info(ctx, "replication").Result()
+			if err != nil {
+				return err
+			}
+			if !strings.Contains(info, "connected_slaves:0") && !strings.Contains(info, "state=online") {
+				return fmt.Errorf("%s: replica not online", c.Options().Addr)
+			}
+			if strings.Contains(info, "state=wait_bgsave") || strings.Contains(info, "state=send_bulk") {
+				return fmt.Errorf("%s: replica syncing", c.Options().Addr)
+			}
+			return nil
+		})
+		return err == nil
+	}, 30*time.Second, 100*time.Millisecond, "replicas never came online")
 }

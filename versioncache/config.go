@@ -22,6 +22,9 @@ const (
 	FillLeaseWaitDefault = 500 * time.Millisecond
 	// FillLeasePollDefault is the interval between those polls.
 	FillLeasePollDefault = 5 * time.Millisecond
+	// InvalidateWaitTimeoutDefault bounds how long Invalidate waits for
+	// replicas when InvalidateReplicas is set.
+	InvalidateWaitTimeoutDefault = 100 * time.Millisecond
 )
 
 // FailureMode says what Get does when Redis cannot be reached.
@@ -84,6 +87,20 @@ type Config struct {
 	// winner's value. Defaults to FillLeasePollDefault.
 	FillLeasePoll time.Duration
 
+	// InvalidateReplicas, when positive, makes Invalidate wait (Redis WAIT,
+	// on the connection that ran the bump) until that many replicas have the
+	// new version, and return a *ReplicationError if fewer confirm in time.
+	// Without it, a failover right after Invalidate can promote a replica
+	// that never saw the bump: the version key is then not missing but old,
+	// and the value cached before the write is readable again until TTL.
+	// Supported with *redis.Client (including failover clients) and
+	// *redis.ClusterClient. Defaults to 0 (do not wait).
+	InvalidateReplicas int
+
+	// InvalidateWaitTimeout bounds the wait for InvalidateReplicas.
+	// Defaults to InvalidateWaitTimeoutDefault.
+	InvalidateWaitTimeout time.Duration
+
 	// Logger receives warnings about Redis failures and codec errors.
 	// Defaults to a logger that discards everything.
 	Logger *slog.Logger
@@ -114,6 +131,9 @@ func (c *Config) WithDefaults() *Config {
 	if out.FillLeasePoll == 0 {
 		out.FillLeasePoll = FillLeasePollDefault
 	}
+	if out.InvalidateWaitTimeout == 0 {
+		out.InvalidateWaitTimeout = InvalidateWaitTimeoutDefault
+	}
 	if out.Logger == nil {
 		out.Logger = slog.New(slog.DiscardHandler)
 	}
@@ -135,6 +155,12 @@ func (c *Config) validate() error {
 	}
 	if c.FillLeaseWait < 0 {
 		return &ConfigError{Field: "FillLeaseWait", Reason: "must not be negative"}
+	}
+	if c.InvalidateReplicas < 0 {
+		return &ConfigError{Field: "InvalidateReplicas", Reason: "must not be negative"}
+	}
+	if c.InvalidateWaitTimeout < time.Millisecond {
+		return &ConfigError{Field: "InvalidateWaitTimeout", Reason: "must be at least 1ms (WAIT takes milliseconds); leave it zero for the default"}
 	}
 	if c.FillLeasePoll <= 0 {
 		return &ConfigError{Field: "FillLeasePoll", Reason: "must be positive; leave it zero for the default"}

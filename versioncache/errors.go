@@ -20,6 +20,8 @@ var (
 	ErrLoad = errors.New("versioncache: loader failed")
 	// ErrCodec is matched by every *CodecError.
 	ErrCodec = errors.New("versioncache: codec failed")
+	// ErrNotReplicated is matched by every *ReplicationError.
+	ErrNotReplicated = errors.New("versioncache: invalidation not confirmed by replicas")
 	// ErrInvalidVersion is returned by GetAt for a negative version.
 	ErrInvalidVersion = errors.New("versioncache: version must not be negative")
 )
@@ -86,3 +88,18 @@ func (e *CodecError) Unwrap() error { return e.Err }
 
 // Is reports whether target is ErrCodec.
 func (e *CodecError) Is(target error) bool { return target == ErrCodec }
+
+// ReplicationError is returned by Invalidate when Config.InvalidateReplicas
+// is set and fewer replicas confirmed the new version in time. The primary
+// has the new version; a failover before the replicas catch up could lose it.
+type ReplicationError struct {
+	ID        string
+	Want, Got int
+}
+
+func (e *ReplicationError) Error() string {
+	return fmt.Sprintf("versioncache: invalidation of id %q reached %d of %d replicas", e.ID, e.Got, e.Want)
+}
+
+// Is reports whether target is ErrNotReplicated.
+func (e *ReplicationError) Is(target error) bool { return target == ErrNotReplicated }

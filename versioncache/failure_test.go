@@ -3,7 +3,9 @@ package versioncache
 import (
 	"context"
 	"testing"
+	"time"
 
+	"github.com/redis/go-redis/v9"
 	"github.com/stretchr/testify/require"
 
 	"github.com/verity-go/verity/internal/testenv"
@@ -73,5 +75,59 @@ func TestRedisUnavailable(t *testing.T) {
 		_, err := b.cache.Get(ctx, "p1", b.truth.loader("p1"))
 		require.ErrorIs(t, err, context.Canceled)
 		require.Zero(t, b.truth.loads.Load())
+	})
+}
+
+// A failover that loses the bump but keeps the version key does not make it
+// disappear: it makes it old. Re-seeding from the clock cannot help then;
+// the previous value is readable again. This pins that limitation down, and
+// the InvalidateReplicas option that narrows it.
+func TestLostBump(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+
+	t.Run("OldVersionKeyServesOldValue", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t, nil)
+		b.truth.write("p1", 4900)
+		_, err := b.cache.Get(ctx, "p1", b.truth.loader("p1"))
+		require.NoError(t, err)
+		_, before, _, err := b.cache.Peek(ctx, "p1")
+		require.NoError(t, err)
+
+		b.truth.write("p1", 4400)
+		require.NoError(t, b.cache.Invalidate(ctx, "p1"))
+		// The promoted replica never saw the bump.
+		require.NoError(t, b.client.Set(ctx, b.cache.versionKey("p1"), before, 0).Err())
+
+		got, err := b.cache.Get(ctx, "p1", b.truth.loader("p1"))
+		require.NoError(t, err)
+		require.Equal(t, 4900, got.Price)
+	})
+
+	t.Run("InvalidateReplicasReportsUnconfirmedBump", func(t *testing.T) {
+		t.Parallel()
+		// The shared test server has no replicas: nobody can confirm.
+		b := setup(t, &Config{InvalidateReplicas: 1, InvalidateWaitTimeout: 20 * time.Millisecond})
+		b.truth.write("p1", 1)
+		err := b.cache.Invalidate(ctx, "p1")
+		var rerr *ReplicationError
+		require.ErrorAs(t, err, &rerr)
+		require.Equal(t, 1, rerr.Want)
+		require.Equal(t, 0, rerr.Got)
+		require.ErrorIs(t, err, ErrNotReplicated)
+		_, version, _, err := b.cache.Peek(ctx, "p1")
+		require.NoError(t, err)
+		require.Positive(t, version, "the primary has the bump")
+	})
+
+	t.Run("InvalidateReplicasNeedsKnownClient", func(t *testing.T) {
+		t.Parallel()
+		ring := redis.NewRing(&redis.RingOptions{Addrs: map[string]string{"a": "127.0.0.1:1"}})
+		defer ring.Close()
+		_, err := New[product](ring, &Config{InvalidateReplicas: 1})
+		var cerr *ConfigError
+		require.ErrorAs(t, err, &cerr)
+		require.Equal(t, "InvalidateReplicas", cerr.Field)
 	})
 }
