@@ -139,9 +139,14 @@ func printHuman(out io.Writer, results []Result) {
 		fmt.Fprintf(out, "    stale reads after ack: %s of %s reads\n", group(r.StaleReadsAfterAck), group(r.Reads))
 		fmt.Fprintf(out, "    read latency: p50 %.0fµs, p99 %.0fµs", r.ReadP50us, r.ReadP99us)
 		if naive != nil && r.Mode == modeVersioned {
-			fmt.Fprintf(out, " (%+.0fµs p50 vs naive: the version lookup)", r.ReadP50us-naive.ReadP50us)
+			fmt.Fprintf(out, " (%+.0fµs p50 vs naive)", r.ReadP50us-naive.ReadP50us)
 		}
 		fmt.Fprintln(out)
+		if st := r.CacheStats; st != nil {
+			fmt.Fprintf(out, "    cache:       %s hits, %s loads (%s shared), %s stale fills not stored, %s orphaned value keys\n",
+				group(int64(st.Hits)), group(int64(st.Loads)), group(int64(st.SharedLoads)),
+				group(int64(st.StaleFillsSkipped)), group(int64(st.OrphanedValueKeys)))
+		}
 		fmt.Fprintf(out, "    converged:   %t\n", r.Converged)
 	}
 }

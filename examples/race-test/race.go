@@ -80,6 +80,10 @@ type Result struct {
 	ReadP50us          float64  `json:"read_p50_us"`
 	ReadP99us          float64  `json:"read_p99_us"`
 	Converged          bool     `json:"converged"`
+
+	// CacheStats are versioncache's counters (versioned mode only), for the
+	// human output.
+	CacheStats *versioncache.Stats `json:"-"`
 }
 
 const productID = 41
@@ -128,11 +132,12 @@ func runMode(ctx context.Context, cfg config, d deps, mode string) (res Result, 
 	}
 
 	var cache productCache
+	var vc *versioncache.Cache[product]
 	switch mode {
 	case modeNaive:
 		cache = &naiveCache{client: d.Redis, prefix: prefix, ttl: cfg.TTL}
 	case modeVersioned:
-		vc, err := versioncache.New[product](d.Redis, &versioncache.Config{Prefix: prefix, TTL: cfg.TTL})
+		vc, err = versioncache.New[product](d.Redis, &versioncache.Config{Prefix: prefix, TTL: cfg.TTL})
 		if err != nil {
 			return res, err
 		}
@@ -222,16 +227,20 @@ func runMode(ctx context.Context, cfg config, d deps, mode string) (res Result, 
 
 	res = Result{
 		Mode:               mode,
-		Writes:             tr.counts.writes,
+		Writes:             tr.writes,
 		Divergences:        int64(len(tr.diverged)),
-		Reads:              tr.counts.reads,
-		StaleReadsAfterAck: tr.counts.staleAfterAck,
+		Reads:              tr.reads.Load(),
+		StaleReadsAfterAck: tr.staleAfterAck.Load(),
 	}
 	if res.Divergences > 0 {
 		s := tr.firstDiv.Seconds()
 		res.FirstDivergenceS = &s
 	}
 	res.ReadP50us, res.ReadP99us = tr.percentiles()
+	if vc != nil {
+		st := vc.Stats()
+		res.CacheStats = &st
+	}
 	res.Converged, err = converged(ctx, cache, id, load)
 	return res, err
 }

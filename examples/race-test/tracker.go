@@ -39,8 +39,10 @@ type tracker struct {
 	claimless map[int64]bool // versions that make no claim (failed invalidate)
 	diverged  map[int64]bool // versions counted as divergences
 	firstDiv  time.Duration  // since start; valid when len(diverged) > 0
-	latencies [][]int32      // per reader, microseconds
-	counts    struct{ writes, reads, staleAfterAck int64 }
+	latencies [][]int32      // per reader, microseconds; only the reader appends
+	writes    int64          // acknowledged writes
+
+	reads, staleAfterAck atomic.Int64
 }
 
 type ackedWrite struct {
@@ -90,13 +92,18 @@ func (t *tracker) endRead(s readSnapshot, version int64, ok bool) {
 	if us > math.MaxInt32 {
 		us = math.MaxInt32
 	}
+	// Only this reader appends to its slice; percentiles runs after the
+	// readers stopped.
+	t.latencies[s.reader] = append(t.latencies[s.reader], int32(us))
+	t.reads.Add(1)
+	if version < s.acked {
+		t.staleAfterAck.Add(1)
+	}
+	if version >= s.floor {
+		return
+	}
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	t.latencies[s.reader] = append(t.latencies[s.reader], int32(us))
-	t.counts.reads++
-	if version < s.acked {
-		t.counts.staleAfterAck++
-	}
 	for v := version + 1; v <= s.floor; v++ {
 		if t.claimless[v] || t.diverged[v] {
 			continue
@@ -118,7 +125,7 @@ func (t *tracker) acknowledge(version int64) {
 		}
 	}
 	t.mu.Lock()
-	t.counts.writes++
+	t.writes++
 	t.pending = append(t.pending, ackedWrite{version: version, ackedAt: at})
 	t.mu.Unlock()
 }
@@ -169,13 +176,12 @@ func (t *tracker) advanceFloor() {
 }
 
 // percentiles returns p50 and p99 read latency in microseconds.
+// Call it only after the readers stopped.
 func (t *tracker) percentiles() (p50, p99 float64) {
-	t.mu.Lock()
 	var all []int32
 	for _, l := range t.latencies {
 		all = append(all, l...)
 	}
-	t.mu.Unlock()
 	if len(all) == 0 {
 		return 0, 0
 	}
