@@ -1,6 +1,126 @@
-// Package projection writes absolute state from the outbox into Redis read
-// models through an idempotent, order-insensitive version gate.
+// Package projection keeps Redis read models in step with PostgreSQL: it
+// writes the absolute state carried by outbox records into Redis through a
+// version gate that makes at-least-once, out-of-order delivery harmless.
 //
-// The full reference is being written; see Keyspace, Gate and
-// RedisProjector.
+// # Model
+//
+// The source of truth (PostgreSQL) owns every entity's state and a version
+// that strictly increases with each change. Each change commits, in the same
+// transaction, an outbox message holding the entity's whole state at that
+// version (see package outbox). A relay hands batches of those records to a
+// Projector, which writes them to Redis. Redis may lag, but it never moves
+// backwards and never holds a state the source did not commit.
+//
+// A Mapper turns each record into a Write: a Target (where), a Version and
+// a Value (what). Three kinds of target are built in:
+//
+//   - KindSortedSet: the score of a member of a sorted set (a leaderboard).
+//     Value.Score is an int64 within ±2^53 (MinScore, MaxScore); Redis keeps
+//     scores as doubles, which hold every integer in that range exactly.
+//     Anything outside is refused with *ScoreOutOfRangeError, never rounded.
+//   - KindHash: the bytes of one field of a hash.
+//   - KindDocument: one string key per document (JSON, typically).
+//
+// SortedSetMapper, HashMapper, DocumentMapper and StreamMapper cover the
+// common layouts; any MapperFunc projects a custom stream.
+//
+// # The gate
+//
+// For each write, in batch order, the gate reads the stored version S of the
+// target and compares it with the write's version V:
+//
+//	no S, or V > S  write value and version   OutcomeApplied
+//	V == S          nothing                   OutcomeDuplicate
+//	V < S           nothing                   OutcomeStale
+//
+// The comparison and the writes run inside one Lua script, so no other
+// client can interleave between them. Versions are int64 and must be
+// positive (*InvalidVersionError otherwise). Lua numbers are doubles, which
+// cannot tell 2^53 from 2^53+1, so the script never converts a version to a
+// number: it compares canonical decimal strings by sign, then length, then
+// digit by digit. A stored version that is not a canonical decimal integer
+// (a hand edit, a foreign writer) is never guessed at: that write is refused
+// with *CorruptVersionError and left for reconciliation to repair.
+//
+// # Why no per-event marker keys
+//
+// A redelivered record carries the version it carried the first time. The
+// source assigns versions per entity in the transaction that changes it and
+// every change raises it, so two different changes of one entity never share
+// a version: an equal version can only be the same change, that is, the
+// same absolute state, already applied. The stored version therefore
+// identifies the last event applied to the target, and "duplicate" needs no
+// other memory. A marker key per event id would add a key and a write per
+// event, expire (after which the version check is what protects the state
+// anyway), and bring nothing the version does not already decide.
+//
+// We found one situation where version equality stops identifying the
+// event: a source that reuses versions — a database restored from an older
+// backup, or an entity deleted and re-created with its counter back at 1.
+// Then a genuinely new state arrives with a version already seen and is
+// reported duplicate or stale. A marker would not help either: the write
+// would pass the marker and still lose the version comparison. Keep versions
+// monotonic across deletes (never reset a counter; a sequence works), and
+// run reconciliation after a restore: it compares source and projection and
+// reports such entries (as ahead, or corrupt when the versions match but
+// the values differ) and repairs them. Markers are therefore not offered.
+//
+// # Keys and Redis Cluster
+//
+// Keyspace names every key; see its documentation for the layout. All keys
+// of one collection (value, versions, rebuild marker, shadows) and both keys
+// of one document share one hash tag, and so one Cluster slot, which is what
+// lets a single script touch them. Names and members are arbitrary bytes:
+// the tag holds keyenc.Escape(name), which is injective and never contains
+// '{', '}' or ':', so no id can move a key to another slot or make two
+// targets share a key; members are stored verbatim inside the structures.
+//
+// Gate.Apply groups a batch by slot (KeySlot is the CRC16 Redis uses) and
+// sends one script call per slot group — per batch on a single node or
+// Sentinel — pipelined in one round trip when there are several. The script
+// is loaded once (EVALSHA); a node that answers NOSCRIPT (restart, failover,
+// SCRIPT FLUSH) gets the source with EVAL, pipelined as well. Works with any
+// redis.UniversalClient.
+//
+// # Failure semantics
+//
+// Every write of a batch is validated before anything is sent; bad input
+// returns a typed error and writes nothing. Within one slot group the
+// script is atomic. Across slot groups it is not (Redis has no cross-slot
+// atomicity): if a call fails, some groups may have been applied. That is
+// safe because the gate makes every write idempotent and order-insensitive:
+// the relay re-delivers the batch, applied records come back duplicate, the
+// rest are applied. A Redis error inside a script (WRONGTYPE when a key
+// holds another type) fails the batch the same way.
+//
+// # Rebuilds
+//
+// A full rebuild (reconcile.Rebuild) fills shadow keys from the source and
+// swaps them in. While the collection's rebuild marker exists, the gate
+// applies each live write to the shadow keys too, by the same rule and
+// independently (the shadow outcome is not reported), so that writes made
+// during the copy are not lost by the swap. Gate.ApplyShadow gates the copy
+// itself into the shadow keys, so it never overwrites a newer dual-written
+// version.
+//
+// # Projector and relay
+//
+// RedisProjector implements Projector and outbox.Handler and is given to
+// outbox.NewRelay as is. Project fails the whole batch on a record that
+// cannot be mapped; Handle instead gives that record its own Result.Err (the
+// relay retries, then dead-letters it) and projects the rest. Redis errors
+// fail the batch in both.
+//
+// # Throughput
+//
+// BenchmarkGate compares the batched gate with the per-event design (one
+// script call per event plus a marker key per event) on identical batches
+// of 100 sorted-set events:
+//
+//	go test -run '^$' -bench BenchmarkGate -benchtime 2s ./projection
+//
+// On a shared 2-core machine with Redis 7.0 on localhost it measured about
+// 61,000 events/s batched against about 8,000–17,500 events/s one call per
+// event (about 31,000 events/s when those per-event calls are pipelined).
+// The batched gate saves one round trip per event, and one key per event.
 package projection
