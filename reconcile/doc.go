@@ -58,11 +58,17 @@
 // more round trip. Memory is proportional to Config.PageSize, not to the
 // table: a 1,000,000-row pass runs in a few MiB.
 //
-// After the source, a full run scans the projection (HSCAN/ZSCAN, or SCAN
-// on every master for documents) and looks the entries up in the source in
-// batches, to find orphans. RunOptions.Sample checks a random sample
-// instead, which is cheap on large tables; SQLSource samples with
-// TABLESAMPLE SYSTEM and documents the bias that implies.
+// After the source, a full run looks for orphans. For a collection it first
+// compares counts (HLEN of the versions, ZCARD or HLEN of the values) with
+// the entries the pass accounted for: when they match, which is the usual
+// case, there is nothing to scan (Report.OrphanScanSkipped). Otherwise it
+// scans the projection (HSCAN/ZSCAN, or SCAN on every master for
+// documents) and looks the entries up in the source in batches.
+//
+// RunOptions.Sample checks random samples instead, which is cheap on large
+// tables: source rows through Source.Sample (SQLSource uses TABLESAMPLE
+// SYSTEM and documents the bias that implies) and, for collections,
+// projection entries through HRANDFIELD for orphans.
 //
 // A run returns a Report: rows checked, entries scanned, counts per class,
 // what was done (repaired, skipped, uncertain, and why), the duration, and

@@ -3,6 +3,7 @@ package reconcile
 import (
 	"context"
 	"errors"
+	"fmt"
 	"sync"
 	"testing"
 
@@ -293,6 +294,11 @@ func TestRunSample(t *testing.T) {
 			projected = append(projected, r)
 		}
 	}
+	// And 300 orphans: 10% of the projection's 3000 entries.
+	for i := range 300 {
+		key := fmt.Sprintf("orphan%03d", i)
+		projected = append(projected, Row{Key: key, Version: 1, Value: b.value(key, 1)})
+	}
 	b.projectRows(t, projected)
 	_, err := b.pool.Exec(context.Background(), "ANALYZE items")
 	require.NoError(t, err)
@@ -302,10 +308,12 @@ func TestRunSample(t *testing.T) {
 	require.NoError(t, err)
 	require.True(t, rep.Sampled)
 	require.EqualValues(t, 400, rep.Checked)
-	require.Zero(t, rep.Scanned, "samples skip the orphan scan")
+	require.EqualValues(t, 400, rep.Scanned, "400 projection entries sampled for orphans")
 	require.Equal(t, rep.Checked, rep.Counts[ClassCurrent]+rep.Counts[ClassMissing])
-	// 10% are missing; with 400 draws, 15..70 is far beyond 4 sigma.
+	// 10% are missing, 10% of the projection are orphans; with 400 draws
+	// each, 15..65 is beyond 4 sigma.
 	require.InDelta(t, 40, rep.Counts[ClassMissing], 25)
+	require.InDelta(t, 40, rep.Counts[ClassOrphan], 25)
 
 	sample, err := b.source.Sample(context.Background(), 400)
 	require.NoError(t, err)
@@ -345,4 +353,39 @@ func kindName(k projection.Kind) string {
 		return "Hash"
 	}
 	return "Document"
+}
+
+// TestOrphanScanSkipped checks the count shortcut: a clean projection needs
+// no scan, and a single orphan forces one (and is found).
+func TestOrphanScanSkipped(t *testing.T) {
+	t.Parallel()
+	for _, kind := range []projection.Kind{projection.KindSortedSet, projection.KindHash} {
+		t.Run(kindName(kind), func(t *testing.T) {
+			t.Parallel()
+			b := setup(t, kind)
+			rows := b.insertMany(t, 40)
+			b.projectRows(t, rows[:30]) // 10 missing: repaired, then counted as present
+			r := b.reconciler(t, &Config{PageSize: 16})
+			rep, err := r.Run(context.Background(), RunOptions{})
+			require.NoError(t, err)
+			require.EqualValues(t, 10, rep.Repaired)
+			require.True(t, rep.OrphanScanSkipped)
+			require.Zero(t, rep.Scanned)
+
+			b.project(t, "orphan", 1)
+			b.setRaw(t, rows[0].Key, nil, ptr("")) // value without version: counts differ too
+			rep, err = r.Run(context.Background(), RunOptions{})
+			require.NoError(t, err)
+			require.False(t, rep.OrphanScanSkipped)
+			require.EqualValues(t, 41, rep.Scanned) // 40 versions + the versionless value
+			require.EqualValues(t, 1, rep.Counts[ClassOrphan])
+			require.EqualValues(t, 1, rep.Counts[ClassCorrupt])
+
+			// Dry run over a drifted projection: counts use what was read.
+			rep, err = r.Run(context.Background(), RunOptions{DryRun: true})
+			require.NoError(t, err)
+			require.False(t, rep.OrphanScanSkipped)
+			require.EqualValues(t, 1, rep.Counts[ClassOrphan])
+		})
+	}
 }

@@ -15,8 +15,10 @@ import (
 // RunOptions select what one Run does.
 type RunOptions struct {
 	// Sample, when positive, checks up to Sample source rows chosen by
-	// Source.Sample instead of the whole source, and skips the orphan scan.
-	// Memory is proportional to Sample; keep samples small.
+	// Source.Sample instead of the whole source and, for collections, up to
+	// Sample random versioned projection entries (HRANDFIELD) for orphans,
+	// instead of scanning the projection. Memory is proportional to
+	// Sample; keep samples small.
 	Sample int
 	// DryRun classifies and reports without writing anything; findings the
 	// policy would repair get ResultDryRun. Hooks other than OnAlert are not
@@ -116,6 +118,22 @@ func (r *Reconciler) runSample(ctx context.Context, opts RunOptions, rep *Report
 		}
 		rows = rows[n:]
 	}
+	if r.cfg.SkipOrphans || r.target.Kind == projection.KindDocument {
+		return nil
+	}
+	// Orphans are sampled from the projection's side: HRANDFIELD returns
+	// up to Sample distinct versioned entries, uniformly.
+	members, err := r.target.Client.HRandField(ctx, r.versionKey, opts.Sample).Result()
+	if err != nil {
+		return fmt.Errorf("reconcile: sampling projection: %w", err)
+	}
+	for len(members) > 0 {
+		n := min(len(members), r.cfg.PageSize)
+		if err := r.checkCandidates(ctx, opts, members[:n], false, rep); err != nil {
+			return err
+		}
+		members = members[n:]
+	}
 	return nil
 }
 
@@ -142,6 +160,10 @@ func (r *Reconciler) runFull(ctx context.Context, opts RunOptions, rep *Report) 
 	}
 	if r.cfg.SkipOrphans {
 		return nil
+	}
+	if none, err := r.noOrphans(ctx, rep); err != nil || none {
+		rep.OrphanScanSkipped = none
+		return err
 	}
 	return r.scanOrphans(ctx, opts, rep)
 }
@@ -211,7 +233,11 @@ func (r *Reconciler) checkRows(ctx context.Context, opts RunOptions, rows []Row,
 		}
 	}
 	rep.Checked += int64(len(rows))
-	return r.settle(ctx, opts, findings, rep)
+	err = r.settle(ctx, opts, findings, rep)
+	for i := range findings {
+		rep.tally.add(&findings[i])
+	}
+	return err
 }
 
 // settle applies the policy and hooks to findings, sends the repairs, and

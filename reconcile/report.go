@@ -79,7 +79,9 @@ type Report struct {
 	DryRun  bool
 	// Checked counts source rows compared with the projection.
 	Checked int64
-	// Scanned counts projection entries examined for orphans.
+	// Scanned counts projection entries examined for orphans. Only the
+	// orphans among them appear in Counts: the others are entries of
+	// source rows, counted when their row is checked.
 	Scanned int64
 	// Counts holds the number of entities per Class (current included).
 	Counts map[Class]int64
@@ -95,9 +97,41 @@ type Report struct {
 	// Uncertain counts repairs sent whose outcome is unknown because the
 	// reply was lost. Run also returns an error in that case.
 	Uncertain int64
+	// OrphanScanSkipped reports that a full run did not need to scan the
+	// projection for orphans: it holds exactly as many values and versions
+	// as the pass accounted for with source rows (see Run).
+	OrphanScanSkipped bool
 	// Examples holds the first Config.ExamplesPerClass findings of each
 	// class other than current.
 	Examples map[Class][]Finding
+
+	tally tally
+}
+
+// tally counts the projection entries a full pass accounted for with source
+// rows, as they stand after its repairs.
+type tally struct {
+	versions, values int64
+	// unknown is set when a repair raced or its outcome is unknown: the
+	// entry's state is not known, so the counts prove nothing.
+	unknown bool
+}
+
+func (t *tally) add(f *Finding) {
+	switch f.Result {
+	case ResultRepaired:
+		t.versions++
+		t.values++
+	case ResultRaced, ResultUncertain:
+		t.unknown = true
+	default:
+		if f.Projected.HasVersion {
+			t.versions++
+		}
+		if f.Projected.HasValue {
+			t.values++
+		}
+	}
 }
 
 // Drift returns the number of findings: entities in any class but current.
@@ -140,6 +174,13 @@ func (r *Report) record(f *Finding, examples int) {
 		r.Skipped++
 	}
 	if len(r.Examples[f.Class]) < examples {
-		r.Examples[f.Class] = append(r.Examples[f.Class], *f)
+		ex := *f
+		if f.Source != nil {
+			// Copy, so an example does not pin its whole source page.
+			row := *f.Source
+			row.Value.Data = append([]byte(nil), row.Value.Data...)
+			ex.Source = &row
+		}
+		r.Examples[f.Class] = append(r.Examples[f.Class], ex)
 	}
 }
