@@ -23,6 +23,12 @@ type testBundle struct {
 // mutate, when given, adjusts the Config before New.
 func setup(t *testing.T, mutate ...func(*Config)) *testBundle {
 	t.Helper()
+	return setupTB(t, mutate...)
+}
+
+// setupTB is setup for tests and benchmarks.
+func setupTB(t testing.TB, mutate ...func(*Config)) *testBundle {
+	t.Helper()
 	pg := testenv.Postgres(t)
 	rd := testenv.Redis(t)
 	cfg := &Config{Name: "weekly-2026-48", Schema: pg.Schema, KeyPrefix: rd.Prefix}

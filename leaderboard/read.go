@@ -415,12 +415,13 @@ type querier interface {
 // pgPage reads up to n entries after c (or from the top) from PostgreSQL,
 // ranks included, in one statement (one snapshot).
 func (b *Board) pgPage(ctx context.Context, db querier, c *cursor, n int) ([]Entry, error) {
-	var score int64
-	var user string
-	if c != nil {
-		score, user = c.score, c.user
+	var rows pgx.Rows
+	var err error
+	if c == nil {
+		rows, err = db.Query(ctx, b.sql.top, b.cfg.Name, n)
+	} else {
+		rows, err = db.Query(ctx, b.sql.page, b.cfg.Name, n, c.score, c.user)
 	}
-	rows, err := db.Query(ctx, b.sql.page, b.cfg.Name, n, c != nil, score, user)
 	if err != nil {
 		return nil, fmt.Errorf("leaderboard: reading PostgreSQL: %w", err)
 	}

@@ -42,12 +42,19 @@ var _ reconcile.Source = (*boardSource)(nil)
 // Source queries: $1 board. Keys are user ids in byte order (C collation),
 // served by the primary key (board, user_id).
 const (
+	sourceFirstSQL = `
+SELECT user_id::text, version, score
+FROM {{user_scores}}
+WHERE board = $1::text
+ORDER BY user_id
+LIMIT $2::bigint`
+
 	sourcePageSQL = `
 SELECT user_id::text, version, score
 FROM {{user_scores}}
-WHERE board = $1::text AND (NOT $2::bool OR user_id > $3::text COLLATE "C")
+WHERE board = $1::text AND user_id > $2::text COLLATE "C"
 ORDER BY user_id
-LIMIT $4::bigint`
+LIMIT $3::bigint`
 
 	// ORDER BY random() reads the whole board once per sample: fine for
 	// boards of up to a few million users at an hourly cadence. For more,
@@ -86,7 +93,10 @@ func (s *boardSource) rows(ctx context.Context, q string, args ...any) ([]reconc
 // Page implements reconcile.Source.
 func (s *boardSource) Page(ctx context.Context, after reconcile.Cursor, limit int) ([]reconcile.Row, error) {
 	key, ok := after.Key()
-	return s.rows(ctx, sourcePageSQL, s.cfg.Name, ok, key, limit)
+	if !ok {
+		return s.rows(ctx, sourceFirstSQL, s.cfg.Name, limit)
+	}
+	return s.rows(ctx, sourcePageSQL, s.cfg.Name, key, limit)
 }
 
 // Sample implements reconcile.Source.

@@ -149,70 +149,96 @@ FROM prior AS p JOIN input AS i USING (event_id)`
 // collation: score descending, ties by user id bytes ascending. rankIndex
 // serves every one of these as an index range scan.
 
-// pageSQL returns up to $2 entries with their ranks, from the top or
-// after the cursor ($3 set, score $4, user $5): $1 board. The rank base is
-// counted in the same statement, so ranks and rows share one snapshot.
-const pageSQL = `
-SELECT user_id::text, score,
-       CASE WHEN $3::bool THEN (
-           SELECT count(*)
-           FROM {{user_scores}}
-           WHERE board = $1::text
-             AND (-score, user_id) <= (-$4::bigint, $5::text COLLATE "C")
-       ) ELSE 0 END + row_number() OVER (ORDER BY -score, user_id)
+// topSQL returns the first $2 entries of board $1 with their ranks.
+const topSQL = `
+SELECT user_id::text, score, row_number() OVER (ORDER BY -score, user_id)
 FROM (
     SELECT user_id, score
     FROM {{user_scores}}
     WHERE board = $1::text
-      AND (NOT $3::bool OR (-score, user_id) > (-$4::bigint, $5::text COLLATE "C"))
     ORDER BY -score, user_id
     LIMIT $2::bigint
 ) AS page
 ORDER BY -score, user_id`
 
-// rankSQL returns the score and rank of user $2 on board $1.
+// pageSQL returns up to $2 entries of board $1 after the cursor (score $3,
+// user $4) with their ranks. The rank base is counted in the same
+// statement, so ranks and rows share one snapshot. (The first page has its
+// own statement: an optional cursor written as "NOT $x OR ..." would keep a
+// cached generic plan from using the row comparison as an index bound.)
+const pageSQL = `
+SELECT user_id::text, score,
+       (
+           SELECT count(*)
+           FROM {{user_scores}}
+           WHERE board = $1::text
+             AND (-score, user_id) <= (-$3::bigint, $4::text COLLATE "C")
+       ) + row_number() OVER (ORDER BY -score, user_id)
+FROM (
+    SELECT user_id, score
+    FROM {{user_scores}}
+    WHERE board = $1::text
+      AND (-score, user_id) > (-$3::bigint, $4::text COLLATE "C")
+    ORDER BY -score, user_id
+    LIMIT $2::bigint
+) AS page
+ORDER BY -score, user_id`
+
+// rankSQL returns the score and rank of user $2 on board $1. Counting
+// the entries ahead costs O(rank) index entries; it is the fallback path.
 const rankSQL = `
-SELECT me.score, 1 + (
-    SELECT count(*)
-    FROM {{user_scores}} AS s
-    WHERE s.board = $1::text
-      AND (-s.score, s.user_id) < (-me.score, me.user_id)
-)
+SELECT me.score, 1 + ahead.n
 FROM {{user_scores}} AS me
+CROSS JOIN LATERAL (
+    SELECT count(*) AS n
+    FROM {{user_scores}} AS s
+    WHERE s.board = me.board
+      AND (-s.score, s.user_id) < (-me.score, me.user_id)
+) AS ahead
 WHERE me.board = $1::text AND me.user_id = $2::text`
 
 // aroundSQL returns user $2 of board $1 with up to $3 neighbours on each
 // side, ranks included, in ranking order; no rows when the user is absent.
+// LATERAL makes the user's (score, user_id) an index bound of each scan.
 const aroundSQL = `
 WITH me AS (
-    SELECT score, user_id
+    SELECT board, score, user_id
     FROM {{user_scores}}
     WHERE board = $1::text AND user_id = $2::text
 ),
 before AS (
-    SELECT s.user_id, s.score
-    FROM {{user_scores}} AS s, me
-    WHERE s.board = $1::text
-      AND (-s.score, s.user_id) < (-me.score, me.user_id)
-    ORDER BY -s.score DESC, s.user_id DESC
-    LIMIT $3::bigint
+    SELECT b.user_id, b.score
+    FROM me CROSS JOIN LATERAL (
+        SELECT s.user_id, s.score
+        FROM {{user_scores}} AS s
+        WHERE s.board = me.board
+          AND (-s.score, s.user_id) < (-me.score, me.user_id)
+        ORDER BY -s.score DESC, s.user_id DESC
+        LIMIT $3::bigint
+    ) AS b
 ),
 after AS (
-    SELECT s.user_id, s.score
-    FROM {{user_scores}} AS s, me
-    WHERE s.board = $1::text
-      AND (-s.score, s.user_id) >= (-me.score, me.user_id)
-    ORDER BY -s.score, s.user_id
-    LIMIT $3::bigint + 1
+    SELECT a.user_id, a.score
+    FROM me CROSS JOIN LATERAL (
+        SELECT s.user_id, s.score
+        FROM {{user_scores}} AS s
+        WHERE s.board = me.board
+          AND (-s.score, s.user_id) >= (-me.score, me.user_id)
+        ORDER BY -s.score, s.user_id
+        LIMIT $3::bigint + 1
+    ) AS a
 ),
 base AS (
-    SELECT count(*) AS ahead
-    FROM {{user_scores}} AS s, me
-    WHERE s.board = $1::text
-      AND (-s.score, s.user_id) < (-me.score, me.user_id)
+    SELECT ahead.n
+    FROM me CROSS JOIN LATERAL (
+        SELECT count(*) AS n
+        FROM {{user_scores}} AS s
+        WHERE s.board = me.board
+          AND (-s.score, s.user_id) < (-me.score, me.user_id)
+    ) AS ahead
 )
 SELECT w.user_id::text, w.score,
-       base.ahead - (SELECT count(*) FROM before) + row_number() OVER (ORDER BY -w.score, w.user_id)
+       base.n - (SELECT count(*) FROM before) + row_number() OVER (ORDER BY -w.score, w.user_id)
 FROM (SELECT * FROM before UNION ALL SELECT * FROM after) AS w, base
 ORDER BY -w.score, w.user_id`
 

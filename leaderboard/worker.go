@@ -42,14 +42,14 @@ type WorkerConfig struct {
 }
 
 // Worker projects the board's outbox stream into Redis: an outbox relay
-// restricted to the board's stream, whose handler maps each record and
-// applies it through the projection's version gate. Any number of workers
+// restricted to the board's stream, handing batches to a
+// projection.RedisProjector with the board's Mapper, which applies them
+// through the version gate (one script call per batch). Any number of workers
 // may run, in any number of processes; delivery is at-least-once and the
 // gate makes redeliveries and out-of-order deliveries harmless.
 type Worker struct {
-	board *Board
-	gate  *projection.Gate
-	relay *outbox.Relay
+	projector *projection.RedisProjector
+	relay     *outbox.Relay
 }
 
 // Worker returns a Worker for the board. It does not start it; call Run.
@@ -68,13 +68,15 @@ func (b *Board) Worker(cfg *WorkerConfig) (*Worker, error) {
 	if rc.Logger == nil {
 		rc.Logger = b.cfg.Logger
 	}
-	w := &Worker{board: b, gate: projection.NewGate(b.rdb, b.ks)}
-	relay, err := outbox.NewRelay(b.pool, outbox.HandlerFunc(w.handle), &rc)
+	projector, err := projection.NewRedisProjector(b.rdb, b.Mapper(), &projection.Config{Prefix: b.cfg.KeyPrefix, Logger: rc.Logger})
 	if err != nil {
 		return nil, fmt.Errorf("leaderboard: worker: %w", err)
 	}
-	w.relay = relay
-	return w, nil
+	relay, err := outbox.NewRelay(b.pool, projector, &rc)
+	if err != nil {
+		return nil, fmt.Errorf("leaderboard: worker: %w", err)
+	}
+	return &Worker{projector: projector, relay: relay}, nil
 }
 
 // Run projects until ctx is cancelled, then shuts down gracefully (see
@@ -107,34 +109,5 @@ func (w *Worker) Drain(ctx context.Context) (int, error) {
 // Relay returns the underlying relay (for Stats and dead letters).
 func (w *Worker) Relay() *outbox.Relay { return w.relay }
 
-// handle maps a batch and applies it through the gate. A record that does
-// not map fails alone (the relay retries it, then dead-letters it); a Redis
-// error fails the batch.
-func (w *Worker) handle(ctx context.Context, batch []outbox.Record) ([]outbox.Result, error) {
-	results := make([]outbox.Result, len(batch))
-	writes := make([]projection.Write, 0, len(batch))
-	index := make([]int, 0, len(batch))
-	mapper := w.board.Mapper()
-	for i, rec := range batch {
-		wr, err := mapper.Map(rec)
-		if err != nil {
-			results[i].Err = err
-			continue
-		}
-		writes = append(writes, wr)
-		index = append(index, i)
-	}
-	if len(writes) == 0 {
-		return results, nil
-	}
-	outcomes, err := w.gate.Apply(ctx, writes)
-	if err != nil && (!errors.Is(err, projection.ErrCorruptVersion) || len(outcomes) != len(writes)) {
-		return nil, err
-	}
-	for j, o := range outcomes {
-		if o == projection.OutcomeUnknown {
-			results[index[j]].Err = fmt.Errorf("leaderboard: projecting %s: %w", writes[j].Target, err)
-		}
-	}
-	return results, nil
-}
+// Projector returns the underlying projector.
+func (w *Worker) Projector() *projection.RedisProjector { return w.projector }

@@ -1,0 +1,105 @@
+package leaderboard
+
+import (
+	"context"
+	"fmt"
+	"testing"
+
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
+)
+
+// benchBoard returns a migrated board for a benchmark.
+func benchBoard(b *testing.B) *testBundle {
+	b.Helper()
+	return setupTB(b)
+}
+
+// BenchmarkSubmit compares Submit (one statement, one round trip) with the
+// seed's handler: BEGIN, INSERT event ON CONFLICT DO NOTHING, upsert score,
+// INSERT outbox, COMMIT — five statements, five round trips. Both write the
+// same rows into the same tables; users are spread so locks do not contend.
+//
+//	go test -run '^$' -bench 'Submit' -benchtime 2s ./leaderboard
+func BenchmarkSubmit(b *testing.B) {
+	ctx := context.Background()
+
+	b.Run("OneStatement", func(b *testing.B) {
+		tb := benchBoard(b)
+		b.ResetTimer()
+		for i := 0; i < b.N; i++ {
+			if _, err := tb.board.Submit(ctx, Command{EventID: uuid.New(), UserID: fmt.Sprintf("user-%d", i%1000), Delta: 1}); err != nil {
+				b.Fatal(err)
+			}
+		}
+		reportRate(b, b.N)
+	})
+
+	b.Run("SeedFiveStatements", func(b *testing.B) {
+		tb := benchBoard(b)
+		board := tb.board
+		b.ResetTimer()
+		for i := 0; i < b.N; i++ {
+			if err := seedHandler(ctx, board, Command{EventID: uuid.New(), UserID: fmt.Sprintf("user-%d", i%1000), Delta: 1}); err != nil {
+				b.Fatal(err)
+			}
+		}
+		reportRate(b, b.N)
+	})
+}
+
+// seedHandler is the seed's five-statement transaction, for comparison.
+func seedHandler(ctx context.Context, board *Board, cmd Command) error {
+	schema := board.cfg.Schema
+	events, scores := qualify(schema, ScoreEventsTable), qualify(schema, UserScoresTable)
+	outboxTable := pgx.Identifier{schema, board.cfg.OutboxTable}.Sanitize()
+	tx, err := board.pool.Begin(ctx)
+	if err != nil {
+		return err
+	}
+	defer tx.Rollback(ctx) //nolint:errcheck // after Commit it is a no-op
+	tag, err := tx.Exec(ctx, `INSERT INTO `+events+` (event_id, board, user_id, delta, score, version)
+		VALUES ($1, $2, $3, $4, 0, 0) ON CONFLICT DO NOTHING`, cmd.EventID, board.cfg.Name, cmd.UserID, cmd.Delta)
+	if err != nil {
+		return err
+	}
+	if tag.RowsAffected() == 0 {
+		return tx.Commit(ctx)
+	}
+	var score, version int64
+	if err := tx.QueryRow(ctx, `INSERT INTO `+scores+` AS s (board, user_id, score, version) VALUES ($1, $2, $3, 1)
+		ON CONFLICT (board, user_id) DO UPDATE SET score = s.score + EXCLUDED.score, version = s.version + 1, updated_at = now()
+		RETURNING score, version`, board.cfg.Name, cmd.UserID, cmd.Delta).Scan(&score, &version); err != nil {
+		return err
+	}
+	if _, err := tx.Exec(ctx, `INSERT INTO `+outboxTable+` (event_id, stream, key, version, payload) VALUES ($1, $2, $3, $4, $5)`,
+		cmd.EventID, board.stream, cmd.UserID, version, []byte(fmt.Sprint(score))); err != nil {
+		return err
+	}
+	return tx.Commit(ctx)
+}
+
+// BenchmarkSubmitBatch measures bulk imports: batches of 1,000 commands
+// over 10,000 users.
+//
+//	go test -run '^$' -bench 'SubmitBatch' -benchtime 2s ./leaderboard
+func BenchmarkSubmitBatch(b *testing.B) {
+	ctx := context.Background()
+	tb := benchBoard(b)
+	const size = 1000
+	cmds := make([]Command, size)
+	b.ResetTimer()
+	for i := 0; i < b.N; i++ {
+		for j := range cmds {
+			cmds[j] = Command{EventID: uuid.New(), UserID: fmt.Sprintf("user-%d", (i*size+j)%10000), Delta: 1}
+		}
+		if _, err := tb.board.SubmitBatch(ctx, cmds); err != nil {
+			b.Fatal(err)
+		}
+	}
+	reportRate(b, b.N*size)
+}
+
+func reportRate(b *testing.B, commands int) {
+	b.ReportMetric(float64(commands)/b.Elapsed().Seconds(), "commands/s")
+}
