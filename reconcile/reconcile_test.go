@@ -6,9 +6,11 @@ import (
 	"fmt"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/require"
 
+	"github.com/verity-go/verity/internal/testenv"
 	"github.com/verity-go/verity/projection"
 )
 
@@ -388,4 +390,28 @@ func TestOrphanScanSkipped(t *testing.T) {
 			require.EqualValues(t, 1, rep.Counts[ClassOrphan])
 		})
 	}
+}
+
+// TestRunUncertain kills Redis after the projection was read and before the
+// repairs are sent: the repairs' fate is unknown, and the report says so for
+// every one of them instead of dropping them.
+func TestRunUncertain(t *testing.T) {
+	t.Parallel()
+	rs := testenv.StartRedis(t)
+	b := setupWith(t, projection.KindSortedSet, rs.Client(t), "uncertain:")
+	b.drift(t)
+	killed := false
+	r := b.reconciler(t, &Config{RepairTimeout: 2 * time.Second, BeforeRepair: func(context.Context, Finding) bool {
+		if !killed {
+			require.NoError(t, rs.Kill())
+			killed = true
+		}
+		return true
+	}})
+	rep, err := r.Run(context.Background(), RunOptions{})
+	require.Error(t, err)
+	require.EqualValues(t, 5, rep.Uncertain) // missing, stale, 3 corrupt
+	require.EqualValues(t, 5, rep.Results[ResultUncertain])
+	require.Zero(t, rep.Repaired)
+	require.Equal(t, rep.Drift(), rep.Repaired+rep.Skipped+rep.Uncertain)
 }
