@@ -86,31 +86,36 @@ func (r *Relay) Config() RelayConfig { return *r.cfg.WithDefaults() }
 // claimSQL leases up to $3 due rows in one statement. The MATERIALIZED CTE
 // picks and locks the rows exactly once (SKIP LOCKED: rows another relay is
 // claiming at this instant are left to it); the UPDATE stamps them with this
-// batch's token and pushes available_at to the end of the lease, which is
-// what keeps other relays away once this statement commits. The scan follows
-// the (available_at, id) partial index from its start to now(), so leased
-// and backing-off rows are never visited.
+// batch's token and sets leased_until, which keeps other relays away once
+// this statement commits. The scan follows the (available_at, id) partial
+// index up to now(), so rows backing off are never visited; rows under a
+// live lease are visited and skipped, at most relays × BatchSize of them.
+// Only unindexed columns change, so the update can be HOT. The ids are
+// matched with "= ANY(ARRAY(…))" rather than a join: with a join, the generic
+// plan that a prepared statement switches to after a few executions estimates
+// LIMIT $3 at a tenth of the table and may hash-join against a sequential
+// scan of the whole outbox; an id array always probes the primary key.
 const claimSQL = `WITH due AS MATERIALIZED (
     SELECT id FROM %[1]s
     WHERE published_at IS NULL
-      AND available_at <= now()%[2]s
+      AND available_at <= now()
+      AND (leased_until IS NULL OR leased_until <= now())%[2]s
     ORDER BY available_at, id
     LIMIT $3
     FOR UPDATE SKIP LOCKED
 )
 UPDATE %[1]s AS o
 SET claim_token = $1,
-    available_at = now() + $2 * interval '1 microsecond',
+    leased_until = now() + $2 * interval '1 microsecond',
     attempts = o.attempts + 1
-FROM due
-WHERE o.id = due.id
+WHERE o.id = ANY(ARRAY(SELECT id FROM due))
 RETURNING o.id, o.event_id, o.stream, o.key, o.version, o.payload, o.created_at, o.attempts`
 
 // The acknowledgement variants; both only touch rows still holding the
 // batch's claim token ($1).
 const (
 	ackDeleteSQL = `DELETE FROM %s WHERE id = ANY($2::bigint[]) AND claim_token = $1 RETURNING id`
-	ackKeepSQL   = `UPDATE %s SET published_at = now(), claim_token = NULL
+	ackKeepSQL   = `UPDATE %s SET published_at = now(), claim_token = NULL, leased_until = NULL
     WHERE id = ANY($2::bigint[]) AND claim_token = $1 RETURNING id`
 )
 
@@ -126,6 +131,7 @@ const settleSQL = `WITH acked AS (
 retried AS (
     UPDATE %[2]s AS o
     SET claim_token = NULL,
+        leased_until = NULL,
         last_error = f.err,
         available_at = now() + f.delay_us * interval '1 microsecond'
     FROM unnest($3::bigint[], $4::text[], $5::bigint[]) AS f(id, err, delay_us)
@@ -145,7 +151,7 @@ dead AS (
 ),
 released AS (
     UPDATE %[2]s
-    SET claim_token = NULL, available_at = now()
+    SET claim_token = NULL, leased_until = NULL
     WHERE id = ANY($8::bigint[]) AND claim_token = $1
     RETURNING id
 )

@@ -639,6 +639,7 @@ func TestRelayRun(t *testing.T) {
 		rows := b.rows(t)
 		require.Len(t, rows, 1)
 		require.Nil(t, rows[0].ClaimToken, "released")
+		require.Nil(t, rows[0].LeasedUntil, "released")
 		require.Nil(t, rows[0].LastError, "a release is not a failure")
 		require.False(t, rows[0].AvailableAt.After(time.Now().Add(time.Second)), "due again at once")
 	})

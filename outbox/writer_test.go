@@ -65,6 +65,7 @@ type outboxRow struct {
 	Payload     []byte
 	Attempts    int
 	AvailableAt time.Time
+	LeasedUntil *time.Time
 	ClaimToken  *uuid.UUID
 	LastError   *string
 	PublishedAt *time.Time
@@ -73,7 +74,7 @@ type outboxRow struct {
 func (b *testBundle) rows(t *testing.T) []outboxRow {
 	t.Helper()
 	rows, err := b.pool.Query(context.Background(), `SELECT id, event_id, stream, key, version, payload, attempts,
-		available_at, claim_token, last_error, published_at FROM `+b.writer.Table()+` ORDER BY id`)
+		available_at, leased_until, claim_token, last_error, published_at FROM `+b.writer.Table()+` ORDER BY id`)
 	require.NoError(t, err)
 	out, err := pgx.CollectRows(rows, pgx.RowToStructByPos[outboxRow])
 	require.NoError(t, err)

@@ -18,13 +18,18 @@ CREATE TABLE IF NOT EXISTS {{.Outbox}} (
     created_at   timestamptz NOT NULL DEFAULT now(),
     attempts     integer     NOT NULL DEFAULT 0,
     available_at timestamptz NOT NULL DEFAULT now(),
+    leased_until timestamptz,
     claim_token  uuid,
     last_error   text,
     published_at timestamptz
-);
+) WITH (fillfactor = 50);
 
--- Claims scan due rows in (available_at, id) order: rows that are leased or
--- backing off sort after now() and are never visited by a claim.
+-- available_at is when a row may next be attempted (insert time, or the end
+-- of a retry backoff); leased_until is when the current claim ends. Claims
+-- scan due rows in (available_at, id) order, so rows backing off are never
+-- visited, and they change only unindexed columns (claim_token, leased_until,
+-- attempts): with the free space fillfactor leaves, PostgreSQL can make the
+-- claim a HOT update that writes no index entries.
 CREATE INDEX IF NOT EXISTS {{.PendingIndex}}
     ON {{.Outbox}} (available_at, id)
     WHERE published_at IS NULL;
