@@ -1,0 +1,107 @@
+// Package leaderboard is a production leaderboard built on verity: scores
+// live in PostgreSQL, the source of truth; a Redis sorted set is a read
+// model kept honest by the transactional outbox, the projection's version
+// gate and the reconciler; and every read says how fresh it is.
+//
+// # Writing scores
+//
+// A Board is one leaderboard (a game, a season: "weekly-2026-48"); many
+// boards share the same tables and Redis prefix, keyed by name. Migrate
+// creates the tables (score_events, user_scores and the outbox); New
+// builds a Board from a pgx pool, a redis.UniversalClient and a Config.
+//
+// Submit applies a Command{EventID, UserID, Delta} and returns the user's
+// resulting Score and Version. It costs ONE database round trip: a single
+// statement whose data-modifying CTEs record the event, upsert the score,
+// append the absolute score to the outbox and notify the relays, all
+// committed together (in autocommit the statement is its own transaction).
+// There is no window in which the score changed but the outbox row is
+// missing, or the reverse.
+//
+// The event id makes Submit idempotent. Submitting it again changes nothing
+// and returns the original result with Duplicate set — also when two twins
+// race: the loser's statement fails on the event's primary key as a whole
+// and Submit answers from the winner's row. Reusing an event id for another
+// board, user or delta returns an *IdempotencyConflictError. Event ids are
+// unique across boards (the outbox needs them unique).
+//
+// SubmitBatch applies many commands in one statement for bulk imports.
+//
+// # Validation
+//
+// Every refusal writes nothing and has a typed error:
+//
+//   - EventID: a non-nil UUID (*ValidationError, Field "EventID").
+//   - UserID: non-empty, at most Config.MaxUserIDLength bytes (128 by
+//     default), valid UTF-8 and free of NUL bytes — the two things a
+//     PostgreSQL text column cannot hold. Everything else (spaces, quotes,
+//     braces, colons, newlines, emoji) is stored verbatim: SQL only sees it
+//     as a bind parameter and Redis keys never contain it (members are
+//     values; key names go through internal/keyenc).
+//   - Delta: within [Config.MinDelta, Config.MaxDelta], −1000..1000 by
+//     default.
+//   - The resulting score must stay within [MinScore, MaxScore] = ±2^53,
+//     where a Redis score (a double) is exact; this also rules out int64
+//     overflow. It is checked by CHECK constraints inside the same statement,
+//     so the check and the write are atomic (*ScoreOutOfRangeError).
+//
+// # Ordering and ties
+//
+// The ranking order is: score descending, then user id ascending by bytes.
+// Ranks are positions in that order (1-based), so tied scores get distinct
+// ranks, the lower user id first.
+//
+// Redis and PostgreSQL give exactly the same order. The sorted set stores
+// the NEGATED score, so its native ascending order (score, then member by
+// memcmp) is the ranking order and every read is a plain forward range.
+// In PostgreSQL, user_id uses the C collation, whose order is byte order —
+// never a locale collation, which would order "B", "a", "ä" differently —
+// and an index on (board, -score, user_id) serves every read. Lua scripts
+// compare members bytewise too (Lua's own string comparison uses the
+// server's locale).
+//
+// # Reading
+//
+// Top, Page, Rank and Around read the Redis projection and return Entries
+// plus a Freshness{Source, ProjectedThrough, Lag, AtLeastMet}. Page cursors
+// are opaque keyset positions (score, user id): a page starts right after
+// the previous one ended, so concurrent updates never make it repeat or
+// skip an entry that kept its place, and the same cursor works against
+// Redis and PostgreSQL.
+//
+// Lag is the age, by the database clock, of the board's oldest outbox row
+// not yet projected (zero when none is pending); ProjectedThrough is when
+// that row was written — every change committed before it is visible. The
+// probe is one indexed query, reused for Config.LagProbeInterval.
+//
+// When Lag exceeds Config.MaxLag, Config.ReadPolicy decides: ServeStale
+// answers from Redis anyway (the Freshness tells the caller), FallbackToPostgres
+// answers from PostgreSQL (also when Redis fails), FailClosed returns a
+// *StaleError. PostgreSQL answers use the same order and ranks; counting a
+// rank there costs O(rank) index entries, which is why it is a fallback.
+//
+// Read-your-writes: pass AtLeast(user, result.Version) to a read. It waits
+// up to Config.ReadYourWritesTimeout for the projection to reach that
+// version, then applies the policy.
+//
+// # Payouts
+//
+// Authoritative reads the ranking from PostgreSQL only. Use it, and never
+// a Redis read, for prizes, payouts and anything irreversible: the
+// projection can lag, lose keys or be edited until the reconciler repairs
+// it.
+//
+// # Keeping the projection honest
+//
+// Board.Worker returns a Worker — an outbox relay limited to the board's
+// stream ("leaderboard:" + name) feeding a projection.RedisProjector with
+// the board's Mapper. Delivery is at-least-once; the gate's version check
+// makes redeliveries and out-of-order deliveries harmless. Board.Reconciler
+// returns a reconcile.Reconciler over the board's rows that classifies and
+// repairs missing, stale and corrupt entries (and reports ahead and orphan
+// ones); run it on a schedule, and use its Rebuild after a Redis loss.
+//
+// The examples/failure-experiment program runs the whole story: a
+// duplicated command, a stopped worker, a hand-corrupted score and its
+// repair.
+package leaderboard
