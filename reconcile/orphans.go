@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"strings"
+	"sync"
 
 	"github.com/redis/go-redis/v9"
 
@@ -196,9 +197,16 @@ func (r *Reconciler) scanDocuments(ctx context.Context, suffix string, fn func([
 	case *redis.Client:
 		return scanNode(ctx, c)
 	case *redis.ClusterClient:
-		// Sequential per master: fn is not safe for concurrent use.
-		var masters []*redis.Client
+		// ForEachMaster calls back concurrently; collect the masters and
+		// scan them one after the other, as fn is not safe for concurrent
+		// use.
+		var (
+			mu      sync.Mutex
+			masters []*redis.Client
+		)
 		if err := c.ForEachMaster(ctx, func(_ context.Context, node *redis.Client) error {
+			mu.Lock()
+			defer mu.Unlock()
 			masters = append(masters, node)
 			return nil
 		}); err != nil {
