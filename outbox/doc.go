@@ -1,3 +1,220 @@
-// Package outbox is a transactional outbox for PostgreSQL: messages appended
-// in the caller's transaction, delivered at least once by leased relays.
+// Package outbox is a transactional outbox for PostgreSQL: projection messages
+// are written in the same transaction as the state change they describe, and
+// leased relays deliver them, at least once, to a Handler (typically the
+// projection package's Redis writer).
+//
+// The write and the delivery are decoupled on purpose. PostgreSQL is the
+// source of truth; a message that committed will be delivered even if Redis,
+// the relay or the process is down at commit time, and a transaction that
+// rolled back leaves no message behind.
+//
+// # Quick start
+//
+//	// Once, at deploy or start-up (idempotent):
+//	err := outbox.Migrate(ctx, pool, &outbox.Config{Schema: "app"})
+//
+//	// In every command handler, inside the caller's own transaction:
+//	w, _ := outbox.NewWriter(&outbox.Config{Schema: "app"})
+//	err = pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+//		cmd, err := w.RecordCommand(ctx, tx, eventID, outbox.Fingerprint(requestBytes))
+//		if err != nil || cmd.Duplicate {
+//			return err // duplicate: cmd.Result holds the first answer
+//		}
+//		score, version := ... // update the state row, bump its version
+//		return w.Append(ctx, tx, outbox.Message{
+//			EventID: eventID, Stream: "leaderboard", Key: userID,
+//			Version: version, Payload: encode(score), // absolute state
+//		})
+//	})
+//
+//	// In one or more worker processes:
+//	relay, _ := outbox.NewRelay(pool, projector, &outbox.RelayConfig{Schema: "app"})
+//	err = relay.Run(ctx) // until ctx is cancelled
+//
+// # Schema
+//
+// Migrate (or the SQL text from MigrationSQL / Migrations, for goose,
+// golang-migrate or atlas) creates, in Config.Schema:
+//
+//   - Table (default "verity_outbox"): one row per undelivered message.
+//   - Table+"_dead": messages that failed MaxAttempts times, with the error.
+//   - Table+"_idempotency": command ids with their fingerprint and result.
+//
+// Every identifier is quoted with pgx.Identifier, so schema and table names
+// may contain any characters (quotes, semicolons, spaces) without being able
+// to inject SQL. The outbox table's columns:
+//
+//	id           bigint identity primary key   assigned at insert
+//	event_id     uuid, unique                  the command's id
+//	stream       text, not empty               which projection
+//	key          text                          which entity
+//	version      bigint, > 0                   entity version of this state
+//	payload      bytea                         ABSOLUTE state, never a delta
+//	created_at   timestamptz, default now()
+//	attempts     integer, default 0            claims so far
+//	available_at timestamptz, default now()    not before (retry backoff)
+//	leased_until timestamptz, null             end of the current claim
+//	claim_token  uuid, null                    the current claim
+//	last_error   text, null                    last handler error
+//	published_at timestamptz, null             set on ack with KeepPublished
+//
+// # Composing your own INSERT
+//
+// Append is one statement for any number of messages, but a caller that
+// already writes its state change as a single statement (a CTE that updates
+// the score and returns the new version) can insert the outbox row in that
+// same statement. The INSERT names only the five message columns; every
+// other column has a default:
+//
+//	WITH s AS (
+//	    UPDATE scores SET score = score + $2, version = version + 1
+//	    WHERE user_id = $1 RETURNING user_id, score, version
+//	), o AS (
+//	    INSERT INTO <w.Table()> (event_id, stream, key, version, payload)
+//	    SELECT $3, 'leaderboard', user_id, version, <encode score> FROM s
+//	    RETURNING 1
+//	)
+//	SELECT ... FROM s, o, pg_notify($4, '')  -- $4 = w.Channel()
+//
+// Writer.Table returns the quoted, qualified table name to splice into the
+// SQL text (it is safe to concatenate: it is sanitized), and Writer.Channel
+// the NOTIFY channel to pass as a parameter. Without pg_notify the rows are
+// still delivered, at the relays' next poll. The CHECK constraints (version
+// > 0, non-empty stream) and the unique event_id hold for composed inserts
+// as for Append.
+//
+// # Lifecycle of a row
+//
+//  1. Append (or a composed INSERT) adds the row in the caller's transaction
+//     and queues a notification; both become visible on commit, neither on
+//     rollback.
+//  2. A relay claims it: one UPDATE sets claim_token, leased_until = now() +
+//     LeaseDuration and attempts + 1 for up to BatchSize due rows, chosen with
+//     FOR UPDATE SKIP LOCKED so that concurrent relays take disjoint rows. The
+//     claim commits at once; no transaction stays open.
+//  3. The relay calls the Handler with the batch. Its context expires with
+//     the lease.
+//  4. One statement settles the batch, each part guarded by "claim_token =
+//     this batch's token": successes are deleted (or marked published_at with
+//     KeepPublished); failures get last_error and available_at = now() + an
+//     exponential, jittered backoff; a failure on the MaxAttempts-th attempt
+//     moves the row to the dead-letter table instead.
+//  5. Dead letters stay until ReplayDead moves them back (attempts reset,
+//     same id), typically after the cause is fixed.
+//
+// If the relay dies during step 3 or 4 the lease simply runs out and any
+// relay claims the row again (attempts + 1). If the Handler outlives its lease
+// and another relay re-claims the row, the first relay's settle statement no
+// longer matches the token: it changes nothing for that row and reports a
+// *LeaseLostError (ErrLeaseLost). A relay whose lease expired but whose rows
+// nobody re-claimed still settles them: the token is still its own.
+//
+// # Delivery guarantees
+//
+// Delivery is at-least-once. A row can reach a Handler twice: after a lease
+// expiry, after a failed settle statement, or when a batch is retried because
+// some of its records failed. Rows are claimed in (available_at, id) order,
+// but two rows of one entity can be handled out of order (a retried row comes
+// back after newer ones; different relays run batches in parallel). This is
+// why a Message carries the absolute state and a version: the receiving side
+// must be idempotent and discard versions older than the one it holds (the
+// projection package's version gate does exactly that). The outbox never
+// merges, drops or invents messages.
+//
+// # Why per-row leases
+//
+// Three designs were considered:
+//
+//   - Claim inside a transaction held open while the handler runs (SELECT …
+//     FOR UPDATE SKIP LOCKED, handle, DELETE, COMMIT). Simplest, but every
+//     in-flight batch pins a connection and an open transaction (holding back
+//     vacuum) for as long as Redis takes, and a hung handler holds its rows
+//     until the connection dies.
+//   - Leases on partitions of the key space: each relay owns some partitions
+//     and reads and deletes their rows without writing a claim. It keeps
+//     per-key order and saves the claim write, but needs a membership and
+//     rebalancing protocol, caps parallelism at the partition count, and one
+//     slow or failing key stalls its whole partition.
+//   - Per-row leases (this package): one claim statement, no transaction
+//     during handling, any number of relays without coordination, failures
+//     isolated to their rows.
+//
+// Measured on the development machine (PostgreSQL 15, 2 cores shared with
+// other jobs, load average 8-14, so figures vary by ±30%; no-op handler, one
+// relay draining 20,000 pending rows; go test -run '^$' -bench Relay
+// -benchtime 20000x ./outbox/): per-row leases delivered 8,000-11,000 rows/s
+// with BatchSize 100 and about 1,700 rows/s with BatchSize 10; the hot path
+// of the partition design (select by partition, delete by id; ownership,
+// lease renewal and the ownership check on delete not simulated, which
+// flatters it) about 23,000 and 4,400 rows/s. The per-row claim write is thus
+// roughly two thirds of the relay's database time. We keep per-row leases
+// anyway: several thousand rows per second per relay, with relays adding up,
+// is far above what one projection needs, the failure isolation and
+// coordination-free scaling remove whole classes of operational bugs, and
+// the Handler contract would not change if a partitioned claimer were added
+// later for extreme volumes.
+//
+// Two details keep the claim cheap. It changes only unindexed columns
+// (claim_token, leased_until, attempts), and the table is created with
+// fillfactor 50, so PostgreSQL can usually perform it as a HOT update that
+// writes no index entries; the backoff schedule lives in a separate, indexed
+// column (available_at), written only on failure. And it matches the chosen
+// ids with "= ANY(ARRAY(…))": a join would let the generic plan of the
+// prepared statement degrade into a sequential scan of the whole table.
+//
+// # Waking relays
+//
+// Append calls pg_notify in the same statement; PostgreSQL delivers the
+// notification only when the transaction commits. Each running Relay keeps a
+// dedicated connection (opened from the pool's configuration, not taken from
+// the pool) in LISTEN on a channel derived from Schema and Table
+// (Writer.Channel), claims as soon as it is notified, and reconnects with a
+// growing pause if that connection fails. Notifications are an optimisation:
+// a relay also polls every PollInterval, which picks up rows whose backoff or
+// lease ran out and covers any lost notification. After a full batch it
+// claims again at once. Behind a transaction-pooling proxy, set DisableNotify
+// and rely on polling.
+//
+// # Idempotent commands
+//
+// RecordCommand stores the command's event id and fingerprint in the
+// caller's transaction. The primary key makes concurrent twins wait for each
+// other: the second sees the first's outcome once it commits (Duplicate,
+// with the stored result) or records the command itself if the first rolled
+// back. The same id with a different fingerprint is a client bug and returns
+// *IdempotencyConflictError without writing anything. PruneCommands removes
+// old records.
+//
+// # Monitoring
+//
+// Relay.Stats returns Pending, InFlight, Retrying, OldestPendingAge and
+// DeadLetters in one statement. OldestPendingAge is an O(1) probe of a partial
+// index and is the figure to alert on. The three backlog counts are exact and
+// cost one pass over the pending rows, O(pending); DeadLetters costs O(dead
+// letters). Measured (same machine, go test -run '^$' -bench Stats
+// -benchtime 1000000x ./outbox/): 0.56 s per call with 1,000,000 pending
+// rows. Poll Stats every few seconds, not per request.
+//
+// # Shutdown and cancellation
+//
+// Run returns after its context is cancelled: it claims nothing more, waits
+// up to ShutdownTimeout for the in-flight batch and settles it; past the
+// timeout it cancels the Handler's context and releases the rows the Handler
+// did not complete, for immediate re-delivery by another relay (a release is
+// not a failure and sets no backoff). Run waits for its own goroutines (the
+// listener) before returning. Every database call honours its context.
+//
+// # database/sql
+//
+// Writer methods take the narrow Tx interface, which pgx.Tx satisfies. SQLTx
+// adapts a *sql.Tx opened with the pgx stdlib driver
+// (github.com/jackc/pgx/v5/stdlib).
+//
+// # Errors
+//
+// Bad input and bad configuration get typed errors (*MessageError,
+// *ConfigError) before anything is written. Sentinels for errors.Is are
+// listed in one var block: ErrInvalidConfig, ErrInvalidMessage,
+// ErrEventIDExists, ErrIdempotencyConflict, ErrCommandNotRecorded,
+// ErrLeaseLost, ErrHandlerContract, ErrRelayRunning, ErrNotMigrated.
 package outbox
