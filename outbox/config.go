@@ -95,6 +95,7 @@ type names struct {
 	Idempotency             string // quoted schema.table_idempotency
 	PendingIndex            string // quoted index name (unqualified: indexes live in the table's schema)
 	CreatedIndex            string
+	DeadEventIndex          string
 	IdempotencyCreatedIndex string
 	// Channel is the NOTIFY channel, unquoted: it is passed to pg_notify as
 	// a bind parameter and quoted when used in LISTEN.
@@ -110,6 +111,7 @@ func newNames(schema, table string) names {
 		Idempotency:             qualified(table + "_idempotency"),
 		PendingIndex:            pgx.Identifier{table + "_pending_idx"}.Sanitize(),
 		CreatedIndex:            pgx.Identifier{table + "_created_idx"}.Sanitize(),
+		DeadEventIndex:          pgx.Identifier{table + "_dead_event_idx"}.Sanitize(),
 		IdempotencyCreatedIndex: pgx.Identifier{table + "_idempotency_created_idx"}.Sanitize(),
 		Channel:                 channelName(schema, table),
 	}

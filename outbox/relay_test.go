@@ -467,7 +467,7 @@ func TestRelayRetries(t *testing.T) {
 		require.Greater(t, len(draws), 1)
 	})
 
-	t.Run("ReplayConflictMovesNothing", func(t *testing.T) {
+	t.Run("SameEventDiesTwice", func(t *testing.T) {
 		t.Parallel()
 		b := setup(t)
 		msg := newMessage("s", "k", 1)
@@ -483,6 +483,24 @@ func TestRelayRetries(t *testing.T) {
 		require.NoError(t, err)
 		require.EqualValues(t, 1, stats.DeadLetters)
 		require.EqualValues(t, 1, stats.Pending)
+
+		// The second row dies as well: burying it must not fail, and a
+		// good row in the same batch is still acknowledged.
+		good := newMessage("s", "good", 1)
+		b.appendCommitted(t, good)
+		r2 := b.relay(t, nil, &recorder{fail: func(rec outbox.Record) error {
+			if rec.EventID == msg.EventID {
+				return errors.New("still no")
+			}
+			return nil
+		}}, outbox.RelayConfig{MaxAttempts: 1})
+		n, err := r2.RunOnce(ctx)
+		require.NoError(t, err)
+		require.Equal(t, 2, n)
+		stats, err = r.Stats(ctx)
+		require.NoError(t, err)
+		require.EqualValues(t, 2, stats.DeadLetters)
+		require.Zero(t, stats.Pending)
 	})
 }
 

@@ -42,9 +42,12 @@ CREATE INDEX IF NOT EXISTS {{.CreatedIndex}}
 
 -- Messages that failed MaxAttempts times, with the last error. id is the
 -- original outbox id, kept so that a replay restores the row as it was.
+-- event_id is not unique here: an event appended again after its first row
+-- died may die too, and burying it must never fail (that would block the
+-- relay's whole batch).
 CREATE TABLE IF NOT EXISTS {{.Dead}} (
     id         bigint      PRIMARY KEY,
-    event_id   uuid        NOT NULL UNIQUE,
+    event_id   uuid        NOT NULL,
     stream     text        NOT NULL,
     key        text        NOT NULL,
     version    bigint      NOT NULL,
@@ -54,6 +57,9 @@ CREATE TABLE IF NOT EXISTS {{.Dead}} (
     last_error text        NOT NULL,
     failed_at  timestamptz NOT NULL DEFAULT now()
 );
+
+CREATE INDEX IF NOT EXISTS {{.DeadEventIndex}}
+    ON {{.Dead}} (event_id);
 
 -- Commands already executed, keyed by their event id, with a fingerprint of
 -- the command and, optionally, the result returned the first time.
