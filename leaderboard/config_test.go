@@ -1,0 +1,111 @@
+package leaderboard
+
+import (
+	"context"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
+	"github.com/stretchr/testify/require"
+
+	"github.com/verity-go/verity/internal/testenv"
+	"github.com/verity-go/verity/outbox"
+)
+
+func TestConfig(t *testing.T) {
+	t.Parallel()
+
+	t.Run("Defaults", func(t *testing.T) {
+		t.Parallel()
+		c := (&Config{Name: "b"}).WithDefaults()
+		require.Equal(t, SchemaDefault, c.Schema)
+		require.Equal(t, OutboxTableDefault, c.OutboxTable)
+		require.Equal(t, MinDeltaDefault, c.MinDelta)
+		require.Equal(t, MaxDeltaDefault, c.MaxDelta)
+		require.Equal(t, MaxUserIDLengthDefault, c.MaxUserIDLength)
+		require.Equal(t, ReadPolicyDefault, c.ReadPolicy)
+		require.Equal(t, MaxLagDefault, c.MaxLag)
+		require.Equal(t, ReadYourWritesTimeoutDefault, c.ReadYourWritesTimeout)
+		require.Equal(t, LagProbeIntervalDefault, c.LagProbeInterval)
+		require.Equal(t, KeyPrefixDefault, c.KeyPrefix)
+		require.NotNil(t, c.Logger)
+		require.NoError(t, c.validate())
+
+		// Delta bounds are a pair: one non-zero bound keeps the other.
+		c = (&Config{Name: "b", MaxDelta: 50}).WithDefaults()
+		require.Equal(t, int64(0), c.MinDelta)
+		require.Equal(t, int64(50), c.MaxDelta)
+	})
+
+	t.Run("Invalid", func(t *testing.T) {
+		t.Parallel()
+		for _, tc := range []struct {
+			name  string
+			cfg   Config
+			field string
+		}{
+			{"NoName", Config{}, "Config.Name"},
+			{"LongName", Config{Name: strings.Repeat("n", MaxNameLength+1)}, "Config.Name"},
+			{"NULName", Config{Name: "a\x00"}, "Config.Name"},
+			{"SwappedDeltas", Config{Name: "b", MinDelta: 5, MaxDelta: -5}, "Config.MinDelta"},
+			{"HugeDelta", Config{Name: "b", MaxDelta: MaxScore + 1}, "Config.MaxDelta"},
+			{"UserIDLength", Config{Name: "b", MaxUserIDLength: MaxUserIDLengthLimit + 1}, "Config.MaxUserIDLength"},
+			{"Policy", Config{Name: "b", ReadPolicy: 9}, "Config.ReadPolicy"},
+			{"NegativeLag", Config{Name: "b", MaxLag: -time.Second}, "Config.MaxLag"},
+			{"BracePrefix", Config{Name: "b", KeyPrefix: "a{b}"}, "Config.KeyPrefix"},
+		} {
+			t.Run(tc.name, func(t *testing.T) {
+				err := tc.cfg.WithDefaults().validate()
+				require.Error(t, err)
+				require.Contains(t, err.Error(), tc.field)
+			})
+		}
+	})
+
+	t.Run("NewRefusesBadInput", func(t *testing.T) {
+		t.Parallel()
+		pg := testenv.Postgres(t)
+		rd := testenv.Redis(t)
+		_, err := New(nil, rd.Client, &Config{Name: "b"})
+		require.Error(t, err)
+		_, err = New(pg.Pool, nil, &Config{Name: "b"})
+		require.Error(t, err)
+		_, err = New(pg.Pool, rd.Client, nil)
+		require.Error(t, err)
+		_, err = New(pg.Pool, rd.Client, &Config{})
+		require.ErrorContains(t, err, "Config.Name")
+	})
+
+	t.Run("MigrateIsIdempotentAndQuotesNames", func(t *testing.T) {
+		t.Parallel()
+		pg := testenv.Postgres(t)
+		rd := testenv.Redis(t)
+		ctx := context.Background()
+		// A hostile schema name is used verbatim, never as SQL.
+		cfg := &Config{Name: "b", Schema: pg.Schema + `"; DROP TABLE x; --`, KeyPrefix: rd.Prefix}
+		t.Cleanup(func() {
+			_, _ = pg.Pool.Exec(context.Background(), "DROP SCHEMA IF EXISTS "+pgx.Identifier{cfg.Schema}.Sanitize()+" CASCADE")
+		})
+		for i := 0; i < 2; i++ {
+			require.NoError(t, Migrate(ctx, pg.Pool, cfg))
+		}
+		board, err := New(pg.Pool, rd.Client, cfg)
+		require.NoError(t, err)
+		res, err := board.Submit(ctx, Command{EventID: uuid.New(), UserID: "u", Delta: 3})
+		require.NoError(t, err)
+		require.Equal(t, int64(3), res.Score)
+		require.Contains(t, MigrationSQL(cfg), `CREATE TABLE IF NOT EXISTS "`)
+		var n int
+		require.NoError(t, pg.Pool.QueryRow(ctx, "SELECT count(*) FROM "+qualify(cfg.Schema, outbox.TableDefault)).Scan(&n))
+		require.Equal(t, 1, n)
+	})
+
+	t.Run("WorkerRefusesOutboxLocation", func(t *testing.T) {
+		t.Parallel()
+		tb := setup(t)
+		_, err := tb.board.Worker(&WorkerConfig{Relay: &outbox.RelayConfig{Table: "other"}})
+		require.Error(t, err)
+	})
+}

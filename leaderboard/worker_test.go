@@ -1,0 +1,166 @@
+package leaderboard
+
+import (
+	"context"
+	"fmt"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/redis/go-redis/v9"
+	"github.com/stretchr/testify/require"
+
+	"github.com/verity-go/verity/outbox"
+	"github.com/verity-go/verity/projection"
+	"github.com/verity-go/verity/reconcile"
+)
+
+func TestWorker(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+
+	t.Run("RunProjectsLive", func(t *testing.T) {
+		t.Parallel()
+		tb := setup(t, func(c *Config) {
+			c.ReadPolicy = FailClosed
+			c.ReadYourWritesTimeout = 10 * time.Second
+		})
+		worker, err := tb.board.Worker(&WorkerConfig{Relay: &outbox.RelayConfig{PollInterval: time.Minute}})
+		require.NoError(t, err)
+		runCtx, stop := context.WithCancel(ctx)
+		done := make(chan error, 1)
+		go func() { done <- worker.Run(runCtx) }()
+
+		// With a one-minute poll, only the NOTIFY sent by Submit's
+		// statement can wake the worker in time.
+		res := tb.submit(t, "user-a", 10)
+		e, fr, err := tb.board.Rank(ctx, "user-a", AtLeast("user-a", res.Version))
+		require.NoError(t, err)
+		require.Equal(t, SourceRedis, fr.Source)
+		require.Equal(t, int64(10), e.Score)
+		stop()
+		require.NoError(t, <-done)
+	})
+
+	t.Run("RedeliveryAndReorderingAreHarmless", func(t *testing.T) {
+		t.Parallel()
+		tb := setup(t)
+		tb.submit(t, "user-a", 10)
+		tb.submit(t, "user-a", 7)
+		tb.drain(t)
+		worker, err := tb.board.Worker(nil)
+		require.NoError(t, err)
+		record := func(version int64, score string) outbox.Record {
+			return outbox.Record{Message: outbox.Message{EventID: uuid.New(), Stream: tb.board.Stream(), Key: "user-a", Version: version, Payload: []byte(score)}}
+		}
+		outcomes, err := worker.Projector().Project(ctx, []outbox.Record{record(2, "17"), record(1, "10")})
+		require.NoError(t, err)
+		require.Equal(t, []projection.Outcome{projection.OutcomeDuplicate, projection.OutcomeStale}, outcomes)
+		score, err := tb.rd.Client.ZScore(ctx, tb.board.SortedSetKey(), "user-a").Result()
+		require.NoError(t, err)
+		require.Equal(t, float64(-17), score) // negated: ascending order is the ranking
+
+		// A record of another stream is refused, not projected.
+		_, err = tb.board.Mapper().Map(outbox.Record{Message: outbox.Message{Stream: "leaderboard:other", Key: "x", Version: 1, Payload: []byte("1")}})
+		require.Error(t, err)
+	})
+}
+
+func TestReconciler(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	tb := setup(t)
+	for i, u := range []string{"ada", "bob", "cy", "dee"} {
+		tb.submit(t, u, int64(10*(i+1)))
+	}
+	tb.submit(t, "bob", 1)
+	tb.drain(t)
+	key := tb.board.SortedSetKey()
+	verKey := tb.board.Keyspace().VersionKey(tb.board.target(""))
+
+	// Lose one entry, hand-edit one score, roll one version back.
+	require.NoError(t, tb.rd.Client.ZRem(ctx, key, "ada").Err())
+	require.NoError(t, tb.rd.Client.HDel(ctx, verKey, "ada").Err())
+	require.NoError(t, tb.rd.Client.ZAdd(ctx, key, redis.Z{Score: -999, Member: "cy"}).Err())
+	require.NoError(t, tb.rd.Client.HSet(ctx, verKey, "bob", "1").Err())
+
+	rec, err := tb.board.Reconciler(nil)
+	require.NoError(t, err)
+	report, err := rec.Run(ctx, reconcile.RunOptions{})
+	require.NoError(t, err)
+	require.Equal(t, int64(4), report.Checked)
+	require.Equal(t, int64(1), report.Counts[reconcile.ClassMissing])
+	require.Equal(t, int64(1), report.Counts[reconcile.ClassCorrupt])
+	require.Equal(t, int64(1), report.Counts[reconcile.ClassStale])
+	require.Equal(t, int64(1), report.Counts[reconcile.ClassCurrent])
+	require.Equal(t, int64(3), report.Repaired)
+
+	fromRedis, err := tb.board.redisPage(ctx, nil, MaxPageSize)
+	require.NoError(t, err)
+	fromPG, err := tb.board.Authoritative(ctx, MaxPageSize)
+	require.NoError(t, err)
+	require.Equal(t, fromPG, fromRedis)
+
+	sample, err := rec.Run(ctx, reconcile.RunOptions{Sample: 2})
+	require.NoError(t, err)
+	require.Equal(t, int64(2), sample.Checked)
+	require.Equal(t, int64(2), sample.Counts[reconcile.ClassCurrent])
+}
+
+func TestPageStableUnderConcurrentUpdates(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	tb := setup(t)
+	var cmds []Command
+	for i := 0; i < 60; i++ {
+		cmds = append(cmds, Command{EventID: uuid.New(), UserID: fmt.Sprintf("stable-%02d", i), Delta: int64(i % 7 * 100)})
+		cmds = append(cmds, Command{EventID: uuid.New(), UserID: fmt.Sprintf("busy-%02d", i), Delta: int64(i % 5 * 100)})
+	}
+	_, err := tb.board.SubmitBatch(ctx, cmds)
+	require.NoError(t, err)
+	tb.drain(t)
+
+	worker, err := tb.board.Worker(nil)
+	require.NoError(t, err)
+	runCtx, stop := context.WithCancel(ctx)
+	var wg sync.WaitGroup
+	wg.Add(2)
+	go func() { defer wg.Done(); _ = worker.Run(runCtx) }()
+	go func() {
+		defer wg.Done()
+		for i := 0; runCtx.Err() == nil; i++ {
+			_, _ = tb.board.Submit(runCtx, Command{EventID: uuid.New(), UserID: fmt.Sprintf("busy-%02d", i%60), Delta: int64(i%21 - 10)})
+		}
+	}()
+	defer func() { stop(); wg.Wait() }()
+
+	for _, opts := range [][]ReadOption{{WithPolicy(ServeStale)}, {WithPolicy(FallbackToPostgres), forcePostgres()}} {
+		for walk := 0; walk < 3; walk++ {
+			seen := map[string]int{}
+			var prev *Entry
+			cur := ""
+			for {
+				r, err := tb.board.Page(ctx, cur, 7, opts...)
+				require.NoError(t, err)
+				for i := range r.Entries {
+					e := r.Entries[i]
+					seen[e.UserID]++
+					if prev != nil {
+						// Strictly increasing in ranking order across pages.
+						require.True(t, e.Score < prev.Score || e.Score == prev.Score && e.UserID > prev.UserID,
+							"%v after %v", e, *prev)
+					}
+					prev = &e
+				}
+				if r.Next == "" {
+					break
+				}
+				cur = r.Next
+			}
+			for i := 0; i < 60; i++ {
+				require.Equal(t, 1, seen[fmt.Sprintf("stable-%02d", i)], "stable user seen once")
+			}
+		}
+	}
+}
