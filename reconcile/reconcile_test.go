@@ -477,3 +477,33 @@ func TestRepairRaceConcurrent(t *testing.T) {
 		})
 	}
 }
+
+// rowsSource is a Source over fixed rows, for rows SQLSource would refuse.
+type rowsSource struct{ rows []Row }
+
+func (s rowsSource) Page(_ context.Context, after Cursor, limit int) ([]Row, error) {
+	if _, ok := after.Key(); ok {
+		return nil, nil
+	}
+	return s.rows[:min(limit, len(s.rows))], nil
+}
+func (s rowsSource) Sample(ctx context.Context, n int) ([]Row, error) {
+	return s.Page(ctx, Cursor{}, n)
+}
+func (s rowsSource) Lookup(context.Context, []string) ([]Row, error) { return s.rows, nil }
+
+func TestRunInvalidRowsFromAnySource(t *testing.T) {
+	t.Parallel()
+	b := setup(t, projection.KindSortedSet)
+	for name, row := range map[string]Row{
+		"ZeroVersion": {Key: "a", Version: 0},
+		"HugeScore":   {Key: "a", Version: 1, Value: projection.Value{Score: projection.MaxScore + 1}},
+	} {
+		r, err := New(rowsSource{rows: []Row{{Key: "ok", Version: 1}, row}}, b.target, nil)
+		require.NoError(t, err)
+		rep, err := r.Run(context.Background(), RunOptions{})
+		require.ErrorIs(t, err, ErrInvalidRow, name)
+		require.Zero(t, rep.Checked, name)
+		require.Equal(t, Projected{}, b.state(t, r, "ok"), "nothing written")
+	}
+}

@@ -217,6 +217,9 @@ func (r *Reconciler) checkRows(ctx context.Context, opts RunOptions, rows []Row,
 	}
 	keys := make([]string, len(rows))
 	for i := range rows {
+		if err := r.validateRow(&rows[i]); err != nil {
+			return err
+		}
 		keys[i] = rows[i].Key
 	}
 	projected, err := r.read(ctx, keys)
@@ -238,6 +241,18 @@ func (r *Reconciler) checkRows(ctx context.Context, opts RunOptions, rows []Row,
 		rep.tally.add(&findings[i])
 	}
 	return err
+}
+
+// validateRow refuses, before anything is read or written, a row from any
+// Source that the projection could not hold.
+func (r *Reconciler) validateRow(row *Row) error {
+	if row.Version <= 0 {
+		return &InvalidRowError{Key: row.Key, Reason: fmt.Sprintf("version %d is not positive", row.Version)}
+	}
+	if r.target.Kind == projection.KindSortedSet && (row.Value.Score < projection.MinScore || row.Value.Score > projection.MaxScore) {
+		return &InvalidRowError{Key: row.Key, Reason: fmt.Sprintf("score %d outside ±2^53", row.Value.Score)}
+	}
+	return nil
 }
 
 // settle applies the policy and hooks to findings, sends the repairs, and

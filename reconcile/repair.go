@@ -30,6 +30,11 @@ func (r *Reconciler) gateRepair(ctx context.Context, fs []*Finding) error {
 		writes[i] = projection.Write{Target: r.target.target(f.Key), Version: f.Source.Version, Value: f.Source.Value}
 	}
 	outcomes, err := r.gate.Apply(ctx, writes)
+	if errors.Is(err, projection.ErrInvalidVersion) || errors.Is(err, projection.ErrScoreOutOfRange) || errors.Is(err, projection.ErrInvalidTarget) {
+		// Refused before anything was sent; the findings stay
+		// ResultNotAttempted.
+		return fmt.Errorf("reconcile: repairing %d entries through the gate: %w", len(fs), err)
+	}
 	if err != nil && (outcomes == nil || !errors.Is(err, projection.ErrCorruptVersion)) {
 		for _, f := range fs {
 			f.Result = ResultUncertain
