@@ -93,6 +93,15 @@
 // rest are applied. A Redis error inside a script (WRONGTYPE when a key
 // holds another type) fails the batch the same way.
 //
+// When a Cluster master dies, batches touching its slots fail until a
+// replica is promoted; the gate then makes the client reload its slot map,
+// so the relay's next retry reaches the new master (whose empty script
+// cache the NOSCRIPT fallback fills). Redis replication is asynchronous, so
+// a failover can lose writes the old master had already acknowledged — and
+// the relay has already acknowledged their records. The gate cannot see
+// that loss; the projection is behind (never wrong in the other direction)
+// until the next write of that target or a reconciliation run repairs it.
+//
 // # Rebuilds
 //
 // A full rebuild (reconcile.Rebuild) fills shadow keys from the source and

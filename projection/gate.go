@@ -44,9 +44,18 @@ type Gate struct {
 	// groupKey decides which writes may share one script call: their keys
 	// must live on one node (and, on Cluster, in one slot).
 	groupKey func(tag string) string
+	// reloadTopology, set for Cluster clients, refreshes the slot map after
+	// a failed call (see eval).
+	reloadTopology func(ctx context.Context)
 }
 
 // NewGate returns a Gate writing through client into the keys named by ks.
+//
+// On a *redis.ClusterClient a failed call also asks the client to reload
+// the slot map: go-redis reloads it on MOVED/ASK but not when the master it
+// knows has died, so without this the relay's retries would keep dialling
+// the dead master until the client's periodic reload (60s by default)
+// instead of reaching the replica that replaced it.
 //
 // client may be a single-node or Sentinel *redis.Client (one script call per
 // batch), a *redis.ClusterClient (one per slot touched) or a *redis.Ring
@@ -55,13 +64,16 @@ type Gate struct {
 // that routes by hash tag.
 func NewGate(client redis.UniversalClient, ks Keyspace) *Gate {
 	g := &Gate{client: client, ks: ks, script: redis.NewScript(gateSource)}
-	switch client.(type) {
+	switch c := client.(type) {
 	case *redis.Client:
 		g.groupKey = func(string) string { return "" }
 	case *redis.Ring:
 		g.groupKey = func(tag string) string { return tag }
 	default:
 		g.groupKey = func(tag string) string { return strconv.Itoa(KeySlot(tag)) }
+		if cc, ok := c.(*redis.ClusterClient); ok {
+			g.reloadTopology = cc.ReloadState
+		}
 	}
 	return g
 }
@@ -254,7 +266,7 @@ func (g *Gate) eval(ctx context.Context, groups []*slotGroup) ([][]int64, error)
 	if len(groups) == 1 {
 		codes, err := g.script.Run(ctx, g.client, groups[0].keys, groups[0].args...).Int64Slice()
 		if err != nil {
-			return nil, fmt.Errorf("projection: gate script: %w", err)
+			return nil, g.failed(ctx, err)
 		}
 		replies[0] = codes
 		return replies, nil
@@ -281,9 +293,19 @@ func (g *Gate) eval(ctx context.Context, groups []*slotGroup) ([][]int64, error)
 	for i, cmd := range cmds {
 		codes, err := cmd.Int64Slice()
 		if err != nil {
-			return nil, fmt.Errorf("projection: gate script: %w", err)
+			return nil, g.failed(ctx, err)
 		}
 		replies[i] = codes
 	}
 	return replies, nil
+}
+
+// failed wraps a script call's error and, on Cluster, schedules a slot-map
+// reload (asynchronous and de-duplicated by go-redis, so cheap) unless the
+// caller gave up.
+func (g *Gate) failed(ctx context.Context, err error) error {
+	if g.reloadTopology != nil && ctx.Err() == nil {
+		g.reloadTopology(ctx)
+	}
+	return fmt.Errorf("projection: gate script: %w", err)
 }

@@ -22,6 +22,22 @@ var backends = []backend{
 		rd := testenv.Redis(t)
 		return rd.Client, rd.Prefix
 	}},
+	// A Ring of two shards (both on the test server, so the test can read
+	// back through any client): exercises grouping by hash tag and
+	// pipelines split across shards.
+	{name: "Ring", connect: func(t *testing.T) (redis.UniversalClient, string) {
+		rd := testenv.Redis(t)
+		opt, err := redis.ParseURL(rd.URL)
+		require.NoError(t, err)
+		ring := redis.NewRing(&redis.RingOptions{
+			Addrs:    map[string]string{"shard-a": opt.Addr, "shard-b": opt.Addr},
+			DB:       opt.DB,
+			Username: opt.Username,
+			Password: opt.Password,
+		})
+		t.Cleanup(func() { _ = ring.Close() })
+		return ring, rd.Prefix
+	}},
 	{name: "Cluster", connect: func(t *testing.T) (redis.UniversalClient, string) {
 		c := testenv.SharedRedisCluster(t)
 		return c.Client(t), c.Prefix(t)
