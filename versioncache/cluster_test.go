@@ -81,11 +81,13 @@ func TestCluster(t *testing.T) {
 			caches[i] = c
 		}
 		src := newTruth()
+		var total int64
 		for range 3 {
 			loads := missStorm(t, caches, src, "hot{x}", 8, 10*time.Millisecond)
 			require.GreaterOrEqual(t, loads, int64(1))
-			require.LessOrEqual(t, loads, int64(2))
+			total += loads
 		}
+		require.LessOrEqual(t, total, int64(2*3), "about one load per storm")
 	})
 
 	t.Run("InvalidateReplicasConfirmed", func(t *testing.T) {

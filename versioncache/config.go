@@ -32,7 +32,9 @@ type FailureMode int
 
 const (
 	// FailOpen serves the loader's value, straight from the source of truth,
-	// and does not cache it. Availability follows the database.
+	// and does not cache it. Availability follows the database. Each Get
+	// still waits for the Redis client to give up first, so keep its
+	// DialTimeout, ReadTimeout and MaxRetries short.
 	FailOpen FailureMode = iota
 	// FailClosed returns a *RedisError instead, protecting the database from
 	// the full read load when the cache is down.

@@ -29,6 +29,11 @@ type productCache interface {
 	Peek(ctx context.Context, id string) (product, bool, error)
 }
 
+var (
+	_ productCache = (*naiveCache)(nil)
+	_ productCache = (*versionedCache)(nil)
+)
+
 // naiveCache is the seed's "standard advice": read-through on a miss, delete
 // on write. It narrows the stale-set race without closing it.
 type naiveCache struct {
