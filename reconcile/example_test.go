@@ -25,12 +25,14 @@ func Example() {
 	defer cleanup()
 	pool, err := pgxpool.New(ctx, pgURL)
 	if err != nil {
-		panic(err)
+		fmt.Println(err)
+		return
 	}
 	defer pool.Close()
 	opt, err := redis.ParseURL(redisURL)
 	if err != nil {
-		panic(err)
+		fmt.Println(err)
+		return
 	}
 	client := redis.NewClient(opt)
 	defer client.Close()
@@ -40,7 +42,8 @@ func Example() {
 		CREATE TABLE user_scores (user_id text PRIMARY KEY, score bigint NOT NULL, version bigint NOT NULL);
 		INSERT INTO user_scores VALUES ('user-a', 17, 2), ('user-b', 25, 1)`)
 	if err != nil {
-		panic(err)
+		fmt.Println(err)
+		return
 	}
 
 	// The projection, as the outbox relay and the gate left it...
@@ -54,7 +57,8 @@ func Example() {
 		{Target: board("user-b"), Version: 1, Value: projection.Value{Score: 25}},
 	})
 	if err != nil {
-		panic(err)
+		fmt.Println(err)
+		return
 	}
 	leaderboard := ks.ValueKey(board(""))
 	defer client.Del(ctx, leaderboard, ks.VersionKey(board("")))
@@ -66,17 +70,20 @@ func Example() {
 		Kind: projection.KindSortedSet,
 	})
 	if err != nil {
-		panic(err)
+		fmt.Println(err)
+		return
 	}
 	r, err := reconcile.New(source, reconcile.Target{
 		Client: client, Keyspace: ks, Kind: projection.KindSortedSet, Name: "weekly",
 	}, nil)
 	if err != nil {
-		panic(err)
+		fmt.Println(err)
+		return
 	}
 	report, err := r.Run(ctx, reconcile.RunOptions{})
 	if err != nil {
-		panic(err)
+		fmt.Println(err)
+		return
 	}
 	fmt.Printf("checked %d: %d current, %d corrupt; repaired %d\n",
 		report.Checked, report.Counts[reconcile.ClassCurrent], report.Counts[reconcile.ClassCorrupt], report.Repaired)
