@@ -23,10 +23,13 @@ var (
 	fillLua string
 	//go:embed lua/bump.lua
 	bumpLua string
+	//go:embed lua/release.lua
+	releaseLua string
 
-	readScript = redis.NewScript(readLua)
-	fillScript = redis.NewScript(fillLua)
-	bumpScript = redis.NewScript(bumpLua)
+	readScript    = redis.NewScript(readLua)
+	fillScript    = redis.NewScript(fillLua)
+	bumpScript    = redis.NewScript(bumpLua)
+	releaseScript = redis.NewScript(releaseLua)
 )
 
 // Key suffixes after the P{id} part. Every key of one id shares the hash tag
@@ -159,10 +162,12 @@ func (c *Cache[T]) loadAndFill(ctx context.Context, id string, r readResult, loa
 	c.stats.loads.Add(1)
 	val, err := load(ctx)
 	if err != nil {
+		c.releaseLease(ctx, id, r)
 		return zero, &LoadError{ID: id, Err: err}
 	}
 	data, err := c.config.Codec.Marshal(val)
 	if err != nil {
+		c.releaseLease(ctx, id, r)
 		return zero, &CodecError{ID: id, Err: err}
 	}
 	token := ""
@@ -184,6 +189,20 @@ func (c *Cache[T]) loadAndFill(ctx context.Context, id string, r readResult, loa
 		c.stats.staleFillsSkipped.Add(1)
 	}
 	return val, nil
+}
+
+// releaseLease gives up this process's lease after a failed load, even when
+// ctx is what failed, so other processes need not wait FillLeaseTTL.
+func (c *Cache[T]) releaseLease(ctx context.Context, id string, r readResult) {
+	if r.lease != leaseHeldByUs {
+		return
+	}
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Second)
+	defer cancel()
+	if err := releaseScript.Run(ctx, c.client, []string{c.leaseKey(id, r.version)}, c.leaseToken).Err(); err != nil {
+		c.config.Logger.WarnContext(ctx, "versioncache: releasing fill lease failed",
+			slog.String("id", id), slog.String("error", err.Error()))
+	}
 }
 
 // waitForPeer polls for the value another process is filling under r.version.

@@ -1,0 +1,163 @@
+package versioncache
+
+import (
+	"bytes"
+	"context"
+	"encoding/gob"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/verity-go/verity/internal/testenv"
+)
+
+// gobCodec shows that the Codec is pluggable.
+type gobCodec struct{}
+
+func (gobCodec) Marshal(v any) ([]byte, error) {
+	var buf bytes.Buffer
+	err := gob.NewEncoder(&buf).Encode(v)
+	return buf.Bytes(), err
+}
+
+func (gobCodec) Unmarshal(data []byte, v any) error {
+	return gob.NewDecoder(bytes.NewReader(data)).Decode(v)
+}
+
+func TestCodec(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+
+	t.Run("Pluggable", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t, &Config{Codec: gobCodec{}})
+		want := b.truth.write("p1", 4900)
+		for range 2 {
+			got, err := b.cache.Get(ctx, "p1", b.truth.loader("p1"))
+			require.NoError(t, err)
+			require.Equal(t, want, got)
+		}
+		require.EqualValues(t, 1, b.cache.Stats().Hits)
+		raw, err := b.client.Get(ctx, b.cache.valueKey("p1", mustVersion(t, b, "p1"))).Bytes()
+		require.NoError(t, err)
+		var decoded product
+		require.NoError(t, gobCodec{}.Unmarshal(raw, &decoded), "stored with gob, not JSON")
+		require.Equal(t, want, decoded)
+	})
+
+	t.Run("UnencodableValue", func(t *testing.T) {
+		t.Parallel()
+		rd := testenv.Redis(t)
+		cache, err := New[func()](rd.Client, &Config{Prefix: rd.Prefix})
+		require.NoError(t, err)
+		_, err = cache.Get(ctx, "f", func(context.Context) (func(), error) { return func() {}, nil })
+		var cerr *CodecError
+		require.ErrorAs(t, err, &cerr)
+		require.Equal(t, "f", cerr.ID)
+		require.ErrorIs(t, err, ErrCodec)
+	})
+}
+
+func mustVersion(t *testing.T, b *testBundle, id string) string {
+	t.Helper()
+	r, err := b.cache.read(context.Background(), id, false)
+	require.NoError(t, err)
+	require.NotEmpty(t, r.version)
+	return r.version
+}
+
+func TestSharedLoad(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+
+	// The goroutine running a shared load gives up; the one that joined it
+	// must not inherit the cancellation.
+	t.Run("LeaderCanceled", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t, nil)
+		want := b.truth.write("p1", 1)
+		leaderCtx, cancel := context.WithCancel(ctx)
+		started := make(chan struct{})
+		leaderErr := make(chan error, 1)
+		go func() {
+			_, err := b.cache.Get(leaderCtx, "p1", func(ctx context.Context) (product, error) {
+				close(started)
+				<-ctx.Done()
+				return product{}, ctx.Err()
+			})
+			leaderErr <- err
+		}()
+		<-started
+		joined := make(chan product, 1)
+		go func() {
+			p, err := b.cache.Get(ctx, "p1", b.truth.loader("p1"))
+			if err != nil {
+				t.Errorf("joiner: %v", err)
+			}
+			joined <- p
+		}()
+		require.Eventually(t, func() bool { return b.cache.Stats().Misses == 2 }, 5*time.Second, time.Millisecond)
+		time.Sleep(20 * time.Millisecond) // let the joiner reach the flight
+		cancel()
+		require.ErrorIs(t, <-leaderErr, context.Canceled)
+		require.Equal(t, want, <-joined)
+		require.EqualValues(t, 1, b.truth.loads.Load(), "only the joiner's own loader read the truth")
+	})
+
+	t.Run("LoaderPanics", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t, nil)
+		b.truth.write("p1", 1)
+		require.Panics(t, func() {
+			_, _ = b.cache.Get(ctx, "p1", func(context.Context) (product, error) { panic("boom") })
+		})
+		// The flight was released: the next Get loads normally.
+		got, err := b.cache.Get(ctx, "p1", b.truth.loader("p1"))
+		require.NoError(t, err)
+		require.Equal(t, 1, got.Price)
+	})
+}
+
+func TestCheckMoved(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	b := setup(t, nil)
+	b.truth.write("p1", 1)
+	_, err := b.cache.Get(ctx, "p1", b.truth.loader("p1"))
+	require.NoError(t, err)
+
+	// A write lands while Check compares: committed, then invalidated.
+	calls := 0
+	report, err := b.cache.Check(ctx, []string{"p1"}, 1, func(ctx context.Context, id string) (product, error) {
+		calls++
+		if calls == 1 {
+			b.truth.write(id, 2)
+			if err := b.cache.Invalidate(ctx, id); err != nil {
+				return product{}, err
+			}
+		}
+		return b.truth.read(id), nil
+	})
+	require.NoError(t, err)
+	require.Equal(t, 1, report.Moved)
+	require.Zero(t, report.Divergent)
+}
+
+// A process whose load failed gives its lease up at once: another process
+// then loads without waiting for the lease to lapse.
+func TestLeaseReleasedOnLoadError(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	caches, src := newProcesses(t, 2, Config{FillLeaseWait: 10 * time.Second})
+	want := src.write("p", 1)
+	_, err := caches[0].Get(ctx, "p", func(context.Context) (product, error) {
+		return product{}, context.DeadlineExceeded
+	})
+	require.ErrorIs(t, err, ErrLoad)
+
+	got, err := caches[1].Get(ctx, "p", src.loader("p"))
+	require.NoError(t, err)
+	require.Equal(t, want, got)
+	require.Zero(t, caches[1].Stats().LeaseWaits, "no lease left to wait for")
+}
