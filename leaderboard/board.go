@@ -63,6 +63,7 @@ type Board struct {
 
 	sql struct {
 		submit, lookupEvent, submitBatch string
+		overflowProbe                    string
 		top, page, rank, around, lag     string
 	}
 
@@ -106,6 +107,7 @@ func New(pool *pgxpool.Pool, rdb redis.UniversalClient, cfg *Config) (*Board, er
 	b.zsetKey, b.verKey = ks.ValueKey(t), ks.VersionKey(t)
 	r := func(q string) string { return renderSQL(q, c.Schema, w.Table()) }
 	b.sql.submit, b.sql.lookupEvent, b.sql.submitBatch = r(submitSQL), r(lookupEventSQL), r(submitBatchSQL)
+	b.sql.overflowProbe = r(overflowProbeSQL)
 	b.sql.top, b.sql.page, b.sql.rank, b.sql.around, b.sql.lag = r(topSQL), r(pageSQL), r(rankSQL), r(aroundSQL), r(lagSQL)
 	return b, nil
 }
@@ -267,7 +269,7 @@ func (b *Board) submitBatchOnce(ctx context.Context, cmds []Command, sent []int,
 	// Still one round trip.
 	rows, err := b.pool.Query(ctx, b.sql.submitBatch, pgx.QueryExecModeExec, ids, users, deltas, b.cfg.Name, b.stream, b.channel)
 	if err != nil {
-		return b.mapBatchError(err, cmds)
+		return b.mapBatchError(ctx, err, cmds, sent)
 	}
 	defer rows.Close()
 	var conflict *IdempotencyConflictError
@@ -294,7 +296,7 @@ func (b *Board) submitBatchOnce(ctx context.Context, cmds []Command, sent []int,
 		seen++
 	}
 	if err := rows.Err(); err != nil {
-		return b.mapBatchError(err, cmds)
+		return b.mapBatchError(ctx, err, cmds, sent)
 	}
 	if conflict != nil {
 		return conflict
@@ -305,16 +307,61 @@ func (b *Board) submitBatchOnce(ctx context.Context, cmds []Command, sent []int,
 	return nil
 }
 
-func (b *Board) mapBatchError(err error, cmds []Command) error {
+func (b *Board) mapBatchError(ctx context.Context, err error, cmds []Command, sent []int) error {
 	switch {
 	case isUniqueViolation(err):
 		return err
 	case isScoreRangeViolation(err):
-		// The constraint does not say which user; name the first command
-		// so the error is still actionable.
-		return &ScoreOutOfRangeError{UserID: cmds[0].UserID, Delta: cmds[0].Delta}
+		return b.locateOverflow(ctx, cmds, sent)
 	}
 	return fmt.Errorf("leaderboard: submit batch: %w", err)
+}
+
+// locateOverflow finds which command of a refused batch would have left
+// the score range, by replaying the batch in memory over the current
+// scores. The constraint violation itself does not say.
+func (b *Board) locateOverflow(ctx context.Context, cmds []Command, sent []int) error {
+	unknown := &ScoreOutOfRangeError{Index: -1}
+	users := make([]string, 0, len(sent))
+	ids := make([]string, 0, len(sent))
+	for _, i := range sent {
+		users, ids = append(users, cmds[i].UserID), append(ids, cmds[i].EventID.String())
+	}
+	rows, err := b.pool.Query(ctx, b.sql.overflowProbe, b.cfg.Name, users, ids)
+	if err != nil {
+		return unknown
+	}
+	scores := make(map[string]int64, len(users))
+	prior := make(map[string]bool)
+	for rows.Next() {
+		var key string
+		var score int64
+		var isEvent bool
+		if rows.Scan(&key, &score, &isEvent) != nil {
+			rows.Close()
+			return unknown
+		}
+		if isEvent {
+			prior[key] = true
+		} else {
+			scores[key] = score
+		}
+	}
+	if rows.Err() != nil {
+		return unknown
+	}
+	for _, i := range sent {
+		cmd := cmds[i]
+		if prior[cmd.EventID.String()] {
+			continue
+		}
+		next := scores[cmd.UserID] + cmd.Delta // |score|, |delta| <= 2^53: no overflow
+		if next < MinScore || next > MaxScore {
+			return &ScoreOutOfRangeError{Index: i, UserID: cmd.UserID, Delta: cmd.Delta}
+		}
+		scores[cmd.UserID] = next
+	}
+	return unknown
 }
 
 // isUniqueViolation reports a unique-key violation (SQLSTATE 23505).

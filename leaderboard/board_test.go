@@ -209,13 +209,16 @@ func TestSubmit(t *testing.T) {
 		_, err = tb.board.Submit(ctx, Command{EventID: uuid.New(), UserID: "v", Delta: -1})
 		require.ErrorIs(t, err, ErrScoreOutOfRange)
 
-		// A batch whose intermediate score leaves the range is refused whole.
+		// A batch whose intermediate score leaves the range is refused
+		// whole, and the error says which command.
 		_, err = tb.board.SubmitBatch(ctx, []Command{
 			{EventID: uuid.New(), UserID: "w", Delta: 5},
 			{EventID: uuid.New(), UserID: "u", Delta: 1},
 			{EventID: uuid.New(), UserID: "u", Delta: -10},
 		})
 		require.ErrorIs(t, err, ErrScoreOutOfRange)
+		require.ErrorAs(t, err, &rangeErr)
+		require.Equal(t, ScoreOutOfRangeError{Index: 1, UserID: "u", Delta: 1}, *rangeErr)
 
 		events, users, queued := tb.counts(t)
 		require.Equal(t, []int{2, 2, 2}, []int{events, users, queued})

@@ -75,11 +75,17 @@ func (e *IdempotencyConflictError) Unwrap() error { return ErrIdempotencyConflic
 // [MinScore, MaxScore] (which also keeps it far from int64 overflow).
 // Nothing was written. It matches ErrScoreOutOfRange.
 type ScoreOutOfRangeError struct {
+	// Index is the command's position in a SubmitBatch call (0 for
+	// Submit), or -1 when a concurrent change made it impossible to tell.
+	Index  int
 	UserID string
 	Delta  int64
 }
 
 func (e *ScoreOutOfRangeError) Error() string {
+	if e.Index < 0 {
+		return fmt.Sprintf("leaderboard: a command of the batch would leave the score range [%d, %d]", MinScore, MaxScore)
+	}
 	return fmt.Sprintf("leaderboard: adding %d to the score of user %q would leave [%d, %d]", e.Delta, e.UserID, MinScore, MaxScore)
 }
 

@@ -295,27 +295,41 @@ type lagProbe struct {
 	lag     time.Duration // age of the oldest pending row then
 	pending bool          // whether any row was pending
 	failed  bool          // whether the measurement failed
+	running bool          // whether a measurement is under way
 }
 
 // freshness returns the projection's freshness, measuring the lag at most
-// once per Config.LagProbeInterval.
+// once per Config.LagProbeInterval. While one read measures, concurrent
+// reads use the previous measurement instead of queueing behind it (only
+// the very first reads of a Board wait for a measurement of their own).
 func (b *Board) freshness(ctx context.Context) Freshness {
 	b.lagMu.Lock()
-	defer b.lagMu.Unlock()
 	now := time.Now()
-	if b.lagProbe.at.IsZero() || now.Sub(b.lagProbe.at) >= b.cfg.LagProbeInterval {
+	p := b.lagProbe
+	due := p.at.IsZero() || now.Sub(p.at) >= b.cfg.LagProbeInterval
+	measure := due && (!p.running || p.at.IsZero())
+	if measure {
+		b.lagProbe.running = true
+	}
+	b.lagMu.Unlock()
+
+	if measure {
 		var dbNow time.Time
 		var oldest *time.Time
 		err := b.pool.QueryRow(ctx, b.sql.lag, b.stream).Scan(&dbNow, &oldest)
-		b.lagProbe = lagProbe{at: now, failed: err != nil}
+		p = lagProbe{at: time.Now(), failed: err != nil}
 		if err != nil {
 			b.cfg.Logger.WarnContext(ctx, "leaderboard: measuring projection lag failed", "board", b.cfg.Name, "error", err)
 		} else if oldest != nil {
-			b.lagProbe.pending = true
-			b.lagProbe.lag = max(0, dbNow.Sub(*oldest))
+			p.pending = true
+			p.lag = max(0, dbNow.Sub(*oldest))
 		}
+		b.lagMu.Lock()
+		b.lagProbe = p
+		b.lagMu.Unlock()
+		now = p.at
 	}
-	p := b.lagProbe
+
 	switch {
 	case p.failed:
 		return Freshness{Source: SourceRedis, Lag: -1}

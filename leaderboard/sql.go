@@ -145,6 +145,17 @@ UNION ALL
 SELECT i.ord, true, p.score, p.version, p.board, p.user_id::text, p.delta, 0
 FROM prior AS p JOIN input AS i USING (event_id)`
 
+// overflowProbeSQL reads, for a refused batch, the current scores of its
+// users ($2) and which of its event ids ($3) were applied before: board $1.
+const overflowProbeSQL = `
+SELECT user_id::text, score, false
+FROM {{user_scores}}
+WHERE board = $1::text AND user_id = ANY ($2::text[])
+UNION ALL
+SELECT event_id::text, 0, true
+FROM {{score_events}}
+WHERE event_id = ANY ($3::uuid[])`
+
 // Reads. The ranking order is (-score, user_id) ascending, user_id in the C
 // collation: score descending, ties by user id bytes ascending. rankIndex
 // serves every one of these as an index range scan.
