@@ -47,6 +47,7 @@ func mainErr(args []string, out io.Writer) error {
 	asJSON := fs.Bool("json", false, "print one JSON object per mode")
 	window := fs.Duration("window", 0, "artificial pause between database read and cache fill (demonstrations only)")
 	writePause := fs.Duration("write-pause", writePauseDefault, "pause between a writer's writes")
+	dropVersion := fs.Duration("drop-version-every", 0, "versioned mode: delete the version key at this interval (0: never)")
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
@@ -56,6 +57,8 @@ func mainErr(args []string, out io.Writer) error {
 		Duration:   time.Duration(*seconds * float64(time.Second)),
 		Window:     *window,
 		WritePause: *writePause,
+
+		DropVersionEvery: *dropVersion,
 	}
 	switch *mode {
 	case "both":
@@ -103,6 +106,9 @@ func mainErr(args []string, out io.Writer) error {
 		if cfg.WritePause != writePauseDefault {
 			fmt.Fprintf(out, " --write-pause=%s", cfg.WritePause)
 		}
+		if cfg.DropVersionEvery > 0 {
+			fmt.Fprintf(out, " --drop-version-every=%s", cfg.DropVersionEvery)
+		}
 		fmt.Fprintln(out)
 	}
 	results, err := run(ctx, cfg, deps{Pool: pool, Redis: client, Prefix: "verity:race-test:"})
@@ -146,6 +152,9 @@ func printHuman(out io.Writer, results []Result) {
 			fmt.Fprintf(out, "    cache:       %s hits, %s loads (%s shared), %s stale fills not stored, %s orphaned value keys\n",
 				group(int64(st.Hits)), group(int64(st.Loads)), group(int64(st.SharedLoads)),
 				group(int64(st.StaleFillsSkipped)), group(int64(st.OrphanedValueKeys)))
+		}
+		if r.VersionKeyDrops > 0 {
+			fmt.Fprintf(out, "    version key deleted %s times during the run\n", group(r.VersionKeyDrops))
 		}
 		fmt.Fprintf(out, "    converged:   %t\n", r.Converged)
 	}

@@ -14,6 +14,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/redis/go-redis/v9"
 
+	"github.com/verity-go/verity/internal/keyenc"
 	"github.com/verity-go/verity/versioncache"
 )
 
@@ -34,6 +35,10 @@ type config struct {
 	Window time.Duration
 	// WritePause is how long each writer rests between writes.
 	WritePause time.Duration
+	// DropVersionEvery, in versioned mode, deletes the product's version
+	// key at this interval, as an eviction, FLUSHALL or restart would. Zero
+	// never does.
+	DropVersionEvery time.Duration
 	// TTL of cached values; long, as in the seed, so a stale value would
 	// otherwise stay.
 	TTL time.Duration
@@ -47,8 +52,8 @@ func (c config) validate() error {
 		return errors.New("--writers must be at least 1")
 	case c.Duration <= 0:
 		return errors.New("--seconds must be positive")
-	case c.Window < 0 || c.WritePause < 0:
-		return errors.New("--window and --write-pause must not be negative")
+	case c.Window < 0 || c.WritePause < 0 || c.DropVersionEvery < 0:
+		return errors.New("--window, --write-pause and --drop-version-every must not be negative")
 	case len(c.Modes) == 0:
 		return errors.New("--mode must be naive, versioned or both")
 	}
@@ -84,6 +89,8 @@ type Result struct {
 	// CacheStats are versioncache's counters (versioned mode only), for the
 	// human output.
 	CacheStats *versioncache.Stats `json:"-"`
+	// VersionKeyDrops counts --drop-version-every deletions that hit.
+	VersionKeyDrops int64 `json:"-"`
 }
 
 const productID = 41
@@ -199,6 +206,24 @@ func runMode(ctx context.Context, cfg config, d deps, mode string) (res Result, 
 			}
 		})
 	}
+	var versionDrops int64
+	if mode == modeVersioned && cfg.DropVersionEvery > 0 {
+		versionKey := keyenc.Tagged(prefix, id, ":v")
+		wg.Go(func() {
+			tick := time.NewTicker(cfg.DropVersionEvery)
+			defer tick.Stop()
+			for {
+				select {
+				case <-tick.C:
+					if d.Redis.Del(opCtx, versionKey).Val() == 1 {
+						versionDrops++
+					}
+				case <-runCtx.Done():
+					return
+				}
+			}
+		})
+	}
 	monitorDone := make(chan struct{})
 	go func() {
 		defer close(monitorDone)
@@ -241,6 +266,7 @@ func runMode(ctx context.Context, cfg config, d deps, mode string) (res Result, 
 		st := vc.Stats()
 		res.CacheStats = &st
 	}
+	res.VersionKeyDrops = versionDrops
 	res.Converged, err = converged(ctx, cache, id, load)
 	return res, err
 }

@@ -49,6 +49,25 @@ func TestRun(t *testing.T) {
 		require.GreaterOrEqual(t, r.ReadP99us, r.ReadP50us)
 	})
 
+	// The version key vanishing mid-run (eviction, FLUSHALL, a restart) must
+	// not make any older value readable again.
+	t.Run("VersionedSurvivesVersionKeyLoss", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		results, err := run(ctx, config{
+			Readers: 8, Writers: 2, Duration: 3 * time.Second, Modes: []string{modeVersioned},
+			WritePause: time.Millisecond, DropVersionEvery: 5 * time.Millisecond,
+		}, b.deps)
+		require.NoError(t, err)
+		r := results[0]
+		t.Logf("%+v drops=%d", r, r.VersionKeyDrops)
+		require.Positive(t, r.VersionKeyDrops)
+		require.Positive(t, r.Writes)
+		require.Zero(t, r.Divergences)
+		require.Zero(t, r.StaleReadsAfterAck)
+		require.True(t, r.Converged)
+	})
+
 	// The harness must be able to see the bug: with the read→fill window
 	// widened, delete-on-write serves stale reads within seconds.
 	t.Run("NaiveIsCaught", func(t *testing.T) {
