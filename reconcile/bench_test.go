@@ -157,5 +157,31 @@ func TestMillionRows(t *testing.T) {
 	require.NoError(t, err)
 	require.EqualValues(t, n, rep.Checked)
 	require.EqualValues(t, 1000, rep.Repaired)
-	t.Logf("1M rows: %s, %.0f rows/s, peak heap in use %.1f MiB", rep.Duration, float64(n)/rep.Duration.Seconds(), float64(peak)/(1<<20))
+	require.True(t, rep.OrphanScanSkipped)
+	t.Logf("1M rows, 1000 repaired, orphan scan skipped by counts: %s, %.0f rows/s, peak heap in use %.1f MiB",
+		rep.Duration, float64(n)/rep.Duration.Seconds(), float64(peak)/(1<<20))
+
+	// With one orphan, the counts differ and the whole projection is
+	// scanned and looked up in the source as well.
+	b.project(t, "orphan", 1)
+	rep, err = r.Run(context.Background(), RunOptions{DryRun: true})
+	require.NoError(t, err)
+	require.EqualValues(t, 1, rep.Counts[ClassOrphan])
+	require.EqualValues(t, n+1, rep.Scanned)
+	t.Logf("1M rows plus orphan scan of %d entries: %s, %.0f rows/s", rep.Scanned, rep.Duration, float64(n)/rep.Duration.Seconds())
+}
+
+// BenchmarkRebuild rebuilds the whole sorted set (shadow copy through the
+// gate, then the atomic switch) and reports rows/s.
+func BenchmarkRebuild(b *testing.B) {
+	bundle := setupBench(b)
+	n := benchRows()
+	r, err := New(bundle.source, bundle.target, &Config{PageSize: 1000})
+	require.NoError(b, err)
+	for b.Loop() {
+		rep, err := r.Rebuild(context.Background())
+		require.NoError(b, err)
+		require.EqualValues(b, n, rep.Rows)
+	}
+	b.ReportMetric(float64(n)*float64(b.N)/b.Elapsed().Seconds(), "rows/s")
 }
