@@ -19,16 +19,13 @@ const (
 	modeShadow = "shadow"
 )
 
-// Reply codes of gate.lua.
+// Reply codes of gate.lua. A string in place of a code is an unreadable
+// stored version.
 const (
 	replyApplied   = 1
 	replyDuplicate = 2
 	replyStale     = 3
-	replyCorrupt   = 4
 )
-
-// argsPerWrite is the number of ARGV entries gate.lua reads per write.
-const argsPerWrite = 5
 
 // Gate applies versioned writes to Redis atomically per Redis Cluster slot:
 // a write lands only if its version is above the stored one.
@@ -51,17 +48,17 @@ type Gate struct {
 
 // NewGate returns a Gate writing through client into the keys named by ks.
 //
-// On a *redis.ClusterClient a failed call also asks the client to reload
-// the slot map: go-redis reloads it on MOVED/ASK but not when the master it
-// knows has died, so without this the relay's retries would keep dialling
-// the dead master until the client's periodic reload (60s by default)
-// instead of reaching the replica that replaced it.
-//
 // client may be a single-node or Sentinel *redis.Client (one script call per
 // batch), a *redis.ClusterClient (one per slot touched) or a *redis.Ring
 // (one per hash tag touched). Other UniversalClient implementations are
 // treated like a *redis.ClusterClient, which is correct for any topology
 // that routes by hash tag.
+//
+// On a *redis.ClusterClient a failed call also asks the client to reload
+// the slot map: go-redis reloads it on MOVED/ASK but not when the master it
+// knows has died, so without this the relay's retries would keep dialling
+// the dead master until the client's periodic reload (60s by default)
+// instead of reaching the replica that replaced it.
 func NewGate(client redis.UniversalClient, ks Keyspace) *Gate {
 	g := &Gate{client: client, ks: ks, script: redis.NewScript(gateSource)}
 	switch c := client.(type) {
@@ -161,39 +158,25 @@ func (g *Gate) run(ctx context.Context, mode string, writes []Write) ([]Outcome,
 		if len(codes) != len(grp.index) {
 			return nil, nil, fmt.Errorf("%w: %d results for %d writes", ErrUnexpectedReply, len(codes), len(grp.index))
 		}
-		for j, code := range codes {
+		for j, reply := range codes {
 			i := grp.index[j]
-			switch code {
-			case replyApplied:
+			switch reply {
+			case int64(replyApplied):
 				outcomes[i] = OutcomeApplied
-			case replyDuplicate:
+			case int64(replyDuplicate):
 				outcomes[i] = OutcomeDuplicate
-			case replyStale:
+			case int64(replyStale):
 				outcomes[i] = OutcomeStale
-			case replyCorrupt:
-				perWrite[i] = g.corruptError(ctx, mode, i, writes[i])
 			default:
-				return nil, nil, fmt.Errorf("%w: result code %d", ErrUnexpectedReply, code)
+				stored, ok := reply.(string)
+				if !ok {
+					return nil, nil, fmt.Errorf("%w: result %v (%T)", ErrUnexpectedReply, reply, reply)
+				}
+				perWrite[i] = &CorruptVersionError{Index: i, Target: writes[i].Target, Stored: stored}
 			}
 		}
 	}
 	return outcomes, perWrite, nil
-}
-
-// corruptError reads the unreadable version back for the error message; the
-// read is best effort (it only decorates an error).
-func (g *Gate) corruptError(ctx context.Context, mode string, i int, w Write) error {
-	e := &CorruptVersionError{Index: i, Target: w.Target}
-	key := g.ks.VersionKey(w.Target)
-	if mode == modeShadow {
-		key = g.ks.ShadowVersionKey(w.Target.Name, w.Target.Kind)
-	}
-	if w.Target.Kind == KindDocument {
-		e.Stored, _ = g.client.Get(ctx, key).Result()
-	} else {
-		e.Stored, _ = g.client.HGet(ctx, key, w.Target.Member).Result()
-	}
-	return e
 }
 
 // slotGroup is the part of a batch sent in one script call.
@@ -245,6 +228,7 @@ func (g *Gate) group(mode string, writes []Write) []*slotGroup {
 		case KindDocument:
 			kind, value = "d", nonNil(w.Value.Data)
 		}
+		// Five arguments per write, in the order gate.lua reads them.
 		grp.args = append(grp.args, kind, base, w.Target.Member, strconv.FormatInt(w.Version, 10), value)
 		grp.index = append(grp.index, i)
 	}
@@ -261,10 +245,10 @@ func nonNil(b []byte) []byte {
 // eval runs one script call per group: directly for one group, pipelined
 // for several. A NOSCRIPT answer (script cache flushed, or a node that has
 // never seen the script) is retried with EVAL, which also caches it.
-func (g *Gate) eval(ctx context.Context, groups []*slotGroup) ([][]int64, error) {
-	replies := make([][]int64, len(groups))
+func (g *Gate) eval(ctx context.Context, groups []*slotGroup) ([][]any, error) {
+	replies := make([][]any, len(groups))
 	if len(groups) == 1 {
-		codes, err := g.script.Run(ctx, g.client, groups[0].keys, groups[0].args...).Int64Slice()
+		codes, err := g.script.Run(ctx, g.client, groups[0].keys, groups[0].args...).Slice()
 		if err != nil {
 			return nil, g.failed(ctx, err)
 		}
@@ -291,7 +275,7 @@ func (g *Gate) eval(ctx context.Context, groups []*slotGroup) ([][]int64, error)
 		_, _ = pipe.Exec(ctx)
 	}
 	for i, cmd := range cmds {
-		codes, err := cmd.Int64Slice()
+		codes, err := cmd.Slice()
 		if err != nil {
 			return nil, g.failed(ctx, err)
 		}

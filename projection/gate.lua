@@ -8,13 +8,14 @@
 --   (score as a decimal integer, or bytes).
 -- Keys from base: collections use value, version, rebuild marker, shadow
 -- value, shadow version; documents use value, version.
--- Returns one integer per write: 1 applied, 2 duplicate, 3 stale,
--- 4 stored version unreadable (nothing written).
+-- Returns one element per write: the integer 1 applied, 2 duplicate,
+-- 3 stale; or, when the stored version is not a canonical decimal integer,
+-- that stored version as a string (nothing written).
 --
 -- Lua numbers are doubles, which cannot hold every int64, so versions are
 -- never converted to numbers: they are compared as decimal strings.
 
-local APPLIED, DUPLICATE, STALE, CORRUPT = 1, 2, 3, 4
+local APPLIED, DUPLICATE, STALE = 1, 2, 3
 
 local function canonical(s)
   return s == '0' or string.match(s, '^%-?[1-9][0-9]*$') ~= nil
@@ -52,7 +53,7 @@ local function gate(kind, valueKey, versionKey, member, version, value)
     stored = redis.call('HGET', versionKey, member)
   end
   if stored then
-    if not canonical(stored) then return CORRUPT end
+    if not canonical(stored) then return stored end
     local c = compare(version, stored)
     if c == 0 then return DUPLICATE end
     if c < 0 then return STALE end
