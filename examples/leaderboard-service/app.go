@@ -1,0 +1,156 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"log/slog"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/redis/go-redis/v9"
+
+	"github.com/verity-go/verity/internal/services"
+	"github.com/verity-go/verity/leaderboard"
+)
+
+// Flag defaults.
+const (
+	addrDefault            = "127.0.0.1:8080"
+	boardDefault           = "global"
+	reconcileEveryDefault  = 30 * time.Second
+	reconcileSampleDefault = 200
+)
+
+// options are the flags of every subcommand; each subcommand registers the
+// ones it uses.
+type options struct {
+	// Connection and board (every subcommand).
+	databaseURL string
+	redisURL    string
+	board       string
+	schema      string
+	keyPrefix   string
+	logLevel    string
+
+	// serve
+	addr            string
+	reconcileEvery  time.Duration
+	reconcileSample int
+
+	// ops
+	json   bool
+	sample int
+	dryRun bool
+	limit  int
+}
+
+func parseFlags(name string, args []string, stderr io.Writer) (*options, error) {
+	o := &options{}
+	fs := flag.NewFlagSet("leaderboard-service "+name, flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	fs.StringVar(&o.databaseURL, "database-url", "", "PostgreSQL URL (default $DATABASE_URL, then the local server, then a private one)")
+	fs.StringVar(&o.redisURL, "redis-url", "", "Redis URL (default $REDIS_URL, then the local server, then a private one)")
+	fs.StringVar(&o.board, "board", boardDefault, "leaderboard name")
+	fs.StringVar(&o.schema, "schema", leaderboard.SchemaDefault, "PostgreSQL schema of the board and outbox tables")
+	fs.StringVar(&o.keyPrefix, "key-prefix", leaderboard.KeyPrefixDefault, "prefix of the board's Redis keys")
+	fs.StringVar(&o.logLevel, "log-level", "info", "debug, info, warn or error (logs go to stderr)")
+	switch name {
+	case "serve":
+		fs.StringVar(&o.addr, "addr", addrDefault, "HTTP listen address")
+		fs.DurationVar(&o.reconcileEvery, "reconcile-every", reconcileEveryDefault, "interval of the sampled reconcile (0 disables it)")
+		fs.IntVar(&o.reconcileSample, "reconcile-sample", reconcileSampleDefault, "rows checked by each scheduled reconcile")
+	case "reconcile":
+		fs.IntVar(&o.sample, "sample", 0, "check N random rows instead of the whole board (0 = full pass)")
+		fs.BoolVar(&o.dryRun, "dry-run", false, "classify and report, repair nothing")
+	case "replay-dead":
+		fs.IntVar(&o.limit, "limit", 0, "move at most N dead letters, oldest first (0 = all)")
+	}
+	if name != "serve" {
+		fs.BoolVar(&o.json, "json", false, "print JSON for scripts instead of text")
+	}
+	if err := fs.Parse(args); err != nil {
+		return nil, err
+	}
+	if fs.NArg() > 0 {
+		fmt.Fprintf(stderr, "leaderboard-service %s: unexpected argument %q\n", name, fs.Arg(0))
+		fs.Usage()
+		return nil, errors.New("unexpected arguments")
+	}
+	if o.sample < 0 || o.limit < 0 || o.reconcileSample < 0 || o.reconcileEvery < 0 {
+		fmt.Fprintf(stderr, "leaderboard-service %s: --sample, --limit, --reconcile-sample and --reconcile-every must not be negative\n", name)
+		return nil, errors.New("negative flag")
+	}
+	return o, nil
+}
+
+func (o *options) logger(w io.Writer) (*slog.Logger, error) {
+	var level slog.Level
+	if err := level.UnmarshalText([]byte(o.logLevel)); err != nil {
+		return nil, fmt.Errorf("--log-level: %w", err)
+	}
+	return slog.New(slog.NewTextHandler(w, &slog.HandlerOptions{Level: level})), nil
+}
+
+// deps are the connections and the board every subcommand works with.
+type deps struct {
+	pool  *pgxpool.Pool
+	rdb   redis.UniversalClient
+	board *leaderboard.Board
+	close func()
+}
+
+// connect resolves the servers, opens the pool and the Redis client,
+// migrates and builds the board. close releases everything, including
+// private servers that the resolution started.
+func connect(ctx context.Context, o *options, logger *slog.Logger) (*deps, error) {
+	var closers []func()
+	closeAll := func() {
+		for i := len(closers) - 1; i >= 0; i-- {
+			closers[i]()
+		}
+	}
+	pgURL, redisURL := o.databaseURL, o.redisURL
+	if pgURL == "" || redisURL == "" {
+		// services.Resolve consults DATABASE_URL / REDIS_URL first, then the
+		// local default ports, then starts private servers.
+		ep, err := services.Resolve(ctx, services.Options{Logger: logger})
+		if err != nil {
+			return nil, err
+		}
+		closers = append(closers, ep.Close)
+		if pgURL == "" {
+			pgURL = ep.PostgresURL
+		}
+		if redisURL == "" {
+			redisURL = ep.RedisURL
+		}
+	}
+	pool, err := pgxpool.New(ctx, pgURL)
+	if err != nil {
+		closeAll()
+		return nil, fmt.Errorf("postgres: %w", err)
+	}
+	closers = append(closers, pool.Close)
+	ropt, err := redis.ParseURL(redisURL)
+	if err != nil {
+		closeAll()
+		return nil, fmt.Errorf("redis: %w", err)
+	}
+	rdb := redis.NewClient(ropt)
+	closers = append(closers, func() { _ = rdb.Close() })
+
+	cfg := &leaderboard.Config{Name: o.board, Schema: o.schema, KeyPrefix: o.keyPrefix, Logger: logger}
+	board, err := leaderboard.New(pool, rdb, cfg)
+	if err != nil {
+		closeAll()
+		return nil, err
+	}
+	if err := leaderboard.Migrate(ctx, pool, cfg); err != nil {
+		closeAll()
+		return nil, fmt.Errorf("migrate: %w", err)
+	}
+	return &deps{pool: pool, rdb: rdb, board: board, close: closeAll}, nil
+}

@@ -1,0 +1,369 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net/http"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/google/uuid"
+
+	"github.com/verity-go/verity/leaderboard"
+)
+
+// maxBodyBytes bounds a POST /scores body; a valid one is well under 1 KiB.
+const maxBodyBytes = 64 << 10
+
+// defaultLimit is the page size of GET /leaderboard without ?limit=.
+const defaultLimit = 10
+
+// submitRequest is the body of POST /scores. Pointers tell a missing field
+// from a zero one: a missing delta is an error, not a delta of 0.
+type submitRequest struct {
+	UserID *string `json:"user_id"`
+	Delta  *int64  `json:"delta"`
+}
+
+type submitResponse struct {
+	EventID   uuid.UUID `json:"event_id"`
+	UserID    string    `json:"user_id"`
+	Score     int64     `json:"score"`
+	Version   int64     `json:"version"`
+	Duplicate bool      `json:"duplicate"`
+}
+
+// errorResponse is every error body: a message fit for an API client and,
+// for invalid input, the request field it concerns.
+type errorResponse struct {
+	Error   string `json:"error"`
+	Field   string `json:"field,omitempty"`
+	EventID string `json:"event_id,omitempty"`
+}
+
+type entryJSON struct {
+	Rank   int64  `json:"rank"`
+	UserID string `json:"user_id"`
+	Score  int64  `json:"score"`
+}
+
+type freshnessJSON struct {
+	Source string `json:"source"`
+	// ProjectedThrough is null when the lag could not be measured.
+	ProjectedThrough *time.Time `json:"projected_through"`
+	// LagMS is the projection lag in milliseconds, negative when unknown.
+	LagMS      float64 `json:"lag_ms"`
+	AtLeastMet bool    `json:"at_least_met"`
+}
+
+type leaderboardResponse struct {
+	Board      string        `json:"board"`
+	Entries    []entryJSON   `json:"entries"`
+	NextCursor string        `json:"next_cursor,omitempty"`
+	Freshness  freshnessJSON `json:"freshness"`
+}
+
+type rankResponse struct {
+	entryJSON
+	Freshness freshnessJSON `json:"freshness"`
+}
+
+func toFreshness(f leaderboard.Freshness) freshnessJSON {
+	out := freshnessJSON{
+		Source:     string(f.Source),
+		LagMS:      float64(f.Lag) / float64(time.Millisecond),
+		AtLeastMet: f.AtLeastMet,
+	}
+	if !f.ProjectedThrough.IsZero() {
+		t := f.ProjectedThrough.UTC()
+		out.ProjectedThrough = &t
+	}
+	return out
+}
+
+func toEntry(e leaderboard.Entry) entryJSON {
+	return entryJSON{Rank: e.Rank, UserID: e.UserID, Score: e.Score}
+}
+
+// handleSubmit is POST /scores.
+func (s *Service) handleSubmit(w http.ResponseWriter, r *http.Request) {
+	key := strings.TrimSpace(r.Header.Get("Idempotency-Key"))
+	if key == "" {
+		writeJSON(w, http.StatusUnprocessableEntity, errorResponse{Field: "Idempotency-Key",
+			Error: "required: a UUID identifying this score event; send the same key again when retrying"})
+		return
+	}
+	eventID, err := uuid.Parse(key)
+	if err != nil {
+		writeJSON(w, http.StatusUnprocessableEntity, errorResponse{Field: "Idempotency-Key",
+			Error: "must be a UUID, for example " + uuid.NewString()})
+		return
+	}
+	req, status, errBody := decodeSubmit(w, r)
+	if errBody != nil {
+		s.metrics.countSubmit(r.Context(), "invalid")
+		writeJSON(w, status, errBody)
+		return
+	}
+	res, err := s.board.Submit(r.Context(), leaderboard.Command{EventID: eventID, UserID: *req.UserID, Delta: *req.Delta})
+	if err != nil {
+		s.writeError(w, r, err)
+		return
+	}
+	status = http.StatusCreated
+	if res.Duplicate {
+		status = http.StatusOK
+		s.metrics.countSubmit(r.Context(), "duplicate")
+	} else {
+		s.metrics.countSubmit(r.Context(), "applied")
+	}
+	writeJSON(w, status, submitResponse{EventID: eventID, UserID: *req.UserID, Score: res.Score, Version: res.Version, Duplicate: res.Duplicate})
+}
+
+// decodeSubmit reads and checks the body of POST /scores. A body that is
+// not JSON is a 400; JSON with the wrong shape or values is a 422 naming
+// the field.
+func decodeSubmit(w http.ResponseWriter, r *http.Request) (*submitRequest, int, *errorResponse) {
+	dec := json.NewDecoder(http.MaxBytesReader(w, r.Body, maxBodyBytes))
+	dec.DisallowUnknownFields()
+	var req submitRequest
+	err := dec.Decode(&req)
+	if err == nil && dec.More() {
+		err = errors.New("trailing data after the JSON object")
+	}
+	var (
+		syntaxErr *json.SyntaxError
+		typeErr   *json.UnmarshalTypeError
+		sizeErr   *http.MaxBytesError
+	)
+	switch {
+	case err == nil:
+	case errors.As(err, &sizeErr):
+		return nil, http.StatusRequestEntityTooLarge, &errorResponse{Error: fmt.Sprintf("body larger than %d bytes", maxBodyBytes)}
+	case errors.As(err, &typeErr):
+		if typeErr.Field == "" {
+			return nil, http.StatusUnprocessableEntity, &errorResponse{Error: "body must be a JSON object {\"user_id\": string, \"delta\": integer}"}
+		}
+		return nil, http.StatusUnprocessableEntity, &errorResponse{Field: typeErr.Field,
+			Error: fmt.Sprintf("must be a JSON %s", jsonKind(typeErr.Field))}
+	case strings.HasPrefix(err.Error(), "json: unknown field "):
+		field, _ := strconv.Unquote(strings.TrimPrefix(err.Error(), "json: unknown field "))
+		return nil, http.StatusUnprocessableEntity, &errorResponse{Field: field,
+			Error: "unknown field; the body has only user_id and delta"}
+	case errors.As(err, &syntaxErr), errors.Is(err, io.EOF), errors.Is(err, io.ErrUnexpectedEOF):
+		return nil, http.StatusBadRequest, &errorResponse{Error: "body is not valid JSON: " + err.Error()}
+	default:
+		return nil, http.StatusBadRequest, &errorResponse{Error: "body could not be read: " + err.Error()}
+	}
+	if req.UserID == nil {
+		return nil, http.StatusUnprocessableEntity, &errorResponse{Field: "user_id", Error: "required"}
+	}
+	if req.Delta == nil {
+		return nil, http.StatusUnprocessableEntity, &errorResponse{Field: "delta", Error: "required"}
+	}
+	return &req, 0, nil
+}
+
+func jsonKind(field string) string {
+	switch field {
+	case "delta":
+		return "integer between -2^63 and 2^63-1"
+	case "user_id":
+		return "string"
+	}
+	return "value of another type"
+}
+
+// handleLeaderboard is GET /leaderboard?limit=&cursor=.
+func (s *Service) handleLeaderboard(w http.ResponseWriter, r *http.Request) {
+	limit := defaultLimit
+	if v := r.URL.Query().Get("limit"); v != "" {
+		n, err := strconv.Atoi(v)
+		if err != nil || n < 1 || n > leaderboard.MaxPageSize {
+			writeJSON(w, http.StatusUnprocessableEntity, errorResponse{Field: "limit",
+				Error: fmt.Sprintf("must be an integer between 1 and %d", leaderboard.MaxPageSize)})
+			return
+		}
+		limit = n
+	}
+	page, err := s.board.Page(r.Context(), r.URL.Query().Get("cursor"), limit)
+	if err != nil {
+		s.writeError(w, r, err)
+		return
+	}
+	resp := leaderboardResponse{
+		Board:      s.board.Name(),
+		Entries:    make([]entryJSON, 0, len(page.Entries)),
+		NextCursor: page.Next,
+		Freshness:  toFreshness(page.Freshness),
+	}
+	for _, e := range page.Entries {
+		resp.Entries = append(resp.Entries, toEntry(e))
+	}
+	writeJSON(w, http.StatusOK, resp)
+}
+
+// handleRank is GET /users/{id}/rank?at_least=<version>. The id is one
+// path segment, percent-decoded, so ids with slashes or spaces work when
+// escaped.
+func (s *Service) handleRank(w http.ResponseWriter, r *http.Request) {
+	user := r.PathValue("id")
+	var opts []leaderboard.ReadOption
+	if v := r.URL.Query().Get("at_least"); v != "" {
+		version, err := strconv.ParseInt(v, 10, 64)
+		if err != nil || version < 1 {
+			writeJSON(w, http.StatusUnprocessableEntity, errorResponse{Field: "at_least",
+				Error: "must be a positive version, as returned by POST /scores"})
+			return
+		}
+		opts = append(opts, leaderboard.AtLeast(user, version))
+	}
+	entry, fresh, err := s.board.Rank(r.Context(), user, opts...)
+	if err != nil {
+		s.writeError(w, r, err)
+		return
+	}
+	writeJSON(w, http.StatusOK, rankResponse{entryJSON: toEntry(entry), Freshness: toFreshness(fresh)})
+}
+
+type healthResponse struct {
+	Status   string `json:"status"`
+	Postgres string `json:"postgres"`
+	Redis    string `json:"redis"`
+}
+
+// handleHealth is GET /healthz: 200 when PostgreSQL and Redis both answer
+// a ping, 503 otherwise.
+func (s *Service) handleHealth(w http.ResponseWriter, r *http.Request) {
+	ctx, cancel := context.WithTimeout(r.Context(), pingTimeout)
+	defer cancel()
+	resp := healthResponse{Status: "ok", Postgres: "ok", Redis: "ok"}
+	status := http.StatusOK
+	if err := s.pool.Ping(ctx); err != nil {
+		resp.Status, resp.Postgres, status = "unavailable", err.Error(), http.StatusServiceUnavailable
+	}
+	if err := s.rdb.Ping(ctx).Err(); err != nil {
+		resp.Status, resp.Redis, status = "unavailable", err.Error(), http.StatusServiceUnavailable
+	}
+	writeJSON(w, status, resp)
+}
+
+// statsJSON is the outbox backlog and projection lag, for /stats and the
+// stats subcommand.
+type statsJSON struct {
+	Board              string        `json:"board"`
+	At                 time.Time     `json:"at"`
+	Pending            int64         `json:"pending"`
+	InFlight           int64         `json:"in_flight"`
+	Retrying           int64         `json:"retrying"`
+	OldestPendingAgeMS float64       `json:"oldest_pending_age_ms"`
+	DeadLetters        int64         `json:"dead_letters"`
+	Freshness          freshnessJSON `json:"freshness"`
+}
+
+func toStats(board string, snap *statsSnapshot) statsJSON {
+	return statsJSON{
+		Board:              board,
+		At:                 snap.At.UTC(),
+		Pending:            snap.Outbox.Pending,
+		InFlight:           snap.Outbox.InFlight,
+		Retrying:           snap.Outbox.Retrying,
+		OldestPendingAgeMS: float64(snap.Outbox.OldestPendingAge) / float64(time.Millisecond),
+		DeadLetters:        snap.Outbox.DeadLetters,
+		Freshness:          toFreshness(snap.Freshness),
+	}
+}
+
+// handleStats is GET /stats.
+func (s *Service) handleStats(w http.ResponseWriter, r *http.Request) {
+	snap := s.snapshot(r.Context())
+	if snap.Err != nil {
+		s.writeError(w, r, snap.Err)
+		return
+	}
+	writeJSON(w, http.StatusOK, toStats(s.board.Name(), snap))
+}
+
+type lastReconcileResponse struct {
+	EverySeconds float64           `json:"every_seconds"`
+	Sample       int               `json:"sample"`
+	NextRun      *time.Time        `json:"next_run"`
+	Last         *reconcileSummary `json:"last"`
+}
+
+// handleLastReconcile is GET /reconcile/last.
+func (s *Service) handleLastReconcile(w http.ResponseWriter, _ *http.Request) {
+	writeJSON(w, http.StatusOK, lastReconcileResponse{
+		EverySeconds: s.cfg.ReconcileEvery.Seconds(),
+		Sample:       s.cfg.ReconcileSample,
+		NextRun:      s.nextReconcile.Load(),
+		Last:         s.lastReconcile.Load(),
+	})
+}
+
+// writeError maps the leaderboard's errors to HTTP answers. It is the one
+// place that decides which error is the client's and which is ours.
+func (s *Service) writeError(w http.ResponseWriter, r *http.Request, err error) {
+	var (
+		invalid  *leaderboard.ValidationError
+		conflict *leaderboard.IdempotencyConflictError
+		rangeErr *leaderboard.ScoreOutOfRangeError
+		stale    *leaderboard.StaleError
+	)
+	switch {
+	case errors.As(err, &invalid):
+		s.metrics.countSubmit(r.Context(), "invalid")
+		writeJSON(w, http.StatusUnprocessableEntity, errorResponse{Field: requestField(invalid.Field), Error: invalid.Reason})
+	case errors.As(err, &rangeErr):
+		s.metrics.countSubmit(r.Context(), "invalid")
+		writeJSON(w, http.StatusUnprocessableEntity, errorResponse{Field: "delta",
+			Error: fmt.Sprintf("the resulting score would leave [%d, %d]", leaderboard.MinScore, leaderboard.MaxScore)})
+	case errors.As(err, &conflict):
+		s.metrics.countSubmit(r.Context(), "conflict")
+		writeJSON(w, http.StatusConflict, errorResponse{EventID: conflict.EventID.String(),
+			Error: "this Idempotency-Key was already used for a different score event; use a new key for a new event"})
+	case errors.Is(err, leaderboard.ErrInvalidCursor):
+		writeJSON(w, http.StatusUnprocessableEntity, errorResponse{Field: "cursor", Error: "not a cursor of this leaderboard; pass next_cursor as returned"})
+	case errors.Is(err, leaderboard.ErrInvalidLimit):
+		writeJSON(w, http.StatusUnprocessableEntity, errorResponse{Field: "limit", Error: err.Error()})
+	case errors.Is(err, leaderboard.ErrUserNotFound):
+		writeJSON(w, http.StatusNotFound, errorResponse{Error: "user has no score on this leaderboard"})
+	case errors.As(err, &stale):
+		w.Header().Set("Retry-After", "1")
+		writeJSON(w, http.StatusServiceUnavailable, errorResponse{Error: "the leaderboard is catching up; retry shortly"})
+	case r.Context().Err() != nil:
+		// The client went away; nobody reads the answer.
+		w.WriteHeader(http.StatusServiceUnavailable)
+	default:
+		if r.URL.Path == "/scores" {
+			s.metrics.countSubmit(r.Context(), "error")
+		}
+		s.logger.Error("request failed", slog.String("method", r.Method), slog.String("path", r.URL.Path), slog.Any("err", err))
+		writeJSON(w, http.StatusInternalServerError, errorResponse{Error: "internal error"})
+	}
+}
+
+// requestField names a Command field as the request spells it.
+func requestField(commandField string) string {
+	switch commandField {
+	case "EventID":
+		return "Idempotency-Key"
+	case "UserID":
+		return "user_id"
+	case "Delta":
+		return "delta"
+	}
+	return commandField
+}
+
+func writeJSON(w http.ResponseWriter, status int, v any) {
+	w.Header().Set("Content-Type", "application/json; charset=utf-8")
+	w.Header().Set("Cache-Control", "no-store")
+	w.WriteHeader(status)
+	_ = json.NewEncoder(w).Encode(v)
+}

@@ -1,0 +1,102 @@
+// Command leaderboard-service serves a verity leaderboard over HTTP and
+// carries the operations an on-call engineer needs, in one binary.
+//
+//	go run ./examples/leaderboard-service                   # serve (the default)
+//	go run ./examples/leaderboard-service stats [--json]    # outbox backlog, dead letters, lag
+//	go run ./examples/leaderboard-service reconcile [--sample=N] [--dry-run] [--json]
+//	go run ./examples/leaderboard-service rebuild [--json]
+//	go run ./examples/leaderboard-service replay-dead [--limit=N] [--json]
+//
+// serve runs an HTTP JSON API over a leaderboard.Board:
+//
+//	POST /scores              {"user_id","delta"} + Idempotency-Key: <uuid>
+//	                          201 applied, 200 duplicate, 409 key reused for
+//	                          another command, 422 invalid input
+//	GET  /leaderboard         ?limit=&cursor=  entries, freshness, next cursor
+//	GET  /users/{id}/rank     ?at_least=<version> for read-your-writes
+//	GET  /healthz             PostgreSQL and Redis ping
+//	GET  /metrics             Prometheus text, from OpenTelemetry instruments
+//	GET  /stats               outbox backlog (cached for a second)
+//	GET  /reconcile/last      the last scheduled reconcile report
+//	GET  /                    a live page: top 10, submit, rank, freshness
+//
+// together with the board's projection Worker and a sampled reconcile on a
+// schedule. SIGINT or SIGTERM stops it gracefully: no new connections,
+// in-flight requests finish, the worker settles its batch, every goroutine
+// exits.
+//
+// Servers come from --database-url / --redis-url, else DATABASE_URL /
+// REDIS_URL, else the local default ports, else private servers started from
+// local binaries (which die with the process). Every subcommand runs the
+// board's migration first; it is idempotent.
+package main
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"os"
+	"os/signal"
+	"syscall"
+)
+
+func main() {
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	code := run(ctx, os.Args[1:], os.Stdout, os.Stderr)
+	stop()
+	os.Exit(code)
+}
+
+// Exit codes.
+const (
+	exitOK    = 0
+	exitError = 1
+	exitUsage = 2
+)
+
+// run executes one subcommand and returns the process exit code.
+func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
+	name := "serve"
+	if len(args) > 0 && len(args[0]) > 0 && args[0][0] != '-' {
+		name, args = args[0], args[1:]
+	}
+	cmd, ok := commands[name]
+	if !ok {
+		fmt.Fprintf(stderr, "leaderboard-service: unknown command %q\n\n", name)
+		usage(stderr)
+		return exitUsage
+	}
+	opts, err := parseFlags(name, args, stderr)
+	if err != nil {
+		return exitUsage
+	}
+	if err := cmd.run(ctx, opts, stdout, stderr); err != nil {
+		fmt.Fprintf(stderr, "leaderboard-service %s: %v\n", name, err)
+		return exitError
+	}
+	return exitOK
+}
+
+type command struct {
+	summary string
+	run     func(ctx context.Context, opts *options, stdout, stderr io.Writer) error
+}
+
+var commands = map[string]command{
+	"serve":       {"run the HTTP service, the projection worker and the scheduled reconcile (default)", cmdServe},
+	"stats":       {"print the outbox backlog, dead letters and the board's projection lag", cmdStats},
+	"reconcile":   {"compare the board's PostgreSQL rows with Redis and repair drift", cmdReconcile},
+	"rebuild":     {"rebuild the board's Redis sorted set from PostgreSQL and switch atomically", cmdRebuild},
+	"replay-dead": {"move the board's dead-lettered outbox rows back for delivery", cmdReplayDead},
+}
+
+var commandOrder = []string{"serve", "stats", "reconcile", "rebuild", "replay-dead"}
+
+func usage(w io.Writer) {
+	fmt.Fprintln(w, "usage: leaderboard-service [command] [flags]")
+	fmt.Fprintln(w, "\ncommands:")
+	for _, name := range commandOrder {
+		fmt.Fprintf(w, "  %-12s %s\n", name, commands[name].summary)
+	}
+	fmt.Fprintln(w, "\nrun 'leaderboard-service <command> --help' for its flags")
+}

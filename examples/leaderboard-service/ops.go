@@ -1,0 +1,288 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net"
+	"slices"
+	"strings"
+	"text/tabwriter"
+	"time"
+
+	"github.com/verity-go/verity/outbox"
+	"github.com/verity-go/verity/reconcile"
+)
+
+// cmdServe runs the service until ctx is cancelled (SIGINT, SIGTERM).
+func cmdServe(ctx context.Context, o *options, _, stderr io.Writer) error {
+	logger, err := o.logger(stderr)
+	if err != nil {
+		return err
+	}
+	d, err := connect(ctx, o, logger)
+	if err != nil {
+		return err
+	}
+	defer d.close()
+	svc, err := NewService(d.pool, d.rdb, d.board, ServiceConfig{
+		ReconcileEvery:  o.reconcileEvery,
+		ReconcileSample: o.reconcileSample,
+		Logger:          logger,
+	})
+	if err != nil {
+		return err
+	}
+	defer svc.Close()
+	ln, err := (&net.ListenConfig{}).Listen(ctx, "tcp", o.addr)
+	if err != nil {
+		return err
+	}
+	return svc.Run(ctx, ln)
+}
+
+// opsDeps connects for an ops subcommand, whose logs stay quiet unless
+// asked for: its output is the report.
+func opsDeps(ctx context.Context, o *options, stderr io.Writer) (*deps, error) {
+	if o.logLevel == "info" {
+		o.logLevel = "warn"
+	}
+	logger, err := o.logger(stderr)
+	if err != nil {
+		return nil, err
+	}
+	return connect(ctx, o, logger)
+}
+
+// cmdStats prints the outbox backlog and the board's projection lag.
+func cmdStats(ctx context.Context, o *options, stdout, stderr io.Writer) error {
+	d, err := opsDeps(ctx, o, stderr)
+	if err != nil {
+		return err
+	}
+	defer d.close()
+	w, err := d.board.Worker(nil)
+	if err != nil {
+		return err
+	}
+	snap := readSnapshot(ctx, w.Relay(), d.board)
+	if snap.Err != nil {
+		return snap.Err
+	}
+	st := toStats(d.board.Name(), snap)
+	if o.json {
+		return printJSON(stdout, st)
+	}
+	tw := tabwriter.NewWriter(stdout, 0, 4, 2, ' ', 0)
+	fmt.Fprintf(tw, "board\t%s\n", st.Board)
+	fmt.Fprintf(tw, "outbox pending\t%d\t(in flight %d, retrying %d; all streams)\n", st.Pending, st.InFlight, st.Retrying)
+	fmt.Fprintf(tw, "oldest pending\t%s\n", humanDuration(snap.Outbox.OldestPendingAge))
+	fmt.Fprintf(tw, "dead letters\t%d\n", st.DeadLetters)
+	fmt.Fprintf(tw, "projection lag\t%s\t(%s)\n", lagText(snap.Freshness.Lag), projectedThroughText(st.Freshness))
+	if err := tw.Flush(); err != nil {
+		return err
+	}
+	if st.DeadLetters > 0 {
+		fmt.Fprintln(stdout, "\ndead letters wait for a fix and 'leaderboard-service replay-dead'")
+	}
+	return nil
+}
+
+// reconcileSummary is a reconcile.Report reduced to what a page, a script
+// or a person reads: counts by name, no examples.
+type reconcileSummary struct {
+	Started    time.Time        `json:"started"`
+	DurationMS float64          `json:"duration_ms"`
+	Sampled    bool             `json:"sampled"`
+	DryRun     bool             `json:"dry_run"`
+	Checked    int64            `json:"checked"`
+	Scanned    int64            `json:"scanned"`
+	Counts     map[string]int64 `json:"counts"`
+	Results    map[string]int64 `json:"results"`
+	Drift      int64            `json:"drift"`
+	Repaired   int64            `json:"repaired"`
+	Skipped    int64            `json:"skipped"`
+	Uncertain  int64            `json:"uncertain"`
+	Error      string           `json:"error,omitempty"`
+}
+
+func summarize(r *reconcile.Report, err error) *reconcileSummary {
+	sum := &reconcileSummary{Counts: map[string]int64{}, Results: map[string]int64{}}
+	if err != nil {
+		sum.Error = err.Error()
+	}
+	if r == nil {
+		sum.Started = time.Now().UTC()
+		return sum
+	}
+	sum.Started = r.Started.UTC()
+	sum.DurationMS = float64(r.Duration) / float64(time.Millisecond)
+	sum.Sampled, sum.DryRun = r.Sampled, r.DryRun
+	sum.Checked, sum.Scanned = r.Checked, r.Scanned
+	for c, n := range r.Counts {
+		sum.Counts[c.String()] = n
+	}
+	for res, n := range r.Results {
+		sum.Results[res.String()] = n
+	}
+	sum.Drift = r.Drift()
+	sum.Repaired, sum.Skipped, sum.Uncertain = r.Repaired, r.Skipped, r.Uncertain
+	return sum
+}
+
+// cmdReconcile runs one reconcile pass, full or sampled.
+func cmdReconcile(ctx context.Context, o *options, stdout, stderr io.Writer) error {
+	d, err := opsDeps(ctx, o, stderr)
+	if err != nil {
+		return err
+	}
+	defer d.close()
+	rec, err := d.board.Reconciler(nil)
+	if err != nil {
+		return err
+	}
+	report, runErr := rec.Run(ctx, reconcile.RunOptions{Sample: o.sample, DryRun: o.dryRun})
+	sum := summarize(report, runErr)
+	if o.json {
+		if err := printJSON(stdout, sum); err != nil {
+			return err
+		}
+		return runErr
+	}
+	mode := "full pass"
+	if sum.Sampled {
+		mode = fmt.Sprintf("sample of %d", o.sample)
+	}
+	if sum.DryRun {
+		mode += ", dry run"
+	}
+	fmt.Fprintf(stdout, "reconcile %s (%s): %d checked in %s\n", d.board.Name(), mode, sum.Checked, humanDuration(time.Duration(sum.DurationMS*float64(time.Millisecond))))
+	tw := tabwriter.NewWriter(stdout, 0, 4, 2, ' ', 0)
+	for _, c := range []reconcile.Class{reconcile.ClassCurrent, reconcile.ClassMissing, reconcile.ClassStale, reconcile.ClassCorrupt, reconcile.ClassAhead, reconcile.ClassOrphan} {
+		fmt.Fprintf(tw, "  %s\t%d\n", c, sum.Counts[c.String()])
+	}
+	if err := tw.Flush(); err != nil {
+		return err
+	}
+	fmt.Fprintf(stdout, "drift %d: repaired %d, skipped %d, uncertain %d\n", sum.Drift, sum.Repaired, sum.Skipped, sum.Uncertain)
+	if len(sum.Results) > 0 {
+		fmt.Fprintf(stdout, "results: %s\n", mapText(sum.Results))
+	}
+	if sum.Counts[reconcile.ClassAhead.String()]+sum.Counts[reconcile.ClassOrphan.String()] > 0 {
+		fmt.Fprintln(stdout, "ahead and orphan entries are reported, not repaired: investigate, then 'leaderboard-service rebuild'")
+	}
+	return runErr
+}
+
+// rebuildJSON is the rebuild subcommand's report.
+type rebuildJSON struct {
+	Board      string    `json:"board"`
+	Started    time.Time `json:"started"`
+	DurationMS float64   `json:"duration_ms"`
+	Rows       int64     `json:"rows"`
+	Applied    int64     `json:"applied"`
+	Kept       int64     `json:"kept"`
+	Switched   bool      `json:"switched"`
+}
+
+// cmdRebuild rebuilds the board's sorted set from PostgreSQL.
+func cmdRebuild(ctx context.Context, o *options, stdout, stderr io.Writer) error {
+	d, err := opsDeps(ctx, o, stderr)
+	if err != nil {
+		return err
+	}
+	defer d.close()
+	rec, err := d.board.Reconciler(nil)
+	if err != nil {
+		return err
+	}
+	r, err := rec.Rebuild(ctx)
+	if err != nil {
+		return err
+	}
+	out := rebuildJSON{Board: d.board.Name(), Started: r.Started.UTC(),
+		DurationMS: float64(r.Duration) / float64(time.Millisecond),
+		Rows:       r.Rows, Applied: r.Applied, Kept: r.Kept, Switched: r.Switched}
+	if o.json {
+		return printJSON(stdout, out)
+	}
+	fmt.Fprintf(stdout, "rebuild %s: %d rows copied in %s (%d written, %d kept newer live writes); switched: %t\n",
+		out.Board, out.Rows, humanDuration(r.Duration), out.Applied, out.Kept, out.Switched)
+	return nil
+}
+
+type replayJSON struct {
+	Board  string `json:"board"`
+	Stream string `json:"stream"`
+	Moved  int64  `json:"moved"`
+}
+
+// cmdReplayDead moves the board's dead letters back into the outbox.
+func cmdReplayDead(ctx context.Context, o *options, stdout, stderr io.Writer) error {
+	d, err := opsDeps(ctx, o, stderr)
+	if err != nil {
+		return err
+	}
+	defer d.close()
+	w, err := d.board.Worker(nil)
+	if err != nil {
+		return err
+	}
+	n, err := w.Relay().ReplayDead(ctx, outbox.ReplayFilter{Stream: d.board.Stream(), Limit: o.limit})
+	if err != nil {
+		return err
+	}
+	out := replayJSON{Board: d.board.Name(), Stream: d.board.Stream(), Moved: n}
+	if o.json {
+		return printJSON(stdout, out)
+	}
+	fmt.Fprintf(stdout, "replay-dead %s: moved %d dead letters of stream %q back to the outbox\n", out.Board, out.Moved, out.Stream)
+	return nil
+}
+
+func printJSON(w io.Writer, v any) error {
+	enc := json.NewEncoder(w)
+	enc.SetIndent("", "  ")
+	return enc.Encode(v)
+}
+
+func humanDuration(d time.Duration) string {
+	switch {
+	case d == 0:
+		return "0s"
+	case d < time.Millisecond:
+		return d.String()
+	case d < time.Second:
+		return d.Round(100 * time.Microsecond).String()
+	default:
+		return d.Round(time.Millisecond).String()
+	}
+}
+
+func lagText(lag time.Duration) string {
+	if lag < 0 {
+		return "unknown"
+	}
+	return humanDuration(lag)
+}
+
+func projectedThroughText(f freshnessJSON) string {
+	if f.ProjectedThrough == nil {
+		return "projected-through unknown"
+	}
+	return "everything before " + f.ProjectedThrough.Format(time.RFC3339Nano) + " is visible"
+}
+
+func mapText(m map[string]int64) string {
+	keys := make([]string, 0, len(m))
+	for k := range m {
+		keys = append(keys, k)
+	}
+	slices.Sort(keys)
+	parts := make([]string, 0, len(keys))
+	for _, k := range keys {
+		parts = append(parts, fmt.Sprintf("%s %d", k, m[k]))
+	}
+	return strings.Join(parts, ", ")
+}

@@ -1,0 +1,283 @@
+package main
+
+import (
+	"context"
+	"embed"
+	"errors"
+	"fmt"
+	"io/fs"
+	"log/slog"
+	"net"
+	"net/http"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/redis/go-redis/v9"
+	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
+
+	"github.com/verity-go/verity/leaderboard"
+	"github.com/verity-go/verity/outbox"
+	"github.com/verity-go/verity/reconcile"
+)
+
+//go:embed web
+var webFiles embed.FS
+
+// Service defaults.
+const (
+	// ShutdownTimeoutDefault bounds how long in-flight requests may take to
+	// finish after a shutdown signal.
+	ShutdownTimeoutDefault = 10 * time.Second
+	// statsTTL is how long an outbox Stats snapshot is reused: Stats counts
+	// the pending rows, so the page's polling and Prometheus scrapes must
+	// not each cost a count.
+	statsTTL = time.Second
+	// pingTimeout bounds each dependency ping of /healthz.
+	pingTimeout = 2 * time.Second
+)
+
+// ServiceConfig tunes a Service.
+type ServiceConfig struct {
+	// ReconcileEvery is the interval of the scheduled sampled reconcile;
+	// the first run starts with the service. Zero disables it.
+	ReconcileEvery time.Duration
+	// ReconcileSample is the number of random rows each scheduled reconcile
+	// checks. Zero means a full pass (only sensible for small boards).
+	ReconcileSample int
+	// ShutdownTimeout bounds graceful shutdown of the HTTP server.
+	// Defaults to ShutdownTimeoutDefault.
+	ShutdownTimeout time.Duration
+	// Relay tunes the projection worker's outbox relay (leave Schema, Table
+	// and Streams empty). Defaults to the outbox package's defaults.
+	Relay *outbox.RelayConfig
+	// Logger receives the service's logs. Defaults to discarding them.
+	Logger *slog.Logger
+}
+
+// Service is the leaderboard HTTP service: handlers over a Board, the
+// board's projection Worker and a scheduled sampled reconcile.
+type Service struct {
+	board      *leaderboard.Board
+	pool       *pgxpool.Pool
+	rdb        redis.UniversalClient
+	worker     *leaderboard.Worker
+	reconciler *reconcile.Reconciler
+	metrics    *metrics
+	cfg        ServiceConfig
+	logger     *slog.Logger
+	handler    http.Handler
+
+	lastReconcile atomic.Pointer[reconcileSummary]
+	nextReconcile atomic.Pointer[time.Time]
+
+	statsMu sync.Mutex
+	stats   *statsSnapshot
+}
+
+// NewService builds a Service for board. It starts nothing; see Run and
+// Handler. Close releases its metrics pipeline.
+func NewService(pool *pgxpool.Pool, rdb redis.UniversalClient, board *leaderboard.Board, cfg ServiceConfig) (*Service, error) {
+	if cfg.ShutdownTimeout == 0 {
+		cfg.ShutdownTimeout = ShutdownTimeoutDefault
+	}
+	if cfg.ReconcileEvery < 0 || cfg.ReconcileSample < 0 || cfg.ShutdownTimeout < 0 {
+		return nil, errors.New("ServiceConfig: ReconcileEvery, ReconcileSample and ShutdownTimeout must not be negative")
+	}
+	logger := cfg.Logger
+	if logger == nil {
+		logger = slog.New(slog.DiscardHandler)
+	}
+	relayCfg := &outbox.RelayConfig{Logger: logger}
+	if cfg.Relay != nil {
+		relayCfg = cfg.Relay
+	}
+	worker, err := board.Worker(&leaderboard.WorkerConfig{Relay: relayCfg})
+	if err != nil {
+		return nil, err
+	}
+	reconciler, err := board.Reconciler(&reconcile.Config{Logger: logger})
+	if err != nil {
+		return nil, err
+	}
+	s := &Service{
+		board: board, pool: pool, rdb: rdb,
+		worker: worker, reconciler: reconciler,
+		cfg: cfg, logger: logger,
+	}
+	if s.metrics, err = newMetrics(s); err != nil {
+		return nil, err
+	}
+	if s.handler, err = s.routes(); err != nil {
+		return nil, err
+	}
+	return s, nil
+}
+
+// Close shuts the metrics pipeline down. Call it after Run has returned.
+func (s *Service) Close() error {
+	return s.metrics.shutdown(context.Background())
+}
+
+// Handler returns the service's HTTP handler.
+func (s *Service) Handler() http.Handler { return s.handler }
+
+func (s *Service) routes() (http.Handler, error) {
+	mux := http.NewServeMux()
+	mux.HandleFunc("POST /scores", s.handleSubmit)
+	mux.HandleFunc("GET /leaderboard", s.handleLeaderboard)
+	mux.HandleFunc("GET /users/{id}/rank", s.handleRank)
+	mux.HandleFunc("GET /healthz", s.handleHealth)
+	mux.HandleFunc("GET /stats", s.handleStats)
+	mux.HandleFunc("GET /reconcile/last", s.handleLastReconcile)
+	mux.Handle("GET /metrics", s.metrics.handler)
+	static, err := fs.Sub(webFiles, "web")
+	if err != nil {
+		return nil, err
+	}
+	mux.Handle("GET /{$}", http.FileServerFS(static))
+	return s.metrics.instrument(mux), nil
+}
+
+// Run serves HTTP on ln and runs the projection worker and the scheduled
+// reconcile until ctx is cancelled, then shuts down gracefully: the server
+// stops accepting connections and waits (up to ShutdownTimeout) for
+// in-flight requests, the worker settles its batch, and the reconcile loop
+// stops. Run returns after every goroutine it started has exited; it
+// returns nil after a cancellation, or the first error that stopped it.
+func (s *Service) Run(ctx context.Context, ln net.Listener) error {
+	srv := &http.Server{
+		Handler:           s.handler,
+		ReadHeaderTimeout: 5 * time.Second,
+		ReadTimeout:       30 * time.Second,
+		WriteTimeout:      30 * time.Second,
+		IdleTimeout:       2 * time.Minute,
+		ErrorLog:          slog.NewLogLogger(s.logger.Handler(), slog.LevelWarn),
+	}
+	// Background work stops when the service stops, whatever the reason.
+	bgCtx, stopBackground := context.WithCancel(ctx)
+	defer stopBackground()
+
+	var wg sync.WaitGroup
+	errs := make(chan error, 3)
+	wg.Go(func() {
+		if err := s.worker.Run(bgCtx); err != nil {
+			errs <- fmt.Errorf("worker: %w", err)
+		}
+	})
+	if s.cfg.ReconcileEvery > 0 {
+		wg.Go(func() { s.reconcileLoop(bgCtx) })
+	}
+	serveDone := make(chan struct{})
+	go func() {
+		defer close(serveDone)
+		if err := srv.Serve(ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
+			errs <- fmt.Errorf("http: %w", err)
+		}
+	}()
+	s.logger.Info("serving", slog.String("addr", ln.Addr().String()), slog.String("board", s.board.Name()))
+
+	var runErr error
+	select {
+	case <-ctx.Done():
+	case runErr = <-errs:
+	}
+	s.logger.Info("shutting down")
+	shutdownCtx, cancel := context.WithTimeout(context.Background(), s.cfg.ShutdownTimeout)
+	defer cancel()
+	if err := srv.Shutdown(shutdownCtx); err != nil {
+		// Requests still running past the timeout are cut off.
+		s.logger.Warn("http shutdown timed out; closing connections", slog.Any("err", err))
+		_ = srv.Close()
+	}
+	<-serveDone
+	stopBackground()
+	wg.Wait()
+	if runErr == nil {
+		select {
+		case runErr = <-errs:
+		default:
+		}
+	}
+	s.logger.Info("stopped")
+	return runErr
+}
+
+// reconcileLoop runs a sampled reconcile at once and then every
+// ReconcileEvery, keeping the last report for the page and /reconcile/last.
+func (s *Service) reconcileLoop(ctx context.Context) {
+	ticker := time.NewTicker(s.cfg.ReconcileEvery)
+	defer ticker.Stop()
+	for {
+		s.reconcileOnce(ctx)
+		next := time.Now().Add(s.cfg.ReconcileEvery)
+		s.nextReconcile.Store(&next)
+		select {
+		case <-ctx.Done():
+			return
+		case <-ticker.C:
+		}
+	}
+}
+
+func (s *Service) reconcileOnce(ctx context.Context) {
+	// A run never outlives its slot: the next one would only repeat it.
+	runCtx, cancel := context.WithTimeout(ctx, s.cfg.ReconcileEvery)
+	defer cancel()
+	report, err := s.reconciler.Run(runCtx, reconcile.RunOptions{Sample: s.cfg.ReconcileSample})
+	if ctx.Err() != nil {
+		return // shutting down: a cut-short report is not worth showing
+	}
+	sum := summarize(report, err)
+	s.lastReconcile.Store(sum)
+	s.metrics.recordReconcile(ctx, report, err)
+	if err != nil {
+		s.logger.Error("scheduled reconcile failed", slog.Any("err", err))
+		return
+	}
+	level := slog.LevelInfo
+	if report.Drift() > 0 {
+		level = slog.LevelWarn
+	}
+	s.logger.Log(ctx, level, "scheduled reconcile",
+		slog.Int64("checked", report.Checked), slog.Int64("drift", report.Drift()), slog.Int64("repaired", report.Repaired))
+}
+
+// statsSnapshot is the outbox backlog and the board's projection lag at one
+// moment, shared by /stats, the page and the metrics.
+type statsSnapshot struct {
+	At        time.Time
+	Outbox    outbox.Stats
+	Freshness leaderboard.Freshness
+	Err       error
+}
+
+// snapshot returns a statsSnapshot at most statsTTL old.
+func (s *Service) snapshot(ctx context.Context) *statsSnapshot {
+	s.statsMu.Lock()
+	defer s.statsMu.Unlock()
+	if s.stats != nil && time.Since(s.stats.At) < statsTTL {
+		return s.stats
+	}
+	s.stats = readSnapshot(ctx, s.worker.Relay(), s.board)
+	return s.stats
+}
+
+// readSnapshot reads the outbox backlog (Stats covers the whole outbox
+// table, every stream) and the board's freshness (the lag probe of a
+// one-entry read).
+func readSnapshot(ctx context.Context, relay *outbox.Relay, board *leaderboard.Board) *statsSnapshot {
+	snap := &statsSnapshot{At: time.Now()}
+	snap.Outbox, snap.Err = relay.Stats(ctx)
+	if snap.Err == nil {
+		var top leaderboard.Ranking
+		top, snap.Err = board.Top(ctx, 1)
+		snap.Freshness = top.Freshness
+	}
+	return snap
+}
+
+// MeterProvider returns the provider behind /metrics, for instruments of
+// other packages that should be exported with the service's.
+func (s *Service) MeterProvider() *sdkmetric.MeterProvider { return s.metrics.provider }
