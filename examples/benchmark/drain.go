@@ -1,0 +1,202 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/redis/go-redis/v9"
+	"golang.org/x/sync/errgroup"
+
+	"github.com/verity-go/verity/outbox"
+	"github.com/verity-go/verity/projection"
+)
+
+// drainStream is the outbox stream the drain figures project.
+const drainStream = "bench-drain"
+
+// runDrain measures how fast a pre-filled outbox is projected into a sorted
+// set: the library's relays (leased claim, no transaction held during the
+// Redis call, one batched gate call per batch, DELETE on acknowledgement)
+// against the seed's workers (a transaction per batch holding FOR UPDATE
+// SKIP LOCKED while one EVALSHA per event runs, pipelined, then UPDATE …
+// SET published_at). Both sides get the same rows, the same number of
+// workers and the same batch size; the clock runs from the first claim to
+// the last acknowledgement.
+func runDrain(ctx context.Context, e *env) ([]Figure, error) {
+	schema, err := e.schema(ctx, "drain")
+	if err != nil {
+		return nil, err
+	}
+	n, users := e.opts.Sizes.DrainRows, e.opts.Sizes.DrainUsers
+	var figs []Figure
+	for _, workers := range []int{e.opts.Relays, 1} {
+		rows := n
+		name := "drain"
+		if workers == 1 {
+			if e.opts.Relays == 1 {
+				break
+			}
+			// One worker each: where the gain comes from without concurrency.
+			rows, name = n/4, "drain_1_worker"
+		}
+		tag := fmt.Sprintf("w%d", workers)
+		lib, err := drainLibrary(ctx, e, schema, tag, rows, min(users, rows), workers)
+		if err != nil {
+			return nil, fmt.Errorf("library: %w", err)
+		}
+		e.log("drain: library %d workers: %.0f rows/s", workers, lib)
+		seed, err := drainSeed(ctx, e, schema, tag, rows, min(users, rows), workers)
+		if err != nil {
+			return nil, fmt.Errorf("seed: %w", err)
+		}
+		e.log("drain: seed %d workers: %.0f rows/s", workers, seed)
+		figs = append(figs, newFigure(name, "rows/s", lib, seed))
+	}
+	return figs, nil
+}
+
+// fillOutbox inserts n rows into the library outbox table: key
+// user-(i mod users), version rising per key, payload a base-10 score.
+func fillOutbox(ctx context.Context, pool *pgxpool.Pool, table, stream string, n, users int) error {
+	const chunk = 100_000
+	for lo := 0; lo < n; lo += chunk {
+		hi := min(lo+chunk, n)
+		_, err := pool.Exec(ctx, `INSERT INTO `+table+` (event_id, stream, key, version, payload)
+SELECT gen_random_uuid(), $3, 'user-' || (g % $4), g / $4 + 1, convert_to((g % 1000)::text, 'UTF8')
+FROM generate_series($1::bigint, $2::bigint - 1) AS g ORDER BY g`, lo, hi, stream, users)
+		if err != nil {
+			return err
+		}
+	}
+	_, err := pool.Exec(ctx, `ANALYZE `+table)
+	return err
+}
+
+// newOutbox migrates an outbox table in schema and returns its quoted name.
+func newOutbox(ctx context.Context, pool *pgxpool.Pool, schema, table string) (string, error) {
+	cfg := &outbox.Config{Schema: schema, Table: table}
+	if err := outbox.Migrate(ctx, pool, cfg); err != nil {
+		return "", err
+	}
+	w, err := outbox.NewWriter(cfg)
+	if err != nil {
+		return "", err
+	}
+	return w.Table(), nil
+}
+
+// drainRelays runs relays RunOnce loops over one outbox until none finds a
+// due row, and returns how many rows they handled. Polling (no LISTEN):
+// the backlog is there before they start.
+func drainRelays(ctx context.Context, pool *pgxpool.Pool, rdb redis.UniversalClient, schema, table, keyPrefix string, relays, batch int) (int64, error) {
+	projector, err := projection.NewRedisProjector(rdb, projection.SortedSetMapper("drain"), &projection.Config{Prefix: keyPrefix, Logger: quiet})
+	if err != nil {
+		return 0, err
+	}
+	if err := projector.Gate().Load(ctx); err != nil {
+		return 0, err
+	}
+	counts := make([]int64, relays)
+	g, gctx := errgroup.WithContext(ctx)
+	for i := range relays {
+		relay, err := outbox.NewRelay(pool, projector, &outbox.RelayConfig{
+			Schema: schema, Table: table, BatchSize: batch, DisableNotify: true,
+			Name: fmt.Sprintf("bench-%d", i), Logger: quiet,
+		})
+		if err != nil {
+			return 0, err
+		}
+		g.Go(func() error {
+			for {
+				n, err := relay.RunOnce(gctx)
+				counts[i] += int64(n)
+				if err != nil {
+					return err
+				}
+				if n == 0 {
+					return nil
+				}
+			}
+		})
+	}
+	err = g.Wait()
+	var total int64
+	for _, c := range counts {
+		total += c
+	}
+	return total, err
+}
+
+func drainLibrary(ctx context.Context, e *env, schema, tag string, n, users, relays int) (float64, error) {
+	table, err := newOutbox(ctx, e.pool, schema, "outbox_"+tag)
+	if err != nil {
+		return 0, err
+	}
+	if err := fillOutbox(ctx, e.pool, table, drainStream, n, users); err != nil {
+		return 0, err
+	}
+	kp := e.keyPrefix("drain-lib-" + tag)
+	start := time.Now()
+	handled, err := drainRelays(ctx, e.pool, e.rdb, schema, "outbox_"+tag, kp, relays, e.opts.BatchSize)
+	elapsed := time.Since(start)
+	if err != nil {
+		return 0, err
+	}
+	// Check the work was really done: nothing left, every member projected.
+	var left int64
+	if err := e.pool.QueryRow(ctx, `SELECT count(*) FROM `+table).Scan(&left); err != nil {
+		return 0, err
+	}
+	ks, err := projection.NewKeyspace(kp)
+	if err != nil {
+		return 0, err
+	}
+	card, err := e.rdb.ZCard(ctx, ks.ValueKey(projection.Target{Kind: projection.KindSortedSet, Name: "drain"})).Result()
+	if err != nil {
+		return 0, err
+	}
+	if left != 0 || handled != int64(n) || card != int64(users) {
+		return 0, fmt.Errorf("library drain incomplete: %d rows left, %d handled of %d, %d members of %d", left, handled, n, card, users)
+	}
+	return float64(n) / elapsed.Seconds(), nil
+}
+
+func drainSeed(ctx context.Context, e *env, schema, tag string, n, users, workers int) (float64, error) {
+	seed, err := newSeedDesign(ctx, e.pool, e.rdb, schema, "seed_"+tag+"_", e.keyPrefix("drain-seed-"+tag))
+	if err != nil {
+		return 0, err
+	}
+	if err := seed.fill(ctx, n, users); err != nil {
+		return 0, err
+	}
+	start := time.Now()
+	g, gctx := errgroup.WithContext(ctx)
+	for range workers {
+		g.Go(func() error {
+			for {
+				got, err := seed.drainBatch(gctx, nil)
+				if err != nil || got == 0 {
+					return err
+				}
+			}
+		})
+	}
+	if err := g.Wait(); err != nil {
+		return 0, err
+	}
+	elapsed := time.Since(start)
+	left, err := seed.pending(ctx)
+	if err != nil {
+		return 0, err
+	}
+	card, err := e.rdb.ZCard(ctx, seed.zset).Result()
+	if err != nil {
+		return 0, err
+	}
+	if left != 0 || card != int64(users) {
+		return 0, fmt.Errorf("seed drain incomplete: %d rows left, %d members of %d", left, card, users)
+	}
+	return float64(n) / elapsed.Seconds(), nil
+}

@@ -1,0 +1,244 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"math"
+	"os"
+	"slices"
+	"strings"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/redis/go-redis/v9"
+
+	"github.com/verity-go/verity/internal/services"
+)
+
+// Figure is one measured result: the library's value, the seed design's
+// value on the same servers, and their ratio value/baseline. Whether higher
+// or lower is better depends on the unit (rows/s: higher; ms, bytes: lower).
+type Figure struct {
+	Name     string  `json:"name"`
+	Value    float64 `json:"value"`
+	Unit     string  `json:"unit"`
+	Baseline float64 `json:"baseline"`
+	Ratio    float64 `json:"ratio"`
+}
+
+func newFigure(name, unit string, value, baseline float64) Figure {
+	ratio := 0.0
+	if baseline > 0 {
+		ratio = value / baseline
+	}
+	return Figure{Name: name, Value: value, Unit: unit, Baseline: baseline, Ratio: ratio}
+}
+
+// Sizes are the workload sizes of one run; quickSizes and fullSizes are
+// the two presets.
+type Sizes struct {
+	DrainRows      int           // outbox rows drained by each side
+	DrainUsers     int           // distinct members those rows project
+	IngestDuration time.Duration // how long each ingest variant runs
+	LagDuration    time.Duration // how long each lag variant offers load
+	CacheReads     int           // timed reads per cache variant
+	ReconcileUsers int           // rows in the reconciled table
+	MemoryMembers  int           // members projected for the memory figure
+	RSSSmall       int           // backlog of the small relay child
+	RSSLarge       int           // backlog of the large relay child
+}
+
+var (
+	quickSizes = Sizes{
+		DrainRows: 3_000, DrainUsers: 1_000,
+		IngestDuration: time.Second, LagDuration: time.Second,
+		CacheReads: 2_000, ReconcileUsers: 5_000, MemoryMembers: 2_000,
+		RSSSmall: 2_000, RSSLarge: 20_000,
+	}
+	fullSizes = Sizes{
+		DrainRows: 200_000, DrainUsers: 10_000,
+		IngestDuration: 10 * time.Second, LagDuration: 10 * time.Second,
+		CacheReads: 50_000, ReconcileUsers: 200_000, MemoryMembers: 100_000,
+		RSSSmall: 100_000, RSSLarge: 1_000_000,
+	}
+)
+
+// Options configure a harness run.
+type Options struct {
+	PostgresURL string // server URL, without a search_path
+	RedisURL    string
+	Sizes       Sizes
+	Relays      int // relays (library) and seed workers (baseline) draining together
+	BatchSize   int // rows per claim, both sides
+	SeedPoll    time.Duration
+	Only        []string // figure groups to run; empty means all
+	Suffix      string   // names this run's schemas and keys; random when empty
+	Progress    io.Writer
+}
+
+// figure groups, in the order they run.
+var groups = []string{"drain", "ingest", "lag", "cache", "reconcile", "memory", "rss"}
+
+// env is what every figure group gets: shared clients and the run's
+// namespaces. Every schema and key it hands out is removed by close.
+type env struct {
+	opts    Options
+	pool    *pgxpool.Pool
+	rdb     *redis.Client
+	suffix  string
+	prefix  string // Redis key prefix of the whole run
+	schemas []string
+	log     func(format string, args ...any)
+}
+
+// Run executes the selected figure groups one after another and returns
+// their figures. It always removes what it created.
+func Run(ctx context.Context, opts Options) (figs []Figure, err error) {
+	for _, g := range opts.Only {
+		if !slices.Contains(groups, g) {
+			return nil, fmt.Errorf("unknown figure group %q (have %s)", g, strings.Join(groups, ", "))
+		}
+	}
+	poolCfg, err := pgxpool.ParseConfig(opts.PostgresURL)
+	if err != nil {
+		return nil, fmt.Errorf("parsing the PostgreSQL URL: %w", err)
+	}
+	poolCfg.MaxConns = 24
+	pool, err := pgxpool.NewWithConfig(ctx, poolCfg)
+	if err != nil {
+		return nil, fmt.Errorf("connecting to PostgreSQL: %w", err)
+	}
+	defer pool.Close()
+	redisOpts, err := redis.ParseURL(opts.RedisURL)
+	if err != nil {
+		return nil, fmt.Errorf("parsing the Redis URL: %w", err)
+	}
+	redisOpts.PoolSize = 32
+	rdb := redis.NewClient(redisOpts)
+	defer rdb.Close()
+
+	suffix := opts.Suffix
+	if suffix == "" {
+		suffix = services.RandomSuffix(8)
+	}
+	e := &env{
+		opts:   opts,
+		pool:   pool,
+		rdb:    rdb,
+		suffix: suffix,
+		prefix: "verity-bench-" + suffix + ":",
+		log: func(format string, args ...any) {
+			if opts.Progress != nil {
+				fmt.Fprintf(opts.Progress, "%s  "+format+"\n", append([]any{time.Now().Format("15:04:05")}, args...)...)
+			}
+		},
+	}
+	defer func() { err = errors.Join(err, e.close(ctx)) }()
+
+	runners := map[string]func(context.Context, *env) ([]Figure, error){
+		"drain":     runDrain,
+		"ingest":    runIngest,
+		"lag":       runLag,
+		"cache":     runCache,
+		"reconcile": runReconcile,
+		"memory":    runMemory,
+		"rss":       runRSS,
+	}
+	for _, g := range groups {
+		if len(opts.Only) > 0 && !slices.Contains(opts.Only, g) {
+			continue
+		}
+		e.log("%s: start", g)
+		start := time.Now()
+		got, err := runners[g](ctx, e)
+		if err != nil {
+			return figs, fmt.Errorf("%s: %w", g, err)
+		}
+		e.log("%s: done in %s", g, time.Since(start).Round(time.Millisecond))
+		figs = append(figs, got...)
+	}
+	return figs, nil
+}
+
+// schema creates a fresh schema for one figure group; close drops it.
+func (e *env) schema(ctx context.Context, name string) (string, error) {
+	s := "verity_bench_" + e.suffix + "_" + name
+	if _, err := e.pool.Exec(ctx, "CREATE SCHEMA "+pgx.Identifier{s}.Sanitize()); err != nil {
+		return "", err
+	}
+	e.schemas = append(e.schemas, s)
+	return s, nil
+}
+
+// keyPrefix returns the Redis key prefix of one figure group.
+func (e *env) keyPrefix(name string) string { return e.prefix + name + ":" }
+
+func (e *env) close(ctx context.Context) error {
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Minute)
+	defer cancel()
+	var errs []error
+	for _, s := range e.schemas {
+		if _, err := e.pool.Exec(ctx, "DROP SCHEMA IF EXISTS "+pgx.Identifier{s}.Sanitize()+" CASCADE"); err != nil {
+			errs = append(errs, fmt.Errorf("dropping schema %s: %w", s, err))
+		}
+	}
+	if err := deletePrefix(ctx, e.rdb, e.prefix); err != nil {
+		errs = append(errs, fmt.Errorf("deleting keys under %s: %w", e.prefix, err))
+	}
+	return errors.Join(errs...)
+}
+
+// deletePrefix removes every key under prefix with SCAN + UNLINK (never
+// FLUSHDB: the server may be shared).
+func deletePrefix(ctx context.Context, rdb *redis.Client, prefix string) error {
+	iter := rdb.Scan(ctx, 0, prefix+"*", 1000).Iterator()
+	batch := make([]string, 0, 1000)
+	for iter.Next(ctx) {
+		batch = append(batch, iter.Val())
+		if len(batch) == cap(batch) {
+			if err := rdb.Unlink(ctx, batch...).Err(); err != nil {
+				return err
+			}
+			batch = batch[:0]
+		}
+	}
+	if err := iter.Err(); err != nil {
+		return err
+	}
+	if len(batch) > 0 {
+		return rdb.Unlink(ctx, batch...).Err()
+	}
+	return nil
+}
+
+// quiet is the logger handed to library components: the benchmark measures
+// them, it does not read their logs.
+var quiet = slog.New(slog.DiscardHandler)
+
+// percentile returns the p-th percentile (0 < p ≤ 1) of sorted samples,
+// nearest-rank.
+func percentile(sorted []time.Duration, p float64) time.Duration {
+	if len(sorted) == 0 {
+		return 0
+	}
+	i := int(math.Ceil(p*float64(len(sorted)))) - 1
+	return sorted[max(0, min(i, len(sorted)-1))]
+}
+
+func ms(d time.Duration) float64 { return float64(d) / float64(time.Millisecond) }
+func us(d time.Duration) float64 { return float64(d) / float64(time.Microsecond) }
+
+// qualify returns the quoted name of table in schema.
+func qualify(schema, table string) string { return pgx.Identifier{schema, table}.Sanitize() }
+
+// envOr returns os.Getenv(name) or def.
+func envOr(name, def string) string {
+	if v := os.Getenv(name); v != "" {
+		return v
+	}
+	return def
+}

@@ -1,0 +1,151 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"strconv"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/redis/go-redis/v9"
+
+	"github.com/verity-go/verity/leaderboard"
+	"github.com/verity-go/verity/projection"
+	"github.com/verity-go/verity/reconcile"
+)
+
+const (
+	reconcilePage   = 1_000
+	reconcileRounds = 2
+)
+
+// runReconcile measures a full reconciliation pass over a board of N users
+// whose projection is current: the board's reconcile.Reconciler (keyset
+// pages, the next page read while the current one is checked, orphan count
+// check at the end) against a hand-written loop doing the same comparison
+// the plain way (keyset pages of 1,000, then one pipelined ZMSCORE + HMGET
+// per page, one after the other). Rows per second of wall time; the two
+// alternate twice.
+func runReconcile(ctx context.Context, e *env) ([]Figure, error) {
+	schema, err := e.schema(ctx, "reconcile")
+	if err != nil {
+		return nil, err
+	}
+	cfg := &leaderboard.Config{Name: "bench", Schema: schema, KeyPrefix: e.keyPrefix("reconcile"), Logger: quiet}
+	if err := leaderboard.Migrate(ctx, e.pool, cfg); err != nil {
+		return nil, err
+	}
+	board, err := leaderboard.New(e.pool, e.rdb, cfg)
+	if err != nil {
+		return nil, err
+	}
+	n := e.opts.Sizes.ReconcileUsers
+	scores := qualify(schema, leaderboard.UserScoresTable)
+	if _, err := e.pool.Exec(ctx, `INSERT INTO `+scores+` (board, user_id, score, version)
+SELECT 'bench', 'user-' || lpad(g::text, 9, '0'), (g * 7919) % 100000, 1 + g % 5 FROM generate_series(1, $1::int) AS g`, n); err != nil {
+		return nil, err
+	}
+	if _, err := e.pool.Exec(ctx, `ANALYZE `+scores); err != nil {
+		return nil, err
+	}
+	rec, err := board.Reconciler(&reconcile.Config{PageSize: reconcilePage, Logger: quiet})
+	if err != nil {
+		return nil, err
+	}
+	// The first pass projects every row (all missing); the timed passes
+	// find everything current.
+	rep, err := rec.Run(ctx, reconcile.RunOptions{})
+	if err != nil {
+		return nil, err
+	}
+	if rep.Repaired != int64(n) {
+		return nil, fmt.Errorf("initial pass repaired %d of %d rows", rep.Repaired, n)
+	}
+	zkey := board.SortedSetKey()
+	vkey := board.Keyspace().VersionKey(projection.Target{Kind: projection.KindSortedSet, Name: board.Name()})
+
+	var lib, hand rate
+	for range reconcileRounds {
+		start := time.Now()
+		rep, err := rec.Run(ctx, reconcile.RunOptions{})
+		elapsed := time.Since(start)
+		if err != nil {
+			return nil, err
+		}
+		if rep.Checked != int64(n) || rep.Counts[reconcile.ClassCurrent] != int64(n) {
+			return nil, fmt.Errorf("reconciler checked %d rows, %d current, of %d", rep.Checked, rep.Counts[reconcile.ClassCurrent], n)
+		}
+		if err := lib.add(rep.Checked, elapsed, nil); err != nil {
+			return nil, err
+		}
+		if err := hand.add(handReconcile(ctx, e, scores, zkey, vkey, n)); err != nil {
+			return nil, err
+		}
+	}
+	e.log("reconcile: library %.0f rows/s, hand loop %.0f rows/s", lib.perSecond(), hand.perSecond())
+	return []Figure{newFigure("reconcile", "rows/s", lib.perSecond(), hand.perSecond())}, nil
+}
+
+// handReconcile is the baseline: keyset pages from PostgreSQL, each followed
+// by one pipelined ZMSCORE + HMGET round trip, compared row by row. It
+// returns the rows checked and the time taken, and fails unless all n rows
+// are current.
+func handReconcile(ctx context.Context, e *env, scores, zkey, vkey string, want int) (int64, time.Duration, error) {
+	start := time.Now()
+	firstSQL := `SELECT user_id::text, version, score FROM ` + scores + ` WHERE board = 'bench' ORDER BY user_id LIMIT $1`
+	nextSQL := `SELECT user_id::text, version, score FROM ` + scores + ` WHERE board = 'bench' AND user_id > $2::text COLLATE "C" ORDER BY user_id LIMIT $1`
+	var checked, current int64
+	after := ""
+	for {
+		var rows pgx.Rows
+		var err error
+		if checked == 0 {
+			rows, err = e.pool.Query(ctx, firstSQL, reconcilePage)
+		} else {
+			rows, err = e.pool.Query(ctx, nextSQL, reconcilePage, after)
+		}
+		if err != nil {
+			return 0, 0, err
+		}
+		type row struct {
+			user           string
+			version, score int64
+		}
+		page, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (row, error) {
+			var x row
+			err := r.Scan(&x.user, &x.version, &x.score)
+			return x, err
+		})
+		if err != nil {
+			return 0, 0, err
+		}
+		if len(page) == 0 {
+			break
+		}
+		members := make([]string, len(page))
+		for i, r := range page {
+			members[i] = r.user
+		}
+		pipe := e.rdb.Pipeline()
+		zs := pipe.ZMScore(ctx, zkey, members...)
+		vs := pipe.HMGet(ctx, vkey, members...)
+		if _, err := pipe.Exec(ctx); err != nil && err != redis.Nil {
+			return 0, 0, err
+		}
+		gotScores, gotVersions := zs.Val(), vs.Val()
+		for i, r := range page {
+			v, _ := gotVersions[i].(string)
+			// The board projects negated scores (see package leaderboard).
+			if v == strconv.FormatInt(r.version, 10) && gotScores[i] == float64(-r.score) {
+				current++
+			}
+		}
+		checked += int64(len(page))
+		after = page[len(page)-1].user
+	}
+	elapsed := time.Since(start)
+	if checked != int64(want) || current != int64(want) {
+		return 0, 0, fmt.Errorf("hand loop checked %d rows, %d current, of %d", checked, current, want)
+	}
+	return checked, elapsed, nil
+}
