@@ -507,3 +507,40 @@ func TestRunInvalidRowsFromAnySource(t *testing.T) {
 		require.Equal(t, Projected{}, b.state(t, r, "ok"), "nothing written")
 	}
 }
+
+// TestHazardousKeys reconciles keys that are empty or contain braces,
+// colons, glob characters, spaces and non-ASCII bytes.
+func TestHazardousKeys(t *testing.T) {
+	t.Parallel()
+	keys := []string{"", "a:b", "{x}", "}{", "*?[", "% 20", "ü→✓", "new\nline"}
+	for _, kind := range allKinds {
+		t.Run(kindName(kind), func(t *testing.T) {
+			t.Parallel()
+			b := setup(t, kind)
+			for i, k := range keys {
+				b.insert(t, k, 2)
+				switch i % 3 {
+				case 0: // missing
+				case 1:
+					b.project(t, k, 1) // stale
+				case 2:
+					b.project(t, k, 2)
+					b.setRaw(t, k, &projection.Value{Score: -7, Data: []byte("edited")}, nil)
+				}
+				b.project(t, "orphan"+k, 1)
+			}
+			r := b.reconciler(t, &Config{PageSize: 3, Policy: Policy{Orphan: ActionRepair}})
+			rep, err := r.Run(context.Background(), RunOptions{})
+			require.NoError(t, err)
+			require.Equal(t, map[Class]int64{ClassMissing: 3, ClassStale: 3, ClassCorrupt: 2, ClassOrphan: int64(len(keys))}, rep.Counts)
+			require.EqualValues(t, 8+len(keys), rep.Repaired)
+
+			rep, err = r.Run(context.Background(), RunOptions{})
+			require.NoError(t, err)
+			require.Equal(t, map[Class]int64{ClassCurrent: int64(len(keys))}, rep.Counts)
+			for _, k := range keys {
+				require.Equal(t, Projected{}, b.state(t, r, "orphan"+k), k)
+			}
+		})
+	}
+}
