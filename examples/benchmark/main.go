@@ -8,7 +8,7 @@
 // lower is better):
 //
 //   - drain: a pre-filled outbox projected into a sorted set by outbox.Relay
-//   - projection.RedisProjector, against the seed worker (a transaction
+//     and projection.RedisProjector, against the seed worker (a transaction
 //     holding FOR UPDATE SKIP LOCKED per batch, one EVALSHA per event with a
 //     marker key, pipelined, then UPDATE … SET published_at). Same rows, same
 //     worker count (-relays) and batch size. drain_1_worker: one each.
