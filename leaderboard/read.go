@@ -7,7 +7,9 @@ import (
 	"fmt"
 	"math"
 	"strconv"
+	"strings"
 	"time"
+	"unicode/utf8"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/redis/go-redis/v9"
@@ -148,6 +150,9 @@ func (b *Board) Page(ctx context.Context, cursorText string, n int, opts ...Read
 // Rank returns user's entry. It returns ErrUserNotFound when the user has
 // no score in the store that answered.
 func (b *Board) Rank(ctx context.Context, user string, opts ...ReadOption) (Entry, Freshness, error) {
+	if !storableUserID(user) {
+		return Entry{}, Freshness{}, ErrUserNotFound
+	}
 	var entry Entry
 	fresh, err := b.read(ctx, opts,
 		func(ctx context.Context) (err error) { entry, err = b.redisRank(ctx, user); return err },
@@ -165,6 +170,9 @@ func (b *Board) Rank(ctx context.Context, user string, opts ...ReadOption) (Entr
 func (b *Board) Around(ctx context.Context, user string, n int, opts ...ReadOption) (Ranking, error) {
 	if n < 0 || n > MaxPageSize {
 		return Ranking{}, ErrInvalidLimit
+	}
+	if !storableUserID(user) {
+		return Ranking{}, ErrUserNotFound
 	}
 	var entries []Entry
 	fresh, err := b.read(ctx, opts,
@@ -193,6 +201,17 @@ func (b *Board) Authoritative(ctx context.Context, n int) ([]Entry, error) {
 		return nil, err
 	}
 	return entries, nil
+}
+
+// Freshness reports the projection's current freshness without reading
+// it: the figure to export as a metric and alert on (with the outbox's own
+// Stats). It is measured at most once per Config.LagProbeInterval.
+func (b *Board) Freshness(ctx context.Context) Freshness { return b.freshness(ctx) }
+
+// storableUserID reports whether user could have been submitted: ids
+// PostgreSQL cannot store cannot have a score, and must not reach SQL.
+func storableUserID(user string) bool {
+	return user != "" && utf8.ValidString(user) && strings.IndexByte(user, 0) < 0
 }
 
 // ranking trims a page fetched with one extra entry and sets Next.

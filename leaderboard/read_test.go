@@ -134,6 +134,12 @@ func TestOrdering(t *testing.T) {
 	}
 	_, _, err = tb.board.Rank(ctx, "nobody", redisPolicy)
 	require.ErrorIs(t, err, ErrUserNotFound)
+	for _, bad := range []string{"", "bad\xff", "nul\x00"} {
+		_, _, err = tb.board.Rank(ctx, bad, WithPolicy(FallbackToPostgres), forcePostgres())
+		require.ErrorIs(t, err, ErrUserNotFound)
+		_, err = tb.board.Around(ctx, bad, 1, WithPolicy(FallbackToPostgres), forcePostgres())
+		require.ErrorIs(t, err, ErrUserNotFound)
+	}
 	_, err = tb.board.pgRank(ctx, "nobody")
 	require.ErrorIs(t, err, ErrUserNotFound)
 	_, err = tb.board.Around(ctx, "nobody", 1, redisPolicy)
@@ -224,6 +230,7 @@ func TestReadPolicies(t *testing.T) {
 		require.Equal(t, int64(10), r.Entries[0].Score)
 		require.Greater(t, r.Freshness.Lag, 59*time.Second)
 		require.WithinDuration(t, time.Now().Add(-r.Freshness.Lag), r.Freshness.ProjectedThrough, time.Second)
+		require.Greater(t, tb.board.Freshness(ctx).Lag, 59*time.Second)
 	})
 
 	t.Run("FallbackToPostgres", func(t *testing.T) {
