@@ -1,0 +1,354 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"net/http"
+	"net/url"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/redis/go-redis/v9"
+	"github.com/stretchr/testify/require"
+
+	"github.com/verity-go/verity/internal/testenv"
+	"github.com/verity-go/verity/leaderboard"
+)
+
+func TestSubmit(t *testing.T) {
+	t.Parallel()
+
+	t.Run("CreatedThenDuplicate", func(t *testing.T) {
+		t.Parallel()
+		tb := setup(t)
+		key := uuid.NewString()
+		first := tb.submit(t, key, `{"user_id":"ada","delta":42}`)
+		require.Equal(t, http.StatusCreated, first.status, "%s", first.body)
+		body := first.json(t)
+		require.Equal(t, map[string]any{"event_id": key, "user_id": "ada", "score": 42.0, "version": 1.0, "duplicate": false}, body)
+
+		again := tb.submit(t, key, `{"user_id":"ada","delta":42}`)
+		require.Equal(t, http.StatusOK, again.status, "%s", again.body)
+		body["duplicate"] = true
+		require.Equal(t, body, again.json(t))
+
+		events, queued := tb.counts(t)
+		require.Equal(t, 1, events, "a retried request is applied once")
+		require.Equal(t, 1, queued)
+	})
+
+	t.Run("ScoresAccumulate", func(t *testing.T) {
+		t.Parallel()
+		tb := setup(t)
+		require.Equal(t, http.StatusCreated, tb.submit(t, uuid.NewString(), `{"user_id":"ada","delta":40}`).status)
+		res := tb.submit(t, uuid.NewString(), `{"user_id":"ada","delta":-15}`)
+		require.Equal(t, http.StatusCreated, res.status, "%s", res.body)
+		body := res.json(t)
+		require.Equal(t, 25.0, body["score"])
+		require.Equal(t, 2.0, body["version"])
+	})
+
+	t.Run("ConflictingReuseOfKey", func(t *testing.T) {
+		t.Parallel()
+		tb := setup(t)
+		key := uuid.NewString()
+		require.Equal(t, http.StatusCreated, tb.submit(t, key, `{"user_id":"ada","delta":42}`).status)
+		for _, body := range []string{`{"user_id":"ada","delta":43}`, `{"user_id":"bob","delta":42}`} {
+			res := tb.submit(t, key, body)
+			require.Equal(t, http.StatusConflict, res.status, "%s", res.body)
+			got := res.json(t)
+			require.Equal(t, key, got["event_id"])
+			require.NotEmpty(t, got["error"])
+		}
+		events, queued := tb.counts(t)
+		require.Equal(t, 1, events)
+		require.Equal(t, 1, queued)
+	})
+
+	t.Run("InvalidInput", func(t *testing.T) {
+		t.Parallel()
+		tb := setup(t)
+		for _, tc := range []struct {
+			name, key, body string
+			status          int
+			field           string
+		}{
+			{"MissingKey", "", `{"user_id":"ada","delta":1}`, 422, "Idempotency-Key"},
+			{"KeyNotUUID", "order-17", `{"user_id":"ada","delta":1}`, 422, "Idempotency-Key"},
+			{"NilUUIDKey", uuid.Nil.String(), `{"user_id":"ada","delta":1}`, 422, "Idempotency-Key"},
+			{"EmptyUser", uuid.NewString(), `{"user_id":"","delta":1}`, 422, "user_id"},
+			{"MissingUser", uuid.NewString(), `{"delta":1}`, 422, "user_id"},
+			{"NULInUser", uuid.NewString(), `{"user_id":"a\u0000b","delta":1}`, 422, "user_id"},
+			{"UserTooLong", uuid.NewString(), fmt.Sprintf(`{"user_id":%q,"delta":1}`, strings.Repeat("x", 129)), 422, "user_id"},
+			{"UserNotString", uuid.NewString(), `{"user_id":7,"delta":1}`, 422, "user_id"},
+			{"MissingDelta", uuid.NewString(), `{"user_id":"ada"}`, 422, "delta"},
+			{"DeltaOutOfRange", uuid.NewString(), `{"user_id":"ada","delta":1001}`, 422, "delta"},
+			{"DeltaNotInteger", uuid.NewString(), `{"user_id":"ada","delta":1.5}`, 422, "delta"},
+			{"DeltaString", uuid.NewString(), `{"user_id":"ada","delta":"5"}`, 422, "delta"},
+			{"DeltaOverflowsInt64", uuid.NewString(), `{"user_id":"ada","delta":9223372036854775808}`, 422, "delta"},
+			{"UnknownField", uuid.NewString(), `{"userId":"ada","delta":1}`, 422, "userId"},
+			{"NotAnObject", uuid.NewString(), `[1,2]`, 422, ""},
+			{"MalformedJSON", uuid.NewString(), `{"user_id":"ada",`, 400, ""},
+			{"EmptyBody", uuid.NewString(), ``, 400, ""},
+			{"TrailingData", uuid.NewString(), `{"user_id":"ada","delta":1} {}`, 400, ""},
+		} {
+			t.Run(tc.name, func(t *testing.T) {
+				res := tb.submit(t, tc.key, tc.body)
+				require.Equal(t, tc.status, res.status, "%s", res.body)
+				got := res.json(t)
+				require.NotEmpty(t, got["error"])
+				if tc.field == "" {
+					require.NotContains(t, got, "field")
+				} else {
+					require.Equal(t, tc.field, got["field"], "%s", res.body)
+				}
+			})
+		}
+		events, queued := tb.counts(t)
+		require.Zero(t, events, "a refused request writes nothing")
+		require.Zero(t, queued)
+	})
+
+	t.Run("ScoreOutOfRange", func(t *testing.T) {
+		t.Parallel()
+		tb := setup(t, func(c *leaderboard.Config) { c.MinDelta, c.MaxDelta = leaderboard.MinScore, leaderboard.MaxScore })
+		require.Equal(t, http.StatusCreated, tb.submit(t, uuid.NewString(), fmt.Sprintf(`{"user_id":"ada","delta":%d}`, leaderboard.MaxScore)).status)
+		res := tb.submit(t, uuid.NewString(), `{"user_id":"ada","delta":1}`)
+		require.Equal(t, http.StatusUnprocessableEntity, res.status, "%s", res.body)
+		require.Equal(t, "delta", res.json(t)["field"])
+		events, _ := tb.counts(t)
+		require.Equal(t, 1, events)
+	})
+
+	t.Run("BodyTooLarge", func(t *testing.T) {
+		t.Parallel()
+		tb := setup(t)
+		res := tb.submit(t, uuid.NewString(), `{"user_id":"`+strings.Repeat("x", maxBodyBytes)+`","delta":1}`)
+		require.Equal(t, http.StatusRequestEntityTooLarge, res.status, "%s", res.body)
+	})
+
+	t.Run("WrongMethod", func(t *testing.T) {
+		t.Parallel()
+		tb := setup(t)
+		res := tb.do(t, http.MethodGet, "/scores", nil, "")
+		require.Equal(t, http.StatusMethodNotAllowed, res.status)
+		require.Contains(t, res.header.Get("Allow"), "POST")
+	})
+}
+
+func TestLeaderboard(t *testing.T) {
+	t.Parallel()
+
+	t.Run("PagesWithCursorAndFreshness", func(t *testing.T) {
+		t.Parallel()
+		tb := setup(t)
+		// Ties order by user id; "amy" and "bob" share 50.
+		for _, s := range []struct {
+			user  string
+			delta int
+		}{{"bob", 50}, {"cy", 70}, {"amy", 50}, {"dee", 10}, {"eve", 90}} {
+			require.Equal(t, http.StatusCreated, tb.submit(t, uuid.NewString(), fmt.Sprintf(`{"user_id":%q,"delta":%d}`, s.user, s.delta)).status)
+		}
+		tb.drain(t)
+
+		var seen []string
+		path := "/leaderboard?limit=2"
+		for pages := 0; ; pages++ {
+			require.Less(t, pages, 5, "pagination did not end")
+			res := tb.do(t, http.MethodGet, path, nil, "")
+			require.Equal(t, http.StatusOK, res.status, "%s", res.body)
+			body := res.json(t)
+			require.Equal(t, testBoard, body["board"])
+			fresh := body["freshness"].(map[string]any)
+			require.Equal(t, "redis", fresh["source"])
+			require.Equal(t, 0.0, fresh["lag_ms"], "everything was drained")
+			require.NotNil(t, fresh["projected_through"])
+			for _, e := range body["entries"].([]any) {
+				e := e.(map[string]any)
+				seen = append(seen, fmt.Sprintf("%v:%v:%v", e["rank"], e["user_id"], e["score"]))
+			}
+			next, _ := body["next_cursor"].(string)
+			if next == "" {
+				break
+			}
+			path = "/leaderboard?limit=2&cursor=" + url.QueryEscape(next)
+		}
+		require.Equal(t, []string{"1:eve:90", "2:cy:70", "3:amy:50", "4:bob:50", "5:dee:10"}, seen)
+	})
+
+	t.Run("DefaultLimitAndEmptyBoard", func(t *testing.T) {
+		t.Parallel()
+		tb := setup(t)
+		res := tb.do(t, http.MethodGet, "/leaderboard", nil, "")
+		require.Equal(t, http.StatusOK, res.status, "%s", res.body)
+		body := res.json(t)
+		require.Equal(t, []any{}, body["entries"])
+		require.NotContains(t, body, "next_cursor")
+
+		for i := range 12 {
+			require.Equal(t, http.StatusCreated, tb.submit(t, uuid.NewString(), fmt.Sprintf(`{"user_id":"u%02d","delta":%d}`, i, i+1)).status)
+		}
+		tb.drain(t)
+		body = tb.do(t, http.MethodGet, "/leaderboard", nil, "").json(t)
+		require.Len(t, body["entries"], defaultLimit)
+		require.NotEmpty(t, body["next_cursor"])
+	})
+
+	t.Run("ShowsLagWhileWorkerIsBehind", func(t *testing.T) {
+		t.Parallel()
+		tb := setup(t, func(c *leaderboard.Config) { c.LagProbeInterval = 1 })
+		require.Equal(t, http.StatusCreated, tb.submit(t, uuid.NewString(), `{"user_id":"ada","delta":5}`).status)
+		// Nothing drained: the projection is empty and says it is behind.
+		require.Eventually(t, func() bool {
+			body := tb.do(t, http.MethodGet, "/leaderboard", nil, "").json(t)
+			return len(body["entries"].([]any)) == 0 && body["freshness"].(map[string]any)["lag_ms"].(float64) > 0
+		}, 5*time.Second, 20*time.Millisecond)
+	})
+
+	t.Run("InvalidParameters", func(t *testing.T) {
+		t.Parallel()
+		tb := setup(t)
+		for _, tc := range []struct{ query, field string }{
+			{"limit=0", "limit"}, {"limit=1001", "limit"}, {"limit=ten", "limit"},
+			{"cursor=not-a-cursor", "cursor"},
+		} {
+			res := tb.do(t, http.MethodGet, "/leaderboard?"+tc.query, nil, "")
+			require.Equal(t, http.StatusUnprocessableEntity, res.status, "%s: %s", tc.query, res.body)
+			require.Equal(t, tc.field, res.json(t)["field"])
+		}
+	})
+}
+
+func TestRank(t *testing.T) {
+	t.Parallel()
+
+	t.Run("FoundMissingAndEscapedIDs", func(t *testing.T) {
+		t.Parallel()
+		tb := setup(t)
+		odd := "team/a b?c#d {x}:é"
+		for _, s := range []struct {
+			user  string
+			delta int
+		}{{"ada", 30}, {odd, 20}, {"bob", 10}} {
+			require.Equal(t, http.StatusCreated, tb.submit(t, uuid.NewString(), fmt.Sprintf(`{"user_id":%q,"delta":%d}`, s.user, s.delta)).status)
+		}
+		tb.drain(t)
+
+		res := tb.do(t, http.MethodGet, "/users/"+url.PathEscape(odd)+"/rank", nil, "")
+		require.Equal(t, http.StatusOK, res.status, "%s", res.body)
+		body := res.json(t)
+		require.Equal(t, odd, body["user_id"])
+		require.Equal(t, 2.0, body["rank"])
+		require.Equal(t, 20.0, body["score"])
+		require.Equal(t, "redis", body["freshness"].(map[string]any)["source"])
+
+		res = tb.do(t, http.MethodGet, "/users/nobody/rank", nil, "")
+		require.Equal(t, http.StatusNotFound, res.status, "%s", res.body)
+		require.NotEmpty(t, res.json(t)["error"])
+	})
+
+	t.Run("ReadYourWrites", func(t *testing.T) {
+		t.Parallel()
+		tb := setup(t)
+		res := tb.submit(t, uuid.NewString(), `{"user_id":"ada","delta":30}`)
+		require.Equal(t, http.StatusCreated, res.status)
+		res = tb.submit(t, uuid.NewString(), `{"user_id":"ada","delta":3}`)
+		version := int(res.json(t)["version"].(float64))
+		tb.drain(t)
+		body := tb.do(t, http.MethodGet, fmt.Sprintf("/users/ada/rank?at_least=%d", version), nil, "").json(t)
+		require.Equal(t, 33.0, body["score"])
+		require.Equal(t, true, body["freshness"].(map[string]any)["at_least_met"])
+
+		// A version the projection has not reached: ServeStale answers
+		// anyway and says so.
+		body = tb.do(t, http.MethodGet, fmt.Sprintf("/users/ada/rank?at_least=%d", version+1), nil, "").json(t)
+		require.Equal(t, false, body["freshness"].(map[string]any)["at_least_met"])
+
+		for _, q := range []string{"0", "-1", "x"} {
+			res := tb.do(t, http.MethodGet, "/users/ada/rank?at_least="+q, nil, "")
+			require.Equal(t, http.StatusUnprocessableEntity, res.status)
+			require.Equal(t, "at_least", res.json(t)["field"])
+		}
+	})
+}
+
+func TestHealthz(t *testing.T) {
+	t.Parallel()
+
+	t.Run("OK", func(t *testing.T) {
+		t.Parallel()
+		tb := setup(t)
+		res := tb.do(t, http.MethodGet, "/healthz", nil, "")
+		require.Equal(t, http.StatusOK, res.status, "%s", res.body)
+		require.Equal(t, map[string]any{"status": "ok", "postgres": "ok", "redis": "ok"}, res.json(t))
+	})
+
+	t.Run("RedisDown", func(t *testing.T) {
+		t.Parallel()
+		pg := testenv.Postgres(t)
+		rs := testenv.StartRedis(t)
+		rdb := redis.NewClient(&redis.Options{Addr: rs.Addr(), MaxRetries: -1})
+		t.Cleanup(func() { _ = rdb.Close() })
+		cfg := &leaderboard.Config{Name: testBoard, Schema: pg.Schema}
+		require.NoError(t, leaderboard.Migrate(context.Background(), pg.Pool, cfg))
+		board, err := leaderboard.New(pg.Pool, rdb, cfg)
+		require.NoError(t, err)
+		svc, err := NewService(pg.Pool, rdb, board, ServiceConfig{})
+		require.NoError(t, err)
+		t.Cleanup(func() { _ = svc.Close() })
+		tb := &testBundle{srv: newServer(t, svc)}
+
+		require.Equal(t, http.StatusOK, tb.do(t, http.MethodGet, "/healthz", nil, "").status)
+		require.NoError(t, rs.Stop())
+		res := tb.do(t, http.MethodGet, "/healthz", nil, "")
+		require.Equal(t, http.StatusServiceUnavailable, res.status, "%s", res.body)
+		body := res.json(t)
+		require.Equal(t, "unavailable", body["status"])
+		require.Equal(t, "ok", body["postgres"])
+		require.NotEqual(t, "ok", body["redis"])
+	})
+}
+
+func TestMetrics(t *testing.T) {
+	t.Parallel()
+	tb := setup(t)
+	require.Equal(t, http.StatusCreated, tb.submit(t, uuid.NewString(), `{"user_id":"ada","delta":1}`).status)
+	require.Equal(t, http.StatusUnprocessableEntity, tb.submit(t, "", `{"user_id":"ada","delta":1}`).status)
+
+	res := tb.do(t, http.MethodGet, "/metrics", nil, "")
+	require.Equal(t, http.StatusOK, res.status)
+	text := string(res.body)
+	for _, want := range []string{
+		`verity_service_http_requests_total{`,
+		`route="POST /scores"`,
+		`verity_service_submits_total{`,
+		`outcome="applied"`,
+		`verity_service_outbox_pending{`,
+		`verity_service_projection_lag_seconds{`,
+		"go_goroutines ",
+		`service_name="leaderboard-service"`,
+	} {
+		require.Contains(t, text, want)
+	}
+	// One queued row, nothing projected yet.
+	require.Regexp(t, `(?m)^verity_service_outbox_pending\{[^}]*\} 1$`, text)
+	// Route labels are patterns, never raw paths with user ids.
+	tb.do(t, http.MethodGet, "/users/secret-user/rank", nil, "")
+	text = string(tb.do(t, http.MethodGet, "/metrics", nil, "").body)
+	require.Contains(t, text, `route="GET /users/{id}/rank"`)
+	require.NotContains(t, text, "secret-user")
+}
+
+func TestPage(t *testing.T) {
+	t.Parallel()
+	tb := setup(t)
+	res := tb.do(t, http.MethodGet, "/", nil, "")
+	require.Equal(t, http.StatusOK, res.status)
+	require.Contains(t, res.header.Get("Content-Type"), "text/html")
+	for _, id := range []string{`id="top"`, `id="submit-form"`, `id="rank-form"`, `id="freshness"`, `id="reconcile"`} {
+		require.Contains(t, string(res.body), id)
+	}
+	require.Equal(t, http.StatusNotFound, tb.do(t, http.MethodGet, "/index.html/x", nil, "").status)
+}
