@@ -182,6 +182,11 @@ func (b *Board) Submit(ctx context.Context, cmd Command) (Result, error) {
 	case isUniqueViolation(err):
 		// A twin committed after our snapshot; it is recorded now.
 		err = b.pool.QueryRow(ctx, b.sql.lookupEvent, cmd.EventID).Scan(&board, &user, &delta, &res.Score, &res.Version)
+		if errors.Is(err, pgx.ErrNoRows) {
+			// Not a score event: another writer of the same outbox holds
+			// this event id.
+			return Result{}, fmt.Errorf("leaderboard: event %s is already used by another outbox writer: %w", cmd.EventID, ErrIdempotencyConflict)
+		}
 		if err != nil {
 			return Result{}, fmt.Errorf("leaderboard: submit: reading the concurrent twin of event %s: %w", cmd.EventID, err)
 		}
@@ -248,6 +253,12 @@ func (b *Board) SubmitBatch(ctx context.Context, cmds []Command) ([]Result, erro
 		if err == nil || !isUniqueViolation(err) {
 			break
 		}
+	}
+	if isUniqueViolation(err) {
+		// Still colliding after retries: not a twin of ours (those are
+		// seen as prior events on the next attempt) but an event id that
+		// another writer of the same outbox holds.
+		return nil, fmt.Errorf("leaderboard: submit batch: an event id is already used by another outbox writer: %w", ErrIdempotencyConflict)
 	}
 	if err != nil {
 		return nil, err

@@ -149,8 +149,17 @@ func TestSubmit(t *testing.T) {
 		_, err = other.Submit(ctx, Command{EventID: id, UserID: "user-a", Delta: 10})
 		require.ErrorIs(t, err, ErrIdempotencyConflict)
 
+		// An event id held by another writer of the same outbox.
+		foreign := uuid.New()
+		_, err = tb.pg.Pool.Exec(ctx, `INSERT INTO verity_outbox (event_id, stream, key, version, payload) VALUES ($1, 'orders', 'o1', 1, '\x00')`, foreign)
+		require.NoError(t, err)
+		_, err = tb.board.Submit(ctx, Command{EventID: foreign, UserID: "user-a", Delta: 1})
+		require.ErrorIs(t, err, ErrIdempotencyConflict)
+		_, err = tb.board.SubmitBatch(ctx, []Command{{EventID: foreign, UserID: "user-a", Delta: 1}})
+		require.ErrorIs(t, err, ErrIdempotencyConflict)
+
 		events, users, queued := tb.counts(t)
-		require.Equal(t, []int{1, 1, 1}, []int{events, users, queued})
+		require.Equal(t, []int{1, 1, 2}, []int{events, users, queued})
 	})
 
 	t.Run("Validation", func(t *testing.T) {
