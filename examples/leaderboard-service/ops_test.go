@@ -1,0 +1,190 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"net/http"
+	"testing"
+
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
+	"github.com/redis/go-redis/v9"
+	"github.com/stretchr/testify/require"
+
+	"github.com/verity-go/verity/leaderboard"
+	"github.com/verity-go/verity/outbox"
+)
+
+// runCommand runs the binary's entry point in-process and returns its exit
+// code and outputs.
+func runCommand(t *testing.T, args ...string) (code int, stdout, stderr string) {
+	t.Helper()
+	var out, errOut bytes.Buffer
+	code = run(t.Context(), args, &out, &errOut)
+	return code, out.String(), errOut.String()
+}
+
+// runJSON runs a subcommand with --json and decodes its output into v.
+func (tb *testBundle) runJSON(t *testing.T, v any, cmd string, args ...string) {
+	t.Helper()
+	code, stdout, stderr := runCommand(t, append(append([]string{cmd, "--json"}, tb.opsFlags()...), args...)...)
+	require.Equal(t, exitOK, code, "stderr: %s", stderr)
+	require.NoError(t, json.Unmarshal([]byte(stdout), v), "stdout: %s", stdout)
+}
+
+// seed submits scores through the API and projects them.
+func (tb *testBundle) seed(t *testing.T, scores map[string]int) {
+	t.Helper()
+	for user, delta := range scores {
+		res := tb.submit(t, uuid.NewString(), fmt.Sprintf(`{"user_id":%q,"delta":%d}`, user, delta))
+		require.Equal(t, http.StatusCreated, res.status, "%s", res.body)
+	}
+	tb.drain(t)
+}
+
+// deadLetter appends an outbox row for the board that its projection
+// cannot parse, and has a one-attempt worker dead-letter it.
+func (tb *testBundle) deadLetter(t *testing.T) {
+	t.Helper()
+	ctx := context.Background()
+	w, err := outbox.NewWriter(&outbox.Config{Schema: tb.pg.Schema})
+	require.NoError(t, err)
+	require.NoError(t, pgx.BeginFunc(ctx, tb.pg.Pool, func(tx pgx.Tx) error {
+		return w.Append(ctx, tx, outbox.Message{EventID: uuid.New(), Stream: tb.board.Stream(), Key: "mallory", Version: 1, Payload: []byte("not a score")})
+	}))
+	worker, err := tb.board.Worker(&leaderboard.WorkerConfig{Relay: &outbox.RelayConfig{MaxAttempts: 1}})
+	require.NoError(t, err)
+	n, err := worker.RunOnce(ctx)
+	require.NoError(t, err)
+	require.Equal(t, 1, n)
+}
+
+func TestStatsCommand(t *testing.T) {
+	t.Parallel()
+	tb := setup(t)
+	for _, user := range []string{"ada", "bob", "ada"} {
+		require.Equal(t, http.StatusCreated, tb.submit(t, uuid.NewString(), fmt.Sprintf(`{"user_id":%q,"delta":5}`, user)).status)
+	}
+
+	var st statsJSON
+	tb.runJSON(t, &st, "stats")
+	require.Equal(t, testBoard, st.Board)
+	require.EqualValues(t, 3, st.Pending, "one outbox row per submit")
+	require.Positive(t, st.OldestPendingAgeMS)
+	require.Zero(t, st.DeadLetters)
+	require.Positive(t, st.Freshness.LagMS, "nothing projected yet")
+
+	tb.drain(t)
+	tb.deadLetter(t)
+	st = statsJSON{}
+	tb.runJSON(t, &st, "stats")
+	require.Zero(t, st.Pending)
+	require.Zero(t, st.OldestPendingAgeMS)
+	require.EqualValues(t, 1, st.DeadLetters)
+
+	code, stdout, stderr := runCommand(t, append([]string{"stats"}, tb.opsFlags()...)...)
+	require.Equal(t, exitOK, code, stderr)
+	require.Regexp(t, `(?m)^dead letters\s+1$`, stdout)
+	require.Regexp(t, `(?m)^outbox pending\s+0\s`, stdout)
+	require.Contains(t, stdout, "replay-dead")
+}
+
+func TestReconcileCommand(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	tb := setup(t)
+	tb.seed(t, map[string]int{"ada": 30, "bob": 20, "cy": 10})
+	// A hand edit: bob's projected score no longer matches PostgreSQL
+	// (the sorted set holds negated scores).
+	require.NoError(t, tb.rd.Client.ZAdd(ctx, tb.board.SortedSetKey(), redisZ(-999, "bob")).Err())
+
+	var dry reconcileSummary
+	tb.runJSON(t, &dry, "reconcile", "--dry-run")
+	require.True(t, dry.DryRun)
+	require.False(t, dry.Sampled)
+	require.EqualValues(t, 3, dry.Checked)
+	require.Equal(t, map[string]int64{"current": 2, "corrupt": 1}, dry.Counts)
+	require.Equal(t, map[string]int64{"dry-run": 1}, dry.Results)
+	require.Zero(t, dry.Repaired)
+	require.Equal(t, -999.0, tb.rd.Client.ZScore(ctx, tb.board.SortedSetKey(), "bob").Val(), "a dry run writes nothing")
+
+	code, stdout, stderr := runCommand(t, append([]string{"reconcile"}, tb.opsFlags()...)...)
+	require.Equal(t, exitOK, code, stderr)
+	require.Regexp(t, `(?m)^\s+corrupt\s+1$`, stdout)
+	require.Contains(t, stdout, "repaired 1")
+	require.Equal(t, -20.0, tb.rd.Client.ZScore(ctx, tb.board.SortedSetKey(), "bob").Val(), "repaired from PostgreSQL")
+
+	var sampled reconcileSummary
+	tb.runJSON(t, &sampled, "reconcile", "--sample=2")
+	require.True(t, sampled.Sampled)
+	require.EqualValues(t, 2, sampled.Checked)
+	require.Zero(t, sampled.Drift)
+}
+
+func TestRebuildCommand(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	tb := setup(t)
+	tb.seed(t, map[string]int{"ada": 30, "bob": 20, "cy": 10})
+	// Redis lost the board (an eviction, a restart without persistence).
+	require.NoError(t, tb.rd.Client.Del(ctx, tb.board.SortedSetKey()).Err())
+
+	var out rebuildJSON
+	tb.runJSON(t, &out, "rebuild")
+	require.True(t, out.Switched)
+	require.EqualValues(t, 3, out.Rows)
+	require.EqualValues(t, 3, out.Applied)
+
+	res := tb.do(t, http.MethodGet, "/leaderboard", nil, "").json(t)
+	require.Len(t, res["entries"], 3)
+	require.Equal(t, "ada", res["entries"].([]any)[0].(map[string]any)["user_id"])
+}
+
+func TestReplayDeadCommand(t *testing.T) {
+	t.Parallel()
+	tb := setup(t)
+	tb.deadLetter(t)
+
+	var out replayJSON
+	tb.runJSON(t, &out, "replay-dead")
+	require.EqualValues(t, 1, out.Moved)
+	require.Equal(t, tb.board.Stream(), out.Stream)
+
+	var st statsJSON
+	tb.runJSON(t, &st, "stats")
+	require.Zero(t, st.DeadLetters)
+	require.EqualValues(t, 1, st.Pending, "the row is back in the outbox")
+
+	code, stdout, stderr := runCommand(t, append([]string{"replay-dead"}, tb.opsFlags()...)...)
+	require.Equal(t, exitOK, code, stderr)
+	require.Contains(t, stdout, "moved 0 dead letters")
+}
+
+func TestCommandLine(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		name string
+		args []string
+		code int
+		err  string
+	}{
+		{"UnknownCommand", []string{"frobnicate"}, exitUsage, `unknown command "frobnicate"`},
+		{"UnknownFlag", []string{"stats", "--nope"}, exitUsage, "flag provided but not defined"},
+		{"ServeFlagOnOps", []string{"stats", "--addr=:1"}, exitUsage, "flag provided but not defined"},
+		{"NegativeSample", []string{"reconcile", "--sample=-1"}, exitUsage, "must not be negative"},
+		{"ExtraArgument", []string{"rebuild", "now"}, exitUsage, `unexpected argument "now"`},
+		{"BadLogLevel", []string{"stats", "--log-level=loud", "--database-url=postgres://127.0.0.1:1/x", "--redis-url=redis://127.0.0.1:1"}, exitError, "--log-level"},
+		{"UnreachableDatabase", []string{"stats", "--database-url=postgres://postgres@127.0.0.1:1/x?connect_timeout=2", "--redis-url=redis://127.0.0.1:1"}, exitError, "migrate"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			code, _, stderr := runCommand(t, tc.args...)
+			require.Equal(t, tc.code, code, stderr)
+			require.Contains(t, stderr, tc.err)
+		})
+	}
+}
+
+func redisZ(score float64, member string) redis.Z { return redis.Z{Score: score, Member: member} }
