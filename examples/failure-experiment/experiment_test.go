@@ -82,3 +82,17 @@ func keys(m map[string]any) []string {
 	}
 	return out
 }
+
+// TestCommandJSON runs the command's own path (service resolution, the
+// experiment, --json output) as the README invokes it.
+func TestCommandJSON(t *testing.T) {
+	t.Parallel()
+	testenv.Postgres(t) // skips, or fails under VERITY_TEST_REQUIRE_SERVICES, without servers
+	var out bytes.Buffer
+	require.NoError(t, run(context.Background(), &out, true))
+	var report Report
+	require.NoError(t, json.Unmarshal(out.Bytes(), &report))
+	require.Len(t, report.Stages, 6)
+	require.Equal(t, ReconcileFigures{Checked: 2, Current: 1, Corrupt: 1, Repaired: 1}, report.Reconcile)
+	require.True(t, report.OrderingMatch)
+}
