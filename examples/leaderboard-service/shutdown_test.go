@@ -1,0 +1,133 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"runtime"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/stretchr/testify/require"
+
+	"github.com/verity-go/verity/internal/services"
+)
+
+// TestRunShutsDownGracefully runs the whole service (HTTP, worker,
+// scheduled reconcile), uses it, cancels it, and checks that Run returns and
+// leaves no goroutine behind. It is not parallel on purpose: it counts the
+// process's goroutines, which other tests running at the same time would
+// change.
+func TestRunShutsDownGracefully(t *testing.T) {
+	tb := setup(t)
+	svc, err := NewService(tb.pg.Pool, tb.rd.Client, tb.board, ServiceConfig{ReconcileEvery: 50 * time.Millisecond, ReconcileSample: 10})
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = svc.Close() })
+	client := &http.Client{Transport: &http.Transport{DisableKeepAlives: true}, Timeout: 10 * time.Second}
+
+	before := runtime.NumGoroutine()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	base := "http://" + ln.Addr().String()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	done := make(chan error, 1)
+	go func() { done <- svc.Run(ctx, ln) }()
+
+	// The server answers, the worker projects, the reconcile loop reports.
+	req, err := http.NewRequest(http.MethodPost, base+"/scores", strings.NewReader(`{"user_id":"ada","delta":7}`))
+	require.NoError(t, err)
+	req.Header.Set("Idempotency-Key", uuid.NewString())
+	resp, err := client.Do(req)
+	require.NoError(t, err)
+	resp.Body.Close()
+	require.Equal(t, http.StatusCreated, resp.StatusCode)
+	require.Eventually(t, func() bool {
+		resp, err := client.Get(base + "/users/ada/rank")
+		if err != nil {
+			return false
+		}
+		resp.Body.Close()
+		return resp.StatusCode == http.StatusOK
+	}, 10*time.Second, 20*time.Millisecond, "the worker never projected the score")
+	require.Eventually(t, func() bool {
+		last := svc.lastReconcile.Load()
+		return last != nil && last.Checked == 1 && last.Error == ""
+	}, 10*time.Second, 20*time.Millisecond, "the scheduled reconcile never reported")
+
+	cancel()
+	select {
+	case err := <-done:
+		require.NoError(t, err)
+	case <-time.After(15 * time.Second):
+		t.Fatal("Run did not return after cancellation")
+	}
+	_, err = client.Get(base + "/healthz")
+	require.Error(t, err, "the listener is closed")
+
+	// Goroutines wind down asynchronously (connection readers notice the
+	// close); give them a moment, then compare.
+	deadline := time.Now().Add(5 * time.Second)
+	for runtime.NumGoroutine() > before && time.Now().Before(deadline) {
+		time.Sleep(20 * time.Millisecond)
+	}
+	if n := runtime.NumGoroutine(); n > before {
+		buf := make([]byte, 1<<20)
+		t.Fatalf("%d goroutines before Run, %d after it returned:\n%s", before, n, buf[:runtime.Stack(buf, true)])
+	}
+}
+
+// TestSIGTERM starts the real program as a subprocess, uses it, sends it
+// SIGTERM and expects a clean exit.
+func TestSIGTERM(t *testing.T) {
+	t.Parallel()
+	tb := setup(t)
+	port, err := services.FreePort()
+	require.NoError(t, err)
+	base := fmt.Sprintf("http://127.0.0.1:%d", port)
+
+	cmd := exec.Command(os.Args[0], append([]string{"serve", fmt.Sprintf("--addr=127.0.0.1:%d", port), "--reconcile-every=200ms"}, tb.opsFlags()...)...)
+	cmd.Env = append(os.Environ(), mainEnv+"=1")
+	var stderr bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &stderr, &stderr
+	require.NoError(t, cmd.Start())
+	exited := make(chan error, 1)
+	go func() { exited <- cmd.Wait() }()
+	t.Cleanup(func() { _ = cmd.Process.Kill() })
+
+	client := &http.Client{Timeout: 5 * time.Second}
+	require.Eventually(t, func() bool {
+		resp, err := client.Get(base + "/healthz")
+		if err != nil {
+			return false
+		}
+		resp.Body.Close()
+		return resp.StatusCode == http.StatusOK
+	}, 30*time.Second, 50*time.Millisecond, "the service never became healthy: %s", &stderr)
+
+	req, err := http.NewRequest(http.MethodPost, base+"/scores", strings.NewReader(`{"user_id":"ada","delta":7}`))
+	require.NoError(t, err)
+	req.Header.Set("Idempotency-Key", uuid.NewString())
+	resp, err := client.Do(req)
+	require.NoError(t, err)
+	resp.Body.Close()
+	require.Equal(t, http.StatusCreated, resp.StatusCode)
+
+	require.NoError(t, cmd.Process.Signal(syscall.SIGTERM))
+	select {
+	case err := <-exited:
+		require.NoError(t, err, "exit status; output:\n%s", &stderr)
+	case <-time.After(20 * time.Second):
+		t.Fatalf("no exit 20s after SIGTERM; output:\n%s", &stderr)
+	}
+	out := stderr.String()
+	require.Contains(t, out, "shutting down")
+	require.Contains(t, out, "msg=stopped")
+}
