@@ -65,6 +65,8 @@ type Board struct {
 		submit, lookupEvent, submitBatch string
 		overflowProbe                    string
 		top, page, rank, around, lag     string
+		sourceFirst, sourcePage          string
+		sourceSample, sourceLookup       string
 	}
 
 	lagMu    sync.Mutex
@@ -72,7 +74,7 @@ type Board struct {
 }
 
 // New returns the Board cfg names. It does not touch the database or Redis;
-// run Migrate (and outbox.Migrate) once before using it.
+// run Migrate once (per schema) before using it.
 func New(pool *pgxpool.Pool, rdb redis.UniversalClient, cfg *Config) (*Board, error) {
 	if pool == nil {
 		return nil, errors.New("leaderboard: New needs a *pgxpool.Pool")
@@ -109,6 +111,8 @@ func New(pool *pgxpool.Pool, rdb redis.UniversalClient, cfg *Config) (*Board, er
 	b.sql.submit, b.sql.lookupEvent, b.sql.submitBatch = r(submitSQL), r(lookupEventSQL), r(submitBatchSQL)
 	b.sql.overflowProbe = r(overflowProbeSQL)
 	b.sql.top, b.sql.page, b.sql.rank, b.sql.around, b.sql.lag = r(topSQL), r(pageSQL), r(rankSQL), r(aroundSQL), r(lagSQL)
+	b.sql.sourceFirst, b.sql.sourcePage = r(sourceFirstSQL), r(sourcePageSQL)
+	b.sql.sourceSample, b.sql.sourceLookup = r(sourceSampleSQL), r(sourceLookupSQL)
 	return b, nil
 }
 

@@ -73,7 +73,7 @@ WHERE board = $1::text AND user_id = ANY ($2::text[])`
 )
 
 func (s *boardSource) rows(ctx context.Context, q string, args ...any) ([]reconcile.Row, error) {
-	rows, err := s.pool.Query(ctx, renderSQL(q, s.cfg.Schema, ""), args...)
+	rows, err := s.pool.Query(ctx, q, args...)
 	if err != nil {
 		return nil, fmt.Errorf("leaderboard: source: %w", err)
 	}
@@ -94,17 +94,17 @@ func (s *boardSource) rows(ctx context.Context, q string, args ...any) ([]reconc
 func (s *boardSource) Page(ctx context.Context, after reconcile.Cursor, limit int) ([]reconcile.Row, error) {
 	key, ok := after.Key()
 	if !ok {
-		return s.rows(ctx, sourceFirstSQL, s.cfg.Name, limit)
+		return s.rows(ctx, s.sql.sourceFirst, s.cfg.Name, limit)
 	}
-	return s.rows(ctx, sourcePageSQL, s.cfg.Name, key, limit)
+	return s.rows(ctx, s.sql.sourcePage, s.cfg.Name, key, limit)
 }
 
 // Sample implements reconcile.Source.
 func (s *boardSource) Sample(ctx context.Context, n int) ([]reconcile.Row, error) {
-	return s.rows(ctx, sourceSampleSQL, s.cfg.Name, n)
+	return s.rows(ctx, s.sql.sourceSample, s.cfg.Name, n)
 }
 
 // Lookup implements reconcile.Source.
 func (s *boardSource) Lookup(ctx context.Context, keys []string) ([]reconcile.Row, error) {
-	return s.rows(ctx, sourceLookupSQL, s.cfg.Name, keys)
+	return s.rows(ctx, s.sql.sourceLookup, s.cfg.Name, keys)
 }
