@@ -30,6 +30,10 @@ func runDrain(ctx context.Context, e *env) ([]Figure, error) {
 		return nil, err
 	}
 	n, users := e.opts.Sizes.DrainRows, e.opts.Sizes.DrainUsers
+	workPool, err := e.workerPool(ctx)
+	if err != nil {
+		return nil, err
+	}
 	var figs []Figure
 	for _, workers := range []int{e.opts.Relays, 1} {
 		rows := n
@@ -42,12 +46,12 @@ func runDrain(ctx context.Context, e *env) ([]Figure, error) {
 			rows, name = n/4, "drain_1_worker"
 		}
 		tag := fmt.Sprintf("w%d", workers)
-		lib, err := drainLibrary(ctx, e, schema, tag, rows, min(users, rows), workers)
+		lib, err := drainLibrary(ctx, e, workPool, schema, tag, rows, min(users, rows), workers)
 		if err != nil {
 			return nil, fmt.Errorf("library: %w", err)
 		}
 		e.log("drain: library %d workers: %.0f rows/s", workers, lib)
-		seed, err := drainSeed(ctx, e, schema, tag, rows, min(users, rows), workers)
+		seed, err := drainSeed(ctx, e, workPool, schema, tag, rows, min(users, rows), workers)
 		if err != nil {
 			return nil, fmt.Errorf("seed: %w", err)
 		}
@@ -129,7 +133,7 @@ func drainRelays(ctx context.Context, pool *pgxpool.Pool, rdb redis.UniversalCli
 	return total, err
 }
 
-func drainLibrary(ctx context.Context, e *env, schema, tag string, n, users, relays int) (float64, error) {
+func drainLibrary(ctx context.Context, e *env, workPool *pgxpool.Pool, schema, tag string, n, users, relays int) (float64, error) {
 	table, err := newOutbox(ctx, e.pool, schema, "outbox_"+tag)
 	if err != nil {
 		return 0, err
@@ -139,7 +143,7 @@ func drainLibrary(ctx context.Context, e *env, schema, tag string, n, users, rel
 	}
 	kp := e.keyPrefix("drain-lib-" + tag)
 	start := time.Now()
-	handled, err := drainRelays(ctx, e.pool, e.rdb, schema, "outbox_"+tag, kp, relays, e.opts.BatchSize)
+	handled, err := drainRelays(ctx, workPool, e.rdb, schema, "outbox_"+tag, kp, relays, e.opts.BatchSize)
 	elapsed := time.Since(start)
 	if err != nil {
 		return 0, err
@@ -163,7 +167,7 @@ func drainLibrary(ctx context.Context, e *env, schema, tag string, n, users, rel
 	return float64(n) / elapsed.Seconds(), nil
 }
 
-func drainSeed(ctx context.Context, e *env, schema, tag string, n, users, workers int) (float64, error) {
+func drainSeed(ctx context.Context, e *env, workPool *pgxpool.Pool, schema, tag string, n, users, workers int) (float64, error) {
 	seed, err := newSeedDesign(ctx, e.pool, e.rdb, schema, "seed_"+tag+"_", e.keyPrefix("drain-seed-"+tag))
 	if err != nil {
 		return 0, err
@@ -171,6 +175,7 @@ func drainSeed(ctx context.Context, e *env, schema, tag string, n, users, worker
 	if err := seed.fill(ctx, n, users); err != nil {
 		return 0, err
 	}
+	seed.workerPool = workPool
 	start := time.Now()
 	g, gctx := errgroup.WithContext(ctx)
 	for range workers {

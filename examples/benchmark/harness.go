@@ -75,9 +75,16 @@ type Options struct {
 	Relays      int // relays (library) and seed workers (baseline) draining together
 	BatchSize   int // rows per claim, both sides
 	SeedPoll    time.Duration
-	Only        []string // figure groups to run; empty means all
-	Suffix      string   // names this run's schemas and keys; random when empty
-	Progress    io.Writer
+	// WorkerSyncCommit, when set, is the synchronous_commit setting of the
+	// connections that workers on both sides claim and acknowledge with,
+	// in the drain and lag figures. An experiment: "off" is safe for an
+	// at-least-once relay, since a claim or acknowledgement lost in a
+	// database crash only means a redelivery, which the version gate (and
+	// the seed's marker) answers as a duplicate.
+	WorkerSyncCommit string
+	Only             []string // figure groups to run; empty means all
+	Suffix           string   // names this run's schemas and keys; random when empty
+	Progress         io.Writer
 }
 
 // figure groups, in the order they run.
@@ -92,6 +99,7 @@ type env struct {
 	suffix  string
 	prefix  string // Redis key prefix of the whole run
 	schemas []string
+	workers *pgxpool.Pool
 	log     func(format string, args ...any)
 }
 
@@ -174,12 +182,35 @@ func (e *env) schema(ctx context.Context, name string) (string, error) {
 	return s, nil
 }
 
+// workerPool returns the pool that workers (relays and seed workers) use:
+// the shared pool, or one with Options.WorkerSyncCommit applied.
+func (e *env) workerPool(ctx context.Context) (*pgxpool.Pool, error) {
+	if e.workers != nil {
+		return e.workers, nil
+	}
+	if e.opts.WorkerSyncCommit == "" {
+		e.workers = e.pool
+		return e.pool, nil
+	}
+	cfg, err := pgxpool.ParseConfig(e.opts.PostgresURL)
+	if err != nil {
+		return nil, err
+	}
+	cfg.ConnConfig.RuntimeParams["synchronous_commit"] = e.opts.WorkerSyncCommit
+	cfg.MaxConns = 16
+	e.workers, err = pgxpool.NewWithConfig(ctx, cfg)
+	return e.workers, err
+}
+
 // keyPrefix returns the Redis key prefix of one figure group.
 func (e *env) keyPrefix(name string) string { return e.prefix + name + ":" }
 
 func (e *env) close(ctx context.Context) error {
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Minute)
 	defer cancel()
+	if e.workers != nil && e.workers != e.pool {
+		e.workers.Close()
+	}
 	var errs []error
 	for _, s := range e.schemas {
 		if _, err := e.pool.Exec(ctx, "DROP SCHEMA IF EXISTS "+pgx.Identifier{s}.Sanitize()+" CASCADE"); err != nil {

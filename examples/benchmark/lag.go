@@ -206,7 +206,11 @@ func lagLibrary(ctx context.Context, e *env, schema string, d time.Duration) ([]
 		}
 		return results, err
 	})
-	relay, err := outbox.NewRelay(e.pool, handler, &outbox.RelayConfig{
+	workers, err := e.workerPool(ctx)
+	if err != nil {
+		return nil, 0, err
+	}
+	relay, err := outbox.NewRelay(workers, handler, &outbox.RelayConfig{
 		Schema: schema, Table: board.Config().OutboxTable, Streams: []string{board.Stream()},
 		Name: "bench-lag", Logger: quiet,
 	})
@@ -256,6 +260,9 @@ func resetClock(c *lagClock) *lagClock {
 func lagSeed(ctx context.Context, e *env, schema string, d time.Duration) ([]time.Duration, float64, error) {
 	seed, err := newSeedDesign(ctx, e.pool, e.rdb, schema, "seed_", e.keyPrefix("lag-seed"))
 	if err != nil {
+		return nil, 0, err
+	}
+	if seed.workerPool, err = e.workerPool(ctx); err != nil {
 		return nil, 0, err
 	}
 	clock := newLagClock()

@@ -78,6 +78,8 @@ func mainErr(ctx context.Context, args []string, out, progress io.Writer) error 
 	relays := fs.Int("relays", 4, "relays (library) and seed workers (baseline) draining together")
 	batch := fs.Int("batch", outbox.BatchSizeDefault, "rows per claim, both sides (the seed's own is 100)")
 	seedPoll := fs.Duration("seed-poll", 10*time.Millisecond, "idle sleep of the seed worker in the lag figure (the seed has no wake-up)")
+	syncCommit := fs.String("worker-sync-commit", "", "experiment: synchronous_commit of the workers' connections in drain and lag, both sides (e.g. off)")
+	drainRows := fs.Int("drain-rows", 0, "override the drain backlog size (rows)")
 	silent := fs.Bool("silent", false, "no progress lines on stderr")
 	cpuProfile := fs.String("cpuprofile", "", "write a CPU profile of the run to this file")
 	traceFile := fs.String("trace", "", "write an execution trace of the run to this file")
@@ -91,7 +93,10 @@ func mainErr(ctx context.Context, args []string, out, progress io.Writer) error 
 	if *quick {
 		sizes = quickSizes
 	}
-	opts := Options{Sizes: sizes, Relays: *relays, BatchSize: *batch, SeedPoll: *seedPoll}
+	if *drainRows > 0 {
+		sizes.DrainRows = *drainRows
+	}
+	opts := Options{Sizes: sizes, Relays: *relays, BatchSize: *batch, SeedPoll: *seedPoll, WorkerSyncCommit: *syncCommit}
 	if *only != "" {
 		opts.Only = strings.Split(*only, ",")
 	}

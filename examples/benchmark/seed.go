@@ -35,7 +35,8 @@ const seedBatch = 100
 
 // seedDesign is one instance of the seed's tables and Redis keys.
 type seedDesign struct {
-	pool                   *pgxpool.Pool
+	pool                   *pgxpool.Pool // commands and fills
+	workerPool             *pgxpool.Pool // the worker's claims; pool unless set
 	rdb                    *redis.Client
 	events, scores, outbox string // quoted, schema-qualified
 	zset, versions         string // Redis keys
@@ -120,7 +121,11 @@ type seedRow struct {
 // is called. onProjected, if set, is called once the Redis writes are
 // done (before the commit). It returns the number of rows published.
 func (s *seedDesign) drainBatch(ctx context.Context, onProjected func([]seedRow)) (int, error) {
-	tx, err := s.pool.Begin(ctx)
+	pool := s.pool
+	if s.workerPool != nil {
+		pool = s.workerPool
+	}
+	tx, err := pool.Begin(ctx)
 	if err != nil {
 		return 0, err
 	}
