@@ -89,7 +89,7 @@ func Example() {
 
 func cleanup(rdb *redis.Client, prefix string) {
 	ctx := context.Background()
-	iter := rdb.Scan(ctx, 0, prefix+"*", 100).Iterator()
+	iter := rdb.Scan(ctx, 0, prefix+"*", 5000).Iterator()
 	for iter.Next(ctx) {
 		rdb.Unlink(ctx, iter.Val())
 	}
