@@ -38,6 +38,10 @@ var backends = []backend{
 		t.Cleanup(func() { _ = ring.Close() })
 		return ring, rd.Prefix
 	}},
+	{name: "Sentinel", connect: func(t *testing.T) (redis.UniversalClient, string) {
+		s := testenv.SharedRedisSentinel(t)
+		return s.Client(t), s.Prefix(t)
+	}},
 	{name: "Cluster", connect: func(t *testing.T) (redis.UniversalClient, string) {
 		c := testenv.SharedRedisCluster(t)
 		return c.Client(t), c.Prefix(t)

@@ -38,9 +38,17 @@ type RedisCluster struct {
 	replicas  int
 }
 
+// clusterNode is one redis-server process (a cluster node, or a Sentinel
+// deployment's master, replica or sentinel) that can be stopped and started
+// again on the same port with the same directory.
 type clusterNode struct {
 	port int
 	dir  string
+	// conf, when set, is a config file passed before the other arguments
+	// (Sentinel needs one it can rewrite).
+	conf string
+	// args follow the common ones (port, bind, dir, log).
+	args []string
 
 	mu   sync.Mutex
 	cmd  *exec.Cmd
@@ -104,6 +112,18 @@ func SharedRedisCluster(t testing.TB) *RedisCluster {
 // under it are deleted from every master when t ends.
 func (c *RedisCluster) Prefix(t testing.TB) string {
 	t.Helper()
+	prefix := uniquePrefix(t)
+	t.Cleanup(func() {
+		client := redis.NewClusterClient(&redis.ClusterOptions{Addrs: c.Addrs()})
+		defer client.Close()
+		if err := DeletePrefix(context.Background(), client, prefix); err != nil {
+			t.Logf("testenv: delete cluster keys under %q: %v", prefix, err)
+		}
+	})
+	return prefix
+}
+
+func uniquePrefix(t testing.TB) string {
 	var b strings.Builder
 	b.WriteString("t_")
 	for i, r := range t.Name() {
@@ -117,15 +137,7 @@ func (c *RedisCluster) Prefix(t testing.TB) string {
 		}
 	}
 	fmt.Fprintf(&b, "_%d_%d:", time.Now().UnixNano(), prefixSeq.Add(1))
-	prefix := b.String()
-	t.Cleanup(func() {
-		client := redis.NewClusterClient(&redis.ClusterOptions{Addrs: c.Addrs()})
-		defer client.Close()
-		if err := DeletePrefix(context.Background(), client, prefix); err != nil {
-			t.Logf("testenv: delete cluster keys under %q: %v", prefix, err)
-		}
-	})
-	return prefix
+	return b.String()
 }
 
 var prefixSeq atomic.Int64
@@ -161,13 +173,21 @@ func startRedisCluster(dir string, masters, replicasPerMaster int) (*RedisCluste
 	c := &RedisCluster{serverBin: serverBin, masters: masters, replicas: replicasPerMaster}
 	total := masters * (1 + replicasPerMaster)
 	for i := 0; i < total; i++ {
-		n := &clusterNode{dir: filepath.Join(dir, "node"+strconv.Itoa(i))}
+		n := &clusterNode{dir: filepath.Join(dir, "node"+strconv.Itoa(i)), args: []string{
+			"--save", "",
+			"--appendonly", "no",
+			"--cluster-enabled", "yes",
+			"--cluster-config-file", "nodes.conf",
+			"--cluster-node-timeout", strconv.Itoa(clusterNodeTimeoutMillis),
+			"--cluster-replica-validity-factor", "0",
+			"--repl-diskless-sync-delay", "0",
+		}}
 		if err := os.MkdirAll(n.dir, 0o755); err != nil {
 			c.close()
 			return nil, err
 		}
 		c.nodes = append(c.nodes, n)
-		if err := c.startFresh(ctx, n); err != nil {
+		if err := startFresh(ctx, serverBin, n); err != nil {
 			c.close()
 			return nil, fmt.Errorf("node %d: %w", i, err)
 		}
@@ -188,14 +208,20 @@ func startRedisCluster(dir string, masters, replicasPerMaster int) (*RedisCluste
 }
 
 // startFresh picks a free port pair (client and bus port) and starts n,
-// retrying with other ports if another process takes them first.
-func (c *RedisCluster) startFresh(ctx context.Context, n *clusterNode) error {
+// retrying with other ports if another process takes them first. prepare,
+// when not nil, runs once the port is known (to write a config file).
+func startFresh(ctx context.Context, bin string, n *clusterNode, prepare ...func() error) error {
 	var err error
 	for attempt := 0; attempt < 5; attempt++ {
 		if n.port, err = freeClusterPort(); err != nil {
 			continue
 		}
-		if err = c.startNode(ctx, n); err == nil {
+		for _, p := range prepare {
+			if err = p(); err != nil {
+				return err
+			}
+		}
+		if err = n.start(ctx, bin); err == nil {
 			return nil
 		}
 	}
@@ -227,26 +253,26 @@ func freeClusterPort() (int, error) {
 
 func (n *clusterNode) addr() string { return "127.0.0.1:" + strconv.Itoa(n.port) }
 
-func (c *RedisCluster) startNode(ctx context.Context, n *clusterNode) error {
+// start runs the node's redis-server and waits until it answers PING.
+func (n *clusterNode) start(ctx context.Context, bin string) error {
 	n.mu.Lock()
 	if n.cmd != nil {
 		n.mu.Unlock()
 		return errors.New("already running")
 	}
 	logPath := filepath.Join(n.dir, "redis.log")
-	cmd := exec.Command(c.serverBin,
+	var args []string
+	if n.conf != "" {
+		args = append(args, n.conf)
+	}
+	args = append(args,
 		"--port", strconv.Itoa(n.port),
 		"--bind", "127.0.0.1",
 		"--dir", n.dir,
 		"--logfile", logPath,
 		"--daemonize", "no",
-		"--save", "",
-		"--appendonly", "no",
-		"--cluster-enabled", "yes",
-		"--cluster-config-file", "nodes.conf",
-		"--cluster-node-timeout", strconv.Itoa(clusterNodeTimeoutMillis),
-		"--cluster-replica-validity-factor", "0",
 	)
+	cmd := exec.Command(bin, append(args, n.args...)...)
 	// The servers must not outlive the test binary, even if it is killed.
 	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL, Setpgid: true}
 	if err := cmd.Start(); err != nil {
@@ -308,9 +334,11 @@ func logTail(path string) string {
 	return string(b)
 }
 
-func (c *RedisCluster) close() {
+func (c *RedisCluster) close() { killAll(c.nodes) }
+
+func killAll(nodes []*clusterNode) {
 	var wg sync.WaitGroup
-	for _, n := range c.nodes {
+	for _, n := range nodes {
 		wg.Add(1)
 		go func() { defer wg.Done(); n.signal(syscall.SIGKILL) }()
 	}
@@ -351,7 +379,7 @@ func (c *RedisCluster) Start(t testing.TB, i int) {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	if err := c.startNode(ctx, c.nodes[i]); err != nil {
+	if err := c.nodes[i].start(ctx, c.serverBin); err != nil {
 		t.Fatalf("testenv: restart cluster node %d: %v", i, err)
 	}
 }
@@ -450,4 +478,163 @@ func (c *RedisCluster) MasterForSlot(t testing.TB, slot int) int {
 	}
 	t.Fatalf("testenv: master for slot %d: %v", slot, lastErr)
 	return -1
+}
+
+// RedisSentinel is a private Sentinel deployment: one master, its replicas
+// and one sentinel (quorum 1) monitoring it as SentinelMasterName, each a
+// redis-server process on a free port with persistence off.
+type RedisSentinel struct {
+	serverBin string
+	master    *clusterNode
+	replicas  []*clusterNode
+	sentinel  *clusterNode
+}
+
+// SentinelMasterName is the master name the sentinel monitors.
+const SentinelMasterName = "verity"
+
+var sharedSentinel struct {
+	once     sync.Once
+	sentinel *RedisSentinel
+	err      error
+}
+
+// SharedRedisSentinel returns one Sentinel deployment (a master, one
+// replica, one sentinel) shared by every test of the test binary, started on
+// first use. Isolate tests with Prefix. Like SharedRedisCluster, it is for
+// tests that do not stop its processes, which die with the test binary.
+func SharedRedisSentinel(t testing.TB) *RedisSentinel {
+	t.Helper()
+	sharedSentinel.once.Do(func() {
+		dir, err := os.MkdirTemp("", "verity-redis-sentinel-*")
+		if err != nil {
+			sharedSentinel.err = err
+			return
+		}
+		sharedSentinel.sentinel, sharedSentinel.err = startRedisSentinel(dir, 1)
+	})
+	if errors.Is(sharedSentinel.err, errClusterBinaries) {
+		skipOrFailCluster(t, sharedSentinel.err)
+	}
+	if sharedSentinel.err != nil {
+		t.Fatalf("testenv: start shared redis sentinel: %v", sharedSentinel.err)
+	}
+	return sharedSentinel.sentinel
+}
+
+func startRedisSentinel(dir string, replicas int) (*RedisSentinel, error) {
+	serverBin, err := exec.LookPath("redis-server")
+	if err != nil {
+		return nil, fmt.Errorf("%w: %v", errClusterBinaries, err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), clusterStartTimeout)
+	defer cancel()
+	persistenceOff := []string{"--save", "", "--appendonly", "no"}
+	s := &RedisSentinel{serverBin: serverBin}
+	fail := func(err error) (*RedisSentinel, error) {
+		killAll(s.nodes())
+		return nil, err
+	}
+
+	// No diskless-sync delay: replicas sync at once (the default waits 5s
+	// for more replicas to share the transfer).
+	s.master = &clusterNode{dir: filepath.Join(dir, "master"),
+		args: append([]string{"--repl-diskless-sync-delay", "0"}, persistenceOff...)}
+	if err := os.MkdirAll(s.master.dir, 0o755); err != nil {
+		return fail(err)
+	}
+	if err := startFresh(ctx, serverBin, s.master); err != nil {
+		return fail(fmt.Errorf("master: %w", err))
+	}
+	for i := 0; i < replicas; i++ {
+		n := &clusterNode{dir: filepath.Join(dir, "replica"+strconv.Itoa(i)),
+			args: append([]string{"--replicaof", "127.0.0.1", strconv.Itoa(s.master.port)}, persistenceOff...)}
+		s.replicas = append(s.replicas, n)
+		if err := os.MkdirAll(n.dir, 0o755); err != nil {
+			return fail(err)
+		}
+		if err := startFresh(ctx, serverBin, n); err != nil {
+			return fail(fmt.Errorf("replica %d: %w", i, err))
+		}
+	}
+	s.sentinel = &clusterNode{dir: filepath.Join(dir, "sentinel"), args: []string{"--sentinel"}}
+	s.sentinel.conf = filepath.Join(s.sentinel.dir, "sentinel.conf")
+	if err := os.MkdirAll(s.sentinel.dir, 0o755); err != nil {
+		return fail(err)
+	}
+	writeConf := func() error {
+		// Sentinel rewrites this file, so it must be its own and writable.
+		conf := fmt.Sprintf("sentinel monitor %s 127.0.0.1 %d 1\n"+
+			"sentinel down-after-milliseconds %s %d\n"+
+			"sentinel failover-timeout %s 10000\n",
+			SentinelMasterName, s.master.port, SentinelMasterName, clusterNodeTimeoutMillis, SentinelMasterName)
+		return os.WriteFile(s.sentinel.conf, []byte(conf), 0o644)
+	}
+	if err := startFresh(ctx, serverBin, s.sentinel, writeConf); err != nil {
+		return fail(fmt.Errorf("sentinel: %w", err))
+	}
+
+	// Ready when the sentinel names the master and every replica is in sync.
+	sc := redis.NewSentinelClient(&redis.Options{Addr: s.sentinel.addr(), MaxRetries: -1})
+	defer sc.Close()
+	mc := redis.NewClient(&redis.Options{Addr: s.master.addr(), MaxRetries: -1})
+	defer mc.Close()
+	for {
+		addr, err := sc.GetMasterAddrByName(ctx, SentinelMasterName).Result()
+		info, _ := mc.Info(ctx, "replication").Result()
+		if err == nil && len(addr) == 2 && addr[1] == strconv.Itoa(s.master.port) &&
+			strings.Count(info, ",state=online,") == replicas {
+			return s, nil
+		}
+		select {
+		case <-ctx.Done():
+			return fail(fmt.Errorf("sentinel deployment not ready (master %v, %v): %w", addr, err, ctx.Err()))
+		case <-time.After(50 * time.Millisecond):
+		}
+	}
+}
+
+func (s *RedisSentinel) nodes() []*clusterNode {
+	var nodes []*clusterNode
+	for _, n := range append([]*clusterNode{s.master, s.sentinel}, s.replicas...) {
+		if n != nil {
+			nodes = append(nodes, n)
+		}
+	}
+	return nodes
+}
+
+// SentinelAddr returns the sentinel's host:port.
+func (s *RedisSentinel) SentinelAddr() string { return s.sentinel.addr() }
+
+// MasterAddr returns the host:port of the master as started.
+func (s *RedisSentinel) MasterAddr() string { return s.master.addr() }
+
+// Client returns a Sentinel-backed client (redis.NewFailoverClient) for the
+// monitored master, closed when t ends.
+func (s *RedisSentinel) Client(t testing.TB) *redis.Client {
+	t.Helper()
+	client := redis.NewFailoverClient(&redis.FailoverOptions{
+		MasterName:    SentinelMasterName,
+		SentinelAddrs: []string{s.SentinelAddr()},
+	})
+	t.Cleanup(func() { _ = client.Close() })
+	return client
+}
+
+// Prefix returns a key prefix unique to t; keys under it are deleted from
+// the master when t ends.
+func (s *RedisSentinel) Prefix(t testing.TB) string {
+	t.Helper()
+	prefix := uniquePrefix(t)
+	t.Cleanup(func() {
+		client := redis.NewFailoverClient(&redis.FailoverOptions{
+			MasterName: SentinelMasterName, SentinelAddrs: []string{s.SentinelAddr()},
+		})
+		defer client.Close()
+		if err := DeletePrefix(context.Background(), client, prefix); err != nil {
+			t.Logf("testenv: delete sentinel keys under %q: %v", prefix, err)
+		}
+	})
+	return prefix
 }

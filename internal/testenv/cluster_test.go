@@ -6,6 +6,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/redis/go-redis/v9"
 	"github.com/stretchr/testify/require"
 )
 
@@ -72,4 +73,25 @@ func TestSharedRedisCluster(t *testing.T) {
 	require.Equal(t, "1", client.Get(ctx, p1+"x").Val())
 	require.NoError(t, DeletePrefix(ctx, client, p1))
 	require.Zero(t, client.Exists(ctx, p1+"x").Val(), "a prefix is usable with DeletePrefix")
+}
+
+func TestSharedRedisSentinel(t *testing.T) {
+	t.Parallel()
+
+	s := SharedRedisSentinel(t)
+	require.Same(t, s, SharedRedisSentinel(t))
+	ctx := context.Background()
+	client := s.Client(t)
+	prefix := s.Prefix(t)
+	require.NoError(t, client.Set(ctx, prefix+"k", "v", 0).Err())
+	require.Equal(t, "v", client.Get(ctx, prefix+"k").Val())
+
+	// The write reached the master the sentinel reports, and its replica.
+	master := redis.NewClient(&redis.Options{Addr: s.MasterAddr()})
+	t.Cleanup(func() { _ = master.Close() })
+	require.Equal(t, "v", master.Get(ctx, prefix+"k").Val())
+	replica := redis.NewClient(&redis.Options{Addr: s.replicas[0].addr()})
+	t.Cleanup(func() { _ = replica.Close() })
+	require.Eventually(t, func() bool { return replica.Get(ctx, prefix+"k").Val() == "v" },
+		5*time.Second, 10*time.Millisecond)
 }
