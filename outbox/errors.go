@@ -72,7 +72,7 @@ func (e *ConfigError) Is(target error) bool { return target == ErrInvalidConfig 
 type MessageError struct {
 	Index   int       // position of the message in the Append call
 	EventID uuid.UUID // its event id (possibly uuid.Nil)
-	Field   string    // "EventID", "Stream", "Key" or "Version"
+	Field   string    // "EventID", "Stream", "Key", "Version" or (RecordCommand) "Fingerprint"
 	Reason  string
 }
 

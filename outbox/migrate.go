@@ -9,7 +9,9 @@ import (
 	"sort"
 	"text/template"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
 )
 
 //go:embed migrations/*.sql
@@ -20,6 +22,12 @@ var migrationFiles embed.FS
 type Execer interface {
 	Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
 }
+
+var (
+	_ Execer = (*pgxpool.Pool)(nil)
+	_ Execer = (*pgx.Conn)(nil)
+	_ Execer = Tx(nil)
+)
 
 // migrationLockKey serialises concurrent Migrate calls (several processes
 // starting at once) with a transaction-scoped advisory lock: without it two

@@ -619,6 +619,46 @@ func TestRelayRun(t *testing.T) {
 		require.Eventually(t, func() bool { return len(h.seen()) == 1 }, 5*time.Second, 10*time.Millisecond)
 	})
 
+	t.Run("PollingOnly", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		h := &recorder{}
+		r := b.relay(t, nil, h, outbox.RelayConfig{DisableNotify: true, PollInterval: 50 * time.Millisecond})
+		startRun(t, r)
+		b.appendCommitted(t, newMessage("s", "a", 1))
+		require.Eventually(t, func() bool { return len(h.seen()) == 1 }, 5*time.Second, 10*time.Millisecond)
+		require.Zero(t, listenerPid(b), "no LISTEN connection with DisableNotify")
+	})
+
+	t.Run("SurvivesKilledConnections", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		h := &recorder{}
+		relayPool := testenv.NewPool(t, b.pg.ConnString)
+		r := b.relay(t, relayPool, h, outbox.RelayConfig{PollInterval: 100 * time.Millisecond, ReconnectBackoffMax: 100 * time.Millisecond})
+		startRun(t, r)
+		b.appendCommitted(t, newMessage("s", "a", 1))
+		require.Eventually(t, func() bool { return len(h.seen()) == 1 }, 5*time.Second, 10*time.Millisecond)
+
+		// Kill every connection the relay holds: pooled ones and the
+		// listener. The relay must recover on its own.
+		var pids []uint32
+		for _, c := range relayPool.AcquireAllIdle(ctx) {
+			pids = append(pids, c.Conn().PgConn().PID())
+			c.Release()
+		}
+		if pid := listenerPid(b); pid != 0 {
+			pids = append(pids, uint32(pid))
+		}
+		require.NotEmpty(t, pids)
+		for _, pid := range pids {
+			_, err := b.pool.Exec(ctx, `SELECT pg_terminate_backend($1)`, int(pid))
+			require.NoError(t, err)
+		}
+		b.appendCommitted(t, newMessage("s", "b", 1))
+		require.Eventually(t, func() bool { return len(h.seen()) == 2 }, 10*time.Second, 10*time.Millisecond)
+	})
+
 	t.Run("GracefulShutdownFinishesBatch", func(t *testing.T) {
 		t.Parallel()
 		b := setup(t)

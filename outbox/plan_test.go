@@ -1,0 +1,66 @@
+package outbox_test
+
+import (
+	"context"
+	"fmt"
+	"strings"
+	"testing"
+
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
+	"github.com/stretchr/testify/require"
+
+	"github.com/verity-go/verity/outbox"
+)
+
+// TestClaimPlanUsesIndexes guards the claim statement against plans that
+// scan the whole outbox. Prepared statements switch to a generic plan after
+// a few executions, so the test forces one and inspects it.
+func TestClaimPlanUsesIndexes(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	b := setup(t)
+	msgs := make([]outbox.Message, 5000)
+	for i := range msgs {
+		msgs[i] = newMessage("s", fmt.Sprint("k", i), 1)
+	}
+	b.appendCommitted(t, msgs...)
+	_, err := b.pool.Exec(ctx, `ANALYZE `+b.writer.Table())
+	require.NoError(t, err)
+
+	for _, streams := range [][]string{nil, {"s"}} {
+		r := b.relay(t, nil, &recorder{}, outbox.RelayConfig{Streams: streams})
+		plan := genericPlan(t, b, r.ClaimSQL(), streams != nil)
+		t.Logf("generic claim plan (streams %v):\n%s", streams, plan)
+		require.NotContains(t, plan, "Seq Scan", "the claim must not scan the whole outbox")
+		require.Contains(t, plan, "_pending_idx", "due rows come from the pending index")
+		require.Contains(t, plan, "_pkey", "claimed rows are found by primary key")
+	}
+}
+
+// genericPlan prepares the claim statement on a connection forced to use
+// generic plans and returns the EXPLAIN output (nothing is executed).
+func genericPlan(t *testing.T, b *testBundle, claimSQL string, withStreams bool) string {
+	t.Helper()
+	ctx := context.Background()
+	conn, err := b.pool.Acquire(ctx)
+	require.NoError(t, err)
+	defer conn.Release()
+	// The connection's session state is changed; do not return it to the pool.
+	defer func() { _ = conn.Conn().Close(ctx) }()
+
+	_, err = conn.Exec(ctx, `SET plan_cache_mode = force_generic_plan`)
+	require.NoError(t, err)
+	_, err = conn.Conn().Prepare(ctx, "claim", claimSQL)
+	require.NoError(t, err)
+	// EXPLAIN EXECUTE takes no bind parameters; the values are literals.
+	args := fmt.Sprintf("'%s', 30000000, 100", uuid.New())
+	if withStreams {
+		args += ", '{s}'"
+	}
+	rows, err := conn.Query(ctx, `EXPLAIN EXECUTE claim(`+args+`)`)
+	require.NoError(t, err)
+	lines, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	require.NoError(t, err)
+	return strings.Join(lines, "\n")
+}
