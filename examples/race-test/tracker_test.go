@@ -1,0 +1,84 @@
+package main
+
+import (
+	"testing"
+
+	"github.com/stretchr/testify/require"
+)
+
+// The metric definitions, on hand-made timelines.
+func TestTracker(t *testing.T) {
+	t.Parallel()
+
+	t.Run("ReadBeganBeforeAckIsNotStale", func(t *testing.T) {
+		t.Parallel()
+		tr := newTracker(1, 1)
+		read := tr.beginRead(0)
+		tr.acknowledge(2)
+		tr.endRead(read, 1, true)
+		tr.settle()
+		require.Zero(t, tr.staleAfterAck.Load())
+		require.Empty(t, tr.diverged)
+		require.EqualValues(t, 1, tr.writes)
+	})
+
+	t.Run("StaleAfterSettleIsDivergenceOncePerWrite", func(t *testing.T) {
+		t.Parallel()
+		tr := newTracker(1, 1)
+		tr.acknowledge(2)
+		tr.settle() // no read in flight: settled at once
+		require.EqualValues(t, 2, tr.settledFloor.Load())
+		for range 2 {
+			read := tr.beginRead(0)
+			tr.endRead(read, 1, true)
+		}
+		require.EqualValues(t, 2, tr.staleAfterAck.Load())
+		require.Equal(t, map[int64]bool{2: true}, tr.diverged)
+		require.Positive(t, tr.firstDiv)
+	})
+
+	t.Run("InFlightReadHoldsSettlement", func(t *testing.T) {
+		t.Parallel()
+		tr := newTracker(2, 1)
+		slow := tr.beginRead(0)
+		tr.acknowledge(2)
+		tr.settle()
+		require.EqualValues(t, 1, tr.settledFloor.Load(), "reader 0 began before the ack and is still reading")
+
+		// Reader 1 begins after the ack: a stale read, not yet a divergence.
+		fast := tr.beginRead(1)
+		tr.endRead(fast, 1, true)
+		require.EqualValues(t, 1, tr.staleAfterAck.Load())
+		require.Empty(t, tr.diverged)
+
+		tr.endRead(slow, 1, true)
+		tr.settle()
+		require.EqualValues(t, 2, tr.settledFloor.Load())
+		after := tr.beginRead(1)
+		tr.endRead(after, 2, true)
+		require.Empty(t, tr.diverged, "a current read after settling is fine")
+	})
+
+	t.Run("FailedInvalidateMakesNoClaim", func(t *testing.T) {
+		t.Parallel()
+		tr := newTracker(1, 1)
+		tr.abandon(2)
+		tr.acknowledge(3)
+		tr.settle()
+		require.EqualValues(t, 3, tr.settledFloor.Load())
+		read := tr.beginRead(0)
+		tr.endRead(read, 1, true)
+		require.Equal(t, map[int64]bool{3: true}, tr.diverged, "version 2 was never acknowledged")
+	})
+
+	t.Run("Percentiles", func(t *testing.T) {
+		t.Parallel()
+		tr := newTracker(2, 1)
+		for i := int32(1); i <= 100; i++ {
+			tr.latencies[int(i)%2] = append(tr.latencies[int(i)%2], i)
+		}
+		p50, p99 := tr.percentiles()
+		require.InDelta(t, 51, p50, 1)
+		require.InDelta(t, 100, p99, 1)
+	})
+}
