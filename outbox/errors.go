@@ -68,7 +68,8 @@ func (e *ConfigError) Error() string {
 // Is makes a *ConfigError match ErrInvalidConfig.
 func (e *ConfigError) Is(target error) bool { return target == ErrInvalidConfig }
 
-// MessageError describes the first invalid message of an Append call.
+// MessageError describes the first invalid message of an Append call, or
+// the invalid input of RecordCommand (Index 0).
 type MessageError struct {
 	Index   int       // position of the message in the Append call
 	EventID uuid.UUID // its event id (possibly uuid.Nil)

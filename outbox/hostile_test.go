@@ -67,7 +67,7 @@ func TestHostileIdentifiers(t *testing.T) {
 	}), &outbox.RelayConfig{Schema: schema, Table: table, MaxAttempts: 1, PollInterval: 50 * time.Millisecond})
 	require.NoError(t, err)
 	stop := startRun(t, r)
-	rec := <-handled
+	rec := receive(t, handled)
 	require.Equal(t, `k'); DROP TABLE victim; --`, rec.Key)
 	require.NoError(t, stop())
 

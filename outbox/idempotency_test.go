@@ -156,7 +156,7 @@ func TestRecordCommand(t *testing.T) {
 		} else {
 			require.NoError(t, tx1.Rollback(ctx))
 		}
-		res := <-done
+		res := receive(t, done)
 		if res.err == nil {
 			require.NoError(t, tx2.Commit(ctx))
 		}

@@ -254,12 +254,14 @@ func TestRelayLease(t *testing.T) {
 			n, err := relayA.RunOnce(ctx)
 			doneA <- outcome{n, err}
 		}()
-		batchA := <-slow.started
+		batchA := receive(t, slow.started)
+		handlerStarted := time.Now()
 		require.Len(t, batchA, 1)
 		require.Equal(t, 1, batchA[0].Attempts)
 		deadline := <-slow.deadline
 		require.False(t, deadline.IsZero(), "the handler's context carries the lease deadline")
-		require.WithinDuration(t, claimedAt.Add(lease), deadline, 200*time.Millisecond)
+		require.False(t, deadline.Before(claimedAt.Add(lease)), "deadline %s before the lease could end", deadline)
+		require.False(t, deadline.After(handlerStarted.Add(lease)), "deadline %s after the lease ends", deadline)
 
 		// While A's lease lasts nobody else gets the row.
 		h := &recorder{}
@@ -283,7 +285,7 @@ func TestRelayLease(t *testing.T) {
 
 		// A finally finishes: its acknowledgement is refused.
 		close(slow.release)
-		resA := <-doneA
+		resA := receive(t, doneA)
 		require.Equal(t, 1, resA.n)
 		require.ErrorIs(t, resA.err, outbox.ErrLeaseLost)
 		var lost *outbox.LeaseLostError
@@ -311,8 +313,8 @@ func TestRelayLease(t *testing.T) {
 			_, err := relayA.RunOnce(ctx)
 			doneA <- err
 		}()
-		<-slow.started
-		time.Sleep(lease + 100*time.Millisecond)
+		receive(t, slow.started)
+		require.Eventually(t, func() bool { return leaseExpired(b) }, 5*time.Second, 20*time.Millisecond)
 
 		hold := newBlocking()
 		relayB := b.relay(t, nil, handle(hold), outbox.RelayConfig{LeaseDuration: time.Minute})
@@ -321,17 +323,17 @@ func TestRelayLease(t *testing.T) {
 			_, err := relayB.RunOnce(ctx)
 			doneB <- err
 		}()
-		<-hold.started
+		receive(t, hold.started)
 		rowsBefore := b.rows(t)
 		require.Len(t, rowsBefore, 1)
 
 		close(slow.release)
-		require.ErrorIs(t, <-doneA, outbox.ErrLeaseLost)
+		require.ErrorIs(t, receive(t, doneA), outbox.ErrLeaseLost)
 		rowsAfter := b.rows(t)
 		require.Equal(t, rowsBefore, rowsAfter, "A's late failure changed nothing")
 
 		close(hold.release)
-		require.NoError(t, <-doneB)
+		require.NoError(t, receive(t, doneB))
 		require.Zero(t, b.count(t, b.writer.Table()))
 	})
 
@@ -346,10 +348,10 @@ func TestRelayLease(t *testing.T) {
 			_, err := r.RunOnce(ctx)
 			done <- err
 		}()
-		<-slow.started
+		receive(t, slow.started)
 		time.Sleep(250 * time.Millisecond)
 		close(slow.release)
-		require.NoError(t, <-done, "the claim token is still ours, so the work counts")
+		require.NoError(t, receive(t, done), "the claim token is still ours, so the work counts")
 		require.Zero(t, b.count(t, b.writer.Table()))
 	})
 }
@@ -672,7 +674,7 @@ func TestRelayRun(t *testing.T) {
 		}), outbox.RelayConfig{ShutdownTimeout: 5 * time.Second})
 		stop := startRun(t, r)
 		b.appendCommitted(t, newMessage("s", "a", 1), newMessage("s", "b", 1))
-		<-started
+		receive(t, started)
 		require.NoError(t, stop())
 		require.True(t, finished.Load(), "Run returned only after the batch finished")
 		require.Zero(t, b.count(t, b.writer.Table()), "the finished batch was acknowledged")
@@ -690,7 +692,7 @@ func TestRelayRun(t *testing.T) {
 		}), outbox.RelayConfig{ShutdownTimeout: 200 * time.Millisecond})
 		stop := startRun(t, r)
 		b.appendCommitted(t, newMessage("s", "a", 1))
-		<-started
+		receive(t, started)
 		began := time.Now()
 		require.NoError(t, stop())
 		require.Less(t, time.Since(began), 5*time.Second)
@@ -781,7 +783,7 @@ func TestRelayStats(t *testing.T) {
 		_, err := holder.RunOnce(ctx)
 		done <- err
 	}()
-	<-started
+	receive(t, started)
 	stats, err = r.Stats(ctx)
 	require.NoError(t, err)
 	require.EqualValues(t, 3, stats.Pending)
@@ -792,7 +794,7 @@ func TestRelayStats(t *testing.T) {
 	require.Less(t, stats.OldestPendingAge, time.Minute)
 
 	close(release)
-	require.NoError(t, <-done)
+	require.NoError(t, receive(t, done))
 	stats, err = r.Stats(ctx)
 	require.NoError(t, err)
 	require.EqualValues(t, 1, stats.Pending)
@@ -857,4 +859,13 @@ func TestRelayConfig(t *testing.T) {
 		require.NotEmpty(t, got.Name)
 		require.NotNil(t, got.Logger)
 	})
+}
+
+// leaseExpired reports whether every claimed row's lease has ended, by the
+// database's clock (false on error: it runs inside Eventually).
+func leaseExpired(b *testBundle) bool {
+	var expired bool
+	err := b.pool.QueryRow(context.Background(), `SELECT bool_and(leased_until <= now()) FROM `+b.writer.Table()+
+		` WHERE leased_until IS NOT NULL`).Scan(&expired)
+	return err == nil && expired
 }

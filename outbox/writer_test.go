@@ -342,3 +342,16 @@ func TestConfig(t *testing.T) {
 		require.LessOrEqual(t, len(a.Channel()), 63)
 	})
 }
+
+// receive waits for a value from ch, failing the test after 10s instead of
+// hanging until the package timeout.
+func receive[T any](t *testing.T, ch chan T) T {
+	t.Helper()
+	select {
+	case v := <-ch:
+		return v
+	case <-time.After(10 * time.Second):
+		t.Fatalf("timed out waiting on %T", ch)
+		panic("unreachable")
+	}
+}
