@@ -79,6 +79,7 @@ func TestRecordCommand(t *testing.T) {
 		require.Equal(t, id, conflict.EventID)
 		require.Equal(t, outbox.Fingerprint([]byte("add 10 to user-a")), conflict.RecordedFingerprint)
 		require.Equal(t, outbox.Fingerprint([]byte("add 99 to user-b")), conflict.GivenFingerprint)
+		require.Contains(t, err.Error(), id.String())
 		// The transaction is still usable and nothing was written.
 		require.NoError(t, tx.Commit(ctx))
 		require.Equal(t, 1, b.idempotencyRows(t))

@@ -291,6 +291,7 @@ func TestRelayLease(t *testing.T) {
 		var lost *outbox.LeaseLostError
 		require.ErrorAs(t, resA.err, &lost)
 		require.Equal(t, []int64{batchA[0].ID}, lost.IDs)
+		require.Contains(t, resA.err.Error(), fmt.Sprintf("ids %d", batchA[0].ID))
 		require.Zero(t, b.count(t, b.writer.Table()))
 	})
 

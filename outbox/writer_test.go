@@ -172,6 +172,7 @@ func TestAppend(t *testing.T) {
 			require.ErrorAs(t, err, &msgErr, tc.name)
 			require.Equal(t, 1, msgErr.Index, tc.name)
 			require.Equal(t, tc.field, msgErr.Field, tc.name)
+			require.Contains(t, err.Error(), tc.field, tc.name)
 			// The transaction is untouched: it still commits, and nothing
 			// (not even the valid first message) was written.
 			require.NoError(t, tx.Commit(ctx), tc.name)
