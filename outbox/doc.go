@@ -154,6 +154,11 @@
 // the Handler contract would not change if a partitioned claimer were added
 // later for extreme volumes.
 //
+// For the same reason there is no partition filter on relays: static
+// partitions would only buy per-key affinity, which the version gate makes
+// unnecessary (a retried row breaks per-key order anyway), while
+// RelayConfig.Streams already splits work by projection.
+//
 // Two details keep the claim cheap. It changes only unindexed columns
 // (claim_token, leased_until, attempts), and the table is created with
 // fillfactor 50, so PostgreSQL can usually perform it as a HOT update that
