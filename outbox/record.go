@@ -24,7 +24,8 @@ type Message struct {
 	// "leaderboard:weekly". Relays may be restricted to some streams.
 	Stream string
 	// Key identifies the entity within the stream (a user id, a product id).
-	// Any bytes that form a valid UTF-8 string are allowed.
+	// Any valid UTF-8 without NUL bytes is allowed (a PostgreSQL text column
+	// holds nothing else); Append refuses anything else with a typed error.
 	Key string
 	// Version is the entity's version after the change. It must be positive
 	// and strictly increase with every change of (Stream, Key); take it from
