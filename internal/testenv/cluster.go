@@ -87,11 +87,12 @@ var shared struct {
 // tests that only read and write: isolate them with a unique key prefix
 // (Prefix) and never stop or kill its nodes — use StartRedisCluster for
 // fault tests. Its processes die with the test binary (parent-death signal);
-// its small directory under os.TempDir() is left behind.
+// its small directory under os.TempDir() is removed by the next test binary
+// that starts a shared cluster.
 func SharedRedisCluster(t testing.TB) *RedisCluster {
 	t.Helper()
 	shared.once.Do(func() {
-		dir, err := os.MkdirTemp("", "verity-redis-cluster-*")
+		dir, err := sharedDir("verity-redis-cluster-")
 		if err != nil {
 			shared.err = err
 			return
@@ -141,6 +142,22 @@ func uniquePrefix(t testing.TB) string {
 }
 
 var prefixSeq atomic.Int64
+
+// sharedDir makes the directory of a shared deployment, which outlives
+// every test's cleanup. It is named after the test binary's pid, and the
+// directories of binaries that have exited are removed first, so runs do
+// not accumulate them.
+func sharedDir(pattern string) (string, error) {
+	stale, _ := filepath.Glob(filepath.Join(os.TempDir(), pattern+"*"))
+	for _, d := range stale {
+		pid, err := strconv.Atoi(strings.TrimPrefix(filepath.Base(d), pattern))
+		if err == nil && pid != os.Getpid() && syscall.Kill(pid, 0) == syscall.ESRCH {
+			_ = os.RemoveAll(d)
+		}
+	}
+	dir := filepath.Join(os.TempDir(), pattern+strconv.Itoa(os.Getpid()))
+	return dir, os.MkdirAll(dir, 0o755)
+}
 
 var errClusterBinaries = errors.New("redis-server or redis-cli not found on PATH")
 
@@ -506,7 +523,7 @@ var sharedSentinel struct {
 func SharedRedisSentinel(t testing.TB) *RedisSentinel {
 	t.Helper()
 	sharedSentinel.once.Do(func() {
-		dir, err := os.MkdirTemp("", "verity-redis-sentinel-*")
+		dir, err := sharedDir("verity-redis-sentinel-")
 		if err != nil {
 			sharedSentinel.err = err
 			return
