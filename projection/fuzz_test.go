@@ -1,0 +1,209 @@
+package projection_test
+
+import (
+	"context"
+	"errors"
+	"strconv"
+	"strings"
+	"testing"
+
+	"github.com/redis/go-redis/v9"
+	"github.com/stretchr/testify/require"
+
+	"github.com/verity-go/verity/internal/testenv"
+	"github.com/verity-go/verity/outbox"
+	"github.com/verity-go/verity/projection"
+)
+
+// redisHashTag returns the part of key Redis Cluster hashes: the bytes
+// between the first '{' and the next '}' when that span is non-empty, else
+// the whole key. Written out here, independently of the package.
+func redisHashTag(key string) string {
+	open := strings.IndexByte(key, '{')
+	if open < 0 {
+		return key
+	}
+	end := strings.IndexByte(key[open+1:], '}')
+	if end <= 0 {
+		return key
+	}
+	return key[open+1 : open+1+end]
+}
+
+// allKeys returns every key the keyspace names for collection or document
+// name, with the target they belong to.
+func allKeys(ks projection.Keyspace, name, member string) map[string]projection.Target {
+	keys := map[string]projection.Target{}
+	for _, kind := range []projection.Kind{projection.KindSortedSet, projection.KindHash} {
+		t := projection.Target{Kind: kind, Name: name, Member: member}
+		for _, k := range []string{
+			ks.ValueKey(t), ks.VersionKey(t), ks.RebuildMarkerKey(name, kind),
+			ks.ShadowValueKey(name, kind), ks.ShadowVersionKey(name, kind),
+		} {
+			keys[k] = t
+		}
+	}
+	doc := projection.Target{Kind: projection.KindDocument, Name: name}
+	keys[ks.ValueKey(doc)] = doc
+	keys[ks.VersionKey(doc)] = doc
+	return keys
+}
+
+// FuzzKeyspace checks that no name or member can move a key to another
+// Cluster slot or make two targets share a key: every key of a collection
+// (values, versions, rebuild marker, shadows) and both keys of a document
+// carry the target's hash tag, members never reach key names, and two
+// different names never share any key.
+func FuzzKeyspace(f *testing.F) {
+	f.Add("verity:", "weekly", "alice", "weekly2")
+	f.Add("", "", "", "%")
+	f.Add("p:", "{", "}", "}")
+	f.Add("p:", "a}b{c", "{x}", "a:b")
+	f.Add("p{", "n", "m", "o")
+	f.Add("p:", "%7B", "", "{")
+	f.Fuzz(func(t *testing.T, prefix, name, member, other string) {
+		ks, err := projection.NewKeyspace(prefix)
+		if strings.ContainsAny(prefix, "{}") {
+			require.Error(t, err, "a prefix with braces would become the hash tag")
+			return
+		}
+		require.NoError(t, err)
+		keys := allKeys(ks, name, member)
+		require.Len(t, keys, 12, "the 12 keys of a name (5 per collection kind, 2 for a document) must be distinct")
+		for key, target := range keys {
+			require.True(t, strings.HasPrefix(key, prefix+ks.HashTag(target)), "key %q", key)
+			require.Equal(t, ks.HashTag(target), "{"+redisHashTag(key)+"}", "key %q", key)
+			require.Equal(t, ks.Slot(target), projection.KeySlot(key), "key %q", key)
+			require.NotContains(t, redisHashTag(key), ":", "escaped tags never contain ':'")
+		}
+		// Members are values inside the structures, never part of a key.
+		withOther := projection.Target{Kind: projection.KindSortedSet, Name: name, Member: other}
+		require.Equal(t, ks.ValueKey(projection.Target{Kind: projection.KindSortedSet, Name: name}), ks.ValueKey(withOther))
+		if other != name {
+			for key := range allKeys(ks, other, member) {
+				_, shared := keys[key]
+				require.False(t, shared, "names %q and %q share key %q", name, other, key)
+			}
+		}
+	})
+}
+
+// FuzzMappers feeds arbitrary records to the built-in mappers: none may
+// panic, the sorted-set mapper accepts exactly the base-10 int64 payloads
+// (anything else is ErrInvalidPayload), the others carry the payload
+// verbatim, and an unknown stream is ErrUnmappedStream.
+func FuzzMappers(f *testing.F) {
+	f.Add("scores", "alice", int64(1), []byte("17"))
+	f.Add("scores", "bob", int64(2), []byte("-3"))
+	f.Add("scores", "", int64(0), []byte(""))
+	f.Add("scores", "x", int64(-1), []byte("+5"))
+	f.Add("scores", "x", int64(9), []byte("9223372036854775808"))
+	f.Add("scores", "x", int64(9), []byte("1e3"))
+	f.Add("scores", "x", int64(9), []byte(" 17"))
+	f.Add("other", "{k}", int64(3), []byte("\x00\xff{}"))
+	f.Fuzz(func(t *testing.T, stream, key string, version int64, payload []byte) {
+		rec := outbox.Record{Message: outbox.Message{Stream: stream, Key: key, Version: version, Payload: payload}, ID: 1}
+		want, parseErr := strconv.ParseInt(string(payload), 10, 64)
+		w, err := projection.SortedSetMapper("board").Map(rec)
+		if parseErr != nil {
+			require.ErrorIs(t, err, projection.ErrInvalidPayload)
+		} else {
+			require.NoError(t, err)
+			require.Equal(t, projection.Write{
+				Target:  projection.Target{Kind: projection.KindSortedSet, Name: "board", Member: key},
+				Version: version, Value: projection.Value{Score: want},
+			}, w)
+		}
+		for _, m := range []projection.Mapper{projection.HashMapper("h"), projection.DocumentMapper("doc:")} {
+			w, err := m.Map(rec)
+			require.NoError(t, err)
+			require.Equal(t, payload, w.Value.Data)
+			require.Equal(t, version, w.Version)
+		}
+		sm := projection.StreamMapper{"scores": projection.SortedSetMapper("board")}
+		_, err = sm.Map(rec)
+		if stream != "scores" {
+			require.ErrorIs(t, err, projection.ErrUnmappedStream)
+		}
+	})
+}
+
+// FuzzGateApply sends one arbitrary write through the gate of a real Redis:
+// an invalid write (version, score, target) must return its typed error and
+// leave the target's keys exactly as they were; a valid one must leave a
+// stored version at least as high as its own, with its value when applied.
+func FuzzGateApply(f *testing.F) {
+	rd := testenv.Redis(f)
+	ks, err := projection.NewKeyspace(rd.Prefix)
+	require.NoError(f, err)
+	gate := projection.NewGate(rd.Client, ks)
+	f.Add(uint8(1), "board", "alice", int64(1), int64(10), []byte(nil))
+	f.Add(uint8(1), "board", "alice", int64(0), int64(10), []byte(nil))
+	f.Add(uint8(1), "board", "bob", int64(5), int64(1<<53+1), []byte(nil))
+	f.Add(uint8(2), "h{}", "f:1", int64(3), int64(0), []byte("v"))
+	f.Add(uint8(3), "doc{1}", "", int64(7), int64(0), []byte(`{"a":1}`))
+	f.Add(uint8(3), "doc", "member-not-allowed", int64(7), int64(0), []byte("x"))
+	f.Add(uint8(9), "n", "m", int64(1), int64(1), []byte("x"))
+	f.Fuzz(func(t *testing.T, kind uint8, name, member string, version, score int64, data []byte) {
+		ctx := context.Background()
+		w := projection.Write{
+			Target:  projection.Target{Kind: projection.Kind(kind), Name: name, Member: member},
+			Version: version, Value: projection.Value{Score: score, Data: data},
+		}
+		valueKey, versionKey := ks.ValueKey(w.Target), ks.VersionKey(w.Target)
+		before := dumpKeys(t, rd.Client, valueKey, versionKey)
+		outcomes, err := gate.Apply(ctx, []projection.Write{w})
+		switch {
+		case errors.Is(err, projection.ErrInvalidVersion), errors.Is(err, projection.ErrScoreOutOfRange),
+			errors.Is(err, projection.ErrInvalidTarget):
+			require.Equal(t, before, dumpKeys(t, rd.Client, valueKey, versionKey), "a refused write changed Redis")
+			return
+		case errors.Is(err, projection.ErrCorruptVersion):
+			t.Fatalf("only this fuzz target writes these keys, through the gate: %v", err)
+		}
+		require.NoError(t, err)
+		require.Len(t, outcomes, 1)
+		require.Positive(t, version, "an accepted write has a positive version")
+		if w.Target.Kind == projection.KindSortedSet {
+			require.True(t, score >= projection.MinScore && score <= projection.MaxScore, "accepted score %d", score)
+		}
+		stored := storedVersion(t, rd.Client, ks, w)
+		require.GreaterOrEqual(t, stored, version)
+		if outcomes[0] == projection.OutcomeApplied {
+			require.Equal(t, version, stored)
+		}
+	})
+}
+
+// dumpKeys returns a serialisation of keys for before/after comparisons.
+func dumpKeys(t *testing.T, c redis.UniversalClient, keys ...string) []string {
+	t.Helper()
+	out := make([]string, len(keys))
+	for i, k := range keys {
+		if k == "" {
+			continue
+		}
+		v, err := c.Dump(context.Background(), k).Result()
+		if !errors.Is(err, redis.Nil) {
+			require.NoError(t, err)
+		}
+		out[i] = v
+	}
+	return out
+}
+
+// storedVersion reads the version the gate keeps for w's target.
+func storedVersion(t *testing.T, c redis.UniversalClient, ks projection.Keyspace, w projection.Write) int64 {
+	t.Helper()
+	var raw string
+	var err error
+	if w.Target.Kind == projection.KindDocument {
+		raw, err = c.Get(context.Background(), ks.VersionKey(w.Target)).Result()
+	} else {
+		raw, err = c.HGet(context.Background(), ks.VersionKey(w.Target), w.Target.Member).Result()
+	}
+	require.NoError(t, err)
+	v, err := strconv.ParseInt(raw, 10, 64)
+	require.NoError(t, err, "stored version %q", raw)
+	return v
+}
