@@ -87,9 +87,12 @@ type Config struct {
 	// Policy chooses what is repaired. Defaults to repairing missing, stale
 	// and corrupt entries and only reporting ahead and orphan ones.
 	Policy Policy
-	// SkipOrphans turns off the orphan scan that ends a full (non-sampled)
-	// run. Defaults to false: full runs scan the projection for entries the
-	// source does not have.
+	// SkipOrphans turns off the orphan check that ends a full run and the
+	// orphan sample of a sampled run. Defaults to false: runs look for
+	// entries the source does not have. For documents the check SCANs every
+	// key of the database (documents have no collection to count or
+	// scan), so on a large shared database consider turning it off for
+	// frequent runs and running it now and then.
 	SkipOrphans bool
 	// BeforeRepair, when set, is called before each repair with the finding
 	// (Result is ResultNone); returning false vetoes it (ResultVetoed).

@@ -31,8 +31,15 @@ const testBoard = "weekly"
 // setup creates a source table "items" (key text, board text, version
 // bigint, score bigint, data bytea) in a fresh schema and a projection
 // under a fresh key prefix on the shared single-node Redis.
+//
+// Documents get a private Redis server: their orphan scan SCANs the whole
+// keyspace, and the shared server holds every other test's keys.
 func setup(t testing.TB, kind projection.Kind) *testBundle {
 	t.Helper()
+	if kind == projection.KindDocument {
+		rs := testenv.StartRedis(t)
+		return setupWith(t, kind, rs.Client(t), "doc:")
+	}
 	rd := testenv.Redis(t)
 	return setupWith(t, kind, rd.Client, rd.Prefix)
 }

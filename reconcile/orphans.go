@@ -22,6 +22,10 @@ import (
 //     (documents: SCAN of the value keys), keeping only those whose version
 //     is absent, so no entry is counted twice.
 //
+// SCAN visits every key of every master, not only the projection's, so the
+// document scan costs time proportional to the whole database; on a large
+// shared database prefer Config.SkipOrphans for frequent runs.
+//
 // SCAN-family cursors guarantee every entry present for the whole scan is
 // returned at least once; an entry may be returned twice while Redis
 // rehashes, and would then be counted twice.
@@ -115,6 +119,12 @@ func (r *Reconciler) checkCandidates(ctx context.Context, opts RunOptions, keys 
 			missing = append(missing, k)
 		}
 	}
+	return r.checkAbsent(ctx, opts, missing, rep)
+}
+
+// checkAbsent classifies keys the source does not have: any projection
+// entry for them is an orphan.
+func (r *Reconciler) checkAbsent(ctx context.Context, opts RunOptions, missing []string, rep *Report) error {
 	if len(missing) == 0 {
 		return nil
 	}
@@ -173,7 +183,9 @@ func (r *Reconciler) scanDocuments(ctx context.Context, suffix string, fn func([
 	scanNode := func(ctx context.Context, node *redis.Client) error {
 		var cursor uint64
 		for {
-			keys, next, err := node.Scan(ctx, cursor, pattern, int64(r.cfg.PageSize)).Result()
+			// MATCH filters after the fact, so a larger COUNT costs no
+			// memory but saves round trips over unrelated keys.
+			keys, next, err := node.Scan(ctx, cursor, pattern, int64(10*r.cfg.PageSize)).Result()
 			if err != nil {
 				return fmt.Errorf("reconcile: SCAN %s: %w", pattern, err)
 			}

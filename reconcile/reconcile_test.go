@@ -544,3 +544,18 @@ func TestHazardousKeys(t *testing.T) {
 		})
 	}
 }
+
+func TestCheckKeys(t *testing.T) {
+	t.Parallel()
+	b := setup(t, projection.KindSortedSet)
+	want := b.drift(t)
+	r := b.reconciler(t, nil)
+	rep, err := r.CheckKeys(context.Background(), []string{"cur", "stale", "corrupt", "orphan", "nowhere", "stale"}, RunOptions{})
+	require.NoError(t, err)
+	require.EqualValues(t, 3, rep.Checked)
+	require.Equal(t, map[Class]int64{ClassCurrent: 1, ClassStale: 1, ClassCorrupt: 1, ClassOrphan: 1}, rep.Counts)
+	require.EqualValues(t, 2, rep.Repaired)
+	require.Regexp(t, `^checked 3, scanned 0, drift 3 \(stale 1, corrupt 1, orphan 1\), repaired 2, skipped 1 in \d+ms$`, rep.String())
+	require.Equal(t, ClassMissing, want["miss"])
+	require.Equal(t, Projected{}, b.state(t, r, "miss"), "keys not asked about are left alone")
+}

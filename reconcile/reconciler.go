@@ -307,3 +307,44 @@ func (r *Reconciler) settle(ctx context.Context, opts RunOptions, findings []Fin
 	}
 	return errors.Join(errGate, errCAS)
 }
+
+// CheckKeys reconciles only the given keys, with the same policy, hooks and
+// report as Run: keys the source has are compared with the projection, and
+// keys it lacks are checked for orphans. Use it to verify entities on
+// demand (before paying out a leaderboard prize, after an incident report)
+// without a full pass. opts.Sample is ignored.
+func (r *Reconciler) CheckKeys(ctx context.Context, keys []string, opts RunOptions) (*Report, error) {
+	opts.Sample = 0
+	rep := newReport(opts)
+	err := r.checkKeys(ctx, opts, dedupe(append([]string(nil), keys...)), rep)
+	rep.Duration = time.Since(rep.Started)
+	return rep, err
+}
+
+func (r *Reconciler) checkKeys(ctx context.Context, opts RunOptions, keys []string, rep *Report) error {
+	for len(keys) > 0 {
+		batch := keys[:min(len(keys), r.cfg.PageSize)]
+		keys = keys[len(batch):]
+		rows, err := r.source.Lookup(ctx, batch)
+		if err != nil {
+			return fmt.Errorf("reconcile: looking up keys in the source: %w", err)
+		}
+		if err := r.checkRows(ctx, opts, rows, rep); err != nil {
+			return err
+		}
+		found := make(map[string]bool, len(rows))
+		for _, row := range rows {
+			found[row.Key] = true
+		}
+		var absent []string
+		for _, k := range batch {
+			if !found[k] {
+				absent = append(absent, k)
+			}
+		}
+		if err := r.checkAbsent(ctx, opts, absent, rep); err != nil {
+			return err
+		}
+	}
+	return nil
+}

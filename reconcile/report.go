@@ -1,7 +1,9 @@
 package reconcile
 
 import (
+	"fmt"
 	"strconv"
+	"strings"
 	"time"
 )
 
@@ -143,6 +145,31 @@ func (r *Report) Drift() int64 {
 		}
 	}
 	return n
+}
+
+// String summarises the report on one line, for logs.
+func (r *Report) String() string {
+	var b strings.Builder
+	fmt.Fprintf(&b, "checked %d, scanned %d, drift %d", r.Checked, r.Scanned, r.Drift())
+	sep := " ("
+	for _, c := range Classes[1:] {
+		if n := r.Counts[c]; n > 0 {
+			fmt.Fprintf(&b, "%s%s %d", sep, c, n)
+			sep = ", "
+		}
+	}
+	if sep == ", " {
+		b.WriteString(")")
+	}
+	fmt.Fprintf(&b, ", repaired %d, skipped %d", r.Repaired, r.Skipped)
+	if r.Uncertain > 0 {
+		fmt.Fprintf(&b, ", uncertain %d", r.Uncertain)
+	}
+	if r.DryRun {
+		b.WriteString(", dry run")
+	}
+	fmt.Fprintf(&b, " in %s", r.Duration.Round(time.Millisecond))
+	return b.String()
 }
 
 func newReport(opts RunOptions) *Report {
