@@ -138,6 +138,9 @@ func joinRun(outcomes []Outcome, perWrite []error, err error) ([]Outcome, error)
 // the outcomes together with a per-write error slice (nil entries except
 // for writes refused because their stored version is unreadable).
 func (g *Gate) run(ctx context.Context, mode string, writes []Write) ([]Outcome, []error, error) {
+	if g == nil || g.client == nil || g.script == nil {
+		return nil, nil, errors.New("projection: Gate has no Redis client; create it with NewGate(client, keyspace)")
+	}
 	for i := range writes {
 		if err := validateWrite(i, &writes[i]); err != nil {
 			return nil, nil, err

@@ -408,6 +408,15 @@ func TestGate(t *testing.T) {
 	})
 }
 
+func TestGateZeroValue(t *testing.T) {
+	t.Parallel()
+	_, err := (&Gate{}).Apply(context.Background(), []Write{doc("d", 1, "x")})
+	require.ErrorContains(t, err, "NewGate")
+	var nilGate *Gate
+	_, err = nilGate.Apply(context.Background(), nil)
+	require.ErrorContains(t, err, "NewGate")
+}
+
 // TestGateOneScriptCallPerBatch counts EVALSHA calls on a private server: a
 // batch over many collections and documents costs one call.
 func TestGateOneScriptCallPerBatch(t *testing.T) {

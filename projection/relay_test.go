@@ -161,6 +161,9 @@ func TestCrashSafety(t *testing.T) {
 			rb.commit(t, msgs...)
 
 			wrote, release := make(chan struct{}), make(chan struct{})
+			var releaseOnce sync.Once
+			unblock := func() { releaseOnce.Do(func() { close(release) }) }
+			t.Cleanup(unblock) // never leave the zombie blocked, even on failure
 			zombie := &projectingRecorder{p: rb.projector}
 			zombieRelay := rb.relay(t, outbox.HandlerFunc(func(ctx context.Context, batch []outbox.Record) ([]outbox.Result, error) {
 				results, err := zombie.Handle(ctx, batch)
@@ -199,7 +202,7 @@ func TestCrashSafety(t *testing.T) {
 			}
 			require.Equal(t, afterFirst, rb.boardState(t), "redelivery leaves Redis identical")
 
-			close(release)
+			unblock()
 			require.ErrorIs(t, <-zombieDone, outbox.ErrLeaseLost, "the zombie cannot acknowledge rows it lost")
 			require.Zero(t, rb.pending(t, healthyRelay))
 			for i := 0; i < 5; i++ {
