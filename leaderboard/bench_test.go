@@ -3,7 +3,9 @@ package leaderboard
 import (
 	"context"
 	"fmt"
+	"slices"
 	"testing"
+	"time"
 
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
@@ -131,4 +133,47 @@ func BenchmarkSubmitBatch(b *testing.B) {
 
 func reportRate(b *testing.B, commands int) {
 	b.ReportMetric(float64(commands)/b.Elapsed().Seconds(), "commands/s")
+}
+
+// BenchmarkSubmitInterleaved alternates Submit and the seed's handler in
+// one loop, so that load from other processes hits both alike, and reports
+// each one's median and 90th-percentile latency.
+//
+//	go test -run '^$' -bench 'SubmitInterleaved' -benchtime 500x ./leaderboard
+func BenchmarkSubmitInterleaved(b *testing.B) {
+	ctx := context.Background()
+	for _, async := range []bool{false, true} {
+		name := "Durable"
+		if async {
+			name = "AsyncCommit"
+		}
+		b.Run(name, func(b *testing.B) {
+			board := benchBoard(b, async)
+			one := make([]time.Duration, 0, b.N)
+			seed := make([]time.Duration, 0, b.N)
+			b.ResetTimer()
+			for i := 0; i < b.N; i++ {
+				user := fmt.Sprintf("user-%d", i%1000)
+				start := time.Now()
+				if _, err := board.Submit(ctx, Command{EventID: uuid.New(), UserID: user, Delta: 1}); err != nil {
+					b.Fatal(err)
+				}
+				one = append(one, time.Since(start))
+				start = time.Now()
+				if err := seedHandler(ctx, board, Command{EventID: uuid.New(), UserID: user, Delta: 1}); err != nil {
+					b.Fatal(err)
+				}
+				seed = append(seed, time.Since(start))
+			}
+			b.StopTimer()
+			for _, m := range []struct {
+				name string
+				d    []time.Duration
+			}{{"one", one}, {"seed", seed}} {
+				slices.Sort(m.d)
+				b.ReportMetric(float64(m.d[len(m.d)/2].Microseconds()), m.name+"-p50-µs")
+				b.ReportMetric(float64(m.d[len(m.d)*9/10].Microseconds()), m.name+"-p90-µs")
+			}
+		})
+	}
 }

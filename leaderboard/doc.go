@@ -101,6 +101,25 @@
 // repairs missing, stale and corrupt entries (and reports ahead and orphan
 // ones); run it on a schedule, and use its Rebuild after a Redis loss.
 //
+// # Cost
+//
+// Measured on a 2-core machine shared with other busy processes (load
+// average about 14), PostgreSQL 15 on localhost; figures move with load, so
+// the interleaved benchmark runs both handlers in one loop:
+//
+//	go test -run '^$' -bench SubmitInterleaved -benchtime 400x ./leaderboard
+//
+//	                      Submit (1 statement)   seed handler (5 statements)
+//	durable commit p50    1.8 ms                 2.7 ms
+//	async commit   p50    0.20 ms                0.41 ms
+//	async commit   p90    0.34 ms                0.90 ms
+//
+// With a durable commit the WAL flush dominates both; without it, Submit
+// costs half the seed's handler. SubmitBatch (BenchmarkSubmitBatch) applied
+// 7,400 to 14,500 commands/s in batches of 1,000 under the same load; the
+// statement's time goes to index maintenance (each score change moves its
+// ranking-index entry) and the outbox rows.
+//
 // The examples/failure-experiment program runs the whole story: a
 // duplicated command, a stopped worker, a hand-corrupted score and its
 // repair.
