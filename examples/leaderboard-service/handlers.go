@@ -94,12 +94,14 @@ func toEntry(e leaderboard.Entry) entryJSON {
 func (s *Service) handleSubmit(w http.ResponseWriter, r *http.Request) {
 	key := strings.TrimSpace(r.Header.Get("Idempotency-Key"))
 	if key == "" {
+		s.metrics.countSubmit(r.Context(), "invalid")
 		writeJSON(w, http.StatusUnprocessableEntity, errorResponse{Field: "Idempotency-Key",
 			Error: "required: a UUID identifying this score event; send the same key again when retrying"})
 		return
 	}
 	eventID, err := uuid.Parse(key)
 	if err != nil {
+		s.metrics.countSubmit(r.Context(), "invalid")
 		writeJSON(w, http.StatusUnprocessableEntity, errorResponse{Field: "Idempotency-Key",
 			Error: "must be a UUID, for example " + uuid.NewString()})
 		return

@@ -325,6 +325,7 @@ func TestMetrics(t *testing.T) {
 		`route="POST /scores"`,
 		`verity_service_submits_total{`,
 		`outcome="applied"`,
+		`outcome="invalid"`,
 		`verity_service_outbox_pending{`,
 		`verity_service_projection_lag_seconds{`,
 		"go_goroutines ",

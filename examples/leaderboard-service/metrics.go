@@ -71,7 +71,7 @@ func newMetrics(s *Service) (*metrics, error) {
 	)
 	m := &metrics{
 		provider: sdkmetric.NewMeterProvider(sdkmetric.WithReader(exporter), sdkmetric.WithResource(res)),
-		handler:  promhttp.HandlerFor(reg, promhttp.HandlerOpts{ErrorLog: nil}),
+		handler:  promhttp.HandlerFor(reg, promhttp.HandlerOpts{}),
 	}
 	meter := m.provider.Meter(meterName)
 	var errs []error
@@ -119,8 +119,6 @@ func newMetrics(s *Service) (*metrics, error) {
 	_, err = meter.RegisterCallback(func(ctx context.Context, o metric.Observer) error {
 		// Scrapes reuse the cached snapshot; a failed one reports nothing
 		// rather than zeros that would look healthy.
-		ctx, cancel := context.WithTimeout(ctx, 2*time.Second)
-		defer cancel()
 		snap := s.snapshot(ctx)
 		if snap.Err != nil {
 			return nil

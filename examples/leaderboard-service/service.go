@@ -34,6 +34,8 @@ const (
 	// the pending rows, so the page's polling and Prometheus scrapes must
 	// not each cost a count.
 	statsTTL = time.Second
+	// statsTimeout bounds one statsSnapshot read.
+	statsTimeout = 5 * time.Second
 	// pingTimeout bounds each dependency ping of /healthz.
 	pingTimeout = 2 * time.Second
 )
@@ -253,15 +255,23 @@ type statsSnapshot struct {
 	Err       error
 }
 
-// snapshot returns a statsSnapshot at most statsTTL old.
+// snapshot returns a statsSnapshot at most statsTTL old. Concurrent callers
+// wait for one read instead of each counting the backlog. Failures are not
+// cached, and the read does not depend on the caller's cancellation, so one
+// client that hangs up does not fail the others waiting for the same read.
 func (s *Service) snapshot(ctx context.Context) *statsSnapshot {
 	s.statsMu.Lock()
 	defer s.statsMu.Unlock()
 	if s.stats != nil && time.Since(s.stats.At) < statsTTL {
 		return s.stats
 	}
-	s.stats = readSnapshot(ctx, s.worker.Relay(), s.board)
-	return s.stats
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), statsTimeout)
+	defer cancel()
+	snap := readSnapshot(ctx, s.worker.Relay(), s.board)
+	if snap.Err == nil {
+		s.stats = snap
+	}
+	return snap
 }
 
 // readSnapshot reads the outbox backlog (Stats covers the whole outbox
