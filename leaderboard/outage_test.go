@@ -1,0 +1,98 @@
+package leaderboard
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/stretchr/testify/require"
+
+	"github.com/verity-go/verity/internal/testenv"
+	"github.com/verity-go/verity/reconcile"
+)
+
+// TestOutages stops real servers: Redis (writes go on, reads fall back, the
+// projection is rebuilt from PostgreSQL after a restart that lost every
+// key) and PostgreSQL (the projection keeps serving, honest about not
+// knowing its lag).
+func TestOutages(t *testing.T) {
+	t.Parallel()
+
+	t.Run("RedisDown", func(t *testing.T) {
+		t.Parallel()
+		ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+		defer cancel()
+		rs := testenv.StartRedis(t)
+		pg := testenv.Postgres(t)
+		cfg := &Config{Name: "b", Schema: pg.Schema, ReadPolicy: FallbackToPostgres}
+		require.NoError(t, Migrate(ctx, pg.Pool, cfg))
+		board, err := New(pg.Pool, rs.Client(t), cfg)
+		require.NoError(t, err)
+		tb := &testBundle{board: board, pg: pg}
+		tb.submit(t, "ada", 10)
+		tb.submit(t, "bob", 20)
+		tb.drain(t)
+
+		require.NoError(t, rs.Kill())
+		// Writes need PostgreSQL only.
+		tb.submit(t, "ada", 15)
+		r, err := board.Top(ctx, 10)
+		require.NoError(t, err)
+		require.Equal(t, SourcePostgres, r.Freshness.Source)
+		require.Equal(t, []Entry{{UserID: "ada", Score: 25, Rank: 1}, {UserID: "bob", Score: 20, Rank: 2}}, r.Entries)
+		_, err = board.Top(ctx, 10, WithPolicy(ServeStale))
+		require.Error(t, err)
+		_, err = board.Top(ctx, 10, WithPolicy(FailClosed))
+		require.Error(t, err)
+
+		// Redis comes back empty (no persistence): the worker projects what
+		// was pending, the reconciler restores the rest.
+		require.NoError(t, rs.Start())
+		tb.drain(t)
+		rec, err := board.Reconciler(nil)
+		require.NoError(t, err)
+		report, err := rec.Run(ctx, reconcile.RunOptions{})
+		require.NoError(t, err)
+		require.Equal(t, int64(1), report.Counts[reconcile.ClassMissing]) // bob
+		require.Equal(t, int64(1), report.Repaired)
+		r, err = board.Top(ctx, 10)
+		require.NoError(t, err)
+		require.Equal(t, SourceRedis, r.Freshness.Source)
+		auth, err := board.Authoritative(ctx, 10)
+		require.NoError(t, err)
+		require.Equal(t, auth, r.Entries)
+	})
+
+	t.Run("PostgresDown", func(t *testing.T) {
+		t.Parallel()
+		ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+		defer cancel()
+		srv := testenv.StartPostgres(t)
+		pool := srv.Pool(t)
+		rd := testenv.Redis(t)
+		cfg := &Config{Name: "b", KeyPrefix: rd.Prefix, ReadPolicy: ServeStale, LagProbeInterval: time.Nanosecond}
+		require.NoError(t, Migrate(ctx, pool, cfg))
+		board, err := New(pool, rd.Client, cfg)
+		require.NoError(t, err)
+		tb := &testBundle{board: board}
+		tb.submit(t, "ada", 10)
+		tb.drain(t)
+
+		require.NoError(t, srv.Stop())
+		r, err := board.Top(ctx, 10)
+		require.NoError(t, err)
+		require.Equal(t, SourceRedis, r.Freshness.Source)
+		require.Negative(t, r.Freshness.Lag, "lag is unknown, and says so")
+		require.Equal(t, []Entry{{UserID: "ada", Score: 10, Rank: 1}}, r.Entries)
+
+		_, err = board.Top(ctx, 10, WithPolicy(FailClosed))
+		require.ErrorIs(t, err, ErrStale)
+		_, err = board.Top(ctx, 10, WithPolicy(FallbackToPostgres))
+		require.Error(t, err)
+		_, err = board.Submit(ctx, Command{EventID: uuid.New(), UserID: "ada", Delta: 1})
+		require.Error(t, err)
+		_, err = board.Authoritative(ctx, 10)
+		require.Error(t, err, "payout rankings never come from Redis")
+	})
+}
