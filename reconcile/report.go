@@ -52,8 +52,7 @@ func (r Result) String() string {
 // MarshalText makes results readable as JSON map keys.
 func (r Result) MarshalText() ([]byte, error) { return []byte(r.String()), nil }
 
-// Finding is one entity that is not current (or, for examples, any entity a
-// hook is told about).
+// Finding is the verdict on one entity, as hooks and Report.Examples see it.
 type Finding struct {
 	// Class is the verdict.
 	Class Class
