@@ -30,6 +30,9 @@ var (
 	// ErrInvalidCursor is returned by Page for a cursor that this board did
 	// not produce.
 	ErrInvalidCursor = errors.New("leaderboard: invalid page cursor")
+	// ErrInvalidLimit is returned for a page size outside [1, MaxPageSize]
+	// (Around also accepts 0 neighbours).
+	ErrInvalidLimit = fmt.Errorf("leaderboard: page size must be between 1 and %d", MaxPageSize)
 )
 
 // ValidationError reports a Command field that was refused. Nothing was

@@ -19,10 +19,6 @@ import (
 // neighbourhood of Around.
 const MaxPageSize = 1000
 
-// ErrInvalidLimit is returned for a page size outside [1, MaxPageSize]
-// (Around accepts 0).
-var ErrInvalidLimit = fmt.Errorf("leaderboard: page size must be between 1 and %d", MaxPageSize)
-
 // Entry is one line of a ranking.
 type Entry struct {
 	UserID string
