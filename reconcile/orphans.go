@@ -146,6 +146,12 @@ func (r *Reconciler) checkAbsent(ctx context.Context, opts RunOptions, missing [
 // scanCollection runs HSCAN or ZSCAN over key and hands each batch of
 // members (fields) to fn.
 func (r *Reconciler) scanCollection(ctx context.Context, cmd, key string, fn func([]string) error) error {
+	return prefetched(ctx, fn, func(ctx context.Context, emit func([]string) error) error {
+		return r.scanCollectionInto(ctx, cmd, key, emit)
+	})
+}
+
+func (r *Reconciler) scanCollectionInto(ctx context.Context, cmd, key string, fn func([]string) error) error {
 	var cursor uint64
 	for {
 		var (
@@ -178,6 +184,12 @@ func (r *Reconciler) scanCollection(ctx context.Context, cmd, key string, fn fun
 // scanDocuments SCANs every master for the keys of documents ending in
 // suffix and hands each batch of document ids to fn.
 func (r *Reconciler) scanDocuments(ctx context.Context, suffix string, fn func([]string) error) error {
+	return prefetched(ctx, fn, func(ctx context.Context, emit func([]string) error) error {
+		return r.scanDocumentsInto(ctx, suffix, emit)
+	})
+}
+
+func (r *Reconciler) scanDocumentsInto(ctx context.Context, suffix string, fn func([]string) error) error {
 	prefix := r.target.Keyspace.Prefix()
 	pattern := escapeGlob(prefix) + "{*}" + suffix
 	scanNode := func(ctx context.Context, node *redis.Client) error {
@@ -210,8 +222,7 @@ func (r *Reconciler) scanDocuments(ctx context.Context, suffix string, fn func([
 		return scanNode(ctx, c)
 	case *redis.ClusterClient:
 		// ForEachMaster calls back concurrently; collect the masters and
-		// scan them one after the other, as fn is not safe for concurrent
-		// use.
+		// scan them one after the other, so batches reach fn in order.
 		var (
 			mu      sync.Mutex
 			masters []*redis.Client
@@ -232,6 +243,40 @@ func (r *Reconciler) scanDocuments(ctx context.Context, suffix string, fn func([
 		return nil
 	}
 	return &ConfigError{Field: "Target.Client", Reason: fmt.Sprintf("orphan scan of documents needs a *redis.Client or *redis.ClusterClient, not %T; set Config.SkipOrphans", r.target.Client)}
+}
+
+// prefetched runs produce in a goroutine that emits batches one ahead of
+// consume, so the next Redis scan overlaps the current batch's source
+// lookup. It returns the first error of either side and always waits for
+// the goroutine.
+func prefetched(ctx context.Context, consume func([]string) error, produce func(ctx context.Context, emit func([]string) error) error) error {
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	batches := make(chan []string, 1)
+	produced := make(chan error, 1)
+	go func() {
+		defer close(batches)
+		produced <- produce(ctx, func(keys []string) error {
+			select {
+			case batches <- keys:
+				return nil
+			case <-ctx.Done():
+				return ctx.Err()
+			}
+		})
+	}()
+	var err error
+	for keys := range batches {
+		if err == nil {
+			if err = consume(keys); err != nil {
+				cancel() // stop producing; keep draining until it exits
+			}
+		}
+	}
+	if perr := <-produced; err == nil {
+		err = perr
+	}
+	return err
 }
 
 // documentID extracts and unescapes the document id from a key

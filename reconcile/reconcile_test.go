@@ -559,3 +559,49 @@ func TestCheckKeys(t *testing.T) {
 	require.Equal(t, ClassMissing, want["miss"])
 	require.Equal(t, Projected{}, b.state(t, r, "miss"), "keys not asked about are left alone")
 }
+
+func TestPrefetched(t *testing.T) {
+	t.Parallel()
+	boom := errors.New("boom")
+	counting := func(n int, failAt int) (func(context.Context, func([]string) error) error, *int) {
+		emitted := 0
+		return func(ctx context.Context, emit func([]string) error) error {
+			for i := range n {
+				if i == failAt {
+					return boom
+				}
+				if err := emit([]string{fmt.Sprint(i)}); err != nil {
+					return err
+				}
+				emitted++
+			}
+			return nil
+		}, &emitted
+	}
+
+	t.Run("All", func(t *testing.T) {
+		t.Parallel()
+		produce, _ := counting(50, -1)
+		var got []string
+		require.NoError(t, prefetched(context.Background(), func(k []string) error { got = append(got, k...); return nil }, produce))
+		require.Len(t, got, 50)
+		require.Equal(t, "49", got[49])
+	})
+	t.Run("ConsumerFails", func(t *testing.T) {
+		t.Parallel()
+		produce, emitted := counting(1000, -1)
+		calls := 0
+		err := prefetched(context.Background(), func([]string) error { calls++; return boom }, produce)
+		require.ErrorIs(t, err, boom)
+		require.Equal(t, 1, calls)
+		require.Less(t, *emitted, 5, "the producer stops")
+	})
+	t.Run("ProducerFails", func(t *testing.T) {
+		t.Parallel()
+		produce, _ := counting(10, 3)
+		calls := 0
+		err := prefetched(context.Background(), func([]string) error { calls++; return nil }, produce)
+		require.ErrorIs(t, err, boom)
+		require.Equal(t, 3, calls)
+	})
+}
