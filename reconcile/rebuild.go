@@ -49,7 +49,9 @@ type RebuildReport struct {
 // an empty or half-built one. Every key involved shares the collection's
 // hash tag, so this works unchanged on Redis Cluster. The result matches
 // the source: ahead entries are replaced by the source's state and orphans
-// disappear, which makes Rebuild the remedy when a Run reports many.
+// disappear, which makes Rebuild the remedy when a Run reports many. (A row
+// deleted from the source after the copy read it survives the switch as an
+// orphan, which the next Run reports: the gate never deletes.)
 //
 // If ctx is cancelled or anything fails before the switch, the marker and
 // shadow keys are removed and the live projection is left as it was. If
