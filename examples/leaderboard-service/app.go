@@ -34,6 +34,8 @@ type options struct {
 	schema      string
 	keyPrefix   string
 	logLevel    string
+	readPolicy  string
+	maxLag      time.Duration
 
 	// serve
 	addr            string
@@ -60,6 +62,9 @@ func parseFlags(name string, args []string, stderr io.Writer) (*options, error) 
 	switch name {
 	case "serve":
 		fs.StringVar(&o.addr, "addr", addrDefault, "HTTP listen address")
+		fs.StringVar(&o.readPolicy, "read-policy", leaderboard.ReadPolicyDefault.String(),
+			"what reads do when the projection lags more than --max-lag: serve-stale, fallback-to-postgres or fail-closed")
+		fs.DurationVar(&o.maxLag, "max-lag", leaderboard.MaxLagDefault, "largest projection lag at which Redis answers count as fresh")
 		fs.DurationVar(&o.reconcileEvery, "reconcile-every", reconcileEveryDefault, "interval of the sampled reconcile (0 disables it)")
 		fs.IntVar(&o.reconcileSample, "reconcile-sample", reconcileSampleDefault, "rows checked by each scheduled reconcile")
 	case "reconcile":
@@ -79,9 +84,13 @@ func parseFlags(name string, args []string, stderr io.Writer) (*options, error) 
 		fs.Usage()
 		return nil, errors.New("unexpected arguments")
 	}
-	if o.sample < 0 || o.limit < 0 || o.reconcileSample < 0 || o.reconcileEvery < 0 {
-		fmt.Fprintf(stderr, "leaderboard-service %s: --sample, --limit, --reconcile-sample and --reconcile-every must not be negative\n", name)
+	if o.sample < 0 || o.limit < 0 || o.reconcileSample < 0 || o.reconcileEvery < 0 || o.maxLag < 0 {
+		fmt.Fprintf(stderr, "leaderboard-service %s: --sample, --limit, --reconcile-sample, --reconcile-every and --max-lag must not be negative\n", name)
 		return nil, errors.New("negative flag")
+	}
+	if _, err := parseReadPolicy(o.readPolicy); err != nil {
+		fmt.Fprintf(stderr, "leaderboard-service %s: --read-policy: %v\n", name, err)
+		return nil, err
 	}
 	return o, nil
 }
@@ -142,7 +151,13 @@ func connect(ctx context.Context, o *options, logger *slog.Logger) (*deps, error
 	rdb := redis.NewClient(ropt)
 	closers = append(closers, func() { _ = rdb.Close() })
 
-	cfg := &leaderboard.Config{Name: o.board, Schema: o.schema, KeyPrefix: o.keyPrefix, Logger: logger}
+	policy, err := parseReadPolicy(o.readPolicy)
+	if err != nil {
+		closeAll()
+		return nil, err
+	}
+	cfg := &leaderboard.Config{Name: o.board, Schema: o.schema, KeyPrefix: o.keyPrefix,
+		ReadPolicy: policy, MaxLag: o.maxLag, Logger: logger}
 	board, err := leaderboard.New(pool, rdb, cfg)
 	if err != nil {
 		closeAll()
@@ -153,4 +168,18 @@ func connect(ctx context.Context, o *options, logger *slog.Logger) (*deps, error
 		return nil, fmt.Errorf("migrate: %w", err)
 	}
 	return &deps{pool: pool, rdb: rdb, board: board, close: closeAll}, nil
+}
+
+// parseReadPolicy reads a leaderboard.ReadPolicy by its String form; ""
+// selects the board's default.
+func parseReadPolicy(name string) (leaderboard.ReadPolicy, error) {
+	if name == "" {
+		return 0, nil
+	}
+	for _, p := range []leaderboard.ReadPolicy{leaderboard.ServeStale, leaderboard.FallbackToPostgres, leaderboard.FailClosed} {
+		if p.String() == name {
+			return p, nil
+		}
+	}
+	return 0, fmt.Errorf("unknown policy %q (want serve-stale, fallback-to-postgres or fail-closed)", name)
 }

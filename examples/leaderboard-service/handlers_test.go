@@ -207,6 +207,40 @@ func TestLeaderboard(t *testing.T) {
 		}, 5*time.Second, 20*time.Millisecond)
 	})
 
+	t.Run("FailClosedWhileBehind", func(t *testing.T) {
+		t.Parallel()
+		tb := setup(t, func(c *leaderboard.Config) {
+			c.ReadPolicy, c.MaxLag, c.LagProbeInterval = leaderboard.FailClosed, time.Millisecond, 1
+		})
+		require.Equal(t, http.StatusCreated, tb.submit(t, uuid.NewString(), `{"user_id":"ada","delta":5}`).status)
+		var res response
+		require.Eventually(t, func() bool {
+			res = tb.do(t, http.MethodGet, "/leaderboard", nil, "")
+			return res.status == http.StatusServiceUnavailable
+		}, 5*time.Second, 20*time.Millisecond, "last answer: %d %s", res.status, res.body)
+		require.Equal(t, "1", res.header.Get("Retry-After"))
+		require.NotEmpty(t, res.json(t)["error"])
+
+		tb.drain(t)
+		require.Eventually(t, func() bool {
+			return tb.do(t, http.MethodGet, "/leaderboard", nil, "").status == http.StatusOK
+		}, 5*time.Second, 20*time.Millisecond)
+	})
+
+	t.Run("FallbackToPostgresWhileBehind", func(t *testing.T) {
+		t.Parallel()
+		tb := setup(t, func(c *leaderboard.Config) {
+			c.ReadPolicy, c.MaxLag, c.LagProbeInterval = leaderboard.FallbackToPostgres, time.Millisecond, 1
+		})
+		require.Equal(t, http.StatusCreated, tb.submit(t, uuid.NewString(), `{"user_id":"ada","delta":5}`).status)
+		require.Eventually(t, func() bool {
+			body := tb.do(t, http.MethodGet, "/leaderboard", nil, "").json(t)
+			entries := body["entries"].([]any)
+			return body["freshness"].(map[string]any)["source"] == "postgres" &&
+				len(entries) == 1 && entries[0].(map[string]any)["user_id"] == "ada"
+		}, 5*time.Second, 20*time.Millisecond, "the exact answer comes from PostgreSQL while Redis is behind")
+	})
+
 	t.Run("InvalidParameters", func(t *testing.T) {
 		t.Parallel()
 		tb := setup(t)

@@ -21,7 +21,10 @@
 //	GET  /                    a live page: top 10, submit, rank, freshness
 //
 // together with the board's projection Worker and a sampled reconcile on a
-// schedule. SIGINT or SIGTERM stops it gracefully: no new connections,
+// schedule (--reconcile-every, --reconcile-sample). --read-policy and
+// --max-lag choose what reads do while the projection lags: answer from
+// Redis with the lag (serve-stale), answer from PostgreSQL
+// (fallback-to-postgres) or answer 503 (fail-closed). SIGINT or SIGTERM stops it gracefully: no new connections,
 // in-flight requests finish, the worker settles its batch, every goroutine
 // exits.
 //

@@ -173,6 +173,7 @@ func TestCommandLine(t *testing.T) {
 		{"UnknownCommand", []string{"frobnicate"}, exitUsage, `unknown command "frobnicate"`},
 		{"UnknownFlag", []string{"stats", "--nope"}, exitUsage, "flag provided but not defined"},
 		{"ServeFlagOnOps", []string{"stats", "--addr=:1"}, exitUsage, "flag provided but not defined"},
+		{"UnknownReadPolicy", []string{"serve", "--read-policy=optimistic"}, exitUsage, `unknown policy "optimistic"`},
 		{"NegativeSample", []string{"reconcile", "--sample=-1"}, exitUsage, "must not be negative"},
 		{"ExtraArgument", []string{"rebuild", "now"}, exitUsage, `unexpected argument "now"`},
 		{"BadLogLevel", []string{"stats", "--log-level=loud", "--database-url=postgres://127.0.0.1:1/x", "--redis-url=redis://127.0.0.1:1"}, exitError, "--log-level"},
