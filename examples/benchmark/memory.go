@@ -51,10 +51,15 @@ func runMemory(ctx context.Context, e *env) ([]Figure, error) {
 		}
 	}
 	target := projection.Target{Kind: projection.KindSortedSet, Name: "board"}
-	lib, err := memoryUsage(ctx, e.rdb, []string{ks.ValueKey(target), ks.VersionKey(target)})
+	libZset, err := memoryUsage(ctx, e.rdb, []string{ks.ValueKey(target)})
 	if err != nil {
 		return nil, err
 	}
+	libVersions, err := memoryUsage(ctx, e.rdb, []string{ks.VersionKey(target)})
+	if err != nil {
+		return nil, err
+	}
+	lib := libZset + libVersions
 
 	// Seed: the per-event script, one event (and marker) per member.
 	if err := seedGate.Load(ctx, e.rdb).Err(); err != nil {
@@ -73,12 +78,19 @@ func runMemory(ctx context.Context, e *env) ([]Figure, error) {
 			return nil, err
 		}
 	}
-	seedBytes, err := memoryUsage(ctx, e.rdb, append(seedKeys, s.zset, s.versions))
+	markers, err := memoryUsage(ctx, e.rdb, seedKeys)
 	if err != nil {
 		return nil, err
 	}
+	seedStructs, err := memoryUsage(ctx, e.rdb, []string{s.zset, s.versions})
+	if err != nil {
+		return nil, err
+	}
+	seedBytes := markers + seedStructs
 	perLib, perSeed := float64(lib)/float64(m), float64(seedBytes)/float64(m)
-	e.log("memory: library %.1f B/member, seed %.1f B/member", perLib, perSeed)
+	per := func(b int64) float64 { return float64(b) / float64(m) }
+	e.log("memory: library %.1f B/member (sorted set %.1f, versions %.1f); seed %.1f B/member (sorted set + versions %.1f, markers %.1f)",
+		perLib, per(libZset), per(libVersions), perSeed, per(seedStructs), per(markers))
 	return []Figure{newFigure("memory", "bytes/member", perLib, perSeed)}, nil
 }
 
