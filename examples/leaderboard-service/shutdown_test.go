@@ -18,6 +18,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/verity-go/verity/internal/services"
+	"github.com/verity-go/verity/leaderboard"
 )
 
 // TestRunShutsDownGracefully runs the whole service (HTTP, worker,
@@ -26,11 +27,22 @@ import (
 // process's goroutines, which other tests running at the same time would
 // change.
 func TestRunShutsDownGracefully(t *testing.T) {
-	tb := setup(t)
+	// A read-your-writes read of a version that never comes waits this
+	// long in the handler: the in-flight request of the shutdown.
+	const slowRead = time.Second
+	tb := setup(t, func(c *leaderboard.Config) { c.ReadYourWritesTimeout = slowRead })
 	svc, err := NewService(tb.pg.Pool, tb.rd.Client, tb.board, ServiceConfig{ReconcileEvery: 50 * time.Millisecond, ReconcileSample: 10})
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = svc.Close() })
 	client := &http.Client{Transport: &http.Transport{DisableKeepAlives: true}, Timeout: 10 * time.Second}
+	slowStarted := make(chan struct{})
+	handler := svc.handler
+	svc.handler = http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Query().Get("at_least") == "99" {
+			close(slowStarted)
+		}
+		handler.ServeHTTP(w, r)
+	})
 
 	before := runtime.NumGoroutine()
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
@@ -62,6 +74,23 @@ func TestRunShutsDownGracefully(t *testing.T) {
 		return last != nil && last.Checked == 1 && last.Error == ""
 	}, 10*time.Second, 20*time.Millisecond, "the scheduled reconcile never reported")
 
+	// Shut down while a request is in flight: it must still be answered.
+	slowDone := make(chan int, 1)
+	go func() {
+		resp, err := client.Get(base + "/users/ada/rank?at_least=99")
+		if err != nil {
+			slowDone <- -1
+			return
+		}
+		resp.Body.Close()
+		slowDone <- resp.StatusCode
+	}()
+	select {
+	case <-slowStarted:
+	case <-time.After(10 * time.Second):
+		t.Fatal("the slow request never reached the handler")
+	}
+	shutdownStarted := time.Now()
 	cancel()
 	select {
 	case err := <-done:
@@ -69,6 +98,8 @@ func TestRunShutsDownGracefully(t *testing.T) {
 	case <-time.After(15 * time.Second):
 		t.Fatal("Run did not return after cancellation")
 	}
+	require.Equal(t, http.StatusOK, <-slowDone, "the in-flight request was answered")
+	require.GreaterOrEqual(t, time.Since(shutdownStarted), slowRead/2, "Run waited for the in-flight request")
 	_, err = client.Get(base + "/healthz")
 	require.Error(t, err, "the listener is closed")
 
