@@ -30,6 +30,7 @@ type options struct {
 	// Connection and board (every subcommand).
 	databaseURL string
 	redisURL    string
+	cluster     bool
 	board       string
 	schema      string
 	keyPrefix   string
@@ -55,6 +56,7 @@ func parseFlags(name string, args []string, stderr io.Writer) (*options, error) 
 	fs.SetOutput(stderr)
 	fs.StringVar(&o.databaseURL, "database-url", "", "PostgreSQL URL (default $DATABASE_URL, then the local server, then a private one)")
 	fs.StringVar(&o.redisURL, "redis-url", "", "Redis URL (default $REDIS_URL, then the local server, then a private one)")
+	fs.BoolVar(&o.cluster, "redis-cluster", false, "--redis-url names a Redis Cluster: redis://host:port?addr=host2:port2&addr=...")
 	fs.StringVar(&o.board, "board", boardDefault, "leaderboard name")
 	fs.StringVar(&o.schema, "schema", leaderboard.SchemaDefault, "PostgreSQL schema of the board and outbox tables")
 	fs.StringVar(&o.keyPrefix, "key-prefix", leaderboard.KeyPrefixDefault, "prefix of the board's Redis keys")
@@ -143,12 +145,11 @@ func connect(ctx context.Context, o *options, logger *slog.Logger) (*deps, error
 		return nil, fmt.Errorf("postgres: %w", err)
 	}
 	closers = append(closers, pool.Close)
-	ropt, err := redis.ParseURL(redisURL)
+	rdb, err := newRedisClient(redisURL, o.cluster)
 	if err != nil {
 		closeAll()
 		return nil, fmt.Errorf("redis: %w", err)
 	}
-	rdb := redis.NewClient(ropt)
 	closers = append(closers, func() { _ = rdb.Close() })
 
 	policy, err := parseReadPolicy(o.readPolicy)
@@ -168,6 +169,24 @@ func connect(ctx context.Context, o *options, logger *slog.Logger) (*deps, error
 		return nil, fmt.Errorf("migrate: %w", err)
 	}
 	return &deps{pool: pool, rdb: rdb, board: board, close: closeAll}, nil
+}
+
+// newRedisClient opens a single-node client, or a cluster client when
+// cluster is set (the board's keys share a hash tag per board, so every
+// script call stays on one slot).
+func newRedisClient(url string, cluster bool) (redis.UniversalClient, error) {
+	if cluster {
+		opt, err := redis.ParseClusterURL(url)
+		if err != nil {
+			return nil, err
+		}
+		return redis.NewClusterClient(opt), nil
+	}
+	opt, err := redis.ParseURL(url)
+	if err != nil {
+		return nil, err
+	}
+	return redis.NewClient(opt), nil
 }
 
 // parseReadPolicy reads a leaderboard.ReadPolicy by its String form; ""

@@ -30,7 +30,9 @@
 //
 // Servers come from --database-url / --redis-url, else DATABASE_URL /
 // REDIS_URL, else the local default ports, else private servers started from
-// local binaries (which die with the process). Every subcommand runs the
+// local binaries (which die with the process). With --redis-cluster,
+// --redis-url is a Redis Cluster seed list
+// (redis://host1:6379?addr=host2:6379&addr=host3:6379). Every subcommand runs the
 // board's migration first; it is idempotent.
 package main
 

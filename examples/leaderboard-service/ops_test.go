@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"net/http"
+	"strings"
 	"testing"
 
 	"github.com/google/uuid"
@@ -13,6 +14,7 @@ import (
 	"github.com/redis/go-redis/v9"
 	"github.com/stretchr/testify/require"
 
+	"github.com/verity-go/verity/internal/testenv"
 	"github.com/verity-go/verity/leaderboard"
 	"github.com/verity-go/verity/outbox"
 )
@@ -189,3 +191,49 @@ func TestCommandLine(t *testing.T) {
 }
 
 func redisZ(score float64, member string) redis.Z { return redis.Z{Score: score, Member: member} }
+
+// TestRedisCluster runs the ops subcommands with --redis-cluster against a
+// real three-master cluster, with a board whose worker projects through a
+// cluster client.
+func TestRedisCluster(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pg := testenv.Postgres(t)
+	cluster := testenv.SharedRedisCluster(t)
+	client := cluster.Client(t)
+	prefix := cluster.Prefix(t)
+	cfg := &leaderboard.Config{Name: testBoard, Schema: pg.Schema, KeyPrefix: prefix}
+	require.NoError(t, leaderboard.Migrate(ctx, pg.Pool, cfg))
+	board, err := leaderboard.New(pg.Pool, client, cfg)
+	require.NoError(t, err)
+	for _, user := range []string{"ada", "bob", "cy"} {
+		_, err := board.Submit(ctx, leaderboard.Command{EventID: uuid.New(), UserID: user, Delta: 10})
+		require.NoError(t, err)
+	}
+	worker, err := board.Worker(nil)
+	require.NoError(t, err)
+	_, err = worker.Drain(ctx)
+	require.NoError(t, err)
+	require.NoError(t, client.ZAdd(ctx, board.SortedSetKey(), redisZ(-999, "bob")).Err())
+
+	addrs := cluster.Addrs()
+	seed := "redis://" + addrs[0] + "?addr=" + strings.Join(addrs[1:], "&addr=")
+	flags := []string{"--json", "--redis-cluster", "--redis-url=" + seed, "--database-url=" + pg.ConnString,
+		"--schema=" + pg.Schema, "--key-prefix=" + prefix, "--board=" + testBoard}
+
+	code, stdout, stderr := runCommand(t, append([]string{"reconcile"}, flags...)...)
+	require.Equal(t, exitOK, code, stderr)
+	var sum reconcileSummary
+	require.NoError(t, json.Unmarshal([]byte(stdout), &sum), stdout)
+	require.Equal(t, map[string]int64{"current": 2, "corrupt": 1}, sum.Counts)
+	require.EqualValues(t, 1, sum.Repaired)
+	require.Equal(t, -10.0, client.ZScore(ctx, board.SortedSetKey(), "bob").Val())
+
+	require.NoError(t, client.Del(ctx, board.SortedSetKey()).Err())
+	code, stdout, stderr = runCommand(t, append([]string{"rebuild"}, flags...)...)
+	require.Equal(t, exitOK, code, stderr)
+	var rb rebuildJSON
+	require.NoError(t, json.Unmarshal([]byte(stdout), &rb), stdout)
+	require.True(t, rb.Switched)
+	require.EqualValues(t, 3, client.ZCard(ctx, board.SortedSetKey()).Val())
+}
