@@ -16,14 +16,18 @@ import (
 // drainStream is the outbox stream the drain figures project.
 const drainStream = "bench-drain"
 
+// drainRounds alternates library and seed this many times.
+const drainRounds = 2
+
 // runDrain measures how fast a pre-filled outbox is projected into a sorted
 // set: the library's relays (leased claim, no transaction held during the
 // Redis call, one batched gate call per batch, DELETE on acknowledgement)
 // against the seed's workers (a transaction per batch holding FOR UPDATE
 // SKIP LOCKED while one EVALSHA per event runs, pipelined, then UPDATE …
-// SET published_at). Both sides get the same rows, the same number of
-// workers and the same batch size; the clock runs from the first claim to
-// the last acknowledgement.
+// SET published_at). Both sides get the same rows and the same number of
+// workers; by default both claim 100 rows at a time (the library's default
+// and the seed's LIMIT). The clock runs from the first claim to the last
+// acknowledgement; filling is not timed.
 func runDrain(ctx context.Context, e *env) ([]Figure, error) {
 	schema, err := e.schema(ctx, "drain")
 	if err != nil {
@@ -45,18 +49,23 @@ func runDrain(ctx context.Context, e *env) ([]Figure, error) {
 			// One worker each: where the gain comes from without concurrency.
 			rows, name = n/4, "drain_1_worker"
 		}
-		tag := fmt.Sprintf("w%d", workers)
-		lib, err := drainLibrary(ctx, e, workPool, schema, tag, rows, min(users, rows), workers)
-		if err != nil {
-			return nil, fmt.Errorf("library: %w", err)
+		// Two rounds, alternating sides, so that a change in machine load
+		// during the run hits both alike.
+		var lib, seed rate
+		for round := range drainRounds {
+			tag := fmt.Sprintf("w%d_r%d", workers, round)
+			part := rows / drainRounds
+			r, err := drainLibrary(ctx, e, workPool, schema, tag, part, min(users, part), workers)
+			if err := lib.add(int64(part), r, err); err != nil {
+				return nil, fmt.Errorf("library: %w", err)
+			}
+			r, err = drainSeed(ctx, e, workPool, schema, tag, part, min(users, part), workers)
+			if err := seed.add(int64(part), r, err); err != nil {
+				return nil, fmt.Errorf("seed: %w", err)
+			}
 		}
-		e.log("drain: library %d workers: %.0f rows/s", workers, lib)
-		seed, err := drainSeed(ctx, e, workPool, schema, tag, rows, min(users, rows), workers)
-		if err != nil {
-			return nil, fmt.Errorf("seed: %w", err)
-		}
-		e.log("drain: seed %d workers: %.0f rows/s", workers, seed)
-		figs = append(figs, newFigure(name, "rows/s", lib, seed))
+		e.log("drain: %d workers: library %.0f rows/s, seed %.0f rows/s", workers, lib.perSecond(), seed.perSecond())
+		figs = append(figs, newFigure(name, "rows/s", lib.perSecond(), seed.perSecond()))
 	}
 	return figs, nil
 }
@@ -133,7 +142,9 @@ func drainRelays(ctx context.Context, pool *pgxpool.Pool, rdb redis.UniversalCli
 	return total, err
 }
 
-func drainLibrary(ctx context.Context, e *env, workPool *pgxpool.Pool, schema, tag string, n, users, relays int) (float64, error) {
+// drainLibrary fills a fresh outbox with n rows and drains it with relays
+// relays, returning the time taken.
+func drainLibrary(ctx context.Context, e *env, workPool *pgxpool.Pool, schema, tag string, n, users, relays int) (time.Duration, error) {
 	table, err := newOutbox(ctx, e.pool, schema, "outbox_"+tag)
 	if err != nil {
 		return 0, err
@@ -164,10 +175,12 @@ func drainLibrary(ctx context.Context, e *env, workPool *pgxpool.Pool, schema, t
 	if left != 0 || handled != int64(n) || card != int64(users) {
 		return 0, fmt.Errorf("library drain incomplete: %d rows left, %d handled of %d, %d members of %d", left, handled, n, card, users)
 	}
-	return float64(n) / elapsed.Seconds(), nil
+	return elapsed, nil
 }
 
-func drainSeed(ctx context.Context, e *env, workPool *pgxpool.Pool, schema, tag string, n, users, workers int) (float64, error) {
+// drainSeed fills fresh seed tables with n rows and drains them with
+// workers seed workers, returning the time taken.
+func drainSeed(ctx context.Context, e *env, workPool *pgxpool.Pool, schema, tag string, n, users, workers int) (time.Duration, error) {
 	seed, err := newSeedDesign(ctx, e.pool, e.rdb, schema, "seed_"+tag+"_", e.keyPrefix("drain-seed-"+tag))
 	if err != nil {
 		return 0, err
@@ -203,5 +216,5 @@ func drainSeed(ctx context.Context, e *env, workPool *pgxpool.Pool, schema, tag 
 	if left != 0 || card != int64(users) {
 		return 0, fmt.Errorf("seed drain incomplete: %d rows left, %d members of %d", left, card, users)
 	}
-	return float64(n) / elapsed.Seconds(), nil
+	return elapsed, nil
 }

@@ -62,7 +62,7 @@ var (
 	fullSizes = Sizes{
 		DrainRows: 200_000, DrainUsers: 10_000,
 		IngestDuration: 10 * time.Second, LagDuration: 10 * time.Second,
-		CacheReads: 50_000, ReconcileUsers: 200_000, MemoryMembers: 100_000,
+		CacheReads: 20_000, ReconcileUsers: 200_000, MemoryMembers: 100_000,
 		RSSSmall: 100_000, RSSLarge: 1_000_000,
 	}
 )
@@ -73,7 +73,7 @@ type Options struct {
 	RedisURL    string
 	Sizes       Sizes
 	Relays      int // relays (library) and seed workers (baseline) draining together
-	BatchSize   int // rows per claim, both sides
+	BatchSize   int // rows per relay claim; the seed worker keeps its LIMIT 100
 	SeedPoll    time.Duration
 	// WorkerSyncCommit, when set, is the synchronous_commit setting of the
 	// connections that workers on both sides claim and acknowledge with,

@@ -11,7 +11,7 @@
 //     and projection.RedisProjector, against the seed worker (a transaction
 //     holding FOR UPDATE SKIP LOCKED per batch, one EVALSHA per event with a
 //     marker key, pipelined, then UPDATE … SET published_at). Same rows, same
-//     worker count (-relays) and batch size. drain_1_worker: one each.
+//     worker count (-relays) and, by default, batch size (100). drain_1_worker: one each.
 //   - ingest: leaderboard.Submit with 8 clients against the seed's
 //     five-statement transaction; ingest_submit_batch: SubmitBatch of 1,000
 //     commands from one client, against the same seed figure.
@@ -76,7 +76,7 @@ func mainErr(ctx context.Context, args []string, out, progress io.Writer) error 
 	asJSON := fs.Bool("json", false, "print one JSON object per figure: name, value, unit, baseline, ratio")
 	only := fs.String("only", "", "comma-separated figure groups to run: "+strings.Join(groups, ","))
 	relays := fs.Int("relays", 4, "relays (library) and seed workers (baseline) draining together")
-	batch := fs.Int("batch", outbox.BatchSizeDefault, "rows per claim, both sides (the seed's own is 100)")
+	batch := fs.Int("batch", outbox.BatchSizeDefault, "rows per relay claim (library); the seed worker keeps its LIMIT 100")
 	seedPoll := fs.Duration("seed-poll", 10*time.Millisecond, "idle sleep of the seed worker in the lag figure (the seed has no wake-up)")
 	syncCommit := fs.String("worker-sync-commit", "", "experiment: synchronous_commit of the workers' connections in drain and lag, both sides (e.g. off)")
 	drainRows := fs.Int("drain-rows", 0, "override the drain backlog size (rows)")
