@@ -5,4 +5,6 @@
 //
 //	go run ./examples/failure-experiment   # the leaderboard failure experiment
 //	go run ./examples/race-test            # the read-through stale-set race
+//	go run ./examples/leaderboard-service  # HTTP service, live page, ops commands
+//	go run ./examples/benchmark -quick     # library paths vs the seeds' designs
 package examples
