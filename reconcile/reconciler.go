@@ -257,7 +257,7 @@ func (r *Reconciler) validateRow(row *Row) error {
 
 // settle applies the policy and hooks to findings, sends the repairs, and
 // records every finding in the report, whatever happens.
-func (r *Reconciler) settle(ctx context.Context, opts RunOptions, findings []Finding, rep *Report) (err error) {
+func (r *Reconciler) settle(ctx context.Context, opts RunOptions, findings []Finding, rep *Report) error {
 	var viaGate, viaCAS []*Finding
 	defer func() {
 		for i := range findings {
