@@ -90,6 +90,20 @@
 // rebuild are not lost. All keys share the collection's hash tag, so this
 // works on Redis Cluster.
 //
+// # Performance
+//
+// Measured on a shared 2-core machine against local PostgreSQL 15 and Redis
+// 7.0 (figures vary with load; run them yourself):
+//
+//	go test -run XXX -bench . -benchtime 3x ./reconcile       (20,000 rows)
+//	  Reconciler, full dry-run pass        ~175,000-240,000 rows/s
+//	  keyset + pipelined hand loop         ~260,000-440,000 rows/s (no classification, no report)
+//	  SELECT all + ZSCORE/HGET per row       ~5,000 rows/s
+//	  Rebuild (shadow copy + switch)        ~80,000-90,000 rows/s
+//	VERITY_TEST_MILLION=1 go test -run TestMillionRows -v ./reconcile
+//	  1,000,000 rows, 1,000 repaired        8.2 s (~120,000 rows/s), peak heap ~5 MiB
+//	  the same with a forced orphan scan    20.8 s
+//
 // # Sources
 //
 // A Source pages through (key, version, absolute value) rows, samples them,

@@ -69,6 +69,25 @@ func TestSQLSource(t *testing.T) {
 		require.Len(t, rows, 1)
 	})
 
+	t.Run("SampleNeverAnalyzed", func(t *testing.T) {
+		t.Parallel()
+		// reltuples is unknown (-1) until the first (auto) ANALYZE: the sample
+		// starts at 1% of the blocks and grows until it has enough rows.
+		b := setup(t, projection.KindSortedSet)
+		b.insertMany(t, 2000)
+		rows, err := b.source.Sample(ctx, 150)
+		require.NoError(t, err)
+		require.Len(t, rows, 150)
+		seen := map[string]bool{}
+		for _, r := range rows {
+			require.False(t, seen[r.Key])
+			seen[r.Key] = true
+		}
+		rows, err = b.source.Sample(ctx, 0)
+		require.NoError(t, err)
+		require.Empty(t, rows)
+	})
+
 	t.Run("InvalidRows", func(t *testing.T) {
 		t.Parallel()
 		for name, stmt := range map[string]string{
