@@ -65,6 +65,9 @@ func (r *Relay) Stats(ctx context.Context) (Stats, error) {
 		return Stats{}, mapError("stats", err)
 	}
 	s.OldestPendingAge = max(time.Duration(ageUS)*time.Microsecond, 0)
+	if r.metrics.enabled {
+		r.lastStats.Store(&statsSample{stats: s, at: time.Now()})
+	}
 	return s, nil
 }
 
@@ -156,5 +159,6 @@ func (r *Relay) ReplayDead(ctx context.Context, filter ReplayFilter) (int64, err
 		}
 		return 0, mapError("replay dead letters", err)
 	}
+	r.metrics.replayed.Add(ctx, n, r.metrics.attrs)
 	return n, nil
 }

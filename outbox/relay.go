@@ -43,6 +43,9 @@ type Relay struct {
 	logger  *slog.Logger
 	running atomic.Bool
 
+	metrics   *relayMetrics
+	lastStats atomic.Pointer[statsSample] // latest Stats result, for the gauges
+
 	claimSQL  string
 	settleSQL string
 }
@@ -65,6 +68,10 @@ func NewRelay(pool *pgxpool.Pool, handler Handler, cfg *RelayConfig) (*Relay, er
 	if len(cfg.Streams) > 0 {
 		streamFilter = "\n      AND stream = ANY($4::text[])"
 	}
+	metrics, err := newRelayMetrics(cfg)
+	if err != nil {
+		return nil, fmt.Errorf("outbox: NewRelay: %w", err)
+	}
 	ack := fmt.Sprintf(ackDeleteSQL, n.Outbox)
 	if cfg.KeepPublished {
 		ack = fmt.Sprintf(ackKeepSQL, n.Outbox)
@@ -75,6 +82,7 @@ func NewRelay(pool *pgxpool.Pool, handler Handler, cfg *RelayConfig) (*Relay, er
 		cfg:       *cfg,
 		names:     n,
 		logger:    cfg.Logger.With(slog.String("relay", cfg.Name)),
+		metrics:   metrics,
 		claimSQL:  fmt.Sprintf(claimSQL, n.Outbox, streamFilter),
 		settleSQL: fmt.Sprintf(settleSQL, ack, n.Outbox, n.Dead),
 	}, nil
@@ -191,8 +199,11 @@ func (r *Relay) runBatch(claimCtx, workCtx context.Context) (int, error) {
 	}
 	// The handler's deadline is measured from before the claim was sent,
 	// so it ends no later than the lease on the server.
+	r.metrics.claimed.Add(claimCtx, int64(len(batch)), r.metrics.attrs)
 	handlerCtx, cancel := context.WithDeadline(workCtx, start.Add(r.cfg.LeaseDuration))
+	handleStart := time.Now()
 	results := r.handle(handlerCtx, batch)
+	r.metrics.handlerDuration.Record(workCtx, time.Since(handleStart).Seconds(), r.metrics.attrs)
 	cancel()
 	stopping := workCtx.Err() != nil
 	return len(batch), r.settle(context.WithoutCancel(workCtx), token, batch, results, stopping)
@@ -294,6 +305,19 @@ func (r *Relay) settle(ctx context.Context, token uuid.UUID, batch []Record, res
 	for _, id := range settled {
 		delete(want, id)
 	}
+	if r.metrics.enabled {
+		settledCount := func(ids []int64) int {
+			n := 0
+			for _, id := range ids {
+				if !want[id] {
+					n++
+				}
+			}
+			return n
+		}
+		r.metrics.settled(ctx, settledCount(acked), settledCount(retryIDs), settledCount(deadIDs),
+			settledCount(released), len(want))
+	}
 	r.logger.Debug("outbox batch settled", slog.Int("acked", len(acked)), slog.Int("retry", failedCount),
 		slog.Int("dead", buriedCount), slog.Int("released", len(released)), slog.Int("lost", len(want)))
 	if len(want) > 0 {
@@ -373,6 +397,18 @@ func (r *Relay) Run(ctx context.Context) error {
 	wake := make(chan struct{}, 1)
 	var wg sync.WaitGroup
 	defer wg.Wait()
+	if r.metrics.enabled {
+		reg, err := r.registerGauges()
+		if err != nil {
+			return fmt.Errorf("outbox: relay metrics: %w", err)
+		}
+		defer func() { _ = reg.Unregister() }()
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			r.refreshStats(ctx)
+		}()
+	}
 	if !r.cfg.DisableNotify {
 		wg.Add(1)
 		go func() {

@@ -4,6 +4,8 @@ import (
 	"fmt"
 	"log/slog"
 	"time"
+
+	"go.opentelemetry.io/otel/metric"
 )
 
 const (
@@ -26,6 +28,8 @@ const (
 	// ReconnectBackoffMaxDefault is the default for
 	// RelayConfig.ReconnectBackoffMax.
 	ReconnectBackoffMaxDefault = 5 * time.Second
+	// StatsIntervalDefault is the default for RelayConfig.StatsInterval.
+	StatsIntervalDefault = 15 * time.Second
 )
 
 // RelayConfig configures a Relay. A nil *RelayConfig means all defaults.
@@ -108,6 +112,22 @@ type RelayConfig struct {
 	// Logger receives the relay's logs. Defaults to a logger that discards
 	// everything.
 	Logger *slog.Logger
+
+	// MeterProvider receives the relay's metrics (verity.outbox.*, see the
+	// README's metrics table): counters of claimed, acknowledged, retried,
+	// dead-lettered, released and lease-lost rows, the handler's duration,
+	// and, while Run runs, gauges of the backlog (pending, in flight,
+	// retrying, dead letters, oldest pending age). Defaults to a no-op
+	// provider: nothing is recorded.
+	MeterProvider metric.MeterProvider
+
+	// StatsInterval is how often Run refreshes the Stats snapshot behind
+	// the backlog gauges. Scrapes never query the database; they report
+	// the latest snapshot, or nothing once it is older than two intervals
+	// (the relay stopped). Each refresh is one Stats query, O(pending).
+	// Only used when MeterProvider is set. Defaults to
+	// StatsIntervalDefault (15s).
+	StatsInterval time.Duration
 }
 
 // WithDefaults returns a copy of c with every zero field set to its default.
@@ -128,6 +148,7 @@ func (c *RelayConfig) WithDefaults() *RelayConfig {
 	setDefault(&out.RetryBackoffMax, RetryBackoffMaxDefault)
 	setDefault(&out.ShutdownTimeout, ShutdownTimeoutDefault)
 	setDefault(&out.ReconnectBackoffMax, ReconnectBackoffMaxDefault)
+	setDefault(&out.StatsInterval, StatsIntervalDefault)
 	if out.Name == "" {
 		out.Name = "relay-" + randomSuffix()
 	}
@@ -164,6 +185,7 @@ func (c *RelayConfig) validate() error {
 		{"RetryBackoffMax", c.RetryBackoffMax},
 		{"ShutdownTimeout", c.ShutdownTimeout},
 		{"ReconnectBackoffMax", c.ReconnectBackoffMax},
+		{"StatsInterval", c.StatsInterval},
 	} {
 		if err := positive(d.field, d.v); err != nil {
 			return err
