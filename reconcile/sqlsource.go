@@ -46,8 +46,11 @@ type SQLSourceConfig struct {
 	Table string
 	// KeyColumn identifies the entity: it becomes Row.Key through a ::text
 	// cast. Any type with ordering and a text form works (text, bigint,
-	// uuid). Required. Index it (it is usually the primary key): every page
-	// is an index range scan. Rows whose key is NULL are ignored.
+	// uuid) whose collation is deterministic (the default; a
+	// nondeterministic collation can make distinct keys compare equal, and
+	// a keyset page would skip one). Required. Index it (it is usually the
+	// primary key): every page is an index range scan. Rows whose key is
+	// NULL are ignored.
 	KeyColumn string
 	// VersionColumn holds the entity's version, an integer column. Required.
 	VersionColumn string
