@@ -200,6 +200,17 @@
 // -benchtime 1000000x ./outbox/): 0.56 s per call with 1,000,000 pending
 // rows. Poll Stats every few seconds, not per request.
 //
+// With RelayConfig.MeterProvider set, the relay reports OpenTelemetry
+// metrics (verity.outbox.*): counters of claimed, acknowledged, retried,
+// dead-lettered, released and lease-lost rows and a histogram of handler
+// durations, all attributed to the outbox table. While Run runs it also
+// reports the Stats figures as gauges. Scrapes never query the database: Run
+// refreshes a snapshot every StatsInterval (each Stats call also refreshes
+// it), and a snapshot older than two intervals is not reported, so the
+// gauges of a stopped relay disappear instead of freezing. Writer.Append
+// records nothing: it runs in the caller's transaction, which may still roll
+// back.
+//
 // # Shutdown and cancellation
 //
 // Run returns after its context is cancelled: it claims nothing more, waits

@@ -120,6 +120,22 @@
 // relay retries, then dead-letters it) and projects the rest. Redis errors
 // fail the batch in both.
 //
+// # Metrics
+//
+// With Config.MeterProvider set, the projector reports OpenTelemetry metrics
+// (verity.projection.*): the gate's verdicts by outcome (applied, duplicate,
+// stale) and mode (live, shadow), records that failed by reason, the gate's
+// round-trip time, and verity.projection.lag, the commit-to-visible lag of
+// each applied record: the projector's clock at the moment the gate
+// answered, minus the record's CreatedAt. CreatedAt is set by PostgreSQL
+// (now() of the writing transaction, i.e. its start), so the figure includes
+// the writing transaction's own duration, and any skew between the
+// database's clock and the projector host's clock shifts it; a negative
+// difference (database clock ahead) is recorded as zero. Keep both hosts on
+// NTP and read small lags (below the skew) with that in mind. Duplicates
+// and stale writes are not in the histogram: they are redeliveries, and
+// their lag would measure the retry, not the projection.
+//
 // # Throughput
 //
 // BenchmarkGate compares the batched gate with the per-event design (one

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"strconv"
+	"time"
 
 	"github.com/redis/go-redis/v9"
 )
@@ -44,6 +45,9 @@ type Gate struct {
 	// reloadTopology, set for Cluster clients, refreshes the slot map after
 	// a failed call (see eval).
 	reloadTopology func(ctx context.Context)
+	// metrics, set by NewRedisProjector when it has a MeterProvider, counts
+	// the gate's verdicts; nil records nothing.
+	metrics *projectionMetrics
 }
 
 // NewGate returns a Gate writing through client into the keys named by ks.
@@ -152,7 +156,9 @@ func (g *Gate) run(ctx context.Context, mode string, writes []Write) ([]Outcome,
 		return outcomes, perWrite, nil
 	}
 	groups := g.group(mode, writes)
+	start := time.Now()
 	replies, err := g.eval(ctx, groups)
+	g.metrics.recordBatch(ctx, mode, time.Since(start))
 	if err != nil {
 		return nil, nil, err
 	}
@@ -179,6 +185,7 @@ func (g *Gate) run(ctx context.Context, mode string, writes []Write) ([]Outcome,
 			}
 		}
 	}
+	g.metrics.recordWrites(ctx, mode, writes, outcomes)
 	return outcomes, perWrite, nil
 }
 

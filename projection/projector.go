@@ -8,6 +8,7 @@ import (
 	"log/slog"
 
 	"github.com/redis/go-redis/v9"
+	"go.opentelemetry.io/otel/metric"
 
 	"github.com/verity-go/verity/outbox"
 )
@@ -23,6 +24,12 @@ type Config struct {
 	// Logger receives a debug line per batch. Defaults to a logger that
 	// discards everything.
 	Logger *slog.Logger
+	// MeterProvider receives the projector's metrics (verity.projection.*,
+	// see the README's metrics table): the gate's verdicts (applied,
+	// duplicate, stale), records that failed, the gate's round-trip time
+	// and the commit-to-visible lag of applied records. Defaults to a
+	// no-op provider: nothing is recorded.
+	MeterProvider metric.MeterProvider
 }
 
 // WithDefaults returns a copy of c (or of the zero Config when c is nil)
@@ -54,9 +61,10 @@ func (c *Config) validate() error {
 // outbox.Handler, so it can be given directly to outbox.NewRelay. It is safe
 // for concurrent use.
 type RedisProjector struct {
-	gate   *Gate
-	mapper Mapper
-	logger *slog.Logger
+	gate    *Gate
+	mapper  Mapper
+	logger  *slog.Logger
+	metrics *projectionMetrics // nil: no MeterProvider
 }
 
 var (
@@ -82,7 +90,13 @@ func NewRedisProjector(client redis.UniversalClient, mapper Mapper, cfg *Config)
 	if err != nil {
 		return nil, err
 	}
-	return &RedisProjector{gate: NewGate(client, ks), mapper: mapper, logger: cfg.Logger}, nil
+	metrics, err := newProjectionMetrics(cfg.MeterProvider)
+	if err != nil {
+		return nil, fmt.Errorf("projection: NewRedisProjector: %w", err)
+	}
+	gate := NewGate(client, ks)
+	gate.metrics = metrics
+	return &RedisProjector{gate: gate, mapper: mapper, logger: cfg.Logger, metrics: metrics}, nil
 }
 
 // Gate returns the projector's gate, for writes that do not come from the
@@ -112,7 +126,16 @@ func (p *RedisProjector) Project(ctx context.Context, batch []outbox.Record) ([]
 	}
 	outcomes, perWrite, err := p.gate.run(ctx, modeLive, writes)
 	if err != nil {
+		p.metrics.recordFailed(ctx, reasonRedis, len(writes))
 		return nil, err
+	}
+	if p.metrics != nil {
+		applied := make([]bool, len(batch))
+		for i, o := range outcomes {
+			applied[i] = o == OutcomeApplied
+		}
+		p.metrics.recordLag(ctx, batch, writes, applied)
+		p.metrics.recordFailed(ctx, reasonCorruptVersion, len(compact(perWrite)))
 	}
 	p.logBatch(ctx, batch, outcomes, nil)
 	if errs := compact(perWrite); len(errs) > 0 {
@@ -140,8 +163,10 @@ func (p *RedisProjector) Handle(ctx context.Context, batch []outbox.Record) ([]o
 		writes = append(writes, w)
 		positions = append(positions, i)
 	}
+	p.metrics.recordFailed(ctx, reasonMap, len(batch)-len(writes))
 	outcomes, perWrite, err := p.gate.run(ctx, modeLive, writes)
 	if err != nil {
+		p.metrics.recordFailed(ctx, reasonRedis, len(writes))
 		return nil, err
 	}
 	all := make([]Outcome, len(batch))
@@ -154,6 +179,15 @@ func (p *RedisProjector) Handle(ctx context.Context, batch []outbox.Record) ([]o
 			}
 			results[i].Err = err
 		}
+	}
+	if p.metrics != nil {
+		written := make([]Write, len(batch))
+		applied := make([]bool, len(batch))
+		for j, i := range positions {
+			written[i], applied[i] = writes[j], outcomes[j] == OutcomeApplied
+		}
+		p.metrics.recordLag(ctx, batch, written, applied)
+		p.metrics.recordFailed(ctx, reasonCorruptVersion, len(compact(perWrite)))
 	}
 	p.logBatch(ctx, batch, all, results)
 	return results, nil

@@ -1,0 +1,111 @@
+package projection
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+	"go.opentelemetry.io/otel/attribute"
+
+	"github.com/verity-go/verity/internal/telemetry/metrictest"
+	"github.com/verity-go/verity/internal/testenv"
+	"github.com/verity-go/verity/outbox"
+)
+
+func TestProjectorMetrics(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+
+	setup := func(t *testing.T) (*RedisProjector, *metrictest.Recorder) {
+		t.Helper()
+		rd := testenv.Redis(t)
+		rec := metrictest.New(t)
+		p, err := NewRedisProjector(rd.Client, testMapper(), &Config{Prefix: rd.Prefix, MeterProvider: rec.Provider})
+		require.NoError(t, err)
+		return p, rec
+	}
+	outcome := func(o string) attribute.KeyValue { return attribute.String(AttributeOutcome, o) }
+	board := attribute.String(AttributeName, "board")
+
+	t.Run("OutcomesAndLagOfAppliedWrites", func(t *testing.T) {
+		t.Parallel()
+		p, rec := setup(t)
+		// A fixed clock: every record was committed 2s (alice, bob) or 1s
+		// (the order document) before the gate applied it.
+		now := time.Date(2026, 11, 30, 12, 0, 0, 0, time.UTC)
+		p.metrics.now = func() time.Time { return now }
+		at := func(r outbox.Record, ago time.Duration) outbox.Record { r.CreatedAt = now.Add(-ago); return r }
+
+		results, err := p.Handle(ctx, []outbox.Record{
+			at(record("scores", "alice", 2, "10"), 2*time.Second),
+			at(record("scores", "bob", 1, "25"), 2*time.Second),
+			at(record("orders", "41", 1, `{"total":1}`), time.Second),
+			at(record("scores", "carol", 1, "not a number"), time.Second),
+		})
+		require.NoError(t, err)
+		require.Error(t, results[3].Err)
+
+		// Redelivery: alice v2 and bob v1 again (duplicates), alice v1 (stale).
+		_, err = p.Handle(ctx, []outbox.Record{
+			at(record("scores", "alice", 2, "10"), 3*time.Second),
+			at(record("scores", "bob", 1, "25"), 3*time.Second),
+			at(record("scores", "alice", 1, "4"), 3*time.Second),
+		})
+		require.NoError(t, err)
+
+		s := rec.Collect(t)
+		require.Equal(t, int64(2), s.Int(metricWrites, board, outcome("applied"), attribute.String(AttributeMode, "live"),
+			attribute.String(AttributeKind, "sorted-set")))
+		require.Equal(t, int64(1), s.Int(metricWrites, attribute.String(AttributeName, ""), outcome("applied"),
+			attribute.String(AttributeKind, "document")), "documents report no name: their Name is an id")
+		require.Equal(t, int64(2), s.Int(metricWrites, board, outcome("duplicate")))
+		require.Equal(t, int64(1), s.Int(metricWrites, board, outcome("stale")))
+		require.Equal(t, int64(1), s.Int(metricFailed, attribute.String(AttributeReason, "map")))
+
+		require.Equal(t, uint64(2), s.Count(metricLag, board), "only applied writes have a lag")
+		require.Equal(t, uint64(1), s.Count(metricLag, attribute.String(AttributeName, "")))
+		lowest, ok := s.Min(metricLag, board)
+		require.True(t, ok)
+		require.Equal(t, 2.0, lowest)
+		require.Equal(t, uint64(2), s.Count(metricBatchDuration, attribute.String(AttributeMode, "live")))
+	})
+
+	t.Run("ClockSkewRecordsZeroLag", func(t *testing.T) {
+		t.Parallel()
+		p, rec := setup(t)
+		now := time.Now()
+		p.metrics.now = func() time.Time { return now }
+		r := record("scores", "dave", 1, "5")
+		r.CreatedAt = now.Add(time.Second) // the database clock runs ahead
+		_, err := p.Project(ctx, []outbox.Record{r})
+		require.NoError(t, err)
+		s := rec.Collect(t)
+		lowest, ok := s.Min(metricLag, board)
+		require.True(t, ok)
+		require.Zero(t, lowest)
+	})
+
+	t.Run("ShadowWritesAreCountedApart", func(t *testing.T) {
+		t.Parallel()
+		p, rec := setup(t)
+		w := Write{Target: Target{Kind: KindSortedSet, Name: "board", Member: "erin"}, Version: 1, Value: Value{Score: 3}}
+		_, err := p.Gate().ApplyShadow(ctx, []Write{w})
+		require.NoError(t, err)
+		s := rec.Collect(t)
+		require.Equal(t, int64(1), s.Int(metricWrites, board, outcome("applied"), attribute.String(AttributeMode, "shadow")))
+		require.Zero(t, s.Int(metricWrites, attribute.String(AttributeMode, "live")))
+		require.Zero(t, s.Count(metricLag), "writes that do not come from the outbox have no commit time")
+	})
+
+	t.Run("NoProviderRecordsNothing", func(t *testing.T) {
+		t.Parallel()
+		rd := testenv.Redis(t)
+		p, err := NewRedisProjector(rd.Client, testMapper(), &Config{Prefix: rd.Prefix})
+		require.NoError(t, err)
+		require.Nil(t, p.metrics)
+		out, err := p.Project(ctx, []outbox.Record{record("scores", "frank", 1, "1")})
+		require.NoError(t, err)
+		require.Equal(t, []Outcome{OutcomeApplied}, out)
+	})
+}
