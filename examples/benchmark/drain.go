@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"fmt"
+	"sync/atomic"
 	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -100,10 +101,25 @@ func newOutbox(ctx context.Context, pool *pgxpool.Pool, schema, table string) (s
 	return w.Table(), nil
 }
 
+// batchTimes splits the relays' time: in RunOnce as a whole, and in the
+// projector (the Redis part); the rest is the claim and settle statements.
+type batchTimes struct {
+	batches             atomic.Int64
+	total, inProjection atomic.Int64 // nanoseconds
+}
+
+func (t *batchTimes) String() string {
+	n := max(t.batches.Load(), 1)
+	total, proj := time.Duration(t.total.Load()/n), time.Duration(t.inProjection.Load()/n)
+	return fmt.Sprintf("%d batches, %s each: %s claim+settle, %s projecting",
+		n, total.Round(time.Microsecond), (total - proj).Round(time.Microsecond), proj.Round(time.Microsecond))
+}
+
 // drainRelays runs relays RunOnce loops over one outbox until none finds a
 // due row, and returns how many rows they handled. Polling (no LISTEN):
-// the backlog is there before they start.
-func drainRelays(ctx context.Context, pool *pgxpool.Pool, rdb redis.UniversalClient, schema, table, keyPrefix string, relays, batch int) (int64, error) {
+// the backlog is there before they start. times, if not nil, collects
+// where the batches spent their time.
+func drainRelays(ctx context.Context, pool *pgxpool.Pool, rdb redis.UniversalClient, schema, table, keyPrefix string, relays, batch int, times *batchTimes) (int64, error) {
 	projector, err := projection.NewRedisProjector(rdb, projection.SortedSetMapper("drain"), &projection.Config{Prefix: keyPrefix, Logger: quiet})
 	if err != nil {
 		return 0, err
@@ -111,10 +127,18 @@ func drainRelays(ctx context.Context, pool *pgxpool.Pool, rdb redis.UniversalCli
 	if err := projector.Gate().Load(ctx); err != nil {
 		return 0, err
 	}
+	var handler outbox.Handler = projector
+	if times != nil {
+		handler = outbox.HandlerFunc(func(ctx context.Context, b []outbox.Record) ([]outbox.Result, error) {
+			start := time.Now()
+			defer func() { times.inProjection.Add(int64(time.Since(start))) }()
+			return projector.Handle(ctx, b)
+		})
+	}
 	counts := make([]int64, relays)
 	g, gctx := errgroup.WithContext(ctx)
 	for i := range relays {
-		relay, err := outbox.NewRelay(pool, projector, &outbox.RelayConfig{
+		relay, err := outbox.NewRelay(pool, handler, &outbox.RelayConfig{
 			Schema: schema, Table: table, BatchSize: batch, DisableNotify: true,
 			Name: fmt.Sprintf("bench-%d", i), Logger: quiet,
 		})
@@ -123,7 +147,12 @@ func drainRelays(ctx context.Context, pool *pgxpool.Pool, rdb redis.UniversalCli
 		}
 		g.Go(func() error {
 			for {
+				start := time.Now()
 				n, err := relay.RunOnce(gctx)
+				if times != nil && n > 0 {
+					times.batches.Add(1)
+					times.total.Add(int64(time.Since(start)))
+				}
 				counts[i] += int64(n)
 				if err != nil {
 					return err
@@ -153,12 +182,14 @@ func drainLibrary(ctx context.Context, e *env, workPool *pgxpool.Pool, schema, t
 		return 0, err
 	}
 	kp := e.keyPrefix("drain-lib-" + tag)
+	var times batchTimes
 	start := time.Now()
-	handled, err := drainRelays(ctx, workPool, e.rdb, schema, "outbox_"+tag, kp, relays, e.opts.BatchSize)
+	handled, err := drainRelays(ctx, workPool, e.rdb, schema, "outbox_"+tag, kp, relays, e.opts.BatchSize, &times)
 	elapsed := time.Since(start)
 	if err != nil {
 		return 0, err
 	}
+	e.log("drain: library %s: %s", tag, &times)
 	// Check the work was really done: nothing left, every member projected.
 	var left int64
 	if err := e.pool.QueryRow(ctx, `SELECT count(*) FROM `+table).Scan(&left); err != nil {
