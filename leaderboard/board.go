@@ -168,38 +168,114 @@ func (b *Board) validate(index int, cmd Command) error {
 // event id for a different command returns an *IdempotencyConflictError.
 // Invalid commands return a *ValidationError and a resulting score outside
 // [MinScore, MaxScore] a *ScoreOutOfRangeError; in every error case nothing
-// is written.
+// is written. To submit inside a transaction of your own, use SubmitTx.
 func (b *Board) Submit(ctx context.Context, cmd Command) (Result, error) {
 	if err := b.validate(0, cmd); err != nil {
 		return Result{}, err
 	}
+	res, err := b.submitStatement(ctx, b.pool, cmd)
+	if !isUniqueViolation(err) {
+		return res, err
+	}
+	if violatedTable(err) == b.cfg.OutboxTable {
+		return Result{}, fmt.Errorf("leaderboard: event %s is already used by another outbox writer: %w", cmd.EventID, ErrIdempotencyConflict)
+	}
+	// A twin committed after our snapshot; it is recorded now. Our
+	// statement was its own transaction, so a follow-up read is possible.
+	var (
+		board, user string
+		delta       int64
+	)
+	err = b.pool.QueryRow(ctx, b.sql.lookupEvent, cmd.EventID).Scan(&board, &user, &delta, &res.Score, &res.Version)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return Result{}, fmt.Errorf("leaderboard: event %s is already used by another outbox writer: %w", cmd.EventID, ErrIdempotencyConflict)
+	}
+	if err != nil {
+		return Result{}, fmt.Errorf("leaderboard: submit: reading the concurrent twin of event %s: %w", cmd.EventID, err)
+	}
+	res.Duplicate = true
+	return b.checkDuplicate(cmd, res, board, user, delta)
+}
+
+// SubmitTx is Submit inside the caller's transaction: the score change, the
+// event record and the outbox row commit or roll back with tx, together
+// with whatever else the caller writes in it. tx is a pgx.Tx, or a *sql.Tx
+// of the pgx stdlib driver wrapped by outbox.SQLTx. The relay is woken when
+// tx commits. It costs the same single statement as Submit.
+//
+// A duplicate event id (committed before tx's statement started) returns
+// the original Result with Duplicate set and writes nothing; the caller
+// decides whether to commit the rest of its transaction (usually not: the
+// first submission already did its work). An *IdempotencyConflictError and
+// a *ValidationError also write nothing and leave tx usable.
+//
+// Any error the database raises aborts tx, as PostgreSQL aborts a
+// transaction on any error: *ScoreOutOfRangeError, and these two:
+//
+//   - *ConcurrentSubmitError (errors.Is(err, ErrConcurrentSubmit)): a twin
+//     with the same event id committed while this statement ran (a client
+//     retry that raced its original). Roll tx back and retry the whole
+//     transaction: the retry sees the twin and reports Duplicate (or an
+//     *IdempotencyConflictError if the commands differ). Submit answers
+//     this case itself with a follow-up read, which an aborted transaction
+//     cannot run; SubmitTx does not use a savepoint to get around that,
+//     because a savepoint per call is an extra round trip and many of them
+//     in one transaction overflow PostgreSQL's subtransaction cache.
+//   - ErrIdempotencyConflict without a *IdempotencyConflictError: another
+//     writer of the same outbox holds the event id. Retrying cannot help.
+//
+// Under REPEATABLE READ or SERIALIZABLE, a concurrent update of the same
+// user may also fail with a serialization failure (SQLSTATE 40001), which
+// is returned wrapped; retry the transaction as for any such failure.
+func (b *Board) SubmitTx(ctx context.Context, tx outbox.Tx, cmd Command) (Result, error) {
+	if tx == nil {
+		return Result{}, errors.New("leaderboard: SubmitTx needs a transaction (a pgx.Tx, or outbox.SQLTx of a *sql.Tx)")
+	}
+	if err := b.validate(0, cmd); err != nil {
+		return Result{}, err
+	}
+	res, err := b.submitStatement(ctx, tx, cmd)
+	if !isUniqueViolation(err) {
+		return res, err
+	}
+	if violatedTable(err) == b.cfg.OutboxTable {
+		return Result{}, fmt.Errorf("leaderboard: event %s is already used by another outbox writer (the transaction is aborted): %w", cmd.EventID, ErrIdempotencyConflict)
+	}
+	return Result{}, &ConcurrentSubmitError{EventID: cmd.EventID}
+}
+
+// rowQuerier is what submitStatement needs: a pool or a transaction.
+type rowQuerier interface {
+	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
+}
+
+// submitStatement runs submitSQL for a validated command. A unique
+// violation (a twin committed after the statement's snapshot, or another
+// outbox writer's event id) is returned unwrapped for the caller to
+// interpret; every other outcome is final.
+func (b *Board) submitStatement(ctx context.Context, q rowQuerier, cmd Command) (Result, error) {
 	var (
 		res         Result
 		board, user string
 		delta       int64
 	)
-	err := b.pool.QueryRow(ctx, b.sql.submit,
+	err := q.QueryRow(ctx, b.sql.submit,
 		cmd.EventID, b.cfg.Name, cmd.UserID, cmd.Delta, b.stream, b.channel,
 	).Scan(&res.Duplicate, &res.Score, &res.Version, &board, &user, &delta)
 	switch {
 	case err == nil:
 	case isUniqueViolation(err):
-		// A twin committed after our snapshot; it is recorded now.
-		err = b.pool.QueryRow(ctx, b.sql.lookupEvent, cmd.EventID).Scan(&board, &user, &delta, &res.Score, &res.Version)
-		if errors.Is(err, pgx.ErrNoRows) {
-			// Not a score event: another writer of the same outbox holds
-			// this event id.
-			return Result{}, fmt.Errorf("leaderboard: event %s is already used by another outbox writer: %w", cmd.EventID, ErrIdempotencyConflict)
-		}
-		if err != nil {
-			return Result{}, fmt.Errorf("leaderboard: submit: reading the concurrent twin of event %s: %w", cmd.EventID, err)
-		}
-		res.Duplicate = true
+		return Result{}, err
 	case isScoreRangeViolation(err):
 		return Result{}, &ScoreOutOfRangeError{UserID: cmd.UserID, Delta: cmd.Delta}
 	default:
 		return Result{}, fmt.Errorf("leaderboard: submit: %w", err)
 	}
+	return b.checkDuplicate(cmd, res, board, user, delta)
+}
+
+// checkDuplicate refuses a duplicate whose recorded command differs.
+func (b *Board) checkDuplicate(cmd Command, res Result, board, user string, delta int64) (Result, error) {
 	if res.Duplicate && (board != b.cfg.Name || user != cmd.UserID || delta != cmd.Delta) {
 		return Result{}, &IdempotencyConflictError{EventID: cmd.EventID, Board: board, UserID: user, Delta: delta, Attempted: cmd}
 	}
@@ -383,6 +459,17 @@ func (b *Board) locateOverflow(ctx context.Context, cmds []Command, sent []int) 
 func isUniqueViolation(err error) bool {
 	var pgErr *pgconn.PgError
 	return errors.As(err, &pgErr) && pgErr.Code == "23505"
+}
+
+// violatedTable returns the table of a constraint violation ("" if the
+// server did not say). submitSQL inserts into score_events before the
+// outbox, so a twin always violates score_events' key first.
+func violatedTable(err error) string {
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) {
+		return pgErr.TableName
+	}
+	return ""
 }
 
 // isScoreRangeViolation reports a violation of the score range constraints

@@ -27,6 +27,17 @@
 //
 // SubmitBatch applies many commands in one statement for bulk imports.
 //
+// SubmitTx runs the same statement inside the caller's transaction (a
+// pgx.Tx, or a database/sql *sql.Tx of the pgx stdlib driver through
+// outbox.SQLTx), so a score change commits or rolls back with the
+// application's own writes. One case differs from Submit: when a twin
+// commits while the statement runs, its unique violation aborts the
+// caller's transaction, where no follow-up read is possible. SubmitTx then
+// returns a *ConcurrentSubmitError (ErrConcurrentSubmit): roll back and
+// retry the transaction, and the retry reports Duplicate. No savepoint is
+// used: it would cost a round trip per call, and many in one transaction
+// overflow PostgreSQL's subtransaction cache.
+//
 // # Validation
 //
 // Every refusal writes nothing and has a typed error:

@@ -30,6 +30,10 @@ var (
 	// ErrInvalidCursor is returned by Page for a cursor that this board did
 	// not produce.
 	ErrInvalidCursor = errors.New("leaderboard: invalid page cursor")
+	// ErrConcurrentSubmit matches *ConcurrentSubmitError: SubmitTx met a
+	// twin of its command that committed meanwhile, and the caller's
+	// transaction is aborted. Roll back and retry the transaction.
+	ErrConcurrentSubmit = errors.New("leaderboard: a concurrent submit of the same event id committed first")
 	// ErrInvalidLimit is returned for a page size outside [1, MaxPageSize]
 	// (Around also accepts 0 neighbours).
 	ErrInvalidLimit = fmt.Errorf("leaderboard: page size must be between 1 and %d", MaxPageSize)
@@ -73,6 +77,25 @@ func (e *IdempotencyConflictError) Error() string {
 
 // Unwrap returns ErrIdempotencyConflict.
 func (e *IdempotencyConflictError) Unwrap() error { return ErrIdempotencyConflict }
+
+// ConcurrentSubmitError reports that, while SubmitTx ran in the caller's
+// transaction, another transaction committed a command with the same event
+// id (typically a client retry racing its original). The unique violation
+// that revealed it aborted the caller's transaction: roll it back and retry
+// the whole transaction, whose SubmitTx then returns the twin's Result with
+// Duplicate set (or an *IdempotencyConflictError if the commands differ).
+// Nothing of the caller's transaction can commit. It matches
+// ErrConcurrentSubmit.
+type ConcurrentSubmitError struct {
+	EventID uuid.UUID
+}
+
+func (e *ConcurrentSubmitError) Error() string {
+	return fmt.Sprintf("leaderboard: event %s was committed by a concurrent transaction; this transaction is aborted: roll it back and retry it (the retry reports the duplicate)", e.EventID)
+}
+
+// Unwrap returns ErrConcurrentSubmit.
+func (e *ConcurrentSubmitError) Unwrap() error { return ErrConcurrentSubmit }
 
 // ScoreOutOfRangeError reports a command whose resulting score would leave
 // [MinScore, MaxScore] (which also keeps it far from int64 overflow).

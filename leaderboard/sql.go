@@ -19,7 +19,11 @@ import "strings"
 // A twin committed after this statement's snapshot is invisible to prior;
 // then the INSERT into score_events waits for it and fails with a unique
 // violation, which aborts the whole statement. Submit answers that case
-// with a follow-up read (lookupEventSQL).
+// with a follow-up read (lookupEventSQL). queued reads from recorded, so the
+// score_events insert always runs first: a unique violation on the outbox
+// table therefore means another outbox writer holds the event id, never a
+// twin (SubmitTx, which cannot run a follow-up read in an aborted
+// transaction, relies on that to tell the two apart).
 const submitSQL = `
 WITH prior AS (
     SELECT board, user_id, delta, score, version
@@ -40,11 +44,12 @@ recorded AS (
     INSERT INTO {{score_events}} (event_id, board, user_id, delta, score, version)
     SELECT $1::uuid, $2::text, $3::text, $4::bigint, score, version
     FROM upserted
+    RETURNING score, version
 ),
 queued AS (
     INSERT INTO {{outbox}} (event_id, stream, key, version, payload)
     SELECT $1::uuid, $5::text, $3::text, version, convert_to(score::text, 'UTF8')
-    FROM upserted
+    FROM recorded
 ),
 notified AS (
     SELECT pg_notify($6::text, '') FROM upserted
