@@ -37,6 +37,12 @@ type Options struct {
 	// PostgresEnv and RedisEnv name the environment variables consulted
 	// first. Defaults to DATABASE_URL and REDIS_URL.
 	PostgresEnv, RedisEnv string
+	// LocalPostgresURL and LocalRedisURL are the conventional local servers
+	// tried after the environment. Defaults to DefaultPostgresURL and
+	// DefaultRedisURL.
+	LocalPostgresURL, LocalRedisURL string
+	// Getenv reads the environment. Defaults to os.Getenv.
+	Getenv func(string) string
 	// Dir is where private servers keep their files. Defaults to a new
 	// directory under os.TempDir(), removed by Close.
 	Dir string
@@ -72,18 +78,27 @@ func Resolve(ctx context.Context, opts Options) (*Endpoints, error) {
 	if opts.RedisEnv == "" {
 		opts.RedisEnv = "REDIS_URL"
 	}
+	if opts.Getenv == nil {
+		opts.Getenv = os.Getenv
+	}
+	if opts.LocalPostgresURL == "" {
+		opts.LocalPostgresURL = DefaultPostgresURL
+	}
+	if opts.LocalRedisURL == "" {
+		opts.LocalRedisURL = DefaultRedisURL
+	}
 	logger := opts.Logger
 	if logger == nil {
 		logger = slog.New(slog.DiscardHandler)
 	}
 	ep := &Endpoints{}
 	var err error
-	ep.PostgresURL, ep.PostgresOrigin, err = resolveOne(ctx, ep, opts, opts.PostgresEnv, DefaultPostgresURL, pingPostgres, startPrivatePostgres, startDockerPostgres)
+	ep.PostgresURL, ep.PostgresOrigin, err = resolveOne(ctx, ep, opts, opts.PostgresEnv, opts.LocalPostgresURL, pingPostgres, startPrivatePostgres, startDockerPostgres)
 	if err != nil {
 		ep.Close()
 		return nil, fmt.Errorf("postgres: %w", err)
 	}
-	ep.RedisURL, ep.RedisOrigin, err = resolveOne(ctx, ep, opts, opts.RedisEnv, DefaultRedisURL, pingRedis, startPrivateRedis, startDockerRedis)
+	ep.RedisURL, ep.RedisOrigin, err = resolveOne(ctx, ep, opts, opts.RedisEnv, opts.LocalRedisURL, pingRedis, startPrivateRedis, startDockerRedis)
 	if err != nil {
 		ep.Close()
 		return nil, fmt.Errorf("redis: %w", err)
@@ -98,7 +113,7 @@ type starter func(ctx context.Context, dir string) (url string, stop func(), err
 func resolveOne(ctx context.Context, ep *Endpoints, opts Options, env, def string,
 	ping func(context.Context, string) error, private, docker starter,
 ) (string, Origin, error) {
-	if u := strings.TrimSpace(os.Getenv(env)); u != "" {
+	if u := strings.TrimSpace(opts.Getenv(env)); u != "" {
 		// An explicit URL is never second-guessed: if it does not answer,
 		// that is an error, not a reason to use something else.
 		if err := ping(ctx, u); err != nil {
