@@ -71,6 +71,8 @@ type Board struct {
 
 	lagMu    sync.Mutex
 	lagProbe lagProbe
+
+	metrics *boardMetrics // nil: no MeterProvider
 }
 
 // New returns the Board cfg names. It does not touch the database or Redis;
@@ -97,7 +99,12 @@ func New(pool *pgxpool.Pool, rdb redis.UniversalClient, cfg *Config) (*Board, er
 	if err != nil {
 		return nil, fmt.Errorf("leaderboard: Config.KeyPrefix: %w", err)
 	}
+	metrics, err := newBoardMetrics(c)
+	if err != nil {
+		return nil, fmt.Errorf("leaderboard: %w", err)
+	}
 	b := &Board{
+		metrics: metrics,
 		cfg:     c,
 		pool:    pool,
 		rdb:     rdb,
@@ -170,6 +177,12 @@ func (b *Board) validate(index int, cmd Command) error {
 // [MinScore, MaxScore] a *ScoreOutOfRangeError; in every error case nothing
 // is written. To submit inside a transaction of your own, use SubmitTx.
 func (b *Board) Submit(ctx context.Context, cmd Command) (Result, error) {
+	res, err := b.submit(ctx, cmd)
+	b.metrics.submitted(ctx, 1, res.Duplicate, err)
+	return res, err
+}
+
+func (b *Board) submit(ctx context.Context, cmd Command) (Result, error) {
 	if err := b.validate(0, cmd); err != nil {
 		return Result{}, err
 	}
@@ -228,6 +241,12 @@ func (b *Board) Submit(ctx context.Context, cmd Command) (Result, error) {
 // user may also fail with a serialization failure (SQLSTATE 40001), which
 // is returned wrapped; retry the transaction as for any such failure.
 func (b *Board) SubmitTx(ctx context.Context, tx outbox.Tx, cmd Command) (Result, error) {
+	res, err := b.submitTx(ctx, tx, cmd)
+	b.metrics.submitted(ctx, 1, res.Duplicate, err)
+	return res, err
+}
+
+func (b *Board) submitTx(ctx context.Context, tx outbox.Tx, cmd Command) (Result, error) {
 	if tx == nil {
 		return Result{}, errors.New("leaderboard: SubmitTx needs a transaction (a pgx.Tx, or outbox.SQLTx of a *sql.Tx)")
 	}
@@ -297,6 +316,23 @@ func (b *Board) checkDuplicate(cmd Command, res Result, board, user string, delt
 // own version; the outbox receives only each user's final state (the
 // projection would skip the intermediate ones anyway).
 func (b *Board) SubmitBatch(ctx context.Context, cmds []Command) ([]Result, error) {
+	out, err := b.submitBatch(ctx, cmds)
+	if err != nil {
+		b.metrics.submitted(ctx, len(cmds), false, err)
+		return out, err
+	}
+	dup := 0
+	for _, r := range out {
+		if r.Duplicate {
+			dup++
+		}
+	}
+	b.metrics.submitted(ctx, len(out)-dup, false, nil)
+	b.metrics.submitted(ctx, dup, true, nil)
+	return out, nil
+}
+
+func (b *Board) submitBatch(ctx context.Context, cmds []Command) ([]Result, error) {
 	if len(cmds) == 0 {
 		return nil, nil
 	}

@@ -8,6 +8,8 @@ import (
 	"time"
 	"unicode/utf8"
 
+	"go.opentelemetry.io/otel/metric"
+
 	"github.com/verity-go/verity/internal/keyenc"
 	"github.com/verity-go/verity/outbox"
 )
@@ -130,6 +132,14 @@ type Config struct {
 
 	// Logger receives the board's logs. Defaults to discarding them.
 	Logger *slog.Logger
+
+	// MeterProvider receives the board's metrics (verity.leaderboard.*:
+	// submits by outcome, reads by source and outcome, the measured lag; see
+	// the README's metrics table). It is also handed to the board's Worker
+	// (outbox relay and projector metrics) and Reconciler (reconcile
+	// metrics) unless their own configs set one. Defaults to a no-op
+	// provider: nothing is recorded.
+	MeterProvider metric.MeterProvider
 }
 
 // WithDefaults returns a copy of c with every zero field set to its default.

@@ -225,6 +225,12 @@ func (b *Board) ranking(entries []Entry, n int, fresh Freshness) Ranking {
 // fresh enough (or the policy serves stale answers), fromPostgres when the
 // policy falls back.
 func (b *Board) read(ctx context.Context, opts []ReadOption, fromRedis, fromPostgres func(context.Context) error) (Freshness, error) {
+	fresh, err := b.readUnderPolicy(ctx, opts, fromRedis, fromPostgres)
+	b.metrics.read(ctx, fresh, err)
+	return fresh, err
+}
+
+func (b *Board) readUnderPolicy(ctx context.Context, opts []ReadOption, fromRedis, fromPostgres func(context.Context) error) (Freshness, error) {
 	o := readOptions{policy: b.cfg.ReadPolicy}
 	for _, opt := range opts {
 		opt(&o)
@@ -338,6 +344,9 @@ func (b *Board) freshness(ctx context.Context) Freshness {
 		} else if oldest != nil {
 			p.pending = true
 			p.lag = max(0, dbNow.Sub(*oldest))
+		}
+		if err == nil {
+			b.metrics.lagMeasured(ctx, p.lag)
 		}
 		b.lagMu.Lock()
 		b.lagProbe = p

@@ -36,8 +36,10 @@ func (b *Board) write(user string, score, version int64) projection.Write {
 // WorkerConfig configures a Worker.
 type WorkerConfig struct {
 	// Relay tunes the outbox relay (batch size, lease, polling, retries,
-	// logger...). Its Schema, Table and Streams are set by the board and
-	// must be left empty. Defaults to the outbox package's defaults.
+	// logger, metrics...). Its Schema, Table and Streams are set by the
+	// board and must be left empty. Its Logger and MeterProvider default to
+	// the board's, and the projector uses the same ones. Defaults to the
+	// outbox package's defaults.
 	Relay *outbox.RelayConfig
 }
 
@@ -68,7 +70,12 @@ func (b *Board) Worker(cfg *WorkerConfig) (*Worker, error) {
 	if rc.Logger == nil {
 		rc.Logger = b.cfg.Logger
 	}
-	projector, err := projection.NewRedisProjector(b.rdb, b.Mapper(), &projection.Config{Prefix: b.cfg.KeyPrefix, Logger: rc.Logger})
+	if rc.MeterProvider == nil {
+		rc.MeterProvider = b.cfg.MeterProvider
+	}
+	projector, err := projection.NewRedisProjector(b.rdb, b.Mapper(), &projection.Config{
+		Prefix: b.cfg.KeyPrefix, Logger: rc.Logger, MeterProvider: rc.MeterProvider,
+	})
 	if err != nil {
 		return nil, fmt.Errorf("leaderboard: worker: %w", err)
 	}

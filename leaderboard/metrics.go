@@ -1,0 +1,123 @@
+package leaderboard
+
+import (
+	"context"
+	"errors"
+	"time"
+
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/metric"
+
+	"github.com/verity-go/verity/internal/telemetry"
+)
+
+// Attributes of the package's instruments. Boards are bounded in number;
+// user ids and event ids are never attributes.
+const (
+	AttributeBoard   = "verity.leaderboard.board"
+	AttributeOutcome = "verity.leaderboard.outcome"
+	AttributeSource  = "verity.leaderboard.source"
+)
+
+// Outcomes of verity.leaderboard.submits and verity.leaderboard.reads.
+const (
+	outcomeApplied    = "applied"
+	outcomeDuplicate  = "duplicate"
+	outcomeConflict   = "conflict"
+	outcomeConcurrent = "concurrent"
+	outcomeInvalid    = "invalid"
+	outcomeOutOfRange = "out_of_range"
+	outcomeError      = "error"
+	outcomeOK         = "ok"
+	outcomeStale      = "stale"
+	outcomeNotFound   = "not_found"
+)
+
+const (
+	metricSubmits = "verity.leaderboard.submits"
+	metricReads   = "verity.leaderboard.reads"
+	metricLag     = "verity.leaderboard.lag"
+)
+
+// boardMetrics holds a board's instruments; nil records nothing.
+type boardMetrics struct {
+	board   attribute.KeyValue
+	boardOp metric.MeasurementOption
+	submits metric.Int64Counter
+	reads   metric.Int64Counter
+	lag     metric.Float64Gauge
+}
+
+func newBoardMetrics(c *Config) (*boardMetrics, error) {
+	if !telemetry.Enabled(c.MeterProvider) {
+		return nil, nil
+	}
+	in := telemetry.New(c.MeterProvider, "leaderboard")
+	board := attribute.String(AttributeBoard, c.Name)
+	m := &boardMetrics{
+		board:   board,
+		boardOp: metric.WithAttributeSet(attribute.NewSet(board)),
+		submits: in.Counter(metricSubmits, "{command}",
+			"Score commands by outcome: applied, duplicate, conflict (event id reused for another command), concurrent (SubmitTx lost to a twin), invalid, out_of_range, error."),
+		reads: in.Counter(metricReads, "{read}",
+			"Reads (Top, Page, Rank, Around) by the store that answered (redis, postgres; none on error) and outcome (ok, stale: refused by FailClosed, not_found, error)."),
+		lag: in.Float64Gauge(metricLag, "s",
+			"Projection lag of the board's stream as reads measure it (age of the oldest unprojected outbox row, on the database's clock), at most once per LagProbeInterval."),
+	}
+	return m, in.Err()
+}
+
+// submitted counts n commands that ended with err (or, without error, as
+// duplicates or applied).
+func (m *boardMetrics) submitted(ctx context.Context, n int, duplicate bool, err error) {
+	if m == nil || n == 0 {
+		return
+	}
+	outcome := outcomeApplied
+	var conflict *IdempotencyConflictError
+	switch {
+	case err == nil && duplicate:
+		outcome = outcomeDuplicate
+	case err == nil:
+	case errors.As(err, &conflict), errors.Is(err, ErrIdempotencyConflict):
+		outcome = outcomeConflict
+	case errors.Is(err, ErrConcurrentSubmit):
+		outcome = outcomeConcurrent
+	case errors.Is(err, ErrInvalidCommand):
+		outcome = outcomeInvalid
+	case errors.Is(err, ErrScoreOutOfRange):
+		outcome = outcomeOutOfRange
+	default:
+		outcome = outcomeError
+	}
+	m.submits.Add(ctx, int64(n), metric.WithAttributes(m.board, attribute.String(AttributeOutcome, outcome)))
+}
+
+// read counts one read.
+func (m *boardMetrics) read(ctx context.Context, fresh Freshness, err error) {
+	if m == nil {
+		return
+	}
+	source, outcome := string(fresh.Source), outcomeOK
+	switch {
+	case err == nil:
+	case errors.Is(err, ErrStale):
+		source, outcome = "none", outcomeStale
+	case errors.Is(err, ErrUserNotFound):
+		outcome = outcomeNotFound
+		if source == "" {
+			source = "none"
+		}
+	default:
+		source, outcome = "none", outcomeError
+	}
+	m.reads.Add(ctx, 1, metric.WithAttributes(m.board,
+		attribute.String(AttributeSource, source), attribute.String(AttributeOutcome, outcome)))
+}
+
+func (m *boardMetrics) lagMeasured(ctx context.Context, lag time.Duration) {
+	if m == nil {
+		return
+	}
+	m.lag.Record(ctx, lag.Seconds(), m.boardOp)
+}
