@@ -56,6 +56,7 @@ type Cache[T any] struct {
 	leaseToken string
 	flights    flightGroup[T]
 	stats      counters
+	metrics    *cacheMetrics // nil: no MeterProvider
 }
 
 // New returns a Cache storing values through client, configured by config
@@ -80,8 +81,21 @@ func New[T any](client redis.UniversalClient, config *Config) (*Cache[T], error)
 	if _, err := rand.Read(token[:]); err != nil {
 		return nil, fmt.Errorf("versioncache: lease token: %w", err)
 	}
-	return &Cache[T]{client: client, config: cfg, leaseToken: hex.EncodeToString(token[:])}, nil
+	c := &Cache[T]{client: client, config: cfg, leaseToken: hex.EncodeToString(token[:])}
+	metrics, err := newCacheMetrics(cfg, c.Stats)
+	if err != nil {
+		return nil, fmt.Errorf("versioncache: metrics: %w", err)
+	}
+	c.metrics = metrics
+	return c, nil
 }
+
+// Close unregisters the Cache's metrics from Config.MeterProvider. It does
+// not close the Redis client, and the Cache stays usable. It only matters
+// with a MeterProvider, whose callback otherwise keeps the Cache reachable:
+// create Caches once per cached type and Close those you discard. Close is
+// idempotent.
+func (c *Cache[T]) Close() error { return c.metrics.close() }
 
 // Get returns the cached value of id, loading and caching it on a miss.
 //
@@ -160,7 +174,9 @@ func (c *Cache[T]) loadAndFill(ctx context.Context, id string, r readResult, loa
 		}
 	}
 	c.stats.loads.Add(1)
+	start := time.Now()
 	val, err := load(ctx)
+	c.metrics.loaded(ctx, start)
 	if err != nil {
 		c.releaseLease(ctx, id, r)
 		return zero, &LoadError{ID: id, Err: err}
@@ -260,7 +276,10 @@ func (c *Cache[T]) redisDown(ctx context.Context, id, op string, err error, load
 	c.config.Logger.WarnContext(ctx, "versioncache: redis failed; serving from loader",
 		slog.String("id", id), slog.String("error", err.Error()))
 	c.stats.loads.Add(1)
+	c.stats.failOpenLoads.Add(1)
+	start := time.Now()
 	val, lerr := load(ctx)
+	c.metrics.loaded(ctx, start)
 	if lerr != nil {
 		return zero, &LoadError{ID: id, Err: lerr}
 	}
@@ -307,7 +326,9 @@ func (c *Cache[T]) GetAt(ctx context.Context, id string, version int64, load Loa
 	c.stats.misses.Add(1)
 	val, shared, err := c.flights.do(ctx, key, func() (T, error) {
 		c.stats.loads.Add(1)
+		start := time.Now()
 		val, err := load(ctx)
+		c.metrics.loaded(ctx, start)
 		if err != nil {
 			return zero, &LoadError{ID: id, Err: err}
 		}

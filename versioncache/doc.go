@@ -94,4 +94,12 @@
 // Check compares a random sample of cached values with the database: the
 // standing assertion (say, 500 ids an hour) that would have caught the race
 // in production long before a customer did.
+//
+// # Metrics
+//
+// Stats returns the cache's counters. With Config.MeterProvider set they are
+// also exported as OpenTelemetry observable counters (verity.cache.*), read
+// in one callback at collection time, so hits pay nothing for metrics; only
+// loader durations are recorded as they happen. The callback keeps the Cache
+// reachable: create one Cache per cached type and Close any you discard.
 package versioncache

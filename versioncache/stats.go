@@ -24,13 +24,16 @@ type Stats struct {
 	LeaseFallbacks    uint64 // ... and loaded themselves after FillLeaseWait
 	RedisErrors       uint64
 	DecodeErrors      uint64 // cached values the Codec could not decode
+	// FailOpenLoads are loads that served the loader's value uncached
+	// because Redis failed (FailOpen). They are included in Loads.
+	FailOpenLoads uint64
 }
 
 type counters struct {
 	hits, misses, loads, sharedLoads, fills, staleFillsSkipped atomic.Uint64
 	invalidations, orphanedValueKeys                           atomic.Uint64
 	leaseWaits, leaseWaitHits, leaseFallbacks                  atomic.Uint64
-	redisErrors, decodeErrors                                  atomic.Uint64
+	redisErrors, decodeErrors, failOpenLoads                   atomic.Uint64
 }
 
 // Stats returns a snapshot of the counters.
@@ -44,5 +47,6 @@ func (c *Cache[T]) Stats() Stats {
 		LeaseWaits: s.leaseWaits.Load(), LeaseWaitHits: s.leaseWaitHits.Load(),
 		LeaseFallbacks: s.leaseFallbacks.Load(),
 		RedisErrors:    s.redisErrors.Load(), DecodeErrors: s.decodeErrors.Load(),
+		FailOpenLoads: s.failOpenLoads.Load(),
 	}
 }

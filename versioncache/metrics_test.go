@@ -1,0 +1,89 @@
+package versioncache
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+	"github.com/stretchr/testify/require"
+	"go.opentelemetry.io/otel/attribute"
+
+	"github.com/verity-go/verity/internal/telemetry/metrictest"
+)
+
+func TestCacheMetrics(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	result := func(r string) attribute.KeyValue { return attribute.String(AttributeResult, r) }
+
+	t.Run("CountersFollowStats", func(t *testing.T) {
+		t.Parallel()
+		rec := metrictest.New(t)
+		b := setup(t, &Config{MeterProvider: rec.Provider})
+		t.Cleanup(func() { require.NoError(t, b.cache.Close()) })
+		prefix := attribute.String(AttributePrefix, b.prefix)
+		b.truth.write("p1", 100)
+
+		for range 2 {
+			_, err := b.cache.Get(ctx, "p1", b.truth.loader("p1")) // miss, then hit
+			require.NoError(t, err)
+		}
+		b.truth.write("p1", 120)
+		require.NoError(t, b.cache.Invalidate(ctx, "p1"))
+		got, err := b.cache.Get(ctx, "p1", b.truth.loader("p1")) // miss under the new version
+		require.NoError(t, err)
+		require.Equal(t, 120, got.Price)
+		for range 2 {
+			_, err := b.cache.GetAt(ctx, "p1", 2, b.truth.loader("p1")) // miss, then hit
+			require.NoError(t, err)
+		}
+
+		s := rec.Collect(t)
+		require.Equal(t, int64(2), s.Int(metricReads, prefix, result("hit")))
+		require.Equal(t, int64(3), s.Int(metricReads, prefix, result("miss")))
+		require.Equal(t, int64(3), s.Int(metricLoads, prefix, attribute.Bool(AttributeShared, false)))
+		require.Zero(t, s.Int(metricLoads, attribute.Bool(AttributeShared, true)))
+		require.Equal(t, int64(3), s.Int(metricFills, prefix))
+		require.Equal(t, int64(1), s.Int(metricInvalidations, prefix))
+		require.Equal(t, int64(b.cache.Stats().OrphanedValueKeys), s.Int(metricOrphans, prefix))
+		require.Zero(t, s.Int(metricFallbacks))
+		require.Zero(t, s.Int(metricErrors))
+		require.Equal(t, uint64(3), s.Count(metricLoadDuration, prefix))
+		require.Equal(t, int64(3), b.truth.loads.Load())
+
+		require.NoError(t, b.cache.Close())
+		require.NoError(t, b.cache.Close(), "Close is idempotent")
+		require.Zero(t, rec.Collect(t).Int(metricReads), "a closed cache is no longer observed")
+		_, err = b.cache.Get(ctx, "p1", b.truth.loader("p1"))
+		require.NoError(t, err, "the cache stays usable after Close")
+	})
+
+	t.Run("FailOpenIsAFallback", func(t *testing.T) {
+		t.Parallel()
+		rec := metrictest.New(t)
+		// Nothing listens on port 1: every Redis call fails at once.
+		client := redis.NewClient(&redis.Options{Addr: "127.0.0.1:1", MaxRetries: -1, DialTimeout: time.Second})
+		t.Cleanup(func() { _ = client.Close() })
+		b := setupWith(t, client, "verity:test:failopen:", &Config{MeterProvider: rec.Provider})
+		t.Cleanup(func() { _ = b.cache.Close() })
+		b.truth.write("p1", 7)
+
+		got, err := b.cache.Get(ctx, "p1", b.truth.loader("p1"))
+		require.NoError(t, err)
+		require.Equal(t, 7, got.Price)
+		s := rec.Collect(t)
+		require.Equal(t, int64(1), s.Int(metricFallbacks, attribute.String(AttributeReason, "redis_error")))
+		require.Equal(t, int64(1), s.Int(metricErrors, attribute.String(AttributeKind, "redis")))
+		require.Equal(t, int64(1), s.Int(metricLoads, attribute.Bool(AttributeShared, false)))
+		require.Zero(t, s.Int(metricReads))
+		require.Equal(t, uint64(1), b.cache.Stats().FailOpenLoads)
+	})
+
+	t.Run("NoProvider", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t, nil)
+		require.Nil(t, b.cache.metrics)
+		require.NoError(t, b.cache.Close())
+	})
+}
