@@ -39,8 +39,9 @@ const meterName = "github.com/verity-go/verity/examples/leaderboard-service"
 //	verity.service.outbox.dead_letters  {row}      [verity_service_outbox_dead_letters]
 //	verity.service.projection.lag       s          [verity_service_projection_lag_seconds]
 //
-// The library packages' own instruments, once they take a MeterProvider,
-// belong on the same provider (Service.MeterProvider).
+// The library packages' own instruments (verity.leaderboard.*,
+// verity.outbox.*, verity.projection.*) are on the same provider: NewService
+// hands it to the board, whose worker inherits it.
 type metrics struct {
 	provider *sdkmetric.MeterProvider
 	handler  http.Handler

@@ -91,30 +91,46 @@ func NewService(pool *pgxpool.Pool, rdb redis.UniversalClient, board *leaderboar
 	if logger == nil {
 		logger = slog.New(slog.DiscardHandler)
 	}
-	relayCfg := &outbox.RelayConfig{Logger: logger}
-	if cfg.Relay != nil {
-		relayCfg = cfg.Relay
-	}
-	worker, err := board.Worker(&leaderboard.WorkerConfig{Relay: relayCfg})
-	if err != nil {
-		return nil, err
-	}
-	reconciler, err := board.Reconciler(&reconcile.Config{Logger: logger})
-	if err != nil {
-		return nil, err
-	}
-	s := &Service{
-		board: board, pool: pool, rdb: rdb,
-		worker: worker, reconciler: reconciler,
-		cfg: cfg, logger: logger,
-	}
+	s := &Service{board: board, pool: pool, rdb: rdb, cfg: cfg, logger: logger}
+	var err error
 	if s.metrics, err = newMetrics(s); err != nil {
 		return nil, err
 	}
-	if s.handler, err = s.routes(); err != nil {
+	if err := s.wire(board); err != nil {
+		_ = s.metrics.shutdown(context.Background())
 		return nil, err
 	}
 	return s, nil
+}
+
+// wire instruments the board with the service's MeterProvider, so that the
+// library's own metrics (verity.leaderboard.*, and through the worker
+// verity.outbox.* and verity.projection.*) land on /metrics next to the
+// service's, and builds the worker, the reconciler and the routes.
+func (s *Service) wire(board *leaderboard.Board) error {
+	if bcfg := board.Config(); bcfg.MeterProvider == nil {
+		bcfg.MeterProvider = s.metrics.provider
+		instrumented, err := leaderboard.New(s.pool, s.rdb, &bcfg)
+		if err != nil {
+			return err
+		}
+		s.board = instrumented
+	}
+	relayCfg := &outbox.RelayConfig{Logger: s.logger}
+	if s.cfg.Relay != nil {
+		relayCfg = s.cfg.Relay
+	}
+	// The worker's relay and projector inherit the board's MeterProvider
+	// unless relayCfg sets one.
+	var err error
+	if s.worker, err = s.board.Worker(&leaderboard.WorkerConfig{Relay: relayCfg}); err != nil {
+		return err
+	}
+	if s.reconciler, err = s.board.Reconciler(&reconcile.Config{Logger: s.logger}); err != nil {
+		return err
+	}
+	s.handler, err = s.routes()
+	return err
 }
 
 // Close shuts the metrics pipeline down. Call it after Run has returned.
