@@ -2,6 +2,7 @@ package projection
 
 import (
 	"context"
+	"log/slog"
 	"testing"
 	"time"
 
@@ -108,4 +109,11 @@ func TestProjectorMetrics(t *testing.T) {
 		require.NoError(t, err)
 		require.Equal(t, []Outcome{OutcomeApplied}, out)
 	})
+}
+
+func TestConfigDefaultsAreQuiet(t *testing.T) {
+	t.Parallel()
+	cfg := (*Config)(nil).WithDefaults()
+	require.False(t, cfg.Logger.Enabled(context.Background(), slog.LevelError), "the default logger discards everything")
+	require.Nil(t, cfg.MeterProvider, "no provider means no-op metrics")
 }

@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"io"
 	"log/slog"
 
 	"github.com/redis/go-redis/v9"
@@ -43,7 +42,7 @@ func (c *Config) WithDefaults() *Config {
 		out.Prefix = PrefixDefault
 	}
 	if out.Logger == nil {
-		out.Logger = slog.New(slog.NewTextHandler(io.Discard, nil))
+		out.Logger = slog.New(slog.DiscardHandler)
 	}
 	return &out
 }
