@@ -49,6 +49,9 @@ import (
 	"text/tabwriter"
 	"time"
 
+	"github.com/jackc/pgx/v5"
+	"github.com/redis/go-redis/v9"
+
 	"github.com/verity-go/verity/internal/services"
 	"github.com/verity-go/verity/outbox"
 )
@@ -137,7 +140,39 @@ func mainErr(ctx context.Context, args []string, out, progress io.Writer) error 
 	if werr := writeFigures(out, figs, *asJSON, opts); werr != nil {
 		return errors.Join(err, werr)
 	}
+	if !*asJSON {
+		fmt.Fprintln(out, describeServers(ctx, opts))
+	}
 	return err
+}
+
+// describeServers names the server versions and durability settings the
+// figures were taken with, for the human-readable output.
+func describeServers(ctx context.Context, opts Options) string {
+	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
+	pg := "PostgreSQL ?"
+	if conn, err := pgx.Connect(ctx, opts.PostgresURL); err == nil {
+		var version, fsync, syncCommit string
+		if conn.QueryRow(ctx, `SELECT current_setting('server_version'), current_setting('fsync'), current_setting('synchronous_commit')`).
+			Scan(&version, &fsync, &syncCommit) == nil {
+			pg = fmt.Sprintf("PostgreSQL %s (fsync %s, synchronous_commit %s)", version, fsync, syncCommit)
+		}
+		conn.Close(ctx)
+	}
+	rd := "Redis ?"
+	if ropts, err := redis.ParseURL(opts.RedisURL); err == nil {
+		client := redis.NewClient(ropts)
+		if info, err := client.Info(ctx, "server").Result(); err == nil {
+			for _, line := range strings.Split(info, "\n") {
+				if v, ok := strings.CutPrefix(strings.TrimSpace(line), "redis_version:"); ok {
+					rd = "Redis " + v
+				}
+			}
+		}
+		client.Close()
+	}
+	return pg + ", " + rd + fmt.Sprintf(", %d CPUs", runtime.NumCPU())
 }
 
 // writeFigures prints figs as a table, or as one JSON object per line.
