@@ -71,8 +71,10 @@ func (np *netProxy) heal(t *testing.T) {
 }
 
 // partition black-holes the link both ways: bytes are accepted and dropped,
-// nothing is answered, connections stay open — the half-open connection of
-// a dead NAT entry or a silently dropping firewall.
+// nothing is answered, connections stay open. Healing (removing the timeout
+// toxics) closes the connections they held, as a recovering firewall's RST
+// would. A connection that stays dead forever is another fault; see
+// /work/notes/reliability-findings.md.
 func (np *netProxy) partition(t *testing.T) {
 	t.Helper()
 	np.add(t, "timeout", "upstream", map[string]any{"timeout": 0})
@@ -269,14 +271,13 @@ func TestNetworkFaults(t *testing.T) {
 		}
 		projector, err := projection.NewRedisProjector(rd.Client, nb.board.Mapper(), &projection.Config{Prefix: rd.Prefix})
 		require.NoError(t, err)
-		var slowed atomic.Bool
+		entered := make(chan struct{})
 		// Relay A: its PostgreSQL link turns slow (2.5s, longer than the 1s
 		// lease) while it handles its batch, so its acknowledgement arrives
 		// after relay B has re-claimed the rows.
 		slowAck := outbox.HandlerFunc(func(hctx context.Context, batch []outbox.Record) ([]outbox.Result, error) {
-			if slowed.CompareAndSwap(false, true) {
-				nb.pgProxy.add(t, "latency", "upstream", map[string]any{"latency": 2500})
-			}
+			nb.pgProxy.add(t, "latency", "upstream", map[string]any{"latency": 2500})
+			close(entered)
 			return projector.Handle(hctx, batch)
 		})
 		var redelivered atomic.Int64
@@ -295,8 +296,24 @@ func TestNetworkFaults(t *testing.T) {
 		relayB, err := outbox.NewRelay(pg.Pool, counting, cfg)
 		require.NoError(t, err)
 
-		bDone := make(chan struct{})
+		type runOnce struct {
+			n    int
+			err  error
+			took time.Duration
+		}
+		aDone := make(chan runOnce, 1)
+		go func() {
+			start := time.Now()
+			n, err := relayA.RunOnce(ctx)
+			aDone <- runOnce{n, err, time.Since(start)}
+		}()
+		select {
+		case <-entered: // A holds the rows; only now does B start looking
+		case a := <-aDone:
+			t.Fatalf("relay A claimed nothing: %+v", a)
+		}
 		bCtx, stopB := context.WithCancel(ctx)
+		bDone := make(chan struct{})
 		go func() {
 			defer close(bDone)
 			for bCtx.Err() == nil {
@@ -305,11 +322,10 @@ func TestNetworkFaults(t *testing.T) {
 				}
 			}
 		}()
-		start := time.Now()
-		n, err := relayA.RunOnce(ctx)
-		took := time.Since(start)
+		a := <-aDone
 		stopB()
 		<-bDone
+		n, err, took := a.n, a.err, a.took
 		nb.pgProxy.heal(t)
 		require.Positive(t, n)
 		require.ErrorIs(t, err, outbox.ErrLeaseLost, "A's late acknowledgement must find its lease taken")
