@@ -10,6 +10,7 @@ import (
 
 	"github.com/verity-go/verity/internal/telemetry/metrictest"
 	"github.com/verity-go/verity/projection"
+	"github.com/verity-go/verity/reconcile"
 )
 
 func TestBoardMetrics(t *testing.T) {
@@ -73,6 +74,24 @@ func TestBoardMetrics(t *testing.T) {
 		require.Equal(t, int64(1), s.Int(metricReads, board, outcome("not_found")))
 		require.True(t, s.Has(metricLag), "reads measured the lag")
 		require.Zero(t, s.Float(metricLag, board), "nothing is pending after the drain")
+	})
+
+	t.Run("ReconcilerInheritsTheProvider", func(t *testing.T) {
+		t.Parallel()
+		rec := metrictest.New(t)
+		tb := setup(t, func(c *Config) { c.MeterProvider = rec.Provider })
+		tb.submit(t, "fay", 2)
+		tb.submit(t, "gus", 3)
+		// Nothing projected: both users are missing from Redis.
+		r, err := tb.board.Reconciler(&reconcile.Config{})
+		require.NoError(t, err)
+		rep, err := r.Run(ctx, reconcile.RunOptions{})
+		require.NoError(t, err)
+		require.Equal(t, int64(2), rep.Repaired)
+		s := rec.Collect(t)
+		require.Equal(t, int64(2), s.Int("verity.reconcile.rows",
+			attribute.String(reconcile.AttributeName, tb.board.Name()), attribute.String(reconcile.AttributeClass, "missing")))
+		require.Equal(t, int64(2), s.Int("verity.reconcile.repaired"))
 	})
 
 	t.Run("FailClosedReadIsStale", func(t *testing.T) {

@@ -14,9 +14,17 @@ import (
 // user_scores rows (the source of truth) with its Redis sorted set and
 // repairs drift: missing, stale and corrupt entries by default (see the
 // reconcile package for the policy, hooks, sampling and Rebuild). cfg may
-// be nil. Run it on a schedule: idempotent projection handles duplicates,
-// not lost keys or hand edits.
+// be nil; its MeterProvider defaults to the board's. Run it on a schedule:
+// idempotent projection handles duplicates, not lost keys or hand edits.
 func (b *Board) Reconciler(cfg *reconcile.Config) (*reconcile.Reconciler, error) {
+	if b.cfg.MeterProvider != nil && (cfg == nil || cfg.MeterProvider == nil) {
+		withMetrics := reconcile.Config{}
+		if cfg != nil {
+			withMetrics = *cfg
+		}
+		withMetrics.MeterProvider = b.cfg.MeterProvider
+		cfg = &withMetrics
+	}
 	r, err := reconcile.New(b.Source(), reconcile.Target{
 		Client:   b.rdb,
 		Keyspace: b.ks,

@@ -6,6 +6,7 @@ import (
 	"time"
 
 	"github.com/redis/go-redis/v9"
+	"go.opentelemetry.io/otel/metric"
 
 	"github.com/verity-go/verity/projection"
 )
@@ -118,6 +119,12 @@ type Config struct {
 	// Logger receives a line per run and per rebuild. Defaults to
 	// discarding.
 	Logger *slog.Logger
+	// MeterProvider receives the reconciler's metrics (verity.reconcile.*:
+	// runs, entities by class, what was done about each finding, repairs
+	// by class, run durations, rebuilds; see the README's metrics table),
+	// recorded once per run from its Report so they add up like it.
+	// Defaults to a no-op provider: nothing is recorded.
+	MeterProvider metric.MeterProvider
 }
 
 // WithDefaults returns a copy of c (nil allowed) with defaults filled in.

@@ -60,6 +60,12 @@ type RebuildReport struct {
 // it returns ErrRebuildInProgress. Documents cannot be rebuilt
 // (ErrRebuildUnsupported): use Run.
 func (r *Reconciler) Rebuild(ctx context.Context) (*RebuildReport, error) {
+	rep, err := r.rebuild(ctx)
+	r.metrics.recordRebuild(ctx, rep, err)
+	return rep, err
+}
+
+func (r *Reconciler) rebuild(ctx context.Context) (*RebuildReport, error) {
 	rep := &RebuildReport{Started: time.Now()}
 	if r.target.Kind == projection.KindDocument {
 		return rep, ErrRebuildUnsupported

@@ -37,6 +37,7 @@ type Reconciler struct {
 	repairScript  *redis.Script
 	rebuildScript *redis.Script
 	logger        *slog.Logger
+	metrics       *reconcileMetrics // nil: no MeterProvider
 
 	// valueKey and versionKey are the collection's keys (empty for
 	// documents).
@@ -55,7 +56,12 @@ func New(source Source, target Target, cfg *Config) (*Reconciler, error) {
 	if err := cfg.validate(); err != nil {
 		return nil, err
 	}
+	metrics, err := newReconcileMetrics(cfg, target)
+	if err != nil {
+		return nil, fmt.Errorf("reconcile: %w", err)
+	}
 	r := &Reconciler{
+		metrics:       metrics,
 		source:        source,
 		target:        target,
 		cfg:           cfg,
@@ -103,6 +109,11 @@ func (r *Reconciler) Run(ctx context.Context, opts RunOptions) (*Report, error) 
 		slog.Int64("checked", rep.Checked), slog.Int64("drift", rep.Drift()),
 		slog.Int64("repaired", rep.Repaired), slog.Int64("skipped", rep.Skipped),
 		slog.Int64("uncertain", rep.Uncertain), slog.Duration("duration", rep.Duration), slog.Any("error", err))
+	mode := modeFull
+	if opts.Sample > 0 {
+		mode = modeSample
+	}
+	r.metrics.recordRun(ctx, mode, rep, err)
 	return rep, err
 }
 
@@ -318,6 +329,7 @@ func (r *Reconciler) CheckKeys(ctx context.Context, keys []string, opts RunOptio
 	rep := newReport(opts)
 	err := r.checkKeys(ctx, opts, dedupe(append([]string(nil), keys...)), rep)
 	rep.Duration = time.Since(rep.Started)
+	r.metrics.recordRun(ctx, modeKeys, rep, err)
 	return rep, err
 }
 

@@ -1,0 +1,128 @@
+package reconcile
+
+import (
+	"context"
+	"errors"
+
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/metric"
+
+	"github.com/verity-go/verity/internal/telemetry"
+	"github.com/verity-go/verity/projection"
+)
+
+// Attributes of the package's instruments. The name is the projection's
+// collection name (a board), bounded; documents report an empty name.
+const (
+	AttributeName    = "verity.reconcile.name"
+	AttributeMode    = "verity.reconcile.mode"    // full, sample, keys
+	AttributeOutcome = "verity.reconcile.outcome" // ok, error; switched, aborted, in_progress, error for rebuilds
+	AttributeDryRun  = "verity.reconcile.dry_run"
+	AttributeClass   = "verity.reconcile.class"  // current, missing, stale, ahead, corrupt, orphan
+	AttributeResult  = "verity.reconcile.result" // repaired, reported, dry-run, vetoed, raced, not-attempted, uncertain
+)
+
+// Instrument names of the package.
+const (
+	metricRuns         = "verity.reconcile.runs"
+	metricRows         = "verity.reconcile.rows"
+	metricResults      = "verity.reconcile.results"
+	metricRepaired     = "verity.reconcile.repaired"
+	metricDuration     = "verity.reconcile.duration"
+	metricRebuilds     = "verity.reconcile.rebuilds"
+	metricRebuildRows  = "verity.reconcile.rebuild.rows"
+	modeFull           = "full"
+	modeSample         = "sample"
+	modeKeys           = "keys"
+	outcomeOK          = "ok"
+	outcomeError       = "error"
+	outcomeSwitched    = "switched"
+	outcomeAborted     = "aborted"
+	outcomeInProgress  = "in_progress"
+	outcomeUnsupported = "unsupported"
+)
+
+// reconcileMetrics holds a Reconciler's instruments; nil records nothing.
+// Everything is recorded once per run from the finished Report, so the
+// counters add up exactly like the Report's.
+type reconcileMetrics struct {
+	name                          attribute.KeyValue
+	runs, rows, results, repaired metric.Int64Counter
+	rebuilds, rebuildRows         metric.Int64Counter
+	duration                      metric.Float64Histogram
+}
+
+func newReconcileMetrics(cfg *Config, target Target) (*reconcileMetrics, error) {
+	if !telemetry.Enabled(cfg.MeterProvider) {
+		return nil, nil
+	}
+	in := telemetry.New(cfg.MeterProvider, "reconcile")
+	name := target.Name
+	if target.Kind == projection.KindDocument { // a document's Name is an id: unbounded
+		name = ""
+	}
+	m := &reconcileMetrics{
+		name: attribute.String(AttributeName, name),
+		runs: in.Counter(metricRuns, "{run}", "Reconcile runs (Run, CheckKeys) by mode (full, sample, keys), outcome (ok, error) and dry_run."),
+		rows: in.Counter(metricRows, "{entity}",
+			"Entities checked by reconcile runs, by class: current, missing, stale, ahead (a version the source never had), corrupt (same version, different value), orphan (not in the source)."),
+		results: in.Counter(metricResults, "{entity}",
+			"Findings (entities not current) by what the run did: repaired, reported, dry-run, vetoed, raced, not-attempted, uncertain."),
+		repaired: in.Counter(metricRepaired, "{entity}", "Repairs written, by class."),
+		duration: in.Histogram(metricDuration, "s", "Duration of reconcile runs, by mode.", telemetry.DurationBuckets()...),
+		rebuilds: in.Counter(metricRebuilds, "{run}",
+			"Rebuilds by outcome: switched, aborted (marker lost), in_progress (another rebuild held the marker), unsupported, error."),
+		rebuildRows: in.Counter(metricRebuildRows, "{row}", "Source rows copied into shadow keys by rebuilds."),
+	}
+	return m, in.Err()
+}
+
+func (m *reconcileMetrics) recordRun(ctx context.Context, mode string, rep *Report, err error) {
+	if m == nil || rep == nil {
+		return
+	}
+	outcome := outcomeOK
+	if err != nil {
+		outcome = outcomeError
+	}
+	modeAttr := attribute.String(AttributeMode, mode)
+	m.runs.Add(ctx, 1, metric.WithAttributes(m.name, modeAttr,
+		attribute.String(AttributeOutcome, outcome), attribute.Bool(AttributeDryRun, rep.DryRun)))
+	for class, n := range rep.Counts {
+		if n > 0 {
+			m.rows.Add(ctx, n, metric.WithAttributes(m.name, modeAttr, attribute.String(AttributeClass, class.String())))
+		}
+	}
+	for result, n := range rep.Results {
+		if n > 0 {
+			m.results.Add(ctx, n, metric.WithAttributes(m.name, attribute.String(AttributeResult, result.String())))
+		}
+	}
+	for class, n := range rep.RepairedByClass {
+		if n > 0 {
+			m.repaired.Add(ctx, n, metric.WithAttributes(m.name, attribute.String(AttributeClass, class.String())))
+		}
+	}
+	m.duration.Record(ctx, rep.Duration.Seconds(), metric.WithAttributes(m.name, modeAttr))
+}
+
+func (m *reconcileMetrics) recordRebuild(ctx context.Context, rep *RebuildReport, err error) {
+	if m == nil || rep == nil {
+		return
+	}
+	outcome := outcomeError
+	switch {
+	case rep.Switched:
+		outcome = outcomeSwitched
+	case errors.Is(err, ErrRebuildAborted):
+		outcome = outcomeAborted
+	case errors.Is(err, ErrRebuildInProgress):
+		outcome = outcomeInProgress
+	case errors.Is(err, ErrRebuildUnsupported):
+		outcome = outcomeUnsupported
+	}
+	m.rebuilds.Add(ctx, 1, metric.WithAttributes(m.name, attribute.String(AttributeOutcome, outcome)))
+	if rep.Rows > 0 {
+		m.rebuildRows.Add(ctx, rep.Rows, metric.WithAttributes(m.name))
+	}
+}
