@@ -53,7 +53,8 @@ FROM (
 // counts are exact, so on a backlog of millions of rows a call takes on the
 // order of a second (see the package documentation for measured figures):
 // poll Stats every few seconds rather than per request, and alert on
-// OldestPendingAge.
+// OldestPendingAge. With RelayConfig.MeterProvider set, each successful call
+// also refreshes the snapshot the relay's backlog gauges report.
 func (r *Relay) Stats(ctx context.Context) (Stats, error) {
 	var (
 		s     Stats
