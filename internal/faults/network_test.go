@@ -266,6 +266,40 @@ func TestNetworkFaults(t *testing.T) {
 		require.LessOrEqual(t, nb.pool.Stat().TotalConns(), int32(4))
 	})
 
+	t.Run("LostAcknowledgementIsDeduplicated", func(t *testing.T) {
+		// The command reaches PostgreSQL and commits, but the reply is
+		// dropped: the client sees a timeout, not knowing whether it was
+		// applied. Its retry with the same event id must be answered as a
+		// duplicate with the original result, and applied once.
+		cmd := leaderboard.Command{EventID: uuid.New(), UserID: "lost-ack", Delta: 7}
+		require.NoError(t, nb.pool.Ping(ctx)) // a live connection for the attempt below
+		nb.pgProxy.add(t, "timeout", "downstream", map[string]any{"timeout": 0})
+		err, took := boundedErr(t, 3*time.Second, func() error {
+			c, cancel := context.WithTimeout(ctx, time.Second)
+			defer cancel()
+			_, err := nb.board.Submit(c, cmd)
+			return err
+		})
+		require.True(t, typedNetErr(err), "submit error %T: %v", err, err)
+		figures["lost_ack_submit_failed_after"] = took.Round(time.Millisecond)
+		nb.pgProxy.heal(t)
+		var events int
+		require.NoError(t, pg.Pool.QueryRow(ctx, `SELECT count(*) FROM `+nb.table(leaderboard.ScoreEventsTable)+` WHERE event_id = $1`, cmd.EventID).Scan(&events))
+		require.Equal(t, 1, events, "the command must have committed although its reply was lost")
+		var res leaderboard.Result
+		require.Eventually(t, func() bool {
+			c, cancel := context.WithTimeout(ctx, 2*time.Second)
+			defer cancel()
+			res, err = nb.board.Submit(c, cmd)
+			return err == nil
+		}, 10*time.Second, 50*time.Millisecond)
+		require.Equal(t, leaderboard.Result{Score: 7, Version: 1, Duplicate: true}, res)
+		var score int64
+		require.NoError(t, pg.Pool.QueryRow(ctx, `SELECT score FROM `+nb.table(leaderboard.UserScoresTable)+` WHERE board = $1 AND user_id = $2`, nb.board.Name(), cmd.UserID).Scan(&score))
+		require.Equal(t, int64(7), score, "applied exactly once")
+		figures["lost_ack_deduplicated"] = 1
+	})
+
 	t.Run("LeaseExpiresAndRowsAreRedelivered", func(t *testing.T) {
 		for range 5 {
 			require.NoError(t, submit(nb.direct.board, 5*time.Second))
@@ -396,7 +430,8 @@ func TestNetworkFaults(t *testing.T) {
 		list, err := rd.Client.ClientList(ctx).Result()
 		return err == nil && !strings.Contains(list, "name="+app+" ")
 	}, 10*time.Second, 50*time.Millisecond, "Redis connections left open")
-	summary(t, "network", "toxiproxy", "faults", 5,
+	summary(t, "network", "toxiproxy", "faults", 6,
+		"lost_ack_submit_failed_after", figures["lost_ack_submit_failed_after"], "lost_ack_deduplicated", figures["lost_ack_deduplicated"],
 		"redis_blackhole_read_failed_after", figures["redis_blackhole_read_failed_after"],
 		"redis_blackhole_max_attempts", figures["redis_blackhole_max_attempts"],
 		"postgres_reset_submit_failed_after", figures["postgres_reset_submit_failed_after"],
