@@ -35,6 +35,7 @@ import (
 	"github.com/verity-go/verity/leaderboard"
 	"github.com/verity-go/verity/projection"
 	"github.com/verity-go/verity/reconcile"
+	"github.com/verity-go/verity/versioncache"
 )
 
 // hostileUsers are user ids that would break naive SQL or key building.
@@ -180,6 +181,18 @@ func TestHashSlotsCannotBeMoved(t *testing.T) {
 		if i < 3 { // the full round trip on a few boards keeps the test short
 			exercise(t, bb, hostileUsers)
 		}
+	}
+	// A key prefix is configuration, not data: one that would become the
+	// hash tag is refused by every package that takes one.
+	for _, bad := range []string{"{", "}", "a{b}:", "pre{fix}"} {
+		_, err := leaderboard.New(pg.Pool, client, &leaderboard.Config{Name: "n", Schema: pg.Schema, KeyPrefix: bad})
+		require.Error(t, err, "leaderboard KeyPrefix %q", bad)
+		_, err = projection.NewKeyspace(bad)
+		require.Error(t, err, "projection prefix %q", bad)
+		_, err = projection.NewRedisProjector(client, projection.HashMapper("h"), &projection.Config{Prefix: bad})
+		require.Error(t, err, "projector prefix %q", bad)
+		_, err = versioncache.New[string](client, &versioncache.Config{Prefix: bad})
+		require.Error(t, err, "versioncache prefix %q", bad)
 	}
 	summary(t, "security", "hash-slots", "boards", len(names), "keys_checked", checkedKeys,
 		"users", len(hostileUsers), "slot_moved", 0)
