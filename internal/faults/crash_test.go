@@ -133,7 +133,9 @@ func TestRelayCrash(t *testing.T) {
 	started := time.Now()
 	minBacklog, maxBacklog, midDrain := int64(-1), int64(0), 0
 	for range kills {
-		time.Sleep(time.Duration(20+rng.IntN(180)) * time.Millisecond)
+		// Random pauses, longer in soak mode so the kills spread over the
+		// whole (longer) drain instead of crowding its start.
+		time.Sleep(time.Duration(20+rng.IntN(size(180, 700))) * time.Millisecond)
 		for _, p := range procs {
 			require.NoError(t, p.exitedEarly())
 		}
