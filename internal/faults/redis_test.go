@@ -9,6 +9,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/verity-go/verity/internal/testenv"
+	"github.com/verity-go/verity/leaderboard"
 	"github.com/verity-go/verity/projection"
 	"github.com/verity-go/verity/reconcile"
 )
@@ -132,4 +133,51 @@ func TestRedisClusterFailoverMidDrain(t *testing.T) {
 		"rows_checked", rep.Checked, "rows_repaired", rep.Repaired,
 		"missing", rep.Counts[reconcile.ClassMissing], "stale", rep.Counts[reconcile.ClassStale],
 		"rows_equal_after", checked, "lost", 0)
+}
+
+// TestReadPoliciesDuringRedisOutage kills Redis under a board and checks
+// what each read policy promises: FallbackToPostgres answers from
+// PostgreSQL with exactly the authoritative ranking, ServeStale and
+// FailClosed return an error — all within a bounded time — and once Redis
+// is back (empty) a reconcile pass restores the Redis answers.
+func TestReadPoliciesDuringRedisOutage(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pg := testenv.Postgres(t)
+	rs := testenv.StartRedis(t)
+	rdb := redis.NewClient(&redis.Options{Addr: rs.Addr(), DialTimeout: 300 * time.Millisecond,
+		ReadTimeout: 300 * time.Millisecond, WriteTimeout: 300 * time.Millisecond, MaxRetries: -1})
+	t.Cleanup(func() { _ = rdb.Close() })
+	bb := newBoard(t, pg.Pool, pg.Schema, rdb, "verity:faults:policy:", "policies")
+	gen := newLoadGen(bb.board, 200)
+	gen.preload(t, 1_000)
+	_, err := bb.worker(t, "policies").Drain(ctx)
+	require.NoError(t, err)
+	want, err := bb.board.Authoritative(ctx, 50)
+	require.NoError(t, err)
+
+	require.NoError(t, rs.Kill())
+	start := time.Now()
+	got, err := bb.board.Top(ctx, 50, leaderboard.WithPolicy(leaderboard.FallbackToPostgres))
+	require.NoError(t, err)
+	require.Equal(t, leaderboard.SourcePostgres, got.Freshness.Source)
+	require.Equal(t, want, got.Entries, "the fallback must give the authoritative ranking")
+	fallbackTook := time.Since(start)
+	for _, p := range []leaderboard.ReadPolicy{leaderboard.ServeStale, leaderboard.FailClosed} {
+		start := time.Now()
+		_, err := bb.board.Top(ctx, 50, leaderboard.WithPolicy(p))
+		require.Error(t, err, "policy %v with Redis down", p)
+		require.Less(t, time.Since(start), 3*time.Second, "policy %v must fail within a bound", p)
+	}
+
+	require.NoError(t, rs.Start())
+	rep := bb.reconcile(t)
+	got, err = bb.board.Top(ctx, 50, leaderboard.WithPolicy(leaderboard.FailClosed))
+	require.NoError(t, err)
+	require.Equal(t, leaderboard.SourceRedis, got.Freshness.Source)
+	require.Equal(t, want, got.Entries)
+	checked := bb.requireConverged(t)
+	summary(t, "redis", "read-policies-during-outage", "faults", 1,
+		"fallback_answered_in", fallbackTook.Round(time.Millisecond), "rows_checked", checked,
+		"rows_repaired", rep.Repaired, "lost", 0)
 }
