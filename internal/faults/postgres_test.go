@@ -105,7 +105,7 @@ func TestPostgresRestartDuringIngest(t *testing.T) {
 		}
 		faults++
 		time.Sleep(100 * time.Millisecond)
-		require.NoError(t, srv.Start())
+		startPostgres(t, srv)
 	}
 	<-done
 	require.Zero(t, failed, "commands still failing after 60s of retries")
@@ -181,4 +181,20 @@ func TestPostgresRestartDuringIngest(t *testing.T) {
 		"faults", faults, "commands_acked", len(outcomes), "retries", retries,
 		"acks_lost_then_deduplicated", duplicates, "rows_checked", len(events), "users_checked", usersChecked,
 		"half_applied", 0, "applied_twice", 0, "lost", 0)
+}
+
+// startPostgres starts srv again, retrying while the killed server's
+// backends still hold its shared memory ("pre-existing shared memory block
+// is still in use"): on a loaded machine they can take longer to be reaped
+// than the harness waits after a SIGKILL.
+func startPostgres(t *testing.T, srv *testenv.PostgresServer) {
+	t.Helper()
+	var err error
+	for attempt := 0; attempt < 50; attempt++ {
+		if err = srv.Start(); err == nil {
+			return
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+	require.NoError(t, err, "postgres did not restart")
 }
