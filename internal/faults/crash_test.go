@@ -173,7 +173,7 @@ func TestRelayCrash(t *testing.T) {
 	summary(t, "crash", "relay-sigkill",
 		"kills", kills, "kills_with_batch_in_flight", midDrain,
 		"backlog_at_kill_min", minBacklog, "backlog_at_kill_max", maxBacklog,
-		"events_preloaded", events, "commands_acked", gen.ackedCount(),
+		"events_preloaded", events, "commands_acked", gen.ackedCount(), "submit_retries", gen.retries.Load(),
 		"rows_checked", checked, "reconcile_drift", rep.Drift(), "rows_repaired", rep.Repaired, "outbox_left", 0, "lost", 0,
 		"kill_phase", killPhase.Round(time.Millisecond), "drained_after", drained.Round(time.Millisecond))
 }
