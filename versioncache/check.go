@@ -61,11 +61,11 @@ func (c *Cache[T]) Check(ctx context.Context, ids []string, n int, load IDLoader
 			continue
 		}
 		report.Cached++
-		current, same, err := c.compare(ctx, id, cached, load)
-		if err != nil || same {
-			if err != nil {
-				return report, err
-			}
+		_, same, err := c.compare(ctx, id, cached, load)
+		if err != nil {
+			return report, err
+		}
+		if same {
 			continue
 		}
 		// Confirm: a write committed but not yet invalidated looks exactly
@@ -78,7 +78,7 @@ func (c *Cache[T]) Check(ctx context.Context, ids []string, n int, load IDLoader
 			report.Moved++
 			continue
 		}
-		current, same, err = c.compare(ctx, id, again, load)
+		current, same, err := c.compare(ctx, id, again, load)
 		if err != nil {
 			return report, err
 		}
