@@ -3,7 +3,6 @@ package reconcile
 import (
 	"context"
 	"fmt"
-	"strconv"
 	"testing"
 
 	"github.com/jackc/pgx/v5"
@@ -197,4 +196,3 @@ func (b *testBundle) setRaw(t testing.TB, key string, value *projection.Value, v
 
 func ptr[T any](v T) *T { return &v }
 
-func itoa(v int64) string { return strconv.FormatInt(v, 10) }

@@ -15,9 +15,6 @@ import (
 //go:embed repair.lua
 var repairSource string
 
-// repairArgs is the number of ARGV entries repair.lua reads per repair.
-const repairArgs = 7
-
 // gateRepair writes the source's state for missing and stale findings
 // through the projection gate, so a newer version written meanwhile wins by
 // construction (the gate answers duplicate or stale and writes nothing).

@@ -18,7 +18,7 @@ import (
 	"github.com/verity-go/verity/reconcile"
 )
 
-// Snapshot of one user in PostgreSQL.
+// SourceState is one user as PostgreSQL has it.
 type SourceState struct {
 	Score   int64 `json:"score"`
 	Version int64 `json:"version"`

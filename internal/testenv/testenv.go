@@ -13,7 +13,7 @@ import (
 	"github.com/verity-go/verity/internal/services"
 )
 
-// RequireServicesEnv, set to 1, makes a missing server fail tests instead of
+// RequireServicesEnv names the variable that, set to 1, makes a missing server fail tests instead of
 // skipping them.
 const RequireServicesEnv = "VERITY_TEST_REQUIRE_SERVICES"
 
