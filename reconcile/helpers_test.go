@@ -195,4 +195,3 @@ func (b *testBundle) setRaw(t testing.TB, key string, value *projection.Value, v
 }
 
 func ptr[T any](v T) *T { return &v }
-
