@@ -65,8 +65,8 @@ func runMemory(ctx context.Context, e *env) ([]Figure, error) {
 	if err := seedGate.Load(ctx, e.rdb).Err(); err != nil {
 		return nil, err
 	}
-	seedKeys := []string{}
-	s := &seedDesign{rdb: e.rdb, zset: kp + "seed:{lb}:zset", versions: kp + "seed:{lb}:versions", markerPrefix: kp + "seed:event:"}
+	seedKeys := make([]string, 0, m)
+	s := newSeedKeys(e.rdb, kp)
 	for lo := 0; lo < m; lo += chunk {
 		batch := make([]seedRow, 0, chunk)
 		for i := lo; i < min(lo+chunk, m); i++ {

@@ -45,19 +45,25 @@ type seedDesign struct {
 	claimSQL, publishSQL, insertEventSQL, upsertScoreSQL, insertOutboxSQL string
 }
 
-// newSeedDesign creates the seed tables, named with prefix, in schema and
-// returns the design writing under keyPrefix.
-func newSeedDesign(ctx context.Context, pool *pgxpool.Pool, rdb *redis.Client, schema, prefix, keyPrefix string) (*seedDesign, error) {
-	s := &seedDesign{
-		pool:         pool,
+// newSeedKeys returns the Redis half of the seed design alone (enough to
+// project), writing under keyPrefix.
+func newSeedKeys(rdb *redis.Client, keyPrefix string) *seedDesign {
+	return &seedDesign{
 		rdb:          rdb,
-		events:       qualify(schema, prefix+"score_events"),
-		scores:       qualify(schema, prefix+"user_scores"),
-		outbox:       qualify(schema, prefix+"leaderboard_outbox"),
 		zset:         keyPrefix + "seed:{lb}:zset",
 		versions:     keyPrefix + "seed:{lb}:versions",
 		markerPrefix: keyPrefix + "seed:event:",
 	}
+}
+
+// newSeedDesign creates the seed tables, named with prefix, in schema and
+// returns the design writing under keyPrefix.
+func newSeedDesign(ctx context.Context, pool *pgxpool.Pool, rdb *redis.Client, schema, prefix, keyPrefix string) (*seedDesign, error) {
+	s := newSeedKeys(rdb, keyPrefix)
+	s.pool = pool
+	s.events = qualify(schema, prefix+"score_events")
+	s.scores = qualify(schema, prefix+"user_scores")
+	s.outbox = qualify(schema, prefix+"leaderboard_outbox")
 	ddl := strings.NewReplacer(
 		"{{events}}", s.events,
 		"{{scores}}", s.scores,
