@@ -90,7 +90,8 @@ func newSeedDesign(ctx context.Context, pool *pgxpool.Pool, rdb *redis.Client, s
 
 // submit is the seed's command handler: BEGIN; record the event (ON
 // CONFLICT DO NOTHING); upsert the score; append the outbox row; COMMIT —
-// five statements, five round trips. It reports whether the event was new.
+// five statements, five round trips. It returns the new score and version
+// (zeros for a duplicate command).
 func (s *seedDesign) submit(ctx context.Context, eventID uuid.UUID, user string, delta int) (score, version int64, err error) {
 	tx, err := s.pool.Begin(ctx)
 	if err != nil {
