@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	_ "embed"
+	"errors"
 	"fmt"
 	"strconv"
 	"strings"
@@ -100,7 +101,7 @@ func (s *seedDesign) submit(ctx context.Context, eventID uuid.UUID, user string,
 	defer tx.Rollback(ctx) //nolint:errcheck // a no-op after Commit
 	var id uuid.UUID
 	switch err := tx.QueryRow(ctx, s.insertEventSQL, eventID, user, delta).Scan(&id); {
-	case err == pgx.ErrNoRows:
+	case errors.Is(err, pgx.ErrNoRows):
 		return 0, 0, tx.Commit(ctx) // duplicate command: no second effect
 	case err != nil:
 		return 0, 0, err
