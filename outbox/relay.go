@@ -193,7 +193,12 @@ func (r *Relay) runBatch(claimCtx, workCtx context.Context) (int, error) {
 	}
 	token := uuid.New()
 	start := time.Now()
-	batch, err := r.claim(claimCtx, token)
+	// Without a deadline a half-open connection (a dead NAT entry, a proxy
+	// that stopped forwarding) would block the relay forever. A claim that
+	// outlives a lease is useless anyway: its rows are claimable again by then.
+	boundedCtx, cancelClaim := context.WithTimeout(claimCtx, r.cfg.LeaseDuration)
+	batch, err := r.claim(boundedCtx, token)
+	cancelClaim()
 	if err != nil || len(batch) == 0 {
 		return 0, err
 	}

@@ -1,0 +1,188 @@
+package faults
+
+import (
+	"context"
+	"io"
+	"net"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/stretchr/testify/require"
+
+	"github.com/verity-go/verity/internal/testenv"
+	"github.com/verity-go/verity/leaderboard"
+)
+
+// freezer is a TCP forwarder that can freeze every connection open at the
+// moment of the call: their bytes stop flowing in both directions, forever,
+// and they are never closed — the half-open connection a dead NAT entry or
+// a silently dropping firewall leaves behind. Connections opened afterwards
+// work normally. (toxiproxy's timeout toxic closes its connections when it is
+// removed, so it cannot model a connection that stays dead.)
+type freezer struct {
+	ln       net.Listener
+	upstream string
+
+	mu     sync.Mutex
+	frozen map[*frozenPair]bool
+	all    map[*frozenPair]bool
+	wg     sync.WaitGroup
+}
+
+type frozenPair struct {
+	client, server net.Conn
+	freeze         chan struct{}
+}
+
+func startFreezer(t *testing.T, upstream string) *freezer {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	f := &freezer{ln: ln, upstream: upstream, frozen: map[*frozenPair]bool{}, all: map[*frozenPair]bool{}}
+	f.wg.Add(1)
+	go f.accept()
+	t.Cleanup(f.close)
+	return f
+}
+
+func (f *freezer) addr() string { return f.ln.Addr().String() }
+
+func (f *freezer) accept() {
+	defer f.wg.Done()
+	for {
+		c, err := f.ln.Accept()
+		if err != nil {
+			return
+		}
+		s, err := net.Dial("tcp", f.upstream)
+		if err != nil {
+			_ = c.Close()
+			continue
+		}
+		p := &frozenPair{client: c, server: s, freeze: make(chan struct{})}
+		f.mu.Lock()
+		f.all[p] = true
+		f.mu.Unlock()
+		f.wg.Add(2)
+		go f.pipe(p, c, s)
+		go f.pipe(p, s, c)
+	}
+}
+
+// pipe copies src to dst until either side closes, or drops everything once
+// the pair is frozen.
+func (f *freezer) pipe(p *frozenPair, dst, src net.Conn) {
+	defer f.wg.Done()
+	buf := make([]byte, 32<<10)
+	for {
+		n, err := src.Read(buf)
+		select {
+		case <-p.freeze:
+			n = 0 // dropped on the floor
+		default:
+		}
+		if n > 0 {
+			if _, werr := dst.Write(buf[:n]); werr != nil {
+				return
+			}
+		}
+		if err != nil {
+			if err != io.EOF {
+				return
+			}
+			select {
+			case <-p.freeze:
+				return // frozen: the peer never learns of the close
+			default:
+			}
+			_ = dst.Close()
+			return
+		}
+	}
+}
+
+// freezeAll freezes every connection open now and returns how many.
+func (f *freezer) freezeAll() int {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	n := 0
+	for p := range f.all {
+		if !f.frozen[p] {
+			f.frozen[p] = true
+			close(p.freeze)
+			n++
+		}
+	}
+	return n
+}
+
+func (f *freezer) close() {
+	_ = f.ln.Close()
+	f.mu.Lock()
+	for p := range f.all { // closing a frozen pair is the only way its peers learn anything
+		_ = p.client.Close()
+		_ = p.server.Close()
+	}
+	f.mu.Unlock()
+	f.wg.Wait()
+}
+
+// TestRelaySurvivesHalfOpenConnections freezes every PostgreSQL connection
+// of a running worker (bytes stop, nothing is closed) while commands keep
+// arriving through a healthy connection. A relay must not wait forever on a
+// connection that will never answer: within a bounded time it must give up
+// on it and project the new commands through a fresh connection.
+func TestRelaySurvivesHalfOpenConnections(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pg := testenv.Postgres(t)
+	rd := testenv.Redis(t)
+	fz := startFreezer(t, hostPort(t, pg.ConnString))
+	pcfg, err := pgxpool.ParseConfig(withHost(t, pg.ConnString, fz.addr(), "verity-faults-halfopen"))
+	require.NoError(t, err)
+	pool, err := pgxpool.NewWithConfig(ctx, pcfg)
+	require.NoError(t, err)
+	t.Cleanup(pool.Close)
+	frozenSide := newBoard(t, pool, pg.Schema, rd.Client, rd.Prefix, "halfopen")
+	direct := newBoard(t, pg.Pool, pg.Schema, rd.Client, rd.Prefix, "halfopen")
+
+	w := frozenSide.worker(t, "halfopen")
+	runCtx, stopRun := context.WithCancel(ctx)
+	runDone := make(chan error, 1)
+	go func() { runDone <- w.Run(runCtx) }()
+	// On failure, unblock everything in order: cancel the worker, close the
+	// frozen connections (a query stuck on one holds a pool connection,
+	// which pool.Close would wait for), wait for the worker.
+	t.Cleanup(func() {
+		select {
+		case <-runDone:
+		case <-time.After(20 * time.Second):
+			t.Error("the worker did not return after its connections were closed")
+		}
+	})
+	t.Cleanup(fz.close)
+	t.Cleanup(stopRun)
+	for range 5 {
+		_, err := direct.board.Submit(ctx, leaderboard.Command{EventID: uuid.New(), UserID: "u", Delta: 1})
+		require.NoError(t, err)
+	}
+	direct.waitDrained(t, 10*time.Second)
+
+	frozen := fz.freezeAll()
+	require.Positive(t, frozen)
+	frozenAt := time.Now()
+	for range 5 {
+		_, err := direct.board.Submit(ctx, leaderboard.Command{EventID: uuid.New(), UserID: "v", Delta: 1})
+		require.NoError(t, err)
+	}
+	// The lease (2s) bounds the handler, settling is bounded at 10s; give
+	// the relay 30s to notice that its connections are dead.
+	direct.waitDrained(t, 30*time.Second)
+	recovered := time.Since(frozenAt)
+	direct.requireConverged(t)
+	summary(t, "network", "half-open-postgres", "frozen_connections", frozen,
+		"recovered_after", recovered.Round(time.Millisecond), "lost", 0)
+}
