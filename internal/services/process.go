@@ -92,14 +92,26 @@ func (p *process) signal(sig syscall.Signal, timeout time.Duration) error {
 		<-done
 	}
 	if sig == syscall.SIGKILL {
-		// Children in the group got the signal too; give the kernel a moment
-		// to reap them before the caller restarts on the same port.
-		time.Sleep(50 * time.Millisecond)
+		// The children got the signal too, but may outlive the leader for a
+		// moment; PostgreSQL refuses to start while an old backend still
+		// holds its shared memory. Wait until the whole group is gone.
+		waitGroupGone(cmd.Process.Pid, 10*time.Second)
 	}
 	p.mu.Lock()
 	p.cmd, p.done = nil, nil
 	p.mu.Unlock()
 	return nil
+}
+
+// waitGroupGone polls until no process of group pgid is left, or timeout.
+func waitGroupGone(pgid int, timeout time.Duration) {
+	deadline := time.Now().Add(timeout)
+	for time.Now().Before(deadline) {
+		if err := syscall.Kill(-pgid, 0); errors.Is(err, syscall.ESRCH) {
+			return
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
 }
 
 func (p *process) exited() <-chan struct{} {
