@@ -1,6 +1,7 @@
 package services
 
 import (
+	"bytes"
 	"errors"
 	"fmt"
 	"net"
@@ -10,6 +11,7 @@ import (
 	"path/filepath"
 	"sort"
 	"strconv"
+	"strings"
 	"sync"
 	"syscall"
 	"time"
@@ -84,6 +86,16 @@ func (p *process) signal(sig syscall.Signal, timeout time.Duration) error {
 	if cmd == nil {
 		return nil
 	}
+	var children []int
+	if sig == syscall.SIGKILL {
+		// PostgreSQL backends call setsid(), so they are not in the
+		// server's process group: find them before the leader dies and
+		// they are re-parented.
+		children = descendants(cmd.Process.Pid)
+		for _, pid := range children {
+			_ = syscall.Kill(pid, syscall.SIGKILL)
+		}
+	}
 	_ = syscall.Kill(-cmd.Process.Pid, sig)
 	select {
 	case <-done:
@@ -92,10 +104,10 @@ func (p *process) signal(sig syscall.Signal, timeout time.Duration) error {
 		<-done
 	}
 	if sig == syscall.SIGKILL {
-		// The children got the signal too, but may outlive the leader for a
-		// moment; PostgreSQL refuses to start while an old backend still
-		// holds its shared memory. Wait until the whole group is gone.
-		waitGroupGone(cmd.Process.Pid, 10*time.Second)
+		// Killed children may outlive the leader for a moment, and
+		// PostgreSQL refuses to start while an old backend still holds its
+		// shared memory: wait until every one has exited.
+		waitExited(append(children, cmd.Process.Pid), 10*time.Second)
 	}
 	p.mu.Lock()
 	p.cmd, p.done = nil, nil
@@ -103,14 +115,63 @@ func (p *process) signal(sig syscall.Signal, timeout time.Duration) error {
 	return nil
 }
 
-// waitGroupGone polls until no process of group pgid is left, or timeout.
-func waitGroupGone(pgid int, timeout time.Duration) {
-	deadline := time.Now().Add(timeout)
-	for time.Now().Before(deadline) {
-		if err := syscall.Kill(-pgid, 0); errors.Is(err, syscall.ESRCH) {
-			return
+// descendants returns the pids of every process below root, read from /proc.
+func descendants(root int) []int {
+	entries, err := os.ReadDir("/proc")
+	if err != nil {
+		return nil
+	}
+	children := map[int][]int{}
+	for _, e := range entries {
+		pid, err := strconv.Atoi(e.Name())
+		if err != nil {
+			continue
 		}
-		time.Sleep(10 * time.Millisecond)
+		if ppid, _, ok := procStat(pid); ok {
+			children[ppid] = append(children[ppid], pid)
+		}
+	}
+	var out []int
+	queue := []int{root}
+	for len(queue) > 0 {
+		next := children[queue[0]]
+		queue = append(queue[1:], next...)
+		out = append(out, next...)
+	}
+	return out
+}
+
+// procStat reads the parent pid and state of pid from /proc/<pid>/stat.
+func procStat(pid int) (ppid int, state byte, ok bool) {
+	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat")
+	if err != nil {
+		return 0, 0, false
+	}
+	// The command name is in parentheses and may contain spaces; the
+	// fields after the last ')' are "state ppid ...".
+	i := bytes.LastIndexByte(b, ')')
+	if i < 0 {
+		return 0, 0, false
+	}
+	fields := strings.Fields(string(b[i+1:]))
+	if len(fields) < 2 {
+		return 0, 0, false
+	}
+	ppid, err = strconv.Atoi(fields[1])
+	return ppid, fields[0][0], err == nil
+}
+
+// waitExited polls until none of pids is alive (gone, or a zombie that no
+// longer holds any resources), or timeout.
+func waitExited(pids []int, timeout time.Duration) {
+	deadline := time.Now().Add(timeout)
+	for _, pid := range pids {
+		for time.Now().Before(deadline) {
+			if _, state, ok := procStat(pid); !ok || state == 'Z' || state == 'X' {
+				break
+			}
+			time.Sleep(5 * time.Millisecond)
+		}
 	}
 }
 
