@@ -10,6 +10,7 @@ import (
 
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/redis/go-redis/v9"
 	"github.com/stretchr/testify/require"
 
 	"github.com/verity-go/verity/internal/testenv"
@@ -184,5 +185,44 @@ func TestRelaySurvivesHalfOpenConnections(t *testing.T) {
 	recovered := time.Since(frozenAt)
 	direct.requireConverged(t)
 	summary(t, "network", "half-open-postgres", "frozen_connections", frozen,
+		"recovered_after", recovered.Round(time.Millisecond), "lost", 0)
+}
+
+// TestRelaySurvivesHalfOpenRedis freezes every Redis connection of a
+// running worker (bytes stop, nothing is closed) while commands keep
+// arriving. The Redis client here has go-redis's default timeouts: the
+// handler's call must give up within them, the batch be retried on a fresh
+// connection, and everything be projected.
+func TestRelaySurvivesHalfOpenRedis(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pg := testenv.Postgres(t)
+	rd := testenv.Redis(t)
+	fz := startFreezer(t, hostPort(t, rd.URL))
+	rdb := redis.NewClient(&redis.Options{Addr: fz.addr()}) // default timeouts
+	t.Cleanup(func() { _ = rdb.Close() })
+	frozenSide := newBoard(t, pg.Pool, pg.Schema, rdb, rd.Prefix, "halfopen-redis")
+	direct := newBoard(t, pg.Pool, pg.Schema, rd.Client, rd.Prefix, "halfopen-redis")
+
+	stop := frozenSide.runWorkers(t, 1)
+	t.Cleanup(fz.close) // runs before the workers' cleanup: unblocks anything stuck
+	for range 5 {
+		_, err := direct.board.Submit(ctx, leaderboard.Command{EventID: uuid.New(), UserID: "u", Delta: 1})
+		require.NoError(t, err)
+	}
+	direct.waitDrained(t, 10*time.Second)
+
+	frozen := fz.freezeAll()
+	require.Positive(t, frozen)
+	frozenAt := time.Now()
+	for range 5 {
+		_, err := direct.board.Submit(ctx, leaderboard.Command{EventID: uuid.New(), UserID: "v", Delta: 1})
+		require.NoError(t, err)
+	}
+	direct.waitDrained(t, 30*time.Second)
+	recovered := time.Since(frozenAt)
+	direct.requireConverged(t)
+	stop()
+	summary(t, "network", "half-open-redis", "frozen_connections", frozen,
 		"recovered_after", recovered.Round(time.Millisecond), "lost", 0)
 }

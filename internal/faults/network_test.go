@@ -74,8 +74,7 @@ func (np *netProxy) heal(t *testing.T) {
 // nothing is answered, connections stay open. Healing (removing the timeout
 // toxics) closes the connections they held, as a recovering firewall's RST
 // would. A connection that stays dead and is never closed is a different
-// fault, which the relay does not survive yet: it is reported in the
-// reliability findings, its test held back until the relay is fixed.
+// fault: see halfopen_test.go.
 func (np *netProxy) partition(t *testing.T) {
 	t.Helper()
 	np.add(t, "timeout", "upstream", map[string]any{"timeout": 0})

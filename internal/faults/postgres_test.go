@@ -105,7 +105,7 @@ func TestPostgresRestartDuringIngest(t *testing.T) {
 		}
 		faults++
 		time.Sleep(100 * time.Millisecond)
-		startPostgres(t, srv)
+		require.NoError(t, srv.Start())
 	}
 	<-done
 	require.Zero(t, failed, "commands still failing after 60s of retries")
@@ -183,18 +183,3 @@ func TestPostgresRestartDuringIngest(t *testing.T) {
 		"half_applied", 0, "applied_twice", 0, "lost", 0)
 }
 
-// startPostgres starts srv again, retrying while the killed server's
-// backends still hold its shared memory ("pre-existing shared memory block
-// is still in use"): on a loaded machine they can take longer to be reaped
-// than the harness waits after a SIGKILL.
-func startPostgres(t *testing.T, srv *testenv.PostgresServer) {
-	t.Helper()
-	var err error
-	for attempt := 0; attempt < 50; attempt++ {
-		if err = srv.Start(); err == nil {
-			return
-		}
-		time.Sleep(200 * time.Millisecond)
-	}
-	require.NoError(t, err, "postgres did not restart")
-}
