@@ -182,4 +182,3 @@ func TestPostgresRestartDuringIngest(t *testing.T) {
 		"acks_lost_then_deduplicated", duplicates, "rows_checked", len(events), "users_checked", usersChecked,
 		"half_applied", 0, "applied_twice", 0, "lost", 0)
 }
-
