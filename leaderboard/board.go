@@ -61,12 +61,15 @@ type Board struct {
 	zsetKey string
 	verKey  string
 
+	notifier *outbox.Notifier // wakes the relays after Submit and SubmitBatch
+
 	sql struct {
-		submit, lookupEvent, submitBatch string
-		overflowProbe                    string
-		top, page, rank, around, lag     string
-		sourceFirst, sourcePage          string
-		sourceSample, sourceLookup       string
+		submit, submitTx, lookupEvent string
+		submitBatch                   string
+		overflowProbe                 string
+		top, page, rank, around, lag  string
+		sourceFirst, sourcePage       string
+		sourceSample, sourceLookup    string
 	}
 
 	lagMu    sync.Mutex
@@ -103,25 +106,41 @@ func New(pool *pgxpool.Pool, rdb redis.UniversalClient, cfg *Config) (*Board, er
 	if err != nil {
 		return nil, fmt.Errorf("leaderboard: %w", err)
 	}
+	notifier, err := outbox.NewNotifier(pool, w.Channel(), &outbox.NotifierConfig{Logger: c.Logger})
+	if err != nil {
+		return nil, fmt.Errorf("leaderboard: %w", err)
+	}
 	b := &Board{
-		metrics: metrics,
-		cfg:     c,
-		pool:    pool,
-		rdb:     rdb,
-		stream:  StreamPrefix + c.Name,
-		channel: w.Channel(),
-		ks:      ks,
+		metrics:  metrics,
+		notifier: notifier,
+		cfg:      c,
+		pool:     pool,
+		rdb:      rdb,
+		stream:   StreamPrefix + c.Name,
+		channel:  w.Channel(),
+		ks:       ks,
 	}
 	t := b.target("")
 	b.zsetKey, b.verKey = ks.ValueKey(t), ks.VersionKey(t)
 	r := func(q string) string { return renderSQL(q, c.Schema, w.Table()) }
-	b.sql.submit, b.sql.lookupEvent, b.sql.submitBatch = r(submitSQL), r(lookupEventSQL), r(submitBatchSQL)
+	b.sql.submit, b.sql.submitTx, b.sql.lookupEvent = r(submitSQL), r(submitTxSQL), r(lookupEventSQL)
+	b.sql.submitBatch = r(submitBatchSQL)
 	b.sql.overflowProbe = r(overflowProbeSQL)
 	b.sql.top, b.sql.page, b.sql.rank, b.sql.around, b.sql.lag = r(topSQL), r(pageSQL), r(rankSQL), r(aroundSQL), r(lagSQL)
 	b.sql.sourceFirst, b.sql.sourcePage = r(sourceFirstSQL), r(sourcePageSQL)
 	b.sql.sourceSample, b.sql.sourceLookup = r(sourceSampleSQL), r(sourceLookupSQL)
 	return b, nil
 }
+
+// Close stops the board's relay wake-ups (its outbox.Notifier), sending a
+// pending one first. Calling it is good practice at shutdown but optional:
+// the wake-up goroutine only runs while submits keep coming and exits
+// within outbox.NotifierIdleTimeoutDefault (100 ms) of the last one, so a
+// board that is dropped without Close leaves no goroutine behind. After
+// Close the board still works; its Submit and SubmitBatch then no longer
+// wake the relays, which find the rows at their next poll. Close does not
+// close the pool or the Redis client. It is safe to call more than once.
+func (b *Board) Close() { b.notifier.Close() }
 
 // Name returns the board's name.
 func (b *Board) Name() string { return b.cfg.Name }
@@ -168,9 +187,12 @@ func (b *Board) validate(index int, cmd Command) error {
 
 // Submit applies cmd and returns the user's resulting score and version.
 //
-// The event record, the score change, the outbox row carrying the absolute
-// score and the relay wake-up commit together, in one statement sent in one
-// round trip. Submitting an event id again changes nothing and returns the
+// The event record, the score change and the outbox row carrying the
+// absolute score commit together, in one statement sent in one round trip.
+// The relays are woken after the commit, by the board's outbox.Notifier
+// (coalesced, at most one NOTIFY per millisecond, sent on its own); if the
+// process dies between the commit and that NOTIFY, the relays find the row at
+// their next poll: the change is delayed, never lost. Submitting an event id again changes nothing and returns the
 // original Result with Duplicate set, also when the twins race; reusing an
 // event id for a different command returns an *IdempotencyConflictError.
 // Invalid commands return a *ValidationError and a resulting score outside
@@ -186,7 +208,10 @@ func (b *Board) submit(ctx context.Context, cmd Command) (Result, error) {
 	if err := b.validate(0, cmd); err != nil {
 		return Result{}, err
 	}
-	res, err := b.submitStatement(ctx, b.pool, cmd)
+	res, err := b.submitStatement(ctx, b.pool, b.sql.submit, cmd)
+	if err == nil && !res.Duplicate {
+		b.notifier.Notify() // committed: autocommit statement
+	}
 	if !isUniqueViolation(err) {
 		return res, err
 	}
@@ -213,8 +238,16 @@ func (b *Board) submit(ctx context.Context, cmd Command) (Result, error) {
 // SubmitTx is Submit inside the caller's transaction: the score change, the
 // event record and the outbox row commit or roll back with tx, together
 // with whatever else the caller writes in it. tx is a pgx.Tx, or a *sql.Tx
-// of the pgx stdlib driver wrapped by outbox.SQLTx. The relay is woken when
-// tx commits. It costs the same single statement as Submit.
+// of the pgx stdlib driver wrapped by outbox.SQLTx. It costs the same
+// single statement as Submit.
+//
+// Unlike Submit, the statement itself notifies the relays (pg_notify,
+// delivered when tx commits and never if it rolls back): the board cannot
+// tell when, or whether, the caller commits, and a wake-up that depends on
+// the caller remembering a call after commit would be easy to lose. The
+// price is PostgreSQL's: a notifying transaction holds a database-wide lock
+// through its commit's WAL flush, so many concurrent SubmitTx commits do not
+// group-commit. For bulk work use SubmitBatch, or Submit.
 //
 // A duplicate event id (committed before tx's statement started) returns
 // the original Result with Duplicate set and writes nothing; the caller
@@ -253,7 +286,7 @@ func (b *Board) submitTx(ctx context.Context, tx outbox.Tx, cmd Command) (Result
 	if err := b.validate(0, cmd); err != nil {
 		return Result{}, err
 	}
-	res, err := b.submitStatement(ctx, tx, cmd)
+	res, err := b.submitStatement(ctx, tx, b.sql.submitTx, cmd, b.channel)
 	if !isUniqueViolation(err) {
 		return res, err
 	}
@@ -268,19 +301,19 @@ type rowQuerier interface {
 	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
 }
 
-// submitStatement runs submitSQL for a validated command. A unique
+// submitStatement runs query (submitSQL, or submitTxSQL with the channel
+// as extra) for a validated command. A unique
 // violation (a twin committed after the statement's snapshot, or another
 // outbox writer's event id) is returned unwrapped for the caller to
 // interpret; every other outcome is final.
-func (b *Board) submitStatement(ctx context.Context, q rowQuerier, cmd Command) (Result, error) {
+func (b *Board) submitStatement(ctx context.Context, q rowQuerier, query string, cmd Command, extra ...any) (Result, error) {
 	var (
 		res         Result
 		board, user string
 		delta       int64
 	)
-	err := q.QueryRow(ctx, b.sql.submit,
-		cmd.EventID, b.cfg.Name, cmd.UserID, cmd.Delta, b.stream, b.channel,
-	).Scan(&res.Duplicate, &res.Score, &res.Version, &board, &user, &delta)
+	args := append([]any{cmd.EventID, b.cfg.Name, cmd.UserID, cmd.Delta, b.stream}, extra...)
+	err := q.QueryRow(ctx, query, args...).Scan(&res.Duplicate, &res.Score, &res.Version, &board, &user, &delta)
 	switch {
 	case err == nil:
 	case isUniqueViolation(err):
@@ -314,7 +347,8 @@ func (b *Board) checkDuplicate(cmd Command, res Result, board, user string, delt
 //
 // Commands of the same user are applied in batch order, each getting its
 // own version; the outbox receives only each user's final state (the
-// projection would skip the intermediate ones anyway).
+// projection would skip the intermediate ones anyway). As with Submit, the
+// relays are woken after the commit by the board's outbox.Notifier.
 func (b *Board) SubmitBatch(ctx context.Context, cmds []Command) ([]Result, error) {
 	out, err := b.submitBatch(ctx, cmds)
 	if err != nil {
@@ -394,21 +428,21 @@ func (b *Board) submitBatchOnce(ctx context.Context, cmds []Command, sent []int,
 	// to a generic plan after five runs, which cannot see the array sizes and
 	// joins the CTEs with nested loops: about 6x slower at 1,000 commands.
 	// Still one round trip.
-	rows, err := b.pool.Query(ctx, b.sql.submitBatch, pgx.QueryExecModeExec, ids, users, deltas, b.cfg.Name, b.stream, b.channel)
+	rows, err := b.pool.Query(ctx, b.sql.submitBatch, pgx.QueryExecModeExec, ids, users, deltas, b.cfg.Name, b.stream)
 	if err != nil {
 		return b.mapBatchError(ctx, err, cmds, sent)
 	}
 	defer rows.Close()
 	var conflict *IdempotencyConflictError
-	seen := 0
+	seen, applied := 0, 0
 	for rows.Next() {
 		var (
 			ord         int64
 			res         Result
 			board, user string
-			delta, n    int64
+			delta       int64
 		)
-		if err := rows.Scan(&ord, &res.Duplicate, &res.Score, &res.Version, &board, &user, &delta, &n); err != nil {
+		if err := rows.Scan(&ord, &res.Duplicate, &res.Score, &res.Version, &board, &user, &delta); err != nil {
 			return fmt.Errorf("leaderboard: submit batch: %w", err)
 		}
 		if ord < 1 || int(ord) > len(sent) {
@@ -421,9 +455,17 @@ func (b *Board) submitBatchOnce(ctx context.Context, cmds []Command, sent []int,
 		}
 		out[i] = res
 		seen++
+		if !res.Duplicate {
+			applied++
+		}
 	}
 	if err := rows.Err(); err != nil {
 		return b.mapBatchError(ctx, err, cmds, sent)
+	}
+	// The statement ran in autocommit and succeeded: whatever it applied is
+	// committed (a conflict applies nothing). Wake the relays.
+	if applied > 0 {
+		b.notifier.Notify()
 	}
 	if conflict != nil {
 		return conflict

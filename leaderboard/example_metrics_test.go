@@ -57,6 +57,7 @@ func Example_metrics() {
 	if err != nil {
 		log.Fatal(err)
 	}
+	defer board.Close() // stops the relay wake-ups; runs before pool.Close
 	retried := leaderboard.Command{EventID: uuid.New(), UserID: "ada", Delta: 30}
 	for _, cmd := range []leaderboard.Command{retried, retried, {EventID: uuid.New(), UserID: "bob", Delta: 20}} {
 		if _, err := board.Submit(ctx, cmd); err != nil {

@@ -52,6 +52,7 @@ func ExampleBoard_SubmitTx() {
 	if err != nil {
 		log.Fatal(err)
 	}
+	defer board.Close() // stops the relay wake-ups; runs before pool.Close
 
 	// The application's side of the story, on database/sql.
 	db, err := sql.Open("pgx", pgURL)

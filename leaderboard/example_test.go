@@ -47,6 +47,7 @@ func Example() {
 	if err != nil {
 		log.Fatal(err)
 	}
+	defer board.Close() // stops the relay wake-ups; runs before pool.Close
 
 	// Clients send a stable event id with every command.
 	retried := leaderboard.Command{EventID: uuid.New(), UserID: "bob", Delta: 45}

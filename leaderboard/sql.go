@@ -5,16 +5,15 @@ import "strings"
 // All SQL of the package. Placeholders in double braces are replaced once,
 // in New, by quoted identifiers; values are always bind parameters.
 
-// submitSQL applies one command in one statement (one round trip, run in
-// autocommit so the statement is its own transaction).
+// submitCTEs applies one command; submitSQL and submitTxSQL finish it.
 //
-//	$1 event id, $2 board, $3 user id, $4 delta, $5 stream, $6 channel
+//	$1 event id, $2 board, $3 user id, $4 delta, $5 stream
 //
 // prior finds an earlier use of the event id. If there is none, upserted
-// changes the score, recorded keeps the command and its result, queued
-// appends the absolute score to the outbox and notified wakes the relays
-// (delivered on commit). The statement returns the new result, or the prior
-// row when the event id was already used (Go compares it with the command).
+// changes the score, recorded keeps the command and its result and queued
+// appends the absolute score to the outbox. The statement returns the new
+// result, or the prior row when the event id was already used (Go compares
+// it with the command).
 //
 // A twin committed after this statement's snapshot is invisible to prior;
 // then the INSERT into score_events waits for it and fails with a unique
@@ -24,7 +23,7 @@ import "strings"
 // table therefore means another outbox writer holds the event id, never a
 // twin (SubmitTx, which cannot run a follow-up read in an aborted
 // transaction, relies on that to tell the two apart).
-const submitSQL = `
+const submitCTEs = `
 WITH prior AS (
     SELECT board, user_id, delta, score, version
     FROM {{score_events}}
@@ -50,7 +49,26 @@ queued AS (
     INSERT INTO {{outbox}} (event_id, stream, key, version, payload)
     SELECT $1::uuid, $5::text, $3::text, version, convert_to(score::text, 'UTF8')
     FROM recorded
-),
+)`
+
+// submitSQL is Submit's statement, run in autocommit so that it is its own
+// transaction (one round trip). It does not notify: a pg_notify inside it
+// would serialise the commits of concurrent submits (PostgreSQL holds a
+// database-wide lock from PreCommit_Notify through the WAL flush), so
+// Submit wakes the relays through the board's outbox.Notifier after the
+// statement returned.
+const submitSQL = submitCTEs + `
+SELECT false, u.score, u.version, $2::text, $3::text, $4::bigint
+FROM upserted AS u
+UNION ALL
+SELECT true, score, version, board, user_id, delta
+FROM prior`
+
+// submitTxSQL is SubmitTx's statement: submitSQL plus notified, which
+// wakes the relays on channel $6 when the caller's transaction commits
+// (and never if it rolls back). The notification stays inside because the
+// board cannot know when, or whether, the caller commits.
+const submitTxSQL = submitCTEs + `,
 notified AS (
     SELECT pg_notify($6::text, '') FROM upserted
 )
@@ -69,7 +87,7 @@ WHERE event_id = $1::uuid`
 // submitBatchSQL applies many commands in one statement.
 //
 //	$1 event ids, $2 user ids, $3 deltas (parallel arrays, no repeated id),
-//	$4 board, $5 stream, $6 channel
+//	$4 board, $5 stream
 //
 // When any event id was already used for a different command, conflicted
 // is non-empty and nothing is written; the prior rows are returned and Go
@@ -78,7 +96,8 @@ WHERE event_id = $1::uuid`
 // order so that concurrent batches lock rows in the same order, and each
 // command's own score and version are derived from running sums in batch
 // order. Only each user's last state goes to the outbox: payloads are
-// absolute, so the intermediate ones would be superseded anyway.
+// absolute, so the intermediate ones would be superseded anyway. Like
+// submitSQL it does not notify; SubmitBatch uses the board's Notifier.
 const submitBatchSQL = `
 WITH input AS (
     SELECT i.ord, i.event_id, i.user_id COLLATE "C" AS user_id, i.delta
@@ -138,16 +157,11 @@ queued AS (
     SELECT event_id, $5::text, user_id, version, convert_to(score::text, 'UTF8')
     FROM results
     WHERE last
-),
-notified AS (
-    SELECT pg_notify($6::text, '')
-    WHERE EXISTS (SELECT 1 FROM upserted)
 )
-SELECT r.ord, false, r.score, r.version, $4::text, r.user_id::text, r.delta,
-       (SELECT count(*) FROM notified)
+SELECT r.ord, false, r.score, r.version, $4::text, r.user_id::text, r.delta
 FROM results AS r
 UNION ALL
-SELECT i.ord, true, p.score, p.version, p.board, p.user_id::text, p.delta, 0
+SELECT i.ord, true, p.score, p.version, p.board, p.user_id::text, p.delta
 FROM prior AS p JOIN input AS i USING (event_id)`
 
 // overflowProbeSQL reads, for a refused batch, the current scores of its

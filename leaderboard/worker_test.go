@@ -32,8 +32,8 @@ func TestWorker(t *testing.T) {
 		done := make(chan error, 1)
 		go func() { done <- worker.Run(runCtx) }()
 
-		// With a one-minute poll, only the NOTIFY sent by Submit's
-		// statement can wake the worker in time.
+		// With a one-minute poll, only the NOTIFY sent by the board's
+		// notifier after Submit can wake the worker in time.
 		res := tb.submit(t, "user-a", 10)
 		e, fr, err := tb.board.Rank(ctx, "user-a", AtLeast("user-a", res.Version))
 		require.NoError(t, err)

@@ -1,0 +1,91 @@
+package leaderboard
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/stretchr/testify/require"
+
+	"github.com/verity-go/verity/outbox"
+)
+
+// TestWakeUp checks that every write path wakes a running worker: with a
+// one-minute poll, only a NOTIFY can make the change visible in time.
+// Submit and SubmitBatch notify through the board's Notifier after their
+// statement; SubmitTx notifies inside the caller's transaction.
+func TestWakeUp(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+
+	writers := map[string]func(t *testing.T, tb *testBundle, user string) Result{
+		"Submit": func(t *testing.T, tb *testBundle, user string) Result {
+			res, err := tb.board.Submit(ctx, Command{EventID: uuid.New(), UserID: user, Delta: 10})
+			require.NoError(t, err)
+			return res
+		},
+		"SubmitBatch": func(t *testing.T, tb *testBundle, user string) Result {
+			out, err := tb.board.SubmitBatch(ctx, []Command{
+				{EventID: uuid.New(), UserID: user, Delta: 4},
+				{EventID: uuid.New(), UserID: user, Delta: 6},
+			})
+			require.NoError(t, err)
+			return out[1]
+		},
+		"SubmitTx": func(t *testing.T, tb *testBundle, user string) Result {
+			tx, err := tb.pg.Pool.Begin(ctx)
+			require.NoError(t, err)
+			defer tx.Rollback(ctx) //nolint:errcheck // no-op after commit
+			res, err := tb.board.SubmitTx(ctx, tx, Command{EventID: uuid.New(), UserID: user, Delta: 10})
+			require.NoError(t, err)
+			require.NoError(t, tx.Commit(ctx))
+			return res
+		},
+	}
+	for name, write := range writers {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			tb := setup(t, func(c *Config) {
+				c.ReadPolicy = FailClosed
+				c.ReadYourWritesTimeout = 10 * time.Second
+			})
+			worker, err := tb.board.Worker(&WorkerConfig{Relay: &outbox.RelayConfig{PollInterval: time.Minute}})
+			require.NoError(t, err)
+			runCtx, stop := context.WithCancel(ctx)
+			done := make(chan error, 1)
+			go func() { done <- worker.Run(runCtx) }()
+			defer func() {
+				stop()
+				require.NoError(t, <-done)
+			}()
+
+			// Twice: the second write comes after the notifier's goroutine
+			// went idle and exited, so it must start a new one.
+			for round, user := range []string{"user-a", "user-b"} {
+				if round > 0 {
+					time.Sleep(2 * outbox.NotifierIdleTimeoutDefault)
+				}
+				res := write(t, tb, user)
+				e, fr, err := tb.board.Rank(ctx, user, AtLeast(user, res.Version))
+				require.NoError(t, err)
+				require.Equal(t, SourceRedis, fr.Source)
+				require.Equal(t, int64(10), e.Score)
+			}
+		})
+	}
+
+	t.Run("CloseStopsOnlyWakeUps", func(t *testing.T) {
+		t.Parallel()
+		tb := setup(t)
+		tb.board.Close()
+		tb.board.Close() // idempotent
+		res := tb.submit(t, "user-a", 3)
+		require.Equal(t, int64(3), res.Score)
+		tb.drain(t) // the rows are there for a relay to find
+		e, fr, err := tb.board.Rank(ctx, "user-a")
+		require.NoError(t, err)
+		require.Equal(t, SourceRedis, fr.Source)
+		require.Equal(t, int64(3), e.Score)
+	})
+}

@@ -1,0 +1,254 @@
+package outbox
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+	"unicode/utf8"
+)
+
+// Defaults applied by NotifierConfig.WithDefaults to zero-valued fields.
+const (
+	// NotifierIntervalDefault is the default for NotifierConfig.Interval.
+	NotifierIntervalDefault = time.Millisecond
+	// NotifierIdleTimeoutDefault is the default for
+	// NotifierConfig.IdleTimeout.
+	NotifierIdleTimeoutDefault = 100 * time.Millisecond
+	// NotifierTimeoutDefault is the default for NotifierConfig.Timeout.
+	NotifierTimeoutDefault = time.Second
+)
+
+// notifySQL wakes the relays listening on channel $1. It runs as its own
+// autocommit statement, with synchronous_commit off for that transaction
+// only (set_config with is_local): PostgreSQL gives a notifying transaction
+// an xid and holds a database-wide lock from PreCommit_Notify until its
+// commit record is written, so a synchronous commit would hold that lock
+// through a WAL flush. The notification carries no data and is lost in a
+// crash anyway (listeners reconnect and poll), so an unflushed commit of it
+// weakens nothing; the data it announces was committed durably before
+// Notify was called.
+const notifySQL = `SELECT set_config('synchronous_commit', 'off', true), pg_notify($1::text, '')`
+
+// NotifierConfig configures a Notifier. A nil *NotifierConfig means all
+// defaults; negative durations are errors.
+type NotifierConfig struct {
+	// Interval is the shortest time between two notifications: calls to
+	// Notify within one Interval are coalesced into one NOTIFY. The first
+	// Notify after a quiet Interval is sent at once. Defaults to
+	// NotifierIntervalDefault (1 ms).
+	Interval time.Duration
+
+	// IdleTimeout is how long the sending goroutine waits for another
+	// Notify before it exits; the next Notify starts a new one. It lets a
+	// Notifier that is never closed leave no goroutine behind once it is
+	// idle. Defaults to NotifierIdleTimeoutDefault (100 ms).
+	IdleTimeout time.Duration
+
+	// Timeout bounds one NOTIFY statement (including waiting for a pool
+	// connection). A later wake-up is worth little: the relays poll anyway.
+	// Defaults to NotifierTimeoutDefault (1 s).
+	Timeout time.Duration
+
+	// Logger receives a warning when a NOTIFY fails. Defaults to discarding
+	// logs.
+	Logger *slog.Logger
+}
+
+// WithDefaults returns a copy of c with every zero field set to its
+// default. A nil c is treated as the zero NotifierConfig.
+func (c *NotifierConfig) WithDefaults() *NotifierConfig {
+	out := &NotifierConfig{}
+	if c != nil {
+		*out = *c
+	}
+	if out.Interval == 0 {
+		out.Interval = NotifierIntervalDefault
+	}
+	if out.IdleTimeout == 0 {
+		out.IdleTimeout = NotifierIdleTimeoutDefault
+	}
+	if out.Timeout == 0 {
+		out.Timeout = NotifierTimeoutDefault
+	}
+	if out.Logger == nil {
+		out.Logger = slog.New(slog.DiscardHandler)
+	}
+	return out
+}
+
+func (c *NotifierConfig) validate() error {
+	switch {
+	case c.Interval < 0:
+		return fmt.Errorf("outbox: NotifierConfig.Interval is %v; use a positive duration or zero for the default", c.Interval)
+	case c.IdleTimeout < 0:
+		return fmt.Errorf("outbox: NotifierConfig.IdleTimeout is %v; use a positive duration or zero for the default", c.IdleTimeout)
+	case c.Timeout < 0:
+		return fmt.Errorf("outbox: NotifierConfig.Timeout is %v; use a positive duration or zero for the default", c.Timeout)
+	}
+	return nil
+}
+
+// Notifier wakes the relays of one outbox after the writing transaction has
+// committed, instead of a pg_notify inside it.
+//
+// Why: PostgreSQL serialises the commits of notifying transactions (it
+// holds a database-wide lock from PreCommit_Notify to the end of the
+// commit, WAL flush included), so a NOTIFY inside every write transaction
+// costs concurrent writers their group commit. A Notifier takes the
+// notification out of the data transaction: writers call Notify after their
+// commit returned, which only marks the Notifier dirty, and one goroutine
+// sends at most one NOTIFY per Interval as its own statement.
+//
+// What it costs: nothing in correctness. The outbox row is still committed
+// with the state it describes. A process that crashes between the commit
+// and the NOTIFY (or a NOTIFY that fails) delays delivery until the relays'
+// next poll (RelayConfig.PollInterval) and loses nothing: relays always
+// poll as well as listen.
+//
+// The sending goroutine starts on demand and exits after IdleTimeout
+// without calls, so a Notifier that is never closed leaks no goroutine once
+// idle. Close stops it for good, sending a pending notification first.
+// A Notifier is safe for concurrent use.
+type Notifier struct {
+	db      Execer
+	channel string
+	cfg     *NotifierConfig
+
+	dirty atomic.Bool   // a notification is owed
+	kick  chan struct{} // capacity 1: dirty went from false to true
+
+	mu      sync.Mutex
+	running bool // a sending goroutine exists
+	closed  bool
+	stop    chan struct{} // closed by Close
+	wg      sync.WaitGroup
+}
+
+// NewNotifier returns a Notifier that sends NOTIFY on channel through db
+// (usually a *pgxpool.Pool; each NOTIFY is one autocommit statement).
+// channel is the outbox's channel, Writer.Channel.
+func NewNotifier(db Execer, channel string, cfg *NotifierConfig) (*Notifier, error) {
+	if db == nil {
+		return nil, errors.New("outbox: NewNotifier needs a database handle (a *pgxpool.Pool)")
+	}
+	if channel == "" || !utf8.ValidString(channel) || strings.IndexByte(channel, 0) >= 0 {
+		return nil, errors.New("outbox: NewNotifier needs the outbox's channel (Writer.Channel)")
+	}
+	c := cfg.WithDefaults()
+	if err := c.validate(); err != nil {
+		return nil, err
+	}
+	return &Notifier{
+		db:      db,
+		channel: channel,
+		cfg:     c,
+		kick:    make(chan struct{}, 1),
+		stop:    make(chan struct{}),
+	}, nil
+}
+
+// Notify asks for a wake-up of the relays. Call it after the transaction
+// that wrote outbox rows has committed. It never blocks on the database:
+// it marks the Notifier dirty and, if no sending goroutine runs, starts
+// one. After Close it does nothing.
+func (n *Notifier) Notify() {
+	if n.dirty.Swap(true) {
+		return // already owed; the goroutine that owes it is running
+	}
+	select {
+	case n.kick <- struct{}{}:
+	default:
+	}
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	if n.running || n.closed {
+		return
+	}
+	n.running = true
+	n.wg.Add(1)
+	go n.run()
+}
+
+// Close stops the Notifier: it sends a pending notification (bounded by
+// Timeout), waits for the sending goroutine to exit and makes later calls
+// to Notify no-ops. It is safe to call more than once.
+func (n *Notifier) Close() {
+	n.mu.Lock()
+	if !n.closed {
+		n.closed = true
+		close(n.stop)
+	}
+	n.mu.Unlock()
+	n.wg.Wait()
+}
+
+// run sends notifications while they are owed. Invariant: it exits only
+// with dirty false observed under mu (or after Close), and Notify checks
+// running under mu after setting dirty, so an owed notification always has
+// a goroutine to send it.
+func (n *Notifier) run() {
+	defer n.wg.Done()
+	idle := time.NewTimer(n.cfg.IdleTimeout)
+	defer idle.Stop()
+	pace := time.NewTimer(0)
+	defer pace.Stop()
+	<-pace.C
+	var last time.Time
+	for {
+		select {
+		case <-n.stop:
+			n.flush()
+			return
+		case <-n.kick:
+		case <-idle.C:
+			n.mu.Lock()
+			if !n.dirty.Load() {
+				n.running = false
+				n.mu.Unlock()
+				return
+			}
+			n.mu.Unlock()
+		}
+		// Coalesce: at most one NOTIFY per Interval.
+		if wait := n.cfg.Interval - time.Since(last); wait > 0 {
+			pace.Reset(wait)
+			select {
+			case <-n.stop:
+				n.flush()
+				return
+			case <-pace.C:
+			}
+		}
+		if n.dirty.Swap(false) {
+			n.send()
+			last = time.Now()
+		}
+		idle.Reset(n.cfg.IdleTimeout)
+	}
+}
+
+// flush sends a notification that is still owed when the Notifier closes.
+func (n *Notifier) flush() {
+	if n.dirty.Swap(false) {
+		n.send()
+	}
+	n.mu.Lock()
+	n.running = false
+	n.mu.Unlock()
+}
+
+// send runs one NOTIFY. A failure is logged and otherwise ignored: the
+// relays' poll picks the rows up.
+func (n *Notifier) send() {
+	ctx, cancel := context.WithTimeout(context.Background(), n.cfg.Timeout)
+	defer cancel()
+	if _, err := n.db.Exec(ctx, notifySQL, n.channel); err != nil {
+		n.cfg.Logger.Warn("outbox notifier: NOTIFY failed; relays will find the rows at their next poll",
+			slog.String("channel", n.channel), slog.String("error", err.Error()))
+	}
+}

@@ -1,0 +1,192 @@
+package outbox
+
+// An internal test: it checks the sending goroutine's lifecycle (running),
+// which the exported API deliberately does not show.
+
+import (
+	"context"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/stretchr/testify/require"
+
+	"github.com/verity-go/verity/internal/testenv"
+)
+
+// countingExecer passes statements to a real pool and counts them.
+type countingExecer struct {
+	db    Execer
+	calls atomic.Int64
+}
+
+func (c *countingExecer) Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error) {
+	c.calls.Add(1)
+	return c.db.Exec(ctx, sql, args...)
+}
+
+type notifierBundle struct {
+	pool    *pgxpool.Pool
+	db      *countingExecer
+	channel string
+}
+
+func setupNotifier(t *testing.T) *notifierBundle {
+	t.Helper()
+	pg := testenv.Postgres(t)
+	// A channel of this test's own: the schema name is unique per test.
+	return &notifierBundle{pool: pg.Pool, db: &countingExecer{db: pg.Pool}, channel: "verity_notifier_" + pg.Schema}
+}
+
+// listen opens a dedicated connection LISTENing on the bundle's channel.
+func (b *notifierBundle) listen(t *testing.T) *pgx.Conn {
+	t.Helper()
+	ctx := context.Background()
+	conn, err := pgx.ConnectConfig(ctx, b.pool.Config().ConnConfig)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = conn.Close(context.Background()) })
+	_, err = conn.Exec(ctx, "LISTEN "+pgx.Identifier{b.channel}.Sanitize())
+	require.NoError(t, err)
+	return conn
+}
+
+func (n *Notifier) isRunning() bool {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	return n.running
+}
+
+func TestNotifier(t *testing.T) {
+	t.Parallel()
+
+	t.Run("WakesListener", func(t *testing.T) {
+		t.Parallel()
+		b := setupNotifier(t)
+		conn := b.listen(t)
+		n, err := NewNotifier(b.db, b.channel, nil)
+		require.NoError(t, err)
+		defer n.Close()
+
+		n.Notify()
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		got, err := conn.WaitForNotification(ctx)
+		require.NoError(t, err)
+		require.Equal(t, b.channel, got.Channel)
+		require.Empty(t, got.Payload)
+	})
+
+	t.Run("CoalescesPerInterval", func(t *testing.T) {
+		t.Parallel()
+		b := setupNotifier(t)
+		const interval = 25 * time.Millisecond
+		n, err := NewNotifier(b.db, b.channel, &NotifierConfig{Interval: interval})
+		require.NoError(t, err)
+
+		start := time.Now()
+		var calls atomic.Int64
+		var wg sync.WaitGroup
+		for range 8 {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				for time.Since(start) < 200*time.Millisecond {
+					n.Notify()
+					calls.Add(1)
+				}
+			}()
+		}
+		wg.Wait()
+		n.Close() // sends what is still owed
+		elapsed := time.Since(start)
+
+		sent := b.db.calls.Load()
+		require.Greater(t, calls.Load(), int64(1000), "the callers should have called Notify many times")
+		require.GreaterOrEqual(t, sent, int64(2), "one NOTIFY per interval, not one in total")
+		// At most one per Interval, plus the first (sent at once) and the
+		// one Close flushes.
+		require.LessOrEqual(t, sent, int64(elapsed/interval)+2)
+	})
+
+	t.Run("IdleGoroutineExitsAndRestarts", func(t *testing.T) {
+		t.Parallel()
+		b := setupNotifier(t)
+		conn := b.listen(t)
+		n, err := NewNotifier(b.db, b.channel, &NotifierConfig{IdleTimeout: 20 * time.Millisecond})
+		require.NoError(t, err)
+		// Never closed: it must not need to be.
+
+		n.Notify()
+		require.Eventually(t, func() bool { return !n.isRunning() }, 10*time.Second, 5*time.Millisecond)
+		require.Equal(t, int64(1), b.db.calls.Load())
+
+		// A Notify after the goroutine exited starts a new one and is sent.
+		n.Notify()
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		for range 2 { // both notifications arrive (PostgreSQL does not fold separate transactions)
+			_, err := conn.WaitForNotification(ctx)
+			require.NoError(t, err)
+		}
+		require.Eventually(t, func() bool { return !n.isRunning() }, 10*time.Second, 5*time.Millisecond)
+		require.Equal(t, int64(2), b.db.calls.Load())
+	})
+
+	t.Run("CloseFlushesAndStops", func(t *testing.T) {
+		t.Parallel()
+		b := setupNotifier(t)
+		// A long Interval: the second Notify is owed, not sent, when Close runs.
+		n, err := NewNotifier(b.db, b.channel, &NotifierConfig{Interval: time.Hour})
+		require.NoError(t, err)
+		n.Notify()
+		require.Eventually(t, func() bool { return b.db.calls.Load() == 1 }, 10*time.Second, time.Millisecond)
+		n.Notify()
+		n.Close()
+		require.Equal(t, int64(2), b.db.calls.Load(), "Close sends the owed notification")
+		require.False(t, n.isRunning())
+
+		n.Notify() // no-op after Close
+		n.Close()  // idempotent
+		require.False(t, n.isRunning())
+		require.Equal(t, int64(2), b.db.calls.Load())
+	})
+
+	t.Run("FailedNotifyIsNotFatal", func(t *testing.T) {
+		t.Parallel()
+		b := setupNotifier(t)
+		closed, err := pgxpool.NewWithConfig(context.Background(), b.pool.Config())
+		require.NoError(t, err)
+		closed.Close()
+		db := &countingExecer{db: closed}
+		n, err := NewNotifier(db, b.channel, &NotifierConfig{IdleTimeout: 10 * time.Millisecond})
+		require.NoError(t, err)
+		n.Notify()
+		require.Eventually(t, func() bool { return db.calls.Load() == 1 && !n.isRunning() }, 10*time.Second, time.Millisecond)
+		n.Close()
+	})
+
+	t.Run("Validation", func(t *testing.T) {
+		t.Parallel()
+		b := setupNotifier(t)
+		_, err := NewNotifier(nil, b.channel, nil)
+		require.ErrorContains(t, err, "database handle")
+		_, err = NewNotifier(b.db, "", nil)
+		require.ErrorContains(t, err, "Writer.Channel")
+		_, err = NewNotifier(b.db, b.channel, &NotifierConfig{Interval: -time.Millisecond})
+		require.ErrorContains(t, err, "NotifierConfig.Interval")
+		_, err = NewNotifier(b.db, b.channel, &NotifierConfig{IdleTimeout: -1})
+		require.ErrorContains(t, err, "NotifierConfig.IdleTimeout")
+		_, err = NewNotifier(b.db, b.channel, &NotifierConfig{Timeout: -1})
+		require.ErrorContains(t, err, "NotifierConfig.Timeout")
+
+		c := (*NotifierConfig)(nil).WithDefaults()
+		require.Equal(t, NotifierIntervalDefault, c.Interval)
+		require.Equal(t, NotifierIdleTimeoutDefault, c.IdleTimeout)
+		require.Equal(t, NotifierTimeoutDefault, c.Timeout)
+		require.NotNil(t, c.Logger)
+	})
+}
