@@ -222,6 +222,21 @@ func TestMigrate(t *testing.T) {
 		require.Equal(t, 1, b.count(t, b.writer.Table()), "a second Migrate keeps the data")
 	})
 
+	t.Run("QueueAutovacuumSettings", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		require.NoError(t, outbox.Migrate(ctx, b.pool, b.cfg), "the ALTER TABLE is idempotent")
+		var opts []string
+		require.NoError(t, b.pool.QueryRow(ctx, `SELECT reloptions FROM pg_class WHERE oid = $1::regclass`,
+			b.writer.Table()).Scan(&opts))
+		require.ElementsMatch(t, []string{
+			"fillfactor=50",
+			"autovacuum_vacuum_scale_factor=0",
+			"autovacuum_vacuum_threshold=5000",
+			"autovacuum_vacuum_cost_delay=0",
+		}, opts)
+	})
+
 	t.Run("Concurrent", func(t *testing.T) {
 		t.Parallel()
 		pg := testenv.Postgres(t)
