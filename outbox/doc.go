@@ -167,6 +167,60 @@
 // ids with "= ANY(ARRAY(…))": a join would let the generic plan of the
 // prepared statement degrade into a sequential scan of the whole table.
 //
+// The outbox is a queue: every acknowledged row is deleted, so the table
+// churns through its whole content while staying small, and PostgreSQL's
+// default autovacuum trigger (20% of the table dead) lets a large backlog
+// pile up hundreds of thousands of dead rows. Their entries stay in the
+// (available_at, id) index until vacuum removes them, and every claim starts
+// at the head of that index and walks over them: on a 1,000,000-row outbox
+// with half of it acknowledged, the first claim took 104-202 ms and read
+// about 18,900 buffers, against 3-7 ms normally. Migration 002 therefore sets
+// the table's autovacuum options like a queue's: a fixed threshold of 5,000
+// dead rows (scale factor 0) and no cost delay, so vacuum keeps pace with
+// the deletes. It cannot help while another session's old snapshot still
+// sees the deleted rows (a long transaction anywhere in the database); keep
+// transactions short on the outbox's database.
+//
+// # Non-durable bookkeeping
+//
+// A batch costs two commits of the relay's own (the claim and the settle),
+// and with synchronous_commit on each waits for a WAL flush; under load
+// those flushes, not Redis, dominated a batch. Unless
+// RelayConfig.DurableBookkeeping is set, both statements therefore commit
+// with synchronous_commit = off: the commit returns once its WAL record is
+// written to the server's memory, and the WAL writer flushes it within a
+// fraction of a second (three times wal_writer_delay at most). The setting
+// is made inside each statement with set_config(…, true), so it applies to
+// that statement's own transaction only and never to the pooled connection
+// afterwards, or to the caller's transactions.
+//
+// Only a crash of the database server (or a failover to a standby) can lose
+// such a commit, and then only the last fraction of a second of them; a
+// crash of the relay's process loses nothing. PostgreSQL writes WAL in
+// order, so a lost commit is never followed by a surviving one: whatever a
+// later durable transaction saw is durable with it. Every loss is one the
+// relay already survives:
+//
+//   - The outbox rows themselves are written by the writer's transaction,
+//     with the caller's own durability, so no message can be lost.
+//   - A lost claim puts the rows back as they were: claimable again, by any
+//     relay, at once or when the previous lease ends.
+//   - A lost acknowledgement (or release) leaves the rows claimed; when the
+//     lease ends they are delivered again and the version gate answers
+//     duplicate. This is the same re-delivery a relay crash between handling
+//     and settling causes, which at-least-once delivery allows anyway.
+//   - A lost retry or dead-letter move leaves the row claimed: it is retried
+//     when the lease ends, so it may get one attempt more than MaxAttempts,
+//     or its backoff is shortened. The dead-letter row and the outbox row
+//     are moved in one statement, so both or neither are lost: a message is
+//     never in neither table.
+//
+// What a user can act on stays durable: Writer.Append and RecordCommand run
+// in the caller's transaction, and ReplayDead, PruneCommands and Stats use
+// the connection's own setting. Set DurableBookkeeping when a re-delivery
+// after a server crash is expensive for the Handler or an audit depends on
+// an acknowledgement surviving one.
+//
 // # Waking relays
 //
 // Append calls pg_notify in the same statement; PostgreSQL delivers the

@@ -76,6 +76,10 @@ func NewRelay(pool *pgxpool.Pool, handler Handler, cfg *RelayConfig) (*Relay, er
 	if cfg.KeepPublished {
 		ack = fmt.Sprintf(ackKeepSQL, n.Outbox)
 	}
+	async := asyncCommitClause
+	if cfg.DurableBookkeeping {
+		async = ""
+	}
 	return &Relay{
 		pool:      pool,
 		handler:   handler,
@@ -83,8 +87,8 @@ func NewRelay(pool *pgxpool.Pool, handler Handler, cfg *RelayConfig) (*Relay, er
 		names:     n,
 		logger:    cfg.Logger.With(slog.String("relay", cfg.Name)),
 		metrics:   metrics,
-		claimSQL:  fmt.Sprintf(claimSQL, n.Outbox, streamFilter),
-		settleSQL: fmt.Sprintf(settleSQL, ack, n.Outbox, n.Dead),
+		claimSQL:  fmt.Sprintf(claimSQL, n.Outbox, streamFilter, async),
+		settleSQL: fmt.Sprintf(settleSQL, ack, n.Outbox, n.Dead, async),
 	}, nil
 }
 
@@ -116,8 +120,22 @@ UPDATE %[1]s AS o
 SET claim_token = $1,
     leased_until = now() + $2 * interval '1 microsecond',
     attempts = o.attempts + 1
-WHERE o.id = ANY(ARRAY(SELECT id FROM due))
+WHERE o.id = ANY(ARRAY(SELECT id FROM due))%[3]s
 RETURNING o.id, o.event_id, o.stream, o.key, o.version, o.payload, o.created_at, o.attempts`
+
+// asyncCommitClause makes the statement it is part of commit with
+// synchronous_commit = off unless RelayConfig.DurableBookkeeping is set.
+// set_config(…, true) sets the parameter for the current transaction only,
+// which for a statement sent on its own is the statement's implicit
+// transaction: PostgreSQL reads synchronous_commit when that transaction
+// commits, right after the statement, and resets it at the transaction's
+// end, so the setting never outlives the statement on the pooled connection.
+// The subquery has no column references, so the planner evaluates it once,
+// as a one-time filter, whether or not any row qualifies; it is in a part of
+// each statement that always runs (the claim's UPDATE, the settle's last
+// data-modifying CTE).
+const asyncCommitClause = `
+      AND (SELECT set_config('synchronous_commit', 'off', true)) IS NOT NULL`
 
 // The acknowledgement variants; both only touch rows still holding the
 // batch's claim token ($1).
@@ -160,7 +178,7 @@ dead AS (
 released AS (
     UPDATE %[2]s
     SET claim_token = NULL, leased_until = NULL
-    WHERE id = ANY($8::bigint[]) AND claim_token = $1
+    WHERE id = ANY($8::bigint[]) AND claim_token = $1%[4]s
     RETURNING id
 )
 SELECT id FROM acked

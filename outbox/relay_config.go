@@ -95,6 +95,21 @@ type RelayConfig struct {
 	// application's job. Defaults to false (delete on acknowledgement).
 	KeepPublished bool
 
+	// DurableBookkeeping makes the relay's claim and settle statements wait
+	// for their commit to be flushed to disk (and to synchronous standbys),
+	// like any other transaction. By default they commit with
+	// synchronous_commit = off, scoped to each statement: a database crash
+	// can then forget the last fraction of a second of claims and
+	// acknowledgements, which only causes re-deliveries that the version
+	// gate answers as duplicates (see "Non-durable bookkeeping" in the
+	// package documentation), while a batch no longer waits for two WAL
+	// flushes. Set it if a re-delivery after a database crash is costly for
+	// your Handler, or if an operator must be able to rely on an
+	// acknowledgement surviving a crash. The outbox rows themselves, written
+	// in the caller's transaction, and ReplayDead are always durable.
+	// Defaults to false.
+	DurableBookkeeping bool
+
 	// DisableNotify turns off LISTEN: the relay finds work by polling only.
 	// Use it behind a transaction-pooling proxy (PgBouncer in transaction
 	// mode) that cannot hold a LISTEN session. Defaults to false.
