@@ -271,12 +271,30 @@ func TestNetworkFaults(t *testing.T) {
 		// applied. Its retry with the same event id must be answered as a
 		// duplicate with the original result, and applied once.
 		cmd := leaderboard.Command{EventID: uuid.New(), UserID: "lost-ack", Delta: 7}
-		require.NoError(t, nb.pool.Ping(ctx)) // a live connection for the attempt below
+		// A pool of one connection that is never pinged on acquire: the
+		// statement itself, not a liveness ping, must be what goes out
+		// while replies are dropped.
+		cfg, err := pgxpool.ParseConfig(withHost(t, pg.ConnString, nb.pgProxy.addr(), app))
+		require.NoError(t, err)
+		cfg.MaxConns = 1
+		cfg.ShouldPing = func(context.Context, pgxpool.ShouldPingParams) bool { return false }
+		pool, err := pgxpool.NewWithConfig(ctx, cfg)
+		require.NoError(t, err)
+		defer pool.Close()
+		lossy := newBoard(t, pool, pg.Schema, nb.rdb, rd.Prefix, nb.board.Name())
+		// Connect, and let pgx prepare the submit statement, before the
+		// fault: otherwise the lost reply is the prepare's and the command
+		// is never sent at all. Close stops the board's relay wake-ups,
+		// whose NOTIFY would otherwise be the statement holding the one
+		// connection when replies start to vanish.
+		require.NoError(t, submit(lossy.board, 5*time.Second))
+		lossy.board.Close()
+		require.Eventually(t, func() bool { return pool.Stat().AcquiredConns() == 0 }, 5*time.Second, 10*time.Millisecond)
 		nb.pgProxy.add(t, "timeout", "downstream", map[string]any{"timeout": 0})
 		err, took := boundedErr(t, 3*time.Second, func() error {
 			c, cancel := context.WithTimeout(ctx, time.Second)
 			defer cancel()
-			_, err := nb.board.Submit(c, cmd)
+			_, err := lossy.board.Submit(c, cmd)
 			return err
 		})
 		require.True(t, typedNetErr(err), "submit error %T: %v", err, err)
@@ -289,7 +307,7 @@ func TestNetworkFaults(t *testing.T) {
 		require.Eventually(t, func() bool {
 			c, cancel := context.WithTimeout(ctx, 2*time.Second)
 			defer cancel()
-			res, err = nb.board.Submit(c, cmd)
+			res, err = lossy.board.Submit(c, cmd)
 			return err == nil
 		}, 10*time.Second, 50*time.Millisecond)
 		require.Equal(t, leaderboard.Result{Score: 7, Version: 1, Duplicate: true}, res)
