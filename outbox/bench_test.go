@@ -68,32 +68,41 @@ func BenchmarkAppend(b *testing.B) {
 }
 
 // BenchmarkRelayLeased drains b.N rows with the per-row lease design: one
-// claim statement and one settle statement per batch.
+// claim statement and one settle statement per batch, committed durably or
+// not (RelayConfig.DurableBookkeeping).
 func BenchmarkRelayLeased(b *testing.B) {
-	for _, batch := range []int{10, 100} {
-		b.Run(fmt.Sprint("Batch", batch), func(b *testing.B) {
-			pg, cfg, w := benchSetup(b)
-			fill(b, pg, w, b.N)
-			r, err := outbox.NewRelay(pg.Pool, outbox.HandlerFunc(func(_ context.Context, recs []outbox.Record) ([]outbox.Result, error) {
-				return make([]outbox.Result, len(recs)), nil
-			}), &outbox.RelayConfig{Schema: cfg.Schema, BatchSize: batch})
-			require.NoError(b, err)
-			ctx := context.Background()
-			b.ResetTimer()
-			total := 0
-			for total < b.N {
-				n, err := r.RunOnce(ctx)
-				if err != nil {
-					b.Fatal(err)
-				}
-				if n == 0 {
-					b.Fatalf("drained %d of %d", total, b.N)
-				}
-				total += n
+	for _, batch := range []int{10, 100, 1000} {
+		for _, durable := range []bool{false, true} {
+			name := fmt.Sprint("Batch", batch, "/Async")
+			if durable {
+				name = fmt.Sprint("Batch", batch, "/Durable")
 			}
-			b.ReportMetric(float64(total)/b.Elapsed().Seconds(), "rows/s")
-		})
+			b.Run(name, func(b *testing.B) { benchRelayLeased(b, batch, durable) })
+		}
 	}
+}
+
+func benchRelayLeased(b *testing.B, batch int, durable bool) {
+	pg, cfg, w := benchSetup(b)
+	fill(b, pg, w, b.N)
+	r, err := outbox.NewRelay(pg.Pool, outbox.HandlerFunc(func(_ context.Context, recs []outbox.Record) ([]outbox.Result, error) {
+		return make([]outbox.Result, len(recs)), nil
+	}), &outbox.RelayConfig{Schema: cfg.Schema, BatchSize: batch, DurableBookkeeping: durable})
+	require.NoError(b, err)
+	ctx := context.Background()
+	b.ResetTimer()
+	total := 0
+	for total < b.N {
+		n, err := r.RunOnce(ctx)
+		if err != nil {
+			b.Fatal(err)
+		}
+		if n == 0 {
+			b.Fatalf("drained %d of %d", total, b.N)
+		}
+		total += n
+	}
+	b.ReportMetric(float64(total)/b.Elapsed().Seconds(), "rows/s")
 }
 
 // BenchmarkRelayPartitioned measures the hot path of the alternative design,
