@@ -1,6 +1,7 @@
 package versioncache
 
 import (
+	"bytes"
 	"context"
 	"crypto/rand"
 	_ "embed"
@@ -25,20 +26,23 @@ var (
 	bumpLua string
 	//go:embed lua/release.lua
 	releaseLua string
+	//go:embed lua/fill_at.lua
+	fillAtLua string
 
 	readScript    = redis.NewScript(readLua)
 	fillScript    = redis.NewScript(fillLua)
 	bumpScript    = redis.NewScript(bumpLua)
 	releaseScript = redis.NewScript(releaseLua)
+	fillAtScript  = redis.NewScript(fillAtLua)
 )
 
 // Key suffixes after the P{id} part. Every key of one id shares the hash tag
 // {id}, so one script can touch all of them on Redis Cluster.
 const (
 	suffixVersion   = ":v"  // version counter
-	suffixValue     = ":d:" // value stem; value key = stem + version
+	suffixCurrent   = ":c"  // current value: "<version>:<encoded value>"
 	suffixLease     = ":l:" // fill-lease stem; lease key = stem + version
-	suffixRowValue  = ":r:" // GetAt value stem; key = stem + caller's version
+	suffixAt        = ":a"  // GetAt value: "<caller's version>:<encoded value>"
 	leaseHeldByUs   = 1
 	leaseHeldByPeer = 2
 )
@@ -51,7 +55,11 @@ type Loader[T any] func(ctx context.Context) (T, error)
 // Cache is a read-through cache of values of type T keyed by string ids. It
 // is safe for concurrent use.
 type Cache[T any] struct {
-	client     redis.UniversalClient
+	client redis.UniversalClient
+	// primary is set when client may route plain reads to replicas: a hit
+	// must then be sent to the primary explicitly, because a replica may not
+	// have applied an Invalidate the primary has already acknowledged.
+	primary    *redis.ClusterClient
 	config     *Config
 	leaseToken string
 	flights    flightGroup[T]
@@ -82,6 +90,11 @@ func New[T any](client redis.UniversalClient, config *Config) (*Cache[T], error)
 		return nil, fmt.Errorf("versioncache: lease token: %w", err)
 	}
 	c := &Cache[T]{client: client, config: cfg, leaseToken: hex.EncodeToString(token[:])}
+	if cc, ok := client.(*redis.ClusterClient); ok {
+		if o := cc.Options(); o.ReadOnly || o.RouteByLatency || o.RouteRandomly {
+			c.primary = cc
+		}
+	}
 	metrics, err := newCacheMetrics(cfg, c.Stats)
 	if err != nil {
 		return nil, fmt.Errorf("versioncache: metrics: %w", err)
@@ -99,13 +112,13 @@ func (c *Cache[T]) Close() error { return c.metrics.close() }
 
 // Get returns the cached value of id, loading and caching it on a miss.
 //
-// A hit costs one Redis round trip: a script reads the version of id and the
-// value stored under that version together. On a miss the version read in
-// that same round trip is the one the loaded value is stored under, and the
-// store is skipped if the version moved while loading. A write that calls
-// Invalidate after its commit therefore either happens before the version was
-// read (and the load sees the write) or moves the version (and the possibly
-// stale load is never stored, or is stored under a version nobody reads).
+// A hit costs one Redis round trip, a plain GET: the current value of id is
+// kept under one key, and that key exists only while its value is current.
+// Invalidate deletes it atomically with moving the version, and a miss stores
+// its load there only if the version is still the one it read before loading.
+// A write that calls Invalidate after its commit therefore either happens
+// before that version was read (and the load sees the write) or moves the
+// version (and the possibly stale load is not stored).
 //
 // Concurrent misses of the same id and version in this process share one
 // load. Unless DisableFillLease is set, processes also race for a short lease
@@ -119,25 +132,38 @@ func (c *Cache[T]) Get(ctx context.Context, id string, load Loader[T]) (T, error
 	if load == nil {
 		return zero, ErrNilLoader
 	}
+	// ignoreCurrent is set once the current value failed to decode (a codec
+	// change, a foreign writer): it is then a miss, to be overwritten.
+	ignoreCurrent := false
 	for {
-		r, err := c.read(ctx, id, true)
+		if !ignoreCurrent {
+			data, found, err := c.getCurrent(ctx, id)
+			if err != nil {
+				return c.redisDown(ctx, id, "read", err, load)
+			}
+			if found {
+				if val, ok := c.decodeCurrent(ctx, id, data); ok {
+					c.stats.hits.Add(1)
+					return val, nil
+				}
+				ignoreCurrent = true
+			}
+		}
+		r, err := c.read(ctx, id, true, ignoreCurrent)
 		if err != nil {
 			return c.redisDown(ctx, id, "read", err, load)
 		}
 		if r.found {
-			val, err := c.decode(r.value)
-			if err == nil {
+			// Filled by someone else between the GET and the script.
+			if val, ok := c.decodeCurrent(ctx, id, r.current); ok {
 				c.stats.hits.Add(1)
 				return val, nil
 			}
-			// An undecodable value (a codec change, a foreign writer) is a
-			// miss: load and overwrite it under the same version.
-			c.stats.decodeErrors.Add(1)
-			c.config.Logger.WarnContext(ctx, "versioncache: cached value does not decode; reloading",
-				slog.String("id", id), slog.String("error", err.Error()))
+			ignoreCurrent = true
+			continue
 		}
 		c.stats.misses.Add(1)
-		val, shared, err := c.flights.do(ctx, c.valueKey(id, r.version), func() (T, error) {
+		val, shared, err := c.flights.do(ctx, c.flightKey(id, r.version), func() (T, error) {
 			return c.loadAndFill(ctx, id, r, load)
 		})
 		if shared {
@@ -147,6 +173,7 @@ func (c *Cache[T]) Get(ctx context.Context, id string, load Loader[T]) (T, error
 		case err == nil:
 			return val, nil
 		case errors.Is(err, errVersionMoved):
+			ignoreCurrent = false
 			continue
 		case shared && isContextErr(err) && ctx.Err() == nil:
 			// The caller that ran the shared load gave up; we have not.
@@ -155,6 +182,87 @@ func (c *Cache[T]) Get(ctx context.Context, id string, load Loader[T]) (T, error
 			return zero, err
 		}
 	}
+}
+
+// getCurrent is the hit path: one GET of the current key, on the primary.
+func (c *Cache[T]) getCurrent(ctx context.Context, id string) ([]byte, bool, error) {
+	key := c.currentKey(id)
+	var cmd *redis.StringCmd
+	if c.primary != nil {
+		node, err := c.primary.MasterForKey(ctx, key)
+		if err != nil {
+			return nil, false, err
+		}
+		cmd = node.Get(ctx, key)
+	} else {
+		cmd = c.client.Get(ctx, key)
+	}
+	data, err := cmd.Bytes()
+	switch {
+	case err == nil:
+		return data, true, nil
+	case errors.Is(err, redis.Nil):
+		return nil, false, nil
+	default:
+		return nil, false, err
+	}
+}
+
+// decodeCurrent decodes the contents of a current key, or reports false
+// after counting and logging a decode error.
+func (c *Cache[T]) decodeCurrent(ctx context.Context, id string, data []byte) (T, bool) {
+	payload, err := versionedPayload(data)
+	if err == nil {
+		var val T
+		if val, err = c.decode(payload); err == nil {
+			return val, true
+		}
+	}
+	var zero T
+	c.stats.decodeErrors.Add(1)
+	c.config.Logger.WarnContext(ctx, "versioncache: cached value does not decode; reloading",
+		slog.String("id", id), slog.String("error", err.Error()))
+	return zero, false
+}
+
+// errMalformed is the decode error for a stored value without its version
+// prefix (written by something other than this package).
+var errMalformed = errors.New("versioncache: stored value has no version prefix")
+
+// splitVersioned splits "<version>:<payload>" as stored in current keys.
+func splitVersioned(data []byte) (int64, []byte, error) {
+	i := bytes.IndexByte(data, ':')
+	if i <= 0 {
+		return 0, nil, errMalformed
+	}
+	version, err := strconv.ParseInt(string(data[:i]), 10, 64)
+	if err != nil || version < 0 {
+		return 0, nil, errMalformed
+	}
+	return version, data[i+1:], nil
+}
+
+// versionedPayload is splitVersioned for the hit path, which needs only the
+// payload: it checks the prefix's shape without parsing it.
+func versionedPayload(data []byte) ([]byte, error) {
+	i := bytes.IndexByte(data, ':')
+	if i <= 0 || i > 19 {
+		return nil, errMalformed
+	}
+	for _, b := range data[:i] {
+		if b < '0' || b > '9' {
+			return nil, errMalformed
+		}
+	}
+	return data[i+1:], nil
+}
+
+// joinVersioned builds "<version>:<payload>".
+func joinVersioned(version string, payload []byte) []byte {
+	out := make([]byte, 0, len(version)+1+len(payload))
+	out = append(out, version...)
+	out = append(out, ':')
+	return append(out, payload...)
 }
 
 // errVersionMoved tells Get to start over: the version changed while waiting
@@ -191,8 +299,8 @@ func (c *Cache[T]) loadAndFill(ctx context.Context, id string, r readResult, loa
 		token = c.leaseToken
 	}
 	stored, err := fillScript.Run(ctx, c.client,
-		[]string{c.versionKey(id), c.valueKey(id, r.version), c.leaseKey(id, r.version)},
-		r.version, data, c.config.TTL.Milliseconds(), token).Int()
+		[]string{c.versionKey(id), c.currentKey(id), c.leaseKey(id, r.version)},
+		r.version, joinVersioned(r.version, data), c.config.TTL.Milliseconds(), token).Int()
 	switch {
 	case err != nil:
 		// The loaded value is current; only caching it failed.
@@ -236,21 +344,21 @@ func (c *Cache[T]) waitForPeer(ctx context.Context, id string, r *readResult) (b
 			return false, zero, ctx.Err()
 		case <-timer.C:
 		}
-		next, err := c.read(ctx, id, true)
+		next, err := c.read(ctx, id, true, false)
 		if err != nil {
 			c.stats.redisErrors.Add(1)
 			return false, zero, nil
 		}
-		if next.version != r.version {
-			return false, zero, errVersionMoved
-		}
 		if next.found {
-			if val, err := c.decode(next.value); err == nil {
+			// Whatever is in the current key is current, whoever filled it.
+			if val, ok := c.decodeCurrent(ctx, id, next.current); ok {
 				c.stats.leaseWaitHits.Add(1)
 				return true, val, nil
 			}
-			c.stats.decodeErrors.Add(1)
 			return false, zero, nil
+		}
+		if next.version != r.version {
+			return false, zero, errVersionMoved
 		}
 		if next.lease == leaseHeldByUs {
 			r.lease = leaseHeldByUs
@@ -289,8 +397,11 @@ func (c *Cache[T]) redisDown(ctx context.Context, id, op string, err error, load
 // GetAt is Get for callers that already know the value's version from the
 // source of truth, such as a row_version column or updated_at (as Unix
 // microseconds), usually read with a cheap query before an expensive load.
-// The value lives under (id, version); no counter is read or bumped and no
-// Invalidate is needed, so a hit is one GET.
+// No counter is read or bumped and no Invalidate is needed: one key per id
+// holds the value together with the version it was cached under, and a hit
+// (one GET) is any stored version at or above the caller's. A miss loads and
+// stores unless a newer version was stored meanwhile, so the stored version
+// never goes backwards.
 //
 // The trap: GetAt is only as correct as the version. A write that does not
 // change it (a bulk UPDATE or a data fix that forgets row_version or
@@ -300,7 +411,8 @@ func (c *Cache[T]) redisDown(ctx context.Context, id, op string, err error, load
 // version, and prefer a database-incremented counter to a timestamp.
 //
 // load should read the row at that version or later; a value loaded from a
-// newer row under an older version is harmless (it is ahead, not stale).
+// newer row under an older version is harmless (it is ahead, not stale), and
+// so is a hit on a value cached under a newer version than the caller's.
 func (c *Cache[T]) GetAt(ctx context.Context, id string, version int64, load Loader[T]) (T, error) {
 	var zero T
 	if load == nil {
@@ -309,22 +421,34 @@ func (c *Cache[T]) GetAt(ctx context.Context, id string, version int64, load Loa
 	if version < 0 {
 		return zero, ErrInvalidVersion
 	}
-	key := keyenc.Tagged(c.config.Prefix, id, suffixRowValue+strconv.FormatInt(version, 10))
+	key := c.atKey(id)
+	// Any replica may serve this read: a lagging one holds an older version,
+	// which is a miss, never a stale hit.
 	data, err := c.client.Get(ctx, key).Bytes()
 	switch {
 	case err == nil:
-		val, derr := c.decode(data)
-		if derr == nil {
-			c.stats.hits.Add(1)
-			return val, nil
+		stored, payload, serr := splitVersioned(data)
+		if serr == nil && stored < version {
+			break // an older version: a miss
+		}
+		if serr == nil {
+			val, derr := c.decode(payload)
+			if derr == nil {
+				c.stats.hits.Add(1)
+				return val, nil
+			}
+			serr = derr
 		}
 		c.stats.decodeErrors.Add(1)
+		c.config.Logger.WarnContext(ctx, "versioncache: cached value does not decode; reloading",
+			slog.String("id", id), slog.String("error", serr.Error()))
 	case errors.Is(err, redis.Nil):
 	default:
 		return c.redisDown(ctx, id, "read", err, load)
 	}
 	c.stats.misses.Add(1)
-	val, shared, err := c.flights.do(ctx, key, func() (T, error) {
+	versionText := strconv.FormatInt(version, 10)
+	val, shared, err := c.flights.do(ctx, key+"@"+versionText, func() (T, error) {
 		c.stats.loads.Add(1)
 		start := time.Now()
 		val, err := load(ctx)
@@ -336,12 +460,17 @@ func (c *Cache[T]) GetAt(ctx context.Context, id string, version int64, load Loa
 		if err != nil {
 			return zero, &CodecError{ID: id, Err: err}
 		}
-		if err := c.client.Set(ctx, key, data, c.config.TTL).Err(); err != nil {
+		stored, err := fillAtScript.Run(ctx, c.client, []string{key},
+			versionText, joinVersioned(versionText, data), c.config.TTL.Milliseconds()).Int()
+		switch {
+		case err != nil:
 			c.stats.redisErrors.Add(1)
 			c.config.Logger.WarnContext(ctx, "versioncache: fill failed; serving loaded value uncached",
 				slog.String("id", id), slog.String("error", err.Error()))
-		} else {
+		case stored == 1:
 			c.stats.fills.Add(1)
+		default:
+			c.stats.staleFillsSkipped.Add(1)
 		}
 		return val, nil
 	})
@@ -354,40 +483,35 @@ func (c *Cache[T]) GetAt(ctx context.Context, id string, version int64, load Loa
 	return val, err
 }
 
-// Invalidate moves id to a new version, so that no value cached before the
-// call can be read again. Call it after the database transaction that changed
-// the value has committed (calling it before leaves a window in which a read
-// caches the pre-commit value under the new version).
+// Invalidate moves id to a new version and deletes its current value, in one
+// atomic step, so that no value cached before the call can be read again and
+// no load that began before it can be stored. Call it after the database
+// transaction that changed the value has committed (calling it before leaves
+// a window in which a read caches the pre-commit value under the new
+// version).
 //
-// The value cached under the previous version, if any, becomes an orphan that
-// expires within TTL; Stats counts them. A *RedisError means the bump may
-// not have happened and the previous value may be served until its TTL:
-// retry, or invalidate from an outbox. A *ReplicationError (only with
-// Config.InvalidateReplicas) means the bump happened on the primary but
-// fewer replicas than asked confirmed it.
+// Nothing is left behind: the previous value is deleted, not orphaned. A
+// *RedisError means the bump may not have happened and the previous value
+// may be served until its TTL: retry, or invalidate from an outbox. A
+// *ReplicationError (only with Config.InvalidateReplicas) means the bump
+// happened on the primary but fewer replicas than asked confirmed it.
 func (c *Cache[T]) Invalidate(ctx context.Context, id string) error {
-	keys := []string{c.versionKey(id), c.valueStem(id)}
+	keys := []string{c.versionKey(id), c.currentKey(id)}
 	ttl := c.config.TTL.Milliseconds()
 	var (
-		res      []any
 		err      error
 		replicas = -1
 	)
 	if c.config.InvalidateReplicas > 0 {
-		res, replicas, err = c.bumpAndWait(ctx, keys, ttl)
+		_, replicas, err = c.bumpAndWait(ctx, keys, ttl)
 	} else {
-		res, err = bumpScript.Run(ctx, c.client, keys, ttl).Slice()
+		err = bumpScript.Run(ctx, c.client, keys, ttl).Err()
 	}
 	if err != nil {
 		c.stats.redisErrors.Add(1)
 		return &RedisError{Op: "invalidate", ID: id, Err: err}
 	}
 	c.stats.invalidations.Add(1)
-	if len(res) == 2 {
-		if orphan, _ := res[1].(int64); orphan == 1 {
-			c.stats.orphanedValueKeys.Add(1)
-		}
-	}
 	if replicas >= 0 && replicas < c.config.InvalidateReplicas {
 		return &ReplicationError{ID: id, Want: c.config.InvalidateReplicas, Got: replicas}
 	}
@@ -432,21 +556,25 @@ func (c *Cache[T]) bumpAndWait(ctx context.Context, keys []string, ttl int64) ([
 
 // Peek returns the value cached for id and its version without loading,
 // initialising a version or taking a lease: for debugging tools, warmers and
-// Check, which must all go through the version indirection. ok is false when
-// nothing is cached; version is 0 when id has no version key.
+// Check. ok is false when nothing is cached. version is the version the value
+// was cached under when ok, else the id's current version (0 when it has
+// none). It reads on the primary, like Get.
 func (c *Cache[T]) Peek(ctx context.Context, id string) (val T, version int64, ok bool, err error) {
-	r, err := c.read(ctx, id, false)
+	r, err := c.read(ctx, id, false, false)
 	if err != nil {
 		c.stats.redisErrors.Add(1)
 		return val, 0, false, &RedisError{Op: "peek", ID: id, Err: err}
 	}
-	if r.version != "" {
-		version, _ = strconv.ParseInt(r.version, 10, 64)
-	}
 	if !r.found {
+		if r.version != "" {
+			version, _ = strconv.ParseInt(r.version, 10, 64)
+		}
 		return val, version, false, nil
 	}
-	val, err = c.decode(r.value)
+	version, payload, err := splitVersioned(r.current)
+	if err == nil {
+		val, err = c.decode(payload)
+	}
 	if err != nil {
 		c.stats.decodeErrors.Add(1)
 		return val, version, false, &CodecError{ID: id, Err: err}
@@ -455,23 +583,29 @@ func (c *Cache[T]) Peek(ctx context.Context, id string) (val T, version int64, o
 }
 
 type readResult struct {
-	version string // as stored; "" only from Peek when there is no version
-	value   []byte
+	version string // as stored; "" when not found by Peek, or when found
+	current []byte // contents of the current key, when found
 	found   bool
 	lease   int64
 }
 
-func (c *Cache[T]) read(ctx context.Context, id string, initialise bool) (readResult, error) {
-	mode, leaseTTL := "0", "0"
+// read runs the miss script: the current value if there is one (unless
+// ignoreCurrent), else the version (initialising it when initialise) and,
+// for Get, the fill lease.
+func (c *Cache[T]) read(ctx context.Context, id string, initialise, ignoreCurrent bool) (readResult, error) {
+	mode, leaseTTL, ignore := "0", "0", "0"
 	if initialise {
 		mode = "1"
 		if !c.config.DisableFillLease {
 			leaseTTL = strconv.FormatInt(c.config.FillLeaseTTL.Milliseconds(), 10)
 		}
 	}
+	if ignoreCurrent {
+		ignore = "1"
+	}
 	res, err := readScript.Run(ctx, c.client,
-		[]string{c.versionKey(id), c.valueStem(id), c.leaseStem(id)},
-		mode, c.config.TTL.Milliseconds(), leaseTTL, c.leaseToken).Slice()
+		[]string{c.versionKey(id), c.currentKey(id), c.leaseStem(id)},
+		mode, c.config.TTL.Milliseconds(), leaseTTL, c.leaseToken, ignore).Slice()
 	if err != nil {
 		return readResult{}, err
 	}
@@ -481,10 +615,10 @@ func (c *Cache[T]) read(ctx context.Context, id string, initialise bool) (readRe
 	var r readResult
 	r.version, _ = res[0].(string)
 	if v, ok := res[1].(string); ok {
-		r.value, r.found = []byte(v), true
+		r.current, r.found = []byte(v), true
 	}
 	r.lease, _ = res[2].(int64)
-	if initialise && r.version == "" {
+	if initialise && !r.found && r.version == "" {
 		return readResult{}, errors.New("versioncache: read script returned no version")
 	}
 	return r, nil
@@ -500,12 +634,19 @@ func (c *Cache[T]) versionKey(id string) string {
 	return keyenc.Tagged(c.config.Prefix, id, suffixVersion)
 }
 
-func (c *Cache[T]) valueStem(id string) string {
-	return keyenc.Tagged(c.config.Prefix, id, suffixValue)
+// currentKey holds "<version>:<encoded value>" while that value is current.
+func (c *Cache[T]) currentKey(id string) string {
+	return keyenc.Tagged(c.config.Prefix, id, suffixCurrent)
 }
 
-func (c *Cache[T]) valueKey(id, version string) string {
-	return c.valueStem(id) + version
+// atKey holds GetAt's "<caller's version>:<encoded value>".
+func (c *Cache[T]) atKey(id string) string {
+	return keyenc.Tagged(c.config.Prefix, id, suffixAt)
+}
+
+// flightKey names one load of id under version within this process.
+func (c *Cache[T]) flightKey(id, version string) string {
+	return c.currentKey(id) + "@" + version
 }
 
 func (c *Cache[T]) leaseStem(id string) string {

@@ -2,8 +2,10 @@ package versioncache
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
+	"strconv"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -159,13 +161,14 @@ func TestGet(t *testing.T) {
 
 		st := b.cache.Stats()
 		require.EqualValues(t, 1, st.Invalidations)
-		require.EqualValues(t, 1, st.OrphanedValueKeys, "the 4900 value is left under the old version")
+		require.Zero(t, st.OrphanedValueKeys)
 
-		// The next bump orphans the cached 4400; the one after it finds
-		// nothing cached under its version and orphans nothing.
+		// Invalidate deletes the current value rather than orphaning it:
+		// only the version key (and no value) is left for the id.
 		require.NoError(t, b.cache.Invalidate(ctx, "p1"))
-		require.NoError(t, b.cache.Invalidate(ctx, "p1"))
-		require.EqualValues(t, 2, b.cache.Stats().OrphanedValueKeys)
+		keys, err := b.client.Keys(ctx, keyenc.Tagged(b.prefix, "p1", "*")).Result()
+		require.NoError(t, err)
+		require.Equal(t, []string{b.cache.versionKey("p1")}, keys)
 	})
 
 	// The seed's timeline: a read misses and queries the database, a write
@@ -236,16 +239,18 @@ func TestGet(t *testing.T) {
 		_, version, ok, err := b.cache.Peek(ctx, "p1")
 		require.NoError(t, err)
 		require.True(t, ok)
-		valueKey := keyenc.Tagged(b.prefix, "p1", fmt.Sprintf("%s%d", suffixValue, version))
-		require.NoError(t, b.client.Set(ctx, valueKey, "not json", 0).Err())
+		// A payload the codec rejects, then one without the version prefix.
+		for i, bad := range []string{fmt.Sprintf("%d:not json", version), "not json"} {
+			require.NoError(t, b.client.Set(ctx, b.cache.currentKey("p1"), bad, 0).Err())
 
-		got, err := b.cache.Get(ctx, "p1", b.truth.loader("p1"))
-		require.NoError(t, err)
-		require.Equal(t, want, got)
-		require.EqualValues(t, 1, b.cache.Stats().DecodeErrors)
-		_, _, ok, err = b.cache.Peek(ctx, "p1")
-		require.NoError(t, err)
-		require.True(t, ok, "the reload overwrote the bad value")
+			got, err := b.cache.Get(ctx, "p1", b.truth.loader("p1"))
+			require.NoError(t, err)
+			require.Equal(t, want, got)
+			require.EqualValues(t, i+1, b.cache.Stats().DecodeErrors)
+			_, _, ok, err = b.cache.Peek(ctx, "p1")
+			require.NoError(t, err)
+			require.True(t, ok, "the reload overwrote the bad value")
+		}
 	})
 
 	t.Run("AwkwardIDs", func(t *testing.T) {
@@ -283,8 +288,7 @@ func TestVersionNeverGoesBackwards(t *testing.T) {
 			require.Greater(t, v, highest)
 			highest = v
 		}
-		// The old value keys are still there; losing the version key must
-		// not make any of them reachable again.
+		// Losing the version key must not let any version come back.
 		require.NoError(t, b.client.Del(ctx, keyenc.Tagged(b.prefix, "p1", suffixVersion)).Err())
 		want := b.truth.write("p1", 2)
 		got, err := b.cache.Get(ctx, "p1", b.truth.loader("p1"))
@@ -294,6 +298,75 @@ func TestVersionNeverGoesBackwards(t *testing.T) {
 		require.NoError(t, err)
 		require.True(t, ok)
 		require.Greater(t, v, highest)
+	})
+
+	// The version key is evicted alone; the current value survives it. It is
+	// still current (only Invalidate removes it), so it keeps being served,
+	// and the next Invalidate must both delete it and pick a version above
+	// the one embedded in it, even if the clock is behind that version.
+	t.Run("CurrentValueOutlivesVersionKey", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t, nil)
+		want := b.truth.write("p1", 1)
+		_, err := b.cache.Get(ctx, "p1", b.truth.loader("p1"))
+		require.NoError(t, err)
+		require.NoError(t, b.client.Del(ctx, b.cache.versionKey("p1")).Err())
+		got, err := b.cache.Get(ctx, "p1", b.truth.loader("p1"))
+		require.NoError(t, err)
+		require.Equal(t, want, got)
+		require.EqualValues(t, 1, b.cache.Stats().Hits)
+		require.EqualValues(t, 1, b.truth.loads.Load())
+
+		// Pretend the value was cached under a version far ahead of the
+		// clock (a clock that stepped back since), then lose the version.
+		ahead := time.Now().Add(24 * time.Hour).UnixMicro()
+		data, err := json.Marshal(want)
+		require.NoError(t, err)
+		require.NoError(t, b.client.Set(ctx, b.cache.currentKey("p1"),
+			string(joinVersioned(strconv.FormatInt(ahead, 10), data)), 0).Err())
+		require.NoError(t, b.client.Del(ctx, b.cache.versionKey("p1")).Err())
+
+		want = b.truth.write("p1", 2)
+		require.NoError(t, b.cache.Invalidate(ctx, "p1"))
+		_, v, ok, err := b.cache.Peek(ctx, "p1")
+		require.NoError(t, err)
+		require.False(t, ok, "Invalidate deleted the current value")
+		require.Greater(t, v, ahead)
+
+		// A fill still carrying the old version is refused.
+		stored, err := fillScript.Run(ctx, b.client,
+			[]string{b.cache.versionKey("p1"), b.cache.currentKey("p1"), b.cache.leaseKey("p1", "x")},
+			strconv.FormatInt(ahead, 10), joinVersioned(strconv.FormatInt(ahead, 10), data), 60000, "").Int()
+		require.NoError(t, err)
+		require.Zero(t, stored)
+		got, err = b.cache.Get(ctx, "p1", b.truth.loader("p1"))
+		require.NoError(t, err)
+		require.Equal(t, want, got)
+	})
+
+	// FLUSHALL, simulated per id (the shared server must not be flushed): a
+	// load that began before it must not be stored after it.
+	t.Run("BothKeysLost", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t, nil)
+		b.truth.write("p1", 1)
+		_, err := b.cache.Get(ctx, "p1", b.truth.loader("p1"))
+		require.NoError(t, err)
+		before := mustVersion(t, b, "p1")
+		b.truth.write("p1", 2)
+		require.NoError(t, b.client.Del(ctx, b.cache.versionKey("p1"), b.cache.currentKey("p1")).Err())
+		stale, err := json.Marshal(product{ID: "p1", Price: 1})
+		require.NoError(t, err)
+		stored, err := fillScript.Run(ctx, b.client,
+			[]string{b.cache.versionKey("p1"), b.cache.currentKey("p1"), b.cache.leaseKey("p1", before)},
+			before, joinVersioned(before, stale), 60000, "").Int()
+		require.NoError(t, err)
+		require.Zero(t, stored, "no version: nothing may be stored")
+		got, err := b.cache.Get(ctx, "p1", b.truth.loader("p1"))
+		require.NoError(t, err)
+		require.Equal(t, b.truth.read("p1"), got)
+		after := mustVersion(t, b, "p1")
+		require.Greater(t, after, before) // same length: string order is numeric order
 	})
 
 	t.Run("ConcurrentVersionKeyLoss", func(t *testing.T) {

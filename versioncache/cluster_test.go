@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -37,7 +38,9 @@ func TestCluster(t *testing.T) {
 			ids[i] = fmt.Sprintf("product-%d{%d}", i, i) // braces in ids too
 			b.truth.write(ids[i], i)
 			slot := b.client.ClusterKeySlot(ctx, keyenc.Tagged(b.prefix, ids[i], suffixVersion)).Val()
-			require.Equal(t, slot, b.client.ClusterKeySlot(ctx, keyenc.Tagged(b.prefix, ids[i], suffixValue+"123")).Val())
+			for _, suffix := range []string{suffixCurrent, suffixAt, suffixLease + "123"} {
+				require.Equal(t, slot, b.client.ClusterKeySlot(ctx, keyenc.Tagged(b.prefix, ids[i], suffix)).Val())
+			}
 			slots[slot] = true
 		}
 		require.Greater(t, len(slots), 10, "ids spread over slots (and so over masters)")
@@ -67,7 +70,8 @@ func TestCluster(t *testing.T) {
 		require.Zero(t, report.Divergent)
 		st := b.cache.Stats()
 		require.Zero(t, st.RedisErrors)
-		require.EqualValues(t, 10, st.OrphanedValueKeys)
+		require.EqualValues(t, 10, st.Invalidations)
+		require.Zero(t, st.OrphanedValueKeys)
 	})
 
 	t.Run("FillLeaseStorm", func(t *testing.T) {
@@ -106,6 +110,52 @@ func TestCluster(t *testing.T) {
 		}
 	})
 
+	// A client that reads from replicas must still send hits to the primary:
+	// a replica may not yet have applied an Invalidate the primary acked.
+	t.Run("ReplicaReadingClientHitsPrimary", func(t *testing.T) {
+		t.Parallel()
+		// A private cluster: the shared one may have lost its replicas to
+		// other tests' failovers.
+		cluster := testenv.StartRedisCluster(t, 3, 1)
+		plain := cluster.Client(t)
+		waitReplicasOnline(t, plain)
+		require.Eventually(t, func() bool { // replicas listed in the slot map
+			slots, err := plain.ClusterSlots(ctx).Result()
+			if err != nil || len(slots) == 0 {
+				return false
+			}
+			for _, s := range slots {
+				if len(s.Nodes) < 2 {
+					return false
+				}
+			}
+			return true
+		}, 20*time.Second, 100*time.Millisecond)
+		client := redis.NewClusterClient(&redis.ClusterOptions{Addrs: cluster.Addrs(), ReadOnly: true})
+		t.Cleanup(func() { _ = client.Close() })
+		gets := &getsByNode{counts: map[string]int{}}
+		client.OnNewNode(func(node *redis.Client) { node.AddHook(gets.hook(node.Options().Addr)) })
+		b := setupWith(t, client, cluster.Prefix(t), nil)
+		require.NotNil(t, b.cache.primary)
+		master, err := client.MasterForKey(ctx, b.cache.currentKey("r"))
+		require.NoError(t, err)
+		before := gets.total()
+		beforeMaster := gets.count(master.Options().Addr)
+		for i := range 300 {
+			want := b.truth.write("r", i)
+			require.NoError(t, b.cache.Invalidate(ctx, "r"))
+			got, err := b.cache.Get(ctx, "r", b.truth.loader("r"))
+			require.NoError(t, err)
+			require.Equal(t, want, got, "iteration %d", i)
+			got, err = b.cache.Get(ctx, "r", b.truth.loader("r"))
+			require.NoError(t, err)
+			require.Equal(t, want, got, "hit, iteration %d", i)
+		}
+		require.Equal(t, gets.total()-before, gets.count(master.Options().Addr)-beforeMaster,
+			"every GET of the current key went to its primary")
+		require.GreaterOrEqual(t, gets.total()-before, 600)
+	})
+
 	t.Run("ConcurrentVersionKeyLoss", func(t *testing.T) {
 		t.Parallel()
 		b := setupCluster(t, &Config{DisableFillLease: true})
@@ -135,4 +185,50 @@ func waitReplicasOnline(t *testing.T, client *redis.ClusterClient) {
 		})
 		return err == nil
 	}, 30*time.Second, 100*time.Millisecond, "replicas never came online")
+}
+
+// getsByNode counts GET commands per node address.
+type getsByNode struct {
+	mu     sync.Mutex
+	counts map[string]int
+}
+
+func (g *getsByNode) hook(addr string) redis.Hook { return getCounter{g: g, addr: addr} }
+
+func (g *getsByNode) count(addr string) int {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	return g.counts[addr]
+}
+
+func (g *getsByNode) total() int {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	n := 0
+	for _, c := range g.counts {
+		n += c
+	}
+	return n
+}
+
+type getCounter struct {
+	g    *getsByNode
+	addr string
+}
+
+func (h getCounter) DialHook(next redis.DialHook) redis.DialHook { return next }
+
+func (h getCounter) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
+	return func(ctx context.Context, cmd redis.Cmder) error {
+		if cmd.Name() == "get" {
+			h.g.mu.Lock()
+			h.g.counts[h.addr]++
+			h.g.mu.Unlock()
+		}
+		return next(ctx, cmd)
+	}
+}
+
+func (h getCounter) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+	return next
 }

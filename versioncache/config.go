@@ -60,10 +60,11 @@ type Config struct {
 	// '{' or '}'. Defaults to PrefixDefault.
 	Prefix string
 
-	// TTL bounds how long a value (and therefore an orphaned value key) is
-	// kept. Together with the write rate it bounds the dead keys left behind:
-	// at most one orphan per Invalidate, each gone within TTL. Defaults to
-	// TTLDefault.
+	// TTL bounds how long a value is kept after it was loaded (a hit does
+	// not extend it), and is also the idle lifetime of an id's version key.
+	// Invalidate deletes values rather than leaving them behind, so TTL
+	// bounds staleness only for writes that never call Invalidate (or whose
+	// Invalidate was lost), not memory. Defaults to TTLDefault.
 	TTL time.Duration
 
 	// Codec encodes cached values. Defaults to JSONCodec.

@@ -11,49 +11,73 @@
 // write narrows the window; it does not close it, because the delete comes
 // before the write it needed to prevent.
 //
-// Here every id has a version, and values are stored under (id, version).
-// Get reads the version and the value under it together; on a miss it loads
-// and stores the result under the version it read before loading, and only
-// if that is still the current version. Invalidate, called after the commit,
-// moves the version. A load that raced a write is therefore either not
-// stored or stored under a version nobody reads again.
+// Here every id has a version, and the current value of an id is kept
+// together with the version it was loaded under. Get on a miss reads the
+// version, loads, and stores the result only if the version is still the one
+// it read before loading. Invalidate, called after the commit, moves the
+// version and deletes the current value in one atomic step. A load that
+// raced a write is therefore not stored, and a value stored before a write
+// is gone once its Invalidate returns.
 //
 // # One round trip per hit, on Redis Cluster too
 //
 // For a prefix P and id, the keys are
 //
 //	P{id}:v            the version
-//	P{id}:d:<version>  the value, with a TTL
+//	P{id}:c            the current value: "<version>:<encoded value>", with a TTL
 //	P{id}:l:<version>  a short fill lease
-//	P{id}:r:<version>  a value cached by GetAt under the caller's version
+//	P{id}:a            GetAt's value: "<caller's version>:<encoded value>"
 //
-// where id is escaped by internal/keyenc so it can hold any bytes. A single
-// Lua script reads the version and then the value under it, so a hit costs
-// one round trip. The script must build the value key from the version it
-// has just read, so that key cannot be passed in KEYS; instead the script is
-// given the version key and the value-key stem ("P{id}:d:") in KEYS, and every
-// key it builds starts with the same hash tag {id}. Redis Cluster routes the
-// call by the declared keys and only requires that every key a script touches
-// hashes to the same slot, which a shared hash tag guarantees. The tests run
-// this against a real three-master cluster.
+// where id is escaped by internal/keyenc so it can hold any bytes. A hit is a
+// plain GET of P{id}:c: that key exists only while its value is current,
+// because
+//
+//   - Invalidate moves the version and deletes P{id}:c in one script, so a
+//     GET either ran before the Invalidate (the read began before the write
+//     was acknowledged: allowed) or finds nothing;
+//   - a fill is a script that stores P{id}:c only if P{id}:v still holds the
+//     version read before loading; any Invalidate since then moved it, and a
+//     version, once replaced or lost, never comes back (next section), so a
+//     load that may predate a write is refused;
+//   - nothing else writes P{id}:c.
+//
+// A hit does not need the embedded version; Peek and Check report it, and
+// Invalidate uses it (below). Misses, fills and Invalidate are Lua scripts; every
+// key they touch is declared in KEYS or built from a declared stem, and all
+// share the hash tag {id}, so each call runs on the one Redis Cluster node
+// that owns the id. The tests run this against a real three-master cluster.
+//
+// A replica can lag an Invalidate that its primary has acknowledged, so the
+// hit GET always goes to the primary, also with a *redis.ClusterClient that
+// routes reads to replicas (ReadOnly, RouteByLatency, RouteRandomly).
 //
 // # Versions never go backwards
 //
 // Versions are microseconds of the Redis server clock: a missing version key
 // (never set, expired, evicted, FLUSHALL, a restart without persistence) is
-// re-created from the clock, and Invalidate sets the version to the larger of
-// current+1 and the clock. Every version handed out is therefore at most the
+// re-created from the clock, and Invalidate sets the version to the largest
+// of current+1, the clock and one above the version embedded in P{id}:c. Every version handed out is therefore at most the
 // clock when it was handed out, and a re-created version is larger than all
-// of them: no value stored before the loss can be reached again. This holds
-// as long as the server clock does not step back by more than the time since
-// the last Invalidate (relevant after a failover to a host with a lagging
-// clock).
+// of them: a fill still in flight under an old version cannot pass the check.
+// This holds as long as the server clock does not step back by more than the
+// time since the last Invalidate (relevant after a failover to a host with a
+// lagging clock).
 //
-// A failover can also lose an Invalidate without losing the key: the new
-// primary then holds the previous version, and the value cached before the
-// write is readable again until its TTL. Config.InvalidateReplicas makes
-// Invalidate wait until replicas have the bump and report when they do not.
-// Because the version key may vanish safely, it has a TTL like the values.
+// The version key can be lost while P{id}:c survives (it is evicted alone).
+// The value is still current (no Invalidate ran, or it would be gone), so it
+// is served. The next Invalidate then starts the version above both the clock
+// and the version embedded in P{id}:c, and deletes P{id}:c, as always. When
+// both keys are lost, a fill in flight finds no version and stores nothing.
+//
+// A failover can lose an Invalidate (the bump and the delete together, being
+// one script): the new primary then still holds the value cached before the
+// write, readable until its TTL. Config.InvalidateReplicas makes Invalidate
+// wait until replicas have it and report when they do not.
+//
+// Upgrading from the previous layout (values under P{id}:d:<version>): old
+// and new processes must not share a prefix, because an old Invalidate does
+// not delete P{id}:c. Change Config.Prefix with the upgrade, or stop all old
+// writers first; the old keys expire within TTL.
 //
 // # Stampedes
 //
@@ -75,19 +99,23 @@
 //
 // # Costs
 //
-// Each Invalidate orphans the value cached under the previous version, if
-// any, until its TTL: at most (invalidations per TTL) dead keys per id, which
-// Stats.OrphanedValueKeys counts. Shortening TTL bounds the memory at the
-// expense of hit rate. Anything that reads these keys directly (a debugging
-// command, a warmer) must follow the version indirection; use Peek.
+// One value key, one version key and (briefly, during a miss) one lease key
+// per cached id. Invalidate deletes the current value instead of leaving it
+// behind under an old version, and a refused fill stores nothing, so no value
+// key is ever orphaned (Stats.OrphanedValueKeys stays 0, kept for
+// compatibility). A miss costs two round trips before the load (the GET that
+// missed, then the script that reads the version and takes the lease) and
+// one after it (the fill).
 //
 // # Caller-supplied versions
 //
 // GetAt caches under a version the caller already has, such as a
-// database-incremented row_version. It needs no Invalidate, and is silently
-// wrong for any write that does not move that version (a bulk UPDATE or data
-// fix that forgets it). Prefer Get with Invalidate when that cannot be ruled
-// out.
+// database-incremented row_version. It needs no Invalidate: P{id}:a holds the
+// newest version stored, a hit is one GET whose embedded version is at or
+// above the caller's (a newer value is ahead, never stale), and a fill never
+// replaces a newer version with an older one. It is silently wrong for any
+// write that does not move that version (a bulk UPDATE or data fix that
+// forgets it). Prefer Get with Invalidate when that cannot be ruled out.
 //
 // # Checking
 //

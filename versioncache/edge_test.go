@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/gob"
+	"strconv"
 	"testing"
 	"time"
 
@@ -39,10 +40,13 @@ func TestCodec(t *testing.T) {
 			require.Equal(t, want, got)
 		}
 		require.EqualValues(t, 1, b.cache.Stats().Hits)
-		raw, err := b.client.Get(ctx, b.cache.valueKey("p1", mustVersion(t, b, "p1"))).Bytes()
+		raw, err := b.client.Get(ctx, b.cache.currentKey("p1")).Bytes()
 		require.NoError(t, err)
+		version, payload, err := splitVersioned(raw)
+		require.NoError(t, err)
+		require.Equal(t, mustVersion(t, b, "p1"), strconv.FormatInt(version, 10))
 		var decoded product
-		require.NoError(t, gobCodec{}.Unmarshal(raw, &decoded), "stored with gob, not JSON")
+		require.NoError(t, gobCodec{}.Unmarshal(payload, &decoded), "stored with gob, not JSON")
 		require.Equal(t, want, decoded)
 	})
 
@@ -61,7 +65,7 @@ func TestCodec(t *testing.T) {
 
 func mustVersion(t *testing.T, b *testBundle, id string) string {
 	t.Helper()
-	r, err := b.cache.read(context.Background(), id, false)
+	r, err := b.cache.read(context.Background(), id, false, true)
 	require.NoError(t, err)
 	require.NotEmpty(t, r.version)
 	return r.version

@@ -79,12 +79,12 @@ func Example() {
 	fmt.Println("price from cache:", p.PriceCents)
 
 	st := cache.Stats()
-	fmt.Printf("hits=%d loads=%d orphaned value keys=%d\n", st.Hits, st.Loads, st.OrphanedValueKeys)
+	fmt.Printf("hits=%d loads=%d invalidations=%d\n", st.Hits, st.Loads, st.Invalidations)
 	// Output:
 	// price: 4900
 	// price after update: 4400
 	// price from cache: 4400
-	// hits=1 loads=2 orphaned value keys=1
+	// hits=1 loads=2 invalidations=1
 }
 
 func cleanup(rdb *redis.Client, prefix string) {

@@ -2,6 +2,7 @@ package versioncache
 
 import (
 	"context"
+	"strconv"
 	"testing"
 
 	"github.com/stretchr/testify/require"
@@ -54,6 +55,39 @@ func TestGetAt(t *testing.T) {
 		got, err = b.cache.Get(ctx, "p1", b.truth.loader("p1"))
 		require.NoError(t, err)
 		require.Equal(t, 1, got.Price)
+	})
+
+	// One key per id holds the newest version stored: an older caller
+	// version is served the newer value (ahead, never stale), and a slow
+	// load under an older version cannot overwrite it.
+	t.Run("VersionNeverGoesBackwards", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t, nil)
+		v1 := b.truth.write("p1", 4900)
+		v2 := b.truth.write("p1", 4400)
+		got, err := b.cache.GetAt(ctx, "p1", v2.Version, b.truth.loader("p1"))
+		require.NoError(t, err)
+		require.Equal(t, v2, got)
+
+		got, err = b.cache.GetAt(ctx, "p1", v1.Version, b.truth.loader("p1"))
+		require.NoError(t, err)
+		require.Equal(t, v2, got, "an older caller version is served the newer value")
+		require.EqualValues(t, 1, b.truth.loads.Load())
+
+		// A load under the older version that finishes late is refused.
+		old := strconv.FormatInt(v1.Version, 10)
+		stored, err := fillAtScript.Run(ctx, b.client, []string{b.cache.atKey("p1")},
+			old, joinVersioned(old, []byte("{}")), 60000).Int()
+		require.NoError(t, err)
+		require.Zero(t, stored)
+		// Versions are compared as numbers, not strings: 10 > 9.
+		require.NoError(t, b.client.Set(ctx, b.cache.atKey("p1"), "9:{}", 0).Err())
+		stored, err = fillAtScript.Run(ctx, b.client, []string{b.cache.atKey("p1")}, "10", "10:{}", 60000).Int()
+		require.NoError(t, err)
+		require.EqualValues(t, 1, stored)
+		stored, err = fillAtScript.Run(ctx, b.client, []string{b.cache.atKey("p1")}, "9", "9:{}", 60000).Int()
+		require.NoError(t, err)
+		require.Zero(t, stored)
 	})
 
 	t.Run("BadInput", func(t *testing.T) {

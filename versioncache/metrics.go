@@ -73,7 +73,7 @@ func newCacheMetrics(cfg *Config, stats func() Stats) (*cacheMetrics, error) {
 		invalidations = in.Int64ObservableCounter(metricInvalidations, "{call}",
 			"Successful Invalidate calls.")
 		orphans = in.Int64ObservableCounter(metricOrphans, "{key}",
-			"Invalidate calls that left a value behind under the old version (it expires within TTL).")
+			"Always 0: Invalidate deletes the current value instead of orphaning it (kept for existing dashboards).")
 		errs = in.Int64ObservableCounter(metricErrors, "{error}",
 			"Errors by kind: redis (a failed Redis call) or decode (a cached value the Codec could not decode).")
 	)

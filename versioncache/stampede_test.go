@@ -114,7 +114,7 @@ func TestStampede(t *testing.T) {
 		caches, src := newProcesses(t, 2, Config{FillLeaseWait: 50 * time.Millisecond})
 		want := src.write("p", 1)
 		ctx := context.Background()
-		r, err := caches[0].read(ctx, "p", true)
+		r, err := caches[0].read(ctx, "p", true, false)
 		require.NoError(t, err)
 		require.EqualValues(t, leaseHeldByUs, r.lease)
 

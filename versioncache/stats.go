@@ -15,9 +15,14 @@ type Stats struct {
 	// while loading: each is a stale-set race that versioning closed.
 	StaleFillsSkipped uint64
 	Invalidations     uint64
-	// OrphanedValueKeys counts Invalidate calls that left a value behind
-	// under the old version. Each orphan expires within TTL, so live orphans
-	// are bounded by the invalidation rate times TTL.
+	// OrphanedValueKeys is always 0. Values used to be stored per version,
+	// so each Invalidate left the previous one behind until its TTL; now
+	// Invalidate deletes the current value in the same script that moves the
+	// version, and a refused fill stores nothing, so no value key is ever
+	// orphaned.
+	//
+	// Deprecated: kept (with its metric) so that existing dashboards and
+	// alerts keep working; it no longer counts anything.
 	OrphanedValueKeys uint64
 	LeaseWaits        uint64 // misses that found another process filling
 	LeaseWaitHits     uint64 // ... and got its value while waiting
@@ -31,7 +36,7 @@ type Stats struct {
 
 type counters struct {
 	hits, misses, loads, sharedLoads, fills, staleFillsSkipped atomic.Uint64
-	invalidations, orphanedValueKeys                           atomic.Uint64
+	invalidations                                              atomic.Uint64
 	leaseWaits, leaseWaitHits, leaseFallbacks                  atomic.Uint64
 	redisErrors, decodeErrors, failOpenLoads                   atomic.Uint64
 }
@@ -43,8 +48,8 @@ func (c *Cache[T]) Stats() Stats {
 		Hits: s.hits.Load(), Misses: s.misses.Load(), Loads: s.loads.Load(),
 		SharedLoads: s.sharedLoads.Load(), Fills: s.fills.Load(),
 		StaleFillsSkipped: s.staleFillsSkipped.Load(),
-		Invalidations:     s.invalidations.Load(), OrphanedValueKeys: s.orphanedValueKeys.Load(),
-		LeaseWaits: s.leaseWaits.Load(), LeaseWaitHits: s.leaseWaitHits.Load(),
+		Invalidations:     s.invalidations.Load(),
+		LeaseWaits:        s.leaseWaits.Load(), LeaseWaitHits: s.leaseWaitHits.Load(),
 		LeaseFallbacks: s.leaseFallbacks.Load(),
 		RedisErrors:    s.redisErrors.Load(), DecodeErrors: s.decodeErrors.Load(),
 		FailOpenLoads: s.failOpenLoads.Load(),

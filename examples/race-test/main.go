@@ -140,9 +140,9 @@ func printHuman(out io.Writer, results []Result) {
 		}
 		fmt.Fprintln(out)
 		if st := r.CacheStats; st != nil {
-			fmt.Fprintf(out, "    cache:       %s hits, %s loads (%s shared), %s stale fills not stored, %s orphaned value keys\n",
+			fmt.Fprintf(out, "    cache:       %s hits, %s loads (%s shared), %s stale fills not stored, %s invalidations\n",
 				group(int64(st.Hits)), group(int64(st.Loads)), group(int64(st.SharedLoads)),
-				group(int64(st.StaleFillsSkipped)), group(int64(st.OrphanedValueKeys)))
+				group(int64(st.StaleFillsSkipped)), group(int64(st.Invalidations)))
 		}
 		if r.VersionKeyDrops > 0 {
 			fmt.Fprintf(out, "    version key deleted %s times during the run\n", group(r.VersionKeyDrops))

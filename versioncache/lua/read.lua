@@ -1,40 +1,56 @@
--- read.lua: one round trip for a cache read.
+-- read.lua: the miss path of Get, and Peek. A hit never runs this script: it
+-- is a plain GET of the current key.
 --
 -- KEYS[1]  version key          P{id}:v
--- KEYS[2]  value-key stem       P{id}:d:   (value key = stem .. version)
--- KEYS[3]  lease-key stem       P{id}:l:   (lease key = stem .. version)
+-- KEYS[2]  current key          P{id}:c   ("<version>:<encoded value>")
+-- KEYS[3]  lease-key stem       P{id}:l:  (lease key = stem .. version)
 -- ARGV[1]  "1" to initialise a missing version, "0" to only look (Peek)
 -- ARGV[2]  TTL in milliseconds for a freshly initialised version key
 -- ARGV[3]  fill-lease TTL in milliseconds, "0" when leases are off
 -- ARGV[4]  lease token of the calling process (one per Cache)
+-- ARGV[5]  "1" to ignore the current key (it did not decode), "0" otherwise
 --
--- Returns {version or false, value or false, lease}
---   lease: 0 = no lease asked, 1 = the caller's process holds the fill
---          lease, 2 = another process holds it.
+-- Returns {version or false, current or false, lease}
+--   current: the current key's contents, when it exists and is not ignored;
+--            the caller serves it (it is current by construction: every
+--            Invalidate deletes it, every fill is version-checked).
+--   lease:   0 = no lease asked, 1 = the caller's process holds the fill
+--            lease, 2 = another process holds it.
 --
--- The value and lease keys are built here from the version just read, so
--- they cannot be listed in KEYS. Their stems are (KEYS[2], KEYS[3]) and they
--- carry the same hash tag as KEYS[1], so every key this script touches lives
--- in the slot Redis Cluster already routed the call to.
+-- The lease key is built here from the version just read, so it cannot be
+-- listed in KEYS. Its stem is KEYS[3] and carries the same hash tag as
+-- KEYS[1], so every key this script touches lives in the slot Redis Cluster
+-- already routed the call to.
 
 local version = redis.call('GET', KEYS[1])
+if ARGV[5] ~= '1' then
+  local current = redis.call('GET', KEYS[2])
+  if current then
+    return {version or false, current, 0}
+  end
+end
 if not version then
   if ARGV[1] ~= '1' then
     return {false, false, 0}
   end
   -- The version key is gone (first use, TTL, eviction, FLUSHALL, lost
   -- write). Restart from the server clock in microseconds: every version
-  -- ever handed out is at most the clock at the time it was handed out, so
-  -- the new one is larger than all of them and no surviving value key can
-  -- be reached again. A fresh version has no value yet; do not look for one.
+  -- ever handed out is at most the clock when it was handed out, so the new
+  -- one is larger than all of them and no fill still in flight under an old
+  -- version can pass fill.lua's check. A current key that survived the
+  -- version key (only reached here when it did not decode) also bounds it.
   local t = redis.call('TIME')
-  version = string.format('%.0f', tonumber(t[1]) * 1000000 + tonumber(t[2]))
-  redis.call('SET', KEYS[1], version, 'PX', ARGV[2])
-else
-  local value = redis.call('GET', KEYS[2] .. version)
-  if value then
-    return {version, value, 0}
+  local nextv = tonumber(t[1]) * 1000000 + tonumber(t[2])
+  local head = redis.call('GETRANGE', KEYS[2], 0, 20)
+  local sep = string.find(head, ':', 1, true)
+  if sep then
+    local embedded = tonumber(string.sub(head, 1, sep - 1))
+    if embedded and embedded >= nextv then
+      nextv = embedded + 1
+    end
   end
+  version = string.format('%.0f', nextv)
+  redis.call('SET', KEYS[1], version, 'PX', ARGV[2])
 end
 
 if ARGV[3] == '0' then
