@@ -10,9 +10,9 @@ import (
 	"github.com/verity-go/verity/internal/testenv"
 )
 
-// BenchmarkHit compares a cache hit (one script call reading version and
-// value) with a plain GET plus decode of the same value: the price of the
-// version indirection, which the seed paid as a second round trip.
+// BenchmarkHit compares a cache hit (one GET of the current key, whose value
+// carries its version as a prefix) with a plain GET plus decode of the same
+// value, and with the seed's second round trip for the version.
 //
 //	go test -run XXX -bench Hit -benchtime 2s ./versioncache
 func BenchmarkHit(b *testing.B) {
