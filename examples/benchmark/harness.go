@@ -7,7 +7,6 @@ import (
 	"io"
 	"log/slog"
 	"math"
-	"os"
 	"slices"
 	"strings"
 	"time"
@@ -266,10 +265,3 @@ func us(d time.Duration) float64 { return float64(d) / float64(time.Microsecond)
 // qualify returns the quoted name of table in schema.
 func qualify(schema, table string) string { return pgx.Identifier{schema, table}.Sanitize() }
 
-// envOr returns os.Getenv(name) or def.
-func envOr(name, def string) string {
-	if v := os.Getenv(name); v != "" {
-		return v
-	}
-	return def
-}

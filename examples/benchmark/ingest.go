@@ -52,7 +52,7 @@ func runIngest(ctx context.Context, e *env) ([]Figure, error) {
 			_, err := board.Submit(ctx, leaderboard.Command{EventID: uuid.New(), UserID: user(), Delta: 1})
 			return 1, err
 		})); err != nil {
-			return nil, fmt.Errorf("Submit: %w", err)
+			return nil, fmt.Errorf("leaderboard submit: %w", err)
 		}
 		if err := base.add(closedLoop(ctx, ingestClients, round, func(ctx context.Context) (int, error) {
 			_, _, err := seed.submit(ctx, uuid.New(), user(), 1)

@@ -116,14 +116,14 @@ type netBundle struct {
 }
 
 // boundedErr checks that op fails within limit, and returns its error.
-func boundedErr(t *testing.T, limit time.Duration, op func() error) (error, time.Duration) {
+func boundedErr(t *testing.T, limit time.Duration, op func() error) (time.Duration, error) {
 	t.Helper()
 	start := time.Now()
 	err := op()
 	took := time.Since(start)
 	require.Error(t, err, "the operation must fail during the fault")
 	require.Less(t, took, limit, "the operation must return within a bounded time (err: %v)", err)
-	return err, took
+	return took, err
 }
 
 // typedNetErr reports whether err is an error a caller can classify: a
@@ -224,7 +224,7 @@ func TestNetworkFaults(t *testing.T) {
 		require.NoError(t, err)
 
 		nb.redisProxy.partition(t)
-		err, took := boundedErr(t, 3*time.Second, func() error {
+		took, err := boundedErr(t, 3*time.Second, func() error {
 			c, cancel := context.WithTimeout(ctx, 2*time.Second)
 			defer cancel()
 			_, err := nb.board.Top(c, 10)
@@ -255,7 +255,7 @@ func TestNetworkFaults(t *testing.T) {
 	t.Run("PostgresResetsFailFast", func(t *testing.T) {
 		nb.pgProxy.add(t, "reset_peer", "upstream", map[string]any{"timeout": 0})
 		for range 3 {
-			err, took := boundedErr(t, 3*time.Second, func() error { return submit(nb.board, 2*time.Second) })
+			took, err := boundedErr(t, 3*time.Second, func() error { return submit(nb.board, 2*time.Second) })
 			require.True(t, typedNetErr(err), "submit error %T: %v", err, err)
 			figures["postgres_reset_submit_failed_after"] = took.Round(time.Millisecond)
 		}
@@ -291,7 +291,7 @@ func TestNetworkFaults(t *testing.T) {
 		lossy.board.Close()
 		require.Eventually(t, func() bool { return pool.Stat().AcquiredConns() == 0 }, 5*time.Second, 10*time.Millisecond)
 		nb.pgProxy.add(t, "timeout", "downstream", map[string]any{"timeout": 0})
-		err, took := boundedErr(t, 3*time.Second, func() error {
+		took, err := boundedErr(t, 3*time.Second, func() error {
 			c, cancel := context.WithTimeout(ctx, time.Second)
 			defer cancel()
 			_, err := lossy.board.Submit(c, cmd)
@@ -413,10 +413,10 @@ func TestNetworkFaults(t *testing.T) {
 		nb.pgProxy.partition(t)
 		nb.redisProxy.partition(t)
 		partitioned := time.Now()
-		err, took := boundedErr(t, 3*time.Second, func() error { return submit(nb.board, time.Second) })
+		took, err := boundedErr(t, 3*time.Second, func() error { return submit(nb.board, time.Second) })
 		require.True(t, typedNetErr(err), "submit error %T: %v", err, err)
 		figures["partition_submit_failed_after"] = took.Round(time.Millisecond)
-		err, took = boundedErr(t, 3*time.Second, func() error {
+		_, err = boundedErr(t, 3*time.Second, func() error {
 			c, cancel := context.WithTimeout(ctx, time.Second)
 			defer cancel()
 			_, err := nb.board.Top(c, 10)
