@@ -264,4 +264,3 @@ func us(d time.Duration) float64 { return float64(d) / float64(time.Microsecond)
 
 // qualify returns the quoted name of table in schema.
 func qualify(schema, table string) string { return pgx.Identifier{schema, table}.Sanitize() }
-
