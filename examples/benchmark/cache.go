@@ -20,7 +20,7 @@ type product struct {
 const cacheWarmup = 500
 
 // runCache measures the latency of a cache hit, one sequential client:
-// versioncache.Get (one script call reading version and value) against a
+// versioncache.Get (one GET of the id's current-value key, which embeds its version) against a
 // plain GET of a cached value (no version, the floor) and against the seed's
 // versioned read (GET the version, then GET the value key under it). All
 // three decode the same JSON. The three reads are interleaved call by call,
