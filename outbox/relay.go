@@ -293,6 +293,7 @@ func (r *Relay) settle(ctx context.Context, token uuid.UUID, batch []Record, res
 		released                 []int64
 		want                     = make(map[int64]bool, len(batch))
 		failedCount, buriedCount int
+		firstErr                 error
 	)
 	for i, rec := range batch {
 		want[rec.ID] = true
@@ -313,8 +314,18 @@ func (r *Relay) settle(ctx context.Context, token uuid.UUID, batch []Record, res
 			retryErrs = append(retryErrs, errorText(err))
 			retryDelays = append(retryDelays, r.backoff(rec.Attempts).Microseconds())
 			failedCount++
+			if firstErr == nil {
+				firstErr = err
+			}
 			r.logger.Debug("outbox row failed; will retry", slog.Int64("id", rec.ID), slog.Int("attempts", rec.Attempts), slog.String("error", err.Error()))
 		}
+	}
+	if failedCount > 0 {
+		// One line per batch, not per row: an outage of the handler's
+		// target (Redis down, NOAUTH) must be visible at the default level
+		// long before rows reach the dead-letter table.
+		r.logger.Warn("outbox batch had failures; rows will be retried after a backoff",
+			slog.Int("failed", failedCount), slog.Int("batch", len(batch)), slog.String("first_error", firstErr.Error()))
 	}
 	rows, err := r.pool.Query(ctx, r.settleSQL, token, nonNil(acked), nonNil(retryIDs), nonNil(retryErrs),
 		nonNil(retryDelays), nonNil(deadIDs), nonNil(deadErrs), nonNil(released))

@@ -1,10 +1,13 @@
 package outbox_test
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"math/rand/v2"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -360,6 +363,28 @@ func TestRelayLease(t *testing.T) {
 func TestRelayRetries(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
+
+	t.Run("FailedBatchWarnsOnce", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		b.appendCommitted(t, newMessage("scores", "a", 1), newMessage("scores", "b", 1), newMessage("scores", "c", 1))
+
+		var logs syncBuffer
+		h := &recorder{fail: func(rec outbox.Record) error { return errors.New("redis: connection refused") }}
+		r := b.relay(t, nil, h, outbox.RelayConfig{
+			RetryBackoffMin: time.Minute, RetryBackoffMax: time.Minute,
+			Logger: slog.New(slog.NewTextHandler(&logs, &slog.HandlerOptions{Level: slog.LevelInfo})),
+		})
+		n, err := r.RunOnce(ctx)
+		require.NoError(t, err)
+		require.Equal(t, 3, n)
+		out := logs.String()
+		// At the default level, a handler outage is one warning per batch,
+		// naming how many rows failed and why.
+		require.Equal(t, 1, strings.Count(out, "outbox batch had failures"), out)
+		require.Contains(t, out, "failed=3")
+		require.Contains(t, out, "connection refused")
+	})
 
 	t.Run("BackoffThenDeadLetterThenReplay", func(t *testing.T) {
 		t.Parallel()
@@ -869,4 +894,22 @@ func leaseExpired(b *testBundle) bool {
 	err := b.pool.QueryRow(context.Background(), `SELECT bool_and(leased_until <= now()) FROM `+b.writer.Table()+
 		` WHERE leased_until IS NOT NULL`).Scan(&expired)
 	return err == nil && expired
+}
+
+// syncBuffer is a bytes.Buffer safe for the relay's concurrent logging.
+type syncBuffer struct {
+	mu  sync.Mutex
+	buf bytes.Buffer
+}
+
+func (b *syncBuffer) Write(p []byte) (int, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.Write(p)
+}
+
+func (b *syncBuffer) String() string {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.String()
 }
