@@ -2,7 +2,6 @@ package services
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"os"
 	"os/exec"
@@ -80,26 +79,7 @@ func (s *PostgresServer) Port() int { return s.port }
 
 // Start starts the server (again) and waits until it accepts connections.
 func (s *PostgresServer) Start(ctx context.Context) error {
-	if err := s.proc.start(); err != nil {
-		return err
-	}
-	deadline := time.Now().Add(30 * time.Second)
-	for {
-		if err := pingPostgres(ctx, s.ConnString()); err == nil {
-			return nil
-		}
-		select {
-		case <-s.proc.exited():
-			s.proc.signal(syscall.SIGKILL, time.Second)
-			return fmt.Errorf("postgres exited during start-up: %s", s.proc.logTail())
-		default:
-		}
-		if time.Now().After(deadline) || ctx.Err() != nil {
-			s.proc.signal(syscall.SIGKILL, time.Second)
-			return errors.Join(errors.New("postgres did not accept connections within 30s"), ctx.Err())
-		}
-		time.Sleep(50 * time.Millisecond)
-	}
+	return s.proc.startAndWait(ctx, 30*time.Second, func() bool { return pingPostgres(ctx, s.ConnString()) == nil })
 }
 
 // Stop shuts the server down cleanly (fast mode: open transactions roll back).

@@ -2,6 +2,7 @@ package services
 
 import (
 	"bytes"
+	"context"
 	"errors"
 	"fmt"
 	"net"
@@ -173,6 +174,30 @@ func waitExited(pids []int, timeout time.Duration) {
 			time.Sleep(5 * time.Millisecond)
 		}
 	}
+}
+
+// startAndWait starts the process and polls ready until it succeeds. It
+// kills the process and reports its log tail if it exits first, and gives up
+// after timeout or when ctx is done.
+func (p *process) startAndWait(ctx context.Context, timeout time.Duration, ready func() bool) error {
+	if err := p.start(); err != nil {
+		return err
+	}
+	deadline := time.Now().Add(timeout)
+	for !ready() {
+		select {
+		case <-p.exited():
+			_ = p.signal(syscall.SIGKILL, time.Second)
+			return fmt.Errorf("%s exited during start-up: %s", filepath.Base(p.name), p.logTail())
+		default:
+		}
+		if time.Now().After(deadline) || ctx.Err() != nil {
+			_ = p.signal(syscall.SIGKILL, time.Second)
+			return errors.Join(fmt.Errorf("%s was not ready within %s", filepath.Base(p.name), timeout), ctx.Err())
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	return nil
 }
 
 func (p *process) exited() <-chan struct{} {

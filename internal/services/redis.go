@@ -60,26 +60,10 @@ func (s *RedisServer) URL() string { return "redis://" + s.Addr() + "/0" }
 // Start starts the server (again) and waits until it answers PING. Without
 // persistence a restarted server is empty.
 func (s *RedisServer) Start(ctx context.Context) error {
-	if err := s.proc.start(); err != nil {
-		return err
-	}
-	deadline := time.Now().Add(10 * time.Second)
-	for {
-		if err := pingRedis(ctx, s.URL()); err == nil || isAuthError(err) {
-			return nil
-		}
-		select {
-		case <-s.proc.exited():
-			s.proc.signal(syscall.SIGKILL, time.Second)
-			return fmt.Errorf("redis-server exited during start-up: %s", s.proc.logTail())
-		default:
-		}
-		if time.Now().After(deadline) || ctx.Err() != nil {
-			s.proc.signal(syscall.SIGKILL, time.Second)
-			return errors.Join(errors.New("redis-server did not answer within 10s"), ctx.Err())
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
+	return s.proc.startAndWait(ctx, 10*time.Second, func() bool {
+		err := pingRedis(ctx, s.URL())
+		return err == nil || isAuthError(err)
+	})
 }
 
 // isAuthError reports a server that answers but wants a password: it is up.
