@@ -79,48 +79,33 @@ func matches(set attribute.Set, want []attribute.KeyValue) bool {
 // Int returns the sum over the data points of the int64 counter or gauge
 // name whose attributes include every one of attrs (0 when none match).
 func (s Snapshot) Int(name string, attrs ...attribute.KeyValue) int64 {
-	m, ok := s.find(name)
-	if !ok {
-		return 0
-	}
-	var total int64
-	switch d := m.Data.(type) {
-	case metricdata.Sum[int64]:
-		for _, p := range d.DataPoints {
-			if matches(p.Attributes, attrs) {
-				total += p.Value
-			}
-		}
-	case metricdata.Gauge[int64]:
-		for _, p := range d.DataPoints {
-			if matches(p.Attributes, attrs) {
-				total += p.Value
-			}
-		}
-	}
-	return total
+	return sumPoints[int64](s, name, attrs)
 }
 
 // Float returns the sum over the data points of the float64 gauge or
 // counter name whose attributes include every one of attrs.
 func (s Snapshot) Float(name string, attrs ...attribute.KeyValue) float64 {
+	return sumPoints[float64](s, name, attrs)
+}
+
+// sumPoints adds the values of the counter or gauge name, of number type N,
+// over the data points whose attributes include every one of attrs.
+func sumPoints[N int64 | float64](s Snapshot, name string, attrs []attribute.KeyValue) N {
 	m, ok := s.find(name)
 	if !ok {
 		return 0
 	}
-	var total float64
+	var points []metricdata.DataPoint[N]
 	switch d := m.Data.(type) {
-	case metricdata.Sum[float64]:
-		for _, p := range d.DataPoints {
-			if matches(p.Attributes, attrs) {
-				total += p.Value
-			}
-		}
-	case metricdata.Gauge[float64]:
-		for _, p := range d.DataPoints {
-			if matches(p.Attributes, attrs) {
-				total += p.Value
-			}
+	case metricdata.Sum[N]:
+		points = d.DataPoints
+	case metricdata.Gauge[N]:
+		points = d.DataPoints
+	}
+	var total N
+	for _, p := range points {
+		if matches(p.Attributes, attrs) {
+			total += p.Value
 		}
 	}
 	return total
