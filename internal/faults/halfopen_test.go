@@ -166,24 +166,7 @@ func TestRelaySurvivesHalfOpenConnections(t *testing.T) {
 	})
 	t.Cleanup(fz.close)
 	t.Cleanup(stopRun)
-	for range 5 {
-		_, err := direct.board.Submit(ctx, leaderboard.Command{EventID: uuid.New(), UserID: "u", Delta: 1})
-		require.NoError(t, err)
-	}
-	direct.waitDrained(t, 10*time.Second)
-
-	frozen := fz.freezeAll()
-	require.Positive(t, frozen)
-	frozenAt := time.Now()
-	for range 5 {
-		_, err := direct.board.Submit(ctx, leaderboard.Command{EventID: uuid.New(), UserID: "v", Delta: 1})
-		require.NoError(t, err)
-	}
-	// The lease (2s) bounds the handler, settling is bounded at 10s; give
-	// the relay 30s to notice that its connections are dead.
-	direct.waitDrained(t, 30*time.Second)
-	recovered := time.Since(frozenAt)
-	direct.requireConverged(t)
+	frozen, recovered := freezeAndRecover(t, ctx, fz, direct)
 	summary(t, "network", "half-open-postgres", "frozen_connections", frozen,
 		"recovered_after", recovered.Round(time.Millisecond), "lost", 0)
 }
@@ -206,23 +189,35 @@ func TestRelaySurvivesHalfOpenRedis(t *testing.T) {
 
 	stop := frozenSide.runWorkers(t, 1)
 	t.Cleanup(fz.close) // runs before the workers' cleanup: unblocks anything stuck
-	for range 5 {
-		_, err := direct.board.Submit(ctx, leaderboard.Command{EventID: uuid.New(), UserID: "u", Delta: 1})
-		require.NoError(t, err)
+	frozen, recovered := freezeAndRecover(t, ctx, fz, direct)
+	stop()
+	summary(t, "network", "half-open-redis", "frozen_connections", frozen,
+		"recovered_after", recovered.Round(time.Millisecond), "lost", 0)
+}
+
+// freezeAndRecover projects a few commands, freezes every connection that
+// goes through fz, submits more through direct (which bypasses fz) and waits
+// until the frozen worker has projected them too. It returns how many
+// connections were frozen and how long recovery took. The lease (2 s)
+// bounds the handler and settling is bounded at 10 s: 30 s is ample for the
+// relay to notice that its connections are dead.
+func freezeAndRecover(t *testing.T, ctx context.Context, fz *freezer, direct *boardBundle) (int, time.Duration) {
+	t.Helper()
+	submit := func(user string) {
+		for range 5 {
+			_, err := direct.board.Submit(ctx, leaderboard.Command{EventID: uuid.New(), UserID: user, Delta: 1})
+			require.NoError(t, err)
+		}
 	}
+	submit("u")
 	direct.waitDrained(t, 10*time.Second)
 
 	frozen := fz.freezeAll()
 	require.Positive(t, frozen)
 	frozenAt := time.Now()
-	for range 5 {
-		_, err := direct.board.Submit(ctx, leaderboard.Command{EventID: uuid.New(), UserID: "v", Delta: 1})
-		require.NoError(t, err)
-	}
+	submit("v")
 	direct.waitDrained(t, 30*time.Second)
 	recovered := time.Since(frozenAt)
 	direct.requireConverged(t)
-	stop()
-	summary(t, "network", "half-open-redis", "frozen_connections", frozen,
-		"recovered_after", recovered.Round(time.Millisecond), "lost", 0)
+	return frozen, recovered
 }
