@@ -3,6 +3,7 @@ package projection
 import (
 	"errors"
 	"fmt"
+	"strconv"
 )
 
 // Sentinel errors. The typed errors below match them with errors.Is and
@@ -27,7 +28,62 @@ var (
 	ErrUnmappedStream = errors.New("projection: no mapper for stream")
 	// ErrInvalidPayload: a built-in Mapper cannot read a record's payload.
 	ErrInvalidPayload = errors.New("projection: invalid payload")
+	// ErrInvalidConfig: a Config field or Keyspace option is out of range.
+	// The error names the field.
+	ErrInvalidConfig = errors.New("projection: invalid configuration")
+	// ErrLayoutMismatch: a collection's stored version layout (its bucket
+	// count, see Keyspace) differs from the Keyspace of the writer or
+	// reader. Nothing was written to that collection: a version looked up
+	// in the wrong bucket would look absent and let a stale write through.
+	// Configure every writer and reader with the stored bucket count, or
+	// migrate the collection with reconcile's Rebuild.
+	ErrLayoutMismatch = errors.New("projection: collection's version layout differs from the keyspace's")
 )
+
+// ConfigError reports an invalid configuration field.
+type ConfigError struct {
+	Field  string // for example "Config.VersionBuckets"
+	Reason string // what is wrong and how to fix it
+}
+
+func (e *ConfigError) Error() string {
+	return fmt.Sprintf("projection: %s: %s", e.Field, e.Reason)
+}
+
+// Is matches ErrInvalidConfig.
+func (e *ConfigError) Is(target error) bool { return target == ErrInvalidConfig }
+
+// LayoutMismatchError reports a collection whose stored version bucket
+// count is not the one its writer or reader was configured with.
+type LayoutMismatchError struct {
+	Kind Kind
+	Name string
+	// Shadow is true when the mismatch is in a rebuild's shadow keys
+	// (ApplyShadow with another count than the rebuild that owns them).
+	Shadow bool
+	// Stored is the collection's bucket count (0: one version hash, which
+	// is also what a collection without a layout key but with data has),
+	// or -1 when the layout key holds something else.
+	Stored int
+	// Configured is the Keyspace's bucket count.
+	Configured int
+}
+
+func (e *LayoutMismatchError) Error() string {
+	which := "collection"
+	if e.Shadow {
+		which = "rebuild shadow of collection"
+	}
+	stored := strconv.Itoa(e.Stored)
+	if e.Stored < 0 {
+		stored = "unreadable"
+	}
+	return fmt.Sprintf("projection: %s %s %q stores versions in %s buckets, the keyspace in %d; nothing written (configure VersionBuckets = the stored count, or migrate with reconcile's Rebuild)",
+		which, e.Kind, e.Name, stored, e.Configured)
+}
+
+// Is matches ErrLayoutMismatch.
+func (e *LayoutMismatchError) Is(target error) bool { return target == ErrLayoutMismatch }
 
 // InvalidVersionError reports a Write whose Version is not positive.
 type InvalidVersionError struct {

@@ -6,6 +6,8 @@ import (
 	"errors"
 	"fmt"
 	"strconv"
+	"strings"
+	"sync"
 	"time"
 
 	"github.com/redis/go-redis/v9"
@@ -48,6 +50,11 @@ type Gate struct {
 	// metrics, set by NewRedisProjector when it has a MeterProvider, counts
 	// the gate's verdicts; nil records nothing.
 	metrics *projectionMetrics
+	// shadowLayouts remembers, per collection (baseKey), the bucket count of
+	// a running rebuild's shadow keys when it differs from ks's, so later
+	// batches dual-write into that layout without a retry. A stale entry
+	// costs one retry; without a rebuild the shadow keys are not used.
+	shadowLayouts sync.Map
 }
 
 // NewGate returns a Gate writing through client into the keys named by ks.
@@ -138,6 +145,10 @@ func joinRun(outcomes []Outcome, perWrite []error, err error) ([]Outcome, error)
 	return outcomes, nil
 }
 
+// layoutRetries bounds how often one Apply rebuilds a slot group's shadow
+// keys after learning that a running rebuild uses another bucket count.
+const layoutRetries = 3
+
 // run validates and applies writes. It returns either a batch error, or
 // the outcomes together with a per-write error slice (nil entries except
 // for writes refused because their stored version is unreadable).
@@ -155,33 +166,54 @@ func (g *Gate) run(ctx context.Context, mode string, writes []Write) ([]Outcome,
 	if len(writes) == 0 {
 		return outcomes, perWrite, nil
 	}
-	groups := g.group(mode, writes)
-	start := time.Now()
-	replies, err := g.eval(ctx, groups)
-	g.metrics.recordBatch(ctx, mode, time.Since(start))
-	if err != nil {
-		return nil, nil, err
+	pending := make([]int, len(writes))
+	for i := range pending {
+		pending[i] = i
 	}
-	for gi, grp := range groups {
-		codes := replies[gi]
-		if len(codes) != len(grp.index) {
-			return nil, nil, fmt.Errorf("%w: %d results for %d writes", ErrUnexpectedReply, len(codes), len(grp.index))
-		}
-		for j, reply := range codes {
-			i := grp.index[j]
-			switch reply {
-			case int64(replyApplied):
-				outcomes[i] = OutcomeApplied
-			case int64(replyDuplicate):
-				outcomes[i] = OutcomeDuplicate
-			case int64(replyStale):
-				outcomes[i] = OutcomeStale
-			default:
-				stored, ok := reply.(string)
-				if !ok {
-					return nil, nil, fmt.Errorf("%w: result %v (%T)", ErrUnexpectedReply, reply, reply)
+	start := time.Now()
+	defer func() { g.metrics.recordBatch(ctx, mode, time.Since(start)) }()
+	for attempt := 0; len(pending) > 0; attempt++ {
+		groups := g.group(mode, writes, pending)
+		replies, errs := g.eval(ctx, groups)
+		pending = nil
+		for gi, grp := range groups {
+			if err := errs[gi]; err != nil {
+				lr, ok := parseLayoutReply(err, grp)
+				switch {
+				case !ok:
+					return nil, nil, g.failed(ctx, err)
+				case lr.shadow && mode == modeLive && lr.stored >= 0 && attempt < layoutRetries:
+					// A rebuild fills shadows in another layout: dual-write
+					// into its layout (remembered for later batches). The
+					// script checked before writing, so the group wrote
+					// nothing and is sent again.
+					g.shadowLayouts.Store(lr.coll, lr.stored)
+					pending = append(pending, grp.index...)
+					continue
+				default:
+					return nil, nil, &LayoutMismatchError{Kind: lr.coll.kind, Name: lr.coll.name, Shadow: lr.shadow, Stored: lr.stored, Configured: g.ks.buckets}
 				}
-				perWrite[i] = &CorruptVersionError{Index: i, Target: writes[i].Target, Stored: stored}
+			}
+			codes := replies[gi]
+			if len(codes) != len(grp.index) {
+				return nil, nil, fmt.Errorf("%w: %d results for %d writes", ErrUnexpectedReply, len(codes), len(grp.index))
+			}
+			for j, reply := range codes {
+				i := grp.index[j]
+				switch reply {
+				case int64(replyApplied):
+					outcomes[i] = OutcomeApplied
+				case int64(replyDuplicate):
+					outcomes[i] = OutcomeDuplicate
+				case int64(replyStale):
+					outcomes[i] = OutcomeStale
+				default:
+					stored, ok := reply.(string)
+					if !ok {
+						return nil, nil, fmt.Errorf("%w: result %v (%T)", ErrUnexpectedReply, reply, reply)
+					}
+					perWrite[i] = &CorruptVersionError{Index: i, Target: writes[i].Target, Stored: stored}
+				}
 			}
 		}
 	}
@@ -189,12 +221,70 @@ func (g *Gate) run(ctx context.Context, mode string, writes []Write) ([]Outcome,
 	return outcomes, perWrite, nil
 }
 
+// layoutReply is a decoded "VERITY_LAYOUT" error of gate.lua.
+type layoutReply struct {
+	coll   baseKey
+	shadow bool
+	stored int // -1: not a bucket count
+}
+
+// parseLayoutReply decodes gate.lua's layout error, "VERITY_LAYOUT
+// <live|shadow> <base> <stored>", for the collection at KEYS[base] of grp.
+func parseLayoutReply(err error, grp *slotGroup) (layoutReply, bool) {
+	var rerr redis.Error
+	if !errors.As(err, &rerr) {
+		return layoutReply{}, false
+	}
+	f := strings.Fields(rerr.Error())
+	if len(f) != 4 || f[0] != "VERITY_LAYOUT" {
+		return layoutReply{}, false
+	}
+	base, err := strconv.Atoi(f[2])
+	coll, ok := grp.collAt[base]
+	if err != nil || !ok {
+		return layoutReply{}, false
+	}
+	return layoutReply{coll: coll, shadow: f[1] == "shadow", stored: ParseLayout(f[3])}, true
+}
+
+// ParseLayout returns the bucket count a layout key holds, or -1 when s is
+// not a canonical decimal within [0, VersionBucketsMax].
+func ParseLayout(s string) int {
+	n, err := strconv.Atoi(s)
+	if err != nil || n < 0 || n > VersionBucketsMax || strconv.Itoa(n) != s {
+		return -1
+	}
+	return n
+}
+
 // slotGroup is the part of a batch sent in one script call.
 type slotGroup struct {
-	keys  []string
-	args  []any
-	index []int // batch position of each write in the group
-	bases map[baseKey]int
+	keys     []string
+	keyIndex map[string]int // bucket key → 1-based KEYS index
+	headers  []any          // base, live layout, shadow layout per collection
+	writes   []any          // seven arguments per write
+	index    []int          // batch position of each write in the group
+	bases    map[baseKey]int
+	collAt   map[int]baseKey // base → collection, to decode layout errors
+	mode     string
+}
+
+// args returns ARGV for gate.lua.
+func (grp *slotGroup) args() []any {
+	out := make([]any, 0, 2+len(grp.headers)+len(grp.writes))
+	out = append(out, grp.mode, len(grp.headers)/3)
+	out = append(out, grp.headers...)
+	return append(out, grp.writes...)
+}
+
+// key returns the KEYS index of k, adding it on first use.
+func (grp *slotGroup) key(k string) int {
+	if i, ok := grp.keyIndex[k]; ok {
+		return i
+	}
+	grp.keys = append(grp.keys, k)
+	grp.keyIndex[k] = len(grp.keys)
+	return len(grp.keys)
 }
 
 // baseKey identifies the keys a write uses: one collection, or one document.
@@ -203,34 +293,66 @@ type baseKey struct {
 	name string
 }
 
-func (g *Gate) group(mode string, writes []Write) []*slotGroup {
+// shadowKeyspace is the keyspace of coll's shadow keys: a running rebuild's
+// layout once learnt, the gate's own until then.
+func (g *Gate) shadowKeyspace(mode string, coll baseKey) Keyspace {
+	if mode == modeLive {
+		if n, ok := g.shadowLayouts.Load(coll); ok {
+			return Keyspace{prefix: g.ks.prefix, buckets: n.(int)}
+		}
+	}
+	return g.ks
+}
+
+// group splits the writes at positions idx into script calls.
+func (g *Gate) group(mode string, writes []Write, idx []int) []*slotGroup {
 	var groups []*slotGroup
 	byKey := make(map[string]*slotGroup)
-	for i := range writes {
+	type collKeys struct {
+		base    int
+		shadows Keyspace
+	}
+	colls := make(map[*slotGroup]map[baseKey]collKeys)
+	for _, i := range idx {
 		w := &writes[i]
 		gk := g.groupKey(g.ks.HashTag(w.Target))
 		grp := byKey[gk]
 		if grp == nil {
-			grp = &slotGroup{args: []any{mode}, bases: make(map[baseKey]int)}
+			grp = &slotGroup{mode: mode, keyIndex: make(map[string]int), bases: make(map[baseKey]int), collAt: make(map[int]baseKey)}
 			byKey[gk] = grp
 			groups = append(groups, grp)
+			colls[grp] = make(map[baseKey]collKeys)
 		}
-		bk := baseKey{kind: w.Target.Kind, name: w.Target.Name}
+		t := w.Target
+		bk := baseKey{kind: t.Kind, name: t.Name}
 		base, ok := grp.bases[bk]
+		var shadows Keyspace
 		if !ok {
 			base = len(grp.keys) + 1 // KEYS is 1-based in Lua
 			grp.bases[bk] = base
-			grp.keys = append(grp.keys, g.ks.ValueKey(w.Target), g.ks.VersionKey(w.Target))
-			if w.Target.Kind.isCollection() {
+			if t.Kind.isCollection() {
+				shadows = g.shadowKeyspace(mode, bk)
 				grp.keys = append(grp.keys,
-					g.ks.RebuildMarkerKey(w.Target.Name, w.Target.Kind),
-					g.ks.ShadowValueKey(w.Target.Name, w.Target.Kind),
-					g.ks.ShadowVersionKey(w.Target.Name, w.Target.Kind))
+					g.ks.ValueKey(t),
+					g.ks.LayoutKey(t.Name, t.Kind),
+					g.ks.RebuildMarkerKey(t.Name, t.Kind),
+					g.ks.ShadowValueKey(t.Name, t.Kind),
+					g.ks.ShadowLayoutKey(t.Name, t.Kind),
+					g.ks.unbucketedVersionKey(t.Name, t.Kind),
+					g.ks.unbucketedVersionKey(t.Name, t.Kind)+suffixShadow)
+				grp.collAt[base] = bk
+				grp.headers = append(grp.headers, base, strconv.Itoa(g.ks.buckets), strconv.Itoa(shadows.buckets))
+				colls[grp][bk] = collKeys{base: base, shadows: shadows}
+			} else {
+				grp.keys = append(grp.keys, g.ks.ValueKey(t), g.ks.VersionKey(t))
 			}
+		} else if t.Kind.isCollection() {
+			shadows = colls[grp][bk].shadows
 		}
 		var kind string
 		var value any
-		switch w.Target.Kind {
+		vi, svi := base+1, 0
+		switch t.Kind {
 		case KindSortedSet:
 			kind, value = "z", strconv.FormatInt(w.Value.Score, 10)
 		case KindHash:
@@ -238,8 +360,17 @@ func (g *Gate) group(mode string, writes []Write) []*slotGroup {
 		case KindDocument:
 			kind, value = "d", nonNil(w.Value.Data)
 		}
-		// Five arguments per write, in the order gate.lua reads them.
-		grp.args = append(grp.args, kind, base, w.Target.Member, strconv.FormatInt(w.Version, 10), value)
+		if t.Kind.isCollection() {
+			vi, svi = base+5, base+6 // the unbucketed hashes
+			if g.ks.buckets > 0 {
+				vi = grp.key(g.ks.VersionKey(t))
+			}
+			if shadows.buckets > 0 {
+				svi = grp.key(shadows.VersionKey(t) + suffixShadow)
+			}
+		}
+		// Seven arguments per write, in the order gate.lua reads them.
+		grp.writes = append(grp.writes, kind, base, vi, svi, t.Member, strconv.FormatInt(w.Version, 10), value)
 		grp.index = append(grp.index, i)
 	}
 	return groups
@@ -254,21 +385,21 @@ func nonNil(b []byte) []byte {
 
 // eval runs one script call per group: directly for one group, pipelined
 // for several. A NOSCRIPT answer (script cache flushed, or a node that has
-// never seen the script) is retried with EVAL, which also caches it.
-func (g *Gate) eval(ctx context.Context, groups []*slotGroup) ([][]any, error) {
+// never seen the script) is retried with EVAL, which also caches it. It
+// returns each group's reply or error.
+func (g *Gate) eval(ctx context.Context, groups []*slotGroup) ([][]any, []error) {
 	replies := make([][]any, len(groups))
+	errs := make([]error, len(groups))
 	if len(groups) == 1 {
-		codes, err := g.script.Run(ctx, g.client, groups[0].keys, groups[0].args...).Slice()
-		if err != nil {
-			return nil, g.failed(ctx, err)
-		}
-		replies[0] = codes
-		return replies, nil
+		replies[0], errs[0] = g.script.Run(ctx, g.client, groups[0].keys, groups[0].args()...).Slice()
+		return replies, errs
 	}
 	cmds := make([]*redis.Cmd, len(groups))
+	args := make([][]any, len(groups))
 	pipe := g.client.Pipeline()
 	for i, grp := range groups {
-		cmds[i] = g.script.EvalSha(ctx, pipe, grp.keys, grp.args...)
+		args[i] = grp.args()
+		cmds[i] = g.script.EvalSha(ctx, pipe, grp.keys, args[i]...)
 	}
 	_, _ = pipe.Exec(ctx) // errors are inspected per command below
 	var retry []int
@@ -280,18 +411,14 @@ func (g *Gate) eval(ctx context.Context, groups []*slotGroup) ([][]any, error) {
 	if len(retry) > 0 {
 		pipe := g.client.Pipeline()
 		for _, i := range retry {
-			cmds[i] = g.script.Eval(ctx, pipe, groups[i].keys, groups[i].args...)
+			cmds[i] = g.script.Eval(ctx, pipe, groups[i].keys, args[i]...)
 		}
 		_, _ = pipe.Exec(ctx)
 	}
 	for i, cmd := range cmds {
-		codes, err := cmd.Slice()
-		if err != nil {
-			return nil, g.failed(ctx, err)
-		}
-		replies[i] = codes
+		replies[i], errs[i] = cmd.Slice()
 	}
-	return replies, nil
+	return replies, errs
 }
 
 // failed wraps a script call's error and, on Cluster, schedules a slot-map

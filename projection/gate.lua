@@ -2,12 +2,29 @@
 --
 -- ARGV[1] is the mode: "live" writes the live keys (and, for a collection
 -- whose rebuild marker exists, the shadow keys too); "shadow" writes only
--- the shadow keys. Then five arguments per write:
---   kind ("z" sorted set, "h" hash, "d" document), base (index into KEYS),
---   member (field; "" for documents), version (canonical decimal), value
---   (score as a decimal integer, or bytes).
--- Keys from base: collections use value, version, rebuild marker, shadow
--- value, shadow version; documents use value, version.
+-- the shadow keys. ARGV[2] is the number C of collections in the call, then
+-- three arguments per collection:
+--   base (index into KEYS of its first key), live layout, shadow layout
+--   (the version bucket counts the caller built the live and shadow
+--   version keys for, as canonical decimals; "0" means one version hash).
+-- Then seven arguments per write:
+--   kind ("z" sorted set, "h" hash, "d" document), base, version key index,
+--   shadow version key index (0 for documents), member (field; "" for
+--   documents), version (canonical decimal), value (score as a decimal
+--   integer, or bytes).
+-- Keys from base: collections use value, layout, rebuild marker, shadow
+-- value, shadow layout, unbucketed version, unbucketed shadow version;
+-- documents use value, version. Version (bucket) keys follow, referenced by
+-- index from the writes.
+--
+-- Before anything is written, every collection's stored layout is checked
+-- against the caller's (shadow layout too while a rebuild runs, or in
+-- shadow mode): a mismatch returns the error "VERITY_LAYOUT <live|shadow>
+-- <base> <stored>" and writes nothing, because a version looked up in the
+-- wrong bucket would look absent and let a stale write in. A layout key that
+-- is absent means 0 when the collection holds anything (written before
+-- layouts existed), and is set to the caller's layout when it is empty.
+--
 -- Returns one element per write: the integer 1 applied, 2 duplicate,
 -- 3 stale; or, when the stored version is not a canonical decimal integer,
 -- that stored version as a string (nothing written).
@@ -71,25 +88,68 @@ local function gate(kind, valueKey, versionKey, member, version, value)
   return APPLIED
 end
 
+-- storedLayout returns the layout recorded for a collection, or nil for
+-- an empty collection without one (any layout fits it). want is the
+-- caller's layout: when it is "0", an absent layout key fits whatever the
+-- collection holds, so the existence check is skipped.
+local function storedLayout(layoutKey, valueKey, unbucketedKey, want)
+  local s = redis.call('GET', layoutKey)
+  if s then return s end
+  if want == '0' then return nil end
+  if redis.call('EXISTS', valueKey, unbucketedKey) > 0 then return '0' end
+  return nil
+end
+
 local shadowOnly = ARGV[1] == 'shadow'
--- rebuilding[base] caches whether a collection's rebuild marker exists; the
--- script is atomic, so it cannot appear or vanish during the batch.
+local ncoll = tonumber(ARGV[2])
+-- rebuilding[base] records whether a collection's rebuild marker exists;
+-- the script is atomic, so it cannot appear or vanish during the batch.
 local rebuilding = {}
-local out = {}
-for a = 2, #ARGV, 5 do
-  local kind, base = ARGV[a], tonumber(ARGV[a + 1])
-  local member, version, value = ARGV[a + 2], ARGV[a + 3], ARGV[a + 4]
+local adopt = {}
+local function check(which, base, layoutKey, valueKey, unbucketedKey, want)
+  local stored = storedLayout(layoutKey, valueKey, unbucketedKey, want)
+  if stored == nil then
+    if want ~= '0' then adopt[#adopt + 1] = { layoutKey, want } end
+    return nil
+  end
+  if stored ~= want then
+    return redis.error_reply('VERITY_LAYOUT ' .. which .. ' ' .. base .. ' ' .. stored)
+  end
+  return nil
+end
+local first = 3 + 3 * ncoll
+for a = 3, first - 1, 3 do
+  local base, live, shadow = tonumber(ARGV[a]), ARGV[a + 1], ARGV[a + 2]
+  local err
   if shadowOnly then
-    out[#out + 1] = gate(kind, KEYS[base + 3], KEYS[base + 4], member, version, value)
+    err = check('shadow', base, KEYS[base + 4], KEYS[base + 3], KEYS[base + 6], shadow)
   else
-    out[#out + 1] = gate(kind, KEYS[base], KEYS[base + 1], member, version, value)
-    if kind ~= 'd' then
-      if rebuilding[base] == nil then
-        rebuilding[base] = redis.call('EXISTS', KEYS[base + 2]) == 1
-      end
+    err = check('live', base, KEYS[base + 1], KEYS[base], KEYS[base + 5], live)
+    if not err then
+      rebuilding[base] = redis.call('EXISTS', KEYS[base + 2]) == 1
       if rebuilding[base] then
-        gate(kind, KEYS[base + 3], KEYS[base + 4], member, version, value)
+        err = check('shadow', base, KEYS[base + 4], KEYS[base + 3], KEYS[base + 6], shadow)
       end
+    end
+  end
+  if err then return err end
+end
+-- Checks passed: record the layout of empty collections this call fills.
+for _, p in ipairs(adopt) do
+  redis.call('SET', p[1], p[2])
+end
+
+local out = {}
+for a = first, #ARGV, 7 do
+  local kind, base = ARGV[a], tonumber(ARGV[a + 1])
+  local vi, svi = tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3])
+  local member, version, value = ARGV[a + 4], ARGV[a + 5], ARGV[a + 6]
+  if shadowOnly then
+    out[#out + 1] = gate(kind, KEYS[base + 3], KEYS[svi], member, version, value)
+  else
+    out[#out + 1] = gate(kind, KEYS[base], KEYS[vi], member, version, value)
+    if kind ~= 'd' and rebuilding[base] then
+      gate(kind, KEYS[base + 3], KEYS[svi], member, version, value)
     end
   end
 end

@@ -474,7 +474,11 @@ func TestGateClusterGroupsBySlot(t *testing.T) {
 		writes = append(writes, w)
 		slots[ks.Slot(w.Target)] = true
 	}
-	groups := gate.group(modeLive, writes)
+	all := make([]int, len(writes))
+	for i := range all {
+		all[i] = i
+	}
+	groups := gate.group(modeLive, writes, all)
 	require.Len(t, groups, len(slots))
 	for _, grp := range groups {
 		slot := KeySlot(grp.keys[0])

@@ -73,7 +73,7 @@ func readState(t *testing.T, client redis.UniversalClient, ks Keyspace, tg Targe
 
 func readShadowState(t *testing.T, client redis.UniversalClient, ks Keyspace, tg Target) storedState {
 	t.Helper()
-	return readKeys(t, client, tg, ks.ShadowValueKey(tg.Name, tg.Kind), ks.ShadowVersionKey(tg.Name, tg.Kind))
+	return readKeys(t, client, tg, ks.ShadowValueKey(tg.Name, tg.Kind), ks.ShadowVersionKeys(tg.Name, tg.Kind)[ks.VersionBucket(tg.Member)])
 }
 
 func readKeys(t *testing.T, client redis.UniversalClient, tg Target, valueKey, versionKey string) storedState {

@@ -12,14 +12,31 @@ import (
 	"github.com/verity-go/verity/outbox"
 )
 
-// PrefixDefault is the default Config.Prefix.
-const PrefixDefault = "verity:"
+// Defaults of Config.
+const (
+	// PrefixDefault is the default Config.Prefix.
+	PrefixDefault = "verity:"
+	// VersionBucketsDefault is the default Config.VersionBuckets: one
+	// version hash per collection.
+	VersionBucketsDefault = 0
+)
 
 // Config configures a RedisProjector.
 type Config struct {
 	// Prefix starts every key the projector writes (see Keyspace). It must
 	// not contain '{' or '}'. Defaults to PrefixDefault ("verity:").
 	Prefix string
+	// VersionBuckets spreads each collection's member versions over this
+	// many small hashes instead of one (see Keyspace, "Version buckets"):
+	// Redis keeps a hash of at most 128 short entries as a listpack, which
+	// cuts the versions' memory from about 58 to about 20 bytes per member.
+	// Use about expected members per collection / 64 (so buckets stay
+	// under 128 entries as the collection doubles), at most
+	// VersionBucketsMax. Every projector, reconciler and reader of a
+	// collection must use the same count; the gate refuses a mismatch with
+	// *LayoutMismatchError, and reconcile's Rebuild migrates a collection
+	// to a new count. Defaults to 0: one version hash per collection.
+	VersionBuckets int
 	// Logger receives a debug line per batch. Defaults to a logger that
 	// discards everything.
 	Logger *slog.Logger
@@ -49,9 +66,9 @@ func (c *Config) WithDefaults() *Config {
 
 func (c *Config) validate() error {
 	if _, err := NewKeyspace(c.Prefix); err != nil {
-		return fmt.Errorf("projection: Config.Prefix %q must not contain '{' or '}' (it would become the Redis Cluster hash tag); choose a prefix such as %q", c.Prefix, PrefixDefault)
+		return &ConfigError{Field: "Config.Prefix", Reason: fmt.Sprintf("%q must not contain '{' or '}' (it would become the Redis Cluster hash tag); choose a prefix such as %q", c.Prefix, PrefixDefault)}
 	}
-	return nil
+	return validateBuckets("Config.VersionBuckets", c.VersionBuckets)
 }
 
 // RedisProjector projects outbox records into Redis through a Gate. It maps
@@ -86,6 +103,9 @@ func NewRedisProjector(client redis.UniversalClient, mapper Mapper, cfg *Config)
 		return nil, err
 	}
 	ks, err := NewKeyspace(cfg.Prefix)
+	if err == nil {
+		ks, err = ks.WithVersionBuckets(cfg.VersionBuckets)
+	}
 	if err != nil {
 		return nil, err
 	}
