@@ -59,6 +59,7 @@ func TestCluster(t *testing.T) {
 	})
 
 	t.Run("RebuildUnderWrites", func(t *testing.T) {
-		rebuildUnderWrites(t, setupWith(t, projection.KindSortedSet, client, cluster.Prefix(t)))
+		b := setupWith(t, projection.KindSortedSet, client, cluster.Prefix(t))
+		rebuildUnderWrites(t, b, b.ks)
 	})
 }

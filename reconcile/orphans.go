@@ -40,7 +40,7 @@ func (r *Reconciler) scanOrphans(ctx context.Context, opts RunOptions, rep *Repo
 			return r.checkCandidates(ctx, opts, ids, true, rep)
 		})
 	}
-	if err := r.scanCollection(ctx, "HSCAN", r.versionKey, func(members []string) error {
+	if err := r.scanVersions(ctx, func(members []string) error {
 		return r.checkCandidates(ctx, opts, members, false, rep)
 	}); err != nil {
 		return err
@@ -67,7 +67,10 @@ func (r *Reconciler) noOrphans(ctx context.Context, rep *Report) (bool, error) {
 		return false, nil
 	}
 	pipe := r.target.Client.Pipeline()
-	versions := pipe.HLen(ctx, r.versionKey)
+	versions := make([]*redis.IntCmd, len(r.versionKeys))
+	for i, k := range r.versionKeys {
+		versions[i] = pipe.HLen(ctx, k)
+	}
 	var values *redis.IntCmd
 	if r.target.Kind == projection.KindSortedSet {
 		values = pipe.ZCard(ctx, r.valueKey)
@@ -77,7 +80,11 @@ func (r *Reconciler) noOrphans(ctx context.Context, rep *Report) (bool, error) {
 	if _, err := pipe.Exec(ctx); err != nil {
 		return false, fmt.Errorf("reconcile: counting projection entries: %w", err)
 	}
-	return versions.Val() == rep.tally.versions && values.Val() == rep.tally.values, nil
+	var total int64
+	for _, c := range versions {
+		total += c.Val()
+	}
+	return total == rep.tally.versions && values.Val() == rep.tally.values, nil
 }
 
 // checkCandidates classifies projection entries found by a scan: those the
@@ -143,6 +150,49 @@ func (r *Reconciler) checkAbsent(ctx context.Context, opts RunOptions, missing [
 	return r.settle(ctx, opts, findings, rep)
 }
 
+// scanVersions hands fn every member with a version, in batches of about
+// PageSize. Without buckets it is an HSCAN of the version hash. With
+// buckets it sends HSCAN 0 for up to PageSize/16 buckets at a time,
+// pipelined: a listpack bucket answers whole with cursor 0, and the few
+// that answer with another cursor (hashtable buckets) are scanned on.
+func (r *Reconciler) scanVersions(ctx context.Context, fn func([]string) error) error {
+	if r.buckets == 0 {
+		return r.scanCollection(ctx, "HSCAN", r.versionKeys[0], fn)
+	}
+	return prefetched(ctx, fn, func(ctx context.Context, emit func([]string) error) error {
+		per := max(1, r.cfg.PageSize/16)
+		for lo := 0; lo < len(r.versionKeys); lo += per {
+			keys := r.versionKeys[lo:min(lo+per, len(r.versionKeys))]
+			pipe := r.target.Client.Pipeline()
+			cmds := make([]*redis.ScanCmd, len(keys))
+			for i, k := range keys {
+				cmds[i] = pipe.HScan(ctx, k, 0, "", int64(r.cfg.PageSize))
+			}
+			if _, err := pipe.Exec(ctx); err != nil {
+				return fmt.Errorf("reconcile: HSCAN of version buckets: %w", err)
+			}
+			var members []string
+			for i, c := range cmds {
+				pairs, cursor := c.Val()
+				for j := 0; j+1 < len(pairs); j += 2 {
+					members = append(members, pairs[j])
+				}
+				if cursor != 0 {
+					if err := r.scanCollectionFrom(ctx, "HSCAN", keys[i], cursor, emit); err != nil {
+						return err
+					}
+				}
+			}
+			if len(members) > 0 {
+				if err := emit(members); err != nil {
+					return err
+				}
+			}
+		}
+		return nil
+	})
+}
+
 // scanCollection runs HSCAN or ZSCAN over key and hands each batch of
 // members (fields) to fn.
 func (r *Reconciler) scanCollection(ctx context.Context, cmd, key string, fn func([]string) error) error {
@@ -152,7 +202,11 @@ func (r *Reconciler) scanCollection(ctx context.Context, cmd, key string, fn fun
 }
 
 func (r *Reconciler) scanCollectionInto(ctx context.Context, cmd, key string, fn func([]string) error) error {
-	var cursor uint64
+	return r.scanCollectionFrom(ctx, cmd, key, 0, fn)
+}
+
+// scanCollectionFrom continues a scan of key at cursor (0 starts one).
+func (r *Reconciler) scanCollectionFrom(ctx context.Context, cmd, key string, cursor uint64, fn func([]string) error) error {
 	for {
 		var (
 			pairs []string

@@ -2,18 +2,36 @@ package reconcile
 
 import (
 	"context"
+	_ "embed"
+	"errors"
 	"fmt"
 	"strconv"
+	"strings"
 
 	"github.com/redis/go-redis/v9"
 
 	"github.com/verity-go/verity/projection"
 )
 
+//go:embed read.lua
+var readSource string
+
+// bucketReadsDefault selects how a bucketed collection's versions are
+// read: true runs read.lua (one script call that HGETs each member from
+// its bucket), false pipelines one HMGET per bucket touched. See doc.go
+// for the measurement behind the choice; tests cover both.
+const bucketReadsDefault = true
+
 // read returns what the projection holds for each key, in order, in one
-// round trip: ZMSCORE + HMGET for a sorted set, HMGET + HMGET for a hash
-// (both keys share a slot), and for documents one MGET per slot (per
-// node on a single server), all pipelined.
+// round trip: for a sorted set ZMSCORE, for a hash HMGET of the values,
+// and the versions with HMGET of the version hash (or, with version
+// buckets, read.lua), together with the collection's layout, all pipelined
+// (every key shares the collection's slot). Documents are read with one
+// MGET per slot (per node on a single server), pipelined.
+//
+// A collection whose stored layout differs from the Keyspace's fails the
+// read with *projection.LayoutMismatchError: versions looked up in the
+// wrong buckets would all look absent.
 func (r *Reconciler) read(ctx context.Context, keys []string) ([]Projected, error) {
 	out := make([]Projected, len(keys))
 	if len(keys) == 0 {
@@ -22,6 +40,21 @@ func (r *Reconciler) read(ctx context.Context, keys []string) ([]Projected, erro
 	if r.target.Kind == projection.KindDocument {
 		return out, r.readDocuments(ctx, keys, out)
 	}
+	err := r.readCollection(ctx, keys, out, false)
+	if err != nil && redis.HasErrorPrefix(err, "NOSCRIPT") {
+		// A node without read.lua cached (restart, failover, SCRIPT
+		// FLUSH): send the source once, which also caches it.
+		err = r.readCollection(ctx, keys, out, true)
+	}
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+// readCollection fills out for keys of a collection; eval sends read.lua
+// with EVAL instead of EVALSHA.
+func (r *Reconciler) readCollection(ctx context.Context, keys []string, out []Projected, eval bool) error {
 	members := make([]any, len(keys))
 	for i, k := range keys {
 		members[i] = k
@@ -34,24 +67,175 @@ func (r *Reconciler) read(ctx context.Context, keys []string) ([]Projected, erro
 	} else {
 		values = pipe.Do(ctx, append([]any{"HMGET", r.valueKey}, members...)...)
 	}
-	versions := pipe.Do(ctx, append([]any{"HMGET", r.versionKey}, members...)...)
-	if _, err := pipe.Exec(ctx); err != nil {
-		return nil, fmt.Errorf("reconcile: reading projection: %w", err)
+	var layout, exists *redis.Cmd
+	var versions func() ([]any, error)
+	switch {
+	case r.buckets == 0:
+		// MGET, not GET: an absent key is a nil element, not redis.Nil.
+		layout = pipe.Do(ctx, "MGET", r.layoutKey)
+		cmd := pipe.Do(ctx, append([]any{"HMGET", r.versionKeys[0]}, members...)...)
+		versions = cmd.Slice
+	case r.bucketReads:
+		cmd := r.readBuckets(ctx, pipe, keys, eval)
+		versions = cmd.Slice
+	default:
+		layout = pipe.Do(ctx, "MGET", r.layoutKey)
+		exists = pipe.Do(ctx, "EXISTS", r.valueKey, r.unbucketedKey)
+		versions = r.hmgetBuckets(ctx, pipe, keys)
 	}
-	vals, err1 := values.Slice()
-	vers, err2 := versions.Slice()
-	if err1 != nil || err2 != nil || len(vals) != len(keys) || len(vers) != len(keys) {
-		return nil, fmt.Errorf("%w: reading %d projection entries", ErrUnexpectedReply, len(keys))
+	_, _ = pipe.Exec(ctx) // errors are inspected per command below
+	if layout != nil {
+		if err := r.checkLayout(layout, exists); err != nil {
+			return err
+		}
+	}
+	vers, err := versions()
+	if err != nil {
+		if lm := r.layoutError(err); lm != nil {
+			return lm
+		}
+		return fmt.Errorf("reconcile: reading projection: %w", err)
+	}
+	vals, err := values.Slice()
+	if err != nil {
+		return fmt.Errorf("reconcile: reading projection: %w", err)
+	}
+	if len(vals) != len(keys) || len(vers) != len(keys) {
+		return fmt.Errorf("%w: reading %d projection entries", ErrUnexpectedReply, len(keys))
 	}
 	for i := range keys {
 		if err := r.fillValue(&out[i], vals[i]); err != nil {
-			return nil, err
+			return err
 		}
 		if err := fillVersion(&out[i], vers[i]); err != nil {
-			return nil, err
+			return err
 		}
 	}
-	return out, nil
+	return nil
+}
+
+// checkLayout compares the collection's stored layout (MGET of the layout
+// key) with the Keyspace's. exists (EXISTS of the value key and the
+// unbucketed version hash) tells an empty collection, which any layout
+// fits, from one written before layout keys, whose layout is 0; it is nil
+// when the Keyspace has no buckets, for which an absent key always fits.
+func (r *Reconciler) checkLayout(layout, exists *redis.Cmd) error {
+	got, err := layout.Slice()
+	if err != nil || len(got) != 1 {
+		return fmt.Errorf("reconcile: reading the collection's layout: %w", errOr(err, ErrUnexpectedReply))
+	}
+	stored, ok := got[0].(string)
+	if !ok {
+		if exists == nil {
+			return nil
+		}
+		n, err := exists.Int64()
+		if err != nil {
+			return fmt.Errorf("reconcile: reading the collection's layout: %w", err)
+		}
+		if n == 0 {
+			return nil
+		}
+		stored = "0"
+	}
+	if stored != r.layout {
+		return r.mismatch(false, stored)
+	}
+	return nil
+}
+
+func (r *Reconciler) mismatch(shadow bool, stored string) error {
+	return &projection.LayoutMismatchError{Kind: r.target.Kind, Name: r.target.Name, Shadow: shadow,
+		Stored: projection.ParseLayout(stored), Configured: r.buckets}
+}
+
+// layoutError decodes a script's "VERITY_LAYOUT <live|shadow> <base>
+// <stored>" error reply, or returns nil for any other error.
+func (r *Reconciler) layoutError(err error) error {
+	var rerr redis.Error
+	if !errors.As(err, &rerr) {
+		return nil
+	}
+	f := strings.Fields(rerr.Error())
+	if len(f) != 4 || f[0] != "VERITY_LAYOUT" {
+		return nil
+	}
+	return r.mismatch(f[1] == "shadow", f[3])
+}
+
+func errOr(err, fallback error) error {
+	if err != nil {
+		return err
+	}
+	return fallback
+}
+
+// readBuckets queues read.lua, which checks the layout and returns each
+// member's version from its bucket, in order.
+func (r *Reconciler) readBuckets(ctx context.Context, pipe redis.Pipeliner, members []string, eval bool) *redis.Cmd {
+	ks := r.target.Keyspace
+	keys := []string{r.valueKey, r.layoutKey, r.unbucketedKey}
+	index := make(map[int]int) // bucket → KEYS index
+	args := make([]any, 0, 1+2*len(members))
+	args = append(args, r.layout)
+	for _, m := range members {
+		b := ks.VersionBucket(m)
+		i, ok := index[b]
+		if !ok {
+			keys = append(keys, r.versionKeys[b])
+			i = len(keys)
+			index[b] = i
+		}
+		args = append(args, i, m)
+	}
+	if eval {
+		return r.readScript.Eval(ctx, pipe, keys, args...)
+	}
+	return r.readScript.EvalSha(ctx, pipe, keys, args...)
+}
+
+// hmgetBuckets queues one HMGET per bucket that members touch and returns
+// a function assembling the versions in member order once the pipeline
+// has run.
+func (r *Reconciler) hmgetBuckets(ctx context.Context, pipe redis.Pipeliner, members []string) func() ([]any, error) {
+	ks := r.target.Keyspace
+	type bucket struct {
+		args []any
+		pos  []int
+		cmd  *redis.Cmd
+	}
+	byBucket := make(map[int]*bucket)
+	var order []*bucket
+	for i, m := range members {
+		b := ks.VersionBucket(m)
+		bk := byBucket[b]
+		if bk == nil {
+			bk = &bucket{args: []any{"HMGET", r.versionKeys[b]}}
+			byBucket[b] = bk
+			order = append(order, bk)
+		}
+		bk.args = append(bk.args, m)
+		bk.pos = append(bk.pos, i)
+	}
+	for _, bk := range order {
+		bk.cmd = pipe.Do(ctx, bk.args...)
+	}
+	return func() ([]any, error) {
+		out := make([]any, len(members))
+		for _, bk := range order {
+			got, err := bk.cmd.Slice()
+			if err != nil {
+				return nil, err
+			}
+			if len(got) != len(bk.pos) {
+				return nil, fmt.Errorf("%w: HMGET of %d versions", ErrUnexpectedReply, len(bk.pos))
+			}
+			for j, i := range bk.pos {
+				out[i] = got[j]
+			}
+		}
+		return out, nil
+	}
 }
 
 // readDocuments reads value and version of each document with MGET, one

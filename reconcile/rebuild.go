@@ -70,20 +70,13 @@ func (r *Reconciler) rebuild(ctx context.Context) (*RebuildReport, error) {
 	if r.target.Kind == projection.KindDocument {
 		return rep, ErrRebuildUnsupported
 	}
-	ks, kind, name := r.target.Keyspace, r.target.Kind, r.target.Name
-	keys := []string{
-		ks.RebuildMarkerKey(name, kind),
-		ks.ShadowValueKey(name, kind),
-		ks.ShadowVersionKey(name, kind),
-		r.valueKey,
-		r.versionKey,
-	}
+	name := r.target.Name
 	var buf [16]byte
 	_, _ = rand.Read(buf[:])
 	token := hex.EncodeToString(buf[:])
 	ttl := strconv.FormatInt(r.cfg.RebuildMarkerTTL.Milliseconds(), 10)
 	step := func(ctx context.Context, name string) (bool, error) {
-		n, err := r.rebuildScript.Run(ctx, r.target.Client, keys, name, token, ttl).Int64()
+		n, err := r.rebuildStep(ctx, name, token, ttl)
 		if err != nil {
 			return false, fmt.Errorf("reconcile: rebuild %s: %w", name, err)
 		}
@@ -119,6 +112,68 @@ func (r *Reconciler) rebuild(ctx context.Context) (*RebuildReport, error) {
 		slog.String("collection", name), slog.Int64("rows", rep.Rows), slog.Int64("applied", rep.Applied),
 		slog.Int64("kept", rep.Kept), slog.Bool("switched", rep.Switched), slog.Duration("duration", rep.Duration), slog.Any("error", err))
 	return rep, err
+}
+
+// rebuildStepRetries bounds how often a step is retried because a layout
+// key changed between reading it and running the step.
+const rebuildStepRetries = 5
+
+// rebuildStep runs one step of rebuild.lua. The script needs the names of
+// the version buckets of the stored live and shadow layouts, so the step
+// reads both layout keys first and passes what it read; the script
+// answers 2, touching nothing, if they changed in between, and the step
+// reads them again.
+func (r *Reconciler) rebuildStep(ctx context.Context, step, token, ttl string) (int64, error) {
+	ks, kind, name := r.target.Keyspace, r.target.Kind, r.target.Name
+	for range rebuildStepRetries {
+		got, err := r.target.Client.MGet(ctx, r.layoutKey, ks.ShadowLayoutKey(name, kind)).Result()
+		if err != nil {
+			return 0, err
+		}
+		var layouts [2]int
+		for i, v := range got {
+			s, _ := v.(string)
+			if v == nil {
+				s = "0"
+			}
+			if layouts[i] = projection.ParseLayout(s); layouts[i] < 0 {
+				return 0, r.mismatch(i == 1, s)
+			}
+		}
+		live, shadow := layouts[0], layouts[1]
+		keys := []string{
+			ks.RebuildMarkerKey(name, kind),
+			ks.ShadowValueKey(name, kind),
+			ks.ShadowLayoutKey(name, kind),
+			r.valueKey,
+			r.layoutKey,
+			r.unbucketedKey,
+			r.unbucketedShadowKey,
+		}
+		if live > 0 {
+			keys = append(keys, withBuckets(ks, live).VersionKeys(name, kind)...)
+		}
+		if shadow > 0 {
+			keys = append(keys, withBuckets(ks, shadow).ShadowVersionKeys(name, kind)...)
+		}
+		if r.buckets > 0 {
+			keys = append(keys, ks.ShadowVersionKeys(name, kind)...)
+			keys = append(keys, r.versionKeys...)
+		}
+		n, err := r.rebuildScript.Run(ctx, r.target.Client, keys, step, token, ttl,
+			strconv.Itoa(live), strconv.Itoa(shadow), r.layout).Int64()
+		if err != nil || n != 2 {
+			return n, err
+		}
+	}
+	return 0, fmt.Errorf("%w: the collection's layout keys kept changing", ErrUnexpectedReply)
+}
+
+// withBuckets returns ks with n version buckets (n is a stored, checked
+// layout).
+func withBuckets(ks projection.Keyspace, n int) projection.Keyspace {
+	out, _ := ks.WithVersionBuckets(n)
+	return out
 }
 
 func (r *Reconciler) copyToShadow(ctx context.Context, rep *RebuildReport, step func(context.Context, string) (bool, error)) error {

@@ -1,29 +1,72 @@
 -- verity reconcile: rebuild a collection into shadow keys, then switch.
 --
--- KEYS: marker, shadow value, shadow version, live value, live version
--- (one hash tag, so one Redis Cluster slot). ARGV[1] is the step, ARGV[2]
--- the rebuild's token, ARGV[3] the marker TTL in milliseconds.
+-- KEYS (one hash tag, so one Redis Cluster slot): 1 marker, 2 shadow value,
+-- 3 shadow layout, 4 live value, 5 live layout, 6 live unbucketed version
+-- hash, 7 shadow unbucketed version hash, then four runs of version
+-- buckets: the live buckets of layout L, the shadow buckets of layout S,
+-- the shadow buckets of layout M, the live buckets of layout M.
+-- ARGV: 1 step, 2 the rebuild's token, 3 the marker TTL in milliseconds,
+-- 4 L, the live layout the caller read, 5 S, the shadow layout the caller
+-- read (both "0" when the layout key is absent), 6 M, the rebuild's layout
+-- (bucket counts as canonical decimals; "0" means one version hash).
 --
 -- start:   refuse (0) if a marker exists; otherwise clear leftover shadow
---          keys and set the marker, in one step, so that no gate write
---          dual-written after the marker appears can be cleared away.
+--          keys (of layouts S and M), record M as the shadow layout and set
+--          the marker, in one step, so that no gate write dual-written after
+--          the marker appears can be cleared away, and so that the gate
+--          dual-writes in layout M from then on.
 -- refresh: extend the marker's TTL if it is still ours (1), else 0.
 -- switch:  if the marker is still ours, replace the live keys by the
---          shadow keys (UNLINK, then RENAME; a shadow that was never created
---          means the source is empty, so the live key is just removed) and
---          remove the marker, atomically: readers see the old projection,
---          then the new one, never a half-built one. Returns 1, or 0 if the
---          marker is gone or not ours (nothing is touched).
+--          shadow keys — value, every version bucket of layout M (the live
+--          versions of layout L are removed first) and the layout key — and
+--          remove the marker, atomically: readers and the gate see the old
+--          projection, then the new one, never a half-built one or a layout
+--          key that disagrees with the versions. A shadow key that was never
+--          created means it would be empty, so the live key is just removed.
+--          Returns 1, or 0 if the marker is gone or not ours (nothing is
+--          touched).
 -- abort:   remove the marker if it is ours, and the shadow keys if no other
 --          rebuild owns them (marker ours or gone): 1, or 0 if another
 --          rebuild holds the marker (nothing is touched).
+-- Any step returns 2, touching nothing, when the stored layouts are no
+-- longer L and S (a gate recorded the layout of an empty collection
+-- meanwhile): the caller reads them again and retries.
 
 local step, token = ARGV[1], ARGV[2]
-local marker, shadowValue, shadowVersion = KEYS[1], KEYS[2], KEYS[3]
+local L, S, M = ARGV[4], ARGV[5], ARGV[6]
+local nL, nS, nM = tonumber(L), tonumber(S), tonumber(M)
+local marker, shadowValue, shadowLayout = KEYS[1], KEYS[2], KEYS[3]
+local liveValue, liveLayout = KEYS[4], KEYS[5]
+local liveFlat, shadowFlat = KEYS[6], KEYS[7]
+local oldLive, oldShadow = 8, 8 + nL
+local newShadow = oldShadow + nS
+local newLive = newShadow + nM
+
+-- unlink removes KEYS[first .. first+n-1] in slices, since unpack of many
+-- thousands of values overflows Lua's stack.
+local function unlink(first, n)
+  local i = first
+  while i < first + n do
+    local j = math.min(i + 999, first + n - 1)
+    redis.call('UNLINK', unpack(KEYS, i, j))
+    i = j + 1
+  end
+end
+
+local function stored(key)
+  return redis.call('GET', key) or '0'
+end
+
+if stored(shadowLayout) ~= S or (step == 'switch' and stored(liveLayout) ~= L) then
+  return 2
+end
 
 if step == 'start' then
   if redis.call('EXISTS', marker) == 1 then return 0 end
-  redis.call('UNLINK', shadowValue, shadowVersion)
+  redis.call('UNLINK', shadowValue, shadowFlat)
+  unlink(oldShadow, nS)
+  unlink(newShadow, nM)
+  redis.call('SET', shadowLayout, M)
   redis.call('SET', marker, token, 'PX', ARGV[3])
   return 1
 end
@@ -32,7 +75,9 @@ local current = redis.call('GET', marker)
 
 if step == 'abort' then
   if current and current ~= token then return 0 end
-  redis.call('UNLINK', marker, shadowValue, shadowVersion)
+  redis.call('UNLINK', marker, shadowValue, shadowLayout, shadowFlat)
+  unlink(oldShadow, nS)
+  unlink(newShadow, nM)
   return 1
 end
 
@@ -44,15 +89,30 @@ if step == 'refresh' then
 end
 
 if step == 'switch' then
-  local moves = { { shadowValue, KEYS[4] }, { shadowVersion, KEYS[5] } }
-  for _, p in ipairs(moves) do
-    -- UNLINK first: RENAME over an existing key would free the old
-    -- collection synchronously, blocking Redis for a large one; UNLINK
-    -- frees it in the background.
-    redis.call('UNLINK', p[2])
-    if redis.call('EXISTS', p[1]) == 1 then
-      redis.call('RENAME', p[1], p[2])
+  if S ~= M then
+    return redis.error_reply('rebuild shadow layout ' .. S .. ' is not the rebuild\'s ' .. M)
+  end
+  -- UNLINK first: RENAME over an existing key would free the old
+  -- collection synchronously, blocking Redis for a large one; UNLINK
+  -- frees it in the background.
+  redis.call('UNLINK', liveValue, liveFlat)
+  unlink(oldLive, nL)
+  local function move(from, to)
+    redis.call('UNLINK', to)
+    if redis.call('EXISTS', from) == 1 then
+      redis.call('RENAME', from, to)
     end
+  end
+  move(shadowValue, liveValue)
+  if nM == 0 then
+    move(shadowFlat, liveFlat)
+    redis.call('DEL', liveLayout, shadowLayout)
+  else
+    for b = 0, nM - 1 do
+      move(KEYS[newShadow + b], KEYS[newLive + b])
+    end
+    redis.call('UNLINK', shadowFlat)
+    redis.call('RENAME', shadowLayout, liveLayout)
   end
   redis.call('DEL', marker)
   return 1

@@ -2,6 +2,7 @@ package reconcile
 
 import (
 	"context"
+	"errors"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -30,12 +31,18 @@ func (s *hookedSource) Page(ctx context.Context, after Cursor, limit int) ([]Row
 // outboxWrite updates key to version in the source, then gates it into the
 // projection, as a transaction plus its outbox relay would.
 func (b *testBundle) outboxWrite(ctx context.Context, key string, version int64) (bool, error) {
+	return b.outboxWriteVia(ctx, func() *projection.Gate { return b.gate }, key, version)
+}
+
+// outboxWriteVia is outboxWrite through the gate gate() returns when the
+// write is applied.
+func (b *testBundle) outboxWriteVia(ctx context.Context, gate func() *projection.Gate, key string, version int64) (bool, error) {
 	v := b.value(key, version)
 	if _, err := b.pool.Exec(ctx, `UPDATE items SET version = $3, score = $4, data = $5 WHERE board = $1 AND key = $2`,
 		testBoard, key, version, v.Score, v.Data); err != nil {
 		return false, err
 	}
-	out, err := b.gate.Apply(ctx, []projection.Write{{Target: b.target.target(key), Version: version, Value: v}})
+	out, err := gate().Apply(ctx, []projection.Write{{Target: b.target.target(key), Version: version, Value: v}})
 	if err != nil {
 		return false, err
 	}
@@ -106,12 +113,19 @@ func TestRebuildConcurrentWrites(t *testing.T) {
 	for _, kind := range []projection.Kind{projection.KindSortedSet, projection.KindHash} {
 		t.Run(kindName(kind), func(t *testing.T) {
 			t.Parallel()
-			rebuildUnderWrites(t, setup(t, kind))
+			b := setup(t, kind)
+			rebuildUnderWrites(t, b, b.ks)
 		})
 	}
 }
 
-func rebuildUnderWrites(t *testing.T, b *testBundle) {
+// rebuildUnderWrites rebuilds b's collection into keyspace to (b.ks, or
+// the same prefix with another bucket count: a migration) while the outbox
+// writes through b's gate. After a migration's switch, b's gate meets the
+// new layout and is refused (projection.ErrLayoutMismatch, nothing
+// written); the writer then moves to a gate of the new layout and retries,
+// as a relay redeployed with the new count would.
+func rebuildUnderWrites(t *testing.T, b *testBundle, to projection.Keyspace) {
 	const n = 600
 	rows := b.insertMany(t, n)
 	b.projectRows(t, rows)
@@ -120,6 +134,19 @@ func rebuildUnderWrites(t *testing.T, b *testBundle) {
 	b.project(t, "orphan", 3)
 
 	ctx := context.Background()
+	newGate := projection.NewGate(b.client, to)
+	var current atomic.Pointer[projection.Gate]
+	current.Store(b.gate)
+	write := func(ctx context.Context, key string, version int64) (bool, error) {
+		applied, err := b.outboxWriteVia(ctx, func() *projection.Gate { return current.Load() }, key, version)
+		if errors.Is(err, projection.ErrLayoutMismatch) && to.VersionBuckets() != b.ks.VersionBuckets() {
+			current.Store(newGate)
+			applied, err = b.outboxWriteVia(ctx, current.Load, key, version)
+		}
+		return applied, err
+	}
+	newTarget := b.target
+	newTarget.Keyspace = to
 	var (
 		stop      = make(chan struct{})
 		wg        sync.WaitGroup
@@ -134,7 +161,7 @@ func rebuildUnderWrites(t *testing.T, b *testBundle) {
 	src := &hookedSource{Source: b.source, onPage: func(ctx context.Context, page int) {
 		for j := range 3 {
 			key := rows[(page*74+j*134+1)%n|1].Key
-			applied, err := b.outboxWrite(ctx, key, int64(1000+page))
+			applied, err := write(ctx, key, int64(1000+page))
 			if err != nil {
 				readerErr.Store(err)
 			}
@@ -144,7 +171,7 @@ func rebuildUnderWrites(t *testing.T, b *testBundle) {
 		}
 		time.Sleep(10 * time.Millisecond)
 	}}
-	r, err := New(src, b.target, &Config{PageSize: 50})
+	r, err := New(src, newTarget, &Config{PageSize: 50})
 	require.NoError(t, err)
 
 	minSeen.Store(n + 1)
@@ -163,7 +190,7 @@ func rebuildUnderWrites(t *testing.T, b *testBundle) {
 				version++
 			}
 			key := rows[(i*7919)%n&^1].Key
-			applied, err := b.outboxWrite(ctx, key, version)
+			applied, err := write(ctx, key, version)
 			if err != nil {
 				readerErr.Store(err)
 				return
@@ -209,7 +236,7 @@ func rebuildUnderWrites(t *testing.T, b *testBundle) {
 	require.GreaterOrEqual(t, minSeen.Load(), int64(n), "readers never saw a partial projection")
 
 	// Every gate write survived: source and projection agree everywhere.
-	check, err := New(b.source, b.target, nil)
+	check, err := New(b.source, newTarget, nil)
 	require.NoError(t, err)
 	run, err := check.Run(ctx, RunOptions{DryRun: true})
 	require.NoError(t, err)

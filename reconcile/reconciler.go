@@ -5,6 +5,8 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"math/rand/v2"
+	"strconv"
 	"time"
 
 	"github.com/redis/go-redis/v9"
@@ -36,12 +38,19 @@ type Reconciler struct {
 	gate          *projection.Gate
 	repairScript  *redis.Script
 	rebuildScript *redis.Script
+	readScript    *redis.Script // bucketed collections only
+	bucketReads   bool          // read.lua rather than HMGET per bucket
 	logger        *slog.Logger
 	metrics       *reconcileMetrics // nil: no MeterProvider
 
-	// valueKey and versionKey are the collection's keys (empty for
-	// documents).
-	valueKey, versionKey string
+	// The collection's keys (empty for documents): the value key, every
+	// version key (one per bucket, or the one version hash), the layout
+	// key, the unbucketed version hash (which a layout without buckets
+	// uses, and whose presence marks a collection older than layout keys),
+	// and the bucket count as the layout key stores it.
+	valueKey, layoutKey, unbucketedKey, unbucketedShadowKey, layout string
+	versionKeys                                                     []string
+	buckets                                                         int
 }
 
 // New returns a Reconciler checking target against source. cfg may be nil.
@@ -72,8 +81,17 @@ func New(source Source, target Target, cfg *Config) (*Reconciler, error) {
 	}
 	if target.Kind != projection.KindDocument {
 		t := projection.Target{Kind: target.Kind, Name: target.Name}
-		r.valueKey = target.Keyspace.ValueKey(t)
-		r.versionKey = target.Keyspace.VersionKey(t)
+		ks := target.Keyspace
+		r.valueKey = ks.ValueKey(t)
+		r.versionKeys = ks.VersionKeys(t.Name, t.Kind)
+		r.layoutKey = ks.LayoutKey(t.Name, t.Kind)
+		flat, _ := projection.NewKeyspace(ks.Prefix()) // ks's prefix is valid
+		r.unbucketedKey = flat.VersionKeys(t.Name, t.Kind)[0]
+		r.unbucketedShadowKey = flat.ShadowVersionKeys(t.Name, t.Kind)[0]
+		r.buckets = ks.VersionBuckets()
+		r.layout = strconv.Itoa(r.buckets)
+		r.readScript = redis.NewScript(readSource)
+		r.bucketReads = bucketReadsDefault
 	}
 	return r, nil
 }
@@ -132,9 +150,7 @@ func (r *Reconciler) runSample(ctx context.Context, opts RunOptions, rep *Report
 	if r.cfg.SkipOrphans || r.target.Kind == projection.KindDocument {
 		return nil
 	}
-	// Orphans are sampled from the projection's side: HRANDFIELD returns
-	// up to Sample distinct versioned entries, uniformly.
-	members, err := r.target.Client.HRandField(ctx, r.versionKey, opts.Sample).Result()
+	members, err := r.sampleVersioned(ctx, opts.Sample)
 	if err != nil {
 		return fmt.Errorf("reconcile: sampling projection: %w", err)
 	}
@@ -359,4 +375,33 @@ func (r *Reconciler) checkKeys(ctx context.Context, opts RunOptions, keys []stri
 		}
 	}
 	return nil
+}
+
+// sampleVersioned returns up to n random members that have a version.
+// Orphans are sampled from the projection's side: HRANDFIELD returns
+// distinct entries of one hash, uniformly. With version buckets, n draws of
+// a random bucket decide how many entries each bucket gives (pipelined), so
+// a member's chance is uniform only as far as buckets are equally full —
+// which hashing makes them, roughly.
+func (r *Reconciler) sampleVersioned(ctx context.Context, n int) ([]string, error) {
+	if r.buckets == 0 {
+		return r.target.Client.HRandField(ctx, r.versionKeys[0], n).Result()
+	}
+	draws := make(map[int]int)
+	for range n {
+		draws[rand.IntN(r.buckets)]++
+	}
+	pipe := r.target.Client.Pipeline()
+	cmds := make([]*redis.StringSliceCmd, 0, len(draws))
+	for b, k := range draws {
+		cmds = append(cmds, pipe.HRandField(ctx, r.versionKeys[b], k))
+	}
+	if _, err := pipe.Exec(ctx); err != nil {
+		return nil, err
+	}
+	var members []string
+	for _, c := range cmds {
+		members = append(members, c.Val()...)
+	}
+	return members, nil
 }

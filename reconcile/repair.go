@@ -27,8 +27,9 @@ func (r *Reconciler) gateRepair(ctx context.Context, fs []*Finding) error {
 		writes[i] = projection.Write{Target: r.target.target(f.Key), Version: f.Source.Version, Value: f.Source.Value}
 	}
 	outcomes, err := r.gate.Apply(ctx, writes)
-	if errors.Is(err, projection.ErrInvalidVersion) || errors.Is(err, projection.ErrScoreOutOfRange) || errors.Is(err, projection.ErrInvalidTarget) {
-		// Refused before anything was sent; the findings stay
+	if errors.Is(err, projection.ErrInvalidVersion) || errors.Is(err, projection.ErrScoreOutOfRange) ||
+		errors.Is(err, projection.ErrInvalidTarget) || errors.Is(err, projection.ErrLayoutMismatch) {
+		// Refused before anything was written; the findings stay
 		// ResultNotAttempted.
 		return fmt.Errorf("reconcile: repairing %d entries through the gate: %w", len(fs), err)
 	}
@@ -59,9 +60,10 @@ func (r *Reconciler) casRepair(ctx context.Context, fs []*Finding) error {
 	}
 	kind := map[projection.Kind]string{projection.KindSortedSet: "z", projection.KindHash: "h", projection.KindDocument: "d"}[r.target.Kind]
 	type group struct {
-		keys  []string
-		args  []any
-		items []*Finding
+		keys     []string
+		keyIndex map[string]int
+		args     []any
+		items    []*Finding
 	}
 	var groups []*group
 	byKey := make(map[string]*group)
@@ -73,15 +75,27 @@ func (r *Reconciler) casRepair(ctx context.Context, fs []*Finding) error {
 		}
 		g := byKey[gk]
 		if g == nil {
-			g = &group{args: []any{kind}}
+			g = &group{args: []any{kind, r.layout}, keyIndex: make(map[string]int)}
+			if r.target.Kind != projection.KindDocument {
+				// Collection keys are passed once: value, layout,
+				// unbucketed versions, then the buckets used.
+				g.keys = []string{r.valueKey, r.layoutKey, r.unbucketedKey}
+			}
 			byKey[gk] = g
 			groups = append(groups, g)
 		}
-		base := len(g.keys) + 1
-		if r.target.Kind != projection.KindDocument && len(g.keys) > 0 {
-			base = 1 // collection keys are passed once
-		} else {
+		var base, vbase int
+		if r.target.Kind == projection.KindDocument {
 			g.keys = append(g.keys, r.target.Keyspace.ValueKey(t), r.target.Keyspace.VersionKey(t))
+			base, vbase = len(g.keys)-1, len(g.keys)
+		} else {
+			vk := r.target.Keyspace.VersionKey(t)
+			if vbase = g.keyIndex[vk]; vbase == 0 {
+				g.keys = append(g.keys, vk)
+				vbase = len(g.keys)
+				g.keyIndex[vk] = vbase
+			}
+			base = 1
 		}
 		action, version, value := "del", "", any("")
 		if f.Source != nil {
@@ -93,7 +107,7 @@ func (r *Reconciler) casRepair(ctx context.Context, fs []*Finding) error {
 				value = nonNil(f.Source.Value.Data)
 			}
 		}
-		g.args = append(g.args, base, f.Key, expectVersion(f.Projected), r.expectValue(f.Projected), action, version, value)
+		g.args = append(g.args, base, vbase, f.Key, expectVersion(f.Projected), r.expectValue(f.Projected), action, version, value)
 		g.items = append(g.items, f)
 	}
 
@@ -124,6 +138,11 @@ func (r *Reconciler) casRepair(ctx context.Context, fs []*Finding) error {
 	var errs []error
 	for i, g := range groups {
 		codes, err := cmds[i].Int64Slice()
+		if lm := r.layoutError(err); lm != nil {
+			// Checked before anything was written.
+			errs = append(errs, fmt.Errorf("reconcile: compare-and-set repair of %d entries: %w", len(g.items), lm))
+			continue
+		}
 		if err == nil && len(codes) != len(g.items) {
 			err = fmt.Errorf("%w: %d results for %d repairs", ErrUnexpectedReply, len(codes), len(g.items))
 		}

@@ -1,8 +1,14 @@
 -- verity reconcile: compare-and-set repairs.
 --
--- ARGV[1] is the kind: "z" sorted set, "h" hash, "d" document. Then seven
+-- ARGV[1] is the kind: "z" sorted set, "h" hash, "d" document. ARGV[2] is
+-- the reconciler's layout (version bucket count as a canonical decimal).
+-- For a collection, KEYS[1] is the value key, KEYS[2] the layout key,
+-- KEYS[3] the unbucketed version hash, and version buckets follow; the
+-- layout is checked first, by the gate's rule, and a mismatch returns the
+-- error "VERITY_LAYOUT live 1 <stored>" with nothing written. Then eight
 -- arguments per repair:
---   base        index into KEYS of the value key; the version key follows it
+--   base        index into KEYS of the value key
+--   vbase       index into KEYS of the version key (the member's bucket)
 --   member      sorted-set member or hash field ("" for documents)
 --   expVersion  the version read before deciding: "-" absent, "=" .. raw
 --   expValue    the value read before deciding:   "-" absent, "=" .. raw
@@ -15,7 +21,22 @@
 -- another repair, a hand edit) wins, and the repair reports 0.
 -- Returns one integer per repair: 1 written, 0 declined.
 
-local kind = ARGV[1]
+local kind, want = ARGV[1], ARGV[2]
+
+-- adoptLayout is set when the collection is empty and has no layout key:
+-- a repair that writes into it records the reconciler's layout, as the
+-- gate would.
+local adoptLayout = false
+if kind ~= 'd' then
+  local layout = redis.call('GET', KEYS[2])
+  if not layout and redis.call('EXISTS', KEYS[1], KEYS[3]) > 0 then
+    layout = '0'
+  end
+  if layout and layout ~= want then
+    return redis.error_reply('VERITY_LAYOUT live 1 ' .. layout)
+  end
+  adoptLayout = not layout and want ~= '0'
+end
 
 local function storedVersion(versionKey, member)
   if kind == 'd' then return redis.call('GET', versionKey) end
@@ -39,15 +60,18 @@ local function matches(stored, expected)
 end
 
 local out = {}
-for a = 2, #ARGV, 7 do
-  local base = tonumber(ARGV[a])
-  local valueKey, versionKey = KEYS[base], KEYS[base + 1]
-  local member = ARGV[a + 1]
-  local ok = matches(storedVersion(versionKey, member), ARGV[a + 2])
-    and matches(storedValue(valueKey, member), ARGV[a + 3])
+for a = 3, #ARGV, 8 do
+  local valueKey, versionKey = KEYS[tonumber(ARGV[a])], KEYS[tonumber(ARGV[a + 1])]
+  local member = ARGV[a + 2]
+  local ok = matches(storedVersion(versionKey, member), ARGV[a + 3])
+    and matches(storedValue(valueKey, member), ARGV[a + 4])
   if ok then
-    local action, version, value = ARGV[a + 4], ARGV[a + 5], ARGV[a + 6]
+    local action, version, value = ARGV[a + 5], ARGV[a + 6], ARGV[a + 7]
     if action == 'set' then
+      if adoptLayout then
+        redis.call('SET', KEYS[2], want)
+        adoptLayout = false
+      end
       if kind == 'z' then
         redis.call('ZADD', valueKey, value, member)
         redis.call('HSET', versionKey, member, version)

@@ -1,0 +1,376 @@
+package reconcile
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math"
+	"sort"
+	"testing"
+
+	"github.com/redis/go-redis/v9"
+	"github.com/stretchr/testify/require"
+
+	"github.com/verity-go/verity/internal/testenv"
+	"github.com/verity-go/verity/projection"
+)
+
+// withBuckets returns b with its keyspace, gate and target moved to n
+// version buckets (same source, client and prefix).
+func (b *testBundle) withBuckets(t testing.TB, n int) *testBundle {
+	t.Helper()
+	ks, err := b.ks.WithVersionBuckets(n)
+	require.NoError(t, err)
+	out := *b
+	out.ks = ks
+	out.gate = projection.NewGate(b.client, ks)
+	out.target.Keyspace = ks
+	return &out
+}
+
+// snapshot DUMPs every key under the bundle's collection — value, layout,
+// marker, shadows, and version hashes of the unbucketed layout and of
+// layouts 1..16 — so a test can assert that a refused call wrote nothing.
+func (b *testBundle) snapshot(t testing.TB) map[string]string {
+	t.Helper()
+	k, n := b.kind, b.target.Name
+	keys := []string{b.ks.ValueKey(b.target.target("")), b.ks.LayoutKey(n, k), b.ks.RebuildMarkerKey(n, k),
+		b.ks.ShadowValueKey(n, k), b.ks.ShadowLayoutKey(n, k)}
+	for buckets := 0; buckets <= 16; buckets++ {
+		ks := withBuckets(b.ks, buckets)
+		keys = append(keys, ks.VersionKeys(n, k)...)
+		keys = append(keys, ks.ShadowVersionKeys(n, k)...)
+	}
+	out := map[string]string{}
+	for _, key := range keys {
+		v, err := b.client.Dump(context.Background(), key).Result()
+		if errors.Is(err, redis.Nil) {
+			continue
+		}
+		require.NoError(t, err)
+		out[key] = v
+	}
+	return out
+}
+
+// layoutOf returns the collection's layout key ("" when absent).
+func (b *testBundle) layoutOf(t testing.TB) string {
+	t.Helper()
+	v, err := b.client.Get(context.Background(), b.ks.LayoutKey(b.target.Name, b.kind)).Result()
+	if errors.Is(err, redis.Nil) {
+		return ""
+	}
+	require.NoError(t, err)
+	return v
+}
+
+// bucketReaders runs fn once per way of reading bucketed versions.
+func bucketReaders(t *testing.T, fn func(t *testing.T, script bool)) {
+	for _, script := range []bool{true, false} {
+		name := "ReadScript"
+		if !script {
+			name = "HMGETPerBucket"
+		}
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			fn(t, script)
+		})
+	}
+}
+
+func (b *testBundle) bucketReconciler(t testing.TB, cfg *Config, script bool) *Reconciler {
+	t.Helper()
+	r := b.reconciler(t, cfg)
+	r.bucketReads = script
+	return r
+}
+
+func TestBucketsRunClasses(t *testing.T) {
+	t.Parallel()
+	for _, kind := range []projection.Kind{projection.KindSortedSet, projection.KindHash} {
+		t.Run(kindName(kind), func(t *testing.T) {
+			t.Parallel()
+			bucketReaders(t, func(t *testing.T, script bool) {
+				b := setup(t, kind).withBuckets(t, 4)
+				want := b.drift(t)
+				require.Equal(t, "4", b.layoutOf(t))
+				ctx := context.Background()
+				r := b.bucketReconciler(t, &Config{PageSize: 3}, script)
+				rep, err := r.Run(ctx, RunOptions{})
+				require.NoError(t, err)
+				require.Equal(t, countClasses(want), rep.Counts)
+				require.EqualValues(t, 5, rep.Repaired) // missing, stale, 3 corrupt
+				require.EqualValues(t, 3, rep.Skipped)  // ahead and 2 orphans, reported only
+				require.False(t, rep.OrphanScanSkipped)
+				for _, key := range []string{"miss", "stale", "corrupt", "bad{ver}", "nover"} {
+					rows, err := b.source.Lookup(ctx, []string{key})
+					require.NoError(t, err)
+					require.Equal(t, ClassCurrent, Classify(kind, &rows[0], b.state(t, r, key)), key)
+				}
+
+				// Forcing ahead and orphans goes through the compare-and-set
+				// script, bucket keys included.
+				r = b.bucketReconciler(t, &Config{PageSize: 3, Policy: Policy{Ahead: ActionRepair, Orphan: ActionRepair}}, script)
+				rep, err = r.Run(ctx, RunOptions{})
+				require.NoError(t, err)
+				require.EqualValues(t, 3, rep.Repaired)
+				rep, err = r.Run(ctx, RunOptions{})
+				require.NoError(t, err)
+				require.Equal(t, map[Class]int64{ClassCurrent: 7}, rep.Counts)
+				require.True(t, rep.OrphanScanSkipped, "bucket counts add up to the source")
+
+				// Nothing ever went to the unbucketed hash.
+				flat := withBuckets(b.ks, 0)
+				require.Zero(t, b.client.Exists(ctx, flat.VersionKey(b.target.target("cur"))).Val())
+			})
+		})
+	}
+}
+
+func TestBucketsOrphanScan(t *testing.T) {
+	t.Parallel()
+	bucketReaders(t, func(t *testing.T, script bool) {
+		b := setup(t, projection.KindHash).withBuckets(t, 7)
+		rows := b.insertMany(t, 300)
+		b.projectRows(t, rows[:250])
+		r := b.bucketReconciler(t, &Config{PageSize: 32}, script)
+		rep, err := r.Run(context.Background(), RunOptions{})
+		require.NoError(t, err)
+		require.EqualValues(t, 50, rep.Repaired)
+		require.True(t, rep.OrphanScanSkipped)
+
+		for i := range 5 {
+			b.project(t, fmt.Sprintf("orphan%d", i), 1)
+		}
+		b.setRaw(t, rows[0].Key, nil, ptr("")) // value without version
+		rep, err = r.Run(context.Background(), RunOptions{})
+		require.NoError(t, err)
+		require.False(t, rep.OrphanScanSkipped)
+		require.EqualValues(t, 305, rep.Scanned, "304 versions over 7 buckets + the versionless value")
+		require.EqualValues(t, 5, rep.Counts[ClassOrphan])
+		require.EqualValues(t, 1, rep.Counts[ClassCorrupt])
+	})
+}
+
+func TestBucketsRunSample(t *testing.T) {
+	t.Parallel()
+	b := setup(t, projection.KindSortedSet).withBuckets(t, 16)
+	rows := b.insertMany(t, 2000)
+	projected := append([]Row(nil), rows...)
+	for i := range 500 {
+		key := fmt.Sprintf("orphan%03d", i)
+		projected = append(projected, Row{Key: key, Version: 1, Value: b.value(key, 1)})
+	}
+	b.projectRows(t, projected)
+	_, err := b.pool.Exec(context.Background(), "ANALYZE items")
+	require.NoError(t, err)
+	r := b.reconciler(t, &Config{PageSize: 50})
+	rep, err := r.Run(context.Background(), RunOptions{Sample: 300, DryRun: true})
+	require.NoError(t, err)
+	require.EqualValues(t, 300, rep.Scanned, "300 distinct versioned entries sampled from the buckets")
+	// 20% of the projection are orphans: 60 expected, 25..95 is beyond 4 sigma.
+	require.InDelta(t, 60, rep.Counts[ClassOrphan], 35)
+}
+
+func TestBucketsVersionsNearMaxInt64(t *testing.T) {
+	t.Parallel()
+	b := setup(t, projection.KindHash).withBuckets(t, 3)
+	b.insert(t, "max", math.MaxInt64)
+	b.project(t, "max", math.MaxInt64)
+	b.insert(t, "below", math.MaxInt64)
+	b.project(t, "below", math.MaxInt64-1)
+	b.insert(t, "ahead", 1<<53)
+	b.project(t, "ahead", 1<<53+1)
+	r := b.reconciler(t, nil)
+	rep, err := r.Run(context.Background(), RunOptions{})
+	require.NoError(t, err)
+	require.Equal(t, map[Class]int64{ClassCurrent: 1, ClassStale: 1, ClassAhead: 1}, rep.Counts)
+	require.Equal(t, int64(math.MaxInt64), b.state(t, r, "below").Version)
+}
+
+func TestBucketsLayoutMismatch(t *testing.T) {
+	t.Parallel()
+	t.Run("RunRefusedNothingWritten", func(t *testing.T) {
+		t.Parallel()
+		bucketReaders(t, func(t *testing.T, script bool) {
+			four := setup(t, projection.KindSortedSet).withBuckets(t, 4)
+			four.drift(t) // plenty to repair
+			before := four.snapshot(t)
+			for _, n := range []int{0, 2, 8} {
+				other := four.withBuckets(t, n)
+				r := other.bucketReconciler(t, &Config{Policy: Policy{Ahead: ActionRepair, Orphan: ActionRepair}}, script)
+				_, err := r.Run(context.Background(), RunOptions{})
+				var lm *projection.LayoutMismatchError
+				require.ErrorAs(t, err, &lm, "%d buckets", n)
+				require.Equal(t, projection.LayoutMismatchError{Kind: projection.KindSortedSet, Name: testBoard, Stored: 4, Configured: n}, *lm)
+				_, err = r.CheckKeys(context.Background(), []string{"miss", "orphan"}, RunOptions{})
+				require.ErrorIs(t, err, projection.ErrLayoutMismatch)
+				_, err = r.Run(context.Background(), RunOptions{Sample: 5})
+				require.ErrorIs(t, err, projection.ErrLayoutMismatch)
+				require.Equal(t, before, four.snapshot(t), "nothing written with %d buckets", n)
+			}
+		})
+	})
+
+	t.Run("LegacyCollection", func(t *testing.T) {
+		t.Parallel()
+		flat := setup(t, projection.KindHash)
+		flat.drift(t)
+		require.Empty(t, flat.layoutOf(t))
+		before := flat.snapshot(t)
+		_, err := flat.withBuckets(t, 4).reconciler(t, nil).Run(context.Background(), RunOptions{})
+		var lm *projection.LayoutMismatchError
+		require.ErrorAs(t, err, &lm)
+		require.Equal(t, 0, lm.Stored)
+		require.Equal(t, before, flat.snapshot(t))
+	})
+
+	t.Run("EmptyCollectionAdoptsTheLayout", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t, projection.KindSortedSet).withBuckets(t, 4)
+		b.insertMany(t, 10)
+		// Only the compare-and-set path: a corrupt entry (a value without a
+		// version) in an otherwise empty, layout-less collection.
+		b.setRaw(t, "k0000000", &projection.Value{Score: 5}, nil)
+		require.Empty(t, b.layoutOf(t))
+		_, err := b.reconciler(t, nil).Run(context.Background(), RunOptions{})
+		require.ErrorIs(t, err, projection.ErrLayoutMismatch, "a value without a layout key is a legacy collection")
+
+		require.NoError(t, b.client.Del(context.Background(), b.ks.ValueKey(b.target.target(""))).Err())
+		rep, err := b.reconciler(t, nil).Run(context.Background(), RunOptions{})
+		require.NoError(t, err)
+		require.EqualValues(t, 10, rep.Repaired)
+		require.Equal(t, "4", b.layoutOf(t))
+	})
+
+	t.Run("LayoutChangedBeforeRepair", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t, projection.KindSortedSet).withBuckets(t, 4)
+		b.drift(t)
+		layout := b.ks.LayoutKey(testBoard, b.kind)
+		var before map[string]string
+		r := b.reconciler(t, &Config{PageSize: 100, BeforeRepair: func(ctx context.Context, f Finding) bool {
+			if before == nil {
+				// Someone migrated the collection between read and repair.
+				require.NoError(t, b.client.Set(ctx, layout, "9", 0).Err())
+				before = b.snapshot(t)
+			}
+			return true
+		}})
+		rep, err := r.Run(context.Background(), RunOptions{})
+		require.ErrorIs(t, err, projection.ErrLayoutMismatch)
+		require.Zero(t, rep.Repaired)
+		require.Zero(t, rep.Uncertain, "refused before writing: not attempted, not uncertain")
+		require.EqualValues(t, 5, rep.Results[ResultNotAttempted], "gate and compare-and-set repairs both refused")
+		require.Equal(t, before, b.snapshot(t))
+	})
+}
+
+// TestRebuildMigratesLayout changes a live collection's bucket count with
+// Rebuild: 0 → 8 → 3 → 0, each time with drift to fix, and checks that the
+// new layout is the only one left and the only one the gate accepts.
+func TestRebuildMigratesLayout(t *testing.T) {
+	t.Parallel()
+	for _, kind := range []projection.Kind{projection.KindSortedSet, projection.KindHash} {
+		t.Run(kindName(kind), func(t *testing.T) {
+			t.Parallel()
+			flat := setup(t, kind)
+			rows := flat.insertMany(t, 400)
+			flat.projectRows(t, rows[:390])
+			flat.project(t, "orphan", 1)
+			ctx := context.Background()
+			prev := flat
+			for _, n := range []int{8, 3, 0} {
+				next := flat.withBuckets(t, n)
+				prev.project(t, "orphan", 2) // drift the rebuild removes
+				rep, err := next.reconciler(t, &Config{PageSize: 64}).Rebuild(ctx)
+				require.NoError(t, err, "to %d buckets", n)
+				require.True(t, rep.Switched)
+				require.EqualValues(t, 400, rep.Rows)
+
+				if n == 0 {
+					require.Empty(t, next.layoutOf(t), "no layout key without buckets")
+				} else {
+					require.Equal(t, fmt.Sprint(n), next.layoutOf(t))
+				}
+				// Only the new layout's keys are left.
+				var keys []string
+				for k := range next.snapshot(t) {
+					keys = append(keys, k)
+				}
+				want := append([]string{next.ks.ValueKey(next.target.target(""))}, next.ks.VersionKeys(testBoard, kind)...)
+				if n > 0 {
+					want = append(want, next.ks.LayoutKey(testBoard, kind))
+				}
+				sort.Strings(keys)
+				sort.Strings(want)
+				require.Equal(t, want, keys, "to %d buckets", n)
+
+				run, err := next.reconciler(t, nil).Run(ctx, RunOptions{DryRun: true})
+				require.NoError(t, err)
+				require.Equal(t, map[Class]int64{ClassCurrent: 400}, run.Counts)
+				require.True(t, run.OrphanScanSkipped)
+
+				// The old layout's gate is refused, the new one's works.
+				_, err = prev.gate.Apply(ctx, []projection.Write{{Target: prev.target.target(rows[0].Key), Version: 9, Value: prev.value(rows[0].Key, 9)}})
+				if prev.ks.VersionBuckets() != n {
+					require.ErrorIs(t, err, projection.ErrLayoutMismatch)
+				}
+				require.Equal(t, projection.OutcomeDuplicate, next.project(t, rows[1].Key, 1))
+				prev = next
+			}
+		})
+	}
+}
+
+// TestRebuildMigrationUnderWrites migrates 0 → 16 buckets while the outbox
+// keeps writing through an unbucketed gate (which dual-writes into the new
+// layout's shadow keys, then is refused after the switch and replaced).
+func TestRebuildMigrationUnderWrites(t *testing.T) {
+	t.Parallel()
+	for _, kind := range []projection.Kind{projection.KindSortedSet, projection.KindHash} {
+		t.Run(kindName(kind), func(t *testing.T) {
+			t.Parallel()
+			b := setup(t, kind)
+			rebuildUnderWrites(t, b, b.withBuckets(t, 16).ks)
+		})
+	}
+	t.Run("BucketsToBuckets", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t, projection.KindSortedSet).withBuckets(t, 5)
+		rebuildUnderWrites(t, b, b.withBuckets(t, 12).ks)
+	})
+}
+
+// TestBucketsSharedCluster runs classification, repair and a migration
+// under writes with buckets on the shared 3-master Redis Cluster.
+func TestBucketsSharedCluster(t *testing.T) {
+	t.Parallel()
+	cluster := testenv.SharedRedisCluster(t)
+	client := cluster.Client(t)
+	for _, kind := range []projection.Kind{projection.KindSortedSet, projection.KindHash} {
+		t.Run("Classes"+kindName(kind), func(t *testing.T) {
+			t.Parallel()
+			bucketReaders(t, func(t *testing.T, script bool) {
+				b := setupWith(t, kind, client, cluster.Prefix(t)).withBuckets(t, 6)
+				want := b.drift(t)
+				r := b.bucketReconciler(t, &Config{PageSize: 4, Policy: Policy{Orphan: ActionRepair}}, script)
+				rep, err := r.Run(context.Background(), RunOptions{})
+				require.NoError(t, err)
+				require.Equal(t, countClasses(want), rep.Counts)
+				require.EqualValues(t, 7, rep.Repaired)
+				rep, err = r.Run(context.Background(), RunOptions{})
+				require.NoError(t, err)
+				require.Equal(t, map[Class]int64{ClassCurrent: 6, ClassAhead: 1}, rep.Counts)
+
+				_, err = b.withBuckets(t, 3).reconciler(t, nil).Run(context.Background(), RunOptions{})
+				require.ErrorIs(t, err, projection.ErrLayoutMismatch)
+			})
+		})
+	}
+	t.Run("MigrationUnderWrites", func(t *testing.T) {
+		t.Parallel()
+		b := setupWith(t, projection.KindSortedSet, client, cluster.Prefix(t))
+		rebuildUnderWrites(t, b, b.withBuckets(t, 16).ks)
+	})
+}
