@@ -16,7 +16,8 @@ type Stats struct {
 	// Pending counts rows not yet acknowledged, including InFlight and
 	// Retrying ones.
 	Pending int64
-	// InFlight counts rows claimed by a relay whose lease has not expired.
+	// InFlight counts rows handed to a relay whose partition lease has not
+	// expired.
 	InFlight int64
 	// Retrying counts rows waiting out a retry backoff.
 	Retrying int64
@@ -28,18 +29,22 @@ type Stats struct {
 	DeadLetters int64
 }
 
-// statsSQL gathers all figures in one round trip. Pending, InFlight and
-// Retrying come from one pass over the pending rows (the partial index plus
-// a heap visit per row for the lease column): O(pending). OldestPendingAge is
-// one probe of the created_at partial index: O(1). DeadLetters scans the
-// dead-letter table: O(dead letters).
-const statsSQL = `SELECT p.pending, p.in_flight, p.retrying, a.age_us, d.dead
+// statsSQL gathers all figures in one round trip. Pending and Retrying come
+// from one pass over the pending rows: O(pending). InFlight adds up the ids
+// handed out under the live partition leases (rows stamped by a relay of an
+// older version count too): O(partitions). OldestPendingAge is one probe of
+// the created_at partial index: O(1). DeadLetters scans the dead-letter
+// table: O(dead letters).
+const statsSQL = `SELECT p.pending, p.in_flight + l.in_flight, p.retrying, a.age_us, d.dead
 FROM (
     SELECT count(*) AS pending,
            count(*) FILTER (WHERE leased_until > now()) AS in_flight,
            count(*) FILTER (WHERE available_at > now()) AS retrying
     FROM %[1]s WHERE published_at IS NULL
 ) p, (
+    SELECT COALESCE(sum(upper(r) - lower(r)), 0)::bigint AS in_flight
+    FROM %[3]s, unnest(inflight) AS r WHERE leased_until > now()
+) l, (
     SELECT COALESCE((EXTRACT(EPOCH FROM now() - min(created_at)) * 1000000)::bigint, 0) AS age_us
     FROM %[1]s WHERE published_at IS NULL
 ) a, (
@@ -60,7 +65,7 @@ func (r *Relay) Stats(ctx context.Context) (Stats, error) {
 		s     Stats
 		ageUS int64
 	)
-	err := r.pool.QueryRow(ctx, fmt.Sprintf(statsSQL, r.names.Outbox, r.names.Dead)).
+	err := r.pool.QueryRow(ctx, fmt.Sprintf(statsSQL, r.names.Outbox, r.names.Dead, r.names.Leases)).
 		Scan(&s.Pending, &s.InFlight, &s.Retrying, &ageUS, &s.DeadLetters)
 	if err != nil {
 		return Stats{}, mapError("stats", err)

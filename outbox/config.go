@@ -38,7 +38,8 @@ type Config struct {
 	Schema string
 
 	// Table is the name of the outbox table. The dead-letter table is
-	// Table+"_dead" and the idempotency table Table+"_idempotency"; index
+	// Table+"_dead", the idempotency table Table+"_idempotency" and the
+	// relays' partition lease table Table+"_leases"; index
 	// names are derived the same way. At most MaxTableLength bytes. Defaults
 	// to TableDefault ("verity_outbox").
 	Table string
@@ -97,6 +98,15 @@ type names struct {
 	CreatedIndex            string
 	DeadEventIndex          string
 	IdempotencyCreatedIndex string
+	Leases                  string // quoted schema.table_leases
+	PartitionIndex          string
+	LeasesTouchedIndex      string
+	// Partitions is the number of lease partitions (partitionCount), for
+	// the migration text; it is a constant, not a name.
+	Partitions int
+	// Block is the lease partitions' block of consecutive ids
+	// (partitionBlock).
+	Block int
 	// Channel is the NOTIFY channel, unquoted: it is passed to pg_notify as
 	// a bind parameter and quoted when used in LISTEN.
 	Channel string
@@ -113,6 +123,11 @@ func newNames(schema, table string) names {
 		CreatedIndex:            pgx.Identifier{table + "_created_idx"}.Sanitize(),
 		DeadEventIndex:          pgx.Identifier{table + "_dead_event_idx"}.Sanitize(),
 		IdempotencyCreatedIndex: pgx.Identifier{table + "_idempotency_created_idx"}.Sanitize(),
+		Leases:                  qualified(table + "_leases"),
+		PartitionIndex:          pgx.Identifier{table + "_partition_idx"}.Sanitize(),
+		LeasesTouchedIndex:      pgx.Identifier{table + "_leases_touched_idx"}.Sanitize(),
+		Partitions:              partitionCount,
+		Block:                   partitionBlock,
 		Channel:                 channelName(schema, table),
 	}
 }

@@ -130,4 +130,5 @@ func ExampleMigrationSQL() {
 	// CREATE TABLE IF NOT EXISTS "app"."events_outbox" (
 	// CREATE TABLE IF NOT EXISTS "app"."events_outbox_dead" (
 	// CREATE TABLE IF NOT EXISTS "app"."events_outbox_idempotency" (
+	// CREATE TABLE IF NOT EXISTS "app"."events_outbox_leases" (
 }

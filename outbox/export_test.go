@@ -1,9 +1,21 @@
 package outbox
 
-import "time"
+import (
+	"context"
+	"time"
+
+	"github.com/google/uuid"
+)
 
 // Backoff exposes the retry delay computation to the external tests.
 func (r *Relay) Backoff(attempts int) time.Duration { return r.backoff(attempts) }
 
-// ClaimSQL exposes the claim statement so a test can inspect its plan.
-func (r *Relay) ClaimSQL() string { return r.claimSQL }
+// ClaimSQL exposes the two claim statements so a test can inspect their plans.
+func (r *Relay) ClaimSQL() (lease, pick string) { return r.leaseSQL, r.pickSQL }
+
+// ClaimOnly claims a batch and never settles it, like a relay process that
+// dies while its Handler runs.
+func (r *Relay) ClaimOnly(ctx context.Context) ([]Record, error) {
+	batch, _, err := r.claim(ctx, uuid.New())
+	return batch, err
+}

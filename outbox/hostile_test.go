@@ -45,7 +45,7 @@ func TestHostileIdentifiers(t *testing.T) {
 	require.NoError(t, err)
 	names, err := pgx.CollectRows(rows, pgx.RowTo[string])
 	require.NoError(t, err)
-	require.Equal(t, []string{table, table + "_dead", table + "_idempotency"}, names)
+	require.Equal(t, []string{table, table + "_dead", table + "_idempotency", table + "_leases"}, names)
 
 	w, err := outbox.NewWriter(cfg)
 	require.NoError(t, err)

@@ -26,11 +26,12 @@ const settleTimeout = 10 * time.Second
 // maxErrorLength bounds the handler error text stored in last_error.
 const maxErrorLength = 4096
 
-// Relay delivers outbox rows to a Handler. It claims due rows with a lease in
-// one statement, calls the Handler with no transaction open, and settles the
-// batch (acknowledge, retry later, or dead-letter) in one more statement that
-// only touches rows still carrying its claim token. Any number of relays, in
-// any number of processes, may serve the same outbox.
+// Relay delivers outbox rows to a Handler. It leases partitions of the
+// outbox and reads their due rows in one round trip, calls the Handler with
+// no transaction open, and settles the batch (acknowledge, retry later, or
+// dead-letter) in one more statement that only touches rows of partitions
+// its lease still holds, and releases them. Any number of relays, in any
+// number of processes, may serve the same outbox.
 //
 // Run it with Run (long-running, notified through LISTEN with a polling
 // fallback) or drive it batch by batch with RunOnce. Stats, DeadLetters and
@@ -46,7 +47,8 @@ type Relay struct {
 	metrics   *relayMetrics
 	lastStats atomic.Pointer[statsSample] // latest Stats result, for the gauges
 
-	claimSQL  string
+	leaseSQL  string
+	pickSQL   string
 	settleSQL string
 }
 
@@ -66,15 +68,15 @@ func NewRelay(pool *pgxpool.Pool, handler Handler, cfg *RelayConfig) (*Relay, er
 	n := newNames(cfg.Schema, cfg.Table)
 	streamFilter := ""
 	if len(cfg.Streams) > 0 {
-		streamFilter = "\n      AND stream = ANY($4::text[])"
+		streamFilter = "\n          AND o.stream = ANY($3::text[])"
 	}
 	metrics, err := newRelayMetrics(cfg)
 	if err != nil {
 		return nil, fmt.Errorf("outbox: NewRelay: %w", err)
 	}
-	ack := fmt.Sprintf(ackDeleteSQL, n.Outbox)
+	ack := fmt.Sprintf(ackDeleteSQL, n.Outbox, partitionCount, partitionBlock)
 	if cfg.KeepPublished {
-		ack = fmt.Sprintf(ackKeepSQL, n.Outbox)
+		ack = fmt.Sprintf(ackKeepSQL, n.Outbox, partitionCount, partitionBlock)
 	}
 	async := asyncCommitClause
 	if cfg.DurableBookkeeping {
@@ -87,41 +89,138 @@ func NewRelay(pool *pgxpool.Pool, handler Handler, cfg *RelayConfig) (*Relay, er
 		names:     n,
 		logger:    cfg.Logger.With(slog.String("relay", cfg.Name)),
 		metrics:   metrics,
-		claimSQL:  fmt.Sprintf(claimSQL, n.Outbox, streamFilter, async),
-		settleSQL: fmt.Sprintf(settleSQL, ack, n.Outbox, n.Dead, async),
+		leaseSQL:  fmt.Sprintf(leaseSQL, n.Outbox, n.Leases, streamFilter, async, partitionCount, partitionsPerClaim, partitionBlock),
+		pickSQL:   fmt.Sprintf(pickSQL, n.Outbox, n.Leases, streamFilter, partitionCount, partitionBlock),
+		settleSQL: fmt.Sprintf(settleSQL, ack, n.Outbox, n.Dead, async, n.Leases, partitionCount, partitionBlock),
 	}, nil
 }
 
 // Config returns the relay's configuration with defaults applied.
 func (r *Relay) Config() RelayConfig { return *r.cfg.WithDefaults() }
 
-// claimSQL leases up to $3 due rows in one statement. The MATERIALIZED CTE
-// picks and locks the rows exactly once (SKIP LOCKED: rows another relay is
-// claiming at this instant are left to it); the UPDATE stamps them with this
-// batch's token and sets leased_until, which keeps other relays away once
-// this statement commits. The scan follows the (available_at, id) partial
-// index up to now(), so rows backing off are never visited; rows under a
-// live lease are visited and skipped, at most relays × BatchSize of them.
-// Only unindexed columns change, so the update can be HOT. The ids are
-// matched with "= ANY(ARRAY(…))" rather than a join: with a join, the generic
-// plan that a prepared statement switches to after a few executions estimates
-// LIMIT $3 at a tenth of the table and may hash-join against a sequential
-// scan of the whole outbox; an id array always probes the primary key.
-const claimSQL = `WITH due AS MATERIALIZED (
-    SELECT id FROM %[1]s
-    WHERE published_at IS NULL
-      AND available_at <= now()
-      AND (leased_until IS NULL OR leased_until <= now())%[2]s
-    ORDER BY available_at, id
-    LIMIT $3
-    FOR UPDATE SKIP LOCKED
+// partitionCount is the number of lease partitions: row id mod
+// partitionCount. Migration 003 creates one lease row per partition and an
+// index on the same expression; the number is part of both, so it cannot
+// change without a migration. It caps how many relays can work on a backlog
+// at once (each batch holds at least one partition), far above what two
+// statements per batch on one database need.
+const partitionCount = 64
+
+// partitionBlock is how many consecutive ids go to one partition before
+// the next partition's turn: a row's partition is mod(id / partitionBlock,
+// partitionCount). Runs of consecutive ids keep a batch on few heap pages
+// (ids follow insertion order), which the acknowledging DELETE and vacuum
+// pay for per page, and keep a trickle of new rows in one or two
+// partitions, so that one claim finds them all.
+const partitionBlock = 256
+
+// partitionsPerClaim is the most partitions one claim locks while it looks
+// for rows. A claim locks free partitions that have due rows, least recently
+// claimed first, and fills its batch from them in that order; concurrent
+// claims skip each other's locks, so each takes different partitions. On a
+// backlog the first partition fills the batch; on a trickle, a handful of
+// partitions hold all the rows due since the last batch. Keeping the number
+// well below partitionCount leaves partitions for the other relays' claims
+// running at the same instant; Run claims again at once when a claim locked
+// this many, since more partitions may have due rows.
+const partitionsPerClaim = 4
+
+// A claim is two statements sent together (one round trip, one implicit
+// transaction, a snapshot each): leaseSQL takes partitions, pickSQL reads
+// their rows. They are separate so that the rows are read with a snapshot
+// taken after the partitions were locked: a single statement could lock a
+// partition that its previous holder released a moment ago and still see,
+// in its older snapshot, rows that holder had already deleted.
+//
+// leaseSQL also turns bitmap scans off for the rest of the claim's
+// transaction (set_config(…, true) ends with it, like the asynchronous
+// commit setting): pickSQL, planned after leaseSQL ran, must read each
+// partition in index order and stop after $2 rows. A generic plan
+// estimates "available_at <= now()" at a third of the partition and prefers
+// a bitmap scan that reads the whole partition and sorts it, which on a deep
+// backlog is thousands of rows per claim instead of one batch.
+//
+// leaseSQL locks (FOR UPDATE SKIP LOCKED) up to partitionsPerClaim
+// partitions that no live lease holds and that have a due row, least
+// recently claimed first, and leases them to this batch's token ($1) until
+// now() + $2 µs: one row write per partition. "recovered" counts the attempt
+// of a batch whose relay never released its partition (it crashed, or hung
+// past its lease): the ids it was given get attempts + 1, so a row that
+// kills its relay still reaches the dead-letter table after MaxAttempts.
+// The row-level lease columns that relays of earlier versions stamp are
+// still honoured, so a rolling upgrade does not hand a row claimed the old
+// way to a new relay.
+const leaseSQL = `WITH free AS MATERIALIZED (
+    SELECT l.part, l.owner, l.inflight
+    FROM %[2]s AS l
+    WHERE (l.leased_until IS NULL OR l.leased_until <= now())
+      AND EXISTS (
+        SELECT 1 FROM %[1]s AS o
+        WHERE mod(o.id / %[7]d, %[5]d) = l.part
+          AND o.published_at IS NULL
+          AND o.available_at <= now()
+          AND (o.leased_until IS NULL OR o.leased_until <= now())%[3]s)
+    ORDER BY l.touched_at, l.part
+    LIMIT %[6]d
+    FOR UPDATE OF l SKIP LOCKED
+),
+leased AS (
+    UPDATE %[2]s AS l
+    SET owner = $1,
+        leased_until = now() + $2 * interval '1 microsecond',
+        touched_at = now(),
+        inflight = '{}'
+    FROM free AS f
+    WHERE l.part = f.part%[4]s
+    RETURNING l.part
+),
+recovered AS (
+    UPDATE %[1]s
+    SET attempts = attempts + 1
+    WHERE id = ANY(ARRAY(
+        SELECT generate_series(lower(r), upper(r) - 1)
+        FROM free AS f, unnest(f.inflight) AS r
+        WHERE f.owner IS NOT NULL))
+    RETURNING id
 )
-UPDATE %[1]s AS o
-SET claim_token = $1,
-    leased_until = now() + $2 * interval '1 microsecond',
-    attempts = o.attempts + 1
-WHERE o.id = ANY(ARRAY(SELECT id FROM due))%[3]s
-RETURNING o.id, o.event_id, o.stream, o.key, o.version, o.payload, o.created_at, o.attempts`
+SELECT (SELECT count(*) FROM leased), set_config('enable_bitmapscan', 'off', true)`
+
+// pickSQL reads up to $2 due rows of the partitions leased to the batch's
+// token ($1), partition after partition, each in (available_at, id) order
+// through the partition index; the rows themselves are not written. It
+// records the ids handed out in each partition's lease row and releases the
+// partitions that contributed none (the batch filled up first). The last
+// column is the number of partitions leased, for Run to tell whether more
+// may be due.
+const pickSQL = `WITH owned AS MATERIALIZED (
+    SELECT part FROM %[2]s WHERE owner = $1
+),
+picked AS MATERIALIZED (
+    SELECT f.part, r.*
+    FROM owned AS f
+    CROSS JOIN LATERAL (
+        SELECT o.id, o.event_id, o.stream, o.key, o.version, o.payload, o.created_at, o.attempts
+        FROM %[1]s AS o
+        WHERE mod(o.id / %[5]d, %[4]d) = f.part
+          AND o.published_at IS NULL
+          AND o.available_at <= now()
+          AND (o.leased_until IS NULL OR o.leased_until <= now())%[3]s
+        ORDER BY mod(o.id / %[5]d, %[4]d), o.available_at, o.id
+        LIMIT $2
+    ) AS r
+    LIMIT $2
+),
+recorded AS (
+    UPDATE %[2]s AS l
+    SET inflight = COALESCE((SELECT range_agg(int8range(p.id, p.id, '[]')) FROM picked AS p WHERE p.part = l.part), '{}'),
+        owner = CASE WHEN l.part IN (SELECT part FROM picked) THEN l.owner END,
+        leased_until = CASE WHEN l.part IN (SELECT part FROM picked) THEN l.leased_until END
+    WHERE l.owner = $1
+    RETURNING l.part
+)
+SELECT p.id, p.event_id, p.stream, p.key, p.version, p.payload, p.created_at, p.attempts + 1,
+    (SELECT count(*) FROM owned)
+FROM picked AS p`
 
 // asyncCommitClause makes the statement it is part of commit with
 // synchronous_commit = off unless RelayConfig.DurableBookkeeping is set.
@@ -132,43 +231,50 @@ RETURNING o.id, o.event_id, o.stream, o.key, o.version, o.payload, o.created_at,
 // end, so the setting never outlives the statement on the pooled connection.
 // The subquery has no column references, so the planner evaluates it once,
 // as a one-time filter, whether or not any row qualifies; it is in a part of
-// each statement that always runs (the claim's UPDATE, the settle's last
-// data-modifying CTE).
+// each statement that always runs (the claim's lease UPDATE, the settle's
+// release).
 const asyncCommitClause = `
       AND (SELECT set_config('synchronous_commit', 'off', true)) IS NOT NULL`
 
-// The acknowledgement variants; both only touch rows still holding the
-// batch's claim token ($1).
+// The acknowledgement variants; both only touch rows of partitions the
+// batch still holds ("owned").
 const (
-	ackDeleteSQL = `DELETE FROM %s WHERE id = ANY($2::bigint[]) AND claim_token = $1 RETURNING id`
-	ackKeepSQL   = `UPDATE %s SET published_at = now(), claim_token = NULL, leased_until = NULL
-    WHERE id = ANY($2::bigint[]) AND claim_token = $1 RETURNING id`
+	ackDeleteSQL = `DELETE FROM %[1]s WHERE id = ANY($2::bigint[]) AND mod(id / %[3]d, %[2]d) IN (SELECT part FROM owned) RETURNING id`
+	ackKeepSQL   = `UPDATE %[1]s SET published_at = now(), claim_token = NULL, leased_until = NULL
+    WHERE id = ANY($2::bigint[]) AND mod(id / %[3]d, %[2]d) IN (SELECT part FROM owned) RETURNING id`
 )
 
-// settleSQL records a whole batch's outcome in one statement: acknowledged
-// rows ($2), rows to retry with their error and delay ($3-$5), rows to bury in
-// the dead-letter table with their error ($6-$7) and rows to release for
-// immediate re-delivery ($8). Every part requires the batch's claim token, so
-// rows that another relay re-claimed after this relay's lease expired are
-// left alone; the ids returned are those actually settled.
-const settleSQL = `WITH acked AS (
+// settleSQL records a whole batch's outcome in one statement and releases
+// its partitions: acknowledged rows ($2), rows to retry with their error,
+// delay and attempt number ($3-$5, $9), rows to bury in the dead-letter
+// table with their error and attempt number ($6-$7, $10) and rows to release
+// for immediate re-delivery ($8, nothing to write: a claim wrote nothing on
+// them). "owned" locks the partitions still leased to the batch's token ($1);
+// every part touches only rows of those, so a relay whose lease expired and
+// whose partition another relay took over changes nothing there; the ids
+// returned are those actually settled.
+const settleSQL = `WITH owned AS MATERIALIZED (
+    SELECT part FROM %[5]s WHERE owner = $1 FOR UPDATE
+),
+acked AS (
     %[1]s
 ),
 retried AS (
     UPDATE %[2]s AS o
     SET claim_token = NULL,
         leased_until = NULL,
+        attempts = f.attempts,
         last_error = f.err,
         available_at = now() + f.delay_us * interval '1 microsecond'
-    FROM unnest($3::bigint[], $4::text[], $5::bigint[]) AS f(id, err, delay_us)
-    WHERE o.id = f.id AND o.claim_token = $1
+    FROM unnest($3::bigint[], $4::text[], $5::bigint[], $9::int[]) AS f(id, err, delay_us, attempts)
+    WHERE o.id = f.id AND mod(o.id / %[7]d, %[6]d) IN (SELECT part FROM owned)
     RETURNING o.id
 ),
 buried AS (
     DELETE FROM %[2]s AS o
-    USING unnest($6::bigint[], $7::text[]) AS f(id, err)
-    WHERE o.id = f.id AND o.claim_token = $1
-    RETURNING o.id, o.event_id, o.stream, o.key, o.version, o.payload, o.created_at, o.attempts, f.err
+    USING unnest($6::bigint[], $7::text[], $10::int[]) AS f(id, err, attempts)
+    WHERE o.id = f.id AND mod(o.id / %[7]d, %[6]d) IN (SELECT part FROM owned)
+    RETURNING o.id, o.event_id, o.stream, o.key, o.version, o.payload, o.created_at, f.attempts, f.err
 ),
 dead AS (
     INSERT INTO %[3]s (id, event_id, stream, key, version, payload, created_at, attempts, last_error)
@@ -176,15 +282,15 @@ dead AS (
     RETURNING id
 ),
 released AS (
-    UPDATE %[2]s
-    SET claim_token = NULL, leased_until = NULL
-    WHERE id = ANY($8::bigint[]) AND claim_token = $1%[4]s
-    RETURNING id
+    UPDATE %[5]s
+    SET owner = NULL, leased_until = NULL, inflight = '{}'
+    WHERE part IN (SELECT part FROM owned)%[4]s
+    RETURNING part
 )
 SELECT id FROM acked
 UNION ALL SELECT id FROM retried
 UNION ALL SELECT id FROM dead
-UNION ALL SELECT id FROM released`
+UNION ALL SELECT r.id FROM unnest($8::bigint[]) AS r(id) WHERE mod(r.id / %[7]d, %[6]d) IN (SELECT part FROM owned)`
 
 // RunOnce claims one batch of due rows, hands it to the Handler and settles
 // it. It returns the number of rows claimed (0 when nothing was due).
@@ -199,15 +305,16 @@ UNION ALL SELECT id FROM released`
 // rows another relay had re-claimed; any other error leaves the rows to be
 // re-delivered when their lease expires.
 func (r *Relay) RunOnce(ctx context.Context) (int, error) {
-	return r.runBatch(ctx, ctx)
+	n, _, err := r.runBatch(ctx, ctx)
+	return n, err
 }
 
 // runBatch claims with claimCtx (no new claims once it is cancelled) and
 // runs the handler under workCtx, which Run cancels only when the shutdown
-// timeout has passed.
-func (r *Relay) runBatch(claimCtx, workCtx context.Context) (int, error) {
+// timeout has passed. more reports that other rows may be due already.
+func (r *Relay) runBatch(claimCtx, workCtx context.Context) (n int, more bool, err error) {
 	if err := claimCtx.Err(); err != nil {
-		return 0, err
+		return 0, false, err
 	}
 	token := uuid.New()
 	start := time.Now()
@@ -215,10 +322,10 @@ func (r *Relay) runBatch(claimCtx, workCtx context.Context) (int, error) {
 	// that stopped forwarding) would block the relay forever. A claim that
 	// outlives a lease is useless anyway: its rows are claimable again by then.
 	boundedCtx, cancelClaim := context.WithTimeout(claimCtx, r.cfg.LeaseDuration)
-	batch, err := r.claim(boundedCtx, token)
+	batch, more, err := r.claim(boundedCtx, token)
 	cancelClaim()
 	if err != nil || len(batch) == 0 {
-		return 0, err
+		return 0, false, err
 	}
 	// The handler's deadline is measured from before the claim was sent,
 	// so it ends no later than the lease on the server.
@@ -229,28 +336,52 @@ func (r *Relay) runBatch(claimCtx, workCtx context.Context) (int, error) {
 	r.metrics.handlerDuration.Record(workCtx, time.Since(handleStart).Seconds(), r.metrics.attrs)
 	cancel()
 	stopping := workCtx.Err() != nil
-	return len(batch), r.settle(context.WithoutCancel(workCtx), token, batch, results, stopping)
+	return len(batch), more, r.settle(context.WithoutCancel(workCtx), token, batch, results, stopping)
 }
 
-func (r *Relay) claim(ctx context.Context, token uuid.UUID) ([]Record, error) {
-	args := []any{token, r.cfg.LeaseDuration.Microseconds(), r.cfg.BatchSize}
+// claim leases partitions and returns their due rows, sorted by id, and
+// whether more rows may be due elsewhere: the claim leased as many
+// partitions as it may, or filled its batch.
+func (r *Relay) claim(ctx context.Context, token uuid.UUID) (batch []Record, more bool, err error) {
+	leaseArgs := []any{token, r.cfg.LeaseDuration.Microseconds()}
+	pickArgs := []any{token, r.cfg.BatchSize}
 	if len(r.cfg.Streams) > 0 {
-		args = append(args, r.cfg.Streams)
+		leaseArgs = append(leaseArgs, r.cfg.Streams)
+		pickArgs = append(pickArgs, r.cfg.Streams)
 	}
-	rows, err := r.pool.Query(ctx, r.claimSQL, args...)
+	// Queued statements before one Sync run in one implicit transaction:
+	// the partitions stay locked until the rows are read and recorded.
+	b := &pgx.Batch{}
+	b.Queue(r.leaseSQL, leaseArgs...)
+	b.Queue(r.pickSQL, pickArgs...)
+	res := r.pool.SendBatch(ctx, b)
+	defer res.Close()
+	var (
+		leased  int
+		setting string
+	)
+	if err := res.QueryRow().Scan(&leased, &setting); err != nil {
+		return nil, false, mapError("claim", err)
+	}
+	rows, err := res.Query()
 	if err != nil {
-		return nil, mapError("claim", err)
+		return nil, false, mapError("claim", err)
 	}
-	batch, err := pgx.CollectRows(rows, func(row pgx.CollectableRow) (Record, error) {
+	var owned int
+	batch, err = pgx.CollectRows(rows, func(row pgx.CollectableRow) (Record, error) {
 		var rec Record
-		err := row.Scan(&rec.ID, &rec.EventID, &rec.Stream, &rec.Key, &rec.Version, &rec.Payload, &rec.CreatedAt, &rec.Attempts)
+		err := row.Scan(&rec.ID, &rec.EventID, &rec.Stream, &rec.Key, &rec.Version, &rec.Payload, &rec.CreatedAt, &rec.Attempts, &owned)
 		return rec, err
 	})
 	if err != nil {
-		return nil, mapError("claim", err)
+		return nil, false, mapError("claim", err)
+	}
+	if err := res.Close(); err != nil {
+		return nil, false, mapError("claim", err)
 	}
 	slices.SortFunc(batch, func(a, b Record) int { return cmp.Compare(a.ID, b.ID) })
-	return batch, nil
+	more = len(batch) > 0 && (len(batch) >= r.cfg.BatchSize || owned >= partitionsPerClaim)
+	return batch, more, nil
 }
 
 // handle calls the handler and always returns one result per record: a
@@ -288,8 +419,10 @@ func (r *Relay) settle(ctx context.Context, token uuid.UUID, batch []Record, res
 		acked                    []int64
 		retryIDs, retryDelays    []int64
 		retryErrs                []string
+		retryAttempts            []int32
 		deadIDs                  []int64
 		deadErrs                 []string
+		deadAttempts             []int32
 		released                 []int64
 		want                     = make(map[int64]bool, len(batch))
 		failedCount, buriedCount int
@@ -306,6 +439,7 @@ func (r *Relay) settle(ctx context.Context, token uuid.UUID, batch []Record, res
 		case rec.Attempts >= r.cfg.MaxAttempts:
 			deadIDs = append(deadIDs, rec.ID)
 			deadErrs = append(deadErrs, errorText(err))
+			deadAttempts = append(deadAttempts, int32(rec.Attempts))
 			buriedCount++
 			r.logger.Warn("outbox row moved to dead letters", slog.Int64("id", rec.ID),
 				slog.String("event_id", rec.EventID.String()), slog.Int("attempts", rec.Attempts), slog.String("error", err.Error()))
@@ -313,6 +447,7 @@ func (r *Relay) settle(ctx context.Context, token uuid.UUID, batch []Record, res
 			retryIDs = append(retryIDs, rec.ID)
 			retryErrs = append(retryErrs, errorText(err))
 			retryDelays = append(retryDelays, r.backoff(rec.Attempts).Microseconds())
+			retryAttempts = append(retryAttempts, int32(rec.Attempts))
 			failedCount++
 			if firstErr == nil {
 				firstErr = err
@@ -328,7 +463,7 @@ func (r *Relay) settle(ctx context.Context, token uuid.UUID, batch []Record, res
 			slog.Int("failed", failedCount), slog.Int("batch", len(batch)), slog.String("first_error", firstErr.Error()))
 	}
 	rows, err := r.pool.Query(ctx, r.settleSQL, token, nonNil(acked), nonNil(retryIDs), nonNil(retryErrs),
-		nonNil(retryDelays), nonNil(deadIDs), nonNil(deadErrs), nonNil(released))
+		nonNil(retryDelays), nonNil(deadIDs), nonNil(deadErrs), nonNil(released), nonNil(retryAttempts), nonNil(deadAttempts))
 	if err != nil {
 		return mapError("settle batch", err)
 	}
@@ -456,7 +591,7 @@ func (r *Relay) Run(ctx context.Context) error {
 
 	errPause := newPauser(r.cfg.ReconnectBackoffMax)
 	for {
-		n, err := r.runBatch(ctx, workCtx)
+		_, more, err := r.runBatch(ctx, workCtx)
 		var wait time.Duration
 		switch {
 		case ctx.Err() != nil:
@@ -467,9 +602,9 @@ func (r *Relay) Run(ctx context.Context) error {
 		case err != nil:
 			errPause.reset()
 			r.logger.Warn("outbox relay lost a lease; another relay owns those rows", slog.String("error", err.Error()))
-		case n == r.cfg.BatchSize:
+		case more:
 			errPause.reset()
-			continue // probably more due rows
+			continue // a full batch, or more partitions than one claim takes
 		default:
 			errPause.reset()
 			wait = r.cfg.PollInterval

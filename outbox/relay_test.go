@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
@@ -887,13 +888,18 @@ func TestRelayConfig(t *testing.T) {
 	})
 }
 
-// leaseExpired reports whether every claimed row's lease has ended, by the
+// leaseExpired reports whether every partition lease has ended, by the
 // database's clock (false on error: it runs inside Eventually).
 func leaseExpired(b *testBundle) bool {
 	var expired bool
-	err := b.pool.QueryRow(context.Background(), `SELECT bool_and(leased_until <= now()) FROM `+b.writer.Table()+
+	err := b.pool.QueryRow(context.Background(), `SELECT COALESCE(bool_and(leased_until <= now()), true) FROM `+b.leasesTable()+
 		` WHERE leased_until IS NOT NULL`).Scan(&expired)
 	return err == nil && expired
+}
+
+// leasesTable is the quoted name of the bundle's partition lease table.
+func (b *testBundle) leasesTable() string {
+	return pgx.Identifier{b.cfg.Schema, outbox.TableDefault + "_leases"}.Sanitize()
 }
 
 // syncBuffer is a bytes.Buffer safe for the relay's concurrent logging.

@@ -1,0 +1,52 @@
+-- verity outbox, migration 003: partition leases.
+--
+-- Relays no longer stamp every row they claim. Every outbox row belongs to
+-- one of {{.Partitions}} partitions, mod(id / {{.Block}}, {{.Partitions}}): runs of {{.Block}}
+-- consecutive ids take turns over the partitions. A relay leases
+-- whole partitions in the small table below: one row write per partition per
+-- batch instead of one per outbox row. While it holds a partition it reads
+-- the partition's due rows with a plain SELECT and deletes them on
+-- acknowledgement. The partition comes from the id, so it needs no new column
+-- and no rewrite of an existing outbox; every statement is idempotent.
+--
+-- part          the partition, 0 to {{.Partitions}}-1
+-- owner         the claim token of the batch holding it, NULL when free
+-- leased_until  when that lease ends
+-- touched_at    when it was last claimed: free partitions are taken least
+--               recently claimed first, so relays take turns over all of them
+-- inflight      the ids the holding batch was given: when a lease ends without
+--               being released (the relay crashed or hung), the relay that
+--               takes the partition over counts that attempt on these rows
+CREATE TABLE IF NOT EXISTS {{.Leases}} (
+    part         bigint      PRIMARY KEY CHECK (part >= 0 AND part < {{.Partitions}}),
+    owner        uuid,
+    leased_until timestamptz,
+    touched_at   timestamptz NOT NULL DEFAULT '-infinity',
+    inflight     int8multirange NOT NULL DEFAULT '{}'
+);
+
+-- Claims walk free partitions least recently claimed first and stop after
+-- a few that have due rows; in this order they need not probe them all.
+CREATE INDEX IF NOT EXISTS {{.LeasesTouchedIndex}}
+    ON {{.Leases}} (touched_at, part);
+
+INSERT INTO {{.Leases}} (part)
+SELECT generate_series(0, {{.Partitions}} - 1)
+ON CONFLICT (part) DO NOTHING;
+
+-- Every batch rewrites a few lease rows (and, for large batches, their
+-- TOASTed inflight arrays): vacuum the table and its TOAST table like a queue.
+ALTER TABLE {{.Leases}} SET (
+    autovacuum_vacuum_scale_factor = 0,
+    autovacuum_vacuum_threshold = 1000,
+    autovacuum_vacuum_cost_delay = 0,
+    toast.autovacuum_vacuum_scale_factor = 0,
+    toast.autovacuum_vacuum_threshold = 1000,
+    toast.autovacuum_vacuum_cost_delay = 0
+);
+
+-- A relay reads one partition's due rows oldest first: an equality on the
+-- partition and a range on available_at, in index order, with no sort.
+CREATE INDEX IF NOT EXISTS {{.PartitionIndex}}
+    ON {{.Outbox}} (mod(id / {{.Block}}, {{.Partitions}}), available_at, id)
+    WHERE published_at IS NULL;

@@ -1,0 +1,160 @@
+package outbox_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/verity-go/verity/internal/testenv"
+	"github.com/verity-go/verity/outbox"
+)
+
+// TestRelayPartitionLeases covers what the partition leases must keep from
+// per-row leases: crashed attempts count, no row is skipped, the migration
+// upgrades a live outbox, and Run does not stop at one claim's partitions.
+func TestRelayPartitionLeases(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+
+	// A row whose handling kills the relay every time is not retried
+	// forever: each takeover of the dead relay's partition counts the
+	// attempt, and the attempt that fails with an error buries it.
+	t.Run("CrashedAttemptsCountTowardsDeadLetter", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		poison := newMessage("s", "poison", 1)
+		b.appendCommitted(t, poison)
+		const lease = 100 * time.Millisecond
+		cfg := outbox.RelayConfig{LeaseDuration: lease, MaxAttempts: 3}
+		for crash := 1; crash <= 2; crash++ {
+			crashed := b.relay(t, nil, &recorder{}, cfg)
+			batch, err := crashed.ClaimOnly(ctx)
+			require.NoError(t, err)
+			require.Len(t, batch, 1)
+			require.Equal(t, crash, batch[0].Attempts)
+			require.Eventually(t, func() bool { return leaseExpired(b) }, 5*time.Second, 10*time.Millisecond)
+		}
+		h := &recorder{fail: func(outbox.Record) error { return errors.New("poison") }}
+		n, err := b.relay(t, nil, h, cfg).RunOnce(ctx)
+		require.NoError(t, err)
+		require.Equal(t, 1, n)
+		require.Equal(t, 3, h.seen()[0].Attempts, "two crashed attempts and this one")
+		require.Zero(t, b.count(t, b.writer.Table()))
+		dead, err := b.relay(t, nil, h, cfg).DeadLetters(ctx, 0, 10)
+		require.NoError(t, err)
+		require.Len(t, dead, 1)
+		require.Equal(t, poison.EventID, dead[0].EventID)
+		require.Equal(t, 3, dead[0].Attempts)
+	})
+
+	// A transaction that took a lower id but commits after higher ids were
+	// delivered is still delivered: claims read each partition from its
+	// start, not from a remembered position.
+	t.Run("LateCommitWithLowerIDIsDelivered", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		early := newMessage("s", "early-id", 1)
+		tx, err := b.pool.Begin(ctx)
+		require.NoError(t, err)
+		defer tx.Rollback(ctx) //nolint:errcheck // no-op after commit
+		require.NoError(t, b.writer.Append(ctx, tx, early))
+		late := newMessage("s", "late-id", 1)
+		b.appendCommitted(t, late)
+
+		h := &recorder{}
+		r := b.relay(t, nil, h, outbox.RelayConfig{})
+		n, err := r.RunOnce(ctx)
+		require.NoError(t, err)
+		require.Equal(t, 1, n)
+		require.NoError(t, tx.Commit(ctx))
+		n, err = r.RunOnce(ctx)
+		require.NoError(t, err)
+		require.Equal(t, 1, n)
+		seen := h.seen()
+		require.Equal(t, late.EventID, seen[0].EventID)
+		require.Equal(t, early.EventID, seen[1].EventID)
+		require.Less(t, seen[1].ID, seen[0].ID, "the late row has the lower id")
+	})
+
+	// A row stamped by a relay of an earlier version (row-level lease) is
+	// left to that relay while its lease lasts, so a rolling upgrade does
+	// not deliver it twice at once.
+	t.Run("RowLeaseOfOlderRelayIsHonoured", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		b.appendCommitted(t, newMessage("s", "a", 1))
+		_, err := b.pool.Exec(ctx, `UPDATE `+b.writer.Table()+` SET leased_until = now() + interval '1 hour', claim_token = gen_random_uuid()`)
+		require.NoError(t, err)
+		n, err := b.relay(t, nil, &recorder{}, outbox.RelayConfig{}).RunOnce(ctx)
+		require.NoError(t, err)
+		require.Zero(t, n)
+	})
+
+	// Rows spread over more partitions than one claim takes are all
+	// delivered by Run at once, not one claim per poll.
+	t.Run("RunClaimsAgainWhenMorePartitionsAreDue", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		const rows = 6 * 256 // six partitions
+		msgs := make([]outbox.Message, rows)
+		for i := range msgs {
+			msgs[i] = newMessage("s", fmt.Sprint("k", i), 1)
+		}
+		b.appendCommitted(t, msgs...)
+		var handled atomic.Int64
+		r := b.relay(t, nil, outbox.HandlerFunc(func(_ context.Context, batch []outbox.Record) ([]outbox.Result, error) {
+			handled.Add(int64(len(batch)))
+			return make([]outbox.Result, len(batch)), nil
+		}), outbox.RelayConfig{BatchSize: outbox.BatchSizeMax, PollInterval: time.Hour, DisableNotify: true})
+		startRun(t, r)
+		require.Eventually(t, func() bool { return handled.Load() == rows }, 10*time.Second, 10*time.Millisecond)
+	})
+}
+
+// TestMigratePartitionLeasesOnExistingOutbox applies the migrations before
+// 003 (an outbox of the previous version), appends rows, then migrates to
+// the current version: the rows are delivered and nothing is lost.
+func TestMigratePartitionLeasesOnExistingOutbox(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pg := testenv.Postgres(t)
+	cfg := &outbox.Config{Schema: pg.Schema}
+	migrations, err := outbox.Migrations(cfg)
+	require.NoError(t, err)
+	for _, m := range migrations {
+		if m.Name >= "003" {
+			break
+		}
+		_, err := pg.Pool.Exec(ctx, m.SQL)
+		require.NoError(t, err, m.Name)
+	}
+	w, err := outbox.NewWriter(cfg)
+	require.NoError(t, err)
+	b := &testBundle{pg: pg, pool: pg.Pool, cfg: cfg, writer: w}
+	msgs := make([]outbox.Message, 700)
+	for i := range msgs {
+		msgs[i] = newMessage("s", fmt.Sprint("k", i), 1)
+	}
+	b.appendCommitted(t, msgs...)
+
+	require.NoError(t, outbox.Migrate(ctx, pg.Pool, cfg))
+	require.NoError(t, outbox.Migrate(ctx, pg.Pool, cfg), "idempotent")
+	require.Equal(t, 64, b.count(t, b.leasesTable()), "one lease row per partition, once")
+
+	h := &recorder{}
+	r := b.relay(t, nil, h, outbox.RelayConfig{BatchSize: 300})
+	for {
+		n, err := r.RunOnce(ctx)
+		require.NoError(t, err)
+		if n == 0 {
+			break
+		}
+	}
+	require.Len(t, h.seen(), len(msgs))
+	require.Zero(t, b.count(t, w.Table()))
+}
