@@ -67,9 +67,10 @@ func BenchmarkAppend(b *testing.B) {
 	}
 }
 
-// BenchmarkRelayLeased drains b.N rows with the per-row lease design: one
-// claim statement and one settle statement per batch, committed durably or
-// not (RelayConfig.DurableBookkeeping).
+// BenchmarkRelayLeased drains b.N rows with the relay's partition leases:
+// one claim round trip (lease partitions, read their rows) and one settle
+// statement per batch, committed durably or not
+// (RelayConfig.DurableBookkeeping).
 func BenchmarkRelayLeased(b *testing.B) {
 	for _, batch := range []int{10, 100, 1000} {
 		for _, durable := range []bool{false, true} {
@@ -103,58 +104,6 @@ func benchRelayLeased(b *testing.B, batch int, durable bool) {
 		total += n
 	}
 	b.ReportMetric(float64(total)/b.Elapsed().Seconds(), "rows/s")
-}
-
-// BenchmarkRelayPartitioned measures the hot path of the alternative design,
-// leases on partitions of the key space: a relay that owns a partition reads
-// its oldest rows without writing a claim, and deletes them once handled.
-// Only the database statements are simulated (partition ownership, its lease
-// renewal and rebalancing are not), which flatters this design.
-func BenchmarkRelayPartitioned(b *testing.B) {
-	for _, batch := range []int{10, 100} {
-		b.Run(fmt.Sprint("Batch", batch), func(b *testing.B) {
-			pg, _, w := benchSetup(b)
-			ctx := context.Background()
-			_, err := pg.Pool.Exec(ctx, `ALTER TABLE `+w.Table()+` ADD COLUMN part smallint
-				GENERATED ALWAYS AS (abs(hashtext(stream || '/' || key)) % 16) STORED`)
-			require.NoError(b, err)
-			_, err = pg.Pool.Exec(ctx, `CREATE INDEX bench_part_idx ON `+w.Table()+` (part, id) WHERE published_at IS NULL`)
-			require.NoError(b, err)
-			fill(b, pg, w, b.N)
-			owned := []int16{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}
-			selectSQL := `SELECT id, event_id, stream, key, version, payload, created_at, attempts FROM ` + w.Table() +
-				` WHERE part = ANY($1) AND published_at IS NULL AND available_at <= now() ORDER BY id LIMIT $2`
-			deleteSQL := `DELETE FROM ` + w.Table() + ` WHERE id = ANY($1)`
-			b.ResetTimer()
-			total := 0
-			for total < b.N {
-				rows, err := pg.Pool.Query(ctx, selectSQL, owned, batch)
-				if err != nil {
-					b.Fatal(err)
-				}
-				recs, err := pgx.CollectRows(rows, func(row pgx.CollectableRow) (outbox.Record, error) {
-					var rec outbox.Record
-					err := row.Scan(&rec.ID, &rec.EventID, &rec.Stream, &rec.Key, &rec.Version, &rec.Payload, &rec.CreatedAt, &rec.Attempts)
-					return rec, err
-				})
-				if err != nil {
-					b.Fatal(err)
-				}
-				if len(recs) == 0 {
-					b.Fatalf("drained %d of %d", total, b.N)
-				}
-				ids := make([]int64, len(recs))
-				for i, rec := range recs {
-					ids[i] = rec.ID
-				}
-				if _, err := pg.Pool.Exec(ctx, deleteSQL, ids); err != nil {
-					b.Fatal(err)
-				}
-				total += len(recs)
-			}
-			b.ReportMetric(float64(total)/b.Elapsed().Seconds(), "rows/s")
-		})
-	}
 }
 
 // BenchmarkStats measures Stats on a backlog of b.N pending rows (run with

@@ -168,7 +168,6 @@ leased AS (
     UPDATE %[2]s AS l
     SET owner = $1,
         leased_until = now() + $2 * interval '1 microsecond',
-        touched_at = now(),
         inflight = '{}'
     FROM free AS f
     WHERE l.part = f.part%[4]s
@@ -188,10 +187,10 @@ SELECT (SELECT count(*) FROM leased), set_config('enable_bitmapscan', 'off', tru
 // pickSQL reads up to $2 due rows of the partitions leased to the batch's
 // token ($1), partition after partition, each in (available_at, id) order
 // through the partition index; the rows themselves are not written. It
-// records the ids handed out in each partition's lease row and releases the
-// partitions that contributed none (the batch filled up first). The last
-// column is the number of partitions leased, for Run to tell whether more
-// may be due.
+// records the ids handed out in each partition's lease row (and when it was
+// last served, for the least-recently-claimed order) and releases the
+// partitions that contributed none (the batch filled up first) without
+// moving them back in that order.
 const pickSQL = `WITH owned AS MATERIALIZED (
     SELECT part FROM %[2]s WHERE owner = $1
 ),
@@ -214,12 +213,12 @@ recorded AS (
     UPDATE %[2]s AS l
     SET inflight = COALESCE((SELECT range_agg(int8range(p.id, p.id, '[]')) FROM picked AS p WHERE p.part = l.part), '{}'),
         owner = CASE WHEN l.part IN (SELECT part FROM picked) THEN l.owner END,
-        leased_until = CASE WHEN l.part IN (SELECT part FROM picked) THEN l.leased_until END
+        leased_until = CASE WHEN l.part IN (SELECT part FROM picked) THEN l.leased_until END,
+        touched_at = CASE WHEN l.part IN (SELECT part FROM picked) THEN now() ELSE l.touched_at END
     WHERE l.owner = $1
     RETURNING l.part
 )
-SELECT p.id, p.event_id, p.stream, p.key, p.version, p.payload, p.created_at, p.attempts + 1,
-    (SELECT count(*) FROM owned)
+SELECT p.id, p.event_id, p.stream, p.key, p.version, p.payload, p.created_at, p.attempts + 1
 FROM picked AS p`
 
 // asyncCommitClause makes the statement it is part of commit with
@@ -339,10 +338,31 @@ func (r *Relay) runBatch(claimCtx, workCtx context.Context) (n int, more bool, e
 	return len(batch), more, r.settle(context.WithoutCancel(workCtx), token, batch, results, stopping)
 }
 
+// claimRetries bounds how often claim leases again after leasing
+// partitions whose due rows turned out to be gone: the lease statement
+// decides which partitions have due rows with its own snapshot, and a
+// relay that settled a partition while that statement ran leaves it
+// empty. Returning such an empty claim would make Run wait a PollInterval
+// although other partitions have rows.
+const claimRetries = 3
+
 // claim leases partitions and returns their due rows, sorted by id, and
 // whether more rows may be due elsewhere: the claim leased as many
 // partitions as it may, or filled its batch.
 func (r *Relay) claim(ctx context.Context, token uuid.UUID) (batch []Record, more bool, err error) {
+	for range claimRetries {
+		batch, leased, err := r.claimOnce(ctx, token)
+		if err != nil || len(batch) > 0 || leased == 0 {
+			more = len(batch) > 0 && (len(batch) >= r.cfg.BatchSize || leased >= partitionsPerClaim)
+			return batch, more, err
+		}
+	}
+	return nil, false, nil
+}
+
+// claimOnce runs the two claim statements once and returns the rows and
+// the number of partitions leased.
+func (r *Relay) claimOnce(ctx context.Context, token uuid.UUID) ([]Record, int, error) {
 	leaseArgs := []any{token, r.cfg.LeaseDuration.Microseconds()}
 	pickArgs := []any{token, r.cfg.BatchSize}
 	if len(r.cfg.Streams) > 0 {
@@ -361,27 +381,25 @@ func (r *Relay) claim(ctx context.Context, token uuid.UUID) (batch []Record, mor
 		setting string
 	)
 	if err := res.QueryRow().Scan(&leased, &setting); err != nil {
-		return nil, false, mapError("claim", err)
+		return nil, 0, mapError("claim", err)
 	}
 	rows, err := res.Query()
 	if err != nil {
-		return nil, false, mapError("claim", err)
+		return nil, 0, mapError("claim", err)
 	}
-	var owned int
-	batch, err = pgx.CollectRows(rows, func(row pgx.CollectableRow) (Record, error) {
+	batch, err := pgx.CollectRows(rows, func(row pgx.CollectableRow) (Record, error) {
 		var rec Record
-		err := row.Scan(&rec.ID, &rec.EventID, &rec.Stream, &rec.Key, &rec.Version, &rec.Payload, &rec.CreatedAt, &rec.Attempts, &owned)
+		err := row.Scan(&rec.ID, &rec.EventID, &rec.Stream, &rec.Key, &rec.Version, &rec.Payload, &rec.CreatedAt, &rec.Attempts)
 		return rec, err
 	})
 	if err != nil {
-		return nil, false, mapError("claim", err)
+		return nil, 0, mapError("claim", err)
 	}
 	if err := res.Close(); err != nil {
-		return nil, false, mapError("claim", err)
+		return nil, 0, mapError("claim", err)
 	}
 	slices.SortFunc(batch, func(a, b Record) int { return cmp.Compare(a.ID, b.ID) })
-	more = len(batch) > 0 && (len(batch) >= r.cfg.BatchSize || owned >= partitionsPerClaim)
-	return batch, more, nil
+	return batch, leased, nil
 }
 
 // handle calls the handler and always returns one result per record: a

@@ -44,10 +44,10 @@ type RelayConfig struct {
 	Table string
 
 	// BatchSize is the most rows claimed, handed to the Handler and
-	// acknowledged together. A relay pays two statements per batch
-	// whatever its size, so larger batches drain a backlog faster; they do
-	// not delay a trickle of rows (a claim takes whatever is due, up to
-	// BatchSize). The default suits the projection package's gate, which
+	// acknowledged together. A relay pays two round trips per batch (the
+	// claim and the settle) and one lease row write per partition whatever
+	// its size, so larger batches drain a backlog faster; they do not delay
+	// a trickle of rows (a claim takes whatever is due, up to BatchSize). The default suits the projection package's gate, which
 	// applies a batch in one script call per Redis node (Cluster: per
 	// slot) and takes in the order of 10ms for 1,000 writes, while that
 	// Redis node serves nobody else; larger batches lengthen that pause,
@@ -55,12 +55,14 @@ type RelayConfig struct {
 	// most BatchSizeMax. Defaults to BatchSizeDefault (1000).
 	BatchSize int
 
-	// LeaseDuration is how long a claim lasts. While it lasts no other relay
-	// takes the rows; when it ends without an acknowledgement (the relay
-	// died, hung or lost its database connection) any relay claims them
-	// again. The Handler's context expires with the lease. Choose it well
-	// above the Handler's worst expected latency. Defaults to
-	// LeaseDurationDefault (30s).
+	// LeaseDuration is how long a claim lasts. A claim leases the
+	// partitions its rows belong to (see "Partition leases" in the package
+	// documentation); while the lease lasts no other relay takes rows of
+	// those partitions; when it ends without being settled (the relay died,
+	// hung or lost its database connection) any relay leases them again and
+	// counts the unfinished attempt. The Handler's context expires with the
+	// lease. Choose it well above the Handler's worst expected latency.
+	// Defaults to LeaseDurationDefault (30s).
 	LeaseDuration time.Duration
 
 	// PollInterval is how often an idle relay looks for due rows without
@@ -123,7 +125,9 @@ type RelayConfig struct {
 	DisableNotify bool
 
 	// Streams, when not empty, restricts the relay to rows of these streams,
-	// so that different processes can serve different projections.
+	// so that different processes can serve different projections. Such a
+	// relay leases partitions like any other: while its batch runs, relays
+	// serving other streams skip those partitions and take others.
 	// Defaults to nil (every stream).
 	Streams []string
 
