@@ -21,14 +21,15 @@ const drainStream = "bench-drain"
 const drainRounds = 2
 
 // runDrain measures how fast a pre-filled outbox is projected into a sorted
-// set: the library's relays (leased claim, no transaction held during the
-// Redis call, one batched gate call per batch, DELETE on acknowledgement)
-// against the seed's workers (a transaction per batch holding FOR UPDATE
-// SKIP LOCKED while one EVALSHA per event runs, pipelined, then UPDATE …
-// SET published_at). Both sides get the same rows and the same number of
-// workers; by default both claim 100 rows at a time (the library's default
-// and the seed's LIMIT). The clock runs from the first claim to the last
-// acknowledgement; filling is not timed.
+// set: the library's relays (partition leases: one lease row written per
+// partition per batch, the rows read with a plain SELECT; no transaction
+// held during the Redis call; one batched gate call per batch; DELETE on
+// acknowledgement) against the seed's workers (a transaction per batch
+// holding FOR UPDATE SKIP LOCKED while one EVALSHA per event runs,
+// pipelined, then UPDATE … SET published_at). Both sides get the same rows
+// and the same number of workers; the library claims -batch rows at a time
+// (its default, 1000), the seed its LIMIT 100. The clock runs from the
+// first claim to the last acknowledgement; filling is not timed.
 func runDrain(ctx context.Context, e *env) ([]Figure, error) {
 	schema, err := e.schema(ctx, "drain")
 	if err != nil {
