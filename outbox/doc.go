@@ -196,6 +196,18 @@
 // while moving leased rows out of the scanned index range would turn the
 // claim's HOT update into an update of every index.
 //
+// Upgrading: apply migration 003 (Migrate does) before starting relays of
+// this version; they report ErrNotMigrated otherwise. On an existing outbox
+// the migration builds the partition index while holding a SHARE lock, so
+// appends wait for the build (seconds per million pending rows); to avoid
+// that, create the index beforehand with CREATE INDEX CONCURRENTLY under
+// the same name and definition (see MigrationSQL), and 003 will skip it.
+// While relays of both versions run, they do not see each other's leases
+// completely (a new relay skips rows an old relay stamped, but an old relay
+// may stamp a row of a partition a new relay holds), so some rows may be
+// delivered twice during the rollout, which the version gate answers as
+// duplicates.
+//
 // There is no partition filter on relays: static partitions would only buy
 // per-key affinity, which the version gate makes unnecessary (a retried row
 // breaks per-key order anyway), while RelayConfig.Streams already splits

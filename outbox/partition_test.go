@@ -136,6 +136,11 @@ func TestMigratePartitionLeasesOnExistingOutbox(t *testing.T) {
 	w, err := outbox.NewWriter(cfg)
 	require.NoError(t, err)
 	b := &testBundle{pg: pg, pool: pg.Pool, cfg: cfg, writer: w}
+
+	// Before 003 a relay of this version cannot claim, and says why.
+	_, err = b.relay(t, nil, &recorder{}, outbox.RelayConfig{}).RunOnce(ctx)
+	require.ErrorIs(t, err, outbox.ErrNotMigrated)
+
 	msgs := make([]outbox.Message, 700)
 	for i := range msgs {
 		msgs[i] = newMessage("s", fmt.Sprint("k", i), 1)

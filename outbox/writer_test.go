@@ -230,7 +230,7 @@ func TestMigrate(t *testing.T) {
 		require.NoError(t, b.pool.QueryRow(ctx, `SELECT reloptions FROM pg_class WHERE oid = $1::regclass`,
 			b.writer.Table()).Scan(&opts))
 		require.ElementsMatch(t, []string{
-			"fillfactor=50",
+			"fillfactor=100", // 003: claims no longer update rows in place
 			"autovacuum_vacuum_scale_factor=0",
 			"autovacuum_vacuum_threshold=5000",
 			"autovacuum_vacuum_cost_delay=0",
