@@ -260,25 +260,29 @@ func ParseLayout(s string) int {
 // slotGroup is the part of a batch sent in one script call.
 type slotGroup struct {
 	keys     []string
-	keyIndex map[string]int // bucket key → 1-based KEYS index
-	headers  []any          // base, live layout, shadow layout per collection
-	writes   []any          // seven arguments per write
-	index    []int          // batch position of each write in the group
-	bases    map[baseKey]int
-	collAt   map[int]baseKey // base → collection, to decode layout errors
-	mode     string
+	keyIndex map[string]int // bucket key → 1-based KEYS index (bucketed layouts only)
+	// args is ARGV: mode, collection count, five or seven arguments per
+	// write, then base, live layout and shadow layout per collection (see
+	// gate.lua); the headers are appended once every write is in.
+	args    []any
+	headers []any
+	index   []int // batch position of each write in the group
+	bases   map[baseKey]collKeys
+	collAt  map[int]baseKey // base → collection, to decode layout errors
 }
 
-// args returns ARGV for gate.lua.
-func (grp *slotGroup) args() []any {
-	out := make([]any, 0, 2+len(grp.headers)+len(grp.writes))
-	out = append(out, grp.mode, len(grp.headers)/3)
-	out = append(out, grp.headers...)
-	return append(out, grp.writes...)
+// collKeys is where one collection's keys start in a group's KEYS, and the
+// keyspace its shadow version keys are named in.
+type collKeys struct {
+	base    int
+	shadows Keyspace
 }
 
-// key returns the KEYS index of k, adding it on first use.
+// key returns the KEYS index of bucket key k, adding it on first use.
 func (grp *slotGroup) key(k string) int {
+	if grp.keyIndex == nil {
+		grp.keyIndex = make(map[string]int)
+	}
 	if i, ok := grp.keyIndex[k]; ok {
 		return i
 	}
@@ -308,30 +312,23 @@ func (g *Gate) shadowKeyspace(mode string, coll baseKey) Keyspace {
 func (g *Gate) group(mode string, writes []Write, idx []int) []*slotGroup {
 	var groups []*slotGroup
 	byKey := make(map[string]*slotGroup)
-	type collKeys struct {
-		base    int
-		shadows Keyspace
-	}
-	colls := make(map[*slotGroup]map[baseKey]collKeys)
 	for _, i := range idx {
 		w := &writes[i]
 		gk := g.groupKey(g.ks.HashTag(w.Target))
 		grp := byKey[gk]
 		if grp == nil {
-			grp = &slotGroup{mode: mode, keyIndex: make(map[string]int), bases: make(map[baseKey]int), collAt: make(map[int]baseKey)}
+			grp = &slotGroup{bases: make(map[baseKey]collKeys), args: make([]any, 2, 2+5*len(idx))}
+			grp.args[0] = mode
 			byKey[gk] = grp
 			groups = append(groups, grp)
-			colls[grp] = make(map[baseKey]collKeys)
 		}
 		t := w.Target
 		bk := baseKey{kind: t.Kind, name: t.Name}
-		base, ok := grp.bases[bk]
-		var shadows Keyspace
+		ck, ok := grp.bases[bk]
 		if !ok {
-			base = len(grp.keys) + 1 // KEYS is 1-based in Lua
-			grp.bases[bk] = base
+			ck.base = len(grp.keys) + 1 // KEYS is 1-based in Lua
 			if t.Kind.isCollection() {
-				shadows = g.shadowKeyspace(mode, bk)
+				ck.shadows = g.shadowKeyspace(mode, bk)
 				grp.keys = append(grp.keys,
 					g.ks.ValueKey(t),
 					g.ks.LayoutKey(t.Name, t.Kind),
@@ -340,18 +337,19 @@ func (g *Gate) group(mode string, writes []Write, idx []int) []*slotGroup {
 					g.ks.ShadowLayoutKey(t.Name, t.Kind),
 					g.ks.unbucketedVersionKey(t.Name, t.Kind),
 					g.ks.unbucketedVersionKey(t.Name, t.Kind)+suffixShadow)
-				grp.collAt[base] = bk
-				grp.headers = append(grp.headers, base, strconv.Itoa(g.ks.buckets), strconv.Itoa(shadows.buckets))
-				colls[grp][bk] = collKeys{base: base, shadows: shadows}
+				if grp.collAt == nil {
+					grp.collAt = make(map[int]baseKey)
+				}
+				grp.collAt[ck.base] = bk
+				grp.headers = append(grp.headers, ck.base, strconv.Itoa(g.ks.buckets), strconv.Itoa(ck.shadows.buckets))
 			} else {
 				grp.keys = append(grp.keys, g.ks.ValueKey(t), g.ks.VersionKey(t))
 			}
-		} else if t.Kind.isCollection() {
-			shadows = colls[grp][bk].shadows
+			grp.bases[bk] = ck
 		}
+		base := ck.base
 		var kind string
 		var value any
-		vi, svi := base+1, 0
 		switch t.Kind {
 		case KindSortedSet:
 			kind, value = "z", strconv.FormatInt(w.Value.Score, 10)
@@ -360,18 +358,26 @@ func (g *Gate) group(mode string, writes []Write, idx []int) []*slotGroup {
 		case KindDocument:
 			kind, value = "d", nonNil(w.Value.Data)
 		}
-		if t.Kind.isCollection() {
-			vi, svi = base+5, base+6 // the unbucketed hashes
+		if t.Kind.isCollection() && (g.ks.buckets > 0 || ck.shadows.buckets > 0) {
+			// Bucketed: seven arguments, with the KEYS indexes of the
+			// member's version and shadow version buckets.
+			vi, svi := base+5, base+6 // the unbucketed hashes
 			if g.ks.buckets > 0 {
 				vi = grp.key(g.ks.VersionKey(t))
 			}
-			if shadows.buckets > 0 {
-				svi = grp.key(shadows.VersionKey(t) + suffixShadow)
+			if ck.shadows.buckets > 0 {
+				svi = grp.key(ck.shadows.VersionKey(t) + suffixShadow)
 			}
+			grp.args = append(grp.args, strings.ToUpper(kind), base, vi, svi, t.Member, strconv.FormatInt(w.Version, 10), value)
+		} else {
+			// Five arguments, in the order gate.lua reads them.
+			grp.args = append(grp.args, kind, base, t.Member, strconv.FormatInt(w.Version, 10), value)
 		}
-		// Seven arguments per write, in the order gate.lua reads them.
-		grp.writes = append(grp.writes, kind, base, vi, svi, t.Member, strconv.FormatInt(w.Version, 10), value)
 		grp.index = append(grp.index, i)
+	}
+	for _, grp := range groups {
+		grp.args[1] = len(grp.headers) / 3
+		grp.args = append(grp.args, grp.headers...)
 	}
 	return groups
 }
@@ -391,15 +397,13 @@ func (g *Gate) eval(ctx context.Context, groups []*slotGroup) ([][]any, []error)
 	replies := make([][]any, len(groups))
 	errs := make([]error, len(groups))
 	if len(groups) == 1 {
-		replies[0], errs[0] = g.script.Run(ctx, g.client, groups[0].keys, groups[0].args()...).Slice()
+		replies[0], errs[0] = g.script.Run(ctx, g.client, groups[0].keys, groups[0].args...).Slice()
 		return replies, errs
 	}
 	cmds := make([]*redis.Cmd, len(groups))
-	args := make([][]any, len(groups))
 	pipe := g.client.Pipeline()
 	for i, grp := range groups {
-		args[i] = grp.args()
-		cmds[i] = g.script.EvalSha(ctx, pipe, grp.keys, args[i]...)
+		cmds[i] = g.script.EvalSha(ctx, pipe, grp.keys, grp.args...)
 	}
 	_, _ = pipe.Exec(ctx) // errors are inspected per command below
 	var retry []int
@@ -411,7 +415,7 @@ func (g *Gate) eval(ctx context.Context, groups []*slotGroup) ([][]any, []error)
 	if len(retry) > 0 {
 		pipe := g.client.Pipeline()
 		for _, i := range retry {
-			cmds[i] = g.script.Eval(ctx, pipe, groups[i].keys, args[i]...)
+			cmds[i] = g.script.Eval(ctx, pipe, groups[i].keys, groups[i].args...)
 		}
 		_, _ = pipe.Exec(ctx)
 	}

@@ -2,16 +2,18 @@
 --
 -- ARGV[1] is the mode: "live" writes the live keys (and, for a collection
 -- whose rebuild marker exists, the shadow keys too); "shadow" writes only
--- the shadow keys. ARGV[2] is the number C of collections in the call, then
--- three arguments per collection:
---   base (index into KEYS of its first key), live layout, shadow layout
---   (the version bucket counts the caller built the live and shadow
---   version keys for, as canonical decimals; "0" means one version hash).
--- Then seven arguments per write:
---   kind ("z" sorted set, "h" hash, "d" document), base, version key index,
---   shadow version key index (0 for documents), member (field; "" for
---   documents), version (canonical decimal), value (score as a decimal
---   integer, or bytes).
+-- the shadow keys. ARGV[2] is the number C of collections in the call.
+-- Then five arguments per write:
+--   kind ("z" sorted set, "h" hash, "d" document), base (index into KEYS),
+--   member (field; "" for documents), version (canonical decimal), value
+--   (score as a decimal integer, or bytes)
+-- or, for a collection whose live or shadow versions are bucketed, seven:
+--   kind ("Z" or "H"), base, version key index, shadow version key index,
+--   member, version, value.
+-- Then, last, three arguments per collection: base (index into KEYS of its
+-- first key), live layout, shadow layout (the version bucket counts the
+-- caller built the live and shadow version keys for, as canonical
+-- decimals; "0" means one version hash).
 -- Keys from base: collections use value, layout, rebuild marker, shadow
 -- value, shadow layout, unbucketed version, unbucketed shadow version;
 -- documents use value, version. Version (bucket) keys follow, referenced by
@@ -117,8 +119,8 @@ local function check(which, base, layoutKey, valueKey, unbucketedKey, want)
   end
   return nil
 end
-local first = 3 + 3 * ncoll
-for a = 3, first - 1, 3 do
+local last = #ARGV - 3 * ncoll -- the last write argument
+for a = last + 1, #ARGV, 3 do
   local base, live, shadow = tonumber(ARGV[a]), ARGV[a + 1], ARGV[a + 2]
   local err
   if shadowOnly then
@@ -140,10 +142,21 @@ for _, p in ipairs(adopt) do
 end
 
 local out = {}
-for a = first, #ARGV, 7 do
+local a = 3
+while a <= last do
   local kind, base = ARGV[a], tonumber(ARGV[a + 1])
-  local vi, svi = tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3])
-  local member, version, value = ARGV[a + 4], ARGV[a + 5], ARGV[a + 6]
+  local vi, svi
+  if kind == 'Z' or kind == 'H' then
+    kind = string.lower(kind)
+    vi, svi = tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3])
+    a = a + 2
+  elseif kind == 'd' then
+    vi = base + 1
+  else
+    vi, svi = base + 5, base + 6
+  end
+  local member, version, value = ARGV[a + 2], ARGV[a + 3], ARGV[a + 4]
+  a = a + 5
   if shadowOnly then
     out[#out + 1] = gate(kind, KEYS[base + 3], KEYS[svi], member, version, value)
   else
