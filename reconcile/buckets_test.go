@@ -64,92 +64,67 @@ func (b *testBundle) layoutOf(t testing.TB) string {
 	return v
 }
 
-// bucketReaders runs fn once per way of reading bucketed versions.
-func bucketReaders(t *testing.T, fn func(t *testing.T, script bool)) {
-	for _, script := range []bool{true, false} {
-		name := "ReadScript"
-		if !script {
-			name = "HMGETPerBucket"
-		}
-		t.Run(name, func(t *testing.T) {
-			t.Parallel()
-			fn(t, script)
-		})
-	}
-}
-
-func (b *testBundle) bucketReconciler(t testing.TB, cfg *Config, script bool) *Reconciler {
-	t.Helper()
-	r := b.reconciler(t, cfg)
-	r.bucketReads = script
-	return r
-}
-
 func TestBucketsRunClasses(t *testing.T) {
 	t.Parallel()
 	for _, kind := range []projection.Kind{projection.KindSortedSet, projection.KindHash} {
 		t.Run(kindName(kind), func(t *testing.T) {
 			t.Parallel()
-			bucketReaders(t, func(t *testing.T, script bool) {
-				b := setup(t, kind).withBuckets(t, 4)
-				want := b.drift(t)
-				require.Equal(t, "4", b.layoutOf(t))
-				ctx := context.Background()
-				r := b.bucketReconciler(t, &Config{PageSize: 3}, script)
-				rep, err := r.Run(ctx, RunOptions{})
+			b := setup(t, kind).withBuckets(t, 4)
+			want := b.drift(t)
+			require.Equal(t, "4", b.layoutOf(t))
+			ctx := context.Background()
+			r := b.reconciler(t, &Config{PageSize: 3})
+			rep, err := r.Run(ctx, RunOptions{})
+			require.NoError(t, err)
+			require.Equal(t, countClasses(want), rep.Counts)
+			require.EqualValues(t, 5, rep.Repaired) // missing, stale, 3 corrupt
+			require.EqualValues(t, 3, rep.Skipped)  // ahead and 2 orphans, reported only
+			require.False(t, rep.OrphanScanSkipped)
+			for _, key := range []string{"miss", "stale", "corrupt", "bad{ver}", "nover"} {
+				rows, err := b.source.Lookup(ctx, []string{key})
 				require.NoError(t, err)
-				require.Equal(t, countClasses(want), rep.Counts)
-				require.EqualValues(t, 5, rep.Repaired) // missing, stale, 3 corrupt
-				require.EqualValues(t, 3, rep.Skipped)  // ahead and 2 orphans, reported only
-				require.False(t, rep.OrphanScanSkipped)
-				for _, key := range []string{"miss", "stale", "corrupt", "bad{ver}", "nover"} {
-					rows, err := b.source.Lookup(ctx, []string{key})
-					require.NoError(t, err)
-					require.Equal(t, ClassCurrent, Classify(kind, &rows[0], b.state(t, r, key)), key)
-				}
+				require.Equal(t, ClassCurrent, Classify(kind, &rows[0], b.state(t, r, key)), key)
+			}
 
-				// Forcing ahead and orphans goes through the compare-and-set
-				// script, bucket keys included.
-				r = b.bucketReconciler(t, &Config{PageSize: 3, Policy: Policy{Ahead: ActionRepair, Orphan: ActionRepair}}, script)
-				rep, err = r.Run(ctx, RunOptions{})
-				require.NoError(t, err)
-				require.EqualValues(t, 3, rep.Repaired)
-				rep, err = r.Run(ctx, RunOptions{})
-				require.NoError(t, err)
-				require.Equal(t, map[Class]int64{ClassCurrent: 7}, rep.Counts)
-				require.True(t, rep.OrphanScanSkipped, "bucket counts add up to the source")
+			// Forcing ahead and orphans goes through the compare-and-set
+			// script, bucket keys included.
+			r = b.reconciler(t, &Config{PageSize: 3, Policy: Policy{Ahead: ActionRepair, Orphan: ActionRepair}})
+			rep, err = r.Run(ctx, RunOptions{})
+			require.NoError(t, err)
+			require.EqualValues(t, 3, rep.Repaired)
+			rep, err = r.Run(ctx, RunOptions{})
+			require.NoError(t, err)
+			require.Equal(t, map[Class]int64{ClassCurrent: 7}, rep.Counts)
+			require.True(t, rep.OrphanScanSkipped, "bucket counts add up to the source")
 
-				// Nothing ever went to the unbucketed hash.
-				flat := withBuckets(b.ks, 0)
-				require.Zero(t, b.client.Exists(ctx, flat.VersionKey(b.target.target("cur"))).Val())
-			})
+			// Nothing ever went to the unbucketed hash.
+			flat := withBuckets(b.ks, 0)
+			require.Zero(t, b.client.Exists(ctx, flat.VersionKey(b.target.target("cur"))).Val())
 		})
 	}
 }
 
 func TestBucketsOrphanScan(t *testing.T) {
 	t.Parallel()
-	bucketReaders(t, func(t *testing.T, script bool) {
-		b := setup(t, projection.KindHash).withBuckets(t, 7)
-		rows := b.insertMany(t, 300)
-		b.projectRows(t, rows[:250])
-		r := b.bucketReconciler(t, &Config{PageSize: 32}, script)
-		rep, err := r.Run(context.Background(), RunOptions{})
-		require.NoError(t, err)
-		require.EqualValues(t, 50, rep.Repaired)
-		require.True(t, rep.OrphanScanSkipped)
+	b := setup(t, projection.KindHash).withBuckets(t, 7)
+	rows := b.insertMany(t, 300)
+	b.projectRows(t, rows[:250])
+	r := b.reconciler(t, &Config{PageSize: 32})
+	rep, err := r.Run(context.Background(), RunOptions{})
+	require.NoError(t, err)
+	require.EqualValues(t, 50, rep.Repaired)
+	require.True(t, rep.OrphanScanSkipped)
 
-		for i := range 5 {
-			b.project(t, fmt.Sprintf("orphan%d", i), 1)
-		}
-		b.setRaw(t, rows[0].Key, nil, ptr("")) // value without version
-		rep, err = r.Run(context.Background(), RunOptions{})
-		require.NoError(t, err)
-		require.False(t, rep.OrphanScanSkipped)
-		require.EqualValues(t, 305, rep.Scanned, "304 versions over 7 buckets + the versionless value")
-		require.EqualValues(t, 5, rep.Counts[ClassOrphan])
-		require.EqualValues(t, 1, rep.Counts[ClassCorrupt])
-	})
+	for i := range 5 {
+		b.project(t, fmt.Sprintf("orphan%d", i), 1)
+	}
+	b.setRaw(t, rows[0].Key, nil, ptr("")) // value without version
+	rep, err = r.Run(context.Background(), RunOptions{})
+	require.NoError(t, err)
+	require.False(t, rep.OrphanScanSkipped)
+	require.EqualValues(t, 305, rep.Scanned, "304 versions over 7 buckets + the versionless value")
+	require.EqualValues(t, 5, rep.Counts[ClassOrphan])
+	require.EqualValues(t, 1, rep.Counts[ClassCorrupt])
 }
 
 func TestBucketsRunSample(t *testing.T) {
@@ -192,24 +167,26 @@ func TestBucketsLayoutMismatch(t *testing.T) {
 	t.Parallel()
 	t.Run("RunRefusedNothingWritten", func(t *testing.T) {
 		t.Parallel()
-		bucketReaders(t, func(t *testing.T, script bool) {
-			four := setup(t, projection.KindSortedSet).withBuckets(t, 4)
-			four.drift(t) // plenty to repair
-			before := four.snapshot(t)
-			for _, n := range []int{0, 2, 8} {
-				other := four.withBuckets(t, n)
-				r := other.bucketReconciler(t, &Config{Policy: Policy{Ahead: ActionRepair, Orphan: ActionRepair}}, script)
-				_, err := r.Run(context.Background(), RunOptions{})
-				var lm *projection.LayoutMismatchError
-				require.ErrorAs(t, err, &lm, "%d buckets", n)
-				require.Equal(t, projection.LayoutMismatchError{Kind: projection.KindSortedSet, Name: testBoard, Stored: 4, Configured: n}, *lm)
-				_, err = r.CheckKeys(context.Background(), []string{"miss", "orphan"}, RunOptions{})
-				require.ErrorIs(t, err, projection.ErrLayoutMismatch)
-				_, err = r.Run(context.Background(), RunOptions{Sample: 5})
-				require.ErrorIs(t, err, projection.ErrLayoutMismatch)
-				require.Equal(t, before, four.snapshot(t), "nothing written with %d buckets", n)
-			}
-		})
+		four := setup(t, projection.KindSortedSet).withBuckets(t, 4)
+		four.drift(t) // plenty to repair
+		before := four.snapshot(t)
+		for _, n := range []int{0, 2, 8} {
+			other := four.withBuckets(t, n)
+			r := other.reconciler(t, &Config{Policy: Policy{Ahead: ActionRepair, Orphan: ActionRepair}})
+			_, err := r.Run(context.Background(), RunOptions{})
+			var lm *projection.LayoutMismatchError
+			require.ErrorAs(t, err, &lm, "%d buckets", n)
+			require.Equal(t, projection.LayoutMismatchError{Kind: projection.KindSortedSet, Name: testBoard, Stored: 4, Configured: n}, *lm)
+			// A dry run writes nothing anyway; the read itself must refuse to
+			// classify versions looked up in the wrong buckets.
+			_, err = r.Run(context.Background(), RunOptions{DryRun: true})
+			require.ErrorIs(t, err, projection.ErrLayoutMismatch)
+			_, err = r.CheckKeys(context.Background(), []string{"miss", "orphan"}, RunOptions{})
+			require.ErrorIs(t, err, projection.ErrLayoutMismatch)
+			_, err = r.Run(context.Background(), RunOptions{Sample: 5})
+			require.ErrorIs(t, err, projection.ErrLayoutMismatch)
+			require.Equal(t, before, four.snapshot(t), "nothing written with %d buckets", n)
+		}
 	})
 
 	t.Run("LegacyCollection", func(t *testing.T) {
@@ -351,21 +328,19 @@ func TestBucketsSharedCluster(t *testing.T) {
 	for _, kind := range []projection.Kind{projection.KindSortedSet, projection.KindHash} {
 		t.Run("Classes"+kindName(kind), func(t *testing.T) {
 			t.Parallel()
-			bucketReaders(t, func(t *testing.T, script bool) {
-				b := setupWith(t, kind, client, cluster.Prefix(t)).withBuckets(t, 6)
-				want := b.drift(t)
-				r := b.bucketReconciler(t, &Config{PageSize: 4, Policy: Policy{Orphan: ActionRepair}}, script)
-				rep, err := r.Run(context.Background(), RunOptions{})
-				require.NoError(t, err)
-				require.Equal(t, countClasses(want), rep.Counts)
-				require.EqualValues(t, 7, rep.Repaired)
-				rep, err = r.Run(context.Background(), RunOptions{})
-				require.NoError(t, err)
-				require.Equal(t, map[Class]int64{ClassCurrent: 6, ClassAhead: 1}, rep.Counts)
+			b := setupWith(t, kind, client, cluster.Prefix(t)).withBuckets(t, 6)
+			want := b.drift(t)
+			r := b.reconciler(t, &Config{PageSize: 4, Policy: Policy{Orphan: ActionRepair}})
+			rep, err := r.Run(context.Background(), RunOptions{})
+			require.NoError(t, err)
+			require.Equal(t, countClasses(want), rep.Counts)
+			require.EqualValues(t, 7, rep.Repaired)
+			rep, err = r.Run(context.Background(), RunOptions{})
+			require.NoError(t, err)
+			require.Equal(t, map[Class]int64{ClassCurrent: 6, ClassAhead: 1}, rep.Counts)
 
-				_, err = b.withBuckets(t, 3).reconciler(t, nil).Run(context.Background(), RunOptions{})
-				require.ErrorIs(t, err, projection.ErrLayoutMismatch)
-			})
+			_, err = b.withBuckets(t, 3).reconciler(t, nil).Run(context.Background(), RunOptions{})
+			require.ErrorIs(t, err, projection.ErrLayoutMismatch)
 		})
 	}
 	t.Run("MigrationUnderWrites", func(t *testing.T) {

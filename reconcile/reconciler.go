@@ -38,8 +38,6 @@ type Reconciler struct {
 	gate          *projection.Gate
 	repairScript  *redis.Script
 	rebuildScript *redis.Script
-	readScript    *redis.Script // bucketed collections only
-	bucketReads   bool          // read.lua rather than HMGET per bucket
 	logger        *slog.Logger
 	metrics       *reconcileMetrics // nil: no MeterProvider
 
@@ -90,8 +88,6 @@ func New(source Source, target Target, cfg *Config) (*Reconciler, error) {
 		r.unbucketedShadowKey = flat.ShadowVersionKeys(t.Name, t.Kind)[0]
 		r.buckets = ks.VersionBuckets()
 		r.layout = strconv.Itoa(r.buckets)
-		r.readScript = redis.NewScript(readSource)
-		r.bucketReads = bucketReadsDefault
 	}
 	return r, nil
 }
