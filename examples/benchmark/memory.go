@@ -47,7 +47,7 @@ func runMemory(ctx context.Context, e *env) ([]Figure, error) {
 	if err != nil {
 		return nil, err
 	}
-	buckets := max(1, (m+membersPerBucket/2)/membersPerBucket)
+	buckets := bucketCount(m)
 	if ks, err = ks.WithVersionBuckets(buckets); err != nil {
 		return nil, err
 	}
