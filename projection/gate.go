@@ -260,7 +260,7 @@ func ParseLayout(s string) int {
 // slotGroup is the part of a batch sent in one script call.
 type slotGroup struct {
 	keys     []string
-	keyIndex map[string]int // bucket key → 1-based KEYS index (bucketed layouts only)
+	keyIndex map[bucketRef]int // version bucket → 1-based KEYS index (bucketed layouts only)
 	// args is ARGV: mode, collection count, five or seven arguments per
 	// write, then base, live layout and shadow layout per collection (see
 	// gate.lua); the headers are appended once every write is in.
@@ -278,16 +278,30 @@ type collKeys struct {
 	shadows Keyspace
 }
 
-// key returns the KEYS index of bucket key k, adding it on first use.
-func (grp *slotGroup) key(k string) int {
-	if grp.keyIndex == nil {
-		grp.keyIndex = make(map[string]int)
-	}
-	if i, ok := grp.keyIndex[k]; ok {
+// bucketRef names one version bucket of a collection in a group: the
+// collection's base, live or shadow, and the bucket number.
+type bucketRef struct {
+	base, bucket int
+	shadow       bool
+}
+
+// bucketKey returns the KEYS index of bucket b of the collection at base
+// (its shadow when shadow is set), naming the key with ks on first use
+// only: building key strings per write would cost more than the lookup.
+func (grp *slotGroup) bucketKey(ks Keyspace, t Target, base, b int, shadow bool) int {
+	ref := bucketRef{base: base, bucket: b, shadow: shadow}
+	if i, ok := grp.keyIndex[ref]; ok {
 		return i
 	}
+	if grp.keyIndex == nil {
+		grp.keyIndex = make(map[bucketRef]int)
+	}
+	k := ks.versionKey(t.Name, t.Kind, b)
+	if shadow {
+		k += suffixShadow
+	}
 	grp.keys = append(grp.keys, k)
-	grp.keyIndex[k] = len(grp.keys)
+	grp.keyIndex[ref] = len(grp.keys)
 	return len(grp.keys)
 }
 
@@ -363,12 +377,12 @@ func (g *Gate) group(mode string, writes []Write, idx []int) []*slotGroup {
 			// member's version and shadow version buckets.
 			vi, svi := base+5, base+6 // the unbucketed hashes
 			if g.ks.buckets > 0 {
-				vi = grp.key(g.ks.VersionKey(t))
+				vi = grp.bucketKey(g.ks, t, base, g.ks.VersionBucket(t.Member), false)
 			}
 			if ck.shadows.buckets > 0 {
-				svi = grp.key(ck.shadows.VersionKey(t) + suffixShadow)
+				svi = grp.bucketKey(ck.shadows, t, base, ck.shadows.VersionBucket(t.Member), true)
 			}
-			grp.args = append(grp.args, strings.ToUpper(kind), base, vi, svi, t.Member, strconv.FormatInt(w.Version, 10), value)
+			grp.args = append(grp.args, bucketedKind[kind], base, vi, svi, t.Member, strconv.FormatInt(w.Version, 10), value)
 		} else {
 			// Five arguments, in the order gate.lua reads them.
 			grp.args = append(grp.args, kind, base, t.Member, strconv.FormatInt(w.Version, 10), value)
@@ -381,6 +395,9 @@ func (g *Gate) group(mode string, writes []Write, idx []int) []*slotGroup {
 	}
 	return groups
 }
+
+// bucketedKind is the kind argument of a seven-argument (bucketed) write.
+var bucketedKind = map[string]string{"z": "Z", "h": "H"}
 
 func nonNil(b []byte) []byte {
 	if b == nil {
