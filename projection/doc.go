@@ -82,10 +82,52 @@
 // SCRIPT FLUSH) gets the source with EVAL, pipelined as well. Works with any
 // redis.UniversalClient.
 //
+// # Version buckets (memory)
+//
+// By default each collection keeps its members' versions in one hash (P
+// T:zv). Past 128 entries Redis stores a hash as a hashtable, about 58
+// bytes per member — more than a third of a sorted-set projection's memory.
+// Config.VersionBuckets (or Keyspace.WithVersionBuckets) spreads the
+// versions over that many small hashes (P T:zv:0 … P T:zv:<B-1>; the bucket
+// is FNV-1a of the member modulo B) that Redis keeps as listpacks while each
+// holds at most 128 entries of at most 64 bytes (hash-max-listpack-entries
+// and -value, Redis 7 defaults): about 21 bytes per member. With
+// B = members / 64, examples/benchmark measured 125.4 bytes per member for a
+// 100,000-member board (sorted set 103.8, versions 21.6 in 1,563 buckets)
+// against 162.3 with one version hash and 282.3 for the seed design's
+// per-event markers. Buckets that outgrow the limits stay correct, only
+// larger; size B for the collection's expected size, and migrate (below)
+// when it grows past twice that.
+//
+// Buckets cost the gate little (BenchmarkGate: about 0.6–0.9× the
+// unbucketed throughput on a batch of 100, which touches up to 16 buckets)
+// and reconciliation more: a page of source rows touches a bucket per
+// member instead of one hash, so a full pass ran at 0.34–0.6× the
+// unbucketed speed (see package reconcile). Documents are never bucketed.
+//
+// The bucket count is part of the stored data: a version looked up in the
+// wrong bucket looks absent, and the gate would let a stale write in. So it
+// is recorded in a layout key (P T:z~layout) that the gate reads in the
+// same script that compares and writes. A writer whose count differs gets
+// *LayoutMismatchError (errors.Is ErrLayoutMismatch) and nothing is written
+// to that collection; readers in package reconcile refuse the same way. A
+// collection with data but no layout key — every collection written before
+// layout keys existed — counts as 0 buckets; an empty one takes the count
+// of its first writer. To change the count of a live collection, run
+// reconcile's Rebuild with the new count: it copies the source into shadow
+// keys of the new layout (live writers of the old count dual-write into
+// them: a layout error from the shadow makes the gate rebuild its shadow
+// keys once and remember the layout) and switches values, every version
+// bucket and the layout key in one script. From the switch on, writers with
+// the old count are refused until they are redeployed with the new one;
+// their batches stay in the outbox and are retried, so nothing is lost.
+//
 // # Failure semantics
 //
 // Every write of a batch is validated before anything is sent; bad input
-// returns a typed error and writes nothing. Within one slot group the
+// returns a typed error and writes nothing. A version layout that differs
+// from the Keyspace's is refused (*LayoutMismatchError) by the script before
+// it writes anything in that slot group. Within one slot group the
 // script is atomic. Across slot groups it is not (Redis has no cross-slot
 // atomicity): if a call fails, some groups may have been applied. That is
 // safe because the gate makes every write idempotent and order-insensitive:

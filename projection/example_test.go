@@ -2,6 +2,7 @@ package projection_test
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"strconv"
 
@@ -194,4 +195,46 @@ func ExampleGate_Apply() {
 	// [applied duplicate applied] <nil>
 	// true true
 	// projection: write 0 (sorted-set "season{2}" member "d"): score 9007199254740993 outside [-9007199254740992, 9007199254740992]
+}
+
+// A large leaderboard keeps its versions in small hashes: Redis stores each
+// bucket as a compact listpack. A writer configured with another bucket
+// count is refused and writes nothing; reconcile's Rebuild migrates a
+// collection from one count to another.
+func ExampleKeyspace_WithVersionBuckets() {
+	ctx := context.Background()
+	client, prefix, _, cleanup, err := exampleRedis()
+	if err != nil {
+		fmt.Println("services unavailable:", err)
+		return
+	}
+	defer cleanup()
+
+	// About expected members / 64: 100,000 players → 1,563 buckets.
+	mapper := projection.StreamMapper{"scores": projection.SortedSetMapper("global")}
+	projector, err := projection.NewRedisProjector(client, mapper, &projection.Config{Prefix: prefix, VersionBuckets: 1563})
+	if err != nil {
+		panic(err)
+	}
+	ks := projector.Keyspace()
+	ada := projection.Target{Kind: projection.KindSortedSet, Name: "global", Member: "ada"}
+	out, err := projector.Gate().Apply(ctx, []projection.Write{{Target: ada, Version: 3, Value: projection.Value{Score: 42}}})
+	fmt.Println(out, err)
+	version, _ := client.HGet(ctx, ks.VersionKey(ada), "ada").Result()
+	encoding, _ := client.ObjectEncoding(ctx, ks.VersionKey(ada)).Result()
+	layout, _ := client.Get(ctx, ks.LayoutKey("global", projection.KindSortedSet)).Result()
+	fmt.Println(len(ks.VersionKeys("global", projection.KindSortedSet)), version, encoding, layout)
+
+	// A deployment still on one version hash per collection.
+	flat, err := projection.NewKeyspace(prefix)
+	if err != nil {
+		panic(err)
+	}
+	_, err = projection.NewGate(client, flat).Apply(ctx, []projection.Write{{Target: ada, Version: 2, Value: projection.Value{Score: 7}}})
+	var mismatch *projection.LayoutMismatchError
+	fmt.Println(errors.As(err, &mismatch), mismatch.Stored, mismatch.Configured)
+	// Output:
+	// [applied] <nil>
+	// 1563 3 listpack 1563
+	// true 1563 0
 }

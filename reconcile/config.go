@@ -179,7 +179,9 @@ type Target struct {
 	// the projection. Required.
 	Client redis.UniversalClient
 	// Keyspace names the projection's keys; it must be the one the gate
-	// writes with.
+	// writes with, version bucket count included (a collection stored with
+	// another count fails runs with projection.ErrLayoutMismatch, and
+	// Rebuild with this Keyspace migrates it to this count).
 	Keyspace projection.Keyspace
 	// Kind is the projection's data structure. Required.
 	Kind projection.Kind

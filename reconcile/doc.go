@@ -51,24 +51,69 @@
 // Reconciler.Run walks the source by keyset pagination (WHERE key > $last
 // ORDER BY key LIMIT n; never OFFSET, which rescans every skipped row and
 // skips or repeats rows when the table changes). Each page costs one
-// PostgreSQL query and one Redis round trip: ZMSCORE + HMGET of the
-// versions for a sorted set, HMGET + HMGET for a hash, one MGET per Cluster
-// slot (pipelined) for documents. The next page is read from PostgreSQL
-// while the current one is checked in Redis. Repairs of a page go out in one
-// more round trip. Memory is proportional to Config.PageSize, not to the
-// table: a 1,000,000-row pass runs in a few MiB.
+// PostgreSQL query and one Redis round trip (pipelined):
+//
+//	sorted set   ZMSCORE of the values, HMGET of the version hash
+//	hash         HMGET of the values,   HMGET of the version hash
+//	  with version buckets: one HMGET per bucket the page touches instead
+//	  of the one HMGET, plus EXISTS of the value key and the unbucketed hash
+//	collections  MGET of the layout key (see "Version buckets" below)
+//	documents    one MGET of values and versions per Cluster slot
+//
+// The next page is read from PostgreSQL while the current one is checked in
+// Redis. Repairs of a page go out in one more round trip. Memory is
+// proportional to Config.PageSize, not to the table: a 1,000,000-row pass
+// runs in a few MiB.
 //
 // After the source, a full run looks for orphans. For a collection it first
-// compares counts (HLEN of the versions, ZCARD or HLEN of the values) with
-// the entries the pass accounted for: when they match, which is the usual
-// case, there is nothing to scan (Report.OrphanScanSkipped). Otherwise it
-// scans the projection (HSCAN/ZSCAN, or SCAN on every master for
-// documents) and looks the entries up in the source in batches.
+// compares counts (HLEN of the versions — of every bucket, pipelined —
+// and ZCARD or HLEN of the values) with the entries the pass accounted
+// for: when they match, which is the usual case, there is nothing to scan
+// (Report.OrphanScanSkipped). Otherwise it scans the projection (HSCAN of
+// the version hash or of every bucket, pipelined, ZSCAN/HSCAN of the
+// values, or SCAN on every master for documents) and looks the entries up
+// in the source in batches.
 //
 // RunOptions.Sample checks random samples instead, which is cheap on large
 // tables: source rows through Source.Sample (SQLSource uses TABLESAMPLE
 // SYSTEM and documents the bias that implies) and, for collections,
-// projection entries through HRANDFIELD for orphans.
+// projection entries through HRANDFIELD for orphans (with version buckets,
+// HRANDFIELD of randomly drawn buckets: uniform as far as hashing fills the
+// buckets evenly).
+//
+// # Version buckets
+//
+// A projection written with version buckets (projection.Config.VersionBuckets,
+// projection.Keyspace.WithVersionBuckets; see the projection package for
+// why) must be reconciled with a Target.Keyspace of the same bucket count.
+// Every read checks the collection's stored layout, and every repair checks
+// it again atomically where it writes (the gate for missing and stale
+// entries, repair.lua for the rest): on a mismatch Run, CheckKeys and
+// dry runs return *projection.LayoutMismatchError (errors.Is
+// projection.ErrLayoutMismatch) and write nothing, because versions looked
+// up in the wrong buckets would all look absent. The keys involved, for a
+// collection with tag T under prefix P:
+//
+//	P T:z / P T:h            values
+//	P T:zv / P T:hv          versions without buckets
+//	P T:zv:<b> / P T:hv:<b>  versions in bucket b (0 ≤ b < B)
+//	P T:z~layout             B; absent means 0 (or, in an empty
+//	                         collection, whatever its first writer uses)
+//	… ~r                     each key's rebuild shadow
+//
+// Rebuild is the migration to another bucket count, 0 included: give it a
+// Reconciler whose Target.Keyspace has the new count. It records the new
+// layout for the shadow keys when it sets the marker, fills the shadows in
+// that layout (live writers still on the old count dual-write into them
+// too — the gate learns the shadow layout from the script and retries that
+// slot group once), and its switch removes every version key of the old
+// layout and renames the shadows — values, every bucket, and the layout
+// key — over the live keys in one script. From then on writers and
+// readers configured with the old count are refused with
+// ErrLayoutMismatch; redeploy them with the new count (a relay's refused
+// batches stay in the outbox and are retried). A layout key lost on its own
+// (a hand DEL, an eviction) makes a bucketed collection look unbucketed: its
+// writers are refused until Rebuild restores it.
 //
 // A run returns a Report: rows checked, entries scanned, counts per class,
 // what was done (repaired, skipped, uncertain, and why), the duration, and
@@ -88,7 +133,8 @@
 // the marker is still its own. While the marker exists, the gate writes
 // every update to the shadow keys as well, so updates made during the
 // rebuild are not lost. All keys share the collection's hash tag, so this
-// works on Redis Cluster.
+// works on Redis Cluster. Given a Keyspace with another version bucket
+// count than the collection's, Rebuild migrates it (see "Version buckets").
 //
 // # Metrics
 //
@@ -102,13 +148,24 @@
 // # Performance
 //
 // Measured on a shared 2-core machine against local PostgreSQL 15 and Redis
-// 7.0 (figures vary with load; run them yourself):
+// 7.0 (figures vary with load; run them yourself). Version buckets make a
+// pass slower: a page of 1,000 keys touches up to 1,000 buckets, so it
+// costs up to 1,000 small HMGETs instead of one large one (a script doing
+// one HGET per key was slower still, 211,000-285,000 and
+// 105,000-116,000 rows/s in the two runs below). That is the price of the
+// buckets' memory saving; reconciliation is background work.
 //
 //	go test -run XXX -bench . -benchtime 3x ./reconcile       (20,000 rows)
 //	  Reconciler, full dry-run pass        ~175,000-240,000 rows/s
 //	  keyset + pipelined hand loop         ~260,000-440,000 rows/s (no classification, no report)
 //	  SELECT all + ZSCORE/HGET per row       ~5,000 rows/s
 //	  Rebuild (shadow copy + switch)        ~80,000-90,000 rows/s
+//	go test -run XXX -bench CheckBuckets -benchtime 3x ./reconcile   (full pass, orphan count check)
+//	  one version hash                      ~395,000-476,000 rows/s
+//	  312 version buckets (rows / 64)       ~282,000-328,000 rows/s
+//	VERITY_BENCH_ROWS=200000, 3,125 buckets  ~310,000-335,000 vs ~134,000-161,000 rows/s
+//	go run ./examples/benchmark -only reconcile   (200,000 users, load 3-4)
+//	  3,125 version buckets: 0.34-0.54x the one-hash pass
 //	VERITY_TEST_MILLION=1 go test -run TestMillionRows -v ./reconcile
 //	  1,000,000 rows, 1,000 repaired        8.2 s (~120,000 rows/s), peak heap ~5 MiB
 //	  the same with a forced orphan scan    20.8 s

@@ -45,6 +45,13 @@ type RebuildReport struct {
 //  3. One script, if the marker is still this rebuild's, RENAMEs the shadow
 //     keys over the live keys and deletes the marker.
 //
+// The shadow keys are built in the version layout of Target.Keyspace (its
+// bucket count), and the switch also replaces the collection's layout key
+// and removes the version keys of the old layout, so a Rebuild with a new
+// bucket count is how a live collection migrates to it; writers still on
+// the old count dual-write into the new layout during the copy and are
+// refused (projection.ErrLayoutMismatch) after the switch.
+//
 // Readers keep reading the old projection until the switch and never see
 // an empty or half-built one. Every key involved shares the collection's
 // hash tag, so this works unchanged on Redis Cluster. The result matches
