@@ -349,3 +349,45 @@ func TestBucketsSharedCluster(t *testing.T) {
 		rebuildUnderWrites(t, b, b.withBuckets(t, 16).ks)
 	})
 }
+
+// TestRebuildMaxBuckets migrates to and from VersionBucketsMax buckets: the
+// switch script handles tens of thousands of keys (removed in slices, since
+// Lua's unpack cannot take them all at once).
+func TestRebuildMaxBuckets(t *testing.T) {
+	t.Parallel()
+	flat := setup(t, projection.KindHash)
+	rows := flat.insertMany(t, 50)
+	flat.projectRows(t, rows)
+	ctx := context.Background()
+	for _, n := range []int{projection.VersionBucketsMax, 0} {
+		next := flat.withBuckets(t, n)
+		rep, err := next.reconciler(t, nil).Rebuild(ctx)
+		require.NoError(t, err, "to %d buckets", n)
+		require.True(t, rep.Switched)
+		run, err := next.reconciler(t, nil).Run(ctx, RunOptions{DryRun: true})
+		require.NoError(t, err)
+		require.Equal(t, map[Class]int64{ClassCurrent: 50}, run.Counts)
+		require.True(t, run.OrphanScanSkipped)
+		require.EqualValues(t, min(50, max(n, 1)), countExisting(t, next, next.ks.VersionKeys(testBoard, projection.KindHash)),
+			"one bucket per member at most")
+	}
+	big := flat.withBuckets(t, projection.VersionBucketsMax)
+	require.Zero(t, countExisting(t, flat, big.ks.VersionKeys(testBoard, projection.KindHash)), "the way back removed every bucket")
+}
+
+// countExisting counts the keys that exist, pipelined.
+func countExisting(t *testing.T, b *testBundle, keys []string) int64 {
+	t.Helper()
+	pipe := b.client.Pipeline()
+	cmds := make([]*redis.IntCmd, len(keys))
+	for i, k := range keys {
+		cmds[i] = pipe.Exists(context.Background(), k)
+	}
+	_, err := pipe.Exec(context.Background())
+	require.NoError(t, err)
+	var n int64
+	for _, c := range cmds {
+		n += c.Val()
+	}
+	return n
+}
