@@ -152,15 +152,17 @@ func (r *Reconciler) checkAbsent(ctx context.Context, opts RunOptions, missing [
 
 // scanVersions hands fn every member with a version, in batches of about
 // PageSize. Without buckets it is an HSCAN of the version hash. With
-// buckets it sends HSCAN 0 for up to PageSize/16 buckets at a time,
-// pipelined: a listpack bucket answers whole with cursor 0, and the few
-// that answer with another cursor (hashtable buckets) are scanned on.
+// buckets it sends HSCAN 0 for PageSize/64 buckets at a time (about
+// PageSize entries at the documented 64 per bucket), pipelined: a listpack
+// bucket answers whole with cursor 0, and the few that answer with another
+// cursor (hashtable buckets) are scanned on. Batches of at most PageSize
+// members go to fn.
 func (r *Reconciler) scanVersions(ctx context.Context, fn func([]string) error) error {
 	if r.buckets == 0 {
 		return r.scanCollection(ctx, "HSCAN", r.versionKeys[0], fn)
 	}
 	return prefetched(ctx, fn, func(ctx context.Context, emit func([]string) error) error {
-		per := max(1, r.cfg.PageSize/16)
+		per := max(1, r.cfg.PageSize/64)
 		for lo := 0; lo < len(r.versionKeys); lo += per {
 			keys := r.versionKeys[lo:min(lo+per, len(r.versionKeys))]
 			pipe := r.target.Client.Pipeline()
@@ -183,10 +185,12 @@ func (r *Reconciler) scanVersions(ctx context.Context, fn func([]string) error) 
 					}
 				}
 			}
-			if len(members) > 0 {
-				if err := emit(members); err != nil {
+			for len(members) > 0 {
+				n := min(len(members), r.cfg.PageSize)
+				if err := emit(members[:n]); err != nil {
 					return err
 				}
+				members = members[n:]
 			}
 		}
 		return nil
