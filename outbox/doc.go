@@ -175,16 +175,19 @@
 //
 // Measured on the development machine (PostgreSQL 15, 2 cores shared with
 // other jobs; no-op handler, one relay draining 100,000 rows at the default
-// BatchSize, back-to-back runs): a batch of 1,000 rows took 3.2-5.3 ms to
-// claim and 2.1-3.4 ms to settle, against 7.1-8.5 ms and 2.2-2.6 ms with
-// per-row leases (113,000-184,000 rows/s against 90,000-107,000), and wrote
-// 0.58 MB of WAL per 10,000 rows against 3.2-5.1 MB. With Redis projection
-// (examples/benchmark -only drain, default sizes, load average 3-5 from
-// other jobs) four relays drained 94,000-177,000 rows/s, 2.5-3.9x the seed
-// design in the same runs, where per-row leases, run alternately with them,
-// drained 65,000-93,000 rows/s, 1.5-2.7x; one relay 2.5-4.4x against
-// 1.7-2.8x. PostgreSQL's share of the drain's CPU fell from about 90% of a
-// core to about 70%, next to Redis's 35% and the relays' process's 25%.
+// BatchSize, back-to-back runs): a batch of 1,000 rows took 3.2-3.4 ms to
+// claim and 1.9-2.2 ms to settle, against 7.1-8.5 ms and 2.2-2.6 ms with
+// per-row leases (173,000-190,000 rows/s against 90,000-107,000), and wrote
+// 0.6 MB of WAL per 10,000 rows against 3.2-5.1 MB. Of the speed-up, 20%
+// comes from full pages: fillfactor 100, where per-row leases needed 50 to
+// keep their claim updates HOT. With Redis projection (go run ./examples/benchmark -only drain
+// -drain-rows 800000, load average 4-10 from other jobs, per-row leases run
+// alternately) four relays drained 3.9-4.0x the seed design's rows/s
+// against 2.1-2.5x with per-row leases, and one relay 3.1-4.7x against
+// 2.1-2.5x; at the default 200,000 rows, whose rounds last under a second,
+// 2.3-3.9x against 1.5-2.7x. PostgreSQL's share of the drain's CPU fell
+// from about 90% of a core to about 70%, next to Redis's 35% and the
+// relays' process's 25%.
 //
 // Three other designs were considered. Claiming inside a transaction held
 // open while the handler runs (SELECT … FOR UPDATE SKIP LOCKED, handle,
