@@ -99,11 +99,15 @@
 // larger; size B for the collection's expected size, and migrate (below)
 // when it grows past twice that.
 //
-// Buckets cost the gate little (BenchmarkGate: about 0.6–0.9× the
-// unbucketed throughput on a batch of 100, which touches up to 16 buckets)
-// and reconciliation more: a page of source rows touches a bucket per
-// member instead of one hash, so a full pass ran at 0.34–0.6× the
-// unbucketed speed (see package reconcile). Documents are never bucketed.
+// Buckets cost the gate some CPU in Redis (a listpack is searched entry by
+// entry): BenchmarkGate/BatchedVersionBuckets, batches of 100 over 16
+// buckets, ran at 0.46–1.06× (median about 0.8×) the unbucketed
+// throughput in six alternating runs at load 5. Reconciliation pays more:
+// a page of source rows touches a bucket per member instead of one hash,
+// so a full pass ran at 0.34–0.6× the unbucketed speed (see package
+// reconcile). Collections without buckets pay nothing: their gate calls
+// send the same five arguments per write as before. Documents are never
+// bucketed.
 //
 // The bucket count is part of the stored data: a version looked up in the
 // wrong bucket looks absent, and the gate would let a stale write in. So it
