@@ -98,12 +98,12 @@ func NewRelay(pool *pgxpool.Pool, handler Handler, cfg *RelayConfig) (*Relay, er
 // Config returns the relay's configuration with defaults applied.
 func (r *Relay) Config() RelayConfig { return *r.cfg.WithDefaults() }
 
-// partitionCount is the number of lease partitions: row id mod
-// partitionCount. Migration 003 creates one lease row per partition and an
-// index on the same expression; the number is part of both, so it cannot
-// change without a migration. It caps how many relays can work on a backlog
-// at once (each batch holds at least one partition), far above what two
-// statements per batch on one database need.
+// partitionCount is the number of lease partitions (see partitionBlock for
+// which rows belong to which). Migration 003 creates one lease row per
+// partition and an index on the same expression; the numbers are part of
+// both, so they cannot change without a migration. It caps how many relays
+// can work on a backlog at once (each batch holds at least one partition),
+// far above what one database serves.
 const partitionCount = 64
 
 // partitionBlock is how many consecutive ids go to one partition before
@@ -225,7 +225,8 @@ FROM picked AS p`
 // synchronous_commit = off unless RelayConfig.DurableBookkeeping is set.
 // set_config(…, true) sets the parameter for the current transaction only,
 // which for a statement sent on its own is the statement's implicit
-// transaction: PostgreSQL reads synchronous_commit when that transaction
+// transaction (for the claim, the one implicit transaction of its two
+// statements): PostgreSQL reads synchronous_commit when that transaction
 // commits, right after the statement, and resets it at the transaction's
 // end, so the setting never outlives the statement on the pooled connection.
 // The subquery has no column references, so the planner evaluates it once,
