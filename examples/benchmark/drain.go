@@ -41,12 +41,12 @@ func runDrain(ctx context.Context, e *env) ([]Figure, error) {
 		return nil, err
 	}
 	var figs []Figure
-	for _, workers := range []int{e.opts.Relays, 1} {
+	for pass, workers := range []int{e.opts.Relays, 1} {
 		rows := n
 		name := "drain"
-		if workers == 1 {
+		if pass == 1 {
 			if e.opts.Relays == 1 {
-				break
+				break // the first pass was the one-worker figure
 			}
 			// One worker each: where the gain comes from without concurrency.
 			rows, name = n/4, "drain_1_worker"
