@@ -199,8 +199,9 @@
 // while moving leased rows out of the scanned index range would turn the
 // claim's HOT update into an update of every index.
 //
-// Upgrading: apply migration 003 (Migrate does) before starting relays of
-// this version; they report ErrNotMigrated otherwise. On an existing outbox
+// Upgrading: apply migration 003 (Migrate does; it needs PostgreSQL 14 or
+// later) before starting relays of this version; they report
+// ErrNotMigrated otherwise. On an existing outbox
 // the migration builds the partition index while holding a SHARE lock, so
 // appends wait for the build (seconds per million pending rows); to avoid
 // that, create the index beforehand with CREATE INDEX CONCURRENTLY under

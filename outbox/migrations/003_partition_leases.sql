@@ -16,7 +16,9 @@
 --               recently claimed first, so relays take turns over all of them
 -- inflight      the ids the holding batch was given: when a lease ends without
 --               being released (the relay crashed or hung), the relay that
---               takes the partition over counts that attempt on these rows
+--               takes the partition over counts that attempt on these rows;
+--               a multirange (PostgreSQL 14 or later) keeps runs of
+--               consecutive ids small
 CREATE TABLE IF NOT EXISTS {{.Leases}} (
     part         bigint      PRIMARY KEY CHECK (part >= 0 AND part < {{.Partitions}}),
     owner        uuid,
