@@ -59,7 +59,6 @@ type Board struct {
 	channel string
 	ks      projection.Keyspace
 	zsetKey string
-	verKey  string
 
 	notifier *outbox.Notifier // wakes the relays after Submit and SubmitBatch
 
@@ -102,6 +101,9 @@ func New(pool *pgxpool.Pool, rdb redis.UniversalClient, cfg *Config) (*Board, er
 	if err != nil {
 		return nil, fmt.Errorf("leaderboard: Config.KeyPrefix: %w", err)
 	}
+	if ks, err = ks.WithVersionBuckets(c.VersionBuckets); err != nil {
+		return nil, fmt.Errorf("leaderboard: Config.VersionBuckets: %w", err)
+	}
 	metrics, err := newBoardMetrics(c)
 	if err != nil {
 		return nil, fmt.Errorf("leaderboard: %w", err)
@@ -120,8 +122,7 @@ func New(pool *pgxpool.Pool, rdb redis.UniversalClient, cfg *Config) (*Board, er
 		channel:  w.Channel(),
 		ks:       ks,
 	}
-	t := b.target("")
-	b.zsetKey, b.verKey = ks.ValueKey(t), ks.VersionKey(t)
+	b.zsetKey = ks.ValueKey(b.target(""))
 	r := func(q string) string { return renderSQL(q, c.Schema, w.Table()) }
 	b.sql.submit, b.sql.submitTx, b.sql.lookupEvent = r(submitSQL), r(submitTxSQL), r(lookupEventSQL)
 	b.sql.submitBatch = r(submitBatchSQL)

@@ -12,6 +12,7 @@ import (
 
 	"github.com/verity-go/verity/internal/keyenc"
 	"github.com/verity-go/verity/outbox"
+	"github.com/verity-go/verity/projection"
 )
 
 // ReadPolicy decides what a read does when the Redis projection cannot be
@@ -59,6 +60,7 @@ const (
 	ReadYourWritesTimeoutDefault time.Duration = 250 * time.Millisecond
 	LagProbeIntervalDefault      time.Duration = 100 * time.Millisecond
 	KeyPrefixDefault                           = "verity:lb:"
+	VersionBucketsDefault                      = 0
 	SchemaDefault                              = outbox.SchemaDefault
 	OutboxTableDefault                         = outbox.TableDefault
 )
@@ -129,6 +131,17 @@ type Config struct {
 	// KeyPrefix prefixes every Redis key of the projection. It must not
 	// contain '{' or '}'. Defaults to KeyPrefixDefault.
 	KeyPrefix string
+
+	// VersionBuckets spreads the board's per-user versions in Redis over
+	// this many small hashes instead of one large one, which cuts the
+	// projection's Redis memory by about a quarter on large boards (see
+	// projection.Config.VersionBuckets); use about expected users / 64.
+	// Every Worker, Reconciler and reader of a board must use the same
+	// count: a projection stored with another count is refused with
+	// projection.ErrLayoutMismatch, and reconcile's Rebuild migrates it.
+	// At most projection.VersionBucketsMax. Defaults to
+	// VersionBucketsDefault (0: one version hash per board).
+	VersionBuckets int
 
 	// Logger receives the board's logs. Defaults to discarding them.
 	Logger *slog.Logger
@@ -209,6 +222,8 @@ func (c *Config) validate() error {
 		return errors.New("leaderboard: Config.ReadYourWritesTimeout must not be negative")
 	case c.LagProbeInterval < 0:
 		return errors.New("leaderboard: Config.LagProbeInterval must not be negative")
+	case c.VersionBuckets < 0 || c.VersionBuckets > projection.VersionBucketsMax:
+		return fmt.Errorf("leaderboard: Config.VersionBuckets must be between 0 (one version hash) and %d (got %d); use about expected users / 64", projection.VersionBucketsMax, c.VersionBuckets)
 	}
 	if err := keyenc.ValidatePrefix(c.KeyPrefix); err != nil {
 		return fmt.Errorf("leaderboard: Config.KeyPrefix %q: %v", c.KeyPrefix, err)

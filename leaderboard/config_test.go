@@ -12,6 +12,7 @@ import (
 
 	"github.com/verity-go/verity/internal/testenv"
 	"github.com/verity-go/verity/outbox"
+	"github.com/verity-go/verity/projection"
 )
 
 func TestConfig(t *testing.T) {
@@ -30,6 +31,7 @@ func TestConfig(t *testing.T) {
 		require.Equal(t, ReadYourWritesTimeoutDefault, c.ReadYourWritesTimeout)
 		require.Equal(t, LagProbeIntervalDefault, c.LagProbeInterval)
 		require.Equal(t, KeyPrefixDefault, c.KeyPrefix)
+		require.Equal(t, VersionBucketsDefault, c.VersionBuckets)
 		require.NotNil(t, c.Logger)
 		require.NoError(t, c.validate())
 
@@ -55,6 +57,8 @@ func TestConfig(t *testing.T) {
 			{"Policy", Config{Name: "b", ReadPolicy: 9}, "Config.ReadPolicy"},
 			{"NegativeLag", Config{Name: "b", MaxLag: -time.Second}, "Config.MaxLag"},
 			{"BracePrefix", Config{Name: "b", KeyPrefix: "a{b}"}, "Config.KeyPrefix"},
+			{"NegativeBuckets", Config{Name: "b", VersionBuckets: -1}, "Config.VersionBuckets"},
+			{"TooManyBuckets", Config{Name: "b", VersionBuckets: projection.VersionBucketsMax + 1}, "Config.VersionBuckets"},
 		} {
 			t.Run(tc.name, func(t *testing.T) {
 				err := tc.cfg.WithDefaults().validate()

@@ -124,6 +124,14 @@
 // repairs missing, stale and corrupt entries (and reports ahead and orphan
 // ones); run it on a schedule, and use its Rebuild after a Redis loss.
 //
+// Config.VersionBuckets (about expected users / 64) stores the per-user
+// versions in many small Redis hashes instead of one large one: at 100,000
+// users the projection then takes about 125 instead of 165 bytes per user.
+// The board's Worker, Reconciler and read-your-writes reads all follow it;
+// a worker configured with another count than the stored one is refused
+// (projection.ErrLayoutMismatch) and writes nothing, and Rebuild migrates
+// a board from one count to another.
+//
 // # Cost
 //
 // Measured on a 2-core machine shared with other busy processes (load

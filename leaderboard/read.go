@@ -285,7 +285,7 @@ func (b *Board) waitForVersion(ctx context.Context, user string, version int64) 
 	deadline := time.Now().Add(b.cfg.ReadYourWritesTimeout)
 	backoff := 2 * time.Millisecond
 	for {
-		got, err := b.rdb.HGet(ctx, b.verKey, user).Result()
+		got, err := b.rdb.HGet(ctx, b.ks.VersionKey(b.target(user)), user).Result()
 		switch {
 		case errors.Is(err, redis.Nil):
 		case err != nil:

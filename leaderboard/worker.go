@@ -74,7 +74,8 @@ func (b *Board) Worker(cfg *WorkerConfig) (*Worker, error) {
 		rc.MeterProvider = b.cfg.MeterProvider
 	}
 	projector, err := projection.NewRedisProjector(b.rdb, b.Mapper(), &projection.Config{
-		Prefix: b.cfg.KeyPrefix, Logger: rc.Logger, MeterProvider: rc.MeterProvider,
+		Prefix: b.cfg.KeyPrefix, VersionBuckets: b.cfg.VersionBuckets,
+		Logger: rc.Logger, MeterProvider: rc.MeterProvider,
 	})
 	if err != nil {
 		return nil, fmt.Errorf("leaderboard: worker: %w", err)

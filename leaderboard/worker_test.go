@@ -69,43 +69,103 @@ func TestWorker(t *testing.T) {
 
 func TestReconciler(t *testing.T) {
 	t.Parallel()
-	ctx := context.Background()
-	tb := setup(t)
-	for i, u := range []string{"ada", "bob", "cy", "dee"} {
-		tb.submit(t, u, int64(10*(i+1)))
+	for _, buckets := range []int{0, 8} {
+		t.Run(fmt.Sprintf("VersionBuckets%d", buckets), func(t *testing.T) {
+			t.Parallel()
+			ctx := context.Background()
+			tb := setup(t, func(c *Config) { c.VersionBuckets = buckets })
+			for i, u := range []string{"ada", "bob", "cy", "dee"} {
+				tb.submit(t, u, int64(10*(i+1)))
+			}
+			tb.submit(t, "bob", 1)
+			tb.drain(t)
+			key := tb.board.SortedSetKey()
+			verKey := func(user string) string { return tb.board.Keyspace().VersionKey(tb.board.target(user)) }
+
+			// Lose one entry, hand-edit one score, roll one version back.
+			require.NoError(t, tb.rd.Client.ZRem(ctx, key, "ada").Err())
+			require.Equal(t, int64(1), tb.rd.Client.HDel(ctx, verKey("ada"), "ada").Val())
+			require.NoError(t, tb.rd.Client.ZAdd(ctx, key, redis.Z{Score: -999, Member: "cy"}).Err())
+			require.Equal(t, int64(0), tb.rd.Client.HSet(ctx, verKey("bob"), "bob", "1").Val()) // 0: overwrote bob's version
+
+			rec, err := tb.board.Reconciler(nil)
+			require.NoError(t, err)
+			report, err := rec.Run(ctx, reconcile.RunOptions{})
+			require.NoError(t, err)
+			require.Equal(t, int64(4), report.Checked)
+			require.Equal(t, int64(1), report.Counts[reconcile.ClassMissing])
+			require.Equal(t, int64(1), report.Counts[reconcile.ClassCorrupt])
+			require.Equal(t, int64(1), report.Counts[reconcile.ClassStale])
+			require.Equal(t, int64(1), report.Counts[reconcile.ClassCurrent])
+			require.Equal(t, int64(3), report.Repaired)
+
+			fromRedis, err := tb.board.redisPage(ctx, nil, MaxPageSize)
+			require.NoError(t, err)
+			fromPG, err := tb.board.Authoritative(ctx, MaxPageSize)
+			require.NoError(t, err)
+			require.Equal(t, fromPG, fromRedis)
+
+			sample, err := rec.Run(ctx, reconcile.RunOptions{Sample: 2})
+			require.NoError(t, err)
+			require.Equal(t, int64(2), sample.Checked)
+			require.Equal(t, int64(2), sample.Counts[reconcile.ClassCurrent])
+		})
 	}
-	tb.submit(t, "bob", 1)
+}
+
+func TestVersionBuckets(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	const buckets = 16
+	tb := setup(t, func(c *Config) {
+		c.VersionBuckets = buckets
+		c.ReadPolicy = FailClosed
+		c.ReadYourWritesTimeout = 10 * time.Second
+	})
+	users := make([]string, 64)
+	for i := range users {
+		users[i] = fmt.Sprintf("player-%02d", i)
+		tb.submit(t, users[i], int64(i+1))
+	}
+	res := tb.submit(t, users[0], 100)
 	tb.drain(t)
-	key := tb.board.SortedSetKey()
-	verKey := tb.board.Keyspace().VersionKey(tb.board.target(""))
 
-	// Lose one entry, hand-edit one score, roll one version back.
-	require.NoError(t, tb.rd.Client.ZRem(ctx, key, "ada").Err())
-	require.NoError(t, tb.rd.Client.HDel(ctx, verKey, "ada").Err())
-	require.NoError(t, tb.rd.Client.ZAdd(ctx, key, redis.Z{Score: -999, Member: "cy"}).Err())
-	require.NoError(t, tb.rd.Client.HSet(ctx, verKey, "bob", "1").Err())
+	t.Run("VersionsLiveInBuckets", func(t *testing.T) {
+		ks := tb.board.Keyspace()
+		require.Equal(t, buckets, ks.VersionBuckets())
+		one, err := projection.NewKeyspace(ks.Prefix())
+		require.NoError(t, err)
+		require.Zero(t, tb.rd.Client.Exists(ctx, one.VersionKey(tb.board.target(""))).Val(), "no single version hash")
+		stored := 0
+		for _, k := range ks.VersionKeys(tb.board.Name(), projection.KindSortedSet) {
+			stored += int(tb.rd.Client.HLen(ctx, k).Val())
+		}
+		require.Equal(t, len(users), stored)
+		v, err := tb.rd.Client.HGet(ctx, ks.VersionKey(tb.board.target(users[0])), users[0]).Int64()
+		require.NoError(t, err)
+		require.Equal(t, res.Version, v)
+	})
 
-	rec, err := tb.board.Reconciler(nil)
-	require.NoError(t, err)
-	report, err := rec.Run(ctx, reconcile.RunOptions{})
-	require.NoError(t, err)
-	require.Equal(t, int64(4), report.Checked)
-	require.Equal(t, int64(1), report.Counts[reconcile.ClassMissing])
-	require.Equal(t, int64(1), report.Counts[reconcile.ClassCorrupt])
-	require.Equal(t, int64(1), report.Counts[reconcile.ClassStale])
-	require.Equal(t, int64(1), report.Counts[reconcile.ClassCurrent])
-	require.Equal(t, int64(3), report.Repaired)
+	t.Run("ReadYourWritesFindsTheBucket", func(t *testing.T) {
+		e, fr, err := tb.board.Rank(ctx, users[0], AtLeast(users[0], res.Version))
+		require.NoError(t, err)
+		require.Equal(t, SourceRedis, fr.Source)
+		require.Equal(t, int64(101), e.Score)
+	})
 
-	fromRedis, err := tb.board.redisPage(ctx, nil, MaxPageSize)
-	require.NoError(t, err)
-	fromPG, err := tb.board.Authoritative(ctx, MaxPageSize)
-	require.NoError(t, err)
-	require.Equal(t, fromPG, fromRedis)
-
-	sample, err := rec.Run(ctx, reconcile.RunOptions{Sample: 2})
-	require.NoError(t, err)
-	require.Equal(t, int64(2), sample.Checked)
-	require.Equal(t, int64(2), sample.Counts[reconcile.ClassCurrent])
+	t.Run("OtherCountIsRefused", func(t *testing.T) {
+		cfg := *tb.board.cfg
+		cfg.VersionBuckets = 0
+		other, err := New(tb.pg.Pool, tb.rd.Client, &cfg)
+		require.NoError(t, err)
+		worker, err := other.Worker(nil)
+		require.NoError(t, err)
+		before := tb.rd.Client.ZScore(ctx, tb.board.SortedSetKey(), users[1]).Val()
+		rec := outbox.Record{Message: outbox.Message{EventID: uuid.New(), Stream: other.Stream(), Key: users[1], Version: 99, Payload: []byte("5")}}
+		_, err = worker.Projector().Project(ctx, []outbox.Record{rec})
+		require.ErrorIs(t, err, projection.ErrLayoutMismatch)
+		require.Equal(t, before, tb.rd.Client.ZScore(ctx, tb.board.SortedSetKey(), users[1]).Val(), "nothing written")
+	})
 }
 
 func TestPageStableUnderConcurrentUpdates(t *testing.T) {
