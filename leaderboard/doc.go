@@ -126,7 +126,7 @@
 //
 // Config.VersionBuckets (about expected users / 64) stores the per-user
 // versions in many small Redis hashes instead of one large one: at 100,000
-// users the projection then takes about 125 instead of 165 bytes per user.
+// users the projection then takes about 125 instead of 162 bytes per user.
 // The board's Worker, Reconciler and read-your-writes reads all follow it;
 // a worker configured with another count than the stored one is refused
 // (projection.ErrLayoutMismatch) and writes nothing, and Rebuild migrates
