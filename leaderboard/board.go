@@ -11,6 +11,7 @@ import (
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgtype"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/redis/go-redis/v9"
 
@@ -225,7 +226,7 @@ func (b *Board) submit(ctx context.Context, cmd Command) (Result, error) {
 		board, user string
 		delta       int64
 	)
-	err = b.pool.QueryRow(ctx, b.sql.lookupEvent, cmd.EventID).Scan(&board, &user, &delta, &res.Score, &res.Version)
+	err = b.pool.QueryRow(ctx, b.sql.lookupEvent, binaryUUID(cmd.EventID)).Scan(&board, &user, &delta, &res.Score, &res.Version)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return Result{}, fmt.Errorf("leaderboard: event %s is already used by another outbox writer: %w", cmd.EventID, ErrIdempotencyConflict)
 	}
@@ -313,7 +314,7 @@ func (b *Board) submitStatement(ctx context.Context, q rowQuerier, query string,
 		board, user string
 		delta       int64
 	)
-	args := append([]any{cmd.EventID, b.cfg.Name, cmd.UserID, cmd.Delta, b.stream}, extra...)
+	args := append([]any{binaryUUID(cmd.EventID), b.cfg.Name, cmd.UserID, cmd.Delta, b.stream}, extra...)
 	err := q.QueryRow(ctx, query, args...).Scan(&res.Duplicate, &res.Score, &res.Version, &board, &user, &delta)
 	switch {
 	case err == nil:
@@ -326,6 +327,12 @@ func (b *Board) submitStatement(ctx context.Context, q rowQuerier, query string,
 	}
 	return b.checkDuplicate(cmd, res, board, user, delta)
 }
+
+// binaryUUID wraps id so that pgx sends it in binary. A uuid.UUID is a
+// driver.Valuer, which pgx encodes through its text form: a string
+// allocation and a server-side parse on every command (about 2% of the
+// client's CPU in the ingest benchmark).
+func binaryUUID(id uuid.UUID) pgtype.UUID { return pgtype.UUID{Bytes: id, Valid: true} }
 
 // checkDuplicate refuses a duplicate whose recorded command differs.
 func (b *Board) checkDuplicate(cmd Command, res Result, board, user string, delta int64) (Result, error) {

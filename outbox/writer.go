@@ -9,6 +9,7 @@ import (
 
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgtype"
 )
 
 // Writer appends messages to the outbox and records command idempotency keys,
@@ -88,14 +89,17 @@ func (w *Writer) Append(ctx context.Context, tx Tx, msgs ...Message) error {
 		return err
 	}
 	var (
-		eventIDs = make([]uuid.UUID, len(msgs))
+		// pgtype.UUID, not uuid.UUID: pgx sends it in binary, where a
+		// uuid.UUID (a driver.Valuer) goes through its text form.
+		eventIDs = make([]pgtype.UUID, len(msgs))
 		streams  = make([]string, len(msgs))
 		keys     = make([]string, len(msgs))
 		versions = make([]int64, len(msgs))
 		payloads = make([][]byte, len(msgs))
 	)
 	for i, m := range msgs {
-		eventIDs[i], streams[i], keys[i], versions[i] = m.EventID, m.Stream, m.Key, m.Version
+		eventIDs[i] = pgtype.UUID{Bytes: m.EventID, Valid: true}
+		streams[i], keys[i], versions[i] = m.Stream, m.Key, m.Version
 		payloads[i] = m.Payload
 		if payloads[i] == nil {
 			payloads[i] = []byte{} // the column is NOT NULL; an absent payload is an empty one
