@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"strconv"
+	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -33,6 +34,11 @@ const (
 // figure uses): it is logged, not reported as a figure, and shows what the
 // buckets' memory saving costs a reconciliation (one HMGET per bucket a
 // page touches instead of one HMGET per page).
+//
+// The Redis server's own CPU time (INFO cpu) is read around the timed
+// passes and logged: both sides send the same ZMSCORE and HMGET per row, and
+// Redis executes them on one thread, so the hand loop's wall time divided
+// by that CPU time is a ceiling no reconciler of this projection can pass.
 func runReconcile(ctx context.Context, e *env) ([]Figure, error) {
 	schema, err := e.schema(ctx, "reconcile")
 	if err != nil {
@@ -76,7 +82,12 @@ SELECT 'bench', 'user-' || lpad(g::text, 9, '0'), (g * 7919) % 100000, 1 + g % 5
 	vkey := board.Keyspace().VersionKey(projection.Target{Kind: projection.KindSortedSet, Name: board.Name()})
 
 	var lib, hand, buckets rate
+	var libRedis, handRedis time.Duration // Redis server CPU spent in the timed passes
 	for range reconcileRounds {
+		cpu0, err := redisCPU(ctx, e.rdb)
+		if err != nil {
+			return nil, err
+		}
 		start := time.Now()
 		rep, err := rec.Run(ctx, reconcile.RunOptions{})
 		elapsed := time.Since(start)
@@ -89,9 +100,18 @@ SELECT 'bench', 'user-' || lpad(g::text, 9, '0'), (g * 7919) % 100000, 1 + g % 5
 		if err := lib.add(rep.Checked, elapsed, nil); err != nil {
 			return nil, err
 		}
+		cpu1, err := redisCPU(ctx, e.rdb)
+		if err != nil {
+			return nil, err
+		}
 		if err := hand.add(handReconcile(ctx, e, scores, zkey, vkey, n)); err != nil {
 			return nil, err
 		}
+		cpu2, err := redisCPU(ctx, e.rdb)
+		if err != nil {
+			return nil, err
+		}
+		libRedis, handRedis = libRedis+cpu1-cpu0, handRedis+cpu2-cpu1
 		start = time.Now()
 		rep, err = bucketed.Run(ctx, reconcile.RunOptions{})
 		if err == nil && rep.Counts[reconcile.ClassCurrent] != int64(n) {
@@ -103,6 +123,12 @@ SELECT 'bench', 'user-' || lpad(g::text, 9, '0'), (g * 7919) % 100000, 1 + g % 5
 	}
 	e.log("reconcile: library %.0f rows/s, hand loop %.0f rows/s; library with %d version buckets %.0f rows/s (%.2fx one version hash)",
 		lib.perSecond(), hand.perSecond(), bucketCount(n), buckets.perSecond(), buckets.perSecond()/lib.perSecond())
+	// Both sides send Redis the same ZMSCORE and HMGET for every row, and
+	// Redis runs commands on one thread: a pass cannot take less wall time
+	// than the server CPU those commands cost, whatever the client does.
+	e.log("reconcile: Redis CPU per pass: library %s, hand loop %s of its %s wall: Redis alone caps any reconciler that reads every row's score and version at %.2fx the hand loop",
+		(libRedis / reconcileRounds).Round(time.Millisecond), (handRedis / reconcileRounds).Round(time.Millisecond),
+		(hand.elapsed / reconcileRounds).Round(time.Millisecond), float64(hand.elapsed)/float64(handRedis))
 	return []Figure{newFigure("reconcile", "rows/s", lib.perSecond(), hand.perSecond())}, nil
 }
 
@@ -197,4 +223,32 @@ func bucketedReconciler(ctx context.Context, e *env, board *leaderboard.Board, n
 		return nil, fmt.Errorf("initial bucketed pass repaired %d of %d rows", rep.Repaired, n)
 	}
 	return rec, nil
+}
+
+// redisCPU returns the CPU time the Redis server has used since it started
+// (INFO cpu: used_cpu_sys + used_cpu_user, system and user time of the
+// whole server process).
+func redisCPU(ctx context.Context, rdb *redis.Client) (time.Duration, error) {
+	info, err := rdb.Info(ctx, "cpu").Result()
+	if err != nil {
+		return 0, fmt.Errorf("reading Redis CPU time: %w", err)
+	}
+	var total time.Duration
+	found := 0
+	for line := range strings.SplitSeq(info, "\r\n") {
+		name, value, ok := strings.Cut(line, ":")
+		if !ok || (name != "used_cpu_sys" && name != "used_cpu_user") {
+			continue
+		}
+		secs, err := strconv.ParseFloat(value, 64)
+		if err != nil {
+			return 0, fmt.Errorf("reading Redis CPU time: %s: %w", name, err)
+		}
+		total += time.Duration(secs * float64(time.Second))
+		found++
+	}
+	if found != 2 {
+		return 0, fmt.Errorf("reading Redis CPU time: INFO cpu lacks used_cpu_sys or used_cpu_user")
+	}
+	return total, nil
 }
