@@ -2,6 +2,7 @@ package reconcile
 
 import (
 	"context"
+	"fmt"
 	"log/slog"
 	"time"
 
@@ -23,6 +24,11 @@ const (
 	RepairTimeoutDefault = 10 * time.Second
 	// RebuildMarkerTTLDefault is the default lifetime of a rebuild marker.
 	RebuildMarkerTTLDefault = time.Minute
+	// ReadAheadDefault is the default number of pages whose projection
+	// reads a full run keeps in flight.
+	ReadAheadDefault = 4
+	// ReadAheadMax is the largest Config.ReadAhead.
+	ReadAheadMax = 64
 )
 
 // Action is what a run does about a class of findings.
@@ -82,6 +88,19 @@ type Config struct {
 	// of projection entries read (and repaired) per round trip. Memory use
 	// is proportional to it, not to the table. Defaults to PageSizeDefault.
 	PageSize int
+	// ReadAhead is the number of pages whose projection reads a full run
+	// keeps in flight while it classifies and repairs an earlier page. Redis
+	// executes commands on one thread: with several pages in flight it reads
+	// one page while the client encodes the next request and decodes the
+	// previous reply, so a pass takes about as long as Redis needs for the
+	// reads (measured on 2 cores, 200,000 rows in pages of 1,000: 1.34x the
+	// rows per second of ReadAhead 1 at 2, 1.37x at 4, no more at 6 or 8).
+	// The price is Redis time: a pass keeps Redis busier while it lasts, so
+	// lower it where a reconciliation must leave more room to live traffic;
+	// 1 reads one page at a time. Memory holds up to ReadAhead+1 pages.
+	// Rebuild and sampled runs are not affected. Defaults to
+	// ReadAheadDefault.
+	ReadAhead int
 	// ExamplesPerClass is the number of findings kept per class in
 	// Report.Examples; -1 keeps none. Defaults to ExamplesPerClassDefault.
 	ExamplesPerClass int
@@ -136,6 +155,9 @@ func (c *Config) WithDefaults() *Config {
 	if out.PageSize == 0 {
 		out.PageSize = PageSizeDefault
 	}
+	if out.ReadAhead == 0 {
+		out.ReadAhead = ReadAheadDefault
+	}
 	if out.ExamplesPerClass == 0 {
 		out.ExamplesPerClass = ExamplesPerClassDefault
 	}
@@ -155,6 +177,8 @@ func (c *Config) validate() error {
 	switch {
 	case c.PageSize < 1 || c.PageSize > 100_000:
 		return &ConfigError{Field: "Config.PageSize", Reason: "must be between 1 and 100000 (0 uses the default)"}
+	case c.ReadAhead < 1 || c.ReadAhead > ReadAheadMax:
+		return &ConfigError{Field: "Config.ReadAhead", Reason: fmt.Sprintf("must be between 1 and %d (0 uses the default)", ReadAheadMax)}
 	case c.ExamplesPerClass < -1:
 		return &ConfigError{Field: "Config.ExamplesPerClass", Reason: "must be -1 (none) or more"}
 	case c.RepairTimeout < 0:

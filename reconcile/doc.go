@@ -60,10 +60,14 @@
 //	collections  MGET of the layout key (see "Version buckets" below)
 //	documents    one MGET of values and versions per Cluster slot
 //
-// The next page is read from PostgreSQL while the current one is checked in
-// Redis. Repairs of a page go out in one more round trip. Memory is
-// proportional to Config.PageSize, not to the table: a 1,000,000-row pass
-// runs in a few MiB.
+// A full run pipelines the pages: the source is read ahead, and the Redis
+// reads of up to Config.ReadAhead pages (4 by default) are in flight while
+// an earlier page is classified and repaired, so Redis, which executes
+// commands on one thread, stays busy instead of waiting for the client.
+// Pages are still classified, repaired and reported in source order.
+// Repairs of a page go out in one more round trip. Memory is proportional
+// to Config.PageSize times Config.ReadAhead, not to the table: a
+// 1,000,000-row pass runs in a few MiB.
 //
 // After the source, a full run looks for orphans. For a collection it first
 // compares counts (HLEN of the versions — of every bucket, pipelined —

@@ -184,10 +184,11 @@ func withBuckets(ks projection.Keyspace, n int) projection.Keyspace {
 }
 
 func (r *Reconciler) copyToShadow(ctx context.Context, rep *RebuildReport, step func(context.Context, string) (bool, error)) error {
-	pages, stop := r.pages(ctx)
+	pages, stop := r.pages(ctx, false)
 	defer stop()
 	lastRefresh := time.Now()
-	for p := range pages {
+	for next := range pages {
+		p := <-next
 		if p.err != nil {
 			return p.err
 		}

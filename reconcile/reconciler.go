@@ -7,6 +7,7 @@ import (
 	"log/slog"
 	"math/rand/v2"
 	"strconv"
+	"sync"
 	"time"
 
 	"github.com/redis/go-redis/v9"
@@ -160,21 +161,23 @@ func (r *Reconciler) runSample(ctx context.Context, opts RunOptions, rep *Report
 	return nil
 }
 
-// page is one source page handed from the prefetching reader to the
-// checker.
+// page is one source page, with what the projection held for its rows,
+// handed from the read-ahead pipeline to the checker.
 type page struct {
-	rows []Row
-	err  error
+	rows      []Row
+	projected []Projected
+	err       error
 }
 
 func (r *Reconciler) runFull(ctx context.Context, opts RunOptions, rep *Report) error {
-	pages, stop := r.pages(ctx)
+	pages, stop := r.pages(ctx, true)
 	defer stop()
-	for p := range pages {
+	for next := range pages {
+		p := <-next
 		if p.err != nil {
 			return p.err
 		}
-		if err := r.checkRows(ctx, opts, p.rows, rep); err != nil {
+		if err := r.checkRead(ctx, opts, p.rows, p.projected, rep); err != nil {
 			return err
 		}
 	}
@@ -191,45 +194,73 @@ func (r *Reconciler) runFull(ctx context.Context, opts RunOptions, rep *Report) 
 	return r.scanOrphans(ctx, opts, rep)
 }
 
-// pages walks the source by keyset pagination in a goroutine that reads
-// the next page while the caller works on the current one, so PostgreSQL
-// and Redis latency overlap; at most two pages are in memory. The channel
-// closes after the last page or after a page carrying an error. stop must
-// be called; it returns once the goroutine has exited.
-func (r *Reconciler) pages(ctx context.Context) (<-chan page, func()) {
+// pages runs the full pass's read-ahead pipeline: one goroutine walks the
+// source by keyset pagination, and each page's projection read starts as
+// soon as its rows arrive, up to Config.ReadAhead pages at once, while the
+// caller classifies and repairs an earlier page. Pages come out in source
+// order, each as a channel that delivers it once its read is done; the
+// stream ends after the last page or after a page carrying an error. At
+// most ReadAhead+1 pages are in memory. Without readProjection (a rebuild
+// writes pages, it does not compare them), pages are delivered as the
+// source returns them, with one page read ahead. stop must be called; it
+// returns once every goroutine has exited.
+//
+// Reading a page before the pages ahead of it are repaired is safe: pages
+// hold disjoint keys, and a repair touches only its own page's keys.
+func (r *Reconciler) pages(ctx context.Context, readProjection bool) (<-chan chan page, func()) {
 	fetchCtx, cancel := context.WithCancel(ctx)
-	out := make(chan page, 1)
-	done := make(chan struct{})
+	// Futures of pages on their way to the caller: with the one the caller
+	// waits on, at most ReadAhead reads are in flight; the walk blocks here
+	// with one more page in hand.
+	depth := r.cfg.ReadAhead - 1
+	if !readProjection {
+		depth = 1
+	}
+	out := make(chan chan page, depth)
+	var wg sync.WaitGroup
+	wg.Add(1)
 	go func() {
-		defer close(done)
+		defer wg.Done()
 		defer close(out)
 		var cursor Cursor
 		for {
-			rows, err := r.source.Page(fetchCtx, cursor, r.cfg.PageSize)
-			if err != nil {
-				err = fmt.Errorf("reconcile: reading source page: %w", err)
-			} else if len(rows) == 0 {
+			p := page{}
+			p.rows, p.err = r.source.Page(fetchCtx, cursor, r.cfg.PageSize)
+			if p.err != nil {
+				p.err = fmt.Errorf("reconcile: reading source page: %w", p.err)
+			} else if len(p.rows) == 0 {
 				return
 			} else {
-				last := rows[len(rows)-1].Key
+				last := p.rows[len(p.rows)-1].Key
 				if k, ok := cursor.Key(); ok && k == last {
-					err = fmt.Errorf("reconcile: source returned key %q again; Page must return keys after the cursor", last)
+					p.err = fmt.Errorf("reconcile: source returned key %q again; Page must return keys after the cursor", last)
 				}
 				cursor = After(last)
 			}
+			done := make(chan page, 1) // never blocks the reader below
 			select {
-			case out <- page{rows: rows, err: err}:
+			case out <- done:
 			case <-fetchCtx.Done():
 				return
 			}
-			if err != nil {
-				return
+			if p.err != nil || !readProjection {
+				done <- p
+				if p.err != nil {
+					return
+				}
+				continue
 			}
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				p.projected, p.err = r.readRows(fetchCtx, p.rows)
+				done <- p
+			}()
 		}
 	}()
 	return out, func() {
 		cancel()
-		<-done
+		wg.Wait()
 	}
 }
 
@@ -238,15 +269,29 @@ func (r *Reconciler) checkRows(ctx context.Context, opts RunOptions, rows []Row,
 	if err := ctx.Err(); err != nil {
 		return err
 	}
+	projected, err := r.readRows(ctx, rows)
+	if err != nil {
+		return err
+	}
+	return r.checkRead(ctx, opts, rows, projected, rep)
+}
+
+// readRows validates rows and reads what the projection holds for them.
+func (r *Reconciler) readRows(ctx context.Context, rows []Row) ([]Projected, error) {
 	keys := make([]string, len(rows))
 	for i := range rows {
 		if err := r.validateRow(&rows[i]); err != nil {
-			return err
+			return nil, err
 		}
 		keys[i] = rows[i].Key
 	}
-	projected, err := r.read(ctx, keys)
-	if err != nil {
+	return r.read(ctx, keys)
+}
+
+// checkRead classifies rows against what was read for them, repairs and
+// records.
+func (r *Reconciler) checkRead(ctx context.Context, opts RunOptions, rows []Row, projected []Projected, rep *Report) error {
+	if err := ctx.Err(); err != nil {
 		return err
 	}
 	findings := make([]Finding, len(rows))
@@ -259,7 +304,7 @@ func (r *Reconciler) checkRows(ctx context.Context, opts RunOptions, rows []Row,
 		}
 	}
 	rep.Checked += int64(len(rows))
-	err = r.settle(ctx, opts, findings, rep)
+	err := r.settle(ctx, opts, findings, rep)
 	for i := range findings {
 		rep.tally.add(&findings[i])
 	}

@@ -21,12 +21,12 @@ const (
 )
 
 // runReconcile measures a full reconciliation pass over a board of N users
-// whose projection is current: the board's reconcile.Reconciler (keyset
-// pages, the next page read while the current one is checked, orphan count
-// check at the end) against a hand-written loop doing the same comparison
-// the plain way (keyset pages of 1,000, then one pipelined ZMSCORE + HMGET
-// per page, one after the other). Rows per second of wall time; the two
-// alternate twice.
+// whose projection is current: the board's reconcile.Reconciler with its
+// defaults (keyset pages; the Redis reads of up to ReadAhead = 4 pages in
+// flight while an earlier one is checked; an orphan count check at the
+// end) against a hand-written loop doing the same comparison the plain way
+// (keyset pages of 1,000, then one pipelined ZMSCORE + HMGET per page, one
+// after the other). Rows per second of wall time; the two alternate twice.
 //
 // The board keeps one version hash (the default). A third pass in each
 // round reconciles the same source against a copy projected with version

@@ -1,0 +1,62 @@
+package reconcile
+
+import (
+	"testing"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+	"github.com/stretchr/testify/require"
+
+	"github.com/verity-go/verity/projection"
+)
+
+func TestConfig(t *testing.T) {
+	t.Parallel()
+
+	t.Run("Defaults", func(t *testing.T) {
+		t.Parallel()
+		cfg := (*Config)(nil).WithDefaults()
+		require.Equal(t, PageSizeDefault, cfg.PageSize)
+		require.Equal(t, ReadAheadDefault, cfg.ReadAhead)
+		require.Equal(t, ExamplesPerClassDefault, cfg.ExamplesPerClass)
+		require.Equal(t, RepairTimeoutDefault, cfg.RepairTimeout)
+		require.Equal(t, RebuildMarkerTTLDefault, cfg.RebuildMarkerTTL)
+		require.NotNil(t, cfg.Logger)
+		require.NoError(t, cfg.validate())
+
+		mine := &Config{ReadAhead: 9}
+		got := mine.WithDefaults()
+		require.Equal(t, 9, got.ReadAhead, "a set field is kept")
+		require.Zero(t, mine.PageSize, "WithDefaults returns a copy")
+	})
+
+	// New refuses a bad field with a *ConfigError naming it; the target is
+	// valid and never contacted.
+	t.Run("Invalid", func(t *testing.T) {
+		t.Parallel()
+		client := redis.NewClient(&redis.Options{Addr: "127.0.0.1:1"})
+		t.Cleanup(func() { client.Close() })
+		ks, err := projection.NewKeyspace("cfg:")
+		require.NoError(t, err)
+		target := Target{Client: client, Keyspace: ks, Kind: projection.KindSortedSet, Name: "board"}
+		src := &countingSource{} // New only checks that a source is given
+		for field, cfg := range map[string]*Config{
+			"Config.PageSize":         {PageSize: 100_001},
+			"Config.ReadAhead":        {ReadAhead: -1},
+			"Config.ExamplesPerClass": {ExamplesPerClass: -2},
+			"Config.RepairTimeout":    {RepairTimeout: -time.Second},
+			"Config.RebuildMarkerTTL": {RebuildMarkerTTL: time.Millisecond},
+			"Config.Policy.Orphan":    {Policy: Policy{Orphan: ActionRepair + 1}},
+		} {
+			_, err := New(src, target, cfg)
+			var cfgErr *ConfigError
+			require.ErrorAs(t, err, &cfgErr, field)
+			require.Equal(t, field, cfgErr.Field)
+			require.ErrorIs(t, err, ErrInvalidConfig)
+		}
+		_, err = New(src, target, &Config{ReadAhead: ReadAheadMax + 1})
+		require.ErrorContains(t, err, "Config.ReadAhead: must be between 1 and 64")
+		_, err = New(src, target, &Config{ReadAhead: ReadAheadMax})
+		require.NoError(t, err)
+	})
+}

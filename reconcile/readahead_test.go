@@ -1,0 +1,129 @@
+package reconcile
+
+import (
+	"context"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+	"github.com/stretchr/testify/require"
+
+	"github.com/verity-go/verity/internal/testenv"
+	"github.com/verity-go/verity/projection"
+)
+
+// countingSource counts the pages a run asks its Source for.
+type countingSource struct {
+	Source
+	pages atomic.Int64
+}
+
+func (s *countingSource) Page(ctx context.Context, after Cursor, limit int) ([]Row, error) {
+	s.pages.Add(1)
+	return s.Source.Page(ctx, after, limit)
+}
+
+// zmscoreCalls is the number of ZMSCORE commands the server has run.
+func zmscoreCalls(t *testing.T, client *redis.Client) int64 {
+	t.Helper()
+	info, err := client.Info(context.Background(), "commandstats").Result()
+	require.NoError(t, err)
+	for line := range strings.SplitSeq(info, "\r\n") {
+		rest, ok := strings.CutPrefix(line, "cmdstat_zmscore:calls=")
+		if !ok {
+			continue
+		}
+		n, err := strconv.ParseInt(rest[:strings.IndexByte(rest, ',')], 10, 64)
+		require.NoError(t, err)
+		return n
+	}
+	return 0
+}
+
+func TestReadAhead(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+
+	t.Run("SameFindingsAtEveryDepth", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t, projection.KindSortedSet)
+		want := countClasses(b.drift(t))
+		b.insertMany(t, 40)
+		want[ClassMissing] += 40
+		for _, depth := range []int{1, 2, 3, ReadAheadMax} {
+			rep, err := b.reconciler(t, &Config{PageSize: 2, ReadAhead: depth}).Run(ctx, RunOptions{DryRun: true})
+			require.NoError(t, err, "ReadAhead %d", depth)
+			require.Equal(t, want, rep.Counts, "ReadAhead %d", depth)
+			require.EqualValues(t, 47, rep.Checked, "ReadAhead %d", depth)
+			require.EqualValues(t, 45, rep.Results[ResultDryRun], "ReadAhead %d: missing, stale and corrupt", depth)
+		}
+	})
+
+	// While the first page waits in BeforeRepair, the projection reads of
+	// the next pages go ahead — ReadAhead of them in all, never more — and
+	// the source is one page further.
+	t.Run("ReadsAheadUpToTheBound", func(t *testing.T) {
+		t.Parallel()
+		for _, depth := range []int{1, 3} {
+			t.Run(strconv.Itoa(depth), func(t *testing.T) {
+				t.Parallel()
+				server := testenv.StartRedis(t)
+				client := server.Client(t)
+				b := setupWith(t, projection.KindSortedSet, client, "ra:")
+				b.insertMany(t, 60) // all missing: 12 pages of 5
+
+				src := &countingSource{Source: b.source}
+				var reads, pages int64
+				first := true
+				r, err := New(src, b.target, &Config{PageSize: 5, ReadAhead: depth, BeforeRepair: func(context.Context, Finding) bool {
+					if first {
+						first = false
+						require.Eventually(t, func() bool { return zmscoreCalls(t, client) >= int64(depth) },
+							10*time.Second, 5*time.Millisecond, "the pages after the first are read ahead")
+						time.Sleep(100 * time.Millisecond) // time for a read beyond the bound to show
+						reads, pages = zmscoreCalls(t, client), src.pages.Load()
+					}
+					return true
+				}})
+				require.NoError(t, err)
+				rep, err := r.Run(ctx, RunOptions{})
+				require.NoError(t, err)
+				require.EqualValues(t, 60, rep.Repaired)
+				require.EqualValues(t, depth, reads, "projection reads done while the first page was held")
+				require.EqualValues(t, depth+1, pages, "source pages read while the first page was held")
+			})
+		}
+	})
+
+	// A failing read ahead of the consumer surfaces in page order, after the
+	// pages before it are settled, and stops the run without leaking the
+	// pipeline's goroutines (the race detector and -count runs would show
+	// a read still writing after Run returned).
+	t.Run("ErrorInOrder", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t, projection.KindSortedSet)
+		b.insertMany(t, 30)
+		// An invalid row on the fourth page of 3: rows are validated in the
+		// read stage, ahead of the consumer.
+		_, err := b.pool.Exec(ctx, `UPDATE items SET version = 0 WHERE key = 'k0000010'`)
+		require.NoError(t, err)
+		var mu sync.Mutex
+		repaired := 0
+		r := b.reconciler(t, &Config{PageSize: 3, ReadAhead: 8, AfterRepair: func(context.Context, Finding) {
+			mu.Lock()
+			defer mu.Unlock()
+			repaired++
+		}})
+		rep, err := r.Run(ctx, RunOptions{})
+		var rowErr *InvalidRowError
+		require.ErrorAs(t, err, &rowErr)
+		require.Equal(t, "k0000010", rowErr.Key)
+		require.EqualValues(t, 9, rep.Checked, "the three pages before the bad one")
+		require.EqualValues(t, 9, rep.Repaired)
+		require.Equal(t, 9, repaired)
+	})
+}
