@@ -49,24 +49,27 @@ func (r *Reconciler) read(ctx context.Context, keys []string) ([]Projected, erro
 
 // readCollection fills out for keys of a collection.
 func (r *Reconciler) readCollection(ctx context.Context, keys []string, out []Projected) error {
-	members := make([]any, len(keys))
+	// Raw commands: the typed ZMScore maps a missing member to 0. Each
+	// key is boxed once; the version HMGET shares the boxes.
+	valueArgs := make([]any, 2+len(keys))
+	valueArgs[0], valueArgs[1] = "HMGET", r.valueKey
+	if r.target.Kind == projection.KindSortedSet {
+		valueArgs[0] = "ZMSCORE"
+	}
 	for i, k := range keys {
-		members[i] = k
+		valueArgs[2+i] = k
 	}
 	pipe := r.target.Client.Pipeline()
-	var values *redis.Cmd
-	if r.target.Kind == projection.KindSortedSet {
-		// Raw command: the typed ZMScore maps a missing member to 0.
-		values = pipe.Do(ctx, append([]any{"ZMSCORE", r.valueKey}, members...)...)
-	} else {
-		values = pipe.Do(ctx, append([]any{"HMGET", r.valueKey}, members...)...)
-	}
+	values := pipe.Do(ctx, valueArgs...)
 	// MGET, not GET: an absent key is a nil element, not redis.Nil.
 	layout := pipe.Do(ctx, "MGET", r.layoutKey)
 	var exists *redis.Cmd
 	var versions func() ([]any, error)
 	if r.buckets == 0 {
-		versions = pipe.Do(ctx, append([]any{"HMGET", r.versionKeys[0]}, members...)...).Slice
+		versionArgs := make([]any, len(valueArgs))
+		versionArgs[0], versionArgs[1] = "HMGET", r.versionKeys[0]
+		copy(versionArgs[2:], valueArgs[2:])
+		versions = pipe.Do(ctx, versionArgs...).Slice
 	} else {
 		exists = pipe.Do(ctx, "EXISTS", r.valueKey, r.unbucketedKey)
 		versions = r.hmgetBuckets(ctx, pipe, keys)

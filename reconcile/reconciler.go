@@ -294,14 +294,18 @@ func (r *Reconciler) checkRead(ctx context.Context, opts RunOptions, rows []Row,
 	if err := ctx.Err(); err != nil {
 		return err
 	}
-	findings := make([]Finding, len(rows))
+	// Current rows, nearly all of them in a healthy pass, are counted
+	// here; only drift becomes a Finding (a pass used to allocate one per
+	// row).
+	var findings []Finding
 	for i := range rows {
-		findings[i] = Finding{
-			Class:     Classify(r.target.Kind, &rows[i], projected[i]),
-			Key:       rows[i].Key,
-			Source:    &rows[i],
-			Projected: projected[i],
+		class := Classify(r.target.Kind, &rows[i], projected[i])
+		if class == ClassCurrent {
+			rep.Counts[ClassCurrent]++
+			rep.tally.addAsRead(&projected[i])
+			continue
 		}
+		findings = append(findings, Finding{Class: class, Key: rows[i].Key, Source: &rows[i], Projected: projected[i]})
 	}
 	rep.Checked += int64(len(rows))
 	err := r.settle(ctx, opts, findings, rep)

@@ -126,12 +126,18 @@ func (t *tally) add(f *Finding) {
 	case ResultRaced, ResultUncertain:
 		t.unknown = true
 	default:
-		if f.Projected.HasVersion {
-			t.versions++
-		}
-		if f.Projected.HasValue {
-			t.values++
-		}
+		t.addAsRead(&f.Projected)
+	}
+}
+
+// addAsRead counts an entry whose state is as read: current, or drift
+// left alone.
+func (t *tally) addAsRead(p *Projected) {
+	if p.HasVersion {
+		t.versions++
+	}
+	if p.HasValue {
+		t.values++
 	}
 }
 
