@@ -109,6 +109,42 @@ func TestSQLSource(t *testing.T) {
 		}
 	})
 
+	// A hash's value may be empty but not NULL, in a bytea column and in a
+	// text one.
+	t.Run("HashValues", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t, projection.KindHash)
+		_, err := b.pool.Exec(ctx, `INSERT INTO items VALUES ('empty', 'weekly', 1, NULL, ''), ('full', 'weekly', 2, NULL, 'x')`)
+		require.NoError(t, err)
+		rows, err := b.source.Page(ctx, Cursor{}, 10)
+		require.NoError(t, err)
+		require.Equal(t, []Row{
+			{Key: "empty", Version: 1, Value: projection.Value{Data: []byte{}}},
+			{Key: "full", Version: 2, Value: projection.Value{Data: []byte("x")}},
+		}, rows)
+
+		_, err = b.pool.Exec(ctx, `INSERT INTO items VALUES ('null', 'weekly', 1, NULL, NULL)`)
+		require.NoError(t, err)
+		_, err = b.source.Page(ctx, Cursor{}, 10)
+		var rowErr *InvalidRowError
+		require.ErrorAs(t, err, &rowErr)
+		require.Equal(t, "null", rowErr.Key)
+		require.Contains(t, rowErr.Reason, "NULL")
+
+		_, err = b.pool.Exec(ctx, `CREATE TABLE texts (key text PRIMARY KEY, version int4, body text)`)
+		require.NoError(t, err)
+		_, err = b.pool.Exec(ctx, `INSERT INTO texts VALUES ('e', 1, ''), ('n', 3, NULL)`)
+		require.NoError(t, err)
+		src, err := NewSQLSource(b.pool, &SQLSourceConfig{Table: "texts", KeyColumn: "key", VersionColumn: "version", ValueColumn: "body", Kind: projection.KindHash})
+		require.NoError(t, err)
+		rows, err = src.Lookup(ctx, []string{"e"})
+		require.NoError(t, err)
+		require.Equal(t, []Row{{Key: "e", Version: 1, Value: projection.Value{Data: []byte{}}}}, rows)
+		_, err = src.Lookup(ctx, []string{"n"})
+		require.ErrorAs(t, err, &rowErr)
+		require.Equal(t, "n", rowErr.Key)
+	})
+
 	t.Run("Config", func(t *testing.T) {
 		t.Parallel()
 		pg := testenv.Postgres(t)

@@ -8,6 +8,7 @@ import (
 	"strings"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgtype"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/verity-go/verity/projection"
@@ -218,8 +219,9 @@ func (s *SQLSource) query(ctx context.Context, capHint int, sql string, args ...
 	}
 	defer rows.Close()
 	out := make([]Row, 0, min(capHint, 4096))
+	sc := s.newScanner()
 	for rows.Next() {
-		r, err := s.scan(rows)
+		r, err := sc.scan(rows)
 		if err != nil {
 			return nil, err
 		}
@@ -231,36 +233,54 @@ func (s *SQLSource) query(ctx context.Context, capHint int, sql string, args ...
 	return out, nil
 }
 
-func (s *SQLSource) scan(rows pgx.Rows) (Row, error) {
-	var (
-		r       Row
-		version *int64
-		score   *int64
-		data    *[]byte
-		dest    any = &data
-	)
+// rowScanner scans one query's rows into the same targets, row after row,
+// so that a page allocates its keys and values but not scan targets.
+// Version and score are pgtype.Int8, whose Valid tells NULL without the
+// reflection and allocation of scanning into a **int64; the value of a hash
+// or document stays a **[]byte, so NULL is told from an empty value
+// whatever the column's type.
+type rowScanner struct {
+	src     *SQLSource
+	key     string
+	version pgtype.Int8
+	score   pgtype.Int8
+	data    *[]byte
+	dests   []any
+}
+
+func (s *SQLSource) newScanner() *rowScanner {
+	sc := &rowScanner{src: s}
+	var value any = &sc.data
 	if s.kind == projection.KindSortedSet {
-		dest = &score
+		value = &sc.score
 	}
-	if err := rows.Scan(&r.Key, &version, dest); err != nil {
+	sc.dests = []any{&sc.key, &sc.version, value}
+	return sc
+}
+
+func (sc *rowScanner) scan(rows pgx.Rows) (Row, error) {
+	s := sc.src
+	sc.data = nil
+	if err := rows.Scan(sc.dests...); err != nil {
 		return Row{}, fmt.Errorf("reconcile: scanning %s: %w", s.relation, err)
 	}
+	r := Row{Key: sc.key}
 	switch {
-	case version == nil:
+	case !sc.version.Valid:
 		return Row{}, &InvalidRowError{Key: r.Key, Reason: "version is NULL"}
-	case *version <= 0:
-		return Row{}, &InvalidRowError{Key: r.Key, Reason: "version " + strconv.FormatInt(*version, 10) + " is not positive"}
-	case s.kind == projection.KindSortedSet && score == nil, s.kind != projection.KindSortedSet && data == nil:
+	case sc.version.Int64 <= 0:
+		return Row{}, &InvalidRowError{Key: r.Key, Reason: "version " + strconv.FormatInt(sc.version.Int64, 10) + " is not positive"}
+	case s.kind == projection.KindSortedSet && !sc.score.Valid, s.kind != projection.KindSortedSet && sc.data == nil:
 		return Row{}, &InvalidRowError{Key: r.Key, Reason: "value is NULL"}
 	}
-	r.Version = *version
-	if score != nil {
-		if *score < projection.MinScore || *score > projection.MaxScore {
-			return Row{}, &InvalidRowError{Key: r.Key, Reason: fmt.Sprintf("score %d outside ±2^53", *score)}
+	r.Version = sc.version.Int64
+	if s.kind == projection.KindSortedSet {
+		if sc.score.Int64 < projection.MinScore || sc.score.Int64 > projection.MaxScore {
+			return Row{}, &InvalidRowError{Key: r.Key, Reason: fmt.Sprintf("score %d outside ±2^53", sc.score.Int64)}
 		}
-		r.Value.Score = *score
+		r.Value.Score = sc.score.Int64
 	} else {
-		r.Value.Data = *data
+		r.Value.Data = *sc.data
 	}
 	return r, nil
 }
