@@ -165,6 +165,12 @@ func Run(ctx context.Context, opts Options) (figs []Figure, err error) {
 		if err != nil {
 			return figs, fmt.Errorf("%s: %w", g, err)
 		}
+		// Each group cleans up before the next starts: autovacuum working
+		// through the ingest group's tables pushed the lag group's p99
+		// from 7-10 ms to 12 ms in one run.
+		if err := e.cleanup(ctx); err != nil {
+			return figs, fmt.Errorf("%s: cleaning up: %w", g, err)
+		}
 		e.log("%s: done in %s", g, time.Since(start).Round(time.Millisecond))
 		figs = append(figs, got...)
 	}
@@ -205,17 +211,26 @@ func (e *env) workerPool(ctx context.Context) (*pgxpool.Pool, error) {
 func (e *env) keyPrefix(name string) string { return e.prefix + name + ":" }
 
 func (e *env) close(ctx context.Context) error {
-	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Minute)
-	defer cancel()
 	if e.workers != nil && e.workers != e.pool {
 		e.workers.Close()
 	}
+	return e.cleanup(ctx)
+}
+
+// cleanup drops every schema handed out so far and deletes every key under
+// the run's prefix, also when ctx is cancelled.
+func (e *env) cleanup(ctx context.Context) error {
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Minute)
+	defer cancel()
 	var errs []error
+	var left []string // kept for the next attempt
 	for _, s := range e.schemas {
 		if _, err := e.pool.Exec(ctx, "DROP SCHEMA IF EXISTS "+pgx.Identifier{s}.Sanitize()+" CASCADE"); err != nil {
 			errs = append(errs, fmt.Errorf("dropping schema %s: %w", s, err))
+			left = append(left, s)
 		}
 	}
+	e.schemas = left
 	if err := deletePrefix(ctx, e.rdb, e.prefix); err != nil {
 		errs = append(errs, fmt.Errorf("deleting keys under %s: %w", e.prefix, err))
 	}

@@ -28,7 +28,9 @@
 //
 // Servers: DATABASE_URL and REDIS_URL, else the local default ports, else
 // private servers started for the run (internal/services). Everything runs
-// in schemas and under a key prefix of its own, removed at the end.
+// in schemas and under a key prefix of its own, removed when each figure
+// group ends.
+//
 // -quick uses small sizes and finishes well under a minute; CI runs it
 // through the package's test, asserting only that every figure is there.
 package main
