@@ -429,18 +429,7 @@ func TestGateOneScriptCallPerBatch(t *testing.T) {
 	gate := NewGate(client, ks)
 	require.NoError(t, gate.Load(ctx))
 
-	calls := func() int {
-		info, err := client.Info(ctx, "commandstats").Result()
-		require.NoError(t, err)
-		for _, line := range strings.Split(info, "\n") {
-			if rest, ok := strings.CutPrefix(line, "cmdstat_evalsha:calls="); ok {
-				n, err := strconv.Atoi(rest[:strings.IndexByte(rest, ',')])
-				require.NoError(t, err)
-				return n
-			}
-		}
-		return 0
-	}
+	calls := func() int64 { return testenv.CommandCalls(t, client, "evalsha") }
 	var writes []Write
 	for i := 0; i < 100; i++ {
 		writes = append(writes, zset("board"+strconv.Itoa(i%10), strconv.Itoa(i), 1, int64(i)), doc(strconv.Itoa(i), 1, "x"))

@@ -3,13 +3,11 @@ package reconcile
 import (
 	"context"
 	"strconv"
-	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
 
-	"github.com/redis/go-redis/v9"
 	"github.com/stretchr/testify/require"
 
 	"github.com/verity-go/verity/internal/testenv"
@@ -25,23 +23,6 @@ type countingSource struct {
 func (s *countingSource) Page(ctx context.Context, after Cursor, limit int) ([]Row, error) {
 	s.pages.Add(1)
 	return s.Source.Page(ctx, after, limit)
-}
-
-// zmscoreCalls is the number of ZMSCORE commands the server has run.
-func zmscoreCalls(t *testing.T, client *redis.Client) int64 {
-	t.Helper()
-	info, err := client.Info(context.Background(), "commandstats").Result()
-	require.NoError(t, err)
-	for line := range strings.SplitSeq(info, "\r\n") {
-		rest, ok := strings.CutPrefix(line, "cmdstat_zmscore:calls=")
-		if !ok {
-			continue
-		}
-		n, err := strconv.ParseInt(rest[:strings.IndexByte(rest, ',')], 10, 64)
-		require.NoError(t, err)
-		return n
-	}
-	return 0
 }
 
 func TestReadAhead(t *testing.T) {
@@ -82,10 +63,10 @@ func TestReadAhead(t *testing.T) {
 				r, err := New(src, b.target, &Config{PageSize: 5, ReadAhead: depth, BeforeRepair: func(context.Context, Finding) bool {
 					if first {
 						first = false
-						require.Eventually(t, func() bool { return zmscoreCalls(t, client) >= int64(depth) },
+						require.Eventually(t, func() bool { return testenv.CommandCalls(t, client, "zmscore") >= int64(depth) },
 							10*time.Second, 5*time.Millisecond, "the pages after the first are read ahead")
 						time.Sleep(100 * time.Millisecond) // time for a read beyond the bound to show
-						reads, pages = zmscoreCalls(t, client), src.pages.Load()
+						reads, pages = testenv.CommandCalls(t, client, "zmscore"), src.pages.Load()
 					}
 					return true
 				}})

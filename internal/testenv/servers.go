@@ -2,6 +2,8 @@ package testenv
 
 import (
 	"context"
+	"strconv"
+	"strings"
 	"testing"
 
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -63,4 +65,29 @@ func (s *RedisServer) Client(t testing.TB) *redis.Client {
 	c := redis.NewClient(&redis.Options{Addr: s.Addr()})
 	t.Cleanup(func() { _ = c.Close() })
 	return c
+}
+
+// CommandCalls returns how many times the server behind client has run
+// command (lower case, as INFO commandstats names it: "evalsha",
+// "zmscore"), 0 if never. The count is server-wide, so it means something
+// only on a private server (StartRedis).
+func CommandCalls(t testing.TB, client *redis.Client, command string) int64 {
+	t.Helper()
+	info, err := client.Info(context.Background(), "commandstats").Result()
+	if err != nil {
+		t.Fatalf("testenv: INFO commandstats: %v", err)
+	}
+	for line := range strings.SplitSeq(info, "\n") {
+		rest, ok := strings.CutPrefix(strings.TrimSpace(line), "cmdstat_"+command+":calls=")
+		if !ok {
+			continue
+		}
+		calls, _, _ := strings.Cut(rest, ",")
+		n, err := strconv.ParseInt(calls, 10, 64)
+		if err != nil {
+			t.Fatalf("testenv: INFO commandstats: %q: %v", line, err)
+		}
+		return n
+	}
+	return 0
 }
