@@ -29,20 +29,34 @@ var (
 	//go:embed lua/fill_at.lua
 	fillAtLua string
 
-	readScript    = redis.NewScript(readLua)
-	fillScript    = redis.NewScript(fillLua)
-	bumpScript    = redis.NewScript(bumpLua)
-	releaseScript = redis.NewScript(releaseLua)
-	fillAtScript  = redis.NewScript(fillAtLua)
+	defaultScripts = newScripts(func(src string) string { return src })
 )
+
+// scripts are the Lua scripts a Cache runs. They are per Cache only so that
+// tests can run every path under a wrapper that rejects undeclared keys.
+type scripts struct {
+	read, fill, bump, release, fillAt *redis.Script
+	bumpSrc                           string // for EVAL in bumpAndWait's pipeline
+}
+
+func newScripts(wrap func(src string) string) *scripts {
+	return &scripts{
+		read:    redis.NewScript(wrap(readLua)),
+		fill:    redis.NewScript(wrap(fillLua)),
+		bump:    redis.NewScript(wrap(bumpLua)),
+		release: redis.NewScript(wrap(releaseLua)),
+		fillAt:  redis.NewScript(wrap(fillAtLua)),
+		bumpSrc: wrap(bumpLua),
+	}
+}
 
 // Key suffixes after the P{id} part. Every key of one id shares the hash tag
 // {id}, so one script can touch all of them on Redis Cluster.
 const (
-	suffixVersion   = ":v"  // version counter
-	suffixCurrent   = ":c"  // current value: "<version>:<encoded value>"
-	suffixLease     = ":l:" // fill-lease stem; lease key = stem + version
-	suffixAt        = ":a"  // GetAt value: "<caller's version>:<encoded value>"
+	suffixVersion   = ":v" // version counter
+	suffixCurrent   = ":c" // current value: "<version>:<encoded value>"
+	suffixLease     = ":l" // fill lease: "<version>:<lease token>"
+	suffixAt        = ":a" // GetAt value: "<caller's version>:<encoded value>"
 	leaseHeldByUs   = 1
 	leaseHeldByPeer = 2
 )
@@ -61,6 +75,7 @@ type Cache[T any] struct {
 	// have applied an Invalidate the primary has already acknowledged.
 	primary    *redis.ClusterClient
 	config     *Config
+	lua        *scripts
 	leaseToken string
 	flights    flightGroup[T]
 	stats      counters
@@ -89,7 +104,7 @@ func New[T any](client redis.UniversalClient, config *Config) (*Cache[T], error)
 	if _, err := rand.Read(token[:]); err != nil {
 		return nil, fmt.Errorf("versioncache: lease token: %w", err)
 	}
-	c := &Cache[T]{client: client, config: cfg, leaseToken: hex.EncodeToString(token[:])}
+	c := &Cache[T]{client: client, config: cfg, lua: defaultScripts, leaseToken: hex.EncodeToString(token[:])}
 	if cc, ok := client.(*redis.ClusterClient); ok {
 		if o := cc.Options(); o.ReadOnly || o.RouteByLatency || o.RouteRandomly {
 			c.primary = cc
@@ -292,14 +307,14 @@ func (c *Cache[T]) loadAndFill(ctx context.Context, id string, r readResult, loa
 	data, err := c.config.Codec.Marshal(val)
 	if err != nil {
 		c.releaseLease(ctx, id, r)
-		return zero, &CodecError{ID: id, Err: err}
+		return zero, &CodecError{Op: "encode", ID: id, Err: err}
 	}
 	token := ""
 	if r.lease == leaseHeldByUs {
 		token = c.leaseToken
 	}
-	stored, err := fillScript.Run(ctx, c.client,
-		[]string{c.versionKey(id), c.currentKey(id), c.leaseKey(id, r.version)},
+	stored, err := c.lua.fill.Run(ctx, c.client,
+		[]string{c.versionKey(id), c.currentKey(id), c.leaseKey(id)},
 		r.version, joinVersioned(r.version, data), c.config.TTL.Milliseconds(), token).Int()
 	switch {
 	case err != nil:
@@ -323,7 +338,7 @@ func (c *Cache[T]) releaseLease(ctx context.Context, id string, r readResult) {
 	}
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Second)
 	defer cancel()
-	if err := releaseScript.Run(ctx, c.client, []string{c.leaseKey(id, r.version)}, c.leaseToken).Err(); err != nil {
+	if err := c.lua.release.Run(ctx, c.client, []string{c.leaseKey(id)}, r.version, c.leaseToken).Err(); err != nil {
 		c.config.Logger.WarnContext(ctx, "versioncache: releasing fill lease failed",
 			slog.String("id", id), slog.String("error", err.Error()))
 	}
@@ -401,7 +416,9 @@ func (c *Cache[T]) redisDown(ctx context.Context, id, op string, err error, load
 // holds the value together with the version it was cached under, and a hit
 // (one GET) is any stored version at or above the caller's. A miss loads and
 // stores unless a newer version was stored meanwhile, so the stored version
-// never goes backwards.
+// never goes backwards, with one exception: a stored value that does not
+// decode is a miss and is replaced by what this caller loaded, whatever
+// version it claims, if it is still byte for byte what was read.
 //
 // The trap: GetAt is only as correct as the version. A write that does not
 // change it (a bulk UPDATE or a data fix that forgets row_version or
@@ -425,6 +442,9 @@ func (c *Cache[T]) GetAt(ctx context.Context, id string, version int64, load Loa
 	// Any replica may serve this read: a lagging one holds an older version,
 	// which is a miss, never a stale hit.
 	data, err := c.client.Get(ctx, key).Bytes()
+	// undecodable is what the key held when it did not decode: the fill may
+	// replace exactly those bytes, whatever version they claim.
+	repair, undecodable := "0", []byte(nil)
 	switch {
 	case err == nil:
 		stored, payload, serr := splitVersioned(data)
@@ -442,6 +462,7 @@ func (c *Cache[T]) GetAt(ctx context.Context, id string, version int64, load Loa
 		c.stats.decodeErrors.Add(1)
 		c.config.Logger.WarnContext(ctx, "versioncache: cached value does not decode; reloading",
 			slog.String("id", id), slog.String("error", serr.Error()))
+		repair, undecodable = "1", data
 	case errors.Is(err, redis.Nil):
 	default:
 		return c.redisDown(ctx, id, "read", err, load)
@@ -458,10 +479,10 @@ func (c *Cache[T]) GetAt(ctx context.Context, id string, version int64, load Loa
 		}
 		data, err := c.config.Codec.Marshal(val)
 		if err != nil {
-			return zero, &CodecError{ID: id, Err: err}
+			return zero, &CodecError{Op: "encode", ID: id, Err: err}
 		}
-		stored, err := fillAtScript.Run(ctx, c.client, []string{key},
-			versionText, joinVersioned(versionText, data), c.config.TTL.Milliseconds()).Int()
+		stored, err := c.lua.fillAt.Run(ctx, c.client, []string{key},
+			versionText, joinVersioned(versionText, data), c.config.TTL.Milliseconds(), repair, undecodable).Int()
 		switch {
 		case err != nil:
 			c.stats.redisErrors.Add(1)
@@ -505,7 +526,7 @@ func (c *Cache[T]) Invalidate(ctx context.Context, id string) error {
 	if c.config.InvalidateReplicas > 0 {
 		_, replicas, err = c.bumpAndWait(ctx, keys, ttl)
 	} else {
-		err = bumpScript.Run(ctx, c.client, keys, ttl).Err()
+		err = c.lua.bump.Run(ctx, c.client, keys, ttl).Err()
 	}
 	if err != nil {
 		c.stats.redisErrors.Add(1)
@@ -536,7 +557,7 @@ func (c *Cache[T]) bumpAndWait(ctx context.Context, keys []string, ttl int64) ([
 	_, err := node.Pipelined(ctx, func(p redis.Pipeliner) error {
 		// EVAL, not EVALSHA: a NOSCRIPT inside the pipeline would still run
 		// the WAIT, for nothing.
-		bump = p.Eval(ctx, bumpLua, keys, ttl)
+		bump = p.Eval(ctx, c.lua.bumpSrc, keys, ttl)
 		wait = p.Do(ctx, "WAIT", c.config.InvalidateReplicas, c.config.InvalidateWaitTimeout.Milliseconds())
 		return nil
 	})
@@ -559,6 +580,10 @@ func (c *Cache[T]) bumpAndWait(ctx context.Context, keys []string, ttl int64) ([
 // Check. ok is false when nothing is cached. version is the version the value
 // was cached under when ok, else the id's current version (0 when it has
 // none). It reads on the primary, like Get.
+//
+// Unlike Get, Peek does not repair: a cached value that does not decode is
+// left in place and reported as a *CodecError with Op "decode", ok false,
+// and the version it claims (0 when it has none).
 func (c *Cache[T]) Peek(ctx context.Context, id string) (val T, version int64, ok bool, err error) {
 	r, err := c.read(ctx, id, false, false)
 	if err != nil {
@@ -577,7 +602,7 @@ func (c *Cache[T]) Peek(ctx context.Context, id string) (val T, version int64, o
 	}
 	if err != nil {
 		c.stats.decodeErrors.Add(1)
-		return val, version, false, &CodecError{ID: id, Err: err}
+		return val, version, false, &CodecError{Op: "decode", ID: id, Err: err}
 	}
 	return val, version, true, nil
 }
@@ -603,8 +628,8 @@ func (c *Cache[T]) read(ctx context.Context, id string, initialise, ignoreCurren
 	if ignoreCurrent {
 		ignore = "1"
 	}
-	res, err := readScript.Run(ctx, c.client,
-		[]string{c.versionKey(id), c.currentKey(id), c.leaseStem(id)},
+	res, err := c.lua.read.Run(ctx, c.client,
+		[]string{c.versionKey(id), c.currentKey(id), c.leaseKey(id)},
 		mode, c.config.TTL.Milliseconds(), leaseTTL, c.leaseToken, ignore).Slice()
 	if err != nil {
 		return readResult{}, err
@@ -649,12 +674,11 @@ func (c *Cache[T]) flightKey(id, version string) string {
 	return c.currentKey(id) + "@" + version
 }
 
-func (c *Cache[T]) leaseStem(id string) string {
+// leaseKey holds the fill lease of id: "<version>:<lease token>". One key per
+// id, not per version, so that the read script can declare it in KEYS
+// before it has read the version.
+func (c *Cache[T]) leaseKey(id string) string {
 	return keyenc.Tagged(c.config.Prefix, id, suffixLease)
-}
-
-func (c *Cache[T]) leaseKey(id, version string) string {
-	return c.leaseStem(id) + version
 }
 
 func isContextErr(err error) bool {

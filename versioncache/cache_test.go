@@ -334,8 +334,8 @@ func TestVersionNeverGoesBackwards(t *testing.T) {
 		require.Greater(t, v, ahead)
 
 		// A fill still carrying the old version is refused.
-		stored, err := fillScript.Run(ctx, b.client,
-			[]string{b.cache.versionKey("p1"), b.cache.currentKey("p1"), b.cache.leaseKey("p1", "x")},
+		stored, err := b.cache.lua.fill.Run(ctx, b.client,
+			[]string{b.cache.versionKey("p1"), b.cache.currentKey("p1"), b.cache.leaseKey("p1")},
 			strconv.FormatInt(ahead, 10), joinVersioned(strconv.FormatInt(ahead, 10), data), 60000, "").Int()
 		require.NoError(t, err)
 		require.Zero(t, stored)
@@ -357,8 +357,8 @@ func TestVersionNeverGoesBackwards(t *testing.T) {
 		require.NoError(t, b.client.Del(ctx, b.cache.versionKey("p1"), b.cache.currentKey("p1")).Err())
 		stale, err := json.Marshal(product{ID: "p1", Price: 1})
 		require.NoError(t, err)
-		stored, err := fillScript.Run(ctx, b.client,
-			[]string{b.cache.versionKey("p1"), b.cache.currentKey("p1"), b.cache.leaseKey("p1", before)},
+		stored, err := b.cache.lua.fill.Run(ctx, b.client,
+			[]string{b.cache.versionKey("p1"), b.cache.currentKey("p1"), b.cache.leaseKey("p1")},
 			before, joinVersioned(before, stale), 60000, "").Int()
 		require.NoError(t, err)
 		require.Zero(t, stored, "no version: nothing may be stored")

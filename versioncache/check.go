@@ -3,6 +3,7 @@ package versioncache
 import (
 	"bytes"
 	"context"
+	"errors"
 	"math/rand/v2"
 )
 
@@ -13,11 +14,16 @@ type IDLoader[T any] func(ctx context.Context, id string) (T, error)
 
 // CheckReport is the outcome of Check.
 type CheckReport[T any] struct {
-	Sampled   int // ids examined
+	Sampled   int // ids examined: Cached + NotCached + Undecodable
 	Cached    int // of those, ids with a value under their current version
 	NotCached int // ids with nothing cached: nothing to diverge
-	// Moved counts ids whose version changed while they were being compared:
-	// a write was in flight, so the comparison proves nothing either way.
+	// Undecodable counts ids whose cached value the Codec cannot decode
+	// (a codec change, a foreign writer). Get never serves such a value: it
+	// reloads and overwrites it.
+	Undecodable int
+	// Moved counts cached ids whose value changed (the version moved, or it
+	// was deleted or replaced) while they were being compared: a write was
+	// in flight, so the comparison proves nothing either way.
 	Moved int
 	// Divergent counts cached values that differed from the source of truth
 	// twice, with the version unchanged in between.
@@ -39,9 +45,12 @@ type Divergence[T any] struct {
 // It reads through Peek, so it neither fills nor disturbs the cache.
 //
 // Values are compared by their Codec encoding. A mismatch is confirmed by a
-// second Peek and load; if the version moved in between, the id counts as
-// Moved, not Divergent, because a write was still settling. Check stops at
-// the first Redis or loader error and returns the report so far.
+// second Peek and load; if the cached value changed in between (its version
+// moved, or it was deleted or no longer decodes), the id counts as Moved, not
+// Divergent, because a write was still settling. A cached value
+// that does not decode counts as Undecodable; it is not an error. Check
+// stops at the first Redis or loader error, or a value the Codec cannot
+// encode, and returns the report so far.
 func (c *Cache[T]) Check(ctx context.Context, ids []string, n int, load IDLoader[T]) (CheckReport[T], error) {
 	var report CheckReport[T]
 	if load == nil {
@@ -53,6 +62,10 @@ func (c *Cache[T]) Check(ctx context.Context, ids []string, n int, load IDLoader
 		}
 		report.Sampled++
 		cached, version, ok, err := c.Peek(ctx, id)
+		if errors.Is(err, ErrCodec) { // Peek only decodes
+			report.Undecodable++
+			continue
+		}
 		if err != nil {
 			return report, err
 		}
@@ -71,7 +84,9 @@ func (c *Cache[T]) Check(ctx context.Context, ids []string, n int, load IDLoader
 		// Confirm: a write committed but not yet invalidated looks exactly
 		// like a divergence for a moment.
 		again, version2, ok, err := c.Peek(ctx, id)
-		if err != nil {
+		// A value that does not decode (ok is false) decoded a moment ago:
+		// it was replaced, which makes it Moved like any other change.
+		if err != nil && !errors.Is(err, ErrCodec) {
 			return report, err
 		}
 		if !ok || version2 != version {
@@ -98,11 +113,11 @@ func (c *Cache[T]) compare(ctx context.Context, id string, cached T, load IDLoad
 	}
 	a, err := c.config.Codec.Marshal(cached)
 	if err != nil {
-		return current, false, &CodecError{ID: id, Err: err}
+		return current, false, &CodecError{Op: "encode", ID: id, Err: err}
 	}
 	b, err := c.config.Codec.Marshal(current)
 	if err != nil {
-		return current, false, &CodecError{ID: id, Err: err}
+		return current, false, &CodecError{Op: "encode", ID: id, Err: err}
 	}
 	return current, bytes.Equal(a, b), nil
 }

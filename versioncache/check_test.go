@@ -65,6 +65,47 @@ func TestCheck(t *testing.T) {
 		require.Equal(t, stored, d.Version, "reported under the version it is cached under")
 	})
 
+	// Get reloads and overwrites a cached value that does not decode, so it
+	// is never served: Check counts it and goes on to the other ids.
+	t.Run("CountsUndecodable", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t, nil)
+		ids := fill(t, b, 5)
+		require.NoError(t, b.client.Set(ctx, b.cache.currentKey("p2"), "1:not json", 0).Err())
+		report, err := b.cache.Check(ctx, ids, 0, byID(b))
+		require.NoError(t, err)
+		require.Equal(t, 5, report.Sampled)
+		require.Equal(t, 4, report.Cached)
+		require.Equal(t, 1, report.Undecodable)
+		require.Zero(t, report.Divergent)
+	})
+
+	// A value that decoded at the first look and not at the confirming one
+	// was replaced meanwhile: like any change mid-comparison, it is Moved.
+	t.Run("ReplacedByUndecodableIsMoved", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t, nil)
+		ids := fill(t, b, 1)
+		_, version, _, err := b.cache.Peek(ctx, ids[0])
+		require.NoError(t, err)
+		calls := 0
+		report, err := b.cache.Check(ctx, ids, 0, func(ctx context.Context, id string) (product, error) {
+			calls++
+			if calls == 1 {
+				bad := fmt.Sprintf("%d:not json", version)
+				if err := b.client.Set(ctx, b.cache.currentKey(id), bad, 0).Err(); err != nil {
+					return product{}, err
+				}
+				return product{ID: id, Price: -1}, nil // differs: Check looks again
+			}
+			return b.truth.read(id), nil
+		})
+		require.NoError(t, err)
+		require.Equal(t, 1, report.Cached)
+		require.Equal(t, 1, report.Moved)
+		require.Zero(t, report.Divergent)
+	})
+
 	t.Run("Samples", func(t *testing.T) {
 		t.Parallel()
 		b := setup(t, nil)

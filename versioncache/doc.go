@@ -23,10 +23,10 @@
 //
 // For a prefix P and id, the keys are
 //
-//	P{id}:v            the version
-//	P{id}:c            the current value: "<version>:<encoded value>", with a TTL
-//	P{id}:l:<version>  a short fill lease
-//	P{id}:a            GetAt's value: "<caller's version>:<encoded value>"
+//	P{id}:v  the version
+//	P{id}:c  the current value: "<version>:<encoded value>", with a TTL
+//	P{id}:l  a short fill lease: "<version>:<lease token>"
+//	P{id}:a  GetAt's value: "<caller's version>:<encoded value>"
 //
 // where id is escaped by internal/keyenc so it can hold any bytes. A hit is a
 // plain GET of P{id}:c: that key exists only while its value is current,
@@ -42,10 +42,13 @@
 //   - nothing else writes P{id}:c.
 //
 // A hit does not need the embedded version; Peek and Check report it, and
-// Invalidate uses it (below). Misses, fills and Invalidate are Lua scripts; every
-// key they touch is declared in KEYS or built from a declared stem, and all
-// share the hash tag {id}, so each call runs on the one Redis Cluster node
-// that owns the id. The tests run this against a real three-master cluster.
+// Invalidate uses it (below). Misses, fills and Invalidate are Lua scripts;
+// every key they touch is declared in KEYS (the tests run them under a
+// wrapper that fails on any other key). The lease is one key per id, holding
+// the version it was taken for, precisely so that it can be declared before
+// the script has read the version. All of an id's keys share the hash tag
+// {id}, so each call runs on the one Redis Cluster node that owns the id. The
+// tests run this against a real three-master cluster.
 //
 // A replica can lag an Invalidate that its primary has acknowledged, so the
 // hit GET always goes to the primary, also with a *redis.ClusterClient that
@@ -77,7 +80,10 @@
 // Upgrading from the previous layout (values under P{id}:d:<version>): old
 // and new processes must not share a prefix, because an old Invalidate does
 // not delete P{id}:c. Change Config.Prefix with the upgrade, or stop all old
-// writers first; the old keys expire within TTL.
+// writers first; the old keys expire within TTL. Releases that kept leases
+// under P{id}:l:<version> can share a prefix with this one, but the two do not
+// see each other's leases: during the rollout a miss storm may cost one load
+// per release instead of one, and nothing else changes.
 //
 // # Stampedes
 //
@@ -85,7 +91,10 @@
 // (a joiner can only join a load that started after the version it observed,
 // so it cannot receive a value older than a write it has seen acknowledged).
 // Across processes, the first miss takes a lease inside the same script; the
-// others poll for its value for up to FillLeaseWait, then load themselves.
+// others poll for its value for up to FillLeaseWait, then load themselves. A
+// lease guards only the version it was taken under: once the version moves,
+// the holder's fill will be refused, so the next miss takes the lease over.
+// Leases save loads and nothing else; correctness never depends on them.
 // BenchmarkMissStorm reports loads per storm (one, with the lease, for 4
 // processes × 16 goroutines missing together; four without it).
 //
@@ -113,7 +122,10 @@
 // database-incremented row_version. It needs no Invalidate: P{id}:a holds the
 // newest version stored, a hit is one GET whose embedded version is at or
 // above the caller's (a newer value is ahead, never stale), and a fill never
-// replaces a newer version with an older one. It is silently wrong for any
+// replaces a newer version with an older one, except a stored value that did
+// not decode for this caller and is still unchanged (compared byte for byte
+// in the fill script): it can serve nobody, and a lower version only costs
+// misses. It is silently wrong for any
 // write that does not move that version (a bulk UPDATE or data fix that
 // forgets it). Prefer Get with Invalidate when that cannot be ruled out.
 //

@@ -50,6 +50,25 @@ func TestCodec(t *testing.T) {
 		require.Equal(t, want, decoded)
 	})
 
+	// Peek does not repair: it reports a cached value that does not decode.
+	t.Run("PeekReportsUndecodable", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t, nil)
+		require.NoError(t, b.client.Set(ctx, b.cache.currentKey("p1"), "42:not json", 0).Err())
+		_, version, ok, err := b.cache.Peek(ctx, "p1")
+		require.False(t, ok)
+		require.EqualValues(t, 42, version)
+		var cerr *CodecError
+		require.ErrorAs(t, err, &cerr)
+		require.ErrorIs(t, err, ErrCodec)
+		require.Equal(t, "p1", cerr.ID)
+		require.Equal(t, "decode", cerr.Op)
+		require.ErrorContains(t, err, "decode value")
+		raw, err := b.client.Get(ctx, b.cache.currentKey("p1")).Result()
+		require.NoError(t, err)
+		require.Equal(t, "42:not json", raw, "left in place")
+	})
+
 	t.Run("UnencodableValue", func(t *testing.T) {
 		t.Parallel()
 		rd := testenv.Redis(t)

@@ -73,15 +73,19 @@ func (e *LoadError) Unwrap() error { return e.Err }
 // Is reports whether target is ErrLoad.
 func (e *LoadError) Is(target error) bool { return target == ErrLoad }
 
-// CodecError is a value the Codec could not encode. (A cached value that does
-// not decode is treated as a miss and overwritten, not returned as an error.)
+// CodecError is a value the Codec could not encode (from Get, GetAt and
+// Check), or, from Peek only, a cached value it could not decode. Get and
+// GetAt never return a decode failure: they treat such a value as a miss and
+// overwrite it with what they load. Check counts it as
+// CheckReport.Undecodable.
 type CodecError struct {
+	Op  string // "encode" or "decode"
 	ID  string
 	Err error
 }
 
 func (e *CodecError) Error() string {
-	return fmt.Sprintf("versioncache: encode value of id %q: %v", e.ID, e.Err)
+	return fmt.Sprintf("versioncache: %s value of id %q: %v", e.Op, e.ID, e.Err)
 }
 
 func (e *CodecError) Unwrap() error { return e.Err }

@@ -144,3 +144,41 @@ func BenchmarkMissStorm(b *testing.B) {
 		})
 	}
 }
+
+// A lease only guards a load under the version it was taken for. Once the
+// version moves, the holder's fill will be refused, so a miss under the new
+// version takes the lease at once, and the old holder's refused fill or
+// release must not drop the new holder's lease.
+func TestLeaseFollowsVersion(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	caches, src := newProcesses(t, 2, Config{})
+	src.write("p", 1)
+	old, err := caches[0].read(ctx, "p", true, false)
+	require.NoError(t, err)
+	require.EqualValues(t, leaseHeldByUs, old.lease)
+
+	want := src.write("p", 2)
+	require.NoError(t, caches[0].Invalidate(ctx, "p"))
+	r, err := caches[1].read(ctx, "p", true, false)
+	require.NoError(t, err)
+	require.NotEqual(t, old.version, r.version)
+	require.EqualValues(t, leaseHeldByUs, r.lease, "a lease of a moved version does not block")
+
+	_, err = caches[0].loadAndFill(ctx, "p", old, src.loader("p"))
+	require.NoError(t, err)
+	require.EqualValues(t, 1, caches[0].Stats().StaleFillsSkipped)
+	caches[0].releaseLease(ctx, "p", old)
+	again, err := caches[0].read(ctx, "p", true, false)
+	require.NoError(t, err)
+	require.Equal(t, r.version, again.version)
+	require.EqualValues(t, leaseHeldByPeer, again.lease, "the new lease survived")
+
+	got, err := caches[1].loadAndFill(ctx, "p", r, src.loader("p"))
+	require.NoError(t, err)
+	require.Equal(t, want, got)
+	got, err = caches[0].Get(ctx, "p", src.loader("p"))
+	require.NoError(t, err)
+	require.Equal(t, want, got)
+	require.EqualValues(t, 1, caches[0].Stats().Hits)
+}

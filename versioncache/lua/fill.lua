@@ -4,7 +4,7 @@
 --
 -- KEYS[1]  version key          P{id}:v
 -- KEYS[2]  current key          P{id}:c
--- KEYS[3]  lease key            P{id}:l:<version>
+-- KEYS[3]  lease key            P{id}:l   ("<version>:<lease token>")
 -- ARGV[1]  version the loader started from
 -- ARGV[2]  "<version>:<encoded value>"
 -- ARGV[3]  TTL in milliseconds
@@ -14,7 +14,9 @@
 -- Invalidate (or a re-initialisation, which always picks a larger version)
 -- happened since the load began, so the load may predate a write.
 
-if ARGV[4] ~= '' and redis.call('GET', KEYS[3]) == ARGV[4] then
+-- Release only our lease for this version: a miss under a newer version
+-- may have taken the key over.
+if ARGV[4] ~= '' and redis.call('GET', KEYS[3]) == ARGV[1] .. ':' .. ARGV[4] then
   redis.call('DEL', KEYS[3])
 end
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then

@@ -3,7 +3,7 @@
 --
 -- KEYS[1]  version key          P{id}:v
 -- KEYS[2]  current key          P{id}:c   ("<version>:<encoded value>")
--- KEYS[3]  lease-key stem       P{id}:l:  (lease key = stem .. version)
+-- KEYS[3]  lease key            P{id}:l   ("<version>:<lease token>")
 -- ARGV[1]  "1" to initialise a missing version, "0" to only look (Peek)
 -- ARGV[2]  TTL in milliseconds for a freshly initialised version key
 -- ARGV[3]  fill-lease TTL in milliseconds, "0" when leases are off
@@ -17,10 +17,8 @@
 --   lease:   0 = no lease asked, 1 = the caller's process holds the fill
 --            lease, 2 = another process holds it.
 --
--- The lease key is built here from the version just read, so it cannot be
--- listed in KEYS. Its stem is KEYS[3] and carries the same hash tag as
--- KEYS[1], so every key this script touches lives in the slot Redis Cluster
--- already routed the call to.
+-- One lease key per id, holding the version it was taken for, so that the
+-- key is known before the version is read and can be declared in KEYS.
 
 local version = redis.call('GET', KEYS[1])
 if ARGV[5] ~= '1' then
@@ -56,13 +54,18 @@ end
 if ARGV[3] == '0' then
   return {version, false, 0}
 end
-local lease = KEYS[3] .. version
-if redis.call('SET', lease, ARGV[4], 'NX', 'PX', ARGV[3]) then
-  return {version, false, 1}
-end
+local ours = version .. ':' .. ARGV[4]
+local held = redis.call('GET', KEYS[3])
 -- The token names a process, so another goroutine of the same process that
 -- already holds the lease is reported as ours: it shares the load in-process.
-if redis.call('GET', lease) == ARGV[4] then
+if held == ours then
   return {version, false, 1}
 end
-return {version, false, 2}
+-- Versions have no leading zeros, so this prefix match is exact.
+if held and string.sub(held, 1, #version + 1) == version .. ':' then
+  return {version, false, 2}
+end
+-- No lease, or one taken under another version: its holder's fill will be
+-- refused by fill.lua's version check, so it guards nothing. Take it over.
+redis.call('SET', KEYS[3], ours, 'PX', ARGV[3])
+return {version, false, 1}
