@@ -24,8 +24,8 @@ const (
 	RepairTimeoutDefault = 10 * time.Second
 	// RebuildMarkerTTLDefault is the default lifetime of a rebuild marker.
 	RebuildMarkerTTLDefault = time.Minute
-	// ReadAheadDefault is the default number of pages whose projection
-	// reads a full run keeps in flight.
+	// ReadAheadDefault is the default number of pages a full run has read
+	// at once, counting the one being classified.
 	ReadAheadDefault = 4
 	// ReadAheadMax is the largest Config.ReadAhead.
 	ReadAheadMax = 64
@@ -88,18 +88,19 @@ type Config struct {
 	// of projection entries read (and repaired) per round trip. Memory use
 	// is proportional to it, not to the table. Defaults to PageSizeDefault.
 	PageSize int
-	// ReadAhead is the number of pages whose projection reads a full run
-	// keeps in flight while it classifies and repairs an earlier page. Redis
-	// executes commands on one thread: with several pages in flight it reads
-	// one page while the client encodes the next request and decodes the
-	// previous reply, so a pass takes about as long as Redis needs for the
-	// reads (measured on 2 cores, 200,000 rows in pages of 1,000: 1.34x the
-	// rows per second of ReadAhead 1 at 2, 1.37x at 4, no more at 6 or 8).
-	// The price is Redis time: a pass keeps Redis busier while it lasts, so
-	// lower it where a reconciliation must leave more room to live traffic;
-	// 1 reads one page at a time. Memory holds up to ReadAhead+1 pages.
-	// Rebuild and sampled runs are not affected. Defaults to
-	// ReadAheadDefault.
+	// ReadAhead is the number of pages a full run reads at once, counting
+	// the one being classified and repaired: up to ReadAhead-1 later pages
+	// are read (source, then projection) meanwhile, and 1 reads one page
+	// at a time, with no overlap. Redis executes commands on one thread:
+	// with several pages in flight it reads one page while the client
+	// encodes the next request and decodes the previous reply, so a pass
+	// takes about as long as Redis needs for the reads (measured on 2
+	// cores, 200,000 rows in pages of 1,000: 1.34x the rows per second of
+	// ReadAhead 1 at 2, 1.37x at 4, no more at 6 or 8). The price is Redis
+	// time: a pass keeps Redis busier while it lasts, so lower it where a
+	// reconciliation must leave more room to live traffic. Memory holds up
+	// to ReadAhead pages. Rebuild and sampled runs are not affected.
+	// Defaults to ReadAheadDefault.
 	ReadAhead int
 	// ExamplesPerClass is the number of findings kept per class in
 	// Report.Examples; -1 keeps none. Defaults to ExamplesPerClassDefault.

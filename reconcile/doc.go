@@ -46,6 +46,18 @@
 //
 // A declined repair is reported as ResultRaced; the next run looks again.
 //
+// The two classes that say Redis knows more than the source are judged
+// against a source read made after the Redis read, so a write committed
+// and projected during a check is not taken for one:
+//
+//   - a source row is read before its Redis entry, so before an ahead
+//     finding is alerted or repaired its key is looked up in the source
+//     again and classified against the fresh row (a newer write makes it
+//     current or stale; a deletion makes it an orphan);
+//   - for orphans, Redis is read before the source lookup, and the
+//     removal insists on that earlier state: an entry created after the
+//     read changes it, and the removal declines.
+//
 // # Runs
 //
 // Reconciler.Run walks the source by keyset pagination (WHERE key > $last
@@ -60,14 +72,15 @@
 //	collections  MGET of the layout key (see "Version buckets" below)
 //	documents    one MGET of values and versions per Cluster slot
 //
-// A full run pipelines the pages: the source is read ahead, and the Redis
-// reads of up to Config.ReadAhead pages (4 by default) are in flight while
-// an earlier page is classified and repaired, so Redis, which executes
-// commands on one thread, stays busy instead of waiting for the client.
-// Pages are still classified, repaired and reported in source order.
-// Repairs of a page go out in one more round trip. Memory is proportional
-// to Config.PageSize times Config.ReadAhead, not to the table: a
-// 1,000,000-row pass runs in a few MiB.
+// A full run pipelines the pages: up to Config.ReadAhead pages (4 by
+// default) are read at once, counting the one being classified and
+// repaired, so Redis, which executes commands on one thread, stays busy
+// instead of waiting for the client; ReadAhead 1 reads one page at a time.
+// Each page's Redis read follows its source read at once, so the two see
+// nearly the same moment. Pages are still classified, repaired and
+// reported in source order. Repairs of a page go out in one more round
+// trip. Memory is proportional to Config.PageSize times Config.ReadAhead,
+// not to the table: a 1,000,000-row pass runs in a few MiB.
 //
 // After the source, a full run looks for orphans. For a collection it first
 // compares counts (HLEN of the versions — of every bucket, pipelined —

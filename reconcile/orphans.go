@@ -90,23 +90,32 @@ func (r *Reconciler) noOrphans(ctx context.Context, rep *Report) (bool, error) {
 // checkCandidates classifies projection entries found by a scan: those the
 // source lacks are orphans. versionless restricts the check to entries
 // without a version (the value-key scan).
+//
+// The projection is read before the source lookup, and that earlier state
+// is what an orphan's compare-and-set removal insists on. Read after the
+// lookup, it could hold an entry created and projected in between: the
+// lookup missed it, and the removal would delete a legitimate entry. Read
+// before, such a create changes the projection after the read, so the
+// removal declines (ResultRaced); a create projected before the read was
+// committed before it too, so the later lookup finds it.
 func (r *Reconciler) checkCandidates(ctx context.Context, opts RunOptions, keys []string, versionless bool, rep *Report) error {
 	if err := ctx.Err(); err != nil {
 		return err
 	}
 	keys = dedupe(keys)
+	projected, err := r.read(ctx, keys)
+	if err != nil {
+		return err
+	}
 	if versionless {
-		projected, err := r.read(ctx, keys)
-		if err != nil {
-			return err
-		}
-		kept := keys[:0]
+		kept, keptRead := keys[:0], projected[:0]
 		for i, k := range keys {
 			if !projected[i].HasVersion {
 				kept = append(kept, k)
+				keptRead = append(keptRead, projected[i])
 			}
 		}
-		keys = kept
+		keys, projected = kept, keptRead
 	}
 	rep.Scanned += int64(len(keys))
 	if len(keys) == 0 {
@@ -120,27 +129,23 @@ func (r *Reconciler) checkCandidates(ctx context.Context, opts RunOptions, keys 
 	for _, row := range found {
 		inSource[row.Key] = struct{}{}
 	}
-	var missing []string
-	for _, k := range keys {
+	var (
+		missing     []string
+		missingRead []Projected
+	)
+	for i, k := range keys {
 		if _, ok := inSource[k]; !ok {
 			missing = append(missing, k)
+			missingRead = append(missingRead, projected[i])
 		}
 	}
-	return r.checkAbsent(ctx, opts, missing, rep)
+	return r.checkAbsent(ctx, opts, missing, missingRead, rep)
 }
 
-// checkAbsent classifies keys the source does not have: any projection
-// entry for them is an orphan.
-func (r *Reconciler) checkAbsent(ctx context.Context, opts RunOptions, missing []string, rep *Report) error {
-	if len(missing) == 0 {
-		return nil
-	}
-	// Read again, now that the source said no: this is the state the
-	// compare-and-set removal will insist on.
-	projected, err := r.read(ctx, missing)
-	if err != nil {
-		return err
-	}
+// checkAbsent classifies keys the source does not have against what the
+// projection held for them, read before the source was asked (see
+// checkCandidates): any projection entry for them is an orphan.
+func (r *Reconciler) checkAbsent(ctx context.Context, opts RunOptions, missing []string, projected []Projected, rep *Report) error {
 	var findings []Finding
 	for i, k := range missing {
 		if c := Classify(r.target.Kind, nil, projected[i]); c == ClassOrphan {

@@ -44,9 +44,10 @@ func TestReadAhead(t *testing.T) {
 		}
 	})
 
-	// While the first page waits in BeforeRepair, the projection reads of
-	// the next pages go ahead — ReadAhead of them in all, never more — and
-	// the source is one page further.
+	// While the first page waits in BeforeRepair, the next pages are read
+	// ahead — ReadAhead pages in all, counting the held one, never more —
+	// and the source is read no further than the projection, so that no
+	// page's rows wait for a slot while the projection moves on.
 	t.Run("ReadsAheadUpToTheBound", func(t *testing.T) {
 		t.Parallel()
 		for _, depth := range []int{1, 3} {
@@ -75,9 +76,42 @@ func TestReadAhead(t *testing.T) {
 				require.NoError(t, err)
 				require.EqualValues(t, 60, rep.Repaired)
 				require.EqualValues(t, depth, reads, "projection reads done while the first page was held")
-				require.EqualValues(t, depth+1, pages, "source pages read while the first page was held")
+				require.EqualValues(t, depth, pages, "source pages read while the first page was held")
 			})
 		}
+	})
+
+	// A page is read from the source only when its projection read can
+	// follow at once: a write made while earlier pages are settled is
+	// seen by the source read of the page it is on, so nothing looks ahead
+	// and no row has to be looked up again.
+	t.Run("SourceReadWaitsForASlot", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t, projection.KindSortedSet)
+		rows := b.insertMany(t, 40) // 8 pages of 5
+		b.projectRows(t, rows[1:])  // k0000000 missing: page 1 has a repair
+		src := &windowSource{Source: &countingSource{Source: b.source}}
+		counted := src.Source.(*countingSource)
+		first := true
+		r, err := New(src, b.target, &Config{PageSize: 5, ReadAhead: 4, SkipOrphans: true,
+			BeforeRepair: func(context.Context, Finding) bool {
+				if first {
+					first = false
+					require.Eventually(t, func() bool { return counted.pages.Load() >= 4 }, 10*time.Second, time.Millisecond)
+					time.Sleep(100 * time.Millisecond) // time for a page beyond the bound to be read
+					// k0000022 is on page 5, not yet read.
+					applied, err := b.outboxWrite(ctx, "k0000022", 2)
+					require.NoError(t, err)
+					require.True(t, applied)
+				}
+				return true
+			}})
+		require.NoError(t, err)
+		rep, err := r.Run(ctx, RunOptions{})
+		require.NoError(t, err)
+		require.Equal(t, map[Class]int64{ClassMissing: 1, ClassCurrent: 39}, rep.Counts)
+		require.Zero(t, src.lookups.Load(), "no ahead finding needed a second look")
+		require.EqualValues(t, 2, b.state(t, r, "k0000022").Version)
 	})
 
 	// A failing read ahead of the consumer surfaces in page order, after the

@@ -187,8 +187,7 @@ func (r *Reconciler) copyToShadow(ctx context.Context, rep *RebuildReport, step 
 	pages, stop := r.pages(ctx, false)
 	defer stop()
 	lastRefresh := time.Now()
-	for next := range pages {
-		p := <-next
+	for p := range pages {
 		if p.err != nil {
 			return p.err
 		}

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"iter"
 	"log/slog"
 	"math/rand/v2"
 	"strconv"
@@ -70,7 +71,7 @@ func New(source Source, target Target, cfg *Config) (*Reconciler, error) {
 	}
 	r := &Reconciler{
 		metrics:       metrics,
-		source:        source,
+		source:        newSerialSource(source),
 		target:        target,
 		cfg:           cfg,
 		gate:          projection.NewGate(target.Client, target.Keyspace),
@@ -172,8 +173,7 @@ type page struct {
 func (r *Reconciler) runFull(ctx context.Context, opts RunOptions, rep *Report) error {
 	pages, stop := r.pages(ctx, true)
 	defer stop()
-	for next := range pages {
-		p := <-next
+	for p := range pages {
 		if p.err != nil {
 			return p.err
 		}
@@ -195,28 +195,38 @@ func (r *Reconciler) runFull(ctx context.Context, opts RunOptions, rep *Report) 
 }
 
 // pages runs the full pass's read-ahead pipeline: one goroutine walks the
-// source by keyset pagination, and each page's projection read starts as
-// soon as its rows arrive, up to Config.ReadAhead pages at once, while the
-// caller classifies and repairs an earlier page. Pages come out in source
-// order, each as a channel that delivers it once its read is done; the
-// stream ends after the last page or after a page carrying an error. At
-// most ReadAhead+1 pages are in memory. Without readProjection (a rebuild
-// writes pages, it does not compare them), pages are delivered as the
-// source returns them, with one page read ahead. stop must be called; it
-// returns once every goroutine has exited.
+// source by keyset pagination, taking one of Config.ReadAhead slots before
+// it reads each page and starting the page's projection read as soon as
+// the rows arrive, while the caller classifies and repairs an earlier
+// page. The page the caller holds keeps its slot until the caller asks for
+// the next one, so up to ReadAhead pages are read, counting the one being
+// classified, and at most ReadAhead pages are in memory; with ReadAhead 1
+// the next page is read only once the previous one is settled.
+//
+// Taking the slot before the source read keeps each page's source and
+// projection reads close together. A page read from the source and then
+// left waiting for a slot would be compared with a projection that has
+// moved on meanwhile, and every newer write projected in between would
+// look ahead (checkRead looks ahead findings up again, but should seldom
+// need to).
+//
+// Pages come out in source order; the sequence ends after the last page or
+// after a page carrying an error. Without readProjection (a rebuild writes
+// pages, it does not compare them), pages are delivered as the source
+// returns them, one read ahead of the one the caller holds. stop must be
+// called; it returns once every goroutine has exited.
 //
 // Reading a page before the pages ahead of it are repaired is safe: pages
 // hold disjoint keys, and a repair touches only its own page's keys.
-func (r *Reconciler) pages(ctx context.Context, readProjection bool) (<-chan chan page, func()) {
+func (r *Reconciler) pages(ctx context.Context, readProjection bool) (iter.Seq[page], func()) {
 	fetchCtx, cancel := context.WithCancel(ctx)
-	// Futures of pages on their way to the caller: with the one the caller
-	// waits on, at most ReadAhead reads are in flight; the walk blocks here
-	// with one more page in hand.
-	depth := r.cfg.ReadAhead - 1
+	n := r.cfg.ReadAhead
 	if !readProjection {
-		depth = 1
+		n = 2
 	}
-	out := make(chan chan page, depth)
+	slots := make(chan struct{}, n)
+	// One future per slot taken, so the walk never blocks on sending one.
+	out := make(chan chan page, n)
 	var wg sync.WaitGroup
 	wg.Add(1)
 	go func() {
@@ -224,6 +234,11 @@ func (r *Reconciler) pages(ctx context.Context, readProjection bool) (<-chan cha
 		defer close(out)
 		var cursor Cursor
 		for {
+			select {
+			case slots <- struct{}{}:
+			case <-fetchCtx.Done():
+				return
+			}
 			p := page{}
 			p.rows, p.err = r.source.Page(fetchCtx, cursor, r.cfg.PageSize)
 			if p.err != nil {
@@ -238,11 +253,7 @@ func (r *Reconciler) pages(ctx context.Context, readProjection bool) (<-chan cha
 				cursor = After(last)
 			}
 			done := make(chan page, 1) // never blocks the reader below
-			select {
-			case out <- done:
-			case <-fetchCtx.Done():
-				return
-			}
+			out <- done
 			if p.err != nil || !readProjection {
 				done <- p
 				if p.err != nil {
@@ -258,7 +269,15 @@ func (r *Reconciler) pages(ctx context.Context, readProjection bool) (<-chan cha
 			}()
 		}
 	}()
-	return out, func() {
+	seq := func(yield func(page) bool) {
+		for done := range out {
+			if !yield(<-done) {
+				return
+			}
+			<-slots // the caller is done with the page: its slot is free
+		}
+	}
+	return seq, func() {
 		cancel()
 		wg.Wait()
 	}
@@ -307,12 +326,58 @@ func (r *Reconciler) checkRead(ctx context.Context, opts RunOptions, rows []Row,
 		}
 		findings = append(findings, Finding{Class: class, Key: rows[i].Key, Source: &rows[i], Projected: projected[i]})
 	}
+	if err := r.recheckAhead(ctx, findings); err != nil {
+		return err
+	}
 	rep.Checked += int64(len(rows))
 	err := r.settle(ctx, opts, findings, rep)
 	for i := range findings {
 		rep.tally.add(&findings[i])
 	}
 	return err
+}
+
+// recheckAhead looks the keys of ahead findings up in the source again and
+// classifies them against the fresh rows, before anyone is alerted or
+// anything is repaired. Rows are read from the source before the
+// projection, so a write committed and projected in between makes the
+// projection look ahead of a row that was merely old. The fresh lookup
+// comes after the projection read: a version still ahead of it was
+// projected before the source lost it, which is real drift. A finding can
+// so become current, stale, corrupt, or an orphan (the row was deleted
+// meanwhile; a full run's orphan scan, if it runs, may count it again); it
+// keeps the projected state that was read, which any repair then insists
+// on.
+func (r *Reconciler) recheckAhead(ctx context.Context, findings []Finding) error {
+	var keys []string
+	for i := range findings {
+		if findings[i].Class == ClassAhead {
+			keys = append(keys, findings[i].Key)
+		}
+	}
+	if len(keys) == 0 {
+		return nil
+	}
+	rows, err := r.source.Lookup(ctx, keys)
+	if err != nil {
+		return fmt.Errorf("reconcile: looking up ahead entries in the source again: %w", err)
+	}
+	fresh := make(map[string]*Row, len(rows))
+	for i := range rows {
+		if err := r.validateRow(&rows[i]); err != nil {
+			return err
+		}
+		fresh[rows[i].Key] = &rows[i]
+	}
+	for i := range findings {
+		f := &findings[i]
+		if f.Class != ClassAhead {
+			continue
+		}
+		f.Source = fresh[f.Key] // nil: deleted from the source since
+		f.Class = Classify(r.target.Kind, f.Source, f.Projected)
+	}
+	return nil
 }
 
 // validateRow refuses, before anything is read or written, a row from any
@@ -394,28 +459,57 @@ func (r *Reconciler) CheckKeys(ctx context.Context, keys []string, opts RunOptio
 	return rep, err
 }
 
+// checkKeys reads the projection for each batch before it looks the batch
+// up in the source, for the reason checkCandidates gives.
 func (r *Reconciler) checkKeys(ctx context.Context, opts RunOptions, keys []string, rep *Report) error {
 	for len(keys) > 0 {
 		batch := keys[:min(len(keys), r.cfg.PageSize)]
 		keys = keys[len(batch):]
-		rows, err := r.source.Lookup(ctx, batch)
+		if err := ctx.Err(); err != nil {
+			return err
+		}
+		projected, err := r.read(ctx, batch)
+		if err != nil {
+			return err
+		}
+		found, err := r.source.Lookup(ctx, batch)
 		if err != nil {
 			return fmt.Errorf("reconcile: looking up keys in the source: %w", err)
 		}
-		if err := r.checkRows(ctx, opts, rows, rep); err != nil {
-			return err
+		index := make(map[string]int, len(batch))
+		for i, k := range batch {
+			index[k] = i
 		}
-		found := make(map[string]bool, len(rows))
-		for _, row := range rows {
-			found[row.Key] = true
-		}
-		var absent []string
-		for _, k := range batch {
-			if !found[k] {
-				absent = append(absent, k)
+		var (
+			rows     []Row
+			rowsRead []Projected
+		)
+		for _, row := range found {
+			// Rows not asked about (or repeated) break the Lookup
+			// contract; they are left alone, as in the orphan check.
+			if i, ok := index[row.Key]; ok {
+				if err := r.validateRow(&row); err != nil {
+					return err
+				}
+				rows = append(rows, row)
+				rowsRead = append(rowsRead, projected[i])
+				delete(index, row.Key)
 			}
 		}
-		if err := r.checkAbsent(ctx, opts, absent, rep); err != nil {
+		if err := r.checkRead(ctx, opts, rows, rowsRead, rep); err != nil {
+			return err
+		}
+		var (
+			absent     []string
+			absentRead []Projected
+		)
+		for _, k := range batch {
+			if i, ok := index[k]; ok {
+				absent = append(absent, k)
+				absentRead = append(absentRead, projected[i])
+			}
+		}
+		if err := r.checkAbsent(ctx, opts, absent, absentRead, rep); err != nil {
 			return err
 		}
 	}

@@ -29,7 +29,9 @@ func After(key string) Cursor { return Cursor{key: key, set: true} }
 func (c Cursor) Key() (string, bool) { return c.key, c.set }
 
 // Source reads the source of truth. Implementations must be safe for use by
-// one Reconciler at a time; SQLSource is the PostgreSQL implementation.
+// one Reconciler at a time: a Reconciler calls its Source's methods one at
+// a time, even across concurrent runs. SQLSource is the PostgreSQL
+// implementation.
 type Source interface {
 	// Page returns up to limit rows whose key sorts after the cursor, in
 	// ascending key order, or no rows at the end. It must use keyset
@@ -43,4 +45,50 @@ type Source interface {
 	// Lookup returns the rows, among keys, that exist in the source, in any
 	// order. Keys that do not exist are simply absent from the result.
 	Lookup(ctx context.Context, keys []string) ([]Row, error)
+}
+
+// serialSource makes a Reconciler call its Source one method at a time, as
+// the Source contract promises: a full run may look rows up again (ahead
+// findings) while its read-ahead walk reads the next page, and a Source
+// over a single connection must not see those calls overlap.
+type serialSource struct {
+	src  Source
+	turn chan struct{} // holds a token while a call is running
+}
+
+func newSerialSource(src Source) *serialSource {
+	return &serialSource{src: src, turn: make(chan struct{}, 1)}
+}
+
+func (s *serialSource) acquire(ctx context.Context) error {
+	select {
+	case s.turn <- struct{}{}:
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}
+
+func (s *serialSource) Page(ctx context.Context, after Cursor, limit int) ([]Row, error) {
+	if err := s.acquire(ctx); err != nil {
+		return nil, err
+	}
+	defer func() { <-s.turn }()
+	return s.src.Page(ctx, after, limit)
+}
+
+func (s *serialSource) Sample(ctx context.Context, n int) ([]Row, error) {
+	if err := s.acquire(ctx); err != nil {
+		return nil, err
+	}
+	defer func() { <-s.turn }()
+	return s.src.Sample(ctx, n)
+}
+
+func (s *serialSource) Lookup(ctx context.Context, keys []string) ([]Row, error) {
+	if err := s.acquire(ctx); err != nil {
+		return nil, err
+	}
+	defer func() { <-s.turn }()
+	return s.src.Lookup(ctx, keys)
 }

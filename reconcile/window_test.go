@@ -1,0 +1,198 @@
+package reconcile
+
+import (
+	"context"
+	"slices"
+	"sync/atomic"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/verity-go/verity/projection"
+)
+
+// windowSource calls hooks around the wrapped Source's answers, to land a
+// concurrent write exactly in the window between a source read and the
+// projection read or repair that follows it. Hooks run on whichever
+// goroutine the Reconciler calls from (Page on the read-ahead walk), so
+// they report failures through t.Error rather than require.
+type windowSource struct {
+	Source
+	lookups      atomic.Int64
+	afterPage    func(rows []Row)
+	beforeLookup func(keys []string)
+	afterLookup  func(keys []string)
+}
+
+func (s *windowSource) Page(ctx context.Context, after Cursor, limit int) ([]Row, error) {
+	rows, err := s.Source.Page(ctx, after, limit)
+	if err == nil && s.afterPage != nil {
+		s.afterPage(rows)
+	}
+	return rows, err
+}
+
+func (s *windowSource) Lookup(ctx context.Context, keys []string) ([]Row, error) {
+	s.lookups.Add(1)
+	if s.beforeLookup != nil {
+		s.beforeLookup(keys)
+	}
+	rows, err := s.Source.Lookup(ctx, keys)
+	if err == nil && s.afterLookup != nil {
+		s.afterLookup(keys)
+	}
+	return rows, err
+}
+
+// once returns a hook that runs fn the first time it sees key.
+func once(key string, fn func()) func([]string) {
+	done := false
+	return func(keys []string) {
+		if !done && slices.Contains(keys, key) {
+			done = true
+			fn()
+		}
+	}
+}
+
+// TestOrphanCheckReadsProjectionFirst creates an entity right after the
+// source lookup said it does not exist: the orphan check must compare with
+// the projection as it was before the lookup, so the new entry survives.
+func TestOrphanCheckReadsProjectionFirst(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+
+	t.Run("CheckKeys", func(t *testing.T) {
+		t.Parallel()
+		for _, kind := range allKinds {
+			t.Run(kindName(kind), func(t *testing.T) {
+				t.Parallel()
+				b := setup(t, kind)
+				src := &windowSource{Source: b.source}
+				src.afterLookup = once("newuser", func() {
+					b.insert(t, "newuser", 1)
+					require.Equal(t, projection.OutcomeApplied, b.project(t, "newuser", 1))
+				})
+				alerts := 0
+				r, err := New(src, b.target, &Config{Policy: Policy{Orphan: ActionRepair},
+					OnAlert: func(context.Context, Finding) { alerts++ }})
+				require.NoError(t, err)
+				rep, err := r.CheckKeys(ctx, []string{"newuser"}, RunOptions{})
+				require.NoError(t, err)
+				require.Zero(t, rep.Counts[ClassOrphan])
+				require.Zero(t, alerts)
+				require.EqualValues(t, 1, b.state(t, r, "newuser").Version, "the new entry survives")
+			})
+		}
+	})
+
+	// The scan finds an entry deleted from the source; it is created again
+	// (a newer version) right after the lookup: the removal must decline.
+	t.Run("OrphanScan", func(t *testing.T) {
+		t.Parallel()
+		for _, kind := range allKinds {
+			t.Run(kindName(kind), func(t *testing.T) {
+				t.Parallel()
+				b := setup(t, kind)
+				b.project(t, "gone", 1)
+				src := &windowSource{Source: b.source}
+				src.afterLookup = once("gone", func() {
+					b.insert(t, "gone", 2)
+					require.Equal(t, projection.OutcomeApplied, b.project(t, "gone", 2))
+				})
+				r, err := New(src, b.target, &Config{Policy: Policy{Orphan: ActionRepair}})
+				require.NoError(t, err)
+				rep, err := r.Run(ctx, RunOptions{})
+				require.NoError(t, err)
+				require.Equal(t, map[Class]int64{ClassOrphan: 1}, rep.Counts)
+				require.EqualValues(t, 1, rep.Results[ResultRaced])
+				require.Zero(t, rep.Repaired)
+				require.EqualValues(t, 2, b.state(t, r, "gone").Version, "the re-created entry survives")
+			})
+		}
+	})
+}
+
+// TestAheadLookedUpAgain lands a write between a page's source read and its
+// projection read, so the projection looks ahead of the page: the finding
+// must be judged against the source as it is after the projection read.
+func TestAheadLookedUpAgain(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	const key = "k0000003" // on the first page of 5
+
+	// The write committed and was projected: the entry is current, no
+	// alert fires, and a forced ahead repair does not regress it. (Without
+	// the orphan check, the only lookup is the second look.)
+	t.Run("NewerWriteIsCurrent", func(t *testing.T) {
+		t.Parallel()
+		for _, kind := range allKinds {
+			t.Run(kindName(kind), func(t *testing.T) {
+				t.Parallel()
+				b := setup(t, kind)
+				b.projectRows(t, b.insertMany(t, 10))
+				src := &windowSource{Source: b.source}
+				src.afterPage = newerWrite(t, b, key)
+				var alerts []Finding
+				r, err := New(src, b.target, &Config{PageSize: 5, SkipOrphans: true, Policy: Policy{Ahead: ActionRepair},
+					OnAlert: func(_ context.Context, f Finding) { alerts = append(alerts, f) }})
+				require.NoError(t, err)
+				rep, err := r.Run(ctx, RunOptions{})
+				require.NoError(t, err)
+				require.Equal(t, map[Class]int64{ClassCurrent: 10}, rep.Counts)
+				require.Empty(t, alerts)
+				require.EqualValues(t, 1, src.lookups.Load(), "the ahead entry was looked up again")
+				require.EqualValues(t, 2, b.state(t, r, key).Version, "the newer version survives")
+			})
+		}
+	})
+
+	// The row was deleted before the second lookup: the entry is an
+	// orphan, and reported as one.
+	t.Run("DeletedIsOrphan", func(t *testing.T) {
+		t.Parallel()
+		for _, kind := range allKinds {
+			t.Run(kindName(kind), func(t *testing.T) {
+				t.Parallel()
+				b := setup(t, kind)
+				b.projectRows(t, b.insertMany(t, 10))
+				src := &windowSource{Source: b.source}
+				src.afterPage = newerWrite(t, b, key)
+				src.beforeLookup = once(key, func() {
+					_, err := b.pool.Exec(ctx, `DELETE FROM items WHERE key = $1`, key)
+					require.NoError(t, err)
+				})
+				var alerts []Finding
+				r, err := New(src, b.target, &Config{PageSize: 5, SkipOrphans: true, Policy: Policy{Ahead: ActionRepair},
+					OnAlert: func(_ context.Context, f Finding) { alerts = append(alerts, f) }})
+				require.NoError(t, err)
+				rep, err := r.Run(ctx, RunOptions{})
+				require.NoError(t, err)
+				require.Equal(t, map[Class]int64{ClassCurrent: 9, ClassOrphan: 1}, rep.Counts)
+				require.Len(t, alerts, 1)
+				require.Equal(t, ClassOrphan, alerts[0].Class)
+				require.Nil(t, alerts[0].Source)
+				require.EqualValues(t, 2, alerts[0].Projected.Version)
+				require.EqualValues(t, 1, rep.Results[ResultReported], "orphans are reported by default")
+				require.EqualValues(t, 2, b.state(t, r, key).Version)
+			})
+		}
+	})
+}
+
+// newerWrite returns an afterPage hook that, once the page holding key has
+// been read from the source, writes version 2 of key to the source and
+// projects it, as a Submit and its projector would.
+func newerWrite(t *testing.T, b *testBundle, key string) func([]Row) {
+	done := false
+	return func(rows []Row) {
+		if done || !slices.ContainsFunc(rows, func(r Row) bool { return r.Key == key }) {
+			return
+		}
+		done = true
+		applied, err := b.outboxWrite(context.Background(), key, 2)
+		if err != nil || !applied {
+			t.Errorf("writing %s at version 2: applied %v, %v", key, applied, err)
+		}
+	}
+}
