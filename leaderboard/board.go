@@ -124,7 +124,7 @@ func New(pool *pgxpool.Pool, rdb redis.UniversalClient, cfg *Config) (*Board, er
 		ks:       ks,
 	}
 	b.zsetKey = ks.ValueKey(b.target(""))
-	r := func(q string) string { return renderSQL(q, c.Schema, w.Table()) }
+	r := func(q string) string { return renderSQL(q, c.Schema, w.Config().Table) }
 	b.sql.submit, b.sql.submitTx, b.sql.lookupEvent = r(submitSQL), r(submitTxSQL), r(lookupEventSQL)
 	b.sql.submitBatch = r(submitBatchSQL)
 	b.sql.overflowProbe = r(overflowProbeSQL)

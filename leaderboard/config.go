@@ -124,8 +124,9 @@ type Config struct {
 
 	// LagProbeInterval is how long a measured lag is reused before
 	// PostgreSQL is asked again, so that reads do not each cost a database
-	// query. Reported lag may be understated by up to this interval.
-	// Defaults to LagProbeIntervalDefault.
+	// query. Reported lag may be understated by less than this interval:
+	// a measurement reused for longer (while a slow probe is under way)
+	// adds its age to the lag. Defaults to LagProbeIntervalDefault.
 	LagProbeInterval time.Duration
 
 	// KeyPrefix prefixes every Redis key of the projection. It must not

@@ -93,9 +93,13 @@
 // Redis and PostgreSQL.
 //
 // Lag is the age, by the database clock, of the board's oldest outbox row
-// not yet projected (zero when none is pending); ProjectedThrough is when
-// that row was written — every change committed before it is visible. The
-// probe is one indexed query, reused for Config.LagProbeInterval.
+// not yet projected, pending or dead-lettered (zero when there is none);
+// ProjectedThrough is when that row was written — every change committed
+// before it is visible. The probe is one small query, reused for
+// Config.LagProbeInterval; a measurement reused for longer, while a slow
+// probe is under way, adds its age to the lag, so Lag understates the
+// truth by less than LagProbeInterval. A dead letter of the board counts
+// until it is replayed or deleted.
 //
 // When Lag exceeds Config.MaxLag, Config.ReadPolicy decides: ServeStale
 // answers from Redis anyway (the Freshness tells the caller), FallbackToPostgres

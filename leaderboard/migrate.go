@@ -33,12 +33,27 @@ type Execer interface {
 // It does not include the outbox's own migration (outbox.MigrationSQL).
 func MigrationSQL(cfg *Config) string {
 	schema := cfg.WithDefaults().Schema
-	return strings.NewReplacer(
+	script := strings.NewReplacer(
 		"{{score_events}}", qualify(schema, ScoreEventsTable),
 		"{{user_scores}}", qualify(schema, UserScoresTable),
 		"{{rank_index}}", pgx.Identifier{rankIndexName}.Sanitize(),
+		"{{rank_index_regclass}}", quoteLiteral(qualify(schema, rankIndexName)),
 		"{{schema}}", pgx.Identifier{schema}.Sanitize(),
 	).Replace(schemaSQL)
+	// A DO body is dollar-quoted, and any identifier may contain "$$": the
+	// tag must be one that occurs nowhere in the rendered script, so that
+	// no name can end the body early.
+	tag := "$verity$"
+	for i := 1; strings.Contains(script, tag); i++ {
+		tag = fmt.Sprintf("$verity%d$", i)
+	}
+	return strings.ReplaceAll(script, "{{do}}", tag)
+}
+
+// quoteLiteral returns s as an escape string literal (E'...'), whose
+// meaning does not depend on standard_conforming_strings.
+func quoteLiteral(s string) string {
+	return "E'" + strings.NewReplacer(`\`, `\\`, `'`, `''`).Replace(s) + "'"
 }
 
 // Migrate creates (if missing) the tables every board of cfg.Schema shares,

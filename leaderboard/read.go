@@ -46,17 +46,21 @@ type Freshness struct {
 	// Source is the store that answered.
 	Source Source
 	// ProjectedThrough is a time before which every committed change of the
-	// board is reflected in the answer: the creation time of the board's
-	// oldest outbox row not yet projected, or, when none was pending, the
-	// time of the last lag measurement (at most Config.LagProbeInterval
-	// old). For PostgreSQL answers it is the time of the read. Zero when
-	// the lag could not be measured.
+	// board is reflected in the answer: as of the last lag measurement, the
+	// creation time of the board's oldest unprojected change, or, when there
+	// was none, the time of that measurement. For PostgreSQL answers it is
+	// the time of the read. Zero when the lag could not be measured.
 	ProjectedThrough time.Time
-	// Lag is how long the oldest unprojected change has been waiting: the
-	// age of the board's oldest pending outbox row by the database clock,
-	// 0 when none was pending at the last measurement, 0 for PostgreSQL
-	// answers, and negative when it could not be measured (PostgreSQL
-	// unreachable).
+	// Lag is how long the oldest unprojected change has been waiting, by
+	// the database clock: the age of the board's oldest outbox row that is
+	// pending or dead-lettered (a dead letter counts from its original
+	// creation until it is replayed or deleted, since Redis may never get
+	// it). When there was none at the last measurement, Lag is 0 while that
+	// measurement is younger than Config.LagProbeInterval and its age after
+	// that (a probe under way can take longer, and a change may have been
+	// waiting since), so Lag understates the true lag by less than
+	// LagProbeInterval. 0 for PostgreSQL answers; negative when it could
+	// not be measured (PostgreSQL unreachable).
 	Lag time.Duration
 	// AtLeastMet is false only when the read asked for AtLeast, the
 	// projection did not reach that version in time, and the ServeStale
@@ -260,6 +264,11 @@ func (b *Board) readUnderPolicy(ctx context.Context, opts []ReadOption, fromRedi
 	}
 
 	fresh := b.freshness(ctx)
+	if err := ctx.Err(); err != nil {
+		// A lag the caller's own cancellation left unmeasured is not
+		// staleness: report the cancellation, under every policy.
+		return Freshness{}, err
+	}
 	fresh.AtLeastMet = atLeastMet
 	if fresh.Lag < 0 || fresh.Lag > b.cfg.MaxLag || o.forceStale {
 		switch o.policy {
@@ -313,8 +322,8 @@ func (b *Board) waitForVersion(ctx context.Context, user string, version int64) 
 // lagProbe caches the last lag measurement.
 type lagProbe struct {
 	at      time.Time     // local time of the measurement; zero before the first
-	lag     time.Duration // age of the oldest pending row then
-	pending bool          // whether any row was pending
+	lag     time.Duration // age of the oldest unprojected row then
+	pending bool          // whether any row was unprojected
 	failed  bool          // whether the measurement failed
 	running bool          // whether a measurement is under way
 }
@@ -323,6 +332,12 @@ type lagProbe struct {
 // once per Config.LagProbeInterval. While one read measures, concurrent
 // reads use the previous measurement instead of queueing behind it (only
 // the very first reads of a Board wait for a measurement of their own).
+//
+// A measurement is trusted as is for LagProbeInterval only: when the probe
+// under way takes longer (a saturated pool, a slow database), the reused
+// measurement's lag keeps growing with its age, because the projection may
+// have fallen behind at any moment since. Reported lag therefore understates
+// the true lag by less than LagProbeInterval, however long a probe takes.
 func (b *Board) freshness(ctx context.Context) Freshness {
 	b.lagMu.Lock()
 	now := time.Now()
@@ -338,6 +353,15 @@ func (b *Board) freshness(ctx context.Context) Freshness {
 		var dbNow time.Time
 		var oldest *time.Time
 		err := b.pool.QueryRow(ctx, b.sql.lag, b.stream).Scan(&dbNow, &oldest)
+		if err != nil && ctx.Err() != nil {
+			// This caller gave up, which says nothing about the database:
+			// keep the previous measurement for the other readers, and let
+			// the next one measure again.
+			b.lagMu.Lock()
+			b.lagProbe.running = false
+			b.lagMu.Unlock()
+			return Freshness{Source: SourceRedis, Lag: -1}
+		}
 		p = lagProbe{at: time.Now(), failed: err != nil}
 		if err != nil {
 			b.cfg.Logger.WarnContext(ctx, "leaderboard: measuring projection lag failed", "board", b.cfg.Name, "error", err)
@@ -354,12 +378,17 @@ func (b *Board) freshness(ctx context.Context) Freshness {
 		now = p.at
 	}
 
+	age := now.Sub(p.at)
 	switch {
 	case p.failed:
 		return Freshness{Source: SourceRedis, Lag: -1}
 	case p.pending:
-		lag := p.lag + now.Sub(p.at)
+		lag := p.lag + age
 		return Freshness{Source: SourceRedis, Lag: lag, ProjectedThrough: now.Add(-lag)}
+	case age >= b.cfg.LagProbeInterval:
+		// Nothing was pending at p.at, but a change committed right after
+		// may have been waiting ever since.
+		return Freshness{Source: SourceRedis, Lag: age, ProjectedThrough: p.at}
 	}
 	return Freshness{Source: SourceRedis, ProjectedThrough: p.at}
 }

@@ -7,7 +7,10 @@ import (
 	"time"
 
 	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
+
+	"github.com/verity-go/verity/outbox"
 )
 
 // submit applies commands and fails the test on error.
@@ -333,5 +336,144 @@ func TestReadYourWrites(t *testing.T) {
 		require.Equal(t, SourceRedis, fr.Source)
 		require.False(t, fr.AtLeastMet)
 		require.Equal(t, int64(10), e.Score)
+	})
+}
+
+func TestFreshnessProbe(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+
+	t.Run("AgesWhileAProbeIsStuck", func(t *testing.T) {
+		t.Parallel()
+		tb := setup(t)
+		// The board under test reads through a pool of one connection, which
+		// the test holds to make its lag probe wait.
+		pc, err := pgxpool.ParseConfig(tb.pg.ConnString)
+		require.NoError(t, err)
+		pc.MaxConns = 1
+		small, err := pgxpool.NewWithConfig(ctx, pc)
+		require.NoError(t, err)
+		t.Cleanup(small.Close)
+		cfg := tb.board.Config()
+		cfg.ReadPolicy = FailClosed
+		cfg.MaxLag = 100 * time.Millisecond
+		cfg.LagProbeInterval = 10 * time.Millisecond
+		board, err := New(small, tb.rd.Client, &cfg)
+		require.NoError(t, err)
+
+		tb.submit(t, "user-a", 10)
+		tb.drain(t)
+		r, err := board.Top(ctx, 10)
+		require.NoError(t, err)
+		require.Zero(t, r.Freshness.Lag)
+		measuredAt := time.Now()
+
+		// A change arrives and is not projected; the next probe hangs.
+		tb.submit(t, "user-a", 7)
+		conn, err := small.Acquire(ctx)
+		require.NoError(t, err)
+		defer conn.Release()
+		time.Sleep(cfg.LagProbeInterval)
+		probeCtx, cancelProbe := context.WithCancel(ctx)
+		probed := make(chan struct{})
+		go func() {
+			defer close(probed)
+			_, _ = board.Top(probeCtx, 10)
+		}()
+		t.Cleanup(func() { cancelProbe(); <-probed })
+		require.Eventually(t, func() bool {
+			board.lagMu.Lock()
+			defer board.lagMu.Unlock()
+			return board.lagProbe.running
+		}, 5*time.Second, time.Millisecond)
+		time.Sleep(cfg.MaxLag + 20*time.Millisecond)
+
+		// Readers reusing the old "nothing pending" measurement must not
+		// call Redis fresh: its age is the lag it may hide.
+		_, err = board.Top(ctx, 10)
+		var stale *StaleError
+		require.ErrorAs(t, err, &stale)
+		require.Greater(t, stale.Lag, cfg.MaxLag)
+		asked := time.Now()
+		fr := board.Freshness(ctx)
+		require.GreaterOrEqual(t, fr.Lag, asked.Sub(measuredAt))
+		require.False(t, fr.ProjectedThrough.After(measuredAt))
+	})
+
+	t.Run("CancelledReaderDoesNotPoisonTheCache", func(t *testing.T) {
+		t.Parallel()
+		tb := setup(t, func(c *Config) {
+			c.ReadPolicy = FailClosed
+			c.LagProbeInterval = time.Hour // a cached failure would stick
+		})
+		tb.submit(t, "user-a", 10)
+		tb.drain(t)
+
+		cancelled, cancel := context.WithCancel(ctx)
+		cancel()
+		_, err := tb.board.Top(cancelled, 10)
+		require.ErrorIs(t, err, context.Canceled)
+		require.NotErrorIs(t, err, ErrStale)
+
+		r, err := tb.board.Top(ctx, 10)
+		require.NoError(t, err)
+		require.Equal(t, SourceRedis, r.Freshness.Source)
+		require.Zero(t, r.Freshness.Lag)
+		require.Equal(t, int64(10), r.Entries[0].Score)
+	})
+
+	t.Run("DeadLettersCountAsLag", func(t *testing.T) {
+		t.Parallel()
+		tb := setup(t, func(c *Config) {
+			c.ReadPolicy = FailClosed
+			c.MaxLag = 50 * time.Millisecond
+			c.LagProbeInterval = time.Nanosecond
+		})
+		tb.submit(t, "user-a", 10)
+		tb.drain(t)
+		tb.submit(t, "user-a", 7)
+
+		// Redis refuses the projection once (a value of the wrong type in
+		// place of the sorted set), and the row's only attempt buries it.
+		key := tb.board.SortedSetKey()
+		require.NoError(t, tb.rd.Client.Rename(ctx, key, key+":saved").Err())
+		require.NoError(t, tb.rd.Client.Set(ctx, key, "x", 0).Err())
+		w, err := tb.board.Worker(&WorkerConfig{Relay: &outbox.RelayConfig{MaxAttempts: 1}})
+		require.NoError(t, err)
+		_, _ = w.Drain(ctx)
+		require.NoError(t, tb.rd.Client.Rename(ctx, key+":saved", key).Err())
+		var pending, dead int
+		require.NoError(t, tb.pg.Pool.QueryRow(ctx, `SELECT
+			(SELECT count(*) FROM verity_outbox),
+			(SELECT count(*) FROM verity_outbox_dead)`).Scan(&pending, &dead))
+		require.Equal(t, 0, pending)
+		require.Equal(t, 1, dead)
+		_, err = tb.pg.Pool.Exec(ctx, `UPDATE verity_outbox_dead SET created_at = created_at - interval '1 minute'`)
+		require.NoError(t, err)
+
+		// Redis still holds 10 while PostgreSQL holds 17.
+		_, err = tb.board.Top(ctx, 10)
+		var stale *StaleError
+		require.ErrorAs(t, err, &stale)
+		require.Greater(t, stale.Lag, 59*time.Second)
+		r, err := tb.board.Top(ctx, 10, WithPolicy(ServeStale))
+		require.NoError(t, err)
+		require.Equal(t, int64(10), r.Entries[0].Score)
+		require.Greater(t, r.Freshness.Lag, 59*time.Second)
+
+		// Another board's dead letter is not this board's lag.
+		other, err := New(tb.pg.Pool, tb.rd.Client, &Config{Name: "other", Schema: tb.pg.Schema, KeyPrefix: tb.rd.Prefix})
+		require.NoError(t, err)
+		require.Zero(t, other.Freshness(ctx).Lag)
+
+		// Replayed and projected, the board is fresh again.
+		n, err := w.Relay().ReplayDead(ctx, outbox.ReplayFilter{})
+		require.NoError(t, err)
+		require.Equal(t, int64(1), n)
+		tb.drain(t)
+		r, err = tb.board.Top(ctx, 10)
+		require.NoError(t, err)
+		require.Zero(t, r.Freshness.Lag)
+		require.Equal(t, int64(17), r.Entries[0].Score)
 	})
 }

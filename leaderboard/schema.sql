@@ -1,5 +1,7 @@
 -- verity leaderboard schema. The double-brace placeholders are replaced by
--- quoted identifiers (tables schema-qualified) from the board's Config.
+-- quoted identifiers (tables schema-qualified) from the board's Config, the
+-- index's qualified name as a string literal, and a dollar-quote tag found
+-- nowhere else in the script.
 -- Idempotent: every statement may run again.
 
 SELECT pg_advisory_xact_lock(8317442061);
@@ -40,6 +42,16 @@ CREATE TABLE IF NOT EXISTS {{user_scores}} (
 
 -- Ranking order: score descending, then user id ascending by bytes, written
 -- as ascending (-score, user_id) so that keyset pages are one row
--- comparison and one index range scan.
-CREATE INDEX IF NOT EXISTS {{rank_index}}
-    ON {{user_scores}} (board, (-score), user_id);
+-- comparison and one index range scan. CREATE INDEX IF NOT EXISTS alone
+-- would take a SHARE lock on user_scores even when the index exists, held
+-- until this script's transaction ends: every Submit would wait for a
+-- Migrate at start-up, and Migrate for every open SubmitTx. So it runs
+-- only when the index is missing (the advisory lock above makes the check
+-- and the creation atomic). No line inside the block ends with a
+-- semicolon: tools that split scripts at such lines (goose) keep it whole.
+DO {{do}}
+BEGIN
+    IF to_regclass({{rank_index_regclass}}) IS NULL THEN
+        CREATE INDEX {{rank_index}}
+            ON {{user_scores}} (board, (-score), user_id); END IF; END
+{{do}};

@@ -272,25 +272,51 @@ SELECT w.user_id::text, w.score,
 FROM (SELECT * FROM before UNION ALL SELECT * FROM after) AS w, base
 ORDER BY -w.score, w.user_id`
 
-// lagSQL reads the age of the board's oldest pending outbox row, measured
-// by the database clock: $1 stream. The outbox's partial index on
-// created_at makes this a short index scan (it skips pending rows of other
-// streams that are older).
+// lagSQL reads the creation time of the board's oldest unprojected change,
+// and the database clock to measure its age by: $1 stream. Unprojected
+// means pending in the outbox, or dead-lettered: a row that failed
+// MaxAttempts times left the outbox for its dead-letter table, and Redis
+// may lack it for good, so it counts as waiting since its original
+// creation until it is replayed (outbox.Relay.ReplayDead) or deleted. An
+// age rather than "unknown" (a negative Lag, which means PostgreSQL could
+// not be asked) keeps Lag's meaning: the age of the oldest change Redis
+// may not reflect; it exceeds MaxLag once the dead letter is MaxLag old.
+//
+// The outbox's partial index on created_at makes the first subquery a short
+// index scan (it skips pending rows of other streams that are older). The
+// dead-letter table has no index on stream (only on id and event_id), so
+// the second reads the stream's first dead letter in id order: it stops at
+// the first match instead of aggregating all of them, and scans the table
+// (normally empty: every row is an alert) only when the stream has none.
+// Outbox ids follow creation order up to the length of a writing
+// transaction, which is close enough for an age compared with MaxLag.
+// LEAST ignores NULLs: the result is NULL only when neither has a row.
 const lagSQL = `
-SELECT clock_timestamp(), (
-    SELECT created_at
-    FROM {{outbox}}
-    WHERE published_at IS NULL AND stream = $1::text
-    ORDER BY created_at
-    LIMIT 1
+SELECT clock_timestamp(), LEAST(
+    (
+        SELECT created_at
+        FROM {{outbox}}
+        WHERE published_at IS NULL AND stream = $1::text
+        ORDER BY created_at
+        LIMIT 1
+    ),
+    (
+        SELECT created_at
+        FROM {{outbox_dead}}
+        WHERE stream = $1::text
+        ORDER BY id
+        LIMIT 1
+    )
 )`
 
-// renderSQL replaces the identifier placeholders of q.
+// renderSQL replaces the identifier placeholders of q. outboxTable is the
+// outbox table's unquoted name; outbox.Config documents the dead-letter
+// table's name as that name + "_dead".
 func renderSQL(q string, schema, outboxTable string) string {
-	// outboxTable is already quoted and qualified (outbox.Writer.Table).
 	return strings.NewReplacer(
 		"{{score_events}}", qualify(schema, ScoreEventsTable),
 		"{{user_scores}}", qualify(schema, UserScoresTable),
-		"{{outbox}}", outboxTable,
+		"{{outbox}}", qualify(schema, outboxTable),
+		"{{outbox_dead}}", qualify(schema, outboxTable+"_dead"),
 	).Replace(q)
 }

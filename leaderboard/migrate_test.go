@@ -1,0 +1,72 @@
+package leaderboard
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
+	"github.com/stretchr/testify/require"
+
+	"github.com/verity-go/verity/internal/testenv"
+)
+
+func TestMigrate(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+
+	// A migrated schema must migrate again without waiting for the
+	// transactions that write to it: a start-up Migrate would otherwise
+	// stall behind, and then block, every submit.
+	t.Run("DoesNotWaitForOpenWriters", func(t *testing.T) {
+		t.Parallel()
+		tb := setup(t)
+		tb.submit(t, "user-a", 10)
+		cfg := tb.board.Config()
+
+		// A transaction holding a row of user_scores (and no outbox row, so
+		// that only this package's script is at stake in Migrate).
+		tx, err := tb.pg.Pool.Begin(ctx)
+		require.NoError(t, err)
+		defer func() { _ = tx.Rollback(ctx) }()
+		_, err = tx.Exec(ctx, `UPDATE user_scores SET score = score + 1 WHERE user_id = 'user-a'`)
+		require.NoError(t, err)
+		mctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+		defer cancel()
+		require.NoError(t, Migrate(mctx, tb.pg.Pool, &cfg))
+
+		// An open SubmitTx also holds an outbox row; the board's own
+		// migration script does not wait for it either.
+		tx2, err := tb.pg.Pool.Begin(ctx)
+		require.NoError(t, err)
+		defer func() { _ = tx2.Rollback(ctx) }()
+		_, err = tb.board.SubmitTx(ctx, tx2, Command{EventID: uuid.New(), UserID: "user-b", Delta: 1})
+		require.NoError(t, err)
+		mctx2, cancel2 := context.WithTimeout(ctx, 2*time.Second)
+		defer cancel2()
+		_, err = tb.pg.Pool.Exec(mctx2, MigrationSQL(&cfg))
+		require.NoError(t, err)
+	})
+
+	// The index guard puts the index name in a string literal inside a
+	// dollar-quoted body: names holding quotes, backslashes or dollar
+	// quotes must stay names. Were the guard to look up another name, the
+	// second Migrate would fail to create the existing index again.
+	t.Run("IndexGuardQuotesNames", func(t *testing.T) {
+		t.Parallel()
+		pg := testenv.Postgres(t)
+		rd := testenv.Redis(t)
+		cfg := &Config{Name: "b", Schema: pg.Schema + `'\$$$verity$`, KeyPrefix: rd.Prefix}
+		t.Cleanup(func() {
+			_, _ = pg.Pool.Exec(context.Background(), "DROP SCHEMA IF EXISTS "+pgx.Identifier{cfg.Schema}.Sanitize()+" CASCADE")
+		})
+		for i := 0; i < 2; i++ {
+			require.NoError(t, Migrate(ctx, pg.Pool, cfg))
+		}
+		var indexes int
+		require.NoError(t, pg.Pool.QueryRow(ctx, `SELECT count(*) FROM pg_indexes WHERE schemaname = $1 AND indexname = $2`,
+			cfg.Schema, rankIndexName).Scan(&indexes))
+		require.Equal(t, 1, indexes)
+	})
+}
