@@ -205,7 +205,11 @@
 // the migration builds the partition index while holding a SHARE lock, so
 // appends wait for the build (seconds per million pending rows); to avoid
 // that, create the index beforehand with CREATE INDEX CONCURRENTLY under
-// the same name and definition (see MigrationSQL), and 003 will skip it.
+// the same name and definition (see MigrationSQL), and 003 will keep it.
+// Indexes are created only when missing (a DO block checks first, since
+// CREATE INDEX IF NOT EXISTS would take the SHARE lock anyway), so running
+// Migrate again on a migrated outbox, at every start-up, makes no writer or
+// relay wait.
 // While relays of both versions run, they do not see each other's leases
 // completely (a new relay skips rows an old relay stamped, but an old relay
 // may stamp a row of a partition a new relay holds), so some rows may be
@@ -333,7 +337,11 @@
 // timeout it cancels the Handler's context and releases the rows the Handler
 // did not complete, for immediate re-delivery by another relay (a release is
 // not a failure and sets no backoff). Run waits for its own goroutines (the
-// listener) before returning. Every database call honours its context.
+// listener) before returning. Every database call honours its context. A
+// claim cut off by its context (or a broken connection) may still be running
+// on the server and commit; the relay then cancels it there, waits for its
+// transaction to end and frees what it leased (bounded by a few seconds), so
+// its partitions are not left to a lease nobody holds.
 //
 // # database/sql
 //

@@ -14,8 +14,9 @@ import (
 // matches the sentinel with errors.Is; the typed errors below carry details
 // for errors.As.
 var (
-	// ErrInvalidConfig reports a Config or RelayConfig field that cannot be
-	// used. The error is a *ConfigError naming the field.
+	// ErrInvalidConfig reports a Config, RelayConfig or NotifierConfig field
+	// (or a constructor argument) that cannot be used. The error is a
+	// *ConfigError naming the field.
 	ErrInvalidConfig = errors.New("outbox: invalid config")
 
 	// ErrInvalidMessage reports a Message that Append refused before writing

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io/fs"
 	"sort"
+	"strings"
 	"text/template"
 
 	"github.com/jackc/pgx/v5"
@@ -67,8 +68,19 @@ func Migrations(cfg *Config) ([]Migration, error) {
 		}
 		// The template only ever substitutes fields of names, which are
 		// quoted identifiers; option "missingkey=error" has no effect on
-		// structs, so Execute itself fails on an unknown field.
-		tmpl, err := template.New(e.Name()).Parse(string(raw))
+		// structs, so Execute itself fails on an unknown field. createIndex
+		// renders a {{define}}d CREATE INDEX and guards it (see
+		// createIndexIfMissing).
+		tmpl := template.New(e.Name())
+		tmpl, err = tmpl.Funcs(template.FuncMap{
+			"createIndex": func(def, index string) (string, error) {
+				var stmt bytes.Buffer
+				if err := tmpl.ExecuteTemplate(&stmt, def, n); err != nil {
+					return "", err
+				}
+				return createIndexIfMissing(n.Schema+"."+index, strings.TrimSpace(stmt.String())), nil
+			},
+		}).Parse(string(raw))
 		if err != nil {
 			return nil, fmt.Errorf("outbox: parse migration %s: %w", e.Name(), err)
 		}
@@ -79,6 +91,36 @@ func Migrations(cfg *Config) ([]Migration, error) {
 		out = append(out, Migration{Name: e.Name(), SQL: buf.String()})
 	}
 	return out, nil
+}
+
+// createIndexIfMissing wraps a CREATE INDEX statement in a DO block that
+// runs it only when index (schema-qualified, quoted) does not exist.
+// CREATE INDEX IF NOT EXISTS would not do: it takes its SHARE lock on the
+// table before it finds the index, and holds it until the transaction ends,
+// so every Migrate at start-up would make all writers of a live outbox wait
+// behind the oldest open one. The block's body and the index name inside it
+// are dollar-quoted with tags that the quoted text does not contain, so no
+// identifier can end either literal early.
+func createIndexIfMissing(index, stmt string) string {
+	body := fmt.Sprintf("\nBEGIN\n    IF to_regclass(%s) IS NULL THEN\n        %s;\n    END IF;\nEND\n",
+		dollarQuote(index), strings.ReplaceAll(stmt, "\n", "\n        "))
+	return "DO " + dollarQuote(body)
+}
+
+// dollarQuote returns s as a dollar-quoted string constant. The tag is the
+// first of $verity$, $verity1$, … whose first occurrence in s followed by the
+// closing tag is that closing tag (so s can neither contain it nor end with
+// a prefix of it that would close the literal early).
+func dollarQuote(s string) string {
+	for i := 0; ; i++ {
+		tag := "$verity$"
+		if i > 0 {
+			tag = fmt.Sprintf("$verity%d$", i)
+		}
+		if strings.Index(s+tag, tag) == len(s) {
+			return tag + s + tag
+		}
+	}
 }
 
 // MigrationSQL returns every migration for cfg (nil means defaults) as one
@@ -100,7 +142,10 @@ func MigrationSQL(cfg *Config) (string, error) {
 // they do not exist. It is idempotent and safe to call from several processes
 // at once: the statements run as one implicit transaction under an advisory
 // lock. db may be a pool, a connection or a transaction (then the lock is held
-// until that transaction ends).
+// until that transaction ends). Migrate keeps no record of applied versions and
+// runs every statement each time; on an outbox already migrated none of them
+// takes a lock that makes writers or relays wait, so calling it at every
+// start-up is safe.
 func Migrate(ctx context.Context, db Execer, cfg *Config) error {
 	script, err := MigrationSQL(cfg)
 	if err != nil {

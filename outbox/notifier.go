@@ -2,7 +2,6 @@ package outbox
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"log/slog"
 	"strings"
@@ -82,13 +81,16 @@ func (c *NotifierConfig) WithDefaults() *NotifierConfig {
 }
 
 func (c *NotifierConfig) validate() error {
+	negative := func(field string, d time.Duration) error {
+		return &ConfigError{Field: field, Reason: fmt.Sprintf("is %v; use a positive duration or zero for the default", d)}
+	}
 	switch {
 	case c.Interval < 0:
-		return fmt.Errorf("outbox: NotifierConfig.Interval is %v; use a positive duration or zero for the default", c.Interval)
+		return negative("Interval", c.Interval)
 	case c.IdleTimeout < 0:
-		return fmt.Errorf("outbox: NotifierConfig.IdleTimeout is %v; use a positive duration or zero for the default", c.IdleTimeout)
+		return negative("IdleTimeout", c.IdleTimeout)
 	case c.Timeout < 0:
-		return fmt.Errorf("outbox: NotifierConfig.Timeout is %v; use a positive duration or zero for the default", c.Timeout)
+		return negative("Timeout", c.Timeout)
 	}
 	return nil
 }
@@ -125,19 +127,23 @@ type Notifier struct {
 	mu      sync.Mutex
 	running bool // a sending goroutine exists
 	closed  bool
-	stop    chan struct{} // closed by Close
-	wg      sync.WaitGroup
+	// lastSent is when the last NOTIFY was sent. It outlives the sending
+	// goroutine so that Interval also holds across an idle exit and restart.
+	lastSent time.Time
+	stop     chan struct{} // closed by Close
+	wg       sync.WaitGroup
 }
 
 // NewNotifier returns a Notifier that sends NOTIFY on channel through db
 // (usually a *pgxpool.Pool; each NOTIFY is one autocommit statement).
-// channel is the outbox's channel, Writer.Channel.
+// channel is the outbox's channel, Writer.Channel. Bad arguments and
+// configuration are reported as a *ConfigError (ErrInvalidConfig).
 func NewNotifier(db Execer, channel string, cfg *NotifierConfig) (*Notifier, error) {
 	if db == nil {
-		return nil, errors.New("outbox: NewNotifier needs a database handle (a *pgxpool.Pool)")
+		return nil, &ConfigError{Field: "db", Reason: "is nil; pass a database handle (a *pgxpool.Pool)"}
 	}
 	if channel == "" || !utf8.ValidString(channel) || strings.IndexByte(channel, 0) >= 0 {
-		return nil, errors.New("outbox: NewNotifier needs the outbox's channel (Writer.Channel)")
+		return nil, &ConfigError{Field: "channel", Reason: fmt.Sprintf("is %q; pass the outbox's channel (Writer.Channel)", channel)}
 	}
 	c := cfg.WithDefaults()
 	if err := c.validate(); err != nil {
@@ -198,7 +204,6 @@ func (n *Notifier) run() {
 	pace := time.NewTimer(0)
 	defer pace.Stop()
 	<-pace.C
-	var last time.Time
 	for {
 		select {
 		case <-n.stop:
@@ -215,6 +220,9 @@ func (n *Notifier) run() {
 			n.mu.Unlock()
 		}
 		// Coalesce: at most one NOTIFY per Interval.
+		n.mu.Lock()
+		last := n.lastSent
+		n.mu.Unlock()
 		if wait := n.cfg.Interval - time.Since(last); wait > 0 {
 			pace.Reset(wait)
 			select {
@@ -226,7 +234,9 @@ func (n *Notifier) run() {
 		}
 		if n.dirty.Swap(false) {
 			n.send()
-			last = time.Now()
+			n.mu.Lock()
+			n.lastSent = time.Now()
+			n.mu.Unlock()
 		}
 		idle.Reset(n.cfg.IdleTimeout)
 	}

@@ -136,6 +136,24 @@ func TestNotifier(t *testing.T) {
 		require.Equal(t, int64(2), b.db.calls.Load())
 	})
 
+	// Interval bounds the rate of NOTIFYs also when the sending goroutine
+	// exits idle between two calls and a new one starts.
+	t.Run("IntervalHoldsAcrossIdleRestart", func(t *testing.T) {
+		t.Parallel()
+		b := setupNotifier(t)
+		const interval = 500 * time.Millisecond
+		n, err := NewNotifier(b.db, b.channel, &NotifierConfig{Interval: interval, IdleTimeout: 5 * time.Millisecond})
+		require.NoError(t, err)
+		defer n.Close()
+
+		start := time.Now()
+		n.Notify()
+		require.Eventually(t, func() bool { return b.db.calls.Load() == 1 && !n.isRunning() }, 10*time.Second, time.Millisecond)
+		n.Notify()
+		require.Eventually(t, func() bool { return b.db.calls.Load() == 2 }, 10*time.Second, time.Millisecond)
+		require.GreaterOrEqual(t, time.Since(start), interval, "the second NOTIFY waited out the Interval")
+	})
+
 	t.Run("CloseFlushesAndStops", func(t *testing.T) {
 		t.Parallel()
 		b := setupNotifier(t)
@@ -172,16 +190,30 @@ func TestNotifier(t *testing.T) {
 	t.Run("Validation", func(t *testing.T) {
 		t.Parallel()
 		b := setupNotifier(t)
-		_, err := NewNotifier(nil, b.channel, nil)
-		require.ErrorContains(t, err, "database handle")
-		_, err = NewNotifier(b.db, "", nil)
-		require.ErrorContains(t, err, "Writer.Channel")
-		_, err = NewNotifier(b.db, b.channel, &NotifierConfig{Interval: -time.Millisecond})
-		require.ErrorContains(t, err, "NotifierConfig.Interval")
-		_, err = NewNotifier(b.db, b.channel, &NotifierConfig{IdleTimeout: -1})
-		require.ErrorContains(t, err, "NotifierConfig.IdleTimeout")
-		_, err = NewNotifier(b.db, b.channel, &NotifierConfig{Timeout: -1})
-		require.ErrorContains(t, err, "NotifierConfig.Timeout")
+		cases := []struct {
+			name    string
+			db      Execer
+			channel string
+			cfg     *NotifierConfig
+			field   string
+		}{
+			{"NilDB", nil, b.channel, nil, "db"},
+			{"EmptyChannel", b.db, "", nil, "channel"},
+			{"NULInChannel", b.db, "a\x00b", nil, "channel"},
+			{"NegativeInterval", b.db, b.channel, &NotifierConfig{Interval: -time.Millisecond}, "Interval"},
+			{"NegativeIdleTimeout", b.db, b.channel, &NotifierConfig{IdleTimeout: -1}, "IdleTimeout"},
+			{"NegativeTimeout", b.db, b.channel, &NotifierConfig{Timeout: -1}, "Timeout"},
+		}
+		for _, tc := range cases {
+			t.Run(tc.name, func(t *testing.T) {
+				t.Parallel()
+				_, err := NewNotifier(tc.db, tc.channel, tc.cfg)
+				require.ErrorIs(t, err, ErrInvalidConfig)
+				var cfgErr *ConfigError
+				require.ErrorAs(t, err, &cfgErr)
+				require.Equal(t, tc.field, cfgErr.Field)
+			})
+		}
 
 		c := (*NotifierConfig)(nil).WithDefaults()
 		require.Equal(t, NotifierIntervalDefault, c.Interval)

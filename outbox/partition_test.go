@@ -4,10 +4,12 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net"
 	"sync/atomic"
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
 	"github.com/verity-go/verity/internal/testenv"
@@ -93,6 +95,82 @@ func TestRelayPartitionLeases(t *testing.T) {
 		n, err := b.relay(t, nil, &recorder{}, outbox.RelayConfig{}).RunOnce(ctx)
 		require.NoError(t, err)
 		require.Zero(t, n)
+	})
+
+	// A claim cut off by its context is still running on the server, and
+	// pgx's cancel request, sent in the background as it drops the
+	// connection, may land too late or not at all: once unblocked the claim
+	// would commit its lease, leaving the partition to a token nobody holds
+	// until the lease ends. The relay releases it instead. The relay's pool
+	// refuses new connections once warm, so that pgx's cancel request never
+	// arrives and the release runs on the pool's other connection.
+	t.Run("CutOffClaimReleasesItsPartitions", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		var refuse atomic.Bool
+		cfg, err := pgxpool.ParseConfig(b.pg.ConnString)
+		require.NoError(t, err)
+		cfg.MaxConns = 2
+		cfg.ConnConfig.DialFunc = func(ctx context.Context, network, addr string) (net.Conn, error) {
+			if refuse.Load() {
+				return nil, errors.New("test: new connections refused")
+			}
+			return (&net.Dialer{}).DialContext(ctx, network, addr)
+		}
+		pool, err := pgxpool.NewWithConfig(ctx, cfg)
+		require.NoError(t, err)
+		t.Cleanup(pool.Close)
+		c1, err := pool.Acquire(ctx)
+		require.NoError(t, err)
+		c2, err := pool.Acquire(ctx)
+		require.NoError(t, err)
+		c1.Release()
+		c2.Release()
+		h := &recorder{}
+		r := b.relay(t, pool, h, outbox.RelayConfig{LeaseDuration: time.Minute})
+		b.appendCommitted(t, newMessage("s", "warm-up", 1)) // prepares the claim statements
+		n, err := r.RunOnce(ctx)
+		require.NoError(t, err)
+		require.Equal(t, 1, n)
+
+		msg := newMessage("s", "k", 1)
+		b.appendCommitted(t, msg)
+		id := b.rows(t)[0].ID
+		// A crashed relay's expired lease lists the row, so the claim's
+		// attempt-counting UPDATE must lock it; a writer holds that lock.
+		_, err = b.pool.Exec(ctx, `UPDATE `+b.leasesTable()+` SET owner = gen_random_uuid(), leased_until = now() - interval '1 second',
+			inflight = int8multirange(int8range($1, $1, '[]')), touched_at = '-infinity' WHERE part = mod($1 / 256, 64)`, id)
+		require.NoError(t, err)
+		blocker, err := b.pool.Begin(ctx)
+		require.NoError(t, err)
+		defer blocker.Rollback(ctx) //nolint:errcheck // no-op after commit
+		_, err = blocker.Exec(ctx, `SELECT 1 FROM `+b.writer.Table()+` WHERE id = $1 FOR UPDATE`, id)
+		require.NoError(t, err)
+
+		refuse.Store(true)
+		cctx, cancel := context.WithTimeout(ctx, 300*time.Millisecond)
+		began := time.Now()
+		_, err = r.RunOnce(cctx)
+		cancel()
+		require.ErrorIs(t, err, context.DeadlineExceeded)
+		require.Less(t, time.Since(began), 2*time.Second, "the release cancels the claim rather than wait for its lock")
+		require.NoError(t, blocker.Commit(ctx))
+		// Wait for the claim's transaction, if it still runs, to end: it
+		// holds the lease row's lock.
+		_, err = b.pool.Exec(ctx, `SELECT 1 FROM `+b.leasesTable()+` FOR UPDATE`)
+		require.NoError(t, err)
+		var leased int
+		require.NoError(t, b.pool.QueryRow(ctx, `SELECT count(*) FROM `+b.leasesTable()+
+			` WHERE owner IS NOT NULL AND leased_until > now()`).Scan(&leased))
+		require.Zero(t, leased, "no partition is leased to the cut-off claim")
+		refuse.Store(false)
+
+		n, err = r.RunOnce(ctx)
+		require.NoError(t, err)
+		require.Equal(t, 1, n, "the row is claimable at once")
+		seen := h.seen()
+		require.Equal(t, msg.EventID, seen[len(seen)-1].EventID)
+		require.Equal(t, 2, seen[len(seen)-1].Attempts, "the crashed relay's attempt and this one; the cut-off claim's none")
 	})
 
 	// Rows spread over more partitions than one claim takes are all

@@ -3,6 +3,7 @@ package outbox
 import (
 	"cmp"
 	"context"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -15,6 +16,7 @@ import (
 
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 )
 
@@ -47,9 +49,10 @@ type Relay struct {
 	metrics   *relayMetrics
 	lastStats atomic.Pointer[statsSample] // latest Stats result, for the gauges
 
-	leaseSQL  string
-	pickSQL   string
-	settleSQL string
+	leaseSQL   string
+	pickSQL    string
+	settleSQL  string
+	releaseSQL string
 }
 
 // NewRelay returns a Relay that hands rows of the outbox described by cfg
@@ -83,15 +86,16 @@ func NewRelay(pool *pgxpool.Pool, handler Handler, cfg *RelayConfig) (*Relay, er
 		async = ""
 	}
 	return &Relay{
-		pool:      pool,
-		handler:   handler,
-		cfg:       *cfg,
-		names:     n,
-		logger:    cfg.Logger.With(slog.String("relay", cfg.Name)),
-		metrics:   metrics,
-		leaseSQL:  fmt.Sprintf(leaseSQL, n.Outbox, n.Leases, streamFilter, async, partitionCount, partitionsPerClaim, partitionBlock),
-		pickSQL:   fmt.Sprintf(pickSQL, n.Outbox, n.Leases, streamFilter, partitionCount, partitionBlock),
-		settleSQL: fmt.Sprintf(settleSQL, ack, n.Outbox, n.Dead, async, n.Leases, partitionCount, partitionBlock),
+		pool:       pool,
+		handler:    handler,
+		cfg:        *cfg,
+		names:      n,
+		logger:     cfg.Logger.With(slog.String("relay", cfg.Name)),
+		metrics:    metrics,
+		leaseSQL:   fmt.Sprintf(leaseSQL, n.Outbox, n.Leases, streamFilter, async, partitionCount, partitionsPerClaim, partitionBlock),
+		pickSQL:    fmt.Sprintf(pickSQL, n.Outbox, n.Leases, streamFilter, partitionCount, partitionBlock),
+		settleSQL:  fmt.Sprintf(settleSQL, ack, n.Outbox, n.Dead, async, n.Leases, partitionCount, partitionBlock),
+		releaseSQL: fmt.Sprintf(releaseClaimSQL, n.Leases),
 	}, nil
 }
 
@@ -126,8 +130,8 @@ const partitionBlock = 256
 const partitionsPerClaim = 4
 
 // A claim is two statements sent together (one round trip, one implicit
-// transaction, a snapshot each): leaseSQL takes partitions, pickSQL reads
-// their rows. They are separate so that the rows are read with a snapshot
+// transaction, a snapshot each), after claimLockSQL: leaseSQL takes
+// partitions, pickSQL reads their rows. They are separate so that the rows are read with a snapshot
 // taken after the partitions were locked: a single statement could lock a
 // partition that its previous holder released a moment ago and still see,
 // in its older snapshot, rows that holder had already deleted.
@@ -361,9 +365,36 @@ func (r *Relay) claim(ctx context.Context, token uuid.UUID) (batch []Record, mor
 	return nil, false, nil
 }
 
-// claimOnce runs the two claim statements once and returns the rows and
-// the number of partitions leased.
+// claimOnce runs the claim statements once and returns the rows and the
+// number of partitions leased.
+//
+// A claim that fails without an answer from the server (its context ended,
+// the connection broke) may still commit there: pgx drops the connection
+// and sends a cancel request in the background, which may land too late or
+// not at all, and a statement waiting for a lock does not notice the
+// dropped connection. Its partitions would then stay leased to a token
+// nobody holds until the lease ends, and the rows it recorded would be
+// counted an attempt they never had; releaseClaim undoes that. A server
+// error aborted the claim's transaction, and a claim that found no
+// connection sent nothing: neither needs it.
 func (r *Relay) claimOnce(ctx context.Context, token uuid.UUID) ([]Record, int, error) {
+	conn, err := r.pool.Acquire(ctx)
+	if err != nil {
+		return nil, 0, mapError("claim", err)
+	}
+	batch, leased, err := r.sendClaim(ctx, conn.Conn(), token)
+	// Back to the pool first: releaseClaim may need this pool's only
+	// connection.
+	conn.Release()
+	var pgErr *pgconn.PgError
+	if err != nil && !errors.As(err, &pgErr) {
+		r.releaseClaim(context.WithoutCancel(ctx), token)
+	}
+	return batch, leased, err
+}
+
+// sendClaim sends the claim statements on conn and reads their results.
+func (r *Relay) sendClaim(ctx context.Context, conn *pgx.Conn, token uuid.UUID) ([]Record, int, error) {
 	leaseArgs := []any{token, r.cfg.LeaseDuration.Microseconds()}
 	pickArgs := []any{token, r.cfg.BatchSize}
 	if len(r.cfg.Streams) > 0 {
@@ -371,12 +402,18 @@ func (r *Relay) claimOnce(ctx context.Context, token uuid.UUID) ([]Record, int, 
 		pickArgs = append(pickArgs, r.cfg.Streams)
 	}
 	// Queued statements before one Sync run in one implicit transaction:
-	// the partitions stay locked until the rows are read and recorded.
+	// the partitions stay locked until the rows are read and recorded. The
+	// first statement marks the transaction as this token's, for
+	// releaseClaim.
 	b := &pgx.Batch{}
+	b.Queue(claimLockSQL, claimLockKey(token))
 	b.Queue(r.leaseSQL, leaseArgs...)
 	b.Queue(r.pickSQL, pickArgs...)
-	res := r.pool.SendBatch(ctx, b)
+	res := conn.SendBatch(ctx, b)
 	defer res.Close()
+	if _, err := res.Exec(); err != nil {
+		return nil, 0, mapError("claim", err)
+	}
 	var (
 		leased  int
 		setting string
@@ -401,6 +438,56 @@ func (r *Relay) claimOnce(ctx context.Context, token uuid.UUID) ([]Record, int, 
 	}
 	slices.SortFunc(batch, func(a, b Record) int { return cmp.Compare(a.ID, b.ID) })
 	return batch, leased, nil
+}
+
+// claimLockSQL takes a transaction-scoped advisory lock on the claim's
+// token (claimLockKey) before the claim leases anything, so that
+// releaseClaim can find the claim's transaction and wait for its end.
+const claimLockSQL = `SELECT pg_advisory_xact_lock($1)`
+
+// claimLockKey is the advisory lock key of a claim: the token's first 64
+// bits, random, so it collides with no other key in practice.
+func claimLockKey(token uuid.UUID) int64 {
+	return int64(binary.BigEndian.Uint64(token[:8]))
+}
+
+// releaseClaimTimeout bounds releaseClaim. The claim it undoes is cancelled
+// first, so this is a few round trips; if it still runs out, the partitions
+// stay leased until the lease ends, as they would have without it.
+const releaseClaimTimeout = 5 * time.Second
+
+// The statements of releaseClaim, sent together (one implicit transaction).
+// The first cancels the claim's statement if the claim's transaction still
+// runs (it holds the advisory lock of the token, $1); the second waits
+// until that transaction has ended, committed or not; the third, with a
+// snapshot taken after that, frees whatever the claim leased and forgets the
+// ids it recorded as handed out: no handler saw them.
+const (
+	cancelClaimSQL = `SELECT pg_cancel_backend(l.pid)
+FROM pg_locks AS l
+WHERE l.locktype = 'advisory'
+  AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+  AND l.objsubid = 1
+  AND ((l.classid::int8 << 32) | l.objid::int8) = $1
+  AND l.granted
+  AND l.pid <> pg_backend_pid()`
+	releaseClaimSQL = `UPDATE %s SET owner = NULL, leased_until = NULL, inflight = '{}' WHERE owner = $1`
+)
+
+// releaseClaim frees the partitions a failed claim may have leased to token
+// (see claimOnce). A failure is logged: the lease then ends on its own.
+func (r *Relay) releaseClaim(ctx context.Context, token uuid.UUID) {
+	ctx, cancel := context.WithTimeout(ctx, releaseClaimTimeout)
+	defer cancel()
+	key := claimLockKey(token)
+	b := &pgx.Batch{}
+	b.Queue(cancelClaimSQL, key)
+	b.Queue(claimLockSQL, key)
+	b.Queue(r.releaseSQL, token)
+	if err := r.pool.SendBatch(ctx, b).Close(); err != nil {
+		r.logger.Warn("outbox relay could not release the partitions of a failed claim; they stay leased until the lease ends",
+			slog.String("error", err.Error()), slog.Duration("lease", r.cfg.LeaseDuration))
+	}
 }
 
 // handle calls the handler and always returns one result per record: a
@@ -610,10 +697,19 @@ func (r *Relay) Run(ctx context.Context) error {
 
 	errPause := newPauser(r.cfg.ReconnectBackoffMax)
 	for {
-		_, more, err := r.runBatch(ctx, workCtx)
+		n, more, err := r.runBatch(ctx, workCtx)
 		var wait time.Duration
 		switch {
 		case ctx.Err() != nil:
+			// The last batch (n > 0) may have failed to settle, which must
+			// not go unnoticed; an error without a batch is only the claim
+			// seeing ctx end.
+			if n > 0 && errors.Is(err, ErrLeaseLost) {
+				r.logger.Warn("outbox relay lost a lease; another relay owns those rows", slog.String("error", err.Error()))
+			} else if n > 0 && err != nil {
+				r.logger.Error("outbox relay could not settle its last batch at shutdown; its rows are delivered again when their lease ends",
+					slog.String("error", err.Error()), slog.Int("batch", n))
+			}
 			return nil
 		case err != nil && !errors.Is(err, ErrLeaseLost):
 			wait = min(errPause.next(), r.cfg.PollInterval)

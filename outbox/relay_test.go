@@ -135,8 +135,8 @@ func TestRelayDelivery(t *testing.T) {
 		require.Len(t, rows, 2)
 		for _, row := range rows {
 			require.NotNil(t, row.PublishedAt)
-			require.Nil(t, row.ClaimToken)
 		}
+		b.requireLeasesFree(t)
 		stats, err := r.Stats(ctx)
 		require.NoError(t, err)
 		require.Zero(t, stats.Pending)
@@ -178,7 +178,7 @@ func TestRelayDelivery(t *testing.T) {
 		require.Len(t, rows, 1)
 		require.Equal(t, bad.EventID, rows[0].EventID)
 		require.Equal(t, "redis said no", *rows[0].LastError)
-		require.Nil(t, rows[0].ClaimToken)
+		b.requireLeasesFree(t)
 	})
 
 	t.Run("HandlerBreaksContract", func(t *testing.T) {
@@ -415,7 +415,7 @@ func TestRelayRetries(t *testing.T) {
 		}
 		require.Equal(t, 1, row.Attempts)
 		require.Equal(t, "attempt 1 failed", *row.LastError)
-		require.Nil(t, row.ClaimToken)
+		b.requireLeasesFree(t)
 		var delayUS int64
 		require.NoError(t, b.pool.QueryRow(ctx, `SELECT (EXTRACT(EPOCH FROM available_at - now()) * 1000000)::bigint FROM `+
 			b.writer.Table()+` WHERE id = $1`, row.ID).Scan(&delayUS))
@@ -504,10 +504,12 @@ func TestRelayRetries(t *testing.T) {
 		r := b.relay(t, nil, &recorder{fail: func(outbox.Record) error { return errors.New("no") }}, outbox.RelayConfig{MaxAttempts: 1})
 		_, err := r.RunOnce(ctx)
 		require.NoError(t, err)
-		// The same event is appended again while its first row is dead.
+		// The same event is appended again while its first row is dead: a
+		// replay skips it, since the outbox holds the event already.
 		b.appendCommitted(t, msg)
-		_, err = r.ReplayDead(ctx, outbox.ReplayFilter{})
-		require.ErrorIs(t, err, outbox.ErrEventIDExists)
+		moved, err := r.ReplayDead(ctx, outbox.ReplayFilter{})
+		require.NoError(t, err)
+		require.Zero(t, moved)
 		stats, err := r.Stats(ctx)
 		require.NoError(t, err)
 		require.EqualValues(t, 1, stats.DeadLetters)
@@ -530,6 +532,45 @@ func TestRelayRetries(t *testing.T) {
 		require.NoError(t, err)
 		require.EqualValues(t, 2, stats.DeadLetters)
 		require.Zero(t, stats.Pending)
+	})
+
+	// Two dead letters of one event must not block the replay of the others:
+	// the event comes back once, from its newest dead letter, and its older
+	// copy goes.
+	t.Run("ReplayDuplicateDeadLetters", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		msg, other := newMessage("s", "k", 1), newMessage("s", "other", 1)
+		r := b.relay(t, nil, &recorder{fail: func(outbox.Record) error { return errors.New("no") }}, outbox.RelayConfig{MaxAttempts: 1})
+		b.appendCommitted(t, msg)
+		_, err := r.RunOnce(ctx)
+		require.NoError(t, err)
+		b.appendCommitted(t, msg, other) // re-sent by a client, without an idempotency record
+		_, err = r.RunOnce(ctx)
+		require.NoError(t, err)
+		dead, err := r.DeadLetters(ctx, 0, 10)
+		require.NoError(t, err)
+		require.Len(t, dead, 3)
+		require.Equal(t, []uuid.UUID{msg.EventID, msg.EventID, other.EventID},
+			[]uuid.UUID{dead[0].EventID, dead[1].EventID, dead[2].EventID})
+
+		moved, err := r.ReplayDead(ctx, outbox.ReplayFilter{})
+		require.NoError(t, err)
+		require.EqualValues(t, 2, moved)
+		rows := b.rows(t)
+		require.Len(t, rows, 2)
+		require.Equal(t, dead[1].ID, rows[0].ID, "the newest dead letter of the event is replayed")
+		require.Equal(t, msg.EventID, rows[0].EventID)
+		require.Equal(t, dead[2].ID, rows[1].ID)
+		require.Zero(t, b.count(t, b.deadTable()), "the older copy went with the replay")
+
+		// Once delivered, the event is not replayed a second time.
+		n, err := b.relay(t, nil, &recorder{}, outbox.RelayConfig{}).RunOnce(ctx)
+		require.NoError(t, err)
+		require.Equal(t, 2, n)
+		moved, err = r.ReplayDead(ctx, outbox.ReplayFilter{})
+		require.NoError(t, err)
+		require.Zero(t, moved)
 	})
 }
 
@@ -725,10 +766,39 @@ func TestRelayRun(t *testing.T) {
 		require.Less(t, time.Since(began), 5*time.Second)
 		rows := b.rows(t)
 		require.Len(t, rows, 1)
-		require.Nil(t, rows[0].ClaimToken, "released")
-		require.Nil(t, rows[0].LeasedUntil, "released")
 		require.Nil(t, rows[0].LastError, "a release is not a failure")
-		require.False(t, rows[0].AvailableAt.After(time.Now().Add(time.Second)), "due again at once")
+		require.Zero(t, rows[0].Attempts, "a release is not a failure")
+		b.requireLeasesFree(t)
+
+		// Another relay gets the row at once, as its first attempt.
+		h := &recorder{}
+		n, err := b.relay(t, nil, h, outbox.RelayConfig{}).RunOnce(ctx)
+		require.NoError(t, err)
+		require.Equal(t, 1, n)
+		require.Equal(t, 1, h.seen()[0].Attempts)
+	})
+
+	// The settle of the batch in flight at shutdown runs after ctx ended;
+	// if it fails, Run still returns nil but says so in the log.
+	t.Run("ShutdownLogsFailedSettle", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		logs := &syncBuffer{}
+		started := make(chan struct{}, 1)
+		r := b.relay(t, nil, outbox.HandlerFunc(func(ctx context.Context, batch []outbox.Record) ([]outbox.Result, error) {
+			started <- struct{}{}
+			<-ctx.Done()
+			return nil, ctx.Err()
+		}), outbox.RelayConfig{ShutdownTimeout: 100 * time.Millisecond, Logger: slog.New(slog.NewTextHandler(logs, nil))})
+		stop := startRun(t, r)
+		b.appendCommitted(t, newMessage("s", "a", 1))
+		receive(t, started)
+		// The settle statement will not find the lease table.
+		_, err := b.pool.Exec(ctx, `ALTER TABLE `+b.leasesTable()+` RENAME TO gone`)
+		require.NoError(t, err)
+		require.NoError(t, stop())
+		require.Contains(t, logs.String(), "could not settle its last batch at shutdown")
+		require.Contains(t, logs.String(), "settle batch")
 	})
 
 	t.Run("RunTwiceIsRefused", func(t *testing.T) {
@@ -895,6 +965,16 @@ func leaseExpired(b *testBundle) bool {
 	err := b.pool.QueryRow(context.Background(), `SELECT COALESCE(bool_and(leased_until <= now()), true) FROM `+b.leasesTable()+
 		` WHERE leased_until IS NOT NULL`).Scan(&expired)
 	return err == nil && expired
+}
+
+// requireLeasesFree asserts that no partition is leased or lists ids in
+// flight: every batch so far was settled and its partitions released.
+func (b *testBundle) requireLeasesFree(t *testing.T) {
+	t.Helper()
+	var held int
+	require.NoError(t, b.pool.QueryRow(context.Background(), `SELECT count(*) FROM `+b.leasesTable()+
+		` WHERE owner IS NOT NULL OR leased_until IS NOT NULL OR NOT isempty(inflight)`).Scan(&held))
+	require.Zero(t, held, "every partition lease is released")
 }
 
 // leasesTable is the quoted name of the bundle's partition lease table.

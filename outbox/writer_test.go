@@ -81,6 +81,11 @@ func (b *testBundle) rows(t *testing.T) []outboxRow {
 	return out
 }
 
+// deadTable is the quoted name of the bundle's dead-letter table.
+func (b *testBundle) deadTable() string {
+	return pgx.Identifier{b.cfg.Schema, outbox.TableDefault + "_dead"}.Sanitize()
+}
+
 func (b *testBundle) count(t *testing.T, table string) int {
 	t.Helper()
 	var n int
@@ -248,6 +253,54 @@ func TestMigrate(t *testing.T) {
 		for range 4 {
 			require.NoError(t, <-errs)
 		}
+	})
+
+	// Migrate runs at every start-up, next to live writers: on a migrated
+	// outbox it must not queue for a lock that an open writer transaction
+	// holds (every appending, recording or settling transaction holds ROW
+	// EXCLUSIVE on its tables), or every writer after it would queue too.
+	t.Run("RerunDoesNotWaitForWriters", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		tx, err := b.pool.Begin(ctx)
+		require.NoError(t, err)
+		defer tx.Rollback(ctx) //nolint:errcheck // the transaction is only held open
+		msg := newMessage("s", "k", 1)
+		_, err = b.writer.RecordCommand(ctx, tx, msg.EventID, outbox.Fingerprint([]byte("cmd")))
+		require.NoError(t, err)
+		require.NoError(t, b.writer.Append(ctx, tx, msg))
+		_, err = tx.Exec(ctx, `LOCK TABLE `+b.deadTable()+`, `+b.leasesTable()+` IN ROW EXCLUSIVE MODE`)
+		require.NoError(t, err)
+
+		mctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+		defer cancel()
+		require.NoError(t, outbox.Migrate(mctx, b.pool, b.cfg))
+		require.NoError(t, tx.Commit(ctx), "the writer was not disturbed")
+	})
+
+	// Indexes are created by DO blocks whose body and index name are string
+	// constants: names holding quotes and the constants' own dollar-quote
+	// tag must still give every index its exact name, and the existence
+	// check must look in the outbox's schema, not on the search_path.
+	t.Run("IndexesUnderQuotingNames", func(t *testing.T) {
+		t.Parallel()
+		pg := testenv.Postgres(t)
+		schema, table := pg.Schema+`$"'`, `q"'$verity$\$$`
+		t.Cleanup(func() {
+			_, err := pg.Pool.Exec(context.Background(), `DROP SCHEMA IF EXISTS `+pgx.Identifier{schema}.Sanitize()+` CASCADE`)
+			require.NoError(t, err)
+		})
+		cfg := &outbox.Config{Schema: schema, Table: table}
+		require.NoError(t, outbox.Migrate(ctx, pg.Pool, cfg))
+		require.NoError(t, outbox.Migrate(ctx, pg.Pool, cfg), "idempotent")
+		rows, err := pg.Pool.Query(ctx, `SELECT indexname FROM pg_indexes WHERE schemaname = $1`, schema)
+		require.NoError(t, err)
+		indexes, err := pgx.CollectRows(rows, pgx.RowTo[string])
+		require.NoError(t, err)
+		require.Subset(t, indexes, []string{
+			table + "_pending_idx", table + "_created_idx", table + "_dead_event_idx",
+			table + "_idempotency_created_idx", table + "_leases_touched_idx", table + "_partition_idx",
+		})
 	})
 
 	t.Run("SQLTextMatchesMigrate", func(t *testing.T) {

@@ -1,7 +1,12 @@
 -- verity outbox, migration 001: the outbox, its dead-letter table and the
--- command idempotency table. Every statement is idempotent (IF NOT EXISTS), so
--- running this file again is harmless. Identifiers are rendered from the
--- configured schema and table names, each quoted with pgx.Identifier.
+-- command idempotency table. Every statement is idempotent, so running this
+-- file again is harmless. Identifiers are rendered from the configured schema
+-- and table names, each quoted with pgx.Identifier.
+--
+-- Indexes are created with createIndex (a DO block that runs CREATE INDEX
+-- only when the index is missing), not CREATE INDEX IF NOT EXISTS: that takes
+-- a SHARE lock on the table even when the index exists, so every Migrate of a
+-- live outbox would stall its writers until the implicit transaction ends.
 
 CREATE SCHEMA IF NOT EXISTS {{.Schema}};
 
@@ -30,15 +35,17 @@ CREATE TABLE IF NOT EXISTS {{.Outbox}} (
 -- visited, and they change only unindexed columns (claim_token, leased_until,
 -- attempts): with the free space fillfactor leaves, PostgreSQL can make the
 -- claim a HOT update that writes no index entries.
-CREATE INDEX IF NOT EXISTS {{.PendingIndex}}
+{{define "pending"}}CREATE INDEX {{.PendingIndex}}
     ON {{.Outbox}} (available_at, id)
-    WHERE published_at IS NULL;
+    WHERE published_at IS NULL{{end -}}
+{{createIndex "pending" .PendingIndex}};
 
 -- Backs the "oldest pending" figure of Stats in O(1), also when published rows
 -- are kept for audit.
-CREATE INDEX IF NOT EXISTS {{.CreatedIndex}}
+{{define "created"}}CREATE INDEX {{.CreatedIndex}}
     ON {{.Outbox}} (created_at)
-    WHERE published_at IS NULL;
+    WHERE published_at IS NULL{{end -}}
+{{createIndex "created" .CreatedIndex}};
 
 -- Messages that failed MaxAttempts times, with the last error. id is the
 -- original outbox id, kept so that a replay restores the row as it was.
@@ -58,8 +65,9 @@ CREATE TABLE IF NOT EXISTS {{.Dead}} (
     failed_at  timestamptz NOT NULL DEFAULT now()
 );
 
-CREATE INDEX IF NOT EXISTS {{.DeadEventIndex}}
-    ON {{.Dead}} (event_id);
+{{define "dead_event"}}CREATE INDEX {{.DeadEventIndex}}
+    ON {{.Dead}} (event_id){{end -}}
+{{createIndex "dead_event" .DeadEventIndex}};
 
 -- Commands already executed, keyed by their event id, with a fingerprint of
 -- the command and, optionally, the result returned the first time.
@@ -71,5 +79,6 @@ CREATE TABLE IF NOT EXISTS {{.Idempotency}} (
 );
 
 -- Lets PruneCommands find expired idempotency records without a full scan.
-CREATE INDEX IF NOT EXISTS {{.IdempotencyCreatedIndex}}
-    ON {{.Idempotency}} (created_at);
+{{define "idempotency_created"}}CREATE INDEX {{.IdempotencyCreatedIndex}}
+    ON {{.Idempotency}} (created_at){{end -}}
+{{createIndex "idempotency_created" .IdempotencyCreatedIndex}};

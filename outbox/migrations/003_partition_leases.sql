@@ -29,8 +29,9 @@ CREATE TABLE IF NOT EXISTS {{.Leases}} (
 
 -- Claims walk free partitions least recently claimed first and stop after
 -- a few that have due rows; in this order they need not probe them all.
-CREATE INDEX IF NOT EXISTS {{.LeasesTouchedIndex}}
-    ON {{.Leases}} (touched_at, part);
+{{define "leases_touched"}}CREATE INDEX {{.LeasesTouchedIndex}}
+    ON {{.Leases}} (touched_at, part){{end -}}
+{{createIndex "leases_touched" .LeasesTouchedIndex}};
 
 INSERT INTO {{.Leases}} (part)
 SELECT generate_series(0, {{.Partitions}} - 1)
@@ -55,6 +56,10 @@ ALTER TABLE {{.Outbox}} SET (fillfactor = 100);
 
 -- A relay reads one partition's due rows oldest first: an equality on the
 -- partition and a range on available_at, in index order, with no sort.
-CREATE INDEX IF NOT EXISTS {{.PartitionIndex}}
+-- Like every index here it is built only if missing (see 001), so one built
+-- beforehand with CREATE INDEX CONCURRENTLY under this name is kept as it is
+-- and the outbox is not locked against writers.
+{{define "partition"}}CREATE INDEX {{.PartitionIndex}}
     ON {{.Outbox}} (mod(id / {{.Block}}, {{.Partitions}}), available_at, id)
-    WHERE published_at IS NULL;
+    WHERE published_at IS NULL{{end -}}
+{{createIndex "partition" .PartitionIndex}};
