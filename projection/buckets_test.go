@@ -241,6 +241,36 @@ func TestGateVersionBuckets(t *testing.T) {
 			require.Equal(t, []Outcome{OutcomeDuplicate}, flat.apply(t, zset("old", "a", 1, 10)), "the unbucketed gate keeps working")
 		})
 
+		t.Run("LostLayoutKeyRefusesUnbucketedWriter", func(t *testing.T) {
+			t.Parallel()
+			flat := setupGate(t, b)
+			eight := flat.bucketed(t, 8)
+			ctx := context.Background()
+			eight.apply(t, zset("board", "a", 10, 100), hash("vals", "a", 10, "ten"))
+			for _, w := range []Write{zset("board", "a", 3, 30), hash("vals", "a", 3, "three")} {
+				name, kind := w.Target.Name, w.Target.Kind
+				// The layout key is gone (DEL, eviction): v10 sits in a
+				// bucket the unbucketed writer never looks at.
+				require.NoError(t, flat.client.Del(ctx, flat.ks.LayoutKey(name, kind)).Err())
+				before := flat.dump(t, name, kind)
+				_, err := flat.gate.Apply(ctx, []Write{w})
+				var lm *LayoutMismatchError
+				require.ErrorAs(t, err, &lm, "%s", w.Target)
+				require.Equal(t, LayoutMismatchError{Kind: kind, Name: name, Stored: -1, Configured: 0}, *lm)
+				require.Contains(t, lm.Error(), "unreadable version layout")
+				require.Equal(t, before, flat.dump(t, name, kind), "%s: v3 must not overwrite v10", w.Target)
+				// Restoring the layout key lets the right writer in again.
+				require.NoError(t, flat.client.Set(ctx, flat.ks.LayoutKey(name, kind), "8", 0).Err())
+				w.Version = 11
+				require.Equal(t, []Outcome{OutcomeApplied}, eight.apply(t, w))
+			}
+			// Unbucketed collections, new and existing, are unaffected.
+			require.Equal(t, []Outcome{OutcomeApplied, OutcomeApplied}, flat.apply(t, zset("new", "a", 1, 1), hash("newh", "a", 1, "x")))
+			require.Equal(t, []Outcome{OutcomeApplied, OutcomeDuplicate, OutcomeApplied, OutcomeStale},
+				flat.apply(t, zset("new", "b", 1, 2), hash("newh", "a", 1, "x"), zset("new", "a", 3, 3), zset("new", "a", 2, 9)))
+			require.Zero(t, flat.client.Exists(ctx, flat.ks.LayoutKey("new", KindSortedSet)).Val(), "no layout key without buckets")
+		})
+
 		t.Run("UnreadableLayout", func(t *testing.T) {
 			t.Parallel()
 			gb := setupGate(t, b)

@@ -37,10 +37,14 @@
 // client can interleave between them. Versions are int64 and must be
 // positive (*InvalidVersionError otherwise). Lua numbers are doubles, which
 // cannot tell 2^53 from 2^53+1, so the script never converts a version to a
-// number: it compares canonical decimal strings by sign, then length, then
-// digit by digit. A stored version that is not a canonical decimal integer
-// (a hand edit, a foreign writer) is never guessed at: that write is refused
-// with *CorruptVersionError and left for reconciliation to repair.
+// number: it compares canonical decimal strings by length, then digit by
+// digit. A stored version that the gate could not have written — anything
+// but a positive int64 in canonical decimal (a hand edit, a foreign writer:
+// "007", "0", "-7", "99999999999999999999") — is never guessed at: that
+// write is refused with *CorruptVersionError and left for reconciliation to
+// repair. Ordering against it would be wrong both ways: a stored version
+// past int64 would make every later write stale, a negative one would let
+// any write in.
 //
 // # Why no per-event marker keys
 //
@@ -106,10 +110,13 @@
 // a page of source rows touches a bucket per member instead of one hash,
 // so a full pass ran at 0.34–0.6× the unbucketed speed (see package
 // reconcile). Collections without buckets pay one GET of the layout key
-// per collection per script call and keep five arguments per write; the
-// unbucketed BenchmarkGate measured 206,000–237,000 events/s against
-// 197,000–226,000 before layouts existed (alternating runs). Documents
-// are never bucketed.
+// and one EXISTS of the version hash (two EXISTS while the collection is
+// empty) per collection per script call, and keep five arguments per
+// write; the unbucketed BenchmarkGate measured 206,000–237,000 events/s
+// against 197,000–226,000 before layouts existed (alternating runs), and
+// the EXISTS (for lost layout keys, below) was within the noise: 130,000–
+// 139,000 events/s against 104,000–144,000 without it, three alternating
+// runs at load 6–8. Documents are never bucketed.
 //
 // The bucket count is part of the stored data: a version looked up in the
 // wrong bucket looks absent, and the gate would let a stale write in. So it
@@ -119,21 +126,36 @@
 // to that collection; readers in package reconcile refuse the same way. A
 // collection with data but no layout key — every collection written before
 // layout keys existed — counts as 0 buckets; an empty one takes the count
-// of its first writer. To change the count of a live collection, run
-// reconcile's Rebuild with the new count: it copies the source into shadow
-// keys of the new layout (live writers of the old count dual-write into
-// them: a layout error from the shadow makes the gate rebuild its shadow
-// keys once and remember the layout) and switches values, every version
-// bucket and the layout key in one script. From the switch on, writers with
-// the old count are refused until they are redeployed with the new one;
-// their batches stay in the outbox and are retried, so nothing is lost.
+// of its first writer. A bucketed collection that loses its layout key (a
+// DEL, eviction under maxmemory) would look like such a legacy collection
+// with no versions, and an unbucketed writer would overwrite newer data;
+// so the gate refuses an unbucketed writer (Stored -1, unreadable) when the
+// collection has values but no unbucketed version hash. Setting the layout
+// key to the true count, or a Rebuild, unblocks it. (A bucketed writer is
+// refused there already: it sees layout 0.)
+//
+// To change the count of a live collection, run reconcile's Rebuild with
+// the new count: it copies the source into shadow keys of the new layout
+// (live writers of the old count dual-write into them: a layout error from
+// the shadow makes the gate rebuild its shadow keys once and remember the
+// layout) and switches values, every version bucket and the layout key in
+// one script. From the switch on, writers with
+// the old count are refused until they are redeployed with the new one.
+// Through RedisProjector.Handle (the relay's path) only that collection's
+// records fail, each with its own Result.Err; the rest of the batch is
+// applied. The relay retries those records with backoff and, once one has
+// been attempted MaxAttempts times, moves it to the dead-letter table, from
+// where Relay.ReplayDead requeues it after the redeploy. So redeploy the
+// writers within the relay's retry budget, or replay the dead letters.
 //
 // # Failure semantics
 //
 // Every write of a batch is validated before anything is sent; bad input
 // returns a typed error and writes nothing. A version layout that differs
 // from the Keyspace's is refused (*LayoutMismatchError) by the script before
-// it writes anything in that slot group. Within one slot group the
+// it writes anything in that slot group: Gate.Apply and Project return it
+// for the batch, Handle gives it to that collection's records only and
+// sends the rest of the slot group again. Within one slot group the
 // script is atomic. Across slot groups it is not (Redis has no cross-slot
 // atomicity): if a call fails, some groups may have been applied. That is
 // safe because the gate makes every write idempotent and order-insensitive:
@@ -164,15 +186,18 @@
 //
 // RedisProjector implements Projector and outbox.Handler and is given to
 // outbox.NewRelay as is. Project fails the whole batch on a record that
-// cannot be mapped; Handle instead gives that record its own Result.Err (the
-// relay retries, then dead-letters it) and projects the rest. Redis errors
-// fail the batch in both.
+// cannot be mapped, or on a collection whose version layout differs;
+// Handle instead gives each such record its own Result.Err (the relay
+// retries, then dead-letters it) and projects the rest. Redis errors fail
+// the batch in both.
 //
 // # Metrics
 //
 // With Config.MeterProvider set, the projector reports OpenTelemetry metrics
 // (verity.projection.*): the gate's verdicts by outcome (applied, duplicate,
-// stale) and mode (live, shadow), records that failed by reason, the gate's
+// stale) and mode (live, shadow), records that failed by reason (map,
+// corrupt_version, layout, redis; when a Mapper refuses records, Project
+// fails the whole batch but counts only those records), the gate's
 // round-trip time, and verity.projection.lag, the commit-to-visible lag of
 // each applied record: the projector's clock at the moment the gate
 // answered, minus the record's CreatedAt. CreatedAt is set by PostgreSQL

@@ -3,7 +3,6 @@ package projection
 import (
 	"errors"
 	"fmt"
-	"strconv"
 )
 
 // Sentinel errors. The typed errors below match them with errors.Is and
@@ -16,10 +15,11 @@ var (
 	// ErrInvalidTarget: a Target has an unknown Kind, or a document target
 	// has a Member, or a target is used where its Kind is not allowed.
 	ErrInvalidTarget = errors.New("projection: invalid target")
-	// ErrCorruptVersion: the version stored in Redis is not a canonical
-	// decimal integer, so the gate cannot order the write against it. The
-	// write is refused (never guessed); reconcile repairs such entries.
-	ErrCorruptVersion = errors.New("projection: stored version is not a decimal integer")
+	// ErrCorruptVersion: the version stored in Redis is not a positive
+	// int64 in canonical decimal (no sign, no leading zero, at most
+	// 9223372036854775807), so the gate cannot order the write against it.
+	// The write is refused (never guessed); reconcile repairs such entries.
+	ErrCorruptVersion = errors.New("projection: stored version is not a positive int64")
 	// ErrUnexpectedReply: Redis answered the gate script with a reply this
 	// package does not understand (a different script under the same SHA,
 	// or a proxy rewriting replies).
@@ -63,7 +63,10 @@ type LayoutMismatchError struct {
 	Shadow bool
 	// Stored is the collection's bucket count (0: one version hash, which
 	// is also what a collection without a layout key but with data has),
-	// or -1 when the layout key holds something else.
+	// or -1 when the layout is unreadable: the layout key holds something
+	// else, or (to a writer without buckets) it is absent while the
+	// collection holds values but no unbucketed version hash — a bucketed
+	// collection that lost its layout key, whose versions cannot be found.
 	Stored int
 	// Configured is the Keyspace's bucket count.
 	Configured int
@@ -74,12 +77,12 @@ func (e *LayoutMismatchError) Error() string {
 	if e.Shadow {
 		which = "rebuild shadow of collection"
 	}
-	stored := strconv.Itoa(e.Stored)
 	if e.Stored < 0 {
-		stored = "unreadable"
+		return fmt.Sprintf("projection: %s %s %q has an unreadable version layout (its layout key holds no bucket count, or is missing while values exist without an unbucketed version hash), the keyspace uses %d buckets; nothing written (set the layout key to the true bucket count, or rebuild with reconcile's Rebuild)",
+			which, e.Kind, e.Name, e.Configured)
 	}
-	return fmt.Sprintf("projection: %s %s %q stores versions in %s buckets, the keyspace in %d; nothing written (configure VersionBuckets = the stored count, or migrate with reconcile's Rebuild)",
-		which, e.Kind, e.Name, stored, e.Configured)
+	return fmt.Sprintf("projection: %s %s %q stores versions in %d buckets, the keyspace in %d; nothing written (configure VersionBuckets = the stored count, or migrate with reconcile's Rebuild)",
+		which, e.Kind, e.Name, e.Stored, e.Configured)
 }
 
 // Is matches ErrLayoutMismatch.
@@ -129,7 +132,7 @@ func (e *InvalidTargetError) Error() string {
 func (e *InvalidTargetError) Is(target error) bool { return target == ErrInvalidTarget }
 
 // CorruptVersionError reports a write refused because the version stored
-// for its target is unreadable.
+// for its target is unreadable: not a positive int64 in canonical decimal.
 type CorruptVersionError struct {
 	Index  int // position of the write in the batch
 	Target Target
@@ -137,7 +140,7 @@ type CorruptVersionError struct {
 }
 
 func (e *CorruptVersionError) Error() string {
-	return fmt.Sprintf("projection: write %d (%s): stored version %q is not a decimal integer", e.Index, e.Target, e.Stored)
+	return fmt.Sprintf("projection: write %d (%s): stored version %q is not a positive int64 in canonical decimal", e.Index, e.Target, e.Stored)
 }
 
 // Is matches ErrCorruptVersion.

@@ -23,7 +23,7 @@ const (
 )
 
 // Reply codes of gate.lua. A string in place of a code is an unreadable
-// stored version.
+// stored version (not a positive int64 in canonical decimal).
 const (
 	replyApplied   = 1
 	replyDuplicate = 2
@@ -110,13 +110,19 @@ func (g *Gate) Load(ctx context.Context) error {
 // rebuild marker exists, each write is also applied to the shadow keys by
 // the same rule; that outcome is not reported.
 //
-// A write whose stored version is unreadable is refused: its Outcome is
-// OutcomeUnknown and the returned error joins one *CorruptVersionError per
-// such write (errors.Is(err, ErrCorruptVersion)); the other outcomes are
-// valid. Any other error means the batch's effect is unknown: some slot
-// groups may have been applied. Applying the batch again is always safe.
+// A write whose stored version is unreadable (not a positive int64 in
+// canonical decimal) is refused: its Outcome is OutcomeUnknown and the
+// returned error joins one *CorruptVersionError per such write
+// (errors.Is(err, ErrCorruptVersion)); the other outcomes are valid.
+//
+// A collection whose stored version layout differs from the Keyspace's
+// fails the call with *LayoutMismatchError; nothing was written in that
+// collection's slot group, but other slot groups (on Cluster or a Ring) may
+// have been applied. Any other error means the batch's effect is unknown:
+// some slot groups may have been applied. Applying the batch again is
+// always safe.
 func (g *Gate) Apply(ctx context.Context, writes []Write) ([]Outcome, error) {
-	return joinRun(g.run(ctx, modeLive, writes))
+	return joinRun(g.run(ctx, modeLive, writes, false))
 }
 
 // ApplyShadow is Apply for the shadow keys of a running rebuild: each
@@ -131,7 +137,7 @@ func (g *Gate) ApplyShadow(ctx context.Context, writes []Write) ([]Outcome, erro
 			return nil, &InvalidTargetError{Index: i, Target: writes[i].Target, Reason: "documents have no rebuild shadow keys"}
 		}
 	}
-	return joinRun(g.run(ctx, modeShadow, writes))
+	return joinRun(g.run(ctx, modeShadow, writes, false))
 }
 
 // joinRun folds run's per-write errors into one error for Apply's callers.
@@ -145,14 +151,20 @@ func joinRun(outcomes []Outcome, perWrite []error, err error) ([]Outcome, error)
 	return outcomes, nil
 }
 
-// layoutRetries bounds how often one Apply rebuilds a slot group's shadow
+// layoutRetries bounds how often one Apply rebuilds a collection's shadow
 // keys after learning that a running rebuild uses another bucket count.
 const layoutRetries = 3
 
 // run validates and applies writes. It returns either a batch error, or
 // the outcomes together with a per-write error slice (nil entries except
 // for writes refused because their stored version is unreadable).
-func (g *Gate) run(ctx context.Context, mode string, writes []Write) ([]Outcome, []error, error) {
+//
+// isolate turns a collection's layout mismatch from a batch error into a
+// per-write *LayoutMismatchError for that collection's writes only; the
+// rest of its slot group is sent again (the script refused the whole
+// group before writing), so one misconfigured collection cannot hold back
+// the others.
+func (g *Gate) run(ctx context.Context, mode string, writes []Write, isolate bool) ([]Outcome, []error, error) {
 	if g == nil || g.client == nil || g.script == nil {
 		return nil, nil, errors.New("projection: Gate has no Redis client; create it with NewGate(client, keyspace)")
 	}
@@ -172,7 +184,8 @@ func (g *Gate) run(ctx context.Context, mode string, writes []Write) ([]Outcome,
 	}
 	start := time.Now()
 	defer func() { g.metrics.recordBatch(ctx, mode, time.Since(start)) }()
-	for attempt := 0; len(pending) > 0; attempt++ {
+	relearned := make(map[baseKey]int) // shadow layouts learnt per collection
+	for len(pending) > 0 {
 		groups := g.group(mode, writes, pending)
 		replies, errs := g.eval(ctx, groups)
 		pending = nil
@@ -182,16 +195,29 @@ func (g *Gate) run(ctx context.Context, mode string, writes []Write) ([]Outcome,
 				switch {
 				case !ok:
 					return nil, nil, g.failed(ctx, err)
-				case lr.shadow && mode == modeLive && lr.stored >= 0 && attempt < layoutRetries:
+				case lr.shadow && mode == modeLive && lr.stored >= 0 && relearned[lr.coll] < layoutRetries:
 					// A rebuild fills shadows in another layout: dual-write
 					// into its layout (remembered for later batches). The
 					// script checked before writing, so the group wrote
 					// nothing and is sent again.
+					relearned[lr.coll]++
 					g.shadowLayouts.Store(lr.coll, lr.stored)
 					pending = append(pending, grp.index...)
 					continue
+				case isolate:
+					// Each round refuses at least one collection, so this
+					// ends; groups without a mismatch cost nothing more.
+					lm := lr.mismatch(g.ks.buckets)
+					for _, i := range grp.index {
+						if (baseKey{kind: writes[i].Target.Kind, name: writes[i].Target.Name}) == lr.coll {
+							perWrite[i] = lm
+						} else {
+							pending = append(pending, i)
+						}
+					}
+					continue
 				default:
-					return nil, nil, &LayoutMismatchError{Kind: lr.coll.kind, Name: lr.coll.name, Shadow: lr.shadow, Stored: lr.stored, Configured: g.ks.buckets}
+					return nil, nil, lr.mismatch(g.ks.buckets)
 				}
 			}
 			codes := replies[gi]
@@ -226,6 +252,10 @@ type layoutReply struct {
 	coll   baseKey
 	shadow bool
 	stored int // -1: not a bucket count
+}
+
+func (lr layoutReply) mismatch(configured int) *LayoutMismatchError {
+	return &LayoutMismatchError{Kind: lr.coll.kind, Name: lr.coll.name, Shadow: lr.shadow, Stored: lr.stored, Configured: configured}
 }
 
 // parseLayoutReply decodes gate.lua's layout error, "VERITY_LAYOUT

@@ -27,41 +27,47 @@
 -- is absent means 0 when the collection holds anything (written before
 -- layouts existed), and is set to the caller's layout when it is empty.
 --
+-- A collection without a layout key that holds values but no unbucketed
+-- version hash is refused the same way, with stored layout "missing", by a
+-- caller of layout "0": it is a bucketed collection whose layout key was
+-- lost (DEL, eviction), and a flat lookup would find no version.
+--
 -- Returns one element per write: the integer 1 applied, 2 duplicate,
--- 3 stale; or, when the stored version is not a canonical decimal integer,
--- that stored version as a string (nothing written).
+-- 3 stale; or, when the stored version is not a positive int64 in
+-- canonical decimal, that stored version as a string (nothing written).
 --
 -- Lua numbers are doubles, which cannot hold every int64, so versions are
 -- never converted to numbers: they are compared as decimal strings.
 
 local APPLIED, DUPLICATE, STALE = 1, 2, 3
 
-local function canonical(s)
-  return s == '0' or string.match(s, '^%-?[1-9][0-9]*$') ~= nil
-end
-
--- compare returns -1, 0 or 1 for canonical decimal integers a and b:
--- sign first, then length, then digit by digit (bytes, not the locale).
+-- compare returns -1, 0 or 1 for decimal integers a and b without sign or
+-- leading zeros: length first, then digit by digit (bytes, not the locale,
+-- which Lua's string < would use).
 local function compare(a, b)
-  local negA, negB = string.byte(a, 1) == 45, string.byte(b, 1) == 45
-  if negA ~= negB then
-    if negA then return -1 end
+  if #a ~= #b then
+    if #a < #b then return -1 end
     return 1
   end
-  local c = 0
-  if #a ~= #b then
-    if #a < #b then c = -1 else c = 1 end
-  else
-    for i = 1, #a do
-      local x, y = string.byte(a, i), string.byte(b, i)
-      if x ~= y then
-        if x < y then c = -1 else c = 1 end
-        break
-      end
+  for i = 1, #a do
+    local x, y = string.byte(a, i), string.byte(b, i)
+    if x ~= y then
+      if x < y then return -1 end
+      return 1
     end
   end
-  if negA then return -c end
-  return c
+  return 0
+end
+
+local MAX_INT64 = '9223372036854775807'
+
+-- readable reports whether a stored version is one the gate could have
+-- written: a positive int64 in canonical decimal. Anything else (zero, a
+-- sign, a leading zero, a value past int64) cannot be ordered against the
+-- source's versions: one too long would make every later write stale.
+local function readable(s)
+  if string.match(s, '^[1-9][0-9]*$') == nil then return false end
+  return #s < #MAX_INT64 or (#s == #MAX_INT64 and compare(s, MAX_INT64) <= 0)
 end
 
 local function gate(kind, valueKey, versionKey, member, version, value)
@@ -72,7 +78,7 @@ local function gate(kind, valueKey, versionKey, member, version, value)
     stored = redis.call('HGET', versionKey, member)
   end
   if stored then
-    if not canonical(stored) then return stored end
+    if not readable(stored) then return stored end
     local c = compare(version, stored)
     if c == 0 then return DUPLICATE end
     if c < 0 then return STALE end
@@ -90,14 +96,23 @@ local function gate(kind, valueKey, versionKey, member, version, value)
   return APPLIED
 end
 
--- storedLayout returns the layout recorded for a collection, or nil for
--- an empty collection without one (any layout fits it). want is the
--- caller's layout: when it is "0", an absent layout key fits whatever the
--- collection holds, so the existence check is skipped.
+-- storedLayout returns the layout recorded for a collection, or nil when
+-- the caller's layout want fits without one: an empty collection fits any
+-- layout, and one written before layouts existed fits "0". For want "0",
+-- values without the unbucketed version hash mean a bucketed collection
+-- that lost its layout key: "missing" (a mismatch), since a flat lookup
+-- would find no version and let a stale write in.
 local function storedLayout(layoutKey, valueKey, unbucketedKey, want)
   local s = redis.call('GET', layoutKey)
   if s then return s end
-  if want == '0' then return nil end
+  if want == '0' then
+    -- Version hash first: in a collection with data it exists, so the
+    -- common case costs one EXISTS.
+    if redis.call('EXISTS', unbucketedKey) == 0 and redis.call('EXISTS', valueKey) == 1 then
+      return 'missing'
+    end
+    return nil
+  end
   if redis.call('EXISTS', valueKey, unbucketedKey) > 0 then return '0' end
   return nil
 end

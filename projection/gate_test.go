@@ -75,8 +75,10 @@ func TestKeySlot(t *testing.T) {
 		require.Equal(t, uint16(0x31C3), crc16("123456789"), "CRC-16/XMODEM check value")
 		require.Equal(t, 12182, KeySlot("foo"))
 		require.Equal(t, KeySlot("user1000"), KeySlot("{user1000}.following"))
-		require.Equal(t, KeySlot("{}x"), KeySlot("{}x"), "an empty tag hashes the whole key")
-		require.NotEqual(t, KeySlot("{}x"), KeySlot(""))
+		// An empty tag hashes the whole key: CRC16("{}x") % 16384, not the
+		// slot of "" (0) or of "x" (16287).
+		require.Equal(t, 10595, KeySlot("{}x"), "an empty tag hashes the whole key")
+		require.Equal(t, 16287, KeySlot("x"))
 	})
 
 	t.Run("MatchesClusterKeySlot", func(t *testing.T) {
@@ -86,7 +88,7 @@ func TestKeySlot(t *testing.T) {
 		ks, err := NewKeyspace("p:")
 		require.NoError(t, err)
 		ctx := context.Background()
-		var keys []string
+		keys := []string{"{}x", "x{}y", "{{}}"}
 		for _, id := range hazardIDs {
 			tg := Target{Kind: KindSortedSet, Name: id, Member: id}
 			keys = append(keys, id, "{"+id+"}", ks.ValueKey(tg), ks.VersionKey(tg), ks.RebuildMarkerKey(id, KindHash),
@@ -329,6 +331,35 @@ func TestGate(t *testing.T) {
 				readState(t, gb.client, gb.ks, badDoc.Target).value == "new", "refused write stored nothing")
 			v, err := gb.client.HGet(ctx, gb.ks.ValueKey(bad.Target), "bad").Result()
 			require.ErrorIs(t, err, redis.Nil, "refused write stored nothing: %q", v)
+		})
+
+		t.Run("StoredVersionMustBePositiveInt64", func(t *testing.T) {
+			t.Parallel()
+			gb := setupGate(t, b)
+			ctx := context.Background()
+			// Stored versions the gate could not have written are refused,
+			// however they would compare: past int64 they would make every
+			// later write stale, zero or negative would let any write in.
+			for i, stored := range []string{"99999999999999999999", "9223372036854775808", "-7", "0", "+5", "00"} {
+				member, id := "m"+strconv.Itoa(i), "d"+strconv.Itoa(i)
+				h, d := hash("h", member, 5, "new"), doc(id, 5, "new")
+				require.NoError(t, gb.client.HSet(ctx, gb.ks.VersionKey(h.Target), member, stored).Err())
+				require.NoError(t, gb.client.Set(ctx, gb.ks.VersionKey(d.Target), stored, 0).Err())
+				out, err := gb.gate.Apply(ctx, []Write{h, d})
+				require.ErrorIs(t, err, ErrCorruptVersion, "stored %q", stored)
+				require.Equal(t, []Outcome{OutcomeUnknown, OutcomeUnknown}, out, "stored %q", stored)
+				var cerr *CorruptVersionError
+				require.ErrorAs(t, err, &cerr)
+				require.Equal(t, stored, cerr.Stored)
+				require.Equal(t, h.Target, cerr.Target)
+				_, err = gb.client.HGet(ctx, gb.ks.ValueKey(h.Target), member).Result()
+				require.ErrorIs(t, err, redis.Nil, "stored %q: refused write stored nothing", stored)
+				require.Zero(t, gb.client.Exists(ctx, gb.ks.ValueKey(d.Target)).Val(), "stored %q", stored)
+			}
+			// The largest int64 is still a version.
+			top := zset("z", "top", math.MaxInt64, 1)
+			require.NoError(t, gb.client.HSet(ctx, gb.ks.VersionKey(top.Target), "top", "9223372036854775807").Err())
+			require.Equal(t, []Outcome{OutcomeDuplicate, OutcomeStale}, gb.apply(t, top, zset("z", "top", math.MaxInt64-1, 2)))
 		})
 
 		t.Run("RebuildDualWrite", func(t *testing.T) {

@@ -22,18 +22,23 @@ var backends = []backend{
 		rd := testenv.Redis(t)
 		return rd.Client, rd.Prefix
 	}},
-	// A Ring of two shards (both on the test server, so the test can read
-	// back through any client): exercises grouping by hash tag and
+	// A Ring of two shards on two distinct servers (the shared test server
+	// and a private one), so a write routed to the wrong shard is missing
+	// when read back through the Ring: exercises grouping by hash tag and
 	// pipelines split across shards.
 	{name: "Ring", connect: func(t *testing.T) (redis.UniversalClient, string) {
 		rd := testenv.Redis(t)
-		opt, err := redis.ParseURL(rd.URL)
+		shared, err := redis.ParseURL(rd.URL)
 		require.NoError(t, err)
+		private := testenv.StartRedis(t)
 		ring := redis.NewRing(&redis.RingOptions{
-			Addrs:    map[string]string{"shard-a": opt.Addr, "shard-b": opt.Addr},
-			DB:       opt.DB,
-			Username: opt.Username,
-			Password: opt.Password,
+			Addrs: map[string]string{"shared": shared.Addr, "private": private.Addr()},
+			NewClient: func(opt *redis.Options) *redis.Client {
+				if opt.Addr == shared.Addr { // the private server has no auth and one database
+					opt.DB, opt.Username, opt.Password = shared.DB, shared.Username, shared.Password
+				}
+				return redis.NewClient(opt)
+			},
 		})
 		t.Cleanup(func() { _ = ring.Close() })
 		return ring, rd.Prefix

@@ -1,8 +1,11 @@
 package projection
 
 import (
+	"cmp"
 	"fmt"
+	"slices"
 	"strconv"
+	"strings"
 
 	"github.com/verity-go/verity/outbox"
 )
@@ -39,16 +42,65 @@ func HashMapper(collection string) Mapper {
 
 // DocumentMapper projects every record into its own document whose id is
 // namespace + the record's Key, holding the Payload verbatim (typically
-// JSON). Use a distinct namespace per stream so keys of different streams
-// cannot meet.
+// JSON).
+//
+// The id is a plain concatenation, so documents of two streams stay apart
+// only while neither namespace is a prefix of the other: with "u" and
+// "us", key "s1" of the first stream and key "1" of the second are both
+// document "us1", and one overwrites or masks the other. Give each stream
+// a namespace that no other starts with ("order:" and "invoice:", not
+// "user:" and "user:settings:"); NewRedisProjector refuses a StreamMapper
+// whose DocumentMappers break this rule (*ConfigError). Equal namespaces
+// are allowed: they name the same documents, which is right only when both
+// streams carry the same entities with one version sequence.
 func DocumentMapper(namespace string) Mapper {
-	return MapperFunc(func(rec outbox.Record) (Write, error) {
-		return Write{
-			Target:  Target{Kind: KindDocument, Name: namespace + rec.Key},
-			Version: rec.Version,
-			Value:   Value{Data: rec.Payload},
-		}, nil
+	return documentMapper{namespace: namespace}
+}
+
+// documentMapper is DocumentMapper's Mapper; a named type so that
+// NewRedisProjector can compare the namespaces of a StreamMapper.
+type documentMapper struct{ namespace string }
+
+func (m documentMapper) Map(rec outbox.Record) (Write, error) {
+	return Write{
+		Target:  Target{Kind: KindDocument, Name: m.namespace + rec.Key},
+		Version: rec.Version,
+		Value:   Value{Data: rec.Payload},
+	}, nil
+}
+
+// checkNamespaces refuses a StreamMapper two of whose streams map through
+// DocumentMappers where one namespace is a proper prefix of the other
+// (see DocumentMapper). Mappers it cannot see into (a MapperFunc wrapping a
+// DocumentMapper) are not checked.
+func checkNamespaces(m Mapper) error {
+	sm, ok := m.(StreamMapper)
+	if !ok {
+		return nil
+	}
+	type stream struct{ name, namespace string }
+	var docs []stream
+	for name, mm := range sm {
+		if d, ok := mm.(documentMapper); ok {
+			docs = append(docs, stream{name: name, namespace: d.namespace})
+		}
+	}
+	// Sorted, a prefix comes before every namespace it starts; ties by
+	// stream name keep the reported pair deterministic.
+	slices.SortFunc(docs, func(a, b stream) int {
+		return cmp.Or(strings.Compare(a.namespace, b.namespace), strings.Compare(a.name, b.name))
 	})
+	for i, a := range docs {
+		for _, b := range docs[i+1:] {
+			if a.namespace != b.namespace && strings.HasPrefix(b.namespace, a.namespace) {
+				rest := strings.TrimPrefix(b.namespace, a.namespace)
+				return &ConfigError{Field: "mapper", Reason: fmt.Sprintf(
+					"streams %q and %q use DocumentMapper namespaces %q and %q: the first is a prefix of the second, so key %q of stream %q and key \"1\" of stream %q both name document %q; choose namespaces none of which starts another",
+					a.name, b.name, a.namespace, b.namespace, rest+"1", a.name, b.name, b.namespace+"1")}
+			}
+		}
+	}
+	return nil
 }
 
 // StreamMapper routes each record to the Mapper registered for its Stream.

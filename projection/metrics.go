@@ -2,6 +2,7 @@ package projection
 
 import (
 	"context"
+	"errors"
 	"sync"
 	"time"
 
@@ -21,7 +22,7 @@ const (
 	AttributeKind    = "verity.projection.kind"    // sorted-set, hash, document
 	AttributeOutcome = "verity.projection.outcome" // applied, duplicate, stale, unknown
 	AttributeMode    = "verity.projection.mode"    // live, shadow
-	AttributeReason  = "verity.projection.reason"  // map, corrupt_version, redis
+	AttributeReason  = "verity.projection.reason"  // map, corrupt_version, layout, redis
 )
 
 // Instrument names of the package.
@@ -36,8 +37,17 @@ const (
 const (
 	reasonMap            = "map"
 	reasonCorruptVersion = "corrupt_version"
+	reasonLayout         = "layout"
 	reasonRedis          = "redis"
 )
+
+// failReason is the reason a batch error fails its records with.
+func failReason(err error) string {
+	if errors.Is(err, ErrLayoutMismatch) {
+		return reasonLayout
+	}
+	return reasonRedis
+}
 
 // projectionMetrics holds a projector's instruments, created once in
 // NewRedisProjector. A nil *projectionMetrics records nothing.
@@ -60,9 +70,9 @@ func newProjectionMetrics(mp metric.MeterProvider) (*projectionMetrics, error) {
 	in := telemetry.New(mp, "projection")
 	m := &projectionMetrics{
 		writes: in.Counter(metricWrites, "{write}",
-			"Writes decided by the version gate, by outcome: applied, duplicate (same version again), stale (older version), unknown (unreadable stored version)."),
+			"Writes decided by the version gate, by outcome: applied, duplicate (same version again), stale (older version), unknown (refused: unreadable stored version, or the collection's version layout differs)."),
 		failed: in.Counter(metricFailed, "{record}",
-			"Outbox records the projector could not apply, by reason: map (the Mapper refused it), corrupt_version (unreadable stored version), redis (the batch's script call failed)."),
+			"Outbox records the projector could not apply, by reason: map (the Mapper refused it), corrupt_version (unreadable stored version), layout (its collection's version layout differs from the projector's), redis (the batch's script call failed)."),
 		lag: in.Histogram(metricLag, "s",
 			"Commit-to-visible lag: time from the outbox row's created_at (database clock) until the gate applied it in Redis (projector host clock). Only applied writes.",
 			telemetry.LagBuckets()...),

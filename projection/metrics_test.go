@@ -99,6 +99,45 @@ func TestProjectorMetrics(t *testing.T) {
 		require.Zero(t, s.Count(metricLag), "writes that do not come from the outbox have no commit time")
 	})
 
+	reason := func(r string) attribute.KeyValue { return attribute.String(AttributeReason, r) }
+
+	t.Run("ProjectCountsRecordsItsMapperRefused", func(t *testing.T) {
+		t.Parallel()
+		p, rec := setup(t)
+		_, err := p.Project(ctx, []outbox.Record{
+			record("scores", "gina", 1, "5"),
+			record("scores", "hal", 1, "five"),
+			record("nowhere", "x", 1, "1"),
+		})
+		require.ErrorIs(t, err, ErrInvalidPayload, "the first refused record is the error")
+		s := rec.Collect(t)
+		require.Equal(t, int64(2), s.Int(metricFailed, reason("map")))
+		require.Zero(t, s.Int(metricFailed, reason("redis")))
+	})
+
+	t.Run("LayoutMismatchHasItsOwnReason", func(t *testing.T) {
+		t.Parallel()
+		p, rec := setup(t)
+		// Another deployment with 16 buckets created the board.
+		bucketed, err := NewRedisProjector(p.Gate().client, testMapper(), &Config{Prefix: p.Keyspace().Prefix(), VersionBuckets: 16})
+		require.NoError(t, err)
+		_, err = bucketed.Project(ctx, []outbox.Record{record("scores", "ivy", 1, "1")})
+		require.NoError(t, err)
+
+		results, err := p.Handle(ctx, []outbox.Record{record("scores", "jo", 1, "2"), record("orders", "7", 1, "{}"), record("scores", "kim", 1, "3")})
+		require.NoError(t, err)
+		require.ErrorIs(t, results[0].Err, ErrLayoutMismatch)
+		require.NoError(t, results[1].Err)
+		_, err = p.Project(ctx, []outbox.Record{record("scores", "jo", 1, "2")})
+		require.ErrorIs(t, err, ErrLayoutMismatch)
+
+		s := rec.Collect(t)
+		require.Equal(t, int64(3), s.Int(metricFailed, reason("layout")), "two records through Handle, one through Project")
+		require.Zero(t, s.Int(metricFailed, reason("redis")))
+		require.Equal(t, int64(2), s.Int(metricWrites, board, outcome("unknown")), "Handle's refused writes")
+		require.Equal(t, int64(1), s.Int(metricWrites, attribute.String(AttributeKind, "document"), outcome("applied")))
+	})
+
 	t.Run("NoProviderRecordsNothing", func(t *testing.T) {
 		t.Parallel()
 		rd := testenv.Redis(t)

@@ -90,13 +90,18 @@ var (
 
 // NewRedisProjector returns a projector writing through client (single
 // node, Sentinel or Cluster) the writes that mapper derives from records.
-// cfg may be nil for the defaults.
+// cfg may be nil for the defaults. A StreamMapper whose DocumentMapper
+// namespaces could name the same document (one a prefix of another, see
+// DocumentMapper) is refused with *ConfigError.
 func NewRedisProjector(client redis.UniversalClient, mapper Mapper, cfg *Config) (*RedisProjector, error) {
 	if client == nil {
 		return nil, errors.New("projection: NewRedisProjector: client is nil; pass a redis.UniversalClient")
 	}
 	if mapper == nil {
 		return nil, errors.New("projection: NewRedisProjector: mapper is nil; pass a Mapper such as SortedSetMapper(\"board\")")
+	}
+	if err := checkNamespaces(mapper); err != nil {
+		return nil, err
 	}
 	cfg = cfg.WithDefaults()
 	if err := cfg.validate(); err != nil {
@@ -132,20 +137,34 @@ func (p *RedisProjector) Keyspace() Keyspace { return p.gate.ks }
 // *MapError (wrapping the Mapper's error or the typed validation error) and
 // nothing is written. Records whose stored version is unreadable get
 // OutcomeUnknown and make the returned error non-nil (ErrCorruptVersion)
-// while the other outcomes stay valid. Any other error leaves the batch's
-// effect unknown; projecting it again is safe.
+// while the other outcomes stay valid. A collection whose version layout
+// differs fails the call with *LayoutMismatchError (as Gate.Apply). Any
+// other error leaves the batch's effect unknown; projecting it again is
+// safe.
 func (p *RedisProjector) Project(ctx context.Context, batch []outbox.Record) ([]Outcome, error) {
 	writes := make([]Write, len(batch))
+	var firstErr error
+	unmapped := 0
 	for i := range batch {
 		w, err := p.mapRecord(i, batch[i])
 		if err != nil {
-			return nil, err
+			// Keep mapping: the metric counts every refused record, as
+			// Handle does.
+			unmapped++
+			if firstErr == nil {
+				firstErr = err
+			}
+			continue
 		}
 		writes[i] = w
 	}
-	outcomes, perWrite, err := p.gate.run(ctx, modeLive, writes)
+	if firstErr != nil {
+		p.metrics.recordFailed(ctx, reasonMap, unmapped)
+		return nil, firstErr
+	}
+	outcomes, perWrite, err := p.gate.run(ctx, modeLive, writes, false)
 	if err != nil {
-		p.metrics.recordFailed(ctx, reasonRedis, len(writes))
+		p.metrics.recordFailed(ctx, failReason(err), len(writes))
 		return nil, err
 	}
 	if p.metrics != nil {
@@ -164,11 +183,13 @@ func (p *RedisProjector) Project(ctx context.Context, batch []outbox.Record) ([]
 }
 
 // Handle implements outbox.Handler. Unlike Project, it isolates bad
-// records: a record that cannot be mapped, is invalid, or meets an
-// unreadable stored version gets its own Result.Err (so the relay retries
-// or dead-letters only that record) while the rest of the batch is applied
-// and acknowledged. A Redis error fails the whole batch, which the relay
-// retries after its backoff.
+// records: a record that cannot be mapped, is invalid, meets an unreadable
+// stored version, or belongs to a collection whose version layout differs
+// from the projector's (*LayoutMismatchError) gets its own Result.Err, so
+// the relay retries only that record and dead-letters it after
+// MaxAttempts, while the rest of the batch is applied and acknowledged. A
+// Redis error fails the whole batch, which the relay retries after its
+// backoff.
 func (p *RedisProjector) Handle(ctx context.Context, batch []outbox.Record) ([]outbox.Result, error) {
 	results := make([]outbox.Result, len(batch))
 	writes := make([]Write, 0, len(batch))
@@ -183,9 +204,9 @@ func (p *RedisProjector) Handle(ctx context.Context, batch []outbox.Record) ([]o
 		positions = append(positions, i)
 	}
 	p.metrics.recordFailed(ctx, reasonMap, len(batch)-len(writes))
-	outcomes, perWrite, err := p.gate.run(ctx, modeLive, writes)
+	outcomes, perWrite, err := p.gate.run(ctx, modeLive, writes, true)
 	if err != nil {
-		p.metrics.recordFailed(ctx, reasonRedis, len(writes))
+		p.metrics.recordFailed(ctx, failReason(err), len(writes))
 		return nil, err
 	}
 	all := make([]Outcome, len(batch))
@@ -206,7 +227,17 @@ func (p *RedisProjector) Handle(ctx context.Context, batch []outbox.Record) ([]o
 			written[i], applied[i] = writes[j], outcomes[j] == OutcomeApplied
 		}
 		p.metrics.recordLag(ctx, batch, written, applied)
-		p.metrics.recordFailed(ctx, reasonCorruptVersion, len(compact(perWrite)))
+		corrupt, layout := 0, 0
+		for _, err := range perWrite {
+			switch {
+			case errors.Is(err, ErrCorruptVersion):
+				corrupt++
+			case errors.Is(err, ErrLayoutMismatch):
+				layout++
+			}
+		}
+		p.metrics.recordFailed(ctx, reasonCorruptVersion, corrupt)
+		p.metrics.recordFailed(ctx, reasonLayout, layout)
 	}
 	p.logBatch(ctx, batch, all, results)
 	return results, nil

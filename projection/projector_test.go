@@ -153,10 +153,57 @@ func TestRedisProjector(t *testing.T) {
 			require.Equal(t, []Outcome{OutcomeDuplicate, OutcomeUnknown}, out)
 		})
 
+		t.Run("HandleIsolatesLayoutMismatch", func(t *testing.T) {
+			t.Parallel()
+			pb := setupProjector(t, b)
+			ctx := context.Background()
+			// A deployment configured with 16 buckets created the board.
+			bucketed, err := NewRedisProjector(pb.client, testMapper(), &Config{Prefix: pb.ks.Prefix(), VersionBuckets: 16})
+			require.NoError(t, err)
+			results, err := bucketed.Handle(ctx, []outbox.Record{record("scores", "alice", 1, "10")})
+			require.NoError(t, err)
+			require.NoError(t, results[0].Err)
+
+			batch := []outbox.Record{
+				record("orders", "41", 1, `{"total":1}`),
+				record("scores", "bob", 1, "5"),
+				record("profiles", "bob", 1, "{}"),
+				record("scores", "alice", 2, "20"),
+				record("orders", "42", 1, `{"total":2}`),
+			}
+			results, err = pb.projector.Handle(ctx, batch)
+			require.NoError(t, err, "a layout mismatch fails the collection's records, not the batch")
+			require.Len(t, results, len(batch))
+			for _, i := range []int{1, 3} {
+				require.ErrorIs(t, results[i].Err, ErrLayoutMismatch, "record %d", i)
+				var lm *LayoutMismatchError
+				require.ErrorAs(t, results[i].Err, &lm)
+				require.Equal(t, LayoutMismatchError{Kind: KindSortedSet, Name: "board", Stored: 16, Configured: 0}, *lm)
+			}
+			for _, i := range []int{0, 2, 4} {
+				require.NoError(t, results[i].Err, "record %d", i)
+			}
+			require.Equal(t, storedState{true, `{"total":1}`, "1"}, readState(t, pb.client, pb.ks, Target{Kind: KindDocument, Name: "order:41"}))
+			require.Equal(t, storedState{true, `{"total":2}`, "1"}, readState(t, pb.client, pb.ks, Target{Kind: KindDocument, Name: "order:42"}))
+			require.Equal(t, storedState{true, "{}", "1"}, readState(t, pb.client, pb.ks, Target{Kind: KindHash, Name: "profiles", Member: "bob"}))
+			bks := bucketed.Keyspace()
+			require.Equal(t, storedState{true, "10", "1"}, readState(t, pb.client, bks, Target{Kind: KindSortedSet, Name: "board", Member: "alice"}))
+			require.False(t, readState(t, pb.client, bks, Target{Kind: KindSortedSet, Name: "board", Member: "bob"}).exists)
+
+			// Project keeps its batch contract: the mismatch is the call's error.
+			out, err := pb.projector.Project(ctx, batch)
+			require.ErrorIs(t, err, ErrLayoutMismatch)
+			require.Nil(t, out)
+		})
+
 		t.Run("RedisErrorFailsTheBatch", func(t *testing.T) {
 			t.Parallel()
 			pb := setupProjector(t, b)
 			ctx := context.Background()
+			// The board has versions (else values alone would read as a lost
+			// layout key), but its value key holds another type.
+			_, err := pb.projector.Project(ctx, []outbox.Record{record("scores", "f", 1, "1")})
+			require.NoError(t, err)
 			board := pb.ks.ValueKey(Target{Kind: KindSortedSet, Name: "board"})
 			require.NoError(t, pb.client.Set(ctx, board, "not a sorted set", 0).Err())
 			results, err := pb.projector.Handle(ctx, []outbox.Record{record("scores", "g", 1, "1")})
@@ -224,7 +271,47 @@ func TestMappers(t *testing.T) {
 	require.Equal(t, []byte("-3"), w.Value.Data)
 	w, err = DocumentMapper("ns:").Map(rec)
 	require.NoError(t, err)
-	require.Equal(t, Target{Kind: KindDocument, Name: "ns:k{1}"}, w.Target)
+	require.Equal(t, Write{Target: Target{Kind: KindDocument, Name: "ns:k{1}"}, Version: 4, Value: Value{Data: []byte("-3")}}, w)
 	_, err = StreamMapper{"s": nil}.Map(rec)
 	require.True(t, errors.Is(err, ErrUnmappedStream))
+}
+
+func TestDocumentNamespacesMustNotOverlap(t *testing.T) {
+	t.Parallel()
+	client := redis.NewClient(&redis.Options{Addr: "127.0.0.1:1"}) // never dialled
+	t.Cleanup(func() { _ = client.Close() })
+
+	// Why: ids are namespace + key, so "u" + "s1" and "us" + "1" meet.
+	a, err := DocumentMapper("u").Map(record("a", "s1", 1, "{}"))
+	require.NoError(t, err)
+	b, err := DocumentMapper("us").Map(record("b", "1", 1, "{}"))
+	require.NoError(t, err)
+	require.Equal(t, a.Target, b.Target)
+
+	for _, tc := range []struct {
+		name  string
+		m     StreamMapper
+		pair  string
+		valid bool
+	}{
+		{"ProperPrefix", StreamMapper{"a": DocumentMapper("u"), "b": DocumentMapper("us")}, `streams "a" and "b"`, false},
+		{"EmptyNamespace", StreamMapper{"x": DocumentMapper("order:"), "y": DocumentMapper(""), "z": HashMapper("h")}, `streams "y" and "x"`, false},
+		{"SeparatorNotEnough", StreamMapper{"users": DocumentMapper("user:"), "settings": DocumentMapper("user:settings:")}, `streams "users" and "settings"`, false},
+		{"Distinct", StreamMapper{"a": DocumentMapper("order:"), "b": DocumentMapper("invoice:"), "c": SortedSetMapper("o")}, "", true},
+		{"EqualNamesTheSameDocuments", StreamMapper{"orders": DocumentMapper("order:"), "orders_v2": DocumentMapper("order:")}, "", true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			_, err := NewRedisProjector(client, tc.m, nil)
+			if tc.valid {
+				require.NoError(t, err)
+				return
+			}
+			require.ErrorIs(t, err, ErrInvalidConfig)
+			var ce *ConfigError
+			require.ErrorAs(t, err, &ce)
+			require.Equal(t, "mapper", ce.Field)
+			require.Contains(t, ce.Reason, tc.pair)
+		})
+	}
 }

@@ -303,3 +303,35 @@ func TestCrashSafety(t *testing.T) {
 		})
 	})
 }
+
+// TestRelayLayoutMismatchDeadLettersOnlyThatCollection runs a projector with
+// a stale bucket count under the real relay: the records of the collection
+// it may not write are retried, then dead-lettered; the rest are acked.
+func TestRelayLayoutMismatchDeadLettersOnlyThatCollection(t *testing.T) {
+	t.Parallel()
+	rb := setupRelay(t, backends[0])
+	ctx := context.Background()
+	bucketed, err := NewRedisProjector(rb.client, testMapper(), &Config{Prefix: rb.ks.Prefix(), VersionBuckets: 16})
+	require.NoError(t, err)
+	_, err = bucketed.Gate().Apply(ctx, []Write{{Target: Target{Kind: KindSortedSet, Name: "board", Member: "alice"}, Version: 1, Value: Value{Score: 1}}})
+	require.NoError(t, err)
+
+	rb.commit(t, scoreMsg("bob", 1, 5),
+		outbox.Message{EventID: uuid.New(), Stream: "orders", Key: "41", Version: 1, Payload: []byte("{}")})
+	r := rb.relay(t, rb.projector, outbox.RelayConfig{MaxAttempts: 2})
+	require.Eventually(t, func() bool {
+		_, err := r.RunOnce(ctx)
+		require.NoError(t, err)
+		stats, err := r.Stats(ctx)
+		require.NoError(t, err)
+		return stats.Pending == 0
+	}, 10*time.Second, 20*time.Millisecond)
+
+	dead, err := r.DeadLetters(ctx, 0, 10)
+	require.NoError(t, err)
+	require.Len(t, dead, 1)
+	require.Equal(t, "bob", dead[0].Key)
+	require.Equal(t, 2, dead[0].Attempts, "retried before it was buried")
+	require.Contains(t, dead[0].LastError, "16 buckets")
+	require.True(t, readState(t, rb.client, rb.ks, Target{Kind: KindDocument, Name: "order:41"}).exists, "the order was not held back")
+}
