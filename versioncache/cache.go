@@ -245,13 +245,16 @@ func (c *Cache[T]) decodeCurrent(ctx context.Context, id string, data []byte) (T
 var errMalformed = errors.New("versioncache: stored value has no version prefix")
 
 // splitVersioned splits "<version>:<payload>" as stored in current keys.
+// The version must be a non-negative int64 in canonical decimal (no sign, no
+// leading zeros), as the scripts write it and as fill_at.lua compares it.
 func splitVersioned(data []byte) (int64, []byte, error) {
 	i := bytes.IndexByte(data, ':')
 	if i <= 0 {
 		return 0, nil, errMalformed
 	}
-	version, err := strconv.ParseInt(string(data[:i]), 10, 64)
-	if err != nil || version < 0 {
+	text := string(data[:i])
+	version, err := strconv.ParseInt(text, 10, 64)
+	if err != nil || version < 0 || strconv.FormatInt(version, 10) != text {
 		return 0, nil, errMalformed
 	}
 	return version, data[i+1:], nil
@@ -415,10 +418,15 @@ func (c *Cache[T]) redisDown(ctx context.Context, id, op string, err error, load
 // No counter is read or bumped and no Invalidate is needed: one key per id
 // holds the value together with the version it was cached under, and a hit
 // (one GET) is any stored version at or above the caller's. A miss loads and
-// stores unless a newer version was stored meanwhile, so the stored version
-// never goes backwards, with one exception: a stored value that does not
-// decode is a miss and is replaced by what this caller loaded, whatever
-// version it claims, if it is still byte for byte what was read.
+// stores unless a newer version is stored by then, so the stored version
+// never goes backwards. A stored value that does not decode is a miss, and
+// the fill replaces it like any other: if its version is not newer than the
+// caller's, or if it has no version (no prefix that splitVersioned accepts).
+// One that does have a newer version is left alone, and the caller is
+// served what it loaded, uncached: during a rollout that changes the Codec
+// or T, old and new processes cannot decode each other's values, and
+// replacing them would have each overwrite the other's newer values with
+// older ones, so that both keep missing.
 //
 // The trap: GetAt is only as correct as the version. A write that does not
 // change it (a bulk UPDATE or a data fix that forgets row_version or
@@ -442,9 +450,6 @@ func (c *Cache[T]) GetAt(ctx context.Context, id string, version int64, load Loa
 	// Any replica may serve this read: a lagging one holds an older version,
 	// which is a miss, never a stale hit.
 	data, err := c.client.Get(ctx, key).Bytes()
-	// undecodable is what the key held when it did not decode: the fill may
-	// replace exactly those bytes, whatever version they claim.
-	repair, undecodable := "0", []byte(nil)
 	switch {
 	case err == nil:
 		stored, payload, serr := splitVersioned(data)
@@ -459,10 +464,12 @@ func (c *Cache[T]) GetAt(ctx context.Context, id string, version int64, load Loa
 			}
 			serr = derr
 		}
+		// A miss. fill_at.lua replaces the value only if its version prefix
+		// does not parse or is not newer than ours: a newer one may be valid
+		// for another process's Codec or T.
 		c.stats.decodeErrors.Add(1)
 		c.config.Logger.WarnContext(ctx, "versioncache: cached value does not decode; reloading",
 			slog.String("id", id), slog.String("error", serr.Error()))
-		repair, undecodable = "1", data
 	case errors.Is(err, redis.Nil):
 	default:
 		return c.redisDown(ctx, id, "read", err, load)
@@ -482,7 +489,7 @@ func (c *Cache[T]) GetAt(ctx context.Context, id string, version int64, load Loa
 			return zero, &CodecError{Op: "encode", ID: id, Err: err}
 		}
 		stored, err := c.lua.fillAt.Run(ctx, c.client, []string{key},
-			versionText, joinVersioned(versionText, data), c.config.TTL.Milliseconds(), repair, undecodable).Int()
+			versionText, joinVersioned(versionText, data), c.config.TTL.Milliseconds()).Int()
 		switch {
 		case err != nil:
 			c.stats.redisErrors.Add(1)

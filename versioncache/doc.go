@@ -122,12 +122,16 @@
 // database-incremented row_version. It needs no Invalidate: P{id}:a holds the
 // newest version stored, a hit is one GET whose embedded version is at or
 // above the caller's (a newer value is ahead, never stale), and a fill never
-// replaces a newer version with an older one, except a stored value that did
-// not decode for this caller and is still unchanged (compared byte for byte
-// in the fill script): it can serve nobody, and a lower version only costs
-// misses. It is silently wrong for any
-// write that does not move that version (a bulk UPDATE or data fix that
-// forgets it). Prefer Get with Invalidate when that cannot be ruled out.
+// replaces a newer version with an older one, not even when the newer value
+// does not decode for the caller: during a rollout that changes the Codec or
+// the cached type, it may be valid for the other side, and replacing it
+// would have old and new processes overwrite each other's values and both
+// keep missing. The caller is then served its own load, uncached. Only a
+// value whose version prefix does not parse (not a non-negative int64 in
+// canonical decimal) is replaced whatever it claims: it can serve nobody.
+// It is silently wrong for any write that does not move that version (a
+// bulk UPDATE or data fix that forgets it). Prefer Get with Invalidate when
+// that cannot be ruled out.
 //
 // # Checking
 //

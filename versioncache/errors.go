@@ -75,9 +75,11 @@ func (e *LoadError) Is(target error) bool { return target == ErrLoad }
 
 // CodecError is a value the Codec could not encode (from Get, GetAt and
 // Check), or, from Peek only, a cached value it could not decode. Get and
-// GetAt never return a decode failure: they treat such a value as a miss and
-// overwrite it with what they load. Check counts it as
-// CheckReport.Undecodable.
+// GetAt never return a decode failure: they treat such a value as a miss,
+// load, and overwrite it with what they loaded. GetAt does not overwrite one
+// stored under a newer version than the caller's (it may be valid for a
+// process with another Codec or type, during a rollout): it serves the
+// caller's load uncached. Check counts it as CheckReport.Undecodable.
 type CodecError struct {
 	Op  string // "encode" or "decode"
 	ID  string

@@ -91,15 +91,23 @@ func TestGetAt(t *testing.T) {
 		require.Zero(t, stored)
 	})
 
-	// A stored value that does not decode is a miss for every caller. It
-	// must be replaced even when it claims a newer version than the
-	// caller's; otherwise every caller below that version loads until TTL.
+	// A stored value that does not decode is a miss. The fill replaces it
+	// when its version prefix does not parse, whatever it claims: it can
+	// serve nobody, and keeping it would make every caller load until TTL.
 	t.Run("UndecodableValueIsReplaced", func(t *testing.T) {
 		t.Parallel()
 		for _, tc := range []struct{ name, stored string }{
-			{"NewerVersion", "9000000000000000000:not json"},
-			{"VersionOverflowsInt64", "99999999999999999999:{}"},
+			// "{}" decodes, so each of these would be a hit if its prefix
+			// were taken for a version; 9e18 is above every caller's.
+			{"NoSeparator", "9000000000000000000"},
+			{"EmptyVersion", ":{}"},
 			{"NoNumericVersion", "v2:{}"},
+			{"VersionOverflowsInt64", "99999999999999999999:{}"},
+			{"AboveMaxInt64", "9223372036854775808:{}"},
+			{"LeadingZero", "0900000000000000000:{}"},
+			{"PlusSign", "+900000000000000000:{}"},
+			{"NegativeVersion", "-900000000000000000:{}"},
+			{"TrailingGarbage", "900000000000000000x:{}"},
 		} {
 			t.Run(tc.name, func(t *testing.T) {
 				t.Parallel()
@@ -120,17 +128,75 @@ func TestGetAt(t *testing.T) {
 				require.Equal(t, v1.Version, stored, "stored under the caller's version")
 			})
 		}
+
+		// A newer version that does not decode may be valid for another
+		// process (a rollout changing the Codec or T): replacing it would
+		// have old and new processes overwrite each other's newer values
+		// with older ones. The caller is served its own load, uncached.
+		t.Run("NewerVersionIsKept", func(t *testing.T) {
+			t.Parallel()
+			b := setup(t, nil)
+			v1 := b.truth.write("p1", 4900)
+			newer := strconv.FormatInt(v1.Version+1, 10) + ":not json"
+			require.NoError(t, b.client.Set(ctx, b.cache.atKey("p1"), newer, 0).Err())
+			for range 2 {
+				got, err := b.cache.GetAt(ctx, "p1", v1.Version, b.truth.loader("p1"))
+				require.NoError(t, err)
+				require.Equal(t, v1, got)
+			}
+			require.EqualValues(t, 2, b.truth.loads.Load(), "not cached: both reads load")
+			stats := b.cache.Stats()
+			require.EqualValues(t, 2, stats.DecodeErrors)
+			require.EqualValues(t, 2, stats.StaleFillsSkipped)
+			require.Zero(t, stats.Fills)
+			raw, err := b.client.Get(ctx, b.cache.atKey("p1")).Result()
+			require.NoError(t, err)
+			require.Equal(t, newer, raw, "left in place")
+		})
+
+		// A version at or below the caller's is replaced as any such value
+		// is; only an equal one is decoded first (an older one is a miss).
+		for _, tc := range []struct {
+			name         string
+			below        int64
+			decodeErrors int
+		}{
+			{"SameVersion", 0, 1},
+			{"OlderVersion", 1, 0},
+		} {
+			t.Run(tc.name, func(t *testing.T) {
+				t.Parallel()
+				b := setup(t, nil)
+				b.truth.write("p1", 4900)
+				v2 := b.truth.write("p1", 4400)
+				old := strconv.FormatInt(v2.Version-tc.below, 10) + ":not json"
+				require.NoError(t, b.client.Set(ctx, b.cache.atKey("p1"), old, 0).Err())
+				for range 2 {
+					got, err := b.cache.GetAt(ctx, "p1", v2.Version, b.truth.loader("p1"))
+					require.NoError(t, err)
+					require.Equal(t, v2, got)
+				}
+				require.EqualValues(t, 1, b.truth.loads.Load(), "the load replaced it: the second read is a hit")
+				require.EqualValues(t, tc.decodeErrors, b.cache.Stats().DecodeErrors)
+				raw, err := b.client.Get(ctx, b.cache.atKey("p1")).Bytes()
+				require.NoError(t, err)
+				stored, payload, err := splitVersioned(raw)
+				require.NoError(t, err)
+				require.Equal(t, v2.Version, stored)
+				require.NotEqual(t, "not json", string(payload))
+			})
+		}
 	})
 
-	// The replacement is a compare-and-set on the bytes that did not decode:
-	// a valid value written meanwhile (by a process whose codec reads it)
-	// stays.
+	// The fill script decides on what the key holds when it runs, not on
+	// what the caller read: a valid newer value written during the load
+	// stays, even though the caller read one that had no version at all.
 	t.Run("ReplacementKeepsConcurrentWrite", func(t *testing.T) {
 		t.Parallel()
 		b := setup(t, nil)
 		v1 := b.truth.write("p1", 4900)
 		v2 := b.truth.write("p1", 4400)
-		require.NoError(t, b.client.Set(ctx, b.cache.atKey("p1"), "9000000000000000000:not json", 0).Err())
+		require.NoError(t, b.client.Set(ctx, b.cache.atKey("p1"), "v2:not json", 0).Err())
 		newer, err := json.Marshal(v2)
 		require.NoError(t, err)
 		valid := string(joinVersioned(strconv.FormatInt(v2.Version, 10), newer))
@@ -147,6 +213,56 @@ func TestGetAt(t *testing.T) {
 		require.NoError(t, err)
 		require.Equal(t, valid, raw)
 		require.EqualValues(t, 1, b.cache.Stats().StaleFillsSkipped)
+	})
+
+	// fill_at.lua and splitVersioned agree on what a version is: the script
+	// refuses to overwrite exactly the prefixes Go parses as newer than the
+	// caller's. Every unparseable prefix below would look newer to a plain
+	// length-then-bytes comparison.
+	t.Run("FillScriptParsesLikeGo", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t, nil)
+		key := b.cache.atKey("p1")
+		for _, tc := range []struct {
+			stored, mine string
+			parses       bool
+			kept         bool
+		}{
+			{"10:x", "9", true, true},
+			{"2:x", "10", true, false},
+			{"7:x", "7", true, false},
+			{"0:x", "0", true, false},
+			{"9223372036854775807:x", "9223372036854775806", true, true},
+			{"9223372036854775807:x", "9223372036854775807", true, false},
+			{"9223372036854775808:x", "1", false, false},
+			{"99999999999999999999:x", "1", false, false},
+			{"00:x", "0", false, false},
+			{"01:x", "1", false, false},
+			{"+5:x", "1", false, false},
+			{"-5:x", "1", false, false},
+			{"-0:x", "0", false, false},
+			{"5a:x", "1", false, false},
+			{" 5:x", "1", false, false},
+			{":x", "0", false, false},
+			{"55", "1", false, false},
+			{"", "1", false, false},
+		} {
+			_, _, err := splitVersioned([]byte(tc.stored))
+			require.Equal(t, tc.parses, err == nil, "Go parses %q", tc.stored)
+			require.NoError(t, b.client.Set(ctx, key, tc.stored, 0).Err())
+			fill := tc.mine + ":filled"
+			stored, err := b.cache.lua.fillAt.Run(ctx, b.client, []string{key}, tc.mine, fill, 60000).Int()
+			require.NoError(t, err)
+			raw, err := b.client.Get(ctx, key).Result()
+			require.NoError(t, err)
+			if tc.kept {
+				require.Zero(t, stored, "%q over %q", tc.mine, tc.stored)
+				require.Equal(t, tc.stored, raw)
+			} else {
+				require.EqualValues(t, 1, stored, "%q over %q", tc.mine, tc.stored)
+				require.Equal(t, fill, raw)
+			}
+		}
 	})
 
 	t.Run("BadInput", func(t *testing.T) {

@@ -190,8 +190,8 @@ func TestScriptsDeclareEveryKey(t *testing.T) {
 		t.Parallel()
 		b := setupStrict(t, nil)
 		v1 := b.truth.write("p1", 1)
-		// An undecodable value under a newer version is replaced.
-		require.NoError(t, b.client.Set(ctx, b.cache.atKey("p1"), "99:not json", 0).Err())
+		// A value without a valid version prefix is replaced.
+		require.NoError(t, b.client.Set(ctx, b.cache.atKey("p1"), "v99:not json", 0).Err())
 		for range 2 {
 			got, err := b.cache.GetAt(ctx, "p1", v1.Version, b.truth.loader("p1"))
 			require.NoError(t, err)
@@ -201,8 +201,14 @@ func TestScriptsDeclareEveryKey(t *testing.T) {
 		got, err := b.cache.GetAt(ctx, "p1", v2.Version, b.truth.loader("p1"))
 		require.NoError(t, err)
 		require.Equal(t, v2, got)
+		// An undecodable value under a newer version is kept.
+		require.NoError(t, b.client.Set(ctx, b.cache.atKey("p1"), "99:not json", 0).Err())
+		got, err = b.cache.GetAt(ctx, "p1", v2.Version, b.truth.loader("p1"))
+		require.NoError(t, err)
+		require.Equal(t, v2, got)
 		st := b.cache.Stats()
 		require.Zero(t, st.RedisErrors)
 		require.EqualValues(t, 2, st.Fills)
+		require.EqualValues(t, 1, st.StaleFillsSkipped)
 	})
 }

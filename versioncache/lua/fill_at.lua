@@ -5,33 +5,46 @@
 -- ARGV[1]  the caller's version (decimal, no sign, no leading zeros)
 -- ARGV[2]  "<version>:<encoded value>"
 -- ARGV[3]  TTL in milliseconds
--- ARGV[4]  "1" when the caller read a stored value that did not decode,
---          "0" otherwise
--- ARGV[5]  the bytes of that stored value ("" with ARGV[4] = "0")
 --
 -- Returns 1 when stored, 0 when the stored value is newer. Versions are
 -- compared as decimal strings (length, then bytes) because caller versions
--- are int64 and Lua numbers are doubles.
+-- are int64 and Lua numbers are doubles; that needs both to be canonical.
 
--- Only Go can run the codec, so it tells us what did not decode. If the key
--- still holds exactly those bytes, nobody can be served them, whatever
--- version they claim: replace them, or every caller below that version
--- would load until they expire. A caller's value is at or above its own
--- version, and a hit needs a stored version at or above the reader's, so a
--- lower stored version costs misses, never a stale read. Anything written
--- since is left to the version comparison below.
-if ARGV[4] == '1' and redis.call('GET', KEYS[1]) == ARGV[5] then
-  redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
-  return 1
-end
-local head = redis.call('GETRANGE', KEYS[1], 0, 20)
-local sep = string.find(head, ':', 1, true)
-if sep then
-  local stored = string.sub(head, 1, sep - 1)
-  local mine = ARGV[1]
-  if #stored > #mine or (#stored == #mine and stored > mine) then
-    return 0
+-- version returns the stored value's version prefix when it is one this
+-- package writes and reads (splitVersioned in cache.go): a non-negative
+-- int64 in canonical decimal, no sign or leading zeros, before the first
+-- ':'. Otherwise nil. Such a prefix is at most 19 digits, so head, the
+-- first 20 bytes, holds its ':' or the prefix is too long.
+local function version(head)
+  local sep = string.find(head, ':', 1, true)
+  if not sep then
+    return nil
   end
+  local v = string.sub(head, 1, sep - 1)
+  if not string.find(v, '^%d+$') then
+    return nil
+  end
+  if #v > 1 and string.sub(v, 1, 1) == '0' then
+    return nil
+  end
+  if #v == 19 and v > '9223372036854775807' then
+    return nil
+  end
+  return v
+end
+
+-- A stored version that is newer wins, whether or not the payload decodes
+-- for this caller: during a rollout that changes the codec or the cached
+-- type, old and new processes cannot decode each other's values, and
+-- replacing a newer one with an older version would make them overwrite
+-- each other in turn and both keep missing. The caller serves what it
+-- loaded, uncached. A prefix that does not parse is no version at all: no
+-- process can be served that value, whatever it claims, so it is replaced,
+-- or every caller would load until it expires.
+local stored = version(redis.call('GETRANGE', KEYS[1], 0, 19))
+local mine = ARGV[1]
+if stored and (#stored > #mine or (#stored == #mine and stored > mine)) then
+  return 0
 end
 redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
 return 1
