@@ -114,7 +114,9 @@ type Config struct {
 	ReadPolicy ReadPolicy
 
 	// MaxLag is the largest projection lag at which Redis answers are
-	// considered fresh. Defaults to MaxLagDefault.
+	// considered fresh. It applies under every ReadPolicy (a read may pick
+	// another with WithPolicy) and must be greater than LagProbeInterval.
+	// Defaults to MaxLagDefault.
 	MaxLag time.Duration
 
 	// ReadYourWritesTimeout bounds how long a read with AtLeast waits for
@@ -126,7 +128,10 @@ type Config struct {
 	// PostgreSQL is asked again, so that reads do not each cost a database
 	// query. Reported lag may be understated by less than this interval:
 	// a measurement reused for longer (while a slow probe is under way)
-	// adds its age to the lag. Defaults to LagProbeIntervalDefault.
+	// adds its age to the lag. It must be less than MaxLag: reads made
+	// while a probe runs see a lag of at least this interval, so a larger
+	// one would turn every probe into a spell of stale reads. Defaults to
+	// LagProbeIntervalDefault.
 	LagProbeInterval time.Duration
 
 	// KeyPrefix prefixes every Redis key of the projection. It must not
@@ -223,6 +228,8 @@ func (c *Config) validate() error {
 		return errors.New("leaderboard: Config.ReadYourWritesTimeout must not be negative")
 	case c.LagProbeInterval < 0:
 		return errors.New("leaderboard: Config.LagProbeInterval must not be negative")
+	case c.MaxLag <= c.LagProbeInterval:
+		return fmt.Errorf("leaderboard: Config.MaxLag (%s) must be greater than Config.LagProbeInterval (%s), since reads made while a lag probe runs see a lag of at least LagProbeInterval; raise MaxLag or lower LagProbeInterval to a small fraction of it", c.MaxLag, c.LagProbeInterval)
 	case c.VersionBuckets < 0 || c.VersionBuckets > projection.VersionBucketsMax:
 		return fmt.Errorf("leaderboard: Config.VersionBuckets must be between 0 (one version hash) and %d (got %d); use about expected users / 64", projection.VersionBucketsMax, c.VersionBuckets)
 	}

@@ -35,6 +35,12 @@ func TestConfig(t *testing.T) {
 		require.NotNil(t, c.Logger)
 		require.NoError(t, c.validate())
 
+		// MaxLag needs only to exceed LagProbeInterval, whatever the policy.
+		for _, p := range []ReadPolicy{ServeStale, FallbackToPostgres, FailClosed} {
+			c = (&Config{Name: "b", ReadPolicy: p, MaxLag: time.Millisecond, LagProbeInterval: time.Millisecond - 1}).WithDefaults()
+			require.NoError(t, c.validate())
+		}
+
 		// Delta bounds are a pair: one non-zero bound keeps the other.
 		c = (&Config{Name: "b", MaxDelta: 50}).WithDefaults()
 		require.Equal(t, int64(0), c.MinDelta)
@@ -56,6 +62,10 @@ func TestConfig(t *testing.T) {
 			{"UserIDLength", Config{Name: "b", MaxUserIDLength: MaxUserIDLengthLimit + 1}, "Config.MaxUserIDLength"},
 			{"Policy", Config{Name: "b", ReadPolicy: 9}, "Config.ReadPolicy"},
 			{"NegativeLag", Config{Name: "b", MaxLag: -time.Second}, "Config.MaxLag"},
+			{"NegativeProbeInterval", Config{Name: "b", LagProbeInterval: -time.Second}, "Config.LagProbeInterval"},
+			{"LagBelowProbeInterval", Config{Name: "b", MaxLag: 50 * time.Millisecond}, "Config.LagProbeInterval"},
+			{"LagAtProbeInterval", Config{Name: "b", MaxLag: time.Second, LagProbeInterval: time.Second}, "Config.MaxLag"},
+			{"ProbeIntervalAboveDefaultLag", Config{Name: "b", LagProbeInterval: time.Hour}, "Config.MaxLag"},
 			{"BracePrefix", Config{Name: "b", KeyPrefix: "a{b}"}, "Config.KeyPrefix"},
 			{"NegativeBuckets", Config{Name: "b", VersionBuckets: -1}, "Config.VersionBuckets"},
 			{"TooManyBuckets", Config{Name: "b", VersionBuckets: projection.VersionBucketsMax + 1}, "Config.VersionBuckets"},
@@ -66,6 +76,14 @@ func TestConfig(t *testing.T) {
 				require.Contains(t, err.Error(), tc.field)
 			})
 		}
+	})
+
+	t.Run("MaxLagNotAboveProbeInterval", func(t *testing.T) {
+		t.Parallel()
+		err := (&Config{Name: "b", MaxLag: 50 * time.Millisecond}).WithDefaults().validate()
+		require.ErrorContains(t, err, "Config.MaxLag (50ms)")
+		require.ErrorContains(t, err, "Config.LagProbeInterval (100ms)")
+		require.ErrorContains(t, err, "raise MaxLag or lower LagProbeInterval")
 	})
 
 	t.Run("NewRefusesBadInput", func(t *testing.T) {

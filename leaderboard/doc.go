@@ -99,7 +99,9 @@
 // Config.LagProbeInterval; a measurement reused for longer, while a slow
 // probe is under way, adds its age to the lag, so Lag understates the
 // truth by less than LagProbeInterval. A dead letter of the board counts
-// until it is replayed or deleted.
+// until it is replayed or deleted, or until its user has a newer version
+// (which carries the user's whole score, so it counts while pending and
+// makes the dead letter moot once projected).
 //
 // When Lag exceeds Config.MaxLag, Config.ReadPolicy decides: ServeStale
 // answers from Redis anyway (the Freshness tells the caller), FallbackToPostgres

@@ -352,7 +352,7 @@ func (b *Board) freshness(ctx context.Context) Freshness {
 	if measure {
 		var dbNow time.Time
 		var oldest *time.Time
-		err := b.pool.QueryRow(ctx, b.sql.lag, b.stream).Scan(&dbNow, &oldest)
+		err := b.pool.QueryRow(ctx, b.sql.lag, b.stream, b.cfg.Name).Scan(&dbNow, &oldest)
 		if err != nil && ctx.Err() != nil {
 			// This caller gave up, which says nothing about the database:
 			// keep the previous measurement for the other readers, and let

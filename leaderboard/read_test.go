@@ -404,6 +404,7 @@ func TestFreshnessProbe(t *testing.T) {
 		t.Parallel()
 		tb := setup(t, func(c *Config) {
 			c.ReadPolicy = FailClosed
+			c.MaxLag = 2 * time.Hour
 			c.LagProbeInterval = time.Hour // a cached failure would stick
 		})
 		tb.submit(t, "user-a", 10)
@@ -475,5 +476,67 @@ func TestFreshnessProbe(t *testing.T) {
 		require.NoError(t, err)
 		require.Zero(t, r.Freshness.Lag)
 		require.Equal(t, int64(17), r.Entries[0].Score)
+	})
+
+	t.Run("SupersededDeadLetterDoesNotCount", func(t *testing.T) {
+		t.Parallel()
+		tb := setup(t, func(c *Config) {
+			c.ReadPolicy = FailClosed
+			c.MaxLag = 50 * time.Millisecond
+			c.LagProbeInterval = time.Nanosecond
+		})
+		tb.submit(t, "user-a", 10)
+		tb.drain(t)
+		tb.submit(t, "user-a", 7)
+
+		// Version 2 is buried, as in DeadLettersCountAsLag.
+		key := tb.board.SortedSetKey()
+		require.NoError(t, tb.rd.Client.Rename(ctx, key, key+":saved").Err())
+		require.NoError(t, tb.rd.Client.Set(ctx, key, "x", 0).Err())
+		w, err := tb.board.Worker(&WorkerConfig{Relay: &outbox.RelayConfig{MaxAttempts: 1}})
+		require.NoError(t, err)
+		_, _ = w.Drain(ctx)
+		require.NoError(t, tb.rd.Client.Rename(ctx, key+":saved", key).Err())
+		_, err = tb.pg.Pool.Exec(ctx, `UPDATE verity_outbox_dead SET created_at = created_at - interval '1 minute'`)
+		require.NoError(t, err)
+
+		// Newer versions of another user, or of the same user on another
+		// board, supersede nothing.
+		other, err := New(tb.pg.Pool, tb.rd.Client, &Config{Name: "other", Schema: tb.pg.Schema, KeyPrefix: tb.rd.Prefix})
+		require.NoError(t, err)
+		for range 3 {
+			_, err = other.Submit(ctx, Command{EventID: uuid.New(), UserID: "user-a", Delta: 1})
+			require.NoError(t, err)
+			tb.submit(t, "user-b", 1)
+		}
+		tb.drain(t)
+		_, err = tb.board.Top(ctx, 10)
+		var stale *StaleError
+		require.ErrorAs(t, err, &stale)
+		require.Greater(t, stale.Lag, 59*time.Second)
+
+		// Version 3, pending: it is the lag now, not the dead letter.
+		require.Equal(t, int64(3), tb.submit(t, "user-a", 1).Version)
+		_, err = tb.pg.Pool.Exec(ctx, `UPDATE verity_outbox SET created_at = created_at - interval '30 seconds' WHERE stream = $1`, tb.board.Stream())
+		require.NoError(t, err)
+		fr := tb.board.Freshness(ctx)
+		require.GreaterOrEqual(t, fr.Lag, 30*time.Second)
+		require.Less(t, fr.Lag, 59*time.Second)
+
+		// Version 3 projected: Redis is right, and reads are served from
+		// it under every policy although the dead letter is still there.
+		tb.drain(t)
+		var dead int
+		require.NoError(t, tb.pg.Pool.QueryRow(ctx, `SELECT count(*) FROM verity_outbox_dead`).Scan(&dead))
+		require.Equal(t, 1, dead)
+		r, err := tb.board.Top(ctx, 10)
+		require.NoError(t, err)
+		require.Equal(t, SourceRedis, r.Freshness.Source)
+		require.Zero(t, r.Freshness.Lag)
+		require.Equal(t, int64(18), r.Entries[0].Score)
+		r, err = tb.board.Top(ctx, 10, WithPolicy(FallbackToPostgres))
+		require.NoError(t, err)
+		require.Equal(t, SourceRedis, r.Freshness.Source)
+		require.Zero(t, r.Freshness.Lag)
 	})
 }

@@ -273,22 +273,31 @@ FROM (SELECT * FROM before UNION ALL SELECT * FROM after) AS w, base
 ORDER BY -w.score, w.user_id`
 
 // lagSQL reads the creation time of the board's oldest unprojected change,
-// and the database clock to measure its age by: $1 stream. Unprojected
-// means pending in the outbox, or dead-lettered: a row that failed
-// MaxAttempts times left the outbox for its dead-letter table, and Redis
-// may lack it for good, so it counts as waiting since its original
+// and the database clock to measure its age by: $1 stream, $2 board.
+// Unprojected means pending in the outbox, or dead-lettered: a row that
+// failed MaxAttempts times left the outbox for its dead-letter table, and
+// Redis may lack it for good, so it counts as waiting since its original
 // creation until it is replayed (outbox.Relay.ReplayDead) or deleted. An
 // age rather than "unknown" (a negative Lag, which means PostgreSQL could
 // not be asked) keeps Lag's meaning: the age of the oldest change Redis
 // may not reflect; it exceeds MaxLag once the dead letter is MaxLag old.
 //
+// A dead letter stops counting once its user (the row's key) has a newer
+// version in user_scores: payloads are absolute, and that newer version is
+// either pending (the first subquery counts it), projected (Redis holds
+// newer state, so the dead letter no longer matters) or dead itself
+// (counted on its own). Otherwise one dead letter would keep Lag above
+// MaxLag for good, and FailClosed and FallbackToPostgres boards would
+// refuse or divert every read although Redis is right.
+//
 // The outbox's partial index on created_at makes the first subquery a short
 // index scan (it skips pending rows of other streams that are older). The
-// dead-letter table has no index on stream (only on id and event_id), so
-// the second reads the stream's first dead letter in id order: it stops at
-// the first match instead of aggregating all of them, and scans the table
-// (normally empty: every row is an alert) only when the stream has none.
-// Outbox ids follow creation order up to the length of a writing
+// second reads the stream's dead letters in id order (by the dead-letter
+// table's (stream, id) index, or its primary key filtered by stream) and
+// stops at the first one not superseded; each check is a primary-key
+// lookup in user_scores. The table is normally empty (every row is an
+// alert); a superseded dead letter costs one lookup per probe until it is
+// deleted. Outbox ids follow creation order up to the length of a writing
 // transaction, which is close enough for an age compared with MaxLag.
 // LEAST ignores NULLs: the result is NULL only when neither has a row.
 const lagSQL = `
@@ -301,10 +310,17 @@ SELECT clock_timestamp(), LEAST(
         LIMIT 1
     ),
     (
-        SELECT created_at
-        FROM {{outbox_dead}}
-        WHERE stream = $1::text
-        ORDER BY id
+        SELECT d.created_at
+        FROM {{outbox_dead}} AS d
+        WHERE d.stream = $1::text
+          AND NOT EXISTS (
+              SELECT 1
+              FROM {{user_scores}} AS s
+              WHERE s.board = $2::text
+                AND s.user_id = d.key COLLATE "C"
+                AND s.version > d.version
+          )
+        ORDER BY d.id
         LIMIT 1
     )
 )`
