@@ -66,7 +66,7 @@ func parseFlags(name string, args []string, stderr io.Writer) (*options, error) 
 		fs.StringVar(&o.addr, "addr", addrDefault, "HTTP listen address")
 		fs.StringVar(&o.readPolicy, "read-policy", leaderboard.ReadPolicyDefault.String(),
 			"what reads do when the projection lags more than --max-lag: serve-stale, fallback-to-postgres or fail-closed")
-		fs.DurationVar(&o.maxLag, "max-lag", leaderboard.MaxLagDefault, "largest projection lag at which Redis answers count as fresh")
+		fs.DurationVar(&o.maxLag, "max-lag", leaderboard.MaxLagDefault, "largest projection lag at which Redis answers count as fresh; must exceed the lag probe interval (leaderboard.LagProbeIntervalDefault, 100ms)")
 		fs.DurationVar(&o.reconcileEvery, "reconcile-every", reconcileEveryDefault, "interval of the sampled reconcile (0 disables it)")
 		fs.IntVar(&o.reconcileSample, "reconcile-sample", reconcileSampleDefault, "rows checked by each scheduled reconcile")
 	case "reconcile":
@@ -164,6 +164,9 @@ func connect(ctx context.Context, o *options, logger *slog.Logger) (*deps, error
 		closeAll()
 		return nil, err
 	}
+	// Closed before the pool (closers run in reverse): its last NOTIFY
+	// needs a connection.
+	closers = append(closers, board.Close)
 	if err := leaderboard.Migrate(ctx, pool, cfg); err != nil {
 		closeAll()
 		return nil, fmt.Errorf("migrate: %w", err)

@@ -240,17 +240,21 @@ type healthResponse struct {
 }
 
 // handleHealth is GET /healthz: 200 when PostgreSQL and Redis both answer
-// a ping, 503 otherwise.
+// a ping, 503 otherwise. The errors go to the log only: pgx's connect
+// errors name the host, database and user, which an unauthenticated
+// endpoint must not hand out.
 func (s *Service) handleHealth(w http.ResponseWriter, r *http.Request) {
 	ctx, cancel := context.WithTimeout(r.Context(), pingTimeout)
 	defer cancel()
 	resp := healthResponse{Status: "ok", Postgres: "ok", Redis: "ok"}
 	status := http.StatusOK
 	if err := s.pool.Ping(ctx); err != nil {
-		resp.Status, resp.Postgres, status = "unavailable", err.Error(), http.StatusServiceUnavailable
+		s.logger.Warn("healthz: postgres ping failed", slog.Any("err", err))
+		resp.Status, resp.Postgres, status = "unavailable", "unavailable", http.StatusServiceUnavailable
 	}
 	if err := s.rdb.Ping(ctx).Err(); err != nil {
-		resp.Status, resp.Redis, status = "unavailable", err.Error(), http.StatusServiceUnavailable
+		s.logger.Warn("healthz: redis ping failed", slog.Any("err", err))
+		resp.Status, resp.Redis, status = "unavailable", "unavailable", http.StatusServiceUnavailable
 	}
 	writeJSON(w, status, resp)
 }
@@ -338,6 +342,17 @@ func (s *Service) writeError(w http.ResponseWriter, r *http.Request, err error) 
 	case errors.As(err, &stale):
 		w.Header().Set("Retry-After", "1")
 		writeJSON(w, http.StatusServiceUnavailable, errorResponse{Error: "the leaderboard is catching up; retry shortly"})
+	case errors.Is(context.Cause(r.Context()), errRequestTimeout):
+		// Ours, not the client's: it is still waiting for an answer. A
+		// submit cut short may or may not have committed; retrying it with
+		// the same Idempotency-Key is safe either way.
+		if r.URL.Path == "/scores" {
+			s.metrics.countSubmit(r.Context(), "error")
+		}
+		s.logger.Warn("request timed out", slog.String("method", r.Method), slog.String("path", r.URL.Path),
+			slog.Duration("timeout", s.cfg.RequestTimeout), slog.Any("err", err))
+		w.Header().Set("Retry-After", "1")
+		writeJSON(w, http.StatusServiceUnavailable, errorResponse{Error: "the request took too long; retry shortly"})
 	case r.Context().Err() != nil:
 		// The client went away; nobody reads the answer.
 		w.WriteHeader(http.StatusServiceUnavailable)

@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"fmt"
+	"log/slog"
 	"net/http"
 	"net/url"
 	"strings"
@@ -10,6 +11,7 @@ import (
 	"time"
 
 	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/redis/go-redis/v9"
 	"github.com/stretchr/testify/require"
 
@@ -341,7 +343,36 @@ func TestHealthz(t *testing.T) {
 		body := res.json(t)
 		require.Equal(t, "unavailable", body["status"])
 		require.Equal(t, "ok", body["postgres"])
-		require.NotEqual(t, "ok", body["redis"])
+		require.Equal(t, "unavailable", body["redis"])
+	})
+
+	t.Run("PostgresDownHidesDetails", func(t *testing.T) {
+		t.Parallel()
+		pg := testenv.Postgres(t)
+		rd := testenv.Redis(t)
+		// pgx's connect error names the database, user and host; the
+		// database name stands in for all of them.
+		database := "verity_no_such_db_" + strings.ReplaceAll(uuid.NewString(), "-", "")
+		pcfg, err := pgxpool.ParseConfig(pg.ServerURL)
+		require.NoError(t, err)
+		pcfg.ConnConfig.Database = database
+		pool, err := pgxpool.NewWithConfig(context.Background(), pcfg)
+		require.NoError(t, err)
+		t.Cleanup(pool.Close)
+		board, err := leaderboard.New(pool, rd.Client, &leaderboard.Config{Name: testBoard, KeyPrefix: rd.Prefix})
+		require.NoError(t, err)
+		var logs lockedBuffer
+		svc, err := NewService(pool, rd.Client, board, ServiceConfig{Logger: slog.New(slog.NewTextHandler(&logs, nil))})
+		require.NoError(t, err)
+		t.Cleanup(func() { _ = svc.Close() })
+		tb := &testBundle{srv: newServer(t, svc)}
+
+		res := tb.do(t, http.MethodGet, "/healthz", nil, "")
+		require.Equal(t, http.StatusServiceUnavailable, res.status, "%s", res.body)
+		require.Equal(t, map[string]any{"status": "unavailable", "postgres": "unavailable", "redis": "ok"}, res.json(t))
+		require.NotContains(t, string(res.body), database)
+		// The details are for the operator, in the log.
+		require.Contains(t, logs.String(), database)
 	})
 }
 

@@ -8,7 +8,9 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"os"
+	"sync"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/require"
 
@@ -131,4 +133,65 @@ func (tb *testBundle) counts(t *testing.T) (events, queued int) {
 	require.NoError(t, tb.pg.Pool.QueryRow(context.Background(),
 		`SELECT (SELECT count(*) FROM score_events), (SELECT count(*) FROM verity_outbox)`).Scan(&events, &queued))
 	return events, queued
+}
+
+// withService returns a copy of the bundle whose svc and srv are a second
+// Service over the same board, built with cfg.
+func (tb *testBundle) withService(t *testing.T, cfg ServiceConfig) *testBundle {
+	t.Helper()
+	svc, err := NewService(tb.pg.Pool, tb.rd.Client, tb.board, cfg)
+	require.NoError(t, err)
+	t.Cleanup(func() { require.NoError(t, svc.Close()) })
+	out := *tb
+	out.svc, out.srv = svc, newServer(t, svc)
+	return &out
+}
+
+// lockOutbox holds an ACCESS EXCLUSIVE lock on the bundle's outbox table
+// until the returned function (also run at cleanup) releases it: every
+// submit and every Stats read then waits, as during a PostgreSQL stall.
+func (tb *testBundle) lockOutbox(t *testing.T) (release func()) {
+	t.Helper()
+	tx, err := tb.pg.Pool.Begin(context.Background())
+	require.NoError(t, err)
+	_, err = tx.Exec(context.Background(), `LOCK TABLE verity_outbox IN ACCESS EXCLUSIVE MODE`)
+	require.NoError(t, err)
+	var once sync.Once
+	release = func() { once.Do(func() { _ = tx.Rollback(context.Background()) }) }
+	t.Cleanup(release)
+	return release
+}
+
+// outboxLockWaiters counts the sessions waiting for a lock on the bundle's
+// outbox table.
+func (tb *testBundle) outboxLockWaiters(t *testing.T) int {
+	t.Helper()
+	var n int
+	require.NoError(t, tb.pg.Pool.QueryRow(context.Background(),
+		`SELECT count(*) FROM pg_locks WHERE relation = 'verity_outbox'::regclass AND NOT granted`).Scan(&n))
+	return n
+}
+
+// doWithin is do with its own deadline, for requests that might hang: a
+// request still unanswered after d fails the test instead of blocking it.
+func (tb *testBundle) doWithin(t *testing.T, d time.Duration, method, path string, header map[string]string, body string) (response, time.Duration) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(t.Context(), d)
+	defer cancel()
+	var rdr io.Reader
+	if body != "" {
+		rdr = bytes.NewBufferString(body)
+	}
+	req, err := http.NewRequestWithContext(ctx, method, tb.srv.URL+path, rdr)
+	require.NoError(t, err)
+	for k, v := range header {
+		req.Header.Set(k, v)
+	}
+	start := time.Now()
+	resp, err := tb.srv.Client().Do(req)
+	require.NoError(t, err, "%s %s: no answer within %v", method, path, d)
+	defer resp.Body.Close()
+	b, err := io.ReadAll(resp.Body)
+	require.NoError(t, err)
+	return response{status: resp.StatusCode, header: resp.Header, body: b}, time.Since(start)
 }

@@ -16,6 +16,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/redis/go-redis/v9"
 	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
+	"golang.org/x/sync/singleflight"
 
 	"github.com/verity-go/verity/leaderboard"
 	"github.com/verity-go/verity/outbox"
@@ -30,9 +31,18 @@ const (
 	// ShutdownTimeoutDefault bounds how long in-flight requests may take to
 	// finish after a shutdown signal.
 	ShutdownTimeoutDefault = 10 * time.Second
-	// statsTTL is how long an outbox Stats snapshot is reused: Stats counts
-	// the pending rows, so the page's polling and Prometheus scrapes must
-	// not each cost a count.
+	// RequestTimeoutDefault bounds one request's work: the server's
+	// WriteTimeout does not cancel the request context, and pgx queries have
+	// no timeout of their own, so without it a stalled PostgreSQL holds
+	// every handler for as long as it stalls.
+	RequestTimeoutDefault = 10 * time.Second
+	// writeSlack is how much longer than RequestTimeout the server keeps a
+	// response writable, so that the timeout's own answer still gets out.
+	writeSlack = 5 * time.Second
+	// statsTTL is how long an outbox Stats snapshot, or the failure to read
+	// one, is reused after its read ends: Stats counts the pending rows, so
+	// the page's polling and Prometheus scrapes must not each cost a count,
+	// least of all while PostgreSQL is failing.
 	statsTTL = time.Second
 	// statsTimeout bounds one statsSnapshot read.
 	statsTimeout = 5 * time.Second
@@ -51,6 +61,10 @@ type ServiceConfig struct {
 	// ShutdownTimeout bounds graceful shutdown of the HTTP server.
 	// Defaults to ShutdownTimeoutDefault.
 	ShutdownTimeout time.Duration
+	// RequestTimeout bounds each request: its context is cancelled after
+	// it, and a handler cut short answers 503. Defaults to
+	// RequestTimeoutDefault.
+	RequestTimeout time.Duration
 	// Relay tunes the projection worker's outbox relay (leave Schema, Table
 	// and Streams empty). Defaults to the outbox package's defaults.
 	Relay *outbox.RelayConfig
@@ -74,8 +88,17 @@ type Service struct {
 	lastReconcile atomic.Pointer[reconcileSummary]
 	nextReconcile atomic.Pointer[time.Time]
 
-	statsMu sync.Mutex
-	stats   *statsSnapshot
+	// ownsBoard is set when wire built board (instrumented), so Close
+	// must close it; a board passed in stays the caller's to close.
+	ownsBoard bool
+
+	// readStats reads one statsSnapshot; tests replace it to stall or fail
+	// the read.
+	readStats  func(context.Context) *statsSnapshot
+	statsGroup singleflight.Group
+	statsMu    sync.Mutex
+	stats      *statsSnapshot // the last read, ok or failed
+	statsUntil time.Time      // when stats stops being reused
 }
 
 // NewService builds a Service for board. It starts nothing; see Run and
@@ -84,8 +107,11 @@ func NewService(pool *pgxpool.Pool, rdb redis.UniversalClient, board *leaderboar
 	if cfg.ShutdownTimeout == 0 {
 		cfg.ShutdownTimeout = ShutdownTimeoutDefault
 	}
-	if cfg.ReconcileEvery < 0 || cfg.ReconcileSample < 0 || cfg.ShutdownTimeout < 0 {
-		return nil, errors.New("ServiceConfig: ReconcileEvery, ReconcileSample and ShutdownTimeout must not be negative")
+	if cfg.RequestTimeout == 0 {
+		cfg.RequestTimeout = RequestTimeoutDefault
+	}
+	if cfg.ReconcileEvery < 0 || cfg.ReconcileSample < 0 || cfg.ShutdownTimeout < 0 || cfg.RequestTimeout < 0 {
+		return nil, errors.New("ServiceConfig: ReconcileEvery, ReconcileSample, ShutdownTimeout and RequestTimeout must not be negative")
 	}
 	logger := cfg.Logger
 	if logger == nil {
@@ -97,8 +123,14 @@ func NewService(pool *pgxpool.Pool, rdb redis.UniversalClient, board *leaderboar
 		return nil, err
 	}
 	if err := s.wire(board); err != nil {
+		if s.ownsBoard {
+			s.board.Close()
+		}
 		_ = s.metrics.shutdown(context.Background())
 		return nil, err
+	}
+	s.readStats = func(ctx context.Context) *statsSnapshot {
+		return readSnapshot(ctx, s.worker.Relay(), s.board)
 	}
 	return s, nil
 }
@@ -114,7 +146,7 @@ func (s *Service) wire(board *leaderboard.Board) error {
 		if err != nil {
 			return err
 		}
-		s.board = instrumented
+		s.board, s.ownsBoard = instrumented, true
 	}
 	relayCfg := &outbox.RelayConfig{Logger: s.logger}
 	if s.cfg.Relay != nil {
@@ -133,8 +165,14 @@ func (s *Service) wire(board *leaderboard.Board) error {
 	return err
 }
 
-// Close shuts the metrics pipeline down. Call it after Run has returned.
+// Close closes the board NewService built, if it built one (its last
+// NOTIFY is sent before Close returns, so the pool may be closed next), and
+// shuts the metrics pipeline down. Call it after Run has returned and
+// before closing the pool.
 func (s *Service) Close() error {
+	if s.ownsBoard {
+		s.board.Close()
+	}
 	return s.metrics.shutdown(context.Background())
 }
 
@@ -155,7 +193,24 @@ func (s *Service) routes() (http.Handler, error) {
 		return nil, err
 	}
 	mux.Handle("GET /{$}", http.FileServerFS(static))
-	return s.metrics.instrument(mux), nil
+	// withTimeout is outermost: instrument reads the route pattern that the
+	// mux sets on the request it is given, so no request copy may come
+	// between them.
+	return s.withTimeout(s.metrics.instrument(mux)), nil
+}
+
+// errRequestTimeout is the cause of a request context that ran out of
+// RequestTimeout, telling it apart from a client that hung up.
+var errRequestTimeout = errors.New("request timeout")
+
+// withTimeout gives each request a context cancelled after RequestTimeout.
+// No route streams, so every route gets it.
+func (s *Service) withTimeout(next http.Handler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		ctx, cancel := context.WithTimeoutCause(r.Context(), s.cfg.RequestTimeout, errRequestTimeout)
+		defer cancel()
+		next.ServeHTTP(w, r.WithContext(ctx))
+	})
 }
 
 // Run serves HTTP on ln and runs the projection worker and the scheduled
@@ -169,7 +224,7 @@ func (s *Service) Run(ctx context.Context, ln net.Listener) error {
 		Handler:           s.handler,
 		ReadHeaderTimeout: 5 * time.Second,
 		ReadTimeout:       30 * time.Second,
-		WriteTimeout:      30 * time.Second,
+		WriteTimeout:      s.cfg.RequestTimeout + writeSlack,
 		IdleTimeout:       2 * time.Minute,
 		ErrorLog:          slog.NewLogLogger(s.logger.Handler(), slog.LevelWarn),
 	}
@@ -271,23 +326,37 @@ type statsSnapshot struct {
 	Err       error
 }
 
-// snapshot returns a statsSnapshot at most statsTTL old. Concurrent callers
-// wait for one read instead of each counting the backlog. Failures are not
-// cached, and the read does not depend on the caller's cancellation, so one
-// client that hangs up does not fail the others waiting for the same read.
+// snapshot returns the last statsSnapshot, or failure, if its read ended
+// less than statsTTL ago, else reads a new one. Concurrent callers share
+// one read (single flight), so a stalled PostgreSQL costs one query, not
+// one per waiting request. A caller stops waiting when its ctx ends; the
+// read goes on detached from it (bounded by statsTimeout), so one client
+// that hangs up does not fail the others sharing the read.
 func (s *Service) snapshot(ctx context.Context) *statsSnapshot {
 	s.statsMu.Lock()
-	defer s.statsMu.Unlock()
-	if s.stats != nil && time.Since(s.stats.At) < statsTTL {
-		return s.stats
+	snap, fresh := s.stats, time.Now().Before(s.statsUntil)
+	s.statsMu.Unlock()
+	if snap != nil && fresh {
+		return snap
 	}
-	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), statsTimeout)
-	defer cancel()
-	snap := readSnapshot(ctx, s.worker.Relay(), s.board)
-	if snap.Err == nil {
-		s.stats = snap
+	readCtx := context.WithoutCancel(ctx)
+	ch := s.statsGroup.DoChan("stats", func() (any, error) {
+		ctx, cancel := context.WithTimeout(readCtx, statsTimeout)
+		defer cancel()
+		snap := s.readStats(ctx)
+		// Stored before the flight ends, so a caller arriving after it
+		// finds the cache instead of starting another read.
+		s.statsMu.Lock()
+		s.stats, s.statsUntil = snap, time.Now().Add(statsTTL)
+		s.statsMu.Unlock()
+		return snap, nil
+	})
+	select {
+	case res := <-ch:
+		return res.Val.(*statsSnapshot)
+	case <-ctx.Done():
+		return &statsSnapshot{At: time.Now(), Err: ctx.Err()}
 	}
-	return snap
 }
 
 // readSnapshot reads the outbox backlog (Stats covers the whole outbox

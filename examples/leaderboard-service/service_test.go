@@ -1,0 +1,251 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"log/slog"
+	"net/http"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/redis/go-redis/v9"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	"go.opentelemetry.io/otel/metric/noop"
+
+	"github.com/verity-go/verity/internal/testenv"
+	"github.com/verity-go/verity/leaderboard"
+	"github.com/verity-go/verity/outbox"
+)
+
+// TestSnapshotSingleFlight stalls the stats read and checks that callers
+// share it, that a caller's deadline ends its wait (not the read), and that
+// a failed read is reused for statsTTL like a good one.
+func TestSnapshotSingleFlight(t *testing.T) {
+	t.Parallel()
+	svc := setup(t).svc
+	stalled := errors.New("postgres stalled")
+	var reads atomic.Int32
+	started := make(chan struct{}, 1)
+	release := make(chan struct{})
+	var releaseOnce sync.Once
+	unblock := func() { releaseOnce.Do(func() { close(release) }) }
+	t.Cleanup(unblock)
+	svc.readStats = func(ctx context.Context) *statsSnapshot {
+		reads.Add(1)
+		select {
+		case started <- struct{}{}:
+		default:
+		}
+		select {
+		case <-release:
+		case <-ctx.Done():
+		}
+		return &statsSnapshot{At: time.Now(), Err: stalled}
+	}
+	background := func() <-chan *statsSnapshot {
+		ch := make(chan *statsSnapshot, 1)
+		go func() { ch <- svc.snapshot(context.Background()) }()
+		return ch
+	}
+
+	first := background()
+	select {
+	case <-started:
+	case <-time.After(5 * time.Second):
+		t.Fatal("the stats read did not start")
+	}
+
+	// A caller with a deadline gives up at it while the read goes on.
+	ctx, cancel := context.WithTimeout(context.Background(), 100*time.Millisecond)
+	defer cancel()
+	impatient := make(chan *statsSnapshot, 1)
+	go func() { impatient <- svc.snapshot(ctx) }()
+	select {
+	case snap := <-impatient:
+		require.ErrorIs(t, snap.Err, context.DeadlineExceeded)
+	case <-time.After(2 * time.Second):
+		unblock()
+		t.Fatal("a caller waited for the stats read past its own deadline")
+	}
+
+	second := background()
+	unblock()
+	for _, ch := range []<-chan *statsSnapshot{first, second} {
+		require.ErrorIs(t, (<-ch).Err, stalled)
+	}
+	require.Equal(t, int32(1), reads.Load(), "concurrent callers must share one read")
+
+	// The failure is reused: a failing PostgreSQL is not asked again at once.
+	require.ErrorIs(t, svc.snapshot(context.Background()).Err, stalled)
+	require.Equal(t, int32(1), reads.Load(), "a failed read must be cached for statsTTL")
+
+	// ... but only for statsTTL.
+	require.Eventually(t, func() bool {
+		svc.snapshot(context.Background())
+		return reads.Load() == 2
+	}, 5*statsTTL, statsTTL/10)
+}
+
+// TestStatsDuringPostgresStall stalls the real stats query behind a table
+// lock: /stats answers at the request deadline instead of queueing behind
+// the read, and the concurrent requests cost one query between them.
+func TestStatsDuringPostgresStall(t *testing.T) {
+	t.Parallel()
+	const timeout = 300 * time.Millisecond
+	tb := setup(t).withService(t, ServiceConfig{RequestTimeout: timeout})
+	release := tb.lockOutbox(t)
+
+	const n = 4
+	var wg sync.WaitGroup
+	results := make([]response, n)
+	took := make([]time.Duration, n)
+	for i := range n {
+		wg.Go(func() { results[i], took[i] = tb.doWithin(t, 10*time.Second, http.MethodGet, "/stats", nil, "") })
+	}
+	wg.Wait()
+	for i := range n {
+		require.Equal(t, http.StatusServiceUnavailable, results[i].status, "%s", results[i].body)
+		require.Less(t, took[i], timeout+2*time.Second, "a /stats request queued behind the stalled read")
+	}
+	require.Equal(t, 1, tb.outboxLockWaiters(t), "the stalled requests must share one stats query")
+
+	// Once PostgreSQL answers again, so does /stats.
+	release()
+	require.EventuallyWithT(t, func(c *assert.CollectT) {
+		res := tb.do(t, http.MethodGet, "/stats", nil, "")
+		assert.Equal(c, http.StatusOK, res.status, "%s", res.body)
+	}, 10*time.Second, 50*time.Millisecond)
+}
+
+// TestRequestTimeout stalls a submit behind a table lock: the handler's
+// context ends at RequestTimeout and the client gets a 503 it can retry.
+func TestRequestTimeout(t *testing.T) {
+	t.Parallel()
+
+	t.Run("Stall", func(t *testing.T) {
+		t.Parallel()
+		const timeout = 300 * time.Millisecond
+		var logs lockedBuffer
+		tb := setup(t).withService(t, ServiceConfig{RequestTimeout: timeout,
+			Logger: slog.New(slog.NewTextHandler(&logs, nil))})
+		release := tb.lockOutbox(t)
+
+		key := uuid.NewString()
+		h := map[string]string{"Content-Type": "application/json", "Idempotency-Key": key}
+		res, took := tb.doWithin(t, 10*time.Second, http.MethodPost, "/scores", h, `{"user_id":"ada","delta":1}`)
+		require.Equal(t, http.StatusServiceUnavailable, res.status, "%s", res.body)
+		require.Equal(t, "the request took too long; retry shortly", res.json(t)["error"])
+		require.Equal(t, "1", res.header.Get("Retry-After"))
+		require.GreaterOrEqual(t, took, timeout)
+		require.Less(t, took, timeout+2*time.Second)
+		require.Contains(t, logs.String(), "request timed out")
+
+		// The retry the answer asks for works once PostgreSQL does.
+		release()
+		res = tb.submit(t, key, `{"user_id":"ada","delta":1}`)
+		require.Contains(t, []int{http.StatusCreated, http.StatusOK}, res.status, "%s", res.body)
+		require.EqualValues(t, 1, res.json(t)["score"])
+	})
+
+	t.Run("Default", func(t *testing.T) {
+		t.Parallel()
+		svc := setup(t).svc
+		require.Equal(t, RequestTimeoutDefault, svc.cfg.RequestTimeout)
+	})
+
+	t.Run("Negative", func(t *testing.T) {
+		t.Parallel()
+		tb := setup(t)
+		_, err := NewService(tb.pg.Pool, tb.rd.Client, tb.board, ServiceConfig{RequestTimeout: -time.Second})
+		require.ErrorContains(t, err, "RequestTimeout")
+	})
+}
+
+// TestCloseClosesOwnBoard checks that Close closes the board NewService
+// built (a closed board's submits send no NOTIFY) and never a board that
+// the caller passed in and still owns.
+func TestCloseClosesOwnBoard(t *testing.T) {
+	t.Parallel()
+
+	t.Run("Built", func(t *testing.T) {
+		t.Parallel()
+		board, listen := closeFixture(t, nil)
+		svc, err := NewService(board.pool, board.rdb, board.Board, ServiceConfig{})
+		require.NoError(t, err)
+		require.NotSame(t, board.Board, svc.board, "without a MeterProvider NewService builds an instrumented board")
+
+		require.NoError(t, svc.Close())
+		listen.submit(t, svc.board)
+		require.False(t, listen.notified(500*time.Millisecond), "the service's board still wakes the relays after Close")
+		listen.submit(t, board.Board)
+		require.True(t, listen.notified(5*time.Second), "Close must not close the caller's board")
+	})
+
+	t.Run("Given", func(t *testing.T) {
+		t.Parallel()
+		// A board with a MeterProvider is used as given, so it stays the
+		// caller's to close.
+		board, listen := closeFixture(t, func(c *leaderboard.Config) { c.MeterProvider = noop.NewMeterProvider() })
+		svc, err := NewService(board.pool, board.rdb, board.Board, ServiceConfig{})
+		require.NoError(t, err)
+		require.Same(t, board.Board, svc.board)
+
+		require.NoError(t, svc.Close())
+		listen.submit(t, board.Board)
+		require.True(t, listen.notified(5*time.Second), "Close must not close the caller's board")
+	})
+}
+
+type closeBoard struct {
+	*leaderboard.Board
+	pool *pgxpool.Pool
+	rdb  redis.UniversalClient
+}
+
+// notifyListener is a connection LISTENing on a board's outbox channel.
+type notifyListener struct{ conn *pgx.Conn }
+
+func (l notifyListener) submit(t *testing.T, b *leaderboard.Board) {
+	t.Helper()
+	_, err := b.Submit(context.Background(), leaderboard.Command{EventID: uuid.New(), UserID: "ada", Delta: 1})
+	require.NoError(t, err)
+}
+
+func (l notifyListener) notified(within time.Duration) bool {
+	ctx, cancel := context.WithTimeout(context.Background(), within)
+	defer cancel()
+	_, err := l.conn.WaitForNotification(ctx)
+	return err == nil
+}
+
+// closeFixture builds a migrated board (closed at cleanup) and a listener
+// on the channel its submits NOTIFY.
+func closeFixture(t *testing.T, mutate func(*leaderboard.Config)) (closeBoard, notifyListener) {
+	t.Helper()
+	pg := testenv.Postgres(t)
+	rd := testenv.Redis(t)
+	cfg := &leaderboard.Config{Name: testBoard, Schema: pg.Schema, KeyPrefix: rd.Prefix}
+	if mutate != nil {
+		mutate(cfg)
+	}
+	ctx := context.Background()
+	require.NoError(t, leaderboard.Migrate(ctx, pg.Pool, cfg))
+	board, err := leaderboard.New(pg.Pool, rd.Client, cfg)
+	require.NoError(t, err)
+	t.Cleanup(board.Close)
+
+	w, err := outbox.NewWriter(&outbox.Config{Schema: pg.Schema, Table: board.Config().OutboxTable})
+	require.NoError(t, err)
+	conn, err := pgx.Connect(ctx, pg.ConnString)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = conn.Close(context.Background()) })
+	_, err = conn.Exec(ctx, "LISTEN "+pgx.Identifier{w.Channel()}.Sanitize())
+	require.NoError(t, err)
+	return closeBoard{Board: board, pool: pg.Pool, rdb: rd.Client}, notifyListener{conn: conn}
+}
