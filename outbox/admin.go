@@ -129,28 +129,30 @@ type ReplayFilter struct {
 //
 // The dead-letter table may hold several rows of one event (it died, was
 // appended again and died again), and the outbox holds each event id once:
-// "chosen" takes the newest selected row of each event and skips events the
+// "newest" takes the newest selected row of each event and skips events the
 // outbox holds again, so that one such event cannot make the whole replay
-// fail on the unique key. "moved" deletes the older selected rows of a
-// replayed event with it: they are copies of what is now back in the outbox,
-// and a later replay would deliver the event once more. SKIP LOCKED lets two
-// concurrent replays split the rows instead of failing on each other
-// (FOR UPDATE cannot sit on the DISTINCT ON query itself, hence "locked").
-const replayDeadSQL = `WITH chosen AS MATERIALIZED (
-    SELECT c.id FROM (
-        SELECT DISTINCT ON (d.event_id) d.id
-        FROM %[2]s AS d
-        WHERE (cardinality($1::uuid[]) = 0 OR d.event_id = ANY($1::uuid[]))
-          AND ($2::text = '' OR d.stream = $2::text)
-          AND NOT EXISTS (SELECT 1 FROM %[1]s AS o WHERE o.event_id = d.event_id)
-        ORDER BY d.event_id, d.id DESC
-    ) AS c
-    ORDER BY c.id
-    LIMIT $3
+// fail on the unique key. "locked" locks those rows, lowest id first, with
+// SKIP LOCKED, and only then applies the limit: a row another transaction
+// holds (a concurrent replay took its event) neither blocks the replay nor
+// uses up the limit, so concurrent replays split the events and a loop
+// replaying until 0 does not stop early. Locking the newest row, not every
+// copy, makes it the event's token: two replays never move the same event.
+// "moved" deletes the older selected rows of a replayed event with it: they
+// are copies of what is now back in the outbox, and a later replay would
+// deliver the event once more.
+const replayDeadSQL = `WITH newest AS (
+    SELECT DISTINCT ON (d.event_id) d.id
+    FROM %[2]s AS d
+    WHERE (cardinality($1::uuid[]) = 0 OR d.event_id = ANY($1::uuid[]))
+      AND ($2::text = '' OR d.stream = $2::text)
+      AND NOT EXISTS (SELECT 1 FROM %[1]s AS o WHERE o.event_id = d.event_id)
+    ORDER BY d.event_id, d.id DESC
 ),
 locked AS MATERIALIZED (
     SELECT id, event_id FROM %[2]s
-    WHERE id IN (SELECT id FROM chosen)
+    WHERE id IN (SELECT id FROM newest)
+    ORDER BY id
+    LIMIT $3
     FOR UPDATE SKIP LOCKED
 ),
 moved AS (

@@ -97,6 +97,7 @@ type names struct {
 	PendingIndex            string // quoted index name (unqualified: indexes live in the table's schema)
 	CreatedIndex            string
 	DeadEventIndex          string
+	DeadStreamIndex         string
 	IdempotencyCreatedIndex string
 	Leases                  string // quoted schema.table_leases
 	PartitionIndex          string
@@ -122,6 +123,7 @@ func newNames(schema, table string) names {
 		PendingIndex:            pgx.Identifier{table + "_pending_idx"}.Sanitize(),
 		CreatedIndex:            pgx.Identifier{table + "_created_idx"}.Sanitize(),
 		DeadEventIndex:          pgx.Identifier{table + "_dead_event_idx"}.Sanitize(),
+		DeadStreamIndex:         pgx.Identifier{table + "_dead_stream_idx"}.Sanitize(),
 		IdempotencyCreatedIndex: pgx.Identifier{table + "_idempotency_created_idx"}.Sanitize(),
 		Leases:                  qualified(table + "_leases"),
 		PartitionIndex:          pgx.Identifier{table + "_partition_idx"}.Sanitize(),

@@ -209,7 +209,13 @@
 // Indexes are created only when missing (a DO block checks first, since
 // CREATE INDEX IF NOT EXISTS would take the SHARE lock anyway), so running
 // Migrate again on a migrated outbox, at every start-up, makes no writer or
-// relay wait.
+// relay wait. Migration 004 indexes the dead-letter table by (stream, id),
+// for consumers that look up a stream's dead letters (the leaderboard's lag
+// probe); the dead-letter table is normally small, so its build is short.
+// With names free of line breaks and "--", no line inside a statement of
+// the migrations ends with a semicolon, so tools that split scripts at such
+// lines (goose, without StatementBegin and StatementEnd annotations) apply
+// them as they are.
 // While relays of both versions run, they do not see each other's leases
 // completely (a new relay skips rows an old relay stamped, but an old relay
 // may stamp a row of a partition a new relay holds), so some rows may be

@@ -19,3 +19,7 @@ func (r *Relay) ClaimOnly(ctx context.Context) ([]Record, error) {
 	batch, _, err := r.claim(ctx, uuid.New())
 	return batch, err
 }
+
+// SetReleaseLockTimeout shortens how long releaseClaim waits for a cut-off
+// claim to end. Call it before the relay is used.
+func (r *Relay) SetReleaseLockTimeout(d time.Duration) { r.releaseLockTimeout = d }

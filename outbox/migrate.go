@@ -100,9 +100,11 @@ func Migrations(cfg *Config) ([]Migration, error) {
 // so every Migrate at start-up would make all writers of a live outbox wait
 // behind the oldest open one. The block's body and the index name inside it
 // are dollar-quoted with tags that the quoted text does not contain, so no
-// identifier can end either literal early.
+// identifier can end either literal early. No line of the block ends with a
+// semicolon: tools that split scripts into statements at such lines, blind
+// to dollar quotes (goose without StatementBegin), would cut it apart.
 func createIndexIfMissing(index, stmt string) string {
-	body := fmt.Sprintf("\nBEGIN\n    IF to_regclass(%s) IS NULL THEN\n        %s;\n    END IF;\nEND\n",
+	body := fmt.Sprintf("\nBEGIN\n    IF to_regclass(%s) IS NULL THEN\n        %s; END IF; END\n",
 		dollarQuote(index), strings.ReplaceAll(stmt, "\n", "\n        "))
 	return "DO " + dollarQuote(body)
 }

@@ -53,6 +53,8 @@ type Relay struct {
 	pickSQL    string
 	settleSQL  string
 	releaseSQL string
+
+	releaseLockTimeout time.Duration // releaseLockTimeout; tests shorten it
 }
 
 // NewRelay returns a Relay that hands rows of the outbox described by cfg
@@ -96,6 +98,8 @@ func NewRelay(pool *pgxpool.Pool, handler Handler, cfg *RelayConfig) (*Relay, er
 		pickSQL:    fmt.Sprintf(pickSQL, n.Outbox, n.Leases, streamFilter, partitionCount, partitionBlock),
 		settleSQL:  fmt.Sprintf(settleSQL, ack, n.Outbox, n.Dead, async, n.Leases, partitionCount, partitionBlock),
 		releaseSQL: fmt.Sprintf(releaseClaimSQL, n.Leases),
+
+		releaseLockTimeout: releaseLockTimeout,
 	}, nil
 }
 
@@ -376,7 +380,9 @@ func (r *Relay) claim(ctx context.Context, token uuid.UUID) (batch []Record, mor
 // nobody holds until the lease ends, and the rows it recorded would be
 // counted an attempt they never had; releaseClaim undoes that. A server
 // error aborted the claim's transaction, and a claim that found no
-// connection sent nothing: neither needs it.
+// connection, or failed before its statements left (pgconn.SafeToRetry: for
+// example its context ended as it began), sent nothing: neither needs it,
+// and skipping it spares a shutdown the release's round trips.
 func (r *Relay) claimOnce(ctx context.Context, token uuid.UUID) ([]Record, int, error) {
 	conn, err := r.pool.Acquire(ctx)
 	if err != nil {
@@ -387,7 +393,7 @@ func (r *Relay) claimOnce(ctx context.Context, token uuid.UUID) ([]Record, int, 
 	// connection.
 	conn.Release()
 	var pgErr *pgconn.PgError
-	if err != nil && !errors.As(err, &pgErr) {
+	if err != nil && !errors.As(err, &pgErr) && !pgconn.SafeToRetry(err) {
 		r.releaseClaim(context.WithoutCancel(ctx), token)
 	}
 	return batch, leased, err
@@ -451,15 +457,22 @@ func claimLockKey(token uuid.UUID) int64 {
 	return int64(binary.BigEndian.Uint64(token[:8]))
 }
 
-// releaseClaimTimeout bounds releaseClaim. The claim it undoes is cancelled
-// first, so this is a few round trips; if it still runs out, the partitions
+// releaseClaimTimeout bounds releaseClaim. If it runs out, the partitions
 // stay leased until the lease ends, as they would have without it.
 const releaseClaimTimeout = 5 * time.Second
 
-// The statements of releaseClaim, sent together (one implicit transaction).
-// The first cancels the claim's statement if the claim's transaction still
-// runs (it holds the advisory lock of the token, $1); the second waits
-// until that transaction has ended, committed or not; the third, with a
+// releaseLockTimeout bounds the release's wait for the claim's transaction
+// to end (lock_timeout). It is below releaseClaimTimeout so that the server
+// gives up first: the connection then goes back to the pool instead of being
+// dropped mid-statement.
+const releaseLockTimeout = 4 * time.Second
+
+// The statements of releaseClaim. cancelClaimSQL cancels the claim's
+// statement if the claim's transaction still runs (it holds the advisory
+// lock of the token, $1). The others are sent together (one implicit
+// transaction): the first sets lock_timeout for that transaction only (like
+// SET LOCAL, but with the value as a parameter), the second waits until
+// the claim's transaction has ended, committed or not; the third, with a
 // snapshot taken after that, frees whatever the claim leased and forgets the
 // ids it recorded as handed out: no handler saw them.
 const (
@@ -471,7 +484,8 @@ WHERE l.locktype = 'advisory'
   AND ((l.classid::int8 << 32) | l.objid::int8) = $1
   AND l.granted
   AND l.pid <> pg_backend_pid()`
-	releaseClaimSQL = `UPDATE %s SET owner = NULL, leased_until = NULL, inflight = '{}' WHERE owner = $1`
+	releaseLockTimeoutSQL = `SELECT set_config('lock_timeout', $1::text, true)`
+	releaseClaimSQL       = `UPDATE %s SET owner = NULL, leased_until = NULL, inflight = '{}' WHERE owner = $1`
 )
 
 // releaseClaim frees the partitions a failed claim may have leased to token
@@ -480,8 +494,16 @@ func (r *Relay) releaseClaim(ctx context.Context, token uuid.UUID) {
 	ctx, cancel := context.WithTimeout(ctx, releaseClaimTimeout)
 	defer cancel()
 	key := claimLockKey(token)
+	// Sent on its own: pg_cancel_backend raises an ERROR when this session's
+	// current role lacks the privileges of the claim's login role (under SET
+	// ROLE, for example), which would abort the release with it. Without the
+	// cancel the release still waits for the claim to end by itself.
+	if _, err := r.pool.Exec(ctx, cancelClaimSQL, key); err != nil {
+		r.logger.Debug("outbox relay could not cancel a cut-off claim; waiting for it to end",
+			slog.String("error", err.Error()))
+	}
 	b := &pgx.Batch{}
-	b.Queue(cancelClaimSQL, key)
+	b.Queue(releaseLockTimeoutSQL, fmt.Sprintf("%dms", r.releaseLockTimeout.Milliseconds()))
 	b.Queue(claimLockSQL, key)
 	b.Queue(r.releaseSQL, token)
 	if err := r.pool.SendBatch(ctx, b).Close(); err != nil {

@@ -1,0 +1,272 @@
+package outbox_test
+
+import (
+	"context"
+	"errors"
+	"log/slog"
+	"net"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/stretchr/testify/require"
+
+	"github.com/verity-go/verity/outbox"
+)
+
+// TestRelayReleaseClaim covers how a relay undoes a claim cut off by its
+// context (see also CutOffClaimReleasesItsPartitions).
+func TestRelayReleaseClaim(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+
+	// A relay whose sessions run under SET ROLE may not cancel the claim's
+	// backend (pg_cancel_backend raises an ERROR: the backend's login role
+	// is a superuser). The release must still wait for the claim to end and
+	// free its partitions, not give up with the refused cancel.
+	t.Run("CancelRefusedUnderSetRole", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		rp := newSetRolePool(t, b)
+		logs := &syncBuffer{}
+		h := &recorder{}
+		r := b.relay(t, rp.pool, h, outbox.RelayConfig{LeaseDuration: time.Minute,
+			Logger: slog.New(slog.NewTextHandler(logs, &slog.HandlerOptions{Level: slog.LevelDebug}))})
+		msg, blocker := b.blockNextClaim(t, r)
+
+		rp.refuse.Store(true)
+		cctx, cancel := context.WithTimeout(ctx, 300*time.Millisecond)
+		defer cancel()
+		done := make(chan error, 1)
+		go func() {
+			_, err := r.RunOnce(cctx)
+			done <- err
+		}()
+		// Its cancel refused, the release waits for the claim's advisory
+		// lock; the claim ends once the writer commits.
+		require.Eventually(t, func() bool { return rp.waitingForAdvisoryLock(b) }, 3*time.Second, 10*time.Millisecond,
+			"the release waits for the cut-off claim to end")
+		require.NoError(t, blocker.Commit(ctx))
+		require.ErrorIs(t, receive(t, done), context.DeadlineExceeded)
+
+		var leased int
+		require.NoError(t, b.pool.QueryRow(ctx, `SELECT count(*) FROM `+b.leasesTable()+
+			` WHERE owner IS NOT NULL AND leased_until > now()`).Scan(&leased))
+		require.Zero(t, leased, "no partition is leased to the cut-off claim")
+		require.Contains(t, logs.String(), "could not cancel a cut-off claim")
+		require.NotContains(t, logs.String(), "could not release")
+		rp.refuse.Store(false)
+
+		n, err := r.RunOnce(ctx)
+		require.NoError(t, err)
+		require.Equal(t, 1, n, "the row is claimable at once")
+		seen := h.seen()
+		require.Equal(t, msg.EventID, seen[len(seen)-1].EventID)
+		require.Equal(t, 2, seen[len(seen)-1].Attempts, "the crashed relay's attempt and this one")
+	})
+
+	// A claim that neither ends nor can be cancelled holds up the release
+	// only for the lock timeout: the server gives up, the relay returns and
+	// its connection stays in the pool (the pool cannot open another here).
+	t.Run("WaitForStuckClaimIsBounded", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		rp := newSetRolePool(t, b)
+		logs := &syncBuffer{}
+		r := b.relay(t, rp.pool, &recorder{}, outbox.RelayConfig{LeaseDuration: time.Minute,
+			Logger: slog.New(slog.NewTextHandler(logs, nil))})
+		r.SetReleaseLockTimeout(200 * time.Millisecond)
+		_, blocker := b.blockNextClaim(t, r)
+
+		rp.refuse.Store(true)
+		cctx, cancel := context.WithTimeout(ctx, 300*time.Millisecond)
+		defer cancel()
+		began := time.Now()
+		_, err := r.RunOnce(cctx)
+		require.ErrorIs(t, err, context.DeadlineExceeded)
+		require.Less(t, time.Since(began), 2*time.Second, "the release gave up at its lock timeout")
+		require.Contains(t, logs.String(), "could not release the partitions of a failed claim")
+		require.Contains(t, logs.String(), "lock timeout")
+		require.NoError(t, blocker.Commit(ctx))
+		require.EqualValues(t, 1, rp.pool.Stat().IdleConns(), "the release's connection went back to the pool")
+	})
+
+	// A claim whose context ends before its statements leave the client
+	// sent nothing, so there is nothing to release: no round trips (and no
+	// warning if the database is what failed).
+	t.Run("ClaimThatSentNothingIsNotReleased", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		tracer := &claimSaboteur{}
+		cfg, err := pgxpool.ParseConfig(b.pg.ConnString)
+		require.NoError(t, err)
+		cfg.ConnConfig.Tracer = tracer
+		pool, err := pgxpool.NewWithConfig(ctx, cfg)
+		require.NoError(t, err)
+		t.Cleanup(pool.Close)
+		r := b.relay(t, pool, &recorder{}, outbox.RelayConfig{})
+		b.appendCommitted(t, newMessage("s", "k", 1))
+
+		tracer.armed.Store(true)
+		_, err = r.RunOnce(ctx)
+		require.ErrorIs(t, err, context.Canceled)
+		require.True(t, pgconn.SafeToRetry(err), "the claim's statements never left")
+		require.False(t, tracer.armed.Load(), "the claim was cut off")
+		for _, sql := range tracer.sent() {
+			require.NotContains(t, sql, "pg_cancel_backend")
+			require.NotContains(t, sql, "SET owner = NULL")
+		}
+	})
+}
+
+// claimSaboteur is a pgx tracer that, once armed, hands the next claim an
+// already cancelled context, as a shutdown between acquiring a connection
+// and sending would; it records every statement sent after that.
+type claimSaboteur struct {
+	armed atomic.Bool
+	mu    sync.Mutex
+	sqls  []string
+}
+
+func (s *claimSaboteur) sent() []string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return append([]string(nil), s.sqls...)
+}
+
+func (s *claimSaboteur) record(sql string) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.sqls = append(s.sqls, sql)
+}
+
+func (s *claimSaboteur) TraceQueryStart(ctx context.Context, _ *pgx.Conn, data pgx.TraceQueryStartData) context.Context {
+	s.record(data.SQL)
+	return ctx
+}
+
+func (s *claimSaboteur) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
+
+func (s *claimSaboteur) TraceBatchStart(ctx context.Context, _ *pgx.Conn, data pgx.TraceBatchStartData) context.Context {
+	qs := data.Batch.QueuedQueries
+	// The claim is the batch that starts with its advisory lock.
+	if len(qs) > 0 && strings.Contains(qs[0].SQL, "pg_advisory_xact_lock") && s.armed.CompareAndSwap(true, false) {
+		cctx, cancel := context.WithCancel(ctx)
+		cancel()
+		return cctx
+	}
+	for _, q := range qs {
+		s.record(q.SQL)
+	}
+	return ctx
+}
+
+func (s *claimSaboteur) TraceBatchQuery(context.Context, *pgx.Conn, pgx.TraceBatchQueryData) {}
+
+func (s *claimSaboteur) TraceBatchEnd(context.Context, *pgx.Conn, pgx.TraceBatchEndData) {}
+
+// setRolePool is a pool whose sessions log in as the test's (superuser) role
+// and SET ROLE to a fresh unprivileged role, so that they may not cancel
+// each other's statements.
+type setRolePool struct {
+	pool   *pgxpool.Pool
+	role   string       // also the sessions' application_name
+	refuse *atomic.Bool // refuse new connections
+}
+
+func newSetRolePool(t *testing.T, b *testBundle) *setRolePool {
+	t.Helper()
+	ctx := context.Background()
+	role := "verity_test_" + strings.ReplaceAll(uuid.NewString(), "-", "")[:16]
+	qrole := pgx.Identifier{role}.Sanitize()
+	qschema := pgx.Identifier{b.pg.Schema}.Sanitize()
+	_, err := b.pool.Exec(ctx, `CREATE ROLE `+qrole+` NOLOGIN`)
+	require.NoError(t, err)
+	t.Cleanup(func() {
+		// Roles are cluster-wide: revoke its grants, then drop it.
+		_, err := b.pool.Exec(context.Background(), `DROP OWNED BY `+qrole+`; DROP ROLE `+qrole)
+		require.NoError(t, err)
+	})
+	_, err = b.pool.Exec(ctx, `GRANT USAGE ON SCHEMA `+qschema+` TO `+qrole+`;
+		GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA `+qschema+` TO `+qrole)
+	require.NoError(t, err)
+
+	// As in CutOffClaimReleasesItsPartitions, the pool can refuse new
+	// connections once warm, so that pgx's own cancel request never arrives.
+	rp := &setRolePool{role: role, refuse: &atomic.Bool{}}
+	cfg, err := pgxpool.ParseConfig(b.pg.ConnString)
+	require.NoError(t, err)
+	cfg.MaxConns = 2
+	cfg.ConnConfig.RuntimeParams["application_name"] = role
+	cfg.ConnConfig.DialFunc = func(ctx context.Context, network, addr string) (net.Conn, error) {
+		if rp.refuse.Load() {
+			return nil, errors.New("test: new connections refused")
+		}
+		return (&net.Dialer{}).DialContext(ctx, network, addr)
+	}
+	cfg.AfterConnect = func(ctx context.Context, c *pgx.Conn) error {
+		_, err := c.Exec(ctx, `SET ROLE `+qrole)
+		return err
+	}
+	rp.pool, err = pgxpool.NewWithConfig(ctx, cfg)
+	require.NoError(t, err)
+	t.Cleanup(rp.pool.Close)
+
+	c1, err := rp.pool.Acquire(ctx)
+	require.NoError(t, err)
+	defer c1.Release()
+	c2, err := rp.pool.Acquire(ctx)
+	require.NoError(t, err)
+	defer c2.Release()
+	// The premise: under the role, cancelling the pool's other backend is
+	// refused with an ERROR.
+	_, err = c1.Exec(ctx, `SELECT pg_cancel_backend($1)`, c2.Conn().PgConn().PID())
+	var pgErr *pgconn.PgError
+	require.ErrorAs(t, err, &pgErr)
+	require.Equal(t, "42501", pgErr.Code, "insufficient_privilege")
+	return rp
+}
+
+// waitingForAdvisoryLock reports whether a session of the pool waits for an
+// advisory lock, asking on b's pool: rp's may have no connection to spare
+// (false on error: it runs inside Eventually).
+func (rp *setRolePool) waitingForAdvisoryLock(b *testBundle) bool {
+	var waiting bool
+	err := b.pool.QueryRow(context.Background(), `SELECT EXISTS (
+		SELECT 1 FROM pg_locks AS l JOIN pg_stat_activity AS a ON a.pid = l.pid
+		WHERE a.application_name = $1 AND l.locktype = 'advisory' AND NOT l.granted)`, rp.role).Scan(&waiting)
+	return err == nil && waiting
+}
+
+// blockNextClaim makes r's next claim wait for a row lock until the
+// returned transaction ends: a crashed relay's expired lease lists a new
+// row, so the claim's attempt-counting UPDATE must lock it, and the
+// transaction holds that lock. r is warmed up first (one delivery), so
+// its claim statements are prepared.
+func (b *testBundle) blockNextClaim(t *testing.T, r *outbox.Relay) (outbox.Message, pgx.Tx) {
+	t.Helper()
+	ctx := context.Background()
+	b.appendCommitted(t, newMessage("s", "warm-up", 1))
+	n, err := r.RunOnce(ctx)
+	require.NoError(t, err)
+	require.Equal(t, 1, n)
+
+	msg := newMessage("s", "k", 1)
+	b.appendCommitted(t, msg)
+	id := b.rows(t)[0].ID
+	_, err = b.pool.Exec(ctx, `UPDATE `+b.leasesTable()+` SET owner = gen_random_uuid(), leased_until = now() - interval '1 second',
+		inflight = int8multirange(int8range($1, $1, '[]')), touched_at = '-infinity' WHERE part = mod($1 / 256, 64)`, id)
+	require.NoError(t, err)
+	blocker, err := b.pool.Begin(ctx)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = blocker.Rollback(context.Background()) }) // no-op after commit
+	_, err = blocker.Exec(ctx, `SELECT 1 FROM `+b.writer.Table()+` WHERE id = $1 FOR UPDATE`, id)
+	require.NoError(t, err)
+	return msg, blocker
+}

@@ -1,0 +1,107 @@
+package outbox_test
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
+	"github.com/stretchr/testify/require"
+
+	"github.com/verity-go/verity/outbox"
+)
+
+// TestReplayDeadLockedRows covers ReplayDead next to a transaction that
+// holds dead letters (a concurrent replay, an operator's session).
+func TestReplayDeadLockedRows(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+
+	// A locked dead letter is skipped and does not count towards Limit, so
+	// a loop replaying until it moves 0 does not stop early.
+	t.Run("LockedRowDoesNotUseUpLimit", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		for id := int64(1); id <= 3; id++ {
+			b.insertDead(t, id, uuid.New())
+		}
+		lock := b.lockDead(t, 1)
+		r := b.relay(t, nil, &recorder{}, outbox.RelayConfig{})
+		moved, err := r.ReplayDead(lockedCtx(t), outbox.ReplayFilter{Limit: 2})
+		require.NoError(t, err)
+		require.EqualValues(t, 2, moved)
+		require.Equal(t, []int64{2, 3}, b.outboxIDs(t))
+		require.NoError(t, lock.Rollback(ctx))
+		moved, err = r.ReplayDead(ctx, outbox.ReplayFilter{Limit: 2})
+		require.NoError(t, err)
+		require.EqualValues(t, 1, moved)
+		require.Equal(t, []int64{1, 2, 3}, b.outboxIDs(t))
+	})
+
+	// An event's newest dead letter is the one a replay moves and locks:
+	// while another transaction holds it the event is skipped, not
+	// replayed from an older copy, and it comes back from its newest copy
+	// once the lock is gone.
+	t.Run("LockedNewestCopySkipsEvent", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		event := uuid.New()
+		b.insertDead(t, 1, event)
+		b.insertDead(t, 2, uuid.New())
+		b.insertDead(t, 5, event)
+		lock := b.lockDead(t, 5)
+		r := b.relay(t, nil, &recorder{}, outbox.RelayConfig{})
+		moved, err := r.ReplayDead(lockedCtx(t), outbox.ReplayFilter{})
+		require.NoError(t, err)
+		require.EqualValues(t, 1, moved)
+		require.Equal(t, []int64{2}, b.outboxIDs(t))
+		require.Equal(t, 2, b.count(t, b.deadTable()), "both copies of the held event stay")
+		require.NoError(t, lock.Rollback(ctx))
+		moved, err = r.ReplayDead(ctx, outbox.ReplayFilter{})
+		require.NoError(t, err)
+		require.EqualValues(t, 1, moved)
+		require.Equal(t, []int64{2, 5}, b.outboxIDs(t))
+		require.Zero(t, b.count(t, b.deadTable()), "the older copy went with the replay")
+	})
+}
+
+// lockedCtx bounds a call that must not wait for a held lock, so that one
+// that does fails instead of hanging the test.
+func lockedCtx(t *testing.T) context.Context {
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	t.Cleanup(cancel)
+	return ctx
+}
+
+// insertDead adds a dead letter with the given id and event id.
+func (b *testBundle) insertDead(t *testing.T, id int64, eventID uuid.UUID) {
+	t.Helper()
+	_, err := b.pool.Exec(context.Background(), `INSERT INTO `+b.deadTable()+`
+		(id, event_id, stream, key, version, payload, created_at, attempts, last_error)
+		VALUES ($1, $2, 's', 'k', 1, '', now(), 1, 'x')`, id, eventID)
+	require.NoError(t, err)
+}
+
+// lockDead locks a dead letter in a transaction of its own, rolled back at
+// cleanup if the test has not ended it.
+func (b *testBundle) lockDead(t *testing.T, id int64) pgx.Tx {
+	t.Helper()
+	ctx := context.Background()
+	tx, err := b.pool.Begin(ctx)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = tx.Rollback(context.Background()) })
+	_, err = tx.Exec(ctx, `SELECT 1 FROM `+b.deadTable()+` WHERE id = $1 FOR UPDATE`, id)
+	require.NoError(t, err)
+	return tx
+}
+
+// outboxIDs lists the ids of the outbox rows, ascending.
+func (b *testBundle) outboxIDs(t *testing.T) []int64 {
+	t.Helper()
+	var ids []int64
+	for _, row := range b.rows(t) {
+		ids = append(ids, row.ID)
+	}
+	return ids
+}
