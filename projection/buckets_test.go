@@ -219,26 +219,70 @@ func TestGateVersionBuckets(t *testing.T) {
 			require.Equal(t, []Outcome{OutcomeApplied}, eight.apply(t, zset("board", "a", 2, 30)))
 		})
 
-		t.Run("LegacyCollectionCountsAsUnbucketed", func(t *testing.T) {
+		t.Run("UnbucketedRecordsLayout0", func(t *testing.T) {
 			t.Parallel()
 			flat := setupGate(t, b)
-			flat.apply(t, zset("old", "a", 1, 10), hash("vals", "a", 1, "x"))
-			// A legacy hash collection that lost its version hash: its
-			// values alone still mark it as unbucketed.
-			require.NoError(t, flat.client.Del(context.Background(), flat.ks.VersionKey(hash("vals", "a", 0, "").Target)).Err())
-			require.Zero(t, flat.client.Exists(context.Background(), flat.ks.LayoutKey("old", KindSortedSet)).Val(), "no layout key without buckets")
-			four := flat.bucketed(t, 4)
-			for _, w := range []Write{zset("old", "a", 0, 0), hash("vals", "a", 0, "")} {
+			ctx := context.Background()
+			flat.apply(t, zset("z", "a", 1, 10), hash("h", "a", 1, "x"))
+			for _, w := range []Write{zset("z", "a", 0, 0), hash("h", "a", 0, "")} {
+				require.Equal(t, "0", flat.client.Get(ctx, flat.ks.LayoutKey(w.Target.Name, w.Target.Kind)).Val(), "%s", w.Target)
+				// So a bucketed writer is refused even once the versions
+				// are gone (the last one HDEL'd, or the hash evicted).
+				require.NoError(t, flat.client.Del(ctx, flat.ks.VersionKey(w.Target)).Err())
 				before := flat.dump(t, w.Target.Name, w.Target.Kind)
 				w.Version = 2
-				_, err := four.gate.Apply(context.Background(), []Write{w})
+				_, err := flat.bucketed(t, 4).gate.Apply(ctx, []Write{w})
 				var lm *LayoutMismatchError
 				require.ErrorAs(t, err, &lm, "%s", w.Target)
-				require.Equal(t, 0, lm.Stored)
-				require.Equal(t, 4, lm.Configured)
+				require.Equal(t, LayoutMismatchError{Kind: w.Target.Kind, Name: w.Target.Name, Stored: 0, Configured: 4}, *lm)
 				require.Equal(t, before, flat.dump(t, w.Target.Name, w.Target.Kind))
 			}
-			require.Equal(t, []Outcome{OutcomeDuplicate}, flat.apply(t, zset("old", "a", 1, 10)), "the unbucketed gate keeps working")
+		})
+
+		// An unbucketed collection whose version hash disappeared keeps its
+		// recorded layout "0": a redelivery applies (it self-heals, and
+		// reconcile repairs the values left without versions) instead of
+		// being refused as a collection that lost its layout key.
+		t.Run("UnbucketedLostVersionHash", func(t *testing.T) {
+			t.Parallel()
+			flat := setupGate(t, b)
+			ctx := context.Background()
+			flat.apply(t, zset("z", "a", 5, 50), hash("h", "a", 5, "five"))
+			for _, w := range []Write{zset("z", "a", 5, 50), hash("h", "a", 5, "five")} {
+				// HDEL of the only version removes the hash.
+				require.NoError(t, flat.client.HDel(ctx, flat.ks.VersionKey(w.Target), "a").Err())
+				require.Zero(t, flat.client.Exists(ctx, flat.ks.VersionKey(w.Target)).Val())
+				require.Equal(t, []Outcome{OutcomeApplied}, flat.apply(t, w), "%s", w.Target)
+				require.Equal(t, storedState{true, valueOf(w), "5"}, readState(t, flat.client, flat.ks, w.Target))
+				require.Equal(t, []Outcome{OutcomeStale}, flat.apply(t, Write{Target: w.Target, Version: 4, Value: w.Value}))
+			}
+		})
+
+		// Collections written before layouts were recorded have values and
+		// the unbucketed version hash, but no layout key: they fit "0",
+		// which the next unbucketed write records.
+		t.Run("LegacyCollectionAdoptsLayout0", func(t *testing.T) {
+			t.Parallel()
+			flat := setupGate(t, b)
+			four := flat.bucketed(t, 4)
+			ctx := context.Background()
+			flat.apply(t, zset("old", "a", 1, 10), hash("vals", "a", 1, "x"))
+			for _, w := range []Write{zset("old", "a", 1, 10), hash("vals", "a", 1, "x")} {
+				name, kind := w.Target.Name, w.Target.Kind
+				layout := flat.ks.LayoutKey(name, kind)
+				require.NoError(t, flat.client.Del(ctx, layout).Err())
+				before := flat.dump(t, name, kind)
+				stale := Write{Target: w.Target, Version: 2, Value: w.Value}
+				_, err := four.gate.Apply(ctx, []Write{stale})
+				var lm *LayoutMismatchError
+				require.ErrorAs(t, err, &lm, "%s", w.Target)
+				require.Equal(t, LayoutMismatchError{Kind: kind, Name: name, Stored: 0, Configured: 4}, *lm)
+				require.Equal(t, before, flat.dump(t, name, kind), "a refused call adopts nothing")
+
+				// Even a write that changes nothing records the layout.
+				require.Equal(t, []Outcome{OutcomeDuplicate}, flat.apply(t, w))
+				require.Equal(t, "0", flat.client.Get(ctx, layout).Val(), "%s", w.Target)
+			}
 		})
 
 		t.Run("LostLayoutKeyRefusesUnbucketedWriter", func(t *testing.T) {
@@ -264,11 +308,17 @@ func TestGateVersionBuckets(t *testing.T) {
 				w.Version = 11
 				require.Equal(t, []Outcome{OutcomeApplied}, eight.apply(t, w))
 			}
+			// A bucketed writer is refused the same way: the bucket count
+			// is unknown.
+			require.NoError(t, flat.client.Del(ctx, flat.ks.LayoutKey("board", KindSortedSet)).Err())
+			_, err := flat.bucketed(t, 4).gate.Apply(ctx, []Write{zset("board", "a", 12, 120)})
+			var lm *LayoutMismatchError
+			require.ErrorAs(t, err, &lm)
+			require.Equal(t, -1, lm.Stored)
 			// Unbucketed collections, new and existing, are unaffected.
 			require.Equal(t, []Outcome{OutcomeApplied, OutcomeApplied}, flat.apply(t, zset("new", "a", 1, 1), hash("newh", "a", 1, "x")))
 			require.Equal(t, []Outcome{OutcomeApplied, OutcomeDuplicate, OutcomeApplied, OutcomeStale},
 				flat.apply(t, zset("new", "b", 1, 2), hash("newh", "a", 1, "x"), zset("new", "a", 3, 3), zset("new", "a", 2, 9)))
-			require.Zero(t, flat.client.Exists(ctx, flat.ks.LayoutKey("new", KindSortedSet)).Val(), "no layout key without buckets")
 		})
 
 		t.Run("UnreadableLayout", func(t *testing.T) {
@@ -317,6 +367,27 @@ func TestGateVersionBuckets(t *testing.T) {
 			require.Equal(t, storedState{true, "5", "1"}, readShadowState(t, flat.client, eight.ks, zset("r", "c", 0, 0).Target))
 			require.Equal(t, storedState{true, "60", "6"}, readState(t, flat.client, flat.ks, zset("r", "b", 0, 0).Target))
 			require.Zero(t, flat.client.Exists(ctx, flat.ks.ShadowVersionKey("r", KindSortedSet)).Val(), "no unbucketed shadow versions")
+		})
+
+		// Shadow layouts follow the live rule: recorded by the first write
+		// ("0" included), "missing" when lost with values but no
+		// unbucketed shadow hash.
+		t.Run("ShadowLayoutRecorded", func(t *testing.T) {
+			t.Parallel()
+			flat := setupGate(t, b)
+			ctx := context.Background()
+			layout := flat.ks.ShadowLayoutKey("s", KindHash)
+			_, err := flat.gate.ApplyShadow(ctx, []Write{hash("s", "a", 1, "x")})
+			require.NoError(t, err)
+			require.Equal(t, "0", flat.client.Get(ctx, layout).Val())
+
+			require.NoError(t, flat.client.Del(ctx, layout, flat.ks.ShadowVersionKey("s", KindHash)).Err())
+			before := flat.dump(t, "s", KindHash)
+			_, err = flat.gate.ApplyShadow(ctx, []Write{hash("s", "a", 1, "x")})
+			var lm *LayoutMismatchError
+			require.ErrorAs(t, err, &lm)
+			require.Equal(t, LayoutMismatchError{Kind: KindHash, Name: "s", Shadow: true, Stored: -1, Configured: 0}, *lm)
+			require.Equal(t, before, flat.dump(t, "s", KindHash))
 		})
 	})
 }

@@ -110,29 +110,36 @@
 // a page of source rows touches a bucket per member instead of one hash,
 // so a full pass ran at 0.34–0.6× the unbucketed speed (see package
 // reconcile). Collections without buckets pay one GET of the layout key
-// and one EXISTS of the version hash (two EXISTS while the collection is
-// empty) per collection per script call, and keep five arguments per
-// write; the unbucketed BenchmarkGate measured 206,000–237,000 events/s
-// against 197,000–226,000 before layouts existed (alternating runs), and
-// the EXISTS (for lost layout keys, below) was within the noise: 130,000–
-// 139,000 events/s against 104,000–144,000 without it, three alternating
-// runs at load 6–8. Documents are never bucketed.
+// per collection per script call (and up to two EXISTS while it is
+// absent: an empty collection, or one older than layout keys, until a
+// write records it), and keep five arguments per write; the unbucketed
+// BenchmarkGate measured 206,000–237,000 events/s against 197,000–226,000
+// before layouts existed (alternating runs), and one EXISTS more per call
+// was within the noise: 130,000–139,000 events/s against 104,000–144,000
+// without it, three alternating runs at load 6–8. Documents are never
+// bucketed.
 //
 // The bucket count is part of the stored data: a version looked up in the
 // wrong bucket looks absent, and the gate would let a stale write in. So it
 // is recorded in a layout key (P T:z~layout) that the gate reads in the
-// same script that compares and writes. A writer whose count differs gets
-// *LayoutMismatchError (errors.Is ErrLayoutMismatch) and nothing is written
-// to that collection; readers in package reconcile refuse the same way. A
-// collection with data but no layout key — every collection written before
-// layout keys existed — counts as 0 buckets; an empty one takes the count
-// of its first writer. A bucketed collection that loses its layout key (a
-// DEL, eviction under maxmemory) would look like such a legacy collection
-// with no versions, and an unbucketed writer would overwrite newer data;
-// so the gate refuses an unbucketed writer (Stored -1, unreadable) when the
-// collection has values but no unbucketed version hash. Setting the layout
-// key to the true count, or a Rebuild, unblocks it. (A bucketed writer is
-// refused there already: it sees layout 0.)
+// same script that compares and writes. Every collection records it, 0
+// included: the first write into a collection without one records the
+// writer's count. A writer whose count differs gets *LayoutMismatchError
+// (errors.Is ErrLayoutMismatch) and nothing is written to that collection;
+// readers in package reconcile refuse the same way. Without a layout key
+// the collection's keys decide: an empty one takes the count of its first
+// writer; one with the unbucketed version hash — written before layout
+// keys were recorded — counts as 0 buckets, which its next unbucketed
+// write records. Values with neither mean a lost layout key (a DEL,
+// eviction under maxmemory): the bucket count is unknown, and a writer
+// guessing 0 would find no versions and overwrite newer data, so every
+// writer is refused (Stored -1, unreadable). Setting the layout key to the
+// true count, or a Rebuild, unblocks it. An unbucketed collection whose
+// version hash disappears (its last entry deleted, or the hash evicted)
+// keeps its layout key 0, so its writes still apply and reconcile repairs
+// its values, left without versions, as corrupt. (One written before
+// layout keys that loses the hash before its next write looks like a lost
+// layout key: set the layout key to 0.)
 //
 // To change the count of a live collection, run reconcile's Rebuild with
 // the new count: it copies the source into shadow keys of the new layout

@@ -62,11 +62,11 @@ type LayoutMismatchError struct {
 	// (ApplyShadow with another count than the rebuild that owns them).
 	Shadow bool
 	// Stored is the collection's bucket count (0: one version hash, which
-	// is also what a collection without a layout key but with data has),
-	// or -1 when the layout is unreadable: the layout key holds something
-	// else, or (to a writer without buckets) it is absent while the
-	// collection holds values but no unbucketed version hash — a bucketed
-	// collection that lost its layout key, whose versions cannot be found.
+	// is also what a collection without a layout key but with the
+	// unbucketed version hash has), or -1 when the layout is unreadable:
+	// the layout key holds something else, or it is absent while the
+	// collection holds values but no unbucketed version hash — a
+	// collection that lost its layout key, whose bucket count is unknown.
 	Stored int
 	// Configured is the Keyspace's bucket count.
 	Configured int

@@ -23,14 +23,17 @@
 -- against the caller's (shadow layout too while a rebuild runs, or in
 -- shadow mode): a mismatch returns the error "VERITY_LAYOUT <live|shadow>
 -- <base> <stored>" and writes nothing, because a version looked up in the
--- wrong bucket would look absent and let a stale write in. A layout key that
--- is absent means 0 when the collection holds anything (written before
--- layouts existed), and is set to the caller's layout when it is empty.
+-- wrong bucket would look absent and let a stale write in. Once the checks
+-- pass, a collection without a layout key gets the caller's, "0" included,
+-- so that every collection records its layout.
 --
--- A collection without a layout key that holds values but no unbucketed
--- version hash is refused the same way, with stored layout "missing", by a
--- caller of layout "0": it is a bucketed collection whose layout key was
--- lost (DEL, eviction), and a flat lookup would find no version.
+-- Without a layout key the keys tell: an empty collection fits any layout;
+-- one with the unbucketed version hash was written before layouts were
+-- recorded, and fits "0"; one with values but not that hash has stored
+-- layout "missing", refused for every caller: it lost its layout key (DEL,
+-- eviction), its bucket count is unknown, and a flat lookup would find no
+-- version. (An unbucketed collection whose version hash empties keeps its
+-- recorded "0".)
 --
 -- Returns one element per write: the integer 1 applied, 2 duplicate,
 -- 3 stale; or, when the stored version is not a positive int64 in
@@ -96,25 +99,14 @@ local function gate(kind, valueKey, versionKey, member, version, value)
   return APPLIED
 end
 
--- storedLayout returns the layout recorded for a collection, or nil when
--- the caller's layout want fits without one: an empty collection fits any
--- layout, and one written before layouts existed fits "0". For want "0",
--- values without the unbucketed version hash mean a bucketed collection
--- that lost its layout key: "missing" (a mismatch), since a flat lookup
--- would find no version and let a stale write in.
-local function storedLayout(layoutKey, valueKey, unbucketedKey, want)
+-- storedLayout returns a collection's layout (nil when it is empty) and
+-- whether its layout key records it; see the header for the rule.
+local function storedLayout(layoutKey, valueKey, unbucketedKey)
   local s = redis.call('GET', layoutKey)
-  if s then return s end
-  if want == '0' then
-    -- Version hash first: in a collection with data it exists, so the
-    -- common case costs one EXISTS.
-    if redis.call('EXISTS', unbucketedKey) == 0 and redis.call('EXISTS', valueKey) == 1 then
-      return 'missing'
-    end
-    return nil
-  end
-  if redis.call('EXISTS', valueKey, unbucketedKey) > 0 then return '0' end
-  return nil
+  if s then return s, true end
+  if redis.call('EXISTS', unbucketedKey) == 1 then return '0', false end
+  if redis.call('EXISTS', valueKey) == 1 then return 'missing', false end
+  return nil, false
 end
 
 local shadowOnly = ARGV[1] == 'shadow'
@@ -124,14 +116,11 @@ local ncoll = tonumber(ARGV[2])
 local rebuilding = {}
 local adopt = {}
 local function check(which, base, layoutKey, valueKey, unbucketedKey, want)
-  local stored = storedLayout(layoutKey, valueKey, unbucketedKey, want)
-  if stored == nil then
-    if want ~= '0' then adopt[#adopt + 1] = { layoutKey, want } end
-    return nil
-  end
-  if stored ~= want then
+  local stored, recorded = storedLayout(layoutKey, valueKey, unbucketedKey)
+  if stored ~= nil and stored ~= want then
     return redis.error_reply('VERITY_LAYOUT ' .. which .. ' ' .. base .. ' ' .. stored)
   end
+  if not recorded then adopt[#adopt + 1] = { layoutKey, want } end
   return nil
 end
 local last = #ARGV - 3 * ncoll -- the last write argument
@@ -151,7 +140,7 @@ for a = last + 1, #ARGV, 3 do
   end
   if err then return err end
 end
--- Checks passed: record the layout of empty collections this call fills.
+-- Checks passed: record the layout of collections that had no layout key.
 for _, p in ipairs(adopt) do
   redis.call('SET', p[1], p[2])
 end

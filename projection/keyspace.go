@@ -42,7 +42,7 @@ const VersionBucketsMax = 1 << 16
 //	hash        values P T:h   HASH  field → bytes
 //	            versions P T:hv HASH field → decimal int64
 //	            (with B version buckets: P T:hv:0 … P T:hv:<B-1>)
-//	layout      P T:z~layout / P T:h~layout  STRING decimal B; absent means 0
+//	layout      P T:z~layout / P T:h~layout  STRING decimal B, 0 included
 //	rebuild     marker P T:z~rebuild / P T:h~rebuild (exists while a rebuild runs)
 //	            shadows: "~r" appended to the value, version (every bucket)
 //	            and layout keys: P T:z~r, P T:zv~r or P T:zv:<b>~r, P T:z~layout~r
@@ -75,10 +75,13 @@ const VersionBucketsMax = 1 << 16
 //
 // The bucket count is part of the stored data: a version looked up in the
 // wrong bucket would look absent and let a stale write through. The gate
-// therefore records B in the collection's layout key and checks it in the
-// same script that writes; a Keyspace with another B gets a
-// *LayoutMismatchError and writes nothing. A collection written before
-// layout keys existed (values, no layout key) has B = 0. To change B on a
+// therefore records B, 0 included, in the collection's layout key on its
+// first write and checks it in the same script that writes; a Keyspace
+// with another B gets a *LayoutMismatchError and writes nothing. A
+// collection written before layout keys were recorded (the unbucketed
+// version hash, no layout key) has B = 0, which its next write records;
+// values with neither are refused as a lost layout key (see the package
+// documentation, "Version buckets (memory)"). To change B on a
 // live collection, run reconcile's Rebuild with a Keyspace carrying the new
 // B: it builds shadow keys in the new layout and switches versions, values
 // and layout key in one script.
@@ -214,8 +217,8 @@ func (ks Keyspace) ShadowVersionKeys(name string, kind Kind) []string {
 
 // LayoutKey returns the key recording collection (name, kind)'s version
 // bucket count (see "Version buckets"), or "" for kinds other than
-// KindSortedSet and KindHash. The gate writes it when a Keyspace with
-// buckets first writes an empty collection; absent, the count is 0.
+// KindSortedSet and KindHash. The gate writes it, 0 included, on the first
+// write into a collection without one.
 func (ks Keyspace) LayoutKey(name string, kind Kind) string {
 	if !kind.isCollection() {
 		return ""

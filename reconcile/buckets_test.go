@@ -189,17 +189,64 @@ func TestBucketsLayoutMismatch(t *testing.T) {
 		}
 	})
 
+	// Written before layouts were recorded: values and the unbucketed
+	// version hash, no layout key. It has layout 0, which the first repair
+	// records, as the gate's first write would.
 	t.Run("LegacyCollection", func(t *testing.T) {
 		t.Parallel()
 		flat := setup(t, projection.KindHash)
-		flat.drift(t)
-		require.Empty(t, flat.layoutOf(t))
+		want := flat.drift(t)
+		require.Equal(t, "0", flat.layoutOf(t))
+		require.NoError(t, flat.client.Del(context.Background(), flat.ks.LayoutKey(testBoard, flat.kind)).Err())
 		before := flat.snapshot(t)
 		_, err := flat.withBuckets(t, 4).reconciler(t, nil).Run(context.Background(), RunOptions{})
 		var lm *projection.LayoutMismatchError
 		require.ErrorAs(t, err, &lm)
 		require.Equal(t, 0, lm.Stored)
 		require.Equal(t, before, flat.snapshot(t))
+
+		// Only the compare-and-set path, so that the gate's adoption does
+		// not hide the script's.
+		r := flat.reconciler(t, &Config{Policy: Policy{Missing: ActionReport, Stale: ActionReport}})
+		rep, err := r.Run(context.Background(), RunOptions{})
+		require.NoError(t, err)
+		require.Equal(t, countClasses(want), rep.Counts)
+		require.EqualValues(t, 3, rep.Repaired, "the corrupt entries")
+		require.Equal(t, "0", flat.layoutOf(t))
+	})
+
+	// An unbucketed collection whose version hash is gone entirely (its
+	// last entry HDEL'd, or the hash evicted) keeps its recorded layout 0:
+	// its values classify as corrupt and are repaired from the source, as
+	// are redeliveries through the gate.
+	t.Run("UnbucketedLostVersionHash", func(t *testing.T) {
+		t.Parallel()
+		for _, kind := range []projection.Kind{projection.KindSortedSet, projection.KindHash} {
+			t.Run(kindName(kind), func(t *testing.T) {
+				t.Parallel()
+				ctx := context.Background()
+				flat := setup(t, kind)
+				for _, k := range []string{"a", "b", "c"} {
+					flat.insert(t, k, 3)
+					flat.project(t, k, 3)
+				}
+				versions := flat.ks.VersionKey(flat.target.target(""))
+				require.NoError(t, flat.client.Del(ctx, versions).Err())
+				require.Equal(t, "0", flat.layoutOf(t))
+
+				r := flat.reconciler(t, nil)
+				rep, err := r.Run(ctx, RunOptions{})
+				require.NoError(t, err)
+				require.Equal(t, map[Class]int64{ClassCorrupt: 3}, rep.Counts)
+				require.EqualValues(t, 3, rep.Repaired)
+				rep, err = r.Run(ctx, RunOptions{DryRun: true})
+				require.NoError(t, err)
+				require.Equal(t, map[Class]int64{ClassCurrent: 3}, rep.Counts)
+
+				require.NoError(t, flat.client.Del(ctx, versions).Err())
+				require.Equal(t, projection.OutcomeApplied, flat.project(t, "c", 3), "a redelivery applies")
+			})
+		}
 	})
 
 	t.Run("EmptyCollectionAdoptsTheLayout", func(t *testing.T) {
@@ -211,13 +258,78 @@ func TestBucketsLayoutMismatch(t *testing.T) {
 		b.setRaw(t, "k0000000", &projection.Value{Score: 5}, nil)
 		require.Empty(t, b.layoutOf(t))
 		_, err := b.reconciler(t, nil).Run(context.Background(), RunOptions{})
-		require.ErrorIs(t, err, projection.ErrLayoutMismatch, "a value without a layout key is a legacy collection")
+		var lm *projection.LayoutMismatchError
+		require.ErrorAs(t, err, &lm)
+		require.Equal(t, -1, lm.Stored, "values without a layout key or unbucketed version hash: a lost layout key")
 
 		require.NoError(t, b.client.Del(context.Background(), b.ks.ValueKey(b.target.target(""))).Err())
 		rep, err := b.reconciler(t, nil).Run(context.Background(), RunOptions{})
 		require.NoError(t, err)
 		require.EqualValues(t, 10, rep.Repaired)
 		require.Equal(t, "4", b.layoutOf(t))
+	})
+
+	// A bucketed collection that lost its layout key looks, to a Keyspace
+	// without buckets, like values without versions: every entry corrupt,
+	// and repairing them would overwrite a@7, ahead of the source, and give
+	// the gate a flat hash to accept stale writes against.
+	t.Run("LostLayoutKey", func(t *testing.T) {
+		t.Parallel()
+		for _, kind := range []projection.Kind{projection.KindSortedSet, projection.KindHash} {
+			t.Run(kindName(kind), func(t *testing.T) {
+				t.Parallel()
+				flat := setup(t, kind)
+				four := flat.withBuckets(t, 4)
+				flat.insert(t, "a", 5)
+				flat.insert(t, "b", 3)
+				four.project(t, "a", 7)
+				four.project(t, "b", 3)
+				require.NoError(t, flat.client.Del(context.Background(), flat.ks.LayoutKey(testBoard, kind)).Err())
+				before := flat.snapshot(t)
+
+				r := flat.reconciler(t, nil)
+				_, err := r.Run(context.Background(), RunOptions{})
+				var lm *projection.LayoutMismatchError
+				require.ErrorAs(t, err, &lm)
+				require.Equal(t, projection.LayoutMismatchError{Kind: kind, Name: testBoard, Stored: -1, Configured: 0}, *lm)
+				// The read refuses on its own, repairs or not.
+				_, err = r.Run(context.Background(), RunOptions{DryRun: true})
+				require.ErrorAs(t, err, &lm)
+				require.Equal(t, -1, lm.Stored)
+				_, err = r.CheckKeys(context.Background(), []string{"a"}, RunOptions{})
+				require.ErrorIs(t, err, projection.ErrLayoutMismatch)
+				require.Equal(t, before, flat.snapshot(t), "nothing written")
+
+				// The gate still refuses a stale redelivery of b.
+				_, err = flat.gate.Apply(context.Background(), []projection.Write{{Target: flat.target.target("b"), Version: 1, Value: flat.value("b", 1)}})
+				require.ErrorIs(t, err, projection.ErrLayoutMismatch)
+			})
+		}
+	})
+
+	// The layout key is read fine, then the collection loses it and its
+	// unbucketed version hash: the compare-and-set script refuses by the
+	// same rule (the gate refuses the missing and stale repairs on its own).
+	t.Run("LostLayoutKeyBeforeRepair", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t, projection.KindSortedSet)
+		b.drift(t)
+		flatVersions := b.ks.VersionKey(b.target.target(""))
+		var before map[string]string
+		r := b.reconciler(t, &Config{PageSize: 100, BeforeRepair: func(ctx context.Context, f Finding) bool {
+			if before == nil {
+				require.NoError(t, b.client.Del(ctx, flatVersions, b.ks.LayoutKey(testBoard, b.kind)).Err())
+				before = b.snapshot(t)
+			}
+			return true
+		}})
+		rep, err := r.Run(context.Background(), RunOptions{})
+		var lm *projection.LayoutMismatchError
+		require.ErrorAs(t, err, &lm)
+		require.Equal(t, -1, lm.Stored)
+		require.Zero(t, rep.Repaired)
+		require.EqualValues(t, 5, rep.Results[ResultNotAttempted], "gate and compare-and-set repairs both refused")
+		require.Equal(t, before, b.snapshot(t))
 	})
 
 	t.Run("LayoutChangedBeforeRepair", func(t *testing.T) {
@@ -265,20 +377,14 @@ func TestRebuildMigratesLayout(t *testing.T) {
 				require.True(t, rep.Switched)
 				require.EqualValues(t, 400, rep.Rows)
 
-				if n == 0 {
-					require.Empty(t, next.layoutOf(t), "no layout key without buckets")
-				} else {
-					require.Equal(t, fmt.Sprint(n), next.layoutOf(t))
-				}
+				require.Equal(t, fmt.Sprint(n), next.layoutOf(t))
 				// Only the new layout's keys are left.
 				var keys []string
 				for k := range next.snapshot(t) {
 					keys = append(keys, k)
 				}
-				want := append([]string{next.ks.ValueKey(next.target.target(""))}, next.ks.VersionKeys(testBoard, kind)...)
-				if n > 0 {
-					want = append(want, next.ks.LayoutKey(testBoard, kind))
-				}
+				want := append([]string{next.ks.ValueKey(next.target.target("")), next.ks.LayoutKey(testBoard, kind)},
+					next.ks.VersionKeys(testBoard, kind)...)
 				sort.Strings(keys)
 				sort.Strings(want)
 				require.Equal(t, want, keys, "to %d buckets", n)
@@ -298,6 +404,51 @@ func TestRebuildMigratesLayout(t *testing.T) {
 			}
 		})
 	}
+}
+
+// TestRebuildLostLayoutKey rebuilds a bucketed collection that lost its
+// layout key: the old bucket count is unknown, so the switch must remove
+// every bucket, or the stale versions of buckets the new layout does not
+// overwrite would come back.
+func TestRebuildLostLayoutKey(t *testing.T) {
+	t.Parallel()
+	for _, n := range []int{0, 2, 6} {
+		t.Run(fmt.Sprintf("To%d", n), func(t *testing.T) {
+			t.Parallel()
+			rebuildLostLayout(t, setup(t, projection.KindHash), n)
+		})
+	}
+}
+
+// rebuildLostLayout projects rows into b's collection with 6 buckets,
+// deletes its layout key and rebuilds it with n buckets.
+func rebuildLostLayout(t *testing.T, b *testBundle, n int) {
+	t.Helper()
+	six := b.withBuckets(t, 6)
+	rows := b.insertMany(t, 60)
+	six.projectRows(t, rows)
+	six.project(t, "orphan", 1)
+	ctx := context.Background()
+	require.Equal(t, int64(6), countExisting(t, six, six.ks.VersionKeys(testBoard, b.kind)))
+	require.NoError(t, b.client.Del(ctx, b.ks.LayoutKey(testBoard, b.kind)).Err())
+
+	next := b.withBuckets(t, n)
+	rep, err := next.reconciler(t, nil).Rebuild(ctx)
+	require.NoError(t, err)
+	require.True(t, rep.Switched)
+	var keys []string
+	for k := range next.snapshot(t) {
+		keys = append(keys, k)
+	}
+	want := append([]string{next.ks.ValueKey(next.target.target("")), next.ks.LayoutKey(testBoard, b.kind)},
+		next.ks.VersionKeys(testBoard, b.kind)...)
+	sort.Strings(keys)
+	sort.Strings(want)
+	require.Equal(t, want, keys, "only the new layout's keys are left")
+	run, err := next.reconciler(t, nil).Run(ctx, RunOptions{DryRun: true})
+	require.NoError(t, err)
+	require.Equal(t, map[Class]int64{ClassCurrent: 60}, run.Counts)
+	require.True(t, run.OrphanScanSkipped)
 }
 
 // TestRebuildMigrationUnderWrites migrates 0 → 16 buckets while the outbox
@@ -347,6 +498,10 @@ func TestBucketsSharedCluster(t *testing.T) {
 		t.Parallel()
 		b := setupWith(t, projection.KindSortedSet, client, cluster.Prefix(t))
 		rebuildUnderWrites(t, b, b.withBuckets(t, 16).ks)
+	})
+	t.Run("RebuildLostLayoutKey", func(t *testing.T) {
+		t.Parallel()
+		rebuildLostLayout(t, setupWith(t, projection.KindSortedSet, client, cluster.Prefix(t)), 2)
 	})
 }
 

@@ -54,9 +54,10 @@
 //     finding is alerted or repaired its key is looked up in the source
 //     again and classified against the fresh row (a newer write makes it
 //     current or stale; a deletion makes it an orphan);
-//   - for orphans, Redis is read before the source lookup, and the
-//     removal insists on that earlier state: an entry created after the
-//     read changes it, and the removal declines.
+//   - for orphans, the entries the source lacks are read from Redis and
+//     looked up again, and the removal insists on the state read before
+//     that confirming lookup: an entry created after the read changes it,
+//     and the removal declines.
 //
 // # Runs
 //
@@ -68,8 +69,9 @@
 //	sorted set   ZMSCORE of the values, HMGET of the version hash
 //	hash         HMGET of the values,   HMGET of the version hash
 //	  with version buckets: one HMGET per bucket the page touches instead
-//	  of the one HMGET, plus EXISTS of the value key and the unbucketed hash
-//	collections  MGET of the layout key (see "Version buckets" below)
+//	  of the one HMGET
+//	collections  MGET of the layout key, EXISTS of the value key and of
+//	             the unbucketed hash (see "Version buckets" below)
 //	documents    one MGET of values and versions per Cluster slot
 //
 // A full run pipelines the pages: up to Config.ReadAhead pages (4 by
@@ -114,8 +116,8 @@
 //	P T:z / P T:h            values
 //	P T:zv / P T:hv          versions without buckets
 //	P T:zv:<b> / P T:hv:<b>  versions in bucket b (0 ≤ b < B)
-//	P T:z~layout             B; absent means 0 (or, in an empty
-//	                         collection, whatever its first writer uses)
+//	P T:z~layout             B, recorded for every collection (0
+//	                         included) by its first write; see below
 //	… ~r                     each key's rebuild shadow
 //
 // Rebuild is the migration to another bucket count, 0 included: give it a
@@ -124,13 +126,25 @@
 // that layout (live writers still on the old count dual-write into them
 // too — the gate learns the shadow layout from the script and retries that
 // slot group once), and its switch removes every version key of the old
-// layout and renames the shadows — values, every bucket, and the layout
-// key — over the live keys in one script. From then on writers and
+// layout, renames the shadows — values and every bucket — over the live
+// keys and sets the layout key to the new count, in one script. From then on writers and
 // readers configured with the old count are refused with
 // ErrLayoutMismatch; redeploy them with the new count (a relay's refused
-// batches stay in the outbox and are retried). A layout key lost on its own
-// (a hand DEL, an eviction) makes a bucketed collection look unbucketed: its
-// writers are refused until Rebuild restores it.
+// batches stay in the outbox and are retried).
+//
+// Without a layout key, the gate's rule applies here too: an empty
+// collection fits any count (the first repair written records the
+// reconciler's), and one with the unbucketed version hash was written
+// before layout keys were recorded and has 0 (a repair records it). Values
+// with neither mean the layout key was lost (a hand DEL, an eviction): the
+// bucket count is unknown, so the gate refuses the collection's writers,
+// and Run and CheckKeys refuse it too (*projection.LayoutMismatchError
+// with Stored -1), rather than read every entry as corrupt and overwrite
+// versions that may be ahead of the source. Set the layout key to the true
+// count, or Rebuild: since the old count is unknown, its switch removes the
+// version keys of every possible bucket. An unbucketed collection that
+// only loses its version hash keeps its layout key 0, so its entries
+// classify as corrupt and are repaired from the source.
 //
 // A run returns a Report: rows checked, entries scanned, counts per class,
 // what was done (repaired, skipped, uncertain, and why), the duration, and

@@ -23,6 +23,13 @@ var (
 	// dual-writing into the shadow keys. The live projection was left
 	// untouched; run Rebuild again.
 	ErrRebuildAborted = errors.New("reconcile: rebuild marker lost before the switch; live projection untouched")
+	// ErrRebuildUncertain: the rebuild's switch was sent but its reply was
+	// lost (a timeout, a dropped connection), so it may or may not have
+	// happened; RebuildReport.Switched is false either way. The marker and
+	// shadow keys were removed, which is harmless after a switch. Either the
+	// rebuilt or the old projection is live, whole; run Rebuild again, or Run
+	// to see what drift is left.
+	ErrRebuildUncertain = errors.New("reconcile: the rebuild's switch reply was lost; the switch may have happened")
 	// ErrRebuildUnsupported: Rebuild was asked to rebuild documents. Each
 	// document lives in its own slot, so there is no single key set to
 	// switch atomically; Run repairs documents one by one instead.

@@ -91,18 +91,32 @@ func (r *Reconciler) noOrphans(ctx context.Context, rep *Report) (bool, error) {
 // source lacks are orphans. versionless restricts the check to entries
 // without a version (the value-key scan).
 //
-// The projection is read before the source lookup, and that earlier state
-// is what an orphan's compare-and-set removal insists on. Read after the
-// lookup, it could hold an entry created and projected in between: the
+// An orphan's compare-and-set removal insists on a projection state read
+// before the source lookup that confirmed the key absent. Read after it,
+// the state could hold an entry created and projected in between: the
 // lookup missed it, and the removal would delete a legitimate entry. Read
 // before, such a create changes the projection after the read, so the
 // removal declines (ResultRaced); a create projected before the read was
-// committed before it too, so the later lookup finds it.
+// committed before it too, so the lookup finds it.
+//
+// Most scanned entries belong to source rows, so the version scan looks
+// the batch up first and reads the projection only for the keys the
+// source lacks, then looks those up again to confirm: only keys still
+// absent are orphans. The value scan reads first anyway, to keep only
+// entries without a version (few), so that read serves and one lookup
+// confirms.
 func (r *Reconciler) checkCandidates(ctx context.Context, opts RunOptions, keys []string, versionless bool, rep *Report) error {
 	if err := ctx.Err(); err != nil {
 		return err
 	}
 	keys = dedupe(keys)
+	if !versionless {
+		rep.Scanned += int64(len(keys))
+		var err error
+		if keys, err = r.absentFromSource(ctx, keys); err != nil || len(keys) == 0 {
+			return err
+		}
+	}
 	projected, err := r.read(ctx, keys)
 	if err != nil {
 		return err
@@ -116,35 +130,49 @@ func (r *Reconciler) checkCandidates(ctx context.Context, opts RunOptions, keys 
 			}
 		}
 		keys, projected = kept, keptRead
+		rep.Scanned += int64(len(keys))
 	}
-	rep.Scanned += int64(len(keys))
 	if len(keys) == 0 {
 		return nil
 	}
+	absent, err := r.absentFromSource(ctx, keys)
+	if err != nil {
+		return err
+	}
+	absentRead := make([]Projected, 0, len(absent))
+	for i, j := 0, 0; i < len(keys) && j < len(absent); i++ {
+		if keys[i] == absent[j] { // absent is a subsequence of keys
+			absentRead = append(absentRead, projected[i])
+			j++
+		}
+	}
+	return r.checkAbsent(ctx, opts, absent, absentRead, rep)
+}
+
+// absentFromSource returns the keys, in order, that the source does not
+// have.
+func (r *Reconciler) absentFromSource(ctx context.Context, keys []string) ([]string, error) {
 	found, err := r.source.Lookup(ctx, keys)
 	if err != nil {
-		return fmt.Errorf("reconcile: looking up projection entries in the source: %w", err)
+		return nil, fmt.Errorf("reconcile: looking up projection entries in the source: %w", err)
 	}
 	inSource := make(map[string]struct{}, len(found))
 	for _, row := range found {
 		inSource[row.Key] = struct{}{}
 	}
-	var (
-		missing     []string
-		missingRead []Projected
-	)
-	for i, k := range keys {
+	var absent []string
+	for _, k := range keys {
 		if _, ok := inSource[k]; !ok {
-			missing = append(missing, k)
-			missingRead = append(missingRead, projected[i])
+			absent = append(absent, k)
 		}
 	}
-	return r.checkAbsent(ctx, opts, missing, missingRead, rep)
+	return absent, nil
 }
 
 // checkAbsent classifies keys the source does not have against what the
-// projection held for them, read before the source was asked (see
-// checkCandidates): any projection entry for them is an orphan.
+// projection held for them, read before the lookup that confirmed their
+// absence (see checkCandidates): any projection entry for them is an
+// orphan.
 func (r *Reconciler) checkAbsent(ctx context.Context, opts RunOptions, missing []string, projected []Projected, rep *Report) error {
 	var findings []Finding
 	for i, k := range missing {

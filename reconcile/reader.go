@@ -63,7 +63,10 @@ func (r *Reconciler) readCollection(ctx context.Context, keys []string, out []Pr
 	values := pipe.Do(ctx, valueArgs...)
 	// MGET, not GET: an absent key is a nil element, not redis.Nil.
 	layout := pipe.Do(ctx, "MGET", r.layoutKey)
-	var exists *redis.Cmd
+	// Both, whatever the bucket count: an absent layout key means
+	// different things depending on which of the two exist.
+	valueExists := pipe.Exists(ctx, r.valueKey)
+	flatExists := pipe.Exists(ctx, r.unbucketedKey)
 	var versions func() ([]any, error)
 	if r.buckets == 0 {
 		versionArgs := make([]any, len(valueArgs))
@@ -71,11 +74,10 @@ func (r *Reconciler) readCollection(ctx context.Context, keys []string, out []Pr
 		copy(versionArgs[2:], valueArgs[2:])
 		versions = pipe.Do(ctx, versionArgs...).Slice
 	} else {
-		exists = pipe.Do(ctx, "EXISTS", r.valueKey, r.unbucketedKey)
 		versions = r.hmgetBuckets(ctx, pipe, keys)
 	}
 	_, _ = pipe.Exec(ctx) // errors are inspected per command below
-	if err := r.checkLayout(layout, exists); err != nil {
+	if err := r.checkLayout(layout, valueExists, flatExists); err != nil {
 		return err
 	}
 	vers, err := versions()
@@ -101,28 +103,37 @@ func (r *Reconciler) readCollection(ctx context.Context, keys []string, out []Pr
 }
 
 // checkLayout compares the collection's stored layout (MGET of the layout
-// key) with the Keyspace's. exists (EXISTS of the value key and the
-// unbucketed version hash) tells an empty collection, which any layout
-// fits, from one written before layout keys, whose layout is 0; it is nil
-// when the Keyspace has no buckets, for which an absent key always fits.
-func (r *Reconciler) checkLayout(layout, exists *redis.Cmd) error {
+// key) with the Keyspace's, by the gate's rule (storedLayout in
+// projection/gate.lua). Without a layout key, EXISTS of the value key and
+// of the unbucketed version hash decide: an empty collection fits any
+// layout; one with that hash was written before layouts were recorded and
+// has layout 0; values without it are a collection that lost its layout
+// key (stored "missing"), refused whatever the Keyspace: its bucket count
+// is unknown, every entry would look corrupt, and repairing them would
+// overwrite versions ahead of the source.
+func (r *Reconciler) checkLayout(layout *redis.Cmd, valueExists, flatExists *redis.IntCmd) error {
 	got, err := layout.Slice()
 	if err != nil || len(got) != 1 {
 		return fmt.Errorf("reconcile: reading the collection's layout: %w", errOr(err, ErrUnexpectedReply))
 	}
 	stored, ok := got[0].(string)
 	if !ok {
-		if exists == nil {
-			return nil
-		}
-		n, err := exists.Int64()
+		value, err := valueExists.Result()
 		if err != nil {
 			return fmt.Errorf("reconcile: reading the collection's layout: %w", err)
 		}
-		if n == 0 {
+		flat, err := flatExists.Result()
+		if err != nil {
+			return fmt.Errorf("reconcile: reading the collection's layout: %w", err)
+		}
+		switch {
+		case flat == 1:
+			stored = "0"
+		case value == 1:
+			stored = "missing"
+		default:
 			return nil
 		}
-		stored = "0"
 	}
 	if stored != r.layout {
 		return r.mismatch(false, stored)

@@ -5,10 +5,13 @@ import (
 	"crypto/rand"
 	_ "embed"
 	"encoding/hex"
+	"errors"
 	"fmt"
 	"log/slog"
 	"strconv"
 	"time"
+
+	"github.com/redis/go-redis/v9"
 
 	"github.com/verity-go/verity/projection"
 )
@@ -28,7 +31,8 @@ type RebuildReport struct {
 	// during the rebuild, dual-written into the shadow, wins).
 	Applied int64
 	Kept    int64
-	// Switched reports whether the shadow keys replaced the live keys.
+	// Switched reports whether the shadow keys replaced the live keys; it
+	// is false too when that is unknown (ErrRebuildUncertain).
 	Switched bool
 }
 
@@ -46,11 +50,14 @@ type RebuildReport struct {
 //     keys over the live keys and deletes the marker.
 //
 // The shadow keys are built in the version layout of Target.Keyspace (its
-// bucket count), and the switch also replaces the collection's layout key
-// and removes the version keys of the old layout, so a Rebuild with a new
+// bucket count), and the switch also sets the collection's layout key to
+// that count (0 included) and removes the version keys of the old layout, so a Rebuild with a new
 // bucket count is how a live collection migrates to it; writers still on
 // the old count dual-write into the new layout during the copy and are
-// refused (projection.ErrLayoutMismatch) after the switch.
+// refused (projection.ErrLayoutMismatch) after the switch. A collection
+// that lost its layout key (values without the unbucketed version hash)
+// has an unknown bucket count, so the switch then removes the version keys
+// of every possible bucket.
 //
 // Readers keep reading the old projection until the switch and never see
 // an empty or half-built one. Every key involved shares the collection's
@@ -61,7 +68,10 @@ type RebuildReport struct {
 // orphan, which the next Run reports: the gate never deletes.)
 //
 // If ctx is cancelled or anything fails before the switch, the marker and
-// shadow keys are removed and the live projection is left as it was. If
+// shadow keys are removed and the live projection is left as it was; also
+// when the reply to the first step is lost, so that its marker does not
+// hold other rebuilds off. If the reply to the switch is lost, Rebuild
+// returns ErrRebuildUncertain: either projection may be live, whole. If
 // the marker was lost (its TTL expired because the process stalled),
 // Rebuild returns ErrRebuildAborted. If another rebuild holds the marker,
 // it returns ErrRebuildInProgress. Documents cannot be rebuilt
@@ -91,24 +101,30 @@ func (r *Reconciler) rebuild(ctx context.Context) (*RebuildReport, error) {
 	}
 
 	ok, err := step(ctx, "start")
-	if err != nil {
-		return rep, err
-	}
-	if !ok {
+	if err == nil && !ok {
 		return rep, ErrRebuildInProgress
 	}
-	err = r.copyToShadow(ctx, rep, step)
 	if err == nil {
-		// The switch runs even if ctx is cancelled now: the copy is
-		// complete, and a switch whose reply is lost would leave the
-		// caller unsure which projection is live.
-		switchCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), r.cfg.RepairTimeout)
-		rep.Switched, err = step(switchCtx, "switch")
-		cancel()
-		if err == nil && !rep.Switched {
-			err = ErrRebuildAborted
+		err = r.copyToShadow(ctx, rep, step)
+		if err == nil {
+			// The switch runs even if ctx is cancelled now: the copy is
+			// complete, and a switch whose reply is lost would leave the
+			// caller unsure which projection is live.
+			switchCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), r.cfg.RepairTimeout)
+			rep.Switched, err = step(switchCtx, "switch")
+			cancel()
+			if err == nil && !rep.Switched {
+				err = ErrRebuildAborted
+			}
+			if err != nil && !answered(err) {
+				err = fmt.Errorf("%w: %w", ErrRebuildUncertain, err)
+			}
 		}
 	}
+	// Also after a failed start, whose reply may be all that was lost: its
+	// marker would otherwise hold off other rebuilds for its TTL. Abort
+	// removes only this rebuild's marker, and after a switch that did
+	// happen it finds nothing of this rebuild's left to remove.
 	if err != nil && !rep.Switched {
 		abortCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), r.cfg.RepairTimeout)
 		_, _ = step(abortCtx, "abort")
@@ -125,19 +141,43 @@ func (r *Reconciler) rebuild(ctx context.Context) (*RebuildReport, error) {
 // key changed between reading it and running the step.
 const rebuildStepRetries = 5
 
+// answered reports whether err is Redis's reply (an error reply, or one
+// this package rejected), as opposed to a failure that may have lost the
+// reply to a command Redis ran.
+func answered(err error) bool {
+	var rerr redis.Error
+	return errors.As(err, &rerr) || errors.Is(err, projection.ErrLayoutMismatch) || errors.Is(err, ErrUnexpectedReply)
+}
+
 // rebuildStep runs one step of rebuild.lua. The script needs the names of
 // the version buckets of the stored live and shadow layouts, so the step
 // reads both layout keys first and passes what it read; the script
 // answers 2, touching nothing, if they changed in between, and the step
 // reads them again.
+//
+// A live collection without a layout key whose values exist without the
+// unbucketed version hash lost its layout key (the gate's "missing"): its
+// bucket count is unknown, so the step passes the keys of every possible
+// bucket (bucket keys are named by index alone) and the switch removes
+// them all.
 func (r *Reconciler) rebuildStep(ctx context.Context, step, token, ttl string) (int64, error) {
 	ks, kind, name := r.target.Keyspace, r.target.Kind, r.target.Name
 	for range rebuildStepRetries {
-		got, err := r.target.Client.MGet(ctx, r.layoutKey, ks.ShadowLayoutKey(name, kind)).Result()
-		if err != nil {
+		pipe := r.target.Client.Pipeline()
+		layoutKeys := pipe.MGet(ctx, r.layoutKey, ks.ShadowLayoutKey(name, kind))
+		valueExists := pipe.Exists(ctx, r.valueKey)
+		flatExists := pipe.Exists(ctx, r.unbucketedKey)
+		if _, err := pipe.Exec(ctx); err != nil {
 			return 0, err
 		}
-		var layouts [2]int
+		got := layoutKeys.Val()
+		if len(got) != 2 {
+			return 0, fmt.Errorf("%w: MGET of 2 layout keys", ErrUnexpectedReply)
+		}
+		var (
+			layouts [2]int
+			args    [2]string
+		)
 		for i, v := range got {
 			s, _ := v.(string)
 			if v == nil {
@@ -146,6 +186,10 @@ func (r *Reconciler) rebuildStep(ctx context.Context, step, token, ttl string) (
 			if layouts[i] = projection.ParseLayout(s); layouts[i] < 0 {
 				return 0, r.mismatch(i == 1, s)
 			}
+			args[i] = s
+		}
+		if got[0] == nil && valueExists.Val() == 1 && flatExists.Val() == 0 {
+			layouts[0], args[0] = projection.VersionBucketsMax, "missing"
 		}
 		live, shadow := layouts[0], layouts[1]
 		keys := []string{
@@ -168,7 +212,7 @@ func (r *Reconciler) rebuildStep(ctx context.Context, step, token, ttl string) (
 			keys = append(keys, r.versionKeys...)
 		}
 		n, err := r.rebuildScript.Run(ctx, r.target.Client, keys, step, token, ttl,
-			strconv.Itoa(live), strconv.Itoa(shadow), r.layout).Int64()
+			args[0], args[1], r.layout, strconv.Itoa(live)).Int64()
 		if err != nil || n != 2 {
 			return n, err
 		}

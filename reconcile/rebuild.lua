@@ -8,7 +8,11 @@
 -- ARGV: 1 step, 2 the rebuild's token, 3 the marker TTL in milliseconds,
 -- 4 L, the live layout the caller read, 5 S, the shadow layout the caller
 -- read (both "0" when the layout key is absent), 6 M, the rebuild's layout
--- (bucket counts as canonical decimals; "0" means one version hash).
+-- (bucket counts as canonical decimals; "0" means one version hash), 7 the
+-- number of live buckets passed: L, or every possible bucket when L is
+-- "missing" (no layout key, values but no unbucketed version hash: a
+-- bucketed collection that lost its layout key, whose bucket count is
+-- unknown; bucket keys are named by index alone, so these cover any).
 --
 -- start:   refuse (0) if a marker exists; otherwise clear leftover shadow
 --          keys (of layouts S and M), record M as the shadow layout and set
@@ -18,10 +22,11 @@
 -- refresh: extend the marker's TTL if it is still ours (1), else 0.
 -- switch:  if the marker is still ours, replace the live keys by the
 --          shadow keys — value, every version bucket of layout M (the live
---          versions of layout L are removed first) and the layout key — and
---          remove the marker, atomically: readers and the gate see the old
---          projection, then the new one, never a half-built one or a layout
---          key that disagrees with the versions. A shadow key that was never
+--          versions of layout L, or of any layout when L is "missing", are
+--          removed first) and the layout key, set to M ("0" included) —
+--          and remove the marker, atomically: readers and the gate see the
+--          old projection, then the new one, never a half-built one or a
+--          layout key that disagrees with the versions. A shadow key that was never
 --          created means it would be empty, so the live key is just removed.
 --          Returns 1, or 0 if the marker is gone or not ours (nothing is
 --          touched).
@@ -34,7 +39,7 @@
 
 local step, token = ARGV[1], ARGV[2]
 local L, S, M = ARGV[4], ARGV[5], ARGV[6]
-local nL, nS, nM = tonumber(L), tonumber(S), tonumber(M)
+local nL, nS, nM = tonumber(ARGV[7]), tonumber(S), tonumber(M)
 local marker, shadowValue, shadowLayout = KEYS[1], KEYS[2], KEYS[3]
 local liveValue, liveLayout = KEYS[4], KEYS[5]
 local liveFlat, shadowFlat = KEYS[6], KEYS[7]
@@ -57,7 +62,18 @@ local function stored(key)
   return redis.call('GET', key) or '0'
 end
 
-if stored(shadowLayout) ~= S or (step == 'switch' and stored(liveLayout) ~= L) then
+-- storedLive reads the live layout as the caller does: "missing" for
+-- values without a layout key or an unbucketed version hash.
+local function storedLive()
+  local s = redis.call('GET', liveLayout)
+  if s then return s end
+  if redis.call('EXISTS', liveFlat) == 0 and redis.call('EXISTS', liveValue) == 1 then
+    return 'missing'
+  end
+  return '0'
+end
+
+if stored(shadowLayout) ~= S or (step == 'switch' and storedLive() ~= L) then
   return 2
 end
 
@@ -106,15 +122,15 @@ if step == 'switch' then
   move(shadowValue, liveValue)
   if nM == 0 then
     move(shadowFlat, liveFlat)
-    redis.call('DEL', liveLayout, shadowLayout)
   else
     for b = 0, nM - 1 do
       move(KEYS[newShadow + b], KEYS[newLive + b])
     end
     redis.call('UNLINK', shadowFlat)
-    redis.call('RENAME', shadowLayout, liveLayout)
   end
-  redis.call('DEL', marker)
+  -- M, "0" included: every collection records its layout.
+  redis.call('SET', liveLayout, M)
+  redis.call('DEL', shadowLayout, marker)
   return 1
 end
 

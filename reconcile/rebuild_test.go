@@ -3,11 +3,13 @@ package reconcile
 import (
 	"context"
 	"errors"
+	"fmt"
 	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
 
+	"github.com/redis/go-redis/v9"
 	"github.com/stretchr/testify/require"
 
 	"github.com/verity-go/verity/projection"
@@ -290,6 +292,151 @@ func TestRebuildAborted(t *testing.T) {
 		require.ErrorIs(t, err, context.Canceled)
 		require.False(t, rep.Switched)
 		require.True(t, b.state(t, r, "orphan").HasValue, "live projection untouched")
+		marker, sv, sver := b.rebuildKeys()
+		require.Equal(t, []bool{false, false, false}, b.keysExist(t, marker, sv, sver))
+	})
+}
+
+// errLost stands for a reply lost on the way back (a timeout, a dropped
+// connection).
+var errLost = errors.New("test: reply lost")
+
+// loseReply is a go-redis hook that fails the first call of one rebuild.lua
+// step with errLost, after Redis ran it (sent) or without sending it.
+type loseReply struct {
+	step string
+	sent bool
+	done atomic.Bool
+}
+
+func (h *loseReply) DialHook(next redis.DialHook) redis.DialHook { return next }
+
+func (h *loseReply) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+	return next
+}
+
+func (h *loseReply) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
+	return func(ctx context.Context, cmd redis.Cmder) error {
+		if h.done.Load() || rebuildStepOf(cmd) != h.step {
+			return next(ctx, cmd)
+		}
+		if h.sent {
+			if err := next(ctx, cmd); err != nil {
+				return err // NOSCRIPT: the script is retried with EVAL
+			}
+		}
+		h.done.Store(true)
+		cmd.SetErr(errLost)
+		return errLost
+	}
+}
+
+// rebuildStepOf returns ARGV[1] of an EVAL or EVALSHA, the step for
+// rebuild.lua ("" for other commands).
+func rebuildStepOf(cmd redis.Cmder) string {
+	args := cmd.Args()
+	if name := cmd.Name(); (name != "evalsha" && name != "eval") || len(args) < 3 {
+		return ""
+	}
+	numKeys, ok := args[2].(int)
+	if !ok || len(args) <= 3+numKeys {
+		return ""
+	}
+	step, _ := args[3+numKeys].(string)
+	return step
+}
+
+// withLostReply returns b on a client of its own that loses the reply to
+// the first call of step.
+func (b *testBundle) withLostReply(t *testing.T, step string, sent bool) *testBundle {
+	opts := *b.client.(*redis.Client).Options()
+	client := redis.NewClient(&opts)
+	t.Cleanup(func() { _ = client.Close() })
+	client.AddHook(&loseReply{step: step, sent: sent})
+	out := *b
+	out.client = client
+	out.gate = projection.NewGate(client, b.ks)
+	out.target.Client = client
+	return &out
+}
+
+func TestRebuildLostReply(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+
+	// Start ran, its reply was lost: the marker must not stay behind to
+	// refuse every rebuild (ErrRebuildInProgress) until its TTL expires.
+	t.Run("Start", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t, projection.KindSortedSet).withBuckets(t, 3)
+		b.projectRows(t, b.insertMany(t, 20))
+		b.project(t, "orphan", 1)
+		lossy := b.withLostReply(t, "start", true)
+		rep, err := lossy.reconciler(t, nil).Rebuild(ctx)
+		require.ErrorIs(t, err, errLost)
+		require.False(t, rep.Switched)
+		marker, sv, _ := b.rebuildKeys()
+		shadowLayout := b.ks.ShadowLayoutKey(testBoard, b.kind)
+		require.Equal(t, []bool{false, false, false}, b.keysExist(t, marker, sv, shadowLayout))
+		require.True(t, b.state(t, b.reconciler(t, nil), "orphan").HasValue, "live projection untouched")
+
+		rep, err = b.reconciler(t, nil).Rebuild(ctx)
+		require.NoError(t, err, "no marker left to hold the next rebuild off")
+		require.True(t, rep.Switched)
+	})
+
+	// Start was refused (another rebuild's marker), and that reply lost:
+	// the abort that follows must leave the other rebuild's keys alone.
+	t.Run("StartRefused", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t, projection.KindSortedSet)
+		b.insert(t, "a", 1)
+		marker, sv, _ := b.rebuildKeys()
+		require.NoError(t, b.client.Set(ctx, marker, "someone-else", time.Minute).Err())
+		b.project(t, "a", 1) // dual-written into the other rebuild's shadow
+		_, err := b.withLostReply(t, "start", true).reconciler(t, nil).Rebuild(ctx)
+		require.ErrorIs(t, err, errLost)
+		require.Equal(t, []bool{true, true}, b.keysExist(t, marker, sv), "the other rebuild's keys are untouched")
+		require.Equal(t, "someone-else", b.client.Get(ctx, marker).Val())
+	})
+
+	// The switch ran, its reply was lost: the outcome is unknown, not "not
+	// switched", and the abort that follows leaves the switched projection
+	// whole.
+	t.Run("SwitchApplied", func(t *testing.T) {
+		t.Parallel()
+		for _, n := range []int{0, 4} {
+			t.Run(fmt.Sprintf("Buckets%d", n), func(t *testing.T) {
+				t.Parallel()
+				b := setup(t, projection.KindHash).withBuckets(t, n)
+				b.projectRows(t, b.insertMany(t, 20))
+				b.project(t, "orphan", 1)
+				lossy := b.withLostReply(t, "switch", true)
+				rep, err := lossy.reconciler(t, nil).Rebuild(ctx)
+				require.ErrorIs(t, err, ErrRebuildUncertain)
+				require.ErrorIs(t, err, errLost)
+				require.False(t, rep.Switched)
+
+				run, err := b.reconciler(t, nil).Run(ctx, RunOptions{DryRun: true})
+				require.NoError(t, err)
+				require.Equal(t, map[Class]int64{ClassCurrent: 20}, run.Counts, "switched: the orphan is gone, the rest intact")
+				marker, sv, _ := b.rebuildKeys()
+				require.Equal(t, []bool{false, false}, b.keysExist(t, marker, sv))
+			})
+		}
+	})
+
+	// The switch never reached Redis: still unknown to the caller, and the
+	// abort leaves the old projection live.
+	t.Run("SwitchNotSent", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t, projection.KindSortedSet)
+		b.projectRows(t, b.insertMany(t, 20))
+		b.project(t, "orphan", 1)
+		rep, err := b.withLostReply(t, "switch", false).reconciler(t, nil).Rebuild(ctx)
+		require.ErrorIs(t, err, ErrRebuildUncertain)
+		require.False(t, rep.Switched)
+		require.True(t, b.state(t, b.reconciler(t, nil), "orphan").HasValue, "not switched")
 		marker, sv, sver := b.rebuildKeys()
 		require.Equal(t, []bool{false, false, false}, b.keysExist(t, marker, sv, sver))
 	})

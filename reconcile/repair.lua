@@ -4,8 +4,9 @@
 -- the reconciler's layout (version bucket count as a canonical decimal).
 -- For a collection, KEYS[1] is the value key, KEYS[2] the layout key,
 -- KEYS[3] the unbucketed version hash, and version buckets follow; the
--- layout is checked first, by the gate's rule, and a mismatch returns the
--- error "VERITY_LAYOUT live 1 <stored>" with nothing written. Then eight
+-- layout is checked first, by the gate's rule (storedLayout in
+-- projection/gate.lua), and a mismatch returns the error
+-- "VERITY_LAYOUT live 1 <stored>" with nothing written. Then eight
 -- arguments per repair:
 --   base        index into KEYS of the value key
 --   vbase       index into KEYS of the version key (the member's bucket)
@@ -23,19 +24,30 @@
 
 local kind, want = ARGV[1], ARGV[2]
 
--- adoptLayout is set when the collection is empty and has no layout key:
--- a repair that writes into it records the reconciler's layout, as the
--- gate would.
+-- storedLayout is the gate's rule (storedLayout in projection/gate.lua):
+-- the layout key, else "0" for a collection with the unbucketed version
+-- hash (written before layouts were recorded), "missing" for values
+-- without it (a collection that lost its layout key: every entry would
+-- look corrupt, and repairing them would overwrite versions ahead of the
+-- source), nil for an empty collection. The second result tells whether
+-- the layout key records it.
+local function storedLayout()
+  local s = redis.call('GET', KEYS[2])
+  if s then return s, true end
+  if redis.call('EXISTS', KEYS[3]) == 1 then return '0', false end
+  if redis.call('EXISTS', KEYS[1]) == 1 then return 'missing', false end
+  return nil, false
+end
+
+-- adoptLayout is set when the collection has no layout key: the first
+-- repair written records the reconciler's layout, as the gate would.
 local adoptLayout = false
 if kind ~= 'd' then
-  local layout = redis.call('GET', KEYS[2])
-  if not layout and redis.call('EXISTS', KEYS[1], KEYS[3]) > 0 then
-    layout = '0'
-  end
+  local layout, recorded = storedLayout()
   if layout and layout ~= want then
     return redis.error_reply('VERITY_LAYOUT live 1 ' .. layout)
   end
-  adoptLayout = not layout and want ~= '0'
+  adoptLayout = not recorded
 end
 
 local function storedVersion(versionKey, member)
@@ -67,11 +79,11 @@ for a = 3, #ARGV, 8 do
     and matches(storedValue(valueKey, member), ARGV[a + 4])
   if ok then
     local action, version, value = ARGV[a + 5], ARGV[a + 6], ARGV[a + 7]
+    if adoptLayout then
+      redis.call('SET', KEYS[2], want)
+      adoptLayout = false
+    end
     if action == 'set' then
-      if adoptLayout then
-        redis.call('SET', KEYS[2], want)
-        adoptLayout = false
-      end
       if kind == 'z' then
         redis.call('ZADD', valueKey, value, member)
         redis.call('HSET', versionKey, member, version)
