@@ -22,9 +22,8 @@ const (
 
 // runReconcile measures a full reconciliation pass over a board of N users
 // whose projection is current: the board's reconcile.Reconciler with its
-// defaults (keyset pages; the Redis reads of up to ReadAhead = 4 pages in
-// flight while an earlier one is checked; an orphan count check at the
-// end) against a hand-written loop doing the same comparison the plain way
+// defaults (keyset pages; up to ReadAhead = 4 pages read at once, counting
+// the one being checked; an orphan count check at the end) against a hand-written loop doing the same comparison the plain way
 // (keyset pages of 1,000, then one pipelined ZMSCORE + HMGET per page, one
 // after the other). Rows per second of wall time; the two alternate twice.
 //
