@@ -412,7 +412,9 @@ func TestRebuildMigratesLayout(t *testing.T) {
 // overwrite would come back.
 func TestRebuildLostLayoutKey(t *testing.T) {
 	t.Parallel()
-	for _, n := range []int{0, 2, 6} {
+	// Every target count is below the old one (6): buckets the new layout
+	// writes would hide a missing sweep.
+	for _, n := range []int{0, 2, 3} {
 		t.Run(fmt.Sprintf("To%d", n), func(t *testing.T) {
 			t.Parallel()
 			rebuildLostLayout(t, setup(t, projection.KindHash), n)

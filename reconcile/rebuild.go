@@ -113,11 +113,11 @@ func (r *Reconciler) rebuild(ctx context.Context) (*RebuildReport, error) {
 			switchCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), r.cfg.RepairTimeout)
 			rep.Switched, err = step(switchCtx, "switch")
 			cancel()
-			if err == nil && !rep.Switched {
-				err = ErrRebuildAborted
-			}
 			if err != nil && !answered(err) {
 				err = fmt.Errorf("%w: %w", ErrRebuildUncertain, err)
+			}
+			if err == nil && !rep.Switched {
+				err = ErrRebuildAborted // a reply: the marker was gone
 			}
 		}
 	}
@@ -192,6 +192,12 @@ func (r *Reconciler) rebuildStep(ctx context.Context, step, token, ttl string) (
 			layouts[0], args[0] = projection.VersionBucketsMax, "missing"
 		}
 		live, shadow := layouts[0], layouts[1]
+		if step != "switch" {
+			// Only the switch touches the live version keys; the other
+			// steps need not carry them (up to 65,536 of them for a
+			// collection that lost its layout key).
+			live = 0
+		}
 		keys := []string{
 			ks.RebuildMarkerKey(name, kind),
 			ks.ShadowValueKey(name, kind),

@@ -274,6 +274,26 @@ func TestRebuildAborted(t *testing.T) {
 		marker, sv, sver := b.rebuildKeys()
 		require.Equal(t, []bool{false, false, false}, b.keysExist(t, marker, sv, sver))
 	})
+	t.Run("MarkerGoneAtSwitch", func(t *testing.T) {
+		t.Parallel()
+		// The switch's reply says the marker is gone: a definite abort,
+		// not an uncertain outcome.
+		b := setup(t, projection.KindSortedSet)
+		b.insertMany(t, 30)
+		marker, _, _ := b.rebuildKeys()
+		src := &hookedSource{Source: b.source, onPage: func(ctx context.Context, n int) {
+			if n == 4 { // the empty page that ends the copy
+				require.NoError(t, b.client.Del(ctx, marker).Err())
+			}
+		}}
+		r, err := New(src, b.target, &Config{PageSize: 10, RebuildMarkerTTL: time.Minute})
+		require.NoError(t, err)
+		rep, err := r.Rebuild(context.Background())
+		require.ErrorIs(t, err, ErrRebuildAborted)
+		require.NotErrorIs(t, err, ErrRebuildUncertain)
+		require.False(t, rep.Switched)
+		require.EqualValues(t, 4, src.pages.Load())
+	})
 	t.Run("Cancelled", func(t *testing.T) {
 		t.Parallel()
 		b := setup(t, projection.KindHash)
