@@ -22,4 +22,10 @@ func (r *Relay) ClaimOnly(ctx context.Context) ([]Record, error) {
 
 // SetReleaseLockTimeout shortens how long releaseClaim waits for a cut-off
 // claim to end. Call it before the relay is used.
-func (r *Relay) SetReleaseLockTimeout(d time.Duration) { r.releaseLockTimeout = d }
+func (r *Relay) SetReleaseLockTimeout(d time.Duration) { r.releaseTimeouts.lock = d }
+
+// SetReleaseTimeouts replaces releaseClaim's overall bound, its cancel
+// statement's and its wait's cap. Call it before the relay is used.
+func (r *Relay) SetReleaseTimeouts(total, cancel, lock time.Duration) {
+	r.releaseTimeouts = releaseTimeouts{total: total, cancel: cancel, lock: lock}
+}

@@ -54,7 +54,7 @@ type Relay struct {
 	settleSQL  string
 	releaseSQL string
 
-	releaseLockTimeout time.Duration // releaseLockTimeout; tests shorten it
+	releaseTimeouts releaseTimeouts // tests shorten them
 }
 
 // NewRelay returns a Relay that hands rows of the outbox described by cfg
@@ -99,7 +99,11 @@ func NewRelay(pool *pgxpool.Pool, handler Handler, cfg *RelayConfig) (*Relay, er
 		settleSQL:  fmt.Sprintf(settleSQL, ack, n.Outbox, n.Dead, async, n.Leases, partitionCount, partitionBlock),
 		releaseSQL: fmt.Sprintf(releaseClaimSQL, n.Leases),
 
-		releaseLockTimeout: releaseLockTimeout,
+		releaseTimeouts: releaseTimeouts{
+			total:  releaseClaimTimeout,
+			cancel: releaseCancelTimeout,
+			lock:   releaseLockTimeout,
+		},
 	}, nil
 }
 
@@ -461,20 +465,46 @@ func claimLockKey(token uuid.UUID) int64 {
 // stay leased until the lease ends, as they would have without it.
 const releaseClaimTimeout = 5 * time.Second
 
-// releaseLockTimeout bounds the release's wait for the claim's transaction
-// to end (lock_timeout). It is below releaseClaimTimeout so that the server
-// gives up first: the connection then goes back to the pool instead of being
-// dropped mid-statement.
+// releaseCancelTimeout bounds releaseClaim's cancel statement, which may
+// need a new connection (the claim's was dropped). The cancel only speeds
+// the release up, so it must not eat the time the release needs to wait
+// for the claim's end: without its own bound a slow dial or server would
+// leave that wait too little time, and the client's deadline would drop the
+// release's connection mid-statement.
+const releaseCancelTimeout = time.Second
+
+// releaseLockTimeout caps the release's wait for the claim's transaction
+// to end (lock_timeout). The wait gets what is left of releaseClaimTimeout,
+// less releaseServerMargin, up to this.
 const releaseLockTimeout = 4 * time.Second
+
+// releaseUpdateTimeout bounds the UPDATE that frees the partitions
+// (statement_timeout): it runs after the wait, and could wait for locks of
+// its own (lock_timeout applies to each wait, not to the statement).
+const releaseUpdateTimeout = 500 * time.Millisecond
+
+// releaseServerMargin is what the release keeps of its time after the
+// wait, so that the server gives up before the client's deadline: the
+// UPDATE's statement_timeout and half a second for the server's answer to
+// arrive. The connection then goes back to the pool instead of being
+// dropped mid-statement.
+const releaseServerMargin = releaseUpdateTimeout + 500*time.Millisecond
+
+// releaseTimeouts are releaseClaim's time limits (the constants above);
+// tests shorten them.
+type releaseTimeouts struct {
+	total, cancel, lock time.Duration
+}
 
 // The statements of releaseClaim. cancelClaimSQL cancels the claim's
 // statement if the claim's transaction still runs (it holds the advisory
 // lock of the token, $1). The others are sent together (one implicit
 // transaction): the first sets lock_timeout for that transaction only (like
 // SET LOCAL, but with the value as a parameter), the second waits until
-// the claim's transaction has ended, committed or not; the third, with a
-// snapshot taken after that, frees whatever the claim leased and forgets the
-// ids it recorded as handed out: no handler saw them.
+// the claim's transaction has ended, committed or not; the third sets
+// statement_timeout, likewise, for the fourth, which, with a snapshot taken
+// after the wait, frees whatever the claim leased and forgets the ids it
+// recorded as handed out: no handler saw them.
 const (
 	cancelClaimSQL = `SELECT pg_cancel_backend(l.pid)
 FROM pg_locks AS l
@@ -484,31 +514,54 @@ WHERE l.locktype = 'advisory'
   AND ((l.classid::int8 << 32) | l.objid::int8) = $1
   AND l.granted
   AND l.pid <> pg_backend_pid()`
-	releaseLockTimeoutSQL = `SELECT set_config('lock_timeout', $1::text, true)`
-	releaseClaimSQL       = `UPDATE %s SET owner = NULL, leased_until = NULL, inflight = '{}' WHERE owner = $1`
+	releaseLockTimeoutSQL   = `SELECT set_config('lock_timeout', $1::text, true)`
+	releaseUpdateTimeoutSQL = `SELECT set_config('statement_timeout', $1::text, true)`
+	releaseClaimSQL         = `UPDATE %s SET owner = NULL, leased_until = NULL, inflight = '{}' WHERE owner = $1`
 )
 
 // releaseClaim frees the partitions a failed claim may have leased to token
 // (see claimOnce). A failure is logged: the lease then ends on its own.
 func (r *Relay) releaseClaim(ctx context.Context, token uuid.UUID) {
-	ctx, cancel := context.WithTimeout(ctx, releaseClaimTimeout)
+	ctx, cancel := context.WithTimeout(ctx, r.releaseTimeouts.total)
 	defer cancel()
 	key := claimLockKey(token)
 	// Sent on its own: pg_cancel_backend raises an ERROR when this session's
 	// current role lacks the privileges of the claim's login role (under SET
 	// ROLE, for example), which would abort the release with it. Without the
 	// cancel the release still waits for the claim to end by itself.
-	if _, err := r.pool.Exec(ctx, cancelClaimSQL, key); err != nil {
+	cancelCtx, cancelCancel := context.WithTimeout(ctx, r.releaseTimeouts.cancel)
+	_, err := r.pool.Exec(cancelCtx, cancelClaimSQL, key)
+	cancelCancel()
+	if err != nil {
 		r.logger.Debug("outbox relay could not cancel a cut-off claim; waiting for it to end",
 			slog.String("error", err.Error()))
 	}
-	b := &pgx.Batch{}
-	b.Queue(releaseLockTimeoutSQL, fmt.Sprintf("%dms", r.releaseLockTimeout.Milliseconds()))
-	b.Queue(claimLockSQL, key)
-	b.Queue(r.releaseSQL, token)
-	if err := r.pool.SendBatch(ctx, b).Close(); err != nil {
+	failed := func(err error) {
 		r.logger.Warn("outbox relay could not release the partitions of a failed claim; they stay leased until the lease ends",
 			slog.String("error", err.Error()), slog.Duration("lease", r.cfg.LeaseDuration))
+	}
+	conn, err := r.pool.Acquire(ctx)
+	if err != nil {
+		failed(err)
+		return
+	}
+	defer conn.Release()
+	// The wait gets the time left, less the margin, measured once the
+	// connection is at hand: the server gives up before the client does.
+	deadline, _ := ctx.Deadline()
+	wait := min(r.releaseTimeouts.lock, time.Until(deadline)-releaseServerMargin)
+	if wait < time.Millisecond {
+		// lock_timeout 0 would mean no limit at all.
+		failed(fmt.Errorf("no time left to wait for the claim to end: %w", context.DeadlineExceeded))
+		return
+	}
+	b := &pgx.Batch{}
+	b.Queue(releaseLockTimeoutSQL, fmt.Sprintf("%dms", wait.Milliseconds()))
+	b.Queue(claimLockSQL, key)
+	b.Queue(releaseUpdateTimeoutSQL, fmt.Sprintf("%dms", releaseUpdateTimeout.Milliseconds()))
+	b.Queue(r.releaseSQL, token)
+	if err := conn.SendBatch(ctx, b).Close(); err != nil {
+		failed(err)
 	}
 }
 

@@ -97,6 +97,37 @@ func TestRelayReleaseClaim(t *testing.T) {
 		require.EqualValues(t, 1, rp.pool.Stat().IdleConns(), "the release's connection went back to the pool")
 	})
 
+	// A cancel that hangs (a slow dial, a busy server) is given up at its
+	// own timeout, and the wait gets only what is left of the release's
+	// time, less a margin: the server still gives up first and the
+	// connection stays in the pool. The wait's cap here is the release's
+	// whole time, so a wait that ignored the time already spent would
+	// outlast the client's deadline.
+	t.Run("SlowCancelLeavesTheServerTheLastWord", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		rp := newSetRolePool(t, b)
+		logs := &syncBuffer{}
+		r := b.relay(t, rp.pool, &recorder{}, outbox.RelayConfig{LeaseDuration: time.Minute,
+			Logger: slog.New(slog.NewTextHandler(logs, &slog.HandlerOptions{Level: slog.LevelDebug}))})
+		r.SetReleaseTimeouts(2*time.Second, 200*time.Millisecond, 2*time.Second)
+		_, blocker := b.blockNextClaim(t, r)
+
+		rp.refuse.Store(true)
+		rp.stallCancel.Store(true)
+		cctx, cancel := context.WithTimeout(ctx, 300*time.Millisecond)
+		defer cancel()
+		_, err := r.RunOnce(cctx)
+		require.ErrorIs(t, err, context.DeadlineExceeded)
+		require.True(t, rp.cancelStalled.Load(), "the release tried to cancel the claim")
+		require.Contains(t, logLine(t, logs.String(), "could not cancel a cut-off claim"), "deadline exceeded",
+			"the cancel was given up at its own timeout")
+		require.Contains(t, logLine(t, logs.String(), "could not release the partitions"), "lock timeout",
+			"the server gave up waiting before the client's deadline")
+		require.NoError(t, blocker.Commit(ctx))
+		require.EqualValues(t, 1, rp.pool.Stat().IdleConns(), "the release's connection went back to the pool")
+	})
+
 	// A claim whose context ends before its statements leave the client
 	// sent nothing, so there is nothing to release: no round trips (and no
 	// warning if the database is what failed).
@@ -178,6 +209,32 @@ type setRolePool struct {
 	pool   *pgxpool.Pool
 	role   string       // also the sessions' application_name
 	refuse *atomic.Bool // refuse new connections
+	// stallCancel holds the release's cancel statement back until its
+	// context ends; cancelStalled reports that it did.
+	stallCancel, cancelStalled *atomic.Bool
+}
+
+// TraceQueryStart stalls the release's cancel statement (stallCancel).
+func (rp *setRolePool) TraceQueryStart(ctx context.Context, _ *pgx.Conn, data pgx.TraceQueryStartData) context.Context {
+	if rp.stallCancel.Load() && strings.Contains(data.SQL, "pg_cancel_backend(l.pid)") {
+		rp.cancelStalled.Store(true)
+		<-ctx.Done()
+	}
+	return ctx
+}
+
+func (rp *setRolePool) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
+
+// logLine returns the first line of logs that contains msg.
+func logLine(t *testing.T, logs, msg string) string {
+	t.Helper()
+	for line := range strings.Lines(logs) {
+		if strings.Contains(line, msg) {
+			return line
+		}
+	}
+	require.Failf(t, "no such log line", "%q in:\n%s", msg, logs)
+	return ""
 }
 
 func newSetRolePool(t *testing.T, b *testBundle) *setRolePool {
@@ -199,9 +256,10 @@ func newSetRolePool(t *testing.T, b *testBundle) *setRolePool {
 
 	// As in CutOffClaimReleasesItsPartitions, the pool can refuse new
 	// connections once warm, so that pgx's own cancel request never arrives.
-	rp := &setRolePool{role: role, refuse: &atomic.Bool{}}
+	rp := &setRolePool{role: role, refuse: &atomic.Bool{}, stallCancel: &atomic.Bool{}, cancelStalled: &atomic.Bool{}}
 	cfg, err := pgxpool.ParseConfig(b.pg.ConnString)
 	require.NoError(t, err)
+	cfg.ConnConfig.Tracer = rp
 	cfg.MaxConns = 2
 	cfg.ConnConfig.RuntimeParams["application_name"] = role
 	cfg.ConnConfig.DialFunc = func(ctx context.Context, network, addr string) (net.Conn, error) {

@@ -339,13 +339,14 @@ func (s *Service) writeError(w http.ResponseWriter, r *http.Request, err error) 
 		writeJSON(w, http.StatusUnprocessableEntity, errorResponse{Field: "limit", Error: err.Error()})
 	case errors.Is(err, leaderboard.ErrUserNotFound):
 		writeJSON(w, http.StatusNotFound, errorResponse{Error: "user has no score on this leaderboard"})
-	case errors.As(err, &stale):
-		w.Header().Set("Retry-After", "1")
-		writeJSON(w, http.StatusServiceUnavailable, errorResponse{Error: "the leaderboard is catching up; retry shortly"})
 	case errors.Is(context.Cause(r.Context()), errRequestTimeout):
 		// Ours, not the client's: it is still waiting for an answer. A
 		// submit cut short may or may not have committed; retrying it with
-		// the same Idempotency-Key is safe either way.
+		// the same Idempotency-Key is safe either way. Checked before the
+		// stale case: under FailClosed a read that the deadline cut short
+		// can fail as stale (the lag or version it waited for was not
+		// reached in time), and "catching up" would give the client the
+		// wrong reason and keep the timeout out of the log.
 		if r.URL.Path == "/scores" {
 			s.metrics.countSubmit(r.Context(), "error")
 		}
@@ -353,6 +354,9 @@ func (s *Service) writeError(w http.ResponseWriter, r *http.Request, err error) 
 			slog.Duration("timeout", s.cfg.RequestTimeout), slog.Any("err", err))
 		w.Header().Set("Retry-After", "1")
 		writeJSON(w, http.StatusServiceUnavailable, errorResponse{Error: "the request took too long; retry shortly"})
+	case errors.As(err, &stale):
+		w.Header().Set("Retry-After", "1")
+		writeJSON(w, http.StatusServiceUnavailable, errorResponse{Error: "the leaderboard is catching up; retry shortly"})
 	case r.Context().Err() != nil:
 		// The client went away; nobody reads the answer.
 		w.WriteHeader(http.StatusServiceUnavailable)

@@ -9,6 +9,7 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
+	"runtime/debug"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -343,7 +344,7 @@ func (s *Service) snapshot(ctx context.Context) *statsSnapshot {
 	ch := s.statsGroup.DoChan("stats", func() (any, error) {
 		ctx, cancel := context.WithTimeout(readCtx, statsTimeout)
 		defer cancel()
-		snap := s.readStats(ctx)
+		snap := s.readStatsRecovered(ctx)
 		// Stored before the flight ends, so a caller arriving after it
 		// finds the cache instead of starting another read.
 		s.statsMu.Lock()
@@ -357,6 +358,20 @@ func (s *Service) snapshot(ctx context.Context) *statsSnapshot {
 	case <-ctx.Done():
 		return &statsSnapshot{At: time.Now(), Err: ctx.Err()}
 	}
+}
+
+// readStatsRecovered is readStats with a panic turned into a failed
+// snapshot (cached and answered like any failed read). It must not escape
+// the function passed to DoChan: singleflight re-raises it on a goroutine
+// of its own, where nothing recovers it and the whole process dies.
+func (s *Service) readStatsRecovered(ctx context.Context) (snap *statsSnapshot) {
+	defer func() {
+		if p := recover(); p != nil {
+			s.logger.Error("stats read panicked", slog.Any("panic", p), slog.String("stack", string(debug.Stack())))
+			snap = &statsSnapshot{At: time.Now(), Err: fmt.Errorf("stats read panicked: %v", p)}
+		}
+	}()
+	return s.readStats(ctx)
 }
 
 // readSnapshot reads the outbox backlog (Stats covers the whole outbox

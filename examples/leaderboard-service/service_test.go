@@ -5,6 +5,7 @@ import (
 	"errors"
 	"log/slog"
 	"net/http"
+	"net/http/httptest"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -92,6 +93,36 @@ func TestSnapshotSingleFlight(t *testing.T) {
 	}, 5*statsTTL, statsTTL/10)
 }
 
+// TestSnapshotPanic makes the stats read panic: singleflight re-raises a
+// panic of DoChan's function on a goroutine of its own, which would kill the
+// process; /stats must answer 500 instead, and work again once the read
+// does.
+func TestSnapshotPanic(t *testing.T) {
+	t.Parallel()
+	var logs lockedBuffer
+	tb := setup(t).withService(t, ServiceConfig{Logger: slog.New(slog.NewTextHandler(&logs, nil))})
+	read := tb.svc.readStats
+	var panicking atomic.Bool
+	panicking.Store(true)
+	tb.svc.readStats = func(ctx context.Context) *statsSnapshot {
+		if panicking.Load() {
+			panic("stats read exploded")
+		}
+		return read(ctx)
+	}
+
+	res := tb.do(t, http.MethodGet, "/stats", nil, "")
+	require.Equal(t, http.StatusInternalServerError, res.status, "%s", res.body)
+	require.Equal(t, "internal error", res.json(t)["error"])
+	require.Contains(t, logs.String(), "stats read panicked")
+	require.Contains(t, logs.String(), "stats read exploded")
+
+	panicking.Store(false)
+	require.Eventually(t, func() bool {
+		return tb.do(t, http.MethodGet, "/stats", nil, "").status == http.StatusOK
+	}, 5*statsTTL, statsTTL/10, "/stats answers again once the read works")
+}
+
 // TestStatsDuringPostgresStall stalls the real stats query behind a table
 // lock: /stats answers at the request deadline instead of queueing behind
 // the read, and the concurrent requests cost one query between them.
@@ -151,6 +182,34 @@ func TestRequestTimeout(t *testing.T) {
 		res = tb.submit(t, key, `{"user_id":"ada","delta":1}`)
 		require.Contains(t, []int{http.StatusCreated, http.StatusOK}, res.status, "%s", res.body)
 		require.EqualValues(t, 1, res.json(t)["score"])
+	})
+
+	// Under FailClosed a read cut short by the deadline can fail as stale:
+	// it is still the request's timeout, answered and logged as one.
+	t.Run("StaleAfterDeadline", func(t *testing.T) {
+		t.Parallel()
+		const timeout = 50 * time.Millisecond
+		var logs lockedBuffer
+		tb := setup(t).withService(t, ServiceConfig{RequestTimeout: timeout,
+			Logger: slog.New(slog.NewTextHandler(&logs, nil))})
+		svc := tb.svc
+		h := svc.withTimeout(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			<-r.Context().Done()
+			svc.writeError(w, r, &leaderboard.StaleError{Lag: -1, MaxLag: time.Millisecond})
+		}))
+		rec := httptest.NewRecorder()
+		h.ServeHTTP(rec, httptest.NewRequestWithContext(t.Context(), http.MethodGet, "/leaderboard", nil))
+		require.Equal(t, http.StatusServiceUnavailable, rec.Code, "%s", rec.Body)
+		require.Equal(t, "1", rec.Header().Get("Retry-After"))
+		require.Equal(t, "the request took too long; retry shortly", response{body: rec.Body.Bytes()}.json(t)["error"])
+		require.Contains(t, logs.String(), "request timed out")
+
+		// Without the deadline, the same error is staleness.
+		rec = httptest.NewRecorder()
+		svc.writeError(rec, httptest.NewRequestWithContext(t.Context(), http.MethodGet, "/leaderboard", nil),
+			&leaderboard.StaleError{Lag: -1, MaxLag: time.Millisecond})
+		require.Equal(t, http.StatusServiceUnavailable, rec.Code)
+		require.Equal(t, "the leaderboard is catching up; retry shortly", response{body: rec.Body.Bytes()}.json(t)["error"])
 	})
 
 	t.Run("Default", func(t *testing.T) {
