@@ -99,9 +99,11 @@
 // Config.LagProbeInterval; a measurement reused for longer, while a slow
 // probe is under way, adds its age to the lag, so Lag understates the
 // truth by less than LagProbeInterval. A dead letter of the board counts
-// until it is replayed or deleted, or until its user has a newer version
-// (which carries the user's whole score, so it counts while pending and
-// makes the dead letter moot once projected).
+// until it is replayed or deleted, or until a newer version of its user
+// has reached Redis (it carries the user's whole score, which makes the
+// dead letter moot): the dead letter keeps counting while any change of
+// that user is pending, and when the user's current version was
+// dead-lettered too.
 //
 // When Lag exceeds Config.MaxLag, Config.ReadPolicy decides: ServeStale
 // answers from Redis anyway (the Freshness tells the caller), FallbackToPostgres

@@ -55,10 +55,11 @@ type Freshness struct {
 	// the database clock: the age of the board's oldest outbox row that is
 	// pending or dead-lettered (a dead letter counts from its original
 	// creation until it is replayed or deleted, since Redis may never get
-	// it). When there was none at the last measurement, Lag is 0 while that
-	// measurement is younger than Config.LagProbeInterval and its age after
-	// that (a probe under way can take longer, and a change may have been
-	// waiting since), so Lag understates the true lag by less than
+	// it, or until a newer version of its user has reached Redis). When
+	// there was none at the last measurement, Lag is 0 while that
+	// measurement is younger than Config.LagProbeInterval and its age
+	// after that (a probe under way can take longer, and a change may have
+	// been waiting since), so Lag understates the true lag by less than
 	// LagProbeInterval. 0 for PostgreSQL answers; negative when it could
 	// not be measured (PostgreSQL unreachable).
 	Lag time.Duration

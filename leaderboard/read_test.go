@@ -2,11 +2,13 @@ package leaderboard
 
 import (
 	"context"
+	"encoding/json"
 	"sort"
 	"testing"
 	"time"
 
 	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
@@ -487,18 +489,11 @@ func TestFreshnessProbe(t *testing.T) {
 		})
 		tb.submit(t, "user-a", 10)
 		tb.drain(t)
-		tb.submit(t, "user-a", 7)
 
 		// Version 2 is buried, as in DeadLettersCountAsLag.
-		key := tb.board.SortedSetKey()
-		require.NoError(t, tb.rd.Client.Rename(ctx, key, key+":saved").Err())
-		require.NoError(t, tb.rd.Client.Set(ctx, key, "x", 0).Err())
-		w, err := tb.board.Worker(&WorkerConfig{Relay: &outbox.RelayConfig{MaxAttempts: 1}})
-		require.NoError(t, err)
-		_, _ = w.Drain(ctx)
-		require.NoError(t, tb.rd.Client.Rename(ctx, key+":saved", key).Err())
-		_, err = tb.pg.Pool.Exec(ctx, `UPDATE verity_outbox_dead SET created_at = created_at - interval '1 minute'`)
-		require.NoError(t, err)
+		tb.submit(t, "user-a", 7)
+		tb.bury(t)
+		tb.ageDeadLetters(t, time.Minute)
 
 		// Newer versions of another user, or of the same user on another
 		// board, supersede nothing.
@@ -515,13 +510,14 @@ func TestFreshnessProbe(t *testing.T) {
 		require.ErrorAs(t, err, &stale)
 		require.Greater(t, stale.Lag, 59*time.Second)
 
-		// Version 3, pending: it is the lag now, not the dead letter.
+		// Version 3, pending: Redis still lacks version 2's change, so the
+		// lag is the dead letter's age, not the younger pending row's.
 		require.Equal(t, int64(3), tb.submit(t, "user-a", 1).Version)
 		_, err = tb.pg.Pool.Exec(ctx, `UPDATE verity_outbox SET created_at = created_at - interval '30 seconds' WHERE stream = $1`, tb.board.Stream())
 		require.NoError(t, err)
-		fr := tb.board.Freshness(ctx)
-		require.GreaterOrEqual(t, fr.Lag, 30*time.Second)
-		require.Less(t, fr.Lag, 59*time.Second)
+		age := tb.oldestDeadLetterAge(t)
+		require.Greater(t, age, 59*time.Second)
+		require.GreaterOrEqual(t, tb.board.Freshness(ctx).Lag, age)
 
 		// Version 3 projected: Redis is right, and reads are served from
 		// it under every policy although the dead letter is still there.
@@ -538,5 +534,161 @@ func TestFreshnessProbe(t *testing.T) {
 		require.NoError(t, err)
 		require.Equal(t, SourceRedis, r.Freshness.Source)
 		require.Zero(t, r.Freshness.Lag)
+
+		// Another user's pending change is that change's lag only.
+		tb.submit(t, "user-b", 1)
+		fr := tb.board.Freshness(ctx)
+		require.Less(t, fr.Lag, 30*time.Second)
 	})
+
+	t.Run("DeadLetterCountsWhileNewerVersionIsDead", func(t *testing.T) {
+		t.Parallel()
+		tb := setup(t, func(c *Config) {
+			c.ReadPolicy = FailClosed
+			c.MaxLag = 50 * time.Millisecond
+			c.LagProbeInterval = time.Nanosecond
+		})
+		tb.submit(t, "user-a", 10)
+		tb.drain(t)
+
+		// Versions 2 and 3 are both buried: Redis holds version 1.
+		tb.submit(t, "user-a", 7)
+		tb.bury(t)
+		tb.ageDeadLetters(t, time.Minute)
+		require.Equal(t, int64(3), tb.submit(t, "user-a", 1).Version)
+		tb.bury(t)
+		var dead int
+		require.NoError(t, tb.pg.Pool.QueryRow(ctx, `SELECT count(*) FROM verity_outbox_dead`).Scan(&dead))
+		require.Equal(t, 2, dead)
+
+		// Version 3 supersedes version 2 in PostgreSQL only: the older dead
+		// letter is the lag.
+		age := tb.oldestDeadLetterAge(t)
+		require.Greater(t, age, 59*time.Second)
+		_, err := tb.board.Top(ctx, 10)
+		var stale *StaleError
+		require.ErrorAs(t, err, &stale)
+		require.GreaterOrEqual(t, stale.Lag, age)
+		r, err := tb.board.Top(ctx, 10, WithPolicy(ServeStale))
+		require.NoError(t, err)
+		require.Equal(t, int64(10), r.Entries[0].Score)
+
+		// Version 4 projected supersedes both: Redis is right.
+		tb.submit(t, "user-a", 1)
+		tb.drain(t)
+		r, err = tb.board.Top(ctx, 10)
+		require.NoError(t, err)
+		require.Equal(t, SourceRedis, r.Freshness.Source)
+		require.Zero(t, r.Freshness.Lag)
+		require.Equal(t, int64(19), r.Entries[0].Score)
+	})
+}
+
+// bury runs the board's relay once over every pending row while Redis
+// refuses the projection (a value of the wrong type in place of the sorted
+// set): each row's only attempt fails and buries it.
+func (tb *testBundle) bury(t *testing.T) {
+	t.Helper()
+	ctx := context.Background()
+	key := tb.board.SortedSetKey()
+	require.NoError(t, tb.rd.Client.Rename(ctx, key, key+":saved").Err())
+	require.NoError(t, tb.rd.Client.Set(ctx, key, "x", 0).Err())
+	w, err := tb.board.Worker(&WorkerConfig{Relay: &outbox.RelayConfig{MaxAttempts: 1}})
+	require.NoError(t, err)
+	_, _ = w.Drain(ctx)
+	require.NoError(t, tb.rd.Client.Rename(ctx, key+":saved", key).Err())
+	var pending int
+	require.NoError(t, tb.pg.Pool.QueryRow(ctx, `SELECT count(*) FROM verity_outbox`).Scan(&pending))
+	require.Zero(t, pending)
+}
+
+// ageDeadLetters moves the creation time of every dead letter d back.
+func (tb *testBundle) ageDeadLetters(t *testing.T, d time.Duration) {
+	t.Helper()
+	_, err := tb.pg.Pool.Exec(context.Background(),
+		`UPDATE verity_outbox_dead SET created_at = created_at - $1::interval`, d)
+	require.NoError(t, err)
+}
+
+// oldestDeadLetterAge returns the age of the oldest dead letter by the
+// database clock.
+func (tb *testBundle) oldestDeadLetterAge(t *testing.T) time.Duration {
+	t.Helper()
+	var age time.Duration
+	require.NoError(t, tb.pg.Pool.QueryRow(context.Background(),
+		`SELECT clock_timestamp() - min(created_at) FROM verity_outbox_dead`).Scan(&age))
+	return age
+}
+
+// TestLagProbePlan checks the plan PostgreSQL caches for the lag probe: pgx
+// prepares the statement, and from its sixth run PostgreSQL may use a
+// generic plan, which cannot see the stream. The dead-letter table holds
+// another stream's dead letters only, so its statistics say one stream holds
+// them all; the plan must still read this stream's dead letters by the
+// (stream, id) index (not walk the table in id order filtering on stream),
+// and check the pending and dead sets by hashed subplans (read once, not
+// once per dead letter).
+func TestLagProbePlan(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	tb := setup(t)
+	_, err := tb.pg.Pool.Exec(ctx, `INSERT INTO verity_outbox_dead
+		(id, event_id, stream, key, version, payload, created_at, attempts, last_error)
+		SELECT i, gen_random_uuid(), 'leaderboard:other', 'user-' || i, 1, '', now(), 1, 'x'
+		FROM generate_series(1, 5000) AS i`)
+	require.NoError(t, err)
+	_, err = tb.pg.Pool.Exec(ctx, `ANALYZE verity_outbox_dead`)
+	require.NoError(t, err)
+
+	conn, err := pgx.Connect(ctx, tb.pg.ConnString)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = conn.Close(context.Background()) })
+	_, err = conn.Exec(ctx, `SET plan_cache_mode = force_generic_plan`)
+	require.NoError(t, err)
+	_, err = conn.Exec(ctx, `PREPARE lag AS `+tb.board.sql.lag)
+	require.NoError(t, err)
+	var doc string
+	require.NoError(t, conn.QueryRow(ctx, `EXPLAIN (FORMAT JSON) EXECUTE lag($1, $2)`,
+		pgx.QueryExecModeSimpleProtocol, tb.board.Stream(), tb.board.Config().Name).Scan(&doc))
+	var plans []struct{ Plan planNode }
+	require.NoError(t, json.Unmarshal([]byte(doc), &plans))
+	require.Len(t, plans, 1)
+
+	// The scan of the stream's dead letters, in (stream, id) order.
+	scans := plans[0].Plan.find(func(n *planNode) bool { return n.Alias == "d" })
+	require.Len(t, scans, 1, doc)
+	require.Equal(t, "Index Scan", scans[0].NodeType, doc)
+	require.Equal(t, outbox.TableDefault+"_dead_stream_idx", scans[0].IndexName, doc)
+
+	// The pending and dead sets: each a hashed subplan.
+	for _, alias := range []string{"o", "n"} {
+		subplans := plans[0].Plan.find(func(n *planNode) bool {
+			return n.SubplanName != "" && len(n.find(func(m *planNode) bool { return m.Alias == alias })) > 0
+		})
+		require.NotEmpty(t, subplans, doc)
+		sp := subplans[len(subplans)-1] // the innermost
+		require.Contains(t, doc, "hashed "+sp.SubplanName+")", doc)
+	}
+}
+
+// planNode is a node of EXPLAIN (FORMAT JSON).
+type planNode struct {
+	NodeType    string     `json:"Node Type"`
+	Alias       string     `json:"Alias"`
+	IndexName   string     `json:"Index Name"`
+	SubplanName string     `json:"Subplan Name"`
+	Plans       []planNode `json:"Plans"`
+}
+
+// find returns the nodes of the tree under n (n included) that match, in
+// depth-first order.
+func (n *planNode) find(match func(*planNode) bool) []*planNode {
+	var out []*planNode
+	if match(n) {
+		out = append(out, n)
+	}
+	for i := range n.Plans {
+		out = append(out, n.Plans[i].find(match)...)
+	}
+	return out
 }

@@ -282,23 +282,52 @@ ORDER BY -w.score, w.user_id`
 // not be asked) keeps Lag's meaning: the age of the oldest change Redis
 // may not reflect; it exceeds MaxLag once the dead letter is MaxLag old.
 //
-// A dead letter stops counting once its user (the row's key) has a newer
-// version in user_scores: payloads are absolute, and that newer version is
-// either pending (the first subquery counts it), projected (Redis holds
-// newer state, so the dead letter no longer matters) or dead itself
-// (counted on its own). Otherwise one dead letter would keep Lag above
-// MaxLag for good, and FailClosed and FallbackToPostgres boards would
-// refuse or divert every read although Redis is right.
+// A dead letter stops counting once a newer version of its user (the row's
+// key) has reached Redis: payloads are absolute, so Redis then holds newer
+// state and the dead letter no longer matters. Otherwise one dead letter
+// would keep Lag above MaxLag for good, and FailClosed and FallbackToPostgres
+// boards would refuse or divert every read although Redis is right. The
+// user's current version (user_scores) has reached Redis when it is newer
+// than the dead letter, none of the user's rows is pending in the outbox
+// (the first subquery would count only the pending row's own, younger age)
+// and the current version is not dead-lettered itself (then Redis has
+// neither, and the older dead letter keeps counting). Dead letters between
+// the two do not matter: the current version's payload replaces them. A
+// dead letter of the current version never stops counting this way.
 //
 // The outbox's partial index on created_at makes the first subquery a short
 // index scan (it skips pending rows of other streams that are older). The
-// second reads the stream's dead letters in id order (by the dead-letter
-// table's (stream, id) index, or its primary key filtered by stream) and
-// stops at the first one not superseded; each check is a primary-key
-// lookup in user_scores. The table is normally empty (every row is an
-// alert); a superseded dead letter costs one lookup per probe until it is
-// deleted. Outbox ids follow creation order up to the length of a writing
-// transaction, which is close enough for an age compared with MaxLag.
+// second reads the stream's dead letters in id order by the dead-letter
+// table's (stream, id) index and stops at the first one not superseded;
+// each check is a primary-key lookup in user_scores, and only a dead letter
+// whose user has a newer version goes on to the pending and dead checks.
+// Those are uncorrelated NOT IN subqueries on equalities, which PostgreSQL
+// runs as hashed subplans: each reads its set once per probe, and only when
+// some dead letter gets that far (a test for any newer dead letter, an
+// inequality, could not be hashed and would rescan the stream's dead
+// letters for each). No outbox index covers (stream, key): the pending
+// set is read by a partial index on published_at IS NULL and filtered by
+// stream, which is cheap because pending rows are few unless the relays
+// are behind (and then that backlog is the lag anyway). Were a stream's
+// pending keys too many for work_mem, the subplan would run unhashed, once
+// per superseded dead letter. The dead-letter table is normally empty
+// (every row is an alert); a superseded dead letter costs one lookup per
+// probe until it is deleted. Outbox ids follow creation order up to the
+// length of a writing transaction, which is close enough for an age
+// compared with MaxLag.
+//
+// The dead-letter scans bound the stream by two inequalities, not one
+// equality, and the second subquery orders by (stream, id), which is id
+// order within the one stream: only the (stream, id) index returns rows in
+// that order. Given stream = $1 and ORDER BY id, the planner may instead
+// walk the primary key and filter on stream, and a generic plan (pgx caches
+// the statement; PostgreSQL plans it generically from its sixth run) cannot
+// see $1: it takes that walk when the statistics say one stream holds most
+// dead letters, and then reads the whole table whenever this stream has
+// none, the normal case. The column has the database's default collation,
+// which is deterministic, so the inequalities select exactly the equal
+// strings. TestLagProbePlan checks the generic plan.
+//
 // LEAST ignores NULLs: the result is NULL only when neither has a row.
 const lagSQL = `
 SELECT clock_timestamp(), LEAST(
@@ -312,15 +341,25 @@ SELECT clock_timestamp(), LEAST(
     (
         SELECT d.created_at
         FROM {{outbox_dead}} AS d
-        WHERE d.stream = $1::text
+        WHERE d.stream >= $1::text AND d.stream <= $1::text
           AND NOT EXISTS (
               SELECT 1
               FROM {{user_scores}} AS s
               WHERE s.board = $2::text
                 AND s.user_id = d.key COLLATE "C"
                 AND s.version > d.version
+                AND d.key NOT IN (
+                    SELECT o.key
+                    FROM {{outbox}} AS o
+                    WHERE o.published_at IS NULL AND o.stream = $1::text
+                )
+                AND (d.key, s.version) NOT IN (
+                    SELECT n.key, n.version
+                    FROM {{outbox_dead}} AS n
+                    WHERE n.stream >= $1::text AND n.stream <= $1::text
+                )
           )
-        ORDER BY d.id
+        ORDER BY d.stream, d.id
         LIMIT 1
     )
 )`
