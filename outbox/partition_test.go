@@ -128,24 +128,7 @@ func TestRelayPartitionLeases(t *testing.T) {
 		c2.Release()
 		h := &recorder{}
 		r := b.relay(t, pool, h, outbox.RelayConfig{LeaseDuration: time.Minute})
-		b.appendCommitted(t, newMessage("s", "warm-up", 1)) // prepares the claim statements
-		n, err := r.RunOnce(ctx)
-		require.NoError(t, err)
-		require.Equal(t, 1, n)
-
-		msg := newMessage("s", "k", 1)
-		b.appendCommitted(t, msg)
-		id := b.rows(t)[0].ID
-		// A crashed relay's expired lease lists the row, so the claim's
-		// attempt-counting UPDATE must lock it; a writer holds that lock.
-		_, err = b.pool.Exec(ctx, `UPDATE `+b.leasesTable()+` SET owner = gen_random_uuid(), leased_until = now() - interval '1 second',
-			inflight = int8multirange(int8range($1, $1, '[]')), touched_at = '-infinity' WHERE part = mod($1 / 256, 64)`, id)
-		require.NoError(t, err)
-		blocker, err := b.pool.Begin(ctx)
-		require.NoError(t, err)
-		defer blocker.Rollback(ctx) //nolint:errcheck // no-op after commit
-		_, err = blocker.Exec(ctx, `SELECT 1 FROM `+b.writer.Table()+` WHERE id = $1 FOR UPDATE`, id)
-		require.NoError(t, err)
+		msg, blocker := b.blockNextClaim(t, r)
 
 		refuse.Store(true)
 		cctx, cancel := context.WithTimeout(ctx, 300*time.Millisecond)
@@ -165,7 +148,7 @@ func TestRelayPartitionLeases(t *testing.T) {
 		require.Zero(t, leased, "no partition is leased to the cut-off claim")
 		refuse.Store(false)
 
-		n, err = r.RunOnce(ctx)
+		n, err := r.RunOnce(ctx)
 		require.NoError(t, err)
 		require.Equal(t, 1, n, "the row is claimable at once")
 		seen := h.seen()
