@@ -108,7 +108,7 @@
 // buckets, ran at 0.46–1.06× (median about 0.8×) the unbucketed
 // throughput in six alternating runs at load 5. Reconciliation pays more:
 // a page of source rows touches a bucket per member instead of one hash,
-// so a full pass ran at 0.34–0.6× the unbucketed speed (see package
+// so a full pass ran at 0.34–0.7× the unbucketed speed (see package
 // reconcile). Collections without buckets pay one GET of the layout key
 // per collection per script call (and up to two EXISTS while it is
 // absent: an empty collection, or one older than layout keys, until a
@@ -202,7 +202,7 @@
 //
 // With Config.MeterProvider set, the projector reports OpenTelemetry metrics
 // (verity.projection.*): the gate's verdicts by outcome (applied, duplicate,
-// stale) and mode (live, shadow), records that failed by reason (map,
+// stale, unknown) and mode (live, shadow), records that failed by reason (map,
 // corrupt_version, layout, redis; when a Mapper refuses records, Project
 // fails the whole batch but counts only those records), the gate's
 // round-trip time, and verity.projection.lag, the commit-to-visible lag of

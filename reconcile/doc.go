@@ -196,7 +196,7 @@
 //	  312 version buckets (rows / 64)       ~282,000-328,000 rows/s
 //	VERITY_BENCH_ROWS=200000, 3,125 buckets  ~310,000-335,000 vs ~134,000-161,000 rows/s
 //	go run ./examples/benchmark -only reconcile   (200,000 users, load 3-4)
-//	  3,125 version buckets: 0.34-0.54x the one-hash pass
+//	  3,125 version buckets: 0.34-0.54x the one-hash pass (0.48-0.61x on 2026-12-01, load 1-2)
 //	VERITY_TEST_MILLION=1 go test -run TestMillionRows -v ./reconcile
 //	  1,000,000 rows, 1,000 repaired        8.2 s (~120,000 rows/s), peak heap ~5 MiB
 //	  the same with a forced orphan scan    20.8 s

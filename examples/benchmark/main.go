@@ -11,7 +11,7 @@
 //     and projection.RedisProjector, against the seed worker (a transaction
 //     holding FOR UPDATE SKIP LOCKED per batch, one EVALSHA per event with a
 //     marker key, pipelined, then UPDATE … SET published_at). Same rows, same
-//     worker count (-relays) and, by default, batch size (100). drain_1_worker: one each.
+//     worker count (-relays) and, by default, batch size (outbox.BatchSizeDefault, 1000; the seed keeps its LIMIT 100). drain_1_worker: one each.
 //   - ingest: leaderboard.Submit with 8 clients against the seed's
 //     five-statement transaction; ingest_submit_batch: SubmitBatch of 1,000
 //     commands from one client, against the same seed figure.
