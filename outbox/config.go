@@ -98,6 +98,7 @@ type names struct {
 	CreatedIndex            string
 	DeadEventIndex          string
 	DeadStreamIndex         string
+	PendingKeyIndex         string
 	IdempotencyCreatedIndex string
 	Leases                  string // quoted schema.table_leases
 	PartitionIndex          string
@@ -124,6 +125,7 @@ func newNames(schema, table string) names {
 		CreatedIndex:            pgx.Identifier{table + "_created_idx"}.Sanitize(),
 		DeadEventIndex:          pgx.Identifier{table + "_dead_event_idx"}.Sanitize(),
 		DeadStreamIndex:         pgx.Identifier{table + "_dead_stream_idx"}.Sanitize(),
+		PendingKeyIndex:         pgx.Identifier{table + "_pending_key_idx"}.Sanitize(),
 		IdempotencyCreatedIndex: pgx.Identifier{table + "_idempotency_created_idx"}.Sanitize(),
 		Leases:                  qualified(table + "_leases"),
 		PartitionIndex:          pgx.Identifier{table + "_partition_idx"}.Sanitize(),
