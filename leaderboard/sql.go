@@ -301,22 +301,18 @@ ORDER BY -w.score, w.user_id`
 // table's (stream, id) index and stops at the first one not superseded;
 // each check is a primary-key lookup in user_scores, and only a dead letter
 // whose user has a newer version goes on to the pending and dead checks.
-// The pending check is a correlated NOT EXISTS that the outbox's partial
-// index on (stream, key) WHERE published_at IS NULL (outbox migration 005)
-// serves: one index probe per dead letter that gets that far, however
-// large the stream's backlog. (An uncorrelated NOT IN over the stream's
-// pending keys is hashed only while that set fits in work_mem; past a few
-// hundred thousand pending rows, the backlog a Redis outage leaves, it
-// re-reads the set for each such dead letter: seconds to minutes a probe.)
-// Both sides of o.key = d.key are text in the default collation, so the
-// comparison is the index's. The dead check is an uncorrelated NOT IN on
-// equalities, which PostgreSQL runs as a hashed subplan: it reads the
-// stream's dead letters, normally few, once per probe, and only when some
-// dead letter gets that far (a test for any newer dead letter, an
+// Those are uncorrelated NOT IN subqueries on equalities, which PostgreSQL
+// runs as hashed subplans: each reads its set once per probe, and only when
+// some dead letter gets that far (a test for any newer dead letter, an
 // inequality, could not be hashed and would rescan the stream's dead
-// letters for each). The dead-letter table is normally empty
-// (every row is an alert); a superseded dead letter costs two index
-// lookups per probe until it is deleted. Outbox ids follow creation order up to the
+// letters for each). No outbox index covers (stream, key): the pending
+// set is read by a partial index on published_at IS NULL and filtered by
+// stream, which is cheap because pending rows are few unless the relays
+// are behind (and then that backlog is the lag anyway). Were a stream's
+// pending keys too many for work_mem, the subplan would run unhashed, once
+// per superseded dead letter. The dead-letter table is normally empty
+// (every row is an alert); a superseded dead letter costs one lookup per
+// probe until it is deleted. Outbox ids follow creation order up to the
 // length of a writing transaction, which is close enough for an age
 // compared with MaxLag.
 //
@@ -352,11 +348,10 @@ SELECT clock_timestamp(), LEAST(
               WHERE s.board = $2::text
                 AND s.user_id = d.key COLLATE "C"
                 AND s.version > d.version
-                AND NOT EXISTS (
-                    SELECT 1
+                AND d.key NOT IN (
+                    SELECT o.key
                     FROM {{outbox}} AS o
-                    WHERE o.stream = $1::text AND o.key = d.key
-                      AND o.published_at IS NULL
+                    WHERE o.published_at IS NULL AND o.stream = $1::text
                 )
                 AND (d.key, s.version) NOT IN (
                     SELECT n.key, n.version

@@ -98,7 +98,6 @@ type names struct {
 	CreatedIndex            string
 	DeadEventIndex          string
 	DeadStreamIndex         string
-	PendingKeyIndex         string
 	IdempotencyCreatedIndex string
 	Leases                  string // quoted schema.table_leases
 	PartitionIndex          string
@@ -125,7 +124,6 @@ func newNames(schema, table string) names {
 		CreatedIndex:            pgx.Identifier{table + "_created_idx"}.Sanitize(),
 		DeadEventIndex:          pgx.Identifier{table + "_dead_event_idx"}.Sanitize(),
 		DeadStreamIndex:         pgx.Identifier{table + "_dead_stream_idx"}.Sanitize(),
-		PendingKeyIndex:         pgx.Identifier{table + "_pending_key_idx"}.Sanitize(),
 		IdempotencyCreatedIndex: pgx.Identifier{table + "_idempotency_created_idx"}.Sanitize(),
 		Leases:                  qualified(table + "_leases"),
 		PartitionIndex:          pgx.Identifier{table + "_partition_idx"}.Sanitize(),

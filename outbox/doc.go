@@ -212,12 +212,6 @@
 // relay wait. Migration 004 indexes the dead-letter table by (stream, id),
 // for consumers that look up a stream's dead letters (the leaderboard's lag
 // probe); the dead-letter table is normally small, so its build is short.
-// Migration 005 indexes pending rows by (stream, key), for "is anything
-// pending for this key" lookups (the leaderboard's lag probe asks it for
-// each dead letter whose user has a newer version); without it such a
-// lookup reads the stream's whole backlog once the backlog outgrows
-// work_mem. Its build on a large backlog holds the SHARE lock like 003's;
-// CREATE INDEX CONCURRENTLY beforehand avoids that in the same way.
 // With names free of line breaks and "--", no line inside a statement of
 // the migrations ends with a semicolon, so tools that split scripts at such
 // lines (goose, without StatementBegin and StatementEnd annotations) apply

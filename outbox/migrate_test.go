@@ -29,7 +29,7 @@ func TestMigrationsForTools(t *testing.T) {
 			names = append(names, m.Name)
 		}
 		require.Equal(t, []string{"001_outbox.sql", "002_queue_autovacuum.sql", "003_partition_leases.sql",
-			"004_dead_stream_index.sql", "005_pending_key_index.sql"}, names)
+			"004_dead_stream_index.sql"}, names)
 		script, err := outbox.MigrationSQL(nil)
 		require.NoError(t, err)
 		for _, name := range names {
@@ -58,7 +58,7 @@ func TestMigrationsForTools(t *testing.T) {
 					require.True(t, strings.HasSuffix(stmt, "\n"+tag[1]+";"), "%s: DO block cut apart:\n%s", m.Name, stmt)
 				}
 			}
-			require.Equal(t, 8, blocks, "one DO block per index")
+			require.Equal(t, 7, blocks, "one DO block per index")
 		}
 	})
 
@@ -87,11 +87,9 @@ func TestMigrationsForTools(t *testing.T) {
 		indexes, err := pgx.CollectRows(rows, pgx.RowTo[string])
 		require.NoError(t, err)
 		// That the leaderboard's lag probe reads dead letters by
-		// _dead_stream_idx and pending rows by _pending_key_idx, also in a
-		// generic plan, is checked by its own test
-		// (leaderboard.TestLagProbePlan) against the real statement.
-		require.Subset(t, indexes, []string{cfg.Table + "_dead_stream_idx", cfg.Table + "_pending_key_idx",
-			cfg.Table + "_partition_idx"})
+		// _dead_stream_idx, also in a generic plan, is checked by its own
+		// test (leaderboard.TestLagProbePlan) against the real statement.
+		require.Subset(t, indexes, []string{cfg.Table + "_dead_stream_idx", cfg.Table + "_partition_idx"})
 		w, err := outbox.NewWriter(cfg)
 		require.NoError(t, err)
 		tx, err := pg.Pool.Begin(ctx)
