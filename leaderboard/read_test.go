@@ -436,26 +436,14 @@ func TestFreshnessProbe(t *testing.T) {
 		tb.drain(t)
 		tb.submit(t, "user-a", 7)
 
-		// Redis refuses the projection once (a value of the wrong type in
-		// place of the sorted set), and the row's only attempt buries it.
-		key := tb.board.SortedSetKey()
-		require.NoError(t, tb.rd.Client.Rename(ctx, key, key+":saved").Err())
-		require.NoError(t, tb.rd.Client.Set(ctx, key, "x", 0).Err())
-		w, err := tb.board.Worker(&WorkerConfig{Relay: &outbox.RelayConfig{MaxAttempts: 1}})
-		require.NoError(t, err)
-		_, _ = w.Drain(ctx)
-		require.NoError(t, tb.rd.Client.Rename(ctx, key+":saved", key).Err())
-		var pending, dead int
-		require.NoError(t, tb.pg.Pool.QueryRow(ctx, `SELECT
-			(SELECT count(*) FROM verity_outbox),
-			(SELECT count(*) FROM verity_outbox_dead)`).Scan(&pending, &dead))
-		require.Equal(t, 0, pending)
+		tb.bury(t)
+		var dead int
+		require.NoError(t, tb.pg.Pool.QueryRow(ctx, `SELECT count(*) FROM verity_outbox_dead`).Scan(&dead))
 		require.Equal(t, 1, dead)
-		_, err = tb.pg.Pool.Exec(ctx, `UPDATE verity_outbox_dead SET created_at = created_at - interval '1 minute'`)
-		require.NoError(t, err)
+		tb.ageDeadLetters(t, time.Minute)
 
 		// Redis still holds 10 while PostgreSQL holds 17.
-		_, err = tb.board.Top(ctx, 10)
+		_, err := tb.board.Top(ctx, 10)
 		var stale *StaleError
 		require.ErrorAs(t, err, &stale)
 		require.Greater(t, stale.Lag, 59*time.Second)
@@ -470,6 +458,8 @@ func TestFreshnessProbe(t *testing.T) {
 		require.Zero(t, other.Freshness(ctx).Lag)
 
 		// Replayed and projected, the board is fresh again.
+		w, err := tb.board.Worker(nil)
+		require.NoError(t, err)
 		n, err := w.Relay().ReplayDead(ctx, outbox.ReplayFilter{})
 		require.NoError(t, err)
 		require.Equal(t, int64(1), n)
