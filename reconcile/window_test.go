@@ -163,16 +163,7 @@ func TestAheadLookedUpAgain(t *testing.T) {
 		for _, kind := range allKinds {
 			t.Run(kindName(kind), func(t *testing.T) {
 				t.Parallel()
-				b := setup(t, kind)
-				b.projectRows(t, b.insertMany(t, 10))
-				src := &windowSource{Source: b.source}
-				src.afterPage = newerWrite(t, b, key)
-				var alerts []Finding
-				r, err := New(src, b.target, &Config{PageSize: 5, SkipOrphans: true, Policy: Policy{Ahead: ActionRepair},
-					OnAlert: func(_ context.Context, f Finding) { alerts = append(alerts, f) }})
-				require.NoError(t, err)
-				rep, err := r.Run(ctx, RunOptions{})
-				require.NoError(t, err)
+				b, r, src, rep, alerts := runAheadWindow(t, kind, key, nil)
 				require.Equal(t, map[Class]int64{ClassCurrent: 10}, rep.Counts)
 				require.Empty(t, alerts)
 				require.EqualValues(t, 1, src.lookups.Load(), "the ahead entry was looked up again")
@@ -188,20 +179,10 @@ func TestAheadLookedUpAgain(t *testing.T) {
 		for _, kind := range allKinds {
 			t.Run(kindName(kind), func(t *testing.T) {
 				t.Parallel()
-				b := setup(t, kind)
-				b.projectRows(t, b.insertMany(t, 10))
-				src := &windowSource{Source: b.source}
-				src.afterPage = newerWrite(t, b, key)
-				src.beforeLookup = once(key, func() {
+				b, r, _, rep, alerts := runAheadWindow(t, kind, key, func(b *testBundle) {
 					_, err := b.pool.Exec(ctx, `DELETE FROM items WHERE key = $1`, key)
 					require.NoError(t, err)
 				})
-				var alerts []Finding
-				r, err := New(src, b.target, &Config{PageSize: 5, SkipOrphans: true, Policy: Policy{Ahead: ActionRepair},
-					OnAlert: func(_ context.Context, f Finding) { alerts = append(alerts, f) }})
-				require.NoError(t, err)
-				rep, err := r.Run(ctx, RunOptions{})
-				require.NoError(t, err)
 				require.Equal(t, map[Class]int64{ClassCurrent: 9, ClassOrphan: 1}, rep.Counts)
 				require.Len(t, alerts, 1)
 				require.Equal(t, ClassOrphan, alerts[0].Class)
@@ -212,6 +193,28 @@ func TestAheadLookedUpAgain(t *testing.T) {
 			})
 		}
 	})
+}
+
+// runAheadWindow projects 10 rows of kind, lands version 2 of key between
+// the source read and the projection read of its page (running
+// beforeLookup, if set, just before key is looked up again), and runs a
+// full pass that repairs ahead entries, recording its alerts.
+func runAheadWindow(t *testing.T, kind projection.Kind, key string, beforeLookup func(*testBundle)) (*testBundle, *Reconciler, *windowSource, *Report, []Finding) {
+	t.Helper()
+	b := setup(t, kind)
+	b.projectRows(t, b.insertMany(t, 10))
+	src := &windowSource{Source: b.source}
+	src.afterPage = newerWrite(t, b, key)
+	if beforeLookup != nil {
+		src.beforeLookup = once(key, func() { beforeLookup(b) })
+	}
+	var alerts []Finding
+	r, err := New(src, b.target, &Config{PageSize: 5, SkipOrphans: true, Policy: Policy{Ahead: ActionRepair},
+		OnAlert: func(_ context.Context, f Finding) { alerts = append(alerts, f) }})
+	require.NoError(t, err)
+	rep, err := r.Run(context.Background(), RunOptions{})
+	require.NoError(t, err)
+	return b, r, src, rep, alerts
 }
 
 // newerWrite returns an afterPage hook that, once the page holding key has
