@@ -91,7 +91,7 @@ func newMetrics(s *Service) (*metrics, error) {
 		metric.WithDescription("Scheduled reconcile runs, by outcome: ok, error."))
 	add(err)
 	m.reconcileFindings, err = meter.Int64Counter("verity.service.reconcile.findings", metric.WithUnit("{entity}"),
-		metric.WithDescription("Entities checked by scheduled reconciles, by class (current, missing, stale, ahead, corrupt, orphan)."))
+		metric.WithDescription("Entities scheduled reconciles found not current, by class (missing, stale, ahead, corrupt, orphan)."))
 	add(err)
 	m.reconcileRepaired, err = meter.Int64Counter("verity.service.reconcile.repaired", metric.WithUnit("{entity}"),
 		metric.WithDescription("Repairs written by scheduled reconciles."))
@@ -110,7 +110,7 @@ func newMetrics(s *Service) (*metrics, error) {
 		metric.WithDescription("Rows in the outbox's dead-letter table."))
 	add(err)
 	lag, err := meter.Float64ObservableGauge("verity.service.projection.lag", metric.WithUnit("s"),
-		metric.WithDescription("The board's projection lag as its reads report it (negative: unknown)."))
+		metric.WithDescription("The board's projection lag (Board.Freshness); absent while it cannot be measured."))
 	add(err)
 	for _, e := range errs {
 		if e != nil {
@@ -128,7 +128,9 @@ func newMetrics(s *Service) (*metrics, error) {
 		o.ObserveInt64(inFlight, snap.Outbox.InFlight)
 		o.ObserveFloat64(oldest, snap.Outbox.OldestPendingAge.Seconds())
 		o.ObserveInt64(dead, snap.Outbox.DeadLetters)
-		o.ObserveFloat64(lag, snap.Freshness.Lag.Seconds())
+		if snap.Freshness.Lag >= 0 { // negative: not measured; report nothing
+			o.ObserveFloat64(lag, snap.Freshness.Lag.Seconds())
+		}
 		return nil
 	}, pending, inFlight, oldest, dead, lag)
 	if err != nil {
@@ -153,6 +155,9 @@ func (m *metrics) recordReconcile(ctx context.Context, report *reconcile.Report,
 		return
 	}
 	for class, n := range report.Counts {
+		if class == reconcile.ClassCurrent {
+			continue // not a finding: alerts on any increase must stay quiet on healthy runs
+		}
 		m.reconcileFindings.Add(ctx, n, metric.WithAttributes(attribute.String("class", class.String())))
 	}
 	m.reconcileRepaired.Add(ctx, report.Repaired)

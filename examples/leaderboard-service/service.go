@@ -375,15 +375,16 @@ func (s *Service) readStatsRecovered(ctx context.Context) (snap *statsSnapshot) 
 }
 
 // readSnapshot reads the outbox backlog (Stats covers the whole outbox
-// table, every stream) and the board's freshness (the lag probe of a
-// one-entry read).
+// table, every stream) and the board's freshness. Freshness is the lag
+// probe alone, not a read: a read would go through the board's ReadPolicy,
+// and under FailClosed the stats would then fail exactly when the lag they
+// report is too high, and under FallbackToPostgres report the fallback's
+// zero lag instead of the projection's.
 func readSnapshot(ctx context.Context, relay *outbox.Relay, board *leaderboard.Board) *statsSnapshot {
 	snap := &statsSnapshot{At: time.Now()}
 	snap.Outbox, snap.Err = relay.Stats(ctx)
 	if snap.Err == nil {
-		var top leaderboard.Ranking
-		top, snap.Err = board.Top(ctx, 1)
-		snap.Freshness = top.Freshness
+		snap.Freshness = board.Freshness(ctx)
 	}
 	return snap
 }

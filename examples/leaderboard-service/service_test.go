@@ -6,6 +6,8 @@ import (
 	"log/slog"
 	"net/http"
 	"net/http/httptest"
+	"regexp"
+	"strconv"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -22,6 +24,7 @@ import (
 	"github.com/verity-go/verity/internal/testenv"
 	"github.com/verity-go/verity/leaderboard"
 	"github.com/verity-go/verity/outbox"
+	"github.com/verity-go/verity/reconcile"
 )
 
 // TestSnapshotSingleFlight stalls the stats read and checks that callers
@@ -307,4 +310,56 @@ func closeFixture(t *testing.T, mutate func(*leaderboard.Config)) (closeBoard, n
 	_, err = conn.Exec(ctx, "LISTEN "+pgx.Identifier{w.Channel()}.Sanitize())
 	require.NoError(t, err)
 	return closeBoard{Board: board, pool: pg.Pool, rdb: rd.Client}, notifyListener{conn: conn}
+}
+
+// TestStatsWhateverTheReadPolicy: /stats and the service's gauges report
+// the projection's lag and the backlog under every ReadPolicy, also while
+// the lag is above MaxLag, when reads fail closed or fall back to
+// PostgreSQL (and report a PostgreSQL answer's zero lag).
+func TestStatsWhateverTheReadPolicy(t *testing.T) {
+	t.Parallel()
+	for _, policy := range []leaderboard.ReadPolicy{leaderboard.ServeStale, leaderboard.FailClosed, leaderboard.FallbackToPostgres} {
+		t.Run(policy.String(), func(t *testing.T) {
+			t.Parallel()
+			tb := setup(t, func(c *leaderboard.Config) {
+				c.ReadPolicy, c.MaxLag, c.LagProbeInterval = policy, time.Millisecond, 1
+			})
+			require.Equal(t, http.StatusCreated, tb.submit(t, uuid.NewString(), `{"user_id":"ada","delta":5}`).status)
+			const waited = 50 * time.Millisecond // well above MaxLag
+			time.Sleep(waited)
+			require.EventuallyWithT(t, func(c *assert.CollectT) {
+				res := tb.do(t, http.MethodGet, "/stats", nil, "")
+				if !assert.Equal(c, http.StatusOK, res.status, "%s", res.body) {
+					return
+				}
+				body := res.json(t)
+				assert.Equal(c, 1.0, body["pending"])
+				fresh := body["freshness"].(map[string]any)
+				assert.GreaterOrEqual(c, fresh["lag_ms"], float64(waited/time.Millisecond), "the projection's lag, not a fallback's zero")
+
+				text := string(tb.do(t, http.MethodGet, "/metrics", nil, "").body)
+				assert.Regexp(c, `(?m)^verity_service_outbox_pending\{[^}]*\} 1$`, text)
+				m := regexp.MustCompile(`(?m)^verity_service_projection_lag_seconds\{[^}]*\} (\S+)$`).FindStringSubmatch(text)
+				if assert.Len(c, m, 2, "no lag gauge") {
+					lag, err := strconv.ParseFloat(m[1], 64)
+					assert.NoError(c, err)
+					assert.GreaterOrEqual(c, lag, waited.Seconds())
+				}
+			}, 10*time.Second, 50*time.Millisecond)
+		})
+	}
+}
+
+// TestReconcileFindingsMetric: the findings counter counts entities that
+// were not current, never the current ones, so that alerting on any
+// increase stays quiet on healthy runs.
+func TestReconcileFindingsMetric(t *testing.T) {
+	t.Parallel()
+	tb := setup(t)
+	tb.svc.metrics.recordReconcile(context.Background(), &reconcile.Report{
+		Counts: map[reconcile.Class]int64{reconcile.ClassCurrent: 7, reconcile.ClassMissing: 2},
+	}, nil)
+	text := string(tb.do(t, http.MethodGet, "/metrics", nil, "").body)
+	require.Regexp(t, `(?m)^verity_service_reconcile_findings_total\{[^}]*class="missing"[^}]*\} 2$`, text)
+	require.NotContains(t, text, `class="current"`)
 }
