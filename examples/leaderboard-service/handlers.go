@@ -333,6 +333,12 @@ func (s *Service) writeError(w http.ResponseWriter, r *http.Request, err error) 
 		s.metrics.countSubmit(r.Context(), "conflict")
 		writeJSON(w, http.StatusConflict, errorResponse{EventID: conflict.EventID.String(),
 			Error: "this Idempotency-Key was already used for a different score event; use a new key for a new event"})
+	case errors.Is(err, leaderboard.ErrIdempotencyConflict):
+		// Without the typed error: another writer of the outbox holds the
+		// event id, so no command of this board can ever use it.
+		s.metrics.countSubmit(r.Context(), "conflict")
+		writeJSON(w, http.StatusConflict, errorResponse{
+			Error: "this Idempotency-Key is already used by another writer of the outbox; use a new key for a new event"})
 	case errors.Is(err, leaderboard.ErrInvalidCursor):
 		writeJSON(w, http.StatusUnprocessableEntity, errorResponse{Field: "cursor", Error: "not a cursor of this leaderboard; pass next_cursor as returned"})
 	case errors.Is(err, leaderboard.ErrInvalidLimit):

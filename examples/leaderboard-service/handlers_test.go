@@ -69,6 +69,23 @@ func TestSubmit(t *testing.T) {
 		require.Equal(t, 1, queued)
 	})
 
+	t.Run("KeyHeldByAnotherOutboxWriter", func(t *testing.T) {
+		t.Parallel()
+		tb := setup(t)
+		key := uuid.New()
+		_, err := tb.pg.Pool.Exec(context.Background(),
+			`INSERT INTO verity_outbox (event_id, stream, key, version, payload) VALUES ($1, 'orders', 'o-1', 1, 'x')`, key)
+		require.NoError(t, err)
+		res := tb.submit(t, key.String(), `{"user_id":"ada","delta":1}`)
+		require.Equal(t, http.StatusConflict, res.status, "%s", res.body)
+		require.NotEmpty(t, res.json(t)["error"])
+		events, queued := tb.counts(t)
+		require.Equal(t, 0, events)
+		require.Equal(t, 1, queued, "only the other writer's row")
+		require.Regexp(t, `(?m)^verity_service_submits_total\{[^}]*outcome="conflict"[^}]*\} 1$`,
+			string(tb.do(t, http.MethodGet, "/metrics", nil, "").body))
+	})
+
 	t.Run("InvalidInput", func(t *testing.T) {
 		t.Parallel()
 		tb := setup(t)
