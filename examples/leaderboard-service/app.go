@@ -7,6 +7,8 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"os"
+	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -43,6 +45,9 @@ type options struct {
 	reconcileEvery  time.Duration
 	reconcileSample int
 
+	// getenv reads DATABASE_URL and REDIS_URL; nil means os.Getenv.
+	getenv func(string) string
+
 	// ops
 	json   bool
 	sample int
@@ -56,7 +61,7 @@ func parseFlags(name string, args []string, stderr io.Writer) (*options, error) 
 	fs.SetOutput(stderr)
 	fs.StringVar(&o.databaseURL, "database-url", "", "PostgreSQL URL (default $DATABASE_URL, then the local server, then a private one)")
 	fs.StringVar(&o.redisURL, "redis-url", "", "Redis URL (default $REDIS_URL, then the local server, then a private one)")
-	fs.BoolVar(&o.cluster, "redis-cluster", false, "--redis-url names a Redis Cluster: redis://host:port?addr=host2:port2&addr=...")
+	fs.BoolVar(&o.cluster, "redis-cluster", false, "--redis-url (else $REDIS_URL) names a Redis Cluster: redis://host:port?addr=host2:port2&addr=...")
 	fs.StringVar(&o.board, "board", boardDefault, "leaderboard name")
 	fs.StringVar(&o.schema, "schema", leaderboard.SchemaDefault, "PostgreSQL schema of the board and outbox tables")
 	fs.StringVar(&o.keyPrefix, "key-prefix", leaderboard.KeyPrefixDefault, "prefix of the board's Redis keys")
@@ -123,11 +128,25 @@ func connect(ctx context.Context, o *options, logger *slog.Logger) (*deps, error
 			closers[i]()
 		}
 	}
+	getenv := o.getenv
+	if getenv == nil {
+		getenv = os.Getenv
+	}
 	pgURL, redisURL := o.databaseURL, o.redisURL
+	if o.cluster && redisURL == "" {
+		// A cluster is never found on a local port or started here: its
+		// seed list comes from the flag or the environment, as given.
+		if redisURL = strings.TrimSpace(getenv("REDIS_URL")); redisURL == "" {
+			return nil, errors.New("--redis-cluster needs a seed list in --redis-url or REDIS_URL")
+		}
+	}
 	if pgURL == "" || redisURL == "" {
 		// services.Resolve consults DATABASE_URL / REDIS_URL first, then the
-		// local default ports, then starts private servers.
-		ep, err := services.Resolve(ctx, services.Options{Logger: logger})
+		// local default ports, then starts private servers; a server given
+		// by its flag is left out, so an unset or stale variable for it
+		// changes nothing.
+		ep, err := services.Resolve(ctx, services.Options{Logger: logger, Getenv: getenv,
+			SkipPostgres: pgURL != "", SkipRedis: redisURL != ""})
 		if err != nil {
 			return nil, err
 		}

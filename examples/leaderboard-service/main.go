@@ -28,12 +28,16 @@
 // in-flight requests finish, the worker settles its batch, every goroutine
 // exits.
 //
-// Servers come from --database-url / --redis-url, else DATABASE_URL /
-// REDIS_URL, else the local default ports, else private servers started from
-// local binaries (which die with the process). With --redis-cluster,
-// --redis-url is a Redis Cluster seed list
-// (redis://host1:6379?addr=host2:6379&addr=host3:6379). Every subcommand runs the
-// board's migration first; it is idempotent.
+// Each server comes from its flag (--database-url, --redis-url), else its
+// variable (DATABASE_URL, REDIS_URL), else the local default port, else a
+// private server started from local binaries (which dies with the
+// process); a server given by its flag is never looked for elsewhere. With
+// --redis-cluster, --redis-url (else REDIS_URL) is a Redis Cluster seed
+// list (redis://host1:6379?addr=host2:6379&addr=host3:6379), never a local
+// or private server. The board's tables and keys go to --schema (public)
+// and --key-prefix (verity:lb:) and stay there: this is a service, not a
+// demo that cleans up. Every subcommand runs the board's migration first;
+// it is idempotent.
 package main
 
 import (

@@ -5,6 +5,8 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"io"
+	"log/slog"
 	"net/http"
 	"strings"
 	"testing"
@@ -236,4 +238,60 @@ func TestRedisCluster(t *testing.T) {
 	require.NoError(t, json.Unmarshal([]byte(stdout), &rb), stdout)
 	require.True(t, rb.Switched)
 	require.EqualValues(t, 3, client.ZCard(ctx, board.SortedSetKey()).Val())
+}
+
+// TestConnectServers: a server given by its flag is used as given, whatever
+// the environment says; only a server without a flag is resolved; a
+// cluster's seed list comes from the flag or REDIS_URL and is never
+// resolved like a single server.
+func TestConnectServers(t *testing.T) {
+	t.Parallel()
+	tb := setup(t)
+	deadPG := "postgres://postgres@127.0.0.1:1/x?connect_timeout=1"
+	deadRedis := "redis://127.0.0.1:1/0"
+	connectWith := func(t *testing.T, env map[string]string, flags ...string) (*deps, error) {
+		t.Helper()
+		o, err := parseFlags("stats", append([]string{"--schema=" + tb.pg.Schema, "--key-prefix=" + tb.rd.Prefix, "--board=" + testBoard}, flags...), io.Discard)
+		require.NoError(t, err)
+		o.getenv = func(k string) string { return env[k] }
+		d, err := connect(t.Context(), o, slog.New(slog.DiscardHandler))
+		if err == nil {
+			t.Cleanup(d.close)
+		}
+		return d, err
+	}
+
+	t.Run("FlagsWinOverTheEnvironment", func(t *testing.T) {
+		t.Parallel()
+		d, err := connectWith(t, map[string]string{"DATABASE_URL": deadPG, "REDIS_URL": deadRedis},
+			"--database-url="+tb.pg.ConnString, "--redis-url="+tb.rd.URL)
+		require.NoError(t, err)
+		require.NoError(t, d.pool.Ping(t.Context()))
+		require.NoError(t, d.rdb.Ping(t.Context()).Err())
+	})
+
+	t.Run("OnlyTheMissingServerIsResolved", func(t *testing.T) {
+		t.Parallel()
+		d, err := connectWith(t, map[string]string{"DATABASE_URL": deadPG, "REDIS_URL": tb.rd.URL},
+			"--database-url="+tb.pg.ConnString)
+		require.NoError(t, err, "the stale DATABASE_URL must not matter when --database-url is given")
+		require.NoError(t, d.rdb.Ping(t.Context()).Err())
+
+		_, err = connectWith(t, map[string]string{"DATABASE_URL": tb.pg.ConnString, "REDIS_URL": deadRedis},
+			"--database-url="+tb.pg.ConnString)
+		require.ErrorContains(t, err, "REDIS_URL is set but does not answer", "the server without a flag is still resolved")
+	})
+
+	t.Run("ClusterSeedListFromTheEnvironment", func(t *testing.T) {
+		t.Parallel()
+		d, err := connectWith(t, map[string]string{"REDIS_URL": "redis://127.0.0.1:7001?addr=127.0.0.1:7002&addr=127.0.0.1:7003"},
+			"--database-url="+tb.pg.ConnString, "--redis-cluster")
+		require.NoError(t, err)
+		cc, ok := d.rdb.(*redis.ClusterClient)
+		require.True(t, ok, "a cluster client, got %T", d.rdb)
+		require.Equal(t, []string{"127.0.0.1:7001", "127.0.0.1:7002", "127.0.0.1:7003"}, cc.Options().Addrs)
+
+		_, err = connectWith(t, nil, "--database-url="+tb.pg.ConnString, "--redis-cluster")
+		require.ErrorContains(t, err, "--redis-cluster needs a seed list")
+	})
 }

@@ -48,6 +48,11 @@ type Options struct {
 	Dir string
 	// Logger receives one line per resolved service. Defaults to discarding.
 	Logger *slog.Logger
+	// SkipPostgres and SkipRedis leave that server out: the caller has one
+	// of its own (a URL from a flag, say), so Resolve neither consults the
+	// environment for it, nor pings, nor starts anything, and leaves its
+	// URL and Origin empty.
+	SkipPostgres, SkipRedis bool
 }
 
 // Endpoints are resolved servers. Close stops whatever Resolve started.
@@ -93,15 +98,19 @@ func Resolve(ctx context.Context, opts Options) (*Endpoints, error) {
 	}
 	ep := &Endpoints{}
 	var err error
-	ep.PostgresURL, ep.PostgresOrigin, err = resolveOne(ctx, ep, opts, opts.PostgresEnv, opts.LocalPostgresURL, pingPostgres, startPrivatePostgres, startDockerPostgres)
-	if err != nil {
-		ep.Close()
-		return nil, fmt.Errorf("postgres: %w", err)
+	if !opts.SkipPostgres {
+		ep.PostgresURL, ep.PostgresOrigin, err = resolveOne(ctx, ep, opts, opts.PostgresEnv, opts.LocalPostgresURL, pingPostgres, startPrivatePostgres, startDockerPostgres)
+		if err != nil {
+			ep.Close()
+			return nil, fmt.Errorf("postgres: %w", err)
+		}
 	}
-	ep.RedisURL, ep.RedisOrigin, err = resolveOne(ctx, ep, opts, opts.RedisEnv, opts.LocalRedisURL, pingRedis, startPrivateRedis, startDockerRedis)
-	if err != nil {
-		ep.Close()
-		return nil, fmt.Errorf("redis: %w", err)
+	if !opts.SkipRedis {
+		ep.RedisURL, ep.RedisOrigin, err = resolveOne(ctx, ep, opts, opts.RedisEnv, opts.LocalRedisURL, pingRedis, startPrivateRedis, startDockerRedis)
+		if err != nil {
+			ep.Close()
+			return nil, fmt.Errorf("redis: %w", err)
+		}
 	}
 	logger.Info("services resolved",
 		slog.String("postgres", string(ep.PostgresOrigin)), slog.String("redis", string(ep.RedisOrigin)))

@@ -52,6 +52,22 @@ func TestResolveOrder(t *testing.T) {
 		require.ErrorContains(t, err, "REDIS_URL is set but does not answer")
 	})
 
+	t.Run("SkippedServersAreLeftOut", func(t *testing.T) {
+		pg, rd := deadURLs(t)
+		t.Parallel()
+		// Both variables point at nothing and nothing answers locally:
+		// only a server that is not skipped is looked for at all.
+		dead := env(map[string]string{"DATABASE_URL": pg, "REDIS_URL": rd})
+		ep, err := Resolve(ctx, Options{Getenv: dead, LocalPostgresURL: pg, LocalRedisURL: rd, SkipPostgres: true, SkipRedis: true})
+		require.NoError(t, err)
+		require.Equal(t, Endpoints{}, *ep)
+
+		_, err = Resolve(ctx, Options{Getenv: dead, LocalPostgresURL: pg, LocalRedisURL: rd, SkipPostgres: true})
+		require.ErrorContains(t, err, "REDIS_URL is set but does not answer")
+		_, err = Resolve(ctx, Options{Getenv: dead, LocalPostgresURL: pg, LocalRedisURL: rd, SkipRedis: true})
+		require.ErrorContains(t, err, "DATABASE_URL is set but does not answer")
+	})
+
 	t.Run("LocalThenPrivate", func(t *testing.T) {
 		t.Parallel()
 		pg, rd := deadURLs(t)
