@@ -93,7 +93,8 @@
 // Redis and PostgreSQL.
 //
 // Lag is the age, by the database clock, of the board's oldest outbox row
-// not yet projected, pending or dead-lettered (zero when there is none);
+// not yet projected, pending or dead-lettered (when there is none: zero
+// while the measurement is fresh, its age after that, see Freshness.Lag);
 // ProjectedThrough is when that row was written — every change committed
 // before it is visible. The probe is one small query, reused for
 // Config.LagProbeInterval; a measurement reused for longer, while a slow

@@ -16,7 +16,7 @@ import (
 const (
 	AttributeName    = "verity.reconcile.name"
 	AttributeMode    = "verity.reconcile.mode"    // full, sample, keys
-	AttributeOutcome = "verity.reconcile.outcome" // ok, error; switched, aborted, in_progress, error for rebuilds
+	AttributeOutcome = "verity.reconcile.outcome" // ok, error; switched, aborted, in_progress, unsupported, error for rebuilds
 	AttributeDryRun  = "verity.reconcile.dry_run"
 	AttributeClass   = "verity.reconcile.class"  // current, missing, stale, ahead, corrupt, orphan
 	AttributeResult  = "verity.reconcile.result" // repaired, reported, dry-run, vetoed, raced, not-attempted, uncertain
