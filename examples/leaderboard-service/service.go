@@ -334,14 +334,17 @@ type statsSnapshot struct {
 // read goes on detached from it (bounded by statsTimeout), so one client
 // that hangs up does not fail the others sharing the read.
 func (s *Service) snapshot(ctx context.Context) *statsSnapshot {
-	s.statsMu.Lock()
-	snap, fresh := s.stats, time.Now().Before(s.statsUntil)
-	s.statsMu.Unlock()
-	if snap != nil && fresh {
+	if snap := s.cachedSnapshot(); snap != nil {
 		return snap
 	}
 	readCtx := context.WithoutCancel(ctx)
 	ch := s.statsGroup.DoChan("stats", func() (any, error) {
+		// A caller that found no cache may reach DoChan only after the
+		// flight it missed has ended and stored its result: it must take
+		// that, not start a second read.
+		if snap := s.cachedSnapshot(); snap != nil {
+			return snap, nil
+		}
 		ctx, cancel := context.WithTimeout(readCtx, statsTimeout)
 		defer cancel()
 		snap := s.readStatsRecovered(ctx)
@@ -358,6 +361,17 @@ func (s *Service) snapshot(ctx context.Context) *statsSnapshot {
 	case <-ctx.Done():
 		return &statsSnapshot{At: time.Now(), Err: ctx.Err()}
 	}
+}
+
+// cachedSnapshot returns the last statsSnapshot while it is younger than
+// statsTTL, else nil.
+func (s *Service) cachedSnapshot() *statsSnapshot {
+	s.statsMu.Lock()
+	defer s.statsMu.Unlock()
+	if s.stats != nil && time.Now().Before(s.statsUntil) {
+		return s.stats
+	}
+	return nil
 }
 
 // readStatsRecovered is readStats with a panic turned into a failed
