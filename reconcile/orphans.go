@@ -348,6 +348,11 @@ func prefetched(ctx context.Context, consume func([]string) error, produce func(
 	go func() {
 		defer close(batches)
 		produced <- produce(ctx, func(keys []string) error {
+			// Checked first: once the consumer drains after a failure, a
+			// select would pick at random between a free slot and Done.
+			if err := ctx.Err(); err != nil {
+				return err
+			}
 			select {
 			case batches <- keys:
 				return nil
