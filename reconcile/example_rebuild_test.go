@@ -8,6 +8,7 @@ import (
 	"github.com/redis/go-redis/v9"
 
 	"github.com/verity-go/verity/internal/services"
+	"github.com/verity-go/verity/internal/testenv"
 	"github.com/verity-go/verity/projection"
 	"github.com/verity-go/verity/reconcile"
 )
@@ -47,7 +48,7 @@ func ExampleReconciler_Rebuild() {
 	ks, _ := projection.NewKeyspace("example:rebuild:" + services.RandomSuffix(8) + ":")
 	weekly := projection.Target{Kind: projection.KindSortedSet, Name: "weekly"}
 	leaderboard := ks.ValueKey(weekly)
-	defer client.Del(ctx, leaderboard, ks.VersionKey(weekly))
+	defer testenv.DeletePrefix(ctx, client, ks.Prefix()) //nolint:errcheck // best effort, like the schema cleanup
 	client.ZAdd(ctx, leaderboard, redis.Z{Score: 999, Member: "user-a"}, redis.Z{Score: 40, Member: "deleted-user"})
 
 	source, err := reconcile.NewSQLSource(pool, &reconcile.SQLSourceConfig{

@@ -8,6 +8,7 @@ import (
 	"github.com/redis/go-redis/v9"
 
 	"github.com/verity-go/verity/internal/services"
+	"github.com/verity-go/verity/internal/testenv"
 	"github.com/verity-go/verity/projection"
 	"github.com/verity-go/verity/reconcile"
 )
@@ -61,7 +62,7 @@ func Example() {
 		return
 	}
 	leaderboard := ks.ValueKey(board(""))
-	defer client.Del(ctx, leaderboard, ks.VersionKey(board("")))
+	defer testenv.DeletePrefix(ctx, client, ks.Prefix()) //nolint:errcheck // best effort, like the schema cleanup
 	// ...and a hand edit that no outbox message will ever undo.
 	client.ZAdd(ctx, leaderboard, redis.Z{Score: 999, Member: "user-a"})
 
