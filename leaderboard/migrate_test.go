@@ -32,7 +32,10 @@ func TestMigrate(t *testing.T) {
 		defer func() { _ = tx.Rollback(ctx) }()
 		_, err = tx.Exec(ctx, `UPDATE user_scores SET score = score + 1 WHERE user_id = 'user-a'`)
 		require.NoError(t, err)
-		mctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+		// A lock wait behind tx would last until tx ends, so any bound
+		// catches it; a generous one also covers Migrate queuing behind the
+		// migrations of other tests (one advisory lock) on a loaded machine.
+		mctx, cancel := context.WithTimeout(ctx, 15*time.Second)
 		defer cancel()
 		require.NoError(t, Migrate(mctx, tb.pg.Pool, &cfg))
 
@@ -43,7 +46,7 @@ func TestMigrate(t *testing.T) {
 		defer func() { _ = tx2.Rollback(ctx) }()
 		_, err = tb.board.SubmitTx(ctx, tx2, Command{EventID: uuid.New(), UserID: "user-b", Delta: 1})
 		require.NoError(t, err)
-		mctx2, cancel2 := context.WithTimeout(ctx, 2*time.Second)
+		mctx2, cancel2 := context.WithTimeout(ctx, 15*time.Second)
 		defer cancel2()
 		_, err = tb.pg.Pool.Exec(mctx2, MigrationSQL(&cfg))
 		require.NoError(t, err)

@@ -272,7 +272,10 @@ func TestMigrate(t *testing.T) {
 		_, err = tx.Exec(ctx, `LOCK TABLE `+b.deadTable()+`, `+b.leasesTable()+` IN ROW EXCLUSIVE MODE`)
 		require.NoError(t, err)
 
-		mctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+		// A lock wait behind tx would last until tx ends, so any bound
+		// catches it; a generous one also covers Migrate queuing behind the
+		// migrations of other tests (one advisory lock) on a loaded machine.
+		mctx, cancel := context.WithTimeout(ctx, 15*time.Second)
 		defer cancel()
 		require.NoError(t, outbox.Migrate(mctx, b.pool, b.cfg))
 		require.NoError(t, tx.Commit(ctx), "the writer was not disturbed")
