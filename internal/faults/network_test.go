@@ -258,7 +258,7 @@ func TestNetworkFaults(t *testing.T) {
 		n, err := relay.RunOnce(ctx)
 		require.NoError(t, err, "a Redis failure is a failed batch, retried later")
 		require.Positive(t, n)
-		require.Less(t, time.Since(start), cfg.LeaseDuration+overrun, "the relay's batch must end within its lease")
+		require.Less(t, time.Since(start), cfg.LeaseDuration+overrun, "the relay's batch is bounded by its lease (plus scheduling), not by the black hole")
 		st, err := nb.direct.stats(ctx)
 		require.NoError(t, err)
 		require.Positive(t, st.Pending, "the failed rows must stay in the outbox")
