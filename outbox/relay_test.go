@@ -244,7 +244,9 @@ func TestRelayLease(t *testing.T) {
 		b := setup(t)
 		msg := newMessage("s", "k", 1)
 		b.appendCommitted(t, msg)
-		const lease = 300 * time.Millisecond
+		// A lease far longer than the checks made while it lasts; the test
+		// ends it on purpose (expireLeases) when it wants it over.
+		const lease = 10 * time.Second
 
 		slow := newBlocking()
 		relayA := b.relay(t, nil, handle(slow), outbox.RelayConfig{LeaseDuration: lease, Name: "a"})
@@ -278,10 +280,10 @@ func TestRelayLease(t *testing.T) {
 		require.EqualValues(t, 1, stats.InFlight)
 
 		// After it, B claims and acknowledges it.
-		require.Eventually(t, func() bool {
-			n, err := relayB.RunOnce(ctx)
-			return err == nil && n == 1
-		}, 5*time.Second, 50*time.Millisecond)
+		require.EqualValues(t, 1, b.expireLeases(t), "A's batch holds one partition")
+		n, err = relayB.RunOnce(ctx)
+		require.NoError(t, err)
+		require.Equal(t, 1, n, "the row is claimed again once the lease ended")
 		seen := h.seen()
 		require.Len(t, seen, 1)
 		require.Equal(t, msg.EventID, seen[0].EventID)
@@ -392,6 +394,7 @@ func TestRelayRetries(t *testing.T) {
 		b := setup(t)
 		msg := newMessage("scores", "user-a", 4)
 		b.appendCommitted(t, msg, newMessage("other", "x", 1))
+		var row outboxRow // msg's row, once the first attempt failed
 
 		var failing atomic.Bool
 		failing.Store(true)
@@ -401,13 +404,21 @@ func TestRelayRetries(t *testing.T) {
 			}
 			return nil
 		}}
-		const backoffMin = 80 * time.Millisecond
-		r := b.relay(t, nil, h, outbox.RelayConfig{MaxAttempts: 3, RetryBackoffMin: backoffMin, RetryBackoffMax: 150 * time.Millisecond, Streams: []string{"scores"}})
+		// A backoff far longer than the test: the row stays waiting however
+		// slowly the checks below run, and the test makes it due on purpose
+		// (makeDue) before each later attempt.
+		const backoffMin = time.Minute
+		r := b.relay(t, nil, h, outbox.RelayConfig{MaxAttempts: 3, RetryBackoffMin: backoffMin, RetryBackoffMax: 2 * time.Minute, Streams: []string{"scores"}})
+		makeDue := func() {
+			t.Helper()
+			tag, err := b.pool.Exec(ctx, `UPDATE `+b.writer.Table()+` SET available_at = now() WHERE id = $1 AND available_at > now()`, row.ID)
+			require.NoError(t, err)
+			require.EqualValues(t, 1, tag.RowsAffected(), "the row was waiting out a backoff")
+		}
 
 		n, err := r.RunOnce(ctx)
 		require.NoError(t, err)
 		require.Equal(t, 1, n)
-		var row outboxRow
 		for _, rr := range b.rows(t) {
 			if rr.EventID == msg.EventID {
 				row = rr
@@ -430,14 +441,26 @@ func TestRelayRetries(t *testing.T) {
 		require.NoError(t, err)
 		require.EqualValues(t, 1, stats.Retrying)
 
-		// Attempts 2 and 3 fail; the third moves the row to dead letters.
-		require.Eventually(t, func() bool {
-			if _, err := r.RunOnce(ctx); err != nil {
-				return false
-			}
-			stats, err := r.Stats(ctx)
-			return err == nil && stats.DeadLetters == 1
-		}, 10*time.Second, 20*time.Millisecond)
+		// Attempts 2 and 3 fail once the backoff is over; the second waits
+		// out a backoff again, the third moves the row to dead letters.
+		makeDue()
+		n, err = r.RunOnce(ctx)
+		require.NoError(t, err)
+		require.Equal(t, 1, n, "due again after its backoff")
+		n, err = r.RunOnce(ctx)
+		require.NoError(t, err)
+		require.Zero(t, n, "not due during its second backoff")
+		stats, err = r.Stats(ctx)
+		require.NoError(t, err)
+		require.EqualValues(t, 1, stats.Retrying)
+		require.Zero(t, stats.DeadLetters)
+		makeDue()
+		n, err = r.RunOnce(ctx)
+		require.NoError(t, err)
+		require.Equal(t, 1, n)
+		stats, err = r.Stats(ctx)
+		require.NoError(t, err)
+		require.EqualValues(t, 1, stats.DeadLetters)
 		require.Len(t, h.seen(), 3)
 		dead, err := r.DeadLetters(ctx, 0, 10)
 		require.NoError(t, err)
@@ -704,27 +727,28 @@ func TestRelayRun(t *testing.T) {
 		t.Parallel()
 		b := setup(t)
 		h := &recorder{}
-		relayPool := testenv.NewPool(t, b.pg.ConnString)
+		// Every connection of the relay, pooled or its listener (opened
+		// from the pool's configuration), carries this application_name.
+		appName := "verity_relay_" + uuid.NewString()[:8]
+		relayPool := newPoolNamed(t, b.pg.ConnString, appName)
 		r := b.relay(t, relayPool, h, outbox.RelayConfig{PollInterval: 100 * time.Millisecond, ReconnectBackoffMax: 100 * time.Millisecond})
 		startRun(t, r)
+		listener := waitListening(t, b)
 		b.appendCommitted(t, newMessage("s", "a", 1))
 		require.Eventually(t, func() bool { return len(h.seen()) == 1 }, 5*time.Second, 10*time.Millisecond)
+		// Its batch is settled: no statement of it can be cut off below.
+		require.Eventually(t, func() bool { return b.count(t, b.writer.Table()) == 0 }, 5*time.Second, 10*time.Millisecond)
 
 		// Kill every connection the relay holds: pooled ones and the
 		// listener. The relay must recover on its own.
-		var pids []uint32
-		for _, c := range relayPool.AcquireAllIdle(ctx) {
-			pids = append(pids, c.Conn().PgConn().PID())
-			c.Release()
-		}
-		if pid := listenerPid(b); pid != 0 {
-			pids = append(pids, uint32(pid))
-		}
-		require.NotEmpty(t, pids)
-		for _, pid := range pids {
-			_, err := b.pool.Exec(ctx, `SELECT pg_terminate_backend($1)`, int(pid))
-			require.NoError(t, err)
-		}
+		rows, err := b.pool.Query(ctx, `WITH relay AS MATERIALIZED (
+			SELECT pid FROM pg_stat_activity WHERE application_name = $1
+		) SELECT pid FROM relay WHERE pg_terminate_backend(pid)`, appName)
+		require.NoError(t, err)
+		pids, err := pgx.CollectRows(rows, pgx.RowTo[int])
+		require.NoError(t, err)
+		require.Contains(t, pids, listener, "the listener was killed")
+		require.GreaterOrEqual(t, len(pids), 2, "pooled connections were killed too: %v", pids)
 		b.appendCommitted(t, newMessage("s", "b", 1))
 		require.Eventually(t, func() bool { return len(h.seen()) == 2 }, 10*time.Second, 10*time.Millisecond)
 	})
@@ -825,6 +849,20 @@ func TestRelayRun(t *testing.T) {
 		_, err := r.RunOnce(cctx)
 		require.ErrorIs(t, err, context.Canceled)
 	})
+}
+
+// newPoolNamed opens a small pool on connString whose connections report
+// appName as their application_name, closed at cleanup.
+func newPoolNamed(t *testing.T, connString, appName string) *pgxpool.Pool {
+	t.Helper()
+	cfg, err := pgxpool.ParseConfig(connString)
+	require.NoError(t, err)
+	cfg.ConnConfig.RuntimeParams["application_name"] = appName
+	cfg.MaxConns = 8
+	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
+	require.NoError(t, err)
+	t.Cleanup(pool.Close)
+	return pool
 }
 
 // appendNow appends and commits msgs and returns the commit time.
@@ -965,6 +1003,18 @@ func leaseExpired(b *testBundle) bool {
 	err := b.pool.QueryRow(context.Background(), `SELECT COALESCE(bool_and(leased_until <= now()), true) FROM `+b.leasesTable()+
 		` WHERE leased_until IS NOT NULL`).Scan(&expired)
 	return err == nil && expired
+}
+
+// expireLeases ends every live partition lease now, by the database's
+// clock, as if its LeaseDuration had passed; the lease rows keep their owner
+// and in-flight ids, like a lease that ran out. It returns how many leases
+// it ended.
+func (b *testBundle) expireLeases(t *testing.T) int64 {
+	t.Helper()
+	tag, err := b.pool.Exec(context.Background(), `UPDATE `+b.leasesTable()+
+		` SET leased_until = now() WHERE leased_until > now()`)
+	require.NoError(t, err)
+	return tag.RowsAffected()
 }
 
 // requireLeasesFree asserts that no partition is leased or lists ids in
