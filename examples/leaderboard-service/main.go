@@ -42,6 +42,8 @@ package main
 
 import (
 	"context"
+	"errors"
+	"flag"
 	"fmt"
 	"io"
 	"os"
@@ -65,9 +67,9 @@ const (
 
 // run executes one subcommand and returns the process exit code.
 func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
-	name := "serve"
+	name, named := "serve", false
 	if len(args) > 0 && len(args[0]) > 0 && args[0][0] != '-' {
-		name, args = args[0], args[1:]
+		name, args, named = args[0], args[1:], true
 	}
 	cmd, ok := commands[name]
 	if !ok {
@@ -76,6 +78,15 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		return exitUsage
 	}
 	opts, err := parseFlags(name, args, stderr)
+	if errors.Is(err, flag.ErrHelp) {
+		// Asked for, so not a usage error; a bare -h also lists the
+		// commands, since it showed only the default command's flags.
+		if !named {
+			fmt.Fprintln(stderr)
+			usage(stderr)
+		}
+		return exitOK
+	}
 	if err != nil {
 		return exitUsage
 	}

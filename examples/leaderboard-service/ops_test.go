@@ -181,6 +181,11 @@ func TestCommandLine(t *testing.T) {
 		{"NegativeSample", []string{"reconcile", "--sample=-1"}, exitUsage, "must not be negative"},
 		{"ExtraArgument", []string{"rebuild", "now"}, exitUsage, `unexpected argument "now"`},
 		{"BadLogLevel", []string{"stats", "--log-level=loud", "--database-url=postgres://127.0.0.1:1/x", "--redis-url=redis://127.0.0.1:1"}, exitError, "--log-level"},
+		// Asked-for help is not a usage error; a bare -h lists the commands
+		// as well as the default command's flags.
+		{"Help", []string{"-h"}, exitOK, "replay-dead"},
+		{"HelpShowsServeFlags", []string{"--help"}, exitOK, "-read-policy"},
+		{"CommandHelp", []string{"stats", "-h"}, exitOK, "-json"},
 		{"UnreachableDatabase", []string{"stats", "--database-url=postgres://postgres@127.0.0.1:1/x?connect_timeout=2", "--redis-url=redis://127.0.0.1:1"}, exitError, "migrate"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
