@@ -68,7 +68,9 @@ func main() {
 		}
 		return
 	}
-	if err := mainErr(ctx, os.Args[1:], os.Stdout, os.Stderr); err != nil {
+	if err := mainErr(ctx, os.Args[1:], os.Stdout, os.Stderr); errors.Is(err, flag.ErrHelp) {
+		return // -h: the flags were printed; asked for, not a failure
+	} else if err != nil {
 		fmt.Fprintln(os.Stderr, "benchmark:", err)
 		os.Exit(1)
 	}
