@@ -1,13 +1,12 @@
 package main
 
 import (
-	"bytes"
 	"context"
-	"fmt"
 	"net"
 	"net/http"
 	"os"
 	"os/exec"
+	"regexp"
 	"runtime"
 	"strings"
 	"syscall"
@@ -17,7 +16,6 @@ import (
 	"github.com/google/uuid"
 	"github.com/stretchr/testify/require"
 
-	"github.com/verity-go/verity/internal/services"
 	"github.com/verity-go/verity/leaderboard"
 )
 
@@ -120,18 +118,26 @@ func TestRunShutsDownGracefully(t *testing.T) {
 func TestSIGTERM(t *testing.T) {
 	t.Parallel()
 	tb := setup(t)
-	port, err := services.FreePort()
-	require.NoError(t, err)
-	base := fmt.Sprintf("http://127.0.0.1:%d", port)
 
-	cmd := exec.Command(os.Args[0], append([]string{"serve", fmt.Sprintf("--addr=127.0.0.1:%d", port), "--reconcile-every=200ms"}, tb.opsFlags()...)...)
+	// Port 0: the program binds a free port itself and logs it, so no other
+	// test can take the port between choosing and binding it.
+	cmd := exec.Command(os.Args[0], append([]string{"serve", "--addr=127.0.0.1:0", "--reconcile-every=200ms"}, tb.opsFlags()...)...)
 	cmd.Env = append(os.Environ(), mainEnv+"=1")
-	var stderr bytes.Buffer
+	var stderr lockedBuffer
 	cmd.Stdout, cmd.Stderr = &stderr, &stderr
 	require.NoError(t, cmd.Start())
 	exited := make(chan error, 1)
 	go func() { exited <- cmd.Wait() }()
 	t.Cleanup(func() { _ = cmd.Process.Kill() })
+
+	serving := regexp.MustCompile(`msg=serving addr=(\S+)`)
+	var base string
+	require.Eventually(t, func() bool {
+		if m := serving.FindStringSubmatch(stderr.String()); m != nil {
+			base = "http://" + m[1]
+		}
+		return base != ""
+	}, 30*time.Second, 20*time.Millisecond, "the service never logged its address: %s", &stderr)
 
 	client := &http.Client{Timeout: 5 * time.Second}
 	require.Eventually(t, func() bool {
