@@ -27,7 +27,7 @@ func TestMain(m *testing.M) {
 		main()
 		return
 	}
-	os.Exit(m.Run())
+	testenv.Main(m)
 }
 
 const testBoard = "weekly-2026-48"

@@ -12,6 +12,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/redis/go-redis/v9"
 
+	"github.com/verity-go/verity/internal/testenv"
 	"github.com/verity-go/verity/leaderboard"
 )
 
@@ -35,7 +36,7 @@ func TestMain(m *testing.M) {
 	if spec := os.Getenv(relayChildEnv); spec != "" {
 		os.Exit(relayChild(spec))
 	}
-	os.Exit(m.Run())
+	testenv.Main(m)
 }
 
 // relayChild runs one leaderboard worker until SIGTERM (graceful) or SIGKILL

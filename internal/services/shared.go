@@ -32,6 +32,18 @@ func Shared(ctx context.Context) (*Endpoints, error) {
 	return shared.ep, shared.err
 }
 
+// CloseShared stops the private servers and containers Shared started, if
+// any, and reports whether one of them came from Docker (whose client keeps
+// idle HTTP connections a goroutine check must allow). Call it once, when the
+// process no longer needs them: a test binary's TestMain after m.Run.
+func CloseShared() (docker bool) {
+	if shared.ep == nil {
+		return false
+	}
+	shared.ep.Close()
+	return shared.ep.PostgresOrigin == OriginDocker || shared.ep.RedisOrigin == OriginDocker
+}
+
 // RandomSuffix returns n random lower-case hex characters.
 func RandomSuffix(n int) string {
 	b := make([]byte, (n+1)/2)

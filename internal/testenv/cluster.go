@@ -353,6 +353,17 @@ func logTail(path string) string {
 
 func (c *RedisCluster) close() { killAll(c.nodes) }
 
+// closeShared kills the processes of the shared cluster and the shared
+// Sentinel deployment, if they were started, and waits for them to exit.
+func closeShared() {
+	if shared.cluster != nil {
+		shared.cluster.close()
+	}
+	if sharedSentinel.sentinel != nil {
+		killAll(sharedSentinel.sentinel.nodes())
+	}
+}
+
 func killAll(nodes []*clusterNode) {
 	var wg sync.WaitGroup
 	for _, n := range nodes {

@@ -14,4 +14,7 @@
 // When no server can be found the test is skipped with one line, unless
 // VERITY_TEST_REQUIRE_SERVICES=1, which turns the skip into a failure (CI
 // sets it, so CI can never pass by skipping).
+//
+// Main is every test binary's TestMain: after the tests it stops the shared
+// servers the binary started and fails if any goroutine outlived them.
 package testenv
