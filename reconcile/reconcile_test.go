@@ -8,6 +8,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
 	"github.com/verity-go/verity/internal/testenv"
@@ -237,6 +238,44 @@ func TestRepairRace(t *testing.T) {
 			require.Equal(t, "02", b.state(t, r, "bad{ver}").RawVersion)
 		})
 	}
+}
+
+// TestRepairRaceVersionsAboveDoublePrecision re-creates and projects an
+// orphan between its classification and its removal, at the next version
+// and the same score. Both versions are above 2^53, where they round to the
+// same double: the compare-and-set must compare versions exactly, decline,
+// and leave the newer entry in place.
+func TestRepairRaceVersionsAboveDoublePrecision(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	b := setup(t, projection.KindSortedSet)
+	const read = int64(1_000_000_000_000_000_000) // doubles are 128 apart here
+	const newer = read + 1
+	out, err := b.gate.Apply(ctx, []projection.Write{{Target: b.target.target("x"), Version: read, Value: projection.Value{Score: 5}}})
+	require.NoError(t, err)
+	require.Equal(t, projection.OutcomeApplied, out[0])
+
+	r := b.reconciler(t, &Config{
+		Policy: Policy{Orphan: ActionRepair},
+		BeforeRepair: func(ctx context.Context, f Finding) bool {
+			if f.Key == "x" {
+				// BeforeRepair may run on another goroutine: assert, not require.
+				_, err := b.pool.Exec(ctx, `INSERT INTO items (key, board, version, score) VALUES ('x', $1, $2, 5)`, testBoard, newer)
+				assert.NoError(t, err)
+				out, err := b.gate.Apply(ctx, []projection.Write{{Target: b.target.target("x"), Version: newer, Value: projection.Value{Score: 5}}})
+				assert.NoError(t, err)
+				assert.Equal(t, []projection.Outcome{projection.OutcomeApplied}, out)
+			}
+			return true
+		},
+	})
+	rep, err := r.Run(ctx, RunOptions{})
+	require.NoError(t, err)
+	require.EqualValues(t, 1, rep.Counts[ClassOrphan])
+	require.EqualValues(t, 1, rep.Results[ResultRaced], "results: %v", rep.Results)
+	p := b.state(t, r, "x")
+	require.True(t, p.HasValue && p.HasVersion, "the entry projected after the read was removed")
+	require.Equal(t, newer, p.Version)
 }
 
 // TestRunCancelled cancels the run while the first page's repairs are being

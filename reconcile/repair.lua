@@ -13,7 +13,8 @@
 --   member      sorted-set member or hash field ("" for documents)
 --   expVersion  the version read before deciding: "-" absent, "=" .. raw
 --   expValue    the value read before deciding:   "-" absent, "=" .. raw
---               (for sorted sets the raw score is compared as a number)
+--               (for sorted sets the raw score is compared as a number;
+--               versions always as exact strings)
 --   action      "set" writes newVersion/newValue, "del" removes both
 --   newVersion  canonical decimal (set only)
 --   newValue    score as a decimal integer, or bytes (set only)
@@ -61,11 +62,17 @@ local function storedValue(valueKey, member)
   return redis.call('GET', valueKey)
 end
 
-local function matches(stored, expected)
+-- matches compares a stored string with what was read. Versions are
+-- compared as strings, like the gate does: a Lua number is a double, and
+-- int64 versions above 2^53 that round to the same double would match.
+-- numeric is only set for a sorted-set score, whose text Redis may format
+-- differently from the read reply; scores are bounded to ±2^53, where
+-- doubles are exact.
+local function matches(stored, expected, numeric)
   if expected == '-' then return not stored end
   if not stored then return false end
   local raw = string.sub(expected, 2)
-  if kind == 'z' and stored ~= raw then
+  if numeric and stored ~= raw then
     return tonumber(stored) == tonumber(raw)
   end
   return stored == raw
@@ -75,8 +82,8 @@ local out = {}
 for a = 3, #ARGV, 8 do
   local valueKey, versionKey = KEYS[tonumber(ARGV[a])], KEYS[tonumber(ARGV[a + 1])]
   local member = ARGV[a + 2]
-  local ok = matches(storedVersion(versionKey, member), ARGV[a + 3])
-    and matches(storedValue(valueKey, member), ARGV[a + 4])
+  local ok = matches(storedVersion(versionKey, member), ARGV[a + 3], false)
+    and matches(storedValue(valueKey, member), ARGV[a + 4], kind == 'z')
   if ok then
     local action, version, value = ARGV[a + 5], ARGV[a + 6], ARGV[a + 7]
     if adoptLayout then
