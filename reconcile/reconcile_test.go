@@ -431,6 +431,37 @@ func TestOrphanScanSkipped(t *testing.T) {
 	}
 }
 
+// TestOrphanScanAfterAheadRowDeleted deletes the source row of an ahead
+// entry after its page was read, so the re-check turns it into an orphan,
+// which the policy removes. The removed entry must not count as one the
+// pass accounted for: then the counts would match while another orphan
+// exists, and the scan that finds it would be skipped.
+func TestOrphanScanAfterAheadRowDeleted(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	b := setup(t, projection.KindSortedSet)
+	b.insert(t, "a", 1)
+	b.projectRows(t, []Row{b.insert(t, "b", 1)})
+	b.project(t, "a", 2) // ahead of the source's 1
+	b.project(t, "z", 1) // an orphan: never in the source
+
+	src := &windowSource{Source: b.source}
+	var once sync.Once
+	src.afterPage = func(rows []Row) {
+		once.Do(func() {
+			_, err := b.pool.Exec(ctx, `DELETE FROM items WHERE key = 'a'`)
+			assert.NoError(t, err)
+		})
+	}
+	r, err := New(src, b.target, &Config{Policy: Policy{Orphan: ActionRepair}})
+	require.NoError(t, err)
+	rep, err := r.Run(ctx, RunOptions{})
+	require.NoError(t, err)
+	require.False(t, rep.OrphanScanSkipped)
+	require.EqualValues(t, 2, rep.Counts[ClassOrphan], "a (deleted mid-pass) and z; report: %v", rep)
+	require.False(t, b.state(t, r, "z").HasValue, "z was not removed")
+}
+
 // TestRunUncertain kills Redis after the projection was read and before the
 // repairs are sent: the repairs' fate is unknown, and the report says so for
 // every one of them instead of dropping them.

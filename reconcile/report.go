@@ -121,8 +121,12 @@ type tally struct {
 func (t *tally) add(f *Finding) {
 	switch f.Result {
 	case ResultRepaired:
-		t.versions++
-		t.values++
+		// A repair writes the source row's state, or removes an entry
+		// without one (an ahead entry whose row was deleted mid-pass).
+		if f.Source != nil {
+			t.versions++
+			t.values++
+		}
 	case ResultRaced, ResultUncertain:
 		t.unknown = true
 	default:
