@@ -43,7 +43,10 @@ type Source interface {
 	// be cheap on large tables (SQLSource documents its method and bias).
 	Sample(ctx context.Context, n int) ([]Row, error)
 	// Lookup returns the rows, among keys, that exist in the source, in any
-	// order. Keys that do not exist are simply absent from the result.
+	// order. Keys that do not exist are simply absent from the result, and
+	// so are keys the source could never hold (a malformed projection
+	// member): return no row for them, not an error, or the orphan scan
+	// cannot report the very entries it exists to find.
 	Lookup(ctx context.Context, keys []string) ([]Row, error)
 }
 

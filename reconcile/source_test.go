@@ -4,6 +4,7 @@ import (
 	"context"
 	"testing"
 
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/stretchr/testify/require"
 
 	"github.com/verity-go/verity/internal/testenv"
@@ -49,6 +50,34 @@ func TestSQLSource(t *testing.T) {
 			{Key: "3", Version: 1, Value: projection.Value{Score: 9}},
 			{Key: "12", Version: 1, Value: projection.Value{Score: 36}},
 		}, found)
+	})
+
+	t.Run("LookupLeavesOutKeysTheColumnCannotHold", func(t *testing.T) {
+		t.Parallel()
+		pg := testenv.Postgres(t)
+		_, err := pg.Pool.Exec(ctx, `CREATE TABLE n (k bigint PRIMARY KEY, v bigint NOT NULL, p bigint NOT NULL, board text NOT NULL);
+			INSERT INTO n SELECT g, 1, g, 'daily' FROM generate_series(1, 25) g`)
+		require.NoError(t, err)
+		newSource := func(board string) *SQLSource {
+			src, err := NewSQLSource(pg.Pool, &SQLSourceConfig{Table: "n", Schema: pg.Schema, KeyColumn: "k", VersionColumn: "v",
+				ValueColumn: "p", Kind: projection.KindSortedSet, Filters: []Filter{{Column: "board", Value: board}}})
+			require.NoError(t, err)
+			return src
+		}
+		found, err := newSource("daily").Lookup(ctx, []string{"3", "abc", "12", "99999999999999999999", "bad\xff", "30", " 7"})
+		require.NoError(t, err)
+		require.ElementsMatch(t, []Row{
+			{Key: "3", Version: 1, Value: projection.Value{Score: 3}},
+			{Key: "12", Version: 1, Value: projection.Value{Score: 12}},
+			{Key: "7", Version: 1, Value: projection.Value{Score: 7}}, // " 7" is a bigint, but not the member "7"
+		}, found)
+
+		// A filter value PostgreSQL rejects is the caller's error, not an
+		// absent key: the lookup fails instead of finding nothing.
+		_, err = newSource("bad\x00").Lookup(ctx, []string{"3"})
+		var pgErr *pgconn.PgError
+		require.ErrorAs(t, err, &pgErr)
+		require.Equal(t, "22021", pgErr.Code)
 	})
 
 	t.Run("EmptyKeyAndFilter", func(t *testing.T) {

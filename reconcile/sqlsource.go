@@ -2,12 +2,14 @@ package reconcile
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"math"
 	"strconv"
 	"strings"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgtype"
 	"github.com/jackc/pgx/v5/pgxpool"
 
@@ -176,13 +178,62 @@ func (s *SQLSource) Page(ctx context.Context, after Cursor, limit int) ([]Row, e
 	return s.query(ctx, limit, sql, args...)
 }
 
-// Lookup implements Source.
+// Lookup implements Source. A key the key column cannot hold (not valid
+// UTF-8 for a text column, not a number for a bigint one: a projection
+// member written by something other than the gate) cannot be in the table,
+// so it is left out of the result like any absent key. PostgreSQL rejects
+// the whole statement for one such key, so then the batch is split in
+// halves until each rejected key stands alone; a clean batch costs one
+// query, as before.
 func (s *SQLSource) Lookup(ctx context.Context, keys []string) ([]Row, error) {
 	if len(keys) == 0 {
 		return nil, nil
 	}
+	rows, err := s.lookup(ctx, keys)
+	if err == nil || !isDataException(err) {
+		return rows, err
+	}
+	// Rule out a rejected filter value: then the error is not the keys'.
+	if _, perr := s.lookup(ctx, []string{}); perr != nil {
+		return nil, err
+	}
+	return s.lookupSplit(ctx, keys)
+}
+
+func (s *SQLSource) lookup(ctx context.Context, keys []string) ([]Row, error) {
 	args := append(append([]any(nil), s.args...), keys)
 	return s.query(ctx, len(keys), s.lookupSQL, args...)
+}
+
+// lookupSplit looks keys up in halves, dropping each key PostgreSQL rejects
+// on its own.
+func (s *SQLSource) lookupSplit(ctx context.Context, keys []string) ([]Row, error) {
+	rows, err := s.lookup(ctx, keys)
+	switch {
+	case err == nil:
+		return rows, nil
+	case !isDataException(err):
+		return nil, err
+	case len(keys) == 1:
+		return nil, nil
+	}
+	half := len(keys) / 2
+	first, err := s.lookupSplit(ctx, keys[:half])
+	if err != nil {
+		return nil, err
+	}
+	second, err := s.lookupSplit(ctx, keys[half:])
+	if err != nil {
+		return nil, err
+	}
+	return append(first, second...), nil
+}
+
+// isDataException reports a PostgreSQL data exception (SQLSTATE class 22):
+// a value its type cannot represent.
+func isDataException(err error) bool {
+	var pgErr *pgconn.PgError
+	return errors.As(err, &pgErr) && strings.HasPrefix(pgErr.Code, "22")
 }
 
 // Sample implements Source with TABLESAMPLE SYSTEM; see SQLSource for the
