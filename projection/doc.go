@@ -179,6 +179,22 @@
 // that loss; the projection is behind (never wrong in the other direction)
 // until the next write of that target or a reconciliation run repairs it.
 //
+// A *redis.Ring needs one option. By default go-redis pings every shard
+// and, after a few missed pings, hashes the keys of a shard it marks down
+// onto the others until it answers again. Versions live with the keys, so
+// during such a move the gate compares against a shard that has never seen
+// the target (a redelivered older record is applied), and when the shard
+// returns the writes acknowledged meanwhile vanish from readers: the
+// projection moves backwards, to the shard's older state. Give the Ring a
+// RingOptions.HeartbeatFn that always reports the shard up, so that a
+// shard that does not answer fails its batches (the relay retries them)
+// instead of moving keys:
+//
+//	HeartbeatFn: func(context.Context, *redis.Client) bool { return true },
+//
+// Changing a Ring's shards (SetAddrs) moves keys the same way: rebuild or
+// reconcile the collections after it.
+//
 // # Rebuilds
 //
 // A full rebuild (reconcile.Rebuild) fills shadow keys from the source and

@@ -6,6 +6,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/redis/go-redis/v9"
 	"github.com/stretchr/testify/require"
 
 	"github.com/verity-go/verity/internal/testenv"
@@ -70,4 +71,67 @@ func TestGateClusterFailover(t *testing.T) {
 	for _, o := range applyUntilAccepted(batch(2)) {
 		require.Equal(t, OutcomeStale, o)
 	}
+}
+
+// TestGateRingShardOutage pauses the Ring shard that holds a collection. A
+// Ring built as the package documents (a HeartbeatFn that never marks a
+// shard down) keeps the keys on their shard: writes wait or fail while it
+// does not answer, nothing is written to another shard, and every write is
+// gated against the versions it holds — a redelivered
+// older record is stale and the newer one is applied. (With go-redis's
+// default heartbeat the Ring would move the keys to the other shard, where
+// the older record is applied, and back again, where the newer one is
+// gone.)
+func TestGateRingShardOutage(t *testing.T) {
+	t.Parallel()
+	a, b := testenv.StartRedis(t), testenv.StartRedis(t)
+	ring := redis.NewRing(&redis.RingOptions{
+		Addrs:              map[string]string{"a": a.Addr(), "b": b.Addr()},
+		HeartbeatFrequency: 100 * time.Millisecond,
+		HeartbeatFn:        func(context.Context, *redis.Client) bool { return true },
+		NewClient: func(opt *redis.Options) *redis.Client {
+			opt.ReadTimeout, opt.WriteTimeout, opt.MaxRetries = 200*time.Millisecond, 200*time.Millisecond, -1
+			return redis.NewClient(opt)
+		},
+	})
+	t.Cleanup(func() { _ = ring.Close() })
+	ctx := context.Background()
+	ks, err := NewKeyspace("ring-outage:")
+	require.NoError(t, err)
+	g := NewGate(ring, ks)
+	target := Target{Kind: KindHash, Name: "board", Member: "ada"}
+	write := func(v int64) []Write {
+		return []Write{{Target: target, Version: v, Value: Value{Data: []byte(strconv.FormatInt(v, 10))}}}
+	}
+	out, err := g.Apply(ctx, write(2))
+	require.NoError(t, err)
+	require.Equal(t, []Outcome{OutcomeApplied}, out)
+	home, other := a.Client(t), b.Client(t)
+	if home.Exists(ctx, ks.ValueKey(target)).Val() == 0 {
+		home, other = other, home
+	}
+	require.EqualValues(t, 1, home.Exists(ctx, ks.ValueKey(target)).Val())
+
+	const pause = 1500 * time.Millisecond
+	paused := time.Now()
+	require.NoError(t, home.Do(ctx, "CLIENT", "PAUSE", pause.Milliseconds(), "ALL").Err())
+	time.Sleep(700 * time.Millisecond) // seven heartbeats: the default would have moved the keys
+	// The writes either time out or wait for the shard; either way they are
+	// gated against the versions it holds.
+	out, err = g.Apply(ctx, write(1))
+	if err == nil {
+		require.Equal(t, []Outcome{OutcomeStale}, out, "a redelivered older record")
+	}
+	require.Zero(t, other.DBSize(ctx).Val(), "nothing may be written to another shard")
+	time.Sleep(time.Until(paused.Add(pause + 200*time.Millisecond)))
+	require.Eventually(t, func() bool { // the relay's retries
+		out, err = g.Apply(ctx, write(3))
+		return err == nil
+	}, 10*time.Second, 50*time.Millisecond)
+	require.Equal(t, []Outcome{OutcomeApplied}, out)
+	out, err = g.Apply(ctx, write(1))
+	require.NoError(t, err)
+	require.Equal(t, []Outcome{OutcomeStale}, out)
+	require.Equal(t, "3", home.HGet(ctx, ks.VersionKey(target), "ada").Val())
+	require.Zero(t, other.DBSize(ctx).Val())
 }

@@ -61,9 +61,11 @@ type Gate struct {
 //
 // client may be a single-node or Sentinel *redis.Client (one script call per
 // batch), a *redis.ClusterClient (one per slot touched) or a *redis.Ring
-// (one per hash tag touched). Other UniversalClient implementations are
-// treated like a *redis.ClusterClient, which is correct for any topology
-// that routes by hash tag.
+// (one per hash tag touched; give the Ring a HeartbeatFn that always
+// reports its shards up, see "Failure semantics" in the package
+// documentation). Other UniversalClient implementations are treated like a
+// *redis.ClusterClient, which is correct for any topology that routes by
+// hash tag.
 //
 // On a *redis.ClusterClient a failed call also asks the client to reload
 // the slot map: go-redis reloads it on MOVED/ASK but not when the master it

@@ -32,7 +32,8 @@ var backends = []backend{
 		require.NoError(t, err)
 		private := testenv.StartRedis(t)
 		ring := redis.NewRing(&redis.RingOptions{
-			Addrs: map[string]string{"shared": shared.Addr, "private": private.Addr()},
+			Addrs:       map[string]string{"shared": shared.Addr, "private": private.Addr()},
+			HeartbeatFn: func(context.Context, *redis.Client) bool { return true }, // as the package documents
 			NewClient: func(opt *redis.Options) *redis.Client {
 				if opt.Addr == shared.Addr { // the private server has no auth and one database
 					opt.DB, opt.Username, opt.Password = shared.DB, shared.Username, shared.Password
