@@ -2,8 +2,10 @@ package reconcile
 
 import (
 	"context"
+	"fmt"
 	"testing"
 
+	"github.com/redis/go-redis/v9"
 	"github.com/stretchr/testify/require"
 
 	"github.com/verity-go/verity/internal/testenv"
@@ -62,4 +64,45 @@ func TestCluster(t *testing.T) {
 		b := setupWith(t, projection.KindSortedSet, client, cluster.Prefix(t))
 		rebuildUnderWrites(t, b, b.ks)
 	})
+}
+
+// TestRingDocuments checks documents on a Ring of two servers, 100 pairs of
+// them sharing a Cluster slot under different hash tags: the reconciler
+// must read (and repair) each on the shard the gate wrote it to, not send a
+// slot's documents to the shard of the first one.
+func TestRingDocuments(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	s1, s2 := testenv.StartRedis(t), testenv.StartRedis(t)
+	ring := redis.NewRing(&redis.RingOptions{
+		Addrs:       map[string]string{"a": s1.Addr(), "b": s2.Addr()},
+		HeartbeatFn: func(context.Context, *redis.Client) bool { return true }, // as package projection documents
+	})
+	t.Cleanup(func() { _ = ring.Close() })
+	b := setupWith(t, projection.KindDocument, ring, "ring-docs:")
+	firstOfSlot := map[int]string{}
+	var rows []Row
+	for i := 0; len(rows) < 200; i++ {
+		id := fmt.Sprintf("user-%d", i)
+		slot := b.ks.Slot(b.target.target(id))
+		switch other, seen := firstOfSlot[slot]; {
+		case !seen:
+			firstOfSlot[slot] = id
+		case other != "":
+			rows = append(rows, b.insert(t, other, 1), b.insert(t, id, 1))
+			firstOfSlot[slot] = ""
+		}
+	}
+	b.projectRows(t, rows[:180])
+	require.NotZero(t, s1.Client(t).DBSize(ctx).Val())
+	require.NotZero(t, s2.Client(t).DBSize(ctx).Val())
+
+	r := b.reconciler(t, &Config{SkipOrphans: true}) // the document orphan scan refuses a Ring
+	rep, err := r.Run(ctx, RunOptions{})
+	require.NoError(t, err)
+	require.Equal(t, map[Class]int64{ClassCurrent: 180, ClassMissing: 20}, rep.Counts)
+	require.EqualValues(t, 20, rep.Repaired)
+	rep, err = r.Run(ctx, RunOptions{DryRun: true})
+	require.NoError(t, err)
+	require.Equal(t, map[Class]int64{ClassCurrent: 200}, rep.Counts)
 }

@@ -257,11 +257,17 @@ func (r *Reconciler) readDocuments(ctx context.Context, keys []string, out []Pro
 	return nil
 }
 
-// groupKey decides which documents may share one MGET: all of them on a
-// single server, those of one slot on a Cluster.
+// groupKey decides which documents may share one MGET or one repair
+// script, by the gate's rule (projection.NewGate): all of them on a single
+// server, those of one hash tag on a Ring (which sends a multi-key command
+// to the shard of its first key: two tags of one slot may live on two
+// shards), those of one slot otherwise.
 func (r *Reconciler) groupKey(t projection.Target) string {
-	if _, single := r.target.Client.(*redis.Client); single {
+	switch r.target.Client.(type) {
+	case *redis.Client:
 		return ""
+	case *redis.Ring:
+		return r.target.Keyspace.HashTag(t)
 	}
 	return strconv.Itoa(r.target.Keyspace.Slot(t))
 }
