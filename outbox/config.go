@@ -108,6 +108,8 @@ type names struct {
 	// Block is the lease partitions' block of consecutive ids
 	// (partitionBlock).
 	Block int
+	// MaxStreamBytes is MaxStreamBytes, for the migration text.
+	MaxStreamBytes int
 	// Channel is the NOTIFY channel, unquoted: it is passed to pg_notify as
 	// a bind parameter and quoted when used in LISTEN.
 	Channel string
@@ -130,6 +132,7 @@ func newNames(schema, table string) names {
 		LeasesTouchedIndex:      pgx.Identifier{table + "_leases_touched_idx"}.Sanitize(),
 		Partitions:              partitionCount,
 		Block:                   partitionBlock,
+		MaxStreamBytes:          MaxStreamBytes,
 		Channel:                 channelName(schema, table),
 	}
 }

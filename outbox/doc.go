@@ -87,8 +87,8 @@
 // SQL text (it is safe to concatenate: it is sanitized), and Writer.Channel
 // the NOTIFY channel to pass as a parameter. Without pg_notify the rows are
 // still delivered, at the relays' next poll. The CHECK constraints (version
-// > 0, non-empty stream) and the unique event_id hold for composed inserts
-// as for Append.
+// > 0, a stream of 1 to MaxStreamBytes bytes) and the unique event_id hold
+// for composed inserts as for Append.
 //
 // # Lifecycle of a row
 //
@@ -212,6 +212,12 @@
 // relay wait. Migration 004 indexes the dead-letter table by (stream, id),
 // for consumers that look up a stream's dead letters (the leaderboard's lag
 // probe); the dead-letter table is normally small, so its build is short.
+// Migration 005 bounds the stream to MaxStreamBytes with a CHECK
+// constraint (a longer one could not enter that index, so its row could
+// never be dead-lettered). Adding it takes an ACCESS EXCLUSIVE lock once,
+// briefly (NOT VALID: existing rows are not scanned), so the first Migrate
+// after the upgrade waits for open writers; later ones find it and take no
+// lock.
 // With names free of line breaks and "--", no line inside a statement of
 // the migrations ends with a semicolon, so tools that split scripts at such
 // lines (goose, without StatementBegin and StatementEnd annotations) apply

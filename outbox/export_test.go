@@ -29,3 +29,13 @@ func (r *Relay) SetReleaseLockTimeout(d time.Duration) { r.releaseTimeouts.lock 
 func (r *Relay) SetReleaseTimeouts(total, cancel, lock time.Duration) {
 	r.releaseTimeouts = releaseTimeouts{total: total, cancel: cancel, lock: lock}
 }
+
+// Pauses returns the first n pauses of a reconnect pauser capped at max.
+func Pauses(max time.Duration, n int) []time.Duration {
+	p := newPauser(max)
+	out := make([]time.Duration, n)
+	for i := range out {
+		out[i] = p.next()
+	}
+	return out
+}

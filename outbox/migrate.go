@@ -73,6 +73,7 @@ func Migrations(cfg *Config) ([]Migration, error) {
 		// createIndexIfMissing).
 		tmpl := template.New(e.Name())
 		tmpl, err = tmpl.Funcs(template.FuncMap{
+			"addCheck": addCheckIfMissing,
 			"createIndex": func(def, index string) (string, error) {
 				var stmt bytes.Buffer
 				if err := tmpl.ExecuteTemplate(&stmt, def, n); err != nil {
@@ -106,6 +107,20 @@ func Migrations(cfg *Config) ([]Migration, error) {
 func createIndexIfMissing(index, stmt string) string {
 	body := fmt.Sprintf("\nBEGIN\n    IF to_regclass(%s) IS NULL THEN\n        %s; END IF; END\n",
 		dollarQuote(index), strings.ReplaceAll(stmt, "\n", "\n        "))
+	return "DO " + dollarQuote(body)
+}
+
+// addCheckIfMissing wraps ALTER TABLE … ADD CONSTRAINT … CHECK (…) NOT
+// VALID in a DO block that runs it only when table (qualified, quoted) has
+// no constraint of that name. The ALTER takes an ACCESS EXCLUSIVE lock, so
+// only the first Migrate after an upgrade waits for open writers (and makes
+// new ones wait); later ones find the constraint and take no lock. NOT
+// VALID checks new rows only: the existing ones are not scanned under that
+// lock. The constraint name and check are constants of the migration files.
+func addCheckIfMissing(table, constraint, check string) string {
+	body := fmt.Sprintf("\nBEGIN\n    IF NOT EXISTS (SELECT 1 FROM pg_constraint WHERE conrelid = %s::regclass AND conname = %s) THEN\n"+
+		"        ALTER TABLE %s ADD CONSTRAINT %s CHECK (%s) NOT VALID; END IF; END\n",
+		dollarQuote(table), dollarQuote(constraint), table, pgx.Identifier{constraint}.Sanitize(), check)
 	return "DO " + dollarQuote(body)
 }
 

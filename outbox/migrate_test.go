@@ -29,7 +29,7 @@ func TestMigrationsForTools(t *testing.T) {
 			names = append(names, m.Name)
 		}
 		require.Equal(t, []string{"001_outbox.sql", "002_queue_autovacuum.sql", "003_partition_leases.sql",
-			"004_dead_stream_index.sql"}, names)
+			"004_dead_stream_index.sql", "005_stream_length.sql"}, names)
 		script, err := outbox.MigrationSQL(nil)
 		require.NoError(t, err)
 		for _, name := range names {
@@ -58,7 +58,7 @@ func TestMigrationsForTools(t *testing.T) {
 					require.True(t, strings.HasSuffix(stmt, "\n"+tag[1]+";"), "%s: DO block cut apart:\n%s", m.Name, stmt)
 				}
 			}
-			require.Equal(t, 7, blocks, "one DO block per index")
+			require.Equal(t, 8, blocks, "one DO block per index, and one for the stream length constraint")
 		}
 	})
 

@@ -9,6 +9,13 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 )
 
+// MaxStreamBytes bounds Message.Stream. A dead letter's stream is indexed
+// (dead letters are listed by stream), and PostgreSQL refuses an index entry
+// over about 2.7 kB: a longer stream could never be moved to the dead
+// letters, and its failing row would block its partition. Migration 005
+// adds the same bound as a CHECK constraint, for composed INSERTs.
+const MaxStreamBytes = 1024
+
 // Message is one unit of projection work appended to the outbox inside the
 // caller's transaction.
 //
@@ -18,10 +25,16 @@ import (
 // one, can be made harmless by a version gate downstream.
 type Message struct {
 	// EventID identifies the command that produced this state change. It is
-	// unique in the outbox: appending the same EventID twice fails.
+	// unique among the rows still in the outbox: appending an EventID that a
+	// pending row holds fails with ErrEventIDExists, but once that row is
+	// acknowledged and deleted (without RelayConfig.KeepPublished) the same
+	// EventID can be appended, and is
+	// delivered, again. The outbox is not an idempotency record: use
+	// RecordCommand for that.
 	EventID uuid.UUID
 	// Stream names the projection the message feeds, for example
 	// "leaderboard:weekly". Relays may be restricted to some streams.
+	// At most MaxStreamBytes bytes of valid UTF-8 without NUL bytes.
 	Stream string
 	// Key identifies the entity within the stream (a user id, a product id).
 	// Any valid UTF-8 without NUL bytes is allowed (a PostgreSQL text column

@@ -584,11 +584,30 @@ func (r *Relay) handle(ctx context.Context, batch []Record) (results []Result) {
 	results, err := r.handler.Handle(ctx, batch)
 	switch {
 	case err != nil:
-		return failAll(err)
+		return failAll(safeError(err))
 	case len(results) != len(batch):
 		return failAll(fmt.Errorf("%w: %d results for a batch of %d", ErrHandlerContract, len(results), len(batch)))
 	}
+	for i := range results {
+		if results[i].Err != nil {
+			results[i].Err = safeError(results[i].Err)
+		}
+	}
 	return results
+}
+
+// safeError returns err, or an ErrHandlerContract error in its place when
+// err.Error() panics (typically a nil *T stored in the error interface):
+// settle calls Error() outside the recover above, and one bad error value
+// must not take the relay's process down with its batch still leased.
+func safeError(err error) (safe error) {
+	defer func() {
+		if p := recover(); p != nil {
+			safe = fmt.Errorf("%w: the handler's error (%T) panicked in Error(): %v", ErrHandlerContract, err, p)
+		}
+	}()
+	_ = err.Error()
+	return err
 }
 
 // settle records the outcome of every record of the batch in one statement.
@@ -687,7 +706,7 @@ func (r *Relay) settle(ctx context.Context, token uuid.UUID, batch []Record, res
 func (r *Relay) backoff(attempts int) time.Duration {
 	d := r.cfg.RetryBackoffMin
 	for i := 1; i < attempts && d < r.cfg.RetryBackoffMax; i++ {
-		d *= 2
+		d = doubled(d, r.cfg.RetryBackoffMax)
 	}
 	d = min(d, r.cfg.RetryBackoffMax)
 	half := d / 2
@@ -827,12 +846,21 @@ func (p *pauser) next() time.Duration {
 	if p.cur == 0 {
 		p.cur = min(pauseMin, p.max)
 	} else {
-		p.cur = min(p.cur*2, p.max)
+		p.cur = doubled(p.cur, p.max)
 	}
 	return p.cur
 }
 
 func (p *pauser) reset() { p.cur = 0 }
+
+// doubled returns 2d capped at limit, without overflowing when limit is
+// close to the largest Duration (a "no cap" setting).
+func doubled(d, limit time.Duration) time.Duration {
+	if d > limit/2 {
+		return limit
+	}
+	return 2 * d
+}
 
 // sleep waits for d or until ctx is done; it reports whether ctx is still live.
 func sleep(ctx context.Context, d time.Duration) bool {

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"math"
 	"math/rand/v2"
 	"strings"
 	"sync"
@@ -192,6 +193,16 @@ func TestRelayDelivery(t *testing.T) {
 			},
 			"BatchError": func(context.Context, []outbox.Record) ([]outbox.Result, error) {
 				return nil, errors.New("redis unreachable")
+			},
+			// A nil *T in the error interface: its Error() panics, and
+			// settle calls it outside the handler's recover.
+			"PanickingError": func(_ context.Context, batch []outbox.Record) ([]outbox.Result, error) {
+				var typedNil *panickingError
+				results := make([]outbox.Result, len(batch))
+				for i := range results {
+					results[i].Err = typedNil
+				}
+				return results, nil
 			},
 		}
 		for name, h := range handlers {
@@ -497,6 +508,54 @@ func TestRelayRetries(t *testing.T) {
 		require.NoError(t, err)
 		require.Zero(t, stats.DeadLetters)
 		require.EqualValues(t, 1, stats.Pending)
+	})
+
+	t.Run("BackoffWithoutCap", func(t *testing.T) {
+		t.Parallel()
+		// The largest Duration as "no cap": doubling must not overflow.
+		b := setup(t)
+		r := b.relay(t, nil, &recorder{}, outbox.RelayConfig{RetryBackoffMin: time.Second, RetryBackoffMax: math.MaxInt64, MaxAttempts: 100})
+		prev := time.Duration(0)
+		for attempts := 1; attempts <= 100; attempts++ {
+			d := r.Backoff(attempts)
+			require.Positive(t, d, "attempt %d", attempts)
+			require.GreaterOrEqual(t, d, prev/2, "attempt %d", attempts) // jitter stays in the upper half
+			prev = d
+		}
+	})
+
+	t.Run("ReconnectPausesWithoutCap", func(t *testing.T) {
+		t.Parallel()
+		pauses := outbox.Pauses(math.MaxInt64, 100)
+		for i := 1; i < len(pauses); i++ {
+			require.GreaterOrEqual(t, pauses[i], pauses[i-1], "pause %d of %v", i, pauses)
+		}
+		require.Equal(t, time.Duration(math.MaxInt64), pauses[len(pauses)-1])
+		require.Equal(t, []time.Duration{time.Second, time.Second}, outbox.Pauses(time.Second, 6)[4:])
+	})
+
+	t.Run("MaxLengthStreamIsDeadLettered", func(t *testing.T) {
+		t.Parallel()
+		// A dead letter's stream is indexed: the longest stream Append
+		// allows must fit the index even when it does not compress.
+		b := setup(t)
+		stream := make([]byte, outbox.MaxStreamBytes)
+		for i := range stream {
+			stream[i] = byte(33 + rand.IntN(94))
+		}
+		b.appendCommitted(t, newMessage(string(stream), "a", 1), newMessage("s", "b", 1))
+		h := &recorder{fail: func(rec outbox.Record) error {
+			if rec.Key == "a" {
+				return errors.New("cannot project")
+			}
+			return nil
+		}}
+		r := b.relay(t, nil, h, outbox.RelayConfig{MaxAttempts: 1})
+		n, err := r.RunOnce(ctx)
+		require.NoError(t, err)
+		require.Equal(t, 2, n)
+		require.Zero(t, b.count(t, b.writer.Table()))
+		require.Equal(t, 1, b.count(t, b.deadTable()))
 	})
 
 	t.Run("BackoffGrowsWithJitter", func(t *testing.T) {
@@ -1049,3 +1108,9 @@ func (b *syncBuffer) String() string {
 	defer b.mu.Unlock()
 	return b.buf.String()
 }
+
+// panickingError's Error dereferences its receiver: a nil *panickingError
+// in an error interface panics when printed.
+type panickingError struct{ msg string }
+
+func (e *panickingError) Error() string { return e.msg }

@@ -133,6 +133,8 @@ func validateMessages(msgs []Message) error {
 			return fail("EventID", "is the nil UUID; give every command a stable, unique id")
 		case m.Stream == "":
 			return fail("Stream", "is empty; name the projection the message feeds")
+		case len(m.Stream) > MaxStreamBytes:
+			return fail("Stream", fmt.Sprintf("is %d bytes; at most %d (MaxStreamBytes) are allowed", len(m.Stream), MaxStreamBytes))
 		case m.Version <= 0:
 			return fail("Version", fmt.Sprintf("is %d; versions start at 1 and increase with every change", m.Version))
 		}

@@ -3,11 +3,13 @@ package outbox_test
 import (
 	"context"
 	"fmt"
+	"strings"
 	"testing"
 	"time"
 
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
@@ -164,6 +166,7 @@ func TestAppend(t *testing.T) {
 			{"NegativeVersion", func(m *outbox.Message) { m.Version = -5 }, "Version"},
 			{"InvalidUTF8Key", func(m *outbox.Message) { m.Key = "\xff\xfe" }, "Key"},
 			{"NULInStream", func(m *outbox.Message) { m.Stream = "a\x00b" }, "Stream"},
+			{"LongStream", func(m *outbox.Message) { m.Stream = strings.Repeat("s", outbox.MaxStreamBytes+1) }, "Stream"},
 			{"DuplicateEventIDInCall", func(m *outbox.Message) { m.EventID = dup.EventID }, "EventID"},
 		}
 		for _, tc := range cases {
@@ -346,9 +349,19 @@ func TestComposedInsert(t *testing.T) {
 	require.Nil(t, rows[0].ClaimToken)
 
 	// The CHECK constraints hold for composed inserts too.
-	_, err = b.pool.Exec(ctx, `INSERT INTO `+b.writer.Table()+` (event_id, stream, key, version, payload)
-		VALUES ($1, 'scores', 'user-a', 0, '')`, uuid.New())
-	require.Error(t, err)
+	for name, bad := range map[string]struct {
+		stream  string
+		version int64
+	}{
+		"ZeroVersion": {"scores", 0},
+		"LongStream":  {strings.Repeat("s", outbox.MaxStreamBytes+1), 1},
+	} {
+		_, err = b.pool.Exec(ctx, `INSERT INTO `+b.writer.Table()+` (event_id, stream, key, version, payload)
+			VALUES ($1, $2, 'user-a', $3, '')`, uuid.New(), bad.stream, bad.version)
+		var pgErr *pgconn.PgError
+		require.ErrorAs(t, err, &pgErr, name)
+		require.Equal(t, "23514", pgErr.Code, name) // check_violation
+	}
 }
 
 func TestConfig(t *testing.T) {

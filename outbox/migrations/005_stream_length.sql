@@ -1,0 +1,11 @@
+-- verity outbox, migration 005: a bound on the stream name.
+--
+-- A dead letter's stream goes into the (stream, id) index of migration 004,
+-- and PostgreSQL refuses index entries over about 2.7 kB: a row with a
+-- longer stream could never be moved to the dead letters, so the statement
+-- that settles its batch would fail on every attempt and the rows behind it
+-- in its partition would never be delivered. Append refuses such streams
+-- (outbox.MaxStreamBytes); this constraint refuses them for composed
+-- INSERTs too. It is added once, NOT VALID (rows already there are not
+-- scanned), and only when missing (see addCheckIfMissing).
+{{addCheck .Outbox "verity_outbox_stream_length" (printf "octet_length(stream) <= %d" .MaxStreamBytes)}};
