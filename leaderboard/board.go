@@ -173,18 +173,28 @@ func (b *Board) validate(index int, cmd Command) error {
 	switch {
 	case cmd.EventID == uuid.Nil:
 		return fail("EventID", "must be a non-nil UUID")
-	case cmd.UserID == "":
-		return fail("UserID", "must not be empty")
-	case len(cmd.UserID) > b.cfg.MaxUserIDLength:
-		return fail("UserID", fmt.Sprintf("is %d bytes long; the limit is %d", len(cmd.UserID), b.cfg.MaxUserIDLength))
-	case !utf8.ValidString(cmd.UserID):
-		return fail("UserID", "must be valid UTF-8")
-	case strings.IndexByte(cmd.UserID, 0) >= 0:
-		return fail("UserID", "must not contain NUL bytes")
 	case cmd.Delta < b.cfg.MinDelta || cmd.Delta > b.cfg.MaxDelta:
 		return fail("Delta", fmt.Sprintf("%d is outside [%d, %d]", cmd.Delta, b.cfg.MinDelta, b.cfg.MaxDelta))
 	}
+	if reason := b.userIDProblem(cmd.UserID); reason != "" {
+		return fail("UserID", reason)
+	}
 	return nil
+}
+
+// userIDProblem says why user cannot be a user id of the board, or "".
+func (b *Board) userIDProblem(user string) string {
+	switch {
+	case user == "":
+		return "must not be empty"
+	case len(user) > b.cfg.MaxUserIDLength:
+		return fmt.Sprintf("is %d bytes long; the limit is %d", len(user), b.cfg.MaxUserIDLength)
+	case !utf8.ValidString(user):
+		return "must be valid UTF-8"
+	case strings.IndexByte(user, 0) >= 0:
+		return "must not contain NUL bytes"
+	}
+	return ""
 }
 
 // Submit applies cmd and returns the user's resulting score and version.

@@ -34,6 +34,11 @@ var (
 	// twin of its command that committed meanwhile, and the caller's
 	// transaction is aborted. Roll back and retry the transaction.
 	ErrConcurrentSubmit = errors.New("leaderboard: a concurrent submit of the same event id committed first")
+	// ErrInvalidReadOption is returned, before anything is read, for a
+	// nil ReadOption, WithPolicy of an unknown policy (the zero value
+	// included), or AtLeast with a version above 0 and a user id the board
+	// would refuse.
+	ErrInvalidReadOption = errors.New("leaderboard: invalid read option")
 	// ErrInvalidLimit is returned for a page size outside [1, MaxPageSize]
 	// (Around also accepts 0 neighbours).
 	ErrInvalidLimit = fmt.Errorf("leaderboard: page size must be between 1 and %d", MaxPageSize)

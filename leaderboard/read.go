@@ -99,7 +99,8 @@ func AtLeast(user string, version int64) ReadOption {
 	return func(o *readOptions) { o.user, o.version = user, version }
 }
 
-// WithPolicy overrides Config.ReadPolicy for one read.
+// WithPolicy overrides Config.ReadPolicy for one read. An unknown policy,
+// the zero value included, fails the read with ErrInvalidReadOption.
 func WithPolicy(p ReadPolicy) ReadOption {
 	return func(o *readOptions) { o.policy = p }
 }
@@ -238,7 +239,20 @@ func (b *Board) read(ctx context.Context, opts []ReadOption, fromRedis, fromPost
 func (b *Board) readUnderPolicy(ctx context.Context, opts []ReadOption, fromRedis, fromPostgres func(context.Context) error) (Freshness, error) {
 	o := readOptions{policy: b.cfg.ReadPolicy}
 	for _, opt := range opts {
+		if opt == nil {
+			return Freshness{}, fmt.Errorf("%w: a nil ReadOption", ErrInvalidReadOption)
+		}
 		opt(&o)
+	}
+	// An unknown policy must not fall through to ServeStale: a fail-closed
+	// caller whose policy field was left unset would get stale answers.
+	if o.policy < ServeStale || o.policy > FailClosed {
+		return Freshness{}, fmt.Errorf("%w: WithPolicy(%s) is unknown; use ServeStale, FallbackToPostgres or FailClosed", ErrInvalidReadOption, o.policy)
+	}
+	if o.version > 0 {
+		if reason := b.userIDProblem(o.user); reason != "" {
+			return Freshness{}, fmt.Errorf("%w: AtLeast user id %s", ErrInvalidReadOption, reason)
+		}
 	}
 	fallback := func() (Freshness, error) {
 		if err := fromPostgres(ctx); err != nil {
@@ -337,8 +351,11 @@ type lagProbe struct {
 // A measurement is trusted as is for LagProbeInterval only: when the probe
 // under way takes longer (a saturated pool, a slow database), the reused
 // measurement's lag keeps growing with its age, because the projection may
-// have fallen behind at any moment since. Reported lag therefore understates
-// the true lag by less than LagProbeInterval, however long a probe takes.
+// have fallen behind at any moment since. A measurement's age counts from
+// when its query was sent, not from when the reply arrived (a change that
+// commits while the reply travels is invisible to it). Reported lag
+// therefore understates the true lag by less than LagProbeInterval, however
+// long a probe or its reply takes.
 func (b *Board) freshness(ctx context.Context) Freshness {
 	b.lagMu.Lock()
 	now := time.Now()
@@ -351,9 +368,7 @@ func (b *Board) freshness(ctx context.Context) Freshness {
 	b.lagMu.Unlock()
 
 	if measure {
-		var dbNow time.Time
-		var oldest *time.Time
-		err := b.pool.QueryRow(ctx, b.sql.lag, b.stream, b.cfg.Name).Scan(&dbNow, &oldest)
+		dbNow, oldest, sent, err := b.measureLag(ctx)
 		if err != nil && ctx.Err() != nil {
 			// This caller gave up, which says nothing about the database:
 			// keep the previous measurement for the other readers, and let
@@ -363,7 +378,12 @@ func (b *Board) freshness(ctx context.Context) Freshness {
 			b.lagMu.Unlock()
 			return Freshness{Source: SourceRedis, Lag: -1}
 		}
-		p = lagProbe{at: time.Now(), failed: err != nil}
+		// The measurement holds as of the query's snapshot, which PostgreSQL
+		// took after the query was sent and before the reply arrived: stamp
+		// it with the sending time, never later than the snapshot. Stamped
+		// on arrival, a slow reply would hide a change committed while it
+		// travelled, for as long as it travelled.
+		p = lagProbe{at: sent, failed: err != nil}
 		if err != nil {
 			b.cfg.Logger.WarnContext(ctx, "leaderboard: measuring projection lag failed", "board", b.cfg.Name, "error", err)
 		} else if oldest != nil {
@@ -376,7 +396,7 @@ func (b *Board) freshness(ctx context.Context) Freshness {
 		b.lagMu.Lock()
 		b.lagProbe = p
 		b.lagMu.Unlock()
-		now = p.at
+		now = time.Now()
 	}
 
 	age := now.Sub(p.at)
@@ -392,6 +412,21 @@ func (b *Board) freshness(ctx context.Context) Freshness {
 		return Freshness{Source: SourceRedis, Lag: age, ProjectedThrough: p.at}
 	}
 	return Freshness{Source: SourceRedis, ProjectedThrough: p.at}
+}
+
+// measureLag runs the lag query on a connection of its own and returns the
+// database's now(), the oldest unprojected row's creation time (nil when
+// none is pending) and the local time the query was sent, taken after the
+// connection was acquired so that waiting for the pool is not counted.
+func (b *Board) measureLag(ctx context.Context) (dbNow time.Time, oldest *time.Time, sent time.Time, err error) {
+	conn, err := b.pool.Acquire(ctx)
+	if err != nil {
+		return dbNow, nil, time.Now(), err
+	}
+	defer conn.Release()
+	sent = time.Now()
+	err = conn.QueryRow(ctx, b.sql.lag, b.stream, b.cfg.Name).Scan(&dbNow, &oldest)
+	return dbNow, oldest, sent, err
 }
 
 // redisPage reads up to n entries after c (or from the top) from Redis.

@@ -3,7 +3,9 @@ package leaderboard
 import (
 	"context"
 	"encoding/json"
+	"net"
 	"sort"
+	"strconv"
 	"testing"
 	"time"
 
@@ -205,6 +207,18 @@ func users(entries []Entry) []string {
 	return out
 }
 
+// requireUpToDate checks that fr is an answer from Redis whose lag is no
+// more than the read that returned it could have missed while it ran (since
+// is taken just before the read): with a LagProbeInterval shorter than the
+// probe's round trip, as in tests that measure on every read, a fresh
+// measurement's own age counts as lag.
+func requireUpToDate(t *testing.T, fr Freshness, since time.Time) {
+	t.Helper()
+	require.Equal(t, SourceRedis, fr.Source)
+	require.GreaterOrEqual(t, fr.Lag, time.Duration(0))
+	require.LessOrEqual(t, fr.Lag, time.Since(since))
+}
+
 func TestReadPolicies(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
@@ -252,11 +266,11 @@ func TestReadPolicies(t *testing.T) {
 
 		// Once drained, the same board answers from Redis again.
 		tb.drain(t)
+		before := time.Now()
 		r, err = tb.board.Top(ctx, 10)
 		require.NoError(t, err)
-		require.Equal(t, SourceRedis, r.Freshness.Source)
+		requireUpToDate(t, r.Freshness, before)
 		require.Equal(t, int64(17), r.Entries[0].Score)
-		require.Zero(t, r.Freshness.Lag)
 	})
 
 	t.Run("FailClosed", func(t *testing.T) {
@@ -339,6 +353,37 @@ func TestReadYourWrites(t *testing.T) {
 		require.False(t, fr.AtLeastMet)
 		require.Equal(t, int64(10), e.Score)
 	})
+
+	t.Run("InvalidOptionsReadNothing", func(t *testing.T) {
+		t.Parallel()
+		// A fail-closed board whose projection lags: an option that fell
+		// through to ServeStale would answer with the stale score.
+		tb := setup(t, func(c *Config) {
+			c.ReadPolicy = FailClosed
+			c.MaxLag = 50 * time.Millisecond
+			c.LagProbeInterval = time.Nanosecond
+		})
+		tb.submit(t, "user-a", 10)
+		tb.drain(t)
+		tb.submit(t, "user-a", 7)
+		time.Sleep(100 * time.Millisecond)
+		_, err := tb.board.Top(ctx, 10)
+		require.ErrorIs(t, err, ErrStale, "setup: the projection lags")
+
+		for name, opt := range map[string]ReadOption{
+			"UnsetPolicy":      WithPolicy(0),
+			"UnknownPolicy":    WithPolicy(FailClosed + 1),
+			"NilOption":        nil,
+			"AtLeastEmptyUser": AtLeast("", 1),
+			"AtLeastNULUser":   AtLeast("a\x00b", 1),
+		} {
+			start := time.Now()
+			r, err := tb.board.Top(ctx, 10, opt)
+			require.ErrorIs(t, err, ErrInvalidReadOption, name)
+			require.Empty(t, r.Entries, name)
+			require.Less(t, time.Since(start), tb.board.Config().ReadYourWritesTimeout, "%s: refused without waiting", name)
+		}
+	})
 }
 
 func TestFreshnessProbe(t *testing.T) {
@@ -400,6 +445,58 @@ func TestFreshnessProbe(t *testing.T) {
 		fr := board.Freshness(ctx)
 		require.GreaterOrEqual(t, fr.Lag, asked.Sub(measuredAt))
 		require.False(t, fr.ProjectedThrough.After(measuredAt))
+	})
+
+	t.Run("SlowReplyCountsAsLag", func(t *testing.T) {
+		t.Parallel()
+		// The lag query's reply takes 800 ms to reach the board. A change
+		// committed after the query's snapshot, while the reply travels,
+		// is invisible to it: the measurement must count from when the
+		// query was sent, so the reply's travel time shows as lag and a
+		// fail-closed read refuses, instead of reporting lag 0.
+		tb := setup(t)
+		pc, err := pgxpool.ParseConfig(tb.pg.ConnString)
+		require.NoError(t, err)
+		proxy := startDelayProxy(t, net.JoinHostPort(pc.ConnConfig.Host, strconv.Itoa(int(pc.ConnConfig.Port))))
+		pc.ConnConfig.Host = "127.0.0.1"
+		pc.ConnConfig.Port = uint16(proxy.ln.Addr().(*net.TCPAddr).Port)
+		pc.MaxConns = 1
+		slow, err := pgxpool.NewWithConfig(ctx, pc)
+		require.NoError(t, err)
+		t.Cleanup(slow.Close)
+		cfg := tb.board.Config()
+		cfg.ReadPolicy = FailClosed
+		cfg.MaxLag = 300 * time.Millisecond
+		cfg.LagProbeInterval = 50 * time.Millisecond
+		board, err := New(slow, tb.rd.Client, &cfg)
+		require.NoError(t, err)
+
+		tb.submit(t, "user-a", 10)
+		tb.drain(t)
+		r, err := board.Top(ctx, 10) // also prepares the lag statement on the connection
+		require.NoError(t, err)
+		require.Equal(t, int64(10), r.Entries[0].Score)
+		time.Sleep(2 * cfg.LagProbeInterval) // the next read measures again
+
+		proxy.delay.Store(int64(800 * time.Millisecond))
+		type answer struct {
+			r   Ranking
+			err error
+		}
+		done := make(chan answer, 1)
+		go func() {
+			r, err := board.Top(ctx, 10)
+			done <- answer{r, err}
+		}()
+		// Usually after the probe's snapshot; if before, the probe sees it
+		// pending, and the reply's travel time counts all the same.
+		time.Sleep(100 * time.Millisecond)
+		tb.submit(t, "user-a", 7) // never projected
+		got := <-done
+		proxy.delay.Store(0)
+		var staleErr *StaleError
+		require.ErrorAs(t, got.err, &staleErr, "served %v with lag %s", got.r.Entries, got.r.Freshness.Lag)
+		require.GreaterOrEqual(t, staleErr.Lag, 700*time.Millisecond)
 	})
 
 	t.Run("CancelledReaderDoesNotPoisonTheCache", func(t *testing.T) {
@@ -464,9 +561,10 @@ func TestFreshnessProbe(t *testing.T) {
 		require.NoError(t, err)
 		require.Equal(t, int64(1), n)
 		tb.drain(t)
+		before := time.Now()
 		r, err = tb.board.Top(ctx, 10)
 		require.NoError(t, err)
-		require.Zero(t, r.Freshness.Lag)
+		requireUpToDate(t, r.Freshness, before)
 		require.Equal(t, int64(17), r.Entries[0].Score)
 	})
 
@@ -515,15 +613,15 @@ func TestFreshnessProbe(t *testing.T) {
 		var dead int
 		require.NoError(t, tb.pg.Pool.QueryRow(ctx, `SELECT count(*) FROM verity_outbox_dead`).Scan(&dead))
 		require.Equal(t, 1, dead)
+		before := time.Now()
 		r, err := tb.board.Top(ctx, 10)
 		require.NoError(t, err)
-		require.Equal(t, SourceRedis, r.Freshness.Source)
-		require.Zero(t, r.Freshness.Lag)
+		requireUpToDate(t, r.Freshness, before)
 		require.Equal(t, int64(18), r.Entries[0].Score)
+		before = time.Now()
 		r, err = tb.board.Top(ctx, 10, WithPolicy(FallbackToPostgres))
 		require.NoError(t, err)
-		require.Equal(t, SourceRedis, r.Freshness.Source)
-		require.Zero(t, r.Freshness.Lag)
+		requireUpToDate(t, r.Freshness, before)
 
 		// Another user's pending change is that change's lag only.
 		tb.submit(t, "user-b", 1)
@@ -566,10 +664,10 @@ func TestFreshnessProbe(t *testing.T) {
 		// Version 4 projected supersedes both: Redis is right.
 		tb.submit(t, "user-a", 1)
 		tb.drain(t)
+		before := time.Now()
 		r, err = tb.board.Top(ctx, 10)
 		require.NoError(t, err)
-		require.Equal(t, SourceRedis, r.Freshness.Source)
-		require.Zero(t, r.Freshness.Lag)
+		requireUpToDate(t, r.Freshness, before)
 		require.Equal(t, int64(19), r.Entries[0].Score)
 	})
 }
