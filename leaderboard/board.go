@@ -53,9 +53,14 @@ type Result struct {
 
 // Board is one leaderboard. It is safe for concurrent use.
 type Board struct {
-	cfg     *Config
-	pool    *pgxpool.Pool
-	rdb     redis.UniversalClient
+	cfg  *Config
+	pool *pgxpool.Pool
+	rdb  redis.UniversalClient
+	// primary is set when rdb may send read-only commands to replicas
+	// (ReadOnly, RouteByLatency or RouteRandomly): the board then reads on
+	// the master explicitly, because Freshness measures the projection's
+	// lag on the masters only and a replica may be further behind.
+	primary *redis.ClusterClient
 	stream  string
 	channel string
 	ks      projection.Keyspace
@@ -124,6 +129,11 @@ func New(pool *pgxpool.Pool, rdb redis.UniversalClient, cfg *Config) (*Board, er
 		ks:       ks,
 	}
 	b.zsetKey = ks.ValueKey(b.target(""))
+	if cc, ok := rdb.(*redis.ClusterClient); ok {
+		if o := cc.Options(); o.ReadOnly || o.RouteByLatency || o.RouteRandomly {
+			b.primary = cc
+		}
+	}
 	r := func(q string) string { return renderSQL(q, c.Schema, w.Config().Table) }
 	b.sql.submit, b.sql.submitTx, b.sql.lookupEvent = r(submitSQL), r(submitTxSQL), r(lookupEventSQL)
 	b.sql.submitBatch = r(submitBatchSQL)

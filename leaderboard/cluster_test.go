@@ -2,8 +2,11 @@ package leaderboard
 
 import (
 	"context"
+	"sync"
 	"testing"
+	"time"
 
+	"github.com/redis/go-redis/v9"
 	"github.com/stretchr/testify/require"
 
 	"github.com/verity-go/verity/internal/testenv"
@@ -50,5 +53,89 @@ func TestRedisCluster(t *testing.T) {
 		report, err := rec.Run(ctx, reconcile.RunOptions{})
 		require.NoError(t, err)
 		require.Equal(t, int64(len(tieUsers)), report.Counts[reconcile.ClassCurrent])
+	}
+}
+
+// TestRedisClusterReplicaReads uses a cluster client that sends read-only
+// commands to replicas. Freshness measures the projection's lag on the
+// masters only, so every read of the board must still reach the master
+// that owns its key.
+func TestRedisClusterReplicaReads(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	cluster := testenv.SharedRedisCluster(t)
+	plain := cluster.Client(t)
+	require.Eventually(t, func() bool { // every slot lists its replica
+		slots, err := plain.ClusterSlots(ctx).Result()
+		if err != nil || len(slots) == 0 {
+			return false
+		}
+		for _, s := range slots {
+			if len(s.Nodes) < 2 {
+				return false
+			}
+		}
+		return true
+	}, 30*time.Second, 50*time.Millisecond)
+	client := redis.NewClusterClient(&redis.ClusterOptions{Addrs: cluster.Addrs(), ReadOnly: true})
+	t.Cleanup(func() { _ = client.Close() })
+	var mu sync.Mutex
+	reads := map[string]int{} // node address → read-only commands of the board
+	client.OnNewNode(func(node *redis.Client) {
+		addr := node.Options().Addr
+		node.AddHook(readCounter(func(name string) {
+			switch name {
+			case "zrange", "hget", "zscore", "zrank", "evalsha", "eval":
+				mu.Lock()
+				reads[addr]++
+				mu.Unlock()
+			}
+		}))
+	})
+	pg := testenv.Postgres(t)
+	cfg := &Config{Name: "replicas", Schema: pg.Schema, KeyPrefix: cluster.Prefix(t), ReadPolicy: FailClosed}
+	require.NoError(t, Migrate(ctx, pg.Pool, cfg))
+	board, err := New(pg.Pool, client, cfg)
+	require.NoError(t, err)
+	t.Cleanup(board.Close)
+	tb := &testBundle{board: board, pg: pg}
+	master, err := client.MasterForKey(ctx, board.SortedSetKey())
+	require.NoError(t, err)
+
+	tb.submit(t, "user-b", -1)
+	for range 20 {
+		res := tb.submit(t, "user-a", 1)
+		tb.drain(t)
+		r, err := board.Top(ctx, 1, AtLeast("user-a", res.Version))
+		require.NoError(t, err)
+		require.Equal(t, res.Score, r.Entries[0].Score)
+		page, err := board.Page(ctx, r.Next, 1) // the page script
+		require.NoError(t, err)
+		require.Equal(t, "user-b", page.Entries[0].UserID)
+		e, _, err := board.Rank(ctx, "user-a")
+		require.NoError(t, err)
+		require.Equal(t, res.Score, e.Score)
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	require.NotZero(t, reads[master.Options().Addr])
+	for addr, n := range reads {
+		require.Equal(t, master.Options().Addr, addr, "%d reads went to another node than the master (%v)", n, reads)
+	}
+}
+
+// readCounter is a go-redis hook that reports each command's name.
+type readCounter func(name string)
+
+func (h readCounter) DialHook(next redis.DialHook) redis.DialHook { return next }
+func (h readCounter) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
+	return func(ctx context.Context, cmd redis.Cmder) error { h(cmd.Name()); return next(ctx, cmd) }
+}
+func (h readCounter) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+	return func(ctx context.Context, cmds []redis.Cmder) error {
+		for _, c := range cmds {
+			h(c.Name())
+		}
+		return next(ctx, cmds)
 	}
 }

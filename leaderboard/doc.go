@@ -116,6 +116,16 @@
 // up to Config.ReadYourWritesTimeout for the projection to reach that
 // version, then applies the policy.
 //
+// What Lag cannot see: it measures the outbox, so a projection that Redis
+// itself lost (a restart without persistence, FLUSHALL, eviction under a
+// maxmemory-policy other than noeviction, a failover that dropped
+// acknowledged writes) looks current, with Lag zero, until the reconciler
+// repairs it. Run the board's Redis with noeviction, and a reconcile pass
+// (or Rebuild) after every such event and on a schedule. With a cluster
+// client that reads from replicas (ReadOnly, RouteByLatency or
+// RouteRandomly), the board still reads from the masters, whose lag is the
+// one measured.
+//
 // # Payouts
 //
 // Authoritative reads the ranking from PostgreSQL only. Use it, and never

@@ -309,7 +309,12 @@ func (b *Board) waitForVersion(ctx context.Context, user string, version int64) 
 	deadline := time.Now().Add(b.cfg.ReadYourWritesTimeout)
 	backoff := 2 * time.Millisecond
 	for {
-		got, err := b.rdb.HGet(ctx, b.ks.VersionKey(b.target(user)), user).Result()
+		key := b.ks.VersionKey(b.target(user))
+		rdb, err := b.reader(ctx, key)
+		if err != nil {
+			return false, fmt.Errorf("leaderboard: reading the projected version: %w", err)
+		}
+		got, err := rdb.HGet(ctx, key, user).Result()
 		switch {
 		case errors.Is(err, redis.Nil):
 		case err != nil:
@@ -429,10 +434,24 @@ func (b *Board) measureLag(ctx context.Context) (dbNow time.Time, oldest *time.T
 	return dbNow, oldest, sent, err
 }
 
+// reader returns the client for a read-only command on key: the master
+// that owns key when the client could send it to a replica, the board's
+// client otherwise. Scripts and MULTI always run on the master.
+func (b *Board) reader(ctx context.Context, key string) (redis.Cmdable, error) {
+	if b.primary == nil {
+		return b.rdb, nil
+	}
+	return b.primary.MasterForKey(ctx, key)
+}
+
 // redisPage reads up to n entries after c (or from the top) from Redis.
 func (b *Board) redisPage(ctx context.Context, c *cursor, n int) ([]Entry, error) {
 	if c == nil {
-		zs, err := b.rdb.ZRangeWithScores(ctx, b.zsetKey, 0, int64(n-1)).Result()
+		rdb, err := b.reader(ctx, b.zsetKey)
+		if err != nil {
+			return nil, fmt.Errorf("leaderboard: reading Redis: %w", err)
+		}
+		zs, err := rdb.ZRangeWithScores(ctx, b.zsetKey, 0, int64(n-1)).Result()
 		if err != nil {
 			return nil, fmt.Errorf("leaderboard: reading Redis: %w", err)
 		}
