@@ -60,8 +60,10 @@ type Freshness struct {
 	// measurement is younger than Config.LagProbeInterval and its age
 	// after that (a probe under way can take longer, and a change may have
 	// been waiting since), so Lag understates the true lag by less than
-	// LagProbeInterval. 0 for PostgreSQL answers; negative when it could
-	// not be measured (PostgreSQL unreachable).
+	// LagProbeInterval. A measurement's age counts from when its query was
+	// sent. 0 for PostgreSQL answers; negative when it could not be
+	// measured (PostgreSQL unreachable). Lag sees the outbox only, not
+	// entries Redis itself lost (see Reading in the package documentation).
 	Lag time.Duration
 	// AtLeastMet is false only when the read asked for AtLeast, the
 	// projection did not reach that version in time, and the ServeStale
