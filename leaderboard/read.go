@@ -96,7 +96,8 @@ type readOptions struct {
 // Config.ReadYourWritesTimeout; if it is still behind, the read policy
 // decides (FallbackToPostgres reads PostgreSQL, FailClosed returns a
 // *StaleError, ServeStale answers from Redis with Freshness.AtLeastMet
-// false).
+// false, or a *StaleError instead of ErrUserNotFound when the user it
+// looked up is not in Redis yet).
 func AtLeast(user string, version int64) ReadOption {
 	return func(o *readOptions) { o.user, o.version = user, version }
 }
@@ -296,6 +297,11 @@ func (b *Board) readUnderPolicy(ctx context.Context, opts []ReadOption, fromRedi
 		}
 	}
 	if err := fromRedis(ctx); err != nil {
+		if !atLeastMet && errors.Is(err, ErrUserNotFound) {
+			// The user's awaited write has not reached Redis: "no score"
+			// would deny a score the caller just saved.
+			return Freshness{}, &StaleError{Lag: fresh.Lag, MaxLag: b.cfg.MaxLag, UserID: o.user, Version: o.version}
+		}
 		if o.policy == FallbackToPostgres && !errors.Is(err, ErrUserNotFound) && ctx.Err() == nil {
 			b.cfg.Logger.WarnContext(ctx, "leaderboard: Redis read failed; answering from PostgreSQL", "board", b.cfg.Name, "error", err)
 			return fallback()

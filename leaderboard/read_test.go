@@ -354,6 +354,28 @@ func TestReadYourWrites(t *testing.T) {
 		require.Equal(t, int64(10), e.Score)
 	})
 
+	t.Run("UnprojectedNewUserIsStaleNotMissing", func(t *testing.T) {
+		t.Parallel()
+		// A user's first score, not projected yet: with ServeStale the
+		// read answers from Redis, where the user does not exist — which
+		// must not come back as "no score" for a score just saved.
+		tb := setup(t, func(c *Config) {
+			c.ReadPolicy = ServeStale
+			c.ReadYourWritesTimeout = 10 * time.Millisecond
+		})
+		res := tb.submit(t, "user-new", 5)
+		_, _, err := tb.board.Rank(ctx, "user-new", AtLeast("user-new", res.Version))
+		var stale *StaleError
+		require.ErrorAs(t, err, &stale)
+		require.Equal(t, "user-new", stale.UserID)
+		require.Equal(t, res.Version, stale.Version)
+		_, err = tb.board.Around(ctx, "user-new", 1, AtLeast("user-new", res.Version))
+		require.ErrorIs(t, err, ErrStale)
+		// Without AtLeast, Redis's answer stands.
+		_, _, err = tb.board.Rank(ctx, "user-new")
+		require.ErrorIs(t, err, ErrUserNotFound)
+	})
+
 	t.Run("InvalidOptionsReadNothing", func(t *testing.T) {
 		t.Parallel()
 		// A fail-closed board whose projection lags: an option that fell
