@@ -1,6 +1,7 @@
 package main
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
@@ -11,6 +12,7 @@ import (
 	"strconv"
 	"strings"
 	"time"
+	"unicode/utf8"
 
 	"github.com/google/uuid"
 
@@ -129,38 +131,71 @@ func (s *Service) handleSubmit(w http.ResponseWriter, r *http.Request) {
 
 // decodeSubmit reads and checks the body of POST /scores. A body that is
 // not JSON is a 400; JSON with the wrong shape or values is a 422 naming
-// the field.
+// the field. Keys are matched exactly and once each (encoding/json alone
+// matches them case-insensitively and lets a repeated key win, so
+// {"user_id":"ada","USER_ID":"bob"} would credit bob), and the body must be
+// valid UTF-8 (encoding/json alone turns bad bytes into U+FFFD, which would
+// merge distinct user ids).
 func decodeSubmit(w http.ResponseWriter, r *http.Request) (*submitRequest, int, *errorResponse) {
-	dec := json.NewDecoder(http.MaxBytesReader(w, r.Body, maxBodyBytes))
-	dec.DisallowUnknownFields()
-	var req submitRequest
-	err := dec.Decode(&req)
-	if err == nil && dec.More() {
-		err = errors.New("trailing data after the JSON object")
-	}
-	var (
-		syntaxErr *json.SyntaxError
-		typeErr   *json.UnmarshalTypeError
-		sizeErr   *http.MaxBytesError
-	)
+	body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, maxBodyBytes))
+	var sizeErr *http.MaxBytesError
 	switch {
-	case err == nil:
 	case errors.As(err, &sizeErr):
 		return nil, http.StatusRequestEntityTooLarge, &errorResponse{Error: fmt.Sprintf("body larger than %d bytes", maxBodyBytes)}
-	case errors.As(err, &typeErr):
-		if typeErr.Field == "" {
-			return nil, http.StatusUnprocessableEntity, &errorResponse{Error: "body must be a JSON object {\"user_id\": string, \"delta\": integer}"}
-		}
-		return nil, http.StatusUnprocessableEntity, &errorResponse{Field: typeErr.Field,
-			Error: fmt.Sprintf("must be a JSON %s", jsonKind(typeErr.Field))}
-	case strings.HasPrefix(err.Error(), "json: unknown field "):
-		field, _ := strconv.Unquote(strings.TrimPrefix(err.Error(), "json: unknown field "))
-		return nil, http.StatusUnprocessableEntity, &errorResponse{Field: field,
-			Error: "unknown field; the body has only user_id and delta"}
-	case errors.As(err, &syntaxErr), errors.Is(err, io.EOF), errors.Is(err, io.ErrUnexpectedEOF):
-		return nil, http.StatusBadRequest, &errorResponse{Error: "body is not valid JSON: " + err.Error()}
-	default:
+	case err != nil:
 		return nil, http.StatusBadRequest, &errorResponse{Error: "body could not be read: " + err.Error()}
+	case !utf8.Valid(body):
+		return nil, http.StatusBadRequest, &errorResponse{Error: "body is not valid UTF-8"}
+	}
+	notJSON := func(err error) (*submitRequest, int, *errorResponse) {
+		return nil, http.StatusBadRequest, &errorResponse{Error: "body is not valid JSON: " + err.Error()}
+	}
+	dec := json.NewDecoder(bytes.NewReader(body))
+	tok, err := dec.Token()
+	if err != nil {
+		return notJSON(err)
+	}
+	if tok != json.Delim('{') {
+		return nil, http.StatusUnprocessableEntity, &errorResponse{Error: "body must be a JSON object {\"user_id\": string, \"delta\": integer}"}
+	}
+	var req submitRequest
+	seen := make(map[string]bool, 2)
+	for dec.More() {
+		tok, err := dec.Token()
+		if err != nil {
+			return notJSON(err)
+		}
+		key, _ := tok.(string) // an object's keys are strings
+		var target any
+		switch key {
+		case "user_id":
+			target = &req.UserID
+		case "delta":
+			target = &req.Delta
+		default:
+			return nil, http.StatusUnprocessableEntity, &errorResponse{Field: key,
+				Error: "unknown field; the body has only user_id and delta"}
+		}
+		if seen[key] {
+			return nil, http.StatusUnprocessableEntity, &errorResponse{Field: key, Error: "appears more than once"}
+		}
+		seen[key] = true
+		if err := dec.Decode(target); err != nil {
+			var typeErr *json.UnmarshalTypeError
+			if errors.As(err, &typeErr) {
+				return nil, http.StatusUnprocessableEntity, &errorResponse{Field: key, Error: fmt.Sprintf("must be a JSON %s", jsonKind(key))}
+			}
+			return notJSON(err)
+		}
+	}
+	if _, err := dec.Token(); err != nil { // the closing brace
+		return notJSON(err)
+	}
+	if _, err := dec.Token(); !errors.Is(err, io.EOF) {
+		if err == nil {
+			err = errors.New("trailing data after the JSON object")
+		}
+		return notJSON(err)
 	}
 	if req.UserID == nil {
 		return nil, http.StatusUnprocessableEntity, &errorResponse{Field: "user_id", Error: "required"}
@@ -343,7 +378,10 @@ func (s *Service) writeError(w http.ResponseWriter, r *http.Request, err error) 
 		writeJSON(w, http.StatusUnprocessableEntity, errorResponse{Field: "cursor", Error: "not a cursor of this leaderboard; pass next_cursor as returned"})
 	case errors.Is(err, leaderboard.ErrInvalidLimit):
 		writeJSON(w, http.StatusUnprocessableEntity, errorResponse{Field: "limit", Error: err.Error()})
-	case errors.Is(err, leaderboard.ErrUserNotFound):
+	case errors.Is(err, leaderboard.ErrUserNotFound), errors.Is(err, leaderboard.ErrInvalidReadOption):
+		// The service's only read option that can be invalid is
+		// at_least's user id: one the board would refuse cannot have a
+		// score, exactly as the same read without at_least answers.
 		writeJSON(w, http.StatusNotFound, errorResponse{Error: "user has no score on this leaderboard"})
 	case errors.Is(context.Cause(r.Context()), errRequestTimeout):
 		// Ours, not the client's: it is still waiting for an answer. A

@@ -112,6 +112,13 @@ func TestSubmit(t *testing.T) {
 			{"MalformedJSON", uuid.NewString(), `{"user_id":"ada",`, 400, ""},
 			{"EmptyBody", uuid.NewString(), ``, 400, ""},
 			{"TrailingData", uuid.NewString(), `{"user_id":"ada","delta":1} {}`, 400, ""},
+			{"TrailingBrace", uuid.NewString(), `{"user_id":"ada","delta":1}}`, 400, ""},
+			{"TrailingBracket", uuid.NewString(), `{"user_id":"ada","delta":1}] not json`, 400, ""},
+			{"NullBody", uuid.NewString(), `null`, 422, ""},
+			{"InvalidUTF8", uuid.NewString(), "{\"user_id\":\"a\xff\",\"delta\":1}", 400, ""},
+			{"KeyOtherCase", uuid.NewString(), `{"user_id":"ada","USER_ID":"bob","delta":5}`, 422, "USER_ID"},
+			{"RepeatedKey", uuid.NewString(), `{"user_id":"ada","user_id":"bob","delta":5}`, 422, "user_id"},
+			{"NullUser", uuid.NewString(), `{"user_id":null,"delta":5}`, 422, "user_id"},
 		} {
 			t.Run(tc.name, func(t *testing.T) {
 				res := tb.submit(t, tc.key, tc.body)
@@ -146,6 +153,11 @@ func TestSubmit(t *testing.T) {
 		tb := setup(t)
 		res := tb.submit(t, uuid.NewString(), `{"user_id":"`+strings.Repeat("x", maxBodyBytes)+`","delta":1}`)
 		require.Equal(t, http.StatusRequestEntityTooLarge, res.status, "%s", res.body)
+		// Also when a valid object comes first.
+		res = tb.submit(t, uuid.NewString(), `{"user_id":"ada","delta":1}`+strings.Repeat(" ", maxBodyBytes))
+		require.Equal(t, http.StatusRequestEntityTooLarge, res.status, "%s", res.body)
+		events, _ := tb.counts(t)
+		require.Zero(t, events)
 	})
 
 	t.Run("WrongMethod", func(t *testing.T) {
@@ -324,6 +336,29 @@ func TestRank(t *testing.T) {
 			require.Equal(t, http.StatusUnprocessableEntity, res.status)
 			require.Equal(t, "at_least", res.json(t)["field"])
 		}
+
+		// A user id no score can have: 404, with at_least as without.
+		long := strings.Repeat("x", 129)
+		for _, q := range []string{"", "?at_least=1"} {
+			res := tb.do(t, http.MethodGet, "/users/"+long+"/rank"+q, nil, "")
+			require.Equal(t, http.StatusNotFound, res.status, "%s: %s", q, res.body)
+		}
+	})
+
+	t.Run("ReadYourWritesOfANewUser", func(t *testing.T) {
+		t.Parallel()
+		// The first score of a user, not projected yet: "no score" would
+		// deny the score the client was just told was saved.
+		tb := setup(t)
+		res := tb.submit(t, uuid.NewString(), `{"user_id":"newcomer","delta":3}`)
+		require.Equal(t, http.StatusCreated, res.status)
+		version := int(res.json(t)["version"].(float64))
+		res = tb.do(t, http.MethodGet, fmt.Sprintf("/users/newcomer/rank?at_least=%d", version), nil, "")
+		require.Equal(t, http.StatusServiceUnavailable, res.status, "%s", res.body)
+		require.Equal(t, "1", res.header.Get("Retry-After"))
+		tb.drain(t)
+		res = tb.do(t, http.MethodGet, fmt.Sprintf("/users/newcomer/rank?at_least=%d", version), nil, "")
+		require.Equal(t, http.StatusOK, res.status, "%s", res.body)
 	})
 }
 
