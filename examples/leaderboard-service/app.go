@@ -99,6 +99,22 @@ func parseFlags(name string, args []string, stderr io.Writer) (*options, error) 
 		fmt.Fprintf(stderr, "leaderboard-service %s: --read-policy: %v\n", name, err)
 		return nil, err
 	}
+	// Checked here, not when the board is built, so that they are usage
+	// errors (exit 2) found before anything connects.
+	usage := func(format string, args ...any) (*options, error) {
+		err := fmt.Errorf(format, args...)
+		fmt.Fprintf(stderr, "leaderboard-service %s: %v\n", name, err)
+		return nil, err
+	}
+	if _, err := o.logger(io.Discard); err != nil {
+		return usage("%v", err)
+	}
+	if o.board == "" {
+		return usage("--board must not be empty")
+	}
+	if o.maxLag != 0 && o.maxLag <= leaderboard.LagProbeIntervalDefault {
+		return usage("--max-lag %s must exceed the lag probe interval (%s)", o.maxLag, leaderboard.LagProbeIntervalDefault)
+	}
 	return o, nil
 }
 

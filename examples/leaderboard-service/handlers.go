@@ -402,7 +402,11 @@ func (s *Service) writeError(w http.ResponseWriter, r *http.Request, err error) 
 		w.Header().Set("Retry-After", "1")
 		writeJSON(w, http.StatusServiceUnavailable, errorResponse{Error: "the leaderboard is catching up; retry shortly"})
 	case r.Context().Err() != nil:
-		// The client went away; nobody reads the answer.
+		// The client went away; nobody reads the answer. A submit cut
+		// short may have committed: counted like a timeout.
+		if r.URL.Path == "/scores" {
+			s.metrics.countSubmit(r.Context(), "error")
+		}
 		w.WriteHeader(http.StatusServiceUnavailable)
 	default:
 		if r.URL.Path == "/scores" {

@@ -107,10 +107,14 @@ type reconcileSummary struct {
 	Error      string           `json:"error,omitempty"`
 }
 
-func summarize(r *reconcile.Report, err error) *reconcileSummary {
+// summarize turns a run's report into its JSON summary. errText is what
+// the summary says of a failed run: the whole error for the reconcile
+// command, a fixed sentence for the service's unauthenticated endpoints
+// (a connection error names the host, database and user).
+func summarize(r *reconcile.Report, err error, errText func(error) string) *reconcileSummary {
 	sum := &reconcileSummary{Counts: map[string]int64{}, Results: map[string]int64{}}
 	if err != nil {
-		sum.Error = err.Error()
+		sum.Error = errText(err)
 	}
 	if r == nil {
 		sum.Started = time.Now().UTC()
@@ -143,7 +147,7 @@ func cmdReconcile(ctx context.Context, o *options, stdout, stderr io.Writer) err
 		return err
 	}
 	report, runErr := rec.Run(ctx, reconcile.RunOptions{Sample: o.sample, DryRun: o.dryRun})
-	sum := summarize(report, runErr)
+	sum := summarize(report, runErr, error.Error)
 	if o.json {
 		if err := printJSON(stdout, sum); err != nil {
 			return err

@@ -180,7 +180,10 @@ func TestCommandLine(t *testing.T) {
 		{"UnknownReadPolicy", []string{"serve", "--read-policy=optimistic"}, exitUsage, `unknown policy "optimistic"`},
 		{"NegativeSample", []string{"reconcile", "--sample=-1"}, exitUsage, "must not be negative"},
 		{"ExtraArgument", []string{"rebuild", "now"}, exitUsage, `unexpected argument "now"`},
-		{"BadLogLevel", []string{"stats", "--log-level=loud", "--database-url=postgres://127.0.0.1:1/x", "--redis-url=redis://127.0.0.1:1"}, exitError, "--log-level"},
+		{"BadLogLevel", []string{"stats", "--log-level=loud", "--database-url=postgres://127.0.0.1:1/x", "--redis-url=redis://127.0.0.1:1"}, exitUsage, "--log-level"},
+		{"BadLogLevelServe", []string{"serve", "--log-level=verbose"}, exitUsage, "--log-level"},
+		{"EmptyBoard", []string{"stats", "--board="}, exitUsage, "--board must not be empty"},
+		{"MaxLagNotAboveProbeInterval", []string{"serve", "--max-lag=100ms"}, exitUsage, "--max-lag 100ms must exceed"},
 		// Asked-for help is not a usage error; a bare -h lists the commands
 		// as well as the default command's flags.
 		{"Help", []string{"-h"}, exitOK, "replay-dead"},

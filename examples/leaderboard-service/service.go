@@ -303,7 +303,7 @@ func (s *Service) reconcileOnce(ctx context.Context) {
 	if ctx.Err() != nil {
 		return // shutting down: a cut-short report is not worth showing
 	}
-	sum := summarize(report, err)
+	sum := summarize(report, err, func(error) string { return "the reconcile run failed; see the service log" })
 	s.lastReconcile.Store(sum)
 	s.metrics.recordReconcile(ctx, report, err)
 	if err != nil {

@@ -8,6 +8,7 @@ import (
 	"net/http/httptest"
 	"regexp"
 	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -362,4 +363,35 @@ func TestReconcileFindingsMetric(t *testing.T) {
 	text := string(tb.do(t, http.MethodGet, "/metrics", nil, "").body)
 	require.Regexp(t, `(?m)^verity_service_reconcile_findings_total\{[^}]*class="missing"[^}]*\} 2$`, text)
 	require.NotContains(t, text, `class="current"`)
+}
+
+// TestLastReconcileHidesConnectionDetails fails the scheduled reconcile on
+// a connection error, which names the host, database and user: like
+// /healthz, the unauthenticated /reconcile/last (and the page) must not
+// hand those out.
+func TestLastReconcileHidesConnectionDetails(t *testing.T) {
+	t.Parallel()
+	pg := testenv.Postgres(t)
+	rd := testenv.Redis(t)
+	database := "verity_no_such_db_" + strings.ReplaceAll(uuid.NewString(), "-", "")
+	pcfg, err := pgxpool.ParseConfig(pg.ServerURL)
+	require.NoError(t, err)
+	pcfg.ConnConfig.Database = database
+	pool, err := pgxpool.NewWithConfig(context.Background(), pcfg)
+	require.NoError(t, err)
+	t.Cleanup(pool.Close)
+	board, err := leaderboard.New(pool, rd.Client, &leaderboard.Config{Name: testBoard, KeyPrefix: rd.Prefix})
+	require.NoError(t, err)
+	svc, err := NewService(pool, rd.Client, board, ServiceConfig{ReconcileEvery: time.Minute, ReconcileSample: 10})
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = svc.Close() })
+	tb := &testBundle{srv: newServer(t, svc)}
+
+	health := tb.do(t, http.MethodGet, "/healthz", nil, "")
+	require.NotContains(t, string(health.body), database)
+	svc.reconcileOnce(context.Background())
+	last := tb.do(t, http.MethodGet, "/reconcile/last", nil, "")
+	require.Equal(t, http.StatusOK, last.status)
+	require.NotContains(t, string(last.body), database, "%s", last.body)
+	require.Contains(t, string(last.body), "the reconcile run failed; see the service log")
 }
