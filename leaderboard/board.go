@@ -271,7 +271,9 @@ func (b *Board) submit(ctx context.Context, cmd Command) (Result, error) {
 // through its commit's WAL flush, so many concurrent SubmitTx commits do not
 // group-commit. For bulk work use SubmitBatch, or Submit.
 //
-// A duplicate event id (committed before tx's statement started) returns
+// A duplicate event id (committed before the statement's snapshot: the
+// statement's own under READ COMMITTED, the transaction's under REPEATABLE
+// READ or SERIALIZABLE) returns
 // the original Result with Duplicate set and writes nothing; the caller
 // decides whether to commit the rest of its transaction (usually not: the
 // first submission already did its work). An *IdempotencyConflictError and
@@ -421,22 +423,28 @@ func (b *Board) submitBatch(ctx context.Context, cmds []Command) ([]Result, erro
 	}
 
 	out := make([]Result, len(cmds))
-	// A concurrent twin committed after the snapshot aborts the statement
-	// with a unique violation; nothing was written, and the next attempt
-	// sees the twin as a prior event.
-	const attempts = 3
+	// A twin committed after the statement's snapshot aborts it with a
+	// unique violation on score_events; nothing was written, and the next
+	// attempt sees the twin as a prior event. Every such failure makes
+	// one more of the batch's ids prior, so at most one attempt per id
+	// fails that way. A deadlock (event ids reused for other commands by a
+	// transaction that holds them in another order) is retried as well: the
+	// statement that lost it released everything.
 	var err error
-	for attempt := 0; attempt < attempts; attempt++ {
+	for attempt := 0; attempt <= len(sent); attempt++ {
 		err = b.submitBatchOnce(ctx, cmds, sent, ids, users, deltas, out)
-		if err == nil || !isUniqueViolation(err) {
-			break
+		switch {
+		case err == nil:
+		case isUniqueViolation(err) && violatedTable(err) == b.cfg.OutboxTable:
+			// score_events took the id, the outbox did not: another
+			// writer of the same outbox holds it (see submitBatchSQL).
+			return nil, fmt.Errorf("leaderboard: submit batch: an event id is already used by another outbox writer: %w", ErrIdempotencyConflict)
+		case isUniqueViolation(err), isDeadlock(err):
+			if ctx.Err() == nil {
+				continue
+			}
 		}
-	}
-	if isUniqueViolation(err) {
-		// Still colliding after retries: not a twin of ours (those are
-		// seen as prior events on the next attempt) but an event id that
-		// another writer of the same outbox holds.
-		return nil, fmt.Errorf("leaderboard: submit batch: an event id is already used by another outbox writer: %w", ErrIdempotencyConflict)
+		break
 	}
 	if err != nil {
 		return nil, err
@@ -565,6 +573,12 @@ func (b *Board) locateOverflow(ctx context.Context, cmds []Command, sent []int) 
 func isUniqueViolation(err error) bool {
 	var pgErr *pgconn.PgError
 	return errors.As(err, &pgErr) && pgErr.Code == "23505"
+}
+
+// isDeadlock reports PostgreSQL's deadlock_detected (40P01).
+func isDeadlock(err error) bool {
+	var pgErr *pgconn.PgError
+	return errors.As(err, &pgErr) && pgErr.Code == "40P01"
 }
 
 // violatedTable returns the table of a constraint violation ("" if the

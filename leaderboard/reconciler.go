@@ -3,6 +3,9 @@ package leaderboard
 import (
 	"context"
 	"fmt"
+	"slices"
+	"strings"
+	"unicode/utf8"
 
 	"github.com/verity-go/verity/projection"
 	"github.com/verity-go/verity/reconcile"
@@ -120,6 +123,20 @@ func (s *boardSource) Sample(ctx context.Context, n int) ([]reconcile.Row, error
 }
 
 // Lookup implements reconcile.Source.
+//
+// A key that is not valid UTF-8 or holds a NUL byte cannot be a user id
+// (Submit refuses it, and PostgreSQL would reject the whole lookup for
+// it): it is left out, so that such a member of the projection is reported
+// as the orphan it is instead of failing the run.
 func (s *boardSource) Lookup(ctx context.Context, keys []string) ([]reconcile.Row, error) {
+	if slices.ContainsFunc(keys, unstorable) {
+		keys = slices.DeleteFunc(slices.Clone(keys), unstorable)
+	}
+	if len(keys) == 0 {
+		return nil, nil
+	}
 	return s.rows(ctx, len(keys), s.sql.sourceLookup, s.cfg.Name, keys)
 }
+
+// unstorable reports a string that a PostgreSQL text column cannot hold.
+func unstorable(k string) bool { return !utf8.ValidString(k) || strings.IndexByte(k, 0) >= 0 }

@@ -98,6 +98,13 @@ WHERE event_id = $1::uuid`
 // order. Only each user's last state goes to the outbox: payloads are
 // absolute, so the intermediate ones would be superseded anyway. Like
 // submitSQL it does not notify; SubmitBatch uses the board's Notifier.
+//
+// Event ids are recorded in id order, so that two batches (or a batch and
+// a caller's transaction) that collide on several ids wait for them in the
+// same order, and the outbox rows are read from recorded: a twin's id
+// always violates score_events' key before the outbox's, so a unique
+// violation on the outbox means another outbox writer holds the id, as in
+// submitSQL.
 const submitBatchSQL = `
 WITH input AS (
     SELECT i.ord, i.event_id, i.user_id COLLATE "C" AS user_id, i.delta
@@ -151,12 +158,14 @@ recorded AS (
     INSERT INTO {{score_events}} (event_id, board, user_id, delta, score, version)
     SELECT event_id, $4::text, user_id, delta, score, version
     FROM results
+    ORDER BY event_id
+    RETURNING event_id
 ),
 queued AS (
     INSERT INTO {{outbox}} (event_id, stream, key, version, payload)
-    SELECT event_id, $5::text, user_id, version, convert_to(score::text, 'UTF8')
-    FROM results
-    WHERE last
+    SELECT r.event_id, $5::text, r.user_id, r.version, convert_to(r.score::text, 'UTF8')
+    FROM results AS r JOIN recorded USING (event_id)
+    WHERE r.last
 )
 SELECT r.ord, false, r.score, r.version, $4::text, r.user_id::text, r.delta
 FROM results AS r

@@ -82,8 +82,12 @@ func TestReconciler(t *testing.T) {
 			key := tb.board.SortedSetKey()
 			verKey := func(user string) string { return tb.board.Keyspace().VersionKey(tb.board.target(user)) }
 
-			// Lose one entry, hand-edit one score, roll one version back.
+			// Lose one entry, hand-edit one score, roll one version back,
+			// and add members no user id can be (a buggy writer's).
 			require.NoError(t, tb.rd.Client.ZRem(ctx, key, "ada").Err())
+			for _, junk := range []string{"bad\xff", "nul\x00byte"} {
+				require.NoError(t, tb.rd.Client.ZAdd(ctx, key, redis.Z{Score: -5, Member: junk}).Err())
+			}
 			require.Equal(t, int64(1), tb.rd.Client.HDel(ctx, verKey("ada"), "ada").Val())
 			require.NoError(t, tb.rd.Client.ZAdd(ctx, key, redis.Z{Score: -999, Member: "cy"}).Err())
 			require.Equal(t, int64(0), tb.rd.Client.HSet(ctx, verKey("bob"), "bob", "1").Val()) // 0: overwrote bob's version
@@ -97,7 +101,11 @@ func TestReconciler(t *testing.T) {
 			require.Equal(t, int64(1), report.Counts[reconcile.ClassCorrupt])
 			require.Equal(t, int64(1), report.Counts[reconcile.ClassStale])
 			require.Equal(t, int64(1), report.Counts[reconcile.ClassCurrent])
-			require.Equal(t, int64(3), report.Repaired)
+			require.Equal(t, int64(2), report.Counts[reconcile.ClassOrphan])
+			require.Equal(t, int64(3), report.Repaired) // orphans are reported, not removed, by default
+			for _, junk := range []string{"bad\xff", "nul\x00byte"} {
+				require.NoError(t, tb.rd.Client.ZRem(ctx, key, junk).Err())
+			}
 
 			fromRedis, err := tb.board.redisPage(ctx, nil, MaxPageSize)
 			require.NoError(t, err)

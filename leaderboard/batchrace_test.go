@@ -1,0 +1,184 @@
+package leaderboard
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
+	"github.com/stretchr/testify/require"
+)
+
+// pidTx is a caller transaction with its backend pid.
+type pidTx struct {
+	tx  pgx.Tx
+	pid int
+}
+
+func beginCaller(t *testing.T, tb *testBundle) *pidTx {
+	t.Helper()
+	ctx := context.Background()
+	tx, err := tb.pg.Pool.Begin(ctx)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = tx.Rollback(ctx) })
+	r := &pidTx{tx: tx}
+	require.NoError(t, tx.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&r.pid))
+	return r
+}
+
+// waitBlockedBy waits until some backend running the batch statement is
+// blocked by pid.
+func waitBlockedBy(t *testing.T, tb *testBundle, pid int, what string) {
+	t.Helper()
+	require.Eventually(t, func() bool {
+		var n int
+		err := tb.pg.Pool.QueryRow(context.Background(), `SELECT count(*) FROM pg_stat_activity
+			WHERE $1 = ANY (pg_blocking_pids(pid)) AND query LIKE '%WITH ORDINALITY%'`, pid).Scan(&n)
+		return err == nil && n > 0
+	}, 10*time.Second, 2*time.Millisecond, what)
+}
+
+type batchOut struct {
+	res []Result
+	err error
+}
+
+// blockedOrDone waits until the batch is blocked by pid (true) or has
+// returned (false; its result stays in done).
+func blockedOrDone(t *testing.T, tb *testBundle, pid int, done chan batchOut) bool {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for time.Now().Before(deadline) {
+		if len(done) > 0 {
+			return false
+		}
+		var n int
+		err := tb.pg.Pool.QueryRow(context.Background(), `SELECT count(*) FROM pg_stat_activity
+			WHERE $1 = ANY (pg_blocking_pids(pid)) AND query LIKE '%WITH ORDINALITY%'`, pid).Scan(&n)
+		if err == nil && n > 0 {
+			return true
+		}
+		time.Sleep(2 * time.Millisecond)
+	}
+	t.Fatal("the batch neither waits for the twin nor returned")
+	return false
+}
+
+func waitWaiting(t *testing.T, tb *testBundle, pid int, what string) {
+	t.Helper()
+	require.Eventually(t, func() bool {
+		var waiting bool
+		err := tb.pg.Pool.QueryRow(context.Background(),
+			`SELECT EXISTS (SELECT 1 FROM pg_locks WHERE pid = $1 AND NOT granted)`, pid).Scan(&waiting)
+		return err == nil && waiting
+	}, 10*time.Second, 2*time.Millisecond, what)
+}
+
+// TestSubmitBatchTwinsCommitWhileItRuns makes seven twins of the batch's
+// commands (same event id, same command) commit one after another, each
+// just after an attempt of the batch started and went to wait for it. The
+// batch must report all seven as duplicates with their results and apply
+// its new command, not give up after a fixed number of attempts and blame
+// "another outbox writer".
+func TestSubmitBatchTwinsCommitWhileItRuns(t *testing.T) {
+	t.Parallel()
+	tb := setup(t)
+	ctx := context.Background()
+	// twins commands are submitted (and committed one by one) by other
+	// transactions while the batch runs; the last command is new. A twin
+	// may share an attempt with the next one (who wins a lock is up to
+	// PostgreSQL), so there are more twins than the batch's three attempts.
+	const twins = 7
+	var cmds []Command
+	for i := 0; i <= twins; i++ {
+		cmds = append(cmds, Command{EventID: uuid.New(), UserID: "u", Delta: int64(i + 1)})
+	}
+	// T1 applies cmds[0] and keeps its transaction open.
+	t1 := beginCaller(t, tb)
+	_, err := tb.board.SubmitTx(ctx, t1.tx, cmds[0])
+	require.NoError(t, err)
+
+	done := make(chan batchOut, 1)
+	go func() {
+		res, err := tb.board.SubmitBatch(ctx, cmds)
+		done <- batchOut{res, err}
+	}()
+	waitBlockedBy(t, tb, t1.pid, "batch attempt 1 waits for T1")
+
+	prev := t1
+	for k := 1; k < twins; k++ {
+		// T(k+1) submits cmds[k] and queues behind the batch's attempt k.
+		next := beginCaller(t, tb)
+		subDone := make(chan error, 1)
+		go func() {
+			_, err := tb.board.SubmitTx(ctx, next.tx, cmds[k])
+			subDone <- err
+		}()
+		waitWaiting(t, tb, next.pid, "next twin queues")
+		require.NoError(t, prev.tx.Commit(ctx))
+		// Attempt k hits the committed twin and aborts; the queued twin
+		// then gets the row, and attempt k+1 waits for it.
+		select {
+		case err := <-subDone:
+			require.NoError(t, err)
+		case <-time.After(10 * time.Second):
+			t.Fatal("twin did not return")
+		}
+		prev = next
+		// The next attempt waits for the queued twin, unless the batch has
+		// given up already.
+		if !blockedOrDone(t, tb, next.pid, done) {
+			break
+		}
+	}
+	require.NoError(t, prev.tx.Commit(ctx))
+	var out batchOut
+	select {
+	case out = <-done:
+	case <-time.After(10 * time.Second):
+		t.Fatal("batch did not return")
+	}
+	require.NoError(t, out.err, "legitimate duplicates must not be reported as a foreign outbox writer's event id")
+	var want []Result
+	var score int64
+	for i, c := range cmds {
+		score += c.Delta
+		want = append(want, Result{Score: score, Version: int64(i + 1), Duplicate: i < twins})
+	}
+	require.Equal(t, want, out.res)
+}
+
+// TestSubmitBatchDeadlockIsRetried reuses event ids across a caller's
+// transaction and a batch, in the order that deadlocks: the batch records
+// e2, then waits for e1, which the transaction holds; the transaction
+// then asks for e2. PostgreSQL aborts the batch's statement (the first to
+// wait); the batch must retry it and end with the typed conflict, not
+// return "deadlock detected".
+func TestSubmitBatchDeadlockIsRetried(t *testing.T) {
+	t.Parallel()
+	tb := setup(t)
+	ctx := context.Background()
+	e1, e2 := uuid.New(), uuid.New()
+	if e2.String() > e1.String() { // the batch records ids in order: e2 first
+		e1, e2 = e2, e1
+	}
+	tx := beginCaller(t, tb)
+	_, err := tb.board.SubmitTx(ctx, tx.tx, Command{EventID: e1, UserID: "a", Delta: 1})
+	require.NoError(t, err)
+	done := make(chan error, 1)
+	go func() {
+		_, err := tb.board.SubmitBatch(ctx, []Command{{EventID: e2, UserID: "b", Delta: 1}, {EventID: e1, UserID: "c", Delta: 1}})
+		done <- err
+	}()
+	waitBlockedBy(t, tb, tx.pid, "the batch waits for the transaction's event id")
+	_, err = tb.board.SubmitTx(ctx, tx.tx, Command{EventID: e2, UserID: "d", Delta: 1})
+	require.NoError(t, err, "the batch lost the deadlock and released e2")
+	require.NoError(t, tx.tx.Commit(ctx))
+	var conflict *IdempotencyConflictError
+	require.ErrorAs(t, <-done, &conflict)
+	events, users, queued := tb.counts(t)
+	require.Equal(t, 2, events, "the transaction's two commands, nothing of the batch")
+	require.Equal(t, 2, users)
+	require.Equal(t, 2, queued)
+}
