@@ -13,6 +13,7 @@ import (
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/redis/go-redis/v9"
+	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
 	"github.com/verity-go/verity/internal/testenv"
@@ -434,9 +435,16 @@ func TestMetrics(t *testing.T) {
 	require.Equal(t, http.StatusCreated, tb.submit(t, uuid.NewString(), `{"user_id":"ada","delta":1}`).status)
 	require.Equal(t, http.StatusUnprocessableEntity, tb.submit(t, "", `{"user_id":"ada","delta":1}`).status)
 
-	res := tb.do(t, http.MethodGet, "/metrics", nil, "")
-	require.Equal(t, http.StatusOK, res.status)
-	text := string(res.body)
+	// A scrape waits for the outbox gauges' stats read only briefly (it
+	// fills the cache for the next one), so a loaded machine may need a
+	// second scrape.
+	var text string
+	require.EventuallyWithT(t, func(c *assert.CollectT) {
+		res := tb.do(t, http.MethodGet, "/metrics", nil, "")
+		assert.Equal(c, http.StatusOK, res.status)
+		text = string(res.body)
+		assert.Contains(c, text, `verity_service_outbox_pending{`)
+	}, 10*time.Second, 50*time.Millisecond)
 	for _, want := range []string{
 		`verity_service_http_requests_total{`,
 		`route="POST /scores"`,

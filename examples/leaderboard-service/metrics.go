@@ -118,8 +118,11 @@ func newMetrics(s *Service) (*metrics, error) {
 		}
 	}
 	_, err = meter.RegisterCallback(func(ctx context.Context, o metric.Observer) error {
-		// Scrapes reuse the cached snapshot; a failed one reports nothing
-		// rather than zeros that would look healthy.
+		// Scrapes reuse the cached snapshot; a failed one, or one not read
+		// within scrapeStatsWait, reports nothing rather than zeros that
+		// would look healthy.
+		ctx, cancel := context.WithTimeout(ctx, scrapeStatsWait)
+		defer cancel()
 		snap := s.snapshot(ctx)
 		if snap.Err != nil {
 			return nil

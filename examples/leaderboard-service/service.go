@@ -47,6 +47,12 @@ const (
 	statsTTL = time.Second
 	// statsTimeout bounds one statsSnapshot read.
 	statsTimeout = 5 * time.Second
+	// scrapeStatsWait bounds how long a /metrics scrape waits for a stats
+	// read. The gauge callback runs under the metrics SDK's lock, which
+	// the worker's relay needs to stop: a scrape blocked on a stalled
+	// database must not hold up shutdown. The read goes on and fills the
+	// cache for the next scrape.
+	scrapeStatsWait = 250 * time.Millisecond
 	// pingTimeout bounds each dependency ping of /healthz.
 	pingTimeout = 2 * time.Second
 )
@@ -95,7 +101,11 @@ type Service struct {
 
 	// readStats reads one statsSnapshot; tests replace it to stall or fail
 	// the read.
-	readStats  func(context.Context) *statsSnapshot
+	readStats func(context.Context) *statsSnapshot
+	// handlers counts requests in progress, so that Run can wait for
+	// those still running after it closed their connections.
+	handlers sync.WaitGroup
+
 	statsGroup singleflight.Group
 	statsMu    sync.Mutex
 	stats      *statsSnapshot // the last read, ok or failed
@@ -208,6 +218,8 @@ var errRequestTimeout = errors.New("request timeout")
 // No route streams, so every route gets it.
 func (s *Service) withTimeout(next http.Handler) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		s.handlers.Add(1)
+		defer s.handlers.Done()
 		ctx, cancel := context.WithTimeoutCause(r.Context(), s.cfg.RequestTimeout, errRequestTimeout)
 		defer cancel()
 		next.ServeHTTP(w, r.WithContext(ctx))
@@ -261,9 +273,11 @@ func (s *Service) Run(ctx context.Context, ln net.Listener) error {
 	shutdownCtx, cancel := context.WithTimeout(context.Background(), s.cfg.ShutdownTimeout)
 	defer cancel()
 	if err := srv.Shutdown(shutdownCtx); err != nil {
-		// Requests still running past the timeout are cut off.
+		// Requests still running past the timeout are cut off: their
+		// connections close, and their contexts end, so they return soon.
 		s.logger.Warn("http shutdown timed out; closing connections", slog.Any("err", err))
 		_ = srv.Close()
+		s.handlers.Wait()
 	}
 	<-serveDone
 	stopBackground()

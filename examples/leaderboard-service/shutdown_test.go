@@ -168,3 +168,48 @@ func TestSIGTERM(t *testing.T) {
 	require.Contains(t, out, "shutting down")
 	require.Contains(t, out, "msg=stopped")
 }
+
+// TestShutdownDuringScrapeOfStalledStats stops the service while a
+// /metrics scrape waits for a stats read that PostgreSQL stalls. The gauge
+// callback runs under the metrics SDK's lock, which the worker's relay
+// needs to stop: the scrape must give up on the read soon, so that Run
+// returns within its ShutdownTimeout and not when the read times out.
+func TestShutdownDuringScrapeOfStalledStats(t *testing.T) {
+	t.Parallel()
+	tb := setup(t)
+	svc, err := NewService(tb.pg.Pool, tb.rd.Client, tb.board, ServiceConfig{ShutdownTimeout: 200 * time.Millisecond})
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = svc.Close() })
+	started := make(chan struct{})
+	handler := svc.handler
+	svc.handler = http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path == "/metrics" {
+			close(started)
+		}
+		handler.ServeHTTP(w, r)
+	})
+	// A stalled PostgreSQL, for the stats read: it ends at statsTimeout.
+	svc.readStats = func(ctx context.Context) *statsSnapshot {
+		<-ctx.Done()
+		return &statsSnapshot{At: time.Now(), Err: ctx.Err()}
+	}
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	done := make(chan error, 1)
+	go func() { done <- svc.Run(ctx, ln) }()
+	go func() {
+		resp, err := http.Get("http://" + ln.Addr().String() + "/metrics")
+		if err == nil {
+			resp.Body.Close()
+		}
+	}()
+	<-started
+	time.Sleep(100 * time.Millisecond) // the scrape is waiting for the stats read
+	stopAt := time.Now()
+	cancel()
+	require.NoError(t, <-done)
+	require.Less(t, time.Since(stopAt), 2*time.Second,
+		"Run took %v to return with ShutdownTimeout 200ms", time.Since(stopAt))
+}
