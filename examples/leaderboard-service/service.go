@@ -105,6 +105,10 @@ type Service struct {
 	// handlers counts requests in progress, so that Run can wait for
 	// those still running after it closed their connections.
 	handlers sync.WaitGroup
+	// life is cancelled by Close: the stats read outlives the caller that
+	// started it (its result is cached for the others), not the Service.
+	life    context.Context
+	endLife context.CancelFunc
 
 	statsGroup singleflight.Group
 	statsMu    sync.Mutex
@@ -129,6 +133,7 @@ func NewService(pool *pgxpool.Pool, rdb redis.UniversalClient, board *leaderboar
 		logger = slog.New(slog.DiscardHandler)
 	}
 	s := &Service{board: board, pool: pool, rdb: rdb, cfg: cfg, logger: logger}
+	s.life, s.endLife = context.WithCancel(context.Background())
 	var err error
 	if s.metrics, err = newMetrics(s); err != nil {
 		return nil, err
@@ -181,6 +186,7 @@ func (s *Service) wire(board *leaderboard.Board) error {
 // shuts the metrics pipeline down. Call it after Run has returned and
 // before closing the pool.
 func (s *Service) Close() error {
+	s.endLife() // ends a stats read that no caller waits for any more
 	if s.ownsBoard {
 		s.board.Close()
 	}
@@ -241,8 +247,11 @@ func (s *Service) Run(ctx context.Context, ln net.Listener) error {
 		IdleTimeout:       2 * time.Minute,
 		ErrorLog:          slog.NewLogLogger(s.logger.Handler(), slog.LevelWarn),
 	}
-	// Background work stops when the service stops, whatever the reason.
-	bgCtx, stopBackground := context.WithCancel(ctx)
+	// Background work stops when the service stops, whatever the reason,
+	// but only after the HTTP server: requests still in flight at shutdown
+	// (a read waiting for its at_least version) need the worker to go on
+	// projecting until they are done.
+	bgCtx, stopBackground := context.WithCancel(context.WithoutCancel(ctx))
 	defer stopBackground()
 
 	var wg sync.WaitGroup
@@ -351,7 +360,6 @@ func (s *Service) snapshot(ctx context.Context) *statsSnapshot {
 	if snap := s.cachedSnapshot(); snap != nil {
 		return snap
 	}
-	readCtx := context.WithoutCancel(ctx)
 	ch := s.statsGroup.DoChan("stats", func() (any, error) {
 		// A caller that found no cache may reach DoChan only after the
 		// flight it missed has ended and stored its result: it must take
@@ -359,7 +367,7 @@ func (s *Service) snapshot(ctx context.Context) *statsSnapshot {
 		if snap := s.cachedSnapshot(); snap != nil {
 			return snap, nil
 		}
-		ctx, cancel := context.WithTimeout(readCtx, statsTimeout)
+		ctx, cancel := context.WithTimeout(s.life, statsTimeout)
 		defer cancel()
 		snap := s.readStatsRecovered(ctx)
 		// Stored before the flight ends, so a caller arriving after it
