@@ -3,7 +3,9 @@ package reconcile
 import (
 	"context"
 	"fmt"
+	"sync"
 	"testing"
+	"time"
 
 	"github.com/redis/go-redis/v9"
 	"github.com/stretchr/testify/require"
@@ -105,4 +107,86 @@ func TestRingDocuments(t *testing.T) {
 	rep, err = r.Run(ctx, RunOptions{DryRun: true})
 	require.NoError(t, err)
 	require.Equal(t, map[Class]int64{ClassCurrent: 200}, rep.Counts)
+}
+
+// TestClusterReplicaReads reconciles through a cluster client that sends
+// read-only commands to replicas. A replica's replication lag would show
+// as drift, so every read of the reconciler must still reach a master.
+func TestClusterReplicaReads(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	cluster := testenv.SharedRedisCluster(t)
+	plain := cluster.Client(t)
+	require.Eventually(t, func() bool { // every slot lists its replica
+		//lint:ignore SA1019 go-redis builds its slot map from CLUSTER SLOTS, so that is what must list the replicas.
+		slots, err := plain.ClusterSlots(ctx).Result()
+		if err != nil || len(slots) == 0 {
+			return false
+		}
+		for _, s := range slots {
+			if len(s.Nodes) < 2 {
+				return false
+			}
+		}
+		return true
+	}, 30*time.Second, 50*time.Millisecond)
+	var mu sync.Mutex
+	masters := map[string]bool{}
+	require.NoError(t, plain.ForEachMaster(ctx, func(_ context.Context, n *redis.Client) error {
+		mu.Lock() // called concurrently
+		defer mu.Unlock()
+		masters[n.Options().Addr] = true
+		return nil
+	}))
+
+	client := redis.NewClusterClient(&redis.ClusterOptions{Addrs: cluster.Addrs(), ReadOnly: true})
+	t.Cleanup(func() { _ = client.Close() })
+	offMaster := map[string]int{} // read command → count sent to a replica
+	reads := 0
+	client.OnNewNode(func(node *redis.Client) {
+		addr := node.Options().Addr
+		node.AddHook(commandNames(func(name string) {
+			switch name {
+			case "zmscore", "hmget", "mget", "exists", "hlen", "zcard", "hscan", "zscan", "hrandfield", "scan":
+				mu.Lock()
+				defer mu.Unlock()
+				reads++
+				if !masters[addr] {
+					offMaster[name]++
+				}
+			}
+		}))
+	})
+	for _, kind := range allKinds {
+		b := setupWith(t, kind, client, cluster.Prefix(t)+kindName(kind))
+		rows := b.insertMany(t, 60)
+		b.projectRows(t, rows[:50])
+		b.project(t, "orphan", 1)
+		r := b.reconciler(t, &Config{PageSize: 16})
+		rep, err := r.Run(ctx, RunOptions{})
+		require.NoError(t, err, kindName(kind))
+		require.Equal(t, map[Class]int64{ClassCurrent: 50, ClassMissing: 10, ClassOrphan: 1}, rep.Counts, kindName(kind))
+		_, err = r.Run(ctx, RunOptions{Sample: 10})
+		require.NoError(t, err, kindName(kind))
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	require.NotZero(t, reads)
+	require.Empty(t, offMaster, "reads sent to replicas")
+}
+
+// commandNames is a go-redis hook that reports each command's name.
+type commandNames func(name string)
+
+func (h commandNames) DialHook(next redis.DialHook) redis.DialHook { return next }
+func (h commandNames) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
+	return func(ctx context.Context, cmd redis.Cmder) error { h(cmd.Name()); return next(ctx, cmd) }
+}
+func (h commandNames) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+	return func(ctx context.Context, cmds []redis.Cmder) error {
+		for _, c := range cmds {
+			h(c.Name())
+		}
+		return next(ctx, cmds)
+	}
 }

@@ -75,11 +75,9 @@
 //	documents    one MGET of values and versions per Cluster slot (per
 //	             hash tag on a Ring)
 //
-// Give the reconciler a client that reads from the masters: with a cluster
-// client that sends reads to replicas (ReadOnly, RouteByLatency or
-// RouteRandomly), a replica's replication lag shows as drift. Repairs stay
-// safe even then (they are gated, or compare-and-set on the master, which
-// declines when the master holds something else), but the report is not.
+// With a cluster client that sends reads to replicas (ReadOnly,
+// RouteByLatency or RouteRandomly), the reconciler still reads on the
+// masters: a replica's replication lag would show as drift.
 //
 // A full run pipelines the pages: up to Config.ReadAhead pages (4 by
 // default) are read at once, counting the one being classified and

@@ -59,7 +59,11 @@ func (r *Reconciler) readCollection(ctx context.Context, keys []string, out []Pr
 	for i, k := range keys {
 		valueArgs[2+i] = k
 	}
-	pipe := r.target.Client.Pipeline()
+	client, err := r.collectionClient(ctx)
+	if err != nil {
+		return fmt.Errorf("reconcile: reading projection: %w", err)
+	}
+	pipe := client.Pipeline()
 	values := pipe.Do(ctx, valueArgs...)
 	// MGET, not GET: an absent key is a nil element, not redis.Nil.
 	layout := pipe.Do(ctx, "MGET", r.layoutKey)
@@ -232,13 +236,38 @@ func (r *Reconciler) readDocuments(ctx context.Context, keys []string, out []Pro
 		g.keys = append(g.keys, r.target.Keyspace.ValueKey(t), r.target.Keyspace.VersionKey(t))
 		g.index = append(g.index, i)
 	}
-	pipe := r.target.Client.Pipeline()
+	// One pipeline, split by node by the client; or, when the client
+	// could read from replicas, one pipeline per master, asked for each
+	// group's slot.
+	pipes := map[*redis.Client]redis.Pipeliner{}
+	pipeFor := func(g *group) (redis.Pipeliner, error) {
+		if r.primary == nil {
+			if pipes[nil] == nil {
+				pipes[nil] = r.target.Client.Pipeline()
+			}
+			return pipes[nil], nil
+		}
+		node, err := r.primary.MasterForKey(ctx, g.keys[1].(string))
+		if err != nil {
+			return nil, err
+		}
+		if pipes[node] == nil {
+			pipes[node] = node.Pipeline()
+		}
+		return pipes[node], nil
+	}
 	cmds := make([]*redis.Cmd, len(groups))
 	for gi, g := range groups {
+		pipe, err := pipeFor(g)
+		if err != nil {
+			return fmt.Errorf("reconcile: reading projection: %w", err)
+		}
 		cmds[gi] = pipe.Do(ctx, g.keys...)
 	}
-	if _, err := pipe.Exec(ctx); err != nil {
-		return fmt.Errorf("reconcile: reading projection: %w", err)
+	for _, pipe := range pipes {
+		if _, err := pipe.Exec(ctx); err != nil {
+			return fmt.Errorf("reconcile: reading projection: %w", err)
+		}
 	}
 	for gi, g := range groups {
 		vals, err := cmds[gi].Slice()

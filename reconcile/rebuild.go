@@ -162,8 +162,12 @@ func answered(err error) bool {
 // them all.
 func (r *Reconciler) rebuildStep(ctx context.Context, step, token, ttl string) (int64, error) {
 	ks, kind, name := r.target.Keyspace, r.target.Kind, r.target.Name
+	client, err := r.collectionClient(ctx)
+	if err != nil {
+		return 0, err
+	}
 	for range rebuildStepRetries {
-		pipe := r.target.Client.Pipeline()
+		pipe := client.Pipeline()
 		layoutKeys := pipe.MGet(ctx, r.layoutKey, ks.ShadowLayoutKey(name, kind))
 		valueExists := pipe.Exists(ctx, r.valueKey)
 		flatExists := pipe.Exists(ctx, r.unbucketedKey)

@@ -51,6 +51,12 @@ type Reconciler struct {
 	valueKey, layoutKey, unbucketedKey, unbucketedShadowKey, layout string
 	versionKeys                                                     []string
 	buckets                                                         int
+
+	// primary is set when the client may send read-only commands to
+	// replicas (ReadOnly, RouteByLatency or RouteRandomly): the reconciler
+	// then reads on the masters explicitly, since a replica's replication
+	// lag would show as drift.
+	primary *redis.ClusterClient
 }
 
 // New returns a Reconciler checking target against source. cfg may be nil.
@@ -91,7 +97,22 @@ func New(source Source, target Target, cfg *Config) (*Reconciler, error) {
 		r.buckets = ks.VersionBuckets()
 		r.layout = strconv.Itoa(r.buckets)
 	}
+	if cc, ok := target.Client.(*redis.ClusterClient); ok {
+		if o := cc.Options(); o.ReadOnly || o.RouteByLatency || o.RouteRandomly {
+			r.primary = cc
+		}
+	}
 	return r, nil
+}
+
+// collectionClient returns the client for reading the collection's keys
+// (all in one slot): their master when the client could read from a
+// replica, the target's client otherwise.
+func (r *Reconciler) collectionClient(ctx context.Context) (redis.Cmdable, error) {
+	if r.primary == nil {
+		return r.target.Client, nil
+	}
+	return r.primary.MasterForKey(ctx, r.valueKey)
 }
 
 // Run compares the source with the projection, page by page, repairs what
@@ -523,14 +544,18 @@ func (r *Reconciler) checkKeys(ctx context.Context, opts RunOptions, keys []stri
 // a member's chance is uniform only as far as buckets are equally full —
 // which hashing makes them, roughly.
 func (r *Reconciler) sampleVersioned(ctx context.Context, n int) ([]string, error) {
+	client, err := r.collectionClient(ctx)
+	if err != nil {
+		return nil, err
+	}
 	if r.buckets == 0 {
-		return r.target.Client.HRandField(ctx, r.versionKeys[0], n).Result()
+		return client.HRandField(ctx, r.versionKeys[0], n).Result()
 	}
 	draws := make(map[int]int)
 	for range n {
 		draws[rand.IntN(r.buckets)]++
 	}
-	pipe := r.target.Client.Pipeline()
+	pipe := client.Pipeline()
 	cmds := make([]*redis.StringSliceCmd, 0, len(draws))
 	for b, k := range draws {
 		cmds = append(cmds, pipe.HRandField(ctx, r.versionKeys[b], k))
