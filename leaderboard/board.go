@@ -65,6 +65,10 @@ type Board struct {
 	channel string
 	ks      projection.Keyspace
 	zsetKey string
+	// verifiedKey records that Verify found the projection complete;
+	// verifyingKey holds the token of the Verify pass under way. Both
+	// share the sorted set's hash tag.
+	verifiedKey, verifyingKey string
 
 	notifier *outbox.Notifier // wakes the relays after Submit and SubmitBatch
 
@@ -129,6 +133,7 @@ func New(pool *pgxpool.Pool, rdb redis.UniversalClient, cfg *Config) (*Board, er
 		ks:       ks,
 	}
 	b.zsetKey = ks.ValueKey(b.target(""))
+	b.verifiedKey, b.verifyingKey = b.zsetKey+"~verified", b.zsetKey+"~verifying"
 	if cc, ok := rdb.(*redis.ClusterClient); ok {
 		if o := cc.Options(); o.ReadOnly || o.RouteByLatency || o.RouteRandomly {
 			b.primary = cc

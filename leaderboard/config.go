@@ -149,6 +149,19 @@ type Config struct {
 	// VersionBucketsDefault (0: one version hash per board).
 	VersionBuckets int
 
+	// RequireVerifiedProjection makes reads see a Redis that lost the
+	// board's keys (a restart without persistence, FLUSHALL, a failover
+	// to an empty replica), which the lag, measured in the outbox, cannot
+	// see. Board.Verify runs a full reconcile pass and, when the pass
+	// repaired everything it found and Redis kept the board's keys
+	// throughout, records in Redis that the projection is complete; a
+	// Redis that loses its data loses that record too. While it is absent,
+	// Freshness reports Lag -1 and Unverified, so FailClosed reads refuse
+	// and FallbackToPostgres reads fall back. Call Verify after the first
+	// deployment and after every Redis loss (a new board needs one too).
+	// Defaults to false: Lag measures the outbox only.
+	RequireVerifiedProjection bool
+
 	// Logger receives the board's logs. Defaults to discarding them.
 	Logger *slog.Logger
 

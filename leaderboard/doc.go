@@ -121,7 +121,13 @@
 // maxmemory-policy other than noeviction, a failover that dropped
 // acknowledged writes) looks current, with Lag zero, until the reconciler
 // repairs it. Run the board's Redis with noeviction, and a reconcile pass
-// (or Rebuild) after every such event and on a schedule. With a cluster
+// (or Rebuild) after every such event and on a schedule.
+// Config.RequireVerifiedProjection closes the first two cases: Board.Verify
+// runs a full pass and records in Redis that the projection is complete,
+// reads report Lag -1 and Freshness.Unverified while that record is
+// missing, and a Redis that loses its data loses the record with it.
+// Losses that keep the record (eviction of some keys, a failover or a
+// restart from an older snapshot) still go unseen until a reconcile pass. With a cluster
 // client that reads from replicas (ReadOnly, RouteByLatency or
 // RouteRandomly), the board still reads from the masters, whose lag is the
 // one measured.

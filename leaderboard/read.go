@@ -65,6 +65,10 @@ type Freshness struct {
 	// measured (PostgreSQL unreachable). Lag sees the outbox only, not
 	// entries Redis itself lost (see Reading in the package documentation).
 	Lag time.Duration
+	// Unverified is set, with Lag -1, when Config.RequireVerifiedProjection
+	// is on and Redis holds no record of a Verify since it last lost the
+	// board's keys: the projection may be missing entries.
+	Unverified bool
 	// AtLeastMet is false only when the read asked for AtLeast, the
 	// projection did not reach that version in time, and the ServeStale
 	// policy answered from Redis anyway.
@@ -354,6 +358,9 @@ type lagProbe struct {
 	pending bool          // whether any row was unprojected
 	failed  bool          // whether the measurement failed
 	running bool          // whether a measurement is under way
+	// unverified: RequireVerifiedProjection is on and Redis had no record
+	// of a complete projection.
+	unverified bool
 }
 
 // freshness returns the projection's freshness, measuring the lag at most
@@ -382,7 +389,14 @@ func (b *Board) freshness(ctx context.Context) Freshness {
 
 	if measure {
 		dbNow, oldest, sent, err := b.measureLag(ctx)
-		if err != nil && ctx.Err() != nil {
+		verified := true
+		if err == nil && b.cfg.RequireVerifiedProjection {
+			var verr error
+			if verified, verr = b.projectionVerified(ctx); verr != nil && ctx.Err() == nil {
+				b.cfg.Logger.WarnContext(ctx, "leaderboard: reading the projection's verification record failed", "board", b.cfg.Name, "error", verr)
+			}
+		}
+		if (err != nil || !verified) && ctx.Err() != nil {
 			// This caller gave up, which says nothing about the database:
 			// keep the previous measurement for the other readers, and let
 			// the next one measure again.
@@ -396,7 +410,7 @@ func (b *Board) freshness(ctx context.Context) Freshness {
 		// it with the sending time, never later than the snapshot. Stamped
 		// on arrival, a slow reply would hide a change committed while it
 		// travelled, for as long as it travelled.
-		p = lagProbe{at: sent, failed: err != nil}
+		p = lagProbe{at: sent, failed: err != nil, unverified: !verified}
 		if err != nil {
 			b.cfg.Logger.WarnContext(ctx, "leaderboard: measuring projection lag failed", "board", b.cfg.Name, "error", err)
 		} else if oldest != nil {
@@ -416,6 +430,8 @@ func (b *Board) freshness(ctx context.Context) Freshness {
 	switch {
 	case p.failed:
 		return Freshness{Source: SourceRedis, Lag: -1}
+	case p.unverified:
+		return Freshness{Source: SourceRedis, Lag: -1, Unverified: true}
 	case p.pending:
 		lag := p.lag + age
 		return Freshness{Source: SourceRedis, Lag: lag, ProjectedThrough: now.Add(-lag)}

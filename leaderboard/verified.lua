@@ -1,0 +1,16 @@
+-- verity leaderboard: record a verified projection.
+--
+-- KEYS[1] holds the token of the Verify pass under way, KEYS[2] is the
+-- record that the projection is complete; both share the board's hash tag.
+-- ARGV[1] is the pass's token, ARGV[2] the time to record.
+--
+-- The pass set KEYS[1] before it read anything. If Redis lost the board's
+-- keys since (a restart without persistence, FLUSHALL), KEYS[1] is gone or
+-- another pass replaced it, and nothing is recorded: the pages read before
+-- the loss may be missing again. Returns 1 when recorded, 0 otherwise.
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then
+  return 0
+end
+redis.call('SET', KEYS[2], ARGV[2])
+redis.call('DEL', KEYS[1])
+return 1

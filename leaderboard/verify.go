@@ -1,0 +1,85 @@
+package leaderboard
+
+import (
+	"context"
+	_ "embed"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/redis/go-redis/v9"
+
+	"github.com/verity-go/verity/reconcile"
+)
+
+var (
+	//go:embed verified.lua
+	verifiedLua    string
+	verifiedScript = redis.NewScript(verifiedLua)
+)
+
+// Verify runs a full reconcile pass over the board and, when the pass
+// repaired every missing, stale and corrupt entry it found (a repair that
+// raced a newer write counts: the entry is there) and Redis kept the board's
+// keys throughout, records in Redis that the projection is complete. With
+// Config.RequireVerifiedProjection, reads report Lag -1 and Unverified until
+// that record exists; a Redis that loses its data loses the record too.
+// verified tells whether it was recorded; when it was not, run Verify again
+// (the report says what stood in the way).
+//
+// cfg configures the pass's Reconciler as for Board.Reconciler; its Policy
+// must repair (the default) missing, stale and corrupt entries, or nothing
+// can be recorded.
+func (b *Board) Verify(ctx context.Context, cfg *reconcile.Config) (report *reconcile.Report, verified bool, err error) {
+	rec, err := b.Reconciler(cfg)
+	if err != nil {
+		return nil, false, err
+	}
+	client, err := b.reader(ctx, b.verifyingKey) // the master: a replica may not have the token yet
+	if err != nil {
+		return nil, false, fmt.Errorf("leaderboard: verify: %w", err)
+	}
+	token := uuid.NewString()
+	if err := client.Set(ctx, b.verifyingKey, token, 0).Err(); err != nil {
+		return nil, false, fmt.Errorf("leaderboard: verify: %w", err)
+	}
+	report, err = rec.Run(ctx, reconcile.RunOptions{})
+	if err != nil {
+		return report, false, err
+	}
+	policy := cfg.WithDefaults().Policy
+	for _, c := range []reconcile.Class{reconcile.ClassMissing, reconcile.ClassStale, reconcile.ClassCorrupt} {
+		if report.Counts[c] > 0 && policy.For(c) != reconcile.ActionRepair {
+			return report, false, nil
+		}
+	}
+	if report.Uncertain > 0 || report.Results[reconcile.ResultVetoed] > 0 || report.Results[reconcile.ResultNotAttempted] > 0 {
+		return report, false, nil
+	}
+	n, err := verifiedScript.Run(ctx, b.rdb, []string{b.verifyingKey, b.verifiedKey},
+		token, time.Now().UTC().Format(time.RFC3339Nano)).Int()
+	if err != nil {
+		return report, false, fmt.Errorf("leaderboard: verify: recording the result: %w", err)
+	}
+	if n == 1 {
+		b.lagMu.Lock()
+		b.lagProbe.at = time.Time{} // the next read measures again
+		b.lagMu.Unlock()
+	}
+	return report, n == 1, nil
+}
+
+// projectionVerified reports whether Redis holds Verify's record that the
+// projection is complete, read on the master.
+func (b *Board) projectionVerified(ctx context.Context) (bool, error) {
+	client, err := b.reader(ctx, b.verifiedKey)
+	if err != nil {
+		return false, err
+	}
+	n, err := client.Exists(ctx, b.verifiedKey).Result()
+	if err != nil && !errors.Is(err, redis.Nil) {
+		return false, err
+	}
+	return n == 1, nil
+}
