@@ -93,11 +93,25 @@ func New[T any](client redis.UniversalClient, config *Config) (*Cache[T], error)
 		return nil, err
 	}
 	if cfg.InvalidateReplicas > 0 {
-		switch client.(type) {
-		case *redis.Client, *redis.ClusterClient:
+		var readTimeout time.Duration
+		switch c := client.(type) {
+		case *redis.Client:
+			readTimeout = c.Options().ReadTimeout
+		case *redis.ClusterClient:
+			readTimeout = c.Options().ReadTimeout
 		default:
 			return nil, &ConfigError{Field: "InvalidateReplicas",
 				Reason: fmt.Sprintf("is not supported with %T; use *redis.Client or *redis.ClusterClient, or leave it 0", client)}
+		}
+		// Options() are after go-redis applied its defaults: a positive
+		// ReadTimeout is the one in force, anything else means none.
+		// WAIT blocks the reply for up to InvalidateWaitTimeout; a client
+		// that gives up on the reply first would report a Redis error for
+		// a bump that happened, and retry the pipeline, bumping again.
+		if readTimeout > 0 && cfg.InvalidateWaitTimeout+waitReplySlack > readTimeout {
+			return nil, &ConfigError{Field: "InvalidateWaitTimeout",
+				Reason: fmt.Sprintf("is %s, too close to the client's ReadTimeout (%s): lower it to at most %s, or raise the client's ReadTimeout",
+					cfg.InvalidateWaitTimeout, readTimeout, readTimeout-waitReplySlack)}
 		}
 	}
 	var token [12]byte
@@ -539,10 +553,11 @@ func (c *Cache[T]) Invalidate(ctx context.Context, id string) error {
 		c.stats.redisErrors.Add(1)
 		return &RedisError{Op: "invalidate", ID: id, Err: err}
 	}
-	c.stats.invalidations.Add(1)
 	if replicas >= 0 && replicas < c.config.InvalidateReplicas {
+		c.stats.replicationErrors.Add(1)
 		return &ReplicationError{ID: id, Want: c.config.InvalidateReplicas, Got: replicas}
 	}
+	c.stats.invalidations.Add(1)
 	return nil
 }
 

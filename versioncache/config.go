@@ -29,6 +29,10 @@ const (
 	InvalidateWaitTimeoutDefault = 100 * time.Millisecond
 )
 
+// waitReplySlack is how much longer than InvalidateWaitTimeout the client
+// must be willing to wait for WAIT's reply.
+const waitReplySlack = 100 * time.Millisecond
+
 // FailureMode says what Get does when Redis cannot be reached.
 type FailureMode int
 
@@ -102,8 +106,10 @@ type Config struct {
 	// *redis.ClusterClient. Defaults to 0 (do not wait).
 	InvalidateReplicas int
 
-	// InvalidateWaitTimeout bounds the wait for InvalidateReplicas.
-	// Defaults to InvalidateWaitTimeoutDefault.
+	// InvalidateWaitTimeout bounds the wait for InvalidateReplicas. It must
+	// be at least 100 ms below the client's ReadTimeout (go-redis's default
+	// is 5 s), or the client would give up on WAIT's reply first; New
+	// refuses it otherwise. Defaults to InvalidateWaitTimeoutDefault.
 	InvalidateWaitTimeout time.Duration
 
 	// Logger receives warnings about Redis failures and codec errors.

@@ -37,8 +37,9 @@
 //     was acknowledged: allowed) or finds nothing;
 //   - a fill is a script that stores P{id}:c only if P{id}:v still holds the
 //     version read before loading; any Invalidate since then moved it, and a
-//     version, once replaced or lost, never comes back (next section), so a
-//     load that may predate a write is refused;
+//     version, once replaced or lost, never comes back (next section, which
+//     also names the exceptions), so a load that may predate a write is
+//     refused;
 //   - nothing else writes P{id}:c.
 //
 // A hit does not need the embedded version; Peek and Check report it, and
@@ -76,6 +77,19 @@
 // one script): the new primary then still holds the value cached before the
 // write, readable until its TTL. Config.InvalidateReplicas makes Invalidate
 // wait until replicas have it and report when they do not.
+//
+// So can a restart that reloads an older snapshot (RDB, or AOF with
+// appendfsync everysec, after a crash): the version key and the value come
+// back together as they were, and every Invalidate acknowledged since is
+// undone until TTL. After an unclean restart of a Redis with persistence,
+// delete the prefix's keys (or run it with appendfsync always).
+//
+// A *redis.Ring moves the ids of a shard it marks down to the other shards,
+// and back when the shard answers again, usually with its data: the value
+// cached there before an Invalidate that ran on another shard is readable
+// again. Give the Ring a HeartbeatFn that always reports its shards up (a
+// shard that does not answer then fails its calls, and Invalidate reports
+// it), and delete the prefix's keys after changing its shards (SetAddrs).
 //
 // Upgrading from the previous layout (values under P{id}:d:<version>): old
 // and new processes must not share a prefix, because an old Invalidate does

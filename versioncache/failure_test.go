@@ -123,6 +123,37 @@ func TestLostBump(t *testing.T) {
 		_, version, _, err := b.cache.Peek(ctx, "p1")
 		require.NoError(t, err)
 		require.Positive(t, version, "the primary has the bump")
+		stats := b.cache.Stats()
+		require.Zero(t, stats.Invalidations, "a failed Invalidate is not a successful one")
+		require.Equal(t, uint64(1), stats.ReplicationErrors)
+	})
+
+	t.Run("InvalidateWaitTimeoutBelowReadTimeout", func(t *testing.T) {
+		t.Parallel()
+		// A client that gave up on WAIT's reply would report a Redis
+		// error for a bump that happened, and retry it: refused up front.
+		for _, tc := range []struct {
+			readTimeout, wait time.Duration
+			ok                bool
+		}{
+			{200 * time.Millisecond, 500 * time.Millisecond, false},
+			{200 * time.Millisecond, 150 * time.Millisecond, false}, // within the slack
+			{200 * time.Millisecond, 100 * time.Millisecond, true},
+			{0, 5 * time.Second, false}, // go-redis's 5 s default
+			{0, time.Second, true},
+			{-1, time.Minute, true}, // no read timeout
+		} {
+			client := redis.NewClient(&redis.Options{Addr: "127.0.0.1:1", ReadTimeout: tc.readTimeout})
+			_, err := New[product](client, &Config{InvalidateReplicas: 1, InvalidateWaitTimeout: tc.wait})
+			_ = client.Close()
+			if tc.ok {
+				require.NoError(t, err, "%+v", tc)
+				continue
+			}
+			var cerr *ConfigError
+			require.ErrorAs(t, err, &cerr, "%+v", tc)
+			require.Equal(t, "InvalidateWaitTimeout", cerr.Field)
+		}
 	})
 
 	t.Run("InvalidateReplicasNeedsKnownClient", func(t *testing.T) {

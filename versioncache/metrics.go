@@ -92,6 +92,7 @@ func newCacheMetrics(cfg *Config, stats func() Stats) (*cacheMetrics, error) {
 		redisError        = with(attribute.String(AttributeReason, "redis_error"))
 		kindRedis         = with(attribute.String(AttributeKind, "redis"))
 		kindDecode        = with(attribute.String(AttributeKind, "decode"))
+		kindReplication   = with(attribute.String(AttributeKind, "replication"))
 		plain             = with()
 	)
 	reg, err := in.Meter().RegisterCallback(func(_ context.Context, o metric.Observer) error {
@@ -110,6 +111,7 @@ func newCacheMetrics(cfg *Config, stats func() Stats) (*cacheMetrics, error) {
 		o.ObserveInt64(orphans, int64(s.OrphanedValueKeys), plain)
 		o.ObserveInt64(errs, int64(s.RedisErrors), kindRedis)
 		o.ObserveInt64(errs, int64(s.DecodeErrors), kindDecode)
+		o.ObserveInt64(errs, int64(s.ReplicationErrors), kindReplication)
 		return nil
 	}, reads, loads, fills, staleSkipped, fallbacks, leaseWaits, invalidations, orphans, errs)
 	if err != nil {

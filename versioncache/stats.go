@@ -29,6 +29,11 @@ type Stats struct {
 	LeaseFallbacks    uint64 // ... and loaded themselves after FillLeaseWait
 	RedisErrors       uint64
 	DecodeErrors      uint64 // cached values the Codec could not decode
+	// ReplicationErrors are Invalidate calls that returned a
+	// *ReplicationError: the bump happened on the primary, but fewer
+	// replicas than Config.InvalidateReplicas confirmed it in time. They
+	// are not counted in Invalidations.
+	ReplicationErrors uint64
 	// FailOpenLoads are loads that served the loader's value uncached
 	// because Redis failed (FailOpen). They are included in Loads.
 	FailOpenLoads uint64
@@ -39,6 +44,7 @@ type counters struct {
 	invalidations                                              atomic.Uint64
 	leaseWaits, leaseWaitHits, leaseFallbacks                  atomic.Uint64
 	redisErrors, decodeErrors, failOpenLoads                   atomic.Uint64
+	replicationErrors                                          atomic.Uint64
 }
 
 // Stats returns a snapshot of the counters.
@@ -52,6 +58,6 @@ func (c *Cache[T]) Stats() Stats {
 		LeaseWaits:        s.leaseWaits.Load(), LeaseWaitHits: s.leaseWaitHits.Load(),
 		LeaseFallbacks: s.leaseFallbacks.Load(),
 		RedisErrors:    s.redisErrors.Load(), DecodeErrors: s.decodeErrors.Load(),
-		FailOpenLoads: s.failOpenLoads.Load(),
+		FailOpenLoads: s.failOpenLoads.Load(), ReplicationErrors: s.replicationErrors.Load(),
 	}
 }
