@@ -345,12 +345,12 @@ func TestGateVersionBuckets(t *testing.T) {
 			require.NoError(t, flat.client.Set(ctx, flat.ks.ShadowLayoutKey("r", KindSortedSet), "8", 0).Err())
 			require.NoError(t, flat.client.Set(ctx, flat.ks.RebuildMarkerKey("r", KindSortedSet), "tok", 0).Err())
 
-			_, err := flat.gate.ApplyShadow(ctx, []Write{zset("r", "b", 1, 1)})
+			_, err := flat.gate.ApplyShadow(ctx, "", []Write{zset("r", "b", 1, 1)})
 			var lm *LayoutMismatchError
 			require.ErrorAs(t, err, &lm, "a shadow copy in another layout is refused")
 			require.Equal(t, LayoutMismatchError{Kind: KindSortedSet, Name: "r", Shadow: true, Stored: 8, Configured: 0}, *lm)
 
-			out, err := eight.gate.ApplyShadow(ctx, []Write{zset("r", "b", 7, 70)})
+			out, err := eight.gate.ApplyShadow(ctx, "", []Write{zset("r", "b", 7, 70)})
 			require.NoError(t, err)
 			require.Equal(t, []Outcome{OutcomeApplied}, out)
 
@@ -377,13 +377,13 @@ func TestGateVersionBuckets(t *testing.T) {
 			flat := setupGate(t, b)
 			ctx := context.Background()
 			layout := flat.ks.ShadowLayoutKey("s", KindHash)
-			_, err := flat.gate.ApplyShadow(ctx, []Write{hash("s", "a", 1, "x")})
+			_, err := flat.gate.ApplyShadow(ctx, "", []Write{hash("s", "a", 1, "x")})
 			require.NoError(t, err)
 			require.Equal(t, "0", flat.client.Get(ctx, layout).Val())
 
 			require.NoError(t, flat.client.Del(ctx, layout, flat.ks.ShadowVersionKey("s", KindHash)).Err())
 			before := flat.dump(t, "s", KindHash)
-			_, err = flat.gate.ApplyShadow(ctx, []Write{hash("s", "a", 1, "x")})
+			_, err = flat.gate.ApplyShadow(ctx, "", []Write{hash("s", "a", 1, "x")})
 			var lm *LayoutMismatchError
 			require.ErrorAs(t, err, &lm)
 			require.Equal(t, LayoutMismatchError{Kind: KindHash, Name: "s", Shadow: true, Stored: -1, Configured: 0}, *lm)
@@ -415,7 +415,7 @@ func TestGateBucketsOneCallPerSlot(t *testing.T) {
 	for i := range all {
 		all[i] = i
 	}
-	groups := gate.group(modeLive, writes, all)
+	groups := gate.group(modeLive, "", writes, all)
 	require.Len(t, groups, len(slots))
 	buckets := 0
 	for _, grp := range groups {

@@ -203,7 +203,9 @@
 // independently (the shadow outcome is not reported), so that writes made
 // during the copy are not lost by the swap. Gate.ApplyShadow gates the copy
 // itself into the shadow keys, so it never overwrites a newer dual-written
-// version.
+// version, and checks the rebuild's token against the marker in the same
+// script (ErrShadowNotOwned), so a rebuild that stalled past its marker's
+// expiry cannot copy stale rows into the shadow keys of the next one.
 //
 // # Projector and relay
 //

@@ -124,22 +124,32 @@ func (g *Gate) Load(ctx context.Context) error {
 // some slot groups may have been applied. Applying the batch again is
 // always safe.
 func (g *Gate) Apply(ctx context.Context, writes []Write) ([]Outcome, error) {
-	return joinRun(g.run(ctx, modeLive, writes, false))
+	return joinRun(g.run(ctx, modeLive, "", writes, false))
 }
 
 // ApplyShadow is Apply for the shadow keys of a running rebuild: each
 // write is gated against, and written to, only the shadow value and
-// version keys of its collection, whether or not the marker exists. It is
-// how a rebuild copies source state without overwriting newer versions
-// that live writes dual-wrote meanwhile. Document targets are refused with
-// *InvalidTargetError (documents have no shadow keys).
-func (g *Gate) ApplyShadow(ctx context.Context, writes []Write) ([]Outcome, error) {
+// version keys of its collection. It is how a rebuild copies source state
+// without overwriting newer versions that live writes dual-wrote meanwhile.
+// Document targets are refused with *InvalidTargetError (documents have no
+// shadow keys).
+//
+// token is the rebuild's: in the same script, a collection whose rebuild
+// marker does not hold it is refused with ErrShadowNotOwned and nothing is
+// written to it, so a rebuild that stalled past its marker's expiry cannot
+// write its stale rows into the shadow keys of the rebuild that followed.
+// An empty token skips that check (for tools that own the shadow keys some
+// other way).
+func (g *Gate) ApplyShadow(ctx context.Context, token string, writes []Write) ([]Outcome, error) {
 	for i := range writes {
 		if writes[i].Target.Kind == KindDocument {
 			return nil, &InvalidTargetError{Index: i, Target: writes[i].Target, Reason: "documents have no rebuild shadow keys"}
 		}
 	}
-	return joinRun(g.run(ctx, modeShadow, writes, false))
+	if strings.ContainsAny(token, " ") {
+		return nil, fmt.Errorf("%w: a rebuild token must not contain spaces", ErrInvalidConfig)
+	}
+	return joinRun(g.run(ctx, modeShadow, token, writes, false))
 }
 
 // joinRun folds run's per-write errors into one error for Apply's callers.
@@ -166,7 +176,7 @@ const layoutRetries = 3
 // rest of its slot group is sent again (the script refused the whole
 // group before writing), so one misconfigured collection cannot hold back
 // the others.
-func (g *Gate) run(ctx context.Context, mode string, writes []Write, isolate bool) ([]Outcome, []error, error) {
+func (g *Gate) run(ctx context.Context, mode, token string, writes []Write, isolate bool) ([]Outcome, []error, error) {
 	if g == nil || g.client == nil || g.script == nil {
 		return nil, nil, errors.New("projection: Gate has no Redis client; create it with NewGate(client, keyspace)")
 	}
@@ -188,11 +198,14 @@ func (g *Gate) run(ctx context.Context, mode string, writes []Write, isolate boo
 	defer func() { g.metrics.recordBatch(ctx, mode, time.Since(start)) }()
 	relearned := make(map[baseKey]int) // shadow layouts learnt per collection
 	for len(pending) > 0 {
-		groups := g.group(mode, writes, pending)
+		groups := g.group(mode, token, writes, pending)
 		replies, errs := g.eval(ctx, groups)
 		pending = nil
 		for gi, grp := range groups {
 			if err := errs[gi]; err != nil {
+				if isNotOwnedReply(err) {
+					return nil, nil, ErrShadowNotOwned
+				}
 				lr, ok := parseLayoutReply(err, grp)
 				switch {
 				case !ok:
@@ -247,6 +260,12 @@ func (g *Gate) run(ctx context.Context, mode string, writes []Write, isolate boo
 	}
 	g.metrics.recordWrites(ctx, mode, writes, outcomes)
 	return outcomes, perWrite, nil
+}
+
+// isNotOwnedReply reports gate.lua's refusal of a shadow write whose
+// rebuild token the marker does not hold.
+func isNotOwnedReply(err error) bool {
+	return strings.HasPrefix(err.Error(), "VERITY_NOT_OWNED")
 }
 
 // layoutReply is a decoded "VERITY_LAYOUT" error of gate.lua.
@@ -355,7 +374,7 @@ func (g *Gate) shadowKeyspace(mode string, coll baseKey) Keyspace {
 }
 
 // group splits the writes at positions idx into script calls.
-func (g *Gate) group(mode string, writes []Write, idx []int) []*slotGroup {
+func (g *Gate) group(mode, token string, writes []Write, idx []int) []*slotGroup {
 	var groups []*slotGroup
 	byKey := make(map[string]*slotGroup)
 	for _, i := range idx {
@@ -365,6 +384,9 @@ func (g *Gate) group(mode string, writes []Write, idx []int) []*slotGroup {
 		if grp == nil {
 			grp = &slotGroup{bases: make(map[baseKey]collKeys), args: make([]any, 2, 2+5*len(idx))}
 			grp.args[0] = mode
+			if token != "" {
+				grp.args[0] = mode + " " + token
+			}
 			byKey[gk] = grp
 			groups = append(groups, grp)
 		}

@@ -2,7 +2,10 @@
 --
 -- ARGV[1] is the mode: "live" writes the live keys (and, for a collection
 -- whose rebuild marker exists, the shadow keys too); "shadow" writes only
--- the shadow keys. ARGV[2] is the number C of collections in the call.
+-- the shadow keys; "shadow <token>" also refuses, with the error
+-- "VERITY_NOT_OWNED <base>" and nothing written, unless every collection's
+-- rebuild marker holds that token. ARGV[2] is the number C of collections
+-- in the call.
 -- Then five arguments per write:
 --   kind ("z" sorted set, "h" hash, "d" document), base (index into KEYS),
 --   member (field; "" for documents), version (canonical decimal), value
@@ -109,7 +112,14 @@ local function storedLayout(layoutKey, valueKey, unbucketedKey)
   return nil, false
 end
 
-local shadowOnly = ARGV[1] == 'shadow'
+local mode, token = ARGV[1], nil
+do
+  local sp = string.find(mode, ' ', 1, true)
+  if sp then
+    mode, token = string.sub(mode, 1, sp - 1), string.sub(mode, sp + 1)
+  end
+end
+local shadowOnly = mode == 'shadow'
 local ncoll = tonumber(ARGV[2])
 -- rebuilding[base] records whether a collection's rebuild marker exists;
 -- the script is atomic, so it cannot appear or vanish during the batch.
@@ -128,6 +138,9 @@ for a = last + 1, #ARGV, 3 do
   local base, live, shadow = tonumber(ARGV[a]), ARGV[a + 1], ARGV[a + 2]
   local err
   if shadowOnly then
+    if token and redis.call('GET', KEYS[base + 2]) ~= token then
+      return redis.error_reply('VERITY_NOT_OWNED ' .. base)
+    end
     err = check('shadow', base, KEYS[base + 4], KEYS[base + 3], KEYS[base + 6], shadow)
   else
     err = check('live', base, KEYS[base + 1], KEYS[base], KEYS[base + 5], live)

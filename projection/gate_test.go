@@ -370,9 +370,16 @@ func TestGate(t *testing.T) {
 			gb.apply(t, before)
 			require.False(t, readShadowState(t, gb.client, gb.ks, before.Target).exists, "no marker, no shadow write")
 
-			require.NoError(t, gb.client.Set(ctx, gb.ks.RebuildMarkerKey("r", KindSortedSet), "1", 0).Err())
+			require.NoError(t, gb.client.Set(ctx, gb.ks.RebuildMarkerKey("r", KindSortedSet), "token-1", 0).Err())
+			// A copy under another rebuild's token (one that outlived its
+			// marker) writes nothing.
+			_, err := gb.gate.ApplyShadow(ctx, "token-0", []Write{zset("r", "b", 9, 90)})
+			require.ErrorIs(t, err, ErrShadowNotOwned)
+			require.False(t, readShadowState(t, gb.client, gb.ks, zset("r", "b", 0, 0).Target).exists)
+			_, err = gb.gate.ApplyShadow(ctx, "bad token", []Write{zset("r", "b", 9, 90)})
+			require.ErrorIs(t, err, ErrInvalidConfig)
 			// The rebuild has copied a newer version into the shadow already.
-			out, err := gb.gate.ApplyShadow(ctx, []Write{zset("r", "b", 7, 70)})
+			out, err := gb.gate.ApplyShadow(ctx, "token-1", []Write{zset("r", "b", 7, 70)})
 			require.NoError(t, err)
 			require.Equal(t, []Outcome{OutcomeApplied}, out)
 			require.False(t, readState(t, gb.client, gb.ks, zset("r", "b", 0, 0).Target).exists, "ApplyShadow leaves live keys alone")
@@ -386,11 +393,11 @@ func TestGate(t *testing.T) {
 			require.False(t, readShadowState(t, gb.client, gb.ks, hash("r", "a", 0, "").Target).exists,
 				"the marker of the sorted set does not affect the hash of the same name")
 
-			out, err = gb.gate.ApplyShadow(ctx, []Write{zset("r", "a", 2, 20), zset("r", "a", 1, 10)})
+			out, err = gb.gate.ApplyShadow(ctx, "", []Write{zset("r", "a", 2, 20), zset("r", "a", 1, 10)})
 			require.NoError(t, err)
 			require.Equal(t, []Outcome{OutcomeDuplicate, OutcomeStale}, out)
 
-			_, err = gb.gate.ApplyShadow(ctx, []Write{doc("d", 1, "x")})
+			_, err = gb.gate.ApplyShadow(ctx, "", []Write{doc("d", 1, "x")})
 			require.ErrorIs(t, err, ErrInvalidTarget)
 		})
 
@@ -498,7 +505,7 @@ func TestGateClusterGroupsBySlot(t *testing.T) {
 	for i := range all {
 		all[i] = i
 	}
-	groups := gate.group(modeLive, writes, all)
+	groups := gate.group(modeLive, "", writes, all)
 	require.Len(t, groups, len(slots))
 	for _, grp := range groups {
 		slot := KeySlot(grp.keys[0])

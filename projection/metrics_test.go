@@ -91,7 +91,7 @@ func TestProjectorMetrics(t *testing.T) {
 		t.Parallel()
 		p, rec := setup(t)
 		w := Write{Target: Target{Kind: KindSortedSet, Name: "board", Member: "erin"}, Version: 1, Value: Value{Score: 3}}
-		_, err := p.Gate().ApplyShadow(ctx, []Write{w})
+		_, err := p.Gate().ApplyShadow(ctx, "", []Write{w})
 		require.NoError(t, err)
 		s := rec.Collect(t)
 		require.Equal(t, int64(1), s.Int(metricWrites, board, outcome("applied"), attribute.String(AttributeMode, "shadow")))

@@ -162,7 +162,7 @@ func (p *RedisProjector) Project(ctx context.Context, batch []outbox.Record) ([]
 		p.metrics.recordFailed(ctx, reasonMap, unmapped)
 		return nil, firstErr
 	}
-	outcomes, perWrite, err := p.gate.run(ctx, modeLive, writes, false)
+	outcomes, perWrite, err := p.gate.run(ctx, modeLive, "", writes, false)
 	if err != nil {
 		p.metrics.recordFailed(ctx, failReason(err), len(writes))
 		return nil, err
@@ -204,7 +204,7 @@ func (p *RedisProjector) Handle(ctx context.Context, batch []outbox.Record) ([]o
 		positions = append(positions, i)
 	}
 	p.metrics.recordFailed(ctx, reasonMap, len(batch)-len(writes))
-	outcomes, perWrite, err := p.gate.run(ctx, modeLive, writes, true)
+	outcomes, perWrite, err := p.gate.run(ctx, modeLive, "", writes, true)
 	if err != nil {
 		p.metrics.recordFailed(ctx, failReason(err), len(writes))
 		return nil, err

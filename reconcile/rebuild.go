@@ -105,7 +105,7 @@ func (r *Reconciler) rebuild(ctx context.Context) (*RebuildReport, error) {
 		return rep, ErrRebuildInProgress
 	}
 	if err == nil {
-		err = r.copyToShadow(ctx, rep, step)
+		err = r.copyToShadow(ctx, rep, token, step)
 		if err == nil {
 			// The switch runs even if ctx is cancelled now: the copy is
 			// complete, and a switch whose reply is lost would leave the
@@ -237,7 +237,7 @@ func withBuckets(ks projection.Keyspace, n int) projection.Keyspace {
 	return out
 }
 
-func (r *Reconciler) copyToShadow(ctx context.Context, rep *RebuildReport, step func(context.Context, string) (bool, error)) error {
+func (r *Reconciler) copyToShadow(ctx context.Context, rep *RebuildReport, token string, step func(context.Context, string) (bool, error)) error {
 	pages, stop := r.pages(ctx, false)
 	defer stop()
 	lastRefresh := time.Now()
@@ -249,7 +249,13 @@ func (r *Reconciler) copyToShadow(ctx context.Context, rep *RebuildReport, step 
 		for i, row := range p.rows {
 			writes[i] = projection.Write{Target: r.target.target(row.Key), Version: row.Version, Value: row.Value}
 		}
-		outcomes, err := r.gate.ApplyShadow(ctx, writes)
+		// The token is checked in the script that writes: a copy that
+		// stalled past the marker's expiry must not land in the shadow
+		// keys of a rebuild that started since.
+		outcomes, err := r.gate.ApplyShadow(ctx, token, writes)
+		if errors.Is(err, projection.ErrShadowNotOwned) {
+			return ErrRebuildAborted
+		}
 		if err != nil {
 			return fmt.Errorf("reconcile: rebuild copy: %w", err)
 		}

@@ -461,3 +461,102 @@ func TestRebuildLostReply(t *testing.T) {
 		require.Equal(t, []bool{false, false, false}, b.keysExist(t, marker, sv, sver))
 	})
 }
+
+// pausedSource reads a page from the real source, then calls after (which
+// may block) before returning the rows.
+type pausedSource struct {
+	Source
+	after func(n int)
+	n     int
+	mu    sync.Mutex
+}
+
+func (s *pausedSource) Page(ctx context.Context, c Cursor, limit int) ([]Row, error) {
+	rows, err := s.Source.Page(ctx, c, limit)
+	s.mu.Lock()
+	s.n++
+	n := s.n
+	s.mu.Unlock()
+	if s.after != nil {
+		s.after(n)
+	}
+	return rows, err
+}
+
+// TestRebuildAfterAStalledRebuild stalls rebuild A after it read a page,
+// past its marker's expiry; the row "ghost" is deleted from the source and
+// rebuild B starts. When A resumes, its stale page must not land in B's
+// shadow keys (the copy is checked against the marker's token in the script
+// that writes it): A aborts, and B's switch leaves no trace of "ghost".
+func TestRebuildAfterAStalledRebuild(t *testing.T) {
+	t.Parallel()
+	b := setup(t, projection.KindSortedSet)
+	ctx := context.Background()
+	rows := b.insertMany(t, 25)
+	ghost := b.insert(t, "ghost", 7) // sorts before "k…": on A's first page
+	b.projectRows(t, append(rows, ghost))
+
+	aReadPage1 := make(chan struct{})
+	aGo := make(chan struct{})
+	srcA := &pausedSource{Source: b.source, after: func(n int) {
+		if n == 1 {
+			close(aReadPage1)
+			<-aGo
+		}
+	}}
+	rA, err := New(srcA, b.target, &Config{PageSize: 10, RebuildMarkerTTL: 200 * time.Millisecond})
+	require.NoError(t, err)
+
+	var (
+		wg     sync.WaitGroup
+		errA   error
+		repA   *RebuildReport
+		errB   error
+		repB   *RebuildReport
+		bStart = make(chan struct{})
+		bGo    = make(chan struct{})
+		aDone  = make(chan struct{})
+		bDone  = make(chan struct{})
+	)
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		defer close(aDone)
+		repA, errA = rA.Rebuild(ctx)
+	}()
+	<-aReadPage1
+	time.Sleep(400 * time.Millisecond) // A's marker expires (A stalled: GC, slow PG, ...)
+	_, err = b.pool.Exec(ctx, `DELETE FROM items WHERE board = $1 AND key = 'ghost'`, testBoard)
+	require.NoError(t, err)
+
+	srcB := &hookedSource{Source: b.source, onPage: func(_ context.Context, n int) {
+		if n == 1 {
+			close(bStart)
+			<-bGo
+		}
+	}}
+	rB, err := New(srcB, b.target, &Config{PageSize: 10})
+	require.NoError(t, err)
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		defer close(bDone)
+		repB, errB = rB.Rebuild(ctx)
+	}()
+	<-bStart // B's marker and (empty) shadow keys exist now
+	// A resumes and tries to copy its stale first page into the shadow
+	// keys, which are B's now.
+	close(aGo)
+	<-aDone
+	close(bGo)
+	wg.Wait()
+	require.ErrorIs(t, errA, ErrRebuildAborted)
+	require.NoError(t, errB)
+	require.True(t, repB.Switched)
+
+	require.Zero(t, repA.Rows, "A's stale page was refused")
+	run, err := b.reconciler(t, nil).Run(ctx, RunOptions{DryRun: true})
+	require.NoError(t, err)
+	require.Equal(t, map[Class]int64{ClassCurrent: 25}, run.Counts,
+		"the projection holds a row the source deleted before B started")
+}
