@@ -64,27 +64,14 @@ func TestRedisClusterReplicaReads(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	cluster := testenv.SharedRedisCluster(t)
-	plain := cluster.Client(t)
-	require.Eventually(t, func() bool { // every slot lists its replica
-		//lint:ignore SA1019 go-redis builds its slot map from CLUSTER SLOTS, so that is what must list the replicas.
-		slots, err := plain.ClusterSlots(ctx).Result()
-		if err != nil || len(slots) == 0 {
-			return false
-		}
-		for _, s := range slots {
-			if len(s.Nodes) < 2 {
-				return false
-			}
-		}
-		return true
-	}, 30*time.Second, 50*time.Millisecond)
+	cluster.WaitSlotReplicas(t, 30*time.Second)
 	client := redis.NewClusterClient(&redis.ClusterOptions{Addrs: cluster.Addrs(), ReadOnly: true})
 	t.Cleanup(func() { _ = client.Close() })
 	var mu sync.Mutex
 	reads := map[string]int{} // node address → read-only commands of the board
 	client.OnNewNode(func(node *redis.Client) {
 		addr := node.Options().Addr
-		node.AddHook(readCounter(func(name string) {
+		node.AddHook(testenv.CommandHook(func(name string) {
 			switch name {
 			case "zrange", "hget", "zscore", "zrank", "evalsha", "eval":
 				mu.Lock()
@@ -122,21 +109,5 @@ func TestRedisClusterReplicaReads(t *testing.T) {
 	require.NotZero(t, reads[master.Options().Addr])
 	for addr, n := range reads {
 		require.Equal(t, master.Options().Addr, addr, "%d reads went to another node than the master (%v)", n, reads)
-	}
-}
-
-// readCounter is a go-redis hook that reports each command's name.
-type readCounter func(name string)
-
-func (h readCounter) DialHook(next redis.DialHook) redis.DialHook { return next }
-func (h readCounter) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
-	return func(ctx context.Context, cmd redis.Cmder) error { h(cmd.Name()); return next(ctx, cmd) }
-}
-func (h readCounter) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
-	return func(ctx context.Context, cmds []redis.Cmder) error {
-		for _, c := range cmds {
-			h(c.Name())
-		}
-		return next(ctx, cmds)
 	}
 }

@@ -207,6 +207,25 @@ func users(entries []Entry) []string {
 	return out
 }
 
+// lagging returns a board with policy whose projection holds user-a 10
+// while PostgreSQL holds 17 and an outbox row older than MaxLag (50 ms) is
+// pending; the lag is measured on every read.
+func lagging(t *testing.T, policy ReadPolicy, mutate ...func(*Config)) *testBundle {
+	t.Helper()
+	tb := setup(t, append([]func(*Config){func(c *Config) {
+		c.ReadPolicy = policy
+		c.MaxLag = 50 * time.Millisecond
+		c.LagProbeInterval = time.Nanosecond
+		c.ReadYourWritesTimeout = 20 * time.Millisecond
+	}}, mutate...)...)
+	tb.submit(t, "user-a", 10)
+	tb.drain(t)
+	tb.submit(t, "user-a", 7)
+	_, err := tb.pg.Pool.Exec(context.Background(), `UPDATE verity_outbox SET created_at = created_at - interval '1 minute'`)
+	require.NoError(t, err)
+	return tb
+}
+
 // requireUpToDate checks that fr is an answer from Redis whose lag is no
 // more than the read that returned it could have missed while it ran (since
 // is taken just before the read): with a LagProbeInterval shorter than the
@@ -219,26 +238,24 @@ func requireUpToDate(t *testing.T, fr Freshness, since time.Time) {
 	require.LessOrEqual(t, fr.Lag, time.Since(since))
 }
 
+// failClosedOnPoolOfOne returns a FailClosed board like tb's, with maxLag
+// and probe, reading through a pool of one connection made from pc.
+func (tb *testBundle) failClosedOnPoolOfOne(t *testing.T, pc *pgxpool.Config, maxLag, probe time.Duration) (*Board, *pgxpool.Pool) {
+	t.Helper()
+	pc.MaxConns = 1
+	pool, err := pgxpool.NewWithConfig(context.Background(), pc)
+	require.NoError(t, err)
+	t.Cleanup(pool.Close)
+	cfg := tb.board.Config()
+	cfg.ReadPolicy, cfg.MaxLag, cfg.LagProbeInterval = FailClosed, maxLag, probe
+	board, err := New(pool, tb.rd.Client, &cfg)
+	require.NoError(t, err)
+	return board, pool
+}
+
 func TestReadPolicies(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-
-	// lagging returns a board whose projection holds user-a 10 while
-	// PostgreSQL holds 17 and an outbox row older than MaxLag is pending.
-	lagging := func(t *testing.T, policy ReadPolicy) *testBundle {
-		tb := setup(t, func(c *Config) {
-			c.ReadPolicy = policy
-			c.MaxLag = 50 * time.Millisecond
-			c.LagProbeInterval = time.Nanosecond
-			c.ReadYourWritesTimeout = 20 * time.Millisecond
-		})
-		tb.submit(t, "user-a", 10)
-		tb.drain(t)
-		tb.submit(t, "user-a", 7)
-		_, err := tb.pg.Pool.Exec(ctx, `UPDATE verity_outbox SET created_at = created_at - interval '1 minute'`)
-		require.NoError(t, err)
-		return tb
-	}
 
 	t.Run("ServeStale", func(t *testing.T) {
 		t.Parallel()
@@ -275,7 +292,7 @@ func TestReadPolicies(t *testing.T) {
 
 	t.Run("FailClosed", func(t *testing.T) {
 		t.Parallel()
-		tb := lagging(t, FailClosed)
+		tb := lagging(t, FailClosed, func(c *Config) { c.ReadYourWritesTimeout = 5 * time.Second })
 		_, err := tb.board.Top(ctx, 10)
 		require.ErrorIs(t, err, ErrStale)
 		var stale *StaleError
@@ -380,15 +397,7 @@ func TestReadYourWrites(t *testing.T) {
 		t.Parallel()
 		// A fail-closed board whose projection lags: an option that fell
 		// through to ServeStale would answer with the stale score.
-		tb := setup(t, func(c *Config) {
-			c.ReadPolicy = FailClosed
-			c.MaxLag = 50 * time.Millisecond
-			c.LagProbeInterval = time.Nanosecond
-		})
-		tb.submit(t, "user-a", 10)
-		tb.drain(t)
-		tb.submit(t, "user-a", 7)
-		time.Sleep(100 * time.Millisecond)
+		tb := lagging(t, FailClosed, func(c *Config) { c.ReadYourWritesTimeout = 5 * time.Second })
 		_, err := tb.board.Top(ctx, 10)
 		require.ErrorIs(t, err, ErrStale, "setup: the projection lags")
 
@@ -419,16 +428,8 @@ func TestFreshnessProbe(t *testing.T) {
 		// the test holds to make its lag probe wait.
 		pc, err := pgxpool.ParseConfig(tb.pg.ConnString)
 		require.NoError(t, err)
-		pc.MaxConns = 1
-		small, err := pgxpool.NewWithConfig(ctx, pc)
-		require.NoError(t, err)
-		t.Cleanup(small.Close)
-		cfg := tb.board.Config()
-		cfg.ReadPolicy = FailClosed
-		cfg.MaxLag = 100 * time.Millisecond
-		cfg.LagProbeInterval = 10 * time.Millisecond
-		board, err := New(small, tb.rd.Client, &cfg)
-		require.NoError(t, err)
+		board, small := tb.failClosedOnPoolOfOne(t, pc, 100*time.Millisecond, 10*time.Millisecond)
+		cfg := board.Config()
 
 		tb.submit(t, "user-a", 10)
 		tb.drain(t)
@@ -482,16 +483,8 @@ func TestFreshnessProbe(t *testing.T) {
 		proxy := startDelayProxy(t, net.JoinHostPort(pc.ConnConfig.Host, strconv.Itoa(int(pc.ConnConfig.Port))))
 		pc.ConnConfig.Host = "127.0.0.1"
 		pc.ConnConfig.Port = uint16(proxy.ln.Addr().(*net.TCPAddr).Port)
-		pc.MaxConns = 1
-		slow, err := pgxpool.NewWithConfig(ctx, pc)
-		require.NoError(t, err)
-		t.Cleanup(slow.Close)
-		cfg := tb.board.Config()
-		cfg.ReadPolicy = FailClosed
-		cfg.MaxLag = 300 * time.Millisecond
-		cfg.LagProbeInterval = 50 * time.Millisecond
-		board, err := New(slow, tb.rd.Client, &cfg)
-		require.NoError(t, err)
+		board, _ := tb.failClosedOnPoolOfOne(t, pc, 300*time.Millisecond, 50*time.Millisecond)
+		cfg := board.Config()
 
 		tb.submit(t, "user-a", 10)
 		tb.drain(t)

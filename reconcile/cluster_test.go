@@ -116,20 +116,8 @@ func TestClusterReplicaReads(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	cluster := testenv.SharedRedisCluster(t)
+	cluster.WaitSlotReplicas(t, 30*time.Second)
 	plain := cluster.Client(t)
-	require.Eventually(t, func() bool { // every slot lists its replica
-		//lint:ignore SA1019 go-redis builds its slot map from CLUSTER SLOTS, so that is what must list the replicas.
-		slots, err := plain.ClusterSlots(ctx).Result()
-		if err != nil || len(slots) == 0 {
-			return false
-		}
-		for _, s := range slots {
-			if len(s.Nodes) < 2 {
-				return false
-			}
-		}
-		return true
-	}, 30*time.Second, 50*time.Millisecond)
 	var mu sync.Mutex
 	masters := map[string]bool{}
 	require.NoError(t, plain.ForEachMaster(ctx, func(_ context.Context, n *redis.Client) error {
@@ -145,7 +133,7 @@ func TestClusterReplicaReads(t *testing.T) {
 	reads := 0
 	client.OnNewNode(func(node *redis.Client) {
 		addr := node.Options().Addr
-		node.AddHook(commandNames(func(name string) {
+		node.AddHook(testenv.CommandHook(func(name string) {
 			switch name {
 			case "zmscore", "hmget", "mget", "exists", "hlen", "zcard", "hscan", "zscan", "hrandfield", "scan":
 				mu.Lock()
@@ -173,20 +161,4 @@ func TestClusterReplicaReads(t *testing.T) {
 	defer mu.Unlock()
 	require.NotZero(t, reads)
 	require.Empty(t, offMaster, "reads sent to replicas")
-}
-
-// commandNames is a go-redis hook that reports each command's name.
-type commandNames func(name string)
-
-func (h commandNames) DialHook(next redis.DialHook) redis.DialHook { return next }
-func (h commandNames) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
-	return func(ctx context.Context, cmd redis.Cmder) error { h(cmd.Name()); return next(ctx, cmd) }
-}
-func (h commandNames) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
-	return func(ctx context.Context, cmds []redis.Cmder) error {
-		for _, c := range cmds {
-			h(c.Name())
-		}
-		return next(ctx, cmds)
-	}
 }

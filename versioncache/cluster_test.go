@@ -121,19 +121,7 @@ func TestCluster(t *testing.T) {
 		cluster := testenv.StartRedisCluster(t, 3, 1)
 		plain := cluster.Client(t)
 		waitReplicasOnline(t, plain)
-		require.Eventually(t, func() bool { // replicas listed in the slot map
-			//lint:ignore SA1019 the go-redis cluster client builds its slot map from CLUSTER SLOTS, so that is the view to wait for.
-			slots, err := plain.ClusterSlots(ctx).Result()
-			if err != nil || len(slots) == 0 {
-				return false
-			}
-			for _, s := range slots {
-				if len(s.Nodes) < 2 {
-					return false
-				}
-			}
-			return true
-		}, 20*time.Second, 100*time.Millisecond)
+		cluster.WaitSlotReplicas(t, 20*time.Second)
 		client := redis.NewClusterClient(&redis.ClusterOptions{Addrs: cluster.Addrs(), ReadOnly: true})
 		t.Cleanup(func() { _ = client.Close() })
 		gets := &getsByNode{counts: map[string]int{}}

@@ -11,7 +11,6 @@ import (
 	"time"
 
 	"github.com/google/uuid"
-	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/redis/go-redis/v9"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -401,21 +400,9 @@ func TestHealthz(t *testing.T) {
 
 	t.Run("PostgresDownHidesDetails", func(t *testing.T) {
 		t.Parallel()
-		pg := testenv.Postgres(t)
-		rd := testenv.Redis(t)
-		// pgx's connect error names the database, user and host; the
-		// database name stands in for all of them.
-		database := "verity_no_such_db_" + strings.ReplaceAll(uuid.NewString(), "-", "")
-		pcfg, err := pgxpool.ParseConfig(pg.ServerURL)
-		require.NoError(t, err)
-		pcfg.ConnConfig.Database = database
-		pool, err := pgxpool.NewWithConfig(context.Background(), pcfg)
-		require.NoError(t, err)
-		t.Cleanup(pool.Close)
-		board, err := leaderboard.New(pool, rd.Client, &leaderboard.Config{Name: testBoard, KeyPrefix: rd.Prefix})
-		require.NoError(t, err)
 		var logs lockedBuffer
-		svc, err := NewService(pool, rd.Client, board, ServiceConfig{Logger: slog.New(slog.NewTextHandler(&logs, nil))})
+		pool, rdb, board, database := boardWithoutDatabase(t)
+		svc, err := NewService(pool, rdb, board, ServiceConfig{Logger: slog.New(slog.NewTextHandler(&logs, nil))})
 		require.NoError(t, err)
 		t.Cleanup(func() { _ = svc.Close() })
 		tb := &testBundle{srv: newServer(t, svc)}

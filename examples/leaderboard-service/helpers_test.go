@@ -8,10 +8,14 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"os"
+	"strings"
 	"sync"
 	"testing"
 	"time"
 
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/redis/go-redis/v9"
 	"github.com/stretchr/testify/require"
 
 	"github.com/verity-go/verity/internal/testenv"
@@ -194,4 +198,24 @@ func (tb *testBundle) doWithin(t *testing.T, d time.Duration, method, path strin
 	b, err := io.ReadAll(resp.Body)
 	require.NoError(t, err)
 	return response{status: resp.StatusCode, header: resp.Header, body: b}, time.Since(start)
+}
+
+// boardWithoutDatabase returns a board whose pool points at a database that
+// does not exist, on the test server, so that every PostgreSQL call fails
+// with pgx's connect error — which names the database (returned), the user
+// and the host; the database name stands in for all of them.
+func boardWithoutDatabase(t *testing.T) (*pgxpool.Pool, redis.UniversalClient, *leaderboard.Board, string) {
+	t.Helper()
+	pg := testenv.Postgres(t)
+	rd := testenv.Redis(t)
+	database := "verity_no_such_db_" + strings.ReplaceAll(uuid.NewString(), "-", "")
+	pcfg, err := pgxpool.ParseConfig(pg.ServerURL)
+	require.NoError(t, err)
+	pcfg.ConnConfig.Database = database
+	pool, err := pgxpool.NewWithConfig(context.Background(), pcfg)
+	require.NoError(t, err)
+	t.Cleanup(pool.Close)
+	board, err := leaderboard.New(pool, rd.Client, &leaderboard.Config{Name: testBoard, KeyPrefix: rd.Prefix})
+	require.NoError(t, err)
+	return pool, rd.Client, board, database
 }

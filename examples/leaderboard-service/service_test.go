@@ -8,7 +8,6 @@ import (
 	"net/http/httptest"
 	"regexp"
 	"strconv"
-	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -371,18 +370,8 @@ func TestReconcileFindingsMetric(t *testing.T) {
 // hand those out.
 func TestLastReconcileHidesConnectionDetails(t *testing.T) {
 	t.Parallel()
-	pg := testenv.Postgres(t)
-	rd := testenv.Redis(t)
-	database := "verity_no_such_db_" + strings.ReplaceAll(uuid.NewString(), "-", "")
-	pcfg, err := pgxpool.ParseConfig(pg.ServerURL)
-	require.NoError(t, err)
-	pcfg.ConnConfig.Database = database
-	pool, err := pgxpool.NewWithConfig(context.Background(), pcfg)
-	require.NoError(t, err)
-	t.Cleanup(pool.Close)
-	board, err := leaderboard.New(pool, rd.Client, &leaderboard.Config{Name: testBoard, KeyPrefix: rd.Prefix})
-	require.NoError(t, err)
-	svc, err := NewService(pool, rd.Client, board, ServiceConfig{ReconcileEvery: time.Minute, ReconcileSample: 10})
+	pool, rdb, board, database := boardWithoutDatabase(t)
+	svc, err := NewService(pool, rdb, board, ServiceConfig{ReconcileEvery: time.Minute, ReconcileSample: 10})
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = svc.Close() })
 	tb := &testBundle{srv: newServer(t, svc)}

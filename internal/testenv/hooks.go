@@ -1,0 +1,70 @@
+package testenv
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+)
+
+// CommandHook is a go-redis hook that calls fn with the name of every
+// command the client sends (pipelined ones included), for tests that check
+// which node a command reached: add it to each node with
+// ClusterClient.OnNewNode.
+type CommandHook func(name string)
+
+var _ redis.Hook = CommandHook(nil)
+
+// DialHook implements redis.Hook.
+func (h CommandHook) DialHook(next redis.DialHook) redis.DialHook { return next }
+
+// ProcessHook implements redis.Hook.
+func (h CommandHook) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
+	return func(ctx context.Context, cmd redis.Cmder) error {
+		h(cmd.Name())
+		return next(ctx, cmd)
+	}
+}
+
+// ProcessPipelineHook implements redis.Hook.
+func (h CommandHook) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+	return func(ctx context.Context, cmds []redis.Cmder) error {
+		for _, c := range cmds {
+			h(c.Name())
+		}
+		return next(ctx, cmds)
+	}
+}
+
+// WaitSlotReplicas waits until CLUSTER SLOTS lists a replica for every
+// slot range of the cluster, failing t after timeout. go-redis builds its
+// slot map from CLUSTER SLOTS, so a client created afterwards can route
+// reads to replicas; right after start-up the replicas may not be listed
+// yet.
+func (c *RedisCluster) WaitSlotReplicas(t testing.TB, timeout time.Duration) {
+	t.Helper()
+	client := c.Client(t)
+	ctx := context.Background()
+	deadline := time.Now().Add(timeout)
+	for {
+		//lint:ignore SA1019 go-redis builds its slot map from CLUSTER SLOTS, so that is the view to wait for.
+		slots, err := client.ClusterSlots(ctx).Result()
+		if err == nil && len(slots) > 0 && allReplicated(slots) {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("testenv: CLUSTER SLOTS lists no replica for some slots after %s (err %v)", timeout, err)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+func allReplicated(slots []redis.ClusterSlot) bool {
+	for _, s := range slots {
+		if len(s.Nodes) < 2 {
+			return false
+		}
+	}
+	return true
+}
