@@ -80,11 +80,13 @@ func TestQuick(t *testing.T) {
 		`SELECT count(*) FROM pg_namespace WHERE starts_with(nspname, $1)`, "verity_bench_"+opts.Suffix+"_").Scan(&schemas))
 	require.Zero(t, schemas, "schemas left behind")
 	var left []string
-	iter := rd.Client.Scan(ctx, 0, "verity-bench-"+opts.Suffix+":*", 1000).Iterator()
-	for iter.Next(ctx) {
-		left = append(left, iter.Val())
+	for _, pattern := range []string{"verity-bench-" + opts.Suffix + ":*", memoryPrefix(opts.Suffix) + "*"} {
+		iter := rd.Client.Scan(ctx, 0, pattern, 1000).Iterator()
+		for iter.Next(ctx) {
+			left = append(left, iter.Val())
+		}
+		require.NoError(t, iter.Err())
 	}
-	require.NoError(t, iter.Err())
 	require.Empty(t, left, "keys left behind")
 
 	var table bytes.Buffer

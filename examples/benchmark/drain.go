@@ -36,7 +36,7 @@ func runDrain(ctx context.Context, e *env) ([]Figure, error) {
 		return nil, err
 	}
 	n, users := e.opts.Sizes.DrainRows, e.opts.Sizes.DrainUsers
-	workPool, err := e.workerPool(ctx)
+	seedPool, err := e.seedWorkerPool(ctx)
 	if err != nil {
 		return nil, err
 	}
@@ -51,19 +51,36 @@ func runDrain(ctx context.Context, e *env) ([]Figure, error) {
 			// One worker each: where the gain comes from without concurrency.
 			rows, name = n/4, "drain_1_worker"
 		}
-		// Two rounds, alternating sides, so that a change in machine load
-		// during the run hits both alike.
+		// Two rounds, alternating sides and which side goes first, so that
+		// a change in machine load during the run, or what one side leaves
+		// for the next (dead tuples, autovacuum), hits both alike.
 		var lib, seed rate
 		for round := range drainRounds {
 			tag := fmt.Sprintf("w%d_r%d", workers, round)
 			part := rows / drainRounds
-			r, err := drainLibrary(ctx, e, workPool, schema, tag, part, min(users, part), workers)
-			if err := lib.add(int64(part), r, err); err != nil {
-				return nil, fmt.Errorf("library: %w", err)
+			runLib := func() error {
+				r, err := drainLibrary(ctx, e, schema, tag, part, min(users, part), workers)
+				if err := lib.add(int64(part), r, err); err != nil {
+					return fmt.Errorf("library: %w", err)
+				}
+				return nil
 			}
-			r, err = drainSeed(ctx, e, workPool, schema, tag, part, min(users, part), workers)
-			if err := seed.add(int64(part), r, err); err != nil {
-				return nil, fmt.Errorf("seed: %w", err)
+			runSeed := func() error {
+				r, err := drainSeed(ctx, e, seedPool, schema, tag, part, min(users, part), workers)
+				if err := seed.add(int64(part), r, err); err != nil {
+					return fmt.Errorf("seed: %w", err)
+				}
+				return nil
+			}
+			first, second := runLib, runSeed
+			if round%2 == 1 {
+				first, second = runSeed, runLib
+			}
+			if err := first(); err != nil {
+				return nil, err
+			}
+			if err := second(); err != nil {
+				return nil, err
 			}
 		}
 		e.log("drain: %d workers: library %.0f rows/s, seed %.0f rows/s", workers, lib.perSecond(), seed.perSecond())
@@ -120,7 +137,7 @@ func (t *batchTimes) String() string {
 // due row, and returns how many rows they handled. Polling (no LISTEN):
 // the backlog is there before they start. times, if not nil, collects
 // where the batches spent their time.
-func drainRelays(ctx context.Context, pool *pgxpool.Pool, rdb redis.UniversalClient, schema, table, keyPrefix string, relays, batch int, times *batchTimes) (int64, error) {
+func drainRelays(ctx context.Context, pool *pgxpool.Pool, rdb redis.UniversalClient, schema, table, keyPrefix string, relays, batch int, durable bool, times *batchTimes) (int64, error) {
 	projector, err := projection.NewRedisProjector(rdb, projection.SortedSetMapper("drain"), &projection.Config{Prefix: keyPrefix, Logger: quiet})
 	if err != nil {
 		return 0, err
@@ -140,7 +157,7 @@ func drainRelays(ctx context.Context, pool *pgxpool.Pool, rdb redis.UniversalCli
 	g, gctx := errgroup.WithContext(ctx)
 	for i := range relays {
 		relay, err := outbox.NewRelay(pool, handler, &outbox.RelayConfig{
-			Schema: schema, Table: table, BatchSize: batch, DisableNotify: true,
+			Schema: schema, Table: table, BatchSize: batch, DisableNotify: true, DurableBookkeeping: durable,
 			Name: fmt.Sprintf("bench-%d", i), Logger: quiet,
 		})
 		if err != nil {
@@ -174,7 +191,7 @@ func drainRelays(ctx context.Context, pool *pgxpool.Pool, rdb redis.UniversalCli
 
 // drainLibrary fills a fresh outbox with n rows and drains it with relays
 // relays, returning the time taken.
-func drainLibrary(ctx context.Context, e *env, workPool *pgxpool.Pool, schema, tag string, n, users, relays int) (time.Duration, error) {
+func drainLibrary(ctx context.Context, e *env, schema, tag string, n, users, relays int) (time.Duration, error) {
 	table, err := newOutbox(ctx, e.pool, schema, "outbox_"+tag)
 	if err != nil {
 		return 0, err
@@ -184,8 +201,9 @@ func drainLibrary(ctx context.Context, e *env, workPool *pgxpool.Pool, schema, t
 	}
 	kp := e.keyPrefix("drain-lib-" + tag)
 	var times batchTimes
+	e.checkpoint(ctx) // the fill's WAL flushed, for both sides alike
 	start := time.Now()
-	handled, err := drainRelays(ctx, workPool, e.rdb, schema, "outbox_"+tag, kp, relays, e.opts.BatchSize, &times)
+	handled, err := drainRelays(ctx, e.pool, e.rdb, schema, "outbox_"+tag, kp, relays, e.opts.BatchSize, e.opts.DurableBookkeeping, &times)
 	elapsed := time.Since(start)
 	if err != nil {
 		return 0, err
@@ -221,6 +239,7 @@ func drainSeed(ctx context.Context, e *env, workPool *pgxpool.Pool, schema, tag 
 		return 0, err
 	}
 	seed.workerPool = workPool
+	e.checkpoint(ctx) // the fill's WAL flushed, for both sides alike
 	start := time.Now()
 	g, gctx := errgroup.WithContext(ctx)
 	for range workers {

@@ -74,16 +74,19 @@ type Options struct {
 	Relays      int // relays (library) and seed workers (baseline) draining together
 	BatchSize   int // rows per relay claim; the seed worker keeps its LIMIT 100
 	SeedPoll    time.Duration
-	// WorkerSyncCommit, when set, is the synchronous_commit setting of the
-	// connections that workers on both sides claim and acknowledge with,
-	// in the drain and lag figures. An experiment: "off" is safe for an
-	// at-least-once relay, since a claim or acknowledgement lost in a
-	// database crash only means a redelivery, which the version gate (and
-	// the seed's marker) answers as a duplicate.
-	WorkerSyncCommit string
-	Only             []string // figure groups to run; empty means all
-	Suffix           string   // names this run's schemas and keys; random when empty
-	Progress         io.Writer
+	// DurableBookkeeping makes the workers of both sides commit their
+	// claims and acknowledgements durably, in the drain and lag figures:
+	// the library's relays with outbox.RelayConfig.DurableBookkeeping, the
+	// seed's worker with synchronous_commit on. By default neither does
+	// (the relays' default, and a seed worker connection with
+	// synchronous_commit off): safe for an at-least-once relay, since a
+	// claim or acknowledgement lost in a database crash only means a
+	// redelivery, which the version gate (and the seed's marker) answers
+	// as a duplicate.
+	DurableBookkeeping bool
+	Only               []string // figure groups to run; empty means all
+	Suffix             string   // names this run's schemas and keys; random when empty
+	Progress           io.Writer
 }
 
 // figure groups, in the order they run.
@@ -190,21 +193,23 @@ func (e *env) schema(ctx context.Context, name string) (string, error) {
 	return s, nil
 }
 
-// workerPool returns the pool that workers (relays and seed workers) use:
-// the shared pool, or one with Options.WorkerSyncCommit applied.
-func (e *env) workerPool(ctx context.Context) (*pgxpool.Pool, error) {
+// seedWorkerPool returns the pool the seed's workers claim and acknowledge
+// with: one whose connections commit with synchronous_commit off, as the
+// library's relays commit their bookkeeping, unless
+// Options.DurableBookkeeping. A connection setting, so that it costs the
+// seed no extra round trip.
+func (e *env) seedWorkerPool(ctx context.Context) (*pgxpool.Pool, error) {
+	if e.opts.DurableBookkeeping {
+		return e.pool, nil
+	}
 	if e.workers != nil {
 		return e.workers, nil
-	}
-	if e.opts.WorkerSyncCommit == "" {
-		e.workers = e.pool
-		return e.pool, nil
 	}
 	cfg, err := pgxpool.ParseConfig(e.opts.PostgresURL)
 	if err != nil {
 		return nil, err
 	}
-	cfg.ConnConfig.RuntimeParams["synchronous_commit"] = e.opts.WorkerSyncCommit
+	cfg.ConnConfig.RuntimeParams["synchronous_commit"] = "off"
 	cfg.MaxConns = 16
 	e.workers, err = pgxpool.NewWithConfig(ctx, cfg)
 	return e.workers, err
@@ -237,14 +242,23 @@ func (e *env) cleanup(ctx context.Context) error {
 	if err := deletePrefix(ctx, e.rdb, e.prefix); err != nil {
 		errs = append(errs, fmt.Errorf("deleting keys under %s: %w", e.prefix, err))
 	}
-	// Flush what the group wrote, so that the next group does not run
-	// under the checkpoint its WAL triggered. CHECKPOINT needs superuser
-	// (or pg_checkpoint on PostgreSQL 15+); without it, runs are noisier.
-	if _, err := e.pool.Exec(ctx, "CHECKPOINT"); err != nil && !e.checkpointRefused {
-		e.checkpointRefused = true
-		e.log("CHECKPOINT between figure groups refused (%v); figures after write-heavy groups may be noisier", err)
-	}
+	e.checkpoint(ctx)
 	return errors.Join(errs...)
+}
+
+// checkpoint flushes what was written so far, so that the next
+// measurement — the next group, or the other side of the same figure — does
+// not run under the checkpoint that WAL triggers. CHECKPOINT needs
+// superuser (or pg_checkpoint on PostgreSQL 15+); without it, runs are
+// noisier.
+func (e *env) checkpoint(ctx context.Context) {
+	if e.checkpointRefused {
+		return
+	}
+	if _, err := e.pool.Exec(ctx, "CHECKPOINT"); err != nil {
+		e.checkpointRefused = true
+		e.log("CHECKPOINT refused (%v); figures after write-heavy phases may be noisier", err)
+	}
 }
 
 // deletePrefix removes every key under prefix with SCAN + UNLINK (never

@@ -47,20 +47,26 @@ func runIngest(ctx context.Context, e *env) ([]Figure, error) {
 
 	round := e.opts.Sizes.IngestDuration / ingestRounds
 	var lib, base, batched rate
-	for range ingestRounds {
+	submitLib := func() error {
 		if err := lib.add(closedLoop(ctx, ingestClients, round, func(ctx context.Context) (int, error) {
 			_, err := board.Submit(ctx, leaderboard.Command{EventID: uuid.New(), UserID: user(), Delta: 1})
 			return 1, err
 		})); err != nil {
-			return nil, fmt.Errorf("leaderboard submit: %w", err)
+			return fmt.Errorf("leaderboard submit: %w", err)
 		}
+		return nil
+	}
+	submitSeed := func() error {
 		if err := base.add(closedLoop(ctx, ingestClients, round, func(ctx context.Context) (int, error) {
 			_, _, err := seed.submit(ctx, uuid.New(), user(), 1)
 			return 1, err
 		})); err != nil {
-			return nil, fmt.Errorf("seed submit: %w", err)
+			return fmt.Errorf("seed submit: %w", err)
 		}
-		cmds := make([]leaderboard.Command, submitBatchSize)
+		return nil
+	}
+	cmds := make([]leaderboard.Command, submitBatchSize)
+	submitBatch := func() error {
 		if err := batched.add(closedLoop(ctx, 1, round, func(ctx context.Context) (int, error) {
 			for i := range cmds {
 				cmds[i] = leaderboard.Command{EventID: uuid.New(), UserID: user(), Delta: 1}
@@ -68,7 +74,23 @@ func runIngest(ctx context.Context, e *env) ([]Figure, error) {
 			_, err := board.SubmitBatch(ctx, cmds)
 			return len(cmds), err
 		})); err != nil {
-			return nil, fmt.Errorf("SubmitBatch: %w", err)
+			return fmt.Errorf("SubmitBatch: %w", err)
+		}
+		return nil
+	}
+	// Every other round the seed goes first, and every phase starts after
+	// a checkpoint, so that neither side always runs in the other's WAL and
+	// dead tuples.
+	for r := range ingestRounds {
+		phases := []func() error{submitLib, submitSeed, submitBatch}
+		if r%2 == 1 {
+			phases = []func() error{submitSeed, submitLib, submitBatch}
+		}
+		for _, phase := range phases {
+			e.checkpoint(ctx)
+			if err := phase(); err != nil {
+				return nil, err
+			}
 		}
 	}
 	e.log("ingest: Submit %.0f/s, seed %.0f/s, SubmitBatch %.0f/s", lib.perSecond(), base.perSecond(), batched.perSecond())

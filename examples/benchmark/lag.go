@@ -54,6 +54,7 @@ func runLag(ctx context.Context, e *env) ([]Figure, error) {
 		return nil, fmt.Errorf("library: %w", err)
 	}
 	e.log("lag: library p50 %.2fms p99 %.2fms (%d commands at %.0f/s)", ms(percentile(lib, .5)), ms(percentile(lib, .99)), len(lib), libRate)
+	e.checkpoint(ctx) // the seed starts as clean as the library did
 	seed, seedRate, err := lagSeed(ctx, e, schema, d)
 	if err != nil {
 		return nil, fmt.Errorf("seed: %w", err)
@@ -206,13 +207,9 @@ func lagLibrary(ctx context.Context, e *env, schema string, d time.Duration) ([]
 		}
 		return results, err
 	})
-	workers, err := e.workerPool(ctx)
-	if err != nil {
-		return nil, 0, err
-	}
-	relay, err := outbox.NewRelay(workers, handler, &outbox.RelayConfig{
+	relay, err := outbox.NewRelay(e.pool, handler, &outbox.RelayConfig{
 		Schema: schema, Table: board.Config().OutboxTable, Streams: []string{board.Stream()},
-		Name: "bench-lag", Logger: quiet,
+		Name: "bench-lag", Logger: quiet, DurableBookkeeping: e.opts.DurableBookkeeping,
 	})
 	if err != nil {
 		return nil, 0, err
@@ -262,7 +259,7 @@ func lagSeed(ctx context.Context, e *env, schema string, d time.Duration) ([]tim
 	if err != nil {
 		return nil, 0, err
 	}
-	if seed.workerPool, err = e.workerPool(ctx); err != nil {
+	if seed.workerPool, err = e.seedWorkerPool(ctx); err != nil {
 		return nil, 0, err
 	}
 	clock := newLagClock()

@@ -85,7 +85,7 @@ func mainErr(ctx context.Context, args []string, out, progress io.Writer) error 
 	relays := fs.Int("relays", 4, "relays (library) and seed workers (baseline) draining together")
 	batch := fs.Int("batch", outbox.BatchSizeDefault, "rows per relay claim (library); the seed worker keeps its LIMIT 100")
 	seedPoll := fs.Duration("seed-poll", 10*time.Millisecond, "idle sleep of the seed worker in the lag figure (the seed has no wake-up)")
-	syncCommit := fs.String("worker-sync-commit", "", "experiment: synchronous_commit of the workers' connections in drain and lag, both sides (e.g. off)")
+	durable := fs.Bool("durable-bookkeeping", false, "workers of both sides commit claims and acknowledgements durably in drain and lag (default: neither does; safe for at-least-once delivery)")
 	drainRows := fs.Int("drain-rows", 0, "override the drain backlog size (rows)")
 	silent := fs.Bool("silent", false, "no progress lines on stderr")
 	cpuProfile := fs.String("cpuprofile", "", "write a CPU profile of the run to this file")
@@ -103,7 +103,7 @@ func mainErr(ctx context.Context, args []string, out, progress io.Writer) error 
 	if *drainRows > 0 {
 		sizes.DrainRows = *drainRows
 	}
-	opts := Options{Sizes: sizes, Relays: *relays, BatchSize: *batch, SeedPoll: *seedPoll, WorkerSyncCommit: *syncCommit}
+	opts := Options{Sizes: sizes, Relays: *relays, BatchSize: *batch, SeedPoll: *seedPoll, DurableBookkeeping: *durable}
 	if *only != "" {
 		opts.Only = strings.Split(*only, ",")
 	}

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"maps"
 	"sort"
 	"time"
 
@@ -131,10 +132,15 @@ func (x *experiment) run(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	if _, err := x.worker.Drain(ctx); err != nil {
+	drained, err := x.worker.Drain(ctx)
+	if err != nil {
 		return err
 	}
-	if err := x.stage(ctx, "first command for user-a", fmt.Sprintf("applied (score %d, version %d)", res.Score, res.Version)); err != nil {
+	result := fmt.Sprintf("committed (score %d, version %d) but NOT PROJECTED", res.Score, res.Version)
+	if drained == 1 {
+		result = fmt.Sprintf("applied (score %d, version %d)", res.Score, res.Version)
+	}
+	if err := x.stage(ctx, "first command for user-a", result); err != nil {
 		return err
 	}
 
@@ -146,7 +152,7 @@ func (x *experiment) run(ctx context.Context) error {
 	if _, err := x.worker.Drain(ctx); err != nil {
 		return err
 	}
-	result := "applied again: DOUBLE EFFECT"
+	result = "applied again: DOUBLE EFFECT"
 	if res.Duplicate {
 		result = fmt.Sprintf("duplicate detected; no second effect (original result: score %d, version %d)", res.Score, res.Version)
 	}
@@ -271,6 +277,49 @@ func (x *experiment) restartWorker(ctx context.Context) error {
 }
 
 // stage records the source and projection state under name.
+// reference is the seed's outcome of the experiment: each stage's
+// PostgreSQL state and Redis projection, and the repair's figures.
+var reference = struct {
+	stages []Stage
+	repair ReconcileFigures
+}{
+	stages: []Stage{
+		{Name: "first command for user-a", Source: map[string]SourceState{"user-a": {10, 1}}, Projection: map[string]int64{"user-a": 10}},
+		{Name: "same event id again", Source: map[string]SourceState{"user-a": {10, 1}}, Projection: map[string]int64{"user-a": 10}},
+		{Name: "worker stopped", Source: map[string]SourceState{"user-a": {17, 2}, "user-b": {25, 1}}, Projection: map[string]int64{"user-a": 10}},
+		{Name: "worker restarted", Source: map[string]SourceState{"user-a": {17, 2}, "user-b": {25, 1}}, Projection: map[string]int64{"user-a": 17, "user-b": 25}},
+		{Name: "redis user-a changed to 999", Source: map[string]SourceState{"user-a": {17, 2}, "user-b": {25, 1}}, Projection: map[string]int64{"user-a": 999, "user-b": 25}},
+		{Name: "repair complete", Source: map[string]SourceState{"user-a": {17, 2}, "user-b": {25, 1}}, Projection: map[string]int64{"user-a": 17, "user-b": 25}},
+	},
+	repair: ReconcileFigures{Checked: 2, Current: 1, Corrupt: 1, Repaired: 1},
+}
+
+// Check compares r with the seed's outcome of the experiment and returns
+// an error naming the first difference: the command exits non-zero then.
+func (r *Report) Check() error {
+	if len(r.Stages) != len(reference.stages) {
+		return fmt.Errorf("%d stages, the experiment has %d", len(r.Stages), len(reference.stages))
+	}
+	for i, want := range reference.stages {
+		got := r.Stages[i]
+		switch {
+		case got.Name != want.Name:
+			return fmt.Errorf("stage %d is %q, want %q", i+1, got.Name, want.Name)
+		case !maps.Equal(got.Source, want.Source):
+			return fmt.Errorf("stage %q: PostgreSQL holds %v, want %v", got.Name, got.Source, want.Source)
+		case !maps.Equal(got.Projection, want.Projection):
+			return fmt.Errorf("stage %q: Redis holds %v, want %v", got.Name, got.Projection, want.Projection)
+		}
+	}
+	if r.Reconcile != reference.repair {
+		return fmt.Errorf("the repair run found %+v, want %+v", r.Reconcile, reference.repair)
+	}
+	if !r.OrderingMatch {
+		return fmt.Errorf("after the repair, Redis's ranking differs from PostgreSQL's")
+	}
+	return nil
+}
+
 func (x *experiment) stage(ctx context.Context, name, result string) error {
 	st := Stage{Name: name, Source: map[string]SourceState{}, Projection: map[string]int64{}, Result: result}
 	rows, err := x.pool.Query(ctx, fmt.Sprintf("SELECT user_id, score, version FROM %s WHERE board = $1",

@@ -49,9 +49,19 @@ func run(ctx context.Context, out io.Writer, asJSON bool) error {
 	if asJSON {
 		enc := json.NewEncoder(out)
 		enc.SetIndent("", "  ")
-		return enc.Encode(report)
+		err = enc.Encode(report)
+	} else {
+		err = printTable(out, report)
 	}
-	return printTable(out, report)
+	if err != nil {
+		return err
+	}
+	// The table is printed either way; a result other than the seed's is
+	// a failure of the run, not just a line in it.
+	if err := report.Check(); err != nil {
+		return fmt.Errorf("the experiment did not reproduce the expected outcome: %w", err)
+	}
+	return nil
 }
 
 // printTable renders the report as the experiment's table.
