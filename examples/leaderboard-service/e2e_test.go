@@ -77,7 +77,6 @@ func TestPageEndToEnd(t *testing.T) {
 	require.NoError(t, err)
 
 	var browserOut lockedBuffer
-	userDataDir := t.TempDir()
 	ctx, cancel := context.WithTimeout(context.Background(), 45*time.Second)
 	defer cancel()
 	allocCtx, cancelAlloc := chromedp.NewExecAllocator(ctx,
@@ -92,7 +91,6 @@ func TestPageEndToEnd(t *testing.T) {
 		chromedp.Flag("disable-component-update", true),
 		chromedp.Flag("disable-sync", true),
 		chromedp.Flag("disable-dev-shm-usage", true),
-		chromedp.UserDataDir(userDataDir),
 		chromedp.WindowSize(1100, 800),
 		chromedp.CombinedOutput(&browserOut),
 	)
