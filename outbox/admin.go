@@ -118,8 +118,23 @@ type ReplayFilter struct {
 	// Stream, when not empty, selects only this stream.
 	Stream string
 	// Limit, when positive, moves at most this many events (lowest ids
-	// first).
+	// first); 0 moves all that match. Negative is refused.
 	Limit int
+}
+
+// validate refuses a filter no dead letter can match, and a negative Limit
+// (which would otherwise read as "no limit").
+func (f ReplayFilter) validate() error {
+	if f.Limit < 0 {
+		return &ConfigError{Field: "ReplayFilter.Limit", Reason: fmt.Sprintf("is %d; use 0 for no limit", f.Limit)}
+	}
+	if reason := textProblem(f.Stream); reason != "" {
+		return &ConfigError{Field: "ReplayFilter.Stream", Reason: reason}
+	}
+	if len(f.Stream) > MaxStreamBytes {
+		return &ConfigError{Field: "ReplayFilter.Stream", Reason: fmt.Sprintf("is %d bytes; no stream is longer than %d (MaxStreamBytes)", len(f.Stream), MaxStreamBytes)}
+	}
+	return nil
 }
 
 // replayDeadSQL moves dead letters back to the outbox in one statement, with
@@ -183,6 +198,9 @@ SELECT count(*) FROM restored, pg_notify($4, '')`
 // replay fails, moving nothing, with ErrEventIDExists; calling it again
 // skips that event.
 func (r *Relay) ReplayDead(ctx context.Context, filter ReplayFilter) (int64, error) {
+	if err := filter.validate(); err != nil {
+		return 0, err
+	}
 	var limit any // NULL: no limit
 	if filter.Limit > 0 {
 		limit = filter.Limit

@@ -205,7 +205,9 @@
 // the migration builds the partition index while holding a SHARE lock, so
 // appends wait for the build (seconds per million pending rows); to avoid
 // that, create the index beforehand with CREATE INDEX CONCURRENTLY under
-// the same name and definition (see MigrationSQL), and 003 will keep it.
+// the same name and definition (see MigrationSQL), and 003 will keep it
+// (if that build failed and left the index invalid, Migrate says so and
+// stops: drop it and migrate again).
 // Indexes are created only when missing (a DO block checks first, since
 // CREATE INDEX IF NOT EXISTS would take the SHARE lock anyway), so running
 // Migrate again on a migrated outbox, at every start-up, makes no writer or

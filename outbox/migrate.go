@@ -104,9 +104,16 @@ func Migrations(cfg *Config) ([]Migration, error) {
 // identifier can end either literal early. No line of the block ends with a
 // semicolon: tools that split scripts into statements at such lines, blind
 // to dollar quotes (goose without StatementBegin), would cut it apart.
+//
+// An index of that name that exists but is invalid (a CREATE INDEX
+// CONCURRENTLY that failed, was cancelled, or is still running) fails the
+// migration with a message saying so: the planner cannot use it, and
+// keeping it silently would leave the relays' claims without their index.
 func createIndexIfMissing(index, stmt string) string {
-	body := fmt.Sprintf("\nBEGIN\n    IF to_regclass(%s) IS NULL THEN\n        %s; END IF; END\n",
-		dollarQuote(index), strings.ReplaceAll(stmt, "\n", "\n        "))
+	name := dollarQuote(index)
+	body := fmt.Sprintf("\nBEGIN\n    IF to_regclass(%s) IS NULL THEN\n        %s; ELSIF NOT (SELECT indisvalid FROM pg_index WHERE indexrelid = to_regclass(%s)) THEN\n"+
+		"        RAISE EXCEPTION 'index %% exists but is invalid (a CREATE INDEX CONCURRENTLY that failed or is still running): drop it, or let its build finish, then migrate again', %s; END IF; END\n",
+		name, strings.ReplaceAll(stmt, "\n", "\n        "), name, name)
 	return "DO " + dollarQuote(body)
 }
 

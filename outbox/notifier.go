@@ -185,12 +185,20 @@ func (n *Notifier) Notify() {
 // to Notify no-ops. It is safe to call more than once.
 func (n *Notifier) Close() {
 	n.mu.Lock()
-	if !n.closed {
+	first := !n.closed
+	if first {
 		n.closed = true
 		close(n.stop)
 	}
 	n.mu.Unlock()
 	n.wg.Wait()
+	// A Notify that marked the Notifier dirty but had not started its
+	// goroutine when Close ran finds it closed and returns, and a Notify
+	// that found it dirty returned trusting that goroutine: the owed
+	// notification is sent here.
+	if first && n.dirty.Swap(false) {
+		n.send()
+	}
 }
 
 // run sends notifications while they are owed. Invariant: it exits only

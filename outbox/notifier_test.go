@@ -186,6 +186,39 @@ func TestNotifier(t *testing.T) {
 		require.Equal(t, int64(2), b.db.calls.Load())
 	})
 
+	t.Run("CloseSendsWhatARacingNotifyOwes", func(t *testing.T) {
+		t.Parallel()
+		// Notify A marks the Notifier dirty and is about to start its
+		// goroutine; Notify B sees it dirty and returns; then Close. B
+		// returned before Close, so its notification must be sent. (The
+		// interleaving is forced by spinning on dirty; it happened in
+		// about half of the iterations before Close flushed.)
+		b := setupNotifier(t)
+		lost := 0
+		const iterations = 500
+		for range iterations {
+			db := &countingExecer{db: b.pool}
+			n, err := NewNotifier(db, b.channel, &NotifierConfig{Interval: time.Hour, IdleTimeout: time.Millisecond})
+			require.NoError(t, err)
+			// One NOTIFY sent; the next waits out the Interval, so the
+			// next Notify's stays owed until Close.
+			n.Notify()
+			for db.calls.Load() == 0 || n.isRunning() {
+				time.Sleep(100 * time.Microsecond)
+			}
+			go n.Notify() // A
+			// Spin, not yield: yielding would let A finish first.
+			for !n.dirty.Load() {
+			}
+			n.Notify() // B: returns at once, the notification is owed
+			n.Close()
+			if db.calls.Load() == 1 {
+				lost++
+			}
+		}
+		require.Zero(t, lost, "Close returned without sending an owed notification (%d of %d)", lost, iterations)
+	})
+
 	t.Run("FailedNotifyIsNotFatal", func(t *testing.T) {
 		t.Parallel()
 		b := setupNotifier(t)

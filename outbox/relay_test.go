@@ -491,6 +491,20 @@ func TestRelayRetries(t *testing.T) {
 		require.NoError(t, err)
 		require.Zero(t, moved)
 
+		// A filter no dead letter can match is bad input: typed, nothing moved.
+		for name, bad := range map[string]outbox.ReplayFilter{
+			"NULInStream":   {Stream: "a\x00b"},
+			"InvalidUTF8":   {Stream: "\xff"},
+			"StreamTooLong": {Stream: strings.Repeat("s", outbox.MaxStreamBytes+1)},
+			"NegativeLimit": {Limit: -1},
+		} {
+			_, err := r.ReplayDead(ctx, bad)
+			var cerr *outbox.ConfigError
+			require.ErrorAs(t, err, &cerr, name)
+			require.ErrorIs(t, err, outbox.ErrInvalidConfig, name)
+		}
+		require.Equal(t, 1, b.count(t, b.deadTable()))
+
 		// Fixed: replay and deliver.
 		failing.Store(false)
 		moved, err = r.ReplayDead(ctx, outbox.ReplayFilter{Stream: "scores"})

@@ -230,6 +230,26 @@ func TestMigrate(t *testing.T) {
 		require.Equal(t, 1, b.count(t, b.writer.Table()), "a second Migrate keeps the data")
 	})
 
+	t.Run("InvalidIndexIsReported", func(t *testing.T) {
+		t.Parallel()
+		// A CREATE INDEX CONCURRENTLY of the partition index, built
+		// beforehand as the docs suggest, failed and left the name behind
+		// invalid (simulated in the catalog: the tests run as superuser).
+		b := setup(t)
+		index := pgx.Identifier{b.pg.Schema, outbox.TableDefault + "_partition_idx"}.Sanitize()
+		_, err := b.pool.Exec(ctx, `UPDATE pg_index SET indisvalid = false WHERE indexrelid = $1::regclass`, index)
+		require.NoError(t, err)
+		err = outbox.Migrate(ctx, b.pool, b.cfg)
+		require.ErrorContains(t, err, "exists but is invalid")
+		// Dropped, the next Migrate builds it again.
+		_, err = b.pool.Exec(ctx, `DROP INDEX `+index)
+		require.NoError(t, err)
+		require.NoError(t, outbox.Migrate(ctx, b.pool, b.cfg))
+		var valid bool
+		require.NoError(t, b.pool.QueryRow(ctx, `SELECT indisvalid FROM pg_index WHERE indexrelid = $1::regclass`, index).Scan(&valid))
+		require.True(t, valid)
+	})
+
 	t.Run("QueueAutovacuumSettings", func(t *testing.T) {
 		t.Parallel()
 		b := setup(t)
