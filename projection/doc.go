@@ -96,10 +96,10 @@
 // is FNV-1a of the member modulo B) that Redis keeps as listpacks while each
 // holds at most 128 entries of at most 64 bytes (hash-max-listpack-entries
 // and -value, Redis 7 defaults): about 21 bytes per member. With
-// B = members / 64, examples/benchmark measured 125.4 bytes per member for a
-// 100,000-member board (sorted set 103.8, versions 21.6 in 1,563 buckets)
-// against 162.3 with one version hash and 282.3 for the seed design's
-// per-event markers. Buckets that outgrow the limits stay correct, only
+// B = members / 64, examples/benchmark measured 125.0 bytes per member for a
+// 100,000-member board (sorted set 103.9, versions 21.1 in 1,563 buckets)
+// against 162.3 with one version hash and 266.3 for the seed design's
+// per-event markers (both under a short key namespace). Buckets that outgrow the limits stay correct, only
 // larger; size B for the collection's expected size, and migrate (below)
 // when it grows past twice that.
 //
