@@ -53,6 +53,9 @@ type options struct {
 	sample int
 	dryRun bool
 	limit  int
+
+	requireVerified bool // serve
+	verify          bool // reconcile
 }
 
 func parseFlags(name string, args []string, stderr io.Writer) (*options, error) {
@@ -74,9 +77,12 @@ func parseFlags(name string, args []string, stderr io.Writer) (*options, error) 
 		fs.DurationVar(&o.maxLag, "max-lag", leaderboard.MaxLagDefault, "largest projection lag at which Redis answers count as fresh; must exceed the lag probe interval (leaderboard.LagProbeIntervalDefault, 100ms)")
 		fs.DurationVar(&o.reconcileEvery, "reconcile-every", reconcileEveryDefault, "interval of the sampled reconcile (0 disables it)")
 		fs.IntVar(&o.reconcileSample, "reconcile-sample", reconcileSampleDefault, "rows checked by each scheduled reconcile")
+		fs.BoolVar(&o.requireVerified, "require-verified", false,
+			"treat the projection as stale until a full pass has verified it (leaderboard.Config.RequireVerifiedProjection); the scheduled reconcile then runs that pass while it is unverified")
 	case "reconcile":
 		fs.IntVar(&o.sample, "sample", 0, "check N random rows instead of the whole board (0 = full pass)")
 		fs.BoolVar(&o.dryRun, "dry-run", false, "classify and report, repair nothing")
+		fs.BoolVar(&o.verify, "verify", false, "run a full pass and, if it repaired everything, record the projection as verified (Board.Verify; for --require-verified)")
 	case "replay-dead":
 		fs.IntVar(&o.limit, "limit", 0, "move at most N dead letters, oldest first (0 = all)")
 	}
@@ -111,6 +117,9 @@ func parseFlags(name string, args []string, stderr io.Writer) (*options, error) 
 	}
 	if o.board == "" {
 		return usage("--board must not be empty")
+	}
+	if o.verify && (o.sample > 0 || o.dryRun) {
+		return usage("--verify runs a full pass that repairs: it cannot be combined with --sample or --dry-run")
 	}
 	if o.maxLag != 0 && o.maxLag <= leaderboard.LagProbeIntervalDefault {
 		return usage("--max-lag %s must exceed the lag probe interval (%s)", o.maxLag, leaderboard.LagProbeIntervalDefault)
@@ -193,7 +202,7 @@ func connect(ctx context.Context, o *options, logger *slog.Logger) (*deps, error
 		return nil, err
 	}
 	cfg := &leaderboard.Config{Name: o.board, Schema: o.schema, KeyPrefix: o.keyPrefix,
-		ReadPolicy: policy, MaxLag: o.maxLag, Logger: logger}
+		ReadPolicy: policy, MaxLag: o.maxLag, RequireVerifiedProjection: o.requireVerified, Logger: logger}
 	board, err := leaderboard.New(pool, rdb, cfg)
 	if err != nil {
 		closeAll()

@@ -3,7 +3,7 @@
 //
 //	go run ./examples/leaderboard-service                   # serve (the default)
 //	go run ./examples/leaderboard-service stats [--json]    # outbox backlog, dead letters, lag
-//	go run ./examples/leaderboard-service reconcile [--sample=N] [--dry-run] [--json]
+//	go run ./examples/leaderboard-service reconcile [--sample=N] [--dry-run] [--verify] [--json]
 //	go run ./examples/leaderboard-service rebuild [--json]
 //	go run ./examples/leaderboard-service replay-dead [--limit=N] [--json]
 //

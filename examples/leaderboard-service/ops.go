@@ -104,7 +104,10 @@ type reconcileSummary struct {
 	Repaired   int64            `json:"repaired"`
 	Skipped    int64            `json:"skipped"`
 	Uncertain  int64            `json:"uncertain"`
-	Error      string           `json:"error,omitempty"`
+	// Verified is set for a verifying pass: whether it recorded the
+	// projection as complete.
+	Verified *bool  `json:"verified,omitempty"`
+	Error    string `json:"error,omitempty"`
 }
 
 // summarize turns a run's report into its JSON summary. errText is what
@@ -142,12 +145,24 @@ func cmdReconcile(ctx context.Context, o *options, stdout, stderr io.Writer) err
 		return err
 	}
 	defer d.close()
-	rec, err := d.board.Reconciler(nil)
-	if err != nil {
-		return err
+	var (
+		report   *reconcile.Report
+		runErr   error
+		verified bool
+	)
+	if o.verify {
+		report, verified, runErr = d.board.Verify(ctx, nil)
+	} else {
+		rec, err := d.board.Reconciler(nil)
+		if err != nil {
+			return err
+		}
+		report, runErr = rec.Run(ctx, reconcile.RunOptions{Sample: o.sample, DryRun: o.dryRun})
 	}
-	report, runErr := rec.Run(ctx, reconcile.RunOptions{Sample: o.sample, DryRun: o.dryRun})
 	sum := summarize(report, runErr, error.Error)
+	if o.verify {
+		sum.Verified = &verified
+	}
 	if o.json {
 		if err := printJSON(stdout, sum); err != nil {
 			return err
@@ -170,6 +185,13 @@ func cmdReconcile(ctx context.Context, o *options, stdout, stderr io.Writer) err
 		return err
 	}
 	fmt.Fprintf(stdout, "drift %d: repaired %d, skipped %d, uncertain %d\n", sum.Drift, sum.Repaired, sum.Skipped, sum.Uncertain)
+	if sum.Verified != nil {
+		if *sum.Verified {
+			fmt.Fprintln(stdout, "verified: the projection is recorded as complete")
+		} else {
+			fmt.Fprintln(stdout, "NOT verified: the pass left findings unrepaired, or Redis lost the board's keys during it; run it again")
+		}
+	}
 	if len(sum.Results) > 0 {
 		fmt.Fprintf(stdout, "results: %s\n", mapText(sum.Results))
 	}

@@ -125,6 +125,18 @@ func TestReconcileCommand(t *testing.T) {
 	require.True(t, sampled.Sampled)
 	require.EqualValues(t, 2, sampled.Checked)
 	require.Zero(t, sampled.Drift)
+	require.Nil(t, sampled.Verified)
+
+	// --verify: a full pass that records the projection as complete.
+	require.NoError(t, tb.rd.Client.ZRem(ctx, tb.board.SortedSetKey(), "cy").Err())
+	var verifying reconcileSummary
+	tb.runJSON(t, &verifying, "reconcile", "--verify")
+	require.NotNil(t, verifying.Verified)
+	require.True(t, *verifying.Verified)
+	require.EqualValues(t, 1, verifying.Repaired)
+	code, stdout, stderr = runCommand(t, append([]string{"reconcile", "--verify"}, tb.opsFlags()...)...)
+	require.Equal(t, exitOK, code, stderr)
+	require.Contains(t, stdout, "verified: the projection is recorded as complete")
 }
 
 func TestRebuildCommand(t *testing.T) {
@@ -179,6 +191,7 @@ func TestCommandLine(t *testing.T) {
 		{"ServeFlagOnOps", []string{"stats", "--addr=:1"}, exitUsage, "flag provided but not defined"},
 		{"UnknownReadPolicy", []string{"serve", "--read-policy=optimistic"}, exitUsage, `unknown policy "optimistic"`},
 		{"NegativeSample", []string{"reconcile", "--sample=-1"}, exitUsage, "must not be negative"},
+		{"VerifySampled", []string{"reconcile", "--verify", "--sample=3"}, exitUsage, "--verify runs a full pass"},
 		{"ExtraArgument", []string{"rebuild", "now"}, exitUsage, `unexpected argument "now"`},
 		{"BadLogLevel", []string{"stats", "--log-level=loud", "--database-url=postgres://127.0.0.1:1/x", "--redis-url=redis://127.0.0.1:1"}, exitUsage, "--log-level"},
 		{"BadLogLevelServe", []string{"serve", "--log-level=verbose"}, exitUsage, "--log-level"},

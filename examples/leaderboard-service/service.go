@@ -322,11 +322,27 @@ func (s *Service) reconcileOnce(ctx context.Context) {
 	// A run never outlives its slot: the next one would only repeat it.
 	runCtx, cancel := context.WithTimeout(ctx, s.cfg.ReconcileEvery)
 	defer cancel()
-	report, err := s.reconciler.Run(runCtx, reconcile.RunOptions{Sample: s.cfg.ReconcileSample})
+	var (
+		report   *reconcile.Report
+		err      error
+		verified = new(bool)
+	)
+	if s.board.Config().RequireVerifiedProjection && s.board.Freshness(runCtx).Unverified {
+		// Reads refuse (or fall back) until a full pass verifies the
+		// projection: a sample cannot, so run that pass instead.
+		report, *verified, err = s.board.Verify(runCtx, &reconcile.Config{Logger: s.logger})
+	} else {
+		verified = nil
+		report, err = s.reconciler.Run(runCtx, reconcile.RunOptions{Sample: s.cfg.ReconcileSample})
+	}
 	if ctx.Err() != nil {
 		return // shutting down: a cut-short report is not worth showing
 	}
 	sum := summarize(report, err, func(error) string { return "the reconcile run failed; see the service log" })
+	sum.Verified = verified
+	if verified != nil {
+		s.logger.Info("verifying reconcile pass", slog.Bool("verified", *verified))
+	}
 	s.lastReconcile.Store(sum)
 	s.metrics.recordReconcile(ctx, report, err)
 	if err != nil {

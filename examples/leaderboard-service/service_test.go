@@ -384,3 +384,38 @@ func TestLastReconcileHidesConnectionDetails(t *testing.T) {
 	require.NotContains(t, string(last.body), database, "%s", last.body)
 	require.Contains(t, string(last.body), "the reconcile run failed; see the service log")
 }
+
+// TestScheduledReconcileVerifies runs the scheduled reconcile of a service
+// whose board requires a verified projection: while it is unverified (a
+// new board, or after a Redis loss), reads refuse and the scheduled run is
+// the full, verifying pass instead of a sample; once verified, reads answer
+// and the schedule samples again.
+func TestScheduledReconcileVerifies(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	tb := setup(t, func(c *leaderboard.Config) {
+		c.RequireVerifiedProjection, c.ReadPolicy, c.LagProbeInterval = true, leaderboard.FailClosed, time.Millisecond
+	})
+	svc, err := NewService(tb.pg.Pool, tb.rd.Client, tb.board, ServiceConfig{ReconcileEvery: time.Minute, ReconcileSample: 10})
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = svc.Close() })
+	tb.srv = newServer(t, svc)
+	require.Equal(t, http.StatusCreated, tb.submit(t, uuid.NewString(), `{"user_id":"ada","delta":5}`).status)
+	tb.drain(t)
+
+	time.Sleep(2 * time.Millisecond) // past the probe interval
+	require.Equal(t, http.StatusServiceUnavailable, tb.do(t, http.MethodGet, "/leaderboard", nil, "").status, "unverified")
+	svc.reconcileOnce(ctx)
+	last := svc.lastReconcile.Load()
+	require.NotNil(t, last.Verified)
+	require.True(t, *last.Verified)
+	require.False(t, last.Sampled)
+
+	time.Sleep(2 * time.Millisecond)
+	res := tb.do(t, http.MethodGet, "/leaderboard", nil, "")
+	require.Equal(t, http.StatusOK, res.status, "%s", res.body)
+	svc.reconcileOnce(ctx)
+	last = svc.lastReconcile.Load()
+	require.Nil(t, last.Verified)
+	require.True(t, last.Sampled)
+}
