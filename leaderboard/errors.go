@@ -22,7 +22,8 @@ var (
 	// would leave [MinScore, MaxScore].
 	ErrScoreOutOfRange = errors.New("leaderboard: resulting score out of range")
 	// ErrStale matches *StaleError: the projection is not fresh enough and
-	// the read policy is FailClosed.
+	// the read policy is FailClosed, or an unmet AtLeast read found its
+	// user missing in Redis.
 	ErrStale = errors.New("leaderboard: projection too stale")
 	// ErrUserNotFound is returned by Rank and Around for a user without a
 	// score on the board (in the source the read used).
@@ -125,7 +126,9 @@ func (e *ScoreOutOfRangeError) Unwrap() error { return ErrScoreOutOfRange }
 
 // StaleError is returned under the FailClosed policy when the projection
 // lags by more than MaxLag, or an AtLeast requirement was not met within
-// ReadYourWritesTimeout. It matches ErrStale.
+// ReadYourWritesTimeout; and under any policy when a read whose AtLeast
+// requirement was not met finds its user missing in Redis (ServeStale
+// cannot answer that from Redis). It matches ErrStale.
 type StaleError struct {
 	// Lag is the measured lag (negative when it could not be measured).
 	Lag time.Duration

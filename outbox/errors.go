@@ -14,8 +14,8 @@ import (
 // matches the sentinel with errors.Is; the typed errors below carry details
 // for errors.As.
 var (
-	// ErrInvalidConfig reports a Config, RelayConfig or NotifierConfig field
-	// (or a constructor argument) that cannot be used. The error is a
+	// ErrInvalidConfig reports a Config, RelayConfig, NotifierConfig or
+	// ReplayFilter field (or a constructor argument) that cannot be used. The error is a
 	// *ConfigError naming the field.
 	ErrInvalidConfig = errors.New("outbox: invalid config")
 

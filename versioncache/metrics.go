@@ -19,7 +19,7 @@ const (
 	AttributeResult = "verity.cache.result" // hit, miss; hit, fallback for lease waits
 	AttributeShared = "verity.cache.shared" // whether a load was joined instead of run
 	AttributeReason = "verity.cache.reason" // lease_timeout, redis_error
-	AttributeKind   = "verity.cache.kind"   // redis, decode
+	AttributeKind   = "verity.cache.kind"   // redis, decode, replication
 )
 
 // Instrument names of the package.
