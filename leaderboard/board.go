@@ -436,7 +436,7 @@ func (b *Board) submitBatch(ctx context.Context, cmds []Command) ([]Result, erro
 	// transaction that holds them in another order) is retried as well: the
 	// statement that lost it released everything.
 	var err error
-	for attempt := 0; attempt <= len(sent); attempt++ {
+	for twins, deadlocks := 0, 0; ; {
 		err = b.submitBatchOnce(ctx, cmds, sent, ids, users, deltas, out)
 		switch {
 		case err == nil:
@@ -444,10 +444,12 @@ func (b *Board) submitBatch(ctx context.Context, cmds []Command) ([]Result, erro
 			// score_events took the id, the outbox did not: another
 			// writer of the same outbox holds it (see submitBatchSQL).
 			return nil, fmt.Errorf("leaderboard: submit batch: an event id is already used by another outbox writer: %w", ErrIdempotencyConflict)
-		case isUniqueViolation(err), isDeadlock(err):
-			if ctx.Err() == nil {
-				continue
-			}
+		case isUniqueViolation(err) && twins < len(sent) && ctx.Err() == nil:
+			twins++
+			continue
+		case isDeadlock(err) && deadlocks < batchDeadlockRetries && ctx.Err() == nil:
+			deadlocks++
+			continue
 		}
 		break
 	}
@@ -579,6 +581,10 @@ func isUniqueViolation(err error) bool {
 	var pgErr *pgconn.PgError
 	return errors.As(err, &pgErr) && pgErr.Code == "23505"
 }
+
+// batchDeadlockRetries bounds how often SubmitBatch runs its statement
+// again after losing a deadlock (counted apart from the twins it meets).
+const batchDeadlockRetries = 3
 
 // isDeadlock reports PostgreSQL's deadlock_detected (40P01).
 func isDeadlock(err error) bool {

@@ -111,3 +111,66 @@ func TestRedisClusterReplicaReads(t *testing.T) {
 		require.Equal(t, master.Options().Addr, addr, "%d reads went to another node than the master (%v)", n, reads)
 	}
 }
+
+// TestRedisClusterReplicaReadsAfterSlotMove moves the board's (empty) slot
+// to another master behind the back of a replica-reading cluster client.
+// The board reads on the master it knows, whose connection answers MOVED
+// and does not follow it: the board must follow it, as the cluster client
+// does, instead of failing reads until the client's slot map is reloaded.
+func TestRedisClusterReplicaReadsAfterSlotMove(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	cluster := testenv.StartRedisCluster(t, 3, 1)
+	cluster.WaitSlotReplicas(t, 30*time.Second)
+	client := redis.NewClusterClient(&redis.ClusterOptions{Addrs: cluster.Addrs(), ReadOnly: true})
+	t.Cleanup(func() { _ = client.Close() })
+	pg := testenv.Postgres(t)
+	cfg := &Config{Name: "moved", Schema: pg.Schema, KeyPrefix: "rv:", ReadPolicy: ServeStale}
+	require.NoError(t, Migrate(ctx, pg.Pool, cfg))
+	board, err := New(pg.Pool, client, cfg)
+	require.NoError(t, err)
+	t.Cleanup(board.Close)
+
+	_, err = board.Top(ctx, 1) // loads the slot map
+	require.NoError(t, err)
+
+	key := board.SortedSetKey()
+	slot, err := client.ClusterKeySlot(ctx, key).Result()
+	require.NoError(t, err)
+	src, err := client.MasterForKey(ctx, key)
+	require.NoError(t, err)
+	var (
+		mu      sync.Mutex
+		masters []*redis.Client
+	)
+	require.NoError(t, client.ForEachMaster(ctx, func(_ context.Context, n *redis.Client) error {
+		mu.Lock()
+		masters = append(masters, n)
+		mu.Unlock()
+		return nil
+	}))
+	var dst *redis.Client
+	for _, m := range masters {
+		if m.Options().Addr != src.Options().Addr {
+			dst = m
+			break
+		}
+	}
+	dstID, err := dst.Do(ctx, "CLUSTER", "MYID").Text()
+	require.NoError(t, err)
+	// The slot is empty: assign it to dst on the masters (dst first).
+	require.NoError(t, dst.Do(ctx, "CLUSTER", "SETSLOT", slot, "NODE", dstID).Err())
+	require.NoError(t, src.Do(ctx, "CLUSTER", "SETSLOT", slot, "NODE", dstID).Err())
+	for _, m := range masters {
+		if m != dst && m != src {
+			_ = m.Do(ctx, "CLUSTER", "SETSLOT", slot, "NODE", dstID).Err()
+		}
+	}
+
+	// The board's master-pinned reads follow the move as the cluster
+	// client does, without waiting for its periodic slot-map reload.
+	_, err = board.Top(ctx, 1)
+	require.NoError(t, err, "a read pinned to the old master after the slot moved")
+	_, _, err = board.Rank(ctx, "nobody", AtLeast("nobody", 1)) // waitForVersion's HGET
+	require.ErrorIs(t, err, ErrStale)
+}

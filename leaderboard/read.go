@@ -322,11 +322,12 @@ func (b *Board) waitForVersion(ctx context.Context, user string, version int64) 
 	backoff := 2 * time.Millisecond
 	for {
 		key := b.ks.VersionKey(b.target(user))
-		rdb, err := b.reader(ctx, key)
-		if err != nil {
-			return false, fmt.Errorf("leaderboard: reading the projected version: %w", err)
-		}
-		got, err := rdb.HGet(ctx, key, user).Result()
+		var got string
+		err := b.onMaster(ctx, key, func(rdb redis.Cmdable) error {
+			var err error
+			got, err = rdb.HGet(ctx, key, user).Result()
+			return err
+		})
 		switch {
 		case errors.Is(err, redis.Nil):
 		case err != nil:
@@ -458,24 +459,47 @@ func (b *Board) measureLag(ctx context.Context) (dbNow time.Time, oldest *time.T
 	return dbNow, oldest, sent, err
 }
 
-// reader returns the client for a read-only command on key: the master
-// that owns key when the client could send it to a replica, the board's
-// client otherwise. Scripts and MULTI always run on the master.
-func (b *Board) reader(ctx context.Context, key string) (redis.Cmdable, error) {
+// onMaster runs read, a read-only command on key, on the master that owns
+// key when the client could send it to a replica, on the board's client
+// otherwise (scripts and MULTI always run on the master). The master's own
+// connection does not follow redirects: a MOVED or ASK reply (a failover or
+// a resharding the client's slot map has not caught up with) makes the
+// cluster client reload its map, and the read runs once more through the
+// cluster client, which follows them.
+func (b *Board) onMaster(ctx context.Context, key string, read func(redis.Cmdable) error) error {
 	if b.primary == nil {
-		return b.rdb, nil
+		return read(b.rdb)
 	}
-	return b.primary.MasterForKey(ctx, key)
+	node, err := b.primary.MasterForKey(ctx, key)
+	if err != nil {
+		return err
+	}
+	err = read(node)
+	if isRedirect(err) {
+		b.primary.ReloadState(ctx)
+		return read(b.primary)
+	}
+	return err
+}
+
+// isRedirect reports a Redis Cluster MOVED or ASK reply.
+func isRedirect(err error) bool {
+	if err == nil {
+		return false
+	}
+	msg := err.Error()
+	return strings.HasPrefix(msg, "MOVED ") || strings.HasPrefix(msg, "ASK ")
 }
 
 // redisPage reads up to n entries after c (or from the top) from Redis.
 func (b *Board) redisPage(ctx context.Context, c *cursor, n int) ([]Entry, error) {
 	if c == nil {
-		rdb, err := b.reader(ctx, b.zsetKey)
-		if err != nil {
-			return nil, fmt.Errorf("leaderboard: reading Redis: %w", err)
-		}
-		zs, err := rdb.ZRangeWithScores(ctx, b.zsetKey, 0, int64(n-1)).Result()
+		var zs []redis.Z
+		err := b.onMaster(ctx, b.zsetKey, func(rdb redis.Cmdable) error {
+			var err error
+			zs, err = rdb.ZRangeWithScores(ctx, b.zsetKey, 0, int64(n-1)).Result()
+			return err
+		})
 		if err != nil {
 			return nil, fmt.Errorf("leaderboard: reading Redis: %w", err)
 		}

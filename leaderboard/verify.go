@@ -36,12 +36,8 @@ func (b *Board) Verify(ctx context.Context, cfg *reconcile.Config) (report *reco
 	if err != nil {
 		return nil, false, err
 	}
-	client, err := b.reader(ctx, b.verifyingKey) // the master: a replica may not have the token yet
-	if err != nil {
-		return nil, false, fmt.Errorf("leaderboard: verify: %w", err)
-	}
 	token := uuid.NewString()
-	if err := client.Set(ctx, b.verifyingKey, token, 0).Err(); err != nil {
+	if err := b.rdb.Set(ctx, b.verifyingKey, token, 0).Err(); err != nil {
 		return nil, false, fmt.Errorf("leaderboard: verify: %w", err)
 	}
 	report, err = rec.Run(ctx, reconcile.RunOptions{})
@@ -63,8 +59,13 @@ func (b *Board) Verify(ctx context.Context, cfg *reconcile.Config) (report *reco
 		return report, false, fmt.Errorf("leaderboard: verify: recording the result: %w", err)
 	}
 	if n == 1 {
+		// Make the last measurement due, so that the next read measures
+		// again (one read: the others keep the previous measurement
+		// meanwhile, as always).
 		b.lagMu.Lock()
-		b.lagProbe.at = time.Time{} // the next read measures again
+		if !b.lagProbe.at.IsZero() {
+			b.lagProbe.at = b.lagProbe.at.Add(-b.cfg.LagProbeInterval)
+		}
 		b.lagMu.Unlock()
 	}
 	return report, n == 1, nil
@@ -73,11 +74,12 @@ func (b *Board) Verify(ctx context.Context, cfg *reconcile.Config) (report *reco
 // projectionVerified reports whether Redis holds Verify's record that the
 // projection is complete, read on the master.
 func (b *Board) projectionVerified(ctx context.Context) (bool, error) {
-	client, err := b.reader(ctx, b.verifiedKey)
-	if err != nil {
-		return false, err
-	}
-	n, err := client.Exists(ctx, b.verifiedKey).Result()
+	var n int64
+	err := b.onMaster(ctx, b.verifiedKey, func(rdb redis.Cmdable) error {
+		var err error
+		n, err = rdb.Exists(ctx, b.verifiedKey).Result()
+		return err
+	})
 	if err != nil && !errors.Is(err, redis.Nil) {
 		return false, err
 	}

@@ -162,3 +162,61 @@ func TestClusterReplicaReads(t *testing.T) {
 	require.NotZero(t, reads)
 	require.Empty(t, offMaster, "reads sent to replicas")
 }
+
+// TestClusterSlotMoveDuringReplicaReads moves a collection's slot to
+// another master behind the back of a replica-reading cluster client. The
+// reconciler reads on the master it knows, whose connection answers MOVED
+// and does not follow it: the run must still complete (Run reloads the
+// slot map and runs again through the cluster client), not fail until the
+// client's periodic reload.
+func TestClusterSlotMoveDuringReplicaReads(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	cluster := testenv.StartRedisCluster(t, 3, 1)
+	cluster.WaitSlotReplicas(t, 30*time.Second)
+	client := redis.NewClusterClient(&redis.ClusterOptions{Addrs: cluster.Addrs(), ReadOnly: true})
+	t.Cleanup(func() { _ = client.Close() })
+	b := setupWith(t, projection.KindSortedSet, client, "slot-move:")
+	rows := b.insertMany(t, 30)
+	b.projectRows(t, rows)
+	r := b.reconciler(t, nil)
+	rep, err := r.Run(ctx, RunOptions{DryRun: true}) // also loads the slot map
+	require.NoError(t, err)
+	require.Equal(t, map[Class]int64{ClassCurrent: 30}, rep.Counts)
+
+	// Reassign the slot to another master, whose copy of the collection
+	// is empty (Redis refuses to reassign a slot whose keys are still
+	// there, so they are deleted first).
+	key := b.ks.ValueKey(b.target.target(""))
+	slot, err := client.ClusterKeySlot(ctx, key).Result()
+	require.NoError(t, err)
+	src, err := client.MasterForKey(ctx, key)
+	require.NoError(t, err)
+	var (
+		mu      sync.Mutex
+		masters []*redis.Client
+	)
+	require.NoError(t, client.ForEachMaster(ctx, func(_ context.Context, n *redis.Client) error {
+		mu.Lock()
+		defer mu.Unlock()
+		masters = append(masters, n)
+		return nil
+	}))
+	var dst *redis.Client
+	for _, m := range masters {
+		if m.Options().Addr != src.Options().Addr {
+			dst = m
+			break
+		}
+	}
+	dstID, err := dst.Do(ctx, "CLUSTER", "MYID").Text()
+	require.NoError(t, err)
+	require.NoError(t, testenv.DeletePrefix(ctx, src, "slot-move:"))
+	for _, m := range append([]*redis.Client{dst, src}, masters...) {
+		require.NoError(t, m.Do(ctx, "CLUSTER", "SETSLOT", slot, "NODE", dstID).Err())
+	}
+
+	rep, err = r.Run(ctx, RunOptions{DryRun: true})
+	require.NoError(t, err, "a run pinned to the old master after the slot moved")
+	require.Equal(t, map[Class]int64{ClassMissing: 30}, rep.Counts, "read on the new master")
+}

@@ -77,7 +77,11 @@
 //
 // With a cluster client that sends reads to replicas (ReadOnly,
 // RouteByLatency or RouteRandomly), the reconciler still reads on the
-// masters: a replica's replication lag would show as drift.
+// masters: a replica's replication lag would show as drift. A master's own
+// connection does not follow redirects, so a run that meets a slot move (a
+// failover, a resharding) reloads the client's slot map and runs once more
+// through the cluster client; a Rebuild that meets one fails, and can be
+// run again.
 //
 // A full run pipelines the pages: up to Config.ReadAhead pages (4 by
 // default) are read at once, counting the one being classified and

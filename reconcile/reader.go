@@ -241,7 +241,7 @@ func (r *Reconciler) readDocuments(ctx context.Context, keys []string, out []Pro
 	// group's slot.
 	pipes := map[*redis.Client]redis.Pipeliner{}
 	pipeFor := func(g *group) (redis.Pipeliner, error) {
-		if r.primary == nil {
+		if !r.pinned(ctx) {
 			if pipes[nil] == nil {
 				pipes[nil] = r.target.Client.Pipeline()
 			}

@@ -8,6 +8,7 @@ import (
 	"log/slog"
 	"math/rand/v2"
 	"strconv"
+	"strings"
 	"sync"
 	"time"
 
@@ -109,10 +110,29 @@ func New(source Source, target Target, cfg *Config) (*Reconciler, error) {
 // (all in one slot): their master when the client could read from a
 // replica, the target's client otherwise.
 func (r *Reconciler) collectionClient(ctx context.Context) (redis.Cmdable, error) {
-	if r.primary == nil {
+	if !r.pinned(ctx) {
 		return r.target.Client, nil
 	}
 	return r.primary.MasterForKey(ctx, r.valueKey)
+}
+
+// unpinnedRun marks the context of a run that reads through the cluster
+// client instead of pinning reads to masters (see Run).
+type unpinnedRun struct{}
+
+// pinned reports whether reads of this run go to the masters explicitly.
+func (r *Reconciler) pinned(ctx context.Context) bool {
+	return r.primary != nil && ctx.Value(unpinnedRun{}) == nil
+}
+
+// isRedirect reports a Redis Cluster MOVED or ASK reply.
+func isRedirect(err error) bool {
+	var rerr redis.Error
+	if !errors.As(err, &rerr) {
+		return false
+	}
+	msg := rerr.Error()
+	return strings.HasPrefix(msg, "MOVED ") || strings.HasPrefix(msg, "ASK ")
 }
 
 // Run compares the source with the projection, page by page, repairs what
@@ -128,16 +148,17 @@ func (r *Reconciler) collectionClient(ctx context.Context) (redis.Cmdable, error
 // Config.RepairTimeout) and counted; findings whose repair was not sent are
 // ResultNotAttempted; a repair whose reply was lost is ResultUncertain.
 func (r *Reconciler) Run(ctx context.Context, opts RunOptions) (*Report, error) {
-	rep := newReport(opts)
-	var err error
-	if opts.Sample > 0 {
-		err = r.runSample(ctx, opts, rep)
-	} else if opts.Sample < 0 {
-		err = &ConfigError{Field: "RunOptions.Sample", Reason: "must not be negative (0 runs a full pass)"}
-	} else {
-		err = r.runFull(ctx, opts, rep)
+	rep, err := r.run(ctx, opts)
+	if r.pinned(ctx) && isRedirect(err) {
+		// A read pinned to a master met a slot move the client's map had
+		// not caught up with (a failover, a resharding): the master's own
+		// connection does not follow redirects. Reload the map and run
+		// again through the cluster client, which does; repairs are
+		// compare-and-set, so running again is safe.
+		r.logger.Warn("reconcile: a slot moved during the run; running it again", slog.Any("error", err))
+		r.primary.ReloadState(ctx)
+		rep, err = r.run(context.WithValue(ctx, unpinnedRun{}, true), opts)
 	}
-	rep.Duration = time.Since(rep.Started)
 	level := slog.LevelInfo
 	if err != nil {
 		level = slog.LevelWarn
@@ -151,6 +172,22 @@ func (r *Reconciler) Run(ctx context.Context, opts RunOptions) (*Report, error) 
 		mode = modeSample
 	}
 	r.metrics.recordRun(ctx, mode, rep, err)
+	return rep, err
+}
+
+// run is one pass of Run.
+func (r *Reconciler) run(ctx context.Context, opts RunOptions) (*Report, error) {
+	rep := newReport(opts)
+	var err error
+	switch {
+	case opts.Sample > 0:
+		err = r.runSample(ctx, opts, rep)
+	case opts.Sample < 0:
+		err = &ConfigError{Field: "RunOptions.Sample", Reason: "must not be negative (0 runs a full pass)"}
+	default:
+		err = r.runFull(ctx, opts, rep)
+	}
+	rep.Duration = time.Since(rep.Started)
 	return rep, err
 }
 

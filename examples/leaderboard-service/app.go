@@ -78,7 +78,7 @@ func parseFlags(name string, args []string, stderr io.Writer) (*options, error) 
 		fs.DurationVar(&o.reconcileEvery, "reconcile-every", reconcileEveryDefault, "interval of the sampled reconcile (0 disables it)")
 		fs.IntVar(&o.reconcileSample, "reconcile-sample", reconcileSampleDefault, "rows checked by each scheduled reconcile")
 		fs.BoolVar(&o.requireVerified, "require-verified", false,
-			"treat the projection as stale until a full pass has verified it (leaderboard.Config.RequireVerifiedProjection); the scheduled reconcile then runs that pass while it is unverified")
+			"treat the projection as stale until a full pass has verified it (leaderboard.Config.RequireVerifiedProjection); the scheduled reconcile then runs that pass while it is unverified, bounded by --reconcile-every (for a board whose pass takes longer, run 'reconcile --verify')")
 	case "reconcile":
 		fs.IntVar(&o.sample, "sample", 0, "check N random rows instead of the whole board (0 = full pass)")
 		fs.BoolVar(&o.dryRun, "dry-run", false, "classify and report, repair nothing")

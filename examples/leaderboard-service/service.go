@@ -103,8 +103,10 @@ type Service struct {
 	// the read.
 	readStats func(context.Context) *statsSnapshot
 	// handlers counts requests in progress, so that Run can wait for
-	// those still running after it closed their connections.
-	handlers sync.WaitGroup
+	// those still running after it closed their connections. A counter,
+	// not a WaitGroup: a connection can still start a request while Run
+	// waits, which a WaitGroup forbids.
+	handlers atomic.Int64
 	// life is cancelled by Close: the stats read outlives the caller that
 	// started it (its result is cached for the others), not the Service.
 	life    context.Context
@@ -225,7 +227,7 @@ var errRequestTimeout = errors.New("request timeout")
 func (s *Service) withTimeout(next http.Handler) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		s.handlers.Add(1)
-		defer s.handlers.Done()
+		defer s.handlers.Add(-1)
 		ctx, cancel := context.WithTimeoutCause(r.Context(), s.cfg.RequestTimeout, errRequestTimeout)
 		defer cancel()
 		next.ServeHTTP(w, r.WithContext(ctx))
@@ -286,7 +288,10 @@ func (s *Service) Run(ctx context.Context, ln net.Listener) error {
 		// connections close, and their contexts end, so they return soon.
 		s.logger.Warn("http shutdown timed out; closing connections", slog.Any("err", err))
 		_ = srv.Close()
-		s.handlers.Wait()
+		// Their contexts are cancelled now; each returns promptly.
+		for deadline := time.Now().Add(s.cfg.RequestTimeout); s.handlers.Load() > 0 && time.Now().Before(deadline); {
+			time.Sleep(5 * time.Millisecond)
+		}
 	}
 	<-serveDone
 	stopBackground()
