@@ -4,7 +4,6 @@ import (
 	"context"
 	"sync"
 	"testing"
-	"time"
 
 	"github.com/redis/go-redis/v9"
 	"github.com/stretchr/testify/require"
@@ -64,9 +63,7 @@ func TestRedisClusterReplicaReads(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	cluster := testenv.SharedRedisCluster(t)
-	cluster.WaitSlotReplicas(t, 30*time.Second)
-	client := redis.NewClusterClient(&redis.ClusterOptions{Addrs: cluster.Addrs(), ReadOnly: true})
-	t.Cleanup(func() { _ = client.Close() })
+	client := cluster.ReadOnlyClient(t)
 	var mu sync.Mutex
 	reads := map[string]int{} // node address → read-only commands of the board
 	client.OnNewNode(func(node *redis.Client) {
@@ -121,9 +118,7 @@ func TestRedisClusterReplicaReadsAfterSlotMove(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	cluster := testenv.StartRedisCluster(t, 3, 1)
-	cluster.WaitSlotReplicas(t, 30*time.Second)
-	client := redis.NewClusterClient(&redis.ClusterOptions{Addrs: cluster.Addrs(), ReadOnly: true})
-	t.Cleanup(func() { _ = client.Close() })
+	client := cluster.ReadOnlyClient(t)
 	pg := testenv.Postgres(t)
 	cfg := &Config{Name: "moved", Schema: pg.Schema, KeyPrefix: "rv:", ReadPolicy: ServeStale}
 	require.NoError(t, Migrate(ctx, pg.Pool, cfg))
@@ -134,38 +129,7 @@ func TestRedisClusterReplicaReadsAfterSlotMove(t *testing.T) {
 	_, err = board.Top(ctx, 1) // loads the slot map
 	require.NoError(t, err)
 
-	key := board.SortedSetKey()
-	slot, err := client.ClusterKeySlot(ctx, key).Result()
-	require.NoError(t, err)
-	src, err := client.MasterForKey(ctx, key)
-	require.NoError(t, err)
-	var (
-		mu      sync.Mutex
-		masters []*redis.Client
-	)
-	require.NoError(t, client.ForEachMaster(ctx, func(_ context.Context, n *redis.Client) error {
-		mu.Lock()
-		masters = append(masters, n)
-		mu.Unlock()
-		return nil
-	}))
-	var dst *redis.Client
-	for _, m := range masters {
-		if m.Options().Addr != src.Options().Addr {
-			dst = m
-			break
-		}
-	}
-	dstID, err := dst.Do(ctx, "CLUSTER", "MYID").Text()
-	require.NoError(t, err)
-	// The slot is empty: assign it to dst on the masters (dst first).
-	require.NoError(t, dst.Do(ctx, "CLUSTER", "SETSLOT", slot, "NODE", dstID).Err())
-	require.NoError(t, src.Do(ctx, "CLUSTER", "SETSLOT", slot, "NODE", dstID).Err())
-	for _, m := range masters {
-		if m != dst && m != src {
-			_ = m.Do(ctx, "CLUSTER", "SETSLOT", slot, "NODE", dstID).Err()
-		}
-	}
+	cluster.ReassignSlot(t, board.SortedSetKey()) // the board has no keys yet
 
 	// The board's master-pinned reads follow the move as the cluster
 	// client does, without waiting for its periodic slot-map reload.

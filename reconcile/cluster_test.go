@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"sync"
 	"testing"
-	"time"
 
 	"github.com/redis/go-redis/v9"
 	"github.com/stretchr/testify/require"
@@ -116,7 +115,6 @@ func TestClusterReplicaReads(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	cluster := testenv.SharedRedisCluster(t)
-	cluster.WaitSlotReplicas(t, 30*time.Second)
 	plain := cluster.Client(t)
 	var mu sync.Mutex
 	masters := map[string]bool{}
@@ -127,8 +125,7 @@ func TestClusterReplicaReads(t *testing.T) {
 		return nil
 	}))
 
-	client := redis.NewClusterClient(&redis.ClusterOptions{Addrs: cluster.Addrs(), ReadOnly: true})
-	t.Cleanup(func() { _ = client.Close() })
+	client := cluster.ReadOnlyClient(t)
 	offMaster := map[string]int{} // read command → count sent to a replica
 	reads := 0
 	client.OnNewNode(func(node *redis.Client) {
@@ -173,9 +170,7 @@ func TestClusterSlotMoveDuringReplicaReads(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	cluster := testenv.StartRedisCluster(t, 3, 1)
-	cluster.WaitSlotReplicas(t, 30*time.Second)
-	client := redis.NewClusterClient(&redis.ClusterOptions{Addrs: cluster.Addrs(), ReadOnly: true})
-	t.Cleanup(func() { _ = client.Close() })
+	client := cluster.ReadOnlyClient(t)
 	b := setupWith(t, projection.KindSortedSet, client, "slot-move:")
 	rows := b.insertMany(t, 30)
 	b.projectRows(t, rows)
@@ -187,34 +182,10 @@ func TestClusterSlotMoveDuringReplicaReads(t *testing.T) {
 	// Reassign the slot to another master, whose copy of the collection
 	// is empty (Redis refuses to reassign a slot whose keys are still
 	// there, so they are deleted first).
-	key := b.ks.ValueKey(b.target.target(""))
-	slot, err := client.ClusterKeySlot(ctx, key).Result()
-	require.NoError(t, err)
-	src, err := client.MasterForKey(ctx, key)
-	require.NoError(t, err)
-	var (
-		mu      sync.Mutex
-		masters []*redis.Client
-	)
-	require.NoError(t, client.ForEachMaster(ctx, func(_ context.Context, n *redis.Client) error {
-		mu.Lock()
-		defer mu.Unlock()
-		masters = append(masters, n)
-		return nil
-	}))
-	var dst *redis.Client
-	for _, m := range masters {
-		if m.Options().Addr != src.Options().Addr {
-			dst = m
-			break
-		}
-	}
-	dstID, err := dst.Do(ctx, "CLUSTER", "MYID").Text()
+	src, err := client.MasterForKey(ctx, b.ks.ValueKey(b.target.target("")))
 	require.NoError(t, err)
 	require.NoError(t, testenv.DeletePrefix(ctx, src, "slot-move:"))
-	for _, m := range append([]*redis.Client{dst, src}, masters...) {
-		require.NoError(t, m.Do(ctx, "CLUSTER", "SETSLOT", slot, "NODE", dstID).Err())
-	}
+	cluster.ReassignSlot(t, b.ks.ValueKey(b.target.target("")))
 
 	rep, err = r.Run(ctx, RunOptions{DryRun: true})
 	require.NoError(t, err, "a run pinned to the old master after the slot moved")

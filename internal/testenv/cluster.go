@@ -667,3 +667,64 @@ func (s *RedisSentinel) Prefix(t testing.TB) string {
 	})
 	return prefix
 }
+
+// ReassignSlot assigns the slot of key to a master other than the one that
+// serves it now, on every master, behind the back of existing clients, whose
+// slot maps still point at the old master. The slot must hold no keys on the
+// old master: Redis refuses to reassign one that does.
+func (c *RedisCluster) ReassignSlot(t testing.TB, key string) {
+	t.Helper()
+	ctx := context.Background()
+	client := c.Client(t)
+	slot, err := client.ClusterKeySlot(ctx, key).Result()
+	if err != nil {
+		t.Fatalf("testenv: slot of %q: %v", key, err)
+	}
+	src, err := client.MasterForKey(ctx, key)
+	if err != nil {
+		t.Fatalf("testenv: master of %q: %v", key, err)
+	}
+	var (
+		mu      sync.Mutex
+		masters []*redis.Client
+	)
+	if err := client.ForEachMaster(ctx, func(_ context.Context, n *redis.Client) error {
+		mu.Lock() // called concurrently
+		defer mu.Unlock()
+		masters = append(masters, n)
+		return nil
+	}); err != nil {
+		t.Fatalf("testenv: listing masters: %v", err)
+	}
+	var dst *redis.Client
+	for _, m := range masters {
+		if m.Options().Addr != src.Options().Addr {
+			dst = m
+			break
+		}
+	}
+	if dst == nil {
+		t.Fatalf("testenv: no other master to move slot %d to", slot)
+	}
+	dstID, err := dst.Do(ctx, "CLUSTER", "MYID").Text()
+	if err != nil {
+		t.Fatalf("testenv: CLUSTER MYID: %v", err)
+	}
+	// The new owner first, then the old one, then the rest.
+	for _, m := range append([]*redis.Client{dst, src}, masters...) {
+		if err := m.Do(ctx, "CLUSTER", "SETSLOT", slot, "NODE", dstID).Err(); err != nil {
+			t.Fatalf("testenv: CLUSTER SETSLOT %d NODE %s on %s: %v", slot, dstID, m.Options().Addr, err)
+		}
+	}
+}
+
+// ReadOnlyClient returns a cluster client that sends read-only commands to
+// replicas (ClusterOptions.ReadOnly), closed when t ends, once CLUSTER
+// SLOTS lists a replica for every slot (WaitSlotReplicas, 30 s).
+func (c *RedisCluster) ReadOnlyClient(t testing.TB) *redis.ClusterClient {
+	t.Helper()
+	c.WaitSlotReplicas(t, 30*time.Second)
+	client := redis.NewClusterClient(&redis.ClusterOptions{Addrs: c.Addrs(), ReadOnly: true})
+	t.Cleanup(func() { _ = client.Close() })
+	return client
+}
