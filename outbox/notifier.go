@@ -227,6 +227,14 @@ func (n *Notifier) run() {
 			}
 			n.mu.Unlock()
 		}
+		// A kick left over from a Notify whose notification an earlier
+		// round already sent: nothing is owed, so do not wait out the
+		// Interval for nothing (which would also keep the goroutine from
+		// going idle).
+		if !n.dirty.Load() {
+			idle.Reset(n.cfg.IdleTimeout)
+			continue
+		}
 		// Coalesce: at most one NOTIFY per Interval.
 		n.mu.Lock()
 		last := n.lastSent

@@ -203,9 +203,8 @@ func TestNotifier(t *testing.T) {
 			// One NOTIFY sent; the next waits out the Interval, so the
 			// next Notify's stays owed until Close.
 			n.Notify()
-			for db.calls.Load() == 0 || n.isRunning() {
-				time.Sleep(100 * time.Microsecond)
-			}
+			require.Eventually(t, func() bool { return db.calls.Load() == 1 && !n.isRunning() },
+				5*time.Second, 100*time.Microsecond, "the first NOTIFY is sent and the goroutine goes idle")
 			go n.Notify() // A
 			// Spin, not yield: yielding would let A finish first.
 			for !n.dirty.Load() {
@@ -217,6 +216,28 @@ func TestNotifier(t *testing.T) {
 			}
 		}
 		require.Zero(t, lost, "Close returned without sending an owed notification (%d of %d)", lost, iterations)
+	})
+
+	t.Run("StaleKickDoesNotHoldTheGoroutine", func(t *testing.T) {
+		t.Parallel()
+		// Under load the idle timer can fire before the goroutine takes
+		// the kick of the Notify that started it: it sends, and then finds
+		// that kick with nothing owed. It must go idle, not wait out the
+		// Interval (an hour here) for nothing. Staged directly: a kick
+		// without a dirty flag.
+		b := setupNotifier(t)
+		n, err := NewNotifier(b.db, b.channel, &NotifierConfig{Interval: time.Hour, IdleTimeout: time.Millisecond})
+		require.NoError(t, err)
+		t.Cleanup(n.Close)
+		n.mu.Lock()
+		n.lastSent = time.Now()
+		n.running = true
+		n.wg.Add(1)
+		n.mu.Unlock()
+		n.kick <- struct{}{}
+		go n.run()
+		require.Eventually(t, func() bool { return !n.isRunning() }, 5*time.Second, time.Millisecond)
+		require.Zero(t, b.db.calls.Load(), "nothing was owed")
 	})
 
 	t.Run("FailedNotifyIsNotFatal", func(t *testing.T) {
