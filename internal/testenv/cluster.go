@@ -684,18 +684,7 @@ func (c *RedisCluster) ReassignSlot(t testing.TB, key string) {
 	if err != nil {
 		t.Fatalf("testenv: master of %q: %v", key, err)
 	}
-	var (
-		mu      sync.Mutex
-		masters []*redis.Client
-	)
-	if err := client.ForEachMaster(ctx, func(_ context.Context, n *redis.Client) error {
-		mu.Lock() // called concurrently
-		defer mu.Unlock()
-		masters = append(masters, n)
-		return nil
-	}); err != nil {
-		t.Fatalf("testenv: listing masters: %v", err)
-	}
+	masters := Masters(t, client)
 	var dst *redis.Client
 	for _, m := range masters {
 		if m.Options().Addr != src.Options().Addr {
@@ -727,4 +716,22 @@ func (c *RedisCluster) ReadOnlyClient(t testing.TB) *redis.ClusterClient {
 	client := redis.NewClusterClient(&redis.ClusterOptions{Addrs: c.Addrs(), ReadOnly: true})
 	t.Cleanup(func() { _ = client.Close() })
 	return client
+}
+
+// Masters returns the node clients of client's masters.
+func Masters(t testing.TB, client *redis.ClusterClient) []*redis.Client {
+	t.Helper()
+	var (
+		mu      sync.Mutex
+		masters []*redis.Client
+	)
+	if err := client.ForEachMaster(context.Background(), func(_ context.Context, n *redis.Client) error {
+		mu.Lock() // called concurrently
+		defer mu.Unlock()
+		masters = append(masters, n)
+		return nil
+	}); err != nil {
+		t.Fatalf("testenv: listing masters: %v", err)
+	}
+	return masters
 }
