@@ -11,6 +11,7 @@ import (
 
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/redis/go-redis/v9"
+	"go.uber.org/goleak"
 
 	"github.com/verity-go/verity/internal/testenv"
 	"github.com/verity-go/verity/leaderboard"
@@ -36,8 +37,13 @@ func TestMain(m *testing.M) {
 	if spec := os.Getenv(relayChildEnv); spec != "" {
 		os.Exit(relayChild(spec))
 	}
-	testenv.Main(m)
+	testenv.Main(m, toxiproxyPipes)
 }
+
+// toxiproxyPipes matches toxiproxy's toxic pipes, which can outlive a
+// removed link (a send on a channel nobody reads any more): the test tool's
+// goroutines, never the library's.
+var toxiproxyPipes = goleak.IgnoreAnyFunction("github.com/Shopify/toxiproxy/v2/toxics.(*ToxicStub).Run")
 
 // relayChild runs one leaderboard worker until SIGTERM (graceful) or SIGKILL
 // (the point of the exercise).

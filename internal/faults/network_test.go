@@ -170,10 +170,6 @@ func TestNetworkFaults(t *testing.T) {
 		testenv.Unavailable(t, "services: %v", err)
 	}
 	ignore := goleak.IgnoreCurrent()
-	// toxiproxy's own toxic pipes can outlive a removed link (a send on a
-	// channel nobody reads any more); they are the test tool's goroutines,
-	// not the library's, and never contain a verity frame.
-	toxiproxyPipes := goleak.IgnoreAnyFunction("github.com/Shopify/toxiproxy/v2/toxics.(*ToxicStub).Run")
 	t.Cleanup(func() { goleak.VerifyNone(t, ignore, toxiproxyPipes) }) // runs last: after every close below
 
 	ctx := context.Background()

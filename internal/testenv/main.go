@@ -19,11 +19,12 @@ import (
 // is still running: a relay, worker, cache flight or notifier that outlived
 // its Close or its context, or a client a test forgot to close. The check only
 // runs after every test passed, so a failing test's own report is not
-// buried under the goroutines it left behind.
-func Main(m *testing.M) {
+// buried under the goroutines it left behind. ignore names goroutines that
+// belong to a test tool, never to the library (toxiproxy's pipes, for one).
+func Main(m *testing.M, ignore ...goleak.Option) {
 	code := m.Run()
 	closeShared()
-	var opts []goleak.Option
+	opts := ignore
 	if services.CloseShared() {
 		// The Docker client's idle keep-alive connections, not ours.
 		opts = append(opts,
