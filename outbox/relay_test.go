@@ -316,7 +316,11 @@ func TestRelayLease(t *testing.T) {
 		t.Parallel()
 		b := setup(t)
 		b.appendCommitted(t, newMessage("s", "k", 1))
-		const lease = 200 * time.Millisecond
+		// A lease far longer than A's claim could take (a claim is bounded
+		// by the lease, and on a loaded machine a short one can run out
+		// before the claim's reply arrives); the test ends it on purpose
+		// (expireLeases), as in ExpiryRedeliversAndLateAckIsRefused.
+		const lease = 10 * time.Second
 
 		// A fails its batch after B has re-claimed it: A's failure must not
 		// reschedule or release B's claim.
@@ -332,7 +336,7 @@ func TestRelayLease(t *testing.T) {
 			doneA <- err
 		}()
 		receive(t, slow.started)
-		require.Eventually(t, func() bool { return leaseExpired(b) }, 5*time.Second, 20*time.Millisecond)
+		require.EqualValues(t, 1, b.expireLeases(t), "A's batch holds one partition")
 
 		hold := newBlocking()
 		relayB := b.relay(t, nil, handle(hold), outbox.RelayConfig{LeaseDuration: time.Minute})
@@ -360,14 +364,17 @@ func TestRelayLease(t *testing.T) {
 		b := setup(t)
 		b.appendCommitted(t, newMessage("s", "k", 1))
 		slow := newBlocking()
-		r := b.relay(t, nil, handle(slow), outbox.RelayConfig{LeaseDuration: 100 * time.Millisecond})
+		// A long lease, ended on purpose once the batch is handled: a short
+		// one could run out during the claim itself on a loaded machine.
+		r := b.relay(t, nil, handle(slow), outbox.RelayConfig{LeaseDuration: 10 * time.Second})
 		done := make(chan error, 1)
 		go func() {
 			_, err := r.RunOnce(ctx)
 			done <- err
 		}()
 		receive(t, slow.started)
-		time.Sleep(250 * time.Millisecond)
+		require.EqualValues(t, 1, b.expireLeases(t), "the batch holds one partition")
+		require.True(t, leaseExpired(b))
 		close(slow.release)
 		require.NoError(t, receive(t, done), "the claim token is still ours, so the work counts")
 		require.Zero(t, b.count(t, b.writer.Table()))

@@ -110,7 +110,11 @@ func TestRelayReleaseClaim(t *testing.T) {
 		logs := &syncBuffer{}
 		r := b.relay(t, rp.pool, &recorder{}, outbox.RelayConfig{LeaseDuration: time.Minute,
 			Logger: slog.New(slog.NewTextHandler(logs, &slog.HandlerOptions{Level: slog.LevelDebug}))})
-		r.SetReleaseTimeouts(2*time.Second, 200*time.Millisecond, 2*time.Second)
+		// Four seconds: what is left for the wait is the release's time less
+		// the stalled cancel, the connection's acquisition and the server's
+		// margin (a second); with two, a loaded machine left it nothing, and
+		// the release correctly gave up without waiting.
+		r.SetReleaseTimeouts(4*time.Second, 200*time.Millisecond, 4*time.Second)
 		_, blocker := b.blockNextClaim(t, r)
 
 		rp.refuse.Store(true)

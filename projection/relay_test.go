@@ -165,16 +165,27 @@ func TestCrashSafety(t *testing.T) {
 			unblock := func() { releaseOnce.Do(func() { close(release) }) }
 			t.Cleanup(unblock) // never leave the zombie blocked, even on failure
 			zombie := &projectingRecorder{p: rb.projector}
+			// The zombie's writes must land: its handler's context ends with
+			// the lease, which on a loaded machine can run out before the
+			// writes are sent (the claim and a stalled goroutine eat it), and
+			// the scenario is writes that landed. What the test checks (the
+			// re-delivery is a duplicate, the late ack is refused) does not
+			// depend on the lease's length; a longer one than the claim could
+			// need only delays the re-delivery.
 			zombieRelay := rb.relay(t, outbox.HandlerFunc(func(ctx context.Context, batch []outbox.Record) ([]outbox.Result, error) {
-				results, err := zombie.Handle(ctx, batch)
+				results, err := zombie.Handle(context.WithoutCancel(ctx), batch)
 				close(wrote)
 				<-release // hung past its lease: it cannot ack in time
 				return results, err
-			}), outbox.RelayConfig{LeaseDuration: 300 * time.Millisecond})
+			}), outbox.RelayConfig{LeaseDuration: time.Second})
 			zombieDone := make(chan error, 1)
 			go func() { _, err := zombieRelay.RunOnce(ctx); zombieDone <- err }()
 
-			<-wrote
+			select {
+			case <-wrote:
+			case err := <-zombieDone:
+				t.Fatalf("the zombie relay handled nothing: %v", err)
+			}
 			afterFirst := rb.boardState(t)
 			require.Len(t, afterFirst, 6)
 			require.Len(t, zombie.seen(), len(msgs))

@@ -240,8 +240,12 @@ func TestLeaderboard(t *testing.T) {
 
 	t.Run("FailClosedWhileBehind", func(t *testing.T) {
 		t.Parallel()
+		// MaxLag well above a lag probe's round trip: measuring on every
+		// read, a read's lag is at least its own probe's duration, so with a
+		// MaxLag of a millisecond the drained board would answer only when a
+		// probe happened to take less, which a loaded machine may never do.
 		tb := setup(t, func(c *leaderboard.Config) {
-			c.ReadPolicy, c.MaxLag, c.LagProbeInterval = leaderboard.FailClosed, time.Millisecond, 1
+			c.ReadPolicy, c.MaxLag, c.LagProbeInterval = leaderboard.FailClosed, 500*time.Millisecond, 1
 		})
 		require.Equal(t, http.StatusCreated, tb.submit(t, uuid.NewString(), `{"user_id":"ada","delta":5}`).status)
 		var res response

@@ -8,6 +8,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strings"
 	"syscall"
 	"testing"
 	"time"
@@ -25,6 +26,7 @@ type relayProc struct {
 	logPath string
 	cmd     *exec.Cmd
 	done    chan error
+	logFrom int64 // size of the log when the running process started
 }
 
 func startRelayProc(t testing.TB, spec childSpec, dir string) *relayProc {
@@ -41,6 +43,9 @@ func (p *relayProc) start() {
 	require.NoError(p.t, err)
 	logFile, err := os.OpenFile(p.logPath, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
 	require.NoError(p.t, err)
+	info, err := logFile.Stat()
+	require.NoError(p.t, err)
+	p.logFrom = info.Size() // the previous process, if any, was killed and waited for
 	cmd := exec.Command(os.Args[0], "-test.run=^$")
 	cmd.Env = append(os.Environ(), relayChildEnv+"="+string(spec))
 	cmd.Stdout, cmd.Stderr = logFile, logFile
@@ -62,9 +67,16 @@ func (p *relayProc) kill() {
 }
 
 // stop asks the process to shut down gracefully and returns its exit error.
+// It first waits for the process to handle SIGTERM: one restarted just
+// before (the last kill) may still be starting, on a loaded machine for
+// longer than the drain takes, and SIGTERM would kill it outright.
 func (p *relayProc) stop() error {
 	if p.cmd == nil {
 		return nil
+	}
+	if err := p.waitReady(30 * time.Second); err != nil {
+		p.kill()
+		return err
 	}
 	_ = p.cmd.Process.Signal(syscall.SIGTERM)
 	select {
@@ -74,6 +86,26 @@ func (p *relayProc) stop() error {
 	case <-time.After(30 * time.Second):
 		p.kill()
 		return fmt.Errorf("relay %s ignored SIGTERM for 30s", p.spec.Name)
+	}
+}
+
+// waitReady waits until the running process has logged relayChildReady
+// (the log file is shared by every process of p: its own part starts at
+// logFrom).
+func (p *relayProc) waitReady(within time.Duration) error {
+	deadline := time.Now().Add(within)
+	for {
+		log, _ := os.ReadFile(p.logPath)
+		if int64(len(log)) > p.logFrom && strings.Contains(string(log[p.logFrom:]), relayChildReady) {
+			return nil
+		}
+		if err := p.exitedEarly(); err != nil {
+			return err
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("relay %s did not start handling SIGTERM within %s: %s", p.spec.Name, within, tail(string(log), 2000))
+		}
+		time.Sleep(10 * time.Millisecond)
 	}
 }
 

@@ -23,6 +23,9 @@ import (
 // separate OS processes, without a separate build step.
 const relayChildEnv = "VERITY_FAULTS_RELAY_CHILD"
 
+// relayChildReady is the line a relay process logs once it handles SIGTERM.
+const relayChildReady = "relay child: handling SIGTERM"
+
 // childSpec is what the crash suite passes to a relay process, as JSON.
 type childSpec struct {
 	PostgresURL string `json:"postgres_url"`
@@ -55,6 +58,9 @@ func relayChild(specJSON string) int {
 	}
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
 	defer stop()
+	// From here on SIGTERM is a graceful stop; before, it kills the process
+	// (Go's default), so relayProc.stop waits for this line.
+	fmt.Fprintln(os.Stderr, relayChildReady)
 	pool, err := pgxpool.New(ctx, spec.PostgresURL)
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "relay child: pool:", err)
