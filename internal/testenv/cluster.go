@@ -735,3 +735,54 @@ func Masters(t testing.TB, client *redis.ClusterClient) []*redis.Client {
 	}
 	return masters
 }
+
+// MigrateKey starts moving the slot of key to a master other than the one
+// that serves it, moves key alone with MIGRATE, and returns the new
+// master's address. The slot stays MIGRATING on the old master and
+// IMPORTING on the new one, as in the middle of a resharding: the old
+// master answers ASK for key, and clients' slot maps still name it.
+func (c *RedisCluster) MigrateKey(t testing.TB, key string) string {
+	t.Helper()
+	ctx := context.Background()
+	client := c.Client(t)
+	slot, err := client.ClusterKeySlot(ctx, key).Result()
+	if err != nil {
+		t.Fatalf("testenv: slot of %q: %v", key, err)
+	}
+	src, err := client.MasterForKey(ctx, key)
+	if err != nil {
+		t.Fatalf("testenv: master of %q: %v", key, err)
+	}
+	var dst *redis.Client
+	for _, m := range Masters(t, client) {
+		if m.Options().Addr != src.Options().Addr {
+			dst = m
+			break
+		}
+	}
+	if dst == nil {
+		t.Fatalf("testenv: no other master to migrate slot %d to", slot)
+	}
+	id := func(n *redis.Client) string {
+		v, err := n.Do(ctx, "CLUSTER", "MYID").Text()
+		if err != nil {
+			t.Fatalf("testenv: CLUSTER MYID on %s: %v", n.Options().Addr, err)
+		}
+		return v
+	}
+	srcID, dstID := id(src), id(dst)
+	if err := dst.Do(ctx, "CLUSTER", "SETSLOT", slot, "IMPORTING", srcID).Err(); err != nil {
+		t.Fatalf("testenv: CLUSTER SETSLOT %d IMPORTING: %v", slot, err)
+	}
+	if err := src.Do(ctx, "CLUSTER", "SETSLOT", slot, "MIGRATING", dstID).Err(); err != nil {
+		t.Fatalf("testenv: CLUSTER SETSLOT %d MIGRATING: %v", slot, err)
+	}
+	host, port, err := net.SplitHostPort(dst.Options().Addr)
+	if err != nil {
+		t.Fatalf("testenv: address %q: %v", dst.Options().Addr, err)
+	}
+	if err := src.Migrate(ctx, host, port, key, 0, 5*time.Second).Err(); err != nil {
+		t.Fatalf("testenv: MIGRATE %q: %v", key, err)
+	}
+	return dst.Options().Addr
+}
