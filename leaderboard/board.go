@@ -15,6 +15,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/redis/go-redis/v9"
 
+	"github.com/verity-go/verity/internal/clusterpin"
 	"github.com/verity-go/verity/outbox"
 	"github.com/verity-go/verity/projection"
 )
@@ -134,11 +135,7 @@ func New(pool *pgxpool.Pool, rdb redis.UniversalClient, cfg *Config) (*Board, er
 	}
 	b.zsetKey = ks.ValueKey(b.target(""))
 	b.verifiedKey, b.verifyingKey = b.zsetKey+"~verified", b.zsetKey+"~verifying"
-	if cc, ok := rdb.(*redis.ClusterClient); ok {
-		if o := cc.Options(); o.ReadOnly || o.RouteByLatency || o.RouteRandomly {
-			b.primary = cc
-		}
-	}
+	b.primary = clusterpin.Client(rdb)
 	r := func(q string) string { return renderSQL(q, c.Schema, w.Config().Table) }
 	b.sql.submit, b.sql.submitTx, b.sql.lookupEvent = r(submitSQL), r(submitTxSQL), r(lookupEventSQL)
 	b.sql.submitBatch = r(submitBatchSQL)

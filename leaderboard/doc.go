@@ -127,10 +127,12 @@
 // reads report Lag -1 and Freshness.Unverified while that record is
 // missing, and a Redis that loses its data loses the record with it.
 // Losses that keep the record (eviction of some keys, a failover or a
-// restart from an older snapshot) still go unseen until a reconcile pass. With a cluster
-// client that reads from replicas (ReadOnly, RouteByLatency or
-// RouteRandomly), the board still reads from the masters, whose lag is the
-// one measured.
+// restart from an older snapshot) still go unseen until a reconcile pass.
+// With a cluster client that reads from replicas (ReadOnly, RouteByLatency
+// or RouteRandomly), the board still reads from the masters, whose lag is
+// the one measured, and follows a failover or a resharding there: a MOVED
+// reply has the client's slot map reloaded and the read sent again to the
+// new master, an ASK reply sends it to the importing master.
 //
 // # Payouts
 //

@@ -13,6 +13,8 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/redis/go-redis/v9"
+
+	"github.com/verity-go/verity/internal/clusterpin"
 )
 
 // MaxPageSize bounds the n of Top, Page and Authoritative and the
@@ -462,33 +464,15 @@ func (b *Board) measureLag(ctx context.Context) (dbNow time.Time, oldest *time.T
 // onMaster runs read, a read-only command on key, on the master that owns
 // key when the client could send it to a replica, on the board's client
 // otherwise (scripts and MULTI always run on the master). The master's own
-// connection does not follow redirects: a MOVED or ASK reply (a failover or
-// a resharding the client's slot map has not caught up with) makes the
-// cluster client reload its map, and the read runs once more through the
-// cluster client, which follows them.
+// connection does not follow redirects; clusterpin.OnMaster does, staying on
+// masters: a MOVED reply (a failover or a resharding the client's slot map
+// has not caught up with) reloads the map and reads on the new master, an
+// ASK reply reads on the importing master after ASKING.
 func (b *Board) onMaster(ctx context.Context, key string, read func(redis.Cmdable) error) error {
 	if b.primary == nil {
 		return read(b.rdb)
 	}
-	node, err := b.primary.MasterForKey(ctx, key)
-	if err != nil {
-		return err
-	}
-	err = read(node)
-	if isRedirect(err) {
-		b.primary.ReloadState(ctx)
-		return read(b.primary)
-	}
-	return err
-}
-
-// isRedirect reports a Redis Cluster MOVED or ASK reply.
-func isRedirect(err error) bool {
-	if err == nil {
-		return false
-	}
-	msg := err.Error()
-	return strings.HasPrefix(msg, "MOVED ") || strings.HasPrefix(msg, "ASK ")
+	return clusterpin.OnMaster(ctx, b.primary, key, read)
 }
 
 // redisPage reads up to n entries after c (or from the top) from Redis.

@@ -155,34 +155,75 @@ func TestClusterReplicaReads(t *testing.T) {
 	require.Empty(t, offMaster, "reads sent to replicas")
 }
 
-// TestClusterSlotMoveDuringReplicaReads moves a collection's slot to
-// another master behind the back of a replica-reading cluster client. The
-// reconciler reads on the master it knows, whose connection answers MOVED
-// and does not follow it: the run must still complete (Run reloads the
-// slot map and runs again through the cluster client), not fail until the
-// client's periodic reload.
+// TestClusterSlotMoveDuringReplicaReads moves a slot of the projection to
+// another master behind the back of a replica-reading cluster client: a
+// collection's slot, or one document's. The reconciler reads on the master
+// it knows, whose connection answers MOVED and does not follow it: the run
+// must still complete (Run waits for the reloaded slot map to name the new
+// master and runs again), with every read still on a master, and not fail
+// until the client's periodic reload.
 func TestClusterSlotMoveDuringReplicaReads(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	cluster := testenv.StartRedisCluster(t, 3, 1)
+	masters := map[string]bool{}
+	for _, m := range testenv.Masters(t, cluster.Client(t)) {
+		masters[m.Options().Addr] = true
+	}
 	client := cluster.ReadOnlyClient(t)
-	b := setupWith(t, projection.KindSortedSet, client, "slot-move:")
-	rows := b.insertMany(t, 30)
-	b.projectRows(t, rows)
-	r := b.reconciler(t, nil)
-	rep, err := r.Run(ctx, RunOptions{DryRun: true}) // also loads the slot map
-	require.NoError(t, err)
-	require.Equal(t, map[Class]int64{ClassCurrent: 30}, rep.Counts)
+	var mu sync.Mutex
+	offMaster := 0
+	client.OnNewNode(func(node *redis.Client) {
+		addr := node.Options().Addr
+		node.AddHook(testenv.CommandHook(func(name string) {
+			switch name {
+			case "zmscore", "hmget", "mget", "exists", "hlen", "zcard", "hscan", "zscan", "scan":
+				mu.Lock()
+				defer mu.Unlock()
+				if !masters[addr] {
+					offMaster++
+				}
+			}
+		}))
+	})
+	for _, kind := range allKinds {
+		t.Run(kindName(kind), func(t *testing.T) {
+			prefix := "slot-move-" + kindName(kind) + ":"
+			b := setupWith(t, kind, client, prefix)
+			rows := b.insertMany(t, 30)
+			b.projectRows(t, rows)
+			r := b.reconciler(t, nil)
+			rep, err := r.Run(ctx, RunOptions{DryRun: true}) // also loads the slot map
+			require.NoError(t, err)
+			require.Equal(t, map[Class]int64{ClassCurrent: 30}, rep.Counts)
 
-	// Reassign the slot to another master, whose copy of the collection
-	// is empty (Redis refuses to reassign a slot whose keys are still
-	// there, so they are deleted first).
-	src, err := client.MasterForKey(ctx, b.ks.ValueKey(b.target.target("")))
-	require.NoError(t, err)
-	require.NoError(t, testenv.DeletePrefix(ctx, src, "slot-move:"))
-	cluster.ReassignSlot(t, b.ks.ValueKey(b.target.target("")))
+			// Reassign the slot to another master, whose copy is empty
+			// (Redis refuses to reassign a slot whose keys are still there,
+			// so they are deleted first): the collection, or one document.
+			moved := b.target.target(rows[0].Key)
+			if kind != projection.KindDocument {
+				moved = b.target.target("")
+			}
+			src, err := client.MasterForKey(ctx, b.ks.ValueKey(moved))
+			require.NoError(t, err)
+			want := map[Class]int64{ClassMissing: 30}
+			if kind == projection.KindDocument {
+				require.NoError(t, src.Del(ctx, b.ks.ValueKey(moved), b.ks.VersionKey(moved)).Err())
+				want = map[Class]int64{ClassCurrent: 29, ClassMissing: 1}
+			} else {
+				require.NoError(t, testenv.DeletePrefix(ctx, src, prefix))
+			}
+			cluster.ReassignSlot(t, b.ks.ValueKey(moved))
+			mu.Lock()
+			offMaster = 0
+			mu.Unlock()
 
-	rep, err = r.Run(ctx, RunOptions{DryRun: true})
-	require.NoError(t, err, "a run pinned to the old master after the slot moved")
-	require.Equal(t, map[Class]int64{ClassMissing: 30}, rep.Counts, "read on the new master")
+			rep, err = r.Run(ctx, RunOptions{DryRun: true})
+			require.NoError(t, err, "a run pinned to the old master after the slot moved")
+			require.Equal(t, want, rep.Counts, "read on the new master")
+			mu.Lock()
+			defer mu.Unlock()
+			require.Zero(t, offMaster, "reads sent to replicas")
+		})
+	}
 }

@@ -79,8 +79,11 @@
 // RouteByLatency or RouteRandomly), the reconciler still reads on the
 // masters: a replica's replication lag would show as drift. A master's own
 // connection does not follow redirects, so a run that meets a slot move (a
-// failover, a resharding) reloads the client's slot map and runs once more
-// through the cluster client; a Rebuild that meets one fails, and can be
+// MOVED reply: a failover, or a resharding the client's slot map has not
+// caught up with) has the map reloaded, waits up to two seconds for it to
+// name the new master and runs once more, still on masters. A run that
+// meets a slot in the middle of a migration (ASK), or a map that does not
+// catch up, fails, and so does a Rebuild that meets a move; either can be
 // run again.
 //
 // A full run pipelines the pages: up to Config.ReadAhead pages (4 by

@@ -9,6 +9,7 @@ import (
 
 	"github.com/redis/go-redis/v9"
 
+	"github.com/verity-go/verity/internal/clusterpin"
 	"github.com/verity-go/verity/projection"
 )
 
@@ -241,7 +242,7 @@ func (r *Reconciler) readDocuments(ctx context.Context, keys []string, out []Pro
 	// group's slot.
 	pipes := map[*redis.Client]redis.Pipeliner{}
 	pipeFor := func(g *group) (redis.Pipeliner, error) {
-		if !r.pinned(ctx) {
+		if r.primary == nil {
 			if pipes[nil] == nil {
 				pipes[nil] = r.target.Client.Pipeline()
 			}
@@ -266,6 +267,12 @@ func (r *Reconciler) readDocuments(ctx context.Context, keys []string, out []Pro
 	}
 	for _, pipe := range pipes {
 		if _, err := pipe.Exec(ctx); err != nil {
+			for gi, g := range groups {
+				if clusterpin.IsRedirect(cmds[gi].Err()) {
+					err = &redirectError{key: g.keys[1].(string), err: err}
+					break
+				}
+			}
 			return fmt.Errorf("reconcile: reading projection: %w", err)
 		}
 	}

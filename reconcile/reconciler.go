@@ -8,12 +8,12 @@ import (
 	"log/slog"
 	"math/rand/v2"
 	"strconv"
-	"strings"
 	"sync"
 	"time"
 
 	"github.com/redis/go-redis/v9"
 
+	"github.com/verity-go/verity/internal/clusterpin"
 	"github.com/verity-go/verity/projection"
 )
 
@@ -98,11 +98,7 @@ func New(source Source, target Target, cfg *Config) (*Reconciler, error) {
 		r.buckets = ks.VersionBuckets()
 		r.layout = strconv.Itoa(r.buckets)
 	}
-	if cc, ok := target.Client.(*redis.ClusterClient); ok {
-		if o := cc.Options(); o.ReadOnly || o.RouteByLatency || o.RouteRandomly {
-			r.primary = cc
-		}
-	}
+	r.primary = clusterpin.Client(target.Client)
 	return r, nil
 }
 
@@ -110,29 +106,42 @@ func New(source Source, target Target, cfg *Config) (*Reconciler, error) {
 // (all in one slot): their master when the client could read from a
 // replica, the target's client otherwise.
 func (r *Reconciler) collectionClient(ctx context.Context) (redis.Cmdable, error) {
-	if !r.pinned(ctx) {
+	if r.primary == nil {
 		return r.target.Client, nil
 	}
 	return r.primary.MasterForKey(ctx, r.valueKey)
 }
 
-// unpinnedRun marks the context of a run that reads through the cluster
-// client instead of pinning reads to masters (see Run).
-type unpinnedRun struct{}
-
-// pinned reports whether reads of this run go to the masters explicitly.
-func (r *Reconciler) pinned(ctx context.Context) bool {
-	return r.primary != nil && ctx.Value(unpinnedRun{}) == nil
+// redirectError names a key of the slot a MOVED or ASK reply was about
+// (documents span many slots), so that Run can wait for the client's slot
+// map to catch up with it.
+type redirectError struct {
+	key string
+	err error
 }
 
-// isRedirect reports a Redis Cluster MOVED or ASK reply.
-func isRedirect(err error) bool {
-	var rerr redis.Error
-	if !errors.As(err, &rerr) {
-		return false
+func (e *redirectError) Error() string { return e.err.Error() }
+func (e *redirectError) Unwrap() error { return e.err }
+
+// awaitMove waits until the client's slot map names the master a MOVED
+// reply in err named. It returns an error when it cannot: no MOVED reply,
+// no key known for its slot, or a map that does not catch up.
+func (r *Reconciler) awaitMove(ctx context.Context, err error) error {
+	addr, ok := redis.IsMovedError(err)
+	if !ok {
+		return err
 	}
-	msg := rerr.Error()
-	return strings.HasPrefix(msg, "MOVED ") || strings.HasPrefix(msg, "ASK ")
+	key := r.valueKey
+	if re := (*redirectError)(nil); errors.As(err, &re) {
+		key = re.key
+	}
+	if key == "" {
+		return err
+	}
+	if _, werr := clusterpin.AwaitMaster(ctx, r.primary, key, addr); werr != nil {
+		return fmt.Errorf("%w (after %w)", werr, err)
+	}
+	return nil
 }
 
 // Run compares the source with the projection, page by page, repairs what
@@ -149,15 +158,19 @@ func isRedirect(err error) bool {
 // ResultNotAttempted; a repair whose reply was lost is ResultUncertain.
 func (r *Reconciler) Run(ctx context.Context, opts RunOptions) (*Report, error) {
 	rep, err := r.run(ctx, opts)
-	if r.pinned(ctx) && isRedirect(err) {
+	if r.primary != nil && clusterpin.IsRedirect(err) {
 		// A read pinned to a master met a slot move the client's map had
 		// not caught up with (a failover, a resharding): the master's own
-		// connection does not follow redirects. Reload the map and run
-		// again through the cluster client, which does; repairs are
-		// compare-and-set, so running again is safe.
-		r.logger.Warn("reconcile: a slot moved during the run; running it again", slog.Any("error", err))
-		r.primary.ReloadState(ctx)
-		rep, err = r.run(context.WithValue(ctx, unpinnedRun{}, true), opts)
+		// connection does not follow redirects. Once the reloaded map names
+		// the new master, run again, still on masters; repairs are
+		// compare-and-set, so running again is safe. A slot in the middle
+		// of a migration (ASK) fails the run: the next one covers it.
+		if werr := r.awaitMove(ctx, err); werr != nil {
+			err = werr
+		} else {
+			r.logger.Warn("reconcile: a slot moved during the run; ran it again on the new master", slog.Any("error", err))
+			rep, err = r.run(ctx, opts)
+		}
 	}
 	level := slog.LevelInfo
 	if err != nil {

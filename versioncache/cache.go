@@ -14,6 +14,7 @@ import (
 
 	"github.com/redis/go-redis/v9"
 
+	"github.com/verity-go/verity/internal/clusterpin"
 	"github.com/verity-go/verity/internal/keyenc"
 )
 
@@ -119,11 +120,7 @@ func New[T any](client redis.UniversalClient, config *Config) (*Cache[T], error)
 		return nil, fmt.Errorf("versioncache: lease token: %w", err)
 	}
 	c := &Cache[T]{client: client, config: cfg, lua: defaultScripts, leaseToken: hex.EncodeToString(token[:])}
-	if cc, ok := client.(*redis.ClusterClient); ok {
-		if o := cc.Options(); o.ReadOnly || o.RouteByLatency || o.RouteRandomly {
-			c.primary = cc
-		}
-	}
+	c.primary = clusterpin.Client(client)
 	metrics, err := newCacheMetrics(cfg, c.Stats)
 	if err != nil {
 		return nil, fmt.Errorf("versioncache: metrics: %w", err)
@@ -216,17 +213,16 @@ func (c *Cache[T]) Get(ctx context.Context, id string, load Loader[T]) (T, error
 // getCurrent is the hit path: one GET of the current key, on the primary.
 func (c *Cache[T]) getCurrent(ctx context.Context, id string) ([]byte, bool, error) {
 	key := c.currentKey(id)
-	var cmd *redis.StringCmd
+	var data []byte
+	var err error
 	if c.primary != nil {
-		node, err := c.primary.MasterForKey(ctx, key)
-		if err != nil {
-			return nil, false, err
-		}
-		cmd = node.Get(ctx, key)
+		err = clusterpin.OnMaster(ctx, c.primary, key, func(rdb redis.Cmdable) error {
+			data, err = rdb.Get(ctx, key).Bytes()
+			return err
+		})
 	} else {
-		cmd = c.client.Get(ctx, key)
+		data, err = c.client.Get(ctx, key).Bytes()
 	}
-	data, err := cmd.Bytes()
 	switch {
 	case err == nil:
 		return data, true, nil
@@ -564,25 +560,27 @@ func (c *Cache[T]) Invalidate(ctx context.Context, id string) error {
 // bumpAndWait runs the bump and WAIT in one pipeline on one connection of the
 // primary that owns the id: WAIT only counts that connection's writes.
 func (c *Cache[T]) bumpAndWait(ctx context.Context, keys []string, ttl int64) ([]any, int, error) {
-	var node *redis.Client
-	switch client := c.client.(type) {
-	case *redis.ClusterClient:
-		var err error
-		if node, err = client.MasterForKey(ctx, keys[0]); err != nil {
-			return nil, 0, err
-		}
-	case *redis.Client:
-		node = client
-	}
 	var bump *redis.Cmd
 	var wait *redis.Cmd
-	_, err := node.Pipelined(ctx, func(p redis.Pipeliner) error {
-		// EVAL, not EVALSHA: a NOSCRIPT inside the pipeline would still run
-		// the WAIT, for nothing.
-		bump = p.Eval(ctx, c.lua.bumpSrc, keys, ttl)
-		wait = p.Do(ctx, "WAIT", c.config.InvalidateReplicas, c.config.InvalidateWaitTimeout.Milliseconds())
-		return nil
-	})
+	run := func(node redis.Cmdable) error {
+		_, err := node.Pipelined(ctx, func(p redis.Pipeliner) error {
+			// EVAL, not EVALSHA: a NOSCRIPT inside the pipeline would still
+			// run the WAIT, for nothing.
+			bump = p.Eval(ctx, c.lua.bumpSrc, keys, ttl)
+			wait = p.Do(ctx, "WAIT", c.config.InvalidateReplicas, c.config.InvalidateWaitTimeout.Milliseconds())
+			return nil
+		})
+		return err
+	}
+	var err error
+	switch client := c.client.(type) {
+	case *redis.ClusterClient:
+		// A MOVED or ASK reply to the bump (the pipeline's first, keyed
+		// command) means it did not run: it runs again on the new master.
+		err = clusterpin.OnMaster(ctx, client, keys[0], run)
+	case *redis.Client:
+		err = run(client)
+	}
 	if err != nil {
 		return nil, 0, err
 	}

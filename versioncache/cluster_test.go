@@ -223,3 +223,53 @@ func (h getCounter) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
 func (h getCounter) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
 	return next
 }
+
+// TestClusterSlotMove moves an id's slot to another master behind the back
+// of a replica-reading client. Hits and Invalidate's bump-and-WAIT run on
+// the master's own connection, which answers MOVED and does not follow it:
+// the Cache must follow it, as the cluster client would, instead of failing
+// until go-redis reloads its slot map on its own.
+func TestClusterSlotMove(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	cluster := testenv.StartRedisCluster(t, 3, 1)
+	waitReplicasOnline(t, cluster.Client(t))
+	cfg := &Config{InvalidateReplicas: 1, InvalidateWaitTimeout: time.Second}
+	prefix := cluster.Prefix(t)
+	// stale loads its slot map now, before any move.
+	stale := setupWith(t, cluster.ReadOnlyClient(t), prefix, cfg)
+	require.NotNil(t, stale.cache.primary)
+	require.NoError(t, stale.client.Ping(ctx).Err())
+
+	t.Run("Hit", func(t *testing.T) {
+		t.Parallel()
+		id := "hit-after-move"
+		cluster.ReassignSlot(t, stale.cache.currentKey(id)) // the slot is empty
+		fresh := setupWith(t, cluster.ReadOnlyClient(t), prefix, cfg)
+		stale.truth.write(id, 7)
+		want, err := fresh.cache.Get(ctx, id, stale.truth.loader(id))
+		require.NoError(t, err)
+
+		before := stale.cache.Stats()
+		got, err := stale.cache.Get(ctx, id, func(context.Context) (product, error) {
+			t.Error("a hit must not load")
+			return product{}, nil
+		})
+		require.NoError(t, err)
+		require.Equal(t, want, got)
+		after := stale.cache.Stats()
+		require.Equal(t, before.Hits+1, after.Hits)
+		require.Equal(t, before.RedisErrors, after.RedisErrors)
+	})
+
+	t.Run("Invalidate", func(t *testing.T) {
+		t.Parallel()
+		id := "invalidate-after-move"
+		cluster.ReassignSlot(t, stale.cache.versionKey(id))
+		require.NoError(t, stale.cache.Invalidate(ctx, id))
+		// A client that reads on masters and follows redirects.
+		version, err := cluster.Client(t).Get(ctx, stale.cache.versionKey(id)).Int64()
+		require.NoError(t, err, "the bump landed on the new master")
+		require.Positive(t, version)
+	})
+}

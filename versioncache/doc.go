@@ -53,7 +53,14 @@
 //
 // A replica can lag an Invalidate that its primary has acknowledged, so the
 // hit GET always goes to the primary, also with a *redis.ClusterClient that
-// routes reads to replicas (ReadOnly, RouteByLatency, RouteRandomly).
+// routes reads to replicas (ReadOnly, RouteByLatency, RouteRandomly); so do
+// Invalidate's bump and WAIT when InvalidateReplicas is set. These commands
+// run on the master's own connection, which does not follow redirects: after
+// a failover or a resharding the cluster client's slot map has not caught up
+// with, a MOVED reply makes the Cache reload the map, wait for it to name the
+// new master (up to two seconds) and send the command again there, and an ASK
+// reply (a slot in the middle of a migration) sends it once to the importing
+// master, after ASKING.
 //
 // # Versions never go backwards
 //
