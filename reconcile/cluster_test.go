@@ -226,4 +226,32 @@ func TestClusterSlotMoveDuringReplicaReads(t *testing.T) {
 			require.Zero(t, offMaster, "reads sent to replicas")
 		})
 	}
+	// A Rebuild whose first step meets the move reads the collection's
+	// layout on the new master too.
+	for _, kind := range []projection.Kind{projection.KindSortedSet, projection.KindHash} {
+		t.Run("Rebuild"+kindName(kind), func(t *testing.T) {
+			prefix := "slot-move-rebuild-" + kindName(kind) + ":"
+			b := setupWith(t, kind, client, prefix)
+			rows := b.insertMany(t, 30)
+			b.projectRows(t, rows)
+			r := b.reconciler(t, nil)
+			_, err := r.Run(ctx, RunOptions{DryRun: true}) // loads the slot map
+			require.NoError(t, err)
+			collection := b.ks.ValueKey(b.target.target(""))
+			src, err := client.MasterForKey(ctx, collection)
+			require.NoError(t, err)
+			// Every collection here shares the slot of its name: earlier
+			// subtests' keys go too.
+			require.NoError(t, testenv.DeletePrefix(ctx, src, "slot-move-"))
+			cluster.ReassignSlot(t, collection)
+
+			rebuilt, err := r.Rebuild(ctx)
+			require.NoError(t, err, "a rebuild pinned to the old master after the slot moved")
+			require.True(t, rebuilt.Switched)
+			require.EqualValues(t, 30, rebuilt.Applied)
+			rep, err := r.Run(ctx, RunOptions{DryRun: true})
+			require.NoError(t, err)
+			require.Equal(t, map[Class]int64{ClassCurrent: 30}, rep.Counts, "rebuilt on the new master")
+		})
+	}
 }

@@ -81,9 +81,9 @@
 // connection does not follow redirects, so a run that meets a slot move (a
 // MOVED reply: a failover, or a resharding the client's slot map has not
 // caught up with) has the map reloaded, waits up to two seconds for it to
-// name the new master and runs once more, still on masters. A run that
-// meets a slot in the middle of a migration (ASK), or a map that does not
-// catch up, fails, and so does a Rebuild that meets a move; either can be
+// name the new master and runs once more, still on masters; a Rebuild's
+// reads follow the move the same way. A run that meets a slot in the middle
+// of a migration (ASK), or a map that does not catch up, fails, and can be
 // run again.
 //
 // A full run pipelines the pages: up to Config.ReadAhead pages (4 by

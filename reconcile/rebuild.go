@@ -13,6 +13,7 @@ import (
 
 	"github.com/redis/go-redis/v9"
 
+	"github.com/verity-go/verity/internal/clusterpin"
 	"github.com/verity-go/verity/projection"
 )
 
@@ -162,16 +163,28 @@ func answered(err error) bool {
 // them all.
 func (r *Reconciler) rebuildStep(ctx context.Context, step, token, ttl string) (int64, error) {
 	ks, kind, name := r.target.Keyspace, r.target.Kind, r.target.Name
-	client, err := r.collectionClient(ctx)
-	if err != nil {
-		return 0, err
+	var (
+		layoutKeys              *redis.SliceCmd
+		valueExists, flatExists *redis.IntCmd
+	)
+	read := func(client redis.Cmdable) error {
+		pipe := client.Pipeline()
+		layoutKeys = pipe.MGet(ctx, r.layoutKey, ks.ShadowLayoutKey(name, kind))
+		valueExists = pipe.Exists(ctx, r.valueKey)
+		flatExists = pipe.Exists(ctx, r.unbucketedKey)
+		_, err := pipe.Exec(ctx)
+		return err
 	}
 	for range rebuildStepRetries {
-		pipe := client.Pipeline()
-		layoutKeys := pipe.MGet(ctx, r.layoutKey, ks.ShadowLayoutKey(name, kind))
-		valueExists := pipe.Exists(ctx, r.valueKey)
-		flatExists := pipe.Exists(ctx, r.unbucketedKey)
-		if _, err := pipe.Exec(ctx); err != nil {
+		var err error
+		if r.primary != nil {
+			// On the master, following a slot move the client's map has
+			// not caught up with (the script below follows it by itself).
+			err = clusterpin.OnMaster(ctx, r.primary, r.valueKey, read)
+		} else {
+			err = read(r.target.Client)
+		}
+		if err != nil {
 			return 0, err
 		}
 		got := layoutKeys.Val()
