@@ -113,7 +113,10 @@ func knownMaster(ctx context.Context, cc *redis.ClusterClient, addr string) *red
 	// ForEachMaster calls fn concurrently; at most one master has addr.
 	_ = cc.ForEachMaster(ctx, func(_ context.Context, n *redis.Client) error {
 		if n.Options().Addr == addr {
-			found <- n
+			select {
+			case found <- n:
+			default: // never blocks, however the map lists its masters
+			}
 		}
 		return nil
 	})
