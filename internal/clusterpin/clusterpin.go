@@ -70,9 +70,11 @@ func IsRedirect(err error) bool {
 // names the master the reply named (AwaitMaster) and runs read once more
 // there. When read meets an ASK reply (the slot is migrating and key has
 // already left), it runs read once on the importing master, on one
-// connection, right after ASKING: read must then send one keyed command,
-// or a pipeline whose first command is the keyed one. Any other error, and
-// a second redirect, is returned as it is.
+// connection, right after ASKING. ASKING covers only the next command, so
+// read should send one command on key (a pipeline may follow it with keyless
+// ones, such as WAIT); a later keyed command meets the ASK reply again, and
+// its error is returned. Any other error, and a second redirect, is
+// returned as it is.
 func OnMaster(ctx context.Context, cc *redis.ClusterClient, key string, read func(redis.Cmdable) error) error {
 	node, err := cc.MasterForKey(ctx, key)
 	if err != nil {
