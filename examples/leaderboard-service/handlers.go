@@ -134,8 +134,9 @@ func (s *Service) handleSubmit(w http.ResponseWriter, r *http.Request) {
 // the field. Keys are matched exactly and once each (encoding/json alone
 // matches them case-insensitively and lets a repeated key win, so
 // {"user_id":"ada","USER_ID":"bob"} would credit bob), and the body must be
-// valid UTF-8 (encoding/json alone turns bad bytes into U+FFFD, which would
-// merge distinct user ids).
+// valid UTF-8 with no unpaired surrogate escape (encoding/json alone turns
+// bad bytes and such escapes into U+FFFD, which would merge distinct user
+// ids).
 func decodeSubmit(w http.ResponseWriter, r *http.Request) (*submitRequest, int, *errorResponse) {
 	body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, maxBodyBytes))
 	var sizeErr *http.MaxBytesError
@@ -180,12 +181,20 @@ func decodeSubmit(w http.ResponseWriter, r *http.Request) (*submitRequest, int, 
 			return nil, http.StatusUnprocessableEntity, &errorResponse{Field: key, Error: "appears more than once"}
 		}
 		seen[key] = true
-		if err := dec.Decode(target); err != nil {
+		var raw json.RawMessage
+		if err := dec.Decode(&raw); err != nil {
+			return notJSON(err)
+		}
+		if err := json.Unmarshal(raw, target); err != nil {
 			var typeErr *json.UnmarshalTypeError
 			if errors.As(err, &typeErr) {
 				return nil, http.StatusUnprocessableEntity, &errorResponse{Field: key, Error: fmt.Sprintf("must be a JSON %s", jsonKind(key))}
 			}
 			return notJSON(err)
+		}
+		if hasLoneSurrogate(raw) {
+			return nil, http.StatusUnprocessableEntity, &errorResponse{Field: key,
+				Error: `contains an unpaired UTF-16 surrogate escape (\uD800 to \uDFFF not in a high-low pair)`}
 		}
 	}
 	if _, err := dec.Token(); err != nil { // the closing brace
@@ -204,6 +213,43 @@ func decodeSubmit(w http.ResponseWriter, r *http.Request) (*submitRequest, int, 
 		return nil, http.StatusUnprocessableEntity, &errorResponse{Field: "delta", Error: "required"}
 	}
 	return &req, 0, nil
+}
+
+// hasLoneSurrogate reports whether the JSON text raw holds a \u escape of a
+// UTF-16 surrogate that is not part of a high-low pair. encoding/json
+// decodes each such escape to U+FFFD, so "\ud800" and "\udbff" would
+// become the same user id, which is also that of a user really named
+// "\ufffd".
+func hasLoneSurrogate(raw []byte) bool {
+	// escape returns the code unit of a \u escape at raw[i:], or -1.
+	escape := func(i int) int {
+		if i+6 > len(raw) || raw[i] != '\\' || raw[i+1] != 'u' {
+			return -1
+		}
+		v, err := strconv.ParseUint(string(raw[i+2:i+6]), 16, 16)
+		if err != nil {
+			return -1
+		}
+		return int(v)
+	}
+	for i := 0; i < len(raw); i++ {
+		if raw[i] != '\\' {
+			continue
+		}
+		u := escape(i)
+		switch {
+		case u >= 0xD800 && u <= 0xDBFF: // high: a low must follow
+			if low := escape(i + 6); low < 0xDC00 || low > 0xDFFF {
+				return true
+			}
+			i += 11 // both escapes
+		case u >= 0xDC00 && u <= 0xDFFF: // low without a high before it
+			return true
+		default:
+			i++ // the escaped character: \\ must not start another escape
+		}
+	}
+	return false
 }
 
 func jsonKind(field string) string {

@@ -119,6 +119,10 @@ func TestSubmit(t *testing.T) {
 			{"KeyOtherCase", uuid.NewString(), `{"user_id":"ada","USER_ID":"bob","delta":5}`, 422, "USER_ID"},
 			{"RepeatedKey", uuid.NewString(), `{"user_id":"ada","user_id":"bob","delta":5}`, 422, "user_id"},
 			{"NullUser", uuid.NewString(), `{"user_id":null,"delta":5}`, 422, "user_id"},
+			{"LoneHighSurrogate", uuid.NewString(), `{"user_id":"a\ud800","delta":1}`, 422, "user_id"},
+			{"LoneLowSurrogate", uuid.NewString(), `{"user_id":"\udc00b","delta":1}`, 422, "user_id"},
+			{"SurrogatesReversed", uuid.NewString(), `{"user_id":"\udc00\ud800","delta":1}`, 422, "user_id"},
+			{"HighSurrogateTwice", uuid.NewString(), `{"user_id":"\ud83d\ud83d","delta":1}`, 422, "user_id"},
 		} {
 			t.Run(tc.name, func(t *testing.T) {
 				res := tb.submit(t, tc.key, tc.body)
@@ -135,6 +139,25 @@ func TestSubmit(t *testing.T) {
 		events, queued := tb.counts(t)
 		require.Zero(t, events, "a refused request writes nothing")
 		require.Zero(t, queued)
+	})
+
+	// Escapes that encoding/json decodes exactly are accepted, and name the
+	// same user as the characters they stand for.
+	t.Run("EscapedUserIDs", func(t *testing.T) {
+		t.Parallel()
+		tb := setup(t)
+		for _, tc := range []struct{ name, user, want string }{
+			{"SurrogatePair", `\ud83d\ude00`, "\U0001F600"},
+			{"TheCharacterItself", "\U0001F600", "\U0001F600"},
+			{"EscapedBackslashBeforeU", `\\ud800`, `\ud800`},
+			{"ReplacementCharacter", `\ufffd`, "\uFFFD"},
+		} {
+			res := tb.submit(t, uuid.NewString(), `{"user_id":"`+tc.user+`","delta":1}`)
+			require.Equal(t, http.StatusCreated, res.status, "%s: %s", tc.name, res.body)
+			require.Equal(t, tc.want, res.json(t)["user_id"], tc.name)
+		}
+		events, _ := tb.counts(t)
+		require.Equal(t, 4, events)
 	})
 
 	t.Run("ScoreOutOfRange", func(t *testing.T) {
