@@ -4,6 +4,7 @@ import (
 	"context"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/redis/go-redis/v9"
 	"github.com/stretchr/testify/require"
@@ -137,4 +138,68 @@ func TestRedisClusterReplicaReadsAfterSlotMove(t *testing.T) {
 	require.NoError(t, err, "a read pinned to the old master after the slot moved")
 	_, _, err = board.Rank(ctx, "nobody", AtLeast("nobody", 1)) // waitForVersion's HGET
 	require.ErrorIs(t, err, ErrStale)
+}
+
+// TestRedisClusterFailoverReads fails the board's master over to its
+// replica behind the back of a replica-reading cluster client. Its
+// connections all open with READONLY, and its slot map still names the
+// demoted master: every read — plain commands and scripts alike — must be
+// answered by the new master, not served by the demoted one as a replica,
+// whose lag Freshness does not measure.
+func TestRedisClusterFailoverReads(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	cluster := testenv.StartRedisCluster(t, 3, 1)
+	client := cluster.ReadOnlyClient(t)
+	var mu sync.Mutex
+	reads := map[string]int{} // node address → read commands of the board
+	client.OnNewNode(func(node *redis.Client) {
+		addr := node.Options().Addr
+		node.AddHook(testenv.CommandHook(func(name string) {
+			switch name {
+			case "zrange", "hget", "exists", "evalsha", "eval":
+				mu.Lock()
+				reads[addr]++
+				mu.Unlock()
+			}
+		}))
+	})
+	pg := testenv.Postgres(t)
+	cfg := &Config{Name: "failover", Schema: pg.Schema, KeyPrefix: "fo:", ReadPolicy: ServeStale}
+	require.NoError(t, Migrate(ctx, pg.Pool, cfg))
+	board, err := New(pg.Pool, client, cfg)
+	require.NoError(t, err)
+	t.Cleanup(board.Close)
+	tb := &testBundle{board: board, pg: pg}
+	tb.submit(t, "user-a", 2)
+	last := tb.submit(t, "user-b", 1)
+	tb.drain(t)
+	top, err := board.Top(ctx, 1) // loads the slot map
+	require.NoError(t, err)
+	cluster.WaitSlotReplicas(t, 30*time.Second)
+
+	for _, read := range []struct {
+		name string
+		run  func() error
+	}{
+		{"Top", func() error { _, err := board.Top(ctx, 2); return err }},
+		{"Page", func() error { _, err := board.Page(ctx, top.Next, 1); return err }},
+		{"Rank", func() error { _, _, err := board.Rank(ctx, "user-b"); return err }},
+		{"Around", func() error { _, err := board.Around(ctx, "user-a", 1); return err }},
+		{"ReadYourWrites", func() error { _, err := board.Top(ctx, 1, AtLeast("user-b", last.Version)); return err }},
+	} {
+		t.Run(read.name, func(t *testing.T) {
+			oldMaster, newMaster := cluster.Failover(t, board.SortedSetKey())
+			named, err := client.MasterForKey(ctx, board.SortedSetKey())
+			require.NoError(t, err)
+			require.Equal(t, oldMaster, named.Options().Addr, "the client's map has not caught up")
+			mu.Lock()
+			before := reads[newMaster]
+			mu.Unlock()
+			require.NoError(t, read.run())
+			mu.Lock()
+			defer mu.Unlock()
+			require.Greater(t, reads[newMaster], before, "the read was answered by the new master")
+		})
+	}
 }

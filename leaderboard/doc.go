@@ -130,9 +130,12 @@
 // restart from an older snapshot) still go unseen until a reconcile pass.
 // With a cluster client that reads from replicas (ReadOnly, RouteByLatency
 // or RouteRandomly), the board still reads from the masters, whose lag is
-// the one measured, and follows a failover or a resharding there: a MOVED
-// reply has the client's slot map reloaded and the read sent again to the
-// new master, an ASK reply sends it to the importing master.
+// the one measured, and follows a failover or a resharding there. Such a
+// client opens every connection with READONLY, so the board sends its reads
+// after READWRITE: a master demoted by a failover the client's slot map has
+// not caught up with then answers MOVED instead of serving the read as a
+// replica; a MOVED reply has the map reloaded and the read sent again to
+// the new master, an ASK reply sends it to the importing master.
 //
 // # Payouts
 //

@@ -324,12 +324,12 @@ func (b *Board) waitForVersion(ctx context.Context, user string, version int64) 
 	backoff := 2 * time.Millisecond
 	for {
 		key := b.ks.VersionKey(b.target(user))
+		var cmd *redis.StringCmd
+		err := b.onMaster(ctx, key, func(p redis.Pipeliner) { cmd = p.HGet(ctx, key, user) })
 		var got string
-		err := b.onMaster(ctx, key, func(rdb redis.Cmdable) error {
-			var err error
-			got, err = rdb.HGet(ctx, key, user).Result()
-			return err
-		})
+		if err == nil {
+			got = cmd.Val()
+		}
 		switch {
 		case errors.Is(err, redis.Nil):
 		case err != nil:
@@ -461,32 +461,38 @@ func (b *Board) measureLag(ctx context.Context) (dbNow time.Time, oldest *time.T
 	return dbNow, oldest, sent, err
 }
 
-// onMaster runs read, a read-only command on key, on the master that owns
-// key when the client could send it to a replica, on the board's client
-// otherwise (scripts and MULTI always run on the master). The master's own
-// connection does not follow redirects; clusterpin.OnMaster does, staying on
-// masters: a MOVED reply (a failover or a resharding the client's slot map
-// has not caught up with) reloads the map and reads on the new master, an
-// ASK reply reads on the importing master after ASKING.
-func (b *Board) onMaster(ctx context.Context, key string, read func(redis.Cmdable) error) error {
-	if b.primary == nil {
-		return read(b.rdb)
+// onMaster sends read-only commands on key to the master that owns key
+// when the client could send them to a replica, through the board's client
+// otherwise. clusterpin.OnMaster sends them after READWRITE (so a master
+// demoted by a failover the client's slot map has not caught up with
+// answers MOVED instead of serving them as a replica) and follows MOVED
+// and ASK replies, staying on masters. Scripts and MULTI go through the
+// board's client, to the master its slot map names; see the package
+// documentation for the failover window that leaves.
+//
+// queue adds the commands to a pipeline; onMaster returns the first failed
+// command's error (redis.Nil included), and the caller reads results from
+// the commands it queued.
+func (b *Board) onMaster(ctx context.Context, key string, queue func(redis.Pipeliner)) error {
+	if b.primary != nil {
+		return clusterpin.OnMaster(ctx, b.primary, key, queue)
 	}
-	return clusterpin.OnMaster(ctx, b.primary, key, read)
+	_, err := b.rdb.Pipelined(ctx, func(p redis.Pipeliner) error {
+		queue(p)
+		return nil
+	})
+	return err
 }
 
 // redisPage reads up to n entries after c (or from the top) from Redis.
 func (b *Board) redisPage(ctx context.Context, c *cursor, n int) ([]Entry, error) {
 	if c == nil {
-		var zs []redis.Z
-		err := b.onMaster(ctx, b.zsetKey, func(rdb redis.Cmdable) error {
-			var err error
-			zs, err = rdb.ZRangeWithScores(ctx, b.zsetKey, 0, int64(n-1)).Result()
-			return err
-		})
+		var cmd *redis.ZSliceCmd
+		err := b.onMaster(ctx, b.zsetKey, func(p redis.Pipeliner) { cmd = p.ZRangeWithScores(ctx, b.zsetKey, 0, int64(n-1)) })
 		if err != nil {
 			return nil, fmt.Errorf("leaderboard: reading Redis: %w", err)
 		}
+		zs := cmd.Val()
 		entries := make([]Entry, len(zs))
 		for i, z := range zs {
 			user, _ := z.Member.(string)
@@ -494,35 +500,29 @@ func (b *Board) redisPage(ctx context.Context, c *cursor, n int) ([]Entry, error
 		}
 		return entries, nil
 	}
-	res, err := pageScript.Run(ctx, b.rdb, []string{b.zsetKey},
-		strconv.FormatInt(-c.score, 10), c.user, n).Result()
+	res, err := b.evalRead(ctx, pageScript, b.zsetKey, strconv.FormatInt(-c.score, 10), c.user, n)
 	if err != nil {
 		return nil, fmt.Errorf("leaderboard: reading Redis: %w", err)
 	}
 	return parseScriptRange(res)
 }
 
-// redisRank reads user's entry from Redis, score and rank atomically.
+// redisRank reads user's entry from Redis, score and rank atomically: the
+// neighbourhood script with no neighbours.
 func (b *Board) redisRank(ctx context.Context, user string) (Entry, error) {
-	var score *redis.FloatCmd
-	var rank *redis.IntCmd
-	_, err := b.rdb.TxPipelined(ctx, func(p redis.Pipeliner) error {
-		score = p.ZScore(ctx, b.zsetKey, user)
-		rank = p.ZRank(ctx, b.zsetKey, user)
-		return nil
-	})
-	if errors.Is(err, redis.Nil) {
-		return Entry{}, ErrUserNotFound
-	}
+	entries, err := b.redisAround(ctx, user, 0)
 	if err != nil {
-		return Entry{}, fmt.Errorf("leaderboard: reading Redis: %w", err)
+		return Entry{}, err
 	}
-	return Entry{UserID: user, Score: -int64(score.Val()), Rank: rank.Val() + 1}, nil
+	if len(entries) != 1 || entries[0].UserID != user {
+		return Entry{}, fmt.Errorf("leaderboard: unexpected script reply for %q: %v", user, entries)
+	}
+	return entries[0], nil
 }
 
 // redisAround reads user's neighbourhood from Redis.
 func (b *Board) redisAround(ctx context.Context, user string, n int) ([]Entry, error) {
-	res, err := aroundScript.Run(ctx, b.rdb, []string{b.zsetKey}, user, n).Result()
+	res, err := b.evalRead(ctx, aroundScript, b.zsetKey, user, n)
 	if errors.Is(err, redis.Nil) {
 		return nil, ErrUserNotFound
 	}
@@ -530,6 +530,27 @@ func (b *Board) redisAround(ctx context.Context, user string, n int) ([]Entry, e
 		return nil, fmt.Errorf("leaderboard: reading Redis: %w", err)
 	}
 	return parseScriptRange(res)
+}
+
+// evalRead runs a read-only script on key, on the master like onMaster
+// when the client could read from a replica: a script is sent to the
+// master the slot map names, and a master demoted by a failover the map
+// has not caught up with would run it as a replica on a READONLY
+// connection.
+func (b *Board) evalRead(ctx context.Context, script *redis.Script, key string, args ...any) (any, error) {
+	keys := []string{key}
+	if b.primary == nil {
+		return script.Run(ctx, b.rdb, keys, args...).Result()
+	}
+	var cmd *redis.Cmd
+	err := b.onMaster(ctx, key, func(p redis.Pipeliner) { cmd = script.EvalSha(ctx, p, keys, args...) })
+	if err != nil && redis.HasErrorPrefix(err, "NOSCRIPT") {
+		err = b.onMaster(ctx, key, func(p redis.Pipeliner) { cmd = script.Eval(ctx, p, keys, args...) })
+	}
+	if err != nil {
+		return nil, err
+	}
+	return cmd.Result()
 }
 
 // parseScriptRange decodes {first index, {member, score, ...}}.

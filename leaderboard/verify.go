@@ -3,7 +3,6 @@ package leaderboard
 import (
 	"context"
 	_ "embed"
-	"errors"
 	"fmt"
 	"time"
 
@@ -74,14 +73,10 @@ func (b *Board) Verify(ctx context.Context, cfg *reconcile.Config) (report *reco
 // projectionVerified reports whether Redis holds Verify's record that the
 // projection is complete, read on the master.
 func (b *Board) projectionVerified(ctx context.Context) (bool, error) {
-	var n int64
-	err := b.onMaster(ctx, b.verifiedKey, func(rdb redis.Cmdable) error {
-		var err error
-		n, err = rdb.Exists(ctx, b.verifiedKey).Result()
-		return err
-	})
-	if err != nil && !errors.Is(err, redis.Nil) {
+	var cmd *redis.IntCmd
+	err := b.onMaster(ctx, b.verifiedKey, func(p redis.Pipeliner) { cmd = p.Exists(ctx, b.verifiedKey) })
+	if err != nil {
 		return false, err
 	}
-	return n == 1, nil
+	return cmd.Val() == 1, nil
 }

@@ -77,8 +77,11 @@
 //
 // With a cluster client that sends reads to replicas (ReadOnly,
 // RouteByLatency or RouteRandomly), the reconciler still reads on the
-// masters: a replica's replication lag would show as drift. A master's own
-// connection does not follow redirects, so a run that meets a slot move (a
+// masters: a replica's replication lag would show as drift. Such a client
+// opens every connection with READONLY, so the reads go after READWRITE, and
+// a master demoted by a failover answers MOVED instead of serving them as a
+// replica. A master's own connection does not follow redirects, so a run
+// that meets a slot move (a
 // MOVED reply: a failover, or a resharding the client's slot map has not
 // caught up with) has the map reloaded, waits up to two seconds for it to
 // name the new master and runs once more, still on masters; a Rebuild's

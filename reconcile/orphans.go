@@ -66,11 +66,10 @@ func (r *Reconciler) noOrphans(ctx context.Context, rep *Report) (bool, error) {
 	if r.target.Kind == projection.KindDocument || rep.tally.unknown {
 		return false, nil
 	}
-	client, err := r.collectionClient(ctx)
+	pipe, err := r.collectionPipeline(ctx)
 	if err != nil {
 		return false, err
 	}
-	pipe := client.Pipeline()
 	versions := make([]*redis.IntCmd, len(r.versionKeys))
 	for i, k := range r.versionKeys {
 		versions[i] = pipe.HLen(ctx, k)
@@ -202,11 +201,10 @@ func (r *Reconciler) scanVersions(ctx context.Context, fn func([]string) error) 
 		per := max(1, r.cfg.PageSize/64)
 		for lo := 0; lo < len(r.versionKeys); lo += per {
 			keys := r.versionKeys[lo:min(lo+per, len(r.versionKeys))]
-			client, err := r.collectionClient(ctx)
+			pipe, err := r.collectionPipeline(ctx)
 			if err != nil {
 				return err
 			}
-			pipe := client.Pipeline()
 			cmds := make([]*redis.ScanCmd, len(keys))
 			for i, k := range keys {
 				cmds[i] = pipe.HScan(ctx, k, 0, "", int64(r.cfg.PageSize))
@@ -252,19 +250,21 @@ func (r *Reconciler) scanCollectionInto(ctx context.Context, cmd, key string, fn
 
 // scanCollectionFrom continues a scan of key at cursor (0 starts one).
 func (r *Reconciler) scanCollectionFrom(ctx context.Context, cmd, key string, cursor uint64, fn func([]string) error) error {
-	client, err := r.collectionClient(ctx)
+	pipeline, err := r.collectionPipelines(ctx)
 	if err != nil {
 		return fmt.Errorf("reconcile: %s %s: %w", cmd, key, err)
 	}
 	for {
-		var (
-			pairs []string
-			err   error
-		)
+		pipe := pipeline()
+		var scan *redis.ScanCmd
 		if cmd == "ZSCAN" {
-			pairs, cursor, err = client.ZScan(ctx, key, cursor, "", int64(r.cfg.PageSize)).Result()
+			scan = pipe.ZScan(ctx, key, cursor, "", int64(r.cfg.PageSize))
 		} else {
-			pairs, cursor, err = client.HScan(ctx, key, cursor, "", int64(r.cfg.PageSize)).Result()
+			scan = pipe.HScan(ctx, key, cursor, "", int64(r.cfg.PageSize))
+		}
+		var pairs []string
+		if _, err = pipe.Exec(ctx); err == nil {
+			pairs, cursor, err = scan.Result()
 		}
 		if err != nil {
 			return fmt.Errorf("reconcile: %s %s: %w", cmd, key, err)

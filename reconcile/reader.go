@@ -60,11 +60,10 @@ func (r *Reconciler) readCollection(ctx context.Context, keys []string, out []Pr
 	for i, k := range keys {
 		valueArgs[2+i] = k
 	}
-	client, err := r.collectionClient(ctx)
+	pipe, err := r.collectionPipeline(ctx)
 	if err != nil {
 		return fmt.Errorf("reconcile: reading projection: %w", err)
 	}
-	pipe := client.Pipeline()
 	values := pipe.Do(ctx, valueArgs...)
 	// MGET, not GET: an absent key is a nil element, not redis.Nil.
 	layout := pipe.Do(ctx, "MGET", r.layoutKey)
@@ -253,7 +252,7 @@ func (r *Reconciler) readDocuments(ctx context.Context, keys []string, out []Pro
 			return nil, err
 		}
 		if pipes[node] == nil {
-			pipes[node] = node.Pipeline()
+			pipes[node] = clusterpin.Pipeline(ctx, node)
 		}
 		return pipes[node], nil
 	}

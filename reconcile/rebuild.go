@@ -167,22 +167,21 @@ func (r *Reconciler) rebuildStep(ctx context.Context, step, token, ttl string) (
 		layoutKeys              *redis.SliceCmd
 		valueExists, flatExists *redis.IntCmd
 	)
-	read := func(client redis.Cmdable) error {
-		pipe := client.Pipeline()
+	queue := func(pipe redis.Pipeliner) {
 		layoutKeys = pipe.MGet(ctx, r.layoutKey, ks.ShadowLayoutKey(name, kind))
 		valueExists = pipe.Exists(ctx, r.valueKey)
 		flatExists = pipe.Exists(ctx, r.unbucketedKey)
-		_, err := pipe.Exec(ctx)
-		return err
 	}
 	for range rebuildStepRetries {
 		var err error
 		if r.primary != nil {
 			// On the master, following a slot move the client's map has
 			// not caught up with (the script below follows it by itself).
-			err = clusterpin.OnMaster(ctx, r.primary, r.valueKey, read)
+			err = clusterpin.OnMaster(ctx, r.primary, r.valueKey, queue)
 		} else {
-			err = read(r.target.Client)
+			pipe := r.target.Client.Pipeline()
+			queue(pipe)
+			_, err = pipe.Exec(ctx)
 		}
 		if err != nil {
 			return 0, err

@@ -102,14 +102,30 @@ func New(source Source, target Target, cfg *Config) (*Reconciler, error) {
 	return r, nil
 }
 
-// collectionClient returns the client for reading the collection's keys
-// (all in one slot): their master when the client could read from a
-// replica, the target's client otherwise.
-func (r *Reconciler) collectionClient(ctx context.Context) (redis.Cmdable, error) {
-	if r.primary == nil {
-		return r.target.Client, nil
+// collectionPipeline returns a pipeline for reading the collection's keys
+// (all in one slot): on their master, after READWRITE (clusterpin.Pipeline),
+// when the client could read from a replica; through the target's client
+// otherwise.
+func (r *Reconciler) collectionPipeline(ctx context.Context) (redis.Pipeliner, error) {
+	pipeline, err := r.collectionPipelines(ctx)
+	if err != nil {
+		return nil, err
 	}
-	return r.primary.MasterForKey(ctx, r.valueKey)
+	return pipeline(), nil
+}
+
+// collectionPipelines returns a function that makes collection pipelines
+// (see collectionPipeline) all on the same node: a SCAN cursor means
+// nothing on another one.
+func (r *Reconciler) collectionPipelines(ctx context.Context) (func() redis.Pipeliner, error) {
+	if r.primary == nil {
+		return r.target.Client.Pipeline, nil
+	}
+	node, err := r.primary.MasterForKey(ctx, r.valueKey)
+	if err != nil {
+		return nil, err
+	}
+	return func() redis.Pipeliner { return clusterpin.Pipeline(ctx, node) }, nil
 }
 
 // redirectError names a key of the slot a MOVED or ASK reply was about
@@ -138,7 +154,7 @@ func (r *Reconciler) awaitMove(ctx context.Context, err error) error {
 	if key == "" {
 		return err
 	}
-	if _, werr := clusterpin.AwaitMaster(ctx, r.primary, key, addr); werr != nil {
+	if _, werr := clusterpin.AwaitMaster(ctx, r.primary, key, addr, ""); werr != nil {
 		return fmt.Errorf("%w (after %w)", werr, err)
 	}
 	return nil
@@ -594,18 +610,21 @@ func (r *Reconciler) checkKeys(ctx context.Context, opts RunOptions, keys []stri
 // a member's chance is uniform only as far as buckets are equally full —
 // which hashing makes them, roughly.
 func (r *Reconciler) sampleVersioned(ctx context.Context, n int) ([]string, error) {
-	client, err := r.collectionClient(ctx)
+	pipe, err := r.collectionPipeline(ctx)
 	if err != nil {
 		return nil, err
 	}
 	if r.buckets == 0 {
-		return client.HRandField(ctx, r.versionKeys[0], n).Result()
+		fields := pipe.HRandField(ctx, r.versionKeys[0], n)
+		if _, err := pipe.Exec(ctx); err != nil {
+			return nil, err
+		}
+		return fields.Val(), nil
 	}
 	draws := make(map[int]int)
 	for range n {
 		draws[rand.IntN(r.buckets)]++
 	}
-	pipe := client.Pipeline()
 	cmds := make([]*redis.StringSliceCmd, 0, len(draws))
 	for b, k := range draws {
 		cmds = append(cmds, pipe.HRandField(ctx, r.versionKeys[b], k))

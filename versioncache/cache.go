@@ -213,16 +213,16 @@ func (c *Cache[T]) Get(ctx context.Context, id string, load Loader[T]) (T, error
 // getCurrent is the hit path: one GET of the current key, on the primary.
 func (c *Cache[T]) getCurrent(ctx context.Context, id string) ([]byte, bool, error) {
 	key := c.currentKey(id)
-	var data []byte
-	var err error
+	var cmd *redis.StringCmd
 	if c.primary != nil {
-		err = clusterpin.OnMaster(ctx, c.primary, key, func(rdb redis.Cmdable) error {
-			data, err = rdb.Get(ctx, key).Bytes()
-			return err
-		})
+		err := clusterpin.OnMaster(ctx, c.primary, key, func(p redis.Pipeliner) { cmd = p.Get(ctx, key) })
+		if err != nil && !errors.Is(err, redis.Nil) {
+			return nil, false, err
+		}
 	} else {
-		data, err = c.client.Get(ctx, key).Bytes()
+		cmd = c.client.Get(ctx, key)
 	}
+	data, err := cmd.Bytes()
 	switch {
 	case err == nil:
 		return data, true, nil
@@ -562,24 +562,23 @@ func (c *Cache[T]) Invalidate(ctx context.Context, id string) error {
 func (c *Cache[T]) bumpAndWait(ctx context.Context, keys []string, ttl int64) ([]any, int, error) {
 	var bump *redis.Cmd
 	var wait *redis.Cmd
-	run := func(node redis.Cmdable) error {
-		_, err := node.Pipelined(ctx, func(p redis.Pipeliner) error {
-			// EVAL, not EVALSHA: a NOSCRIPT inside the pipeline would still
-			// run the WAIT, for nothing.
-			bump = p.Eval(ctx, c.lua.bumpSrc, keys, ttl)
-			wait = p.Do(ctx, "WAIT", c.config.InvalidateReplicas, c.config.InvalidateWaitTimeout.Milliseconds())
-			return nil
-		})
-		return err
+	queue := func(p redis.Pipeliner) {
+		// EVAL, not EVALSHA: a NOSCRIPT inside the pipeline would still
+		// run the WAIT, for nothing.
+		bump = p.Eval(ctx, c.lua.bumpSrc, keys, ttl)
+		wait = p.Do(ctx, "WAIT", c.config.InvalidateReplicas, c.config.InvalidateWaitTimeout.Milliseconds())
 	}
 	var err error
 	switch client := c.client.(type) {
 	case *redis.ClusterClient:
-		// A MOVED or ASK reply to the bump (the pipeline's first, keyed
+		// A MOVED or ASK reply to the bump (the pipeline's only keyed
 		// command) means it did not run: it runs again on the new master.
-		err = clusterpin.OnMaster(ctx, client, keys[0], run)
+		err = clusterpin.OnMaster(ctx, client, keys[0], queue)
 	case *redis.Client:
-		err = run(client)
+		_, err = client.Pipelined(ctx, func(p redis.Pipeliner) error {
+			queue(p)
+			return nil
+		})
 	}
 	if err != nil {
 		return nil, 0, err

@@ -220,8 +220,19 @@ func (h getCounter) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
 	}
 }
 
+// ProcessPipelineHook counts pipelined GETs too: hits pinned to a master
+// are sent in a pipeline after READWRITE.
 func (h getCounter) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
-	return next
+	return func(ctx context.Context, cmds []redis.Cmder) error {
+		for _, cmd := range cmds {
+			if cmd.Name() == "get" {
+				h.g.mu.Lock()
+				h.g.counts[h.addr]++
+				h.g.mu.Unlock()
+			}
+		}
+		return next(ctx, cmds)
+	}
 }
 
 // TestClusterSlotMove moves an id's slot to another master behind the back
@@ -272,4 +283,39 @@ func TestClusterSlotMove(t *testing.T) {
 		require.NoError(t, err, "the bump landed on the new master")
 		require.Positive(t, version)
 	})
+}
+
+// TestClusterFailover fails an id's master over to its replica behind the
+// back of a replica-reading client, whose connections all open with
+// READONLY: the demoted master, still named by the client's slot map, must
+// not serve the hit as a replica (it may lag an Invalidate the new master
+// acknowledged); the hit is answered by the new master.
+func TestClusterFailover(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	cluster := testenv.StartRedisCluster(t, 3, 1)
+	waitReplicasOnline(t, cluster.Client(t))
+	client := cluster.ReadOnlyClient(t)
+	gets := &getsByNode{counts: map[string]int{}}
+	client.OnNewNode(func(node *redis.Client) { node.AddHook(gets.hook(node.Options().Addr)) })
+	b := setupWith(t, client, cluster.Prefix(t), nil)
+	id := "failed-over"
+	b.truth.write(id, 3)
+	want, err := b.cache.Get(ctx, id, b.truth.loader(id))
+	require.NoError(t, err)
+
+	oldMaster, newMaster := cluster.Failover(t, b.cache.currentKey(id))
+	named, err := client.MasterForKey(ctx, b.cache.currentKey(id))
+	require.NoError(t, err)
+	require.Equal(t, oldMaster, named.Options().Addr, "the client's map has not caught up")
+
+	before := b.cache.Stats()
+	got, err := b.cache.Get(ctx, id, func(context.Context) (product, error) {
+		t.Error("a hit must not load")
+		return product{}, nil
+	})
+	require.NoError(t, err)
+	require.Equal(t, want, got)
+	require.Equal(t, before.Hits+1, b.cache.Stats().Hits)
+	require.Equal(t, 1, gets.count(newMaster), "the hit was read on the new master")
 }

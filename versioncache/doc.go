@@ -55,12 +55,16 @@
 // hit GET always goes to the primary, also with a *redis.ClusterClient that
 // routes reads to replicas (ReadOnly, RouteByLatency, RouteRandomly); so do
 // Invalidate's bump and WAIT when InvalidateReplicas is set. These commands
-// run on the master's own connection, which does not follow redirects: after
-// a failover or a resharding the cluster client's slot map has not caught up
-// with, a MOVED reply makes the Cache reload the map, wait for it to name the
-// new master (up to two seconds) and send the command again there, and an ASK
-// reply (a slot in the middle of a migration) sends it once to the importing
-// master, after ASKING.
+// run on the master's own connection, after READWRITE: a replica-reading
+// client opens every connection with READONLY, and a master demoted by a
+// failover the cluster client's slot map has not caught up with would
+// otherwise serve the hit as a replica. It answers MOVED instead, and so
+// does a master that lost the slot to a resharding; the Cache then reloads
+// the map, waits for it to name the new master (up to two seconds) and
+// sends the command again there. An ASK reply (a slot in the middle of a
+// migration) sends it once to the importing master, after ASKING; a bump
+// whose keys are split between the two nodes gets TRYAGAIN and fails, and
+// can be retried.
 //
 // # Versions never go backwards
 //

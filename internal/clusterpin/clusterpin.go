@@ -5,17 +5,28 @@
 // nothing in verity measures. Reads that must see every acknowledged write
 // (a cache hit after an Invalidate, a leaderboard read whose freshness is
 // reported, a reconciler's comparison) go to the master through its own
-// node client instead. That client does not follow redirects, so a MOVED
-// or ASK reply — a failover or a resharding the cluster client's slot map
-// has not caught up with — would fail every pinned read until go-redis
-// reloads the map on its own, up to ten seconds later. OnMaster follows
-// the redirect and stays on a master.
+// node client instead. Two things can still put such a read on a replica
+// or fail it:
+//
+//   - Such a client opens every connection with READONLY, masters' included.
+//     After a failover, a node the slot map still names as master may have
+//     become a replica, and it would then serve the read itself, from a
+//     dataset that may lag the new master. Pinned commands are therefore
+//     sent after READWRITE, in the same pipeline: the node answers MOVED.
+//   - The node client does not follow redirects, so a MOVED or ASK reply — a
+//     failover or a resharding the slot map has not caught up with — would
+//     fail every pinned read until go-redis reloads the map on its own
+//     (ClusterStateReloadInterval, 60 s by default, or sooner if the cluster
+//     client meets a redirect itself). OnMaster follows it, staying on a
+//     master.
 package clusterpin
 
 import (
 	"context"
 	"errors"
 	"fmt"
+	"net"
+	"strings"
 	"time"
 
 	"github.com/redis/go-redis/v9"
@@ -63,50 +74,83 @@ func IsRedirect(err error) bool {
 	return ok
 }
 
-// OnMaster runs read with the node client of the master that serves key's
-// slot, as the cluster client's slot map has it.
+// OnMaster sends the commands queue adds to p, in one pipeline after
+// READWRITE, to the master that serves key's slot as the cluster client's
+// slot map has it, and returns the error of the first command that failed
+// (redis.Nil included), as Pipeliner.Exec does. The caller reads results
+// from the commands it queued; queue may be called more than once, each
+// time with a new pipeline, and must queue the same commands each time.
 //
-// When read meets a MOVED reply, OnMaster reloads the map, waits until it
-// names the master the reply named (AwaitMaster) and runs read once more
-// there. When read meets an ASK reply (the slot is migrating and key has
-// already left), it runs read once on the importing master, on one
-// connection, right after ASKING. ASKING covers only the next command, so
-// read should send one command on key (a pipeline may follow it with keyless
-// ones, such as WAIT); a later keyed command meets the ASK reply again, and
-// its error is returned. Any other error, and a second redirect, is
-// returned as it is.
-func OnMaster(ctx context.Context, cc *redis.ClusterClient, key string, read func(redis.Cmdable) error) error {
+// When a command meets a MOVED reply, OnMaster reloads the map, waits until
+// it names another master for key (AwaitMaster) and sends the commands
+// again there, as long as replies are MOVED, for AwaitTimeout in all. When one meets an ASK reply (the slot is migrating and key
+// has already left), it sends them once to the importing master, ASKING
+// first. ASKING covers only the next command: queue should hold one command
+// on key (keyless ones, such as WAIT, may follow), because the importing
+// master answers a later keyed command with MOVED back to the old owner,
+// and that error is returned. An importing master that serves no slot yet
+// is not in the slot map, and its ASK reply is returned as it is. Any
+// other error, and a second redirect, is returned as it is.
+func OnMaster(ctx context.Context, cc *redis.ClusterClient, key string, queue func(p redis.Pipeliner)) error {
 	node, err := cc.MasterForKey(ctx, key)
 	if err != nil {
 		return err
 	}
-	err = read(node)
-	if addr, ok := redis.IsMovedError(err); ok {
-		node, awaitErr := AwaitMaster(ctx, cc, key, addr)
+	deadline := time.Now().Add(AwaitTimeout)
+	for {
+		err = send(ctx, node, false, queue)
+		addr, ok := redis.IsMovedError(err)
+		if !ok {
+			break
+		}
+		// Until the deadline: a map reloaded mid-failover may name a node
+		// that is not the owner either (go-redis picks a random node for
+		// a slot its map lacks), which answers MOVED in turn.
+		next, awaitErr := awaitMaster(ctx, cc, key, addr, node.Options().Addr, deadline)
 		if awaitErr != nil {
 			return fmt.Errorf("%w (after %w)", awaitErr, err)
 		}
-		return read(node)
+		node = next
 	}
 	if addr, ok := redis.IsAskError(err); ok {
-		return readAsking(ctx, cc, addr, err, read)
+		target := knownMaster(ctx, cc, normalizeAddr(addr))
+		if target == nil {
+			return err
+		}
+		return send(ctx, target, true, queue)
 	}
 	return err
 }
 
-// readAsking runs read on one connection to the master at addr after
-// ASKING. ask is the ASK reply, returned when no known master has addr.
-func readAsking(ctx context.Context, cc *redis.ClusterClient, addr string, ask error, read func(redis.Cmdable) error) error {
-	node := knownMaster(ctx, cc, addr)
-	if node == nil {
-		return ask
+// Pipeline returns a pipeline on node, a master's node client, that starts
+// with READWRITE (see the package documentation), for reads that handle
+// redirects themselves.
+func Pipeline(ctx context.Context, node *redis.Client) redis.Pipeliner {
+	pipe := node.Pipeline()
+	pipe.ReadWrite(ctx)
+	return pipe
+}
+
+// send runs queue's commands on one connection of node, after READWRITE
+// and, when asking, ASKING.
+func send(ctx context.Context, node *redis.Client, asking bool, queue func(redis.Pipeliner)) error {
+	pipe := Pipeline(ctx, node)
+	if asking {
+		pipe.Do(ctx, "ASKING")
 	}
-	conn := node.Conn()
-	defer conn.Close()
-	if err := conn.Do(ctx, "ASKING").Err(); err != nil {
-		return err
+	queue(pipe)
+	_, err := pipe.Exec(ctx)
+	return err
+}
+
+// normalizeAddr writes a redirect's address as go-redis names nodes: an
+// IPv6 host in brackets ("::1:7000" becomes "[::1]:7000").
+func normalizeAddr(addr string) string {
+	i := strings.LastIndexByte(addr, ':')
+	if i < 0 || strings.HasPrefix(addr, "[") {
+		return addr
 	}
-	return read(conn)
+	return net.JoinHostPort(addr[:i], addr[i+1:])
 }
 
 // knownMaster returns the node client of the master at addr, or nil.
@@ -130,19 +174,27 @@ func knownMaster(ctx context.Context, cc *redis.ClusterClient, addr string) *red
 	}
 }
 
-// AwaitMaster asks cc to reload its slot map and waits until the map names
-// the master at addr (from a MOVED reply) as the one serving key, then
-// returns that master's node client. It gives up with ErrMapBehind after
-// AwaitTimeout, and with ctx's error when ctx ends first.
-func AwaitMaster(ctx context.Context, cc *redis.ClusterClient, key, addr string) (*redis.Client, error) {
-	deadline := time.Now().Add(AwaitTimeout)
+// AwaitMaster asks cc to reload its slot map and waits until the map names,
+// as the master serving key, the one a MOVED reply named (moved) or, when
+// stale is not empty, any master but stale (the node that answered MOVED:
+// go-redis may name nodes differently from the reply, e.g. when it replaces
+// a loopback host). It returns that master's node client, or ErrMapBehind
+// after AwaitTimeout, or ctx's error when ctx ends first.
+func AwaitMaster(ctx context.Context, cc *redis.ClusterClient, key, moved, stale string) (*redis.Client, error) {
+	return awaitMaster(ctx, cc, key, moved, stale, time.Now().Add(AwaitTimeout))
+}
+
+func awaitMaster(ctx context.Context, cc *redis.ClusterClient, key, moved, stale string, deadline time.Time) (*redis.Client, error) {
+	moved = normalizeAddr(moved)
 	for {
 		// A reload already running, or in go-redis's pause after one, is
 		// only marked pending: asking on every poll reloads at most once
 		// per pause.
 		cc.ReloadState(ctx)
-		if node, err := cc.MasterForKey(ctx, key); err == nil && node.Options().Addr == addr {
-			return node, nil
+		if node, err := cc.MasterForKey(ctx, key); err == nil {
+			if addr := node.Options().Addr; addr == moved || stale != "" && addr != stale {
+				return node, nil
+			}
 		}
 		if !time.Now().Before(deadline) {
 			return nil, ErrMapBehind

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"net"
 	"strconv"
+	"sync"
 	"testing"
 	"time"
 
@@ -17,29 +18,56 @@ import (
 type testBundle struct {
 	cluster *testenv.RedisCluster
 	// stale is a client whose slot map was loaded before the test moved
-	// anything; fresh is created after, and knows the current owners.
+	// anything.
 	stale *redis.ClusterClient
+	gets  *getsByNode
 }
 
-// setup returns a bundle over cluster whose stale client has loaded its
-// slot map.
-func setup(t *testing.T, cluster *testenv.RedisCluster) *testBundle {
+// getsByNode counts the GET commands each node was sent.
+type getsByNode struct {
+	mu     sync.Mutex
+	counts map[string]int
+}
+
+func (g *getsByNode) count(addr string) int {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	return g.counts[addr]
+}
+
+// setup returns a bundle whose stale client, made by newClient from
+// cluster's addresses, counts GETs per node and has loaded its slot map.
+func setup(t *testing.T, cluster *testenv.RedisCluster, opts *redis.ClusterOptions) *testBundle {
 	t.Helper()
-	stale := cluster.Client(t)
+	if opts == nil {
+		opts = &redis.ClusterOptions{}
+	}
+	opts.Addrs = cluster.Addrs()
+	stale := redis.NewClusterClient(opts)
+	t.Cleanup(func() { _ = stale.Close() })
+	gets := &getsByNode{counts: map[string]int{}}
+	stale.OnNewNode(func(node *redis.Client) {
+		addr := node.Options().Addr
+		node.AddHook(testenv.CommandHook(func(name string) {
+			if name == "get" {
+				gets.mu.Lock()
+				defer gets.mu.Unlock()
+				gets.counts[addr]++
+			}
+		}))
+	})
 	require.NoError(t, stale.Ping(context.Background()).Err(), "loads the slot map")
-	return &testBundle{cluster: cluster, stale: stale}
+	return &testBundle{cluster: cluster, stale: stale, gets: gets}
 }
 
-// nodeAddr names the node a read ran on: a node client, or a connection
-// taken from one (the ASK path).
-func nodeAddr(rdb redis.Cmdable) string {
-	switch n := rdb.(type) {
-	case *redis.Client:
-		return n.Options().Addr
-	case *redis.Conn:
-		return "conn"
+// get reads key with OnMaster through b's stale client.
+func (b *testBundle) get(ctx context.Context, key string) (string, error) {
+	var cmd *redis.StringCmd
+	err := OnMaster(ctx, b.stale, key, func(p redis.Pipeliner) { cmd = p.Get(ctx, key) })
+	if err != nil {
+		return "", err
 	}
-	return "?"
+	return cmd.Val(), nil
 }
 
 func TestOnMaster(t *testing.T) {
@@ -51,26 +79,25 @@ func TestOnMaster(t *testing.T) {
 
 	t.Run("ReadsOnTheMaster", func(t *testing.T) {
 		t.Parallel()
-		b := setup(t, cluster)
+		b := setup(t, cluster, nil)
 		key := "{plain}k"
 		require.NoError(t, b.stale.Set(ctx, key, "v", 0).Err())
 		master, err := b.stale.MasterForKey(ctx, key)
 		require.NoError(t, err)
-		var ran []string
-		var got string
-		err = OnMaster(ctx, b.stale, key, func(rdb redis.Cmdable) error {
-			ran = append(ran, nodeAddr(rdb))
-			got, err = rdb.Get(ctx, key).Result()
-			return err
-		})
+		got, err := b.get(ctx, key)
 		require.NoError(t, err)
 		require.Equal(t, "v", got)
-		require.Equal(t, []string{master.Options().Addr}, ran)
+		require.Equal(t, 1, b.gets.count(master.Options().Addr))
+
+		var cmd *redis.StringCmd
+		err = OnMaster(ctx, b.stale, "{plain}missing", func(p redis.Pipeliner) { cmd = p.Get(ctx, "{plain}missing") })
+		require.ErrorIs(t, err, redis.Nil, "the first failed command's error, as Exec returns it")
+		require.ErrorIs(t, cmd.Err(), redis.Nil)
 	})
 
 	t.Run("FollowsMoved", func(t *testing.T) {
 		t.Parallel()
-		b := setup(t, cluster)
+		b := setup(t, cluster, nil)
 		key := "{moved}k"
 		old, err := b.stale.MasterForKey(ctx, key)
 		require.NoError(t, err)
@@ -85,95 +112,124 @@ func TestOnMaster(t *testing.T) {
 		err = old.Get(ctx, key).Err()
 		require.True(t, IsRedirect(err), "the old master answers MOVED: %v", err)
 
-		var ran []string
-		var got string
-		err = OnMaster(ctx, b.stale, key, func(rdb redis.Cmdable) error {
-			ran = append(ran, nodeAddr(rdb))
-			got, err = rdb.Get(ctx, key).Result()
-			return err
-		})
+		oldGets := b.gets.count(old.Options().Addr)
+		got, err := b.get(ctx, key)
 		require.NoError(t, err)
 		require.Equal(t, "on the new master", got)
-		require.Equal(t, []string{old.Options().Addr, owner.Options().Addr}, ran)
-		now, err := b.stale.MasterForKey(ctx, key)
+		require.Equal(t, oldGets+1, b.gets.count(old.Options().Addr), "answered MOVED")
+		require.Equal(t, 1, b.gets.count(owner.Options().Addr))
+	})
+
+	t.Run("AwaitsAMasterOtherThanTheStaleOne", func(t *testing.T) {
+		t.Parallel()
+		// go-redis may name the new master differently from the MOVED
+		// reply (it replaces loopback hosts, for one): any master but
+		// the one that answered MOVED will do.
+		b := setup(t, cluster, nil)
+		key := "{renamed}k"
+		old, err := b.stale.MasterForKey(ctx, key)
 		require.NoError(t, err)
-		require.Equal(t, owner.Options().Addr, now.Options().Addr, "the stale client's map caught up")
+		b.cluster.ReassignSlot(t, key)
+		owner, err := b.cluster.Client(t).MasterForKey(ctx, key)
+		require.NoError(t, err)
+		node, err := AwaitMaster(ctx, b.stale, key, "moved.example:1", old.Options().Addr)
+		require.NoError(t, err)
+		require.Equal(t, owner.Options().Addr, node.Options().Addr)
 	})
 
 	t.Run("FollowsAsk", func(t *testing.T) {
 		t.Parallel()
-		b := setup(t, cluster)
+		b := setup(t, cluster, nil)
 		key := "{ask}k"
 		require.NoError(t, b.stale.Set(ctx, key, "migrated", 0).Err())
 		old, err := b.stale.MasterForKey(ctx, key)
 		require.NoError(t, err)
-		b.cluster.MigrateKey(t, key)
+		dst := b.cluster.MigrateKey(t, key)
 
 		err = old.Get(ctx, key).Err()
 		_, isAsk := redis.IsAskError(err)
 		require.True(t, isAsk, "the migrating master answers ASK: %v", err)
 
-		var ran []string
-		var got string
-		err = OnMaster(ctx, b.stale, key, func(rdb redis.Cmdable) error {
-			ran = append(ran, nodeAddr(rdb))
-			got, err = rdb.Get(ctx, key).Result()
-			return err
-		})
+		got, err := b.get(ctx, key)
 		require.NoError(t, err)
 		require.Equal(t, "migrated", got)
-		require.Equal(t, []string{old.Options().Addr, "conn"}, ran)
+		require.Equal(t, 1, b.gets.count(dst))
 	})
 
 	t.Run("MapThatNeverCatchesUp", func(t *testing.T) {
 		t.Parallel()
-		b := setup(t, cluster)
 		key := "{behind}k"
-		frozen := slotMap(t, b.stale)
+		frozen := slotMap(t, cluster.Client(t))
 		// A client whose every reload returns the map from before the move.
-		stuck := redis.NewClusterClient(&redis.ClusterOptions{
-			Addrs:        b.cluster.Addrs(),
+		b := setup(t, cluster, &redis.ClusterOptions{
 			ClusterSlots: func(context.Context) ([]redis.ClusterSlot, error) { return frozen, nil },
 		})
-		t.Cleanup(func() { _ = stuck.Close() })
-		require.NoError(t, stuck.Ping(ctx).Err())
 		b.cluster.ReassignSlot(t, key)
 
 		runs := 0
-		read := func(rdb redis.Cmdable) error {
+		queue := func(p redis.Pipeliner) {
 			runs++
-			return rdb.Get(ctx, key).Err()
+			p.Get(ctx, key)
 		}
 		start := time.Now()
-		err := OnMaster(ctx, stuck, key, read)
+		err := OnMaster(ctx, b.stale, key, queue)
 		require.ErrorIs(t, err, ErrMapBehind)
 		require.True(t, IsRedirect(err), "the MOVED reply is kept: %v", err)
 		require.GreaterOrEqual(t, time.Since(start), AwaitTimeout)
-		require.Equal(t, 1, runs, "not run again on a master the map still names")
+		require.Equal(t, 1, runs, "not sent again to a master the map still names")
 
 		short, cancel := context.WithTimeout(ctx, 100*time.Millisecond)
 		defer cancel()
 		start = time.Now()
-		err = OnMaster(short, stuck, key, read)
+		err = OnMaster(short, b.stale, key, queue)
 		require.ErrorIs(t, err, context.DeadlineExceeded)
 		require.Less(t, time.Since(start), AwaitTimeout, "the context ends the wait")
 	})
 
 	t.Run("OtherErrorsAreReturnedAsTheyAre", func(t *testing.T) {
 		t.Parallel()
-		b := setup(t, cluster)
+		b := setup(t, cluster, nil)
 		key := "{wrongtype}k"
 		require.NoError(t, b.stale.HSet(ctx, key, "f", "v").Err())
 		runs := 0
-		err := OnMaster(ctx, b.stale, key, func(rdb redis.Cmdable) error {
+		err := OnMaster(ctx, b.stale, key, func(p redis.Pipeliner) {
 			runs++
-			return rdb.Get(ctx, key).Err()
+			p.Get(ctx, key)
 		})
 		require.Error(t, err)
 		require.Contains(t, err.Error(), "WRONGTYPE")
 		require.False(t, IsRedirect(err))
 		require.Equal(t, 1, runs)
 	})
+}
+
+// TestOnMasterAfterFailover fails the master of a key over to its replica
+// behind the back of a replica-reading client. Its node clients open every
+// connection with READONLY, so the demoted master, still named by the
+// client's slot map, would serve the pinned read itself, as a replica;
+// after READWRITE it answers MOVED, and the read lands on the new master.
+func TestOnMasterAfterFailover(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	cluster := testenv.StartRedisCluster(t, 3, 1)
+	cluster.WaitSlotReplicas(t, 30*time.Second)
+	b := setup(t, cluster, &redis.ClusterOptions{ReadOnly: true})
+	key := "{failover}k"
+	require.NoError(t, b.stale.Set(ctx, key, "v", 0).Err())
+	before, err := b.stale.MasterForKey(ctx, key)
+	require.NoError(t, err)
+
+	oldMaster, newMaster := cluster.Failover(t, key)
+	require.Equal(t, before.Options().Addr, oldMaster)
+	named, err := b.stale.MasterForKey(ctx, key)
+	require.NoError(t, err)
+	require.Equal(t, oldMaster, named.Options().Addr, "the client's map has not caught up")
+
+	got, err := b.get(ctx, key)
+	require.NoError(t, err)
+	require.Equal(t, "v", got)
+	require.Equal(t, 1, b.gets.count(newMaster), "the read was served by the new master")
+	require.Equal(t, 1, b.gets.count(oldMaster), "the demoted master answered MOVED, and served nothing")
 }
 
 // slotMap returns the cluster's slot map as CLUSTER SHARDS gives it, in the
@@ -225,4 +281,18 @@ func TestIsRedirect(t *testing.T) {
 	require.False(t, IsRedirect(nil))
 	require.False(t, IsRedirect(errors.New("ERR something")))
 	require.False(t, IsRedirect(redis.Nil))
+}
+
+func TestNormalizeAddr(t *testing.T) {
+	t.Parallel()
+	for in, want := range map[string]string{
+		"127.0.0.1:7000":  "127.0.0.1:7000",
+		"::1:7000":        "[::1]:7000",
+		"[::1]:7000":      "[::1]:7000",
+		"fe80::1:2:7000":  "[fe80::1:2]:7000",
+		"redis-0.svc:700": "redis-0.svc:700",
+		"no-port":         "no-port",
+	} {
+		require.Equal(t, want, normalizeAddr(in), in)
+	}
 }

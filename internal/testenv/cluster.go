@@ -786,3 +786,82 @@ func (c *RedisCluster) MigrateKey(t testing.TB, key string) string {
 	}
 	return dst.Options().Addr
 }
+
+// Failover promotes a replica of the master serving key with CLUSTER
+// FAILOVER (a manual failover: both nodes stay up, the old master becomes
+// a replica of the new one) and waits, up to 20 s, until both report their
+// new roles (asking again if a failover times out). It returns the old and the new master's addresses. Existing
+// clients' slot maps still name the old master.
+func (c *RedisCluster) Failover(t testing.TB, key string) (oldMaster, newMaster string) {
+	t.Helper()
+	ctx := context.Background()
+	client := c.Client(t)
+	old, err := client.MasterForKey(ctx, key)
+	if err != nil {
+		t.Fatalf("testenv: master of %q: %v", key, err)
+	}
+	oldID, err := old.Do(ctx, "CLUSTER", "MYID").Text()
+	if err != nil {
+		t.Fatalf("testenv: CLUSTER MYID: %v", err)
+	}
+	// A replica that only just joined (a master demoted by an earlier
+	// failover) is listed, and in sync, a little later.
+	deadline := time.Now().Add(20 * time.Second)
+	var addr string
+	for addr == "" {
+		replicas, err := old.Do(ctx, "CLUSTER", "REPLICAS", oldID).StringSlice()
+		if err != nil {
+			t.Fatalf("testenv: replicas of %s: %v", old.Options().Addr, err)
+		}
+		for _, line := range replicas {
+			// "<id> <ip:port@cport[,hostname]> <flags> ..."
+			fields := strings.Fields(line)
+			if len(fields) < 3 || strings.Contains(fields[2], "fail") {
+				continue
+			}
+			candidate, _, _ := strings.Cut(fields[1], "@")
+			replica := redis.NewClient(&redis.Options{Addr: candidate})
+			info, err := replica.Info(ctx, "replication").Result()
+			_ = replica.Close()
+			if err == nil && strings.Contains(info, "master_link_status:up") {
+				addr = candidate
+				break
+			}
+		}
+		if addr == "" {
+			if time.Now().After(deadline) {
+				t.Fatalf("testenv: no replica of %s in sync after 20 s", old.Options().Addr)
+			}
+			time.Sleep(50 * time.Millisecond)
+		}
+	}
+	promoted := redis.NewClient(&redis.Options{Addr: addr})
+	defer promoted.Close()
+	demoted := redis.NewClient(&redis.Options{Addr: old.Options().Addr})
+	defer demoted.Close()
+	role := func(n *redis.Client) string {
+		r, err := n.Do(ctx, "ROLE").Slice()
+		if err != nil || len(r) == 0 {
+			return ""
+		}
+		s, _ := r[0].(string)
+		return s
+	}
+	// A manual failover can time out without a word (one right after
+	// another, say): ask again every 5 s.
+	deadline = time.Now().Add(30 * time.Second)
+	var asked time.Time
+	for role(promoted) != "master" || role(demoted) != "slave" {
+		if time.Now().After(deadline) {
+			t.Fatalf("testenv: failover of %s to %s did not complete in 30 s", old.Options().Addr, addr)
+		}
+		if time.Since(asked) > 5*time.Second && role(promoted) != "master" {
+			if err := promoted.Do(ctx, "CLUSTER", "FAILOVER").Err(); err != nil {
+				t.Fatalf("testenv: CLUSTER FAILOVER on %s: %v", addr, err)
+			}
+			asked = time.Now()
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	return old.Options().Addr, addr
+}
