@@ -466,9 +466,8 @@ func (b *Board) measureLag(ctx context.Context) (dbNow time.Time, oldest *time.T
 // otherwise. clusterpin.OnMaster sends them after READWRITE (so a master
 // demoted by a failover the client's slot map has not caught up with
 // answers MOVED instead of serving them as a replica) and follows MOVED
-// and ASK replies, staying on masters. Scripts and MULTI go through the
-// board's client, to the master its slot map names; see the package
-// documentation for the failover window that leaves.
+// and ASK replies, staying on masters. Read-only scripts go the same way
+// (evalRead).
 //
 // queue adds the commands to a pipeline; onMaster returns the first failed
 // command's error (redis.Nil included), and the caller reads results from

@@ -3,8 +3,10 @@ package reconcile
 import (
 	"context"
 	"fmt"
+	"net"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/redis/go-redis/v9"
 	"github.com/stretchr/testify/require"
@@ -254,4 +256,99 @@ func TestClusterSlotMoveDuringReplicaReads(t *testing.T) {
 			require.Equal(t, map[Class]int64{ClassCurrent: 30}, rep.Counts, "rebuilt on the new master")
 		})
 	}
+}
+
+// TestClusterFailoverDuringReplicaReads fails the collection's master over
+// to its replica behind the back of a replica-reading client, whose
+// connections all open with READONLY: the demoted master, still named by
+// the client's slot map, must not serve the run's reads as a replica (its
+// lag would show as drift, or hide it); they reach the new master.
+func TestClusterFailoverDuringReplicaReads(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	cluster := testenv.StartRedisCluster(t, 3, 1)
+	client := cluster.ReadOnlyClient(t)
+	var mu sync.Mutex
+	reads := map[string]int{} // node address → reads of the collection
+	client.OnNewNode(func(node *redis.Client) {
+		addr := node.Options().Addr
+		node.AddHook(testenv.CommandHook(func(name string) {
+			switch name {
+			case "zmscore", "hmget", "mget", "exists", "hlen", "zcard", "zscan", "hscan":
+				mu.Lock()
+				defer mu.Unlock()
+				reads[addr]++
+			}
+		}))
+	})
+	b := setupWith(t, projection.KindSortedSet, client, "failover:")
+	rows := b.insertMany(t, 30)
+	b.projectRows(t, rows)
+	r := b.reconciler(t, nil)
+	rep, err := r.Run(ctx, RunOptions{DryRun: true}) // loads the slot map
+	require.NoError(t, err)
+	require.Equal(t, map[Class]int64{ClassCurrent: 30}, rep.Counts)
+
+	collection := b.ks.ValueKey(b.target.target(""))
+	oldMaster, newMaster := cluster.Failover(t, collection)
+	named, err := client.MasterForKey(ctx, collection)
+	require.NoError(t, err)
+	require.Equal(t, oldMaster, named.Options().Addr, "the client's map has not caught up")
+	mu.Lock()
+	before := reads[newMaster]
+	mu.Unlock()
+
+	rep, err = r.Run(ctx, RunOptions{DryRun: true})
+	require.NoError(t, err)
+	require.Equal(t, map[Class]int64{ClassCurrent: 30}, rep.Counts)
+	mu.Lock()
+	defer mu.Unlock()
+	require.Greater(t, reads[newMaster], before, "the run read on the new master")
+}
+
+// TestClusterSlotMoveRenamedNodes reaches the cluster under a host name
+// while its nodes announce 127.0.0.1, so go-redis names every node by that
+// host (it replaces loopback addresses) while MOVED replies carry
+// 127.0.0.1: a run meeting a move must still find the new master.
+func TestClusterSlotMoveRenamedNodes(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	cluster := testenv.StartRedisCluster(t, 3, 1)
+	const host = "verity-renamed.invalid"
+	var addrs []string
+	for _, a := range cluster.Addrs() {
+		_, port, err := net.SplitHostPort(a)
+		require.NoError(t, err)
+		addrs = append(addrs, net.JoinHostPort(host, port))
+	}
+	cluster.WaitSlotReplicas(t, 30*time.Second)
+	client := redis.NewClusterClient(&redis.ClusterOptions{
+		Addrs:    addrs,
+		ReadOnly: true,
+		Dialer: func(ctx context.Context, network, addr string) (net.Conn, error) {
+			_, port, err := net.SplitHostPort(addr)
+			if err != nil {
+				return nil, err
+			}
+			var d net.Dialer
+			return d.DialContext(ctx, network, net.JoinHostPort("127.0.0.1", port))
+		},
+	})
+	t.Cleanup(func() { _ = client.Close() })
+	b := setupWith(t, projection.KindSortedSet, client, "renamed:")
+	rows := b.insertMany(t, 30)
+	b.projectRows(t, rows)
+	r := b.reconciler(t, nil)
+	_, err := r.Run(ctx, RunOptions{DryRun: true}) // loads the slot map
+	require.NoError(t, err)
+	collection := b.ks.ValueKey(b.target.target(""))
+	src, err := client.MasterForKey(ctx, collection)
+	require.NoError(t, err)
+	require.Contains(t, src.Options().Addr, host, "go-redis names the nodes by the host it was given")
+	require.NoError(t, testenv.DeletePrefix(ctx, src, "renamed:"))
+	cluster.ReassignSlot(t, collection)
+
+	rep, err := r.Run(ctx, RunOptions{DryRun: true})
+	require.NoError(t, err, "a run meeting MOVED 127.0.0.1:… with nodes named by host")
+	require.Equal(t, map[Class]int64{ClassMissing: 30}, rep.Counts, "read on the new master")
 }

@@ -201,10 +201,12 @@ func (r *Reconciler) scanVersions(ctx context.Context, fn func([]string) error) 
 		per := max(1, r.cfg.PageSize/64)
 		for lo := 0; lo < len(r.versionKeys); lo += per {
 			keys := r.versionKeys[lo:min(lo+per, len(r.versionKeys))]
-			pipe, err := r.collectionPipeline(ctx)
+			// One node for the batch and the scans it continues.
+			pipeline, err := r.collectionPipelines(ctx)
 			if err != nil {
 				return err
 			}
+			pipe := pipeline()
 			cmds := make([]*redis.ScanCmd, len(keys))
 			for i, k := range keys {
 				cmds[i] = pipe.HScan(ctx, k, 0, "", int64(r.cfg.PageSize))
@@ -219,7 +221,7 @@ func (r *Reconciler) scanVersions(ctx context.Context, fn func([]string) error) 
 					members = append(members, pairs[j])
 				}
 				if cursor != 0 {
-					if err := r.scanCollectionFrom(ctx, "HSCAN", keys[i], cursor, emit); err != nil {
+					if err := r.scanCollectionFrom(ctx, pipeline, "HSCAN", keys[i], cursor, emit); err != nil {
 						return err
 					}
 				}
@@ -245,15 +247,16 @@ func (r *Reconciler) scanCollection(ctx context.Context, cmd, key string, fn fun
 }
 
 func (r *Reconciler) scanCollectionInto(ctx context.Context, cmd, key string, fn func([]string) error) error {
-	return r.scanCollectionFrom(ctx, cmd, key, 0, fn)
-}
-
-// scanCollectionFrom continues a scan of key at cursor (0 starts one).
-func (r *Reconciler) scanCollectionFrom(ctx context.Context, cmd, key string, cursor uint64, fn func([]string) error) error {
 	pipeline, err := r.collectionPipelines(ctx)
 	if err != nil {
 		return fmt.Errorf("reconcile: %s %s: %w", cmd, key, err)
 	}
+	return r.scanCollectionFrom(ctx, pipeline, cmd, key, 0, fn)
+}
+
+// scanCollectionFrom continues a scan of key at cursor (0 starts one), with
+// pipelines on the node the cursor belongs to.
+func (r *Reconciler) scanCollectionFrom(ctx context.Context, pipeline func() redis.Pipeliner, cmd, key string, cursor uint64, fn func([]string) error) error {
 	for {
 		pipe := pipeline()
 		var scan *redis.ScanCmd
@@ -263,7 +266,8 @@ func (r *Reconciler) scanCollectionFrom(ctx context.Context, cmd, key string, cu
 			scan = pipe.HScan(ctx, key, cursor, "", int64(r.cfg.PageSize))
 		}
 		var pairs []string
-		if _, err = pipe.Exec(ctx); err == nil {
+		_, err := pipe.Exec(ctx)
+		if err == nil {
 			pairs, cursor, err = scan.Result()
 		}
 		if err != nil {

@@ -252,7 +252,7 @@ func (r *Reconciler) readDocuments(ctx context.Context, keys []string, out []Pro
 			return nil, err
 		}
 		if pipes[node] == nil {
-			pipes[node] = clusterpin.Pipeline(ctx, node)
+			pipes[node] = clusterpin.Pipeline(ctx, r.primary, node)
 		}
 		return pipes[node], nil
 	}
@@ -264,11 +264,15 @@ func (r *Reconciler) readDocuments(ctx context.Context, keys []string, out []Pro
 		}
 		cmds[gi] = pipe.Do(ctx, g.keys...)
 	}
-	for _, pipe := range pipes {
+	for node, pipe := range pipes {
 		if _, err := pipe.Exec(ctx); err != nil {
 			for gi, g := range groups {
 				if clusterpin.IsRedirect(cmds[gi].Err()) {
-					err = &redirectError{key: g.keys[1].(string), err: err}
+					re := &redirectError{key: g.keys[1].(string), err: err}
+					if node != nil {
+						re.node = node.Options().Addr
+					}
+					err = re
 					break
 				}
 			}

@@ -1,6 +1,7 @@
 package reconcile
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -9,6 +10,7 @@ import (
 	"math/rand/v2"
 	"strconv"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/redis/go-redis/v9"
@@ -58,6 +60,9 @@ type Reconciler struct {
 	// then reads on the masters explicitly, since a replica's replication
 	// lag would show as drift.
 	primary *redis.ClusterClient
+	// pinnedAddr is the address of the master collection reads were last
+	// sent to: the node a MOVED reply came from, for awaitMove.
+	pinnedAddr atomic.Pointer[string]
 }
 
 // New returns a Reconciler checking target against source. cfg may be nil.
@@ -125,15 +130,18 @@ func (r *Reconciler) collectionPipelines(ctx context.Context) (func() redis.Pipe
 	if err != nil {
 		return nil, err
 	}
-	return func() redis.Pipeliner { return clusterpin.Pipeline(ctx, node) }, nil
+	addr := node.Options().Addr
+	r.pinnedAddr.Store(&addr)
+	return func() redis.Pipeliner { return clusterpin.Pipeline(ctx, r.primary, node) }, nil
 }
 
 // redirectError names a key of the slot a MOVED or ASK reply was about
 // (documents span many slots), so that Run can wait for the client's slot
 // map to catch up with it.
 type redirectError struct {
-	key string
-	err error
+	key  string
+	node string // the address of the node that answered
+	err  error
 }
 
 func (e *redirectError) Error() string { return e.err.Error() }
@@ -147,14 +155,19 @@ func (r *Reconciler) awaitMove(ctx context.Context, err error) error {
 	if !ok {
 		return err
 	}
-	key := r.valueKey
+	// The node that answered: any other master the map names will do
+	// (go-redis may name nodes differently from the reply).
+	key, stale := r.valueKey, ""
+	if p := r.pinnedAddr.Load(); p != nil {
+		stale = *p
+	}
 	if re := (*redirectError)(nil); errors.As(err, &re) {
-		key = re.key
+		key, stale = re.key, re.node
 	}
 	if key == "" {
 		return err
 	}
-	if _, werr := clusterpin.AwaitMaster(ctx, r.primary, key, addr, ""); werr != nil {
+	if _, werr := clusterpin.AwaitMaster(ctx, r.primary, key, addr, stale); werr != nil {
 		return fmt.Errorf("%w (after %w)", werr, err)
 	}
 	return nil
@@ -174,19 +187,21 @@ func (r *Reconciler) awaitMove(ctx context.Context, err error) error {
 // ResultNotAttempted; a repair whose reply was lost is ResultUncertain.
 func (r *Reconciler) Run(ctx context.Context, opts RunOptions) (*Report, error) {
 	rep, err := r.run(ctx, opts)
-	if r.primary != nil && clusterpin.IsRedirect(err) {
-		// A read pinned to a master met a slot move the client's map had
-		// not caught up with (a failover, a resharding): the master's own
-		// connection does not follow redirects. Once the reloaded map names
-		// the new master, run again, still on masters; repairs are
-		// compare-and-set, so running again is safe. A slot in the middle
-		// of a migration (ASK) fails the run: the next one covers it.
-		if werr := r.awaitMove(ctx, err); werr != nil {
-			err = werr
-		} else {
-			r.logger.Warn("reconcile: a slot moved during the run; ran it again on the new master", slog.Any("error", err))
-			rep, err = r.run(ctx, opts)
+	// A read pinned to a master met a slot move the client's map had not
+	// caught up with (a failover, a resharding): the master's own
+	// connection does not follow redirects. Once the reloaded map names
+	// another master, run again, still on masters; repairs are
+	// compare-and-set, so running again is safe. Again while runs meet
+	// MOVED, for clusterpin.AwaitTimeout: a map reloaded mid-move may name
+	// a node that does not own the slot either. A slot in the middle of a
+	// migration (ASK) fails the run: the next one covers it.
+	for deadline := time.Now().Add(clusterpin.AwaitTimeout); r.primary != nil && clusterpin.IsRedirect(err); {
+		if werr := r.awaitMove(ctx, err); werr != nil || !time.Now().Before(deadline) {
+			err = cmp.Or(werr, err)
+			break
 		}
+		r.logger.Warn("reconcile: a slot moved during the run; running it again on the new master", slog.Any("error", err))
+		rep, err = r.run(ctx, opts)
 	}
 	level := slog.LevelInfo
 	if err != nil {

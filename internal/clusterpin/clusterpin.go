@@ -83,14 +83,19 @@ func IsRedirect(err error) bool {
 //
 // When a command meets a MOVED reply, OnMaster reloads the map, waits until
 // it names another master for key (AwaitMaster) and sends the commands
-// again there, as long as replies are MOVED, for AwaitTimeout in all. When one meets an ASK reply (the slot is migrating and key
-// has already left), it sends them once to the importing master, ASKING
-// first. ASKING covers only the next command: queue should hold one command
-// on key (keyless ones, such as WAIT, may follow), because the importing
-// master answers a later keyed command with MOVED back to the old owner,
-// and that error is returned. An importing master that serves no slot yet
-// is not in the slot map, and its ASK reply is returned as it is. Any
-// other error, and a second redirect, is returned as it is.
+// again there, as long as replies are MOVED, for AwaitTimeout in all. When
+// one meets an ASK reply (the slot is migrating and key has already left),
+// it sends them once to the importing master, ASKING first. ASKING covers
+// only the next command: queue should hold one command on key (keyless
+// ones, such as WAIT, may follow), because the importing master answers a
+// later keyed command with MOVED back to the old owner, and that error is
+// returned. An importing master that serves no slot yet is not in the slot
+// map, nor is one go-redis names differently from the reply (it replaces
+// loopback hosts, for one): its ASK reply is returned as it is. Any other
+// error, and a second redirect, is returned as it is.
+//
+// READWRITE needs the same ACL permission as the READONLY a replica-reading
+// client sends on every connection (both are in @connection).
 func OnMaster(ctx context.Context, cc *redis.ClusterClient, key string, queue func(p redis.Pipeliner)) error {
 	node, err := cc.MasterForKey(ctx, key)
 	if err != nil {
@@ -98,10 +103,13 @@ func OnMaster(ctx context.Context, cc *redis.ClusterClient, key string, queue fu
 	}
 	deadline := time.Now().Add(AwaitTimeout)
 	for {
-		err = send(ctx, node, false, queue)
+		err = send(ctx, cc, node, false, queue)
 		addr, ok := redis.IsMovedError(err)
 		if !ok {
 			break
+		}
+		if !time.Now().Before(deadline) {
+			return fmt.Errorf("%w (after %w)", ErrMapBehind, err)
 		}
 		// Until the deadline: a map reloaded mid-failover may name a node
 		// that is not the owner either (go-redis picks a random node for
@@ -117,24 +125,37 @@ func OnMaster(ctx context.Context, cc *redis.ClusterClient, key string, queue fu
 		if target == nil {
 			return err
 		}
-		return send(ctx, target, true, queue)
+		return send(ctx, cc, target, true, queue)
 	}
 	return err
 }
 
-// Pipeline returns a pipeline on node, a master's node client, that starts
-// with READWRITE (see the package documentation), for reads that handle
-// redirects themselves.
-func Pipeline(ctx context.Context, node *redis.Client) redis.Pipeliner {
+// Pipeline returns a pipeline on node, a master's node client of cc, for
+// reads that handle redirects themselves. It starts with READWRITE (see the
+// package documentation) and, when cc reads from replicas, ends with
+// READONLY: the connection goes back to the node client's pool, which cc
+// also uses to read from that node once a failover has made it a replica.
+func Pipeline(ctx context.Context, cc *redis.ClusterClient, node *redis.Client) redis.Pipeliner {
 	pipe := node.Pipeline()
 	pipe.ReadWrite(ctx)
+	if cc.Options().ReadOnly {
+		return restoringPipeline{pipe}
+	}
 	return pipe
+}
+
+// restoringPipeline sends READONLY after the queued commands.
+type restoringPipeline struct{ redis.Pipeliner }
+
+func (p restoringPipeline) Exec(ctx context.Context) ([]redis.Cmder, error) {
+	p.Pipeliner.ReadOnly(ctx)
+	return p.Pipeliner.Exec(ctx)
 }
 
 // send runs queue's commands on one connection of node, after READWRITE
 // and, when asking, ASKING.
-func send(ctx context.Context, node *redis.Client, asking bool, queue func(redis.Pipeliner)) error {
-	pipe := Pipeline(ctx, node)
+func send(ctx context.Context, cc *redis.ClusterClient, node *redis.Client, asking bool, queue func(redis.Pipeliner)) error {
+	pipe := Pipeline(ctx, cc, node)
 	if asking {
 		pipe.Do(ctx, "ASKING")
 	}

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"net"
 	"strconv"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -230,6 +231,46 @@ func TestOnMasterAfterFailover(t *testing.T) {
 	require.Equal(t, "v", got)
 	require.Equal(t, 1, b.gets.count(newMaster), "the read was served by the new master")
 	require.Equal(t, 1, b.gets.count(oldMaster), "the demoted master answered MOVED, and served nothing")
+}
+
+// TestPipelineRestoresReadOnly checks that a pinned read leaves the node
+// client's connections as a replica-reading client opened them, READONLY:
+// once a failover makes that node a replica, the client reads from it, and
+// a READWRITE connection would answer those reads with MOVED.
+func TestPipelineRestoresReadOnly(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	cluster := testenv.SharedRedisCluster(t)
+	name := "clusterpin-" + strconv.FormatInt(time.Now().UnixNano(), 36)
+	b := setup(t, cluster, &redis.ClusterOptions{ReadOnly: true, ClientName: name})
+	key := "{restore}" + name
+	require.NoError(t, b.stale.Set(ctx, key, "v", 0).Err())
+	master, err := b.stale.MasterForKey(ctx, key)
+	require.NoError(t, err)
+	for range 5 {
+		got, err := b.get(ctx, key)
+		require.NoError(t, err)
+		require.Equal(t, "v", got)
+	}
+	admin := redis.NewClient(&redis.Options{Addr: master.Options().Addr})
+	t.Cleanup(func() { _ = admin.Close() })
+	list, err := admin.ClientList(ctx).Result()
+	require.NoError(t, err)
+	conns := 0
+	for _, line := range strings.Split(strings.TrimSpace(list), "\n") {
+		if !strings.Contains(line, " name="+name+" ") {
+			continue
+		}
+		conns++
+		var flags string
+		for _, field := range strings.Fields(line) {
+			if v, ok := strings.CutPrefix(field, "flags="); ok {
+				flags = v
+			}
+		}
+		require.Contains(t, flags, "r", "a connection left READWRITE: %s", line)
+	}
+	require.NotZero(t, conns)
 }
 
 // slotMap returns the cluster's slot map as CLUSTER SHARDS gives it, in the
