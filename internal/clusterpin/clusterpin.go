@@ -33,18 +33,20 @@ import (
 )
 
 const (
-	// AwaitTimeout bounds how long OnMaster and AwaitMaster wait for a
-	// reloaded slot map to name the master a MOVED reply named. A cluster
-	// that answers MOVED already agrees on the new owner; the wait covers
-	// the reload's round trip and go-redis's 200 ms pause between reloads.
+	// AwaitTimeout bounds how long OnMaster and AwaitMaster wait, after a
+	// MOVED reply, for a reloaded slot map to name the slot's new master.
+	// The node that answers MOVED already knows the new owner; the wait
+	// covers the reload's round trip, go-redis's 200 ms pause between
+	// reloads, and nodes that learn of the change a little later.
 	AwaitTimeout = 2 * time.Second
 
 	// pollInterval is how often AwaitMaster looks at the slot map.
 	pollInterval = 5 * time.Millisecond
 )
 
-// ErrMapBehind reports that the cluster client's slot map still did not
-// name the master a MOVED reply named after AwaitTimeout.
+// ErrMapBehind reports that the cluster client's slot map still named the
+// node that answered MOVED (or no master that owns the slot) after
+// AwaitTimeout.
 var ErrMapBehind = errors.New("clusterpin: the cluster client's slot map did not catch up with a MOVED reply")
 
 // Client returns client as a *redis.ClusterClient when it may send
