@@ -705,6 +705,7 @@ func (c *RedisCluster) ReassignSlot(t testing.TB, key string) {
 			t.Fatalf("testenv: CLUSTER SETSLOT %d NODE %s on %s: %v", slot, dstID, m.Options().Addr, err)
 		}
 	}
+	c.waitSlotOwner(t, key, dst.Options().Addr)
 }
 
 // ReadOnlyClient returns a cluster client that sends read-only commands to
@@ -787,6 +788,39 @@ func (c *RedisCluster) MigrateKey(t testing.TB, key string) string {
 	return dst.Options().Addr
 }
 
+// masterAndReplica returns the master client's slot map names for key and
+// the address of one of its replicas whose link is up, or "" when that node
+// is not a master (the map is behind) or has no replica in sync yet.
+func masterAndReplica(ctx context.Context, client *redis.ClusterClient, key string) (*redis.Client, string) {
+	old, err := client.MasterForKey(ctx, key)
+	if err != nil {
+		return nil, ""
+	}
+	id, err := old.Do(ctx, "CLUSTER", "MYID").Text()
+	if err != nil {
+		return old, ""
+	}
+	replicas, err := old.Do(ctx, "CLUSTER", "REPLICAS", id).StringSlice()
+	if err != nil { // "ERR The specified node is not a master"
+		return old, ""
+	}
+	for _, line := range replicas {
+		// "<id> <ip:port@cport[,hostname]> <flags> ..."
+		fields := strings.Fields(line)
+		if len(fields) < 3 || strings.Contains(fields[2], "fail") {
+			continue
+		}
+		candidate, _, _ := strings.Cut(fields[1], "@")
+		replica := redis.NewClient(&redis.Options{Addr: candidate})
+		info, err := replica.Info(ctx, "replication").Result()
+		_ = replica.Close()
+		if err == nil && strings.Contains(info, "master_link_status:up") {
+			return old, candidate
+		}
+	}
+	return old, ""
+}
+
 // Failover promotes a replica of the master serving key with CLUSTER
 // FAILOVER (a manual failover: both nodes stay up, the old master becomes
 // a replica of the new one) and waits, up to 20 s, until both report their
@@ -796,44 +830,24 @@ func (c *RedisCluster) Failover(t testing.TB, key string) (oldMaster, newMaster 
 	t.Helper()
 	ctx := context.Background()
 	client := c.Client(t)
-	old, err := client.MasterForKey(ctx, key)
-	if err != nil {
-		t.Fatalf("testenv: master of %q: %v", key, err)
-	}
-	oldID, err := old.Do(ctx, "CLUSTER", "MYID").Text()
-	if err != nil {
-		t.Fatalf("testenv: CLUSTER MYID: %v", err)
-	}
-	// A replica that only just joined (a master demoted by an earlier
-	// failover) is listed, and in sync, a little later.
-	deadline := time.Now().Add(20 * time.Second)
+	// The master serving key, and one of its replicas in sync. Right after
+	// an earlier failover, the node asked for the slot map may still name
+	// the demoted master, and a demoted master that rejoins as a replica
+	// is listed, and in sync, a little later: ask again until both are
+	// right.
+	var old *redis.Client
 	var addr string
-	for addr == "" {
-		replicas, err := old.Do(ctx, "CLUSTER", "REPLICAS", oldID).StringSlice()
-		if err != nil {
-			t.Fatalf("testenv: replicas of %s: %v", old.Options().Addr, err)
+	deadline := time.Now().Add(20 * time.Second)
+	for {
+		old, addr = masterAndReplica(ctx, client, key)
+		if addr != "" {
+			break
 		}
-		for _, line := range replicas {
-			// "<id> <ip:port@cport[,hostname]> <flags> ..."
-			fields := strings.Fields(line)
-			if len(fields) < 3 || strings.Contains(fields[2], "fail") {
-				continue
-			}
-			candidate, _, _ := strings.Cut(fields[1], "@")
-			replica := redis.NewClient(&redis.Options{Addr: candidate})
-			info, err := replica.Info(ctx, "replication").Result()
-			_ = replica.Close()
-			if err == nil && strings.Contains(info, "master_link_status:up") {
-				addr = candidate
-				break
-			}
+		if time.Now().After(deadline) {
+			t.Fatalf("testenv: no master of %q with a replica in sync after 20 s", key)
 		}
-		if addr == "" {
-			if time.Now().After(deadline) {
-				t.Fatalf("testenv: no replica of %s in sync after 20 s", old.Options().Addr)
-			}
-			time.Sleep(50 * time.Millisecond)
-		}
+		client.ReloadState(ctx)
+		time.Sleep(50 * time.Millisecond)
 	}
 	promoted := redis.NewClient(&redis.Options{Addr: addr})
 	defer promoted.Close()
@@ -856,12 +870,42 @@ func (c *RedisCluster) Failover(t testing.TB, key string) (oldMaster, newMaster 
 			t.Fatalf("testenv: failover of %s to %s did not complete in 30 s", old.Options().Addr, addr)
 		}
 		if time.Since(asked) > 5*time.Second && role(promoted) != "master" {
-			if err := promoted.Do(ctx, "CLUSTER", "FAILOVER").Err(); err != nil {
+			// It may have become master since: then Redis refuses ("send
+			// CLUSTER FAILOVER to a replica"), and the loop ends.
+			if err := promoted.Do(ctx, "CLUSTER", "FAILOVER").Err(); err != nil && role(promoted) != "master" {
 				t.Fatalf("testenv: CLUSTER FAILOVER on %s: %v", addr, err)
 			}
 			asked = time.Now()
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
+	c.waitSlotOwner(t, key, addr)
 	return old.Options().Addr, addr
+}
+
+// waitSlotOwner waits, up to 20 s, until every node of the cluster routes
+// key to the master at owner (it answers for key itself, or with MOVED to
+// owner): the nodes not involved in a failover or a slot reassignment learn
+// of it through gossip, a little later, and a client loading its slot map
+// from one of them would otherwise get the old owner.
+func (c *RedisCluster) waitSlotOwner(t testing.TB, key, owner string) {
+	t.Helper()
+	ctx := context.Background()
+	deadline := time.Now().Add(20 * time.Second)
+	for _, n := range c.nodes {
+		node := redis.NewClient(&redis.Options{Addr: n.addr(), MaxRetries: -1})
+		for {
+			err := node.Exists(ctx, key).Err()
+			moved, isMoved := redis.IsMovedError(err)
+			if err == nil && n.addr() == owner || isMoved && moved == owner {
+				break
+			}
+			if time.Now().After(deadline) {
+				_ = node.Close()
+				t.Fatalf("testenv: %s still routes %q elsewhere than %s after 20 s: %v", n.addr(), key, owner, err)
+			}
+			time.Sleep(20 * time.Millisecond)
+		}
+		_ = node.Close()
+	}
 }
