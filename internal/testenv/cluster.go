@@ -668,6 +668,28 @@ func (s *RedisSentinel) Prefix(t testing.TB) string {
 	return prefix
 }
 
+// slotMove returns the slot of key, the master serving it, and another
+// master to move it to.
+func slotMove(t testing.TB, client *redis.ClusterClient, key string) (slot int64, src, dst *redis.Client) {
+	t.Helper()
+	ctx := context.Background()
+	slot, err := client.ClusterKeySlot(ctx, key).Result()
+	if err != nil {
+		t.Fatalf("testenv: slot of %q: %v", key, err)
+	}
+	src, err = client.MasterForKey(ctx, key)
+	if err != nil {
+		t.Fatalf("testenv: master of %q: %v", key, err)
+	}
+	for _, m := range Masters(t, client) {
+		if m.Options().Addr != src.Options().Addr {
+			return slot, src, m
+		}
+	}
+	t.Fatalf("testenv: no other master to move slot %d to", slot)
+	return 0, nil, nil
+}
+
 // ReassignSlot assigns the slot of key to a master other than the one that
 // serves it now, on every master, behind the back of existing clients, whose
 // slot maps still point at the old master. The slot must hold no keys on the
@@ -676,25 +698,8 @@ func (c *RedisCluster) ReassignSlot(t testing.TB, key string) {
 	t.Helper()
 	ctx := context.Background()
 	client := c.Client(t)
-	slot, err := client.ClusterKeySlot(ctx, key).Result()
-	if err != nil {
-		t.Fatalf("testenv: slot of %q: %v", key, err)
-	}
-	src, err := client.MasterForKey(ctx, key)
-	if err != nil {
-		t.Fatalf("testenv: master of %q: %v", key, err)
-	}
+	slot, src, dst := slotMove(t, client, key)
 	masters := Masters(t, client)
-	var dst *redis.Client
-	for _, m := range masters {
-		if m.Options().Addr != src.Options().Addr {
-			dst = m
-			break
-		}
-	}
-	if dst == nil {
-		t.Fatalf("testenv: no other master to move slot %d to", slot)
-	}
 	dstID, err := dst.Do(ctx, "CLUSTER", "MYID").Text()
 	if err != nil {
 		t.Fatalf("testenv: CLUSTER MYID: %v", err)
@@ -746,24 +751,7 @@ func (c *RedisCluster) MigrateKey(t testing.TB, key string) string {
 	t.Helper()
 	ctx := context.Background()
 	client := c.Client(t)
-	slot, err := client.ClusterKeySlot(ctx, key).Result()
-	if err != nil {
-		t.Fatalf("testenv: slot of %q: %v", key, err)
-	}
-	src, err := client.MasterForKey(ctx, key)
-	if err != nil {
-		t.Fatalf("testenv: master of %q: %v", key, err)
-	}
-	var dst *redis.Client
-	for _, m := range Masters(t, client) {
-		if m.Options().Addr != src.Options().Addr {
-			dst = m
-			break
-		}
-	}
-	if dst == nil {
-		t.Fatalf("testenv: no other master to migrate slot %d to", slot)
-	}
+	slot, src, dst := slotMove(t, client, key)
 	id := func(n *redis.Client) string {
 		v, err := n.Do(ctx, "CLUSTER", "MYID").Text()
 		if err != nil {
