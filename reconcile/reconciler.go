@@ -147,9 +147,11 @@ type redirectError struct {
 func (e *redirectError) Error() string { return e.err.Error() }
 func (e *redirectError) Unwrap() error { return e.err }
 
-// awaitMove waits until the client's slot map names the master a MOVED
-// reply in err named. It returns an error when it cannot: no MOVED reply,
-// no key known for its slot, or a map that does not catch up.
+// awaitMove waits until the client's slot map names, for the slot a MOVED
+// reply in err was about, the master the reply named or any master but the
+// one that answered (clusterpin.AwaitMaster). It returns an error when it
+// cannot: no MOVED reply, no key known for its slot, or a map that does
+// not catch up.
 func (r *Reconciler) awaitMove(ctx context.Context, err error) error {
 	addr, ok := redis.IsMovedError(err)
 	if !ok {
