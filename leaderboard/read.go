@@ -541,15 +541,7 @@ func (b *Board) evalRead(ctx context.Context, script *redis.Script, key string, 
 	if b.primary == nil {
 		return script.Run(ctx, b.rdb, keys, args...).Result()
 	}
-	var cmd *redis.Cmd
-	err := b.onMaster(ctx, key, func(p redis.Pipeliner) { cmd = script.EvalSha(ctx, p, keys, args...) })
-	if err != nil && redis.HasErrorPrefix(err, "NOSCRIPT") {
-		err = b.onMaster(ctx, key, func(p redis.Pipeliner) { cmd = script.Eval(ctx, p, keys, args...) })
-	}
-	if err != nil {
-		return nil, err
-	}
-	return cmd.Result()
+	return clusterpin.Eval(ctx, b.primary, script, keys, args...).Result()
 }
 
 // parseScriptRange decodes {first index, {member, score, ...}}.

@@ -647,9 +647,17 @@ func (c *Cache[T]) read(ctx context.Context, id string, initialise, ignoreCurren
 	if ignoreCurrent {
 		ignore = "1"
 	}
-	res, err := c.lua.read.Run(ctx, c.client,
-		[]string{c.versionKey(id), c.currentKey(id), c.leaseKey(id)},
-		mode, c.config.TTL.Milliseconds(), leaseTTL, c.leaseToken, ignore).Slice()
+	keys := []string{c.versionKey(id), c.currentKey(id), c.leaseKey(id)}
+	args := []any{mode, c.config.TTL.Milliseconds(), leaseTTL, c.leaseToken, ignore}
+	var cmd *redis.Cmd
+	if c.primary != nil {
+		// On the master, like the hit's GET: the script may return the
+		// current value, and a demoted master would run it as a replica.
+		cmd = clusterpin.Eval(ctx, c.primary, c.lua.read, keys, args...)
+	} else {
+		cmd = c.lua.read.Run(ctx, c.client, keys, args...)
+	}
+	res, err := cmd.Slice()
 	if err != nil {
 		return readResult{}, err
 	}

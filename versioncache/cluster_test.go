@@ -319,3 +319,40 @@ func TestClusterFailover(t *testing.T) {
 	require.Equal(t, before.Hits+1, b.cache.Stats().Hits)
 	require.Equal(t, 1, gets.count(newMaster), "the hit was read on the new master")
 }
+
+// TestClusterFailoverPeek fails an id's master over behind the back of a
+// replica-reading client: Peek (and a miss's read script, which may return
+// the current value) runs on the new master, not on the demoted one.
+func TestClusterFailoverPeek(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	cluster := testenv.StartRedisCluster(t, 3, 1)
+	waitReplicasOnline(t, cluster.Client(t))
+	client := cluster.ReadOnlyClient(t)
+	var mu sync.Mutex
+	scripts := map[string]int{} // node address → script calls
+	client.OnNewNode(func(node *redis.Client) {
+		addr := node.Options().Addr
+		node.AddHook(testenv.CommandHook(func(name string) {
+			if name == "evalsha" || name == "eval" {
+				mu.Lock()
+				defer mu.Unlock()
+				scripts[addr]++
+			}
+		}))
+	})
+	b := setupWith(t, client, cluster.Prefix(t), nil)
+	id := "peeked"
+	b.truth.write(id, 5)
+	want, err := b.cache.Get(ctx, id, b.truth.loader(id))
+	require.NoError(t, err)
+
+	_, newMaster := cluster.Failover(t, b.cache.currentKey(id))
+	got, _, ok, err := b.cache.Peek(ctx, id)
+	require.NoError(t, err)
+	require.True(t, ok)
+	require.Equal(t, want, got)
+	mu.Lock()
+	defer mu.Unlock()
+	require.Positive(t, scripts[newMaster], "Peek's script ran on the new master")
+}

@@ -54,7 +54,8 @@
 // A replica can lag an Invalidate that its primary has acknowledged, so the
 // hit GET always goes to the primary, also with a *redis.ClusterClient that
 // routes reads to replicas (ReadOnly, RouteByLatency, RouteRandomly); so do
-// Invalidate's bump and WAIT when InvalidateReplicas is set. These commands
+// the read script of a miss and of Peek, which may return the cached value,
+// and Invalidate's bump and WAIT when InvalidateReplicas is set. These commands
 // run on the master's own connection, after READWRITE: a replica-reading
 // client opens every connection with READONLY, and a master demoted by a
 // failover the cluster client's slot map has not caught up with would

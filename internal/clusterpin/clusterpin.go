@@ -132,6 +132,24 @@ func OnMaster(ctx context.Context, cc *redis.ClusterClient, key string, queue fu
 	return err
 }
 
+// Eval runs script on keys (all in one slot) on the master of keys[0], as
+// OnMaster sends commands: EVALSHA, and EVAL when the master does not have
+// the script yet. The returned command holds the reply or the error.
+func Eval(ctx context.Context, cc *redis.ClusterClient, script *redis.Script, keys []string, args ...any) *redis.Cmd {
+	var cmd *redis.Cmd
+	err := OnMaster(ctx, cc, keys[0], func(p redis.Pipeliner) { cmd = script.EvalSha(ctx, p, keys, args...) })
+	if redis.HasErrorPrefix(err, "NOSCRIPT") {
+		err = OnMaster(ctx, cc, keys[0], func(p redis.Pipeliner) { cmd = script.Eval(ctx, p, keys, args...) })
+	}
+	if cmd == nil { // OnMaster failed before queueing
+		cmd = redis.NewCmd(ctx)
+	}
+	if err != nil { // the script's own error, or what kept it from running
+		cmd.SetErr(err)
+	}
+	return cmd
+}
+
 // Pipeline returns a pipeline on node, a master's node client of cc, for
 // reads that handle redirects themselves. It starts with READWRITE (see the
 // package documentation) and, when cc reads from replicas, ends with
