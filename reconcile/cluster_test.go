@@ -191,12 +191,7 @@ func TestClusterSlotMoveDuringReplicaReads(t *testing.T) {
 	for _, kind := range allKinds {
 		t.Run(kindName(kind), func(t *testing.T) {
 			prefix := "slot-move-" + kindName(kind) + ":"
-			b := setupWith(t, kind, client, prefix)
-			rows := b.insertMany(t, 30)
-			b.projectRows(t, rows)
-			r := b.reconciler(t, nil)
-			rep, err := r.Run(ctx, RunOptions{DryRun: true}) // also loads the slot map
-			require.NoError(t, err)
+			b, rows, r, rep := projectedAndLoaded(t, kind, client, prefix)
 			require.Equal(t, map[Class]int64{ClassCurrent: 30}, rep.Counts)
 
 			// Reassign the slot to another master, whose copy is empty
@@ -233,12 +228,7 @@ func TestClusterSlotMoveDuringReplicaReads(t *testing.T) {
 	for _, kind := range []projection.Kind{projection.KindSortedSet, projection.KindHash} {
 		t.Run("Rebuild"+kindName(kind), func(t *testing.T) {
 			prefix := "slot-move-rebuild-" + kindName(kind) + ":"
-			b := setupWith(t, kind, client, prefix)
-			rows := b.insertMany(t, 30)
-			b.projectRows(t, rows)
-			r := b.reconciler(t, nil)
-			_, err := r.Run(ctx, RunOptions{DryRun: true}) // loads the slot map
-			require.NoError(t, err)
+			b, _, r, _ := projectedAndLoaded(t, kind, client, prefix)
 			collection := b.ks.ValueKey(b.target.target(""))
 			src, err := client.MasterForKey(ctx, collection)
 			require.NoError(t, err)
@@ -281,12 +271,7 @@ func TestClusterFailoverDuringReplicaReads(t *testing.T) {
 			}
 		}))
 	})
-	b := setupWith(t, projection.KindSortedSet, client, "failover:")
-	rows := b.insertMany(t, 30)
-	b.projectRows(t, rows)
-	r := b.reconciler(t, nil)
-	rep, err := r.Run(ctx, RunOptions{DryRun: true}) // loads the slot map
-	require.NoError(t, err)
+	b, _, r, rep := projectedAndLoaded(t, projection.KindSortedSet, client, "failover:")
 	require.Equal(t, map[Class]int64{ClassCurrent: 30}, rep.Counts)
 
 	collection := b.ks.ValueKey(b.target.target(""))
@@ -335,12 +320,7 @@ func TestClusterSlotMoveRenamedNodes(t *testing.T) {
 		},
 	})
 	t.Cleanup(func() { _ = client.Close() })
-	b := setupWith(t, projection.KindSortedSet, client, "renamed:")
-	rows := b.insertMany(t, 30)
-	b.projectRows(t, rows)
-	r := b.reconciler(t, nil)
-	_, err := r.Run(ctx, RunOptions{DryRun: true}) // loads the slot map
-	require.NoError(t, err)
+	b, _, r, _ := projectedAndLoaded(t, projection.KindSortedSet, client, "renamed:")
 	collection := b.ks.ValueKey(b.target.target(""))
 	src, err := client.MasterForKey(ctx, collection)
 	require.NoError(t, err)
@@ -351,4 +331,18 @@ func TestClusterSlotMoveRenamedNodes(t *testing.T) {
 	rep, err := r.Run(ctx, RunOptions{DryRun: true})
 	require.NoError(t, err, "a run meeting MOVED 127.0.0.1:… with nodes named by host")
 	require.Equal(t, map[Class]int64{ClassMissing: 30}, rep.Counts, "read on the new master")
+}
+
+// projectedAndLoaded sets up a bundle of kind under prefix on client with
+// 30 rows projected, and a reconciler whose dry run (rep) has loaded the
+// client's slot map.
+func projectedAndLoaded(t *testing.T, kind projection.Kind, client redis.UniversalClient, prefix string) (*testBundle, []Row, *Reconciler, *Report) {
+	t.Helper()
+	b := setupWith(t, kind, client, prefix)
+	rows := b.insertMany(t, 30)
+	b.projectRows(t, rows)
+	r := b.reconciler(t, nil)
+	rep, err := r.Run(context.Background(), RunOptions{DryRun: true})
+	require.NoError(t, err)
+	return b, rows, r, rep
 }

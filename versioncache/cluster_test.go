@@ -262,12 +262,7 @@ func TestClusterSlotMove(t *testing.T) {
 		require.NoError(t, err)
 
 		before := stale.cache.Stats()
-		got, err := stale.cache.Get(ctx, id, func(context.Context) (product, error) {
-			t.Error("a hit must not load")
-			return product{}, nil
-		})
-		require.NoError(t, err)
-		require.Equal(t, want, got)
+		require.Equal(t, want, stale.hit(t, id))
 		after := stale.cache.Stats()
 		require.Equal(t, before.Hits+1, after.Hits)
 		require.Equal(t, before.RedisErrors, after.RedisErrors)
@@ -310,12 +305,7 @@ func TestClusterFailover(t *testing.T) {
 	require.Equal(t, oldMaster, named.Options().Addr, "the client's map has not caught up")
 
 	before := b.cache.Stats()
-	got, err := b.cache.Get(ctx, id, func(context.Context) (product, error) {
-		t.Error("a hit must not load")
-		return product{}, nil
-	})
-	require.NoError(t, err)
-	require.Equal(t, want, got)
+	require.Equal(t, want, b.hit(t, id))
 	require.Equal(t, before.Hits+1, b.cache.Stats().Hits)
 	require.Equal(t, 1, gets.count(newMaster), "the hit was read on the new master")
 }
@@ -355,4 +345,16 @@ func TestClusterFailoverPeek(t *testing.T) {
 	mu.Lock()
 	defer mu.Unlock()
 	require.Positive(t, scripts[newMaster], "Peek's script ran on the new master")
+}
+
+// hit gets id from b's cache with a loader that fails the test: the value
+// must be a hit.
+func (b *testBundle) hit(t *testing.T, id string) product {
+	t.Helper()
+	got, err := b.cache.Get(context.Background(), id, func(context.Context) (product, error) {
+		t.Error("a hit must not load")
+		return product{}, nil
+	})
+	require.NoError(t, err)
+	return got
 }
