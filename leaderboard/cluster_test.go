@@ -150,45 +150,64 @@ func TestRedisClusterFailoverReads(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	cluster := testenv.StartRedisCluster(t, 3, 1)
-	client := cluster.ReadOnlyClient(t)
-	var mu sync.Mutex
-	reads := map[string]int{} // node address → read commands of the board
-	client.OnNewNode(func(node *redis.Client) {
-		addr := node.Options().Addr
-		node.AddHook(testenv.CommandHook(func(name string) {
-			switch name {
-			case "zrange", "hget", "exists", "evalsha", "eval":
-				mu.Lock()
-				reads[addr]++
-				mu.Unlock()
-			}
-		}))
-	})
 	pg := testenv.Postgres(t)
 	cfg := &Config{Name: "failover", Schema: pg.Schema, KeyPrefix: "fo:", ReadPolicy: ServeStale}
 	require.NoError(t, Migrate(ctx, pg.Pool, cfg))
-	board, err := New(pg.Pool, client, cfg)
-	require.NoError(t, err)
-	t.Cleanup(board.Close)
+	var mu sync.Mutex
+	reads := map[string]int{} // node address → read commands of the board
+	// Each subtest gets a client of its own: a client that followed the
+	// previous subtest's failover may still be reloading its slot map (go-redis
+	// reloads again after a 200 ms pause when asked during one), and would
+	// learn of this subtest's failover before the read this test is about.
+	newBoard := func(t *testing.T) (*Board, *redis.ClusterClient) {
+		cluster.WaitSlotReplicas(t, 30*time.Second)
+		client := redis.NewClusterClient(&redis.ClusterOptions{
+			Addrs:                      cluster.Addrs(),
+			ReadOnly:                   true,
+			ClusterStateReloadInterval: time.Hour, // no periodic reload either
+		})
+		t.Cleanup(func() { _ = client.Close() })
+		client.OnNewNode(func(node *redis.Client) {
+			addr := node.Options().Addr
+			node.AddHook(testenv.CommandHook(func(name string) {
+				switch name {
+				case "zrange", "hget", "exists", "evalsha", "eval":
+					mu.Lock()
+					reads[addr]++
+					mu.Unlock()
+				}
+			}))
+		})
+		board, err := New(pg.Pool, client, cfg)
+		require.NoError(t, err)
+		t.Cleanup(board.Close)
+		return board, client
+	}
+	board, _ := newBoard(t)
 	tb := &testBundle{board: board, pg: pg}
 	tb.submit(t, "user-a", 2)
 	last := tb.submit(t, "user-b", 1)
 	tb.drain(t)
-	top, err := board.Top(ctx, 1) // loads the slot map
+	top, err := board.Top(ctx, 1)
 	require.NoError(t, err)
-	cluster.WaitSlotReplicas(t, 30*time.Second)
 
 	for _, read := range []struct {
 		name string
-		run  func() error
+		run  func(board *Board) error
 	}{
-		{"Top", func() error { _, err := board.Top(ctx, 2); return err }},
-		{"Page", func() error { _, err := board.Page(ctx, top.Next, 1); return err }},
-		{"Rank", func() error { _, _, err := board.Rank(ctx, "user-b"); return err }},
-		{"Around", func() error { _, err := board.Around(ctx, "user-a", 1); return err }},
-		{"ReadYourWrites", func() error { _, err := board.Top(ctx, 1, AtLeast("user-b", last.Version)); return err }},
+		{"Top", func(board *Board) error { _, err := board.Top(ctx, 2); return err }},
+		{"Page", func(board *Board) error { _, err := board.Page(ctx, top.Next, 1); return err }},
+		{"Rank", func(board *Board) error { _, _, err := board.Rank(ctx, "user-b"); return err }},
+		{"Around", func(board *Board) error { _, err := board.Around(ctx, "user-a", 1); return err }},
+		{"ReadYourWrites", func(board *Board) error {
+			_, err := board.Top(ctx, 1, AtLeast("user-b", last.Version))
+			return err
+		}},
 	} {
 		t.Run(read.name, func(t *testing.T) {
+			board, client := newBoard(t)
+			_, err := board.Top(ctx, 1) // loads the slot map
+			require.NoError(t, err)
 			oldMaster, newMaster := cluster.Failover(t, board.SortedSetKey())
 			named, err := client.MasterForKey(ctx, board.SortedSetKey())
 			require.NoError(t, err)
@@ -196,7 +215,7 @@ func TestRedisClusterFailoverReads(t *testing.T) {
 			mu.Lock()
 			before := reads[newMaster]
 			mu.Unlock()
-			require.NoError(t, read.run())
+			require.NoError(t, read.run(board))
 			mu.Lock()
 			defer mu.Unlock()
 			require.Greater(t, reads[newMaster], before, "the read was answered by the new master")
