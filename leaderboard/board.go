@@ -72,6 +72,7 @@ type Board struct {
 	verifiedKey, verifyingKey string
 
 	notifier *outbox.Notifier // wakes the relays after Submit and SubmitBatch
+	group    submitGroup      // coalesces concurrent Submit calls
 
 	sql struct {
 		submit, submitTx, lookupEvent string
@@ -133,6 +134,7 @@ func New(pool *pgxpool.Pool, rdb redis.UniversalClient, cfg *Config) (*Board, er
 		channel:  w.Channel(),
 		ks:       ks,
 	}
+	b.group.b, b.group.stallAfter = b, submitStallAfter
 	b.zsetKey = ks.ValueKey(b.target(""))
 	b.verifiedKey, b.verifyingKey = b.zsetKey+"~verified", b.zsetKey+"~verifying"
 	b.primary = clusterpin.Client(rdb)
@@ -146,15 +148,18 @@ func New(pool *pgxpool.Pool, rdb redis.UniversalClient, cfg *Config) (*Board, er
 	return b, nil
 }
 
-// Close stops the board's relay wake-ups (its outbox.Notifier), sending a
-// pending one first. Calling it is good practice at shutdown but optional:
+// Close waits for the Submit statements under way to finish and stops the
+// board's relay wake-ups (its outbox.Notifier), sending a pending one first. Calling it is good practice at shutdown but optional:
 // the wake-up goroutine only runs while submits keep coming and exits
 // within outbox.NotifierIdleTimeoutDefault (100 ms) of the last one, so a
 // board that is dropped without Close leaves no goroutine behind. After
 // Close the board still works; its Submit and SubmitBatch then no longer
 // wake the relays, which find the rows at their next poll. Close does not
 // close the pool or the Redis client. It is safe to call more than once.
-func (b *Board) Close() { b.notifier.Close() }
+func (b *Board) Close() {
+	b.group.wait()
+	b.notifier.Close()
+}
 
 // Name returns the board's name.
 func (b *Board) Name() string { return b.cfg.Name }
@@ -232,6 +237,14 @@ func (b *Board) submit(ctx context.Context, cmd Command) (Result, error) {
 	if err := b.validate(0, cmd); err != nil {
 		return Result{}, err
 	}
+	if b.cfg.MaxSubmitsPerStatement == 1 {
+		return b.submitOne(ctx, cmd)
+	}
+	return b.group.submit(ctx, cmd)
+}
+
+// submitOne applies a validated command in a statement of its own.
+func (b *Board) submitOne(ctx context.Context, cmd Command) (Result, error) {
 	res, err := b.submitStatement(ctx, b.pool, b.sql.submit, cmd)
 	if err == nil && !res.Duplicate {
 		b.notifier.Notify() // committed: autocommit statement
@@ -382,7 +395,7 @@ func (b *Board) checkDuplicate(cmd Command, res Result, board, user string, delt
 // projection would skip the intermediate ones anyway). As with Submit, the
 // relays are woken after the commit by the board's outbox.Notifier.
 func (b *Board) SubmitBatch(ctx context.Context, cmds []Command) ([]Result, error) {
-	out, err := b.submitBatch(ctx, cmds)
+	out, err := b.submitBatch(ctx, cmds, false)
 	if err != nil {
 		b.metrics.submitted(ctx, len(cmds), false, err)
 		return out, err
@@ -398,7 +411,10 @@ func (b *Board) SubmitBatch(ctx context.Context, cmds []Command) ([]Result, erro
 	return out, nil
 }
 
-func (b *Board) submitBatch(ctx context.Context, cmds []Command) ([]Result, error) {
+// submitBatch applies cmds in one statement. everyState queues every
+// command's resulting state in the outbox, as Submit does, instead of each
+// user's last one only.
+func (b *Board) submitBatch(ctx context.Context, cmds []Command, everyState bool) ([]Result, error) {
 	if len(cmds) == 0 {
 		return nil, nil
 	}
@@ -434,7 +450,7 @@ func (b *Board) submitBatch(ctx context.Context, cmds []Command) ([]Result, erro
 	// statement that lost it released everything.
 	var err error
 	for twins, deadlocks := 0, 0; ; {
-		err = b.submitBatchOnce(ctx, cmds, sent, ids, users, deltas, out)
+		err = b.submitBatchOnce(ctx, cmds, sent, ids, users, deltas, everyState, out)
 		switch {
 		case err == nil:
 		case isUniqueViolation(err) && violatedTable(err) == b.cfg.OutboxTable:
@@ -462,13 +478,20 @@ func (b *Board) submitBatch(ctx context.Context, cmds []Command) ([]Result, erro
 	return out, nil
 }
 
-func (b *Board) submitBatchOnce(ctx context.Context, cmds []Command, sent []int, ids, users []string, deltas []int64, out []Result) error {
-	// QueryExecModeExec sends the statement unnamed, so PostgreSQL plans it
-	// for the actual arrays every time. A cached prepared statement switches
-	// to a generic plan after five runs, which cannot see the array sizes and
-	// joins the CTEs with nested loops: about 6x slower at 1,000 commands.
-	// Still one round trip.
-	rows, err := b.pool.Query(ctx, b.sql.submitBatch, pgx.QueryExecModeExec, ids, users, deltas, b.cfg.Name, b.stream)
+func (b *Board) submitBatchOnce(ctx context.Context, cmds []Command, sent []int, ids, users []string, deltas []int64, everyState bool, out []Result) error {
+	// Large batches go as QueryExecModeExec: the statement is sent unnamed,
+	// so PostgreSQL plans it for the actual arrays every time. A cached
+	// prepared statement switches to a generic plan after five runs, which
+	// cannot see the array sizes and joins the CTEs with nested loops:
+	// about 6x slower at 1,000 commands. Small ones (Submit's groups) take
+	// the cached statement: there the nested loops cost nothing and
+	// planning would be about half the statement's time. One round trip
+	// either way.
+	mode := pgx.QueryExecModeExec
+	if len(sent) <= preparedBatchMax {
+		mode = pgx.QueryExecModeCacheStatement
+	}
+	rows, err := b.pool.Query(ctx, b.sql.submitBatch, mode, ids, users, deltas, b.cfg.Name, b.stream, everyState)
 	if err != nil {
 		return b.mapBatchError(ctx, err, cmds, sent)
 	}
@@ -578,6 +601,10 @@ func isUniqueViolation(err error) bool {
 	var pgErr *pgconn.PgError
 	return errors.As(err, &pgErr) && pgErr.Code == "23505"
 }
+
+// preparedBatchMax is the largest batch sent as a cached prepared
+// statement (see submitBatchOnce).
+const preparedBatchMax = MaxSubmitsPerStatementDefault
 
 // batchDeadlockRetries bounds how often SubmitBatch runs its statement
 // again after losing a deadlock (counted apart from the twins it meets).

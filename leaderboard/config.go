@@ -53,17 +53,19 @@ func (p ReadPolicy) String() string {
 
 // Defaults applied by Config.WithDefaults to zero-valued fields.
 const (
-	MinDeltaDefault              int64         = -1000
-	MaxDeltaDefault              int64         = 1000
-	MaxUserIDLengthDefault                     = 128
-	ReadPolicyDefault                          = ServeStale
-	MaxLagDefault                time.Duration = 5 * time.Second
-	ReadYourWritesTimeoutDefault time.Duration = 250 * time.Millisecond
-	LagProbeIntervalDefault      time.Duration = 100 * time.Millisecond
-	KeyPrefixDefault                           = "verity:lb:"
-	VersionBucketsDefault                      = 0
-	SchemaDefault                              = outbox.SchemaDefault
-	OutboxTableDefault                         = outbox.TableDefault
+	MinDeltaDefault               int64         = -1000
+	MaxDeltaDefault               int64         = 1000
+	MaxUserIDLengthDefault                      = 128
+	ReadPolicyDefault                           = ServeStale
+	MaxLagDefault                 time.Duration = 5 * time.Second
+	ReadYourWritesTimeoutDefault  time.Duration = 250 * time.Millisecond
+	LagProbeIntervalDefault       time.Duration = 100 * time.Millisecond
+	KeyPrefixDefault                            = "verity:lb:"
+	VersionBucketsDefault                       = 0
+	SchemaDefault                               = outbox.SchemaDefault
+	OutboxTableDefault                          = outbox.TableDefault
+	MaxSubmitsPerStatementDefault               = 64
+	SubmitStatementsDefault                     = 2
 )
 
 // Hard limits that configuration cannot exceed.
@@ -79,6 +81,8 @@ const (
 	// integer exactly. They also bound the delta limits.
 	MaxScore int64 = 1 << 53
 	MinScore int64 = -(1 << 53)
+	// MaxSubmitsPerStatementLimit bounds Config.MaxSubmitsPerStatement.
+	MaxSubmitsPerStatementLimit = 1000
 )
 
 // Config configures a Board. The zero value of every field except Name
@@ -104,6 +108,27 @@ type Config struct {
 	// MaxDelta 50 allows increments only). Both must lie within
 	// [MinScore, MaxScore].
 	MinDelta, MaxDelta int64
+
+	// MaxSubmitsPerStatement bounds how many concurrent Submit calls share
+	// one statement (group commit). A Submit that arrives while the board's
+	// Submit statements are all in flight waits for one to finish and is
+	// then applied together with the others that arrived meanwhile, in one
+	// statement, one transaction and one WAL flush: each command keeps its
+	// own event record, version and result, and the outbox receives each
+	// user's latest state. A Submit never waits for company: with a
+	// statement free it is sent at once. When a shared statement fails
+	// because of one command (a reused event id, a score out of range),
+	// nothing is written and each command is applied on its own, so every
+	// caller gets the outcome its command would have had alone. 1 turns
+	// the grouping off: every Submit is a statement of its own. At most
+	// MaxSubmitsPerStatementLimit. Defaults to MaxSubmitsPerStatementDefault.
+	MaxSubmitsPerStatement int
+
+	// SubmitStatements bounds how many Submit statements of the board run
+	// at once, each on a pool connection; the Submit calls that find them
+	// all busy are grouped. It has no effect when MaxSubmitsPerStatement is
+	// 1. Defaults to SubmitStatementsDefault.
+	SubmitStatements int
 
 	// MaxUserIDLength bounds Command.UserID in bytes. Defaults to
 	// MaxUserIDLengthDefault; at most MaxUserIDLengthLimit.
@@ -191,6 +216,12 @@ func (c *Config) WithDefaults() *Config {
 	if out.MinDelta == 0 && out.MaxDelta == 0 {
 		out.MinDelta, out.MaxDelta = MinDeltaDefault, MaxDeltaDefault
 	}
+	if out.MaxSubmitsPerStatement == 0 {
+		out.MaxSubmitsPerStatement = MaxSubmitsPerStatementDefault
+	}
+	if out.SubmitStatements == 0 {
+		out.SubmitStatements = SubmitStatementsDefault
+	}
 	if out.MaxUserIDLength == 0 {
 		out.MaxUserIDLength = MaxUserIDLengthDefault
 	}
@@ -232,6 +263,10 @@ func (c *Config) validate() error {
 		return fmt.Errorf("leaderboard: Config.MinDelta (%d) is above Config.MaxDelta (%d); swap them", c.MinDelta, c.MaxDelta)
 	case c.MinDelta < MinScore || c.MaxDelta > MaxScore:
 		return fmt.Errorf("leaderboard: Config.MinDelta and Config.MaxDelta must lie within [%d, %d]", MinScore, MaxScore)
+	case c.MaxSubmitsPerStatement < 1 || c.MaxSubmitsPerStatement > MaxSubmitsPerStatementLimit:
+		return fmt.Errorf("leaderboard: Config.MaxSubmitsPerStatement must be between 1 (no grouping) and %d (got %d)", MaxSubmitsPerStatementLimit, c.MaxSubmitsPerStatement)
+	case c.SubmitStatements < 1:
+		return fmt.Errorf("leaderboard: Config.SubmitStatements must be at least 1 (got %d); leave it 0 for the default, %d", c.SubmitStatements, SubmitStatementsDefault)
 	case c.MaxUserIDLength < 1 || c.MaxUserIDLength > MaxUserIDLengthLimit:
 		return fmt.Errorf("leaderboard: Config.MaxUserIDLength must be between 1 and %d (got %d)", MaxUserIDLengthLimit, c.MaxUserIDLength)
 	case c.ReadPolicy < ServeStale || c.ReadPolicy > FailClosed:

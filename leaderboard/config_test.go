@@ -32,6 +32,8 @@ func TestConfig(t *testing.T) {
 		require.Equal(t, LagProbeIntervalDefault, c.LagProbeInterval)
 		require.Equal(t, KeyPrefixDefault, c.KeyPrefix)
 		require.Equal(t, VersionBucketsDefault, c.VersionBuckets)
+		require.Equal(t, MaxSubmitsPerStatementDefault, c.MaxSubmitsPerStatement)
+		require.Equal(t, SubmitStatementsDefault, c.SubmitStatements)
 		require.NotNil(t, c.Logger)
 		require.NoError(t, c.validate())
 
@@ -69,6 +71,9 @@ func TestConfig(t *testing.T) {
 			{"BracePrefix", Config{Name: "b", KeyPrefix: "a{b}"}, "Config.KeyPrefix"},
 			{"NegativeBuckets", Config{Name: "b", VersionBuckets: -1}, "Config.VersionBuckets"},
 			{"TooManyBuckets", Config{Name: "b", VersionBuckets: projection.VersionBucketsMax + 1}, "Config.VersionBuckets"},
+			{"NegativeSubmitsPerStatement", Config{Name: "b", MaxSubmitsPerStatement: -1}, "Config.MaxSubmitsPerStatement"},
+			{"TooManySubmitsPerStatement", Config{Name: "b", MaxSubmitsPerStatement: MaxSubmitsPerStatementLimit + 1}, "Config.MaxSubmitsPerStatement"},
+			{"NegativeSubmitStatements", Config{Name: "b", SubmitStatements: -1}, "Config.SubmitStatements"},
 		} {
 			t.Run(tc.name, func(t *testing.T) {
 				err := tc.cfg.WithDefaults().validate()

@@ -87,7 +87,7 @@ WHERE event_id = $1::uuid`
 // submitBatchSQL applies many commands in one statement.
 //
 //	$1 event ids, $2 user ids, $3 deltas (parallel arrays, no repeated id),
-//	$4 board, $5 stream
+//	$4 board, $5 stream, $6 every state
 //
 // When any event id was already used for a different command, conflicted
 // is non-empty and nothing is written; the prior rows are returned and Go
@@ -95,7 +95,8 @@ WHERE event_id = $1::uuid`
 // row is upserted once (ON CONFLICT cannot touch a row twice), in user id
 // order so that concurrent batches lock rows in the same order, and each
 // command's own score and version are derived from running sums in batch
-// order. Only each user's last state goes to the outbox: payloads are
+// order. Unless $6 (Submit's groups, which keep Submit's one outbox row per
+// command), only each user's last state goes to the outbox: payloads are
 // absolute, so the intermediate ones would be superseded anyway. Like
 // submitSQL it does not notify; SubmitBatch uses the board's Notifier.
 //
@@ -165,7 +166,7 @@ queued AS (
     INSERT INTO {{outbox}} (event_id, stream, key, version, payload)
     SELECT r.event_id, $5::text, r.user_id, r.version, convert_to(r.score::text, 'UTF8')
     FROM results AS r JOIN recorded USING (event_id)
-    WHERE r.last
+    WHERE r.last OR $6::boolean
 )
 SELECT r.ord, false, r.score, r.version, $4::text, r.user_id::text, r.delta
 FROM results AS r

@@ -1,0 +1,439 @@
+package leaderboard
+
+import (
+	"context"
+	"fmt"
+	"testing"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/stretchr/testify/require"
+)
+
+// groupBundle is a board whose Submit statements the test can hold back:
+// it runs on a pool of one connection, which the test takes (hold) and
+// gives back (release), with one flusher that never counts as stalled. A
+// test queues calls one at a time behind a first, held one, so it knows
+// which calls share a statement.
+type groupBundle struct {
+	*testBundle
+	board *Board
+	pool  *pgxpool.Pool
+	held  *pgxpool.Conn
+}
+
+func setupGroups(t *testing.T, mutate ...func(*Config)) *groupBundle {
+	t.Helper()
+	tb := setup(t, mutate...)
+	pc, err := pgxpool.ParseConfig(tb.pg.ConnString)
+	require.NoError(t, err)
+	pc.MaxConns = 1
+	pool, err := pgxpool.NewWithConfig(context.Background(), pc)
+	require.NoError(t, err)
+	t.Cleanup(pool.Close)
+	cfg := tb.board.Config()
+	cfg.SubmitStatements = 1
+	board, err := New(pool, tb.rd.Client, &cfg)
+	require.NoError(t, err)
+	board.group.stallAfter = time.Hour
+	t.Cleanup(board.Close)
+	return &groupBundle{testBundle: tb, board: board, pool: pool}
+}
+
+func (gb *groupBundle) hold(t *testing.T) {
+	t.Helper()
+	conn, err := gb.pool.Acquire(context.Background())
+	require.NoError(t, err)
+	gb.held = conn
+	t.Cleanup(gb.release) // before the board's Close, which waits for the statement
+}
+
+func (gb *groupBundle) release() {
+	if gb.held != nil {
+		gb.held.Release()
+		gb.held = nil
+	}
+}
+
+// outcome is what a Submit call returned.
+type outcome struct {
+	res Result
+	err error
+}
+
+// submitQueued starts Submit(ctx, cmd) and returns once the call is queued
+// behind queued others. The first call of a test (queued 0) waits until no
+// flusher runs, and returns once the flusher it starts has taken it: that
+// flusher then waits for the held connection.
+func (gb *groupBundle) submitQueued(t *testing.T, ctx context.Context, cmd Command, queued int) <-chan outcome {
+	t.Helper()
+	if queued == 0 {
+		// No flusher may run yet: the one this call starts must take it.
+		gb.board.group.wait()
+	}
+	out := make(chan outcome, 1)
+	go func() {
+		res, err := gb.board.Submit(ctx, cmd)
+		out <- outcome{res, err}
+	}()
+	g := &gb.board.group
+	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(time.Millisecond) {
+		g.mu.Lock()
+		n, flushers := len(g.queue), g.flushers
+		g.mu.Unlock()
+		if n == queued && flushers == 1 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the call was not queued behind %d others in 5 s: %d queued, %d flushers", queued, n, flushers)
+		}
+	}
+	return out
+}
+
+func wait(t *testing.T, c <-chan outcome) outcome {
+	t.Helper()
+	select {
+	case o := <-c:
+		return o
+	case <-time.After(10 * time.Second):
+		t.Fatal("Submit did not return")
+		return outcome{}
+	}
+}
+
+// transactions returns how many transactions wrote the score events of ids.
+func (tb *testBundle) transactions(t *testing.T, ids ...uuid.UUID) int {
+	t.Helper()
+	var n int
+	require.NoError(t, tb.pg.Pool.QueryRow(context.Background(),
+		`SELECT count(DISTINCT xmin::text) FROM score_events WHERE event_id = ANY ($1)`, ids).Scan(&n))
+	return n
+}
+
+func TestSubmitGroups(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+
+	t.Run("ConcurrentCallsShareOneStatement", func(t *testing.T) {
+		t.Parallel()
+		gb := setupGroups(t)
+		gb.hold(t)
+		first := Command{EventID: uuid.New(), UserID: "user-z", Delta: 4}
+		firstOut := gb.submitQueued(t, ctx, first, 0)
+		var (
+			cmds []Command
+			outs []<-chan outcome
+		)
+		for i, user := range []string{"user-a", "user-b", "user-a", "user-c", "user-a"} {
+			cmd := Command{EventID: uuid.New(), UserID: user, Delta: int64(i + 1)}
+			cmds = append(cmds, cmd)
+			outs = append(outs, gb.submitQueued(t, ctx, cmd, i+1))
+		}
+		gb.release()
+
+		o := wait(t, firstOut)
+		require.NoError(t, o.err)
+		require.Equal(t, Result{Score: 4, Version: 1}, o.res)
+		// Each command keeps its own result, in queue order per user.
+		want := []Result{{Score: 1, Version: 1}, {Score: 2, Version: 1}, {Score: 4, Version: 2}, {Score: 4, Version: 1}, {Score: 9, Version: 3}}
+		ids := []uuid.UUID{}
+		for i, c := range outs {
+			o := wait(t, c)
+			require.NoError(t, o.err, "call %d", i)
+			require.Equal(t, want[i], o.res, "call %d", i)
+			ids = append(ids, cmds[i].EventID)
+		}
+		require.Equal(t, 1, gb.transactions(t, ids...), "the queued calls share a transaction")
+		require.Equal(t, 2, gb.transactions(t, append(ids, first.EventID)...))
+
+		// Every event is recorded with its own result and, as with a Submit
+		// on its own, has its own outbox row.
+		for i, cmd := range cmds {
+			var score, version int64
+			require.NoError(t, gb.pg.Pool.QueryRow(ctx, `SELECT score, version FROM score_events WHERE event_id = $1`, cmd.EventID).Scan(&score, &version))
+			require.Equal(t, want[i], Result{Score: score, Version: version})
+		}
+		rows, err := gb.pg.Pool.Query(ctx, `SELECT key, version, convert_from(payload, 'UTF8') FROM verity_outbox WHERE key <> 'user-z' ORDER BY key, version`)
+		require.NoError(t, err)
+		type queued struct {
+			key     string
+			version int64
+			payload string
+		}
+		var got []queued
+		for rows.Next() {
+			var q queued
+			require.NoError(t, rows.Scan(&q.key, &q.version, &q.payload))
+			got = append(got, q)
+		}
+		require.NoError(t, rows.Err())
+		require.Equal(t, []queued{{"user-a", 1, "1"}, {"user-a", 2, "4"}, {"user-a", 3, "9"}, {"user-b", 1, "2"}, {"user-c", 1, "4"}}, got)
+	})
+
+	t.Run("BoundedByMaxSubmitsPerStatement", func(t *testing.T) {
+		t.Parallel()
+		gb := setupGroups(t, func(c *Config) { c.MaxSubmitsPerStatement = 2 })
+		gb.hold(t)
+		var ids []uuid.UUID
+		var outs []<-chan outcome
+		for i := range 6 {
+			cmd := Command{EventID: uuid.New(), UserID: fmt.Sprintf("user-%d", i), Delta: 1}
+			ids = append(ids, cmd.EventID)
+			outs = append(outs, gb.submitQueued(t, ctx, cmd, i))
+		}
+		gb.release()
+		for _, c := range outs {
+			require.NoError(t, wait(t, c).err)
+		}
+		require.Equal(t, 4, gb.transactions(t, ids...), "1, then 2, 2 and 1")
+	})
+
+	t.Run("OneTurnsGroupingOff", func(t *testing.T) {
+		t.Parallel()
+		tb := setup(t, func(c *Config) { c.MaxSubmitsPerStatement = 1 })
+		// With the group's lock held, a Submit that went through the group
+		// would wait for it.
+		g := &tb.board.group
+		g.mu.Lock()
+		out := make(chan outcome, 1)
+		go func() {
+			res, err := tb.board.Submit(ctx, Command{EventID: uuid.New(), UserID: "user-a", Delta: 1})
+			out <- outcome{res, err}
+		}()
+		var o outcome
+		select {
+		case o = <-out:
+			g.mu.Unlock()
+		case <-time.After(5 * time.Second):
+			g.mu.Unlock()
+			t.Fatal("Submit went through the group")
+		}
+		require.NoError(t, o.err)
+		require.Equal(t, Result{Score: 1, Version: 1}, o.res)
+	})
+
+	t.Run("TwinsInOneStatement", func(t *testing.T) {
+		t.Parallel()
+		gb := setupGroups(t)
+		gb.hold(t)
+		firstOut := gb.submitQueued(t, ctx, Command{EventID: uuid.New(), UserID: "user-z", Delta: 1}, 0)
+		cmd := Command{EventID: uuid.New(), UserID: "user-a", Delta: 3}
+		other := Command{EventID: uuid.New(), UserID: "user-b", Delta: 1}
+		a := gb.submitQueued(t, ctx, cmd, 1)
+		twin := gb.submitQueued(t, ctx, cmd, 2)
+		b := gb.submitQueued(t, ctx, other, 3)
+		gb.release()
+		require.NoError(t, wait(t, firstOut).err)
+
+		oa, ot, ob := wait(t, a), wait(t, twin), wait(t, b)
+		require.NoError(t, oa.err)
+		require.NoError(t, ot.err)
+		require.NoError(t, ob.err)
+		require.Equal(t, Result{Score: 3, Version: 1}, oa.res)
+		require.Equal(t, Result{Score: 3, Version: 1, Duplicate: true}, ot.res)
+		require.Equal(t, 1, gb.transactions(t, cmd.EventID, other.EventID))
+		events, _, _ := gb.counts(t)
+		require.Equal(t, 3, events)
+	})
+
+	t.Run("ConflictGivesEachCallItsOwnOutcome", func(t *testing.T) {
+		t.Parallel()
+		gb := setupGroups(t, func(c *Config) { c.MinDelta, c.MaxDelta = MinScore, MaxScore })
+		_, err := gb.board.Submit(ctx, Command{EventID: uuid.New(), UserID: "user-high", Delta: MaxScore - 1})
+		require.NoError(t, err)
+		gb.hold(t)
+		firstOut := gb.submitQueued(t, ctx, Command{EventID: uuid.New(), UserID: "user-z", Delta: 1}, 0)
+		id := uuid.New()
+		ok1 := Command{EventID: uuid.New(), UserID: "user-a", Delta: 1}
+		reused := Command{EventID: id, UserID: "user-b", Delta: 1}
+		conflicting := Command{EventID: id, UserID: "user-c", Delta: 1}
+		overflow := Command{EventID: uuid.New(), UserID: "user-high", Delta: 5}
+		ok2 := Command{EventID: uuid.New(), UserID: "user-a", Delta: 1}
+		var outs []<-chan outcome
+		for i, cmd := range []Command{ok1, reused, conflicting, overflow, ok2} {
+			outs = append(outs, gb.submitQueued(t, ctx, cmd, i+1))
+		}
+		gb.release()
+		require.NoError(t, wait(t, firstOut).err)
+
+		o := wait(t, outs[0])
+		require.NoError(t, o.err)
+		require.Equal(t, Result{Score: 1, Version: 1}, o.res)
+		o = wait(t, outs[1])
+		require.NoError(t, o.err)
+		require.Equal(t, Result{Score: 1, Version: 1}, o.res)
+		o = wait(t, outs[2])
+		var conflict *IdempotencyConflictError
+		require.ErrorAs(t, o.err, &conflict)
+		require.Equal(t, "user-b", conflict.UserID)
+		require.Equal(t, conflicting, conflict.Attempted)
+		o = wait(t, outs[3])
+		var tooHigh *ScoreOutOfRangeError
+		require.ErrorAs(t, o.err, &tooHigh)
+		require.Equal(t, "user-high", tooHigh.UserID)
+		o = wait(t, outs[4])
+		require.NoError(t, o.err)
+		require.Equal(t, Result{Score: 2, Version: 2}, o.res)
+
+		var high int64
+		require.NoError(t, gb.pg.Pool.QueryRow(ctx, `SELECT score FROM user_scores WHERE user_id = 'user-high'`).Scan(&high))
+		require.Equal(t, MaxScore-1, high, "the refused command wrote nothing")
+		events, users, _ := gb.counts(t)
+		require.Equal(t, 5, events) // user-high's first, user-z, ok1, reused, ok2
+		require.Equal(t, 4, users)
+	})
+
+	t.Run("CancelledWhileQueuedWritesNothing", func(t *testing.T) {
+		t.Parallel()
+		gb := setupGroups(t)
+		gb.hold(t)
+		firstOut := gb.submitQueued(t, ctx, Command{EventID: uuid.New(), UserID: "user-z", Delta: 1}, 0)
+		cctx, cancel := context.WithCancel(ctx)
+		cmd := Command{EventID: uuid.New(), UserID: "user-a", Delta: 1}
+		out := gb.submitQueued(t, cctx, cmd, 1)
+		cancel()
+		require.ErrorIs(t, wait(t, out).err, context.Canceled)
+		gb.release()
+		require.NoError(t, wait(t, firstOut).err)
+		gb.board.Close() // the flusher is done
+		events, _, _ := gb.counts(t)
+		require.Equal(t, 1, events)
+		require.Zero(t, gb.transactions(t, cmd.EventID))
+	})
+
+	t.Run("CancelledCallersLeaveTheOthers", func(t *testing.T) {
+		t.Parallel()
+		gb := setupGroups(t)
+		gb.hold(t)
+		cctx, cancel := context.WithCancel(ctx)
+		first := gb.submitQueued(t, cctx, Command{EventID: uuid.New(), UserID: "user-z", Delta: 1}, 0)
+		cancel() // the first caller gives up while its statement waits
+		require.ErrorIs(t, wait(t, first).err, context.Canceled)
+		// The flusher has given the first call up, or will: either way the
+		// second is taken at once.
+		second := gb.submitQueued(t, ctx, Command{EventID: uuid.New(), UserID: "user-a", Delta: 1}, 0)
+		gb.release()
+		o := wait(t, second)
+		require.NoError(t, o.err)
+		require.Equal(t, Result{Score: 1, Version: 1}, o.res)
+	})
+
+	t.Run("StalledStatementDoesNotHoldUpOthers", func(t *testing.T) {
+		t.Parallel()
+		tb := setup(t, func(c *Config) { c.SubmitStatements = 1 })
+		_, err := tb.board.Submit(ctx, Command{EventID: uuid.New(), UserID: "user-a", Delta: 1})
+		require.NoError(t, err)
+		// A caller's transaction holds user-a's row: the next Submit of
+		// user-a waits for it, in the board's only statement slot.
+		tx, err := tb.pg.Pool.Begin(ctx)
+		require.NoError(t, err)
+		defer tx.Rollback(ctx) //nolint:errcheck // rolled back below
+		_, err = tx.Exec(ctx, `SELECT 1 FROM user_scores WHERE user_id = 'user-a' FOR UPDATE`)
+		require.NoError(t, err)
+		blocked := make(chan outcome, 1)
+		go func() {
+			res, err := tb.board.Submit(ctx, Command{EventID: uuid.New(), UserID: "user-a", Delta: 1})
+			blocked <- outcome{res, err}
+		}()
+		require.Eventually(t, func() bool {
+			var waiting bool
+			err := tb.pg.Pool.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM pg_stat_activity
+				WHERE wait_event_type = 'Lock' AND query LIKE '%score_events%' AND datname = current_database())`).Scan(&waiting)
+			return err == nil && waiting
+		}, 5*time.Second, 5*time.Millisecond, "the Submit of user-a did not wait for the lock")
+
+		// Other users' Submit calls go through while it waits.
+		sctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+		defer cancel()
+		for i := range 3 {
+			res, err := tb.board.Submit(sctx, Command{EventID: uuid.New(), UserID: fmt.Sprintf("user-%d", i), Delta: 1})
+			require.NoError(t, err)
+			require.Equal(t, Result{Score: 1, Version: 1}, res)
+		}
+		select {
+		case o := <-blocked:
+			t.Fatalf("the Submit of user-a returned while its row was locked: %+v", o)
+		default:
+		}
+		require.NoError(t, tx.Rollback(ctx))
+		o := wait(t, blocked)
+		require.NoError(t, o.err)
+		require.Equal(t, Result{Score: 2, Version: 2}, o.res)
+	})
+}
+
+// TestSubmitGroupsUnderLoad runs many concurrent Submit calls on few users,
+// with twins, and checks every result against the events PostgreSQL
+// recorded: each user's versions are 1..n with no gap or repeat, each
+// result is its event's, and each user's score is the sum of its deltas.
+func TestSubmitGroupsUnderLoad(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	tb := setup(t)
+	const callers, each = 16, 40
+	type sent struct {
+		cmd Command
+		res Result
+	}
+	results := make(chan sent, callers*each*2)
+	errs := make(chan error, callers)
+	for c := range callers {
+		go func() {
+			for i := range each {
+				cmd := Command{EventID: uuid.New(), UserID: fmt.Sprintf("user-%d", (c+i)%5), Delta: int64(i%7 + 1)}
+				res, err := tb.board.Submit(ctx, cmd)
+				if err != nil {
+					errs <- err
+					return
+				}
+				results <- sent{cmd, res}
+				if i%10 == 0 { // a client retry
+					twin, err := tb.board.Submit(ctx, cmd)
+					if err != nil {
+						errs <- err
+						return
+					}
+					if !twin.Duplicate || twin.Score != res.Score || twin.Version != res.Version {
+						errs <- fmt.Errorf("retry of %s: got %+v, first %+v", cmd.EventID, twin, res)
+						return
+					}
+				}
+			}
+			errs <- nil
+		}()
+	}
+	for range callers {
+		require.NoError(t, <-errs)
+	}
+	close(results)
+	versions := map[string]map[int64]bool{}
+	sums := map[string]int64{}
+	n := 0
+	for s := range results {
+		n++
+		require.False(t, s.res.Duplicate)
+		var score, version int64
+		require.NoError(t, tb.pg.Pool.QueryRow(ctx, `SELECT score, version FROM score_events WHERE event_id = $1`, s.cmd.EventID).Scan(&score, &version))
+		require.Equal(t, Result{Score: score, Version: version}, s.res)
+		if versions[s.cmd.UserID] == nil {
+			versions[s.cmd.UserID] = map[int64]bool{}
+		}
+		require.False(t, versions[s.cmd.UserID][version], "version %d of %s twice", version, s.cmd.UserID)
+		versions[s.cmd.UserID][version] = true
+		sums[s.cmd.UserID] += s.cmd.Delta
+	}
+	require.Equal(t, callers*each, n)
+	for user, vs := range versions {
+		for v := int64(1); v <= int64(len(vs)); v++ {
+			require.True(t, vs[v], "%s lacks version %d", user, v)
+		}
+		var score int64
+		require.NoError(t, tb.pg.Pool.QueryRow(ctx, `SELECT score FROM user_scores WHERE user_id = $1`, user).Scan(&score))
+		require.Equal(t, sums[user], score, user)
+	}
+	var shared int
+	require.NoError(t, tb.pg.Pool.QueryRow(ctx, `SELECT count(*) - count(DISTINCT xmin::text) FROM score_events`).Scan(&shared))
+	require.Positive(t, shared, "no two calls shared a statement")
+}
