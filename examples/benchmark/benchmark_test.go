@@ -31,7 +31,7 @@ func TestMain(m *testing.M) {
 // wantFigures is every figure a full run reports.
 var wantFigures = []string{
 	"drain", "drain_1_worker",
-	"ingest", "ingest_submit_batch",
+	"ingest", "ingest_ungrouped", "ingest_submit_batch",
 	"lag_p50", "lag_p99", "lag_load_achieved",
 	"cache_hit_p50", "cache_hit_p99", "cache_hit_p50_vs_seed", "cache_hit_p99_vs_seed",
 	"reconcile",

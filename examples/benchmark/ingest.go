@@ -23,9 +23,11 @@ const (
 )
 
 // runIngest measures command throughput: leaderboard.Submit (one
-// statement) against the seed's five-statement transaction, both with 8
-// concurrent clients over 10,000 users; and SubmitBatch with one client
-// sending batches of 1,000, against the same seed figure.
+// statement; concurrent calls grouped into shared statements, the
+// default) against the seed's five-statement transaction, both with 8
+// concurrent clients over 10,000 users; Submit with grouping turned off
+// (MaxSubmitsPerStatement 1), to show what grouping adds; and SubmitBatch
+// with one client sending batches of 1,000, against the same seed figure.
 func runIngest(ctx context.Context, e *env) ([]Figure, error) {
 	schema, err := e.schema(ctx, "ingest")
 	if err != nil {
@@ -39,6 +41,14 @@ func runIngest(ctx context.Context, e *env) ([]Figure, error) {
 	if err != nil {
 		return nil, err
 	}
+	defer board.Close()
+	ungroupedCfg := *cfg
+	ungroupedCfg.Name, ungroupedCfg.MaxSubmitsPerStatement = "bench-ungrouped", 1
+	ungrouped, err := leaderboard.New(e.pool, e.rdb, &ungroupedCfg)
+	if err != nil {
+		return nil, err
+	}
+	defer ungrouped.Close()
 	seed, err := newSeedDesign(ctx, e.pool, e.rdb, schema, "seed_", e.keyPrefix("ingest-seed"))
 	if err != nil {
 		return nil, err
@@ -46,13 +56,22 @@ func runIngest(ctx context.Context, e *env) ([]Figure, error) {
 	user := func() string { return fmt.Sprintf("user-%d", rand.IntN(ingestUsers)) }
 
 	round := e.opts.Sizes.IngestDuration / ingestRounds
-	var lib, base, batched rate
+	var lib, libUngrouped, base, batched rate
 	submitLib := func() error {
 		if err := lib.add(closedLoop(ctx, ingestClients, round, func(ctx context.Context) (int, error) {
 			_, err := board.Submit(ctx, leaderboard.Command{EventID: uuid.New(), UserID: user(), Delta: 1})
 			return 1, err
 		})); err != nil {
 			return fmt.Errorf("leaderboard submit: %w", err)
+		}
+		return nil
+	}
+	submitUngrouped := func() error {
+		if err := libUngrouped.add(closedLoop(ctx, ingestClients, round, func(ctx context.Context) (int, error) {
+			_, err := ungrouped.Submit(ctx, leaderboard.Command{EventID: uuid.New(), UserID: user(), Delta: 1})
+			return 1, err
+		})); err != nil {
+			return fmt.Errorf("leaderboard submit, ungrouped: %w", err)
 		}
 		return nil
 	}
@@ -82,9 +101,9 @@ func runIngest(ctx context.Context, e *env) ([]Figure, error) {
 	// a checkpoint, so that neither side always runs in the other's WAL and
 	// dead tuples.
 	for r := range ingestRounds {
-		phases := []func() error{submitLib, submitSeed, submitBatch}
+		phases := []func() error{submitLib, submitSeed, submitUngrouped, submitBatch}
 		if r%2 == 1 {
-			phases = []func() error{submitSeed, submitLib, submitBatch}
+			phases = []func() error{submitSeed, submitUngrouped, submitLib, submitBatch}
 		}
 		for _, phase := range phases {
 			e.checkpoint(ctx)
@@ -93,9 +112,10 @@ func runIngest(ctx context.Context, e *env) ([]Figure, error) {
 			}
 		}
 	}
-	e.log("ingest: Submit %.0f/s, seed %.0f/s, SubmitBatch %.0f/s", lib.perSecond(), base.perSecond(), batched.perSecond())
+	e.log("ingest: Submit %.0f/s (ungrouped %.0f/s), seed %.0f/s, SubmitBatch %.0f/s", lib.perSecond(), libUngrouped.perSecond(), base.perSecond(), batched.perSecond())
 	return []Figure{
 		newFigure("ingest", "commands/s", lib.perSecond(), base.perSecond()),
+		newFigure("ingest_ungrouped", "commands/s", libUngrouped.perSecond(), base.perSecond()),
 		newFigure("ingest_submit_batch", "commands/s", batched.perSecond(), base.perSecond()),
 	}, nil
 }

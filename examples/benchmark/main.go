@@ -13,8 +13,10 @@
 //     marker key, pipelined, then UPDATE … SET published_at). Same rows, same
 //     worker count (-relays) and, by default, batch size (outbox.BatchSizeDefault, 1000; the seed keeps its LIMIT 100). drain_1_worker: one each.
 //   - ingest: leaderboard.Submit with 8 clients against the seed's
-//     five-statement transaction; ingest_submit_batch: SubmitBatch of 1,000
-//     commands from one client, against the same seed figure.
+//     five-statement transaction; ingest_ungrouped: the same Submit with
+//     grouping of concurrent calls turned off (MaxSubmitsPerStatement 1);
+//     ingest_submit_batch: SubmitBatch of 1,000 commands from one client,
+//     against the same seed figure.
 //   - lag_p50, lag_p99: commit → visible in Redis at 1,000 commands/s with a
 //     running worker (see runLag for the method).
 //   - cache_hit_*: versioncache hit latency against a plain GET of a cached
