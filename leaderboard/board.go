@@ -218,6 +218,12 @@ func (b *Board) userIDProblem(user string) string {
 //
 // The event record, the score change and the outbox row carrying the
 // absolute score commit together, in one statement sent in one round trip.
+// Calls made while the board's Submit statements are busy share the next
+// one (see Config.MaxSubmitsPerStatement); the outcome of each is what it
+// would have been alone. If ctx ends while the call is still queued, it
+// writes nothing; if it ends once the statement was sent, the command may
+// have committed, as with any statement cancelled in flight, and retrying
+// with the same event id is safe.
 // The relays are woken after the commit, by the board's outbox.Notifier
 // (coalesced, at most one NOTIFY per millisecond, sent on its own); if the
 // process dies between the commit and that NOTIFY, the relays find the row at

@@ -114,20 +114,27 @@ type Config struct {
 	// Submit statements are all in flight waits for one to finish and is
 	// then applied together with the others that arrived meanwhile, in one
 	// statement, one transaction and one WAL flush: each command keeps its
-	// own event record, version and result, and the outbox receives each
-	// user's latest state. A Submit never waits for company: with a
-	// statement free it is sent at once. When a shared statement fails
-	// because of one command (a reused event id, a score out of range),
-	// nothing is written and each command is applied on its own, so every
-	// caller gets the outcome its command would have had alone. 1 turns
-	// the grouping off: every Submit is a statement of its own. At most
+	// own event record, version, result and outbox row, as if submitted
+	// alone. A Submit never waits for company: with a statement free it is
+	// sent at once. When a shared statement fails because of one command (a
+	// reused event id, a score out of range), nothing is written and each
+	// command is applied on its own, so every caller gets the outcome its
+	// command would have had alone. 1 turns the grouping off: every Submit
+	// is a statement of its own, on a pool connection of its own. At most
 	// MaxSubmitsPerStatementLimit. Defaults to MaxSubmitsPerStatementDefault.
+	//
+	// Grouping pays where commits and per-statement work are the cost:
+	// many concurrent callers on few cores. The README's Performance section
+	// has the figures, with grouping and without.
 	MaxSubmitsPerStatement int
 
 	// SubmitStatements bounds how many Submit statements of the board run
 	// at once, each on a pool connection; the Submit calls that find them
-	// all busy are grouped. It has no effect when MaxSubmitsPerStatement is
-	// 1. Defaults to SubmitStatementsDefault.
+	// all busy are grouped. A statement that has run for 50 ms (waiting
+	// for a row lock that a caller's transaction holds, say) stops counting,
+	// so that it does not hold up the calls of other users. It has no
+	// effect when MaxSubmitsPerStatement is 1. Defaults to
+	// SubmitStatementsDefault.
 	SubmitStatements int
 
 	// MaxUserIDLength bounds Command.UserID in bytes. Defaults to

@@ -17,6 +17,17 @@
 // autocommit the statement is its own transaction). There is no window in
 // which the score changed but the outbox row is missing, or the reverse.
 //
+// Concurrent Submit calls share statements (group commit): a call that finds
+// the board's statements busy (Config.SubmitStatements, 2 by default) waits
+// for one and is applied together with the calls that arrived meanwhile, up
+// to Config.MaxSubmitsPerStatement (64), in one statement, one transaction
+// and one WAL flush. A call that finds a statement free goes at once, alone:
+// nothing waits for company. Each command keeps its own event record,
+// version, result and outbox row, and a shared statement that fails because
+// of one command (a reused event id, a score out of range) is replayed one
+// command at a time, so every caller gets the outcome its command would have
+// had alone. MaxSubmitsPerStatement 1 turns grouping off.
+//
 // The relays are woken after the commit, not inside it: a pg_notify in the
 // statement would make PostgreSQL serialise the commits of concurrent
 // submits (it holds a database-wide lock from PreCommit_Notify through the
