@@ -57,24 +57,19 @@ func runIngest(ctx context.Context, e *env) ([]Figure, error) {
 
 	round := e.opts.Sizes.IngestDuration / ingestRounds
 	var lib, libUngrouped, base, batched rate
-	submitLib := func() error {
-		if err := lib.add(closedLoop(ctx, ingestClients, round, func(ctx context.Context) (int, error) {
-			_, err := board.Submit(ctx, leaderboard.Command{EventID: uuid.New(), UserID: user(), Delta: 1})
-			return 1, err
-		})); err != nil {
-			return fmt.Errorf("leaderboard submit: %w", err)
+	submitOn := func(b *leaderboard.Board, into *rate, what string) func() error {
+		return func() error {
+			if err := into.add(closedLoop(ctx, ingestClients, round, func(ctx context.Context) (int, error) {
+				_, err := b.Submit(ctx, leaderboard.Command{EventID: uuid.New(), UserID: user(), Delta: 1})
+				return 1, err
+			})); err != nil {
+				return fmt.Errorf("%s: %w", what, err)
+			}
+			return nil
 		}
-		return nil
 	}
-	submitUngrouped := func() error {
-		if err := libUngrouped.add(closedLoop(ctx, ingestClients, round, func(ctx context.Context) (int, error) {
-			_, err := ungrouped.Submit(ctx, leaderboard.Command{EventID: uuid.New(), UserID: user(), Delta: 1})
-			return 1, err
-		})); err != nil {
-			return fmt.Errorf("leaderboard submit, ungrouped: %w", err)
-		}
-		return nil
-	}
+	submitLib := submitOn(board, &lib, "leaderboard submit")
+	submitUngrouped := submitOn(ungrouped, &libUngrouped, "leaderboard submit, ungrouped")
 	submitSeed := func() error {
 		if err := base.add(closedLoop(ctx, ingestClients, round, func(ctx context.Context) (int, error) {
 			_, _, err := seed.submit(ctx, uuid.New(), user(), 1)
