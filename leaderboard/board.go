@@ -4,8 +4,10 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strconv"
 	"strings"
 	"sync"
+	"time"
 	"unicode/utf8"
 
 	"github.com/google/uuid"
@@ -401,7 +403,7 @@ func (b *Board) checkDuplicate(cmd Command, res Result, board, user string, delt
 // projection would skip the intermediate ones anyway). As with Submit, the
 // relays are woken after the commit by the board's outbox.Notifier.
 func (b *Board) SubmitBatch(ctx context.Context, cmds []Command) ([]Result, error) {
-	out, err := b.submitBatch(ctx, cmds, false)
+	out, err := b.submitBatch(ctx, cmds, batchOptions{})
 	if err != nil {
 		b.metrics.submitted(ctx, len(cmds), false, err)
 		return out, err
@@ -417,10 +419,18 @@ func (b *Board) SubmitBatch(ctx context.Context, cmds []Command) ([]Result, erro
 	return out, nil
 }
 
-// submitBatch applies cmds in one statement. everyState queues every
-// command's resulting state in the outbox, as Submit does, instead of each
-// user's last one only.
-func (b *Board) submitBatch(ctx context.Context, cmds []Command, everyState bool) ([]Result, error) {
+// batchOptions adapt submitBatch to Submit's groups.
+type batchOptions struct {
+	// everyState queues every command's resulting state in the outbox, as
+	// Submit does, instead of each user's last one only.
+	everyState bool
+	// lockTimeout, when positive, bounds the statement's wait for any one
+	// lock (PostgreSQL's lock_timeout, for this statement only).
+	lockTimeout time.Duration
+}
+
+// submitBatch applies cmds in one statement.
+func (b *Board) submitBatch(ctx context.Context, cmds []Command, opts batchOptions) ([]Result, error) {
 	if len(cmds) == 0 {
 		return nil, nil
 	}
@@ -456,7 +466,7 @@ func (b *Board) submitBatch(ctx context.Context, cmds []Command, everyState bool
 	// statement that lost it released everything.
 	var err error
 	for twins, deadlocks := 0, 0; ; {
-		err = b.submitBatchOnce(ctx, cmds, sent, ids, users, deltas, everyState, out)
+		err = b.submitBatchOnce(ctx, cmds, sent, ids, users, deltas, opts, out)
 		switch {
 		case err == nil:
 		case isUniqueViolation(err) && violatedTable(err) == b.cfg.OutboxTable:
@@ -484,20 +494,8 @@ func (b *Board) submitBatch(ctx context.Context, cmds []Command, everyState bool
 	return out, nil
 }
 
-func (b *Board) submitBatchOnce(ctx context.Context, cmds []Command, sent []int, ids, users []string, deltas []int64, everyState bool, out []Result) error {
-	// Large batches go as QueryExecModeExec: the statement is sent unnamed,
-	// so PostgreSQL plans it for the actual arrays every time. A cached
-	// prepared statement switches to a generic plan after five runs, which
-	// cannot see the array sizes and joins the CTEs with nested loops:
-	// about 6x slower at 1,000 commands. Small ones (Submit's groups) take
-	// the cached statement: there the nested loops cost nothing and
-	// planning would be about half the statement's time. One round trip
-	// either way.
-	mode := pgx.QueryExecModeExec
-	if len(sent) <= preparedBatchMax {
-		mode = pgx.QueryExecModeCacheStatement
-	}
-	rows, err := b.pool.Query(ctx, b.sql.submitBatch, mode, ids, users, deltas, b.cfg.Name, b.stream, everyState)
+func (b *Board) submitBatchOnce(ctx context.Context, cmds []Command, sent []int, ids, users []string, deltas []int64, opts batchOptions, out []Result) error {
+	rows, finish, err := b.sendBatch(ctx, len(sent), opts, ids, users, deltas)
 	if err != nil {
 		return b.mapBatchError(ctx, err, cmds, sent)
 	}
@@ -531,6 +529,9 @@ func (b *Board) submitBatchOnce(ctx context.Context, cmds []Command, sent []int,
 	if err := rows.Err(); err != nil {
 		return b.mapBatchError(ctx, err, cmds, sent)
 	}
+	if err := finish(); err != nil {
+		return b.mapBatchError(ctx, err, cmds, sent)
+	}
 	// The statement ran in autocommit and succeeded: whatever it applied is
 	// committed (a conflict applies nothing). Wake the relays.
 	if applied > 0 {
@@ -543,6 +544,46 @@ func (b *Board) submitBatchOnce(ctx context.Context, cmds []Command, sent []int,
 		return fmt.Errorf("leaderboard: submit batch: %d results for %d commands", seen, len(sent))
 	}
 	return nil
+}
+
+// sendBatch sends submitBatchSQL for n commands and returns its rows, and
+// finish, to call once they are read: the statement has committed when it
+// returns nil. The rows must be closed.
+//
+// Large batches go as QueryExecModeExec: the statement is sent unnamed, so
+// PostgreSQL plans it for the actual arrays every time. A cached prepared
+// statement switches to a generic plan after five runs, which cannot see
+// the array sizes and joins the CTEs with nested loops: about 6x slower at
+// 1,000 commands. Small ones (Submit's groups) take the cached statement:
+// there the nested loops cost nothing and planning would be about half the
+// statement's time. With a lock timeout, a set_config precedes the
+// statement in the same pipeline, before one Sync: both run in one
+// implicit transaction, which the setting does not outlive. One round trip
+// in every case.
+func (b *Board) sendBatch(ctx context.Context, n int, opts batchOptions, ids, users []string, deltas []int64) (pgx.Rows, func() error, error) {
+	args := []any{ids, users, deltas, b.cfg.Name, b.stream, opts.everyState}
+	if opts.lockTimeout <= 0 {
+		mode := pgx.QueryExecModeExec
+		if n <= preparedBatchMax {
+			mode = pgx.QueryExecModeCacheStatement
+		}
+		rows, err := b.pool.Query(ctx, b.sql.submitBatch, append([]any{mode}, args...)...)
+		return rows, func() error { return nil }, err
+	}
+	batch := &pgx.Batch{}
+	batch.Queue(setLockTimeoutSQL, strconv.FormatInt(opts.lockTimeout.Milliseconds(), 10)+"ms")
+	batch.Queue(b.sql.submitBatch, args...)
+	results := b.pool.SendBatch(ctx, batch)
+	if _, err := results.Exec(); err != nil {
+		_ = results.Close()
+		return nil, nil, err
+	}
+	rows, err := results.Query()
+	if err != nil {
+		_ = results.Close()
+		return nil, nil, err
+	}
+	return rows, func() error { rows.Close(); return results.Close() }, nil
 }
 
 func (b *Board) mapBatchError(ctx context.Context, err error, cmds []Command, sent []int) error {
@@ -615,6 +656,13 @@ const preparedBatchMax = MaxSubmitsPerStatementDefault
 // batchDeadlockRetries bounds how often SubmitBatch runs its statement
 // again after losing a deadlock (counted apart from the twins it meets).
 const batchDeadlockRetries = 3
+
+// isLockTimeout reports PostgreSQL's lock_not_available (55P03), which a
+// statement with a lock_timeout gets when a lock wait outlasts it.
+func isLockTimeout(err error) bool {
+	var pgErr *pgconn.PgError
+	return errors.As(err, &pgErr) && pgErr.Code == "55P03"
+}
 
 // isDeadlock reports PostgreSQL's deadlock_detected (40P01).
 func isDeadlock(err error) bool {

@@ -26,16 +26,20 @@ type submitGroup struct {
 
 	mu       sync.Mutex
 	queue    []*submitCall
-	flushers int            // flushers counted against SubmitStatements
-	running  sync.WaitGroup // every flusher, stalled ones included
+	flushers int // flushers counted against SubmitStatements
+	// inFlight holds a channel per statement under way, closed when it is
+	// done: Close waits for those it finds, not for later traffic.
+	inFlight map[chan struct{}]struct{}
 }
 
 // submitStallAfter is how long a shared statement may run before its
 // flusher stops counting against Config.SubmitStatements and another may
-// start. A statement that long is waiting, usually for a row lock held by
-// a caller's transaction (SubmitTx); without this, the Submit calls of
-// every other user would queue behind it.
+// start, so that a slow statement does not hold up the calls queued after
+// it.
 const submitStallAfter = 50 * time.Millisecond
+
+// submitLockTimeout is a shared statement's lock_timeout (see apply).
+const submitLockTimeout = 50 * time.Millisecond
 
 // submitCall is one queued Submit.
 type submitCall struct {
@@ -88,7 +92,6 @@ func (g *submitGroup) submit(ctx context.Context, cmd Command) (Result, error) {
 func (g *submitGroup) startFlusherLocked() {
 	if len(g.queue) > 0 && g.flushers < g.b.cfg.SubmitStatements {
 		g.flushers++
-		g.running.Add(1)
 		go g.flush()
 	}
 }
@@ -96,34 +99,46 @@ func (g *submitGroup) startFlusherLocked() {
 // flush applies queued commands until the queue is empty, or until one of
 // its statements stalls and another flusher took its place.
 func (g *submitGroup) flush() {
-	defer g.running.Done()
 	for {
 		// The callers the previous statement answered are runnable now;
 		// letting them run first lets the next group include the commands
 		// they submit straight away, instead of leaving them for the next
 		// round trip. It costs a lone caller well under a microsecond.
 		runtime.Gosched()
-		calls := g.take()
+		calls, done := g.take()
 		if len(calls) == 0 {
 			return
 		}
-		if stalled := g.apply(calls); stalled {
+		stalled := g.apply(calls)
+		g.mu.Lock()
+		delete(g.inFlight, done)
+		g.mu.Unlock()
+		close(done)
+		if stalled {
 			return
 		}
 	}
 }
 
-// take removes up to MaxSubmitsPerStatement live calls from the queue or,
-// when there are none, retires the flusher.
-func (g *submitGroup) take() []*submitCall {
+// take removes up to MaxSubmitsPerStatement live calls from the queue and
+// records their statement as under way (done is closed when it is over)
+// or, when there are none, retires the flusher. A call whose ctx has ended
+// is dropped here even if its caller has not noticed yet: it must write
+// nothing.
+func (g *submitGroup) take() (calls []*submitCall, done chan struct{}) {
 	g.mu.Lock()
 	defer g.mu.Unlock()
-	var calls []*submitCall
 	n := 0
 	for n < len(g.queue) && len(calls) < g.b.cfg.MaxSubmitsPerStatement {
 		call := g.queue[n]
 		g.queue[n] = nil
 		n++
+		if err := call.ctx.Err(); err != nil {
+			if call.state.CompareAndSwap(callQueued, callAbandoned) {
+				call.finish(Result{}, err)
+			}
+			continue
+		}
 		if call.state.CompareAndSwap(callQueued, callTaken) {
 			calls = append(calls, call)
 		}
@@ -134,8 +149,14 @@ func (g *submitGroup) take() []*submitCall {
 	}
 	if len(calls) == 0 {
 		g.flushers--
+		return nil, nil
 	}
-	return calls
+	done = make(chan struct{})
+	if g.inFlight == nil {
+		g.inFlight = make(map[chan struct{}]struct{})
+	}
+	g.inFlight[done] = struct{}{}
+	return calls, done
 }
 
 // apply runs calls in one statement and reports whether it stalled (ran
@@ -148,6 +169,13 @@ func (g *submitGroup) take() []*submitCall {
 // nothing, and each command is applied on its own, so that every caller
 // gets the outcome its command would have had alone. Any other failure
 // (the database is unreachable, say) is every caller's.
+//
+// The statement waits for no lock longer than submitLockTimeout: a command whose
+// user's row is locked by a caller's transaction would otherwise hold up
+// the others, and a caller that holds that lock while it waits for a
+// Submit of another user in the same group would wait for itself. On a
+// lock timeout the commands are applied on their own, concurrently, so
+// that only the command that needs the lock waits for it.
 func (g *submitGroup) apply(calls []*submitCall) (stalled bool) {
 	const running, done, released = 0, 1, 2
 	var state atomic.Int32
@@ -185,16 +213,18 @@ func (g *submitGroup) apply(calls []*submitCall) (stalled bool) {
 	for i, call := range calls {
 		cmds[i] = call.cmd
 	}
-	out, err := g.b.submitBatch(ctx, cmds, true)
+	out, err := g.b.submitBatch(ctx, cmds, batchOptions{everyState: true, lockTimeout: submitLockTimeout})
 	switch {
 	case err == nil:
 		for i, call := range calls {
 			call.finish(out[i], nil)
 		}
 	case commandError(err):
+		var wg sync.WaitGroup
 		for _, call := range calls {
-			call.finish(g.b.submitOne(call.ctx, call.cmd))
+			wg.Go(func() { call.finish(g.b.submitOne(call.ctx, call.cmd)) })
 		}
+		wg.Wait()
 	default:
 		for _, call := range calls {
 			call.finish(Result{}, err)
@@ -216,8 +246,21 @@ func commandError(err error) bool {
 	var conflict *IdempotencyConflictError
 	var overflow *ScoreOutOfRangeError
 	return errors.As(err, &conflict) || errors.As(err, &overflow) ||
-		errors.Is(err, ErrIdempotencyConflict) || isUniqueViolation(err) || isDeadlock(err)
+		errors.Is(err, ErrIdempotencyConflict) || isUniqueViolation(err) ||
+		isDeadlock(err) || isLockTimeout(err)
 }
 
-// wait returns once no flusher runs.
-func (g *submitGroup) wait() { g.running.Wait() }
+// wait returns once the statements under way when it was called are done.
+// Calls queued meanwhile are applied later, as usual: their callers are
+// still waiting for them.
+func (g *submitGroup) wait() {
+	g.mu.Lock()
+	pending := make([]chan struct{}, 0, len(g.inFlight))
+	for done := range g.inFlight {
+		pending = append(pending, done)
+	}
+	g.mu.Unlock()
+	for _, done := range pending {
+		<-done
+	}
+}

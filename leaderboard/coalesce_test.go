@@ -12,23 +12,28 @@ import (
 )
 
 // groupBundle is a board whose Submit statements the test can hold back:
-// it runs on a pool of one connection, which the test takes (hold) and
-// gives back (release), with one flusher that never counts as stalled. A
-// test queues calls one at a time behind a first, held one, so it knows
-// which calls share a statement.
+// it runs on a small pool of its own (one connection unless said), whose
+// connections the test takes (hold) and gives back (release), with one
+// flusher that never counts as stalled. A test queues calls one at a time
+// behind a first, held one, so it knows which calls share a statement.
 type groupBundle struct {
 	*testBundle
 	board *Board
 	pool  *pgxpool.Pool
-	held  *pgxpool.Conn
+	held  []*pgxpool.Conn
 }
 
 func setupGroups(t *testing.T, mutate ...func(*Config)) *groupBundle {
 	t.Helper()
+	return setupGroupsOn(t, 1, mutate...)
+}
+
+func setupGroupsOn(t *testing.T, conns int32, mutate ...func(*Config)) *groupBundle {
+	t.Helper()
 	tb := setup(t, mutate...)
 	pc, err := pgxpool.ParseConfig(tb.pg.ConnString)
 	require.NoError(t, err)
-	pc.MaxConns = 1
+	pc.MaxConns = conns
 	pool, err := pgxpool.NewWithConfig(context.Background(), pc)
 	require.NoError(t, err)
 	t.Cleanup(pool.Close)
@@ -41,19 +46,22 @@ func setupGroups(t *testing.T, mutate ...func(*Config)) *groupBundle {
 	return &groupBundle{testBundle: tb, board: board, pool: pool}
 }
 
+// hold takes every connection of the board's pool.
 func (gb *groupBundle) hold(t *testing.T) {
 	t.Helper()
-	conn, err := gb.pool.Acquire(context.Background())
-	require.NoError(t, err)
-	gb.held = conn
+	for range gb.pool.Config().MaxConns {
+		conn, err := gb.pool.Acquire(context.Background())
+		require.NoError(t, err)
+		gb.held = append(gb.held, conn)
+	}
 	t.Cleanup(gb.release) // before the board's Close, which waits for the statement
 }
 
 func (gb *groupBundle) release() {
-	if gb.held != nil {
-		gb.held.Release()
-		gb.held = nil
+	for _, conn := range gb.held {
+		conn.Release()
 	}
+	gb.held = nil
 }
 
 // outcome is what a Submit call returned.
@@ -258,24 +266,26 @@ func TestSubmitGroups(t *testing.T) {
 		gb.release()
 		require.NoError(t, wait(t, firstOut).err)
 
-		o := wait(t, outs[0])
-		require.NoError(t, o.err)
-		require.Equal(t, Result{Score: 1, Version: 1}, o.res)
-		o = wait(t, outs[1])
-		require.NoError(t, o.err)
-		require.Equal(t, Result{Score: 1, Version: 1}, o.res)
-		o = wait(t, outs[2])
+		// Replayed concurrently: the two commands of user-a get versions 1
+		// and 2 in either order, and either user of the reused id wins.
+		a1, a2 := wait(t, outs[0]), wait(t, outs[4])
+		require.NoError(t, a1.err)
+		require.NoError(t, a2.err)
+		require.ElementsMatch(t, []Result{{Score: 1, Version: 1}, {Score: 2, Version: 2}}, []Result{a1.res, a2.res})
+		b, c := wait(t, outs[1]), wait(t, outs[2])
+		winner, loser, lost := reused, b, c
+		if c.err == nil {
+			winner, loser, lost = conflicting, c, b
+		}
+		require.NoError(t, loser.err, "one of the two uses of the id is applied")
+		require.Equal(t, Result{Score: 1, Version: 1}, loser.res)
 		var conflict *IdempotencyConflictError
-		require.ErrorAs(t, o.err, &conflict)
-		require.Equal(t, "user-b", conflict.UserID)
-		require.Equal(t, conflicting, conflict.Attempted)
-		o = wait(t, outs[3])
+		require.ErrorAs(t, lost.err, &conflict)
+		require.Equal(t, winner.UserID, conflict.UserID)
+		o := wait(t, outs[3])
 		var tooHigh *ScoreOutOfRangeError
 		require.ErrorAs(t, o.err, &tooHigh)
 		require.Equal(t, "user-high", tooHigh.UserID)
-		o = wait(t, outs[4])
-		require.NoError(t, o.err)
-		require.Equal(t, Result{Score: 2, Version: 2}, o.res)
 
 		var high int64
 		require.NoError(t, gb.pg.Pool.QueryRow(ctx, `SELECT score FROM user_scores WHERE user_id = 'user-high'`).Scan(&high))
@@ -283,6 +293,112 @@ func TestSubmitGroups(t *testing.T) {
 		events, users, _ := gb.counts(t)
 		require.Equal(t, 5, events) // user-high's first, user-z, ok1, reused, ok2
 		require.Equal(t, 4, users)
+	})
+
+	t.Run("LockedRowHoldsUpOnlyItsCommand", func(t *testing.T) {
+		t.Parallel()
+		// A caller holds user-a's row in its own transaction and, before
+		// committing, submits for user-b; another client's Submit of
+		// user-a shares that statement. The group must not wait for the
+		// lock as a whole: the caller would be waiting for itself.
+		gb := setupGroupsOn(t, 3)
+		_, err := gb.board.Submit(ctx, Command{EventID: uuid.New(), UserID: "user-a", Delta: 1})
+		require.NoError(t, err)
+		tx, err := gb.pg.Pool.Begin(ctx)
+		require.NoError(t, err)
+		defer tx.Rollback(ctx) //nolint:errcheck // rolled back below
+		_, err = gb.board.SubmitTx(ctx, tx, Command{EventID: uuid.New(), UserID: "user-a", Delta: 1})
+		require.NoError(t, err)
+
+		gb.hold(t)
+		first := gb.submitQueued(t, ctx, Command{EventID: uuid.New(), UserID: "user-z", Delta: 1}, 0)
+		other := gb.submitQueued(t, ctx, Command{EventID: uuid.New(), UserID: "user-a", Delta: 1}, 1)
+		mctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+		defer cancel()
+		mine := gb.submitQueued(t, mctx, Command{EventID: uuid.New(), UserID: "user-b", Delta: 1}, 2)
+		gb.release()
+		require.NoError(t, wait(t, first).err)
+
+		o := wait(t, mine)
+		require.NoError(t, o.err, "the Submit of user-b waited for user-a's lock")
+		require.Equal(t, Result{Score: 1, Version: 1}, o.res)
+		select {
+		case o := <-other:
+			t.Fatalf("the Submit of user-a returned while its row was locked: %+v", o)
+		default:
+		}
+		require.NoError(t, tx.Rollback(ctx))
+		o = wait(t, other)
+		require.NoError(t, o.err)
+		require.Equal(t, Result{Score: 2, Version: 2}, o.res)
+	})
+
+	t.Run("EndedWhileQueuedIsNotTaken", func(t *testing.T) {
+		t.Parallel()
+		// A caller's ctx has ended but its goroutine has not run yet: the
+		// call is still queued. The flusher must drop it, not write it
+		// alongside a live call.
+		gb := setupGroups(t)
+		g := &gb.board.group
+		ended, cancel := context.WithCancel(ctx)
+		cancel()
+		live := &submitCall{ctx: ctx, cmd: Command{EventID: uuid.New(), UserID: "user-a", Delta: 1}, done: make(chan struct{})}
+		dead := &submitCall{ctx: ended, cmd: Command{EventID: uuid.New(), UserID: "user-b", Delta: 1}, done: make(chan struct{})}
+		g.mu.Lock()
+		g.queue = append(g.queue, live, dead)
+		g.startFlusherLocked()
+		g.mu.Unlock()
+		<-live.done
+		<-dead.done
+		require.NoError(t, live.err)
+		require.ErrorIs(t, dead.err, context.Canceled)
+		require.Zero(t, gb.transactions(t, dead.cmd.EventID))
+	})
+
+	t.Run("CloseDuringSubmits", func(t *testing.T) {
+		t.Parallel()
+		// Close waits for the statements under way when it is called, not
+		// for traffic that keeps coming, and may race with calls that start
+		// flushers.
+		tb := setup(t)
+		for round := range 20 {
+			board, err := New(tb.pg.Pool, tb.rd.Client, tb.board.cfg)
+			require.NoError(t, err)
+			stop := make(chan struct{})
+			errs := make(chan error, 4)
+			for c := range 4 {
+				go func() {
+					for i := 0; ; i++ {
+						select {
+						case <-stop:
+							errs <- nil
+							return
+						default:
+						}
+						if _, err := board.Submit(ctx, Command{EventID: uuid.New(), UserID: fmt.Sprintf("u%d-%d-%d", round, c, i%3), Delta: 1}); err != nil {
+							errs <- err
+							return
+						}
+					}
+				}()
+			}
+			time.Sleep(2 * time.Millisecond)
+			closed := make(chan struct{})
+			go func() {
+				board.Close()
+				close(closed)
+			}()
+			select {
+			case <-closed:
+			case <-time.After(5 * time.Second):
+				t.Fatal("Close did not return while Submit calls kept coming")
+			}
+			close(stop)
+			for range 4 {
+				require.NoError(t, <-errs)
+			}
+			board.Close()
+		}
 	})
 
 	t.Run("CancelledWhileQueuedWritesNothing", func(t *testing.T) {

@@ -130,10 +130,12 @@ type Config struct {
 
 	// SubmitStatements bounds how many Submit statements of the board run
 	// at once, each on a pool connection; the Submit calls that find them
-	// all busy are grouped. A statement that has run for 50 ms (waiting
-	// for a row lock that a caller's transaction holds, say) stops counting,
-	// so that it does not hold up the calls of other users. It has no
-	// effect when MaxSubmitsPerStatement is 1. Defaults to
+	// all busy are grouped. A statement that has run for 50 ms stops
+	// counting, so that it does not hold up the calls queued after it; and
+	// a shared statement waits for no lock longer than 50 ms (a row that a
+	// caller's transaction holds, say) before its commands are applied on
+	// their own, so that only the command that needs the lock waits for
+	// it. It has no effect when MaxSubmitsPerStatement is 1. Defaults to
 	// SubmitStatementsDefault.
 	SubmitStatements int
 

@@ -174,6 +174,10 @@ UNION ALL
 SELECT i.ord, true, p.score, p.version, p.board, p.user_id::text, p.delta
 FROM prior AS p JOIN input AS i USING (event_id)`
 
+// setLockTimeoutSQL sets lock_timeout ($1, for example "50ms") for the rest
+// of the current transaction.
+const setLockTimeoutSQL = `SELECT set_config('lock_timeout', $1::text, true)`
+
 // overflowProbeSQL reads, for a refused batch, the current scores of its
 // users ($2) and which of its event ids ($3) were applied before: board $1.
 const overflowProbeSQL = `
