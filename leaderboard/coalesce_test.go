@@ -333,6 +333,18 @@ func TestSubmitGroups(t *testing.T) {
 		require.Equal(t, Result{Score: 2, Version: 2}, o.res)
 	})
 
+	t.Run("LockTimeoutDoesNotOutliveTheStatement", func(t *testing.T) {
+		t.Parallel()
+		gb := setupGroups(t) // one connection: the next query runs on it
+		cmds := []Command{{EventID: uuid.New(), UserID: "user-a", Delta: 1}, {EventID: uuid.New(), UserID: "user-b", Delta: 2}}
+		out, err := gb.board.submitBatch(ctx, cmds, batchOptions{everyState: true, lockTimeout: submitLockTimeout})
+		require.NoError(t, err)
+		require.Equal(t, []Result{{Score: 1, Version: 1}, {Score: 2, Version: 1}}, out)
+		var setting string
+		require.NoError(t, gb.pool.QueryRow(ctx, `SHOW lock_timeout`).Scan(&setting))
+		require.Equal(t, "0", setting)
+	})
+
 	t.Run("EndedWhileQueuedIsNotTaken", func(t *testing.T) {
 		t.Parallel()
 		// A caller's ctx has ended but its goroutine has not run yet: the
