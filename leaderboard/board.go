@@ -499,7 +499,10 @@ func (b *Board) submitBatchOnce(ctx context.Context, cmds []Command, sent []int,
 	if err != nil {
 		return b.mapBatchError(ctx, err, cmds, sent)
 	}
-	defer rows.Close()
+	// finish gives the connection back (it may be the pool's last, which
+	// mapBatchError's overflow probe needs) and is idempotent: every return
+	// path calls it first, and this defer makes sure of it.
+	defer func() { _ = finish() }()
 	var conflict *IdempotencyConflictError
 	seen, applied := 0, 0
 	for rows.Next() {
@@ -510,9 +513,11 @@ func (b *Board) submitBatchOnce(ctx context.Context, cmds []Command, sent []int,
 			delta       int64
 		)
 		if err := rows.Scan(&ord, &res.Duplicate, &res.Score, &res.Version, &board, &user, &delta); err != nil {
+			_ = finish()
 			return fmt.Errorf("leaderboard: submit batch: %w", err)
 		}
 		if ord < 1 || int(ord) > len(sent) {
+			_ = finish()
 			return fmt.Errorf("leaderboard: submit batch: unexpected row number %d", ord)
 		}
 		i := sent[ord-1]
@@ -527,9 +532,10 @@ func (b *Board) submitBatchOnce(ctx context.Context, cmds []Command, sent []int,
 		}
 	}
 	if err := rows.Err(); err != nil {
+		_ = finish()
 		return b.mapBatchError(ctx, err, cmds, sent)
 	}
-	if err := finish(); err != nil {
+	if err := finish(); err != nil { // the commit's outcome, for a pipeline
 		return b.mapBatchError(ctx, err, cmds, sent)
 	}
 	// The statement ran in autocommit and succeeded: whatever it applied is
@@ -547,8 +553,10 @@ func (b *Board) submitBatchOnce(ctx context.Context, cmds []Command, sent []int,
 }
 
 // sendBatch sends submitBatchSQL for n commands and returns its rows, and
-// finish, to call once they are read: the statement has committed when it
-// returns nil. The rows must be closed.
+// finish, which closes them and whatever else holds the connection: once
+// the rows are read, the statement has committed when it returns nil. It
+// must be called on every path; calls after the first return the first's
+// error.
 //
 // Large batches go as QueryExecModeExec: the statement is sent unnamed, so
 // PostgreSQL plans it for the actual arrays every time. A cached prepared
@@ -568,7 +576,10 @@ func (b *Board) sendBatch(ctx context.Context, n int, opts batchOptions, ids, us
 			mode = pgx.QueryExecModeCacheStatement
 		}
 		rows, err := b.pool.Query(ctx, b.sql.submitBatch, append([]any{mode}, args...)...)
-		return rows, func() error { return nil }, err
+		if err != nil {
+			return nil, nil, err
+		}
+		return rows, func() error { rows.Close(); return rows.Err() }, nil
 	}
 	batch := &pgx.Batch{}
 	batch.Queue(setLockTimeoutSQL, strconv.FormatInt(opts.lockTimeout.Milliseconds(), 10)+"ms")

@@ -78,7 +78,15 @@ func (gb *groupBundle) submitQueued(t *testing.T, ctx context.Context, cmd Comma
 	t.Helper()
 	if queued == 0 {
 		// No flusher may run yet: the one this call starts must take it.
+		// (wait returns when the statements are done; their flusher retires
+		// a moment later.)
 		gb.board.group.wait()
+		g := &gb.board.group
+		require.Eventually(t, func() bool {
+			g.mu.Lock()
+			defer g.mu.Unlock()
+			return g.flushers == 0 && len(g.queue) == 0
+		}, 5*time.Second, time.Millisecond, "a flusher is still running")
 	}
 	out := make(chan outcome, 1)
 	go func() {

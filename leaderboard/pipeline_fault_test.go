@@ -1,0 +1,197 @@
+package leaderboard
+
+import (
+	"context"
+	"encoding/binary"
+	"errors"
+	"net"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/stretchr/testify/require"
+)
+
+// TestSharedStatementGivesItsConnectionBack: however a grouped statement's
+// result ends, its pool connection comes back. A statement sent with a
+// lock timeout is a pipeline whose results hold the connection until they
+// are closed; a read that fails between two rows must close them too.
+func TestSharedStatementGivesItsConnectionBack(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+
+	t.Run("ConnectionResetBetweenRows", func(t *testing.T) {
+		t.Parallel()
+		tb := setup(t)
+		pool, mode := cutPool(t, tb)
+		cfg := tb.board.Config()
+		board, err := New(pool, tb.rd.Client, &cfg)
+		require.NoError(t, err)
+		t.Cleanup(board.Close)
+
+		cmds := []Command{{EventID: uuid.New(), UserID: "user-a", Delta: 1}, {EventID: uuid.New(), UserID: "user-b", Delta: 1}}
+		mode.Store(cutReset)
+		_, err = board.submitBatch(ctx, cmds, batchOptions{everyState: true, lockTimeout: submitLockTimeout})
+		t.Logf("submitBatch: %v", err)
+		require.Error(t, err)
+		mode.Store(cutOff)
+
+		require.Zero(t, acquiredSettles(pool), "the dead connection's pool slot is still acquired")
+		sctx, cancel := context.WithTimeout(ctx, 3*time.Second)
+		defer cancel()
+		_, err = board.Submit(sctx, Command{EventID: uuid.New(), UserID: "later", Delta: 1})
+		require.NoError(t, err, "a later Submit on the board")
+	})
+
+	t.Run("EveryCallerGoneBeforeTheResult", func(t *testing.T) {
+		t.Parallel()
+		// No network failure: the statement commits, but both callers'
+		// contexts end before its result is read (they get ctx's error, as
+		// documented), which cancels the read.
+		tb := setup(t)
+		pool, mode := cutPool(t, tb)
+		cfg := tb.board.Config()
+		cfg.SubmitStatements = 1
+		board, err := New(pool, tb.rd.Client, &cfg)
+		require.NoError(t, err)
+		board.group.stallAfter = time.Hour
+		t.Cleanup(board.Close)
+		gb := &groupBundle{testBundle: tb, board: board, pool: pool}
+
+		gb.hold(t)
+		first := gb.submitQueued(t, ctx, Command{EventID: uuid.New(), UserID: "z", Delta: 1}, 0)
+		actx, cancelA := context.WithCancel(ctx)
+		bctx, cancelB := context.WithCancel(ctx)
+		a := gb.submitQueued(t, actx, Command{EventID: uuid.New(), UserID: "a", Delta: 1}, 1)
+		b := gb.submitQueued(t, bctx, Command{EventID: uuid.New(), UserID: "b", Delta: 1}, 2)
+		mode.Store(cutStall) // cuts at the group statement's first row (7 columns)
+		gb.release()
+		require.NoError(t, wait(t, first).err)
+		time.Sleep(300 * time.Millisecond) // the group statement has committed; its result is "in flight"
+		cancelA()
+		cancelB()
+		require.ErrorIs(t, wait(t, a).err, context.Canceled)
+		require.ErrorIs(t, wait(t, b).err, context.Canceled)
+		mode.Store(cutOff)
+
+		sctx, cancel := context.WithTimeout(ctx, 3*time.Second)
+		defer cancel()
+		_, err = board.Submit(sctx, Command{EventID: uuid.New(), UserID: "later", Delta: 1})
+		require.NoError(t, err, "a later Submit on the board (pool: %d of 1 connections acquired)", pool.Stat().AcquiredConns())
+	})
+}
+
+// acquiredSettles waits briefly for the acquired count to drop to zero and
+// returns the count it ended with.
+func acquiredSettles(pool *pgxpool.Pool) int32 {
+	deadline := time.Now().Add(2 * time.Second)
+	for {
+		n := pool.Stat().AcquiredConns()
+		if n == 0 || time.Now().After(deadline) {
+			return n
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+// cutConn parses the server's message stream and, once armed, cuts it right
+// after the first DataRow of submitBatchSQL (7 columns): mode cutReset then
+// fails every later read (a connection reset between two rows of the
+// result); mode cutStall delivers nothing more (the rest of the result, the
+// commit's ReadyForQuery, is "in the network") until the read deadline pgx
+// sets when the query's ctx ends.
+type cutConn struct {
+	net.Conn
+	mode *atomic.Int32
+	mu   sync.Mutex
+	cut  bool
+	hdr  [5]byte
+	hdrN int
+	left int
+	pos  int
+	cols [2]byte
+}
+
+const (
+	cutOff int32 = iota
+	cutReset
+	cutStall
+)
+
+func (c *cutConn) Read(p []byte) (int, error) {
+	c.mu.Lock()
+	cut := c.cut
+	c.mu.Unlock()
+	if cut {
+		if c.mode.Load() == cutReset {
+			return 0, errors.New("injected: connection reset by peer")
+		}
+		var one [1]byte
+		_, err := c.Conn.Read(one[:])
+		if err == nil {
+			err = errors.New("injected: unexpected data after the cut")
+		}
+		return 0, err
+	}
+	n, err := c.Conn.Read(p)
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	for i := 0; i < n; i++ {
+		b := p[i]
+		if c.hdrN < 5 {
+			c.hdr[c.hdrN] = b
+			c.hdrN++
+			if c.hdrN == 5 {
+				c.left, c.pos = int(binary.BigEndian.Uint32(c.hdr[1:]))-4, 0
+				if c.left == 0 {
+					c.hdrN = 0
+				}
+			}
+			continue
+		}
+		if c.pos < 2 {
+			c.cols[c.pos] = b
+		}
+		c.pos++
+		c.left--
+		if c.left == 0 {
+			c.hdrN = 0
+			if c.hdr[0] == 'D' && binary.BigEndian.Uint16(c.cols[:]) == 7 && c.mode.Load() != cutOff {
+				c.cut = true
+				return i + 1, nil
+			}
+		}
+	}
+	return n, err
+}
+
+// cutPool is a pool of one connection whose server stream cutConn watches.
+func cutPool(t *testing.T, tb *testBundle) (*pgxpool.Pool, *atomic.Int32) {
+	t.Helper()
+	pc, err := pgxpool.ParseConfig(tb.pg.ConnString)
+	require.NoError(t, err)
+	pc.MaxConns = 1
+	pc.ConnConfig.TLSConfig, pc.ConnConfig.Fallbacks = nil, nil // no SSLRequest: plain framing from the start
+	mode := &atomic.Int32{}
+	var d net.Dialer
+	pc.ConnConfig.DialFunc = func(ctx context.Context, network, addr string) (net.Conn, error) {
+		c, err := d.DialContext(ctx, network, addr)
+		if err != nil {
+			return nil, err
+		}
+		return &cutConn{Conn: c, mode: mode}, nil
+	}
+	pool, err := pgxpool.NewWithConfig(context.Background(), pc)
+	require.NoError(t, err)
+	t.Cleanup(func() {
+		if n := pool.Stat().AcquiredConns(); n != 0 {
+			t.Logf("NOT closing the pool: %d connection(s) still acquired (leaked)", n)
+			return
+		}
+		pool.Close()
+	})
+	return pool, mode
+}
