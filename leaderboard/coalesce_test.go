@@ -37,6 +37,13 @@ func setupGroupsOn(t *testing.T, conns int32, mutate ...func(*Config)) *groupBun
 	pool, err := pgxpool.NewWithConfig(context.Background(), pc)
 	require.NoError(t, err)
 	t.Cleanup(pool.Close)
+	return groupsOn(t, tb, pool)
+}
+
+// groupsOn returns tb's board rebuilt on pool, with one flusher that never
+// counts as stalled.
+func groupsOn(t *testing.T, tb *testBundle, pool *pgxpool.Pool) *groupBundle {
+	t.Helper()
 	cfg := tb.board.Config()
 	cfg.SubmitStatements = 1
 	board, err := New(pool, tb.rd.Client, &cfg)

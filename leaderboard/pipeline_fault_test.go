@@ -53,13 +53,8 @@ func TestSharedStatementGivesItsConnectionBack(t *testing.T) {
 		// documented), which cancels the read.
 		tb := setup(t)
 		pool, mode := cutPool(t, tb)
-		cfg := tb.board.Config()
-		cfg.SubmitStatements = 1
-		board, err := New(pool, tb.rd.Client, &cfg)
-		require.NoError(t, err)
-		board.group.stallAfter = time.Hour
-		t.Cleanup(board.Close)
-		gb := &groupBundle{testBundle: tb, board: board, pool: pool}
+		gb := groupsOn(t, tb, pool)
+		board := gb.board
 
 		gb.hold(t)
 		first := gb.submitQueued(t, ctx, Command{EventID: uuid.New(), UserID: "z", Delta: 1}, 0)
@@ -79,7 +74,7 @@ func TestSharedStatementGivesItsConnectionBack(t *testing.T) {
 
 		sctx, cancel := context.WithTimeout(ctx, 3*time.Second)
 		defer cancel()
-		_, err = board.Submit(sctx, Command{EventID: uuid.New(), UserID: "later", Delta: 1})
+		_, err := board.Submit(sctx, Command{EventID: uuid.New(), UserID: "later", Delta: 1})
 		require.NoError(t, err, "a later Submit on the board (pool: %d of 1 connections acquired)", pool.Stat().AcquiredConns())
 	})
 }
