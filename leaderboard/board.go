@@ -151,7 +151,8 @@ func New(pool *pgxpool.Pool, rdb redis.UniversalClient, cfg *Config) (*Board, er
 }
 
 // Close waits for the Submit statements under way to finish and stops the
-// board's relay wake-ups (its outbox.Notifier), sending a pending one first. Calling it is good practice at shutdown but optional:
+// board's relay wake-ups (its outbox.Notifier), sending a pending one
+// first. Calling it is good practice at shutdown but optional:
 // the wake-up goroutine only runs while submits keep coming and exits
 // within outbox.NotifierIdleTimeoutDefault (100 ms) of the last one, so a
 // board that is dropped without Close leaves no goroutine behind. After
@@ -499,9 +500,9 @@ func (b *Board) submitBatchOnce(ctx context.Context, cmds []Command, sent []int,
 	if err != nil {
 		return b.mapBatchError(ctx, err, cmds, sent)
 	}
-	// finish gives the connection back (it may be the pool's last, which
-	// mapBatchError's overflow probe needs) and is idempotent: every return
-	// path calls it first, and this defer makes sure of it.
+	// finish gives the connection back and is idempotent: the paths to
+	// mapBatchError call it first (its overflow probe may need the pool's
+	// last connection), and this defer covers the others.
 	defer func() { _ = finish() }()
 	var conflict *IdempotencyConflictError
 	seen, applied := 0, 0
@@ -513,11 +514,9 @@ func (b *Board) submitBatchOnce(ctx context.Context, cmds []Command, sent []int,
 			delta       int64
 		)
 		if err := rows.Scan(&ord, &res.Duplicate, &res.Score, &res.Version, &board, &user, &delta); err != nil {
-			_ = finish()
 			return fmt.Errorf("leaderboard: submit batch: %w", err)
 		}
 		if ord < 1 || int(ord) > len(sent) {
-			_ = finish()
 			return fmt.Errorf("leaderboard: submit batch: unexpected row number %d", ord)
 		}
 		i := sent[ord-1]
@@ -566,8 +565,10 @@ func (b *Board) submitBatchOnce(ctx context.Context, cmds []Command, sent []int,
 // there the nested loops cost nothing and planning would be about half the
 // statement's time. With a lock timeout, a set_config precedes the
 // statement in the same pipeline, before one Sync: both run in one
-// implicit transaction, which the setting does not outlive. One round trip
-// in every case.
+// implicit transaction, which the setting does not outlive. A pipeline
+// runs in the pool's default mode (pgx's default caches the statement)
+// whatever its size; only Submit's groups use one, at most
+// MaxSubmitsPerStatement commands. One round trip in every case.
 func (b *Board) sendBatch(ctx context.Context, n int, opts batchOptions, ids, users []string, deltas []int64) (pgx.Rows, func() error, error) {
 	args := []any{ids, users, deltas, b.cfg.Name, b.stream, opts.everyState}
 	if opts.lockTimeout <= 0 {
@@ -661,7 +662,7 @@ func isUniqueViolation(err error) bool {
 }
 
 // preparedBatchMax is the largest batch sent as a cached prepared
-// statement (see submitBatchOnce).
+// statement (see sendBatch).
 const preparedBatchMax = MaxSubmitsPerStatementDefault
 
 // batchDeadlockRetries bounds how often SubmitBatch runs its statement
