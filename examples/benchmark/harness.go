@@ -43,7 +43,8 @@ type Sizes struct {
 	DrainRows      int           // outbox rows drained by each side
 	DrainUsers     int           // distinct members those rows project
 	IngestDuration time.Duration // how long each ingest variant runs
-	LagDuration    time.Duration // how long each lag variant offers load
+	LagDuration    time.Duration // how long each lag variant offers load (timed)
+	LagWarmup      time.Duration // untimed load each lag variant offers first
 	CacheReads     int           // timed reads per cache variant
 	ReconcileUsers int           // rows in the reconciled table
 	MemoryMembers  int           // members projected for the memory figure
@@ -54,13 +55,13 @@ type Sizes struct {
 var (
 	quickSizes = Sizes{
 		DrainRows: 3_000, DrainUsers: 1_000,
-		IngestDuration: time.Second, LagDuration: time.Second,
+		IngestDuration: time.Second, LagDuration: time.Second, LagWarmup: 200 * time.Millisecond,
 		CacheReads: 2_000, ReconcileUsers: 5_000, MemoryMembers: 2_000,
 		RSSSmall: 2_000, RSSLarge: 20_000,
 	}
 	fullSizes = Sizes{
 		DrainRows: 200_000, DrainUsers: 10_000,
-		IngestDuration: 10 * time.Second, LagDuration: 10 * time.Second,
+		IngestDuration: 10 * time.Second, LagDuration: 10 * time.Second, LagWarmup: time.Second,
 		CacheReads: 20_000, ReconcileUsers: 200_000, MemoryMembers: 100_000,
 		RSSSmall: 100_000, RSSLarge: 1_000_000,
 	}
