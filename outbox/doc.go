@@ -250,7 +250,10 @@
 // dead rows (scale factor 0) and no cost delay, so vacuum keeps pace with
 // the deletes. It cannot help while another session's old snapshot still
 // sees the deleted rows (a long transaction anywhere in the database); keep
-// transactions short on the outbox's database.
+// transactions short on the outbox's database. Nor does it do anything on a
+// server with autovacuum = off (some test machines run so; the development
+// machine's figures in this package and in examples/benchmark were taken on
+// one): there, VACUUM the outbox table on a schedule of your own.
 //
 // # Non-durable bookkeeping
 //

@@ -45,8 +45,8 @@ const (
 // claims waited for new connections along with 16 submitters (17 acquires
 // on a cold pool took 0.24–0.27 s here, with TLS or without), nothing
 // became visible for about 90 ms, and that one stall was most of the 100
-// slowest of 10,000 commands: p99 8.8–70 ms, against 4.3–5.4 ms for the
-// same runs without their first 250 commands.
+// slowest of 10,000 commands: p99 8.8–70 ms in six runs, and 4.3 and
+// 5.4 ms in two of them without their first 250 commands.
 //
 // The library worker is a relay woken by LISTEN/NOTIFY (what
 // leaderboard.Worker builds). The seed design has no wake-up: its worker

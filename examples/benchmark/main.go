@@ -159,10 +159,14 @@ func describeServers(ctx context.Context, opts Options) string {
 	defer cancel()
 	pg := "PostgreSQL ?"
 	if conn, err := pgx.Connect(ctx, opts.PostgresURL); err == nil {
-		var version, fsync, syncCommit string
-		if conn.QueryRow(ctx, `SELECT current_setting('server_version'), current_setting('fsync'), current_setting('synchronous_commit')`).
-			Scan(&version, &fsync, &syncCommit) == nil {
-			pg = fmt.Sprintf("PostgreSQL %s (fsync %s, synchronous_commit %s)", version, fsync, syncCommit)
+		// autovacuum too: the outbox is a queue whose vacuuming the
+		// figures depend on, and a test machine may have it off.
+		var version, fsync, syncCommit, autovacuum, sharedBuffers string
+		if conn.QueryRow(ctx, `SELECT current_setting('server_version'), current_setting('fsync'), current_setting('synchronous_commit'),
+			current_setting('autovacuum'), current_setting('shared_buffers')`).
+			Scan(&version, &fsync, &syncCommit, &autovacuum, &sharedBuffers) == nil {
+			pg = fmt.Sprintf("PostgreSQL %s (fsync %s, synchronous_commit %s, autovacuum %s, shared_buffers %s)",
+				version, fsync, syncCommit, autovacuum, sharedBuffers)
 		}
 		conn.Close(ctx)
 	}
