@@ -95,13 +95,13 @@ type Board struct {
 // run Migrate once (per schema) before using it.
 func New(pool *pgxpool.Pool, rdb redis.UniversalClient, cfg *Config) (*Board, error) {
 	if pool == nil {
-		return nil, errors.New("leaderboard: New needs a *pgxpool.Pool")
+		return nil, &ConfigError{Field: "pool", Reason: "is nil; pass the *pgxpool.Pool of the board's database"}
 	}
 	if rdb == nil {
-		return nil, errors.New("leaderboard: New needs a redis.UniversalClient")
+		return nil, &ConfigError{Field: "rdb", Reason: "is nil; pass a redis.UniversalClient (a *redis.Client or *redis.ClusterClient)"}
 	}
 	if cfg == nil {
-		return nil, errors.New("leaderboard: New needs a *Config (Name is required)")
+		return nil, &ConfigError{Field: "cfg", Reason: "is nil; pass a *Config (Name is required)"}
 	}
 	c := cfg.WithDefaults()
 	if err := c.validate(); err != nil {

@@ -1,7 +1,6 @@
 package leaderboard
 
 import (
-	"errors"
 	"fmt"
 	"log/slog"
 	"strings"
@@ -255,44 +254,48 @@ func (c *Config) WithDefaults() *Config {
 	return out
 }
 
-// validate checks a Config that has been through WithDefaults.
+// validate checks a Config that has been through WithDefaults. Its errors
+// are *ConfigError, naming the field and how to fix it.
 func (c *Config) validate() error {
+	bad := func(field, reason string, args ...any) error {
+		return &ConfigError{Field: "Config." + field, Reason: fmt.Sprintf(reason, args...)}
+	}
 	switch {
 	case c.Name == "":
-		return errors.New("leaderboard: Config.Name is required (for example \"weekly-2026-48\")")
+		return bad("Name", "is required (for example \"weekly-2026-48\")")
 	case len(c.Name) > MaxNameLength:
-		return fmt.Errorf("leaderboard: Config.Name is %d bytes; shorten it to at most %d", len(c.Name), MaxNameLength)
+		return bad("Name", "is %d bytes; shorten it to at most %d", len(c.Name), MaxNameLength)
 	case !utf8.ValidString(c.Name) || strings.IndexByte(c.Name, 0) >= 0:
-		return errors.New("leaderboard: Config.Name must be valid UTF-8 without NUL bytes")
+		return bad("Name", "must be valid UTF-8 without NUL bytes")
 	case strings.IndexByte(c.Schema, 0) >= 0 || !utf8.ValidString(c.Schema):
-		return errors.New("leaderboard: Config.Schema must be valid UTF-8 without NUL bytes")
+		return bad("Schema", "must be valid UTF-8 without NUL bytes")
 	case strings.IndexByte(c.OutboxTable, 0) >= 0 || !utf8.ValidString(c.OutboxTable):
-		return errors.New("leaderboard: Config.OutboxTable must be valid UTF-8 without NUL bytes")
+		return bad("OutboxTable", "must be valid UTF-8 without NUL bytes")
 	case c.MinDelta > c.MaxDelta:
-		return fmt.Errorf("leaderboard: Config.MinDelta (%d) is above Config.MaxDelta (%d); swap them", c.MinDelta, c.MaxDelta)
+		return bad("MinDelta", "(%d) is above Config.MaxDelta (%d); swap them", c.MinDelta, c.MaxDelta)
 	case c.MinDelta < MinScore || c.MaxDelta > MaxScore:
-		return fmt.Errorf("leaderboard: Config.MinDelta and Config.MaxDelta must lie within [%d, %d]", MinScore, MaxScore)
+		return bad("MinDelta", "and Config.MaxDelta must lie within [%d, %d]", MinScore, MaxScore)
 	case c.MaxSubmitsPerStatement < 1 || c.MaxSubmitsPerStatement > MaxSubmitsPerStatementLimit:
-		return fmt.Errorf("leaderboard: Config.MaxSubmitsPerStatement must be between 1 (no grouping) and %d (got %d)", MaxSubmitsPerStatementLimit, c.MaxSubmitsPerStatement)
+		return bad("MaxSubmitsPerStatement", "must be between 1 (no grouping) and %d (got %d)", MaxSubmitsPerStatementLimit, c.MaxSubmitsPerStatement)
 	case c.SubmitStatements < 1:
-		return fmt.Errorf("leaderboard: Config.SubmitStatements must be at least 1 (got %d); leave it 0 for the default, %d", c.SubmitStatements, SubmitStatementsDefault)
+		return bad("SubmitStatements", "must be at least 1 (got %d); leave it 0 for the default, %d", c.SubmitStatements, SubmitStatementsDefault)
 	case c.MaxUserIDLength < 1 || c.MaxUserIDLength > MaxUserIDLengthLimit:
-		return fmt.Errorf("leaderboard: Config.MaxUserIDLength must be between 1 and %d (got %d)", MaxUserIDLengthLimit, c.MaxUserIDLength)
+		return bad("MaxUserIDLength", "must be between 1 and %d (got %d)", MaxUserIDLengthLimit, c.MaxUserIDLength)
 	case c.ReadPolicy < ServeStale || c.ReadPolicy > FailClosed:
-		return fmt.Errorf("leaderboard: Config.ReadPolicy %s is unknown; use ServeStale, FallbackToPostgres or FailClosed", c.ReadPolicy)
+		return bad("ReadPolicy", "%s is unknown; use ServeStale, FallbackToPostgres or FailClosed", c.ReadPolicy)
 	case c.MaxLag < 0:
-		return errors.New("leaderboard: Config.MaxLag must not be negative")
+		return bad("MaxLag", "must not be negative")
 	case c.ReadYourWritesTimeout < 0:
-		return errors.New("leaderboard: Config.ReadYourWritesTimeout must not be negative")
+		return bad("ReadYourWritesTimeout", "must not be negative")
 	case c.LagProbeInterval < 0:
-		return errors.New("leaderboard: Config.LagProbeInterval must not be negative")
+		return bad("LagProbeInterval", "must not be negative")
 	case c.MaxLag <= c.LagProbeInterval:
-		return fmt.Errorf("leaderboard: Config.MaxLag (%s) must be greater than Config.LagProbeInterval (%s), since reads made while a lag probe runs see a lag of at least LagProbeInterval; raise MaxLag or lower LagProbeInterval to a small fraction of it", c.MaxLag, c.LagProbeInterval)
+		return bad("MaxLag", "(%s) must be greater than Config.LagProbeInterval (%s), since reads made while a lag probe runs see a lag of at least LagProbeInterval; raise MaxLag or lower LagProbeInterval to a small fraction of it", c.MaxLag, c.LagProbeInterval)
 	case c.VersionBuckets < 0 || c.VersionBuckets > projection.VersionBucketsMax:
-		return fmt.Errorf("leaderboard: Config.VersionBuckets must be between 0 (one version hash) and %d (got %d); use about expected users / 64", projection.VersionBucketsMax, c.VersionBuckets)
+		return bad("VersionBuckets", "must be between 0 (one version hash) and %d (got %d); use about expected users / 64", projection.VersionBucketsMax, c.VersionBuckets)
 	}
 	if err := keyenc.ValidatePrefix(c.KeyPrefix); err != nil {
-		return fmt.Errorf("leaderboard: Config.KeyPrefix %q: %v", c.KeyPrefix, err)
+		return bad("KeyPrefix", "%q: %v", c.KeyPrefix, err)
 	}
 	return nil
 }

@@ -77,7 +77,7 @@ func TestConfig(t *testing.T) {
 		} {
 			t.Run(tc.name, func(t *testing.T) {
 				err := tc.cfg.WithDefaults().validate()
-				require.Error(t, err)
+				require.ErrorIs(t, err, ErrInvalidConfig)
 				require.Contains(t, err.Error(), tc.field)
 			})
 		}
@@ -95,14 +95,24 @@ func TestConfig(t *testing.T) {
 		t.Parallel()
 		pg := testenv.Postgres(t)
 		rd := testenv.Redis(t)
-		_, err := New(nil, rd.Client, &Config{Name: "b"})
-		require.Error(t, err)
-		_, err = New(pg.Pool, nil, &Config{Name: "b"})
-		require.Error(t, err)
-		_, err = New(pg.Pool, rd.Client, nil)
-		require.Error(t, err)
-		_, err = New(pg.Pool, rd.Client, &Config{})
-		require.ErrorContains(t, err, "Config.Name")
+		for _, tc := range []struct {
+			field string
+			new   func() (*Board, error)
+		}{
+			{"pool", func() (*Board, error) { return New(nil, rd.Client, &Config{Name: "b"}) }},
+			{"rdb", func() (*Board, error) { return New(pg.Pool, nil, &Config{Name: "b"}) }},
+			{"cfg", func() (*Board, error) { return New(pg.Pool, rd.Client, nil) }},
+			{"Config.Name", func() (*Board, error) { return New(pg.Pool, rd.Client, &Config{}) }},
+			{"Config.MaxLag", func() (*Board, error) { return New(pg.Pool, rd.Client, &Config{Name: "b", MaxLag: -1}) }},
+		} {
+			board, err := tc.new()
+			require.Nil(t, board)
+			require.ErrorIs(t, err, ErrInvalidConfig)
+			var cfgErr *ConfigError
+			require.ErrorAs(t, err, &cfgErr)
+			require.Equal(t, tc.field, cfgErr.Field)
+			require.NotEmpty(t, cfgErr.Reason)
+		}
 	})
 
 	t.Run("MigrateIsIdempotentAndQuotesNames", func(t *testing.T) {
@@ -132,7 +142,13 @@ func TestConfig(t *testing.T) {
 	t.Run("WorkerRefusesOutboxLocation", func(t *testing.T) {
 		t.Parallel()
 		tb := setup(t)
-		_, err := tb.board.Worker(&WorkerConfig{Relay: &outbox.RelayConfig{Table: "other"}})
-		require.Error(t, err)
+		for _, relay := range []*outbox.RelayConfig{{Table: "other"}, {Schema: "other"}, {Streams: []string{"other"}}} {
+			worker, err := tb.board.Worker(&WorkerConfig{Relay: relay})
+			require.Nil(t, worker)
+			require.ErrorIs(t, err, ErrInvalidConfig)
+			var cfgErr *ConfigError
+			require.ErrorAs(t, err, &cfgErr)
+			require.Equal(t, "WorkerConfig.Relay", cfgErr.Field)
+		}
 	})
 }

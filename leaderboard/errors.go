@@ -10,8 +10,13 @@ import (
 
 // Sentinel errors. Every error the package returns for a caller's mistake or
 // a refused operation matches one of them with errors.Is; the typed errors
-// below carry the details for errors.As.
+// below carry the details for errors.As. (A nil transaction given to
+// SubmitTx is the one exception: a plain error.)
 var (
+	// ErrInvalidConfig matches every *ConfigError: New or Board.Worker was
+	// given a nil dependency or a configuration it cannot use, and nothing
+	// was created.
+	ErrInvalidConfig = errors.New("leaderboard: invalid config")
 	// ErrInvalidCommand matches every *ValidationError: a Command that was
 	// refused before anything was written.
 	ErrInvalidCommand = errors.New("leaderboard: invalid command")
@@ -44,6 +49,23 @@ var (
 	// (Around also accepts 0 neighbours).
 	ErrInvalidLimit = fmt.Errorf("leaderboard: page size must be between 1 and %d", MaxPageSize)
 )
+
+// ConfigError reports a configuration field, or a dependency, that New or
+// Board.Worker refused. It matches ErrInvalidConfig.
+type ConfigError struct {
+	// Field names what was refused: "Config.Name", "WorkerConfig.Relay",
+	// or an argument of New ("pool", "rdb", "cfg").
+	Field string
+	// Reason says what is wrong and how to fix it.
+	Reason string
+}
+
+func (e *ConfigError) Error() string {
+	return fmt.Sprintf("leaderboard: invalid config: %s %s", e.Field, e.Reason)
+}
+
+// Is makes a *ConfigError match ErrInvalidConfig.
+func (e *ConfigError) Is(target error) bool { return target == ErrInvalidConfig }
 
 // ValidationError reports a Command field that was refused. Nothing was
 // written. It matches ErrInvalidCommand.

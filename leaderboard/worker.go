@@ -61,7 +61,7 @@ func (b *Board) Worker(cfg *WorkerConfig) (*Worker, error) {
 		rc = *cfg.Relay
 	}
 	if rc.Schema != "" || rc.Table != "" || len(rc.Streams) != 0 {
-		return nil, errors.New("leaderboard: WorkerConfig.Relay: leave Schema, Table and Streams empty; the board sets them")
+		return nil, &ConfigError{Field: "WorkerConfig.Relay", Reason: "sets Schema, Table or Streams; leave them empty, the board sets them"}
 	}
 	rc.Schema, rc.Table, rc.Streams = b.cfg.Schema, b.cfg.OutboxTable, []string{b.stream}
 	if rc.Name == "" {
