@@ -165,10 +165,13 @@
 // start of its due range. The partition count caps the relays that can
 // drain one backlog at once at 64, far beyond what one database serves.
 //
-// A claim is two statements sent together (one round trip, one implicit
-// transaction): the first locks and leases partitions, the second reads
-// their rows with a snapshot taken after the locks, so it never sees rows
-// that the partition's previous holder deleted a moment before. It reads
+// A claim is three statements sent together (one round trip, one implicit
+// transaction): the first takes an advisory lock on the claim's token, so
+// that a relay whose claim was cut off can find that transaction and wait
+// for its end before releasing what it leased; the second locks and leases
+// partitions; the third reads their rows with a snapshot taken after the
+// locks, so it never sees rows that the partition's previous holder
+// deleted a moment before. It reads
 // each partition in index order and stops at BatchSize rows; the claim
 // turns bitmap scans off for its own transaction so that the planner cannot
 // prefer reading and sorting a whole partition of a deep backlog.

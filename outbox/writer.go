@@ -76,8 +76,9 @@ SELECT count(*) FROM inserted, pg_notify($6, '')`
 // commits. Append with no messages does nothing.
 //
 // Every message is validated first: a nil EventID, an empty Stream, a
-// non-positive Version, a Stream or Key that is not valid UTF-8 or contains a
-// NUL byte, or an EventID repeated within the call yields a *MessageError
+// Stream longer than MaxStreamBytes, a non-positive Version, a Stream or Key
+// that is not valid UTF-8 or contains a NUL byte, or an EventID repeated
+// within the call yields a *MessageError
 // (errors.Is(err, ErrInvalidMessage)) and nothing is sent to the database.
 // An EventID already present in the outbox yields ErrEventIDExists; like any
 // failed statement, it aborts tx.

@@ -25,7 +25,7 @@ return 1
 `)
 
 const (
-	benchBatch   = 100 // events per batch, the relay's default batch size
+	benchBatch   = 100 // events per batch (the relay's default BatchSize is 1000)
 	benchMembers = 1000
 )
 

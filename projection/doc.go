@@ -104,7 +104,7 @@
 // when it grows past twice that.
 //
 // Buckets cost the gate some CPU in Redis (a listpack is searched entry by
-// entry): BenchmarkGate/BatchedVersionBuckets, batches of 100 over 16
+// entry): BenchmarkGate/BatchedVersionBuckets, batches of 100 over 15
 // buckets, ran at 0.46–1.06× (median about 0.8×) the unbucketed
 // throughput in six alternating runs at load 5. Reconciliation pays more:
 // a page of source rows touches a bucket per member instead of one hash,

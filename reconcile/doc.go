@@ -208,7 +208,7 @@
 //	  Rebuild (shadow copy + switch)        ~80,000-90,000 rows/s
 //	go test -run XXX -bench CheckBuckets -benchtime 3x ./reconcile   (full pass, orphan count check)
 //	  one version hash                      ~395,000-476,000 rows/s
-//	  312 version buckets (rows / 64)       ~282,000-328,000 rows/s
+//	  313 version buckets (rows / 64)       ~282,000-328,000 rows/s
 //	VERITY_BENCH_ROWS=200000, 3,125 buckets  ~310,000-335,000 vs ~134,000-161,000 rows/s
 //	go run ./examples/benchmark -only reconcile   (200,000 users, load 3-4)
 //	  3,125 version buckets: 0.34-0.54x the one-hash pass (0.48-0.61x on 2026-12-01, load 1-2)
