@@ -443,6 +443,59 @@ func TestGate(t *testing.T) {
 					readState(t, gb.client, gb.ks, doc("doc"+strconv.Itoa(k), 0, "").Target))
 			}
 		})
+
+		// A batch near the relay's BatchSizeMax, every member written in
+		// several versions: every outcome and final state right, with one
+		// version hash and with buckets. (It also guards any bulk form of the
+		// script: an experimental one that read and wrote 1,000 arguments per
+		// call failed it when its chunk boundary was broken on purpose.)
+		t.Run("LargeBatchOfRepeatedMembers", func(t *testing.T) {
+			t.Parallel()
+			gb := setupGate(t, b)
+			bucketed, err := gb.ks.WithVersionBuckets(8)
+			require.NoError(t, err)
+			for _, ks := range []Keyspace{gb.ks, bucketed} {
+				gate := NewGate(gb.client, ks)
+				name := fmt.Sprintf("large-%d", ks.buckets)
+				const members, rounds = 1_500, 4 // 6,000 writes per kind
+				var batch []Write
+				for r := 1; r <= rounds; r++ {
+					for m := 0; m < members; m++ {
+						member := "m" + strconv.Itoa(m)
+						batch = append(batch,
+							zset(name, member, int64(r), int64(r*members+m)),
+							hash(name, member, int64(r), fmt.Sprintf("%d/%d", m, r)))
+					}
+				}
+				batch = append(batch, zset(name, "m0", 1, -1), zset(name, "m1", rounds, -1))
+				out, err := gate.Apply(context.Background(), batch)
+				require.NoError(t, err)
+				for i, o := range out[:len(out)-2] {
+					require.Equal(t, OutcomeApplied, o, "write %d", i)
+				}
+				require.Equal(t, []Outcome{OutcomeStale, OutcomeDuplicate}, out[len(out)-2:])
+				for m := 0; m < members; m++ {
+					member := "m" + strconv.Itoa(m)
+					require.Equal(t, storedState{true, strconv.Itoa(rounds*members + m), strconv.Itoa(rounds)},
+						readState(t, gb.client, ks, zset(name, member, 0, 0).Target), member)
+					require.Equal(t, storedState{true, fmt.Sprintf("%d/%d", m, rounds), strconv.Itoa(rounds)},
+						readState(t, gb.client, ks, hash(name, member, 0, "").Target), member)
+				}
+				card, err := gb.client.ZCard(context.Background(), ks.ValueKey(zset(name, "", 0, 0).Target)).Result()
+				require.NoError(t, err)
+				require.Equal(t, int64(members), card)
+				// Redelivered whole: the last round is a duplicate, the rest stale.
+				out, err = gate.Apply(context.Background(), batch[:len(batch)-2])
+				require.NoError(t, err)
+				for i, o := range out {
+					want := OutcomeStale
+					if i >= (rounds-1)*members*2 {
+						want = OutcomeDuplicate
+					}
+					require.Equal(t, want, o, "write %d", i)
+				}
+			}
+		})
 	})
 }
 
