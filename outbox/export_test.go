@@ -13,6 +13,9 @@ func (r *Relay) Backoff(attempts int) time.Duration { return r.backoff(attempts)
 // ClaimSQL exposes the two claim statements so a test can inspect their plans.
 func (r *Relay) ClaimSQL() (lease, pick string) { return r.leaseSQL, r.pickSQL }
 
+// SettleSQL exposes the settle statement so a test can inspect its plan.
+func (r *Relay) SettleSQL() string { return r.settleSQL }
+
 // ClaimOnly claims a batch and never settles it, like a relay process that
 // dies while its Handler runs.
 func (r *Relay) ClaimOnly(ctx context.Context) ([]Record, error) {

@@ -42,6 +42,46 @@ func TestClaimPlanUsesIndexes(t *testing.T) {
 	}
 }
 
+// TestSettlePlanUsesIndexes guards the settle statement the same way: the
+// rows it acknowledges, retries or buries are found by id through the
+// primary key, never by reading the whole outbox.
+func TestSettlePlanUsesIndexes(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	b := setup(t)
+	msgs := make([]outbox.Message, 5000)
+	for i := range msgs {
+		msgs[i] = newMessage("s", fmt.Sprint("k", i), 1)
+	}
+	b.appendCommitted(t, msgs...)
+	_, err := b.pool.Exec(ctx, `ANALYZE `+b.writer.Table())
+	require.NoError(t, err)
+
+	for _, keep := range []bool{false, true} {
+		r := b.relay(t, nil, &recorder{}, outbox.RelayConfig{KeepPublished: keep})
+		conn, err := b.pool.Acquire(ctx)
+		require.NoError(t, err)
+		_, err = conn.Exec(ctx, `SET plan_cache_mode = force_generic_plan`)
+		require.NoError(t, err)
+		_, err = conn.Conn().Prepare(ctx, "settle", r.SettleSQL())
+		require.NoError(t, err)
+		// The token, then acknowledged ids ($2), rows to retry ($3-$5),
+		// to bury ($6-$7), to release ($8), and the attempt numbers ($9-$10).
+		rows, err := conn.Query(ctx, `EXPLAIN EXECUTE settle('`+uuid.NewString()+
+			`', '{1, 2, 3}', '{4}', '{boom}', '{1000}', '{5}', '{boom}', '{6}', '{1}', '{3}')`)
+		require.NoError(t, err)
+		lines, err := pgx.CollectRows(rows, pgx.RowTo[string])
+		require.NoError(t, err)
+		// The connection's session state was changed; do not pool it.
+		require.NoError(t, conn.Conn().Close(ctx))
+		conn.Release()
+		plan := strings.Join(lines, "\n")
+		t.Logf("generic settle plan (keep published %v):\n%s", keep, plan)
+		require.NotRegexp(t, `Seq Scan on verity_outbox\b`, plan, "the settle statement must not scan the whole outbox")
+		require.Regexp(t, `Index (Only )?Scan using verity_outbox_pkey on verity_outbox`, plan, "rows are found through the primary key")
+	}
+}
+
 // genericPlan prepares a claim statement on a connection forced to use
 // generic plans and returns the EXPLAIN output (nothing is executed).
 func genericPlan(t *testing.T, b *testBundle, claimSQL string, withStreams bool) string {

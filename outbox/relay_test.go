@@ -182,6 +182,66 @@ func TestRelayDelivery(t *testing.T) {
 		b.requireLeasesFree(t)
 	})
 
+	// One settle statement acknowledges most of a batch and retries the
+	// rest: the failed rows between acknowledged ones must stay, single
+	// or in a run across a partition edge, in every partition the batch
+	// spans and with either acknowledgement.
+	t.Run("InterleavedOutcomes", func(t *testing.T) {
+		t.Parallel()
+		for _, keep := range []bool{false, true} {
+			b := setup(t)
+			// 700 rows span three partitions (256 consecutive ids each),
+			// so one batch of 1,000 holds them all.
+			msgs := make([]outbox.Message, 700)
+			for i := range msgs {
+				msgs[i] = newMessage("s", fmt.Sprint("k", i), 1)
+			}
+			b.appendCommitted(t, msgs...)
+			failing := func(key string) bool {
+				var i int
+				_, err := fmt.Sscanf(key, "k%d", &i)
+				require.NoError(t, err)
+				return i%3 == 1 || (i >= 250 && i < 262) // singles, and a run across a partition edge
+			}
+			h := &recorder{fail: func(rec outbox.Record) error {
+				if failing(rec.Key) {
+					return errors.New("not now")
+				}
+				return nil
+			}}
+			r := b.relay(t, nil, h, outbox.RelayConfig{KeepPublished: keep})
+			n, err := r.RunOnce(ctx)
+			require.NoError(t, err)
+			require.Equal(t, len(msgs), n, "one batch")
+
+			var kept, failed int
+			for _, row := range b.rows(t) {
+				if failing(row.Key) {
+					failed++
+					require.Nil(t, row.PublishedAt, "row %s failed", row.Key)
+					require.NotNil(t, row.LastError, "row %s failed", row.Key)
+					require.Equal(t, 1, row.Attempts)
+					continue
+				}
+				require.True(t, keep, "acknowledged row %s must be deleted", row.Key)
+				require.NotNil(t, row.PublishedAt, "row %s was acknowledged", row.Key)
+				require.Nil(t, row.LastError)
+				kept++
+			}
+			wantFailed := 0
+			for i := range msgs {
+				if failing(msgs[i].Key) {
+					wantFailed++
+				}
+			}
+			require.Equal(t, wantFailed, failed, "every failed row is still there")
+			if keep {
+				require.Equal(t, len(msgs)-wantFailed, kept, "every acknowledged row is kept as published")
+			}
+			b.requireLeasesFree(t)
+		}
+	})
+
 	t.Run("HandlerBreaksContract", func(t *testing.T) {
 		t.Parallel()
 		handlers := map[string]outbox.HandlerFunc{
