@@ -3,8 +3,10 @@ package main
 import (
 	"context"
 	"fmt"
+	"runtime"
 	"strconv"
 	"strings"
+	"syscall"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -38,6 +40,11 @@ const (
 // passes and logged: both sides send the same ZMSCORE and HMGET per row, and
 // Redis executes them on one thread, so the hand loop's wall time divided
 // by that CPU time is a ceiling no reconciler of this projection can pass.
+// This process's own CPU time (getrusage) is logged too: on a machine with
+// few cores the client's work (pgx and go-redis decoding every row, the
+// comparison) competes with Redis and PostgreSQL for the same cores, and
+// client plus Redis CPU divided by the cores is a floor under the library's
+// pass before PostgreSQL's share is counted.
 func runReconcile(ctx context.Context, e *env) ([]Figure, error) {
 	schema, err := e.schema(ctx, "reconcile")
 	if err != nil {
@@ -81,15 +88,24 @@ SELECT 'bench', 'user-' || lpad(g::text, 9, '0'), (g * 7919) % 100000, 1 + g % 5
 	vkey := board.Keyspace().VersionKey(projection.Target{Kind: projection.KindSortedSet, Name: board.Name()})
 
 	var lib, hand, buckets rate
-	var libRedis, handRedis time.Duration // Redis server CPU spent in the timed passes
+	var libRedis, handRedis time.Duration   // Redis server CPU spent in the timed passes
+	var libClient, handClient time.Duration // this process's CPU spent in them
 	for range reconcileRounds {
 		cpu0, err := redisCPU(ctx, e.rdb)
+		if err != nil {
+			return nil, err
+		}
+		own0, err := processCPU()
 		if err != nil {
 			return nil, err
 		}
 		start := time.Now()
 		rep, err := rec.Run(ctx, reconcile.RunOptions{})
 		elapsed := time.Since(start)
+		if err != nil {
+			return nil, err
+		}
+		own1, err := processCPU()
 		if err != nil {
 			return nil, err
 		}
@@ -103,7 +119,15 @@ SELECT 'bench', 'user-' || lpad(g::text, 9, '0'), (g * 7919) % 100000, 1 + g % 5
 		if err != nil {
 			return nil, err
 		}
+		own2, err := processCPU()
+		if err != nil {
+			return nil, err
+		}
 		if err := hand.add(handReconcile(ctx, e, scores, zkey, vkey, n)); err != nil {
+			return nil, err
+		}
+		own3, err := processCPU()
+		if err != nil {
 			return nil, err
 		}
 		cpu2, err := redisCPU(ctx, e.rdb)
@@ -111,6 +135,7 @@ SELECT 'bench', 'user-' || lpad(g::text, 9, '0'), (g * 7919) % 100000, 1 + g % 5
 			return nil, err
 		}
 		libRedis, handRedis = libRedis+cpu1-cpu0, handRedis+cpu2-cpu1
+		libClient, handClient = libClient+own1-own0, handClient+own3-own2
 		start = time.Now()
 		rep, err = bucketed.Run(ctx, reconcile.RunOptions{})
 		if err == nil && rep.Counts[reconcile.ClassCurrent] != int64(n) {
@@ -128,7 +153,25 @@ SELECT 'bench', 'user-' || lpad(g::text, 9, '0'), (g * 7919) % 100000, 1 + g % 5
 	e.log("reconcile: Redis CPU per pass: library %s, hand loop %s of its %s wall: Redis alone caps any reconciler that reads every row's score and version at %.2fx the hand loop",
 		(libRedis / reconcileRounds).Round(time.Millisecond), (handRedis / reconcileRounds).Round(time.Millisecond),
 		(hand.elapsed / reconcileRounds).Round(time.Millisecond), float64(hand.elapsed)/float64(handRedis))
+	// The client's CPU competes for the same cores: the library's pass
+	// cannot take less wall time than its client and Redis CPU spread
+	// over every core, PostgreSQL's share not even counted.
+	cores := runtime.NumCPU()
+	floor := (libClient + libRedis) / time.Duration(reconcileRounds*cores)
+	e.log("reconcile: this process's CPU per pass: library %s, hand loop %s; with Redis's, %d CPUs cap the library's pass at %.2fx the hand loop (wall %s at least), PostgreSQL's CPU not counted",
+		(libClient / reconcileRounds).Round(time.Millisecond), (handClient / reconcileRounds).Round(time.Millisecond),
+		cores, float64(hand.elapsed)/float64(reconcileRounds)/float64(floor), floor.Round(time.Millisecond))
 	return []Figure{newFigure("reconcile", "rows/s", lib.perSecond(), hand.perSecond())}, nil
+}
+
+// processCPU returns the CPU time this process has used so far, user and
+// system (getrusage; the harness needs Linux anyway, see memory.go).
+func processCPU() (time.Duration, error) {
+	var ru syscall.Rusage
+	if err := syscall.Getrusage(syscall.RUSAGE_SELF, &ru); err != nil {
+		return 0, fmt.Errorf("reading this process's CPU time: %w", err)
+	}
+	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano()), nil
 }
 
 // handReconcile is the baseline: keyset pages from PostgreSQL, each followed
