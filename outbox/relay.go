@@ -437,7 +437,10 @@ func (r *Relay) sendClaim(ctx context.Context, conn *pgx.Conn, token uuid.UUID) 
 	}
 	batch, err := pgx.CollectRows(rows, func(row pgx.CollectableRow) (Record, error) {
 		var rec Record
-		err := row.Scan(&rec.ID, &rec.EventID, &rec.Stream, &rec.Key, &rec.Version, &rec.Payload, &rec.CreatedAt, &rec.Attempts)
+		// The event id is scanned as the 16 bytes it is: through
+		// uuid.UUID's sql.Scanner, pgx would turn each id into text and
+		// the scanner parse it back.
+		err := row.Scan(&rec.ID, (*[16]byte)(&rec.EventID), &rec.Stream, &rec.Key, &rec.Version, &rec.Payload, &rec.CreatedAt, &rec.Attempts)
 		return rec, err
 	})
 	if err != nil {
