@@ -29,7 +29,10 @@ const drainRounds = 2
 // pipelined, then UPDATE … SET published_at). Both sides get the same rows
 // and the same number of workers; the library claims -batch rows at a time
 // (its default, 1000), the seed its LIMIT 100. The clock runs from the
-// first claim to the last acknowledgement; filling is not timed.
+// first claim to the last acknowledgement; filling is not timed. Each
+// side's CPU per row, this process's and the Redis server's, is logged:
+// on a machine with few cores the drain is bound by the CPU that the
+// relays, PostgreSQL and Redis spend per row together.
 func runDrain(ctx context.Context, e *env) ([]Figure, error) {
 	schema, err := e.schema(ctx, "drain")
 	if err != nil {
@@ -202,13 +205,21 @@ func drainLibrary(ctx context.Context, e *env, schema, tag string, n, users, rel
 	kp := e.keyPrefix("drain-lib-" + tag)
 	var times batchTimes
 	e.checkpoint(ctx) // the fill's WAL flushed, for both sides alike
+	cpu0, err := e.sampleCPU(ctx)
+	if err != nil {
+		return 0, err
+	}
 	start := time.Now()
 	handled, err := drainRelays(ctx, e.pool, e.rdb, schema, "outbox_"+tag, kp, relays, e.opts.BatchSize, e.opts.DurableBookkeeping, &times)
 	elapsed := time.Since(start)
 	if err != nil {
 		return 0, err
 	}
-	e.log("drain: library %s: %s", tag, &times)
+	cpu1, err := e.sampleCPU(ctx)
+	if err != nil {
+		return 0, err
+	}
+	e.log("drain: library %s: %s; %s", tag, &times, cpu0.perRow(cpu1, n))
 	// Check the work was really done: nothing left, every member projected.
 	var left int64
 	if err := e.pool.QueryRow(ctx, `SELECT count(*) FROM `+table).Scan(&left); err != nil {
@@ -240,6 +251,10 @@ func drainSeed(ctx context.Context, e *env, workPool *pgxpool.Pool, schema, tag 
 	}
 	seed.workerPool = workPool
 	e.checkpoint(ctx) // the fill's WAL flushed, for both sides alike
+	cpu0, err := e.sampleCPU(ctx)
+	if err != nil {
+		return 0, err
+	}
 	start := time.Now()
 	g, gctx := errgroup.WithContext(ctx)
 	for range workers {
@@ -256,6 +271,11 @@ func drainSeed(ctx context.Context, e *env, workPool *pgxpool.Pool, schema, tag 
 		return 0, err
 	}
 	elapsed := time.Since(start)
+	cpu1, err := e.sampleCPU(ctx)
+	if err != nil {
+		return 0, err
+	}
+	e.log("drain: seed %s: %s", tag, cpu0.perRow(cpu1, n))
 	left, err := seed.pending(ctx)
 	if err != nil {
 		return 0, err

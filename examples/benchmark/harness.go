@@ -8,7 +8,9 @@ import (
 	"log/slog"
 	"math"
 	"slices"
+	"strconv"
 	"strings"
+	"syscall"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -304,3 +306,59 @@ func us(d time.Duration) float64 { return float64(d) / float64(time.Microsecond)
 
 // qualify returns the quoted name of table in schema.
 func qualify(schema, table string) string { return pgx.Identifier{schema, table}.Sanitize() }
+
+// redisCPU returns the CPU time the Redis server has used since it started
+// (INFO cpu: used_cpu_sys + used_cpu_user, system and user time of the
+// whole server process).
+func redisCPU(ctx context.Context, rdb *redis.Client) (time.Duration, error) {
+	info, err := rdb.Info(ctx, "cpu").Result()
+	if err != nil {
+		return 0, fmt.Errorf("reading Redis CPU time: %w", err)
+	}
+	var total time.Duration
+	found := 0
+	for line := range strings.SplitSeq(info, "\r\n") {
+		name, value, ok := strings.Cut(line, ":")
+		if !ok || (name != "used_cpu_sys" && name != "used_cpu_user") {
+			continue
+		}
+		secs, err := strconv.ParseFloat(value, 64)
+		if err != nil {
+			return 0, fmt.Errorf("reading Redis CPU time: %s: %w", name, err)
+		}
+		total += time.Duration(secs * float64(time.Second))
+		found++
+	}
+	if found != 2 {
+		return 0, fmt.Errorf("reading Redis CPU time: INFO cpu lacks used_cpu_sys or used_cpu_user")
+	}
+	return total, nil
+}
+
+// processCPU returns the CPU time this process has used so far, user and
+// system (getrusage; the harness needs Linux anyway, see memory.go).
+func processCPU() (time.Duration, error) {
+	var ru syscall.Rusage
+	if err := syscall.Getrusage(syscall.RUSAGE_SELF, &ru); err != nil {
+		return 0, fmt.Errorf("reading this process's CPU time: %w", err)
+	}
+	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano()), nil
+}
+
+// cpuSample is this process's and the Redis server's CPU time at one moment.
+type cpuSample struct{ client, redis time.Duration }
+
+func (e *env) sampleCPU(ctx context.Context) (cpuSample, error) {
+	client, err := processCPU()
+	if err != nil {
+		return cpuSample{}, err
+	}
+	rd, err := redisCPU(ctx, e.rdb)
+	return cpuSample{client: client, redis: rd}, err
+}
+
+// perRow describes the CPU spent between s and later per row, in µs.
+func (s cpuSample) perRow(later cpuSample, rows int) string {
+	us := func(d time.Duration) float64 { return float64(d) / float64(time.Microsecond) / float64(max(rows, 1)) }
+	return fmt.Sprintf("CPU per row: this process %.2f µs, Redis %.2f µs", us(later.client-s.client), us(later.redis-s.redis))
+}

@@ -5,8 +5,6 @@ import (
 	"fmt"
 	"runtime"
 	"strconv"
-	"strings"
-	"syscall"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -164,16 +162,6 @@ SELECT 'bench', 'user-' || lpad(g::text, 9, '0'), (g * 7919) % 100000, 1 + g % 5
 	return []Figure{newFigure("reconcile", "rows/s", lib.perSecond(), hand.perSecond())}, nil
 }
 
-// processCPU returns the CPU time this process has used so far, user and
-// system (getrusage; the harness needs Linux anyway, see memory.go).
-func processCPU() (time.Duration, error) {
-	var ru syscall.Rusage
-	if err := syscall.Getrusage(syscall.RUSAGE_SELF, &ru); err != nil {
-		return 0, fmt.Errorf("reading this process's CPU time: %w", err)
-	}
-	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano()), nil
-}
-
 // handReconcile is the baseline: keyset pages from PostgreSQL, each followed
 // by one pipelined ZMSCORE + HMGET round trip, compared row by row. It
 // returns the rows checked and the time taken, and fails unless all n rows
@@ -265,32 +253,4 @@ func bucketedReconciler(ctx context.Context, e *env, board *leaderboard.Board, n
 		return nil, fmt.Errorf("initial bucketed pass repaired %d of %d rows", rep.Repaired, n)
 	}
 	return rec, nil
-}
-
-// redisCPU returns the CPU time the Redis server has used since it started
-// (INFO cpu: used_cpu_sys + used_cpu_user, system and user time of the
-// whole server process).
-func redisCPU(ctx context.Context, rdb *redis.Client) (time.Duration, error) {
-	info, err := rdb.Info(ctx, "cpu").Result()
-	if err != nil {
-		return 0, fmt.Errorf("reading Redis CPU time: %w", err)
-	}
-	var total time.Duration
-	found := 0
-	for line := range strings.SplitSeq(info, "\r\n") {
-		name, value, ok := strings.Cut(line, ":")
-		if !ok || (name != "used_cpu_sys" && name != "used_cpu_user") {
-			continue
-		}
-		secs, err := strconv.ParseFloat(value, 64)
-		if err != nil {
-			return 0, fmt.Errorf("reading Redis CPU time: %s: %w", name, err)
-		}
-		total += time.Duration(secs * float64(time.Second))
-		found++
-	}
-	if found != 2 {
-		return 0, fmt.Errorf("reading Redis CPU time: INFO cpu lacks used_cpu_sys or used_cpu_user")
-	}
-	return total, nil
 }
