@@ -18,21 +18,18 @@ import (
 // a few executions, so the test forces one and inspects it.
 func TestClaimPlanUsesIndexes(t *testing.T) {
 	t.Parallel()
-	ctx := context.Background()
-	b := setup(t)
-	msgs := make([]outbox.Message, 5000)
-	for i := range msgs {
-		msgs[i] = newMessage("s", fmt.Sprint("k", i), 1)
-	}
-	b.appendCommitted(t, msgs...)
-	_, err := b.pool.Exec(ctx, `ANALYZE `+b.writer.Table())
-	require.NoError(t, err)
-
+	b := setupBacklog(t, 5000)
 	for _, streams := range [][]string{nil, {"s"}} {
 		r := b.relay(t, nil, &recorder{}, outbox.RelayConfig{Streams: streams})
 		leaseSQL, pickSQL := r.ClaimSQL()
+		// Both statements take the token and one number ($2), then the
+		// streams; the lease statement's $2 is the lease, the pick's the batch.
+		args := fmt.Sprintf("'%s', 100", uuid.New())
+		if streams != nil {
+			args += ", '{s}'"
+		}
 		for name, sql := range map[string]string{"lease": leaseSQL, "pick": pickSQL} {
-			plan := genericPlan(t, b, sql, streams != nil)
+			plan := genericPlan(t, b, sql, args)
 			t.Logf("generic %s plan (streams %v):\n%s", name, streams, plan)
 			// The lease table has one row per partition; only the outbox
 			// must never be scanned whole.
@@ -47,44 +44,38 @@ func TestClaimPlanUsesIndexes(t *testing.T) {
 // primary key, never by reading the whole outbox.
 func TestSettlePlanUsesIndexes(t *testing.T) {
 	t.Parallel()
-	ctx := context.Background()
-	b := setup(t)
-	msgs := make([]outbox.Message, 5000)
-	for i := range msgs {
-		msgs[i] = newMessage("s", fmt.Sprint("k", i), 1)
-	}
-	b.appendCommitted(t, msgs...)
-	_, err := b.pool.Exec(ctx, `ANALYZE `+b.writer.Table())
-	require.NoError(t, err)
-
+	b := setupBacklog(t, 5000)
 	for _, keep := range []bool{false, true} {
 		r := b.relay(t, nil, &recorder{}, outbox.RelayConfig{KeepPublished: keep})
-		conn, err := b.pool.Acquire(ctx)
-		require.NoError(t, err)
-		_, err = conn.Exec(ctx, `SET plan_cache_mode = force_generic_plan`)
-		require.NoError(t, err)
-		_, err = conn.Conn().Prepare(ctx, "settle", r.SettleSQL())
-		require.NoError(t, err)
 		// The token, then acknowledged ids ($2), rows to retry ($3-$5),
 		// to bury ($6-$7), to release ($8), and the attempt numbers ($9-$10).
-		rows, err := conn.Query(ctx, `EXPLAIN EXECUTE settle('`+uuid.NewString()+
-			`', '{1, 2, 3}', '{4}', '{boom}', '{1000}', '{5}', '{boom}', '{6}', '{1}', '{3}')`)
-		require.NoError(t, err)
-		lines, err := pgx.CollectRows(rows, pgx.RowTo[string])
-		require.NoError(t, err)
-		// The connection's session state was changed; do not pool it.
-		require.NoError(t, conn.Conn().Close(ctx))
-		conn.Release()
-		plan := strings.Join(lines, "\n")
+		plan := genericPlan(t, b, r.SettleSQL(), "'"+uuid.NewString()+
+			"', '{1, 2, 3}', '{4}', '{boom}', '{1000}', '{5}', '{boom}', '{6}', '{1}', '{3}'")
 		t.Logf("generic settle plan (keep published %v):\n%s", keep, plan)
 		require.NotRegexp(t, `Seq Scan on verity_outbox\b`, plan, "the settle statement must not scan the whole outbox")
 		require.Regexp(t, `Index (Only )?Scan using verity_outbox_pkey on verity_outbox`, plan, "rows are found through the primary key")
 	}
 }
 
-// genericPlan prepares a claim statement on a connection forced to use
-// generic plans and returns the EXPLAIN output (nothing is executed).
-func genericPlan(t *testing.T, b *testBundle, claimSQL string, withStreams bool) string {
+// setupBacklog is setup with n pending rows, analyzed, so that plans see
+// a table of that size.
+func setupBacklog(t *testing.T, n int) *testBundle {
+	t.Helper()
+	b := setup(t)
+	msgs := make([]outbox.Message, n)
+	for i := range msgs {
+		msgs[i] = newMessage("s", fmt.Sprint("k", i), 1)
+	}
+	b.appendCommitted(t, msgs...)
+	_, err := b.pool.Exec(context.Background(), `ANALYZE `+b.writer.Table())
+	require.NoError(t, err)
+	return b
+}
+
+// genericPlan prepares sql on a connection forced to use generic plans
+// and returns the EXPLAIN output for the given arguments (nothing is
+// executed). EXPLAIN EXECUTE takes no bind parameters: args are literals.
+func genericPlan(t *testing.T, b *testBundle, sql, args string) string {
 	t.Helper()
 	ctx := context.Background()
 	conn, err := b.pool.Acquire(ctx)
@@ -95,16 +86,9 @@ func genericPlan(t *testing.T, b *testBundle, claimSQL string, withStreams bool)
 
 	_, err = conn.Exec(ctx, `SET plan_cache_mode = force_generic_plan`)
 	require.NoError(t, err)
-	_, err = conn.Conn().Prepare(ctx, "claim", claimSQL)
+	_, err = conn.Conn().Prepare(ctx, "planned", sql)
 	require.NoError(t, err)
-	// EXPLAIN EXECUTE takes no bind parameters; the values are literals.
-	// Both statements take the token and one number ($2), then the
-	// streams; the lease statement's $2 is the lease, the pick's the batch.
-	args := fmt.Sprintf("'%s', 100", uuid.New())
-	if withStreams {
-		args += ", '{s}'"
-	}
-	rows, err := conn.Query(ctx, `EXPLAIN EXECUTE claim(`+args+`)`)
+	rows, err := conn.Query(ctx, `EXPLAIN EXECUTE planned(`+args+`)`)
 	require.NoError(t, err)
 	lines, err := pgx.CollectRows(rows, pgx.RowTo[string])
 	require.NoError(t, err)
