@@ -345,9 +345,11 @@ func processCPU() (time.Duration, error) {
 	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano()), nil
 }
 
-// cpuSample is this process's and the Redis server's CPU time at one moment.
+// cpuSample is this process's and the Redis server's CPU time at one moment
+// (or, from since, spent between two moments).
 type cpuSample struct{ client, redis time.Duration }
 
+// sampleCPU reads this process's and the Redis server's CPU time so far.
 func (e *env) sampleCPU(ctx context.Context) (cpuSample, error) {
 	client, err := processCPU()
 	if err != nil {
@@ -357,8 +359,18 @@ func (e *env) sampleCPU(ctx context.Context) (cpuSample, error) {
 	return cpuSample{client: client, redis: rd}, err
 }
 
+// since returns the CPU spent from earlier to s.
+func (s cpuSample) since(earlier cpuSample) cpuSample {
+	return cpuSample{client: s.client - earlier.client, redis: s.redis - earlier.redis}
+}
+
+// plus returns s and d added up.
+func (s cpuSample) plus(d cpuSample) cpuSample {
+	return cpuSample{client: s.client + d.client, redis: s.redis + d.redis}
+}
+
 // perRow describes the CPU spent between s and later per row, in µs.
 func (s cpuSample) perRow(later cpuSample, rows int) string {
-	us := func(d time.Duration) float64 { return float64(d) / float64(time.Microsecond) / float64(max(rows, 1)) }
-	return fmt.Sprintf("CPU per row: this process %.2f µs, Redis %.2f µs", us(later.client-s.client), us(later.redis-s.redis))
+	d, n := later.since(s), float64(max(rows, 1))
+	return fmt.Sprintf("CPU per row: this process %.2f µs, Redis %.2f µs", us(d.client)/n, us(d.redis)/n)
 }

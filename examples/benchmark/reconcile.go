@@ -86,14 +86,9 @@ SELECT 'bench', 'user-' || lpad(g::text, 9, '0'), (g * 7919) % 100000, 1 + g % 5
 	vkey := board.Keyspace().VersionKey(projection.Target{Kind: projection.KindSortedSet, Name: board.Name()})
 
 	var lib, hand, buckets rate
-	var libRedis, handRedis time.Duration   // Redis server CPU spent in the timed passes
-	var libClient, handClient time.Duration // this process's CPU spent in them
+	var libCPU, handCPU cpuSample // this process's and Redis's CPU spent in the timed passes
 	for range reconcileRounds {
-		cpu0, err := redisCPU(ctx, e.rdb)
-		if err != nil {
-			return nil, err
-		}
-		own0, err := processCPU()
+		cpu0, err := e.sampleCPU(ctx)
 		if err != nil {
 			return nil, err
 		}
@@ -103,7 +98,7 @@ SELECT 'bench', 'user-' || lpad(g::text, 9, '0'), (g * 7919) % 100000, 1 + g % 5
 		if err != nil {
 			return nil, err
 		}
-		own1, err := processCPU()
+		cpu1, err := e.sampleCPU(ctx)
 		if err != nil {
 			return nil, err
 		}
@@ -113,27 +108,14 @@ SELECT 'bench', 'user-' || lpad(g::text, 9, '0'), (g * 7919) % 100000, 1 + g % 5
 		if err := lib.add(rep.Checked, elapsed, nil); err != nil {
 			return nil, err
 		}
-		cpu1, err := redisCPU(ctx, e.rdb)
-		if err != nil {
-			return nil, err
-		}
-		own2, err := processCPU()
-		if err != nil {
-			return nil, err
-		}
 		if err := hand.add(handReconcile(ctx, e, scores, zkey, vkey, n)); err != nil {
 			return nil, err
 		}
-		own3, err := processCPU()
+		cpu2, err := e.sampleCPU(ctx)
 		if err != nil {
 			return nil, err
 		}
-		cpu2, err := redisCPU(ctx, e.rdb)
-		if err != nil {
-			return nil, err
-		}
-		libRedis, handRedis = libRedis+cpu1-cpu0, handRedis+cpu2-cpu1
-		libClient, handClient = libClient+own1-own0, handClient+own3-own2
+		libCPU, handCPU = libCPU.plus(cpu1.since(cpu0)), handCPU.plus(cpu2.since(cpu1))
 		start = time.Now()
 		rep, err = bucketed.Run(ctx, reconcile.RunOptions{})
 		if err == nil && rep.Counts[reconcile.ClassCurrent] != int64(n) {
@@ -148,17 +130,16 @@ SELECT 'bench', 'user-' || lpad(g::text, 9, '0'), (g * 7919) % 100000, 1 + g % 5
 	// Both sides send Redis the same ZMSCORE and HMGET for every row, and
 	// Redis runs commands on one thread: a pass cannot take less wall time
 	// than the server CPU those commands cost, whatever the client does.
+	perPass := func(d time.Duration) time.Duration { return (d / reconcileRounds).Round(time.Millisecond) }
 	e.log("reconcile: Redis CPU per pass: library %s, hand loop %s of its %s wall: Redis alone caps any reconciler that reads every row's score and version at %.2fx the hand loop",
-		(libRedis / reconcileRounds).Round(time.Millisecond), (handRedis / reconcileRounds).Round(time.Millisecond),
-		(hand.elapsed / reconcileRounds).Round(time.Millisecond), float64(hand.elapsed)/float64(handRedis))
+		perPass(libCPU.redis), perPass(handCPU.redis), perPass(hand.elapsed), float64(hand.elapsed)/float64(handCPU.redis))
 	// The client's CPU competes for the same cores: the library's pass
 	// cannot take less wall time than its client and Redis CPU spread
 	// over every core, PostgreSQL's share not even counted.
 	cores := runtime.NumCPU()
-	floor := (libClient + libRedis) / time.Duration(reconcileRounds*cores)
+	floor := (libCPU.client + libCPU.redis) / time.Duration(reconcileRounds*cores)
 	e.log("reconcile: this process's CPU per pass: library %s, hand loop %s; with Redis's, %d CPUs cap the library's pass at %.2fx the hand loop (wall %s at least), PostgreSQL's CPU not counted",
-		(libClient / reconcileRounds).Round(time.Millisecond), (handClient / reconcileRounds).Round(time.Millisecond),
-		cores, float64(hand.elapsed)/float64(reconcileRounds)/float64(floor), floor.Round(time.Millisecond))
+		perPass(libCPU.client), perPass(handCPU.client), cores, float64(hand.elapsed)/float64(reconcileRounds)/float64(floor), floor.Round(time.Millisecond))
 	return []Figure{newFigure("reconcile", "rows/s", lib.perSecond(), hand.perSecond())}, nil
 }
 
