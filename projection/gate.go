@@ -373,48 +373,66 @@ func (g *Gate) shadowKeyspace(mode string, coll baseKey) Keyspace {
 	return g.ks
 }
 
+// baseKeys returns where bk's keys start in grp's KEYS, adding them to
+// grp on bk's first write there.
+func (g *Gate) baseKeys(mode string, grp *slotGroup, t Target, bk baseKey) collKeys {
+	if ck, ok := grp.bases[bk]; ok {
+		return ck
+	}
+	ck := collKeys{base: len(grp.keys) + 1} // KEYS is 1-based in Lua
+	if t.Kind.isCollection() {
+		ck.shadows = g.shadowKeyspace(mode, bk)
+		grp.keys = append(grp.keys,
+			g.ks.ValueKey(t),
+			g.ks.LayoutKey(t.Name, t.Kind),
+			g.ks.RebuildMarkerKey(t.Name, t.Kind),
+			g.ks.ShadowValueKey(t.Name, t.Kind),
+			g.ks.ShadowLayoutKey(t.Name, t.Kind),
+			g.ks.unbucketedVersionKey(t.Name, t.Kind),
+			g.ks.unbucketedVersionKey(t.Name, t.Kind)+suffixShadow)
+		if grp.collAt == nil {
+			grp.collAt = make(map[int]baseKey)
+		}
+		grp.collAt[ck.base] = bk
+		grp.headers = append(grp.headers, ck.base, strconv.Itoa(g.ks.buckets), strconv.Itoa(ck.shadows.buckets))
+	} else {
+		grp.keys = append(grp.keys, g.ks.ValueKey(t), g.ks.VersionKey(t))
+	}
+	grp.bases[bk] = ck
+	return ck
+}
+
 // group splits the writes at positions idx into script calls.
 func (g *Gate) group(mode, token string, writes []Write, idx []int) []*slotGroup {
 	var groups []*slotGroup
 	byKey := make(map[string]*slotGroup)
+	// Runs of writes to one collection are the common case: the previous
+	// write's group and keys serve the next one of the same target without
+	// building its hash tag and looking both up again.
+	var (
+		lastBase  baseKey
+		lastGroup *slotGroup
+		lastKeys  collKeys
+	)
 	for _, i := range idx {
 		w := &writes[i]
-		gk := g.groupKey(g.ks.HashTag(w.Target))
-		grp := byKey[gk]
-		if grp == nil {
-			grp = &slotGroup{bases: make(map[baseKey]collKeys), args: make([]any, 2, 2+5*len(idx))}
-			grp.args[0] = mode
-			if token != "" {
-				grp.args[0] = mode + " " + token
-			}
-			byKey[gk] = grp
-			groups = append(groups, grp)
-		}
 		t := w.Target
 		bk := baseKey{kind: t.Kind, name: t.Name}
-		ck, ok := grp.bases[bk]
-		if !ok {
-			ck.base = len(grp.keys) + 1 // KEYS is 1-based in Lua
-			if t.Kind.isCollection() {
-				ck.shadows = g.shadowKeyspace(mode, bk)
-				grp.keys = append(grp.keys,
-					g.ks.ValueKey(t),
-					g.ks.LayoutKey(t.Name, t.Kind),
-					g.ks.RebuildMarkerKey(t.Name, t.Kind),
-					g.ks.ShadowValueKey(t.Name, t.Kind),
-					g.ks.ShadowLayoutKey(t.Name, t.Kind),
-					g.ks.unbucketedVersionKey(t.Name, t.Kind),
-					g.ks.unbucketedVersionKey(t.Name, t.Kind)+suffixShadow)
-				if grp.collAt == nil {
-					grp.collAt = make(map[int]baseKey)
+		if lastGroup == nil || bk != lastBase {
+			gk := g.groupKey(g.ks.HashTag(t))
+			grp := byKey[gk]
+			if grp == nil {
+				grp = &slotGroup{bases: make(map[baseKey]collKeys), args: make([]any, 2, 2+5*len(idx))}
+				grp.args[0] = mode
+				if token != "" {
+					grp.args[0] = mode + " " + token
 				}
-				grp.collAt[ck.base] = bk
-				grp.headers = append(grp.headers, ck.base, strconv.Itoa(g.ks.buckets), strconv.Itoa(ck.shadows.buckets))
-			} else {
-				grp.keys = append(grp.keys, g.ks.ValueKey(t), g.ks.VersionKey(t))
+				byKey[gk] = grp
+				groups = append(groups, grp)
 			}
-			grp.bases[bk] = ck
+			lastBase, lastGroup, lastKeys = bk, grp, g.baseKeys(mode, grp, t, bk)
 		}
+		grp, ck := lastGroup, lastKeys
 		base := ck.base
 		var kind string
 		var value any
