@@ -790,25 +790,3 @@ func TestLagProbePlan(t *testing.T) {
 		require.Contains(t, doc, "hashed "+sp.SubplanName+")", doc)
 	}
 }
-
-// planNode is a node of EXPLAIN (FORMAT JSON).
-type planNode struct {
-	NodeType    string     `json:"Node Type"`
-	Alias       string     `json:"Alias"`
-	IndexName   string     `json:"Index Name"`
-	SubplanName string     `json:"Subplan Name"`
-	Plans       []planNode `json:"Plans"`
-}
-
-// find returns the nodes of the tree under n (n included) that match, in
-// depth-first order.
-func (n *planNode) find(match func(*planNode) bool) []*planNode {
-	var out []*planNode
-	if match(n) {
-		out = append(out, n)
-	}
-	for i := range n.Plans {
-		out = append(out, n.Plans[i].find(match)...)
-	}
-	return out
-}

@@ -75,10 +75,19 @@ WHERE board = $1::text
 ORDER BY random()
 LIMIT $2::bigint`
 
+	// One primary-key probe per distinct key, for the reason submitBatchSQL
+	// gives: user_id = ANY ($2) read the whole board per lookup when the
+	// statistics were missing (25 ms for 1,000 keys of 200,000 users
+	// against 4-7 ms), and an orphan scan makes one lookup per page.
 	sourceLookupSQL = `
-SELECT user_id::text, version, score
-FROM {{user_scores}}
-WHERE board = $1::text AND user_id = ANY ($2::text[])`
+SELECT s.user_id::text, s.version, s.score
+FROM (SELECT DISTINCT unnest($2::text[]) COLLATE "C") AS k(user_id)
+CROSS JOIN LATERAL (
+    SELECT u.user_id, u.version, u.score
+    FROM {{user_scores}} AS u
+    WHERE u.board = $1::text AND u.user_id = k.user_id
+    OFFSET 0
+) AS s`
 )
 
 // rows runs a source query. Rows are scanned into the same three variables

@@ -106,6 +106,14 @@ WHERE event_id = $1::uuid`
 // always violates score_events' key before the outbox's, so a unique
 // violation on the outbox means another outbox writer holds the id, as in
 // submitSQL.
+//
+// prior probes score_events' primary key once per id, through a lateral
+// subquery that OFFSET 0 keeps from being flattened into a join. Written
+// as event_id = ANY ($1), the planner chose by the table's statistics, and
+// without fresh ones (a bulk import into a new table, autovacuum behind or
+// off) it read the whole event history for every batch: at 250,000 events
+// that read took 50-75 ms per 1,000 ids against 4 ms for the probes, and it
+// grows with the table. TestManyKeyPlans checks the plans.
 const submitBatchSQL = `
 WITH input AS (
     SELECT i.ord, i.event_id, i.user_id COLLATE "C" AS user_id, i.delta
@@ -113,8 +121,13 @@ WITH input AS (
 ),
 prior AS (
     SELECT e.event_id, e.board, e.user_id, e.delta, e.score, e.version
-    FROM {{score_events}} AS e
-    WHERE e.event_id = ANY ($1::uuid[])
+    FROM unnest($1::uuid[]) AS k(event_id)
+    CROSS JOIN LATERAL (
+        SELECT s.event_id, s.board, s.user_id, s.delta, s.score, s.version
+        FROM {{score_events}} AS s
+        WHERE s.event_id = k.event_id
+        OFFSET 0
+    ) AS e
 ),
 conflicted AS (
     SELECT 1
@@ -180,14 +193,26 @@ const setLockTimeoutSQL = `SELECT set_config('lock_timeout', $1::text, true)`
 
 // overflowProbeSQL reads, for a refused batch, the current scores of its
 // users ($2) and which of its event ids ($3) were applied before: board $1.
+// Both parts probe a primary key once per distinct element, as
+// submitBatchSQL's prior does.
 const overflowProbeSQL = `
-SELECT user_id::text, score, false
-FROM {{user_scores}}
-WHERE board = $1::text AND user_id = ANY ($2::text[])
+SELECT s.user_id::text, s.score, false
+FROM (SELECT DISTINCT unnest($2::text[]) COLLATE "C") AS k(user_id)
+CROSS JOIN LATERAL (
+    SELECT u.user_id, u.score
+    FROM {{user_scores}} AS u
+    WHERE u.board = $1::text AND u.user_id = k.user_id
+    OFFSET 0
+) AS s
 UNION ALL
-SELECT event_id::text, 0, true
-FROM {{score_events}}
-WHERE event_id = ANY ($3::uuid[])`
+SELECT e.event_id::text, 0, true
+FROM (SELECT DISTINCT unnest($3::uuid[])) AS k(event_id)
+CROSS JOIN LATERAL (
+    SELECT s.event_id
+    FROM {{score_events}} AS s
+    WHERE s.event_id = k.event_id
+    OFFSET 0
+) AS e`
 
 // Reads. The ranking order is (-score, user_id) ascending, user_id in the C
 // collation: score descending, ties by user id bytes ascending. rankIndex

@@ -1,0 +1,135 @@
+package leaderboard
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"testing"
+
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
+	"github.com/stretchr/testify/require"
+)
+
+// TestManyKeyPlans checks that the statements given a batch of event ids or
+// user ids probe the primary keys once per element on tables PostgreSQL
+// has no statistics for (a bulk import into new tables, autovacuum behind
+// or off). Written as key = ANY ($n), they were planned as reads of the
+// whole event history, or of the whole board, for every batch.
+func TestManyKeyPlans(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	tb := setup(t)
+	board := tb.board.Config().Name
+
+	// 50,000 events and users, never analysed (nor by autovacuum meanwhile).
+	for _, table := range []string{ScoreEventsTable, UserScoresTable} {
+		_, err := tb.pg.Pool.Exec(ctx, `ALTER TABLE `+table+` SET (autovacuum_enabled = false)`)
+		require.NoError(t, err)
+	}
+	_, err := tb.pg.Pool.Exec(ctx, `
+		INSERT INTO `+ScoreEventsTable+` (event_id, board, user_id, delta, score, version)
+		SELECT gen_random_uuid(), $1, 'user-' || i, 1, 1, 1 FROM generate_series(1, 50000) AS i`, board)
+	require.NoError(t, err)
+	_, err = tb.pg.Pool.Exec(ctx, `
+		INSERT INTO `+UserScoresTable+` (board, user_id, score, version)
+		SELECT $1, 'user-' || i, 1, 1 FROM generate_series(1, 50000) AS i`, board)
+	require.NoError(t, err)
+
+	const n = 1000
+	ids, users, deltas := make([]string, n), make([]string, n), make([]int64, n)
+	for i := range n {
+		ids[i], users[i], deltas[i] = uuid.NewString(), fmt.Sprintf("user-%d", i*37%50000), 1
+	}
+	statements := []struct {
+		name string
+		sql  string
+		args []any
+		// keyed maps each table the statement reads to the column its
+		// index condition must hold.
+		keyed map[string]string
+	}{
+		{"SubmitBatch", tb.board.sql.submitBatch, []any{ids, users, deltas, board, tb.board.Stream(), false},
+			map[string]string{ScoreEventsTable: "event_id"}},
+		{"SourceLookup", tb.board.sql.sourceLookup, []any{board, users},
+			map[string]string{UserScoresTable: "user_id"}},
+		{"OverflowProbe", tb.board.sql.overflowProbe, []any{board, users, ids},
+			map[string]string{ScoreEventsTable: "event_id", UserScoresTable: "user_id"}},
+	}
+	for _, st := range statements {
+		t.Run(st.name, func(t *testing.T) {
+			// SubmitBatch plans large batches for their arrays (an unnamed
+			// statement) and Submit's groups once (a generic plan); the
+			// lookups take the pool's default, which comes to the generic
+			// plan after five runs. Both must probe.
+			for _, generic := range []bool{false, true} {
+				plan, doc := explainPlan(t, tb.pg.ConnString, st.sql, generic, st.args)
+				for table, column := range st.keyed {
+					scans := plan.find(func(n *planNode) bool {
+						return n.RelationName == table && n.NodeType != "ModifyTable"
+					})
+					require.NotEmpty(t, scans, "no read of %s in\n%s", table, doc)
+					for _, scan := range scans {
+						require.Contains(t, []string{"Index Scan", "Index Only Scan", "Bitmap Heap Scan"}, scan.NodeType, doc)
+						cond := scan.IndexCond
+						for _, child := range scan.Plans {
+							cond += " " + child.IndexCond
+						}
+						require.Contains(t, cond, column, "%s read without a probe on %s:\n%s", table, column, doc)
+					}
+				}
+			}
+		})
+	}
+}
+
+// explainPlan returns the plan of sql for args, and the EXPLAIN document
+// it was read from: the custom plan PostgreSQL makes for an unnamed
+// statement, or the generic plan of a prepared one.
+func explainPlan(t *testing.T, connString, sql string, generic bool, args []any) (*planNode, string) {
+	t.Helper()
+	ctx := context.Background()
+	conn, err := pgx.Connect(ctx, connString)
+	require.NoError(t, err)
+	defer func() { _ = conn.Close(ctx) }()
+
+	var doc string
+	if generic {
+		_, err = conn.Exec(ctx, `SET plan_cache_mode = force_generic_plan`)
+		require.NoError(t, err)
+		_, err = conn.Prepare(ctx, "planned", `EXPLAIN (FORMAT JSON) `+sql)
+		require.NoError(t, err)
+		err = conn.QueryRow(ctx, "planned", args...).Scan(&doc)
+	} else {
+		err = conn.QueryRow(ctx, `EXPLAIN (FORMAT JSON) `+sql, append([]any{pgx.QueryExecModeExec}, args...)...).Scan(&doc)
+	}
+	require.NoError(t, err)
+	var plans []struct{ Plan planNode }
+	require.NoError(t, json.Unmarshal([]byte(doc), &plans))
+	require.Len(t, plans, 1)
+	return &plans[0].Plan, doc
+}
+
+// planNode is a node of EXPLAIN (FORMAT JSON).
+type planNode struct {
+	NodeType     string     `json:"Node Type"`
+	Alias        string     `json:"Alias"`
+	RelationName string     `json:"Relation Name"`
+	IndexName    string     `json:"Index Name"`
+	IndexCond    string     `json:"Index Cond"`
+	SubplanName  string     `json:"Subplan Name"`
+	Plans        []planNode `json:"Plans"`
+}
+
+// find returns the nodes of the tree under n (n included) that match, in
+// depth-first order.
+func (n *planNode) find(match func(*planNode) bool) []*planNode {
+	var out []*planNode
+	if match(n) {
+		out = append(out, n)
+	}
+	for i := range n.Plans {
+		out = append(out, n.Plans[i].find(match)...)
+	}
+	return out
+}
