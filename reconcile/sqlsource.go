@@ -53,7 +53,11 @@ type SQLSourceConfig struct {
 	// nondeterministic collation can make distinct keys compare equal, and
 	// a keyset page would skip one). Required. Index it (it is usually the
 	// primary key): every page is an index range scan. Rows whose key is
-	// NULL are ignored.
+	// NULL are ignored. Lookup asks for a batch of keys with key = ANY ($n),
+	// which PostgreSQL plans by the table's statistics: ANALYZE a table
+	// after loading it in bulk, or an orphan scan may read the whole table
+	// once per page until autovacuum does. (The leaderboard's own Source
+	// probes its key once per element and does not depend on them.)
 	KeyColumn string
 	// VersionColumn holds the entity's version, an integer column. Required.
 	VersionColumn string
