@@ -162,6 +162,15 @@ const partitionsPerClaim = 4
 // The row-level lease columns that relays of earlier versions stamp are
 // still honoured, so a rolling upgrade does not hand a row claimed the old
 // way to a new relay.
+//
+// The due-row test is one probe of the partition index per partition
+// visited, in lease order, stopping once enough partitions are found:
+// OFFSET 0 keeps PostgreSQL from turning the EXISTS into a join, which on
+// an outbox without statistics (never analysed: autovacuum off, or behind
+// a burst) it planned as a hash join over every due row of the outbox,
+// read through the pending index on every claim. With statistics the join
+// it chose walked the partitions in the same order, so nothing changes
+// there.
 const leaseSQL = `WITH free AS MATERIALIZED (
     SELECT l.part, l.owner, l.inflight
     FROM %[2]s AS l
@@ -171,7 +180,8 @@ const leaseSQL = `WITH free AS MATERIALIZED (
         WHERE mod(o.id / %[7]d, %[5]d) = l.part
           AND o.published_at IS NULL
           AND o.available_at <= now()
-          AND (o.leased_until IS NULL OR o.leased_until <= now())%[3]s)
+          AND (o.leased_until IS NULL OR o.leased_until <= now())%[3]s
+        OFFSET 0)
     ORDER BY l.touched_at, l.part
     LIMIT %[6]d
     FOR UPDATE OF l SKIP LOCKED
