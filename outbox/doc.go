@@ -256,7 +256,13 @@
 // transactions short on the outbox's database. Nor does it do anything on a
 // server with autovacuum = off (some test machines run so; the development
 // machine's figures in this package and in examples/benchmark were taken on
-// one): there, VACUUM the outbox table on a schedule of your own.
+// one): there, VACUUM (ANALYZE) the outbox table on a schedule of your own.
+// The relays' statements do not depend on statistics for their shape (the
+// claim probes the partition index partition by partition whatever the
+// planner knows), but without any, the plans PostgreSQL makes for an
+// acknowledgement's own ids (its first five on each connection) read the
+// whole table; the generic plan it compares them with afterwards probes
+// the primary key.
 //
 // # Non-durable bookkeeping
 //
