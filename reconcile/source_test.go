@@ -2,8 +2,11 @@ package reconcile
 
 import (
 	"context"
+	"strconv"
+	"strings"
 	"testing"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/stretchr/testify/require"
 
@@ -78,6 +81,47 @@ func TestSQLSource(t *testing.T) {
 		var pgErr *pgconn.PgError
 		require.ErrorAs(t, err, &pgErr)
 		require.Equal(t, "22021", pgErr.Code)
+	})
+
+	t.Run("LookupProbesWithoutStatistics", func(t *testing.T) {
+		t.Parallel()
+		// A table loaded in bulk and never analysed: key = ANY ($n) of
+		// 1,000 keys was planned as a read of the whole table.
+		pg := testenv.Postgres(t)
+		_, err := pg.Pool.Exec(ctx, `CREATE TABLE s (k bigint PRIMARY KEY, v bigint NOT NULL, p bigint NOT NULL, board text NOT NULL)
+				WITH (autovacuum_enabled = false);
+			INSERT INTO s SELECT g, 1, g, 'daily' FROM generate_series(1, 50000) g`)
+		require.NoError(t, err)
+		src, err := NewSQLSource(pg.Pool, &SQLSourceConfig{Table: "s", Schema: pg.Schema, KeyColumn: "k", VersionColumn: "v",
+			ValueColumn: "p", Kind: projection.KindSortedSet, Filters: []Filter{{Column: "board", Value: "daily"}}})
+		require.NoError(t, err)
+		keys, present := make([]string, 1000), 0
+		for i := range keys {
+			k := i*53 + 1 // up to 52,948: the last 56 are absent
+			keys[i] = strconv.Itoa(k)
+			if k <= 50000 {
+				present++
+			}
+		}
+		for _, mode := range []string{"custom", "generic"} {
+			conn, err := pgx.Connect(ctx, pg.ConnString)
+			require.NoError(t, err)
+			_, err = conn.Exec(ctx, `SET plan_cache_mode = force_`+mode+`_plan`)
+			require.NoError(t, err)
+			_, err = conn.Prepare(ctx, "planned", `EXPLAIN `+src.lookupSQL)
+			require.NoError(t, err)
+			rows, err := conn.Query(ctx, "planned", "daily", keys)
+			require.NoError(t, err)
+			lines, err := pgx.CollectRows(rows, pgx.RowTo[string])
+			require.NoError(t, err)
+			require.NoError(t, conn.Close(ctx))
+			plan := strings.Join(lines, "\n")
+			require.NotContains(t, plan, "Seq Scan on s", "%s plan:\n%s", mode, plan)
+			require.Regexp(t, `Index Cond: \(.*\bk = `, plan, "%s plan:\n%s", mode, plan)
+		}
+		found, err := src.Lookup(ctx, keys)
+		require.NoError(t, err)
+		require.Len(t, found, present)
 	})
 
 	t.Run("EmptyKeyAndFilter", func(t *testing.T) {

@@ -53,11 +53,8 @@ type SQLSourceConfig struct {
 	// nondeterministic collation can make distinct keys compare equal, and
 	// a keyset page would skip one). Required. Index it (it is usually the
 	// primary key): every page is an index range scan. Rows whose key is
-	// NULL are ignored. Lookup asks for a batch of keys with key = ANY ($n),
-	// which PostgreSQL plans by the table's statistics: ANALYZE a table
-	// after loading it in bulk, or an orphan scan may read the whole table
-	// once per page until autovacuum does. (The leaderboard's own Source
-	// probes its key once per element and does not depend on them.)
+	// NULL are ignored. Lookup probes the key once per key asked for, so a
+	// table PostgreSQL has no statistics for yet is not read whole.
 	KeyColumn string
 	// VersionColumn holds the entity's version, an integer column. Required.
 	VersionColumn string
@@ -161,7 +158,20 @@ func (s *SQLSource) buildSQL(cfg *SQLSourceConfig) {
 	// string, which PostgreSQL converts to the column's type.
 	s.pageFirstSQL = fmt.Sprintf("%s WHERE %s ORDER BY %s LIMIT $%d", cols, where, key, n+1)
 	s.pageAfterSQL = fmt.Sprintf("%s WHERE %s AND %s > $%d ORDER BY %s LIMIT $%d", cols, where, key, n+1, key, n+2)
-	s.lookupSQL = fmt.Sprintf("%s WHERE %s AND %s = ANY($%d)", cols, where, key, n+1)
+	// Lookup probes the key once per distinct key, through a lateral
+	// subquery that OFFSET 0 keeps from being flattened into a join:
+	// written as key = ANY ($n), the planner chose by the table's
+	// statistics, and without any (a table loaded in bulk, autovacuum
+	// behind or off) read the whole table for every batch of keys. The
+	// CTE is never run (nothing refers to it); it is there so that
+	// PostgreSQL, which analyses a query's WITH clause before its FROM
+	// clause, infers $n as an array of the key column's type, which
+	// unnest($n) alone would leave undetermined.
+	s.lookupSQL = fmt.Sprintf(`WITH key_type AS (SELECT FROM %[1]s AS src WHERE %[2]s = ANY($%[3]d))
+SELECT found.key, found.version, found.value
+FROM (SELECT DISTINCT unnest($%[3]d)) AS wanted(key)
+CROSS JOIN LATERAL (%[4]s WHERE %[5]s AND %[2]s = wanted.key OFFSET 0) AS found(key, version, value)`,
+		s.relation, key, n+1, cols, where)
 	s.sampleSQL = fmt.Sprintf("%s TABLESAMPLE SYSTEM ($%d::float8) WHERE %s ORDER BY random() LIMIT $%d",
 		cols, n+1, where, n+2)
 	s.estimateSQL = "SELECT COALESCE((SELECT reltuples::float8 FROM pg_class WHERE oid = to_regclass($1)), -1)"
