@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math/rand/v2"
 	"net"
 	"os"
 	"os/exec"
@@ -21,13 +22,77 @@ import (
 // FreePort returns a TCP port on 127.0.0.1 that was free a moment ago.
 // Another process may take it before it is used; callers that start servers
 // retry on a bind failure.
-func FreePort() (int, error) {
-	l, err := net.Listen("tcp", "127.0.0.1:0")
+//
+// The port is chosen below the kernel's range for the local ports of
+// outgoing connections (where the kernel says what that range is), not by
+// listening on port 0, which hands out a port of that range: a server that
+// a test kills and starts again on the same port would otherwise find it
+// taken, now and then, by some connection made meanwhile (seen in CI: a
+// private Redis failed to restart with "Address already in use").
+func FreePort() (int, error) { return FreePortPair(0) }
+
+// FreePortPair returns a port p such that p and p+offset were both free a
+// moment ago, chosen as FreePort chooses (offset 0: one port). A Redis
+// Cluster node needs its port and port+10000, for its bus.
+func FreePortPair(offset int) (int, error) {
+	lo, hi := minFixedPort, ephemeralPortsStart()-1-offset
+	for attempt := 0; hi > lo && attempt < 100; attempt++ {
+		p := lo + rand.IntN(hi-lo+1)
+		if portsFree(p, offset) {
+			return p, nil
+		}
+	}
+	// No room below the ephemeral range (or no luck): any free port.
+	for attempt := 0; attempt < 50; attempt++ {
+		l, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			return 0, err
+		}
+		p := l.Addr().(*net.TCPAddr).Port
+		l.Close()
+		if p+offset <= 65535 && portsFree(p, offset) {
+			return p, nil
+		}
+	}
+	return 0, fmt.Errorf("services: no free port p with p+%d also free", offset)
+}
+
+// minFixedPort is the lowest port FreePort picks: below it lie well-known
+// and commonly configured service ports.
+const minFixedPort = 10000
+
+// ephemeralPortsStart returns the first port of the kernel's range for
+// outgoing connections' local ports: Linux's ip_local_port_range, or the
+// IANA range's start (49152, the default of BSDs and macOS) elsewhere.
+func ephemeralPortsStart() int {
+	b, err := os.ReadFile("/proc/sys/net/ipv4/ip_local_port_range")
+	if err == nil {
+		if f := strings.Fields(string(b)); len(f) == 2 {
+			if p, err := strconv.Atoi(f[0]); err == nil && p > 0 {
+				return p
+			}
+		}
+	}
+	return 49152
+}
+
+// portsFree reports whether 127.0.0.1:p and, with a non-zero offset,
+// 127.0.0.1:p+offset can both be listened on.
+func portsFree(p, offset int) bool {
+	l, err := net.Listen("tcp", "127.0.0.1:"+strconv.Itoa(p))
 	if err != nil {
-		return 0, err
+		return false
 	}
 	defer l.Close()
-	return l.Addr().(*net.TCPAddr).Port, nil
+	if offset == 0 {
+		return true
+	}
+	l2, err := net.Listen("tcp", "127.0.0.1:"+strconv.Itoa(p+offset))
+	if err != nil {
+		return false
+	}
+	l2.Close()
+	return true
 }
 
 // process is one server child process that can be stopped, killed and

@@ -17,13 +17,15 @@ import (
 	"time"
 
 	"github.com/redis/go-redis/v9"
+
+	"github.com/verity-go/verity/internal/services"
 )
 
 // Cluster start-up bounds.
 const (
 	clusterNodeTimeoutMillis = 2000
 	clusterStartTimeout      = 90 * time.Second
-	clusterMaxPort           = 65535 - 10000 // the cluster bus listens on port+10000
+	clusterBusOffset         = 10000 // the cluster bus listens on port+10000
 )
 
 // RedisCluster is a private Redis Cluster made of redis-server processes on
@@ -246,27 +248,7 @@ func startFresh(ctx context.Context, bin string, n *clusterNode, prepare ...func
 }
 
 // freeClusterPort returns a port p such that p and p+10000 were both free.
-func freeClusterPort() (int, error) {
-	for attempt := 0; attempt < 50; attempt++ {
-		l, err := net.Listen("tcp", "127.0.0.1:0")
-		if err != nil {
-			return 0, err
-		}
-		p := l.Addr().(*net.TCPAddr).Port
-		if p > clusterMaxPort {
-			l.Close()
-			continue
-		}
-		bus, err := net.Listen("tcp", "127.0.0.1:"+strconv.Itoa(p+10000))
-		l.Close()
-		if err != nil {
-			continue
-		}
-		bus.Close()
-		return p, nil
-	}
-	return 0, errors.New("no free port pair (port, port+10000) found")
-}
+func freeClusterPort() (int, error) { return services.FreePortPair(clusterBusOffset) }
 
 func (n *clusterNode) addr() string { return "127.0.0.1:" + strconv.Itoa(n.port) }
 
