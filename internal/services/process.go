@@ -35,10 +35,10 @@ func FreePort() (int, error) { return FreePortPair(0) }
 // moment ago, chosen as FreePort chooses (offset 0: one port). A Redis
 // Cluster node needs its port and port+10000, for its bus.
 func FreePortPair(offset int) (int, error) {
+	free := func(p int) bool { return portFree(p) && (offset == 0 || portFree(p+offset)) }
 	lo, hi := minFixedPort, ephemeralPortsStart()-1-offset
 	for attempt := 0; hi > lo && attempt < 100; attempt++ {
-		p := lo + rand.IntN(hi-lo+1)
-		if portsFree(p, offset) {
+		if p := lo + rand.IntN(hi-lo+1); free(p) {
 			return p, nil
 		}
 	}
@@ -50,7 +50,7 @@ func FreePortPair(offset int) (int, error) {
 		}
 		p := l.Addr().(*net.TCPAddr).Port
 		l.Close()
-		if p+offset <= 65535 && portsFree(p, offset) {
+		if p+offset <= 65535 && free(p) {
 			return p, nil
 		}
 	}
@@ -76,22 +76,13 @@ func ephemeralPortsStart() int {
 	return 49152
 }
 
-// portsFree reports whether 127.0.0.1:p and, with a non-zero offset,
-// 127.0.0.1:p+offset can both be listened on.
-func portsFree(p, offset int) bool {
+// portFree reports whether 127.0.0.1:p can be listened on.
+func portFree(p int) bool {
 	l, err := net.Listen("tcp", "127.0.0.1:"+strconv.Itoa(p))
 	if err != nil {
 		return false
 	}
-	defer l.Close()
-	if offset == 0 {
-		return true
-	}
-	l2, err := net.Listen("tcp", "127.0.0.1:"+strconv.Itoa(p+offset))
-	if err != nil {
-		return false
-	}
-	l2.Close()
+	l.Close()
 	return true
 }
 

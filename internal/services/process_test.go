@@ -1,8 +1,6 @@
 package services
 
 import (
-	"net"
-	"strconv"
 	"testing"
 
 	"github.com/stretchr/testify/require"
@@ -10,18 +8,14 @@ import (
 
 // TestFreePort checks that ports for private servers come from below the
 // range the kernel gives outgoing connections, so that a server restarted
-// on its port does not find it taken by one of them, and that they can be
-// listened on.
+// on its port does not find it taken by one of them. (Whether a port is
+// still free when the test looks is a race with the package's other tests,
+// which take such ports too: not asserted.)
 func TestFreePort(t *testing.T) {
 	t.Parallel()
 	ephemeral := ephemeralPortsStart()
 	if ephemeral <= minFixedPort+10000+100 {
 		t.Skipf("the ephemeral port range starts at %d: no room below it", ephemeral)
-	}
-	listenable := func(p int) {
-		l, err := net.Listen("tcp", "127.0.0.1:"+strconv.Itoa(p))
-		require.NoError(t, err, "port %d", p)
-		require.NoError(t, l.Close())
 	}
 
 	t.Run("Single", func(t *testing.T) {
@@ -31,7 +25,6 @@ func TestFreePort(t *testing.T) {
 			require.NoError(t, err)
 			require.GreaterOrEqual(t, p, minFixedPort)
 			require.Less(t, p, ephemeral)
-			listenable(p)
 		}
 	})
 
@@ -42,8 +35,6 @@ func TestFreePort(t *testing.T) {
 			require.NoError(t, err)
 			require.GreaterOrEqual(t, p, minFixedPort)
 			require.Less(t, p+10000, ephemeral, "the pair's second port must stay below the range too")
-			listenable(p)
-			listenable(p + 10000)
 		}
 	})
 }
