@@ -7,8 +7,9 @@ import (
 	"testing"
 
 	"github.com/google/uuid"
-	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
+
+	"github.com/verity-go/verity/internal/testenv"
 )
 
 // TestManyKeyPlans checks that the statements given a batch of event ids or
@@ -84,26 +85,10 @@ func TestManyKeyPlans(t *testing.T) {
 }
 
 // explainPlan returns the plan of sql for args, and the EXPLAIN document
-// it was read from: the custom plan PostgreSQL makes for an unnamed
-// statement, or the generic plan of a prepared one.
+// it was read from: the custom plan for these values, or the generic plan.
 func explainPlan(t *testing.T, connString, sql string, generic bool, args []any) (*planNode, string) {
 	t.Helper()
-	ctx := context.Background()
-	conn, err := pgx.Connect(ctx, connString)
-	require.NoError(t, err)
-	defer func() { _ = conn.Close(ctx) }()
-
-	var doc string
-	if generic {
-		_, err = conn.Exec(ctx, `SET plan_cache_mode = force_generic_plan`)
-		require.NoError(t, err)
-		_, err = conn.Prepare(ctx, "planned", `EXPLAIN (FORMAT JSON) `+sql)
-		require.NoError(t, err)
-		err = conn.QueryRow(ctx, "planned", args...).Scan(&doc)
-	} else {
-		err = conn.QueryRow(ctx, `EXPLAIN (FORMAT JSON) `+sql, append([]any{pgx.QueryExecModeExec}, args...)...).Scan(&doc)
-	}
-	require.NoError(t, err)
+	doc := testenv.Plan(t, connString, generic, "JSON", sql, args...)
 	var plans []struct{ Plan planNode }
 	require.NoError(t, json.Unmarshal([]byte(doc), &plans))
 	require.Len(t, plans, 1)

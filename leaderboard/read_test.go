@@ -2,7 +2,6 @@ package leaderboard
 
 import (
 	"context"
-	"encoding/json"
 	"net"
 	"sort"
 	"strconv"
@@ -10,7 +9,6 @@ import (
 	"time"
 
 	"github.com/google/uuid"
-	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
@@ -760,29 +758,17 @@ func TestLagProbePlan(t *testing.T) {
 	_, err = tb.pg.Pool.Exec(ctx, `ANALYZE verity_outbox_dead`)
 	require.NoError(t, err)
 
-	conn, err := pgx.Connect(ctx, tb.pg.ConnString)
-	require.NoError(t, err)
-	t.Cleanup(func() { _ = conn.Close(context.Background()) })
-	_, err = conn.Exec(ctx, `SET plan_cache_mode = force_generic_plan`)
-	require.NoError(t, err)
-	_, err = conn.Exec(ctx, `PREPARE lag AS `+tb.board.sql.lag)
-	require.NoError(t, err)
-	var doc string
-	require.NoError(t, conn.QueryRow(ctx, `EXPLAIN (FORMAT JSON) EXECUTE lag($1, $2)`,
-		pgx.QueryExecModeSimpleProtocol, tb.board.Stream(), tb.board.Config().Name).Scan(&doc))
-	var plans []struct{ Plan planNode }
-	require.NoError(t, json.Unmarshal([]byte(doc), &plans))
-	require.Len(t, plans, 1)
+	plan, doc := explainPlan(t, tb.pg.ConnString, tb.board.sql.lag, true, []any{tb.board.Stream(), tb.board.Config().Name})
 
 	// The scan of the stream's dead letters, in (stream, id) order.
-	scans := plans[0].Plan.find(func(n *planNode) bool { return n.Alias == "d" })
+	scans := plan.find(func(n *planNode) bool { return n.Alias == "d" })
 	require.Len(t, scans, 1, doc)
 	require.Equal(t, "Index Scan", scans[0].NodeType, doc)
 	require.Equal(t, outbox.TableDefault+"_dead_stream_idx", scans[0].IndexName, doc)
 
 	// The pending and dead sets: each a hashed subplan.
 	for _, alias := range []string{"o", "n"} {
-		subplans := plans[0].Plan.find(func(n *planNode) bool {
+		subplans := plan.find(func(n *planNode) bool {
 			return n.SubplanName != "" && len(n.find(func(m *planNode) bool { return m.Alias == alias })) > 0
 		})
 		require.NotEmpty(t, subplans, doc)

@@ -3,10 +3,8 @@ package reconcile
 import (
 	"context"
 	"strconv"
-	"strings"
 	"testing"
 
-	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/stretchr/testify/require"
 
@@ -103,21 +101,10 @@ func TestSQLSource(t *testing.T) {
 				present++
 			}
 		}
-		for _, mode := range []string{"custom", "generic"} {
-			conn, err := pgx.Connect(ctx, pg.ConnString)
-			require.NoError(t, err)
-			_, err = conn.Exec(ctx, `SET plan_cache_mode = force_`+mode+`_plan`)
-			require.NoError(t, err)
-			_, err = conn.Prepare(ctx, "planned", `EXPLAIN `+src.lookupSQL)
-			require.NoError(t, err)
-			rows, err := conn.Query(ctx, "planned", "daily", keys)
-			require.NoError(t, err)
-			lines, err := pgx.CollectRows(rows, pgx.RowTo[string])
-			require.NoError(t, err)
-			require.NoError(t, conn.Close(ctx))
-			plan := strings.Join(lines, "\n")
-			require.NotContains(t, plan, "Seq Scan on s", "%s plan:\n%s", mode, plan)
-			require.Regexp(t, `Index Cond: \(.*\bk = `, plan, "%s plan:\n%s", mode, plan)
+		for _, generic := range []bool{false, true} {
+			plan := testenv.Plan(t, pg.ConnString, generic, "TEXT", src.lookupSQL, "daily", keys)
+			require.NotContains(t, plan, "Seq Scan on s", "generic %v plan:\n%s", generic, plan)
+			require.Regexp(t, `Index Cond: \(.*\bk = `, plan, "generic %v plan:\n%s", generic, plan)
 		}
 		found, err := src.Lookup(ctx, keys)
 		require.NoError(t, err)
