@@ -438,7 +438,12 @@ func (b *Board) submitBatch(ctx context.Context, cmds []Command, opts batchOptio
 	// first maps an event id to its first position; later copies of the
 	// same command take that command's result.
 	first := make(map[uuid.UUID]int, len(cmds))
-	ids := make([]string, 0, len(cmds)) // text: QueryExecModeExec needs types pgx knows
+	// pgtype.UUID: pgx sends it in binary in either statement mode. A
+	// uuid.UUID is a type QueryExecModeExec cannot map to a PostgreSQL
+	// type, and strings made a cached statement fail to plan a binary
+	// uuid[] on every call (an error built and dropped) before falling
+	// back to text that PostgreSQL then parsed.
+	ids := make([]pgtype.UUID, 0, len(cmds))
 	users := make([]string, 0, len(cmds))
 	deltas := make([]int64, 0, len(cmds))
 	sent := make([]int, 0, len(cmds)) // position in cmds of each sent row
@@ -453,7 +458,7 @@ func (b *Board) submitBatch(ctx context.Context, cmds []Command, opts batchOptio
 			continue
 		}
 		first[cmd.EventID] = i
-		ids, users, deltas = append(ids, cmd.EventID.String()), append(users, cmd.UserID), append(deltas, cmd.Delta)
+		ids, users, deltas = append(ids, binaryUUID(cmd.EventID)), append(users, cmd.UserID), append(deltas, cmd.Delta)
 		sent = append(sent, i)
 	}
 
@@ -495,7 +500,7 @@ func (b *Board) submitBatch(ctx context.Context, cmds []Command, opts batchOptio
 	return out, nil
 }
 
-func (b *Board) submitBatchOnce(ctx context.Context, cmds []Command, sent []int, ids, users []string, deltas []int64, opts batchOptions, out []Result) error {
+func (b *Board) submitBatchOnce(ctx context.Context, cmds []Command, sent []int, ids []pgtype.UUID, users []string, deltas []int64, opts batchOptions, out []Result) error {
 	rows, finish, err := b.sendBatch(ctx, len(sent), opts, ids, users, deltas)
 	if err != nil {
 		return b.mapBatchError(ctx, err, cmds, sent)
@@ -569,7 +574,7 @@ func (b *Board) submitBatchOnce(ctx context.Context, cmds []Command, sent []int,
 // runs in the pool's default mode (pgx's default caches the statement)
 // whatever its size; only Submit's groups use one, at most
 // MaxSubmitsPerStatement commands. One round trip in every case.
-func (b *Board) sendBatch(ctx context.Context, n int, opts batchOptions, ids, users []string, deltas []int64) (pgx.Rows, func() error, error) {
+func (b *Board) sendBatch(ctx context.Context, n int, opts batchOptions, ids []pgtype.UUID, users []string, deltas []int64) (pgx.Rows, func() error, error) {
 	args := []any{ids, users, deltas, b.cfg.Name, b.stream, opts.everyState}
 	if opts.lockTimeout <= 0 {
 		mode := pgx.QueryExecModeExec
