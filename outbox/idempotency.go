@@ -77,7 +77,7 @@ func (w *Writer) RecordCommand(ctx context.Context, tx Tx, eventID uuid.UUID, fi
 		return Command{}, &MessageError{EventID: eventID, Field: "Fingerprint", Reason: "is empty; use outbox.Fingerprint(canonical command bytes)"}
 	}
 	cmd := Command{EventID: eventID}
-	err := tx.QueryRow(ctx, w.recordSQL, eventID, fingerprint).Scan(&cmd.RecordedAt)
+	err := tx.QueryRow(ctx, w.recordSQL, pgUUID(eventID), fingerprint).Scan(&cmd.RecordedAt)
 	if err == nil {
 		return cmd, nil
 	}
@@ -87,7 +87,7 @@ func (w *Writer) RecordCommand(ctx context.Context, tx Tx, eventID uuid.UUID, fi
 
 	// Conflict: the id exists (committed, or recorded earlier in this tx).
 	var recorded []byte
-	err = tx.QueryRow(ctx, w.lookupSQL, eventID).Scan(&recorded, &cmd.Result, &cmd.RecordedAt)
+	err = tx.QueryRow(ctx, w.lookupSQL, pgUUID(eventID)).Scan(&recorded, &cmd.Result, &cmd.RecordedAt)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return Command{}, fmt.Errorf("outbox: record command %s: the id exists but is not visible to this transaction's snapshot; use READ COMMITTED or retry the transaction", eventID)
 	}
@@ -107,7 +107,7 @@ func (w *Writer) RecordCommand(ctx context.Context, tx Tx, eventID uuid.UUID, fi
 // returns ErrCommandNotRecorded when the id is unknown.
 func (w *Writer) StoreCommandResult(ctx context.Context, tx Tx, eventID uuid.UUID, result []byte) error {
 	var ok bool
-	err := tx.QueryRow(ctx, w.storeResultSQL, eventID, result).Scan(&ok)
+	err := tx.QueryRow(ctx, w.storeResultSQL, pgUUID(eventID), result).Scan(&ok)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return fmt.Errorf("%w: %s", ErrCommandNotRecorded, eventID)
 	}

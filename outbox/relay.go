@@ -415,8 +415,8 @@ func (r *Relay) claimOnce(ctx context.Context, token uuid.UUID) ([]Record, int, 
 
 // sendClaim sends the claim statements on conn and reads their results.
 func (r *Relay) sendClaim(ctx context.Context, conn *pgx.Conn, token uuid.UUID) ([]Record, int, error) {
-	leaseArgs := []any{token, r.cfg.LeaseDuration.Microseconds()}
-	pickArgs := []any{token, r.cfg.BatchSize}
+	leaseArgs := []any{pgUUID(token), r.cfg.LeaseDuration.Microseconds()}
+	pickArgs := []any{pgUUID(token), r.cfg.BatchSize}
 	if len(r.cfg.Streams) > 0 {
 		leaseArgs = append(leaseArgs, r.cfg.Streams)
 		pickArgs = append(pickArgs, r.cfg.Streams)
@@ -572,7 +572,7 @@ func (r *Relay) releaseClaim(ctx context.Context, token uuid.UUID) {
 	b.Queue(releaseLockTimeoutSQL, fmt.Sprintf("%dms", wait.Milliseconds()))
 	b.Queue(claimLockSQL, key)
 	b.Queue(releaseUpdateTimeoutSQL, fmt.Sprintf("%dms", releaseUpdateTimeout.Milliseconds()))
-	b.Queue(r.releaseSQL, token)
+	b.Queue(r.releaseSQL, pgUUID(token))
 	if err := conn.SendBatch(ctx, b).Close(); err != nil {
 		failed(err)
 	}
@@ -675,7 +675,7 @@ func (r *Relay) settle(ctx context.Context, token uuid.UUID, batch []Record, res
 		r.logger.Warn("outbox batch had failures; rows will be retried after a backoff",
 			slog.Int("failed", failedCount), slog.Int("batch", len(batch)), slog.String("first_error", firstErr.Error()))
 	}
-	rows, err := r.pool.Query(ctx, r.settleSQL, token, nonNil(acked), nonNil(retryIDs), nonNil(retryErrs),
+	rows, err := r.pool.Query(ctx, r.settleSQL, pgUUID(token), nonNil(acked), nonNil(retryIDs), nonNil(retryErrs),
 		nonNil(retryDelays), nonNil(deadIDs), nonNil(deadErrs), nonNil(released), nonNil(retryAttempts), nonNil(deadAttempts))
 	if err != nil {
 		return mapError("settle batch", err)

@@ -71,6 +71,12 @@ const appendSQL = `WITH inserted AS (
 )
 SELECT count(*) FROM inserted, pg_notify($6, '')`
 
+// pgUUID is id as a query argument. pgx sends a pgtype.UUID in binary; a
+// uuid.UUID, a driver.Valuer, fails pgx's binary encode plan on every call
+// (an error is built and dropped) before it goes through its text form.
+// database/sql, behind SQLTx, takes either through driver.Valuer.
+func pgUUID(id uuid.UUID) pgtype.UUID { return pgtype.UUID{Bytes: id, Valid: true} }
+
 // Append inserts msgs into the outbox within tx, in one round trip whatever
 // their number, and notifies listening relays; both take effect only if tx
 // commits. Append with no messages does nothing.
@@ -90,16 +96,14 @@ func (w *Writer) Append(ctx context.Context, tx Tx, msgs ...Message) error {
 		return err
 	}
 	var (
-		// pgtype.UUID, not uuid.UUID: pgx sends it in binary, where a
-		// uuid.UUID (a driver.Valuer) goes through its text form.
-		eventIDs = make([]pgtype.UUID, len(msgs))
+		eventIDs = make([]pgtype.UUID, len(msgs)) // see pgUUID
 		streams  = make([]string, len(msgs))
 		keys     = make([]string, len(msgs))
 		versions = make([]int64, len(msgs))
 		payloads = make([][]byte, len(msgs))
 	)
 	for i, m := range msgs {
-		eventIDs[i] = pgtype.UUID{Bytes: m.EventID, Valid: true}
+		eventIDs[i] = pgUUID(m.EventID)
 		streams[i], keys[i], versions[i] = m.Stream, m.Key, m.Version
 		payloads[i] = m.Payload
 		if payloads[i] == nil {
