@@ -11,6 +11,7 @@ import (
 
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgtype"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/redis/go-redis/v9"
 )
@@ -99,8 +100,10 @@ func (s *seedDesign) submit(ctx context.Context, eventID uuid.UUID, user string,
 		return 0, 0, err
 	}
 	defer tx.Rollback(ctx) //nolint:errcheck // a no-op after Commit
-	var id uuid.UUID
-	switch err := tx.QueryRow(ctx, s.insertEventSQL, eventID, user, delta).Scan(&id); {
+	// The id goes as a pgtype.UUID, in binary, as the library sends its
+	// ids: a uuid.UUID costs pgx a failed encode plan per statement.
+	id := pgtype.UUID{Bytes: eventID, Valid: true}
+	switch err := tx.QueryRow(ctx, s.insertEventSQL, id, user, delta).Scan(&id); {
 	case errors.Is(err, pgx.ErrNoRows):
 		return 0, 0, tx.Commit(ctx) // duplicate command: no second effect
 	case err != nil:
@@ -109,7 +112,7 @@ func (s *seedDesign) submit(ctx context.Context, eventID uuid.UUID, user string,
 	if err := tx.QueryRow(ctx, s.upsertScoreSQL, user, delta).Scan(&score, &version); err != nil {
 		return 0, 0, err
 	}
-	if _, err := tx.Exec(ctx, s.insertOutboxSQL, eventID, user, score, version); err != nil {
+	if _, err := tx.Exec(ctx, s.insertOutboxSQL, id, user, score, version); err != nil {
 		return 0, 0, err
 	}
 	return score, version, tx.Commit(ctx)
