@@ -188,8 +188,9 @@
 //
 // With a durable commit the WAL flush dominates both; without it, Submit
 // costs half the seed's handler. SubmitBatch (BenchmarkSubmitBatch) applied
-// 26,500 to 28,700 commands/s in batches of 1,000 and of 5,000 (2-core
-// VM, no other load, 2026-12-02; 7,400 to 14,500 under the load above);
+// 26,500 to 28,700 commands/s in batches of 1,000 and of 5,000 on a 2-core
+// VM with no other load, and 37,900 to 44,600 on the same VM in a faster
+// phase (2026-12-01 and -02; 7,400 to 14,500 under the load above);
 // the statement's time goes to index maintenance (each score change moves
 // its ranking-index entry) and the outbox rows. Its event ids are looked
 // up one primary-key probe each, so the cost of a batch does not grow
