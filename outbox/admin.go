@@ -9,6 +9,7 @@ import (
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgtype"
 )
 
 // Stats is a snapshot of an outbox's backlog.
@@ -205,9 +206,13 @@ func (r *Relay) ReplayDead(ctx context.Context, filter ReplayFilter) (int64, err
 	if filter.Limit > 0 {
 		limit = filter.Limit
 	}
+	ids := make([]pgtype.UUID, len(filter.EventIDs)) // see pgUUID
+	for i, id := range filter.EventIDs {
+		ids[i] = pgUUID(id)
+	}
 	var n int64
 	err := r.pool.QueryRow(ctx, fmt.Sprintf(replayDeadSQL, r.names.Outbox, r.names.Dead),
-		nonNil(filter.EventIDs), filter.Stream, limit, r.names.Channel).Scan(&n)
+		ids, filter.Stream, limit, r.names.Channel).Scan(&n)
 	if err != nil {
 		var pgErr *pgconn.PgError
 		if errors.As(err, &pgErr) && pgErr.Code == pgUniqueViolation {
