@@ -572,9 +572,10 @@ func TestRelayRetries(t *testing.T) {
 		}
 		require.Equal(t, 1, b.count(t, b.deadTable()))
 
-		// Fixed: replay and deliver.
+		// Fixed: replay and deliver, picking the event by its id (among
+		// unknown ones) and its stream.
 		failing.Store(false)
-		moved, err = r.ReplayDead(ctx, outbox.ReplayFilter{Stream: "scores"})
+		moved, err = r.ReplayDead(ctx, outbox.ReplayFilter{EventIDs: []uuid.UUID{uuid.New(), msg.EventID}, Stream: "scores"})
 		require.NoError(t, err)
 		require.EqualValues(t, 1, moved)
 		n, err = r.RunOnce(ctx)
