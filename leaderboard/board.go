@@ -573,7 +573,14 @@ func (b *Board) submitBatchOnce(ctx context.Context, cmds []Command, sent []int,
 // implicit transaction, which the setting does not outlive. A pipeline
 // runs in the pool's default mode (pgx's default caches the statement)
 // whatever its size; only Submit's groups use one, at most
-// MaxSubmitsPerStatement commands. One round trip in every case.
+// MaxSubmitsPerStatement commands. A group larger than preparedBatchMax
+// (MaxSubmitsPerStatement raised above its default) would run on the
+// generic plan: its set_config also sets plan_cache_mode to
+// force_custom_plan for that transaction, so PostgreSQL plans it for its
+// arrays as it plans an unnamed statement: with groups of 256 (512
+// clients, MaxSubmitsPerStatement 256, one statement at a time) Submit ran
+// 31,600-32,900 commands/s, against 16,800-17,300 on the generic plan.
+// One round trip in every case.
 func (b *Board) sendBatch(ctx context.Context, n int, opts batchOptions, ids []pgtype.UUID, users []string, deltas []int64) (pgx.Rows, func() error, error) {
 	args := []any{ids, users, deltas, b.cfg.Name, b.stream, opts.everyState}
 	if opts.lockTimeout <= 0 {
@@ -588,7 +595,11 @@ func (b *Board) sendBatch(ctx context.Context, n int, opts batchOptions, ids []p
 		return rows, func() error { rows.Close(); return rows.Err() }, nil
 	}
 	batch := &pgx.Batch{}
-	batch.Queue(setLockTimeoutSQL, strconv.FormatInt(opts.lockTimeout.Milliseconds(), 10)+"ms")
+	setLockTimeout := setLockTimeoutSQL
+	if n > preparedBatchMax {
+		setLockTimeout = setLockTimeoutCustomPlanSQL
+	}
+	batch.Queue(setLockTimeout, strconv.FormatInt(opts.lockTimeout.Milliseconds(), 10)+"ms")
 	batch.Queue(b.sql.submitBatch, args...)
 	results := b.pool.SendBatch(ctx, batch)
 	if _, err := results.Exec(); err != nil {

@@ -7,6 +7,7 @@ import (
 	"testing"
 
 	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
 	"github.com/verity-go/verity/internal/testenv"
@@ -117,4 +118,63 @@ func (n *planNode) find(match func(*planNode) bool) []*planNode {
 		out = append(out, n.Plans[i].find(match)...)
 	}
 	return out
+}
+
+// TestLargeGroupsArePlannedForTheirArrays checks that a shared Submit
+// statement of more than preparedBatchMax commands (MaxSubmitsPerStatement
+// raised above its default) is planned for its arrays every time. It runs
+// as the pool's cached prepared statement, which PostgreSQL would switch to
+// a generic plan after five runs: for groups of 256 that plan made Submit
+// about half as fast. The group's set_config forces a custom plan for its
+// own transaction only; smaller groups keep the generic plan.
+func TestLargeGroupsArePlannedForTheirArrays(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	tb := setup(t)
+
+	// One connection, so that its prepared statements are the board's.
+	poolCfg, err := pgxpool.ParseConfig(tb.pg.ConnString)
+	require.NoError(t, err)
+	poolCfg.MaxConns = 1
+	pool, err := pgxpool.NewWithConfig(ctx, poolCfg)
+	require.NoError(t, err)
+	t.Cleanup(pool.Close)
+	cfg := tb.board.Config()
+	cfg.MaxSubmitsPerStatement = 2 * preparedBatchMax
+	board, err := New(pool, tb.rd.Client, &cfg)
+	require.NoError(t, err)
+	t.Cleanup(board.Close)
+
+	group := func(n int) {
+		t.Helper()
+		cmds := make([]Command, n)
+		for i := range cmds {
+			cmds[i] = Command{EventID: uuid.New(), UserID: fmt.Sprintf("user-%d", i), Delta: 1}
+		}
+		_, err := board.submitBatch(ctx, cmds, batchOptions{everyState: true, lockTimeout: submitLockTimeout})
+		require.NoError(t, err)
+	}
+	plans := func() (generic, custom int64) {
+		t.Helper()
+		require.NoError(t, pool.QueryRow(ctx,
+			`SELECT generic_plans, custom_plans FROM pg_prepared_statements WHERE statement = $1`,
+			board.sql.submitBatch).Scan(&generic, &custom))
+		return generic, custom
+	}
+
+	for range 7 {
+		group(10)
+	}
+	generic, custom := plans()
+	require.Equal(t, [2]int64{2, 5}, [2]int64{generic, custom}, "small groups: five custom plans, then the generic one")
+	for range 7 {
+		group(preparedBatchMax + 1)
+	}
+	generic, custom = plans()
+	require.Equal(t, [2]int64{2, 12}, [2]int64{generic, custom}, "every large group planned for its arrays")
+	for range 2 {
+		group(10)
+	}
+	generic, custom = plans()
+	require.Equal(t, [2]int64{4, 12}, [2]int64{generic, custom}, "the setting did not outlive the large groups' transactions")
 }

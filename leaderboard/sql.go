@@ -191,6 +191,12 @@ FROM prior AS p JOIN input AS i USING (event_id)`
 // of the current transaction.
 const setLockTimeoutSQL = `SELECT set_config('lock_timeout', $1::text, true)`
 
+// setLockTimeoutCustomPlanSQL is setLockTimeoutSQL for a shared statement
+// of more than preparedBatchMax commands: it also makes PostgreSQL plan the
+// statement that follows in the same transaction for its actual arrays,
+// not with the cached generic plan (see sendBatch).
+const setLockTimeoutCustomPlanSQL = `SELECT set_config('lock_timeout', $1::text, true), set_config('plan_cache_mode', 'force_custom_plan', true)`
+
 // overflowProbeSQL reads, for a refused batch, the current scores of its
 // users ($2) and which of its event ids ($3) were applied before: board $1.
 // Both parts probe a primary key once per distinct element, as
