@@ -3,6 +3,7 @@ package leaderboard
 import (
 	"context"
 	"fmt"
+	"runtime"
 	"testing"
 	"time"
 
@@ -358,6 +359,34 @@ func TestSubmitGroups(t *testing.T) {
 		var setting string
 		require.NoError(t, gb.pool.QueryRow(ctx, `SHOW lock_timeout`).Scan(&setting))
 		require.Equal(t, "0", setting)
+	})
+
+	t.Run("LoneCallIsSentByItsCaller", func(t *testing.T) {
+		t.Parallel()
+		// With no statement under way and nobody queued, the call's own
+		// goroutine applies it: no flusher goroutine runs. A call queued
+		// meanwhile is served by a flusher once the lone one is done.
+		gb := setupGroups(t)
+		gb.hold(t)
+		lone := Command{EventID: uuid.New(), UserID: "user-a", Delta: 2}
+		loneOut := gb.submitQueued(t, ctx, lone, 0)
+		// Other tests' boards run in this process: look for this group's
+		// methods by their receiver.
+		stacks := make([]byte, 1<<20)
+		stacks = stacks[:runtime.Stack(stacks, true)]
+		g := &gb.board.group
+		require.Contains(t, string(stacks), fmt.Sprintf("(*submitGroup).applyAlone(%p", g), "the caller applies its call")
+		require.NotContains(t, string(stacks), fmt.Sprintf("(*submitGroup).flush(%p", g), "no flusher goroutine")
+		next := Command{EventID: uuid.New(), UserID: "user-a", Delta: 3}
+		nextOut := gb.submitQueued(t, ctx, next, 1)
+		gb.release()
+		o := wait(t, loneOut)
+		require.NoError(t, o.err)
+		require.Equal(t, Result{Score: 2, Version: 1}, o.res)
+		o = wait(t, nextOut)
+		require.NoError(t, o.err)
+		require.Equal(t, Result{Score: 5, Version: 2}, o.res)
+		require.Equal(t, 2, gb.transactions(t, lone.EventID, next.EventID))
 	})
 
 	t.Run("EndedWhileQueuedIsNotTaken", func(t *testing.T) {
