@@ -18,10 +18,16 @@ const listenCloseTimeout = 2 * time.Second
 // a pooled connection forever would shrink the pool, and a pooled connection
 // may be reset or closed under the listener. After any error it reconnects
 // with a growing pause.
-func (r *Relay) listen(ctx context.Context, wake chan<- struct{}) {
+//
+// The LISTEN statement runs under workCtx, which outlives ctx by the
+// shutdown grace: a statement cut off mid-flight makes pgx close the
+// connection in a goroutine of its own, which on a TLS connection can wait
+// out pgx's 15 s deadline, whereas waiting for a notification is cut off
+// cleanly and the connection is then closed in place.
+func (r *Relay) listen(ctx, workCtx context.Context, wake chan<- struct{}) {
 	pause := newPauser(r.cfg.ReconnectBackoffMax)
 	for {
-		err := r.listenOnce(ctx, wake, pause.reset)
+		err := r.listenOnce(ctx, workCtx, wake, pause.reset)
 		if ctx.Err() != nil {
 			return
 		}
@@ -37,7 +43,7 @@ func (r *Relay) listen(ctx context.Context, wake chan<- struct{}) {
 // listenOnce connects, LISTENs and relays notifications until an error. It
 // calls connected once LISTEN is in effect and then signals wake, because a
 // notification sent while no connection was listening is lost for good.
-func (r *Relay) listenOnce(ctx context.Context, wake chan<- struct{}, connected func()) error {
+func (r *Relay) listenOnce(ctx, workCtx context.Context, wake chan<- struct{}, connected func()) error {
 	conn, err := pgx.ConnectConfig(ctx, r.pool.Config().ConnConfig)
 	if err != nil {
 		return fmt.Errorf("connect: %w", err)
@@ -46,8 +52,14 @@ func (r *Relay) listenOnce(ctx context.Context, wake chan<- struct{}, connected 
 		closeCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), listenCloseTimeout)
 		defer cancel()
 		_ = conn.Close(closeCtx) // the connection is discarded either way
+		// If a failure made pgx close the connection in the background,
+		// wait for it as pgxpool does, so that Run leaves nothing running.
+		select {
+		case <-conn.PgConn().CleanupDone():
+		case <-closeCtx.Done():
+		}
 	}()
-	if _, err := conn.Exec(ctx, "LISTEN "+pgx.Identifier{r.names.Channel}.Sanitize()); err != nil {
+	if _, err := conn.Exec(workCtx, "LISTEN "+pgx.Identifier{r.names.Channel}.Sanitize()); err != nil {
 		return fmt.Errorf("listen: %w", err)
 	}
 	connected()

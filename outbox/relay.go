@@ -795,7 +795,7 @@ func (r *Relay) Run(ctx context.Context) error {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			r.listen(ctx, wake)
+			r.listen(ctx, workCtx, wake)
 		}()
 	}
 
