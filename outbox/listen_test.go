@@ -1,9 +1,9 @@
 package outbox_test
 
 import (
-	"bytes"
 	"context"
 	"runtime"
+	"strings"
 	"testing"
 	"time"
 
@@ -36,13 +36,31 @@ func TestRelayRunClosesListener(t *testing.T) {
 		time.Sleep(time.Duration(round%10) * time.Millisecond)
 		require.NoError(t, stop())
 		relayPool.Close()
-		require.Zero(t, closingConnections(), "round %d: Run returned while its LISTEN connection was still being closed", round)
+		closing := closingConnections()
+		require.Empty(t, closing, "round %d: Run returned while its LISTEN connection was still being closed", round)
 	}
 }
 
-// closingConnections counts the goroutines in which pgx is still closing
-// an interrupted connection.
-func closingConnections() int {
+// closingConnections returns the stacks of the goroutines in which pgx is
+// still closing an interrupted connection. A goroutine found with pgx's
+// closing function as its only frame is either yet to start or returning,
+// its cleanup already signalled: it is looked at again until it has either
+// gone or got busy closing.
+func closingConnections() []string {
+	for range 100 {
+		closing, undecided := closingGoroutines()
+		if undecided == 0 {
+			return closing
+		}
+		time.Sleep(time.Millisecond)
+	}
+	closing, _ := closingGoroutines()
+	return closing
+}
+
+// closingGoroutines returns the stacks of the goroutines running pgx's
+// closing function, and how many of them have it as their only frame.
+func closingGoroutines() (closing []string, undecided int) {
 	buf := make([]byte, 1<<16)
 	for {
 		n := runtime.Stack(buf, true)
@@ -52,13 +70,18 @@ func closingConnections() int {
 		}
 		buf = make([]byte, 2*len(buf))
 	}
-	closing := 0
-	for _, g := range bytes.Split(buf, []byte("\n\n")) {
-		if bytes.Contains(g, []byte("pgconn.(*PgConn).asyncClose.func")) {
-			closing++
+	for _, g := range strings.Split(string(buf), "\n\n") {
+		if !strings.Contains(g, "pgconn.(*PgConn).asyncClose.func") {
+			continue
+		}
+		closing = append(closing, g)
+		// A header, then a function and a file line per frame.
+		frames, _, _ := strings.Cut(g, "\ncreated by ")
+		if strings.Count(frames, "\n") == 2 {
+			undecided++
 		}
 	}
-	return closing
+	return closing, undecided
 }
 
 // plainPool is a pool on connString that does without TLS.
