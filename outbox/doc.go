@@ -369,12 +369,12 @@
 // transaction to end and frees what it leased (bounded by a few seconds), so
 // its partitions are not left to a lease nobody holds.
 //
-// A statement cut off by its context makes pgx close that connection in a
-// goroutine of its own. Run waits for this for its listener connection; for
-// pooled connections pgxpool's Close waits. Over TLS, when the cut falls
-// between two of a statement's writes, pgx (v5.12) cannot send its goodbye
-// on the broken TLS stream and waits out its 15 s deadline: pool.Close can
-// then take up to 15 s after a relay stopped mid-claim. Nothing is lost.
+// Run does not cut off a claim it has sent: the claim is part of the batch in
+// flight. A statement cut off by its context (RunOnce's, or any at
+// ShutdownTimeout) makes pgx close that connection in a goroutine of its
+// own, which pgxpool's Close waits for. Over TLS, when the cut falls between
+// two of a statement's writes, pgx (v5.12) cannot send its goodbye on the
+// broken TLS stream and waits out its 15 s deadline, and pool.Close with it.
 //
 // # database/sql
 //

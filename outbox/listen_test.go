@@ -1,41 +1,38 @@
 package outbox_test
 
 import (
-	"context"
 	"runtime"
 	"strings"
 	"testing"
 	"time"
 
-	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
 	"github.com/verity-go/verity/outbox"
 )
 
-// TestRelayRunClosesListener checks that once Run returns, nothing of its
-// LISTEN connection is still running. pgx closes a connection cut off
+// TestRelayRunClosesListener checks that once Run returns, none of its
+// connections is still being closed. pgx closes a connection cut off
 // mid-statement in a goroutine of its own (a cancel request, then reading
-// until the server hangs up); a Run that returned before it ended would fail
-// a caller's goroutine leak check. Run is stopped at varying moments, some
-// while its LISTEN statement is in flight.
+// until the server hangs up): Run must wait for that for its LISTEN
+// connection, or a caller's goroutine leak check fails, and must not cut off
+// a claim it has sent, or the pool's Close waits for such a goroutine — over
+// TLS, when the cut falls between two writes, for pgx's full 15 s. Run is
+// stopped at varying moments, some while LISTEN or a claim is in flight.
 //
 // It does not call t.Parallel: it looks at every goroutine of the binary,
-// and parallel tests only start once the sequential ones are done. The relay
-// has a pool of its own, closed before the check: a claim cut off by the
-// cancellation leaves a pooled connection closing too, which the pool's
-// Close waits for. That pool does without TLS, as pgx can take its full
-// 15 s to close a TLS connection cut off mid-statement, and the pool's
-// Close gives up waiting after as long.
+// and parallel tests only start once the sequential ones are done.
 func TestRelayRunClosesListener(t *testing.T) {
 	b := setup(t)
 	for round := range 200 {
-		relayPool := plainPool(t, b.pg.ConnString)
+		relayPool := newPoolNamed(t, b.pg.ConnString, "verity_relay_closes_listener")
 		r := b.relay(t, relayPool, &recorder{}, outbox.RelayConfig{PollInterval: time.Hour})
 		stop := startRun(t, r)
 		time.Sleep(time.Duration(round%10) * time.Millisecond)
 		require.NoError(t, stop())
+		began := time.Now()
 		relayPool.Close()
+		require.Less(t, time.Since(began), 5*time.Second, "round %d: the pool's Close waited for a connection being closed", round)
 		closing := closingConnections()
 		require.Empty(t, closing, "round %d: Run returned while its LISTEN connection was still being closed", round)
 	}
@@ -82,16 +79,4 @@ func closingGoroutines() (closing []string, undecided int) {
 		}
 	}
 	return closing, undecided
-}
-
-// plainPool is a pool on connString that does without TLS.
-func plainPool(t *testing.T, connString string) *pgxpool.Pool {
-	t.Helper()
-	cfg, err := pgxpool.ParseConfig(connString)
-	require.NoError(t, err)
-	cfg.ConnConfig.TLSConfig, cfg.ConnConfig.Fallbacks = nil, nil
-	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
-	require.NoError(t, err)
-	t.Cleanup(pool.Close)
-	return pool
 }

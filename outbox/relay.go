@@ -331,9 +331,15 @@ func (r *Relay) RunOnce(ctx context.Context) (int, error) {
 	return n, err
 }
 
-// runBatch claims with claimCtx (no new claims once it is cancelled) and
-// runs the handler under workCtx, which Run cancels only when the shutdown
-// timeout has passed. more reports that other rows may be due already.
+// runBatch claims unless claimCtx is cancelled and runs the handler under
+// workCtx, which Run cancels only when the shutdown timeout has passed.
+// more reports that other rows may be due already.
+//
+// A claim waits for a connection under claimCtx, but its statements, once
+// sent, run under workCtx: they are part of the in-flight batch a shutdown
+// lets finish. Cut off, they would leave the relay releasing what they
+// leased and pgx closing their connection in the background (which over
+// TLS can take pgx's full 15 s, holding up the pool's Close).
 func (r *Relay) runBatch(claimCtx, workCtx context.Context) (n int, more bool, err error) {
 	if err := claimCtx.Err(); err != nil {
 		return 0, false, err
@@ -343,9 +349,11 @@ func (r *Relay) runBatch(claimCtx, workCtx context.Context) (n int, more bool, e
 	// Without a deadline a half-open connection (a dead NAT entry, a proxy
 	// that stopped forwarding) would block the relay forever. A claim that
 	// outlives a lease is useless anyway: its rows are claimable again by then.
-	boundedCtx, cancelClaim := context.WithTimeout(claimCtx, r.cfg.LeaseDuration)
-	batch, more, err := r.claim(boundedCtx, token)
-	cancelClaim()
+	acquireCtx, cancelAcquire := context.WithDeadline(claimCtx, start.Add(r.cfg.LeaseDuration))
+	sendCtx, cancelSend := context.WithDeadline(workCtx, start.Add(r.cfg.LeaseDuration))
+	batch, more, err := r.claim(acquireCtx, sendCtx, token)
+	cancelAcquire()
+	cancelSend()
 	if err != nil || len(batch) == 0 {
 		return 0, false, err
 	}
@@ -372,9 +380,9 @@ const claimRetries = 3
 // claim leases partitions and returns their due rows, sorted by id, and
 // whether more rows may be due elsewhere: the claim leased as many
 // partitions as it may, or filled its batch.
-func (r *Relay) claim(ctx context.Context, token uuid.UUID) (batch []Record, more bool, err error) {
+func (r *Relay) claim(acquireCtx, sendCtx context.Context, token uuid.UUID) (batch []Record, more bool, err error) {
 	for range claimRetries {
-		batch, leased, err := r.claimOnce(ctx, token)
+		batch, leased, err := r.claimOnce(acquireCtx, sendCtx, token)
 		if err != nil || len(batch) > 0 || leased == 0 {
 			more = len(batch) > 0 && (len(batch) >= r.cfg.BatchSize || leased >= partitionsPerClaim)
 			return batch, more, err
@@ -383,8 +391,8 @@ func (r *Relay) claim(ctx context.Context, token uuid.UUID) (batch []Record, mor
 	return nil, false, nil
 }
 
-// claimOnce runs the claim statements once and returns the rows and the
-// number of partitions leased.
+// claimOnce runs the claim statements once, on a connection acquired under
+// acquireCtx, and returns the rows and the number of partitions leased.
 //
 // A claim that fails without an answer from the server (its context ended,
 // the connection broke) may still commit there: pgx drops the connection
@@ -397,8 +405,8 @@ func (r *Relay) claim(ctx context.Context, token uuid.UUID) (batch []Record, mor
 // connection, or failed before its statements left (pgconn.SafeToRetry: for
 // example its context ended as it began), sent nothing: neither needs it,
 // and skipping it spares a shutdown the release's round trips.
-func (r *Relay) claimOnce(ctx context.Context, token uuid.UUID) ([]Record, int, error) {
-	conn, err := r.pool.Acquire(ctx)
+func (r *Relay) claimOnce(acquireCtx, ctx context.Context, token uuid.UUID) ([]Record, int, error) {
+	conn, err := r.pool.Acquire(acquireCtx)
 	if err != nil {
 		return nil, 0, mapError("claim", err)
 	}
@@ -751,8 +759,8 @@ func nonNil[T any](s []T) []T {
 // Run claims a batch whenever it is notified (Writer.Append notifies on
 // commit), every PollInterval, and immediately again after a full batch. Only
 // one batch is in flight per relay; run several relays for parallelism. When
-// ctx is cancelled Run claims nothing more, lets the in-flight batch finish
-// and settles it; if the Handler has not returned after ShutdownTimeout, its
+// ctx is cancelled Run claims nothing more, lets the in-flight batch (a claim
+// already sent included) finish and settles it; if the Handler has not returned after ShutdownTimeout, its
 // context is cancelled and the rows it did not complete are released (not
 // counted as failures). Run returns only after its goroutines have exited,
 // so the Handler must honour its context.

@@ -86,8 +86,8 @@ type RelayConfig struct {
 	RetryBackoffMax time.Duration
 
 	// ShutdownTimeout bounds how long Run, once its context is cancelled,
-	// waits for the in-flight batch (and for a LISTEN statement in flight,
-	// usually a matter of milliseconds). Within it the Handler finishes
+	// waits for the in-flight batch (a claim already sent included) and for
+	// a LISTEN statement in flight. Within it the Handler finishes
 	// normally and its results are settled; past it the Handler's context
 	// is cancelled and the rows it did not complete are released for
 	// immediate re-delivery. Defaults to ShutdownTimeoutDefault (10s).

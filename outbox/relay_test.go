@@ -914,6 +914,40 @@ func TestRelayRun(t *testing.T) {
 		require.Zero(t, listenerPid(b), "the LISTEN connection is closed")
 	})
 
+	// A claim already sent when Run is stopped is part of the batch in
+	// flight: it finishes, and its rows are delivered and acknowledged,
+	// instead of being cut off and released.
+	t.Run("ShutdownLetsASentClaimFinish", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		appName := "verity_relay_" + uuid.NewString()[:8]
+		h := &recorder{}
+		r := b.relay(t, newPoolNamed(t, b.pg.ConnString, appName), h, outbox.RelayConfig{DisableNotify: true, PollInterval: time.Hour})
+		msg, blocker := b.blockNextClaim(t, r)
+		stop := startRun(t, r)
+		waitingForLock := func() bool {
+			var waiting bool
+			err := b.pool.QueryRow(ctx, `SELECT EXISTS (
+				SELECT 1 FROM pg_locks AS l JOIN pg_stat_activity AS a ON a.pid = l.pid
+				WHERE a.application_name = $1 AND NOT l.granted)`, appName).Scan(&waiting)
+			return err == nil && waiting
+		}
+		require.Eventually(t, waitingForLock, 5*time.Second, 10*time.Millisecond, "the claim waits for the row lock")
+
+		stopped := make(chan error, 1)
+		go func() { stopped <- stop() }()
+		// Time for a cut-off claim's cancel request to reach the server.
+		time.Sleep(200 * time.Millisecond)
+		require.True(t, waitingForLock(), "the claim still waits after Run was stopped")
+		require.NoError(t, blocker.Commit(ctx))
+		require.NoError(t, receive(t, stopped))
+
+		seen := h.seen()
+		require.NotEmpty(t, seen)
+		require.Equal(t, msg.EventID, seen[len(seen)-1].EventID, "the claimed row was delivered")
+		require.Zero(t, b.count(t, b.writer.Table()), "and acknowledged")
+	})
+
 	t.Run("ShutdownTimeoutReleasesRows", func(t *testing.T) {
 		t.Parallel()
 		b := setup(t)
