@@ -391,8 +391,9 @@ func (r *Relay) claim(acquireCtx, sendCtx context.Context, token uuid.UUID) (bat
 	return nil, false, nil
 }
 
-// claimOnce runs the claim statements once, on a connection acquired under
-// acquireCtx, and returns the rows and the number of partitions leased.
+// claimOnce runs the claim statements once under sendCtx, on a connection
+// acquired under acquireCtx, and returns the rows and the number of
+// partitions leased.
 //
 // A claim that fails without an answer from the server (its context ended,
 // the connection broke) may still commit there: pgx drops the connection
@@ -405,18 +406,18 @@ func (r *Relay) claim(acquireCtx, sendCtx context.Context, token uuid.UUID) (bat
 // connection, or failed before its statements left (pgconn.SafeToRetry: for
 // example its context ended as it began), sent nothing: neither needs it,
 // and skipping it spares a shutdown the release's round trips.
-func (r *Relay) claimOnce(acquireCtx, ctx context.Context, token uuid.UUID) ([]Record, int, error) {
+func (r *Relay) claimOnce(acquireCtx, sendCtx context.Context, token uuid.UUID) ([]Record, int, error) {
 	conn, err := r.pool.Acquire(acquireCtx)
 	if err != nil {
 		return nil, 0, mapError("claim", err)
 	}
-	batch, leased, err := r.sendClaim(ctx, conn.Conn(), token)
+	batch, leased, err := r.sendClaim(sendCtx, conn.Conn(), token)
 	// Back to the pool first: releaseClaim may need this pool's only
 	// connection.
 	conn.Release()
 	var pgErr *pgconn.PgError
 	if err != nil && !errors.As(err, &pgErr) && !pgconn.SafeToRetry(err) {
-		r.releaseClaim(context.WithoutCancel(ctx), token)
+		r.releaseClaim(context.WithoutCancel(sendCtx), token)
 	}
 	return batch, leased, err
 }
@@ -760,9 +761,9 @@ func nonNil[T any](s []T) []T {
 // commit), every PollInterval, and immediately again after a full batch. Only
 // one batch is in flight per relay; run several relays for parallelism. When
 // ctx is cancelled Run claims nothing more, lets the in-flight batch (a claim
-// already sent included) finish and settles it; if the Handler has not returned after ShutdownTimeout, its
-// context is cancelled and the rows it did not complete are released (not
-// counted as failures). Run returns only after its goroutines have exited,
+// already sent included) finish and settles it; if the Handler has not
+// returned after ShutdownTimeout, its context is cancelled and the rows it
+// did not complete are released (not counted as failures). Run returns only after its goroutines have exited,
 // so the Handler must honour its context.
 func (r *Relay) Run(ctx context.Context) error {
 	if !r.running.CompareAndSwap(false, true) {

@@ -925,13 +925,7 @@ func TestRelayRun(t *testing.T) {
 		r := b.relay(t, newPoolNamed(t, b.pg.ConnString, appName), h, outbox.RelayConfig{DisableNotify: true, PollInterval: time.Hour})
 		msg, blocker := b.blockNextClaim(t, r)
 		stop := startRun(t, r)
-		waitingForLock := func() bool {
-			var waiting bool
-			err := b.pool.QueryRow(ctx, `SELECT EXISTS (
-				SELECT 1 FROM pg_locks AS l JOIN pg_stat_activity AS a ON a.pid = l.pid
-				WHERE a.application_name = $1 AND NOT l.granted)`, appName).Scan(&waiting)
-			return err == nil && waiting
-		}
+		waitingForLock := func() bool { return b.waitingForLock(appName, "") }
 		require.Eventually(t, waitingForLock, 5*time.Second, 10*time.Millisecond, "the claim waits for the row lock")
 
 		stopped := make(chan error, 1)

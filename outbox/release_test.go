@@ -296,13 +296,19 @@ func newSetRolePool(t *testing.T, b *testBundle) *setRolePool {
 }
 
 // waitingForAdvisoryLock reports whether a session of the pool waits for an
-// advisory lock, asking on b's pool: rp's may have no connection to spare
-// (false on error: it runs inside Eventually).
+// advisory lock, asking on b's pool: rp's may have no connection to spare.
 func (rp *setRolePool) waitingForAdvisoryLock(b *testBundle) bool {
+	return b.waitingForLock(rp.role, "advisory")
+}
+
+// waitingForLock reports whether a session with the application name waits
+// for a lock of the type (any type if lockType is empty); false on error, as
+// it runs inside Eventually.
+func (b *testBundle) waitingForLock(appName, lockType string) bool {
 	var waiting bool
 	err := b.pool.QueryRow(context.Background(), `SELECT EXISTS (
 		SELECT 1 FROM pg_locks AS l JOIN pg_stat_activity AS a ON a.pid = l.pid
-		WHERE a.application_name = $1 AND l.locktype = 'advisory' AND NOT l.granted)`, rp.role).Scan(&waiting)
+		WHERE a.application_name = $1 AND ($2 = '' OR l.locktype = $2) AND NOT l.granted)`, appName, lockType).Scan(&waiting)
 	return err == nil && waiting
 }
 

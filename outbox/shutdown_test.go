@@ -11,7 +11,7 @@ import (
 	"github.com/verity-go/verity/outbox"
 )
 
-// TestRelayRunClosesListener checks that once Run returns, none of its
+// TestRelayRunLeavesNothingClosing checks that once Run returns, none of its
 // connections is still being closed. pgx closes a connection cut off
 // mid-statement in a goroutine of its own (a cancel request, then reading
 // until the server hangs up): Run must wait for that for its LISTEN
@@ -22,7 +22,7 @@ import (
 //
 // It does not call t.Parallel: it looks at every goroutine of the binary,
 // and parallel tests only start once the sequential ones are done.
-func TestRelayRunClosesListener(t *testing.T) {
+func TestRelayRunLeavesNothingClosing(t *testing.T) {
 	b := setup(t)
 	for round := range 200 {
 		relayPool := newPoolNamed(t, b.pg.ConnString, "verity_relay_closes_listener")
@@ -34,7 +34,7 @@ func TestRelayRunClosesListener(t *testing.T) {
 		relayPool.Close()
 		require.Less(t, time.Since(began), 5*time.Second, "round %d: the pool's Close waited for a connection being closed", round)
 		closing := closingConnections()
-		require.Empty(t, closing, "round %d: Run returned while its LISTEN connection was still being closed", round)
+		require.Empty(t, closing, "round %d: a connection was still being closed after Run returned and its pool closed", round)
 	}
 }
 
