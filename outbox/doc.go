@@ -363,7 +363,9 @@
 // timeout it cancels the Handler's context and releases the rows the Handler
 // did not complete, for immediate re-delivery by another relay (a release is
 // not a failure and sets no backoff). Run waits for its own goroutines (the
-// listener) before returning. Every database call honours its context. A
+// listener, the metrics' Stats refresh) before returning; a LISTEN or Stats
+// statement under way gets the same grace as the batch. Every database call
+// honours its context. A
 // claim cut off by its context (or a broken connection) may still be running
 // on the server and commit; the relay then cancels it there, waits for its
 // transaction to end and frees what it leased (bounded by a few seconds), so

@@ -103,12 +103,15 @@ func (r *Relay) registerGauges() (metric.Registration, error) {
 		m.pending, m.inFlight, m.retrying, m.deadLetters, m.oldestAge)
 }
 
-// refreshStats keeps the Stats snapshot fresh while Run runs.
-func (r *Relay) refreshStats(ctx context.Context) {
+// refreshStats keeps the Stats snapshot fresh until ctx (Run's) ends. A
+// refresh under way then finishes under workCtx, like a batch in flight:
+// cut off, its statement would leave pgx closing the connection in the
+// background after Run returned (see listen).
+func (r *Relay) refreshStats(ctx, workCtx context.Context) {
 	t := time.NewTicker(r.cfg.StatsInterval)
 	defer t.Stop()
-	for {
-		if _, err := r.Stats(ctx); err != nil && ctx.Err() == nil {
+	for ctx.Err() == nil {
+		if _, err := r.Stats(workCtx); err != nil && workCtx.Err() == nil {
 			r.logger.Warn("outbox relay could not refresh its stats for metrics", slog.String("error", err.Error()))
 		}
 		select {

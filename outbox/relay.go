@@ -797,7 +797,7 @@ func (r *Relay) Run(ctx context.Context) error {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			r.refreshStats(ctx)
+			r.refreshStats(ctx, workCtx)
 		}()
 	}
 	if !r.cfg.DisableNotify {

@@ -87,10 +87,10 @@ type RelayConfig struct {
 
 	// ShutdownTimeout bounds how long Run, once its context is cancelled,
 	// waits for the in-flight batch (a claim already sent included) and for
-	// a LISTEN statement in flight. Within it the Handler finishes
-	// normally and its results are settled; past it the Handler's context
-	// is cancelled and the rows it did not complete are released for
-	// immediate re-delivery. Defaults to ShutdownTimeoutDefault (10s).
+	// a LISTEN or metrics Stats statement in flight. Within it the Handler
+	// finishes normally and its results are settled; past it the Handler's
+	// context is cancelled and the rows it did not complete are released
+	// for immediate re-delivery. Defaults to ShutdownTimeoutDefault (10s).
 	ShutdownTimeout time.Duration
 
 	// ReconnectBackoffMax caps the pause after a database error, both

@@ -1,6 +1,7 @@
 package outbox_test
 
 import (
+	"context"
 	"runtime"
 	"strings"
 	"testing"
@@ -8,6 +9,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 
+	"github.com/verity-go/verity/internal/telemetry/metrictest"
 	"github.com/verity-go/verity/outbox"
 )
 
@@ -79,4 +81,44 @@ func closingGoroutines() (closing []string, undecided int) {
 		}
 	}
 	return closing, undecided
+}
+
+// TestRelayRunLetsAStatsRefreshFinish stops Run while its metrics' Stats
+// refresh waits for a lock: the refresh must finish (within the shutdown
+// grace, like a batch in flight) rather than be cut off, which left pgx
+// closing its connection after Run returned. Sequential, for the same
+// reason as TestRelayRunLeavesNothingClosing.
+func TestRelayRunLetsAStatsRefreshFinish(t *testing.T) {
+	b := setup(t)
+	ctx := context.Background()
+	const appName = "verity_relay_stats_refresh"
+	locker, err := b.pool.Begin(ctx)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = locker.Rollback(context.Background()) })
+	_, err = locker.Exec(ctx, `LOCK TABLE `+b.deadTable()+` IN ACCESS EXCLUSIVE MODE`)
+	require.NoError(t, err)
+
+	relayPool := newPoolNamed(t, b.pg.ConnString, appName)
+	r := b.relay(t, relayPool, &recorder{}, outbox.RelayConfig{
+		PollInterval:  time.Hour,
+		DisableNotify: true,
+		MeterProvider: metrictest.New(t).Provider,
+	})
+	stop := startRun(t, r)
+	require.Eventually(t, func() bool { return b.waitingForLock(appName, "relation") }, 10*time.Second, 5*time.Millisecond,
+		"the relay's Stats refresh never waited for the dead-letter table")
+
+	stopped := make(chan error, 1)
+	go func() { stopped <- stop() }()
+	select {
+	case err := <-stopped:
+		t.Fatalf("Run returned (%v) while its Stats refresh was still waiting: the refresh was cut off", err)
+	case <-time.After(200 * time.Millisecond):
+	}
+	require.True(t, b.waitingForLock(appName, "relation"), "the Stats refresh stopped waiting while Run shut down")
+
+	require.NoError(t, locker.Rollback(ctx))
+	require.NoError(t, <-stopped)
+	relayPool.Close()
+	require.Empty(t, closingConnections(), "a connection was still being closed after Run returned")
 }
