@@ -774,14 +774,19 @@ func (r *Relay) Run(ctx context.Context) error {
 	// workCtx outlives ctx by at most ShutdownTimeout.
 	workCtx, cancelWork := context.WithCancel(context.WithoutCancel(ctx))
 	defer cancelWork()
-	var graceTimer atomic.Pointer[time.Timer]
+	// The grace timer is started when ctx ends, by a function that
+	// context.AfterFunc runs on a goroutine of its own: Run waits for that
+	// function before it stops the timer, so that neither outlives Run.
+	var graceTimer *time.Timer
+	graceStarted := make(chan struct{})
 	stopGrace := context.AfterFunc(ctx, func() {
-		graceTimer.Store(time.AfterFunc(r.cfg.ShutdownTimeout, cancelWork))
+		defer close(graceStarted)
+		graceTimer = time.AfterFunc(r.cfg.ShutdownTimeout, cancelWork)
 	})
 	defer func() {
-		stopGrace()
-		if t := graceTimer.Load(); t != nil {
-			t.Stop()
+		if !stopGrace() {
+			<-graceStarted
+			graceTimer.Stop()
 		}
 	}()
 
