@@ -2,10 +2,12 @@ package reconcile
 
 import (
 	"context"
+	"database/sql"
 	"strconv"
 	"testing"
 
 	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgtype"
 	"github.com/stretchr/testify/require"
 
 	"github.com/verity-go/verity/internal/testenv"
@@ -224,6 +226,22 @@ func TestSQLSource(t *testing.T) {
 			require.ErrorAs(t, err, &cfgErr, field)
 			require.Equal(t, field, cfgErr.Field)
 			require.ErrorIs(t, err, ErrInvalidConfig)
+		}
+		// A filter that PostgreSQL receives as NULL matches no row.
+		var nilText *string
+		for name, value := range map[string]any{"Nil": nil, "NilPointer": nilText, "NullValuer": pgtype.Text{}, "NullSQL": sql.NullInt64{}} {
+			cfg := ok
+			cfg.Filters = []Filter{{Column: "board", Value: "b"}, {Column: "k", Value: value}}
+			_, err := NewSQLSource(pg.Pool, &cfg)
+			var cfgErr *ConfigError
+			require.ErrorAs(t, err, &cfgErr, name)
+			require.Equal(t, "SQLSourceConfig.Filters[1].Value", cfgErr.Field, name)
+		}
+		for name, value := range map[string]any{"Zero": 0, "Empty": "", "Valuer": pgtype.Text{String: "b", Valid: true}} {
+			cfg := ok
+			cfg.Filters = []Filter{{Column: "k", Value: value}}
+			_, err := NewSQLSource(pg.Pool, &cfg)
+			require.NoError(t, err, name)
 		}
 		_, err := NewSQLSource(pg.Pool, &ok)
 		require.NoError(t, err)

@@ -2,9 +2,11 @@ package reconcile
 
 import (
 	"context"
+	"database/sql/driver"
 	"errors"
 	"fmt"
 	"math"
+	"reflect"
 	"strconv"
 	"strings"
 
@@ -31,7 +33,8 @@ var (
 )
 
 // Filter restricts a SQLSource to the rows where Column = Value, for example
-// the board a leaderboard projects.
+// the board a leaderboard projects. Value must not be nil or anything sent
+// as NULL (NewSQLSource refuses it): Column = NULL matches no row.
 type Filter struct {
 	Column string
 	Value  any
@@ -69,6 +72,26 @@ type SQLSourceConfig struct {
 	// Filters restrict the rows to those matching every Column = Value.
 	// Defaults to none (the whole table).
 	Filters []Filter
+}
+
+// sentAsNull reports whether v would reach PostgreSQL as NULL: nil, a nil
+// pointer, slice, map or interface, or a driver.Valuer (sql.NullString,
+// pgtype.Text, …) whose value is nil.
+func sentAsNull(v any) bool {
+	if v == nil {
+		return true
+	}
+	switch rv := reflect.ValueOf(v); rv.Kind() {
+	case reflect.Pointer, reflect.Slice, reflect.Map, reflect.Interface, reflect.Func, reflect.Chan:
+		if rv.IsNil() {
+			return true
+		}
+	}
+	if valuer, ok := v.(driver.Valuer); ok {
+		value, err := valuer.Value()
+		return err == nil && value == nil
+	}
+	return false
 }
 
 // SQLSource is a Source reading one PostgreSQL table (optionally filtered) by
@@ -121,6 +144,12 @@ func NewSQLSource(db DBTX, cfg *SQLSourceConfig) (*SQLSource, error) {
 	for i, f := range cfg.Filters {
 		if f.Column == "" {
 			return nil, &ConfigError{Field: fmt.Sprintf("SQLSourceConfig.Filters[%d].Column", i), Reason: "is required"}
+		}
+		// Column = NULL matches no row: the source would look empty, a
+		// pass would call every projected entry an orphan and a Rebuild
+		// would publish an empty collection.
+		if sentAsNull(f.Value) {
+			return nil, &ConfigError{Field: fmt.Sprintf("SQLSourceConfig.Filters[%d].Value", i), Reason: "is nil or encodes as NULL, which matches no row; pass the value the rows hold"}
 		}
 	}
 
