@@ -52,7 +52,8 @@ func HashMapper(collection string) Mapper {
 // "user:" and "user:settings:"); NewRedisProjector refuses a StreamMapper
 // whose DocumentMappers break this rule (*ConfigError). Equal namespaces
 // are allowed: they name the same documents, which is right only when both
-// streams carry the same entities with one version sequence.
+// streams carry the same entities with one version sequence. A reconciler
+// of the stream takes the same namespace (reconcile's Target.Namespace).
 func DocumentMapper(namespace string) Mapper {
 	return documentMapper{namespace: namespace}
 }

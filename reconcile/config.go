@@ -211,9 +211,18 @@ type Target struct {
 	// Kind is the projection's data structure. Required.
 	Kind projection.Kind
 	// Name is the collection (sorted set or hash) whose members are the
-	// source's keys. For KindDocument it must be empty: every source key
-	// is a document id.
+	// source's keys. For KindDocument it must be empty (see Namespace).
 	Name string
+	// Namespace, for KindDocument only, is what the projector puts before
+	// each key to name its document: projection.DocumentMapper's
+	// namespace. The document of source key k is Namespace + k, and the
+	// orphan check looks only at documents whose id starts with Namespace,
+	// so streams projected under one Keyspace with their own namespaces
+	// ("order:", "invoice:") are each reconciled without calling the
+	// other's documents orphans. Defaults to "": source keys are document
+	// ids, and every document under the Keyspace's prefix is taken for
+	// the source's.
+	Namespace string
 }
 
 func (t Target) validate() error {
@@ -222,9 +231,12 @@ func (t Target) validate() error {
 	}
 	switch t.Kind {
 	case projection.KindSortedSet, projection.KindHash:
+		if t.Namespace != "" {
+			return &ConfigError{Field: "Target.Namespace", Reason: "is for KindDocument only; leave it empty for a collection"}
+		}
 	case projection.KindDocument:
 		if t.Name != "" {
-			return &ConfigError{Field: "Target.Name", Reason: "must be empty for KindDocument (source keys are the document ids)"}
+			return &ConfigError{Field: "Target.Name", Reason: "must be empty for KindDocument; a DocumentMapper's namespace goes in Target.Namespace"}
 		}
 	default:
 		return &ConfigError{Field: "Target.Kind", Reason: "must be projection.KindSortedSet, KindHash or KindDocument"}
@@ -235,7 +247,7 @@ func (t Target) validate() error {
 // target returns the projection target of the entity key.
 func (t Target) target(key string) projection.Target {
 	if t.Kind == projection.KindDocument {
-		return projection.Target{Kind: t.Kind, Name: key}
+		return projection.Target{Kind: t.Kind, Name: t.Namespace + key}
 	}
 	return projection.Target{Kind: t.Kind, Name: t.Name, Member: key}
 }

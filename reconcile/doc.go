@@ -106,7 +106,9 @@
 // (Report.OrphanScanSkipped). Otherwise it scans the projection (HSCAN of
 // the version hash or of every bucket, pipelined, ZSCAN/HSCAN of the
 // values, or SCAN on every master for documents) and looks the entries up
-// in the source in batches.
+// in the source in batches. Documents are matched by Target.Namespace (a
+// DocumentMapper's namespace): a reconciler sees only its own stream's
+// documents, not those of other streams projected under the same prefix.
 //
 // RunOptions.Sample checks random samples instead, which is cheap on large
 // tables: source rows through Source.Sample (SQLSource uses TABLESAMPLE

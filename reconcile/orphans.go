@@ -288,8 +288,9 @@ func (r *Reconciler) scanCollectionFrom(ctx context.Context, pipeline func() red
 	}
 }
 
-// scanDocuments SCANs every master for the keys of documents ending in
-// suffix and hands each batch of document ids to fn.
+// scanDocuments SCANs every master for the keys of the target's documents
+// (those whose id starts with Target.Namespace) ending in suffix and hands
+// each batch of their source keys (the ids without the namespace) to fn.
 func (r *Reconciler) scanDocuments(ctx context.Context, suffix string, fn func([]string) error) error {
 	return prefetched(ctx, fn, func(ctx context.Context, emit func([]string) error) error {
 		return r.scanDocumentsInto(ctx, suffix, emit)
@@ -297,8 +298,10 @@ func (r *Reconciler) scanDocuments(ctx context.Context, suffix string, fn func([
 }
 
 func (r *Reconciler) scanDocumentsInto(ctx context.Context, suffix string, fn func([]string) error) error {
-	prefix := r.target.Keyspace.Prefix()
-	pattern := escapeGlob(prefix) + "{*}" + suffix
+	prefix, namespace := r.target.Keyspace.Prefix(), r.target.Namespace
+	// Escape works byte by byte, so an escaped id starts with the escaped
+	// namespace: MATCH leaves out other streams' documents on the server.
+	pattern := escapeGlob(prefix) + "{" + escapeGlob(keyenc.Escape(namespace)) + "*}" + suffix
 	scanNode := func(ctx context.Context, node *redis.Client) error {
 		var cursor uint64
 		for {
@@ -310,8 +313,8 @@ func (r *Reconciler) scanDocumentsInto(ctx context.Context, suffix string, fn fu
 			}
 			ids := make([]string, 0, len(keys))
 			for _, k := range keys {
-				if id, ok := documentID(k, prefix, suffix); ok {
-					ids = append(ids, id)
+				if id, ok := documentID(k, prefix, suffix); ok && strings.HasPrefix(id, namespace) {
+					ids = append(ids, id[len(namespace):])
 				}
 			}
 			if len(ids) > 0 {

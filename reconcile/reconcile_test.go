@@ -684,3 +684,52 @@ func TestPrefetched(t *testing.T) {
 		require.Equal(t, 3, calls)
 	})
 }
+
+// TestDocumentNamespace reconciles one stream's documents ("order:" + key)
+// next to another stream's ("invoice:" + key) under the same key prefix:
+// the other stream's documents are not this source's orphans, and repairs
+// write and remove the namespaced documents only.
+func TestDocumentNamespace(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	b := setup(t, projection.KindDocument)
+	b.target.Namespace = "order:"
+	invoices := b.target
+	invoices.Namespace = "invoice:"
+	for _, key := range []string{"a", "b", "c"} {
+		b.insert(t, key, 1)
+	}
+	b.project(t, "a", 1)
+	b.project(t, "b", 1)
+	b.project(t, "gone", 1) // an order the source does not have
+	for _, key := range []string{"a", "x{y}%"} {
+		_, err := b.gate.Apply(ctx, []projection.Write{{Target: invoices.target(key), Version: 7, Value: b.value(key, 7)}})
+		require.NoError(t, err)
+	}
+
+	r := b.reconciler(t, &Config{Policy: Policy{Orphan: ActionRepair}})
+	rep, err := r.Run(ctx, RunOptions{})
+	require.NoError(t, err)
+	require.Equal(t, map[Class]int64{ClassCurrent: 2, ClassMissing: 1, ClassOrphan: 1}, rep.Counts)
+	require.EqualValues(t, 4, rep.Scanned, "only the order documents are scanned: a, b, c (repaired) and gone")
+	require.Equal(t, "gone", rep.Examples[ClassOrphan][0].Key)
+	require.Equal(t, int64(1), b.state(t, r, "c").Version)
+	require.Equal(t, Projected{}, b.state(t, r, "gone"))
+
+	// The invoices are untouched, under their own ids.
+	for _, key := range []string{"a", "x{y}%"} {
+		tg := invoices.target(key)
+		data, err := b.client.Get(ctx, b.ks.ValueKey(tg)).Result()
+		require.NoError(t, err, key)
+		require.Equal(t, string(b.value(key, 7).Data), data)
+		require.Equal(t, "7", b.client.Get(ctx, b.ks.VersionKey(tg)).Val(), key)
+	}
+	// No document of the source's keys exists without the namespace.
+	n, err := b.client.Exists(ctx, b.ks.ValueKey(projection.Target{Kind: projection.KindDocument, Name: "c"})).Result()
+	require.NoError(t, err)
+	require.Zero(t, n)
+
+	rep, err = r.Run(ctx, RunOptions{})
+	require.NoError(t, err)
+	require.Equal(t, map[Class]int64{ClassCurrent: 3}, rep.Counts)
+}

@@ -311,6 +311,7 @@ func TestNewValidation(t *testing.T) {
 		"Target.Client":           {src, Target{Kind: projection.KindHash}, nil},
 		"Target.Kind":             {src, Target{Client: rd.Client}, nil},
 		"Target.Name":             {src, Target{Client: rd.Client, Kind: projection.KindDocument, Name: "x"}, nil},
+		"Target.Namespace":        {src, Target{Client: rd.Client, Kind: projection.KindHash, Name: "h", Namespace: "x:"}, nil},
 		"Config.PageSize":         {src, okTarget, &Config{PageSize: -1}},
 		"Config.ExamplesPerClass": {src, okTarget, &Config{ExamplesPerClass: -2}},
 		"Config.RepairTimeout":    {src, okTarget, &Config{RepairTimeout: -1}},
