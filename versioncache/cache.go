@@ -302,6 +302,13 @@ func (c *Cache[T]) loadAndFill(ctx context.Context, id string, r readResult, loa
 	if r.lease == leaseHeldByPeer {
 		c.stats.leaseWaits.Add(1)
 		got, val, err := c.waitForPeer(ctx, id, &r)
+		var rerr *RedisError
+		if errors.As(err, &rerr) {
+			// As if the miss's read had failed: FailClosed must not load.
+			// A fail-open load here may stay in the flight: it starts after
+			// the version that every joiner observed.
+			return c.redisDown(ctx, id, rerr.Op, rerr.Err, load)
+		}
 		if err != nil {
 			return zero, err
 		}
@@ -359,8 +366,10 @@ func (c *Cache[T]) releaseLease(ctx context.Context, id string, r readResult) {
 
 // waitForPeer polls for the value another process is filling under r.version.
 // It reports got=true with the value, or got=false when this process should
-// load itself (the lease lapsed into our hands, the wait ran out, or Redis
-// failed). It returns errVersionMoved when the version changed meanwhile.
+// load itself (the lease lapsed into our hands, or the wait ran out). It
+// returns errVersionMoved when the version changed meanwhile, and a
+// *RedisError, not yet counted, when a poll failed: that is for the failure
+// mode to decide, not a reason to load.
 func (c *Cache[T]) waitForPeer(ctx context.Context, id string, r *readResult) (bool, T, error) {
 	var zero T
 	deadline := time.Now().Add(c.config.FillLeaseWait)
@@ -374,8 +383,7 @@ func (c *Cache[T]) waitForPeer(ctx context.Context, id string, r *readResult) (b
 		}
 		next, err := c.read(ctx, id, true, false)
 		if err != nil {
-			c.stats.redisErrors.Add(1)
-			return false, zero, nil
+			return false, zero, &RedisError{Op: "read", ID: id, Err: err}
 		}
 		if next.found {
 			// Whatever is in the current key is current, whoever filled it.

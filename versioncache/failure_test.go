@@ -67,6 +67,84 @@ func TestRedisUnavailable(t *testing.T) {
 		require.Equal(t, loadsBefore, b.truth.loads.Load(), "fail-closed does not touch the database")
 	})
 
+	// Process A holds the fill lease of p1 and is loading; process B (own
+	// Cache, own client) misses p1 and polls for A's value; then B loses
+	// Redis. The failed poll is a Redis failure like any other, not a
+	// reason to load: B must follow its FailureMode. It returns B, the
+	// current row and what B's Get returned.
+	redisDownWhileWaiting := func(t *testing.T, mode FailureMode) (b *testBundle, want, got product, err error) {
+		t.Helper()
+		rd := testenv.Redis(t)
+		a := setupWith(t, rd.Client, rd.Prefix, &Config{FillLeaseTTL: time.Minute})
+		want = a.truth.write("p1", 4900)
+		opt, err := redis.ParseURL(rd.URL)
+		require.NoError(t, err)
+		clientB := redis.NewClient(opt)
+		t.Cleanup(func() { _ = clientB.Close() })
+		// B never gives up on A's lease: only the Redis failure ends its wait.
+		b = setupWith(t, clientB, rd.Prefix, &Config{FailureMode: mode, FillLeaseWait: time.Minute})
+		b.truth.write("p1", 4900) // B's loader reads the same row
+
+		loading, release := make(chan struct{}), make(chan struct{})
+		aDone := make(chan error, 1)
+		go func() {
+			_, err := a.cache.Get(ctx, "p1", func(ctx context.Context) (product, error) {
+				close(loading)
+				<-release
+				return a.truth.read("p1"), nil
+			})
+			aDone <- err
+		}()
+		defer func() {
+			close(release)
+			require.NoError(t, <-aDone)
+		}()
+		<-loading
+
+		type result struct {
+			val product
+			err error
+		}
+		bDone := make(chan result, 1)
+		go func() {
+			val, err := b.cache.Get(ctx, "p1", b.truth.loader("p1"))
+			bDone <- result{val, err}
+		}()
+		require.Eventually(t, func() bool { return b.cache.Stats().LeaseWaits == 1 },
+			10*time.Second, time.Millisecond, "B waits for A's fill")
+		require.NoError(t, clientB.Close())
+		res := <-bDone
+		require.Zero(t, b.cache.Stats().LeaseFallbacks, "B did not give up on the lease")
+		return b, want, res.val, res.err
+	}
+
+	t.Run("FailClosedWhileWaitingForLease", func(t *testing.T) {
+		t.Parallel()
+		b, _, _, err := redisDownWhileWaiting(t, FailClosed)
+		var rerr *RedisError
+		require.ErrorAs(t, err, &rerr)
+		require.Equal(t, "read", rerr.Op)
+		require.Equal(t, "p1", rerr.ID)
+		require.ErrorIs(t, err, redis.ErrClosed)
+		require.Zero(t, b.truth.loads.Load(), "fail-closed does not touch the database")
+		stats := b.cache.Stats()
+		require.Zero(t, stats.Loads)
+		require.Zero(t, stats.FailOpenLoads)
+		require.EqualValues(t, 1, stats.RedisErrors)
+	})
+
+	t.Run("FailOpenWhileWaitingForLease", func(t *testing.T) {
+		t.Parallel()
+		b, want, got, err := redisDownWhileWaiting(t, FailOpen)
+		require.NoError(t, err)
+		require.Equal(t, want, got)
+		require.EqualValues(t, 1, b.truth.loads.Load())
+		stats := b.cache.Stats()
+		require.EqualValues(t, 1, stats.Loads)
+		require.EqualValues(t, 1, stats.FailOpenLoads, "a load because Redis failed is a fail-open load")
+		require.EqualValues(t, 1, stats.RedisErrors)
+	})
+
 	t.Run("CanceledContext", func(t *testing.T) {
 		t.Parallel()
 		b := setup(t, nil)
