@@ -246,6 +246,35 @@ func TestClusterSlotMoveDuringReplicaReads(t *testing.T) {
 			require.Equal(t, map[Class]int64{ClassCurrent: 30}, rep.Counts, "rebuilt on the new master")
 		})
 	}
+	// Repairs written before the run met the move are in its report,
+	// although the pass run again finds their documents current.
+	t.Run("RepairsBeforeTheMove", func(t *testing.T) {
+		b, rows, _, _ := projectedAndLoaded(t, projection.KindDocument, client, "slot-move-repairs:")
+		r := b.reconciler(t, &Config{PageSize: 10, ReadAhead: 1})
+		first := b.target.target(rows[0].Key) // page 1: missing, repaired
+		require.NoError(t, client.Del(ctx, b.ks.ValueKey(first), b.ks.VersionKey(first)).Err())
+		moved := b.target.target(rows[25].Key) // page 3: its slot moves
+		src, err := client.MasterForKey(ctx, b.ks.ValueKey(moved))
+		require.NoError(t, err)
+		require.NoError(t, src.Del(ctx, b.ks.ValueKey(moved), b.ks.VersionKey(moved)).Err())
+		cluster.ReassignSlot(t, b.ks.ValueKey(moved))
+
+		rep, err := r.Run(ctx, RunOptions{})
+		require.NoError(t, err)
+		require.Equal(t, map[Class]int64{ClassCurrent: 28, ClassMissing: 2}, rep.Counts)
+		require.EqualValues(t, 2, rep.Repaired)
+		require.Equal(t, map[Class]int64{ClassMissing: 2}, rep.RepairedByClass)
+		require.Equal(t, map[Result]int64{ResultRepaired: 2}, rep.Results)
+		var keys []string
+		for _, f := range rep.Examples[ClassMissing] {
+			keys = append(keys, f.Key)
+		}
+		require.Equal(t, []string{rows[0].Key, rows[25].Key}, keys)
+
+		rep, err = r.Run(ctx, RunOptions{DryRun: true})
+		require.NoError(t, err)
+		require.Equal(t, map[Class]int64{ClassCurrent: 30}, rep.Counts)
+	})
 }
 
 // TestClusterFailoverDuringReplicaReads fails the collection's master over

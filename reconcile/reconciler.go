@@ -183,7 +183,8 @@ func (r *Reconciler) awaitMove(ctx context.Context, err error) error {
 // sampled run checks opts.Sample random rows.
 //
 // When ctx is cancelled, or anything fails, Run stops and returns the
-// Report so far together with the error. No repair goes unreported: a
+// Report so far together with the error. No repair goes unreported (those
+// of a pass that met a slot move and was run again included): a
 // batch of repairs already sent is allowed to finish (bounded by
 // Config.RepairTimeout) and counted; findings whose repair was not sent are
 // ResultNotAttempted; a repair whose reply was lost is ResultUncertain.
@@ -203,7 +204,9 @@ func (r *Reconciler) Run(ctx context.Context, opts RunOptions) (*Report, error) 
 			break
 		}
 		r.logger.Warn("reconcile: a slot moved during the run; running it again on the new master", slog.Any("error", err))
+		earlier := rep
 		rep, err = r.run(ctx, opts)
+		rep.carry(earlier, r.cfg.ExamplesPerClass)
 	}
 	level := slog.LevelInfo
 	if err != nil {

@@ -107,6 +107,9 @@ type Report struct {
 	Examples map[Class][]Finding
 
 	tally tally
+	// rewritten counts the repairs that wrote a source row's state (all
+	// but removals), after which the entity is current.
+	rewritten int64
 }
 
 // tally counts the projection entries a full pass accounted for with source
@@ -193,6 +196,40 @@ func newReport(opts RunOptions) *Report {
 	}
 }
 
+// carry adds to r, a pass that Run ran again after a slot move, the repairs
+// an earlier pass of the same run wrote: r saw their entities as the
+// repairs left them (current, or gone for a removal), so they move back to
+// the classes they were repaired from. What the earlier pass only read, or
+// left uncertain, r has checked again. The run's start and duration span
+// both passes.
+func (r *Report) carry(earlier *Report, examples int) {
+	r.Duration += r.Started.Sub(earlier.Started)
+	r.Started = earlier.Started
+	if earlier.Repaired == 0 {
+		return
+	}
+	r.Counts[ClassCurrent] -= min(earlier.rewritten, r.Counts[ClassCurrent])
+	if r.Counts[ClassCurrent] == 0 {
+		delete(r.Counts, ClassCurrent)
+	}
+	for c, n := range earlier.RepairedByClass {
+		r.Counts[c] += n
+		r.RepairedByClass[c] += n
+		var kept []Finding
+		for _, f := range earlier.Examples[c] {
+			if f.Result == ResultRepaired && len(kept)+len(r.Examples[c]) < examples {
+				kept = append(kept, f)
+			}
+		}
+		if len(kept) > 0 {
+			r.Examples[c] = append(kept, r.Examples[c]...)
+		}
+	}
+	r.Results[ResultRepaired] += earlier.Repaired
+	r.Repaired += earlier.Repaired
+	r.rewritten += earlier.rewritten
+}
+
 // record accounts for one finding whose Result is final.
 func (r *Report) record(f *Finding, examples int) {
 	r.Counts[f.Class]++
@@ -204,6 +241,9 @@ func (r *Report) record(f *Finding, examples int) {
 	case ResultRepaired:
 		r.Repaired++
 		r.RepairedByClass[f.Class]++
+		if f.Source != nil {
+			r.rewritten++
+		}
 	case ResultUncertain:
 		r.Uncertain++
 	default:
