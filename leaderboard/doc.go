@@ -120,8 +120,11 @@
 // When Lag exceeds Config.MaxLag, Config.ReadPolicy decides: ServeStale
 // answers from Redis anyway (the Freshness tells the caller), FallbackToPostgres
 // answers from PostgreSQL (also when Redis fails), FailClosed returns a
-// *StaleError. PostgreSQL answers use the same order and ranks; counting a
-// rank there costs O(rank) index entries, which is why it is a fallback.
+// *StaleError. A Redis read that meets a score the projection never writes
+// (a hand edit: ±inf, a fraction, out of [MinScore, MaxScore]) fails like
+// Redis failing, rather than answer a garbage score. PostgreSQL answers use
+// the same order and ranks; counting a rank there costs O(rank) index
+// entries, which is why it is a fallback.
 //
 // Read-your-writes: pass AtLeast(user, result.Version) to a read. It waits
 // up to Config.ReadYourWritesTimeout for the projection to reach that

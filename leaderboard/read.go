@@ -495,7 +495,11 @@ func (b *Board) redisPage(ctx context.Context, c *cursor, n int) ([]Entry, error
 		entries := make([]Entry, len(zs))
 		for i, z := range zs {
 			user, _ := z.Member.(string)
-			entries[i] = Entry{UserID: user, Score: -int64(z.Score), Rank: int64(i) + 1}
+			score, err := boardScore(user, z.Score)
+			if err != nil {
+				return nil, err
+			}
+			entries[i] = Entry{UserID: user, Score: score, Rank: int64(i) + 1}
 		}
 		return entries, nil
 	}
@@ -564,12 +568,39 @@ func parseScriptRange(res any) ([]Entry, error) {
 			return bad()
 		}
 		f, err := strconv.ParseFloat(text, 64)
-		if err != nil || math.IsNaN(f) || math.IsInf(f, 0) {
+		if err != nil {
 			return bad()
 		}
-		entries = append(entries, Entry{UserID: user, Score: -int64(f), Rank: first + int64(i/2) + 1})
+		score, err := boardScore(user, f)
+		if err != nil {
+			return nil, err
+		}
+		entries = append(entries, Entry{UserID: user, Score: score, Rank: first + int64(i/2) + 1})
 	}
 	return entries, nil
+}
+
+// errCorruptScore matches the error of a Redis read that met a sorted-set
+// score the board's projection never writes (see boardScore). Like any
+// other failed Redis read, it is returned to the caller, or answered from
+// PostgreSQL under FallbackToPostgres.
+var errCorruptScore = errors.New("leaderboard: corrupt score in Redis")
+
+// boardScore returns the board score of user's sorted-set score z: its
+// negation, which must be an integer within [MinScore, MaxScore]. Any other
+// z (NaN, ±inf, a fraction, out of range) was left by a hand edit or
+// another writer, never by the projection: every Redis read refuses it
+// with errCorruptScore rather than answer a garbage score (Go's conversion
+// of ±inf or of an out-of-range float to int64 is implementation-defined)
+// or build a cursor decodeCursor would refuse.
+func boardScore(user string, z float64) (int64, error) {
+	// ±2^53 are exact doubles, and so is the negation of any double.
+	s := -z
+	if math.IsNaN(s) || s != math.Trunc(s) || s < float64(MinScore) || s > float64(MaxScore) {
+		return 0, fmt.Errorf("%w: member %q of the sorted set has score %v, not the negation of an integer within [%d, %d]",
+			errCorruptScore, user, z, MinScore, MaxScore)
+	}
+	return int64(s), nil
 }
 
 // querier is what the PostgreSQL reads need: a pool or a transaction.

@@ -2,6 +2,8 @@ package leaderboard
 
 import (
 	"context"
+	"fmt"
+	"math"
 	"net"
 	"sort"
 	"strconv"
@@ -10,6 +12,7 @@ import (
 
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/redis/go-redis/v9"
 	"github.com/stretchr/testify/require"
 
 	"github.com/verity-go/verity/outbox"
@@ -320,6 +323,70 @@ func TestReadPolicies(t *testing.T) {
 
 		_, err = tb.board.Top(ctx, 10, WithPolicy(ServeStale))
 		require.Error(t, err)
+	})
+
+	t.Run("CorruptScoreFailsLikeTheScripts", func(t *testing.T) {
+		t.Parallel()
+		tb := setup(t)
+		tb.submit(t, "alice", 10)
+		tb.submit(t, "bob", 5)
+		tb.drain(t)
+		first, err := tb.board.Top(ctx, 1)
+		require.NoError(t, err)
+		require.NotEmpty(t, first.Next) // after (10, "alice")
+
+		// Sorted-set scores the projection never writes, by hand.
+		key := tb.board.SortedSetKey()
+		for _, z := range []float64{
+			math.Inf(-1),           // board score +inf: first
+			math.Inf(1),            // board score -inf: last
+			1.5,                    // board score -1.5: a fraction
+			-float64(MaxScore) - 2, // board score MaxScore+2: out of range, first
+			-float64(MinScore) + 2, // board score MinScore-2: out of range, last
+		} {
+			msg := fmt.Sprintf("mallory's sorted-set score %v", z)
+			require.NoError(t, tb.rd.Client.ZAdd(ctx, key, redis.Z{Score: z, Member: "mallory"}).Err())
+
+			// The script-based reads refuse the entry...
+			_, _, err := tb.board.Rank(ctx, "mallory")
+			require.ErrorIs(t, err, errCorruptScore, msg)
+			_, err = tb.board.Around(ctx, "alice", 2) // mallory is 1 or 2 away
+			require.ErrorIs(t, err, errCorruptScore, msg)
+			// ...and so do Top and the first page, read with ZRANGE,
+			// rather than answer a garbage score.
+			r, err := tb.board.Top(ctx, 10)
+			require.ErrorIs(t, err, errCorruptScore, "%s: %+v", msg, r)
+			if z < -10 { // mallory comes first
+				r, err = tb.board.Top(ctx, 1)
+				require.ErrorIs(t, err, errCorruptScore, "%s: %+v", msg, r)
+			} else { // mallory follows alice: the page after her meets it too
+				r, err = tb.board.Page(ctx, first.Next, 10)
+				require.ErrorIs(t, err, errCorruptScore, "%s: %+v", msg, r)
+			}
+			r, err = tb.board.Page(ctx, "", 10)
+			require.ErrorIs(t, err, errCorruptScore, "%s: %+v", msg, r)
+
+			// Like any failed Redis read, FallbackToPostgres answers from
+			// PostgreSQL, which has no mallory.
+			r, err = tb.board.Top(ctx, 10, WithPolicy(FallbackToPostgres))
+			require.NoError(t, err, msg)
+			require.Equal(t, SourcePostgres, r.Freshness.Source, msg)
+			require.Equal(t, []Entry{{UserID: "alice", Score: 10, Rank: 1}, {UserID: "bob", Score: 5, Rank: 2}}, r.Entries, msg)
+			_, _, err = tb.board.Rank(ctx, "mallory", WithPolicy(FallbackToPostgres))
+			require.ErrorIs(t, err, ErrUserNotFound, msg)
+
+			require.NoError(t, tb.rd.Client.ZRem(ctx, key, "mallory").Err())
+		}
+
+		// Redis refuses a NaN score; the rule refuses it too. The range's
+		// bounds are board scores.
+		_, err = boardScore("mallory", math.NaN())
+		require.ErrorIs(t, err, errCorruptScore)
+		for _, s := range []int64{MinScore, -1, 0, 1, MaxScore} {
+			got, err := boardScore("mallory", -float64(s))
+			require.NoError(t, err)
+			require.Equal(t, s, got)
+		}
 	})
 }
 
