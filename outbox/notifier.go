@@ -142,7 +142,9 @@ func NewNotifier(db Execer, channel string, cfg *NotifierConfig) (*Notifier, err
 	if db == nil {
 		return nil, &ConfigError{Field: "db", Reason: "is nil; pass a database handle (a *pgxpool.Pool)"}
 	}
-	if channel == "" || !utf8.ValidString(channel) || strings.IndexByte(channel, 0) >= 0 {
+	// PostgreSQL refuses channel names of NAMEDATALEN (64) bytes or more:
+	// every NOTIFY would fail, and only a log would say so.
+	if channel == "" || len(channel) >= 64 || !utf8.ValidString(channel) || strings.IndexByte(channel, 0) >= 0 {
 		return nil, &ConfigError{Field: "channel", Reason: fmt.Sprintf("is %q; pass the outbox's channel (Writer.Channel)", channel)}
 	}
 	c := cfg.WithDefaults()

@@ -5,6 +5,7 @@ package outbox
 
 import (
 	"context"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -267,6 +268,7 @@ func TestNotifier(t *testing.T) {
 			{"NilDB", nil, b.channel, nil, "db"},
 			{"EmptyChannel", b.db, "", nil, "channel"},
 			{"NULInChannel", b.db, "a\x00b", nil, "channel"},
+			{"ChannelTooLong", b.db, strings.Repeat("c", 64), nil, "channel"},
 			{"NegativeInterval", b.db, b.channel, &NotifierConfig{Interval: -time.Millisecond}, "Interval"},
 			{"NegativeIdleTimeout", b.db, b.channel, &NotifierConfig{IdleTimeout: -1}, "IdleTimeout"},
 			{"NegativeTimeout", b.db, b.channel, &NotifierConfig{Timeout: -1}, "Timeout"},
@@ -281,6 +283,14 @@ func TestNotifier(t *testing.T) {
 				require.Equal(t, tc.field, cfgErr.Field)
 			})
 		}
+
+		// The length limit is PostgreSQL's: 63 bytes notify, 64 fail.
+		_, err := NewNotifier(b.db, strings.Repeat("c", 63), nil)
+		require.NoError(t, err)
+		_, err = b.db.Exec(context.Background(), `SELECT pg_notify($1, '')`, strings.Repeat("c", 63))
+		require.NoError(t, err)
+		_, err = b.db.Exec(context.Background(), `SELECT pg_notify($1, '')`, strings.Repeat("c", 64))
+		require.ErrorContains(t, err, "too long")
 
 		c := (*NotifierConfig)(nil).WithDefaults()
 		require.Equal(t, NotifierIntervalDefault, c.Interval)
