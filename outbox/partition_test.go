@@ -159,6 +159,41 @@ func TestRelayPartitionLeases(t *testing.T) {
 		require.Equal(t, 2, seen[len(seen)-1].Attempts, "the crashed relay's attempt and this one; the cut-off claim's none")
 	})
 
+	// A claim fills its batch from the partitions it leased least recently
+	// claimed first, so that on a backlog the partition that waited longest
+	// is served, not leased and given back again.
+	t.Run("BatchFillsFromLeastRecentlyClaimed", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		ctx := context.Background()
+		msgs := make([]outbox.Message, 5*256-1) // ids 1 to 1279: partitions 0 to 4
+		for i := range msgs {
+			msgs[i] = newMessage("s", fmt.Sprint("k", i), 1)
+		}
+		b.appendCommitted(t, msgs...)
+		rows := b.rows(t)
+		require.EqualValues(t, 1, rows[0].ID)
+		require.EqualValues(t, len(msgs), rows[len(rows)-1].ID)
+		for _, order := range [][]int{{4, 3, 2, 1, 0}, {1, 3, 0, 4, 2}, {0, 1, 2, 3, 4}} {
+			// order[0] was claimed longest ago, order[4] last. Written in
+			// reverse, so that the lease rows' physical order (an UPDATE
+			// moves a row to the end) is the opposite of the claim order.
+			for rank := len(order) - 1; rank >= 0; rank-- {
+				part := order[rank]
+				_, err := b.pool.Exec(ctx, `UPDATE `+b.leasesTable()+` SET touched_at = '2000-01-01'::timestamptz + $2 * interval '1 hour' WHERE part = $1`, part, rank)
+				require.NoError(t, err)
+			}
+			h := &recorder{}
+			r := b.relay(t, nil, h, outbox.RelayConfig{BatchSize: 5, PollInterval: time.Hour, DisableNotify: true})
+			n, err := r.RunOnce(ctx)
+			require.NoError(t, err)
+			require.Equal(t, 5, n)
+			for _, rec := range h.seen() {
+				require.EqualValues(t, order[0], rec.ID/256%64, "order %v: record %d", order, rec.ID)
+			}
+		}
+	})
+
 	// Rows spread over more partitions than one claim takes are all
 	// delivered by Run at once, not one claim per poll.
 	t.Run("RunClaimsAgainWhenMorePartitionsAreDue", func(t *testing.T) {

@@ -207,14 +207,17 @@ recovered AS (
 SELECT (SELECT count(*) FROM leased), set_config('enable_bitmapscan', 'off', true)`
 
 // pickSQL reads up to $2 due rows of the partitions leased to the batch's
-// token ($1), partition after partition, each in (available_at, id) order
-// through the partition index; the rows themselves are not written. It
+// token ($1), partition after partition, least recently claimed first (the
+// nested loop keeps the order owned was materialized in), each in
+// (available_at, id) order through the partition index; the rows
+// themselves are not written. It
 // records the ids handed out in each partition's lease row (and when it was
 // last served, for the least-recently-claimed order) and releases the
 // partitions that contributed none (the batch filled up first) without
 // moving them back in that order.
 const pickSQL = `WITH owned AS MATERIALIZED (
     SELECT part FROM %[2]s WHERE owner = $1
+    ORDER BY touched_at, part
 ),
 picked AS MATERIALIZED (
     SELECT f.part, r.*
