@@ -417,14 +417,22 @@ func TestRebuildLostLayoutKey(t *testing.T) {
 	for _, n := range []int{0, 2, 3} {
 		t.Run(fmt.Sprintf("To%d", n), func(t *testing.T) {
 			t.Parallel()
-			rebuildLostLayout(t, setup(t, projection.KindHash), n)
+			rebuildLostLayout(t, setup(t, projection.KindHash), n, "")
 		})
 	}
+	// A layout key that holds no bucket count (a hand edit) is as good as
+	// lost: the gate and Run refuse the collection, and Rebuild, which
+	// their errors recommend, replaces it.
+	t.Run("Unreadable", func(t *testing.T) {
+		t.Parallel()
+		rebuildLostLayout(t, setup(t, projection.KindSortedSet), 2, "garbage")
+	})
 }
 
 // rebuildLostLayout projects rows into b's collection with 6 buckets,
-// deletes its layout key and rebuilds it with n buckets.
-func rebuildLostLayout(t *testing.T, b *testBundle, n int) {
+// deletes its layout key (or, with garbage set, overwrites it) and
+// rebuilds it with n buckets.
+func rebuildLostLayout(t *testing.T, b *testBundle, n int, garbage string) {
 	t.Helper()
 	six := b.withBuckets(t, 6)
 	rows := b.insertMany(t, 60)
@@ -432,7 +440,13 @@ func rebuildLostLayout(t *testing.T, b *testBundle, n int) {
 	six.project(t, "orphan", 1)
 	ctx := context.Background()
 	require.Equal(t, int64(6), countExisting(t, six, six.ks.VersionKeys(testBoard, b.kind)))
-	require.NoError(t, b.client.Del(ctx, b.ks.LayoutKey(testBoard, b.kind)).Err())
+	if garbage == "" {
+		require.NoError(t, b.client.Del(ctx, b.ks.LayoutKey(testBoard, b.kind)).Err())
+	} else {
+		require.NoError(t, b.client.Set(ctx, b.ks.LayoutKey(testBoard, b.kind), garbage, 0).Err())
+		_, err := six.reconciler(t, nil).Run(ctx, RunOptions{DryRun: true})
+		require.ErrorIs(t, err, projection.ErrLayoutMismatch, "the collection is unreadable")
+	}
 
 	next := b.withBuckets(t, n)
 	rep, err := next.reconciler(t, nil).Rebuild(ctx)
@@ -503,7 +517,7 @@ func TestBucketsSharedCluster(t *testing.T) {
 	})
 	t.Run("RebuildLostLayoutKey", func(t *testing.T) {
 		t.Parallel()
-		rebuildLostLayout(t, setupWith(t, projection.KindSortedSet, client, cluster.Prefix(t)), 2)
+		rebuildLostLayout(t, setupWith(t, projection.KindSortedSet, client, cluster.Prefix(t)), 2, "")
 	})
 }
 

@@ -160,7 +160,7 @@ func answered(err error) bool {
 // unbucketed version hash lost its layout key (the gate's "missing"): its
 // bucket count is unknown, so the step passes the keys of every possible
 // bucket (bucket keys are named by index alone) and the switch removes
-// them all.
+// them all. So it does for a live layout key that holds no bucket count.
 func (r *Reconciler) rebuildStep(ctx context.Context, step, token, ttl string) (int64, error) {
 	ks, kind, name := r.target.Keyspace, r.target.Kind, r.target.Name
 	var (
@@ -200,7 +200,14 @@ func (r *Reconciler) rebuildStep(ctx context.Context, step, token, ttl string) (
 				s = "0"
 			}
 			if layouts[i] = projection.ParseLayout(s); layouts[i] < 0 {
-				return 0, r.mismatch(i == 1, s)
+				if i == 1 {
+					return 0, r.mismatch(true, s)
+				}
+				// A live layout key holding no bucket count (a hand edit)
+				// says as little as a lost one: the switch removes every
+				// possible bucket. The script compares what it stores
+				// with s, so a change meanwhile is still noticed.
+				layouts[i] = projection.VersionBucketsMax
 			}
 			args[i] = s
 		}
