@@ -163,12 +163,17 @@
 // it writes anything in that slot group: Gate.Apply and Project return it
 // for the batch, Handle gives it to that collection's records only and
 // sends the rest of the slot group again. Within one slot group the
-// script is atomic. Across slot groups it is not (Redis has no cross-slot
-// atomicity): if a call fails, some groups may have been applied. That is
-// safe because the gate makes every write idempotent and order-insensitive:
-// the relay re-delivers the batch, applied records come back duplicate, the
-// rest are applied. A Redis error inside a script (WRONGTYPE when a key
-// holds another type) fails the batch the same way.
+// script runs alone (nothing interleaves with it) and checks what it can
+// before it writes; across slot groups nothing is atomic (Redis has no
+// cross-slot atomicity): if a call fails, some groups may have been
+// applied. A Redis error inside a script (WRONGTYPE, when a key holds
+// another type) also keeps the writes the script made before it: Redis
+// does not roll a script back. Both are safe because the gate makes every
+// write idempotent and order-insensitive: the relay re-delivers the batch,
+// applied records come back duplicate, the rest are applied. Gate.Apply
+// and Project return a WRONGTYPE error for the batch; Handle sends that
+// slot group's writes again one by one and gives a *WrongKeyTypeError
+// (ErrWrongKeyType) to the records whose keys hold another type only.
 //
 // When a Cluster master dies, batches touching its slots fail until a
 // replica is promoted; the gate then makes the client reload its slot map,

@@ -43,6 +43,12 @@ var (
 	// (the marker expired, or it was aborted) and the shadow keys may
 	// belong to another rebuild now. Nothing was written to them.
 	ErrShadowNotOwned = errors.New("projection: the rebuild that wrote these shadow keys no longer owns them")
+	// ErrWrongKeyType: a key a write needs holds another Redis type than
+	// the gate writes there (a hand edit, or another program's key under
+	// the projection's prefix), and Redis refused the write (WRONGTYPE).
+	// Nothing was written for that target; the key must be fixed or
+	// removed by hand (reconcile then restores it).
+	ErrWrongKeyType = errors.New("projection: a key of the target holds another Redis type")
 )
 
 // ConfigError reports an invalid configuration field.
@@ -150,6 +156,24 @@ func (e *CorruptVersionError) Error() string {
 
 // Is matches ErrCorruptVersion.
 func (e *CorruptVersionError) Is(target error) bool { return target == ErrCorruptVersion }
+
+// WrongKeyTypeError reports a write that Redis refused because a key of
+// its target holds another type (WRONGTYPE). Handle reports it for that
+// record only (see Gate.Apply for how it is isolated).
+type WrongKeyTypeError struct {
+	Index  int // position of the write in the batch
+	Target Target
+	Err    error // Redis's reply
+}
+
+func (e *WrongKeyTypeError) Error() string {
+	return fmt.Sprintf("projection: write %d (%s): a key of the target holds another Redis type: %v", e.Index, e.Target, e.Err)
+}
+
+// Is matches ErrWrongKeyType.
+func (e *WrongKeyTypeError) Is(target error) bool { return target == ErrWrongKeyType }
+
+func (e *WrongKeyTypeError) Unwrap() error { return e.Err }
 
 // MapError reports a record its Mapper could not map, or whose Write was
 // invalid.

@@ -121,8 +121,10 @@ func (g *Gate) Load(ctx context.Context) error {
 // fails the call with *LayoutMismatchError; nothing was written in that
 // collection's slot group, but other slot groups (on Cluster or a Ring) may
 // have been applied. Any other error means the batch's effect is unknown:
-// some slot groups may have been applied. Applying the batch again is
-// always safe.
+// some slot groups may have been applied, and a group that Redis failed
+// part-way (WRONGTYPE, when a key holds another type) keeps the writes
+// its script made before the error. Applying the batch again is always
+// safe.
 func (g *Gate) Apply(ctx context.Context, writes []Write) ([]Outcome, error) {
 	return joinRun(g.run(ctx, modeLive, "", writes, false))
 }
@@ -208,6 +210,11 @@ func (g *Gate) run(ctx context.Context, mode, token string, writes []Write, isol
 				}
 				lr, ok := parseLayoutReply(err, grp)
 				switch {
+				case !ok && isolate && isWrongType(err):
+					if err := g.isolateWrongType(ctx, mode, token, writes, grp.index, outcomes, perWrite, err); err != nil {
+						return nil, nil, err
+					}
+					continue
 				case !ok:
 					return nil, nil, g.failed(ctx, err)
 				case lr.shadow && mode == modeLive && lr.stored >= 0 && relearned[lr.coll] < layoutRetries:
@@ -517,6 +524,44 @@ func (g *Gate) eval(ctx context.Context, groups []*slotGroup) ([][]any, []error)
 // failed wraps a script call's error and, on Cluster, schedules a slot-map
 // reload (asynchronous and de-duplicated by go-redis, so cheap) unless the
 // caller gave up.
+// isolateWrongType finds, for a slot group that Redis failed with
+// WRONGTYPE, which of its writes need a key of another type: each is sent
+// again on its own, and only those that fail the same way get a
+// *WrongKeyTypeError; the others get their outcomes (the gate makes the
+// second sending of a write the group applied before the error a
+// duplicate: Redis does not undo a script's writes when it fails). One
+// bad key then costs its own records, not the group's. Any other failure
+// ends the batch, as it would have without the bad key.
+func (g *Gate) isolateWrongType(ctx context.Context, mode, token string, writes []Write, index []int, outcomes []Outcome, perWrite []error, groupErr error) error {
+	if len(index) == 1 {
+		i := index[0]
+		perWrite[i] = &WrongKeyTypeError{Index: i, Target: writes[i].Target, Err: groupErr}
+		return nil
+	}
+	for _, i := range index {
+		out, errs, err := g.run(ctx, mode, token, writes[i:i+1], true)
+		if err != nil {
+			return err
+		}
+		outcomes[i], perWrite[i] = out[0], errs[0]
+		var wrongType *WrongKeyTypeError
+		var corrupt *CorruptVersionError
+		switch {
+		case errors.As(errs[0], &wrongType):
+			wrongType.Index = i
+		case errors.As(errs[0], &corrupt):
+			corrupt.Index = i
+		}
+	}
+	return nil
+}
+
+// isWrongType reports whether err is Redis's WRONGTYPE reply.
+func isWrongType(err error) bool {
+	var rerr redis.Error
+	return errors.As(err, &rerr) && strings.HasPrefix(rerr.Error(), "WRONGTYPE")
+}
+
 func (g *Gate) failed(ctx context.Context, err error) error {
 	if g.reloadTopology != nil && ctx.Err() == nil {
 		g.reloadTopology(ctx)

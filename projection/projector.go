@@ -184,12 +184,13 @@ func (p *RedisProjector) Project(ctx context.Context, batch []outbox.Record) ([]
 
 // Handle implements outbox.Handler. Unlike Project, it isolates bad
 // records: a record that cannot be mapped, is invalid, meets an unreadable
-// stored version, or belongs to a collection whose version layout differs
-// from the projector's (*LayoutMismatchError) gets its own Result.Err, so
-// the relay retries only that record and dead-letters it after
-// MaxAttempts, while the rest of the batch is applied and acknowledged. A
-// Redis error fails the whole batch, which the relay retries after its
-// backoff.
+// stored version, belongs to a collection whose version layout differs
+// from the projector's (*LayoutMismatchError), or needs a key that holds
+// another Redis type (*WrongKeyTypeError: the failed slot group's writes
+// are sent again one by one to find it) gets its own Result.Err, so the
+// relay retries only that record and dead-letters it after MaxAttempts,
+// while the rest of the batch is applied and acknowledged. Any other Redis
+// error fails the whole batch, which the relay retries after its backoff.
 func (p *RedisProjector) Handle(ctx context.Context, batch []outbox.Record) ([]outbox.Result, error) {
 	results := make([]outbox.Result, len(batch))
 	writes := make([]Write, 0, len(batch))
@@ -227,17 +228,21 @@ func (p *RedisProjector) Handle(ctx context.Context, batch []outbox.Record) ([]o
 			written[i], applied[i] = writes[j], outcomes[j] == OutcomeApplied
 		}
 		p.metrics.recordLag(ctx, batch, written, applied)
-		corrupt, layout := 0, 0
+		corrupt, layout, other := 0, 0, 0
 		for _, err := range perWrite {
 			switch {
+			case err == nil:
 			case errors.Is(err, ErrCorruptVersion):
 				corrupt++
 			case errors.Is(err, ErrLayoutMismatch):
 				layout++
+			default:
+				other++
 			}
 		}
 		p.metrics.recordFailed(ctx, reasonCorruptVersion, corrupt)
 		p.metrics.recordFailed(ctx, reasonLayout, layout)
+		p.metrics.recordFailed(ctx, reasonRedis, other)
 	}
 	p.logBatch(ctx, batch, all, results)
 	return results, nil

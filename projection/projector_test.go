@@ -196,7 +196,7 @@ func TestRedisProjector(t *testing.T) {
 			require.Nil(t, out)
 		})
 
-		t.Run("RedisErrorFailsTheBatch", func(t *testing.T) {
+		t.Run("HandleIsolatesWrongKeyType", func(t *testing.T) {
 			t.Parallel()
 			pb := setupProjector(t, b)
 			ctx := context.Background()
@@ -206,15 +206,51 @@ func TestRedisProjector(t *testing.T) {
 			require.NoError(t, err)
 			board := pb.ks.ValueKey(Target{Kind: KindSortedSet, Name: "board"})
 			require.NoError(t, pb.client.Set(ctx, board, "not a sorted set", 0).Err())
-			results, err := pb.projector.Handle(ctx, []outbox.Record{record("scores", "g", 1, "1")})
-			require.Error(t, err)
-			require.Contains(t, err.Error(), "WRONGTYPE")
-			require.Nil(t, results)
+			batch := []outbox.Record{
+				record("orders", "40", 1, `{"total":0}`), // before the bad key: applied when the script failed
+				record("scores", "g", 1, "1"),
+				record("profiles", "g", 1, "{}"),
+				record("scores", "h", 1, "2"),
+				record("orders", "41", 1, `{"total":1}`),
+			}
+			results, err := pb.projector.Handle(ctx, batch)
+			require.NoError(t, err, "a key of another type fails its records, not the batch")
+			require.Len(t, results, len(batch))
+			for _, i := range []int{1, 3} {
+				require.ErrorIs(t, results[i].Err, ErrWrongKeyType, "record %d", i)
+				var wt *WrongKeyTypeError
+				require.ErrorAs(t, results[i].Err, &wt)
+				require.Equal(t, i, wt.Index, "the index is the record's position in the batch")
+				require.Equal(t, Target{Kind: KindSortedSet, Name: "board", Member: batch[i].Key}, wt.Target)
+				require.Contains(t, wt.Error(), "WRONGTYPE")
+			}
+			for _, i := range []int{0, 2, 4} {
+				require.NoError(t, results[i].Err, "record %d", i)
+			}
+			require.Equal(t, storedState{true, `{"total":0}`, "1"}, readState(t, pb.client, pb.ks, Target{Kind: KindDocument, Name: "order:40"}))
+			require.Equal(t, storedState{true, `{"total":1}`, "1"}, readState(t, pb.client, pb.ks, Target{Kind: KindDocument, Name: "order:41"}))
+			require.Equal(t, storedState{true, "{}", "1"}, readState(t, pb.client, pb.ks, Target{Kind: KindHash, Name: "profiles", Member: "g"}))
+			require.Equal(t, "not a sorted set", pb.client.Get(ctx, board).Val(), "the bad key is left for a human")
 
-			cancelled, cancel := context.WithCancel(ctx)
+			// Project keeps its batch contract: Redis's error is the call's.
+			out, err := pb.projector.Project(ctx, batch)
+			require.Error(t, err)
+			require.NotErrorIs(t, err, ErrWrongKeyType)
+			require.Contains(t, err.Error(), "WRONGTYPE")
+			require.Nil(t, out)
+		})
+
+		t.Run("CancelledContextFailsTheBatch", func(t *testing.T) {
+			t.Parallel()
+			pb := setupProjector(t, b)
+			cancelled, cancel := context.WithCancel(context.Background())
 			cancel()
-			_, err = pb.projector.Project(cancelled, []outbox.Record{record("orders", "h", 1, "{}")})
+			batch := []outbox.Record{record("orders", "h", 1, "{}")}
+			_, err := pb.projector.Project(cancelled, batch)
 			require.ErrorIs(t, err, context.Canceled)
+			results, err := pb.projector.Handle(cancelled, batch)
+			require.ErrorIs(t, err, context.Canceled)
+			require.Nil(t, results)
 		})
 	})
 }
