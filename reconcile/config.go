@@ -120,7 +120,9 @@ type Config struct {
 	// Defaults to nil (every repair the policy allows proceeds).
 	BeforeRepair func(ctx context.Context, f Finding) bool
 	// AfterRepair, when set, is called after each repair attempt with its
-	// Result (repaired, raced or uncertain). Defaults to nil.
+	// Result: repaired, raced, uncertain, or not attempted when the repair
+	// was refused before anything was written (a layout mismatch, a value
+	// the gate refuses). Defaults to nil.
 	AfterRepair func(ctx context.Context, f Finding)
 	// OnAlert, when set, is called for every ahead and orphan finding,
 	// before any repair: they mean the projection knows something the
