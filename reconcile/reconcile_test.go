@@ -733,3 +733,35 @@ func TestDocumentNamespace(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, map[Class]int64{ClassCurrent: 3}, rep.Counts)
 }
+
+// TestTornReadIsNotCorrupt hands checkRead what a read torn by a gate write
+// looks like (the values command before the write, the versions command
+// after it: the old value with the new version) for an entry that Redis
+// holds current: it is read again and counted current, not reported as
+// corrupt. An entry read corrupt twice stays corrupt.
+func TestTornReadIsNotCorrupt(t *testing.T) {
+	t.Parallel()
+	for _, kind := range []projection.Kind{projection.KindSortedSet, projection.KindHash} {
+		t.Run(kindName(kind), func(t *testing.T) {
+			t.Parallel()
+			ctx := context.Background()
+			b := setup(t, kind)
+			row := b.insert(t, "k", 2)
+			b.project(t, "k", 2)
+			bad := b.insert(t, "bad", 1)
+			b.project(t, "bad", 1)
+			b.setRaw(t, "bad", &projection.Value{Score: 999, Data: []byte("garbage")}, nil)
+			r := b.reconciler(t, &Config{Policy: Policy{Corrupt: ActionReport}})
+
+			torn := b.state(t, r, "k")
+			old := b.value("k", 1)
+			torn.Score, torn.Data = float64(old.Score), old.Data
+			require.Equal(t, ClassCorrupt, Classify(kind, &row, torn), "the torn read alone looks corrupt")
+
+			rep := newReport(RunOptions{})
+			require.NoError(t, r.checkRead(ctx, RunOptions{}, []Row{row, bad}, []Projected{torn, b.state(t, r, "bad")}, rep))
+			require.Equal(t, map[Class]int64{ClassCurrent: 1, ClassCorrupt: 1}, rep.Counts)
+			require.Equal(t, "bad", rep.Examples[ClassCorrupt][0].Key)
+		})
+	}
+}

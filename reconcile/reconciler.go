@@ -1,6 +1,7 @@
 package reconcile
 
 import (
+	"bytes"
 	"cmp"
 	"context"
 	"errors"
@@ -433,6 +434,9 @@ func (r *Reconciler) checkRead(ctx context.Context, opts RunOptions, rows []Row,
 		}
 		findings = append(findings, Finding{Class: class, Key: rows[i].Key, Source: &rows[i], Projected: projected[i]})
 	}
+	if err := r.recheckTorn(ctx, findings); err != nil {
+		return err
+	}
 	if err := r.recheckAhead(ctx, findings); err != nil {
 		return err
 	}
@@ -442,6 +446,51 @@ func (r *Reconciler) checkRead(ctx context.Context, opts RunOptions, rows []Row,
 		rep.tally.add(&findings[i])
 	}
 	return err
+}
+
+// recheckTorn reads the projection again for the corrupt findings of a
+// collection. A collection's values and versions are read by two commands
+// of one pipeline, not atomically: a gate write landing between them pairs
+// the old value with the new version, which looks corrupt (a document's
+// value and version come from one MGET). An entry read the same way twice
+// is corrupt; one that changed meanwhile is classified by the fresh read,
+// which any repair then insists on. Healthy pages cost nothing more.
+func (r *Reconciler) recheckTorn(ctx context.Context, findings []Finding) error {
+	if r.target.Kind == projection.KindDocument {
+		return nil
+	}
+	var keys []string
+	for i := range findings {
+		if findings[i].Class == ClassCorrupt {
+			keys = append(keys, findings[i].Key)
+		}
+	}
+	if len(keys) == 0 {
+		return nil
+	}
+	fresh, err := r.read(ctx, keys)
+	if err != nil {
+		return err
+	}
+	j := 0
+	for i := range findings {
+		f := &findings[i]
+		if f.Class != ClassCorrupt {
+			continue
+		}
+		if p := fresh[j]; !sameProjected(f.Projected, p) {
+			f.Projected = p
+			f.Class = Classify(r.target.Kind, f.Source, p)
+		}
+		j++
+	}
+	return nil
+}
+
+// sameProjected reports whether two reads of an entry found the same state.
+func sameProjected(a, b Projected) bool {
+	return a.HasValue == b.HasValue && a.Score == b.Score && bytes.Equal(a.Data, b.Data) &&
+		a.HasVersion == b.HasVersion && a.RawVersion == b.RawVersion
 }
 
 // recheckAhead looks the keys of ahead findings up in the source again and
