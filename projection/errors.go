@@ -46,8 +46,10 @@ var (
 	// ErrWrongKeyType: a key a write needs holds another Redis type than
 	// the gate writes there (a hand edit, or another program's key under
 	// the projection's prefix), and Redis refused the write (WRONGTYPE).
-	// Nothing was written for that target; the key must be fixed or
-	// removed by hand (reconcile then restores it).
+	// The write did not complete (while a rebuild runs, its live value may
+	// be written and its shadow write refused); the key must be fixed or
+	// removed by hand, after which the record's retry or reconcile
+	// restores the target.
 	ErrWrongKeyType = errors.New("projection: a key of the target holds another Redis type")
 )
 

@@ -177,7 +177,11 @@ const layoutRetries = 3
 // per-write *LayoutMismatchError for that collection's writes only; the
 // rest of its slot group is sent again (the script refused the whole
 // group before writing), so one misconfigured collection cannot hold back
-// the others.
+// the others. It also turns a WRONGTYPE error (a key holding another type)
+// into a per-write *WrongKeyTypeError: the group's writes are sent again,
+// each in a group of its own and all in one round trip, and only those
+// that fail alone get the error. Redis keeps what a failed script wrote
+// before its error, so a write applied then comes back a duplicate.
 func (g *Gate) run(ctx context.Context, mode, token string, writes []Write, isolate bool) ([]Outcome, []error, error) {
 	if g == nil || g.client == nil || g.script == nil {
 		return nil, nil, errors.New("projection: Gate has no Redis client; create it with NewGate(client, keyspace)")
@@ -199,8 +203,9 @@ func (g *Gate) run(ctx context.Context, mode, token string, writes []Write, isol
 	start := time.Now()
 	defer func() { g.metrics.recordBatch(ctx, mode, time.Since(start)) }()
 	relearned := make(map[baseKey]int) // shadow layouts learnt per collection
+	var alone map[int]bool             // writes sent in a group of their own
 	for len(pending) > 0 {
-		groups := g.group(mode, token, writes, pending)
+		groups := g.groupAlone(mode, token, writes, pending, alone)
 		replies, errs := g.eval(ctx, groups)
 		pending = nil
 		for gi, grp := range groups {
@@ -211,9 +216,18 @@ func (g *Gate) run(ctx context.Context, mode, token string, writes []Write, isol
 				lr, ok := parseLayoutReply(err, grp)
 				switch {
 				case !ok && isolate && isWrongType(err):
-					if err := g.isolateWrongType(ctx, mode, token, writes, grp.index, outcomes, perWrite, err); err != nil {
-						return nil, nil, err
+					if len(grp.index) == 1 {
+						i := grp.index[0]
+						perWrite[i] = &WrongKeyTypeError{Index: i, Target: writes[i].Target, Err: err}
+						continue
 					}
+					if alone == nil {
+						alone = make(map[int]bool)
+					}
+					for _, i := range grp.index {
+						alone[i] = true
+					}
+					pending = append(pending, grp.index...)
 					continue
 				case !ok:
 					return nil, nil, g.failed(ctx, err)
@@ -410,6 +424,27 @@ func (g *Gate) baseKeys(mode string, grp *slotGroup, t Target, bk baseKey) collK
 }
 
 // group splits the writes at positions idx into script calls.
+// groupAlone is group, except that the writes in alone each get a slot
+// group of their own.
+func (g *Gate) groupAlone(mode, token string, writes []Write, idx []int, alone map[int]bool) []*slotGroup {
+	if len(alone) == 0 {
+		return g.group(mode, token, writes, idx)
+	}
+	var together, single []int
+	for _, i := range idx {
+		if alone[i] {
+			single = append(single, i)
+		} else {
+			together = append(together, i)
+		}
+	}
+	groups := g.group(mode, token, writes, together)
+	for _, i := range single {
+		groups = append(groups, g.group(mode, token, writes, []int{i})...)
+	}
+	return groups
+}
+
 func (g *Gate) group(mode, token string, writes []Write, idx []int) []*slotGroup {
 	var groups []*slotGroup
 	byKey := make(map[string]*slotGroup)
@@ -521,47 +556,17 @@ func (g *Gate) eval(ctx context.Context, groups []*slotGroup) ([][]any, []error)
 	return replies, errs
 }
 
+// isWrongType reports whether err is Redis's WRONGTYPE error, raised by a
+// command of the script (Redis 7 replies with it as it is; earlier
+// versions wrap it in "ERR Error running script").
+func isWrongType(err error) bool {
+	var rerr redis.Error
+	return errors.As(err, &rerr) && strings.Contains(rerr.Error(), "WRONGTYPE Operation against a key holding the wrong kind of value")
+}
+
 // failed wraps a script call's error and, on Cluster, schedules a slot-map
 // reload (asynchronous and de-duplicated by go-redis, so cheap) unless the
 // caller gave up.
-// isolateWrongType finds, for a slot group that Redis failed with
-// WRONGTYPE, which of its writes need a key of another type: each is sent
-// again on its own, and only those that fail the same way get a
-// *WrongKeyTypeError; the others get their outcomes (the gate makes the
-// second sending of a write the group applied before the error a
-// duplicate: Redis does not undo a script's writes when it fails). One
-// bad key then costs its own records, not the group's. Any other failure
-// ends the batch, as it would have without the bad key.
-func (g *Gate) isolateWrongType(ctx context.Context, mode, token string, writes []Write, index []int, outcomes []Outcome, perWrite []error, groupErr error) error {
-	if len(index) == 1 {
-		i := index[0]
-		perWrite[i] = &WrongKeyTypeError{Index: i, Target: writes[i].Target, Err: groupErr}
-		return nil
-	}
-	for _, i := range index {
-		out, errs, err := g.run(ctx, mode, token, writes[i:i+1], true)
-		if err != nil {
-			return err
-		}
-		outcomes[i], perWrite[i] = out[0], errs[0]
-		var wrongType *WrongKeyTypeError
-		var corrupt *CorruptVersionError
-		switch {
-		case errors.As(errs[0], &wrongType):
-			wrongType.Index = i
-		case errors.As(errs[0], &corrupt):
-			corrupt.Index = i
-		}
-	}
-	return nil
-}
-
-// isWrongType reports whether err is Redis's WRONGTYPE reply.
-func isWrongType(err error) bool {
-	var rerr redis.Error
-	return errors.As(err, &rerr) && strings.HasPrefix(rerr.Error(), "WRONGTYPE")
-}
-
 func (g *Gate) failed(ctx context.Context, err error) error {
 	if g.reloadTopology != nil && ctx.Err() == nil {
 		g.reloadTopology(ctx)

@@ -138,6 +138,26 @@ func TestProjectorMetrics(t *testing.T) {
 		require.Equal(t, int64(1), s.Int(metricWrites, attribute.String(AttributeKind, "document"), outcome("applied")))
 	})
 
+	// A slot group sent again write by write to find a key of another type
+	// is counted once: each write with its final outcome, one batch.
+	t.Run("WrongKeyTypeIsCountedOnce", func(t *testing.T) {
+		t.Parallel()
+		p, rec := setup(t)
+		_, err := p.Project(ctx, []outbox.Record{record("scores", "f", 1, "1")})
+		require.NoError(t, err)
+		client := p.Gate().client
+		require.NoError(t, client.Set(ctx, p.Keyspace().ValueKey(Target{Kind: KindSortedSet, Name: "board"}), "not a sorted set", 0).Err())
+		results, err := p.Handle(ctx, []outbox.Record{record("profiles", "a", 1, "{}"), record("scores", "g", 1, "2"), record("profiles", "b", 1, "{}")})
+		require.NoError(t, err)
+		require.ErrorIs(t, results[1].Err, ErrWrongKeyType)
+
+		s := rec.Collect(t)
+		require.Equal(t, int64(4), s.Int(metricWrites), "f, then a, g and b once each")
+		require.Equal(t, int64(1), s.Int(metricWrites, board, outcome("unknown")))
+		require.Equal(t, int64(1), s.Int(metricFailed, reason("redis")))
+		require.Equal(t, uint64(2), s.Count(metricBatchDuration))
+	})
+
 	t.Run("NoProviderRecordsNothing", func(t *testing.T) {
 		t.Parallel()
 		rd := testenv.Redis(t)

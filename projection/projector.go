@@ -187,7 +187,7 @@ func (p *RedisProjector) Project(ctx context.Context, batch []outbox.Record) ([]
 // stored version, belongs to a collection whose version layout differs
 // from the projector's (*LayoutMismatchError), or needs a key that holds
 // another Redis type (*WrongKeyTypeError: the failed slot group's writes
-// are sent again one by one to find it) gets its own Result.Err, so the
+// are sent again, each on its own, to find it) gets its own Result.Err, so the
 // relay retries only that record and dead-letters it after MaxAttempts,
 // while the rest of the batch is applied and acknowledged. Any other Redis
 // error fails the whole batch, which the relay retries after its backoff.
@@ -214,9 +214,14 @@ func (p *RedisProjector) Handle(ctx context.Context, batch []outbox.Record) ([]o
 	for j, i := range positions {
 		all[i] = outcomes[j]
 		if err := perWrite[j]; err != nil {
+			// Report the record's position, not the write's.
 			var corrupt *CorruptVersionError
-			if errors.As(err, &corrupt) {
-				corrupt.Index = i // report the record's position, not the write's
+			var wrongType *WrongKeyTypeError
+			switch {
+			case errors.As(err, &corrupt):
+				corrupt.Index = i
+			case errors.As(err, &wrongType):
+				wrongType.Index = i
 			}
 			results[i].Err = err
 		}

@@ -207,6 +207,7 @@ func TestRedisProjector(t *testing.T) {
 			board := pb.ks.ValueKey(Target{Kind: KindSortedSet, Name: "board"})
 			require.NoError(t, pb.client.Set(ctx, board, "not a sorted set", 0).Err())
 			batch := []outbox.Record{
+				record("elsewhere", "x", 1, ""),          // unmapped: the writes' positions are not the records'
 				record("orders", "40", 1, `{"total":0}`), // before the bad key: applied when the script failed
 				record("scores", "g", 1, "1"),
 				record("profiles", "g", 1, "{}"),
@@ -216,7 +217,8 @@ func TestRedisProjector(t *testing.T) {
 			results, err := pb.projector.Handle(ctx, batch)
 			require.NoError(t, err, "a key of another type fails its records, not the batch")
 			require.Len(t, results, len(batch))
-			for _, i := range []int{1, 3} {
+			require.ErrorIs(t, results[0].Err, ErrUnmappedStream)
+			for _, i := range []int{2, 4} {
 				require.ErrorIs(t, results[i].Err, ErrWrongKeyType, "record %d", i)
 				var wt *WrongKeyTypeError
 				require.ErrorAs(t, results[i].Err, &wt)
@@ -224,7 +226,7 @@ func TestRedisProjector(t *testing.T) {
 				require.Equal(t, Target{Kind: KindSortedSet, Name: "board", Member: batch[i].Key}, wt.Target)
 				require.Contains(t, wt.Error(), "WRONGTYPE")
 			}
-			for _, i := range []int{0, 2, 4} {
+			for _, i := range []int{1, 3, 5} {
 				require.NoError(t, results[i].Err, "record %d", i)
 			}
 			require.Equal(t, storedState{true, `{"total":0}`, "1"}, readState(t, pb.client, pb.ks, Target{Kind: KindDocument, Name: "order:40"}))
@@ -233,7 +235,7 @@ func TestRedisProjector(t *testing.T) {
 			require.Equal(t, "not a sorted set", pb.client.Get(ctx, board).Val(), "the bad key is left for a human")
 
 			// Project keeps its batch contract: Redis's error is the call's.
-			out, err := pb.projector.Project(ctx, batch)
+			out, err := pb.projector.Project(ctx, batch[1:])
 			require.Error(t, err)
 			require.NotErrorIs(t, err, ErrWrongKeyType)
 			require.Contains(t, err.Error(), "WRONGTYPE")
