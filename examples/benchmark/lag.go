@@ -193,6 +193,7 @@ func lagLibrary(ctx context.Context, e *env, schema string, d time.Duration) ([]
 	if err != nil {
 		return nil, 0, err
 	}
+	defer board.Close()
 	// What board.Worker builds, with the projector wrapped to timestamp
 	// every record whose write succeeded.
 	projector, err := projection.NewRedisProjector(e.rdb, board.Mapper(), &projection.Config{Prefix: board.Config().KeyPrefix, Logger: quiet})

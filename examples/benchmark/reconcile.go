@@ -56,6 +56,7 @@ func runReconcile(ctx context.Context, e *env) ([]Figure, error) {
 	if err != nil {
 		return nil, err
 	}
+	defer board.Close()
 	n := e.opts.Sizes.ReconcileUsers
 	scores := qualify(schema, leaderboard.UserScoresTable)
 	if _, err := e.pool.Exec(ctx, `INSERT INTO `+scores+` (board, user_id, score, version)

@@ -114,6 +114,7 @@ func Run(ctx context.Context, opts Options) (_ *Report, err error) {
 	if err != nil {
 		return nil, err
 	}
+	defer board.Close() // before the pool: its Notifier may still be sending
 	worker, err := board.Worker(nil)
 	if err != nil {
 		return nil, err

@@ -169,7 +169,7 @@ func runMode(ctx context.Context, cfg config, d deps, mode string) (res Result, 
 	// between COMMIT and Invalidate would leave the cache behind by design,
 	// not by a race.
 	opCtx := context.WithoutCancel(ctx)
-	errs := make(chan error, cfg.Readers+cfg.Writers)
+	errs := make(chan error, cfg.Readers+cfg.Writers+1) // +1: the version dropper
 
 	var wg sync.WaitGroup
 	for i := range cfg.Readers {
@@ -215,9 +215,12 @@ func runMode(ctx context.Context, cfg config, d deps, mode string) (res Result, 
 			for {
 				select {
 				case <-tick.C:
-					if d.Redis.Del(opCtx, versionKey).Val() == 1 {
-						versionDrops++
+					n, err := d.Redis.Del(opCtx, versionKey).Result()
+					if err != nil {
+						errs <- fmt.Errorf("drop the version key: %w", err)
+						return
 					}
+					versionDrops += n
 				case <-runCtx.Done():
 					return
 				}

@@ -155,6 +155,7 @@ func Eval(ctx context.Context, cc *redis.ClusterClient, script *redis.Script, ke
 // package documentation) and, when cc reads from replicas, ends with
 // READONLY: the connection goes back to the node client's pool, which cc
 // also uses to read from that node once a failover has made it a replica.
+// Exec it once: READWRITE is queued only at the start.
 func Pipeline(ctx context.Context, cc *redis.ClusterClient, node *redis.Client) redis.Pipeliner {
 	pipe := node.Pipeline()
 	pipe.ReadWrite(ctx)

@@ -112,7 +112,8 @@ func ValidatePrefix(prefix string) error {
 }
 
 // Tagged returns prefix + "{" + Escape(tag) + "}" + suffix: a key whose hash
-// slot depends only on tag, never on prefix, suffix or the bytes of tag.
+// slot depends only on tag, never on prefix, suffix or the bytes of tag,
+// provided prefix holds no brace (ValidatePrefix; callers check it once).
 // Keys built with the same tag land in the same Redis Cluster slot.
 //
 // Redis ignores an empty hash tag ("{}") and hashes the whole key instead, so

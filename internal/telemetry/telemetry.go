@@ -31,8 +31,8 @@ func Enabled(mp metric.MeterProvider) bool {
 	return !isNoop
 }
 
-// Instruments creates instruments on one meter and remembers the first
-// errors, so a constructor can create all of its instruments and check once.
+// Instruments creates instruments on one meter and remembers every error,
+// so a constructor can create all of its instruments and check once.
 // An instrument that fails to be created is replaced by a no-op one, so the
 // returned values are always usable.
 type Instruments struct {
