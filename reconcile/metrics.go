@@ -12,7 +12,8 @@ import (
 )
 
 // Attributes of the package's instruments. The name is the projection's
-// collection name (a board), bounded; documents report an empty name.
+// collection name (a board), bounded; documents report their Target's
+// Namespace (a document's own name is an id: unbounded).
 const (
 	AttributeName    = "verity.reconcile.name"
 	AttributeMode    = "verity.reconcile.mode"    // full, sample, keys
@@ -58,8 +59,8 @@ func newReconcileMetrics(cfg *Config, target Target) (*reconcileMetrics, error) 
 	}
 	in := telemetry.New(cfg.MeterProvider, "reconcile")
 	name := target.Name
-	if target.Kind == projection.KindDocument { // a document's Name is an id: unbounded
-		name = ""
+	if target.Kind == projection.KindDocument {
+		name = target.Namespace
 	}
 	m := &reconcileMetrics{
 		name: attribute.String(AttributeName, name),

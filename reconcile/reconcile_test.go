@@ -765,3 +765,50 @@ func TestTornReadIsNotCorrupt(t *testing.T) {
 		})
 	}
 }
+
+// TestReportCarry adds an earlier pass of a run (stopped by a slot move) to
+// the pass run again: a full pass saw the earlier repairs' entities as
+// current, so they go back to their classes; a sampled pass drew other
+// rows, so everything adds up.
+func TestReportCarry(t *testing.T) {
+	t.Parallel()
+	row := &Row{Key: "k", Version: 2}
+	pass := func(sampled bool, findings ...Finding) *Report {
+		rep := newReport(RunOptions{Sample: map[bool]int{true: 10}[sampled]})
+		for i := range findings {
+			rep.Checked++
+			rep.record(&findings[i], 5)
+		}
+		return rep
+	}
+	current := Finding{Class: ClassCurrent}
+	repaired := Finding{Class: ClassMissing, Key: "m", Source: row, Result: ResultRepaired}
+	reported := Finding{Class: ClassAhead, Key: "a", Source: row, Result: ResultReported}
+
+	t.Run("Full", func(t *testing.T) {
+		t.Parallel()
+		earlier := pass(false, current, repaired, reported)
+		later := pass(false, current, current, reported) // m is current now
+		later.carry(earlier, 5)
+		require.EqualValues(t, 3, later.Checked)
+		require.Equal(t, map[Class]int64{ClassCurrent: 1, ClassMissing: 1, ClassAhead: 1}, later.Counts)
+		require.Equal(t, map[Result]int64{ResultRepaired: 1, ResultReported: 1}, later.Results)
+		require.EqualValues(t, 1, later.Repaired)
+		require.EqualValues(t, 1, later.Skipped)
+		require.Equal(t, "m", later.Examples[ClassMissing][0].Key)
+		require.Len(t, later.Examples[ClassAhead], 1, "the ahead entry was checked again, not twice")
+		require.Equal(t, earlier.Started, later.Started)
+	})
+	t.Run("Sampled", func(t *testing.T) {
+		t.Parallel()
+		earlier := pass(true, current, repaired)
+		later := pass(true, current, current, reported)
+		later.carry(earlier, 5)
+		require.EqualValues(t, 5, later.Checked)
+		require.Equal(t, map[Class]int64{ClassCurrent: 3, ClassMissing: 1, ClassAhead: 1}, later.Counts)
+		require.Equal(t, map[Result]int64{ResultRepaired: 1, ResultReported: 1}, later.Results)
+		require.EqualValues(t, 1, later.Repaired)
+		require.EqualValues(t, 1, later.Skipped)
+		require.Equal(t, "m", later.Examples[ClassMissing][0].Key)
+	})
+}

@@ -196,15 +196,37 @@ func newReport(opts RunOptions) *Report {
 	}
 }
 
-// carry adds to r, a pass that Run ran again after a slot move, the repairs
-// an earlier pass of the same run wrote: r saw their entities as the
-// repairs left them (current, or gone for a removal), so they move back to
-// the classes they were repaired from. What the earlier pass only read, or
-// left uncertain, r has checked again. The run's start and duration span
-// both passes.
+// carry adds to r, a pass that Run ran again after a slot move, what an
+// earlier pass of the same run did. The run's start and duration span both
+// passes.
+//
+// A full pass checks every row again: r saw the entities the earlier pass
+// repaired as the repairs left them (current, or gone for a removal), so
+// those repairs move back to the classes they were repaired from, and what
+// the earlier pass only read, or left uncertain, r has checked anew. A
+// sampled pass draws a new sample, so the two passes' reports add up.
 func (r *Report) carry(earlier *Report, examples int) {
 	r.Duration += r.Started.Sub(earlier.Started)
 	r.Started = earlier.Started
+	if r.Sampled {
+		r.Checked += earlier.Checked
+		r.Scanned += earlier.Scanned
+		for c, n := range earlier.Counts {
+			r.Counts[c] += n
+		}
+		for res, n := range earlier.Results {
+			r.Results[res] += n
+		}
+		for c, n := range earlier.RepairedByClass {
+			r.RepairedByClass[c] += n
+		}
+		r.Repaired += earlier.Repaired
+		r.Skipped += earlier.Skipped
+		r.Uncertain += earlier.Uncertain
+		r.rewritten += earlier.rewritten
+		r.keepExamples(earlier, examples, func(*Finding) bool { return true })
+		return
+	}
 	if earlier.Repaired == 0 {
 		return
 	}
@@ -215,19 +237,27 @@ func (r *Report) carry(earlier *Report, examples int) {
 	for c, n := range earlier.RepairedByClass {
 		r.Counts[c] += n
 		r.RepairedByClass[c] += n
+	}
+	r.Results[ResultRepaired] += earlier.Repaired
+	r.Repaired += earlier.Repaired
+	r.rewritten += earlier.rewritten
+	r.keepExamples(earlier, examples, func(f *Finding) bool { return f.Result == ResultRepaired })
+}
+
+// keepExamples puts the examples of earlier that keep selects before r's
+// own, up to examples per class.
+func (r *Report) keepExamples(earlier *Report, examples int, keep func(*Finding) bool) {
+	for c, fs := range earlier.Examples {
 		var kept []Finding
-		for _, f := range earlier.Examples[c] {
-			if f.Result == ResultRepaired && len(kept)+len(r.Examples[c]) < examples {
-				kept = append(kept, f)
+		for i := range fs {
+			if keep(&fs[i]) && len(kept)+len(r.Examples[c]) < examples {
+				kept = append(kept, fs[i])
 			}
 		}
 		if len(kept) > 0 {
 			r.Examples[c] = append(kept, r.Examples[c]...)
 		}
 	}
-	r.Results[ResultRepaired] += earlier.Repaired
-	r.Repaired += earlier.Repaired
-	r.rewritten += earlier.rewritten
 }
 
 // record accounts for one finding whose Result is final.
