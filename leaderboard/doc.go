@@ -121,8 +121,8 @@
 // answers from Redis anyway (the Freshness tells the caller), FallbackToPostgres
 // answers from PostgreSQL (also when Redis fails), FailClosed returns a
 // *StaleError. A Redis read that meets a score the projection never writes
-// (a hand edit: ±inf, a fraction, out of [MinScore, MaxScore]) fails like
-// Redis failing, rather than answer a garbage score. PostgreSQL answers use
+// (a hand edit: ±inf, a fraction, out of [MinScore, MaxScore]) fails with
+// ErrCorruptScore, like Redis failing, rather than answer a garbage score. PostgreSQL answers use
 // the same order and ranks; counting a rank there costs O(rank) index
 // entries, which is why it is a fallback.
 //

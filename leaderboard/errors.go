@@ -48,6 +48,12 @@ var (
 	// ErrInvalidLimit is returned for a page size outside [1, MaxPageSize]
 	// (Around also accepts 0 neighbours).
 	ErrInvalidLimit = fmt.Errorf("leaderboard: page size must be between 1 and %d", MaxPageSize)
+	// ErrCorruptScore is returned by a read from Redis that met a
+	// sorted-set score the projection never writes (±inf, a fraction, a
+	// value outside [MinScore, MaxScore]: a hand edit or another writer).
+	// Like any failed Redis read it is answered from PostgreSQL under
+	// FallbackToPostgres; the reconciler repairs the entry.
+	ErrCorruptScore = errors.New("leaderboard: reading Redis: a sorted-set score the projection never writes")
 )
 
 // ConfigError reports a configuration field, or a dependency, that New or

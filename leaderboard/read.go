@@ -580,17 +580,11 @@ func parseScriptRange(res any) ([]Entry, error) {
 	return entries, nil
 }
 
-// errCorruptScore matches the error of a Redis read that met a sorted-set
-// score the board's projection never writes (see boardScore). Like any
-// other failed Redis read, it is returned to the caller, or answered from
-// PostgreSQL under FallbackToPostgres.
-var errCorruptScore = errors.New("leaderboard: corrupt score in Redis")
-
 // boardScore returns the board score of user's sorted-set score z: its
 // negation, which must be an integer within [MinScore, MaxScore]. Any other
 // z (NaN, ±inf, a fraction, out of range) was left by a hand edit or
 // another writer, never by the projection: every Redis read refuses it
-// with errCorruptScore rather than answer a garbage score (Go's conversion
+// with ErrCorruptScore rather than answer a garbage score (Go's conversion
 // of ±inf or of an out-of-range float to int64 is implementation-defined)
 // or build a cursor decodeCursor would refuse.
 func boardScore(user string, z float64) (int64, error) {
@@ -598,7 +592,7 @@ func boardScore(user string, z float64) (int64, error) {
 	s := -z
 	if math.IsNaN(s) || s != math.Trunc(s) || s < float64(MinScore) || s > float64(MaxScore) {
 		return 0, fmt.Errorf("%w: member %q of the sorted set has score %v, not the negation of an integer within [%d, %d]",
-			errCorruptScore, user, z, MinScore, MaxScore)
+			ErrCorruptScore, user, z, MinScore, MaxScore)
 	}
 	return int64(s), nil
 }

@@ -349,22 +349,22 @@ func TestReadPolicies(t *testing.T) {
 
 			// The script-based reads refuse the entry...
 			_, _, err := tb.board.Rank(ctx, "mallory")
-			require.ErrorIs(t, err, errCorruptScore, msg)
+			require.ErrorIs(t, err, ErrCorruptScore, msg)
 			_, err = tb.board.Around(ctx, "alice", 2) // mallory is 1 or 2 away
-			require.ErrorIs(t, err, errCorruptScore, msg)
+			require.ErrorIs(t, err, ErrCorruptScore, msg)
 			// ...and so do Top and the first page, read with ZRANGE,
 			// rather than answer a garbage score.
 			r, err := tb.board.Top(ctx, 10)
-			require.ErrorIs(t, err, errCorruptScore, "%s: %+v", msg, r)
+			require.ErrorIs(t, err, ErrCorruptScore, "%s: %+v", msg, r)
 			if z < -10 { // mallory comes first
 				r, err = tb.board.Top(ctx, 1)
-				require.ErrorIs(t, err, errCorruptScore, "%s: %+v", msg, r)
+				require.ErrorIs(t, err, ErrCorruptScore, "%s: %+v", msg, r)
 			} else { // mallory follows alice: the page after her meets it too
 				r, err = tb.board.Page(ctx, first.Next, 10)
-				require.ErrorIs(t, err, errCorruptScore, "%s: %+v", msg, r)
+				require.ErrorIs(t, err, ErrCorruptScore, "%s: %+v", msg, r)
 			}
 			r, err = tb.board.Page(ctx, "", 10)
-			require.ErrorIs(t, err, errCorruptScore, "%s: %+v", msg, r)
+			require.ErrorIs(t, err, ErrCorruptScore, "%s: %+v", msg, r)
 
 			// Like any failed Redis read, FallbackToPostgres answers from
 			// PostgreSQL, which has no mallory.
@@ -381,7 +381,7 @@ func TestReadPolicies(t *testing.T) {
 		// Redis refuses a NaN score; the rule refuses it too. The range's
 		// bounds are board scores.
 		_, err = boardScore("mallory", math.NaN())
-		require.ErrorIs(t, err, errCorruptScore)
+		require.ErrorIs(t, err, ErrCorruptScore)
 		for _, s := range []int64{MinScore, -1, 0, 1, MaxScore} {
 			got, err := boardScore("mallory", -float64(s))
 			require.NoError(t, err)
