@@ -104,7 +104,7 @@ func OnMaster(ctx context.Context, cc *redis.ClusterClient, key string, queue fu
 		return err
 	}
 	deadline := time.Now().Add(AwaitTimeout)
-	for {
+	for moves := 0; ; moves++ {
 		err = send(ctx, cc, node, false, queue)
 		addr, ok := redis.IsMovedError(err)
 		if !ok {
@@ -115,7 +115,14 @@ func OnMaster(ctx context.Context, cc *redis.ClusterClient, key string, queue fu
 		}
 		// Until the deadline: a map reloaded mid-failover may name a node
 		// that is not the owner either (go-redis picks a random node for
-		// a slot its map lacks), which answers MOVED in turn.
+		// a slot its map lacks), which answers MOVED in turn. From the
+		// second MOVED on, the reload gets a poll interval first, rather
+		// than every node being asked in turn at full speed.
+		if moves > 0 {
+			if err := sleep(ctx, pollInterval); err != nil {
+				return err
+			}
+		}
 		next, awaitErr := awaitMaster(ctx, cc, key, addr, node.Options().Addr, deadline)
 		if awaitErr != nil {
 			return fmt.Errorf("%w (after %w)", awaitErr, err)
