@@ -504,15 +504,18 @@ func TestSubmitGroups(t *testing.T) {
 		defer tx.Rollback(ctx) //nolint:errcheck // rolled back below
 		_, err = tx.Exec(ctx, `SELECT 1 FROM user_scores WHERE user_id = 'user-a' FOR UPDATE`)
 		require.NoError(t, err)
+		var holder int32
+		require.NoError(t, tx.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&holder))
 		blocked := make(chan outcome, 1)
 		go func() {
 			res, err := tb.board.Submit(ctx, Command{EventID: uuid.New(), UserID: "user-a", Delta: 1})
 			blocked <- outcome{res, err}
 		}()
+		// Blocked by this test's transaction, not some other test's lock.
 		require.Eventually(t, func() bool {
 			var waiting bool
 			err := tb.pg.Pool.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM pg_stat_activity
-				WHERE wait_event_type = 'Lock' AND query LIKE '%score_events%' AND datname = current_database())`).Scan(&waiting)
+				WHERE $1 = ANY (pg_blocking_pids(pid)))`, holder).Scan(&waiting)
 			return err == nil && waiting
 		}, 5*time.Second, 5*time.Millisecond, "the Submit of user-a did not wait for the lock")
 
