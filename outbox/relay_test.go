@@ -434,7 +434,6 @@ func TestRelayLease(t *testing.T) {
 		}()
 		receive(t, slow.started)
 		require.EqualValues(t, 1, b.expireLeases(t), "the batch holds one partition")
-		require.True(t, leaseExpired(b))
 		close(slow.release)
 		require.NoError(t, receive(t, done), "the claim token is still ours, so the work counts")
 		require.Zero(t, b.count(t, b.writer.Table()))
@@ -861,7 +860,7 @@ func TestRelayRun(t *testing.T) {
 		startRun(t, r)
 		b.appendCommitted(t, newMessage("s", "a", 1))
 		require.Eventually(t, func() bool { return len(h.seen()) == 1 }, 5*time.Second, 10*time.Millisecond)
-		require.Zero(t, listenerPid(b), "no LISTEN connection with DisableNotify")
+		requireNoListener(t, b, "no LISTEN connection with DisableNotify")
 	})
 
 	t.Run("SurvivesKilledConnections", func(t *testing.T) {
@@ -911,7 +910,7 @@ func TestRelayRun(t *testing.T) {
 		require.NoError(t, stop())
 		require.True(t, finished.Load(), "Run returned only after the batch finished")
 		require.Zero(t, b.count(t, b.writer.Table()), "the finished batch was acknowledged")
-		require.Zero(t, listenerPid(b), "the LISTEN connection is closed")
+		requireNoListener(t, b, "the LISTEN connection is closed")
 	})
 
 	// A claim already sent when Run is stopped is part of the batch in
@@ -1043,14 +1042,31 @@ func (b *testBundle) appendNow(t *testing.T, msgs ...outbox.Message) time.Time {
 
 // listenerPid finds the backend LISTENing on the bundle's channel, or 0 (also
 // on error: it runs inside Eventually, where the test must not be failed).
+// listenerPid returns the pid of the relay's LISTEN connection, or 0 when
+// there is none, or when the query fails (for require.Eventually; use
+// requireNoListener to assert there is none).
 func listenerPid(b *testBundle) int {
-	var pid int
-	err := b.pool.QueryRow(context.Background(), `SELECT COALESCE(max(pid), 0) FROM pg_stat_activity WHERE query = $1`,
-		`LISTEN "`+b.writer.Channel()+`"`).Scan(&pid)
+	pid, err := queryListenerPid(b)
 	if err != nil {
 		return 0
 	}
 	return pid
+}
+
+func queryListenerPid(b *testBundle) (int, error) {
+	var pid int
+	err := b.pool.QueryRow(context.Background(), `SELECT COALESCE(max(pid), 0) FROM pg_stat_activity WHERE query = $1`,
+		`LISTEN "`+b.writer.Channel()+`"`).Scan(&pid)
+	return pid, err
+}
+
+// requireNoListener asserts that no connection is listening on the outbox's
+// channel.
+func requireNoListener(t *testing.T, b *testBundle, msg string) {
+	t.Helper()
+	pid, err := queryListenerPid(b)
+	require.NoError(t, err)
+	require.Zero(t, pid, msg)
 }
 
 func waitListening(t *testing.T, b *testBundle) int {
@@ -1163,15 +1179,6 @@ func TestRelayConfig(t *testing.T) {
 		require.NotEmpty(t, got.Name)
 		require.NotNil(t, got.Logger)
 	})
-}
-
-// leaseExpired reports whether every partition lease has ended, by the
-// database's clock (false on error: it runs inside Eventually).
-func leaseExpired(b *testBundle) bool {
-	var expired bool
-	err := b.pool.QueryRow(context.Background(), `SELECT COALESCE(bool_and(leased_until <= now()), true) FROM `+b.leasesTable()+
-		` WHERE leased_until IS NOT NULL`).Scan(&expired)
-	return err == nil && expired
 }
 
 // expireLeases ends every live partition lease now, by the database's
