@@ -459,12 +459,7 @@ func (r *Reconciler) recheckTorn(ctx context.Context, findings []Finding) error 
 	if r.target.Kind == projection.KindDocument {
 		return nil
 	}
-	var keys []string
-	for i := range findings {
-		if findings[i].Class == ClassCorrupt {
-			keys = append(keys, findings[i].Key)
-		}
-	}
+	keys := keysOf(findings, ClassCorrupt)
 	if len(keys) == 0 {
 		return nil
 	}
@@ -487,6 +482,17 @@ func (r *Reconciler) recheckTorn(ctx context.Context, findings []Finding) error 
 	return nil
 }
 
+// keysOf returns the keys of the findings of class c, in order.
+func keysOf(findings []Finding, c Class) []string {
+	var keys []string
+	for i := range findings {
+		if findings[i].Class == c {
+			keys = append(keys, findings[i].Key)
+		}
+	}
+	return keys
+}
+
 // sameProjected reports whether two reads of an entry found the same state.
 func sameProjected(a, b Projected) bool {
 	return a.HasValue == b.HasValue && a.Score == b.Score && bytes.Equal(a.Data, b.Data) &&
@@ -505,12 +511,7 @@ func sameProjected(a, b Projected) bool {
 // keeps the projected state that was read, which any repair then insists
 // on.
 func (r *Reconciler) recheckAhead(ctx context.Context, findings []Finding) error {
-	var keys []string
-	for i := range findings {
-		if findings[i].Class == ClassAhead {
-			keys = append(keys, findings[i].Key)
-		}
-	}
+	keys := keysOf(findings, ClassAhead)
 	if len(keys) == 0 {
 		return nil
 	}
