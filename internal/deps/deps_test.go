@@ -1,0 +1,24 @@
+package deps
+
+import (
+	"testing"
+
+	"github.com/redis/go-redis/v9"
+	"github.com/stretchr/testify/require"
+)
+
+func TestMissing(t *testing.T) {
+	t.Parallel()
+	var client *redis.Client
+	var universal redis.UniversalClient = client
+	var fn func()
+	var m map[string]int
+	for name, v := range map[string]any{"Nil": nil, "NilPointer": client, "TypedNilInInterface": universal, "NilFunc": fn, "NilMap": m} {
+		require.True(t, Missing(v), name)
+	}
+	live := redis.NewClient(&redis.Options{})
+	t.Cleanup(func() { _ = live.Close() })
+	for name, v := range map[string]any{"Client": live, "Func": func() {}, "EmptyMap": map[string]int{}, "Zero": 0, "Struct": struct{}{}} {
+		require.False(t, Missing(v), name)
+	}
+}
