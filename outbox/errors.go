@@ -69,6 +69,16 @@ func (e *ConfigError) Error() string {
 // Is makes a *ConfigError match ErrInvalidConfig.
 func (e *ConfigError) Is(target error) bool { return target == ErrInvalidConfig }
 
+// missingTx refuses a nil transaction given to a Writer method.
+func missingTx() error {
+	return &ConfigError{Field: "tx", Reason: "is nil; pass the caller's open transaction (a pgx.Tx, or SQLTx of a *sql.Tx)"}
+}
+
+// missingDB refuses a nil database handle.
+func missingDB() error {
+	return &ConfigError{Field: "db", Reason: "is nil; pass a database handle (a *pgxpool.Pool, a connection or a transaction)"}
+}
+
 // MessageError describes the first invalid message of an Append call, or
 // the invalid input of RecordCommand (Index 0).
 type MessageError struct {

@@ -82,3 +82,38 @@ func TestHostileIdentifiers(t *testing.T) {
 	require.NoError(t, pg.Pool.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, pgx.Identifier{pg.Schema, "victim"}.Sanitize()).Scan(&victimExists))
 	require.True(t, victimExists, "no injected statement ran")
 }
+
+// TestMissingHandles passes nil (and typed-nil) transactions and database
+// handles: each call returns a *ConfigError naming the argument, instead
+// of dereferencing it.
+func TestMissingHandles(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	b := setup(t)
+	var noTx pgx.Tx
+	var noConn *pgx.Conn
+	id := uuid.New()
+	for name, call := range map[string]struct {
+		field string
+		run   func() error
+	}{
+		"Migrate":            {"db", func() error { return outbox.Migrate(ctx, nil, nil) }},
+		"MigrateTypedNil":    {"db", func() error { return outbox.Migrate(ctx, noConn, nil) }},
+		"Append":             {"tx", func() error { return b.writer.Append(ctx, noTx, newMessage("s", "k", 1)) }},
+		"RecordCommand":      {"tx", func() error { _, err := b.writer.RecordCommand(ctx, nil, id, []byte("f")); return err }},
+		"StoreCommandResult": {"tx", func() error { return b.writer.StoreCommandResult(ctx, nil, id, []byte("r")) }},
+		"PruneCommands":      {"db", func() error { _, err := b.writer.PruneCommands(ctx, noConn, time.Hour); return err }},
+		"NewNotifier":        {"db", func() error { _, err := outbox.NewNotifier(noConn, b.writer.Channel(), nil); return err }},
+		"NewRelayHandler": {"handler", func() error {
+			_, err := outbox.NewRelay(b.pool, outbox.HandlerFunc(nil), &outbox.RelayConfig{Schema: b.cfg.Schema})
+			return err
+		}},
+	} {
+		err := call.run()
+		require.ErrorIs(t, err, outbox.ErrInvalidConfig, name)
+		var cfgErr *outbox.ConfigError
+		require.ErrorAs(t, err, &cfgErr, name)
+		require.Equal(t, call.field, cfgErr.Field, name)
+	}
+	require.Empty(t, b.rows(t), "nothing was written")
+}

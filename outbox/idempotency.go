@@ -10,6 +10,8 @@ import (
 
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
+
+	"github.com/verity-go/verity/internal/deps"
 )
 
 // Command is what RecordCommand knows about a command after recording it.
@@ -70,6 +72,9 @@ RETURNING created_at`
 // SERIALIZABLE the waiting transaction fails with a serialization error
 // instead, which the caller retries.
 func (w *Writer) RecordCommand(ctx context.Context, tx Tx, eventID uuid.UUID, fingerprint []byte) (Command, error) {
+	if deps.Missing(tx) {
+		return Command{}, missingTx()
+	}
 	if eventID == uuid.Nil {
 		return Command{}, &MessageError{Field: "EventID", Reason: "is the nil UUID; give every command a stable, unique id"}
 	}
@@ -106,6 +111,9 @@ func (w *Writer) RecordCommand(ctx context.Context, tx Tx, eventID uuid.UUID, fi
 // same answer. Call it in the transaction that recorded the command. It
 // returns ErrCommandNotRecorded when the id is unknown.
 func (w *Writer) StoreCommandResult(ctx context.Context, tx Tx, eventID uuid.UUID, result []byte) error {
+	if deps.Missing(tx) {
+		return missingTx()
+	}
 	var ok bool
 	err := tx.QueryRow(ctx, w.storeResultSQL, pgUUID(eventID), result).Scan(&ok)
 	if errors.Is(err, pgx.ErrNoRows) {
@@ -122,6 +130,9 @@ const pruneCommandsSQL = `DELETE FROM %s WHERE created_at < now() - $1 * interva
 // deletion is index-backed (created_at); run it periodically, from any
 // process.
 func (w *Writer) PruneCommands(ctx context.Context, db Execer, retention time.Duration) (int64, error) {
+	if deps.Missing(db) {
+		return 0, missingDB()
+	}
 	if retention <= 0 {
 		return 0, &ConfigError{Field: "retention", Reason: "must be positive"}
 	}

@@ -13,6 +13,8 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/verity-go/verity/internal/deps"
 )
 
 //go:embed migrations/*.sql
@@ -171,6 +173,9 @@ func MigrationSQL(cfg *Config) (string, error) {
 // takes a lock that makes writers or relays wait, so calling it at every
 // start-up is safe.
 func Migrate(ctx context.Context, db Execer, cfg *Config) error {
+	if deps.Missing(db) {
+		return missingDB()
+	}
 	script, err := MigrationSQL(cfg)
 	if err != nil {
 		return err

@@ -9,6 +9,8 @@ import (
 	"sync/atomic"
 	"time"
 	"unicode/utf8"
+
+	"github.com/verity-go/verity/internal/deps"
 )
 
 // Defaults applied by NotifierConfig.WithDefaults to zero-valued fields.
@@ -139,7 +141,7 @@ type Notifier struct {
 // channel is the outbox's channel, Writer.Channel. Bad arguments and
 // configuration are reported as a *ConfigError (ErrInvalidConfig).
 func NewNotifier(db Execer, channel string, cfg *NotifierConfig) (*Notifier, error) {
-	if db == nil {
+	if deps.Missing(db) {
 		return nil, &ConfigError{Field: "db", Reason: "is nil; pass a database handle (a *pgxpool.Pool)"}
 	}
 	// PostgreSQL refuses channel names of NAMEDATALEN (64) bytes or more:

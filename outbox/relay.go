@@ -18,6 +18,8 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/verity-go/verity/internal/deps"
 )
 
 // settleTimeout bounds the statement that acknowledges, retries, buries and
@@ -63,7 +65,7 @@ func NewRelay(pool *pgxpool.Pool, handler Handler, cfg *RelayConfig) (*Relay, er
 	if pool == nil {
 		return nil, &ConfigError{Field: "pool", Reason: "is nil; pass the *pgxpool.Pool of the outbox's database"}
 	}
-	if handler == nil {
+	if deps.Missing(handler) {
 		return nil, &ConfigError{Field: "handler", Reason: "is nil; pass the Handler that projects the records"}
 	}
 	cfg = cfg.WithDefaults()

@@ -10,6 +10,8 @@ import (
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgtype"
+
+	"github.com/verity-go/verity/internal/deps"
 )
 
 // Writer appends messages to the outbox and records command idempotency keys,
@@ -90,7 +92,10 @@ func pgUUID(id uuid.UUID) pgtype.UUID { return pgtype.UUID{Bytes: id, Valid: tru
 // failed statement, it aborts tx.
 func (w *Writer) Append(ctx context.Context, tx Tx, msgs ...Message) error {
 	if len(msgs) == 0 {
-		return nil
+		return nil // nothing to write, whatever tx is
+	}
+	if deps.Missing(tx) {
+		return missingTx()
 	}
 	if err := validateMessages(msgs); err != nil {
 		return err
