@@ -18,6 +18,7 @@ import (
 	"github.com/redis/go-redis/v9"
 
 	"github.com/verity-go/verity/internal/clusterpin"
+	"github.com/verity-go/verity/internal/deps"
 	"github.com/verity-go/verity/outbox"
 	"github.com/verity-go/verity/projection"
 )
@@ -97,7 +98,7 @@ func New(pool *pgxpool.Pool, rdb redis.UniversalClient, cfg *Config) (*Board, er
 	if pool == nil {
 		return nil, &ConfigError{Field: "pool", Reason: "is nil; pass the *pgxpool.Pool of the board's database"}
 	}
-	if rdb == nil {
+	if deps.Missing(rdb) {
 		return nil, &ConfigError{Field: "rdb", Reason: "is nil; pass a redis.UniversalClient (a *redis.Client or *redis.ClusterClient)"}
 	}
 	if cfg == nil {
@@ -109,7 +110,7 @@ func New(pool *pgxpool.Pool, rdb redis.UniversalClient, cfg *Config) (*Board, er
 	}
 	w, err := outbox.NewWriter(&outbox.Config{Schema: c.Schema, Table: c.OutboxTable})
 	if err != nil {
-		return nil, fmt.Errorf("leaderboard: outbox: %w", err)
+		return nil, fromOutboxConfig("Config.", err)
 	}
 	ks, err := projection.NewKeyspace(c.KeyPrefix)
 	if err != nil {
@@ -328,7 +329,7 @@ func (b *Board) SubmitTx(ctx context.Context, tx outbox.Tx, cmd Command) (Result
 }
 
 func (b *Board) submitTx(ctx context.Context, tx outbox.Tx, cmd Command) (Result, error) {
-	if tx == nil {
+	if deps.Missing(tx) {
 		return Result{}, errors.New("leaderboard: SubmitTx needs a transaction (a pgx.Tx, or outbox.SQLTx of a *sql.Tx)")
 	}
 	if err := b.validate(0, cmd); err != nil {

@@ -8,6 +8,7 @@ import (
 
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
+	"github.com/redis/go-redis/v9"
 	"github.com/stretchr/testify/require"
 
 	"github.com/verity-go/verity/internal/testenv"
@@ -104,6 +105,14 @@ func TestConfig(t *testing.T) {
 			{"cfg", func() (*Board, error) { return New(pg.Pool, rd.Client, nil) }},
 			{"Config.Name", func() (*Board, error) { return New(pg.Pool, rd.Client, &Config{}) }},
 			{"Config.MaxLag", func() (*Board, error) { return New(pg.Pool, rd.Client, &Config{Name: "b", MaxLag: -1}) }},
+			{"rdb", func() (*Board, error) { return New(pg.Pool, (*redis.Client)(nil), &Config{Name: "b"}) }},
+			// Checked by the outbox, reported as the board's.
+			{"Config.Schema", func() (*Board, error) {
+				return New(pg.Pool, rd.Client, &Config{Name: "b", Schema: strings.Repeat("s", 64)})
+			}},
+			{"Config.OutboxTable", func() (*Board, error) {
+				return New(pg.Pool, rd.Client, &Config{Name: "b", OutboxTable: strings.Repeat("t", 64)})
+			}},
 		} {
 			board, err := tc.new()
 			require.Nil(t, board)
@@ -150,5 +159,21 @@ func TestConfig(t *testing.T) {
 			require.ErrorAs(t, err, &cfgErr)
 			require.Equal(t, "WorkerConfig.Relay", cfgErr.Field)
 		}
+		worker, err := tb.board.Worker(&WorkerConfig{Relay: &outbox.RelayConfig{BatchSize: -1}})
+		require.Nil(t, worker)
+		var cfgErr *ConfigError
+		require.ErrorAs(t, err, &cfgErr, "the relay's refusal is the board's")
+		require.Equal(t, "WorkerConfig.Relay.BatchSize", cfgErr.Field)
+	})
+
+	t.Run("MigrateRefusesBadInput", func(t *testing.T) {
+		t.Parallel()
+		ctx := context.Background()
+		var cfgErr *ConfigError
+		require.ErrorAs(t, Migrate(ctx, nil, &Config{}), &cfgErr)
+		require.Equal(t, "db", cfgErr.Field)
+		pg := testenv.Postgres(t)
+		require.ErrorAs(t, Migrate(ctx, pg.Pool, &Config{Schema: strings.Repeat("s", 64)}), &cfgErr)
+		require.Equal(t, "Config.Schema", cfgErr.Field)
 	})
 }

@@ -6,6 +6,8 @@ import (
 	"time"
 
 	"github.com/google/uuid"
+
+	"github.com/verity-go/verity/outbox"
 )
 
 // Sentinel errors. Every error the package returns for a caller's mistake or
@@ -72,6 +74,22 @@ func (e *ConfigError) Error() string {
 
 // Is makes a *ConfigError match ErrInvalidConfig.
 func (e *ConfigError) Is(target error) bool { return target == ErrInvalidConfig }
+
+// fromOutboxConfig turns an outbox.ConfigError about a field the board
+// passes on (its Schema and OutboxTable, a WorkerConfig.Relay field) into
+// the board's own *ConfigError, with the field named as the caller set it
+// (prefix + the outbox's field name); other errors are wrapped as they are.
+func fromOutboxConfig(prefix string, err error) error {
+	var oc *outbox.ConfigError
+	if !errors.As(err, &oc) {
+		return fmt.Errorf("leaderboard: %w", err)
+	}
+	field := prefix + oc.Field
+	if field == "Config.Table" {
+		field = "Config.OutboxTable"
+	}
+	return &ConfigError{Field: field, Reason: oc.Reason}
+}
 
 // ValidationError reports a Command field that was refused. Nothing was
 // written. It matches ErrInvalidCommand.

@@ -3,12 +3,14 @@ package leaderboard
 import (
 	"context"
 	_ "embed"
+	"errors"
 	"fmt"
 	"strings"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 
+	"github.com/verity-go/verity/internal/deps"
 	"github.com/verity-go/verity/outbox"
 )
 
@@ -62,8 +64,14 @@ func quoteLiteral(s string) string {
 // takes an advisory lock). Only Schema and OutboxTable are used; Name may be
 // empty.
 func Migrate(ctx context.Context, db Execer, cfg *Config) error {
+	if deps.Missing(db) {
+		return &ConfigError{Field: "db", Reason: "is nil; pass the board's database (a *pgxpool.Pool, a connection or a transaction)"}
+	}
 	c := cfg.WithDefaults()
 	if err := outbox.Migrate(ctx, db, &outbox.Config{Schema: c.Schema, Table: c.OutboxTable}); err != nil {
+		if errors.As(err, new(*outbox.ConfigError)) {
+			return fromOutboxConfig("Config.", err)
+		}
 		return fmt.Errorf("leaderboard: migrate: %w", err)
 	}
 	// Without arguments pgx sends the script with the simple protocol: all

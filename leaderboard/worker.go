@@ -82,7 +82,7 @@ func (b *Board) Worker(cfg *WorkerConfig) (*Worker, error) {
 	}
 	relay, err := outbox.NewRelay(b.pool, projector, &rc)
 	if err != nil {
-		return nil, fmt.Errorf("leaderboard: worker: %w", err)
+		return nil, fromOutboxConfig("WorkerConfig.Relay.", err)
 	}
 	return &Worker{projector: projector, relay: relay}, nil
 }
