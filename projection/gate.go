@@ -11,6 +11,8 @@ import (
 	"time"
 
 	"github.com/redis/go-redis/v9"
+
+	"github.com/verity-go/verity/internal/deps"
 )
 
 //go:embed gate.lua
@@ -183,8 +185,8 @@ const layoutRetries = 3
 // that fail alone get the error. Redis keeps what a failed script wrote
 // before its error, so a write applied then comes back a duplicate.
 func (g *Gate) run(ctx context.Context, mode, token string, writes []Write, isolate bool) ([]Outcome, []error, error) {
-	if g == nil || g.client == nil || g.script == nil {
-		return nil, nil, errors.New("projection: Gate has no Redis client; create it with NewGate(client, keyspace)")
+	if g == nil || deps.Missing(g.client) || g.script == nil {
+		return nil, nil, &ConfigError{Field: "client", Reason: "is nil: the Gate has no Redis client; create it with NewGate(client, keyspace)"}
 	}
 	for i := range writes {
 		if err := validateWrite(i, &writes[i]); err != nil {

@@ -9,6 +9,7 @@ import (
 	"github.com/redis/go-redis/v9"
 	"go.opentelemetry.io/otel/metric"
 
+	"github.com/verity-go/verity/internal/deps"
 	"github.com/verity-go/verity/outbox"
 )
 
@@ -94,11 +95,11 @@ var (
 // namespaces could name the same document (one a prefix of another, see
 // DocumentMapper) is refused with *ConfigError.
 func NewRedisProjector(client redis.UniversalClient, mapper Mapper, cfg *Config) (*RedisProjector, error) {
-	if client == nil {
-		return nil, errors.New("projection: NewRedisProjector: client is nil; pass a redis.UniversalClient")
+	if deps.Missing(client) {
+		return nil, &ConfigError{Field: "client", Reason: "is nil; pass a redis.UniversalClient"}
 	}
-	if mapper == nil {
-		return nil, errors.New("projection: NewRedisProjector: mapper is nil; pass a Mapper such as SortedSetMapper(\"board\")")
+	if deps.Missing(mapper) {
+		return nil, &ConfigError{Field: "mapper", Reason: "is nil; pass a Mapper such as SortedSetMapper(\"board\")"}
 	}
 	if err := checkNamespaces(mapper); err != nil {
 		return nil, err

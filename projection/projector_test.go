@@ -262,10 +262,29 @@ func TestNewRedisProjector(t *testing.T) {
 	client := redis.NewClient(&redis.Options{Addr: "127.0.0.1:1"}) // never dialled
 	t.Cleanup(func() { _ = client.Close() })
 
-	_, err := NewRedisProjector(nil, testMapper(), nil)
-	require.ErrorContains(t, err, "client is nil")
-	_, err = NewRedisProjector(client, nil, nil)
-	require.ErrorContains(t, err, "mapper is nil")
+	// Absent dependencies, typed nils included, are refused up front, not
+	// met as a nil dereference on the first batch.
+	var noClient *redis.Client
+	for name, tc := range map[string]struct {
+		client redis.UniversalClient
+		mapper Mapper
+		field  string
+	}{
+		"NilClient":      {nil, testMapper(), "client"},
+		"TypedNilClient": {noClient, testMapper(), "client"},
+		"NilMapper":      {client, nil, "mapper"},
+		"NilMapperFunc":  {client, MapperFunc(nil), "mapper"},
+	} {
+		_, err := NewRedisProjector(tc.client, tc.mapper, nil)
+		require.ErrorIs(t, err, ErrInvalidConfig, name)
+		var cfgErr *ConfigError
+		require.ErrorAs(t, err, &cfgErr, name)
+		require.Equal(t, tc.field, cfgErr.Field, name)
+	}
+	ks, err := NewKeyspace("gate:")
+	require.NoError(t, err)
+	_, err = NewGate(noClient, ks).Apply(context.Background(), nil)
+	require.ErrorIs(t, err, ErrInvalidConfig, "a Gate without a client")
 	_, err = NewRedisProjector(client, testMapper(), &Config{Prefix: "bad{"})
 	require.ErrorContains(t, err, "Config.Prefix")
 
