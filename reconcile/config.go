@@ -9,6 +9,7 @@ import (
 	"github.com/redis/go-redis/v9"
 	"go.opentelemetry.io/otel/metric"
 
+	"github.com/verity-go/verity/internal/deps"
 	"github.com/verity-go/verity/projection"
 )
 
@@ -228,7 +229,7 @@ type Target struct {
 }
 
 func (t Target) validate() error {
-	if t.Client == nil {
+	if deps.Missing(t.Client) {
 		return &ConfigError{Field: "Target.Client", Reason: "must not be nil"}
 	}
 	switch t.Kind {

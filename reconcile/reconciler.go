@@ -17,6 +17,7 @@ import (
 	"github.com/redis/go-redis/v9"
 
 	"github.com/verity-go/verity/internal/clusterpin"
+	"github.com/verity-go/verity/internal/deps"
 	"github.com/verity-go/verity/projection"
 )
 
@@ -68,7 +69,7 @@ type Reconciler struct {
 
 // New returns a Reconciler checking target against source. cfg may be nil.
 func New(source Source, target Target, cfg *Config) (*Reconciler, error) {
-	if source == nil {
+	if deps.Missing(source) {
 		return nil, &ConfigError{Field: "source", Reason: "must not be nil; use NewSQLSource"}
 	}
 	if err := target.validate(); err != nil {

@@ -4,10 +4,13 @@ import (
 	"context"
 	"database/sql"
 	"strconv"
+	"strings"
 	"testing"
 
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgtype"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/redis/go-redis/v9"
 	"github.com/stretchr/testify/require"
 
 	"github.com/verity-go/verity/internal/testenv"
@@ -227,6 +230,11 @@ func TestSQLSource(t *testing.T) {
 			require.Equal(t, field, cfgErr.Field)
 			require.ErrorIs(t, err, ErrInvalidConfig)
 		}
+		_, err := NewSQLSource((*pgxpool.Pool)(nil), &ok)
+		var dbErr *ConfigError
+		require.ErrorAs(t, err, &dbErr, "a typed-nil pool")
+		require.Equal(t, "db", dbErr.Field)
+
 		// A filter that PostgreSQL receives as NULL matches no row.
 		var nilText *string
 		for name, value := range map[string]any{"Nil": nil, "NilPointer": nilText, "NullValuer": pgtype.Text{}, "NullSQL": sql.NullInt64{}} {
@@ -243,7 +251,7 @@ func TestSQLSource(t *testing.T) {
 			_, err := NewSQLSource(pg.Pool, &cfg)
 			require.NoError(t, err, name)
 		}
-		_, err := NewSQLSource(pg.Pool, &ok)
+		_, err = NewSQLSource(pg.Pool, &ok)
 		require.NoError(t, err)
 	})
 }
@@ -307,21 +315,23 @@ func TestNewValidation(t *testing.T) {
 		target Target
 		cfg    *Config
 	}{
-		"source":                  {nil, okTarget, nil},
-		"Target.Client":           {src, Target{Kind: projection.KindHash}, nil},
-		"Target.Kind":             {src, Target{Client: rd.Client}, nil},
-		"Target.Name":             {src, Target{Client: rd.Client, Kind: projection.KindDocument, Name: "x"}, nil},
-		"Target.Namespace":        {src, Target{Client: rd.Client, Kind: projection.KindHash, Name: "h", Namespace: "x:"}, nil},
-		"Config.PageSize":         {src, okTarget, &Config{PageSize: -1}},
-		"Config.ExamplesPerClass": {src, okTarget, &Config{ExamplesPerClass: -2}},
-		"Config.RepairTimeout":    {src, okTarget, &Config{RepairTimeout: -1}},
-		"Config.RebuildMarkerTTL": {src, okTarget, &Config{RebuildMarkerTTL: 1}},
-		"Config.Policy.Ahead":     {src, okTarget, &Config{Policy: Policy{Ahead: 7}}},
+		"source":                    {nil, okTarget, nil},
+		"Target.Client":             {src, Target{Kind: projection.KindHash}, nil},
+		"Target.Kind":               {src, Target{Client: rd.Client}, nil},
+		"Target.Name":               {src, Target{Client: rd.Client, Kind: projection.KindDocument, Name: "x"}, nil},
+		"Target.Namespace":          {src, Target{Client: rd.Client, Kind: projection.KindHash, Name: "h", Namespace: "x:"}, nil},
+		"Target.Client (typed nil)": {src, Target{Client: (*redis.Client)(nil), Kind: projection.KindHash, Name: "h"}, nil},
+		"source (typed nil)":        {(*SQLSource)(nil), okTarget, nil},
+		"Config.PageSize":           {src, okTarget, &Config{PageSize: -1}},
+		"Config.ExamplesPerClass":   {src, okTarget, &Config{ExamplesPerClass: -2}},
+		"Config.RepairTimeout":      {src, okTarget, &Config{RepairTimeout: -1}},
+		"Config.RebuildMarkerTTL":   {src, okTarget, &Config{RebuildMarkerTTL: 1}},
+		"Config.Policy.Ahead":       {src, okTarget, &Config{Policy: Policy{Ahead: 7}}},
 	} {
 		_, err := New(tc.source, tc.target, tc.cfg)
 		var cfgErr *ConfigError
 		require.ErrorAs(t, err, &cfgErr, field)
-		require.Equal(t, field, cfgErr.Field)
+		require.Equal(t, strings.TrimSuffix(field, " (typed nil)"), cfgErr.Field)
 	}
 	r, err := New(src, okTarget, nil)
 	require.NoError(t, err)

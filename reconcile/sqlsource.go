@@ -6,7 +6,6 @@ import (
 	"errors"
 	"fmt"
 	"math"
-	"reflect"
 	"strconv"
 	"strings"
 
@@ -15,6 +14,7 @@ import (
 	"github.com/jackc/pgx/v5/pgtype"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/verity-go/verity/internal/deps"
 	"github.com/verity-go/verity/projection"
 )
 
@@ -78,14 +78,8 @@ type SQLSourceConfig struct {
 // pointer, slice, map or interface, or a driver.Valuer (sql.NullString,
 // pgtype.Text, …) whose value is nil.
 func sentAsNull(v any) bool {
-	if v == nil {
+	if deps.Missing(v) {
 		return true
-	}
-	switch rv := reflect.ValueOf(v); rv.Kind() {
-	case reflect.Pointer, reflect.Slice, reflect.Map, reflect.Interface, reflect.Func, reflect.Chan:
-		if rv.IsNil() {
-			return true
-		}
 	}
 	if valuer, ok := v.(driver.Valuer); ok {
 		value, err := valuer.Value()
@@ -120,7 +114,7 @@ type SQLSource struct {
 
 // NewSQLSource validates cfg and returns a source reading through db.
 func NewSQLSource(db DBTX, cfg *SQLSourceConfig) (*SQLSource, error) {
-	if db == nil {
+	if deps.Missing(db) {
 		return nil, &ConfigError{Field: "db", Reason: "must not be nil; pass a *pgxpool.Pool"}
 	}
 	if cfg == nil {

@@ -15,6 +15,7 @@ import (
 	"github.com/redis/go-redis/v9"
 
 	"github.com/verity-go/verity/internal/clusterpin"
+	"github.com/verity-go/verity/internal/deps"
 	"github.com/verity-go/verity/internal/keyenc"
 )
 
@@ -86,7 +87,7 @@ type Cache[T any] struct {
 // New returns a Cache storing values through client, configured by config
 // (nil means all defaults).
 func New[T any](client redis.UniversalClient, config *Config) (*Cache[T], error) {
-	if client == nil {
+	if deps.Missing(client) {
 		return nil, ErrNilClient
 	}
 	cfg := config.WithDefaults()

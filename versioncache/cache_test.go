@@ -90,6 +90,8 @@ func TestNew(t *testing.T) {
 		t.Parallel()
 		_, err := New[product](nil, nil)
 		require.ErrorIs(t, err, ErrNilClient)
+		_, err = New[product]((*redis.Client)(nil), nil)
+		require.ErrorIs(t, err, ErrNilClient, "a typed nil is refused too, not dereferenced on the first Get")
 	})
 
 	t.Run("InvalidConfig", func(t *testing.T) {
