@@ -334,12 +334,18 @@ func (c *Cache[T]) loadAndFill(ctx context.Context, id string, r readResult, loa
 	if r.lease == leaseHeldByUs {
 		token = c.leaseToken
 	}
-	stored, err := c.lua.fill.Run(ctx, c.client,
+	// The fill (which also releases our lease) is every joined caller's
+	// and every waiting process's, not only this caller's: it runs even
+	// when this caller's ctx ended after its load.
+	fillCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), detachedTimeout)
+	defer cancel()
+	stored, err := c.lua.fill.Run(fillCtx, c.client,
 		[]string{c.versionKey(id), c.currentKey(id), c.leaseKey(id)},
 		r.version, joinVersioned(r.version, data), c.config.TTL.Milliseconds(), token).Int()
 	switch {
 	case err != nil:
 		// The loaded value is current; only caching it failed.
+		c.releaseLease(ctx, id, r)
 		c.stats.redisErrors.Add(1)
 		c.config.Logger.WarnContext(ctx, "versioncache: fill failed; serving loaded value uncached",
 			slog.String("id", id), slog.String("error", err.Error()))
@@ -351,13 +357,18 @@ func (c *Cache[T]) loadAndFill(ctx context.Context, id string, r readResult, loa
 	return val, nil
 }
 
-// releaseLease gives up this process's lease after a failed load, even when
-// ctx is what failed, so other processes need not wait FillLeaseTTL.
+// detachedTimeout bounds the Redis calls that run on after the caller's ctx
+// ended because others depend on them: a fill, a lease's release.
+const detachedTimeout = time.Second
+
+// releaseLease gives up this process's lease after a failed load or fill,
+// even when ctx is what failed, so other processes need not wait
+// FillLeaseTTL.
 func (c *Cache[T]) releaseLease(ctx context.Context, id string, r readResult) {
 	if r.lease != leaseHeldByUs {
 		return
 	}
-	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Second)
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), detachedTimeout)
 	defer cancel()
 	if err := c.lua.release.Run(ctx, c.client, []string{c.leaseKey(id)}, r.version, c.leaseToken).Err(); err != nil {
 		c.config.Logger.WarnContext(ctx, "versioncache: releasing fill lease failed",

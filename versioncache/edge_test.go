@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/gob"
+	"errors"
 	"strconv"
 	"testing"
 	"time"
@@ -180,6 +181,30 @@ func TestLeaseReleasedOnLoadError(t *testing.T) {
 	require.ErrorIs(t, err, ErrLoad)
 
 	got, err := caches[1].Get(ctx, "p", src.loader("p"))
+	require.NoError(t, err)
+	require.Equal(t, want, got)
+	require.Zero(t, caches[1].Stats().LeaseWaits, "no lease left to wait for")
+}
+
+// TestFillOutlivesTheLoadingCaller ends the loading caller's ctx right
+// after its load succeeded: the fill, which every joined caller and
+// waiting process depends on (it also releases the lease), still runs, so
+// the next process finds the value cached instead of waiting out the
+// lease.
+func TestFillOutlivesTheLoadingCaller(t *testing.T) {
+	t.Parallel()
+	caches, src := newProcesses(t, 2, Config{FillLeaseWait: 10 * time.Second})
+	want := src.write("p", 1)
+	ctx, cancel := context.WithCancel(context.Background())
+	_, _ = caches[0].Get(ctx, "p", func(ctx context.Context) (product, error) {
+		p, err := src.loader("p")(ctx)
+		cancel() // the request ends as its load returns
+		return p, err
+	})
+
+	got, err := caches[1].Get(context.Background(), "p", func(context.Context) (product, error) {
+		return product{}, errors.New("loaded again: the value was not cached")
+	})
 	require.NoError(t, err)
 	require.Equal(t, want, got)
 	require.Zero(t, caches[1].Stats().LeaseWaits, "no lease left to wait for")
