@@ -131,9 +131,10 @@ type Notifier struct {
 	closed  bool
 	// lastSent is when the last NOTIFY was sent. It outlives the sending
 	// goroutine so that Interval also holds across an idle exit and restart.
-	lastSent time.Time
-	stop     chan struct{} // closed by Close
-	wg       sync.WaitGroup
+	lastSent   time.Time
+	stop       chan struct{} // closed by Close
+	closedDone chan struct{} // closed when the first Close returns
+	wg         sync.WaitGroup
 }
 
 // NewNotifier returns a Notifier that sends NOTIFY on channel through db
@@ -154,11 +155,12 @@ func NewNotifier(db Execer, channel string, cfg *NotifierConfig) (*Notifier, err
 		return nil, err
 	}
 	return &Notifier{
-		db:      db,
-		channel: channel,
-		cfg:     c,
-		kick:    make(chan struct{}, 1),
-		stop:    make(chan struct{}),
+		db:         db,
+		channel:    channel,
+		cfg:        c,
+		kick:       make(chan struct{}, 1),
+		stop:       make(chan struct{}),
+		closedDone: make(chan struct{}),
 	}, nil
 }
 
@@ -186,7 +188,8 @@ func (n *Notifier) Notify() {
 
 // Close stops the Notifier: it sends a pending notification (bounded by
 // Timeout), waits for the sending goroutine to exit and makes later calls
-// to Notify no-ops. It is safe to call more than once.
+// to Notify no-ops. It is safe to call more than once, and concurrently:
+// every call returns once the notification is sent.
 func (n *Notifier) Close() {
 	n.mu.Lock()
 	first := !n.closed
@@ -195,12 +198,17 @@ func (n *Notifier) Close() {
 		close(n.stop)
 	}
 	n.mu.Unlock()
+	if !first {
+		<-n.closedDone
+		return
+	}
+	defer close(n.closedDone)
 	n.wg.Wait()
 	// A Notify that marked the Notifier dirty but had not started its
 	// goroutine when Close ran finds it closed and returns, and a Notify
 	// that found it dirty returned trusting that goroutine: the owed
 	// notification is sent here.
-	if first && n.dirty.Swap(false) {
+	if n.dirty.Swap(false) {
 		n.send()
 	}
 }

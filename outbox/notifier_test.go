@@ -30,6 +30,23 @@ func (c *countingExecer) Exec(ctx context.Context, sql string, args ...any) (pgc
 	return c.db.Exec(ctx, sql, args...)
 }
 
+// gatedExecer holds each statement until release is closed, after saying
+// so on entered, then passes it to a real pool.
+type gatedExecer struct {
+	db      Execer
+	entered chan struct{}
+	release chan struct{}
+}
+
+func (g *gatedExecer) Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error) {
+	select {
+	case g.entered <- struct{}{}:
+	default:
+	}
+	<-g.release
+	return g.db.Exec(ctx, sql, args...)
+}
+
 type notifierBundle struct {
 	pool    *pgxpool.Pool
 	db      *countingExecer
@@ -185,6 +202,30 @@ func TestNotifier(t *testing.T) {
 		n.Close()  // idempotent
 		require.False(t, n.isRunning())
 		require.Equal(t, int64(2), b.db.calls.Load())
+	})
+
+	t.Run("ConcurrentCloseWaitsForTheOwedSend", func(t *testing.T) {
+		t.Parallel()
+		// A second Close must not return while the first still sends the
+		// owed notification: its caller may close the pool next.
+		b := setupNotifier(t)
+		db := &gatedExecer{db: b.pool, entered: make(chan struct{}, 1), release: make(chan struct{})}
+		n, err := NewNotifier(db, b.channel, nil)
+		require.NoError(t, err)
+		n.dirty.Store(true) // owed, no goroutine started: Close sends it
+		first := make(chan struct{})
+		go func() { n.Close(); close(first) }()
+		<-db.entered
+		second := make(chan struct{})
+		go func() { n.Close(); close(second) }()
+		select {
+		case <-second:
+			t.Fatal("the second Close returned while the first was still sending")
+		case <-time.After(50 * time.Millisecond):
+		}
+		close(db.release)
+		<-first
+		<-second
 	})
 
 	t.Run("CloseSendsWhatARacingNotifyOwes", func(t *testing.T) {
