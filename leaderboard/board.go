@@ -151,12 +151,12 @@ func New(pool *pgxpool.Pool, rdb redis.UniversalClient, cfg *Config) (*Board, er
 	return b, nil
 }
 
-// Close waits for the Submit statements under way to finish and stops the
-// board's relay wake-ups (its outbox.Notifier), sending a pending one
-// first. Calling it is good practice at shutdown but optional:
-// the wake-up goroutine only runs while submits keep coming and exits
-// within outbox.NotifierIdleTimeoutDefault (100 ms) of the last one, so a
-// board that is dropped without Close leaves no goroutine behind. After
+// Close waits for the Submit and SubmitBatch statements under way to
+// finish and stops the board's relay wake-ups (its outbox.Notifier),
+// sending a pending one first. Calling it is good practice at shutdown but
+// optional: the wake-up goroutine only runs while submits keep coming and
+// exits within outbox.NotifierIdleTimeoutDefault (100 ms) of the last one,
+// so a board that is dropped without Close leaves no goroutine behind. After
 // Close the board still works; its Submit and SubmitBatch then no longer
 // wake the relays, which find the rows at their next poll. Close does not
 // close the pool or the Redis client. It is safe to call more than once.
@@ -248,6 +248,7 @@ func (b *Board) submit(ctx context.Context, cmd Command) (Result, error) {
 		return Result{}, err
 	}
 	if b.cfg.MaxSubmitsPerStatement == 1 {
+		defer b.group.track()()
 		return b.submitOne(ctx, cmd)
 	}
 	return b.group.submit(ctx, cmd)
@@ -405,7 +406,9 @@ func (b *Board) checkDuplicate(cmd Command, res Result, board, user string, delt
 // projection would skip the intermediate ones anyway). As with Submit, the
 // relays are woken after the commit by the board's outbox.Notifier.
 func (b *Board) SubmitBatch(ctx context.Context, cmds []Command) ([]Result, error) {
+	done := b.group.track()
 	out, err := b.submitBatch(ctx, cmds, batchOptions{})
+	done()
 	if err != nil {
 		b.metrics.submitted(ctx, len(cmds), false, err)
 		return out, err

@@ -173,6 +173,21 @@ func (g *submitGroup) take() (calls []*submitCall, done chan struct{}) {
 	return calls, g.underWayLocked()
 }
 
+// track records a statement that a caller sends itself (grouping off,
+// SubmitBatch) as under way, so that Close waits for it too, and returns
+// the function that ends it.
+func (g *submitGroup) track() (done func()) {
+	g.mu.Lock()
+	ch := g.underWayLocked()
+	g.mu.Unlock()
+	return func() {
+		g.mu.Lock()
+		delete(g.inFlight, ch)
+		g.mu.Unlock()
+		close(ch)
+	}
+}
+
 // underWayLocked records a statement as under way and returns the channel
 // to close when it is done. g.mu must be held.
 func (g *submitGroup) underWayLocked() chan struct{} {

@@ -217,10 +217,17 @@ func TestSubmitGroups(t *testing.T) {
 	t.Run("OneTurnsGroupingOff", func(t *testing.T) {
 		t.Parallel()
 		tb := setup(t, func(c *Config) { c.MaxSubmitsPerStatement = 1 })
-		// With the group's lock held, a Submit that went through the group
-		// would wait for it.
+		// With every statement slot of the group counted as busy, a Submit
+		// that went through the group would queue with no flusher to take
+		// it.
 		g := &tb.board.group
-		g.mu.Lock()
+		setFlushers := func(n int) {
+			g.mu.Lock()
+			defer g.mu.Unlock()
+			g.flushers = n
+		}
+		setFlushers(tb.board.cfg.SubmitStatements)
+		defer setFlushers(0)
 		out := make(chan outcome, 1)
 		go func() {
 			res, err := tb.board.Submit(ctx, Command{EventID: uuid.New(), UserID: "user-a", Delta: 1})
@@ -229,9 +236,7 @@ func TestSubmitGroups(t *testing.T) {
 		var o outcome
 		select {
 		case o = <-out:
-			g.mu.Unlock()
 		case <-time.After(5 * time.Second):
-			g.mu.Unlock()
 			t.Fatal("Submit went through the group")
 		}
 		require.NoError(t, o.err)
@@ -409,6 +414,54 @@ func TestSubmitGroups(t *testing.T) {
 		require.NoError(t, live.err)
 		require.ErrorIs(t, dead.err, context.Canceled)
 		require.Zero(t, gb.transactions(t, dead.cmd.EventID))
+	})
+
+	// Close waits for statements that callers send themselves too: an
+	// ungrouped Submit and a SubmitBatch, held up by a row lock.
+	t.Run("CloseWaitsForUngroupedAndBatchStatements", func(t *testing.T) {
+		t.Parallel()
+		for name, send := range map[string]func(b *Board) error{
+			"Ungrouped": func(b *Board) error {
+				_, err := b.Submit(ctx, Command{EventID: uuid.New(), UserID: "user-a", Delta: 1})
+				return err
+			},
+			"Batch": func(b *Board) error {
+				_, err := b.SubmitBatch(ctx, []Command{{EventID: uuid.New(), UserID: "user-a", Delta: 1}})
+				return err
+			},
+		} {
+			t.Run(name, func(t *testing.T) {
+				t.Parallel()
+				tb := setup(t, func(c *Config) { c.MaxSubmitsPerStatement = 1 })
+				require.NoError(t, send(tb.board)) // user-a's row exists
+				tx, err := tb.pg.Pool.Begin(ctx)
+				require.NoError(t, err)
+				defer tx.Rollback(ctx) //nolint:errcheck // rolled back below
+				_, err = tx.Exec(ctx, `SELECT 1 FROM user_scores WHERE user_id = 'user-a' FOR UPDATE`)
+				require.NoError(t, err)
+				var holder int32
+				require.NoError(t, tx.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&holder))
+				sent := make(chan error, 1)
+				go func() { sent <- send(tb.board) }()
+				require.Eventually(t, func() bool {
+					var waiting bool
+					err := tb.pg.Pool.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM pg_stat_activity
+						WHERE $1 = ANY (pg_blocking_pids(pid)))`, holder).Scan(&waiting)
+					return err == nil && waiting
+				}, 5*time.Second, 5*time.Millisecond, "the statement did not wait for the lock")
+
+				closed := make(chan struct{})
+				go func() { tb.board.Close(); close(closed) }()
+				select {
+				case <-closed:
+					t.Fatal("Close returned while a statement was under way")
+				case <-time.After(100 * time.Millisecond):
+				}
+				require.NoError(t, tx.Rollback(ctx))
+				require.NoError(t, <-sent)
+				<-closed
+			})
+		}
 	})
 
 	t.Run("CloseDuringSubmits", func(t *testing.T) {
