@@ -30,6 +30,9 @@ const (
 	ReadAheadDefault = 4
 	// ReadAheadMax is the largest Config.ReadAhead.
 	ReadAheadMax = 64
+	// SampleMax is the largest RunOptions.Sample: a sample is held in
+	// memory, and a larger one is a full run's work done less well.
+	SampleMax = 1_000_000
 )
 
 // Action is what a run does about a class of findings.

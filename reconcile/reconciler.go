@@ -27,7 +27,7 @@ type RunOptions struct {
 	// Source.Sample instead of the whole source and, for collections, up to
 	// Sample random versioned projection entries (HRANDFIELD) for orphans,
 	// instead of scanning the projection. Memory is proportional to
-	// Sample; keep samples small.
+	// Sample; keep samples small. At most SampleMax.
 	Sample int
 	// DryRun classifies and reports without writing anything; findings the
 	// policy would repair get ResultDryRun. Hooks other than OnAlert are not
@@ -231,6 +231,8 @@ func (r *Reconciler) run(ctx context.Context, opts RunOptions) (*Report, error) 
 	rep := newReport(opts)
 	var err error
 	switch {
+	case opts.Sample > SampleMax:
+		err = &ConfigError{Field: "RunOptions.Sample", Reason: fmt.Sprintf("is %d; use at most %d (SampleMax), or 0 for a full run", opts.Sample, SampleMax)}
 	case opts.Sample > 0:
 		err = r.runSample(ctx, opts, rep)
 	case opts.Sample < 0:

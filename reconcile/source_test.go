@@ -339,6 +339,8 @@ func TestNewValidation(t *testing.T) {
 
 	_, err = r.Run(context.Background(), RunOptions{Sample: -1})
 	require.ErrorIs(t, err, ErrInvalidConfig)
+	_, err = r.Run(context.Background(), RunOptions{Sample: SampleMax + 1})
+	require.ErrorIs(t, err, ErrInvalidConfig, "a sample too large to hold")
 
 	require.Equal(t, ActionRepair, Policy{}.For(ClassStale))
 	require.Equal(t, ActionReport, Policy{}.For(ClassOrphan))
