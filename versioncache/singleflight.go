@@ -2,9 +2,13 @@ package versioncache
 
 import (
 	"context"
-	"fmt"
+	"errors"
 	"sync"
 )
+
+// errLoadAbandoned is what the callers sharing a load get when the load
+// panicked or its goroutine exited without returning.
+var errLoadAbandoned = errors.New("versioncache: the shared load panicked or exited without returning")
 
 // flightGroup runs one function per key at a time and hands its result to
 // every caller that asked for the same key meanwhile. The key always names a
@@ -46,11 +50,11 @@ func (g *flightGroup[T]) do(ctx context.Context, key string, fn func() (T, error
 	finished := false
 	defer func() {
 		if !finished {
-			// fn panicked: release the waiters with an error, then let the
-			// panic continue in the caller that ran fn.
-			c.err = fmt.Errorf("versioncache: loader panicked: %v", recover())
+			// fn panicked, or called runtime.Goexit (t.FailNow in a
+			// test's loader): the waiters get an error, and the panic or
+			// Goexit goes on, as it is, in the caller that ran fn.
+			c.err = errLoadAbandoned
 			g.release(key, c)
-			panic(c.err)
 		}
 	}()
 	c.val, c.err = fn()

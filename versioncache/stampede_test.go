@@ -2,6 +2,7 @@ package versioncache
 
 import (
 	"context"
+	"runtime"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -220,4 +221,27 @@ func TestLeaseFollowsVersion(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, want, got)
 	require.EqualValues(t, 1, caches[0].Stats().Hits)
+}
+
+// TestFlightLoadExits has the load a caller runs exit its goroutine
+// (runtime.Goexit, as t.FailNow does in a test's loader): the goroutine
+// ends as Go ends it, without a panic that would stop the program, and the
+// flight is over, so the next call for the key runs its own load.
+func TestFlightLoadExits(t *testing.T) {
+	t.Parallel()
+	var g flightGroup[int]
+	exited := make(chan struct{})
+	go func() {
+		defer close(exited)
+		_, _, _ = g.do(context.Background(), "k", func() (int, error) {
+			runtime.Goexit()
+			return 0, nil
+		})
+		t.Error("do returned although the load's goroutine exited")
+	}()
+	<-exited
+	v, shared, err := g.do(context.Background(), "k", func() (int, error) { return 7, nil })
+	require.NoError(t, err)
+	require.False(t, shared)
+	require.Equal(t, 7, v)
 }
