@@ -122,9 +122,17 @@ func (c *Cache[T]) compare(ctx context.Context, id string, cached T, load IDLoad
 	return current, bytes.Equal(a, b), nil
 }
 
-// sample returns n distinct elements of ids in random order, or all of them.
+// sample returns n distinct ids of ids in random order, or all of them
+// (each once: an id listed twice is still one id).
 func sample(ids []string, n int) []string {
-	out := append([]string(nil), ids...)
+	out := make([]string, 0, len(ids))
+	seen := make(map[string]struct{}, len(ids))
+	for _, id := range ids {
+		if _, dup := seen[id]; !dup {
+			seen[id] = struct{}{}
+			out = append(out, id)
+		}
+	}
 	if n <= 0 || n >= len(out) {
 		return out
 	}

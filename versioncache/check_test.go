@@ -31,7 +31,7 @@ func TestCheck(t *testing.T) {
 		t.Parallel()
 		b := setup(t, nil)
 		ids := fill(t, b, 20)
-		ids = append(ids, "never-read")
+		ids = append(ids, "never-read", ids[0], "never-read") // listed twice: checked once
 		report, err := b.cache.Check(ctx, ids, 0, byID(b))
 		require.NoError(t, err)
 		require.Equal(t, 21, report.Sampled)
