@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 )
@@ -434,21 +435,10 @@ func TestSubmitGroups(t *testing.T) {
 				t.Parallel()
 				tb := setup(t, func(c *Config) { c.MaxSubmitsPerStatement = 1 })
 				require.NoError(t, send(tb.board)) // user-a's row exists
-				tx, err := tb.pg.Pool.Begin(ctx)
-				require.NoError(t, err)
-				defer tx.Rollback(ctx) //nolint:errcheck // rolled back below
-				_, err = tx.Exec(ctx, `SELECT 1 FROM user_scores WHERE user_id = 'user-a' FOR UPDATE`)
-				require.NoError(t, err)
-				var holder int32
-				require.NoError(t, tx.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&holder))
+				tx, waitBlocked := lockUserRow(t, tb, "user-a")
 				sent := make(chan error, 1)
 				go func() { sent <- send(tb.board) }()
-				require.Eventually(t, func() bool {
-					var waiting bool
-					err := tb.pg.Pool.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM pg_stat_activity
-						WHERE $1 = ANY (pg_blocking_pids(pid)))`, holder).Scan(&waiting)
-					return err == nil && waiting
-				}, 5*time.Second, 5*time.Millisecond, "the statement did not wait for the lock")
+				waitBlocked("the statement did not wait for the lock")
 
 				closed := make(chan struct{})
 				go func() { tb.board.Close(); close(closed) }()
@@ -552,25 +542,13 @@ func TestSubmitGroups(t *testing.T) {
 		require.NoError(t, err)
 		// A caller's transaction holds user-a's row: the next Submit of
 		// user-a waits for it, in the board's only statement slot.
-		tx, err := tb.pg.Pool.Begin(ctx)
-		require.NoError(t, err)
-		defer tx.Rollback(ctx) //nolint:errcheck // rolled back below
-		_, err = tx.Exec(ctx, `SELECT 1 FROM user_scores WHERE user_id = 'user-a' FOR UPDATE`)
-		require.NoError(t, err)
-		var holder int32
-		require.NoError(t, tx.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&holder))
+		tx, waitBlocked := lockUserRow(t, tb, "user-a")
 		blocked := make(chan outcome, 1)
 		go func() {
 			res, err := tb.board.Submit(ctx, Command{EventID: uuid.New(), UserID: "user-a", Delta: 1})
 			blocked <- outcome{res, err}
 		}()
-		// Blocked by this test's transaction, not some other test's lock.
-		require.Eventually(t, func() bool {
-			var waiting bool
-			err := tb.pg.Pool.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM pg_stat_activity
-				WHERE $1 = ANY (pg_blocking_pids(pid)))`, holder).Scan(&waiting)
-			return err == nil && waiting
-		}, 5*time.Second, 5*time.Millisecond, "the Submit of user-a did not wait for the lock")
+		waitBlocked("the Submit of user-a did not wait for the lock")
 
 		// Other users' Submit calls go through while it waits.
 		sctx, cancel := context.WithTimeout(ctx, 5*time.Second)
@@ -664,4 +642,29 @@ func TestSubmitGroupsUnderLoad(t *testing.T) {
 	var shared int
 	require.NoError(t, tb.pg.Pool.QueryRow(ctx, `SELECT count(*) - count(DISTINCT xmin::text) FROM score_events`).Scan(&shared))
 	require.Positive(t, shared, "no two calls shared a statement")
+}
+
+// lockUserRow locks user's score row in a transaction of its own (rolled
+// back at cleanup, if the test has not ended it) and returns it, with a
+// function that waits until some statement is blocked by that transaction
+// — this test's, not another test's lock wait in the shared database.
+func lockUserRow(t *testing.T, tb *testBundle, user string) (pgx.Tx, func(msg string)) {
+	t.Helper()
+	ctx := context.Background()
+	tx, err := tb.pg.Pool.Begin(ctx)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = tx.Rollback(context.Background()) })
+	_, err = tx.Exec(ctx, `SELECT 1 FROM user_scores WHERE user_id = $1 FOR UPDATE`, user)
+	require.NoError(t, err)
+	var holder int32
+	require.NoError(t, tx.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&holder))
+	return tx, func(msg string) {
+		t.Helper()
+		require.Eventually(t, func() bool {
+			var waiting bool
+			err := tb.pg.Pool.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM pg_stat_activity
+				WHERE $1 = ANY (pg_blocking_pids(pid)))`, holder).Scan(&waiting)
+			return err == nil && waiting
+		}, 5*time.Second, 5*time.Millisecond, msg)
+	}
 }
