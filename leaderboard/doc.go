@@ -122,9 +122,9 @@
 // answers from PostgreSQL (also when Redis fails), FailClosed returns a
 // *StaleError. A Redis read that meets a score the projection never writes
 // (a hand edit: ±inf, a fraction, out of [MinScore, MaxScore]) fails with
-// ErrCorruptScore, like Redis failing, rather than answer a garbage score. PostgreSQL answers use
-// the same order and ranks; counting a rank there costs O(rank) index
-// entries, which is why it is a fallback.
+// ErrCorruptScore, like Redis failing, rather than answer a garbage score.
+// PostgreSQL answers use the same order and ranks; counting a rank there
+// costs O(rank) index entries, which is why it is a fallback.
 //
 // Read-your-writes: pass AtLeast(user, result.Version) to a read. It waits
 // up to Config.ReadYourWritesTimeout for the projection to reach that

@@ -365,11 +365,11 @@
 // not a failure and sets no backoff). Run waits for its own goroutines (the
 // listener, the metrics' Stats refresh) before returning; a LISTEN or Stats
 // statement under way gets the same grace as the batch. Every database call
-// honours its context. A
-// claim cut off by its context (or a broken connection) may still be running
-// on the server and commit; the relay then cancels it there, waits for its
-// transaction to end and frees what it leased (bounded by a few seconds), so
-// its partitions are not left to a lease nobody holds.
+// honours its context. A claim cut off by its context (or a broken
+// connection) may still be running on the server and commit; the relay then
+// cancels it there, waits for its transaction to end and frees what it
+// leased (bounded by a few seconds), so its partitions are not left to a
+// lease nobody holds.
 //
 // Run does not cut off a claim it has sent: the claim is part of the batch in
 // flight. A statement cut off by its context (RunOnce's, or any at
