@@ -335,17 +335,27 @@ func (c *Cache[T]) loadAndFill(ctx context.Context, id string, r readResult, loa
 		token = c.leaseToken
 	}
 	// The fill (which also releases our lease) is every joined caller's
-	// and every waiting process's, not only this caller's: it runs even
-	// when this caller's ctx ended after its load.
-	fillCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), detachedTimeout)
-	defer cancel()
+	// and every waiting process's, not only this caller's: when this
+	// caller's ctx ended with its load, it runs detached (bounded);
+	// otherwise within the caller's deadline.
+	fillCtx := ctx
+	if ctx.Err() != nil {
+		var cancel context.CancelFunc
+		fillCtx, cancel = context.WithTimeout(context.WithoutCancel(ctx), detachedTimeout)
+		defer cancel()
+	}
 	stored, err := c.lua.fill.Run(fillCtx, c.client,
 		[]string{c.versionKey(id), c.currentKey(id), c.leaseKey(id)},
 		r.version, joinVersioned(r.version, data), c.config.TTL.Milliseconds(), token).Int()
 	switch {
 	case err != nil:
-		// The loaded value is current; only caching it failed.
-		c.releaseLease(ctx, id, r)
+		// The loaded value is current; only caching it failed. If the
+		// caller's ctx ended during the fill, Redis is likely fine: give
+		// the lease back so that other processes need not wait it out. If
+		// Redis failed, a release would fail too; the lease expires.
+		if ctx.Err() != nil {
+			c.releaseLease(ctx, id, r)
+		}
 		c.stats.redisErrors.Add(1)
 		c.config.Logger.WarnContext(ctx, "versioncache: fill failed; serving loaded value uncached",
 			slog.String("id", id), slog.String("error", err.Error()))

@@ -23,6 +23,34 @@ func TestRedisUnavailable(t *testing.T) {
 		return rs, setupWith(t, client, "vc:", &Config{FailureMode: mode})
 	}
 
+	// A fill that Redis holds up stays within the caller's deadline (with a
+	// client that honours deadlines: go-redis's ContextTimeoutEnabled): the
+	// loaded value is returned when the deadline comes, uncached.
+	t.Run("SlowFillKeepsTheCallersDeadline", func(t *testing.T) {
+		t.Parallel()
+		rs := testenv.StartRedis(t)
+		client := rs.Client(t)
+		client.Options().ContextTimeoutEnabled = true
+		b := setupWith(t, client, "vc:", &Config{FailureMode: FailOpen})
+		want := b.truth.write("p1", 4900)
+		admin := rs.Client(t)
+		ctx, cancel := context.WithTimeout(ctx, 300*time.Millisecond)
+		defer cancel()
+		start := time.Now()
+		got, err := b.cache.Get(ctx, "p1", func(ctx context.Context) (product, error) {
+			// Writes (the fill's script) wait for 3 s from now.
+			if err := admin.Do(context.Background(), "CLIENT", "PAUSE", 3000, "WRITE").Err(); err != nil {
+				return product{}, err
+			}
+			return b.truth.loader("p1")(ctx)
+		})
+		elapsed := time.Since(start)
+		require.NoError(t, err)
+		require.Equal(t, want, got)
+		require.Less(t, elapsed, 1500*time.Millisecond, "Get outlived its 300 ms deadline")
+		require.NoError(t, admin.Do(context.Background(), "CLIENT", "UNPAUSE").Err())
+	})
+
 	t.Run("FailOpenServesTheDatabaseNeverTheOldValue", func(t *testing.T) {
 		t.Parallel()
 		rs, b := setupPrivate(t, FailOpen)
