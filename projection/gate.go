@@ -97,6 +97,9 @@ func (g *Gate) Keyspace() Keyspace { return g.ks }
 // client reaches. It is optional: Apply falls back to EVAL when a node
 // answers NOSCRIPT (after a restart or failover).
 func (g *Gate) Load(ctx context.Context) error {
+	if g == nil || deps.Missing(g.client) || g.script == nil {
+		return missingClient()
+	}
 	if err := g.script.Load(ctx, g.client).Err(); err != nil {
 		return fmt.Errorf("projection: load gate script: %w", err)
 	}
@@ -186,7 +189,7 @@ const layoutRetries = 3
 // before its error, so a write applied then comes back a duplicate.
 func (g *Gate) run(ctx context.Context, mode, token string, writes []Write, isolate bool) ([]Outcome, []error, error) {
 	if g == nil || deps.Missing(g.client) || g.script == nil {
-		return nil, nil, &ConfigError{Field: "client", Reason: "is nil: the Gate has no Redis client; create it with NewGate(client, keyspace)"}
+		return nil, nil, missingClient()
 	}
 	for i := range writes {
 		if err := validateWrite(i, &writes[i]); err != nil {
@@ -556,6 +559,11 @@ func (g *Gate) eval(ctx context.Context, groups []*slotGroup) ([][]any, []error)
 		replies[i], errs[i] = cmd.Slice()
 	}
 	return replies, errs
+}
+
+// missingClient refuses a Gate without a Redis client.
+func missingClient() error {
+	return &ConfigError{Field: "client", Reason: "is nil: the Gate has no Redis client; create it with NewGate(client, keyspace)"}
 }
 
 // isWrongType reports whether err is Redis's WRONGTYPE error, raised by a

@@ -281,6 +281,8 @@ func TestNewRedisProjector(t *testing.T) {
 		require.ErrorAs(t, err, &cfgErr, name)
 		require.Equal(t, tc.field, cfgErr.Field, name)
 	}
+	_, err := NewRedisProjector(client, StreamMapper(nil), nil)
+	require.NoError(t, err, "a nil StreamMapper maps no stream, and is a Mapper")
 	ks, err := NewKeyspace("gate:")
 	require.NoError(t, err)
 	_, err = NewGate(noClient, ks).Apply(context.Background(), nil)

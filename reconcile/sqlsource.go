@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"reflect"
 	"strconv"
 	"strings"
 
@@ -79,6 +80,10 @@ type SQLSourceConfig struct {
 // pgtype.Text, …) whose value is nil.
 func sentAsNull(v any) bool {
 	if deps.Missing(v) {
+		return true
+	}
+	// pgx sends a nil slice or map as NULL too.
+	if rv := reflect.ValueOf(v); (rv.Kind() == reflect.Slice || rv.Kind() == reflect.Map) && rv.IsNil() {
 		return true
 	}
 	if valuer, ok := v.(driver.Valuer); ok {

@@ -13,8 +13,12 @@ func TestMissing(t *testing.T) {
 	var universal redis.UniversalClient = client
 	var fn func()
 	var m map[string]int
-	for name, v := range map[string]any{"Nil": nil, "NilPointer": client, "TypedNilInInterface": universal, "NilFunc": fn, "NilMap": m} {
+	var s []int
+	for name, v := range map[string]any{"Nil": nil, "NilPointer": client, "TypedNilInInterface": universal, "NilFunc": fn} {
 		require.True(t, Missing(v), name)
+	}
+	for name, v := range map[string]any{"NilMap": m, "NilSlice": s} {
+		require.False(t, Missing(v), "%s reads as empty", name)
 	}
 	live := redis.NewClient(&redis.Options{})
 	t.Cleanup(func() { _ = live.Close() })
