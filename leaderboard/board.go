@@ -406,9 +406,10 @@ func (b *Board) checkDuplicate(cmd Command, res Result, board, user string, delt
 // projection would skip the intermediate ones anyway). As with Submit, the
 // relays are woken after the commit by the board's outbox.Notifier.
 func (b *Board) SubmitBatch(ctx context.Context, cmds []Command) ([]Result, error) {
-	done := b.group.track()
-	out, err := b.submitBatch(ctx, cmds, batchOptions{})
-	done()
+	out, err := func() ([]Result, error) {
+		defer b.group.track()()
+		return b.submitBatch(ctx, cmds, batchOptions{})
+	}()
 	if err != nil {
 		b.metrics.submitted(ctx, len(cmds), false, err)
 		return out, err

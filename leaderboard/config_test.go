@@ -164,6 +164,7 @@ func TestConfig(t *testing.T) {
 		var cfgErr *ConfigError
 		require.ErrorAs(t, err, &cfgErr, "the relay's refusal is the board's")
 		require.Equal(t, "WorkerConfig.Relay.BatchSize", cfgErr.Field)
+		require.ErrorIs(t, err, outbox.ErrInvalidConfig, "and still the outbox's")
 	})
 
 	t.Run("MigrateRefusesBadInput", func(t *testing.T) {

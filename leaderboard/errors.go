@@ -66,6 +66,10 @@ type ConfigError struct {
 	Field string
 	// Reason says what is wrong and how to fix it.
 	Reason string
+	// Err is the outbox's own *outbox.ConfigError when the outbox checked
+	// the field (Schema, OutboxTable, a WorkerConfig.Relay field), so that
+	// errors.Is(err, outbox.ErrInvalidConfig) holds as well; nil otherwise.
+	Err error
 }
 
 func (e *ConfigError) Error() string {
@@ -74,6 +78,9 @@ func (e *ConfigError) Error() string {
 
 // Is makes a *ConfigError match ErrInvalidConfig.
 func (e *ConfigError) Is(target error) bool { return target == ErrInvalidConfig }
+
+// Unwrap returns Err.
+func (e *ConfigError) Unwrap() error { return e.Err }
 
 // fromOutboxConfig turns an outbox.ConfigError about a field the board
 // passes on (its Schema and OutboxTable, a WorkerConfig.Relay field) into
@@ -88,7 +95,7 @@ func fromOutboxConfig(prefix string, err error) error {
 	if field == "Config.Table" {
 		field = "Config.OutboxTable"
 	}
-	return &ConfigError{Field: field, Reason: oc.Reason}
+	return &ConfigError{Field: field, Reason: oc.Reason, Err: err}
 }
 
 // ValidationError reports a Command field that was refused. Nothing was

@@ -100,6 +100,7 @@ func TestMissingHandles(t *testing.T) {
 		"Migrate":            {"db", func() error { return outbox.Migrate(ctx, nil, nil) }},
 		"MigrateTypedNil":    {"db", func() error { return outbox.Migrate(ctx, noConn, nil) }},
 		"Append":             {"tx", func() error { return b.writer.Append(ctx, noTx, newMessage("s", "k", 1)) }},
+		"AppendSQLTx":        {"tx", func() error { return b.writer.Append(ctx, outbox.SQLTx(nil), newMessage("s", "k", 1)) }},
 		"RecordCommand":      {"tx", func() error { _, err := b.writer.RecordCommand(ctx, nil, id, []byte("f")); return err }},
 		"StoreCommandResult": {"tx", func() error { return b.writer.StoreCommandResult(ctx, nil, id, []byte("r")) }},
 		"PruneCommands":      {"db", func() error { _, err := b.writer.PruneCommands(ctx, noConn, time.Hour); return err }},

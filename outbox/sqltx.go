@@ -14,8 +14,14 @@ import (
 // database/sql can append to the outbox in their own transactions. The
 // transaction must come from the pgx driver (github.com/jackc/pgx/v5/stdlib,
 // driver name "pgx"), which passes the outbox's array arguments through to
-// pgx unchanged; other drivers are not supported.
-func SQLTx(tx *sql.Tx) Tx { return sqlTx{tx: tx} }
+// pgx unchanged; other drivers are not supported. SQLTx(nil) is a nil Tx,
+// which every method taking a Tx refuses.
+func SQLTx(tx *sql.Tx) Tx {
+	if tx == nil {
+		return nil
+	}
+	return sqlTx{tx: tx}
+}
 
 type sqlTx struct{ tx *sql.Tx }
 
