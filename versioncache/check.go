@@ -40,8 +40,9 @@ type Divergence[T any] struct {
 }
 
 // Check compares the cached values of up to n ids picked at random from ids
-// (all of them when n <= 0 or n >= len(ids)) with the source of truth: the
-// standing, sampled assertion that the cache is honest (say 500 ids an hour).
+// (all of them when n <= 0 or n is at least the number of distinct ids)
+// with the source of truth: the standing, sampled assertion that the cache
+// is honest (say 500 ids an hour).
 // It reads through Peek, so it neither fills nor disturbs the cache.
 //
 // Values are compared by their Codec encoding. A mismatch is confirmed by a
