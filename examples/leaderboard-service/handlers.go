@@ -325,16 +325,29 @@ type healthResponse struct {
 // errors name the host, database and user, which an unauthenticated
 // endpoint must not hand out.
 func (s *Service) handleHealth(w http.ResponseWriter, r *http.Request) {
-	ctx, cancel := context.WithTimeout(r.Context(), pingTimeout)
-	defer cancel()
+	// Both pings at once, each with its own deadline: a slow PostgreSQL
+	// must neither use up Redis's time nor get Redis named as down.
+	ping := func(name string, f func(context.Context) error) <-chan bool {
+		ok := make(chan bool, 1)
+		go func() {
+			ctx, cancel := context.WithTimeout(r.Context(), pingTimeout)
+			defer cancel()
+			err := f(ctx)
+			if err != nil {
+				s.logger.Warn("healthz: "+name+" ping failed", slog.Any("err", err))
+			}
+			ok <- err == nil
+		}()
+		return ok
+	}
+	pgOK := ping("postgres", s.pool.Ping)
+	redisOK := ping("redis", func(ctx context.Context) error { return s.rdb.Ping(ctx).Err() })
 	resp := healthResponse{Status: "ok", Postgres: "ok", Redis: "ok"}
 	status := http.StatusOK
-	if err := s.pool.Ping(ctx); err != nil {
-		s.logger.Warn("healthz: postgres ping failed", slog.Any("err", err))
+	if !<-pgOK {
 		resp.Status, resp.Postgres, status = "unavailable", "unavailable", http.StatusServiceUnavailable
 	}
-	if err := s.rdb.Ping(ctx).Err(); err != nil {
-		s.logger.Warn("healthz: redis ping failed", slog.Any("err", err))
+	if !<-redisOK {
 		resp.Status, resp.Redis, status = "unavailable", "unavailable", http.StatusServiceUnavailable
 	}
 	writeJSON(w, status, resp)

@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/redis/go-redis/v9"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -423,6 +424,38 @@ func TestHealthz(t *testing.T) {
 		require.Equal(t, "unavailable", body["status"])
 		require.Equal(t, "ok", body["postgres"])
 		require.Equal(t, "unavailable", body["redis"])
+	})
+
+	// A PostgreSQL that does not answer in time is named alone, and does
+	// not use up Redis's time: the pings run side by side.
+	t.Run("SlowPostgresIsNamedAlone", func(t *testing.T) {
+		t.Parallel()
+		ctx := context.Background()
+		pg := testenv.Postgres(t)
+		rd := testenv.Redis(t)
+		poolCfg, err := pgxpool.ParseConfig(pg.ConnString)
+		require.NoError(t, err)
+		poolCfg.MaxConns = 1
+		pool, err := pgxpool.NewWithConfig(ctx, poolCfg)
+		require.NoError(t, err)
+		t.Cleanup(pool.Close)
+		cfg := &leaderboard.Config{Name: testBoard, Schema: pg.Schema, KeyPrefix: rd.Prefix}
+		require.NoError(t, leaderboard.Migrate(ctx, pg.Pool, cfg))
+		board, err := leaderboard.New(pg.Pool, rd.Client, cfg)
+		require.NoError(t, err)
+		svc, err := NewService(pool, rd.Client, board, ServiceConfig{})
+		require.NoError(t, err)
+		t.Cleanup(func() { _ = svc.Close() })
+		tb := &testBundle{srv: newServer(t, svc)}
+		held, err := pool.Acquire(ctx) // the pool's only connection: a ping waits for it
+		require.NoError(t, err)
+		defer held.Release()
+
+		start := time.Now()
+		res := tb.do(t, http.MethodGet, "/healthz", nil, "")
+		require.Less(t, time.Since(start), pingTimeout+time.Second, "the pings ran one after the other")
+		require.Equal(t, http.StatusServiceUnavailable, res.status, "%s", res.body)
+		require.Equal(t, map[string]any{"status": "unavailable", "postgres": "unavailable", "redis": "ok"}, res.json(t))
 	})
 
 	t.Run("PostgresDownHidesDetails", func(t *testing.T) {
