@@ -9,6 +9,7 @@ import (
 	"io"
 	"log/slog"
 	"net/http"
+	"os"
 	"strconv"
 	"strings"
 	"time"
@@ -109,6 +110,12 @@ func (s *Service) handleSubmit(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	req, status, errBody := decodeSubmit(w, r)
+	if status == http.StatusServiceUnavailable {
+		// The body did not arrive within RequestTimeout, whose deadline
+		// the read shared: answer as for any request cut off by it.
+		s.writeTimeout(w, r, errors.New("the request body did not arrive in time"))
+		return
+	}
 	if errBody != nil {
 		s.metrics.countSubmit(r.Context(), "invalid")
 		writeJSON(w, status, errBody)
@@ -137,10 +144,19 @@ func (s *Service) handleSubmit(w http.ResponseWriter, r *http.Request) {
 // valid UTF-8 with no unpaired surrogate escape (encoding/json alone turns
 // bad bytes and such escapes into U+FFFD, which would merge distinct user
 // ids).
+//
+// The body is read within the request's deadline (RequestTimeout), not
+// the server's longer ReadTimeout: a body that has not arrived by then
+// gives 503 with a nil body, for the caller to answer as a timeout.
 func decodeSubmit(w http.ResponseWriter, r *http.Request) (*submitRequest, int, *errorResponse) {
+	if deadline, ok := r.Context().Deadline(); ok {
+		_ = http.NewResponseController(w).SetReadDeadline(deadline)
+	}
 	body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, maxBodyBytes))
 	var sizeErr *http.MaxBytesError
 	switch {
+	case errors.Is(err, os.ErrDeadlineExceeded):
+		return nil, http.StatusServiceUnavailable, nil
 	case errors.As(err, &sizeErr):
 		return nil, http.StatusRequestEntityTooLarge, &errorResponse{Error: fmt.Sprintf("body larger than %d bytes", maxBodyBytes)}
 	case err != nil:
@@ -406,6 +422,18 @@ func (s *Service) handleLastReconcile(w http.ResponseWriter, _ *http.Request) {
 	})
 }
 
+// writeTimeout answers a request that RequestTimeout cut off: 503, retry
+// shortly. err is what the request met, for the log.
+func (s *Service) writeTimeout(w http.ResponseWriter, r *http.Request, err error) {
+	if r.URL.Path == "/scores" {
+		s.metrics.countSubmit(r.Context(), "error")
+	}
+	s.logger.Warn("request timed out", slog.String("method", r.Method), slog.String("path", r.URL.Path),
+		slog.Duration("timeout", s.cfg.RequestTimeout), slog.Any("err", err))
+	w.Header().Set("Retry-After", "1")
+	writeJSON(w, http.StatusServiceUnavailable, errorResponse{Error: "the request took too long; retry shortly"})
+}
+
 // writeError maps the leaderboard's errors to HTTP answers. It is the one
 // place that decides which error is the client's and which is ours.
 func (s *Service) writeError(w http.ResponseWriter, r *http.Request, err error) {
@@ -450,13 +478,7 @@ func (s *Service) writeError(w http.ResponseWriter, r *http.Request, err error) 
 		// can fail as stale (the lag or version it waited for was not
 		// reached in time), and "catching up" would give the client the
 		// wrong reason and keep the timeout out of the log.
-		if r.URL.Path == "/scores" {
-			s.metrics.countSubmit(r.Context(), "error")
-		}
-		s.logger.Warn("request timed out", slog.String("method", r.Method), slog.String("path", r.URL.Path),
-			slog.Duration("timeout", s.cfg.RequestTimeout), slog.Any("err", err))
-		w.Header().Set("Retry-After", "1")
-		writeJSON(w, http.StatusServiceUnavailable, errorResponse{Error: "the request took too long; retry shortly"})
+		s.writeTimeout(w, r, err)
 	case errors.As(err, &stale):
 		w.Header().Set("Retry-After", "1")
 		writeJSON(w, http.StatusServiceUnavailable, errorResponse{Error: "the leaderboard is catching up; retry shortly"})

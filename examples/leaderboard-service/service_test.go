@@ -1,9 +1,12 @@
 package main
 
 import (
+	"bufio"
 	"context"
 	"errors"
+	"fmt"
 	"log/slog"
+	"net"
 	"net/http"
 	"net/http/httptest"
 	"regexp"
@@ -213,6 +216,32 @@ func TestRequestTimeout(t *testing.T) {
 			&leaderboard.StaleError{Lag: -1, MaxLag: time.Millisecond})
 		require.Equal(t, http.StatusServiceUnavailable, rec.Code)
 		require.Equal(t, "the leaderboard is catching up; retry shortly", response{body: rec.Body.Bytes()}.json(t)["error"])
+	})
+
+	// A submit whose body has not arrived by the deadline is cut off like
+	// any other request, not left to the server's longer ReadTimeout.
+	t.Run("SlowBody", func(t *testing.T) {
+		t.Parallel()
+		const timeout = 300 * time.Millisecond
+		tb := setup(t).withService(t, ServiceConfig{RequestTimeout: timeout})
+		conn, err := net.Dial("tcp", tb.srv.Listener.Addr().String())
+		require.NoError(t, err)
+		defer conn.Close()
+		body := `{"user_id":"ada","delta":1}`
+		_, err = fmt.Fprintf(conn, "POST /scores HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nIdempotency-Key: %s\r\nContent-Length: %d\r\n\r\n%s",
+			uuid.NewString(), len(body), body[:10]) // the rest never comes
+		require.NoError(t, err)
+		start := time.Now()
+		require.NoError(t, conn.SetReadDeadline(time.Now().Add(5*time.Second)))
+		res, err := http.ReadResponse(bufio.NewReader(conn), nil)
+		require.NoError(t, err, "no answer")
+		defer res.Body.Close()
+		require.Equal(t, http.StatusServiceUnavailable, res.StatusCode)
+		require.Equal(t, "1", res.Header.Get("Retry-After"))
+		require.Less(t, time.Since(start), timeout+2*time.Second)
+		var events int
+		require.NoError(t, tb.pg.Pool.QueryRow(context.Background(), `SELECT count(*) FROM score_events`).Scan(&events))
+		require.Zero(t, events, "nothing was written")
 	})
 
 	t.Run("Default", func(t *testing.T) {
