@@ -349,13 +349,10 @@ func (c *Cache[T]) loadAndFill(ctx context.Context, id string, r readResult, loa
 		r.version, joinVersioned(r.version, data), c.config.TTL.Milliseconds(), token).Int()
 	switch {
 	case err != nil:
-		// The loaded value is current; only caching it failed. If the
-		// caller's ctx ended during the fill, Redis is likely fine: give
-		// the lease back so that other processes need not wait it out. If
-		// Redis failed, a release would fail too; the lease expires.
-		if ctx.Err() != nil {
-			c.releaseLease(ctx, id, r)
-		}
+		// The loaded value is current; only caching it failed. The lease
+		// is left to expire: a release would go to the Redis that just
+		// failed (or held up the fill past the caller's deadline), and
+		// would keep the caller waiting for it.
 		c.stats.redisErrors.Add(1)
 		c.config.Logger.WarnContext(ctx, "versioncache: fill failed; serving loaded value uncached",
 			slog.String("id", id), slog.String("error", err.Error()))
@@ -371,9 +368,8 @@ func (c *Cache[T]) loadAndFill(ctx context.Context, id string, r readResult, loa
 // ended because others depend on them: a fill, a lease's release.
 const detachedTimeout = time.Second
 
-// releaseLease gives up this process's lease after a failed load or fill,
-// even when ctx is what failed, so other processes need not wait
-// FillLeaseTTL.
+// releaseLease gives up this process's lease after a failed load, even
+// when ctx is what failed, so other processes need not wait FillLeaseTTL.
 func (c *Cache[T]) releaseLease(ctx context.Context, id string, r readResult) {
 	if r.lease != leaseHeldByUs {
 		return
