@@ -145,11 +145,17 @@ func (s *Service) handleSubmit(w http.ResponseWriter, r *http.Request) {
 // bad bytes and such escapes into U+FFFD, which would merge distinct user
 // ids).
 //
-// The body is read within the request's deadline (RequestTimeout), not
-// the server's longer ReadTimeout: a body that has not arrived by then
-// gives 503 with a nil body, for the caller to answer as a timeout.
+// The body is read within the request's deadline (RequestTimeout) as well
+// as the server's ReadTimeout, whichever ends first: a body that has not
+// arrived by then gives 503 with a nil body, for the caller to answer as a
+// timeout.
 func decodeSubmit(w http.ResponseWriter, r *http.Request) (*submitRequest, int, *errorResponse) {
 	if deadline, ok := r.Context().Deadline(); ok {
+		// The server set ReadTimeout from the request's start, a moment
+		// before now; replacing it, keep within it.
+		if limit := time.Now().Add(readTimeout); limit.Before(deadline) {
+			deadline = limit
+		}
 		_ = http.NewResponseController(w).SetReadDeadline(deadline)
 	}
 	body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, maxBodyBytes))

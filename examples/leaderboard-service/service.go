@@ -55,6 +55,9 @@ const (
 	scrapeStatsWait = 250 * time.Millisecond
 	// pingTimeout bounds each dependency ping of /healthz.
 	pingTimeout = 2 * time.Second
+	// readTimeout bounds reading a whole request, body included (the
+	// server's ReadTimeout; a submit's body also within RequestTimeout).
+	readTimeout = 30 * time.Second
 )
 
 // ServiceConfig tunes a Service.
@@ -244,7 +247,7 @@ func (s *Service) Run(ctx context.Context, ln net.Listener) error {
 	srv := &http.Server{
 		Handler:           s.handler,
 		ReadHeaderTimeout: 5 * time.Second,
-		ReadTimeout:       30 * time.Second,
+		ReadTimeout:       readTimeout,
 		WriteTimeout:      s.cfg.RequestTimeout + writeSlack,
 		IdleTimeout:       2 * time.Minute,
 		ErrorLog:          slog.NewLogLogger(s.logger.Handler(), slog.LevelWarn),
