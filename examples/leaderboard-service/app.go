@@ -54,7 +54,7 @@ type options struct {
 	dryRun bool
 	limit  int
 
-	requireVerified bool // serve
+	requireVerified bool // serve, stats
 	verify          bool // reconcile
 }
 
@@ -85,6 +85,9 @@ func parseFlags(name string, args []string, stderr io.Writer) (*options, error) 
 		fs.BoolVar(&o.verify, "verify", false, "run a full pass and, if it repaired everything, record the projection as verified (Board.Verify; for --require-verified)")
 	case "replay-dead":
 		fs.IntVar(&o.limit, "limit", 0, "move at most N dead letters, oldest first (0 = all)")
+	case "stats":
+		fs.BoolVar(&o.requireVerified, "require-verified", false,
+			"measure the lag as a service run with --require-verified does: unknown while the projection is not verified")
 	}
 	if name != "serve" {
 		fs.BoolVar(&o.json, "json", false, "print JSON for scripts instead of text")

@@ -62,6 +62,10 @@ type freshnessJSON struct {
 	// LagMS is the projection lag in milliseconds, negative when unknown.
 	LagMS      float64 `json:"lag_ms"`
 	AtLeastMet bool    `json:"at_least_met"`
+	// Unverified says why the lag is unknown when the board requires a
+	// verified projection and it is not (--require-verified): Redis lost
+	// data, or no full pass has verified it yet.
+	Unverified bool `json:"unverified,omitempty"`
 }
 
 type leaderboardResponse struct {
@@ -81,6 +85,7 @@ func toFreshness(f leaderboard.Freshness) freshnessJSON {
 		Source:     string(f.Source),
 		LagMS:      float64(f.Lag) / float64(time.Millisecond),
 		AtLeastMet: f.AtLeastMet,
+		Unverified: f.Unverified,
 	}
 	if !f.ProjectedThrough.IsZero() {
 		t := f.ProjectedThrough.UTC()

@@ -79,7 +79,11 @@ func cmdStats(ctx context.Context, o *options, stdout, stderr io.Writer) error {
 	fmt.Fprintf(tw, "outbox pending\t%d\t(in flight %d, retrying %d; all streams)\n", st.Pending, st.InFlight, st.Retrying)
 	fmt.Fprintf(tw, "oldest pending\t%s\n", humanDuration(snap.Outbox.OldestPendingAge))
 	fmt.Fprintf(tw, "dead letters\t%d\n", st.DeadLetters)
-	fmt.Fprintf(tw, "projection lag\t%s\t(%s)\n", lagText(snap.Freshness.Lag), projectedThroughText(st.Freshness))
+	lag := lagText(snap.Freshness.Lag)
+	if snap.Freshness.Unverified {
+		lag = "unknown: the projection is not verified (Redis lost data, or no full pass yet; run 'reconcile --verify')"
+	}
+	fmt.Fprintf(tw, "projection lag\t%s\t(%s)\n", lag, projectedThroughText(st.Freshness))
 	if err := tw.Flush(); err != nil {
 		return err
 	}

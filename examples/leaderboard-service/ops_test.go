@@ -93,6 +93,17 @@ func TestStatsCommand(t *testing.T) {
 	require.Regexp(t, `(?m)^dead letters\s+1$`, stdout)
 	require.Regexp(t, `(?m)^outbox pending\s+0\s`, stdout)
 	require.Contains(t, stdout, "replay-dead")
+	require.False(t, st.Freshness.Unverified)
+
+	// Measured as a service run with --require-verified: no full pass has
+	// verified this board, so its lag is unknown, and stats says why.
+	st = statsJSON{}
+	tb.runJSON(t, &st, "stats", "--require-verified")
+	require.True(t, st.Freshness.Unverified)
+	require.Negative(t, st.Freshness.LagMS)
+	code, stdout, stderr = runCommand(t, append([]string{"stats", "--require-verified"}, tb.opsFlags()...)...)
+	require.Equal(t, exitOK, code, stderr)
+	require.Contains(t, stdout, "not verified")
 }
 
 func TestReconcileCommand(t *testing.T) {
