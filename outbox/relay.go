@@ -768,8 +768,9 @@ func nonNil[T any](s []T) []T {
 // ctx is cancelled Run claims nothing more, lets the in-flight batch (a claim
 // already sent included) finish and settles it; if the Handler has not
 // returned after ShutdownTimeout, its context is cancelled and the rows it
-// did not complete are released (not counted as failures). Run returns only after its goroutines have exited,
-// so the Handler must honour its context.
+// did not complete are released (not counted as failures). Run returns
+// only after its goroutines have exited, so the Handler must honour its
+// context.
 func (r *Relay) Run(ctx context.Context) error {
 	if !r.running.CompareAndSwap(false, true) {
 		return ErrRelayRunning

@@ -97,7 +97,7 @@ func (g *Gate) Keyspace() Keyspace { return g.ks }
 // client reaches. It is optional: Apply falls back to EVAL when a node
 // answers NOSCRIPT (after a restart or failover).
 func (g *Gate) Load(ctx context.Context) error {
-	if g == nil || deps.Missing(g.client) || g.script == nil {
+	if g.noClient() {
 		return missingClient()
 	}
 	if err := g.script.Load(ctx, g.client).Err(); err != nil {
@@ -188,7 +188,7 @@ const layoutRetries = 3
 // that fail alone get the error. Redis keeps what a failed script wrote
 // before its error, so a write applied then comes back a duplicate.
 func (g *Gate) run(ctx context.Context, mode, token string, writes []Write, isolate bool) ([]Outcome, []error, error) {
-	if g == nil || deps.Missing(g.client) || g.script == nil {
+	if g.noClient() {
 		return nil, nil, missingClient()
 	}
 	for i := range writes {
@@ -428,7 +428,6 @@ func (g *Gate) baseKeys(mode string, grp *slotGroup, t Target, bk baseKey) collK
 	return ck
 }
 
-// group splits the writes at positions idx into script calls.
 // groupAlone is group, except that the writes in alone each get a slot
 // group of their own.
 func (g *Gate) groupAlone(mode, token string, writes []Write, idx []int, alone map[int]bool) []*slotGroup {
@@ -450,6 +449,7 @@ func (g *Gate) groupAlone(mode, token string, writes []Write, idx []int, alone m
 	return groups
 }
 
+// group splits the writes at positions idx into script calls.
 func (g *Gate) group(mode, token string, writes []Write, idx []int) []*slotGroup {
 	var groups []*slotGroup
 	byKey := make(map[string]*slotGroup)
@@ -560,6 +560,9 @@ func (g *Gate) eval(ctx context.Context, groups []*slotGroup) ([][]any, []error)
 	}
 	return replies, errs
 }
+
+// noClient reports a Gate that was not made by NewGate with a client.
+func (g *Gate) noClient() bool { return g == nil || deps.Missing(g.client) || g.script == nil }
 
 // missingClient refuses a Gate without a Redis client.
 func missingClient() error {

@@ -188,10 +188,11 @@ func (p *RedisProjector) Project(ctx context.Context, batch []outbox.Record) ([]
 // stored version, belongs to a collection whose version layout differs
 // from the projector's (*LayoutMismatchError), or needs a key that holds
 // another Redis type (*WrongKeyTypeError: the failed slot group's writes
-// are sent again, each on its own, to find it) gets its own Result.Err, so the
-// relay retries only that record and dead-letters it after MaxAttempts,
-// while the rest of the batch is applied and acknowledged. Any other Redis
-// error fails the whole batch, which the relay retries after its backoff.
+// are sent again, each on its own, to find it) gets its own Result.Err, so
+// the relay retries only that record and dead-letters it after
+// MaxAttempts, while the rest of the batch is applied and acknowledged.
+// Any other Redis error fails the whole batch, which the relay retries
+// after its backoff.
 func (p *RedisProjector) Handle(ctx context.Context, batch []outbox.Record) ([]outbox.Result, error) {
 	results := make([]outbox.Result, len(batch))
 	writes := make([]Write, 0, len(batch))
