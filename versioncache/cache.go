@@ -325,10 +325,10 @@ func (c *Cache[T]) loadAndFill(ctx context.Context, id string, r readResult, loa
 		c.releaseLease(ctx, id, r)
 		return zero, &LoadError{ID: id, Err: err}
 	}
-	data, err := c.config.Codec.Marshal(val)
+	val, data, err := c.encode(id, val)
 	if err != nil {
 		c.releaseLease(ctx, id, r)
-		return zero, &CodecError{Op: "encode", ID: id, Err: err}
+		return zero, err
 	}
 	token := ""
 	if r.lease == leaseHeldByUs {
@@ -445,6 +445,11 @@ func (c *Cache[T]) redisDown(ctx context.Context, id, op string, err error, load
 	if lerr != nil {
 		return zero, &LoadError{ID: id, Err: lerr}
 	}
+	// Answered as a hit would answer it once Redis is back.
+	val, _, cerr := c.encode(id, val)
+	if cerr != nil {
+		return zero, cerr
+	}
 	return val, nil
 }
 
@@ -520,9 +525,9 @@ func (c *Cache[T]) GetAt(ctx context.Context, id string, version int64, load Loa
 		if err != nil {
 			return zero, &LoadError{ID: id, Err: err}
 		}
-		data, err := c.config.Codec.Marshal(val)
+		val, data, err := c.encode(id, val)
 		if err != nil {
-			return zero, &CodecError{Op: "encode", ID: id, Err: err}
+			return zero, err
 		}
 		stored, err := c.lua.fillAt.Run(ctx, c.client, []string{key},
 			versionText, joinVersioned(versionText, data), c.config.TTL.Milliseconds()).Int()
@@ -700,6 +705,23 @@ func (c *Cache[T]) read(ctx context.Context, id string, initialise, ignoreCurren
 		return readResult{}, errors.New("versioncache: read script returned no version")
 	}
 	return r, nil
+}
+
+// encode encodes a loaded value for the cache and returns it as a hit will
+// decode it: a miss and the hits after it answer the same value (the same
+// rounding, the same dropped fields), and a value that does not survive its
+// Codec is an error now rather than a decode failure on every later hit.
+func (c *Cache[T]) encode(id string, val T) (T, []byte, error) {
+	var zero T
+	data, err := c.config.Codec.Marshal(val)
+	if err != nil {
+		return zero, nil, &CodecError{Op: "encode", ID: id, Err: err}
+	}
+	decoded, err := c.decode(data)
+	if err != nil {
+		return zero, nil, &CodecError{Op: "decode", ID: id, Err: err}
+	}
+	return decoded, data, nil
 }
 
 func (c *Cache[T]) decode(data []byte) (T, error) {

@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"math/rand/v2"
+	"reflect"
 )
 
 // IDLoader loads the current value of one id from the source of truth, for
@@ -45,7 +46,8 @@ type Divergence[T any] struct {
 // is honest (say 500 ids an hour).
 // It reads through Peek, so it neither fills nor disturbs the cache.
 //
-// Values are compared by their Codec encoding. A mismatch is confirmed by a
+// Values are compared as Get would serve them: by their Codec encoding, and
+// when encodings differ, decoded, with reflect.DeepEqual. A mismatch is confirmed by a
 // second Peek and load; if the cached value changed in between (its version
 // moved, or it was deleted or no longer decodes), the id counts as Moved, not
 // Divergent, because a write was still settling. A cached value
@@ -116,11 +118,16 @@ func (c *Cache[T]) compare(ctx context.Context, id string, cached T, load IDLoad
 	if err != nil {
 		return current, false, &CodecError{Op: "encode", ID: id, Err: err}
 	}
-	b, err := c.config.Codec.Marshal(current)
+	// current as Get would cache and serve it.
+	current, b, err := c.encode(id, current)
 	if err != nil {
-		return current, false, &CodecError{Op: "encode", ID: id, Err: err}
+		return current, false, err
 	}
-	return current, bytes.Equal(a, b), nil
+	if bytes.Equal(a, b) {
+		return current, true, nil
+	}
+	// Equal values may encode differently (map order under gob).
+	return current, reflect.DeepEqual(cached, current), nil
 }
 
 // sample returns n distinct ids of ids in random order, or all of them

@@ -6,6 +6,8 @@ import (
 	"testing"
 
 	"github.com/stretchr/testify/require"
+
+	"github.com/verity-go/verity/internal/testenv"
 )
 
 func TestCheck(t *testing.T) {
@@ -63,6 +65,31 @@ func TestCheck(t *testing.T) {
 		stored, _, err := splitVersioned(raw)
 		require.NoError(t, err)
 		require.Equal(t, stored, d.Version, "reported under the version it is cached under")
+	})
+
+	// gob encodes a map in iteration order: equal values, different bytes.
+	t.Run("NondeterministicCodec", func(t *testing.T) {
+		t.Parallel()
+		rd := testenv.Redis(t)
+		cache, err := New[map[string]int](rd.Client, &Config{Prefix: rd.Prefix, Codec: gobCodec{}})
+		require.NoError(t, err)
+		row := make(map[string]int)
+		for i := range 16 {
+			row[fmt.Sprintf("k%d", i)] = i
+		}
+		load := func(context.Context, string) (map[string]int, error) { return row, nil }
+		_, err = cache.Get(ctx, "r", func(ctx context.Context) (map[string]int, error) { return load(ctx, "r") })
+		require.NoError(t, err)
+		for range 10 {
+			report, err := cache.Check(ctx, []string{"r"}, 0, load)
+			require.NoError(t, err)
+			require.Equal(t, 1, report.Cached)
+			require.Zero(t, report.Divergent, "%+v", report.Divergences)
+		}
+		row["k3"] = 300 // and a real divergence is still found
+		report, err := cache.Check(ctx, []string{"r"}, 0, load)
+		require.NoError(t, err)
+		require.Equal(t, 1, report.Divergent)
 	})
 
 	// Get reloads and overwrites a cached value that does not decode, so it

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/gob"
+	"encoding/json"
 	"errors"
 	"strconv"
 	"testing"
@@ -70,6 +71,53 @@ func TestCodec(t *testing.T) {
 		require.Equal(t, "42:not json", raw, "left in place")
 	})
 
+	// A miss answers what its hits will: the value as the Codec gives it
+	// back. With encoding/json's float64 an id above 2^53 in a map came back
+	// from every hit rounded to one the source never held, while the miss had
+	// returned it exact.
+	t.Run("MissAnswersAsHitsWill", func(t *testing.T) {
+		t.Parallel()
+		rd := testenv.Redis(t)
+		cache, err := New[map[string]any](rd.Client, &Config{Prefix: rd.Prefix})
+		require.NoError(t, err)
+		load := func(context.Context) (map[string]any, error) {
+			return map[string]any{"id": int64(1234567890123456789), "name": "tok\xff"}, nil
+		}
+		want := map[string]any{"id": json.Number("1234567890123456789"), "name": "tok\ufffd"}
+		for i := range 2 {
+			got, err := cache.Get(ctx, "row", load)
+			require.NoError(t, err)
+			require.Equal(t, want, got, "Get %d", i)
+			got, err = cache.GetAt(ctx, "row", 7, load)
+			require.NoError(t, err)
+			require.Equal(t, want, got, "GetAt %d", i)
+		}
+		require.EqualValues(t, 2, cache.Stats().Hits)
+	})
+
+	// A value that encodes but does not decode is refused on the miss, not
+	// cached to fail every later hit.
+	t.Run("ValueThatDoesNotDecode", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t, &Config{Codec: oneWayCodec{}})
+		_, err := b.cache.Get(ctx, "p1", b.truth.loader("p1"))
+		var cerr *CodecError
+		require.ErrorAs(t, err, &cerr)
+		require.Equal(t, "decode", cerr.Op)
+		require.Equal(t, "p1", cerr.ID)
+		n, err := b.client.Exists(ctx, b.cache.currentKey("p1")).Result()
+		require.NoError(t, err)
+		require.Zero(t, n, "nothing cached")
+	})
+
+	t.Run("JSONTrailingData", func(t *testing.T) {
+		t.Parallel()
+		var v int
+		require.Error(t, JSONCodec{}.Unmarshal([]byte("1 2"), &v))
+		require.NoError(t, JSONCodec{}.Unmarshal([]byte(" 1\n"), &v))
+		require.Equal(t, 1, v)
+	})
+
 	t.Run("UnencodableValue", func(t *testing.T) {
 		t.Parallel()
 		rd := testenv.Redis(t)
@@ -82,6 +130,11 @@ func TestCodec(t *testing.T) {
 		require.ErrorIs(t, err, ErrCodec)
 	})
 }
+
+// oneWayCodec encodes and never decodes.
+type oneWayCodec struct{ JSONCodec }
+
+func (oneWayCodec) Unmarshal([]byte, any) error { return errors.New("one way") }
 
 func mustVersion(t *testing.T, b *testBundle, id string) string {
 	t.Helper()
