@@ -2,6 +2,8 @@ package reconcile
 
 import (
 	"bytes"
+	"encoding/json"
+	"math"
 	"strconv"
 
 	"github.com/verity-go/verity/projection"
@@ -73,6 +75,21 @@ type Projected struct {
 	// VersionOK reports that RawVersion is a canonical positive decimal
 	// int64, the only form the gate writes.
 	VersionOK bool
+}
+
+// MarshalJSON writes a Score that is not a finite number (a hand-set +inf,
+// just what a pass exists to find) as the string "+Inf", "-Inf" or "NaN":
+// JSON has no such numbers, and a report that found one must still encode.
+func (p Projected) MarshalJSON() ([]byte, error) {
+	type plain Projected // without this method
+	out := struct {
+		plain
+		Score any
+	}{plain(p), p.Score}
+	if math.IsInf(p.Score, 0) || math.IsNaN(p.Score) {
+		out.Score = strconv.FormatFloat(p.Score, 'g', -1, 64)
+	}
+	return json.Marshal(out)
 }
 
 // parseVersion fills the version fields from a stored string.

@@ -2,12 +2,15 @@ package reconcile
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
+	"math"
 	"sync"
 	"testing"
 	"time"
 
+	"github.com/redis/go-redis/v9"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
@@ -811,4 +814,29 @@ func TestReportCarry(t *testing.T) {
 		require.EqualValues(t, 1, later.Skipped)
 		require.Equal(t, "m", later.Examples[ClassMissing][0].Key)
 	})
+}
+
+// TestReportWithInfiniteScoreEncodes: Redis accepts a hand-set "+inf" score,
+// just what a pass exists to find, and the Report that found it must still
+// encode as JSON (for logs and exports); JSON has no infinity.
+func TestReportWithInfiniteScoreEncodes(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	b := setup(t, projection.KindSortedSet)
+	b.insert(t, "ada", 1)
+	b.project(t, "ada", 1)
+	require.NoError(t, b.client.ZAdd(ctx, b.ks.ValueKey(projection.Target{Kind: projection.KindSortedSet, Name: testBoard}),
+		redis.Z{Score: math.Inf(1), Member: "ada"}).Err())
+	r := b.reconciler(t, &Config{Policy: Policy{Corrupt: ActionReport}})
+	rep, err := r.Run(ctx, RunOptions{})
+	require.NoError(t, err)
+	require.Equal(t, int64(1), rep.Counts[ClassCorrupt])
+	data, err := json.Marshal(rep)
+	require.NoError(t, err)
+	require.Contains(t, string(data), `"Score":"+Inf"`)
+
+	finite, err := json.Marshal(Projected{HasValue: true, Score: 42.5})
+	require.NoError(t, err)
+	require.Contains(t, string(finite), `"Score":42.5`)
+	require.NotContains(t, string(finite), `"plain"`)
 }
