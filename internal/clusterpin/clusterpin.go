@@ -19,6 +19,15 @@
 //     (ClusterStateReloadInterval, 60 s by default, or sooner if the cluster
 //     client meets a redirect itself). OnMaster follows it, staying on a
 //     master.
+//
+// A client whose slot map comes from ClusterOptions.ClusterSlots rather than
+// from the servers — the one redis.NewUniversalClient builds for Sentinel
+// with RouteRandomly or RouteByLatency (NewFailoverClusterClient) — talks to
+// servers that are not in cluster mode: they refuse READWRITE and READONLY
+// and never answer MOVED. go-redis opens no READONLY connection for such a
+// client, so pinned commands go to the master the map names as they are.
+// Until Sentinel's next answer reaches that map, a master Sentinel has just
+// demoted may still serve them, as a replica.
 package clusterpin
 
 import (
@@ -158,15 +167,19 @@ func Eval(ctx context.Context, cc *redis.ClusterClient, script *redis.Script, ke
 }
 
 // Pipeline returns a pipeline on node, a master's node client of cc, for
-// reads that handle redirects themselves. It starts with READWRITE (see the
-// package documentation) and, when cc reads from replicas, ends with
-// READONLY: the connection goes back to the node client's pool, which cc
+// reads that handle redirects themselves. Unless cc's slot map comes from
+// ClusterSlots (see the package documentation), it starts with READWRITE
+// and, when cc reads from replicas, ends with READONLY: the connection goes back to the node client's pool, which cc
 // also uses to read from that node once a failover has made it a replica.
 // Exec it once: READWRITE is queued only at the start.
 func Pipeline(ctx context.Context, cc *redis.ClusterClient, node *redis.Client) redis.Pipeliner {
 	pipe := node.Pipeline()
+	opts := cc.Options()
+	if opts.ClusterSlots != nil { // not cluster-mode servers (package doc)
+		return pipe
+	}
 	pipe.ReadWrite(ctx)
-	if cc.Options().ReadOnly {
+	if opts.ReadOnly {
 		return restoringPipeline{pipe}
 	}
 	return pipe

@@ -337,3 +337,50 @@ func TestNormalizeAddr(t *testing.T) {
 		require.Equal(t, want, normalizeAddr(in), in)
 	}
 }
+
+// TestOnMasterSentinel: for Sentinel with replica reads, go-redis builds a
+// cluster client over servers that are not in cluster mode, which refuse
+// READWRITE ("cluster support disabled"): a pinned read is sent without it,
+// to the master.
+func TestOnMasterSentinel(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	s := testenv.SharedRedisSentinel(t)
+	client := redis.NewUniversalClient(&redis.UniversalOptions{
+		MasterName:    testenv.SentinelMasterName,
+		Addrs:         []string{s.SentinelAddr()},
+		RouteRandomly: true,
+	})
+	t.Cleanup(func() { _ = client.Close() })
+	cc := Client(client)
+	require.NotNil(t, cc, "a replica-reading client is pinned")
+	gets := &getsByNode{counts: map[string]int{}}
+	cc.OnNewNode(func(node *redis.Client) {
+		addr := node.Options().Addr
+		node.AddHook(testenv.CommandHook(func(name string) {
+			if name == "get" {
+				gets.mu.Lock()
+				defer gets.mu.Unlock()
+				gets.counts[addr]++
+			}
+		}))
+	})
+	key := s.Prefix(t) + "pinned"
+	require.NoError(t, client.Set(ctx, key, "v", 0).Err())
+	for range 5 {
+		var cmd *redis.StringCmd
+		require.NoError(t, OnMaster(ctx, cc, key, func(p redis.Pipeliner) { cmd = p.Get(ctx, key) }))
+		require.Equal(t, "v", cmd.Val())
+	}
+	// go-redis names Sentinel's nodes by port alone (":port").
+	_, masterPort, err := net.SplitHostPort(s.MasterAddr())
+	require.NoError(t, err)
+	gets.mu.Lock()
+	defer gets.mu.Unlock()
+	for addr, n := range gets.counts {
+		_, port, err := net.SplitHostPort(addr)
+		require.NoError(t, err)
+		require.Equal(t, masterPort, port, "%d pinned reads went to %s, not the master", n, addr)
+	}
+	require.Len(t, gets.counts, 1)
+}
