@@ -84,8 +84,8 @@ type Cache[T any] struct {
 	metrics    *cacheMetrics // nil: no MeterProvider
 }
 
-// New returns a Cache storing values through client, configured by config
-// (nil means all defaults).
+// New returns a Cache storing values through client, configured by config,
+// which must set Prefix (a nil config is a *ConfigError naming it).
 func New[T any](client redis.UniversalClient, config *Config) (*Cache[T], error) {
 	if deps.Missing(client) {
 		return nil, ErrNilClient
@@ -391,7 +391,7 @@ func (c *Cache[T]) releaseLease(ctx context.Context, id string, r readResult) {
 func (c *Cache[T]) waitForPeer(ctx context.Context, id string, r *readResult) (bool, T, error) {
 	var zero T
 	deadline := time.Now().Add(c.config.FillLeaseWait)
-	timer := time.NewTimer(c.config.FillLeasePoll)
+	timer := time.NewTimer(min(c.config.FillLeasePoll, c.config.FillLeaseWait))
 	defer timer.Stop()
 	for time.Now().Before(deadline) {
 		select {
@@ -418,7 +418,7 @@ func (c *Cache[T]) waitForPeer(ctx context.Context, id string, r *readResult) (b
 			r.lease = leaseHeldByUs
 			return false, zero, nil
 		}
-		timer.Reset(c.config.FillLeasePoll)
+		timer.Reset(max(0, min(c.config.FillLeasePoll, time.Until(deadline))))
 	}
 	c.stats.leaseFallbacks.Add(1)
 	return false, zero, nil
@@ -430,6 +430,9 @@ func (c *Cache[T]) waitForPeer(ctx context.Context, id string, r *readResult) (b
 // after a write this caller already saw acknowledged.
 func (c *Cache[T]) redisDown(ctx context.Context, id, op string, err error, load Loader[T]) (T, error) {
 	var zero T
+	if cerr := ctx.Err(); cerr != nil && isContextErr(err) {
+		return zero, cerr // the caller gave up: not a Redis failure
+	}
 	c.stats.redisErrors.Add(1)
 	rerr := &RedisError{Op: op, ID: id, Err: err}
 	if c.config.FailureMode == FailClosed || isContextErr(err) {
@@ -627,7 +630,8 @@ func (c *Cache[T]) bumpAndWait(ctx context.Context, keys []string, ttl int64) ([
 
 // Peek returns the value cached for id and its version without loading,
 // initialising a version or taking a lease: for debugging tools, warmers and
-// Check. ok is false when nothing is cached. version is the version the value
+// Check. It reads what Get caches, not GetAt's values. ok is false when
+// nothing is cached. version is the version the value
 // was cached under when ok, else the id's current version (0 when it has
 // none). It reads on the primary, like Get.
 //
@@ -637,6 +641,9 @@ func (c *Cache[T]) bumpAndWait(ctx context.Context, keys []string, ttl int64) ([
 func (c *Cache[T]) Peek(ctx context.Context, id string) (val T, version int64, ok bool, err error) {
 	r, err := c.read(ctx, id, false, false)
 	if err != nil {
+		if cerr := ctx.Err(); cerr != nil && isContextErr(err) {
+			return val, 0, false, cerr
+		}
 		c.stats.redisErrors.Add(1)
 		return val, 0, false, &RedisError{Op: "peek", ID: id, Err: err}
 	}

@@ -103,24 +103,32 @@ func TestNew(t *testing.T) {
 			cfg   Config
 		}{
 			{"Prefix", Config{Prefix: "a{b}:"}},
+			{"Prefix", Config{}}, // required: no two caches share one by default
 			{"TTL", Config{TTL: time.Microsecond}},
 			{"FailureMode", Config{FailureMode: 7}},
 			{"FillLeaseTTL", Config{FillLeaseTTL: -time.Second}},
 			{"FillLeaseWait", Config{FillLeaseWait: -time.Second}},
 			{"FillLeasePoll", Config{FillLeasePoll: -time.Second}},
 		} {
+			if tc.cfg.Prefix == "" && tc.field != "Prefix" {
+				tc.cfg.Prefix = "p:"
+			}
 			_, err := New[product](client, &tc.cfg)
 			var cerr *ConfigError
 			require.ErrorAs(t, err, &cerr, tc.field)
 			require.Equal(t, tc.field, cerr.Field)
 			require.ErrorIs(t, err, ErrInvalidConfig)
 		}
+		_, err := New[product](client, nil)
+		var cerr *ConfigError
+		require.ErrorAs(t, err, &cerr, "a nil config has no Prefix")
+		require.Equal(t, "Prefix", cerr.Field)
 	})
 
 	t.Run("Defaults", func(t *testing.T) {
 		t.Parallel()
 		cfg := (*Config)(nil).WithDefaults()
-		require.Equal(t, PrefixDefault, cfg.Prefix)
+		require.Empty(t, cfg.Prefix, "no default")
 		require.Equal(t, TTLDefault, cfg.TTL)
 		require.Equal(t, FailOpen, cfg.FailureMode)
 		require.Equal(t, FillLeaseWaitDefault, cfg.FillLeaseWait)

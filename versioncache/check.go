@@ -44,7 +44,8 @@ type Divergence[T any] struct {
 // (all of them when n <= 0 or n is at least the number of distinct ids)
 // with the source of truth: the standing, sampled assertion that the cache
 // is honest (say 500 ids an hour).
-// It reads through Peek, so it neither fills nor disturbs the cache.
+// It reads through Peek, so it neither fills nor disturbs the cache, and it
+// sees only what Get caches: an id cached by GetAt alone is NotCached.
 //
 // Values are compared as Get would serve them: by their Codec encoding, and
 // when encodings differ, decoded, with reflect.DeepEqual. A mismatch is confirmed by a

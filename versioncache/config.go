@@ -12,8 +12,6 @@ import (
 
 // Defaults for Config fields left at their zero value.
 const (
-	// PrefixDefault is the key prefix used when Config.Prefix is empty.
-	PrefixDefault = "verity:vc:"
 	// TTLDefault is how long a cached value lives.
 	TTLDefault = time.Hour
 	// FillLeaseTTLDefault is how long a cross-process fill lease is held
@@ -57,11 +55,14 @@ func (m FailureMode) String() string {
 	return fmt.Sprintf("FailureMode(%d)", int(m))
 }
 
-// Config configures a Cache. The zero value is usable.
+// Config configures a Cache. Prefix is required; every other field's zero
+// value selects its default.
 type Config struct {
-	// Prefix is prepended to every key. Use one prefix per cached type: two
-	// caches sharing a prefix share versions and values. It must not contain
-	// '{' or '}'. Defaults to PrefixDefault.
+	// Prefix is prepended to every key; it is required, and must not contain
+	// '{' or '}'. Give each cache its own ("shop:product:"): two caches that
+	// share a prefix share versions and values, and one would serve the
+	// other's values as its own (JSON decodes a product into a user without
+	// complaint), so there is no default.
 	Prefix string
 
 	// TTL bounds how long a value is kept after it was loaded (a hit does
@@ -127,14 +128,11 @@ type Config struct {
 }
 
 // WithDefaults returns a copy of c (or of the zero Config when c is nil)
-// with every unset field set to its default.
+// with every unset field but Prefix set to its default.
 func (c *Config) WithDefaults() *Config {
 	out := Config{}
 	if c != nil {
 		out = *c
-	}
-	if out.Prefix == "" {
-		out.Prefix = PrefixDefault
 	}
 	if out.TTL == 0 {
 		out.TTL = TTLDefault
@@ -161,6 +159,9 @@ func (c *Config) WithDefaults() *Config {
 }
 
 func (c *Config) validate() error {
+	if c.Prefix == "" {
+		return &ConfigError{Field: "Prefix", Reason: `is required: give each cache its own prefix (say "shop:product:"); caches that share one serve each other's values`}
+	}
 	if err := keyenc.ValidatePrefix(c.Prefix); err != nil {
 		return &ConfigError{Field: "Prefix", Reason: err.Error()}
 	}

@@ -41,7 +41,9 @@ func (e *ConfigError) Is(target error) bool { return target == ErrInvalidConfig 
 
 // RedisError is a failed Redis operation. With FailOpen, Get never returns
 // it (it serves the loader's value); Invalidate always does, because a lost
-// invalidation leaves the previous value readable until its TTL.
+// invalidation leaves the previous value readable until its TTL. A read
+// that failed because the caller's own ctx ended is not one: Get, GetAt and
+// Peek return ctx.Err() and count no Redis error.
 type RedisError struct {
 	Op  string // "read", "fill", "invalidate", "peek"
 	ID  string

@@ -181,6 +181,21 @@ func TestRedisUnavailable(t *testing.T) {
 		_, err := b.cache.Get(ctx, "p1", b.truth.loader("p1"))
 		require.ErrorIs(t, err, context.Canceled)
 		require.Zero(t, b.truth.loads.Load())
+		// The caller gave up; Redis did not fail: no *RedisError to alert
+		// on, under either failure mode, from Get, GetAt or Peek.
+		require.NotErrorIs(t, err, ErrRedis)
+		_, err = b.cache.GetAt(ctx, "p1", 1, b.truth.loader("p1"))
+		require.ErrorIs(t, err, context.Canceled)
+		require.NotErrorIs(t, err, ErrRedis)
+		_, _, _, err = b.cache.Peek(ctx, "p1")
+		require.ErrorIs(t, err, context.Canceled)
+		require.NotErrorIs(t, err, ErrRedis)
+		require.Zero(t, b.cache.Stats().RedisErrors)
+		closed := setup(t, &Config{FailureMode: FailClosed})
+		_, err = closed.cache.Get(ctx, "p1", closed.truth.loader("p1"))
+		require.ErrorIs(t, err, context.Canceled)
+		require.NotErrorIs(t, err, ErrRedis)
+		require.Zero(t, closed.cache.Stats().RedisErrors)
 	})
 }
 
@@ -250,7 +265,7 @@ func TestLostBump(t *testing.T) {
 			{-1, time.Minute, true}, // no read timeout
 		} {
 			client := redis.NewClient(&redis.Options{Addr: "127.0.0.1:1", ReadTimeout: tc.readTimeout})
-			_, err := New[product](client, &Config{InvalidateReplicas: 1, InvalidateWaitTimeout: tc.wait})
+			_, err := New[product](client, &Config{Prefix: "p:", InvalidateReplicas: 1, InvalidateWaitTimeout: tc.wait})
 			_ = client.Close()
 			if tc.ok {
 				require.NoError(t, err, "%+v", tc)
@@ -266,7 +281,7 @@ func TestLostBump(t *testing.T) {
 		t.Parallel()
 		ring := redis.NewRing(&redis.RingOptions{Addrs: map[string]string{"a": "127.0.0.1:1"}})
 		defer ring.Close()
-		_, err := New[product](ring, &Config{InvalidateReplicas: 1})
+		_, err := New[product](ring, &Config{Prefix: "p:", InvalidateReplicas: 1})
 		var cerr *ConfigError
 		require.ErrorAs(t, err, &cerr)
 		require.Equal(t, "InvalidateReplicas", cerr.Field)
