@@ -3,6 +3,7 @@ package leaderboard
 import (
 	"fmt"
 	"log/slog"
+	"slices"
 	"strings"
 	"time"
 	"unicode/utf8"
@@ -254,11 +255,39 @@ func (c *Config) WithDefaults() *Config {
 	return out
 }
 
+// boardRelations are the tables and indexes Migrate creates for the boards of
+// a schema; an outbox table of one of these names (or whose primary key
+// would take one) would stop the board's tables from being created.
+var boardRelations = []string{
+	ScoreEventsTable, ScoreEventsTable + "_pkey",
+	UserScoresTable, UserScoresTable + "_pkey", rankIndexName,
+}
+
+// validateTables checks the fields Migrate uses, Schema and OutboxTable, of a
+// Config that has been through WithDefaults.
+func (c *Config) validateTables() error {
+	bad := func(field, reason string, args ...any) error {
+		return &ConfigError{Field: "Config." + field, Reason: fmt.Sprintf(reason, args...)}
+	}
+	switch {
+	case strings.IndexByte(c.Schema, 0) >= 0 || !utf8.ValidString(c.Schema):
+		return bad("Schema", "must be valid UTF-8 without NUL bytes")
+	case strings.IndexByte(c.OutboxTable, 0) >= 0 || !utf8.ValidString(c.OutboxTable):
+		return bad("OutboxTable", "must be valid UTF-8 without NUL bytes")
+	case slices.Contains(boardRelations, c.OutboxTable):
+		return bad("OutboxTable", "%q is a name the board's own tables use in Config.Schema; choose another (the default is %q)", c.OutboxTable, OutboxTableDefault)
+	}
+	return nil
+}
+
 // validate checks a Config that has been through WithDefaults. Its errors
 // are *ConfigError, naming the field and how to fix it.
 func (c *Config) validate() error {
 	bad := func(field, reason string, args ...any) error {
 		return &ConfigError{Field: "Config." + field, Reason: fmt.Sprintf(reason, args...)}
+	}
+	if err := c.validateTables(); err != nil {
+		return err
 	}
 	switch {
 	case c.Name == "":
@@ -267,10 +296,6 @@ func (c *Config) validate() error {
 		return bad("Name", "is %d bytes; shorten it to at most %d", len(c.Name), MaxNameLength)
 	case !utf8.ValidString(c.Name) || strings.IndexByte(c.Name, 0) >= 0:
 		return bad("Name", "must be valid UTF-8 without NUL bytes")
-	case strings.IndexByte(c.Schema, 0) >= 0 || !utf8.ValidString(c.Schema):
-		return bad("Schema", "must be valid UTF-8 without NUL bytes")
-	case strings.IndexByte(c.OutboxTable, 0) >= 0 || !utf8.ValidString(c.OutboxTable):
-		return bad("OutboxTable", "must be valid UTF-8 without NUL bytes")
 	case c.MinDelta > c.MaxDelta:
 		return bad("MinDelta", "(%d) is above Config.MaxDelta (%d); swap them", c.MinDelta, c.MaxDelta)
 	case c.MinDelta < MinScore || c.MaxDelta > MaxScore:

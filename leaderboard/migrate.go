@@ -35,21 +35,23 @@ type Execer interface {
 // It does not include the outbox's own migration (outbox.MigrationSQL).
 func MigrationSQL(cfg *Config) string {
 	schema := cfg.WithDefaults().Schema
-	script := strings.NewReplacer(
+	names := []string{
 		"{{score_events}}", qualify(schema, ScoreEventsTable),
 		"{{user_scores}}", qualify(schema, UserScoresTable),
 		"{{rank_index}}", pgx.Identifier{rankIndexName}.Sanitize(),
 		"{{rank_index_regclass}}", quoteLiteral(qualify(schema, rankIndexName)),
 		"{{schema}}", pgx.Identifier{schema}.Sanitize(),
-	).Replace(schemaSQL)
+	}
 	// A DO body is dollar-quoted, and any identifier may contain "$$": the
-	// tag must be one that occurs nowhere in the rendered script, so that
-	// no name can end the body early.
+	// tag must occur in neither the script nor a name, so that no name can
+	// end the body early. (Every name is quoted, and the tag holds no quote,
+	// so none can form across a name's edge.) All placeholders are replaced
+	// in one pass: a name that spells one ("{{do}}") stays a name.
 	tag := "$verity$"
-	for i := 1; strings.Contains(script, tag); i++ {
+	for i := 1; strings.Contains(schemaSQL+strings.Join(names, ""), tag); i++ {
 		tag = fmt.Sprintf("$verity%d$", i)
 	}
-	return strings.ReplaceAll(script, "{{do}}", tag)
+	return strings.NewReplacer(append(names, "{{do}}", tag)...).Replace(schemaSQL)
 }
 
 // quoteLiteral returns s as an escape string literal (E'...'), whose
@@ -68,6 +70,9 @@ func Migrate(ctx context.Context, db Execer, cfg *Config) error {
 		return &ConfigError{Field: "db", Reason: "is nil; pass the board's database (a *pgxpool.Pool, a connection or a transaction)"}
 	}
 	c := cfg.WithDefaults()
+	if err := c.validateTables(); err != nil {
+		return err
+	}
 	if err := outbox.Migrate(ctx, db, &outbox.Config{Schema: c.Schema, Table: c.OutboxTable}); err != nil {
 		if errors.As(err, new(*outbox.ConfigError)) {
 			return fromOutboxConfig("Config.", err)

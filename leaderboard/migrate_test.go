@@ -72,4 +72,40 @@ func TestMigrate(t *testing.T) {
 			cfg.Schema, rankIndexName).Scan(&indexes))
 		require.Equal(t, 1, indexes)
 	})
+
+	// A name that spells a placeholder of the script is still only a name.
+	t.Run("NameHoldingAPlaceholder", func(t *testing.T) {
+		t.Parallel()
+		pg := testenv.Postgres(t)
+		rd := testenv.Redis(t)
+		cfg := &Config{Name: "b", Schema: pg.Schema + "{{do}}{{user_scores}}", KeyPrefix: rd.Prefix}
+		t.Cleanup(func() {
+			_, _ = pg.Pool.Exec(context.Background(), "DROP SCHEMA IF EXISTS "+pgx.Identifier{cfg.Schema}.Sanitize()+" CASCADE")
+		})
+		require.NoError(t, Migrate(ctx, pg.Pool, cfg))
+		board, err := New(pg.Pool, rd.Client, cfg)
+		require.NoError(t, err)
+		_, err = board.Submit(ctx, Command{EventID: uuid.New(), UserID: "u", Delta: 1})
+		require.NoError(t, err)
+	})
+
+	// An outbox named like one of the board's tables is refused before
+	// anything is created.
+	t.Run("OutboxTableNamedLikeABoardTable", func(t *testing.T) {
+		t.Parallel()
+		pg := testenv.Postgres(t)
+		for _, name := range []string{UserScoresTable, ScoreEventsTable, rankIndexName, UserScoresTable + "_pkey"} {
+			err := Migrate(ctx, pg.Pool, &Config{Schema: pg.Schema, OutboxTable: name})
+			var cerr *ConfigError
+			require.ErrorAs(t, err, &cerr, name)
+			require.Equal(t, "Config.OutboxTable", cerr.Field)
+			require.ErrorIs(t, err, ErrInvalidConfig)
+			_, err = New(pg.Pool, testenv.Redis(t).Client, &Config{Name: "b", Schema: pg.Schema, OutboxTable: name})
+			require.ErrorAs(t, err, &cerr, name)
+		}
+		var relations int
+		require.NoError(t, pg.Pool.QueryRow(ctx, `SELECT count(*) FROM pg_class AS c JOIN pg_namespace AS n ON n.oid = c.relnamespace WHERE n.nspname = $1`,
+			pg.Schema).Scan(&relations))
+		require.Zero(t, relations, "nothing created")
+	})
 }
