@@ -81,7 +81,9 @@ func (r *Relay) Stats(ctx context.Context) (Stats, error) {
 // DeadLetter is a row that failed MaxAttempts times.
 type DeadLetter struct {
 	Record
-	// LastError is the handler error of the last attempt.
+	// LastError is the handler error of the last attempt, or says that the
+	// relay handling it stopped without settling it (it crashed, or hung
+	// past its lease).
 	LastError string
 	// FailedAt is when the row was moved to the dead-letter table.
 	FailedAt time.Time

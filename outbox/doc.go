@@ -117,15 +117,21 @@
 // If the relay dies during step 3 or 4 the lease simply runs out and any
 // relay leases the partition again. The lease row lists the ids the dead
 // relay was given, and the relay that takes the partition over adds one to
-// their attempts: an attempt that crashed its process still counts, so a row
-// that kills every relay handling it reaches the dead-letter table after
-// MaxAttempts like any failing row (on the first attempt that fails with an
-// error). If the Handler outlives its lease and another relay takes the
-// partition over, the first relay's settle statement no longer finds its
-// token there: it changes nothing for those rows and reports a
-// *LeaseLostError (ErrLeaseLost). A relay whose lease expired but whose
-// partitions nobody took over still settles them: the token is still its
-// own.
+// their attempts: an attempt that crashed its process (or hung past its
+// lease) still counts. A row whose attempts thereby reach MaxAttempts is
+// moved to the dead-letter table by that claim instead of being handed out
+// again, with a last_error saying its relay stopped without settling it, so
+// a row that kills every relay handling it reaches the dead-letter table
+// after MaxAttempts like any failing row. Nothing tells which row of a batch
+// killed its relay: the rows that shared the crashing row's batch count
+// each crash too and may reach the dead-letter table with it; ReplayDead
+// brings them back.
+//
+// If the Handler outlives its lease and another relay takes the partition
+// over, the first relay's settle statement no longer finds its token there:
+// it changes nothing for those rows and reports a *LeaseLostError
+// (ErrLeaseLost). A relay whose lease expired but whose partitions nobody
+// took over still settles them: the token is still its own.
 //
 // # Delivery guarantees
 //

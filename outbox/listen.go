@@ -14,16 +14,19 @@ const listenCloseTimeout = 2 * time.Second
 
 // listen keeps a dedicated connection LISTENing on the outbox channel until
 // ctx is done, signalling wake on every notification. The connection is
-// opened from the pool's configuration but is not a pool connection: holding
-// a pooled connection forever would shrink the pool, and a pooled connection
-// may be reset or closed under the listener. After any error it reconnects
-// with a growing pause.
+// opened from the pool's configuration, running the pool's BeforeConnect and
+// AfterConnect hooks as the pool does (they may supply credentials, the
+// host, or session settings), but is not a pool connection: holding a pooled
+// connection forever would shrink the pool, and a pooled connection may be
+// reset or closed under the listener. After any error it reconnects with a
+// growing pause.
 //
-// The LISTEN statement runs under workCtx, which outlives ctx by the
-// shutdown grace: a statement cut off mid-flight makes pgx close the
-// connection in a goroutine of its own, which on a TLS connection can wait
-// out pgx's 15 s deadline, whereas waiting for a notification is cut off
-// cleanly and the connection is then closed in place.
+// The LISTEN statement (and AfterConnect, which may run statements) runs
+// under workCtx, which outlives ctx by the shutdown grace: a statement cut
+// off mid-flight makes pgx close the connection in a goroutine of its own,
+// which on a TLS connection can wait out pgx's 15 s deadline, whereas
+// waiting for a notification is cut off cleanly and the connection is then
+// closed in place.
 func (r *Relay) listen(ctx, workCtx context.Context, wake chan<- struct{}) {
 	pause := newPauser(r.cfg.ReconnectBackoffMax)
 	for {
@@ -44,7 +47,14 @@ func (r *Relay) listen(ctx, workCtx context.Context, wake chan<- struct{}) {
 // calls connected once LISTEN is in effect and then signals wake, because a
 // notification sent while no connection was listening is lost for good.
 func (r *Relay) listenOnce(ctx, workCtx context.Context, wake chan<- struct{}, connected func()) error {
-	conn, err := pgx.ConnectConfig(ctx, r.pool.Config().ConnConfig)
+	// Config returns a copy, so BeforeConnect may change its ConnConfig.
+	poolCfg := r.pool.Config()
+	if poolCfg.BeforeConnect != nil {
+		if err := poolCfg.BeforeConnect(ctx, poolCfg.ConnConfig); err != nil {
+			return fmt.Errorf("connect: BeforeConnect: %w", err)
+		}
+	}
+	conn, err := pgx.ConnectConfig(ctx, poolCfg.ConnConfig)
 	if err != nil {
 		return fmt.Errorf("connect: %w", err)
 	}
@@ -59,6 +69,12 @@ func (r *Relay) listenOnce(ctx, workCtx context.Context, wake chan<- struct{}, c
 		case <-closeCtx.Done():
 		}
 	}()
+	// A failure closes the connection in the deferred function above.
+	if poolCfg.AfterConnect != nil {
+		if err := poolCfg.AfterConnect(workCtx, conn); err != nil {
+			return fmt.Errorf("connect: AfterConnect: %w", err)
+		}
+	}
 	if _, err := conn.Exec(workCtx, "LISTEN "+pgx.Identifier{r.names.Channel}.Sanitize()); err != nil {
 		return fmt.Errorf("listen: %w", err)
 	}

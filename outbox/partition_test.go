@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"net"
 	"sync/atomic"
 	"testing"
@@ -11,7 +12,9 @@ import (
 
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
+	"go.opentelemetry.io/otel/attribute"
 
+	"github.com/verity-go/verity/internal/telemetry/metrictest"
 	"github.com/verity-go/verity/internal/testenv"
 	"github.com/verity-go/verity/outbox"
 )
@@ -55,6 +58,80 @@ func TestRelayPartitionLeases(t *testing.T) {
 		require.Len(t, dead, 1)
 		require.Equal(t, poison.EventID, dead[0].EventID)
 		require.Equal(t, 3, dead[0].Attempts)
+	})
+
+	// A row whose handling kills the relay every time never fails with an
+	// error: the claim that recovers its MaxAttempts-th crashed attempt
+	// buries it instead of handing it out again. The rows that shared every
+	// crashed batch go with it (nothing tells which row was the cause); a
+	// row that shared fewer is delivered, and ReplayDead brings the others
+	// back.
+	t.Run("RowThatAlwaysCrashesIsDeadLettered", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		poison := newMessage("s", "poison", 1)
+		neighbour := newMessage("s", "neighbour", 1)
+		late := newMessage("s", "late", 1)
+		b.appendCommitted(t, poison, neighbour)
+		const maxAttempts = 3
+		// A lease longer than a claim could take, ended on purpose after
+		// each crash (see CrashedAttemptsCountTowardsDeadLetter).
+		cfg := outbox.RelayConfig{LeaseDuration: 10 * time.Second, MaxAttempts: maxAttempts}
+		for crash := 1; crash <= maxAttempts; crash++ {
+			batch, err := b.relay(t, nil, &recorder{}, cfg).ClaimOnly(ctx)
+			require.NoError(t, err)
+			attempts := map[string]int{}
+			for _, rec := range batch {
+				attempts[rec.Key] = rec.Attempts
+			}
+			want := map[string]int{"poison": crash, "neighbour": crash}
+			if crash > 1 {
+				want["late"] = crash - 1
+			}
+			require.Equal(t, want, attempts, "crash %d", crash)
+			require.EqualValues(t, 1, b.expireLeases(t), "the crashed claim holds one partition")
+			if crash == 1 {
+				b.appendCommitted(t, late)
+			}
+		}
+
+		logs := &syncBuffer{}
+		metrics := metrictest.New(t)
+		h := &recorder{}
+		cfg.Logger = slog.New(slog.NewTextHandler(logs, nil))
+		cfg.MeterProvider = metrics.Provider
+		r := b.relay(t, nil, h, cfg)
+		n, err := r.RunOnce(ctx)
+		require.NoError(t, err)
+		require.Equal(t, 1, n, "only the row that shared two of the three crashes is handed out")
+		require.Equal(t, late.EventID, h.seen()[0].EventID)
+		require.Equal(t, maxAttempts, h.seen()[0].Attempts, "its last attempt")
+		require.Zero(t, b.count(t, b.writer.Table()))
+		b.requireLeasesFree(t)
+
+		dead, err := r.DeadLetters(ctx, 0, 10)
+		require.NoError(t, err)
+		require.Len(t, dead, 2)
+		for i, msg := range []outbox.Message{poison, neighbour} {
+			require.Equal(t, msg.EventID, dead[i].EventID)
+			require.Equal(t, maxAttempts, dead[i].Attempts)
+			require.Contains(t, dead[i].LastError, "the relay handling attempt 3 stopped without settling it")
+		}
+		require.Contains(t, logs.String(), "outbox rows moved to dead letters")
+		table := attribute.String(outbox.AttributeTable, b.cfg.Schema+".verity_outbox")
+		s := metrics.Collect(t)
+		require.Equal(t, int64(2), s.Int("verity.outbox.dead_lettered", table))
+		require.Equal(t, int64(1), s.Int("verity.outbox.acked", table))
+
+		moved, err := r.ReplayDead(ctx, outbox.ReplayFilter{})
+		require.NoError(t, err)
+		require.Equal(t, int64(2), moved)
+		n, err = r.RunOnce(ctx)
+		require.NoError(t, err)
+		require.Equal(t, 2, n)
+		for _, rec := range h.seen()[1:] {
+			require.Equal(t, 1, rec.Attempts, "a replayed row starts over")
+		}
 	})
 
 	// A transaction that took a lower id but commits after higher ids were

@@ -96,7 +96,7 @@ func NewRelay(pool *pgxpool.Pool, handler Handler, cfg *RelayConfig) (*Relay, er
 		names:      n,
 		logger:     cfg.Logger.With(slog.String("relay", cfg.Name)),
 		metrics:    metrics,
-		leaseSQL:   fmt.Sprintf(leaseSQL, n.Outbox, n.Leases, streamFilter, async, partitionCount, partitionsPerClaim, partitionBlock),
+		leaseSQL:   fmt.Sprintf(leaseSQL, n.Outbox, n.Leases, streamFilter, async, partitionCount, partitionsPerClaim, partitionBlock, n.Dead, cfg.MaxAttempts),
 		pickSQL:    fmt.Sprintf(pickSQL, n.Outbox, n.Leases, streamFilter, partitionCount, partitionBlock),
 		settleSQL:  fmt.Sprintf(settleSQL, ack, n.Outbox, n.Dead, async, n.Leases, partitionCount, partitionBlock),
 		releaseSQL: fmt.Sprintf(releaseClaimSQL, n.Leases),
@@ -157,10 +157,16 @@ const partitionsPerClaim = 4
 // leaseSQL locks (FOR UPDATE SKIP LOCKED) up to partitionsPerClaim
 // partitions that no live lease holds and that have a due row, least
 // recently claimed first, and leases them to this batch's token ($1) until
-// now() + $2 µs: one row write per partition. "recovered" counts the attempt
-// of a batch whose relay never released its partition (it crashed, or hung
-// past its lease): the ids it was given get attempts + 1, so a row that
-// kills its relay still reaches the dead-letter table after MaxAttempts.
+// now() + $2 µs: one row write per partition. "crashed" lists the ids
+// handed to a batch whose relay never released its partition (it crashed,
+// or hung past its lease), and that attempt counts: "recovered" adds one to
+// their attempts or, when that reaches MaxAttempts (formatted in by
+// NewRelay), "buried" and "dead" move them to the dead-letter table as the
+// settle does, so a row that kills every relay handling it is not handed
+// out forever. The split is by attempts + 1 because one statement cannot
+// both update and delete a row. Every id of that batch counts the attempt:
+// nothing tells which one killed the relay. The statement returns the ids
+// it buried, to be logged and counted.
 // The row-level lease columns that relays of earlier versions stamp are
 // still honoured, so a rolling upgrade does not hand a row claimed the old
 // way to a new relay.
@@ -197,16 +203,34 @@ leased AS (
     WHERE l.part = f.part%[4]s
     RETURNING l.part
 ),
+crashed AS MATERIALIZED (
+    SELECT generate_series(lower(r), upper(r) - 1) AS id
+    FROM free AS f, unnest(f.inflight) AS r
+    WHERE f.owner IS NOT NULL
+),
 recovered AS (
     UPDATE %[1]s
     SET attempts = attempts + 1
-    WHERE id = ANY(ARRAY(
-        SELECT generate_series(lower(r), upper(r) - 1)
-        FROM free AS f, unnest(f.inflight) AS r
-        WHERE f.owner IS NOT NULL))
+    WHERE id = ANY(ARRAY(SELECT id FROM crashed))
+      AND attempts + 1 < %[9]d
+    RETURNING id
+),
+buried AS (
+    DELETE FROM %[1]s
+    WHERE id = ANY(ARRAY(SELECT id FROM crashed))
+      AND attempts + 1 >= %[9]d
+    RETURNING id, event_id, stream, key, version, payload, created_at, attempts + 1 AS attempts
+),
+dead AS (
+    INSERT INTO %[8]s (id, event_id, stream, key, version, payload, created_at, attempts, last_error)
+    SELECT id, event_id, stream, key, version, payload, created_at, attempts,
+        'the relay handling attempt ' || attempts || ' stopped without settling it: it crashed, or hung past its lease;'
+        || ' every row of its batch counts that attempt, so this row may not be the one that caused it'
+    FROM buried
     RETURNING id
 )
-SELECT (SELECT count(*) FROM leased), set_config('enable_bitmapscan', 'off', true)`
+SELECT (SELECT count(*) FROM leased), set_config('enable_bitmapscan', 'off', true),
+    ARRAY(SELECT id FROM dead ORDER BY id)`
 
 // pickSQL reads up to $2 due rows of the partitions leased to the batch's
 // token ($1), partition after partition, least recently claimed first (the
@@ -451,8 +475,9 @@ func (r *Relay) sendClaim(ctx context.Context, conn *pgx.Conn, token uuid.UUID) 
 	var (
 		leased  int
 		setting string
+		buried  []int64
 	)
-	if err := res.QueryRow().Scan(&leased, &setting); err != nil {
+	if err := res.QueryRow().Scan(&leased, &setting, &buried); err != nil {
 		return nil, 0, mapError("claim", err)
 	}
 	rows, err := res.Query()
@@ -472,6 +497,13 @@ func (r *Relay) sendClaim(ctx context.Context, conn *pgx.Conn, token uuid.UUID) 
 	}
 	if err := res.Close(); err != nil {
 		return nil, 0, mapError("claim", err)
+	}
+	if len(buried) > 0 {
+		// Committed now. Like the settle's burials, these are dead letters
+		// an operator must hear of; they never reach a Handler to be logged.
+		r.metrics.deadLettered.Add(ctx, int64(len(buried)), r.metrics.attrs)
+		r.logger.Warn("outbox rows moved to dead letters: the relay handling their last attempt stopped without settling them (it crashed, or hung past its lease)",
+			slog.Any("ids", buried), slog.Int("max_attempts", r.cfg.MaxAttempts))
 	}
 	slices.SortFunc(batch, func(a, b Record) int { return cmp.Compare(a.ID, b.ID) })
 	return batch, leased, nil

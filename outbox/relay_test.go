@@ -852,6 +852,62 @@ func TestRelayRun(t *testing.T) {
 		require.Eventually(t, func() bool { return len(h.seen()) == 1 }, 5*time.Second, 10*time.Millisecond)
 	})
 
+	// The LISTEN connection is opened the way the pool opens its own: a
+	// pool whose BeforeConnect supplies connection parameters (rotating
+	// credentials, the current primary) and whose AfterConnect prepares the
+	// session. Here BeforeConnect supplies the port (the static config names
+	// a closed one) and AfterConnect names the session.
+	t.Run("ListenRunsPoolConnectHooks", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		cfg, err := pgxpool.ParseConfig(b.pg.ConnString)
+		require.NoError(t, err)
+		realPort := cfg.ConnConfig.Port
+		cfg.ConnConfig.Port = 1 // nothing listens there
+		for _, fb := range cfg.ConnConfig.Fallbacks {
+			fb.Port = 1
+		}
+		cfg.BeforeConnect = func(_ context.Context, cc *pgx.ConnConfig) error {
+			cc.Port = realPort
+			for _, fb := range cc.Fallbacks {
+				fb.Port = realPort
+			}
+			return nil
+		}
+		appName := "verity_hooked_" + uuid.NewString()[:8]
+		cfg.AfterConnect = func(ctx context.Context, conn *pgx.Conn) error {
+			_, err := conn.Exec(ctx, `SELECT set_config('application_name', $1, false)`, appName)
+			return err
+		}
+		pool, err := pgxpool.NewWithConfig(ctx, cfg)
+		require.NoError(t, err)
+		t.Cleanup(pool.Close)
+
+		handled := make(chan struct{}, 10)
+		r := b.relay(t, pool, outbox.HandlerFunc(func(_ context.Context, batch []outbox.Record) ([]outbox.Result, error) {
+			for range batch {
+				handled <- struct{}{}
+			}
+			return make([]outbox.Result, len(batch)), nil
+		}), outbox.RelayConfig{PollInterval: time.Hour, ReconnectBackoffMax: 100 * time.Millisecond})
+		startRun(t, r)
+		pid := waitListening(t, b)
+		var listenerApp string
+		require.NoError(t, b.pool.QueryRow(ctx, `SELECT application_name FROM pg_stat_activity WHERE pid = $1`, pid).Scan(&listenerApp))
+		require.Equal(t, appName, listenerApp, "AfterConnect ran on the LISTEN connection")
+
+		// With an hourly poll only notifications can serve all three
+		// rounds (see NotifyWakesRelay).
+		for round := range 3 {
+			b.appendCommitted(t, newMessage("s", fmt.Sprint("k", round), 1))
+			select {
+			case <-handled:
+			case <-time.After(2 * time.Second):
+				t.Fatalf("round %d: relay not woken within 2s", round)
+			}
+		}
+	})
+
 	t.Run("PollingOnly", func(t *testing.T) {
 		t.Parallel()
 		b := setup(t)
