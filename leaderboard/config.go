@@ -86,7 +86,7 @@ const (
 )
 
 // Config configures a Board. The zero value of every field except Name
-// selects the documented default.
+// selects the documented default (MinDelta and MaxDelta only as a pair).
 type Config struct {
 	// Name identifies the board, for example "weekly-2026-48". Many boards
 	// (games, seasons) live side by side in the same tables and the same

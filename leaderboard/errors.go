@@ -62,13 +62,15 @@ var (
 // Board.Worker refused. It matches ErrInvalidConfig.
 type ConfigError struct {
 	// Field names what was refused: "Config.Name", "WorkerConfig.Relay",
-	// or an argument of New ("pool", "rdb", "cfg").
+	// "reconcile.Config.PageSize" (Reconciler's and Verify's cfg), or an
+	// argument of New ("pool", "rdb", "cfg").
 	Field string
 	// Reason says what is wrong and how to fix it.
 	Reason string
 	// Err is the outbox's own *outbox.ConfigError when the outbox checked
 	// the field (Schema, OutboxTable, a WorkerConfig.Relay field), so that
-	// errors.Is(err, outbox.ErrInvalidConfig) holds as well; nil otherwise.
+	// errors.Is(err, outbox.ErrInvalidConfig) holds as well, or reconcile's
+	// *reconcile.ConfigError for a reconcile.Config field; nil otherwise.
 	Err error
 }
 

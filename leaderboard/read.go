@@ -217,7 +217,12 @@ func (b *Board) Authoritative(ctx context.Context, n int) ([]Entry, error) {
 // Freshness reports the projection's current freshness without reading
 // it: the figure to export as a metric and alert on (with the outbox's own
 // Stats). It is measured at most once per Config.LagProbeInterval.
-func (b *Board) Freshness(ctx context.Context) Freshness { return b.freshness(ctx) }
+// AtLeastMet is true: nothing was asked for.
+func (b *Board) Freshness(ctx context.Context) Freshness {
+	fresh := b.freshness(ctx)
+	fresh.AtLeastMet = true
+	return fresh
+}
 
 // storableUserID reports whether user could have been submitted: ids
 // PostgreSQL cannot store cannot have a score, and must not reach SQL.

@@ -543,6 +543,7 @@ func TestFreshnessProbe(t *testing.T) {
 		require.Greater(t, stale.Lag, cfg.MaxLag)
 		asked := time.Now()
 		fr := board.Freshness(ctx)
+		require.True(t, fr.AtLeastMet, "false only when a read asked for AtLeast")
 		require.GreaterOrEqual(t, fr.Lag, asked.Sub(measuredAt))
 		require.False(t, fr.ProjectedThrough.After(measuredAt))
 	})

@@ -2,6 +2,7 @@ package leaderboard
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"slices"
 	"strings"
@@ -32,6 +33,10 @@ func (b *Board) Reconciler(cfg *reconcile.Config) (*reconcile.Reconciler, error)
 		Kind:     projection.KindSortedSet,
 		Name:     b.cfg.Name,
 	}, cfg)
+	var cerr *reconcile.ConfigError
+	if errors.As(err, &cerr) { // the caller's cfg: a leaderboard *ConfigError too
+		return nil, &ConfigError{Field: "reconcile." + cerr.Field, Reason: cerr.Reason, Err: err}
+	}
 	if err != nil {
 		return nil, fmt.Errorf("leaderboard: reconciler: %w", err)
 	}

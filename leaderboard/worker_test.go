@@ -69,6 +69,18 @@ func TestWorker(t *testing.T) {
 
 func TestReconciler(t *testing.T) {
 	t.Parallel()
+	t.Run("InvalidConfig", func(t *testing.T) {
+		t.Parallel()
+		tb := setup(t)
+		_, err := tb.board.Reconciler(&reconcile.Config{PageSize: reconcile.PageSizeMax + 1})
+		var cerr *ConfigError
+		require.ErrorAs(t, err, &cerr)
+		require.Equal(t, "reconcile.Config.PageSize", cerr.Field)
+		require.ErrorIs(t, err, ErrInvalidConfig)
+		require.ErrorIs(t, err, reconcile.ErrInvalidConfig)
+		_, _, err = tb.board.Verify(context.Background(), &reconcile.Config{PageSize: -1})
+		require.ErrorIs(t, err, ErrInvalidConfig)
+	})
 	for _, buckets := range []int{0, 8} {
 		t.Run(fmt.Sprintf("VersionBuckets%d", buckets), func(t *testing.T) {
 			t.Parallel()
