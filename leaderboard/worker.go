@@ -97,12 +97,14 @@ func (w *Worker) Run(ctx context.Context) error {
 	return err
 }
 
-// RunOnce projects one batch and returns how many records it handled.
+// RunOnce projects one batch and returns how many records it handled,
+// failed ones included (they are retried after a backoff, or dead-lettered).
 func (w *Worker) RunOnce(ctx context.Context) (int, error) { return w.relay.RunOnce(ctx) }
 
 // Drain projects batches until none is due, and returns how many records
-// it handled. Records backing off after a failure are not due and are left
-// alone.
+// it handled, failed ones included. Records backing off after a failure are
+// not due and are left alone: Relay().Stats or Board.Freshness tells
+// whether anything is still pending.
 func (w *Worker) Drain(ctx context.Context) (int, error) {
 	total := 0
 	for {

@@ -147,14 +147,14 @@ func ExampleRedisProjector_relay() {
 	if err != nil {
 		panic(err)
 	}
-	fmt.Println("delivered:", n)
+	fmt.Println("claimed:", n) // handed to the projector; a failed record would be retried
 
 	product := projection.Target{Kind: projection.KindDocument, Name: "product:41"}
 	doc, _ := client.Get(ctx, projector.Keyspace().ValueKey(product)).Result()
 	version, _ := client.Get(ctx, projector.Keyspace().VersionKey(product)).Result()
 	fmt.Println(doc, "at version", version)
 	// Output:
-	// delivered: 1
+	// claimed: 1
 	// {"price_cents":4400} at version 8
 }
 
