@@ -192,11 +192,19 @@ type StaleError struct {
 	// UserID and Version are set when an AtLeast requirement was not met.
 	UserID  string
 	Version int64
+	// Unverified is set, with Lag -1, when Config.RequireVerifiedProjection
+	// refused the read: no Verify has found the projection complete since
+	// Redis last lost the board's keys (Freshness.Unverified). Board.Verify
+	// is the fix, not PostgreSQL.
+	Unverified bool
 }
 
 func (e *StaleError) Error() string {
 	if e.Version > 0 {
 		return fmt.Sprintf("leaderboard: projection has not reached version %d of user %q", e.Version, e.UserID)
+	}
+	if e.Unverified {
+		return "leaderboard: projection not verified since Redis lost the board's keys (run Board.Verify)"
 	}
 	if e.Lag < 0 {
 		return "leaderboard: projection lag could not be measured"

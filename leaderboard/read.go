@@ -304,7 +304,7 @@ func (b *Board) readUnderPolicy(ctx context.Context, opts []ReadOption, fromRedi
 		case FallbackToPostgres:
 			return fallback()
 		case FailClosed:
-			return Freshness{}, &StaleError{Lag: fresh.Lag, MaxLag: b.cfg.MaxLag}
+			return Freshness{}, &StaleError{Lag: fresh.Lag, MaxLag: b.cfg.MaxLag, Unverified: fresh.Unverified}
 		}
 	}
 	if err := fromRedis(ctx); err != nil {

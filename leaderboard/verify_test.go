@@ -31,6 +31,8 @@ func TestVerify(t *testing.T) {
 		var stale *StaleError
 		require.ErrorAs(t, err, &stale)
 		require.Equal(t, time.Duration(-1), stale.Lag)
+		require.True(t, stale.Unverified)
+		require.ErrorContains(t, err, "Board.Verify")
 		fr := tb.board.Freshness(ctx)
 		require.True(t, fr.Unverified)
 		require.Equal(t, time.Duration(-1), fr.Lag)
