@@ -6,9 +6,11 @@ import (
 	"crypto/rand"
 	_ "embed"
 	"encoding/hex"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"log/slog"
+	"reflect"
 	"strconv"
 	"time"
 
@@ -79,6 +81,7 @@ type Cache[T any] struct {
 	config     *Config
 	lua        *scripts
 	leaseToken string
+	plainJSON  bool // decode with json.Unmarshal (see plainJSON)
 	flights    flightGroup[T]
 	stats      counters
 	metrics    *cacheMetrics // nil: no MeterProvider
@@ -120,7 +123,8 @@ func New[T any](client redis.UniversalClient, config *Config) (*Cache[T], error)
 	if _, err := rand.Read(token[:]); err != nil {
 		return nil, fmt.Errorf("versioncache: lease token: %w", err)
 	}
-	c := &Cache[T]{client: client, config: cfg, lua: defaultScripts, leaseToken: hex.EncodeToString(token[:])}
+	c := &Cache[T]{client: client, config: cfg, lua: defaultScripts, leaseToken: hex.EncodeToString(token[:]),
+		plainJSON: plainJSON(cfg.Codec, reflect.TypeFor[T]())}
 	c.primary = clusterpin.Client(client)
 	metrics, err := newCacheMetrics(cfg, c.Stats)
 	if err != nil {
@@ -733,6 +737,9 @@ func (c *Cache[T]) encode(id string, val T) (T, []byte, error) {
 
 func (c *Cache[T]) decode(data []byte) (T, error) {
 	var val T
+	if c.plainJSON {
+		return val, json.Unmarshal(data, &val)
+	}
 	err := c.config.Codec.Unmarshal(data, &val)
 	return val, err
 }

@@ -6,6 +6,7 @@ import (
 	"encoding/gob"
 	"encoding/json"
 	"errors"
+	"reflect"
 	"strconv"
 	"testing"
 	"time"
@@ -261,4 +262,31 @@ func TestFillOutlivesTheLoadingCaller(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, want, got)
 	require.Zero(t, caches[1].Stats().LeaseWaits, "no lease left to wait for")
+}
+
+// TestPlainJSON: values that cannot hold an interface skip JSONCodec's
+// Decoder (json.Unmarshal decodes them the same); the rest keep it, for
+// json.Number.
+func TestPlainJSON(t *testing.T) {
+	t.Parallel()
+	type tree struct{ Kids []*tree }
+	for _, tc := range []struct {
+		name  string
+		typ   reflect.Type
+		codec Codec
+		plain bool
+	}{
+		{"Struct", reflect.TypeFor[product](), JSONCodec{}, true},
+		{"Ints", reflect.TypeFor[map[string][]int](), JSONCodec{}, true},
+		{"Any", reflect.TypeFor[any](), JSONCodec{}, false},
+		{"MapOfAny", reflect.TypeFor[map[string]any](), JSONCodec{}, false},
+		{"NestedAny", reflect.TypeFor[struct{ P *struct{ V [2][]any } }](), JSONCodec{}, false},
+		{"Recursive", reflect.TypeFor[tree](), JSONCodec{}, false},
+		{"OtherCodec", reflect.TypeFor[product](), gobCodec{}, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			require.Equal(t, tc.plain, plainJSON(tc.codec, tc.typ))
+		})
+	}
 }
