@@ -9,7 +9,12 @@
 // transaction, an outbox message holding the entity's whole state at that
 // version (see package outbox). A relay hands batches of those records to a
 // Projector, which writes them to Redis. Redis may lag, but it never moves
-// backwards and never holds a state the source did not commit.
+// backwards and never holds a state the source did not commit — as long as
+// it keeps the versions the gate stored. Run it with maxmemory-policy
+// noeviction: a version key lost to eviction, a FLUSHALL or a failover
+// lets a redelivered older record (a relay that crashed before its ack, a
+// replayed dead letter) apply over a newer value until a reconcile pass
+// repairs it, and the outbox lag does not show it.
 //
 // A Mapper turns each record into a Write: a Target (where), a Version and
 // a Value (what). Three kinds of target are built in:
