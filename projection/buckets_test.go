@@ -24,14 +24,14 @@ func (gb *gateBundle) bucketed(t *testing.T, n int) *gateBundle {
 }
 
 // dump returns every key of collection (name, kind) under gb's prefix —
-// value, layout, marker, shadows and the version hashes of the unbucketed
-// layout and of layouts 1..64 — with its DUMP, so a test can assert that a
-// refused call wrote nothing at all.
+// value, layout, marker, shadows, copy count and the version hashes of the
+// unbucketed layout and of layouts 1..64 — with its DUMP, so a test can
+// assert that a refused call wrote nothing at all.
 func (gb *gateBundle) dump(t *testing.T, name string, kind Kind) map[string]string {
 	t.Helper()
 	ctx := context.Background()
 	keys := []string{gb.ks.ValueKey(Target{Kind: kind, Name: name}), gb.ks.LayoutKey(name, kind), gb.ks.RebuildMarkerKey(name, kind),
-		gb.ks.ShadowValueKey(name, kind), gb.ks.ShadowLayoutKey(name, kind)}
+		gb.ks.ShadowValueKey(name, kind), gb.ks.ShadowLayoutKey(name, kind), gb.ks.RebuildCopyKey(name, kind)}
 	for n := 0; n <= 64; n++ {
 		ks, err := gb.ks.WithVersionBuckets(n)
 		require.NoError(t, err)

@@ -216,6 +216,11 @@
 // version, and checks the rebuild's token against the marker in the same
 // script (ErrShadowNotOwned), so a rebuild that stalled past its marker's
 // expiry cannot copy stale rows into the shadow keys of the next one.
+// Gate.ApplyShadowCopy, which the rebuild uses, also counts each batch's
+// writes in the collection's copy count (Keyspace.RebuildCopyKey) in that
+// same script, once per batch number: Redis keeps or loses rows and count
+// together, so the rebuild's switch can refuse a shadow that lost writes
+// in a failover or a restart while its marker survived.
 //
 // # Projector and relay
 //

@@ -38,7 +38,7 @@ func allKeys(ks projection.Keyspace, name, member string) map[string]projection.
 		t := projection.Target{Kind: kind, Name: name, Member: member}
 		for _, k := range []string{
 			ks.ValueKey(t), ks.VersionKey(t), ks.RebuildMarkerKey(name, kind),
-			ks.ShadowValueKey(name, kind), ks.ShadowVersionKey(name, kind),
+			ks.ShadowValueKey(name, kind), ks.ShadowVersionKey(name, kind), ks.RebuildCopyKey(name, kind),
 		} {
 			keys[k] = t
 		}
@@ -51,9 +51,9 @@ func allKeys(ks projection.Keyspace, name, member string) map[string]projection.
 
 // FuzzKeyspace checks that no name or member can move a key to another
 // Cluster slot or make two targets share a key: every key of a collection
-// (values, versions, rebuild marker, shadows) and both keys of a document
-// carry the target's hash tag, members never reach key names, and two
-// different names never share any key.
+// (values, versions, rebuild marker and copy count, shadows) and both keys
+// of a document carry the target's hash tag, members never reach key
+// names, and two different names never share any key.
 func FuzzKeyspace(f *testing.F) {
 	f.Add("verity:", "weekly", "alice", "weekly2")
 	f.Add("", "", "", "%")
@@ -69,7 +69,7 @@ func FuzzKeyspace(f *testing.F) {
 		}
 		require.NoError(t, err)
 		keys := allKeys(ks, name, member)
-		require.Len(t, keys, 12, "the 12 keys of a name (5 per collection kind, 2 for a document) must be distinct")
+		require.Len(t, keys, 14, "the 14 keys of a name (6 per collection kind, 2 for a document) must be distinct")
 		for key, target := range keys {
 			require.True(t, strings.HasPrefix(key, prefix+ks.HashTag(target)), "key %q", key)
 			require.Equal(t, ks.HashTag(target), "{"+redisHashTag(key)+"}", "key %q", key)

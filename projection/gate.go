@@ -18,10 +18,13 @@ import (
 //go:embed gate.lua
 var gateSource string
 
-// Script modes (ARGV[1] of gate.lua).
+// Script modes (ARGV[1] of gate.lua). modeCopy is modeShadow that also
+// counts the writes (ApplyShadowCopy); the script and the metrics see it as
+// "shadow".
 const (
 	modeLive   = "live"
 	modeShadow = "shadow"
+	modeCopy   = "copy"
 )
 
 // Reply codes of gate.lua. A string in place of a code is an unreadable
@@ -146,17 +149,52 @@ func (g *Gate) Apply(ctx context.Context, writes []Write) ([]Outcome, error) {
 // written to it, so a rebuild that stalled past its marker's expiry cannot
 // write its stale rows into the shadow keys of the rebuild that followed.
 // An empty token skips that check (for tools that own the shadow keys some
-// other way).
+// other way). ApplyShadowCopy also counts the writes, so that a rebuild
+// can verify that Redis still holds them at its switch.
 func (g *Gate) ApplyShadow(ctx context.Context, token string, writes []Write) ([]Outcome, error) {
+	if err := checkShadow(token, writes); err != nil {
+		return nil, err
+	}
+	return joinRun(g.run(ctx, modeShadow, token, writes, false))
+}
+
+// ApplyShadowCopy is ApplyShadow for one batch of a rebuild's copy, with
+// the rebuild's token (required) and a count: in the same script that
+// writes them, it adds the number of writes the batch sends to each
+// collection — every one, applied or kept — to that collection's copy
+// count (Keyspace.RebuildCopyKey). Redis therefore keeps the count and the
+// rows together or loses them together, and a rebuild that compares the
+// count with what it sent can tell a shadow that lost writes (a failover
+// to a replica that missed some, a restart from an older snapshot) from a
+// complete one. Live writes dual-written into the shadow keys are not
+// counted.
+//
+// batch numbers the call: positive, and higher than that of the rebuild's
+// previous call. A call whose batch is not above the last one counted is
+// written but not counted again, so a call that ran but whose reply was
+// lost (and that the client retried) is counted once.
+func (g *Gate) ApplyShadowCopy(ctx context.Context, token string, batch int64, writes []Write) ([]Outcome, error) {
+	if err := checkShadow(token, writes); err != nil {
+		return nil, err
+	}
+	if token == "" || batch <= 0 {
+		return nil, fmt.Errorf("%w: a counted shadow copy needs the rebuild's token and a positive batch number", ErrInvalidConfig)
+	}
+	return joinRun(g.run(ctx, modeCopy, token+" "+strconv.FormatInt(batch, 10), writes, false))
+}
+
+// checkShadow refuses shadow writes to documents and a token with a space
+// (which would split ARGV[1] of gate.lua wrongly).
+func checkShadow(token string, writes []Write) error {
 	for i := range writes {
 		if writes[i].Target.Kind == KindDocument {
-			return nil, &InvalidTargetError{Index: i, Target: writes[i].Target, Reason: "documents have no rebuild shadow keys"}
+			return &InvalidTargetError{Index: i, Target: writes[i].Target, Reason: "documents have no rebuild shadow keys"}
 		}
 	}
 	if strings.ContainsAny(token, " ") {
-		return nil, fmt.Errorf("%w: a rebuild token must not contain spaces", ErrInvalidConfig)
+		return fmt.Errorf("%w: a rebuild token must not contain spaces", ErrInvalidConfig)
 	}
-	return joinRun(g.run(ctx, modeShadow, token, writes, false))
+	return nil
 }
 
 // joinRun folds run's per-write errors into one error for Apply's callers.
@@ -176,7 +214,9 @@ const layoutRetries = 3
 
 // run validates and applies writes. It returns either a batch error, or
 // the outcomes together with a per-write error slice (nil entries except
-// for writes refused because their stored version is unreadable).
+// for writes refused because their stored version is unreadable). token
+// follows the mode in ARGV[1]: the rebuild's token, and for modeCopy its
+// batch number after a space.
 //
 // isolate turns a collection's layout mismatch from a batch error into a
 // per-write *LayoutMismatchError for that collection's writes only; the
@@ -205,8 +245,12 @@ func (g *Gate) run(ctx context.Context, mode, token string, writes []Write, isol
 	for i := range pending {
 		pending[i] = i
 	}
+	metricsMode := mode
+	if mode == modeCopy {
+		metricsMode = modeShadow
+	}
 	start := time.Now()
-	defer func() { g.metrics.recordBatch(ctx, mode, time.Since(start)) }()
+	defer func() { g.metrics.recordBatch(ctx, metricsMode, time.Since(start)) }()
 	relearned := make(map[baseKey]int) // shadow layouts learnt per collection
 	var alone map[int]bool             // writes sent in a group of their own
 	for len(pending) > 0 {
@@ -284,7 +328,7 @@ func (g *Gate) run(ctx context.Context, mode, token string, writes []Write, isol
 			}
 		}
 	}
-	g.metrics.recordWrites(ctx, mode, writes, outcomes)
+	g.metrics.recordWrites(ctx, metricsMode, writes, outcomes)
 	return outcomes, perWrite, nil
 }
 
@@ -416,6 +460,9 @@ func (g *Gate) baseKeys(mode string, grp *slotGroup, t Target, bk baseKey) collK
 			g.ks.ShadowLayoutKey(t.Name, t.Kind),
 			g.ks.unbucketedVersionKey(t.Name, t.Kind),
 			g.ks.unbucketedVersionKey(t.Name, t.Kind)+suffixShadow)
+		if mode == modeCopy {
+			grp.keys = append(grp.keys, g.ks.RebuildCopyKey(t.Name, t.Kind))
+		}
 		if grp.collAt == nil {
 			grp.collAt = make(map[int]baseKey)
 		}
@@ -470,10 +517,14 @@ func (g *Gate) group(mode, token string, writes []Write, idx []int) []*slotGroup
 			grp := byKey[gk]
 			if grp == nil {
 				grp = &slotGroup{bases: make(map[baseKey]collKeys), args: make([]any, 2, 2+5*len(idx))}
-				grp.args[0] = mode
-				if token != "" {
-					grp.args[0] = mode + " " + token
+				arg := mode
+				if mode == modeCopy {
+					arg = modeShadow // the script knows a copy by its batch
 				}
+				if token != "" {
+					arg += " " + token
+				}
+				grp.args[0] = arg
 				byKey[gk] = grp
 				groups = append(groups, grp)
 			}

@@ -4,7 +4,13 @@
 -- whose rebuild marker exists, the shadow keys too); "shadow" writes only
 -- the shadow keys; "shadow <token>" also refuses, with the error
 -- "VERITY_NOT_OWNED <base>" and nothing written, unless every collection's
--- rebuild marker holds that token. ARGV[2] is the number C of collections
+-- rebuild marker holds that token; "shadow <token> <batch>" (a rebuild's
+-- copy; batch a positive decimal) also counts, once the writes are done,
+-- each collection's writes in the call — every one sent, whatever its
+-- outcome — in its copy count: HINCRBY of field "rows", unless field
+-- "batch" already holds this batch or a later one (a retried call that
+-- ran before), then "batch" is set. Live writes dual-written into the
+-- shadow keys are never counted. ARGV[2] is the number C of collections
 -- in the call.
 -- Then five arguments per write:
 --   kind ("z" sorted set, "h" hash, "d" document), base (index into KEYS),
@@ -18,8 +24,9 @@
 -- caller built the live and shadow version keys for, as canonical
 -- decimals; "0" means one version hash).
 -- Keys from base: collections use value, layout, rebuild marker, shadow
--- value, shadow layout, unbucketed version, unbucketed shadow version;
--- documents use value, version. Version (bucket) keys follow, referenced by
+-- value, shadow layout, unbucketed version, unbucketed shadow version, and
+-- in a copy call (with a batch) the copy count; documents use value,
+-- version. Version (bucket) keys follow, referenced by
 -- index from the writes.
 --
 -- Before anything is written, every collection's stored layout is checked
@@ -112,11 +119,15 @@ local function storedLayout(layoutKey, valueKey, unbucketedKey)
   return nil, false
 end
 
-local mode, token = ARGV[1], nil
+local mode, token, batch = ARGV[1], nil, nil
 do
   local sp = string.find(mode, ' ', 1, true)
   if sp then
     mode, token = string.sub(mode, 1, sp - 1), string.sub(mode, sp + 1)
+    sp = string.find(token, ' ', 1, true)
+    if sp then
+      token, batch = string.sub(token, 1, sp - 1), string.sub(token, sp + 1)
+    end
   end
 end
 local shadowOnly = mode == 'shadow'
@@ -159,6 +170,9 @@ for _, p in ipairs(adopt) do
 end
 
 local out = {}
+-- copied[base] counts a copy call's writes per collection; counted lists
+-- the bases in order of first write, for a deterministic script.
+local copied, counted = {}, {}
 local a = 3
 while a <= last do
   local kind, base = ARGV[a], tonumber(ARGV[a + 1])
@@ -176,11 +190,26 @@ while a <= last do
   a = a + 5
   if shadowOnly then
     out[#out + 1] = gate(kind, KEYS[base + 3], KEYS[svi], member, version, value)
+    if batch then
+      if not copied[base] then counted[#counted + 1] = base end
+      copied[base] = (copied[base] or 0) + 1
+    end
   else
     out[#out + 1] = gate(kind, KEYS[base], KEYS[vi], member, version, value)
     if kind ~= 'd' and rebuilding[base] then
       gate(kind, KEYS[base + 3], KEYS[svi], member, version, value)
     end
+  end
+end
+-- Counted after the writes, in this same call: Redis keeps both or
+-- neither, so the count proves to the rebuild's switch that the rows are
+-- there. A batch counted already is not counted again.
+for _, base in ipairs(counted) do
+  local counter, n = KEYS[base + 7], copied[base]
+  local last = redis.call('HGET', counter, 'batch')
+  if not last or compare(batch, last) > 0 then
+    redis.call('HINCRBY', counter, 'rows', n)
+    redis.call('HSET', counter, 'batch', batch)
   end
 end
 return out

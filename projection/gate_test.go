@@ -92,7 +92,7 @@ func TestKeySlot(t *testing.T) {
 		for _, id := range hazardIDs {
 			tg := Target{Kind: KindSortedSet, Name: id, Member: id}
 			keys = append(keys, id, "{"+id+"}", ks.ValueKey(tg), ks.VersionKey(tg), ks.RebuildMarkerKey(id, KindHash),
-				ks.ValueKey(Target{Kind: KindDocument, Name: id}))
+				ks.RebuildCopyKey(id, KindSortedSet), ks.ValueKey(Target{Kind: KindDocument, Name: id}))
 		}
 		for _, key := range keys {
 			want, err := client.ClusterKeySlot(ctx, key).Result()
@@ -131,7 +131,7 @@ func TestKeyspace(t *testing.T) {
 			for _, kind := range []Kind{KindSortedSet, KindHash} {
 				tg := Target{Kind: kind, Name: id}
 				keys := []string{ks.ValueKey(tg), ks.VersionKey(tg), ks.RebuildMarkerKey(id, kind),
-					ks.ShadowValueKey(id, kind), ks.ShadowVersionKey(id, kind)}
+					ks.ShadowValueKey(id, kind), ks.ShadowVersionKey(id, kind), ks.RebuildCopyKey(id, kind)}
 				for i, key := range keys {
 					add(key, fmt.Sprintf("%s %q key %d", kind, id, i))
 					slots = append(slots, KeySlot(key))
@@ -153,6 +153,7 @@ func TestKeyspace(t *testing.T) {
 		ks, err := NewKeyspace("")
 		require.NoError(t, err)
 		require.Empty(t, ks.RebuildMarkerKey("x", KindDocument))
+		require.Empty(t, ks.RebuildCopyKey("x", KindDocument))
 		require.Empty(t, ks.ShadowValueKey("x", KindDocument))
 		require.Empty(t, ks.ShadowVersionKey("x", Kind(9)))
 		require.Empty(t, ks.ValueKey(Target{Kind: Kind(9)}))
@@ -399,6 +400,83 @@ func TestGate(t *testing.T) {
 
 			_, err = gb.gate.ApplyShadow(ctx, "", []Write{doc("d", 1, "x")})
 			require.ErrorIs(t, err, ErrInvalidTarget)
+		})
+
+		// A rebuild's copy counts every write it sends (kept ones too) in
+		// the same script, once per batch number; live writes dual-written
+		// into the shadow keys, refused calls and uncounted shadow writes
+		// leave the count alone.
+		t.Run("RebuildCopyCount", func(t *testing.T) {
+			t.Parallel()
+			for _, n := range []int{0, 4} {
+				t.Run(fmt.Sprintf("Buckets%d", n), func(t *testing.T) {
+					t.Parallel()
+					gb := setupGate(t, b).bucketed(t, n)
+					ctx := context.Background()
+					count := func(name string, kind Kind) map[string]string {
+						t.Helper()
+						m, err := gb.client.HGetAll(ctx, gb.ks.RebuildCopyKey(name, kind)).Result()
+						require.NoError(t, err)
+						return m
+					}
+					for _, name := range []string{"c", "d"} {
+						for _, kind := range []Kind{KindSortedSet, KindHash} {
+							require.NoError(t, gb.client.Set(ctx, gb.ks.RebuildMarkerKey(name, kind), "tok", 0).Err())
+						}
+					}
+					// A live write made during the rebuild, newer than the
+					// copy's row: dual-written, not counted.
+					gb.apply(t, zset("c", "a", 5, 50))
+					require.Empty(t, count("c", KindSortedSet))
+
+					// Two collections of two kinds in one batch (two slots
+					// on Cluster and a Ring): each counts its own writes.
+					batch := []Write{zset("c", "a", 1, 10), zset("c", "b", 1, 10), hash("c", "a", 1, "x"), zset("d", "a", 1, 10)}
+					out, err := gb.gate.ApplyShadowCopy(ctx, "tok", 1, batch)
+					require.NoError(t, err)
+					require.Equal(t, []Outcome{OutcomeStale, OutcomeApplied, OutcomeApplied, OutcomeApplied}, out)
+					require.Equal(t, map[string]string{"rows": "2", "batch": "1"}, count("c", KindSortedSet), "the stale row was sent: counted")
+					require.Equal(t, map[string]string{"rows": "1", "batch": "1"}, count("c", KindHash))
+					require.Equal(t, map[string]string{"rows": "1", "batch": "1"}, count("d", KindSortedSet))
+
+					// The same batch again (a retry of a call that ran) and
+					// an older one write, but do not count again.
+					out, err = gb.gate.ApplyShadowCopy(ctx, "tok", 1, batch)
+					require.NoError(t, err)
+					require.Equal(t, []Outcome{OutcomeStale, OutcomeDuplicate, OutcomeDuplicate, OutcomeDuplicate}, out)
+					require.Equal(t, "2", count("c", KindSortedSet)["rows"])
+					out, err = gb.gate.ApplyShadowCopy(ctx, "tok", 2, []Write{zset("c", "e", 1, 1), zset("c", "f", 1, 1)})
+					require.NoError(t, err)
+					require.Equal(t, []Outcome{OutcomeApplied, OutcomeApplied}, out)
+					require.Equal(t, map[string]string{"rows": "4", "batch": "2"}, count("c", KindSortedSet))
+					_, err = gb.gate.ApplyShadowCopy(ctx, "tok", 1, []Write{zset("c", "g", 1, 1)})
+					require.NoError(t, err)
+					require.True(t, readShadowState(t, gb.client, gb.ks, zset("c", "g", 0, 0).Target).exists, "written all the same")
+					require.Equal(t, map[string]string{"rows": "4", "batch": "2"}, count("c", KindSortedSet))
+					// Batch numbers compare as numbers, not strings.
+					_, err = gb.gate.ApplyShadowCopy(ctx, "tok", 10, []Write{zset("c", "h", 1, 1)})
+					require.NoError(t, err)
+					require.Equal(t, map[string]string{"rows": "5", "batch": "10"}, count("c", KindSortedSet))
+
+					// Uncounted shadow writes, another rebuild's token and
+					// invalid arguments leave the count alone.
+					_, err = gb.gate.ApplyShadow(ctx, "tok", []Write{zset("c", "i", 1, 1)})
+					require.NoError(t, err)
+					_, err = gb.gate.ApplyShadowCopy(ctx, "other", 11, []Write{zset("c", "j", 1, 1)})
+					require.ErrorIs(t, err, ErrShadowNotOwned)
+					for _, bad := range []struct {
+						token string
+						batch int64
+					}{{"", 11}, {"tok", 0}, {"tok", -1}, {"t k", 11}} {
+						_, err = gb.gate.ApplyShadowCopy(ctx, bad.token, bad.batch, []Write{zset("c", "j", 1, 1)})
+						require.ErrorIs(t, err, ErrInvalidConfig, "%+v", bad)
+					}
+					_, err = gb.gate.ApplyShadowCopy(ctx, "tok", 11, []Write{doc("d", 1, "x")})
+					require.ErrorIs(t, err, ErrInvalidTarget)
+					require.Equal(t, map[string]string{"rows": "5", "batch": "10"}, count("c", KindSortedSet))
+					require.False(t, readShadowState(t, gb.client, gb.ks, zset("c", "j", 0, 0).Target).exists)
+				})
+			}
 		})
 
 		t.Run("ConcurrentWritersHighestVersionWins", func(t *testing.T) {

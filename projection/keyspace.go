@@ -19,6 +19,7 @@ const (
 	suffixDocumentVersion  = ":dv"
 	suffixShadow           = "~r"
 	suffixRebuild          = "~rebuild"
+	suffixRebuildCopied    = "~rebuild~copied"
 	suffixLayout           = "~layout"
 	// bucketSeparator starts a version bucket's number: P T:zv:17.
 	bucketSeparator = ":"
@@ -44,6 +45,8 @@ const VersionBucketsMax = 1 << 16
 //	            (with B version buckets: P T:hv:0 … P T:hv:<B-1>)
 //	layout      P T:z~layout / P T:h~layout  STRING decimal B, 0 included
 //	rebuild     marker P T:z~rebuild / P T:h~rebuild (exists while a rebuild runs)
+//	            copy count P T:z~rebuild~copied / P T:h~rebuild~copied  HASH
+//	            (what the rebuild's copy wrote; see RebuildCopyKey)
 //	            shadows: "~r" appended to the value, version (every bucket)
 //	            and layout keys: P T:z~r, P T:zv~r or P T:zv:<b>~r, P T:z~layout~r
 //
@@ -245,6 +248,22 @@ func (ks Keyspace) RebuildMarkerKey(name string, kind Kind) string {
 		return ""
 	}
 	return ks.ValueKey(Target{Kind: kind, Name: name}) + suffixRebuild
+}
+
+// RebuildCopyKey returns the key counting what a rebuild's copy wrote into
+// collection (name, kind)'s shadow keys, or "" for kinds other than
+// KindSortedSet and KindHash: a HASH whose field "rows" counts the writes
+// of every batch Gate.ApplyShadowCopy sent, and "batch" the number of the
+// last batch counted. The count changes in the script that writes its
+// rows, so Redis cannot keep one without the other (a failover to a
+// lagging replica, a restart from an older snapshot): the rebuild's switch
+// compares it with the rows it sent and refuses a shadow that lost some.
+// The rebuild clears it with the marker and removes it at its end.
+func (ks Keyspace) RebuildCopyKey(name string, kind Kind) string {
+	if !kind.isCollection() {
+		return ""
+	}
+	return ks.ValueKey(Target{Kind: kind, Name: name}) + suffixRebuildCopied
 }
 
 // ShadowValueKey returns the shadow of ValueKey for collection (name, kind),

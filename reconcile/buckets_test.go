@@ -29,13 +29,14 @@ func (b *testBundle) withBuckets(t testing.TB, n int) *testBundle {
 }
 
 // snapshot DUMPs every key under the bundle's collection — value, layout,
-// marker, shadows, and version hashes of the unbucketed layout and of
-// layouts 1..16 — so a test can assert that a refused call wrote nothing.
+// marker, shadows, copy count, and version hashes of the unbucketed layout
+// and of layouts 1..16 — so a test can assert that a refused call wrote
+// nothing.
 func (b *testBundle) snapshot(t testing.TB) map[string]string {
 	t.Helper()
 	k, n := b.kind, b.target.Name
 	keys := []string{b.ks.ValueKey(b.target.target("")), b.ks.LayoutKey(n, k), b.ks.RebuildMarkerKey(n, k),
-		b.ks.ShadowValueKey(n, k), b.ks.ShadowLayoutKey(n, k)}
+		b.ks.ShadowValueKey(n, k), b.ks.ShadowLayoutKey(n, k), b.ks.RebuildCopyKey(n, k)}
 	for buckets := 0; buckets <= 16; buckets++ {
 		ks := withBuckets(b.ks, buckets)
 		keys = append(keys, ks.VersionKeys(n, k)...)

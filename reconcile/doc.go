@@ -178,9 +178,14 @@
 // it sets the collection's rebuild marker (clearing old shadow keys in the
 // same script), copies the source into shadow keys with the gate's rule,
 // and then, in one script, renames the shadow keys over the live ones if
-// the marker is still its own. While the marker exists, the gate writes
-// every update to the shadow keys as well, so updates made during the
-// rebuild are not lost. All keys share the collection's hash tag, so this
+// the marker is still its own and the shadow holds every row the copy
+// wrote. While the marker exists, the gate writes every update to the
+// shadow keys as well, so updates made during the rebuild are not lost.
+// Each copy page is counted in the script that writes it, so if Redis
+// loses some of the copy but keeps the marker (a failover to a replica
+// that missed later pages, a restart from a snapshot taken mid-copy), the
+// count falls short of the rows sent and the rebuild aborts
+// (ErrRebuildAborted) instead of switching a partial projection in. All keys share the collection's hash tag, so this
 // works on Redis Cluster. Given a Keyspace with another version bucket
 // count than the collection's, Rebuild migrates it (see "Version buckets").
 //

@@ -18,11 +18,15 @@ var (
 	// ErrRebuildInProgress: Rebuild found another rebuild's marker on the
 	// collection. Wait for it to finish (or for its marker TTL to expire).
 	ErrRebuildInProgress = errors.New("reconcile: a rebuild of this collection is already running")
-	// ErrRebuildAborted: the rebuild lost its marker before the switch (its
-	// TTL expired, or someone deleted it), so the gate may have stopped
-	// dual-writing into the shadow keys. The live projection was left
-	// untouched; run Rebuild again.
-	ErrRebuildAborted = errors.New("reconcile: rebuild marker lost before the switch; live projection untouched")
+	// ErrRebuildAborted: the rebuild did not switch because its shadow keys
+	// cannot be trusted: it lost its marker before the switch (its TTL
+	// expired, or someone deleted it), so the gate may have stopped
+	// dual-writing into the shadow keys; or Redis lost some of the copy's
+	// writes while keeping the marker (a failover to a replica that had not
+	// received them, a restart from a snapshot taken during the copy), so
+	// the shadow keys lack rows. The live projection was left untouched;
+	// run Rebuild again (after a Redis loss, once Redis is stable).
+	ErrRebuildAborted = errors.New("reconcile: rebuild aborted before the switch; live projection untouched")
 	// ErrRebuildUncertain: the rebuild's switch was sent but its reply was
 	// lost (a timeout, a dropped connection), so it may or may not have
 	// happened; RebuildReport.Switched is false either way. The marker and

@@ -72,7 +72,7 @@ func newReconcileMetrics(cfg *Config, target Target) (*reconcileMetrics, error) 
 		repaired: in.Counter(metricRepaired, "{entity}", "Repairs written, by class."),
 		duration: in.Histogram(metricDuration, "s", "Duration of reconcile runs, by mode.", telemetry.DurationBuckets()...),
 		rebuilds: in.Counter(metricRebuilds, "{run}",
-			"Rebuilds by outcome: switched, aborted (marker lost), in_progress (another rebuild held the marker), unsupported, error."),
+			"Rebuilds by outcome: switched, aborted (marker lost, or copy writes lost), in_progress (another rebuild held the marker), unsupported, error."),
 		rebuildRows: in.Counter(metricRebuildRows, "{row}", "Source rows copied into shadow keys by rebuilds."),
 	}
 	return m, in.Err()

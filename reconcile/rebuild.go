@@ -25,7 +25,9 @@ type RebuildReport struct {
 	// Started is when the rebuild began; Duration how long it took.
 	Started  time.Time
 	Duration time.Duration
-	// Rows counts source rows copied into the shadow keys.
+	// Rows counts source rows copied into the shadow keys (sent to them:
+	// Applied plus Kept). The switch requires Redis's copy count to equal
+	// it.
 	Rows int64
 	// Applied counts rows written into the shadow keys; Kept counts rows
 	// whose shadow entry was already as new or newer (a gate write made
@@ -44,11 +46,15 @@ type RebuildReport struct {
 //     (with Config.RebuildMarkerTTL). From then on the gate applies every
 //     live write to the shadow keys too.
 //  2. The source is copied page by page into the shadow keys through
-//     projection.Gate.ApplyShadow, by the gate's rule: only a newer version
-//     is written, so a newer gate write made meanwhile is never overwritten
-//     by an older source page. The marker's TTL is extended as pages go.
-//  3. One script, if the marker is still this rebuild's, RENAMEs the shadow
-//     keys over the live keys and deletes the marker.
+//     projection.Gate.ApplyShadowCopy, by the gate's rule: only a newer
+//     version is written, so a newer gate write made meanwhile is never
+//     overwritten by an older source page. The same script call counts the
+//     page's rows in the collection's copy count
+//     (projection.Keyspace.RebuildCopyKey). The marker's TTL is extended as
+//     pages go.
+//  3. One script, if the marker is still this rebuild's and the copy count
+//     equals the rows the copy sent, RENAMEs the shadow keys over the live
+//     keys and deletes the marker and the count.
 //
 // The shadow keys are built in the version layout of Target.Keyspace (its
 // bucket count), and the switch also sets the collection's layout key to
@@ -74,9 +80,13 @@ type RebuildReport struct {
 // hold other rebuilds off. If the reply to the switch is lost, Rebuild
 // returns ErrRebuildUncertain: either projection may be live, whole. If
 // the marker was lost (its TTL expired because the process stalled),
-// Rebuild returns ErrRebuildAborted. If another rebuild holds the marker,
-// it returns ErrRebuildInProgress. Documents cannot be rebuilt
-// (ErrRebuildUnsupported): use Run.
+// Rebuild returns ErrRebuildAborted. So it does if Redis lost some of the
+// copy's writes but kept the marker (a failover to a replica that had not
+// received them, a restart from a snapshot taken during the copy): the
+// count, written with the rows, falls short, and switching would replace
+// the live projection by a partial one, deleting members that survived.
+// If another rebuild holds the marker, it returns ErrRebuildInProgress.
+// Documents cannot be rebuilt (ErrRebuildUnsupported): use Run.
 func (r *Reconciler) Rebuild(ctx context.Context) (*RebuildReport, error) {
 	rep, err := r.rebuild(ctx)
 	r.metrics.recordRebuild(ctx, rep, err)
@@ -94,7 +104,7 @@ func (r *Reconciler) rebuild(ctx context.Context) (*RebuildReport, error) {
 	token := hex.EncodeToString(buf[:])
 	ttl := strconv.FormatInt(r.cfg.RebuildMarkerTTL.Milliseconds(), 10)
 	step := func(ctx context.Context, name string) (bool, error) {
-		n, err := r.rebuildStep(ctx, name, token, ttl)
+		n, err := r.rebuildStep(ctx, name, token, ttl, 0)
 		if err != nil {
 			return false, fmt.Errorf("reconcile: rebuild %s: %w", name, err)
 		}
@@ -112,13 +122,22 @@ func (r *Reconciler) rebuild(ctx context.Context) (*RebuildReport, error) {
 			// complete, and a switch whose reply is lost would leave the
 			// caller unsure which projection is live.
 			switchCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), r.cfg.RepairTimeout)
-			rep.Switched, err = step(switchCtx, "switch")
+			var n int64
+			n, err = r.rebuildStep(switchCtx, "switch", token, ttl, rep.Rows)
 			cancel()
-			if err != nil && !answered(err) {
-				err = fmt.Errorf("%w: %w", ErrRebuildUncertain, err)
-			}
-			if err == nil && !rep.Switched {
-				err = ErrRebuildAborted // a reply: the marker was gone
+			switch {
+			case err != nil:
+				err = fmt.Errorf("reconcile: rebuild switch: %w", err)
+				if !answered(err) {
+					err = fmt.Errorf("%w: %w", ErrRebuildUncertain, err)
+				}
+			case n == 1:
+				rep.Switched = true
+			case n == switchIncomplete:
+				err = fmt.Errorf("%w: Redis no longer holds every row the copy wrote into the shadow keys (%d sent), "+
+					"yet kept the marker: it lost writes (a failover, a restart from an older snapshot)", ErrRebuildAborted, rep.Rows)
+			default:
+				err = errMarkerLost // a reply: the marker was gone
 			}
 		}
 	}
@@ -142,6 +161,14 @@ func (r *Reconciler) rebuild(ctx context.Context) (*RebuildReport, error) {
 // key changed between reading it and running the step.
 const rebuildStepRetries = 5
 
+// switchIncomplete is the switch's reply when the copy count differs from
+// the rows the copy sent (see rebuild.lua).
+const switchIncomplete = 3
+
+// errMarkerLost is ErrRebuildAborted for a rebuild whose marker is gone or
+// another's.
+var errMarkerLost = fmt.Errorf("%w: its marker was lost (expired or deleted)", ErrRebuildAborted)
+
 // answered reports whether err is Redis's reply (an error reply, or one
 // this package rejected), as opposed to a failure that may have lost the
 // reply to a command Redis ran.
@@ -150,18 +177,19 @@ func answered(err error) bool {
 	return errors.As(err, &rerr) || errors.Is(err, projection.ErrLayoutMismatch) || errors.Is(err, ErrUnexpectedReply)
 }
 
-// rebuildStep runs one step of rebuild.lua. The script needs the names of
-// the version buckets of the stored live and shadow layouts, so the step
-// reads both layout keys first and passes what it read; the script
-// answers 2, touching nothing, if they changed in between, and the step
-// reads them again.
+// rebuildStep runs one step of rebuild.lua; copied is the number of rows
+// the copy sent, which the switch compares with the copy count (the other
+// steps ignore it). The script needs the names of the version buckets of
+// the stored live and shadow layouts, so the step reads both layout keys
+// first and passes what it read; the script answers 2, touching nothing,
+// if they changed in between, and the step reads them again.
 //
 // A live collection without a layout key whose values exist without the
 // unbucketed version hash lost its layout key (the gate's "missing"): its
 // bucket count is unknown, so the step passes the keys of every possible
 // bucket (bucket keys are named by index alone) and the switch removes
 // them all. So it does for a live layout key that holds no bucket count.
-func (r *Reconciler) rebuildStep(ctx context.Context, step, token, ttl string) (int64, error) {
+func (r *Reconciler) rebuildStep(ctx context.Context, step, token, ttl string, copied int64) (int64, error) {
 	ks, kind, name := r.target.Keyspace, r.target.Kind, r.target.Name
 	var (
 		layoutKeys              *redis.SliceCmd
@@ -229,6 +257,7 @@ func (r *Reconciler) rebuildStep(ctx context.Context, step, token, ttl string) (
 			r.layoutKey,
 			r.unbucketedKey,
 			r.unbucketedShadowKey,
+			ks.RebuildCopyKey(name, kind),
 		}
 		if live > 0 {
 			keys = append(keys, withBuckets(ks, live).VersionKeys(name, kind)...)
@@ -241,7 +270,7 @@ func (r *Reconciler) rebuildStep(ctx context.Context, step, token, ttl string) (
 			keys = append(keys, r.versionKeys...)
 		}
 		n, err := r.rebuildScript.Run(ctx, r.target.Client, keys, step, token, ttl,
-			args[0], args[1], r.layout, strconv.Itoa(live)).Int64()
+			args[0], args[1], r.layout, strconv.Itoa(live), strconv.FormatInt(copied, 10)).Int64()
 		if err != nil || n != 2 {
 			return n, err
 		}
@@ -260,6 +289,7 @@ func (r *Reconciler) copyToShadow(ctx context.Context, rep *RebuildReport, token
 	pages, stop := r.pages(ctx, false)
 	defer stop()
 	lastRefresh := time.Now()
+	var batch int64
 	for p := range pages {
 		if p.err != nil {
 			return p.err
@@ -270,10 +300,12 @@ func (r *Reconciler) copyToShadow(ctx context.Context, rep *RebuildReport, token
 		}
 		// The token is checked in the script that writes: a copy that
 		// stalled past the marker's expiry must not land in the shadow
-		// keys of a rebuild that started since.
-		outcomes, err := r.gate.ApplyShadow(ctx, token, writes)
+		// keys of a rebuild that started since. The same script counts
+		// the page for the switch's check, once per batch number.
+		batch++
+		outcomes, err := r.gate.ApplyShadowCopy(ctx, token, batch, writes)
 		if errors.Is(err, projection.ErrShadowNotOwned) {
-			return ErrRebuildAborted
+			return errMarkerLost
 		}
 		if err != nil {
 			return fmt.Errorf("reconcile: rebuild copy: %w", err)
@@ -292,7 +324,7 @@ func (r *Reconciler) copyToShadow(ctx context.Context, rep *RebuildReport, token
 				return err
 			}
 			if !ok {
-				return ErrRebuildAborted
+				return errMarkerLost
 			}
 			lastRefresh = time.Now()
 		}

@@ -2,9 +2,10 @@
 --
 -- KEYS (one hash tag, so one Redis Cluster slot): 1 marker, 2 shadow value,
 -- 3 shadow layout, 4 live value, 5 live layout, 6 live unbucketed version
--- hash, 7 shadow unbucketed version hash, then four runs of version
--- buckets: the live buckets of layout L, the shadow buckets of layout S,
--- the shadow buckets of layout M, the live buckets of layout M.
+-- hash, 7 shadow unbucketed version hash, 8 copy count (the gate's count of
+-- the copy's writes, field "rows"), then four runs of version buckets: the
+-- live buckets of layout L, the shadow buckets of layout S, the shadow
+-- buckets of layout M, the live buckets of layout M.
 -- ARGV: 1 step, 2 the rebuild's token, 3 the marker TTL in milliseconds,
 -- 4 L, the live layout the caller read, 5 S, the shadow layout the caller
 -- read (both "0" when the layout key is absent), 6 M, the rebuild's layout
@@ -12,27 +13,34 @@
 -- number of live buckets passed: L, or every possible bucket when L is
 -- "missing" (no layout key, values but no unbucketed version hash: a
 -- bucketed collection that lost its layout key, whose bucket count is
--- unknown; bucket keys are named by index alone, so these cover any).
+-- unknown; bucket keys are named by index alone, so these cover any),
+-- 8 the number of rows the copy sent (switch only).
 --
 -- start:   refuse (0) if a marker exists; otherwise clear leftover shadow
---          keys (of layouts S and M), record M as the shadow layout and set
---          the marker, in one step, so that no gate write dual-written after
---          the marker appears can be cleared away, and so that the gate
---          dual-writes in layout M from then on.
+--          keys (of layouts S and M) and copy count, record M as the shadow
+--          layout and set the marker, in one step, so that no gate write
+--          dual-written after the marker appears can be cleared away, and
+--          so that the gate dual-writes in layout M from then on.
 -- refresh: extend the marker's TTL if it is still ours (1), else 0.
--- switch:  if the marker is still ours, replace the live keys by the
---          shadow keys — value, every version bucket of layout M (the live
---          versions of layout L, or of any layout when L is "missing", are
---          removed first) and the layout key, set to M ("0" included) —
---          and remove the marker, atomically: readers and the gate see the
---          old projection, then the new one, never a half-built one or a
---          layout key that disagrees with the versions. A shadow key that was never
---          created means it would be empty, so the live key is just removed.
---          Returns 1, or 0 if the marker is gone or not ours (nothing is
---          touched).
--- abort:   remove the marker if it is ours, and the shadow keys if no other
---          rebuild owns them (marker ours or gone): 1, or 0 if another
---          rebuild holds the marker (nothing is touched).
+-- switch:  if the marker is still ours and the copy count is ARGV[8],
+--          replace the live keys by the shadow keys — value, every version
+--          bucket of layout M (the live versions of layout L, or of any
+--          layout when L is "missing", are removed first) and the layout
+--          key, set to M ("0" included) — and remove the marker and the
+--          count, atomically: readers and the gate see the old projection,
+--          then the new one, never a half-built one or a layout key that
+--          disagrees with the versions. A shadow key that was never created
+--          means it would be empty, so the live key is just removed.
+--          Returns 1, 0 if the marker is gone or not ours, or 3 if the
+--          count is not ARGV[8] (nothing is touched either way). The count
+--          changes in the script that writes the copy's rows, so Redis keeps
+--          or loses both together: a failover to a replica that missed some
+--          of the copy, or a restart from a snapshot taken mid-copy, can
+--          keep the marker but not a complete count, and that shadow must
+--          not replace the live keys.
+-- abort:   remove the marker if it is ours, and the shadow keys and copy
+--          count if no other rebuild owns them (marker ours or gone): 1,
+--          or 0 if another rebuild holds the marker (nothing is touched).
 -- Any step returns 2, touching nothing, when the stored layouts are no
 -- longer L and S (a gate recorded the layout of an empty collection
 -- meanwhile): the caller reads them again and retries.
@@ -43,7 +51,8 @@ local nL, nS, nM = tonumber(ARGV[7]), tonumber(S), tonumber(M)
 local marker, shadowValue, shadowLayout = KEYS[1], KEYS[2], KEYS[3]
 local liveValue, liveLayout = KEYS[4], KEYS[5]
 local liveFlat, shadowFlat = KEYS[6], KEYS[7]
-local oldLive, oldShadow = 8, 8 + nL
+local copied = KEYS[8]
+local oldLive, oldShadow = 9, 9 + nL
 local newShadow = oldShadow + nS
 local newLive = newShadow + nM
 
@@ -79,7 +88,7 @@ end
 
 if step == 'start' then
   if redis.call('EXISTS', marker) == 1 then return 0 end
-  redis.call('UNLINK', shadowValue, shadowFlat)
+  redis.call('UNLINK', shadowValue, shadowFlat, copied)
   unlink(oldShadow, nS)
   unlink(newShadow, nM)
   redis.call('SET', shadowLayout, M)
@@ -91,7 +100,7 @@ local current = redis.call('GET', marker)
 
 if step == 'abort' then
   if current and current ~= token then return 0 end
-  redis.call('UNLINK', marker, shadowValue, shadowLayout, shadowFlat)
+  redis.call('UNLINK', marker, shadowValue, shadowLayout, shadowFlat, copied)
   unlink(oldShadow, nS)
   unlink(newShadow, nM)
   return 1
@@ -107,6 +116,11 @@ end
 if step == 'switch' then
   if S ~= M then
     return redis.error_reply('rebuild shadow layout ' .. S .. ' is not the rebuild\'s ' .. M)
+  end
+  -- Redis lost copy writes (and their counts) but kept the marker: this
+  -- shadow would drop members the live keys still hold.
+  if (redis.call('HGET', copied, 'rows') or '0') ~= ARGV[8] then
+    return 3
   end
   -- UNLINK first: RENAME over an existing key would free the old
   -- collection synchronously, blocking Redis for a large one; UNLINK
@@ -130,7 +144,7 @@ if step == 'switch' then
   end
   -- M, "0" included: every collection records its layout.
   redis.call('SET', liveLayout, M)
-  redis.call('DEL', shadowLayout, marker)
+  redis.call('DEL', shadowLayout, marker, copied)
   return 1
 end
 

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -12,6 +13,7 @@ import (
 	"github.com/redis/go-redis/v9"
 	"github.com/stretchr/testify/require"
 
+	"github.com/verity-go/verity/internal/testenv"
 	"github.com/verity-go/verity/projection"
 )
 
@@ -82,7 +84,7 @@ func TestRebuild(t *testing.T) {
 			require.EqualValues(t, rep.Rows, rep.Applied)
 
 			marker, sv, sver := b.rebuildKeys()
-			require.Equal(t, []bool{false, false, false}, b.keysExist(t, marker, sv, sver))
+			require.Equal(t, []bool{false, false, false, false}, b.keysExist(t, marker, sv, sver, b.copyKey()))
 
 			run, err := r.Run(context.Background(), RunOptions{DryRun: true})
 			require.NoError(t, err)
@@ -234,6 +236,7 @@ func rebuildUnderWrites(t *testing.T, b *testBundle, to projection.Keyspace) {
 	require.True(t, rep.Switched)
 	require.Nil(t, readerErr.Load())
 	require.GreaterOrEqual(t, inBand.Load(), int64(3*n/50), "gate writes happened during the rebuild")
+	require.Positive(t, rep.Kept, "copy rows kept newer live writes; the switch counted them as sent")
 	t.Logf("gate writes during the rebuild: %d in band, %d concurrent", inBand.Load(), written.Load())
 	require.GreaterOrEqual(t, minSeen.Load(), int64(n), "readers never saw a partial projection")
 
@@ -272,7 +275,7 @@ func TestRebuildAborted(t *testing.T) {
 		require.False(t, rep.Switched)
 		require.True(t, b.state(t, r, "orphan").HasValue, "live projection untouched")
 		marker, sv, sver := b.rebuildKeys()
-		require.Equal(t, []bool{false, false, false}, b.keysExist(t, marker, sv, sver))
+		require.Equal(t, []bool{false, false, false, false}, b.keysExist(t, marker, sv, sver, b.copyKey()))
 	})
 	t.Run("MarkerGoneAtSwitch", func(t *testing.T) {
 		t.Parallel()
@@ -313,7 +316,7 @@ func TestRebuildAborted(t *testing.T) {
 		require.False(t, rep.Switched)
 		require.True(t, b.state(t, r, "orphan").HasValue, "live projection untouched")
 		marker, sv, sver := b.rebuildKeys()
-		require.Equal(t, []bool{false, false, false}, b.keysExist(t, marker, sv, sver))
+		require.Equal(t, []bool{false, false, false, false}, b.keysExist(t, marker, sv, sver, b.copyKey()))
 	})
 }
 
@@ -369,10 +372,15 @@ func rebuildStepOf(cmd redis.Cmder) string {
 // withLostReply returns b on a client of its own that loses the reply to
 // the first call of step.
 func (b *testBundle) withLostReply(t *testing.T, step string, sent bool) *testBundle {
+	return b.withHook(t, &loseReply{step: step, sent: sent})
+}
+
+// withHook returns b on a client of its own with hook added.
+func (b *testBundle) withHook(t *testing.T, hook redis.Hook) *testBundle {
 	opts := *b.client.(*redis.Client).Options()
 	client := redis.NewClient(&opts)
 	t.Cleanup(func() { _ = client.Close() })
-	client.AddHook(&loseReply{step: step, sent: sent})
+	client.AddHook(hook)
 	out := *b
 	out.client = client
 	out.gate = projection.NewGate(client, b.ks)
@@ -458,7 +466,7 @@ func TestRebuildLostReply(t *testing.T) {
 		require.False(t, rep.Switched)
 		require.True(t, b.state(t, b.reconciler(t, nil), "orphan").HasValue, "not switched")
 		marker, sv, sver := b.rebuildKeys()
-		require.Equal(t, []bool{false, false, false}, b.keysExist(t, marker, sv, sver))
+		require.Equal(t, []bool{false, false, false, false}, b.keysExist(t, marker, sv, sver, b.copyKey()))
 	})
 }
 
@@ -559,4 +567,179 @@ func TestRebuildAfterAStalledRebuild(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, map[Class]int64{ClassCurrent: 25}, run.Counts,
 		"the projection holds a row the source deleted before B started")
+}
+
+// copyKey is the collection's rebuild copy count.
+func (b *testBundle) copyKey() string { return b.ks.RebuildCopyKey(b.target.Name, b.kind) }
+
+// waitShadow waits until the shadow value key holds want entries; hooks
+// run on the reader's goroutine, so it reports with t.Errorf.
+func (b *testBundle) waitShadow(ctx context.Context, t *testing.T, admin redis.UniversalClient, want int64) {
+	key := b.ks.ShadowValueKey(b.target.Name, b.kind)
+	for deadline := time.Now().Add(10 * time.Second); ; {
+		size, err := admin.HLen(ctx, key).Result()
+		if b.kind == projection.KindSortedSet {
+			size, err = admin.ZCard(ctx, key).Result()
+		}
+		if err == nil && size >= want {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Errorf("shadow holds %d, want %d: %v", size, want, err)
+			return
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+// TestRebuildRefusesAShadowThatLostCopyWrites: Redis loses part of a
+// rebuild's copy but keeps its marker (a failover to a replica that had
+// the marker and the first pages only, a restart from a snapshot taken
+// mid-copy). The switch must not rename that partial shadow over the live
+// projection, which would delete the members that survived: the copy
+// count, written in the script that writes each page, falls short of the
+// rows sent, and the rebuild aborts with the live projection untouched.
+func TestRebuildRefusesAShadowThatLostCopyWrites(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+
+	// The review's reproduction: a real restart from a snapshot that holds
+	// the marker and the first of three pages.
+	t.Run("RestartFromSnapshot", func(t *testing.T) {
+		t.Parallel()
+		rs := testenv.StartRedis(t)
+		b := setupWith(t, projection.KindSortedSet, rs.Client(t), "rb:")
+		const n = 300
+		b.projectRows(t, b.insertMany(t, n))
+		admin := rs.Client(t)
+		src := &hookedSource{Source: b.source, onPage: func(ctx context.Context, page int) {
+			switch page {
+			case 2: // page 1 is in the shadow: a snapshot
+				b.waitShadow(ctx, t, admin, 100)
+				if err := admin.Save(ctx).Err(); err != nil {
+					t.Errorf("SAVE: %v", err)
+				}
+			case 4: // pages 2 and 3 copied: Redis restarts from the snapshot
+				b.waitShadow(ctx, t, admin, n)
+				if err := rs.Kill(); err != nil {
+					t.Errorf("kill: %v", err)
+				}
+				if err := rs.Start(); err != nil {
+					t.Errorf("start: %v", err)
+				}
+			}
+		}}
+		r, err := New(src, b.target, &Config{PageSize: 100})
+		require.NoError(t, err)
+		rep, err := r.Rebuild(ctx)
+		require.ErrorIs(t, err, ErrRebuildAborted)
+		require.NotErrorIs(t, err, ErrRebuildUncertain)
+		require.False(t, rep.Switched)
+		require.EqualValues(t, n, rep.Rows)
+		require.EqualValues(t, n, admin.ZCard(ctx, b.ks.ValueKey(b.target.target(""))).Val(), "live projection untouched")
+		marker, sv, sver := b.rebuildKeys()
+		require.Equal(t, []bool{false, false, false, false}, b.keysExist(t, marker, sv, sver, b.copyKey()))
+
+		rep, err = b.reconciler(t, nil).Rebuild(ctx)
+		require.NoError(t, err, "once Redis is stable, Rebuild again")
+		require.True(t, rep.Switched)
+		run, err := b.reconciler(t, nil).Run(ctx, RunOptions{DryRun: true})
+		require.NoError(t, err)
+		require.Equal(t, map[Class]int64{ClassCurrent: n}, run.Counts)
+	})
+
+	// The same loss for every kind and layout, made by putting the
+	// rebuild's keys back to their state after the first page once the
+	// copy is done (as a restart from a snapshot taken then would).
+	for _, kind := range []projection.Kind{projection.KindSortedSet, projection.KindHash} {
+		for _, buckets := range []int{0, 4} {
+			t.Run(fmt.Sprintf("LostPages%s/Buckets%d", kindName(kind), buckets), func(t *testing.T) {
+				t.Parallel()
+				b := setup(t, kind).withBuckets(t, buckets)
+				const n = 40
+				b.projectRows(t, b.insertMany(t, n))
+				b.project(t, "orphan", 1) // a switch would remove it
+				before := b.snapshot(t)
+				k, name := b.kind, b.target.Name
+				keys := append([]string{b.ks.ShadowValueKey(name, k), b.ks.ShadowLayoutKey(name, k), b.copyKey()},
+					b.ks.ShadowVersionKeys(name, k)...)
+				saved := map[string]string{}
+				src := &hookedSource{Source: b.source, onPage: func(ctx context.Context, page int) {
+					switch page {
+					case 2:
+						b.waitShadow(ctx, t, b.client, 10)
+						for _, key := range keys {
+							if v, err := b.client.Dump(ctx, key).Result(); err == nil {
+								saved[key] = v
+							} else if !errors.Is(err, redis.Nil) {
+								t.Errorf("DUMP %s: %v", key, err)
+							}
+						}
+					case 5: // the empty page that ends the copy
+						b.waitShadow(ctx, t, b.client, n)
+						for _, key := range keys {
+							if err := b.client.Del(ctx, key).Err(); err != nil {
+								t.Errorf("DEL %s: %v", key, err)
+							}
+							if v, ok := saved[key]; ok {
+								if err := b.client.Restore(ctx, key, 0, v).Err(); err != nil {
+									t.Errorf("RESTORE %s: %v", key, err)
+								}
+							}
+						}
+					}
+				}}
+				r, err := New(src, b.target, &Config{PageSize: 10})
+				require.NoError(t, err)
+				rep, err := r.Rebuild(ctx)
+				require.ErrorIs(t, err, ErrRebuildAborted)
+				require.False(t, rep.Switched)
+				require.EqualValues(t, n, rep.Rows)
+				require.Contains(t, saved, b.copyKey(), "the snapshot held a count of the first page")
+				require.Equal(t, before, b.snapshot(t), "live projection untouched, no rebuild key left")
+			})
+		}
+	}
+}
+
+// runCopyTwice is a go-redis hook that runs the first call of a counted
+// shadow copy twice, as a client that retried a call whose reply was lost
+// after Redis ran it would.
+type runCopyTwice struct{ done atomic.Bool }
+
+func (h *runCopyTwice) DialHook(next redis.DialHook) redis.DialHook { return next }
+
+func (h *runCopyTwice) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+	return next
+}
+
+func (h *runCopyTwice) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
+	return func(ctx context.Context, cmd redis.Cmder) error {
+		// ARGV[1] of a counted copy is "shadow <token> <batch>".
+		if f := strings.Fields(rebuildStepOf(cmd)); len(f) == 3 && f[0] == "shadow" && !h.done.Load() {
+			if err := next(ctx, cmd); err != nil {
+				return err
+			}
+			h.done.Store(true)
+		}
+		return next(ctx, cmd)
+	}
+}
+
+// TestRebuildCopyRunTwice: a copy page that Redis ran twice (a retry after
+// a lost reply) is counted once, so the rebuild still switches.
+func TestRebuildCopyRunTwice(t *testing.T) {
+	t.Parallel()
+	b := setup(t, projection.KindHash)
+	b.projectRows(t, b.insertMany(t, 30))
+	b.project(t, "orphan", 1)
+	hook := &runCopyTwice{}
+	twice := b.withHook(t, hook)
+	rep, err := twice.reconciler(t, &Config{PageSize: 10}).Rebuild(context.Background())
+	require.NoError(t, err)
+	require.True(t, hook.done.Load(), "a copy page ran twice")
+	require.True(t, rep.Switched)
+	require.EqualValues(t, 30, rep.Rows)
+	require.False(t, b.state(t, b.reconciler(t, nil), "orphan").HasValue, "switched")
+	require.Equal(t, []bool{false}, b.keysExist(t, b.copyKey()))
 }

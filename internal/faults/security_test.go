@@ -163,6 +163,7 @@ func TestHashSlotsCannotBeMoved(t *testing.T) {
 			ks.RebuildMarkerKey(name, projection.KindSortedSet),
 			ks.ShadowValueKey(name, projection.KindSortedSet),
 			ks.ShadowVersionKey(name, projection.KindSortedSet),
+			ks.RebuildCopyKey(name, projection.KindSortedSet),
 		} {
 			got, err := client.ClusterKeySlot(ctx, key).Result()
 			require.NoError(t, err)
