@@ -437,7 +437,7 @@ type baseKey struct {
 func (g *Gate) shadowKeyspace(mode string, coll baseKey) Keyspace {
 	if mode == modeLive {
 		if n, ok := g.shadowLayouts.Load(coll); ok {
-			return Keyspace{prefix: g.ks.prefix, buckets: n.(int)}
+			return Keyspace{prefix: g.ks.prefix, buckets: n.(int), made: true}
 		}
 	}
 	return g.ks

@@ -114,6 +114,11 @@ func TestKeyspace(t *testing.T) {
 		ks, err := NewKeyspace("")
 		require.NoError(t, err)
 		require.Equal(t, "", ks.Prefix())
+		require.False(t, ks.IsZero(), "an empty prefix is still a made Keyspace")
+		bucketed, err := ks.WithVersionBuckets(4)
+		require.NoError(t, err)
+		require.False(t, bucketed.IsZero())
+		require.True(t, Keyspace{}.IsZero())
 	})
 
 	t.Run("HazardousIDsGiveDistinctKeysInOneSlotPerCollection", func(t *testing.T) {

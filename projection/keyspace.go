@@ -91,7 +91,13 @@ const VersionBucketsMax = 1 << 16
 type Keyspace struct {
 	prefix  string
 	buckets int
+	made    bool // by NewKeyspace: the zero Keyspace is no projector's
 }
+
+// IsZero reports whether ks is the zero Keyspace, which no projector writes
+// with (even a projector with an empty prefix has one from NewKeyspace):
+// code that takes a Keyspace from its caller refuses it.
+func (ks Keyspace) IsZero() bool { return !ks.made }
 
 // NewKeyspace returns the Keyspace for prefix, with one version hash per
 // collection (no version buckets). The prefix may be empty; it must not
@@ -100,7 +106,7 @@ func NewKeyspace(prefix string) (Keyspace, error) {
 	if err := keyenc.ValidatePrefix(prefix); err != nil {
 		return Keyspace{}, &ConfigError{Field: "prefix", Reason: fmt.Sprintf("%q: %v", prefix, err)}
 	}
-	return Keyspace{prefix: prefix}, nil
+	return Keyspace{prefix: prefix, made: true}, nil
 }
 
 // WithVersionBuckets returns a copy of ks that spreads each collection's

@@ -214,9 +214,11 @@ type Target struct {
 	// the projection. Required.
 	Client redis.UniversalClient
 	// Keyspace names the projection's keys; it must be the one the gate
-	// writes with, version bucket count included (a collection stored with
-	// another count fails runs with projection.ErrLayoutMismatch, and
-	// Rebuild with this Keyspace migrates it to this count).
+	// writes with (RedisProjector.Keyspace), version bucket count included
+	// (a collection stored with another count fails runs with
+	// projection.ErrLayoutMismatch, and Rebuild with this Keyspace migrates
+	// it to this count). Required: the zero Keyspace is refused, since it
+	// would reconcile (and repair into) keys no projector writes.
 	Keyspace projection.Keyspace
 	// Kind is the projection's data structure. Required.
 	Kind projection.Kind
@@ -238,6 +240,9 @@ type Target struct {
 func (t Target) validate() error {
 	if deps.Missing(t.Client) {
 		return &ConfigError{Field: "Target.Client", Reason: "must not be nil"}
+	}
+	if t.Keyspace.IsZero() {
+		return &ConfigError{Field: "Target.Keyspace", Reason: "is required: use the projector's Keyspace() (or projection.NewKeyspace with the projector's prefix)"}
 	}
 	switch t.Kind {
 	case projection.KindSortedSet, projection.KindHash:

@@ -317,9 +317,10 @@ func TestNewValidation(t *testing.T) {
 	}{
 		"source":                    {nil, okTarget, nil},
 		"Target.Client":             {src, Target{Kind: projection.KindHash}, nil},
-		"Target.Kind":               {src, Target{Client: rd.Client}, nil},
-		"Target.Name":               {src, Target{Client: rd.Client, Kind: projection.KindDocument, Name: "x"}, nil},
-		"Target.Namespace":          {src, Target{Client: rd.Client, Kind: projection.KindHash, Name: "h", Namespace: "x:"}, nil},
+		"Target.Keyspace":           {src, Target{Client: rd.Client, Kind: projection.KindSortedSet, Name: "b"}, nil},
+		"Target.Kind":               {src, Target{Client: rd.Client, Keyspace: ks}, nil},
+		"Target.Name":               {src, Target{Client: rd.Client, Keyspace: ks, Kind: projection.KindDocument, Name: "x"}, nil},
+		"Target.Namespace":          {src, Target{Client: rd.Client, Keyspace: ks, Kind: projection.KindHash, Name: "h", Namespace: "x:"}, nil},
 		"Target.Client (typed nil)": {src, Target{Client: (*redis.Client)(nil), Kind: projection.KindHash, Name: "h"}, nil},
 		"source (typed nil)":        {(*SQLSource)(nil), okTarget, nil},
 		"Config.PageSize":           {src, okTarget, &Config{PageSize: -1}},
@@ -336,6 +337,10 @@ func TestNewValidation(t *testing.T) {
 	r, err := New(src, okTarget, nil)
 	require.NoError(t, err)
 	require.Equal(t, PageSizeDefault, r.cfg.PageSize)
+	empty, err := projection.NewKeyspace("")
+	require.NoError(t, err)
+	_, err = New(src, Target{Client: rd.Client, Keyspace: empty, Kind: projection.KindSortedSet, Name: "b"}, nil)
+	require.NoError(t, err, "an empty prefix is a projector's choice; only the zero Keyspace is refused")
 
 	_, err = r.Run(context.Background(), RunOptions{Sample: -1})
 	require.ErrorIs(t, err, ErrInvalidConfig)
