@@ -6,6 +6,8 @@ import (
 	"errors"
 	"math/rand/v2"
 	"reflect"
+
+	"github.com/redis/go-redis/v9"
 )
 
 // IDLoader loads the current value of one id from the source of truth, for
@@ -45,7 +47,8 @@ type Divergence[T any] struct {
 // with the source of truth: the standing, sampled assertion that the cache
 // is honest (say 500 ids an hour).
 // It reads through Peek, so it neither fills nor disturbs the cache, and it
-// sees only what Get caches: an id cached by GetAt alone is NotCached.
+// sees only what Get caches: an id cached by GetAt alone is NotCached (see
+// CheckAt).
 //
 // Values are compared as Get would serve them: by their Codec encoding, and
 // when encodings differ, decoded, with reflect.DeepEqual. A mismatch is confirmed by a
@@ -115,6 +118,12 @@ func (c *Cache[T]) compare(ctx context.Context, id string, cached T, load IDLoad
 	if err != nil {
 		return current, false, &LoadError{ID: id, Err: err}
 	}
+	return c.sameValue(id, cached, current)
+}
+
+// sameValue reports whether cached equals current as Get would serve it,
+// and returns current so.
+func (c *Cache[T]) sameValue(id string, cached, current T) (T, bool, error) {
 	a, err := c.config.Codec.Marshal(cached)
 	if err != nil {
 		return current, false, &CodecError{Op: "encode", ID: id, Err: err}
@@ -150,4 +159,121 @@ func sample(ids []string, n int) []string {
 		out[i], out[j] = out[j], out[i]
 	}
 	return out[:n]
+}
+
+// VersionedIDLoader loads the current value of one id from the source of
+// truth together with the version GetAt callers pass for it (row_version,
+// updated_at), for CheckAt.
+type VersionedIDLoader[T any] func(ctx context.Context, id string) (T, int64, error)
+
+// CheckAt is Check for the values GetAt caches, and looks for GetAt's trap:
+// a write that changed a row without moving its version, which leaves the
+// old value cached under a version that still looks current. For each id
+// it compares the cached value with the source's when both are at the same
+// version; a mismatch seen twice, with neither version moving in between,
+// is Divergent.
+//
+// An id cached under an older version than the source's is NotCached: a
+// GetAt at the source's version misses it. One cached under a newer version
+// than the source's answer (a write committed between the two reads) is
+// Moved, as is one whose versions move during the confirmation. Cached
+// values that do not decode are Undecodable. It reads without filling,
+// like Check, and stops at the first Redis or loader error.
+func (c *Cache[T]) CheckAt(ctx context.Context, ids []string, n int, load VersionedIDLoader[T]) (CheckReport[T], error) {
+	var report CheckReport[T]
+	if load == nil {
+		return report, ErrNilLoader
+	}
+	for _, id := range sample(ids, n) {
+		if err := ctx.Err(); err != nil {
+			return report, err
+		}
+		report.Sampled++
+		cached, version, state, err := c.peekAt(ctx, id)
+		if err != nil {
+			return report, err
+		}
+		if state != atCached {
+			if state == atUndecodable {
+				report.Undecodable++
+			} else {
+				report.NotCached++
+			}
+			continue
+		}
+		current, currentVersion, err := load(ctx, id)
+		if err != nil {
+			return report, &LoadError{ID: id, Err: err}
+		}
+		switch {
+		case version < currentVersion:
+			report.NotCached++
+			continue
+		case version > currentVersion:
+			report.Cached++
+			report.Moved++
+			continue
+		}
+		report.Cached++
+		_, same, err := c.sameValue(id, cached, current)
+		if err != nil {
+			return report, err
+		}
+		if same {
+			continue
+		}
+		// Confirm, as Check does: a write in flight looks like this too.
+		again, version2, state, err := c.peekAt(ctx, id)
+		if err != nil {
+			return report, err
+		}
+		current2, currentVersion2, err := load(ctx, id)
+		if err != nil {
+			return report, &LoadError{ID: id, Err: err}
+		}
+		if state != atCached || version2 != version || currentVersion2 != currentVersion {
+			report.Moved++
+			continue
+		}
+		current2, same, err = c.sameValue(id, again, current2)
+		if err != nil {
+			return report, err
+		}
+		if !same {
+			report.Divergent++
+			report.Divergences = append(report.Divergences,
+				Divergence[T]{ID: id, Version: version, Cached: again, Current: current2})
+		}
+	}
+	return report, nil
+}
+
+// What peekAt found under an id's GetAt key.
+const (
+	atNotCached = iota
+	atCached
+	atUndecodable
+)
+
+// peekAt reads the value GetAt cached for id, without filling.
+func (c *Cache[T]) peekAt(ctx context.Context, id string) (val T, version int64, state int, err error) {
+	data, err := c.client.Get(ctx, c.atKey(id)).Bytes()
+	switch {
+	case errors.Is(err, redis.Nil):
+		return val, 0, atNotCached, nil
+	case err != nil:
+		if cerr := ctx.Err(); cerr != nil && isContextErr(err) {
+			return val, 0, 0, cerr
+		}
+		c.stats.redisErrors.Add(1)
+		return val, 0, 0, &RedisError{Op: "peek", ID: id, Err: err}
+	}
+	version, payload, err := splitVersioned(data)
+	if err != nil {
+		return val, 0, atUndecodable, nil
+	}
+	if val, err = c.decode(payload); err != nil {
+		return val, version, atUndecodable, nil
+	}
+	return val, version, atCached, nil
 }

@@ -164,9 +164,9 @@
 // Check compares a random sample of cached values with the database: the
 // standing assertion (say, 500 ids an hour) that would have caught the race
 // in production long before a customer did. It reads what Get caches
-// (through Peek): values cached by GetAt are kept under other keys, and
-// Check counts their ids NotCached; GetAt's own trap, a write that leaves
-// the version unchanged, is not what it looks for.
+// (through Peek). CheckAt does the same for the values GetAt caches, with a
+// loader that also returns the version callers pass: it finds GetAt's own
+// trap, a write that changed a row but not its version.
 //
 // # Metrics
 //

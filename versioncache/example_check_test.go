@@ -58,3 +58,49 @@ func ExampleCache_Check() {
 	// 3 sampled, 1 divergent
 	// b: cached 200, database 250
 }
+
+// GetAt's trap, caught: a data fix changed a price but not its row_version,
+// so GetAt keeps serving the old price under a version that still looks
+// current. CheckAt compares values cached at the source's own version.
+func ExampleCache_CheckAt() {
+	ctx := context.Background()
+	ep, err := services.Shared(ctx)
+	if err != nil {
+		log.Fatal(err)
+	}
+	opt, err := redis.ParseURL(ep.RedisURL)
+	if err != nil {
+		log.Fatal(err)
+	}
+	rdb := redis.NewClient(opt)
+	defer rdb.Close()
+	prefix := "example:vc:" + services.RandomSuffix(8) + ":"
+	defer cleanup(rdb, prefix)
+
+	type row struct{ price, version int64 }
+	rows := map[string]row{"a": {100, 3}, "b": {200, 7}}
+	cache, err := versioncache.New[int64](rdb, &versioncache.Config{Prefix: prefix})
+	if err != nil {
+		log.Fatal(err)
+	}
+	ids := []string{"a", "b"}
+	for _, id := range ids {
+		load := func(context.Context) (int64, error) { return rows[id].price, nil }
+		if _, err := cache.GetAt(ctx, id, rows[id].version, load); err != nil {
+			log.Fatal(err)
+		}
+	}
+	rows["b"] = row{250, 7} // UPDATE … SET price = 250 (row_version forgotten)
+
+	report, err := cache.CheckAt(ctx, ids, 0, func(ctx context.Context, id string) (int64, int64, error) {
+		return rows[id].price, rows[id].version, nil
+	})
+	if err != nil {
+		log.Fatal(err)
+	}
+	for _, d := range report.Divergences {
+		fmt.Printf("%s at version %d: cached %d, database %d\n", d.ID, d.Version, d.Cached, d.Current)
+	}
+	// Output:
+	// b at version 7: cached 200, database 250
+}

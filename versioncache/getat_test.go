@@ -51,6 +51,25 @@ func TestGetAt(t *testing.T) {
 		require.NoError(t, err)
 		require.Equal(t, 4900, got.Price, "GetAt cannot see a write that keeps the version")
 
+		// CheckAt finds the trap: same version, different value.
+		byID := func(ctx context.Context, id string) (product, int64, error) {
+			p := b.truth.read(id)
+			return p, p.Version, nil
+		}
+		report, err := b.cache.CheckAt(ctx, []string{"p1", "never-read"}, 0, byID)
+		require.NoError(t, err)
+		require.Equal(t, 2, report.Sampled)
+		require.Equal(t, 1, report.Cached)
+		require.Equal(t, 1, report.NotCached)
+		require.Equal(t, 1, report.Divergent)
+		require.Equal(t, "p1", report.Divergences[0].ID)
+		require.Equal(t, 4900, report.Divergences[0].Cached.Price)
+		require.Equal(t, 1, report.Divergences[0].Current.Price)
+		require.Equal(t, row.Version, report.Divergences[0].Version)
+		plain, err := b.cache.Check(ctx, []string{"p1"}, 0, func(ctx context.Context, id string) (product, error) { return b.truth.read(id), nil })
+		require.NoError(t, err)
+		require.Equal(t, 1, plain.NotCached, "Check reads Get's values only")
+
 		// Get with Invalidate after the write is not fooled.
 		require.NoError(t, b.cache.Invalidate(ctx, "p1"))
 		got, err = b.cache.Get(ctx, "p1", b.truth.loader("p1"))
@@ -273,5 +292,100 @@ func TestGetAt(t *testing.T) {
 		_, err = b.cache.GetAt(ctx, "p1", 1, nil)
 		require.ErrorIs(t, err, ErrNilLoader)
 		require.Zero(t, b.truth.loads.Load())
+	})
+}
+
+func TestCheckAt(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	byID := func(b *testBundle) VersionedIDLoader[product] {
+		return func(ctx context.Context, id string) (product, int64, error) {
+			p := b.truth.read(id)
+			return p, p.Version, nil
+		}
+	}
+
+	t.Run("HonestCache", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t, nil)
+		var ids []string
+		for i := range 10 {
+			id := "p" + strconv.Itoa(i)
+			v := b.truth.write(id, 100+i)
+			_, err := b.cache.GetAt(ctx, id, v.Version, b.truth.loader(id))
+			require.NoError(t, err)
+			ids = append(ids, id)
+		}
+		report, err := b.cache.CheckAt(ctx, ids, 0, byID(b))
+		require.NoError(t, err)
+		require.Equal(t, CheckReport[product]{Sampled: 10, Cached: 10}, report)
+	})
+
+	// A write that moved the version leaves the old value under the old
+	// version: GetAt misses it, so it is not cached for CheckAt either.
+	t.Run("OlderVersionIsNotCached", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t, nil)
+		v1 := b.truth.write("p1", 4900)
+		_, err := b.cache.GetAt(ctx, "p1", v1.Version, b.truth.loader("p1"))
+		require.NoError(t, err)
+		b.truth.write("p1", 4400)
+		report, err := b.cache.CheckAt(ctx, []string{"p1"}, 0, byID(b))
+		require.NoError(t, err)
+		require.Equal(t, 1, report.NotCached)
+		require.Zero(t, report.Divergent)
+	})
+
+	t.Run("NewerVersionIsMoved", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t, nil)
+		v1 := b.truth.write("p1", 4900)
+		_, err := b.cache.GetAt(ctx, "p1", v1.Version+5, b.truth.loader("p1"))
+		require.NoError(t, err)
+		report, err := b.cache.CheckAt(ctx, []string{"p1"}, 0, byID(b))
+		require.NoError(t, err)
+		require.Equal(t, 1, report.Moved)
+		require.Zero(t, report.Divergent)
+	})
+
+	// A mismatch whose source version moves before the confirmation was a
+	// write in flight: Moved, not Divergent.
+	t.Run("VersionMovesDuringConfirmation", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t, nil)
+		v1 := b.truth.write("p1", 4900)
+		_, err := b.cache.GetAt(ctx, "p1", v1.Version, b.truth.loader("p1"))
+		require.NoError(t, err)
+		loads := 0
+		report, err := b.cache.CheckAt(ctx, []string{"p1"}, 0, func(context.Context, string) (product, int64, error) {
+			loads++
+			p := v1
+			p.Price = 1 // the write, committed before its version moves
+			if loads > 1 {
+				p.Version++
+			}
+			return p, p.Version, nil
+		})
+		require.NoError(t, err)
+		require.Equal(t, 2, loads)
+		require.Equal(t, 1, report.Moved)
+		require.Zero(t, report.Divergent)
+	})
+
+	t.Run("Undecodable", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t, nil)
+		require.NoError(t, b.client.Set(ctx, b.cache.atKey("p1"), "7:not json", 0).Err())
+		require.NoError(t, b.client.Set(ctx, b.cache.atKey("p2"), "garbage", 0).Err())
+		report, err := b.cache.CheckAt(ctx, []string{"p1", "p2"}, 0, byID(b))
+		require.NoError(t, err)
+		require.Equal(t, 2, report.Undecodable)
+	})
+
+	t.Run("NilLoader", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t, nil)
+		_, err := b.cache.CheckAt(ctx, []string{"p1"}, 0, nil)
+		require.ErrorIs(t, err, ErrNilLoader)
 	})
 }
