@@ -14,8 +14,8 @@ const listenCloseTimeout = 2 * time.Second
 
 // listen keeps a dedicated connection LISTENing on the outbox channel until
 // ctx is done, signalling wake on every notification. The connection is
-// opened from the pool's configuration, running the pool's BeforeConnect and
-// AfterConnect hooks as the pool does (they may supply credentials, the
+// opened from the pool's configuration, running the pool's BeforeConnect,
+// AfterConnect and BeforeClose hooks as the pool does (they may supply credentials, the
 // host, or session settings), but is not a pool connection: holding a pooled
 // connection forever would shrink the pool, and a pooled connection may be
 // reset or closed under the listener. After any error it reconnects with a
@@ -58,7 +58,11 @@ func (r *Relay) listenOnce(ctx, workCtx context.Context, wake chan<- struct{}, c
 	if err != nil {
 		return fmt.Errorf("connect: %w", err)
 	}
+	hooked := false // AfterConnect ran: BeforeClose pairs with it, as in pgxpool
 	defer func() {
+		if hooked && poolCfg.BeforeClose != nil {
+			poolCfg.BeforeClose(conn)
+		}
 		closeCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), listenCloseTimeout)
 		defer cancel()
 		_ = conn.Close(closeCtx) // the connection is discarded either way
@@ -75,6 +79,7 @@ func (r *Relay) listenOnce(ctx, workCtx context.Context, wake chan<- struct{}, c
 			return fmt.Errorf("connect: AfterConnect: %w", err)
 		}
 	}
+	hooked = true
 	if _, err := conn.Exec(workCtx, "LISTEN "+pgx.Identifier{r.names.Channel}.Sanitize()); err != nil {
 		return fmt.Errorf("listen: %w", err)
 	}

@@ -96,7 +96,7 @@ func NewRelay(pool *pgxpool.Pool, handler Handler, cfg *RelayConfig) (*Relay, er
 		names:      n,
 		logger:     cfg.Logger.With(slog.String("relay", cfg.Name)),
 		metrics:    metrics,
-		leaseSQL:   fmt.Sprintf(leaseSQL, n.Outbox, n.Leases, streamFilter, async, partitionCount, partitionsPerClaim, partitionBlock, n.Dead, cfg.MaxAttempts),
+		leaseSQL:   fmt.Sprintf(leaseSQL, n.Outbox, n.Leases, streamFilter, async, partitionCount, partitionsPerClaim, partitionBlock, n.Dead, cfg.MaxAttempts, buryCrashed(n.Dead, cfg)),
 		pickSQL:    fmt.Sprintf(pickSQL, n.Outbox, n.Leases, streamFilter, partitionCount, partitionBlock),
 		settleSQL:  fmt.Sprintf(settleSQL, ack, n.Outbox, n.Dead, async, n.Leases, partitionCount, partitionBlock),
 		releaseSQL: fmt.Sprintf(releaseClaimSQL, n.Leases),
@@ -160,11 +160,11 @@ const partitionsPerClaim = 4
 // now() + $2 µs: one row write per partition. "crashed" lists the ids
 // handed to a batch whose relay never released its partition (it crashed,
 // or hung past its lease), and that attempt counts: "recovered" adds one to
-// their attempts or, when that reaches MaxAttempts (formatted in by
-// NewRelay), "buried" and "dead" move them to the dead-letter table as the
-// settle does, so a row that kills every relay handling it is not handed
-// out forever. The split is by attempts + 1 because one statement cannot
-// both update and delete a row. Every id of that batch counts the attempt:
+// their attempts or, when that reaches MaxAttempts (buryCrashed, formatted
+// in by NewRelay), "buried" and "dead" move them to the dead-letter table as
+// the settle does, so a row that kills every relay handling it is not handed
+// out forever. The two take complementary conditions because one statement
+// cannot both update and delete a row. Every id of that batch counts the attempt:
 // nothing tells which one killed the relay. The statement returns the ids
 // it buried, to be logged and counted.
 // The row-level lease columns that relays of earlier versions stamp are
@@ -209,17 +209,17 @@ crashed AS MATERIALIZED (
     WHERE f.owner IS NOT NULL
 ),
 recovered AS (
-    UPDATE %[1]s
-    SET attempts = attempts + 1
-    WHERE id = ANY(ARRAY(SELECT id FROM crashed))
-      AND attempts + 1 < %[9]d
-    RETURNING id
+    UPDATE %[1]s AS o
+    SET attempts = o.attempts + 1
+    WHERE o.id = ANY(ARRAY(SELECT id FROM crashed))
+      AND NOT (%[10]s)
+    RETURNING o.id
 ),
 buried AS (
-    DELETE FROM %[1]s
-    WHERE id = ANY(ARRAY(SELECT id FROM crashed))
-      AND attempts + 1 >= %[9]d
-    RETURNING id, event_id, stream, key, version, payload, created_at, attempts + 1 AS attempts
+    DELETE FROM %[1]s AS o
+    WHERE o.id = ANY(ARRAY(SELECT id FROM crashed))
+      AND %[10]s
+    RETURNING o.id, o.event_id, o.stream, o.key, o.version, o.payload, o.created_at, o.attempts + 1 AS attempts
 ),
 dead AS (
     INSERT INTO %[8]s (id, event_id, stream, key, version, payload, created_at, attempts, last_error)
@@ -231,6 +231,23 @@ dead AS (
 )
 SELECT (SELECT count(*) FROM leased), set_config('enable_bitmapscan', 'off', true),
     ARRAY(SELECT id FROM dead ORDER BY id)`
+
+// buryCrashed is the condition under which the claim buries a row o of a
+// crashed batch instead of counting the attempt: its attempts reach this
+// relay's MaxAttempts, it is of a stream this relay serves (another
+// stream's relays may allow more attempts: for those rows the attempt is
+// only counted, and their own relays bury them), and its id is not in the
+// dead-letter table already (possible only after the outbox's ids were
+// reset): a claim that failed on that conflict would fail every claim,
+// whereas the row handed out again fails only its own batch's settle.
+func buryCrashed(dead string, cfg *RelayConfig) string {
+	streams := ""
+	if len(cfg.Streams) > 0 {
+		streams = " AND o.stream = ANY($3::text[])"
+	}
+	return fmt.Sprintf("o.attempts + 1 >= %d%s AND NOT EXISTS (SELECT 1 FROM %s AS d WHERE d.id = o.id)",
+		cfg.MaxAttempts, streams, dead)
+}
 
 // pickSQL reads up to $2 due rows of the partitions leased to the batch's
 // token ($1), partition after partition, least recently claimed first (the

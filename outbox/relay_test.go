@@ -1287,3 +1287,26 @@ func (b *syncBuffer) String() string {
 type panickingError struct{ msg string }
 
 func (e *panickingError) Error() string { return e.msg }
+
+// The LISTEN connection runs the pool's BeforeClose after its AfterConnect,
+// as pgxpool does: a pool whose hooks pair up per connection (register in
+// AfterConnect, unregister in BeforeClose) is left with no registration
+// once the relay and the pool are closed.
+func TestListenPairsAfterConnectWithBeforeClose(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	b := setup(t)
+	cfg, err := pgxpool.ParseConfig(b.pg.ConnString)
+	require.NoError(t, err)
+	var open atomic.Int64
+	cfg.AfterConnect = func(context.Context, *pgx.Conn) error { open.Add(1); return nil }
+	cfg.BeforeClose = func(*pgx.Conn) { open.Add(-1) }
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	require.NoError(t, err)
+	r := b.relay(t, pool, &recorder{}, outbox.RelayConfig{PollInterval: time.Hour})
+	stop := startRun(t, r)
+	waitListening(t, b)
+	require.NoError(t, stop())
+	pool.Close()
+	require.Zero(t, open.Load(), "connections registered by AfterConnect and never passed to BeforeClose")
+}

@@ -1,0 +1,87 @@
+package outbox_test
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/stretchr/testify/require"
+
+	"github.com/verity-go/verity/outbox"
+)
+
+// A relay restricted to stream "a" with MaxAttempts 1 takes over a partition
+// whose lease a stream-"b" relay (MaxAttempts 10) let run out after its first
+// attempt. The claim counts b's crashed attempt but leaves burying it to
+// b's relays, whose MaxAttempts may be higher.
+func TestClaimBuriesOnlyItsOwnStreams(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	b := setup(t)
+	rowB := newMessage("b", "kb", 1)
+	rowA := newMessage("a", "ka", 1)
+	b.appendCommitted(t, rowB, rowA) // consecutive ids: one partition
+
+	relayB := b.relay(t, nil, &recorder{}, outbox.RelayConfig{Streams: []string{"b"}, MaxAttempts: 10, LeaseDuration: 10 * time.Second})
+	batch, err := relayB.ClaimOnly(ctx) // relay B dies during attempt 1
+	require.NoError(t, err)
+	require.Len(t, batch, 1)
+	require.Equal(t, rowB.EventID, batch[0].EventID)
+	require.EqualValues(t, 1, b.expireLeases(t))
+
+	relayA := b.relay(t, nil, &recorder{}, outbox.RelayConfig{Streams: []string{"a"}, MaxAttempts: 1})
+	n, err := relayA.RunOnce(ctx)
+	require.NoError(t, err)
+	require.Equal(t, 1, n)
+
+	require.Zero(t, b.count(t, b.deadTable()),
+		"stream b's row had 1 of its relay's 10 attempts")
+	batch, err = relayB.ClaimOnly(ctx)
+	require.NoError(t, err)
+	require.Len(t, batch, 1)
+	require.Equal(t, 2, batch[0].Attempts, "the crashed attempt counted")
+}
+
+// A dead letter that already holds the id of a row whose crashed attempts
+// reach MaxAttempts (an operator reset the outbox identity with TRUNCATE …
+// RESTART IDENTITY while dead letters remained) makes every claim fail on
+// the dead-letter primary key: the partition's touched_at would never
+// advance, so every claim would lock it again and the whole relay stall,
+// rows of other partitions included. The claim leaves such a row to be
+// handed out again (only that batch's settle can fail on it).
+func TestClaimBurialSkipsAnIDAlreadyDead(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	b := setup(t)
+	poison := newMessage("s", "poison", 1)
+	b.appendCommitted(t, poison)
+	id := b.outboxIDs(t)[0]
+	b.insertDead(t, id, uuid.New()) // a stale dead letter with the same id
+
+	cfg := outbox.RelayConfig{MaxAttempts: 1, LeaseDuration: 10 * time.Second}
+	_, err := b.relay(t, nil, &recorder{}, cfg).ClaimOnly(ctx) // dies during attempt 1
+	require.NoError(t, err)
+	require.EqualValues(t, 1, b.expireLeases(t))
+
+	// A row of another partition.
+	_, err = b.pool.Exec(ctx, `ALTER TABLE `+b.writer.Table()+` ALTER COLUMN id RESTART WITH 100000`)
+	require.NoError(t, err)
+	other := newMessage("s", "other", 1)
+	b.appendCommitted(t, other)
+
+	h := &recorder{}
+	r := b.relay(t, nil, h, cfg)
+	var errs []error
+	for range 3 {
+		_, err := r.RunOnce(ctx)
+		errs = append(errs, err)
+	}
+	delivered := false
+	for _, rec := range h.seen() {
+		if rec.EventID == other.EventID {
+			delivered = true
+		}
+	}
+	require.True(t, delivered, "the row of the other partition is delivered; claims failed with %v", errs)
+}
