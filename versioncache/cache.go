@@ -10,6 +10,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"os"
 	"reflect"
 	"strconv"
 	"time"
@@ -82,7 +83,7 @@ type Cache[T any] struct {
 	lua        *scripts
 	leaseToken string
 	plainJSON  bool // decode with json.Unmarshal (see plainJSON)
-	flights    flightGroup[T]
+	flights    flightGroup[loaded[T]]
 	stats      counters
 	metrics    *cacheMetrics // nil: no MeterProvider
 }
@@ -173,7 +174,7 @@ func (c *Cache[T]) Get(ctx context.Context, id string, load Loader[T]) (T, error
 				return c.redisDown(ctx, id, "read", err, load)
 			}
 			if found {
-				if val, ok := c.decodeCurrent(ctx, id, data); ok {
+				if val, _, ok := c.decodeCurrent(ctx, id, data); ok {
 					c.stats.hits.Add(1)
 					return val, nil
 				}
@@ -186,7 +187,7 @@ func (c *Cache[T]) Get(ctx context.Context, id string, load Loader[T]) (T, error
 		}
 		if r.found {
 			// Filled by someone else between the GET and the script.
-			if val, ok := c.decodeCurrent(ctx, id, r.current); ok {
+			if val, _, ok := c.decodeCurrent(ctx, id, r.current); ok {
 				c.stats.hits.Add(1)
 				return val, nil
 			}
@@ -194,7 +195,7 @@ func (c *Cache[T]) Get(ctx context.Context, id string, load Loader[T]) (T, error
 			continue
 		}
 		c.stats.misses.Add(1)
-		val, shared, err := c.flights.do(ctx, c.flightKey(id, r.version), func() (T, error) {
+		res, shared, err := c.flights.do(ctx, c.flightKey(id, r.version), func() (loaded[T], error) {
 			return c.loadAndFill(ctx, id, r, load)
 		})
 		if shared {
@@ -202,7 +203,7 @@ func (c *Cache[T]) Get(ctx context.Context, id string, load Loader[T]) (T, error
 		}
 		switch {
 		case err == nil:
-			return val, nil
+			return c.answer(id, res, shared)
 		case errors.Is(err, errVersionMoved):
 			ignoreCurrent = false
 			continue
@@ -238,21 +239,45 @@ func (c *Cache[T]) getCurrent(ctx context.Context, id string) ([]byte, bool, err
 	}
 }
 
-// decodeCurrent decodes the contents of a current key, or reports false
-// after counting and logging a decode error.
-func (c *Cache[T]) decodeCurrent(ctx context.Context, id string, data []byte) (T, bool) {
+// decodeCurrent decodes the contents of a current key, returning the
+// encoded value too, or reports false after counting and logging a decode
+// error.
+func (c *Cache[T]) decodeCurrent(ctx context.Context, id string, data []byte) (T, []byte, bool) {
 	payload, err := versionedPayload(data)
 	if err == nil {
 		var val T
 		if val, err = c.decode(payload); err == nil {
-			return val, true
+			return val, payload, true
 		}
 	}
 	var zero T
 	c.stats.decodeErrors.Add(1)
 	c.config.Logger.WarnContext(ctx, "versioncache: cached value does not decode; reloading",
 		slog.String("id", id), slog.String("error", err.Error()))
-	return zero, false
+	return zero, nil, false
+}
+
+// loaded is the result of a load shared by concurrent misses: the value and
+// the encoding it was decoded from.
+type loaded[T any] struct {
+	val  T
+	data []byte
+}
+
+// answer returns a shared load's value to one of its callers: the one that
+// ran it gets the value itself, each other caller a copy decoded from the
+// same bytes, as a hit would give it, so that no two callers share a map,
+// slice or pointer.
+func (c *Cache[T]) answer(id string, res loaded[T], shared bool) (T, error) {
+	if !shared {
+		return res.val, nil
+	}
+	val, err := c.decode(res.data)
+	if err != nil { // it decoded a moment ago
+		var zero T
+		return zero, &CodecError{Op: "decode", ID: id, Err: err}
+	}
+	return val, nil
 }
 
 // errMalformed is the decode error for a stored value without its version
@@ -302,23 +327,23 @@ func joinVersioned(version string, payload []byte) []byte {
 // for another process's fill.
 var errVersionMoved = errors.New("versioncache: version moved")
 
-func (c *Cache[T]) loadAndFill(ctx context.Context, id string, r readResult, load Loader[T]) (T, error) {
-	var zero T
+func (c *Cache[T]) loadAndFill(ctx context.Context, id string, r readResult, load Loader[T]) (loaded[T], error) {
+	var zero loaded[T]
 	if r.lease == leaseHeldByPeer {
 		c.stats.leaseWaits.Add(1)
-		got, val, err := c.waitForPeer(ctx, id, &r)
+		got, res, err := c.waitForPeer(ctx, id, &r)
 		var rerr *RedisError
 		if errors.As(err, &rerr) {
 			// As if the miss's read had failed: FailClosed must not load.
 			// A fail-open load here may stay in the flight: it starts after
 			// the version that every joiner observed.
-			return c.redisDown(ctx, id, rerr.Op, rerr.Err, load)
+			return c.failOpen(ctx, id, rerr.Op, rerr.Err, load)
 		}
 		if err != nil {
 			return zero, err
 		}
 		if got {
-			return val, nil
+			return res, nil
 		}
 	}
 	c.stats.loads.Add(1)
@@ -365,7 +390,7 @@ func (c *Cache[T]) loadAndFill(ctx context.Context, id string, r readResult, loa
 	default:
 		c.stats.staleFillsSkipped.Add(1)
 	}
-	return val, nil
+	return loaded[T]{val, data}, nil
 }
 
 // detachedTimeout bounds the Redis calls that run on after the caller's ctx
@@ -392,8 +417,8 @@ func (c *Cache[T]) releaseLease(ctx context.Context, id string, r readResult) {
 // returns errVersionMoved when the version changed meanwhile, and a
 // *RedisError, not yet counted, when a poll failed: that is for the failure
 // mode to decide, not a reason to load.
-func (c *Cache[T]) waitForPeer(ctx context.Context, id string, r *readResult) (bool, T, error) {
-	var zero T
+func (c *Cache[T]) waitForPeer(ctx context.Context, id string, r *readResult) (bool, loaded[T], error) {
+	var zero loaded[T]
 	deadline := time.Now().Add(c.config.FillLeaseWait)
 	timer := time.NewTimer(min(c.config.FillLeasePoll, c.config.FillLeaseWait))
 	defer timer.Stop()
@@ -409,9 +434,9 @@ func (c *Cache[T]) waitForPeer(ctx context.Context, id string, r *readResult) (b
 		}
 		if next.found {
 			// Whatever is in the current key is current, whoever filled it.
-			if val, ok := c.decodeCurrent(ctx, id, next.current); ok {
+			if val, data, ok := c.decodeCurrent(ctx, id, next.current); ok {
 				c.stats.leaseWaitHits.Add(1)
-				return true, val, nil
+				return true, loaded[T]{val, data}, nil
 			}
 			return false, zero, nil
 		}
@@ -433,9 +458,16 @@ func (c *Cache[T]) waitForPeer(ctx context.Context, id string, r *readResult) (b
 // version there is no way to tell whether a running load started before or
 // after a write this caller already saw acknowledged.
 func (c *Cache[T]) redisDown(ctx context.Context, id, op string, err error, load Loader[T]) (T, error) {
-	var zero T
-	if cerr := ctx.Err(); cerr != nil && isContextErr(err) {
-		return zero, cerr // the caller gave up: not a Redis failure
+	res, err := c.failOpen(ctx, id, op, err, load)
+	return res.val, err
+}
+
+// failOpen is redisDown for a shared load: it returns the value's encoding
+// too.
+func (c *Cache[T]) failOpen(ctx context.Context, id, op string, err error, load Loader[T]) (loaded[T], error) {
+	var zero loaded[T]
+	if callerGaveUp(ctx, err) {
+		return zero, ctx.Err() // not a Redis failure
 	}
 	c.stats.redisErrors.Add(1)
 	rerr := &RedisError{Op: op, ID: id, Err: err}
@@ -453,11 +485,11 @@ func (c *Cache[T]) redisDown(ctx context.Context, id, op string, err error, load
 		return zero, &LoadError{ID: id, Err: lerr}
 	}
 	// Answered as a hit would answer it once Redis is back.
-	val, _, cerr := c.encode(id, val)
+	val, data, cerr := c.encode(id, val)
 	if cerr != nil {
 		return zero, cerr
 	}
-	return val, nil
+	return loaded[T]{val, data}, nil
 }
 
 // GetAt is Get for callers that already know the value's version from the
@@ -524,17 +556,17 @@ func (c *Cache[T]) GetAt(ctx context.Context, id string, version int64, load Loa
 	}
 	c.stats.misses.Add(1)
 	versionText := strconv.FormatInt(version, 10)
-	val, shared, err := c.flights.do(ctx, key+"@"+versionText, func() (T, error) {
+	res, shared, err := c.flights.do(ctx, key+"@"+versionText, func() (loaded[T], error) {
 		c.stats.loads.Add(1)
 		start := time.Now()
 		val, err := load(ctx)
 		c.metrics.loaded(ctx, start)
 		if err != nil {
-			return zero, &LoadError{ID: id, Err: err}
+			return loaded[T]{}, &LoadError{ID: id, Err: err}
 		}
 		val, data, err := c.encode(id, val)
 		if err != nil {
-			return zero, err
+			return loaded[T]{}, err
 		}
 		stored, err := c.lua.fillAt.Run(ctx, c.client, []string{key},
 			versionText, joinVersioned(versionText, data), c.config.TTL.Milliseconds()).Int()
@@ -548,7 +580,7 @@ func (c *Cache[T]) GetAt(ctx context.Context, id string, version int64, load Loa
 		default:
 			c.stats.staleFillsSkipped.Add(1)
 		}
-		return val, nil
+		return loaded[T]{val, data}, nil
 	})
 	if shared {
 		c.stats.sharedLoads.Add(1)
@@ -556,7 +588,10 @@ func (c *Cache[T]) GetAt(ctx context.Context, id string, version int64, load Loa
 	if err != nil && shared && isContextErr(err) && ctx.Err() == nil {
 		return c.GetAt(ctx, id, version, load)
 	}
-	return val, err
+	if err != nil {
+		return zero, err
+	}
+	return c.answer(id, res, shared)
 }
 
 // Invalidate moves id to a new version and deletes its current value, in one
@@ -645,8 +680,8 @@ func (c *Cache[T]) bumpAndWait(ctx context.Context, keys []string, ttl int64) ([
 func (c *Cache[T]) Peek(ctx context.Context, id string) (val T, version int64, ok bool, err error) {
 	r, err := c.read(ctx, id, false, false)
 	if err != nil {
-		if cerr := ctx.Err(); cerr != nil && isContextErr(err) {
-			return val, 0, false, cerr
+		if callerGaveUp(ctx, err) {
+			return val, 0, false, ctx.Err()
 		}
 		c.stats.redisErrors.Add(1)
 		return val, 0, false, &RedisError{Op: "peek", ID: id, Err: err}
@@ -772,4 +807,12 @@ func (c *Cache[T]) leaseKey(id string) string {
 
 func isContextErr(err error) bool {
 	return errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded)
+}
+
+// callerGaveUp reports whether a Redis call failed because the caller's ctx
+// ended: with a context error, or with the network timeout a client with
+// ContextTimeoutEnabled (and no retry to notice the ctx) gets once the
+// ctx's deadline has passed. That is not a Redis failure.
+func callerGaveUp(ctx context.Context, err error) bool {
+	return ctx.Err() != nil && (isContextErr(err) || errors.Is(err, os.ErrDeadlineExceeded))
 }

@@ -169,16 +169,18 @@ type VersionedIDLoader[T any] func(ctx context.Context, id string) (T, int64, er
 // CheckAt is Check for the values GetAt caches, and looks for GetAt's trap:
 // a write that changed a row without moving its version, which leaves the
 // old value cached under a version that still looks current. For each id
-// it compares the cached value with the source's when both are at the same
-// version; a mismatch seen twice, with neither version moving in between,
-// is Divergent.
+// whose cached version is at or above the source's (GetAt at the source's
+// version would serve it) it compares the two values; a mismatch seen
+// twice, with neither version moving in between, is Divergent. A cached
+// version above the source's is served too: a version that went backwards
+// (a row deleted and re-created, a restore, a clock stepped back) is a
+// trap of its own.
 //
 // An id cached under an older version than the source's is NotCached: a
-// GetAt at the source's version misses it. One cached under a newer version
-// than the source's answer (a write committed between the two reads) is
-// Moved, as is one whose versions move during the confirmation. Cached
-// values that do not decode are Undecodable. It reads without filling,
-// like Check, and stops at the first Redis or loader error.
+// GetAt at the source's version misses it. One whose versions move during
+// the confirmation (a write in flight) is Moved. Cached values that do not
+// decode are Undecodable. It reads without filling, like Check, and stops
+// at the first Redis or loader error.
 func (c *Cache[T]) CheckAt(ctx context.Context, ids []string, n int, load VersionedIDLoader[T]) (CheckReport[T], error) {
 	var report CheckReport[T]
 	if load == nil {
@@ -205,13 +207,8 @@ func (c *Cache[T]) CheckAt(ctx context.Context, ids []string, n int, load Versio
 		if err != nil {
 			return report, &LoadError{ID: id, Err: err}
 		}
-		switch {
-		case version < currentVersion:
+		if version < currentVersion {
 			report.NotCached++
-			continue
-		case version > currentVersion:
-			report.Cached++
-			report.Moved++
 			continue
 		}
 		report.Cached++
@@ -262,8 +259,8 @@ func (c *Cache[T]) peekAt(ctx context.Context, id string) (val T, version int64,
 	case errors.Is(err, redis.Nil):
 		return val, 0, atNotCached, nil
 	case err != nil:
-		if cerr := ctx.Err(); cerr != nil && isContextErr(err) {
-			return val, 0, 0, cerr
+		if callerGaveUp(ctx, err) {
+			return val, 0, 0, ctx.Err()
 		}
 		c.stats.redisErrors.Add(1)
 		return val, 0, 0, &RedisError{Op: "peek", ID: id, Err: err}

@@ -51,6 +51,28 @@ func TestRedisUnavailable(t *testing.T) {
 		require.NoError(t, admin.Do(context.Background(), "CLIENT", "UNPAUSE").Err())
 	})
 
+	// A client that honours deadlines and does not retry reports the
+	// caller's deadline as a network timeout, not a context error: still
+	// the caller's, not a Redis failure, and no load under a dead ctx.
+	t.Run("OwnDeadlineIsNotARedisFailure", func(t *testing.T) {
+		t.Parallel()
+		rs := testenv.StartRedis(t)
+		client := rs.Client(t)
+		client.Options().ContextTimeoutEnabled = true
+		client.Options().MaxRetries = -1
+		b := setupWith(t, client, "vc:", &Config{FailureMode: FailOpen})
+		admin := rs.Client(t)
+		require.NoError(t, admin.Do(ctx, "CLIENT", "PAUSE", 1000, "ALL").Err())
+		ctx, cancel := context.WithTimeout(ctx, 100*time.Millisecond)
+		defer cancel()
+		_, err := b.cache.Get(ctx, "p1", b.truth.loader("p1"))
+		require.ErrorIs(t, err, context.DeadlineExceeded)
+		require.NotErrorIs(t, err, ErrRedis)
+		require.Zero(t, b.cache.Stats().RedisErrors)
+		require.Zero(t, b.truth.loads.Load())
+		require.NoError(t, admin.Do(context.Background(), "CLIENT", "UNPAUSE").Err())
+	})
+
 	t.Run("FailOpenServesTheDatabaseNeverTheOldValue", func(t *testing.T) {
 		t.Parallel()
 		rs, b := setupPrivate(t, FailOpen)

@@ -336,7 +336,9 @@ func TestCheckAt(t *testing.T) {
 		require.Zero(t, report.Divergent)
 	})
 
-	t.Run("NewerVersionIsMoved", func(t *testing.T) {
+	// A cached version above the source's is served by GetAt at the
+	// source's version: compared like an equal one.
+	t.Run("NewerVersionIsCompared", func(t *testing.T) {
 		t.Parallel()
 		b := setup(t, nil)
 		v1 := b.truth.write("p1", 4900)
@@ -344,8 +346,20 @@ func TestCheckAt(t *testing.T) {
 		require.NoError(t, err)
 		report, err := b.cache.CheckAt(ctx, []string{"p1"}, 0, byID(b))
 		require.NoError(t, err)
-		require.Equal(t, 1, report.Moved)
-		require.Zero(t, report.Divergent)
+		require.Equal(t, CheckReport[product]{Sampled: 1, Cached: 1}, report, "same value")
+
+		// The row is re-created: its version starts over, below the
+		// cached one, and GetAt keeps serving the old value.
+		b.truth.mu.Lock()
+		b.truth.rows["p1"] = product{ID: "p1", Price: 100, Version: 1}
+		b.truth.mu.Unlock()
+		got, err := b.cache.GetAt(ctx, "p1", 1, b.truth.loader("p1"))
+		require.NoError(t, err)
+		require.Equal(t, 4900, got.Price, "setup: GetAt serves the old value")
+		report, err = b.cache.CheckAt(ctx, []string{"p1"}, 0, byID(b))
+		require.NoError(t, err)
+		require.Equal(t, 1, report.Divergent)
+		require.Equal(t, v1.Version+5, report.Divergences[0].Version)
 	})
 
 	// A mismatch whose source version moves before the confirmation was a

@@ -214,10 +214,10 @@ func TestLeaseFollowsVersion(t *testing.T) {
 	require.Equal(t, r.version, again.version)
 	require.EqualValues(t, leaseHeldByPeer, again.lease, "the new lease survived")
 
-	got, err := caches[1].loadAndFill(ctx, "p", r, src.loader("p"))
+	res, err := caches[1].loadAndFill(ctx, "p", r, src.loader("p"))
 	require.NoError(t, err)
-	require.Equal(t, want, got)
-	got, err = caches[0].Get(ctx, "p", src.loader("p"))
+	require.Equal(t, want, res.val)
+	got, err := caches[0].Get(ctx, "p", src.loader("p"))
 	require.NoError(t, err)
 	require.Equal(t, want, got)
 	require.EqualValues(t, 1, caches[0].Stats().Hits)
@@ -244,4 +244,47 @@ func TestFlightLoadExits(t *testing.T) {
 	require.NoError(t, err)
 	require.False(t, shared)
 	require.Equal(t, 7, v)
+}
+
+// TestSharedLoadGivesEachCallerItsOwnValue: concurrent misses that share
+// one load each get their own copy (decoded from the same bytes, as a hit
+// would give it), so that one caller changing its map does not change
+// another's.
+func TestSharedLoadGivesEachCallerItsOwnValue(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	rd := testenv.Redis(t)
+	cache, err := New[map[string]int](rd.Client, &Config{Prefix: rd.Prefix, DisableFillLease: true})
+	require.NoError(t, err)
+	release := make(chan struct{})
+	started := make(chan struct{})
+	var once sync.Once
+	load := func(context.Context) (map[string]int, error) {
+		once.Do(func() { close(started) })
+		<-release
+		return map[string]int{"qty": 1}, nil
+	}
+	results := make(chan map[string]int, 2)
+	go func() {
+		v, err := cache.Get(ctx, "cart", load)
+		if err != nil {
+			t.Errorf("leader: %v", err)
+		}
+		results <- v
+	}()
+	<-started
+	go func() {
+		v, err := cache.Get(ctx, "cart", load)
+		if err != nil {
+			t.Errorf("joiner: %v", err)
+		}
+		results <- v
+	}()
+	require.Eventually(t, func() bool { return cache.Stats().Misses == 2 }, 5*time.Second, time.Millisecond)
+	time.Sleep(20 * time.Millisecond) // let the joiner reach the flight
+	close(release)
+	a, b := <-results, <-results
+	require.EqualValues(t, 1, cache.Stats().SharedLoads)
+	a["qty"] = 99 // the caller's own copy, it thinks
+	require.Equal(t, 1, b["qty"], "another caller's value changed under it")
 }
