@@ -200,11 +200,14 @@ type StaleError struct {
 }
 
 func (e *StaleError) Error() string {
-	if e.Version > 0 {
-		return fmt.Sprintf("leaderboard: projection has not reached version %d of user %q", e.Version, e.UserID)
+	if e.Unverified && e.Version > 0 {
+		return fmt.Sprintf("leaderboard: projection has not reached version %d of user %q, and is not verified since Redis lost the board's keys (run Board.Verify)", e.Version, e.UserID)
 	}
 	if e.Unverified {
 		return "leaderboard: projection not verified since Redis lost the board's keys (run Board.Verify)"
+	}
+	if e.Version > 0 {
+		return fmt.Sprintf("leaderboard: projection has not reached version %d of user %q", e.Version, e.UserID)
 	}
 	if e.Lag < 0 {
 		return "leaderboard: projection lag could not be measured"

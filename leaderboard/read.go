@@ -286,7 +286,10 @@ func (b *Board) readUnderPolicy(ctx context.Context, opts []ReadOption, fromRedi
 			case FallbackToPostgres:
 				return fallback()
 			case FailClosed:
-				return Freshness{}, &StaleError{Lag: -1, MaxLag: b.cfg.MaxLag, UserID: o.user, Version: o.version}
+				// An unverified board may never receive the version again
+				// (the worker delivered it before Redis lost it): say so.
+				unverified := b.cfg.RequireVerifiedProjection && b.freshness(ctx).Unverified
+				return Freshness{}, &StaleError{Lag: -1, MaxLag: b.cfg.MaxLag, UserID: o.user, Version: o.version, Unverified: unverified}
 			}
 			atLeastMet = false
 		}
@@ -311,7 +314,7 @@ func (b *Board) readUnderPolicy(ctx context.Context, opts []ReadOption, fromRedi
 		if !atLeastMet && errors.Is(err, ErrUserNotFound) {
 			// The user's awaited write has not reached Redis: "no score"
 			// would deny a score the caller just saved.
-			return Freshness{}, &StaleError{Lag: fresh.Lag, MaxLag: b.cfg.MaxLag, UserID: o.user, Version: o.version}
+			return Freshness{}, &StaleError{Lag: fresh.Lag, MaxLag: b.cfg.MaxLag, UserID: o.user, Version: o.version, Unverified: fresh.Unverified}
 		}
 		if o.policy == FallbackToPostgres && !errors.Is(err, ErrUserNotFound) && ctx.Err() == nil {
 			b.cfg.Logger.WarnContext(ctx, "leaderboard: Redis read failed; answering from PostgreSQL", "board", b.cfg.Name, "error", err)

@@ -85,6 +85,30 @@ func TestVerify(t *testing.T) {
 		require.Len(t, r.Entries, 4)
 	})
 
+	// A read-your-writes read refused on an unverified board says why: the
+	// awaited version may never come back until Verify repairs it.
+	t.Run("AtLeastRefusalNamesVerify", func(t *testing.T) {
+		t.Parallel()
+		tb := setup(t, func(c *Config) {
+			c.RequireVerifiedProjection = true
+			c.ReadPolicy = FailClosed
+			c.LagProbeInterval = time.Nanosecond
+			c.ReadYourWritesTimeout = 20 * time.Millisecond
+		})
+		res := tb.submit(t, "ada", 10)
+		tb.drain(t)
+		_, verified, err := tb.board.Verify(ctx, nil)
+		require.NoError(t, err)
+		require.True(t, verified)
+		require.NoError(t, testenv.DeletePrefix(ctx, tb.rd.Client, tb.rd.Prefix)) // Redis loses the board
+		_, _, err = tb.board.Rank(ctx, "ada", AtLeast("ada", res.Version))
+		var stale *StaleError
+		require.ErrorAs(t, err, &stale)
+		require.True(t, stale.Unverified)
+		require.Equal(t, res.Version, stale.Version)
+		require.ErrorContains(t, err, "Board.Verify")
+	})
+
 	t.Run("LossDuringVerifyIsNotRecorded", func(t *testing.T) {
 		t.Parallel()
 		tb := verifying(t)
