@@ -27,8 +27,10 @@ func TestHostileIdentifiers(t *testing.T) {
 	_, err := pg.Pool.Exec(ctx, `CREATE TABLE victim (id int)`)
 	require.NoError(t, err)
 
-	schema := pg.Schema + `"; DROP TABLE victim; --`
-	table := `out"box; DROP TABLE victim; -- 'x' $1`
+	// Newlines too: a script that re-indents statements must not touch
+	// the quoted names inside them.
+	schema := pg.Schema + "\"; DROP TABLE victim; --\n"
+	table := "out\"box; DROP TABLE victim;\n-- 'x' $1"
 	t.Cleanup(func() {
 		_, err := pg.Pool.Exec(context.Background(), `DROP SCHEMA IF EXISTS `+pgx.Identifier{schema}.Sanitize()+` CASCADE`)
 		require.NoError(t, err)

@@ -115,7 +115,7 @@ func createIndexIfMissing(index, stmt string) string {
 	name := dollarQuote(index)
 	body := fmt.Sprintf("\nBEGIN\n    IF to_regclass(%s) IS NULL THEN\n        %s; ELSIF NOT (SELECT indisvalid FROM pg_index WHERE indexrelid = to_regclass(%s)) THEN\n"+
 		"        RAISE EXCEPTION 'index %% exists but is invalid (a CREATE INDEX CONCURRENTLY that failed or is still running): drop it, or let its build finish, then migrate again', %s; END IF; END\n",
-		name, strings.ReplaceAll(stmt, "\n", "\n        "), name, name)
+		name, stmt, name, name) // not re-indented: a quoted name may hold a newline
 	return "DO " + dollarQuote(body)
 }
 
