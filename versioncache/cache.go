@@ -466,8 +466,8 @@ func (c *Cache[T]) redisDown(ctx context.Context, id, op string, err error, load
 // too.
 func (c *Cache[T]) failOpen(ctx context.Context, id, op string, err error, load Loader[T]) (loaded[T], error) {
 	var zero loaded[T]
-	if callerGaveUp(ctx, err) {
-		return zero, ctx.Err() // not a Redis failure
+	if cerr := callerGaveUp(ctx, err); cerr != nil {
+		return zero, cerr // not a Redis failure
 	}
 	c.stats.redisErrors.Add(1)
 	rerr := &RedisError{Op: op, ID: id, Err: err}
@@ -680,8 +680,8 @@ func (c *Cache[T]) bumpAndWait(ctx context.Context, keys []string, ttl int64) ([
 func (c *Cache[T]) Peek(ctx context.Context, id string) (val T, version int64, ok bool, err error) {
 	r, err := c.read(ctx, id, false, false)
 	if err != nil {
-		if callerGaveUp(ctx, err) {
-			return val, 0, false, ctx.Err()
+		if cerr := callerGaveUp(ctx, err); cerr != nil {
+			return val, 0, false, cerr
 		}
 		c.stats.redisErrors.Add(1)
 		return val, 0, false, &RedisError{Op: "peek", ID: id, Err: err}
@@ -809,10 +809,24 @@ func isContextErr(err error) bool {
 	return errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded)
 }
 
-// callerGaveUp reports whether a Redis call failed because the caller's ctx
-// ended: with a context error, or with the network timeout a client with
-// ContextTimeoutEnabled (and no retry to notice the ctx) gets once the
-// ctx's deadline has passed. That is not a Redis failure.
-func callerGaveUp(ctx context.Context, err error) bool {
-	return ctx.Err() != nil && (isContextErr(err) || errors.Is(err, os.ErrDeadlineExceeded))
+// callerGaveUp returns the caller's own context error when a Redis call
+// failed because the caller's ctx ended, and nil otherwise: with a context
+// error, or with the network timeout a client with ContextTimeoutEnabled
+// (and no retry to notice the ctx) gets at the ctx's deadline — which the
+// connection can see a moment before the ctx itself is done. That is not a
+// Redis failure.
+func callerGaveUp(ctx context.Context, err error) error {
+	cerr := ctx.Err()
+	switch {
+	case isContextErr(err):
+		return cerr
+	case !errors.Is(err, os.ErrDeadlineExceeded):
+		return nil
+	case cerr != nil:
+		return cerr
+	}
+	if deadline, ok := ctx.Deadline(); ok && !time.Now().Before(deadline) {
+		return context.DeadlineExceeded
+	}
+	return nil
 }

@@ -259,8 +259,8 @@ func (c *Cache[T]) peekAt(ctx context.Context, id string) (val T, version int64,
 	case errors.Is(err, redis.Nil):
 		return val, 0, atNotCached, nil
 	case err != nil:
-		if callerGaveUp(ctx, err) {
-			return val, 0, 0, ctx.Err()
+		if cerr := callerGaveUp(ctx, err); cerr != nil {
+			return val, 0, 0, cerr
 		}
 		c.stats.redisErrors.Add(1)
 		return val, 0, 0, &RedisError{Op: "peek", ID: id, Err: err}
