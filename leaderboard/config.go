@@ -99,7 +99,9 @@ type Config struct {
 	Schema string
 
 	// OutboxTable is the name of the outbox table (in Schema) the board
-	// appends its projection work to. Defaults to OutboxTableDefault.
+	// appends its projection work to. A name the board's own tables use
+	// (score_events, user_scores, their _pkey indexes, the rank index) is
+	// refused. Defaults to OutboxTableDefault.
 	OutboxTable string
 
 	// MinDelta and MaxDelta bound Command.Delta (inclusive). They are taken

@@ -150,6 +150,12 @@
 // not caught up with then answers MOVED instead of serving the read as a
 // replica; a MOVED reply has the map reloaded and the read sent again to
 // the new master, an ASK reply sends it to the importing master.
+// Sentinel with replica reads (redis.NewUniversalClient with MasterName and
+// RouteRandomly or RouteByLatency) builds such a client over servers that
+// are not in cluster mode: those reads go to the master Sentinel named, as
+// they are (no READWRITE, no MOVED), and a master Sentinel has just demoted
+// may serve them as a replica until Sentinel's next answer reaches the
+// client.
 //
 // # Payouts
 //

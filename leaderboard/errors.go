@@ -58,8 +58,9 @@ var (
 	ErrCorruptScore = errors.New("leaderboard: reading Redis: a sorted-set score the projection never writes")
 )
 
-// ConfigError reports a configuration field, or a dependency, that New or
-// Board.Worker refused. It matches ErrInvalidConfig.
+// ConfigError reports a configuration field, or a dependency, that New,
+// Migrate, Board.Worker, Board.Reconciler or Board.Verify refused. It
+// matches ErrInvalidConfig.
 type ConfigError struct {
 	// Field names what was refused: "Config.Name", "WorkerConfig.Relay",
 	// "reconcile.Config.PageSize" (Reconciler's and Verify's cfg), or an
@@ -180,7 +181,8 @@ func (e *ScoreOutOfRangeError) Error() string {
 func (e *ScoreOutOfRangeError) Unwrap() error { return ErrScoreOutOfRange }
 
 // StaleError is returned under the FailClosed policy when the projection
-// lags by more than MaxLag, or an AtLeast requirement was not met within
+// lags by more than MaxLag, is unverified (Config.RequireVerifiedProjection;
+// Unverified is set), or an AtLeast requirement was not met within
 // ReadYourWritesTimeout; and under any policy when a read whose AtLeast
 // requirement was not met finds its user missing in Redis (ServeStale
 // cannot answer that from Redis). It matches ErrStale.

@@ -16,7 +16,8 @@ import (
 // user_scores rows (the source of truth) with its Redis sorted set and
 // repairs drift: missing, stale and corrupt entries by default (see the
 // reconcile package for the policy, hooks, sampling and Rebuild). cfg may
-// be nil; its MeterProvider defaults to the board's. Run it on a schedule:
+// be nil; its MeterProvider defaults to the board's; a field it refuses is a
+// leaderboard *ConfigError (wrapping reconcile's). Run it on a schedule:
 // idempotent projection handles duplicates, not lost keys or hand edits.
 func (b *Board) Reconciler(cfg *reconcile.Config) (*reconcile.Reconciler, error) {
 	if b.cfg.MeterProvider != nil && (cfg == nil || cfg.MeterProvider == nil) {

@@ -101,7 +101,8 @@
 //     of those partitions with a plain SELECT. Free partitions are locked
 //     with FOR UPDATE SKIP LOCKED while being leased, so concurrent relays
 //     take disjoint partitions. The claim is one round trip and commits at
-//     once; no transaction stays open. The outbox row is not written.
+//     once; no transaction stays open. The outbox row is not written
+//     (except the rows a crashed batch left behind: see below).
 //  3. The relay calls the Handler with the batch. Its context expires with
 //     the lease.
 //  4. One statement settles the batch, each part guarded by "the row's
@@ -125,7 +126,13 @@
 // after MaxAttempts like any failing row. Nothing tells which row of a batch
 // killed its relay: the rows that shared the crashing row's batch count
 // each crash too and may reach the dead-letter table with it; ReplayDead
-// brings them back.
+// brings them back. A claiming relay buries only rows of the streams it
+// serves (RelayConfig.Streams) and only under its own MaxAttempts: a row of
+// another stream has the attempt counted and is buried by its own relays
+// (so with relays of different MaxAttempts it may be handed out more times
+// than the smaller one). A row whose id is already in the dead-letter table
+// (possible only after the outbox's ids were reset) is handed out again
+// rather than fail the claim.
 //
 // If the Handler outlives its lease and another relay takes the partition
 // over, the first relay's settle statement no longer finds its token there:
@@ -323,7 +330,9 @@
 // Append calls pg_notify in the same statement; PostgreSQL delivers the
 // notification only when the transaction commits. Each running Relay keeps a
 // dedicated connection (opened from the pool's configuration, not taken from
-// the pool) in LISTEN on a channel derived from Schema and Table
+// the pool, running the pool's BeforeConnect, AfterConnect and BeforeClose
+// hooks; a hook's failure fails the connection, retried like any other) in
+// LISTEN on a channel derived from Schema and Table
 // (Writer.Channel), claims as soon as it is notified, and reconnects with a
 // growing pause if that connection fails. Notifications are an optimisation:
 // a relay also polls every PollInterval, which picks up rows whose backoff or

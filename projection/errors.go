@@ -38,7 +38,8 @@ var (
 	// Configure every writer and reader with the stored bucket count, or
 	// migrate the collection with reconcile's Rebuild.
 	ErrLayoutMismatch = errors.New("projection: collection's version layout differs from the keyspace's")
-	// ErrShadowNotOwned is returned by ApplyShadow when the collection's
+	// ErrShadowNotOwned is returned by ApplyShadow and ApplyShadowCopy when
+	// the collection's
 	// rebuild marker does not hold the caller's token: its rebuild ended
 	// (the marker expired, or it was aborted) and the shadow keys may
 	// belong to another rebuild now. Nothing was written to them.

@@ -139,8 +139,9 @@ func (g *Gate) Apply(ctx context.Context, writes []Write) ([]Outcome, error) {
 
 // ApplyShadow is Apply for the shadow keys of a running rebuild: each
 // write is gated against, and written to, only the shadow value and
-// version keys of its collection. It is how a rebuild copies source state
-// without overwriting newer versions that live writes dual-wrote meanwhile.
+// version keys of its collection, without overwriting newer versions that
+// live writes dual-wrote meanwhile. A rebuild copies through
+// ApplyShadowCopy, which also counts what it writes.
 // Document targets are refused with *InvalidTargetError (documents have no
 // shadow keys).
 //

@@ -88,6 +88,12 @@
 // reads follow the move the same way. A run that meets a slot in the middle
 // of a migration (ASK), or a map that does not catch up, fails, and can be
 // run again.
+// Sentinel with replica reads (redis.NewUniversalClient with MasterName and
+// RouteRandomly or RouteByLatency) builds such a client over servers that
+// are not in cluster mode: those reads go to the master Sentinel named, as
+// they are (no READWRITE, no MOVED), and a master Sentinel has just demoted
+// may serve them as a replica until Sentinel's next answer reaches the
+// client.
 //
 // A full run pipelines the pages: up to Config.ReadAhead pages (4 by
 // default) are read at once, counting the one being classified and
@@ -136,6 +142,8 @@
 //	P T:z~layout             B, recorded for every collection (0
 //	                         included) by its first write; see below
 //	… ~r                     each key's rebuild shadow
+//	P T:z~rebuild            a running rebuild's marker (its token)
+//	P T:z~rebuild~copied     what its copy wrote, checked at the switch
 //
 // Rebuild is the migration to another bucket count, 0 included: give it a
 // Reconciler whose Target.Keyspace has the new count. It records the new

@@ -153,12 +153,16 @@ func (c *Cache[T]) Close() error { return c.metrics.close() }
 // version (and the possibly stale load is not stored).
 //
 // Concurrent misses of the same id and version in this process share one
-// load. Unless DisableFillLease is set, processes also race for a short lease
-// so that, across processes, about one of them loads while the others wait
-// up to FillLeaseWait for its value.
+// load; each caller gets its own copy of the value, decoded from the bytes
+// cached (a miss answers what its hits will). Unless DisableFillLease is
+// set, processes also race for a short lease so that, across processes,
+// about one of them loads while the others wait up to FillLeaseWait for its
+// value.
 //
 // If Redis fails, Get returns load's value (FailOpen) or a *RedisError
-// (FailClosed). It never returns a value it cannot prove current.
+// (FailClosed); if the caller's own ctx ended, it returns ctx's error
+// under either mode, and counts no Redis error. It never returns a value it
+// cannot prove current.
 func (c *Cache[T]) Get(ctx context.Context, id string, load Loader[T]) (T, error) {
 	var zero T
 	if load == nil {
@@ -513,7 +517,8 @@ func (c *Cache[T]) failOpen(ctx context.Context, id, op string, err error, load 
 // updated_at, a trigger that is disabled, a clock that ties two updated_at
 // values) leaves the old value cached under the unchanged version until TTL.
 // Prefer Get with Invalidate unless every write path provably moves the
-// version, and prefer a database-incremented counter to a timestamp.
+// version, and prefer a database-incremented counter to a timestamp;
+// CheckAt finds such values.
 //
 // load should read the row at that version or later; a value loaded from a
 // newer row under an older version is harmless (it is ahead, not stale), and

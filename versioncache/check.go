@@ -15,7 +15,9 @@ import (
 // that encodes differently (a tombstone) instead of an error.
 type IDLoader[T any] func(ctx context.Context, id string) (T, error)
 
-// CheckReport is the outcome of Check.
+// CheckReport is the outcome of Check and CheckAt. For CheckAt, Cached
+// counts values cached at or above the source's version (which GetAt would
+// serve), and NotCached includes values cached under an older one.
 type CheckReport[T any] struct {
 	Sampled   int // ids examined: Cached + NotCached + Undecodable
 	Cached    int // of those, ids with a value under their current version
@@ -180,7 +182,8 @@ type VersionedIDLoader[T any] func(ctx context.Context, id string) (T, int64, er
 // GetAt at the source's version misses it. One whose versions move during
 // the confirmation (a write in flight) is Moved. Cached values that do not
 // decode are Undecodable. It reads without filling, like Check, and stops
-// at the first Redis or loader error.
+// at the first Redis or loader error, or a source value the Codec cannot
+// encode.
 func (c *Cache[T]) CheckAt(ctx context.Context, ids []string, n int, load VersionedIDLoader[T]) (CheckReport[T], error) {
 	var report CheckReport[T]
 	if load == nil {

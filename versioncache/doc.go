@@ -67,6 +67,13 @@
 // whose keys are split between the two nodes gets TRYAGAIN and fails, and
 // can be retried.
 //
+// Sentinel with replica reads (redis.NewUniversalClient with MasterName and
+// RouteRandomly or RouteByLatency) builds such a client over servers that
+// are not in cluster mode: those reads go to the master Sentinel named, as
+// they are (no READWRITE, no MOVED), and a master Sentinel has just demoted
+// may serve them as a replica until Sentinel's next answer reaches the
+// client.
+//
 // # Versions never go backwards
 //
 // Versions are microseconds of the Redis server clock: a missing version key
@@ -111,11 +118,18 @@
 // see each other's leases: during the rollout a miss storm may cost one load
 // per release instead of one, and nothing else changes.
 //
+// Upgrading to the release that dropped PrefixDefault: Config.Prefix is
+// required; "verity:vc:" keeps a cache's existing keys (for one cached type
+// only). JSONCodec now decodes a number inside an interface value (a
+// map[string]any) as a json.Number, not a float64, so that 64-bit ids keep
+// their digits: code asserting .(float64) on such values must change.
+//
 // # Stampedes
 //
 // Concurrent misses of one id and version in a process share a single load
 // (a joiner can only join a load that started after the version it observed,
-// so it cannot receive a value older than a write it has seen acknowledged).
+// so it cannot receive a value older than a write it has seen acknowledged),
+// each getting its own copy decoded from the cached bytes.
 // Across processes, the first miss takes a lease inside the same script; the
 // others poll for its value for up to FillLeaseWait, then load themselves. A
 // lease guards only the version it was taken under: once the version moves,
@@ -127,7 +141,8 @@
 // # When Redis fails
 //
 // With FailOpen (the default) Get serves the loader's value; with FailClosed
-// it returns a *RedisError. No value is kept in process memory, so neither
+// it returns a *RedisError. A read cut off by the caller's own ctx is
+// neither: it returns the ctx's error and counts no Redis error. No value is kept in process memory, so neither
 // mode can serve a stale one. Invalidate always reports failure: a lost
 // invalidation leaves the previous value readable until TTL, so retry it or
 // drive invalidations from a transactional outbox.

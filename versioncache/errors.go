@@ -10,7 +10,8 @@ import (
 var (
 	// ErrNilClient is returned by New without a Redis client.
 	ErrNilClient = errors.New("versioncache: nil redis client")
-	// ErrNilLoader is returned by Get, GetAt and Check without a loader.
+	// ErrNilLoader is returned by Get, GetAt, Check and CheckAt without a
+	// loader.
 	ErrNilLoader = errors.New("versioncache: nil loader")
 	// ErrInvalidConfig is matched by every *ConfigError.
 	ErrInvalidConfig = errors.New("versioncache: invalid config")
@@ -75,9 +76,10 @@ func (e *LoadError) Unwrap() error { return e.Err }
 // Is reports whether target is ErrLoad.
 func (e *LoadError) Is(target error) bool { return target == ErrLoad }
 
-// CodecError is a value the Codec could not encode (from Get, GetAt and
-// Check), or, from Peek only, a cached value it could not decode. Get and
-// GetAt never return a decode failure: they treat such a value as a miss,
+// CodecError is a loaded value that does not survive the Codec (it does not
+// encode, or its encoding does not decode: from Get, GetAt, Check and
+// CheckAt), or, from Peek only, a cached value it could not decode. Get and
+// GetAt never fail on a cached value that does not decode: they treat it as a miss,
 // load, and overwrite it with what they loaded. GetAt does not overwrite one
 // stored under a newer version than the caller's (it may be valid for a
 // process with another Codec or type, during a rollout): it serves the

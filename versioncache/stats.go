@@ -27,7 +27,7 @@ type Stats struct {
 	LeaseWaits        uint64 // misses that found another process filling
 	LeaseWaitHits     uint64 // ... and got its value while waiting
 	LeaseFallbacks    uint64 // ... and loaded themselves after FillLeaseWait
-	RedisErrors       uint64
+	RedisErrors       uint64 // failed Redis calls; not those cut off by the caller's ctx
 	DecodeErrors      uint64 // cached values the Codec could not decode
 	// ReplicationErrors are Invalidate calls that returned a
 	// *ReplicationError: the bump happened on the primary, but fewer

@@ -133,12 +133,16 @@ func (x *experiment) run(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	drained, err := x.worker.Drain(ctx)
-	if err != nil {
+	if _, err := x.worker.Drain(ctx); err != nil {
+		return err
+	}
+	// Drain's count includes records that failed: look at Redis itself.
+	firstScore, err := x.rdb.ZScore(ctx, x.board.SortedSetKey(), first.UserID).Result()
+	if err != nil && !errors.Is(err, redis.Nil) {
 		return err
 	}
 	result := fmt.Sprintf("committed (score %d, version %d) but NOT PROJECTED", res.Score, res.Version)
-	if drained == 1 {
+	if err == nil && -int64(firstScore) == res.Score {
 		result = fmt.Sprintf("applied (score %d, version %d)", res.Score, res.Version)
 	}
 	if err := x.stage(ctx, "first command for user-a", result); err != nil {

@@ -490,6 +490,12 @@ func (s *Service) writeError(w http.ResponseWriter, r *http.Request, err error) 
 		// reached in time), and "catching up" would give the client the
 		// wrong reason and keep the timeout out of the log.
 		s.writeTimeout(w, r, err)
+	case errors.As(err, &stale) && stale.Unverified:
+		// Waiting for a verifying pass, which the scheduled reconcile runs
+		// (every ReconcileEvery), not for the worker: retry after it.
+		retry := max(1, int(s.cfg.ReconcileEvery.Round(time.Second)/time.Second))
+		w.Header().Set("Retry-After", strconv.Itoa(retry))
+		writeJSON(w, http.StatusServiceUnavailable, errorResponse{Error: "the leaderboard is not verified yet (a new board, or Redis lost its data); retry later"})
 	case errors.As(err, &stale):
 		w.Header().Set("Retry-After", "1")
 		writeJSON(w, http.StatusServiceUnavailable, errorResponse{Error: "the leaderboard is catching up; retry shortly"})

@@ -433,7 +433,10 @@ func TestScheduledReconcileVerifies(t *testing.T) {
 	tb.drain(t)
 
 	time.Sleep(2 * time.Millisecond) // past the probe interval
-	require.Equal(t, http.StatusServiceUnavailable, tb.do(t, http.MethodGet, "/leaderboard", nil, "").status, "unverified")
+	refused := tb.do(t, http.MethodGet, "/leaderboard", nil, "")
+	require.Equal(t, http.StatusServiceUnavailable, refused.status, "unverified")
+	require.Equal(t, "60", refused.header.Get("Retry-After"), "after the next scheduled, verifying reconcile")
+	require.Equal(t, "the leaderboard is not verified yet (a new board, or Redis lost its data); retry later", refused.json(t)["error"])
 	svc.reconcileOnce(ctx)
 	last := svc.lastReconcile.Load()
 	require.NotNil(t, last.Verified)
