@@ -36,6 +36,22 @@ func (g *getsByNode) count(addr string) int {
 	return g.counts[addr]
 }
 
+// countGets counts the GET commands cc sends to each node from now on.
+func countGets(cc *redis.ClusterClient) *getsByNode {
+	gets := &getsByNode{counts: map[string]int{}}
+	cc.OnNewNode(func(node *redis.Client) {
+		addr := node.Options().Addr
+		node.AddHook(testenv.CommandHook(func(name string) {
+			if name == "get" {
+				gets.mu.Lock()
+				defer gets.mu.Unlock()
+				gets.counts[addr]++
+			}
+		}))
+	})
+	return gets
+}
+
 // setup returns a bundle whose stale client, made by newClient from
 // cluster's addresses, counts GETs per node and has loaded its slot map.
 func setup(t *testing.T, cluster *testenv.RedisCluster, opts *redis.ClusterOptions) *testBundle {
@@ -46,17 +62,7 @@ func setup(t *testing.T, cluster *testenv.RedisCluster, opts *redis.ClusterOptio
 	opts.Addrs = cluster.Addrs()
 	stale := redis.NewClusterClient(opts)
 	t.Cleanup(func() { _ = stale.Close() })
-	gets := &getsByNode{counts: map[string]int{}}
-	stale.OnNewNode(func(node *redis.Client) {
-		addr := node.Options().Addr
-		node.AddHook(testenv.CommandHook(func(name string) {
-			if name == "get" {
-				gets.mu.Lock()
-				defer gets.mu.Unlock()
-				gets.counts[addr]++
-			}
-		}))
-	})
+	gets := countGets(stale)
 	require.NoError(t, stale.Ping(context.Background()).Err(), "loads the slot map")
 	return &testBundle{cluster: cluster, stale: stale, gets: gets}
 }
@@ -354,17 +360,7 @@ func TestOnMasterSentinel(t *testing.T) {
 	t.Cleanup(func() { _ = client.Close() })
 	cc := Client(client)
 	require.NotNil(t, cc, "a replica-reading client is pinned")
-	gets := &getsByNode{counts: map[string]int{}}
-	cc.OnNewNode(func(node *redis.Client) {
-		addr := node.Options().Addr
-		node.AddHook(testenv.CommandHook(func(name string) {
-			if name == "get" {
-				gets.mu.Lock()
-				defer gets.mu.Unlock()
-				gets.counts[addr]++
-			}
-		}))
-	})
+	gets := countGets(cc)
 	key := s.Prefix(t) + "pinned"
 	require.NoError(t, client.Set(ctx, key, "v", 0).Err())
 	for range 5 {
