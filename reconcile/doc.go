@@ -46,18 +46,29 @@
 //
 // A declined repair is reported as ResultRaced; the next run looks again.
 //
-// The two classes that say Redis knows more than the source are judged
-// against a source read made after the Redis read, so a write committed
-// and projected during a check is not taken for one:
+// The classes a write racing the check could fake are looked at again
+// before anything is alerted or repaired, so a write committed and
+// projected during a check is not taken for drift:
 //
-//   - a source row is read before its Redis entry, so before an ahead
-//     finding is alerted or repaired its key is looked up in the source
-//     again and classified against the fresh row (a newer write makes it
-//     current or stale; a deletion makes it an orphan);
+//   - a source row is read before its Redis entry, so an ahead finding's
+//     key is looked up in the source again and classified against the
+//     fresh row (a newer write makes it current or stale; a deletion makes
+//     it an orphan);
+//   - a collection's values and versions are read by two commands of one
+//     pipeline, which a gate write can land between; a corrupt finding is
+//     read from Redis again and classified by the fresh read if it
+//     changed. A finding one check turns into the other's class (a torn
+//     read looks ahead, and against the fresh row corrupt) is checked
+//     again, a few rounds at most;
 //   - for orphans, the entries the source lacks are read from Redis and
 //     looked up again, and the removal insists on the state read before
 //     that confirming lookup: an entry created after the read changes it,
 //     and the removal declines.
+//
+// Missing and stale entries are not looked up again: a row deleted from the
+// source after its page was read may be written back, as a relay delivering
+// the row's last outbox record would write it, and the next run reports it
+// as an orphan.
 //
 // # Runs
 //

@@ -175,10 +175,13 @@ func (r *Reconciler) absentFromSource(ctx context.Context, keys []string) ([]str
 // checkAbsent classifies keys the source does not have against what the
 // projection held for them, read before the lookup that confirmed their
 // absence (see checkCandidates): any projection entry for them is an
-// orphan.
+// orphan, unless this run has already counted it as one.
 func (r *Reconciler) checkAbsent(ctx context.Context, opts RunOptions, missing []string, projected []Projected, rep *Report) error {
 	var findings []Finding
 	for i, k := range missing {
+		if rep.countedOrphan(k) {
+			continue
+		}
 		if c := Classify(r.target.Kind, nil, projected[i]); c == ClassOrphan {
 			findings = append(findings, Finding{Class: c, Key: k, Projected: projected[i]})
 		}

@@ -437,10 +437,7 @@ func (r *Reconciler) checkRead(ctx context.Context, opts RunOptions, rows []Row,
 		}
 		findings = append(findings, Finding{Class: class, Key: rows[i].Key, Source: &rows[i], Projected: projected[i]})
 	}
-	if err := r.recheckTorn(ctx, findings); err != nil {
-		return err
-	}
-	if err := r.recheckAhead(ctx, findings); err != nil {
+	if err := r.recheck(ctx, findings, rep); err != nil {
 		return err
 	}
 	rep.Checked += int64(len(rows))
@@ -451,49 +448,80 @@ func (r *Reconciler) checkRead(ctx context.Context, opts RunOptions, rows []Row,
 	return err
 }
 
-// recheckTorn reads the projection again for the corrupt findings of a
-// collection. A collection's values and versions are read by two commands
-// of one pipeline, not atomically: a gate write landing between them pairs
-// the old value with the new version, which looks corrupt (a document's
-// value and version come from one MGET). An entry read the same way twice
-// is corrupt; one that changed meanwhile is classified by the fresh read,
-// which any repair then insists on. Healthy pages cost nothing more.
-func (r *Reconciler) recheckTorn(ctx context.Context, findings []Finding) error {
-	if r.target.Kind == projection.KindDocument {
-		return nil
-	}
-	keys := keysOf(findings, ClassCorrupt)
-	if len(keys) == 0 {
-		return nil
-	}
-	fresh, err := r.read(ctx, keys)
-	if err != nil {
-		return err
-	}
-	j := 0
-	for i := range findings {
-		f := &findings[i]
-		if f.Class != ClassCorrupt {
-			continue
+// recheckRounds bounds recheck's alternation between re-reading the
+// projection and looking rows up in the source again. Two rounds settle an
+// entry that one write made look ahead and then corrupt; each further
+// change needs yet another write to land inside the re-read.
+const recheckRounds = 3
+
+// recheck looks again at the findings a write racing the pass can fake,
+// before anyone is alerted or anything is repaired: corrupt findings are
+// read from the projection again (recheckTorn) and ahead ones looked up in
+// the source again (recheckAhead). Either can turn a finding into the
+// other's class — a torn read of a row that was written meanwhile looks
+// ahead, and against the row looked up again it looks corrupt — so a
+// finding that changes class that way is looked at again, up to
+// recheckRounds times.
+func (r *Reconciler) recheck(ctx context.Context, findings []Finding, rep *Report) error {
+	torn, ahead := indicesOf(findings, ClassCorrupt), indicesOf(findings, ClassAhead)
+	for range recheckRounds {
+		if len(torn)+len(ahead) == 0 {
+			return nil
 		}
-		if p := fresh[j]; !sameProjected(f.Projected, p) {
-			f.Projected = p
-			f.Class = Classify(r.target.Kind, f.Source, p)
+		becameAhead, err := r.recheckTorn(ctx, findings, torn)
+		if err != nil {
+			return err
 		}
-		j++
+		if torn, err = r.recheckAhead(ctx, findings, append(ahead, becameAhead...), rep); err != nil {
+			return err
+		}
+		ahead = nil
 	}
 	return nil
 }
 
-// keysOf returns the keys of the findings of class c, in order.
-func keysOf(findings []Finding, c Class) []string {
-	var keys []string
-	for i := range findings {
-		if findings[i].Class == c {
-			keys = append(keys, findings[i].Key)
+// recheckTorn reads the projection again for findings[i], i in idx, all
+// corrupt, and returns the indices of those the fresh read found ahead. A
+// collection's values and versions are read by two commands of one
+// pipeline, not atomically: a gate write landing between them pairs the
+// old value with the new version, which looks corrupt or ahead (a
+// document's value and version come from one MGET). An entry read the same
+// way twice is corrupt; one that changed meanwhile is classified by the
+// fresh read, which any repair then insists on. Healthy pages cost nothing
+// more.
+func (r *Reconciler) recheckTorn(ctx context.Context, findings []Finding, idx []int) (becameAhead []int, err error) {
+	if r.target.Kind == projection.KindDocument || len(idx) == 0 {
+		return nil, nil
+	}
+	keys := make([]string, len(idx))
+	for j, i := range idx {
+		keys[j] = findings[i].Key
+	}
+	fresh, err := r.read(ctx, keys)
+	if err != nil {
+		return nil, err
+	}
+	for j, i := range idx {
+		f := &findings[i]
+		if p := fresh[j]; !sameProjected(f.Projected, p) {
+			f.Projected = p
+			if f.Class = Classify(r.target.Kind, f.Source, p); f.Class == ClassAhead {
+				becameAhead = append(becameAhead, i)
+			}
 		}
 	}
-	return keys
+	return becameAhead, nil
+}
+
+// indicesOf returns the indices of the findings of class c, in order.
+func indicesOf(findings []Finding, c Class) []int {
+	var idx []int
+	for i := range findings {
+		if findings[i].Class == c {
+			idx = append(idx, i)
+		}
+	}
+	return idx
 }
 
 // sameProjected reports whether two reads of an entry found the same state.
@@ -502,42 +530,47 @@ func sameProjected(a, b Projected) bool {
 		a.HasVersion == b.HasVersion && a.RawVersion == b.RawVersion
 }
 
-// recheckAhead looks the keys of ahead findings up in the source again and
-// classifies them against the fresh rows, before anyone is alerted or
-// anything is repaired. Rows are read from the source before the
+// recheckAhead looks the keys of findings[i], i in idx, all ahead, up in
+// the source again, classifies them against the fresh rows, and returns the
+// indices of those now corrupt. Rows are read from the source before the
 // projection, so a write committed and projected in between makes the
 // projection look ahead of a row that was merely old. The fresh lookup
 // comes after the projection read: a version still ahead of it was
 // projected before the source lost it, which is real drift. A finding can
 // so become current, stale, corrupt, or an orphan (the row was deleted
-// meanwhile; a full run's orphan scan, if it runs, may count it again); it
-// keeps the projected state that was read, which any repair then insists
-// on.
-func (r *Reconciler) recheckAhead(ctx context.Context, findings []Finding) error {
-	keys := keysOf(findings, ClassAhead)
-	if len(keys) == 0 {
-		return nil
+// meanwhile; rep remembers it so that an orphan scan does not count it
+// again); it keeps the projected state that was read, which any repair then
+// insists on.
+func (r *Reconciler) recheckAhead(ctx context.Context, findings []Finding, idx []int, rep *Report) (becameCorrupt []int, err error) {
+	if len(idx) == 0 {
+		return nil, nil
+	}
+	keys := make([]string, len(idx))
+	for j, i := range idx {
+		keys[j] = findings[i].Key
 	}
 	rows, err := r.source.Lookup(ctx, keys)
 	if err != nil {
-		return fmt.Errorf("reconcile: looking up ahead entries in the source again: %w", err)
+		return nil, fmt.Errorf("reconcile: looking up ahead entries in the source again: %w", err)
 	}
 	fresh := make(map[string]*Row, len(rows))
 	for i := range rows {
 		if err := r.validateRow(&rows[i]); err != nil {
-			return err
+			return nil, err
 		}
 		fresh[rows[i].Key] = &rows[i]
 	}
-	for i := range findings {
+	for _, i := range idx {
 		f := &findings[i]
-		if f.Class != ClassAhead {
-			continue
-		}
 		f.Source = fresh[f.Key] // nil: deleted from the source since
-		f.Class = Classify(r.target.Kind, f.Source, f.Projected)
+		switch f.Class = Classify(r.target.Kind, f.Source, f.Projected); f.Class {
+		case ClassCorrupt:
+			becameCorrupt = append(becameCorrupt, i)
+		case ClassOrphan:
+			rep.noteOrphan(f.Key)
+		}
 	}
-	return nil
+	return becameCorrupt, nil
 }
 
 // validateRow refuses, before anything is read or written, a row from any

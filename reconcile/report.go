@@ -110,6 +110,25 @@ type Report struct {
 	// rewritten counts the repairs that wrote a source row's state (all
 	// but removals), after which the entity is current.
 	rewritten int64
+	// orphaned holds the keys found ahead that turned out to be orphans
+	// (their rows were deleted mid-pass), which an orphan scan meets again
+	// and must not count twice. Rare, so usually nil.
+	orphaned map[string]struct{}
+}
+
+// noteOrphan remembers that key was counted as an orphan outside the orphan
+// scan.
+func (r *Report) noteOrphan(key string) {
+	if r.orphaned == nil {
+		r.orphaned = make(map[string]struct{})
+	}
+	r.orphaned[key] = struct{}{}
+}
+
+// countedOrphan reports whether key was already counted as an orphan.
+func (r *Report) countedOrphan(key string) bool {
+	_, ok := r.orphaned[key]
+	return ok
 }
 
 // tally counts the projection entries a full pass accounted for with source

@@ -3,9 +3,11 @@ package reconcile
 import (
 	"context"
 	"slices"
+	"sync"
 	"sync/atomic"
 	"testing"
 
+	"github.com/redis/go-redis/v9"
 	"github.com/stretchr/testify/require"
 
 	"github.com/verity-go/verity/projection"
@@ -232,4 +234,107 @@ func newerWrite(t *testing.T, b *testBundle, key string) func([]Row) {
 			t.Errorf("writing %s at version 2: applied %v, %v", key, applied, err)
 		}
 	}
+}
+
+// tornRead is a go-redis hook that tears the first pipeline whose first
+// command reads the values of member from valueKey (ZMSCORE or HMGET): it
+// sends that command alone, runs between, then sends the rest — what Redis
+// does when another client's command lands between two commands of a
+// pipeline.
+type tornRead struct {
+	valueKey, member string
+	between          func()
+	done             atomic.Bool
+}
+
+func (h *tornRead) DialHook(next redis.DialHook) redis.DialHook          { return next }
+func (h *tornRead) ProcessHook(next redis.ProcessHook) redis.ProcessHook { return next }
+
+func (h *tornRead) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+	return func(ctx context.Context, cmds []redis.Cmder) error {
+		if len(cmds) < 2 || h.done.Load() {
+			return next(ctx, cmds)
+		}
+		args := cmds[0].Args()
+		if name := cmds[0].Name(); (name != "zmscore" && name != "hmget") || len(args) < 3 ||
+			args[1] != h.valueKey || !slices.Contains(args[2:], any(h.member)) || !h.done.CompareAndSwap(false, true) {
+			return next(ctx, cmds)
+		}
+		if err := next(ctx, cmds[:1]); err != nil {
+			return err
+		}
+		h.between()
+		return next(ctx, cmds[1:])
+	}
+}
+
+// TestTornReadOfAnUpdatedRow lands an ordinary write (source and gate, to
+// version 2) between the value and version commands of a page's projection
+// read, after the page's source read saw version 1: the read pairs the old
+// value with version 2, which looks ahead, and against the row looked up
+// again, corrupt. Redis holds exactly the source's state, so nothing may be
+// reported.
+func TestTornReadOfAnUpdatedRow(t *testing.T) {
+	t.Parallel()
+	for _, kind := range []projection.Kind{projection.KindSortedSet, projection.KindHash} {
+		t.Run(kindName(kind), func(t *testing.T) {
+			t.Parallel()
+			ctx := context.Background()
+			b := setup(t, kind)
+			b.projectRows(t, b.insertMany(t, 10))
+			const key = "k0000003"
+			hook := &tornRead{valueKey: b.ks.ValueKey(b.target.target(key)), member: key}
+			hook.between = func() {
+				applied, err := b.outboxWrite(ctx, key, 2)
+				if err != nil || !applied {
+					t.Errorf("writing %s at version 2: applied %v, %v", key, applied, err)
+				}
+			}
+			b.client.AddHook(hook)
+			var alerts []Finding
+			r := b.reconciler(t, &Config{PageSize: 5, OnAlert: func(_ context.Context, f Finding) { alerts = append(alerts, f) }})
+
+			rep, err := r.Run(ctx, RunOptions{})
+			require.NoError(t, err)
+			require.True(t, hook.done.Load(), "the write landed inside the projection read")
+			require.EqualValues(t, 2, b.state(t, r, key).Version)
+			require.Equal(t, map[Class]int64{ClassCurrent: 10}, rep.Counts, "examples: %+v", rep.Examples)
+			require.Zero(t, rep.Results[ResultRaced])
+			require.Empty(t, alerts)
+		})
+	}
+}
+
+// TestAheadRowDeletedCountedOnce deletes an ahead entry's row after its
+// page was read: the ahead check makes it an orphan, and the orphan scan
+// (which runs because of another orphan) must not count and alert it a
+// second time while the default policy leaves it in place.
+func TestAheadRowDeletedCountedOnce(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	b := setup(t, projection.KindSortedSet)
+	b.insert(t, "a", 1)
+	b.projectRows(t, []Row{b.insert(t, "b", 1)})
+	b.project(t, "a", 2) // ahead of the source's 1
+	b.project(t, "z", 1) // an orphan: never in the source
+
+	src := &windowSource{Source: b.source}
+	var deleted sync.Once
+	src.afterPage = func([]Row) {
+		deleted.Do(func() {
+			if _, err := b.pool.Exec(ctx, `DELETE FROM items WHERE key = 'a'`); err != nil {
+				t.Errorf("deleting a: %v", err)
+			}
+		})
+	}
+	alerts := map[string]int{}
+	r, err := New(src, b.target, &Config{OnAlert: func(_ context.Context, f Finding) { alerts[f.Key]++ }})
+	require.NoError(t, err)
+
+	rep, err := r.Run(ctx, RunOptions{})
+	require.NoError(t, err)
+	require.False(t, rep.OrphanScanSkipped)
+	require.Equal(t, map[string]int{"a": 1, "z": 1}, alerts)
+	require.Equal(t, map[Class]int64{ClassCurrent: 1, ClassOrphan: 2}, rep.Counts)
+	require.EqualValues(t, 2, rep.Results[ResultReported])
 }
