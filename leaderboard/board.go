@@ -224,7 +224,8 @@ func (b *Board) userIDProblem(user string) string {
 // absolute score commit together, in one statement sent in one round trip.
 // Calls made while the board's Submit statements are busy share the next
 // one (see Config.MaxSubmitsPerStatement); the outcome of each is what it
-// would have been alone. If ctx ends while the call is still queued, it
+// would have been alone. If ctx ends before the call's statement is sent
+// (while it is queued, or its group waits for a pool connection), it
 // writes nothing; if it ends once the statement was sent, the command may
 // have committed, as with any statement cancelled in flight, and retrying
 // with the same event id is safe.
@@ -433,6 +434,29 @@ type batchOptions struct {
 	// lockTimeout, when positive, bounds the statement's wait for any one
 	// lock (PostgreSQL's lock_timeout, for this statement only).
 	lockTimeout time.Duration
+	// conn, when set, is the connection to run on instead of the pool's
+	// next one (a Submit group acquires it before it decides who is in).
+	conn *pgxpool.Conn
+}
+
+// batchQuerier is what sendBatch and locateOverflow run on: the pool or
+// a connection taken from it.
+type batchQuerier interface {
+	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
+	SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults
+}
+
+var (
+	_ batchQuerier = (*pgxpool.Pool)(nil)
+	_ batchQuerier = (*pgxpool.Conn)(nil)
+)
+
+// querier returns the connection opts hold, or else the pool.
+func (b *Board) querier(opts batchOptions) batchQuerier {
+	if opts.conn != nil {
+		return opts.conn
+	}
+	return b.pool
 }
 
 // submitBatch applies cmds in one statement.
@@ -508,7 +532,7 @@ func (b *Board) submitBatch(ctx context.Context, cmds []Command, opts batchOptio
 func (b *Board) submitBatchOnce(ctx context.Context, cmds []Command, sent []int, ids []pgtype.UUID, users []string, deltas []int64, opts batchOptions, out []Result) error {
 	rows, finish, err := b.sendBatch(ctx, len(sent), opts, ids, users, deltas)
 	if err != nil {
-		return b.mapBatchError(ctx, err, cmds, sent)
+		return b.mapBatchError(ctx, err, cmds, sent, opts)
 	}
 	// finish gives the connection back and is idempotent: the paths to
 	// mapBatchError call it first (its overflow probe may need the pool's
@@ -542,10 +566,10 @@ func (b *Board) submitBatchOnce(ctx context.Context, cmds []Command, sent []int,
 	}
 	if err := rows.Err(); err != nil {
 		_ = finish()
-		return b.mapBatchError(ctx, err, cmds, sent)
+		return b.mapBatchError(ctx, err, cmds, sent, opts)
 	}
 	if err := finish(); err != nil { // the commit's outcome, for a pipeline
-		return b.mapBatchError(ctx, err, cmds, sent)
+		return b.mapBatchError(ctx, err, cmds, sent, opts)
 	}
 	// The statement ran in autocommit and succeeded: whatever it applied is
 	// committed (a conflict applies nothing). Wake the relays.
@@ -593,7 +617,7 @@ func (b *Board) sendBatch(ctx context.Context, n int, opts batchOptions, ids []p
 		if n <= preparedBatchMax {
 			mode = pgx.QueryExecModeCacheStatement
 		}
-		rows, err := b.pool.Query(ctx, b.sql.submitBatch, append([]any{mode}, args...)...)
+		rows, err := b.querier(opts).Query(ctx, b.sql.submitBatch, append([]any{mode}, args...)...)
 		if err != nil {
 			return nil, nil, err
 		}
@@ -606,7 +630,7 @@ func (b *Board) sendBatch(ctx context.Context, n int, opts batchOptions, ids []p
 	}
 	batch.Queue(setLockTimeout, strconv.FormatInt(opts.lockTimeout.Milliseconds(), 10)+"ms")
 	batch.Queue(b.sql.submitBatch, args...)
-	results := b.pool.SendBatch(ctx, batch)
+	results := b.querier(opts).SendBatch(ctx, batch)
 	if _, err := results.Exec(); err != nil {
 		_ = results.Close()
 		return nil, nil, err
@@ -619,12 +643,12 @@ func (b *Board) sendBatch(ctx context.Context, n int, opts batchOptions, ids []p
 	return rows, func() error { rows.Close(); return results.Close() }, nil
 }
 
-func (b *Board) mapBatchError(ctx context.Context, err error, cmds []Command, sent []int) error {
+func (b *Board) mapBatchError(ctx context.Context, err error, cmds []Command, sent []int, opts batchOptions) error {
 	switch {
 	case isUniqueViolation(err):
 		return err
 	case isScoreRangeViolation(err):
-		return b.locateOverflow(ctx, cmds, sent)
+		return b.locateOverflow(ctx, b.querier(opts), cmds, sent)
 	}
 	return fmt.Errorf("leaderboard: submit batch: %w", err)
 }
@@ -632,14 +656,14 @@ func (b *Board) mapBatchError(ctx context.Context, err error, cmds []Command, se
 // locateOverflow finds which command of a refused batch would have left
 // the score range, by replaying the batch in memory over the current
 // scores. The constraint violation itself does not say.
-func (b *Board) locateOverflow(ctx context.Context, cmds []Command, sent []int) error {
+func (b *Board) locateOverflow(ctx context.Context, q batchQuerier, cmds []Command, sent []int) error {
 	unknown := &ScoreOutOfRangeError{Index: -1}
 	users := make([]string, 0, len(sent))
 	ids := make([]string, 0, len(sent))
 	for _, i := range sent {
 		users, ids = append(users, cmds[i].UserID), append(ids, cmds[i].EventID.String())
 	}
-	rows, err := b.pool.Query(ctx, b.sql.overflowProbe, b.cfg.Name, users, ids)
+	rows, err := q.Query(ctx, b.sql.overflowProbe, b.cfg.Name, users, ids)
 	if err != nil {
 		return unknown
 	}

@@ -3,6 +3,7 @@ package leaderboard
 import (
 	"context"
 	"errors"
+	"fmt"
 	"runtime"
 	"sync"
 	"sync/atomic"
@@ -63,8 +64,9 @@ const (
 
 // submit queues cmd (validated) and waits for its outcome or ctx, or, with
 // a statement free and nobody queued, applies it itself. A call whose ctx
-// ends while it is still queued is dropped and writes nothing; a call
-// whose ctx ends after its statement was sent returns ctx's error (unless
+// ends before its statement is sent (queued, or taken into a group that
+// waits for a connection) is dropped and writes nothing; a call whose ctx
+// ends after its statement was sent returns ctx's error (unless
 // its own goroutine saw the statement succeed), and its command may or may
 // not commit, as for any statement cancelled in flight (retrying with the
 // same event id is safe).
@@ -264,11 +266,28 @@ func (g *submitGroup) apply(calls []*submitCall) (stalled bool) {
 		calls[0].finish(g.b.submitOne(ctx, calls[0].cmd))
 		return
 	}
+	// A call whose ctx ends before its statement is sent must write
+	// nothing, as it would alone; the wait that matters is the one for a
+	// connection, which an exhausted pool can make long. So the group takes
+	// its connection first and only then settles who is in.
+	conn, err := g.b.pool.Acquire(ctx)
+	if err != nil {
+		for _, call := range calls {
+			call.finish(Result{}, fmt.Errorf("leaderboard: submit: %w", err))
+		}
+		return
+	}
+	calls = dropEnded(calls)
+	if len(calls) == 0 {
+		conn.Release()
+		return
+	}
 	cmds := make([]Command, len(calls))
 	for i, call := range calls {
 		cmds[i] = call.cmd
 	}
-	out, err := g.b.submitBatch(ctx, cmds, batchOptions{everyState: true, lockTimeout: submitLockTimeout})
+	out, err := g.b.submitBatch(ctx, cmds, batchOptions{everyState: true, lockTimeout: submitLockTimeout, conn: conn})
+	conn.Release() // before the fallback below, which takes connections of its own
 	switch {
 	case err == nil:
 		for i, call := range calls {
@@ -286,6 +305,20 @@ func (g *submitGroup) apply(calls []*submitCall) (stalled bool) {
 		}
 	}
 	return
+}
+
+// dropEnded finishes the calls whose ctx has ended with its error (their
+// callers have returned it, or will) and returns the others.
+func dropEnded(calls []*submitCall) []*submitCall {
+	live := calls[:0]
+	for _, call := range calls {
+		if err := call.ctx.Err(); err != nil {
+			call.finish(Result{}, err)
+			continue
+		}
+		live = append(live, call)
+	}
+	return live
 }
 
 // finish delivers the outcome of call.

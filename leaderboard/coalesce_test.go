@@ -518,6 +518,53 @@ func TestSubmitGroups(t *testing.T) {
 		require.Zero(t, gb.transactions(t, cmd.EventID))
 	})
 
+	t.Run("CancelledWhileItsGroupWaitsForAConnectionWritesNothing", func(t *testing.T) {
+		t.Parallel()
+		// The pool stops the connection of the group led by the call
+		// carrying groupKey (its statement's ctx keeps that call's values)
+		// on its way out, as an exhausted pool would keep it waiting.
+		type groupKey struct{}
+		entered, proceed := make(chan struct{}), make(chan struct{})
+		tb := setup(t)
+		pc, err := pgxpool.ParseConfig(tb.pg.ConnString)
+		require.NoError(t, err)
+		pc.MaxConns = 1
+		pc.PrepareConn = func(ctx context.Context, _ *pgx.Conn) (bool, error) {
+			if ctx.Value(groupKey{}) != nil {
+				close(entered)
+				<-proceed
+			}
+			return true, nil
+		}
+		pool, err := pgxpool.NewWithConfig(ctx, pc)
+		require.NoError(t, err)
+		t.Cleanup(pool.Close)
+		gb := groupsOn(t, tb, pool)
+
+		gb.hold(t)
+		first := gb.submitQueued(t, ctx, Command{EventID: uuid.New(), UserID: "user-z", Delta: 1}, 0)
+		cctx, cancel := context.WithCancel(context.WithValue(ctx, groupKey{}, true))
+		defer cancel()
+		cancelled := Command{EventID: uuid.New(), UserID: "user-a", Delta: 1}
+		a := gb.submitQueued(t, cctx, cancelled, 1)
+		b := gb.submitQueued(t, ctx, Command{EventID: uuid.New(), UserID: "user-b", Delta: 1}, 2)
+		gb.release()
+		require.NoError(t, wait(t, first).err)
+		select {
+		case <-entered: // the flusher took user-a and user-b; their connection waits
+		case <-time.After(10 * time.Second):
+			t.Fatal("the group of user-a and user-b never asked for a connection")
+		}
+		cancel()
+		require.ErrorIs(t, wait(t, a).err, context.Canceled)
+		close(proceed)
+		o := wait(t, b)
+		require.NoError(t, o.err)
+		require.Equal(t, Result{Score: 1, Version: 1}, o.res)
+		gb.board.Close()
+		require.Zero(t, gb.transactions(t, cancelled.EventID), "a call cancelled before its statement was sent wrote")
+	})
+
 	t.Run("CancelledCallersLeaveTheOthers", func(t *testing.T) {
 		t.Parallel()
 		gb := setupGroups(t)
