@@ -295,7 +295,11 @@ func (r *Reconciler) copyToShadow(ctx context.Context, rep *RebuildReport, token
 			return p.err
 		}
 		writes := make([]projection.Write, len(p.rows))
-		for i, row := range p.rows {
+		for i := range p.rows {
+			row := &p.rows[i]
+			if err := r.validateRow(row); err != nil { // as Run reports it, before anything is written
+				return err
+			}
 			writes[i] = projection.Write{Target: r.target.target(row.Key), Version: row.Version, Value: row.Value}
 		}
 		// The token is checked in the script that writes: a copy that

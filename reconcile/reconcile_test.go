@@ -578,6 +578,13 @@ func TestRunInvalidRowsFromAnySource(t *testing.T) {
 		require.ErrorIs(t, err, ErrInvalidRow, name)
 		require.Zero(t, rep.Checked, name)
 		require.Equal(t, Projected{}, b.state(t, r, "ok"), "nothing written")
+
+		// Rebuild reports the row as Run does, not as the gate would.
+		_, err = r.Rebuild(context.Background())
+		var rowErr *InvalidRowError
+		require.ErrorAs(t, err, &rowErr, name)
+		require.Equal(t, "a", rowErr.Key, name)
+		require.Equal(t, Projected{}, b.state(t, r, "ok"), "nothing written")
 	}
 }
 

@@ -221,7 +221,20 @@ func TestSQLSource(t *testing.T) {
 			"SQLSourceConfig.ValueColumn":       func(c *SQLSourceConfig) { c.ValueColumn = "" },
 			"SQLSourceConfig.Kind":              func(c *SQLSourceConfig) { c.Kind = 0 },
 			"SQLSourceConfig.Filters[0].Column": func(c *SQLSourceConfig) { c.Filters = []Filter{{Value: 1}} },
+			// Names PostgreSQL would not receive verbatim: Sanitize drops
+			// NUL bytes ("t\x00" would read table "t"), PostgreSQL
+			// truncates past 63 bytes.
+			"SQLSourceConfig.Schema":          func(c *SQLSourceConfig) { c.Schema = "s\x00" },
+			"SQLSourceConfig.Table#Nul":       func(c *SQLSourceConfig) { c.Table = "t\x00" },
+			"SQLSourceConfig.Table#UTF8":      func(c *SQLSourceConfig) { c.Table = "t\xff" },
+			"SQLSourceConfig.Table#Long":      func(c *SQLSourceConfig) { c.Table = strings.Repeat("t", 64) },
+			"SQLSourceConfig.KeyColumn#Nul":   func(c *SQLSourceConfig) { c.KeyColumn = "k\x00" },
+			"SQLSourceConfig.ValueColumn#Nul": func(c *SQLSourceConfig) { c.ValueColumn = "x\x00" },
+			"SQLSourceConfig.Filters[0].Column#Nul": func(c *SQLSourceConfig) {
+				c.Filters = []Filter{{Column: "b\x00", Value: 1}}
+			},
 		} {
+			field, _, _ = strings.Cut(field, "#")
 			cfg := ok
 			mutate(&cfg)
 			_, err := NewSQLSource(pg.Pool, &cfg)
@@ -252,6 +265,10 @@ func TestSQLSource(t *testing.T) {
 			require.NoError(t, err, name)
 		}
 		_, err = NewSQLSource(pg.Pool, &ok)
+		require.NoError(t, err)
+		longest := ok
+		longest.Table = strings.Repeat("t", 63)
+		_, err = NewSQLSource(pg.Pool, &longest)
 		require.NoError(t, err)
 	})
 }

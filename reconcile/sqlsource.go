@@ -9,6 +9,7 @@ import (
 	"reflect"
 	"strconv"
 	"strings"
+	"unicode/utf8"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
@@ -43,7 +44,9 @@ type Filter struct {
 
 // SQLSourceConfig describes the table a SQLSource reads. Every identifier is
 // quoted (pgx.Identifier.Sanitize), so names are used verbatim, case
-// included, and can never inject SQL.
+// included, and can never inject SQL; NewSQLSource refuses a name that
+// PostgreSQL could not take verbatim (a NUL byte, invalid UTF-8, more than
+// 63 bytes).
 type SQLSourceConfig struct {
 	// Schema qualifies Table. Defaults to "" (the connection's search_path).
 	Schema string
@@ -140,6 +143,23 @@ func NewSQLSource(db DBTX, cfg *SQLSourceConfig) (*SQLSource, error) {
 	default:
 		return nil, &ConfigError{Field: "SQLSourceConfig.Kind", Reason: "must be projection.KindSortedSet, KindHash or KindDocument"}
 	}
+	names := []struct{ name, val string }{
+		{"SQLSourceConfig.Table", cfg.Table},
+		{"SQLSourceConfig.KeyColumn", cfg.KeyColumn},
+		{"SQLSourceConfig.VersionColumn", cfg.VersionColumn},
+		{"SQLSourceConfig.ValueColumn", cfg.ValueColumn},
+	}
+	if cfg.Schema != "" {
+		names = append(names, struct{ name, val string }{"SQLSourceConfig.Schema", cfg.Schema})
+	}
+	for i, f := range cfg.Filters {
+		names = append(names, struct{ name, val string }{fmt.Sprintf("SQLSourceConfig.Filters[%d].Column", i), f.Column})
+	}
+	for _, f := range names {
+		if err := validateIdentifier(f.name, f.val); err != nil {
+			return nil, err
+		}
+	}
 	for i, f := range cfg.Filters {
 		if f.Column == "" {
 			return nil, &ConfigError{Field: fmt.Sprintf("SQLSourceConfig.Filters[%d].Column", i), Reason: "is required"}
@@ -155,6 +175,25 @@ func NewSQLSource(db DBTX, cfg *SQLSourceConfig) (*SQLSource, error) {
 	s := &SQLSource{db: db, kind: cfg.Kind}
 	s.buildSQL(cfg)
 	return s, nil
+}
+
+// identifierMaxLen is PostgreSQL's longest name (NAMEDATALEN - 1 bytes);
+// it silently truncates longer ones, which could then name another table.
+const identifierMaxLen = 63
+
+// validateIdentifier refuses a name that would not reach PostgreSQL
+// verbatim: pgx.Identifier.Sanitize drops NUL bytes, PostgreSQL truncates
+// long names and refuses invalid UTF-8 only when the first query runs.
+func validateIdentifier(field, name string) error {
+	switch {
+	case len(name) > identifierMaxLen:
+		return &ConfigError{Field: field, Reason: fmt.Sprintf("is %d bytes long; PostgreSQL names hold at most %d", len(name), identifierMaxLen)}
+	case !utf8.ValidString(name):
+		return &ConfigError{Field: field, Reason: "is not valid UTF-8; use the name as PostgreSQL spells it"}
+	case strings.IndexByte(name, 0) >= 0:
+		return &ConfigError{Field: field, Reason: "contains a NUL byte, which PostgreSQL names cannot hold; remove it"}
+	}
+	return nil
 }
 
 // buildSQL renders every statement once; it is the only place this package
