@@ -69,6 +69,13 @@ const (
 // Loader reads the current value from the source of truth. It is called at
 // most once per (id, version) per Cache at a time, and after the version it
 // will be cached under was read, which is what makes a slow load harmless.
+//
+// An error it returns reaches every caller sharing its load as a *LoadError,
+// a context error from a timeout of its own included; only when the ctx of
+// the caller that ran it has ended do the others load again. A panic (or
+// runtime.Goexit) is not recovered: it goes on in the caller that ran the
+// loader, the callers sharing its load get a *LoadError saying it panicked
+// or did not return, and the fill lease is given up, as after an error.
 type Loader[T any] func(ctx context.Context) (T, error)
 
 // Cache is a read-through cache of values of type T keyed by string ids. It
@@ -157,7 +164,8 @@ func (c *Cache[T]) Close() error { return c.metrics.close() }
 // cached (a miss answers what its hits will). Unless DisableFillLease is
 // set, processes also race for a short lease so that, across processes,
 // about one of them loads while the others wait up to FillLeaseWait for its
-// value.
+// value. A failed load's *LoadError is every sharing caller's (see Loader
+// for context errors and panics).
 //
 // If Redis fails, Get returns load's value (FailOpen) or a *RedisError
 // (FailClosed); if the caller's own ctx ended, it returns ctx's error
@@ -199,7 +207,7 @@ func (c *Cache[T]) Get(ctx context.Context, id string, load Loader[T]) (T, error
 			continue
 		}
 		c.stats.misses.Add(1)
-		res, shared, err := c.flights.do(ctx, c.flightKey(id, r.version), func() (loaded[T], error) {
+		res, shared, leaderEnded, err := c.flights.do(ctx, c.flightKey(id, r.version), abandonedLoad(id), func() (loaded[T], error) {
 			return c.loadAndFill(ctx, id, r, load)
 		})
 		if shared {
@@ -211,8 +219,11 @@ func (c *Cache[T]) Get(ctx context.Context, id string, load Loader[T]) (T, error
 		case errors.Is(err, errVersionMoved):
 			ignoreCurrent = false
 			continue
-		case shared && isContextErr(err) && ctx.Err() == nil:
-			// The caller that ran the shared load gave up; we have not.
+		case shared && leaderEnded && isContextErr(err) && ctx.Err() == nil:
+			// The caller that ran the shared load gave up; we have not. A
+			// context error while its ctx was live is the loader's own
+			// (its query's timeout): every joiner shares it, or N callers
+			// would run the failing load N times, one after another.
 			continue
 		default:
 			return zero, err
@@ -350,17 +361,24 @@ func (c *Cache[T]) loadAndFill(ctx context.Context, id string, r readResult, loa
 			return res, nil
 		}
 	}
+	// Unless the fill runs (it releases the lease itself), give the lease up:
+	// after a failed load, and also when load panics or exits its goroutine,
+	// so that other processes need not wait for it to lapse.
+	filling := false
+	defer func() {
+		if !filling {
+			c.releaseLease(ctx, id, r)
+		}
+	}()
 	c.stats.loads.Add(1)
 	start := time.Now()
 	val, err := load(ctx)
 	c.metrics.loaded(ctx, start)
 	if err != nil {
-		c.releaseLease(ctx, id, r)
 		return zero, &LoadError{ID: id, Err: err}
 	}
 	val, data, err := c.encode(id, val)
 	if err != nil {
-		c.releaseLease(ctx, id, r)
 		return zero, err
 	}
 	token := ""
@@ -371,6 +389,7 @@ func (c *Cache[T]) loadAndFill(ctx context.Context, id string, r readResult, loa
 	// and every waiting process's, not only this caller's: when this
 	// caller's ctx ended with its load, it runs detached (bounded);
 	// otherwise within the caller's deadline.
+	filling = true
 	fillCtx := ctx
 	if ctx.Err() != nil {
 		var cancel context.CancelFunc
@@ -401,8 +420,13 @@ func (c *Cache[T]) loadAndFill(ctx context.Context, id string, r readResult, loa
 // ended because others depend on them: a fill, a lease's release.
 const detachedTimeout = time.Second
 
-// releaseLease gives up this process's lease after a failed load, even
-// when ctx is what failed, so other processes need not wait FillLeaseTTL.
+// abandonedLoad is what the callers sharing a load of id get when the
+// caller running it panicked or exited its goroutine.
+func abandonedLoad(id string) error { return &LoadError{ID: id, Err: errLoadAbandoned} }
+
+// releaseLease gives up this process's lease after a failed (or panicked)
+// load, even when ctx is what failed, so other processes need not wait
+// FillLeaseTTL.
 func (c *Cache[T]) releaseLease(ctx context.Context, id string, r readResult) {
 	if r.lease != leaseHeldByUs {
 		return
@@ -561,7 +585,7 @@ func (c *Cache[T]) GetAt(ctx context.Context, id string, version int64, load Loa
 	}
 	c.stats.misses.Add(1)
 	versionText := strconv.FormatInt(version, 10)
-	res, shared, err := c.flights.do(ctx, key+"@"+versionText, func() (loaded[T], error) {
+	res, shared, leaderEnded, err := c.flights.do(ctx, key+"@"+versionText, abandonedLoad(id), func() (loaded[T], error) {
 		c.stats.loads.Add(1)
 		start := time.Now()
 		val, err := load(ctx)
@@ -590,7 +614,8 @@ func (c *Cache[T]) GetAt(ctx context.Context, id string, version int64, load Loa
 	if shared {
 		c.stats.sharedLoads.Add(1)
 	}
-	if err != nil && shared && isContextErr(err) && ctx.Err() == nil {
+	if err != nil && shared && leaderEnded && isContextErr(err) && ctx.Err() == nil {
+		// As in Get: only the leader's own ctx ending is a reason to retry.
 		return c.GetAt(ctx, id, version, load)
 	}
 	if err != nil {

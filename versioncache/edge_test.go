@@ -8,6 +8,7 @@ import (
 	"errors"
 	"reflect"
 	"strconv"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -195,6 +196,83 @@ func TestSharedLoad(t *testing.T) {
 		require.NoError(t, err)
 		require.Equal(t, 1, got.Price)
 	})
+
+	// The panic goes on in the caller that ran the loader; the caller
+	// sharing the load gets a *LoadError, like any other failed load.
+	t.Run("LoaderPanicsWhileShared", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t, nil)
+		b.truth.write("p1", 1)
+		release := make(chan struct{})
+		panicked := make(chan any, 1)
+		go func() {
+			defer func() { panicked <- recover() }()
+			_, _ = b.cache.Get(ctx, "p1", func(context.Context) (product, error) {
+				<-release
+				panic("boom")
+			})
+		}()
+		require.Eventually(t, func() bool { return b.cache.Stats().Misses == 1 }, 5*time.Second, time.Millisecond)
+		joined := make(chan error, 1)
+		go func() {
+			_, err := b.cache.Get(ctx, "p1", b.truth.loader("p1"))
+			joined <- err
+		}()
+		require.Eventually(t, func() bool { return b.cache.Stats().Misses == 2 }, 5*time.Second, time.Millisecond)
+		time.Sleep(20 * time.Millisecond) // let the joiner reach the flight
+		close(release)
+		require.Equal(t, "boom", <-panicked)
+		err := <-joined
+		require.ErrorIs(t, err, ErrLoad)
+		require.ErrorContains(t, err, "panicked")
+		require.Zero(t, b.truth.loads.Load(), "the joiner did not load")
+	})
+
+	// The loader's own timeout (its query's context.WithTimeout, the
+	// database down) while every caller's ctx is live: the callers sharing
+	// the load get its error, instead of each running the failing load
+	// again, one after another.
+	t.Run("LoaderTimeoutIsShared", func(t *testing.T) {
+		t.Parallel()
+		for _, name := range []string{"Get", "GetAt"} {
+			t.Run(name, func(t *testing.T) {
+				t.Parallel()
+				b := setup(t, nil)
+				b.truth.write("p1", 1)
+				get := func(load Loader[product]) error {
+					var err error
+					if name == "GetAt" {
+						_, err = b.cache.GetAt(ctx, "p1", 1, load)
+					} else {
+						_, err = b.cache.Get(ctx, "p1", load)
+					}
+					return err
+				}
+				const callers = 4
+				var loads atomic.Int64
+				release := make(chan struct{})
+				load := func(context.Context) (product, error) {
+					loads.Add(1)
+					<-release
+					return product{}, context.DeadlineExceeded
+				}
+				errs := make(chan error, callers)
+				for range callers {
+					go func() { errs <- get(load) }()
+				}
+				require.Eventually(t, func() bool { return b.cache.Stats().Misses == callers }, 5*time.Second, time.Millisecond)
+				time.Sleep(20 * time.Millisecond) // let the joiners reach the flight
+				close(release)
+				for range callers {
+					err := <-errs
+					require.ErrorIs(t, err, ErrLoad)
+					require.ErrorIs(t, err, context.DeadlineExceeded)
+				}
+				require.EqualValues(t, 1, loads.Load(), "the joiners loaded again")
+				require.EqualValues(t, callers-1, b.cache.Stats().SharedLoads)
+			})
+		}
+	})
 }
 
 func TestCheckMoved(t *testing.T) {
@@ -233,6 +311,24 @@ func TestLeaseReleasedOnLoadError(t *testing.T) {
 		return product{}, context.DeadlineExceeded
 	})
 	require.ErrorIs(t, err, ErrLoad)
+
+	got, err := caches[1].Get(ctx, "p", src.loader("p"))
+	require.NoError(t, err)
+	require.Equal(t, want, got)
+	require.Zero(t, caches[1].Stats().LeaseWaits, "no lease left to wait for")
+}
+
+// A process whose loader panicked gives its lease up too (the panic goes on
+// in its caller): another process then loads without waiting for the lease
+// to lapse.
+func TestLeaseReleasedOnLoaderPanic(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	caches, src := newProcesses(t, 2, Config{FillLeaseWait: 10 * time.Second})
+	want := src.write("p", 1)
+	require.PanicsWithValue(t, "boom", func() {
+		_, _ = caches[0].Get(ctx, "p", func(context.Context) (product, error) { panic("boom") })
+	})
 
 	got, err := caches[1].Get(ctx, "p", src.loader("p"))
 	require.NoError(t, err)

@@ -60,8 +60,9 @@ func (e *RedisError) Unwrap() error { return e.Err }
 // Is reports whether target is ErrRedis.
 func (e *RedisError) Is(target error) bool { return target == ErrRedis }
 
-// LoadError wraps an error returned by the caller's loader. Nothing is cached
-// when the loader fails.
+// LoadError wraps an error returned by the caller's loader, or, for callers
+// that shared a load whose loader panicked or did not return (see Loader),
+// an error saying so. Nothing is cached when the loader fails.
 type LoadError struct {
 	ID  string
 	Err error

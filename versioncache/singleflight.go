@@ -4,11 +4,13 @@ import (
 	"context"
 	"errors"
 	"sync"
+	"time"
 )
 
-// errLoadAbandoned is what the callers sharing a load get when the load
-// panicked or its goroutine exited without returning.
-var errLoadAbandoned = errors.New("versioncache: the shared load panicked or exited without returning")
+// errLoadAbandoned is what the callers sharing a load get, wrapped in a
+// *LoadError, when the load panicked or its goroutine exited without
+// returning.
+var errLoadAbandoned = errors.New("the loader panicked or did not return (in the caller that ran the shared load)")
 
 // flightGroup runs one function per key at a time and hands its result to
 // every caller that asked for the same key meanwhile. The key always names a
@@ -23,12 +25,18 @@ type flightCall[T any] struct {
 	done chan struct{}
 	val  T
 	err  error
+	// leaderEnded: the ctx of the caller that ran fn had ended when fn
+	// returned, so a context error may be that caller's, not the load's.
+	leaderEnded bool
 }
 
 // do runs fn for key unless a run is already in flight, in which case it waits
 // for that run (or for ctx). shared reports whether the result came from
-// another caller's run.
-func (g *flightGroup[T]) do(ctx context.Context, key string, fn func() (T, error)) (val T, shared bool, err error) {
+// another caller's run, and leaderEnded whether that caller's ctx had ended
+// by the time its run returned. If fn panics or exits its goroutine, the
+// panic or Goexit goes on in the caller that ran it, and the others get
+// abandoned.
+func (g *flightGroup[T]) do(ctx context.Context, key string, abandoned error, fn func() (T, error)) (val T, shared, leaderEnded bool, err error) {
 	g.mu.Lock()
 	if g.calls == nil {
 		g.calls = make(map[string]*flightCall[T])
@@ -37,10 +45,10 @@ func (g *flightGroup[T]) do(ctx context.Context, key string, fn func() (T, error
 		g.mu.Unlock()
 		select {
 		case <-c.done:
-			return c.val, true, c.err
+			return c.val, true, c.leaderEnded, c.err
 		case <-ctx.Done():
 			var zero T
-			return zero, true, ctx.Err()
+			return zero, true, false, ctx.Err()
 		}
 	}
 	c := &flightCall[T]{done: make(chan struct{})}
@@ -53,14 +61,15 @@ func (g *flightGroup[T]) do(ctx context.Context, key string, fn func() (T, error
 			// fn panicked, or called runtime.Goexit (t.FailNow in a
 			// test's loader): the waiters get an error, and the panic or
 			// Goexit goes on, as it is, in the caller that ran fn.
-			c.err = errLoadAbandoned
+			c.err = abandoned
 			g.release(key, c)
 		}
 	}()
 	c.val, c.err = fn()
+	c.leaderEnded = ctxEnded(ctx)
 	finished = true
 	g.release(key, c)
-	return c.val, false, c.err
+	return c.val, false, false, c.err
 }
 
 func (g *flightGroup[T]) release(key string, c *flightCall[T]) {
@@ -68,4 +77,14 @@ func (g *flightGroup[T]) release(key string, c *flightCall[T]) {
 	delete(g.calls, key)
 	g.mu.Unlock()
 	close(c.done)
+}
+
+// ctxEnded reports whether ctx is done or past its deadline (which a
+// connection can see a moment before ctx itself is done).
+func ctxEnded(ctx context.Context) bool {
+	if ctx.Err() != nil {
+		return true
+	}
+	deadline, ok := ctx.Deadline()
+	return ok && !time.Now().Before(deadline)
 }
