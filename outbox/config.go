@@ -42,7 +42,31 @@ type Config struct {
 	// relays' partition lease table Table+"_leases"; index
 	// names are derived the same way. At most MaxTableLength bytes. Defaults
 	// to TableDefault ("verity_outbox").
+	//
+	// A Table ending in one of the suffixes those names are derived with is
+	// refused with a *ConfigError: "_dead", "_idempotency", "_leases",
+	// "_pending_idx", "_created_idx", "_dead_event_idx", "_dead_stream_idx",
+	// "_idempotency_created_idx", "_partition_idx", "_leases_touched_idx",
+	// and "_pkey", "_event_id_key", "_id_seq" (PostgreSQL's names for the
+	// tables' primary keys, the unique event_id and the id sequence). Such
+	// a Table is a name another outbox of the schema derives (outbox "q"
+	// keeps its dead letters in "q_dead"), and the two outboxes would take
+	// each other's tables or indexes for their own. Upgrading: an outbox
+	// whose Table ends in one of them (for example "orders_dead") is now
+	// refused; rename it, with its derived tables and indexes, to the names
+	// of a new Table, or migrate a new outbox and let the old one drain.
 	Table string
+}
+
+// derivedSuffixes are the suffixes of newNames (tables and indexes) and of
+// PostgreSQL's implicit names for the migrations' constraints and identity
+// sequence ("_pkey" covers every table's primary key). Keep Config.Table's
+// doc in step.
+var derivedSuffixes = []string{
+	"_dead", "_idempotency", "_leases",
+	"_pending_idx", "_created_idx", "_dead_event_idx", "_dead_stream_idx",
+	"_idempotency_created_idx", "_partition_idx", "_leases_touched_idx",
+	"_pkey", "_event_id_key", "_id_seq",
 }
 
 // WithDefaults returns a copy of c with every zero field set to its default.
@@ -69,7 +93,26 @@ func validateNames(schema, table string) error {
 	if err := validateIdentifier("Schema", schema, maxIdentifierLength); err != nil {
 		return err
 	}
-	return validateIdentifier("Table", table, MaxTableLength)
+	if err := validateIdentifier("Table", table, MaxTableLength); err != nil {
+		return err
+	}
+	// Relations of one schema share a namespace, and Migrate creates each
+	// only if missing: a Table equal to another outbox's derived name would
+	// adopt that outbox's table (outbox "q" would take the live queue of
+	// outbox "q_dead" for its dead letters, and its ReplayDead would move
+	// q_dead's pending rows into q) or silently skip one of its indexes.
+	// Refusing every Table that ends in a derived suffix rules that out,
+	// for the derived names too: with these suffixes, two outboxes' names
+	// coincide only when one Table is the other's plus a suffix ("q_dead"
+	// and "q" share "q_dead_pkey"), which TestConfig checks.
+	for _, suffix := range derivedSuffixes {
+		if strings.HasSuffix(table, suffix) {
+			return &ConfigError{Field: "Table", Reason: fmt.Sprintf(
+				"%q ends in %q, a suffix the outbox derives the names of its other tables and indexes with, so it could be one of outbox %q's; choose a name that ends in none of %s",
+				table, suffix, strings.TrimSuffix(table, suffix), strings.Join(derivedSuffixes, ", "))}
+		}
+	}
+	return nil
 }
 
 func validateIdentifier(field, value string, maxLen int) error {

@@ -42,6 +42,17 @@
 //   - Table+"_leases": one row per partition of the outbox, leased by
 //     relays (see "Partition leases").
 //
+// Indexes are named from Table the same way (Table+"_pending_idx", …).
+// Several outboxes may share a schema, so a Table that ends in one of
+// these derived suffixes (or in "_pkey", "_event_id_key" or "_id_seq",
+// PostgreSQL's names for the outbox's keys and id sequence; Config.Table
+// lists them all) is refused with a *ConfigError: outbox "q_dead" would
+// otherwise be the dead-letter table of outbox "q", and q's ReplayDead
+// would move q_dead's pending messages into q. Upgrading: an outbox whose
+// Table ends in such a suffix is now refused by NewWriter, NewRelay,
+// Migrate and MigrationSQL; rename it (with its derived tables and
+// indexes) or move to a new outbox.
+//
 // Every identifier is quoted with pgx.Identifier, so schema and table names
 // may contain any characters (quotes, semicolons, spaces) without being able
 // to inject SQL. The outbox table's columns:
@@ -347,8 +358,10 @@
 // other: the second sees the first's outcome once it commits (Duplicate,
 // with the stored result) or records the command itself if the first rolled
 // back. The same id with a different fingerprint is a client bug and returns
-// *IdempotencyConflictError without writing anything. PruneCommands removes
-// old records.
+// *IdempotencyConflictError without writing anything. StoreCommandResult
+// keeps the first result stored for an id: the same bytes again are
+// accepted, different ones are a *CommandResultConflictError, and nothing
+// is written. PruneCommands removes old records.
 //
 // # Monitoring
 //
@@ -373,23 +386,35 @@
 //
 // # Shutdown and cancellation
 //
-// Run returns after its context is cancelled: it claims nothing more, waits
-// up to ShutdownTimeout for the in-flight batch and settles it; past the
-// timeout it cancels the Handler's context and releases the rows the Handler
-// did not complete, for immediate re-delivery by another relay (a release is
-// not a failure and sets no backoff). Run waits for its own goroutines (the
-// listener, the metrics' Stats refresh) before returning; a LISTEN or Stats
-// statement under way gets the same grace as the batch. Every database call
-// honours its context. A claim cut off by its context (or a broken
-// connection) may still be running on the server and commit; the relay then
-// cancels it there, waits for its transaction to end and frees what it
-// leased (bounded by a few seconds), so its partitions are not left to a
-// lease nobody holds.
+// Run returns after its context is cancelled, within about ShutdownTimeout:
+// it claims nothing more, waits for the in-flight batch and settles it. If
+// the Handler is still running when ShutdownTimeout less a reserve (a
+// quarter of it, at most 2 s) has passed, Run cancels the Handler's context
+// and, within the reserve, releases the rows the Handler did not complete,
+// for immediate re-delivery by another relay (a release is not a failure
+// and sets no backoff). Run waits for its own goroutines (the listener, the
+// metrics' Stats refresh) before returning; a LISTEN or Stats statement
+// under way gets the same grace as the Handler. Every database call honours
+// its context. A claim cut off by its context (or a broken connection) may
+// still be running on the server and commit; the relay then cancels it
+// there, waits for its transaction to end and frees what it leased (bounded
+// by a few seconds, and by ShutdownTimeout), so its partitions are not left
+// to a lease nobody holds.
+//
+// Whatever is still unsettled at ShutdownTimeout (a settle or release
+// waiting for a lock, or for a database that stopped answering; the settle
+// of a Handler that ignored its context) is cut off, so that a termination
+// grace period sized from ShutdownTimeout is not overrun. Nothing is lost:
+// the rows stay in the outbox under the batch's lease (unless the cut-off
+// statement committed after all) and are delivered again once the lease
+// ends, with the attempt counted as for a relay that crashed; the version
+// gate answers such re-deliveries as duplicates. Only a Handler that
+// ignores its context keeps Run waiting past ShutdownTimeout.
 //
 // Run does not cut off a claim it has sent: the claim is part of the batch in
-// flight. A statement cut off by its context (RunOnce's, or any at
-// ShutdownTimeout) makes pgx close that connection in a goroutine of its
-// own, which pgxpool's Close waits for. Over TLS, when the cut falls between
+// flight, cut off only with the Handler. A statement cut off by its context
+// (RunOnce's, or any of Run's past its shutdown grace) makes pgx close that
+// connection in a goroutine of its own, which pgxpool's Close waits for. Over TLS, when the cut falls between
 // two of a statement's writes, pgx (v5.12) cannot send its goodbye on the
 // broken TLS stream and waits out its 15 s deadline, and pool.Close with it.
 //
@@ -405,5 +430,5 @@
 // *ConfigError) before anything is written. Sentinels for errors.Is are
 // listed in one var block: ErrInvalidConfig, ErrInvalidMessage,
 // ErrEventIDExists, ErrIdempotencyConflict, ErrCommandNotRecorded,
-// ErrLeaseLost, ErrHandlerContract, ErrRelayRunning, ErrNotMigrated.
+// ErrCommandResultConflict, ErrLeaseLost, ErrHandlerContract, ErrRelayRunning, ErrNotMigrated.
 package outbox

@@ -37,6 +37,12 @@ var (
 	// RecordCommand has not recorded in this transaction or before.
 	ErrCommandNotRecorded = errors.New("outbox: command not recorded")
 
+	// ErrCommandResultConflict reports StoreCommandResult for a command
+	// whose stored result has different bytes: the first result stored is
+	// kept, since duplicates of the command return it. Nothing was written.
+	// The error is a *CommandResultConflictError.
+	ErrCommandResultConflict = errors.New("outbox: command already has a different result stored")
+
 	// ErrLeaseLost reports that a relay could not acknowledge (or retry, or
 	// dead-letter) rows because their lease had expired and another relay
 	// claimed them again. The other relay now owns them; nothing was changed.
@@ -110,6 +116,23 @@ func (e *IdempotencyConflictError) Error() string {
 
 // Is makes an *IdempotencyConflictError match ErrIdempotencyConflict.
 func (e *IdempotencyConflictError) Is(target error) bool { return target == ErrIdempotencyConflict }
+
+// CommandResultConflictError is returned by StoreCommandResult when the
+// command already has a different result stored. Nothing was written; the
+// stored result stays the one duplicates of the command return.
+type CommandResultConflictError struct {
+	EventID      uuid.UUID
+	StoredResult []byte // the result stored first
+	GivenResult  []byte // the result of the refused call
+}
+
+func (e *CommandResultConflictError) Error() string {
+	return fmt.Sprintf("outbox: command %s already has a different result stored (%d bytes stored, %d given); the first result is kept",
+		e.EventID, len(e.StoredResult), len(e.GivenResult))
+}
+
+// Is makes a *CommandResultConflictError match ErrCommandResultConflict.
+func (e *CommandResultConflictError) Is(target error) bool { return target == ErrCommandResultConflict }
 
 // LeaseLostError lists the rows a relay could not settle because another
 // relay had re-claimed them after this relay's lease expired.

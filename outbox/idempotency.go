@@ -23,7 +23,8 @@ type Command struct {
 	// fingerprint. The caller must not apply the command's effects again.
 	Duplicate bool
 	// Result is the result stored by StoreCommandResult the first time, or
-	// nil. Only meaningful when Duplicate is true.
+	// nil; a later StoreCommandResult never replaces it. Only meaningful
+	// when Duplicate is true.
 	Result []byte
 	// RecordedAt is when the id was first recorded.
 	RecordedAt time.Time
@@ -50,7 +51,12 @@ RETURNING created_at`
 
 	lookupCommandSQL = `SELECT fingerprint, result, created_at FROM %s WHERE event_id = $1`
 
-	storeResultSQL = `UPDATE %s SET result = $2 WHERE event_id = $1 RETURNING true`
+	// storeResultSQL sets only a result not stored yet: the first one is
+	// what duplicates return (Command.Result). When it matches no row,
+	// lookupResultSQL, with a fresh snapshot, tells an unknown id from a
+	// stored result.
+	storeResultSQL  = `UPDATE %s SET result = $2 WHERE event_id = $1 AND result IS NULL RETURNING true`
+	lookupResultSQL = `SELECT result FROM %s WHERE event_id = $1`
 )
 
 // RecordCommand records, within tx, that the command eventID with the given
@@ -108,18 +114,42 @@ func (w *Writer) RecordCommand(ctx context.Context, tx Tx, eventID uuid.UUID, fi
 
 // StoreCommandResult stores result for the command eventID, recorded by
 // RecordCommand, within tx, so that a duplicate of the command can return the
-// same answer. Call it in the transaction that recorded the command. It
-// returns ErrCommandNotRecorded when the id is unknown.
+// same answer. Call it in the transaction that recorded the command (before
+// or after its effects; a transaction that rolls back takes the result with
+// it).
+//
+// The first result stored is kept: it is what every duplicate's
+// Command.Result returns. Storing the same bytes again (a retried handler,
+// or one that stores on the duplicate path too) returns nil; storing
+// different bytes returns a *CommandResultConflictError
+// (errors.Is(err, ErrCommandResultConflict)) and writes nothing. It returns
+// ErrCommandNotRecorded when the id is unknown. Neither error fails a
+// statement, so tx remains usable.
 func (w *Writer) StoreCommandResult(ctx context.Context, tx Tx, eventID uuid.UUID, result []byte) error {
 	if deps.Missing(tx) {
 		return missingTx()
 	}
 	var ok bool
 	err := tx.QueryRow(ctx, w.storeResultSQL, pgUUID(eventID), result).Scan(&ok)
-	if errors.Is(err, pgx.ErrNoRows) {
-		return fmt.Errorf("%w: %s", ErrCommandNotRecorded, eventID)
+	if !errors.Is(err, pgx.ErrNoRows) {
+		return mapError("store command result", err)
 	}
-	return mapError("store command result", err)
+	// Nothing updated: the id is unknown, or a result is stored already.
+	var stored []byte
+	err = tx.QueryRow(ctx, w.lookupResultSQL, pgUUID(eventID)).Scan(&stored)
+	switch {
+	case errors.Is(err, pgx.ErrNoRows):
+		return fmt.Errorf("%w: %s", ErrCommandNotRecorded, eventID)
+	case err != nil:
+		return mapError("look up command result", err)
+	case stored == nil:
+		// The row has no result, yet the UPDATE did not see it: it is not
+		// visible to this transaction's snapshot (see RecordCommand).
+		return fmt.Errorf("outbox: store command result %s: the command's record is not visible to this transaction's snapshot; use READ COMMITTED or retry the transaction", eventID)
+	case bytes.Equal(stored, result):
+		return nil // the same result again: an idempotent retry
+	}
+	return &CommandResultConflictError{EventID: eventID, StoredResult: stored, GivenResult: bytes.Clone(result)}
 }
 
 const pruneCommandsSQL = `DELETE FROM %s WHERE created_at < now() - $1 * interval '1 microsecond'`

@@ -85,6 +85,68 @@ func TestRecordCommand(t *testing.T) {
 		require.Equal(t, 1, b.idempotencyRows(t))
 	})
 
+	// The first result stored is what every duplicate returns: a later
+	// StoreCommandResult, in a duplicate's transaction or in the recording
+	// one, may repeat it but never replace it.
+	t.Run("StoredResultIsKept", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		id := uuid.New()
+		_, err := execute(t, b, id, "c")
+		require.NoError(t, err)
+		requireResult := func(want string) {
+			t.Helper()
+			tx, err := b.pool.Begin(ctx)
+			require.NoError(t, err)
+			defer tx.Rollback(ctx) //nolint:errcheck
+			cmd, err := b.writer.RecordCommand(ctx, tx, id, outbox.Fingerprint([]byte("c")))
+			require.NoError(t, err)
+			require.True(t, cmd.Duplicate)
+			require.Equal(t, want, string(cmd.Result))
+		}
+		requireConflict := func(err error, stored, given string) {
+			t.Helper()
+			require.ErrorIs(t, err, outbox.ErrCommandResultConflict)
+			var conflict *outbox.CommandResultConflictError
+			require.ErrorAs(t, err, &conflict)
+			require.Equal(t, id, conflict.EventID)
+			require.Equal(t, stored, string(conflict.StoredResult))
+			require.Equal(t, given, string(conflict.GivenResult))
+			require.Contains(t, err.Error(), id.String())
+		}
+
+		// A duplicate's transaction stores its own answer.
+		tx, err := b.pool.Begin(ctx)
+		require.NoError(t, err)
+		defer tx.Rollback(ctx) //nolint:errcheck
+		cmd, err := b.writer.RecordCommand(ctx, tx, id, outbox.Fingerprint([]byte("c")))
+		require.NoError(t, err)
+		require.True(t, cmd.Duplicate)
+		require.NoError(t, b.writer.StoreCommandResult(ctx, tx, id, []byte("result of c")), "the same bytes: a retry")
+		requireConflict(b.writer.StoreCommandResult(ctx, tx, id, []byte("another result")), "result of c", "another result")
+		require.NoError(t, tx.Commit(ctx), "the transaction is still usable")
+		requireResult("result of c")
+
+		// Within the recording transaction: the first store is kept too,
+		// unless a savepoint rolled it back.
+		id = uuid.New()
+		tx, err = b.pool.Begin(ctx)
+		require.NoError(t, err)
+		defer tx.Rollback(ctx) //nolint:errcheck
+		_, err = b.writer.RecordCommand(ctx, tx, id, outbox.Fingerprint([]byte("c")))
+		require.NoError(t, err)
+		_, err = tx.Exec(ctx, `SAVEPOINT s`)
+		require.NoError(t, err)
+		require.NoError(t, b.writer.StoreCommandResult(ctx, tx, id, []byte("undone")))
+		_, err = tx.Exec(ctx, `ROLLBACK TO SAVEPOINT s`)
+		require.NoError(t, err)
+		require.NoError(t, b.writer.StoreCommandResult(ctx, tx, id, []byte("first")))
+		require.NoError(t, b.writer.StoreCommandResult(ctx, tx, id, []byte("first")))
+		requireConflict(b.writer.StoreCommandResult(ctx, tx, id, []byte("second")), "first", "second")
+		require.NoError(t, tx.Commit(ctx))
+		requireResult("first")
+	})
+
 	t.Run("RollbackForgetsCommand", func(t *testing.T) {
 		t.Parallel()
 		b := setup(t)

@@ -1026,6 +1026,65 @@ func TestRelayRun(t *testing.T) {
 		require.Equal(t, 1, h.seen()[0].Attempts)
 	})
 
+	// ShutdownTimeout bounds Run, its settle included: a settle that waits
+	// (here for a lock on the lease rows) is cut off at ShutdownTimeout,
+	// not after settleTimeout's 10 s, and its rows, left leased, are
+	// delivered again once the lease ends.
+	t.Run("ShutdownTimeoutBoundsTheSettle", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		appName := "verity_relay_" + uuid.NewString()[:8]
+		started := make(chan struct{}, 1)
+		const grace = 300 * time.Millisecond
+		r := b.relay(t, newPoolNamed(t, b.pg.ConnString, appName), outbox.HandlerFunc(func(ctx context.Context, batch []outbox.Record) ([]outbox.Result, error) {
+			started <- struct{}{}
+			<-ctx.Done()
+			return nil, ctx.Err()
+		}), outbox.RelayConfig{ShutdownTimeout: grace, DisableNotify: true, PollInterval: 10 * time.Millisecond})
+		runCtx, cancel := context.WithCancel(ctx)
+		done := make(chan error, 1)
+		go func() { done <- r.Run(runCtx) }()
+		msg := newMessage("s", "a", 1)
+		b.appendCommitted(t, msg)
+		receive(t, started)
+
+		locker, err := b.pool.Begin(ctx)
+		require.NoError(t, err)
+		t.Cleanup(func() { _ = locker.Rollback(context.Background()) })
+		_, err = locker.Exec(ctx, `SELECT 1 FROM `+b.leasesTable()+` FOR UPDATE`)
+		require.NoError(t, err)
+
+		began := time.Now()
+		cancel()
+		select {
+		case err := <-done:
+			require.NoError(t, err)
+		case <-time.After(grace + 2*time.Second):
+			require.NoError(t, locker.Rollback(ctx))
+			<-done
+			t.Fatalf("Run returned %v after cancellation, its ShutdownTimeout being %v", time.Since(began), grace)
+		}
+		elapsed := time.Since(began)
+		require.GreaterOrEqual(t, elapsed, grace, "the settle waited until ShutdownTimeout")
+		require.Eventually(t, func() bool { return !b.waitingForLock(appName, "") }, 5*time.Second, 10*time.Millisecond,
+			"the cut-off settle was cancelled on the server")
+		require.NoError(t, locker.Rollback(ctx))
+
+		// Nothing is lost: the row stays, leased, and is delivered again
+		// once the lease ends, the cut-off attempt counted.
+		rows := b.rows(t)
+		require.Len(t, rows, 1)
+		require.Equal(t, msg.EventID, rows[0].EventID)
+		require.EqualValues(t, 1, b.expireLeases(t))
+		h := &recorder{}
+		n, err := b.relay(t, nil, h, outbox.RelayConfig{}).RunOnce(ctx)
+		require.NoError(t, err)
+		require.Equal(t, 1, n)
+		require.Equal(t, msg.EventID, h.seen()[0].EventID)
+		require.Equal(t, 2, h.seen()[0].Attempts)
+		require.Zero(t, b.count(t, b.writer.Table()))
+	})
+
 	// The settle of the batch in flight at shutdown runs after ctx ended;
 	// if it fails, Run still returns nil but says so in the log.
 	t.Run("ShutdownLogsFailedSettle", func(t *testing.T) {

@@ -21,10 +21,11 @@ type Writer struct {
 	cfg   Config
 	names names
 
-	appendSQL      string
-	recordSQL      string
-	lookupSQL      string
-	storeResultSQL string
+	appendSQL       string
+	recordSQL       string
+	lookupSQL       string
+	storeResultSQL  string
+	lookupResultSQL string
 }
 
 // NewWriter returns a Writer for the outbox described by cfg (nil means
@@ -36,12 +37,13 @@ func NewWriter(cfg *Config) (*Writer, error) {
 	}
 	n := newNames(cfg.Schema, cfg.Table)
 	return &Writer{
-		cfg:            *cfg,
-		names:          n,
-		appendSQL:      fmt.Sprintf(appendSQL, n.Outbox),
-		recordSQL:      fmt.Sprintf(recordCommandSQL, n.Idempotency),
-		lookupSQL:      fmt.Sprintf(lookupCommandSQL, n.Idempotency),
-		storeResultSQL: fmt.Sprintf(storeResultSQL, n.Idempotency),
+		cfg:             *cfg,
+		names:           n,
+		appendSQL:       fmt.Sprintf(appendSQL, n.Outbox),
+		recordSQL:       fmt.Sprintf(recordCommandSQL, n.Idempotency),
+		lookupSQL:       fmt.Sprintf(lookupCommandSQL, n.Idempotency),
+		storeResultSQL:  fmt.Sprintf(storeResultSQL, n.Idempotency),
+		lookupResultSQL: fmt.Sprintf(lookupResultSQL, n.Idempotency),
 	}, nil
 }
 

@@ -419,6 +419,78 @@ func TestConfig(t *testing.T) {
 		})
 	}
 
+	// Relations of a schema share one namespace and Migrate creates each
+	// only if missing: an outbox named like another's derived relation
+	// ("q_dead", q's dead-letter table) would adopt it, and q's ReplayDead
+	// would move q_dead's pending rows into q. Every name Migrate derives
+	// from Table, and every name two outboxes' derived names could then
+	// share, is refused everywhere a Config is validated, and a refused
+	// Migrate creates nothing.
+	t.Run("TableEndingInDerivedSuffix", func(t *testing.T) {
+		t.Parallel()
+		ctx := context.Background()
+		pg := testenv.Postgres(t)
+		relations := func() []string {
+			rows, err := pg.Pool.Query(ctx, `SELECT c.relname FROM pg_class AS c JOIN pg_namespace AS n ON n.oid = c.relnamespace
+				WHERE n.nspname = $1 ORDER BY 1`, pg.Schema)
+			require.NoError(t, err)
+			names, err := pgx.CollectRows(rows, pgx.RowTo[string])
+			require.NoError(t, err)
+			return names
+		}
+		refused := func(table string) {
+			t.Helper()
+			cfg := &outbox.Config{Schema: pg.Schema, Table: table}
+			requireTableRefused := func(err error, entry string) {
+				t.Helper()
+				require.ErrorIs(t, err, outbox.ErrInvalidConfig, "%s(%q)", entry, table)
+				var cfgErr *outbox.ConfigError
+				require.ErrorAs(t, err, &cfgErr, "%s(%q)", entry, table)
+				require.Equal(t, "Table", cfgErr.Field, "%s(%q)", entry, table)
+				require.Contains(t, cfgErr.Reason, "choose a name", "%s(%q): says how to fix it", entry, table)
+			}
+			_, err := outbox.NewWriter(cfg)
+			requireTableRefused(err, "NewWriter")
+			_, err = outbox.Migrations(cfg)
+			requireTableRefused(err, "Migrations")
+			_, err = outbox.MigrationSQL(cfg)
+			requireTableRefused(err, "MigrationSQL")
+			requireTableRefused(outbox.Migrate(ctx, pg.Pool, cfg), "Migrate")
+			_, err = outbox.NewRelay(pg.Pool, &recorder{}, &outbox.RelayConfig{Schema: pg.Schema, Table: table})
+			requireTableRefused(err, "NewRelay")
+		}
+
+		// The report's case, in an empty schema: nothing is created.
+		refused("q_dead")
+		require.Empty(t, relations(), "a refused Migrate creates nothing")
+
+		const table = "t"
+		require.NoError(t, outbox.Migrate(ctx, pg.Pool, &outbox.Config{Schema: pg.Schema, Table: table}))
+		derived := relations()
+		require.Contains(t, derived, table+"_dead")
+		require.Contains(t, derived, table+"_id_seq")
+		for _, long := range derived {
+			for _, short := range derived {
+				// An outbox named table+x has long's name for one of its own
+				// (x = long's suffix, short = table) or shares one with this
+				// outbox (short = table+s, long = table+x+s).
+				s := strings.TrimPrefix(short, table)
+				if long == short || !strings.HasSuffix(long, s) {
+					continue
+				}
+				refused(strings.TrimSuffix(long, s))
+			}
+		}
+		require.Equal(t, derived, relations(), "refused Migrates created nothing")
+
+		// A Table that merely contains a suffix, or ends in one of another
+		// case, is accepted.
+		for _, ok := range []string{"q_dead_letters", "q_DEAD", "dead"} {
+			_, err := outbox.NewWriter(&outbox.Config{Table: ok})
+			require.NoError(t, err, ok)
+		}
+	})
+
 	t.Run("Defaults", func(t *testing.T) {
 		t.Parallel()
 		var nilCfg *outbox.Config
