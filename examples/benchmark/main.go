@@ -31,7 +31,7 @@
 // Servers: DATABASE_URL and REDIS_URL, else the local default ports, else
 // private servers started for the run (internal/services). Everything runs
 // in schemas and under a key prefix of its own, removed when each figure
-// group ends.
+// group ends, also on Ctrl-C or SIGTERM.
 //
 // -quick uses small sizes and finishes well under a minute; CI runs it
 // through the package's test, asserting only that every figure is there.
@@ -50,6 +50,7 @@ import (
 	"runtime/pprof"
 	"runtime/trace"
 	"strings"
+	"syscall"
 	"text/tabwriter"
 	"time"
 
@@ -61,7 +62,9 @@ import (
 )
 
 func main() {
-	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt)
+	// SIGTERM too (timeout(1), CI cancellation, kill): either way the run
+	// ends through its cleanup and drops its schemas and keys.
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
 	if os.Getenv(childEnv) == "relay" {
 		if err := relayChild(ctx, os.Stdin, os.Stdout); err != nil {

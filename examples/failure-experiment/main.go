@@ -7,7 +7,7 @@
 // It finds the servers like the test harness does (DATABASE_URL / REDIS_URL,
 // then the local default ports, then private servers from local binaries,
 // then Docker), works in its own schema and key prefix, and removes both
-// when it ends.
+// when it ends, also on Ctrl-C or SIGTERM.
 package main
 
 import (
@@ -19,6 +19,7 @@ import (
 	"os"
 	"os/signal"
 	"strings"
+	"syscall"
 	"text/tabwriter"
 
 	"github.com/verity-go/verity/internal/services"
@@ -28,7 +29,9 @@ func main() {
 	asJSON := flag.Bool("json", false, "print the report as JSON")
 	flag.Parse()
 
-	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt)
+	// SIGTERM too (timeout(1), CI cancellation, kill): either way the run
+	// ends through its cleanup and drops its schema and keys.
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
 	if err := run(ctx, os.Stdout, *asJSON); err != nil {
 		fmt.Fprintln(os.Stderr, "failure-experiment:", err)

@@ -1,10 +1,114 @@
 package main
 
 import (
+	"bytes"
+	"context"
+	"errors"
+	"os"
+	"os/exec"
+	"strings"
+	"syscall"
 	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/stretchr/testify/require"
 
 	"github.com/verity-go/verity/internal/testenv"
 )
 
+// runMainEnv, set to 1, makes the test binary run the command's main
+// instead of its tests: the signal test starts it as a child process.
+const runMainEnv = "FAILURE_EXPERIMENT_RUN_MAIN"
+
 // TestMain fails the package's tests if any goroutine outlives them.
-func TestMain(m *testing.M) { testenv.Main(m) }
+func TestMain(m *testing.M) {
+	if os.Getenv(runMainEnv) == "1" {
+		os.Args = os.Args[:1]
+		main()
+		os.Exit(0)
+	}
+	testenv.Main(m)
+}
+
+// TestSIGTERMCleansUp: SIGTERM (timeout(1), CI cancellation, kill) ends a
+// run through its cleanup, as Ctrl-C does, leaving neither its schema nor
+// its keys behind.
+func TestSIGTERMCleansUp(t *testing.T) {
+	t.Parallel()
+	pg := testenv.Postgres(t) // a pool on the server the child resolves
+	rd := testenv.Redis(t)
+	ctx := context.Background()
+	schemas := func() map[string]bool {
+		rows, err := pg.Pool.Query(ctx, `SELECT nspname FROM pg_namespace WHERE nspname LIKE 'verity_experiment_%'`)
+		require.NoError(t, err)
+		names, err := pgx.CollectRows(rows, pgx.RowTo[string])
+		require.NoError(t, err)
+		set := map[string]bool{}
+		for _, n := range names {
+			set[n] = true
+		}
+		return set
+	}
+	// A run takes about a second: try a few to land the signal after the
+	// schema exists and before the run ends.
+	for range 5 {
+		before := schemas()
+		cmd := exec.Command(os.Args[0])
+		cmd.Env = append(os.Environ(), runMainEnv+"=1")
+		var stderr bytes.Buffer
+		cmd.Stderr = &stderr
+		require.NoError(t, cmd.Start())
+		done := make(chan error, 1)
+		go func() { done <- cmd.Wait() }()
+
+		var mine string
+		var werr error
+		exited := false
+	poll:
+		for deadline := time.Now().Add(30 * time.Second); time.Now().Before(deadline); {
+			for n := range schemas() {
+				if !before[n] {
+					mine = n
+					break poll
+				}
+			}
+			select {
+			case werr = <-done:
+				exited = true
+				break poll
+			case <-time.After(2 * time.Millisecond):
+			}
+		}
+		if mine == "" {
+			if !exited {
+				_ = cmd.Process.Kill()
+				<-done
+			}
+			require.True(t, exited, "the experiment never created its schema")
+			require.NoError(t, werr, stderr.String())
+			continue // ran start to end between two polls; try again
+		}
+		prefix := "verity-experiment-" + strings.TrimPrefix(mine, "verity_experiment_") + ":"
+		t.Cleanup(func() {
+			_, _ = pg.Pool.Exec(context.Background(), "DROP SCHEMA IF EXISTS "+pgx.Identifier{mine}.Sanitize()+" CASCADE")
+			_ = testenv.DeletePrefix(context.Background(), rd.Client, prefix)
+		})
+		require.NoError(t, cmd.Process.Signal(syscall.SIGTERM))
+		if werr = <-done; werr == nil {
+			continue // finished before the signal landed; try again
+		}
+		// Canceled, the run reports its error and exits 1; killed by the
+		// signal, the process has no exit code (-1).
+		var exitErr *exec.ExitError
+		require.True(t, errors.As(werr, &exitErr), "%v", werr)
+		require.Equal(t, 1, exitErr.ExitCode(), "SIGTERM killed the run instead of canceling it: %v %s", werr, stderr.String())
+		require.Contains(t, stderr.String(), context.Canceled.Error())
+		require.False(t, schemas()[mine], "schema %s left behind", mine)
+		keys, err := rd.Client.Keys(ctx, prefix+"*").Result()
+		require.NoError(t, err)
+		require.Empty(t, keys)
+		return
+	}
+	t.Skip("the signal never landed during a run")
+}

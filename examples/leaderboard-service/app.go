@@ -7,15 +7,19 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"net"
 	"os"
+	"strconv"
 	"strings"
 	"time"
+	"unicode/utf8"
 
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/redis/go-redis/v9"
 
 	"github.com/verity-go/verity/internal/services"
 	"github.com/verity-go/verity/leaderboard"
+	"github.com/verity-go/verity/projection"
 )
 
 // Flag defaults.
@@ -120,6 +124,32 @@ func parseFlags(name string, args []string, stderr io.Writer) (*options, error) 
 	}
 	if o.board == "" {
 		return usage("--board must not be empty")
+	}
+	// leaderboard.New's rules for Config.Name and Config.Schema (the
+	// library exports no check that needs no pool), and for Config.KeyPrefix
+	// the check New makes through projection.NewKeyspace.
+	if len(o.board) > leaderboard.MaxNameLength || !utf8.ValidString(o.board) || strings.IndexByte(o.board, 0) >= 0 {
+		return usage("--board must be valid UTF-8 without NUL bytes, at most %d bytes (got %d)", leaderboard.MaxNameLength, len(o.board))
+	}
+	if !utf8.ValidString(o.schema) || strings.IndexByte(o.schema, 0) >= 0 {
+		return usage("--schema must be valid UTF-8 without NUL bytes")
+	}
+	if _, err := projection.NewKeyspace(o.keyPrefix); err != nil {
+		var ce *projection.ConfigError
+		if errors.As(err, &ce) {
+			return usage("--key-prefix %s", ce.Reason)
+		}
+		return usage("--key-prefix: %v", err)
+	}
+	if name == "serve" {
+		// A malformed address is a usage error, not a failure to listen.
+		_, port, err := net.SplitHostPort(o.addr)
+		if err != nil {
+			return usage("--addr: %v", err)
+		}
+		if _, err := strconv.ParseUint(port, 10, 16); err != nil {
+			return usage("--addr %q: the port must be a number from 0 to 65535 (0: any free port)", o.addr)
+		}
 	}
 	if o.verify && (o.sample > 0 || o.dryRun) {
 		return usage("--verify runs a full pass that repairs: it cannot be combined with --sample or --dry-run")

@@ -342,6 +342,30 @@ func TestRank(t *testing.T) {
 		require.NotEmpty(t, res.json(t)["error"])
 	})
 
+	t.Run("SlashIDs", func(t *testing.T) {
+		t.Parallel()
+		// ServeMux takes a lone %2F segment for a trailing slash; the id
+		// "/" is found all the same, and counted under the rank route.
+		tb := setup(t)
+		for i, user := range []string{"/", "//", "a/"} {
+			res := tb.submit(t, uuid.NewString(), fmt.Sprintf(`{"user_id":%q,"delta":%d}`, user, 10-i))
+			require.Equal(t, http.StatusCreated, res.status, "%s", res.body)
+		}
+		tb.drain(t)
+		for i, path := range []string{"/users/%2F/rank", "/users/%2f/rank", "/users/%2F%2F/rank", "/users/a%2F/rank"} {
+			res := tb.do(t, http.MethodGet, path, nil, "")
+			require.Equal(t, http.StatusOK, res.status, "%s: %s", path, res.body)
+			body := res.json(t)
+			require.Equal(t, []string{"/", "/", "//", "a/"}[i], body["user_id"], path)
+			require.Equal(t, []float64{1, 1, 2, 3}[i], body["rank"], path)
+		}
+		res := tb.do(t, http.MethodGet, "/users/%2F/rank?at_least=0", nil, "")
+		require.Equal(t, http.StatusUnprocessableEntity, res.status, "%s", res.body)
+		text := string(tb.do(t, http.MethodGet, "/metrics", nil, "").body)
+		require.Contains(t, text, `route="GET /users/{id}/rank"`)
+		require.NotContains(t, text, "%2F")
+	})
+
 	t.Run("ReadYourWrites", func(t *testing.T) {
 		t.Parallel()
 		tb := setup(t)

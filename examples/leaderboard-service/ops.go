@@ -21,6 +21,14 @@ func cmdServe(ctx context.Context, o *options, _, stderr io.Writer) error {
 	if err != nil {
 		return err
 	}
+	// Bound first, so that an address that cannot be served (in use, an
+	// unknown host) fails before the servers are resolved and the board's
+	// tables migrated.
+	ln, err := (&net.ListenConfig{}).Listen(ctx, "tcp", o.addr)
+	if err != nil {
+		return err
+	}
+	defer ln.Close() // for the returns before Run, whose server closes it
 	d, err := connect(ctx, o, logger)
 	if err != nil {
 		return err
@@ -35,10 +43,6 @@ func cmdServe(ctx context.Context, o *options, _, stderr io.Writer) error {
 		return err
 	}
 	defer svc.Close()
-	ln, err := (&net.ListenConfig{}).Listen(ctx, "tcp", o.addr)
-	if err != nil {
-		return err
-	}
 	return svc.Run(ctx, ln)
 }
 

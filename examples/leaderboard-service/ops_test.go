@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"net"
 	"net/http"
 	"strings"
 	"testing"
@@ -191,6 +192,9 @@ func TestReplayDeadCommand(t *testing.T) {
 
 func TestCommandLine(t *testing.T) {
 	t.Parallel()
+	// Servers that cannot answer: a case that exits 2 with them was
+	// refused before anything connected.
+	nowhere := []string{"--database-url=postgres://postgres@127.0.0.1:1/x?connect_timeout=2", "--redis-url=redis://127.0.0.1:1"}
 	for _, tc := range []struct {
 		name string
 		args []string
@@ -208,6 +212,14 @@ func TestCommandLine(t *testing.T) {
 		{"BadLogLevelServe", []string{"serve", "--log-level=verbose"}, exitUsage, "--log-level"},
 		{"EmptyBoard", []string{"stats", "--board="}, exitUsage, "--board must not be empty"},
 		{"MaxLagNotAboveProbeInterval", []string{"serve", "--max-lag=100ms"}, exitUsage, "--max-lag 100ms must exceed"},
+		// The board's own rules (leaderboard.New), checked before connecting.
+		{"KeyPrefixWithBraces", append([]string{"stats", "--key-prefix={x}:"}, nowhere...), exitUsage, "must not contain '{' or '}'"},
+		{"BoardTooLong", append([]string{"stats", "--board=" + strings.Repeat("b", leaderboard.MaxNameLength+1)}, nowhere...), exitUsage, "at most 200 bytes"},
+		{"BoardNotUTF8", append([]string{"reconcile", "--board=\xff"}, nowhere...), exitUsage, "--board must be valid UTF-8"},
+		{"SchemaNotUTF8", append([]string{"rebuild", "--schema=\xff"}, nowhere...), exitUsage, "--schema must be valid UTF-8"},
+		{"AddrWithoutPort", append([]string{"serve", "--addr=bogus"}, nowhere...), exitUsage, "--addr: address bogus: missing port"},
+		{"AddrPortNotANumber", append([]string{"serve", "--addr=127.0.0.1:http"}, nowhere...), exitUsage, "the port must be a number"},
+		{"AddrPortTooLarge", append([]string{"serve", "--addr=:65536"}, nowhere...), exitUsage, "the port must be a number"},
 		// Asked-for help is not a usage error; a bare -h lists the commands
 		// as well as the default command's flags.
 		{"Help", []string{"-h"}, exitOK, "replay-dead"},
@@ -222,6 +234,30 @@ func TestCommandLine(t *testing.T) {
 			require.Contains(t, stderr, tc.err)
 		})
 	}
+}
+
+// TestServeBindsBeforeMigrating: an address serve cannot listen on (here,
+// one in use) fails before the board's tables are created.
+func TestServeBindsBeforeMigrating(t *testing.T) {
+	t.Parallel()
+	pg := testenv.Postgres(t)
+	rd := testenv.Redis(t)
+	taken, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = taken.Close() })
+	schema := pg.Schema + "_serve"
+	t.Cleanup(func() {
+		_, _ = pg.Pool.Exec(context.Background(), "DROP SCHEMA IF EXISTS "+pgx.Identifier{schema}.Sanitize()+" CASCADE")
+	})
+
+	code, _, stderr := runCommand(t, "serve", "--addr="+taken.Addr().String(),
+		"--database-url="+pg.ServerURL, "--redis-url="+rd.URL, "--schema="+schema, "--key-prefix="+rd.Prefix, "--board="+testBoard)
+	require.Equal(t, exitError, code, stderr)
+	require.Contains(t, stderr, "address already in use")
+	var tables int
+	require.NoError(t, pg.Pool.QueryRow(context.Background(),
+		`SELECT count(*) FROM pg_tables WHERE schemaname = $1`, schema).Scan(&tables))
+	require.Zero(t, tables, "serve migrated before finding it could not listen")
 }
 
 func redisZ(score float64, member string) redis.Z { return redis.Z{Score: score, Member: member} }

@@ -201,11 +201,22 @@ func (s *Service) Close() error {
 // Handler returns the service's HTTP handler.
 func (s *Service) Handler() http.Handler { return s.handler }
 
+// rankRoute is the pattern of GET /users/{id}/rank.
+const rankRoute = "GET /users/{id}/rank"
+
 func (s *Service) routes() (http.Handler, error) {
 	mux := http.NewServeMux()
 	mux.HandleFunc("POST /scores", s.handleSubmit)
 	mux.HandleFunc("GET /leaderboard", s.handleLeaderboard)
-	mux.HandleFunc("GET /users/{id}/rank", s.handleRank)
+	mux.HandleFunc(rankRoute, s.handleRank)
+	// ServeMux reads a segment that unescapes to "/" as a trailing slash,
+	// which no wildcard matches: the id "/" (/users/%2F/rank) would get the
+	// mux's 404, so it has a route of its own, counted as the rank route.
+	mux.HandleFunc("GET /users/%2F/rank", func(w http.ResponseWriter, r *http.Request) {
+		r.SetPathValue("id", "/")
+		r.Pattern = rankRoute // instrument's route label
+		s.handleRank(w, r)
+	})
 	mux.HandleFunc("GET /healthz", s.handleHealth)
 	mux.HandleFunc("GET /stats", s.handleStats)
 	mux.HandleFunc("GET /reconcile/last", s.handleLastReconcile)

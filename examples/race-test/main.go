@@ -3,12 +3,14 @@ package main
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"flag"
 	"fmt"
 	"io"
 	"os"
 	"os/signal"
 	"strings"
+	"syscall"
 	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -39,7 +41,9 @@ func mainErr(args []string, out io.Writer) error {
 	window := fs.Duration("window", 0, "artificial pause between database read and cache fill (demonstrations only)")
 	writePause := fs.Duration("write-pause", writePauseDefault, "pause between a writer's writes")
 	dropVersion := fs.Duration("drop-version-every", 0, "versioned mode: delete the version key at this interval (0: never)")
-	if err := fs.Parse(args); err != nil {
+	if err := fs.Parse(args); errors.Is(err, flag.ErrHelp) {
+		return nil // -h: the flags were printed; asked for, not a failure
+	} else if err != nil {
 		return err
 	}
 	cfg := config{
@@ -61,7 +65,9 @@ func mainErr(args []string, out io.Writer) error {
 		return err
 	}
 
-	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt)
+	// SIGTERM too (timeout(1), CI cancellation, kill): either way the run
+	// ends through its cleanup and drops its tables and keys.
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
 	// DATABASE_URL and REDIS_URL first, then local defaults, then private
 	// servers started for this run.

@@ -1,10 +1,118 @@
 package main
 
 import (
+	"bytes"
+	"context"
+	"errors"
+	"os"
+	"os/exec"
+	"strings"
+	"syscall"
 	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/stretchr/testify/require"
 
 	"github.com/verity-go/verity/internal/testenv"
 )
 
+// runMainEnv, set to the command's arguments (space-separated), makes the
+// test binary run main with them instead of its tests: the signal test
+// starts the command as a child process.
+const runMainEnv = "RACE_TEST_RUN_MAIN"
+
 // TestMain fails the package's tests if any goroutine outlives them.
-func TestMain(m *testing.M) { testenv.Main(m) }
+func TestMain(m *testing.M) {
+	if args, ok := os.LookupEnv(runMainEnv); ok {
+		os.Args = append([]string{"race-test"}, strings.Fields(args)...)
+		main()
+		os.Exit(0)
+	}
+	testenv.Main(m)
+}
+
+func TestHelpIsNotAnError(t *testing.T) {
+	t.Parallel()
+	var out bytes.Buffer
+	require.NoError(t, mainErr([]string{"-h"}, &out))
+	require.Empty(t, out.String(), "-h ran the race")
+}
+
+// TestSIGTERMCleansUp: SIGTERM (timeout(1), CI cancellation, kill) ends a
+// run through its cleanup, as Ctrl-C does, leaving neither its table nor
+// its keys behind.
+func TestSIGTERMCleansUp(t *testing.T) {
+	t.Parallel()
+	pg := testenv.Postgres(t) // a pool on the server the child resolves
+	rd := testenv.Redis(t)
+	ctx := context.Background()
+	tables := func() map[string]bool { // t.Errorf: it also runs inside Eventually
+		rows, err := pg.Pool.Query(ctx, `SELECT schemaname || '.' || tablename FROM pg_tables WHERE tablename LIKE 'race_products_%'`)
+		if err != nil {
+			t.Errorf("list tables: %v", err)
+			return nil
+		}
+		names, err := pgx.CollectRows(rows, pgx.RowTo[string])
+		if err != nil {
+			t.Errorf("list tables: %v", err)
+			return nil
+		}
+		set := map[string]bool{}
+		for _, n := range names {
+			set[n] = true
+		}
+		return set
+	}
+	before := tables()
+	cmd := exec.Command(os.Args[0])
+	cmd.Env = append(os.Environ(), runMainEnv+"=--seconds=30 --readers=2 --writers=1 --mode=naive")
+	var stderr bytes.Buffer
+	cmd.Stderr = &stderr
+	require.NoError(t, cmd.Start())
+	done := make(chan error, 1)
+	go func() { done <- cmd.Wait() }()
+	t.Cleanup(func() {
+		_ = cmd.Process.Kill()
+		<-done
+	})
+	var mine string
+	require.Eventually(t, func() bool {
+		for n := range tables() {
+			if !before[n] {
+				mine = n
+				return true
+			}
+		}
+		return false
+	}, 30*time.Second, 5*time.Millisecond, "the run never created its table")
+	schema, table, _ := strings.Cut(mine, ".")
+	prefix := "verity:race-test:" + strings.TrimPrefix(table, "race_products_") + ":"
+	t.Cleanup(func() {
+		_, _ = pg.Pool.Exec(context.Background(), "DROP TABLE IF EXISTS "+pgx.Identifier{schema, table}.Sanitize())
+		_ = testenv.DeletePrefix(context.Background(), rd.Client, prefix)
+	})
+	require.Eventually(t, func() bool { // the cache holds the product
+		keys, err := rd.Client.Keys(ctx, prefix+"*").Result()
+		return err == nil && len(keys) > 0
+	}, 30*time.Second, 5*time.Millisecond, "the run never filled its cache")
+
+	require.NoError(t, cmd.Process.Signal(syscall.SIGTERM))
+	var werr error
+	select {
+	case werr = <-done:
+		done <- werr // for the cleanup
+	case <-time.After(30 * time.Second):
+		t.Fatal("race-test did not end on SIGTERM")
+	}
+	// Canceled, the run reports its error and exits 1; killed by the
+	// signal, the process has no exit code (-1).
+	var exitErr *exec.ExitError
+	require.True(t, errors.As(werr, &exitErr), "%v", werr)
+	require.Equal(t, 1, exitErr.ExitCode(), "SIGTERM killed the run instead of canceling it: %v %s", werr, stderr.String())
+	require.Contains(t, stderr.String(), context.Canceled.Error())
+	require.False(t, tables()[mine], "table %s left behind", mine)
+	keys, err := rd.Client.Keys(ctx, prefix+"*").Result()
+	require.NoError(t, err)
+	require.Empty(t, keys)
+}
