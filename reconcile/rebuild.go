@@ -151,7 +151,11 @@ func (r *Reconciler) rebuild(ctx context.Context) (*RebuildReport, error) {
 		cancel()
 	}
 	rep.Duration = time.Since(rep.Started)
-	r.logger.Log(ctx, slog.LevelInfo, "reconcile rebuild finished",
+	level := slog.LevelInfo
+	if err != nil {
+		level = slog.LevelWarn
+	}
+	r.logger.Log(ctx, level, "reconcile rebuild finished",
 		slog.String("collection", name), slog.Int64("rows", rep.Rows), slog.Int64("applied", rep.Applied),
 		slog.Int64("kept", rep.Kept), slog.Bool("switched", rep.Switched), slog.Duration("duration", rep.Duration), slog.Any("error", err))
 	return rep, err

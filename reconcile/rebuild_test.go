@@ -1,9 +1,11 @@
 package reconcile
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -289,13 +291,16 @@ func TestRebuildAborted(t *testing.T) {
 				require.NoError(t, b.client.Del(ctx, marker).Err())
 			}
 		}}
-		r, err := New(src, b.target, &Config{PageSize: 10, RebuildMarkerTTL: time.Minute})
+		var logs bytes.Buffer
+		logger := slog.New(slog.NewTextHandler(&logs, &slog.HandlerOptions{Level: slog.LevelWarn}))
+		r, err := New(src, b.target, &Config{PageSize: 10, RebuildMarkerTTL: time.Minute, Logger: logger})
 		require.NoError(t, err)
 		rep, err := r.Rebuild(context.Background())
 		require.ErrorIs(t, err, ErrRebuildAborted)
 		require.NotErrorIs(t, err, ErrRebuildUncertain)
 		require.False(t, rep.Switched)
 		require.EqualValues(t, 4, src.pages.Load())
+		require.Contains(t, logs.String(), "level=WARN msg=\"reconcile rebuild finished\"", "a failed rebuild is a warning, as a failed Run is")
 	})
 	t.Run("Cancelled", func(t *testing.T) {
 		t.Parallel()
