@@ -708,17 +708,18 @@ func (r *Relay) settle(ctx context.Context, token uuid.UUID, batch []Record, res
 	defer cancel()
 
 	var (
-		acked                    []int64
-		retryIDs, retryDelays    []int64
-		retryErrs                []string
-		retryAttempts            []int32
-		deadIDs                  []int64
-		deadErrs                 []string
-		deadAttempts             []int32
-		released                 []int64
-		want                     = make(map[int64]bool, len(batch))
-		failedCount, buriedCount int
-		firstErr                 error
+		acked                 []int64
+		retryIDs, retryDelays []int64
+		retryErrs             []string
+		retryAttempts         []int32
+		deadIDs               []int64
+		deadErrs              []string
+		deadAttempts          []int32
+		released              []int64
+		dead, retry           []int // indexes into batch, logged once settled
+		want                  = make(map[int64]bool, len(batch))
+		failedCount           int
+		firstErr              error
 	)
 	for i, rec := range batch {
 		want[rec.ID] = true
@@ -732,9 +733,7 @@ func (r *Relay) settle(ctx context.Context, token uuid.UUID, batch []Record, res
 			deadIDs = append(deadIDs, rec.ID)
 			deadErrs = append(deadErrs, errorText(err))
 			deadAttempts = append(deadAttempts, int32(rec.Attempts))
-			buriedCount++
-			r.logger.Warn("outbox row moved to dead letters", slog.Int64("id", rec.ID),
-				slog.String("event_id", rec.EventID.String()), slog.Int("attempts", rec.Attempts), slog.String("error", err.Error()))
+			dead = append(dead, i)
 		default:
 			retryIDs = append(retryIDs, rec.ID)
 			retryErrs = append(retryErrs, errorText(err))
@@ -744,7 +743,7 @@ func (r *Relay) settle(ctx context.Context, token uuid.UUID, batch []Record, res
 			if firstErr == nil {
 				firstErr = err
 			}
-			r.logger.Debug("outbox row failed; will retry", slog.Int64("id", rec.ID), slog.Int("attempts", rec.Attempts), slog.String("error", err.Error()))
+			retry = append(retry, i)
 		}
 	}
 	if failedCount > 0 {
@@ -766,21 +765,35 @@ func (r *Relay) settle(ctx context.Context, token uuid.UUID, batch []Record, res
 	for _, id := range settled {
 		delete(want, id)
 	}
-	if r.metrics.enabled {
-		settledCount := func(ids []int64) int {
-			n := 0
-			for _, id := range ids {
-				if !want[id] {
-					n++
-				}
-			}
-			return n
+	// Only now, and only for the rows the statement settled: a row whose
+	// partition another relay took over was neither buried nor rescheduled.
+	for _, i := range dead {
+		if rec := batch[i]; !want[rec.ID] {
+			r.logger.Warn("outbox row moved to dead letters", slog.Int64("id", rec.ID), slog.String("event_id", rec.EventID.String()),
+				slog.String("stream", rec.Stream), slog.Int("attempts", rec.Attempts), slog.String("error", results[i].Err.Error()))
 		}
-		r.metrics.settled(ctx, settledCount(acked), settledCount(retryIDs), settledCount(deadIDs),
-			settledCount(released), len(want))
 	}
-	r.logger.Debug("outbox batch settled", slog.Int("acked", len(acked)), slog.Int("retry", failedCount),
-		slog.Int("dead", buriedCount), slog.Int("released", len(released)), slog.Int("lost", len(want)))
+	for _, i := range retry {
+		if rec := batch[i]; !want[rec.ID] {
+			r.logger.Debug("outbox row failed; will retry", slog.Int64("id", rec.ID), slog.Int("attempts", rec.Attempts),
+				slog.String("error", results[i].Err.Error()))
+		}
+	}
+	settledCount := func(ids []int64) int {
+		n := 0
+		for _, id := range ids {
+			if !want[id] {
+				n++
+			}
+		}
+		return n
+	}
+	nAcked, nRetry, nDead, nReleased := settledCount(acked), settledCount(retryIDs), settledCount(deadIDs), settledCount(released)
+	if r.metrics.enabled {
+		r.metrics.settled(ctx, nAcked, nRetry, nDead, nReleased, len(want))
+	}
+	r.logger.Debug("outbox batch settled", slog.Int("acked", nAcked), slog.Int("retry", nRetry),
+		slog.Int("dead", nDead), slog.Int("released", nReleased), slog.Int("lost", len(want)))
 	if len(want) > 0 {
 		lost := make([]int64, 0, len(want))
 		for id := range want {

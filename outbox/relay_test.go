@@ -419,6 +419,85 @@ func TestRelayLease(t *testing.T) {
 		require.Zero(t, b.count(t, b.writer.Table()))
 	})
 
+	t.Run("LostLeaseLogsNoOutcome", func(t *testing.T) {
+		t.Parallel()
+		// A's failure would bury its row (MaxAttempts 1) or reschedule it
+		// (2), but another relay takes the partition over first: A's settle
+		// changes nothing, so its log must not report a burial or a retry
+		// that did not happen. Once settled, the same failure is logged.
+		for name, maxAttempts := range map[string]int{"DeadLetter": 1, "Retry": 2} {
+			t.Run(name, func(t *testing.T) {
+				t.Parallel()
+				b := setup(t)
+				b.appendCommitted(t, newMessage("a", "k1", 1), newMessage("b", "k2", 1)) // consecutive ids: one partition
+
+				var logs syncBuffer
+				slow := newBlocking()
+				cfg := outbox.RelayConfig{
+					Streams: []string{"a"}, MaxAttempts: maxAttempts, LeaseDuration: 10 * time.Second,
+					RetryBackoffMin: time.Minute, RetryBackoffMax: time.Minute,
+					Logger: slog.New(slog.NewTextHandler(&logs, &slog.HandlerOptions{Level: slog.LevelDebug})),
+				}
+				failing := outbox.HandlerFunc(func(ctx context.Context, batch []outbox.Record) ([]outbox.Result, error) {
+					slow.started <- batch
+					<-slow.release
+					out := make([]outbox.Result, len(batch))
+					for i := range out {
+						out[i].Err = errors.New("projection refused it")
+					}
+					return out, nil
+				})
+				relayA := b.relay(t, nil, failing, cfg)
+				doneA := make(chan error, 1)
+				go func() {
+					_, err := relayA.RunOnce(ctx)
+					doneA <- err
+				}()
+				batchA := receive(t, slow.started)
+				require.Len(t, batchA, 1)
+				require.EqualValues(t, 1, b.expireLeases(t), "A's batch holds one partition")
+
+				relayB := b.relay(t, nil, &recorder{}, outbox.RelayConfig{Streams: []string{"b"}})
+				n, err := relayB.RunOnce(ctx)
+				require.NoError(t, err)
+				require.Equal(t, 1, n, "B takes the partition over and delivers its row")
+
+				close(slow.release)
+				require.ErrorIs(t, receive(t, doneA), outbox.ErrLeaseLost)
+				st, err := relayA.Stats(ctx)
+				require.NoError(t, err)
+				require.EqualValues(t, 1, st.Pending, "A's row is still in the outbox")
+				require.Zero(t, st.DeadLetters)
+				out := logs.String()
+				require.NotContains(t, out, "moved to dead letters", out)
+				require.NotContains(t, out, "will retry", out)
+				require.Contains(t, out, "dead=0", out)
+				require.Contains(t, out, "retry=0", out)
+				require.Contains(t, out, "lost=1", out)
+
+				// The same first attempt again (B's takeover counted A's),
+				// settled this time: now the outcome is logged, with the
+				// row's fields.
+				row := b.rows(t)[0]
+				_, err = b.pool.Exec(ctx, `UPDATE `+b.writer.Table()+` SET attempts = 0, available_at = now() WHERE id = $1`, row.ID)
+				require.NoError(t, err)
+				relayC := b.relay(t, nil, &recorder{fail: func(outbox.Record) error { return errors.New("projection refused it") }}, cfg)
+				n, err = relayC.RunOnce(ctx)
+				require.NoError(t, err)
+				require.Equal(t, 1, n)
+				out = logs.String()
+				if maxAttempts == 1 {
+					require.Contains(t, out, "outbox row moved to dead letters", out)
+					require.Contains(t, out, fmt.Sprintf("event_id=%s stream=a attempts=1", batchA[0].EventID), out)
+				} else {
+					require.Contains(t, out, "outbox row failed; will retry", out)
+				}
+				require.Contains(t, out, fmt.Sprintf("id=%d", row.ID), out)
+				require.Contains(t, out, `error="projection refused it"`, out)
+			})
+		}
+	})
+
 	t.Run("ExpiredButNotReclaimedStillAcks", func(t *testing.T) {
 		t.Parallel()
 		b := setup(t)
