@@ -176,9 +176,12 @@
 // does not roll a script back. Both are safe because the gate makes every
 // write idempotent and order-insensitive: the relay re-delivers the batch,
 // applied records come back duplicate, the rest are applied. Gate.Apply
-// and Project return a WRONGTYPE error for the batch; Handle sends that
-// slot group's writes again one by one and gives a *WrongKeyTypeError
-// (ErrWrongKeyType) to the records whose keys hold another type only.
+// and Project return a WRONGTYPE error for the batch. Handle gives a
+// *WrongKeyTypeError (ErrWrongKeyType) to the records whose keys hold
+// another type only: the script reports the writes it finished before the
+// error, whose outcomes (and metrics) stand — a record it applied counts
+// as applied, not as a duplicate — and the slot group's writes after the
+// failing one are sent again one by one.
 //
 // When a Cluster master dies, batches touching its slots fail until a
 // replica is promoted; the gate then makes the client reload its slot map,

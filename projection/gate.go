@@ -224,10 +224,14 @@ const layoutRetries = 3
 // rest of its slot group is sent again (the script refused the whole
 // group before writing), so one misconfigured collection cannot hold back
 // the others. It also turns a WRONGTYPE error (a key holding another type)
-// into a per-write *WrongKeyTypeError: the group's writes are sent again,
-// each in a group of its own and all in one round trip, and only those
-// that fail alone get the error. Redis keeps what a failed script wrote
-// before its error, so a write applied then comes back a duplicate.
+// into a per-write *WrongKeyTypeError. Redis keeps what a failed script
+// wrote before its error, so gate.lua reports the verdicts of the writes
+// it finished: those stand (a write it applied is applied, not a
+// duplicate on a second try), the write it stopped at gets the error, and
+// the writes after it are sent again, each in a group of its own and all
+// in one round trip, so that any other bad key is found alone. An error
+// before the script's first write sends every write of the group again
+// that way.
 func (g *Gate) run(ctx context.Context, mode, token string, writes []Write, isolate bool) ([]Outcome, []error, error) {
 	if g.noClient() {
 		return nil, nil, missingClient()
@@ -259,25 +263,38 @@ func (g *Gate) run(ctx context.Context, mode, token string, writes []Write, isol
 		replies, errs := g.eval(ctx, groups)
 		pending = nil
 		for gi, grp := range groups {
-			if err := errs[gi]; err != nil {
+			codes, err := replies[gi], errs[gi]
+			done := -1 // writes the script finished before err, if it says
+			if n := len(codes); err == nil && n > 0 {
+				if rerr, ok := codes[n-1].(redis.Error); ok {
+					codes, err, done = codes[:n-1], rerr, n-1
+				}
+			}
+			if err != nil {
 				if isNotOwnedReply(err) {
 					return nil, nil, ErrShadowNotOwned
 				}
 				lr, ok := parseLayoutReply(err, grp)
 				switch {
-				case !ok && isolate && isWrongType(err):
-					if len(grp.index) == 1 {
-						i := grp.index[0]
+				case !ok && isolate && isWrongType(err) && done < len(grp.index):
+					rest := grp.index
+					if done >= 0 || len(rest) == 1 {
+						// The script stopped at write done (0 when alone).
+						done = max(done, 0)
+						if err := decodeReplies(writes, grp.index[:done], codes, outcomes, perWrite); err != nil {
+							return nil, nil, err
+						}
+						i := grp.index[done]
 						perWrite[i] = &WrongKeyTypeError{Index: i, Target: writes[i].Target, Err: err}
-						continue
+						rest = grp.index[done+1:]
 					}
 					if alone == nil {
 						alone = make(map[int]bool)
 					}
-					for _, i := range grp.index {
+					for _, i := range rest {
 						alone[i] = true
 					}
-					pending = append(pending, grp.index...)
+					pending = append(pending, rest...)
 					continue
 				case !ok:
 					return nil, nil, g.failed(ctx, err)
@@ -306,31 +323,39 @@ func (g *Gate) run(ctx context.Context, mode, token string, writes []Write, isol
 					return nil, nil, lr.mismatch(g.ks.buckets)
 				}
 			}
-			codes := replies[gi]
-			if len(codes) != len(grp.index) {
-				return nil, nil, fmt.Errorf("%w: %d results for %d writes", ErrUnexpectedReply, len(codes), len(grp.index))
-			}
-			for j, reply := range codes {
-				i := grp.index[j]
-				switch reply {
-				case int64(replyApplied):
-					outcomes[i] = OutcomeApplied
-				case int64(replyDuplicate):
-					outcomes[i] = OutcomeDuplicate
-				case int64(replyStale):
-					outcomes[i] = OutcomeStale
-				default:
-					stored, ok := reply.(string)
-					if !ok {
-						return nil, nil, fmt.Errorf("%w: result %v (%T)", ErrUnexpectedReply, reply, reply)
-					}
-					perWrite[i] = &CorruptVersionError{Index: i, Target: writes[i].Target, Stored: stored}
-				}
+			if err := decodeReplies(writes, grp.index, codes, outcomes, perWrite); err != nil {
+				return nil, nil, err
 			}
 		}
 	}
 	g.metrics.recordWrites(ctx, metricsMode, writes, outcomes)
 	return outcomes, perWrite, nil
+}
+
+// decodeReplies sets the outcome, or the *CorruptVersionError, of the
+// writes at positions index from gate.lua's reply codes, one per write.
+func decodeReplies(writes []Write, index []int, codes []any, outcomes []Outcome, perWrite []error) error {
+	if len(codes) != len(index) {
+		return fmt.Errorf("%w: %d results for %d writes", ErrUnexpectedReply, len(codes), len(index))
+	}
+	for j, reply := range codes {
+		i := index[j]
+		switch reply {
+		case int64(replyApplied):
+			outcomes[i] = OutcomeApplied
+		case int64(replyDuplicate):
+			outcomes[i] = OutcomeDuplicate
+		case int64(replyStale):
+			outcomes[i] = OutcomeStale
+		default:
+			stored, ok := reply.(string)
+			if !ok {
+				return fmt.Errorf("%w: result %v (%T)", ErrUnexpectedReply, reply, reply)
+			}
+			perWrite[i] = &CorruptVersionError{Index: i, Target: writes[i].Target, Stored: stored}
+		}
+	}
+	return nil
 }
 
 // isNotOwnedReply reports gate.lua's refusal of a shadow write whose

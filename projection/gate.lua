@@ -48,6 +48,12 @@
 -- Returns one element per write: the integer 1 applied, 2 duplicate,
 -- 3 stale; or, when the stored version is not a positive int64 in
 -- canonical decimal, that stored version as a string (nothing written).
+-- A Redis error in a write (WRONGTYPE, when a key holds another type)
+-- ends the script, but Redis keeps what it wrote before: the reply is then
+-- the elements of the writes done before the failing one, followed by the
+-- error (an error reply as an array element), so the caller knows which
+-- writes this call applied. An error before the first write (a layout or
+-- marker key of another type) is the script's error reply as usual.
 --
 -- Lua numbers are doubles, which cannot hold every int64, so versions are
 -- never converted to numbers: they are compared as decimal strings.
@@ -174,32 +180,45 @@ local out = {}
 -- the bases in order of first write, for a deterministic script.
 local copied, counted = {}, {}
 local a = 3
-while a <= last do
-  local kind, base = ARGV[a], tonumber(ARGV[a + 1])
-  local vi, svi
-  if kind == 'Z' or kind == 'H' then
-    kind = string.lower(kind)
-    vi, svi = tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3])
-    a = a + 2
-  elseif kind == 'd' then
-    vi = base + 1
-  else
-    vi, svi = base + 5, base + 6
-  end
-  local member, version, value = ARGV[a + 2], ARGV[a + 3], ARGV[a + 4]
-  a = a + 5
-  if shadowOnly then
-    out[#out + 1] = gate(kind, KEYS[base + 3], KEYS[svi], member, version, value)
-    if batch then
-      if not copied[base] then counted[#counted + 1] = base end
-      copied[base] = (copied[base] or 0) + 1
+-- pcall: see the header on errors in a write.
+local ok, failure = pcall(function()
+  while a <= last do
+    local kind, base = ARGV[a], tonumber(ARGV[a + 1])
+    local vi, svi
+    if kind == 'Z' or kind == 'H' then
+      kind = string.lower(kind)
+      vi, svi = tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3])
+      a = a + 2
+    elseif kind == 'd' then
+      vi = base + 1
+    else
+      vi, svi = base + 5, base + 6
     end
-  else
-    out[#out + 1] = gate(kind, KEYS[base], KEYS[vi], member, version, value)
-    if kind ~= 'd' and rebuilding[base] then
-      gate(kind, KEYS[base + 3], KEYS[svi], member, version, value)
+    local member, version, value = ARGV[a + 2], ARGV[a + 3], ARGV[a + 4]
+    a = a + 5
+    if shadowOnly then
+      out[#out + 1] = gate(kind, KEYS[base + 3], KEYS[svi], member, version, value)
+      if batch then
+        if not copied[base] then counted[#counted + 1] = base end
+        copied[base] = (copied[base] or 0) + 1
+      end
+    else
+      local r = gate(kind, KEYS[base], KEYS[vi], member, version, value)
+      if kind ~= 'd' and rebuilding[base] then
+        gate(kind, KEYS[base + 3], KEYS[svi], member, version, value)
+      end
+      -- Only once the shadow write is done too: the write whose shadow
+      -- keys fail is the failing one.
+      out[#out + 1] = r
     end
   end
+end)
+if not ok then
+  -- Redis 7 raises a command's error as a table {err = ...}; earlier
+  -- versions, and Lua itself, as a string.
+  if type(failure) ~= 'table' then failure = { err = tostring(failure) } end
+  out[#out + 1] = failure
+  return out
 end
 -- Counted after the writes, in this same call: Redis keeps both or
 -- neither, so the count proves to the rebuild's switch that the rows are

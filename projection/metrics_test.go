@@ -158,6 +158,64 @@ func TestProjectorMetrics(t *testing.T) {
 		require.Equal(t, uint64(2), s.Count(metricBatchDuration))
 	})
 
+	// Redis keeps what a script wrote before a key of another type stopped
+	// it: those writes are applied (with their lag), not the duplicates a
+	// second try would find, while a record delivered twice is still a
+	// duplicate, before or after the bad key in the same slot group.
+	t.Run("WrongKeyTypeKeepsTheFailedCallsVerdicts", func(t *testing.T) {
+		t.Parallel()
+		p, rec := setup(t)
+		now := time.Now()
+		p.metrics.now = func() time.Time { return now }
+		at := func(r outbox.Record) outbox.Record { r.CreatedAt = now.Add(-time.Second); return r }
+		// Seeded without metrics: the board's version, and d and e, which
+		// the batch below delivers again.
+		unmetered := NewGate(p.Gate().client, p.Keyspace())
+		_, err := unmetered.Apply(ctx, []Write{
+			{Target: Target{Kind: KindSortedSet, Name: "board", Member: "f"}, Version: 1, Value: Value{Score: 1}},
+			{Target: Target{Kind: KindHash, Name: "profiles", Member: "d"}, Version: 1},
+			{Target: Target{Kind: KindHash, Name: "profiles", Member: "e"}, Version: 1},
+		})
+		require.NoError(t, err)
+		client := p.Gate().client
+		require.NoError(t, client.Set(ctx, p.Keyspace().ValueKey(Target{Kind: KindSortedSet, Name: "board"}), "not a sorted set", 0).Err())
+
+		results, err := p.Handle(ctx, []outbox.Record{
+			at(record("profiles", "a", 1, "{}")), // applied by the call that fails
+			at(record("profiles", "d", 1, "{}")), // delivered twice
+			at(record("scores", "g", 1, "2")),    // the bad key stops the script
+			at(record("profiles", "b", 1, "{}")), // applied when sent again
+			at(record("profiles", "e", 1, "{}")), // delivered twice
+		})
+		require.NoError(t, err)
+		require.ErrorIs(t, results[2].Err, ErrWrongKeyType)
+		for _, i := range []int{0, 1, 3, 4} {
+			require.NoError(t, results[i].Err, "record %d", i)
+		}
+
+		profiles := attribute.String(AttributeName, "profiles")
+		s := rec.Collect(t)
+		require.Equal(t, int64(2), s.Int(metricWrites, profiles, outcome("applied")), "a and b")
+		require.Equal(t, int64(2), s.Int(metricWrites, profiles, outcome("duplicate")), "d and e")
+		require.Equal(t, int64(1), s.Int(metricWrites, board, outcome("unknown")))
+		require.Equal(t, uint64(2), s.Count(metricLag, profiles), "a and b have a lag")
+		lag, _ := s.Min(metricLag, profiles)
+		require.Equal(t, 1.0, lag)
+
+		// The outcomes Handle logs are the same.
+		outcomes, perWrite, err := unmetered.run(ctx, modeLive, "", []Write{
+			{Target: Target{Kind: KindHash, Name: "profiles", Member: "h"}, Version: 1},
+			{Target: Target{Kind: KindHash, Name: "profiles", Member: "a"}, Version: 1},
+			{Target: Target{Kind: KindSortedSet, Name: "board", Member: "i"}, Version: 1},
+			{Target: Target{Kind: KindHash, Name: "profiles", Member: "b"}, Version: 1},
+			{Target: Target{Kind: KindHash, Name: "profiles", Member: "j"}, Version: 1},
+		}, true)
+		require.NoError(t, err)
+		require.Equal(t, []Outcome{OutcomeApplied, OutcomeDuplicate, OutcomeUnknown, OutcomeDuplicate, OutcomeApplied}, outcomes)
+		require.ErrorIs(t, perWrite[2], ErrWrongKeyType)
+		require.Equal(t, 2, perWrite[2].(*WrongKeyTypeError).Index)
+	})
+
 	t.Run("NoProviderRecordsNothing", func(t *testing.T) {
 		t.Parallel()
 		rd := testenv.Redis(t)

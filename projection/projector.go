@@ -187,8 +187,10 @@ func (p *RedisProjector) Project(ctx context.Context, batch []outbox.Record) ([]
 // records: a record that cannot be mapped, is invalid, meets an unreadable
 // stored version, belongs to a collection whose version layout differs
 // from the projector's (*LayoutMismatchError), or needs a key that holds
-// another Redis type (*WrongKeyTypeError: the failed slot group's writes
-// are sent again, each on its own, to find it) gets its own Result.Err, so
+// another Redis type (*WrongKeyTypeError: the gate script names the write
+// it stopped at, keeps the verdicts of the writes before it, which it
+// applied or not, and the slot group's writes after it are sent again,
+// each on its own, to find any other) gets its own Result.Err, so
 // the relay retries only that record and dead-letters it after
 // MaxAttempts, while the rest of the batch is applied and acknowledged.
 // Any other Redis error fails the whole batch, which the relay retries
