@@ -179,6 +179,10 @@ func (c *Cache[T]) Get(ctx context.Context, id string, load Loader[T]) (T, error
 	// ignoreCurrent is set once the current value failed to decode (a codec
 	// change, a foreign writer): it is then a miss, to be overwritten.
 	ignoreCurrent := false
+	// missed: the call has been counted as a miss. A call is one read
+	// however often it goes round: once it has run or joined a load, it is
+	// a miss, even if it is then served from Redis.
+	missed := false
 	for {
 		if !ignoreCurrent {
 			data, found, err := c.getCurrent(ctx, id)
@@ -187,7 +191,9 @@ func (c *Cache[T]) Get(ctx context.Context, id string, load Loader[T]) (T, error
 			}
 			if found {
 				if val, _, ok := c.decodeCurrent(ctx, id, data); ok {
-					c.stats.hits.Add(1)
+					if !missed {
+						c.stats.hits.Add(1)
+					}
 					return val, nil
 				}
 				ignoreCurrent = true
@@ -200,34 +206,41 @@ func (c *Cache[T]) Get(ctx context.Context, id string, load Loader[T]) (T, error
 		if r.found {
 			// Filled by someone else between the GET and the script.
 			if val, _, ok := c.decodeCurrent(ctx, id, r.current); ok {
-				c.stats.hits.Add(1)
+				if !missed {
+					c.stats.hits.Add(1)
+				}
 				return val, nil
 			}
 			ignoreCurrent = true
 			continue
 		}
-		c.stats.misses.Add(1)
+		if !missed {
+			c.stats.misses.Add(1)
+			missed = true
+		}
 		res, shared, leaderEnded, err := c.flights.do(ctx, c.flightKey(id, r.version), abandonedLoad(id), func() (loaded[T], error) {
 			return c.loadAndFill(ctx, id, r, load)
 		})
-		if shared {
-			c.stats.sharedLoads.Add(1)
-		}
 		switch {
-		case err == nil:
-			return c.answer(id, res, shared)
 		case errors.Is(err, errVersionMoved):
 			ignoreCurrent = false
 			continue
-		case shared && leaderEnded && isContextErr(err) && ctx.Err() == nil:
+		case err != nil && shared && leaderEnded && isContextErr(err) && ctx.Err() == nil:
 			// The caller that ran the shared load gave up; we have not. A
 			// context error while its ctx was live is the loader's own
 			// (its query's timeout): every joiner shares it, or N callers
 			// would run the failing load N times, one after another.
 			continue
-		default:
+		}
+		if shared {
+			// Counted only now: a joined load dropped above answered
+			// nothing, and the call goes on to be answered otherwise.
+			c.stats.sharedLoads.Add(1)
+		}
+		if err != nil {
 			return zero, err
 		}
+		return c.answer(id, res, shared)
 	}
 }
 
@@ -390,8 +403,8 @@ func (c *Cache[T]) loadAndFill(ctx context.Context, id string, r readResult, loa
 	// caller's ctx ended with its load, it runs detached (bounded);
 	// otherwise within the caller's deadline.
 	filling = true
-	fillCtx := ctx
-	if ctx.Err() != nil {
+	fillCtx, detached := ctx, ctx.Err() != nil
+	if detached {
 		var cancel context.CancelFunc
 		fillCtx, cancel = context.WithTimeout(context.WithoutCancel(ctx), detachedTimeout)
 		defer cancel()
@@ -404,8 +417,11 @@ func (c *Cache[T]) loadAndFill(ctx context.Context, id string, r readResult, loa
 		// The loaded value is current; only caching it failed. The lease
 		// is left to expire: a release would go to the Redis that just
 		// failed (or held up the fill past the caller's deadline), and
-		// would keep the caller waiting for it.
-		c.stats.redisErrors.Add(1)
+		// would keep the caller waiting for it. Not a Redis error if the
+		// caller's own ctx cut it off (a detached fill's bound is ours).
+		if detached || callerGaveUp(ctx, err) == nil {
+			c.stats.redisErrors.Add(1)
+		}
 		c.config.Logger.WarnContext(ctx, "versioncache: fill failed; serving loaded value uncached",
 			slog.String("id", id), slog.String("error", err.Error()))
 	case stored == 1:
@@ -556,72 +572,88 @@ func (c *Cache[T]) GetAt(ctx context.Context, id string, version int64, load Loa
 		return zero, ErrInvalidVersion
 	}
 	key := c.atKey(id)
-	// Any replica may serve this read: a lagging one holds an older version,
-	// which is a miss, never a stale hit.
-	data, err := c.client.Get(ctx, key).Bytes()
-	switch {
-	case err == nil:
-		stored, payload, serr := splitVersioned(data)
-		if serr == nil && stored < version {
-			break // an older version: a miss
-		}
-		if serr == nil {
-			val, derr := c.decode(payload)
-			if derr == nil {
-				c.stats.hits.Add(1)
-				return val, nil
-			}
-			serr = derr
-		}
-		// A miss. fill_at.lua replaces the value only if its version prefix
-		// does not parse or is not newer than ours: a newer one may be valid
-		// for another process's Codec or T.
-		c.stats.decodeErrors.Add(1)
-		c.config.Logger.WarnContext(ctx, "versioncache: cached value does not decode; reloading",
-			slog.String("id", id), slog.String("error", serr.Error()))
-	case errors.Is(err, redis.Nil):
-	default:
-		return c.redisDown(ctx, id, "read", err, load)
-	}
-	c.stats.misses.Add(1)
 	versionText := strconv.FormatInt(version, 10)
-	res, shared, leaderEnded, err := c.flights.do(ctx, key+"@"+versionText, abandonedLoad(id), func() (loaded[T], error) {
-		c.stats.loads.Add(1)
-		start := time.Now()
-		val, err := load(ctx)
-		c.metrics.loaded(ctx, start)
-		if err != nil {
-			return loaded[T]{}, &LoadError{ID: id, Err: err}
-		}
-		val, data, err := c.encode(id, val)
-		if err != nil {
-			return loaded[T]{}, err
-		}
-		stored, err := c.lua.fillAt.Run(ctx, c.client, []string{key},
-			versionText, joinVersioned(versionText, data), c.config.TTL.Milliseconds()).Int()
+	missed := false // as in Get: one read per call
+	for {
+		// Any replica may serve this read: a lagging one holds an older
+		// version, which is a miss, never a stale hit.
+		data, err := c.client.Get(ctx, key).Bytes()
 		switch {
-		case err != nil:
-			c.stats.redisErrors.Add(1)
-			c.config.Logger.WarnContext(ctx, "versioncache: fill failed; serving loaded value uncached",
-				slog.String("id", id), slog.String("error", err.Error()))
-		case stored == 1:
-			c.stats.fills.Add(1)
+		case err == nil:
+			stored, payload, serr := splitVersioned(data)
+			if serr == nil && stored < version {
+				break // an older version: a miss
+			}
+			if serr == nil {
+				val, derr := c.decode(payload)
+				if derr == nil {
+					if !missed {
+						c.stats.hits.Add(1)
+					}
+					return val, nil
+				}
+				serr = derr
+			}
+			// A miss. fill_at.lua replaces the value only if its version
+			// prefix does not parse or is not newer than ours: a newer one
+			// may be valid for another process's Codec or T.
+			c.stats.decodeErrors.Add(1)
+			c.config.Logger.WarnContext(ctx, "versioncache: cached value does not decode; reloading",
+				slog.String("id", id), slog.String("error", serr.Error()))
+		case errors.Is(err, redis.Nil):
 		default:
-			c.stats.staleFillsSkipped.Add(1)
+			return c.redisDown(ctx, id, "read", err, load)
 		}
-		return loaded[T]{val, data}, nil
-	})
-	if shared {
-		c.stats.sharedLoads.Add(1)
+		if !missed {
+			c.stats.misses.Add(1)
+			missed = true
+		}
+		res, shared, leaderEnded, err := c.flights.do(ctx, key+"@"+versionText, abandonedLoad(id), func() (loaded[T], error) {
+			return c.loadAndFillAt(ctx, id, key, versionText, load)
+		})
+		if err != nil && shared && leaderEnded && isContextErr(err) && ctx.Err() == nil {
+			// As in Get: only the leader's own ctx ending is a reason to
+			// go round again, and the dropped load is not counted.
+			continue
+		}
+		if shared {
+			c.stats.sharedLoads.Add(1)
+		}
+		if err != nil {
+			return zero, err
+		}
+		return c.answer(id, res, shared)
 	}
-	if err != nil && shared && leaderEnded && isContextErr(err) && ctx.Err() == nil {
-		// As in Get: only the leader's own ctx ending is a reason to retry.
-		return c.GetAt(ctx, id, version, load)
-	}
+}
+
+// loadAndFillAt is GetAt's load and fill, under the caller's version.
+func (c *Cache[T]) loadAndFillAt(ctx context.Context, id, key, versionText string, load Loader[T]) (loaded[T], error) {
+	c.stats.loads.Add(1)
+	start := time.Now()
+	val, err := load(ctx)
+	c.metrics.loaded(ctx, start)
 	if err != nil {
-		return zero, err
+		return loaded[T]{}, &LoadError{ID: id, Err: err}
 	}
-	return c.answer(id, res, shared)
+	val, data, err := c.encode(id, val)
+	if err != nil {
+		return loaded[T]{}, err
+	}
+	stored, err := c.lua.fillAt.Run(ctx, c.client, []string{key},
+		versionText, joinVersioned(versionText, data), c.config.TTL.Milliseconds()).Int()
+	switch {
+	case err != nil:
+		if callerGaveUp(ctx, err) == nil {
+			c.stats.redisErrors.Add(1)
+		}
+		c.config.Logger.WarnContext(ctx, "versioncache: fill failed; serving loaded value uncached",
+			slog.String("id", id), slog.String("error", err.Error()))
+	case stored == 1:
+		c.stats.fills.Add(1)
+	default:
+		c.stats.staleFillsSkipped.Add(1)
+	}
+	return loaded[T]{val, data}, nil
 }
 
 // Invalidate moves id to a new version and deletes its current value, in one
@@ -635,7 +667,9 @@ func (c *Cache[T]) GetAt(ctx context.Context, id string, version int64, load Loa
 // *RedisError means the bump may not have happened and the previous value
 // may be served until its TTL: retry, or invalidate from an outbox. A
 // *ReplicationError (only with Config.InvalidateReplicas) means the bump
-// happened on the primary but fewer replicas than asked confirmed it.
+// happened on the primary but fewer replicas than asked confirmed it. When
+// the caller's own ctx ended, the *RedisError wraps ctx's error and is not
+// counted as a Redis error.
 func (c *Cache[T]) Invalidate(ctx context.Context, id string) error {
 	keys := []string{c.versionKey(id), c.currentKey(id)}
 	ttl := c.config.TTL.Milliseconds()
@@ -649,7 +683,11 @@ func (c *Cache[T]) Invalidate(ctx context.Context, id string) error {
 		err = c.lua.bump.Run(ctx, c.client, keys, ttl).Err()
 	}
 	if err != nil {
-		c.stats.redisErrors.Add(1)
+		// Still a *RedisError (the bump may or may not have happened), but
+		// the caller's own ctx ending is no Redis failure.
+		if callerGaveUp(ctx, err) == nil {
+			c.stats.redisErrors.Add(1)
+		}
 		return &RedisError{Op: "invalidate", ID: id, Err: err}
 	}
 	if replicas >= 0 && replicas < c.config.InvalidateReplicas {

@@ -146,8 +146,9 @@
 //
 // With FailOpen (the default) Get serves the loader's value; with FailClosed
 // it returns a *RedisError. A read cut off by the caller's own ctx is
-// neither: it returns the ctx's error and counts no Redis error. No value is kept in process memory, so neither
-// mode can serve a stale one. Invalidate always reports failure: a lost
+// neither: it returns the ctx's error and counts no Redis error (nor does a
+// fill or an Invalidate cut off by it). No value is kept in process memory,
+// so neither mode can serve a stale one. Invalidate always reports failure: a lost
 // invalidation leaves the previous value readable until TTL, so retry it or
 // drive invalidations from a transactional outbox.
 //

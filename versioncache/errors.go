@@ -44,7 +44,9 @@ func (e *ConfigError) Is(target error) bool { return target == ErrInvalidConfig 
 // it (it serves the loader's value); Invalidate always does, because a lost
 // invalidation leaves the previous value readable until its TTL. A read
 // that failed because the caller's own ctx ended is not one: Get, GetAt and
-// Peek return ctx.Err() and count no Redis error.
+// Peek return ctx.Err() and count no Redis error. Invalidate still returns
+// one then (the bump may have happened), wrapping ctx's error, but counts
+// no Redis error either.
 type RedisError struct {
 	Op  string // "read", "fill", "invalidate", "peek"
 	ID  string

@@ -7,7 +7,9 @@ import (
 
 	"github.com/redis/go-redis/v9"
 	"github.com/stretchr/testify/require"
+	"go.opentelemetry.io/otel/attribute"
 
+	"github.com/verity-go/verity/internal/telemetry/metrictest"
 	"github.com/verity-go/verity/internal/testenv"
 )
 
@@ -71,6 +73,51 @@ func TestRedisUnavailable(t *testing.T) {
 		require.Zero(t, b.cache.Stats().RedisErrors)
 		require.Zero(t, b.truth.loads.Load())
 		require.NoError(t, admin.Do(context.Background(), "CLIENT", "UNPAUSE").Err())
+	})
+
+	// A fill and an Invalidate that Redis holds up past the caller's
+	// deadline: the caller's, not a Redis failure, in Stats and metrics.
+	t.Run("OwnDeadlineOfFillOrInvalidateIsNotARedisFailure", func(t *testing.T) {
+		t.Parallel()
+		rs := testenv.StartRedis(t)
+		client := rs.Client(t)
+		client.Options().ContextTimeoutEnabled = true
+		rec := metrictest.New(t)
+		b := setupWith(t, client, "vc:", &Config{MeterProvider: rec.Provider})
+		t.Cleanup(func() { require.NoError(t, b.cache.Close()) })
+		want := b.truth.write("p1", 4900)
+		admin := rs.Client(t)
+		pause := func() error { return admin.Do(context.Background(), "CLIENT", "PAUSE", 1000, "WRITE").Err() }
+		unpause := func() { require.NoError(t, admin.Do(context.Background(), "CLIENT", "UNPAUSE").Err()) }
+		for _, name := range []string{"Get", "GetAt"} {
+			ctx, cancel := context.WithTimeout(ctx, 200*time.Millisecond)
+			load := func(ctx context.Context) (product, error) {
+				if err := pause(); err != nil { // the fill's script waits
+					return product{}, err
+				}
+				return b.truth.loader("p1")(ctx)
+			}
+			var got product
+			var err error
+			if name == "GetAt" {
+				got, err = b.cache.GetAt(ctx, "p1", 1, load)
+			} else {
+				got, err = b.cache.Get(ctx, "p1", load)
+			}
+			cancel()
+			unpause()
+			require.NoError(t, err, name)
+			require.Equal(t, want, got, name)
+		}
+		require.NoError(t, pause())
+		ctx, cancel := context.WithTimeout(ctx, 200*time.Millisecond)
+		defer cancel()
+		err := b.cache.Invalidate(ctx, "p1")
+		unpause()
+		require.ErrorIs(t, err, ErrRedis, "a possibly lost invalidation is still reported")
+		require.Zero(t, b.cache.Stats().Fills, "Redis held the fills up")
+		require.Zero(t, b.cache.Stats().RedisErrors)
+		require.Zero(t, rec.Collect(t).Int(metricErrors, attribute.String(AttributeKind, "redis")))
 	})
 
 	t.Run("FailOpenServesTheDatabaseNeverTheOldValue", func(t *testing.T) {
@@ -218,6 +265,15 @@ func TestRedisUnavailable(t *testing.T) {
 		require.ErrorIs(t, err, context.Canceled)
 		require.NotErrorIs(t, err, ErrRedis)
 		require.Zero(t, closed.cache.Stats().RedisErrors)
+		// Invalidate still reports it (the bump may have happened), but
+		// counts no Redis failure either.
+		for _, cfg := range []*Config{nil, {InvalidateReplicas: 1}} {
+			c := setup(t, cfg)
+			err = c.cache.Invalidate(ctx, "p1")
+			require.ErrorIs(t, err, ErrRedis)
+			require.ErrorIs(t, err, context.Canceled)
+			require.Zero(t, c.cache.Stats().RedisErrors, "%+v", cfg)
+		}
 	})
 }
 

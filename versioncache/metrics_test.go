@@ -59,6 +59,65 @@ func TestCacheMetrics(t *testing.T) {
 		require.NoError(t, err, "the cache stays usable after Close")
 	})
 
+	// The caller running a shared load gives up; the caller that joined it
+	// loads again itself. Two calls are two reads, two misses, answered by
+	// two loads that each ran: the dropped joined load is not counted.
+	t.Run("OneReadPerCall", func(t *testing.T) {
+		t.Parallel()
+		for _, name := range []string{"Get", "GetAt"} {
+			t.Run(name, func(t *testing.T) {
+				t.Parallel()
+				rec := metrictest.New(t)
+				b := setup(t, &Config{MeterProvider: rec.Provider})
+				t.Cleanup(func() { require.NoError(t, b.cache.Close()) })
+				want := b.truth.write("p1", 5)
+				get := func(ctx context.Context, load Loader[product]) (product, error) {
+					if name == "GetAt" {
+						return b.cache.GetAt(ctx, "p1", 1, load)
+					}
+					return b.cache.Get(ctx, "p1", load)
+				}
+				leaderCtx, cancel := context.WithCancel(ctx)
+				defer cancel()
+				started := make(chan struct{})
+				leaderErr := make(chan error, 1)
+				go func() {
+					_, err := get(leaderCtx, func(ctx context.Context) (product, error) {
+						close(started)
+						<-ctx.Done()
+						return product{}, ctx.Err()
+					})
+					leaderErr <- err
+				}()
+				<-started
+				joined := make(chan product, 1)
+				go func() {
+					p, err := get(ctx, b.truth.loader("p1"))
+					if err != nil {
+						t.Errorf("joiner: %v", err)
+					}
+					joined <- p
+				}()
+				require.Eventually(t, func() bool { return b.cache.Stats().Misses == 2 }, 5*time.Second, time.Millisecond)
+				time.Sleep(20 * time.Millisecond) // let the joiner reach the flight
+				cancel()
+				require.ErrorIs(t, <-leaderErr, context.Canceled)
+				require.Equal(t, want, <-joined)
+
+				st := b.cache.Stats()
+				require.Zero(t, st.Hits)
+				require.EqualValues(t, 2, st.Misses, "the joiner's second round is the same call")
+				require.EqualValues(t, 2, st.Loads)
+				require.Zero(t, st.SharedLoads, "the joined load was dropped, not used")
+				m := rec.Collect(t)
+				require.Equal(t, int64(2), m.Int(metricReads))
+				require.Equal(t, int64(2), m.Int(metricReads, result("miss")))
+				require.Equal(t, int64(2), m.Int(metricLoads, attribute.Bool(AttributeShared, false)))
+				require.Zero(t, m.Int(metricLoads, attribute.Bool(AttributeShared, true)))
+			})
+		}
+	})
+
 	t.Run("FailOpenIsAFallback", func(t *testing.T) {
 		t.Parallel()
 		rec := metrictest.New(t)

@@ -4,11 +4,17 @@ import "sync/atomic"
 
 // Stats are counters since the Cache was created. They are per process.
 type Stats struct {
+	// Hits and Misses count Get and GetAt calls, each once (a call whose
+	// read of Redis failed before it missed is neither): a call that ran or
+	// joined a load is a miss, even if it went round again after that load
+	// was given up and was then served from Redis.
 	Hits   uint64 // reads served from Redis
 	Misses uint64 // reads that had to load (or join a load)
 	Loads  uint64 // calls of a loader, including fail-open loads
 	// SharedLoads are misses that joined another goroutine's load of the same
-	// id and version instead of loading.
+	// id and version instead of loading. A joined load that the caller
+	// running it gave up is not counted: the miss then loads (or joins a
+	// load) again, and is counted by how that is answered.
 	SharedLoads uint64
 	Fills       uint64 // values stored
 	// StaleFillsSkipped are loads not stored because the version moved
