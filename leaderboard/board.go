@@ -119,23 +119,20 @@ func New(pool *pgxpool.Pool, rdb redis.UniversalClient, cfg *Config) (*Board, er
 	if ks, err = ks.WithVersionBuckets(c.VersionBuckets); err != nil {
 		return nil, fmt.Errorf("leaderboard: Config.VersionBuckets: %w", err)
 	}
-	metrics, err := newBoardMetrics(c)
-	if err != nil {
-		return nil, fmt.Errorf("leaderboard: %w", err)
-	}
-	notifier, err := outbox.NewNotifier(pool, w.Channel(), &outbox.NotifierConfig{Logger: c.Logger})
-	if err != nil {
-		return nil, fmt.Errorf("leaderboard: %w", err)
-	}
 	b := &Board{
-		metrics:  metrics,
-		notifier: notifier,
-		cfg:      c,
-		pool:     pool,
-		rdb:      rdb,
-		stream:   StreamPrefix + c.Name,
-		channel:  w.Channel(),
-		ks:       ks,
+		cfg:     c,
+		pool:    pool,
+		rdb:     rdb,
+		stream:  StreamPrefix + c.Name,
+		channel: w.Channel(),
+		ks:      ks,
+	}
+	if b.metrics, err = newBoardMetrics(c, b.observedLag); err != nil {
+		return nil, fmt.Errorf("leaderboard: %w", err)
+	}
+	if b.notifier, err = outbox.NewNotifier(pool, w.Channel(), &outbox.NotifierConfig{Logger: c.Logger}); err != nil {
+		_ = b.metrics.close()
+		return nil, fmt.Errorf("leaderboard: %w", err)
 	}
 	b.group.b, b.group.stallAfter = b, submitStallAfter
 	b.zsetKey = ks.ValueKey(b.target(""))
@@ -158,11 +155,17 @@ func New(pool *pgxpool.Pool, rdb redis.UniversalClient, cfg *Config) (*Board, er
 // exits within outbox.NotifierIdleTimeoutDefault (100 ms) of the last one,
 // so a board that is dropped without Close leaves no goroutine behind. After
 // Close the board still works; its Submit and SubmitBatch then no longer
-// wake the relays, which find the rows at their next poll. Close does not
+// wake the relays, which find the rows at their next poll. With a
+// Config.MeterProvider, Close also unregisters the verity.leaderboard.lag
+// gauge (the provider holds the board until then; a board dropped without
+// Close reports no lag once reads stop measuring it). Close does not
 // close the pool or the Redis client. It is safe to call more than once.
 func (b *Board) Close() {
 	b.group.wait()
 	b.notifier.Close()
+	if err := b.metrics.close(); err != nil {
+		b.cfg.Logger.Warn("leaderboard: unregistering the lag gauge failed", "board", b.cfg.Name, "error", err)
+	}
 }
 
 // Name returns the board's name.

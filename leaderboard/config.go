@@ -206,7 +206,8 @@ type Config struct {
 	// submits by outcome, reads by source and outcome, the measured lag; see
 	// the README's metrics table). It is also handed to the board's Worker
 	// (outbox relay and projector metrics) and Reconciler (reconcile
-	// metrics) unless their own configs set one. Defaults to a no-op
+	// metrics) unless their own configs set one. The board's lag gauge
+	// stays registered with it until Board.Close. Defaults to a no-op
 	// provider: nothing is recorded.
 	MeterProvider metric.MeterProvider
 }

@@ -3,6 +3,7 @@ package leaderboard
 import (
 	"context"
 	"errors"
+	"sync"
 	"time"
 
 	"go.opentelemetry.io/otel/attribute"
@@ -42,29 +43,61 @@ const (
 // boardMetrics holds a board's instruments; nil records nothing.
 type boardMetrics struct {
 	board   attribute.KeyValue
-	boardOp metric.MeasurementOption
 	submits metric.Int64Counter
 	reads   metric.Int64Counter
-	lag     metric.Float64Gauge
+
+	mu           sync.Mutex
+	registration metric.Registration // the lag gauge's callback; nil once unregistered
 }
 
-func newBoardMetrics(c *Config) (*boardMetrics, error) {
+// newBoardMetrics creates the board's instruments. lag returns the lag to
+// report, or false for none (see Board.observedLag); it is called at
+// collection time.
+func newBoardMetrics(c *Config, lag func(context.Context) (time.Duration, bool)) (*boardMetrics, error) {
 	if !telemetry.Enabled(c.MeterProvider) {
 		return nil, nil
 	}
 	in := telemetry.New(c.MeterProvider, "leaderboard")
 	board := attribute.String(AttributeBoard, c.Name)
 	m := &boardMetrics{
-		board:   board,
-		boardOp: metric.WithAttributeSet(attribute.NewSet(board)),
+		board: board,
 		submits: in.Counter(metricSubmits, "{command}",
 			"Score commands by outcome: applied, duplicate, conflict (event id reused for another command), concurrent (SubmitTx lost to a twin), invalid, out_of_range, error."),
 		reads: in.Counter(metricReads, "{read}",
 			"Reads (Top, Page, Rank, Around) by the store that answered (redis, postgres; none on error) and outcome (ok, stale: refused by FailClosed, not_found, error)."),
-		lag: in.Float64Gauge(metricLag, "s",
-			"Projection lag of the board's stream as reads measure it (age of the oldest unprojected outbox row, on the database's clock), at most once per LagProbeInterval."),
 	}
-	return m, in.Err()
+	gauge := in.Float64ObservableGauge(metricLag, "s",
+		"Projection lag of the board's stream as a read would see it at collection (age of the oldest unprojected outbox row, on the database's clock; measured at most once per LagProbeInterval); absent while it cannot be measured.")
+	if err := in.Err(); err != nil {
+		return nil, err
+	}
+	boardOp := metric.WithAttributeSet(attribute.NewSet(board))
+	reg, err := in.Meter().RegisterCallback(func(ctx context.Context, o metric.Observer) error {
+		if d, ok := lag(ctx); ok {
+			o.ObserveFloat64(gauge, d.Seconds(), boardOp)
+		}
+		return nil
+	}, gauge)
+	if err != nil {
+		return nil, err
+	}
+	m.registration = reg
+	return m, nil
+}
+
+// close unregisters the lag gauge's callback; later calls do nothing.
+func (m *boardMetrics) close() error {
+	if m == nil {
+		return nil
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if m.registration == nil {
+		return nil
+	}
+	err := m.registration.Unregister()
+	m.registration = nil
+	return err
 }
 
 // submitted counts n commands that ended with err (or, without error, as
@@ -113,11 +146,4 @@ func (m *boardMetrics) read(ctx context.Context, fresh Freshness, err error) {
 	}
 	m.reads.Add(ctx, 1, metric.WithAttributes(m.board,
 		attribute.String(AttributeSource, source), attribute.String(AttributeOutcome, outcome)))
-}
-
-func (m *boardMetrics) lagMeasured(ctx context.Context, lag time.Duration) {
-	if m == nil {
-		return
-	}
-	m.lag.Record(ctx, lag.Seconds(), m.boardOp)
 }

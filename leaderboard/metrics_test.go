@@ -3,6 +3,7 @@ package leaderboard
 import (
 	"context"
 	"testing"
+	"time"
 
 	"github.com/google/uuid"
 	"github.com/stretchr/testify/require"
@@ -21,7 +22,12 @@ func TestBoardMetrics(t *testing.T) {
 	t.Run("SubmitsWorkerAndReads", func(t *testing.T) {
 		t.Parallel()
 		rec := metrictest.New(t)
-		tb := setup(t, func(c *Config) { c.MeterProvider = rec.Provider })
+		tb := setup(t, func(c *Config) {
+			c.MeterProvider = rec.Provider
+			// The lag gauge reports a measurement for two intervals: long
+			// enough for the collection below however slow the machine.
+			c.LagProbeInterval, c.MaxLag = 5*time.Second, 10*time.Second
+		})
 		board := attribute.String(AttributeBoard, tb.board.Name())
 
 		dup := Command{EventID: uuid.New(), UserID: "alice", Delta: 10}
@@ -94,6 +100,23 @@ func TestBoardMetrics(t *testing.T) {
 		require.Equal(t, int64(2), s.Int("verity.reconcile.repaired"))
 	})
 
+	t.Run("NotFoundCountsTheStoreThatAnswered", func(t *testing.T) {
+		t.Parallel()
+		rec := metrictest.New(t)
+		tb := setup(t, func(c *Config) { c.MeterProvider = rec.Provider })
+		_, _, err := tb.board.Rank(ctx, "nobody")
+		require.ErrorIs(t, err, ErrUserNotFound)
+		_, err = tb.board.Around(ctx, "nobody", 2)
+		require.ErrorIs(t, err, ErrUserNotFound)
+		_, _, err = tb.board.Rank(ctx, "nobody", WithPolicy(FallbackToPostgres), forcePostgres())
+		require.ErrorIs(t, err, ErrUserNotFound)
+		s := rec.Collect(t)
+		source := func(src string) attribute.KeyValue { return attribute.String(AttributeSource, src) }
+		require.Equal(t, int64(2), s.Int(metricReads, outcome("not_found"), source("redis")))
+		require.Equal(t, int64(1), s.Int(metricReads, outcome("not_found"), source("postgres")))
+		require.Zero(t, s.Int(metricReads, source("none")))
+	})
+
 	t.Run("FailClosedReadIsStale", func(t *testing.T) {
 		t.Parallel()
 		rec := metrictest.New(t)
@@ -108,5 +131,82 @@ func TestBoardMetrics(t *testing.T) {
 		s := rec.Collect(t)
 		require.Equal(t, int64(1), s.Int(metricReads, outcome("stale")))
 		require.Zero(t, s.Int(metricReads, outcome("ok")))
+	})
+}
+
+// TestLagGauge: verity.leaderboard.lag reports the board's last lag
+// measurement, and nothing when reads could not measure the lag or have not
+// for two LagProbeIntervals: a gauge frozen at its last healthy value would
+// keep an alert on it silent while reads see lag -1.
+func TestLagGauge(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	metered := func(t *testing.T, probe time.Duration, mutate ...func(*Config)) (*testBundle, *metrictest.Recorder) {
+		t.Helper()
+		rec := metrictest.New(t)
+		tb := setup(t, append([]func(*Config){func(c *Config) {
+			c.MeterProvider = rec.Provider
+			c.LagProbeInterval = probe
+			c.MaxLag = 10 * time.Second
+		}}, mutate...)...)
+		return tb, rec
+	}
+
+	t.Run("MeasuredAtCollection", func(t *testing.T) {
+		t.Parallel()
+		probe := 50 * time.Millisecond
+		tb, rec := metered(t, probe)
+		board := attribute.String(AttributeBoard, tb.board.Name())
+		s := rec.Collect(t)
+		require.True(t, s.Has(metricLag), "a collection measures without any read")
+		require.Equal(t, "s", s.Unit(metricLag))
+		require.Zero(t, s.Float(metricLag, board), "nothing pending")
+
+		// No worker runs: the submit stays pending, and a board nobody
+		// reads still shows it growing.
+		_, err := tb.board.Submit(ctx, Command{EventID: uuid.New(), UserID: "user-a", Delta: 1})
+		require.NoError(t, err)
+		time.Sleep(2 * probe)
+		first := rec.Collect(t).Float(metricLag, board)
+		require.Positive(t, first)
+		time.Sleep(2 * probe)
+		require.Greater(t, rec.Collect(t).Float(metricLag, board), first)
+	})
+
+	t.Run("AbsentWhileTheProbeFails", func(t *testing.T) {
+		t.Parallel()
+		probe := 300 * time.Millisecond
+		tb, rec := metered(t, probe)
+		require.Zero(t, tb.board.Freshness(ctx).Lag)
+		require.True(t, rec.Collect(t).Has(metricLag))
+
+		_, err := tb.pg.Pool.Exec(ctx, `ALTER TABLE verity_outbox RENAME TO verity_outbox_gone`)
+		require.NoError(t, err)
+		time.Sleep(probe)
+		require.False(t, rec.Collect(t).Has(metricLag), "a lag reads cannot measure is not exported")
+		require.Negative(t, tb.board.Freshness(ctx).Lag, "the lag query fails")
+
+		_, err = tb.pg.Pool.Exec(ctx, `ALTER TABLE verity_outbox_gone RENAME TO verity_outbox`)
+		require.NoError(t, err)
+		time.Sleep(probe)
+		require.Zero(t, tb.board.Freshness(ctx).Lag)
+		require.True(t, rec.Collect(t).Has(metricLag), "back once a probe succeeds")
+	})
+
+	t.Run("AbsentWhileUnverified", func(t *testing.T) {
+		t.Parallel()
+		tb, rec := metered(t, 5*time.Second, func(c *Config) { c.RequireVerifiedProjection = true })
+		require.True(t, tb.board.Freshness(ctx).Unverified)
+		require.False(t, rec.Collect(t).Has(metricLag))
+	})
+
+	t.Run("CloseUnregisters", func(t *testing.T) {
+		t.Parallel()
+		tb, rec := metered(t, 5*time.Second)
+		require.Zero(t, tb.board.Freshness(ctx).Lag)
+		require.True(t, rec.Collect(t).Has(metricLag))
+		tb.board.Close()
+		tb.board.Close()
+		require.False(t, rec.Collect(t).Has(metricLag))
 	})
 }

@@ -243,7 +243,9 @@ func (b *Board) ranking(entries []Entry, n int, fresh Freshness) Ranking {
 
 // read runs one read under the policy: fromRedis when the projection is
 // fresh enough (or the policy serves stale answers), fromPostgres when the
-// policy falls back.
+// policy falls back. With ErrUserNotFound, the Freshness's Source names the
+// store that answered, for the reads counter; the public reads return a
+// zero Freshness with every error, this one included.
 func (b *Board) read(ctx context.Context, opts []ReadOption, fromRedis, fromPostgres func(context.Context) error) (Freshness, error) {
 	fresh, err := b.readUnderPolicy(ctx, opts, fromRedis, fromPostgres)
 	b.metrics.read(ctx, fresh, err)
@@ -270,6 +272,9 @@ func (b *Board) readUnderPolicy(ctx context.Context, opts []ReadOption, fromRedi
 	}
 	fallback := func() (Freshness, error) {
 		if err := fromPostgres(ctx); err != nil {
+			if errors.Is(err, ErrUserNotFound) {
+				return Freshness{Source: SourcePostgres}, err
+			}
 			return Freshness{}, err
 		}
 		return Freshness{Source: SourcePostgres, ProjectedThrough: time.Now(), AtLeastMet: true}, nil
@@ -316,7 +321,10 @@ func (b *Board) readUnderPolicy(ctx context.Context, opts []ReadOption, fromRedi
 			// would deny a score the caller just saved.
 			return Freshness{}, &StaleError{Lag: fresh.Lag, MaxLag: b.cfg.MaxLag, UserID: o.user, Version: o.version, Unverified: fresh.Unverified}
 		}
-		if o.policy == FallbackToPostgres && !errors.Is(err, ErrUserNotFound) && ctx.Err() == nil {
+		if errors.Is(err, ErrUserNotFound) {
+			return Freshness{Source: SourceRedis}, err
+		}
+		if o.policy == FallbackToPostgres && ctx.Err() == nil {
 			b.cfg.Logger.WarnContext(ctx, "leaderboard: Redis read failed; answering from PostgreSQL", "board", b.cfg.Name, "error", err)
 			return fallback()
 		}
@@ -428,9 +436,6 @@ func (b *Board) freshness(ctx context.Context) Freshness {
 			p.pending = true
 			p.lag = max(0, dbNow.Sub(*oldest))
 		}
-		if err == nil {
-			b.metrics.lagMeasured(ctx, p.lag)
-		}
 		b.lagMu.Lock()
 		b.lagProbe = p
 		b.lagMu.Unlock()
@@ -453,6 +458,24 @@ func (b *Board) freshness(ctx context.Context) Freshness {
 	}
 	return Freshness{Source: SourceRedis, ProjectedThrough: p.at}
 }
+
+// observedLag returns the lag for the verity.leaderboard.lag gauge, as a
+// read would see it now (measuring, at most once per LagProbeInterval,
+// within lagGaugeTimeout), and false when reads could not measure it: the
+// probe failed or the board is unverified (reads see a lag of -1). The
+// gauge is then absent rather than frozen at a healthy-looking value, and
+// it stays current on a board nobody reads.
+func (b *Board) observedLag(ctx context.Context) (time.Duration, bool) {
+	ctx, cancel := context.WithTimeout(ctx, lagGaugeTimeout)
+	defer cancel()
+	if f := b.freshness(ctx); f.Lag >= 0 {
+		return f.Lag, true
+	}
+	return 0, false
+}
+
+// lagGaugeTimeout bounds the lag probe a metrics collection may run.
+const lagGaugeTimeout = 5 * time.Second
 
 // measureLag runs the lag query on a connection of its own and returns the
 // database's now(), the oldest unprojected row's creation time (nil when
