@@ -437,13 +437,25 @@ func (r *Reconciler) checkRead(ctx context.Context, opts RunOptions, rows []Row,
 		}
 		findings = append(findings, Finding{Class: class, Key: rows[i].Key, Source: &rows[i], Projected: projected[i]})
 	}
-	if err := r.recheck(ctx, findings, rep); err != nil {
+	if err := r.recheck(ctx, findings); err != nil {
 		return err
 	}
 	rep.Checked += int64(len(rows))
 	err := r.settle(ctx, opts, findings, rep)
 	for i := range findings {
-		rep.tally.add(&findings[i])
+		f := &findings[i]
+		rep.tally.add(f)
+		// An ahead entry whose row was deleted meanwhile, left as it was
+		// read: the orphan scan will meet it again and must not count it
+		// twice. One the run removed, or whose removal raced, is the
+		// scan's to count if it is there again (a relay may have written
+		// the row's last record back).
+		if f.Class == ClassOrphan {
+			switch f.Result {
+			case ResultReported, ResultDryRun, ResultVetoed:
+				rep.noteOrphan(f.Key)
+			}
+		}
 	}
 	return err
 }
@@ -462,7 +474,7 @@ const recheckRounds = 3
 // ahead, and against the row looked up again it looks corrupt — so a
 // finding that changes class that way is looked at again, up to
 // recheckRounds times.
-func (r *Reconciler) recheck(ctx context.Context, findings []Finding, rep *Report) error {
+func (r *Reconciler) recheck(ctx context.Context, findings []Finding) error {
 	torn, ahead := indicesOf(findings, ClassCorrupt), indicesOf(findings, ClassAhead)
 	for range recheckRounds {
 		if len(torn)+len(ahead) == 0 {
@@ -472,7 +484,7 @@ func (r *Reconciler) recheck(ctx context.Context, findings []Finding, rep *Repor
 		if err != nil {
 			return err
 		}
-		if torn, err = r.recheckAhead(ctx, findings, append(ahead, becameAhead...), rep); err != nil {
+		if torn, err = r.recheckAhead(ctx, findings, append(ahead, becameAhead...)); err != nil {
 			return err
 		}
 		ahead = nil
@@ -538,10 +550,9 @@ func sameProjected(a, b Projected) bool {
 // comes after the projection read: a version still ahead of it was
 // projected before the source lost it, which is real drift. A finding can
 // so become current, stale, corrupt, or an orphan (the row was deleted
-// meanwhile; rep remembers it so that an orphan scan does not count it
-// again); it keeps the projected state that was read, which any repair then
-// insists on.
-func (r *Reconciler) recheckAhead(ctx context.Context, findings []Finding, idx []int, rep *Report) (becameCorrupt []int, err error) {
+// meanwhile; see checkRead); it keeps the projected state that was read,
+// which any repair then insists on.
+func (r *Reconciler) recheckAhead(ctx context.Context, findings []Finding, idx []int) (becameCorrupt []int, err error) {
 	if len(idx) == 0 {
 		return nil, nil
 	}
@@ -563,11 +574,8 @@ func (r *Reconciler) recheckAhead(ctx context.Context, findings []Finding, idx [
 	for _, i := range idx {
 		f := &findings[i]
 		f.Source = fresh[f.Key] // nil: deleted from the source since
-		switch f.Class = Classify(r.target.Kind, f.Source, f.Projected); f.Class {
-		case ClassCorrupt:
+		if f.Class = Classify(r.target.Kind, f.Source, f.Projected); f.Class == ClassCorrupt {
 			becameCorrupt = append(becameCorrupt, i)
-		case ClassOrphan:
-			rep.noteOrphan(f.Key)
 		}
 	}
 	return becameCorrupt, nil

@@ -111,8 +111,9 @@ type Report struct {
 	// but removals), after which the entity is current.
 	rewritten int64
 	// orphaned holds the keys found ahead that turned out to be orphans
-	// (their rows were deleted mid-pass), which an orphan scan meets again
-	// and must not count twice. Rare, so usually nil.
+	// (their rows were deleted mid-pass) and were left in place, which an
+	// orphan scan meets again and must not count twice. Rare, so usually
+	// nil.
 	orphaned map[string]struct{}
 }
 

@@ -338,3 +338,45 @@ func TestAheadRowDeletedCountedOnce(t *testing.T) {
 	require.Equal(t, map[Class]int64{ClassCurrent: 1, ClassOrphan: 2}, rep.Counts)
 	require.EqualValues(t, 2, rep.Results[ResultReported])
 }
+
+// TestOrphanWrittenBackAfterItsRemoval removes an ahead entry whose row was
+// deleted mid-pass, and then lets a relay write the row's last record back,
+// as it may: the orphan scan of the same run must count and remove it
+// again, not take it for the orphan already dealt with.
+func TestOrphanWrittenBackAfterItsRemoval(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	b := setup(t, projection.KindSortedSet)
+	b.insert(t, "a", 1)
+	b.projectRows(t, []Row{b.insert(t, "b", 1)})
+	b.project(t, "a", 2) // ahead of the source's 1
+
+	src := &windowSource{Source: b.source}
+	var deleted sync.Once
+	src.afterPage = func([]Row) {
+		deleted.Do(func() {
+			if _, err := b.pool.Exec(ctx, `DELETE FROM items WHERE key = 'a'`); err != nil {
+				t.Errorf("deleting a: %v", err)
+			}
+		})
+	}
+	var writtenBack atomic.Bool
+	r, err := New(src, b.target, &Config{
+		Policy: Policy{Orphan: ActionRepair},
+		AfterRepair: func(_ context.Context, f Finding) {
+			if f.Key == "a" && f.Result == ResultRepaired && writtenBack.CompareAndSwap(false, true) {
+				if out := b.project(t, "a", 2); out != projection.OutcomeApplied {
+					t.Errorf("writing a back: %v", out)
+				}
+			}
+		},
+	})
+	require.NoError(t, err)
+
+	rep, err := r.Run(ctx, RunOptions{})
+	require.NoError(t, err)
+	require.True(t, writtenBack.Load())
+	require.Equal(t, map[Class]int64{ClassCurrent: 1, ClassOrphan: 2}, rep.Counts)
+	require.EqualValues(t, 2, rep.Results[ResultRepaired])
+	require.Equal(t, Projected{}, b.state(t, r, "a"), "removed again")
+}
