@@ -386,35 +386,33 @@
 //
 // # Shutdown and cancellation
 //
-// Run returns after its context is cancelled, within about ShutdownTimeout:
-// it claims nothing more, waits for the in-flight batch and settles it. If
-// the Handler is still running when ShutdownTimeout less a reserve (a
-// quarter of it, at most 2 s) has passed, Run cancels the Handler's context
-// and, within the reserve, releases the rows the Handler did not complete,
-// for immediate re-delivery by another relay (a release is not a failure
-// and sets no backoff). Run waits for its own goroutines (the listener, the
-// metrics' Stats refresh) before returning; a LISTEN or Stats statement
-// under way gets the same grace as the Handler. Every database call honours
-// its context. A claim cut off by its context (or a broken connection) may
-// still be running on the server and commit; the relay then cancels it
-// there, waits for its transaction to end and frees what it leased (bounded
-// by a few seconds, and by ShutdownTimeout), so its partitions are not left
-// to a lease nobody holds.
+// Run returns after its context is cancelled: it claims nothing more, waits
+// up to ShutdownTimeout for the in-flight batch and settles it; past the
+// timeout it cancels the Handler's context and releases the rows the Handler
+// did not complete, for immediate re-delivery by another relay (a release is
+// not a failure and sets no backoff). Run waits for its own goroutines (the
+// listener, the metrics' Stats refresh) before returning; a LISTEN or Stats
+// statement under way gets the same grace as the batch. Every database call
+// honours its context. A claim cut off by its context (or a broken
+// connection) may still be running on the server and commit; the relay then
+// cancels it there, waits for its transaction to end and frees what it
+// leased (bounded by a few seconds), so its partitions are not left to a
+// lease nobody holds.
 //
-// Whatever is still unsettled at ShutdownTimeout (a settle or release
-// waiting for a lock, or for a database that stopped answering; the settle
-// of a Handler that ignored its context) is cut off, so that a termination
-// grace period sized from ShutdownTimeout is not overrun. Nothing is lost:
-// the rows stay in the outbox under the batch's lease (unless the cut-off
-// statement committed after all) and are delivered again once the lease
-// ends, with the attempt counted as for a relay that crashed; the version
-// gate answers such re-deliveries as duplicates. Only a Handler that
-// ignores its context keeps Run waiting past ShutdownTimeout.
+// ShutdownTimeout bounds the Handler, not Run: the settle that follows
+// (acknowledging what the Handler completed, releasing the rest) runs on
+// its own bound of 10 s, and a cut-off claim's release on one of 5 s, so
+// against a database that stops answering Run can return up to about
+// ShutdownTimeout + 15 s after its context ends. Size a termination grace
+// period to that. The settle is not cut shorter on purpose: a settle cut
+// off leaves its rows leased, and the next claim counts that as a crashed
+// attempt, which at MaxAttempts dead-letters rows the Handler completed or
+// never saw.
 //
 // Run does not cut off a claim it has sent: the claim is part of the batch in
-// flight, cut off only with the Handler. A statement cut off by its context
-// (RunOnce's, or any of Run's past its shutdown grace) makes pgx close that
-// connection in a goroutine of its own, which pgxpool's Close waits for. Over TLS, when the cut falls between
+// flight. A statement cut off by its context (RunOnce's, or any at
+// ShutdownTimeout) makes pgx close that connection in a goroutine of its
+// own, which pgxpool's Close waits for. Over TLS, when the cut falls between
 // two of a statement's writes, pgx (v5.12) cannot send its goodbye on the
 // broken TLS stream and waits out its 15 s deadline, and pool.Close with it.
 //

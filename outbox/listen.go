@@ -26,12 +26,11 @@ const listenCloseTimeout = 2 * time.Second
 // off mid-flight makes pgx close the connection in a goroutine of its own,
 // which on a TLS connection can wait out pgx's 15 s deadline, whereas
 // waiting for a notification is cut off cleanly and the connection is then
-// closed in place. Closing it ends with stopCtx (Run's shutdown deadline)
-// at the latest.
-func (r *Relay) listen(ctx, workCtx, stopCtx context.Context, wake chan<- struct{}) {
+// closed in place.
+func (r *Relay) listen(ctx, workCtx context.Context, wake chan<- struct{}) {
 	pause := newPauser(r.cfg.ReconnectBackoffMax)
 	for {
-		err := r.listenOnce(ctx, workCtx, stopCtx, wake, pause.reset)
+		err := r.listenOnce(ctx, workCtx, wake, pause.reset)
 		if ctx.Err() != nil {
 			return
 		}
@@ -47,7 +46,7 @@ func (r *Relay) listen(ctx, workCtx, stopCtx context.Context, wake chan<- struct
 // listenOnce connects, LISTENs and relays notifications until an error. It
 // calls connected once LISTEN is in effect and then signals wake, because a
 // notification sent while no connection was listening is lost for good.
-func (r *Relay) listenOnce(ctx, workCtx, stopCtx context.Context, wake chan<- struct{}, connected func()) error {
+func (r *Relay) listenOnce(ctx, workCtx context.Context, wake chan<- struct{}, connected func()) error {
 	// Config returns a copy, so BeforeConnect may change its ConnConfig.
 	poolCfg := r.pool.Config()
 	if poolCfg.BeforeConnect != nil {
@@ -64,7 +63,7 @@ func (r *Relay) listenOnce(ctx, workCtx, stopCtx context.Context, wake chan<- st
 		if hooked && poolCfg.BeforeClose != nil {
 			poolCfg.BeforeClose(conn)
 		}
-		closeCtx, cancel := context.WithTimeout(stopCtx, listenCloseTimeout)
+		closeCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), listenCloseTimeout)
 		defer cancel()
 		_ = conn.Close(closeCtx) // the connection is discarded either way
 		// If a failure made pgx close the connection in the background,

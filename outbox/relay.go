@@ -24,21 +24,8 @@ import (
 
 // settleTimeout bounds the statement that acknowledges, retries, buries and
 // releases a batch. It runs on a context detached from cancellation, so that
-// work finished during shutdown is still recorded; in Run, the shutdown
-// deadline (ShutdownTimeout after cancellation) cuts it shorter.
+// work finished during shutdown is still recorded.
 const settleTimeout = 10 * time.Second
-
-// settleReserveMax caps the part of ShutdownTimeout that Run keeps, after
-// cutting off the Handler, for settling the batch (releasing what the
-// Handler did not complete) and for releasing a cut-off claim, which needs
-// a little over releaseServerMargin.
-const settleReserveMax = 2 * time.Second
-
-// settleReserve is the part of ShutdownTimeout (shutdown) kept for the
-// settle: a quarter of it, at most settleReserveMax.
-func settleReserve(shutdown time.Duration) time.Duration {
-	return min(shutdown/4, settleReserveMax)
-}
 
 // maxErrorLength bounds the handler error text stored in last_error.
 const maxErrorLength = 4096
@@ -386,22 +373,20 @@ UNION ALL SELECT r.id FROM unnest($8::bigint[]) AS r(id) WHERE mod(r.id / %[7]d,
 // rows another relay had re-claimed; any other error leaves the rows to be
 // re-delivered when their lease expires.
 func (r *Relay) RunOnce(ctx context.Context) (int, error) {
-	n, _, err := r.runBatch(ctx, ctx, context.WithoutCancel(ctx))
+	n, _, err := r.runBatch(ctx, ctx)
 	return n, err
 }
 
 // runBatch claims unless claimCtx is cancelled and runs the handler under
-// workCtx, which Run cancels only when the shutdown timeout (less the
-// settle's reserve) has passed. The settle, and the release of a cut-off
-// claim, run under stopCtx, which outlives workCtx (in Run, until the
-// shutdown deadline). more reports that other rows may be due already.
+// workCtx, which Run cancels only when the shutdown timeout has passed.
+// more reports that other rows may be due already.
 //
 // A claim waits for a connection under claimCtx, but its statements, once
 // sent, run under workCtx: they are part of the in-flight batch a shutdown
 // lets finish. Cut off, they would leave the relay releasing what they
 // leased and pgx closing their connection in the background (which over
 // TLS can take pgx's full 15 s, holding up the pool's Close).
-func (r *Relay) runBatch(claimCtx, workCtx, stopCtx context.Context) (n int, more bool, err error) {
+func (r *Relay) runBatch(claimCtx, workCtx context.Context) (n int, more bool, err error) {
 	if err := claimCtx.Err(); err != nil {
 		return 0, false, err
 	}
@@ -412,7 +397,7 @@ func (r *Relay) runBatch(claimCtx, workCtx, stopCtx context.Context) (n int, mor
 	// outlives a lease is useless anyway: its rows are claimable again by then.
 	acquireCtx, cancelAcquire := context.WithDeadline(claimCtx, start.Add(r.cfg.LeaseDuration))
 	sendCtx, cancelSend := context.WithDeadline(workCtx, start.Add(r.cfg.LeaseDuration))
-	batch, more, err := r.claim(acquireCtx, sendCtx, stopCtx, token)
+	batch, more, err := r.claim(acquireCtx, sendCtx, token)
 	cancelAcquire()
 	cancelSend()
 	if err != nil || len(batch) == 0 {
@@ -427,7 +412,7 @@ func (r *Relay) runBatch(claimCtx, workCtx, stopCtx context.Context) (n int, mor
 	r.metrics.handlerDuration.Record(workCtx, time.Since(handleStart).Seconds(), r.metrics.attrs)
 	cancel()
 	stopping := workCtx.Err() != nil
-	return len(batch), more, r.settle(stopCtx, token, batch, results, stopping)
+	return len(batch), more, r.settle(context.WithoutCancel(workCtx), token, batch, results, stopping)
 }
 
 // claimRetries bounds how often claim leases again after leasing
@@ -441,9 +426,9 @@ const claimRetries = 3
 // claim leases partitions and returns their due rows, sorted by id, and
 // whether more rows may be due elsewhere: the claim leased as many
 // partitions as it may, or filled its batch.
-func (r *Relay) claim(acquireCtx, sendCtx, stopCtx context.Context, token uuid.UUID) (batch []Record, more bool, err error) {
+func (r *Relay) claim(acquireCtx, sendCtx context.Context, token uuid.UUID) (batch []Record, more bool, err error) {
 	for range claimRetries {
-		batch, leased, err := r.claimOnce(acquireCtx, sendCtx, stopCtx, token)
+		batch, leased, err := r.claimOnce(acquireCtx, sendCtx, token)
 		if err != nil || len(batch) > 0 || leased == 0 {
 			more = len(batch) > 0 && (len(batch) >= r.cfg.BatchSize || leased >= partitionsPerClaim)
 			return batch, more, err
@@ -454,7 +439,7 @@ func (r *Relay) claim(acquireCtx, sendCtx, stopCtx context.Context, token uuid.U
 
 // claimOnce runs the claim statements once under sendCtx, on a connection
 // acquired under acquireCtx, and returns the rows and the number of
-// partitions leased. A release it needs runs under stopCtx.
+// partitions leased.
 //
 // A claim that fails without an answer from the server (its context ended,
 // the connection broke) may still commit there: pgx drops the connection
@@ -467,7 +452,7 @@ func (r *Relay) claim(acquireCtx, sendCtx, stopCtx context.Context, token uuid.U
 // connection, or failed before its statements left (pgconn.SafeToRetry: for
 // example its context ended as it began), sent nothing: neither needs it,
 // and skipping it spares a shutdown the release's round trips.
-func (r *Relay) claimOnce(acquireCtx, sendCtx, stopCtx context.Context, token uuid.UUID) ([]Record, int, error) {
+func (r *Relay) claimOnce(acquireCtx, sendCtx context.Context, token uuid.UUID) ([]Record, int, error) {
 	conn, err := r.pool.Acquire(acquireCtx)
 	if err != nil {
 		return nil, 0, mapError("claim", err)
@@ -478,7 +463,7 @@ func (r *Relay) claimOnce(acquireCtx, sendCtx, stopCtx context.Context, token uu
 	conn.Release()
 	var pgErr *pgconn.PgError
 	if err != nil && !errors.As(err, &pgErr) && !pgconn.SafeToRetry(err) {
-		r.releaseClaim(stopCtx, token)
+		r.releaseClaim(context.WithoutCancel(sendCtx), token)
 	}
 	return batch, leased, err
 }
@@ -552,9 +537,8 @@ func claimLockKey(token uuid.UUID) int64 {
 	return int64(binary.BigEndian.Uint64(token[:8]))
 }
 
-// releaseClaimTimeout bounds releaseClaim (in Run, so does the shutdown
-// deadline). If it runs out, the partitions stay leased until the lease
-// ends, as they would have without it.
+// releaseClaimTimeout bounds releaseClaim. If it runs out, the partitions
+// stay leased until the lease ends, as they would have without it.
 const releaseClaimTimeout = 5 * time.Second
 
 // releaseCancelTimeout bounds releaseClaim's cancel statement, which may
@@ -845,44 +829,32 @@ func nonNil[T any](s []T) []T {
 // one batch is in flight per relay; run several relays for parallelism. When
 // ctx is cancelled Run claims nothing more, lets the in-flight batch (a claim
 // already sent included) finish and settles it; if the Handler has not
-// returned when ShutdownTimeout less a reserve for the settle has passed
-// (see RelayConfig.ShutdownTimeout), its context is cancelled and the rows
-// it did not complete are released (not counted as failures). Whatever is
-// still unsettled at ShutdownTimeout is cut off and left to its lease. Run
-// returns only after its goroutines have exited, so the Handler must honour
-// its context: Run returns within about ShutdownTimeout of ctx's end when
-// it does.
+// returned after ShutdownTimeout, its context is cancelled and the rows it
+// did not complete are released (not counted as failures). Run returns
+// only after its goroutines have exited, so the Handler must honour its
+// context.
 func (r *Relay) Run(ctx context.Context) error {
 	if !r.running.CompareAndSwap(false, true) {
 		return ErrRelayRunning
 	}
 	defer r.running.Store(false)
 
-	// stopCtx outlives ctx by ShutdownTimeout: the settle, a cut-off
-	// claim's release and the listener's close end with it at the latest,
-	// and what they leave undone is left to the leases. workCtx (the
-	// Handler's, the claim's and the LISTEN and Stats statements') ends a
-	// reserve earlier, so that the rows the Handler did not complete can
-	// still be released for immediate re-delivery before stopCtx ends.
-	stopCtx, cancelStop := context.WithCancel(context.WithoutCancel(ctx))
-	defer cancelStop()
-	workCtx, cancelWork := context.WithCancel(stopCtx)
+	// workCtx outlives ctx by at most ShutdownTimeout.
+	workCtx, cancelWork := context.WithCancel(context.WithoutCancel(ctx))
 	defer cancelWork()
-	// The grace timers are started when ctx ends, by a function that
+	// The grace timer is started when ctx ends, by a function that
 	// context.AfterFunc runs on a goroutine of its own: Run waits for that
-	// function before it stops the timers, so that none outlives Run.
-	var workTimer, stopTimer *time.Timer
+	// function before it stops the timer, so that neither outlives Run.
+	var graceTimer *time.Timer
 	graceStarted := make(chan struct{})
 	stopGrace := context.AfterFunc(ctx, func() {
 		defer close(graceStarted)
-		workTimer = time.AfterFunc(r.cfg.ShutdownTimeout-settleReserve(r.cfg.ShutdownTimeout), cancelWork)
-		stopTimer = time.AfterFunc(r.cfg.ShutdownTimeout, cancelStop)
+		graceTimer = time.AfterFunc(r.cfg.ShutdownTimeout, cancelWork)
 	})
 	defer func() {
 		if !stopGrace() {
 			<-graceStarted
-			workTimer.Stop()
-			stopTimer.Stop()
+			graceTimer.Stop()
 		}
 	}()
 
@@ -905,7 +877,7 @@ func (r *Relay) Run(ctx context.Context) error {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			r.listen(ctx, workCtx, stopCtx, wake)
+			r.listen(ctx, workCtx, wake)
 		}()
 	}
 
@@ -914,7 +886,7 @@ func (r *Relay) Run(ctx context.Context) error {
 
 	errPause := newPauser(r.cfg.ReconnectBackoffMax)
 	for {
-		n, more, err := r.runBatch(ctx, workCtx, stopCtx)
+		n, more, err := r.runBatch(ctx, workCtx)
 		var wait time.Duration
 		switch {
 		case ctx.Err() != nil:

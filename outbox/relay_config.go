@@ -89,20 +89,15 @@ type RelayConfig struct {
 	RetryBackoffMax time.Duration
 
 	// ShutdownTimeout bounds how long Run, once its context is cancelled,
-	// waits for the in-flight batch (a claim already sent included, and its
-	// settle) and for a LISTEN or metrics Stats statement in flight: Run
-	// returns within about ShutdownTimeout, provided the Handler honours
-	// its context. The Handler may finish normally until ShutdownTimeout
-	// less a reserve for the settle (a quarter of it, at most 2s); then its
-	// context is cancelled (as are a claim and a LISTEN or Stats statement
-	// still under way) and, within the reserve, its results are settled and
-	// the rows it did not complete released for immediate re-delivery. A
-	// settle, or a cut-off claim's release, still unfinished at
-	// ShutdownTimeout is cut off too: its rows stay in the outbox, leased,
-	// and are delivered again once the lease ends (LeaseDuration), counted
-	// as an attempt like those of a relay that crashed; the version gate
-	// makes the repeated delivery harmless. Defaults to
-	// ShutdownTimeoutDefault (10s).
+	// waits for the in-flight batch's Handler (a claim already sent
+	// included) and for a LISTEN or metrics Stats statement in flight.
+	// Within it the Handler finishes normally and its results are settled;
+	// past it the Handler's context is cancelled and the rows it did not
+	// complete are released for immediate re-delivery. The settle itself is
+	// bounded separately (10 s, and 5 s for a cut-off claim's release), so
+	// Run can return up to about ShutdownTimeout + 15 s after its context
+	// ends against a database that stops answering; see the package
+	// documentation. Defaults to ShutdownTimeoutDefault (10s).
 	ShutdownTimeout time.Duration
 
 	// ReconnectBackoffMax caps the pause after a database error, both
