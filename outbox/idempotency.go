@@ -22,8 +22,9 @@ type Command struct {
 	// committed transaction, or earlier in this one) with the same
 	// fingerprint. The caller must not apply the command's effects again.
 	Duplicate bool
-	// Result is the result stored by StoreCommandResult the first time, or
-	// nil; a later StoreCommandResult never replaces it. Only meaningful
+	// Result is the result stored by StoreCommandResult the first time
+	// (non-nil, empty for an empty or nil result), or nil when none was
+	// stored; a later StoreCommandResult never replaces it. Only meaningful
 	// when Duplicate is true.
 	Result []byte
 	// RecordedAt is when the id was first recorded.
@@ -130,7 +131,9 @@ func (w *Writer) StoreCommandResult(ctx context.Context, tx Tx, eventID uuid.UUI
 		return missingTx()
 	}
 	var ok bool
-	err := tx.QueryRow(ctx, w.storeResultSQL, pgUUID(eventID), result).Scan(&ok)
+	// Never NULL: NULL means "none stored yet", and an empty result stored
+	// first must be kept as any other.
+	err := tx.QueryRow(ctx, w.storeResultSQL, pgUUID(eventID), nonNil(result)).Scan(&ok)
 	if !errors.Is(err, pgx.ErrNoRows) {
 		return mapError("store command result", err)
 	}

@@ -145,6 +145,27 @@ func TestRecordCommand(t *testing.T) {
 		requireConflict(b.writer.StoreCommandResult(ctx, tx, id, []byte("second")), "first", "second")
 		require.NoError(t, tx.Commit(ctx))
 		requireResult("first")
+
+		// An empty (nil) result is a result: it is kept too, and a
+		// duplicate sees it as stored, not as none.
+		id = uuid.New()
+		tx, err = b.pool.Begin(ctx)
+		require.NoError(t, err)
+		defer tx.Rollback(ctx) //nolint:errcheck
+		_, err = b.writer.RecordCommand(ctx, tx, id, outbox.Fingerprint([]byte("c")))
+		require.NoError(t, err)
+		require.NoError(t, b.writer.StoreCommandResult(ctx, tx, id, nil))
+		require.NoError(t, tx.Commit(ctx))
+		tx, err = b.pool.Begin(ctx)
+		require.NoError(t, err)
+		defer tx.Rollback(ctx) //nolint:errcheck
+		cmd, err = b.writer.RecordCommand(ctx, tx, id, outbox.Fingerprint([]byte("c")))
+		require.NoError(t, err)
+		require.True(t, cmd.Duplicate)
+		require.NotNil(t, cmd.Result, "stored, and empty")
+		require.Empty(t, cmd.Result)
+		require.NoError(t, b.writer.StoreCommandResult(ctx, tx, id, []byte{}), "the same (empty) bytes")
+		requireConflict(b.writer.StoreCommandResult(ctx, tx, id, []byte("another")), "", "another")
 	})
 
 	t.Run("RollbackForgetsCommand", func(t *testing.T) {
