@@ -89,7 +89,8 @@ type Cache[T any] struct {
 	config     *Config
 	lua        *scripts
 	leaseToken string
-	plainJSON  bool // decode with json.Unmarshal (see plainJSON)
+	plainJSON  bool   // decode with json.Unmarshal (see plainJSON)
+	shape      []byte // precedes every encoded value (see shapeTag)
 	flights    flightGroup[loaded[T]]
 	stats      counters
 	metrics    *cacheMetrics // nil: no MeterProvider
@@ -132,7 +133,7 @@ func New[T any](client redis.UniversalClient, config *Config) (*Cache[T], error)
 		return nil, fmt.Errorf("versioncache: lease token: %w", err)
 	}
 	c := &Cache[T]{client: client, config: cfg, lua: defaultScripts, leaseToken: hex.EncodeToString(token[:]),
-		plainJSON: plainJSON(cfg.Codec, reflect.TypeFor[T]())}
+		plainJSON: plainJSON(cfg.Codec, reflect.TypeFor[T]()), shape: shapeTag(cfg.Codec, reflect.TypeFor[T]())}
 	c.primary = clusterpin.Client(client)
 	metrics, err := newCacheMetrics(cfg, c.Stats)
 	if err != nil {
@@ -827,7 +828,7 @@ func (c *Cache[T]) read(ctx context.Context, id string, initialise, ignoreCurren
 // Codec is an error now rather than a decode failure on every later hit.
 func (c *Cache[T]) encode(id string, val T) (T, []byte, error) {
 	var zero T
-	data, err := c.config.Codec.Marshal(val)
+	data, err := c.marshal(val)
 	if err != nil {
 		return zero, nil, &CodecError{Op: "encode", ID: id, Err: err}
 	}
@@ -838,8 +839,25 @@ func (c *Cache[T]) encode(id string, val T) (T, []byte, error) {
 	return decoded, data, nil
 }
 
+// marshal encodes val with the Codec, behind the Cache's shape tag.
+func (c *Cache[T]) marshal(val T) ([]byte, error) {
+	data, err := c.config.Codec.Marshal(val)
+	if err != nil {
+		return nil, err
+	}
+	return append(c.shape[:len(c.shape):len(c.shape)], data...), nil
+}
+
+// errOtherShape: the value was stored by a Cache with another T or Codec.
+var errOtherShape = errors.New("stored for another type or Codec under this Prefix (its shape tag differs)")
+
+// decode decodes what marshal encoded.
 func (c *Cache[T]) decode(data []byte) (T, error) {
 	var val T
+	if !bytes.HasPrefix(data, c.shape) {
+		return val, errOtherShape
+	}
+	data = data[len(c.shape):]
 	if c.plainJSON {
 		return val, json.Unmarshal(data, &val)
 	}

@@ -126,7 +126,7 @@ func (c *Cache[T]) compare(ctx context.Context, id string, cached T, load IDLoad
 // sameValue reports whether cached equals current as Get would serve it,
 // and returns current so.
 func (c *Cache[T]) sameValue(id string, cached, current T) (T, bool, error) {
-	a, err := c.config.Codec.Marshal(cached)
+	a, err := c.marshal(cached)
 	if err != nil {
 		return current, false, &CodecError{Op: "encode", ID: id, Err: err}
 	}

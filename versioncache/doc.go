@@ -124,6 +124,25 @@
 // map[string]any) as a json.Number, not a float64, so that 64-bit ids keep
 // their digits: code asserting .(float64) on such values must change.
 //
+// Upgrading to the release that tags values with their shape (below):
+// values cached by earlier releases do not decode for it, nor its values for
+// them; during the rollout each id costs one reload per release, and
+// nothing wrong is served.
+//
+// # Types and Codecs in a rollout
+//
+// Every value is stored behind a shape tag: 8 hex digits hashing the Codec's
+// type and the shape of T (type names, field names, struct tags and field
+// types, recursively). While a rolling deploy that adds a field to T runs
+// old and new processes on one Prefix, each sees the other's values as
+// values that do not decode — a miss, reloaded, counted in
+// Stats.DecodeErrors — instead of decoding them into its own shape, which
+// encoding/json does without complaint (a field the value lacks is left at
+// its zero value, a value the source never held). The tag does not cover
+// what only the code decides: a Codec's settings, or a MarshalJSON method
+// whose output changes while the type stays. Change Config.Prefix with such
+// a release.
+//
 // # Stampedes
 //
 // Concurrent misses of one id and version in a process share a single load
@@ -155,7 +174,8 @@
 // # Costs
 //
 // One value key, one version key and (briefly, during a miss) one lease key
-// per cached id. Invalidate deletes the current value instead of leaving it
+// per cached id; a value takes its encoding, its version and the 9-byte
+// shape tag. Invalidate deletes the current value instead of leaving it
 // behind under an old version, and a refused fill stores nothing, so no value
 // key is ever orphaned (Stats.OrphanedValueKeys stays 0, kept for
 // compatibility). A miss costs two round trips before the load (the GET that

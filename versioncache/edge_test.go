@@ -49,9 +49,71 @@ func TestCodec(t *testing.T) {
 		version, payload, err := splitVersioned(raw)
 		require.NoError(t, err)
 		require.Equal(t, mustVersion(t, b, "p1"), strconv.FormatInt(version, 10))
+		require.True(t, bytes.HasPrefix(payload, b.cache.shape), "behind the shape tag")
 		var decoded product
-		require.NoError(t, gobCodec{}.Unmarshal(payload, &decoded), "stored with gob, not JSON")
+		require.NoError(t, gobCodec{}.Unmarshal(payload[len(b.cache.shape):], &decoded), "stored with gob, not JSON")
 		require.Equal(t, want, decoded)
+	})
+
+	// A release that changes the cached type shares the Prefix with the
+	// last one during its rollout: JSON would decode the other's values
+	// without complaint, a field the value lacks left at its zero value.
+	t.Run("AnotherShapeIsReloaded", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t, nil)
+		type productWithCurrency struct {
+			ID       string `json:"id"`
+			Price    int    `json:"price"`
+			Version  int64  `json:"version"`
+			Currency string `json:"currency"`
+		}
+		next, err := New[productWithCurrency](b.client, &Config{Prefix: b.prefix})
+		require.NoError(t, err)
+		b.truth.write("p1", 4900)
+		_, err = b.cache.Get(ctx, "p1", b.truth.loader("p1"))
+		require.NoError(t, err)
+
+		load := func(context.Context) (productWithCurrency, error) {
+			return productWithCurrency{ID: "p1", Price: 4900, Version: 1, Currency: "EUR"}, nil
+		}
+		for range 2 {
+			got, err := next.Get(ctx, "p1", load)
+			require.NoError(t, err)
+			require.Equal(t, "EUR", got.Currency, "never decoded from the other release's value")
+		}
+		require.EqualValues(t, 1, next.Stats().Loads)
+		require.EqualValues(t, 1, next.Stats().DecodeErrors)
+		require.EqualValues(t, 1, next.Stats().Hits, "its own value is a hit")
+
+		// And the other way round.
+		_, err = b.cache.Get(ctx, "p1", b.truth.loader("p1"))
+		require.NoError(t, err)
+		require.EqualValues(t, 2, b.cache.Stats().Loads)
+		require.EqualValues(t, 1, b.cache.Stats().DecodeErrors)
+	})
+
+	t.Run("ShapeTag", func(t *testing.T) {
+		t.Parallel()
+		type node struct {
+			Name string
+			Next *node
+		}
+		type renamed struct {
+			ID    string `json:"id"`
+			Price int    `json:"cost"`
+		}
+		type original struct {
+			ID    string `json:"id"`
+			Price int    `json:"price"`
+		}
+		tag := func(c Codec, t reflect.Type) string { return string(shapeTag(c, t)) }
+		p := reflect.TypeFor[product]()
+		require.Equal(t, tag(JSONCodec{}, p), tag(JSONCodec{}, p))
+		require.NotEqual(t, tag(JSONCodec{}, p), tag(gobCodec{}, p), "another Codec")
+		require.NotEqual(t, tag(JSONCodec{}, reflect.TypeFor[original]()), tag(JSONCodec{}, reflect.TypeFor[renamed]()), "another field tag")
+		require.NotEqual(t, tag(JSONCodec{}, reflect.TypeFor[[]int]()), tag(JSONCodec{}, reflect.TypeFor[[]int64]()))
+		require.NotEqual(t, tag(JSONCodec{}, reflect.TypeFor[map[string]int]()), tag(JSONCodec{}, reflect.TypeFor[map[string]any]()))
+		require.Len(t, tag(JSONCodec{}, reflect.TypeFor[node]()), 9, "recursive types end")
 	})
 
 	// Peek does not repair: it reports a cached value that does not decode.
