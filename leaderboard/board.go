@@ -69,6 +69,9 @@ type Board struct {
 	channel string
 	ks      projection.Keyspace
 	zsetKey string
+	// layoutKey records the bucket count the projection's versions are
+	// stored with; layout is ks's count as the gate writes it there.
+	layoutKey, layout string
 	// verifiedKey records that Verify found the projection complete;
 	// verifyingKey holds the token of the Verify pass under way. Both
 	// share the sorted set's hash tag.
@@ -136,6 +139,7 @@ func New(pool *pgxpool.Pool, rdb redis.UniversalClient, cfg *Config) (*Board, er
 	}
 	b.group.b, b.group.stallAfter = b, submitStallAfter
 	b.zsetKey = ks.ValueKey(b.target(""))
+	b.layoutKey, b.layout = ks.LayoutKey(c.Name, projection.KindSortedSet), strconv.Itoa(ks.VersionBuckets())
 	b.verifiedKey, b.verifyingKey = b.zsetKey+"~verified", b.zsetKey+"~verifying"
 	b.primary = clusterpin.Client(rdb)
 	r := func(q string) string { return renderSQL(q, c.Schema, w.Config().Table) }

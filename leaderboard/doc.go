@@ -128,7 +128,9 @@
 //
 // Read-your-writes: pass AtLeast(user, result.Version) to a read. It waits
 // up to Config.ReadYourWritesTimeout for the projection to reach that
-// version, then applies the policy.
+// version, then applies the policy. A board whose Config.VersionBuckets is
+// not the projection's stored count does not wait: the read fails with
+// projection.ErrLayoutMismatch under every policy.
 //
 // What Lag cannot see: it measures the outbox, so a projection that Redis
 // itself lost (a restart without persistence, FLUSHALL, eviction under a
@@ -179,8 +181,9 @@
 // users the projection then takes about 125 instead of 162 bytes per user.
 // The board's Worker, Reconciler and read-your-writes reads all follow it;
 // a worker configured with another count than the stored one is refused
-// (projection.ErrLayoutMismatch) and writes nothing, and Rebuild migrates
-// a board from one count to another.
+// (projection.ErrLayoutMismatch) and writes nothing, an AtLeast read is
+// refused the same way instead of waiting for a version it cannot see, and
+// Rebuild migrates a board from one count to another.
 //
 // # Cost
 //

@@ -15,6 +15,7 @@ import (
 	"github.com/redis/go-redis/v9"
 
 	"github.com/verity-go/verity/internal/clusterpin"
+	"github.com/verity-go/verity/projection"
 )
 
 // MaxPageSize bounds the n of Top, Page and Authoritative and the
@@ -103,7 +104,10 @@ type readOptions struct {
 // decides (FallbackToPostgres reads PostgreSQL, FailClosed returns a
 // *StaleError, ServeStale answers from Redis with Freshness.AtLeastMet
 // false, or a *StaleError instead of ErrUserNotFound when the user it
-// looked up is not in Redis yet).
+// looked up is not in Redis yet). A board whose Config.VersionBuckets
+// differs from the count the projection is stored with cannot find the
+// version: the read fails at once, under every policy, with a
+// *projection.LayoutMismatchError (projection.ErrLayoutMismatch).
 func AtLeast(user string, version int64) ReadOption {
 	return func(o *readOptions) { o.user, o.version = user, version }
 }
@@ -283,7 +287,9 @@ func (b *Board) readUnderPolicy(ctx context.Context, opts []ReadOption, fromRedi
 	atLeastMet := true
 	if o.version > 0 {
 		met, err := b.waitForVersion(ctx, o.user, o.version)
-		if err != nil && o.policy != FallbackToPostgres {
+		// A layout mismatch is this board's misconfiguration, not a Redis
+		// failure: refused under every policy, as the Worker is.
+		if err != nil && (o.policy != FallbackToPostgres || errors.Is(err, projection.ErrLayoutMismatch)) {
 			return Freshness{}, err
 		}
 		if !met {
@@ -334,15 +340,29 @@ func (b *Board) readUnderPolicy(ctx context.Context, opts []ReadOption, fromRedi
 }
 
 // waitForVersion polls the projection's version of user until it reaches
-// version or Config.ReadYourWritesTimeout passes.
+// version or Config.ReadYourWritesTimeout passes. Each poll also reads the
+// layout key (same hash tag, same round trip): with another bucket count
+// stored, user's version is in a key this board does not look at, so the
+// wait could never succeed; it fails at once with *LayoutMismatchError.
 func (b *Board) waitForVersion(ctx context.Context, user string, version int64) (bool, error) {
 	deadline := time.Now().Add(b.cfg.ReadYourWritesTimeout)
 	backoff := 2 * time.Millisecond
+	key := b.ks.VersionKey(b.target(user))
 	for {
-		key := b.ks.VersionKey(b.target(user))
 		var cmd *redis.StringCmd
-		err := b.onMaster(ctx, key, func(p redis.Pipeliner) { cmd = p.HGet(ctx, key, user) })
+		var layout *redis.SliceCmd
+		err := b.onMaster(ctx, key, func(p redis.Pipeliner) {
+			// MGET, as reconcile reads it: a key of another type is no
+			// layout (nil), not a WRONGTYPE failure of the read.
+			layout = p.MGet(ctx, b.layoutKey)
+			cmd = p.HGet(ctx, key, user)
+		})
 		var got string
+		if err == nil || errors.Is(err, redis.Nil) {
+			if lerr := b.checkLayout(layout.Val()); lerr != nil {
+				return false, lerr
+			}
+		}
 		if err == nil {
 			got = cmd.Val()
 		}
@@ -368,6 +388,23 @@ func (b *Board) waitForVersion(ctx context.Context, user string, version int64) 
 		}
 		backoff = min(2*backoff, 50*time.Millisecond)
 	}
+}
+
+// checkLayout compares the layout key's value (MGET's reply) with the
+// board's bucket count. No layout key (nothing projected yet, or a board
+// projected before layout keys) passes: the gate records one with the
+// first write, which the read then waits for.
+func (b *Board) checkLayout(got []any) error {
+	if len(got) != 1 {
+		return nil
+	}
+	stored, ok := got[0].(string)
+	if !ok || stored == b.layout {
+		return nil
+	}
+	return fmt.Errorf("leaderboard: AtLeast cannot look up the projected version of board %q: %w", b.cfg.Name,
+		&projection.LayoutMismatchError{Kind: projection.KindSortedSet, Name: b.cfg.Name,
+			Stored: projection.ParseLayout(stored), Configured: b.ks.VersionBuckets()})
 }
 
 // lagProbe caches the last lag measurement.

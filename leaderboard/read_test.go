@@ -16,6 +16,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/verity-go/verity/outbox"
+	"github.com/verity-go/verity/projection"
 )
 
 // submit applies commands and fails the test on error.
@@ -461,6 +462,51 @@ func TestReadYourWrites(t *testing.T) {
 		// Without AtLeast, Redis's answer stands.
 		_, _, err = tb.board.Rank(ctx, "user-new")
 		require.ErrorIs(t, err, ErrUserNotFound)
+	})
+
+	t.Run("OtherBucketCountIsRefused", func(t *testing.T) {
+		t.Parallel()
+		// A rolling deploy that changes VersionBuckets: a board with the
+		// other count looks the version up in a key that does not hold
+		// it, and must be refused at once instead of waiting and
+		// reporting a version the projection reached long ago as unmet.
+		for _, c := range []struct {
+			name           string
+			stored, reader int
+		}{{"UnbucketedStoredBucketedReader", 0, 8}, {"BucketedStoredUnbucketedReader", 8, 0}, {"OtherBucketedCount", 8, 3}} {
+			t.Run(c.name, func(t *testing.T) {
+				t.Parallel()
+				tb := setup(t, func(cfg *Config) {
+					cfg.VersionBuckets = c.stored
+					cfg.ReadYourWritesTimeout = 5 * time.Second
+				})
+				res := tb.submit(t, "ada", 10)
+				tb.drain(t)
+				_, fr, err := tb.board.Rank(ctx, "ada", AtLeast("ada", res.Version), WithPolicy(FailClosed))
+				require.NoError(t, err)
+				require.True(t, fr.AtLeastMet, "the board of the stored count sees the version")
+
+				cfg := tb.board.Config()
+				cfg.VersionBuckets = c.reader
+				other, err := New(tb.pg.Pool, tb.rd.Client, &cfg)
+				require.NoError(t, err)
+				t.Cleanup(other.Close)
+				for _, policy := range []ReadPolicy{ServeStale, FallbackToPostgres, FailClosed} {
+					start := time.Now()
+					_, _, err := other.Rank(ctx, "ada", AtLeast("ada", res.Version), WithPolicy(policy))
+					require.ErrorIs(t, err, projection.ErrLayoutMismatch, "%s", policy)
+					var mismatch *projection.LayoutMismatchError
+					require.ErrorAs(t, err, &mismatch)
+					require.Equal(t, c.stored, mismatch.Stored)
+					require.Equal(t, c.reader, mismatch.Configured)
+					require.Less(t, time.Since(start), cfg.ReadYourWritesTimeout, "%s: refused without waiting", policy)
+				}
+				// Reads without AtLeast do not need the versions.
+				e, _, err := other.Rank(ctx, "ada", WithPolicy(FailClosed))
+				require.NoError(t, err)
+				require.Equal(t, int64(10), e.Score)
+			})
+		}
 	})
 
 	t.Run("InvalidOptionsReadNothing", func(t *testing.T) {
