@@ -6,7 +6,9 @@ import (
 	"strconv"
 	"strings"
 	"testing"
+	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgtype"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -368,4 +370,46 @@ func TestNewValidation(t *testing.T) {
 	require.Equal(t, ActionReport, Policy{}.For(ClassOrphan))
 	require.Equal(t, ActionRepair, Policy{Orphan: ActionRepair}.For(ClassOrphan))
 	require.Equal(t, ActionReport, Policy{Missing: ActionReport}.For(ClassMissing))
+}
+
+// TestSQLSourceUnderEveryExecMode reads through pools set to each of pgx's
+// statement modes: behind a transaction-pooling proxy the simple protocol
+// writes every argument in as an untyped literal, so the lookup's key array
+// must get its type from the statement itself.
+func TestSQLSourceUnderEveryExecMode(t *testing.T) {
+	t.Parallel()
+	for _, mode := range []pgx.QueryExecMode{pgx.QueryExecModeCacheStatement, pgx.QueryExecModeExec, pgx.QueryExecModeDescribeExec, pgx.QueryExecModeSimpleProtocol} {
+		t.Run(mode.String(), func(t *testing.T) {
+			t.Parallel()
+			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+			defer cancel()
+			pg := testenv.Postgres(t)
+			_, err := pg.Pool.Exec(ctx, `CREATE TABLE "Scores Tbl" ("User Id" bigint PRIMARY KEY, "Ver" bigint NOT NULL, "Pts" bigint NOT NULL);
+				INSERT INTO "Scores Tbl" SELECT g, 1, g * 3 FROM generate_series(1, 25) g;
+				CREATE TABLE "Docs" (k text PRIMARY KEY, v bigint NOT NULL, d bytea NOT NULL);
+				INSERT INTO "Docs" VALUES ('a', 1, '\x00ff'), ('b', 2, '')`)
+			require.NoError(t, err)
+			pcfg, err := pgxpool.ParseConfig(pg.ConnString)
+			require.NoError(t, err)
+			pcfg.ConnConfig.DefaultQueryExecMode = mode
+			pool, err := pgxpool.NewWithConfig(ctx, pcfg)
+			require.NoError(t, err)
+			defer pool.Close()
+
+			scores, err := NewSQLSource(pool, &SQLSourceConfig{Schema: pg.Schema, Table: "Scores Tbl", KeyColumn: "User Id", VersionColumn: "Ver", ValueColumn: "Pts", Kind: projection.KindSortedSet})
+			require.NoError(t, err)
+			page, err := scores.Page(ctx, After("9"), 2)
+			require.NoError(t, err)
+			require.Equal(t, []Row{{Key: "10", Version: 1, Value: projection.Value{Score: 30}}, {Key: "11", Version: 1, Value: projection.Value{Score: 33}}}, page)
+			found, err := scores.Lookup(ctx, []string{"3", "30"})
+			require.NoError(t, err, "Lookup on a bigint key")
+			require.Equal(t, []Row{{Key: "3", Version: 1, Value: projection.Value{Score: 9}}}, found)
+
+			docs, err := NewSQLSource(pool, &SQLSourceConfig{Schema: pg.Schema, Table: "Docs", KeyColumn: "k", VersionColumn: "v", ValueColumn: "d", Kind: projection.KindDocument})
+			require.NoError(t, err)
+			found, err = docs.Lookup(ctx, []string{"a", "zz"})
+			require.NoError(t, err, "Lookup on a text key")
+			require.Equal(t, []Row{{Key: "a", Version: 1, Value: projection.Value{Data: []byte{0, 0xff}}}}, found)
+		})
+	}
 }

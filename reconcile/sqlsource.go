@@ -229,14 +229,13 @@ func (s *SQLSource) buildSQL(cfg *SQLSourceConfig) {
 	// subquery that OFFSET 0 keeps from being flattened into a join:
 	// written as key = ANY ($n), the planner chose by the table's
 	// statistics, and without any (a table loaded in bulk, autovacuum
-	// behind or off) read the whole table for every batch of keys. The
-	// CTE is never run (nothing refers to it); it is there so that
-	// PostgreSQL, which analyses a query's WITH clause before its FROM
-	// clause, infers $n as an array of the key column's type, which
-	// unnest($n) alone would leave undetermined.
-	s.lookupSQL = fmt.Sprintf(`WITH key_type AS (SELECT FROM %[1]s AS src WHERE %[2]s = ANY($%[3]d))
-SELECT found.key, found.version, found.value
-FROM (SELECT DISTINCT unnest($%[3]d)) AS wanted(key)
+	// behind or off) read the whole table for every batch of keys.
+	// unnest($n) alone would leave $n's type undetermined; COALESCE with
+	// an empty array of the key column (WHERE false: never read) makes it
+	// an array of the key's type, in one statement whichever way pgx
+	// sends $n (the simple protocol writes it in as an untyped literal).
+	s.lookupSQL = fmt.Sprintf(`SELECT found.key, found.version, found.value
+FROM (SELECT DISTINCT unnest(COALESCE($%[3]d, (SELECT array_agg(%[2]s) FROM %[1]s AS src WHERE false)))) AS wanted(key)
 CROSS JOIN LATERAL (%[4]s WHERE %[5]s AND %[2]s = wanted.key OFFSET 0) AS found(key, version, value)`,
 		s.relation, key, n+1, cols, where)
 	s.sampleSQL = fmt.Sprintf("%s TABLESAMPLE SYSTEM ($%d::float8) WHERE %s ORDER BY random() LIMIT $%d",
