@@ -42,3 +42,6 @@ func Pauses(max time.Duration, n int) []time.Duration {
 	}
 	return out
 }
+
+// MigrationLockKey is the advisory lock Migrate holds.
+const MigrationLockKey = migrationLockKey

@@ -167,8 +167,12 @@ func MigrationSQL(cfg *Config) (string, error) {
 // Migrate creates the outbox tables described by cfg (nil means defaults) if
 // they do not exist. It is idempotent and safe to call from several processes
 // at once: the statements run as one implicit transaction under an advisory
-// lock. db may be a pool, a connection or a transaction (then the lock is held
-// until that transaction ends). Migrate keeps no record of applied versions and
+// lock, at READ COMMITTED whatever the role's default_transaction_isolation
+// (a stricter level would take its snapshot before waiting for the lock,
+// and fail on what another process committed meanwhile). db may be a pool,
+// a connection or a transaction (then the lock is held until that
+// transaction ends, and the transaction must be READ COMMITTED, PostgreSQL's
+// default). Migrate keeps no record of applied versions and
 // runs every statement each time; on an outbox already migrated none of them
 // takes a lock that makes writers or relays wait, so calling it at every
 // start-up is safe.
@@ -183,8 +187,20 @@ func Migrate(ctx context.Context, db Execer, cfg *Config) error {
 	// Without arguments pgx uses the simple protocol, which accepts several
 	// statements and runs them in one implicit transaction.
 	script = fmt.Sprintf("SELECT pg_advisory_xact_lock(%d);\n%s", migrationLockKey, script)
+	script = readCommitted(db) + script
 	if _, err := db.Exec(ctx, script); err != nil {
 		return mapError("migrate", err)
 	}
 	return nil
+}
+
+// readCommitted returns the statement that sets the isolation level of a
+// migration script's implicit transaction to READ COMMITTED, or "" when db
+// is a transaction (its level is the caller's, and it can no longer be
+// changed once it has run a statement).
+func readCommitted(db Execer) string {
+	if _, inTx := db.(interface{ Commit(context.Context) error }); inTx {
+		return ""
+	}
+	return "SET TRANSACTION ISOLATION LEVEL READ COMMITTED;\n"
 }

@@ -6,8 +6,11 @@ import (
 	"regexp"
 	"strings"
 	"testing"
+	"time"
 
+	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
 	"github.com/verity-go/verity/internal/testenv"
@@ -137,4 +140,84 @@ func gooseStatements(t *testing.T, script string) []string {
 	}
 	require.Empty(t, strings.TrimSpace(buf.String()), "goose refuses a last statement without a semicolon")
 	return stmts
+}
+
+// TestMigrateUnderStricterDefaultIsolation runs Migrate from several
+// processes at once, queued behind the migration lock, on a role whose
+// default_transaction_isolation is stricter than PostgreSQL's default: a
+// snapshot taken before the lock was granted must not make a replica fail
+// on what another committed meanwhile (a constraint added, lease rows a
+// relay updated).
+func TestMigrateUnderStricterDefaultIsolation(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		name, isolation string
+		relay           bool // a relay claims and settles while the replicas wait
+	}{
+		{"RepeatableReadUpgrade", "repeatable read", false},
+		{"SerializableUpgrade", "serializable", false},
+		{"SerializableRelayRunning", "serializable", true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+			defer cancel()
+			pg := testenv.Postgres(t)
+			cfg := &outbox.Config{Schema: pg.Schema}
+			require.NoError(t, outbox.Migrate(ctx, pg.Pool, cfg))
+			if !tc.relay { // an outbox of the release before the constraint
+				_, err := pg.Pool.Exec(ctx, `ALTER TABLE `+pgx.Identifier{pg.Schema, outbox.TableDefault}.Sanitize()+` DROP CONSTRAINT verity_outbox_stream_length`)
+				require.NoError(t, err)
+			}
+
+			// Hold the migration lock so that the replicas queue behind it.
+			holder, err := pgx.Connect(ctx, pg.ConnString)
+			require.NoError(t, err)
+			defer holder.Close(context.Background())
+			_, err = holder.Exec(ctx, `SELECT pg_advisory_lock($1)`, int64(outbox.MigrationLockKey))
+			require.NoError(t, err)
+			const replicas = 3
+			var pids []uint32
+			errs := make(chan error, replicas)
+			for range replicas {
+				pc, err := pgxpool.ParseConfig(pg.ConnString)
+				require.NoError(t, err)
+				pc.MaxConns = 1
+				pc.ConnConfig.RuntimeParams["default_transaction_isolation"] = tc.isolation
+				pool, err := pgxpool.NewWithConfig(ctx, pc)
+				require.NoError(t, err)
+				t.Cleanup(pool.Close)
+				conn, err := pool.Acquire(ctx)
+				require.NoError(t, err)
+				pids = append(pids, conn.Conn().PgConn().PID())
+				conn.Release()
+				go func() { errs <- outbox.Migrate(ctx, pool, cfg) }()
+			}
+			require.Eventually(t, func() bool {
+				var waiting int
+				err := holder.QueryRow(ctx, `SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted AND pid = ANY($1)`, pids).Scan(&waiting)
+				return err == nil && waiting == replicas
+			}, 10*time.Second, 10*time.Millisecond)
+			if tc.relay {
+				w, err := outbox.NewWriter(cfg)
+				require.NoError(t, err)
+				tx, err := pg.Pool.Begin(ctx)
+				require.NoError(t, err)
+				require.NoError(t, w.Append(ctx, tx, outbox.Message{EventID: uuid.New(), Stream: "s", Key: "k", Version: 1}))
+				require.NoError(t, tx.Commit(ctx))
+				r, err := outbox.NewRelay(pg.Pool, outbox.HandlerFunc(func(_ context.Context, batch []outbox.Record) ([]outbox.Result, error) {
+					return make([]outbox.Result, len(batch)), nil
+				}), &outbox.RelayConfig{Schema: pg.Schema})
+				require.NoError(t, err)
+				n, err := r.RunOnce(ctx)
+				require.NoError(t, err)
+				require.Equal(t, 1, n)
+			}
+			_, err = holder.Exec(ctx, `SELECT pg_advisory_unlock($1)`, int64(outbox.MigrationLockKey))
+			require.NoError(t, err)
+			for range replicas {
+				require.NoError(t, <-errs)
+			}
+		})
+	}
 }
