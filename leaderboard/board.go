@@ -69,6 +69,11 @@ type Board struct {
 	channel string
 	ks      projection.Keyspace
 	zsetKey string
+	// cachesStatements: the pool's DefaultQueryExecMode prepares and caches
+	// statements, so SubmitBatch may choose per batch between a cached and
+	// an unnamed statement; otherwise (a pool set up for a transaction-
+	// pooling proxy) every statement goes in the pool's own mode.
+	cachesStatements bool
 	// layoutKey records the bucket count the projection's versions are
 	// stored with; layout is ks's count as the gate writes it there.
 	layoutKey, layout string
@@ -96,7 +101,13 @@ type Board struct {
 }
 
 // New returns the Board cfg names. It does not touch the database or Redis;
-// run Migrate once (per schema) before using it.
+// run Migrate once (per schema) before using it. pool must run at READ
+// COMMITTED, PostgreSQL's default: with a stricter default isolation,
+// concurrent Submits of one user fail with serialization errors (set
+// ConnConfig.RuntimeParams["default_transaction_isolation"] back to "read
+// committed" if the role's default is stricter). A pool whose
+// DefaultQueryExecMode does not cache statements (behind a
+// transaction-pooling proxy) is honoured by every statement.
 func New(pool *pgxpool.Pool, rdb redis.UniversalClient, cfg *Config) (*Board, error) {
 	if pool == nil {
 		return nil, &ConfigError{Field: "pool", Reason: "is nil; pass the *pgxpool.Pool of the board's database"}
@@ -122,13 +133,15 @@ func New(pool *pgxpool.Pool, rdb redis.UniversalClient, cfg *Config) (*Board, er
 	if ks, err = ks.WithVersionBuckets(c.VersionBuckets); err != nil {
 		return nil, fmt.Errorf("leaderboard: Config.VersionBuckets: %w", err)
 	}
+	mode := pool.Config().ConnConfig.DefaultQueryExecMode
 	b := &Board{
-		cfg:     c,
-		pool:    pool,
-		rdb:     rdb,
-		stream:  StreamPrefix + c.Name,
-		channel: w.Channel(),
-		ks:      ks,
+		cachesStatements: mode == pgx.QueryExecModeCacheStatement || mode == pgx.QueryExecModeCacheDescribe,
+		cfg:              c,
+		pool:             pool,
+		rdb:              rdb,
+		stream:           StreamPrefix + c.Name,
+		channel:          w.Channel(),
+		ks:               ks,
 	}
 	if b.metrics, err = newBoardMetrics(c, b.observedLag); err != nil {
 		return nil, fmt.Errorf("leaderboard: %w", err)
@@ -616,15 +629,21 @@ func (b *Board) submitBatchOnce(ctx context.Context, cmds []Command, sent []int,
 // arrays as it plans an unnamed statement: with groups of 256 (512
 // clients, MaxSubmitsPerStatement 256, one statement at a time) Submit ran
 // 31,600-32,900 commands/s, against 16,800-17,300 on the generic plan.
-// One round trip in every case.
+// One round trip in every case. A pool whose DefaultQueryExecMode does not
+// cache statements (behind a transaction-pooling proxy, where a statement
+// prepared on one server connection is missing on the next) runs every
+// batch in that mode.
 func (b *Board) sendBatch(ctx context.Context, n int, opts batchOptions, ids []pgtype.UUID, users []string, deltas []int64) (pgx.Rows, func() error, error) {
 	args := []any{ids, users, deltas, b.cfg.Name, b.stream, opts.everyState}
 	if opts.lockTimeout <= 0 {
-		mode := pgx.QueryExecModeExec
-		if n <= preparedBatchMax {
-			mode = pgx.QueryExecModeCacheStatement
+		if b.cachesStatements {
+			mode := pgx.QueryExecModeExec
+			if n <= preparedBatchMax {
+				mode = pgx.QueryExecModeCacheStatement
+			}
+			args = append([]any{mode}, args...)
 		}
-		rows, err := b.querier(opts).Query(ctx, b.sql.submitBatch, append([]any{mode}, args...)...)
+		rows, err := b.querier(opts).Query(ctx, b.sql.submitBatch, args...)
 		if err != nil {
 			return nil, nil, err
 		}

@@ -8,6 +8,8 @@ import (
 	"testing"
 
 	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
 	"github.com/verity-go/verity/internal/testenv"
@@ -300,4 +302,45 @@ func TestSubmitBatch(t *testing.T) {
 		events, users, queued := tb.counts(t)
 		require.Equal(t, []int{1, 1, 1}, []int{events, users, queued})
 	})
+}
+
+// TestSubmitBatchInThePoolsExecMode runs SubmitBatch on pools set up for a
+// transaction-pooling proxy, which must not leave statements prepared on a
+// server connection: the next transaction may get another one, where a
+// cached statement does not exist (simulated with DEALLOCATE ALL).
+func TestSubmitBatchInThePoolsExecMode(t *testing.T) {
+	t.Parallel()
+	for _, mode := range []pgx.QueryExecMode{pgx.QueryExecModeSimpleProtocol, pgx.QueryExecModeExec} {
+		t.Run(mode.String(), func(t *testing.T) {
+			t.Parallel()
+			ctx := context.Background()
+			tb := setup(t)
+			pc, err := pgxpool.ParseConfig(tb.pg.ConnString)
+			require.NoError(t, err)
+			pc.MaxConns = 1
+			pc.ConnConfig.DefaultQueryExecMode = mode
+			pool, err := pgxpool.NewWithConfig(ctx, pc)
+			require.NoError(t, err)
+			t.Cleanup(pool.Close)
+			cfg := tb.board.Config()
+			board, err := New(pool, tb.rd.Client, &cfg)
+			require.NoError(t, err)
+			t.Cleanup(board.Close)
+
+			for round := range 2 {
+				res, err := board.SubmitBatch(ctx, []Command{{EventID: uuid.New(), UserID: "a", Delta: 1}, {EventID: uuid.New(), UserID: "b", Delta: 2}})
+				require.NoError(t, err, "round %d", round)
+				require.Equal(t, Result{Score: int64(round + 1), Version: int64(round + 1)}, res[0])
+				require.NoError(t, pool.AcquireFunc(ctx, func(c *pgxpool.Conn) error {
+					var prepared int
+					if err := c.QueryRow(ctx, `SELECT count(*) FROM pg_prepared_statements`).Scan(&prepared); err != nil {
+						return err
+					}
+					require.Zero(t, prepared, "statements prepared on the server connection")
+					_, err := c.Exec(ctx, `DEALLOCATE ALL`) // the proxy's next connection
+					return err
+				}))
+			}
+		})
+	}
 }
