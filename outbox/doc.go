@@ -351,6 +351,13 @@
 // claims again at once. Behind a transaction-pooling proxy, set DisableNotify
 // and rely on polling.
 //
+// The relay's claims and settles are written for READ COMMITTED,
+// PostgreSQL's default: give it a pool that runs at that level (with a
+// role whose default_transaction_isolation is stricter, set
+// ConnConfig.RuntimeParams["default_transaction_isolation"] to "read
+// committed"), or claims and settles racing each other fail with
+// serialization errors and are retried.
+//
 // # Idempotent commands
 //
 // RecordCommand stores the command's event id and fingerprint in the
