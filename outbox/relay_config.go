@@ -151,8 +151,8 @@ type RelayConfig struct {
 	// README's metrics table): counters of claimed, acknowledged, retried,
 	// dead-lettered, released and lease-lost rows, the handler's duration,
 	// and, while Run runs, gauges of the backlog (pending, in flight,
-	// retrying, dead letters, oldest pending age). Defaults to a no-op
-	// provider: nothing is recorded.
+	// retrying, dead letters, oldest pending age). Defaults to nil (left
+	// nil by WithDefaults): nothing is recorded.
 	MeterProvider metric.MeterProvider
 
 	// StatsInterval is how often Run refreshes the Stats snapshot behind

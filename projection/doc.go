@@ -210,7 +210,7 @@
 //
 // # Rebuilds
 //
-// A full rebuild (reconcile.Rebuild) fills shadow keys from the source and
+// A full rebuild (reconcile's Reconciler.Rebuild) fills shadow keys from the source and
 // swaps them in. While the collection's rebuild marker exists, the gate
 // applies each live write to the shadow keys too, by the same rule and
 // independently (the shadow outcome is not reported), so that writes made

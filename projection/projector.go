@@ -44,8 +44,8 @@ type Config struct {
 	// MeterProvider receives the projector's metrics (verity.projection.*,
 	// see the README's metrics table): the gate's verdicts (applied,
 	// duplicate, stale), records that failed, the gate's round-trip time
-	// and the commit-to-visible lag of applied records. Defaults to a
-	// no-op provider: nothing is recorded.
+	// and the commit-to-visible lag of applied records. Defaults to nil
+	// (left nil by WithDefaults): nothing is recorded.
 	MeterProvider metric.MeterProvider
 }
 

@@ -153,7 +153,7 @@ type Config struct {
 	// runs, entities by class, what was done about each finding, repairs
 	// by class, run durations, rebuilds; see the README's metrics table),
 	// recorded once per run from its Report so they add up like it.
-	// Defaults to a no-op provider: nothing is recorded.
+	// Defaults to nil (left nil by WithDefaults): nothing is recorded.
 	MeterProvider metric.MeterProvider
 }
 

@@ -8,8 +8,9 @@ import (
 // Sentinel errors. The typed errors below match them with errors.Is and carry
 // details for errors.As.
 var (
-	// ErrInvalidConfig: a Config, SQLSourceConfig or Target field is out of
-	// range. The error names the field.
+	// ErrInvalidConfig: a Config, SQLSourceConfig, Target or RunOptions
+	// field is out of range, or New's source or NewSQLSource's db is nil.
+	// The error names the field.
 	ErrInvalidConfig = errors.New("reconcile: invalid configuration")
 	// ErrInvalidRow: the source produced a row the projection cannot hold
 	// (a version that is not positive, a NULL column, a score outside ±2^53).

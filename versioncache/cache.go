@@ -546,7 +546,7 @@ func (c *Cache[T]) failOpen(ctx context.Context, id, op string, err error, load 
 // stores unless a newer version is stored by then, so the stored version
 // never goes backwards. A stored value that does not decode is a miss, and
 // the fill replaces it like any other: if its version is not newer than the
-// caller's, or if it has no version (no prefix that splitVersioned accepts).
+// caller's, or if it has no version (no canonical decimal "<version>:" prefix).
 // One that does have a newer version is left alone, and the caller is
 // served what it loaded, uncached: during a rollout that changes the Codec
 // or T, old and new processes cannot decode each other's values, and

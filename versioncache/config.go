@@ -45,6 +45,7 @@ const (
 	FailClosed
 )
 
+// String returns "fail-open" or "fail-closed".
 func (m FailureMode) String() string {
 	switch m {
 	case FailOpen:
@@ -122,8 +123,8 @@ type Config struct {
 	// waits, invalidations, errors, load duration; see the README's
 	// metrics table). The counters are the Stats counters, observed at
 	// collection time, so a hit costs nothing extra. Call Close when
-	// discarding a Cache created with a provider. Defaults to a no-op
-	// provider: nothing is recorded.
+	// discarding a Cache created with a provider. Defaults to nil (left
+	// nil by WithDefaults): nothing is recorded.
 	MeterProvider metric.MeterProvider
 }
 
