@@ -67,8 +67,10 @@ type Board struct {
 	primary *redis.ClusterClient
 	stream  string
 	channel string
-	ks      projection.Keyspace
-	zsetKey string
+	// cursorTag binds the board's page cursors to it (cursorTagOf).
+	cursorTag [cursorTagSize]byte
+	ks        projection.Keyspace
+	zsetKey   string
 	// cachesStatements: the pool's DefaultQueryExecMode prepares and caches
 	// statements, so SubmitBatch may choose per batch between a cached and
 	// an unnamed statement; otherwise (a pool set up for a transaction-
@@ -141,6 +143,7 @@ func New(pool *pgxpool.Pool, rdb redis.UniversalClient, cfg *Config) (*Board, er
 		rdb:              rdb,
 		stream:           StreamPrefix + c.Name,
 		channel:          w.Channel(),
+		cursorTag:        cursorTagOf(c),
 		ks:               ks,
 	}
 	if b.metrics, err = newBoardMetrics(c, b.observedLag); err != nil {
@@ -298,7 +301,7 @@ func (b *Board) submitOne(ctx context.Context, cmd Command) (Result, error) {
 		return Result{}, fmt.Errorf("leaderboard: event %s is already used by another outbox writer: %w", cmd.EventID, ErrIdempotencyConflict)
 	}
 	if err != nil {
-		return Result{}, fmt.Errorf("leaderboard: submit: reading the concurrent twin of event %s: %w", cmd.EventID, err)
+		return Result{}, b.dbError(fmt.Sprintf("submit: reading the concurrent twin of event %s", cmd.EventID), err)
 	}
 	res.Duplicate = true
 	return b.checkDuplicate(cmd, res, board, user, delta)
@@ -392,7 +395,7 @@ func (b *Board) submitStatement(ctx context.Context, q rowQuerier, query string,
 	case isScoreRangeViolation(err):
 		return Result{}, &ScoreOutOfRangeError{UserID: cmd.UserID, Delta: cmd.Delta}
 	default:
-		return Result{}, fmt.Errorf("leaderboard: submit: %w", err)
+		return Result{}, b.dbError("submit", err)
 	}
 	return b.checkDuplicate(cmd, res, board, user, delta)
 }
@@ -676,7 +679,7 @@ func (b *Board) mapBatchError(ctx context.Context, err error, cmds []Command, se
 	case isScoreRangeViolation(err):
 		return b.locateOverflow(ctx, b.querier(opts), cmds, sent)
 	}
-	return fmt.Errorf("leaderboard: submit batch: %w", err)
+	return b.dbError("submit batch", err)
 }
 
 // locateOverflow finds which command of a refused batch would have left

@@ -3,7 +3,6 @@ package leaderboard
 import (
 	"context"
 	"errors"
-	"fmt"
 	"runtime"
 	"sync"
 	"sync/atomic"
@@ -273,7 +272,7 @@ func (g *submitGroup) apply(calls []*submitCall) (stalled bool) {
 	conn, err := g.b.pool.Acquire(ctx)
 	if err != nil {
 		for _, call := range calls {
-			call.finish(Result{}, fmt.Errorf("leaderboard: submit: %w", err))
+			call.finish(Result{}, g.b.dbError("submit", err))
 		}
 		return
 	}

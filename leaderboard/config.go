@@ -283,6 +283,20 @@ func (c *Config) validateTables() error {
 	return nil
 }
 
+// validateMigration checks what Migrate and MigrationSQL use of a Config
+// that has been through WithDefaults: validateTables, and the outbox's own
+// checks of the same names (their length above all: PostgreSQL would
+// truncate a longer name and migrate another schema), which New runs too.
+func (c *Config) validateMigration() error {
+	if err := c.validateTables(); err != nil {
+		return err
+	}
+	if _, err := outbox.Migrations(&outbox.Config{Schema: c.Schema, Table: c.OutboxTable}); err != nil {
+		return fromOutboxConfig("Config.", err)
+	}
+	return nil
+}
+
 // validate checks a Config that has been through WithDefaults. Its errors
 // are *ConfigError, naming the field and how to fix it.
 func (c *Config) validate() error {

@@ -2,6 +2,7 @@ package leaderboard
 
 import (
 	"context"
+	"fmt"
 	"strings"
 	"testing"
 	"time"
@@ -142,7 +143,9 @@ func TestConfig(t *testing.T) {
 		res, err := board.Submit(ctx, Command{EventID: uuid.New(), UserID: "u", Delta: 3})
 		require.NoError(t, err)
 		require.Equal(t, int64(3), res.Score)
-		require.Contains(t, MigrationSQL(cfg), `CREATE TABLE IF NOT EXISTS "`)
+		script, err := MigrationSQL(cfg)
+		require.NoError(t, err)
+		require.Contains(t, script, `CREATE TABLE IF NOT EXISTS "`)
 		var n int
 		require.NoError(t, pg.Pool.QueryRow(ctx, "SELECT count(*) FROM "+qualify(cfg.Schema, outbox.TableDefault)).Scan(&n))
 		require.Equal(t, 1, n)
@@ -176,5 +179,45 @@ func TestConfig(t *testing.T) {
 		pg := testenv.Postgres(t)
 		require.ErrorAs(t, Migrate(ctx, pg.Pool, &Config{Schema: strings.Repeat("s", 64)}), &cfgErr)
 		require.Equal(t, "Config.Schema", cfgErr.Field)
+	})
+
+	// MigrationSQL refuses what Migrate and New refuse, rather than return
+	// the SQL of another schema: pgx drops a NUL byte from a quoted name
+	// ("a\x00b" would become "ab"), and PostgreSQL truncates a name to 63
+	// bytes.
+	t.Run("MigrationSQLRefusesWhatMigrateRefuses", func(t *testing.T) {
+		t.Parallel()
+		pg := testenv.Postgres(t)
+		rd := testenv.Redis(t)
+		for _, tc := range []struct {
+			field string
+			cfg   Config
+		}{
+			{"Config.Schema", Config{Schema: "a\x00b"}},
+			{"Config.Schema", Config{Schema: "a\xffb"}},
+			{"Config.Schema", Config{Schema: strings.Repeat("s", 64)}},
+			{"Config.OutboxTable", Config{OutboxTable: "o\x00x"}},
+			{"Config.OutboxTable", Config{OutboxTable: strings.Repeat("t", 64)}},
+			{"Config.OutboxTable", Config{OutboxTable: UserScoresTable}},
+		} {
+			name := fmt.Sprintf("Schema %q OutboxTable %q", tc.cfg.Schema, tc.cfg.OutboxTable)
+			script, err := MigrationSQL(&tc.cfg)
+			require.Empty(t, script, name)
+			var cfgErr *ConfigError
+			require.ErrorAs(t, err, &cfgErr, name)
+			require.Equal(t, tc.field, cfgErr.Field)
+			require.ErrorIs(t, err, ErrInvalidConfig)
+
+			require.ErrorAs(t, Migrate(context.Background(), pg.Pool, &tc.cfg), &cfgErr, "Migrate refuses it too")
+			require.Equal(t, tc.field, cfgErr.Field)
+			named := tc.cfg
+			named.Name = "b"
+			_, err = New(pg.Pool, rd.Client, &named)
+			require.ErrorAs(t, err, &cfgErr, "and New")
+			require.Equal(t, tc.field, cfgErr.Field)
+		}
+		script, err := MigrationSQL(nil)
+		require.NoError(t, err)
+		require.Contains(t, script, `"public"."user_scores"`)
 	})
 }

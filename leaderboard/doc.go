@@ -7,8 +7,10 @@
 //
 // A Board is one leaderboard (a game, a season: "weekly-2026-48"); many
 // boards share the same tables and Redis prefix, keyed by name. Migrate
-// creates the tables (score_events, user_scores and the outbox); New
-// builds a Board from a pgx pool, a redis.UniversalClient and a Config.
+// creates the tables (score_events, user_scores and the outbox), and
+// MigrationSQL returns the board tables' SQL for a migration tool; New
+// builds a Board from a pgx pool, a redis.UniversalClient and a Config. A
+// board used before Migrate fails with ErrNotMigrated (its Worker too).
 //
 // Submit applies a Command{EventID, UserID, Delta} and returns the user's
 // resulting Score and Version. It costs ONE database round trip: a single
@@ -101,7 +103,8 @@
 // are opaque keyset positions (score, user id): a page starts right after
 // the previous one ended, so concurrent updates never make it repeat or
 // skip an entry that kept its place, and the same cursor works against
-// Redis and PostgreSQL.
+// Redis and PostgreSQL. A cursor is bound to its board (Name, Schema and
+// KeyPrefix): another board refuses it with ErrInvalidCursor.
 //
 // Lag is the age, by the database clock, of the board's oldest outbox row
 // not yet projected, pending or dead-lettered (when there is none: zero

@@ -6,6 +6,7 @@ import (
 	"time"
 
 	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/verity-go/verity/outbox"
 )
@@ -15,9 +16,10 @@ import (
 // below carry the details for errors.As. (A nil transaction given to
 // SubmitTx is the one exception: a plain error.)
 var (
-	// ErrInvalidConfig matches every *ConfigError: New or Board.Worker was
-	// given a nil dependency or a configuration it cannot use, and nothing
-	// was created.
+	// ErrInvalidConfig matches every *ConfigError: New, Migrate,
+	// MigrationSQL, Board.Worker, Board.Reconciler or Board.Verify was given
+	// a nil dependency or a configuration it cannot use, and nothing was
+	// created or run.
 	ErrInvalidConfig = errors.New("leaderboard: invalid config")
 	// ErrInvalidCommand matches every *ValidationError: a Command that was
 	// refused before anything was written.
@@ -36,7 +38,9 @@ var (
 	// score on the board (in the source the read used).
 	ErrUserNotFound = errors.New("leaderboard: user has no score on this board")
 	// ErrInvalidCursor is returned by Page for a cursor that this board did
-	// not produce.
+	// not produce, or that a version of the package with another cursor
+	// format produced (cursors issued before an upgrade that changed it
+	// are refused; start again from the first page).
 	ErrInvalidCursor = errors.New("leaderboard: invalid page cursor")
 	// ErrConcurrentSubmit matches *ConcurrentSubmitError: SubmitTx met a
 	// twin of its command that committed meanwhile, and the caller's
@@ -56,15 +60,21 @@ var (
 	// Like any failed Redis read it is answered from PostgreSQL under
 	// FallbackToPostgres; the reconciler repairs the entry.
 	ErrCorruptScore = errors.New("leaderboard: reading Redis: a sorted-set score the projection never writes")
+	// ErrNotMigrated matches an error of a statement that found a table of
+	// the board missing (PostgreSQL's undefined_table, 42P01): the board
+	// was used before Migrate ran for its Schema and OutboxTable. Run
+	// leaderboard.Migrate. It is outbox.ErrNotMigrated, which the board's
+	// Worker returns for the same mistake, so either sentinel matches both.
+	ErrNotMigrated = outbox.ErrNotMigrated
 )
 
 // ConfigError reports a configuration field, or a dependency, that New,
-// Migrate, Board.Worker, Board.Reconciler or Board.Verify refused. It
-// matches ErrInvalidConfig.
+// Migrate, MigrationSQL, Board.Worker, Board.Reconciler or Board.Verify
+// refused. It matches ErrInvalidConfig.
 type ConfigError struct {
 	// Field names what was refused: "Config.Name", "WorkerConfig.Relay",
-	// "reconcile.Config.PageSize" (Reconciler's and Verify's cfg), or an
-	// argument of New ("pool", "rdb", "cfg").
+	// "reconcile.Config.PageSize" (Reconciler's and Verify's cfg), an
+	// argument of New ("pool", "rdb", "cfg"), or Migrate's "db".
 	Field string
 	// Reason says what is wrong and how to fix it.
 	Reason string
@@ -100,6 +110,36 @@ func fromOutboxConfig(prefix string, err error) error {
 	}
 	return &ConfigError{Field: field, Reason: oc.Reason, Err: err}
 }
+
+// dbError is the one place that wraps the error of a board statement for
+// its caller; op names the operation ("submit", "reading PostgreSQL"). A
+// missing table (42P01) means the schema was never migrated: it becomes
+// ErrNotMigrated, saying what to run, with the driver's error kept for
+// errors.As. Only the error is inspected: no statement checks the tables
+// beforehand.
+func (b *Board) dbError(op string, err error) error {
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) && pgErr.Code == pgUndefinedTable {
+		return &notMigratedError{err: err, msg: fmt.Sprintf(
+			"leaderboard: %s: a table of the board is missing in schema %q (%s, %s or the outbox table %q); run leaderboard.Migrate with the board's Schema and OutboxTable first: %v",
+			op, b.cfg.Schema, ScoreEventsTable, UserScoresTable, b.cfg.OutboxTable, err)}
+	}
+	return fmt.Errorf("leaderboard: %s: %w", op, err)
+}
+
+// pgUndefinedTable is PostgreSQL's undefined_table.
+const pgUndefinedTable = "42P01"
+
+// notMigratedError is dbError's error for a missing table. It matches
+// ErrNotMigrated and the driver's error, without the sentinel's own text,
+// which names outbox.Migrate.
+type notMigratedError struct {
+	msg string
+	err error
+}
+
+func (e *notMigratedError) Error() string   { return e.msg }
+func (e *notMigratedError) Unwrap() []error { return []error{ErrNotMigrated, e.err} }
 
 // ValidationError reports a Command field that was refused. Nothing was
 // written. It matches ErrInvalidCommand.

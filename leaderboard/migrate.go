@@ -33,8 +33,15 @@ type Execer interface {
 // MigrationSQL returns the SQL that creates the board tables of cfg.Schema,
 // for use with goose, golang-migrate, atlas and the like. It is idempotent.
 // It does not include the outbox's own migration (outbox.MigrationSQL).
-func MigrationSQL(cfg *Config) string {
-	schema := cfg.WithDefaults().Schema
+// cfg is checked as Migrate checks it: a Schema or OutboxTable that Migrate
+// and New refuse (a NUL byte, a name longer than PostgreSQL's 63 bytes...)
+// returns a *ConfigError, not SQL for some other schema.
+func MigrationSQL(cfg *Config) (string, error) {
+	c := cfg.WithDefaults()
+	if err := c.validateMigration(); err != nil {
+		return "", err
+	}
+	schema := c.Schema
 	names := []string{
 		"{{score_events}}", qualify(schema, ScoreEventsTable),
 		"{{user_scores}}", qualify(schema, UserScoresTable),
@@ -51,7 +58,7 @@ func MigrationSQL(cfg *Config) string {
 	for i := 1; strings.Contains(schemaSQL+strings.Join(names, ""), tag); i++ {
 		tag = fmt.Sprintf("$verity%d$", i)
 	}
-	return strings.NewReplacer(append(names, "{{do}}", tag)...).Replace(schemaSQL)
+	return strings.NewReplacer(append(names, "{{do}}", tag)...).Replace(schemaSQL), nil
 }
 
 // quoteLiteral returns s as an escape string literal (E'...'), whose
@@ -70,7 +77,8 @@ func Migrate(ctx context.Context, db Execer, cfg *Config) error {
 		return &ConfigError{Field: "db", Reason: "is nil; pass the board's database (a *pgxpool.Pool, a connection or a transaction)"}
 	}
 	c := cfg.WithDefaults()
-	if err := c.validateTables(); err != nil {
+	script, err := MigrationSQL(c)
+	if err != nil {
 		return err
 	}
 	if err := outbox.Migrate(ctx, db, &outbox.Config{Schema: c.Schema, Table: c.OutboxTable}); err != nil {
@@ -82,7 +90,7 @@ func Migrate(ctx context.Context, db Execer, cfg *Config) error {
 	// Without arguments pgx sends the script with the simple protocol: all
 	// statements run in one implicit transaction, so the advisory lock is
 	// held until the last one is done.
-	if _, err := db.Exec(ctx, MigrationSQL(cfg)); err != nil {
+	if _, err := db.Exec(ctx, script); err != nil {
 		return fmt.Errorf("leaderboard: migrate: %w", err)
 	}
 	return nil

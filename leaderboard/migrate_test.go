@@ -7,9 +7,12 @@ import (
 
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/stretchr/testify/require"
 
 	"github.com/verity-go/verity/internal/testenv"
+	"github.com/verity-go/verity/outbox"
+	"github.com/verity-go/verity/reconcile"
 )
 
 func TestMigrate(t *testing.T) {
@@ -48,7 +51,9 @@ func TestMigrate(t *testing.T) {
 		require.NoError(t, err)
 		mctx2, cancel2 := context.WithTimeout(ctx, 15*time.Second)
 		defer cancel2()
-		_, err = tb.pg.Pool.Exec(mctx2, MigrationSQL(&cfg))
+		script, err := MigrationSQL(&cfg)
+		require.NoError(t, err)
+		_, err = tb.pg.Pool.Exec(mctx2, script)
 		require.NoError(t, err)
 	})
 
@@ -87,6 +92,65 @@ func TestMigrate(t *testing.T) {
 		require.NoError(t, err)
 		_, err = board.Submit(ctx, Command{EventID: uuid.New(), UserID: "u", Delta: 1})
 		require.NoError(t, err)
+	})
+
+	// A board used before Migrate says so: every statement that meets a
+	// missing table returns ErrNotMigrated, which is outbox.ErrNotMigrated,
+	// the board's Worker's error for the same mistake.
+	t.Run("BoardUsedBeforeMigrate", func(t *testing.T) {
+		t.Parallel()
+		pg := testenv.Postgres(t)
+		rd := testenv.Redis(t)
+		cfg := &Config{Name: "weekly", Schema: pg.Schema, KeyPrefix: rd.Prefix, ReadPolicy: FallbackToPostgres}
+		board, err := New(pg.Pool, rd.Client, cfg)
+		require.NoError(t, err)
+		t.Cleanup(board.Close)
+		alone := *cfg
+		alone.MaxSubmitsPerStatement = 1
+		ungrouped, err := New(pg.Pool, rd.Client, &alone)
+		require.NoError(t, err)
+		t.Cleanup(ungrouped.Close)
+		cmd := func() Command { return Command{EventID: uuid.New(), UserID: "ada", Delta: 1} }
+
+		for name, call := range map[string]func() error{
+			"Submit":          func() error { _, err := board.Submit(ctx, cmd()); return err },
+			"SubmitUngrouped": func() error { _, err := ungrouped.Submit(ctx, cmd()); return err },
+			"SubmitBatch":     func() error { _, err := board.SubmitBatch(ctx, []Command{cmd(), cmd()}); return err },
+			"SubmitTx": func() error {
+				tx, err := pg.Pool.Begin(ctx)
+				require.NoError(t, err)
+				defer func() { _ = tx.Rollback(ctx) }()
+				_, err = board.SubmitTx(ctx, tx, cmd())
+				return err
+			},
+			"Authoritative": func() error { _, err := board.Authoritative(ctx, 10); return err },
+			"PageFromPostgres": func() error {
+				_, err := board.Page(ctx, "", 10, forcePostgres())
+				return err
+			},
+			"RankFromPostgres": func() error {
+				_, _, err := board.Rank(ctx, "ada", forcePostgres())
+				return err
+			},
+			"AroundFromPostgres": func() error {
+				_, err := board.Around(ctx, "ada", 1, forcePostgres())
+				return err
+			},
+			"Source": func() error { _, err := board.Source().Page(ctx, reconcile.Cursor{}, 10); return err },
+		} {
+			err := call()
+			require.ErrorIs(t, err, ErrNotMigrated, name)
+			require.ErrorIs(t, err, outbox.ErrNotMigrated, name)
+			require.ErrorContains(t, err, "run leaderboard.Migrate", name)
+			require.ErrorContains(t, err, pg.Schema, name)
+			var pgErr *pgconn.PgError
+			require.ErrorAs(t, err, &pgErr, "%s: the driver's error is kept", name)
+		}
+
+		w, err := board.Worker(nil)
+		require.NoError(t, err)
+		_, err = w.RunOnce(ctx)
+		require.ErrorIs(t, err, ErrNotMigrated, "the Worker's error is the same sentinel")
 	})
 
 	// An outbox named like one of the board's tables is refused before

@@ -138,7 +138,10 @@ func (b *Board) Top(ctx context.Context, n int, opts ...ReadOption) (Ranking, er
 // positions: a page starts right after the (score, user) where the previous
 // one ended, so concurrent score changes never make a page repeat or skip
 // an entry that kept its place, and a cursor works against Redis and
-// PostgreSQL alike. A cursor of another board returns ErrInvalidCursor.
+// PostgreSQL alike. A cursor of another board (another Name, Schema or
+// KeyPrefix) returns ErrInvalidCursor, and so does a cursor issued before
+// an upgrade that changed the cursor format: the client starts again from
+// the first page.
 func (b *Board) Page(ctx context.Context, cursorText string, n int, opts ...ReadOption) (Ranking, error) {
 	if n < 1 || n > MaxPageSize {
 		return Ranking{}, ErrInvalidLimit
@@ -682,7 +685,7 @@ func (b *Board) pgPage(ctx context.Context, db querier, c *cursor, n int) ([]Ent
 		rows, err = db.Query(ctx, b.sql.page, b.cfg.Name, n, c.score, c.user)
 	}
 	if err != nil {
-		return nil, fmt.Errorf("leaderboard: reading PostgreSQL: %w", err)
+		return nil, b.dbError("reading PostgreSQL", err)
 	}
 	entries, err := pgx.CollectRows(rows, func(row pgx.CollectableRow) (Entry, error) {
 		var e Entry
@@ -690,7 +693,7 @@ func (b *Board) pgPage(ctx context.Context, db querier, c *cursor, n int) ([]Ent
 		return e, err
 	})
 	if err != nil {
-		return nil, fmt.Errorf("leaderboard: reading PostgreSQL: %w", err)
+		return nil, b.dbError("reading PostgreSQL", err)
 	}
 	return entries, nil
 }
@@ -703,7 +706,7 @@ func (b *Board) pgRank(ctx context.Context, user string) (Entry, error) {
 		return Entry{}, ErrUserNotFound
 	}
 	if err != nil {
-		return Entry{}, fmt.Errorf("leaderboard: reading PostgreSQL: %w", err)
+		return Entry{}, b.dbError("reading PostgreSQL", err)
 	}
 	return e, nil
 }
@@ -712,7 +715,7 @@ func (b *Board) pgRank(ctx context.Context, user string) (Entry, error) {
 func (b *Board) pgAround(ctx context.Context, user string, n int) ([]Entry, error) {
 	rows, err := b.pool.Query(ctx, b.sql.around, b.cfg.Name, user, n)
 	if err != nil {
-		return nil, fmt.Errorf("leaderboard: reading PostgreSQL: %w", err)
+		return nil, b.dbError("reading PostgreSQL", err)
 	}
 	entries, err := pgx.CollectRows(rows, func(row pgx.CollectableRow) (Entry, error) {
 		var e Entry
@@ -720,7 +723,7 @@ func (b *Board) pgAround(ctx context.Context, user string, n int) ([]Entry, erro
 		return e, err
 	})
 	if err != nil {
-		return nil, fmt.Errorf("leaderboard: reading PostgreSQL: %w", err)
+		return nil, b.dbError("reading PostgreSQL", err)
 	}
 	if len(entries) == 0 {
 		return nil, ErrUserNotFound

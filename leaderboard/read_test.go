@@ -2,7 +2,10 @@ package leaderboard
 
 import (
 	"context"
+	"encoding/base64"
+	"encoding/binary"
 	"fmt"
+	"hash/crc32"
 	"math"
 	"net"
 	"sort"
@@ -199,6 +202,80 @@ func TestPageCursor(t *testing.T) {
 	require.ErrorIs(t, err, ErrInvalidCursor)
 	_, err = tb.board.Top(ctx, 0)
 	require.ErrorIs(t, err, ErrInvalidLimit)
+}
+
+// A cursor is bound to its board by a hash of the board's Schema, KeyPrefix
+// and Name: another board refuses it even when the two share a name or a
+// CRC-32 of one (what version 1 of the format bound), and a cursor of that
+// older format is refused too.
+func TestPageCursorOfAnotherBoard(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+
+	// firstPage returns the cursor after the first entry of a board of two
+	// users, and checks that the board itself accepts it.
+	firstPage := func(t *testing.T, tb *testBundle) string {
+		t.Helper()
+		tb.submit(t, "ada", 5)
+		tb.submit(t, "bob", 3)
+		tb.drain(t)
+		page, err := tb.board.Top(ctx, 1)
+		require.NoError(t, err)
+		require.NotEmpty(t, page.Next)
+		next, err := tb.board.Page(ctx, page.Next, 10)
+		require.NoError(t, err)
+		require.Equal(t, []string{"bob"}, users(next.Entries))
+		return page.Next
+	}
+	// beside returns a board of tb's config changed by mutate.
+	beside := func(t *testing.T, tb *testBundle, mutate func(*Config)) *Board {
+		t.Helper()
+		cfg := tb.board.Config()
+		mutate(&cfg)
+		b, err := New(tb.pg.Pool, tb.rd.Client, &cfg)
+		require.NoError(t, err)
+		t.Cleanup(b.Close)
+		return b
+	}
+
+	t.Run("SameCRC32OfName", func(t *testing.T) {
+		t.Parallel()
+		require.Equal(t, crc32.ChecksumIEEE([]byte("plumless")), crc32.ChecksumIEEE([]byte("buckeroo")))
+		tb := setup(t, func(c *Config) { c.Name = "plumless" })
+		other := beside(t, tb, func(c *Config) { c.Name = "buckeroo" })
+		_, err := other.Page(ctx, firstPage(t, tb), 10)
+		require.ErrorIs(t, err, ErrInvalidCursor)
+	})
+
+	t.Run("SameNameInAnotherSchema", func(t *testing.T) {
+		t.Parallel()
+		a := setup(t, func(c *Config) { c.Name = "weekly" })
+		b := setup(t, func(c *Config) { c.Name = "weekly" })
+		_, err := b.board.Page(ctx, firstPage(t, a), 10)
+		require.ErrorIs(t, err, ErrInvalidCursor)
+	})
+
+	t.Run("SameNameUnderAnotherKeyPrefix", func(t *testing.T) {
+		t.Parallel()
+		tb := setup(t)
+		other := beside(t, tb, func(c *Config) { c.KeyPrefix += "tenant-b:" })
+		_, err := other.Page(ctx, firstPage(t, tb), 10)
+		require.ErrorIs(t, err, ErrInvalidCursor)
+	})
+
+	// A cursor of version 1 (version byte, CRC-32 of the name, score, user)
+	// that this very board would have issued before the upgrade.
+	t.Run("OlderFormat", func(t *testing.T) {
+		t.Parallel()
+		tb := setup(t)
+		firstPage(t, tb)
+		buf := []byte{1}
+		buf = binary.BigEndian.AppendUint32(buf, crc32.ChecksumIEEE([]byte(tb.board.Name())))
+		buf = binary.BigEndian.AppendUint64(buf, 5)
+		buf = append(buf, "ada"...)
+		_, err := tb.board.Page(ctx, base64.RawURLEncoding.EncodeToString(buf), 10)
+		require.ErrorIs(t, err, ErrInvalidCursor)
+	})
 }
 
 func users(entries []Entry) []string {

@@ -103,7 +103,7 @@ CROSS JOIN LATERAL (
 func (s *boardSource) rows(ctx context.Context, sizeHint int, q string, args ...any) ([]reconcile.Row, error) {
 	rows, err := s.pool.Query(ctx, q, args...)
 	if err != nil {
-		return nil, fmt.Errorf("leaderboard: source: %w", err)
+		return nil, (*Board)(s).dbError("source", err)
 	}
 	defer rows.Close()
 	out := make([]reconcile.Row, 0, min(sizeHint, 4096))
@@ -113,12 +113,12 @@ func (s *boardSource) rows(ctx context.Context, sizeHint int, q string, args ...
 	)
 	for rows.Next() {
 		if err := rows.Scan(&key, &version, &score); err != nil {
-			return nil, fmt.Errorf("leaderboard: source: %w", err)
+			return nil, (*Board)(s).dbError("source", err)
 		}
 		out = append(out, reconcile.Row{Key: key, Version: version, Value: projection.Value{Score: -score}})
 	}
 	if err := rows.Err(); err != nil {
-		return nil, fmt.Errorf("leaderboard: source: %w", err)
+		return nil, (*Board)(s).dbError("source", err)
 	}
 	return out, nil
 }

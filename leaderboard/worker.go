@@ -38,8 +38,12 @@ type WorkerConfig struct {
 	// Relay tunes the outbox relay (batch size, lease, polling, retries,
 	// logger, metrics...). Its Schema, Table and Streams are set by the
 	// board and must be left empty. Its Logger and MeterProvider default to
-	// the board's, and the projector uses the same ones. Defaults to the
-	// outbox package's defaults.
+	// the board's, and the projector uses the same ones. Its Name, which
+	// only labels the relay's logs, defaults to "leaderboard-" + the
+	// board's name, so that the logs say which board a worker serves (the
+	// workers of one board share it; set Name to tell them apart). Every
+	// other field defaults as in the outbox package. A nil Relay means
+	// all of these defaults.
 	Relay *outbox.RelayConfig
 }
 
