@@ -3,7 +3,6 @@ package leaderboard
 import (
 	"context"
 	"errors"
-	"sync"
 	"time"
 
 	"go.opentelemetry.io/otel/attribute"
@@ -46,8 +45,7 @@ type boardMetrics struct {
 	submits metric.Int64Counter
 	reads   metric.Int64Counter
 
-	mu           sync.Mutex
-	registration metric.Registration // the lag gauge's callback; nil once unregistered
+	lagGauge *telemetry.Once // the lag gauge's callback
 }
 
 // newBoardMetrics creates the board's instruments. lag returns the lag to
@@ -81,7 +79,7 @@ func newBoardMetrics(c *Config, lag func(context.Context) (time.Duration, bool))
 	if err != nil {
 		return nil, err
 	}
-	m.registration = reg
+	m.lagGauge = telemetry.NewOnce(reg)
 	return m, nil
 }
 
@@ -90,14 +88,7 @@ func (m *boardMetrics) close() error {
 	if m == nil {
 		return nil
 	}
-	m.mu.Lock()
-	defer m.mu.Unlock()
-	if m.registration == nil {
-		return nil
-	}
-	err := m.registration.Unregister()
-	m.registration = nil
-	return err
+	return m.lagGauge.Unregister()
 }
 
 // submitted counts n commands that ended with err (or, without error, as

@@ -420,15 +420,9 @@ func (c *Cache[T]) loadAndFill(ctx context.Context, id string, r readResult, loa
 		// failed (or held up the fill past the caller's deadline), and
 		// would keep the caller waiting for it. Not a Redis error if the
 		// caller's own ctx cut it off (a detached fill's bound is ours).
-		if detached || callerGaveUp(ctx, err) == nil {
-			c.stats.redisErrors.Add(1)
-		}
-		c.config.Logger.WarnContext(ctx, "versioncache: fill failed; serving loaded value uncached",
-			slog.String("id", id), slog.String("error", err.Error()))
-	case stored == 1:
-		c.stats.fills.Add(1)
+		c.fillFailed(ctx, id, err, detached || callerGaveUp(ctx, err) == nil)
 	default:
-		c.stats.staleFillsSkipped.Add(1)
+		c.filled(stored)
 	}
 	return loaded[T]{val, data}, nil
 }
@@ -642,19 +636,32 @@ func (c *Cache[T]) loadAndFillAt(ctx context.Context, id, key, versionText strin
 	}
 	stored, err := c.lua.fillAt.Run(ctx, c.client, []string{key},
 		versionText, joinVersioned(versionText, data), c.config.TTL.Milliseconds()).Int()
-	switch {
-	case err != nil:
-		if callerGaveUp(ctx, err) == nil {
-			c.stats.redisErrors.Add(1)
-		}
-		c.config.Logger.WarnContext(ctx, "versioncache: fill failed; serving loaded value uncached",
-			slog.String("id", id), slog.String("error", err.Error()))
-	case stored == 1:
-		c.stats.fills.Add(1)
-	default:
-		c.stats.staleFillsSkipped.Add(1)
+	if err != nil {
+		c.fillFailed(ctx, id, err, callerGaveUp(ctx, err) == nil)
+	} else {
+		c.filled(stored)
 	}
 	return loaded[T]{val, data}, nil
+}
+
+// fillFailed counts and logs a fill that failed; redisFailed says whether
+// Redis is to blame (not the caller's own ctx ending).
+func (c *Cache[T]) fillFailed(ctx context.Context, id string, err error, redisFailed bool) {
+	if redisFailed {
+		c.stats.redisErrors.Add(1)
+	}
+	c.config.Logger.WarnContext(ctx, "versioncache: fill failed; serving loaded value uncached",
+		slog.String("id", id), slog.String("error", err.Error()))
+}
+
+// filled counts a fill script's answer: 1 stored, anything else skipped
+// because the version moved (or a newer one is stored).
+func (c *Cache[T]) filled(stored int) {
+	if stored == 1 {
+		c.stats.fills.Add(1)
+	} else {
+		c.stats.staleFillsSkipped.Add(1)
+	}
 }
 
 // Invalidate moves id to a new version and deletes its current value, in one

@@ -3,7 +3,6 @@ package versioncache
 import (
 	"context"
 	"errors"
-	"sync"
 	"time"
 
 	"go.opentelemetry.io/otel/attribute"
@@ -44,8 +43,7 @@ type cacheMetrics struct {
 	loadDuration metric.Float64Histogram
 	prefix       metric.MeasurementOption
 
-	mu           sync.Mutex
-	registration metric.Registration // nil once unregistered
+	callback *telemetry.Once // the observable instruments' callback
 }
 
 func newCacheMetrics(cfg *Config, stats func() Stats) (*cacheMetrics, error) {
@@ -117,7 +115,7 @@ func newCacheMetrics(cfg *Config, stats func() Stats) (*cacheMetrics, error) {
 	if err != nil {
 		return nil, err
 	}
-	m.registration = reg
+	m.callback = telemetry.NewOnce(reg)
 	return m, nil
 }
 
@@ -133,14 +131,7 @@ func (m *cacheMetrics) close() error {
 	if m == nil {
 		return nil
 	}
-	m.mu.Lock()
-	defer m.mu.Unlock()
-	if m.registration == nil {
-		return nil
-	}
-	err := m.registration.Unregister()
-	m.registration = nil
-	if err != nil {
+	if err := m.callback.Unregister(); err != nil {
 		return errors.Join(errors.New("versioncache: unregistering metrics"), err)
 	}
 	return nil

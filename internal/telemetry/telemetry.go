@@ -3,6 +3,7 @@ package telemetry
 import (
 	"errors"
 	"fmt"
+	"sync"
 
 	"go.opentelemetry.io/otel/metric"
 	"go.opentelemetry.io/otel/metric/noop"
@@ -144,4 +145,30 @@ func LagBuckets() []float64 {
 // duration histograms (a handler call, a load, a reconcile run).
 func DurationBuckets() []float64 {
 	return []float64{0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300}
+}
+
+// Once holds a callback's registration until it is unregistered, at most
+// once however often Unregister is called (a Close called twice, or
+// concurrently). The zero value holds nothing.
+type Once struct {
+	mu  sync.Mutex
+	reg metric.Registration
+}
+
+// NewOnce returns a Once holding reg.
+func NewOnce(reg metric.Registration) *Once { return &Once{reg: reg} }
+
+// Unregister unregisters the callback the first time and does nothing after.
+func (o *Once) Unregister() error {
+	if o == nil {
+		return nil
+	}
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	if o.reg == nil {
+		return nil
+	}
+	err := o.reg.Unregister()
+	o.reg = nil
+	return err
 }
