@@ -170,9 +170,10 @@ func MigrationSQL(cfg *Config) (string, error) {
 // lock, at READ COMMITTED whatever the role's default_transaction_isolation
 // (a stricter level would take its snapshot before waiting for the lock,
 // and fail on what another process committed meanwhile). db may be a pool,
-// a connection or a transaction (then the lock is held until that
-// transaction ends, and the transaction must be READ COMMITTED, PostgreSQL's
-// default). Migrate keeps no record of applied versions and
+// a connection or a transaction — a pgx.Tx or an SQLTx — (then the lock is
+// held until that transaction ends, and the transaction must be READ
+// COMMITTED, PostgreSQL's default); a connection on which the caller ran
+// BEGIN itself, or a wrapper of a transaction, is not recognised as one. Migrate keeps no record of applied versions and
 // runs every statement each time; on an outbox already migrated none of them
 // takes a lock that makes writers or relays wait, so calling it at every
 // start-up is safe.
@@ -196,10 +197,12 @@ func Migrate(ctx context.Context, db Execer, cfg *Config) error {
 
 // readCommitted returns the statement that sets the isolation level of a
 // migration script's implicit transaction to READ COMMITTED, or "" when db
-// is a transaction (its level is the caller's, and it can no longer be
-// changed once it has run a statement).
+// is a transaction — a pgx.Tx or an SQLTx — whose level is the caller's
+// (and can no longer be changed once it has run a statement). Any other db
+// is taken for a pool or a connection outside a transaction.
 func readCommitted(db Execer) string {
-	if _, inTx := db.(interface{ Commit(context.Context) error }); inTx {
+	switch db.(type) {
+	case pgx.Tx, sqlTx:
 		return ""
 	}
 	return "SET TRANSACTION ISOLATION LEVEL READ COMMITTED;\n"

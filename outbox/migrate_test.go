@@ -2,6 +2,7 @@ package outbox_test
 
 import (
 	"context"
+	"database/sql"
 	"fmt"
 	"regexp"
 	"strings"
@@ -11,6 +12,7 @@ import (
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+	_ "github.com/jackc/pgx/v5/stdlib"
 	"github.com/stretchr/testify/require"
 
 	"github.com/verity-go/verity/internal/testenv"
@@ -220,4 +222,36 @@ func TestMigrateUnderStricterDefaultIsolation(t *testing.T) {
 			}
 		})
 	}
+}
+
+// TestMigrateLeavesACallersTransactionsLevelAlone runs Migrate inside a
+// database/sql transaction (SQLTx) at REPEATABLE READ: Migrate sets READ
+// COMMITTED only for its own implicit transaction, never for a caller's.
+func TestMigrateLeavesACallersTransactionsLevelAlone(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pg := testenv.Postgres(t)
+	db, err := sql.Open("pgx", pg.ConnString)
+	require.NoError(t, err)
+	t.Cleanup(func() { db.Close() })
+
+	t.Run("RepeatableReadTxAfterAStatement", func(t *testing.T) {
+		t.Parallel()
+		tx, err := db.BeginTx(ctx, &sql.TxOptions{Isolation: sql.LevelRepeatableRead})
+		require.NoError(t, err)
+		defer tx.Rollback() //nolint:errcheck
+		_, err = tx.ExecContext(ctx, `SELECT count(*) FROM pg_class`) // the application's own work first
+		require.NoError(t, err)
+		require.NoError(t, outbox.Migrate(ctx, outbox.SQLTx(tx), &outbox.Config{Schema: pg.Schema}))
+	})
+	t.Run("RepeatableReadTxIsLeftAlone", func(t *testing.T) {
+		t.Parallel()
+		tx, err := db.BeginTx(ctx, &sql.TxOptions{Isolation: sql.LevelRepeatableRead})
+		require.NoError(t, err)
+		defer tx.Rollback() //nolint:errcheck
+		require.NoError(t, outbox.Migrate(ctx, outbox.SQLTx(tx), &outbox.Config{Schema: pg.Schema}))
+		var level string
+		require.NoError(t, tx.QueryRowContext(ctx, `SHOW transaction_isolation`).Scan(&level))
+		require.Equal(t, "repeatable read", level, "Migrate changed the caller's transaction's isolation level")
+	})
 }
