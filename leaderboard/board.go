@@ -71,10 +71,12 @@ type Board struct {
 	cursorTag [cursorTagSize]byte
 	ks        projection.Keyspace
 	zsetKey   string
-	// cachesStatements: the pool's DefaultQueryExecMode prepares and caches
-	// statements, so SubmitBatch may choose per batch between a cached and
-	// an unnamed statement; otherwise (a pool set up for a transaction-
-	// pooling proxy) every statement goes in the pool's own mode.
+	// cachesStatements: the pool's DefaultQueryExecMode prepares named
+	// statements and caches them (QueryExecModeCacheStatement), so
+	// SubmitBatch may choose per batch between a cached and an unnamed
+	// statement; in any other mode (CacheDescribe too, which pgx offers
+	// for transaction-pooling proxies) every statement goes in the pool's
+	// own mode.
 	cachesStatements bool
 	// layoutKey records the bucket count the projection's versions are
 	// stored with; layout is ks's count as the gate writes it there.
@@ -137,7 +139,7 @@ func New(pool *pgxpool.Pool, rdb redis.UniversalClient, cfg *Config) (*Board, er
 	}
 	mode := pool.Config().ConnConfig.DefaultQueryExecMode
 	b := &Board{
-		cachesStatements: mode == pgx.QueryExecModeCacheStatement || mode == pgx.QueryExecModeCacheDescribe,
+		cachesStatements: mode == pgx.QueryExecModeCacheStatement,
 		cfg:              c,
 		pool:             pool,
 		rdb:              rdb,

@@ -310,7 +310,7 @@ func TestSubmitBatch(t *testing.T) {
 // cached statement does not exist (simulated with DEALLOCATE ALL).
 func TestSubmitBatchInThePoolsExecMode(t *testing.T) {
 	t.Parallel()
-	for _, mode := range []pgx.QueryExecMode{pgx.QueryExecModeSimpleProtocol, pgx.QueryExecModeExec} {
+	for _, mode := range []pgx.QueryExecMode{pgx.QueryExecModeSimpleProtocol, pgx.QueryExecModeExec, pgx.QueryExecModeCacheDescribe} {
 		t.Run(mode.String(), func(t *testing.T) {
 			t.Parallel()
 			ctx := context.Background()
