@@ -126,8 +126,7 @@
 //
 // Upgrading to the release that tags values with their shape (below):
 // values cached by earlier releases do not decode for it, nor its values for
-// them; during the rollout each id costs one reload per release, and
-// nothing wrong is served.
+// them, as between any two releases with different shapes.
 //
 // # Types and Codecs in a rollout
 //
@@ -138,7 +137,10 @@
 // values that do not decode — a miss, reloaded, counted in
 // Stats.DecodeErrors — instead of decoding them into its own shape, which
 // encoding/json does without complaint (a field the value lacks is left at
-// its zero value, a value the source never held). The tag does not cover
+// its zero value, a value the source never held). The price is load on the
+// source while both releases run: an id both read is reloaded each time the
+// other release cached it last, and once the rollout is over every id
+// costs one more load. The tag does not cover
 // what only the code decides: a Codec's settings, or a MarshalJSON method
 // whose output changes while the type stays. Change Config.Prefix with such
 // a release.

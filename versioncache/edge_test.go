@@ -114,6 +114,18 @@ func TestCodec(t *testing.T) {
 		require.NotEqual(t, tag(JSONCodec{}, reflect.TypeFor[[]int]()), tag(JSONCodec{}, reflect.TypeFor[[]int64]()))
 		require.NotEqual(t, tag(JSONCodec{}, reflect.TypeFor[map[string]int]()), tag(JSONCodec{}, reflect.TypeFor[map[string]any]()))
 		require.Len(t, tag(JSONCodec{}, reflect.TypeFor[node]()), 9, "recursive types end")
+		require.NotEqual(t, tag(&JSONCodec{}, p), tag(&gobCodec{}, p), "Codecs given as pointers")
+
+		// The same unnamed type twice, then one of them changed.
+		type before struct {
+			Work struct{ Street string }
+			Home struct{ Street string }
+		}
+		type after struct {
+			Work struct{ Street string }
+			Home struct{ Street, Zip string }
+		}
+		require.NotEqual(t, tag(JSONCodec{}, reflect.TypeFor[before]()), tag(JSONCodec{}, reflect.TypeFor[after]()), "an unnamed field type changed")
 	})
 
 	// Peek does not repair: it reports a cached value that does not decode.

@@ -18,7 +18,8 @@ import (
 // serve a value the source never held.
 func shapeTag(codec Codec, t reflect.Type) []byte {
 	h := fnv.New64a()
-	fmt.Fprintf(h, "%s|", typeName(reflect.TypeOf(codec)))
+	describeShape(h, reflect.TypeOf(codec), make(map[reflect.Type]bool))
+	fmt.Fprint(h, "|")
 	describeShape(h, t, make(map[reflect.Type]bool))
 	sum := h.Sum(nil)
 	return append([]byte(hex.EncodeToString(sum[:4])), '~')
@@ -35,7 +36,12 @@ func describeShape(w io.Writer, t reflect.Type, seen map[reflect.Type]bool) {
 		fmt.Fprintf(w, "^%s", name) // a recursive type, described above
 		return
 	}
-	seen[t] = true
+	// Only named types can recur, and only they are marked: an unnamed
+	// type (an anonymous struct, a slice) met twice is described twice, so
+	// that a change to either occurrence changes the tag.
+	if name != "" {
+		seen[t] = true
+	}
 	fmt.Fprintf(w, "%s:%s(", name, t.Kind())
 	switch t.Kind() {
 	case reflect.Pointer, reflect.Slice:
