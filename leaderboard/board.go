@@ -81,6 +81,9 @@ type Board struct {
 	// layoutKey records the bucket count the projection's versions are
 	// stored with; layout is ks's count as the gate writes it there.
 	layoutKey, layout string
+	// unbucketedKey is the version hash of a projection without buckets,
+	// read with the layout when this board uses buckets ("" otherwise).
+	unbucketedKey string
 	// verifiedKey records that Verify found the projection complete;
 	// verifyingKey holds the token of the Verify pass under way. Both
 	// share the sorted set's hash tag.
@@ -158,6 +161,10 @@ func New(pool *pgxpool.Pool, rdb redis.UniversalClient, cfg *Config) (*Board, er
 	b.group.b, b.group.stallAfter = b, submitStallAfter
 	b.zsetKey = ks.ValueKey(b.target(""))
 	b.layoutKey, b.layout = ks.LayoutKey(c.Name, projection.KindSortedSet), strconv.Itoa(ks.VersionBuckets())
+	if ks.VersionBuckets() != 0 {
+		flat, _ := ks.WithVersionBuckets(0) // 0 buckets is always valid
+		b.unbucketedKey = flat.VersionKeys(c.Name, projection.KindSortedSet)[0]
+	}
 	b.verifiedKey, b.verifyingKey = b.zsetKey+"~verified", b.zsetKey+"~verifying"
 	b.primary = clusterpin.Client(rdb)
 	r := func(q string) string { return renderSQL(q, c.Schema, w.Config().Table) }

@@ -354,15 +354,19 @@ func (b *Board) waitForVersion(ctx context.Context, user string, version int64) 
 	for {
 		var cmd *redis.StringCmd
 		var layout *redis.SliceCmd
+		var legacy *redis.IntCmd
 		err := b.onMaster(ctx, key, func(p redis.Pipeliner) {
 			// MGET, as reconcile reads it: a key of another type is no
 			// layout (nil), not a WRONGTYPE failure of the read.
 			layout = p.MGet(ctx, b.layoutKey)
+			if b.unbucketedKey != "" {
+				legacy = p.Exists(ctx, b.unbucketedKey)
+			}
 			cmd = p.HGet(ctx, key, user)
 		})
 		var got string
 		if err == nil || errors.Is(err, redis.Nil) {
-			if lerr := b.checkLayout(layout.Val()); lerr != nil {
+			if lerr := b.checkLayout(layout.Val(), legacy); lerr != nil {
 				return false, lerr
 			}
 		}
@@ -394,14 +398,20 @@ func (b *Board) waitForVersion(ctx context.Context, user string, version int64) 
 }
 
 // checkLayout compares the layout key's value (MGET's reply) with the
-// board's bucket count. No layout key (nothing projected yet, or a board
-// projected before layout keys) passes: the gate records one with the
-// first write, which the read then waits for.
-func (b *Board) checkLayout(got []any) error {
+// board's bucket count. Without a layout key, a projection whose versions
+// sit in the unbucketed hash (one projected before layout keys; legacy
+// reports whether that hash exists, nil when the board uses no buckets)
+// is stored with 0 buckets, as the gate reads it; otherwise nothing was
+// projected yet, which passes: the gate records a layout with the first
+// write, which the read then waits for.
+func (b *Board) checkLayout(got []any, legacy *redis.IntCmd) error {
 	if len(got) != 1 {
 		return nil
 	}
 	stored, ok := got[0].(string)
+	if !ok && legacy != nil && legacy.Val() == 1 {
+		stored, ok = "0", true
+	}
 	if !ok || stored == b.layout {
 		return nil
 	}

@@ -541,6 +541,28 @@ func TestReadYourWrites(t *testing.T) {
 		require.ErrorIs(t, err, ErrUserNotFound)
 	})
 
+	t.Run("LegacyUnbucketedProjectionIsRefused", func(t *testing.T) {
+		t.Parallel()
+		// A projection of a release before layout keys: versions in the
+		// unbucketed hash, no layout key. The gate reads it as 0 buckets,
+		// and so must a bucketed board's AtLeast, instead of waiting.
+		tb := setup(t, func(cfg *Config) { cfg.ReadYourWritesTimeout = 5 * time.Second })
+		res := tb.submit(t, "ada", 10)
+		tb.drain(t)
+		require.NoError(t, tb.rd.Client.Del(ctx, tb.board.layoutKey).Err())
+		cfg := tb.board.Config()
+		cfg.VersionBuckets = 8
+		other, err := New(tb.pg.Pool, tb.rd.Client, &cfg)
+		require.NoError(t, err)
+		t.Cleanup(other.Close)
+		start := time.Now()
+		_, _, err = other.Rank(ctx, "ada", AtLeast("ada", res.Version), WithPolicy(FailClosed))
+		require.ErrorIs(t, err, projection.ErrLayoutMismatch)
+		require.Less(t, time.Since(start), 2*time.Second, "refused at once")
+		_, _, err = tb.board.Rank(ctx, "ada", AtLeast("ada", res.Version), WithPolicy(FailClosed))
+		require.NoError(t, err, "the unbucketed board still reads it")
+	})
+
 	t.Run("OtherBucketCountIsRefused", func(t *testing.T) {
 		t.Parallel()
 		// A rolling deploy that changes VersionBuckets: a board with the
