@@ -103,6 +103,9 @@ type Board struct {
 
 	lagMu    sync.Mutex
 	lagProbe lagProbe
+	// lagGaugeProbe is closed when the measurement a metrics collection
+	// started is over; nil while none runs.
+	lagGaugeProbe chan struct{}
 
 	metrics *boardMetrics // nil: no MeterProvider
 }
@@ -186,15 +189,17 @@ func New(pool *pgxpool.Pool, rdb redis.UniversalClient, cfg *Config) (*Board, er
 // Close the board still works; its Submit and SubmitBatch then no longer
 // wake the relays, which find the rows at their next poll. With a
 // Config.MeterProvider, Close also unregisters the verity.leaderboard.lag
-// gauge (the provider holds the board until then; a board dropped without
-// Close reports no lag once reads stop measuring it). Close does not
-// close the pool or the Redis client. It is safe to call more than once.
+// gauge and waits for a lag measurement a collection started (the provider
+// holds the board until then; a board dropped without Close keeps
+// measuring its lag for the gauge, at most once per LagProbeInterval of
+// collections). Close does not close the pool or the Redis client. It is
+// safe to call more than once.
 func (b *Board) Close() {
-	b.group.wait()
-	b.notifier.Close()
 	if err := b.metrics.close(); err != nil {
 		b.cfg.Logger.Warn("leaderboard: unregistering the lag gauge failed", "board", b.cfg.Name, "error", err)
 	}
+	b.group.wait()
+	b.notifier.Close()
 }
 
 // Name returns the board's name.

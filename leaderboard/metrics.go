@@ -65,7 +65,7 @@ func newBoardMetrics(c *Config, lag func(context.Context) (time.Duration, bool))
 			"Reads (Top, Page, Rank, Around) by the store that answered (redis, postgres; none on error) and outcome (ok, stale: refused by FailClosed, not_found, error)."),
 	}
 	gauge := in.Float64ObservableGauge(metricLag, "s",
-		"Projection lag of the board's stream as a read would see it at collection (age of the oldest unprojected outbox row, on the database's clock; measured at most once per LagProbeInterval); absent while it cannot be measured.")
+		"Projection lag of the board's stream as reads measure it (age of the oldest unprojected outbox row, on the database's clock; measured at most once per LagProbeInterval); absent while it cannot be measured.")
 	if err := in.Err(); err != nil {
 		return nil, err
 	}

@@ -6,6 +6,7 @@ import (
 	"time"
 
 	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 	"go.opentelemetry.io/otel/attribute"
 
@@ -198,6 +199,36 @@ func TestLagGauge(t *testing.T) {
 		tb, rec := metered(t, 5*time.Second, func(c *Config) { c.RequireVerifiedProjection = true })
 		require.True(t, tb.board.Freshness(ctx).Unverified)
 		require.False(t, rec.Collect(t).Has(metricLag))
+	})
+
+	t.Run("DoesNotStallACollection", func(t *testing.T) {
+		t.Parallel()
+		// Three boards on a pool whose only connection is held: a database
+		// that answers nothing. Each collection may start a measurement
+		// but must not wait it out (5 s per board would overrun a scrape).
+		tb := setup(t)
+		rec := metrictest.New(t)
+		pc, err := pgxpool.ParseConfig(tb.pg.ConnString)
+		require.NoError(t, err)
+		pc.MaxConns = 1
+		pool, err := pgxpool.NewWithConfig(ctx, pc)
+		require.NoError(t, err)
+		t.Cleanup(pool.Close)
+		for _, name := range []string{"daily", "weekly", "monthly"} {
+			cfg := tb.board.Config()
+			cfg.Name, cfg.MeterProvider = name, rec.Provider
+			board, err := New(pool, tb.rd.Client, &cfg)
+			require.NoError(t, err)
+			t.Cleanup(board.Close) // after the release below: it waits for the measurements
+		}
+		held, err := pool.Acquire(ctx)
+		require.NoError(t, err)
+		t.Cleanup(held.Release)
+
+		start := time.Now()
+		s := rec.Collect(t)
+		require.Less(t, time.Since(start), 2*time.Second)
+		require.False(t, s.Has(metricLag), "nothing measured, nothing exported")
 	})
 
 	t.Run("CloseUnregisters", func(t *testing.T) {

@@ -509,23 +509,64 @@ func (b *Board) freshness(ctx context.Context) Freshness {
 	return Freshness{Source: SourceRedis, ProjectedThrough: p.at}
 }
 
-// observedLag returns the lag for the verity.leaderboard.lag gauge, as a
-// read would see it now (measuring, at most once per LagProbeInterval,
-// within lagGaugeTimeout), and false when reads could not measure it: the
-// probe failed or the board is unverified (reads see a lag of -1). The
-// gauge is then absent rather than frozen at a healthy-looking value, and
-// it stays current on a board nobody reads.
+// observedLag returns the lag for the verity.leaderboard.lag gauge. When
+// no read has measured it for LagProbeInterval, it starts a measurement in
+// the background (one at a time, bounded by lagGaugeTimeout, awaited by
+// Close) and waits for it at most lagGaugeWait, so that a database that
+// does not answer cannot stall a metrics scrape. It reports the last
+// measurement, the oldest pending row aged since, and nothing when that
+// measurement failed, found the board unverified (reads see a lag of -1),
+// or is older than two LagProbeIntervals (the database did not answer in
+// time): the gauge is then absent rather than frozen at a healthy-looking
+// value.
 func (b *Board) observedLag(ctx context.Context) (time.Duration, bool) {
-	ctx, cancel := context.WithTimeout(ctx, lagGaugeTimeout)
-	defer cancel()
-	if f := b.freshness(ctx); f.Lag >= 0 {
-		return f.Lag, true
+	b.lagMu.Lock()
+	p := b.lagProbe
+	if p.at.IsZero() || time.Since(p.at) >= b.cfg.LagProbeInterval {
+		if b.lagGaugeProbe == nil {
+			done := make(chan struct{})
+			b.lagGaugeProbe = done
+			untrack := b.group.track()
+			go func() {
+				defer untrack()
+				mctx, cancel := context.WithTimeout(context.Background(), lagGaugeTimeout)
+				defer cancel()
+				b.freshness(mctx)
+				b.lagMu.Lock()
+				b.lagGaugeProbe = nil
+				b.lagMu.Unlock()
+				close(done)
+			}()
+		}
+		done := b.lagGaugeProbe
+		b.lagMu.Unlock()
+		t := time.NewTimer(lagGaugeWait)
+		select {
+		case <-done:
+		case <-t.C:
+		case <-ctx.Done():
+		}
+		t.Stop()
+		b.lagMu.Lock()
+		p = b.lagProbe
 	}
-	return 0, false
+	b.lagMu.Unlock()
+	age := time.Since(p.at)
+	if p.at.IsZero() || p.failed || p.unverified || age > 2*b.cfg.LagProbeInterval+lagGaugeWait {
+		return 0, false
+	}
+	if p.pending {
+		return p.lag + age, true
+	}
+	return 0, true
 }
 
-// lagGaugeTimeout bounds the lag probe a metrics collection may run.
-const lagGaugeTimeout = 5 * time.Second
+// lagGaugeTimeout bounds a lag measurement a metrics collection starts;
+// lagGaugeWait bounds how long the collection waits for it.
+const (
+	lagGaugeTimeout = 5 * time.Second
+	lagGaugeWait    = 250 * time.Millisecond
+)
 
 // measureLag runs the lag query on a connection of its own and returns the
 // database's now(), the oldest unprojected row's creation time (nil when
