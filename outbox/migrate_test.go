@@ -240,7 +240,8 @@ func TestMigrateLeavesACallersTransactionsLevelAlone(t *testing.T) {
 		tx, err := db.BeginTx(ctx, &sql.TxOptions{Isolation: sql.LevelRepeatableRead})
 		require.NoError(t, err)
 		defer tx.Rollback() //nolint:errcheck
-		_, err = tx.ExecContext(ctx, `SELECT count(*) FROM pg_class`) // the application's own work first
+		// The application's own work first.
+		_, err = tx.ExecContext(ctx, `SELECT count(*) FROM pg_class`)
 		require.NoError(t, err)
 		require.NoError(t, outbox.Migrate(ctx, outbox.SQLTx(tx), &outbox.Config{Schema: pg.Schema}))
 	})
