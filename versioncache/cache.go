@@ -219,7 +219,7 @@ func (c *Cache[T]) Get(ctx context.Context, id string, load Loader[T]) (T, error
 			c.stats.misses.Add(1)
 			missed = true
 		}
-		res, shared, leaderEnded, err := c.flights.do(ctx, c.flightKey(id, r.version), abandonedLoad(id), func() (loaded[T], error) {
+		res, shared, leaderEnded, err := c.flights.do(ctx, c.flightKey(id, r.version), id, func() (loaded[T], error) {
 			return c.loadAndFill(ctx, id, r, load)
 		})
 		switch {
@@ -431,10 +431,6 @@ func (c *Cache[T]) loadAndFill(ctx context.Context, id string, r readResult, loa
 // ended because others depend on them: a fill, a lease's release.
 const detachedTimeout = time.Second
 
-// abandonedLoad is what the callers sharing a load of id get when the
-// caller running it panicked or exited its goroutine.
-func abandonedLoad(id string) error { return &LoadError{ID: id, Err: errLoadAbandoned} }
-
 // releaseLease gives up this process's lease after a failed (or panicked)
 // load, even when ctx is what failed, so other processes need not wait
 // FillLeaseTTL.
@@ -603,7 +599,7 @@ func (c *Cache[T]) GetAt(ctx context.Context, id string, version int64, load Loa
 			c.stats.misses.Add(1)
 			missed = true
 		}
-		res, shared, leaderEnded, err := c.flights.do(ctx, key+"@"+versionText, abandonedLoad(id), func() (loaded[T], error) {
+		res, shared, leaderEnded, err := c.flights.do(ctx, key+"@"+versionText, id, func() (loaded[T], error) {
 			return c.loadAndFillAt(ctx, id, key, versionText, load)
 		})
 		if err != nil && shared && leaderEnded && isContextErr(err) && ctx.Err() == nil {

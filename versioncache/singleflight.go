@@ -34,9 +34,10 @@ type flightCall[T any] struct {
 // for that run (or for ctx). shared reports whether the result came from
 // another caller's run, and leaderEnded whether that caller's ctx had ended
 // by the time its run returned. If fn panics or exits its goroutine, the
-// panic or Goexit goes on in the caller that ran it, and the others get
-// abandoned.
-func (g *flightGroup[T]) do(ctx context.Context, key string, abandoned error, fn func() (T, error)) (val T, shared, leaderEnded bool, err error) {
+// panic or Goexit goes on in the caller that ran it, and the others get a
+// *LoadError of id saying so (built only then: a miss allocates nothing for
+// it).
+func (g *flightGroup[T]) do(ctx context.Context, key, id string, fn func() (T, error)) (val T, shared, leaderEnded bool, err error) {
 	g.mu.Lock()
 	if g.calls == nil {
 		g.calls = make(map[string]*flightCall[T])
@@ -61,7 +62,7 @@ func (g *flightGroup[T]) do(ctx context.Context, key string, abandoned error, fn
 			// fn panicked, or called runtime.Goexit (t.FailNow in a
 			// test's loader): the waiters get an error, and the panic or
 			// Goexit goes on, as it is, in the caller that ran fn.
-			c.err = abandoned
+			c.err = &LoadError{ID: id, Err: errLoadAbandoned}
 			g.release(key, c)
 		}
 	}()

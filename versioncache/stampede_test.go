@@ -233,14 +233,14 @@ func TestFlightLoadExits(t *testing.T) {
 	exited := make(chan struct{})
 	go func() {
 		defer close(exited)
-		_, _, _, _ = g.do(context.Background(), "k", errLoadAbandoned, func() (int, error) {
+		_, _, _, _ = g.do(context.Background(), "k", "id", func() (int, error) {
 			runtime.Goexit()
 			return 0, nil
 		})
 		t.Error("do returned although the load's goroutine exited")
 	}()
 	<-exited
-	v, shared, _, err := g.do(context.Background(), "k", errLoadAbandoned, func() (int, error) { return 7, nil })
+	v, shared, _, err := g.do(context.Background(), "k", "id", func() (int, error) { return 7, nil })
 	require.NoError(t, err)
 	require.False(t, shared)
 	require.Equal(t, 7, v)
