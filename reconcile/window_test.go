@@ -312,21 +312,8 @@ func TestTornReadOfAnUpdatedRow(t *testing.T) {
 func TestAheadRowDeletedCountedOnce(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	b := setup(t, projection.KindSortedSet)
-	b.insert(t, "a", 1)
-	b.projectRows(t, []Row{b.insert(t, "b", 1)})
-	b.project(t, "a", 2) // ahead of the source's 1
+	b, src := aheadRowDeletedMidPass(t)
 	b.project(t, "z", 1) // an orphan: never in the source
-
-	src := &windowSource{Source: b.source}
-	var deleted sync.Once
-	src.afterPage = func([]Row) {
-		deleted.Do(func() {
-			if _, err := b.pool.Exec(ctx, `DELETE FROM items WHERE key = 'a'`); err != nil {
-				t.Errorf("deleting a: %v", err)
-			}
-		})
-	}
 	alerts := map[string]int{}
 	r, err := New(src, b.target, &Config{OnAlert: func(_ context.Context, f Finding) { alerts[f.Key]++ }})
 	require.NoError(t, err)
@@ -346,20 +333,7 @@ func TestAheadRowDeletedCountedOnce(t *testing.T) {
 func TestOrphanWrittenBackAfterItsRemoval(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	b := setup(t, projection.KindSortedSet)
-	b.insert(t, "a", 1)
-	b.projectRows(t, []Row{b.insert(t, "b", 1)})
-	b.project(t, "a", 2) // ahead of the source's 1
-
-	src := &windowSource{Source: b.source}
-	var deleted sync.Once
-	src.afterPage = func([]Row) {
-		deleted.Do(func() {
-			if _, err := b.pool.Exec(ctx, `DELETE FROM items WHERE key = 'a'`); err != nil {
-				t.Errorf("deleting a: %v", err)
-			}
-		})
-	}
+	b, src := aheadRowDeletedMidPass(t)
 	var writtenBack atomic.Bool
 	r, err := New(src, b.target, &Config{
 		Policy: Policy{Orphan: ActionRepair},
@@ -379,4 +353,25 @@ func TestOrphanWrittenBackAfterItsRemoval(t *testing.T) {
 	require.Equal(t, map[Class]int64{ClassCurrent: 1, ClassOrphan: 2}, rep.Counts)
 	require.EqualValues(t, 2, rep.Results[ResultRepaired])
 	require.Equal(t, Projected{}, b.state(t, r, "a"), "removed again")
+}
+
+// aheadRowDeletedMidPass projects "b" current and "a" ahead of its source
+// row, and returns a source that deletes a's row once the first page has
+// been read, before the pass reads the projection.
+func aheadRowDeletedMidPass(t *testing.T) (*testBundle, *windowSource) {
+	t.Helper()
+	b := setup(t, projection.KindSortedSet)
+	b.insert(t, "a", 1)
+	b.projectRows(t, []Row{b.insert(t, "b", 1)})
+	b.project(t, "a", 2) // ahead of the source's 1
+	src := &windowSource{Source: b.source}
+	var deleted sync.Once
+	src.afterPage = func([]Row) {
+		deleted.Do(func() {
+			if _, err := b.pool.Exec(context.Background(), `DELETE FROM items WHERE key = 'a'`); err != nil {
+				t.Errorf("deleting a: %v", err)
+			}
+		})
+	}
+	return b, src
 }
