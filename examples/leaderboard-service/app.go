@@ -20,6 +20,7 @@ import (
 	"github.com/verity-go/verity/internal/services"
 	"github.com/verity-go/verity/leaderboard"
 	"github.com/verity-go/verity/projection"
+	"github.com/verity-go/verity/reconcile"
 )
 
 // Flag defaults.
@@ -125,14 +126,20 @@ func parseFlags(name string, args []string, stderr io.Writer) (*options, error) 
 	if o.board == "" {
 		return usage("--board must not be empty")
 	}
-	// leaderboard.New's rules for Config.Name and Config.Schema (the
-	// library exports no check that needs no pool), and for Config.KeyPrefix
-	// the check New makes through projection.NewKeyspace.
+	// leaderboard.New's rules for Config.Name (the library exports no
+	// check of it that needs no pool); for Config.Schema, the library's own
+	// check through MigrationSQL, which refuses what Migrate and New refuse
+	// (a NUL byte, more than PostgreSQL's 63 bytes...); and for
+	// Config.KeyPrefix the check New makes through projection.NewKeyspace.
 	if len(o.board) > leaderboard.MaxNameLength || !utf8.ValidString(o.board) || strings.IndexByte(o.board, 0) >= 0 {
 		return usage("--board must be valid UTF-8 without NUL bytes, at most %d bytes (got %d)", leaderboard.MaxNameLength, len(o.board))
 	}
-	if !utf8.ValidString(o.schema) || strings.IndexByte(o.schema, 0) >= 0 {
-		return usage("--schema must be valid UTF-8 without NUL bytes")
+	if _, err := leaderboard.MigrationSQL(&leaderboard.Config{Schema: o.schema}); err != nil {
+		var ce *leaderboard.ConfigError
+		if errors.As(err, &ce) {
+			return usage("--schema %s", ce.Reason)
+		}
+		return usage("--schema: %v", err)
 	}
 	if _, err := projection.NewKeyspace(o.keyPrefix); err != nil {
 		var ce *projection.ConfigError
@@ -149,6 +156,13 @@ func parseFlags(name string, args []string, stderr io.Writer) (*options, error) 
 		}
 		if _, err := strconv.ParseUint(port, 10, 16); err != nil {
 			return usage("--addr %q: the port must be a number from 0 to 65535 (0: any free port)", o.addr)
+		}
+	}
+	// reconcile.Reconciler.Run refuses a larger sample, after connecting
+	// (for serve, at every scheduled run).
+	for flagName, n := range map[string]int{"--sample": o.sample, "--reconcile-sample": o.reconcileSample} {
+		if n > reconcile.SampleMax {
+			return usage("%s %d is above reconcile.SampleMax (%d); use 0 for a full pass", flagName, n, reconcile.SampleMax)
 		}
 	}
 	if o.verify && (o.sample > 0 || o.dryRun) {

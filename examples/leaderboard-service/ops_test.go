@@ -20,6 +20,7 @@ import (
 	"github.com/verity-go/verity/internal/testenv"
 	"github.com/verity-go/verity/leaderboard"
 	"github.com/verity-go/verity/outbox"
+	"github.com/verity-go/verity/reconcile"
 )
 
 // runCommand runs the binary's entry point in-process and returns its exit
@@ -217,6 +218,9 @@ func TestCommandLine(t *testing.T) {
 		{"BoardTooLong", append([]string{"stats", "--board=" + strings.Repeat("b", leaderboard.MaxNameLength+1)}, nowhere...), exitUsage, "at most 200 bytes"},
 		{"BoardNotUTF8", append([]string{"reconcile", "--board=\xff"}, nowhere...), exitUsage, "--board must be valid UTF-8"},
 		{"SchemaNotUTF8", append([]string{"rebuild", "--schema=\xff"}, nowhere...), exitUsage, "--schema must be valid UTF-8"},
+		{"SchemaTooLong", append([]string{"stats", "--schema=" + strings.Repeat("s", 64)}, nowhere...), exitUsage, "--schema is 64 bytes long"},
+		{"SampleAboveMax", append([]string{"reconcile", fmt.Sprintf("--sample=%d", reconcile.SampleMax+1)}, nowhere...), exitUsage, "--sample 1000001 is above reconcile.SampleMax"},
+		{"ReconcileSampleAboveMax", append([]string{"serve", "--addr=127.0.0.1:0", fmt.Sprintf("--reconcile-sample=%d", reconcile.SampleMax+1)}, nowhere...), exitUsage, "--reconcile-sample 1000001 is above reconcile.SampleMax"},
 		{"AddrWithoutPort", append([]string{"serve", "--addr=bogus"}, nowhere...), exitUsage, "--addr: address bogus: missing port"},
 		{"AddrPortNotANumber", append([]string{"serve", "--addr=127.0.0.1:http"}, nowhere...), exitUsage, "the port must be a number"},
 		{"AddrPortTooLarge", append([]string{"serve", "--addr=:65536"}, nowhere...), exitUsage, "the port must be a number"},
