@@ -348,7 +348,9 @@
 // growing pause if that connection fails. Notifications are an optimisation:
 // a relay also polls every PollInterval, which picks up rows whose backoff or
 // lease ran out and covers any lost notification. After a full batch it
-// claims again at once. Behind a transaction-pooling proxy, set DisableNotify
+// claims again at once. After a database error it pauses before claiming
+// again, 100ms doubling up to ReconnectBackoffMax; notifications do not cut
+// that pause short. Behind a transaction-pooling proxy, set DisableNotify
 // and rely on polling.
 //
 // The relay's claims and settles are written for READ COMMITTED,

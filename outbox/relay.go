@@ -825,7 +825,9 @@ func nonNil[T any](s []T) []T {
 // returns nil. It returns ErrRelayRunning if the relay is already running.
 //
 // Run claims a batch whenever it is notified (Writer.Append notifies on
-// commit), every PollInterval, and immediately again after a full batch. Only
+// commit), every PollInterval, and immediately again after a full batch.
+// After a database error it pauses (see RelayConfig.ReconnectBackoffMax)
+// and then claims, whether or not it was notified meanwhile. Only
 // one batch is in flight per relay; run several relays for parallelism. When
 // ctx is cancelled Run claims nothing more, lets the in-flight batch (a claim
 // already sent included) finish and settles it; if the Handler has not
@@ -887,7 +889,6 @@ func (r *Relay) Run(ctx context.Context) error {
 	errPause := newPauser(r.cfg.ReconnectBackoffMax)
 	for {
 		n, more, err := r.runBatch(ctx, workCtx)
-		var wait time.Duration
 		switch {
 		case ctx.Err() != nil:
 			// The last batch (n > 0) may have failed to settle, which must
@@ -901,8 +902,20 @@ func (r *Relay) Run(ctx context.Context) error {
 			}
 			return nil
 		case err != nil && !errors.Is(err, ErrLeaseLost):
-			wait = min(errPause.next(), r.cfg.PollInterval)
-			r.logger.Error("outbox relay batch failed", slog.String("error", err.Error()), slog.Duration("pause", wait))
+			pause := errPause.next()
+			r.logger.Error("outbox relay batch failed", slog.String("error", err.Error()), slog.Duration("pause", pause))
+			// Notifications do not cut the pause short: every commit sends
+			// one, so a failing database would be retried (and logged) per
+			// commit. The claim that follows sees every row committed
+			// before it, so a notification left pending meanwhile is spent.
+			if !sleep(ctx, pause) {
+				return nil
+			}
+			select {
+			case <-wake:
+			default:
+			}
+			continue
 		case err != nil:
 			errPause.reset()
 			r.logger.Warn("outbox relay lost a lease; another relay owns those rows", slog.String("error", err.Error()))
@@ -911,12 +924,8 @@ func (r *Relay) Run(ctx context.Context) error {
 			continue // a full batch, or more partitions than one claim takes
 		default:
 			errPause.reset()
-			wait = r.cfg.PollInterval
 		}
-		if wait == 0 {
-			wait = r.cfg.PollInterval
-		}
-		timer := time.NewTimer(wait)
+		timer := time.NewTimer(r.cfg.PollInterval)
 		select {
 		case <-ctx.Done():
 			timer.Stop()

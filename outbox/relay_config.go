@@ -102,8 +102,9 @@ type RelayConfig struct {
 
 	// ReconnectBackoffMax caps the pause after a database error, both
 	// before reconnecting the LISTEN connection and before claiming again.
-	// Pauses start at 100ms and double. Defaults to
-	// ReconnectBackoffMaxDefault (5s).
+	// Pauses start at 100ms and double until a success. Notifications do
+	// not cut the pause before claiming short, and PollInterval does not
+	// cap it. Defaults to ReconnectBackoffMaxDefault (5s).
 	ReconnectBackoffMax time.Duration
 
 	// KeepPublished keeps acknowledged rows, marked with published_at, for

@@ -1028,6 +1028,76 @@ func TestRelayRun(t *testing.T) {
 		require.Eventually(t, func() bool { return len(h.seen()) == 2 }, 10*time.Second, 10*time.Millisecond)
 	})
 
+	// While claims fail, the relay retries after the growing error pause
+	// (100ms, 200ms, 400ms, ...), not once per notification, though every
+	// commit notifies; a row notified during the pause is claimed as soon
+	// as the pause ends, not at the next poll.
+	t.Run("ErrorPauseOutlastsNotifications", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		logs := &syncBuffer{}
+		r := b.relay(t, newPoolLockTimeout(t, b.pg.ConnString, "20ms"), &recorder{}, outbox.RelayConfig{
+			PollInterval: time.Hour, Logger: slog.New(slog.NewTextHandler(logs, nil))})
+		// Something holds the lease table (REINDEX, VACUUM FULL, ALTER):
+		// every claim fails with lock_not_available.
+		blocker := b.lockLeases(t)
+
+		start := time.Now()
+		startRun(t, r)
+		waitListening(t, b)
+		appended := 0
+		for time.Since(start) < 2*time.Second {
+			b.appendCommitted(t, newMessage("s", fmt.Sprint("k", appended), 1))
+			appended++
+			time.Sleep(5 * time.Millisecond)
+		}
+		failures := strings.Count(logs.String(), "outbox relay batch failed")
+		t.Logf("%d claims failed in %s while %d rows were appended", failures, time.Since(start), appended)
+		// Pauses of 100+200+400+800 ms allow at most 5 claims in 2 s (timers
+		// never fire early); retrying per notification makes dozens.
+		require.GreaterOrEqual(t, failures, 1, "the claims failed")
+		require.LessOrEqual(t, failures, 10, "notifications cut the error pause short")
+
+		// The relay is in a pause of at most 1.6 s and polls hourly.
+		require.NoError(t, blocker.Rollback(ctx))
+		require.Eventually(t, func() bool { return b.count(t, b.writer.Table()) == 0 }, 10*time.Second, 10*time.Millisecond,
+			"rows appended during the pause are delivered when it ends")
+	})
+
+	// ReconnectBackoffMax, not PollInterval, caps the error pause: a short
+	// poll must not turn a failing database into a retry every poll.
+	t.Run("ErrorPauseNotCappedByPollInterval", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		logs := &syncBuffer{}
+		r := b.relay(t, newPoolLockTimeout(t, b.pg.ConnString, "20ms"), &recorder{}, outbox.RelayConfig{
+			DisableNotify: true, PollInterval: 50 * time.Millisecond, Logger: slog.New(slog.NewTextHandler(logs, nil))})
+		b.lockLeases(t)
+		start := time.Now()
+		startRun(t, r)
+		time.Sleep(2 * time.Second)
+		failures := strings.Count(logs.String(), "outbox relay batch failed")
+		t.Logf("%d claims failed in %s", failures, time.Since(start))
+		// At most 5 claims fit in 2 s (see ErrorPauseOutlastsNotifications);
+		// one per poll would be about 30.
+		require.GreaterOrEqual(t, failures, 1, "the claims failed")
+		require.LessOrEqual(t, failures, 10, "PollInterval cut the error pause short")
+	})
+
+	t.Run("ShutdownDuringErrorPause", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		logs := &syncBuffer{}
+		r := b.relay(t, newPoolLockTimeout(t, b.pg.ConnString, "20ms"), &recorder{}, outbox.RelayConfig{
+			PollInterval: time.Hour, Logger: slog.New(slog.NewTextHandler(logs, nil))})
+		b.lockLeases(t)
+		stop := startRun(t, r)
+		require.Eventually(t, func() bool { return strings.Contains(logs.String(), "pause=1.6s") }, 10*time.Second, 5*time.Millisecond)
+		begun := time.Now()
+		require.NoError(t, stop())
+		require.Less(t, time.Since(begun), time.Second, "Run waited out the error pause")
+	})
+
 	t.Run("GracefulShutdownFinishesBatch", func(t *testing.T) {
 		t.Parallel()
 		b := setup(t)
@@ -1222,6 +1292,32 @@ func newPoolNamed(t *testing.T, connString, appName string) *pgxpool.Pool {
 	require.NoError(t, err)
 	t.Cleanup(pool.Close)
 	return pool
+}
+
+// newPoolLockTimeout opens a pool on connString whose statements give up
+// waiting for a lock after lockTimeout, closed at cleanup.
+func newPoolLockTimeout(t *testing.T, connString, lockTimeout string) *pgxpool.Pool {
+	t.Helper()
+	cfg, err := pgxpool.ParseConfig(connString)
+	require.NoError(t, err)
+	cfg.ConnConfig.RuntimeParams["lock_timeout"] = lockTimeout
+	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
+	require.NoError(t, err)
+	t.Cleanup(pool.Close)
+	return pool
+}
+
+// lockLeases locks the lease table until the returned transaction ends (at
+// the latest at cleanup), so that every claim waits for it.
+func (b *testBundle) lockLeases(t *testing.T) pgx.Tx {
+	t.Helper()
+	ctx := context.Background()
+	tx, err := b.pool.Begin(ctx)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = tx.Rollback(ctx) })
+	_, err = tx.Exec(ctx, `LOCK TABLE `+b.leasesTable()+` IN ACCESS EXCLUSIVE MODE`)
+	require.NoError(t, err)
+	return tx
 }
 
 // appendNow appends and commits msgs and returns the commit time.
