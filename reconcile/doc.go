@@ -45,6 +45,10 @@
 //     exactly those that were read.
 //
 // A declined repair is reported as ResultRaced; the next run looks again.
+// So is a repair the Redis client resent by itself after Redis ran it (a
+// connection dropped before the reply; go-redis retries up to
+// Options.MaxRetries times): the resend finds the repaired state, not the
+// one read, and declines, so the repair was written but reads as raced.
 //
 // The classes a write racing the check could fake are looked at again
 // before anything is alerted or repaired, so a write committed and
@@ -155,6 +159,8 @@
 //	… ~r                     each key's rebuild shadow
 //	P T:z~rebuild            a running rebuild's marker (its token)
 //	P T:z~rebuild~copied     what its copy wrote, checked at the switch
+//	P T:z~rebuild~switched   the token of a rebuild that switched, kept
+//	                         briefly so a resent switch answers "switched"
 //
 // Rebuild is the migration to another bucket count, 0 included: give it a
 // Reconciler whose Target.Keyspace has the new count. It records the new
@@ -204,7 +210,13 @@
 // loses some of the copy but keeps the marker (a failover to a replica
 // that missed later pages, a restart from a snapshot taken mid-copy), the
 // count falls short of the rows sent and the rebuild aborts
-// (ErrRebuildAborted) instead of switching a partial projection in. All keys share the collection's hash tag, so this
+// (ErrRebuildAborted) instead of switching a partial projection in. Each
+// step may be resent by the Redis client after Redis ran it (go-redis
+// retries a command whose connection dropped before the reply): a resent
+// start finds its own marker and succeeds without clearing anything, a
+// resent copy page is counted once, and the switch leaves its token
+// behind briefly so that a resent switch answers "switched" rather than
+// "marker gone". All keys share the collection's hash tag, so this
 // works on Redis Cluster. Given a Keyspace with another version bucket
 // count than the collection's, Rebuild migrates it (see "Version buckets").
 //

@@ -78,7 +78,14 @@ type RebuildReport struct {
 // shadow keys are removed and the live projection is left as it was; also
 // when the reply to the first step is lost, so that its marker does not
 // hold other rebuilds off. If the reply to the switch is lost, Rebuild
-// returns ErrRebuildUncertain: either projection may be live, whole. If
+// returns ErrRebuildUncertain: either projection may be live, whole. A
+// step the client resends by itself after Redis ran it (go-redis does,
+// up to Options.MaxRetries times, when a connection drops before the
+// reply) gets the first run's answer: a start finding its own marker
+// succeeds without clearing the shadow again, and the switch leaves its
+// token in a short-lived key (P T:z~rebuild~switched, for twice
+// Config.RepairTimeout or the marker TTL if longer) that a resent switch
+// answers "switched" from. If
 // the marker was lost (its TTL expired because the process stalled),
 // Rebuild returns ErrRebuildAborted. So it does if Redis lost some of the
 // copy's writes but kept the marker (a failover to a replica that had not
@@ -103,6 +110,9 @@ func (r *Reconciler) rebuild(ctx context.Context) (*RebuildReport, error) {
 	_, _ = rand.Read(buf[:])
 	token := hex.EncodeToString(buf[:])
 	ttl := strconv.FormatInt(r.cfg.RebuildMarkerTTL.Milliseconds(), 10)
+	// The switched key must outlive every resend of the switch, all sent
+	// within RepairTimeout of it (and be at least 100ms, as the TTL is).
+	switchedTTL := strconv.FormatInt(max(r.cfg.RebuildMarkerTTL, 2*r.cfg.RepairTimeout).Milliseconds(), 10)
 	step := func(ctx context.Context, name string) (bool, error) {
 		n, err := r.rebuildStep(ctx, name, token, ttl, 0)
 		if err != nil {
@@ -123,7 +133,7 @@ func (r *Reconciler) rebuild(ctx context.Context) (*RebuildReport, error) {
 			// caller unsure which projection is live.
 			switchCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), r.cfg.RepairTimeout)
 			var n int64
-			n, err = r.rebuildStep(switchCtx, "switch", token, ttl, rep.Rows)
+			n, err = r.rebuildStep(switchCtx, "switch", token, switchedTTL, rep.Rows)
 			cancel()
 			switch {
 			case err != nil:
@@ -262,6 +272,7 @@ func (r *Reconciler) rebuildStep(ctx context.Context, step, token, ttl string, c
 			r.unbucketedKey,
 			r.unbucketedShadowKey,
 			ks.RebuildCopyKey(name, kind),
+			rebuildSwitchedKey(ks, name, kind),
 		}
 		if live > 0 {
 			keys = append(keys, withBuckets(ks, live).VersionKeys(name, kind)...)
@@ -280,6 +291,13 @@ func (r *Reconciler) rebuildStep(ctx context.Context, step, token, ttl string, c
 		}
 	}
 	return 0, fmt.Errorf("%w: the collection's layout keys kept changing", ErrUnexpectedReply)
+}
+
+// rebuildSwitchedKey returns the key in which a rebuild's switch leaves
+// its token for a while (P T:z~rebuild~switched), so that a resent switch
+// answers "switched" too. It shares the collection's hash tag.
+func rebuildSwitchedKey(ks projection.Keyspace, name string, kind projection.Kind) string {
+	return ks.RebuildMarkerKey(name, kind) + "~switched"
 }
 
 // withBuckets returns ks with n version buckets (n is a stored, checked

@@ -3,10 +3,12 @@
 -- KEYS (one hash tag, so one Redis Cluster slot): 1 marker, 2 shadow value,
 -- 3 shadow layout, 4 live value, 5 live layout, 6 live unbucketed version
 -- hash, 7 shadow unbucketed version hash, 8 copy count (the gate's count of
--- the copy's writes, field "rows"), then four runs of version buckets: the
+-- the copy's writes, field "rows"), 9 switched (the token of the last
+-- rebuild that switched, briefly), then four runs of version buckets: the
 -- live buckets of layout L, the shadow buckets of layout S, the shadow
 -- buckets of layout M, the live buckets of layout M.
--- ARGV: 1 step, 2 the rebuild's token, 3 the marker TTL in milliseconds,
+-- ARGV: 1 step, 2 the rebuild's token, 3 the marker TTL in milliseconds
+-- (switch: the TTL of the switched key),
 -- 4 L, the live layout the caller read, 5 S, the shadow layout the caller
 -- read (both "0" when the layout key is absent), 6 M, the rebuild's layout
 -- (bucket counts as canonical decimals; "0" means one version hash), 7 the
@@ -16,12 +18,19 @@
 -- unknown; bucket keys are named by index alone, so these cover any),
 -- 8 the number of rows the copy sent (switch only).
 --
--- start:   refuse (0) if a marker exists; otherwise clear leftover shadow
+-- Every step may run twice with the same token: a client resends a
+-- command whose reply it lost (go-redis: MaxRetries), after Redis ran it.
+-- The rerun must give the first run's answer and undo nothing.
+--
+-- start:   refuse (0) if another rebuild's marker exists; 1, touching
+--          nothing, if the marker is ours already (a rerun: the shadow
+--          may hold gate writes since). Otherwise clear leftover shadow
 --          keys (of layouts S and M) and copy count, record M as the shadow
 --          layout and set the marker, in one step, so that no gate write
 --          dual-written after the marker appears can be cleared away, and
 --          so that the gate dual-writes in layout M from then on.
--- refresh: extend the marker's TTL if it is still ours (1), else 0.
+-- refresh: extend the marker's TTL if it is still ours (1), else 0 (a
+--          rerun extends it again).
 -- switch:  if the marker is still ours and the copy count is ARGV[8],
 --          replace the live keys by the shadow keys — value, every version
 --          bucket of layout M (the live versions of layout L, or of any
@@ -30,7 +39,10 @@
 --          count, atomically: readers and the gate see the old projection,
 --          then the new one, never a half-built one or a layout key that
 --          disagrees with the versions. A shadow key that was never created
---          means it would be empty, so the live key is just removed.
+--          means it would be empty, so the live key is just removed. It
+--          leaves the token in the switched key for ARGV[3] ms: a rerun,
+--          which finds the marker gone and the layouts changed, answers 1
+--          from it before anything else.
 --          Returns 1, 0 if the marker is gone or not ours, or 3 if the
 --          count is not ARGV[8] (nothing is touched either way). The count
 --          changes in the script that writes the copy's rows, so Redis keeps
@@ -41,9 +53,12 @@
 -- abort:   remove the marker if it is ours, and the shadow keys and copy
 --          count if no other rebuild owns them (marker ours or gone): 1,
 --          or 0 if another rebuild holds the marker (nothing is touched).
--- Any step returns 2, touching nothing, when the stored layouts are no
--- longer L and S (a gate recorded the layout of an empty collection
--- meanwhile): the caller reads them again and retries.
+--          A rerun finds the marker gone and nothing of ours left, or
+--          another rebuild's marker, which it leaves alone.
+-- Any step but a switch's rerun returns 2, touching nothing, when the
+-- stored layouts are no longer L and S (a gate recorded the layout of an
+-- empty collection meanwhile, or a rerun's first run changed them): the
+-- caller reads them again and retries.
 
 local step, token = ARGV[1], ARGV[2]
 local L, S, M = ARGV[4], ARGV[5], ARGV[6]
@@ -51,8 +66,8 @@ local nL, nS, nM = tonumber(ARGV[7]), tonumber(S), tonumber(M)
 local marker, shadowValue, shadowLayout = KEYS[1], KEYS[2], KEYS[3]
 local liveValue, liveLayout = KEYS[4], KEYS[5]
 local liveFlat, shadowFlat = KEYS[6], KEYS[7]
-local copied = KEYS[8]
-local oldLive, oldShadow = 9, 9 + nL
+local copied, switched = KEYS[8], KEYS[9]
+local oldLive, oldShadow = 10, 10 + nL
 local newShadow = oldShadow + nS
 local newLive = newShadow + nM
 
@@ -82,12 +97,20 @@ local function storedLive()
   return '0'
 end
 
+-- A rerun of a switch that ran: the marker is gone and the layouts
+-- changed, so only the switched key can tell.
+if step == 'switch' and redis.call('GET', switched) == token then
+  return 1
+end
+
 if stored(shadowLayout) ~= S or (step == 'switch' and storedLive() ~= L) then
   return 2
 end
 
 if step == 'start' then
-  if redis.call('EXISTS', marker) == 1 then return 0 end
+  local current = redis.call('GET', marker)
+  if current == token then return 1 end -- a rerun
+  if current then return 0 end
   redis.call('UNLINK', shadowValue, shadowFlat, copied)
   unlink(oldShadow, nS)
   unlink(newShadow, nM)
@@ -145,6 +168,7 @@ if step == 'switch' then
   -- M, "0" included: every collection records its layout.
   redis.call('SET', liveLayout, M)
   redis.call('DEL', shadowLayout, marker, copied)
+  redis.call('SET', switched, token, 'PX', ARGV[3])
   return 1
 end
 

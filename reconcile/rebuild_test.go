@@ -5,7 +5,9 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"log/slog"
+	"net"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -473,6 +475,107 @@ func TestRebuildLostReply(t *testing.T) {
 		marker, sv, sver := b.rebuildKeys()
 		require.Equal(t, []bool{false, false, false, false}, b.keysExist(t, marker, sv, sver, b.copyKey()))
 	})
+}
+
+// dropConn closes the connection right after Redis has run the first
+// command whose bytes contain marker, so its reply never arrives (io.EOF),
+// as when Redis, a proxy or a load balancer drops a connection after a
+// script ran. go-redis then resends the command on a new connection by
+// itself (Options.MaxRetries): Redis runs it twice.
+type dropConn struct {
+	net.Conn
+	marker []byte
+	fired  *atomic.Bool
+	armed  atomic.Bool
+}
+
+func (c *dropConn) Write(b []byte) (int, error) {
+	if !c.fired.Load() && bytes.Contains(b, c.marker) && c.fired.CompareAndSwap(false, true) {
+		c.armed.Store(true)
+	}
+	return c.Conn.Write(b)
+}
+
+func (c *dropConn) Read(b []byte) (int, error) {
+	if c.armed.Load() {
+		time.Sleep(100 * time.Millisecond) // let Redis run the command
+		_ = c.Conn.Close()
+		return 0, io.EOF
+	}
+	return c.Conn.Read(b)
+}
+
+// withDroppedReply returns b on a client of its own whose connection drops
+// once, after the first rebuild.lua call of step reached Redis; fired
+// reports whether it did.
+func (b *testBundle) withDroppedReply(t *testing.T, step string) (out *testBundle, fired *atomic.Bool) {
+	opts := *b.client.(*redis.Client).Options()
+	require.Positive(t, opts.MaxRetries, "go-redis resends by default")
+	fired = new(atomic.Bool)
+	opts.Dialer = func(ctx context.Context, network, addr string) (net.Conn, error) {
+		var d net.Dialer
+		c, err := d.DialContext(ctx, network, addr)
+		if err != nil {
+			return nil, err
+		}
+		return &dropConn{Conn: c, marker: []byte("\r\n" + step + "\r\n"), fired: fired}, nil
+	}
+	client := redis.NewClient(&opts)
+	t.Cleanup(func() { _ = client.Close() })
+	// Loaded, so that the step's EVALSHA runs it rather than answering
+	// NOSCRIPT (and the EVAL that follows run it once).
+	require.NoError(t, redis.NewScript(rebuildSource).Load(context.Background(), client).Err())
+	o := *b
+	o.client = client
+	o.gate = projection.NewGate(client, b.ks)
+	o.target.Client = client
+	return &o, fired
+}
+
+// TestRebuildStepResent: the connection drops after Redis ran a step and
+// go-redis resends it, so Redis runs it twice with the same token. The
+// rerun must answer as the first run did: a start must not find its own
+// marker and report ErrRebuildInProgress (leaving that marker to hold off
+// every rebuild for its TTL), and a switch must not find its marker gone
+// and report ErrRebuildAborted (live projection untouched) when the
+// shadow did replace the live keys.
+func TestRebuildStepResent(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	for _, step := range []string{"start", "switch"} {
+		for _, c := range []struct {
+			name     string
+			kind     projection.Kind
+			from, to int // version buckets before and after the rebuild
+		}{
+			{"SortedSet", projection.KindSortedSet, 0, 0},
+			{"HashBuckets", projection.KindHash, 4, 4},
+			{"Migration", projection.KindSortedSet, 0, 3},
+		} {
+			t.Run(strings.ToUpper(step[:1])+step[1:]+"/"+c.name, func(t *testing.T) {
+				t.Parallel()
+				b := setup(t, c.kind).withBuckets(t, c.from)
+				b.projectRows(t, b.insertMany(t, 20))
+				b.project(t, "orphan", 1)
+				to := b.withBuckets(t, c.to)
+				lossy, fired := to.withDroppedReply(t, step)
+				rep, err := lossy.reconciler(t, nil).Rebuild(ctx)
+				require.True(t, fired.Load(), "the connection dropped after the %s ran", step)
+				require.NoError(t, err)
+				require.True(t, rep.Switched)
+
+				run, err := to.reconciler(t, nil).Run(ctx, RunOptions{DryRun: true})
+				require.NoError(t, err)
+				require.Equal(t, map[Class]int64{ClassCurrent: 20}, run.Counts, "switched: the orphan is gone, the rest intact")
+				marker, sv, _ := b.rebuildKeys()
+				require.Equal(t, []bool{false, false, false}, b.keysExist(t, marker, sv, b.copyKey()))
+
+				rep, err = to.reconciler(t, nil).Rebuild(ctx)
+				require.NoError(t, err, "nothing left to hold the next rebuild off")
+				require.True(t, rep.Switched)
+			})
+		}
+	}
 }
 
 // pausedSource reads a page from the real source, then calls after (which

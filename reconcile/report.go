@@ -26,6 +26,9 @@ const (
 	// ResultRaced: the projection changed between the read and the repair
 	// (typically a newer gate write), so the compare-and-set declined to
 	// overwrite it. The newer state is kept; the next run checks it again.
+	// A repair the Redis client resent after Redis ran it (its reply lost
+	// to a dropped connection) is reported so too: the resend finds the
+	// repaired state and declines.
 	ResultRaced
 	// ResultNotAttempted: the run stopped (context cancelled or an error)
 	// before this repair was sent.
