@@ -84,8 +84,9 @@ type Board struct {
 	// unbucketedKey is the version hash of a projection without buckets,
 	// read with the layout when this board uses buckets ("" otherwise).
 	unbucketedKey string
-	// verifiedKey records that Verify found the projection complete;
-	// verifyingKey holds the token of the Verify pass under way. Both
+	// verifiedKey records that Verify found the projection complete (the
+	// pass's token and time, see verified.lua); verifyingKey holds the
+	// token of the Verify pass under way. Both
 	// share the sorted set's hash tag.
 	verifiedKey, verifyingKey string
 

@@ -172,7 +172,13 @@ type Config struct {
 	LagProbeInterval time.Duration
 
 	// KeyPrefix prefixes every Redis key of the projection. It must not
-	// contain '{' or '}'. Defaults to KeyPrefixDefault.
+	// contain '{' or '}'. A prefix set here is used as given: boards of the
+	// same Name that share one Redis (in different Schemas) must then differ
+	// in it, or they share every key and serve each other's users. The
+	// default keeps boards of different schemas apart. Defaults to
+	// KeyPrefixDefault ("verity:lb:") in SchemaDefault, and in any other
+	// schema to KeyPrefixDefault + the schema (escaped: no ':' or brace) +
+	// ":", "verity:lb:tenant_a:" for schema tenant_a.
 	KeyPrefix string
 
 	// VersionBuckets spreads the board's per-user versions in Redis over
@@ -250,12 +256,26 @@ func (c *Config) WithDefaults() *Config {
 		out.LagProbeInterval = LagProbeIntervalDefault
 	}
 	if out.KeyPrefix == "" {
-		out.KeyPrefix = KeyPrefixDefault
+		out.KeyPrefix = defaultKeyPrefix(out.Schema)
 	}
 	if out.Logger == nil {
 		out.Logger = slog.New(slog.DiscardHandler)
 	}
 	return out
+}
+
+// defaultKeyPrefix returns the KeyPrefix of a board in schema that sets
+// none. The public schema keeps KeyPrefixDefault, the keys its boards have
+// always had. Another schema's prefix adds the escaped schema and a ':':
+// Escape is injective and emits no ':', so two schemas never share a
+// prefix, nor one's keys the other's; and every projection key puts a '{'
+// right after the prefix, which Escape never emits, so no schema's keys are
+// a public board's.
+func defaultKeyPrefix(schema string) string {
+	if schema == SchemaDefault {
+		return KeyPrefixDefault
+	}
+	return KeyPrefixDefault + keyenc.Escape(schema) + ":"
 }
 
 // boardRelations are the tables and indexes Migrate creates for the boards of

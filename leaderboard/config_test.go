@@ -85,6 +85,71 @@ func TestConfig(t *testing.T) {
 		}
 	})
 
+	// Boards of one name in different schemas must not share Redis keys:
+	// the default prefix includes the schema, except in "public", whose
+	// boards keep the keys they always had.
+	t.Run("DefaultKeyPrefixPerSchema", func(t *testing.T) {
+		t.Parallel()
+		require.Equal(t, KeyPrefixDefault, (&Config{Name: "b", Schema: SchemaDefault}).WithDefaults().KeyPrefix)
+		require.Equal(t, "verity:lb:tenant_a:", (&Config{Name: "b", Schema: "tenant_a"}).WithDefaults().KeyPrefix)
+		require.Equal(t, "mine:", (&Config{Name: "b", Schema: "tenant_a", KeyPrefix: "mine:"}).WithDefaults().KeyPrefix, "an explicit prefix is used as given")
+		keys := map[string]string{}
+		for _, schema := range []string{"public", "Public", "tenant_a", "a:b", "a%3Ab", "a", "a:", "{x}", "}", " ", "ü"} {
+			cfg := (&Config{Name: "weekly", Schema: schema}).WithDefaults()
+			require.NoError(t, cfg.validate(), "schema %q", schema)
+			require.True(t, strings.HasPrefix(cfg.KeyPrefix, KeyPrefixDefault), "schema %q: %q", schema, cfg.KeyPrefix)
+			ks, err := projection.NewKeyspace(cfg.KeyPrefix)
+			require.NoError(t, err, "schema %q", schema)
+			key := ks.ValueKey(projection.Target{Kind: projection.KindSortedSet, Name: cfg.Name})
+			require.NotContains(t, keys, key, "schemas %q and %q share a key", keys[key], schema)
+			keys[key] = schema
+		}
+	})
+
+	t.Run("SchemasDoNotShareRedisKeys", func(t *testing.T) {
+		t.Parallel()
+		ctx := context.Background()
+		rd := testenv.Redis(t)
+		name := "weekly-" + uuid.NewString() // its keys are this test's alone
+		mk := func() *Board {
+			pg := testenv.Postgres(t)
+			cfg := &Config{Name: name, Schema: pg.Schema} // the default KeyPrefix
+			require.NoError(t, Migrate(ctx, pg.Pool, cfg))
+			b, err := New(pg.Pool, rd.Client, cfg)
+			require.NoError(t, err)
+			t.Cleanup(func() {
+				require.NoError(t, testenv.DeletePrefix(context.Background(), rd.Client, b.Keyspace().Prefix()+"{"+name+"}"))
+			})
+			return b
+		}
+		a, b := mk(), mk()
+		require.NotEqual(t, a.SortedSetKey(), b.SortedSetKey())
+		submit := func(bd *Board, user string, delta int64) {
+			_, err := bd.Submit(ctx, Command{EventID: uuid.New(), UserID: user, Delta: delta})
+			require.NoError(t, err)
+		}
+		submit(a, "alice", 10)
+		submit(b, "bob", 20)
+		// A's ada reaches version 2 before B's ada writes version 1: in a
+		// shared version hash, B's write would be dropped as stale.
+		submit(a, "ada", 1)
+		submit(a, "ada", 1)
+		submit(b, "ada", 100)
+		for _, bd := range []*Board{a, b} {
+			w, err := bd.Worker(nil)
+			require.NoError(t, err)
+			_, err = w.Drain(ctx)
+			require.NoError(t, err)
+		}
+		for _, bd := range []*Board{a, b} {
+			top, err := bd.Top(ctx, 10, WithPolicy(ServeStale))
+			require.NoError(t, err)
+			auth, err := bd.Authoritative(ctx, 10)
+			require.NoError(t, err)
+			require.Equal(t, auth, top.Entries, "the Redis ranking of the board in %s", bd.Config().Schema)
+		}
+	})
+
 	t.Run("MaxLagNotAboveProbeInterval", func(t *testing.T) {
 		t.Parallel()
 		err := (&Config{Name: "b", MaxLag: 50 * time.Millisecond}).WithDefaults().validate()

@@ -6,11 +6,16 @@
 // # Writing scores
 //
 // A Board is one leaderboard (a game, a season: "weekly-2026-48"); many
-// boards share the same tables and Redis prefix, keyed by name. Migrate
-// creates the tables (score_events, user_scores and the outbox), and
-// MigrationSQL returns the board tables' SQL for a migration tool; New
-// builds a Board from a pgx pool, a redis.UniversalClient and a Config. A
-// board used before Migrate fails with ErrNotMigrated (its Worker too).
+// boards share the same tables and Redis prefix, keyed by name. Boards of
+// the same name in different schemas (one per tenant) are different boards:
+// the default Config.KeyPrefix includes the schema (except in "public"), so
+// they never share a Redis key. A KeyPrefix set explicitly is used as
+// given: boards of the same name that share one Redis must then differ in
+// it. Migrate creates the tables (score_events, user_scores and the
+// outbox), and MigrationSQL returns the board tables' SQL for a migration
+// tool; New builds a Board from a pgx pool, a redis.UniversalClient and a
+// Config. A board used before Migrate fails with ErrNotMigrated (its
+// Worker too).
 //
 // Submit applies a Command{EventID, UserID, Delta} and returns the user's
 // resulting Score and Version. It costs ONE database round trip: a single
@@ -214,4 +219,21 @@
 // The examples/failure-experiment program runs the whole story: a
 // duplicated command, a stopped worker, a hand-corrupted score and its
 // repair.
+//
+// # Upgrading
+//
+// Default key prefix per schema: a board whose Config.Schema is not
+// "public" and whose Config.KeyPrefix is unset used to take "verity:lb:",
+// the prefix of every schema's boards, so boards of the same name in two
+// schemas shared their keys. Such a board now takes "verity:lb:<schema>:"
+// (see Config.KeyPrefix) and starts with empty keys, which its Lag
+// (measured in the outbox) does not show: run a reconcile pass (or
+// reconcile's Rebuild) to rebuild its projection from PostgreSQL right
+// after the upgrade. With Config.RequireVerifiedProjection its reads are
+// unverified until Board.Verify. Its page cursors issued before the upgrade
+// are refused with ErrInvalidCursor (they are bound to the prefix). The old
+// keys are left as they were: a board of the same name in "public" keeps
+// using them (its reconcile pass reports the other schemas' members there
+// as orphans); with none, delete them. Boards in "public", and boards that
+// set KeyPrefix, keep their keys.
 package leaderboard

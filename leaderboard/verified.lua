@@ -8,9 +8,19 @@
 -- keys since (a restart without persistence, FLUSHALL), KEYS[1] is gone or
 -- another pass replaced it, and nothing is recorded: the pages read before
 -- the loss may be missing again. Returns 1 when recorded, 0 otherwise.
+--
+-- The record is "<token> <time>". A client may run this script twice for
+-- one call (go-redis resends it when the connection drops before the
+-- reply): the second run finds KEYS[1] deleted by the first, and the token
+-- in KEYS[2] tells that the record is this pass's, still in place.
+local mine = ARGV[1] .. ' '
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then
+  local record = redis.call('GET', KEYS[2])
+  if record and string.sub(record, 1, #mine) == mine then
+    return 1
+  end
   return 0
 end
-redis.call('SET', KEYS[2], ARGV[2])
+redis.call('SET', KEYS[2], mine .. ARGV[2])
 redis.call('DEL', KEYS[1])
 return 1

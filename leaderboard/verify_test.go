@@ -1,10 +1,16 @@
 package leaderboard
 
 import (
+	"bytes"
 	"context"
+	"io"
+	"net"
+	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
+	"github.com/redis/go-redis/v9"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
@@ -148,6 +154,55 @@ func TestVerify(t *testing.T) {
 		requireUnverified(t, tb)
 	})
 
+	// go-redis resends a command by itself (MaxRetries) when the connection
+	// drops before the reply: the recording script then runs twice, and the
+	// second run must not deny the record the first one made.
+	t.Run("RecordReplyLostStillVerified", func(t *testing.T) {
+		t.Parallel()
+		tb := verifying(t)
+		tb.submit(t, "ada", 10)
+		tb.drain(t)
+		opts := *tb.rd.Client.(*redis.Client).Options()
+		// Loaded first, so that the marked EVALSHA runs it (rather than
+		// fail with NOSCRIPT and leave the run to an EVAL).
+		sha, err := verifiedScript.Load(ctx, tb.rd.Client).Result()
+		require.NoError(t, err)
+		fired := new(atomic.Bool)
+		opts.Dialer = func(ctx context.Context, network, addr string) (net.Conn, error) {
+			var d net.Dialer
+			c, err := d.DialContext(ctx, network, addr)
+			if err != nil {
+				return nil, err
+			}
+			return &replyDropConn{Conn: c, marker: []byte(sha), fired: fired}, nil
+		}
+		client := redis.NewClient(&opts)
+		t.Cleanup(func() { _ = client.Close() })
+		board, err := New(tb.pg.Pool, client, tb.board.cfg)
+		require.NoError(t, err)
+
+		_, verified, err := board.Verify(ctx, nil)
+		require.NoError(t, err)
+		require.True(t, fired.Load(), "setup: the script's reply was dropped")
+		require.True(t, verified, "the record is in Redis: reads see the board verified")
+		r, err := tb.board.Top(ctx, 10)
+		require.NoError(t, err)
+		require.False(t, r.Freshness.Unverified)
+
+		// The record vouches for its own pass only: another token (a prefix
+		// of it included) whose KEYS[1] is gone records nothing.
+		record, err := tb.rd.Client.Get(ctx, tb.board.verifiedKey).Result()
+		require.NoError(t, err)
+		token, _, ok := strings.Cut(record, " ")
+		require.True(t, ok, "record %q", record)
+		keys := []string{tb.board.verifyingKey, tb.board.verifiedKey}
+		for _, other := range []string{token[:len(token)-1], "another-pass"} {
+			n, err := verifiedScript.Run(ctx, tb.rd.Client, keys, other, "now").Int()
+			require.NoError(t, err)
+			require.Zero(t, n, "token %q", other)
+		}
+	})
+
 	t.Run("OffByDefault", func(t *testing.T) {
 		t.Parallel()
 		tb := setup(t, func(c *Config) { c.ReadPolicy = FailClosed })
@@ -157,4 +212,31 @@ func TestVerify(t *testing.T) {
 		require.NoError(t, err)
 		require.False(t, r.Freshness.Unverified)
 	})
+}
+
+// replyDropConn loses the reply to the first command whose bytes contain
+// marker: it reads the reply (so Redis has run the command), then drops
+// the connection and reports EOF, as a network failure at that moment
+// would.
+type replyDropConn struct {
+	net.Conn
+	marker []byte
+	fired  *atomic.Bool // shared by every connection of the client
+	armed  atomic.Bool  // this connection sent the marked command
+}
+
+func (c *replyDropConn) Write(b []byte) (int, error) {
+	if bytes.Contains(b, c.marker) && c.fired.CompareAndSwap(false, true) {
+		c.armed.Store(true)
+	}
+	return c.Conn.Write(b)
+}
+
+func (c *replyDropConn) Read(b []byte) (int, error) {
+	if c.armed.Load() {
+		_, _ = c.Conn.Read(b)
+		_ = c.Conn.Close()
+		return 0, io.EOF
+	}
+	return c.Conn.Read(b)
 }
