@@ -72,7 +72,9 @@ func parseFlags(name string, args []string, stderr io.Writer) (*options, error) 
 	fs.BoolVar(&o.cluster, "redis-cluster", false, "--redis-url (else $REDIS_URL) names a Redis Cluster: redis://host:port?addr=host2:port2&addr=...")
 	fs.StringVar(&o.board, "board", boardDefault, "leaderboard name")
 	fs.StringVar(&o.schema, "schema", leaderboard.SchemaDefault, "PostgreSQL schema of the board and outbox tables")
-	fs.StringVar(&o.keyPrefix, "key-prefix", leaderboard.KeyPrefixDefault, "prefix of the board's Redis keys")
+	// Empty leaves the prefix to the board, which keeps boards of one name
+	// in different schemas apart.
+	fs.StringVar(&o.keyPrefix, "key-prefix", "", "prefix of the board's Redis keys (default "+leaderboard.KeyPrefixDefault+" in schema public, else "+leaderboard.KeyPrefixDefault+"<schema>:)")
 	fs.StringVar(&o.logLevel, "log-level", "info", "debug, info, warn or error (logs go to stderr)")
 	switch name {
 	case "serve":

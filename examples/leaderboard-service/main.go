@@ -35,7 +35,8 @@
 // --redis-cluster, --redis-url (else REDIS_URL) is a Redis Cluster seed
 // list (redis://host1:6379?addr=host2:6379&addr=host3:6379), never a local
 // or private server. The board's tables and keys go to --schema (public)
-// and --key-prefix (verity:lb:) and stay there: this is a service, not a
+// and --key-prefix (the board's default: verity:lb:, or in another schema
+// verity:lb:<schema>:) and stay there: this is a service, not a
 // demo that cleans up. Every subcommand runs the board's migration first;
 // it is idempotent.
 package main

@@ -242,6 +242,22 @@ func TestCommandLine(t *testing.T) {
 
 // TestServeBindsBeforeMigrating: an address serve cannot listen on (here,
 // one in use) fails before the board's tables are created.
+// Without --key-prefix the board picks its prefix, which differs per
+// schema: two tenants' boards of one name must not share Redis keys.
+func TestKeyPrefixDefaultsToTheBoards(t *testing.T) {
+	t.Parallel()
+	prefixOf := func(args ...string) string {
+		o, err := parseFlags("stats", args, io.Discard)
+		require.NoError(t, err)
+		return (&leaderboard.Config{Name: o.board, Schema: o.schema, KeyPrefix: o.keyPrefix}).WithDefaults().KeyPrefix
+	}
+	require.Equal(t, leaderboard.KeyPrefixDefault, prefixOf())
+	tenantA, tenantB := prefixOf("--schema=tenant_a"), prefixOf("--schema=tenant_b")
+	require.NotEqual(t, tenantA, tenantB)
+	require.NotEqual(t, leaderboard.KeyPrefixDefault, tenantA)
+	require.Equal(t, "custom:", prefixOf("--schema=tenant_a", "--key-prefix=custom:"))
+}
+
 func TestServeBindsBeforeMigrating(t *testing.T) {
 	t.Parallel()
 	pg := testenv.Postgres(t)
