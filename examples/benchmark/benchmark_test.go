@@ -6,13 +6,17 @@ import (
 	"encoding/json"
 	"fmt"
 	"os"
+	"strconv"
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/redis/go-redis/v9"
 	"github.com/stretchr/testify/require"
 
 	"github.com/verity-go/verity/internal/services"
 	"github.com/verity-go/verity/internal/testenv"
+	"github.com/verity-go/verity/projection"
 )
 
 // TestMain lets the test binary stand in for the benchmark binary when the
@@ -102,4 +106,126 @@ func keysOf[V any](m map[string]V) []string {
 		out = append(out, k)
 	}
 	return out
+}
+
+// testEnv returns a harness env with sizes on the test servers, as Run
+// builds one; everything it creates is removed at cleanup.
+func testEnv(t *testing.T, sizes Sizes) *env {
+	t.Helper()
+	ctx := context.Background()
+	pg := testenv.Postgres(t)
+	rd := testenv.Redis(t)
+	pool, err := pgxpool.New(ctx, pg.ServerURL)
+	require.NoError(t, err)
+	ropts, err := redis.ParseURL(rd.URL)
+	require.NoError(t, err)
+	rdb := redis.NewClient(ropts)
+	suffix := services.RandomSuffix(8)
+	e := &env{
+		opts:   Options{PostgresURL: pg.ServerURL, RedisURL: rd.URL, Sizes: sizes, Relays: 2, BatchSize: 100, SeedPoll: 10 * time.Millisecond},
+		pool:   pool,
+		rdb:    rdb,
+		suffix: suffix,
+		prefix: "verity-bench-" + suffix + ":",
+		log:    func(string, ...any) {},
+	}
+	t.Cleanup(func() {
+		require.NoError(t, e.close(context.Background()))
+		rdb.Close()
+		pool.Close()
+	})
+	return e
+}
+
+// TestDrainChecksProjectedValues: a drain counts only if every member
+// ends up with its last row's score and version; rows handled and members
+// counted are not enough (a drain whose writes were all refused as stale
+// handles every row and leaves every member in place).
+func TestDrainChecksProjectedValues(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	e := testEnv(t, quickSizes)
+	schema, err := e.schema(ctx, "drain")
+	require.NoError(t, err)
+	seedPool, err := e.seedWorkerPool(ctx)
+	require.NoError(t, err)
+	const n, users = 203, 50 // users 0-2 get one row more than the rest
+
+	t.Run("Current", func(t *testing.T) {
+		_, err := drainLibrary(ctx, e, schema, "current", n, users, 2)
+		require.NoError(t, err)
+		_, err = drainSeed(ctx, e, seedPool, schema, "current", n, users, 2)
+		require.NoError(t, err)
+	})
+
+	t.Run("LibraryWritesStale", func(t *testing.T) {
+		ks, err := projection.NewKeyspace(e.keyPrefix("drain-lib-stale"))
+		require.NoError(t, err)
+		writes := make([]projection.Write, users)
+		for k := range writes {
+			writes[k] = projection.Write{
+				Target:  projection.Target{Kind: projection.KindSortedSet, Name: "drain", Member: fmt.Sprintf("user-%d", k)},
+				Version: 1_000_000, Value: projection.Value{Score: -1},
+			}
+		}
+		_, err = projection.NewGate(e.rdb, ks).Apply(ctx, writes)
+		require.NoError(t, err)
+		_, err = drainLibrary(ctx, e, schema, "stale", n, users, 2)
+		require.ErrorContains(t, err, "50 of 50 members hold a wrong score or version")
+	})
+
+	t.Run("SeedWritesStale", func(t *testing.T) {
+		s := newSeedKeys(e.rdb, e.keyPrefix("drain-seed-stale"))
+		for k := range users {
+			member := fmt.Sprintf("user-%d", k)
+			require.NoError(t, e.rdb.HSet(ctx, s.versions, member, 1_000_000).Err())
+			require.NoError(t, e.rdb.ZAdd(ctx, s.zset, redis.Z{Score: -1, Member: member}).Err())
+		}
+		_, err := drainSeed(ctx, e, seedPool, schema, "stale", n, users, 2)
+		require.ErrorContains(t, err, "50 of 50 members hold a wrong score or version")
+	})
+}
+
+// TestMemoryChecksMembersStored: the memory figure divides by the members
+// projected, so a write the gate did not apply fails the group.
+func TestMemoryChecksMembersStored(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	sizes := quickSizes
+	sizes.MemoryMembers = 200
+	e := testEnv(t, sizes)
+	// user-000000007 is already at version 2: the group's version 1 is stale.
+	ks, err := projection.NewKeyspace(memoryPrefix(e.suffix) + "lib:")
+	require.NoError(t, err)
+	ks, err = ks.WithVersionBuckets(bucketCount(sizes.MemoryMembers))
+	require.NoError(t, err)
+	_, err = projection.NewGate(e.rdb, ks).Apply(ctx, []projection.Write{{
+		Target:  projection.Target{Kind: projection.KindSortedSet, Name: "board", Member: "user-000000007"},
+		Version: 2, Value: projection.Value{Score: 1},
+	}})
+	require.NoError(t, err)
+
+	_, err = runMemory(ctx, e)
+	require.ErrorContains(t, err, "user-000000007 write stale")
+}
+
+// TestDrainRowsMinimum: a backlog too small for every drain round is
+// refused, never reported as a figure of 0 rows/s.
+func TestDrainRowsMinimum(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+
+	t.Run("UsageError", func(t *testing.T) {
+		var out, progress bytes.Buffer
+		err := mainErr(ctx, []string{"-quick", "-only", "drain", "-silent", "-json", "-drain-rows", strconv.Itoa(minDrainRows - 1)}, &out, &progress)
+		require.ErrorContains(t, err, "-drain-rows must be at least")
+		require.Empty(t, out.String(), "figures printed")
+	})
+
+	t.Run("NoZeroFigure", func(t *testing.T) {
+		sizes := quickSizes
+		sizes.DrainRows = minDrainRows / 2 // drain_1_worker rounds get 0 rows
+		figs, err := runDrain(ctx, testEnv(t, sizes))
+		require.ErrorContains(t, err, "drain_1_worker: library: nothing to measure", "figures %+v", figs)
+	})
 }

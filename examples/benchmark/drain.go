@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"fmt"
+	"strconv"
 	"sync/atomic"
 	"time"
 
@@ -19,6 +20,14 @@ const drainStream = "bench-drain"
 
 // drainRounds alternates library and seed this many times.
 const drainRounds = 2
+
+// oneWorkerShare is the fraction of the backlog (1/oneWorkerShare) the
+// drain_1_worker figure drains.
+const oneWorkerShare = 4
+
+// minDrainRows is the smallest backlog (-drain-rows) that leaves every round
+// of both figures at least one row; below it drain_1_worker drains nothing.
+const minDrainRows = oneWorkerShare * drainRounds
 
 // runDrain measures how fast a pre-filled outbox is projected into a sorted
 // set: the library's relays (partition leases: one lease row written per
@@ -52,7 +61,7 @@ func runDrain(ctx context.Context, e *env) ([]Figure, error) {
 				break // the first pass was the one-worker figure
 			}
 			// One worker each: where the gain comes from without concurrency.
-			rows, name = n/4, "drain_1_worker"
+			rows, name = n/oneWorkerShare, "drain_1_worker"
 		}
 		// Two rounds, alternating sides and which side goes first, so that
 		// a change in machine load during the run, or what one side leaves
@@ -86,8 +95,16 @@ func runDrain(ctx context.Context, e *env) ([]Figure, error) {
 				return nil, err
 			}
 		}
-		e.log("drain: %d workers: library %.0f rows/s, seed %.0f rows/s", workers, lib.perSecond(), seed.perSecond())
-		figs = append(figs, newFigure(name, "rows/s", lib.perSecond(), seed.perSecond()))
+		libRate, err := lib.measured()
+		if err != nil {
+			return nil, fmt.Errorf("%s: library: %w", name, err)
+		}
+		seedRate, err := seed.measured()
+		if err != nil {
+			return nil, fmt.Errorf("%s: seed: %w", name, err)
+		}
+		e.log("drain: %d workers: library %.0f rows/s, seed %.0f rows/s", workers, libRate, seedRate)
+		figs = append(figs, newFigure(name, "rows/s", libRate, seedRate))
 	}
 	return figs, nil
 }
@@ -220,7 +237,8 @@ func drainLibrary(ctx context.Context, e *env, schema, tag string, n, users, rel
 		return 0, err
 	}
 	e.log("drain: library %s: %s; %s", tag, &times, cpu0.perRow(cpu1, n))
-	// Check the work was really done: nothing left, every member projected.
+	// Check the work was really done: nothing left, every member holding
+	// its last row's score and version.
 	var left int64
 	if err := e.pool.QueryRow(ctx, `SELECT count(*) FROM `+table).Scan(&left); err != nil {
 		return 0, err
@@ -229,12 +247,17 @@ func drainLibrary(ctx context.Context, e *env, schema, tag string, n, users, rel
 	if err != nil {
 		return 0, err
 	}
-	card, err := e.rdb.ZCard(ctx, ks.ValueKey(projection.Target{Kind: projection.KindSortedSet, Name: "drain"})).Result()
+	target := projection.Target{Kind: projection.KindSortedSet, Name: "drain"}
+	card, err := e.rdb.ZCard(ctx, ks.ValueKey(target)).Result()
 	if err != nil {
 		return 0, err
 	}
 	if left != 0 || handled != int64(n) || card != int64(users) {
 		return 0, fmt.Errorf("library drain incomplete: %d rows left, %d handled of %d, %d members of %d", left, handled, n, card, users)
+	}
+	// The projector's Keyspace has no version buckets: one version hash.
+	if err := checkProjected(ctx, e.rdb, ks.ValueKey(target), ks.VersionKey(target), n, users); err != nil {
+		return 0, fmt.Errorf("library drain: %w", err)
 	}
 	return elapsed, nil
 }
@@ -276,6 +299,7 @@ func drainSeed(ctx context.Context, e *env, workPool *pgxpool.Pool, schema, tag 
 		return 0, err
 	}
 	e.log("drain: seed %s: %s", tag, cpu0.perRow(cpu1, n))
+	// The same check as the library's.
 	left, err := seed.pending(ctx)
 	if err != nil {
 		return 0, err
@@ -287,5 +311,49 @@ func drainSeed(ctx context.Context, e *env, workPool *pgxpool.Pool, schema, tag 
 	if left != 0 || card != int64(users) {
 		return 0, fmt.Errorf("seed drain incomplete: %d rows left, %d members of %d", left, card, users)
 	}
+	if err := checkProjected(ctx, e.rdb, seed.zset, seed.versions, n, users); err != nil {
+		return 0, fmt.Errorf("seed drain: %w", err)
+	}
 	return elapsed, nil
+}
+
+// checkProjected fails unless every member user-0 … user-(users-1) holds
+// the score and version of its last row in a fill of n rows (fillOutbox and
+// seedDesign.fill alike: row g is user-(g mod users), score g mod 1000,
+// version g/users + 1, both stored as is): the highest version wins
+// whatever order the workers applied the rows in. Counting rows and
+// members alone would accept a drain whose every write was refused as
+// stale. One pipelined ZMSCORE + HMGET per page of members, after the clock
+// stopped.
+func checkProjected(ctx context.Context, rdb *redis.Client, zkey, vkey string, n, users int) error {
+	const page = 1_000
+	wrong, first := 0, ""
+	for lo := 0; lo < users; lo += page {
+		members := make([]string, 0, page)
+		for k := lo; k < min(lo+page, users); k++ {
+			members = append(members, "user-"+strconv.Itoa(k))
+		}
+		pipe := rdb.Pipeline()
+		scores := pipe.ZMScore(ctx, zkey, members...)
+		versions := pipe.HMGet(ctx, vkey, members...)
+		if _, err := pipe.Exec(ctx); err != nil {
+			return fmt.Errorf("reading the projected members: %w", err)
+		}
+		for i, member := range members {
+			k := lo + i
+			last := (n-1-k)/users*users + k // user-k's last row
+			wantScore, wantVersion := float64(last%1000), strconv.Itoa(last/users+1)
+			gotVersion, _ := versions.Val()[i].(string) // nil when absent
+			if gotScore := scores.Val()[i]; gotScore != wantScore || gotVersion != wantVersion {
+				if wrong == 0 {
+					first = fmt.Sprintf("%s: score %g version %q, want %g version %s", member, gotScore, gotVersion, wantScore, wantVersion)
+				}
+				wrong++
+			}
+		}
+	}
+	if wrong > 0 {
+		return fmt.Errorf("%d of %d members hold a wrong score or version (first %s)", wrong, users, first)
+	}
+	return nil
 }

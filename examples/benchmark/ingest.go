@@ -134,6 +134,15 @@ func (r *rate) perSecond() float64 {
 	return float64(r.ops) / r.elapsed.Seconds()
 }
 
+// measured is perSecond for a figure: an error when nothing was counted, so
+// that a zero is never reported as a measurement.
+func (r *rate) measured() (float64, error) {
+	if r.ops <= 0 || r.elapsed <= 0 {
+		return 0, fmt.Errorf("nothing to measure: %d operations in %s", r.ops, r.elapsed)
+	}
+	return r.perSecond(), nil
+}
+
 // closedLoop runs op from clients goroutines, each starting its next call
 // when the previous returns, for d. It returns the operations completed
 // (op reports how many one call completed) and the time taken.

@@ -91,7 +91,7 @@ func mainErr(ctx context.Context, args []string, out, progress io.Writer) error 
 	batch := fs.Int("batch", outbox.BatchSizeDefault, "rows per relay claim (library); the seed worker keeps its LIMIT 100")
 	seedPoll := fs.Duration("seed-poll", 10*time.Millisecond, "idle sleep of the seed worker in the lag figure (the seed has no wake-up)")
 	durable := fs.Bool("durable-bookkeeping", false, "workers of both sides commit claims and acknowledgements durably in drain and lag (default: neither does; safe for at-least-once delivery)")
-	drainRows := fs.Int("drain-rows", 0, "override the drain backlog size (rows)")
+	drainRows := fs.Int("drain-rows", 0, fmt.Sprintf("override the drain backlog size (rows, at least %d)", minDrainRows))
 	silent := fs.Bool("silent", false, "no progress lines on stderr")
 	cpuProfile := fs.String("cpuprofile", "", "write a CPU profile of the run to this file")
 	traceFile := fs.String("trace", "", "write an execution trace of the run to this file")
@@ -105,7 +105,11 @@ func mainErr(ctx context.Context, args []string, out, progress io.Writer) error 
 	if *quick {
 		sizes = quickSizes
 	}
-	if *drainRows > 0 {
+	if *drainRows != 0 {
+		// Fewer rows leave a drain_1_worker round with none to drain.
+		if *drainRows < minDrainRows {
+			return fmt.Errorf("-drain-rows must be at least %d (%d rounds, drain_1_worker draining 1/%d of them)", minDrainRows, drainRounds, oneWorkerShare)
+		}
 		sizes.DrainRows = *drainRows
 	}
 	opts := Options{Sizes: sizes, Relays: *relays, BatchSize: *batch, SeedPoll: *seedPoll, DurableBookkeeping: *durable}

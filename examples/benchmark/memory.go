@@ -71,11 +71,22 @@ func runMemory(ctx context.Context, e *env) (figs []Figure, err error) {
 				Version: 1, Value: projection.Value{Score: -int64(i % 100_000)},
 			})
 		}
-		if _, err := gate.Apply(ctx, writes); err != nil {
+		outcomes, err := gate.Apply(ctx, writes)
+		if err != nil {
 			return nil, err
+		}
+		// Every member must be stored, or the bytes below are divided by
+		// members that are not there.
+		for i, o := range outcomes {
+			if o != projection.OutcomeApplied {
+				return nil, fmt.Errorf("library: %s write %s, want applied", writes[i].Target.Member, o)
+			}
 		}
 	}
 	target := projection.Target{Kind: projection.KindSortedSet, Name: "board"}
+	if err := checkMembers(ctx, e.rdb, "library", ks.ValueKey(target), m); err != nil {
+		return nil, err
+	}
 	libZset, err := memoryUsage(ctx, e.rdb, []string{ks.ValueKey(target)})
 	if err != nil {
 		return nil, err
@@ -105,6 +116,9 @@ func runMemory(ctx context.Context, e *env) (figs []Figure, err error) {
 			return nil, err
 		}
 	}
+	if err := checkMembers(ctx, e.rdb, "seed", s.zset, m); err != nil {
+		return nil, err
+	}
 	markers, err := memoryUsage(ctx, e.rdb, seedKeys)
 	if err != nil {
 		return nil, err
@@ -119,6 +133,19 @@ func runMemory(ctx context.Context, e *env) (figs []Figure, err error) {
 	e.log("memory: library %.1f B/member (sorted set %.1f, versions %.1f in %d buckets + layout key); seed %.1f B/member (sorted set + versions %.1f, markers %.1f)",
 		perLib, per(libZset), per(libVersions), buckets, perSeed, per(seedStructs), per(markers))
 	return []Figure{newFigure("memory", "bytes/member", perLib, perSeed)}, nil
+}
+
+// checkMembers fails unless the sorted set zkey holds m members: the
+// figure is bytes per member.
+func checkMembers(ctx context.Context, rdb *redis.Client, side, zkey string, m int) error {
+	card, err := rdb.ZCard(ctx, zkey).Result()
+	if err != nil {
+		return err
+	}
+	if card != int64(m) {
+		return fmt.Errorf("%s: %d members in the sorted set, want %d", side, card, m)
+	}
+	return nil
 }
 
 // memoryPrefix is the memory figure's short key namespace for the run
