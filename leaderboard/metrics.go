@@ -62,7 +62,7 @@ func newBoardMetrics(c *Config, lag func(context.Context) (time.Duration, bool))
 		submits: in.Counter(metricSubmits, "{command}",
 			"Score commands by outcome: applied, duplicate, conflict (event id reused for another command), concurrent (SubmitTx lost to a twin), invalid, out_of_range, error."),
 		reads: in.Counter(metricReads, "{read}",
-			"Reads (Top, Page, Rank, Around) by the store that answered (redis, postgres; none on error) and outcome (ok, stale: refused by FailClosed, not_found, error)."),
+			"Reads (Top, Page, Rank, Around) by the store that answered (redis, postgres; none on error, and for a user id no store can hold) and outcome (ok, stale: refused by FailClosed, not_found, error)."),
 	}
 	gauge := in.Float64ObservableGauge(metricLag, "s",
 		"Projection lag of the board's stream as reads measure it (age of the oldest unprojected outbox row, on the database's clock; measured at most once per LagProbeInterval); absent while it cannot be measured.")

@@ -111,11 +111,15 @@ func TestBoardMetrics(t *testing.T) {
 		require.ErrorIs(t, err, ErrUserNotFound)
 		_, _, err = tb.board.Rank(ctx, "nobody", WithPolicy(FallbackToPostgres), forcePostgres())
 		require.ErrorIs(t, err, ErrUserNotFound)
+		// A user id no store can hold is not looked up, but still counted.
+		_, _, err = tb.board.Rank(ctx, "")
+		require.ErrorIs(t, err, ErrUserNotFound)
 		s := rec.Collect(t)
 		source := func(src string) attribute.KeyValue { return attribute.String(AttributeSource, src) }
 		require.Equal(t, int64(2), s.Int(metricReads, outcome("not_found"), source("redis")))
 		require.Equal(t, int64(1), s.Int(metricReads, outcome("not_found"), source("postgres")))
-		require.Zero(t, s.Int(metricReads, source("none")))
+		require.Equal(t, int64(1), s.Int(metricReads, outcome("not_found"), source("none")))
+		require.Equal(t, int64(1), s.Int(metricReads, source("none")))
 	})
 
 	t.Run("FailClosedReadIsStale", func(t *testing.T) {

@@ -96,7 +96,8 @@ func TestMigrate(t *testing.T) {
 
 	// A board used before Migrate says so: every statement that meets a
 	// missing table returns ErrNotMigrated, which is outbox.ErrNotMigrated,
-	// the board's Worker's error for the same mistake.
+	// the board's Worker's error for the same mistake; so do reads from
+	// Redis, under every policy.
 	t.Run("BoardUsedBeforeMigrate", func(t *testing.T) {
 		t.Parallel()
 		pg := testenv.Postgres(t)
@@ -137,6 +138,28 @@ func TestMigrate(t *testing.T) {
 				return err
 			},
 			"Source": func() error { _, err := board.Source().Page(ctx, reconcile.Cursor{}, 10); return err },
+			// Redis reads: their lag probe meets the missing outbox, which
+			// must not become an empty page (ServeStale) or a *StaleError.
+			"TopServeStale": func() error {
+				_, err := board.Top(ctx, 10, WithPolicy(ServeStale))
+				return err
+			},
+			"PageFailClosed": func() error {
+				_, err := board.Page(ctx, "", 10, WithPolicy(FailClosed))
+				return err
+			},
+			"RankServeStale": func() error {
+				_, _, err := board.Rank(ctx, "ada", WithPolicy(ServeStale))
+				return err
+			},
+			"AroundFailClosed": func() error {
+				_, err := board.Around(ctx, "ada", 1, WithPolicy(FailClosed))
+				return err
+			},
+			"RankAtLeastFailClosed": func() error {
+				_, _, err := board.Rank(ctx, "ada", AtLeast("ada", 1), WithPolicy(FailClosed))
+				return err
+			},
 		} {
 			err := call()
 			require.ErrorIs(t, err, ErrNotMigrated, name)
@@ -146,6 +169,7 @@ func TestMigrate(t *testing.T) {
 			var pgErr *pgconn.PgError
 			require.ErrorAs(t, err, &pgErr, "%s: the driver's error is kept", name)
 		}
+		require.Equal(t, time.Duration(-1), board.Freshness(ctx).Lag, "the lag cannot be measured")
 
 		w, err := board.Worker(nil)
 		require.NoError(t, err)

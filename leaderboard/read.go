@@ -155,7 +155,7 @@ func (b *Board) Page(ctx context.Context, cursorText string, n int, opts ...Read
 		after = &c
 	}
 	var entries []Entry
-	fresh, err := b.read(ctx, opts,
+	fresh, err := b.read(ctx, opts, false,
 		func(ctx context.Context) (err error) { entries, err = b.redisPage(ctx, after, n+1); return err },
 		func(ctx context.Context) (err error) { entries, err = b.pgPage(ctx, b.pool, after, n+1); return err },
 	)
@@ -168,11 +168,8 @@ func (b *Board) Page(ctx context.Context, cursorText string, n int, opts ...Read
 // Rank returns user's entry. It returns ErrUserNotFound when the user has
 // no score in the store that answered.
 func (b *Board) Rank(ctx context.Context, user string, opts ...ReadOption) (Entry, Freshness, error) {
-	if !storableUserID(user) {
-		return Entry{}, Freshness{}, ErrUserNotFound
-	}
 	var entry Entry
-	fresh, err := b.read(ctx, opts,
+	fresh, err := b.read(ctx, opts, !storableUserID(user),
 		func(ctx context.Context) (err error) { entry, err = b.redisRank(ctx, user); return err },
 		func(ctx context.Context) (err error) { entry, err = b.pgRank(ctx, user); return err },
 	)
@@ -189,11 +186,8 @@ func (b *Board) Around(ctx context.Context, user string, n int, opts ...ReadOpti
 	if n < 0 || n > MaxPageSize {
 		return Ranking{}, ErrInvalidLimit
 	}
-	if !storableUserID(user) {
-		return Ranking{}, ErrUserNotFound
-	}
 	var entries []Entry
-	fresh, err := b.read(ctx, opts,
+	fresh, err := b.read(ctx, opts, !storableUserID(user),
 		func(ctx context.Context) (err error) { entries, err = b.redisAround(ctx, user, n); return err },
 		func(ctx context.Context) (err error) { entries, err = b.pgAround(ctx, user, n); return err },
 	)
@@ -224,9 +218,11 @@ func (b *Board) Authoritative(ctx context.Context, n int) ([]Entry, error) {
 // Freshness reports the projection's current freshness without reading
 // it: the figure to export as a metric and alert on (with the outbox's own
 // Stats). It is measured at most once per Config.LagProbeInterval.
-// AtLeastMet is true: nothing was asked for.
+// AtLeastMet is true: nothing was asked for. On a board used before
+// Migrate the lag cannot be measured: Lag is -1 (reads fail with
+// ErrNotMigrated).
 func (b *Board) Freshness(ctx context.Context) Freshness {
-	fresh := b.freshness(ctx)
+	fresh, _ := b.freshness(ctx)
 	fresh.AtLeastMet = true
 	return fresh
 }
@@ -248,18 +244,21 @@ func (b *Board) ranking(entries []Entry, n int, fresh Freshness) Ranking {
 	return r
 }
 
-// read runs one read under the policy: fromRedis when the projection is
-// fresh enough (or the policy serves stale answers), fromPostgres when the
-// policy falls back. With ErrUserNotFound, the Freshness's Source names the
-// store that answered, for the reads counter; the public reads return a
+// read runs one read under the policy, and counts it: fromRedis when the
+// projection is fresh enough (or the policy serves stale answers),
+// fromPostgres when the policy falls back. noSuchUser marks a lookup of a
+// user id no store can hold (see storableUserID): once the options are
+// found valid, it is ErrUserNotFound without reading. With
+// ErrUserNotFound, the Freshness's Source names the store that answered
+// (none for noSuchUser), for the reads counter; the public reads return a
 // zero Freshness with every error, this one included.
-func (b *Board) read(ctx context.Context, opts []ReadOption, fromRedis, fromPostgres func(context.Context) error) (Freshness, error) {
-	fresh, err := b.readUnderPolicy(ctx, opts, fromRedis, fromPostgres)
+func (b *Board) read(ctx context.Context, opts []ReadOption, noSuchUser bool, fromRedis, fromPostgres func(context.Context) error) (Freshness, error) {
+	fresh, err := b.readUnderPolicy(ctx, opts, noSuchUser, fromRedis, fromPostgres)
 	b.metrics.read(ctx, fresh, err)
 	return fresh, err
 }
 
-func (b *Board) readUnderPolicy(ctx context.Context, opts []ReadOption, fromRedis, fromPostgres func(context.Context) error) (Freshness, error) {
+func (b *Board) readUnderPolicy(ctx context.Context, opts []ReadOption, noSuchUser bool, fromRedis, fromPostgres func(context.Context) error) (Freshness, error) {
 	o := readOptions{policy: b.cfg.ReadPolicy}
 	for _, opt := range opts {
 		if opt == nil {
@@ -276,6 +275,9 @@ func (b *Board) readUnderPolicy(ctx context.Context, opts []ReadOption, fromRedi
 		if reason := b.userIDProblem(o.user); reason != "" {
 			return Freshness{}, fmt.Errorf("%w: AtLeast user id %s", ErrInvalidReadOption, reason)
 		}
+	}
+	if noSuchUser {
+		return Freshness{}, ErrUserNotFound
 	}
 	fallback := func() (Freshness, error) {
 		if err := fromPostgres(ctx); err != nil {
@@ -302,18 +304,29 @@ func (b *Board) readUnderPolicy(ctx context.Context, opts []ReadOption, fromRedi
 			case FailClosed:
 				// An unverified board may never receive the version again
 				// (the worker delivered it before Redis lost it): say so.
-				unverified := b.cfg.RequireVerifiedProjection && b.freshness(ctx).Unverified
+				fresh, notMigrated := b.freshness(ctx)
+				if notMigrated != nil {
+					return Freshness{}, notMigrated
+				}
+				unverified := b.cfg.RequireVerifiedProjection && fresh.Unverified
 				return Freshness{}, &StaleError{Lag: -1, MaxLag: b.cfg.MaxLag, UserID: o.user, Version: o.version, Unverified: unverified}
 			}
 			atLeastMet = false
 		}
 	}
 
-	fresh := b.freshness(ctx)
+	fresh, notMigrated := b.freshness(ctx)
 	if err := ctx.Err(); err != nil {
 		// A lag the caller's own cancellation left unmeasured is not
 		// staleness: report the cancellation, under every policy.
 		return Freshness{}, err
+	}
+	// A board used before Migrate has no projection to serve, nor to refuse
+	// as stale: an empty page would hide the mistake. FallbackToPostgres
+	// asks PostgreSQL, whose statements report it themselves (and answer
+	// as soon as Migrate has run).
+	if notMigrated != nil && o.policy != FallbackToPostgres {
+		return Freshness{}, notMigrated
 	}
 	fresh.AtLeastMet = atLeastMet
 	if fresh.Lag < 0 || fresh.Lag > b.cfg.MaxLag || o.forceStale {
@@ -430,6 +443,9 @@ type lagProbe struct {
 	// unverified: RequireVerifiedProjection is on and Redis had no record
 	// of a complete projection.
 	unverified bool
+	// notMigrated: the measurement failed on a missing table (dbError's
+	// ErrNotMigrated), which reads report instead of a lag of -1.
+	notMigrated error
 }
 
 // freshness returns the projection's freshness, measuring the lag at most
@@ -445,7 +461,11 @@ type lagProbe struct {
 // commits while the reply travels is invisible to it). Reported lag
 // therefore understates the true lag by less than LagProbeInterval, however
 // long a probe or its reply takes.
-func (b *Board) freshness(ctx context.Context) Freshness {
+//
+// The error is not nil only when the measurement found a table of the
+// board missing: an error matching ErrNotMigrated, with Lag -1 as for any
+// failed measurement.
+func (b *Board) freshness(ctx context.Context) (Freshness, error) {
 	b.lagMu.Lock()
 	now := time.Now()
 	p := b.lagProbe
@@ -472,7 +492,7 @@ func (b *Board) freshness(ctx context.Context) Freshness {
 			b.lagMu.Lock()
 			b.lagProbe.running = false
 			b.lagMu.Unlock()
-			return Freshness{Source: SourceRedis, Lag: -1}
+			return Freshness{Source: SourceRedis, Lag: -1}, nil
 		}
 		// The measurement holds as of the query's snapshot, which PostgreSQL
 		// took after the query was sent and before the reply arrived: stamp
@@ -482,6 +502,9 @@ func (b *Board) freshness(ctx context.Context) Freshness {
 		p = lagProbe{at: sent, failed: err != nil, unverified: !verified}
 		if err != nil {
 			b.cfg.Logger.WarnContext(ctx, "leaderboard: measuring projection lag failed", "board", b.cfg.Name, "error", err)
+			if nm := b.dbError("measuring projection lag", err); errors.Is(nm, ErrNotMigrated) {
+				p.notMigrated = nm
+			}
 		} else if oldest != nil {
 			p.pending = true
 			p.lag = max(0, dbNow.Sub(*oldest))
@@ -495,18 +518,18 @@ func (b *Board) freshness(ctx context.Context) Freshness {
 	age := now.Sub(p.at)
 	switch {
 	case p.failed:
-		return Freshness{Source: SourceRedis, Lag: -1}
+		return Freshness{Source: SourceRedis, Lag: -1}, p.notMigrated
 	case p.unverified:
-		return Freshness{Source: SourceRedis, Lag: -1, Unverified: true}
+		return Freshness{Source: SourceRedis, Lag: -1, Unverified: true}, nil
 	case p.pending:
 		lag := p.lag + age
-		return Freshness{Source: SourceRedis, Lag: lag, ProjectedThrough: now.Add(-lag)}
+		return Freshness{Source: SourceRedis, Lag: lag, ProjectedThrough: now.Add(-lag)}, nil
 	case age >= b.cfg.LagProbeInterval:
 		// Nothing was pending at p.at, but a change committed right after
 		// may have been waiting ever since.
-		return Freshness{Source: SourceRedis, Lag: age, ProjectedThrough: p.at}
+		return Freshness{Source: SourceRedis, Lag: age, ProjectedThrough: p.at}, nil
 	}
-	return Freshness{Source: SourceRedis, ProjectedThrough: p.at}
+	return Freshness{Source: SourceRedis, ProjectedThrough: p.at}, nil
 }
 
 // observedLag returns the lag for the verity.leaderboard.lag gauge. When

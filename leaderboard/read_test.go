@@ -627,6 +627,12 @@ func TestReadYourWrites(t *testing.T) {
 			r, err := tb.board.Top(ctx, 10, opt)
 			require.ErrorIs(t, err, ErrInvalidReadOption, name)
 			require.Empty(t, r.Entries, name)
+			// The options come before the user id, even one no store can
+			// hold.
+			_, _, err = tb.board.Rank(ctx, "", opt)
+			require.ErrorIs(t, err, ErrInvalidReadOption, "%s: Rank", name)
+			_, err = tb.board.Around(ctx, "nul\x00", 1, opt)
+			require.ErrorIs(t, err, ErrInvalidReadOption, "%s: Around", name)
 			require.Less(t, time.Since(start), tb.board.Config().ReadYourWritesTimeout, "%s: refused without waiting", name)
 		}
 	})
