@@ -200,7 +200,11 @@ type Config struct {
 	// throughout, records in Redis that the projection is complete; a
 	// Redis that loses its data loses that record too. While it is absent,
 	// Freshness reports Lag -1 and Unverified, so FailClosed reads refuse
-	// and FallbackToPostgres reads fall back. Call Verify after the first
+	// and FallbackToPostgres reads fall back. Reads look for the record
+	// with the lag probe, so they see it gone up to LagProbeInterval late,
+	// as they may see the lag. Only the loss of the board's keys removes
+	// it: after a partial loss (eviction, writes a failover lost) only a
+	// reconcile pass finds what is missing. Call Verify after the first
 	// deployment and after every Redis loss (a new board needs one too).
 	// Defaults to false: Lag measures the outbox only.
 	RequireVerifiedProjection bool
