@@ -94,10 +94,24 @@ type Cache[T any] struct {
 	flights    flightGroup[loaded[T]]
 	stats      counters
 	metrics    *cacheMetrics // nil: no MeterProvider
+	// bypassLocal is set when client answers single reads from go-redis's
+	// client-side cache, which learns of an Invalidate only when the
+	// server's invalidation message has been processed, after the
+	// Invalidate returned: a hit must then reach the server.
+	bypassLocal bool
 }
 
 // New returns a Cache storing values through client, configured by config,
 // which must set Prefix (a nil config is a *ConfigError naming it).
+//
+// Hits read the primary, also through a client that routes reads to
+// replicas, and bypass go-redis's client-side cache
+// (Options.ClientSideCacheConfig or ClientSideCache) when client has one.
+// Two kinds of client defeat this, and New cannot tell them: a Sentinel
+// client built with ReadOnly (ReplicaOnly) reads a replica, where hits may
+// lag an Invalidate, and cluster node or ring shard clients given a
+// client-side cache by a NewClient function serve stale hits. Do not pass
+// them; see the package documentation.
 func New[T any](client redis.UniversalClient, config *Config) (*Cache[T], error) {
 	if deps.Missing(client) {
 		return nil, ErrNilClient
@@ -135,6 +149,7 @@ func New[T any](client redis.UniversalClient, config *Config) (*Cache[T], error)
 	c := &Cache[T]{client: client, config: cfg, lua: defaultScripts, leaseToken: hex.EncodeToString(token[:]),
 		plainJSON: plainJSON(cfg.Codec, reflect.TypeFor[T]()), shape: shapeTag(cfg.Codec, reflect.TypeFor[T]())}
 	c.primary = clusterpin.Client(client)
+	c.bypassLocal = clientSideCached(client)
 	metrics, err := newCacheMetrics(cfg, c.Stats)
 	if err != nil {
 		return nil, fmt.Errorf("versioncache: metrics: %w", err)
@@ -249,12 +264,21 @@ func (c *Cache[T]) Get(ctx context.Context, id string, load Loader[T]) (T, error
 func (c *Cache[T]) getCurrent(ctx context.Context, id string) ([]byte, bool, error) {
 	key := c.currentKey(id)
 	var cmd *redis.StringCmd
-	if c.primary != nil {
+	switch {
+	case c.primary != nil:
 		err := clusterpin.OnMaster(ctx, c.primary, key, func(p redis.Pipeliner) { cmd = p.Get(ctx, key) })
 		if err != nil && !errors.Is(err, redis.Nil) {
 			return nil, false, err
 		}
-	} else {
+	case c.bypassLocal:
+		// go-redis serves only single commands from its client-side cache,
+		// never a pipeline's.
+		p := c.client.Pipeline()
+		cmd = p.Get(ctx, key)
+		if _, err := p.Exec(ctx); err != nil && !errors.Is(err, redis.Nil) {
+			return nil, false, err
+		}
+	default:
 		cmd = c.client.Get(ctx, key)
 	}
 	data, err := cmd.Bytes()
@@ -266,6 +290,19 @@ func (c *Cache[T]) getCurrent(ctx context.Context, id string) ([]byte, bool, err
 	default:
 		return nil, false, err
 	}
+}
+
+// clientSideCached reports whether client has go-redis's client-side cache
+// (Options.ClientSideCache or ClientSideCacheConfig, which
+// UniversalOptions passes on to a standalone client). Only a *redis.Client
+// takes those options.
+func clientSideCached(client redis.UniversalClient) bool {
+	c, ok := client.(*redis.Client)
+	if !ok {
+		return false
+	}
+	o := c.Options()
+	return o.ClientSideCache != nil || o.ClientSideCacheConfig != nil
 }
 
 // decodeCurrent decodes the contents of a current key, returning the

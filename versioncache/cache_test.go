@@ -278,7 +278,75 @@ func TestGet(t *testing.T) {
 		// Each id has its own key space: no loads shared between ids.
 		require.EqualValues(t, len(ids), b.truth.loads.Load())
 	})
+
+	// go-redis's client-side cache answers a single GET from process memory
+	// until the server's invalidation message has been processed, which can
+	// be after another process's Invalidate returned. The cache below holds
+	// that message back for good, so a hit it served would be stale.
+	t.Run("ClientSideCacheIsBypassed", func(t *testing.T) {
+		t.Parallel()
+		rd := testenv.Redis(t)
+		opt, err := redis.ParseURL(rd.URL)
+		require.NoError(t, err)
+		for name, newClient := range map[string]func(local redis.Cache) redis.UniversalClient{
+			"Client": func(local redis.Cache) redis.UniversalClient {
+				o := *opt
+				o.Protocol, o.ClientSideCache = 3, local
+				return redis.NewClient(&o)
+			},
+			"UniversalClient": func(local redis.Cache) redis.UniversalClient {
+				return redis.NewUniversalClient(&redis.UniversalOptions{Addrs: []string{opt.Addr},
+					DB: opt.DB, Username: opt.Username, Password: opt.Password, Protocol: 3, ClientSideCache: local})
+			},
+		} {
+			t.Run(name, func(t *testing.T) {
+				t.Parallel()
+				local := &heldBackCache{LocalCache: redis.NewLocalCache(redis.ClientSideCacheConfig{})}
+				client := newClient(local)
+				t.Cleanup(func() { client.Close() })
+				prefix := rd.Prefix + name + ":"
+				reader := setupWith(t, client, prefix, nil)
+				writer := setupWith(t, rd.Client, prefix, nil) // another process
+				writer.truth = reader.truth                    // one database
+				reader.truth.write("p1", 4900)
+				_, err := writer.cache.Get(ctx, "p1", writer.truth.loader("p1")) // cached
+				require.NoError(t, err)
+				for range 2 { // hits
+					_, err := reader.cache.Get(ctx, "p1", reader.truth.loader("p1"))
+					require.NoError(t, err)
+				}
+
+				want := reader.truth.write("p1", 4400)
+				require.NoError(t, writer.cache.Invalidate(ctx, "p1"))
+				got, err := reader.cache.Get(ctx, "p1", reader.truth.loader("p1"))
+				require.NoError(t, err)
+				require.Equal(t, want, got, "a value an acknowledged Invalidate deleted was served")
+				require.Zero(t, local.gets.Load(), "the hit consulted the client-side cache")
+
+				// The client does cache single GETs, or this test proves nothing.
+				key := reader.cache.currentKey("p1")
+				for range 2 {
+					require.NoError(t, client.Get(ctx, key).Err())
+				}
+				require.NotZero(t, local.gets.Load(), "client-side caching is off")
+			})
+		}
+	})
 }
+
+// heldBackCache is a go-redis client-side cache whose invalidation messages
+// never arrive: what it holds stays stale.
+type heldBackCache struct {
+	*redis.LocalCache
+	gets atomic.Int64
+}
+
+func (c *heldBackCache) Get(ctx context.Context, cacheKey string) ([]byte, bool) {
+	c.gets.Add(1)
+	return c.LocalCache.Get(ctx, cacheKey)
+}
+
+func (c *heldBackCache) DeleteByRedisKey(string) int { return 0 }
 
 func TestVersionNeverGoesBackwards(t *testing.T) {
 	t.Parallel()

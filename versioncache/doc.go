@@ -52,8 +52,9 @@
 // tests run this against a real three-master cluster.
 //
 // A replica can lag an Invalidate that its primary has acknowledged, so the
-// hit GET always goes to the primary, also with a *redis.ClusterClient that
-// routes reads to replicas (ReadOnly, RouteByLatency, RouteRandomly); so do
+// hit GET goes to the primary (with one exception, below), also with a
+// *redis.ClusterClient that routes reads to replicas (ReadOnly,
+// RouteByLatency, RouteRandomly); so do
 // the read script of a miss and of Peek, which may return the cached value,
 // and Invalidate's bump and WAIT when InvalidateReplicas is set. These commands
 // run on the master's own connection, after READWRITE: a replica-reading
@@ -73,6 +74,29 @@
 // they are (no READWRITE, no MOVED), and a master Sentinel has just demoted
 // may serve them as a replica until Sentinel's next answer reaches the
 // client.
+//
+// A Sentinel client built with ReadOnly (redis.NewUniversalClient with
+// MasterName and ReadOnly, without RouteRandomly or RouteByLatency; or
+// redis.NewFailoverClient with ReplicaOnly) is a *redis.Client connected to
+// a replica, and nothing steers it to the master (New cannot tell it from a
+// client of the master either): its hits may lag an Invalidate the master
+// has acknowledged. Misses and Invalidate fail loudly there, because a
+// replica refuses their scripts' writes: counted in Stats.RedisErrors, and
+// Invalidate returns a *RedisError. Do not give a Cache such a client.
+//
+// go-redis's client-side cache (Options.ClientSideCache or
+// ClientSideCacheConfig, with RESP3; UniversalOptions passes them on to a
+// standalone client) answers a single read command from process memory
+// until the server's invalidation message for its key has been processed,
+// asynchronously: after another process's Invalidate may have returned.
+// With such a *redis.Client the hit GET is therefore sent as a one-command
+// pipeline, which go-redis never answers from that cache: the hit costs
+// its round trip as with any other client, and the client-side cache saves
+// the Cache nothing. Other clients' hits remain a single GET. Node or shard
+// clients with a client-side cache, made by the NewClient function of
+// ClusterOptions or RingOptions, are not detected and would serve stale
+// hits: do not use them. GetAt's GET needs no such care, as with replicas:
+// its hit only needs a version at or above the caller's.
 //
 // # Versions never go backwards
 //
