@@ -236,4 +236,13 @@
 // using them (its reconcile pass reports the other schemas' members there
 // as orphans); with none, delete them. Boards in "public", and boards that
 // set KeyPrefix, keep their keys.
+//
+// During a rolling deploy old processes project into the old keys while
+// new ones read the new, empty keys and, without RequireVerifiedProjection,
+// serve them as fresh. To avoid that window, first deploy with KeyPrefix
+// set to "verity:lb:" (the old keys; correct only while no other schema
+// has a board of the same name). To move to the new default later, run a
+// reconcile pass of a Board configured with the new prefix (it fills the
+// new keys from PostgreSQL while the old ones serve), deploy the default,
+// and run the pass again for what was written in between.
 package leaderboard
