@@ -24,7 +24,9 @@ type Stats struct {
 	Retrying int64
 	// OldestPendingAge is how long the oldest pending row has waited (the
 	// "outbox age", the figure to alert on: it grows when relays stop or
-	// fail, whatever the volume). Zero when nothing is pending.
+	// fail, whatever the volume). Zero when nothing is pending. Rows whose
+	// created_at is not finite (see Record.CreatedAt) have no age and are
+	// left out.
 	OldestPendingAge time.Duration
 	// DeadLetters counts rows in the dead-letter table.
 	DeadLetters int64
@@ -34,8 +36,10 @@ type Stats struct {
 // from one pass over the pending rows: O(pending). InFlight adds up the ids
 // handed out under the live partition leases (rows stamped by a relay of an
 // older version count too): O(partitions). OldestPendingAge is one probe of
-// the created_at partial index: O(1). DeadLetters scans the dead-letter
-// table: O(dead letters).
+// the created_at partial index: O(1); its bounds skip 'infinity' and
+// '-infinity', which now() - min(created_at) cannot subtract (and which
+// the index sorts at its ends, so the probe stays O(1)). DeadLetters scans
+// the dead-letter table: O(dead letters).
 const statsSQL = `SELECT p.pending, p.in_flight + l.in_flight, p.retrying, a.age_us, d.dead
 FROM (
     SELECT count(*) AS pending,
@@ -47,7 +51,7 @@ FROM (
     FROM %[3]s, unnest(inflight) AS r WHERE leased_until > now()
 ) l, (
     SELECT COALESCE((EXTRACT(EPOCH FROM now() - min(created_at)) * 1000000)::bigint, 0) AS age_us
-    FROM %[1]s WHERE published_at IS NULL
+    FROM %[1]s WHERE published_at IS NULL AND created_at > '-infinity' AND created_at < 'infinity'
 ) a, (
     SELECT count(*) AS dead FROM %[2]s
 ) d`
@@ -104,7 +108,7 @@ func (r *Relay) DeadLetters(ctx context.Context, afterID int64, limit int) ([]De
 	}
 	out, err := pgx.CollectRows(rows, func(row pgx.CollectableRow) (DeadLetter, error) {
 		var d DeadLetter
-		err := row.Scan(&d.ID, &d.EventID, &d.Stream, &d.Key, &d.Version, &d.Payload, &d.CreatedAt, &d.Attempts, &d.LastError, &d.FailedAt)
+		err := row.Scan(&d.ID, &d.EventID, &d.Stream, &d.Key, &d.Version, &d.Payload, createdAt{&d.CreatedAt}, &d.Attempts, &d.LastError, &d.FailedAt)
 		return d, err
 	})
 	if err != nil {
@@ -158,6 +162,8 @@ func (f ReplayFilter) validate() error {
 // "moved" deletes the older selected rows of a replayed event with it: they
 // are copies of what is now back in the outbox, and a later replay would
 // deliver the event once more.
+// A dead letter whose created_at is not finite (buried before migration
+// 006) returns with created_at = now(): 006's constraint refuses it.
 const replayDeadSQL = `WITH newest AS (
     SELECT DISTINCT ON (d.event_id) d.id
     FROM %[2]s AS d
@@ -184,7 +190,9 @@ moved AS (
 restored AS (
     INSERT INTO %[1]s (id, event_id, stream, key, version, payload, created_at, last_error)
     OVERRIDING SYSTEM VALUE
-    SELECT id, event_id, stream, key, version, payload, created_at, last_error FROM moved WHERE newest
+    SELECT id, event_id, stream, key, version, payload,
+        CASE WHEN isfinite(created_at) THEN created_at ELSE now() END, last_error
+    FROM moved WHERE newest
     RETURNING 1
 )
 SELECT count(*) FROM restored, pg_notify($4, '')`

@@ -2,6 +2,7 @@ package outbox_test
 
 import (
 	"context"
+	"math"
 	"testing"
 	"time"
 
@@ -84,4 +85,46 @@ func TestClaimBurialSkipsAnIDAlreadyDead(t *testing.T) {
 		}
 	}
 	require.True(t, delivered, "the row of the other partition is delivered; claims failed with %v", errs)
+}
+
+// A composed INSERT may store any attempts, up to the integer column's
+// maximum: adding the current attempt to it overflowed in every claim of
+// its partition, which failed uncounted again and again. The count now
+// saturates, on every path that adds an attempt: the claim's own, a
+// crashed attempt counted for another stream's row, and a burial.
+func TestClaimSaturatesAttempts(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	b := setup(t)
+	_, err := b.pool.Exec(ctx, `INSERT INTO `+b.writer.Table()+` (event_id, stream, key, version, payload, attempts)
+		VALUES (gen_random_uuid(), 'b', 'kb', 1, '', 2147483647)`)
+	require.NoError(t, err)
+	rowA := newMessage("a", "ka", 1)
+	b.appendCommitted(t, rowA) // the same partition
+
+	cfg := outbox.RelayConfig{LeaseDuration: 10 * time.Second}
+	batch, err := b.relay(t, nil, &recorder{}, cfg).ClaimOnly(ctx) // dies during the attempt
+	require.NoError(t, err)
+	require.Len(t, batch, 2)
+	require.Equal(t, math.MaxInt32, batch[0].Attempts)
+	require.EqualValues(t, 1, b.expireLeases(t))
+
+	// Stream a's relay counts the crashed attempt of b's row without burying it.
+	h := &recorder{}
+	n, err := b.relay(t, nil, h, outbox.RelayConfig{Streams: []string{"a"}}).RunOnce(ctx)
+	require.NoError(t, err)
+	require.Equal(t, 1, n)
+	require.Equal(t, rowA.EventID, h.seen()[0].EventID)
+	require.Equal(t, math.MaxInt32, b.rows(t)[0].Attempts)
+
+	// A relay of every stream dies with it again, and the next claim buries it.
+	_, err = b.relay(t, nil, &recorder{}, cfg).ClaimOnly(ctx)
+	require.NoError(t, err)
+	require.EqualValues(t, 1, b.expireLeases(t))
+	n, err = b.relay(t, nil, &recorder{}, cfg).RunOnce(ctx)
+	require.NoError(t, err)
+	require.Zero(t, n)
+	var attempts int
+	require.NoError(t, b.pool.QueryRow(ctx, `SELECT attempts FROM `+b.deadTable()).Scan(&attempts))
+	require.Equal(t, math.MaxInt32, attempts)
 }

@@ -63,7 +63,7 @@
 //	key          text                          which entity
 //	version      bigint, > 0                   entity version of this state
 //	payload      bytea                         ABSOLUTE state, never a delta
-//	created_at   timestamptz, default now()
+//	created_at   timestamptz, default now()    finite (migration 006)
 //	attempts     integer, default 0            claims so far
 //	available_at timestamptz, default now()    not before (retry backoff)
 //	leased_until timestamptz, null             row lease of relays before 003
@@ -98,8 +98,8 @@
 // SQL text (it is safe to concatenate: it is sanitized), and Writer.Channel
 // the NOTIFY channel to pass as a parameter. Without pg_notify the rows are
 // still delivered, at the relays' next poll. The CHECK constraints (version
-// > 0, a stream of 1 to MaxStreamBytes bytes) and the unique event_id hold
-// for composed inserts as for Append.
+// > 0, a stream of 1 to MaxStreamBytes bytes, a finite created_at) and the
+// unique event_id hold for composed inserts as for Append.
 //
 // # Lifecycle of a row
 //
@@ -247,6 +247,11 @@
 // briefly (NOT VALID: existing rows are not scanned), so the first Migrate
 // after the upgrade waits for open writers; later ones find it and take no
 // lock.
+// Migration 006 likewise refuses a created_at of 'infinity' or
+// '-infinity', which time.Time cannot hold, and gives pending rows that
+// already hold one the migration's time (the constraint checks the relay's
+// updates of them too); relays hand such a row out with a zero
+// Record.CreatedAt, and Stats leaves it out of OldestPendingAge.
 // With names free of line breaks and "--", no line inside a statement of
 // the migrations ends with a semicolon, so tools that split scripts at such
 // lines (goose, without StatementBegin and StatementEnd annotations) apply

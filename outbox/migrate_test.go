@@ -3,6 +3,7 @@ package outbox_test
 import (
 	"context"
 	"database/sql"
+	"errors"
 	"fmt"
 	"regexp"
 	"strings"
@@ -11,6 +12,7 @@ import (
 
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 	_ "github.com/jackc/pgx/v5/stdlib"
 	"github.com/stretchr/testify/require"
@@ -34,7 +36,7 @@ func TestMigrationsForTools(t *testing.T) {
 			names = append(names, m.Name)
 		}
 		require.Equal(t, []string{"001_outbox.sql", "002_queue_autovacuum.sql", "003_partition_leases.sql",
-			"004_dead_stream_index.sql", "005_stream_length.sql"}, names)
+			"004_dead_stream_index.sql", "005_stream_length.sql", "006_created_at_finite.sql"}, names)
 		script, err := outbox.MigrationSQL(nil)
 		require.NoError(t, err)
 		for _, name := range names {
@@ -63,7 +65,7 @@ func TestMigrationsForTools(t *testing.T) {
 					require.True(t, strings.HasSuffix(stmt, "\n"+tag[1]+";"), "%s: DO block cut apart:\n%s", m.Name, stmt)
 				}
 			}
-			require.Equal(t, 8, blocks, "one DO block per index, and one for the stream length constraint")
+			require.Equal(t, 9, blocks, "one DO block per index, and one per constraint (stream length, finite created_at)")
 		}
 	})
 
@@ -254,5 +256,48 @@ func TestMigrateLeavesACallersTransactionsLevelAlone(t *testing.T) {
 		var level string
 		require.NoError(t, tx.QueryRowContext(ctx, `SHOW transaction_isolation`).Scan(&level))
 		require.Equal(t, "repeatable read", level, "Migrate changed the caller's transaction's isolation level")
+	})
+}
+
+// TestMigrateFiniteCreatedAt covers migration 006: a created_at of
+// 'infinity' or '-infinity' is refused for new rows, and pending rows that
+// already hold one are repaired, since the constraint also checks the
+// relay's updates of them.
+func TestMigrateFiniteCreatedAt(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+
+	t.Run("RefusesComposedInsert", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		for _, value := range []string{"infinity", "-infinity"} {
+			_, err := b.pool.Exec(ctx, `INSERT INTO `+b.writer.Table()+` (event_id, stream, key, version, payload, created_at)
+				VALUES (gen_random_uuid(), 's', 'k', 1, '', $1::timestamptz)`, value)
+			var pgErr *pgconn.PgError
+			require.ErrorAs(t, err, &pgErr, value)
+			require.Equal(t, "23514", pgErr.Code, value)
+			require.Equal(t, "verity_outbox_created_at_finite", pgErr.ConstraintName, value)
+		}
+	})
+
+	t.Run("RepairsPendingRows", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		b.insertBeforeMigration006(t, "k", "-infinity")
+		require.NoError(t, outbox.Migrate(ctx, b.pool, b.cfg))
+		var age time.Duration
+		require.NoError(t, b.pool.QueryRow(ctx, `SELECT now() - created_at FROM `+b.writer.Table()).Scan(&age))
+		require.GreaterOrEqual(t, age, time.Duration(0))
+		require.Less(t, age, time.Minute)
+
+		// The relay's retry updates the row, which the constraint checks.
+		r := b.relay(t, nil, &recorder{fail: func(outbox.Record) error { return errors.New("fails") }}, outbox.RelayConfig{})
+		n, err := r.RunOnce(ctx)
+		require.NoError(t, err)
+		require.Equal(t, 1, n)
+		rows := b.rows(t)
+		require.Len(t, rows, 1)
+		require.Equal(t, 1, rows[0].Attempts)
+		require.Equal(t, "fails", *rows[0].LastError)
 	})
 }

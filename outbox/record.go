@@ -7,6 +7,7 @@ import (
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgtype"
 )
 
 // MaxStreamBytes bounds Message.Stream. A dead letter's stream is indexed
@@ -55,10 +56,26 @@ type Record struct {
 	// ID is the outbox row's id; it increases with commit order only
 	// approximately (ids are assigned at insert time, not commit time).
 	ID int64
-	// CreatedAt is when the row was inserted (the transaction's clock).
+	// CreatedAt is when the row was inserted (the transaction's clock). It
+	// is zero when the row's created_at is 'infinity' or '-infinity', which
+	// time.Time cannot hold: the row's age is unknown. Only a composed
+	// INSERT into an outbox without migration 006 could store such a value.
 	CreatedAt time.Time
 	// Attempts counts claims of this row, including the current one.
 	Attempts int
+}
+
+// createdAt scans a timestamptz into *t, leaving it zero for 'infinity'
+// and '-infinity', which *time.Time refuses: one such row must not fail the
+// whole claim (or dead-letter page) it is read in.
+type createdAt struct{ t *time.Time }
+
+func (c createdAt) ScanTimestamptz(v pgtype.Timestamptz) error {
+	*c.t = time.Time{}
+	if v.Valid && v.InfinityModifier == pgtype.Finite {
+		*c.t = v.Time
+	}
+	return nil
 }
 
 // Result is a Handler's verdict on one record of a batch.
@@ -97,6 +114,7 @@ type Tx interface {
 }
 
 var (
-	_ Tx      = (pgx.Tx)(nil)
-	_ Handler = HandlerFunc(nil)
+	_ Tx                        = (pgx.Tx)(nil)
+	_ Handler                   = HandlerFunc(nil)
+	_ pgtype.TimestamptzScanner = createdAt{}
 )

@@ -167,6 +167,9 @@ const partitionsPerClaim = 4
 // cannot both update and delete a row. Every id of that batch counts the attempt:
 // nothing tells which one killed the relay. The statement returns the ids
 // it buried, to be logged and counted.
+// The attempt count saturates at the integer column's maximum (LEAST(…,
+// 2147483646) + 1, in pickSQL too): a composed INSERT may store any
+// attempts, and an overflow would fail every claim of its partition.
 // The row-level lease columns that relays of earlier versions stamp are
 // still honoured, so a rolling upgrade does not hand a row claimed the old
 // way to a new relay.
@@ -210,7 +213,7 @@ crashed AS MATERIALIZED (
 ),
 recovered AS (
     UPDATE %[1]s AS o
-    SET attempts = o.attempts + 1
+    SET attempts = LEAST(o.attempts, 2147483646) + 1
     WHERE o.id = ANY(ARRAY(SELECT id FROM crashed))
       AND NOT (%[10]s)
     RETURNING o.id
@@ -219,7 +222,7 @@ buried AS (
     DELETE FROM %[1]s AS o
     WHERE o.id = ANY(ARRAY(SELECT id FROM crashed))
       AND %[10]s
-    RETURNING o.id, o.event_id, o.stream, o.key, o.version, o.payload, o.created_at, o.attempts + 1 AS attempts
+    RETURNING o.id, o.event_id, o.stream, o.key, o.version, o.payload, o.created_at, LEAST(o.attempts, 2147483646) + 1 AS attempts
 ),
 dead AS (
     INSERT INTO %[8]s (id, event_id, stream, key, version, payload, created_at, attempts, last_error)
@@ -233,8 +236,9 @@ SELECT (SELECT count(*) FROM leased), set_config('enable_bitmapscan', 'off', tru
     ARRAY(SELECT id FROM dead ORDER BY id)`
 
 // buryCrashed is the condition under which the claim buries a row o of a
-// crashed batch instead of counting the attempt: its attempts reach this
-// relay's MaxAttempts, it is of a stream this relay serves (another
+// crashed batch instead of counting the attempt: its attempts, counting
+// this one, reach this relay's MaxAttempts (compared before the increment,
+// which cannot overflow there), it is of a stream this relay serves (another
 // stream's relays may allow more attempts: for those rows the attempt is
 // only counted, and their own relays bury them), and its id is not in the
 // dead-letter table already (possible only after the outbox's ids were
@@ -245,8 +249,8 @@ func buryCrashed(dead string, cfg *RelayConfig) string {
 	if len(cfg.Streams) > 0 {
 		streams = " AND o.stream = ANY($3::text[])"
 	}
-	return fmt.Sprintf("o.attempts + 1 >= %d%s AND NOT EXISTS (SELECT 1 FROM %s AS d WHERE d.id = o.id)",
-		cfg.MaxAttempts, streams, dead)
+	return fmt.Sprintf("o.attempts >= %d%s AND NOT EXISTS (SELECT 1 FROM %s AS d WHERE d.id = o.id)",
+		cfg.MaxAttempts-1, streams, dead)
 }
 
 // pickSQL reads up to $2 due rows of the partitions leased to the batch's
@@ -286,7 +290,7 @@ recorded AS (
     WHERE l.owner = $1
     RETURNING l.part
 )
-SELECT p.id, p.event_id, p.stream, p.key, p.version, p.payload, p.created_at, p.attempts + 1
+SELECT p.id, p.event_id, p.stream, p.key, p.version, p.payload, p.created_at, LEAST(p.attempts, 2147483646) + 1
 FROM picked AS p`
 
 // asyncCommitClause makes the statement it is part of commit with
@@ -506,7 +510,7 @@ func (r *Relay) sendClaim(ctx context.Context, conn *pgx.Conn, token uuid.UUID) 
 		// The event id is scanned as the 16 bytes it is: through
 		// uuid.UUID's sql.Scanner, pgx would turn each id into text and
 		// the scanner parse it back.
-		err := row.Scan(&rec.ID, (*[16]byte)(&rec.EventID), &rec.Stream, &rec.Key, &rec.Version, &rec.Payload, &rec.CreatedAt, &rec.Attempts)
+		err := row.Scan(&rec.ID, (*[16]byte)(&rec.EventID), &rec.Stream, &rec.Key, &rec.Version, &rec.Payload, createdAt{&rec.CreatedAt}, &rec.Attempts)
 		return rec, err
 	})
 	if err != nil {

@@ -1408,6 +1408,93 @@ func TestRelayStats(t *testing.T) {
 	require.Zero(t, stats.InFlight)
 }
 
+// insertBeforeMigration006 inserts, with a composed INSERT, a row of
+// partition 0 whose created_at is createdAt ('infinity' or '-infinity'), as
+// an outbox without migration 006's constraint accepts: the constraint is
+// dropped first.
+func (b *testBundle) insertBeforeMigration006(t *testing.T, key, createdAt string) {
+	t.Helper()
+	ctx := context.Background()
+	_, err := b.pool.Exec(ctx, `ALTER TABLE `+b.writer.Table()+` DROP CONSTRAINT IF EXISTS verity_outbox_created_at_finite`)
+	require.NoError(t, err)
+	_, err = b.pool.Exec(ctx, `INSERT INTO `+b.writer.Table()+` (event_id, stream, key, version, payload, created_at)
+		VALUES (gen_random_uuid(), 's', $1, 1, '\x00', $2::timestamptz)`, key, createdAt)
+	require.NoError(t, err)
+}
+
+// TestRelayNonFiniteCreatedAt covers rows whose created_at is 'infinity'
+// or '-infinity', which time.Time cannot hold: they used to fail every
+// claim that read them, uncounted, so neither they nor the other rows of
+// the partitions claimed with them were ever delivered.
+func TestRelayNonFiniteCreatedAt(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	// seed stores both kinds in partition 0, after a good row there, and a
+	// good row in partition 1.
+	seed := func(t *testing.T) *testBundle {
+		b := setup(t)
+		b.appendCommitted(t, newMessage("s", "good-same-partition", 1))
+		b.insertBeforeMigration006(t, "infinity", "infinity")
+		b.insertBeforeMigration006(t, "-infinity", "-infinity")
+		_, err := b.pool.Exec(ctx, `ALTER TABLE `+b.writer.Table()+` ALTER COLUMN id RESTART WITH 257`)
+		require.NoError(t, err)
+		b.appendCommitted(t, newMessage("s", "good-other-partition", 1))
+		return b
+	}
+
+	t.Run("DeliveredWithUnknownAge", func(t *testing.T) {
+		t.Parallel()
+		b := seed(t)
+		h := &recorder{}
+		r := b.relay(t, nil, h, outbox.RelayConfig{})
+		stats, err := r.Stats(ctx)
+		require.NoError(t, err)
+		require.EqualValues(t, 4, stats.Pending)
+		require.Greater(t, stats.OldestPendingAge, time.Duration(0), "the good rows' age")
+		require.Less(t, stats.OldestPendingAge, time.Minute, "rows without an age are left out")
+
+		n, err := r.RunOnce(ctx)
+		require.NoError(t, err)
+		require.Equal(t, 4, n)
+		for _, rec := range h.seen() {
+			require.Equal(t, strings.HasPrefix(rec.Key, "good"), !rec.CreatedAt.IsZero(), rec.Key)
+		}
+		require.Zero(t, b.count(t, b.writer.Table()))
+	})
+
+	t.Run("FailingRowIsDeadLetteredAndReplayed", func(t *testing.T) {
+		t.Parallel()
+		b := seed(t)
+		h := &recorder{fail: func(rec outbox.Record) error {
+			if strings.HasPrefix(rec.Key, "good") {
+				return nil
+			}
+			return errors.New("poison")
+		}}
+		r := b.relay(t, nil, h, outbox.RelayConfig{MaxAttempts: 1})
+		n, err := r.RunOnce(ctx)
+		require.NoError(t, err)
+		require.Equal(t, 4, n)
+		require.Zero(t, b.count(t, b.writer.Table()))
+		dead, err := r.DeadLetters(ctx, 0, 10)
+		require.NoError(t, err)
+		require.Len(t, dead, 2)
+		for _, d := range dead {
+			require.True(t, d.CreatedAt.IsZero(), d.Key)
+		}
+
+		// With migration 006 in place the outbox refuses their created_at:
+		// the replay gives them the time of their return.
+		require.NoError(t, outbox.Migrate(ctx, b.pool, b.cfg))
+		moved, err := r.ReplayDead(ctx, outbox.ReplayFilter{})
+		require.NoError(t, err)
+		require.EqualValues(t, 2, moved)
+		var finite bool
+		require.NoError(t, b.pool.QueryRow(ctx, `SELECT bool_and(isfinite(created_at)) FROM `+b.writer.Table()).Scan(&finite))
+		require.True(t, finite)
+	})
+}
+
 func TestRelayConfig(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
