@@ -143,7 +143,11 @@ type Config struct {
 	RepairTimeout time.Duration
 	// RebuildMarkerTTL is the lifetime of a rebuild's marker key, refreshed
 	// while the rebuild makes progress. If the rebuilding process dies, the
-	// gate stops dual-writing once it expires. Defaults to
+	// gate stops dual-writing once it expires. Only the marker expires: the
+	// dead rebuild's shadow values and versions, copy count and shadow
+	// layout have no TTL and stay in Redis until the next Rebuild of the
+	// collection starts and clears them, or until deleted by hand (see
+	// "Rebuild" in the package documentation for their names). Defaults to
 	// RebuildMarkerTTLDefault.
 	RebuildMarkerTTL time.Duration
 	// Logger receives a line per run and per rebuild. Defaults to

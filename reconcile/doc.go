@@ -220,6 +220,18 @@
 // works on Redis Cluster. Given a Keyspace with another version bucket
 // count than the collection's, Rebuild migrates it (see "Version buckets").
 //
+// A Rebuild whose process dies mid-copy (SIGKILL, an OOM kill) never runs
+// its abort. Its marker expires after Config.RebuildMarkerTTL and the gate
+// stops dual-writing, but what the copy wrote has no TTL: the shadow values
+// (P T:z~r or P T:h~r), the shadow versions (P T:zv~r, or P T:zv:<b>~r for
+// every bucket b below the shadow layout's count; P T:hv… for a hash), the
+// copy count (… ~rebuild~copied) and the shadow layout (… ~layout~r) stay,
+// up to doubling the collection's memory on a noeviction Redis, until the
+// next Rebuild of that collection starts: its start clears them. To free
+// the memory sooner, DEL those keys by hand while no Rebuild of the
+// collection runs (its marker P T:z~rebuild is absent); read the shadow
+// layout's count before deleting it.
+//
 // # Metrics
 //
 // With Config.MeterProvider set, every Run, CheckKeys and Rebuild records
@@ -260,4 +272,16 @@
 // and looks keys up. SQLSource implements it over one PostgreSQL table,
 // optionally filtered (Filters, for example a board column), with every
 // identifier quoted.
+//
+// The orphan scan looks every projection entry up in the source, so a
+// member the source's key column cannot hold is an orphan found through
+// Lookup. SQLSource drops a key no PostgreSQL text parameter can carry
+// (invalid UTF-8, a NUL byte) without querying. A key PostgreSQL rejects
+// for the column's type ("user:42" for a bigint column) makes it reject the
+// whole batch: SQLSource then bisects the batch until each rejected key
+// stands alone, about two failed statements per such key (each twice per
+// pass, for the orphan scan confirms its lookups), every one an ERROR in
+// the server's log. If the projection may hold many such members, give the
+// table a key column of a text type, or write a Source whose Lookup leaves
+// out keys its column cannot hold.
 package reconcile

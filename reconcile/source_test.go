@@ -5,6 +5,7 @@ import (
 	"database/sql"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -86,6 +87,61 @@ func TestSQLSource(t *testing.T) {
 		var pgErr *pgconn.PgError
 		require.ErrorAs(t, err, &pgErr)
 		require.Equal(t, "22021", pgErr.Code)
+	})
+
+	// Keys no text parameter can carry (invalid UTF-8, a NUL byte) were
+	// sent and bisected: about two failed statements per such key, in
+	// Lookup and in the orphan scan that looks each batch up twice.
+	t.Run("LookupDropsKeysNoTextCanHoldWithoutQuerying", func(t *testing.T) {
+		t.Parallel()
+		pg := testenv.Postgres(t)
+		rd := testenv.Redis(t)
+		_, err := pg.Pool.Exec(ctx, `CREATE TABLE u (k text PRIMARY KEY, v bigint NOT NULL, p bigint NOT NULL);
+			INSERT INTO u SELECT g::text, 1, g FROM generate_series(1, 300) g`)
+		require.NoError(t, err)
+		db := &countingDB{DBTX: pg.Pool}
+		src, err := NewSQLSource(db, &SQLSourceConfig{Table: "u", Schema: pg.Schema, KeyColumn: "k", VersionColumn: "v",
+			ValueColumn: "p", Kind: projection.KindSortedSet})
+		require.NoError(t, err)
+
+		var keys, bad []string
+		var want []Row
+		for i := 1; i <= 300; i++ {
+			keys = append(keys, strconv.Itoa(i), "bad\xff"+strconv.Itoa(i), strconv.Itoa(i)+"\x00")
+			bad = append(bad, "bad\xff"+strconv.Itoa(i), strconv.Itoa(i)+"\x00")
+			want = append(want, Row{Key: strconv.Itoa(i), Version: 1, Value: projection.Value{Score: int64(i)}})
+		}
+		found, err := src.Lookup(ctx, keys)
+		require.NoError(t, err)
+		require.ElementsMatch(t, want, found)
+		require.EqualValues(t, 1, db.n.Load(), "statements for one lookup")
+		found, err = src.Lookup(ctx, bad)
+		require.NoError(t, err)
+		require.Empty(t, found)
+		require.EqualValues(t, 1, db.n.Load(), "statements for a lookup of nothing but such keys")
+
+		// A full pass over a projection holding them: its orphan scan
+		// reports them without a statement each.
+		ks, err := projection.NewKeyspace(rd.Prefix)
+		require.NoError(t, err)
+		var writes []projection.Write
+		for i, k := range keys {
+			writes = append(writes, projection.Write{Target: projection.Target{Kind: projection.KindSortedSet, Name: "b", Member: k},
+				Version: 1, Value: projection.Value{Score: int64(i/3 + 1)}})
+		}
+		_, err = projection.NewGate(rd.Client, ks).Apply(ctx, writes)
+		require.NoError(t, err)
+		r, err := New(src, Target{Client: rd.Client, Keyspace: ks, Kind: projection.KindSortedSet, Name: "b"},
+			&Config{PageSize: 100})
+		require.NoError(t, err)
+		db.n.Store(0)
+		rep, err := r.Run(ctx, RunOptions{DryRun: true})
+		require.NoError(t, err)
+		require.EqualValues(t, 300, rep.Counts[ClassCurrent])
+		require.EqualValues(t, 600, rep.Counts[ClassOrphan])
+		// 4 pages of rows; 9 orphan-scan batches of 100, each looked up
+		// and confirmed: 22 at most, not two per bad member.
+		require.LessOrEqual(t, db.n.Load(), int64(22), "statements for a pass")
 	})
 
 	t.Run("LookupProbesWithoutStatistics", func(t *testing.T) {
@@ -273,6 +329,17 @@ func TestSQLSource(t *testing.T) {
 		_, err = NewSQLSource(pg.Pool, &longest)
 		require.NoError(t, err)
 	})
+}
+
+// countingDB counts the statements a SQLSource sends.
+type countingDB struct {
+	DBTX
+	n atomic.Int64
+}
+
+func (c *countingDB) Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error) {
+	c.n.Add(1)
+	return c.DBTX.Query(ctx, sql, args...)
 }
 
 func TestClassify(t *testing.T) {

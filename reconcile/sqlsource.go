@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"math"
 	"reflect"
+	"slices"
 	"strconv"
 	"strings"
 	"unicode/utf8"
@@ -107,6 +108,10 @@ func sentAsNull(v any) bool {
 // block sample returns fewer than n rows (a small or freshly loaded table
 // whose pg_class.reltuples estimate is low, or a selective filter), the
 // fraction is raised and the sample retried, up to the whole table.
+//
+// Lookup of a key the key column's type rejects ("user:42" for a bigint
+// column) costs a bisection of failed statements, each logged by the
+// server; see Lookup for the cost and the remedy.
 type SQLSource struct {
 	db   DBTX
 	kind projection.Kind
@@ -258,14 +263,22 @@ func (s *SQLSource) Page(ctx context.Context, after Cursor, limit int) ([]Row, e
 	return s.query(ctx, limit, sql, args...)
 }
 
-// Lookup implements Source. A key the key column cannot hold (not valid
-// UTF-8 for a text column, not a number for a bigint one: a projection
-// member written by something other than the gate) cannot be in the table,
-// so it is left out of the result like any absent key. PostgreSQL rejects
-// the whole statement for one such key, so then the batch is split in
-// halves until each rejected key stands alone; a clean batch costs one
-// query, as before.
+// Lookup implements Source. A key the key column cannot hold cannot be in
+// the table, so it is left out of the result like any absent key. A key no
+// PostgreSQL text parameter can carry (invalid UTF-8, a NUL byte: a
+// projection member written by something other than the gate) is dropped
+// before querying and costs nothing. A key PostgreSQL rejects for the
+// column's type ("user:42" for a bigint column) costs more: the server
+// rejects the whole statement for it, so the batch is split in halves until
+// each rejected key stands alone, about two failed statements per such key,
+// each logged as an ERROR by the server. A clean batch costs one query. If
+// the projection may hold many such keys, use a key column of a text type,
+// or a Source of your own whose Lookup leaves out keys its column cannot
+// hold.
 func (s *SQLSource) Lookup(ctx context.Context, keys []string) ([]Row, error) {
+	if slices.ContainsFunc(keys, unsendable) {
+		keys = slices.DeleteFunc(slices.Clone(keys), unsendable)
+	}
 	if len(keys) == 0 {
 		return nil, nil
 	}
@@ -279,6 +292,10 @@ func (s *SQLSource) Lookup(ctx context.Context, keys []string) ([]Row, error) {
 	}
 	return s.lookupSplit(ctx, keys)
 }
+
+// unsendable reports a key that no PostgreSQL text value can hold, so no
+// stored key of any type can have it as its text form.
+func unsendable(k string) bool { return !utf8.ValidString(k) || strings.IndexByte(k, 0) >= 0 }
 
 func (s *SQLSource) lookup(ctx context.Context, keys []string) ([]Row, error) {
 	args := append(append([]any(nil), s.args...), keys)
