@@ -48,6 +48,16 @@ func TestTagged(t *testing.T) {
 	require.NoError(t, ValidatePrefix("app:v1:"))
 }
 
+// passThrough and upperHex spell out Escape's documented output alphabet
+// independently of the package's own tables.
+const (
+	passThrough = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-"
+	upperHex    = "0123456789ABCDEF"
+)
+
+// FuzzEscape checks that Escape's output has the documented form (no
+// separator, only pass-through bytes and %XX), round-trips, and that
+// Unescape accepts only canonical encodings.
 func FuzzEscape(f *testing.F) {
 	for _, s := range []string{"", "a", "{", "}", ":", "%", "\xff", "a%7Bb"} {
 		f.Add(s)
@@ -56,6 +66,30 @@ func FuzzEscape(f *testing.F) {
 		out := Escape(s)
 		if strings.ContainsAny(out, "{}:") {
 			t.Fatalf("Escape(%q) = %q contains a separator", s, out)
+		}
+		// The documented form, checked byte by byte: letters, digits and
+		// "._-" pass through; every other byte becomes '%' and two
+		// upper-case hex digits.
+		want := 0
+		for i := 0; i < len(s); i++ {
+			if c := s[i]; strings.IndexByte(passThrough, c) >= 0 {
+				want++
+			} else {
+				want += 3
+			}
+		}
+		if len(out) != want {
+			t.Fatalf("Escape(%q) = %q: %d bytes, want %d", s, out, len(out), want)
+		}
+		for i := 0; i < len(out); i++ {
+			switch c := out[i]; {
+			case strings.IndexByte(passThrough, c) >= 0:
+			case c == '%' && i+2 < len(out) &&
+				strings.IndexByte(upperHex, out[i+1]) >= 0 && strings.IndexByte(upperHex, out[i+2]) >= 0:
+				i += 2
+			default:
+				t.Fatalf("Escape(%q) = %q: byte %q at %d is outside the documented form", s, out, c, i)
+			}
 		}
 		back, err := Unescape(out)
 		if err != nil || back != s {
