@@ -119,6 +119,10 @@ type Service struct {
 	statsMu    sync.Mutex
 	stats      *statsSnapshot // the last read, ok or failed
 	statsUntil time.Time      // when stats stops being reused
+	// statsCancel and statsDone belong to the stats read in flight (nil
+	// when none is), so that Run can end it and wait for it.
+	statsCancel context.CancelFunc
+	statsDone   chan struct{}
 }
 
 // NewService builds a Service for board. It starts nothing; see Run and
@@ -251,9 +255,11 @@ func (s *Service) withTimeout(next http.Handler) http.Handler {
 // Run serves HTTP on ln and runs the projection worker and the scheduled
 // reconcile until ctx is cancelled, then shuts down gracefully: the server
 // stops accepting connections and waits (up to ShutdownTimeout) for
-// in-flight requests, the worker settles its batch, and the reconcile loop
-// stops. Run returns after every goroutine it started has exited; it
-// returns nil after a cancellation, or the first error that stopped it.
+// in-flight requests, a stats read that a request started and nobody waits
+// for any more is cancelled, the worker settles its batch, and the
+// reconcile loop stops. Run returns after every goroutine it or its
+// requests started has exited; it returns nil after a cancellation, or the
+// first error that stopped it.
 func (s *Service) Run(ctx context.Context, ln net.Listener) error {
 	srv := &http.Server{
 		Handler:           s.handler,
@@ -308,6 +314,9 @@ func (s *Service) Run(ctx context.Context, ln net.Listener) error {
 		}
 	}
 	<-serveDone
+	// A stats read outlives the request that started it (its result is
+	// cached for the next); no request is left to use it now.
+	s.stopStatsRead()
 	stopBackground()
 	wg.Wait()
 	if runErr == nil {
@@ -403,12 +412,18 @@ func (s *Service) snapshot(ctx context.Context) *statsSnapshot {
 			return snap, nil
 		}
 		ctx, cancel := context.WithTimeout(s.life, statsTimeout)
-		defer cancel()
+		done := make(chan struct{})
+		defer close(done)
+		s.statsMu.Lock()
+		s.statsCancel, s.statsDone = cancel, done
+		s.statsMu.Unlock()
 		snap := s.readStatsRecovered(ctx)
+		cancel()
 		// Stored before the flight ends, so a caller arriving after it
 		// finds the cache instead of starting another read.
 		s.statsMu.Lock()
 		s.stats, s.statsUntil = snap, time.Now().Add(statsTTL)
+		s.statsCancel, s.statsDone = nil, nil
 		s.statsMu.Unlock()
 		return snap, nil
 	})
@@ -417,6 +432,18 @@ func (s *Service) snapshot(ctx context.Context) *statsSnapshot {
 		return res.Val.(*statsSnapshot)
 	case <-ctx.Done():
 		return &statsSnapshot{At: time.Now(), Err: ctx.Err()}
+	}
+}
+
+// stopStatsRead cancels the stats read in flight, if any, and waits for it
+// to return.
+func (s *Service) stopStatsRead() {
+	s.statsMu.Lock()
+	cancel, done := s.statsCancel, s.statsDone
+	s.statsMu.Unlock()
+	if cancel != nil {
+		cancel()
+		<-done
 	}
 }
 

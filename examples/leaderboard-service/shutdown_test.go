@@ -173,7 +173,8 @@ func TestSIGTERM(t *testing.T) {
 // /metrics scrape waits for a stats read that PostgreSQL stalls. The gauge
 // callback runs under the metrics SDK's lock, which the worker's relay
 // needs to stop: the scrape must give up on the read soon, so that Run
-// returns within its ShutdownTimeout and not when the read times out.
+// returns within its ShutdownTimeout and not when the read times out. The
+// read itself, which nobody waits for any more, must have ended by then.
 func TestShutdownDuringScrapeOfStalledStats(t *testing.T) {
 	t.Parallel()
 	tb := setup(t)
@@ -189,7 +190,9 @@ func TestShutdownDuringScrapeOfStalledStats(t *testing.T) {
 		handler.ServeHTTP(w, r)
 	})
 	// A stalled PostgreSQL, for the stats read: it ends at statsTimeout.
+	readEnded := make(chan struct{})
 	svc.readStats = func(ctx context.Context) *statsSnapshot {
+		defer close(readEnded)
 		<-ctx.Done()
 		return &statsSnapshot{At: time.Now(), Err: ctx.Err()}
 	}
@@ -212,4 +215,9 @@ func TestShutdownDuringScrapeOfStalledStats(t *testing.T) {
 	require.NoError(t, <-done)
 	require.Less(t, time.Since(stopAt), 2*time.Second,
 		"Run took %v to return with ShutdownTimeout 200ms", time.Since(stopAt))
+	select {
+	case <-readEnded:
+	default:
+		t.Fatal("Run returned while the stats read it served was still running")
+	}
 }
