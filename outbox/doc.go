@@ -375,7 +375,10 @@
 // *IdempotencyConflictError without writing anything. StoreCommandResult
 // keeps the first result stored for an id: the same bytes again are
 // accepted, different ones are a *CommandResultConflictError, and nothing
-// is written. PruneCommands removes old records.
+// is written. PruneCommands removes old records; a command whose record it
+// removes while RecordCommand runs is recorded anew (RecordCommand retries
+// its insert, and gives up with ErrCommandRecordDeleted, writing nothing,
+// only if the record is deleted again after each of three).
 //
 // # Monitoring
 //
@@ -441,6 +444,7 @@
 // Bad input and bad configuration get typed errors (*MessageError,
 // *ConfigError) before anything is written. Sentinels for errors.Is are
 // listed in one var block: ErrInvalidConfig, ErrInvalidMessage,
-// ErrEventIDExists, ErrIdempotencyConflict, ErrCommandNotRecorded,
-// ErrCommandResultConflict, ErrLeaseLost, ErrHandlerContract, ErrRelayRunning, ErrNotMigrated.
+// ErrEventIDExists, ErrIdempotencyConflict, ErrCommandRecordDeleted,
+// ErrCommandNotRecorded, ErrCommandResultConflict, ErrLeaseLost,
+// ErrHandlerContract, ErrRelayRunning, ErrNotMigrated.
 package outbox

@@ -33,6 +33,12 @@ var (
 	// different command. The error is an *IdempotencyConflictError.
 	ErrIdempotencyConflict = errors.New("outbox: event id reused with a different command fingerprint")
 
+	// ErrCommandRecordDeleted reports RecordCommand giving up on an id whose
+	// existing record was deleted (by PruneCommands, say) between the insert
+	// that found it and the lookup that reads it, three times in a row.
+	// Nothing was written and the transaction remains usable; retry it.
+	ErrCommandRecordDeleted = errors.New("outbox: command record deleted concurrently while recording the command")
+
 	// ErrCommandNotRecorded reports StoreCommandResult for an event id that
 	// RecordCommand has not recorded in this transaction or before.
 	ErrCommandNotRecorded = errors.New("outbox: command not recorded")

@@ -44,7 +44,8 @@ func Fingerprint(canonical []byte) []byte {
 // an INSERT … ON CONFLICT DO NOTHING that waited for a concurrent twin sees
 // its outcome, but a SELECT in the same statement would use the snapshot
 // taken before the wait and miss the twin's row. A second statement takes a
-// fresh snapshot.
+// fresh snapshot, so it also misses a row deleted (pruned) in between; the
+// insert is then sent again (recordCommandAttempts in all).
 const (
 	recordCommandSQL = `INSERT INTO %s (event_id, fingerprint) VALUES ($1, $2)
 ON CONFLICT (event_id) DO NOTHING
@@ -58,6 +59,11 @@ RETURNING created_at`
 	// stored result.
 	storeResultSQL  = `UPDATE %s SET result = $2 WHERE event_id = $1 AND result IS NULL RETURNING true`
 	lookupResultSQL = `SELECT result FROM %s WHERE event_id = $1`
+
+	// recordCommandAttempts bounds RecordCommand's inserts: each retry
+	// needs another record of the id to be committed and deleted between
+	// two statements, so a third is already far-fetched.
+	recordCommandAttempts = 3
 )
 
 // RecordCommand records, within tx, that the command eventID with the given
@@ -78,6 +84,15 @@ RETURNING created_at`
 // relies on READ COMMITTED, PostgreSQL's default; under REPEATABLE READ or
 // SERIALIZABLE the waiting transaction fails with a serialization error
 // instead, which the caller retries.
+//
+// A record that PruneCommands (or any DELETE) removes while RecordCommand
+// runs counts as pruned: RecordCommand records the command anew (Duplicate
+// is false). In READ COMMITTED the record can vanish after RecordCommand's
+// insert found it and before it is read; the insert is then tried again, up
+// to three times in all, after which RecordCommand returns an error matching
+// ErrCommandRecordDeleted, having written nothing (tx remains usable). Under
+// REPEATABLE READ or SERIALIZABLE a record the snapshot saw stays readable,
+// and the command is a duplicate.
 func (w *Writer) RecordCommand(ctx context.Context, tx Tx, eventID uuid.UUID, fingerprint []byte) (Command, error) {
 	if deps.Missing(tx) {
 		return Command{}, missingTx()
@@ -88,29 +103,38 @@ func (w *Writer) RecordCommand(ctx context.Context, tx Tx, eventID uuid.UUID, fi
 	if len(fingerprint) == 0 {
 		return Command{}, &MessageError{EventID: eventID, Field: "Fingerprint", Reason: "is empty; use outbox.Fingerprint(canonical command bytes)"}
 	}
-	cmd := Command{EventID: eventID}
-	err := tx.QueryRow(ctx, w.recordSQL, pgUUID(eventID), fingerprint).Scan(&cmd.RecordedAt)
-	if err == nil {
+	for range recordCommandAttempts {
+		cmd := Command{EventID: eventID}
+		err := tx.QueryRow(ctx, w.recordSQL, pgUUID(eventID), fingerprint).Scan(&cmd.RecordedAt)
+		if err == nil {
+			return cmd, nil
+		}
+		if !errors.Is(err, pgx.ErrNoRows) {
+			// Under REPEATABLE READ or SERIALIZABLE, a conflicting record
+			// committed after the snapshot fails the insert here with a
+			// serialization error.
+			return Command{}, mapError("record command", err)
+		}
+
+		// Conflict: the id exists (committed, or recorded earlier in this tx).
+		var recorded []byte
+		err = tx.QueryRow(ctx, w.lookupSQL, pgUUID(eventID)).Scan(&recorded, &cmd.Result, &cmd.RecordedAt)
+		if errors.Is(err, pgx.ErrNoRows) {
+			// Deleted since the insert saw it, which only READ COMMITTED's
+			// fresh snapshot can show: insert again.
+			continue
+		}
+		if err != nil {
+			return Command{}, mapError("look up command", err)
+		}
+		if !bytes.Equal(recorded, fingerprint) {
+			return Command{}, &IdempotencyConflictError{EventID: eventID, RecordedFingerprint: recorded, GivenFingerprint: bytes.Clone(fingerprint)}
+		}
+		cmd.Duplicate = true
 		return cmd, nil
 	}
-	if !errors.Is(err, pgx.ErrNoRows) {
-		return Command{}, mapError("record command", err)
-	}
-
-	// Conflict: the id exists (committed, or recorded earlier in this tx).
-	var recorded []byte
-	err = tx.QueryRow(ctx, w.lookupSQL, pgUUID(eventID)).Scan(&recorded, &cmd.Result, &cmd.RecordedAt)
-	if errors.Is(err, pgx.ErrNoRows) {
-		return Command{}, fmt.Errorf("outbox: record command %s: the id exists but is not visible to this transaction's snapshot; use READ COMMITTED or retry the transaction", eventID)
-	}
-	if err != nil {
-		return Command{}, mapError("look up command", err)
-	}
-	if !bytes.Equal(recorded, fingerprint) {
-		return Command{}, &IdempotencyConflictError{EventID: eventID, RecordedFingerprint: recorded, GivenFingerprint: bytes.Clone(fingerprint)}
-	}
-	cmd.Duplicate = true
-	return cmd, nil
+	return Command{}, fmt.Errorf("%w: %s: its existing record was deleted after each of %d inserts found it",
+		ErrCommandRecordDeleted, eventID, recordCommandAttempts)
 }
 
 // StoreCommandResult stores result for the command eventID, recorded by
@@ -158,10 +182,10 @@ func (w *Writer) StoreCommandResult(ctx context.Context, tx Tx, eventID uuid.UUI
 const pruneCommandsSQL = `DELETE FROM %s WHERE created_at < now() - $1 * interval '1 microsecond'`
 
 // PruneCommands deletes idempotency records older than retention and returns
-// how many it deleted. A command retried after its record is pruned is
-// executed again, so keep records longer than any client retries. The
-// deletion is index-backed (created_at); run it periodically, from any
-// process.
+// how many it deleted. A command retried after its record is pruned (or
+// while it is being pruned: see RecordCommand) is executed again, so keep
+// records longer than any client retries. The deletion is index-backed
+// (created_at); run it periodically, from any process.
 func (w *Writer) PruneCommands(ctx context.Context, db Execer, retention time.Duration) (int64, error) {
 	if deps.Missing(db) {
 		return 0, missingDB()

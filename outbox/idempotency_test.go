@@ -3,6 +3,7 @@ package outbox_test
 import (
 	"context"
 	"database/sql"
+	"strings"
 	"testing"
 	"time"
 
@@ -20,6 +21,38 @@ func (b *testBundle) idempotencyRows(t *testing.T) int {
 	require.NoError(t, b.pool.QueryRow(context.Background(),
 		`SELECT count(*) FROM `+pgx.Identifier{b.cfg.Schema, outbox.TableDefault + "_idempotency"}.Sanitize()).Scan(&n))
 	return n
+}
+
+// insertHookTx calls before and after each INSERT that RecordCommand sends
+// through it, so a test can commit a concurrent change, on another
+// connection, exactly between RecordCommand's statements.
+type insertHookTx struct {
+	pgx.Tx
+	before, after func()
+}
+
+func (h insertHookTx) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row {
+	if !strings.HasPrefix(sql, "INSERT INTO") {
+		return h.Tx.QueryRow(ctx, sql, args...)
+	}
+	if h.before != nil {
+		h.before()
+	}
+	return afterScanRow{row: h.Tx.QueryRow(ctx, sql, args...), after: h.after}
+}
+
+// afterScanRow calls after once the statement has run (Scan returned).
+type afterScanRow struct {
+	row   pgx.Row
+	after func()
+}
+
+func (r afterScanRow) Scan(dest ...any) error {
+	err := r.row.Scan(dest...)
+	if r.after != nil {
+		r.after()
+	}
+	return err
 }
 
 func TestRecordCommand(t *testing.T) {
@@ -287,6 +320,118 @@ func TestRecordCommand(t *testing.T) {
 		require.Equal(t, 1, b.idempotencyRows(t))
 		_, err = b.writer.PruneCommands(ctx, b.pool, 0)
 		require.ErrorIs(t, err, outbox.ErrInvalidConfig)
+	})
+
+	// PruneCommands deletes the id's old record after RecordCommand's
+	// INSERT found it and before its lookup: in READ COMMITTED the lookup
+	// no longer sees it, and RecordCommand inserts again instead of failing.
+	t.Run("PrunedBetweenInsertAndLookup", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		id := uuid.New()
+		_, err := execute(t, b, id, "old command")
+		require.NoError(t, err)
+		// Its message was delivered, and its record is past retention.
+		_, err = b.pool.Exec(ctx, `DELETE FROM `+b.writer.Table())
+		require.NoError(t, err)
+		_, err = b.pool.Exec(ctx, `UPDATE `+pgx.Identifier{b.cfg.Schema, outbox.TableDefault + "_idempotency"}.Sanitize()+
+			` SET created_at = now() - interval '2 days'`)
+		require.NoError(t, err)
+
+		tx, err := b.pool.Begin(ctx)
+		require.NoError(t, err)
+		defer tx.Rollback(ctx) //nolint:errcheck
+		inserts := 0
+		hooked := insertHookTx{Tx: tx, after: func() {
+			inserts++
+			if inserts == 1 {
+				n, err := b.writer.PruneCommands(ctx, b.pool, 24*time.Hour)
+				require.NoError(t, err)
+				require.EqualValues(t, 1, n)
+			}
+		}}
+		cmd, err := b.writer.RecordCommand(ctx, hooked, id, outbox.Fingerprint([]byte("new command")))
+		require.NoError(t, err)
+		require.Equal(t, 2, inserts, "the first insert found the old record, the second recorded the command")
+		require.False(t, cmd.Duplicate, "the record was pruned: the command runs again")
+		require.Nil(t, cmd.Result)
+		require.NoError(t, b.writer.StoreCommandResult(ctx, tx, id, []byte("result of new command")))
+		require.NoError(t, b.writer.Append(ctx, tx, outbox.Message{EventID: id, Stream: "s", Key: "k", Version: 2, Payload: []byte("new command")}))
+		require.NoError(t, tx.Commit(ctx))
+
+		var fingerprint, result []byte
+		require.NoError(t, b.pool.QueryRow(ctx, `SELECT fingerprint, result FROM `+
+			pgx.Identifier{b.cfg.Schema, outbox.TableDefault + "_idempotency"}.Sanitize()+` WHERE event_id = $1`, id).Scan(&fingerprint, &result))
+		require.Equal(t, outbox.Fingerprint([]byte("new command")), fingerprint)
+		require.Equal(t, "result of new command", string(result))
+		require.Equal(t, 1, b.idempotencyRows(t))
+		rows := b.rows(t)
+		require.Len(t, rows, 1, "one effect only")
+		require.Equal(t, id, rows[0].EventID)
+		require.Equal(t, "new command", string(rows[0].Payload))
+
+		again, err := execute(t, b, id, "new command")
+		require.NoError(t, err)
+		require.True(t, again.Duplicate)
+		require.Equal(t, "result of new command", string(again.Result))
+	})
+
+	// Under REPEATABLE READ the snapshot still sees a record pruned after
+	// the insert found it: the command is a duplicate, as documented.
+	t.Run("PrunedBetweenInsertAndLookupRepeatableRead", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		id := uuid.New()
+		_, err := execute(t, b, id, "c")
+		require.NoError(t, err)
+		tx, err := b.pool.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.RepeatableRead})
+		require.NoError(t, err)
+		defer tx.Rollback(ctx) //nolint:errcheck
+		inserts := 0
+		hooked := insertHookTx{Tx: tx, after: func() {
+			inserts++
+			n, err := b.writer.PruneCommands(ctx, b.pool, time.Microsecond)
+			require.NoError(t, err)
+			require.EqualValues(t, 1, n)
+		}}
+		cmd, err := b.writer.RecordCommand(ctx, hooked, id, outbox.Fingerprint([]byte("c")))
+		require.NoError(t, err)
+		require.Equal(t, 1, inserts)
+		require.True(t, cmd.Duplicate)
+		require.Equal(t, "result of c", string(cmd.Result))
+		require.NoError(t, tx.Commit(ctx))
+		require.Zero(t, b.idempotencyRows(t))
+	})
+
+	// A record that reappears before, and is deleted after, every one of
+	// RecordCommand's inserts: it gives up after three, with a typed error,
+	// having written nothing, and the transaction stays usable.
+	t.Run("DeletedAfterEveryInsert", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		id := uuid.New()
+		table := pgx.Identifier{b.cfg.Schema, outbox.TableDefault + "_idempotency"}.Sanitize()
+		tx, err := b.pool.Begin(ctx)
+		require.NoError(t, err)
+		defer tx.Rollback(ctx) //nolint:errcheck
+		inserts := 0
+		hooked := insertHookTx{Tx: tx,
+			before: func() {
+				_, err := b.pool.Exec(ctx, `INSERT INTO `+table+` (event_id, fingerprint) VALUES ($1, 'other')`, id)
+				require.NoError(t, err)
+			},
+			after: func() {
+				inserts++
+				_, err := b.pool.Exec(ctx, `DELETE FROM `+table+` WHERE event_id = $1`, id)
+				require.NoError(t, err)
+			},
+		}
+		_, err = b.writer.RecordCommand(ctx, hooked, id, outbox.Fingerprint([]byte("c")))
+		require.ErrorIs(t, err, outbox.ErrCommandRecordDeleted)
+		require.Contains(t, err.Error(), id.String())
+		require.Equal(t, 3, inserts)
+		require.NoError(t, tx.Commit(ctx), "the transaction is still usable")
+		require.Zero(t, b.idempotencyRows(t))
 	})
 }
 
