@@ -71,11 +71,14 @@ const (
 // will be cached under was read, which is what makes a slow load harmless.
 //
 // An error it returns reaches every caller sharing its load as a *LoadError,
-// a context error from a timeout of its own included; only when the ctx of
-// the caller that ran it has ended do the others load again. A panic (or
-// runtime.Goexit) is not recovered: it goes on in the caller that ran the
-// loader, the callers sharing its load get a *LoadError saying it panicked
-// or did not return, and the fill lease is given up, as after an error.
+// a context error from a timeout of its own included, unless the ctx of the
+// caller that ran it had ended by the time it returned: the others whose ctx
+// is live then load again, whatever the error, since a loader may report its
+// ctx ending as any error (an i/o timeout from a connection deadline taken
+// from ctx, an RPC's Canceled status). A panic (or runtime.Goexit) is not
+// recovered: it goes on in the caller that ran the loader, the callers
+// sharing its load get a *LoadError saying it panicked or did not return,
+// and the fill lease is given up, as after an error.
 type Loader[T any] func(ctx context.Context) (T, error)
 
 // Cache is a read-through cache of values of type T keyed by string ids. It
@@ -181,7 +184,7 @@ func (c *Cache[T]) Close() error { return c.metrics.close() }
 // set, processes also race for a short lease so that, across processes,
 // about one of them loads while the others wait up to FillLeaseWait for its
 // value. A failed load's *LoadError is every sharing caller's (see Loader
-// for context errors and panics).
+// for a load whose caller gave up, and for panics).
 //
 // If Redis fails, Get returns load's value (FailOpen) or a *RedisError
 // (FailClosed); if the caller's own ctx ended, it returns ctx's error
@@ -241,11 +244,16 @@ func (c *Cache[T]) Get(ctx context.Context, id string, load Loader[T]) (T, error
 		case errors.Is(err, errVersionMoved):
 			ignoreCurrent = false
 			continue
-		case err != nil && shared && leaderEnded && isContextErr(err) && ctx.Err() == nil:
-			// The caller that ran the shared load gave up; we have not. A
-			// context error while its ctx was live is the loader's own
-			// (its query's timeout): every joiner shares it, or N callers
-			// would run the failing load N times, one after another.
+		case err != nil && shared && leaderEnded && ctx.Err() == nil:
+			// The caller that ran the shared load gave up; we have not.
+			// Whatever its error, it may be that caller's ctx ending as the
+			// loader saw it (a connection deadline's i/o timeout, an RPC
+			// status), so go round and load again. An error while its ctx
+			// was live is the loader's own (its query's timeout): every
+			// joiner shares it, or N callers would run the failing load N
+			// times, one after another. Each round needs another caller's
+			// ctx to end during its load, and a load we run is never sent
+			// round.
 			continue
 		}
 		if shared {
@@ -639,9 +647,10 @@ func (c *Cache[T]) GetAt(ctx context.Context, id string, version int64, load Loa
 		res, shared, leaderEnded, err := c.flights.do(ctx, key+"@"+versionText, id, func() (loaded[T], error) {
 			return c.loadAndFillAt(ctx, id, key, versionText, load)
 		})
-		if err != nil && shared && leaderEnded && isContextErr(err) && ctx.Err() == nil {
+		if err != nil && shared && leaderEnded && ctx.Err() == nil {
 			// As in Get: only the leader's own ctx ending is a reason to
-			// go round again, and the dropped load is not counted.
+			// go round again, whatever its error, and the dropped load is
+			// not counted.
 			continue
 		}
 		if shared {

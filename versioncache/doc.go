@@ -176,9 +176,10 @@
 // so it cannot receive a value older than a write it has seen acknowledged),
 // each getting its own copy decoded from the cached bytes. A load that fails
 // fails them all with its *LoadError (also a loader's own timeout), unless
-// the ctx of the caller running it ended: the others then load again. A
-// loader's panic goes on in the caller that ran it; the others get a
-// *LoadError.
+// the ctx of the caller running it ended: the others then load again,
+// whatever the error (a loader may report its ctx ending as an i/o timeout
+// or an RPC status as well as a context error). A loader's panic goes on in
+// the caller that ran it; the others get a *LoadError.
 // Across processes, the first miss takes a lease inside the same script; the
 // others poll for its value for up to FillLeaseWait, then load themselves. A
 // lease guards only the version it was taken under: once the version moves,

@@ -6,6 +6,8 @@ import (
 	"encoding/gob"
 	"encoding/json"
 	"errors"
+	"net"
+	"os"
 	"reflect"
 	"strconv"
 	"sync/atomic"
@@ -258,6 +260,63 @@ func TestSharedLoad(t *testing.T) {
 		require.EqualValues(t, 1, b.truth.loads.Load(), "only the joiner's own loader read the truth")
 	})
 
+	// The loader may report its caller's cancellation as any error: an i/o
+	// timeout from a connection deadline set from ctx, an RPC's Canceled
+	// status that wraps no context error. Once that caller's ctx has ended,
+	// the one that joined it loads again, whatever the error.
+	t.Run("LeaderCanceledWithOtherError", func(t *testing.T) {
+		t.Parallel()
+		leaderErrs := map[string]error{
+			"Opaque":      opaqueCanceledError{},
+			"NetDeadline": &net.OpError{Op: "read", Net: "tcp", Err: os.ErrDeadlineExceeded},
+		}
+		for _, name := range []string{"Get", "GetAt"} {
+			for errName, leaderErr := range leaderErrs {
+				t.Run(name+errName, func(t *testing.T) {
+					t.Parallel()
+					b := setup(t, nil)
+					want := b.truth.write("p1", 1)
+					get := func(ctx context.Context, load Loader[product]) (product, error) {
+						if name == "GetAt" {
+							return b.cache.GetAt(ctx, "p1", want.Version, load)
+						}
+						return b.cache.Get(ctx, "p1", load)
+					}
+					leaderCtx, cancel := context.WithCancel(ctx)
+					defer cancel()
+					started := make(chan struct{})
+					leaderDone := make(chan error, 1)
+					go func() {
+						_, err := get(leaderCtx, func(ctx context.Context) (product, error) {
+							close(started)
+							<-ctx.Done()
+							return product{}, leaderErr
+						})
+						leaderDone <- err
+					}()
+					<-started
+					joined := make(chan product, 1)
+					go func() {
+						p, err := get(ctx, b.truth.loader("p1"))
+						if err != nil {
+							t.Errorf("joiner: %v", err)
+						}
+						joined <- p
+					}()
+					require.Eventually(t, func() bool { return b.cache.Stats().Misses == 2 }, 5*time.Second, time.Millisecond)
+					time.Sleep(20 * time.Millisecond) // let the joiner reach the flight
+					cancel()
+					require.ErrorIs(t, <-leaderDone, leaderErr)
+					require.Equal(t, want, <-joined)
+					require.EqualValues(t, 1, b.truth.loads.Load(), "the joiner ran its own loader")
+					st := b.cache.Stats()
+					require.EqualValues(t, 2, st.Loads, "the leader's load and the joiner's")
+					require.Zero(t, st.SharedLoads, "the joined load answered nothing")
+				})
+			}
+		}
+	})
+
 	t.Run("LoaderPanics", func(t *testing.T) {
 		t.Parallel()
 		b := setup(t, nil)
@@ -302,52 +361,66 @@ func TestSharedLoad(t *testing.T) {
 		require.Zero(t, b.truth.loads.Load(), "the joiner did not load")
 	})
 
-	// The loader's own timeout (its query's context.WithTimeout, the
-	// database down) while every caller's ctx is live: the callers sharing
-	// the load get its error, instead of each running the failing load
-	// again, one after another.
-	t.Run("LoaderTimeoutIsShared", func(t *testing.T) {
+	// The loader's own failure (its query's context.WithTimeout, a
+	// connection's i/o timeout, the database down) while every caller's ctx
+	// is live: the callers sharing the load get its error, instead of each
+	// running the failing load again, one after another.
+	t.Run("LoaderErrorIsShared", func(t *testing.T) {
 		t.Parallel()
+		loadErrs := map[string]error{
+			"Timeout":     context.DeadlineExceeded,
+			"NetDeadline": &net.OpError{Op: "read", Net: "tcp", Err: os.ErrDeadlineExceeded},
+			"Opaque":      errors.New("database down"),
+		}
 		for _, name := range []string{"Get", "GetAt"} {
-			t.Run(name, func(t *testing.T) {
-				t.Parallel()
-				b := setup(t, nil)
-				b.truth.write("p1", 1)
-				get := func(load Loader[product]) error {
-					var err error
-					if name == "GetAt" {
-						_, err = b.cache.GetAt(ctx, "p1", 1, load)
-					} else {
-						_, err = b.cache.Get(ctx, "p1", load)
+			for errName, loadErr := range loadErrs {
+				t.Run(name+errName, func(t *testing.T) {
+					t.Parallel()
+					b := setup(t, nil)
+					b.truth.write("p1", 1)
+					get := func(load Loader[product]) error {
+						var err error
+						if name == "GetAt" {
+							_, err = b.cache.GetAt(ctx, "p1", 1, load)
+						} else {
+							_, err = b.cache.Get(ctx, "p1", load)
+						}
+						return err
 					}
-					return err
-				}
-				const callers = 4
-				var loads atomic.Int64
-				release := make(chan struct{})
-				load := func(context.Context) (product, error) {
-					loads.Add(1)
-					<-release
-					return product{}, context.DeadlineExceeded
-				}
-				errs := make(chan error, callers)
-				for range callers {
-					go func() { errs <- get(load) }()
-				}
-				require.Eventually(t, func() bool { return b.cache.Stats().Misses == callers }, 5*time.Second, time.Millisecond)
-				time.Sleep(20 * time.Millisecond) // let the joiners reach the flight
-				close(release)
-				for range callers {
-					err := <-errs
-					require.ErrorIs(t, err, ErrLoad)
-					require.ErrorIs(t, err, context.DeadlineExceeded)
-				}
-				require.EqualValues(t, 1, loads.Load(), "the joiners loaded again")
-				require.EqualValues(t, callers-1, b.cache.Stats().SharedLoads)
-			})
+					const callers = 4
+					var loads atomic.Int64
+					release := make(chan struct{})
+					load := func(context.Context) (product, error) {
+						loads.Add(1)
+						<-release
+						return product{}, loadErr
+					}
+					errs := make(chan error, callers)
+					for range callers {
+						go func() { errs <- get(load) }()
+					}
+					require.Eventually(t, func() bool { return b.cache.Stats().Misses == callers }, 5*time.Second, time.Millisecond)
+					time.Sleep(20 * time.Millisecond) // let the joiners reach the flight
+					close(release)
+					for range callers {
+						err := <-errs
+						var lerr *LoadError
+						require.ErrorAs(t, err, &lerr)
+						require.ErrorIs(t, err, loadErr)
+					}
+					require.EqualValues(t, 1, loads.Load(), "the joiners loaded again")
+					require.EqualValues(t, callers-1, b.cache.Stats().SharedLoads)
+				})
+			}
 		}
 	})
 }
+
+// opaqueCanceledError is a loader's report of its ctx ending that wraps no
+// context error, as an RPC client's Canceled status may be.
+type opaqueCanceledError struct{}
+
+func (opaqueCanceledError) Error() string { return "rpc error: code = Canceled" }
 
 func TestCheckMoved(t *testing.T) {
 	t.Parallel()

@@ -26,7 +26,8 @@ type flightCall[T any] struct {
 	val  T
 	err  error
 	// leaderEnded: the ctx of the caller that ran fn had ended when fn
-	// returned, so a context error may be that caller's, not the load's.
+	// returned, so its error, of whatever kind, may be that caller's, not
+	// the load's.
 	leaderEnded bool
 }
 
