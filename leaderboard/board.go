@@ -97,7 +97,8 @@ type Board struct {
 		submit, submitTx, lookupEvent string
 		submitBatch                   string
 		overflowProbe                 string
-		top, page, rank, around, lag  string
+		top, page, pageBytes, rank    string
+		around, lag                   string
 		sourceFirst, sourcePage       string
 		sourceSample, sourceLookup    string
 	}
@@ -175,7 +176,8 @@ func New(pool *pgxpool.Pool, rdb redis.UniversalClient, cfg *Config) (*Board, er
 	b.sql.submit, b.sql.submitTx, b.sql.lookupEvent = r(submitSQL), r(submitTxSQL), r(lookupEventSQL)
 	b.sql.submitBatch = r(submitBatchSQL)
 	b.sql.overflowProbe = r(overflowProbeSQL)
-	b.sql.top, b.sql.page, b.sql.rank, b.sql.around, b.sql.lag = r(topSQL), r(pageSQL), r(rankSQL), r(aroundSQL), r(lagSQL)
+	b.sql.top, b.sql.page, b.sql.pageBytes = r(topSQL), r(pageSQL), r(pageBytesSQL)
+	b.sql.rank, b.sql.around, b.sql.lag = r(rankSQL), r(aroundSQL), r(lagSQL)
 	b.sql.sourceFirst, b.sql.sourcePage = r(sourceFirstSQL), r(sourcePageSQL)
 	b.sql.sourceSample, b.sql.sourceLookup = r(sourceSampleSQL), r(sourceLookupSQL)
 	return b, nil
@@ -272,7 +274,9 @@ func (b *Board) userIDProblem(user string) string {
 // process dies between the commit and that NOTIFY, the relays find the row at
 // their next poll: the change is delayed, never lost. Submitting an event id again changes nothing and returns the
 // original Result with Duplicate set, also when the twins race; reusing an
-// event id for a different command returns an *IdempotencyConflictError.
+// event id for a different command returns an *IdempotencyConflictError,
+// and an event id on another outbox writer's row still in the outbox table
+// returns ErrIdempotencyConflict alone (see ErrIdempotencyConflict).
 // Invalid commands return a *ValidationError and a resulting score outside
 // [MinScore, MaxScore] a *ScoreOutOfRangeError; in every error case nothing
 // is written. To submit inside a transaction of your own, use SubmitTx.
@@ -357,7 +361,10 @@ func (b *Board) submitOne(ctx context.Context, cmd Command) (Result, error) {
 //     because a savepoint per call is an extra round trip and many of them
 //     in one transaction overflow PostgreSQL's subtransaction cache.
 //   - ErrIdempotencyConflict without a *IdempotencyConflictError: another
-//     writer of the same outbox holds the event id. Retrying cannot help.
+//     writer of the same outbox has a row with the event id in the outbox
+//     table, undelivered (or delivered and kept). It is reported only while
+//     that row is there: once a relay deletes it, the same command is
+//     accepted (see ErrIdempotencyConflict). Use a new event id.
 //
 // Under REPEATABLE READ or SERIALIZABLE, a concurrent update of the same
 // user may also fail with a serialization failure (SQLSTATE 40001), which
@@ -436,8 +443,10 @@ func (b *Board) checkDuplicate(cmd Command, res Result, board, user string, delt
 // batch with a *ValidationError (Index says which) and nothing is written.
 // Likewise an event id reused for a different command (within the batch or
 // against an earlier submission) fails the batch with an
-// *IdempotencyConflictError, and an out-of-range score, even an
-// intermediate one, with a *ScoreOutOfRangeError. Commands whose event id
+// *IdempotencyConflictError, which describes the recorded command (see its
+// fields), an event id on another outbox writer's row still in the outbox
+// table with ErrIdempotencyConflict alone, and an out-of-range score, even
+// an intermediate one, with a *ScoreOutOfRangeError. Commands whose event id
 // was applied before are reported as duplicates with their original result.
 //
 // Commands of the same user are applied in batch order, each getting its
@@ -477,10 +486,11 @@ type batchOptions struct {
 	conn *pgxpool.Conn
 }
 
-// batchQuerier is what sendBatch and locateOverflow run on: the pool or
-// a connection taken from it.
+// batchQuerier is what sendBatch, locateOverflow and batchConflict run on:
+// the pool or a connection taken from it.
 type batchQuerier interface {
 	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
+	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
 	SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults
 }
 
@@ -514,19 +524,23 @@ func (b *Board) submitBatch(ctx context.Context, cmds []Command, opts batchOptio
 	users := make([]string, 0, len(cmds))
 	deltas := make([]int64, 0, len(cmds))
 	sent := make([]int, 0, len(cmds)) // position in cmds of each sent row
+	reused := -1                      // first command whose event id an earlier one used for another command
 	for i, cmd := range cmds {
 		if err := b.validate(i, cmd); err != nil {
 			return nil, err
 		}
 		if j, ok := first[cmd.EventID]; ok {
-			if cmds[j].UserID != cmd.UserID || cmds[j].Delta != cmd.Delta {
-				return nil, &IdempotencyConflictError{EventID: cmd.EventID, Board: b.cfg.Name, UserID: cmds[j].UserID, Delta: cmds[j].Delta, Attempted: cmd}
+			if reused < 0 && (cmds[j].UserID != cmd.UserID || cmds[j].Delta != cmd.Delta) {
+				reused = i
 			}
 			continue
 		}
 		first[cmd.EventID] = i
 		ids, users, deltas = append(ids, binaryUUID(cmd.EventID)), append(users, cmd.UserID), append(deltas, cmd.Delta)
 		sent = append(sent, i)
+	}
+	if reused >= 0 {
+		return nil, b.batchConflict(ctx, b.querier(opts), cmds[first[cmds[reused].EventID]], cmds[reused])
 	}
 
 	out := make([]Result, len(cmds))
@@ -565,6 +579,33 @@ func (b *Board) submitBatch(ctx context.Context, cmds []Command, opts batchOptio
 		}
 	}
 	return out, nil
+}
+
+// batchConflict returns the error for a batch that uses an event id for
+// two different commands: earlier, the first with the id, and later, the
+// first that differs from it. The command recorded under the id, when there
+// is one (either of them, or another, of this board or another), is the
+// one the error describes: the batch's copies say nothing of what the
+// database holds. The refused command is the first of the two that differs
+// from it (when earlier is the recorded one, every copy before later is
+// too). With none recorded, the error describes earlier and refuses later.
+func (b *Board) batchConflict(ctx context.Context, q batchQuerier, earlier, later Command) error {
+	var (
+		board, user           string
+		delta, score, version int64
+	)
+	err := q.QueryRow(ctx, b.sql.lookupEvent, binaryUUID(earlier.EventID)).Scan(&board, &user, &delta, &score, &version)
+	switch {
+	case errors.Is(err, pgx.ErrNoRows):
+		return &IdempotencyConflictError{EventID: earlier.EventID, Board: b.cfg.Name, UserID: earlier.UserID, Delta: earlier.Delta, Attempted: later, WithinBatch: true}
+	case err != nil:
+		return b.dbError(fmt.Sprintf("submit batch: reading the command recorded for event %s", earlier.EventID), err)
+	}
+	attempted := earlier
+	if board == b.cfg.Name && user == earlier.UserID && delta == earlier.Delta {
+		attempted = later
+	}
+	return &IdempotencyConflictError{EventID: earlier.EventID, Board: board, UserID: user, Delta: delta, Attempted: attempted}
 }
 
 func (b *Board) submitBatchOnce(ctx context.Context, cmds []Command, sent []int, ids []pgtype.UUID, users []string, deltas []int64, opts batchOptions, out []Result) error {

@@ -13,6 +13,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/verity-go/verity/internal/testenv"
+	"github.com/verity-go/verity/outbox"
 )
 
 type testBundle struct {
@@ -164,6 +165,59 @@ func TestSubmit(t *testing.T) {
 		require.Equal(t, []int{1, 1, 2}, []int{events, users, queued})
 	})
 
+	// An event id another writer of the same outbox used is refused while
+	// that writer's row is in the outbox table, and only then: once the
+	// relay deletes it on delivery, nothing records the id, and the board
+	// accepts it.
+	t.Run("EventIDOfAnotherOutboxWriter", func(t *testing.T) {
+		t.Parallel()
+		tb := setup(t)
+		foreign := func(stream string) uuid.UUID {
+			id := uuid.New()
+			_, err := tb.pg.Pool.Exec(ctx, `INSERT INTO verity_outbox (event_id, stream, key, version, payload) VALUES ($1, $2, 'o1', 1, '\x00')`, id, stream)
+			require.NoError(t, err)
+			return id
+		}
+		deliver := func(stream string, keep bool) {
+			relay, err := outbox.NewRelay(tb.pg.Pool, outbox.HandlerFunc(func(_ context.Context, batch []outbox.Record) ([]outbox.Result, error) {
+				return make([]outbox.Result, len(batch)), nil
+			}), &outbox.RelayConfig{Schema: tb.pg.Schema, Streams: []string{stream}, KeepPublished: keep})
+			require.NoError(t, err)
+			n, err := relay.RunOnce(ctx)
+			require.NoError(t, err)
+			require.Equal(t, 1, n)
+		}
+		refused := func(id uuid.UUID, when string) {
+			cmd := Command{EventID: id, UserID: "user-a", Delta: 1}
+			_, err := tb.board.Submit(ctx, cmd)
+			require.ErrorIs(t, err, ErrIdempotencyConflict, when)
+			var conflict *IdempotencyConflictError
+			require.False(t, errors.As(err, &conflict), "no command of the board is recorded %s: %v", when, err)
+			_, err = tb.board.SubmitBatch(ctx, []Command{cmd})
+			require.ErrorIs(t, err, ErrIdempotencyConflict, when)
+			require.False(t, errors.As(err, &conflict), when)
+			tx, err := tb.pg.Pool.Begin(ctx)
+			require.NoError(t, err)
+			_, err = tb.board.SubmitTx(ctx, tx, cmd)
+			require.ErrorIs(t, err, ErrIdempotencyConflict, when)
+			require.False(t, errors.As(err, &conflict), when)
+			require.NoError(t, tx.Rollback(ctx))
+		}
+
+		pending, kept := foreign("orders"), foreign("audit")
+		refused(pending, "while the other writer's row is pending")
+		refused(kept, "while the other writer's row is pending")
+		deliver("audit", true)
+		refused(kept, "while the other writer's delivered row is kept")
+
+		deliver("orders", false)
+		res, err := tb.board.Submit(ctx, Command{EventID: pending, UserID: "user-a", Delta: 1})
+		require.NoError(t, err, "after the relay deleted the other writer's row")
+		require.Equal(t, Result{Score: 1, Version: 1}, res)
+		events, users, queued := tb.counts(t)
+		require.Equal(t, []int{1, 1, 2}, []int{events, users, queued}) // ours and the kept row
+	})
+
 	t.Run("Validation", func(t *testing.T) {
 		t.Parallel()
 		tb := setup(t)
@@ -301,6 +355,65 @@ func TestSubmitBatch(t *testing.T) {
 
 		events, users, queued := tb.counts(t)
 		require.Equal(t, []int{1, 1, 1}, []int{events, users, queued})
+	})
+
+	// An event id used twice in one batch, for two different commands: the
+	// conflict reports the command the database recorded under it, when
+	// there is one, whichever copy of the batch comes first.
+	t.Run("ConflictWithinTheBatchReportsTheRecordedCommand", func(t *testing.T) {
+		t.Parallel()
+		tb := setup(t)
+		id := uuid.New()
+		_, err := tb.board.Submit(ctx, Command{EventID: id, UserID: "a", Delta: 1})
+		require.NoError(t, err)
+		other, err := New(tb.pg.Pool, tb.rd.Client, &Config{Name: "other", Schema: tb.pg.Schema, KeyPrefix: tb.rd.Prefix})
+		require.NoError(t, err)
+		t.Cleanup(other.Close)
+		otherID := uuid.New()
+		_, err = other.Submit(ctx, Command{EventID: otherID, UserID: "x", Delta: 5})
+		require.NoError(t, err)
+
+		for _, tc := range []struct {
+			name      string
+			batch     []Command
+			want      IdempotencyConflictError
+			attempted int // index in batch of the refused command
+		}{
+			{"RecordedCopySecond", []Command{{EventID: id, UserID: "a", Delta: 2}, {EventID: id, UserID: "a", Delta: 1}},
+				IdempotencyConflictError{EventID: id, Board: tb.board.Name(), UserID: "a", Delta: 1}, 0},
+			{"RecordedCopyFirst", []Command{{EventID: id, UserID: "a", Delta: 1}, {EventID: id, UserID: "b", Delta: 1}},
+				IdempotencyConflictError{EventID: id, Board: tb.board.Name(), UserID: "a", Delta: 1}, 1},
+			{"NeitherCopyRecorded", []Command{{EventID: id, UserID: "b", Delta: 3}, {EventID: id, UserID: "b", Delta: 4}},
+				IdempotencyConflictError{EventID: id, Board: tb.board.Name(), UserID: "a", Delta: 1}, 0},
+			{"RecordedOnAnotherBoard", []Command{{EventID: otherID, UserID: "x", Delta: 5}, {EventID: otherID, UserID: "x", Delta: 6}},
+				IdempotencyConflictError{EventID: otherID, Board: "other", UserID: "x", Delta: 5}, 0},
+		} {
+			t.Run(tc.name, func(t *testing.T) {
+				_, err := tb.board.SubmitBatch(ctx, tc.batch)
+				var conflict *IdempotencyConflictError
+				require.ErrorAs(t, err, &conflict)
+				want := tc.want
+				want.Attempted = tc.batch[tc.attempted]
+				require.Equal(t, &want, conflict)
+			})
+		}
+
+		// With nothing recorded, the batch's first command under the id is
+		// the one the conflict describes.
+		dup := uuid.New()
+		_, err = tb.board.SubmitBatch(ctx, []Command{
+			{EventID: uuid.New(), UserID: "c", Delta: 7},
+			{EventID: dup, UserID: "c", Delta: 1},
+			{EventID: dup, UserID: "c", Delta: 2},
+		})
+		var conflict *IdempotencyConflictError
+		require.ErrorAs(t, err, &conflict)
+		require.Equal(t, &IdempotencyConflictError{EventID: dup, Board: tb.board.Name(), UserID: "c", Delta: 1,
+			Attempted: Command{EventID: dup, UserID: "c", Delta: 2}, WithinBatch: true}, conflict)
+		require.NotContains(t, conflict.Error(), "recorded")
+
+		events, users, queued := tb.counts(t)
+		require.Equal(t, []int{2, 2, 2}, []int{events, users, queued})
 	})
 }
 

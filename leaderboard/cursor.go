@@ -5,8 +5,6 @@ import (
 	"crypto/sha256"
 	"encoding/base64"
 	"encoding/binary"
-	"strings"
-	"unicode/utf8"
 )
 
 // cursorVersion is the first byte of every encoded cursor, so that the
@@ -23,7 +21,10 @@ const cursorTagSize = 8
 // cursor is a keyset position: the (score, user) of the last entry of a
 // page. It says where the next page starts, not which row it starts with,
 // so pages neither skip nor repeat entries that keep their place while
-// other scores change.
+// other scores change. user is any member of the sorted set, which may be
+// no user id at all (invalid UTF-8, NUL bytes, empty: a foreign writer's
+// member, which Redis reads serve like any other): a page can end with it,
+// and its cursor must still take the next page (see pgPage).
 type cursor struct {
 	score int64
 	user  string
@@ -61,15 +62,17 @@ func (b *Board) encodeCursor(c cursor) string {
 	return base64.RawURLEncoding.EncodeToString(buf)
 }
 
-// decodeCursor parses a cursor produced by encodeCursor of this board.
+// decodeCursor parses a cursor produced by encodeCursor of this board. Its
+// user may be any bytes, none included: every member of the sorted set can
+// end a page.
 func (b *Board) decodeCursor(s string) (cursor, error) {
 	buf, err := base64.RawURLEncoding.DecodeString(s)
-	if err != nil || len(buf) <= cursorHeader || buf[0] != cursorVersion ||
+	if err != nil || len(buf) < cursorHeader || buf[0] != cursorVersion ||
 		!bytes.Equal(buf[1:1+cursorTagSize], b.cursorTag[:]) {
 		return cursor{}, ErrInvalidCursor
 	}
 	c := cursor{score: int64(binary.BigEndian.Uint64(buf[1+cursorTagSize : cursorHeader])), user: string(buf[cursorHeader:])}
-	if c.score < MinScore || c.score > MaxScore || !utf8.ValidString(c.user) || strings.IndexByte(c.user, 0) >= 0 {
+	if c.score < MinScore || c.score > MaxScore {
 		return cursor{}, ErrInvalidCursor
 	}
 	return c, nil

@@ -53,7 +53,11 @@
 // race: the loser's statement fails on the event's primary key as a whole
 // and Submit answers from the winner's row. Reusing an event id for another
 // board, user or delta returns an *IdempotencyConflictError. Event ids are
-// unique across boards (the outbox needs them unique).
+// unique across boards (the outbox needs them unique). An event id that
+// another writer of the same outbox used is refused with
+// ErrIdempotencyConflict only while that writer's row is in the outbox
+// table; after a relay deletes it, the id is accepted, so give each
+// writer's events ids of their own.
 //
 // SubmitBatch applies many commands in one statement for bulk imports.
 //

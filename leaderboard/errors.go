@@ -25,7 +25,14 @@ var (
 	// refused before anything was written.
 	ErrInvalidCommand = errors.New("leaderboard: invalid command")
 	// ErrIdempotencyConflict matches *IdempotencyConflictError: an event id
-	// was reused for a different command.
+	// was reused for a different command. Without an
+	// *IdempotencyConflictError, it reports an event id that another writer
+	// of the board's outbox table (another stream) used for a row still in
+	// that table: undelivered, or delivered and kept
+	// (outbox.RelayConfig.KeepPublished). Only that row reveals the clash:
+	// once a relay deletes it on delivery, or moves it to the dead letters,
+	// the same command is accepted. Give each writer's events ids of their
+	// own.
 	ErrIdempotencyConflict = errors.New("leaderboard: event id already used for a different command")
 	// ErrScoreOutOfRange matches *ScoreOutOfRangeError: the resulting score
 	// would leave [MinScore, MaxScore].
@@ -160,19 +167,31 @@ func (e *ValidationError) Error() string {
 func (e *ValidationError) Unwrap() error { return ErrInvalidCommand }
 
 // IdempotencyConflictError reports an event id that is already recorded for
-// a different command (another board, user or delta). Nothing was written.
+// a different command (another board, user or delta), or that one
+// SubmitBatch call uses for two different commands. Nothing was written.
 // It matches ErrIdempotencyConflict.
 type IdempotencyConflictError struct {
 	EventID uuid.UUID
-	// Board, UserID and Delta describe the command first recorded.
+	// Board, UserID and Delta describe the command recorded under EventID,
+	// as the database holds it (whichever copy of a batch comes first).
+	// With WithinBatch set, none was recorded: they describe the batch's
+	// first command with EventID, and Board is the board's own name.
 	Board  string
 	UserID string
 	Delta  int64
-	// Attempted is the refused command.
+	// Attempted is the refused command: in a SubmitBatch, the batch's first
+	// command with EventID that differs from the one described above.
 	Attempted Command
+	// WithinBatch is set when nothing is recorded under EventID and the
+	// conflict is between two commands of the same SubmitBatch call.
+	WithinBatch bool
 }
 
 func (e *IdempotencyConflictError) Error() string {
+	if e.WithinBatch {
+		return fmt.Sprintf("leaderboard: event %s is used in the batch for board %q user %q delta %d and again for user %q delta %d",
+			e.EventID, e.Board, e.UserID, e.Delta, e.Attempted.UserID, e.Attempted.Delta)
+	}
 	return fmt.Sprintf("leaderboard: event %s was recorded for board %q user %q delta %d; refusing user %q delta %d",
 		e.EventID, e.Board, e.UserID, e.Delta, e.Attempted.UserID, e.Attempted.Delta)
 }

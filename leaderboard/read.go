@@ -138,10 +138,12 @@ func (b *Board) Top(ctx context.Context, n int, opts ...ReadOption) (Ranking, er
 // positions: a page starts right after the (score, user) where the previous
 // one ended, so concurrent score changes never make a page repeat or skip
 // an entry that kept its place, and a cursor works against Redis and
-// PostgreSQL alike. A cursor of another board (another Name, Schema or
-// KeyPrefix) returns ErrInvalidCursor, and so does a cursor issued before
-// an upgrade that changed the cursor format: the client starts again from
-// the first page.
+// PostgreSQL alike, also after a member of the sorted set that no user id
+// can be (invalid UTF-8, a NUL byte: a foreign writer's, which Redis reads
+// serve like any member). A cursor of another board (another Name, Schema
+// or KeyPrefix) returns ErrInvalidCursor, and so does a cursor issued
+// before an upgrade that changed the cursor format: the client starts
+// again from the first page.
 func (b *Board) Page(ctx context.Context, cursorText string, n int, opts ...ReadOption) (Ranking, error) {
 	if n < 1 || n > MaxPageSize {
 		return Ranking{}, ErrInvalidLimit
@@ -753,9 +755,13 @@ type querier interface {
 func (b *Board) pgPage(ctx context.Context, db querier, c *cursor, n int) ([]Entry, error) {
 	var rows pgx.Rows
 	var err error
-	if c == nil {
+	switch {
+	case c == nil:
 		rows, err = db.Query(ctx, b.sql.top, b.cfg.Name, n)
-	} else {
+	case !utf8.ValidString(c.user) || strings.IndexByte(c.user, 0) >= 0:
+		// PostgreSQL refuses such text; compare bytes (see cursor).
+		rows, err = db.Query(ctx, b.sql.pageBytes, b.cfg.Name, n, c.score, []byte(c.user))
+	default:
 		rows, err = db.Query(ctx, b.sql.page, b.cfg.Name, n, c.score, c.user)
 	}
 	if err != nil {

@@ -278,6 +278,81 @@ func TestPageCursorOfAnotherBoard(t *testing.T) {
 	})
 }
 
+// Members no user id can be (invalid UTF-8, NUL bytes, the empty string:
+// a buggy writer's, which the reconciler reports as orphans) are served by
+// Redis reads like any member, so a page may end with one: its cursor is
+// the board's own and must take the next page, from Redis and from
+// PostgreSQL alike, never be refused.
+func TestPageCursorAfterForeignMember(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	tb := setup(t)
+	tb.submit(t, "alice", 10)
+	tb.submit(t, "bob", 5)
+	tb.submit(t, "carol", 1)
+	tb.drain(t)
+	foreign := map[string]int64{"\x00": 10, "bob\xff": 5, "": 1, "c\xffa\x00": 1}
+	for member, score := range foreign {
+		require.NoError(t, tb.rd.Client.ZAdd(ctx, tb.board.SortedSetKey(), redis.Z{Score: -float64(score), Member: member}).Err())
+	}
+
+	// The ranking Redis holds, computed independently: score descending,
+	// then member ascending by bytes.
+	want := []Entry{{UserID: "alice", Score: 10}, {UserID: "bob", Score: 5}, {UserID: "carol", Score: 1}}
+	for member, score := range foreign {
+		want = append(want, Entry{UserID: member, Score: score})
+	}
+	sort.Slice(want, func(i, j int) bool {
+		if want[i].Score != want[j].Score {
+			return want[i].Score > want[j].Score
+		}
+		return want[i].UserID < want[j].UserID
+	})
+	for i := range want {
+		want[i].Rank = int64(i + 1)
+	}
+	pgAll, err := tb.board.Authoritative(ctx, MaxPageSize)
+	require.NoError(t, err)
+	require.Equal(t, []string{"alice", "bob", "carol"}, users(pgAll))
+
+	for _, size := range []int{1, 2, 3} {
+		got, src := allPages(t, tb.board, size, WithPolicy(ServeStale))
+		require.Equal(t, SourceRedis, src)
+		require.Equal(t, want, got, "page size %d", size)
+	}
+
+	// Every entry ends a page of one; the page after it, from either store,
+	// starts right after it.
+	cur := ""
+	for i, last := range want {
+		page, err := tb.board.Page(ctx, cur, 1, WithPolicy(ServeStale))
+		require.NoError(t, err, "page %d", i+1)
+		require.Equal(t, []Entry{last}, page.Entries)
+		if i == len(want)-1 {
+			require.Empty(t, page.Next)
+			break
+		}
+		require.NotEmpty(t, page.Next)
+		cur = page.Next
+
+		next, err := tb.board.Page(ctx, cur, 10, WithPolicy(ServeStale))
+		require.NoError(t, err, "after %q", last.UserID)
+		require.Equal(t, SourceRedis, next.Freshness.Source)
+		require.Equal(t, want[i+1:], next.Entries, "after %q", last.UserID)
+
+		pgWant := []Entry{}
+		for _, e := range pgAll {
+			if e.Score < last.Score || e.Score == last.Score && e.UserID > last.UserID {
+				pgWant = append(pgWant, e)
+			}
+		}
+		fromPG, err := tb.board.Page(ctx, cur, 10, WithPolicy(FallbackToPostgres), forcePostgres())
+		require.NoError(t, err, "after %q", last.UserID)
+		require.Equal(t, SourcePostgres, fromPG.Freshness.Source)
+		require.Equal(t, pgWant, fromPG.Entries, "after %q", last.UserID)
+	}
+}
+
 func users(entries []Entry) []string {
 	out := make([]string, len(entries))
 	for i, e := range entries {

@@ -259,6 +259,33 @@ FROM (
 ) AS page
 ORDER BY -score, user_id`
 
+// pageBytesSQL is pageSQL for a cursor whose user ($4, bytea) PostgreSQL
+// cannot take as text: a sorted-set member that is no user id (invalid
+// UTF-8 or a NUL byte, a foreign writer's) ended the page. user_id's bytes
+// are compared with it instead, in the same byte order (the database's
+// encoding is UTF-8, as Redis's order of the same ids requires). The index
+// bounds the score only: the entries tied with the cursor's score are
+// filtered one by one, which only such cursors pay.
+const pageBytesSQL = `
+SELECT user_id::text, score,
+       (
+           SELECT count(*)
+           FROM {{user_scores}}
+           WHERE board = $1::text
+             AND -score <= -$3::bigint
+             AND (-score < -$3::bigint OR convert_to(user_id, 'UTF8') <= $4::bytea)
+       ) + row_number() OVER (ORDER BY -score, user_id)
+FROM (
+    SELECT user_id, score
+    FROM {{user_scores}}
+    WHERE board = $1::text
+      AND -score >= -$3::bigint
+      AND (-score > -$3::bigint OR convert_to(user_id, 'UTF8') > $4::bytea)
+    ORDER BY -score, user_id
+    LIMIT $2::bigint
+) AS page
+ORDER BY -score, user_id`
+
 // rankSQL returns the score and rank of user $2 on board $1. Counting
 // the entries ahead costs O(rank) index entries; it is the fallback path.
 const rankSQL = `
