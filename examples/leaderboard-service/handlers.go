@@ -467,11 +467,13 @@ func (s *Service) writeError(w http.ResponseWriter, r *http.Request, err error) 
 		writeJSON(w, http.StatusConflict, errorResponse{EventID: conflict.EventID.String(),
 			Error: "this Idempotency-Key was already used for a different score event; use a new key for a new event"})
 	case errors.Is(err, leaderboard.ErrIdempotencyConflict):
-		// Without the typed error: another writer of the outbox holds the
-		// event id, so no command of this board can ever use it.
+		// Without the typed error: another writer of the outbox has a row
+		// with the event id still in the outbox table. Only that row shows
+		// the clash (once delivered and deleted, the key is accepted), so
+		// the client is told to use a new key, not to retry.
 		s.metrics.countSubmit(r.Context(), "conflict")
 		writeJSON(w, http.StatusConflict, errorResponse{
-			Error: "this Idempotency-Key is already used by another writer of the outbox; use a new key for a new event"})
+			Error: "this Idempotency-Key is used by another writer of the outbox for an event still in its table; use a new key for a new event"})
 	case errors.Is(err, leaderboard.ErrInvalidCursor):
 		writeJSON(w, http.StatusUnprocessableEntity, errorResponse{Field: "cursor", Error: "not a cursor of this leaderboard; pass next_cursor as returned"})
 	case errors.Is(err, leaderboard.ErrInvalidLimit):
