@@ -321,17 +321,30 @@ func TestGateVersionBuckets(t *testing.T) {
 				flat.apply(t, zset("new", "b", 1, 2), hash("newh", "a", 1, "x"), zset("new", "a", 3, 3), zset("new", "a", 2, 9)))
 		})
 
+		// Anything but a canonical bucket count in a layout key is
+		// unreadable, whatever the writer's count: spaces and line breaks
+		// included, which must neither split the script's error reply
+		// into an untyped error nor be trimmed off it ("8 " read as 8).
 		t.Run("UnreadableLayout", func(t *testing.T) {
 			t.Parallel()
 			gb := setupGate(t, b)
-			require.NoError(t, gb.client.Set(context.Background(), gb.ks.LayoutKey("x", KindHash), "07", 0).Err())
-			for _, n := range []int{0, 7} {
-				_, err := gb.bucketed(t, n).gate.Apply(context.Background(), []Write{hash("x", "f", 1, "v")})
-				var lm *LayoutMismatchError
-				require.ErrorAs(t, err, &lm)
-				require.Equal(t, -1, lm.Stored)
+			ctx := context.Background()
+			for _, stored := range []string{"07", "", "1 2", "8 ", " 8", "x", "8\n", "8\r\n"} {
+				require.NoError(t, gb.client.Set(ctx, gb.ks.LayoutKey("x", KindHash), stored, 0).Err())
+				require.NoError(t, gb.client.Set(ctx, gb.ks.ShadowLayoutKey("y", KindHash), stored, 0).Err())
+				for _, n := range []int{0, 7, 8} {
+					g := gb.bucketed(t, n).gate
+					_, err := g.Apply(ctx, []Write{hash("x", "f", 1, "v")})
+					var lm *LayoutMismatchError
+					require.ErrorAs(t, err, &lm, "%q, %d buckets", stored, n)
+					require.Equal(t, LayoutMismatchError{Kind: KindHash, Name: "x", Stored: -1, Configured: n}, *lm, "%q", stored)
+					_, err = g.ApplyShadow(ctx, "", []Write{hash("y", "f", 1, "v")})
+					require.ErrorAs(t, err, &lm, "%q, %d buckets", stored, n)
+					require.Equal(t, LayoutMismatchError{Kind: KindHash, Name: "y", Shadow: true, Stored: -1, Configured: n}, *lm, "%q", stored)
+				}
 			}
-			require.Zero(t, gb.client.Exists(context.Background(), gb.ks.ValueKey(hash("x", "f", 0, "").Target)).Val())
+			require.Zero(t, gb.client.Exists(ctx, gb.ks.ValueKey(hash("x", "f", 0, "").Target)).Val())
+			require.Zero(t, gb.client.Exists(ctx, gb.ks.ShadowValueKey("y", KindHash)).Val())
 		})
 
 		t.Run("DualWriteFollowsTheRebuildsLayout", func(t *testing.T) {

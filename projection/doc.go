@@ -208,6 +208,15 @@
 // Changing a Ring's shards (SetAddrs) moves keys the same way: rebuild or
 // reconcile the collections after it.
 //
+// go-redis does not end a command in flight when its context is cancelled,
+// only at the connection's deadline (ReadTimeout, WriteTimeout, and with
+// ContextTimeoutEnabled the context's deadline). NewRedisProjector
+// therefore refuses a client that disables either timeout without
+// ContextTimeoutEnabled: against a Redis that stops answering, the relay's
+// shutdown would never end. With the default timeouts, a relay's Run waits
+// for a batch stuck in Redis up to its ShutdownTimeout plus the client's
+// ReadTimeout.
+//
 // # Rebuilds
 //
 // A full rebuild (reconcile's Reconciler.Rebuild) fills shadow keys from the source and

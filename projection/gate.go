@@ -377,13 +377,15 @@ func (lr layoutReply) mismatch(configured int) *LayoutMismatchError {
 
 // parseLayoutReply decodes gate.lua's layout error, "VERITY_LAYOUT
 // <live|shadow> <base> <stored>", for the collection at KEYS[base] of grp.
+// <stored> is the rest of the reply, spaces and all ("" if absent), so a
+// foreign value is unreadable (-1) rather than split into another reply.
 func parseLayoutReply(err error, grp *slotGroup) (layoutReply, bool) {
 	var rerr redis.Error
 	if !errors.As(err, &rerr) {
 		return layoutReply{}, false
 	}
-	f := strings.Fields(rerr.Error())
-	if len(f) != 4 || f[0] != "VERITY_LAYOUT" {
+	f := strings.SplitN(rerr.Error(), " ", 4)
+	if len(f) < 3 || f[0] != "VERITY_LAYOUT" {
 		return layoutReply{}, false
 	}
 	base, err := strconv.Atoi(f[2])
@@ -391,7 +393,11 @@ func parseLayoutReply(err error, grp *slotGroup) (layoutReply, bool) {
 	if err != nil || !ok {
 		return layoutReply{}, false
 	}
-	return layoutReply{coll: coll, shadow: f[1] == "shadow", stored: ParseLayout(f[3])}, true
+	stored := -1
+	if len(f) == 4 {
+		stored = ParseLayout(f[3])
+	}
+	return layoutReply{coll: coll, shadow: f[1] == "shadow", stored: stored}, true
 }
 
 // ParseLayout returns the bucket count a layout key holds, or -1 when s is

@@ -33,7 +33,10 @@
 -- against the caller's (shadow layout too while a rebuild runs, or in
 -- shadow mode): a mismatch returns the error "VERITY_LAYOUT <live|shadow>
 -- <base> <stored>" and writes nothing, because a version looked up in the
--- wrong bucket would look absent and let a stale write in. Once the checks
+-- wrong bucket would look absent and let a stale write in. <stored> is the
+-- layout key's value if it is decimal digits, "missing" (see below), or
+-- else "unreadable": Redis trims line breaks off an error reply, so other
+-- bytes could arrive as a bucket count ("8\n" as "8"). Once the checks
 -- pass, a collection without a layout key gets the caller's, "0" included,
 -- so that every collection records its layout.
 --
@@ -145,6 +148,9 @@ local adopt = {}
 local function check(which, base, layoutKey, valueKey, unbucketedKey, want)
   local stored, recorded = storedLayout(layoutKey, valueKey, unbucketedKey)
   if stored ~= nil and stored ~= want then
+    if stored ~= 'missing' and string.match(stored, '^[0-9]+$') == nil then
+      stored = 'unreadable'
+    end
     return redis.error_reply('VERITY_LAYOUT ' .. which .. ' ' .. base .. ' ' .. stored)
   end
   if not recorded then adopt[#adopt + 1] = { layoutKey, want } end

@@ -94,9 +94,25 @@ var (
 // cfg may be nil for the defaults. A StreamMapper whose DocumentMapper
 // namespaces could name the same document (one a prefix of another, see
 // DocumentMapper) is refused with *ConfigError.
+//
+// client must bound how long it waits for Redis. go-redis ends a command
+// in flight only at its connection's deadline, which comes from
+// ReadTimeout and WriteTimeout and, with ContextTimeoutEnabled, from the
+// context's deadline; cancelling the context does not end it. So a
+// *redis.Client, *redis.ClusterClient or *redis.Ring whose ReadTimeout or
+// WriteTimeout disables the timeout (-1 or -2) is refused with
+// *ConfigError unless ContextTimeoutEnabled is set (Handle's context then
+// has the relay's lease as its deadline). Once a relay's context is
+// cancelled, Run therefore waits for a batch stuck in Redis at most its
+// ShutdownTimeout plus the client's ReadTimeout for the command in flight
+// (go-redis's default: 5s). Other client types, and timeouts that a
+// RingOptions.NewClient function sets on the shards, are not checked.
 func NewRedisProjector(client redis.UniversalClient, mapper Mapper, cfg *Config) (*RedisProjector, error) {
 	if deps.Missing(client) {
 		return nil, &ConfigError{Field: "client", Reason: "is nil; pass a redis.UniversalClient"}
+	}
+	if err := checkTimeouts(client); err != nil {
+		return nil, err
 	}
 	if deps.Missing(mapper) {
 		return nil, &ConfigError{Field: "mapper", Reason: "is nil; pass a Mapper such as SortedSetMapper(\"board\")"}
@@ -122,6 +138,46 @@ func NewRedisProjector(client redis.UniversalClient, mapper Mapper, cfg *Config)
 	gate := NewGate(client, ks)
 	gate.metrics = metrics
 	return &RedisProjector{gate: gate, mapper: mapper, logger: cfg.Logger, metrics: metrics}, nil
+}
+
+// checkTimeouts refuses a client that can wait for Redis forever (see
+// NewRedisProjector): without a deadline, a Redis that stops answering
+// holds Handle, and the relay's shutdown with it.
+func checkTimeouts(client redis.UniversalClient) error {
+	var opts string
+	var noRead, noWrite, ctxDeadline bool
+	switch c := client.(type) {
+	case *redis.Client:
+		// Options() hold the values go-redis applied: a positive timeout is
+		// the one in force, anything else (the caller's -1 reads as 0) none.
+		o := c.Options()
+		opts, noRead, noWrite, ctxDeadline = "Options", o.ReadTimeout <= 0, o.WriteTimeout <= 0, o.ContextTimeoutEnabled
+	case *redis.ClusterClient:
+		o := c.Options()
+		opts, noRead, noWrite, ctxDeadline = "ClusterOptions", o.ReadTimeout <= 0, o.WriteTimeout <= 0, o.ContextTimeoutEnabled
+	case *redis.Ring:
+		// RingOptions keep the caller's values, which each shard's client
+		// applies: 0 is the default, a WriteTimeout of 0 follows ReadTimeout.
+		o := c.Options()
+		noRead = o.ReadTimeout < 0
+		opts, noWrite, ctxDeadline = "RingOptions", o.WriteTimeout < 0 || o.WriteTimeout == 0 && noRead, o.ContextTimeoutEnabled
+	default:
+		return nil
+	}
+	field := ""
+	switch {
+	case ctxDeadline:
+	case noRead:
+		field = "ReadTimeout"
+	case noWrite:
+		field = "WriteTimeout"
+	}
+	if field == "" {
+		return nil
+	}
+	return &ConfigError{Field: opts + "." + field, Reason: fmt.Sprintf("disables the timeout while ContextTimeoutEnabled is false: "+
+		"go-redis does not end a command in flight when its context is cancelled, so a Redis that stops answering would block the projector, "+
+		"and the relay's shutdown, forever; set a positive %s (go-redis's default is 5s), or ContextTimeoutEnabled so that the context's deadline ends the command", field)}
 }
 
 // Gate returns the projector's gate, for writes that do not come from the

@@ -8,11 +8,13 @@ import (
 	"strconv"
 	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/google/uuid"
 	"github.com/redis/go-redis/v9"
 	"github.com/stretchr/testify/require"
 
+	"github.com/verity-go/verity/internal/testenv"
 	"github.com/verity-go/verity/outbox"
 )
 
@@ -196,6 +198,41 @@ func TestRedisProjector(t *testing.T) {
 			require.Nil(t, out)
 		})
 
+		// A foreign value in the layout key is an unreadable layout for the
+		// collection's records only, however it would split or trim.
+		t.Run("HandleIsolatesUnreadableLayout", func(t *testing.T) {
+			t.Parallel()
+			for name, stored := range map[string]string{"Empty": "", "TwoFields": "1 2", "TrailingSpace": "0 ", "Letter": "x", "TrailingNewline": "0\n"} {
+				t.Run(name, func(t *testing.T) {
+					t.Parallel()
+					pb := setupProjector(t, b)
+					ctx := context.Background()
+					layout := pb.ks.LayoutKey("board", KindSortedSet)
+					require.NoError(t, pb.client.Set(ctx, layout, stored, 0).Err())
+					batch := []outbox.Record{
+						record("orders", "41", 1, `{"total":1}`),
+						record("scores", "bob", 1, "5"),
+						record("profiles", "bob", 1, "{}"),
+						record("scores", "carol", 1, "6"),
+					}
+					results, err := pb.projector.Handle(ctx, batch)
+					require.NoError(t, err, "an unreadable layout fails the collection's records, not the batch")
+					require.Len(t, results, len(batch))
+					for _, i := range []int{1, 3} {
+						var lm *LayoutMismatchError
+						require.ErrorAs(t, results[i].Err, &lm, "record %d", i)
+						require.Equal(t, LayoutMismatchError{Kind: KindSortedSet, Name: "board", Stored: -1, Configured: 0}, *lm)
+						require.False(t, readState(t, pb.client, pb.ks, Target{Kind: KindSortedSet, Name: "board", Member: batch[i].Key}).exists)
+					}
+					require.NoError(t, results[0].Err)
+					require.NoError(t, results[2].Err)
+					require.Equal(t, storedState{true, `{"total":1}`, "1"}, readState(t, pb.client, pb.ks, Target{Kind: KindDocument, Name: "order:41"}))
+					require.Equal(t, storedState{true, "{}", "1"}, readState(t, pb.client, pb.ks, Target{Kind: KindHash, Name: "profiles", Member: "bob"}))
+					require.Equal(t, stored, pb.client.Get(ctx, layout).Val(), "the layout key is left for a person to fix")
+				})
+			}
+		})
+
 		t.Run("HandleIsolatesWrongKeyType", func(t *testing.T) {
 			t.Parallel()
 			pb := setupProjector(t, b)
@@ -300,6 +337,98 @@ func TestNewRedisProjector(t *testing.T) {
 	require.Equal(t, "x:", d.Prefix)
 	require.NotNil(t, d.Logger)
 	require.Nil(t, cfg.Logger, "WithDefaults returns a copy")
+}
+
+// TestNewRedisProjectorNeedsBoundedCommands: go-redis does not abort a
+// command in flight when its context is cancelled, so a client without a
+// read or write timeout would let a stalled Redis hold Handle, and with it
+// the relay's shutdown, forever.
+func TestNewRedisProjectorNeedsBoundedCommands(t *testing.T) {
+	t.Parallel()
+	rd := testenv.Redis(t)
+	opt, err := redis.ParseURL(rd.URL)
+	require.NoError(t, err)
+	single := func(read, write time.Duration, ctxTimeout bool) redis.UniversalClient {
+		o := *opt
+		o.ReadTimeout, o.WriteTimeout, o.ContextTimeoutEnabled = read, write, ctxTimeout
+		c := redis.NewClient(&o)
+		t.Cleanup(func() { _ = c.Close() })
+		return c
+	}
+	cluster := func(read, write time.Duration, ctxTimeout bool) redis.UniversalClient {
+		c := redis.NewClusterClient(&redis.ClusterOptions{Addrs: []string{opt.Addr}, Username: opt.Username, Password: opt.Password,
+			ReadTimeout: read, WriteTimeout: write, ContextTimeoutEnabled: ctxTimeout})
+		t.Cleanup(func() { _ = c.Close() })
+		return c
+	}
+	ring := func(read, write time.Duration, ctxTimeout bool) redis.UniversalClient {
+		c := redis.NewRing(&redis.RingOptions{Addrs: map[string]string{"a": opt.Addr}, Username: opt.Username, Password: opt.Password, DB: opt.DB,
+			HeartbeatFn: func(context.Context, *redis.Client) bool { return true },
+			ReadTimeout: read, WriteTimeout: write, ContextTimeoutEnabled: ctxTimeout})
+		t.Cleanup(func() { _ = c.Close() })
+		return c
+	}
+
+	t.Run("NoTimeoutRefused", func(t *testing.T) {
+		t.Parallel()
+		for name, tc := range map[string]struct {
+			client redis.UniversalClient
+			field  string
+		}{
+			"NoReadTimeout":          {single(-1, 0, false), "Options.ReadTimeout"},
+			"NoReadDeadline":         {single(-2, time.Second, false), "Options.ReadTimeout"},
+			"NoWriteTimeout":         {single(time.Second, -1, false), "Options.WriteTimeout"},
+			"ClusterNoReadTimeout":   {cluster(-1, 0, false), "ClusterOptions.ReadTimeout"},
+			"ClusterNoWriteDeadline": {cluster(0, -2, false), "ClusterOptions.WriteTimeout"},
+			"RingNoReadTimeout":      {ring(-1, 0, false), "RingOptions.ReadTimeout"},
+			"RingNoWriteTimeout":     {ring(0, -1, false), "RingOptions.WriteTimeout"},
+		} {
+			_, err := NewRedisProjector(tc.client, testMapper(), &Config{Prefix: rd.Prefix})
+			require.ErrorIs(t, err, ErrInvalidConfig, name)
+			var ce *ConfigError
+			require.ErrorAs(t, err, &ce, name)
+			require.Equal(t, tc.field, ce.Field, name)
+			require.Contains(t, ce.Reason, "ContextTimeoutEnabled", name)
+		}
+	})
+
+	t.Run("BoundedAccepted", func(t *testing.T) {
+		t.Parallel()
+		for name, client := range map[string]redis.UniversalClient{
+			"Defaults":                  single(0, 0, false),
+			"Timeouts":                  single(time.Second, 2*time.Second, false),
+			"ContextTimeoutEnabled":     single(-1, -1, true),
+			"ClusterDefaults":           cluster(0, 0, false),
+			"ClusterContextTimeout":     cluster(-1, -2, true),
+			"RingDefaults":              ring(0, 0, false),
+			"RingContextTimeoutEnabled": ring(-1, -1, true),
+			"SharedServerClient":        rd.Client,
+		} {
+			_, err := NewRedisProjector(client, testMapper(), &Config{Prefix: rd.Prefix})
+			require.NoError(t, err, name)
+		}
+	})
+
+	// With ContextTimeoutEnabled and no ReadTimeout, the context's
+	// deadline (the relay's lease, for Handle) ends a command that a
+	// stalled Redis never answers.
+	t.Run("ContextDeadlineEndsAStalledCall", func(t *testing.T) {
+		t.Parallel()
+		srv := testenv.StartRedis(t)
+		client := redis.NewClient(&redis.Options{Addr: srv.Addr(), ReadTimeout: -1, ContextTimeoutEnabled: true, MaxRetries: -1})
+		t.Cleanup(func() { _ = client.Close() })
+		p, err := NewRedisProjector(client, testMapper(), nil)
+		require.NoError(t, err)
+		ctx := context.Background()
+		require.NoError(t, client.Ping(ctx).Err())
+		require.NoError(t, srv.Client(t).Do(ctx, "CLIENT", "PAUSE", 5000, "ALL").Err())
+		hctx, cancel := context.WithTimeout(ctx, 200*time.Millisecond)
+		defer cancel()
+		start := time.Now()
+		_, err = p.Handle(hctx, []outbox.Record{record("scores", "alice", 1, "10")})
+		require.Error(t, err)
+		require.Less(t, time.Since(start), 3*time.Second, "ended by the deadline, not by the pause")
+	})
 }
 
 func TestProjectorLogs(t *testing.T) {

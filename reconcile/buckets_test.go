@@ -354,6 +354,40 @@ func TestBucketsLayoutMismatch(t *testing.T) {
 		require.EqualValues(t, 5, rep.Results[ResultNotAttempted], "gate and compare-and-set repairs both refused")
 		require.Equal(t, before, b.snapshot(t))
 	})
+
+	// A foreign value written into the layout key between read and repair
+	// is an unreadable layout for both scripts, however the error reply
+	// that carries it splits ("1 2", "") or reads (" 4", "4 " as 4; "4\n"
+	// as 4, trimmed by Redis).
+	t.Run("UnreadableLayoutBeforeRepair", func(t *testing.T) {
+		t.Parallel()
+		for name, stored := range map[string]string{"Empty": "", "TwoFields": "1 2", "TrailingSpace": "4 ", "LeadingSpace": " 4",
+			"TrailingNewline": "4\n", "Letter": "x"} {
+			t.Run(name, func(t *testing.T) {
+				t.Parallel()
+				b := setup(t, projection.KindSortedSet).withBuckets(t, 4)
+				b.drift(t)
+				var before map[string]string
+				r := b.reconciler(t, &Config{PageSize: 100, BeforeRepair: func(ctx context.Context, f Finding) bool {
+					if before == nil {
+						require.NoError(t, b.client.Set(ctx, b.ks.LayoutKey(testBoard, b.kind), stored, 0).Err())
+						before = b.snapshot(t)
+					}
+					return true
+				}})
+				rep, err := r.Run(context.Background(), RunOptions{})
+				lms := layoutMismatches(err)
+				require.Len(t, lms, 2, "the gate's repairs and the compare-and-set ones: %v", err)
+				for _, lm := range lms {
+					require.Equal(t, projection.LayoutMismatchError{Kind: projection.KindSortedSet, Name: testBoard, Stored: -1, Configured: 4}, *lm)
+				}
+				require.Zero(t, rep.Repaired)
+				require.Zero(t, rep.Uncertain, "refused before writing: not attempted, not uncertain")
+				require.EqualValues(t, 5, rep.Results[ResultNotAttempted], "gate and compare-and-set repairs both refused")
+				require.Equal(t, before, b.snapshot(t))
+			})
+		}
+	})
 }
 
 // TestRebuildMigratesLayout changes a live collection's bucket count with
@@ -562,4 +596,22 @@ func countExisting(t *testing.T, b *testBundle, keys []string) int64 {
 		n += c.Val()
 	}
 	return n
+}
+
+// layoutMismatches returns every *projection.LayoutMismatchError in err's
+// tree (errors.As finds only the first).
+func layoutMismatches(err error) []*projection.LayoutMismatchError {
+	switch e := err.(type) {
+	case *projection.LayoutMismatchError:
+		return []*projection.LayoutMismatchError{e}
+	case interface{ Unwrap() []error }:
+		var out []*projection.LayoutMismatchError
+		for _, inner := range e.Unwrap() {
+			out = append(out, layoutMismatches(inner)...)
+		}
+		return out
+	case interface{ Unwrap() error }:
+		return layoutMismatches(e.Unwrap())
+	}
+	return nil
 }

@@ -150,18 +150,27 @@ func (r *Reconciler) mismatch(shadow bool, stored string) error {
 		Stored: projection.ParseLayout(stored), Configured: r.buckets}
 }
 
-// layoutError decodes a script's "VERITY_LAYOUT <live|shadow> <base>
-// <stored>" error reply, or returns nil for any other error.
+// layoutError decodes repair.lua's "VERITY_LAYOUT live 1 <stored>" error
+// reply, or returns nil for any other error. <stored> is the rest of the
+// reply, spaces and all ("" if absent), so a foreign value is unreadable
+// (-1) rather than split into another reply. One that reads as the
+// reconciler's own layout is unreadable too: the script refused it, so its
+// bytes were not that count (Redis trims line breaks off an error reply,
+// and repair.lua sends the stored value as it is).
 func (r *Reconciler) layoutError(err error) error {
 	var rerr redis.Error
 	if !errors.As(err, &rerr) {
 		return nil
 	}
-	f := strings.Fields(rerr.Error())
-	if len(f) != 4 || f[0] != "VERITY_LAYOUT" {
+	f := strings.SplitN(rerr.Error(), " ", 4)
+	if len(f) < 3 || f[0] != "VERITY_LAYOUT" {
 		return nil
 	}
-	return r.mismatch(f[1] == "shadow", f[3])
+	stored := ""
+	if len(f) == 4 && f[3] != r.layout {
+		stored = f[3]
+	}
+	return r.mismatch(f[1] == "shadow", stored)
 }
 
 func errOr(err, fallback error) error {
