@@ -59,6 +59,10 @@ type Worker struct {
 }
 
 // Worker returns a Worker for the board. It does not start it; call Run.
+// The board's Redis client must bound how long a command waits (see
+// projection.NewRedisProjector): one whose ReadTimeout or WriteTimeout is
+// disabled without ContextTimeoutEnabled gets a *projection.ConfigError,
+// since its worker's shutdown could wait for a stalled Redis forever.
 func (b *Board) Worker(cfg *WorkerConfig) (*Worker, error) {
 	var rc outbox.RelayConfig
 	if cfg != nil && cfg.Relay != nil {

@@ -43,6 +43,32 @@ func TestWorker(t *testing.T) {
 		require.NoError(t, <-done)
 	})
 
+	t.Run("ClientWithoutTimeoutsRefused", func(t *testing.T) {
+		t.Parallel()
+		tb := setup(t)
+		opts, err := redis.ParseURL(tb.rd.URL)
+		require.NoError(t, err)
+		opts.ReadTimeout = -1
+		unbounded := redis.NewClient(opts)
+		t.Cleanup(func() { _ = unbounded.Close() })
+		board, err := New(tb.pg.Pool, unbounded, new(tb.board.Config()))
+		require.NoError(t, err)
+		t.Cleanup(board.Close)
+		_, err = board.Worker(nil)
+		var cerr *projection.ConfigError
+		require.ErrorAs(t, err, &cerr, "a worker whose shutdown could wait for Redis forever")
+		require.Equal(t, "Options.ReadTimeout", cerr.Field)
+
+		opts.ContextTimeoutEnabled = true
+		bounded := redis.NewClient(opts)
+		t.Cleanup(func() { _ = bounded.Close() })
+		board, err = New(tb.pg.Pool, bounded, new(tb.board.Config()))
+		require.NoError(t, err)
+		t.Cleanup(board.Close)
+		_, err = board.Worker(nil)
+		require.NoError(t, err, "the context's deadline bounds each command")
+	})
+
 	t.Run("RedeliveryAndReorderingAreHarmless", func(t *testing.T) {
 		t.Parallel()
 		tb := setup(t)

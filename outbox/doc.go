@@ -421,7 +421,9 @@
 // its own bound of 10 s, and a cut-off claim's release on one of 5 s, so
 // against a database that stops answering Run can return up to about
 // ShutdownTimeout + 15 s after its context ends. Size a termination grace
-// period to that. The settle is not cut shorter on purpose: a settle cut
+// period to that, plus whatever a Handler needs to notice its cancelled
+// context: a RedisProjector's command in flight ends at the client's
+// ReadTimeout (go-redis does not abort a read on cancellation). The settle is not cut shorter on purpose: a settle cut
 // off leaves its rows leased, and the next claim counts that as a crashed
 // attempt, which at MaxAttempts dead-letters rows the Handler completed or
 // never saw.

@@ -97,7 +97,11 @@ type RelayConfig struct {
 	// bounded separately (10 s, and 5 s for a cut-off claim's release), so
 	// Run can return up to about ShutdownTimeout + 15 s after its context
 	// ends against a database that stops answering; see the package
-	// documentation. Defaults to ShutdownTimeoutDefault (10s).
+	// documentation. A Handler blocked in a call that ignores cancellation
+	// holds Run longer: projection.RedisProjector ends a Redis command in
+	// flight only at the client's ReadTimeout, since go-redis does not
+	// abort a read when its context is cancelled. Defaults to
+	// ShutdownTimeoutDefault (10s).
 	ShutdownTimeout time.Duration
 
 	// ReconnectBackoffMax caps the pause after a database error, both
