@@ -3,6 +3,7 @@ package projection_test
 import (
 	"context"
 	"errors"
+	"slices"
 	"strconv"
 	"strings"
 	"testing"
@@ -152,6 +153,7 @@ func FuzzGateApply(f *testing.F) {
 		}
 		valueKey, versionKey := ks.ValueKey(w.Target), ks.VersionKey(w.Target)
 		before := dumpKeys(t, rd.Client, valueKey, versionKey)
+		prior := priorVersion(t, rd.Client, ks, w)
 		outcomes, err := gate.Apply(ctx, []projection.Write{w})
 		switch {
 		case errors.Is(err, projection.ErrInvalidVersion), errors.Is(err, projection.ErrScoreOutOfRange),
@@ -168,26 +170,111 @@ func FuzzGateApply(f *testing.F) {
 			require.True(t, score >= projection.MinScore && score <= projection.MaxScore, "accepted score %d", score)
 		}
 		stored := storedVersion(t, rd.Client, ks, w)
-		require.GreaterOrEqual(t, stored, version)
-		if outcomes[0] == projection.OutcomeApplied {
+		// The gate's whole rule: newer applies, equal is a duplicate, older
+		// is stale, and only an applied write changes Redis.
+		switch {
+		case version > prior:
+			require.Equal(t, projection.OutcomeApplied, outcomes[0], "version %d over stored %d", version, prior)
 			require.Equal(t, version, stored)
+			requireProjected(t, rd.Client, valueKey, w)
+		case version == prior:
+			require.Equal(t, projection.OutcomeDuplicate, outcomes[0], "version %d equal to stored", version)
+			require.Equal(t, before, dumpKeys(t, rd.Client, valueKey, versionKey), "a duplicate changed Redis")
+		default:
+			require.Equal(t, projection.OutcomeStale, outcomes[0], "version %d under stored %d", version, prior)
+			require.Equal(t, before, dumpKeys(t, rd.Client, valueKey, versionKey), "a stale write changed Redis")
 		}
 	})
 }
 
-// dumpKeys returns a serialisation of keys for before/after comparisons.
+// priorVersion reads the version the gate keeps for w's target, 0 when it
+// keeps none.
+func priorVersion(t *testing.T, c redis.UniversalClient, ks projection.Keyspace, w projection.Write) int64 {
+	t.Helper()
+	key := ks.VersionKey(w.Target)
+	if key == "" {
+		return 0
+	}
+	var n int64
+	var err error
+	if w.Target.Kind == projection.KindDocument {
+		n, err = c.Exists(context.Background(), key).Result()
+	} else {
+		var ok bool
+		ok, err = c.HExists(context.Background(), key, w.Target.Member).Result()
+		if ok {
+			n = 1
+		}
+	}
+	require.NoError(t, err)
+	if n == 0 {
+		return 0
+	}
+	return storedVersion(t, c, ks, w)
+}
+
+// requireProjected checks that Redis holds w's value for its target.
+func requireProjected(t *testing.T, c redis.UniversalClient, valueKey string, w projection.Write) {
+	t.Helper()
+	ctx := context.Background()
+	switch w.Target.Kind {
+	case projection.KindSortedSet:
+		score, err := c.ZScore(ctx, valueKey, w.Target.Member).Result()
+		require.NoError(t, err)
+		// Scores within [MinScore, MaxScore] are exact as float64.
+		require.Equal(t, w.Value.Score, int64(score), "projected score")
+		require.Equal(t, float64(w.Value.Score), score, "projected score")
+	case projection.KindHash:
+		data, err := c.HGet(ctx, valueKey, w.Target.Member).Result()
+		require.NoError(t, err)
+		require.Equal(t, string(w.Value.Data), data, "projected field")
+	case projection.KindDocument:
+		data, err := c.Get(ctx, valueKey).Result()
+		require.NoError(t, err)
+		require.Equal(t, string(w.Value.Data), data, "projected document")
+	default:
+		t.Fatalf("kind %v was applied", w.Target.Kind)
+	}
+}
+
+// dumpKeys returns the contents of keys (type, then entries in a fixed
+// order) for before/after comparisons. Not DUMP: a hash or sorted set kept
+// as a hash table serialises in the table's order, which Redis changes on
+// its own (incremental rehashing, resizing) without any write.
 func dumpKeys(t *testing.T, c redis.UniversalClient, keys ...string) []string {
 	t.Helper()
+	ctx := context.Background()
 	out := make([]string, len(keys))
 	for i, k := range keys {
 		if k == "" {
 			continue
 		}
-		v, err := c.Dump(context.Background(), k).Result()
-		if !errors.Is(err, redis.Nil) {
+		typ, err := c.Type(ctx, k).Result()
+		require.NoError(t, err)
+		var entries []string
+		switch typ {
+		case "none":
+		case "string":
+			v, err := c.Get(ctx, k).Result()
 			require.NoError(t, err)
+			entries = []string{v}
+		case "hash":
+			m, err := c.HGetAll(ctx, k).Result()
+			require.NoError(t, err)
+			for f, v := range m {
+				entries = append(entries, strconv.Quote(f)+"="+strconv.Quote(v))
+			}
+		case "zset":
+			zs, err := c.ZRangeWithScores(ctx, k, 0, -1).Result()
+			require.NoError(t, err)
+			for _, z := range zs {
+				entries = append(entries, strconv.Quote(z.Member.(string))+"="+strconv.FormatFloat(z.Score, 'g', -1, 64))
+			}
+		default:
+			t.Fatalf("key %q has type %s, which the gate never writes", k, typ)
 		}
-		out[i] = v
+		slices.Sort(entries)
+		out[i] = typ + ":" + strings.Join(entries, ",")
 	}
 	return out
 }
