@@ -7,6 +7,8 @@ import (
 
 	"go.opentelemetry.io/otel/metric"
 	"go.opentelemetry.io/otel/metric/noop"
+
+	"github.com/verity-go/verity/internal/deps"
 )
 
 // ModulePath prefixes every meter name: a package's meter is named by its
@@ -14,9 +16,10 @@ import (
 const ModulePath = "github.com/verity-go/verity"
 
 // Meter returns the meter of package pkg (for example "outbox") from mp, or
-// a no-op meter when mp is nil.
+// a no-op meter when mp is nil, a typed nil included (a
+// *sdkmetric.MeterProvider left nil to turn metrics off).
 func Meter(mp metric.MeterProvider, pkg string) metric.Meter {
-	if mp == nil {
+	if deps.Missing(mp) {
 		mp = noop.NewMeterProvider()
 	}
 	return mp.Meter(ModulePath + "/" + pkg)
@@ -25,7 +28,7 @@ func Meter(mp metric.MeterProvider, pkg string) metric.Meter {
 // Enabled reports whether mp records anything, so callers can skip work
 // (building attributes, reading clocks) that only metrics need.
 func Enabled(mp metric.MeterProvider) bool {
-	if mp == nil {
+	if deps.Missing(mp) {
 		return false
 	}
 	_, isNoop := mp.(noop.MeterProvider)

@@ -6,6 +6,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 	"go.opentelemetry.io/otel/metric/noop"
+	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
 
 	"github.com/verity-go/verity/internal/telemetry"
 	"github.com/verity-go/verity/internal/telemetry/metrictest"
@@ -16,6 +17,14 @@ func TestEnabled(t *testing.T) {
 	require.False(t, telemetry.Enabled(nil))
 	require.False(t, telemetry.Enabled(noop.NewMeterProvider()))
 	require.True(t, telemetry.Enabled(metrictest.New(t).Provider))
+
+	// A provider pointer left nil turns metrics off like a nil interface,
+	// instead of panicking in the SDK at the first instrument.
+	var off *sdkmetric.MeterProvider
+	require.False(t, telemetry.Enabled(off))
+	counter, err := telemetry.Meter(off, "outbox").Int64Counter("c")
+	require.NoError(t, err)
+	counter.Add(context.Background(), 1)
 }
 
 func TestInstruments(t *testing.T) {
