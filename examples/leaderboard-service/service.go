@@ -17,7 +17,6 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/redis/go-redis/v9"
 	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
-	"golang.org/x/sync/singleflight"
 
 	"github.com/verity-go/verity/leaderboard"
 	"github.com/verity-go/verity/outbox"
@@ -110,20 +109,31 @@ type Service struct {
 	// not a WaitGroup: a connection can still start a request while Run
 	// waits, which a WaitGroup forbids.
 	handlers atomic.Int64
-	// life is cancelled by Close: the stats read outlives the caller that
-	// started it (its result is cached for the others), not the Service.
+	// life is cancelled by Run's shutdown (stopStatsReads) and by Close: a
+	// stats read outlives the caller that started it (its result is cached
+	// for the others), not the Service.
 	life    context.Context
 	endLife context.CancelFunc
 
-	statsGroup singleflight.Group
-	statsMu    sync.Mutex
-	stats      *statsSnapshot // the last read, ok or failed
-	statsUntil time.Time      // when stats stops being reused
-	// statsCancel and statsDone belong to the stats read in flight (nil
-	// when none is), so that Run can end it and wait for it.
-	statsCancel context.CancelFunc
-	statsDone   chan struct{}
+	statsMu     sync.Mutex
+	stats       *statsSnapshot // the last read, ok or failed
+	statsUntil  time.Time      // when stats stops being reused
+	statsFlight *statsFlight   // the read in flight, shared by its callers
+	// statsStopped is set once Run has stopped the stats reads: no read
+	// starts after it, so statsReads.Wait sees every read.
+	statsStopped bool
+	statsReads   sync.WaitGroup
 }
+
+// statsFlight is one stats read, shared by every caller that finds no
+// fresh cached snapshot while it runs.
+type statsFlight struct {
+	done chan struct{} // closed once snap is set
+	snap *statsSnapshot
+}
+
+// errServiceStopped answers a stats read asked for after Run shut down.
+var errServiceStopped = errors.New("service stopped")
 
 // NewService builds a Service for board. It starts nothing; see Run and
 // Handler. Close releases its metrics pipeline.
@@ -316,7 +326,7 @@ func (s *Service) Run(ctx context.Context, ln net.Listener) error {
 	<-serveDone
 	// A stats read outlives the request that started it (its result is
 	// cached for the next); no request is left to use it now.
-	s.stopStatsRead()
+	s.stopStatsReads()
 	stopBackground()
 	wg.Wait()
 	if runErr == nil {
@@ -398,70 +408,66 @@ type statsSnapshot struct {
 // less than statsTTL ago, else reads a new one. Concurrent callers share
 // one read (single flight), so a stalled PostgreSQL costs one query, not
 // one per waiting request. A caller stops waiting when its ctx ends; the
-// read goes on detached from it (bounded by statsTimeout), so one client
-// that hangs up does not fail the others sharing the read.
+// read goes on without it (bounded by statsTimeout), so one client that
+// hangs up does not fail the others sharing the read.
 func (s *Service) snapshot(ctx context.Context) *statsSnapshot {
-	if snap := s.cachedSnapshot(); snap != nil {
+	s.statsMu.Lock()
+	if s.statsStopped {
+		s.statsMu.Unlock()
+		return &statsSnapshot{At: time.Now(), Err: errServiceStopped}
+	}
+	if s.stats != nil && time.Now().Before(s.statsUntil) {
+		snap := s.stats
+		s.statsMu.Unlock()
 		return snap
 	}
-	ch := s.statsGroup.DoChan("stats", func() (any, error) {
-		// A caller that found no cache may reach DoChan only after the
-		// flight it missed has ended and stored its result: it must take
-		// that, not start a second read.
-		if snap := s.cachedSnapshot(); snap != nil {
-			return snap, nil
-		}
-		ctx, cancel := context.WithTimeout(s.life, statsTimeout)
-		done := make(chan struct{})
-		defer close(done)
-		s.statsMu.Lock()
-		s.statsCancel, s.statsDone = cancel, done
-		s.statsMu.Unlock()
-		snap := s.readStatsRecovered(ctx)
-		cancel()
-		// Stored before the flight ends, so a caller arriving after it
-		// finds the cache instead of starting another read.
-		s.statsMu.Lock()
-		s.stats, s.statsUntil = snap, time.Now().Add(statsTTL)
-		s.statsCancel, s.statsDone = nil, nil
-		s.statsMu.Unlock()
-		return snap, nil
-	})
+	f := s.statsFlight
+	if f == nil {
+		// Started under statsMu, so stopStatsReads either sees it in
+		// statsReads or it never starts.
+		f = &statsFlight{done: make(chan struct{})}
+		s.statsFlight = f
+		s.statsReads.Add(1)
+		go s.readFlight(f)
+	}
+	s.statsMu.Unlock()
 	select {
-	case res := <-ch:
-		return res.Val.(*statsSnapshot)
+	case <-f.done:
+		return f.snap
 	case <-ctx.Done():
 		return &statsSnapshot{At: time.Now(), Err: ctx.Err()}
 	}
 }
 
-// stopStatsRead cancels the stats read in flight, if any, and waits for it
-// to return.
-func (s *Service) stopStatsRead() {
+// readFlight runs f's read and caches its result for statsTTL.
+func (s *Service) readFlight(f *statsFlight) {
+	defer s.statsReads.Done()
+	ctx, cancel := context.WithTimeout(s.life, statsTimeout)
+	defer cancel()
+	snap := s.readStatsRecovered(ctx)
+	// Cached before the flight ends, so a caller arriving after it finds
+	// the cache instead of starting another read.
 	s.statsMu.Lock()
-	cancel, done := s.statsCancel, s.statsDone
+	s.stats, s.statsUntil, s.statsFlight = snap, time.Now().Add(statsTTL), nil
 	s.statsMu.Unlock()
-	if cancel != nil {
-		cancel()
-		<-done
-	}
+	f.snap = snap
+	close(f.done)
 }
 
-// cachedSnapshot returns the last statsSnapshot while it is younger than
-// statsTTL, else nil.
-func (s *Service) cachedSnapshot() *statsSnapshot {
+// stopStatsReads ends the stats reads in flight and waits for them; later
+// callers of snapshot get errServiceStopped.
+func (s *Service) stopStatsReads() {
 	s.statsMu.Lock()
-	defer s.statsMu.Unlock()
-	if s.stats != nil && time.Now().Before(s.statsUntil) {
-		return s.stats
-	}
-	return nil
+	s.statsStopped = true
+	s.statsMu.Unlock()
+	s.endLife()
+	s.statsReads.Wait()
 }
 
 // readStatsRecovered is readStats with a panic turned into a failed
 // snapshot (cached and answered like any failed read). It must not escape
-// the function passed to DoChan: singleflight re-raises it on a goroutine
-// of its own, where nothing recovers it and the whole process dies.
+// readFlight: that runs on a goroutine of its own, where nothing recovers
+// it and the whole process dies.
 func (s *Service) readStatsRecovered(ctx context.Context) (snap *statsSnapshot) {
 	defer func() {
 		if p := recover(); p != nil {

@@ -99,9 +99,38 @@ func TestSnapshotSingleFlight(t *testing.T) {
 	}, 5*statsTTL, statsTTL/10)
 }
 
-// TestSnapshotPanic makes the stats read panic: singleflight re-raises a
-// panic of DoChan's function on a goroutine of its own, which would kill the
-// process; /stats must answer 500 instead, and work again once the read
+// TestStopStatsReads checks what Run relies on at shutdown: once
+// stopStatsReads returns, no stats read runs, also one started for a caller
+// that stopped waiting before the read's goroutine was scheduled, and none
+// starts afterwards.
+func TestStopStatsReads(t *testing.T) {
+	t.Parallel()
+	svc := setup(t).svc
+	var started, running atomic.Int64
+	svc.readStats = func(ctx context.Context) *statsSnapshot {
+		started.Add(1)
+		running.Add(1)
+		defer running.Add(-1)
+		<-ctx.Done() // a stalled PostgreSQL
+		return &statsSnapshot{At: time.Now(), Err: ctx.Err()}
+	}
+	gone, cancel := context.WithCancel(context.Background())
+	cancel()
+	snap := svc.snapshot(gone) // a request whose client already left
+	require.ErrorIs(t, snap.Err, context.Canceled)
+
+	svc.stopStatsReads()
+	require.Zero(t, running.Load(), "a stats read runs after stopStatsReads returned")
+	require.LessOrEqual(t, started.Load(), int64(1))
+
+	before := started.Load()
+	snap = svc.snapshot(context.Background())
+	require.ErrorIs(t, snap.Err, errServiceStopped)
+	require.Equal(t, before, started.Load(), "a stats read started after stopStatsReads")
+}
+
+// TestSnapshotPanic makes the stats read panic: a panic on the read's own
+// goroutine would kill the process; /stats must answer 500 instead, and work again once the read
 // does.
 func TestSnapshotPanic(t *testing.T) {
 	t.Parallel()
