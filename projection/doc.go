@@ -211,11 +211,18 @@
 // go-redis does not end a command in flight when its context is cancelled,
 // only at the connection's deadline (ReadTimeout, WriteTimeout, and with
 // ContextTimeoutEnabled the context's deadline). NewRedisProjector
-// therefore refuses a client that disables either timeout without
-// ContextTimeoutEnabled: against a Redis that stops answering, the relay's
-// shutdown would never end. With the default timeouts, a relay's Run waits
-// for a batch stuck in Redis up to its ShutdownTimeout plus the client's
-// ReadTimeout.
+// therefore refuses a client that sets either timeout to -2, which makes
+// go-redis set no deadline at all (not even the context's), or to -1 (no
+// timeout) without ContextTimeoutEnabled: against a Redis that stops
+// answering, the relay's shutdown would never end. A relay's Run then
+// waits for a batch stuck in Redis at most its ShutdownTimeout plus the
+// client's ReadTimeout for the command in flight (and its WriteTimeout on
+// top if Redis stalls while the command is still being sent); with
+// ContextTimeoutEnabled and the timeouts -1, until the Handler context's
+// deadline, which the relay sets to the end of the claim's lease. A Ring
+// with a RingOptions.NewClient function, and the node clients of a
+// ClusterOptions.NewClient function, are not checked (see
+// NewRedisProjector).
 //
 // # Rebuilds
 //

@@ -178,8 +178,11 @@ func (g *Gate) ApplyShadowCopy(ctx context.Context, token string, batch int64, w
 	if err := checkShadow(token, writes); err != nil {
 		return nil, err
 	}
-	if token == "" || batch <= 0 {
-		return nil, fmt.Errorf("%w: a counted shadow copy needs the rebuild's token and a positive batch number", ErrInvalidConfig)
+	if token == "" {
+		return nil, &ConfigError{Field: "token", Reason: "is empty: a counted shadow copy needs the rebuild's token"}
+	}
+	if batch <= 0 {
+		return nil, &ConfigError{Field: "batch", Reason: fmt.Sprintf("is %d: a counted shadow copy needs a positive batch number, higher than the rebuild's previous one", batch)}
 	}
 	return joinRun(g.run(ctx, modeCopy, token+" "+strconv.FormatInt(batch, 10), writes, false))
 }
@@ -193,7 +196,7 @@ func checkShadow(token string, writes []Write) error {
 		}
 	}
 	if strings.ContainsAny(token, " ") {
-		return fmt.Errorf("%w: a rebuild token must not contain spaces", ErrInvalidConfig)
+		return &ConfigError{Field: "token", Reason: fmt.Sprintf("%q contains a space, which a rebuild token must not", token)}
 	}
 	return nil
 }

@@ -384,6 +384,9 @@ func TestGate(t *testing.T) {
 			require.False(t, readShadowState(t, gb.client, gb.ks, zset("r", "b", 0, 0).Target).exists)
 			_, err = gb.gate.ApplyShadow(ctx, "bad token", []Write{zset("r", "b", 9, 90)})
 			require.ErrorIs(t, err, ErrInvalidConfig)
+			var ce *ConfigError
+			require.ErrorAs(t, err, &ce)
+			require.Equal(t, "token", ce.Field)
 			// The rebuild has copied a newer version into the shadow already.
 			out, err := gb.gate.ApplyShadow(ctx, "token-1", []Write{zset("r", "b", 7, 70)})
 			require.NoError(t, err)
@@ -472,9 +475,13 @@ func TestGate(t *testing.T) {
 					for _, bad := range []struct {
 						token string
 						batch int64
-					}{{"", 11}, {"tok", 0}, {"tok", -1}, {"t k", 11}} {
+						field string
+					}{{"", 11, "token"}, {"tok", 0, "batch"}, {"tok", -1, "batch"}, {"t k", 11, "token"}} {
 						_, err = gb.gate.ApplyShadowCopy(ctx, bad.token, bad.batch, []Write{zset("c", "j", 1, 1)})
 						require.ErrorIs(t, err, ErrInvalidConfig, "%+v", bad)
+						var ce *ConfigError
+						require.ErrorAs(t, err, &ce, "%+v", bad)
+						require.Equal(t, bad.field, ce.Field, "%+v", bad)
 					}
 					_, err = gb.gate.ApplyShadowCopy(ctx, "tok", 11, []Write{doc("d", 1, "x")})
 					require.ErrorIs(t, err, ErrInvalidTarget)

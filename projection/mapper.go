@@ -3,10 +3,12 @@ package projection
 import (
 	"cmp"
 	"fmt"
+	"maps"
 	"slices"
 	"strconv"
 	"strings"
 
+	"github.com/verity-go/verity/internal/deps"
 	"github.com/verity-go/verity/outbox"
 )
 
@@ -70,14 +72,22 @@ func (m documentMapper) Map(rec outbox.Record) (Write, error) {
 	}, nil
 }
 
-// checkNamespaces refuses a StreamMapper two of whose streams map through
-// DocumentMappers where one namespace is a proper prefix of the other
-// (see DocumentMapper). Mappers it cannot see into (a MapperFunc wrapping a
-// DocumentMapper) are not checked.
-func checkNamespaces(m Mapper) error {
+// checkStreams refuses a StreamMapper with a nil entry (typed nils
+// included), which would fail every record of its stream, and one two of
+// whose streams map through DocumentMappers where one namespace is a
+// proper prefix of the other (see DocumentMapper). Mappers it cannot see
+// into (a MapperFunc wrapping a DocumentMapper) are not checked.
+func checkStreams(m Mapper) error {
 	sm, ok := m.(StreamMapper)
 	if !ok {
 		return nil
+	}
+	// Sorted, so that of several nil entries the same one is reported.
+	for _, name := range slices.Sorted(maps.Keys(sm)) {
+		if deps.Missing(sm[name]) {
+			return &ConfigError{Field: "mapper", Reason: fmt.Sprintf(
+				"the StreamMapper's entry for stream %q is nil, which would fail every record of the stream; give it a Mapper, or remove the entry", name)}
+		}
 	}
 	type stream struct{ name, namespace string }
 	var docs []stream
@@ -108,10 +118,11 @@ func checkNamespaces(m Mapper) error {
 // A record of any other stream fails to map with ErrUnmappedStream.
 type StreamMapper map[string]Mapper
 
-// Map calls the Mapper of rec.Stream.
+// Map calls the Mapper of rec.Stream. A nil entry (typed nils included)
+// counts as none.
 func (m StreamMapper) Map(rec outbox.Record) (Write, error) {
 	mapper, ok := m[rec.Stream]
-	if !ok || mapper == nil {
+	if !ok || deps.Missing(mapper) {
 		return Write{}, fmt.Errorf("%w %q", ErrUnmappedStream, rec.Stream)
 	}
 	return mapper.Map(rec)

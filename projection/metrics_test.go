@@ -6,8 +6,10 @@ import (
 	"testing"
 	"time"
 
+	"github.com/redis/go-redis/v9"
 	"github.com/stretchr/testify/require"
 	"go.opentelemetry.io/otel/attribute"
+	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
 
 	"github.com/verity-go/verity/internal/telemetry/metrictest"
 	"github.com/verity-go/verity/internal/testenv"
@@ -233,4 +235,12 @@ func TestConfigDefaultsAreQuiet(t *testing.T) {
 	cfg := (*Config)(nil).WithDefaults()
 	require.False(t, cfg.Logger.Enabled(context.Background(), slog.LevelError), "the default logger discards everything")
 	require.Nil(t, cfg.MeterProvider, "no provider means no-op metrics")
+
+	// A typed-nil provider is no provider either, not a panic in the SDK.
+	client := redis.NewClient(&redis.Options{Addr: "127.0.0.1:1"}) // never dialled
+	t.Cleanup(func() { _ = client.Close() })
+	var mp *sdkmetric.MeterProvider
+	p, err := NewRedisProjector(client, testMapper(), &Config{MeterProvider: mp})
+	require.NoError(t, err)
+	require.Nil(t, p.metrics)
 }

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"time"
 
 	"github.com/redis/go-redis/v9"
 	"go.opentelemetry.io/otel/metric"
@@ -76,7 +77,8 @@ func (c *Config) validate() error {
 // each record with the caller's Mapper and applies the whole batch with one
 // script call per Redis Cluster slot. It implements Projector and
 // outbox.Handler, so it can be given directly to outbox.NewRelay. It is safe
-// for concurrent use.
+// for concurrent use. Create it with NewRedisProjector: the zero value
+// refuses every call with *ConfigError.
 type RedisProjector struct {
 	gate    *Gate
 	mapper  Mapper
@@ -91,22 +93,30 @@ var (
 
 // NewRedisProjector returns a projector writing through client (single
 // node, Sentinel or Cluster) the writes that mapper derives from records.
-// cfg may be nil for the defaults. A StreamMapper whose DocumentMapper
+// cfg may be nil for the defaults. A StreamMapper with a nil entry (typed
+// nils included, such as a nil MapperFunc), or whose DocumentMapper
 // namespaces could name the same document (one a prefix of another, see
-// DocumentMapper) is refused with *ConfigError.
+// DocumentMapper), is refused with *ConfigError.
 //
 // client must bound how long it waits for Redis. go-redis ends a command
 // in flight only at its connection's deadline, which comes from
 // ReadTimeout and WriteTimeout and, with ContextTimeoutEnabled, from the
 // context's deadline; cancelling the context does not end it. So a
-// *redis.Client, *redis.ClusterClient or *redis.Ring whose ReadTimeout or
-// WriteTimeout disables the timeout (-1 or -2) is refused with
-// *ConfigError unless ContextTimeoutEnabled is set (Handle's context then
-// has the relay's lease as its deadline). Once a relay's context is
-// cancelled, Run therefore waits for a batch stuck in Redis at most its
+// *redis.Client, *redis.ClusterClient or *redis.Ring is refused with
+// *ConfigError when its ReadTimeout or WriteTimeout is -2, which makes
+// go-redis set no deadline at all (not even the context's), or is -1 (no
+// timeout) while ContextTimeoutEnabled is false. Once a relay's context
+// is cancelled, Run therefore waits for a batch stuck in Redis at most its
 // ShutdownTimeout plus the client's ReadTimeout for the command in flight
-// (go-redis's default: 5s). Other client types, and timeouts that a
-// RingOptions.NewClient function sets on the shards, are not checked.
+// (go-redis's default: 5s), and its WriteTimeout on top if Redis stalls
+// while the command is still being sent; with ContextTimeoutEnabled and
+// the timeouts -1, until the Handler context's deadline instead, which
+// the relay sets to the end of the claim's lease (RelayConfig.LeaseDuration,
+// counted from just before the claim was sent). A Ring is checked on its
+// shards' clients, as its NewClient function (if any) made them, and only
+// on the shards it has when NewRedisProjector is called. Not checked: other
+// client types, and the node clients a ClusterOptions.NewClient function
+// makes.
 func NewRedisProjector(client redis.UniversalClient, mapper Mapper, cfg *Config) (*RedisProjector, error) {
 	if deps.Missing(client) {
 		return nil, &ConfigError{Field: "client", Reason: "is nil; pass a redis.UniversalClient"}
@@ -117,7 +127,7 @@ func NewRedisProjector(client redis.UniversalClient, mapper Mapper, cfg *Config)
 	if deps.Missing(mapper) {
 		return nil, &ConfigError{Field: "mapper", Reason: "is nil; pass a Mapper such as SortedSetMapper(\"board\")"}
 	}
-	if err := checkNamespaces(mapper); err != nil {
+	if err := checkStreams(mapper); err != nil {
 		return nil, err
 	}
 	cfg = cfg.WithDefaults()
@@ -144,48 +154,83 @@ func NewRedisProjector(client redis.UniversalClient, mapper Mapper, cfg *Config)
 // NewRedisProjector): without a deadline, a Redis that stops answering
 // holds Handle, and the relay's shutdown with it.
 func checkTimeouts(client redis.UniversalClient) error {
-	var opts string
-	var noRead, noWrite, ctxDeadline bool
 	switch c := client.(type) {
 	case *redis.Client:
-		// Options() hold the values go-redis applied: a positive timeout is
-		// the one in force, anything else (the caller's -1 reads as 0) none.
+		// Options() hold what Options.init made of the caller's values:
+		// -1 reads as 0, -2 as -1.
 		o := c.Options()
-		opts, noRead, noWrite, ctxDeadline = "Options", o.ReadTimeout <= 0, o.WriteTimeout <= 0, o.ContextTimeoutEnabled
+		return checkDeadlines("Options", o.ReadTimeout, o.WriteTimeout, o.ContextTimeoutEnabled)
 	case *redis.ClusterClient:
+		// ClusterOptions.init turns -1 into 0 and keeps -2; the cluster's
+		// pipelines and its node clients apply those.
 		o := c.Options()
-		opts, noRead, noWrite, ctxDeadline = "ClusterOptions", o.ReadTimeout <= 0, o.WriteTimeout <= 0, o.ContextTimeoutEnabled
+		return checkDeadlines("ClusterOptions", o.ReadTimeout, o.WriteTimeout, o.ContextTimeoutEnabled)
 	case *redis.Ring:
-		// RingOptions keep the caller's values, which each shard's client
-		// applies: 0 is the default, a WriteTimeout of 0 follows ReadTimeout.
-		o := c.Options()
-		noRead = o.ReadTimeout < 0
-		opts, noWrite, ctxDeadline = "RingOptions", o.WriteTimeout < 0 || o.WriteTimeout == 0 && noRead, o.ContextTimeoutEnabled
-	default:
-		return nil
+		// RingOptions keep the caller's values; each shard's client holds
+		// what its Options.init, and a RingOptions.NewClient function, made
+		// of them.
+		return c.ForEachShard(context.Background(), func(_ context.Context, shard *redis.Client) error {
+			o := shard.Options()
+			return checkDeadlines("RingOptions", o.ReadTimeout, o.WriteTimeout, o.ContextTimeoutEnabled)
+		})
 	}
-	field := ""
-	switch {
-	case ctxDeadline:
-	case noRead:
-		field = "ReadTimeout"
-	case noWrite:
-		field = "WriteTimeout"
+	return nil
+}
+
+// checkDeadlines checks timeouts as go-redis applies them: positive, a
+// timeout; 0, none (only the context's deadline, with ContextTimeoutEnabled);
+// negative, no deadline at all, since pool.Conn.WithReader and WithWriter
+// then skip SetReadDeadline and SetWriteDeadline, the context's deadline
+// included. opts names the caller's options type in the error.
+func checkDeadlines(opts string, read, write time.Duration, ctxDeadline bool) error {
+	for _, t := range []struct {
+		field string
+		d     time.Duration
+	}{{"ReadTimeout", read}, {"WriteTimeout", write}} {
+		switch {
+		case t.d < 0:
+			return &ConfigError{Field: opts + "." + t.field, Reason: fmt.Sprintf("is -2 (or another negative value), which makes go-redis set no deadline on the connection at all, "+
+				"not even the context's with ContextTimeoutEnabled: a Redis that stops answering would block the projector, and the relay's shutdown, forever; "+
+				"set a positive %s (go-redis's default is 5s), or -1 with ContextTimeoutEnabled so that the context's deadline ends the command", t.field)}
+		case t.d == 0 && !ctxDeadline:
+			return &ConfigError{Field: opts + "." + t.field, Reason: fmt.Sprintf("disables the timeout while ContextTimeoutEnabled is false: "+
+				"go-redis does not end a command in flight when its context is cancelled, so a Redis that stops answering would block the projector, "+
+				"and the relay's shutdown, forever; set a positive %s (go-redis's default is 5s), or ContextTimeoutEnabled so that the context's deadline ends the command", t.field)}
+		}
 	}
-	if field == "" {
-		return nil
-	}
-	return &ConfigError{Field: opts + "." + field, Reason: fmt.Sprintf("disables the timeout while ContextTimeoutEnabled is false: "+
-		"go-redis does not end a command in flight when its context is cancelled, so a Redis that stops answering would block the projector, "+
-		"and the relay's shutdown, forever; set a positive %s (go-redis's default is 5s), or ContextTimeoutEnabled so that the context's deadline ends the command", field)}
+	return nil
 }
 
 // Gate returns the projector's gate, for writes that do not come from the
-// outbox (reconciliation repairs).
-func (p *RedisProjector) Gate() *Gate { return p.gate }
+// outbox (reconciliation repairs). It is nil for a RedisProjector not made
+// by NewRedisProjector; a nil *Gate refuses every call with *ConfigError.
+func (p *RedisProjector) Gate() *Gate {
+	if p.unmade() {
+		return nil
+	}
+	return p.gate
+}
 
-// Keyspace returns the keys the projector writes, for readers.
-func (p *RedisProjector) Keyspace() Keyspace { return p.gate.ks }
+// Keyspace returns the keys the projector writes, for readers: the zero
+// Keyspace for a RedisProjector not made by NewRedisProjector.
+func (p *RedisProjector) Keyspace() Keyspace {
+	if p.unmade() {
+		return Keyspace{}
+	}
+	return p.gate.ks
+}
+
+// unmade reports a RedisProjector that was not made by NewRedisProjector
+// (the zero value, or nil), whose methods refuse every call instead of
+// panicking on its nil fields.
+func (p *RedisProjector) unmade() bool {
+	return p == nil || p.gate == nil || p.mapper == nil || p.logger == nil
+}
+
+// unmadeProjector refuses a call on a RedisProjector that unmade reports.
+func unmadeProjector() error {
+	return &ConfigError{Field: "client", Reason: "is nil: the RedisProjector has no Redis client; create it with NewRedisProjector(client, mapper, cfg)"}
+}
 
 // Project maps and gates batch and returns one Outcome per record.
 //
@@ -199,6 +244,9 @@ func (p *RedisProjector) Keyspace() Keyspace { return p.gate.ks }
 // other error leaves the batch's effect unknown; projecting it again is
 // safe.
 func (p *RedisProjector) Project(ctx context.Context, batch []outbox.Record) ([]Outcome, error) {
+	if p.unmade() {
+		return nil, unmadeProjector()
+	}
 	writes := make([]Write, len(batch))
 	var firstErr error
 	unmapped := 0
@@ -252,6 +300,9 @@ func (p *RedisProjector) Project(ctx context.Context, batch []outbox.Record) ([]
 // Any other Redis error fails the whole batch, which the relay retries
 // after its backoff.
 func (p *RedisProjector) Handle(ctx context.Context, batch []outbox.Record) ([]outbox.Result, error) {
+	if p.unmade() {
+		return nil, unmadeProjector()
+	}
 	results := make([]outbox.Result, len(batch))
 	writes := make([]Write, 0, len(batch))
 	positions := make([]int, 0, len(batch)) // batch index of each write

@@ -320,6 +320,16 @@ func TestNewRedisProjector(t *testing.T) {
 	}
 	_, err := NewRedisProjector(client, StreamMapper(nil), nil)
 	require.NoError(t, err, "a nil StreamMapper maps no stream, and is a Mapper")
+	// A StreamMapper entry that is absent, typed nils included, would
+	// fail every record of its stream; refused up front, naming it.
+	for name, entry := range map[string]Mapper{"NilEntry": nil, "NilMapperFuncEntry": MapperFunc(nil)} {
+		_, err := NewRedisProjector(client, StreamMapper{"good": HashMapper("h"), "bad": entry}, nil)
+		require.ErrorIs(t, err, ErrInvalidConfig, name)
+		var cfgErr *ConfigError
+		require.ErrorAs(t, err, &cfgErr, name)
+		require.Equal(t, "mapper", cfgErr.Field, name)
+		require.Contains(t, cfgErr.Reason, `stream "bad"`, name)
+	}
 	ks, err := NewKeyspace("gate:")
 	require.NoError(t, err)
 	_, err = NewGate(noClient, ks).Apply(context.Background(), nil)
@@ -392,6 +402,55 @@ func TestNewRedisProjectorNeedsBoundedCommands(t *testing.T) {
 		}
 	})
 
+	// -2 makes go-redis skip SetReadDeadline / SetWriteDeadline altogether,
+	// the context's deadline included, so ContextTimeoutEnabled cannot
+	// bound the command either.
+	t.Run("NoDeadlineRefusedEvenWithContextTimeout", func(t *testing.T) {
+		t.Parallel()
+		for name, tc := range map[string]struct {
+			client redis.UniversalClient
+			field  string
+		}{
+			"ReadDeadline":         {single(-2, time.Second, true), "Options.ReadTimeout"},
+			"WriteDeadline":        {single(-1, -2, true), "Options.WriteTimeout"},
+			"ClusterReadDeadline":  {cluster(-2, 0, true), "ClusterOptions.ReadTimeout"},
+			"ClusterWriteDeadline": {cluster(-1, -2, true), "ClusterOptions.WriteTimeout"},
+			"RingReadDeadline":     {ring(-2, -1, true), "RingOptions.ReadTimeout"},
+			"RingWriteDeadline":    {ring(-1, -2, true), "RingOptions.WriteTimeout"},
+		} {
+			_, err := NewRedisProjector(tc.client, testMapper(), &Config{Prefix: rd.Prefix})
+			require.ErrorIs(t, err, ErrInvalidConfig, name)
+			var ce *ConfigError
+			require.ErrorAs(t, err, &ce, name)
+			require.Equal(t, tc.field, ce.Field, name)
+			require.Contains(t, ce.Reason, "-2", name)
+		}
+	})
+
+	// A Ring's shards are made by its NewClient function, which may set
+	// other timeouts than the RingOptions: the shards' clients are checked.
+	t.Run("RingShardsChecked", func(t *testing.T) {
+		t.Parallel()
+		hooked := func(read time.Duration) *redis.Ring {
+			c := redis.NewRing(&redis.RingOptions{Addrs: map[string]string{"a": opt.Addr},
+				HeartbeatFn: func(context.Context, *redis.Client) bool { return true },
+				ReadTimeout: -2, ContextTimeoutEnabled: false,
+				NewClient: func(o *redis.Options) *redis.Client {
+					o.Username, o.Password, o.DB = opt.Username, opt.Password, opt.DB
+					o.ReadTimeout = read
+					return redis.NewClient(o)
+				}})
+			t.Cleanup(func() { _ = c.Close() })
+			return c
+		}
+		_, err := NewRedisProjector(hooked(time.Second), testMapper(), &Config{Prefix: rd.Prefix})
+		require.NoError(t, err, "the shards' clients have a ReadTimeout")
+		_, err = NewRedisProjector(hooked(-1), testMapper(), &Config{Prefix: rd.Prefix})
+		var ce *ConfigError
+		require.ErrorAs(t, err, &ce, "the shards' clients have no ReadTimeout")
+		require.Equal(t, "RingOptions.ReadTimeout", ce.Field)
+	})
+
 	t.Run("BoundedAccepted", func(t *testing.T) {
 		t.Parallel()
 		for name, client := range map[string]redis.UniversalClient{
@@ -399,7 +458,7 @@ func TestNewRedisProjectorNeedsBoundedCommands(t *testing.T) {
 			"Timeouts":                  single(time.Second, 2*time.Second, false),
 			"ContextTimeoutEnabled":     single(-1, -1, true),
 			"ClusterDefaults":           cluster(0, 0, false),
-			"ClusterContextTimeout":     cluster(-1, -2, true),
+			"ClusterContextTimeout":     cluster(-1, -1, true),
 			"RingDefaults":              ring(0, 0, false),
 			"RingContextTimeoutEnabled": ring(-1, -1, true),
 			"SharedServerClient":        rd.Client,
@@ -428,6 +487,13 @@ func TestNewRedisProjectorNeedsBoundedCommands(t *testing.T) {
 		_, err = p.Handle(hctx, []outbox.Record{record("scores", "alice", 1, "10")})
 		require.Error(t, err)
 		require.Less(t, time.Since(start), 3*time.Second, "ended by the deadline, not by the pause")
+
+		// With -2 instead, go-redis sets no deadline at all, and the same
+		// call would wait for the pause to end: refused up front.
+		noDeadline := redis.NewClient(&redis.Options{Addr: srv.Addr(), ReadTimeout: -2, ContextTimeoutEnabled: true, MaxRetries: -1})
+		t.Cleanup(func() { _ = noDeadline.Close() })
+		_, err = NewRedisProjector(noDeadline, testMapper(), nil)
+		require.ErrorIs(t, err, ErrInvalidConfig)
 	})
 }
 
@@ -462,6 +528,55 @@ func TestMappers(t *testing.T) {
 	require.Equal(t, Write{Target: Target{Kind: KindDocument, Name: "ns:k{1}"}, Version: 4, Value: Value{Data: []byte("-3")}}, w)
 	_, err = StreamMapper{"s": nil}.Map(rec)
 	require.True(t, errors.Is(err, ErrUnmappedStream))
+
+	t.Run("NilMapperFuncEntryIsUnmapped", func(t *testing.T) {
+		t.Parallel()
+		_, err := StreamMapper{"s": MapperFunc(nil)}.Map(rec)
+		require.ErrorIs(t, err, ErrUnmappedStream)
+
+		// The projector shares the caller's map, which may gain such an
+		// entry after NewRedisProjector checked it: its records fail to
+		// map instead of panicking. No write reaches Redis, so the client
+		// is never dialled.
+		client := redis.NewClient(&redis.Options{Addr: "127.0.0.1:1"})
+		t.Cleanup(func() { _ = client.Close() })
+		m := StreamMapper{"good": HashMapper("h")}
+		p, err := NewRedisProjector(client, m, nil)
+		require.NoError(t, err)
+		m["bad"] = MapperFunc(nil)
+		batch := []outbox.Record{record("bad", "k", 1, "x")}
+		_, err = p.Project(context.Background(), batch)
+		require.ErrorIs(t, err, ErrUnmappedStream)
+		results, err := p.Handle(context.Background(), batch)
+		require.NoError(t, err)
+		require.ErrorIs(t, results[0].Err, ErrUnmappedStream)
+	})
+}
+
+// TestRedisProjectorZeroValue: a RedisProjector not made by
+// NewRedisProjector refuses every call with *ConfigError, as a zero Gate
+// does, instead of panicking on its nil fields.
+func TestRedisProjectorZeroValue(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	batch := []outbox.Record{record("scores", "k", 1, "1")}
+	for name, p := range map[string]*RedisProjector{"Zero": {}, "Nil": nil} {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			_, err := p.Project(ctx, batch)
+			require.ErrorIs(t, err, ErrInvalidConfig)
+			require.ErrorContains(t, err, "NewRedisProjector")
+			var ce *ConfigError
+			require.ErrorAs(t, err, &ce)
+			results, err := p.Handle(ctx, batch)
+			require.ErrorIs(t, err, ErrInvalidConfig)
+			require.ErrorContains(t, err, "NewRedisProjector")
+			require.Nil(t, results)
+			_, err = p.Gate().Apply(ctx, []Write{{Target: Target{Kind: KindHash, Name: "n", Member: "m"}, Version: 1}})
+			require.ErrorIs(t, err, ErrInvalidConfig, "its Gate is a nil *Gate")
+			require.True(t, p.Keyspace().IsZero())
+		})
+	}
 }
 
 func TestDocumentNamespacesMustNotOverlap(t *testing.T) {
