@@ -150,6 +150,25 @@ func parseFlags(name string, args []string, stderr io.Writer) (*options, error) 
 		}
 		return usage("--key-prefix: %v", err)
 	}
+	// A URL that cannot be parsed is a usage error too, found before
+	// anything connects (the pool and the client parse them again).
+	if o.databaseURL != "" {
+		if _, err := pgxpool.ParseConfig(o.databaseURL); err != nil {
+			return usage("--database-url: %v", err)
+		}
+	}
+	if o.redisURL != "" {
+		parse := redis.ParseURL
+		if o.cluster {
+			parse = func(url string) (*redis.Options, error) {
+				_, err := redis.ParseClusterURL(url)
+				return nil, err
+			}
+		}
+		if _, err := parse(o.redisURL); err != nil {
+			return usage("--redis-url: %v", err)
+		}
+	}
 	if name == "serve" {
 		// A malformed address is a usage error, not a failure to listen.
 		_, port, err := net.SplitHostPort(o.addr)
@@ -184,6 +203,12 @@ func (o *options) logger(w io.Writer) (*slog.Logger, error) {
 	return slog.New(slog.NewTextHandler(w, &slog.HandlerOptions{Level: level})), nil
 }
 
+// usageError is a usage error (exit 2) that only connect can see: one in
+// the environment a flag leaves it to.
+type usageError struct{ error }
+
+func (e usageError) Unwrap() error { return e.error }
+
 // deps are the connections and the board every subcommand works with.
 type deps struct {
 	pool  *pgxpool.Pool
@@ -211,7 +236,10 @@ func connect(ctx context.Context, o *options, logger *slog.Logger) (*deps, error
 		// A cluster is never found on a local port or started here: its
 		// seed list comes from the flag or the environment, as given.
 		if redisURL = strings.TrimSpace(getenv("REDIS_URL")); redisURL == "" {
-			return nil, errors.New("--redis-cluster needs a seed list in --redis-url or REDIS_URL")
+			return nil, usageError{errors.New("--redis-cluster needs a seed list in --redis-url or REDIS_URL")}
+		}
+		if _, err := redis.ParseClusterURL(redisURL); err != nil {
+			return nil, usageError{fmt.Errorf("REDIS_URL: %w", err)}
 		}
 	}
 	if pgURL == "" || redisURL == "" {

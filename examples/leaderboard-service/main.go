@@ -93,6 +93,9 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	}
 	if err := cmd.run(ctx, opts, stdout, stderr); err != nil {
 		fmt.Fprintf(stderr, "leaderboard-service %s: %v\n", name, err)
+		if errors.As(err, new(usageError)) {
+			return exitUsage
+		}
 		return exitError
 	}
 	return exitOK

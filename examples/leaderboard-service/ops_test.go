@@ -221,6 +221,9 @@ func TestCommandLine(t *testing.T) {
 		{"SchemaTooLong", append([]string{"stats", "--schema=" + strings.Repeat("s", 64)}, nowhere...), exitUsage, "--schema is 64 bytes long"},
 		{"SampleAboveMax", append([]string{"reconcile", fmt.Sprintf("--sample=%d", reconcile.SampleMax+1)}, nowhere...), exitUsage, "--sample 1000001 is above reconcile.SampleMax"},
 		{"ReconcileSampleAboveMax", append([]string{"serve", "--addr=127.0.0.1:0", fmt.Sprintf("--reconcile-sample=%d", reconcile.SampleMax+1)}, nowhere...), exitUsage, "--reconcile-sample 1000001 is above reconcile.SampleMax"},
+		{"DatabaseURLMalformed", []string{"stats", "--database-url=notaurl", "--redis-url=redis://127.0.0.1:1"}, exitUsage, "--database-url: "},
+		{"RedisURLMalformed", []string{"stats", "--database-url=postgres://postgres@127.0.0.1:1/x?connect_timeout=2", "--redis-url=notaurl"}, exitUsage, "--redis-url: "},
+		{"ClusterSeedsMalformed", []string{"stats", "--database-url=postgres://postgres@127.0.0.1:1/x?connect_timeout=2", "--redis-cluster", "--redis-url=notaurl"}, exitUsage, "--redis-url: "},
 		{"AddrWithoutPort", append([]string{"serve", "--addr=bogus"}, nowhere...), exitUsage, "--addr: address bogus: missing port"},
 		{"AddrPortNotANumber", append([]string{"serve", "--addr=127.0.0.1:http"}, nowhere...), exitUsage, "the port must be a number"},
 		{"AddrPortTooLarge", append([]string{"serve", "--addr=:65536"}, nowhere...), exitUsage, "the port must be a number"},
@@ -379,7 +382,13 @@ func TestConnectServers(t *testing.T) {
 		require.True(t, ok, "a cluster client, got %T", d.rdb)
 		require.Equal(t, []string{"127.0.0.1:7001", "127.0.0.1:7002", "127.0.0.1:7003"}, cc.Options().Addrs)
 
+		// Without a seed list anywhere, or with one that cannot be parsed,
+		// the command is misused (exit 2), as with a bad flag.
 		_, err = connectWith(t, nil, "--database-url="+tb.pg.ConnString, "--redis-cluster")
 		require.ErrorContains(t, err, "--redis-cluster needs a seed list")
+		require.ErrorAs(t, err, new(usageError))
+		_, err = connectWith(t, map[string]string{"REDIS_URL": "notaurl"}, "--database-url="+tb.pg.ConnString, "--redis-cluster")
+		require.ErrorContains(t, err, "REDIS_URL: ")
+		require.ErrorAs(t, err, new(usageError))
 	})
 }
