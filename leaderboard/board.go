@@ -55,7 +55,9 @@ type Result struct {
 	Duplicate bool
 }
 
-// Board is one leaderboard. It is safe for concurrent use.
+// Board is one leaderboard. It is safe for concurrent use. Create it with
+// New: the methods of a zero Board or a nil *Board return a *ConfigError
+// (Field "Board") instead.
 type Board struct {
 	cfg  *Config
 	pool *pgxpool.Pool
@@ -196,8 +198,12 @@ func New(pool *pgxpool.Pool, rdb redis.UniversalClient, cfg *Config) (*Board, er
 // holds the board until then; a board dropped without Close keeps
 // measuring its lag for the gauge, at most once per LagProbeInterval of
 // collections). Close does not close the pool or the Redis client. It is
-// safe to call more than once.
+// safe to call more than once, and does nothing on a Board that New did
+// not make.
 func (b *Board) Close() {
+	if b.notFromNew() {
+		return
+	}
 	if err := b.metrics.close(); err != nil {
 		b.cfg.Logger.Warn("leaderboard: unregistering the lag gauge failed", "board", b.cfg.Name, "error", err)
 	}
@@ -205,8 +211,24 @@ func (b *Board) Close() {
 	b.notifier.Close()
 }
 
-// Name returns the board's name.
-func (b *Board) Name() string { return b.cfg.Name }
+// Name returns the board's name ("" for a Board that New did not make).
+func (b *Board) Name() string {
+	if b.notFromNew() {
+		return ""
+	}
+	return b.cfg.Name
+}
+
+// notFromNew reports a Board that New did not make: a zero Board, or a nil
+// *Board. Its methods refuse it with errBoardNotFromNew rather than panic;
+// the check is two comparisons, nothing on Submit's budget.
+func (b *Board) notFromNew() bool { return b == nil || b.cfg == nil }
+
+// errBoardNotFromNew is the error of a method called on a Board that New
+// did not make.
+func errBoardNotFromNew() error {
+	return &ConfigError{Field: "Board", Reason: "was not made by New: it has no pool or Redis client; create it with New(pool, rdb, cfg)"}
+}
 
 // Stream returns the outbox stream the board appends to: StreamPrefix+Name.
 func (b *Board) Stream() string { return b.stream }
@@ -281,6 +303,9 @@ func (b *Board) userIDProblem(user string) string {
 // [MinScore, MaxScore] a *ScoreOutOfRangeError; in every error case nothing
 // is written. To submit inside a transaction of your own, use SubmitTx.
 func (b *Board) Submit(ctx context.Context, cmd Command) (Result, error) {
+	if b.notFromNew() {
+		return Result{}, errBoardNotFromNew()
+	}
 	res, err := b.submit(ctx, cmd)
 	b.metrics.submitted(ctx, 1, res.Duplicate, err)
 	return res, err
@@ -370,6 +395,9 @@ func (b *Board) submitOne(ctx context.Context, cmd Command) (Result, error) {
 // user may also fail with a serialization failure (SQLSTATE 40001), which
 // is returned wrapped; retry the transaction as for any such failure.
 func (b *Board) SubmitTx(ctx context.Context, tx outbox.Tx, cmd Command) (Result, error) {
+	if b.notFromNew() {
+		return Result{}, errBoardNotFromNew()
+	}
 	res, err := b.submitTx(ctx, tx, cmd)
 	b.metrics.submitted(ctx, 1, res.Duplicate, err)
 	return res, err
@@ -454,6 +482,9 @@ func (b *Board) checkDuplicate(cmd Command, res Result, board, user string, delt
 // projection would skip the intermediate ones anyway). As with Submit, the
 // relays are woken after the commit by the board's outbox.Notifier.
 func (b *Board) SubmitBatch(ctx context.Context, cmds []Command) ([]Result, error) {
+	if b.notFromNew() {
+		return nil, errBoardNotFromNew()
+	}
 	out, err := func() ([]Result, error) {
 		defer b.group.track()()
 		return b.submitBatch(ctx, cmds, batchOptions{})
@@ -484,6 +515,12 @@ type batchOptions struct {
 	// conn, when set, is the connection to run on instead of the pool's
 	// next one (a Submit group acquires it before it decides who is in).
 	conn *pgxpool.Conn
+	// group is set for a Submit group, which applies each command on its
+	// own after any conflict (submitGroup.apply): an event id the group
+	// uses for two commands is then reported without looking up the
+	// recorded command, a round trip whose failure would otherwise be
+	// every caller's error.
+	group bool
 }
 
 // batchQuerier is what sendBatch, locateOverflow and batchConflict run on:
@@ -540,7 +577,11 @@ func (b *Board) submitBatch(ctx context.Context, cmds []Command, opts batchOptio
 		sent = append(sent, i)
 	}
 	if reused >= 0 {
-		return nil, b.batchConflict(ctx, b.querier(opts), cmds[first[cmds[reused].EventID]], cmds[reused])
+		earlier := cmds[first[cmds[reused].EventID]]
+		if opts.group { // never a caller's: the group falls back (see batchOptions.group)
+			return nil, &IdempotencyConflictError{EventID: earlier.EventID, Board: b.cfg.Name, UserID: earlier.UserID, Delta: earlier.Delta, Attempted: cmds[reused], WithinBatch: true}
+		}
+		return nil, b.batchConflict(ctx, b.querier(opts), earlier, cmds[reused])
 	}
 
 	out := make([]Result, len(cmds))

@@ -285,7 +285,7 @@ func (g *submitGroup) apply(calls []*submitCall) (stalled bool) {
 	for i, call := range calls {
 		cmds[i] = call.cmd
 	}
-	out, err := g.b.submitBatch(ctx, cmds, batchOptions{everyState: true, lockTimeout: submitLockTimeout, conn: conn})
+	out, err := g.b.submitBatch(ctx, cmds, batchOptions{everyState: true, lockTimeout: submitLockTimeout, conn: conn, group: true})
 	conn.Release() // before the fallback below, which takes connections of its own
 	switch {
 	case err == nil:

@@ -317,6 +317,47 @@ func TestSubmitGroups(t *testing.T) {
 		require.Equal(t, 4, users)
 	})
 
+	t.Run("ConflictInTheGroupNeedsNoLookup", func(t *testing.T) {
+		t.Parallel()
+		// A group that uses an event id for two commands applies each
+		// command on its own, which reports the conflict to the call that
+		// loses: it must not first look up the command recorded under the
+		// id, as SubmitBatch does to describe its conflict. Here that
+		// lookup always fails; had the group run it, every call of the
+		// group would have got its error.
+		gb := setupGroups(t)
+		gb.board.sql.lookupEvent = `SELECT 1/0 WHERE $1::uuid IS NOT NULL`
+		gb.hold(t)
+		firstOut := gb.submitQueued(t, ctx, Command{EventID: uuid.New(), UserID: "user-z", Delta: 1}, 0)
+		id := uuid.New()
+		ok := Command{EventID: uuid.New(), UserID: "user-a", Delta: 1}
+		reused := Command{EventID: id, UserID: "user-b", Delta: 1}
+		conflicting := Command{EventID: id, UserID: "user-c", Delta: 1}
+		var outs []<-chan outcome
+		for i, cmd := range []Command{ok, reused, conflicting} {
+			outs = append(outs, gb.submitQueued(t, ctx, cmd, i+1))
+		}
+		gb.release()
+		require.NoError(t, wait(t, firstOut).err)
+
+		o := wait(t, outs[0])
+		require.NoError(t, o.err)
+		require.Equal(t, Result{Score: 1, Version: 1}, o.res)
+		// One connection: the two uses of the id run one after the other,
+		// and the second sees the first's command recorded.
+		b, c := wait(t, outs[1]), wait(t, outs[2])
+		lost := c
+		if c.err == nil {
+			lost = b
+		} else {
+			require.NoError(t, b.err, "one of the two uses of the id is applied")
+		}
+		var conflict *IdempotencyConflictError
+		require.ErrorAs(t, lost.err, &conflict)
+		events, _, _ := gb.counts(t)
+		require.Equal(t, 3, events) // user-z, ok and one use of the id
+	})
+
 	t.Run("LockedRowHoldsUpOnlyItsCommand", func(t *testing.T) {
 		t.Parallel()
 		// A caller holds user-a's row in its own transaction and, before

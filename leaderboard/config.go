@@ -217,8 +217,8 @@ type Config struct {
 	// the README's metrics table). It is also handed to the board's Worker
 	// (outbox relay and projector metrics) and Reconciler (reconcile
 	// metrics) unless their own configs set one. The board's lag gauge
-	// stays registered with it until Board.Close. Defaults to a no-op
-	// provider: nothing is recorded.
+	// stays registered with it until Board.Close. Defaults to nil (left
+	// nil by WithDefaults): nothing is recorded.
 	MeterProvider metric.MeterProvider
 }
 

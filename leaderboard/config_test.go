@@ -11,10 +11,12 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/redis/go-redis/v9"
 	"github.com/stretchr/testify/require"
+	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
 
 	"github.com/verity-go/verity/internal/testenv"
 	"github.com/verity-go/verity/outbox"
 	"github.com/verity-go/verity/projection"
+	"github.com/verity-go/verity/reconcile"
 )
 
 func TestConfig(t *testing.T) {
@@ -233,6 +235,69 @@ func TestConfig(t *testing.T) {
 		require.ErrorAs(t, err, &cfgErr, "the relay's refusal is the board's")
 		require.Equal(t, "WorkerConfig.Relay.BatchSize", cfgErr.Field)
 		require.ErrorIs(t, err, outbox.ErrInvalidConfig, "and still the outbox's")
+	})
+
+	t.Run("TypedNilMeterProvider", func(t *testing.T) {
+		t.Parallel()
+		pg := testenv.Postgres(t)
+		rd := testenv.Redis(t)
+		// A provider left nil to turn metrics off records nothing.
+		board, err := New(pg.Pool, rd.Client, &Config{Name: "b", MeterProvider: (*sdkmetric.MeterProvider)(nil)})
+		require.NoError(t, err)
+		board.Close()
+	})
+
+	t.Run("NotMadeByNew", func(t *testing.T) {
+		t.Parallel()
+		ctx := context.Background()
+		cmd := Command{EventID: uuid.New(), UserID: "u", Delta: 1}
+		refused := func(t *testing.T, field, method string, err error) {
+			t.Helper()
+			require.ErrorIs(t, err, ErrInvalidConfig, method)
+			var cfgErr *ConfigError
+			require.ErrorAs(t, err, &cfgErr, method)
+			require.Equal(t, field, cfgErr.Field, method)
+		}
+		for name, b := range map[string]*Board{"Zero": new(Board), "Nil": nil} {
+			t.Run("Board"+name, func(t *testing.T) {
+				t.Parallel()
+				for method, call := range map[string]func() error{
+					"Submit":        func() error { _, err := b.Submit(ctx, cmd); return err },
+					"SubmitTx":      func() error { _, err := b.SubmitTx(ctx, nil, cmd); return err },
+					"SubmitBatch":   func() error { _, err := b.SubmitBatch(ctx, []Command{cmd}); return err },
+					"Top":           func() error { _, err := b.Top(ctx, 10); return err },
+					"Page":          func() error { _, err := b.Page(ctx, "", 10); return err },
+					"Rank":          func() error { _, _, err := b.Rank(ctx, "u"); return err },
+					"Around":        func() error { _, err := b.Around(ctx, "u", 1); return err },
+					"Authoritative": func() error { _, err := b.Authoritative(ctx, 10); return err },
+					"Worker":        func() error { _, err := b.Worker(nil); return err },
+					"Reconciler":    func() error { _, err := b.Reconciler(nil); return err },
+					"Verify":        func() error { _, _, err := b.Verify(ctx, nil); return err },
+					"Source.Page":   func() error { _, err := b.Source().Page(ctx, reconcile.Cursor{}, 10); return err },
+					"Source.Sample": func() error { _, err := b.Source().Sample(ctx, 10); return err },
+					"Source.Lookup": func() error { _, err := b.Source().Lookup(ctx, []string{"u"}); return err },
+					"Mapper": func() error {
+						_, err := b.Mapper().Map(outbox.Record{Message: outbox.Message{Stream: "leaderboard:b", Key: "u", Version: 1, Payload: []byte("1")}})
+						return err
+					},
+				} {
+					refused(t, "Board", method, call())
+				}
+				require.Equal(t, int64(-1), int64(b.Freshness(ctx).Lag), "the lag of no board cannot be measured")
+				require.Empty(t, b.Name())
+				b.Close()
+			})
+		}
+		for name, w := range map[string]*Worker{"Zero": new(Worker), "Nil": nil} {
+			t.Run("Worker"+name, func(t *testing.T) {
+				t.Parallel()
+				refused(t, "Worker", "Run", w.Run(ctx))
+				_, err := w.RunOnce(ctx)
+				refused(t, "Worker", "RunOnce", err)
+				_, err = w.Drain(ctx)
+				refused(t, "Worker", "Drain", err)
+			})
+		}
 	})
 
 	t.Run("MigrateRefusesBadInput", func(t *testing.T) {

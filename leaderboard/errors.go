@@ -18,8 +18,10 @@ import (
 var (
 	// ErrInvalidConfig matches every *ConfigError: New, Migrate,
 	// MigrationSQL, Board.Worker, Board.Reconciler or Board.Verify was given
-	// a nil dependency or a configuration it cannot use, and nothing was
-	// created or run.
+	// a nil dependency or a configuration it cannot use (Board.Worker's
+	// Redis client included), or a method was called on a Board that New
+	// did not make or a Worker that Board.Worker did not make (a zero
+	// value, or a nil pointer), and nothing was created or run.
 	ErrInvalidConfig = errors.New("leaderboard: invalid config")
 	// ErrInvalidCommand matches every *ValidationError: a Command that was
 	// refused before anything was written.
@@ -77,18 +79,23 @@ var (
 
 // ConfigError reports a configuration field, or a dependency, that New,
 // Migrate, MigrationSQL, Board.Worker, Board.Reconciler or Board.Verify
-// refused. It matches ErrInvalidConfig.
+// refused, or a Board or Worker that was not made by New or Board.Worker.
+// It matches ErrInvalidConfig.
 type ConfigError struct {
 	// Field names what was refused: "Config.Name", "WorkerConfig.Relay",
 	// "reconcile.Config.PageSize" (Reconciler's and Verify's cfg), an
-	// argument of New ("pool", "rdb", "cfg"), or Migrate's "db".
+	// argument of New ("pool", "rdb", "cfg"; "rdb" also from Board.Worker,
+	// for a Redis client its projector refuses), Migrate's "db", or
+	// "Board" or "Worker" for a zero or nil one.
 	Field string
 	// Reason says what is wrong and how to fix it.
 	Reason string
 	// Err is the outbox's own *outbox.ConfigError when the outbox checked
 	// the field (Schema, OutboxTable, a WorkerConfig.Relay field), so that
-	// errors.Is(err, outbox.ErrInvalidConfig) holds as well, or reconcile's
-	// *reconcile.ConfigError for a reconcile.Config field; nil otherwise.
+	// errors.Is(err, outbox.ErrInvalidConfig) holds as well, reconcile's
+	// *reconcile.ConfigError for a reconcile.Config field, or the
+	// projector's *projection.ConfigError for the Redis client Board.Worker
+	// refused; nil otherwise.
 	Err error
 }
 

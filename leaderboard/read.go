@@ -145,6 +145,9 @@ func (b *Board) Top(ctx context.Context, n int, opts ...ReadOption) (Ranking, er
 // before an upgrade that changed the cursor format: the client starts
 // again from the first page.
 func (b *Board) Page(ctx context.Context, cursorText string, n int, opts ...ReadOption) (Ranking, error) {
+	if b.notFromNew() {
+		return Ranking{}, errBoardNotFromNew()
+	}
 	if n < 1 || n > MaxPageSize {
 		return Ranking{}, ErrInvalidLimit
 	}
@@ -170,6 +173,9 @@ func (b *Board) Page(ctx context.Context, cursorText string, n int, opts ...Read
 // Rank returns user's entry. It returns ErrUserNotFound when the user has
 // no score in the store that answered.
 func (b *Board) Rank(ctx context.Context, user string, opts ...ReadOption) (Entry, Freshness, error) {
+	if b.notFromNew() {
+		return Entry{}, Freshness{}, errBoardNotFromNew()
+	}
 	var entry Entry
 	fresh, err := b.read(ctx, opts, !storableUserID(user),
 		func(ctx context.Context) (err error) { entry, err = b.redisRank(ctx, user); return err },
@@ -185,6 +191,9 @@ func (b *Board) Rank(ctx context.Context, user string, opts ...ReadOption) (Entr
 // ranking order. It returns ErrUserNotFound when the user has no score in
 // the store that answered.
 func (b *Board) Around(ctx context.Context, user string, n int, opts ...ReadOption) (Ranking, error) {
+	if b.notFromNew() {
+		return Ranking{}, errBoardNotFromNew()
+	}
 	if n < 0 || n > MaxPageSize {
 		return Ranking{}, ErrInvalidLimit
 	}
@@ -207,6 +216,9 @@ func (b *Board) Around(ctx context.Context, user string, n int, opts ...ReadOpti
 // been edited by hand until the reconciler repairs it; it is a read model
 // for display, never the authority on who won.
 func (b *Board) Authoritative(ctx context.Context, n int) ([]Entry, error) {
+	if b.notFromNew() {
+		return nil, errBoardNotFromNew()
+	}
 	if n < 1 || n > MaxPageSize {
 		return nil, ErrInvalidLimit
 	}
@@ -222,8 +234,11 @@ func (b *Board) Authoritative(ctx context.Context, n int) ([]Entry, error) {
 // Stats). It is measured at most once per Config.LagProbeInterval.
 // AtLeastMet is true: nothing was asked for. On a board used before
 // Migrate the lag cannot be measured: Lag is -1 (reads fail with
-// ErrNotMigrated).
+// ErrNotMigrated), as on a Board that New did not make.
 func (b *Board) Freshness(ctx context.Context) Freshness {
+	if b.notFromNew() {
+		return Freshness{Lag: -1, AtLeastMet: true}
+	}
 	fresh, _ := b.freshness(ctx)
 	fresh.AtLeastMet = true
 	return fresh

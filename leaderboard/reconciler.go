@@ -20,6 +20,9 @@ import (
 // leaderboard *ConfigError (wrapping reconcile's). Run it on a schedule:
 // idempotent projection handles duplicates, not lost keys or hand edits.
 func (b *Board) Reconciler(cfg *reconcile.Config) (*reconcile.Reconciler, error) {
+	if b.notFromNew() {
+		return nil, errBoardNotFromNew()
+	}
 	if b.cfg.MeterProvider != nil && (cfg == nil || cfg.MeterProvider == nil) {
 		withMetrics := reconcile.Config{}
 		if cfg != nil {
@@ -125,6 +128,9 @@ func (s *boardSource) rows(ctx context.Context, sizeHint int, q string, args ...
 
 // Page implements reconcile.Source.
 func (s *boardSource) Page(ctx context.Context, after reconcile.Cursor, limit int) ([]reconcile.Row, error) {
+	if (*Board)(s).notFromNew() {
+		return nil, errBoardNotFromNew()
+	}
 	key, ok := after.Key()
 	if !ok {
 		return s.rows(ctx, limit, s.sql.sourceFirst, s.cfg.Name, limit)
@@ -134,6 +140,9 @@ func (s *boardSource) Page(ctx context.Context, after reconcile.Cursor, limit in
 
 // Sample implements reconcile.Source.
 func (s *boardSource) Sample(ctx context.Context, n int) ([]reconcile.Row, error) {
+	if (*Board)(s).notFromNew() {
+		return nil, errBoardNotFromNew()
+	}
 	return s.rows(ctx, n, s.sql.sourceSample, s.cfg.Name, n)
 }
 
@@ -144,6 +153,9 @@ func (s *boardSource) Sample(ctx context.Context, n int) ([]reconcile.Row, error
 // it): it is left out, so that such a member of the projection is reported
 // as the orphan it is instead of failing the run.
 func (s *boardSource) Lookup(ctx context.Context, keys []string) ([]reconcile.Row, error) {
+	if (*Board)(s).notFromNew() {
+		return nil, errBoardNotFromNew()
+	}
 	if slices.ContainsFunc(keys, unstorable) {
 		keys = slices.DeleteFunc(slices.Clone(keys), unstorable)
 	}

@@ -17,6 +17,9 @@ import (
 // the package documentation). Records of other streams are refused.
 func (b *Board) Mapper() projection.Mapper {
 	return projection.MapperFunc(func(rec outbox.Record) (projection.Write, error) {
+		if b.notFromNew() {
+			return projection.Write{}, errBoardNotFromNew()
+		}
 		if rec.Stream != b.stream {
 			return projection.Write{}, fmt.Errorf("leaderboard: record of stream %q reached board %q", rec.Stream, b.cfg.Name)
 		}
@@ -52,7 +55,9 @@ type WorkerConfig struct {
 // projection.RedisProjector with the board's Mapper, which applies them
 // through the version gate (one script call per batch). Any number of workers
 // may run, in any number of processes; delivery is at-least-once and the
-// gate makes redeliveries and out-of-order deliveries harmless.
+// gate makes redeliveries and out-of-order deliveries harmless. Create it
+// with Board.Worker: the methods of a zero Worker or a nil *Worker return a
+// *ConfigError (Field "Worker") instead.
 type Worker struct {
 	projector *projection.RedisProjector
 	relay     *outbox.Relay
@@ -61,9 +66,13 @@ type Worker struct {
 // Worker returns a Worker for the board. It does not start it; call Run.
 // The board's Redis client must bound how long a command waits (see
 // projection.NewRedisProjector): one whose ReadTimeout or WriteTimeout is
-// disabled without ContextTimeoutEnabled gets a *projection.ConfigError,
+// disabled without ContextTimeoutEnabled gets a *ConfigError naming "rdb"
+// (New's Redis client) that wraps the projector's *projection.ConfigError,
 // since its worker's shutdown could wait for a stalled Redis forever.
 func (b *Board) Worker(cfg *WorkerConfig) (*Worker, error) {
+	if b.notFromNew() {
+		return nil, errBoardNotFromNew()
+	}
 	var rc outbox.RelayConfig
 	if cfg != nil && cfg.Relay != nil {
 		rc = *cfg.Relay
@@ -85,6 +94,14 @@ func (b *Board) Worker(cfg *WorkerConfig) (*Worker, error) {
 		Prefix: b.cfg.KeyPrefix, VersionBuckets: b.cfg.VersionBuckets,
 		Logger: rc.Logger, MeterProvider: rc.MeterProvider,
 	})
+	var perr *projection.ConfigError
+	if errors.As(err, &perr) {
+		// The projector checks the board's Redis client (its timeouts)
+		// and what New already accepted: KeyPrefix and VersionBuckets,
+		// through the same projection functions. So its refusal is the
+		// client's, and a leaderboard *ConfigError, as Reconciler's is.
+		return nil, &ConfigError{Field: "rdb", Reason: perr.Field + " " + perr.Reason, Err: err}
+	}
 	if err != nil {
 		return nil, fmt.Errorf("leaderboard: worker: %w", err)
 	}
@@ -98,6 +115,9 @@ func (b *Board) Worker(cfg *WorkerConfig) (*Worker, error) {
 // Run projects until ctx is cancelled, then shuts down gracefully (see
 // outbox.Relay.Run). It returns nil after a cancellation.
 func (w *Worker) Run(ctx context.Context) error {
+	if w.notFromBoard() {
+		return errWorkerNotFromBoard()
+	}
 	err := w.relay.Run(ctx)
 	if errors.Is(err, context.Canceled) && ctx.Err() != nil {
 		return nil
@@ -107,13 +127,21 @@ func (w *Worker) Run(ctx context.Context) error {
 
 // RunOnce projects one batch and returns how many records it handled,
 // failed ones included (they are retried after a backoff, or dead-lettered).
-func (w *Worker) RunOnce(ctx context.Context) (int, error) { return w.relay.RunOnce(ctx) }
+func (w *Worker) RunOnce(ctx context.Context) (int, error) {
+	if w.notFromBoard() {
+		return 0, errWorkerNotFromBoard()
+	}
+	return w.relay.RunOnce(ctx)
+}
 
 // Drain projects batches until none is due, and returns how many records
 // it handled, failed ones included. Records backing off after a failure are
 // not due and are left alone: Relay().Stats or Board.Freshness tells
 // whether anything is still pending.
 func (w *Worker) Drain(ctx context.Context) (int, error) {
+	if w.notFromBoard() {
+		return 0, errWorkerNotFromBoard()
+	}
 	total := 0
 	for {
 		n, err := w.relay.RunOnce(ctx)
@@ -129,3 +157,13 @@ func (w *Worker) Relay() *outbox.Relay { return w.relay }
 
 // Projector returns the underlying projector.
 func (w *Worker) Projector() *projection.RedisProjector { return w.projector }
+
+// notFromBoard reports a Worker that Board.Worker did not make: a zero
+// Worker, or a nil *Worker.
+func (w *Worker) notFromBoard() bool { return w == nil || w.relay == nil }
+
+// errWorkerNotFromBoard is the error of a method called on a Worker that
+// Board.Worker did not make.
+func errWorkerNotFromBoard() error {
+	return &ConfigError{Field: "Worker", Reason: "was not made by Board.Worker: it has no relay or projector; create it with Board.Worker"}
+}

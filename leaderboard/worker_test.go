@@ -58,6 +58,12 @@ func TestWorker(t *testing.T) {
 		var cerr *projection.ConfigError
 		require.ErrorAs(t, err, &cerr, "a worker whose shutdown could wait for Redis forever")
 		require.Equal(t, "Options.ReadTimeout", cerr.Field)
+		// The board's own refusal too, naming its Redis client (New's rdb).
+		require.ErrorIs(t, err, ErrInvalidConfig)
+		var boardErr *ConfigError
+		require.ErrorAs(t, err, &boardErr)
+		require.Equal(t, "rdb", boardErr.Field)
+		require.ErrorContains(t, err, "Options.ReadTimeout")
 
 		opts.ContextTimeoutEnabled = true
 		bounded := redis.NewClient(opts)

@@ -82,7 +82,8 @@ const (
 type Loader[T any] func(ctx context.Context) (T, error)
 
 // Cache is a read-through cache of values of type T keyed by string ids. It
-// is safe for concurrent use.
+// is safe for concurrent use. Create it with New: the methods of a zero
+// Cache or a nil *Cache return a *ConfigError (Field "client") instead.
 type Cache[T any] struct {
 	client redis.UniversalClient
 	// primary is set when client may route plain reads to replicas: a hit
@@ -165,8 +166,18 @@ func New[T any](client redis.UniversalClient, config *Config) (*Cache[T], error)
 // not close the Redis client, and the Cache stays usable. It only matters
 // with a MeterProvider, whose callback otherwise keeps the Cache reachable:
 // create Caches once per cached type and Close those you discard. Close is
-// idempotent.
-func (c *Cache[T]) Close() error { return c.metrics.close() }
+// idempotent, and does nothing on a Cache that New did not make.
+func (c *Cache[T]) Close() error {
+	if c == nil {
+		return nil
+	}
+	return c.metrics.close()
+}
+
+// notFromNew reports a Cache that New did not make: a zero Cache, or a
+// nil *Cache. Its methods refuse it with errNotFromNew rather than panic;
+// the check is two comparisons, nothing on a hit's budget.
+func (c *Cache[T]) notFromNew() bool { return c == nil || c.config == nil }
 
 // Get returns the cached value of id, loading and caching it on a miss.
 //
@@ -192,6 +203,9 @@ func (c *Cache[T]) Close() error { return c.metrics.close() }
 // cannot prove current.
 func (c *Cache[T]) Get(ctx context.Context, id string, load Loader[T]) (T, error) {
 	var zero T
+	if c.notFromNew() {
+		return zero, errNotFromNew()
+	}
 	if load == nil {
 		return zero, ErrNilLoader
 	}
@@ -601,6 +615,9 @@ func (c *Cache[T]) failOpen(ctx context.Context, id, op string, err error, load 
 // so is a hit on a value cached under a newer version than the caller's.
 func (c *Cache[T]) GetAt(ctx context.Context, id string, version int64, load Loader[T]) (T, error) {
 	var zero T
+	if c.notFromNew() {
+		return zero, errNotFromNew()
+	}
 	if load == nil {
 		return zero, ErrNilLoader
 	}
@@ -721,6 +738,9 @@ func (c *Cache[T]) filled(stored int) {
 // the caller's own ctx ended, the *RedisError wraps ctx's error and is not
 // counted as a Redis error.
 func (c *Cache[T]) Invalidate(ctx context.Context, id string) error {
+	if c.notFromNew() {
+		return errNotFromNew()
+	}
 	keys := []string{c.versionKey(id), c.currentKey(id)}
 	ttl := c.config.TTL.Milliseconds()
 	var (
@@ -796,6 +816,9 @@ func (c *Cache[T]) bumpAndWait(ctx context.Context, keys []string, ttl int64) ([
 // left in place and reported as a *CodecError with Op "decode", ok false,
 // and the version it claims (0 when it has none).
 func (c *Cache[T]) Peek(ctx context.Context, id string) (val T, version int64, ok bool, err error) {
+	if c.notFromNew() {
+		return val, 0, false, errNotFromNew()
+	}
 	r, err := c.read(ctx, id, false, false)
 	if err != nil {
 		if cerr := callerGaveUp(ctx, err); cerr != nil {

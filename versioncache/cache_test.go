@@ -13,6 +13,7 @@ import (
 
 	"github.com/redis/go-redis/v9"
 	"github.com/stretchr/testify/require"
+	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
 
 	"github.com/verity-go/verity/internal/keyenc"
 	"github.com/verity-go/verity/internal/testenv"
@@ -109,6 +110,9 @@ func TestNew(t *testing.T) {
 			{"FillLeaseTTL", Config{FillLeaseTTL: -time.Second}},
 			{"FillLeaseWait", Config{FillLeaseWait: -time.Second}},
 			{"FillLeasePoll", Config{FillLeasePoll: -time.Second}},
+			// A typed nil is refused like a nil client, not dereferenced on
+			// the first miss (only an untyped nil selects JSONCodec).
+			{"Codec", Config{Codec: (*JSONCodec)(nil)}},
 		} {
 			if tc.cfg.Prefix == "" && tc.field != "Prefix" {
 				tc.cfg.Prefix = "p:"
@@ -123,6 +127,45 @@ func TestNew(t *testing.T) {
 		var cerr *ConfigError
 		require.ErrorAs(t, err, &cerr, "a nil config has no Prefix")
 		require.Equal(t, "Prefix", cerr.Field)
+	})
+
+	t.Run("TypedNilMeterProvider", func(t *testing.T) {
+		t.Parallel()
+		client := redis.NewClient(&redis.Options{Addr: "127.0.0.1:1"})
+		defer client.Close()
+		// A provider left nil to turn metrics off records nothing.
+		c, err := New[product](client, &Config{Prefix: "p:", MeterProvider: (*sdkmetric.MeterProvider)(nil)})
+		require.NoError(t, err)
+		require.NoError(t, c.Close())
+	})
+
+	t.Run("NotMadeByNew", func(t *testing.T) {
+		t.Parallel()
+		ctx := context.Background()
+		load := func(context.Context) (product, error) { return product{}, nil }
+		idLoad := func(context.Context, string) (product, error) { return product{}, nil }
+		versionedLoad := func(context.Context, string) (product, int64, error) { return product{}, 1, nil }
+		for name, c := range map[string]*Cache[product]{"Zero": new(Cache[product]), "Nil": nil} {
+			t.Run(name, func(t *testing.T) {
+				t.Parallel()
+				for method, call := range map[string]func() error{
+					"Get":        func() error { _, err := c.Get(ctx, "id", load); return err },
+					"GetAt":      func() error { _, err := c.GetAt(ctx, "id", 1, load); return err },
+					"Invalidate": func() error { return c.Invalidate(ctx, "id") },
+					"Peek":       func() error { _, _, _, err := c.Peek(ctx, "id"); return err },
+					"Check":      func() error { _, err := c.Check(ctx, []string{"id"}, 1, idLoad); return err },
+					"CheckAt":    func() error { _, err := c.CheckAt(ctx, []string{"id"}, 1, versionedLoad); return err },
+				} {
+					err := call()
+					var cerr *ConfigError
+					require.ErrorAs(t, err, &cerr, method)
+					require.Equal(t, "client", cerr.Field, method)
+					require.ErrorIs(t, err, ErrInvalidConfig, method)
+				}
+				require.Equal(t, Stats{}, c.Stats())
+				require.NoError(t, c.Close())
+			})
+		}
 	})
 
 	t.Run("Defaults", func(t *testing.T) {

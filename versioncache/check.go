@@ -62,6 +62,9 @@ type Divergence[T any] struct {
 // encode, and returns the report so far.
 func (c *Cache[T]) Check(ctx context.Context, ids []string, n int, load IDLoader[T]) (CheckReport[T], error) {
 	var report CheckReport[T]
+	if c.notFromNew() {
+		return report, errNotFromNew()
+	}
 	if load == nil {
 		return report, ErrNilLoader
 	}
@@ -186,6 +189,9 @@ type VersionedIDLoader[T any] func(ctx context.Context, id string) (T, int64, er
 // encode.
 func (c *Cache[T]) CheckAt(ctx context.Context, ids []string, n int, load VersionedIDLoader[T]) (CheckReport[T], error) {
 	var report CheckReport[T]
+	if c.notFromNew() {
+		return report, errNotFromNew()
+	}
 	if load == nil {
 		return report, ErrNilLoader
 	}

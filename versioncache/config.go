@@ -7,6 +7,7 @@ import (
 
 	"go.opentelemetry.io/otel/metric"
 
+	"github.com/verity-go/verity/internal/deps"
 	"github.com/verity-go/verity/internal/keyenc"
 )
 
@@ -73,7 +74,10 @@ type Config struct {
 	// Invalidate was lost), not memory. Defaults to TTLDefault.
 	TTL time.Duration
 
-	// Codec encodes cached values. Defaults to JSONCodec.
+	// Codec encodes cached values. Defaults to JSONCodec. A typed nil (a
+	// nil *MyCodec) is not taken for unset: New refuses it with a
+	// *ConfigError naming Codec, as it refuses a typed-nil client, rather
+	// than failing on the first miss.
 	Codec Codec
 
 	// FailureMode decides between serving the loader's value and returning
@@ -168,6 +172,9 @@ func (c *Config) validate() error {
 	}
 	if c.TTL < time.Millisecond {
 		return &ConfigError{Field: "TTL", Reason: "must be at least 1ms (Redis expiries are in milliseconds); leave it zero for the default"}
+	}
+	if deps.Missing(c.Codec) { // WithDefaults set an untyped nil: a typed one
+		return &ConfigError{Field: "Codec", Reason: fmt.Sprintf("is a nil %T; leave it nil for JSONCodec, or pass a usable Codec", c.Codec)}
 	}
 	if c.FailureMode != FailOpen && c.FailureMode != FailClosed {
 		return &ConfigError{Field: "FailureMode", Reason: "must be FailOpen or FailClosed"}

@@ -27,14 +27,28 @@ var (
 	ErrInvalidVersion = errors.New("versioncache: version must not be negative")
 )
 
-// ConfigError reports a Config field that cannot be used.
+// ConfigError reports a Config field that cannot be used, or, with Field
+// "client", a Cache that New did not make (a zero Cache or a nil *Cache),
+// which has no Redis client: its methods return it instead of panicking.
 type ConfigError struct {
 	Field  string
 	Reason string
 }
 
 func (e *ConfigError) Error() string {
+	if e.Field == fieldClient {
+		return "versioncache: " + e.Field + " " + e.Reason
+	}
 	return fmt.Sprintf("versioncache: Config.%s %s", e.Field, e.Reason)
+}
+
+// fieldClient is ConfigError.Field for a Cache that New did not make.
+const fieldClient = "client"
+
+// errNotFromNew is the error of a method called on a Cache that New did
+// not make.
+func errNotFromNew() error {
+	return &ConfigError{Field: fieldClient, Reason: "is nil: the Cache was not made by New; create it with New(client, config)"}
 }
 
 // Is reports whether target is ErrInvalidConfig.

@@ -53,8 +53,11 @@ type counters struct {
 	replicationErrors                                          atomic.Uint64
 }
 
-// Stats returns a snapshot of the counters.
+// Stats returns a snapshot of the counters (all zero for a nil *Cache).
 func (c *Cache[T]) Stats() Stats {
+	if c == nil {
+		return Stats{}
+	}
 	s := &c.stats
 	return Stats{
 		Hits: s.hits.Load(), Misses: s.misses.Load(), Loads: s.loads.Load(),
