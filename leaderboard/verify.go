@@ -16,7 +16,15 @@ var (
 	//go:embed verified.lua
 	verifiedLua    string
 	verifiedScript = redis.NewScript(verifiedLua)
+
+	//go:embed verify_abandon.lua
+	verifyAbandonLua    string
+	verifyAbandonScript = redis.NewScript(verifyAbandonLua)
 )
+
+// verifyAbandonTimeout bounds the deletion of a pass's marker after a Verify
+// that records nothing, whose own ctx may have ended.
+const verifyAbandonTimeout = 5 * time.Second
 
 // Verify runs a full reconcile pass over the board and, when the pass
 // repaired every missing, stale and corrupt entry it found (a repair that
@@ -30,6 +38,11 @@ var (
 // cfg configures the pass's Reconciler as for Board.Reconciler; its Policy
 // must repair (the default) missing, stale and corrupt entries, or nothing
 // can be recorded.
+//
+// While the pass runs, Redis holds its marker (the key SortedSetKey() +
+// "~verifying"); a Verify that records nothing, an error included,
+// deletes it before returning. Only a process that dies during a pass
+// leaves it, until the board's next Verify.
 func (b *Board) Verify(ctx context.Context, cfg *reconcile.Config) (report *reconcile.Report, verified bool, err error) {
 	rec, err := b.Reconciler(cfg)
 	if err != nil {
@@ -39,6 +52,11 @@ func (b *Board) Verify(ctx context.Context, cfg *reconcile.Config) (report *reco
 	if err := b.rdb.Set(ctx, b.verifyingKey, token, 0).Err(); err != nil {
 		return nil, false, fmt.Errorf("leaderboard: verify: %w", err)
 	}
+	defer func() {
+		if !verified {
+			b.abandonVerify(ctx, token)
+		}
+	}()
 	report, err = rec.Run(ctx, reconcile.RunOptions{})
 	if err != nil {
 		return report, false, err
@@ -68,6 +86,17 @@ func (b *Board) Verify(ctx context.Context, cfg *reconcile.Config) (report *reco
 		b.lagMu.Unlock()
 	}
 	return report, n == 1, nil
+}
+
+// abandonVerify deletes the marker of the pass token if it is still there,
+// also after ctx has ended. A failure only leaves the marker to the next
+// Verify, so it is logged, not returned.
+func (b *Board) abandonVerify(ctx context.Context, token string) {
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), verifyAbandonTimeout)
+	defer cancel()
+	if err := verifyAbandonScript.Run(ctx, b.rdb, []string{b.verifyingKey}, token).Err(); err != nil {
+		b.cfg.Logger.Warn("leaderboard: verify: deleting the pass's marker failed", "board", b.cfg.Name, "error", err)
+	}
 }
 
 // projectionVerified reports whether Redis holds Verify's record that the

@@ -18,6 +18,14 @@ import (
 	"github.com/verity-go/verity/reconcile"
 )
 
+// requireNoMarker fails if Redis still holds the board's Verify marker.
+func requireNoMarker(t *testing.T, rd *testenv.RD, board *Board) {
+	t.Helper()
+	n, err := rd.Client.Exists(context.Background(), board.verifyingKey).Result()
+	require.NoError(t, err)
+	require.Zero(t, n, "the marker of a Verify that recorded nothing outlived it")
+}
+
 // TestVerify checks RequireVerifiedProjection: reads see a Redis that lost
 // the board's keys, which the outbox lag cannot show, until Verify has
 // found the projection complete again.
@@ -152,6 +160,33 @@ func TestVerify(t *testing.T) {
 		require.False(t, verified)
 		require.Equal(t, int64(1), rep.Results[reconcile.ResultVetoed])
 		requireUnverified(t, tb)
+		requireNoMarker(t, tb.rd, tb.board)
+	})
+
+	// A Verify that records nothing leaves no marker of its pass behind, a
+	// refused one included: only the verified record may outlive a pass.
+	t.Run("RefusedPassLeavesNoMarker", func(t *testing.T) {
+		t.Parallel()
+		pg, rd := testenv.Postgres(t), testenv.Redis(t)
+		board, err := New(pg.Pool, rd.Client, &Config{Name: "weekly", Schema: pg.Schema, KeyPrefix: rd.Prefix})
+		require.NoError(t, err)
+		t.Cleanup(board.Close)
+		_, verified, err := board.Verify(ctx, nil) // never migrated
+		require.ErrorIs(t, err, ErrNotMigrated)
+		require.False(t, verified)
+		keys, err := rd.Client.Keys(ctx, rd.Prefix+"*").Result()
+		require.NoError(t, err)
+		require.Empty(t, keys, "a Verify refused with ErrNotMigrated left keys in Redis")
+	})
+
+	t.Run("MarkerOfANewerPassIsKept", func(t *testing.T) {
+		t.Parallel()
+		tb := verifying(t)
+		require.NoError(t, tb.rd.Client.Set(ctx, tb.board.verifyingKey, "another-pass", 0).Err())
+		tb.board.abandonVerify(ctx, "this-pass")
+		v, err := tb.rd.Client.Get(ctx, tb.board.verifyingKey).Result()
+		require.NoError(t, err)
+		require.Equal(t, "another-pass", v, "a pass deleted the marker of another")
 	})
 
 	// go-redis resends a command by itself (MaxRetries) when the connection
