@@ -42,7 +42,9 @@ const (
 	// DialTimeout, ReadTimeout and MaxRetries short.
 	FailOpen FailureMode = iota
 	// FailClosed returns a *RedisError instead, protecting the database from
-	// the full read load when the cache is down.
+	// the full read load when the cache is down. It refuses only a failed
+	// read: once a loader ran, its value is served even if caching it
+	// fails (that fill is logged and counted as a Redis error).
 	FailClosed
 )
 

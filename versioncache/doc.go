@@ -191,7 +191,9 @@
 // # When Redis fails
 //
 // With FailOpen (the default) Get serves the loader's value; with FailClosed
-// it returns a *RedisError. A read cut off by the caller's own ctx is
+// it returns a *RedisError. A fill that fails after a load is served in
+// both modes: the value came from the source of truth; only caching it
+// failed (logged, counted as a Redis error). A read cut off by the caller's own ctx is
 // neither: it returns the ctx's error and counts no Redis error (nor does a
 // fill or an Invalidate cut off by it). No value is kept in process memory,
 // so neither mode can serve a stale one. Invalidate always reports failure: a lost

@@ -62,7 +62,7 @@ func (e *ConfigError) Is(target error) bool { return target == ErrInvalidConfig 
 // one then (the bump may have happened), wrapping ctx's error, but counts
 // no Redis error either.
 type RedisError struct {
-	Op  string // "read", "fill", "invalidate", "peek"
+	Op  string // "read", "invalidate", "peek"
 	ID  string
 	Err error
 }
