@@ -326,7 +326,7 @@ func (b *Board) readUnderPolicy(ctx context.Context, opts []ReadOption, noSuchUs
 					return Freshness{}, notMigrated
 				}
 				unverified := b.cfg.RequireVerifiedProjection && fresh.Unverified
-				return Freshness{}, &StaleError{Lag: -1, MaxLag: b.cfg.MaxLag, UserID: o.user, Version: o.version, Unverified: unverified}
+				return Freshness{}, &StaleError{Lag: fresh.Lag, MaxLag: b.cfg.MaxLag, UserID: o.user, Version: o.version, Unverified: unverified}
 			}
 			atLeastMet = false
 		}
