@@ -66,6 +66,9 @@ FROM (
 // OldestPendingAge. With RelayConfig.MeterProvider set, each successful call
 // also refreshes the snapshot the relay's backlog gauges report.
 func (r *Relay) Stats(ctx context.Context) (Stats, error) {
+	if r.unmade() {
+		return Stats{}, errUnmadeRelay()
+	}
 	var (
 		s     Stats
 		ageUS int64
@@ -99,6 +102,9 @@ FROM %s WHERE id > $1 ORDER BY id LIMIT $2`
 // DeadLetters lists up to limit dead letters with an id greater than afterID,
 // in id order; pass the last id seen to page through them.
 func (r *Relay) DeadLetters(ctx context.Context, afterID int64, limit int) ([]DeadLetter, error) {
+	if r.unmade() {
+		return nil, errUnmadeRelay()
+	}
 	if limit <= 0 {
 		return nil, &ConfigError{Field: "limit", Reason: fmt.Sprintf("is %d; use a positive page size", limit)}
 	}
@@ -209,6 +215,9 @@ SELECT count(*) FROM restored, pg_notify($4, '')`
 // replay fails, moving nothing, with ErrEventIDExists; calling it again
 // skips that event.
 func (r *Relay) ReplayDead(ctx context.Context, filter ReplayFilter) (int64, error) {
+	if r.unmade() {
+		return 0, errUnmadeRelay()
+	}
 	if err := filter.validate(); err != nil {
 		return 0, err
 	}

@@ -376,9 +376,13 @@
 // keeps the first result stored for an id: the same bytes again are
 // accepted, different ones are a *CommandResultConflictError, and nothing
 // is written. PruneCommands removes old records; a command whose record it
-// removes while RecordCommand runs is recorded anew (RecordCommand retries
-// its insert, and gives up with ErrCommandRecordDeleted, writing nothing,
-// only if the record is deleted again after each of three).
+// removed before RecordCommand's insert is recorded anew at any isolation
+// level, even when the transaction's snapshot still sees the old record.
+// One whose record it removes after the insert found it is recorded anew
+// in READ COMMITTED (RecordCommand retries its insert, and gives up with
+// ErrCommandRecordDeleted, writing nothing, only if the record is deleted
+// again after each of three), and is a duplicate under REPEATABLE READ or
+// SERIALIZABLE, whose snapshot still sees the record.
 //
 // # Monitoring
 //
@@ -422,11 +426,17 @@
 // against a database that stops answering Run can return up to about
 // ShutdownTimeout + 15 s after its context ends. Size a termination grace
 // period to that, plus whatever a Handler needs to notice its cancelled
-// context: a RedisProjector's command in flight ends at the client's
-// ReadTimeout (go-redis does not abort a read on cancellation). The settle is not cut shorter on purpose: a settle cut
-// off leaves its rows leased, and the next claim counts that as a crashed
-// attempt, which at MaxAttempts dead-letters rows the Handler completed or
-// never saw.
+// context. go-redis does not end a command in flight on cancellation, only
+// at its connection's deadline, so a RedisProjector's command ends the
+// client's ReadTimeout after it was sent (up to its WriteTimeout more
+// while Redis stalls the sending) or, for a client with
+// ContextTimeoutEnabled, at the Handler context's deadline if that comes
+// first: the end of the claim's lease (LeaseDuration, counted from just
+// before the claim was sent). NewRedisProjector refuses a client with
+// neither bound. The settle is not cut shorter on purpose: a
+// settle cut off leaves its rows leased, and the next claim counts that as
+// a crashed attempt, which at MaxAttempts dead-letters rows the Handler
+// completed or never saw.
 //
 // Run does not cut off a claim it has sent: the claim is part of the batch in
 // flight. A statement cut off by its context (RunOnce's, or any at

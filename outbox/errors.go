@@ -15,8 +15,9 @@ import (
 // for errors.As.
 var (
 	// ErrInvalidConfig reports a Config, RelayConfig, NotifierConfig or
-	// ReplayFilter field (or a constructor argument) that cannot be used. The error is a
-	// *ConfigError naming the field.
+	// ReplayFilter field (or a constructor argument) that cannot be used,
+	// or a Relay not made by NewRelay (a zero value, or nil). The error is
+	// a *ConfigError naming the field (or the type).
 	ErrInvalidConfig = errors.New("outbox: invalid config")
 
 	// ErrInvalidMessage reports a Message that Append refused before writing

@@ -120,3 +120,34 @@ func TestMissingHandles(t *testing.T) {
 	}
 	require.Empty(t, b.rows(t), "nothing was written")
 }
+
+// TestZeroRelay: a Relay not made by NewRelay (a zero value, or nil) has no
+// pool, handler or statements: every method that would use them returns a
+// *ConfigError saying to create it with NewRelay, instead of dereferencing
+// them.
+func TestZeroRelay(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	for name, r := range map[string]*outbox.Relay{"Zero": {}, "Nil": nil} {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			for method, call := range map[string]func() error{
+				"Run":         func() error { return r.Run(ctx) },
+				"RunOnce":     func() error { _, err := r.RunOnce(ctx); return err },
+				"Stats":       func() error { _, err := r.Stats(ctx); return err },
+				"DeadLetters": func() error { _, err := r.DeadLetters(ctx, 0, 10); return err },
+				"ReplayDead":  func() error { _, err := r.ReplayDead(ctx, outbox.ReplayFilter{}); return err },
+			} {
+				err := call()
+				require.ErrorIs(t, err, outbox.ErrInvalidConfig, method)
+				var cfgErr *outbox.ConfigError
+				require.ErrorAs(t, err, &cfgErr, method)
+				require.Equal(t, "Relay", cfgErr.Field, method)
+				require.Contains(t, cfgErr.Reason, "create it with NewRelay", method)
+			}
+			cfg := r.Config()
+			require.Equal(t, outbox.TableDefault, cfg.Table, "the defaults")
+			require.Equal(t, outbox.BatchSizeDefault, cfg.BatchSize, "the defaults")
+		})
+	}
+}

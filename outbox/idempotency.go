@@ -85,14 +85,17 @@ RETURNING created_at`
 // SERIALIZABLE the waiting transaction fails with a serialization error
 // instead, which the caller retries.
 //
-// A record that PruneCommands (or any DELETE) removes while RecordCommand
-// runs counts as pruned: RecordCommand records the command anew (Duplicate
-// is false). In READ COMMITTED the record can vanish after RecordCommand's
-// insert found it and before it is read; the insert is then tried again, up
-// to three times in all, after which RecordCommand returns an error matching
+// A record that PruneCommands (or any DELETE) removed before RecordCommand's
+// insert counts as pruned under every isolation level: the insert's
+// ON CONFLICT checks committed rows, not tx's snapshot, so RecordCommand
+// records the command anew (Duplicate is false), even under REPEATABLE READ
+// or SERIALIZABLE when tx's snapshot, taken earlier, still sees the old
+// record. A record removed after the insert found it and before it is read
+// counts as pruned in READ COMMITTED: the insert is then tried again, up to
+// three times in all, after which RecordCommand returns an error matching
 // ErrCommandRecordDeleted, having written nothing (tx remains usable). Under
-// REPEATABLE READ or SERIALIZABLE a record the snapshot saw stays readable,
-// and the command is a duplicate.
+// REPEATABLE READ or SERIALIZABLE the snapshot still sees that record, and
+// the command is a duplicate.
 func (w *Writer) RecordCommand(ctx context.Context, tx Tx, eventID uuid.UUID, fingerprint []byte) (Command, error) {
 	if deps.Missing(tx) {
 		return Command{}, missingTx()
@@ -182,9 +185,9 @@ func (w *Writer) StoreCommandResult(ctx context.Context, tx Tx, eventID uuid.UUI
 const pruneCommandsSQL = `DELETE FROM %s WHERE created_at < now() - $1 * interval '1 microsecond'`
 
 // PruneCommands deletes idempotency records older than retention and returns
-// how many it deleted. A command retried after its record is pruned (or
-// while it is being pruned: see RecordCommand) is executed again, so keep
-// records longer than any client retries. The deletion is index-backed
+// how many it deleted. A command retried after its record is pruned is
+// executed again (one retried while it is being pruned may be: see
+// RecordCommand), so keep records longer than any client retries. The deletion is index-backed
 // (created_at); run it periodically, from any process.
 func (w *Writer) PruneCommands(ctx context.Context, db Execer, retention time.Duration) (int64, error) {
 	if deps.Missing(db) {

@@ -403,6 +403,47 @@ func TestRecordCommand(t *testing.T) {
 		require.Zero(t, b.idempotencyRows(t))
 	})
 
+	// A record pruned after the transaction's snapshot was taken but before
+	// RecordCommand's INSERT counts as pruned under REPEATABLE READ and
+	// SERIALIZABLE too: ON CONFLICT checks committed rows, not the
+	// snapshot, so the INSERT succeeds and the command is recorded anew,
+	// although the snapshot still sees the old record.
+	t.Run("PrunedAfterSnapshotBeforeInsert", func(t *testing.T) {
+		t.Parallel()
+		for name, iso := range map[string]pgx.TxIsoLevel{"RepeatableRead": pgx.RepeatableRead, "Serializable": pgx.Serializable} {
+			t.Run(name, func(t *testing.T) {
+				t.Parallel()
+				b := setup(t)
+				id := uuid.New()
+				_, err := execute(t, b, id, "c")
+				require.NoError(t, err)
+				table := pgx.Identifier{b.cfg.Schema, outbox.TableDefault + "_idempotency"}.Sanitize()
+				tx, err := b.pool.BeginTx(ctx, pgx.TxOptions{IsoLevel: iso})
+				require.NoError(t, err)
+				defer tx.Rollback(ctx) //nolint:errcheck
+				var seen int
+				require.NoError(t, tx.QueryRow(ctx, `SELECT count(*) FROM `+table+` WHERE event_id = $1`, id).Scan(&seen))
+				require.Equal(t, 1, seen, "the snapshot sees the record")
+				n, err := b.writer.PruneCommands(ctx, b.pool, time.Microsecond)
+				require.NoError(t, err)
+				require.EqualValues(t, 1, n)
+
+				cmd, err := b.writer.RecordCommand(ctx, tx, id, outbox.Fingerprint([]byte("c")))
+				require.NoError(t, err)
+				require.False(t, cmd.Duplicate, "pruned before the INSERT: the command runs again")
+				require.Nil(t, cmd.Result)
+				require.NoError(t, b.writer.StoreCommandResult(ctx, tx, id, []byte("result of c, again")))
+				require.NoError(t, tx.Commit(ctx))
+				require.Equal(t, 1, b.idempotencyRows(t))
+
+				again, err := execute(t, b, id, "c")
+				require.NoError(t, err)
+				require.True(t, again.Duplicate)
+				require.Equal(t, "result of c, again", string(again.Result))
+			})
+		}
+	})
+
 	// A record that reappears before, and is deleted after, every one of
 	// RecordCommand's inserts: it gives up after three, with a typed error,
 	// having written nothing, and the transaction stays usable.

@@ -8,6 +8,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 	"go.opentelemetry.io/otel/attribute"
+	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
 
 	"github.com/verity-go/verity/internal/telemetry/metrictest"
 	"github.com/verity-go/verity/outbox"
@@ -107,6 +108,16 @@ func TestRelayMetrics(t *testing.T) {
 		s = rec.Collect(t)
 		require.Zero(t, s.Int("verity.outbox.pending"), "a stopped relay no longer reports its backlog")
 		require.Equal(t, int64(3), s.Int("verity.outbox.retried"), "counters survive the relay")
+	})
+
+	// A typed-nil provider (a *sdkmetric.MeterProvider left nil when
+	// metrics are off) records nothing, like an untyped nil.
+	t.Run("TypedNilProvider", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		r := b.relay(t, nil, &recorder{}, outbox.RelayConfig{MeterProvider: (*sdkmetric.MeterProvider)(nil)})
+		_, err := r.RunOnce(ctx)
+		require.NoError(t, err)
 	})
 
 	t.Run("InvalidStatsInterval", func(t *testing.T) {

@@ -167,8 +167,13 @@ func NewNotifier(db Execer, channel string, cfg *NotifierConfig) (*Notifier, err
 // Notify asks for a wake-up of the relays. Call it after the transaction
 // that wrote outbox rows has committed. It never blocks on the database:
 // it marks the Notifier dirty and, if no sending goroutine runs, starts
-// one. After Close it does nothing.
+// one. After Close it does nothing, and so it does on a Notifier not made
+// by NewNotifier (a zero value, or nil), which has nothing to notify
+// through.
 func (n *Notifier) Notify() {
+	if n.unmade() {
+		return
+	}
 	if n.dirty.Swap(true) {
 		return // already owed; the goroutine that owes it is running
 	}
@@ -189,8 +194,12 @@ func (n *Notifier) Notify() {
 // Close stops the Notifier: it sends a pending notification (bounded by
 // Timeout), waits for the sending goroutine to exit and makes later calls
 // to Notify no-ops. It is safe to call more than once, and concurrently:
-// every call returns once the notification is sent.
+// every call returns once the notification is sent. On a Notifier not
+// made by NewNotifier it does nothing.
 func (n *Notifier) Close() {
+	if n.unmade() {
+		return
+	}
 	n.mu.Lock()
 	first := !n.closed
 	if first {
@@ -212,6 +221,10 @@ func (n *Notifier) Close() {
 		n.send()
 	}
 }
+
+// unmade reports a Notifier not made by NewNotifier (a zero value, or
+// nil): it has no database, configuration or channels.
+func (n *Notifier) unmade() bool { return n == nil || n.cfg == nil }
 
 // run sends notifications while they are owed. Invariant: it exits only
 // with dirty false observed under mu (or after Close), and Notify checks

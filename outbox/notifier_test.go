@@ -5,6 +5,8 @@ package outbox
 
 import (
 	"context"
+	"os"
+	"os/exec"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -339,4 +341,32 @@ func TestNotifier(t *testing.T) {
 		require.Equal(t, NotifierTimeoutDefault, c.Timeout)
 		require.NotNil(t, c.Logger)
 	})
+}
+
+// TestNotifierZeroValue: a Notifier not made by NewNotifier (a zero value,
+// or nil) has no database to notify through: Notify and Close do nothing.
+// The calls run in a child process: a goroutine Notify started on such a
+// Notifier would dereference its nil configuration, and that panic takes
+// the whole process down, which no test can recover.
+func TestNotifierZeroValue(t *testing.T) {
+	const child = "VERITY_TEST_ZERO_NOTIFIER"
+	if os.Getenv(child) == "1" {
+		var zero Notifier
+		zero.Notify()
+		zero.Notify()
+		require.False(t, zero.isRunning(), "no sending goroutine")
+		zero.Close()
+		zero.Close()
+		zero.Notify()
+		var none *Notifier
+		none.Notify()
+		none.Close()
+		return // TestMain fails the child if a goroutine is left
+	}
+	t.Parallel()
+	cmd := exec.Command(os.Args[0], "-test.run=^TestNotifierZeroValue$", "-test.count=1", "-test.v")
+	cmd.Env = append(os.Environ(), child+"=1")
+	out, err := cmd.CombinedOutput()
+	require.NoError(t, err, "the child process failed:\n%s", out)
+	require.Contains(t, string(out), "--- PASS: TestNotifierZeroValue", "the child ran the calls")
 }

@@ -109,8 +109,23 @@ func NewRelay(pool *pgxpool.Pool, handler Handler, cfg *RelayConfig) (*Relay, er
 	}, nil
 }
 
-// Config returns the relay's configuration with defaults applied.
-func (r *Relay) Config() RelayConfig { return *r.cfg.WithDefaults() }
+// Config returns the relay's configuration with defaults applied (only
+// the defaults for a Relay not made by NewRelay).
+func (r *Relay) Config() RelayConfig {
+	if r == nil {
+		return *(*RelayConfig)(nil).WithDefaults()
+	}
+	return *r.cfg.WithDefaults()
+}
+
+// unmade reports a Relay not made by NewRelay (a zero value, or nil),
+// which has no pool, handler or statements to run.
+func (r *Relay) unmade() bool { return r == nil || r.pool == nil }
+
+// errUnmadeRelay refuses a Relay not made by NewRelay.
+func errUnmadeRelay() error {
+	return &ConfigError{Field: "Relay", Reason: "has no pool or handler (a zero value, or nil); create it with NewRelay(pool, handler, cfg)"}
+}
 
 // partitionCount is the number of lease partitions (see partitionBlock for
 // which rows belong to which). Migration 003 creates one lease row per
@@ -377,6 +392,9 @@ UNION ALL SELECT r.id FROM unnest($8::bigint[]) AS r(id) WHERE mod(r.id / %[7]d,
 // rows another relay had re-claimed; any other error leaves the rows to be
 // re-delivered when their lease expires.
 func (r *Relay) RunOnce(ctx context.Context) (int, error) {
+	if r.unmade() {
+		return 0, errUnmadeRelay()
+	}
 	n, _, err := r.runBatch(ctx, ctx)
 	return n, err
 }
@@ -840,6 +858,9 @@ func nonNil[T any](s []T) []T {
 // only after its goroutines have exited, so the Handler must honour its
 // context.
 func (r *Relay) Run(ctx context.Context) error {
+	if r.unmade() {
+		return errUnmadeRelay()
+	}
 	if !r.running.CompareAndSwap(false, true) {
 		return ErrRelayRunning
 	}

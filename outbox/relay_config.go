@@ -98,10 +98,14 @@ type RelayConfig struct {
 	// Run can return up to about ShutdownTimeout + 15 s after its context
 	// ends against a database that stops answering; see the package
 	// documentation. A Handler blocked in a call that ignores cancellation
-	// holds Run longer: projection.RedisProjector ends a Redis command in
-	// flight only at the client's ReadTimeout, since go-redis does not
-	// abort a read when its context is cancelled. Defaults to
-	// ShutdownTimeoutDefault (10s).
+	// holds Run longer: go-redis does not end a command in flight when its
+	// context is cancelled, so a projection.RedisProjector's command ends
+	// only at its connection's deadline, the client's ReadTimeout after it
+	// was sent (and up to its WriteTimeout more while Redis stalls the
+	// sending) or, with ContextTimeoutEnabled, the Handler context's
+	// deadline if that comes first: the end of the claim's lease
+	// (LeaseDuration, counted from just before the claim was sent).
+	// Defaults to ShutdownTimeoutDefault (10s).
 	ShutdownTimeout time.Duration
 
 	// ReconnectBackoffMax caps the pause after a database error, both

@@ -357,12 +357,13 @@ func TestBucketsLayoutMismatch(t *testing.T) {
 
 	// A foreign value written into the layout key between read and repair
 	// is an unreadable layout for both scripts, however the error reply
-	// that carries it splits ("1 2", "") or reads (" 4", "4 " as 4; "4\n"
-	// as 4, trimmed by Redis).
+	// that carries it would split ("1 2", "") or read (" 4", "4 " as 4;
+	// "4\n" as 4 and "8\n" as 8, trimmed by Redis): one Run reports it
+	// alike for the gate's repairs and the compare-and-set ones.
 	t.Run("UnreadableLayoutBeforeRepair", func(t *testing.T) {
 		t.Parallel()
 		for name, stored := range map[string]string{"Empty": "", "TwoFields": "1 2", "TrailingSpace": "4 ", "LeadingSpace": " 4",
-			"TrailingNewline": "4\n", "Letter": "x"} {
+			"TrailingNewline": "4\n", "TrailingNewlineOtherCount": "8\n", "TrailingCRLFOtherCount": "16\r\n", "Letter": "x"} {
 			t.Run(name, func(t *testing.T) {
 				t.Parallel()
 				b := setup(t, projection.KindSortedSet).withBuckets(t, 4)
@@ -379,7 +380,8 @@ func TestBucketsLayoutMismatch(t *testing.T) {
 				lms := layoutMismatches(err)
 				require.Len(t, lms, 2, "the gate's repairs and the compare-and-set ones: %v", err)
 				for _, lm := range lms {
-					require.Equal(t, projection.LayoutMismatchError{Kind: projection.KindSortedSet, Name: testBoard, Stored: -1, Configured: 4}, *lm)
+					require.Equal(t, projection.LayoutMismatchError{Kind: projection.KindSortedSet, Name: testBoard, Stored: -1, Configured: 4}, *lm,
+						"stored %q is no bucket count", stored)
 				}
 				require.Zero(t, rep.Repaired)
 				require.Zero(t, rep.Uncertain, "refused before writing: not attempted, not uncertain")

@@ -9,8 +9,9 @@ import (
 // details for errors.As.
 var (
 	// ErrInvalidConfig: a Config, SQLSourceConfig, Target or RunOptions
-	// field is out of range, or New's source or NewSQLSource's db is nil.
-	// The error names the field.
+	// field is out of range, New's source or NewSQLSource's db is nil, or
+	// a Reconciler or SQLSource was not made by New or NewSQLSource (a
+	// zero value, or nil). The error names the field (or the type).
 	ErrInvalidConfig = errors.New("reconcile: invalid configuration")
 	// ErrInvalidRow: the source produced a row the projection cannot hold
 	// (a version that is not positive, a NULL column, a score outside ±2^53).

@@ -6,6 +6,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 	"go.opentelemetry.io/otel/attribute"
+	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
 
 	"github.com/verity-go/verity/internal/telemetry/metrictest"
 	"github.com/verity-go/verity/projection"
@@ -76,6 +77,12 @@ func TestReconcileMetrics(t *testing.T) {
 		r := b.reconciler(t, nil)
 		require.Nil(t, r.metrics)
 		_, err := r.Run(ctx, RunOptions{})
+		require.NoError(t, err)
+		// A typed-nil provider (a *sdkmetric.MeterProvider left nil when
+		// metrics are off) is no provider too.
+		r = b.reconciler(t, &Config{MeterProvider: (*sdkmetric.MeterProvider)(nil)})
+		require.Nil(t, r.metrics)
+		_, err = r.Run(ctx, RunOptions{})
 		require.NoError(t, err)
 	})
 }

@@ -152,11 +152,9 @@ func (r *Reconciler) mismatch(shadow bool, stored string) error {
 
 // layoutError decodes repair.lua's "VERITY_LAYOUT live 1 <stored>" error
 // reply, or returns nil for any other error. <stored> is the rest of the
-// reply, spaces and all ("" if absent), so a foreign value is unreadable
-// (-1) rather than split into another reply. One that reads as the
-// reconciler's own layout is unreadable too: the script refused it, so its
-// bytes were not that count (Redis trims line breaks off an error reply,
-// and repair.lua sends the stored value as it is).
+// reply, spaces and all ("" if absent), so anything but a bucket count
+// ("unreadable", "missing") is unreadable (-1) rather than split into
+// another reply.
 func (r *Reconciler) layoutError(err error) error {
 	var rerr redis.Error
 	if !errors.As(err, &rerr) {
@@ -167,7 +165,7 @@ func (r *Reconciler) layoutError(err error) error {
 		return nil
 	}
 	stored := ""
-	if len(f) == 4 && f[3] != r.layout {
+	if len(f) == 4 {
 		stored = f[3]
 	}
 	return r.mismatch(f[1] == "shadow", stored)

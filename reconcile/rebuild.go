@@ -95,6 +95,9 @@ type RebuildReport struct {
 // If another rebuild holds the marker, it returns ErrRebuildInProgress.
 // Documents cannot be rebuilt (ErrRebuildUnsupported): use Run.
 func (r *Reconciler) Rebuild(ctx context.Context) (*RebuildReport, error) {
+	if r.unmade() {
+		return &RebuildReport{Started: time.Now()}, errUnmade()
+	}
 	rep, err := r.rebuild(ctx)
 	r.metrics.recordRebuild(ctx, rep, err)
 	return rep, err

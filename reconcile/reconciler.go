@@ -109,6 +109,15 @@ func New(source Source, target Target, cfg *Config) (*Reconciler, error) {
 	return r, nil
 }
 
+// unmade reports a Reconciler not made by New (a zero value, or nil),
+// which has no source, target or configuration to run with.
+func (r *Reconciler) unmade() bool { return r == nil || r.cfg == nil }
+
+// errUnmade refuses a Reconciler not made by New.
+func errUnmade() error {
+	return &ConfigError{Field: "Reconciler", Reason: "has no source or target (a zero value, or nil); create it with New(source, target, cfg)"}
+}
+
 // collectionPipeline returns a pipeline for reading the collection's keys
 // (all in one slot): on their master, after READWRITE (clusterpin.Pipeline),
 // when the client could read from a replica; through the target's client
@@ -191,6 +200,9 @@ func (r *Reconciler) awaitMove(ctx context.Context, err error) error {
 // Config.RepairTimeout) and counted; findings whose repair was not sent are
 // ResultNotAttempted; a repair whose reply was lost is ResultUncertain.
 func (r *Reconciler) Run(ctx context.Context, opts RunOptions) (*Report, error) {
+	if r.unmade() {
+		return newReport(opts), errUnmade()
+	}
 	rep, err := r.run(ctx, opts)
 	// A read pinned to a master met a slot move the client's map had not
 	// caught up with (a failover, a resharding): the master's own
@@ -654,6 +666,9 @@ func (r *Reconciler) settle(ctx context.Context, opts RunOptions, findings []Fin
 func (r *Reconciler) CheckKeys(ctx context.Context, keys []string, opts RunOptions) (*Report, error) {
 	opts.Sample = 0
 	rep := newReport(opts)
+	if r.unmade() {
+		return rep, errUnmade()
+	}
 	err := r.checkKeys(ctx, opts, dedupe(append([]string(nil), keys...)), rep)
 	rep.Duration = time.Since(rep.Started)
 	r.metrics.recordRun(ctx, modeKeys, rep, err)

@@ -6,7 +6,11 @@
 -- KEYS[3] the unbucketed version hash, and version buckets follow; the
 -- layout is checked first, by the gate's rule (storedLayout in
 -- projection/gate.lua), and a mismatch returns the error
--- "VERITY_LAYOUT live 1 <stored>" with nothing written. Then eight
+-- "VERITY_LAYOUT live 1 <stored>" with nothing written. <stored> is, as
+-- in the gate's, the layout key's value if it is decimal digits,
+-- "missing", or else "unreadable": Redis trims line breaks off an error
+-- reply, so other bytes could arrive as a bucket count ("8\n" as "8").
+-- Then eight
 -- arguments per repair:
 --   base        index into KEYS of the value key
 --   vbase       index into KEYS of the version key (the member's bucket)
@@ -46,6 +50,9 @@ local adoptLayout = false
 if kind ~= 'd' then
   local layout, recorded = storedLayout()
   if layout and layout ~= want then
+    if layout ~= 'missing' and string.match(layout, '^[0-9]+$') == nil then
+      layout = 'unreadable'
+    end
     return redis.error_reply('VERITY_LAYOUT live 1 ' .. layout)
   end
   adoptLayout = not recorded

@@ -439,6 +439,45 @@ func TestNewValidation(t *testing.T) {
 	require.Equal(t, ActionReport, Policy{Missing: ActionReport}.For(ClassMissing))
 }
 
+// TestZeroValues: a Reconciler or SQLSource not made by its constructor
+// (a zero value, or nil) is refused with a *ConfigError naming the
+// constructor, not dereferenced, as projection.Gate's zero value is.
+func TestZeroValues(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	for name, r := range map[string]*Reconciler{"Zero": {}, "Nil": nil} {
+		t.Run("Reconciler"+name, func(t *testing.T) {
+			t.Parallel()
+			for method, call := range map[string]func() error{
+				"Run":       func() error { _, err := r.Run(ctx, RunOptions{}); return err },
+				"RunSample": func() error { _, err := r.Run(ctx, RunOptions{Sample: 5}); return err },
+				"CheckKeys": func() error { _, err := r.CheckKeys(ctx, []string{"k"}, RunOptions{}); return err },
+				"Rebuild":   func() error { _, err := r.Rebuild(ctx); return err },
+			} {
+				var cfgErr *ConfigError
+				require.ErrorAs(t, call(), &cfgErr, method)
+				require.Equal(t, "Reconciler", cfgErr.Field, method)
+				require.Contains(t, cfgErr.Reason, "create it with New", method)
+			}
+		})
+	}
+	for name, s := range map[string]*SQLSource{"Zero": {}, "Nil": nil} {
+		t.Run("SQLSource"+name, func(t *testing.T) {
+			t.Parallel()
+			for method, call := range map[string]func() error{
+				"Page":   func() error { _, err := s.Page(ctx, Cursor{}, 10); return err },
+				"Lookup": func() error { _, err := s.Lookup(ctx, []string{"k"}); return err },
+				"Sample": func() error { _, err := s.Sample(ctx, 10); return err },
+			} {
+				var cfgErr *ConfigError
+				require.ErrorAs(t, call(), &cfgErr, method)
+				require.Equal(t, "SQLSource", cfgErr.Field, method)
+				require.Contains(t, cfgErr.Reason, "create it with NewSQLSource", method)
+			}
+		})
+	}
+}
+
 // TestSQLSourceUnderEveryExecMode reads through pools set to each of pgx's
 // statement modes: behind a transaction-pooling proxy the simple protocol
 // writes every argument in as an untyped literal, so the lookup's key array

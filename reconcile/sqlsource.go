@@ -248,8 +248,20 @@ CROSS JOIN LATERAL (%[4]s WHERE %[5]s AND %[2]s = wanted.key OFFSET 0) AS found(
 	s.estimateSQL = "SELECT COALESCE((SELECT reltuples::float8 FROM pg_class WHERE oid = to_regclass($1)), -1)"
 }
 
+// unmade reports an SQLSource not made by NewSQLSource (a zero value, or
+// nil), which has no database or queries.
+func (s *SQLSource) unmade() bool { return s == nil || s.db == nil }
+
+// errUnmadeSource refuses an SQLSource not made by NewSQLSource.
+func errUnmadeSource() error {
+	return &ConfigError{Field: "SQLSource", Reason: "has no database or table (a zero value, or nil); create it with NewSQLSource(db, cfg)"}
+}
+
 // Page implements Source with keyset pagination.
 func (s *SQLSource) Page(ctx context.Context, after Cursor, limit int) ([]Row, error) {
+	if s.unmade() {
+		return nil, errUnmadeSource()
+	}
 	if limit <= 0 {
 		return nil, nil
 	}
@@ -276,6 +288,9 @@ func (s *SQLSource) Page(ctx context.Context, after Cursor, limit int) ([]Row, e
 // or a Source of your own whose Lookup leaves out keys its column cannot
 // hold.
 func (s *SQLSource) Lookup(ctx context.Context, keys []string) ([]Row, error) {
+	if s.unmade() {
+		return nil, errUnmadeSource()
+	}
 	if slices.ContainsFunc(keys, unsendable) {
 		keys = slices.DeleteFunc(slices.Clone(keys), unsendable)
 	}
@@ -336,6 +351,9 @@ func isDataException(err error) bool {
 // Sample implements Source with TABLESAMPLE SYSTEM; see SQLSource for the
 // bias this implies.
 func (s *SQLSource) Sample(ctx context.Context, n int) ([]Row, error) {
+	if s.unmade() {
+		return nil, errUnmadeSource()
+	}
 	if n <= 0 {
 		return nil, nil
 	}
