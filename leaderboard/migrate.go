@@ -47,7 +47,10 @@ func MigrationSQL(cfg *Config) (string, error) {
 		"{{user_scores}}", qualify(schema, UserScoresTable),
 		"{{rank_index}}", pgx.Identifier{rankIndexName}.Sanitize(),
 		"{{rank_index_regclass}}", quoteLiteral(qualify(schema, rankIndexName)),
+		"{{score_events_regclass}}", quoteLiteral(qualify(schema, ScoreEventsTable)),
+		"{{user_scores_regclass}}", quoteLiteral(qualify(schema, UserScoresTable)),
 		"{{schema}}", pgx.Identifier{schema}.Sanitize(),
+		"{{schema_literal}}", quoteLiteral(pgx.Identifier{schema}.Sanitize()),
 	}
 	// A DO body is dollar-quoted, and any identifier may contain "$$": the
 	// tag must occur in neither the script nor a name, so that no name can
@@ -71,7 +74,11 @@ func quoteLiteral(s string) string {
 // and the outbox tables (cfg.Schema, cfg.OutboxTable) through
 // outbox.Migrate. It is idempotent and safe to run concurrently (each part
 // takes an advisory lock). Only Schema and OutboxTable are used; Name may be
-// empty.
+// empty. On a fresh schema it needs the privileges to create it (CREATE on
+// the database, or on an existing schema) and the tables; on one already
+// migrated every creating or altering statement is skipped after a catalog
+// look-up, so USAGE on the schema and SELECT, INSERT, UPDATE and DELETE on
+// its tables suffice (see outbox.Migrate).
 func Migrate(ctx context.Context, db Execer, cfg *Config) error {
 	if deps.Missing(db) {
 		return &ConfigError{Field: "db", Reason: "is nil; pass the board's database (a *pgxpool.Pool, a connection or a transaction)"}

@@ -2,6 +2,7 @@ package leaderboard
 
 import (
 	"context"
+	"net/url"
 	"testing"
 	"time"
 
@@ -10,6 +11,7 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/stretchr/testify/require"
 
+	"github.com/verity-go/verity/internal/services"
 	"github.com/verity-go/verity/internal/testenv"
 	"github.com/verity-go/verity/outbox"
 	"github.com/verity-go/verity/reconcile"
@@ -175,6 +177,40 @@ func TestMigrate(t *testing.T) {
 		require.NoError(t, err)
 		_, err = w.RunOnce(ctx)
 		require.ErrorIs(t, err, ErrNotMigrated, "the Worker's error is the same sentinel")
+	})
+
+	// A role that uses the board (USAGE on the schema, DML on its tables)
+	// but may not create schemas or tables, nor owns them, can run Migrate
+	// on a migrated schema, as services do at every start-up: CREATE
+	// SCHEMA and CREATE TABLE IF NOT EXISTS check CREATE before they look.
+	t.Run("MigratedSchemaNeedsOnlyUsage", func(t *testing.T) {
+		t.Parallel()
+		tb := setup(t)
+		cfg := tb.board.Config()
+		role := "verity_board_user_" + services.RandomSuffix(8)
+		schema := pgx.Identifier{tb.pg.Schema}.Sanitize()
+		for _, stmt := range []string{
+			"CREATE ROLE " + role + " LOGIN",
+			"GRANT USAGE ON SCHEMA " + schema + " TO " + role,
+			"GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA " + schema + " TO " + role,
+		} {
+			_, err := tb.pg.Pool.Exec(ctx, stmt)
+			require.NoError(t, err, stmt)
+		}
+		t.Cleanup(func() {
+			conn, err := pgx.Connect(context.Background(), tb.pg.ServerURL)
+			require.NoError(t, err)
+			defer conn.Close(context.Background())
+			_, err = conn.Exec(context.Background(), "DROP OWNED BY "+role+"; DROP ROLE "+role)
+			require.NoError(t, err)
+		})
+		u, err := url.Parse(tb.pg.ConnString)
+		require.NoError(t, err)
+		u.User = url.User(role)
+		conn, err := pgx.Connect(ctx, u.String())
+		require.NoError(t, err)
+		defer conn.Close(ctx)
+		require.NoError(t, Migrate(ctx, conn, &cfg))
 	})
 
 	// An outbox named like one of the board's tables is refused before

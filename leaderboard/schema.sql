@@ -6,11 +6,22 @@
 
 SELECT pg_advisory_xact_lock(8317442061);
 
-CREATE SCHEMA IF NOT EXISTS {{schema}};
+-- The schema and tables are created only when missing: CREATE SCHEMA and
+-- CREATE TABLE IF NOT EXISTS alone check the CREATE privilege on the
+-- database or schema before they look, so a role that only uses the board
+-- could not run Migrate at start-up.
+DO {{do}}
+BEGIN
+    IF to_regnamespace({{schema_literal}}) IS NULL THEN
+        CREATE SCHEMA IF NOT EXISTS {{schema}}; END IF; END
+{{do}};
 
 -- One row per accepted command. The primary key on event_id is the
 -- idempotency boundary; score and version record the command's result so a
 -- duplicate can be answered with the original outcome.
+DO {{do}}
+BEGIN
+    IF to_regclass({{score_events_regclass}}) IS NULL THEN
 CREATE TABLE IF NOT EXISTS {{score_events}} (
     event_id   uuid        PRIMARY KEY,
     board      text        NOT NULL,
@@ -23,11 +34,15 @@ CREATE TABLE IF NOT EXISTS {{score_events}} (
     -- out-of-range intermediate score.
     CONSTRAINT verity_score_events_score_range
         CHECK (score BETWEEN -9007199254740992 AND 9007199254740992)
-);
+); END IF; END
+{{do}};
 
 -- The authoritative score of every user on every board. user_id uses the C
 -- collation so that ORDER BY user_id is byte order, the order Redis uses
 -- for members with equal scores.
+DO {{do}}
+BEGIN
+    IF to_regclass({{user_scores_regclass}}) IS NULL THEN
 CREATE TABLE IF NOT EXISTS {{user_scores}} (
     board      text        NOT NULL,
     user_id    text        COLLATE "C" NOT NULL,
@@ -38,7 +53,8 @@ CREATE TABLE IF NOT EXISTS {{user_scores}} (
     CONSTRAINT verity_user_scores_score_range
         CHECK (score BETWEEN -9007199254740992 AND 9007199254740992),
     CONSTRAINT verity_user_scores_version_positive CHECK (version > 0)
-);
+); END IF; END
+{{do}};
 
 -- Ranking order: score descending, then user id ascending by bytes, written
 -- as ascending (-score, user_id) so that keyset pages are one row

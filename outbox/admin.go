@@ -169,7 +169,10 @@ func (f ReplayFilter) validate() error {
 // are copies of what is now back in the outbox, and a later replay would
 // deliver the event once more.
 // A dead letter whose created_at is not finite (buried before migration
-// 006) returns with created_at = now(): 006's constraint refuses it.
+// 006) returns with created_at = now(): 006's constraint refuses it. An
+// event whose newest dead letter has a stream longer than MaxStreamBytes
+// (%[3]d; buried before migration 005, or moved by 007) is skipped in
+// "locked": 005's constraint refuses it, and would fail the whole replay.
 const replayDeadSQL = `WITH newest AS (
     SELECT DISTINCT ON (d.event_id) d.id
     FROM %[2]s AS d
@@ -180,7 +183,7 @@ const replayDeadSQL = `WITH newest AS (
 ),
 locked AS MATERIALIZED (
     SELECT id, event_id FROM %[2]s
-    WHERE id IN (SELECT id FROM newest)
+    WHERE id IN (SELECT id FROM newest) AND octet_length(stream) <= %[3]d
     ORDER BY id
     LIMIT $3
     FOR UPDATE SKIP LOCKED
@@ -213,7 +216,11 @@ SELECT count(*) FROM restored, pg_notify($4, '')`
 // holds again (appended anew since it died) is left in the dead-letter table
 // and skipped. If such an event is appended while the replay runs, the
 // replay fails, moving nothing, with ErrEventIDExists; calling it again
-// skips that event.
+// skips that event. An event whose newest dead letter has a stream longer
+// than MaxStreamBytes (appended before migration 005 bounded the stream)
+// is left in the dead-letter table, skipped and not counted: the outbox no
+// longer accepts that stream. List it with DeadLetters and deal with it
+// outside the outbox.
 func (r *Relay) ReplayDead(ctx context.Context, filter ReplayFilter) (int64, error) {
 	if r.unmade() {
 		return 0, errUnmadeRelay()
@@ -230,7 +237,7 @@ func (r *Relay) ReplayDead(ctx context.Context, filter ReplayFilter) (int64, err
 		ids[i] = pgUUID(id)
 	}
 	var n int64
-	err := r.pool.QueryRow(ctx, fmt.Sprintf(replayDeadSQL, r.names.Outbox, r.names.Dead),
+	err := r.pool.QueryRow(ctx, fmt.Sprintf(replayDeadSQL, r.names.Outbox, r.names.Dead, MaxStreamBytes),
 		ids, filter.Stream, limit, r.names.Channel).Scan(&n)
 	if err != nil {
 		var pgErr *pgconn.PgError

@@ -252,6 +252,15 @@
 // already hold one the migration's time (the constraint checks the relay's
 // updates of them too); relays hand such a row out with a zero
 // Record.CreatedAt, and Stats leaves it out of OldestPendingAge.
+// Migration 007 moves pending rows appended before 005 with a stream over
+// MaxStreamBytes (which 005's constraint would make fail every retry) to
+// the dead-letter table, with a last_error saying why; ReplayDead skips
+// them. A stream too long even for the dead-letter index makes Migrate
+// fail, moving nothing, with a message counting such rows.
+// Schema, tables, storage settings, constraints and indexes are created
+// or changed only when the catalog shows them missing, so Migrate of a
+// migrated outbox needs only USAGE on the schema and DML on the tables
+// (see Migrate).
 // With names free of line breaks and "--", no line inside a statement of
 // the migrations ends with a semicolon, so tools that split scripts at such
 // lines (goose, without StatementBegin and StatementEnd annotations) apply

@@ -73,15 +73,41 @@ func Migrations(cfg *Config) ([]Migration, error) {
 		// structs, so Execute itself fails on an unknown field. createIndex
 		// renders a {{define}}d CREATE INDEX and guards it (see
 		// createIndexIfMissing).
+		// createTable and do likewise render a {{define}}d statement or
+		// PL/pgSQL body; createSchema and setOptions guard statements that
+		// check privileges before they find there is nothing to do.
 		tmpl := template.New(e.Name())
+		render := func(def string) (string, error) {
+			var stmt bytes.Buffer
+			if err := tmpl.ExecuteTemplate(&stmt, def, n); err != nil {
+				return "", err
+			}
+			return strings.TrimSpace(stmt.String()), nil
+		}
 		tmpl, err = tmpl.Funcs(template.FuncMap{
-			"addCheck": addCheckIfMissing,
+			"addCheck":     addCheckIfMissing,
+			"createSchema": createSchemaIfMissing,
+			"setOptions":   setOptionsIfDifferent,
 			"createIndex": func(def, index string) (string, error) {
-				var stmt bytes.Buffer
-				if err := tmpl.ExecuteTemplate(&stmt, def, n); err != nil {
+				stmt, err := render(def)
+				if err != nil {
 					return "", err
 				}
-				return createIndexIfMissing(n.Schema+"."+index, strings.TrimSpace(stmt.String())), nil
+				return createIndexIfMissing(n.Schema+"."+index, stmt), nil
+			},
+			"createTable": func(def, table string) (string, error) {
+				stmt, err := render(def)
+				if err != nil {
+					return "", err
+				}
+				return createTableIfMissing(table, stmt), nil
+			},
+			"do": func(def string) (string, error) {
+				body, err := render(def)
+				if err != nil {
+					return "", err
+				}
+				return "DO " + dollarQuote("\n"+body+"\n"), nil
 			},
 		}).Parse(string(raw))
 		if err != nil {
@@ -116,6 +142,53 @@ func createIndexIfMissing(index, stmt string) string {
 	body := fmt.Sprintf("\nBEGIN\n    IF to_regclass(%s) IS NULL THEN\n        %s; ELSIF NOT (SELECT indisvalid FROM pg_index WHERE indexrelid = to_regclass(%s)) THEN\n"+
 		"        RAISE EXCEPTION 'index %% exists but is invalid (a CREATE INDEX CONCURRENTLY that failed or is still running): drop it, or let its build finish, then migrate again', %s; END IF; END\n",
 		name, stmt, name, name) // not re-indented: a quoted name may hold a newline
+	return "DO " + dollarQuote(body)
+}
+
+// createSchemaIfMissing returns a DO block that creates schema (quoted)
+// only when it does not exist. CREATE SCHEMA IF NOT EXISTS alone would not
+// do: it checks the CREATE privilege on the database before it looks for
+// the schema, so a role that only uses a migrated outbox could not run
+// Migrate at start-up. IF NOT EXISTS stays for tools that apply the
+// statement without the migration lock.
+func createSchemaIfMissing(schema string) string {
+	body := fmt.Sprintf("\nBEGIN\n    IF to_regnamespace(%s) IS NULL THEN\n        CREATE SCHEMA IF NOT EXISTS %s; END IF; END\n",
+		dollarQuote(schema), schema)
+	return "DO " + dollarQuote(body)
+}
+
+// createTableIfMissing wraps a CREATE TABLE statement in a DO block that
+// runs it only when table (qualified, quoted) does not exist: CREATE TABLE
+// IF NOT EXISTS checks the CREATE privilege on the schema before it looks
+// for the table.
+func createTableIfMissing(table, stmt string) string {
+	body := fmt.Sprintf("\nBEGIN\n    IF to_regclass(%s) IS NULL THEN\n%s; END IF; END\n",
+		dollarQuote(table), stmt) // at the line's start, as in the file; not re-indented: a quoted name may hold a newline
+	return "DO " + dollarQuote(body)
+}
+
+// setOptionsIfDifferent returns a DO block that runs ALTER TABLE table
+// SET (options) only when the table's storage parameters (pg_class
+// reloptions, and its TOAST table's for "toast." options) do not already
+// hold every one of options, each written "name=value" as PostgreSQL
+// stores it. ALTER TABLE … SET needs ownership of the table even when
+// nothing changes, so a role that only uses a migrated outbox could not
+// run Migrate. The options are constants of the migration files.
+func setOptionsIfDifferent(table string, options ...string) string {
+	var heap, toast, set []string
+	for _, o := range options {
+		name, value, _ := strings.Cut(o, "=")
+		set = append(set, name+" = "+value)
+		if rest, ok := strings.CutPrefix(o, "toast."); ok {
+			toast = append(toast, "'"+rest+"'")
+		} else {
+			heap = append(heap, "'"+o+"'")
+		}
+	}
+	body := fmt.Sprintf("\nBEGIN\n    IF NOT (SELECT coalesce(c.reloptions, '{}') @> ARRAY[%s]::text[] AND coalesce(t.reloptions, '{}') @> ARRAY[%s]::text[]\n"+
+		"        FROM pg_class AS c LEFT JOIN pg_class AS t ON t.oid = c.reltoastrelid WHERE c.oid = %s::regclass) THEN\n"+
+		"        ALTER TABLE %s SET (%s); END IF; END\n",
+		strings.Join(heap, ", "), strings.Join(toast, ", "), dollarQuote(table), table, strings.Join(set, ", "))
 	return "DO " + dollarQuote(body)
 }
 
@@ -177,6 +250,15 @@ func MigrationSQL(cfg *Config) (string, error) {
 // runs every statement each time; on an outbox already migrated none of them
 // takes a lock that makes writers or relays wait, so calling it at every
 // start-up is safe.
+//
+// Privileges: on a fresh outbox Migrate needs CREATE on the database (to
+// create Config.Schema, unless it exists) or on the schema, and later
+// owns the tables it creates; migrations that change an existing table
+// (002's and 003's storage settings, 005's and 006's constraints, the
+// indexes) need ownership of it the first time they apply. Every such
+// statement runs only when the catalog shows it missing, so on an outbox
+// fully migrated Migrate needs no more than a role using the outbox has:
+// USAGE on the schema, and SELECT, INSERT, UPDATE and DELETE on its tables.
 func Migrate(ctx context.Context, db Execer, cfg *Config) error {
 	if deps.Missing(db) {
 		return missingDB()

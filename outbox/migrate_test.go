@@ -5,6 +5,7 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
+	"net/url"
 	"regexp"
 	"strings"
 	"testing"
@@ -17,6 +18,7 @@ import (
 	_ "github.com/jackc/pgx/v5/stdlib"
 	"github.com/stretchr/testify/require"
 
+	"github.com/verity-go/verity/internal/services"
 	"github.com/verity-go/verity/internal/testenv"
 	"github.com/verity-go/verity/outbox"
 )
@@ -36,7 +38,7 @@ func TestMigrationsForTools(t *testing.T) {
 			names = append(names, m.Name)
 		}
 		require.Equal(t, []string{"001_outbox.sql", "002_queue_autovacuum.sql", "003_partition_leases.sql",
-			"004_dead_stream_index.sql", "005_stream_length.sql", "006_created_at_finite.sql"}, names)
+			"004_dead_stream_index.sql", "005_stream_length.sql", "006_created_at_finite.sql", "007_long_streams_dead.sql"}, names)
 		script, err := outbox.MigrationSQL(nil)
 		require.NoError(t, err)
 		for _, name := range names {
@@ -65,7 +67,7 @@ func TestMigrationsForTools(t *testing.T) {
 					require.True(t, strings.HasSuffix(stmt, "\n"+tag[1]+";"), "%s: DO block cut apart:\n%s", m.Name, stmt)
 				}
 			}
-			require.Equal(t, 9, blocks, "one DO block per index, and one per constraint (stream length, finite created_at)")
+			require.Equal(t, 18, blocks, "one DO block per index, table, storage setting and constraint, for the schema, and for 007's move")
 		}
 	})
 
@@ -300,4 +302,195 @@ func TestMigrateFiniteCreatedAt(t *testing.T) {
 		require.Equal(t, 1, rows[0].Attempts)
 		require.Equal(t, "fails", *rows[0].LastError)
 	})
+}
+
+// TestMigrateLongStreamsBeforeMigration005 covers outboxes upgraded from
+// the release before 005, whose Append put no bound on the stream: pending
+// rows with a stream over MaxStreamBytes must neither stall the relays nor
+// the upgrade (005's NOT VALID constraint still checks every UPDATE), and
+// are kept, in the dead-letter table.
+func TestMigrateLongStreamsBeforeMigration005(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+
+	// One failed attempt of such a row used to fail the settle of its batch
+	// and then every claim (the takeover counts the attempt with an UPDATE),
+	// for every partition: the relay never delivered anything again.
+	t.Run("MovedToDeadLettersRelaysDeliverTheRest", func(t *testing.T) {
+		t.Parallel()
+		pg, table := outboxBefore005(t)
+		long := strings.Repeat("x", 2000)
+		_, err := pg.Pool.Exec(ctx, `INSERT INTO `+table+` (id, event_id, stream, key, version, payload, attempts, last_error)
+			OVERRIDING SYSTEM VALUE
+			VALUES (1, $1, $2, 'long', 1, '\x00', 1, 'handler bug'), (2, $3, 's', 'same-partition', 1, '\x00', 0, NULL)`,
+			uuid.New(), long, uuid.New())
+		require.NoError(t, err)
+
+		cfg := &outbox.Config{Schema: pg.Schema}
+		for range 2 { // the second run finds nothing to move
+			require.NoError(t, outbox.Migrate(ctx, pg.Pool, cfg))
+		}
+		dead := pgx.Identifier{pg.Schema, outbox.TableDefault + "_dead"}.Sanitize()
+		var (
+			id       int64
+			stream   string
+			attempts int
+			lastErr  string
+		)
+		require.NoError(t, pg.Pool.QueryRow(ctx, `SELECT id, stream, attempts, last_error FROM `+dead).Scan(&id, &stream, &attempts, &lastErr))
+		require.EqualValues(t, 1, id)
+		require.Equal(t, long, stream)
+		require.Equal(t, 1, attempts)
+		require.Equal(t, "moved to the dead letters by migration 007: its stream is 2000 bytes, more than the 1024 (MaxStreamBytes) "+
+			"the outbox accepts since migration 005, so it could not be retried; last error: handler bug", lastErr)
+
+		r, err := outbox.NewRelay(pg.Pool, outbox.HandlerFunc(func(_ context.Context, batch []outbox.Record) ([]outbox.Result, error) {
+			return make([]outbox.Result, len(batch)), nil
+		}), &outbox.RelayConfig{Schema: pg.Schema})
+		require.NoError(t, err)
+		n, err := r.RunOnce(ctx)
+		require.NoError(t, err)
+		require.Equal(t, 1, n)
+		var left int
+		require.NoError(t, pg.Pool.QueryRow(ctx, `SELECT count(*) FROM `+table).Scan(&left))
+		require.Zero(t, left)
+	})
+
+	// 006's fix-up UPDATE of a non-finite created_at used to be refused by
+	// 005's constraint for such a row, so the upgrade failed on every try.
+	t.Run("InfiniteCreatedAtDoesNotFailUpgrade", func(t *testing.T) {
+		t.Parallel()
+		pg, table := outboxBefore005(t)
+		_, err := pg.Pool.Exec(ctx, `INSERT INTO `+table+` (event_id, stream, key, version, payload, created_at)
+			VALUES ($1, $2, 'k', 1, '\x00', 'infinity')`, uuid.New(), strings.Repeat("x", 2000))
+		require.NoError(t, err)
+		for range 2 {
+			require.NoError(t, outbox.Migrate(ctx, pg.Pool, &outbox.Config{Schema: pg.Schema}))
+		}
+		var createdAt string
+		require.NoError(t, pg.Pool.QueryRow(ctx, `SELECT created_at::text FROM `+
+			pgx.Identifier{pg.Schema, outbox.TableDefault + "_dead"}.Sanitize()).Scan(&createdAt))
+		require.Equal(t, "infinity", createdAt, "kept as it was")
+	})
+
+	// A stream too long even for the dead-letter index cannot be moved:
+	// Migrate fails, saying how many and what to do, and loses nothing.
+	t.Run("TooLongForDeadLetterIndexFailsMigrate", func(t *testing.T) {
+		t.Parallel()
+		pg, table := outboxBefore005(t)
+		var incompressible strings.Builder
+		for incompressible.Len() < 8000 {
+			incompressible.WriteString(uuid.NewString())
+		}
+		_, err := pg.Pool.Exec(ctx, `INSERT INTO `+table+` (event_id, stream, key, version, payload)
+			VALUES ($1, $2, 'too-long', 1, '\x00'), ($3, $4, 'long', 1, '\x00')`,
+			uuid.New(), incompressible.String(), uuid.New(), strings.Repeat("x", 2000))
+		require.NoError(t, err)
+		err = outbox.Migrate(ctx, pg.Pool, &outbox.Config{Schema: pg.Schema})
+		var pgErr *pgconn.PgError
+		require.ErrorAs(t, err, &pgErr)
+		require.Equal(t, "1 pending outbox rows have a stream longer than 1024 bytes (MaxStreamBytes) and cannot be moved to the dead letters "+
+			"(the stream is too long for their (stream, id) index, or their id is there already)", pgErr.Message)
+		require.Contains(t, pgErr.Hint, "then migrate again")
+		var keys []string
+		rows, err := pg.Pool.Query(ctx, `SELECT key FROM `+table+` ORDER BY key`)
+		require.NoError(t, err)
+		keys, err = pgx.CollectRows(rows, pgx.RowTo[string])
+		require.NoError(t, err)
+		require.Equal(t, []string{"long", "too-long"}, keys, "nothing moved, nothing lost")
+	})
+}
+
+// outboxBefore005 returns a schema holding an outbox of the release before
+// migration 005 (001-004 applied), and its quoted table name.
+func outboxBefore005(t *testing.T) (*testenv.PG, string) {
+	t.Helper()
+	pg := testenv.Postgres(t)
+	migrations, err := outbox.Migrations(&outbox.Config{Schema: pg.Schema})
+	require.NoError(t, err)
+	require.Equal(t, "004_dead_stream_index.sql", migrations[3].Name)
+	for _, m := range migrations[:4] {
+		_, err := pg.Pool.Exec(context.Background(), m.SQL)
+		require.NoError(t, err, m.Name)
+	}
+	return pg, pgx.Identifier{pg.Schema, outbox.TableDefault}.Sanitize()
+}
+
+// TestMigratePrivileges covers Migrate by a role that uses the outbox but
+// neither owns its tables nor may create schemas or tables: on an outbox
+// already migrated it needs nothing more (CREATE SCHEMA and CREATE TABLE
+// IF NOT EXISTS check CREATE first, and ALTER TABLE … SET ownership, even
+// when they have nothing to do).
+func TestMigratePrivileges(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+
+	t.Run("MigratedOutboxNeedsOnlyUsage", func(t *testing.T) {
+		t.Parallel()
+		pg := testenv.Postgres(t)
+		cfg := &outbox.Config{Schema: pg.Schema}
+		require.NoError(t, outbox.Migrate(ctx, pg.Pool, cfg)) // by the owner
+		connString := outboxUserRole(t, pg)
+		conn, err := pgx.Connect(ctx, connString)
+		require.NoError(t, err)
+		defer conn.Close(ctx)
+
+		w, err := outbox.NewWriter(cfg)
+		require.NoError(t, err)
+		require.NoError(t, pgx.BeginFunc(ctx, conn, func(tx pgx.Tx) error {
+			return w.Append(ctx, tx, newMessage("s", "k", 1))
+		}))
+		require.NoError(t, outbox.Migrate(ctx, conn, cfg), "Migrate of a fully migrated outbox by a role that uses it")
+	})
+
+	// The guards compare the settings, so settings an owner changed are
+	// put back as before.
+	t.Run("ChangedSettingsRestored", func(t *testing.T) {
+		t.Parallel()
+		pg := testenv.Postgres(t)
+		cfg := &outbox.Config{Schema: pg.Schema}
+		require.NoError(t, outbox.Migrate(ctx, pg.Pool, cfg))
+		table := pgx.Identifier{pg.Schema, outbox.TableDefault}.Sanitize()
+		leases := pgx.Identifier{pg.Schema, outbox.TableDefault + "_leases"}.Sanitize()
+		_, err := pg.Pool.Exec(ctx, `ALTER TABLE `+table+` SET (autovacuum_vacuum_threshold = 50, fillfactor = 70);
+			ALTER TABLE `+leases+` RESET (toast.autovacuum_vacuum_cost_delay)`)
+		require.NoError(t, err)
+		require.NoError(t, outbox.Migrate(ctx, pg.Pool, cfg))
+		var heap, toast []string
+		require.NoError(t, pg.Pool.QueryRow(ctx, `SELECT c.reloptions, t.reloptions FROM pg_class c JOIN pg_class t ON t.oid = c.reltoastrelid
+			WHERE c.oid = $1::regclass`, leases).Scan(&heap, &toast))
+		require.ElementsMatch(t, []string{"autovacuum_vacuum_scale_factor=0", "autovacuum_vacuum_threshold=1000", "autovacuum_vacuum_cost_delay=0"}, heap)
+		require.ElementsMatch(t, []string{"autovacuum_vacuum_scale_factor=0", "autovacuum_vacuum_threshold=1000", "autovacuum_vacuum_cost_delay=0"}, toast)
+		require.NoError(t, pg.Pool.QueryRow(ctx, `SELECT reloptions FROM pg_class WHERE oid = $1::regclass`, table).Scan(&heap))
+		require.ElementsMatch(t, []string{"autovacuum_vacuum_scale_factor=0", "autovacuum_vacuum_threshold=5000", "autovacuum_vacuum_cost_delay=0", "fillfactor=100"}, heap)
+	})
+}
+
+// outboxUserRole creates a login role, dropped at cleanup, with what a role
+// needs to use pg's outbox (USAGE on the schema, DML on its tables) and no
+// more, and returns a connection string for it.
+func outboxUserRole(t *testing.T, pg *testenv.PG) string {
+	t.Helper()
+	ctx := context.Background()
+	role := "verity_outbox_user_" + services.RandomSuffix(8)
+	schema := pgx.Identifier{pg.Schema}.Sanitize()
+	for _, stmt := range []string{
+		"CREATE ROLE " + role + " LOGIN",
+		"GRANT USAGE ON SCHEMA " + schema + " TO " + role,
+		"GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA " + schema + " TO " + role,
+	} {
+		_, err := pg.Pool.Exec(ctx, stmt)
+		require.NoError(t, err, stmt)
+	}
+	t.Cleanup(func() {
+		conn, err := pgx.Connect(context.Background(), pg.ServerURL)
+		require.NoError(t, err)
+		defer conn.Close(context.Background())
+		_, err = conn.Exec(context.Background(), "DROP OWNED BY "+role+"; DROP ROLE "+role)
+		require.NoError(t, err)
+	})
+	u, err := url.Parse(pg.ConnString)
+	require.NoError(t, err)
+	u.User = url.User(role)
+	return u.String()
 }

@@ -2,6 +2,8 @@ package outbox_test
 
 import (
 	"context"
+	"errors"
+	"strings"
 	"testing"
 	"time"
 
@@ -72,6 +74,41 @@ func lockedCtx(t *testing.T) context.Context {
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	t.Cleanup(cancel)
 	return ctx
+}
+
+// TestReplayDeadLongStream covers a dead letter whose stream is longer than
+// MaxStreamBytes (buried before migration 005, or moved there by 007),
+// which the outbox refuses: it used to fail a replay of all dead letters
+// as a whole; it is now left in place, skipped and not counted.
+func TestReplayDeadLongStream(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	b := setup(t)
+	long := strings.Repeat("x", 2000)
+	_, err := b.pool.Exec(ctx, `INSERT INTO `+b.deadTable()+` (id, event_id, stream, key, version, payload, created_at, attempts, last_error)
+		VALUES (1000000, $1, $2, 'k', 1, '\x00', now(), 3, 'buried before 005')`, uuid.New(), long)
+	require.NoError(t, err)
+	b.appendCommitted(t, newMessage("s", "ordinary", 1))
+	r := b.relay(t, nil, &recorder{fail: func(outbox.Record) error { return errors.New("fails") }}, outbox.RelayConfig{MaxAttempts: 1})
+	_, err = r.RunOnce(ctx)
+	require.NoError(t, err)
+	require.Equal(t, 2, b.count(t, b.deadTable()))
+
+	moved, err := r.ReplayDead(ctx, outbox.ReplayFilter{})
+	require.NoError(t, err)
+	require.EqualValues(t, 1, moved, "the ordinary dead letter, alone")
+	rows := b.rows(t)
+	require.Len(t, rows, 1)
+	require.Equal(t, "ordinary", rows[0].Key)
+	dead, err := r.DeadLetters(ctx, 0, 10)
+	require.NoError(t, err)
+	require.Len(t, dead, 1)
+	require.Equal(t, long, dead[0].Stream)
+
+	moved, err = r.ReplayDead(ctx, outbox.ReplayFilter{})
+	require.NoError(t, err)
+	require.Zero(t, moved)
+	require.Equal(t, 1, b.count(t, b.deadTable()))
 }
 
 // insertDead adds a dead letter with the given id and event id.

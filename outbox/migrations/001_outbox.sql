@@ -7,13 +7,17 @@
 -- only when the index is missing), not CREATE INDEX IF NOT EXISTS: that takes
 -- a SHARE lock on the table even when the index exists, so every Migrate of a
 -- live outbox would stall its writers until the implicit transaction ends.
+-- The schema and tables are likewise created with createSchema and
+-- createTable (DO blocks that look them up first), not IF NOT EXISTS alone:
+-- that checks the CREATE privilege on the database or schema before it
+-- looks, so a role that only uses a migrated outbox could not run Migrate.
 
-CREATE SCHEMA IF NOT EXISTS {{.Schema}};
+{{createSchema .Schema}};
 
 -- One row per message awaiting delivery. A writer that composes its own
 -- INSERT names only (event_id, stream, key, version, payload); every other
 -- column has a default or is generated.
-CREATE TABLE IF NOT EXISTS {{.Outbox}} (
+{{define "outbox"}}CREATE TABLE IF NOT EXISTS {{.Outbox}} (
     id           bigint      GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
     event_id     uuid        NOT NULL UNIQUE,
     stream       text        NOT NULL CHECK (stream <> ''),
@@ -27,7 +31,8 @@ CREATE TABLE IF NOT EXISTS {{.Outbox}} (
     claim_token  uuid,
     last_error   text,
     published_at timestamptz
-) WITH (fillfactor = 50);
+) WITH (fillfactor = 50){{end -}}
+{{createTable "outbox" .Outbox}};
 
 -- available_at is when a row may next be attempted (insert time, or the end
 -- of a retry backoff); leased_until is when the current claim ends. Claims
@@ -52,7 +57,7 @@ CREATE TABLE IF NOT EXISTS {{.Outbox}} (
 -- event_id is not unique here: an event appended again after its first row
 -- died may die too, and burying it must never fail (that would block the
 -- relay's whole batch).
-CREATE TABLE IF NOT EXISTS {{.Dead}} (
+{{define "dead"}}CREATE TABLE IF NOT EXISTS {{.Dead}} (
     id         bigint      PRIMARY KEY,
     event_id   uuid        NOT NULL,
     stream     text        NOT NULL,
@@ -63,7 +68,8 @@ CREATE TABLE IF NOT EXISTS {{.Dead}} (
     attempts   integer     NOT NULL,
     last_error text        NOT NULL,
     failed_at  timestamptz NOT NULL DEFAULT now()
-);
+){{end -}}
+{{createTable "dead" .Dead}};
 
 {{define "dead_event"}}CREATE INDEX {{.DeadEventIndex}}
     ON {{.Dead}} (event_id){{end -}}
@@ -71,12 +77,13 @@ CREATE TABLE IF NOT EXISTS {{.Dead}} (
 
 -- Commands already executed, keyed by their event id, with a fingerprint of
 -- the command and, optionally, the result returned the first time.
-CREATE TABLE IF NOT EXISTS {{.Idempotency}} (
+{{define "idempotency"}}CREATE TABLE IF NOT EXISTS {{.Idempotency}} (
     event_id    uuid        PRIMARY KEY,
     fingerprint bytea       NOT NULL,
     result      bytea,
     created_at  timestamptz NOT NULL DEFAULT now()
-);
+){{end -}}
+{{createTable "idempotency" .Idempotency}};
 
 -- Lets PruneCommands find expired idempotency records without a full scan.
 {{define "idempotency_created"}}CREATE INDEX {{.IdempotencyCreatedIndex}}

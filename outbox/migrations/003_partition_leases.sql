@@ -19,13 +19,14 @@
 --               takes the partition over counts that attempt on these rows;
 --               a multirange (PostgreSQL 14 or later) keeps runs of
 --               consecutive ids small
-CREATE TABLE IF NOT EXISTS {{.Leases}} (
+{{define "leases"}}CREATE TABLE IF NOT EXISTS {{.Leases}} (
     part         bigint      PRIMARY KEY CHECK (part >= 0 AND part < {{.Partitions}}),
     owner        uuid,
     leased_until timestamptz,
     touched_at   timestamptz NOT NULL DEFAULT '-infinity',
     inflight     int8multirange NOT NULL DEFAULT '{}'
-);
+){{end -}}
+{{createTable "leases" .Leases}};
 
 -- Claims walk free partitions least recently claimed first and stop after
 -- a few that have due rows; in this order they need not probe them all.
@@ -39,20 +40,15 @@ ON CONFLICT (part) DO NOTHING;
 
 -- Every batch rewrites a few lease rows (and, for large batches, their
 -- TOASTed inflight arrays): vacuum the table and its TOAST table like a queue.
-ALTER TABLE {{.Leases}} SET (
-    autovacuum_vacuum_scale_factor = 0,
-    autovacuum_vacuum_threshold = 1000,
-    autovacuum_vacuum_cost_delay = 0,
-    toast.autovacuum_vacuum_scale_factor = 0,
-    toast.autovacuum_vacuum_threshold = 1000,
-    toast.autovacuum_vacuum_cost_delay = 0
-);
+-- Like 002's, these settings are applied only when they differ.
+{{setOptions .Leases "autovacuum_vacuum_scale_factor=0" "autovacuum_vacuum_threshold=1000" "autovacuum_vacuum_cost_delay=0"
+    "toast.autovacuum_vacuum_scale_factor=0" "toast.autovacuum_vacuum_threshold=1000" "toast.autovacuum_vacuum_cost_delay=0"}};
 
 -- Claims no longer update outbox rows, so the free space that fillfactor 50
 -- kept on every page for HOT claim updates only made each batch span twice
 -- as many pages (measured: 20% more rows/s draining with full pages). The
 -- setting applies to pages written from now on; existing pages keep theirs.
-ALTER TABLE {{.Outbox}} SET (fillfactor = 100);
+{{setOptions .Outbox "fillfactor=100"}};
 
 -- A relay reads one partition's due rows oldest first: an equality on the
 -- partition and a range on available_at, in index order, with no sort.

@@ -16,7 +16,11 @@
 -- none; it reads them through the created_at partial index and locks
 -- nothing that makes writers or relays wait. Rows kept published
 -- (RelayConfig.KeepPublished) are never updated and keep their value.
+-- Nor are pending rows whose stream is longer than 005 allows (appended
+-- before 005): 005's constraint would refuse the update, and migration 007
+-- moves them to the dead letters with their created_at as it is.
 {{addCheck .Outbox "verity_outbox_created_at_finite" "isfinite(created_at)"}};
 
 UPDATE {{.Outbox}} SET created_at = now()
-WHERE published_at IS NULL AND created_at IN ('-infinity', 'infinity');
+WHERE published_at IS NULL AND created_at IN ('-infinity', 'infinity')
+  AND octet_length(stream) <= {{.MaxStreamBytes}};
