@@ -41,8 +41,9 @@ const verifyAbandonTimeout = 5 * time.Second
 //
 // While the pass runs, Redis holds its marker (the key SortedSetKey() +
 // "~verifying"); a Verify that records nothing, an error included,
-// deletes it before returning. Only a process that dies during a pass
-// leaves it, until the board's next Verify.
+// deletes it before returning. A process that dies during a pass, or a
+// Redis that fails that deletion, leaves it until the board's next Verify,
+// which replaces it; it never stands for a verified projection.
 func (b *Board) Verify(ctx context.Context, cfg *reconcile.Config) (report *reconcile.Report, verified bool, err error) {
 	rec, err := b.Reconciler(cfg)
 	if err != nil {

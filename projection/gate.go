@@ -93,8 +93,14 @@ func NewGate(client redis.UniversalClient, ks Keyspace) *Gate {
 	return g
 }
 
-// Keyspace returns the Keyspace the gate writes into.
-func (g *Gate) Keyspace() Keyspace { return g.ks }
+// Keyspace returns the Keyspace the gate writes into: the zero Keyspace for
+// a nil *Gate.
+func (g *Gate) Keyspace() Keyspace {
+	if g == nil {
+		return Keyspace{}
+	}
+	return g.ks
+}
 
 // Load loads the gate script into the script cache of the node(s) the
 // client reaches. It is optional: Apply falls back to EVAL when a node

@@ -575,6 +575,7 @@ func TestRedisProjectorZeroValue(t *testing.T) {
 			_, err = p.Gate().Apply(ctx, []Write{{Target: Target{Kind: KindHash, Name: "n", Member: "m"}, Version: 1}})
 			require.ErrorIs(t, err, ErrInvalidConfig, "its Gate is a nil *Gate")
 			require.True(t, p.Keyspace().IsZero())
+			require.True(t, p.Gate().Keyspace().IsZero(), "a nil *Gate has the zero Keyspace")
 		})
 	}
 }
