@@ -28,8 +28,11 @@ var (
 	ErrUnmappedStream = errors.New("projection: no mapper for stream")
 	// ErrInvalidPayload: a built-in Mapper cannot read a record's payload.
 	ErrInvalidPayload = errors.New("projection: invalid payload")
-	// ErrInvalidConfig: a Config field or Keyspace option is out of range.
-	// The error names the field.
+	// ErrInvalidConfig: a dependency or argument cannot be used — a Config
+	// field or Keyspace option out of range, a nil client or Mapper, a
+	// client that can wait for Redis forever, a shadow token or batch that
+	// ApplyShadow refuses — or a method was called on a RedisProjector or
+	// Gate not made by its constructor. The *ConfigError names the field.
 	ErrInvalidConfig = errors.New("projection: invalid configuration")
 	// ErrLayoutMismatch: a collection's stored version layout (its bucket
 	// count, see Keyspace) differs from the Keyspace of the writer or

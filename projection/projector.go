@@ -5,6 +5,9 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"reflect"
+	"runtime"
+	"strings"
 	"time"
 
 	"github.com/redis/go-redis/v9"
@@ -113,10 +116,11 @@ var (
 // the timeouts -1, until the Handler context's deadline instead, which
 // the relay sets to the end of the claim's lease (RelayConfig.LeaseDuration,
 // counted from just before the claim was sent). A Ring is checked on its
-// shards' clients, as its NewClient function (if any) made them, and only
-// on the shards it has when NewRedisProjector is called. Not checked: other
-// client types, and the node clients a ClusterOptions.NewClient function
-// makes.
+// RingOptions, which go-redis gives every shard, up or down; with a
+// RingOptions.NewClient function of the caller's, on the clients it made
+// for the shards that are up when NewRedisProjector is called. Not
+// checked: other client types, and the node clients a
+// ClusterOptions.NewClient function makes.
 func NewRedisProjector(client redis.UniversalClient, mapper Mapper, cfg *Config) (*RedisProjector, error) {
 	if deps.Missing(client) {
 		return nil, &ConfigError{Field: "client", Reason: "is nil; pass a redis.UniversalClient"}
@@ -166,15 +170,56 @@ func checkTimeouts(client redis.UniversalClient) error {
 		o := c.Options()
 		return checkDeadlines("ClusterOptions", o.ReadTimeout, o.WriteTimeout, o.ContextTimeoutEnabled)
 	case *redis.Ring:
-		// RingOptions keep the caller's values; each shard's client holds
-		// what its Options.init, and a RingOptions.NewClient function, made
-		// of them.
+		// RingOptions keep the caller's values. With go-redis's own
+		// NewClient every shard's client gets them as Options.init reads
+		// them, so they are checked for every shard, also one the
+		// heartbeat has marked down (ForEachShard skips those). A caller's
+		// NewClient may set other timeouts: then the clients it made for
+		// the shards that are up are checked.
+		o := c.Options()
+		if !customRingClients(o) {
+			read, write := clientTimeouts(o.ReadTimeout, o.WriteTimeout)
+			return checkDeadlines("RingOptions", read, write, o.ContextTimeoutEnabled)
+		}
 		return c.ForEachShard(context.Background(), func(_ context.Context, shard *redis.Client) error {
 			o := shard.Options()
 			return checkDeadlines("RingOptions", o.ReadTimeout, o.WriteTimeout, o.ContextTimeoutEnabled)
 		})
 	}
 	return nil
+}
+
+// customRingClients reports whether a Ring's shard clients come from a
+// caller's RingOptions.NewClient rather than from the function
+// RingOptions.init puts there when it is nil. Should go-redis rename that
+// function, every Ring reads as custom, and the shards that are up are
+// checked as before.
+func customRingClients(o *redis.RingOptions) bool {
+	if o.NewClient == nil {
+		return false
+	}
+	fn := runtime.FuncForPC(reflect.ValueOf(o.NewClient).Pointer())
+	return fn == nil || !strings.HasPrefix(fn.Name(), "github.com/redis/go-redis/v9.(*RingOptions).init.")
+}
+
+// clientTimeouts returns the read and write timeouts a client gets from
+// the caller's values, as Options.init reads them: -2 becomes -1 (no
+// deadline), -1 becomes 0 (no timeout), a zero ReadTimeout 5s and a zero
+// WriteTimeout the ReadTimeout.
+func clientTimeouts(read, write time.Duration) (time.Duration, time.Duration) {
+	conv := func(d, zero time.Duration) time.Duration {
+		switch d {
+		case -2:
+			return -1
+		case -1:
+			return 0
+		case 0:
+			return zero
+		}
+		return d
+	}
+	read = conv(read, 5*time.Second)
+	return read, conv(write, read)
 }
 
 // checkDeadlines checks timeouts as go-redis applies them: positive, a

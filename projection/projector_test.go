@@ -451,6 +451,27 @@ func TestNewRedisProjectorNeedsBoundedCommands(t *testing.T) {
 		require.Equal(t, "RingOptions.ReadTimeout", ce.Field)
 	})
 
+	// The heartbeat may have marked a shard down when NewRedisProjector
+	// runs; ForEachShard skips it, but the Ring gives it the RingOptions'
+	// timeouts when it comes back, so they are checked.
+	t.Run("RingShardDownChecked", func(t *testing.T) {
+		t.Parallel()
+		c := redis.NewRing(&redis.RingOptions{Addrs: map[string]string{"a": opt.Addr}, Username: opt.Username, Password: opt.Password, DB: opt.DB,
+			HeartbeatFn:        func(context.Context, *redis.Client) bool { return false },
+			HeartbeatFrequency: 5 * time.Millisecond,
+			ReadTimeout:        -1, ContextTimeoutEnabled: false})
+		t.Cleanup(func() { _ = c.Close() })
+		require.Eventually(t, func() bool {
+			up := 0
+			_ = c.ForEachShard(context.Background(), func(context.Context, *redis.Client) error { up++; return nil })
+			return up == 0
+		}, 10*time.Second, 5*time.Millisecond, "the heartbeat never marked the shard down")
+		_, err := NewRedisProjector(c, testMapper(), &Config{Prefix: rd.Prefix})
+		var ce *ConfigError
+		require.ErrorAs(t, err, &ce, "a down shard's client would have no ReadTimeout")
+		require.Equal(t, "RingOptions.ReadTimeout", ce.Field)
+	})
+
 	t.Run("BoundedAccepted", func(t *testing.T) {
 		t.Parallel()
 		for name, client := range map[string]redis.UniversalClient{
