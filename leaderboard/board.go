@@ -231,17 +231,41 @@ func errBoardNotFromNew() error {
 }
 
 // Stream returns the outbox stream the board appends to: StreamPrefix+Name.
-func (b *Board) Stream() string { return b.stream }
+// It is "" for a Board not made by New.
+func (b *Board) Stream() string {
+	if b.notFromNew() {
+		return ""
+	}
+	return b.stream
+}
 
-// Config returns a copy of the board's configuration, defaults applied.
-func (b *Board) Config() Config { return *b.cfg }
+// Config returns a copy of the board's configuration, defaults applied:
+// the zero Config for a Board not made by New.
+func (b *Board) Config() Config {
+	if b.notFromNew() {
+		return Config{}
+	}
+	return *b.cfg
+}
 
-// Keyspace returns the Redis keyspace of the board's projection.
-func (b *Board) Keyspace() projection.Keyspace { return b.ks }
+// Keyspace returns the Redis keyspace of the board's projection: the zero
+// Keyspace for a Board not made by New.
+func (b *Board) Keyspace() projection.Keyspace {
+	if b.notFromNew() {
+		return projection.Keyspace{}
+	}
+	return b.ks
+}
 
 // SortedSetKey returns the Redis key of the board's sorted set. Its scores
-// are the NEGATED scores (see the package documentation on ordering).
-func (b *Board) SortedSetKey() string { return b.zsetKey }
+// are the NEGATED scores (see the package documentation on ordering). It
+// is "" for a Board not made by New.
+func (b *Board) SortedSetKey() string {
+	if b.notFromNew() {
+		return ""
+	}
+	return b.zsetKey
+}
 
 // target returns the projection target of user on this board.
 func (b *Board) target(user string) projection.Target {

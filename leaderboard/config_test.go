@@ -285,6 +285,10 @@ func TestConfig(t *testing.T) {
 				}
 				require.Equal(t, int64(-1), int64(b.Freshness(ctx).Lag), "the lag of no board cannot be measured")
 				require.Empty(t, b.Name())
+				require.Empty(t, b.Stream())
+				require.Empty(t, b.SortedSetKey())
+				require.Equal(t, Config{}, b.Config())
+				require.Equal(t, projection.Keyspace{}, b.Keyspace())
 				b.Close()
 			})
 		}
@@ -296,6 +300,8 @@ func TestConfig(t *testing.T) {
 				refused(t, "Worker", "RunOnce", err)
 				_, err = w.Drain(ctx)
 				refused(t, "Worker", "Drain", err)
+				require.Nil(t, w.Relay())
+				require.Nil(t, w.Projector())
 			})
 		}
 	})

@@ -152,11 +152,23 @@ func (w *Worker) Drain(ctx context.Context) (int, error) {
 	}
 }
 
-// Relay returns the underlying relay (for Stats and dead letters).
-func (w *Worker) Relay() *outbox.Relay { return w.relay }
+// Relay returns the underlying relay (for Stats and dead letters): nil for
+// a Worker not made by Board.Worker.
+func (w *Worker) Relay() *outbox.Relay {
+	if w.notFromBoard() {
+		return nil
+	}
+	return w.relay
+}
 
-// Projector returns the underlying projector.
-func (w *Worker) Projector() *projection.RedisProjector { return w.projector }
+// Projector returns the underlying projector: nil for a Worker not made by
+// Board.Worker.
+func (w *Worker) Projector() *projection.RedisProjector {
+	if w.notFromBoard() {
+		return nil
+	}
+	return w.projector
+}
 
 // notFromBoard reports a Worker that Board.Worker did not make: a zero
 // Worker, or a nil *Worker.
