@@ -242,6 +242,23 @@ func connect(ctx context.Context, o *options, logger *slog.Logger) (*deps, error
 			return nil, usageError{fmt.Errorf("REDIS_URL: %w", err)}
 		}
 	}
+	// A variable the flag leaves it to is parsed as the flag would be, so a
+	// malformed one is a usage error found before anything connects, not a
+	// server that "does not answer".
+	if pgURL == "" {
+		if u := strings.TrimSpace(getenv("DATABASE_URL")); u != "" {
+			if _, err := pgxpool.ParseConfig(u); err != nil {
+				return nil, usageError{fmt.Errorf("DATABASE_URL: %w", err)}
+			}
+		}
+	}
+	if redisURL == "" {
+		if u := strings.TrimSpace(getenv("REDIS_URL")); u != "" {
+			if _, err := redis.ParseURL(u); err != nil {
+				return nil, usageError{fmt.Errorf("REDIS_URL: %w", err)}
+			}
+		}
+	}
 	if pgURL == "" || redisURL == "" {
 		// services.Resolve consults DATABASE_URL / REDIS_URL first, then the
 		// local default ports, then starts private servers; a server given

@@ -391,4 +391,27 @@ func TestConnectServers(t *testing.T) {
 		require.ErrorContains(t, err, "REDIS_URL: ")
 		require.ErrorAs(t, err, new(usageError))
 	})
+
+	// A variable a flag leaves it to is parsed as the flag would be: a
+	// malformed one is a usage error (exit 2) found before anything
+	// connects, not a server that does not answer.
+	t.Run("MalformedURLInTheEnvironment", func(t *testing.T) {
+		t.Parallel()
+		for name, tc := range map[string]struct {
+			env   map[string]string
+			flags []string
+		}{
+			"DATABASE_URL": {map[string]string{"DATABASE_URL": "postgres://x:notaport/db"}, []string{"--redis-url=" + deadRedis}},
+			"REDIS_URL":    {map[string]string{"REDIS_URL": "notaurl"}, []string{"--database-url=" + deadPG}},
+		} {
+			_, err := connectWith(t, tc.env, tc.flags...)
+			require.ErrorContains(t, err, name+": ", name)
+			require.ErrorAs(t, err, new(usageError), name)
+		}
+		// Unused when its flag is given.
+		d, err := connectWith(t, map[string]string{"DATABASE_URL": "postgres://x:notaport/db", "REDIS_URL": "notaurl"},
+			"--database-url="+tb.pg.ConnString, "--redis-url="+tb.rd.URL)
+		require.NoError(t, err)
+		require.NoError(t, d.rdb.Ping(t.Context()).Err())
+	})
 }
