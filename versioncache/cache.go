@@ -140,7 +140,7 @@ func New[T any](client redis.UniversalClient, config *Config) (*Cache[T], error)
 		// WAIT blocks the reply for up to InvalidateWaitTimeout; a client
 		// that gives up on the reply first would report a Redis error for
 		// a bump that happened, and retry the pipeline, bumping again.
-		if readTimeout > 0 && cfg.InvalidateWaitTimeout+waitReplySlack > readTimeout {
+		if readTimeout > 0 && cfg.InvalidateWaitTimeout > readTimeout-waitReplySlack { // no sum: it could overflow
 			return nil, &ConfigError{Field: "InvalidateWaitTimeout",
 				Reason: fmt.Sprintf("is %s, too close to the client's ReadTimeout (%s): lower it to at most %s, or raise the client's ReadTimeout",
 					cfg.InvalidateWaitTimeout, readTimeout, readTimeout-waitReplySlack)}

@@ -2,6 +2,7 @@ package versioncache
 
 import (
 	"context"
+	"math"
 	"testing"
 	"time"
 
@@ -338,6 +339,8 @@ func TestLostBump(t *testing.T) {
 			{200 * time.Millisecond, 500 * time.Millisecond, false},
 			{200 * time.Millisecond, 150 * time.Millisecond, false}, // within the slack
 			{200 * time.Millisecond, 100 * time.Millisecond, true},
+			{200 * time.Millisecond, math.MaxInt64, false}, // "as long as it takes": no overflow past the check
+			{200 * time.Millisecond, math.MaxInt64 - 50*time.Millisecond, false},
 			{0, 5 * time.Second, false}, // go-redis's 5 s default
 			{0, time.Second, true},
 			{-1, time.Minute, true}, // no read timeout
