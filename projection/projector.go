@@ -5,10 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"reflect"
-	"runtime"
-	"strings"
-	"time"
 
 	"github.com/redis/go-redis/v9"
 	"go.opentelemetry.io/otel/metric"
@@ -158,90 +154,8 @@ func NewRedisProjector(client redis.UniversalClient, mapper Mapper, cfg *Config)
 // NewRedisProjector): without a deadline, a Redis that stops answering
 // holds Handle, and the relay's shutdown with it.
 func checkTimeouts(client redis.UniversalClient) error {
-	switch c := client.(type) {
-	case *redis.Client:
-		// Options() hold what Options.init made of the caller's values:
-		// -1 reads as 0, -2 as -1.
-		o := c.Options()
-		return checkDeadlines("Options", o.ReadTimeout, o.WriteTimeout, o.ContextTimeoutEnabled)
-	case *redis.ClusterClient:
-		// ClusterOptions.init turns -1 into 0 and keeps -2; the cluster's
-		// pipelines and its node clients apply those.
-		o := c.Options()
-		return checkDeadlines("ClusterOptions", o.ReadTimeout, o.WriteTimeout, o.ContextTimeoutEnabled)
-	case *redis.Ring:
-		// RingOptions keep the caller's values. With go-redis's own
-		// NewClient every shard's client gets them as Options.init reads
-		// them, so they are checked for every shard, also one the
-		// heartbeat has marked down (ForEachShard skips those). A caller's
-		// NewClient may set other timeouts: then the clients it made for
-		// the shards that are up are checked.
-		o := c.Options()
-		if !customRingClients(o) {
-			read, write := clientTimeouts(o.ReadTimeout, o.WriteTimeout)
-			return checkDeadlines("RingOptions", read, write, o.ContextTimeoutEnabled)
-		}
-		return c.ForEachShard(context.Background(), func(_ context.Context, shard *redis.Client) error {
-			o := shard.Options()
-			return checkDeadlines("RingOptions", o.ReadTimeout, o.WriteTimeout, o.ContextTimeoutEnabled)
-		})
-	}
-	return nil
-}
-
-// customRingClients reports whether a Ring's shard clients come from a
-// caller's RingOptions.NewClient rather than from the function
-// RingOptions.init puts there when it is nil. Should go-redis rename that
-// function, every Ring reads as custom, and the shards that are up are
-// checked as before.
-func customRingClients(o *redis.RingOptions) bool {
-	if o.NewClient == nil {
-		return false
-	}
-	fn := runtime.FuncForPC(reflect.ValueOf(o.NewClient).Pointer())
-	return fn == nil || !strings.HasPrefix(fn.Name(), "github.com/redis/go-redis/v9.(*RingOptions).init.")
-}
-
-// clientTimeouts returns the read and write timeouts a client gets from
-// the caller's values, as Options.init reads them: -2 becomes -1 (no
-// deadline), -1 becomes 0 (no timeout), a zero ReadTimeout 5s and a zero
-// WriteTimeout the ReadTimeout.
-func clientTimeouts(read, write time.Duration) (time.Duration, time.Duration) {
-	conv := func(d, zero time.Duration) time.Duration {
-		switch d {
-		case -2:
-			return -1
-		case -1:
-			return 0
-		case 0:
-			return zero
-		}
-		return d
-	}
-	read = conv(read, 5*time.Second)
-	return read, conv(write, read)
-}
-
-// checkDeadlines checks timeouts as go-redis applies them: positive, a
-// timeout; 0, none (only the context's deadline, with ContextTimeoutEnabled);
-// negative, no deadline at all, since pool.Conn.WithReader and WithWriter
-// then skip SetReadDeadline and SetWriteDeadline, the context's deadline
-// included. opts names the caller's options type in the error.
-func checkDeadlines(opts string, read, write time.Duration, ctxDeadline bool) error {
-	for _, t := range []struct {
-		field string
-		d     time.Duration
-	}{{"ReadTimeout", read}, {"WriteTimeout", write}} {
-		switch {
-		case t.d < 0:
-			return &ConfigError{Field: opts + "." + t.field, Reason: fmt.Sprintf("is -2 (or another negative value), which makes go-redis set no deadline on the connection at all, "+
-				"not even the context's with ContextTimeoutEnabled: a Redis that stops answering would block the projector, and the relay's shutdown, forever; "+
-				"set a positive %s (go-redis's default is 5s), or -1 with ContextTimeoutEnabled so that the context's deadline ends the command", t.field)}
-		case t.d == 0 && !ctxDeadline:
-			return &ConfigError{Field: opts + "." + t.field, Reason: fmt.Sprintf("disables the timeout while ContextTimeoutEnabled is false: "+
-				"go-redis does not end a command in flight when its context is cancelled, so a Redis that stops answering would block the projector, "+
-				"and the relay's shutdown, forever; set a positive %s (go-redis's default is 5s), or ContextTimeoutEnabled so that the context's deadline ends the command", t.field)}
-		}
+	if u := deps.UnboundedRedis(client); u != nil {
+		return &ConfigError{Field: u.Field, Reason: u.Reason}
 	}
 	return nil
 }
