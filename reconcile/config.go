@@ -136,9 +136,14 @@ type Config struct {
 	// before any repair: they mean the projection knows something the
 	// source does not, which deserves a human. Defaults to nil.
 	OnAlert func(ctx context.Context, f Finding)
-	// RepairTimeout bounds a batch of repairs once sent. Repairs run on a
-	// context detached from the run's cancellation, so that a cancelled run
-	// still learns (and reports) what its last batch did. Defaults to
+	// RepairTimeout bounds a batch of repairs once sent, and Rebuild's
+	// switch and clean-up. These run on a context detached from the run's
+	// cancellation, so that a cancelled run still learns (and reports) what
+	// its last batch did. go-redis ends a command in flight only at its
+	// connection's deadline: with the client's ContextTimeoutEnabled this
+	// timeout is that deadline; without it, a stalled Redis holds the batch
+	// (and a cancelled Run) for the client's ReadTimeout (and WriteTimeout)
+	// instead, whichever this timeout says. Defaults to
 	// RepairTimeoutDefault.
 	RepairTimeout time.Duration
 	// RebuildMarkerTTL is the lifetime of a rebuild's marker key, refreshed
@@ -215,7 +220,11 @@ func (c *Config) validate() error {
 // Target says which projection a Reconciler checks.
 type Target struct {
 	// Client reaches the Redis server, Sentinel group or Cluster holding
-	// the projection. Required.
+	// the projection. Required. It must bound how long a command waits
+	// for Redis (see RepairTimeout): a *redis.Client, *redis.ClusterClient
+	// or *redis.Ring whose ReadTimeout or WriteTimeout is -2, or -1 without
+	// ContextTimeoutEnabled, is refused with *ConfigError, as by
+	// projection.NewRedisProjector.
 	Client redis.UniversalClient
 	// Keyspace names the projection's keys; it must be the one the gate
 	// writes with (RedisProjector.Keyspace), version bucket count included
@@ -244,6 +253,9 @@ type Target struct {
 func (t Target) validate() error {
 	if deps.Missing(t.Client) {
 		return &ConfigError{Field: "Target.Client", Reason: "must not be nil"}
+	}
+	if u := deps.UnboundedRedis(t.Client); u != nil {
+		return &ConfigError{Field: "Target.Client " + u.Field, Reason: u.Reason}
 	}
 	if t.Keyspace.IsZero() {
 		return &ConfigError{Field: "Target.Keyspace", Reason: "is required: use the projector's Keyspace() (or projection.NewKeyspace with the projector's prefix)"}

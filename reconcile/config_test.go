@@ -59,4 +59,37 @@ func TestConfig(t *testing.T) {
 		_, err = New(src, target, &Config{ReadAhead: ReadAheadMax})
 		require.NoError(t, err)
 	})
+
+	// Repairs and Rebuild's switch run detached, bounded by RepairTimeout
+	// through the command's deadline: a client that can wait for Redis
+	// forever would hold them, and a cancelled Run, for good.
+	t.Run("UnboundedClientRefused", func(t *testing.T) {
+		t.Parallel()
+		ks, err := projection.NewKeyspace("cfg:")
+		require.NoError(t, err)
+		for name, tc := range map[string]struct {
+			opts  redis.Options
+			field string
+		}{
+			"NoReadTimeout":  {redis.Options{ReadTimeout: -1}, "Target.Client Options.ReadTimeout"},
+			"NoDeadline":     {redis.Options{ReadTimeout: -2, ContextTimeoutEnabled: true}, "Target.Client Options.ReadTimeout"},
+			"NoWriteTimeout": {redis.Options{WriteTimeout: -1}, "Target.Client Options.WriteTimeout"},
+			"Bounded":        {redis.Options{ReadTimeout: -1, WriteTimeout: -1, ContextTimeoutEnabled: true}, ""},
+			"Defaults":       {redis.Options{}, ""},
+		} {
+			opts := tc.opts
+			opts.Addr = "127.0.0.1:1"
+			client := redis.NewClient(&opts)
+			t.Cleanup(func() { client.Close() })
+			_, err := New(&countingSource{}, Target{Client: client, Keyspace: ks, Kind: projection.KindSortedSet, Name: "board"}, nil)
+			if tc.field == "" {
+				require.NoError(t, err, name)
+				continue
+			}
+			var cfgErr *ConfigError
+			require.ErrorAs(t, err, &cfgErr, name)
+			require.Equal(t, tc.field, cfgErr.Field, name)
+			require.ErrorIs(t, err, ErrInvalidConfig, name)
+		}
+	})
 }

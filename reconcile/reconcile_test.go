@@ -847,3 +847,39 @@ func TestReportWithInfiniteScoreEncodes(t *testing.T) {
 	require.Contains(t, string(finite), `"Score":42.5`)
 	require.NotContains(t, string(finite), `"plain"`)
 }
+
+// TestRepairTimeoutBoundsStalledRepair: with ContextTimeoutEnabled,
+// RepairTimeout is the deadline of a repair sent to a Redis that stopped
+// answering, also after the run's ctx was cancelled; the repair is counted
+// uncertain, never dropped.
+func TestRepairTimeoutBoundsStalledRepair(t *testing.T) {
+	t.Parallel()
+	rs := testenv.StartRedis(t)
+	client := redis.NewClient(&redis.Options{Addr: rs.Addr(), ReadTimeout: -1, WriteTimeout: -1, ContextTimeoutEnabled: true, MaxRetries: -1})
+	t.Cleanup(func() { _ = client.Close() })
+	admin := rs.Client(t)
+	t.Cleanup(func() { _ = admin.Do(context.Background(), "CLIENT", "UNPAUSE").Err() })
+	b := setupWith(t, projection.KindSortedSet, client, "stall:")
+	b.insert(t, "alice", 1) // missing in Redis: a gate repair
+	require.NoError(t, b.gate.Load(context.Background()))
+
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	var sentAt time.Time
+	r := b.reconciler(t, &Config{
+		RepairTimeout: 300 * time.Millisecond,
+		BeforeRepair: func(context.Context, Finding) bool {
+			// Redis stalls writes from now on; the run's ctx is
+			// cancelled just after the repair goes out.
+			require.NoError(t, admin.Do(context.Background(), "CLIENT", "PAUSE", "20000", "WRITE").Err())
+			sentAt = time.Now()
+			time.AfterFunc(100*time.Millisecond, cancel)
+			return true
+		},
+	})
+	rep, err := r.Run(ctx, RunOptions{})
+	took := time.Since(sentAt)
+	require.Error(t, err)
+	require.Less(t, took, 3*time.Second, "the stalled repair outlived RepairTimeout")
+	require.EqualValues(t, 1, rep.Uncertain, "the repair's outcome is unknown, not lost")
+}
