@@ -121,13 +121,22 @@ type Board struct {
 // ConnConfig.RuntimeParams["default_transaction_isolation"] back to "read
 // committed" if the role's default is stricter). A pool whose
 // DefaultQueryExecMode does not cache statements (behind a
-// transaction-pooling proxy) is honoured by every statement.
+// transaction-pooling proxy) is honoured by every statement. rdb must
+// bound how long a command waits for Redis, since go-redis does not end a
+// command in flight when its context is cancelled: a *redis.Client,
+// *redis.ClusterClient or *redis.Ring whose ReadTimeout or WriteTimeout is
+// -2, or -1 without ContextTimeoutEnabled, is refused with a *ConfigError
+// naming "rdb" (a read could otherwise wait for a stalled Redis forever,
+// and never fall back to PostgreSQL).
 func New(pool *pgxpool.Pool, rdb redis.UniversalClient, cfg *Config) (*Board, error) {
 	if pool == nil {
 		return nil, &ConfigError{Field: "pool", Reason: "is nil; pass the *pgxpool.Pool of the board's database"}
 	}
 	if deps.Missing(rdb) {
 		return nil, &ConfigError{Field: "rdb", Reason: "is nil; pass a redis.UniversalClient (a *redis.Client or *redis.ClusterClient)"}
+	}
+	if u := deps.UnboundedRedis(rdb); u != nil {
+		return nil, &ConfigError{Field: "rdb", Reason: u.Field + " " + u.Reason}
 	}
 	if cfg == nil {
 		return nil, &ConfigError{Field: "cfg", Reason: "is nil; pass a *Config (Name is required)"}

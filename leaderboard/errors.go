@@ -84,8 +84,9 @@ var (
 type ConfigError struct {
 	// Field names what was refused: "Config.Name", "WorkerConfig.Relay",
 	// "reconcile.Config.PageSize" (Reconciler's and Verify's cfg), an
-	// argument of New ("pool", "rdb", "cfg"; "rdb" also from Board.Worker,
-	// for a Redis client its projector refuses), Migrate's "db", or
+	// argument of New ("pool", "rdb", "cfg"; "rdb" also for a Redis client
+	// that could wait forever, and from Board.Worker for a Redis client its
+	// projector refuses), Migrate's "db", or
 	// "Board" or "Worker" for a zero or nil one.
 	Field string
 	// Reason says what is wrong and how to fix it.

@@ -64,11 +64,10 @@ type Worker struct {
 }
 
 // Worker returns a Worker for the board. It does not start it; call Run.
-// The board's Redis client must bound how long a command waits (see
-// projection.NewRedisProjector): one whose ReadTimeout or WriteTimeout is
-// disabled without ContextTimeoutEnabled gets a *ConfigError naming "rdb"
-// (New's Redis client) that wraps the projector's *projection.ConfigError,
-// since its worker's shutdown could wait for a stalled Redis forever.
+// A refusal of the board's Redis client by projection.NewRedisProjector
+// (New already refuses one that could wait for Redis forever) is a
+// *ConfigError naming "rdb" that wraps the projector's
+// *projection.ConfigError.
 func (b *Board) Worker(cfg *WorkerConfig) (*Worker, error) {
 	if b.notFromNew() {
 		return nil, errBoardNotFromNew()

@@ -51,24 +51,25 @@ func TestWorker(t *testing.T) {
 		opts.ReadTimeout = -1
 		unbounded := redis.NewClient(opts)
 		t.Cleanup(func() { _ = unbounded.Close() })
-		board, err := New(tb.pg.Pool, unbounded, new(tb.board.Config()))
-		require.NoError(t, err)
-		t.Cleanup(board.Close)
-		_, err = board.Worker(nil)
-		var cerr *projection.ConfigError
-		require.ErrorAs(t, err, &cerr, "a worker whose shutdown could wait for Redis forever")
-		require.Equal(t, "Options.ReadTimeout", cerr.Field)
-		// The board's own refusal too, naming its Redis client (New's rdb).
+		// Refused by New: a worker's shutdown, and every read, could wait
+		// for a stalled Redis forever.
+		_, err = New(tb.pg.Pool, unbounded, new(tb.board.Config()))
 		require.ErrorIs(t, err, ErrInvalidConfig)
 		var boardErr *ConfigError
 		require.ErrorAs(t, err, &boardErr)
 		require.Equal(t, "rdb", boardErr.Field)
 		require.ErrorContains(t, err, "Options.ReadTimeout")
+		opts.ReadTimeout, opts.WriteTimeout = 0, -2
+		noDeadline := redis.NewClient(opts)
+		t.Cleanup(func() { _ = noDeadline.Close() })
+		_, err = New(tb.pg.Pool, noDeadline, new(tb.board.Config()))
+		require.ErrorContains(t, err, "Options.WriteTimeout")
+		opts.ReadTimeout, opts.WriteTimeout = -1, 0
 
 		opts.ContextTimeoutEnabled = true
 		bounded := redis.NewClient(opts)
 		t.Cleanup(func() { _ = bounded.Close() })
-		board, err = New(tb.pg.Pool, bounded, new(tb.board.Config()))
+		board, err := New(tb.pg.Pool, bounded, new(tb.board.Config()))
 		require.NoError(t, err)
 		t.Cleanup(board.Close)
 		_, err = board.Worker(nil)
