@@ -3,6 +3,7 @@ package leaderboard
 import (
 	"context"
 	_ "embed"
+	"errors"
 	"fmt"
 	"time"
 
@@ -27,17 +28,23 @@ var (
 const verifyAbandonTimeout = 5 * time.Second
 
 // Verify runs a full reconcile pass over the board and, when the pass
-// repaired every missing, stale and corrupt entry it found (a repair that
-// raced a newer write counts: the entry is there) and Redis kept the board's
-// keys throughout, records in Redis that the projection is complete. With
+// repaired every entry it found wrong (a repair that raced a newer write
+// counts: the newer entry is there) and Redis kept the board's keys
+// throughout, records in Redis that the projection is complete. With
 // Config.RequireVerifiedProjection, reads report Lag -1 and Unverified until
 // that record exists; a Redis that loses its data loses the record too.
 // verified tells whether it was recorded; when it was not, run Verify again
-// (the report says what stood in the way).
+// (the report says what stood in the way). If the reply to the recording
+// is lost and asking again fails too, err is ErrVerifyUncertain.
 //
-// cfg configures the pass's Reconciler as for Board.Reconciler; its Policy
-// must repair (the default) missing, stale and corrupt entries, or nothing
-// can be recorded.
+// cfg configures the pass's Reconciler as for Board.Reconciler. Its Policy
+// must repair every class the pass finds: the default repairs missing,
+// stale and corrupt entries but only reports ahead and orphan ones (Redis
+// holding a version or a member PostgreSQL does not have: a restored
+// database, a hand edit), so a board with any of those is never recorded
+// as verified. Investigate them, then repair them with
+// reconcile.Policy{Ahead: reconcile.ActionRepair, Orphan:
+// reconcile.ActionRepair} or rebuild the projection.
 //
 // While the pass runs, Redis holds its marker (the key SortedSetKey() +
 // "~verifying"); a Verify that records nothing, an error included,
@@ -62,17 +69,28 @@ func (b *Board) Verify(ctx context.Context, cfg *reconcile.Config) (report *reco
 	if err != nil {
 		return report, false, err
 	}
-	policy := cfg.WithDefaults().Policy
-	for _, c := range []reconcile.Class{reconcile.ClassMissing, reconcile.ClassStale, reconcile.ClassCorrupt} {
-		if report.Counts[c] > 0 && policy.For(c) != reconcile.ActionRepair {
+	// Only a projection left equal to PostgreSQL is recorded: every
+	// finding repaired, or raced by a newer write. One reported (the
+	// policy's choice), vetoed, not attempted or uncertain stands in the
+	// way.
+	for result, n := range report.Results {
+		if n > 0 && result != reconcile.ResultRepaired && result != reconcile.ResultRaced {
 			return report, false, nil
 		}
 	}
-	if report.Uncertain > 0 || report.Results[reconcile.ResultVetoed] > 0 || report.Results[reconcile.ResultNotAttempted] > 0 {
-		return report, false, nil
+	args := []any{token, time.Now().UTC().Format(time.RFC3339Nano)}
+	n, err := verifiedScript.Run(ctx, b.rdb, []string{b.verifyingKey, b.verifiedKey}, args...).Int()
+	if err != nil && !isRedisReply(err) {
+		// The reply was lost, not the recording perhaps. The script tells
+		// when run again: it records if the first run never happened, and
+		// finds this pass's record if it did.
+		retryCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), verifyAbandonTimeout)
+		n, err = verifiedScript.Run(retryCtx, b.rdb, []string{b.verifyingKey, b.verifiedKey}, args...).Int()
+		cancel()
+		if err != nil && !isRedisReply(err) {
+			return report, false, fmt.Errorf("%w: %w", ErrVerifyUncertain, err)
+		}
 	}
-	n, err := verifiedScript.Run(ctx, b.rdb, []string{b.verifyingKey, b.verifiedKey},
-		token, time.Now().UTC().Format(time.RFC3339Nano)).Int()
 	if err != nil {
 		return report, false, fmt.Errorf("leaderboard: verify: recording the result: %w", err)
 	}
@@ -98,6 +116,13 @@ func (b *Board) abandonVerify(ctx context.Context, token string) {
 	if err := verifyAbandonScript.Run(ctx, b.rdb, []string{b.verifyingKey}, token).Err(); err != nil {
 		b.cfg.Logger.Warn("leaderboard: verify: deleting the pass's marker failed", "board", b.cfg.Name, "error", err)
 	}
+}
+
+// isRedisReply reports an error that Redis sent: the command ran, and
+// failed.
+func isRedisReply(err error) bool {
+	var reply redis.Error
+	return errors.As(err, &reply)
 }
 
 // projectionVerified reports whether Redis holds Verify's record that the

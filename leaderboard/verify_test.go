@@ -5,11 +5,13 @@ import (
 	"context"
 	"io"
 	"net"
+	"slices"
 	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
 
+	"github.com/google/uuid"
 	"github.com/redis/go-redis/v9"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -238,6 +240,90 @@ func TestVerify(t *testing.T) {
 		}
 	})
 
+	// A pass that leaves Redis ahead of PostgreSQL (a version or a member
+	// PostgreSQL does not have, as a database restored from a backup
+	// leaves) is not recorded under the default policy, which only reports
+	// those; repairing them makes the projection verifiable.
+	t.Run("AheadAndOrphanLeftInPlaceAreNotRecorded", func(t *testing.T) {
+		t.Parallel()
+		tb := verifying(t)
+		tb.submit(t, "ada", 10)
+		tb.submit(t, "ada", 5)
+		tb.submit(t, "bob", 1000)
+		tb.drain(t)
+		_, err := tb.pg.Pool.Exec(ctx, `UPDATE user_scores SET score = 10, version = 1 WHERE user_id = 'ada'`)
+		require.NoError(t, err)
+		_, err = tb.pg.Pool.Exec(ctx, `DELETE FROM user_scores WHERE user_id = 'bob'`)
+		require.NoError(t, err)
+
+		rep, verified, err := tb.board.Verify(ctx, nil)
+		require.NoError(t, err)
+		require.Equal(t, int64(1), rep.Counts[reconcile.ClassAhead])
+		require.Equal(t, int64(1), rep.Counts[reconcile.ClassOrphan])
+		require.False(t, verified, "Redis still shows a score and a member PostgreSQL does not have")
+		requireUnverified(t, tb)
+		requireNoMarker(t, tb.rd, tb.board)
+
+		rep, verified, err = tb.board.Verify(ctx, &reconcile.Config{Policy: reconcile.Policy{Ahead: reconcile.ActionRepair, Orphan: reconcile.ActionRepair}})
+		require.NoError(t, err)
+		require.Equal(t, int64(2), rep.Repaired)
+		require.True(t, verified)
+		r, err := tb.board.Top(ctx, 10)
+		require.NoError(t, err)
+		require.Equal(t, []Entry{{UserID: "ada", Score: 10, Rank: 1}}, r.Entries)
+	})
+
+	// The recording's reply is lost to a client timeout while a busy Redis
+	// runs it: Verify asks again and reports what Redis holds, never "not
+	// recorded" over a record that is there; ErrVerifyUncertain when the
+	// second answer is lost too.
+	t.Run("RecordReplyTimedOut", func(t *testing.T) {
+		t.Parallel()
+		for name, tc := range map[string]struct {
+			busy      string // DEBUG SLEEP seconds, starting just before the script is sent
+			uncertain bool
+		}{
+			"SecondAnswerArrives": {busy: "0.5"},                // the first call times out at 0.3 s, the second is answered
+			"SecondAnswerLost":    {busy: "2", uncertain: true}, // both calls time out
+		} {
+			t.Run(name, func(t *testing.T) {
+				t.Parallel()
+				pg := testenv.Postgres(t)
+				rs := testenv.StartRedis(t, "--enable-debug-command", "yes")
+				admin := rs.Client(t)
+				client := redis.NewClient(&redis.Options{Addr: rs.Addr(), ReadTimeout: 300 * time.Millisecond, MaxRetries: -1})
+				t.Cleanup(func() { _ = client.Close() })
+				cfg := &Config{Name: "slow", Schema: pg.Schema, KeyPrefix: "slow:", RequireVerifiedProjection: true}
+				require.NoError(t, Migrate(ctx, pg.Pool, cfg))
+				board, err := New(pg.Pool, client, cfg)
+				require.NoError(t, err)
+				t.Cleanup(board.Close)
+				_, err = board.Submit(ctx, Command{EventID: uuid.New(), UserID: "ada", Delta: 5})
+				require.NoError(t, err)
+				// Loads the scripts; the record is deleted again.
+				_, verified, err := board.Verify(ctx, nil)
+				require.NoError(t, err)
+				require.True(t, verified)
+				require.NoError(t, admin.Del(ctx, board.verifiedKey).Err())
+
+				hook := &busyBeforeScript{admin: admin, key: board.verifiedKey, seconds: tc.busy}
+				client.AddHook(hook)
+				_, verified, err = board.Verify(ctx, nil)
+				require.True(t, hook.fired.Load(), "setup: Redis was made busy")
+				if tc.uncertain {
+					require.ErrorIs(t, err, ErrVerifyUncertain)
+					require.False(t, verified)
+				} else {
+					require.NoError(t, err)
+					require.True(t, verified)
+				}
+				// Either way Redis ran the first call once it woke up.
+				require.Eventually(t, func() bool { return admin.Exists(ctx, board.verifiedKey).Val() == 1 },
+					5*time.Second, 20*time.Millisecond, "the record is in Redis")
+			})
+		}
+	})
+
 	t.Run("OffByDefault", func(t *testing.T) {
 		t.Parallel()
 		tb := setup(t, func(c *Config) { c.ReadPolicy = FailClosed })
@@ -274,4 +360,30 @@ func (c *replyDropConn) Read(b []byte) (int, error) {
 		return 0, io.EOF
 	}
 	return c.Conn.Read(b)
+}
+
+// busyBeforeScript keeps Redis busy (DEBUG SLEEP from another connection)
+// just before the first script call naming key is sent: Redis runs the
+// script after the sleep, when the client may have given up on the reply.
+type busyBeforeScript struct {
+	admin   *redis.Client
+	key     string
+	seconds string
+	fired   atomic.Bool
+}
+
+func (h *busyBeforeScript) DialHook(next redis.DialHook) redis.DialHook { return next }
+
+func (h *busyBeforeScript) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+	return next
+}
+
+func (h *busyBeforeScript) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
+	return func(ctx context.Context, cmd redis.Cmder) error {
+		if name := cmd.Name(); (name == "evalsha" || name == "eval") && slices.Contains(cmd.Args(), any(h.key)) && h.fired.CompareAndSwap(false, true) {
+			go func() { _ = h.admin.Do(context.Background(), "DEBUG", "SLEEP", h.seconds).Err() }()
+			time.Sleep(100 * time.Millisecond) // the sleep has begun
+		}
+		return next(ctx, cmd)
+	}
 }
