@@ -382,3 +382,82 @@ func projectedAndLoaded(t *testing.T, kind projection.Kind, client redis.Univers
 	require.NoError(t, err)
 	return b, rows, r, rep
 }
+
+// startSlotMigration puts the slot of key into MIGRATING (source) and
+// IMPORTING (destination) state, as redis-cli --cluster reshard does before
+// it moves the slot's keys, without moving any key yet.
+func startSlotMigration(t *testing.T, client *redis.ClusterClient, key string) {
+	t.Helper()
+	ctx := context.Background()
+	slot, err := client.ClusterKeySlot(ctx, key).Result()
+	require.NoError(t, err)
+	src, err := client.MasterForKey(ctx, key)
+	require.NoError(t, err)
+	var dst *redis.Client
+	for _, m := range testenv.Masters(t, client) {
+		if m.Options().Addr != src.Options().Addr {
+			dst = m
+			break
+		}
+	}
+	require.NotNil(t, dst)
+	srcID, err := src.Do(ctx, "CLUSTER", "MYID").Text()
+	require.NoError(t, err)
+	dstID, err := dst.Do(ctx, "CLUSTER", "MYID").Text()
+	require.NoError(t, err)
+	require.NoError(t, dst.Do(ctx, "CLUSTER", "SETSLOT", slot, "IMPORTING", srcID).Err())
+	require.NoError(t, src.Do(ctx, "CLUSTER", "SETSLOT", slot, "MIGRATING", dstID).Err())
+}
+
+// beforeSwitch runs fn once, just before the first rebuild "switch" script
+// is sent.
+type beforeSwitch struct {
+	once sync.Once
+	fn   func()
+}
+
+func (h *beforeSwitch) DialHook(next redis.DialHook) redis.DialHook { return next }
+func (h *beforeSwitch) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+	return next
+}
+func (h *beforeSwitch) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
+	return func(ctx context.Context, cmd redis.Cmder) error {
+		name := cmd.Name()
+		if name == "evalsha" || name == "eval" {
+			for _, a := range cmd.Args() {
+				if s, ok := a.(string); ok && s == "switch" {
+					h.once.Do(h.fn)
+				}
+			}
+		}
+		return next(ctx, cmd)
+	}
+}
+
+// TestRebuildSwitchDuringSlotMigration: a switch that meets the
+// collection's slot MIGRATING (resharding begun, no key moved) while every
+// key it uses exists (a rebuild switched moments ago, so its switched key
+// is there) must not run halfway: Redis checks each command of a script on
+// a migrating slot and stops it at the first key that is not on the node,
+// which, after the switch deleted the live keys, left readers an empty
+// board. The probe key makes Redis refuse the step before it runs.
+func TestRebuildSwitchDuringSlotMigration(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	cluster := testenv.StartRedisCluster(t, 3, 0)
+	client := cluster.Client(t)
+	b, _, r, rep := projectedAndLoaded(t, projection.KindSortedSet, client, "mig:")
+	require.Equal(t, map[Class]int64{ClassCurrent: 30}, rep.Counts)
+	rb, err := r.Rebuild(ctx)
+	require.NoError(t, err)
+	require.True(t, rb.Switched)
+
+	valueKey := b.ks.ValueKey(b.target.target(""))
+	client.AddHook(&beforeSwitch{fn: func() { startSlotMigration(t, client, valueKey) }})
+	rb, err = r.Rebuild(ctx)
+	require.Error(t, err, "the switch cannot run on a migrating slot")
+	require.False(t, rb.Switched)
+	n, err := client.ZCard(ctx, valueKey).Result() // follows ASK, as a reader's would
+	require.NoError(t, err)
+	require.EqualValues(t, 30, n, "the live projection is whole")
+}

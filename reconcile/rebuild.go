@@ -9,6 +9,7 @@ import (
 	"fmt"
 	"log/slog"
 	"strconv"
+	"strings"
 	"time"
 
 	"github.com/redis/go-redis/v9"
@@ -191,6 +192,12 @@ var errMarkerLost = fmt.Errorf("%w: its marker was lost (expired or deleted)", E
 // reply to a command Redis ran.
 func answered(err error) bool {
 	var rerr redis.Error
+	if errors.As(err, &rerr) && strings.Contains(rerr.Error(), "non local key") {
+		// A script Redis Cluster stopped halfway (a slot migrating under
+		// it): what it wrote before stays. The probe key keeps rebuild
+		// steps from starting then; should one anyway, it is uncertain.
+		return false
+	}
 	return errors.As(err, &rerr) || errors.Is(err, projection.ErrLayoutMismatch) || errors.Is(err, ErrUnexpectedReply)
 }
 
@@ -287,6 +294,7 @@ func (r *Reconciler) rebuildStep(ctx context.Context, step, token, ttl string, c
 			keys = append(keys, ks.ShadowVersionKeys(name, kind)...)
 			keys = append(keys, r.versionKeys...)
 		}
+		keys = append(keys, rebuildProbeKey(ks, name, kind))
 		n, err := r.rebuildScript.Run(ctx, r.target.Client, keys, step, token, ttl,
 			args[0], args[1], r.layout, strconv.Itoa(live), strconv.FormatInt(copied, 10)).Int64()
 		if err != nil || n != 2 {
@@ -301,6 +309,17 @@ func (r *Reconciler) rebuildStep(ctx context.Context, step, token, ttl string, c
 // answers "switched" too. It shares the collection's hash tag.
 func rebuildSwitchedKey(ks projection.Keyspace, name string, kind projection.Kind) string {
 	return ks.RebuildMarkerKey(name, kind) + "~switched"
+}
+
+// rebuildProbeKey returns a key that never exists (P T:z~rebuild~probe),
+// declared by every rebuild step. While Redis Cluster migrates the
+// collection's slot, a script runs only if every key it declares is on
+// the node, and checks each command it sends; one declared key that is
+// always missing makes both nodes refuse the whole step up front (ASK,
+// then TRYAGAIN), rather than fail it halfway, after the switch deleted
+// the live keys and before it renamed the shadow keys over them.
+func rebuildProbeKey(ks projection.Keyspace, name string, kind projection.Kind) string {
+	return ks.RebuildMarkerKey(name, kind) + "~probe"
 }
 
 // withBuckets returns ks with n version buckets (n is a stored, checked

@@ -6,7 +6,9 @@
 -- the copy's writes, field "rows"), 9 switched (the token of the last
 -- rebuild that switched, briefly), then four runs of version buckets: the
 -- live buckets of layout L, the shadow buckets of layout S, the shadow
--- buckets of layout M, the live buckets of layout M.
+-- buckets of layout M, the live buckets of layout M, and last a key that
+-- never exists (so that Redis Cluster refuses a step on a migrating slot
+-- before it runs: see rebuildProbeKey).
 -- ARGV: 1 step, 2 the rebuild's token, 3 the marker TTL in milliseconds
 -- (switch: the TTL of the switched key),
 -- 4 L, the live layout the caller read, 5 S, the shadow layout the caller
