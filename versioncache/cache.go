@@ -116,6 +116,24 @@ type Cache[T any] struct {
 // lag an Invalidate, and cluster node or ring shard clients given a
 // client-side cache by a NewClient function serve stale hits. Do not pass
 // them; see the package documentation.
+//
+// go-redis ends a command in flight only at its connection's deadline, not
+// when its ctx is cancelled, so a call against a Redis that stops answering
+// is bounded by the client's ReadTimeout and WriteTimeout and, with
+// ContextTimeoutEnabled, also by the ctx's deadline, whichever comes first.
+// New refuses a client that would set no deadline at all with a
+// *ConfigError naming the option (Field "Options.ReadTimeout",
+// "ClusterOptions.WriteTimeout", ...): a ReadTimeout or WriteTimeout of -2
+// (go-redis then ignores the ctx's deadline too), or of -1 without
+// ContextTimeoutEnabled. With ContextTimeoutEnabled and timeouts of -1, a
+// call whose ctx has no deadline can still wait forever. A fill that runs
+// on after its caller's ctx ended, for the callers sharing its load, and a
+// lease release get a one-second ctx of their own, which a command in
+// flight honours only with ContextTimeoutEnabled: without it, the client's
+// timeouts bound them like any other call. A *redis.Ring is checked on its
+// RingOptions (with a NewClient function, on its shards' clients that are
+// up); node clients made by a ClusterOptions.NewClient function are not
+// checked.
 func New[T any](client redis.UniversalClient, config *Config) (*Cache[T], error) {
 	if deps.Missing(client) {
 		return nil, ErrNilClient
@@ -123,6 +141,9 @@ func New[T any](client redis.UniversalClient, config *Config) (*Cache[T], error)
 	cfg := config.WithDefaults()
 	if err := cfg.validate(); err != nil {
 		return nil, err
+	}
+	if u := deps.UnboundedRedis(client); u != nil {
+		return nil, &ConfigError{Field: u.Field, Reason: u.Reason}
 	}
 	if cfg.InvalidateReplicas > 0 {
 		var readTimeout time.Duration
@@ -487,7 +508,9 @@ func (c *Cache[T]) loadAndFill(ctx context.Context, id string, r readResult, loa
 }
 
 // detachedTimeout bounds the Redis calls that run on after the caller's ctx
-// ended because others depend on them: a fill, a lease's release.
+// ended because others depend on them: a fill, a lease's release. A
+// command in flight honours it only with ContextTimeoutEnabled; otherwise
+// the client's ReadTimeout and WriteTimeout bound it (see New).
 const detachedTimeout = time.Second
 
 // releaseLease gives up this process's lease after a failed (or panicked)
@@ -732,11 +755,14 @@ func (c *Cache[T]) filled(stored int) {
 //
 // Nothing is left behind: the previous value is deleted, not orphaned. A
 // *RedisError means the bump may not have happened and the previous value
-// may be served until its TTL: retry, or invalidate from an outbox. A
+// may be served until its TTL: retry, or invalidate from an outbox. (One
+// such error is Redis refusing a bump that foreign values in the id's keys
+// leave without a new version: it names the keys to delete.) A
 // *ReplicationError (only with Config.InvalidateReplicas) means the bump
 // happened on the primary but fewer replicas than asked confirmed it. When
-// the caller's own ctx ended, the *RedisError wraps ctx's error and is not
-// counted as a Redis error.
+// the caller's own ctx ended, the *RedisError wraps ctx's error, also when
+// go-redis reported it as an i/o timeout (wrapped too), and is not counted
+// as a Redis error.
 func (c *Cache[T]) Invalidate(ctx context.Context, id string) error {
 	if c.notFromNew() {
 		return errNotFromNew()
@@ -754,9 +780,14 @@ func (c *Cache[T]) Invalidate(ctx context.Context, id string) error {
 	}
 	if err != nil {
 		// Still a *RedisError (the bump may or may not have happened), but
-		// the caller's own ctx ending is no Redis failure.
-		if callerGaveUp(ctx, err) == nil {
+		// the caller's own ctx ending is no Redis failure, and the error
+		// says so whatever go-redis reported it as (with
+		// ContextTimeoutEnabled, an i/o timeout at the ctx's deadline).
+		switch cerr := callerGaveUp(ctx, err); {
+		case cerr == nil:
 			c.stats.redisErrors.Add(1)
+		case !errors.Is(err, cerr):
+			err = fmt.Errorf("%w: %w", cerr, err)
 		}
 		return &RedisError{Op: "invalidate", ID: id, Err: err}
 	}
@@ -866,7 +897,11 @@ func (c *Cache[T]) read(ctx context.Context, id string, initialise, ignoreCurren
 		ignore = "1"
 	}
 	keys := []string{c.versionKey(id), c.currentKey(id), c.leaseKey(id)}
-	args := []any{mode, c.config.TTL.Milliseconds(), leaseTTL, c.leaseToken, ignore}
+	// A miss keeps the version key alive for TTL + FillLeaseTTL (in
+	// milliseconds, where the sum cannot overflow), so that a load that
+	// outlasts TTL is still cached; see Config.TTL.
+	versionLife := c.config.TTL.Milliseconds() + c.config.FillLeaseTTL.Milliseconds()
+	args := []any{mode, versionLife, leaseTTL, c.leaseToken, ignore}
 	var cmd *redis.Cmd
 	if c.primary != nil {
 		// On the master, like the hit's GET: the script may return the

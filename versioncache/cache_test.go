@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -168,6 +169,55 @@ func TestNew(t *testing.T) {
 		}
 	})
 
+	// go-redis does not end a command in flight when its ctx is cancelled:
+	// a client that sets no connection deadline would let a stalled Redis
+	// hold a Get (or a detached fill) forever.
+	t.Run("ClientThatCanWaitForever", func(t *testing.T) {
+		t.Parallel()
+		const addr = "127.0.0.1:1" // never dialled
+		single := func(read, write time.Duration, ctxTimeout bool) redis.UniversalClient {
+			return redis.NewClient(&redis.Options{Addr: addr, ReadTimeout: read, WriteTimeout: write, ContextTimeoutEnabled: ctxTimeout})
+		}
+		cluster := func(read, write time.Duration, ctxTimeout bool) redis.UniversalClient {
+			return redis.NewClusterClient(&redis.ClusterOptions{Addrs: []string{addr}, ReadTimeout: read, WriteTimeout: write, ContextTimeoutEnabled: ctxTimeout})
+		}
+		ring := func(read, write time.Duration, ctxTimeout bool) redis.UniversalClient {
+			return redis.NewRing(&redis.RingOptions{Addrs: map[string]string{"a": addr},
+				HeartbeatFn: func(context.Context, *redis.Client) bool { return true },
+				ReadTimeout: read, WriteTimeout: write, ContextTimeoutEnabled: ctxTimeout})
+		}
+		for name, tc := range map[string]struct {
+			client redis.UniversalClient
+			field  string // "" when accepted
+		}{
+			"NoReadTimeout":                 {single(-1, 0, false), "Options.ReadTimeout"},
+			"NoWriteTimeout":                {single(time.Second, -1, false), "Options.WriteTimeout"},
+			"NoDeadlineEvenFromCtx":         {single(-2, time.Second, true), "Options.ReadTimeout"},
+			"ClusterNoReadTimeout":          {cluster(-1, 0, false), "ClusterOptions.ReadTimeout"},
+			"ClusterNoWriteDeadline":        {cluster(0, -2, true), "ClusterOptions.WriteTimeout"},
+			"RingNoWriteTimeout":            {ring(0, -1, false), "RingOptions.WriteTimeout"},
+			"Defaults":                      {single(0, 0, false), ""},
+			"Timeouts":                      {single(time.Second, time.Second, false), ""},
+			"CtxDeadlineOnly":               {single(-1, -1, true), ""},
+			"ClusterCtxDeadlineOnly":        {cluster(-1, -1, true), ""},
+			"RingTimeouts":                  {ring(time.Second, 0, false), ""},
+			"RingCtxDeadlineAndReadTimeout": {ring(time.Second, -1, true), ""},
+		} {
+			_, err := New[product](tc.client, &Config{Prefix: "p:"})
+			require.NoError(t, tc.client.Close())
+			if tc.field == "" {
+				require.NoError(t, err, name)
+				continue
+			}
+			require.ErrorIs(t, err, ErrInvalidConfig, name)
+			var cerr *ConfigError
+			require.ErrorAs(t, err, &cerr, name)
+			require.Equal(t, tc.field, cerr.Field, name)
+			require.Contains(t, cerr.Reason, "ContextTimeoutEnabled", name)
+			require.True(t, strings.HasPrefix(err.Error(), "versioncache: the client's "+tc.field+" "), "%s: %s", name, err)
+		}
+	})
+
 	t.Run("Defaults", func(t *testing.T) {
 		t.Parallel()
 		cfg := (*Config)(nil).WithDefaults()
@@ -258,6 +308,96 @@ func TestGet(t *testing.T) {
 		require.NoError(t, err)
 		require.Equal(t, want, got)
 		require.EqualValues(t, 1, b.cache.Stats().StaleFillsSkipped)
+	})
+
+	// The version key a miss reads must still be there at its fill, or
+	// the fill is refused: a load slower than the key's remaining life
+	// would never be cached, miss after miss.
+	t.Run("LoadLongerThanTTLIsCached", func(t *testing.T) {
+		t.Parallel()
+		const ttl = 200 * time.Millisecond
+		slowly := func(b *testBundle, d time.Duration) Loader[product] {
+			return func(ctx context.Context) (product, error) {
+				time.Sleep(d)
+				return b.truth.loader("p1")(ctx)
+			}
+		}
+
+		t.Run("NewVersion", func(t *testing.T) {
+			t.Parallel()
+			b := setup(t, &Config{TTL: ttl})
+			want := b.truth.write("p1", 4900)
+			got, err := b.cache.Get(ctx, "p1", slowly(b, ttl+50*time.Millisecond))
+			require.NoError(t, err)
+			require.Equal(t, want, got)
+			got, err = b.cache.Get(ctx, "p1", b.truth.loader("p1"))
+			require.NoError(t, err)
+			require.Equal(t, want, got)
+			st := b.cache.Stats()
+			require.EqualValues(t, 1, st.Fills)
+			require.Zero(t, st.StaleFillsSkipped, "no write happened during the load")
+			require.EqualValues(t, 1, st.Hits)
+		})
+
+		// After an Invalidate the version key has TTL to live: a miss late
+		// in that life must not lose its fill to the key's expiry.
+		t.Run("VersionNearItsExpiry", func(t *testing.T) {
+			t.Parallel()
+			b := setup(t, &Config{TTL: ttl})
+			want := b.truth.write("p1", 4900)
+			require.NoError(t, b.cache.Invalidate(ctx, "p1"))
+			time.Sleep(ttl - 50*time.Millisecond)
+			got, err := b.cache.Get(ctx, "p1", slowly(b, 100*time.Millisecond))
+			require.NoError(t, err)
+			require.Equal(t, want, got)
+			st := b.cache.Stats()
+			require.EqualValues(t, 1, st.Fills)
+			require.Zero(t, st.StaleFillsSkipped)
+		})
+
+		// Another process's quick fill under the same version must not cut
+		// the version key's life short under a slow load still running.
+		t.Run("AfterAnotherProcessFilled", func(t *testing.T) {
+			t.Parallel()
+			fast := setup(t, &Config{TTL: ttl, DisableFillLease: true})
+			slow := setupWith(t, fast.client, fast.prefix, &Config{TTL: ttl, DisableFillLease: true})
+			slow.truth = fast.truth // one database
+			want := fast.truth.write("p1", 4900)
+			slowStarted := make(chan struct{})
+			done := make(chan error, 1)
+			go func() {
+				_, err := slow.cache.Get(ctx, "p1", func(ctx context.Context) (product, error) {
+					close(slowStarted)
+					time.Sleep(ttl + 100*time.Millisecond)
+					return slow.truth.loader("p1")(ctx)
+				})
+				done <- err
+			}()
+			<-slowStarted // both load under the same version
+			got, err := fast.cache.Get(ctx, "p1", fast.truth.loader("p1"))
+			require.NoError(t, err)
+			require.Equal(t, want, got)
+			require.NoError(t, <-done)
+			require.EqualValues(t, 1, fast.cache.Stats().Fills)
+			st := slow.cache.Stats()
+			require.EqualValues(t, 1, st.Fills)
+			require.Zero(t, st.StaleFillsSkipped)
+		})
+
+		// Past TTL + FillLeaseTTL the version key has expired, and with it
+		// the proof that no write happened during the load: served, not
+		// cached, and counted as documented.
+		t.Run("NotBeyondTTLPlusFillLeaseTTL", func(t *testing.T) {
+			t.Parallel()
+			b := setup(t, &Config{TTL: 100 * time.Millisecond, FillLeaseTTL: 100 * time.Millisecond})
+			want := b.truth.write("p1", 4900)
+			got, err := b.cache.Get(ctx, "p1", slowly(b, 300*time.Millisecond))
+			require.NoError(t, err)
+			require.Equal(t, want, got)
+			st := b.cache.Stats()
+			require.Zero(t, st.Fills)
+			require.EqualValues(t, 1, st.StaleFillsSkipped)
+		})
 	})
 
 	t.Run("LoaderErrorCachesNothing", func(t *testing.T) {
@@ -488,6 +628,90 @@ func TestVersionNeverGoesBackwards(t *testing.T) {
 		require.Equal(t, b.truth.read("p1"), got)
 		after := mustVersion(t, b, "p1")
 		require.Greater(t, after, before) // same length: string order is numeric order
+	})
+
+	// A foreign value under the current key whose prefix is at or above
+	// 2^53 (a snowflake id) must not seed the version: Lua's doubles would
+	// round "one more" back to the same number, every Invalidate would
+	// write the same version again, and a load from before a write would
+	// pass the fill.
+	t.Run("ForeignCurrentValueBeyond2To53", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t, nil)
+		b.truth.write("p1", 100)
+		require.NoError(t, b.client.Set(ctx, b.cache.currentKey("p1"), "9007199254740993:foreign", 0).Err())
+		_, err := b.cache.Get(ctx, "p1", b.truth.loader("p1")) // replaces it
+		require.NoError(t, err)
+		before := mustVersion(t, b, "p1")
+		require.NoError(t, b.cache.Invalidate(ctx, "p1"))
+		require.NotEqual(t, before, mustVersion(t, b, "p1"), "Invalidate left the version as it was")
+
+		// The seed's race: a read loads the old row, a write commits and
+		// invalidates, then the read fills.
+		old, err := b.cache.Get(ctx, "p1", func(ctx context.Context) (product, error) {
+			p := b.truth.read("p1")
+			b.truth.write("p1", 200)
+			return p, b.cache.Invalidate(ctx, "p1")
+		})
+		require.NoError(t, err)
+		want := b.truth.read("p1")
+		require.Less(t, old.Version, want.Version)
+		got, err := b.cache.Get(ctx, "p1", b.truth.loader("p1"))
+		require.NoError(t, err)
+		require.Equal(t, want, got, "a load from before an acknowledged Invalidate was cached")
+	})
+
+	// Anything in the version key that is not a version these scripts
+	// write is foreign: Invalidate moves away from it to a version below
+	// 2^53, and a fill carrying it is refused. 2^53 - 1 is a version, but
+	// one without a successor below 2^53.
+	t.Run("ForeignVersionKey", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t, nil)
+		data, err := json.Marshal(product{ID: "p1"})
+		require.NoError(t, err)
+		for i, foreign := range []string{"9007199254740993", "9007199254740992", "9007199254740991", "18446744073709551616", "-5", "0042", "v7", ""} {
+			id := fmt.Sprintf("p%d", i)
+			keys := []string{b.cache.versionKey(id), b.cache.currentKey(id), b.cache.leaseKey(id)}
+			require.NoError(t, b.client.Set(ctx, keys[0], foreign, 0).Err())
+			var versions []int64
+			for range 2 {
+				require.NoError(t, b.cache.Invalidate(ctx, id), foreign)
+				v, err := strconv.ParseInt(mustVersion(t, b, id), 10, 64)
+				require.NoError(t, err, foreign)
+				require.Less(t, v, int64(1)<<53, foreign)
+				versions = append(versions, v)
+			}
+			require.Less(t, versions[0], versions[1], foreign)
+			stored, err := b.cache.lua.fill.Run(ctx, b.client, keys, foreign, joinVersioned(foreign, data), 60000, "").Int()
+			require.NoError(t, err)
+			require.Zero(t, stored, "a fill under the foreign version %q", foreign)
+		}
+	})
+
+	// The one case that leaves Invalidate no new version: 2^53 - 1 as the
+	// version (no successor) and 2^53 - 2 in the current value (whose
+	// successor is the version as it is). Invalidate must fail, not
+	// silently leave the version where it was.
+	t.Run("NoNewVersionIsAnError", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t, nil)
+		versionKey, currentKey := b.cache.versionKey("p1"), b.cache.currentKey("p1")
+		require.NoError(t, b.client.Set(ctx, versionKey, "9007199254740991", 0).Err())
+		require.NoError(t, b.client.Set(ctx, currentKey, "9007199254740990:foreign", 0).Err())
+		err := b.cache.Invalidate(ctx, "p1")
+		var rerr *RedisError
+		require.ErrorAs(t, err, &rerr)
+		require.ErrorIs(t, err, ErrRedis)
+		require.ErrorContains(t, err, "no new version")
+		require.EqualValues(t, 1, b.cache.Stats().RedisErrors)
+		require.Zero(t, b.cache.Stats().Invalidations)
+		require.Equal(t, "9007199254740991", b.client.Get(ctx, versionKey).Val(), "a refused bump changes nothing")
+		require.Equal(t, "9007199254740990:foreign", b.client.Get(ctx, currentKey).Val())
+
+		// Deleting the keys, as the error says, ends it.
+		require.NoError(t, b.client.Del(ctx, versionKey, currentKey).Err())
+		require.NoError(t, b.cache.Invalidate(ctx, "p1"))
 	})
 
 	t.Run("ConcurrentVersionKeyLoss", func(t *testing.T) {

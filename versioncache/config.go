@@ -70,10 +70,18 @@ type Config struct {
 	Prefix string
 
 	// TTL bounds how long a value is kept after it was loaded (a hit does
-	// not extend it), and is also the idle lifetime of an id's version key.
-	// Invalidate deletes values rather than leaving them behind, so TTL
-	// bounds staleness only for writes that never call Invalidate (or whose
-	// Invalidate was lost), not memory. Defaults to TTLDefault.
+	// not extend it). Invalidate deletes values rather than leaving them
+	// behind, so TTL bounds staleness only for writes that never call
+	// Invalidate (or whose Invalidate was lost), not memory.
+	//
+	// It also sets the idle lifetime of an id's version key: at least TTL
+	// after an Invalidate or a fill, and TTL + FillLeaseTTL after a miss, so
+	// that the miss's load can take longer than TTL. A load is cached when
+	// its fill comes within TTL + FillLeaseTTL of the last miss that read
+	// its version (and no Invalidate came in between). A slower load is
+	// served but not cached, and counted in Stats.StaleFillsSkipped: its
+	// version key has expired, and with it the proof that no write
+	// happened during the load. Defaults to TTLDefault.
 	TTL time.Duration
 
 	// Codec encodes cached values. Defaults to JSONCodec. A typed nil (a
@@ -93,7 +101,9 @@ type Config struct {
 
 	// FillLeaseTTL is how long the process that won a miss may take to load
 	// and fill before the lease lapses and another process may load. It
-	// should exceed a slow load. Defaults to FillLeaseTTLDefault.
+	// should exceed a slow load. With the lease on or off, it also lets a
+	// load outlast TTL and still be cached (see TTL). Defaults to
+	// FillLeaseTTLDefault.
 	FillLeaseTTL time.Duration
 
 	// FillLeaseWait is how long a process that lost the lease waits for the

@@ -103,12 +103,23 @@
 // Versions are microseconds of the Redis server clock: a missing version key
 // (never set, expired, evicted, FLUSHALL, a restart without persistence) is
 // re-created from the clock, and Invalidate sets the version to the largest
-// of current+1, the clock and one above the version embedded in P{id}:c. Every version handed out is therefore at most the
-// clock when it was handed out, and a re-created version is larger than all
-// of them: a fill still in flight under an old version cannot pass the check.
-// This holds as long as the server clock does not step back by more than the
-// time since the last Invalidate (relevant after a failover to a host with a
-// lagging clock).
+// of current+1, the clock and one above the version embedded in P{id}:c.
+// Every version handed out is therefore at most the clock when it was handed
+// out, and a re-created version is larger than all of them: a fill still in
+// flight under an old version cannot pass the check. This holds as long as
+// the server clock does not step back by more than the time since the last
+// Invalidate (relevant after a failover to a host with a lagging clock).
+//
+// Versions are decimal integers below 2^53, where the scripts' Lua numbers
+// (doubles) still count by one. Anything else in P{id}:v or before the ':'
+// of P{id}:c, written by something else (a snowflake id, a sign, a leading
+// zero), is no version: it never seeds the next version, and a P{id}:v
+// holding it is treated as lost and replaced by the next miss or
+// Invalidate. Nor does 2^53 - 1 seed it, having no successor below 2^53:
+// the next version comes from the clock and the other key. When that
+// leaves Invalidate no new version at all (2^53 - 1 in P{id}:v and 2^53 - 2
+// in P{id}:c, both foreign), it changes nothing and returns a *RedisError
+// naming the keys to delete, rather than keep the version.
 //
 // The version key can be lost while P{id}:c survives (it is evicted alone).
 // The value is still current (no Invalidate ran, or it would be gone), so it
@@ -200,6 +211,16 @@
 // invalidation leaves the previous value readable until TTL, so retry it or
 // drive invalidations from a transactional outbox.
 //
+// A Redis that stops answering fails a call only at its connection's
+// deadline: go-redis does not end a command in flight when its ctx is
+// cancelled. That deadline comes from the client's ReadTimeout and
+// WriteTimeout and, with ContextTimeoutEnabled, also from the ctx's
+// deadline, whichever is first; New refuses a client that would set none
+// (a timeout of -2, or of -1 without ContextTimeoutEnabled). The fill and
+// the lease release that run on for the callers sharing a load after its
+// caller's ctx ended get a one-second ctx of their own, which a command in
+// flight honours only with ContextTimeoutEnabled.
+//
 // # Costs
 //
 // One value key, one version key and (briefly, during a miss) one lease key
@@ -207,9 +228,12 @@
 // shape tag. Invalidate deletes the current value instead of leaving it
 // behind under an old version, and a refused fill stores nothing, so no value
 // key is ever orphaned (Stats.OrphanedValueKeys stays 0, kept for
-// compatibility). A miss costs two round trips before the load (the GET that
-// missed, then the script that reads the version and takes the lease) and
-// one after it (the fill).
+// compatibility). A miss keeps the id's version key for TTL + FillLeaseTTL
+// and a fill for at least TTL, so that a load that takes longer than TTL
+// can still be cached (Config.TTL says how much longer); a version key that
+// outlives its use costs memory, never correctness. A miss costs two
+// round trips before the load (the GET that missed, then the script that
+// reads the version and takes the lease) and one after it (the fill).
 //
 // # Caller-supplied versions
 //

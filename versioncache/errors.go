@@ -3,6 +3,7 @@ package versioncache
 import (
 	"errors"
 	"fmt"
+	"strings"
 )
 
 // Sentinel errors. Match them with errors.Is; the typed errors below match
@@ -27,20 +28,31 @@ var (
 	ErrInvalidVersion = errors.New("versioncache: version must not be negative")
 )
 
-// ConfigError reports a Config field that cannot be used, or, with Field
-// "client", a Cache that New did not make (a zero Cache or a nil *Cache),
-// which has no Redis client: its methods return it instead of panicking.
+// ConfigError reports a Config field that cannot be used; or, with Field
+// naming a go-redis option ("Options.ReadTimeout",
+// "ClusterOptions.WriteTimeout", "RingOptions.ReadTimeout", ...), a client
+// that could wait for Redis forever (see New); or, with Field "client", a
+// Cache that New did not make (a zero Cache or a nil *Cache), which has no
+// Redis client: its methods return it instead of panicking.
 type ConfigError struct {
 	Field  string
 	Reason string
 }
 
 func (e *ConfigError) Error() string {
-	if e.Field == fieldClient {
+	switch {
+	case e.Field == fieldClient:
 		return "versioncache: " + e.Field + " " + e.Reason
+	case clientOption(e.Field):
+		return fmt.Sprintf("versioncache: the client's %s %s", e.Field, e.Reason)
 	}
 	return fmt.Sprintf("versioncache: Config.%s %s", e.Field, e.Reason)
 }
+
+// clientOption reports whether a ConfigError's Field names an option of
+// the Redis client ("Options.ReadTimeout") rather than of Config, whose
+// fields have no dot.
+func clientOption(field string) bool { return strings.Contains(field, ".") }
 
 // fieldClient is ConfigError.Field for a Cache that New did not make.
 const fieldClient = "client"
@@ -59,8 +71,9 @@ func (e *ConfigError) Is(target error) bool { return target == ErrInvalidConfig 
 // invalidation leaves the previous value readable until its TTL. A read
 // that failed because the caller's own ctx ended is not one: Get, GetAt and
 // Peek return ctx.Err() and count no Redis error. Invalidate still returns
-// one then (the bump may have happened), wrapping ctx's error, but counts
-// no Redis error either.
+// one then (the bump may have happened), wrapping ctx's error (so that
+// errors.Is(err, context.DeadlineExceeded) holds, whatever go-redis
+// reported) as well as the client's, but counts no Redis error either.
 type RedisError struct {
 	Op  string // "read", "invalidate", "peek"
 	ID  string

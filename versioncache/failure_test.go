@@ -3,6 +3,7 @@ package versioncache
 import (
 	"context"
 	"math"
+	"os"
 	"testing"
 	"time"
 
@@ -74,6 +75,30 @@ func TestRedisUnavailable(t *testing.T) {
 		require.Zero(t, b.cache.Stats().RedisErrors)
 		require.Zero(t, b.truth.loads.Load())
 		require.NoError(t, admin.Do(context.Background(), "CLIENT", "UNPAUSE").Err())
+	})
+
+	// An Invalidate that Redis holds up past the caller's deadline, with a
+	// client that honours deadlines and does not retry: go-redis reports an
+	// i/o timeout, and the *RedisError must still say that the caller's
+	// deadline ended it.
+	t.Run("OwnDeadlineOfInvalidateWrapsCtxError", func(t *testing.T) {
+		t.Parallel()
+		rs := testenv.StartRedis(t)
+		client := rs.Client(t)
+		client.Options().ContextTimeoutEnabled = true
+		client.Options().MaxRetries = -1
+		b := setupWith(t, client, "vc:", nil)
+		admin := rs.Client(t)
+		require.NoError(t, admin.Do(ctx, "CLIENT", "PAUSE", 1000, "WRITE").Err())
+		ctx, cancel := context.WithTimeout(ctx, 200*time.Millisecond)
+		defer cancel()
+		err := b.cache.Invalidate(ctx, "p1")
+		require.NoError(t, admin.Do(context.Background(), "CLIENT", "UNPAUSE").Err())
+		var rerr *RedisError
+		require.ErrorAs(t, err, &rerr, "the bump may have happened: still reported")
+		require.ErrorIs(t, err, context.DeadlineExceeded)
+		require.ErrorIs(t, err, os.ErrDeadlineExceeded, "go-redis's own error is kept too")
+		require.Zero(t, b.cache.Stats().RedisErrors)
 	})
 
 	// A fill and an Invalidate that Redis holds up past the caller's
@@ -334,18 +359,21 @@ func TestLostBump(t *testing.T) {
 		// error for a bump that happened, and retry it: refused up front.
 		for _, tc := range []struct {
 			readTimeout, wait time.Duration
+			ctxTimeout        bool
 			ok                bool
 		}{
-			{200 * time.Millisecond, 500 * time.Millisecond, false},
-			{200 * time.Millisecond, 150 * time.Millisecond, false}, // within the slack
-			{200 * time.Millisecond, 100 * time.Millisecond, true},
-			{200 * time.Millisecond, math.MaxInt64, false}, // "as long as it takes": no overflow past the check
-			{200 * time.Millisecond, math.MaxInt64 - 50*time.Millisecond, false},
-			{0, 5 * time.Second, false}, // go-redis's 5 s default
-			{0, time.Second, true},
-			{-1, time.Minute, true}, // no read timeout
+			{200 * time.Millisecond, 500 * time.Millisecond, false, false},
+			{200 * time.Millisecond, 150 * time.Millisecond, false, false}, // within the slack
+			{200 * time.Millisecond, 100 * time.Millisecond, false, true},
+			{200 * time.Millisecond, math.MaxInt64, false, false}, // "as long as it takes": no overflow past the check
+			{200 * time.Millisecond, math.MaxInt64 - 50*time.Millisecond, false, false},
+			{0, 5 * time.Second, false, false}, // go-redis's 5 s default
+			{0, time.Second, false, true},
+			// No read timeout: the ctx's deadline bounds WAIT's reply
+			// (without ContextTimeoutEnabled, New refuses the client).
+			{-1, time.Minute, true, true},
 		} {
-			client := redis.NewClient(&redis.Options{Addr: "127.0.0.1:1", ReadTimeout: tc.readTimeout})
+			client := redis.NewClient(&redis.Options{Addr: "127.0.0.1:1", ReadTimeout: tc.readTimeout, ContextTimeoutEnabled: tc.ctxTimeout})
 			_, err := New[product](client, &Config{Prefix: "p:", InvalidateReplicas: 1, InvalidateWaitTimeout: tc.wait})
 			_ = client.Close()
 			if tc.ok {

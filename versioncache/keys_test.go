@@ -20,7 +20,7 @@ local real = redis
 local redis = setmetatable({}, {__index = real})
 local declared = {}
 for _, k in ipairs(KEYS) do declared[k] = true end
-local firstArgIsKey = {GET = true, SET = true, GETRANGE = true, PEXPIRE = true}
+local firstArgIsKey = {GET = true, SET = true, GETRANGE = true, PEXPIRE = true, PTTL = true}
 local allArgsAreKeys = {DEL = true}
 local noKeys = {TIME = true}
 redis.call = function(cmd, ...)

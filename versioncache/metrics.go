@@ -63,7 +63,7 @@ func newCacheMetrics(cfg *Config, stats func() Stats) (*cacheMetrics, error) {
 		fills = in.Int64ObservableCounter(metricFills, "{value}",
 			"Loaded values stored in Redis.")
 		staleSkipped = in.Int64ObservableCounter(metricStaleSkipped, "{value}",
-			"Loaded values not stored because the version moved while loading: each one a stale-set race closed.")
+			"Loaded values not stored because the version moved while loading (a stale-set race closed) or its key expired or was lost first, or, for GetAt, because a newer version was stored.")
 		fallbacks = in.Int64ObservableCounter(metricFallbacks, "{read}",
 			"Reads that loaded without the cache's protection, by reason: lease_timeout (the filling process did not deliver within FillLeaseWait), redis_error (FailOpen served the loader's value).")
 		leaseWaits = in.Int64ObservableCounter(metricLeaseWaits, "{read}",

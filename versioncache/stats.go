@@ -17,8 +17,12 @@ type Stats struct {
 	// load) again, and is counted by how that is answered.
 	SharedLoads uint64
 	Fills       uint64 // values stored
-	// StaleFillsSkipped are loads not stored because the version moved
-	// while loading: each is a stale-set race that versioning closed.
+	// StaleFillsSkipped are loads not stored because the version they were
+	// loaded under was no longer the id's version at the fill: an
+	// Invalidate moved it (a stale-set race that versioning closed), or
+	// the version key was evicted or flushed, or expired before a fill that
+	// came more than TTL + FillLeaseTTL after its miss (see Config.TTL).
+	// For GetAt, loads not stored because a newer version was stored.
 	StaleFillsSkipped uint64
 	Invalidations     uint64
 	// OrphanedValueKeys is always 0. Values used to be stored per version,

@@ -5,29 +5,59 @@
 -- KEYS[2]  current key          P{id}:c   ("<version>:<encoded value>")
 -- ARGV[1]  TTL in milliseconds for the version key
 --
--- Returns {new version, 1 if a current value was deleted else 0}.
+-- Returns {new version, 1 if a current value was deleted else 0}, or an
+-- error, having changed nothing, when it finds no new version.
 --
--- The new version is larger than the current one, than the version of the
--- current value (which can outlive a lost version key), and at least the
--- server clock in microseconds. Keeping versions at or near the clock is
--- what lets read.lua restart a lost version key from the clock without ever
--- reusing a version that a fill still in flight might carry.
+-- The new version is larger than the current one and than the version of
+-- the current value (which can outlive a lost version key), where those are
+-- versions (see version below), and at least the server clock in
+-- microseconds. Keeping versions at or near the clock is what lets read.lua
+-- restart a lost version key from the clock without ever reusing a version
+-- that a fill still in flight might carry.
+
+-- version returns text as a number when it is a version these scripts
+-- could have written: decimal digits without a leading zero, below 2^53,
+-- where Lua's doubles (tonumber) still hold every integer and its
+-- successor. Anything else, a foreign or corrupt value, is no version: nil.
+-- read.lua has the same function.
+local function version(text)
+  if not text or #text > 16 or not string.find(text, '^%d+$') then
+    return nil
+  end
+  if #text > 1 and string.sub(text, 1, 1) == '0' then
+    return nil
+  end
+  local v = tonumber(text)
+  if v >= 9007199254740992 then
+    return nil
+  end
+  return v
+end
 
 local t = redis.call('TIME')
 local nextv = tonumber(t[1]) * 1000000 + tonumber(t[2])
-local current = tonumber(redis.call('GET', KEYS[1]) or '')
-if current and current >= nextv then
+-- A version whose successor would not be below 2^53 is not followed, here
+-- and below (none of ours is near it: the clock gets there in 2255).
+local stored = redis.call('GET', KEYS[1])
+local current = version(stored)
+if current and current >= nextv and current + 1 < 9007199254740992 then
   nextv = current + 1
 end
-local head = redis.call('GETRANGE', KEYS[2], 0, 20)
+-- A version has at most 16 digits: its ':' is within the first 17 bytes.
+local head = redis.call('GETRANGE', KEYS[2], 0, 16)
 local sep = string.find(head, ':', 1, true)
-if sep then
-  local embedded = tonumber(string.sub(head, 1, sep - 1))
-  if embedded and embedded >= nextv then
-    nextv = embedded + 1
-  end
+local embedded = sep and version(string.sub(head, 1, sep - 1))
+if embedded and embedded >= nextv and embedded + 1 < 9007199254740992 then
+  nextv = embedded + 1
+end
+local nextText = string.format('%.0f', nextv)
+-- fill.lua compares versions as text: were the version left as it is, a
+-- fill that loaded before this write would pass. Only foreign values can
+-- lead here (2^53 - 1 as the version, 2^53 - 2 in the current value).
+if nextText == stored then
+  return redis.error_reply('versioncache: no new version for ' .. KEYS[1] ..
+    ' (it holds ' .. stored .. '); delete ' .. KEYS[1] .. ' and ' .. KEYS[2])
 end
 local deleted = redis.call('DEL', KEYS[2])
-local version = string.format('%.0f', nextv)
-redis.call('SET', KEYS[1], version, 'PX', ARGV[1])
-return {version, deleted}
+redis.call('SET', KEYS[1], nextText, 'PX', ARGV[1])
+return {nextText, deleted}

@@ -12,7 +12,10 @@
 --
 -- Returns 1 when stored, 0 when the version has moved on or is gone: an
 -- Invalidate (or a re-initialisation, which always picks a larger version)
--- happened since the load began, so the load may predate a write.
+-- may have happened since the load began, so the load may predate a write.
+-- The key is gone when it was evicted or flushed, or when it expired: the
+-- fill came more than TTL + FillLeaseTTL (the life read.lua gives it) after
+-- the last miss that read this version.
 
 -- Release only our lease for this version: a miss under a newer version
 -- may have taken the key over.
@@ -24,6 +27,11 @@ if redis.call('GET', KEYS[1]) ~= ARGV[1] then
 end
 redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[3])
 -- Keep the version key alive at least as long as the current value, so that
--- a later Invalidate moves on from it rather than re-initialising.
-redis.call('PEXPIRE', KEYS[1], ARGV[3])
+-- a later Invalidate moves on from it rather than re-initialising. Never
+-- shorten it: another miss's load under this version may still be running,
+-- and read.lua promised it the key for longer.
+local pttl = redis.call('PTTL', KEYS[1])
+if pttl < tonumber(ARGV[3]) then
+  redis.call('PEXPIRE', KEYS[1], ARGV[3])
+end
 return 1

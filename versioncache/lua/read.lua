@@ -4,8 +4,10 @@
 -- KEYS[1]  version key          P{id}:v
 -- KEYS[2]  current key          P{id}:c   ("<version>:<encoded value>")
 -- KEYS[3]  lease key            P{id}:l   ("<version>:<lease token>")
--- ARGV[1]  "1" to initialise a missing version, "0" to only look (Peek)
--- ARGV[2]  TTL in milliseconds for a freshly initialised version key
+-- ARGV[1]  "1" for a miss (initialise a missing version, keep it alive, take
+--          the lease), "0" to only look (Peek)
+-- ARGV[2]  milliseconds a miss keeps the version key alive at least
+--          (TTL + FillLeaseTTL)
 -- ARGV[3]  fill-lease TTL in milliseconds, "0" when leases are off
 -- ARGV[4]  lease token of the calling process (one per Cache)
 -- ARGV[5]  "1" to ignore the current key (it did not decode), "0" otherwise
@@ -20,52 +22,85 @@
 -- One lease key per id, holding the version it was taken for, so that the
 -- key is known before the version is read and can be declared in KEYS.
 
-local version = redis.call('GET', KEYS[1])
+-- version returns text as a number when it is a version these scripts
+-- could have written: decimal digits without a leading zero, below 2^53,
+-- where Lua's doubles (tonumber) still hold every integer and its
+-- successor. Anything else, a foreign or corrupt value, is no version: nil.
+-- bump.lua has the same function.
+local function version(text)
+  if not text or #text > 16 or not string.find(text, '^%d+$') then
+    return nil
+  end
+  if #text > 1 and string.sub(text, 1, 1) == '0' then
+    return nil
+  end
+  local v = tonumber(text)
+  if v >= 9007199254740992 then
+    return nil
+  end
+  return v
+end
+
+local stored = redis.call('GET', KEYS[1])
+if not version(stored) then
+  stored = nil -- foreign or corrupt: as if lost, and replaced below
+end
 if ARGV[5] ~= '1' then
   local current = redis.call('GET', KEYS[2])
   if current then
-    return {version or false, current, 0}
+    return {stored or false, current, 0}
   end
 end
-if not version then
-  if ARGV[1] ~= '1' then
-    return {false, false, 0}
+if ARGV[1] ~= '1' then
+  return {stored or false, false, 0}
+end
+
+if stored then
+  -- Keep the version alive until the load this miss may start has filled:
+  -- had it expired first, the fill would be refused, and a load slower
+  -- than the key's remaining life would never be cached. A version key
+  -- that outlives its use costs memory only: versions never come back.
+  local pttl = redis.call('PTTL', KEYS[1])
+  if pttl < tonumber(ARGV[2]) then
+    redis.call('PEXPIRE', KEYS[1], ARGV[2])
   end
+else
   -- The version key is gone (first use, TTL, eviction, FLUSHALL, lost
-  -- write). Restart from the server clock in microseconds: every version
-  -- ever handed out is at most the clock when it was handed out, so the new
-  -- one is larger than all of them and no fill still in flight under an old
-  -- version can pass fill.lua's check. A current key that survived the
-  -- version key (only reached here when it did not decode) also bounds it.
+  -- write) or foreign. Restart from the server clock in microseconds:
+  -- every version ever handed out is at most the clock when it was handed
+  -- out, so the new one is larger than all of them and no fill still in
+  -- flight under an old version can pass fill.lua's check. A current key
+  -- that survived the version key (only reached here when it did not
+  -- decode) also bounds it, if its prefix is a version with a successor
+  -- (none of ours is near 2^53: the clock gets there in the year 2255).
   local t = redis.call('TIME')
   local nextv = tonumber(t[1]) * 1000000 + tonumber(t[2])
-  local head = redis.call('GETRANGE', KEYS[2], 0, 20)
+  -- A version has at most 16 digits: its ':' is within the first 17 bytes.
+  local head = redis.call('GETRANGE', KEYS[2], 0, 16)
   local sep = string.find(head, ':', 1, true)
-  if sep then
-    local embedded = tonumber(string.sub(head, 1, sep - 1))
-    if embedded and embedded >= nextv then
-      nextv = embedded + 1
-    end
+  local embedded = sep and version(string.sub(head, 1, sep - 1))
+  if embedded and embedded >= nextv and embedded + 1 < 9007199254740992 then
+    nextv = embedded + 1
   end
-  version = string.format('%.0f', nextv)
-  redis.call('SET', KEYS[1], version, 'PX', ARGV[2])
+  stored = string.format('%.0f', nextv)
+  redis.call('SET', KEYS[1], stored, 'PX', ARGV[2])
 end
 
 if ARGV[3] == '0' then
-  return {version, false, 0}
+  return {stored, false, 0}
 end
-local ours = version .. ':' .. ARGV[4]
+local ours = stored .. ':' .. ARGV[4]
 local held = redis.call('GET', KEYS[3])
 -- The token names a process, so another goroutine of the same process that
 -- already holds the lease is reported as ours: it shares the load in-process.
 if held == ours then
-  return {version, false, 1}
+  return {stored, false, 1}
 end
 -- Versions have no leading zeros, so this prefix match is exact.
-if held and string.sub(held, 1, #version + 1) == version .. ':' then
-  return {version, false, 2}
+if held and string.sub(held, 1, #stored + 1) == stored .. ':' then
+  return {stored, false, 2}
 end
 -- No lease, or one taken under another version: its holder's fill will be
 -- refused by fill.lua's version check, so it guards nothing. Take it over.
 redis.call('SET', KEYS[3], ours, 'PX', ARGV[3])
-return {version, false, 1}
+return {stored, false, 1}
