@@ -239,7 +239,20 @@ func decodeSubmit(w http.ResponseWriter, r *http.Request) (*submitRequest, int, 
 	if req.Delta == nil {
 		return nil, http.StatusUnprocessableEntity, &errorResponse{Field: "delta", Error: "required"}
 	}
+	if isDotSegment(*req.UserID) {
+		return nil, http.StatusUnprocessableEntity, &errorResponse{Field: "user_id",
+			Error: `must not be "." or "..": GET /users/{id}/rank could never read the score, since browsers and the server resolve such a path segment away`}
+	}
 	return &req, 0, nil
+}
+
+// isDotSegment reports whether user is "." or "..". The board stores both,
+// but as the {id} of GET /users/{id}/rank they are dot segments: browsers
+// resolve them (escaped as %2E too) before sending, and ServeMux redirects
+// the unescaped ones to the cleaned path, so no page could read their
+// scores. The service refuses them at submit instead.
+func isDotSegment(user string) bool {
+	return user == "." || user == ".."
 }
 
 // hasLoneSurrogate reports whether the JSON text raw holds a \u escape of a
@@ -329,6 +342,14 @@ func (s *Service) handleRank(w http.ResponseWriter, r *http.Request) {
 		if err != nil || version < 1 {
 			writeJSON(w, http.StatusUnprocessableEntity, errorResponse{Field: "at_least",
 				Error: "must be a positive version, as returned by POST /scores"})
+			return
+		}
+		// The board refuses AtLeast for an id it would refuse at submit,
+		// and counts that as a failed read: answered here, a client's
+		// odd path cannot drive the read-error rate an alert watches. Such
+		// an id has no score, as the read without at_least answers.
+		if s.boardRefusesUserID(user) {
+			writeUserNotFound(w)
 			return
 		}
 		opts = append(opts, leaderboard.AtLeast(user, version))
@@ -480,9 +501,10 @@ func (s *Service) writeError(w http.ResponseWriter, r *http.Request, err error) 
 		writeJSON(w, http.StatusUnprocessableEntity, errorResponse{Field: "limit", Error: err.Error()})
 	case errors.Is(err, leaderboard.ErrUserNotFound), errors.Is(err, leaderboard.ErrInvalidReadOption):
 		// The service's only read option that can be invalid is
-		// at_least's user id: one the board would refuse cannot have a
-		// score, exactly as the same read without at_least answers.
-		writeJSON(w, http.StatusNotFound, errorResponse{Error: "user has no score on this leaderboard"})
+		// at_least's user id, and handleRank answers the ids the board
+		// refuses before reading; should the board's rules outgrow
+		// boardRefusesUserID, such an id still has no score.
+		writeUserNotFound(w)
 	case errors.Is(context.Cause(r.Context()), errRequestTimeout):
 		// Ours, not the client's: it is still waiting for an answer. A
 		// submit cut short may or may not have committed; retrying it with
@@ -515,6 +537,20 @@ func (s *Service) writeError(w http.ResponseWriter, r *http.Request, err error) 
 		s.logger.Error("request failed", slog.String("method", r.Method), slog.String("path", r.URL.Path), slog.Any("err", err))
 		writeJSON(w, http.StatusInternalServerError, errorResponse{Error: "internal error"})
 	}
+}
+
+// writeUserNotFound is the 404 of GET /users/{id}/rank.
+func writeUserNotFound(w http.ResponseWriter) {
+	writeJSON(w, http.StatusNotFound, errorResponse{Error: "user has no score on this leaderboard"})
+}
+
+// boardRefusesUserID reports whether the board would refuse user as a
+// Command.UserID (empty, longer than Config.MaxUserIDLength, not valid
+// UTF-8, or holding a NUL byte): the board has these rules but does not
+// export them.
+func (s *Service) boardRefusesUserID(user string) bool {
+	return user == "" || len(user) > s.board.Config().MaxUserIDLength ||
+		!utf8.ValidString(user) || strings.IndexByte(user, 0) >= 0
 }
 
 // requestField names a Command field as the request spells it.

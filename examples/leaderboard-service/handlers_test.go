@@ -6,6 +6,7 @@ import (
 	"log/slog"
 	"net/http"
 	"net/url"
+	"regexp"
 	"strings"
 	"testing"
 	"time"
@@ -124,6 +125,8 @@ func TestSubmit(t *testing.T) {
 			{"LoneLowSurrogate", uuid.NewString(), `{"user_id":"\udc00b","delta":1}`, 422, "user_id"},
 			{"SurrogatesReversed", uuid.NewString(), `{"user_id":"\udc00\ud800","delta":1}`, 422, "user_id"},
 			{"HighSurrogateTwice", uuid.NewString(), `{"user_id":"\ud83d\ud83d","delta":1}`, 422, "user_id"},
+			{"DotUser", uuid.NewString(), `{"user_id":".","delta":1}`, 422, "user_id"},
+			{"DotDotUser", uuid.NewString(), `{"user_id":"..","delta":1}`, 422, "user_id"},
 		} {
 			t.Run(tc.name, func(t *testing.T) {
 				res := tb.submit(t, tc.key, tc.body)
@@ -364,6 +367,59 @@ func TestRank(t *testing.T) {
 		text := string(tb.do(t, http.MethodGet, "/metrics", nil, "").body)
 		require.Contains(t, text, `route="GET /users/{id}/rank"`)
 		require.NotContains(t, text, "%2F")
+	})
+
+	t.Run("DotIDs", func(t *testing.T) {
+		t.Parallel()
+		// "." and ".." would be stored but never read back: escaped as
+		// url.PathEscape or a page's encodeURIComponent escapes them, they
+		// are dot segments that the path resolves away. Refused at submit;
+		// other ids of dots are ordinary ones.
+		tb := setup(t)
+		for _, user := range []string{".", ".."} {
+			res := tb.submit(t, uuid.NewString(), fmt.Sprintf(`{"user_id":%q,"delta":1}`, user))
+			require.Equal(t, http.StatusUnprocessableEntity, res.status, "%q: %s", user, res.body)
+			body := res.json(t)
+			require.Equal(t, "user_id", body["field"], "%q", user)
+			require.Contains(t, body["error"], "GET /users/{id}/rank", "%q: the error says why", user)
+		}
+		events, _ := tb.counts(t)
+		require.Zero(t, events, "a refused id writes nothing")
+
+		for i, user := range []string{"...", ".a", "a.", "./a"} {
+			res := tb.submit(t, uuid.NewString(), fmt.Sprintf(`{"user_id":%q,"delta":%d}`, user, 10-i))
+			require.Equal(t, http.StatusCreated, res.status, "%q: %s", user, res.body)
+		}
+		tb.drain(t)
+		for i, user := range []string{"...", ".a", "a.", "./a"} {
+			path := "/users/" + url.PathEscape(user) + "/rank"
+			res := tb.do(t, http.MethodGet, path, nil, "")
+			require.Equal(t, http.StatusOK, res.status, "%s: %s", path, res.body)
+			require.Equal(t, user, res.json(t)["user_id"], path)
+			require.Equal(t, float64(i+1), res.json(t)["rank"], path)
+		}
+	})
+
+	t.Run("AtLeastWithIDTheBoardRefuses", func(t *testing.T) {
+		t.Parallel()
+		// No score can have such an id: 404 as without at_least, and no
+		// read, so a client cannot drive the library's read-error count
+		// (the board refuses AtLeast for such an id as an invalid option).
+		tb := setup(t)
+		for _, id := range []string{"%00", "a%00b", "%ff", strings.Repeat("x", 129)} {
+			for _, q := range []string{"", "?at_least=1"} {
+				path := "/users/" + id + "/rank" + q
+				res := tb.do(t, http.MethodGet, path, nil, "")
+				require.Equal(t, http.StatusNotFound, res.status, "%s: %s", path, res.body)
+				require.Equal(t, "user has no score on this leaderboard", res.json(t)["error"], path)
+			}
+		}
+		reads := regexp.MustCompile(`(?m)^verity_leaderboard_reads_total\{.*$`).FindAllString(
+			string(tb.do(t, http.MethodGet, "/metrics", nil, "").body), -1)
+		require.NotEmpty(t, reads)
+		for _, line := range reads {
+			require.NotContains(t, line, `verity_leaderboard_outcome="error"`)
+		}
 	})
 
 	t.Run("ReadYourWrites", func(t *testing.T) {
