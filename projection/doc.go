@@ -170,11 +170,16 @@
 // sends the rest of the slot group again. Within one slot group the
 // script runs alone (nothing interleaves with it) and checks what it can
 // before it writes; across slot groups nothing is atomic (Redis has no
-// cross-slot atomicity): if a call fails, some groups may have been
-// applied. A Redis error inside a script (WRONGTYPE, when a key holds
-// another type) also keeps the writes the script made before it: Redis
-// does not roll a script back. Both are safe because the gate makes every
-// write idempotent and order-insensitive: the relay re-delivers the batch,
+// cross-slot atomicity): if a call fails, the other groups' calls, sent
+// in the same round trip, may have been applied. Handle gives the failed
+// call's error to the records of that slot group only and acknowledges
+// the rest; Gate.Apply and Project fail the batch with it. Either way the
+// metrics count the verdicts of every write the gate decided, and as
+// failed only the records that the failed call left undecided. A Redis
+// error inside a script (WRONGTYPE, when a key holds another type) also
+// keeps the writes the script made before it: Redis does not roll a
+// script back. Both are safe because the gate makes every write
+// idempotent and order-insensitive: the relay re-delivers what failed,
 // applied records come back duplicate, the rest are applied. Gate.Apply
 // and Project return a WRONGTYPE error for the batch. Handle gives a
 // *WrongKeyTypeError (ErrWrongKeyType) to the records whose keys hold
@@ -183,12 +188,14 @@
 // as applied, not as a duplicate — and the slot group's writes after the
 // failing one are sent again one by one.
 //
-// When a Cluster master dies, batches touching its slots fail until a
-// replica is promoted; the gate then makes the client reload its slot map,
-// so the relay's next retry reaches the new master (whose empty script
-// cache the NOSCRIPT fallback fills). Redis replication is asynchronous, so
-// a failover can lose writes the old master had already acknowledged — and
-// the relay has already acknowledged their records. The gate cannot see
+// When a Cluster master dies, writes to its slots fail until a replica is
+// promoted (through Handle, only the records of those slots: the rest of
+// each batch is applied and acknowledged); the gate then makes the client
+// reload its slot map, so the relay's next retry reaches the new master
+// (whose empty script cache the NOSCRIPT fallback fills). Redis
+// replication is asynchronous, so a failover can lose writes the old
+// master had already acknowledged — and the relay has already
+// acknowledged their records. The gate cannot see
 // that loss; the projection is behind (never wrong in the other direction)
 // until the next write of that target or a reconciliation run repairs it.
 //
@@ -200,8 +207,8 @@
 // returns the writes acknowledged meanwhile vanish from readers: the
 // projection moves backwards, to the shard's older state. Give the Ring a
 // RingOptions.HeartbeatFn that always reports the shard up, so that a
-// shard that does not answer fails its batches (the relay retries them)
-// instead of moving keys:
+// shard that does not answer fails the writes it holds (the relay retries
+// their records) instead of moving keys:
 //
 //	HeartbeatFn: func(context.Context, *redis.Client) bool { return true },
 //
@@ -247,8 +254,9 @@
 // outbox.NewRelay as is. Project fails the whole batch on a record that
 // cannot be mapped, or on a collection whose version layout differs;
 // Handle instead gives each such record its own Result.Err (the relay
-// retries, then dead-letters it) and projects the rest. Redis errors fail
-// the batch in both.
+// retries, then dead-letters it) and projects the rest. A failed script
+// call (a Redis error) fails the batch in Project; in Handle it fails only
+// the records of its slot group, with the call's error.
 //
 // # Metrics
 //
@@ -256,7 +264,9 @@
 // (verity.projection.*): the gate's verdicts by outcome (applied, duplicate,
 // stale, unknown) and mode (live, shadow), records that failed by reason (map,
 // corrupt_version, layout, redis; when a Mapper refuses records, Project
-// fails the whole batch but counts only those records), the gate's
+// fails the whole batch but counts only those records, and when one slot
+// group's script call fails, only that group's records count as failed
+// while the other groups' verdicts and lag are recorded), the gate's
 // round-trip time, and verity.projection.lag, the commit-to-visible lag of
 // each applied record: the projector's clock at the moment the gate
 // answered, minus the record's CreatedAt. CreatedAt is set by PostgreSQL

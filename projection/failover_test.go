@@ -8,8 +8,11 @@ import (
 
 	"github.com/redis/go-redis/v9"
 	"github.com/stretchr/testify/require"
+	"go.opentelemetry.io/otel/attribute"
 
+	"github.com/verity-go/verity/internal/telemetry/metrictest"
 	"github.com/verity-go/verity/internal/testenv"
+	"github.com/verity-go/verity/outbox"
 )
 
 // TestGateClusterFailover kills the master that owns a collection's slot in
@@ -135,4 +138,116 @@ func TestGateRingShardOutage(t *testing.T) {
 	require.Equal(t, []Outcome{OutcomeStale}, out)
 	require.Equal(t, "3", home.HGet(ctx, ks.VersionKey(target), "ada").Val())
 	require.Zero(t, other.DBSize(ctx).Val())
+}
+
+// TestProjectorClusterMasterDown projects batches that span two Cluster
+// masters while one of them is down. The script call to the live master
+// runs and applies its writes, so its records are acknowledged (Handle)
+// and counted by their verdicts and lag (Handle and Project); only the
+// records of the dead master's slot group fail, each with the call's
+// error, and only they count as failed. Project and Gate.Apply keep their
+// batch contract: the call's error, no outcomes.
+func TestProjectorClusterMasterDown(t *testing.T) {
+	t.Parallel()
+	if testing.Short() {
+		t.Skip("starts a private Redis Cluster")
+	}
+	c := testenv.StartRedisCluster(t, 3, 0)
+	ctx := context.Background()
+	// Without full coverage required, the live masters keep serving their
+	// slots once the cluster has marked the dead one failed.
+	for _, addr := range c.Addrs() {
+		node := redis.NewClient(&redis.Options{Addr: addr})
+		require.NoError(t, node.ConfigSet(ctx, "cluster-require-full-coverage", "no").Err())
+		require.NoError(t, node.Close())
+	}
+	client := redis.NewClusterClient(&redis.ClusterOptions{Addrs: c.Addrs(),
+		DialTimeout: 500 * time.Millisecond, ReadTimeout: time.Second, WriteTimeout: time.Second,
+		MaxRedirects: 1, MaxRetries: -1})
+	t.Cleanup(func() { _ = client.Close() })
+	rec := metrictest.New(t)
+	ks, err := NewKeyspace("down:") // a private cluster: nothing to clean up
+	require.NoError(t, err)
+
+	// Two collections whose keys live on different masters.
+	master := func(name string) int { return c.MasterForSlot(t, ks.Slot(Target{Kind: KindSortedSet, Name: name})) }
+	live, dead := "board-0", ""
+	for i := 1; dead == ""; i++ {
+		if name := "board-" + strconv.Itoa(i); master(name) != master(live) {
+			dead = name
+		}
+	}
+	mapper := StreamMapper{"live": SortedSetMapper(live), "dead": SortedSetMapper(dead)}
+	p, err := NewRedisProjector(client, mapper, &Config{Prefix: "down:", MeterProvider: rec.Provider})
+	require.NoError(t, err)
+	// Load the slot map and the script on both masters.
+	results, err := p.Handle(ctx, []outbox.Record{record("live", "warm", 1, "1"), record("dead", "warm", 1, "1")})
+	require.NoError(t, err)
+	require.Equal(t, []outbox.Result{{}, {}}, results)
+
+	byOutcome := func(s metrictest.Snapshot, name, outcome string) int64 {
+		return s.Int(metricWrites, attribute.String(AttributeName, name), attribute.String(AttributeOutcome, outcome))
+	}
+	failed := func(s metrictest.Snapshot, reason string) int64 {
+		return s.Int(metricFailed, attribute.String(AttributeReason, reason))
+	}
+	lagSamples := func(s metrictest.Snapshot) uint64 { return s.Count(metricLag, attribute.String(AttributeName, live)) }
+	score := func(member string) float64 {
+		got, err := client.ZScore(ctx, ks.ValueKey(Target{Kind: KindSortedSet, Name: live, Member: member}), member).Result()
+		require.NoError(t, err)
+		return got
+	}
+	committed := func(batch ...outbox.Record) []outbox.Record {
+		for i := range batch {
+			batch[i].CreatedAt = time.Now()
+		}
+		return batch
+	}
+	before := rec.Collect(t)
+	c.Kill(master(dead))
+
+	t.Run("HandleAcknowledgesTheLiveMastersRecords", func(t *testing.T) {
+		batch := committed(record("live", "ada", 1, "10"), record("dead", "bob", 1, "20"),
+			record("nowhere", "cy", 1, "30"), record("live", "dee", 1, "40"))
+		results, err := p.Handle(ctx, batch)
+		require.NoError(t, err, "the failure is the dead master's records', not the batch's")
+		require.Len(t, results, len(batch))
+		require.NoError(t, results[0].Err)
+		require.NoError(t, results[3].Err)
+		require.Error(t, results[1].Err)
+		require.Contains(t, results[1].Err.Error(), "projection: gate script:")
+		var mapErr *MapError
+		require.ErrorAs(t, results[2].Err, &mapErr, "an unmappable record keeps its own error")
+		require.Equal(t, 10.0, score("ada"))
+		require.Equal(t, 40.0, score("dee"))
+
+		s := rec.Collect(t)
+		require.Equal(t, int64(2), byOutcome(s, live, "applied")-byOutcome(before, live, "applied"), "ada and dee")
+		require.Zero(t, byOutcome(s, dead, "applied")-byOutcome(before, dead, "applied"))
+		require.Zero(t, byOutcome(s, dead, "unknown"), "bob's call failed: the gate decided nothing")
+		require.Equal(t, int64(1), failed(s, reasonRedis), "bob only")
+		require.Equal(t, int64(1), failed(s, reasonMap), "cy")
+		require.Equal(t, uint64(2), lagSamples(s)-lagSamples(before), "ada and dee")
+	})
+
+	t.Run("ProjectFailsTheBatchButCountsTheLiveMastersWrites", func(t *testing.T) {
+		before := rec.Collect(t)
+		out, err := p.Project(ctx, committed(record("live", "ada", 2, "11"), record("dead", "bob", 2, "21")))
+		require.Error(t, err)
+		require.Contains(t, err.Error(), "projection: gate script:")
+		require.Nil(t, out)
+		require.Equal(t, 11.0, score("ada"))
+
+		s := rec.Collect(t)
+		require.Equal(t, int64(1), byOutcome(s, live, "applied")-byOutcome(before, live, "applied"), "ada")
+		require.Equal(t, int64(1), failed(s, reasonRedis)-failed(before, reasonRedis), "bob only")
+		require.Equal(t, uint64(1), lagSamples(s)-lagSamples(before), "ada")
+	})
+
+	t.Run("ApplyFailsTheBatch", func(t *testing.T) {
+		out, err := p.Gate().Apply(ctx, []Write{zset(live, "ada", 3, 12), zset(dead, "bob", 3, 22)})
+		require.Error(t, err)
+		require.Nil(t, out)
+		require.Equal(t, 12.0, score("ada"), "the live master's group was applied")
+	})
 }

@@ -137,8 +137,8 @@ func (g *Gate) Load(ctx context.Context) error {
 // have been applied. Any other error means the batch's effect is unknown:
 // some slot groups may have been applied, and a group that Redis failed
 // part-way (WRONGTYPE, when a key holds another type) keeps the writes
-// its script made before the error. Applying the batch again is always
-// safe.
+// its script made before the error. When several slot groups fail, the
+// error is the first's. Applying the batch again is always safe.
 func (g *Gate) Apply(ctx context.Context, writes []Write) ([]Outcome, error) {
 	return joinRun(g.run(ctx, modeLive, "", writes, false))
 }
@@ -222,13 +222,25 @@ func joinRun(outcomes []Outcome, perWrite []error, err error) ([]Outcome, error)
 // keys after learning that a running rebuild uses another bucket count.
 const layoutRetries = 3
 
-// run validates and applies writes. It returns either a batch error, or
-// the outcomes together with a per-write error slice (nil entries except
-// for writes refused because their stored version is unreadable). token
-// follows the mode in ARGV[1]: the rebuild's token, and for modeCopy its
-// batch number after a space.
+// run validates and applies writes. token follows the mode in ARGV[1]: the
+// rebuild's token, and for modeCopy its batch number after a space.
 //
-// isolate turns a collection's layout mismatch from a batch error into a
+// An error with nil outcomes means nothing was sent: the Gate has no client,
+// or a write is invalid. Otherwise run returns one Outcome and one error per
+// write, nil unless the write has OutcomeUnknown: a *CorruptVersionError
+// (its stored version is unreadable), an error that isolate makes the
+// write's own (below), or the error that failed the script call of the
+// write's slot group (a Redis error such as a node down or a timeout,
+// ErrShadowNotOwned, ErrUnexpectedReply, and without isolate a
+// *LayoutMismatchError). Such a write's effect is unknown (the call may
+// have run) and it is not counted among the gate's verdicts; if the script
+// reported the writes it finished before its error, their verdicts stand.
+// A failed call does not hold back the other slot groups: their verdicts
+// stand and are counted. Without isolate, the first failed call's error
+// is also returned, and Apply fails the batch with it; with isolate, run
+// returns no error once it has sent the batch.
+//
+// isolate turns a collection's layout mismatch from a call failure into a
 // per-write *LayoutMismatchError for that collection's writes only; the
 // rest of its slot group is sent again (the script refused the whole
 // group before writing), so one misconfigured collection cannot hold back
@@ -265,6 +277,24 @@ func (g *Gate) run(ctx context.Context, mode, token string, writes []Write, isol
 	}
 	start := time.Now()
 	defer func() { g.metrics.recordBatch(ctx, metricsMode, time.Since(start)) }()
+	// A failed script call leaves its writes undecided; undecided (made on
+	// the first failure, so a batch without one does not pay for it)
+	// keeps them out of the verdicts counted below.
+	var (
+		undecided []bool
+		firstErr  error
+	)
+	callFailed := func(index []int, err error) {
+		if undecided == nil {
+			undecided = make([]bool, len(writes))
+		}
+		for _, i := range index {
+			outcomes[i], perWrite[i], undecided[i] = OutcomeUnknown, err, true
+		}
+		if firstErr == nil {
+			firstErr = err
+		}
+	}
 	relearned := make(map[baseKey]int) // shadow layouts learnt per collection
 	var alone map[int]bool             // writes sent in a group of their own
 	for len(pending) > 0 {
@@ -281,7 +311,8 @@ func (g *Gate) run(ctx context.Context, mode, token string, writes []Write, isol
 			}
 			if err != nil {
 				if isNotOwnedReply(err) {
-					return nil, nil, ErrShadowNotOwned
+					callFailed(grp.index, ErrShadowNotOwned) // refused before any write
+					continue
 				}
 				lr, ok := parseLayoutReply(err, grp)
 				switch {
@@ -290,8 +321,9 @@ func (g *Gate) run(ctx context.Context, mode, token string, writes []Write, isol
 					if done >= 0 || len(rest) == 1 {
 						// The script stopped at write done (0 when alone).
 						done = max(done, 0)
-						if err := decodeReplies(writes, grp.index[:done], codes, outcomes, perWrite); err != nil {
-							return nil, nil, err
+						if derr := decodeReplies(writes, grp.index[:done], codes, outcomes, perWrite); derr != nil {
+							callFailed(grp.index, derr)
+							continue
 						}
 						i := grp.index[done]
 						perWrite[i] = &WrongKeyTypeError{Index: i, Target: writes[i].Target, Err: err}
@@ -306,7 +338,14 @@ func (g *Gate) run(ctx context.Context, mode, token string, writes []Write, isol
 					pending = append(pending, rest...)
 					continue
 				case !ok:
-					return nil, nil, g.failed(ctx, err)
+					// The writes the script reports finished stand; the
+					// others' effect is unknown (the call may have run).
+					kept := 0
+					if done > 0 && done < len(grp.index) && decodeReplies(writes, grp.index[:done], codes, outcomes, perWrite) == nil {
+						kept = done
+					}
+					callFailed(grp.index[kept:], g.failed(ctx, err))
+					continue
 				case lr.shadow && mode == modeLive && lr.stored >= 0 && relearned[lr.coll] < layoutRetries:
 					// A rebuild fills shadows in another layout: dual-write
 					// into its layout (remembered for later batches). The
@@ -329,16 +368,21 @@ func (g *Gate) run(ctx context.Context, mode, token string, writes []Write, isol
 					}
 					continue
 				default:
-					return nil, nil, lr.mismatch(g.ks.buckets)
+					// Refused before any write: the whole group.
+					callFailed(grp.index, lr.mismatch(g.ks.buckets))
+					continue
 				}
 			}
 			if err := decodeReplies(writes, grp.index, codes, outcomes, perWrite); err != nil {
-				return nil, nil, err
+				callFailed(grp.index, err)
 			}
 		}
 	}
-	g.metrics.recordWrites(ctx, metricsMode, writes, outcomes)
-	return outcomes, perWrite, nil
+	g.metrics.recordWrites(ctx, metricsMode, writes, outcomes, undecided)
+	if isolate {
+		return outcomes, perWrite, nil
+	}
+	return outcomes, perWrite, firstErr
 }
 
 // decodeReplies sets the outcome, or the *CorruptVersionError, of the

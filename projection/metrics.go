@@ -41,7 +41,7 @@ const (
 	reasonRedis          = "redis"
 )
 
-// failReason is the reason a batch error fails its records with.
+// failReason is the reason an error fails records with.
 func failReason(err error) string {
 	if errors.Is(err, ErrLayoutMismatch) {
 		return reasonLayout
@@ -72,7 +72,7 @@ func newProjectionMetrics(mp metric.MeterProvider) (*projectionMetrics, error) {
 		writes: in.Counter(metricWrites, "{write}",
 			"Writes decided by the version gate, by outcome: applied, duplicate (same version again), stale (older version), unknown (refused: unreadable stored version, or the collection's version layout differs)."),
 		failed: in.Counter(metricFailed, "{record}",
-			"Outbox records the projector could not apply, by reason: map (the Mapper refused it), corrupt_version (unreadable stored version), layout (its collection's version layout differs from the projector's), redis (the batch's script call failed)."),
+			"Outbox records the projector could not apply, by reason: map (the Mapper refused it), corrupt_version (unreadable stored version), layout (its collection's version layout differs from the projector's), redis (the script call of its slot group failed, or a key holds another Redis type)."),
 		lag: in.Histogram(metricLag, "s",
 			"Commit-to-visible lag: time from the outbox row's created_at (database clock) until the gate applied it in Redis (projector host clock). Only applied writes.",
 			telemetry.LagBuckets()...),
@@ -101,13 +101,17 @@ type writeKey struct {
 }
 
 // recordWrites counts the gate's verdicts, one Add per distinct attribute
-// set of the batch.
-func (m *projectionMetrics) recordWrites(ctx context.Context, mode string, writes []Write, outcomes []Outcome) {
+// set of the batch. Writes marked undecided (nil: none), whose script call
+// failed, have no verdict and are not counted.
+func (m *projectionMetrics) recordWrites(ctx context.Context, mode string, writes []Write, outcomes []Outcome, undecided []bool) {
 	if m == nil {
 		return
 	}
 	counts := make(map[writeKey]int64, 1)
 	for i := range writes {
+		if undecided != nil && undecided[i] {
+			continue
+		}
 		counts[writeKey{name: metricName(writes[i].Target), kind: writes[i].Target.Kind, outcome: outcomes[i]}]++
 	}
 	for k, n := range counts {

@@ -201,7 +201,10 @@ func unmadeProjector() error {
 // while the other outcomes stay valid. A collection whose version layout
 // differs fails the call with *LayoutMismatchError (as Gate.Apply). Any
 // other error leaves the batch's effect unknown; projecting it again is
-// safe.
+// safe. When one slot group's script call fails (or is refused for its
+// layout), the call returns that error and no outcomes, but the metrics
+// still count the verdicts, and the lag, of the slot groups whose calls
+// succeeded, and count only the failed group's records as failed.
 func (p *RedisProjector) Project(ctx context.Context, batch []outbox.Record) ([]Outcome, error) {
 	if p.unmade() {
 		return nil, unmadeProjector()
@@ -227,19 +230,15 @@ func (p *RedisProjector) Project(ctx context.Context, batch []outbox.Record) ([]
 		return nil, firstErr
 	}
 	outcomes, perWrite, err := p.gate.run(ctx, modeLive, "", writes, false)
-	if err != nil {
+	if err != nil && outcomes == nil { // refused before anything was sent
 		p.metrics.recordFailed(ctx, failReason(err), len(writes))
 		return nil, err
 	}
-	if p.metrics != nil {
-		applied := make([]bool, len(batch))
-		for i, o := range outcomes {
-			applied[i] = o == OutcomeApplied
-		}
-		p.metrics.recordLag(ctx, batch, writes, applied)
-		p.metrics.recordFailed(ctx, reasonCorruptVersion, len(compact(perWrite)))
-	}
+	p.recordGated(ctx, batch, nil, writes, outcomes, perWrite)
 	p.logBatch(ctx, batch, outcomes, nil)
+	if err != nil {
+		return nil, err
+	}
 	if errs := compact(perWrite); len(errs) > 0 {
 		return outcomes, errors.Join(errs...)
 	}
@@ -256,8 +255,16 @@ func (p *RedisProjector) Project(ctx context.Context, batch []outbox.Record) ([]
 // each on its own, to find any other) gets its own Result.Err, so
 // the relay retries only that record and dead-letters it after
 // MaxAttempts, while the rest of the batch is applied and acknowledged.
-// Any other Redis error fails the whole batch, which the relay retries
-// after its backoff.
+//
+// Redis errors are isolated the same way, by slot group: when the script
+// call of one group fails (its Cluster master or Ring shard is down, a
+// timeout, a cancelled context), each record of that group gets the
+// call's error as its Result.Err, and the relay retries it after a
+// backoff as it would a failed batch (the call may have run, so its
+// writes may come back as duplicates), while the records of the groups
+// whose calls succeeded are acknowledged and counted by their verdicts.
+// Handle's own error is reserved for a call refused before anything was
+// sent, such as one on a RedisProjector not made by NewRedisProjector.
 func (p *RedisProjector) Handle(ctx context.Context, batch []outbox.Record) ([]outbox.Result, error) {
 	if p.unmade() {
 		return nil, unmadeProjector()
@@ -276,7 +283,7 @@ func (p *RedisProjector) Handle(ctx context.Context, batch []outbox.Record) ([]o
 	}
 	p.metrics.recordFailed(ctx, reasonMap, len(batch)-len(writes))
 	outcomes, perWrite, err := p.gate.run(ctx, modeLive, "", writes, true)
-	if err != nil {
+	if err != nil { // refused before anything was sent
 		p.metrics.recordFailed(ctx, failReason(err), len(writes))
 		return nil, err
 	}
@@ -296,31 +303,48 @@ func (p *RedisProjector) Handle(ctx context.Context, batch []outbox.Record) ([]o
 			results[i].Err = err
 		}
 	}
-	if p.metrics != nil {
-		written := make([]Write, len(batch))
-		applied := make([]bool, len(batch))
-		for j, i := range positions {
-			written[i], applied[i] = writes[j], outcomes[j] == OutcomeApplied
-		}
-		p.metrics.recordLag(ctx, batch, written, applied)
-		corrupt, layout, other := 0, 0, 0
-		for _, err := range perWrite {
-			switch {
-			case err == nil:
-			case errors.Is(err, ErrCorruptVersion):
-				corrupt++
-			case errors.Is(err, ErrLayoutMismatch):
-				layout++
-			default:
-				other++
-			}
-		}
-		p.metrics.recordFailed(ctx, reasonCorruptVersion, corrupt)
-		p.metrics.recordFailed(ctx, reasonLayout, layout)
-		p.metrics.recordFailed(ctx, reasonRedis, other)
-	}
+	p.recordGated(ctx, batch, positions, writes, outcomes, perWrite)
 	p.logBatch(ctx, batch, all, results)
 	return results, nil
+}
+
+// recordGated records the lag of the records the gate applied and counts,
+// by reason, the records whose write has an error in perWrite: refused by
+// the gate, or in a slot group whose script call failed. writes[j] is the
+// write of batch[positions[j]] (of batch[j] when positions is nil).
+func (p *RedisProjector) recordGated(ctx context.Context, batch []outbox.Record, positions []int, writes []Write, outcomes []Outcome, perWrite []error) {
+	if p.metrics == nil {
+		return
+	}
+	written := writes
+	if positions != nil {
+		written = make([]Write, len(batch))
+	}
+	applied := make([]bool, len(batch))
+	for j := range writes {
+		i := j
+		if positions != nil {
+			i = positions[j]
+			written[i] = writes[j]
+		}
+		applied[i] = outcomes[j] == OutcomeApplied
+	}
+	p.metrics.recordLag(ctx, batch, written, applied)
+	corrupt, layout, other := 0, 0, 0
+	for _, err := range perWrite {
+		switch {
+		case err == nil:
+		case errors.Is(err, ErrCorruptVersion):
+			corrupt++
+		case errors.Is(err, ErrLayoutMismatch):
+			layout++
+		default: // the call failed, or a key holds another type
+			other++
+		}
+	}
+	p.metrics.recordFailed(ctx, reasonCorruptVersion, corrupt)
+	p.metrics.recordFailed(ctx, reasonLayout, layout)
+	p.metrics.recordFailed(ctx, reasonRedis, other)
 }
 
 // mapRecord maps and validates one record.

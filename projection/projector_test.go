@@ -284,12 +284,16 @@ func TestRedisProjector(t *testing.T) {
 			pb := setupProjector(t, b)
 			cancelled, cancel := context.WithCancel(context.Background())
 			cancel()
-			batch := []outbox.Record{record("orders", "h", 1, "{}")}
+			batch := []outbox.Record{record("orders", "h", 1, "{}"), record("scores", "h", 1, "1")}
 			_, err := pb.projector.Project(cancelled, batch)
 			require.ErrorIs(t, err, context.Canceled)
+			// Handle fails every record with its slot group's call.
 			results, err := pb.projector.Handle(cancelled, batch)
-			require.ErrorIs(t, err, context.Canceled)
-			require.Nil(t, results)
+			require.NoError(t, err)
+			require.Len(t, results, len(batch))
+			for i := range results {
+				require.ErrorIs(t, results[i].Err, context.Canceled, "record %d", i)
+			}
 		})
 	})
 }
@@ -505,8 +509,10 @@ func TestNewRedisProjectorNeedsBoundedCommands(t *testing.T) {
 		hctx, cancel := context.WithTimeout(ctx, 200*time.Millisecond)
 		defer cancel()
 		start := time.Now()
-		_, err = p.Handle(hctx, []outbox.Record{record("scores", "alice", 1, "10")})
-		require.Error(t, err)
+		results, err := p.Handle(hctx, []outbox.Record{record("scores", "alice", 1, "10")})
+		require.NoError(t, err)
+		require.Len(t, results, 1)
+		require.Error(t, results[0].Err, "the record's slot group's call timed out")
 		require.Less(t, time.Since(start), 3*time.Second, "ended by the deadline, not by the pause")
 
 		// With -2 instead, go-redis sets no deadline at all, and the same
