@@ -105,8 +105,9 @@ type Board struct {
 		sourceSample, sourceLookup    string
 	}
 
-	lagMu    sync.Mutex
-	lagProbe lagProbe
+	lagMu        sync.Mutex
+	lagProbe     lagProbe
+	verification verification
 	// lagGaugeProbe is closed when the measurement a metrics collection
 	// started is over; nil while none runs.
 	lagGaugeProbe chan struct{}

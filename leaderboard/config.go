@@ -167,8 +167,9 @@ type Config struct {
 	// a measurement reused for longer (while a slow probe is under way)
 	// adds its age to the lag. It must be less than MaxLag: reads made
 	// while a probe runs see a lag of at least this interval, so a larger
-	// one would turn every probe into a spell of stale reads. Defaults to
-	// LagProbeIntervalDefault.
+	// one would turn every probe into a spell of stale reads. With
+	// RequireVerifiedProjection, a look for Verify's record in Redis is
+	// reused for this long too. Defaults to LagProbeIntervalDefault.
 	LagProbeInterval time.Duration
 
 	// KeyPrefix prefixes every Redis key of the projection. It must not
@@ -200,9 +201,10 @@ type Config struct {
 	// throughout, records in Redis that the projection is complete; a
 	// Redis that loses its data loses that record too. While it is absent,
 	// Freshness reports Lag -1 and Unverified, so FailClosed reads refuse
-	// and FallbackToPostgres reads fall back. Reads look for the record
-	// with the lag probe, so they see it gone up to LagProbeInterval late,
-	// as they may see the lag. Only the loss of the board's keys removes
+	// and FallbackToPostgres reads fall back. Reads look for the record in
+	// Redis at most once per LagProbeInterval, apart from the lag probe:
+	// every read made LagProbeInterval or more after the loss sees it,
+	// however slow PostgreSQL is. Only the loss of the board's keys removes
 	// it: after a partial loss (eviction, writes a failover lost) only a
 	// reconcile pass finds what is missing. Call Verify after the first
 	// deployment and after every Redis loss (a new board needs one too).

@@ -153,7 +153,9 @@
 // Config.RequireVerifiedProjection closes the first two cases: Board.Verify
 // runs a full pass and records in Redis that the projection is complete,
 // reads report Lag -1 and Freshness.Unverified while that record is
-// missing, and a Redis that loses its data loses the record with it.
+// missing (looked for at most once per LagProbeInterval, apart from the
+// lag probe, so a slow PostgreSQL does not delay it), and a Redis that
+// loses its data loses the record with it.
 // Losses that keep the record (eviction of some keys, a failover or a
 // restart from an older snapshot) still go unseen until a reconcile pass.
 // With a cluster client that reads from replicas (ReadOnly, RouteByLatency

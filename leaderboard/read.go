@@ -52,7 +52,9 @@ type Freshness struct {
 	// board is reflected in the answer: as of the last lag measurement, the
 	// creation time of the board's oldest unprojected change, or, when there
 	// was none, the time of that measurement. For PostgreSQL answers it is
-	// the time of the read. Zero when the lag could not be measured.
+	// the time the read's statement was sent, just before PostgreSQL took
+	// the snapshot the answer reflects. Zero when the lag could not be
+	// measured.
 	ProjectedThrough time.Time
 	// Lag is how long the oldest unprojected change has been waiting, by
 	// the database clock: the age of the board's oldest outbox row that is
@@ -69,8 +71,9 @@ type Freshness struct {
 	// entries Redis itself lost (see Reading in the package documentation).
 	Lag time.Duration
 	// Unverified is set, with Lag -1, when Config.RequireVerifiedProjection
-	// is on and Redis holds no record of a Verify since it last lost the
-	// board's keys: the projection may be missing entries.
+	// is on and Redis, looked at less than Config.LagProbeInterval before
+	// the read or during it, held no record of a Verify since it last lost
+	// the board's keys: the projection may be missing entries.
 	Unverified bool
 	// AtLeastMet is false only when the read asked for AtLeast, the
 	// projection did not reach that version in time, and the ServeStale
@@ -161,8 +164,14 @@ func (b *Board) Page(ctx context.Context, cursorText string, n int, opts ...Read
 	}
 	var entries []Entry
 	fresh, err := b.read(ctx, opts, false,
-		func(ctx context.Context) (err error) { entries, err = b.redisPage(ctx, after, n+1); return err },
-		func(ctx context.Context) (err error) { entries, err = b.pgPage(ctx, b.pool, after, n+1); return err },
+		func(ctx context.Context) (err error) {
+			entries, err = b.redisPage(ctx, after, n+1)
+			return err
+		},
+		func(ctx context.Context, db querier) (err error) {
+			entries, err = b.pgPage(ctx, db, after, n+1)
+			return err
+		},
 	)
 	if err != nil {
 		return Ranking{}, err
@@ -178,8 +187,14 @@ func (b *Board) Rank(ctx context.Context, user string, opts ...ReadOption) (Entr
 	}
 	var entry Entry
 	fresh, err := b.read(ctx, opts, !storableUserID(user),
-		func(ctx context.Context) (err error) { entry, err = b.redisRank(ctx, user); return err },
-		func(ctx context.Context) (err error) { entry, err = b.pgRank(ctx, user); return err },
+		func(ctx context.Context) (err error) {
+			entry, err = b.redisRank(ctx, user)
+			return err
+		},
+		func(ctx context.Context, db querier) (err error) {
+			entry, err = b.pgRank(ctx, db, user)
+			return err
+		},
 	)
 	if err != nil {
 		return Entry{}, Freshness{}, err
@@ -199,8 +214,14 @@ func (b *Board) Around(ctx context.Context, user string, n int, opts ...ReadOpti
 	}
 	var entries []Entry
 	fresh, err := b.read(ctx, opts, !storableUserID(user),
-		func(ctx context.Context) (err error) { entries, err = b.redisAround(ctx, user, n); return err },
-		func(ctx context.Context) (err error) { entries, err = b.pgAround(ctx, user, n); return err },
+		func(ctx context.Context) (err error) {
+			entries, err = b.redisAround(ctx, user, n)
+			return err
+		},
+		func(ctx context.Context, db querier) (err error) {
+			entries, err = b.pgAround(ctx, db, user, n)
+			return err
+		},
 	)
 	if err != nil {
 		return Ranking{}, err
@@ -263,19 +284,20 @@ func (b *Board) ranking(entries []Entry, n int, fresh Freshness) Ranking {
 
 // read runs one read under the policy, and counts it: fromRedis when the
 // projection is fresh enough (or the policy serves stale answers),
-// fromPostgres when the policy falls back. noSuchUser marks a lookup of a
-// user id no store can hold (see storableUserID): once the options are
-// found valid, it is ErrUserNotFound without reading. With
-// ErrUserNotFound, the Freshness's Source names the store that answered
-// (none for noSuchUser), for the reads counter; the public reads return a
-// zero Freshness with every error, this one included.
-func (b *Board) read(ctx context.Context, opts []ReadOption, noSuchUser bool, fromRedis, fromPostgres func(context.Context) error) (Freshness, error) {
+// fromPostgres, on the connection pgRead gives it, when the policy falls
+// back. noSuchUser marks a lookup of a user id no store can hold (see
+// storableUserID): once the options are found valid, it is
+// ErrUserNotFound without reading. With ErrUserNotFound, the Freshness's
+// Source names the store that answered (none for noSuchUser), for the
+// reads counter; the public reads return a zero Freshness with every
+// error, this one included.
+func (b *Board) read(ctx context.Context, opts []ReadOption, noSuchUser bool, fromRedis func(context.Context) error, fromPostgres func(context.Context, querier) error) (Freshness, error) {
 	fresh, err := b.readUnderPolicy(ctx, opts, noSuchUser, fromRedis, fromPostgres)
 	b.metrics.read(ctx, fresh, err)
 	return fresh, err
 }
 
-func (b *Board) readUnderPolicy(ctx context.Context, opts []ReadOption, noSuchUser bool, fromRedis, fromPostgres func(context.Context) error) (Freshness, error) {
+func (b *Board) readUnderPolicy(ctx context.Context, opts []ReadOption, noSuchUser bool, fromRedis func(context.Context) error, fromPostgres func(context.Context, querier) error) (Freshness, error) {
 	o := readOptions{policy: b.cfg.ReadPolicy}
 	for _, opt := range opts {
 		if opt == nil {
@@ -297,13 +319,14 @@ func (b *Board) readUnderPolicy(ctx context.Context, opts []ReadOption, noSuchUs
 		return Freshness{}, ErrUserNotFound
 	}
 	fallback := func() (Freshness, error) {
-		if err := fromPostgres(ctx); err != nil {
+		sent, err := b.pgRead(ctx, fromPostgres)
+		if err != nil {
 			if errors.Is(err, ErrUserNotFound) {
 				return Freshness{Source: SourcePostgres}, err
 			}
 			return Freshness{}, err
 		}
-		return Freshness{Source: SourcePostgres, ProjectedThrough: time.Now(), AtLeastMet: true}, nil
+		return Freshness{Source: SourcePostgres, ProjectedThrough: sent, AtLeastMet: true}, nil
 	}
 
 	atLeastMet := true
@@ -452,17 +475,38 @@ func (b *Board) checkLayout(got []any, legacy *redis.IntCmd) error {
 
 // lagProbe caches the last lag measurement.
 type lagProbe struct {
-	at      time.Time     // local time of the measurement; zero before the first
+	at      time.Time     // local time the query was sent; zero before the first
 	lag     time.Duration // age of the oldest unprojected row then
 	pending bool          // whether any row was unprojected
 	failed  bool          // whether the measurement failed
 	running bool          // whether a measurement is under way
-	// unverified: RequireVerifiedProjection is on and Redis had no record
-	// of a complete projection.
-	unverified bool
 	// notMigrated: the measurement failed on a missing table (dbError's
 	// ErrNotMigrated), which reads report instead of a lag of -1.
 	notMigrated error
+}
+
+// verification caches the last look for Verify's record in Redis
+// (Config.RequireVerifiedProjection). It is kept apart from the lag probe
+// so that a slow PostgreSQL cannot delay it: how soon reads see a Redis
+// that lost the board's keys depends on Redis alone.
+type verification struct {
+	at       time.Time     // local time the last published look was sent; zero before the first
+	verified bool          // whether Redis held the record then
+	look     *verifiedLook // the latest look under way; nil when none
+	// epoch counts the records Verify made: a look sent before the latest
+	// one may have missed it, and is not published.
+	epoch uint64
+}
+
+// verifiedLook is one look for Verify's record.
+type verifiedLook struct {
+	sent  time.Time
+	epoch uint64
+	done  chan struct{} // closed once verified and gaveUp are set
+	// verified: Redis held the record.
+	verified bool
+	// gaveUp: the looking read's ctx ended first, so nothing was learned.
+	gaveUp bool
 }
 
 // freshness returns the projection's freshness, measuring the lag at most
@@ -479,14 +523,18 @@ type lagProbe struct {
 // therefore understates the true lag by less than LagProbeInterval, however
 // long a probe or its reply takes.
 //
+// With Config.RequireVerifiedProjection, a measured lag is reported only
+// when verifiedLately then finds Verify's record, looked for apart from the
+// lag probe and after it, as close to the read's own Redis round trip as
+// possible; otherwise Lag is -1 and Unverified is set.
+//
 // The error is not nil only when the measurement found a table of the
 // board missing: an error matching ErrNotMigrated, with Lag -1 as for any
 // failed measurement.
 func (b *Board) freshness(ctx context.Context) (Freshness, error) {
 	b.lagMu.Lock()
-	now := time.Now()
 	p := b.lagProbe
-	due := p.at.IsZero() || now.Sub(p.at) >= b.cfg.LagProbeInterval
+	due := p.at.IsZero() || time.Since(p.at) >= b.cfg.LagProbeInterval
 	measure := due && (!p.running || p.at.IsZero())
 	if measure {
 		b.lagProbe.running = true
@@ -495,14 +543,7 @@ func (b *Board) freshness(ctx context.Context) (Freshness, error) {
 
 	if measure {
 		dbNow, oldest, sent, err := b.measureLag(ctx)
-		verified := true
-		if err == nil && b.cfg.RequireVerifiedProjection {
-			var verr error
-			if verified, verr = b.projectionVerified(ctx); verr != nil && ctx.Err() == nil {
-				b.cfg.Logger.WarnContext(ctx, "leaderboard: reading the projection's verification record failed", "board", b.cfg.Name, "error", verr)
-			}
-		}
-		if (err != nil || !verified) && ctx.Err() != nil {
+		if err != nil && ctx.Err() != nil {
 			// This caller gave up, which says nothing about the database:
 			// keep the previous measurement for the other readers, and let
 			// the next one measure again.
@@ -516,7 +557,7 @@ func (b *Board) freshness(ctx context.Context) (Freshness, error) {
 		// it with the sending time, never later than the snapshot. Stamped
 		// on arrival, a slow reply would hide a change committed while it
 		// travelled, for as long as it travelled.
-		p = lagProbe{at: sent, failed: err != nil, unverified: !verified}
+		p = lagProbe{at: sent, failed: err != nil}
 		if err != nil {
 			b.cfg.Logger.WarnContext(ctx, "leaderboard: measuring projection lag failed", "board", b.cfg.Name, "error", err)
 			if nm := b.dbError("measuring projection lag", err); errors.Is(nm, ErrNotMigrated) {
@@ -529,15 +570,23 @@ func (b *Board) freshness(ctx context.Context) (Freshness, error) {
 		b.lagMu.Lock()
 		b.lagProbe = p
 		b.lagMu.Unlock()
-		now = time.Now()
+	}
+	if p.failed {
+		return Freshness{Source: SourceRedis, Lag: -1}, p.notMigrated
+	}
+	if b.cfg.RequireVerifiedProjection {
+		verified, err := b.verifiedLately(ctx)
+		if err != nil {
+			return Freshness{Source: SourceRedis, Lag: -1}, nil // this caller gave up
+		}
+		if !verified {
+			return Freshness{Source: SourceRedis, Lag: -1, Unverified: true}, nil
+		}
 	}
 
+	now := time.Now()
 	age := now.Sub(p.at)
 	switch {
-	case p.failed:
-		return Freshness{Source: SourceRedis, Lag: -1}, p.notMigrated
-	case p.unverified:
-		return Freshness{Source: SourceRedis, Lag: -1, Unverified: true}, nil
 	case p.pending:
 		lag := p.lag + age
 		return Freshness{Source: SourceRedis, Lag: lag, ProjectedThrough: now.Add(-lag)}, nil
@@ -549,20 +598,96 @@ func (b *Board) freshness(ctx context.Context) (Freshness, error) {
 	return Freshness{Source: SourceRedis, ProjectedThrough: p.at}, nil
 }
 
-// observedLag returns the lag for the verity.leaderboard.lag gauge. When
-// no read has measured it for LagProbeInterval, it starts a measurement in
-// the background (one at a time, bounded by lagGaugeTimeout, awaited by
-// Close) and waits for it at most lagGaugeWait, so that a database that
-// does not answer cannot stall a metrics scrape. It reports the last
-// measurement, the oldest pending row aged since, and nothing when that
-// measurement failed, found the board unverified (reads see a lag of -1),
-// or is older than two LagProbeIntervals (the database did not answer in
-// time): the gauge is then absent rather than frozen at a healthy-looking
-// value.
-func (b *Board) observedLag(ctx context.Context) (time.Duration, bool) {
+// verifiedLately reports whether Redis held Verify's record at some moment
+// since LagProbeInterval before the call, so that every read made
+// LagProbeInterval or more after Redis lost the board's keys sees the loss,
+// however slow PostgreSQL is. It reuses the last look while that look is
+// younger than LagProbeInterval (counted from when it was sent, as for the
+// lag). Otherwise it waits for the look under way if that one was sent
+// within the interval (a Redis round trip, about to be made by the read
+// anyway), and looks itself if none was. The error is ctx's, when it ended
+// first.
+func (b *Board) verifiedLately(ctx context.Context) (bool, error) {
+	for {
+		b.lagMu.Lock()
+		now := time.Now()
+		v := b.verification
+		if !v.at.IsZero() && now.Sub(v.at) < b.cfg.LagProbeInterval {
+			b.lagMu.Unlock()
+			return v.verified, nil
+		}
+		if l := v.look; l != nil && now.Sub(l.sent) < b.cfg.LagProbeInterval {
+			b.lagMu.Unlock()
+			select {
+			case <-l.done:
+			case <-ctx.Done():
+				return false, ctx.Err()
+			}
+			if l.gaveUp {
+				continue // that look's reader gave up: look again
+			}
+			return l.verified, nil
+		}
+		l := &verifiedLook{sent: now, epoch: v.epoch, done: make(chan struct{})}
+		b.verification.look = l
+		b.lagMu.Unlock()
+		return b.lookForVerified(ctx, l)
+	}
+}
+
+// lookForVerified runs look l and publishes its result to later reads,
+// unless a look sent after it was published first (looks overlap when
+// Redis takes longer than LagProbeInterval to answer) or Verify recorded
+// the projection since l was sent.
+func (b *Board) lookForVerified(ctx context.Context, l *verifiedLook) (bool, error) {
+	verified, err := b.projectionVerified(ctx)
+	gaveUp := err != nil && ctx.Err() != nil
 	b.lagMu.Lock()
-	p := b.lagProbe
-	if p.at.IsZero() || time.Since(p.at) >= b.cfg.LagProbeInterval {
+	v := &b.verification
+	if v.look == l {
+		v.look = nil
+	}
+	if !gaveUp && l.epoch == v.epoch && l.sent.After(v.at) {
+		v.at, v.verified = l.sent, verified
+	}
+	l.verified, l.gaveUp = verified, gaveUp
+	b.lagMu.Unlock()
+	close(l.done)
+	if gaveUp {
+		return false, ctx.Err()
+	}
+	if err != nil {
+		b.cfg.Logger.WarnContext(ctx, "leaderboard: reading the projection's verification record failed", "board", b.cfg.Name, "error", err)
+	}
+	return verified, nil
+}
+
+// verificationRecorded makes the next read look for Verify's record again,
+// which Verify has just made, instead of reusing (or waiting for) a look
+// that may have missed it.
+func (b *Board) verificationRecorded() {
+	b.lagMu.Lock()
+	b.verification = verification{epoch: b.verification.epoch + 1}
+	b.lagMu.Unlock()
+}
+
+// observedLag returns the lag for the verity.leaderboard.lag gauge. When
+// no read has measured it (or, with Config.RequireVerifiedProjection,
+// looked for Verify's record) for LagProbeInterval, it starts a
+// measurement in the background (one at a time, bounded by
+// lagGaugeTimeout, awaited by Close) and waits for it at most lagGaugeWait,
+// so that a database that does not answer cannot stall a metrics scrape.
+// It reports the last measurement, the oldest pending row aged since, and
+// nothing when that measurement failed, the last look found the board
+// unverified (reads see a lag of -1), or either is older than two
+// LagProbeIntervals (the database or Redis did not answer in time): the
+// gauge is then absent rather than frozen at a healthy-looking value.
+func (b *Board) observedLag(ctx context.Context) (time.Duration, bool) {
+	verifying := b.cfg.RequireVerifiedProjection
+	b.lagMu.Lock()
+	p, v := b.lagProbe, b.verification
+	if p.at.IsZero() || time.Since(p.at) >= b.cfg.LagProbeInterval ||
+		verifying && (v.at.IsZero() || time.Since(v.at) >= b.cfg.LagProbeInterval) {
 		if b.lagGaugeProbe == nil {
 			done := make(chan struct{})
 			b.lagGaugeProbe = done
@@ -588,11 +713,15 @@ func (b *Board) observedLag(ctx context.Context) (time.Duration, bool) {
 		}
 		t.Stop()
 		b.lagMu.Lock()
-		p = b.lagProbe
+		p, v = b.lagProbe, b.verification
 	}
 	b.lagMu.Unlock()
+	tooOld := 2*b.cfg.LagProbeInterval + lagGaugeWait
 	age := time.Since(p.at)
-	if p.at.IsZero() || p.failed || p.unverified || age > 2*b.cfg.LagProbeInterval+lagGaugeWait {
+	if p.at.IsZero() || p.failed || age > tooOld {
+		return 0, false
+	}
+	if verifying && (v.at.IsZero() || !v.verified || time.Since(v.at) > tooOld) {
 		return 0, false
 	}
 	if p.pending {
@@ -759,7 +888,25 @@ func boardScore(user string, z float64) (int64, error) {
 	return int64(s), nil
 }
 
-// querier is what the PostgreSQL reads need: a pool or a transaction.
+// pgRead runs read on a connection of its own and returns the local time
+// just before read sent its statement, taken after the connection was
+// acquired, as measureLag does. PostgreSQL takes the statement's snapshot
+// after that time, so every change committed before it is in the answer,
+// however long the reply takes to arrive; a time taken on arrival could
+// postdate a change committed while the reply travelled, which the answer
+// lacks.
+func (b *Board) pgRead(ctx context.Context, read func(context.Context, querier) error) (sent time.Time, err error) {
+	conn, err := b.pool.Acquire(ctx)
+	if err != nil {
+		return sent, b.dbError("reading PostgreSQL", err)
+	}
+	defer conn.Release()
+	sent = time.Now()
+	return sent, read(ctx, conn)
+}
+
+// querier is what the PostgreSQL reads need: a pool, a connection or a
+// transaction.
 type querier interface {
 	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
 	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
@@ -794,9 +941,9 @@ func (b *Board) pgPage(ctx context.Context, db querier, c *cursor, n int) ([]Ent
 }
 
 // pgRank reads user's entry from PostgreSQL.
-func (b *Board) pgRank(ctx context.Context, user string) (Entry, error) {
+func (b *Board) pgRank(ctx context.Context, db querier, user string) (Entry, error) {
 	e := Entry{UserID: user}
-	err := b.pool.QueryRow(ctx, b.sql.rank, b.cfg.Name, user).Scan(&e.Score, &e.Rank)
+	err := db.QueryRow(ctx, b.sql.rank, b.cfg.Name, user).Scan(&e.Score, &e.Rank)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return Entry{}, ErrUserNotFound
 	}
@@ -807,8 +954,8 @@ func (b *Board) pgRank(ctx context.Context, user string) (Entry, error) {
 }
 
 // pgAround reads user's neighbourhood from PostgreSQL in one statement.
-func (b *Board) pgAround(ctx context.Context, user string, n int) ([]Entry, error) {
-	rows, err := b.pool.Query(ctx, b.sql.around, b.cfg.Name, user, n)
+func (b *Board) pgAround(ctx context.Context, db querier, user string, n int) ([]Entry, error) {
+	rows, err := db.Query(ctx, b.sql.around, b.cfg.Name, user, n)
 	if err != nil {
 		return nil, b.dbError("reading PostgreSQL", err)
 	}

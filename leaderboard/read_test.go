@@ -131,13 +131,13 @@ func TestOrdering(t *testing.T) {
 		require.NoError(t, err)
 		require.Equal(t, SourceRedis, fr.Source)
 		require.Equal(t, Entry{UserID: w.user, Score: w.score, Rank: int64(i + 1)}, e)
-		pe, err := tb.board.pgRank(ctx, w.user)
+		pe, err := tb.board.pgRank(ctx, tb.pg.Pool, w.user)
 		require.NoError(t, err)
 		require.Equal(t, e, pe)
 
 		ar, err := tb.board.Around(ctx, w.user, 2, redisPolicy)
 		require.NoError(t, err)
-		pa, err := tb.board.pgAround(ctx, w.user, 2)
+		pa, err := tb.board.pgAround(ctx, tb.pg.Pool, w.user, 2)
 		require.NoError(t, err)
 		require.Equal(t, pa, ar.Entries)
 		lo, hi := max(0, i-2), min(len(want), i+3)
@@ -152,11 +152,11 @@ func TestOrdering(t *testing.T) {
 		_, err = tb.board.Around(ctx, bad, 1, WithPolicy(FallbackToPostgres), forcePostgres())
 		require.ErrorIs(t, err, ErrUserNotFound)
 	}
-	_, err = tb.board.pgRank(ctx, "nobody")
+	_, err = tb.board.pgRank(ctx, tb.pg.Pool, "nobody")
 	require.ErrorIs(t, err, ErrUserNotFound)
 	_, err = tb.board.Around(ctx, "nobody", 1, redisPolicy)
 	require.ErrorIs(t, err, ErrUserNotFound)
-	_, err = tb.board.pgAround(ctx, "nobody", 1)
+	_, err = tb.board.pgAround(ctx, tb.pg.Pool, "nobody", 1)
 	require.ErrorIs(t, err, ErrUserNotFound)
 }
 
@@ -447,6 +447,55 @@ func TestReadPolicies(t *testing.T) {
 		require.NoError(t, err)
 		requireUpToDate(t, r.Freshness, before)
 		require.Equal(t, int64(17), r.Entries[0].Score)
+	})
+
+	// A PostgreSQL answer reflects the snapshot its statement took, after
+	// it was sent: ProjectedThrough is the sending time, so a change that
+	// commits while the reply travels is after it, never claimed.
+	t.Run("FallbackProjectedThroughIsWhenTheQueryWasSent", func(t *testing.T) {
+		t.Parallel()
+		tb := lagging(t, FallbackToPostgres)
+		pc, err := pgxpool.ParseConfig(tb.pg.ConnString)
+		require.NoError(t, err)
+		proxy := startDelayProxy(t, net.JoinHostPort(pc.ConnConfig.Host, strconv.Itoa(int(pc.ConnConfig.Port))))
+		pc.ConnConfig.Host = "127.0.0.1"
+		pc.ConnConfig.Port = uint16(proxy.ln.Addr().(*net.TCPAddr).Port)
+		pc.MaxConns = 1
+		pool, err := pgxpool.NewWithConfig(ctx, pc)
+		require.NoError(t, err)
+		t.Cleanup(pool.Close)
+		cfg := tb.board.Config()
+		// The lag of a minute is measured once, by the first read.
+		cfg.MaxLag, cfg.LagProbeInterval = 30*time.Second, 20*time.Second
+		board, err := New(pool, tb.rd.Client, &cfg)
+		require.NoError(t, err)
+		// Also prepares the page statement on the pool's connection.
+		r, err := board.Top(ctx, 10)
+		require.NoError(t, err)
+		require.Equal(t, SourcePostgres, r.Freshness.Source)
+
+		proxy.delay.Store(int64(800 * time.Millisecond))
+		type answer struct {
+			r   Ranking
+			err error
+		}
+		done := make(chan answer, 1)
+		go func() {
+			r, err := board.Top(ctx, 10)
+			done <- answer{r, err}
+		}()
+		time.Sleep(200 * time.Millisecond) // the statement's snapshot is taken; its reply travels
+		tb.submit(t, "late", 500)
+		committed := time.Now()
+		got := <-done
+		proxy.delay.Store(0)
+		require.NoError(t, got.err)
+		require.Equal(t, SourcePostgres, got.r.Freshness.Source)
+		require.Len(t, got.r.Entries, 1, "setup: the answer's snapshot predates \"late\"")
+		require.False(t, got.r.Freshness.ProjectedThrough.IsZero())
+		require.False(t, got.r.Freshness.ProjectedThrough.After(committed),
+			"ProjectedThrough %s claims \"late\", committed %s before it, which the answer lacks",
+			got.r.Freshness.ProjectedThrough.Format(time.RFC3339Nano), got.r.Freshness.ProjectedThrough.Sub(committed))
 	})
 
 	t.Run("FailClosed", func(t *testing.T) {

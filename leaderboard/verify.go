@@ -95,14 +95,7 @@ func (b *Board) Verify(ctx context.Context, cfg *reconcile.Config) (report *reco
 		return report, false, fmt.Errorf("leaderboard: verify: recording the result: %w", err)
 	}
 	if n == 1 {
-		// Make the last measurement due, so that the next read measures
-		// again (one read: the others keep the previous measurement
-		// meanwhile, as always).
-		b.lagMu.Lock()
-		if !b.lagProbe.at.IsZero() {
-			b.lagProbe.at = b.lagProbe.at.Add(-b.cfg.LagProbeInterval)
-		}
-		b.lagMu.Unlock()
+		b.verificationRecorded()
 	}
 	return report, n == 1, nil
 }

@@ -7,11 +7,13 @@ import (
 	"net"
 	"slices"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/redis/go-redis/v9"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -123,6 +125,116 @@ func TestVerify(t *testing.T) {
 		require.True(t, stale.Unverified)
 		require.Equal(t, res.Version, stale.Version)
 		require.ErrorContains(t, err, "Board.Verify")
+	})
+
+	// How soon a loss is seen depends on Redis alone. While a lag probe is
+	// stuck on a busy pool, reads reuse its previous measurement, but look
+	// for the record on their own once the last look is LagProbeInterval
+	// old: a healthy Redis still reads verified, an emptied one unverified.
+	t.Run("LossIsSeenWhileALagProbeIsStuck", func(t *testing.T) {
+		t.Parallel()
+		tb := setup(t, func(c *Config) { c.RequireVerifiedProjection = true })
+		for _, u := range []string{"ada", "bob", "cy"} {
+			tb.submit(t, u, 10)
+		}
+		tb.drain(t)
+		_, verified, err := tb.board.Verify(ctx, nil)
+		require.NoError(t, err)
+		require.True(t, verified)
+		// MaxLag far above the test's duration: only the verification can
+		// refuse a read.
+		pc, err := pgxpool.ParseConfig(tb.pg.ConnString)
+		require.NoError(t, err)
+		board, small := tb.failClosedOnPoolOfOne(t, pc, 5*time.Second, 50*time.Millisecond)
+		interval := board.Config().LagProbeInterval
+		r, err := board.Top(ctx, 10)
+		require.NoError(t, err)
+		require.Len(t, r.Entries, 3)
+
+		// PostgreSQL gets busy: the test holds the pool's only connection,
+		// and the next lag probe waits for it.
+		held, err := small.Acquire(ctx)
+		require.NoError(t, err)
+		defer held.Release()
+		time.Sleep(interval)
+		probeCtx, cancelProbe := context.WithCancel(ctx)
+		probed := make(chan struct{})
+		go func() {
+			defer close(probed)
+			_, _ = board.Top(probeCtx, 10)
+		}()
+		t.Cleanup(func() { cancelProbe(); <-probed })
+		probing := func() bool {
+			board.lagMu.Lock()
+			defer board.lagMu.Unlock()
+			return board.lagProbe.running
+		}
+		require.Eventually(t, probing, 5*time.Second, time.Millisecond)
+		time.Sleep(interval)
+		r, err = board.Top(ctx, 10)
+		require.NoError(t, err, "a slow PostgreSQL made a healthy Redis unverified")
+		require.Len(t, r.Entries, 3)
+
+		// Redis loses the board's keys.
+		require.NoError(t, testenv.DeletePrefix(ctx, tb.rd.Client, tb.rd.Prefix))
+		lost := time.Now()
+		time.Sleep(interval)
+		r, err = board.Top(ctx, 10)
+		var stale *StaleError
+		require.ErrorAs(t, err, &stale, "served %d entries as verified %s after Redis lost them (lag %s)", len(r.Entries), time.Since(lost), r.Freshness.Lag)
+		require.True(t, stale.Unverified)
+		require.Equal(t, time.Duration(-1), stale.Lag)
+		r, err = board.Top(ctx, 10, WithPolicy(ServeStale))
+		require.NoError(t, err)
+		require.Empty(t, r.Entries)
+		require.True(t, r.Freshness.Unverified)
+		require.True(t, board.Freshness(ctx).Unverified)
+		require.True(t, probing(), "setup: the lag probe was under way throughout")
+	})
+
+	// The look for the record is reused like the lag: reads within
+	// LagProbeInterval add no Redis round trip, and concurrent reads share
+	// the look under way.
+	t.Run("ReadsLookOncePerInterval", func(t *testing.T) {
+		t.Parallel()
+		tb := setup(t, func(c *Config) {
+			c.RequireVerifiedProjection = true
+			c.ReadPolicy = FailClosed
+			c.LagProbeInterval = time.Hour
+			c.MaxLag = 2 * time.Hour
+		})
+		tb.submit(t, "ada", 10)
+		tb.drain(t)
+		_, verified, err := tb.board.Verify(ctx, nil)
+		require.NoError(t, err)
+		require.True(t, verified)
+		opts := *tb.rd.Client.(*redis.Client).Options()
+		client := redis.NewClient(&opts)
+		t.Cleanup(func() { _ = client.Close() })
+		var looks atomic.Int64
+		client.AddHook(testenv.CommandHook(func(name string) {
+			if name == "exists" {
+				looks.Add(1)
+			}
+		}))
+		board, err := New(tb.pg.Pool, client, tb.board.cfg)
+		require.NoError(t, err)
+
+		var wg sync.WaitGroup
+		for range 20 {
+			wg.Go(func() {
+				r, err := board.Top(ctx, 10)
+				assert.NoError(t, err)
+				assert.Len(t, r.Entries, 1)
+			})
+		}
+		wg.Wait()
+		require.Equal(t, int64(1), looks.Load(), "concurrent reads looked for the record apart")
+		for range 10 {
+			_, err := board.Top(ctx, 10)
+			require.NoError(t, err)
+		}
+		require.Equal(t, int64(1), looks.Load(), "reads within LagProbeInterval looked again")
 	})
 
 	t.Run("LossDuringVerifyIsNotRecorded", func(t *testing.T) {
