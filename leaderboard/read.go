@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"os"
 	"strconv"
 	"strings"
 	"time"
@@ -386,7 +387,7 @@ func (b *Board) readUnderPolicy(ctx context.Context, opts []ReadOption, noSuchUs
 		if errors.Is(err, ErrUserNotFound) {
 			return Freshness{Source: SourceRedis}, err
 		}
-		if o.policy == FallbackToPostgres && ctx.Err() == nil {
+		if o.policy == FallbackToPostgres && callerEnded(ctx, err) == nil {
 			b.cfg.Logger.WarnContext(ctx, "leaderboard: Redis read failed; answering from PostgreSQL", "board", b.cfg.Name, "error", err)
 			return fallback()
 		}
@@ -543,7 +544,7 @@ func (b *Board) freshness(ctx context.Context) (Freshness, error) {
 
 	if measure {
 		dbNow, oldest, sent, err := b.measureLag(ctx)
-		if err != nil && ctx.Err() != nil {
+		if callerEnded(ctx, err) != nil {
 			// This caller gave up, which says nothing about the database:
 			// keep the previous measurement for the other readers, and let
 			// the next one measure again.
@@ -641,7 +642,8 @@ func (b *Board) verifiedLately(ctx context.Context) (bool, error) {
 // the projection since l was sent.
 func (b *Board) lookForVerified(ctx context.Context, l *verifiedLook) (bool, error) {
 	verified, err := b.projectionVerified(ctx)
-	gaveUp := err != nil && ctx.Err() != nil
+	ended := callerEnded(ctx, err)
+	gaveUp := ended != nil
 	b.lagMu.Lock()
 	v := &b.verification
 	if v.look == l {
@@ -654,12 +656,30 @@ func (b *Board) lookForVerified(ctx context.Context, l *verifiedLook) (bool, err
 	b.lagMu.Unlock()
 	close(l.done)
 	if gaveUp {
-		return false, ctx.Err()
+		return false, ended
 	}
 	if err != nil {
 		b.cfg.Logger.WarnContext(ctx, "leaderboard: reading the projection's verification record failed", "board", b.cfg.Name, "error", err)
 	}
 	return verified, nil
+}
+
+// callerEnded returns the caller's own context error when err (not nil)
+// came from ctx ending rather than from the server: ctx.Err(), or
+// context.DeadlineExceeded for an i/o timeout at or after ctx's deadline,
+// which go-redis reports with ContextTimeoutEnabled before ctx's own timer
+// may have fired. Otherwise nil: err says something about the server.
+func callerEnded(ctx context.Context, err error) error {
+	if err == nil {
+		return nil
+	}
+	if cerr := ctx.Err(); cerr != nil {
+		return cerr
+	}
+	if deadline, ok := ctx.Deadline(); ok && errors.Is(err, os.ErrDeadlineExceeded) && !time.Now().Before(deadline) {
+		return context.DeadlineExceeded
+	}
+	return nil
 }
 
 // verificationRecorded makes the next read look for Verify's record again,

@@ -499,3 +499,72 @@ func (h *busyBeforeScript) ProcessHook(next redis.ProcessHook) redis.ProcessHook
 		return next(ctx, cmd)
 	}
 }
+
+// TestCallerDeadlineIsNoRedisLoss: with a client that honours ctx
+// deadlines (ContextTimeoutEnabled), a read whose own short deadline cuts
+// its look for Verify's record short gets an i/o timeout from go-redis,
+// possibly before ctx's timer has fired. That says nothing about Redis: it
+// must not be published as "no record", which would refuse every read of
+// the next LagProbeInterval as unverified.
+func TestCallerDeadlineIsNoRedisLoss(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	tb := setup(t, func(c *Config) {
+		c.RequireVerifiedProjection = true
+		c.ReadPolicy = FailClosed
+		c.LagProbeInterval = 3 * time.Second
+		c.MaxLag = time.Minute
+	})
+	tb.submit(t, "ada", 10)
+	tb.drain(t)
+	_, verified, err := tb.board.Verify(ctx, nil)
+	require.NoError(t, err)
+	require.True(t, verified)
+
+	opts := *tb.rd.Client.(*redis.Client).Options()
+	proxy := startDelayProxy(t, opts.Addr)
+	opts.Addr = proxy.ln.Addr().(*net.TCPAddr).String()
+	opts.ContextTimeoutEnabled = true
+	opts.ReadTimeout = 5 * time.Second
+	opts.MaxRetries = -1
+	client := redis.NewClient(&opts)
+	t.Cleanup(func() { _ = client.Close() })
+	cfg := tb.board.Config()
+	board, err := New(tb.pg.Pool, client, &cfg)
+	require.NoError(t, err)
+	t.Cleanup(board.Close)
+
+	spurious := 0
+	const trials = 8
+	for i := range trials {
+		// The last look is made stale, so the next read looks again.
+		board.lagMu.Lock()
+		board.verification = verification{epoch: board.verification.epoch}
+		board.lagMu.Unlock()
+		// Warm the lag probe with a generous ctx (no Redis delay).
+		proxy.delay.Store(0)
+		_, err := board.Top(ctx, 10)
+		require.NoError(t, err)
+		board.lagMu.Lock()
+		board.verification = verification{epoch: board.verification.epoch}
+		board.lagMu.Unlock()
+
+		// A client with a 50 ms budget reads while Redis answers in 200 ms.
+		proxy.delay.Store(int64(200 * time.Millisecond))
+		short, cancel := context.WithTimeout(ctx, 50*time.Millisecond)
+		_, err = board.Top(short, 10)
+		cancel()
+		require.Error(t, err)
+		proxy.delay.Store(0)
+
+		// A healthy Redis that holds the record: the next read must not be
+		// refused as unverified.
+		r, err := board.Top(ctx, 10)
+		if err != nil {
+			spurious++
+			t.Logf("trial %d: read after a caller's deadline: %v (Unverified=%v)", i, err, r.Freshness.Unverified)
+		}
+		time.Sleep(250 * time.Millisecond) // the delayed reply drains
+	}
+	require.Zero(t, spurious, "%d of %d healthy reads were refused as unverified because an earlier caller's own deadline cut its look short", spurious, trials)
+}

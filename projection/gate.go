@@ -233,9 +233,9 @@ const layoutRetries = 3
 // write's slot group (a Redis error such as a node down or a timeout,
 // ErrShadowNotOwned, ErrUnexpectedReply, and without isolate a
 // *LayoutMismatchError). Such a write's effect is unknown (the call may
-// have run) and it is not counted among the gate's verdicts; if the script
-// reported the writes it finished before its error, their verdicts stand.
-// A failed call does not hold back the other slot groups: their verdicts
+// have run) and it is not counted among the gate's verdicts, nor are
+// the group's other writes (only WRONGTYPE keeps the verdicts of the
+// writes before it; see WrongKeyTypeError). A failed call does not hold back the other slot groups: their verdicts
 // stand and are counted. Without isolate, the first failed call's error
 // is also returned, and Apply fails the batch with it; with isolate, run
 // returns no error once it has sent the batch.
@@ -338,13 +338,13 @@ func (g *Gate) run(ctx context.Context, mode, token string, writes []Write, isol
 					pending = append(pending, rest...)
 					continue
 				case !ok:
-					// The writes the script reports finished stand; the
-					// others' effect is unknown (the call may have run).
-					kept := 0
-					if done > 0 && done < len(grp.index) && decodeReplies(writes, grp.index[:done], codes, outcomes, perWrite) == nil {
-						kept = done
-					}
-					callFailed(grp.index[kept:], g.failed(ctx, err))
+					// The whole group's effect is unknown (the call may
+					// have run). Even writes the script reports finished
+					// are not kept: on a node that refuses writes
+					// (READONLY: a demoted master) their duplicate
+					// verdicts may rest on data a resync discards, and a
+					// retry costs only a duplicate.
+					callFailed(grp.index, g.failed(ctx, err))
 					continue
 				case lr.shadow && mode == modeLive && lr.stored >= 0 && relearned[lr.coll] < layoutRetries:
 					// A rebuild fills shadows in another layout: dual-write
