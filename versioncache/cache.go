@@ -23,6 +23,8 @@ import (
 )
 
 var (
+	//go:embed lua/versions.lua
+	versionsLua string
 	//go:embed lua/read.lua
 	readLua string
 	//go:embed lua/fill.lua
@@ -46,12 +48,12 @@ type scripts struct {
 
 func newScripts(wrap func(src string) string) *scripts {
 	return &scripts{
-		read:    redis.NewScript(wrap(readLua)),
+		read:    redis.NewScript(wrap(versionsLua + readLua)),
 		fill:    redis.NewScript(wrap(fillLua)),
-		bump:    redis.NewScript(wrap(bumpLua)),
+		bump:    redis.NewScript(wrap(versionsLua + bumpLua)),
 		release: redis.NewScript(wrap(releaseLua)),
 		fillAt:  redis.NewScript(wrap(fillAtLua)),
-		bumpSrc: wrap(bumpLua),
+		bumpSrc: wrap(versionsLua + bumpLua),
 	}
 }
 

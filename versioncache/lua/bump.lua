@@ -15,24 +15,7 @@
 -- restart a lost version key from the clock without ever reusing a version
 -- that a fill still in flight might carry.
 
--- version returns text as a number when it is a version these scripts
--- could have written: decimal digits without a leading zero, below 2^53,
--- where Lua's doubles (tonumber) still hold every integer and its
--- successor. Anything else, a foreign or corrupt value, is no version: nil.
--- read.lua has the same function.
-local function version(text)
-  if not text or #text > 16 or not string.find(text, '^%d+$') then
-    return nil
-  end
-  if #text > 1 and string.sub(text, 1, 1) == '0' then
-    return nil
-  end
-  local v = tonumber(text)
-  if v >= 9007199254740992 then
-    return nil
-  end
-  return v
-end
+-- version (versions.lua, which runs first) reads a stored version.
 
 local t = redis.call('TIME')
 local nextv = tonumber(t[1]) * 1000000 + tonumber(t[2])
