@@ -196,6 +196,30 @@
 // counted, repairs not yet sent are ResultNotAttempted, and a repair whose
 // reply was lost is ResultUncertain.
 //
+// # Keys of another type
+//
+// A key holding another Redis type than the projection keeps there (a hash
+// where a document's value belongs, left by a hand edit or another
+// program) is reported, never repaired. A document whose value or version
+// key holds another type reads as having none, so it looks corrupt; its
+// compare-and-set repair checks the types of its keys before it reads or
+// writes them and is refused with nothing written (ResultNotAttempted),
+// while the other repairs of the same script call are applied. The run
+// goes on through the other pages and the orphan scan, and Run (or
+// CheckKeys) returns one *WrongKeyTypeError (projection.ErrWrongKeyType)
+// per refusal, joined, with the whole Report; leaderboard's Board.Verify
+// therefore records nothing. Reconciliation never overwrites such a key:
+// delete it by hand, and the next run repairs the entity from the source.
+// Documents cannot be rebuilt (ErrRebuildUnsupported), so for them that is
+// the only remedy. A collection whose value key or version hash holds
+// another type fails the run when it is read (WRONGTYPE); delete the key,
+// or Rebuild the collection. Not yet isolated: a document that reads as
+// missing or stale (a key of another type, and the other key absent) is
+// written through the gate, like the relay's writes: the gate's SET
+// replaces a value key of another type, and a version key of another type
+// fails that page's gate repairs with WRONGTYPE (ResultUncertain) and ends
+// the run.
+//
 // # Rebuild
 //
 // Reconciler.Rebuild replaces a whole collection (sorted set or hash) with

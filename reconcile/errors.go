@@ -3,6 +3,8 @@ package reconcile
 import (
 	"errors"
 	"fmt"
+
+	"github.com/verity-go/verity/projection"
 )
 
 // Sentinel errors. The typed errors below match them with errors.Is and carry
@@ -70,3 +72,24 @@ func (e *InvalidRowError) Error() string {
 
 // Is matches ErrInvalidRow.
 func (e *InvalidRowError) Is(target error) bool { return target == ErrInvalidRow }
+
+// WrongKeyTypeError reports a repair refused because a Redis key it needs
+// holds another type than the projection keeps there (a hand edit, or
+// another program's key under the projection's prefix). Nothing was
+// written for it, its finding is ResultNotAttempted, and the run went on:
+// Run and CheckKeys return one such error per refusal, joined, once they
+// are done. Reconciliation never overwrites the key: delete it by hand
+// (the next run then repairs the entity from the source), or, for a
+// collection, Rebuild. It matches projection.ErrWrongKeyType.
+type WrongKeyTypeError struct {
+	Key      string // the entity: sorted-set member, hash field or document id
+	RedisKey string // the key holding another type
+	Type     string // the type it holds, as Redis's TYPE names it ("hash")
+}
+
+func (e *WrongKeyTypeError) Error() string {
+	return fmt.Sprintf("reconcile: repair of %q refused: redis key %q holds a %s, not what the projection keeps there; delete it by hand", e.Key, e.RedisKey, e.Type)
+}
+
+// Is matches projection.ErrWrongKeyType.
+func (e *WrongKeyTypeError) Is(target error) bool { return target == projection.ErrWrongKeyType }

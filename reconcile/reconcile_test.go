@@ -883,3 +883,78 @@ func TestRepairTimeoutBoundsStalledRepair(t *testing.T) {
 	require.Less(t, took, 3*time.Second, "the stalled repair outlived RepairTimeout")
 	require.EqualValues(t, 1, rep.Uncertain, "the repair's outcome is unknown, not lost")
 }
+
+// TestRunRefusesWrongTypedKeysAlone: a document whose value key a foreign
+// writer left holding a hash (its version intact), and one whose version
+// key holds a hash (its value intact), read as corrupt, but repair.lua
+// refuses their repairs before touching anything. The hand edits around
+// them, on their page (b) and on a later one (f), are repaired in the same
+// run, every page is checked, the orphan scan runs (it finds z), and Run
+// returns one *WrongKeyTypeError per refused document, leaving the foreign
+// keys as they were.
+func TestRunRefusesWrongTypedKeysAlone(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	b := setup(t, projection.KindDocument)
+	for _, key := range []string{"a", "b", "c", "d", "e", "f"} {
+		b.insert(t, key, 1)
+		b.project(t, key, 1)
+	}
+	b.project(t, "z", 1) // an orphan, for the orphan scan to find
+	doc := func(key string) projection.Target { return b.target.target(key) }
+	aValue, cVersion := b.ks.ValueKey(doc("a")), b.ks.VersionKey(doc("c"))
+	require.NoError(t, b.client.Del(ctx, aValue, cVersion).Err())
+	require.NoError(t, b.client.HSet(ctx, aValue, "f", "v").Err())
+	require.NoError(t, b.client.HSet(ctx, cVersion, "f", "1").Err())
+	for _, key := range []string{"b", "f"} {
+		b.setRaw(t, key, &projection.Value{Data: []byte("hand edit")}, nil)
+	}
+
+	r := b.reconciler(t, &Config{PageSize: 3})
+	check := func(t *testing.T, rep *Report, err error) {
+		t.Helper()
+		require.ErrorIs(t, err, projection.ErrWrongKeyType)
+		var refused []*WrongKeyTypeError
+		for _, e := range err.(interface{ Unwrap() []error }).Unwrap() {
+			var wt *WrongKeyTypeError
+			require.ErrorAs(t, e, &wt)
+			refused = append(refused, wt)
+		}
+		require.Equal(t, []*WrongKeyTypeError{
+			{Key: "a", RedisKey: aValue, Type: "hash"},
+			{Key: "c", RedisKey: cVersion, Type: "hash"},
+		}, refused)
+		require.EqualValues(t, 2, rep.Counts[ClassCorrupt]-rep.Repaired, "a and c")
+		require.EqualValues(t, 2, rep.Results[ResultNotAttempted])
+		require.Equal(t, rep.Drift(), rep.Repaired+rep.Skipped+rep.Uncertain)
+		for _, key := range []string{"b", "f"} {
+			require.Equal(t, string(b.value(key, 1).Data), b.client.Get(ctx, b.ks.ValueKey(doc(key))).Val(), key)
+		}
+		require.Equal(t, map[string]string{"f": "v"}, b.client.HGetAll(ctx, aValue).Val(), "a's value key is left as it was")
+		require.Equal(t, map[string]string{"f": "1"}, b.client.HGetAll(ctx, cVersion).Val(), "c's version key is left as it was")
+	}
+
+	t.Run("Run", func(t *testing.T) {
+		rep, err := r.Run(ctx, RunOptions{})
+		check(t, rep, err)
+		require.EqualValues(t, 6, rep.Checked, "every page is checked")
+		require.Equal(t, map[Class]int64{ClassCurrent: 2, ClassCorrupt: 4, ClassOrphan: 1}, rep.Counts, "the orphan scan ran")
+		require.EqualValues(t, 2, rep.Repaired)
+	})
+	t.Run("CheckKeys", func(t *testing.T) {
+		rep, err := r.CheckKeys(ctx, []string{"a", "c"}, RunOptions{})
+		check(t, rep, err)
+		require.Equal(t, map[Class]int64{ClassCorrupt: 2}, rep.Counts)
+	})
+	t.Run("DeletedByHand", func(t *testing.T) {
+		// The documented remedy: delete the foreign keys, and the next
+		// run repairs the documents from the source.
+		require.NoError(t, b.client.Del(ctx, aValue, cVersion).Err())
+		rep, err := r.Run(ctx, RunOptions{})
+		require.NoError(t, err)
+		require.EqualValues(t, 2, rep.Repaired)
+		rep, err = r.Run(ctx, RunOptions{})
+		require.NoError(t, err)
+		require.Equal(t, map[Class]int64{ClassCurrent: 6, ClassOrphan: 1}, rep.Counts)
+	})
+}

@@ -199,6 +199,11 @@ func (r *Reconciler) awaitMove(ctx context.Context, err error) error {
 // batch of repairs already sent is allowed to finish (bounded by
 // Config.RepairTimeout) and counted; findings whose repair was not sent are
 // ResultNotAttempted; a repair whose reply was lost is ResultUncertain.
+//
+// A repair refused because a key it needs holds another Redis type (see
+// WrongKeyTypeError) does not stop the run: its finding is
+// ResultNotAttempted, nothing was written for it, and Run returns the
+// refusals, joined, with the whole pass's Report.
 func (r *Reconciler) Run(ctx context.Context, opts RunOptions) (*Report, error) {
 	if r.unmade() {
 		return newReport(opts), errUnmade()
@@ -222,6 +227,8 @@ func (r *Reconciler) Run(ctx context.Context, opts RunOptions) (*Report, error) 
 		rep, err = r.run(ctx, opts)
 		rep.carry(earlier, r.cfg.ExamplesPerClass)
 	}
+	// Refused repairs did not stop the run; it reports them now.
+	err = errors.Join(append([]error{err}, rep.refused...)...)
 	level := slog.LevelInfo
 	if err != nil {
 		level = slog.LevelWarn
@@ -649,7 +656,8 @@ func (r *Reconciler) settle(ctx context.Context, opts RunOptions, findings []Fin
 	repairCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), r.cfg.RepairTimeout)
 	defer cancel()
 	errGate := r.gateRepair(repairCtx, viaGate)
-	errCAS := r.casRepair(repairCtx, viaCAS)
+	refused, errCAS := r.casRepair(repairCtx, viaCAS)
+	rep.refused = append(rep.refused, refused...)
 	if r.cfg.AfterRepair != nil {
 		for _, f := range append(viaGate, viaCAS...) {
 			r.cfg.AfterRepair(ctx, *f)
@@ -670,6 +678,7 @@ func (r *Reconciler) CheckKeys(ctx context.Context, keys []string, opts RunOptio
 		return rep, errUnmade()
 	}
 	err := r.checkKeys(ctx, opts, dedupe(append([]string(nil), keys...)), rep)
+	err = errors.Join(append([]error{err}, rep.refused...)...)
 	rep.Duration = time.Since(rep.Started)
 	r.metrics.recordRun(ctx, modeKeys, rep, err)
 	return rep, err

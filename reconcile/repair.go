@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"strconv"
+	"strings"
 
 	"github.com/redis/go-redis/v9"
 
@@ -53,10 +54,13 @@ func (r *Reconciler) gateRepair(ctx context.Context, fs []*Finding) error {
 
 // casRepair overwrites (set) or removes (del) entries with repair.lua, only
 // where the stored version and value are still what was read. Documents are
-// grouped per slot; a collection's entries share one slot.
-func (r *Reconciler) casRepair(ctx context.Context, fs []*Finding) error {
+// grouped per slot; a collection's entries share one slot. A repair whose
+// keys hold another Redis type is refused with nothing written: its finding
+// stays ResultNotAttempted and its *WrongKeyTypeError is in refused, apart
+// from err, so that the run goes on.
+func (r *Reconciler) casRepair(ctx context.Context, fs []*Finding) (refused []error, err error) {
 	if len(fs) == 0 {
-		return nil
+		return nil, nil
 	}
 	kind := map[projection.Kind]string{projection.KindSortedSet: "z", projection.KindHash: "h", projection.KindDocument: "d"}[r.target.Kind]
 	type group struct {
@@ -64,6 +68,9 @@ func (r *Reconciler) casRepair(ctx context.Context, fs []*Finding) error {
 		keyIndex map[string]int
 		args     []any
 		items    []*Finding
+		// itemKeys holds each item's value and version key, to name
+		// the one a refusal is about.
+		itemKeys [][2]string
 	}
 	var groups []*group
 	byKey := make(map[string]*group)
@@ -109,6 +116,7 @@ func (r *Reconciler) casRepair(ctx context.Context, fs []*Finding) error {
 		}
 		g.args = append(g.args, base, vbase, f.Key, expectVersion(f.Projected), r.expectValue(f.Projected), action, version, value)
 		g.items = append(g.items, f)
+		g.itemKeys = append(g.itemKeys, [2]string{g.keys[base-1], g.keys[vbase-1]})
 	}
 
 	cmds := make([]*redis.Cmd, len(groups))
@@ -137,30 +145,61 @@ func (r *Reconciler) casRepair(ctx context.Context, fs []*Finding) error {
 
 	var errs []error
 	for i, g := range groups {
-		codes, err := cmds[i].Int64Slice()
+		replies, err := cmds[i].Slice()
 		if lm := r.layoutError(err); lm != nil {
 			// Checked before anything was written.
 			errs = append(errs, fmt.Errorf("reconcile: compare-and-set repair of %d entries: %w", len(g.items), lm))
 			continue
 		}
-		if err == nil && len(codes) != len(g.items) {
-			err = fmt.Errorf("%w: %d results for %d repairs", ErrUnexpectedReply, len(codes), len(g.items))
+		if err == nil && len(replies) != len(g.items) {
+			err = fmt.Errorf("%w: %d results for %d repairs", ErrUnexpectedReply, len(replies), len(g.items))
+		}
+		for j := 0; err == nil && j < len(replies); j++ {
+			err = checkRepairReply(replies[j])
 		}
 		for j, f := range g.items {
-			switch {
-			case err != nil:
+			if err != nil {
 				f.Result = ResultUncertain
-			case codes[j] == 1:
+				continue
+			}
+			switch reply := replies[j].(type) {
+			case int64:
 				f.Result = ResultRepaired
-			default:
-				f.Result = ResultRaced
+				if reply == 0 {
+					f.Result = ResultRaced
+				}
+			case string:
+				// Refused before anything was written: f stays
+				// ResultNotAttempted.
+				which, typ, _ := strings.Cut(reply, " ")
+				key := g.itemKeys[j][0]
+				if which == "version" {
+					key = g.itemKeys[j][1]
+				}
+				refused = append(refused, &WrongKeyTypeError{Key: f.Key, RedisKey: key, Type: typ})
 			}
 		}
 		if err != nil {
 			errs = append(errs, fmt.Errorf("reconcile: compare-and-set repair of %d entries: %w", len(g.items), err))
 		}
 	}
-	return errors.Join(errs...)
+	return refused, errors.Join(errs...)
+}
+
+// checkRepairReply accepts one element of repair.lua's reply: 1 written,
+// 0 declined, or a refusal "value <type>" or "version <type>".
+func checkRepairReply(reply any) error {
+	switch reply := reply.(type) {
+	case int64:
+		if reply == 0 || reply == 1 {
+			return nil
+		}
+	case string:
+		if which, typ, ok := strings.Cut(reply, " "); ok && typ != "" && (which == "value" || which == "version") {
+			return nil
+		}
+	}
+	return fmt.Errorf("%w: repair result %v", ErrUnexpectedReply, reply)
 }
 
 func expectVersion(p Projected) string {

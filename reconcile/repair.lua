@@ -25,7 +25,13 @@
 -- A repair is written only if the stored version and value are still
 -- exactly what was read: anything written in between (a newer gate write,
 -- another repair, a hand edit) wins, and the repair reports 0.
--- Returns one integer per repair: 1 written, 0 declined.
+-- A repair one of whose keys holds another Redis type than the projection
+-- keeps there (a hand edit, another program's key) is refused before it
+-- reads or writes anything, and reports "value <type>" or "version <type>"
+-- (the key and the type TYPE names): run into, its GET or HGET would fail
+-- the whole script with WRONGTYPE, and every other repair of the call
+-- with it.
+-- Returns one element per repair: 1 written, 0 declined, or a refusal.
 
 local kind, want = ARGV[1], ARGV[2]
 
@@ -85,13 +91,33 @@ local function matches(stored, expected, numeric)
   return stored == raw
 end
 
+-- The types the projection keeps in a repair's value and version keys.
+local valueType, versionType = 'string', 'string'
+if kind == 'z' then
+  valueType, versionType = 'zset', 'hash'
+elseif kind == 'h' then
+  valueType, versionType = 'hash', 'hash'
+end
+
+-- wrongType returns the refusal for a repair whose value or version key
+-- holds another type, or nil ("none", an absent key, is fine).
+local function wrongType(valueKey, versionKey)
+  local t = redis.call('TYPE', valueKey)['ok']
+  if t ~= 'none' and t ~= valueType then return 'value ' .. t end
+  t = redis.call('TYPE', versionKey)['ok']
+  if t ~= 'none' and t ~= versionType then return 'version ' .. t end
+  return nil
+end
+
 local out = {}
 for a = 3, #ARGV, 8 do
   local valueKey, versionKey = KEYS[tonumber(ARGV[a])], KEYS[tonumber(ARGV[a + 1])]
   local member = ARGV[a + 2]
-  local ok = matches(storedVersion(versionKey, member), ARGV[a + 3], false)
-    and matches(storedValue(valueKey, member), ARGV[a + 4], kind == 'z')
-  if ok then
+  local refused = wrongType(valueKey, versionKey)
+  if refused then
+    out[#out + 1] = refused
+  elseif matches(storedVersion(versionKey, member), ARGV[a + 3], false)
+    and matches(storedValue(valueKey, member), ARGV[a + 4], kind == 'z') then
     local action, version, value = ARGV[a + 5], ARGV[a + 6], ARGV[a + 7]
     if adoptLayout then
       redis.call('SET', KEYS[2], want)

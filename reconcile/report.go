@@ -2,6 +2,7 @@ package reconcile
 
 import (
 	"fmt"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -30,8 +31,13 @@ const (
 	// to a dropped connection) is reported so too: the resend finds the
 	// repaired state and declines.
 	ResultRaced
-	// ResultNotAttempted: the run stopped (context cancelled or an error)
-	// before this repair was sent.
+	// ResultNotAttempted: nothing was written for this finding. The run
+	// stopped (context cancelled or an error) before its repair was sent,
+	// or the repair was refused because a key it needs holds another Redis
+	// type (a hash where a document's value belongs): the run went on, and
+	// Run returns a *WrongKeyTypeError naming the key. Reconciliation never
+	// overwrites such a key; delete it by hand, or Rebuild a collection
+	// (documents cannot be rebuilt).
 	ResultNotAttempted
 	// ResultUncertain: the repair was sent but its reply was lost (a
 	// network error); it may or may not have been applied. Every such
@@ -96,7 +102,8 @@ type Report struct {
 	Repaired        int64
 	RepairedByClass map[Class]int64
 	// Skipped counts findings left as they were: reported only, dry run,
-	// vetoed, raced or not attempted (see Results for which).
+	// vetoed, raced or not attempted (see Results for which; not attempted
+	// includes repairs refused for a key of another Redis type).
 	Skipped int64
 	// Uncertain counts repairs sent whose outcome is unknown because the
 	// reply was lost. Run also returns an error in that case.
@@ -113,6 +120,9 @@ type Report struct {
 	// rewritten counts the repairs that wrote a source row's state (all
 	// but removals), after which the entity is current.
 	rewritten int64
+	// refused holds a *WrongKeyTypeError per repair refused for a key of
+	// another type; Run and CheckKeys return them once they are done.
+	refused []error
 	// orphaned holds the keys found ahead that turned out to be orphans
 	// (their rows were deleted mid-pass) and were left in place, which an
 	// orphan scan meets again and must not count twice. Rare, so usually
@@ -247,9 +257,11 @@ func (r *Report) carry(earlier *Report, examples int) {
 		r.Skipped += earlier.Skipped
 		r.Uncertain += earlier.Uncertain
 		r.rewritten += earlier.rewritten
+		r.refused = slices.Concat(earlier.refused, r.refused)
 		r.keepExamples(earlier, examples, func(*Finding) bool { return true })
 		return
 	}
+	// The earlier pass's refusals wrote nothing: r has met them again.
 	if earlier.Repaired == 0 {
 		return
 	}
