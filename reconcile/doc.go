@@ -213,12 +213,13 @@
 // Documents cannot be rebuilt (ErrRebuildUnsupported), so for them that is
 // the only remedy. A collection whose value key or version hash holds
 // another type fails the run when it is read (WRONGTYPE); delete the key,
-// or Rebuild the collection. Not yet isolated: a document that reads as
-// missing or stale (a key of another type, and the other key absent) is
-// written through the gate, like the relay's writes: the gate's SET
-// replaces a value key of another type, and a version key of another type
-// fails that page's gate repairs with WRONGTYPE (ResultUncertain) and ends
-// the run.
+// or Rebuild the collection. A document that reads as missing or stale (a
+// key of another type, and the other key absent) is written through the
+// gate, like the relay's writes: the gate's SET replaces a value key of
+// another type, as the relay's would, and a version key of another type is
+// refused the same way, with nothing written for that document (the
+// page's other gate repairs are sent again; any the first call had
+// applied then count as raced).
 //
 // # Rebuild
 //

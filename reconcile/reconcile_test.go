@@ -902,16 +902,20 @@ func TestRunRefusesWrongTypedKeysAlone(t *testing.T) {
 	}
 	b.project(t, "z", 1) // an orphan, for the orphan scan to find
 	doc := func(key string) projection.Target { return b.target.target(key) }
-	aValue, cVersion := b.ks.ValueKey(doc("a")), b.ks.VersionKey(doc("c"))
-	require.NoError(t, b.client.Del(ctx, aValue, cVersion).Err())
-	require.NoError(t, b.client.HSet(ctx, aValue, "f", "v").Err())
-	require.NoError(t, b.client.HSet(ctx, cVersion, "f", "1").Err())
+	// a's value key and c's version key hold hashes (corrupt: repaired by
+	// compare-and-set); d's version key holds a hash and its value is gone
+	// (missing: repaired through the gate, in one call with e's).
+	aValue, cVersion, dVersion := b.ks.ValueKey(doc("a")), b.ks.VersionKey(doc("c")), b.ks.VersionKey(doc("d"))
+	require.NoError(t, b.client.Del(ctx, aValue, cVersion, dVersion, b.ks.ValueKey(doc("d")), b.ks.ValueKey(doc("e")), b.ks.VersionKey(doc("e"))).Err())
+	for _, key := range []string{aValue, cVersion, dVersion} {
+		require.NoError(t, b.client.HSet(ctx, key, "f", "1").Err())
+	}
 	for _, key := range []string{"b", "f"} {
 		b.setRaw(t, key, &projection.Value{Data: []byte("hand edit")}, nil)
 	}
 
 	r := b.reconciler(t, &Config{PageSize: 3})
-	check := func(t *testing.T, rep *Report, err error) {
+	check := func(t *testing.T, rep *Report, err error, want ...*WrongKeyTypeError) {
 		t.Helper()
 		require.ErrorIs(t, err, projection.ErrWrongKeyType)
 		var refused []*WrongKeyTypeError
@@ -920,39 +924,39 @@ func TestRunRefusesWrongTypedKeysAlone(t *testing.T) {
 			require.ErrorAs(t, e, &wt)
 			refused = append(refused, wt)
 		}
-		require.Equal(t, []*WrongKeyTypeError{
-			{Key: "a", RedisKey: aValue, Type: "hash"},
-			{Key: "c", RedisKey: cVersion, Type: "hash"},
-		}, refused)
-		require.EqualValues(t, 2, rep.Counts[ClassCorrupt]-rep.Repaired, "a and c")
-		require.EqualValues(t, 2, rep.Results[ResultNotAttempted])
+		require.Equal(t, want, refused)
+		require.EqualValues(t, len(want), rep.Results[ResultNotAttempted])
 		require.Equal(t, rep.Drift(), rep.Repaired+rep.Skipped+rep.Uncertain)
-		for _, key := range []string{"b", "f"} {
-			require.Equal(t, string(b.value(key, 1).Data), b.client.Get(ctx, b.ks.ValueKey(doc(key))).Val(), key)
+		for key, foreign := range map[string]string{aValue: "a's value key", cVersion: "c's version key", dVersion: "d's version key"} {
+			require.Equal(t, map[string]string{"f": "1"}, b.client.HGetAll(ctx, key).Val(), "%s is left as it was", foreign)
 		}
-		require.Equal(t, map[string]string{"f": "v"}, b.client.HGetAll(ctx, aValue).Val(), "a's value key is left as it was")
-		require.Equal(t, map[string]string{"f": "1"}, b.client.HGetAll(ctx, cVersion).Val(), "c's version key is left as it was")
 	}
+	refusedA := &WrongKeyTypeError{Key: "a", RedisKey: aValue, Type: "hash"}
+	refusedC := &WrongKeyTypeError{Key: "c", RedisKey: cVersion, Type: "hash"}
+	refusedD := &WrongKeyTypeError{Key: "d", RedisKey: dVersion, Type: "hash"}
 
 	t.Run("Run", func(t *testing.T) {
 		rep, err := r.Run(ctx, RunOptions{})
-		check(t, rep, err)
+		check(t, rep, err, refusedA, refusedC, refusedD)
 		require.EqualValues(t, 6, rep.Checked, "every page is checked")
-		require.Equal(t, map[Class]int64{ClassCurrent: 2, ClassCorrupt: 4, ClassOrphan: 1}, rep.Counts, "the orphan scan ran")
-		require.EqualValues(t, 2, rep.Repaired)
+		require.Equal(t, map[Class]int64{ClassCorrupt: 4, ClassMissing: 2, ClassOrphan: 1}, rep.Counts, "the orphan scan ran")
+		require.EqualValues(t, 3, rep.Repaired, "b, e and f")
+		for _, key := range []string{"b", "e", "f"} {
+			require.Equal(t, string(b.value(key, 1).Data), b.client.Get(ctx, b.ks.ValueKey(doc(key))).Val(), key)
+		}
 	})
 	t.Run("CheckKeys", func(t *testing.T) {
-		rep, err := r.CheckKeys(ctx, []string{"a", "c"}, RunOptions{})
-		check(t, rep, err)
-		require.Equal(t, map[Class]int64{ClassCorrupt: 2}, rep.Counts)
+		rep, err := r.CheckKeys(ctx, []string{"a", "c", "d"}, RunOptions{})
+		check(t, rep, err, refusedD, refusedA, refusedC)
+		require.Equal(t, map[Class]int64{ClassCorrupt: 2, ClassMissing: 1}, rep.Counts)
 	})
 	t.Run("DeletedByHand", func(t *testing.T) {
 		// The documented remedy: delete the foreign keys, and the next
 		// run repairs the documents from the source.
-		require.NoError(t, b.client.Del(ctx, aValue, cVersion).Err())
+		require.NoError(t, b.client.Del(ctx, aValue, cVersion, dVersion).Err())
 		rep, err := r.Run(ctx, RunOptions{})
 		require.NoError(t, err)
-		require.EqualValues(t, 2, rep.Repaired)
+		require.EqualValues(t, 3, rep.Repaired)
 		rep, err = r.Run(ctx, RunOptions{})
 		require.NoError(t, err)
 		require.Equal(t, map[Class]int64{ClassCurrent: 6, ClassOrphan: 1}, rep.Counts)

@@ -655,7 +655,8 @@ func (r *Reconciler) settle(ctx context.Context, opts RunOptions, findings []Fin
 	}
 	repairCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), r.cfg.RepairTimeout)
 	defer cancel()
-	errGate := r.gateRepair(repairCtx, viaGate)
+	refused, errGate := r.gateRepair(repairCtx, viaGate)
+	rep.refused = append(rep.refused, refused...)
 	refused, errCAS := r.casRepair(repairCtx, viaCAS)
 	rep.refused = append(rep.refused, refused...)
 	if r.cfg.AfterRepair != nil {

@@ -19,15 +19,61 @@ var repairSource string
 // gateRepair writes the source's state for missing and stale findings
 // through the projection gate, so a newer version written meanwhile wins by
 // construction (the gate answers duplicate or stale and writes nothing).
-func (r *Reconciler) gateRepair(ctx context.Context, fs []*Finding) error {
+// A document whose version key holds another Redis type is refused with
+// nothing written, as casRepair refuses one: its finding stays
+// ResultNotAttempted and its *WrongKeyTypeError is in refused.
+func (r *Reconciler) gateRepair(ctx context.Context, fs []*Finding) (refused []error, err error) {
 	if len(fs) == 0 {
-		return nil
+		return nil, nil
 	}
 	writes := make([]projection.Write, len(fs))
 	for i, f := range fs {
 		writes[i] = projection.Write{Target: r.target.target(f.Key), Version: f.Source.Version, Value: f.Source.Value}
 	}
 	outcomes, err := r.gate.Apply(ctx, writes)
+	if err != nil && r.target.Kind == projection.KindDocument && strings.Contains(err.Error(), "WRONGTYPE") {
+		// The gate's GET of a version key holding another type stopped
+		// its script, after the writes before it in the call (SET, which
+		// any type gives way to, cannot fail so). Refuse those documents
+		// and send the others again: the ones the first call applied come
+		// back duplicate, counted raced.
+		refused, rest, terr := r.refuseWrongTyped(ctx, fs)
+		if terr == nil && len(refused) > 0 {
+			others, err := r.gateRepair(ctx, rest)
+			return append(refused, others...), err
+		}
+	}
+	return nil, r.settleGateRepair(fs, outcomes, err)
+}
+
+// refuseWrongTyped finds the documents of fs whose version key holds
+// another type than a string, marks their findings ResultNotAttempted and
+// returns their errors, and the other findings.
+func (r *Reconciler) refuseWrongTyped(ctx context.Context, fs []*Finding) (refused []error, rest []*Finding, err error) {
+	types := make([]*redis.StatusCmd, len(fs))
+	_, err = r.target.Client.Pipelined(ctx, func(p redis.Pipeliner) error {
+		for i, f := range fs {
+			types[i] = p.Type(ctx, r.target.Keyspace.VersionKey(r.target.target(f.Key)))
+		}
+		return nil
+	})
+	if err != nil {
+		return nil, nil, err
+	}
+	for i, f := range fs {
+		if t := types[i].Val(); t != "string" && t != "none" {
+			f.Result = ResultNotAttempted
+			refused = append(refused, &WrongKeyTypeError{Key: f.Key, RedisKey: r.target.Keyspace.VersionKey(r.target.target(f.Key)), Type: t})
+			continue
+		}
+		rest = append(rest, f)
+	}
+	return refused, rest, nil
+}
+
+// settleGateRepair sets the results of a gate repair from its outcomes or
+// error.
+func (r *Reconciler) settleGateRepair(fs []*Finding, outcomes []projection.Outcome, err error) error {
 	if errors.Is(err, projection.ErrInvalidVersion) || errors.Is(err, projection.ErrScoreOutOfRange) ||
 		errors.Is(err, projection.ErrInvalidTarget) || errors.Is(err, projection.ErrLayoutMismatch) {
 		// Refused before anything was written; the findings stay
