@@ -144,7 +144,13 @@ type RelayConfig struct {
 	// Streams, when not empty, restricts the relay to rows of these streams,
 	// so that different processes can serve different projections. Such a
 	// relay leases partitions like any other: while its batch runs, relays
-	// serving other streams skip those partitions and take others.
+	// serving other streams skip those partitions and take others. The
+	// claim finds due rows through the partition index, which does not
+	// hold the stream, so it reads past the other streams' pending rows:
+	// a stream whose relays are down, with a backlog of N rows, costs the
+	// relays of the other streams O(N) per claim (about 0.2 s per claim at
+	// 300,000 rows on a 2-core VM). Give such streams tables of their own
+	// (Config.Table) if one may pile up while the others are served.
 	// Defaults to nil (every stream).
 	Streams []string
 
