@@ -150,7 +150,8 @@ type RelayConfig struct {
 	// a stream whose relays are down, with a backlog of N rows, costs the
 	// relays of the other streams O(N) per claim (about 0.2 s per claim at
 	// 300,000 rows on a 2-core VM). Give such streams tables of their own
-	// (Config.Table) if one may pile up while the others are served.
+	// (Config.Table and RelayConfig.Table) if one may pile up while the
+	// others are served.
 	// Defaults to nil (every stream).
 	Streams []string
 
