@@ -461,3 +461,44 @@ func TestRebuildSwitchDuringSlotMigration(t *testing.T) {
 	require.NoError(t, err)
 	require.EqualValues(t, 30, n, "the live projection is whole")
 }
+
+// TestClusterWrongTypeCheckOnMasters: the type check that refuses a gate
+// repair of a document whose version key holds another type reads on the
+// masters, which answered WRONGTYPE, not on a replica that may lag.
+func TestClusterWrongTypeCheckOnMasters(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	cluster := testenv.SharedRedisCluster(t)
+	masters := map[string]bool{}
+	for _, m := range testenv.Masters(t, cluster.Client(t)) {
+		masters[m.Options().Addr] = true
+	}
+	var mu sync.Mutex
+	offMaster := map[string]int{}
+	client := cluster.ReadOnlyClient(t)
+	client.OnNewNode(func(node *redis.Client) {
+		addr := node.Options().Addr
+		node.AddHook(testenv.CommandHook(func(name string) {
+			if name == "type" {
+				mu.Lock()
+				defer mu.Unlock()
+				if !masters[addr] {
+					offMaster[name]++
+				}
+			}
+		}))
+	})
+	b := setupWith(t, projection.KindDocument, client, cluster.Prefix(t))
+	for _, k := range []string{"a", "b", "c", "d"} {
+		b.insert(t, k, 1)
+	}
+	require.NoError(t, client.HSet(ctx, b.ks.VersionKey(b.target.target("c")), "f", "1").Err())
+	r := b.reconciler(t, &Config{SkipOrphans: true})
+	rep, err := r.Run(ctx, RunOptions{})
+	t.Logf("report %v, err %v", rep, err)
+	require.ErrorIs(t, err, projection.ErrWrongKeyType)
+	mu.Lock()
+	defer mu.Unlock()
+	require.Empty(t, offMaster, "TYPE checks sent to replicas")
+	require.EqualValues(t, 1, rep.Results[ResultNotAttempted], "c alone is refused")
+}

@@ -200,26 +200,29 @@
 //
 // A key holding another Redis type than the projection keeps there (a hash
 // where a document's value belongs, left by a hand edit or another
-// program) is reported, never repaired. A document whose value or version
-// key holds another type reads as having none, so it looks corrupt; its
+// program) is reported, not repaired, with one exception below. A
+// document whose value or version key holds another type reads as having
+// none, so it looks corrupt; its
 // compare-and-set repair checks the types of its keys before it reads or
 // writes them and is refused with nothing written (ResultNotAttempted),
 // while the other repairs of the same script call are applied. The run
 // goes on through the other pages and the orphan scan, and Run (or
 // CheckKeys) returns one *WrongKeyTypeError (projection.ErrWrongKeyType)
 // per refusal, joined, with the whole Report; leaderboard's Board.Verify
-// therefore records nothing. Reconciliation never overwrites such a key:
-// delete it by hand, and the next run repairs the entity from the source.
+// therefore records nothing. Delete such a key by hand, and the next run
+// repairs the entity from the source.
 // Documents cannot be rebuilt (ErrRebuildUnsupported), so for them that is
 // the only remedy. A collection whose value key or version hash holds
 // another type fails the run when it is read (WRONGTYPE); delete the key,
-// or Rebuild the collection. A document that reads as missing or stale (a
-// key of another type, and the other key absent) is written through the
-// gate, like the relay's writes: the gate's SET replaces a value key of
-// another type, as the relay's would, and a version key of another type is
-// refused the same way, with nothing written for that document (the
-// page's other gate repairs are sent again; any the first call had
-// applied then count as raced).
+// or Rebuild the collection. The exception: a document that reads as
+// missing or stale (its version key absent, or holding an older version,
+// and its value key of another type, which reads as absent) is written
+// through the gate, like the relay's writes, and the gate's SET replaces
+// the value key of another type, as the relay's would. A version key of
+// another type is refused there too, with nothing written for that
+// document (the page's other gate repairs are sent again; any the first
+// call had applied then count as raced). Keep other programs' keys out of
+// the projection's prefix.
 //
 // # Rebuild
 //

@@ -10,6 +10,7 @@ import (
 
 	"github.com/redis/go-redis/v9"
 
+	"github.com/verity-go/verity/internal/clusterpin"
 	"github.com/verity-go/verity/projection"
 )
 
@@ -51,13 +52,22 @@ func (r *Reconciler) gateRepair(ctx context.Context, fs []*Finding) (refused []e
 // returns their errors, and the other findings.
 func (r *Reconciler) refuseWrongTyped(ctx context.Context, fs []*Finding) (refused []error, rest []*Finding, err error) {
 	types := make([]*redis.StatusCmd, len(fs))
-	_, err = r.target.Client.Pipelined(ctx, func(p redis.Pipeliner) error {
+	if r.primary != nil {
+		// On the masters, which answered WRONGTYPE, as every read of the
+		// reconciler: a lagging replica may not hold the foreign key yet.
+		// One round trip per document, on this rare path only.
+		for i, f := range fs {
+			key := r.target.Keyspace.VersionKey(r.target.target(f.Key))
+			if err := clusterpin.OnMaster(ctx, r.primary, key, func(p redis.Pipeliner) { types[i] = p.Type(ctx, key) }); err != nil {
+				return nil, nil, err
+			}
+		}
+	} else if _, err = r.target.Client.Pipelined(ctx, func(p redis.Pipeliner) error {
 		for i, f := range fs {
 			types[i] = p.Type(ctx, r.target.Keyspace.VersionKey(r.target.target(f.Key)))
 		}
 		return nil
-	})
-	if err != nil {
+	}); err != nil {
 		return nil, nil, err
 	}
 	for i, f := range fs {

@@ -35,9 +35,8 @@ const (
 	// stopped (context cancelled or an error) before its repair was sent,
 	// or the repair was refused because a key it needs holds another Redis
 	// type (a hash where a document's value belongs): the run went on, and
-	// Run returns a *WrongKeyTypeError naming the key. Reconciliation never
-	// overwrites such a key; delete it by hand, or Rebuild a collection
-	// (documents cannot be rebuilt).
+	// Run returns a *WrongKeyTypeError naming the key. Delete such a key by
+	// hand, or Rebuild a collection (documents cannot be rebuilt).
 	ResultNotAttempted
 	// ResultUncertain: the repair was sent but its reply was lost (a
 	// network error); it may or may not have been applied. Every such
