@@ -75,7 +75,7 @@ var (
 	// leaderboard.Migrate. It is outbox.ErrNotMigrated, which the board's
 	// Worker returns for the same mistake, so either sentinel matches both.
 	ErrNotMigrated = outbox.ErrNotMigrated
-	// ErrVerifyUncertain is returned by Verify when the reply to its
+	// ErrVerifyUncertain matches the error of a Verify whose reply to its
 	// recording was lost (a dropped connection, a timeout) and asking
 	// again failed too: the record may or may not be in Redis. Reads with
 	// Config.RequireVerifiedProjection see which; run Verify again to be

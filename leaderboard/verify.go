@@ -23,8 +23,9 @@ var (
 	verifyAbandonScript = redis.NewScript(verifyAbandonLua)
 )
 
-// verifyAbandonTimeout bounds the deletion of a pass's marker after a Verify
-// that records nothing, whose own ctx may have ended.
+// verifyAbandonTimeout bounds the calls a Verify makes after its own ctx
+// may have ended: asking again whether its recording happened, after the
+// reply was lost, and deleting its pass's marker when it records nothing.
 const verifyAbandonTimeout = 5 * time.Second
 
 // Verify runs a full reconcile pass over the board and, when the pass
@@ -35,7 +36,8 @@ const verifyAbandonTimeout = 5 * time.Second
 // that record exists; a Redis that loses its data loses the record too.
 // verified tells whether it was recorded; when it was not, run Verify again
 // (the report says what stood in the way). If the reply to the recording
-// is lost and asking again fails too, err is ErrVerifyUncertain.
+// is lost and asking again fails too, err matches ErrVerifyUncertain
+// (errors.Is), wrapping the Redis client's error.
 //
 // cfg configures the pass's Reconciler as for Board.Reconciler. Its Policy
 // must repair every class the pass finds: the default repairs missing,

@@ -226,10 +226,9 @@
 // client's ReadTimeout for the command in flight (and its WriteTimeout on
 // top if Redis stalls while the command is still being sent); with
 // ContextTimeoutEnabled and the timeouts -1, until the Handler context's
-// deadline, which the relay sets to the end of the claim's lease. A Ring is
-// checked on the clients of its shards that are up when the projector is
-// made; the node clients of a ClusterOptions.NewClient function are not
-// checked (see NewRedisProjector).
+// deadline, which the relay sets to the end of the claim's lease. What is
+// checked for a Ring or a ClusterOptions.NewClient function: see
+// NewRedisProjector.
 //
 // # Rebuilds
 //

@@ -233,10 +233,10 @@ const layoutRetries = 3
 // write's slot group (a Redis error such as a node down or a timeout,
 // ErrShadowNotOwned, ErrUnexpectedReply, and without isolate a
 // *LayoutMismatchError). Such a write's effect is unknown (the call may
-// have run) and it is not counted among the gate's verdicts, nor are
-// the group's other writes (only WRONGTYPE keeps the verdicts of the
-// writes before it; see WrongKeyTypeError). A failed call does not hold back the other slot groups: their verdicts
-// stand and are counted. Without isolate, the first failed call's error
+// have run) and it is not counted among the gate's verdicts, nor are the
+// group's other writes (with isolate, a WRONGTYPE keeps the verdicts of
+// the writes before it; see WrongKeyTypeError). A failed call does not
+// hold back the other slot groups: their verdicts stand and are counted. Without isolate, the first failed call's error
 // is also returned, and Apply fails the batch with it; with isolate, run
 // returns no error once it has sent the batch.
 //

@@ -130,7 +130,8 @@ type Config struct {
 	// AfterRepair, when set, is called after each repair attempt with its
 	// Result: repaired, raced, uncertain, or not attempted when the repair
 	// was refused before anything was written (a layout mismatch, a value
-	// the gate refuses). Defaults to nil.
+	// the gate refuses, a key of another Redis type: WrongKeyTypeError).
+	// Defaults to nil.
 	AfterRepair func(ctx context.Context, f Finding)
 	// OnAlert, when set, is called for every ahead and orphan finding,
 	// before any repair: they mean the projection knows something the
@@ -143,7 +144,7 @@ type Config struct {
 	// connection's deadline: with the client's ContextTimeoutEnabled this
 	// timeout is that deadline; without it, a stalled Redis holds the batch
 	// (and a cancelled Run) for the client's ReadTimeout (and WriteTimeout)
-	// instead, whichever this timeout says. Defaults to
+	// instead, whatever this timeout says. Defaults to
 	// RepairTimeoutDefault.
 	RepairTimeout time.Duration
 	// RebuildMarkerTTL is the lifetime of a rebuild's marker key, refreshed

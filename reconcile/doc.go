@@ -202,9 +202,9 @@
 // where a document's value belongs, left by a hand edit or another
 // program) is reported, not repaired, with one exception below. A
 // document whose value or version key holds another type reads as having
-// none, so it looks corrupt; its
-// compare-and-set repair checks the types of its keys before it reads or
-// writes them and is refused with nothing written (ResultNotAttempted),
+// none, so it usually looks corrupt (missing or stale: see the exception);
+// its compare-and-set repair checks the types of its keys before it reads
+// or writes them and is refused with nothing written (ResultNotAttempted),
 // while the other repairs of the same script call are applied. The run
 // goes on through the other pages and the orphan scan, and Run (or
 // CheckKeys) returns one *WrongKeyTypeError (projection.ErrWrongKeyType)
