@@ -119,23 +119,15 @@ type Cache[T any] struct {
 // client-side cache by a NewClient function serve stale hits. Do not pass
 // them; see the package documentation.
 //
-// go-redis ends a command in flight only at its connection's deadline, not
-// when its ctx is cancelled, so a call against a Redis that stops answering
-// is bounded by the client's ReadTimeout and WriteTimeout and, with
-// ContextTimeoutEnabled, also by the ctx's deadline, whichever comes first.
-// New refuses a client that would set no deadline at all with a
-// *ConfigError naming the option (Field "Options.ReadTimeout",
+// New refuses a client that could wait for Redis forever (see the package
+// documentation on a Redis that stops answering) with a *ConfigError
+// naming the option (Field "Options.ReadTimeout",
 // "ClusterOptions.WriteTimeout", ...): a ReadTimeout or WriteTimeout of -2
 // (go-redis then ignores the ctx's deadline too), or of -1 without
 // ContextTimeoutEnabled. With ContextTimeoutEnabled and timeouts of -1, a
-// call whose ctx has no deadline can still wait forever. A fill that runs
-// on after its caller's ctx ended, for the callers sharing its load, and a
-// lease release get a one-second ctx of their own, which a command in
-// flight honours only with ContextTimeoutEnabled: without it, the client's
-// timeouts bound them like any other call. A *redis.Ring is checked on its
-// RingOptions (with a NewClient function, on its shards' clients that are
-// up); node clients made by a ClusterOptions.NewClient function are not
-// checked.
+// call whose ctx has no deadline can still wait forever. Rings and
+// ClusterOptions.NewClient functions are checked as by
+// projection.NewRedisProjector.
 func New[T any](client redis.UniversalClient, config *Config) (*Cache[T], error) {
 	if deps.Missing(client) {
 		return nil, ErrNilClient
