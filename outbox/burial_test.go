@@ -2,13 +2,18 @@ package outbox_test
 
 import (
 	"context"
+	"errors"
+	"fmt"
+	"log/slog"
 	"math"
 	"testing"
 	"time"
 
 	"github.com/google/uuid"
 	"github.com/stretchr/testify/require"
+	"go.opentelemetry.io/otel/attribute"
 
+	"github.com/verity-go/verity/internal/telemetry/metrictest"
 	"github.com/verity-go/verity/outbox"
 )
 
@@ -42,6 +47,104 @@ func TestClaimBuriesOnlyItsOwnStreams(t *testing.T) {
 	require.NoError(t, err)
 	require.Len(t, batch, 1)
 	require.Equal(t, 2, batch[0].Attempts, "the crashed attempt counted")
+}
+
+// No relay hands out an attempt past its own MaxAttempts: a row of its
+// streams that comes to it with that many attempts counted already is moved
+// to the dead-letter table by the claim, keeping its last error.
+func TestClaimBuriesRowsAtItsMaxAttempts(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+
+	// Relays split by stream, all with the same MaxAttempts. A stream-"a"
+	// row kills its relay on every attempt; after the last one a stream-"b"
+	// relay takes the partition over and counts the attempt without burying
+	// another stream's row. The next "a" relay handed it out once more, as
+	// attempt MaxAttempts+1, and killed one relay too many.
+	t.Run("CrashCountedByAnotherStreamsRelay", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		rowA := newMessage("a", "ka", 1)
+		rowB := newMessage("b", "kb", 1)
+		b.appendCommitted(t, rowA, rowB) // consecutive ids: one partition
+
+		const maxAttempts = 2
+		cfgA := outbox.RelayConfig{Streams: []string{"a"}, MaxAttempts: maxAttempts, LeaseDuration: 10 * time.Second}
+		for crash := 1; crash <= maxAttempts; crash++ {
+			batch, err := b.relay(t, nil, &recorder{}, cfgA).ClaimOnly(ctx) // the "a" relay dies during this attempt
+			require.NoError(t, err)
+			require.Len(t, batch, 1)
+			require.Equal(t, crash, batch[0].Attempts)
+			require.EqualValues(t, 1, b.expireLeases(t))
+		}
+
+		hb := &recorder{}
+		n, err := b.relay(t, nil, hb, outbox.RelayConfig{Streams: []string{"b"}, MaxAttempts: maxAttempts}).RunOnce(ctx)
+		require.NoError(t, err)
+		require.Equal(t, 1, n)
+		require.Equal(t, rowB.EventID, hb.seen()[0].EventID)
+		rows := b.rows(t)
+		require.Equal(t, maxAttempts, rows[0].Attempts, "the crashed attempt counted")
+		require.Contains(t, *rows[0].LastError, fmt.Sprintf("the relay handling attempt %d stopped without settling it", maxAttempts))
+		require.Zero(t, b.count(t, b.deadTable()), "not buried by a relay of another stream")
+
+		logs := &syncBuffer{}
+		metrics := metrictest.New(t)
+		cfgA.Logger = slog.New(slog.NewTextHandler(logs, nil))
+		cfgA.MeterProvider = metrics.Provider
+		ha := &recorder{}
+		r := b.relay(t, nil, ha, cfgA)
+		n, err = r.RunOnce(ctx)
+		require.NoError(t, err)
+		require.Zero(t, n)
+		require.Empty(t, ha.seen(), "attempt %d not handed out", maxAttempts+1)
+		require.Zero(t, b.count(t, b.writer.Table()))
+		b.requireLeasesFree(t)
+
+		dead, err := r.DeadLetters(ctx, 0, 10)
+		require.NoError(t, err)
+		require.Len(t, dead, 1)
+		require.Equal(t, rowA.EventID, dead[0].EventID)
+		require.Equal(t, maxAttempts, dead[0].Attempts)
+		require.Contains(t, dead[0].LastError, fmt.Sprintf("the relay handling attempt %d stopped without settling it", maxAttempts))
+		require.Contains(t, logs.String(), "outbox rows moved to dead letters")
+		table := attribute.String(outbox.AttributeTable, b.cfg.Schema+".verity_outbox")
+		require.Equal(t, int64(1), metrics.Collect(t).Int("verity.outbox.dead_lettered", table))
+	})
+
+	// A relay allowing more attempts retried the row past a smaller
+	// MaxAttempts: the relay of the smaller one buries it with the last
+	// failure instead of handing it out once more.
+	t.Run("FailuresRetriedByARelayAllowingMore", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		msg := newMessage("s", "k", 1)
+		b.appendCommitted(t, msg)
+		failing := &recorder{fail: func(rec outbox.Record) error { return fmt.Errorf("attempt %d failed", rec.Attempts) }}
+		// A backoff far longer than the test; the row is made due on purpose.
+		more := b.relay(t, nil, failing, outbox.RelayConfig{MaxAttempts: 5, RetryBackoffMin: time.Minute, RetryBackoffMax: time.Minute})
+		for range 2 {
+			n, err := more.RunOnce(ctx)
+			require.NoError(t, err)
+			require.Equal(t, 1, n)
+			_, err = b.pool.Exec(ctx, `UPDATE `+b.writer.Table()+` SET available_at = now()`)
+			require.NoError(t, err)
+		}
+
+		h := &recorder{fail: func(outbox.Record) error { return errors.New("handed out") }}
+		r := b.relay(t, nil, h, outbox.RelayConfig{MaxAttempts: 2})
+		n, err := r.RunOnce(ctx)
+		require.NoError(t, err)
+		require.Zero(t, n)
+		require.Empty(t, h.seen())
+		b.requireLeasesFree(t)
+		dead, err := r.DeadLetters(ctx, 0, 10)
+		require.NoError(t, err)
+		require.Len(t, dead, 1)
+		require.Equal(t, msg.EventID, dead[0].EventID)
+		require.Equal(t, 2, dead[0].Attempts)
+		require.Equal(t, "attempt 2 failed", dead[0].LastError)
+	})
 }
 
 // A dead letter that already holds the id of a row whose crashed attempts
@@ -90,8 +193,10 @@ func TestClaimBurialSkipsAnIDAlreadyDead(t *testing.T) {
 // A composed INSERT may store any attempts, up to the integer column's
 // maximum: adding the current attempt to it overflowed in every claim of
 // its partition, which failed uncounted again and again. The count now
-// saturates, on every path that adds an attempt: the claim's own, a
-// crashed attempt counted for another stream's row, and a burial.
+// saturates, on every path that adds an attempt: the claim's own (a relay
+// whose MaxAttempts is beyond the column's range hands such a row out;
+// others bury it), a crashed attempt counted for another stream's row, and
+// a burial.
 func TestClaimSaturatesAttempts(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
@@ -102,7 +207,7 @@ func TestClaimSaturatesAttempts(t *testing.T) {
 	rowA := newMessage("a", "ka", 1)
 	b.appendCommitted(t, rowA) // the same partition
 
-	cfg := outbox.RelayConfig{LeaseDuration: 10 * time.Second}
+	cfg := outbox.RelayConfig{LeaseDuration: 10 * time.Second, MaxAttempts: math.MaxInt}
 	batch, err := b.relay(t, nil, &recorder{}, cfg).ClaimOnly(ctx) // dies during the attempt
 	require.NoError(t, err)
 	require.Len(t, batch, 2)
@@ -117,11 +222,12 @@ func TestClaimSaturatesAttempts(t *testing.T) {
 	require.Equal(t, rowA.EventID, h.seen()[0].EventID)
 	require.Equal(t, math.MaxInt32, b.rows(t)[0].Attempts)
 
-	// A relay of every stream dies with it again, and the next claim buries it.
+	// A relay of every stream dies with it again, and the next claim, of a
+	// relay whose MaxAttempts the count reaches, buries it.
 	_, err = b.relay(t, nil, &recorder{}, cfg).ClaimOnly(ctx)
 	require.NoError(t, err)
 	require.EqualValues(t, 1, b.expireLeases(t))
-	n, err = b.relay(t, nil, &recorder{}, cfg).RunOnce(ctx)
+	n, err = b.relay(t, nil, &recorder{}, outbox.RelayConfig{MaxAttempts: math.MaxInt32}).RunOnce(ctx)
 	require.NoError(t, err)
 	require.Zero(t, n)
 	var attempts int

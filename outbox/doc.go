@@ -68,7 +68,7 @@
 //	available_at timestamptz, default now()    not before (retry backoff)
 //	leased_until timestamptz, null             row lease of relays before 003
 //	claim_token  uuid, null                    row lease of relays before 003
-//	last_error   text, null                    last handler error
+//	last_error   text, null                    last handler error or crash
 //	published_at timestamptz, null             set on ack with KeepPublished
 //
 // Relays of this version never write leased_until and claim_token (they
@@ -130,20 +130,26 @@
 // relay leases the partition again. The lease row lists the ids the dead
 // relay was given, and the relay that takes the partition over adds one to
 // their attempts: an attempt that crashed its process (or hung past its
-// lease) still counts. A row whose attempts thereby reach MaxAttempts is
-// moved to the dead-letter table by that claim instead of being handed out
-// again, with a last_error saying its relay stopped without settling it, so
-// a row that kills every relay handling it reaches the dead-letter table
-// after MaxAttempts like any failing row. Nothing tells which row of a batch
-// killed its relay: the rows that shared the crashing row's batch count
-// each crash too and may reach the dead-letter table with it; ReplayDead
-// brings them back. A claiming relay buries only rows of the streams it
-// serves (RelayConfig.Streams) and only under its own MaxAttempts: a row of
-// another stream has the attempt counted and is buried by its own relays
-// (so with relays of different MaxAttempts it may be handed out more times
-// than the smaller one). A row whose id is already in the dead-letter table
-// (possible only after the outbox's ids were reset) is handed out again
-// rather than fail the claim.
+// lease) still counts, and the row's last_error says so. A row whose
+// attempts thereby reach MaxAttempts is moved to the dead-letter table by
+// that claim instead of being handed out again, with a last_error saying its
+// relay stopped without settling it, so a row that kills every relay
+// handling it reaches the dead-letter table after MaxAttempts like any
+// failing row. Nothing tells which row of a batch killed its relay: the
+// rows that shared the crashing row's batch count each crash too and may
+// reach the dead-letter table with it; ReplayDead brings them back. A
+// claiming relay buries only rows of the streams it serves
+// (RelayConfig.Streams) and only under its own MaxAttempts: a row of another
+// stream only has the attempt counted. No relay hands out an attempt past
+// its own MaxAttempts, though: a row of its streams that it reads with that
+// many attempts counted already (a crash counted by another stream's relay,
+// or failures retried by a relay allowing more attempts) is moved to the
+// dead-letter table by the claim instead, keeping its last_error. So a row
+// is handed out at most MaxAttempts times; with relays of different
+// MaxAttempts, at most the largest one's, and a relay of a smaller one
+// buries, without another attempt, a row that reaches it past its own. A
+// row whose id is already in the dead-letter table (possible only after the
+// outbox's ids were reset) is handed out again rather than fail the claim.
 //
 // If the Handler outlives its lease and another relay takes the partition
 // over, the first relay's settle statement no longer finds its token there:
@@ -330,11 +336,13 @@
 //     lease ends they are delivered again and the version gate answers
 //     duplicate. This is the same re-delivery a relay crash between handling
 //     and settling causes, which at-least-once delivery allows anyway.
-//   - A lost retry or dead-letter move leaves the row claimed: it is retried
-//     when the lease ends, so it may get one attempt more than MaxAttempts,
-//     or its backoff is shortened. The dead-letter row and the outbox row
-//     are moved in one statement, so both or neither are lost: a message is
-//     never in neither table.
+//   - A lost retry or dead-letter move leaves the row claimed: when the
+//     lease ends the attempt counts as one whose relay stopped without
+//     settling it, so the row's backoff is shortened, or it reaches the
+//     dead-letter table with that last_error instead of the Handler's
+//     error. The dead-letter row and the outbox row are moved in one
+//     statement, so both or neither are lost: a message is never in
+//     neither table.
 //
 // What a user can act on stays durable: Writer.Append and RecordCommand run
 // in the caller's transaction, and ReplayDead, PruneCommands and Stats use

@@ -89,6 +89,8 @@ func NewRelay(pool *pgxpool.Pool, handler Handler, cfg *RelayConfig) (*Relay, er
 	if cfg.DurableBookkeeping {
 		async = ""
 	}
+	lease := fmt.Sprintf(leaseSQL, n.Outbox, n.Leases, streamFilter, async, partitionCount, partitionsPerClaim, partitionBlock, n.Dead,
+		crashedError("LEAST(o.attempts, 2147483646) + 1"), buryCrashed(n.Dead, cfg), crashedError("attempts"))
 	return &Relay{
 		pool:       pool,
 		handler:    handler,
@@ -96,8 +98,8 @@ func NewRelay(pool *pgxpool.Pool, handler Handler, cfg *RelayConfig) (*Relay, er
 		names:      n,
 		logger:     cfg.Logger.With(slog.String("relay", cfg.Name)),
 		metrics:    metrics,
-		leaseSQL:   fmt.Sprintf(leaseSQL, n.Outbox, n.Leases, streamFilter, async, partitionCount, partitionsPerClaim, partitionBlock, n.Dead, cfg.MaxAttempts, buryCrashed(n.Dead, cfg)),
-		pickSQL:    fmt.Sprintf(pickSQL, n.Outbox, n.Leases, streamFilter, partitionCount, partitionBlock),
+		leaseSQL:   lease,
+		pickSQL:    fmt.Sprintf(pickSQL, n.Outbox, n.Leases, streamFilter, partitionCount, partitionBlock, n.Dead, cfg.MaxAttempts, crashedError("attempts")),
 		settleSQL:  fmt.Sprintf(settleSQL, ack, n.Outbox, n.Dead, async, n.Leases, partitionCount, partitionBlock),
 		releaseSQL: fmt.Sprintf(releaseClaimSQL, n.Leases),
 
@@ -175,10 +177,13 @@ const partitionsPerClaim = 4
 // now() + $2 µs: one row write per partition. "crashed" lists the ids
 // handed to a batch whose relay never released its partition (it crashed,
 // or hung past its lease), and that attempt counts: "recovered" adds one to
-// their attempts or, when that reaches MaxAttempts (buryCrashed, formatted
-// in by NewRelay), "buried" and "dead" move them to the dead-letter table as
-// the settle does, so a row that kills every relay handling it is not handed
-// out forever. The two take complementary conditions because one statement
+// their attempts, with a last_error saying so (crashedError), or, when
+// that reaches MaxAttempts (buryCrashed, formatted in by NewRelay), "buried"
+// and "dead" move them to the dead-letter table as the settle does, so a row
+// that kills every relay handling it is not handed out forever. A row
+// counted but not buried here because it is of another stream is buried by
+// pickSQL of its own streams' next claim, if its attempts reach that relay's
+// MaxAttempts. The two take complementary conditions because one statement
 // cannot both update and delete a row. Every id of that batch counts the attempt:
 // nothing tells which one killed the relay. The statement returns the ids
 // it buried, to be logged and counted.
@@ -228,7 +233,8 @@ crashed AS MATERIALIZED (
 ),
 recovered AS (
     UPDATE %[1]s AS o
-    SET attempts = LEAST(o.attempts, 2147483646) + 1
+    SET attempts = LEAST(o.attempts, 2147483646) + 1,
+        last_error = %[9]s
     WHERE o.id = ANY(ARRAY(SELECT id FROM crashed))
       AND NOT (%[10]s)
     RETURNING o.id
@@ -241,9 +247,7 @@ buried AS (
 ),
 dead AS (
     INSERT INTO %[8]s (id, event_id, stream, key, version, payload, created_at, attempts, last_error)
-    SELECT id, event_id, stream, key, version, payload, created_at, attempts,
-        'the relay handling attempt ' || attempts || ' stopped without settling it: it crashed, or hung past its lease;'
-        || ' every row of its batch counts that attempt, so this row may not be the one that caused it'
+    SELECT id, event_id, stream, key, version, payload, created_at, attempts, %[11]s
     FROM buried
     RETURNING id
 )
@@ -255,7 +259,8 @@ SELECT (SELECT count(*) FROM leased), set_config('enable_bitmapscan', 'off', tru
 // this one, reach this relay's MaxAttempts (compared before the increment,
 // which cannot overflow there), it is of a stream this relay serves (another
 // stream's relays may allow more attempts: for those rows the attempt is
-// only counted, and their own relays bury them), and its id is not in the
+// only counted, and their own relays' next claim buries them in pickSQL
+// if their attempts reach its MaxAttempts), and its id is not in the
 // dead-letter table already (possible only after the outbox's ids were
 // reset): a claim that failed on that conflict would fail every claim,
 // whereas the row handed out again fails only its own batch's settle.
@@ -271,18 +276,34 @@ func buryCrashed(dead string, cfg *RelayConfig) string {
 // pickSQL reads up to $2 due rows of the partitions leased to the batch's
 // token ($1), partition after partition, least recently claimed first (the
 // nested loop keeps the order owned was materialized in), each in
-// (available_at, id) order through the partition index; the rows
-// themselves are not written. It
-// records the ids handed out in each partition's lease row (and when it was
-// last served, for the least-recently-claimed order) and releases the
-// partitions that contributed none (the batch filled up first) without
-// moving them back in that order.
+// (available_at, id) order through the partition index; the rows handed out
+// are not written. It records the ids handed out in each partition's lease
+// row (and when it was last served, for the least-recently-claimed order)
+// and releases the partitions that contributed none (the batch filled up
+// first) without moving them back in that order.
+//
+// A row read with this relay's MaxAttempts (formatted in by NewRelay)
+// attempts counted already is moved to the dead-letter table instead
+// ("bury", "buried", "dead"), so that no relay hands out an attempt past
+// its MaxAttempts: a relay of other streams counted the row's crashed last
+// attempt without burying it (see buryCrashed), or a relay allowing more
+// attempts retried it. The row keeps its last_error: the crash's, written
+// when the attempt was counted, or the failure the other relay retried;
+// crashedError stands in for a row without one (attempts stored by a
+// composed INSERT, or counted by a relay of an earlier version). The test
+// is a comparison on rows already read, and the dead-letter probe runs only
+// for rows that pass it, so a claim without such rows pays next to nothing.
+// A row whose id is in the dead-letter table already is handed out, as in
+// leaseSQL. The buried rows come last, marked by the final column, to be
+// logged and counted (the INSERT runs whether or not it is read, and fails
+// the statement rather than lose one).
 const pickSQL = `WITH owned AS MATERIALIZED (
     SELECT part FROM %[2]s WHERE owner = $1
     ORDER BY touched_at, part
 ),
 picked AS MATERIALIZED (
-    SELECT f.part, r.*
+    SELECT f.part, r.*,
+        CASE WHEN r.attempts >= %[7]d THEN NOT EXISTS (SELECT 1 FROM %[6]s AS d WHERE d.id = r.id) ELSE false END AS bury
     FROM owned AS f
     CROSS JOIN LATERAL (
         SELECT o.id, o.event_id, o.stream, o.key, o.version, o.payload, o.created_at, o.attempts
@@ -296,17 +317,40 @@ picked AS MATERIALIZED (
     ) AS r
     LIMIT $2
 ),
+buried AS (
+    DELETE FROM %[1]s AS o
+    WHERE o.id = ANY(ARRAY(SELECT id FROM picked WHERE bury))
+    RETURNING o.id, o.event_id, o.stream, o.key, o.version, o.payload, o.created_at, o.attempts, o.last_error
+),
+dead AS (
+    INSERT INTO %[6]s (id, event_id, stream, key, version, payload, created_at, attempts, last_error)
+    SELECT id, event_id, stream, key, version, payload, created_at, attempts, COALESCE(last_error, %[8]s)
+    FROM buried
+    RETURNING id
+),
 recorded AS (
     UPDATE %[2]s AS l
-    SET inflight = COALESCE((SELECT range_agg(int8range(p.id, p.id, '[]')) FROM picked AS p WHERE p.part = l.part), '{}'),
-        owner = CASE WHEN l.part IN (SELECT part FROM picked) THEN l.owner END,
-        leased_until = CASE WHEN l.part IN (SELECT part FROM picked) THEN l.leased_until END,
-        touched_at = CASE WHEN l.part IN (SELECT part FROM picked) THEN now() ELSE l.touched_at END
+    SET inflight = COALESCE((SELECT range_agg(int8range(p.id, p.id, '[]')) FROM picked AS p WHERE p.part = l.part AND NOT p.bury), '{}'),
+        owner = CASE WHEN l.part IN (SELECT part FROM picked WHERE NOT bury) THEN l.owner END,
+        leased_until = CASE WHEN l.part IN (SELECT part FROM picked WHERE NOT bury) THEN l.leased_until END,
+        touched_at = CASE WHEN l.part IN (SELECT part FROM picked WHERE NOT bury) THEN now() ELSE l.touched_at END
     WHERE l.owner = $1
     RETURNING l.part
 )
-SELECT p.id, p.event_id, p.stream, p.key, p.version, p.payload, p.created_at, LEAST(p.attempts, 2147483646) + 1
-FROM picked AS p`
+SELECT p.id, p.event_id, p.stream, p.key, p.version, p.payload, p.created_at, LEAST(p.attempts, 2147483646) + 1, false
+FROM picked AS p
+WHERE NOT p.bury
+UNION ALL
+SELECT b.id, b.event_id, b.stream, b.key, b.version, b.payload, b.created_at, b.attempts, true
+FROM buried AS b`
+
+// crashedError is the SQL expression of the last_error of a row whose
+// attempt (the SQL expression attempt) was counted because its relay
+// stopped without settling it.
+func crashedError(attempt string) string {
+	return `'the relay handling attempt ' || ` + attempt + ` || ' stopped without settling it: it crashed, or hung past its lease;'
+        || ' every row of its batch counts that attempt, so this row may not be the one that caused it'`
+}
 
 // asyncCommitClause makes the statement it is part of commit with
 // synchronous_commit = off unless RelayConfig.DurableBookkeeping is set.
@@ -523,13 +567,23 @@ func (r *Relay) sendClaim(ctx context.Context, conn *pgx.Conn, token uuid.UUID) 
 	if err != nil {
 		return nil, 0, mapError("claim", err)
 	}
-	batch, err := pgx.CollectRows(rows, func(row pgx.CollectableRow) (Record, error) {
-		var rec Record
-		// The event id is scanned as the 16 bytes it is: through
-		// uuid.UUID's sql.Scanner, pgx would turn each id into text and
-		// the scanner parse it back.
-		err := row.Scan(&rec.ID, (*[16]byte)(&rec.EventID), &rec.Stream, &rec.Key, &rec.Version, &rec.Payload, createdAt{&rec.CreatedAt}, &rec.Attempts)
-		return rec, err
+	var (
+		batch     []Record
+		exhausted []int64 // rows pickSQL buried
+		rec       Record
+		isBuried  bool
+	)
+	// The event id is scanned as the 16 bytes it is: through uuid.UUID's
+	// sql.Scanner, pgx would turn each id into text and the scanner parse
+	// it back.
+	_, err = pgx.ForEachRow(rows, []any{&rec.ID, (*[16]byte)(&rec.EventID), &rec.Stream, &rec.Key, &rec.Version, &rec.Payload,
+		createdAt{&rec.CreatedAt}, &rec.Attempts, &isBuried}, func() error {
+		if isBuried {
+			exhausted = append(exhausted, rec.ID)
+		} else {
+			batch = append(batch, rec)
+		}
+		return nil
 	})
 	if err != nil {
 		return nil, 0, mapError("claim", err)
@@ -537,12 +591,17 @@ func (r *Relay) sendClaim(ctx context.Context, conn *pgx.Conn, token uuid.UUID) 
 	if err := res.Close(); err != nil {
 		return nil, 0, mapError("claim", err)
 	}
+	// Committed now. Like the settle's burials, these are dead letters an
+	// operator must hear of; they never reach a Handler to be logged.
 	if len(buried) > 0 {
-		// Committed now. Like the settle's burials, these are dead letters
-		// an operator must hear of; they never reach a Handler to be logged.
 		r.metrics.deadLettered.Add(ctx, int64(len(buried)), r.metrics.attrs)
 		r.logger.Warn("outbox rows moved to dead letters: the relay handling their last attempt stopped without settling them (it crashed, or hung past its lease)",
 			slog.Any("ids", buried), slog.Int("max_attempts", r.cfg.MaxAttempts))
+	}
+	if len(exhausted) > 0 {
+		r.metrics.deadLettered.Add(ctx, int64(len(exhausted)), r.metrics.attrs)
+		r.logger.Warn("outbox rows moved to dead letters: they came to this relay with MaxAttempts attempts counted already (a relay of other streams counted their crashed last attempt, or a relay allowing more attempts retried them); each keeps its last error",
+			slog.Any("ids", exhausted), slog.Int("max_attempts", r.cfg.MaxAttempts))
 	}
 	slices.SortFunc(batch, func(a, b Record) int { return cmp.Compare(a.ID, b.ID) })
 	return batch, leased, nil

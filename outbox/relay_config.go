@@ -75,7 +75,9 @@ type RelayConfig struct {
 	// MaxAttempts is how many times a row is claimed before a failure moves
 	// it to the dead-letter table. An attempt whose relay stopped without
 	// settling it (it crashed, or hung past its lease) counts as a failure
-	// (see the package doc). Defaults to MaxAttemptsDefault (10).
+	// (see the package doc). The relay never hands out a row's attempt past
+	// it: a row it reads with MaxAttempts attempts counted already is moved
+	// to the dead-letter table. Defaults to MaxAttemptsDefault (10).
 	MaxAttempts int
 
 	// RetryBackoffMin is the delay before the second attempt of a failed
