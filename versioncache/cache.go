@@ -10,6 +10,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"math"
 	"os"
 	"reflect"
 	"strconv"
@@ -81,6 +82,13 @@ const (
 // recovered: it goes on in the caller that ran the loader, the callers
 // sharing its load get a *LoadError saying it panicked or did not return,
 // and the fill lease is given up, as after an error.
+//
+// Nothing is cached after an error, so an error is no way to report absence:
+// every read of a missing row would load again. To cache that a row does
+// not exist, return a value that says so (a tombstone), such as nil when T
+// is a pointer type (*X: JSONCodec caches it as null, and a hit returns
+// nil), or a struct with a Found field; Invalidate it when the row is
+// created, as after any write.
 type Loader[T any] func(ctx context.Context) (T, error)
 
 // Cache is a read-through cache of values of type T keyed by string ids. It
@@ -156,9 +164,7 @@ func New[T any](client redis.UniversalClient, config *Config) (*Cache[T], error)
 		// that gives up on the reply first would report a Redis error for
 		// a bump that happened, and retry the pipeline, bumping again.
 		if readTimeout > 0 && cfg.InvalidateWaitTimeout > readTimeout-waitReplySlack { // no sum: it could overflow
-			return nil, &ConfigError{Field: "InvalidateWaitTimeout",
-				Reason: fmt.Sprintf("is %s, too close to the client's ReadTimeout (%s): lower it to at most %s, or raise the client's ReadTimeout",
-					cfg.InvalidateWaitTimeout, readTimeout, readTimeout-waitReplySlack)}
+			return nil, waitTimeoutError(cfg.InvalidateWaitTimeout, readTimeout, config.InvalidateWaitTimeout == 0)
 		}
 	}
 	var token [12]byte
@@ -175,6 +181,34 @@ func New[T any](client redis.UniversalClient, config *Config) (*Cache[T], error)
 	}
 	c.metrics = metrics
 	return c, nil
+}
+
+// waitTimeoutError refuses an InvalidateWaitTimeout that leaves the client
+// less than waitReplySlack to read WAIT's reply, naming fixes New accepts: a
+// lower InvalidateWaitTimeout only while the client's ReadTimeout leaves
+// room for one of at least 1ms (validate's minimum), a longer ReadTimeout
+// only when it does not overflow.
+func waitTimeoutError(wait, readTimeout time.Duration, isDefault bool) *ConfigError {
+	what := wait.String()
+	if isDefault {
+		what += " (the default: it was left zero)"
+	}
+	raise := fmt.Sprintf("raise the client's ReadTimeout to at least %s above a lower InvalidateWaitTimeout", waitReplySlack)
+	if wait <= math.MaxInt64-waitReplySlack { // no overflow
+		raise = fmt.Sprintf("raise the client's ReadTimeout to at least %s", wait+waitReplySlack)
+	}
+	var fix string
+	switch room := readTimeout - waitReplySlack; {
+	case room >= time.Millisecond && wait > math.MaxInt64-waitReplySlack:
+		fix = fmt.Sprintf("lower it to at most %s", room)
+	case room >= time.Millisecond:
+		fix = fmt.Sprintf("lower it to at most %s, or %s", room, raise)
+	default:
+		fix = fmt.Sprintf("%s (as it is, it leaves no room for an InvalidateWaitTimeout, which must be at least 1ms), or leave InvalidateReplicas 0 (InvalidateWaitTimeout only bounds its wait)", raise)
+	}
+	return &ConfigError{Field: "InvalidateWaitTimeout",
+		Reason: fmt.Sprintf("is %s, too long for the client's ReadTimeout (%s), which must exceed it by at least %s for WAIT's reply: %s",
+			what, readTimeout, waitReplySlack, fix)}
 }
 
 // Close unregisters the Cache's metrics from Config.MeterProvider. It does
@@ -210,7 +244,8 @@ func (c *Cache[T]) notFromNew() bool { return c == nil || c.config == nil }
 // set, processes also race for a short lease so that, across processes,
 // about one of them loads while the others wait up to FillLeaseWait for its
 // value. A failed load's *LoadError is every sharing caller's (see Loader
-// for a load whose caller gave up, and for panics).
+// for a load whose caller gave up, and for panics). An error is not cached:
+// to cache a row's absence, load a tombstone value (see Loader).
 //
 // If Redis fails, Get returns load's value (FailOpen) or a *RedisError
 // (FailClosed); if the caller's own ctx ended, it returns ctx's error
@@ -478,12 +513,8 @@ func (c *Cache[T]) loadAndFill(ctx context.Context, id string, r readResult, loa
 	// caller's ctx ended with its load, it runs detached (bounded);
 	// otherwise within the caller's deadline.
 	filling = true
-	fillCtx, detached := ctx, ctx.Err() != nil
-	if detached {
-		var cancel context.CancelFunc
-		fillCtx, cancel = context.WithTimeout(context.WithoutCancel(ctx), detachedTimeout)
-		defer cancel()
-	}
+	fillCtx, cancel, detached := fillContext(ctx)
+	defer cancel()
 	stored, err := c.lua.fill.Run(fillCtx, c.client,
 		[]string{c.versionKey(id), c.currentKey(id), c.leaseKey(id)},
 		r.version, joinVersioned(r.version, data), c.config.TTL.Milliseconds(), token).Int()
@@ -506,6 +537,19 @@ func (c *Cache[T]) loadAndFill(ctx context.Context, id string, r readResult, loa
 // command in flight honours it only with ContextTimeoutEnabled; otherwise
 // the client's ReadTimeout and WriteTimeout bound it (see New).
 const detachedTimeout = time.Second
+
+// fillContext returns the ctx a fill of Get or GetAt runs on. The fill is
+// every joined caller's too (and, for Get, every waiting process's), not
+// only that of the caller whose ctx it was: once that ctx has ended, the
+// fill runs detached from it, bounded by detachedTimeout, and detached
+// reports so. Call cancel when the fill is done.
+func fillContext(ctx context.Context) (fillCtx context.Context, cancel context.CancelFunc, detached bool) {
+	if ctx.Err() == nil {
+		return ctx, func() {}, false
+	}
+	fillCtx, cancel = context.WithTimeout(context.WithoutCancel(ctx), detachedTimeout)
+	return fillCtx, cancel, true
+}
 
 // releaseLease gives up this process's lease after a failed (or panicked)
 // load, even when ctx is what failed, so other processes need not wait
@@ -625,7 +669,13 @@ func (c *Cache[T]) failOpen(ctx context.Context, id, op string, err error, load 
 // values) leaves the old value cached under the unchanged version until TTL.
 // Prefer Get with Invalidate unless every write path provably moves the
 // version, and prefer a database-incremented counter to a timestamp;
-// CheckAt finds such values.
+// CheckAt finds such values, and Invalidate deletes them (see Invalidate for
+// a GetAt load in flight during the call).
+//
+// GetAt reads and writes only P{id}:a; Get, Peek and Check never read it,
+// and Invalidate deletes it. Concurrent misses share a load as in Get, and
+// its fill, which the callers sharing it depend on, runs on after the ctx
+// of the caller that ran the load ended, with a one-second ctx of its own.
 //
 // load should read the row at that version or later; a value loaded from a
 // newer row under an older version is harmless (it is ahead, not stale), and
@@ -710,10 +760,14 @@ func (c *Cache[T]) loadAndFillAt(ctx context.Context, id, key, versionText strin
 	if err != nil {
 		return loaded[T]{}, err
 	}
-	stored, err := c.lua.fillAt.Run(ctx, c.client, []string{key},
+	// As in Get: the joined callers are served this value, so it is cached
+	// for them too after this caller's ctx ended.
+	fillCtx, cancel, detached := fillContext(ctx)
+	defer cancel()
+	stored, err := c.lua.fillAt.Run(fillCtx, c.client, []string{key},
 		versionText, joinVersioned(versionText, data), c.config.TTL.Milliseconds()).Int()
 	if err != nil {
-		c.fillFailed(ctx, id, err, callerGaveUp(ctx, err) == nil)
+		c.fillFailed(ctx, id, err, detached || callerGaveUp(ctx, err) == nil)
 	} else {
 		c.filled(stored)
 	}
@@ -740,12 +794,24 @@ func (c *Cache[T]) filled(stored int) {
 	}
 }
 
-// Invalidate moves id to a new version and deletes its current value, in one
-// atomic step, so that no value cached before the call can be read again and
-// no load that began before it can be stored. Call it after the database
+// Invalidate moves id to a new version and deletes its current value
+// (P{id}:c, Get's) and its GetAt value (P{id}:a), in one atomic step, so that
+// no value cached before the call can be read again, by Get or by GetAt, and
+// no Get load that began before it can be stored. Call it after the database
 // transaction that changed the value has committed (calling it before leaves
 // a window in which a read caches the pre-commit value under the new
 // version).
+//
+// GetAt's values are keyed by the caller's version, not by the id's: a GetAt
+// load in flight during the call may still store what it loaded, under its
+// caller's version, after Invalidate returned. That is GetAt's contract (the
+// caller's version names the value), and it matters only for a write that
+// kept that version: then Invalidate, after the write committed, is the
+// repair for the divergence CheckAt reports, and CheckAt run again confirms
+// it (a GetAt load that read the row before the write and stored after the
+// Invalidate shows up as still divergent: Invalidate again). Moving the
+// row's version is the lasting fix. An id that only GetAt reads gets a
+// version key from Invalidate too, kept for TTL.
 //
 // Nothing is left behind: the previous value is deleted, not orphaned. A
 // *RedisError means the bump may not have happened and the previous value
@@ -761,7 +827,7 @@ func (c *Cache[T]) Invalidate(ctx context.Context, id string) error {
 	if c.notFromNew() {
 		return errNotFromNew()
 	}
-	keys := []string{c.versionKey(id), c.currentKey(id)}
+	keys := []string{c.versionKey(id), c.currentKey(id), c.atKey(id)}
 	ttl := c.config.TTL.Milliseconds()
 	var (
 		err      error
@@ -832,7 +898,7 @@ func (c *Cache[T]) bumpAndWait(ctx context.Context, keys []string, ttl int64) ([
 
 // Peek returns the value cached for id and its version without loading,
 // initialising a version or taking a lease: for debugging tools, warmers and
-// Check. It reads what Get caches, not GetAt's values. ok is false when
+// Check. It reads what Get caches (P{id}:c), not GetAt's values (P{id}:a). ok is false when
 // nothing is cached. version is the version the value
 // was cached under when ok, else the id's current version (0 when it has
 // none). It reads on the primary, like Get.

@@ -18,8 +18,14 @@ type IDLoader[T any] func(ctx context.Context, id string) (T, error)
 // CheckReport is the outcome of Check and CheckAt. For CheckAt, Cached
 // counts values cached at or above the source's version (which GetAt would
 // serve), and NotCached includes values cached under an older one.
+//
+// Sampled is always Cached + NotCached + Undecodable, also in the partial
+// report returned with an error: an id counts once it has been classified.
+// The id whose examination failed is left out when the error came before
+// that (Check's Peek; CheckAt's read of the cache or its load of the
+// source), and counted as Cached when it came while comparing.
 type CheckReport[T any] struct {
-	Sampled   int // ids examined: Cached + NotCached + Undecodable
+	Sampled   int // ids classified: Cached + NotCached + Undecodable
 	Cached    int // of those, ids with a value under their current version
 	NotCached int // ids with nothing cached: nothing to diverge
 	// Undecodable counts ids whose cached value the Codec cannot decode
@@ -52,6 +58,9 @@ type Divergence[T any] struct {
 // sees only what Get caches: an id cached by GetAt alone is NotCached (see
 // CheckAt).
 //
+// Repair a divergence with Invalidate after the write that Check caught has
+// committed (for one that skipped Invalidate, that is the missing call).
+//
 // Values are compared as Get would serve them: by their Codec encoding, and
 // when encodings differ, decoded, with reflect.DeepEqual. A mismatch is confirmed by a
 // second Peek and load; if the cached value changed in between (its version
@@ -59,7 +68,8 @@ type Divergence[T any] struct {
 // Divergent, because a write was still settling. A cached value
 // that does not decode counts as Undecodable; it is not an error. Check
 // stops at the first Redis or loader error, or a value the Codec cannot
-// encode, and returns the report so far.
+// encode, and returns the report so far (see CheckReport for how it counts
+// the id that failed).
 func (c *Cache[T]) Check(ctx context.Context, ids []string, n int, load IDLoader[T]) (CheckReport[T], error) {
 	var report CheckReport[T]
 	if c.notFromNew() {
@@ -72,14 +82,14 @@ func (c *Cache[T]) Check(ctx context.Context, ids []string, n int, load IDLoader
 		if err := ctx.Err(); err != nil {
 			return report, err
 		}
-		report.Sampled++
 		cached, version, ok, err := c.Peek(ctx, id)
-		if errors.Is(err, ErrCodec) { // Peek only decodes
+		if err != nil && !errors.Is(err, ErrCodec) { // Peek only decodes
+			return report, err
+		}
+		report.Sampled++
+		if err != nil {
 			report.Undecodable++
 			continue
-		}
-		if err != nil {
-			return report, err
 		}
 		if !ok {
 			report.NotCached++
@@ -184,9 +194,16 @@ type VersionedIDLoader[T any] func(ctx context.Context, id string) (T, int64, er
 // An id cached under an older version than the source's is NotCached: a
 // GetAt at the source's version misses it. One whose versions move during
 // the confirmation (a write in flight) is Moved. Cached values that do not
-// decode are Undecodable. It reads without filling, like Check, and stops
-// at the first Redis or loader error, or a source value the Codec cannot
-// encode.
+// decode are Undecodable. It reads GetAt's values (P{id}:a) only, without
+// filling, like Check, and stops at the first Redis or loader error, or a
+// source value the Codec cannot encode, returning the report so far (see
+// CheckReport).
+//
+// Repair a divergence with Invalidate, which deletes the GetAt value; GetAt
+// then loads again, even at the same version. A GetAt load that read the
+// row before the fix and stores after the Invalidate can still bring the
+// old value back under that version (see Invalidate): run CheckAt again to
+// confirm, and move the row's version with the fix to rule it out.
 func (c *Cache[T]) CheckAt(ctx context.Context, ids []string, n int, load VersionedIDLoader[T]) (CheckReport[T], error) {
 	var report CheckReport[T]
 	if c.notFromNew() {
@@ -199,12 +216,12 @@ func (c *Cache[T]) CheckAt(ctx context.Context, ids []string, n int, load Versio
 		if err := ctx.Err(); err != nil {
 			return report, err
 		}
-		report.Sampled++
 		cached, version, state, err := c.peekAt(ctx, id)
 		if err != nil {
 			return report, err
 		}
 		if state != atCached {
+			report.Sampled++
 			if state == atUndecodable {
 				report.Undecodable++
 			} else {
@@ -216,6 +233,7 @@ func (c *Cache[T]) CheckAt(ctx context.Context, ids []string, n int, load Versio
 		if err != nil {
 			return report, &LoadError{ID: id, Err: err}
 		}
+		report.Sampled++
 		if version < currentVersion {
 			report.NotCached++
 			continue

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"testing"
 
+	"github.com/redis/go-redis/v9"
 	"github.com/stretchr/testify/require"
 
 	"github.com/verity-go/verity/internal/testenv"
@@ -148,6 +149,21 @@ func TestCheck(t *testing.T) {
 			require.Equal(t, 5, report.Cached)
 		}
 		require.Greater(t, len(seen), 5, "samples differ between runs")
+	})
+
+	// The report returned with an error adds up: the id whose Peek failed
+	// was not classified, so it is not counted as sampled either.
+	t.Run("PartialReportAddsUp", func(t *testing.T) {
+		t.Parallel()
+		rd := testenv.Redis(t)
+		opt, err := redis.ParseURL(rd.URL)
+		require.NoError(t, err)
+		client := redis.NewClient(opt)
+		b := setupWith(t, client, rd.Prefix, nil)
+		require.NoError(t, client.Close()) // every Peek fails
+		report, err := b.cache.Check(ctx, []string{"p1"}, 0, byID(b))
+		require.ErrorIs(t, err, ErrRedis)
+		require.Equal(t, CheckReport[product]{}, report)
 	})
 
 	t.Run("NilLoader", func(t *testing.T) {

@@ -124,10 +124,15 @@ type Config struct {
 	// *redis.ClusterClient. Defaults to 0 (do not wait).
 	InvalidateReplicas int
 
-	// InvalidateWaitTimeout bounds the wait for InvalidateReplicas. It must
-	// be at least 100 ms below the client's ReadTimeout (go-redis's default
-	// is 5 s), or the client would give up on WAIT's reply first; New
-	// refuses it otherwise. Defaults to InvalidateWaitTimeoutDefault.
+	// InvalidateWaitTimeout bounds the wait for InvalidateReplicas, and is
+	// used for nothing else. It must be at least 100 ms below the client's
+	// ReadTimeout (go-redis's default is 5 s), or the client would give up
+	// on WAIT's reply first; New refuses it otherwise (only when
+	// InvalidateReplicas is set). A client ReadTimeout below 200 ms is
+	// therefore too short for the default, and one below 101 ms for any
+	// value (it must be at least 1 ms): raise it, or leave
+	// InvalidateReplicas 0. Defaults to
+	// InvalidateWaitTimeoutDefault.
 	InvalidateWaitTimeout time.Duration
 
 	// Logger receives warnings about Redis failures and codec errors.

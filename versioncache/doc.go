@@ -26,7 +26,8 @@
 //	P{id}:v  the version
 //	P{id}:c  the current value: "<version>:<encoded value>", with a TTL
 //	P{id}:l  a short fill lease: "<version>:<lease token>"
-//	P{id}:a  GetAt's value: "<caller's version>:<encoded value>"
+//	P{id}:a  GetAt's value: "<caller's version>:<encoded value>", with a TTL
+//	         (read only by GetAt and CheckAt; Invalidate deletes it)
 //
 // where id is escaped by internal/keyenc so it can hold any bytes. A hit is a
 // plain GET of P{id}:c: that key exists only while its value is current,
@@ -153,6 +154,10 @@
 // see each other's leases: during the rollout a miss storm may cost one load
 // per release instead of one, and nothing else changes.
 //
+// Upgrading to the release whose Invalidate deletes GetAt's value too: an
+// Invalidate by an older process leaves P{id}:a in place, so a divergence
+// CheckAt reports is repaired only by a new process's Invalidate.
+//
 // Upgrading to the release that dropped PrefixDefault: Config.Prefix is
 // required; "verity:vc:" keeps a cache's existing keys (for one cached type
 // only). JSONCodec now decodes a number inside an interface value (a
@@ -179,6 +184,13 @@
 // what only the code decides: a Codec's settings, or a MarshalJSON method
 // whose output changes while the type stays. Change Config.Prefix with such
 // a release.
+//
+// The shape includes unexported fields, recursively, of T and of the
+// Codec's type (a Codec may encode them). A release that changes only
+// private fields, say by upgrading Go or a dependency whose struct (or
+// time.Time) is inside T, therefore changes the tag as well: the cache
+// empties (every id costs one load), and during the rolling deploy old and
+// new processes reload each other's values, as above.
 //
 // # Stampedes
 //
@@ -216,10 +228,10 @@
 // cancelled. That deadline comes from the client's ReadTimeout and
 // WriteTimeout and, with ContextTimeoutEnabled, also from the ctx's
 // deadline, whichever is first; New refuses a client that would set none
-// (a timeout of -2, or of -1 without ContextTimeoutEnabled). The fill and
-// the lease release that run on for the callers sharing a load after its
-// caller's ctx ended get a one-second ctx of their own, which a command in
-// flight honours only with ContextTimeoutEnabled.
+// (a timeout of -2, or of -1 without ContextTimeoutEnabled). The fill (of
+// Get or GetAt) and the lease release that run on for the callers sharing a
+// load after its caller's ctx ended get a one-second ctx of their own, which
+// a command in flight honours only with ContextTimeoutEnabled.
 //
 // # Costs
 //
@@ -238,7 +250,8 @@
 // # Caller-supplied versions
 //
 // GetAt caches under a version the caller already has, such as a
-// database-incremented row_version. It needs no Invalidate: P{id}:a holds the
+// database-incremented row_version. It needs no Invalidate (which deletes
+// P{id}:a all the same, see Checking): P{id}:a holds the
 // newest version stored, a hit is one GET whose embedded version is at or
 // above the caller's (a newer value is ahead, never stale), and a fill never
 // replaces a newer version with an older one, not even when the newer value
@@ -260,6 +273,12 @@
 // (through Peek). CheckAt does the same for the values GetAt caches, with a
 // loader that also returns the version callers pass: it finds GetAt's own
 // trap, a write that changed a row but not its version.
+//
+// Invalidate repairs what either finds: it deletes P{id}:c and P{id}:a. A
+// GetAt load in flight during the Invalidate may store what it read, under
+// its caller's version, after the delete (GetAt trusts that version to name
+// the value), so run CheckAt again to confirm, and move the row's version
+// with a data fix to rule that out.
 //
 // # Metrics
 //

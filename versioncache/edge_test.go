@@ -57,6 +57,30 @@ func TestCodec(t *testing.T) {
 		require.Equal(t, want, decoded)
 	})
 
+	// Absence is cached as a tombstone value (a loader error is not
+	// cached): nil for a pointer type, as the Loader documentation says.
+	t.Run("NilTombstone", func(t *testing.T) {
+		t.Parallel()
+		rd := testenv.Redis(t)
+		cache, err := New[*product](rd.Client, &Config{Prefix: rd.Prefix})
+		require.NoError(t, err)
+		var loads atomic.Int64
+		missing := func(context.Context) (*product, error) {
+			loads.Add(1)
+			return nil, nil // no such row
+		}
+		for range 2 {
+			got, err := cache.Get(ctx, "gone", missing)
+			require.NoError(t, err)
+			require.Nil(t, got)
+			got, err = cache.GetAt(ctx, "gone", 7, missing)
+			require.NoError(t, err)
+			require.Nil(t, got)
+		}
+		require.EqualValues(t, 2, loads.Load(), "the second reads are hits")
+		require.EqualValues(t, 2, cache.Stats().Hits)
+	})
+
 	// A release that changes the cached type shares the Prefix with the
 	// last one during its rollout: JSON would decode the other's values
 	// without complaint, a field the value lacks left at its zero value.
@@ -317,6 +341,55 @@ func TestSharedLoad(t *testing.T) {
 		}
 	})
 
+	// A joiner whose own ctx ends while it waits is answered by its ctx,
+	// not by the load: a miss, not a shared load.
+	t.Run("JoinerCanceled", func(t *testing.T) {
+		t.Parallel()
+		for _, name := range []string{"Get", "GetAt"} {
+			t.Run(name, func(t *testing.T) {
+				t.Parallel()
+				b := setup(t, nil)
+				want := b.truth.write("p1", 1)
+				get := func(ctx context.Context, load Loader[product]) (product, error) {
+					if name == "GetAt" {
+						return b.cache.GetAt(ctx, "p1", want.Version, load)
+					}
+					return b.cache.Get(ctx, "p1", load)
+				}
+				started, release := make(chan struct{}), make(chan struct{})
+				leader := make(chan product, 1)
+				go func() {
+					p, err := get(ctx, func(ctx context.Context) (product, error) {
+						close(started)
+						<-release
+						return b.truth.loader("p1")(ctx)
+					})
+					if err != nil {
+						t.Errorf("leader: %v", err)
+					}
+					leader <- p
+				}()
+				<-started
+				joinerCtx, cancel := context.WithCancel(ctx)
+				joinerErr := make(chan error, 1)
+				go func() {
+					_, err := get(joinerCtx, b.truth.loader("p1"))
+					joinerErr <- err
+				}()
+				require.Eventually(t, func() bool { return b.cache.Stats().Misses == 2 }, 5*time.Second, time.Millisecond)
+				time.Sleep(20 * time.Millisecond) // let the joiner reach the flight
+				cancel()
+				require.ErrorIs(t, <-joinerErr, context.Canceled)
+				close(release)
+				require.Equal(t, want, <-leader)
+				st := b.cache.Stats()
+				require.Zero(t, st.SharedLoads, "the joiner was answered by its own ctx")
+				require.EqualValues(t, 1, st.Loads)
+				require.EqualValues(t, 2, st.Misses)
+			})
+		}
+	})
+
 	t.Run("LoaderPanics", func(t *testing.T) {
 		t.Parallel()
 		b := setup(t, nil)
@@ -505,6 +578,54 @@ func TestFillOutlivesTheLoadingCaller(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, want, got)
 	require.Zero(t, caches[1].Stats().LeaseWaits, "no lease left to wait for")
+}
+
+// TestGetAtFillOutlivesTheLoadingCaller is TestFillOutlivesTheLoadingCaller
+// for GetAt: the loading caller gives up while a joined caller waits for
+// its load. The joiner is served the value, and the fill runs on for it, so
+// the next read is a hit rather than another load.
+func TestGetAtFillOutlivesTheLoadingCaller(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	b := setup(t, nil)
+	want := b.truth.write("p1", 4900)
+
+	started, release := make(chan struct{}), make(chan struct{})
+	leaderCtx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	leaderDone := make(chan struct{})
+	go func() {
+		defer close(leaderDone)
+		_, _ = b.cache.GetAt(leaderCtx, "p1", want.Version, func(ctx context.Context) (product, error) {
+			close(started)
+			<-release // a slow query that finishes although its ctx ended
+			return b.truth.loader("p1")(ctx)
+		})
+	}()
+	<-started
+	joined := make(chan product, 1)
+	go func() {
+		p, err := b.cache.GetAt(ctx, "p1", want.Version, b.truth.loader("p1"))
+		if err != nil {
+			t.Errorf("joiner: %v", err)
+		}
+		joined <- p
+	}()
+	require.Eventually(t, func() bool { return b.cache.Stats().Misses == 2 }, 5*time.Second, time.Millisecond)
+	time.Sleep(20 * time.Millisecond) // let the joiner reach the flight
+	cancel()                          // the loading caller gives up
+	close(release)
+	<-leaderDone
+	require.Equal(t, want, <-joined)
+
+	got, err := b.cache.GetAt(ctx, "p1", want.Version, func(context.Context) (product, error) {
+		return product{}, errors.New("loaded again: the value was not cached")
+	})
+	require.NoError(t, err)
+	require.Equal(t, want, got)
+	st := b.cache.Stats()
+	require.EqualValues(t, 1, st.Fills)
+	require.Zero(t, st.RedisErrors)
 }
 
 // TestPlainJSON: values that cannot hold an interface skip JSONCodec's

@@ -4,6 +4,8 @@ import (
 	"context"
 	"math"
 	"os"
+	"regexp"
+	"strings"
 	"testing"
 	"time"
 
@@ -303,6 +305,12 @@ func TestRedisUnavailable(t *testing.T) {
 	})
 }
 
+// The fixes an InvalidateWaitTimeout error names, with their durations.
+var (
+	lowerTo = regexp.MustCompile(`lower it to at most ([0-9.hmsunµ]+)`)
+	raiseTo = regexp.MustCompile(`ReadTimeout to at least ([0-9.hmsunµ]+)( above)?`)
+)
+
 // A failover that loses the bump but keeps the version key does not make it
 // disappear: it makes it old. Re-seeding from the clock cannot help then;
 // the previous value is readable again. This pins that limitation down, and
@@ -372,10 +380,21 @@ func TestLostBump(t *testing.T) {
 			// No read timeout: the ctx's deadline bounds WAIT's reply
 			// (without ContextTimeoutEnabled, New refuses the client).
 			{-1, time.Minute, true, true},
+			// Too short a ReadTimeout for the default (wait 0), or for any
+			// InvalidateWaitTimeout: only a longer one is a fix.
+			{80 * time.Millisecond, 0, false, false},
+			{150 * time.Millisecond, 0, false, false},
+			{100 * time.Millisecond, time.Millisecond, false, false},
+			{100*time.Millisecond + 500*time.Microsecond, 0, false, false},
+			{80 * time.Millisecond, math.MaxInt64, false, false},
 		} {
-			client := redis.NewClient(&redis.Options{Addr: "127.0.0.1:1", ReadTimeout: tc.readTimeout, ContextTimeoutEnabled: tc.ctxTimeout})
-			_, err := New[product](client, &Config{Prefix: "p:", InvalidateReplicas: 1, InvalidateWaitTimeout: tc.wait})
-			_ = client.Close()
+			newCache := func(readTimeout, wait time.Duration, replicas int) error {
+				client := redis.NewClient(&redis.Options{Addr: "127.0.0.1:1", ReadTimeout: readTimeout, ContextTimeoutEnabled: tc.ctxTimeout})
+				defer client.Close()
+				_, err := New[product](client, &Config{Prefix: "p:", InvalidateReplicas: replicas, InvalidateWaitTimeout: wait})
+				return err
+			}
+			err := newCache(tc.readTimeout, tc.wait, 1)
 			if tc.ok {
 				require.NoError(t, err, "%+v", tc)
 				continue
@@ -383,6 +402,26 @@ func TestLostBump(t *testing.T) {
 			var cerr *ConfigError
 			require.ErrorAs(t, err, &cerr, "%+v", tc)
 			require.Equal(t, "InvalidateWaitTimeout", cerr.Field)
+			// Every fix the error names is one New accepts.
+			fixes := 0
+			if m := lowerTo.FindStringSubmatch(cerr.Reason); m != nil {
+				wait, perr := time.ParseDuration(m[1])
+				require.NoError(t, perr, cerr.Reason)
+				require.NoError(t, newCache(tc.readTimeout, wait, 1), "lowered as told: %s", cerr.Reason)
+				fixes++
+			}
+			if m := raiseTo.FindStringSubmatch(cerr.Reason); m != nil && m[2] == "" { // not "100ms above" another value
+				readTimeout, perr := time.ParseDuration(m[1])
+				require.NoError(t, perr, cerr.Reason)
+				require.NoError(t, newCache(readTimeout, tc.wait, 1), "raised as told: %s", cerr.Reason)
+				fixes++
+			}
+			if strings.Contains(cerr.Reason, "leave InvalidateReplicas 0") {
+				require.NoError(t, newCache(tc.readTimeout, tc.wait, 0), cerr.Reason)
+				fixes++
+			}
+			require.Positive(t, fixes, "no fix named: %s", cerr.Reason)
+			require.Equal(t, tc.wait == 0, strings.Contains(cerr.Reason, "the default"), cerr.Reason)
 		}
 	})
 

@@ -3,6 +3,7 @@ package versioncache
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"strconv"
 	"testing"
 
@@ -75,6 +76,39 @@ func TestGetAt(t *testing.T) {
 		got, err = b.cache.Get(ctx, "p1", b.truth.loader("p1"))
 		require.NoError(t, err)
 		require.Equal(t, 1, got.Price)
+	})
+
+	// Invalidate deletes GetAt's value too: it is how a caller repairs the
+	// divergence CheckAt reports (a write that kept the version), which GetAt
+	// would otherwise serve until TTL.
+	t.Run("InvalidateRepairsDivergence", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t, nil)
+		v1 := b.truth.write("p1", 4900)
+		_, err := b.cache.GetAt(ctx, "p1", v1.Version, b.truth.loader("p1"))
+		require.NoError(t, err)
+
+		b.truth.mu.Lock()
+		row := b.truth.rows["p1"]
+		row.Price = 1 // a data fix that forgets row_version
+		b.truth.rows["p1"] = row
+		b.truth.mu.Unlock()
+		byID := func(ctx context.Context, id string) (product, int64, error) {
+			p := b.truth.read(id)
+			return p, p.Version, nil
+		}
+		report, err := b.cache.CheckAt(ctx, []string{"p1"}, 0, byID)
+		require.NoError(t, err)
+		require.Equal(t, 1, report.Divergent)
+
+		require.NoError(t, b.cache.Invalidate(ctx, "p1"))
+		report, err = b.cache.CheckAt(ctx, []string{"p1"}, 0, byID)
+		require.NoError(t, err)
+		require.Equal(t, CheckReport[product]{Sampled: 1, NotCached: 1}, report, "the GetAt value is gone")
+		got, err := b.cache.GetAt(ctx, "p1", row.Version, b.truth.loader("p1"))
+		require.NoError(t, err)
+		require.Equal(t, 1, got.Price, "GetAt at the same version loads the fixed row")
+		require.EqualValues(t, 2, b.truth.loads.Load())
 	})
 
 	// One key per id holds the newest version stored: an older caller
@@ -384,6 +418,23 @@ func TestCheckAt(t *testing.T) {
 		require.Equal(t, 2, loads)
 		require.Equal(t, 1, report.Moved)
 		require.Zero(t, report.Divergent)
+	})
+
+	// The report returned with an error adds up: the id whose load failed
+	// was not classified, so it is not counted as sampled either.
+	t.Run("PartialReportAddsUp", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t, nil)
+		v1 := b.truth.write("p1", 4900)
+		_, err := b.cache.GetAt(ctx, "p1", v1.Version, b.truth.loader("p1"))
+		require.NoError(t, err)
+		boom := errors.New("database down")
+		// n = 0 keeps the ids' order: "p0" (not cached) is classified first.
+		report, err := b.cache.CheckAt(ctx, []string{"p0", "p1"}, 0, func(context.Context, string) (product, int64, error) {
+			return product{}, 0, boom
+		})
+		require.ErrorIs(t, err, boom)
+		require.Equal(t, CheckReport[product]{Sampled: 1, NotCached: 1}, report)
 	})
 
 	t.Run("Undecodable", func(t *testing.T) {

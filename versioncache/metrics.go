@@ -59,7 +59,7 @@ func newCacheMetrics(cfg *Config, stats func() Stats) (*cacheMetrics, error) {
 		reads = in.Int64ObservableCounter(metricReads, "{read}",
 			"Get and GetAt calls by result: hit (served from Redis) or miss (loaded, or joined a load).")
 		loads = in.Int64ObservableCounter(metricLoads, "{load}",
-			"Misses by whether they ran the loader (shared=false, including fail-open loads) or joined another caller's load of the same id and version (shared=true).")
+			"Loader calls (shared=false: Stats.Loads, including fail-open loads, which are not misses) and misses answered by another caller's load of the same id and version (shared=true: Stats.SharedLoads). A miss whose own context ended while it waited for another's load is in neither.")
 		fills = in.Int64ObservableCounter(metricFills, "{value}",
 			"Loaded values stored in Redis.")
 		staleSkipped = in.Int64ObservableCounter(metricStaleSkipped, "{value}",
@@ -67,7 +67,7 @@ func newCacheMetrics(cfg *Config, stats func() Stats) (*cacheMetrics, error) {
 		fallbacks = in.Int64ObservableCounter(metricFallbacks, "{read}",
 			"Reads that loaded without the cache's protection, by reason: lease_timeout (the filling process did not deliver within FillLeaseWait), redis_error (FailOpen served the loader's value).")
 		leaseWaits = in.Int64ObservableCounter(metricLeaseWaits, "{read}",
-			"Misses that waited for another process's fill, by result: hit (got its value) or fallback (loaded itself).")
+			"Misses that waited for another process's fill and got its value (result=hit: Stats.LeaseWaitHits) or loaded themselves after FillLeaseWait ran out (result=fallback: Stats.LeaseFallbacks, also counted as fallbacks with reason lease_timeout). Waits that ended otherwise (the version moved, the lease passed to this process, the value did not decode, a poll failed, the caller's context ended) are not counted; Stats.LeaseWaits counts every wait.")
 		invalidations = in.Int64ObservableCounter(metricInvalidations, "{call}",
 			"Successful Invalidate calls.")
 		orphans = in.Int64ObservableCounter(metricOrphans, "{key}",

@@ -16,6 +16,14 @@ import (
 // decoding them into the wrong shape: encoding/json fills a field the
 // cached value lacks with its zero value and reports nothing, which would
 // serve a value the source never held.
+//
+// Unexported fields are hashed too, recursively, in T and in the Codec's
+// type (a struct Codec's own fields, and the types they hold): a Codec may
+// encode them (gob with a GobEncoder, a MarshalJSON that reads them). So an
+// upgrade of Go or of a dependency that changes only the private fields of
+// a type inside T (a library's struct, time.Time's internals) or of the
+// Codec changes the tag too: every cached value becomes a miss once, and
+// during the rolling deploy each release reloads the other's values.
 func shapeTag(codec Codec, t reflect.Type) []byte {
 	h := fnv.New64a()
 	describeShape(h, reflect.TypeOf(codec), make(map[reflect.Type]bool))

@@ -33,8 +33,9 @@ type flightCall[T any] struct {
 
 // do runs fn for key unless a run is already in flight, in which case it waits
 // for that run (or for ctx). shared reports whether the result came from
-// another caller's run, and leaderEnded whether that caller's ctx had ended
-// by the time its run returned. If fn panics or exits its goroutine, the
+// another caller's run (not when ctx ended first: the result is then
+// ctx.Err(), this caller's own), and leaderEnded whether that caller's ctx
+// had ended by the time its run returned. If fn panics or exits its goroutine, the
 // panic or Goexit goes on in the caller that ran it, and the others get a
 // *LoadError of id saying so (built only then: a miss allocates nothing for
 // it).
@@ -50,7 +51,7 @@ func (g *flightGroup[T]) do(ctx context.Context, key, id string, fn func() (T, e
 			return c.val, true, c.leaderEnded, c.err
 		case <-ctx.Done():
 			var zero T
-			return zero, true, false, ctx.Err()
+			return zero, false, false, ctx.Err()
 		}
 	}
 	c := &flightCall[T]{done: make(chan struct{})}

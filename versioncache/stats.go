@@ -11,10 +11,13 @@ type Stats struct {
 	Hits   uint64 // reads served from Redis
 	Misses uint64 // reads that had to load (or join a load)
 	Loads  uint64 // calls of a loader, including fail-open loads
-	// SharedLoads are misses that joined another goroutine's load of the same
-	// id and version instead of loading. A joined load that the caller
-	// running it gave up is not counted: the miss then loads (or joins a
-	// load) again, and is counted by how that is answered.
+	// SharedLoads are misses answered by another goroutine's load of the
+	// same id and version (its value or its error) instead of loading. Not
+	// counted: a joined load that the caller running it gave up, or that
+	// found the version moved while waiting for another process's fill
+	// (the miss then loads, or joins a load, again, and is counted by how
+	// that is answered), nor a miss whose own ctx ended while it waited for
+	// the load (it got its ctx's error: a miss, neither shared nor a load).
 	SharedLoads uint64
 	Fills       uint64 // values stored
 	// StaleFillsSkipped are loads not stored because the version they were
@@ -34,11 +37,17 @@ type Stats struct {
 	// Deprecated: kept (with its metric) so that existing dashboards and
 	// alerts keep working; it no longer counts anything.
 	OrphanedValueKeys uint64
-	LeaseWaits        uint64 // misses that found another process filling
-	LeaseWaitHits     uint64 // ... and got its value while waiting
-	LeaseFallbacks    uint64 // ... and loaded themselves after FillLeaseWait
-	RedisErrors       uint64 // failed Redis calls; not those cut off by the caller's ctx
-	DecodeErrors      uint64 // cached values the Codec could not decode
+	// LeaseWaits are misses that found another process filling and waited
+	// for its value, however the wait ended: with its value
+	// (LeaseWaitHits), FillLeaseWait running out (LeaseFallbacks), or
+	// otherwise, in neither of those: the version moved, the lease passed
+	// to this process, the value filled did not decode, a poll of Redis
+	// failed, or the caller's ctx ended.
+	LeaseWaits     uint64
+	LeaseWaitHits  uint64 // ... and got its value while waiting
+	LeaseFallbacks uint64 // ... and loaded themselves after FillLeaseWait
+	RedisErrors    uint64 // failed Redis calls; not those cut off by the caller's ctx
+	DecodeErrors   uint64 // cached values the Codec could not decode
 	// ReplicationErrors are Invalidate calls that returned a
 	// *ReplicationError: the bump happened on the primary, but fewer
 	// replicas than Config.InvalidateReplicas confirmed it in time. They

@@ -1,8 +1,9 @@
 -- bump.lua: after a database write, move an id to a new version and delete
--- its current value, atomically.
+-- its current value and GetAt's value, atomically.
 --
 -- KEYS[1]  version key          P{id}:v
 -- KEYS[2]  current key          P{id}:c   ("<version>:<encoded value>")
+-- KEYS[3]  GetAt key            P{id}:a   ("<caller's version>:<encoded value>")
 -- ARGV[1]  TTL in milliseconds for the version key
 --
 -- Returns {new version, 1 if a current value was deleted else 0}, or an
@@ -39,8 +40,14 @@ local nextText = string.format('%.0f', nextv)
 -- lead here (2^53 - 1 as the version, 2^53 - 2 in the current value).
 if nextText == stored then
   return redis.error_reply('versioncache: no new version for ' .. KEYS[1] ..
-    ' (it holds ' .. stored .. '); delete ' .. KEYS[1] .. ' and ' .. KEYS[2])
+    ' (it holds ' .. stored .. '); delete ' .. KEYS[1] .. ' and ' .. KEYS[2] ..
+    ', then invalidate again')
 end
 local deleted = redis.call('DEL', KEYS[2])
+-- GetAt's value too: Invalidate is how a caller repairs one that CheckAt
+-- found divergent (a write that kept its row_version). A GetAt load in
+-- flight may store again after this, under its caller's version: GetAt
+-- takes that version to name the value.
+redis.call('DEL', KEYS[3])
 redis.call('SET', KEYS[1], nextText, 'PX', ARGV[1])
 return {nextText, deleted}
