@@ -219,6 +219,7 @@ func TestDrainRowsMinimum(t *testing.T) {
 		var out, progress bytes.Buffer
 		err := mainErr(ctx, []string{"-quick", "-only", "drain", "-silent", "-json", "-drain-rows", strconv.Itoa(minDrainRows - 1)}, &out, &progress)
 		require.ErrorContains(t, err, "-drain-rows must be at least")
+		require.ErrorAs(t, err, new(usageError))
 		require.Empty(t, out.String(), "figures printed")
 	})
 
@@ -228,4 +229,35 @@ func TestDrainRowsMinimum(t *testing.T) {
 		figs, err := runDrain(ctx, testEnv(t, sizes))
 		require.ErrorContains(t, err, "drain_1_worker: library: nothing to measure", "figures %+v", figs)
 	})
+}
+
+// TestUsageErrors: a command line the benchmark cannot run as asked — a
+// stray argument ("quick" for -quick), an unknown flag or figure group, a
+// bad value — is a usage error (exit 2) found before anything connects,
+// as leaderboard-service's are, never a full run of several minutes with
+// the stray word ignored. The context is already cancelled, so that a run
+// started by mistake does no work.
+func TestUsageErrors(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	for _, tc := range []struct {
+		name string
+		args []string
+		want string
+	}{
+		{"StrayArgument", []string{"-silent", "-json", "-only", "cache", "quick"}, `unexpected argument "quick"`},
+		{"UnknownFlag", []string{"-silent", "-json", "-nope"}, "flag provided but not defined"},
+		{"UnknownGroup", []string{"-silent", "-json", "-only", "cache,drian"}, `-only: unknown figure group "drian"`},
+		{"BadRelays", []string{"-silent", "-json", "-relays", "0"}, "-relays must be at least 1"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			var out, progress bytes.Buffer
+			err := mainErr(ctx, tc.args, &out, &progress)
+			require.ErrorContains(t, err, tc.want)
+			require.ErrorAs(t, err, new(usageError))
+			require.Empty(t, out.String(), "figures printed")
+		})
+	}
 }

@@ -110,13 +110,21 @@ type env struct {
 	checkpointRefused bool // logged once
 }
 
+// checkGroups refuses a figure group name the harness does not have.
+func checkGroups(only []string) error {
+	for _, g := range only {
+		if !slices.Contains(groups, g) {
+			return fmt.Errorf("unknown figure group %q (have %s)", g, strings.Join(groups, ", "))
+		}
+	}
+	return nil
+}
+
 // Run executes the selected figure groups one after another and returns
 // their figures. It always removes what it created.
 func Run(ctx context.Context, opts Options) (figs []Figure, err error) {
-	for _, g := range opts.Only {
-		if !slices.Contains(groups, g) {
-			return nil, fmt.Errorf("unknown figure group %q (have %s)", g, strings.Join(groups, ", "))
-		}
+	if err := checkGroups(opts.Only); err != nil {
+		return nil, err
 	}
 	poolCfg, err := pgxpool.ParseConfig(opts.PostgresURL)
 	if err != nil {

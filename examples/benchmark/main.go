@@ -77,9 +77,18 @@ func main() {
 		return // -h: the flags were printed; asked for, not a failure
 	} else if err != nil {
 		fmt.Fprintln(os.Stderr, "benchmark:", err)
+		if errors.As(err, new(usageError)) {
+			os.Exit(2)
+		}
 		os.Exit(1)
 	}
 }
+
+// usageError is a mistake in the command line (exit 2), found before
+// anything connects.
+type usageError struct{ error }
+
+func (e usageError) Unwrap() error { return e.error }
 
 func mainErr(ctx context.Context, args []string, out, progress io.Writer) error {
 	fs := flag.NewFlagSet("benchmark", flag.ContinueOnError)
@@ -95,11 +104,20 @@ func mainErr(ctx context.Context, args []string, out, progress io.Writer) error 
 	silent := fs.Bool("silent", false, "no progress lines on stderr")
 	cpuProfile := fs.String("cpuprofile", "", "write a CPU profile of the run to this file")
 	traceFile := fs.String("trace", "", "write an execution trace of the run to this file")
-	if err := fs.Parse(args); err != nil {
+	if err := fs.Parse(args); errors.Is(err, flag.ErrHelp) {
 		return err
+	} else if err != nil {
+		return usageError{err}
+	}
+	// benchmark takes no arguments: one is a flag typed without its dash
+	// ("quick" for -quick), and running on would start the full run of
+	// several minutes instead of what was asked for.
+	if fs.NArg() > 0 {
+		fs.Usage()
+		return usageError{fmt.Errorf("unexpected argument %q", fs.Arg(0))}
 	}
 	if *relays < 1 || *batch < 1 || *batch > outbox.BatchSizeMax {
-		return fmt.Errorf("-relays must be at least 1 and -batch within 1..%d", outbox.BatchSizeMax)
+		return usageError{fmt.Errorf("-relays must be at least 1 and -batch within 1..%d", outbox.BatchSizeMax)}
 	}
 	sizes := fullSizes
 	if *quick {
@@ -108,13 +126,16 @@ func mainErr(ctx context.Context, args []string, out, progress io.Writer) error 
 	if *drainRows != 0 {
 		// Fewer rows leave a drain_1_worker round with none to drain.
 		if *drainRows < minDrainRows {
-			return fmt.Errorf("-drain-rows must be at least %d (%d rounds, drain_1_worker draining 1/%d of them)", minDrainRows, drainRounds, oneWorkerShare)
+			return usageError{fmt.Errorf("-drain-rows must be at least %d (%d rounds, drain_1_worker draining 1/%d of them)", minDrainRows, drainRounds, oneWorkerShare)}
 		}
 		sizes.DrainRows = *drainRows
 	}
 	opts := Options{Sizes: sizes, Relays: *relays, BatchSize: *batch, SeedPoll: *seedPoll, DurableBookkeeping: *durable}
 	if *only != "" {
 		opts.Only = strings.Split(*only, ",")
+		if err := checkGroups(opts.Only); err != nil {
+			return usageError{fmt.Errorf("-only: %w", err)}
+		}
 	}
 	if !*silent {
 		opts.Progress = progress

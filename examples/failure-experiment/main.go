@@ -4,6 +4,10 @@
 //
 //	go run ./examples/failure-experiment [--json]
 //
+// It exits 0 when the experiment reproduced the expected outcome, 1 when
+// it did not or could not run, and 2 on a usage error (an unknown flag, a
+// stray argument).
+//
 // It finds the servers like the test harness does (DATABASE_URL / REDIS_URL,
 // then the local default ports, then private servers from local binaries,
 // then Docker), works in its own schema and key prefix, and removes both
@@ -13,6 +17,7 @@ package main
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"flag"
 	"fmt"
 	"io"
@@ -26,17 +31,41 @@ import (
 )
 
 func main() {
-	asJSON := flag.Bool("json", false, "print the report as JSON")
-	flag.Parse()
+	asJSON, err := parseFlags(os.Args[1:], os.Stderr)
+	if errors.Is(err, flag.ErrHelp) {
+		return // -h: the flags were printed; asked for, not a failure
+	} else if err != nil {
+		os.Exit(2) // a usage error, already reported
+	}
 
 	// SIGTERM too (timeout(1), CI cancellation, kill): either way the run
 	// ends through its cleanup and drops its schema and keys.
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
-	if err := run(ctx, os.Stdout, *asJSON); err != nil {
+	if err := run(ctx, os.Stdout, asJSON); err != nil {
 		fmt.Fprintln(os.Stderr, "failure-experiment:", err)
 		os.Exit(1)
 	}
+}
+
+// parseFlags reads the command line. A usage error is reported on stderr
+// with the flags, before anything connects.
+func parseFlags(args []string, stderr io.Writer) (asJSON bool, err error) {
+	fs := flag.NewFlagSet("failure-experiment", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	fs.BoolVar(&asJSON, "json", false, "print the report as JSON")
+	if err := fs.Parse(args); err != nil {
+		return false, err
+	}
+	// failure-experiment takes no arguments: one is a flag typed without
+	// its dashes ("json" for --json), not to be ignored.
+	if fs.NArg() > 0 {
+		err := fmt.Errorf("unexpected argument %q", fs.Arg(0))
+		fmt.Fprintln(stderr, "failure-experiment:", err)
+		fs.Usage()
+		return false, err
+	}
+	return asJSON, nil
 }
 
 func run(ctx context.Context, out io.Writer, asJSON bool) error {

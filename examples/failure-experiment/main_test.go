@@ -17,18 +17,57 @@ import (
 	"github.com/verity-go/verity/internal/testenv"
 )
 
-// runMainEnv, set to 1, makes the test binary run the command's main
-// instead of its tests: the signal test starts it as a child process.
+// runMainEnv, set to the command's arguments (space-separated, possibly
+// none), makes the test binary run the command's main with them instead of
+// its tests: the signal and usage tests start it as a child process.
 const runMainEnv = "FAILURE_EXPERIMENT_RUN_MAIN"
 
 // TestMain fails the package's tests if any goroutine outlives them.
 func TestMain(m *testing.M) {
-	if os.Getenv(runMainEnv) == "1" {
-		os.Args = os.Args[:1]
+	if args, ok := os.LookupEnv(runMainEnv); ok {
+		os.Args = append([]string{"failure-experiment"}, strings.Fields(args)...)
 		main()
 		os.Exit(0)
 	}
 	testenv.Main(m)
+}
+
+// TestUsageErrors: a stray argument (a flag typed without its dashes) or
+// an unknown flag exits 2 before anything connects, as leaderboard-service
+// does, instead of running the experiment with the word ignored; -h is
+// asked for, not an error.
+func TestUsageErrors(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		name       string
+		args       string
+		wantCode   int
+		wantStderr string
+	}{
+		{"StrayArgument", "json", 2, `failure-experiment: unexpected argument "json"`},
+		{"StrayArgumentAfterFlag", "--json now", 2, `failure-experiment: unexpected argument "now"`},
+		{"UnknownFlag", "--jsn", 2, "flag provided but not defined: -jsn"},
+		{"Help", "-h", 0, "-json"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			cmd := exec.Command(os.Args[0])
+			cmd.Env = append(os.Environ(), runMainEnv+"="+tc.args)
+			var stdout, stderr bytes.Buffer
+			cmd.Stdout, cmd.Stderr = &stdout, &stderr
+			err := cmd.Run()
+			code := 0
+			if err != nil {
+				var exitErr *exec.ExitError
+				require.True(t, errors.As(err, &exitErr), "%v", err)
+				code = exitErr.ExitCode()
+			}
+			require.Equal(t, tc.wantCode, code, "stdout: %s\nstderr: %s", stdout.String(), stderr.String())
+			require.Contains(t, stderr.String(), tc.wantStderr)
+			require.Contains(t, stderr.String(), "Usage of failure-experiment", "the flags were not listed")
+			require.Empty(t, stdout.String(), "the experiment ran")
+		})
+	}
 }
 
 // TestSIGTERMCleansUp: SIGTERM (timeout(1), CI cancellation, kill) ends a
@@ -57,7 +96,7 @@ func TestSIGTERMCleansUp(t *testing.T) {
 	for range 5 {
 		before := schemas()
 		cmd := exec.Command(os.Args[0])
-		cmd.Env = append(os.Environ(), runMainEnv+"=1")
+		cmd.Env = append(os.Environ(), runMainEnv+"=")
 		var stderr bytes.Buffer
 		cmd.Stderr = &stderr
 		require.NoError(t, cmd.Start())

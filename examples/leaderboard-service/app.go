@@ -89,7 +89,7 @@ func parseFlags(name string, args []string, stderr io.Writer) (*options, error) 
 	case "reconcile":
 		fs.IntVar(&o.sample, "sample", 0, "check N random rows instead of the whole board (0 = full pass)")
 		fs.BoolVar(&o.dryRun, "dry-run", false, "classify and report, repair nothing")
-		fs.BoolVar(&o.verify, "verify", false, "run a full pass and, if it repaired everything, record the projection as verified (Board.Verify; for --require-verified)")
+		fs.BoolVar(&o.verify, "verify", false, "run a full pass and, if it repaired everything, record the projection as verified (Board.Verify; for --require-verified); exits 3 if it ran but did not verify")
 	case "replay-dead":
 		fs.IntVar(&o.limit, "limit", 0, "move at most N dead letters, oldest first (0 = all)")
 	case "stats":

@@ -64,6 +64,10 @@ const (
 	exitOK    = 0
 	exitError = 1
 	exitUsage = 2
+	// exitNotVerified: reconcile --verify ran its pass but did not record
+	// the projection as verified (errNotVerified), so that a script can
+	// tell it from a pass that verified (0) and from one that failed (1).
+	exitNotVerified = 3
 )
 
 // run executes one subcommand and returns the process exit code.
@@ -93,8 +97,11 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	}
 	if err := cmd.run(ctx, opts, stdout, stderr); err != nil {
 		fmt.Fprintf(stderr, "leaderboard-service %s: %v\n", name, err)
-		if errors.As(err, new(usageError)) {
+		switch {
+		case errors.As(err, new(usageError)):
 			return exitUsage
+		case errors.Is(err, errNotVerified):
+			return exitNotVerified
 		}
 		return exitError
 	}

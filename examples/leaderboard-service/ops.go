@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"net"
@@ -146,7 +147,13 @@ func summarize(r *reconcile.Report, err error, errText func(error) string) *reco
 	return sum
 }
 
-// cmdReconcile runs one reconcile pass, full or sampled.
+// errNotVerified is what reconcile --verify returns when its pass ran but
+// did not record the projection as verified (exit 3): the report, printed
+// before, says what stood in the way.
+var errNotVerified = errors.New("the projection was not verified")
+
+// cmdReconcile runs one reconcile pass, full or sampled. With --verify, a
+// pass that ran but recorded nothing returns errNotVerified.
 func cmdReconcile(ctx context.Context, o *options, stdout, stderr io.Writer) error {
 	d, err := opsDeps(ctx, o, stderr)
 	if err != nil {
@@ -170,6 +177,9 @@ func cmdReconcile(ctx context.Context, o *options, stdout, stderr io.Writer) err
 	sum := summarize(report, runErr, error.Error)
 	if o.verify {
 		sum.Verified = &verified
+	}
+	if runErr == nil && o.verify && !verified {
+		runErr = errNotVerified
 	}
 	if o.json {
 		if err := printJSON(stdout, sum); err != nil {
@@ -197,7 +207,12 @@ func cmdReconcile(ctx context.Context, o *options, stdout, stderr io.Writer) err
 		if *sum.Verified {
 			fmt.Fprintln(stdout, "verified: the projection is recorded as complete")
 		} else {
-			fmt.Fprintln(stdout, "NOT verified: the pass left findings unrepaired, or Redis lost the board's keys during it; run it again")
+			if sum.Counts[reconcile.ClassAhead.String()]+sum.Counts[reconcile.ClassOrphan.String()] > 0 {
+				// Running it again would find them again.
+				fmt.Fprintln(stdout, "NOT verified: the pass left ahead or orphan entries in place (below)")
+			} else {
+				fmt.Fprintln(stdout, "NOT verified: the pass left findings unrepaired, or Redis lost the board's keys during it; run it again")
+			}
 		}
 	}
 	if len(sum.Results) > 0 {

@@ -150,6 +150,23 @@ func TestReconcileCommand(t *testing.T) {
 	code, stdout, stderr = runCommand(t, append([]string{"reconcile", "--verify"}, tb.opsFlags()...)...)
 	require.Equal(t, exitOK, code, stderr)
 	require.Contains(t, stdout, "verified: the projection is recorded as complete")
+
+	// A pass that runs but does not verify exits 3, so that a script can
+	// tell: an orphan (a member PostgreSQL does not have) is only reported,
+	// and stands in the way.
+	require.NoError(t, tb.rd.Client.ZAdd(ctx, tb.board.SortedSetKey(), redisZ(-5, "mallory")).Err())
+	code, stdout, stderr = runCommand(t, append([]string{"reconcile", "--verify"}, tb.opsFlags()...)...)
+	require.Equal(t, exitNotVerified, code, "stdout: %s\nstderr: %s", stdout, stderr)
+	require.Contains(t, stdout, "NOT verified: the pass left ahead or orphan entries in place")
+	require.Regexp(t, `(?m)^\s+orphan\s+1$`, stdout)
+	require.Contains(t, stderr, "leaderboard-service reconcile: the projection was not verified")
+	code, stdout, stderr = runCommand(t, append([]string{"reconcile", "--verify", "--json"}, tb.opsFlags()...)...)
+	require.Equal(t, exitNotVerified, code, "stderr: %s", stderr)
+	var unverified reconcileSummary
+	require.NoError(t, json.Unmarshal([]byte(stdout), &unverified), "stdout: %s", stdout)
+	require.NotNil(t, unverified.Verified)
+	require.False(t, *unverified.Verified)
+	require.Empty(t, unverified.Error, "the pass itself did not fail")
 }
 
 func TestRebuildCommand(t *testing.T) {

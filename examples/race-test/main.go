@@ -27,9 +27,18 @@ const writePauseDefault = 20 * time.Millisecond
 func main() {
 	if err := mainErr(os.Args[1:], os.Stdout); err != nil {
 		fmt.Fprintln(os.Stderr, "race-test:", err)
+		if errors.As(err, new(usageError)) {
+			os.Exit(2)
+		}
 		os.Exit(1)
 	}
 }
+
+// usageError is a mistake in the command line (exit 2), found before
+// anything connects.
+type usageError struct{ error }
+
+func (e usageError) Unwrap() error { return e.error }
 
 func mainErr(args []string, out io.Writer) error {
 	fs := flag.NewFlagSet("race-test", flag.ContinueOnError)
@@ -44,7 +53,14 @@ func mainErr(args []string, out io.Writer) error {
 	if err := fs.Parse(args); errors.Is(err, flag.ErrHelp) {
 		return nil // -h: the flags were printed; asked for, not a failure
 	} else if err != nil {
-		return err
+		return usageError{err}
+	}
+	// race-test takes no arguments: one is a flag typed without its
+	// dashes ("naive" for --mode=naive), and running on with the defaults
+	// would measure something other than what was asked for.
+	if fs.NArg() > 0 {
+		fs.Usage()
+		return usageError{fmt.Errorf("unexpected argument %q", fs.Arg(0))}
 	}
 	cfg := config{
 		Readers:    *readers,
@@ -62,7 +78,7 @@ func mainErr(args []string, out io.Writer) error {
 		cfg.Modes = []string{*mode}
 	}
 	if err := cfg.validate(); err != nil {
-		return err
+		return usageError{err}
 	}
 
 	// SIGTERM too (timeout(1), CI cancellation, kill): either way the run

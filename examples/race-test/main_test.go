@@ -6,6 +6,7 @@ import (
 	"errors"
 	"os"
 	"os/exec"
+	"slices"
 	"strings"
 	"syscall"
 	"testing"
@@ -37,6 +38,49 @@ func TestHelpIsNotAnError(t *testing.T) {
 	var out bytes.Buffer
 	require.NoError(t, mainErr([]string{"-h"}, &out))
 	require.Empty(t, out.String(), "-h ran the race")
+}
+
+// TestUsageErrors: a command line race-test cannot run as asked — a stray
+// argument (a flag typed without its dashes), an unknown flag, a bad value
+// — exits 2 before anything connects, as leaderboard-service does, instead
+// of running with the defaults or failing like a run (exit 1).
+func TestUsageErrors(t *testing.T) {
+	t.Parallel()
+	// Flags that keep a run short, should one start.
+	short := []string{"--readers=1", "--writers=1", "--seconds=0.05", "--mode=versioned"}
+	for _, tc := range []struct {
+		name string
+		args []string
+		want string
+	}{
+		{"StrayArgument", slices.Concat(short, []string{"naive"}), `unexpected argument "naive"`},
+		{"StrayArgumentAfterFlagTerminator", slices.Concat(short, []string{"--", "--mode=naive"}), `unexpected argument "--mode=naive"`},
+		{"UnknownFlag", slices.Concat(short, []string{"--nope"}), "flag provided but not defined"},
+		{"BadValue", slices.Concat(short, []string{"--readers=0"}), "--readers must be at least 1"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			var out bytes.Buffer
+			err := mainErr(tc.args, &out)
+			require.ErrorContains(t, err, tc.want)
+			require.ErrorAs(t, err, new(usageError))
+			require.Empty(t, out.String(), "the race ran")
+		})
+	}
+
+	t.Run("ExitsTwo", func(t *testing.T) {
+		t.Parallel()
+		cmd := exec.Command(os.Args[0])
+		cmd.Env = append(os.Environ(), runMainEnv+"="+strings.Join(slices.Concat(short, []string{"naive"}), " "))
+		var stdout, stderr bytes.Buffer
+		cmd.Stdout, cmd.Stderr = &stdout, &stderr
+		err := cmd.Run()
+		var exitErr *exec.ExitError
+		require.True(t, errors.As(err, &exitErr), "exit status 0; stdout: %s", stdout.String())
+		require.Equal(t, 2, exitErr.ExitCode(), "stderr: %s", stderr.String())
+		require.Contains(t, stderr.String(), `race-test: unexpected argument "naive"`)
+		require.Empty(t, stdout.String(), "the race ran")
+	})
 }
 
 // TestSIGTERMCleansUp: SIGTERM (timeout(1), CI cancellation, kill) ends a
