@@ -103,6 +103,10 @@ type Board struct {
 		around, lag                   string
 		sourceFirst, sourcePage       string
 		sourceSample, sourceLookup    string
+		// atLeast maps each read statement above (top, page, pageBytes,
+		// rank, around) to its variant for reads with AtLeast
+		// requirements (withAtLeast).
+		atLeast map[string]string
 	}
 
 	lagMu        sync.Mutex
@@ -192,6 +196,14 @@ func New(pool *pgxpool.Pool, rdb redis.UniversalClient, cfg *Config) (*Board, er
 	b.sql.rank, b.sql.around, b.sql.lag = r(rankSQL), r(aroundSQL), r(lagSQL)
 	b.sql.sourceFirst, b.sql.sourcePage = r(sourceFirstSQL), r(sourcePageSQL)
 	b.sql.sourceSample, b.sql.sourceLookup = r(sourceSampleSQL), r(sourceLookupSQL)
+	entry := []string{"user_id", "score", "rank"}
+	b.sql.atLeast = map[string]string{
+		b.sql.top:       r(withAtLeast(topSQL, entry, 2)),
+		b.sql.page:      r(withAtLeast(pageSQL, entry, 4)),
+		b.sql.pageBytes: r(withAtLeast(pageBytesSQL, entry, 4)),
+		b.sql.rank:      r(withAtLeast(rankSQL, []string{"score", "rank"}, 2)),
+		b.sql.around:    r(withAtLeast(aroundSQL, entry, 3)),
+	}
 	return b, nil
 }
 
@@ -358,7 +370,7 @@ func (b *Board) submit(ctx context.Context, cmd Command) (Result, error) {
 
 // submitOne applies a validated command in a statement of its own.
 func (b *Board) submitOne(ctx context.Context, cmd Command) (Result, error) {
-	res, err := b.submitStatement(ctx, b.pool, b.sql.submit, cmd)
+	res, err := b.submitStatement(ctx, b.pool, "submit", b.sql.submit, cmd)
 	if err == nil && !res.Duplicate {
 		b.notifier.Notify() // committed: autocommit statement
 	}
@@ -390,6 +402,17 @@ func (b *Board) submitOne(ctx context.Context, cmd Command) (Result, error) {
 // with whatever else the caller writes in it. tx is a pgx.Tx, or a *sql.Tx
 // of the pgx stdlib driver wrapped by outbox.SQLTx. It costs the same
 // single statement as Submit.
+//
+// tx must be a transaction of the board's own database, the one its pool
+// (New's pool) connects to: the board cannot tell. On another database
+// where the board's tables were migrated too, SubmitTx succeeds and the
+// outbox row never reaches this board's relays; on one without them it
+// fails with ErrNotMigrated.
+//
+// The outbox row's creation time, which the lag counts from
+// (Freshness.Lag), is the start of tx (PostgreSQL's now()): a long
+// transaction commits a change that already looks that old, and reads
+// report the lag, against Config.MaxLag too, until it is projected.
 //
 // Unlike Submit, the statement itself notifies the relays (pg_notify,
 // delivered when tx commits and never if it rolls back): the board cannot
@@ -444,7 +467,7 @@ func (b *Board) submitTx(ctx context.Context, tx outbox.Tx, cmd Command) (Result
 	if err := b.validate(0, cmd); err != nil {
 		return Result{}, err
 	}
-	res, err := b.submitStatement(ctx, tx, b.sql.submitTx, cmd, b.channel)
+	res, err := b.submitStatement(ctx, tx, opSubmitTx, b.sql.submitTx, cmd, b.channel)
 	if !isUniqueViolation(err) {
 		return res, err
 	}
@@ -460,11 +483,11 @@ type rowQuerier interface {
 }
 
 // submitStatement runs query (submitSQL, or submitTxSQL with the channel
-// as extra) for a validated command. A unique
+// as extra) for a validated command; op names it in errors (dbError). A unique
 // violation (a twin committed after the statement's snapshot, or another
 // outbox writer's event id) is returned unwrapped for the caller to
 // interpret; every other outcome is final.
-func (b *Board) submitStatement(ctx context.Context, q rowQuerier, query string, cmd Command, extra ...any) (Result, error) {
+func (b *Board) submitStatement(ctx context.Context, q rowQuerier, op, query string, cmd Command, extra ...any) (Result, error) {
 	var (
 		res         Result
 		board, user string
@@ -479,7 +502,7 @@ func (b *Board) submitStatement(ctx context.Context, q rowQuerier, query string,
 	case isScoreRangeViolation(err):
 		return Result{}, &ScoreOutOfRangeError{UserID: cmd.UserID, Delta: cmd.Delta}
 	default:
-		return Result{}, b.dbError("submit", err)
+		return Result{}, b.dbError(op, err)
 	}
 	return b.checkDuplicate(cmd, res, board, user, delta)
 }

@@ -136,7 +136,7 @@ func TestRedisClusterReplicaReadsAfterSlotMove(t *testing.T) {
 	// client does, without waiting for its periodic slot-map reload.
 	_, err = board.Top(ctx, 1)
 	require.NoError(t, err, "a read pinned to the old master after the slot moved")
-	_, _, err = board.Rank(ctx, "nobody", AtLeast("nobody", 1)) // waitForVersion's HGET
+	_, _, err = board.Rank(ctx, "nobody", AtLeast("nobody", 1)) // waitForVersions' HGET
 	require.ErrorIs(t, err, ErrStale)
 }
 

@@ -28,8 +28,12 @@ const (
 	ServeStale ReadPolicy = iota + 1
 	// FallbackToPostgres answers from Redis while it is fresh enough and
 	// from PostgreSQL otherwise, including when Redis fails. Answers from
-	// PostgreSQL are exact (Freshness.Source is SourcePostgres, Lag zero).
-	// Choose it only if PostgreSQL can absorb the read load of an outage.
+	// PostgreSQL are exact (Freshness.Source is SourcePostgres, Lag zero)
+	// as of what is committed: when a version asked for with AtLeast is not
+	// committed there either (the submitting transaction rolled back, or
+	// has not committed yet), the answer lacks it and Freshness.AtLeastMet
+	// is false, checked in the answer's own statement. Choose it only if
+	// PostgreSQL can absorb the read load of an outage.
 	FallbackToPostgres
 	// FailClosed answers from Redis while it is fresh enough and returns a
 	// *StaleError (errors.Is(err, ErrStale)) otherwise. A Redis error is

@@ -138,11 +138,17 @@
 // PostgreSQL answers use the same order and ranks; counting a rank there
 // costs O(rank) index entries, which is why it is a fallback.
 //
-// Read-your-writes: pass AtLeast(user, result.Version) to a read. It waits
-// up to Config.ReadYourWritesTimeout for the projection to reach that
-// version, then applies the policy. A board whose Config.VersionBuckets is
-// not the projection's stored count does not wait: the read fails with
-// projection.ErrLayoutMismatch under every policy.
+// Read-your-writes: pass AtLeast(user, result.Version) to a read, once per
+// user written (up to MaxAtLeast: the winner and the loser of a match that
+// one transaction scored). It waits up to Config.ReadYourWritesTimeout for
+// the projection to reach every one of those versions, then applies the
+// policy; Freshness.AtLeastMet is true only when the answer reflects them
+// all, from Redis or from PostgreSQL (which checks, in the answer's own
+// statement, that they are committed: a SubmitTx whose transaction rolled
+// back, or has not committed yet, is not). A board whose
+// Config.VersionBuckets is not the projection's stored count does not
+// wait: the read fails with projection.ErrLayoutMismatch under every
+// policy.
 //
 // What Lag cannot see: it measures the outbox, so a projection that Redis
 // itself lost (a restart without persistence, FLUSHALL, eviction under a

@@ -57,8 +57,8 @@ var (
 	ErrConcurrentSubmit = errors.New("leaderboard: a concurrent submit of the same event id committed first")
 	// ErrInvalidReadOption is returned, before anything is read, for a
 	// nil ReadOption, WithPolicy of an unknown policy (the zero value
-	// included), or AtLeast with a version above 0 and a user id the board
-	// would refuse.
+	// included), AtLeast with a version above 0 and a user id the board
+	// would refuse, or AtLeast for more than MaxAtLeast users in one read.
 	ErrInvalidReadOption = errors.New("leaderboard: invalid read option")
 	// ErrInvalidLimit is returned for a page size outside [1, MaxPageSize]
 	// (Around also accepts 0 neighbours).
@@ -141,15 +141,23 @@ func fromOutboxConfig(prefix string, err error) error {
 func (b *Board) dbError(op string, err error) error {
 	var pgErr *pgconn.PgError
 	if errors.As(err, &pgErr) && pgErr.Code == pgUndefinedTable {
+		fix := "run leaderboard.Migrate with the board's Schema and OutboxTable first"
+		if op == opSubmitTx {
+			// The caller's transaction need not be on the board's database.
+			fix += ", or, if the board's database has them, give SubmitTx a transaction of that database"
+		}
 		return &notMigratedError{err: err, msg: fmt.Sprintf(
-			"leaderboard: %s: a table of the board is missing in schema %q (%s, %s or the outbox table %q); run leaderboard.Migrate with the board's Schema and OutboxTable first: %v",
-			op, b.cfg.Schema, ScoreEventsTable, UserScoresTable, b.cfg.OutboxTable, err)}
+			"leaderboard: %s: a table of the board is missing in schema %q (%s, %s or the outbox table %q); %s: %v",
+			op, b.cfg.Schema, ScoreEventsTable, UserScoresTable, b.cfg.OutboxTable, fix, err)}
 	}
 	return fmt.Errorf("leaderboard: %s: %w", op, err)
 }
 
 // pgUndefinedTable is PostgreSQL's undefined_table.
 const pgUndefinedTable = "42P01"
+
+// opSubmitTx is SubmitTx's op for dbError.
+const opSubmitTx = "submit in the caller's transaction"
 
 // notMigratedError is dbError's error for a missing table. It matches
 // ErrNotMigrated and the driver's error, without the sentinel's own text,
@@ -256,15 +264,18 @@ func (e *ScoreOutOfRangeError) Unwrap() error { return ErrScoreOutOfRange }
 // StaleError is returned under the FailClosed policy when the projection
 // lags by more than MaxLag, is unverified (Config.RequireVerifiedProjection;
 // Unverified is set), or an AtLeast requirement was not met within
-// ReadYourWritesTimeout; and under any policy when a read whose AtLeast
-// requirement was not met finds its user missing in Redis (ServeStale
-// cannot answer that from Redis). It matches ErrStale.
+// ReadYourWritesTimeout; and under ServeStale when a read with an unmet
+// AtLeast requirement finds the user it looks up missing in Redis
+// (ServeStale cannot answer that from Redis). It matches ErrStale.
 type StaleError struct {
 	// Lag is the measured lag (negative when it could not be measured).
 	Lag time.Duration
 	// MaxLag is the configured limit.
 	MaxLag time.Duration
-	// UserID and Version are set when an AtLeast requirement was not met.
+	// UserID and Version are set when an AtLeast requirement was not met:
+	// the first one unmet, in the order of the read's AtLeast options
+	// (with the highest version asked for its user). Others may be unmet
+	// as well.
 	UserID  string
 	Version int64
 	// Unverified is set, with Lag -1, when Config.RequireVerifiedProjection

@@ -162,11 +162,19 @@ func TestMigrate(t *testing.T) {
 				_, _, err := board.Rank(ctx, "ada", AtLeast("ada", 1), WithPolicy(FailClosed))
 				return err
 			},
+			"TopAtLeastFromPostgres": func() error {
+				_, err := board.Top(ctx, 10, AtLeast("ada", 1), forcePostgres())
+				return err
+			},
 		} {
 			err := call()
 			require.ErrorIs(t, err, ErrNotMigrated, name)
 			require.ErrorIs(t, err, outbox.ErrNotMigrated, name)
 			require.ErrorContains(t, err, "run leaderboard.Migrate", name)
+			if name == "SubmitTx" {
+				// Or the caller's transaction is on another database.
+				require.ErrorContains(t, err, "give SubmitTx a transaction of that database")
+			}
 			require.ErrorContains(t, err, pg.Schema, name)
 			var pgErr *pgconn.PgError
 			require.ErrorAs(t, err, &pgErr, "%s: the driver's error is kept", name)

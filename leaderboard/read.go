@@ -23,6 +23,12 @@ import (
 // neighbourhood of Around.
 const MaxPageSize = 1000
 
+// MaxAtLeast bounds the users one read can pass to AtLeast: every
+// requirement is checked on each poll of the projection, and in the
+// statement of a PostgreSQL answer. A read with more (distinct users with
+// a version above 0) fails with ErrInvalidReadOption.
+const MaxAtLeast = 64
+
 // Entry is one line of a ranking.
 type Entry struct {
 	UserID string
@@ -76,9 +82,14 @@ type Freshness struct {
 	// the read or during it, held no record of a Verify since it last lost
 	// the board's keys: the projection may be missing entries.
 	Unverified bool
-	// AtLeastMet is false only when the read asked for AtLeast, the
-	// projection did not reach that version in time, and the ServeStale
-	// policy answered from Redis anyway.
+	// AtLeastMet reports whether the answer reflects every version the
+	// read asked for with AtLeast (true when it asked for none): Redis had
+	// reached each of them, or PostgreSQL held each of them in the
+	// snapshot the answer was read from. It is false when ServeStale
+	// answered from Redis before the projection reached them all, and
+	// when FallbackToPostgres answered from PostgreSQL while a version
+	// asked for is not committed there either (the transaction that
+	// submitted it rolled back or has not committed yet).
 	AtLeastMet bool
 }
 
@@ -95,25 +106,35 @@ type Ranking struct {
 type ReadOption func(*readOptions)
 
 type readOptions struct {
-	user       string
-	version    int64
+	atLeast    []requirement // as given, in order
 	policy     ReadPolicy
 	forceStale bool // tests: treat the projection as stale
 }
 
+// requirement is one AtLeast: user's version must have reached version.
+type requirement struct {
+	user    string
+	version int64
+}
+
 // AtLeast asks for read-your-writes: the answer must reflect at least
-// version of user (the Version of the Result that Submit returned). When
-// the projection has not reached it, the read waits up to
-// Config.ReadYourWritesTimeout; if it is still behind, the read policy
-// decides (FallbackToPostgres reads PostgreSQL, FailClosed returns a
-// *StaleError, ServeStale answers from Redis with Freshness.AtLeastMet
-// false, or a *StaleError instead of ErrUserNotFound when the user it
-// looked up is not in Redis yet). A board whose Config.VersionBuckets
-// differs from the count the projection is stored with cannot find the
-// version: the read fails at once, under every policy, with a
-// *projection.LayoutMismatchError (projection.ErrLayoutMismatch).
+// version of user (the Version of the Result that Submit returned). A read
+// may pass several, up to MaxAtLeast users (a transaction that changed the
+// scores of both players of a match): the answer must reflect all of them,
+// and two for the same user ask for the higher version. A version of 0 or
+// less asks for nothing. When the projection has not reached them all, the
+// read waits up to Config.ReadYourWritesTimeout; if it is still behind, the
+// read policy decides (FallbackToPostgres reads PostgreSQL, FailClosed
+// returns a *StaleError, ServeStale answers from Redis with
+// Freshness.AtLeastMet false, or a *StaleError instead of ErrUserNotFound
+// when the user it looked up is not in Redis yet); a *StaleError names the
+// first requirement, in the order of the options, still unmet. A board
+// whose Config.VersionBuckets differs from the count the projection is
+// stored with cannot find the versions: the read fails at once, under
+// every policy, with a *projection.LayoutMismatchError
+// (projection.ErrLayoutMismatch).
 func AtLeast(user string, version int64) ReadOption {
-	return func(o *readOptions) { o.user, o.version = user, version }
+	return func(o *readOptions) { o.atLeast = append(o.atLeast, requirement{user, version}) }
 }
 
 // WithPolicy overrides Config.ReadPolicy for one read. An unknown policy,
@@ -169,9 +190,9 @@ func (b *Board) Page(ctx context.Context, cursorText string, n int, opts ...Read
 			entries, err = b.redisPage(ctx, after, n+1)
 			return err
 		},
-		func(ctx context.Context, db querier) (err error) {
-			entries, err = b.pgPage(ctx, db, after, n+1)
-			return err
+		func(ctx context.Context, db querier, need []requirement) (met bool, err error) {
+			entries, met, err = b.pgPage(ctx, db, after, n+1, need)
+			return met, err
 		},
 	)
 	if err != nil {
@@ -192,9 +213,9 @@ func (b *Board) Rank(ctx context.Context, user string, opts ...ReadOption) (Entr
 			entry, err = b.redisRank(ctx, user)
 			return err
 		},
-		func(ctx context.Context, db querier) (err error) {
-			entry, err = b.pgRank(ctx, db, user)
-			return err
+		func(ctx context.Context, db querier, need []requirement) (met bool, err error) {
+			entry, met, err = b.pgRank(ctx, db, user, need)
+			return met, err
 		},
 	)
 	if err != nil {
@@ -219,9 +240,9 @@ func (b *Board) Around(ctx context.Context, user string, n int, opts ...ReadOpti
 			entries, err = b.redisAround(ctx, user, n)
 			return err
 		},
-		func(ctx context.Context, db querier) (err error) {
-			entries, err = b.pgAround(ctx, db, user, n)
-			return err
+		func(ctx context.Context, db querier, need []requirement) (met bool, err error) {
+			entries, met, err = b.pgAround(ctx, db, user, n, need)
+			return met, err
 		},
 	)
 	if err != nil {
@@ -244,7 +265,7 @@ func (b *Board) Authoritative(ctx context.Context, n int) ([]Entry, error) {
 	if n < 1 || n > MaxPageSize {
 		return nil, ErrInvalidLimit
 	}
-	entries, err := b.pgPage(ctx, b.pool, nil, n)
+	entries, _, err := b.pgPage(ctx, b.pool, nil, n, nil)
 	if err != nil {
 		return nil, err
 	}
@@ -283,6 +304,11 @@ func (b *Board) ranking(entries []Entry, n int, fresh Freshness) Ranking {
 	return r
 }
 
+// pgReader reads an answer from PostgreSQL on db and reports whether
+// PostgreSQL held every version of need in the snapshot the answer was
+// read from (true when need is empty), found in the same statement.
+type pgReader func(ctx context.Context, db querier, need []requirement) (met bool, err error)
+
 // read runs one read under the policy, and counts it: fromRedis when the
 // projection is fresh enough (or the policy serves stale answers),
 // fromPostgres, on the connection pgRead gives it, when the policy falls
@@ -292,13 +318,13 @@ func (b *Board) ranking(entries []Entry, n int, fresh Freshness) Ranking {
 // Source names the store that answered (none for noSuchUser), for the
 // reads counter; the public reads return a zero Freshness with every
 // error, this one included.
-func (b *Board) read(ctx context.Context, opts []ReadOption, noSuchUser bool, fromRedis func(context.Context) error, fromPostgres func(context.Context, querier) error) (Freshness, error) {
+func (b *Board) read(ctx context.Context, opts []ReadOption, noSuchUser bool, fromRedis func(context.Context) error, fromPostgres pgReader) (Freshness, error) {
 	fresh, err := b.readUnderPolicy(ctx, opts, noSuchUser, fromRedis, fromPostgres)
 	b.metrics.read(ctx, fresh, err)
 	return fresh, err
 }
 
-func (b *Board) readUnderPolicy(ctx context.Context, opts []ReadOption, noSuchUser bool, fromRedis func(context.Context) error, fromPostgres func(context.Context, querier) error) (Freshness, error) {
+func (b *Board) readUnderPolicy(ctx context.Context, opts []ReadOption, noSuchUser bool, fromRedis func(context.Context) error, fromPostgres pgReader) (Freshness, error) {
 	o := readOptions{policy: b.cfg.ReadPolicy}
 	for _, opt := range opts {
 		if opt == nil {
@@ -311,34 +337,42 @@ func (b *Board) readUnderPolicy(ctx context.Context, opts []ReadOption, noSuchUs
 	if o.policy < ServeStale || o.policy > FailClosed {
 		return Freshness{}, fmt.Errorf("%w: WithPolicy(%s) is unknown; use ServeStale, FallbackToPostgres or FailClosed", ErrInvalidReadOption, o.policy)
 	}
-	if o.version > 0 {
-		if reason := b.userIDProblem(o.user); reason != "" {
-			return Freshness{}, fmt.Errorf("%w: AtLeast user id %s", ErrInvalidReadOption, reason)
-		}
+	need, err := b.requirements(o.atLeast)
+	if err != nil {
+		return Freshness{}, err
 	}
 	if noSuchUser {
 		return Freshness{}, ErrUserNotFound
 	}
 	fallback := func() (Freshness, error) {
-		sent, err := b.pgRead(ctx, fromPostgres)
+		// PostgreSQL answers with what is committed: a version asked for
+		// may not be (its transaction rolled back, or has not committed
+		// yet), which the statement itself checks, in its own snapshot.
+		var met bool
+		sent, err := b.pgRead(ctx, func(ctx context.Context, db querier) (err error) {
+			met, err = fromPostgres(ctx, db, need)
+			return err
+		})
 		if err != nil {
 			if errors.Is(err, ErrUserNotFound) {
 				return Freshness{Source: SourcePostgres}, err
 			}
 			return Freshness{}, err
 		}
-		return Freshness{Source: SourcePostgres, ProjectedThrough: sent, AtLeastMet: true}, nil
+		return Freshness{Source: SourcePostgres, ProjectedThrough: sent, AtLeastMet: met}, nil
 	}
 
 	atLeastMet := true
-	if o.version > 0 {
-		met, err := b.waitForVersion(ctx, o.user, o.version)
+	var unmet requirement // the first requirement unmet in Redis
+	if len(need) > 0 {
+		first, err := b.waitForVersions(ctx, need)
 		// A layout mismatch is this board's misconfiguration, not a Redis
 		// failure: refused under every policy, as the Worker is.
 		if err != nil && (o.policy != FallbackToPostgres || errors.Is(err, projection.ErrLayoutMismatch)) {
 			return Freshness{}, err
 		}
-		if !met {
+		if first >= 0 {
+			unmet = need[first]
 			switch o.policy {
 			case FallbackToPostgres:
 				return fallback()
@@ -350,7 +384,7 @@ func (b *Board) readUnderPolicy(ctx context.Context, opts []ReadOption, noSuchUs
 					return Freshness{}, notMigrated
 				}
 				unverified := b.cfg.RequireVerifiedProjection && fresh.Unverified
-				return Freshness{}, &StaleError{Lag: fresh.Lag, MaxLag: b.cfg.MaxLag, UserID: o.user, Version: o.version, Unverified: unverified}
+				return Freshness{}, &StaleError{Lag: fresh.Lag, MaxLag: b.cfg.MaxLag, UserID: unmet.user, Version: unmet.version, Unverified: unverified}
 			}
 			atLeastMet = false
 		}
@@ -382,7 +416,7 @@ func (b *Board) readUnderPolicy(ctx context.Context, opts []ReadOption, noSuchUs
 		if !atLeastMet && errors.Is(err, ErrUserNotFound) {
 			// The user's awaited write has not reached Redis: "no score"
 			// would deny a score the caller just saved.
-			return Freshness{}, &StaleError{Lag: fresh.Lag, MaxLag: b.cfg.MaxLag, UserID: o.user, Version: o.version, Unverified: fresh.Unverified}
+			return Freshness{}, &StaleError{Lag: fresh.Lag, MaxLag: b.cfg.MaxLag, UserID: unmet.user, Version: unmet.version, Unverified: fresh.Unverified}
 		}
 		if errors.Is(err, ErrUserNotFound) {
 			return Freshness{Source: SourceRedis}, err
@@ -396,55 +430,100 @@ func (b *Board) readUnderPolicy(ctx context.Context, opts []ReadOption, noSuchUs
 	return fresh, nil
 }
 
-// waitForVersion polls the projection's version of user until it reaches
-// version or Config.ReadYourWritesTimeout passes. Each poll also reads the
-// layout key (same hash tag, same round trip): with another bucket count
-// stored, user's version is in a key this board does not look at, so the
-// wait could never succeed; it fails at once with *LayoutMismatchError.
-func (b *Board) waitForVersion(ctx context.Context, user string, version int64) (bool, error) {
+// requirements checks the AtLeast options of a read and returns them
+// without the ones that ask for nothing (a version of 0 or less), one per
+// user (the highest version asked for it) in the order the users first
+// appear. It refuses an unstorable user id, and more than MaxAtLeast
+// users, with ErrInvalidReadOption.
+func (b *Board) requirements(given []requirement) ([]requirement, error) {
+	var need []requirement
+	for _, r := range given {
+		if r.version <= 0 {
+			continue
+		}
+		if reason := b.userIDProblem(r.user); reason != "" {
+			return nil, fmt.Errorf("%w: AtLeast user id %s", ErrInvalidReadOption, reason)
+		}
+		i := 0
+		for i < len(need) && need[i].user != r.user {
+			i++
+		}
+		switch {
+		case i < len(need):
+			need[i].version = max(need[i].version, r.version)
+		case len(need) == MaxAtLeast:
+			return nil, fmt.Errorf("%w: AtLeast for more than %d users in one read", ErrInvalidReadOption, MaxAtLeast)
+		default:
+			need = append(need, r)
+		}
+	}
+	return need, nil
+}
+
+// waitForVersions polls the projection's versions of need's users until
+// each has reached its version or Config.ReadYourWritesTimeout passes, and
+// returns the index in need of the first requirement unmet at the last
+// poll, -1 when all were met (0 with an error). Every poll reads all of
+// them, and the layout key, in one round trip: the keys share the board's
+// hash tag. The layout matters because with another bucket count stored,
+// a user's version is in a key this board does not look at, so the wait
+// could never succeed; it fails at once with *LayoutMismatchError.
+func (b *Board) waitForVersions(ctx context.Context, need []requirement) (int, error) {
 	deadline := time.Now().Add(b.cfg.ReadYourWritesTimeout)
 	backoff := 2 * time.Millisecond
-	key := b.ks.VersionKey(b.target(user))
+	keys := make([]string, len(need))
+	for i, r := range need {
+		keys[i] = b.ks.VersionKey(b.target(r.user))
+	}
+	cmds := make([]*redis.StringCmd, len(need))
 	for {
-		var cmd *redis.StringCmd
 		var layout *redis.SliceCmd
 		var legacy *redis.IntCmd
-		err := b.onMaster(ctx, key, func(p redis.Pipeliner) {
+		err := b.onMaster(ctx, keys[0], func(p redis.Pipeliner) {
 			// MGET, as reconcile reads it: a key of another type is no
 			// layout (nil), not a WRONGTYPE failure of the read.
 			layout = p.MGet(ctx, b.layoutKey)
 			if b.unbucketedKey != "" {
 				legacy = p.Exists(ctx, b.unbucketedKey)
 			}
-			cmd = p.HGet(ctx, key, user)
+			for i, r := range need {
+				cmds[i] = p.HGet(ctx, keys[i], r.user)
+			}
 		})
-		var got string
-		if err == nil || errors.Is(err, redis.Nil) {
-			if lerr := b.checkLayout(layout.Val(), legacy); lerr != nil {
-				return false, lerr
+		if err != nil && !errors.Is(err, redis.Nil) {
+			return 0, fmt.Errorf("leaderboard: reading the projected version: %w", err)
+		}
+		if lerr := b.checkLayout(layout.Val(), legacy); lerr != nil {
+			return 0, lerr
+		}
+		first := -1
+		for i, cmd := range cmds {
+			got, err := cmd.Result()
+			switch {
+			case errors.Is(err, redis.Nil):
+			case err != nil:
+				return 0, fmt.Errorf("leaderboard: reading the projected version: %w", err)
+			default:
+				if v, perr := strconv.ParseInt(got, 10, 64); perr == nil && v >= need[i].version {
+					continue
+				}
+			}
+			if first < 0 {
+				first = i
 			}
 		}
-		if err == nil {
-			got = cmd.Val()
-		}
-		switch {
-		case errors.Is(err, redis.Nil):
-		case err != nil:
-			return false, fmt.Errorf("leaderboard: reading the projected version: %w", err)
-		default:
-			if v, perr := strconv.ParseInt(got, 10, 64); perr == nil && v >= version {
-				return true, nil
-			}
+		if first < 0 {
+			return -1, nil
 		}
 		wait := min(backoff, time.Until(deadline))
 		if wait <= 0 {
-			return false, nil
+			return first, nil
 		}
 		t := time.NewTimer(wait)
 		select {
 		case <-ctx.Done():
 			t.Stop()
-			return false, ctx.Err()
+			return 0, ctx.Err()
 		case <-t.C:
 		}
 		backoff = min(2*backoff, 50*time.Millisecond)
@@ -933,62 +1012,107 @@ type querier interface {
 }
 
 // pgPage reads up to n entries after c (or from the top) from PostgreSQL,
-// ranks included, in one statement (one snapshot).
-func (b *Board) pgPage(ctx context.Context, db querier, c *cursor, n int) ([]Entry, error) {
-	var rows pgx.Rows
-	var err error
+// ranks included, in one statement (one snapshot), and whether that
+// snapshot holds every version of need (pgEntries).
+func (b *Board) pgPage(ctx context.Context, db querier, c *cursor, n int, need []requirement) ([]Entry, bool, error) {
 	switch {
 	case c == nil:
-		rows, err = db.Query(ctx, b.sql.top, b.cfg.Name, n)
+		return b.pgEntries(ctx, db, b.sql.top, need, b.cfg.Name, n)
 	case !utf8.ValidString(c.user) || strings.IndexByte(c.user, 0) >= 0:
 		// PostgreSQL refuses such text; compare bytes (see cursor).
-		rows, err = db.Query(ctx, b.sql.pageBytes, b.cfg.Name, n, c.score, []byte(c.user))
+		return b.pgEntries(ctx, db, b.sql.pageBytes, need, b.cfg.Name, n, c.score, []byte(c.user))
 	default:
-		rows, err = db.Query(ctx, b.sql.page, b.cfg.Name, n, c.score, c.user)
+		return b.pgEntries(ctx, db, b.sql.page, need, b.cfg.Name, n, c.score, c.user)
 	}
-	if err != nil {
-		return nil, b.dbError("reading PostgreSQL", err)
-	}
-	entries, err := pgx.CollectRows(rows, func(row pgx.CollectableRow) (Entry, error) {
-		var e Entry
-		err := row.Scan(&e.UserID, &e.Score, &e.Rank)
-		return e, err
-	})
-	if err != nil {
-		return nil, b.dbError("reading PostgreSQL", err)
-	}
-	return entries, nil
 }
 
-// pgRank reads user's entry from PostgreSQL.
-func (b *Board) pgRank(ctx context.Context, db querier, user string) (Entry, error) {
-	e := Entry{UserID: user}
-	err := db.QueryRow(ctx, b.sql.rank, b.cfg.Name, user).Scan(&e.Score, &e.Rank)
+// pgRank reads user's entry from PostgreSQL, and whether the statement's
+// snapshot holds every version of need (pgEntries).
+func (b *Board) pgRank(ctx context.Context, db querier, user string, need []requirement) (Entry, bool, error) {
+	e, met := Entry{UserID: user}, true
+	var err error
+	if len(need) == 0 {
+		err = db.QueryRow(ctx, b.sql.rank, b.cfg.Name, user).Scan(&e.Score, &e.Rank)
+	} else {
+		var score, rank *int64 // NULL: no entry
+		users, versions := requirementArrays(need)
+		err = db.QueryRow(ctx, b.sql.atLeast[b.sql.rank], b.cfg.Name, user, users, versions).Scan(&score, &rank, &met)
+		if err == nil && score == nil {
+			err = pgx.ErrNoRows
+		} else if err == nil {
+			e.Score, e.Rank = *score, *rank
+		}
+	}
 	if errors.Is(err, pgx.ErrNoRows) {
-		return Entry{}, ErrUserNotFound
+		return Entry{}, met, ErrUserNotFound
 	}
 	if err != nil {
-		return Entry{}, b.dbError("reading PostgreSQL", err)
+		return Entry{}, false, b.dbError("reading PostgreSQL", err)
 	}
-	return e, nil
+	return e, met, nil
 }
 
-// pgAround reads user's neighbourhood from PostgreSQL in one statement.
-func (b *Board) pgAround(ctx context.Context, db querier, user string, n int) ([]Entry, error) {
-	rows, err := db.Query(ctx, b.sql.around, b.cfg.Name, user, n)
+// pgAround reads user's neighbourhood from PostgreSQL in one statement,
+// and whether its snapshot holds every version of need (pgEntries).
+func (b *Board) pgAround(ctx context.Context, db querier, user string, n int, need []requirement) ([]Entry, bool, error) {
+	entries, met, err := b.pgEntries(ctx, db, b.sql.around, need, b.cfg.Name, user, n)
 	if err != nil {
-		return nil, b.dbError("reading PostgreSQL", err)
-	}
-	entries, err := pgx.CollectRows(rows, func(row pgx.CollectableRow) (Entry, error) {
-		var e Entry
-		err := row.Scan(&e.UserID, &e.Score, &e.Rank)
-		return e, err
-	})
-	if err != nil {
-		return nil, b.dbError("reading PostgreSQL", err)
+		return nil, false, err
 	}
 	if len(entries) == 0 {
-		return nil, ErrUserNotFound
+		return nil, met, ErrUserNotFound
 	}
-	return entries, nil
+	return entries, met, nil
+}
+
+// pgEntries runs read statement q (columns user id, score, rank) with
+// args. With requirements it runs q's variant (withAtLeast) instead, which
+// also reports whether PostgreSQL held every version of need in the
+// snapshot the entries were read from; met is true without requirements.
+func (b *Board) pgEntries(ctx context.Context, db querier, q string, need []requirement, args ...any) (entries []Entry, met bool, err error) {
+	entries, met = []Entry{}, true // as pgx.CollectRows: empty, not nil
+	var rows pgx.Rows
+	if len(need) == 0 {
+		rows, err = db.Query(ctx, q, args...)
+	} else {
+		users, versions := requirementArrays(need)
+		rows, err = db.Query(ctx, b.sql.atLeast[q], append(args, users, versions)...)
+	}
+	if err != nil {
+		return nil, false, b.dbError("reading PostgreSQL", err)
+	}
+	defer rows.Close()
+	for rows.Next() {
+		var e Entry
+		if len(need) == 0 {
+			err = rows.Scan(&e.UserID, &e.Score, &e.Rank)
+		} else {
+			var user *string // NULL: the answer is empty
+			var score, rank *int64
+			if err = rows.Scan(&user, &score, &rank, &met); err == nil && user == nil {
+				continue
+			}
+			if err == nil {
+				e.UserID, e.Score, e.Rank = *user, *score, *rank
+			}
+		}
+		if err != nil {
+			return nil, false, b.dbError("reading PostgreSQL", err)
+		}
+		entries = append(entries, e)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, false, b.dbError("reading PostgreSQL", err)
+	}
+	return entries, met, nil
+}
+
+// requirementArrays returns need's users and versions as the parallel
+// arrays of atLeastSQL.
+func requirementArrays(need []requirement) ([]string, []int64) {
+	users, versions := make([]string, len(need)), make([]int64, len(need))
+	for i, r := range need {
+		users[i], versions[i] = r.user, r.version
+	}
+	return users, versions
 }

@@ -106,7 +106,7 @@ func TestOrdering(t *testing.T) {
 	for _, size := range []int{1, 3, 100} {
 		fromRedis, src := allPages(t, tb.board, size, redisPolicy)
 		require.Equal(t, SourceRedis, src)
-		fromPG, err := tb.board.pgPage(ctx, tb.pg.Pool, nil, MaxPageSize)
+		fromPG, _, err := tb.board.pgPage(ctx, tb.pg.Pool, nil, MaxPageSize, nil)
 		require.NoError(t, err)
 		require.Equal(t, fromPG, fromRedis, "page size %d", size)
 		require.Len(t, fromRedis, len(want))
@@ -131,13 +131,13 @@ func TestOrdering(t *testing.T) {
 		require.NoError(t, err)
 		require.Equal(t, SourceRedis, fr.Source)
 		require.Equal(t, Entry{UserID: w.user, Score: w.score, Rank: int64(i + 1)}, e)
-		pe, err := tb.board.pgRank(ctx, tb.pg.Pool, w.user)
+		pe, _, err := tb.board.pgRank(ctx, tb.pg.Pool, w.user, nil)
 		require.NoError(t, err)
 		require.Equal(t, e, pe)
 
 		ar, err := tb.board.Around(ctx, w.user, 2, redisPolicy)
 		require.NoError(t, err)
-		pa, err := tb.board.pgAround(ctx, tb.pg.Pool, w.user, 2)
+		pa, _, err := tb.board.pgAround(ctx, tb.pg.Pool, w.user, 2, nil)
 		require.NoError(t, err)
 		require.Equal(t, pa, ar.Entries)
 		lo, hi := max(0, i-2), min(len(want), i+3)
@@ -152,11 +152,11 @@ func TestOrdering(t *testing.T) {
 		_, err = tb.board.Around(ctx, bad, 1, WithPolicy(FallbackToPostgres), forcePostgres())
 		require.ErrorIs(t, err, ErrUserNotFound)
 	}
-	_, err = tb.board.pgRank(ctx, tb.pg.Pool, "nobody")
+	_, _, err = tb.board.pgRank(ctx, tb.pg.Pool, "nobody", nil)
 	require.ErrorIs(t, err, ErrUserNotFound)
 	_, err = tb.board.Around(ctx, "nobody", 1, redisPolicy)
 	require.ErrorIs(t, err, ErrUserNotFound)
-	_, err = tb.board.pgAround(ctx, tb.pg.Pool, "nobody", 1)
+	_, _, err = tb.board.pgAround(ctx, tb.pg.Pool, "nobody", 1, nil)
 	require.ErrorIs(t, err, ErrUserNotFound)
 }
 
@@ -732,6 +732,187 @@ func TestReadYourWrites(t *testing.T) {
 		}
 	})
 
+	t.Run("SeveralAtLeastAllHonoured", func(t *testing.T) {
+		t.Parallel()
+		// A transaction scores both players of a match (SubmitTx twice),
+		// and the read asks for both writes: every AtLeast counts, not the
+		// last one given.
+		for _, buckets := range []int{0, 8} {
+			t.Run(fmt.Sprintf("Buckets%d", buckets), func(t *testing.T) {
+				t.Parallel()
+				tb := setup(t, func(c *Config) {
+					c.VersionBuckets = buckets
+					c.ReadYourWritesTimeout = 50 * time.Millisecond
+				})
+				tb.submit(t, "winner", 1)
+				tb.submit(t, "loser", 1)
+				tb.drain(t)
+				tx, err := tb.pg.Pool.Begin(ctx)
+				require.NoError(t, err)
+				t.Cleanup(func() { _ = tx.Rollback(ctx) })
+				win, err := tb.board.SubmitTx(ctx, tx, Command{EventID: uuid.New(), UserID: "winner", Delta: 3})
+				require.NoError(t, err)
+				lose, err := tb.board.SubmitTx(ctx, tx, Command{EventID: uuid.New(), UserID: "loser", Delta: -1})
+				require.NoError(t, err)
+				require.NoError(t, tx.Commit(ctx))
+				require.Equal(t, int64(2), win.Version)
+				require.Equal(t, int64(2), lose.Version)
+
+				// Redis holds version 1 of both: loser at least 1 is met,
+				// winner at least 2 is not, in either order.
+				both := [][]ReadOption{
+					{AtLeast("winner", win.Version), AtLeast("loser", 1)},
+					{AtLeast("loser", 1), AtLeast("winner", win.Version)},
+				}
+				for _, opts := range both {
+					e, fr, err := tb.board.Rank(ctx, "winner", append(opts, WithPolicy(ServeStale))...)
+					require.NoError(t, err)
+					require.Equal(t, SourceRedis, fr.Source)
+					require.False(t, fr.AtLeastMet, "winner's version %d is not in Redis", win.Version)
+					require.Equal(t, int64(1), e.Score)
+
+					_, err = tb.board.Top(ctx, 10, append(opts, WithPolicy(FailClosed))...)
+					var stale *StaleError
+					require.ErrorAs(t, err, &stale)
+					require.Equal(t, "winner", stale.UserID)
+					require.Equal(t, win.Version, stale.Version)
+
+					e, fr, err = tb.board.Rank(ctx, "winner", append(opts, WithPolicy(FallbackToPostgres))...)
+					require.NoError(t, err)
+					require.Equal(t, SourcePostgres, fr.Source)
+					require.True(t, fr.AtLeastMet)
+					require.Equal(t, int64(4), e.Score)
+				}
+
+				// The StaleError names the first requirement unmet, in the
+				// order given.
+				_, err = tb.board.Top(ctx, 10, AtLeast("loser", lose.Version), AtLeast("winner", win.Version), WithPolicy(FailClosed))
+				var stale *StaleError
+				require.ErrorAs(t, err, &stale)
+				require.Equal(t, "loser", stale.UserID)
+				require.Equal(t, lose.Version, stale.Version)
+
+				// Two for one user ask for the higher version, whichever
+				// comes first.
+				for _, opts := range [][]ReadOption{
+					{AtLeast("winner", 1), AtLeast("winner", win.Version)},
+					{AtLeast("winner", win.Version), AtLeast("winner", 1)},
+				} {
+					_, err = tb.board.Top(ctx, 10, append(opts, WithPolicy(FailClosed))...)
+					require.ErrorAs(t, err, &stale)
+					require.Equal(t, "winner", stale.UserID)
+					require.Equal(t, win.Version, stale.Version)
+				}
+
+				tb.drain(t)
+				for _, opts := range both {
+					r, err := tb.board.Top(ctx, 10, append(opts, WithPolicy(FailClosed))...)
+					require.NoError(t, err)
+					require.Equal(t, SourceRedis, r.Freshness.Source)
+					require.True(t, r.Freshness.AtLeastMet)
+					require.Equal(t, []Entry{{UserID: "winner", Score: 4, Rank: 1}, {UserID: "loser", Score: 0, Rank: 2}}, r.Entries)
+				}
+			})
+		}
+	})
+
+	t.Run("MaxAtLeastUsers", func(t *testing.T) {
+		t.Parallel()
+		tb := setup(t, func(c *Config) {
+			c.VersionBuckets = 4
+			c.ReadYourWritesTimeout = 5 * time.Second
+		})
+		cmds := make([]Command, MaxAtLeast)
+		opts := make([]ReadOption, 0, MaxAtLeast+2)
+		for i := range cmds {
+			cmds[i] = Command{EventID: uuid.New(), UserID: fmt.Sprintf("user-%02d", i), Delta: int64(i)}
+			opts = append(opts, AtLeast(cmds[i].UserID, 1))
+		}
+		_, err := tb.board.SubmitBatch(ctx, cmds)
+		require.NoError(t, err)
+		tb.drain(t)
+		// A repeated user and a version of 0 do not count.
+		opts = append(opts, AtLeast("user-00", 1), AtLeast("someone-else", 0))
+		for _, extra := range [][]ReadOption{{WithPolicy(FailClosed)}, {WithPolicy(FallbackToPostgres), forcePostgres()}} {
+			r, err := tb.board.Top(ctx, 3, append(opts, extra...)...)
+			require.NoError(t, err)
+			require.True(t, r.Freshness.AtLeastMet)
+			require.Len(t, r.Entries, 3)
+		}
+		_, err = tb.board.Top(ctx, 3, append(opts, AtLeast("one-too-many", 1))...)
+		require.ErrorIs(t, err, ErrInvalidReadOption)
+	})
+
+	t.Run("FallbackMeetsOnlyCommittedVersions", func(t *testing.T) {
+		t.Parallel()
+		// FallbackToPostgres answers what PostgreSQL has committed. A
+		// version it lacks too (the SubmitTx that returned it rolled back,
+		// or has not committed yet) is not in the answer, which must say
+		// so, as ServeStale's and FailClosed's answers do.
+		tb := setup(t, func(c *Config) {
+			c.ReadPolicy = FallbackToPostgres
+			c.ReadYourWritesTimeout = 20 * time.Millisecond
+		})
+		tb.submit(t, "ada", 5)
+		tb.drain(t)
+
+		rolledBack, err := tb.pg.Pool.Begin(ctx)
+		require.NoError(t, err)
+		t.Cleanup(func() { _ = rolledBack.Rollback(ctx) })
+		res, err := tb.board.SubmitTx(ctx, rolledBack, Command{EventID: uuid.New(), UserID: "ada", Delta: 7})
+		require.NoError(t, err)
+		require.Equal(t, Result{Score: 12, Version: 2}, res)
+		require.NoError(t, rolledBack.Rollback(ctx))
+
+		e, fr, err := tb.board.Rank(ctx, "ada", AtLeast("ada", res.Version))
+		require.NoError(t, err)
+		require.Equal(t, SourcePostgres, fr.Source)
+		require.Equal(t, int64(5), e.Score)
+		require.False(t, fr.AtLeastMet, "PostgreSQL holds version 1 of ada, not %d", res.Version)
+
+		// Read while the writing transaction is open, on every read and
+		// with an empty answer (a user with no score yet, the page past
+		// the end).
+		open, err := tb.pg.Pool.Begin(ctx)
+		require.NoError(t, err)
+		t.Cleanup(func() { _ = open.Rollback(ctx) })
+		res, err = tb.board.SubmitTx(ctx, open, Command{EventID: uuid.New(), UserID: "ada", Delta: 7})
+		require.NoError(t, err)
+		newcomer, err := tb.board.SubmitTx(ctx, open, Command{EventID: uuid.New(), UserID: "newcomer", Delta: 1})
+		require.NoError(t, err)
+		check := func(wantMet bool) {
+			t.Helper()
+			opts := []ReadOption{AtLeast("ada", res.Version), AtLeast("newcomer", newcomer.Version)}
+			top, err := tb.board.Top(ctx, 10, opts...)
+			require.NoError(t, err)
+			require.Equal(t, SourcePostgres, top.Freshness.Source)
+			require.Equal(t, wantMet, top.Freshness.AtLeastMet, "Top")
+			past, err := tb.board.Page(ctx, tb.board.encodeCursor(cursor{score: -1000, user: "zz"}), 10, opts...)
+			require.NoError(t, err)
+			require.Empty(t, past.Entries)
+			require.Equal(t, SourcePostgres, past.Freshness.Source)
+			require.Equal(t, wantMet, past.Freshness.AtLeastMet, "empty page")
+			e, fr, err := tb.board.Rank(ctx, "ada", opts...)
+			require.NoError(t, err)
+			require.Equal(t, wantMet, fr.AtLeastMet, "Rank")
+			around, err := tb.board.Around(ctx, "ada", 1, opts...)
+			require.NoError(t, err)
+			require.Equal(t, wantMet, around.Freshness.AtLeastMet, "Around")
+			if wantMet {
+				require.Equal(t, Entry{UserID: "ada", Score: 12, Rank: 1}, e)
+				require.Equal(t, []Entry{{UserID: "ada", Score: 12, Rank: 1}, {UserID: "newcomer", Score: 1, Rank: 2}}, top.Entries)
+			} else {
+				require.Equal(t, Entry{UserID: "ada", Score: 5, Rank: 1}, e)
+				require.Equal(t, []Entry{{UserID: "ada", Score: 5, Rank: 1}}, top.Entries)
+				_, _, err = tb.board.Rank(ctx, "newcomer", opts...)
+				require.ErrorIs(t, err, ErrUserNotFound, "PostgreSQL has no score for the newcomer yet")
+			}
+		}
+		check(false)
+		require.NoError(t, open.Commit(ctx))
+		check(true)
+	})
+
 	t.Run("InvalidOptionsReadNothing", func(t *testing.T) {
 		t.Parallel()
 		// A fail-closed board whose projection lags: an option that fell
@@ -746,6 +927,11 @@ func TestReadYourWrites(t *testing.T) {
 			"NilOption":        nil,
 			"AtLeastEmptyUser": AtLeast("", 1),
 			"AtLeastNULUser":   AtLeast("a\x00b", 1),
+			"AtLeastTooManyUsers": func(o *readOptions) {
+				for i := range MaxAtLeast + 1 {
+					AtLeast(fmt.Sprintf("user-%d", i), 1)(o)
+				}
+			},
 		} {
 			start := time.Now()
 			r, err := tb.board.Top(ctx, 10, opt)

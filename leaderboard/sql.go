@@ -1,6 +1,9 @@
 package leaderboard
 
-import "strings"
+import (
+	"strconv"
+	"strings"
+)
 
 // All SQL of the package. Placeholders in double braces are replaced once,
 // in New, by quoted identifiers; values are always bind parameters.
@@ -343,6 +346,54 @@ SELECT w.user_id::text, w.score,
        base.n - (SELECT count(*) FROM before) + row_number() OVER (ORDER BY -w.score, w.user_id)
 FROM (SELECT * FROM before UNION ALL SELECT * FROM after) AS w, base
 ORDER BY -w.score, w.user_id`
+
+// atLeastSQL is the template of a read statement's variant for an answer
+// from PostgreSQL to a read with AtLeast requirements (withAtLeast fills
+// it in):
+//
+//	{{read}} the read statement, whose columns are {{columns}}, with its
+//	own parameters ($1 the board); {{users}} and {{versions}} the
+//	requirements (parallel arrays, one element per user)
+//
+// met.ok is true when each user's version in user_scores has reached its
+// requirement (a user without a row has none): read in the same statement
+// as the answer, so in the same snapshot, and a version the answer does
+// not reflect (its transaction rolled back or has not committed) is never
+// reported met. Each requirement probes the primary key once, through a
+// scalar subquery (at most MaxAtLeast of them). The read is joined to the
+// one row of met with LEFT JOIN, so that an empty answer (the end of the
+// board, a user without a score) still has its row, with NULL columns;
+// ORDER BY rank restores the ranking order, along which the ranks of every
+// read increase.
+const atLeastSQL = `
+SELECT {{a.columns}}, met.ok
+FROM (
+    SELECT COALESCE(bool_and(COALESCE((
+               SELECT u.version
+               FROM {{user_scores}} AS u
+               WHERE u.board = $1::text AND u.user_id = k.user_id COLLATE "C"
+           ), 0) >= k.version), true)
+    FROM unnest({{users}}::text[], {{versions}}::bigint[]) AS k(user_id, version)
+) AS met(ok)
+LEFT JOIN ({{read}}) AS a({{columns}}) ON true
+ORDER BY a.rank`
+
+// withAtLeast returns the atLeastSQL variant of read statement q, whose
+// columns are columns (the last named rank) and whose parameters are $1 to
+// $params; the requirements follow as $params+1 and $params+2.
+func withAtLeast(q string, columns []string, params int) string {
+	qualified := make([]string, len(columns))
+	for i, c := range columns {
+		qualified[i] = "a." + c
+	}
+	return strings.NewReplacer(
+		"{{a.columns}}", strings.Join(qualified, ", "),
+		"{{columns}}", strings.Join(columns, ", "),
+		"{{users}}", "$"+strconv.Itoa(params+1),
+		"{{versions}}", "$"+strconv.Itoa(params+2),
+		"{{read}}", strings.TrimSpace(q),
+	).Replace(atLeastSQL)
+}
 
 // lagSQL reads the creation time of the board's oldest unprojected change,
 // and the database clock to measure its age by: $1 stream, $2 board.
