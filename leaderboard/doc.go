@@ -101,9 +101,9 @@
 // memcmp) is the ranking order and every read is a plain forward range.
 // In PostgreSQL, user_id uses the C collation, whose order is byte order —
 // never a locale collation, which would order "B", "a", "ä" differently —
-// and an index on (board, -score, user_id) serves every read. Lua scripts
-// compare members bytewise too (Lua's own string comparison uses the
-// server's locale).
+// and an index on (board, -score, user_id) returns every read's rows in
+// order. Lua scripts compare members bytewise too (Lua's own string
+// comparison uses the server's locale).
 //
 // # Reading
 //
@@ -136,7 +136,8 @@
 // (a hand edit: ±inf, a fraction, out of [MinScore, MaxScore]) fails with
 // ErrCorruptScore, like Redis failing, rather than answer a garbage score.
 // PostgreSQL answers use the same order and ranks; counting a rank there
-// costs O(rank) index entries, which is why it is a fallback.
+// reads O(rank) rows (through the index, or a scan when the planner finds
+// that cheaper deep in the board), which is why it is a fallback.
 //
 // Read-your-writes: pass AtLeast(user, result.Version) to a read, once per
 // user written (up to MaxAtLeast: the winner and the loser of a match that

@@ -126,8 +126,10 @@ type requirement struct {
 // read waits up to Config.ReadYourWritesTimeout; if it is still behind, the
 // read policy decides (FallbackToPostgres reads PostgreSQL, FailClosed
 // returns a *StaleError, ServeStale answers from Redis with
-// Freshness.AtLeastMet false, or a *StaleError instead of ErrUserNotFound
-// when the user it looked up is not in Redis yet); a *StaleError names the
+// Freshness.AtLeastMet false, or, when Rank or Around finds the user it
+// looked up not in Redis, a *StaleError instead of ErrUserNotFound, whether
+// or not that user is among the ones required: an error carries no
+// Freshness to say the answer was unmet); a *StaleError names the
 // first requirement, in the order of the options, still unmet. A board
 // whose Config.VersionBuckets differs from the count the projection is
 // stored with cannot find the versions: the read fails at once, under
@@ -414,8 +416,10 @@ func (b *Board) readUnderPolicy(ctx context.Context, opts []ReadOption, noSuchUs
 	}
 	if err := fromRedis(ctx); err != nil {
 		if !atLeastMet && errors.Is(err, ErrUserNotFound) {
-			// The user's awaited write has not reached Redis: "no score"
-			// would deny a score the caller just saved.
+			// The awaited writes have not all reached Redis: "no score"
+			// could deny a score the caller just saved, and an error has no
+			// Freshness to say the answer was unmet, so even a user read
+			// who was not among the ones required gets the StaleError.
 			return Freshness{}, &StaleError{Lag: fresh.Lag, MaxLag: b.cfg.MaxLag, UserID: unmet.user, Version: unmet.version, Unverified: fresh.Unverified}
 		}
 		if errors.Is(err, ErrUserNotFound) {

@@ -290,7 +290,7 @@ FROM (
 ORDER BY -score, user_id`
 
 // rankSQL returns the score and rank of user $2 on board $1. Counting
-// the entries ahead costs O(rank) index entries; it is the fallback path.
+// the entries ahead reads O(rank) rows; it is the fallback path.
 const rankSQL = `
 SELECT me.score, 1 + ahead.n
 FROM {{user_scores}} AS me
