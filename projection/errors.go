@@ -30,9 +30,10 @@ var (
 	ErrInvalidPayload = errors.New("projection: invalid payload")
 	// ErrInvalidConfig: a dependency or argument cannot be used — a Config
 	// field or Keyspace option out of range, a nil client or Mapper, a
-	// client that can wait for Redis forever, a shadow token or batch that
-	// ApplyShadow refuses — or a method was called on a RedisProjector or
-	// Gate not made by its constructor. The *ConfigError names the field.
+	// client that can wait for Redis forever, a Gate made with the zero
+	// Keyspace, a shadow token or batch that ApplyShadow refuses — or a
+	// method was called on a RedisProjector or Gate not made by its
+	// constructor. The *ConfigError names the field.
 	ErrInvalidConfig = errors.New("projection: invalid configuration")
 	// ErrLayoutMismatch: a collection's stored version layout (its bucket
 	// count, see Keyspace) differs from the Keyspace of the writer or

@@ -63,6 +63,11 @@ type Gate struct {
 }
 
 // NewGate returns a Gate writing through client into the keys named by ks.
+// ks must come from NewKeyspace (or RedisProjector.Keyspace), NewKeyspace("")
+// for no prefix: a Gate given the zero Keyspace (an uninitialised one, no
+// projector's) writes nothing, and every call returns *ConfigError
+// (ErrInvalidConfig) naming it, rather than write keys no reconciler is
+// pointed at.
 //
 // client may be a single-node or Sentinel *redis.Client (one script call per
 // batch), a *redis.ClusterClient (one per slot touched) or a *redis.Ring
@@ -106,8 +111,8 @@ func (g *Gate) Keyspace() Keyspace {
 // client reaches. It is optional: Apply falls back to EVAL when a node
 // answers NOSCRIPT (after a restart or failover).
 func (g *Gate) Load(ctx context.Context) error {
-	if g.noClient() {
-		return missingClient()
+	if err := g.unusable(); err != nil {
+		return err
 	}
 	if err := g.script.Load(ctx, g.client).Err(); err != nil {
 		return fmt.Errorf("projection: load gate script: %w", err)
@@ -254,8 +259,8 @@ const layoutRetries = 3
 // before the script's first write sends every write of the group again
 // that way.
 func (g *Gate) run(ctx context.Context, mode, token string, writes []Write, isolate bool) ([]Outcome, []error, error) {
-	if g.noClient() {
-		return nil, nil, missingClient()
+	if err := g.unusable(); err != nil {
+		return nil, nil, err
 	}
 	for i := range writes {
 		if err := validateWrite(i, &writes[i]); err != nil {
@@ -697,12 +702,17 @@ func (g *Gate) eval(ctx context.Context, groups []*slotGroup) ([][]any, []error)
 	return replies, errs
 }
 
-// noClient reports a Gate that was not made by NewGate with a client.
-func (g *Gate) noClient() bool { return g == nil || deps.Missing(g.client) || g.script == nil }
-
-// missingClient refuses a Gate without a Redis client.
-func missingClient() error {
-	return &ConfigError{Field: "client", Reason: "is nil: the Gate has no Redis client; create it with NewGate(client, keyspace)"}
+// unusable refuses, before anything is sent, a Gate that was not made by
+// NewGate with a client, or was made with the zero Keyspace (NewGate
+// returns no error, so its calls report it).
+func (g *Gate) unusable() error {
+	switch {
+	case g == nil || deps.Missing(g.client) || g.script == nil:
+		return &ConfigError{Field: "client", Reason: "is nil: the Gate has no Redis client; create it with NewGate(client, keyspace)"}
+	case g.ks.IsZero():
+		return &ConfigError{Field: "keyspace", Reason: "is the zero Keyspace, which no projector writes with; pass NewGate the projector's Keyspace(), or projection.NewKeyspace(prefix) (\"\" for no prefix)"}
+	}
+	return nil
 }
 
 // isWrongType reports whether err is Redis's WRONGTYPE error, raised by a

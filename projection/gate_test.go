@@ -598,6 +598,38 @@ func TestGateZeroValue(t *testing.T) {
 	require.ErrorContains(t, err, "NewGate")
 }
 
+// TestGateRefusesZeroKeyspace: a Gate made with the zero Keyspace (no
+// projector's; see Keyspace.IsZero) would write unprefixed root keys that
+// no reconciler reads. NewGate returns no error, so every call refuses it
+// with a *ConfigError naming the keyspace, and nothing is written.
+func TestGateRefusesZeroKeyspace(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	rd := testenv.Redis(t)
+	name := rd.Prefix + "zero-keyspace" // unique: the keys would land outside the test's prefix
+	w := Write{Target: Target{Kind: KindSortedSet, Name: name, Member: "m"}, Version: 1, Value: Value{Score: 1}}
+	zero := Keyspace{}
+	keys := []string{zero.ValueKey(w.Target), zero.VersionKey(w.Target), zero.LayoutKey(name, KindSortedSet)}
+	t.Cleanup(func() { rd.Client.Del(context.WithoutCancel(ctx), keys...) })
+
+	gate := NewGate(rd.Client, zero)
+	for method, call := range map[string]func() error{
+		"Apply":           func() error { _, err := gate.Apply(ctx, []Write{w}); return err },
+		"ApplyShadow":     func() error { _, err := gate.ApplyShadow(ctx, "", []Write{w}); return err },
+		"ApplyShadowCopy": func() error { _, err := gate.ApplyShadowCopy(ctx, "token", 1, []Write{w}); return err },
+		"Load":            func() error { return gate.Load(ctx) },
+	} {
+		err := call()
+		require.ErrorIs(t, err, ErrInvalidConfig, method)
+		var cfgErr *ConfigError
+		require.ErrorAs(t, err, &cfgErr, method)
+		require.Equal(t, "keyspace", cfgErr.Field, method)
+	}
+	n, err := rd.Client.Exists(ctx, keys...).Result()
+	require.NoError(t, err)
+	require.Zero(t, n, "a Gate with the zero Keyspace wrote %q", keys)
+}
+
 // TestGateOneScriptCallPerBatch counts EVALSHA calls on a private server: a
 // batch over many collections and documents costs one call.
 func TestGateOneScriptCallPerBatch(t *testing.T) {

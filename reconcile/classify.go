@@ -27,9 +27,12 @@ const (
 	// replica was read, the wrong database was queried, or the projection
 	// holds invented state. Alert, investigate, and repair only on purpose.
 	ClassAhead
-	// ClassCorrupt: same version, different value; or a value without a
-	// version (or the reverse); or a version that is not a canonical positive
-	// decimal. Hand edits and buggy writers end up here.
+	// ClassCorrupt: the source's version with a different value, or with
+	// no value at all; or a value without a version; or a version that is
+	// not a canonical positive decimal. A version without a value that is
+	// lower or higher than the source's is ClassStale or ClassAhead
+	// instead: versions are compared before values. Hand edits and buggy
+	// writers end up here.
 	ClassCorrupt
 	// ClassOrphan: the projection holds an entity the source does not have
 	// (deleted in the source, or never there).

@@ -72,7 +72,9 @@ func TestCluster(t *testing.T) {
 // TestRingDocuments checks documents on a Ring of two servers, 100 pairs of
 // them sharing a Cluster slot under different hash tags: the reconciler
 // must read (and repair) each on the shard the gate wrote it to, not send a
-// slot's documents to the shard of the first one.
+// slot's documents to the shard of the first one. The documents' orphan
+// scan cannot cover a Ring, so New refuses one without SkipOrphans rather
+// than let every full run fail after its whole pass.
 func TestRingDocuments(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
@@ -100,7 +102,14 @@ func TestRingDocuments(t *testing.T) {
 	require.NotZero(t, s1.Client(t).DBSize(ctx).Val())
 	require.NotZero(t, s2.Client(t).DBSize(ctx).Val())
 
-	r := b.reconciler(t, &Config{SkipOrphans: true}) // the document orphan scan refuses a Ring
+	_, err := New(b.source, b.target, nil)
+	require.ErrorIs(t, err, ErrInvalidConfig)
+	var cfgErr *ConfigError
+	require.ErrorAs(t, err, &cfgErr)
+	require.Equal(t, "Config.SkipOrphans", cfgErr.Field)
+	require.Contains(t, cfgErr.Reason, "*redis.Ring")
+
+	r := b.reconciler(t, &Config{SkipOrphans: true})
 	rep, err := r.Run(ctx, RunOptions{})
 	require.NoError(t, err)
 	require.Equal(t, map[Class]int64{ClassCurrent: 180, ClassMissing: 20}, rep.Counts)

@@ -121,7 +121,11 @@ type Config struct {
 	// entries the source does not have. For documents the check SCANs every
 	// key of the database (documents have no collection to count or
 	// scan), so on a large shared database consider turning it off for
-	// frequent runs and running it now and then.
+	// frequent runs and running it now and then. That scan needs a
+	// Target.Client that SCAN reaches every key through, a *redis.Client
+	// (single node, Sentinel) or *redis.ClusterClient: New refuses a
+	// KindDocument Target on any other client, a *redis.Ring included,
+	// unless SkipOrphans is set.
 	SkipOrphans bool
 	// BeforeRepair, when set, is called before each repair with the finding
 	// (Result is ResultNone); returning false vetoes it (ResultVetoed).
@@ -225,7 +229,9 @@ type Target struct {
 	// for Redis (see RepairTimeout): a *redis.Client, *redis.ClusterClient
 	// or *redis.Ring whose ReadTimeout or WriteTimeout is -2, or -1 without
 	// ContextTimeoutEnabled, is refused with *ConfigError, as by
-	// projection.NewRedisProjector.
+	// projection.NewRedisProjector. For KindDocument it must be a
+	// *redis.Client or *redis.ClusterClient unless Config.SkipOrphans is
+	// set: the documents' orphan scan cannot cover a *redis.Ring's shards.
 	Client redis.UniversalClient
 	// Keyspace names the projection's keys; it must be the one the gate
 	// writes with (RedisProjector.Keyspace), version bucket count included

@@ -18,8 +18,10 @@
 //	missing   nothing projected (lost key, eviction, never projected)
 //	stale     projected version lower (the outbox is lagging, or a write was lost)
 //	ahead     projected version higher than the source's
-//	corrupt   same version but another value; a value without a version or
-//	          the reverse; a version the gate would not have written
+//	corrupt   same version but another value or none; a value without a
+//	          version; a version the gate would not have written (a
+//	          version without a value that is lower or higher than the
+//	          source's is stale or ahead)
 //	orphan    projected, but absent from the source (or outside its filter)
 //
 // Classify is the pure function behind this, usable on its own.
@@ -127,9 +129,12 @@
 // (Report.OrphanScanSkipped). Otherwise it scans the projection (HSCAN of
 // the version hash or of every bucket, pipelined, ZSCAN/HSCAN of the
 // values, or SCAN on every master for documents) and looks the entries up
-// in the source in batches. Documents are matched by Target.Namespace (a
-// DocumentMapper's namespace): a reconciler sees only its own stream's
-// documents, not those of other streams projected under the same prefix.
+// in the source in batches. The documents' SCAN needs a *redis.Client or
+// *redis.ClusterClient: on a Ring, which it cannot cover, New refuses a
+// document Target unless Config.SkipOrphans is set. Documents are matched
+// by Target.Namespace (a DocumentMapper's namespace): a reconciler sees
+// only its own stream's documents, not those of other streams projected
+// under the same prefix.
 //
 // RunOptions.Sample checks random samples instead, which is cheap on large
 // tables: source rows through Source.Sample (SQLSource uses TABLESAMPLE

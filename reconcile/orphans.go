@@ -300,6 +300,18 @@ func (r *Reconciler) scanDocuments(ctx context.Context, suffix string, fn func([
 	})
 }
 
+// scansDocuments reports whether scanDocuments can reach every key through
+// client: SCAN on a *redis.Client (one server, or the master a Sentinel
+// client follows) or on every master of a *redis.ClusterClient. A Ring is
+// not scanned: which shard holds a key depends on the shards it counts up.
+func scansDocuments(client redis.UniversalClient) bool {
+	switch client.(type) {
+	case *redis.Client, *redis.ClusterClient:
+		return true
+	}
+	return false
+}
+
 func (r *Reconciler) scanDocumentsInto(ctx context.Context, suffix string, fn func([]string) error) error {
 	prefix, namespace := r.target.Keyspace.Prefix(), r.target.Namespace
 	// Escape works byte by byte, so an escaped id starts with the escaped

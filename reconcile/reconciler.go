@@ -79,6 +79,18 @@ func New(source Source, target Target, cfg *Config) (*Reconciler, error) {
 	if err := cfg.validate(); err != nil {
 		return nil, err
 	}
+	// Rows read for another kind compare unequal (or equal by accident)
+	// to every entry, and the repairs would write them: a hash source's
+	// rows carry no score, so a sorted set would get 0 for every member.
+	// An SQLSource not made by NewSQLSource has no kind; its calls refuse
+	// it.
+	if s, ok := source.(*SQLSource); ok && !s.unmade() && s.kind != target.Kind {
+		return nil, &ConfigError{Field: "SQLSourceConfig.Kind", Reason: fmt.Sprintf("is %s but Target.Kind is %s: every entry would be compared with, and repaired to, a value read for the other kind; make the SQLSource with Kind %s and the ValueColumn holding that kind's value", s.kind, target.Kind, target.Kind)}
+	}
+	// Refused now rather than by every full run, after its whole pass.
+	if target.Kind == projection.KindDocument && !cfg.SkipOrphans && !scansDocuments(target.Client) {
+		return nil, &ConfigError{Field: "Config.SkipOrphans", Reason: fmt.Sprintf("is false, but the orphan scan of documents SCANs every master, which it can do through a *redis.Client or *redis.ClusterClient, not a %T (Target.Client); set SkipOrphans (CheckKeys still looks for orphans among the keys it is given)", target.Client)}
+	}
 	metrics, err := newReconcileMetrics(cfg, target)
 	if err != nil {
 		return nil, fmt.Errorf("reconcile: %w", err)

@@ -8,6 +8,13 @@ import (
 
 // Row is one entity as the source of truth has it: its key (the sorted-set
 // member, hash field or document id), its version and its absolute value.
+//
+// Value must be in the form the Target's Kind holds: Value.Score for
+// KindSortedSet, Value.Data for KindHash and KindDocument. The other field
+// is ignored, as by the gate, so a row of the wrong form is compared with,
+// and repaired to, score 0 or an empty value, for every entry alike. New
+// refuses an *SQLSource of another Kind than its Target; another Source's
+// rows cannot be told apart (score 0 and empty bytes are values too).
 type Row struct {
 	Key     string
 	Version int64
@@ -30,7 +37,8 @@ func (c Cursor) Key() (string, bool) { return c.key, c.set }
 
 // Source reads the source of truth. Implementations must be safe for use by
 // one Reconciler at a time: a Reconciler calls its Source's methods one at
-// a time, even across concurrent runs. SQLSource is the PostgreSQL
+// a time, even across concurrent runs. Rows must carry the value in the
+// form the Target's Kind holds (see Row). SQLSource is the PostgreSQL
 // implementation.
 type Source interface {
 	// Page returns up to limit rows whose key sorts after the cursor, in

@@ -366,6 +366,7 @@ func TestClassify(t *testing.T) {
 		"Stale":               {projection.KindSortedSet, row, proj("4", 42, ""), ClassStale},
 		"StaleValueGone":      {projection.KindHash, row, proj("4", 0, ""), ClassStale},
 		"Ahead":               {projection.KindDocument, row, proj("6", 0, "v"), ClassAhead},
+		"AheadValueGone":      {projection.KindHash, row, proj("6", 0, ""), ClassAhead},
 		"CorruptScore":        {projection.KindSortedSet, row, proj("5", 999, ""), ClassCorrupt},
 		"CorruptFraction":     {projection.KindSortedSet, row, proj("5", 42.5, ""), ClassCorrupt},
 		"CorruptBytes":        {projection.KindHash, row, proj("5", 0, "w"), ClassCorrupt},
@@ -437,6 +438,39 @@ func TestNewValidation(t *testing.T) {
 	require.Equal(t, ActionReport, Policy{}.For(ClassOrphan))
 	require.Equal(t, ActionRepair, Policy{Orphan: ActionRepair}.For(ClassOrphan))
 	require.Equal(t, ActionReport, Policy{Missing: ActionReport}.For(ClassMissing))
+}
+
+// TestNewRefusesSQLSourceOfAnotherKind: an SQLSource reads ValueColumn by
+// its Kind, so one of another Kind than the Target would have every entry
+// compared with, and repaired to, a value read for the other kind (a hash
+// source's rows carry no score: a sorted set's every member would get 0).
+// New refuses it.
+func TestNewRefusesSQLSourceOfAnotherKind(t *testing.T) {
+	t.Parallel()
+	b := setup(t, projection.KindSortedSet)
+	kinds := []projection.Kind{projection.KindSortedSet, projection.KindHash, projection.KindDocument}
+	for _, sourceKind := range kinds {
+		src, err := NewSQLSource(b.pool, &SQLSourceConfig{Table: "items", KeyColumn: "key", VersionColumn: "version",
+			ValueColumn: "data", Kind: sourceKind, Filters: []Filter{{Column: "board", Value: testBoard}}})
+		require.NoError(t, err)
+		for _, targetKind := range kinds {
+			target := Target{Client: b.client, Keyspace: b.ks, Kind: targetKind, Name: testBoard}
+			if targetKind == projection.KindDocument {
+				target.Name = ""
+			}
+			r, err := New(src, target, &Config{SkipOrphans: true})
+			if sourceKind == targetKind {
+				require.NoError(t, err, "%s source, %s target", sourceKind, targetKind)
+				continue
+			}
+			require.ErrorIs(t, err, ErrInvalidConfig, "%s source, %s target", sourceKind, targetKind)
+			var cfgErr *ConfigError
+			require.ErrorAs(t, err, &cfgErr)
+			require.Equal(t, "SQLSourceConfig.Kind", cfgErr.Field)
+			require.Contains(t, cfgErr.Reason, "Kind "+targetKind.String())
+			require.Nil(t, r)
+		}
+	}
 }
 
 // TestZeroValues: a Reconciler or SQLSource not made by its constructor

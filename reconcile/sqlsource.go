@@ -72,7 +72,9 @@ type SQLSourceConfig struct {
 	// same bytes for rows to compare as current). Required.
 	ValueColumn string
 	// Kind is the projection kind the values feed; it decides how
-	// ValueColumn is read. Required.
+	// ValueColumn is read. Required. It must be the Target.Kind of the
+	// Reconciler the source is given to: New refuses another with
+	// *ConfigError.
 	Kind projection.Kind
 	// Filters restrict the rows to those matching every Column = Value.
 	// Defaults to none (the whole table).
