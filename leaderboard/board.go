@@ -209,7 +209,9 @@ func New(pool *pgxpool.Pool, rdb redis.UniversalClient, cfg *Config) (*Board, er
 
 // Close waits for the Submit and SubmitBatch statements under way to
 // finish and stops the board's relay wake-ups (its outbox.Notifier),
-// sending a pending one first. Calling it is good practice at shutdown but
+// sending a pending one first. A call still waiting to join a statement
+// is not waited for: it runs after Close returns, as any call after Close
+// does. Calling it is good practice at shutdown but
 // optional: the wake-up goroutine only runs while submits keep coming and
 // exits within outbox.NotifierIdleTimeoutDefault (100 ms) of the last one,
 // so a board that is dropped without Close leaves no goroutine behind. After

@@ -345,8 +345,10 @@ func (c *Config) validate() error {
 		return bad("Name", "must be valid UTF-8 without NUL bytes")
 	case c.MinDelta > c.MaxDelta:
 		return bad("MinDelta", "(%d) is above Config.MaxDelta (%d); swap them", c.MinDelta, c.MaxDelta)
-	case c.MinDelta < MinScore || c.MaxDelta > MaxScore:
-		return bad("MinDelta", "and Config.MaxDelta must lie within [%d, %d]", MinScore, MaxScore)
+	case c.MinDelta < MinScore:
+		return bad("MinDelta", "(%d) is below MinScore; raise it to at least %d", c.MinDelta, MinScore)
+	case c.MaxDelta > MaxScore:
+		return bad("MaxDelta", "(%d) is above MaxScore; lower it to at most %d", c.MaxDelta, MaxScore)
 	case c.MaxSubmitsPerStatement < 1 || c.MaxSubmitsPerStatement > MaxSubmitsPerStatementLimit:
 		return bad("MaxSubmitsPerStatement", "must be between 1 (no grouping) and %d (got %d)", MaxSubmitsPerStatementLimit, c.MaxSubmitsPerStatement)
 	case c.SubmitStatements < 1:

@@ -65,11 +65,13 @@ func TestConfig(t *testing.T) {
 			{"NULName", Config{Name: "a\x00"}, "Config.Name"},
 			{"SwappedDeltas", Config{Name: "b", MinDelta: 5, MaxDelta: -5}, "Config.MinDelta"},
 			{"HugeDelta", Config{Name: "b", MaxDelta: MaxScore + 1}, "Config.MaxDelta"},
+			{"HugeMaxDeltaOnly", Config{Name: "b", MinDelta: -1, MaxDelta: MaxScore + 1}, "Config.MaxDelta"},
+			{"HugeNegativeMinDelta", Config{Name: "b", MinDelta: MinScore - 1, MaxDelta: 1}, "Config.MinDelta"},
 			{"UserIDLength", Config{Name: "b", MaxUserIDLength: MaxUserIDLengthLimit + 1}, "Config.MaxUserIDLength"},
 			{"Policy", Config{Name: "b", ReadPolicy: 9}, "Config.ReadPolicy"},
 			{"NegativeLag", Config{Name: "b", MaxLag: -time.Second}, "Config.MaxLag"},
 			{"NegativeProbeInterval", Config{Name: "b", LagProbeInterval: -time.Second}, "Config.LagProbeInterval"},
-			{"LagBelowProbeInterval", Config{Name: "b", MaxLag: 50 * time.Millisecond}, "Config.LagProbeInterval"},
+			{"LagBelowProbeInterval", Config{Name: "b", MaxLag: 50 * time.Millisecond}, "Config.MaxLag"},
 			{"LagAtProbeInterval", Config{Name: "b", MaxLag: time.Second, LagProbeInterval: time.Second}, "Config.MaxLag"},
 			{"ProbeIntervalAboveDefaultLag", Config{Name: "b", LagProbeInterval: time.Hour}, "Config.MaxLag"},
 			{"BracePrefix", Config{Name: "b", KeyPrefix: "a{b}"}, "Config.KeyPrefix"},
@@ -82,7 +84,9 @@ func TestConfig(t *testing.T) {
 			t.Run(tc.name, func(t *testing.T) {
 				err := tc.cfg.WithDefaults().validate()
 				require.ErrorIs(t, err, ErrInvalidConfig)
-				require.Contains(t, err.Error(), tc.field)
+				var ce *ConfigError
+				require.ErrorAs(t, err, &ce)
+				require.Equal(t, tc.field, ce.Field, "names what was refused: %v", err)
 			})
 		}
 	})

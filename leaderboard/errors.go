@@ -13,8 +13,11 @@ import (
 
 // Sentinel errors. Every error the package returns for a caller's mistake or
 // a refused operation matches one of them with errors.Is; the typed errors
-// below carry the details for errors.As. (A nil transaction given to
-// SubmitTx is the one exception: a plain error.)
+// below carry the details for errors.As. (Two exceptions: a nil
+// transaction given to SubmitTx is a plain error, and a Worker's Run,
+// RunOnce and Drain return its outbox.Relay's errors as they are, such as
+// outbox.ErrRelayRunning for a second concurrent Run and
+// outbox.ErrLeaseLost.)
 var (
 	// ErrInvalidConfig matches every *ConfigError: New, Migrate,
 	// MigrationSQL, Board.Worker, Board.Reconciler or Board.Verify was given

@@ -112,7 +112,10 @@ func (b *Board) Worker(cfg *WorkerConfig) (*Worker, error) {
 }
 
 // Run projects until ctx is cancelled, then shuts down gracefully (see
-// outbox.Relay.Run). It returns nil after a cancellation.
+// outbox.Relay.Run). It returns nil after a cancellation. A Worker runs
+// once at a time: Run while another Run of it is under way returns
+// outbox.ErrRelayRunning at once (run more Workers for more relays). Its
+// errors, and RunOnce's and Drain's, are the relay's (package outbox).
 func (w *Worker) Run(ctx context.Context) error {
 	if w.notFromBoard() {
 		return errWorkerNotFromBoard()

@@ -43,6 +43,29 @@ func TestWorker(t *testing.T) {
 		require.NoError(t, <-done)
 	})
 
+	// One Worker runs once at a time; the refusal is the relay's error,
+	// as Run's doc says, not a leaderboard sentinel.
+	t.Run("SecondConcurrentRunRefused", func(t *testing.T) {
+		t.Parallel()
+		tb := setup(t)
+		worker, err := tb.board.Worker(nil)
+		require.NoError(t, err)
+		runCtx, stop := context.WithCancel(ctx)
+		defer stop()
+		done := make(chan error, 2)
+		for range 2 {
+			go func() { done <- worker.Run(runCtx) }()
+		}
+		select {
+		case err := <-done: // whichever Run came second
+			require.ErrorIs(t, err, outbox.ErrRelayRunning)
+		case <-time.After(10 * time.Second):
+			t.Fatal("neither of two concurrent Runs was refused")
+		}
+		stop()
+		require.NoError(t, <-done, "the Run that ran returns nil after the cancellation")
+	})
+
 	t.Run("ClientWithoutTimeoutsRefused", func(t *testing.T) {
 		t.Parallel()
 		tb := setup(t)
