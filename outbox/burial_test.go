@@ -234,3 +234,108 @@ func TestClaimSaturatesAttempts(t *testing.T) {
 	require.NoError(t, b.pool.QueryRow(ctx, `SELECT attempts FROM `+b.deadTable()).Scan(&attempts))
 	require.Equal(t, math.MaxInt32, attempts)
 }
+
+// exhaustedBacklog appends n rows and lets a relay allowing 5 attempts fail
+// each of them twice, then makes them due again: rows that a relay with
+// MaxAttempts 2 buries at its next claim (as after a rollout that lowers
+// MaxAttempts while rows are retrying). Then it appends good, behind them
+// in the same partition.
+func (b *testBundle) exhaustedBacklog(t *testing.T, n int, good ...outbox.Message) {
+	t.Helper()
+	ctx := context.Background()
+	msgs := make([]outbox.Message, n)
+	for i := range msgs {
+		msgs[i] = newMessage("s", fmt.Sprint("exhausted-", i), 1)
+	}
+	b.appendCommitted(t, msgs...)
+	failing := &recorder{fail: func(rec outbox.Record) error { return fmt.Errorf("attempt %d failed", rec.Attempts) }}
+	// A backoff far longer than the test; the rows are made due on purpose.
+	more := b.relay(t, nil, failing, outbox.RelayConfig{MaxAttempts: 5, RetryBackoffMin: time.Minute, RetryBackoffMax: time.Minute})
+	for range 2 {
+		got, err := more.RunOnce(ctx)
+		require.NoError(t, err)
+		require.Equal(t, n, got)
+		_, err = b.pool.Exec(ctx, `UPDATE `+b.writer.Table()+` SET available_at = now()`)
+		require.NoError(t, err)
+	}
+	b.appendCommitted(t, good...)
+}
+
+// A claim that buries rows at its MaxAttempts makes progress although it
+// hands nothing out. Counted as an empty claim, it ended RunOnce with 0
+// after claimRetries of them, while rows were due behind the buried ones
+// (leaderboard.Worker.Drain stops on 0, "none is due"), and Run waited a
+// PollInterval after such claims, and after a batch partly buried.
+func TestClaimBurialsAreProgress(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+
+	delivered := func(h *recorder, msgs ...outbox.Message) func() bool {
+		return func() bool {
+			seen := map[uuid.UUID]bool{}
+			for _, rec := range h.seen() {
+				seen[rec.EventID] = true
+			}
+			for _, m := range msgs {
+				if !seen[m.EventID] {
+					return false
+				}
+			}
+			return true
+		}
+	}
+
+	// More than claimRetries claims bury only, then the good row.
+	t.Run("RunOnceReachesRowsBehindThem", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		good := newMessage("s", "good", 1)
+		b.exhaustedBacklog(t, 4, good)
+
+		h := &recorder{}
+		r := b.relay(t, nil, h, outbox.RelayConfig{MaxAttempts: 2, BatchSize: 1})
+		n, err := r.RunOnce(ctx)
+		require.NoError(t, err)
+		require.Equal(t, 1, n, "RunOnce returns 0 only when nothing is due; buried rows are not counted")
+		require.Len(t, h.seen(), 1)
+		require.Equal(t, good.EventID, h.seen()[0].EventID)
+		require.Equal(t, 4, b.count(t, b.deadTable()))
+		b.requireLeasesFree(t)
+
+		n, err = r.RunOnce(ctx)
+		require.NoError(t, err)
+		require.Zero(t, n)
+		st, err := r.Stats(ctx)
+		require.NoError(t, err)
+		require.Zero(t, st.Pending)
+	})
+
+	// Run claims again at once after claims that only buried (more of them
+	// than claimRetries) as after a full batch.
+	t.Run("RunDoesNotWaitAfterClaimsThatOnlyBuried", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		good := newMessage("s", "good", 1)
+		b.exhaustedBacklog(t, 6, good)
+
+		h := &recorder{}
+		startRun(t, b.relay(t, nil, h, outbox.RelayConfig{MaxAttempts: 2, BatchSize: 2, PollInterval: time.Minute, DisableNotify: true}))
+		require.Eventually(t, delivered(h, good), 5*time.Second, 20*time.Millisecond,
+			"the good row, due from the start, is delivered within 5s (PollInterval 1m)")
+	})
+
+	// A batch of BatchSize rows read, one of them buried, is a full batch:
+	// the row behind it is due at once.
+	t.Run("RunDoesNotWaitAfterABatchPartlyBuried", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		first, second := newMessage("s", "first", 1), newMessage("s", "second", 1)
+		b.exhaustedBacklog(t, 1, first, second)
+
+		h := &recorder{}
+		startRun(t, b.relay(t, nil, h, outbox.RelayConfig{MaxAttempts: 2, BatchSize: 2, PollInterval: time.Minute, DisableNotify: true}))
+		require.Eventually(t, delivered(h, first, second), 5*time.Second, 20*time.Millisecond,
+			"both good rows, due from the start, are delivered within 5s (PollInterval 1m)")
+		require.Len(t, h.seen(), 2, "in two batches, the first partly buried")
+	})
+}

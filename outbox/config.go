@@ -23,6 +23,9 @@ const (
 	MaxTableLength = 63 - len("_idempotency_created_idx")
 	// maxIdentifierLength is PostgreSQL's NAMEDATALEN-1.
 	maxIdentifierLength = 63
+	// reservedSchemaPrefix begins the schema names PostgreSQL keeps for
+	// itself (pg_catalog, pg_toast, pg_temp_N...).
+	reservedSchemaPrefix = "pg_"
 )
 
 // Config locates the outbox tables. It is used by NewWriter, Migrate and
@@ -30,11 +33,17 @@ const (
 // all defaults.
 //
 // Names are never interpolated into SQL unquoted: every identifier goes
-// through pgx.Identifier.Sanitize, so any string, including one containing
-// quotes, semicolons or spaces, is used literally as a name.
+// through pgx.Identifier.Sanitize, so any string PostgreSQL can hold as a
+// name (not empty, at most 63 bytes of UTF-8 without NUL), including one
+// containing quotes, semicolons or spaces, is used literally as a name.
+// The fields' docs list the few names refused besides.
 type Config struct {
 	// Schema is the PostgreSQL schema holding the outbox tables. Migrate
 	// creates it if it does not exist. Defaults to SchemaDefault ("public").
+	// A Schema beginning with "pg_" is refused with a *ConfigError:
+	// PostgreSQL reserves that prefix for system schemas and creates none
+	// with it. Its test is case-sensitive, and so is this one ("PG_x" is
+	// accepted).
 	Schema string
 
 	// Table is the name of the outbox table. The dead-letter table is
@@ -92,6 +101,14 @@ func (c *Config) validate() error {
 func validateNames(schema, table string) error {
 	if err := validateIdentifier("Schema", schema, maxIdentifierLength); err != nil {
 		return err
+	}
+	// PostgreSQL refuses to create a schema whose name begins with "pg_"
+	// (SQLSTATE 42939, even with IF NOT EXISTS), and its test is
+	// case-sensitive, on the name as quoted: "PG_x" is an ordinary name.
+	if strings.HasPrefix(schema, reservedSchemaPrefix) {
+		return &ConfigError{Field: "Schema", Reason: fmt.Sprintf(
+			"%q begins with %q, a prefix PostgreSQL reserves for system schemas (Migrate could not create it); choose a name that does not begin with %q",
+			schema, reservedSchemaPrefix, reservedSchemaPrefix)}
 	}
 	if err := validateIdentifier("Table", table, MaxTableLength); err != nil {
 		return err

@@ -97,9 +97,16 @@
 // Writer.Table returns the quoted, qualified table name to splice into the
 // SQL text (it is safe to concatenate: it is sanitized), and Writer.Channel
 // the NOTIFY channel to pass as a parameter. Without pg_notify the rows are
-// still delivered, at the relays' next poll. The CHECK constraints (version
-// > 0, a stream of 1 to MaxStreamBytes bytes, a finite created_at) and the
-// unique event_id hold for composed inserts as for Append.
+// still delivered, at the relays' next poll, or as soon as a Notifier's
+// Notify, called after the commit, wakes the relays: leaving pg_notify out
+// and calling Notify keeps the notification out of the writing
+// transaction, whose commit a NOTIFY serialises with every other notifying
+// one (see Notifier). A composed INSERT is the only way to do that: Append
+// always runs pg_notify inside the caller's transaction.
+//
+// The CHECK constraints (version > 0, a stream of 1 to MaxStreamBytes
+// bytes, a finite created_at) and the unique event_id hold for composed
+// inserts as for Append.
 //
 // # Lifecycle of a row
 //
@@ -150,6 +157,11 @@
 // buries, without another attempt, a row that reaches it past its own. A
 // row whose id is already in the dead-letter table (possible only after the
 // outbox's ids were reset) is handed out again rather than fail the claim.
+// A claim that buried every row it read is followed by another at once,
+// so a backlog of such rows (a rollout that lowers MaxAttempts while rows
+// are retrying) holds up the rows due behind it for no PollInterval, and
+// RunOnce, which does not count buried rows, returns 0 only when nothing
+// is due.
 //
 // If the Handler outlives its lease and another relay takes the partition
 // over, the first relay's settle statement no longer finds its token there:
@@ -361,16 +373,18 @@
 // # Waking relays
 //
 // Append calls pg_notify in the same statement; PostgreSQL delivers the
-// notification only when the transaction commits. Each running Relay keeps a
-// dedicated connection (opened from the pool's configuration, not taken from
-// the pool, running the pool's BeforeConnect, AfterConnect and BeforeClose
-// hooks; a hook's failure fails the connection, retried like any other) in
-// LISTEN on a channel derived from Schema and Table
-// (Writer.Channel), claims as soon as it is notified, and reconnects with a
-// growing pause if that connection fails. Notifications are an optimisation:
+// notification only when the transaction commits. (A composed INSERT may
+// leave it out and wake the relays after the commit with a Notifier.) Each
+// running Relay keeps a dedicated connection (opened from the pool's
+// configuration, not taken from the pool, running the pool's BeforeConnect,
+// AfterConnect and BeforeClose hooks; a hook's failure fails the
+// connection, retried like any other) in LISTEN on a channel derived from
+// Schema and Table (Writer.Channel), claims as soon as it is notified, and
+// reconnects with a growing pause if that connection fails. Notifications are an optimisation:
 // a relay also polls every PollInterval, which picks up rows whose backoff or
-// lease ran out and covers any lost notification. After a full batch it
-// claims again at once. After a database error it pauses before claiming
+// lease ran out and covers any lost notification. After a full batch (rows
+// its claim moved to the dead-letter table count toward it) it claims again
+// at once. After a database error it pauses before claiming
 // again, 100ms doubling up to ReconnectBackoffMax; notifications do not cut
 // that pause short. Behind a transaction-pooling proxy, set DisableNotify
 // and rely on polling.

@@ -19,7 +19,7 @@ func (r *Relay) SettleSQL() string { return r.settleSQL }
 // ClaimOnly claims a batch and never settles it, like a relay process that
 // dies while its Handler runs.
 func (r *Relay) ClaimOnly(ctx context.Context) ([]Record, error) {
-	batch, _, err := r.claim(ctx, ctx, uuid.New())
+	batch, _, _, err := r.claim(ctx, ctx, uuid.New())
 	return batch, err
 }
 

@@ -98,15 +98,21 @@ func (c *NotifierConfig) validate() error {
 }
 
 // Notifier wakes the relays of one outbox after the writing transaction has
-// committed, instead of a pg_notify inside it.
+// committed, for writers whose transaction sends no NOTIFY of its own: those
+// that insert outbox rows with a composed INSERT written without pg_notify
+// (see the package documentation, "Composing your own INSERT"; the
+// leaderboard package writes its rows so). It does not change Append, which
+// always runs pg_notify inside the caller's transaction: Notify after an
+// Append adds a notification and takes none out of the transaction.
 //
 // Why: PostgreSQL serialises the commits of notifying transactions (it
 // holds a database-wide lock from PreCommit_Notify to the end of the
 // commit, WAL flush included), so a NOTIFY inside every write transaction
-// costs concurrent writers their group commit. A Notifier takes the
-// notification out of the data transaction: writers call Notify after their
-// commit returned, which only marks the Notifier dirty, and one goroutine
-// sends at most one NOTIFY per Interval as its own statement.
+// costs concurrent writers their group commit. With a composed INSERT and a
+// Notifier the notification leaves the data transaction: writers call
+// Notify after their commit returned, which only marks the Notifier dirty,
+// and one goroutine sends at most one NOTIFY per Interval as its own
+// statement.
 //
 // What it costs: nothing in correctness. The outbox row is still committed
 // with the state it describes. A process that crashes between the commit

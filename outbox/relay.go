@@ -424,7 +424,12 @@ UNION ALL SELECT id FROM dead
 UNION ALL SELECT r.id FROM unnest($8::bigint[]) AS r(id) WHERE mod(r.id / %[7]d, %[6]d) IN (SELECT part FROM owned)`
 
 // RunOnce claims one batch of due rows, hands it to the Handler and settles
-// it. It returns the number of rows claimed (0 when nothing was due).
+// it. It returns the number of rows handed to the Handler (0 when nothing
+// was due). A claim moves rows that reached MaxAttempts already to the
+// dead-letter table instead of handing them out (see the package
+// documentation, "Lifecycle of a row"); they are not counted, and never
+// make RunOnce return 0 while rows are due: after a claim that only buried
+// rows it claims again, until it finds rows to hand out or none are due.
 //
 // The Handler's context is ctx, bounded by the lease. If ctx is cancelled
 // while the Handler runs, the rows it fails are released for immediate
@@ -446,26 +451,9 @@ func (r *Relay) RunOnce(ctx context.Context) (int, error) {
 // runBatch claims unless claimCtx is cancelled and runs the handler under
 // workCtx, which Run cancels only when the shutdown timeout has passed.
 // more reports that other rows may be due already.
-//
-// A claim waits for a connection under claimCtx, but its statements, once
-// sent, run under workCtx: they are part of the in-flight batch a shutdown
-// lets finish. Cut off, they would leave the relay releasing what they
-// leased and pgx closing their connection in the background (which over
-// TLS can take pgx's full 15 s, holding up the pool's Close).
 func (r *Relay) runBatch(claimCtx, workCtx context.Context) (n int, more bool, err error) {
-	if err := claimCtx.Err(); err != nil {
-		return 0, false, err
-	}
 	token := uuid.New()
-	start := time.Now()
-	// Without a deadline a half-open connection (a dead NAT entry, a proxy
-	// that stopped forwarding) would block the relay forever. A claim that
-	// outlives a lease is useless anyway: its rows are claimable again by then.
-	acquireCtx, cancelAcquire := context.WithDeadline(claimCtx, start.Add(r.cfg.LeaseDuration))
-	sendCtx, cancelSend := context.WithDeadline(workCtx, start.Add(r.cfg.LeaseDuration))
-	batch, more, err := r.claim(acquireCtx, sendCtx, token)
-	cancelAcquire()
-	cancelSend()
+	batch, more, start, err := r.claim(claimCtx, workCtx, token)
 	if err != nil || len(batch) == 0 {
 		return 0, false, err
 	}
@@ -486,26 +474,76 @@ func (r *Relay) runBatch(claimCtx, workCtx context.Context) (n int, more bool, e
 // decides which partitions have due rows with its own snapshot, and a
 // relay that settled a partition while that statement ran leaves it
 // empty. Returning such an empty claim would make Run wait a PollInterval
-// although other partitions have rows.
+// although other partitions have rows. A claim that buried rows instead
+// of handing them out is not counted: it made progress (see claim).
 const claimRetries = 3
 
-// claim leases partitions and returns their due rows, sorted by id, and
-// whether more rows may be due elsewhere: the claim leased as many
-// partitions as it may, or filled its batch.
-func (r *Relay) claim(acquireCtx, sendCtx context.Context, token uuid.UUID) (batch []Record, more bool, err error) {
-	for range claimRetries {
-		batch, leased, err := r.claimOnce(acquireCtx, sendCtx, token)
-		if err != nil || len(batch) > 0 || leased == 0 {
-			more = len(batch) > 0 && (len(batch) >= r.cfg.BatchSize || leased >= partitionsPerClaim)
-			return batch, more, err
+// claim leases partitions and returns their due rows, sorted by id,
+// whether more rows may be due already (the claim read a full batch,
+// buried rows included, or leased as many partitions as it may), and when
+// the claim that found them was sent: the leases, and so the Handler's
+// deadline, run from then. It claims until a claim finds rows to hand out,
+// finds no partition with due rows, or comes back empty claimRetries times,
+// and returns no rows only then (or on an error, or when claimCtx ends).
+//
+// A claim that only buried rows (they had reached MaxAttempts: see pickSQL
+// and leaseSQL) is followed by another at once, without counting against
+// claimRetries: every row it buried left the outbox, so a backlog of such
+// rows, however long, ends, and rows due behind it are reached without a
+// PollInterval's wait (a rollout that lowers MaxAttempts while many rows
+// are retrying leaves such a backlog). The partitions of such a claim are
+// released by pickSQL, which gave them no row to hand out, and keep their
+// place in the least-recently-claimed order, so the next claim takes them
+// again first.
+//
+// A claim waits for a connection under claimCtx, but its statements, once
+// sent, run under workCtx: they are part of the in-flight batch a shutdown
+// lets finish. Cut off, they would leave the relay releasing what they
+// leased and pgx closing their connection in the background (which over
+// TLS can take pgx's full 15 s, holding up the pool's Close).
+func (r *Relay) claim(claimCtx, workCtx context.Context, token uuid.UUID) (batch []Record, more bool, start time.Time, err error) {
+	for empty := 0; empty < claimRetries; {
+		if err := claimCtx.Err(); err != nil {
+			return nil, false, start, err
+		}
+		start = time.Now()
+		// Without a deadline a half-open connection (a dead NAT entry, a
+		// proxy that stopped forwarding) would block the relay forever. A
+		// claim that outlives a lease is useless anyway: its rows are
+		// claimable again by then.
+		acquireCtx, cancelAcquire := context.WithDeadline(claimCtx, start.Add(r.cfg.LeaseDuration))
+		sendCtx, cancelSend := context.WithDeadline(workCtx, start.Add(r.cfg.LeaseDuration))
+		c, err := r.claimOnce(acquireCtx, sendCtx, token)
+		cancelAcquire()
+		cancelSend()
+		switch {
+		case err != nil:
+			return nil, false, start, err
+		case len(c.batch) > 0:
+			// Rows pickSQL buried took places in the batch as handed-out
+			// ones do: a full read may have left rows due.
+			return c.batch, c.read >= r.cfg.BatchSize || c.leased >= partitionsPerClaim, start, nil
+		case c.buried > 0:
+			// Progress: claim again.
+		case c.leased == 0:
+			return nil, false, start, nil
+		default:
+			empty++
 		}
 	}
-	return nil, false, nil
+	return nil, false, start, nil
+}
+
+// claimed is what one claim found.
+type claimed struct {
+	batch  []Record // rows handed out, sorted by id
+	leased int      // partitions leased
+	read   int      // rows pickSQL read: the batch and the rows it buried
+	buried int      // rows moved to the dead-letter table, by either statement
 }
 
 // claimOnce runs the claim statements once under sendCtx, on a connection
-// acquired under acquireCtx, and returns the rows and the number of
-// partitions leased.
+// acquired under acquireCtx, and returns what it found.
 //
 // A claim that fails without an answer from the server (its context ended,
 // the connection broke) may still commit there: pgx drops the connection
@@ -518,12 +556,12 @@ func (r *Relay) claim(acquireCtx, sendCtx context.Context, token uuid.UUID) (bat
 // connection, or failed before its statements left (pgconn.SafeToRetry: for
 // example its context ended as it began), sent nothing: neither needs it,
 // and skipping it spares a shutdown the release's round trips.
-func (r *Relay) claimOnce(acquireCtx, sendCtx context.Context, token uuid.UUID) ([]Record, int, error) {
+func (r *Relay) claimOnce(acquireCtx, sendCtx context.Context, token uuid.UUID) (claimed, error) {
 	conn, err := r.pool.Acquire(acquireCtx)
 	if err != nil {
-		return nil, 0, mapError("claim", err)
+		return claimed{}, mapError("claim", err)
 	}
-	batch, leased, err := r.sendClaim(sendCtx, conn.Conn(), token)
+	c, err := r.sendClaim(sendCtx, conn.Conn(), token)
 	// Back to the pool first: releaseClaim may need this pool's only
 	// connection.
 	conn.Release()
@@ -531,11 +569,11 @@ func (r *Relay) claimOnce(acquireCtx, sendCtx context.Context, token uuid.UUID) 
 	if err != nil && !errors.As(err, &pgErr) && !pgconn.SafeToRetry(err) {
 		r.releaseClaim(context.WithoutCancel(sendCtx), token)
 	}
-	return batch, leased, err
+	return c, err
 }
 
 // sendClaim sends the claim statements on conn and reads their results.
-func (r *Relay) sendClaim(ctx context.Context, conn *pgx.Conn, token uuid.UUID) ([]Record, int, error) {
+func (r *Relay) sendClaim(ctx context.Context, conn *pgx.Conn, token uuid.UUID) (claimed, error) {
 	leaseArgs := []any{pgUUID(token), r.cfg.LeaseDuration.Microseconds()}
 	pickArgs := []any{pgUUID(token), r.cfg.BatchSize}
 	if len(r.cfg.Streams) > 0 {
@@ -553,7 +591,7 @@ func (r *Relay) sendClaim(ctx context.Context, conn *pgx.Conn, token uuid.UUID) 
 	res := conn.SendBatch(ctx, b)
 	defer res.Close()
 	if _, err := res.Exec(); err != nil {
-		return nil, 0, mapError("claim", err)
+		return claimed{}, mapError("claim", err)
 	}
 	var (
 		leased  int
@@ -561,11 +599,11 @@ func (r *Relay) sendClaim(ctx context.Context, conn *pgx.Conn, token uuid.UUID) 
 		buried  []int64
 	)
 	if err := res.QueryRow().Scan(&leased, &setting, &buried); err != nil {
-		return nil, 0, mapError("claim", err)
+		return claimed{}, mapError("claim", err)
 	}
 	rows, err := res.Query()
 	if err != nil {
-		return nil, 0, mapError("claim", err)
+		return claimed{}, mapError("claim", err)
 	}
 	var (
 		batch     []Record
@@ -586,10 +624,10 @@ func (r *Relay) sendClaim(ctx context.Context, conn *pgx.Conn, token uuid.UUID) 
 		return nil
 	})
 	if err != nil {
-		return nil, 0, mapError("claim", err)
+		return claimed{}, mapError("claim", err)
 	}
 	if err := res.Close(); err != nil {
-		return nil, 0, mapError("claim", err)
+		return claimed{}, mapError("claim", err)
 	}
 	// Committed now. Like the settle's burials, these are dead letters an
 	// operator must hear of; they never reach a Handler to be logged.
@@ -604,7 +642,7 @@ func (r *Relay) sendClaim(ctx context.Context, conn *pgx.Conn, token uuid.UUID) 
 			slog.Any("ids", exhausted), slog.Int("max_attempts", r.cfg.MaxAttempts))
 	}
 	slices.SortFunc(batch, func(a, b Record) int { return cmp.Compare(a.ID, b.ID) })
-	return batch, leased, nil
+	return claimed{batch: batch, leased: leased, read: len(batch) + len(exhausted), buried: len(buried) + len(exhausted)}, nil
 }
 
 // claimLockSQL takes a transaction-scoped advisory lock on the claim's
@@ -906,7 +944,9 @@ func nonNil[T any](s []T) []T {
 // returns nil. It returns ErrRelayRunning if the relay is already running.
 //
 // Run claims a batch whenever it is notified (Writer.Append notifies on
-// commit), every PollInterval, and immediately again after a full batch.
+// commit), every PollInterval, and immediately again after a full batch
+// (rows its claim moved to the dead-letter table count toward it, see
+// RunOnce).
 // After a database error it pauses (see RelayConfig.ReconnectBackoffMax)
 // and then claims, whether or not it was notified meanwhile. Only
 // one batch is in flight per relay; run several relays for parallelism. When

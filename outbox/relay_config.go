@@ -35,8 +35,9 @@ const (
 // RelayConfig configures a Relay. A nil *RelayConfig means all defaults.
 // Zero fields take their defaults; negative durations and counts are errors.
 type RelayConfig struct {
-	// Schema is the schema of the outbox tables, as given to Migrate.
-	// Defaults to SchemaDefault ("public").
+	// Schema is the schema of the outbox tables, as given to Migrate. A
+	// name Config.Schema refuses (one beginning with "pg_") is refused here
+	// too. Defaults to SchemaDefault ("public").
 	Schema string
 
 	// Table is the outbox table, as given to Migrate. A name Config.Table

@@ -491,6 +491,39 @@ func TestConfig(t *testing.T) {
 		}
 	})
 
+	// PostgreSQL creates no schema whose name begins with "pg_": Migrate
+	// failed with a raw SQLSTATE 42939 after every constructor had accepted
+	// the name. Its test is case-sensitive, and so is the refusal.
+	t.Run("ReservedSchema", func(t *testing.T) {
+		t.Parallel()
+		ctx := context.Background()
+		pg := testenv.Postgres(t)
+		for _, schema := range []string{"pg_outbox", "pg_catalog", "pg_"} {
+			cfg := &outbox.Config{Schema: schema}
+			requireSchemaRefused := func(err error, entry string) {
+				t.Helper()
+				require.ErrorIs(t, err, outbox.ErrInvalidConfig, "%s(%q)", entry, schema)
+				var cfgErr *outbox.ConfigError
+				require.ErrorAs(t, err, &cfgErr, "%s(%q)", entry, schema)
+				require.Equal(t, "Schema", cfgErr.Field, "%s(%q)", entry, schema)
+				require.Contains(t, cfgErr.Reason, `choose a name that does not begin with "pg_"`, "%s(%q): says how to fix it", entry, schema)
+			}
+			_, err := outbox.NewWriter(cfg)
+			requireSchemaRefused(err, "NewWriter")
+			_, err = outbox.Migrations(cfg)
+			requireSchemaRefused(err, "Migrations")
+			_, err = outbox.MigrationSQL(cfg)
+			requireSchemaRefused(err, "MigrationSQL")
+			requireSchemaRefused(outbox.Migrate(ctx, pg.Pool, cfg), "Migrate")
+			_, err = outbox.NewRelay(pg.Pool, &recorder{}, &outbox.RelayConfig{Schema: schema})
+			requireSchemaRefused(err, "NewRelay")
+		}
+		for _, ok := range []string{"PG_outbox", "Pg_outbox", "pgoutbox", "x_pg_"} {
+			_, err := outbox.NewWriter(&outbox.Config{Schema: ok})
+			require.NoError(t, err, ok)
+		}
+	})
+
 	t.Run("Defaults", func(t *testing.T) {
 		t.Parallel()
 		var nilCfg *outbox.Config
