@@ -137,7 +137,10 @@ func (w *Worker) RunOnce(ctx context.Context) (int, error) {
 }
 
 // Drain projects batches until none is due, and returns how many records
-// it handled, failed ones included. Records backing off after a failure are
+// it handled, failed ones included. Records a claim moves to the
+// dead-letter table without another attempt (they reached MaxAttempts
+// already) are not counted, and never make Drain stop while records are
+// due. Records backing off after a failure are
 // not due and are left alone: Relay().Stats or Board.Freshness tells
 // whether anything is still pending.
 func (w *Worker) Drain(ctx context.Context) (int, error) {
