@@ -120,7 +120,9 @@
 //     with FOR UPDATE SKIP LOCKED while being leased, so concurrent relays
 //     take disjoint partitions. The claim is one round trip and commits at
 //     once; no transaction stays open. The outbox row is not written
-//     (except the rows a crashed batch left behind: see below).
+//     (except the rows a crashed batch left behind, and rows that reached
+//     MaxAttempts already, which the claim moves to the dead-letter table:
+//     see below).
 //  3. The relay calls the Handler with the batch. Its context expires with
 //     the lease.
 //  4. One statement settles the batch, each part guarded by "the row's
@@ -192,8 +194,9 @@
 // claimed row once more (an UPDATE of claim_token, leased_until and
 // attempts) only to delete it moments later, and every claim walked over
 // the rows other relays held under live leases before it found free ones;
-// a partition claim writes nothing on the rows and never visits another
-// relay's partition. Runs of consecutive ids keep a batch on few heap pages,
+// a partition claim writes nothing on the rows it hands out (only on the
+// rows it moves to the dead-letter table, see "Lifecycle of a row") and
+// never visits another relay's partition. Runs of consecutive ids keep a batch on few heap pages,
 // and keep a trickle of new rows in one or two partitions, so that one claim
 // finds them all.
 //
