@@ -25,12 +25,17 @@ func TestRedisCluster(t *testing.T) {
 	prefix := cluster.Prefix(t)
 	require.NoError(t, Migrate(ctx, pg.Pool, &Config{Schema: pg.Schema}))
 
-	for _, name := range []string{"weekly-2026-48", "season {7}: finals", "daily"} {
-		board, err := New(pg.Pool, client, &Config{Name: name, Schema: pg.Schema, KeyPrefix: prefix})
+	for _, c := range []struct {
+		name    string
+		buckets int
+	}{{"weekly-2026-48", 0}, {"season {7}: finals", 4}, {"daily", 0}} {
+		board, err := New(pg.Pool, client, &Config{Name: c.name, Schema: pg.Schema, KeyPrefix: prefix, VersionBuckets: c.buckets})
 		require.NoError(t, err)
 		tb := &testBundle{board: board, pg: pg}
+		var atLeast []ReadOption // every user's version: keys in every bucket
 		for i, u := range tieUsers {
-			tb.submit(t, u, int64(i%3*10))
+			res := tb.submit(t, u, int64(i%3*10))
+			atLeast = append(atLeast, AtLeast(u, res.Version))
 		}
 		tb.drain(t)
 
@@ -47,6 +52,25 @@ func TestRedisCluster(t *testing.T) {
 			require.NoError(t, err)
 			require.Contains(t, around.Entries, e)
 		}
+		// Reads with AtLeast read the versions in their answer's script.
+		failClosed := append(atLeast, WithPolicy(FailClosed))
+		top, err := board.Top(ctx, 4, failClosed...)
+		require.NoError(t, err)
+		require.Equal(t, SourceRedis, top.Freshness.Source)
+		require.True(t, top.Freshness.AtLeastMet)
+		require.Equal(t, auth[:4], top.Entries)
+		page, err := board.Page(ctx, top.Next, 4, failClosed...)
+		require.NoError(t, err)
+		require.True(t, page.Freshness.AtLeastMet)
+		require.Equal(t, auth[4:8], page.Entries)
+		got, fr, err := board.Rank(ctx, auth[5].UserID, failClosed...)
+		require.NoError(t, err)
+		require.True(t, fr.AtLeastMet)
+		require.Equal(t, auth[5], got)
+		around, err := board.Around(ctx, auth[5].UserID, 1, failClosed...)
+		require.NoError(t, err)
+		require.True(t, around.Freshness.AtLeastMet)
+		require.Equal(t, auth[4:7], around.Entries)
 
 		rec, err := board.Reconciler(nil)
 		require.NoError(t, err)

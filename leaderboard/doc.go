@@ -144,9 +144,12 @@
 // one transaction scored). It waits up to Config.ReadYourWritesTimeout for
 // the projection to reach every one of those versions, then applies the
 // policy; Freshness.AtLeastMet is true only when the answer reflects them
-// all, from Redis or from PostgreSQL (which checks, in the answer's own
-// statement, that they are committed: a SubmitTx whose transaction rolled
-// back, or has not committed yet, is not). A board whose
+// all, from Redis (which reads the versions in the script that reads the
+// answer: a Redis gone back to an older state since the wait, as after a
+// failover that lost the newest writes, meets the policy as an unmet wait
+// does) or from PostgreSQL (which checks, in the answer's own statement,
+// that they are committed: a SubmitTx whose transaction rolled back, or
+// has not committed yet, is not). A board whose
 // Config.VersionBuckets is not the projection's stored count does not
 // wait: the read fails with projection.ErrLayoutMismatch under every
 // policy.

@@ -17,7 +17,7 @@ import (
 // transaction given to SubmitTx is a plain error, and a Worker's Run,
 // RunOnce and Drain return its outbox.Relay's errors as they are, such as
 // outbox.ErrRelayRunning for a second concurrent Run and
-// outbox.ErrLeaseLost.)
+// outbox.ErrLeaseLost; Run returns nil after a cancellation.)
 var (
 	// ErrInvalidConfig matches every *ConfigError: New, Migrate,
 	// MigrationSQL, Board.Worker, Board.Reconciler or Board.Verify was given

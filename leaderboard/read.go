@@ -24,8 +24,8 @@ import (
 const MaxPageSize = 1000
 
 // MaxAtLeast bounds the users one read can pass to AtLeast: every
-// requirement is checked on each poll of the projection, and in the
-// statement of a PostgreSQL answer. A read with more (distinct users with
+// requirement is checked on each poll of the projection, and in the script
+// or statement that reads the answer. A read with more (distinct users with
 // a version above 0) fails with ErrInvalidReadOption.
 const MaxAtLeast = 64
 
@@ -83,13 +83,14 @@ type Freshness struct {
 	// the board's keys: the projection may be missing entries.
 	Unverified bool
 	// AtLeastMet reports whether the answer reflects every version the
-	// read asked for with AtLeast (true when it asked for none): Redis had
-	// reached each of them, or PostgreSQL held each of them in the
-	// snapshot the answer was read from. It is false when ServeStale
-	// answered from Redis before the projection reached them all, and
-	// when FallbackToPostgres answered from PostgreSQL while a version
-	// asked for is not committed there either (the transaction that
-	// submitted it rolled back or has not committed yet).
+	// read asked for with AtLeast (true when it asked for none): Redis
+	// held each of them in the script that read the answer, or PostgreSQL
+	// held each of them in the snapshot the answer was read from. It is
+	// false when ServeStale answered from Redis before the projection
+	// reached them all, and when FallbackToPostgres answered from
+	// PostgreSQL while a version asked for is not committed there either
+	// (the transaction that submitted it rolled back or has not committed
+	// yet).
 	AtLeastMet bool
 }
 
@@ -130,7 +131,11 @@ type requirement struct {
 // looked up not in Redis, a *StaleError instead of ErrUserNotFound, whether
 // or not that user is among the ones required: an error carries no
 // Freshness to say the answer was unmet); a *StaleError names the
-// first requirement, in the order of the options, still unmet. A board
+// first requirement, in the order of the options, still unmet. Redis's
+// answer is read in one script with the versions, which decide
+// AtLeastMet: if Redis has gone back to an older state since the wait saw
+// them (a failover that lost the newest writes), the policy decides as for
+// a wait that ran out. A board
 // whose Config.VersionBuckets differs from the count the projection is
 // stored with cannot find the versions: the read fails at once, under
 // every policy, with a *projection.LayoutMismatchError
@@ -153,7 +158,25 @@ var (
 	//go:embed around.lua
 	aroundLua    string
 	aroundScript = redis.NewScript(aroundLua)
+
+	//go:embed top.lua
+	topLua string
+	//go:embed versions.lua
+	versionsLua string
+
+	// The scripts of reads with AtLeast; reads without keep the commands
+	// above.
+	topAtLeastScript    = withVersions(topLua)
+	pageAtLeastScript   = withVersions(pageLua)
+	aroundAtLeastScript = withVersions(aroundLua)
 )
+
+// withVersions returns read script body run by versions.lua, which also
+// reads the versions the read requires, in the same atomic step: body
+// becomes a function of its own KEYS and ARGV, which versions.lua calls.
+func withVersions(body string) *redis.Script {
+	return redis.NewScript("local function read(KEYS, ARGV)\n" + body + "\nend\n" + versionsLua)
+}
 
 // Top returns the first n entries of the board. It is Page with no cursor.
 func (b *Board) Top(ctx context.Context, n int, opts ...ReadOption) (Ranking, error) {
@@ -188,9 +211,9 @@ func (b *Board) Page(ctx context.Context, cursorText string, n int, opts ...Read
 	}
 	var entries []Entry
 	fresh, err := b.read(ctx, opts, false,
-		func(ctx context.Context) (err error) {
-			entries, err = b.redisPage(ctx, after, n+1)
-			return err
+		func(ctx context.Context, need []requirement) (first int, err error) {
+			entries, first, err = b.redisPage(ctx, after, n+1, need)
+			return first, err
 		},
 		func(ctx context.Context, db querier, need []requirement) (met bool, err error) {
 			entries, met, err = b.pgPage(ctx, db, after, n+1, need)
@@ -211,9 +234,9 @@ func (b *Board) Rank(ctx context.Context, user string, opts ...ReadOption) (Entr
 	}
 	var entry Entry
 	fresh, err := b.read(ctx, opts, !storableUserID(user),
-		func(ctx context.Context) (err error) {
-			entry, err = b.redisRank(ctx, user)
-			return err
+		func(ctx context.Context, need []requirement) (first int, err error) {
+			entry, first, err = b.redisRank(ctx, user, need)
+			return first, err
 		},
 		func(ctx context.Context, db querier, need []requirement) (met bool, err error) {
 			entry, met, err = b.pgRank(ctx, db, user, need)
@@ -238,9 +261,9 @@ func (b *Board) Around(ctx context.Context, user string, n int, opts ...ReadOpti
 	}
 	var entries []Entry
 	fresh, err := b.read(ctx, opts, !storableUserID(user),
-		func(ctx context.Context) (err error) {
-			entries, err = b.redisAround(ctx, user, n)
-			return err
+		func(ctx context.Context, need []requirement) (first int, err error) {
+			entries, first, err = b.redisAround(ctx, user, n, need)
+			return first, err
 		},
 		func(ctx context.Context, db querier, need []requirement) (met bool, err error) {
 			entries, met, err = b.pgAround(ctx, db, user, n, need)
@@ -311,6 +334,15 @@ func (b *Board) ranking(entries []Entry, n int, fresh Freshness) Ranking {
 // read from (true when need is empty), found in the same statement.
 type pgReader func(ctx context.Context, db querier, need []requirement) (met bool, err error)
 
+// redisReader reads an answer from Redis and, when need is not empty, the
+// projected versions of need's users in the same script, and returns the
+// index in need of the first requirement Redis had not reached then, -1
+// when it had reached them all (and without requirements), with
+// ErrUserNotFound too. Checked in a separate round trip, the versions could
+// describe another state than the answer's: Redis may go back to an older
+// one in between (a failover to a replica that missed the newest writes).
+type redisReader func(ctx context.Context, need []requirement) (first int, err error)
+
 // read runs one read under the policy, and counts it: fromRedis when the
 // projection is fresh enough (or the policy serves stale answers),
 // fromPostgres, on the connection pgRead gives it, when the policy falls
@@ -320,13 +352,13 @@ type pgReader func(ctx context.Context, db querier, need []requirement) (met boo
 // Source names the store that answered (none for noSuchUser), for the
 // reads counter; the public reads return a zero Freshness with every
 // error, this one included.
-func (b *Board) read(ctx context.Context, opts []ReadOption, noSuchUser bool, fromRedis func(context.Context) error, fromPostgres pgReader) (Freshness, error) {
+func (b *Board) read(ctx context.Context, opts []ReadOption, noSuchUser bool, fromRedis redisReader, fromPostgres pgReader) (Freshness, error) {
 	fresh, err := b.readUnderPolicy(ctx, opts, noSuchUser, fromRedis, fromPostgres)
 	b.metrics.read(ctx, fresh, err)
 	return fresh, err
 }
 
-func (b *Board) readUnderPolicy(ctx context.Context, opts []ReadOption, noSuchUser bool, fromRedis func(context.Context) error, fromPostgres pgReader) (Freshness, error) {
+func (b *Board) readUnderPolicy(ctx context.Context, opts []ReadOption, noSuchUser bool, fromRedis redisReader, fromPostgres pgReader) (Freshness, error) {
 	o := readOptions{policy: b.cfg.ReadPolicy}
 	for _, opt := range opts {
 		if opt == nil {
@@ -364,8 +396,8 @@ func (b *Board) readUnderPolicy(ctx context.Context, opts []ReadOption, noSuchUs
 		return Freshness{Source: SourcePostgres, ProjectedThrough: sent, AtLeastMet: met}, nil
 	}
 
-	atLeastMet := true
-	var unmet requirement // the first requirement unmet in Redis
+	// The wait decides when to read Redis; the versions read with the
+	// answer decide whether it meets them.
 	if len(need) > 0 {
 		first, err := b.waitForVersions(ctx, need)
 		// A layout mismatch is this board's misconfiguration, not a Redis
@@ -374,21 +406,16 @@ func (b *Board) readUnderPolicy(ctx context.Context, opts []ReadOption, noSuchUs
 			return Freshness{}, err
 		}
 		if first >= 0 {
-			unmet = need[first]
 			switch o.policy {
 			case FallbackToPostgres:
 				return fallback()
 			case FailClosed:
-				// An unverified board may never receive the version again
-				// (the worker delivered it before Redis lost it): say so.
 				fresh, notMigrated := b.freshness(ctx)
 				if notMigrated != nil {
 					return Freshness{}, notMigrated
 				}
-				unverified := b.cfg.RequireVerifiedProjection && fresh.Unverified
-				return Freshness{}, &StaleError{Lag: fresh.Lag, MaxLag: b.cfg.MaxLag, UserID: unmet.user, Version: unmet.version, Unverified: unverified}
+				return Freshness{}, b.unmetError(fresh, need[first])
 			}
-			atLeastMet = false
 		}
 	}
 
@@ -405,7 +432,6 @@ func (b *Board) readUnderPolicy(ctx context.Context, opts []ReadOption, noSuchUs
 	if notMigrated != nil && o.policy != FallbackToPostgres {
 		return Freshness{}, notMigrated
 	}
-	fresh.AtLeastMet = atLeastMet
 	if fresh.Lag < 0 || fresh.Lag > b.cfg.MaxLag || o.forceStale {
 		switch o.policy {
 		case FallbackToPostgres:
@@ -414,16 +440,10 @@ func (b *Board) readUnderPolicy(ctx context.Context, opts []ReadOption, noSuchUs
 			return Freshness{}, &StaleError{Lag: fresh.Lag, MaxLag: b.cfg.MaxLag, Unverified: fresh.Unverified}
 		}
 	}
-	if err := fromRedis(ctx); err != nil {
-		if !atLeastMet && errors.Is(err, ErrUserNotFound) {
-			// The awaited writes have not all reached Redis: "no score"
-			// could deny a score the caller just saved, and an error has no
-			// Freshness to say the answer was unmet, so even a user read
-			// who was not among the ones required gets the StaleError.
-			return Freshness{}, &StaleError{Lag: fresh.Lag, MaxLag: b.cfg.MaxLag, UserID: unmet.user, Version: unmet.version, Unverified: fresh.Unverified}
-		}
-		if errors.Is(err, ErrUserNotFound) {
-			return Freshness{Source: SourceRedis}, err
+	first, err := fromRedis(ctx, need)
+	if err != nil && !errors.Is(err, ErrUserNotFound) {
+		if errors.Is(err, projection.ErrLayoutMismatch) {
+			return Freshness{}, err // as from the wait
 		}
 		if o.policy == FallbackToPostgres && callerEnded(ctx, err) == nil {
 			b.cfg.Logger.WarnContext(ctx, "leaderboard: Redis read failed; answering from PostgreSQL", "board", b.cfg.Name, "error", err)
@@ -431,7 +451,38 @@ func (b *Board) readUnderPolicy(ctx context.Context, opts []ReadOption, noSuchUs
 		}
 		return Freshness{}, err
 	}
+	fresh.AtLeastMet = first < 0
+	if first >= 0 {
+		// Redis's answer lacks a version asked for: the wait timed out
+		// (ServeStale), or Redis went back to an older state since the
+		// wait saw them all.
+		switch o.policy {
+		case FallbackToPostgres:
+			return fallback()
+		case FailClosed:
+			return Freshness{}, b.unmetError(fresh, need[first])
+		}
+		if errors.Is(err, ErrUserNotFound) {
+			// "No score" could deny a score the caller just saved, and an
+			// error has no Freshness to say the answer was unmet, so even a
+			// user read who was not among the ones required gets the
+			// StaleError.
+			return Freshness{}, b.unmetError(fresh, need[first])
+		}
+	}
+	if err != nil { // ErrUserNotFound
+		return Freshness{Source: SourceRedis}, err
+	}
 	return fresh, nil
+}
+
+// unmetError is the *StaleError of a read whose requirement r Redis had not
+// reached, with the lag of fresh. An unverified board may never receive the
+// version again (the worker delivered it before Redis lost it): the error
+// says so.
+func (b *Board) unmetError(fresh Freshness, r requirement) *StaleError {
+	unverified := b.cfg.RequireVerifiedProjection && fresh.Unverified
+	return &StaleError{Lag: fresh.Lag, MaxLag: b.cfg.MaxLag, UserID: r.user, Version: r.version, Unverified: unverified}
 }
 
 // requirements checks the AtLeast options of a read and returns them
@@ -480,6 +531,7 @@ func (b *Board) waitForVersions(ctx context.Context, need []requirement) (int, e
 		keys[i] = b.ks.VersionKey(b.target(r.user))
 	}
 	cmds := make([]*redis.StringCmd, len(need))
+	got := make([]any, len(need))
 	for {
 		var layout *redis.SliceCmd
 		var legacy *redis.IntCmd
@@ -497,25 +549,25 @@ func (b *Board) waitForVersions(ctx context.Context, need []requirement) (int, e
 		if err != nil && !errors.Is(err, redis.Nil) {
 			return 0, fmt.Errorf("leaderboard: reading the projected version: %w", err)
 		}
-		if lerr := b.checkLayout(layout.Val(), legacy); lerr != nil {
+		var stored any
+		if v := layout.Val(); len(v) == 1 {
+			stored = v[0]
+		}
+		if lerr := b.checkLayout(stored, legacy != nil && legacy.Val() == 1); lerr != nil {
 			return 0, lerr
 		}
-		first := -1
 		for i, cmd := range cmds {
-			got, err := cmd.Result()
+			v, err := cmd.Result()
 			switch {
 			case errors.Is(err, redis.Nil):
+				got[i] = nil
 			case err != nil:
 				return 0, fmt.Errorf("leaderboard: reading the projected version: %w", err)
 			default:
-				if v, perr := strconv.ParseInt(got, 10, 64); perr == nil && v >= need[i].version {
-					continue
-				}
-			}
-			if first < 0 {
-				first = i
+				got[i] = v
 			}
 		}
+		first := firstUnmet(need, got)
 		if first < 0 {
 			return -1, nil
 		}
@@ -534,19 +586,32 @@ func (b *Board) waitForVersions(ctx context.Context, need []requirement) (int, e
 	}
 }
 
-// checkLayout compares the layout key's value (MGET's reply) with the
-// board's bucket count. Without a layout key, a projection whose versions
-// sit in the unbucketed hash (one projected before layout keys; legacy
-// reports whether that hash exists, nil when the board uses no buckets)
-// is stored with 0 buckets, as the gate reads it; otherwise nothing was
-// projected yet, which passes: the gate records a layout with the first
-// write, which the read then waits for.
-func (b *Board) checkLayout(got []any, legacy *redis.IntCmd) error {
-	if len(got) != 1 {
-		return nil
+// firstUnmet returns the index in need of the first requirement whose
+// stored version got[i] (the version hash's field, nil when absent) is
+// below it, -1 when none is.
+func firstUnmet(need []requirement, got []any) int {
+	for i, r := range need {
+		if text, ok := got[i].(string); ok {
+			if v, err := strconv.ParseInt(text, 10, 64); err == nil && v >= r.version {
+				continue
+			}
+		}
+		return i
 	}
-	stored, ok := got[0].(string)
-	if !ok && legacy != nil && legacy.Val() == 1 {
+	return -1
+}
+
+// checkLayout compares the layout key's value (as MGET reads it: nil when
+// absent or not a string) with the board's bucket count. Without a layout
+// key, a projection whose versions sit in the unbucketed hash (one
+// projected before layout keys; legacy reports whether that hash exists,
+// false when the board uses no buckets) is stored with 0 buckets, as the
+// gate reads it; otherwise nothing was projected yet, which passes: the
+// gate records a layout with the first write, which the read then waits
+// for.
+func (b *Board) checkLayout(layout any, legacy bool) error {
+	stored, ok := layout.(string)
+	if !ok && legacy {
 		stored, ok = "0", true
 	}
 	if !ok || stored == b.layout {
@@ -877,13 +942,26 @@ func (b *Board) onMaster(ctx context.Context, key string, queue func(redis.Pipel
 	return err
 }
 
-// redisPage reads up to n entries after c (or from the top) from Redis.
-func (b *Board) redisPage(ctx context.Context, c *cursor, n int) ([]Entry, error) {
+// redisPage reads up to n entries after c (or from the top) from Redis,
+// and the versions of need with them (redisReader).
+func (b *Board) redisPage(ctx context.Context, c *cursor, n int, need []requirement) ([]Entry, int, error) {
+	if len(need) > 0 {
+		script, args := topAtLeastScript, []any{n}
+		if c != nil {
+			script, args = pageAtLeastScript, []any{strconv.FormatInt(-c.score, 10), c.user, n}
+		}
+		res, first, err := b.evalWithVersions(ctx, script, need, args...)
+		if err != nil {
+			return nil, 0, err
+		}
+		entries, err := parseScriptRange(res)
+		return entries, first, err
+	}
 	if c == nil {
 		var cmd *redis.ZSliceCmd
 		err := b.onMaster(ctx, b.zsetKey, func(p redis.Pipeliner) { cmd = p.ZRangeWithScores(ctx, b.zsetKey, 0, int64(n-1)) })
 		if err != nil {
-			return nil, fmt.Errorf("leaderboard: reading Redis: %w", err)
+			return nil, 0, fmt.Errorf("leaderboard: reading Redis: %w", err)
 		}
 		zs := cmd.Val()
 		entries := make([]Entry, len(zs))
@@ -891,51 +969,102 @@ func (b *Board) redisPage(ctx context.Context, c *cursor, n int) ([]Entry, error
 			user, _ := z.Member.(string)
 			score, err := boardScore(user, z.Score)
 			if err != nil {
-				return nil, err
+				return nil, 0, err
 			}
 			entries[i] = Entry{UserID: user, Score: score, Rank: int64(i) + 1}
 		}
-		return entries, nil
+		return entries, -1, nil
 	}
-	res, err := b.evalRead(ctx, pageScript, b.zsetKey, strconv.FormatInt(-c.score, 10), c.user, n)
+	res, err := b.evalRead(ctx, pageScript, []string{b.zsetKey}, strconv.FormatInt(-c.score, 10), c.user, n)
 	if err != nil {
-		return nil, fmt.Errorf("leaderboard: reading Redis: %w", err)
+		return nil, 0, fmt.Errorf("leaderboard: reading Redis: %w", err)
 	}
-	return parseScriptRange(res)
+	entries, err := parseScriptRange(res)
+	return entries, -1, err
 }
 
 // redisRank reads user's entry from Redis, score and rank atomically: the
-// neighbourhood script with no neighbours.
-func (b *Board) redisRank(ctx context.Context, user string) (Entry, error) {
-	entries, err := b.redisAround(ctx, user, 0)
+// neighbourhood script with no neighbours. need as in redisReader.
+func (b *Board) redisRank(ctx context.Context, user string, need []requirement) (Entry, int, error) {
+	entries, first, err := b.redisAround(ctx, user, 0, need)
 	if err != nil {
-		return Entry{}, err
+		return Entry{}, first, err
 	}
 	if len(entries) != 1 || entries[0].UserID != user {
-		return Entry{}, fmt.Errorf("leaderboard: unexpected script reply for %q: %v", user, entries)
+		return Entry{}, 0, fmt.Errorf("leaderboard: unexpected script reply for %q: %v", user, entries)
 	}
-	return entries[0], nil
+	return entries[0], first, nil
 }
 
-// redisAround reads user's neighbourhood from Redis.
-func (b *Board) redisAround(ctx context.Context, user string, n int) ([]Entry, error) {
-	res, err := b.evalRead(ctx, aroundScript, b.zsetKey, user, n)
+// redisAround reads user's neighbourhood from Redis, and the versions of
+// need with it (redisReader).
+func (b *Board) redisAround(ctx context.Context, user string, n int, need []requirement) ([]Entry, int, error) {
+	if len(need) > 0 {
+		res, first, err := b.evalWithVersions(ctx, aroundAtLeastScript, need, user, n)
+		if err != nil {
+			return nil, 0, err
+		}
+		if res == nil { // the script's false: no such member
+			return nil, first, ErrUserNotFound
+		}
+		entries, err := parseScriptRange(res)
+		return entries, first, err
+	}
+	res, err := b.evalRead(ctx, aroundScript, []string{b.zsetKey}, user, n)
 	if errors.Is(err, redis.Nil) {
-		return nil, ErrUserNotFound
+		return nil, -1, ErrUserNotFound
 	}
 	if err != nil {
-		return nil, fmt.Errorf("leaderboard: reading Redis: %w", err)
+		return nil, 0, fmt.Errorf("leaderboard: reading Redis: %w", err)
 	}
-	return parseScriptRange(res)
+	entries, err := parseScriptRange(res)
+	return entries, -1, err
 }
 
-// evalRead runs a read-only script on key, on the master like onMaster
-// when the client could read from a replica: a script is sent to the
-// master the slot map names, and a master demoted by a failover the map
-// has not caught up with would run it as a replica on a READONLY
-// connection.
-func (b *Board) evalRead(ctx context.Context, script *redis.Script, key string, args ...any) (any, error) {
-	keys := []string{key}
+// evalWithVersions runs script, a read script under versions.lua
+// (withVersions), with the read's own args, and returns the read script's
+// result and the index in need of the first requirement whose version
+// Redis had not reached when the script ran, -1 when it had reached them
+// all. A layout that is not the board's (the wait found it was) fails the
+// read with *LayoutMismatchError, as the wait does.
+func (b *Board) evalWithVersions(ctx context.Context, script *redis.Script, need []requirement, args ...any) (res any, first int, err error) {
+	keys := make([]string, 0, len(need)+3)
+	keys = append(keys, b.zsetKey, b.layoutKey)
+	argv := make([]any, 0, 1+len(need)+len(args))
+	argv = append(argv, len(need))
+	for _, r := range need {
+		keys = append(keys, b.ks.VersionKey(b.target(r.user)))
+		argv = append(argv, r.user)
+	}
+	if b.unbucketedKey != "" {
+		keys = append(keys, b.unbucketedKey)
+	}
+	reply, err := b.evalRead(ctx, script, keys, append(argv, args...)...)
+	if err != nil {
+		return nil, 0, fmt.Errorf("leaderboard: reading Redis: %w", err)
+	}
+	parts, ok := reply.([]any)
+	var legacy int64
+	var versions []any
+	if ok && len(parts) == 4 {
+		legacy, _ = parts[1].(int64)
+		versions, _ = parts[2].([]any)
+	}
+	if len(versions) != len(need) {
+		return nil, 0, fmt.Errorf("leaderboard: unexpected script reply %v", reply)
+	}
+	if err := b.checkLayout(parts[0], legacy == 1); err != nil {
+		return nil, 0, err
+	}
+	return parts[3], firstUnmet(need, versions), nil
+}
+
+// evalRead runs a read-only script on keys (all in the board's slot), on
+// the master like onMaster when the client could read from a replica: a
+// script is sent to the master the slot map names, and a master demoted by
+// a failover the map has not caught up with would run it as a replica on a
+// READONLY connection.
+func (b *Board) evalRead(ctx context.Context, script *redis.Script, keys []string, args ...any) (any, error) {
 	if b.primary == nil {
 		return script.Run(ctx, b.rdb, keys, args...).Result()
 	}

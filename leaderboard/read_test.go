@@ -8,8 +8,10 @@ import (
 	"hash/crc32"
 	"math"
 	"net"
+	"slices"
 	"sort"
 	"strconv"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -816,6 +818,144 @@ func TestReadYourWrites(t *testing.T) {
 		}
 	})
 
+	t.Run("RedisWentBackAfterTheWait", func(t *testing.T) {
+		t.Parallel()
+		// Redis goes back to an older state of the board right after the
+		// wait saw every version asked for, as a failover to a replica that
+		// missed the newest writes makes it: the answer must be checked
+		// against the versions in the step that reads it, and a shortfall
+		// handled as an unmet wait, never reported as met.
+		for _, buckets := range []int{0, 8} {
+			t.Run(fmt.Sprintf("Buckets%d", buckets), func(t *testing.T) {
+				t.Parallel()
+				tb := setup(t, func(c *Config) {
+					c.VersionBuckets = buckets
+					c.MaxLag = time.Hour
+				})
+				opt, err := redis.ParseURL(tb.rd.URL)
+				require.NoError(t, err)
+				admin := redis.NewClient(opt)
+				t.Cleanup(func() { _ = admin.Close() })
+
+				leader := tb.submit(t, "leader", 100)
+				before := tb.submit(t, "ada", 10)
+				tb.drain(t)
+				after := tb.submit(t, "ada", 5)
+				newbie := tb.submit(t, "newbie", 3)
+				tb.drain(t)
+
+				zset := tb.board.SortedSetKey()
+				versionKey := func(user string) string { return tb.board.Keyspace().VersionKey(tb.board.target(user)) }
+				set := func(p redis.Pipeliner, user string, res Result) {
+					p.ZAdd(ctx, zset, redis.Z{Score: float64(-res.Score), Member: user})
+					p.HSet(ctx, versionKey(user), user, res.Version)
+				}
+				hook := &afterVersionPoll{run: func() {
+					// Redis as it was after the first drain.
+					_, err := admin.TxPipelined(ctx, func(p redis.Pipeliner) error {
+						set(p, "ada", before)
+						p.ZRem(ctx, zset, "newbie")
+						p.HDel(ctx, versionKey("newbie"), "newbie")
+						return nil
+					})
+					require.NoError(t, err)
+				}}
+				tb.rd.Client.AddHook(hook)
+				goBackAfterTheWait := func() {
+					_, err := admin.TxPipelined(ctx, func(p redis.Pipeliner) error {
+						set(p, "ada", after)
+						set(p, "newbie", newbie)
+						return nil
+					})
+					require.NoError(t, err)
+					hook.armed.Store(true)
+				}
+
+				afterLeader := tb.board.encodeCursor(cursor{score: leader.Score, user: "leader"})
+				reads := []struct {
+					name string
+					run  func(opts ...ReadOption) ([]Entry, Freshness, error)
+				}{
+					{"Top", func(opts ...ReadOption) ([]Entry, Freshness, error) {
+						r, err := tb.board.Top(ctx, 10, opts...)
+						return r.Entries, r.Freshness, err
+					}},
+					{"Page", func(opts ...ReadOption) ([]Entry, Freshness, error) {
+						r, err := tb.board.Page(ctx, afterLeader, 10, opts...)
+						return r.Entries, r.Freshness, err
+					}},
+					{"Rank", func(opts ...ReadOption) ([]Entry, Freshness, error) {
+						e, fr, err := tb.board.Rank(ctx, "ada", opts...)
+						return []Entry{e}, fr, err
+					}},
+					{"Around", func(opts ...ReadOption) ([]Entry, Freshness, error) {
+						r, err := tb.board.Around(ctx, "ada", 1, opts...)
+						return r.Entries, r.Freshness, err
+					}},
+				}
+				scoreOf := func(entries []Entry, user string) int64 {
+					t.Helper()
+					for _, e := range entries {
+						if e.UserID == user {
+							return e.Score
+						}
+					}
+					require.Failf(t, "no entry", "%s is not in %v", user, entries)
+					return 0
+				}
+				for _, read := range reads {
+					atLeast := []ReadOption{AtLeast("ada", after.Version), AtLeast("leader", leader.Version)}
+
+					goBackAfterTheWait()
+					entries, fr, err := read.run(append(atLeast, WithPolicy(ServeStale))...)
+					require.False(t, hook.armed.Load(), "%s: setup: Redis went back after the wait", read.name)
+					require.NoError(t, err, read.name)
+					require.Equal(t, SourceRedis, fr.Source, read.name)
+					require.Equal(t, before.Score, scoreOf(entries, "ada"), "%s: setup: the answer is the older state's", read.name)
+					require.False(t, fr.AtLeastMet, "%s: Redis answered without version %d of ada", read.name, after.Version)
+
+					goBackAfterTheWait()
+					entries, fr, err = read.run(append(atLeast, WithPolicy(FallbackToPostgres))...)
+					require.False(t, hook.armed.Load(), "%s: setup: Redis went back after the wait", read.name)
+					require.NoError(t, err, read.name)
+					require.Equal(t, SourcePostgres, fr.Source, read.name)
+					require.True(t, fr.AtLeastMet, read.name)
+					require.Equal(t, after.Score, scoreOf(entries, "ada"), read.name)
+
+					goBackAfterTheWait()
+					_, _, err = read.run(append(atLeast, WithPolicy(FailClosed))...)
+					require.False(t, hook.armed.Load(), "%s: setup: Redis went back after the wait", read.name)
+					var stale *StaleError
+					require.ErrorAs(t, err, &stale, read.name)
+					require.Equal(t, "ada", stale.UserID, read.name)
+					require.Equal(t, after.Version, stale.Version, read.name)
+				}
+
+				// A first score that Redis lost after the wait saw it is
+				// stale, not missing.
+				for _, read := range []func(opts ...ReadOption) error{
+					func(opts ...ReadOption) error { _, _, err := tb.board.Rank(ctx, "newbie", opts...); return err },
+					func(opts ...ReadOption) error { _, err := tb.board.Around(ctx, "newbie", 1, opts...); return err },
+				} {
+					goBackAfterTheWait()
+					err := read(AtLeast("newbie", newbie.Version), WithPolicy(ServeStale))
+					require.False(t, hook.armed.Load(), "setup: Redis went back after the wait")
+					var stale *StaleError
+					require.ErrorAs(t, err, &stale)
+					require.Equal(t, "newbie", stale.UserID)
+					require.Equal(t, newbie.Version, stale.Version)
+				}
+				goBackAfterTheWait()
+				e, fr, err := tb.board.Rank(ctx, "newbie", AtLeast("newbie", newbie.Version), WithPolicy(FallbackToPostgres))
+				require.False(t, hook.armed.Load(), "setup: Redis went back after the wait")
+				require.NoError(t, err)
+				require.Equal(t, SourcePostgres, fr.Source)
+				require.True(t, fr.AtLeastMet)
+				require.Equal(t, newbie.Score, e.Score)
+			})
+		}
+	})
+
 	t.Run("MaxAtLeastUsers", func(t *testing.T) {
 		t.Parallel()
 		tb := setup(t, func(c *Config) {
@@ -1303,5 +1443,26 @@ func TestLagProbePlan(t *testing.T) {
 		require.NotEmpty(t, subplans, doc)
 		sp := subplans[len(subplans)-1] // the innermost
 		require.Contains(t, doc, "hashed "+sp.SubplanName+")", doc)
+	}
+}
+
+// afterVersionPoll runs run once, when armed, right after the first
+// pipeline that reads a projected version (the wait's HGET) was answered.
+type afterVersionPoll struct {
+	armed atomic.Bool
+	run   func()
+}
+
+func (h *afterVersionPoll) DialHook(next redis.DialHook) redis.DialHook { return next }
+
+func (h *afterVersionPoll) ProcessHook(next redis.ProcessHook) redis.ProcessHook { return next }
+
+func (h *afterVersionPoll) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+	return func(ctx context.Context, cmds []redis.Cmder) error {
+		err := next(ctx, cmds)
+		if slices.ContainsFunc(cmds, func(c redis.Cmder) bool { return c.Name() == "hget" }) && h.armed.CompareAndSwap(true, false) {
+			h.run()
+		}
+		return err
 	}
 }

@@ -175,7 +175,7 @@ func TestReconciler(t *testing.T) {
 				require.NoError(t, tb.rd.Client.ZRem(ctx, key, junk).Err())
 			}
 
-			fromRedis, err := tb.board.redisPage(ctx, nil, MaxPageSize)
+			fromRedis, _, err := tb.board.redisPage(ctx, nil, MaxPageSize, nil)
 			require.NoError(t, err)
 			fromPG, err := tb.board.Authoritative(ctx, MaxPageSize)
 			require.NoError(t, err)

@@ -1,0 +1,34 @@
+-- Runs a read script (page.lua, around.lua, top.lua) for a read with
+-- AtLeast, and reads in the same atomic step the projected versions the
+-- read requires: the versions a read reports as met must be those of the
+-- answer itself, and Redis can go back to an older state between two
+-- round trips (a failover to a replica that missed the newest writes).
+-- read.go (withVersions) puts the read script before this one, as the
+-- function read(KEYS, ARGV), which gets the read's own key and arguments.
+--
+-- KEYS[1]         the sorted set, the read script's key
+-- KEYS[2]         the layout key
+-- KEYS[3..2+n]    each requirement's version hash (its bucket's)
+-- KEYS[3+n]       the unbucketed version hash, given only when the board
+--                 uses buckets
+-- ARGV[1]         n, the number of requirements
+-- ARGV[2..1+n]    each requirement's user
+-- ARGV[2+n..]     the read script's arguments
+--
+-- Result: {layout, legacy, versions, answer}: the layout key's value
+-- (false when absent or not a string: MGET, as the wait reads it), 1 when
+-- the unbucketed version hash was given and exists (0 otherwise), each
+-- user's stored version in order (false when absent), and the read
+-- script's result.
+
+local n = tonumber(ARGV[1])
+local layout = redis.call('MGET', KEYS[2])[1]
+local legacy = 0
+if #KEYS > 2 + n then
+  legacy = redis.call('EXISTS', KEYS[3 + n])
+end
+local versions = {}
+for i = 1, n do
+  versions[i] = redis.call('HGET', KEYS[2 + i], ARGV[1 + i])
+end
+return {layout, legacy, versions, read({KEYS[1]}, {unpack(ARGV, 2 + n)})}
