@@ -136,7 +136,7 @@ func Run(ctx context.Context, opts Options) (figs []Figure, err error) {
 		return nil, fmt.Errorf("connecting to PostgreSQL: %w", err)
 	}
 	defer pool.Close()
-	redisOpts, err := redis.ParseURL(opts.RedisURL)
+	redisOpts, err := services.ParseRedisURL(opts.RedisURL)
 	if err != nil {
 		return nil, fmt.Errorf("parsing the Redis URL: %w", err)
 	}

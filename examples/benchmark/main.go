@@ -199,7 +199,7 @@ func describeServers(ctx context.Context, opts Options) string {
 		conn.Close(ctx)
 	}
 	rd := "Redis ?"
-	if ropts, err := redis.ParseURL(opts.RedisURL); err == nil {
+	if ropts, err := services.ParseRedisURL(opts.RedisURL); err == nil {
 		client := redis.NewClient(ropts)
 		if info, err := client.Info(ctx, "server").Result(); err == nil {
 			for _, line := range strings.Split(info, "\n") {

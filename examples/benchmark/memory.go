@@ -16,6 +16,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/redis/go-redis/v9"
 
+	"github.com/verity-go/verity/internal/services"
 	"github.com/verity-go/verity/projection"
 )
 
@@ -298,7 +299,7 @@ func relayChild(ctx context.Context, stdin io.Reader, stdout io.Writer) error {
 		return err
 	}
 	defer pool.Close()
-	opts, err := redis.ParseURL(os.Getenv("VERITY_BENCH_REDIS"))
+	opts, err := services.ParseRedisURL(os.Getenv("VERITY_BENCH_REDIS"))
 	if err != nil {
 		return err
 	}

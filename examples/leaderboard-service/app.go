@@ -158,10 +158,11 @@ func parseFlags(name string, args []string, stderr io.Writer) (*options, error) 
 		}
 	}
 	if o.redisURL != "" {
-		parse := redis.ParseURL
+		// The services parsers: go-redis's errors can quote the password.
+		parse := services.ParseRedisURL
 		if o.cluster {
 			parse = func(url string) (*redis.Options, error) {
-				_, err := redis.ParseClusterURL(url)
+				_, err := services.ParseRedisClusterURL(url)
 				return nil, err
 			}
 		}
@@ -238,7 +239,7 @@ func connect(ctx context.Context, o *options, logger *slog.Logger) (*deps, error
 		if redisURL = strings.TrimSpace(getenv("REDIS_URL")); redisURL == "" {
 			return nil, usageError{errors.New("--redis-cluster needs a seed list in --redis-url or REDIS_URL")}
 		}
-		if _, err := redis.ParseClusterURL(redisURL); err != nil {
+		if _, err := services.ParseRedisClusterURL(redisURL); err != nil {
 			return nil, usageError{fmt.Errorf("REDIS_URL: %w", err)}
 		}
 	}
@@ -254,7 +255,7 @@ func connect(ctx context.Context, o *options, logger *slog.Logger) (*deps, error
 	}
 	if redisURL == "" {
 		if u := strings.TrimSpace(getenv("REDIS_URL")); u != "" {
-			if _, err := redis.ParseURL(u); err != nil {
+			if _, err := services.ParseRedisURL(u); err != nil {
 				return nil, usageError{fmt.Errorf("REDIS_URL: %w", err)}
 			}
 		}
@@ -317,13 +318,13 @@ func connect(ctx context.Context, o *options, logger *slog.Logger) (*deps, error
 // script call stays on one slot).
 func newRedisClient(url string, cluster bool) (redis.UniversalClient, error) {
 	if cluster {
-		opt, err := redis.ParseClusterURL(url)
+		opt, err := services.ParseRedisClusterURL(url)
 		if err != nil {
 			return nil, err
 		}
 		return redis.NewClusterClient(opt), nil
 	}
-	opt, err := redis.ParseURL(url)
+	opt, err := services.ParseRedisURL(url)
 	if err != nil {
 		return nil, err
 	}

@@ -260,8 +260,49 @@ func TestCommandLine(t *testing.T) {
 	}
 }
 
-// TestServeBindsBeforeMigrating: an address serve cannot listen on (here,
-// one in use) fails before the board's tables are created.
+// TestRedisURLPasswordNotPrinted: a Redis URL go-redis cannot parse, from
+// --redis-url or REDIS_URL, with or without --redis-cluster, is a usage
+// error that names the URL without its password, whole or in pieces (the
+// same mistake in --database-url prints postgres://bob:xxxxx@...).
+func TestRedisURLPasswordNotPrinted(t *testing.T) {
+	t.Parallel()
+	// Qz9 and Wk7 around whatever makes the URL fail, so a piece of the
+	// password shows as well as the whole.
+	for name, bad := range map[string]string{
+		"BadPort":         "redis://bob:Qz9Wk7@127.0.0.1:port/0",
+		"SlashInPassword": "redis://bob:Qz9/Wk7@127.0.0.1:6379/0",
+		"HashInPassword":  "redis://bob:Qz9#Wk7@127.0.0.1:6379/0",
+	} {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			for _, cluster := range [][]string{nil, {"--redis-cluster"}} {
+				code, _, stderr := runCommand(t, append([]string{"stats", "--redis-url=" + bad}, cluster...)...)
+				require.Equal(t, exitUsage, code, "stderr: %s", stderr)
+				require.Contains(t, stderr, "--redis-url: parse \"redis://bob:xxxxx@127.0.0.1:")
+				for _, piece := range []string{"Qz9", "Wk7"} {
+					require.NotContains(t, stderr, piece, "--redis-url %v printed the password", cluster)
+				}
+
+				// The same URL in REDIS_URL, which connect parses.
+				o, err := parseFlags("stats", cluster, io.Discard)
+				require.NoError(t, err)
+				o.getenv = func(k string) string {
+					if k == "REDIS_URL" {
+						return bad
+					}
+					return ""
+				}
+				_, err = connect(t.Context(), o, slog.New(slog.DiscardHandler))
+				require.ErrorAs(t, err, new(usageError))
+				require.ErrorContains(t, err, "REDIS_URL: parse \"redis://bob:xxxxx@127.0.0.1:")
+				for _, piece := range []string{"Qz9", "Wk7"} {
+					require.NotContains(t, err.Error(), piece, "REDIS_URL %v: the password is in the error", cluster)
+				}
+			}
+		})
+	}
+}
+
 // Without --key-prefix the board picks its prefix, which differs per
 // schema: two tenants' boards of one name must not share Redis keys.
 func TestKeyPrefixDefaultsToTheBoards(t *testing.T) {
@@ -278,6 +319,8 @@ func TestKeyPrefixDefaultsToTheBoards(t *testing.T) {
 	require.Equal(t, "custom:", prefixOf("--schema=tenant_a", "--key-prefix=custom:"))
 }
 
+// TestServeBindsBeforeMigrating: an address serve cannot listen on (here,
+// one in use) fails before the board's tables are created.
 func TestServeBindsBeforeMigrating(t *testing.T) {
 	t.Parallel()
 	pg := testenv.Postgres(t)

@@ -102,7 +102,7 @@ func mainErr(args []string, out io.Writer) error {
 		return err
 	}
 	defer pool.Close()
-	redisOpt, err := redis.ParseURL(ep.RedisURL)
+	redisOpt, err := services.ParseRedisURL(ep.RedisURL)
 	if err != nil {
 		return err
 	}

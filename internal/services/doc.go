@@ -15,6 +15,10 @@
 //
 // When nothing works, Resolve returns an error wrapping ErrUnavailable.
 //
+// ParseRedisURL and ParseRedisClusterURL parse a Redis URL a user gave (a
+// flag, REDIS_URL): go-redis's own errors quote the URL, password included,
+// and theirs never hold any part of the password.
+//
 // The private-server types (PostgresServer, RedisServer) are also what fault
 // tests use to stop, kill -9 and restart a server on purpose.
 package services

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"net/url"
 	"os"
 	"strings"
 	"time"
@@ -29,8 +30,14 @@ const (
 	OriginDocker  Origin = "docker"
 )
 
-// ErrUnavailable is returned when no step of the resolution yields a server.
-var ErrUnavailable = errors.New("services: no server available")
+var (
+	// ErrUnavailable is returned when no step of the resolution yields a server.
+	ErrUnavailable = errors.New("services: no server available")
+
+	// errPasswordNotInURLSyntax is why a Redis URL is refused when only its
+	// password is (see parseRedacted).
+	errPasswordNotInURLSyntax = errors.New("the password is not valid in a URL (percent-encode characters such as / ? # % and spaces)")
+)
 
 // Options tune Resolve.
 type Options struct {
@@ -161,7 +168,7 @@ func pingPostgres(ctx context.Context, url string) error {
 }
 
 func pingRedis(ctx context.Context, url string) error {
-	opt, err := redis.ParseURL(url)
+	opt, err := ParseRedisURL(url)
 	if err != nil {
 		return err
 	}
@@ -173,11 +180,45 @@ func pingRedis(ctx context.Context, url string) error {
 	return c.Ping(ctx).Err()
 }
 
+// ParseRedisURL is redis.ParseURL with an error that holds no part of the
+// URL's password (see parseRedacted), for a URL a user gave.
+func ParseRedisURL(rawURL string) (*redis.Options, error) {
+	return parseRedacted(rawURL, redis.ParseURL)
+}
+
+// ParseRedisClusterURL is redis.ParseClusterURL with an error that holds no
+// part of the URL's password (see parseRedacted).
+func ParseRedisClusterURL(rawURL string) (*redis.ClusterOptions, error) {
+	return parseRedacted(rawURL, redis.ParseClusterURL)
+}
+
+// parseRedacted calls parse and, when it fails, reports the failure without
+// the password of rawURL. parse's own error cannot be trusted with it:
+// net/url's *url.Error quotes the URL whole, and a password holding a
+// reserved character ('/', '?', '#') cuts the authority short, so a piece of
+// it comes back as the port (`invalid port ":pa" after host`) or in the path
+// go-redis quotes. The error reported is instead the one of parsing the
+// redacted URL, which holds nothing secret; when that one parses, the
+// password alone was at fault, and the error says so.
+func parseRedacted[T any](rawURL string, parse func(string) (T, error)) (T, error) {
+	opt, err := parse(rawURL)
+	if err == nil {
+		return opt, nil
+	}
+	var zero T
+	redacted := redactURL(rawURL)
+	if _, err := parse(redacted); err != nil {
+		return zero, err
+	}
+	return zero, &url.Error{Op: "parse", URL: redacted, Err: errPasswordNotInURLSyntax}
+}
+
 // redactURL drops any password from a URL before it goes into an error.
 func redactURL(u string) string {
 	at := strings.LastIndexByte(u, '@')
 	scheme := strings.Index(u, "://")
-	if at < 0 || scheme < 0 {
+	// An '@' before the "://" is no userinfo (and would slice backwards).
+	if at < 0 || scheme < 0 || at < scheme+3 {
 		return u
 	}
 	userinfo := u[scheme+3 : at]

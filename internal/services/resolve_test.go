@@ -3,6 +3,7 @@ package services
 import (
 	"context"
 	"fmt"
+	"net/url"
 	"testing"
 
 	"github.com/stretchr/testify/require"
@@ -88,4 +89,64 @@ func TestRedactURL(t *testing.T) {
 	t.Parallel()
 	require.Equal(t, "postgres://app:xxxxx@db:5432/x", redactURL("postgres://app:s3cret@db:5432/x"))
 	require.Equal(t, "redis://127.0.0.1:6379/0", redactURL("redis://127.0.0.1:6379/0"))
+	require.Equal(t, "bob@x://y", redactURL("bob@x://y"), "an '@' before the scheme's end is no userinfo")
+}
+
+// TestRedisURLErrorsHoldNoPassword: go-redis reports a URL it cannot parse
+// with net/url's error, which quotes the URL whole, and a password with a
+// reserved character comes back in pieces (as the port, or in the path);
+// the services parsers, and Resolve through them, report neither.
+func TestRedisURLErrorsHoldNoPassword(t *testing.T) {
+	t.Parallel()
+	// The password is Qz9 and Wk7 around whatever makes the URL fail, so a
+	// piece of it shows as well as the whole.
+	passwordAtFault := errPasswordNotInURLSyntax.Error()
+	for _, tc := range []struct {
+		name, url, want string
+		singleOnly      bool // ParseClusterURL ignores the path
+	}{
+		{"BadPort", "redis://bob:Qz9Wk7@127.0.0.1:port/0", `parse "redis://bob:xxxxx@127.0.0.1:port/0": invalid port ":port" after host`, false},
+		{"BadEscapeInPath", "redis://bob:Qz9Wk7@127.0.0.1:6379/0%zz", `parse "redis://bob:xxxxx@127.0.0.1:6379/0%zz": invalid URL escape "%zz"`, false},
+		{"SlashInPassword", "redis://bob:Qz9/Wk7@127.0.0.1:6379/0", passwordAtFault, false},
+		{"HashInPassword", "redis://bob:Qz9#Wk7@127.0.0.1:6379/0", passwordAtFault, false},
+		{"QuestionMarkInPassword", "redis://bob:Qz9?Wk7@127.0.0.1:6379/0", passwordAtFault, false},
+		{"BadEscapeInPassword", "redis://bob:Qz9%zzWk7@127.0.0.1:6379/0", passwordAtFault, false},
+		{"SpaceInPassword", "redis://bob:Qz9 Wk7@127.0.0.1:6379/0", passwordAtFault, false},
+		{"PasswordOnly", "redis://:Qz9/Wk7@127.0.0.1:6379/0", passwordAtFault, false},
+		// A port-like start leaves the authority valid: the rest of the
+		// password lands in the path, which go-redis quotes.
+		{"DigitsThenSlash", "redis://bob:123/Qz9Wk7@127.0.0.1:6379/0", passwordAtFault, true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			errs := map[string]error{}
+			_, errs["ParseRedisURL"] = ParseRedisURL(tc.url)
+			if !tc.singleOnly {
+				_, errs["ParseRedisClusterURL"] = ParseRedisClusterURL(tc.url)
+			}
+			_, errs["Resolve"] = Resolve(context.Background(), Options{
+				Getenv: env(map[string]string{"REDIS_URL": tc.url}), SkipPostgres: true,
+			})
+			for name, err := range errs {
+				require.Error(t, err, name)
+				require.ErrorContains(t, err, tc.want, name)
+				require.ErrorAs(t, err, new(*url.Error), name)
+				for _, piece := range []string{"Qz9", "Wk7"} {
+					require.NotContains(t, err.Error(), piece, "%s quotes the password", name)
+				}
+			}
+		})
+	}
+
+	t.Run("ValidURLParsesAsGiven", func(t *testing.T) {
+		t.Parallel()
+		opt, err := ParseRedisURL("redis://bob:Qz9%2FWk7@127.0.0.1:6379/2")
+		require.NoError(t, err)
+		require.Equal(t, "Qz9/Wk7", opt.Password)
+		require.Equal(t, 2, opt.DB)
+		copt, err := ParseRedisClusterURL("redis://bob:Qz9%2FWk7@127.0.0.1:7001?addr=127.0.0.1:7002")
+		require.NoError(t, err)
+		require.Equal(t, "Qz9/Wk7", copt.Password)
+		require.Equal(t, []string{"127.0.0.1:7001", "127.0.0.1:7002"}, copt.Addrs)
+	})
 }
