@@ -379,8 +379,11 @@ func (b *Board) submitOne(ctx context.Context, cmd Command) (Result, error) {
 	if !isUniqueViolation(err) {
 		return res, err
 	}
+	// The driver's unique violation stays reachable (errors.As), as in
+	// every other statement error of the board.
+	violation := err
 	if violatedTable(err) == b.cfg.OutboxTable {
-		return Result{}, fmt.Errorf("leaderboard: event %s is already used by another outbox writer: %w", cmd.EventID, ErrIdempotencyConflict)
+		return Result{}, fmt.Errorf("leaderboard: event %s is already used by another outbox writer: %w (%w)", cmd.EventID, ErrIdempotencyConflict, violation)
 	}
 	// A twin committed after our snapshot; it is recorded now. Our
 	// statement was its own transaction, so a follow-up read is possible.
@@ -390,7 +393,7 @@ func (b *Board) submitOne(ctx context.Context, cmd Command) (Result, error) {
 	)
 	err = b.pool.QueryRow(ctx, b.sql.lookupEvent, binaryUUID(cmd.EventID)).Scan(&board, &user, &delta, &res.Score, &res.Version)
 	if errors.Is(err, pgx.ErrNoRows) {
-		return Result{}, fmt.Errorf("leaderboard: event %s is already used by another outbox writer: %w", cmd.EventID, ErrIdempotencyConflict)
+		return Result{}, fmt.Errorf("leaderboard: event %s is already used by another outbox writer: %w (%w)", cmd.EventID, ErrIdempotencyConflict, violation)
 	}
 	if err != nil {
 		return Result{}, b.dbError(fmt.Sprintf("submit: reading the concurrent twin of event %s", cmd.EventID), err)
@@ -448,7 +451,8 @@ func (b *Board) submitOne(ctx context.Context, cmd Command) (Result, error) {
 //     writer of the same outbox has a row with the event id in the outbox
 //     table, undelivered (or delivered and kept). It is reported only while
 //     that row is there: once a relay deletes it, the same command is
-//     accepted (see ErrIdempotencyConflict). Use a new event id.
+//     accepted (see ErrIdempotencyConflict). Use a new event id. The
+//     error also wraps the driver's unique violation (*pgconn.PgError).
 //
 // Under REPEATABLE READ or SERIALIZABLE, a concurrent update of the same
 // user may also fail with a serialization failure (SQLSTATE 40001), which
@@ -474,7 +478,7 @@ func (b *Board) submitTx(ctx context.Context, tx outbox.Tx, cmd Command) (Result
 		return res, err
 	}
 	if violatedTable(err) == b.cfg.OutboxTable {
-		return Result{}, fmt.Errorf("leaderboard: event %s is already used by another outbox writer (the transaction is aborted): %w", cmd.EventID, ErrIdempotencyConflict)
+		return Result{}, fmt.Errorf("leaderboard: event %s is already used by another outbox writer (the transaction is aborted): %w (%w)", cmd.EventID, ErrIdempotencyConflict, err)
 	}
 	return Result{}, &ConcurrentSubmitError{EventID: cmd.EventID}
 }
@@ -659,7 +663,7 @@ func (b *Board) submitBatch(ctx context.Context, cmds []Command, opts batchOptio
 		case isUniqueViolation(err) && violatedTable(err) == b.cfg.OutboxTable:
 			// score_events took the id, the outbox did not: another
 			// writer of the same outbox holds it (see submitBatchSQL).
-			return nil, fmt.Errorf("leaderboard: submit batch: an event id is already used by another outbox writer: %w", ErrIdempotencyConflict)
+			return nil, fmt.Errorf("leaderboard: submit batch: an event id is already used by another outbox writer: %w (%w)", ErrIdempotencyConflict, err)
 		case isUniqueViolation(err) && twins < len(sent) && ctx.Err() == nil:
 			twins++
 			continue

@@ -9,6 +9,7 @@ import (
 
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
@@ -187,20 +188,31 @@ func TestSubmit(t *testing.T) {
 			require.NoError(t, err)
 			require.Equal(t, 1, n)
 		}
+		// The driver's unique violation stays reachable, as in every other
+		// statement error of the board.
+		violation := func(err error, when string) {
+			var pgErr *pgconn.PgError
+			require.ErrorAs(t, err, &pgErr, when)
+			require.Equal(t, "23505", pgErr.Code, when)
+			require.Equal(t, "verity_outbox", pgErr.TableName, when)
+		}
 		refused := func(id uuid.UUID, when string) {
 			cmd := Command{EventID: id, UserID: "user-a", Delta: 1}
 			_, err := tb.board.Submit(ctx, cmd)
 			require.ErrorIs(t, err, ErrIdempotencyConflict, when)
 			var conflict *IdempotencyConflictError
 			require.False(t, errors.As(err, &conflict), "no command of the board is recorded %s: %v", when, err)
+			violation(err, when)
 			_, err = tb.board.SubmitBatch(ctx, []Command{cmd})
 			require.ErrorIs(t, err, ErrIdempotencyConflict, when)
 			require.False(t, errors.As(err, &conflict), when)
+			violation(err, when)
 			tx, err := tb.pg.Pool.Begin(ctx)
 			require.NoError(t, err)
 			_, err = tb.board.SubmitTx(ctx, tx, cmd)
 			require.ErrorIs(t, err, ErrIdempotencyConflict, when)
 			require.False(t, errors.As(err, &conflict), when)
+			violation(err, when)
 			require.NoError(t, tx.Rollback(ctx))
 		}
 

@@ -37,7 +37,9 @@ const verifyAbandonTimeout = 5 * time.Second
 // verified tells whether it was recorded; when it was not, run Verify again
 // (the report says what stood in the way). If the reply to the recording
 // is lost and asking again fails too, err matches ErrVerifyUncertain
-// (errors.Is), wrapping the Redis client's error.
+// (errors.Is), wrapping the Redis client's error. A pass that fails returns
+// the report so far and the pass's error wrapped (errors.Is and errors.As
+// reach it: ErrNotMigrated for a board never migrated, reconcile's errors).
 //
 // cfg configures the pass's Reconciler as for Board.Reconciler. Its Policy
 // must repair every class the pass finds: the default repairs missing,
@@ -69,7 +71,7 @@ func (b *Board) Verify(ctx context.Context, cfg *reconcile.Config) (report *reco
 	}()
 	report, err = rec.Run(ctx, reconcile.RunOptions{})
 	if err != nil {
-		return report, false, err
+		return report, false, fmt.Errorf("leaderboard: verify: %w", err)
 	}
 	// Only a projection left equal to PostgreSQL is recorded: every
 	// finding repaired, or raced by a newer write. One reported (the

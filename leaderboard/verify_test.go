@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/redis/go-redis/v9"
 	"github.com/stretchr/testify/assert"
@@ -288,6 +289,11 @@ func TestVerify(t *testing.T) {
 		_, verified, err := board.Verify(ctx, nil) // never migrated
 		require.ErrorIs(t, err, ErrNotMigrated)
 		require.False(t, verified)
+		// Like Verify's other errors, the pass's starts "leaderboard:
+		// verify: ", and it keeps the reconciler's and the driver's.
+		require.True(t, strings.HasPrefix(err.Error(), "leaderboard: verify: reconcile: reading source page: leaderboard: source: "), "%q", err.Error())
+		var pgErr *pgconn.PgError
+		require.ErrorAs(t, err, &pgErr)
 		keys, err := rd.Client.Keys(ctx, rd.Prefix+"*").Result()
 		require.NoError(t, err)
 		require.Empty(t, keys, "a Verify refused with ErrNotMigrated left keys in Redis")

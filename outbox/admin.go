@@ -242,7 +242,7 @@ func (r *Relay) ReplayDead(ctx context.Context, filter ReplayFilter) (int64, err
 	if err != nil {
 		var pgErr *pgconn.PgError
 		if errors.As(err, &pgErr) && pgErr.Code == pgUniqueViolation {
-			return 0, fmt.Errorf("%w: replay dead letters: %s", ErrEventIDExists, pgErr.Detail)
+			return 0, fmt.Errorf("%w: replay dead letters: %s (%w)", ErrEventIDExists, pgErr.Detail, err)
 		}
 		return 0, mapError("replay dead letters", err)
 	}

@@ -26,7 +26,9 @@ var (
 
 	// ErrEventIDExists reports that Append tried to insert an event id that
 	// the outbox already holds. The insert failed as a whole and, as with
-	// any failed statement, the caller's transaction is aborted.
+	// any failed statement, the caller's transaction is aborted. The error
+	// also wraps the driver's unique violation (a *pgconn.PgError, for
+	// errors.As), as the package's other statement errors do.
 	ErrEventIDExists = errors.New("outbox: event id already in the outbox")
 
 	// ErrIdempotencyConflict reports a command whose event id was already
@@ -174,7 +176,7 @@ func mapError(op string, err error) error {
 	if errors.As(err, &pgErr) {
 		switch pgErr.Code {
 		case pgUndefinedTable:
-			return fmt.Errorf("outbox: %s: %w (%w)", op, ErrNotMigrated, err)
+			return &notMigratedError{op: op, err: err}
 		}
 	}
 	if errors.Is(err, pgx.ErrNoRows) {
@@ -184,3 +186,18 @@ func mapError(op string, err error) error {
 	}
 	return fmt.Errorf("outbox: %s: %w", op, err)
 }
+
+// notMigratedError is mapError's error for a missing table:
+// "outbox: <op>: " and ErrNotMigrated's text without its own "outbox: ",
+// then the driver's error. It matches ErrNotMigrated and the driver's
+// error.
+type notMigratedError struct {
+	op  string
+	err error
+}
+
+func (e *notMigratedError) Error() string {
+	return fmt.Sprintf("outbox: %s: %s (%v)", e.op, strings.TrimPrefix(ErrNotMigrated.Error(), "outbox: "), e.err)
+}
+
+func (e *notMigratedError) Unwrap() []error { return []error{ErrNotMigrated, e.err} }

@@ -122,7 +122,7 @@ func (w *Writer) Append(ctx context.Context, tx Tx, msgs ...Message) error {
 	if err != nil {
 		var pgErr *pgconn.PgError
 		if errors.As(err, &pgErr) && pgErr.Code == pgUniqueViolation && pgErr.TableName == w.cfg.Table {
-			return fmt.Errorf("%w: %s", ErrEventIDExists, pgErr.Detail)
+			return fmt.Errorf("%w: %s (%w)", ErrEventIDExists, pgErr.Detail, err)
 		}
 		return mapError("append", err)
 	}

@@ -201,6 +201,12 @@ func TestAppend(t *testing.T) {
 		again.EventID = first.EventID
 		err = b.writer.Append(ctx, tx, newMessage("s", "other", 1), again)
 		require.ErrorIs(t, err, outbox.ErrEventIDExists)
+		// The driver's unique violation is kept, as for any other
+		// statement error.
+		var pgErr *pgconn.PgError
+		require.ErrorAs(t, err, &pgErr)
+		require.Equal(t, "23505", pgErr.Code)
+		require.Contains(t, err.Error(), first.EventID.String(), "the error names the event id")
 		require.NoError(t, tx.Rollback(ctx))
 		require.Equal(t, 1, b.count(t, b.writer.Table()))
 	})
@@ -215,6 +221,20 @@ func TestAppend(t *testing.T) {
 		defer tx.Rollback(ctx) //nolint:errcheck
 		err = w.Append(ctx, tx, newMessage("s", "k", 1))
 		require.ErrorIs(t, err, outbox.ErrNotMigrated)
+		var pgErr *pgconn.PgError
+		require.ErrorAs(t, err, &pgErr)
+		require.True(t, strings.HasPrefix(err.Error(), "outbox: append: tables not found; run outbox.Migrate first ("), "%q", err.Error())
+		require.Equal(t, 1, strings.Count(err.Error(), "outbox: "), "the package is named once: %q", err.Error())
+
+		// So do the relay's errors (a claim here).
+		r, err := outbox.NewRelay(pg.Pool, outbox.HandlerFunc(func(_ context.Context, b []outbox.Record) ([]outbox.Result, error) {
+			return make([]outbox.Result, len(b)), nil
+		}), &outbox.RelayConfig{Schema: pg.Schema})
+		require.NoError(t, err)
+		_, err = r.RunOnce(ctx)
+		require.ErrorIs(t, err, outbox.ErrNotMigrated)
+		require.ErrorAs(t, err, &pgErr)
+		require.Equal(t, 1, strings.Count(err.Error(), "outbox: "), "the package is named once: %q", err.Error())
 	})
 }
 

@@ -3,6 +3,7 @@ package projection
 import (
 	"errors"
 	"fmt"
+	"strings"
 )
 
 // Sentinel errors. The typed errors below match them with errors.Is and
@@ -191,8 +192,12 @@ type MapError struct {
 	Err      error
 }
 
+// Error names the package once: Err, usually one of the package's own
+// errors (ErrUnmappedStream, ErrInvalidPayload, *InvalidVersionError...),
+// follows without its "projection: ". The text is what a relay logs and
+// stores as the row's last error.
 func (e *MapError) Error() string {
-	return fmt.Sprintf("projection: record %d (outbox id %d, stream %q): %v", e.Index, e.RecordID, e.Stream, e.Err)
+	return fmt.Sprintf("projection: record %d (outbox id %d, stream %q): %s", e.Index, e.RecordID, e.Stream, unprefixed(e.Err))
 }
 
 func (e *MapError) Unwrap() error { return e.Err }
@@ -217,4 +222,13 @@ func validateWrite(i int, w *Write) error {
 		return &InvalidVersionError{Index: i, Target: t, Version: w.Version}
 	}
 	return nil
+}
+
+// unprefixed returns err's text without the package's "projection: ", for
+// an error that wraps it and says "projection: " itself.
+func unprefixed(err error) string {
+	if err == nil {
+		return "<nil>"
+	}
+	return strings.TrimPrefix(err.Error(), "projection: ")
 }

@@ -4,8 +4,10 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"fmt"
 	"log/slog"
 	"strconv"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -118,6 +120,10 @@ func TestRedisProjector(t *testing.T) {
 				require.Equal(t, 1, mapErr.Index)
 				require.Equal(t, tc.bad.ID, mapErr.RecordID)
 				require.Equal(t, tc.bad.Stream, mapErr.Stream)
+				// The text a relay logs and stores as the row's last error
+				// names the package once, though Err is one of its own.
+				require.True(t, strings.HasPrefix(err.Error(), fmt.Sprintf("projection: record 1 (outbox id %d, stream %q): ", tc.bad.ID, tc.bad.Stream)), "%s: %q", tc.name, err.Error())
+				require.Equal(t, 1, strings.Count(err.Error(), "projection: "), "%s: %q", tc.name, err.Error())
 			}
 			require.False(t, readState(t, pb.client, pb.ks, Target{Kind: KindSortedSet, Name: "board", Member: "carol"}).exists)
 		})

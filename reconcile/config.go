@@ -160,7 +160,9 @@ type Config struct {
 	// "Rebuild" in the package documentation for their names). Defaults to
 	// RebuildMarkerTTLDefault.
 	RebuildMarkerTTL time.Duration
-	// Logger receives a line per run and per rebuild. Defaults to
+	// Logger receives a line per run and per rebuild, with the attributes
+	// "kind" and "collection" (the Target's Name, or a document target's
+	// Namespace) and, for a failed one, at Warn, "error". Defaults to
 	// discarding.
 	Logger *slog.Logger
 	// MeterProvider receives the reconciler's metrics (verity.reconcile.*:
@@ -255,6 +257,16 @@ type Target struct {
 	// ids, and every document under the Keyspace's prefix is taken for
 	// the source's.
 	Namespace string
+}
+
+// label names the target in metrics (AttributeName) and log lines
+// ("collection"): its Name, or a document target's Namespace (a document's
+// own name is an id: unbounded).
+func (t Target) label() string {
+	if t.Kind == projection.KindDocument {
+		return t.Namespace
+	}
+	return t.Name
 }
 
 func (t Target) validate() error {

@@ -3,6 +3,7 @@ package reconcile
 import (
 	"errors"
 	"fmt"
+	"strings"
 
 	"github.com/verity-go/verity/projection"
 )
@@ -95,3 +96,22 @@ func (e *WrongKeyTypeError) Error() string {
 
 // Is matches projection.ErrWrongKeyType.
 func (e *WrongKeyTypeError) Is(target error) bool { return target == projection.ErrWrongKeyType }
+
+// wrapError is what wrap returns: fmt.Errorf("reconcile: <op>: %w", err),
+// except that an err that already starts with "reconcile: " (one of the
+// package's own: an SQLSource's, ErrUnexpectedReply...) is not prefixed
+// twice.
+type wrapError struct {
+	op  string
+	err error
+}
+
+// wrap wraps err, which may be the package's own, as "reconcile: op: "
+// and err's text.
+func wrap(op string, err error) error { return &wrapError{op: op, err: err} }
+
+func (e *wrapError) Error() string {
+	return "reconcile: " + e.op + ": " + strings.TrimPrefix(e.err.Error(), "reconcile: ")
+}
+
+func (e *wrapError) Unwrap() error { return e.err }

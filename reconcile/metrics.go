@@ -8,7 +8,6 @@ import (
 	"go.opentelemetry.io/otel/metric"
 
 	"github.com/verity-go/verity/internal/telemetry"
-	"github.com/verity-go/verity/projection"
 )
 
 // Attributes of the package's instruments. The name is the projection's
@@ -58,12 +57,8 @@ func newReconcileMetrics(cfg *Config, target Target) (*reconcileMetrics, error) 
 		return nil, nil
 	}
 	in := telemetry.New(cfg.MeterProvider, "reconcile")
-	name := target.Name
-	if target.Kind == projection.KindDocument {
-		name = target.Namespace
-	}
 	m := &reconcileMetrics{
-		name: attribute.String(AttributeName, name),
+		name: attribute.String(AttributeName, target.label()),
 		runs: in.Counter(metricRuns, "{run}", "Reconcile runs (Run, CheckKeys) by mode (full, sample, keys), outcome (ok, error) and dry_run."),
 		rows: in.Counter(metricRows, "{entity}",
 			"Entities checked by reconcile runs, by class: current, missing, stale, ahead (a version the source never had), corrupt (same version, different value), orphan (not in the source)."),

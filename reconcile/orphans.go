@@ -157,7 +157,7 @@ func (r *Reconciler) checkCandidates(ctx context.Context, opts RunOptions, keys 
 func (r *Reconciler) absentFromSource(ctx context.Context, keys []string) ([]string, error) {
 	found, err := r.source.Lookup(ctx, keys)
 	if err != nil {
-		return nil, fmt.Errorf("reconcile: looking up projection entries in the source: %w", err)
+		return nil, wrap("looking up projection entries in the source", err)
 	}
 	inSource := make(map[string]struct{}, len(found))
 	for _, row := range found {

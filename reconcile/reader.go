@@ -118,7 +118,7 @@ func (r *Reconciler) readCollection(ctx context.Context, keys []string, out []Pr
 func (r *Reconciler) checkLayout(layout *redis.Cmd, valueExists, flatExists *redis.IntCmd) error {
 	got, err := layout.Slice()
 	if err != nil || len(got) != 1 {
-		return fmt.Errorf("reconcile: reading the collection's layout: %w", errOr(err, ErrUnexpectedReply))
+		return wrap("reading the collection's layout", errOr(err, ErrUnexpectedReply))
 	}
 	stored, ok := got[0].(string)
 	if !ok {

@@ -109,7 +109,6 @@ func (r *Reconciler) rebuild(ctx context.Context) (*RebuildReport, error) {
 	if r.target.Kind == projection.KindDocument {
 		return rep, ErrRebuildUnsupported
 	}
-	name := r.target.Name
 	var buf [16]byte
 	_, _ = rand.Read(buf[:])
 	token := hex.EncodeToString(buf[:])
@@ -120,7 +119,7 @@ func (r *Reconciler) rebuild(ctx context.Context) (*RebuildReport, error) {
 	step := func(ctx context.Context, name string) (bool, error) {
 		n, err := r.rebuildStep(ctx, name, token, ttl, 0)
 		if err != nil {
-			return false, fmt.Errorf("reconcile: rebuild %s: %w", name, err)
+			return false, wrap("rebuild "+name, err)
 		}
 		return n == 1, nil
 	}
@@ -140,11 +139,11 @@ func (r *Reconciler) rebuild(ctx context.Context) (*RebuildReport, error) {
 			n, err = r.rebuildStep(switchCtx, "switch", token, switchedTTL, rep.Rows)
 			cancel()
 			switch {
+			case err != nil && answered(err):
+				err = wrap("rebuild switch", err)
 			case err != nil:
-				err = fmt.Errorf("reconcile: rebuild switch: %w", err)
-				if !answered(err) {
-					err = fmt.Errorf("%w: %w", ErrRebuildUncertain, err)
-				}
+				// The sentinel's text names the switch already.
+				err = fmt.Errorf("%w: %w", ErrRebuildUncertain, err)
 			case n == 1:
 				rep.Switched = true
 			case n == switchIncomplete:
@@ -165,13 +164,9 @@ func (r *Reconciler) rebuild(ctx context.Context) (*RebuildReport, error) {
 		cancel()
 	}
 	rep.Duration = time.Since(rep.Started)
-	level := slog.LevelInfo
-	if err != nil {
-		level = slog.LevelWarn
-	}
-	r.logger.Log(ctx, level, "reconcile rebuild finished",
-		slog.String("collection", name), slog.Int64("rows", rep.Rows), slog.Int64("applied", rep.Applied),
-		slog.Int64("kept", rep.Kept), slog.Bool("switched", rep.Switched), slog.Duration("duration", rep.Duration), slog.Any("error", err))
+	r.logFinished(ctx, "reconcile rebuild finished", err,
+		slog.Int64("rows", rep.Rows), slog.Int64("applied", rep.Applied),
+		slog.Int64("kept", rep.Kept), slog.Bool("switched", rep.Switched), slog.Duration("duration", rep.Duration))
 	return rep, err
 }
 

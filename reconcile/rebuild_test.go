@@ -470,6 +470,8 @@ func TestRebuildLostReply(t *testing.T) {
 		b.project(t, "orphan", 1)
 		rep, err := b.withLostReply(t, "switch", false).reconciler(t, nil).Rebuild(ctx)
 		require.ErrorIs(t, err, ErrRebuildUncertain)
+		require.ErrorIs(t, err, errLost)
+		require.Equal(t, 1, strings.Count(err.Error(), "reconcile: "), "the package is named once: %q", err.Error())
 		require.False(t, rep.Switched)
 		require.True(t, b.state(t, b.reconciler(t, nil), "orphan").HasValue, "not switched")
 		marker, sv, sver := b.rebuildKeys()

@@ -1,11 +1,14 @@
 package reconcile
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
+	"log/slog"
 	"math"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -387,6 +390,54 @@ func TestRunSourceError(t *testing.T) {
 	require.Equal(t, "b", rowErr.Key)
 	require.True(t, errors.Is(err, ErrInvalidRow))
 	require.NotNil(t, rep)
+
+	// The SQLSource's error is the package's own: wrapped, it is not
+	// prefixed twice, whichever way the source was read.
+	for name, err := range map[string]error{
+		"Run":       err,
+		"Sample":    func() error { _, err := r.Run(context.Background(), RunOptions{Sample: 5}); return err }(),
+		"CheckKeys": func() error { _, err := r.CheckKeys(context.Background(), []string{"b"}, RunOptions{}); return err }(),
+	} {
+		require.ErrorAs(t, err, &rowErr, name)
+		require.Equal(t, 1, strings.Count(err.Error(), "reconcile: "), "%s: %q", name, err.Error())
+	}
+	require.Equal(t, `reconcile: reading source page: source row "b": version 0 is not positive`, err.Error())
+}
+
+// TestLogLines: a run's and a rebuild's lines name the collection they
+// are about, since a process may reconcile several with one logger, and
+// say "error" only when there is one.
+func TestLogLines(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	b := setup(t, projection.KindSortedSet)
+	b.insert(t, "a", 1)
+	var logs bytes.Buffer
+	r := b.reconciler(t, &Config{Logger: slog.New(slog.NewTextHandler(&logs, nil))})
+	names := fmt.Sprintf("kind=sorted-set collection=%s ", testBoard)
+
+	_, err := r.Run(ctx, RunOptions{})
+	require.NoError(t, err)
+	line := logs.String()
+	require.Contains(t, line, `level=INFO msg="reconcile run finished" `+names, line)
+	require.NotContains(t, line, "error=", line)
+
+	logs.Reset()
+	_, err = r.Rebuild(ctx)
+	require.NoError(t, err)
+	line = logs.String()
+	require.Contains(t, line, `level=INFO msg="reconcile rebuild finished" `+names, line)
+	require.Equal(t, 1, strings.Count(line, "collection="), line)
+	require.NotContains(t, line, "error=", line)
+
+	logs.Reset()
+	_, err = b.pool.Exec(ctx, `INSERT INTO items (key, board, version, score) VALUES ('b', $1, 0, 1)`, testBoard)
+	require.NoError(t, err)
+	_, err = r.Run(ctx, RunOptions{})
+	require.ErrorIs(t, err, ErrInvalidRow)
+	line = logs.String()
+	require.Contains(t, line, `level=WARN msg="reconcile run finished" `+names, line)
+	require.Contains(t, line, "error=", line)
 }
 
 func kindName(k projection.Kind) string {

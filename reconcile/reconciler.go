@@ -103,7 +103,9 @@ func New(source Source, target Target, cfg *Config) (*Reconciler, error) {
 		gate:          projection.NewGate(target.Client, target.Keyspace),
 		repairScript:  redis.NewScript(repairSource),
 		rebuildScript: redis.NewScript(rebuildSource),
-		logger:        cfg.Logger,
+		// A process may reconcile several collections with one logger:
+		// every line names its own.
+		logger: cfg.Logger.With(slog.String("kind", target.Kind.String()), slog.String("collection", target.label())),
 	}
 	if target.Kind != projection.KindDocument {
 		t := projection.Target{Kind: target.Kind, Name: target.Name}
@@ -241,20 +243,27 @@ func (r *Reconciler) Run(ctx context.Context, opts RunOptions) (*Report, error) 
 	}
 	// Refused repairs did not stop the run; it reports them now.
 	err = errors.Join(append([]error{err}, rep.refused...)...)
-	level := slog.LevelInfo
-	if err != nil {
-		level = slog.LevelWarn
-	}
-	r.logger.Log(ctx, level, "reconcile run finished",
+	r.logFinished(ctx, "reconcile run finished", err,
 		slog.Int64("checked", rep.Checked), slog.Int64("drift", rep.Drift()),
 		slog.Int64("repaired", rep.Repaired), slog.Int64("skipped", rep.Skipped),
-		slog.Int64("uncertain", rep.Uncertain), slog.Duration("duration", rep.Duration), slog.Any("error", err))
+		slog.Int64("uncertain", rep.Uncertain), slog.Duration("duration", rep.Duration))
 	mode := modeFull
 	if opts.Sample > 0 {
 		mode = modeSample
 	}
 	r.metrics.recordRun(ctx, mode, rep, err)
 	return rep, err
+}
+
+// logFinished logs the line that ends a run or a rebuild: at Info, or at
+// Warn with its error when err is not nil.
+func (r *Reconciler) logFinished(ctx context.Context, msg string, err error, attrs ...slog.Attr) {
+	level := slog.LevelInfo
+	if err != nil {
+		level = slog.LevelWarn
+		attrs = append(attrs, slog.Any("error", err))
+	}
+	r.logger.LogAttrs(ctx, level, msg, attrs...)
 }
 
 // run is one pass of Run.
@@ -278,7 +287,7 @@ func (r *Reconciler) run(ctx context.Context, opts RunOptions) (*Report, error) 
 func (r *Reconciler) runSample(ctx context.Context, opts RunOptions, rep *Report) error {
 	rows, err := r.source.Sample(ctx, opts.Sample)
 	if err != nil {
-		return fmt.Errorf("reconcile: sampling source: %w", err)
+		return wrap("sampling source", err)
 	}
 	for len(rows) > 0 {
 		n := min(len(rows), r.cfg.PageSize)
@@ -384,7 +393,7 @@ func (r *Reconciler) pages(ctx context.Context, readProjection bool) (iter.Seq[p
 			p := page{}
 			p.rows, p.err = r.source.Page(fetchCtx, cursor, r.cfg.PageSize)
 			if p.err != nil {
-				p.err = fmt.Errorf("reconcile: reading source page: %w", p.err)
+				p.err = wrap("reading source page", p.err)
 			} else if len(p.rows) == 0 {
 				return
 			} else {
@@ -593,7 +602,7 @@ func (r *Reconciler) recheckAhead(ctx context.Context, findings []Finding, idx [
 	}
 	rows, err := r.source.Lookup(ctx, keys)
 	if err != nil {
-		return nil, fmt.Errorf("reconcile: looking up ahead entries in the source again: %w", err)
+		return nil, wrap("looking up ahead entries in the source again", err)
 	}
 	fresh := make(map[string]*Row, len(rows))
 	for i := range rows {
@@ -712,7 +721,7 @@ func (r *Reconciler) checkKeys(ctx context.Context, opts RunOptions, keys []stri
 		}
 		found, err := r.source.Lookup(ctx, batch)
 		if err != nil {
-			return fmt.Errorf("reconcile: looking up keys in the source: %w", err)
+			return wrap("looking up keys in the source", err)
 		}
 		index := make(map[string]int, len(batch))
 		for i, k := range batch {
