@@ -117,6 +117,7 @@ type Board struct {
 	lagGaugeProbe chan struct{}
 
 	metrics *boardMetrics // nil: no MeterProvider
+	logs    readLogs      // limits warnings a failure would repeat per read
 }
 
 // New returns the Board cfg names. It does not touch the database or Redis;

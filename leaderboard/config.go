@@ -33,7 +33,10 @@ const (
 	// committed there either (the submitting transaction rolled back, or
 	// has not committed yet), the answer lacks it and Freshness.AtLeastMet
 	// is false, checked in the answer's own statement. Choose it only if
-	// PostgreSQL can absorb the read load of an outage.
+	// PostgreSQL can absorb the read load of an outage. A read that falls
+	// back because Redis failed is logged at most once a second (see
+	// Config.Logger), while the reads metric and each answer's
+	// Freshness.Source report every one.
 	FallbackToPostgres
 	// FailClosed answers from Redis while it is fresh enough and returns a
 	// *StaleError (errors.Is(err, ErrStale)) otherwise. A Redis error is
@@ -215,7 +218,15 @@ type Config struct {
 	// Defaults to false: Lag measures the outbox only.
 	RequireVerifiedProjection bool
 
-	// Logger receives the board's logs. Defaults to discarding them.
+	// Logger receives the board's logs. A warning that a failure would
+	// repeat on every read or lag probe (a Redis read that failed under
+	// FallbackToPostgres, a lag probe or a look for Verify's record that
+	// failed) is logged at once the first time, then at most once a second
+	// while it recurs, so that an outage logs about a line a second per
+	// board and kind rather than a line per read; each line's "suppressed"
+	// attribute counts the occurrences not logged since the line before.
+	// The reads metric and each read's Freshness (Source, and Lag -1 after
+	// a failed probe or look) report every one. Defaults to discarding them.
 	Logger *slog.Logger
 
 	// MeterProvider receives the board's metrics (verity.leaderboard.*:

@@ -16,6 +16,7 @@ import (
 	"github.com/redis/go-redis/v9"
 
 	"github.com/verity-go/verity/internal/clusterpin"
+	"github.com/verity-go/verity/internal/lograte"
 	"github.com/verity-go/verity/projection"
 )
 
@@ -446,7 +447,7 @@ func (b *Board) readUnderPolicy(ctx context.Context, opts []ReadOption, noSuchUs
 			return Freshness{}, err // as from the wait
 		}
 		if o.policy == FallbackToPostgres && callerEnded(ctx, err) == nil {
-			b.cfg.Logger.WarnContext(ctx, "leaderboard: Redis read failed; answering from PostgreSQL", "board", b.cfg.Name, "error", err)
+			b.warn(ctx, &b.logs.fallback, "leaderboard: Redis read failed; answering from PostgreSQL", err)
 			return fallback()
 		}
 		return Freshness{}, err
@@ -647,6 +648,22 @@ type verification struct {
 	epoch uint64
 }
 
+// readLogs limits the warnings a failure could otherwise repeat on every
+// read (a Redis read that fails) or every probe (the lag probe and the look
+// for Verify's record, about once per LagProbeInterval each): see
+// Config.Logger.
+type readLogs struct {
+	fallback, lagProbe, verification lograte.Limiter
+}
+
+// warn logs msg about the board at WARN with err, unless l suppresses it,
+// and with the number of occurrences l suppressed since its last line.
+func (b *Board) warn(ctx context.Context, l *lograte.Limiter, msg string, err error) {
+	if log, suppressed := l.Allow(); log {
+		b.cfg.Logger.WarnContext(ctx, msg, "board", b.cfg.Name, "error", err, lograte.Suppressed, suppressed)
+	}
+}
+
 // verifiedLook is one look for Verify's record.
 type verifiedLook struct {
 	sent  time.Time
@@ -708,7 +725,7 @@ func (b *Board) freshness(ctx context.Context) (Freshness, error) {
 		// travelled, for as long as it travelled.
 		p = lagProbe{at: sent, failed: err != nil}
 		if err != nil {
-			b.cfg.Logger.WarnContext(ctx, "leaderboard: measuring projection lag failed", "board", b.cfg.Name, "error", err)
+			b.warn(ctx, &b.logs.lagProbe, "leaderboard: measuring projection lag failed", err)
 			if nm := b.dbError("measuring projection lag", err); errors.Is(nm, ErrNotMigrated) {
 				p.notMigrated = nm
 			}
@@ -807,7 +824,7 @@ func (b *Board) lookForVerified(ctx context.Context, l *verifiedLook) (bool, err
 		return false, ended
 	}
 	if err != nil {
-		b.cfg.Logger.WarnContext(ctx, "leaderboard: reading the projection's verification record failed", "board", b.cfg.Name, "error", err)
+		b.warn(ctx, &b.logs.verification, "leaderboard: reading the projection's verification record failed", err)
 	}
 	return verified, nil
 }

@@ -1,16 +1,20 @@
 package leaderboard
 
 import (
+	"bytes"
 	"context"
 	"encoding/base64"
 	"encoding/binary"
+	"encoding/json"
 	"fmt"
 	"hash/crc32"
+	"log/slog"
 	"math"
 	"net"
 	"slices"
 	"sort"
 	"strconv"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -20,9 +24,42 @@ import (
 	"github.com/redis/go-redis/v9"
 	"github.com/stretchr/testify/require"
 
+	"github.com/verity-go/verity/internal/lograte"
 	"github.com/verity-go/verity/outbox"
 	"github.com/verity-go/verity/projection"
 )
+
+// logSink collects a logger's lines, as JSON, from any goroutine.
+type logSink struct {
+	mu  sync.Mutex
+	buf bytes.Buffer
+}
+
+func (s *logSink) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.buf.Write(p)
+}
+
+func (s *logSink) logger() *slog.Logger {
+	return slog.New(slog.NewJSONHandler(s, &slog.HandlerOptions{Level: slog.LevelDebug}))
+}
+
+// lines returns the lines logged so far with message msg, decoded.
+func (s *logSink) lines(t *testing.T, msg string) []map[string]any {
+	t.Helper()
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	var out []map[string]any
+	for line := range bytes.Lines(s.buf.Bytes()) {
+		var m map[string]any
+		require.NoError(t, json.Unmarshal(line, &m))
+		if m["msg"] == msg {
+			out = append(out, m)
+		}
+	}
+	return out
+}
 
 // submit applies commands and fails the test on error.
 func (tb *testBundle) submit(t *testing.T, user string, delta int64) Result {
@@ -527,6 +564,47 @@ func TestReadPolicies(t *testing.T) {
 
 		_, err = tb.board.Top(ctx, 10, WithPolicy(ServeStale))
 		require.Error(t, err)
+	})
+
+	// Redis failing on every read is one condition, not one per read: the
+	// board logs the first at once, then at most one a second, each line
+	// counting the reads it left out since the line before.
+	t.Run("FallbackWhenRedisFailsLogsAtMostOnceASecond", func(t *testing.T) {
+		t.Parallel()
+		logs := &logSink{}
+		tb := setup(t, func(c *Config) { c.ReadPolicy = FallbackToPostgres; c.Logger = logs.logger() })
+		tb.submit(t, "user-a", 10)
+		tb.drain(t)
+		require.NoError(t, tb.rd.Client.Del(ctx, tb.board.SortedSetKey()).Err())
+		require.NoError(t, tb.rd.Client.Set(ctx, tb.board.SortedSetKey(), "x", 0).Err())
+		const msg = "leaderboard: Redis read failed; answering from PostgreSQL"
+		const reads = 100
+		start := time.Now()
+		for range reads {
+			r, err := tb.board.Top(ctx, 10)
+			require.NoError(t, err)
+			require.Equal(t, SourcePostgres, r.Freshness.Source)
+		}
+		elapsed := time.Since(start)
+		lines := logs.lines(t, msg)
+		require.NotEmpty(t, lines, "the failure is logged")
+		require.LessOrEqual(t, len(lines), 1+int(elapsed/lograte.Interval),
+			"%d lines for %d reads in %v", len(lines), reads, elapsed)
+		require.Zero(t, lines[0][lograte.Suppressed], "the first failure is logged at once")
+
+		// Once the interval is over, the next failure is logged with the
+		// count of those left out.
+		time.Sleep(lograte.Interval)
+		_, err := tb.board.Top(ctx, 10)
+		require.NoError(t, err)
+		lines = logs.lines(t, msg)
+		require.Positive(t, lines[len(lines)-1][lograte.Suppressed])
+		logged := 0.0
+		for _, l := range lines {
+			require.Equal(t, "weekly-2026-48", l["board"])
+			logged += 1 + l[lograte.Suppressed].(float64)
+		}
+		require.EqualValues(t, reads+1, logged, "each failure is logged or counted by a line")
 	})
 
 	t.Run("CorruptScoreFailsLikeTheScripts", func(t *testing.T) {
@@ -1193,6 +1271,28 @@ func TestFreshnessProbe(t *testing.T) {
 		var staleErr *StaleError
 		require.ErrorAs(t, got.err, &staleErr, "served %v with lag %s", got.r.Entries, got.r.Freshness.Lag)
 		require.GreaterOrEqual(t, staleErr.Lag, 700*time.Millisecond)
+	})
+
+	// A probe failing on every read (LagProbeInterval 1 ns; the outbox
+	// table renamed away) logs at most once a second.
+	t.Run("FailingProbeLogsAtMostOnceASecond", func(t *testing.T) {
+		t.Parallel()
+		logs := &logSink{}
+		tb := setup(t, func(c *Config) { c.LagProbeInterval = time.Nanosecond; c.Logger = logs.logger() })
+		_, err := tb.pg.Pool.Exec(ctx, `ALTER TABLE "verity_outbox" RENAME TO "verity_outbox_away"`)
+		require.NoError(t, err)
+		const msg = "leaderboard: measuring projection lag failed"
+		const reads = 50
+		start := time.Now()
+		for range reads {
+			_, err := tb.board.Top(ctx, 10)
+			require.ErrorIs(t, err, ErrNotMigrated)
+		}
+		elapsed := time.Since(start)
+		lines := logs.lines(t, msg)
+		require.NotEmpty(t, lines, "the failure is logged")
+		require.LessOrEqual(t, len(lines), 1+int(elapsed/lograte.Interval),
+			"%d lines for %d reads in %v", len(lines), reads, elapsed)
 	})
 
 	t.Run("CancelledReaderDoesNotPoisonTheCache", func(t *testing.T) {

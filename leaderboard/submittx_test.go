@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5/pgconn"
 	_ "github.com/jackc/pgx/v5/stdlib" // registers the "pgx" database/sql driver
 	"github.com/stretchr/testify/require"
 
@@ -198,6 +199,8 @@ func TestSubmitTx(t *testing.T) {
 				require.False(t, errors.Is(err, ErrConcurrentSubmit), "retrying would not help")
 				var conflict *IdempotencyConflictError
 				require.False(t, errors.As(err, &conflict))
+				var pgErr *pgconn.PgError
+				require.ErrorAs(t, err, &pgErr, "the driver's unique violation is kept")
 				require.Error(t, c.commit())
 				events, users, _ := tb.counts(t)
 				require.Equal(t, [2]int{0, 0}, [2]int{events, users})

@@ -21,6 +21,7 @@ import (
 	"github.com/verity-go/verity/internal/clusterpin"
 	"github.com/verity-go/verity/internal/deps"
 	"github.com/verity-go/verity/internal/keyenc"
+	"github.com/verity-go/verity/internal/lograte"
 )
 
 var (
@@ -113,6 +114,12 @@ type Cache[T any] struct {
 	// server's invalidation message has been processed, after the
 	// Invalidate returned: a hit must then reach the server.
 	bypassLocal bool
+	// logs limits each warning a failure can repeat on every call (see
+	// Config.Logger): an outage or a codec change must not log a line per
+	// Get.
+	logs struct {
+		failOpen, fill, release, decode lograte.Limiter
+	}
 }
 
 // New returns a Cache storing values through client, configured by config,
@@ -389,10 +396,24 @@ func (c *Cache[T]) decodeCurrent(ctx context.Context, id string, data []byte) (T
 		}
 	}
 	var zero T
-	c.stats.decodeErrors.Add(1)
-	c.config.Logger.WarnContext(ctx, "versioncache: cached value does not decode; reloading",
-		slog.String("id", id), slog.String("error", err.Error()))
+	c.decodeFailed(ctx, id, err)
 	return zero, nil, false
+}
+
+// decodeFailed counts and logs a cached value that does not decode.
+func (c *Cache[T]) decodeFailed(ctx context.Context, id string, err error) {
+	c.stats.decodeErrors.Add(1)
+	c.warn(ctx, &c.logs.decode, "versioncache: cached value does not decode; reloading", id, err)
+}
+
+// warn logs msg about id at WARN unless l suppresses it, with the number
+// of occurrences l suppressed since its last line (see Config.Logger). A
+// suppressed line allocates nothing.
+func (c *Cache[T]) warn(ctx context.Context, l *lograte.Limiter, msg, id string, err error) {
+	if log, suppressed := l.Allow(); log {
+		c.config.Logger.LogAttrs(ctx, slog.LevelWarn, msg, slog.String("id", id), slog.String("error", err.Error()),
+			slog.Int64(lograte.Suppressed, suppressed))
+	}
 }
 
 // loaded is the result of a load shared by concurrent misses: the value and
@@ -561,8 +582,7 @@ func (c *Cache[T]) releaseLease(ctx context.Context, id string, r readResult) {
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), detachedTimeout)
 	defer cancel()
 	if err := c.lua.release.Run(ctx, c.client, []string{c.leaseKey(id)}, r.version, c.leaseToken).Err(); err != nil {
-		c.config.Logger.WarnContext(ctx, "versioncache: releasing fill lease failed",
-			slog.String("id", id), slog.String("error", err.Error()))
+		c.warn(ctx, &c.logs.release, "versioncache: releasing fill lease failed", id, err)
 	}
 }
 
@@ -629,8 +649,7 @@ func (c *Cache[T]) failOpen(ctx context.Context, id, op string, err error, load 
 	if c.config.FailureMode == FailClosed || isContextErr(err) {
 		return zero, rerr
 	}
-	c.config.Logger.WarnContext(ctx, "versioncache: redis failed; serving from loader",
-		slog.String("id", id), slog.String("error", err.Error()))
+	c.warn(ctx, &c.logs.failOpen, "versioncache: redis failed; serving from loader", id, err)
 	c.stats.loads.Add(1)
 	c.stats.failOpenLoads.Add(1)
 	start := time.Now()
@@ -717,9 +736,7 @@ func (c *Cache[T]) GetAt(ctx context.Context, id string, version int64, load Loa
 			// A miss. fill_at.lua replaces the value only if its version
 			// prefix does not parse or is not newer than ours: a newer one
 			// may be valid for another process's Codec or T.
-			c.stats.decodeErrors.Add(1)
-			c.config.Logger.WarnContext(ctx, "versioncache: cached value does not decode; reloading",
-				slog.String("id", id), slog.String("error", serr.Error()))
+			c.decodeFailed(ctx, id, serr)
 		case errors.Is(err, redis.Nil):
 		default:
 			return c.redisDown(ctx, id, "read", err, load)
@@ -780,8 +797,7 @@ func (c *Cache[T]) fillFailed(ctx context.Context, id string, err error, redisFa
 	if redisFailed {
 		c.stats.redisErrors.Add(1)
 	}
-	c.config.Logger.WarnContext(ctx, "versioncache: fill failed; serving loaded value uncached",
-		slog.String("id", id), slog.String("error", err.Error()))
+	c.warn(ctx, &c.logs.fill, "versioncache: fill failed; serving loaded value uncached", id, err)
 }
 
 // filled counts a fill script's answer: 1 stored, anything else skipped

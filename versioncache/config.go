@@ -39,7 +39,9 @@ const (
 	// FailOpen serves the loader's value, straight from the source of truth,
 	// and does not cache it. Availability follows the database. Each Get
 	// still waits for the Redis client to give up first, so keep its
-	// DialTimeout, ReadTimeout and MaxRetries short.
+	// DialTimeout, ReadTimeout and MaxRetries short. Every such Get is
+	// counted (Stats.RedisErrors and FailOpenLoads, and their metrics), but
+	// its warning is logged at most once a second (see Config.Logger).
 	FailOpen FailureMode = iota
 	// FailClosed returns a *RedisError instead, protecting the database from
 	// the full read load when the cache is down. It refuses only a failed
@@ -136,7 +138,13 @@ type Config struct {
 	InvalidateWaitTimeout time.Duration
 
 	// Logger receives warnings about Redis failures and codec errors.
-	// Defaults to a logger that discards everything.
+	// Each kind of warning (a FailOpen read, a failed fill, a failed lease
+	// release, a value that does not decode) is logged at once the first
+	// time, then at most once a second while it recurs, so that an outage
+	// logs about a line a second rather than a line per Get; each line's
+	// "suppressed" attribute counts the occurrences not logged since the
+	// line before. Stats and the metrics count every occurrence. Defaults
+	// to a logger that discards everything.
 	Logger *slog.Logger
 
 	// MeterProvider receives the cache's metrics (verity.cache.*: reads by

@@ -1,11 +1,15 @@
 package versioncache
 
 import (
+	"bytes"
 	"context"
+	"encoding/json"
+	"log/slog"
 	"math"
 	"os"
 	"regexp"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -13,6 +17,7 @@ import (
 	"github.com/stretchr/testify/require"
 	"go.opentelemetry.io/otel/attribute"
 
+	"github.com/verity-go/verity/internal/lograte"
 	"github.com/verity-go/verity/internal/telemetry/metrictest"
 	"github.com/verity-go/verity/internal/testenv"
 )
@@ -270,6 +275,68 @@ func TestRedisUnavailable(t *testing.T) {
 		require.EqualValues(t, 1, stats.RedisErrors)
 	})
 
+	// An outage is one condition, not one per Get: the cache logs its
+	// first failure at once, then at most one a second, each line counting
+	// the failures it left out since the line before; Stats count them all.
+	t.Run("FailOpenOutageLogsAtMostOnceASecond", func(t *testing.T) {
+		t.Parallel()
+		rs := testenv.StartRedis(t)
+		// One dial per failed Get, not five: the outage is only refused
+		// connections.
+		client := redis.NewClient(&redis.Options{Addr: rs.Addr(), MaxRetries: -1, DialerRetries: 1})
+		t.Cleanup(func() { _ = client.Close() })
+		logs := &logSink{}
+		b := setupWith(t, client, "vc:", &Config{FailureMode: FailOpen, Logger: logs.logger()})
+		want := b.truth.write("p1", 4900)
+		require.NoError(t, rs.Stop())
+
+		const reads = 200
+		start := time.Now()
+		for i := range reads {
+			var got product
+			var err error
+			if i%2 == 0 {
+				got, err = b.cache.Get(ctx, "p1", b.truth.loader("p1"))
+			} else {
+				got, err = b.cache.GetAt(ctx, "p1", want.Version, b.truth.loader("p1"))
+			}
+			require.NoError(t, err)
+			require.Equal(t, want, got)
+		}
+		elapsed := time.Since(start)
+		lines := logs.lines(t)
+		require.NotEmpty(t, lines, "the outage is logged")
+		require.LessOrEqual(t, len(lines), 1+int(elapsed/lograte.Interval),
+			"%d lines for %d Gets in %v", len(lines), reads, elapsed)
+		require.Zero(t, lines[0][lograte.Suppressed], "the first failure is logged at once")
+
+		// Once the interval is over, the next failure is logged with the
+		// count of those left out.
+		time.Sleep(lograte.Interval)
+		_, err := b.cache.Get(ctx, "p1", b.truth.loader("p1"))
+		require.NoError(t, err)
+		lines = logs.lines(t)
+		last := lines[len(lines)-1]
+		require.Positive(t, last[lograte.Suppressed])
+		logged := 0.0
+		for _, l := range lines {
+			require.Equal(t, "versioncache: redis failed; serving from loader", l["msg"])
+			logged += 1 + l[lograte.Suppressed].(float64)
+		}
+		require.EqualValues(t, reads+1, logged, "each failure is logged or counted by a line")
+		require.EqualValues(t, reads+1, b.cache.Stats().RedisErrors)
+		require.EqualValues(t, reads+1, b.cache.Stats().FailOpenLoads)
+
+		// Back: the client's pool redials within a second (ending the
+		// goroutine that retries its dial).
+		require.NoError(t, rs.Start())
+		require.Eventually(t, func() bool {
+			_, err := b.cache.Get(ctx, "p1", b.truth.loader("p1"))
+			_, _, cached, perr := b.cache.Peek(ctx, "p1")
+			return err == nil && perr == nil && cached
+		}, 10*time.Second, 10*time.Millisecond)
+	})
+
 	t.Run("CanceledContext", func(t *testing.T) {
 		t.Parallel()
 		b := setup(t, nil)
@@ -303,6 +370,36 @@ func TestRedisUnavailable(t *testing.T) {
 			require.Zero(t, c.cache.Stats().RedisErrors, "%+v", cfg)
 		}
 	})
+}
+
+// logSink collects a logger's lines, as JSON, from any goroutine.
+type logSink struct {
+	mu  sync.Mutex
+	buf bytes.Buffer
+}
+
+func (s *logSink) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.buf.Write(p)
+}
+
+func (s *logSink) logger() *slog.Logger {
+	return slog.New(slog.NewJSONHandler(s, &slog.HandlerOptions{Level: slog.LevelDebug}))
+}
+
+// lines returns the lines logged so far, decoded.
+func (s *logSink) lines(t *testing.T) []map[string]any {
+	t.Helper()
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	var out []map[string]any
+	for line := range bytes.Lines(s.buf.Bytes()) {
+		var m map[string]any
+		require.NoError(t, json.Unmarshal(line, &m))
+		out = append(out, m)
+	}
+	return out
 }
 
 // The fixes an InvalidateWaitTimeout error names, with their durations.

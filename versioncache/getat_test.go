@@ -6,8 +6,11 @@ import (
 	"errors"
 	"strconv"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/require"
+
+	"github.com/verity-go/verity/internal/lograte"
 )
 
 func TestGetAt(t *testing.T) {
@@ -205,6 +208,30 @@ func TestGetAt(t *testing.T) {
 			raw, err := b.client.Get(ctx, b.cache.atKey("p1")).Result()
 			require.NoError(t, err)
 			require.Equal(t, newer, raw, "left in place")
+		})
+
+		// During such a rollout every read of the value fails to decode:
+		// counted each time, logged at most once a second.
+		t.Run("NewerVersionLogsAtMostOnceASecond", func(t *testing.T) {
+			t.Parallel()
+			logs := &logSink{}
+			b := setup(t, &Config{Logger: logs.logger()})
+			v1 := b.truth.write("p1", 4900)
+			newer := strconv.FormatInt(v1.Version+1, 10) + ":not json"
+			require.NoError(t, b.client.Set(ctx, b.cache.atKey("p1"), newer, 0).Err())
+			const reads = 50
+			start := time.Now()
+			for range reads {
+				_, err := b.cache.GetAt(ctx, "p1", v1.Version, b.truth.loader("p1"))
+				require.NoError(t, err)
+			}
+			elapsed := time.Since(start)
+			require.EqualValues(t, reads, b.cache.Stats().DecodeErrors)
+			lines := logs.lines(t)
+			require.NotEmpty(t, lines)
+			require.LessOrEqual(t, len(lines), 1+int(elapsed/lograte.Interval),
+				"%d lines for %d reads in %v", len(lines), reads, elapsed)
+			require.Equal(t, "versioncache: cached value does not decode; reloading", lines[0]["msg"])
 		})
 
 		// A version at or below the caller's is replaced as any such value
