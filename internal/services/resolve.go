@@ -9,6 +9,7 @@ import (
 	"os"
 	"strings"
 	"time"
+	"unicode"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/redis/go-redis/v9"
@@ -37,6 +38,11 @@ var (
 	// errPasswordNotInURLSyntax is why a Redis URL is refused when only its
 	// password is (see parseRedacted).
 	errPasswordNotInURLSyntax = errors.New("the password is not valid in a URL (percent-encode characters such as / ? # % and spaces)")
+
+	// errURLShape is why a Redis URL is refused, unquoted, when it has an
+	// '@' but no "scheme:/" start to find its userinfo from (see
+	// parseRedacted).
+	errURLShape = errors.New("not a URL of the form redis://[[user]:password@]host[:port][/db]")
 )
 
 // Options tune Resolve.
@@ -199,13 +205,23 @@ func ParseRedisClusterURL(rawURL string) (*redis.ClusterOptions, error) {
 // it comes back as the port (`invalid port ":pa" after host`) or in the path
 // go-redis quotes. The error reported is instead the one of parsing the
 // redacted URL, which holds nothing secret; when that one parses, the
-// password alone was at fault, and the error says so.
+// password alone was at fault, and the error says so. A URL with no password
+// keeps parse's error, and so does one whose last '@' follows a '/', '?' or
+// '#' (so may sit in the query rather than end a userinfo), when that error
+// quotes no piece of what would be the password.
 func parseRedacted[T any](rawURL string, parse func(string) (T, error)) (T, error) {
 	opt, err := parse(rawURL)
 	if err == nil {
 		return opt, nil
 	}
 	var zero T
+	i, j, exact, ok := findPassword(rawURL)
+	switch {
+	case i < 0 && strings.Contains(rawURL, "@"):
+		return zero, &url.Error{Op: "parse", URL: hiddenURL, Err: errURLShape}
+	case !ok, !exact && !quotesPiece(err.Error(), rawURL[i:j]):
+		return zero, err
+	}
 	redacted := redactURL(rawURL)
 	if _, err := parse(redacted); err != nil {
 		return zero, err
@@ -213,17 +229,72 @@ func parseRedacted[T any](rawURL string, parse func(string) (T, error)) (T, erro
 	return zero, &url.Error{Op: "parse", URL: redacted, Err: errPasswordNotInURLSyntax}
 }
 
+// hiddenURL stands in an error for a URL whose userinfo cannot be told apart
+// from the rest, as it has no "scheme:/" to start from.
+const hiddenURL = "(URL not shown: it may hold a password)"
+
 // redactURL drops any password from a URL before it goes into an error.
 func redactURL(u string) string {
-	at := strings.LastIndexByte(u, '@')
-	scheme := strings.Index(u, "://")
-	// An '@' before the "://" is no userinfo (and would slice backwards).
-	if at < 0 || scheme < 0 || at < scheme+3 {
-		return u
-	}
-	userinfo := u[scheme+3 : at]
-	if i := strings.IndexByte(userinfo, ':'); i >= 0 {
-		return u[:scheme+3] + userinfo[:i] + ":xxxxx" + u[at:]
+	i, j, _, ok := findPassword(u)
+	switch {
+	case ok:
+		return u[:i] + "xxxxx" + u[j:]
+	case i < 0 && strings.Contains(u, "@"):
+		return hiddenURL
 	}
 	return u
+}
+
+// findPassword finds the password of u's userinfo, u[i:j], with ok false if
+// the userinfo holds none, and i -1 if u does not start with a scheme and a
+// slash. The userinfo follows the scheme ("redis:" and any number of
+// slashes, as "redis:/" is a typo net/url reads as a path) and ends at the
+// last '@'. When a '/', '?' or '#' comes before that '@', the '@' may end a
+// userinfo whose password holds the character, or belong to the path, query
+// or fragment of a URL with no password: exact is false.
+func findPassword(u string) (i, j int, exact, ok bool) {
+	start := schemeEnd(u)
+	if start < 0 {
+		return -1, -1, false, false
+	}
+	at := strings.LastIndexByte(u[start:], '@')
+	if at < 0 {
+		return start, start, true, false
+	}
+	userinfo := u[start : start+at]
+	colon := strings.IndexByte(userinfo, ':')
+	if colon < 0 {
+		return start, start, true, false
+	}
+	return start + colon + 1, start + at, !strings.ContainsAny(userinfo, "/?#"), true
+}
+
+// schemeEnd is the index past u's scheme, its ':' and the slashes after
+// it, or -1 if u does not start with a scheme followed by a slash.
+func schemeEnd(u string) int {
+	colon := strings.IndexByte(u, ':')
+	if colon < 1 || !strings.HasPrefix(u[colon+1:], "/") {
+		return -1
+	}
+	for k, c := range u[:colon] {
+		letter := 'a' <= c && c <= 'z' || 'A' <= c && c <= 'Z'
+		if !letter && (k == 0 || !('0' <= c && c <= '9' || c == '+' || c == '-' || c == '.')) {
+			return -1
+		}
+	}
+	return colon + 1 + len(u[colon+1:]) - len(strings.TrimLeft(u[colon+1:], "/"))
+}
+
+// quotesPiece reports whether msg holds a run of letters or digits of
+// secret, as an error quoting any part of it would (percent-decoding one
+// still leaves the runs either side of the escape).
+func quotesPiece(msg, secret string) bool {
+	for _, piece := range strings.FieldsFunc(secret, func(r rune) bool {
+		return !unicode.IsLetter(r) && !unicode.IsDigit(r)
+	}) {
+		if strings.Contains(msg, piece) {
+			return true
+		}
+	}
+	return false
 }

@@ -89,7 +89,9 @@ func TestRedactURL(t *testing.T) {
 	t.Parallel()
 	require.Equal(t, "postgres://app:xxxxx@db:5432/x", redactURL("postgres://app:s3cret@db:5432/x"))
 	require.Equal(t, "redis://127.0.0.1:6379/0", redactURL("redis://127.0.0.1:6379/0"))
-	require.Equal(t, "bob@x://y", redactURL("bob@x://y"), "an '@' before the scheme's end is no userinfo")
+	require.Equal(t, "redis:/bob:xxxxx@127.0.0.1:6379/0", redactURL("redis:/bob:s3cret@127.0.0.1:6379/0"), "one slash after the scheme")
+	require.Equal(t, hiddenURL, redactURL("bob@x://y"), "an '@' with no scheme to start from")
+	require.Equal(t, hiddenURL, redactURL("bob:s3cret@127.0.0.1:6379"), "no slash after the scheme")
 }
 
 // TestRedisURLErrorsHoldNoPassword: go-redis reports a URL it cannot parse
@@ -116,6 +118,8 @@ func TestRedisURLErrorsHoldNoPassword(t *testing.T) {
 		// A port-like start leaves the authority valid: the rest of the
 		// password lands in the path, which go-redis quotes.
 		{"DigitsThenSlash", "redis://bob:123/Qz9Wk7@127.0.0.1:6379/0", passwordAtFault, true},
+		// With no "scheme:/" the userinfo cannot be found: no part is shown.
+		{"NoScheme", "bob:Qz9%zzWk7@127.0.0.1:6379/0", hiddenURL, false},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()
@@ -137,6 +141,28 @@ func TestRedisURLErrorsHoldNoPassword(t *testing.T) {
 			}
 		})
 	}
+
+	// "redis:/" is read as a path, which net/url (the bad escape) or
+	// go-redis quotes.
+	t.Run("SingleSlash", func(t *testing.T) {
+		t.Parallel()
+		for _, bad := range []string{"redis:/bob:Qz9%zzWk7@127.0.0.1:6379/0", "redis:/bob:Qz9Wk7@127.0.0.1:6379/0"} {
+			_, err := ParseRedisURL(bad)
+			require.ErrorContains(t, err, "invalid URL path: /bob:xxxxx@127.0.0.1:6379/0", bad)
+			for _, piece := range []string{"Qz9", "Wk7"} {
+				require.NotContains(t, err.Error(), piece, bad)
+			}
+		}
+	})
+
+	// An '@' in the query of a URL with no password is no userinfo: the
+	// error is go-redis's own, naming the real mistake, not the password.
+	t.Run("AtInQueryWithoutPassword", func(t *testing.T) {
+		t.Parallel()
+		_, err := ParseRedisURL("redis://127.0.0.1:6379/0?client_name=svc@prod&dial_timeout=abc")
+		require.ErrorContains(t, err, "invalid dial_timeout duration")
+		require.NotContains(t, err.Error(), passwordAtFault)
+	})
 
 	t.Run("ValidURLParsesAsGiven", func(t *testing.T) {
 		t.Parallel()
