@@ -401,10 +401,16 @@ func (b *Board) readUnderPolicy(ctx context.Context, opts []ReadOption, noSuchUs
 	// answer decide whether it meets them.
 	if len(need) > 0 {
 		first, err := b.waitForVersions(ctx, need)
-		// A layout mismatch is this board's misconfiguration, not a Redis
-		// failure: refused under every policy, as the Worker is.
-		if err != nil && (o.policy != FallbackToPostgres || errors.Is(err, projection.ErrLayoutMismatch)) {
-			return Freshness{}, err
+		if err != nil {
+			// A layout mismatch is this board's misconfiguration, not a
+			// Redis failure: refused under every policy, as the Worker is.
+			// Nor is the caller's own ctx ending one to fall back from; a
+			// fallback is logged, as from the Redis read below.
+			if o.policy != FallbackToPostgres || errors.Is(err, projection.ErrLayoutMismatch) || callerEnded(ctx, err) != nil {
+				return Freshness{}, err
+			}
+			b.warn(ctx, &b.logs.fallback, "leaderboard: Redis read failed; answering from PostgreSQL", err)
+			return fallback()
 		}
 		if first >= 0 {
 			switch o.policy {

@@ -607,6 +607,30 @@ func TestReadPolicies(t *testing.T) {
 		require.EqualValues(t, reads+1, logged, "each failure is logged or counted by a line")
 	})
 
+	// An AtLeast read whose wait for the versions fails falls back as the
+	// Redis read does: logged, unless the caller's own ctx ended.
+	t.Run("FallbackWhenTheWaitFailsIsLogged", func(t *testing.T) {
+		t.Parallel()
+		logs := &logSink{}
+		tb := setup(t, func(c *Config) { c.ReadPolicy = FallbackToPostgres; c.Logger = logs.logger() })
+		res := tb.submit(t, "user-a", 10)
+		tb.drain(t)
+		vkey := tb.board.ks.VersionKey(tb.board.target("user-a"))
+		require.NoError(t, tb.rd.Client.Del(ctx, vkey).Err())
+		require.NoError(t, tb.rd.Client.Set(ctx, vkey, "x", 0).Err()) // WRONGTYPE for HGET
+
+		e, fresh, err := tb.board.Rank(ctx, "user-a", AtLeast("user-a", res.Version))
+		require.NoError(t, err)
+		require.Equal(t, SourcePostgres, fresh.Source)
+		require.Equal(t, int64(10), e.Score)
+		require.Len(t, logs.lines(t, "leaderboard: Redis read failed; answering from PostgreSQL"), 1)
+
+		canceled, cancel := context.WithCancel(ctx)
+		cancel()
+		_, _, err = tb.board.Rank(canceled, "user-a", AtLeast("user-a", res.Version))
+		require.ErrorIs(t, err, context.Canceled)
+	})
+
 	t.Run("CorruptScoreFailsLikeTheScripts", func(t *testing.T) {
 		t.Parallel()
 		tb := setup(t)

@@ -225,10 +225,9 @@ func validateWrite(i int, w *Write) error {
 }
 
 // unprefixed returns err's text without the package's "projection: ", for
-// an error that wraps it and says "projection: " itself.
+// an error that wraps it and says "projection: " itself. fmt formats err,
+// not err.Error(): a Mapper's typed-nil error whose Error dereferences its
+// receiver prints "<nil>" rather than panicking in the relay.
 func unprefixed(err error) string {
-	if err == nil {
-		return "<nil>"
-	}
-	return strings.TrimPrefix(err.Error(), "projection: ")
+	return strings.TrimPrefix(fmt.Sprint(err), "projection: ")
 }

@@ -584,7 +584,29 @@ func TestMappers(t *testing.T) {
 		require.NoError(t, err)
 		require.ErrorIs(t, results[0].Err, ErrUnmappedStream)
 	})
+
+	t.Run("TypedNilMapperErrorDoesNotPanic", func(t *testing.T) {
+		t.Parallel()
+		// A Mapper returning a typed nil whose Error dereferences its
+		// receiver: the text a relay logs says "<nil>", as fmt would.
+		client := redis.NewClient(&redis.Options{Addr: "127.0.0.1:1"})
+		t.Cleanup(func() { _ = client.Close() })
+		p, err := NewRedisProjector(client, StreamMapper{"s": MapperFunc(func(outbox.Record) (Write, error) {
+			return Write{}, (*derefError)(nil)
+		})}, nil)
+		require.NoError(t, err)
+		_, err = p.Project(context.Background(), []outbox.Record{rec})
+		var mapErr *MapError
+		require.ErrorAs(t, err, &mapErr)
+		require.NotPanics(t, func() { _ = err.Error() })
+		require.Equal(t, fmt.Sprintf("projection: record 0 (outbox id %d, stream %q): <nil>", rec.ID, rec.Stream), err.Error())
+	})
 }
+
+// derefError is an error whose Error panics on a nil receiver.
+type derefError struct{ msg string }
+
+func (e *derefError) Error() string { return e.msg }
 
 // TestRedisProjectorZeroValue: a RedisProjector not made by
 // NewRedisProjector refuses every call with *ConfigError, as a zero Gate

@@ -111,7 +111,9 @@ type wrapError struct {
 func wrap(op string, err error) error { return &wrapError{op: op, err: err} }
 
 func (e *wrapError) Error() string {
-	return "reconcile: " + e.op + ": " + strings.TrimPrefix(e.err.Error(), "reconcile: ")
+	// fmt, not e.err.Error(): a typed-nil error whose Error dereferences
+	// its receiver prints "<nil>" rather than panicking.
+	return "reconcile: " + e.op + ": " + strings.TrimPrefix(fmt.Sprint(e.err), "reconcile: ")
 }
 
 func (e *wrapError) Unwrap() error { return e.err }

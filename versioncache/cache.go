@@ -582,6 +582,9 @@ func (c *Cache[T]) releaseLease(ctx context.Context, id string, r readResult) {
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), detachedTimeout)
 	defer cancel()
 	if err := c.lua.release.Run(ctx, c.client, []string{c.leaseKey(id)}, r.version, c.leaseToken).Err(); err != nil {
+		// A Redis error whatever the caller's ctx did: the release runs
+		// detached from it, bounded by detachedTimeout.
+		c.stats.redisErrors.Add(1)
 		c.warn(ctx, &c.logs.release, "versioncache: releasing fill lease failed", id, err)
 	}
 }

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"errors"
 	"log/slog"
 	"math"
 	"os"
@@ -335,6 +336,27 @@ func TestRedisUnavailable(t *testing.T) {
 			_, _, cached, perr := b.cache.Peek(ctx, "p1")
 			return err == nil && perr == nil && cached
 		}, 10*time.Second, 10*time.Millisecond)
+	})
+
+	// A lease release that fails (Redis went away while the load ran) is
+	// logged at most once a second, so Stats must count every one.
+	t.Run("FailedLeaseReleaseIsCounted", func(t *testing.T) {
+		t.Parallel()
+		rs := testenv.StartRedis(t)
+		client := redis.NewClient(&redis.Options{Addr: rs.Addr(), MaxRetries: -1, DialerRetries: 1})
+		t.Cleanup(func() { _ = client.Close() })
+		logs := &logSink{}
+		b := setupWith(t, client, "vc:", &Config{FailureMode: FailClosed, Logger: logs.logger()})
+		loadErr := errors.New("database down")
+		_, err := b.cache.Get(ctx, "p1", func(context.Context) (product, error) {
+			require.NoError(t, rs.Stop())
+			return product{}, loadErr
+		})
+		require.ErrorIs(t, err, loadErr)
+		lines := logs.lines(t)
+		require.Len(t, lines, 1)
+		require.Equal(t, "versioncache: releasing fill lease failed", lines[0]["msg"])
+		require.EqualValues(t, 1, b.cache.Stats().RedisErrors, "the release runs detached: its failure is Redis's")
 	})
 
 	t.Run("CanceledContext", func(t *testing.T) {
