@@ -108,11 +108,11 @@
 // # Reading
 //
 // Top, Page, Rank and Around read the Redis projection and return Entries
-// plus a Freshness{Source, ProjectedThrough, Lag, AtLeastMet}. Page cursors
-// are opaque keyset positions (score, user id): a page starts right after
-// the previous one ended, so concurrent updates never make it repeat or
-// skip an entry that kept its place, and the same cursor works against
-// Redis and PostgreSQL. A cursor is bound to its board (Name, Schema and
+// plus a Freshness{Source, ProjectedThrough, Lag, AtLeastMet, Unverified}.
+// Page cursors are opaque keyset positions (score, user id): a page starts
+// right after the previous one ended, so concurrent updates never make it
+// repeat or skip an entry that kept its place, and the same cursor works
+// against Redis and PostgreSQL. A cursor is bound to its board (Name, Schema and
 // KeyPrefix): another board refuses it with ErrInvalidCursor.
 //
 // Lag is the age, by the database clock, of the board's oldest outbox row
@@ -131,8 +131,10 @@
 //
 // When Lag exceeds Config.MaxLag, Config.ReadPolicy decides: ServeStale
 // answers from Redis anyway (the Freshness tells the caller), FallbackToPostgres
-// answers from PostgreSQL (also when Redis fails), FailClosed returns a
-// *StaleError. A Redis read that meets a score the projection never writes
+// answers from PostgreSQL (also when Redis fails, though not when the
+// read's own ctx ended: that read returns ctx's error; a fallback caused
+// by a Redis failure is logged at most once a second, see Config.Logger),
+// FailClosed returns a *StaleError. A Redis read that meets a score the projection never writes
 // (a hand edit: ±inf, a fraction, out of [MinScore, MaxScore]) fails with
 // ErrCorruptScore, like Redis failing, rather than answer a garbage score.
 // PostgreSQL answers use the same order and ranks; counting a rank there
@@ -195,7 +197,10 @@
 // Board.Worker returns a Worker — an outbox relay limited to the board's
 // stream ("leaderboard:" + name) feeding a projection.RedisProjector with
 // the board's Mapper. Delivery is at-least-once; the gate's version check
-// makes redeliveries and out-of-order deliveries harmless. Board.Reconciler
+// makes redeliveries and out-of-order deliveries harmless. A Worker's Run,
+// RunOnce and Drain return its relay's errors as they are
+// (outbox.ErrRelayRunning for a second concurrent Run, outbox.ErrLeaseLost);
+// Run returns nil after a cancellation. Board.Reconciler
 // returns a reconcile.Reconciler over the board's rows that classifies and
 // repairs missing, stale and corrupt entries (and reports ahead and orphan
 // ones); run it on a schedule, and use its Rebuild after a Redis loss.

@@ -492,5 +492,9 @@
 // listed in one var block: ErrInvalidConfig, ErrInvalidMessage,
 // ErrEventIDExists, ErrIdempotencyConflict, ErrCommandRecordDeleted,
 // ErrCommandNotRecorded, ErrCommandResultConflict, ErrLeaseLost,
-// ErrHandlerContract, ErrRelayRunning, ErrNotMigrated.
+// ErrHandlerContract, ErrRelayRunning, ErrNotMigrated. Statement errors
+// keep the driver's error: ErrEventIDExists (from Append and ReplayDead)
+// wraps the unique violation, so errors.As reaches its *pgconn.PgError. A
+// Schema beginning with "pg_" (reserved by PostgreSQL) is refused with a
+// *ConfigError by NewWriter, NewRelay, Migrate and MigrationSQL.
 package outbox

@@ -89,7 +89,9 @@
 // Sentinel — pipelined in one round trip when there are several. The script
 // is loaded once (EVALSHA); a node that answers NOSCRIPT (restart, failover,
 // SCRIPT FLUSH) gets the source with EVAL, pipelined as well. Works with any
-// redis.UniversalClient.
+// redis.UniversalClient. A Gate made with the zero Keyspace refuses every
+// call with a *ConfigError: pass NewGate NewKeyspace(prefix) or the
+// projector's Keyspace().
 //
 // # Version buckets (memory)
 //

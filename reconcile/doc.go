@@ -304,7 +304,10 @@
 // A Source pages through (key, version, absolute value) rows, samples them,
 // and looks keys up. SQLSource implements it over one PostgreSQL table,
 // optionally filtered (Filters, for example a board column), with every
-// identifier quoted.
+// identifier quoted. New refuses an SQLSource whose Kind differs from the
+// Target's (*ConfigError, Field "SQLSourceConfig.Kind"): its repairs would
+// write the other kind's values. A custom Source's rows must carry the
+// value form the Target's Kind expects.
 //
 // The orphan scan looks every projection entry up in the source, so a
 // member the source's key column cannot hold is an orphan found through

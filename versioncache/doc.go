@@ -216,15 +216,16 @@
 // With FailOpen (the default) Get serves the loader's value; with FailClosed
 // it returns a *RedisError. A fill that fails after a load is served in
 // both modes: the value came from the source of truth; only caching it
-// failed (logged, counted as a Redis error). A read cut off by the caller's own ctx is
-// neither: it returns the ctx's error and counts no Redis error (nor does a
-// fill or an Invalidate cut off by it). No value is kept in process memory,
-// so neither mode can serve a stale one. Invalidate always reports failure: a lost
-// invalidation leaves the previous value readable until TTL, so retry it or
-// drive invalidations from a transactional outbox. An outage does not log
-// a line per Get: each kind of warning is logged at most once a second,
-// with a count of those left out (see Config.Logger), while Stats and the
-// metrics count every failure.
+// failed (logged, counted as a Redis error, as a failed lease release is).
+// A read cut off by the caller's own ctx is neither: it returns the ctx's
+// error and counts no Redis error (nor does a fill or an Invalidate cut off
+// by it). No value is kept in process memory, so neither mode can serve a
+// stale one. Invalidate always reports failure: a lost invalidation leaves
+// the previous value readable until TTL, so retry it or drive invalidations
+// from a transactional outbox. An outage does not log a line per Get: each
+// kind of warning is logged at most once a second, with a count of those
+// left out (see Config.Logger), while Stats and the metrics count every
+// failure.
 //
 // A Redis that stops answering fails a call only at its connection's
 // deadline: go-redis does not end a command in flight when its ctx is
