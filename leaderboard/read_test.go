@@ -1,20 +1,16 @@
 package leaderboard
 
 import (
-	"bytes"
 	"context"
 	"encoding/base64"
 	"encoding/binary"
-	"encoding/json"
 	"fmt"
 	"hash/crc32"
-	"log/slog"
 	"math"
 	"net"
 	"slices"
 	"sort"
 	"strconv"
-	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -25,41 +21,10 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/verity-go/verity/internal/lograte"
+	"github.com/verity-go/verity/internal/testenv"
 	"github.com/verity-go/verity/outbox"
 	"github.com/verity-go/verity/projection"
 )
-
-// logSink collects a logger's lines, as JSON, from any goroutine.
-type logSink struct {
-	mu  sync.Mutex
-	buf bytes.Buffer
-}
-
-func (s *logSink) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.buf.Write(p)
-}
-
-func (s *logSink) logger() *slog.Logger {
-	return slog.New(slog.NewJSONHandler(s, &slog.HandlerOptions{Level: slog.LevelDebug}))
-}
-
-// lines returns the lines logged so far with message msg, decoded.
-func (s *logSink) lines(t *testing.T, msg string) []map[string]any {
-	t.Helper()
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	var out []map[string]any
-	for line := range bytes.Lines(s.buf.Bytes()) {
-		var m map[string]any
-		require.NoError(t, json.Unmarshal(line, &m))
-		if m["msg"] == msg {
-			out = append(out, m)
-		}
-	}
-	return out
-}
 
 // submit applies commands and fails the test on error.
 func (tb *testBundle) submit(t *testing.T, user string, delta int64) Result {
@@ -571,8 +536,8 @@ func TestReadPolicies(t *testing.T) {
 	// counting the reads it left out since the line before.
 	t.Run("FallbackWhenRedisFailsLogsAtMostOnceASecond", func(t *testing.T) {
 		t.Parallel()
-		logs := &logSink{}
-		tb := setup(t, func(c *Config) { c.ReadPolicy = FallbackToPostgres; c.Logger = logs.logger() })
+		logs := &testenv.LogSink{}
+		tb := setup(t, func(c *Config) { c.ReadPolicy = FallbackToPostgres; c.Logger = logs.Logger() })
 		tb.submit(t, "user-a", 10)
 		tb.drain(t)
 		require.NoError(t, tb.rd.Client.Del(ctx, tb.board.SortedSetKey()).Err())
@@ -586,7 +551,7 @@ func TestReadPolicies(t *testing.T) {
 			require.Equal(t, SourcePostgres, r.Freshness.Source)
 		}
 		elapsed := time.Since(start)
-		lines := logs.lines(t, msg)
+		lines := logs.Lines(t, msg)
 		require.NotEmpty(t, lines, "the failure is logged")
 		require.LessOrEqual(t, len(lines), 1+int(elapsed/lograte.Interval),
 			"%d lines for %d reads in %v", len(lines), reads, elapsed)
@@ -597,7 +562,7 @@ func TestReadPolicies(t *testing.T) {
 		time.Sleep(lograte.Interval)
 		_, err := tb.board.Top(ctx, 10)
 		require.NoError(t, err)
-		lines = logs.lines(t, msg)
+		lines = logs.Lines(t, msg)
 		require.Positive(t, lines[len(lines)-1][lograte.Suppressed])
 		logged := 0.0
 		for _, l := range lines {
@@ -611,8 +576,8 @@ func TestReadPolicies(t *testing.T) {
 	// Redis read does: logged, unless the caller's own ctx ended.
 	t.Run("FallbackWhenTheWaitFailsIsLogged", func(t *testing.T) {
 		t.Parallel()
-		logs := &logSink{}
-		tb := setup(t, func(c *Config) { c.ReadPolicy = FallbackToPostgres; c.Logger = logs.logger() })
+		logs := &testenv.LogSink{}
+		tb := setup(t, func(c *Config) { c.ReadPolicy = FallbackToPostgres; c.Logger = logs.Logger() })
 		res := tb.submit(t, "user-a", 10)
 		tb.drain(t)
 		vkey := tb.board.ks.VersionKey(tb.board.target("user-a"))
@@ -623,7 +588,7 @@ func TestReadPolicies(t *testing.T) {
 		require.NoError(t, err)
 		require.Equal(t, SourcePostgres, fresh.Source)
 		require.Equal(t, int64(10), e.Score)
-		require.Len(t, logs.lines(t, "leaderboard: Redis read failed; answering from PostgreSQL"), 1)
+		require.Len(t, logs.Lines(t, "leaderboard: Redis read failed; answering from PostgreSQL"), 1)
 
 		canceled, cancel := context.WithCancel(ctx)
 		cancel()
@@ -1301,8 +1266,8 @@ func TestFreshnessProbe(t *testing.T) {
 	// table renamed away) logs at most once a second.
 	t.Run("FailingProbeLogsAtMostOnceASecond", func(t *testing.T) {
 		t.Parallel()
-		logs := &logSink{}
-		tb := setup(t, func(c *Config) { c.LagProbeInterval = time.Nanosecond; c.Logger = logs.logger() })
+		logs := &testenv.LogSink{}
+		tb := setup(t, func(c *Config) { c.LagProbeInterval = time.Nanosecond; c.Logger = logs.Logger() })
 		_, err := tb.pg.Pool.Exec(ctx, `ALTER TABLE "verity_outbox" RENAME TO "verity_outbox_away"`)
 		require.NoError(t, err)
 		const msg = "leaderboard: measuring projection lag failed"
@@ -1313,7 +1278,7 @@ func TestFreshnessProbe(t *testing.T) {
 			require.ErrorIs(t, err, ErrNotMigrated)
 		}
 		elapsed := time.Since(start)
-		lines := logs.lines(t, msg)
+		lines := logs.Lines(t, msg)
 		require.NotEmpty(t, lines, "the failure is logged")
 		require.LessOrEqual(t, len(lines), 1+int(elapsed/lograte.Interval),
 			"%d lines for %d reads in %v", len(lines), reads, elapsed)

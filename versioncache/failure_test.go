@@ -1,16 +1,12 @@
 package versioncache
 
 import (
-	"bytes"
 	"context"
-	"encoding/json"
 	"errors"
-	"log/slog"
 	"math"
 	"os"
 	"regexp"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -286,8 +282,8 @@ func TestRedisUnavailable(t *testing.T) {
 		// connections.
 		client := redis.NewClient(&redis.Options{Addr: rs.Addr(), MaxRetries: -1, DialerRetries: 1})
 		t.Cleanup(func() { _ = client.Close() })
-		logs := &logSink{}
-		b := setupWith(t, client, "vc:", &Config{FailureMode: FailOpen, Logger: logs.logger()})
+		logs := &testenv.LogSink{}
+		b := setupWith(t, client, "vc:", &Config{FailureMode: FailOpen, Logger: logs.Logger()})
 		want := b.truth.write("p1", 4900)
 		require.NoError(t, rs.Stop())
 
@@ -305,7 +301,7 @@ func TestRedisUnavailable(t *testing.T) {
 			require.Equal(t, want, got)
 		}
 		elapsed := time.Since(start)
-		lines := logs.lines(t)
+		lines := logs.Lines(t, "")
 		require.NotEmpty(t, lines, "the outage is logged")
 		require.LessOrEqual(t, len(lines), 1+int(elapsed/lograte.Interval),
 			"%d lines for %d Gets in %v", len(lines), reads, elapsed)
@@ -316,7 +312,7 @@ func TestRedisUnavailable(t *testing.T) {
 		time.Sleep(lograte.Interval)
 		_, err := b.cache.Get(ctx, "p1", b.truth.loader("p1"))
 		require.NoError(t, err)
-		lines = logs.lines(t)
+		lines = logs.Lines(t, "")
 		last := lines[len(lines)-1]
 		require.Positive(t, last[lograte.Suppressed])
 		logged := 0.0
@@ -345,15 +341,15 @@ func TestRedisUnavailable(t *testing.T) {
 		rs := testenv.StartRedis(t)
 		client := redis.NewClient(&redis.Options{Addr: rs.Addr(), MaxRetries: -1, DialerRetries: 1})
 		t.Cleanup(func() { _ = client.Close() })
-		logs := &logSink{}
-		b := setupWith(t, client, "vc:", &Config{FailureMode: FailClosed, Logger: logs.logger()})
+		logs := &testenv.LogSink{}
+		b := setupWith(t, client, "vc:", &Config{FailureMode: FailClosed, Logger: logs.Logger()})
 		loadErr := errors.New("database down")
 		_, err := b.cache.Get(ctx, "p1", func(context.Context) (product, error) {
 			require.NoError(t, rs.Stop())
 			return product{}, loadErr
 		})
 		require.ErrorIs(t, err, loadErr)
-		lines := logs.lines(t)
+		lines := logs.Lines(t, "")
 		require.Len(t, lines, 1)
 		require.Equal(t, "versioncache: releasing fill lease failed", lines[0]["msg"])
 		require.EqualValues(t, 1, b.cache.Stats().RedisErrors, "the release runs detached: its failure is Redis's")
@@ -392,36 +388,6 @@ func TestRedisUnavailable(t *testing.T) {
 			require.Zero(t, c.cache.Stats().RedisErrors, "%+v", cfg)
 		}
 	})
-}
-
-// logSink collects a logger's lines, as JSON, from any goroutine.
-type logSink struct {
-	mu  sync.Mutex
-	buf bytes.Buffer
-}
-
-func (s *logSink) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.buf.Write(p)
-}
-
-func (s *logSink) logger() *slog.Logger {
-	return slog.New(slog.NewJSONHandler(s, &slog.HandlerOptions{Level: slog.LevelDebug}))
-}
-
-// lines returns the lines logged so far, decoded.
-func (s *logSink) lines(t *testing.T) []map[string]any {
-	t.Helper()
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	var out []map[string]any
-	for line := range bytes.Lines(s.buf.Bytes()) {
-		var m map[string]any
-		require.NoError(t, json.Unmarshal(line, &m))
-		out = append(out, m)
-	}
-	return out
 }
 
 // The fixes an InvalidateWaitTimeout error names, with their durations.

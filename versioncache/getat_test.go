@@ -11,6 +11,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/verity-go/verity/internal/lograte"
+	"github.com/verity-go/verity/internal/testenv"
 )
 
 func TestGetAt(t *testing.T) {
@@ -214,8 +215,8 @@ func TestGetAt(t *testing.T) {
 		// counted each time, logged at most once a second.
 		t.Run("NewerVersionLogsAtMostOnceASecond", func(t *testing.T) {
 			t.Parallel()
-			logs := &logSink{}
-			b := setup(t, &Config{Logger: logs.logger()})
+			logs := &testenv.LogSink{}
+			b := setup(t, &Config{Logger: logs.Logger()})
 			v1 := b.truth.write("p1", 4900)
 			newer := strconv.FormatInt(v1.Version+1, 10) + ":not json"
 			require.NoError(t, b.client.Set(ctx, b.cache.atKey("p1"), newer, 0).Err())
@@ -227,7 +228,7 @@ func TestGetAt(t *testing.T) {
 			}
 			elapsed := time.Since(start)
 			require.EqualValues(t, reads, b.cache.Stats().DecodeErrors)
-			lines := logs.lines(t)
+			lines := logs.Lines(t, "")
 			require.NotEmpty(t, lines)
 			require.LessOrEqual(t, len(lines), 1+int(elapsed/lograte.Interval),
 				"%d lines for %d reads in %v", len(lines), reads, elapsed)
