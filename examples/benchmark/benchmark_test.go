@@ -5,17 +5,21 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"net/url"
 	"os"
 	"strconv"
+	"strings"
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/redis/go-redis/v9"
 	"github.com/stretchr/testify/require"
 
 	"github.com/verity-go/verity/internal/services"
 	"github.com/verity-go/verity/internal/testenv"
+	"github.com/verity-go/verity/leaderboard"
 	"github.com/verity-go/verity/projection"
 )
 
@@ -112,17 +116,22 @@ func keysOf[V any](m map[string]V) []string {
 // builds one; everything it creates is removed at cleanup.
 func testEnv(t *testing.T, sizes Sizes) *env {
 	t.Helper()
+	return testEnvOn(t, sizes, testenv.Postgres(t).ServerURL)
+}
+
+// testEnvOn is testEnv on the PostgreSQL database at pgURL.
+func testEnvOn(t *testing.T, sizes Sizes, pgURL string) *env {
+	t.Helper()
 	ctx := context.Background()
-	pg := testenv.Postgres(t)
 	rd := testenv.Redis(t)
-	pool, err := pgxpool.New(ctx, pg.ServerURL)
+	pool, err := pgxpool.New(ctx, pgURL)
 	require.NoError(t, err)
 	ropts, err := redis.ParseURL(rd.URL)
 	require.NoError(t, err)
 	rdb := redis.NewClient(ropts)
 	suffix := services.RandomSuffix(8)
 	e := &env{
-		opts:   Options{PostgresURL: pg.ServerURL, RedisURL: rd.URL, Sizes: sizes, Relays: 2, BatchSize: 100, SeedPoll: 10 * time.Millisecond},
+		opts:   Options{PostgresURL: pgURL, RedisURL: rd.URL, Sizes: sizes, Relays: 2, BatchSize: 100, SeedPoll: 10 * time.Millisecond},
 		pool:   pool,
 		rdb:    rdb,
 		suffix: suffix,
@@ -250,6 +259,8 @@ func TestUsageErrors(t *testing.T) {
 		{"UnknownFlag", []string{"-silent", "-json", "-nope"}, "flag provided but not defined"},
 		{"UnknownGroup", []string{"-silent", "-json", "-only", "cache,drian"}, `-only: unknown figure group "drian"`},
 		{"BadRelays", []string{"-silent", "-json", "-relays", "0"}, "-relays must be at least 1"},
+		{"ZeroSeedPoll", []string{"-silent", "-json", "-seed-poll", "0"}, "-seed-poll must be positive"},
+		{"NegativeSeedPoll", []string{"-silent", "-json", "-seed-poll", "-1ms"}, "-seed-poll must be positive"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()
@@ -260,4 +271,108 @@ func TestUsageErrors(t *testing.T) {
 			require.Empty(t, out.String(), "figures printed")
 		})
 	}
+}
+
+// dropInsertsInto returns the URL of a private database (dropped at
+// cleanup) in which every INSERT into a table named table, in any schema,
+// is silently dropped: an event trigger gives each such table, as it is
+// created, a BEFORE INSERT trigger returning NULL. The statements then
+// succeed and store nothing. Event triggers are per database, so other
+// tests are not touched.
+func dropInsertsInto(t *testing.T, table string) string {
+	t.Helper()
+	ctx := context.Background()
+	pg := testenv.Postgres(t)
+	db := "verity_bench_drop_" + strings.ToLower(services.RandomSuffix(8))
+	_, err := pg.Pool.Exec(ctx, "CREATE DATABASE "+pgx.Identifier{db}.Sanitize())
+	require.NoError(t, err)
+	t.Cleanup(func() {
+		_, err := pg.Pool.Exec(context.Background(), "DROP DATABASE IF EXISTS "+pgx.Identifier{db}.Sanitize()+" WITH (FORCE)")
+		require.NoError(t, err)
+	})
+	u, err := url.Parse(pg.ServerURL)
+	require.NoError(t, err)
+	u.Path = "/" + db
+	conn, err := pgx.Connect(ctx, u.String())
+	require.NoError(t, err)
+	defer conn.Close(ctx)
+	// table is one of the test's constants: a plain lowercase name.
+	_, err = conn.Exec(ctx, `
+CREATE FUNCTION public.drop_insert() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN RETURN NULL; END $$;
+CREATE FUNCTION public.on_create() RETURNS event_trigger LANGUAGE plpgsql AS $$
+DECLARE r record;
+BEGIN
+    FOR r IN SELECT * FROM pg_event_trigger_ddl_commands() WHERE command_tag = 'CREATE TABLE' LOOP
+        IF r.object_identity LIKE '%.`+table+`' THEN
+            EXECUTE format('CREATE TRIGGER drop_insert BEFORE INSERT ON %s FOR EACH ROW EXECUTE FUNCTION public.drop_insert()', r.object_identity);
+        END IF;
+    END LOOP;
+END $$;
+CREATE EVENT TRIGGER drop_inserts ON ddl_command_end WHEN TAG IN ('CREATE TABLE') EXECUTE FUNCTION public.on_create();`)
+	require.NoError(t, err)
+	return u.String()
+}
+
+// TestIngestChecksCommandsStored: an ingest command counts only if it was
+// stored. A call returning without an error is not proof: with the inserts
+// into score_events (or the outbox) dropped, the library's Submit still
+// changes the score and returns a result, and the seed's handler takes
+// every command for a duplicate and commits nothing. Each side's phase
+// must then fail the group instead of posting a figure.
+func TestIngestChecksCommandsStored(t *testing.T) {
+	t.Parallel()
+	sizes := quickSizes
+	sizes.IngestDuration = 400 * time.Millisecond
+	for _, tc := range []struct {
+		name, table, want string
+	}{
+		// The library's phase runs first and stores no event.
+		{"LibraryEvents", leaderboard.ScoreEventsTable, "stored 0 events and queued 0 outbox rows"},
+		// The library's phase stores its events but queues nothing.
+		{"LibraryOutbox", leaderboard.OutboxTableDefault, "queued 0 outbox rows"},
+		// The library's phase passes; the seed's answers duplicates.
+		{"SeedEvents", "seed_score_events", "seed submit: event"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			e := testEnvOn(t, sizes, dropInsertsInto(t, tc.table))
+			figs, err := runIngest(context.Background(), e)
+			require.ErrorContains(t, err, tc.want, "figures %+v", figs)
+			require.Empty(t, figs)
+		})
+	}
+}
+
+// TestRSSChecksRowsProjected: the relay_rss_peak figure counts only if the
+// relay child projected its backlog. The child's own count of rows handled
+// includes records its projector refused; here every payload is not a
+// score, nothing reaches Redis, the rows stay in the outbox (or go to the
+// dead letters), and the child still reports them all handled.
+func TestRSSChecksRowsProjected(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	e := testEnv(t, quickSizes)
+	schema, err := e.schema(ctx, "rss")
+	require.NoError(t, err)
+	const rows, users = 500, 100
+
+	t.Run("Projected", func(t *testing.T) {
+		table, err := newOutbox(ctx, e.pool, schema, "rss_good")
+		require.NoError(t, err)
+		require.NoError(t, fillOutbox(ctx, e.pool, table, drainStream, rows, users))
+		peak, err := runRelayChild(ctx, e, schema, "rss_good", rows, users)
+		require.NoError(t, err)
+		require.Positive(t, peak)
+	})
+
+	t.Run("PayloadsRefused", func(t *testing.T) {
+		table, err := newOutbox(ctx, e.pool, schema, "rss_bad")
+		require.NoError(t, err)
+		_, err = e.pool.Exec(ctx, `INSERT INTO `+table+` (event_id, stream, key, version, payload)
+SELECT gen_random_uuid(), $1, 'user-' || (g % $3), g / $3 + 1, convert_to('not a score', 'UTF8')
+FROM generate_series(0, $2::int - 1) AS g`, drainStream, rows, users)
+		require.NoError(t, err)
+		peak, err := runRelayChild(ctx, e, schema, "rss_bad", rows, users)
+		require.ErrorContains(t, err, "0 members of 100", "peak %.1f MiB reported", peak)
+	})
 }

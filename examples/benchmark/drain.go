@@ -237,29 +237,41 @@ func drainLibrary(ctx context.Context, e *env, schema, tag string, n, users, rel
 		return 0, err
 	}
 	e.log("drain: library %s: %s; %s", tag, &times, cpu0.perRow(cpu1, n))
-	// Check the work was really done: nothing left, every member holding
-	// its last row's score and version.
-	var left int64
-	if err := e.pool.QueryRow(ctx, `SELECT count(*) FROM `+table).Scan(&left); err != nil {
-		return 0, err
+	if handled != int64(n) {
+		return 0, fmt.Errorf("library drain incomplete: %d handled of %d", handled, n)
 	}
-	ks, err := projection.NewKeyspace(kp)
+	if err := checkDrained(ctx, e, schema, "outbox_"+tag, kp, n, users); err != nil {
+		return 0, fmt.Errorf("library drain: %w", err)
+	}
+	return elapsed, nil
+}
+
+// checkDrained fails unless the library's relays drained a fillOutbox of n
+// rows over users members from table into the projector under keyPrefix:
+// nothing left in the table, no dead letter, every member holding its last
+// row's score and version. Rows handled are not enough: a relay's count
+// includes the records its handler refused.
+func checkDrained(ctx context.Context, e *env, schema, table, keyPrefix string, n, users int) error {
+	// The dead-letter table is Table+"_dead" (outbox.Config.Table).
+	var left, dead int64
+	if err := e.pool.QueryRow(ctx, `SELECT (SELECT count(*) FROM `+qualify(schema, table)+`), (SELECT count(*) FROM `+qualify(schema, table+"_dead")+`)`).
+		Scan(&left, &dead); err != nil {
+		return err
+	}
+	ks, err := projection.NewKeyspace(keyPrefix)
 	if err != nil {
-		return 0, err
+		return err
 	}
 	target := projection.Target{Kind: projection.KindSortedSet, Name: "drain"}
 	card, err := e.rdb.ZCard(ctx, ks.ValueKey(target)).Result()
 	if err != nil {
-		return 0, err
+		return err
 	}
-	if left != 0 || handled != int64(n) || card != int64(users) {
-		return 0, fmt.Errorf("library drain incomplete: %d rows left, %d handled of %d, %d members of %d", left, handled, n, card, users)
+	if left != 0 || dead != 0 || card != int64(users) {
+		return fmt.Errorf("incomplete: %d rows left, %d dead letters, %d members of %d", left, dead, card, users)
 	}
 	// The projector's Keyspace has no version buckets: one version hash.
-	if err := checkProjected(ctx, e.rdb, ks.ValueKey(target), ks.VersionKey(target), n, users); err != nil {
-		return 0, fmt.Errorf("library drain: %w", err)
-	}
-	return elapsed, nil
+	return checkProjected(ctx, e.rdb, ks.ValueKey(target), ks.VersionKey(target), n, users)
 }
 
 // drainSeed fills fresh seed tables with n rows and drains them with

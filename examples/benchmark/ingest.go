@@ -28,6 +28,11 @@ const (
 // concurrent clients over 10,000 users; Submit with grouping turned off
 // (MaxSubmitsPerStatement 1), to show what grouping adds; and SubmitBatch
 // with one client sending batches of 1,000, against the same seed figure.
+// A command counts only if it was stored: any result marked duplicate fails
+// the group, and after each phase, outside its timed window, the side's new
+// score_events rows must equal its commands and its new outbox rows what
+// those commands queue (one per command; for SubmitBatch one per user of a
+// batch).
 func runIngest(ctx context.Context, e *env) ([]Figure, error) {
 	schema, err := e.schema(ctx, "ingest")
 	if err != nil {
@@ -53,66 +58,162 @@ func runIngest(ctx context.Context, e *env) ([]Figure, error) {
 	if err != nil {
 		return nil, err
 	}
-	user := func() string { return fmt.Sprintf("user-%d", rand.IntN(ingestUsers)) }
+	userName := func(k int) string { return fmt.Sprintf("user-%d", k) }
+	user := func() string { return userName(rand.IntN(ingestUsers)) }
 
 	round := e.opts.Sizes.IngestDuration / ingestRounds
 	var lib, libUngrouped, base, batched rate
-	submitOn := func(b *leaderboard.Board, into *rate, what string) func() error {
-		return func() error {
-			if err := into.add(closedLoop(ctx, ingestClients, round, func(ctx context.Context) (int, error) {
-				_, err := b.Submit(ctx, leaderboard.Command{EventID: uuid.New(), UserID: user(), Delta: 1})
+	// Every command gets a fresh event id, so a result marked duplicate
+	// means a command that changed nothing: the phase fails.
+	submitOn := func(b *leaderboard.Board, into *rate, what string) ingestPhase {
+		return ingestPhase{what: what, into: into, stored: libStored(e, schema, b), run: func() (int64, time.Duration, int64, error) {
+			n, d, err := closedLoop(ctx, ingestClients, round, func(ctx context.Context) (int, error) {
+				id := uuid.New()
+				res, err := b.Submit(ctx, leaderboard.Command{EventID: id, UserID: user(), Delta: 1})
+				if err == nil && res.Duplicate {
+					err = fmt.Errorf("event %s answered as a duplicate", id)
+				}
 				return 1, err
-			})); err != nil {
-				return fmt.Errorf("%s: %w", what, err)
-			}
-			return nil
-		}
+			})
+			// Submit queues one outbox row per command.
+			return n, d, n, err
+		}}
 	}
 	submitLib := submitOn(board, &lib, "leaderboard submit")
 	submitUngrouped := submitOn(ungrouped, &libUngrouped, "leaderboard submit, ungrouped")
-	submitSeed := func() error {
-		if err := base.add(closedLoop(ctx, ingestClients, round, func(ctx context.Context) (int, error) {
-			_, _, err := seed.submit(ctx, uuid.New(), user(), 1)
-			return 1, err
-		})); err != nil {
-			return fmt.Errorf("seed submit: %w", err)
-		}
-		return nil
-	}
-	cmds := make([]leaderboard.Command, submitBatchSize)
-	submitBatch := func() error {
-		if err := batched.add(closedLoop(ctx, 1, round, func(ctx context.Context) (int, error) {
-			for i := range cmds {
-				cmds[i] = leaderboard.Command{EventID: uuid.New(), UserID: user(), Delta: 1}
+	submitSeed := ingestPhase{what: "seed submit", into: &base, stored: seed.stored, run: func() (int64, time.Duration, int64, error) {
+		n, d, err := closedLoop(ctx, ingestClients, round, func(ctx context.Context) (int, error) {
+			id := uuid.New()
+			_, version, err := seed.submit(ctx, id, user(), 1)
+			if err == nil && version == 0 { // the seed's answer to a duplicate
+				err = fmt.Errorf("event %s answered as a duplicate", id)
 			}
-			_, err := board.SubmitBatch(ctx, cmds)
-			return len(cmds), err
-		})); err != nil {
-			return fmt.Errorf("SubmitBatch: %w", err)
-		}
-		return nil
-	}
+			return 1, err
+		})
+		return n, d, n, err
+	}}
+	cmds := make([]leaderboard.Command, submitBatchSize)
+	// drawn[k] is the number of the last batch that drew user-k: SubmitBatch
+	// queues one outbox row per user of a batch (its last state), so the
+	// check needs each batch's distinct users. Counting them costs an
+	// array store per command, next to the uuid.New and Sprintf already
+	// there.
+	drawn := make([]int, ingestUsers)
+	batches := 0
+	submitBatch := ingestPhase{what: "SubmitBatch", into: &batched, stored: libStored(e, schema, board), run: func() (int64, time.Duration, int64, error) {
+		var queued int64
+		n, d, err := closedLoop(ctx, 1, round, func(ctx context.Context) (int, error) {
+			batches++
+			users := 0
+			for i := range cmds {
+				k := rand.IntN(ingestUsers)
+				if drawn[k] != batches {
+					drawn[k], users = batches, users+1
+				}
+				cmds[i] = leaderboard.Command{EventID: uuid.New(), UserID: userName(k), Delta: 1}
+			}
+			res, err := board.SubmitBatch(ctx, cmds)
+			if err != nil {
+				return 0, err
+			}
+			if len(res) != len(cmds) {
+				return 0, fmt.Errorf("%d results for %d commands", len(res), len(cmds))
+			}
+			for i, r := range res {
+				if r.Duplicate {
+					return 0, fmt.Errorf("event %s answered as a duplicate", cmds[i].EventID)
+				}
+			}
+			queued += int64(users)
+			return len(cmds), nil
+		})
+		return n, d, queued, err
+	}}
 	// Every other round the seed goes first, and every phase starts after
 	// a checkpoint, so that neither side always runs in the other's WAL and
 	// dead tuples.
 	for r := range ingestRounds {
-		phases := []func() error{submitLib, submitSeed, submitUngrouped, submitBatch}
+		phases := []ingestPhase{submitLib, submitSeed, submitUngrouped, submitBatch}
 		if r%2 == 1 {
-			phases = []func() error{submitSeed, submitUngrouped, submitLib, submitBatch}
+			phases = []ingestPhase{submitSeed, submitUngrouped, submitLib, submitBatch}
 		}
-		for _, phase := range phases {
-			e.checkpoint(ctx)
-			if err := phase(); err != nil {
+		for _, p := range phases {
+			if err := p.runChecked(ctx, e); err != nil {
 				return nil, err
 			}
 		}
 	}
+	var figs []Figure
+	for _, f := range []struct {
+		name string
+		lib  *rate
+	}{{"ingest", &lib}, {"ingest_ungrouped", &libUngrouped}, {"ingest_submit_batch", &batched}} {
+		value, err := f.lib.measured()
+		if err != nil {
+			return nil, fmt.Errorf("%s: library: %w", f.name, err)
+		}
+		baseline, err := base.measured()
+		if err != nil {
+			return nil, fmt.Errorf("%s: seed: %w", f.name, err)
+		}
+		figs = append(figs, newFigure(f.name, "commands/s", value, baseline))
+	}
 	e.log("ingest: Submit %.0f/s (ungrouped %.0f/s), seed %.0f/s, SubmitBatch %.0f/s", lib.perSecond(), libUngrouped.perSecond(), base.perSecond(), batched.perSecond())
-	return []Figure{
-		newFigure("ingest", "commands/s", lib.perSecond(), base.perSecond()),
-		newFigure("ingest_ungrouped", "commands/s", libUngrouped.perSecond(), base.perSecond()),
-		newFigure("ingest_submit_batch", "commands/s", batched.perSecond(), base.perSecond()),
-	}, nil
+	return figs, nil
+}
+
+// stored is what one side of the ingest holds: score_events rows and
+// outbox rows.
+type stored struct{ events, queued int64 }
+
+// ingestPhase is one timed run of one side of the ingest, and the check
+// that its commands were stored: a call that returned without an error is
+// not proof of that.
+type ingestPhase struct {
+	what string
+	into *rate
+	// stored counts what the side holds so far.
+	stored func(context.Context) (stored, error)
+	// run is the timed closed loop: commands completed, time taken, and
+	// the outbox rows those commands should have queued.
+	run func() (cmds int64, elapsed time.Duration, queued int64, err error)
+}
+
+// runChecked runs the phase after a checkpoint and adds it to its rate
+// once the side's new score_events rows (one per command) and outbox rows
+// match what the phase counted. The counts are taken outside the timed
+// window, before the checkpoint.
+func (p ingestPhase) runChecked(ctx context.Context, e *env) error {
+	before, err := p.stored(ctx)
+	if err != nil {
+		return fmt.Errorf("%s: counting stored rows: %w", p.what, err)
+	}
+	e.checkpoint(ctx)
+	cmds, elapsed, queued, err := p.run()
+	if err != nil {
+		return fmt.Errorf("%s: %w", p.what, err)
+	}
+	after, err := p.stored(ctx)
+	if err != nil {
+		return fmt.Errorf("%s: counting stored rows: %w", p.what, err)
+	}
+	if got := (stored{after.events - before.events, after.queued - before.queued}); got != (stored{cmds, queued}) {
+		return fmt.Errorf("%s: %d commands stored %d events and queued %d outbox rows, want %d and %d",
+			p.what, cmds, got.events, got.queued, cmds, queued)
+	}
+	return p.into.add(cmds, elapsed, nil)
+}
+
+// libStored counts board's score_events rows and the outbox rows of its
+// stream (the boards of the ingest share both tables).
+func libStored(e *env, schema string, board *leaderboard.Board) func(context.Context) (stored, error) {
+	query := `SELECT (SELECT count(*) FROM ` + qualify(schema, leaderboard.ScoreEventsTable) + ` WHERE board = $1),
+	(SELECT count(*) FROM ` + qualify(schema, board.Config().OutboxTable) + ` WHERE stream = $2)`
+	return func(ctx context.Context) (stored, error) {
+		var s stored
+		err := e.pool.QueryRow(ctx, query, board.Name(), board.Stream()).Scan(&s.events, &s.queued)
+		return s, err
+	}
 }
 
 // rate accumulates operations over time.

@@ -119,6 +119,11 @@ func mainErr(ctx context.Context, args []string, out, progress io.Writer) error 
 	if *relays < 1 || *batch < 1 || *batch > outbox.BatchSizeMax {
 		return usageError{fmt.Errorf("-relays must be at least 1 and -batch within 1..%d", outbox.BatchSizeMax)}
 	}
+	// The seed worker sleeps -seed-poll whenever it finds nothing: zero or
+	// less would make it spin and take the cores the lag figure measures.
+	if *seedPoll <= 0 {
+		return usageError{fmt.Errorf("-seed-poll must be positive, got %s", *seedPoll)}
+	}
 	sizes := fullSizes
 	if *quick {
 		sizes = quickSizes

@@ -205,7 +205,7 @@ func runRSS(ctx context.Context, e *env) ([]Figure, error) {
 		}
 		e.log("rss: %d rows filled in %s", size.rows, time.Since(start).Round(time.Millisecond))
 		start = time.Now()
-		peak, err := runRelayChild(ctx, e, schema, "rss_"+size.name, size.rows)
+		peak, err := runRelayChild(ctx, e, schema, "rss_"+size.name, size.rows, min(e.opts.Sizes.DrainUsers, size.rows))
 		if err != nil {
 			return nil, fmt.Errorf("%s backlog: %w", size.name, err)
 		}
@@ -217,8 +217,11 @@ func runRSS(ctx context.Context, e *env) ([]Figure, error) {
 }
 
 // runRelayChild re-executes this binary as a relay child that drains
-// table, waits until it reports, reads its VmHWM and lets it exit.
-func runRelayChild(ctx context.Context, e *env, schema, table string, rows int) (float64, error) {
+// table (a fillOutbox of rows rows over users members), waits until it
+// reports, reads its VmHWM and lets it exit. The figure counts only if the
+// child really projected the backlog (checkDrained): its own count of rows
+// handled includes rows its projector refused.
+func runRelayChild(ctx context.Context, e *env, schema, table string, rows, users int) (float64, error) {
 	self, err := os.Executable()
 	if err != nil {
 		return 0, err
@@ -263,6 +266,9 @@ func runRelayChild(ctx context.Context, e *env, schema, table string, rows int) 
 	}
 	stdin.Close()
 	if err := cmd.Wait(); err != nil {
+		return 0, fmt.Errorf("relay child: %w", err)
+	}
+	if err := checkDrained(ctx, e, schema, table, e.keyPrefix("rss-"+table), rows, users); err != nil {
 		return 0, fmt.Errorf("relay child: %w", err)
 	}
 	return float64(kib) / 1024, nil

@@ -214,3 +214,10 @@ func (s *seedDesign) pending(ctx context.Context) (int64, error) {
 	err := s.pool.QueryRow(ctx, `SELECT count(*) FROM `+s.outbox+` WHERE published_at IS NULL`).Scan(&n)
 	return n, err
 }
+
+// stored counts the events and outbox rows the seed holds.
+func (s *seedDesign) stored(ctx context.Context) (stored, error) {
+	var n stored
+	err := s.pool.QueryRow(ctx, `SELECT (SELECT count(*) FROM `+s.events+`), (SELECT count(*) FROM `+s.outbox+`)`).Scan(&n.events, &n.queued)
+	return n, err
+}
