@@ -325,8 +325,12 @@ func lagSeed(ctx context.Context, e *env, schema string, d time.Duration) ([]tim
 	defer stopWorker() //nolint:errcheck // reported below on the success path
 	submit := func(ctx context.Context) error {
 		id := uuid.New()
-		if _, _, err := seed.submit(ctx, id, fmt.Sprintf("user-%d", rand.IntN(ingestUsers)), 1); err != nil {
+		_, version, err := seed.submit(ctx, id, fmt.Sprintf("user-%d", rand.IntN(ingestUsers)), 1)
+		if err != nil {
 			return err
+		}
+		if version == 0 { // the seed's duplicate answer: nothing was committed to time
+			return fmt.Errorf("seed submit of a fresh event id %s answered as a duplicate", id)
 		}
 		clock.commit(id, time.Now())
 		return nil
