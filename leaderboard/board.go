@@ -356,7 +356,7 @@ func (b *Board) Submit(ctx context.Context, cmd Command) (Result, error) {
 		return Result{}, errBoardNotFromNew()
 	}
 	res, err := b.submit(ctx, cmd)
-	b.metrics.submitted(ctx, 1, res.Duplicate, err)
+	b.metrics.submitted(ctx, 1, outcomeApplied, res.Duplicate, err)
 	return res, err
 }
 
@@ -458,12 +458,16 @@ func (b *Board) submitOne(ctx context.Context, cmd Command) (Result, error) {
 // Under REPEATABLE READ or SERIALIZABLE, a concurrent update of the same
 // user may also fail with a serialization failure (SQLSTATE 40001), which
 // is returned wrapped; retry the transaction as for any such failure.
+//
+// The verity.leaderboard.submits counter counts a SubmitTx that wrote its
+// command as staged, not applied: whether tx commits is the caller's to
+// see, not the board's.
 func (b *Board) SubmitTx(ctx context.Context, tx outbox.Tx, cmd Command) (Result, error) {
 	if b.notFromNew() {
 		return Result{}, errBoardNotFromNew()
 	}
 	res, err := b.submitTx(ctx, tx, cmd)
-	b.metrics.submitted(ctx, 1, res.Duplicate, err)
+	b.metrics.submitted(ctx, 1, outcomeStaged, res.Duplicate, err)
 	return res, err
 }
 
@@ -554,7 +558,7 @@ func (b *Board) SubmitBatch(ctx context.Context, cmds []Command) ([]Result, erro
 		return b.submitBatch(ctx, cmds, batchOptions{})
 	}()
 	if err != nil {
-		b.metrics.submitted(ctx, len(cmds), false, err)
+		b.metrics.submitted(ctx, len(cmds), outcomeApplied, false, err)
 		return out, err
 	}
 	dup := 0
@@ -563,8 +567,8 @@ func (b *Board) SubmitBatch(ctx context.Context, cmds []Command) ([]Result, erro
 			dup++
 		}
 	}
-	b.metrics.submitted(ctx, len(out)-dup, false, nil)
-	b.metrics.submitted(ctx, dup, true, nil)
+	b.metrics.submitted(ctx, len(out)-dup, outcomeApplied, false, nil)
+	b.metrics.submitted(ctx, dup, outcomeApplied, true, nil)
 	return out, nil
 }
 

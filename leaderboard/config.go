@@ -230,12 +230,14 @@ type Config struct {
 	Logger *slog.Logger
 
 	// MeterProvider receives the board's metrics (verity.leaderboard.*:
-	// submits by outcome, reads by source and outcome, the measured lag; see
-	// the README's metrics table). It is also handed to the board's Worker
-	// (outbox relay and projector metrics) and Reconciler (reconcile
-	// metrics) unless their own configs set one. The board's lag gauge
-	// stays registered with it until Board.Close. Defaults to nil (left
-	// nil by WithDefaults): nothing is recorded.
+	// submits by outcome, where a SubmitTx that wrote its command is staged,
+	// not applied, as the board does not see the caller commit; reads by
+	// source and outcome; the measured lag; see the README's metrics
+	// table). It is also handed to the board's Worker (outbox relay and
+	// projector metrics) and Reconciler (reconcile metrics) unless their
+	// own configs set one. The board's lag gauge stays registered with it
+	// until Board.Close. Defaults to nil (left nil by WithDefaults):
+	// nothing is recorded.
 	MeterProvider metric.MeterProvider
 }
 

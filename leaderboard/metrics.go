@@ -22,6 +22,7 @@ const (
 // Outcomes of verity.leaderboard.submits and verity.leaderboard.reads.
 const (
 	outcomeApplied    = "applied"
+	outcomeStaged     = "staged"
 	outcomeDuplicate  = "duplicate"
 	outcomeConflict   = "conflict"
 	outcomeConcurrent = "concurrent"
@@ -60,12 +61,12 @@ func newBoardMetrics(c *Config, lag func(context.Context) (time.Duration, bool))
 	m := &boardMetrics{
 		board: board,
 		submits: in.Counter(metricSubmits, "{command}",
-			"Score commands by outcome: applied, duplicate, conflict (event id reused for another command), concurrent (SubmitTx lost to a twin), invalid, out_of_range, error."),
+			"Score commands by outcome: applied (committed by the board: Submit, SubmitBatch), staged (SubmitTx: written in the caller's transaction, whose commit or rollback the board does not see), duplicate, conflict (event id reused for another command), concurrent (SubmitTx lost to a twin), invalid, out_of_range, error."),
 		reads: in.Counter(metricReads, "{read}",
-			"Reads (Top, Page, Rank, Around) by the store that answered (redis, postgres; none on error, and for a user id no store can hold) and outcome (ok, stale: refused by FailClosed, not_found, error)."),
+			"Reads (Top, Page, Rank, Around) by the store that answered (redis, postgres; none on error, and for a user id no store can hold) and outcome (ok; stale: refused by FailClosed, or an unmet AtLeast whose user is not in Redis; not_found; error). Reads refused for invalid input (limit, cursor, ReadOption) before any store is read are not counted."),
 	}
 	gauge := in.Float64ObservableGauge(metricLag, "s",
-		"Projection lag of the board's stream as reads measure it (age of the oldest unprojected outbox row, on the database's clock; measured at most once per LagProbeInterval); absent while it cannot be measured.")
+		"Projection lag of the board's stream as reads measure it (age of the oldest pending outbox row, or dead letter not yet overtaken in Redis by a newer version of its user, on the database's clock; measured at most once per LagProbeInterval); absent while it cannot be measured.")
 	if err := in.Err(); err != nil {
 		return nil, err
 	}
@@ -92,12 +93,14 @@ func (m *boardMetrics) close() error {
 }
 
 // submitted counts n commands that ended with err (or, without error, as
-// duplicates or applied).
-func (m *boardMetrics) submitted(ctx context.Context, n int, duplicate bool, err error) {
+// duplicates or written). written is the outcome of a command written
+// without error: outcomeApplied when the board committed it, outcomeStaged
+// when the caller's transaction will commit it, or roll it back, unseen.
+func (m *boardMetrics) submitted(ctx context.Context, n int, written string, duplicate bool, err error) {
 	if m == nil || n == 0 {
 		return
 	}
-	outcome := outcomeApplied
+	outcome := written
 	var conflict *IdempotencyConflictError
 	switch {
 	case err == nil && duplicate:

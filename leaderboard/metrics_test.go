@@ -2,6 +2,7 @@ package leaderboard
 
 import (
 	"context"
+	"fmt"
 	"testing"
 	"time"
 
@@ -66,7 +67,8 @@ func TestBoardMetrics(t *testing.T) {
 		require.ErrorIs(t, err, ErrUserNotFound)
 
 		s := rec.Collect(t)
-		require.Equal(t, int64(4), s.Int(metricSubmits, board, outcome("applied")))
+		require.Equal(t, int64(3), s.Int(metricSubmits, board, outcome("applied")))
+		require.Equal(t, int64(1), s.Int(metricSubmits, board, outcome("staged")))
 		require.Equal(t, int64(2), s.Int(metricSubmits, board, outcome("duplicate")))
 		require.Equal(t, int64(1), s.Int(metricSubmits, board, outcome("conflict")))
 		require.Equal(t, int64(1), s.Int(metricSubmits, board, outcome("invalid")))
@@ -81,6 +83,88 @@ func TestBoardMetrics(t *testing.T) {
 		require.Equal(t, int64(1), s.Int(metricReads, board, outcome("not_found")))
 		require.True(t, s.Has(metricLag), "reads measured the lag")
 		require.Zero(t, s.Float(metricLag, board), "nothing is pending after the drain")
+	})
+
+	// The board commits Submit's command itself, but SubmitTx's is the
+	// caller's to commit or roll back, unseen: counting it applied would
+	// count a rollback that wrote nothing.
+	t.Run("SubmitTxIsStagedNotApplied", func(t *testing.T) {
+		t.Parallel()
+		rec := metrictest.New(t)
+		tb := setup(t, func(c *Config) { c.MeterProvider = rec.Provider })
+		board := attribute.String(AttributeBoard, tb.board.Name())
+
+		tx, err := tb.pg.Pool.Begin(ctx)
+		require.NoError(t, err)
+		_, err = tb.board.SubmitTx(ctx, tx, Command{EventID: uuid.New(), UserID: "zed", Delta: 5})
+		require.NoError(t, err)
+		require.NoError(t, tx.Rollback(ctx))
+		events, users, queued := tb.counts(t)
+		require.Zero(t, events+users+queued, "the rollback wrote nothing")
+		s := rec.Collect(t)
+		require.Zero(t, s.Int(metricSubmits, board, outcome("applied")), "a rolled-back SubmitTx applied nothing")
+		require.Equal(t, int64(1), s.Int(metricSubmits, board, outcome("staged")))
+
+		tx, err = tb.pg.Pool.Begin(ctx)
+		require.NoError(t, err)
+		committed := Command{EventID: uuid.New(), UserID: "zed", Delta: 6}
+		_, err = tb.board.SubmitTx(ctx, tx, committed)
+		require.NoError(t, err)
+		require.NoError(t, tx.Commit(ctx))
+		_, err = tb.board.Submit(ctx, Command{EventID: uuid.New(), UserID: "amy", Delta: 7})
+		require.NoError(t, err)
+		// A duplicate writes nothing whatever the caller does: it stays one.
+		tx, err = tb.pg.Pool.Begin(ctx)
+		require.NoError(t, err)
+		res, err := tb.board.SubmitTx(ctx, tx, committed)
+		require.NoError(t, err)
+		require.True(t, res.Duplicate)
+		require.NoError(t, tx.Rollback(ctx))
+
+		s = rec.Collect(t)
+		require.Equal(t, int64(1), s.Int(metricSubmits, board, outcome("applied")), "Submit commits its command")
+		require.Equal(t, int64(2), s.Int(metricSubmits, board, outcome("staged")))
+		require.Equal(t, int64(1), s.Int(metricSubmits, board, outcome("duplicate")))
+		require.Equal(t, int64(4), s.Int(metricSubmits, board))
+	})
+
+	// A read refused for invalid input before any store is read is the
+	// caller's mistake, not an outage: not counted, whether the limit, the
+	// cursor or a ReadOption is wrong.
+	t.Run("InvalidInputIsNotARead", func(t *testing.T) {
+		t.Parallel()
+		rec := metrictest.New(t)
+		tb := setup(t, func(c *Config) { c.MeterProvider = rec.Provider })
+		tooMany := make([]ReadOption, 0, MaxAtLeast+1)
+		for i := range MaxAtLeast + 1 {
+			tooMany = append(tooMany, AtLeast(fmt.Sprintf("user-%d", i), 1))
+		}
+		for name, opts := range map[string][]ReadOption{
+			"NilOption":       {nil},
+			"UnknownPolicy":   {WithPolicy(ReadPolicy(99))},
+			"UnstorableUser":  {AtLeast("", 1)},
+			"TooManyAtLeast":  tooMany,
+			"NilAfterAtLeast": {AtLeast("amy", 1), nil},
+		} {
+			_, err := tb.board.Top(ctx, 10, opts...)
+			require.ErrorIs(t, err, ErrInvalidReadOption, name)
+			_, _, err = tb.board.Rank(ctx, "amy", opts...)
+			require.ErrorIs(t, err, ErrInvalidReadOption, name)
+			_, err = tb.board.Around(ctx, "amy", 1, opts...)
+			require.ErrorIs(t, err, ErrInvalidReadOption, name)
+		}
+		_, err := tb.board.Top(ctx, 0)
+		require.ErrorIs(t, err, ErrInvalidLimit)
+		_, err = tb.board.Page(ctx, "not-a-cursor", 10)
+		require.ErrorIs(t, err, ErrInvalidCursor)
+		s := rec.Collect(t)
+		require.Zero(t, s.Int(metricReads), "no invalid read is counted")
+
+		_, err = tb.board.Top(ctx, 10)
+		require.NoError(t, err)
+		s = rec.Collect(t)
+		require.Equal(t, int64(1), s.Int(metricReads), "a valid read still is")
+		require.Equal(t, int64(1), s.Int(metricReads, outcome("ok")))
 	})
 
 	t.Run("ReconcilerInheritsTheProvider", func(t *testing.T) {

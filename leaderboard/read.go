@@ -353,29 +353,44 @@ type redisReader func(ctx context.Context, need []requirement) (first int, err e
 // Source names the store that answered (none for noSuchUser), for the
 // reads counter; the public reads return a zero Freshness with every
 // error, this one included.
+//
+// Invalid options are refused before anything is read, and not counted,
+// like an invalid limit or cursor: the caller's mistake is not an outage
+// (outcome=error) of the board.
 func (b *Board) read(ctx context.Context, opts []ReadOption, noSuchUser bool, fromRedis redisReader, fromPostgres pgReader) (Freshness, error) {
-	fresh, err := b.readUnderPolicy(ctx, opts, noSuchUser, fromRedis, fromPostgres)
+	o, need, err := b.readOptions(opts)
+	if err != nil {
+		return Freshness{}, err
+	}
+	fresh, err := b.readUnderPolicy(ctx, o, need, noSuchUser, fromRedis, fromPostgres)
 	b.metrics.read(ctx, fresh, err)
 	return fresh, err
 }
 
-func (b *Board) readUnderPolicy(ctx context.Context, opts []ReadOption, noSuchUser bool, fromRedis redisReader, fromPostgres pgReader) (Freshness, error) {
+// readOptions applies opts over the board's defaults and returns them
+// with their requirements (see requirements), or an error matching
+// ErrInvalidReadOption.
+func (b *Board) readOptions(opts []ReadOption) (readOptions, []requirement, error) {
 	o := readOptions{policy: b.cfg.ReadPolicy}
 	for _, opt := range opts {
 		if opt == nil {
-			return Freshness{}, fmt.Errorf("%w: a nil ReadOption", ErrInvalidReadOption)
+			return o, nil, fmt.Errorf("%w: a nil ReadOption", ErrInvalidReadOption)
 		}
 		opt(&o)
 	}
 	// An unknown policy must not fall through to ServeStale: a fail-closed
 	// caller whose policy field was left unset would get stale answers.
 	if o.policy < ServeStale || o.policy > FailClosed {
-		return Freshness{}, fmt.Errorf("%w: WithPolicy(%s) is unknown; use ServeStale, FallbackToPostgres or FailClosed", ErrInvalidReadOption, o.policy)
+		return o, nil, fmt.Errorf("%w: WithPolicy(%s) is unknown; use ServeStale, FallbackToPostgres or FailClosed", ErrInvalidReadOption, o.policy)
 	}
 	need, err := b.requirements(o.atLeast)
 	if err != nil {
-		return Freshness{}, err
+		return o, nil, err
 	}
+	return o, need, nil
+}
+
+func (b *Board) readUnderPolicy(ctx context.Context, o readOptions, need []requirement, noSuchUser bool, fromRedis redisReader, fromPostgres pgReader) (Freshness, error) {
 	if noSuchUser {
 		return Freshness{}, ErrUserNotFound
 	}

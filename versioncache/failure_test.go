@@ -270,6 +270,10 @@ func TestRedisUnavailable(t *testing.T) {
 		require.EqualValues(t, 1, stats.Loads)
 		require.EqualValues(t, 1, stats.FailOpenLoads, "a load because Redis failed is a fail-open load")
 		require.EqualValues(t, 1, stats.RedisErrors)
+		// Redis failed after the call missed: it stays a miss (a fallback
+		// too), unlike a call whose first read failed, which is neither.
+		require.EqualValues(t, 1, stats.Misses)
+		require.Zero(t, stats.Hits)
 	})
 
 	// An outage is one condition, not one per Get: the cache logs its

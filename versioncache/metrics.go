@@ -57,9 +57,9 @@ func newCacheMetrics(cfg *Config, stats func() Stats) (*cacheMetrics, error) {
 	}
 	var (
 		reads = in.Int64ObservableCounter(metricReads, "{read}",
-			"Get and GetAt calls by result: hit (served from Redis) or miss (loaded, or joined a load).")
+			"Get and GetAt calls by result: hit (served from Redis) or miss (loaded, or joined a load). A call whose first Redis read failed is neither (errors and fallbacks count it); a miss stays one when a later Redis call fails.")
 		loads = in.Int64ObservableCounter(metricLoads, "{load}",
-			"Loader calls (shared=false: Stats.Loads, including fail-open loads, which are not misses) and misses answered by another caller's load of the same id and version (shared=true: Stats.SharedLoads). A miss whose own context ended while it waited for another's load is in neither.")
+			"Loader calls (shared=false: Stats.Loads, including fail-open loads) and misses answered by another caller's load of the same id and version (shared=true: Stats.SharedLoads). A miss whose own context ended while it waited for another's load is in neither.")
 		fills = in.Int64ObservableCounter(metricFills, "{value}",
 			"Loaded values stored in Redis.")
 		staleSkipped = in.Int64ObservableCounter(metricStaleSkipped, "{value}",
@@ -73,7 +73,7 @@ func newCacheMetrics(cfg *Config, stats func() Stats) (*cacheMetrics, error) {
 		orphans = in.Int64ObservableCounter(metricOrphans, "{key}",
 			"Always 0: Invalidate deletes the current value instead of orphaning it (kept for existing dashboards).")
 		errs = in.Int64ObservableCounter(metricErrors, "{error}",
-			"Errors by kind: redis (a failed Redis call) or decode (a cached value the Codec could not decode).")
+			"Errors by kind: redis (a failed Redis call), decode (a cached value the Codec could not decode) or replication (an Invalidate that fewer replicas than InvalidateReplicas confirmed; not counted as an invalidation).")
 	)
 	m := &cacheMetrics{
 		loadDuration: in.Histogram(metricLoadDuration, "s", "Duration of loader calls.", telemetry.DurationBuckets()...),

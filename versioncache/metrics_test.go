@@ -8,6 +8,8 @@ import (
 	"github.com/redis/go-redis/v9"
 	"github.com/stretchr/testify/require"
 	"go.opentelemetry.io/otel/attribute"
+	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
+	"go.opentelemetry.io/otel/sdk/metric/metricdata"
 
 	"github.com/verity-go/verity/internal/telemetry/metrictest"
 )
@@ -137,6 +139,38 @@ func TestCacheMetrics(t *testing.T) {
 		require.Equal(t, int64(1), s.Int(metricLoads, attribute.Bool(AttributeShared, false)))
 		require.Zero(t, s.Int(metricReads))
 		require.Equal(t, uint64(1), b.cache.Stats().FailOpenLoads)
+	})
+
+	// The descriptions are the Prometheus HELP lines: every kind=
+	// errors carries must be explained there.
+	t.Run("ErrorsDescriptionNamesEveryKind", func(t *testing.T) {
+		t.Parallel()
+		reader := sdkmetric.NewManualReader()
+		mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
+		t.Cleanup(func() { _ = mp.Shutdown(context.Background()) })
+		b := setup(t, &Config{MeterProvider: mp})
+		t.Cleanup(func() { require.NoError(t, b.cache.Close()) })
+
+		var rm metricdata.ResourceMetrics
+		require.NoError(t, reader.Collect(ctx, &rm))
+		var desc string
+		var kinds []string
+		for _, sm := range rm.ScopeMetrics {
+			for _, m := range sm.Metrics {
+				if m.Name != metricErrors {
+					continue
+				}
+				desc = m.Description
+				for _, p := range m.Data.(metricdata.Sum[int64]).DataPoints {
+					v, _ := p.Attributes.Value(attribute.Key(AttributeKind))
+					kinds = append(kinds, v.AsString())
+				}
+			}
+		}
+		require.ElementsMatch(t, []string{"redis", "decode", "replication"}, kinds)
+		for _, kind := range kinds {
+			require.Contains(t, desc, kind+" (", "the description says what kind=%s counts", kind)
+		}
 	})
 
 	t.Run("NoProvider", func(t *testing.T) {
