@@ -311,13 +311,16 @@ func TestReadYourWritesAgreesAcrossSources(t *testing.T) {
 			want := modelRanking(scores)
 			for i, e := range want {
 				for _, p := range []ReadPolicy{ServeStale, FallbackToPostgres, FailClosed} {
-					start := time.Now()
+					// Everything is drained and nothing else writes, so a
+					// wait that did not see the version at once never sees
+					// it: it would run out (AtLeastMet false, or a fallback
+					// to PostgreSQL, or a refusal). No wall-clock bound is
+					// needed to tell, and none could hold on a loaded machine.
 					got, f, err := tb.board.Rank(ctx, e.UserID, AtLeast(e.UserID, versions[e.UserID]), WithPolicy(p))
 					require.NoError(t, err, "%s %q", p, e.UserID)
 					require.Equal(t, e, got)
 					require.Equal(t, SourceRedis, f.Source, "%s %q", p, e.UserID)
 					require.True(t, f.AtLeastMet)
-					require.Less(t, time.Since(start), 25*time.Millisecond, "met at once")
 					r, err := tb.board.Around(ctx, e.UserID, 1, AtLeast(e.UserID, versions[e.UserID]), WithPolicy(p))
 					require.NoError(t, err)
 					require.Equal(t, want[max(0, i-1):min(len(want), i+2)], r.Entries)
