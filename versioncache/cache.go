@@ -257,7 +257,9 @@ func (c *Cache[T]) notFromNew() bool { return c == nil || c.config == nil }
 // If Redis fails, Get returns load's value (FailOpen) or a *RedisError
 // (FailClosed); if the caller's own ctx ended, it returns ctx's error
 // under either mode, and counts no Redis error. It never returns a value it
-// cannot prove current.
+// cannot prove current. A miss while the id's Redis Cluster slot migrates
+// fails so at once (the *RedisError matches ErrSlotMigrating): unlike
+// Invalidate and Peek, Get does not wait for the migration to end.
 func (c *Cache[T]) Get(ctx context.Context, id string, load Loader[T]) (T, error) {
 	var zero T
 	if c.notFromNew() {
@@ -648,6 +650,10 @@ func (c *Cache[T]) failOpen(ctx context.Context, id, op string, err error, load 
 		return zero, cerr // not a Redis failure
 	}
 	c.stats.redisErrors.Add(1)
+	if redis.IsTryAgainError(err) {
+		// Not retried: a read should not wait for a whole migration.
+		err = slotMigrating(err, nil)
+	}
 	rerr := &RedisError{Op: op, ID: id, Err: err}
 	if c.config.FailureMode == FailClosed || isContextErr(err) {
 		return zero, rerr
@@ -842,28 +848,35 @@ func (c *Cache[T]) filled(stored int) {
 // the caller's own ctx ended, the *RedisError wraps ctx's error, also when
 // go-redis reported it as an i/o timeout (wrapped too), and is not counted
 // as a Redis error.
+//
+// While the id's Redis Cluster slot migrates, Redis answers the bump
+// TRYAGAIN (see the package documentation): Invalidate tries again, backing
+// off up to 200 ms, until the migration has ended or ctx does. The
+// *RedisError it then returns matches ErrSlotMigrating as well as ctx's
+// error, and counts as one Redis error. Give it a ctx with a deadline.
 func (c *Cache[T]) Invalidate(ctx context.Context, id string) error {
 	if c.notFromNew() {
 		return errNotFromNew()
 	}
 	keys := []string{c.versionKey(id), c.currentKey(id), c.atKey(id)}
 	ttl := c.config.TTL.Milliseconds()
-	var (
-		err      error
-		replicas = -1
-	)
-	if c.config.InvalidateReplicas > 0 {
-		_, replicas, err = c.bumpAndWait(ctx, keys, ttl)
-	} else {
-		err = c.lua.bump.Run(ctx, c.client, keys, ttl).Err()
-	}
+	replicas := -1
+	err := retryMigrating(ctx, func() error {
+		if c.config.InvalidateReplicas > 0 {
+			var err error
+			_, replicas, err = c.bumpAndWait(ctx, keys, ttl)
+			return err
+		}
+		return c.lua.bump.Run(ctx, c.client, keys, ttl).Err()
+	})
 	if err != nil {
 		// Still a *RedisError (the bump may or may not have happened), but
 		// the caller's own ctx ending is no Redis failure, and the error
 		// says so whatever go-redis reported it as (with
 		// ContextTimeoutEnabled, an i/o timeout at the ctx's deadline).
+		// A migration that outlasted the ctx is one, counted once.
 		switch cerr := callerGaveUp(ctx, err); {
-		case cerr == nil:
+		case cerr == nil || errors.Is(err, ErrSlotMigrating):
 			c.stats.redisErrors.Add(1)
 		case !errors.Is(err, cerr):
 			err = fmt.Errorf("%w: %w", cerr, err)
@@ -925,13 +938,21 @@ func (c *Cache[T]) bumpAndWait(ctx context.Context, keys []string, ttl int64) ([
 // Unlike Get, Peek does not repair: a cached value that does not decode is
 // left in place and reported as a *CodecError with Op "decode", ok false,
 // and the version it claims (0 when it has none).
+//
+// While the id's Redis Cluster slot migrates, Peek waits for it to end as
+// Invalidate does; when ctx ends first, it returns a *RedisError matching
+// ErrSlotMigrating and ctx's error, counted as one Redis error.
 func (c *Cache[T]) Peek(ctx context.Context, id string) (val T, version int64, ok bool, err error) {
 	if c.notFromNew() {
 		return val, 0, false, errNotFromNew()
 	}
-	r, err := c.read(ctx, id, false, false)
+	var r readResult
+	err = retryMigrating(ctx, func() (err error) {
+		r, err = c.read(ctx, id, false, false)
+		return err
+	})
 	if err != nil {
-		if cerr := callerGaveUp(ctx, err); cerr != nil {
+		if cerr := callerGaveUp(ctx, err); cerr != nil && !errors.Is(err, ErrSlotMigrating) {
 			return val, 0, false, cerr
 		}
 		c.stats.redisErrors.Add(1)
@@ -1101,4 +1122,56 @@ func callerGaveUp(ctx context.Context, err error) error {
 		return context.DeadlineExceeded
 	}
 	return nil
+}
+
+// Backoff between attempts of a call that Redis Cluster answered TRYAGAIN
+// (see retryMigrating): short at first, since moving one slot's keys often
+// takes milliseconds, and capped so that the call notices the migration's
+// end soon after it.
+const (
+	migratingBackoffMin = 10 * time.Millisecond
+	migratingBackoffMax = 200 * time.Millisecond
+)
+
+// retryMigrating runs attempt again, with capped exponential backoff, for
+// as long as it fails with TRYAGAIN and ctx lasts. During a slot migration
+// Redis Cluster answers TRYAGAIN to a script unless one node holds every
+// key it names, and ours name keys that rarely all exist (P{id}:a, P{id}:l,
+// or P{id}:c on a miss): nearly every call on the slot gets it until the
+// migration ends, far longer than go-redis's own retries (MaxRedirects).
+// TRYAGAIN means the script did not run, so running it again is safe.
+//
+// When ctx ends after a TRYAGAIN, the error matches ErrSlotMigrating and
+// wraps that TRYAGAIN and ctx's error, including when ctx cut off an
+// attempt in flight (which may then have run). Any other error is
+// attempt's own.
+func retryMigrating(ctx context.Context, attempt func() error) error {
+	var tryAgain error // the last TRYAGAIN reply
+	for backoff := migratingBackoffMin; ; backoff = min(2*backoff, migratingBackoffMax) {
+		err := attempt()
+		if !redis.IsTryAgainError(err) {
+			if tryAgain != nil {
+				if cerr := callerGaveUp(ctx, err); cerr != nil {
+					return slotMigrating(tryAgain, cerr)
+				}
+			}
+			return err
+		}
+		tryAgain = err
+		select {
+		case <-ctx.Done():
+			return slotMigrating(tryAgain, ctx.Err())
+		case <-time.After(backoff):
+		}
+	}
+}
+
+// slotMigrating returns a TRYAGAIN reply as an error matching
+// ErrSlotMigrating, and cerr, the caller's ctx error that ended its
+// retries, when not nil.
+func slotMigrating(tryAgain, cerr error) error {
+	if cerr == nil {
+		return fmt.Errorf("%w: %w", ErrSlotMigrating, tryAgain)
+	}
+	return fmt.Errorf("%w (retried until %w): %w", ErrSlotMigrating, cerr, tryAgain)
 }

@@ -69,7 +69,8 @@ type Divergence[T any] struct {
 // that does not decode counts as Undecodable; it is not an error. Check
 // stops at the first Redis or loader error, or a value the Codec cannot
 // encode, and returns the report so far (see CheckReport for how it counts
-// the id that failed).
+// the id that failed). During a Redis Cluster slot migration, its Peek of an
+// id in that slot waits for the migration to end, within ctx (see Peek).
 func (c *Cache[T]) Check(ctx context.Context, ids []string, n int, load IDLoader[T]) (CheckReport[T], error) {
 	var report CheckReport[T]
 	if c.notFromNew() {

@@ -65,9 +65,42 @@
 // does a master that lost the slot to a resharding; the Cache then reloads
 // the map, waits for it to name the new master (up to two seconds) and
 // sends the command again there. An ASK reply (a slot in the middle of a
-// migration) sends it once to the importing master, after ASKING; a bump
-// whose keys are split between the two nodes gets TRYAGAIN and fails, and
-// can be retried.
+// migration) sends it once to the importing master, after ASKING.
+//
+// While a slot migrates (MIGRATING on its master, IMPORTING on another, for
+// as long as a resharding takes to move its keys), Redis runs a command
+// that names several keys only on a node holding every one of them: the
+// migrating master answers ASK when it lacks any (one that exists nowhere
+// included), and the importing master then answers TRYAGAIN unless it has
+// them all. Each script here names three keys, and P{id}:a (written only by
+// GetAt), P{id}:l (held only during a miss) and, on a miss, P{id}:c seldom
+// all exist: for the whole migration, nearly every Invalidate, Peek, miss
+// and fill of an id in that slot meets TRYAGAIN, whether or not the id's
+// keys have moved. go-redis retries it only briefly: a cluster client
+// gives up after MaxRedirects attempts (3 by default: some tens of
+// milliseconds, with MinRetryBackoff's 10 ms), and the Cache's commands
+// pinned to masters (above) follow one ASK and do not retry. So:
+//
+//   - Invalidate and Peek (so Check) retry TRYAGAIN, backing off from 10 ms
+//     to 200 ms, until the migration ends or their ctx does. They then
+//     return a *RedisError matching ErrSlotMigrating and ctx's error,
+//     counted as one Redis error (Stats.RedisErrors); the bump did not
+//     happen (unless the ctx cut off an attempt in flight), so retry it as
+//     any failed Invalidate. Give them a ctx with a deadline: a migration
+//     left unfinished (a resharding tool that died, until redis-cli
+//     --cluster fix) would keep one without a deadline waiting.
+//   - Get does not wait for a migration. A miss meeting TRYAGAIN is served
+//     by its loader, uncached, with FailOpen, and fails at once with a
+//     *RedisError matching ErrSlotMigrating with FailClosed; a fill meeting
+//     it is skipped (its loaded value is served, as after any failed fill).
+//     A hit, one GET of one key, is not held up: the migrating master
+//     answers it, or sends it to the importing one.
+//   - GetAt and CheckAt name one key per command, and are not held up.
+//
+// Nothing stale is served meanwhile: a script that meets TRYAGAIN did not
+// run, P{id}:c is current wherever it is, and a value cached before a
+// write stays readable only while that write's Invalidate has not
+// returned, as always.
 //
 // Sentinel with replica reads (redis.NewUniversalClient with MasterName and
 // RouteRandomly or RouteByLatency) builds such a client over servers that

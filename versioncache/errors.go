@@ -26,6 +26,13 @@ var (
 	ErrNotReplicated = errors.New("versioncache: invalidation not confirmed by replicas")
 	// ErrInvalidVersion is returned by GetAt for a negative version.
 	ErrInvalidVersion = errors.New("versioncache: version must not be negative")
+	// ErrSlotMigrating is matched by a *RedisError that Redis Cluster
+	// caused by answering TRYAGAIN: the id's slot is migrating between
+	// masters, and no one node holds every key the call's script names.
+	// Invalidate and Peek (so Check) retry TRYAGAIN until their ctx ends
+	// and only then return it; a miss of Get returns it (FailClosed) at
+	// once. See the package documentation on Redis Cluster.
+	ErrSlotMigrating = errors.New("versioncache: the id's Redis Cluster slot is migrating")
 )
 
 // ConfigError reports a Config field that cannot be used; or, with Field
@@ -74,6 +81,11 @@ func (e *ConfigError) Is(target error) bool { return target == ErrInvalidConfig 
 // one then (the bump may have happened), wrapping ctx's error (so that
 // errors.Is(err, context.DeadlineExceeded) holds, whatever go-redis
 // reported) as well as the client's, but counts no Redis error either.
+//
+// One that Redis Cluster caused with TRYAGAIN, during a slot migration,
+// also matches ErrSlotMigrating. Invalidate and Peek return it only once
+// their ctx has ended (it then wraps ctx's error too); it is counted as
+// one Redis error however often the call was retried.
 type RedisError struct {
 	Op  string // "read", "invalidate", "peek"
 	ID  string

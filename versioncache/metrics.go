@@ -73,7 +73,7 @@ func newCacheMetrics(cfg *Config, stats func() Stats) (*cacheMetrics, error) {
 		orphans = in.Int64ObservableCounter(metricOrphans, "{key}",
 			"Always 0: Invalidate deletes the current value instead of orphaning it (kept for existing dashboards).")
 		errs = in.Int64ObservableCounter(metricErrors, "{error}",
-			"Errors by kind: redis (a failed Redis call), decode (a cached value the Codec could not decode) or replication (an Invalidate that fewer replicas than InvalidateReplicas confirmed; not counted as an invalidation).")
+			"Errors by kind: redis (a failed Redis call; an Invalidate or Peek that retried through a slot migration until its context ended counts once), decode (a cached value the Codec could not decode) or replication (an Invalidate that fewer replicas than InvalidateReplicas confirmed; not counted as an invalidation).")
 	)
 	m := &cacheMetrics{
 		loadDuration: in.Histogram(metricLoadDuration, "s", "Duration of loader calls.", telemetry.DurationBuckets()...),

@@ -46,8 +46,11 @@ type Stats struct {
 	LeaseWaits     uint64
 	LeaseWaitHits  uint64 // ... and got its value while waiting
 	LeaseFallbacks uint64 // ... and loaded themselves after FillLeaseWait
-	RedisErrors    uint64 // failed Redis calls; not those cut off by the caller's ctx
-	DecodeErrors   uint64 // cached values the Codec could not decode
+	// RedisErrors are failed Redis calls, not those cut off by the
+	// caller's ctx; an Invalidate or Peek that retried TRYAGAIN during a
+	// slot migration until its ctx ended counts once.
+	RedisErrors  uint64
+	DecodeErrors uint64 // cached values the Codec could not decode
 	// ReplicationErrors are Invalidate calls that returned a
 	// *ReplicationError: the bump happened on the primary, but fewer
 	// replicas than Config.InvalidateReplicas confirmed it in time. They

@@ -95,12 +95,18 @@ func IsRedirect(err error) bool {
 // When a command meets a MOVED reply, OnMaster reloads the map, waits until
 // it names another master for key (AwaitMaster) and sends the commands
 // again there, as long as replies are MOVED, for AwaitTimeout in all. When
-// one meets an ASK reply (the slot is migrating and key has already left),
-// it sends them once to the importing master, ASKING first. ASKING covers
-// only the next command: queue should hold one command on key (keyless
-// ones, such as WAIT, may follow), because the importing master answers a
-// later keyed command with MOVED back to the old owner, and that error is
-// returned. An importing master that serves no slot yet is not in the slot
+// one meets an ASK reply (the slot is migrating, and the node lacks a key
+// the command names: for a command or script naming several keys, any one
+// of them, even one that exists nowhere), it sends them once to the
+// importing master, ASKING first. That master answers a command naming
+// several keys TRYAGAIN unless it holds every one of them, so a script
+// whose keys do not all exist meets TRYAGAIN for the whole migration,
+// whether or not its keys were split. OnMaster returns it as it is:
+// callers that must get through retry it (versioncache's Invalidate and
+// Peek do). ASKING covers only the next command: queue should hold one
+// command on key (keyless ones, such as WAIT, may follow), because the
+// importing master answers a later keyed command with MOVED back to the
+// old owner, and that error is returned. An importing master that serves no slot yet is not in the slot
 // map, nor is one go-redis names differently from the reply (it replaces
 // loopback hosts, for one): its ASK reply is returned as it is. Any other
 // error, and a second redirect, is returned as it is.
