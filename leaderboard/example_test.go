@@ -64,7 +64,8 @@ func Example() {
 		fmt.Printf("%s: score %d, version %d, duplicate %t\n", cmd.UserID, res.Score, res.Version, res.Duplicate)
 	}
 
-	// A worker projects the outbox into Redis (normally: go worker.Run(ctx)).
+	// A worker projects the outbox into Redis (normally Worker.Run, in a
+	// goroutine: see its example).
 	worker, err := board.Worker(nil)
 	if err != nil {
 		log.Fatal(err)
@@ -80,7 +81,10 @@ func Example() {
 	for _, e := range top.Entries {
 		fmt.Printf("%d. %s %d\n", e.Rank, e.UserID, e.Score)
 	}
-	fmt.Println("answered by:", top.Freshness.Source, "lag:", top.Freshness.Lag)
+	// Lag's value depends on the database's round trip: print only whether
+	// it is within MaxLag (5 s by default), where Redis answers are trusted.
+	fresh := top.Freshness.Lag >= 0 && top.Freshness.Lag <= leaderboard.MaxLagDefault
+	fmt.Println("answered by:", top.Freshness.Source, "within MaxLag:", fresh)
 
 	// Prizes come from PostgreSQL, never from the projection.
 	winners, err := board.Authoritative(ctx, 1)
@@ -97,6 +101,6 @@ func Example() {
 	// 1. bob 45
 	// 2. ada 30
 	// 3. cy 30
-	// answered by: redis lag: 0s
+	// answered by: redis within MaxLag: true
 	// payout to: bob
 }

@@ -100,7 +100,8 @@ const deadLettersSQL = `SELECT id, event_id, stream, key, version, payload, crea
 FROM %s WHERE id > $1 ORDER BY id LIMIT $2`
 
 // DeadLetters lists up to limit dead letters with an id greater than afterID,
-// in id order; pass the last id seen to page through them.
+// in id order; pass the last id seen to page through them. A limit of 0 or
+// less is refused with a *ConfigError naming "limit" (ErrInvalidConfig).
 func (r *Relay) DeadLetters(ctx context.Context, afterID int64, limit int) ([]DeadLetter, error) {
 	if r.unmade() {
 		return nil, errUnmadeRelay()

@@ -7,6 +7,7 @@ import (
 	"strconv"
 
 	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/redis/go-redis/v9"
 
@@ -118,18 +119,23 @@ func ExampleRedisProjector_relay() {
 	if err != nil {
 		panic(err)
 	}
+	if _, err := pool.Exec(ctx, `CREATE TABLE products (id bigint PRIMARY KEY, price_cents bigint NOT NULL, version bigint NOT NULL);
+		INSERT INTO products VALUES (41, 4900, 7)`); err != nil {
+		panic(err)
+	}
 
-	// The application's command: change the state, append the message.
-	tx, err := pool.Begin(ctx)
+	// The application's command: change the state, append the message, in
+	// one transaction (BeginFunc rolls it back if either fails).
+	err = pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+		var version int64
+		err := tx.QueryRow(ctx, `UPDATE products SET price_cents = 4400, version = version + 1 WHERE id = 41 RETURNING version`).Scan(&version)
+		if err != nil {
+			return err
+		}
+		return writer.Append(ctx, tx,
+			outbox.Message{EventID: uuid.New(), Stream: "products", Key: "41", Version: version, Payload: []byte(`{"price_cents":4400}`)})
+	})
 	if err != nil {
-		panic(err)
-	}
-	err = writer.Append(ctx, tx,
-		outbox.Message{EventID: uuid.New(), Stream: "products", Key: "41", Version: 8, Payload: []byte(`{"price_cents":4400}`)})
-	if err != nil {
-		panic(err)
-	}
-	if err := tx.Commit(ctx); err != nil {
 		panic(err)
 	}
 
@@ -150,8 +156,14 @@ func ExampleRedisProjector_relay() {
 	fmt.Println("claimed:", n) // handed to the projector; a failed record would be retried
 
 	product := projection.Target{Kind: projection.KindDocument, Name: "product:41"}
-	doc, _ := client.Get(ctx, projector.Keyspace().ValueKey(product)).Result()
-	version, _ := client.Get(ctx, projector.Keyspace().VersionKey(product)).Result()
+	doc, err := client.Get(ctx, projector.Keyspace().ValueKey(product)).Result()
+	if err != nil {
+		panic(err)
+	}
+	version, err := client.Get(ctx, projector.Keyspace().VersionKey(product)).Result()
+	if err != nil {
+		panic(err)
+	}
 	fmt.Println(doc, "at version", version)
 	// Output:
 	// claimed: 1
@@ -220,9 +232,18 @@ func ExampleKeyspace_WithVersionBuckets() {
 	ada := projection.Target{Kind: projection.KindSortedSet, Name: "global", Member: "ada"}
 	out, err := projector.Gate().Apply(ctx, []projection.Write{{Target: ada, Version: 3, Value: projection.Value{Score: 42}}})
 	fmt.Println(out, err)
-	version, _ := client.HGet(ctx, ks.VersionKey(ada), "ada").Result()
-	encoding, _ := client.ObjectEncoding(ctx, ks.VersionKey(ada)).Result()
-	layout, _ := client.Get(ctx, ks.LayoutKey("global", projection.KindSortedSet)).Result()
+	version, err := client.HGet(ctx, ks.VersionKey(ada), "ada").Result()
+	if err != nil {
+		panic(err)
+	}
+	encoding, err := client.ObjectEncoding(ctx, ks.VersionKey(ada)).Result()
+	if err != nil {
+		panic(err)
+	}
+	layout, err := client.Get(ctx, ks.LayoutKey("global", projection.KindSortedSet)).Result()
+	if err != nil {
+		panic(err)
+	}
 	fmt.Println(len(ks.VersionKeys("global", projection.KindSortedSet)), version, encoding, layout)
 
 	// A deployment still on one version hash per collection.

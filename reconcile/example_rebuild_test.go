@@ -45,11 +45,20 @@ func ExampleReconciler_Rebuild() {
 		return
 	}
 
-	ks, _ := projection.NewKeyspace("example:rebuild:" + services.RandomSuffix(8) + ":")
+	ks, err := projection.NewKeyspace("example:rebuild:" + services.RandomSuffix(8) + ":")
+	if err != nil {
+		fmt.Println(err)
+		return
+	}
 	weekly := projection.Target{Kind: projection.KindSortedSet, Name: "weekly"}
 	leaderboard := ks.ValueKey(weekly)
 	defer testenv.DeletePrefix(ctx, client, ks.Prefix()) //nolint:errcheck // best effort, like the schema cleanup
-	client.ZAdd(ctx, leaderboard, redis.Z{Score: 999, Member: "user-a"}, redis.Z{Score: 40, Member: "deleted-user"})
+	// A hand-edited score, and a user deleted from PostgreSQL but not from Redis.
+	err = client.ZAdd(ctx, leaderboard, redis.Z{Score: 999, Member: "user-a"}, redis.Z{Score: 40, Member: "deleted-user"}).Err()
+	if err != nil {
+		fmt.Println(err)
+		return
+	}
 
 	source, err := reconcile.NewSQLSource(pool, &reconcile.SQLSourceConfig{
 		Table: "user_scores", KeyColumn: "user_id", VersionColumn: "version", ValueColumn: "score",
@@ -72,7 +81,11 @@ func ExampleReconciler_Rebuild() {
 		return
 	}
 	fmt.Printf("copied %d rows, switched: %v\n", report.Rows, report.Switched)
-	ranking, _ := client.ZRevRangeWithScores(ctx, leaderboard, 0, -1).Result()
+	ranking, err := client.ZRevRangeWithScores(ctx, leaderboard, 0, -1).Result()
+	if err != nil {
+		fmt.Println(err)
+		return
+	}
 	for _, z := range ranking {
 		fmt.Println(z.Member, z.Score)
 	}

@@ -48,7 +48,12 @@ func Example() {
 	}
 
 	// The projection, as the outbox relay and the gate left it...
-	ks, _ := projection.NewKeyspace("example:reconcile:" + services.RandomSuffix(8) + ":")
+	ks, err := projection.NewKeyspace("example:reconcile:" + services.RandomSuffix(8) + ":")
+	if err != nil {
+		fmt.Println(err)
+		return
+	}
+	defer testenv.DeletePrefix(ctx, client, ks.Prefix()) //nolint:errcheck // best effort, like the schema cleanup
 	gate := projection.NewGate(client, ks)
 	board := func(member string) projection.Target {
 		return projection.Target{Kind: projection.KindSortedSet, Name: "weekly", Member: member}
@@ -62,9 +67,11 @@ func Example() {
 		return
 	}
 	leaderboard := ks.ValueKey(board(""))
-	defer testenv.DeletePrefix(ctx, client, ks.Prefix()) //nolint:errcheck // best effort, like the schema cleanup
 	// ...and a hand edit that no outbox message will ever undo.
-	client.ZAdd(ctx, leaderboard, redis.Z{Score: 999, Member: "user-a"})
+	if err := client.ZAdd(ctx, leaderboard, redis.Z{Score: 999, Member: "user-a"}).Err(); err != nil {
+		fmt.Println(err)
+		return
+	}
 
 	source, err := reconcile.NewSQLSource(pool, &reconcile.SQLSourceConfig{
 		Table: "user_scores", KeyColumn: "user_id", VersionColumn: "version", ValueColumn: "score",
@@ -90,7 +97,11 @@ func Example() {
 		report.Checked, report.Counts[reconcile.ClassCurrent], report.Counts[reconcile.ClassCorrupt], report.Repaired)
 	fmt.Println("corrupt:", report.Examples[reconcile.ClassCorrupt][0].Key)
 
-	ranking, _ := client.ZRevRangeWithScores(ctx, leaderboard, 0, -1).Result()
+	ranking, err := client.ZRevRangeWithScores(ctx, leaderboard, 0, -1).Result()
+	if err != nil {
+		fmt.Println(err)
+		return
+	}
 	for _, z := range ranking {
 		fmt.Println(z.Member, z.Score)
 	}

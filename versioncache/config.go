@@ -50,7 +50,8 @@ const (
 	FailClosed
 )
 
-// String returns "fail-open" or "fail-closed".
+// String returns "fail-open" for FailOpen, "fail-closed" for FailClosed,
+// and "FailureMode(N)" for any other value (N its number).
 func (m FailureMode) String() string {
 	switch m {
 	case FailOpen:
