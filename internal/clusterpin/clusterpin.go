@@ -106,10 +106,11 @@ func IsRedirect(err error) bool {
 // Peek do). ASKING covers only the next command: queue should hold one
 // command on key (keyless ones, such as WAIT, may follow), because the
 // importing master answers a later keyed command with MOVED back to the
-// old owner, and that error is returned. An importing master that serves no slot yet is not in the slot
-// map, nor is one go-redis names differently from the reply (it replaces
-// loopback hosts, for one): its ASK reply is returned as it is. Any other
-// error, and a second redirect, is returned as it is.
+// old owner, and that error is returned. An importing master that serves
+// no slot yet is not in the slot map, nor is one go-redis names differently
+// from the reply (it replaces loopback hosts, for one): its ASK reply is
+// returned as it is. Any other error, and a second redirect, is returned
+// as it is.
 //
 // READWRITE needs the same ACL permission as the READONLY a replica-reading
 // client sends on every connection (both are in @connection).
