@@ -91,6 +91,20 @@ func TestConfig(t *testing.T) {
 		}
 	})
 
+	// Every limit is inclusive: a value at it is valid.
+	t.Run("AtTheLimits", func(t *testing.T) {
+		t.Parallel()
+		for name, cfg := range map[string]Config{
+			"Name":                   {Name: strings.Repeat("n", MaxNameLength)},
+			"Deltas":                 {Name: "b", MinDelta: MinScore, MaxDelta: MaxScore},
+			"MaxUserIDLength":        {Name: "b", MaxUserIDLength: MaxUserIDLengthLimit},
+			"VersionBuckets":         {Name: "b", VersionBuckets: projection.VersionBucketsMax},
+			"MaxSubmitsPerStatement": {Name: "b", MaxSubmitsPerStatement: MaxSubmitsPerStatementLimit},
+		} {
+			require.NoError(t, cfg.WithDefaults().validate(), name)
+		}
+	})
+
 	// Boards of one name in different schemas must not share Redis keys:
 	// the default prefix includes the schema, except in "public", whose
 	// boards keep the keys they always had.

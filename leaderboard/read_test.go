@@ -282,6 +282,25 @@ func TestPageCursorOfAnotherBoard(t *testing.T) {
 	})
 }
 
+// The board tag is a hash of public configuration, so a client can forge a
+// cursor for the board with any score: one outside [MinScore, MaxScore] is
+// refused, not read with.
+func TestPageCursorScoreOutOfRange(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	tb := setup(t)
+	for _, score := range []int64{MaxScore + 1, MinScore - 1, math.MaxInt64, math.MinInt64} {
+		text := tb.board.encodeCursor(cursor{score: score, user: "ada"})
+		_, err := tb.board.Page(ctx, text, 10)
+		require.ErrorIs(t, err, ErrInvalidCursor, "score %d", score)
+	}
+	// The bounds themselves are scores a cursor can carry.
+	for _, score := range []int64{MaxScore, MinScore} {
+		_, err := tb.board.Page(ctx, tb.board.encodeCursor(cursor{score: score, user: "ada"}), 10)
+		require.NoError(t, err, "score %d", score)
+	}
+}
+
 // Members no user id can be (invalid UTF-8, NUL bytes, the empty string:
 // a buggy writer's, which the reconciler reports as orphans) are served by
 // Redis reads like any member, so a page may end with one: its cursor is
@@ -512,6 +531,25 @@ func TestReadPolicies(t *testing.T) {
 		require.Greater(t, stale.Lag, 59*time.Second)
 		_, err = tb.board.Around(ctx, "user-a", 1)
 		require.ErrorIs(t, err, ErrStale)
+	})
+
+	// An AtLeast that Redis already meets says nothing of the rest of the
+	// board: the lag still decides, as for a read without it.
+	t.Run("MetAtLeastDoesNotExcuseLag", func(t *testing.T) {
+		t.Parallel()
+		tb := lagging(t, FailClosed)
+		_, err := tb.board.Top(ctx, 10, AtLeast("user-a", 1)) // projected; version 2 is not
+		var stale *StaleError
+		require.ErrorAs(t, err, &stale)
+		require.Greater(t, stale.Lag, 59*time.Second)
+		_, _, err = tb.board.Rank(ctx, "user-a", AtLeast("user-a", 1))
+		require.ErrorIs(t, err, ErrStale)
+
+		r, err := tb.board.Top(ctx, 10, AtLeast("user-a", 1), WithPolicy(FallbackToPostgres))
+		require.NoError(t, err)
+		require.Equal(t, SourcePostgres, r.Freshness.Source)
+		require.True(t, r.Freshness.AtLeastMet)
+		require.Equal(t, int64(17), r.Entries[0].Score)
 	})
 
 	t.Run("FallbackWhenRedisFails", func(t *testing.T) {
@@ -1214,6 +1252,54 @@ func TestFreshnessProbe(t *testing.T) {
 		require.True(t, fr.AtLeastMet, "false only when a read asked for AtLeast")
 		require.GreaterOrEqual(t, fr.Lag, asked.Sub(measuredAt))
 		require.False(t, fr.ProjectedThrough.After(measuredAt))
+	})
+
+	// As AgesWhileAProbeIsStuck, with a change pending at the reused
+	// measurement: its lag keeps growing with the measurement's age too,
+	// since the projection may have fallen further behind since.
+	t.Run("PendingLagAgesWhileAProbeIsStuck", func(t *testing.T) {
+		t.Parallel()
+		tb := setup(t)
+		pc, err := pgxpool.ParseConfig(tb.pg.ConnString)
+		require.NoError(t, err)
+		board, small := tb.failClosedOnPoolOfOne(t, pc, 100*time.Millisecond, 10*time.Millisecond)
+		cfg := board.Config()
+
+		tb.submit(t, "user-a", 10) // never projected
+		// Measures one change pending. ServeStale: on a loaded machine its
+		// lag alone can exceed MaxLag.
+		r, err := board.Top(ctx, 10, WithPolicy(ServeStale))
+		require.NoError(t, err)
+		measuredAt := time.Now()
+		pendingLag := r.Freshness.Lag
+		require.GreaterOrEqual(t, pendingLag, time.Duration(0))
+
+		// The next probe hangs.
+		conn, err := small.Acquire(ctx)
+		require.NoError(t, err)
+		defer conn.Release()
+		time.Sleep(cfg.LagProbeInterval)
+		probeCtx, cancelProbe := context.WithCancel(ctx)
+		probed := make(chan struct{})
+		go func() {
+			defer close(probed)
+			_, _ = board.Top(probeCtx, 10)
+		}()
+		t.Cleanup(func() { cancelProbe(); <-probed })
+		require.Eventually(t, func() bool {
+			board.lagMu.Lock()
+			defer board.lagMu.Unlock()
+			return board.lagProbe.running
+		}, 5*time.Second, time.Millisecond)
+		time.Sleep(cfg.MaxLag + 20*time.Millisecond)
+
+		asked := time.Now()
+		fr := board.Freshness(ctx)
+		require.GreaterOrEqual(t, fr.Lag, pendingLag+asked.Sub(measuredAt), "the reused measurement's lag did not grow with its age")
+		_, err = board.Top(ctx, 10)
+		var stale *StaleError
+		require.ErrorAs(t, err, &stale)
+		require.Greater(t, stale.Lag, cfg.MaxLag)
 	})
 
 	t.Run("SlowReplyCountsAsLag", func(t *testing.T) {

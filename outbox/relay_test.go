@@ -419,6 +419,56 @@ func TestRelayLease(t *testing.T) {
 		require.Zero(t, b.count(t, b.writer.Table()))
 	})
 
+	// A's handler succeeds while B, which re-claimed its row after A's
+	// lease ended, is still handling it: A's acknowledgement must change
+	// nothing (the partition is B's), and B then settles its own claim.
+	// An acknowledgement after B had deleted the row could not tell one
+	// that honours the lease from one that ignores it.
+	t.Run("LateAckDoesNotTouchReclaimedRow", func(t *testing.T) {
+		t.Parallel()
+		for name, keep := range map[string]bool{"Delete": false, "KeepPublished": true} {
+			t.Run(name, func(t *testing.T) {
+				t.Parallel()
+				b := setup(t)
+				b.appendCommitted(t, newMessage("s", "k", 1))
+				// A long lease, ended on purpose (expireLeases), as in
+				// ExpiryRedeliversAndLateAckIsRefused.
+				const lease = 10 * time.Second
+
+				slow := newBlocking()
+				relayA := b.relay(t, nil, handle(slow), outbox.RelayConfig{LeaseDuration: lease, KeepPublished: keep, Name: "a"})
+				doneA := make(chan error, 1)
+				go func() {
+					_, err := relayA.RunOnce(ctx)
+					doneA <- err
+				}()
+				batchA := receive(t, slow.started)
+				require.Len(t, batchA, 1)
+				require.EqualValues(t, 1, b.expireLeases(t), "A's batch holds one partition")
+
+				hold := newBlocking()
+				relayB := b.relay(t, nil, handle(hold), outbox.RelayConfig{LeaseDuration: time.Minute, KeepPublished: keep, Name: "b"})
+				doneB := make(chan error, 1)
+				go func() {
+					_, err := relayB.RunOnce(ctx)
+					doneB <- err
+				}()
+				batchB := receive(t, hold.started)
+				require.Len(t, batchB, 1)
+				require.Equal(t, batchA[0].ID, batchB[0].ID)
+				rowsBefore := b.rows(t)
+				require.Len(t, rowsBefore, 1)
+
+				close(slow.release)
+				require.ErrorIs(t, receive(t, doneA), outbox.ErrLeaseLost, "A's late acknowledgement is refused")
+				require.Equal(t, rowsBefore, b.rows(t), "A's late acknowledgement changed a row B holds")
+
+				close(hold.release)
+				require.NoError(t, receive(t, doneB), "B holds the lease: its settle succeeds")
+			})
+		}
+	})
+
 	t.Run("LostLeaseLogsNoOutcome", func(t *testing.T) {
 		t.Parallel()
 		// A's failure would bury its row (MaxAttempts 1) or reschedule it
@@ -668,6 +718,40 @@ func TestRelayRetries(t *testing.T) {
 		require.NoError(t, err)
 		require.Zero(t, stats.DeadLetters)
 		require.EqualValues(t, 1, stats.Pending)
+	})
+
+	// A row waiting out a backoff is not handed out before its time when a
+	// new row in the same partition makes a claim lease that partition:
+	// re-delivered on every append, it would burn its attempts early.
+	t.Run("BackoffHoldsWhileItsPartitionIsClaimed", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		failing := newMessage("s", "failing", 1)
+		b.appendCommitted(t, failing)
+		h := &recorder{fail: func(rec outbox.Record) error {
+			if rec.EventID == failing.EventID {
+				return errors.New("projection target down")
+			}
+			return nil
+		}}
+		r := b.relay(t, nil, h, outbox.RelayConfig{RetryBackoffMin: time.Hour, RetryBackoffMax: time.Hour, MaxAttempts: 5})
+		n, err := r.RunOnce(ctx)
+		require.NoError(t, err)
+		require.Equal(t, 1, n)
+
+		// A new row right after it: consecutive ids, the same partition.
+		fresh := newMessage("s", "fresh", 1)
+		b.appendCommitted(t, fresh)
+		n, err = r.RunOnce(ctx)
+		require.NoError(t, err)
+		require.Equal(t, 1, n, "only the new row is due; the failed one waits an hour")
+		seen := h.seen()
+		require.Len(t, seen, 2)
+		require.Equal(t, fresh.EventID, seen[1].EventID)
+		rows := b.rows(t)
+		require.Len(t, rows, 1)
+		require.Equal(t, failing.EventID, rows[0].EventID)
+		require.Equal(t, 1, rows[0].Attempts, "the failed row was not attempted again")
 	})
 
 	t.Run("BackoffWithoutCap", func(t *testing.T) {

@@ -169,22 +169,30 @@ func TestAppend(t *testing.T) {
 			{"LongStream", func(m *outbox.Message) { m.Stream = strings.Repeat("s", outbox.MaxStreamBytes+1) }, "Stream"},
 			{"DuplicateEventIDInCall", func(m *outbox.Message) { m.EventID = dup.EventID }, "EventID"},
 		}
+		// The cases run one after another (not in parallel): each checks
+		// that the bundle's table is still empty.
 		for _, tc := range cases {
-			tx, err := b.pool.Begin(ctx)
-			require.NoError(t, err)
-			bad := newMessage("s", "k2", 2)
-			tc.bad(&bad)
-			err = b.writer.Append(ctx, tx, dup, bad)
-			require.ErrorIs(t, err, outbox.ErrInvalidMessage, tc.name)
-			var msgErr *outbox.MessageError
-			require.ErrorAs(t, err, &msgErr, tc.name)
-			require.Equal(t, 1, msgErr.Index, tc.name)
-			require.Equal(t, tc.field, msgErr.Field, tc.name)
-			require.Contains(t, err.Error(), tc.field, tc.name)
-			// The transaction is untouched: it still commits, and nothing
-			// (not even the valid first message) was written.
-			require.NoError(t, tx.Commit(ctx), tc.name)
-			require.Zero(t, b.count(t, b.writer.Table()), tc.name)
+			t.Run(tc.name, func(t *testing.T) {
+				tx, err := b.pool.Begin(ctx)
+				require.NoError(t, err)
+				// A failed check must not leave the transaction open: it
+				// holds a pooled connection, and the pool's Close at cleanup
+				// would wait for it until the test binary's timeout.
+				defer tx.Rollback(ctx) //nolint:errcheck // no-op after commit
+				bad := newMessage("s", "k2", 2)
+				tc.bad(&bad)
+				err = b.writer.Append(ctx, tx, dup, bad)
+				require.ErrorIs(t, err, outbox.ErrInvalidMessage)
+				var msgErr *outbox.MessageError
+				require.ErrorAs(t, err, &msgErr)
+				require.Equal(t, 1, msgErr.Index)
+				require.Equal(t, tc.field, msgErr.Field)
+				require.Contains(t, err.Error(), tc.field)
+				// The transaction is untouched: it still commits, and nothing
+				// (not even the valid first message) was written.
+				require.NoError(t, tx.Commit(ctx))
+				require.Zero(t, b.count(t, b.writer.Table()))
+			})
 		}
 	})
 

@@ -246,6 +246,95 @@ func TestRepairRace(t *testing.T) {
 	}
 }
 
+// TestRepairRaceVersionAppearsWithTheSameValue makes a version appear, with
+// the value already held, between the read of an entry without a version and
+// its compare-and-set repair: the repair expected no version, so it must
+// decline, not overwrite the newer gate write with the older source row it
+// read (corrupt) or delete an entry projected after the read (orphan).
+// TestRepairRace's race on "nover" changes the value as well.
+func TestRepairRaceVersionAppearsWithTheSameValue(t *testing.T) {
+	t.Parallel()
+	for _, kind := range allKinds {
+		t.Run(kindName(kind), func(t *testing.T) {
+			t.Parallel()
+			ctx := context.Background()
+			b := setup(t, kind)
+			// A projected entry, so that the collection records its layout.
+			b.insert(t, "anchor", 1)
+			require.Equal(t, projection.OutcomeApplied, b.project(t, "anchor", 1))
+			// corrupt: the source has version 3; Redis holds the value of
+			// version 5 without any version (a lost version key).
+			b.insert(t, "corrupt", 3)
+			v5 := b.value("corrupt", 5)
+			b.setRaw(t, "corrupt", &v5, nil)
+			// orphan: not in the source; Redis holds a value without a version.
+			o2 := b.value("orphan", 2)
+			b.setRaw(t, "orphan", &o2, nil)
+
+			r := b.reconciler(t, &Config{
+				Policy: Policy{Orphan: ActionRepair},
+				BeforeRepair: func(ctx context.Context, f Finding) bool {
+					// The outbox delivers a newer version with the value
+					// Redis already holds. BeforeRepair may run on another
+					// goroutine: assert, not require.
+					switch f.Key {
+					case "corrupt":
+						b.insert(t, "corrupt", 5)
+						assert.Equal(t, projection.OutcomeApplied, b.project(t, "corrupt", 5))
+					case "orphan":
+						b.insert(t, "orphan", 2)
+						assert.Equal(t, projection.OutcomeApplied, b.project(t, "orphan", 2))
+					}
+					return true
+				},
+			})
+			rep, err := r.Run(ctx, RunOptions{})
+			require.NoError(t, err)
+			require.EqualValues(t, 1, rep.Counts[ClassCorrupt], "report: %v", rep)
+			require.EqualValues(t, 1, rep.Counts[ClassOrphan], "report: %v", rep)
+			require.EqualValues(t, 2, rep.Results[ResultRaced], "results: %v", rep.Results)
+
+			p := b.state(t, r, "corrupt")
+			require.Equal(t, int64(5), p.Version, "the repair overwrote a newer gate write with the older source row it had read")
+			require.Equal(t, ClassCurrent, Classify(kind, &Row{Key: "corrupt", Version: 5, Value: v5}, p))
+			p = b.state(t, r, "orphan")
+			require.True(t, p.HasValue && p.HasVersion, "the orphan removal deleted an entry projected after the read")
+			require.Equal(t, int64(2), p.Version)
+		})
+	}
+}
+
+// TestRepairRaceGateAnswersDuplicate has the relay project the source's very
+// version of a missing and a stale entry between their read and their repair
+// through the gate, which then answers duplicate: the reconciler wrote
+// nothing, so the findings are raced, not repaired. TestRepairRace races
+// with another version, which the gate answers stale.
+func TestRepairRaceGateAnswersDuplicate(t *testing.T) {
+	t.Parallel()
+	for _, kind := range allKinds {
+		t.Run(kindName(kind), func(t *testing.T) {
+			t.Parallel()
+			b := setup(t, kind)
+			b.insert(t, "missing", 3)
+			b.insert(t, "stale", 4)
+			require.Equal(t, projection.OutcomeApplied, b.project(t, "stale", 2))
+			r := b.reconciler(t, &Config{
+				BeforeRepair: func(ctx context.Context, f Finding) bool {
+					// The relay delivers exactly the source's version now.
+					assert.Equal(t, projection.OutcomeApplied, b.project(t, f.Key, f.Source.Version))
+					return true
+				},
+			})
+			rep, err := r.Run(context.Background(), RunOptions{})
+			require.NoError(t, err)
+			require.EqualValues(t, 1, rep.Counts[ClassMissing], "report: %v", rep)
+			require.EqualValues(t, 1, rep.Counts[ClassStale], "report: %v", rep)
+			require.Zero(t, rep.Repaired, "the relay had delivered both versions; results %v", rep.Results)
+			require.EqualValues(t, 2, rep.Results[ResultRaced], "results: %v", rep.Results)
+		})
+	}
+}
+
 // TestRepairRaceVersionsAboveDoublePrecision re-creates and projects an
 // orphan between its classification and its removal, at the next version
 // and the same score. Both versions are above 2^53, where they round to the

@@ -385,6 +385,21 @@ func TestClassify(t *testing.T) {
 			require.Equal(t, tc.want, Classify(tc.kind, tc.row, tc.p))
 		})
 	}
+	// A version without its value is corrupt even where the source's value
+	// is the zero value (a score of 0, an empty field or document), which
+	// the absent value's zero Score and Data equal: a sorted-set member
+	// that vanished at score 0 must not pass as current.
+	t.Run("VersionWithoutValueZeroSource", func(t *testing.T) {
+		t.Parallel()
+		zero := &Row{Key: "k", Version: 5, Value: projection.Value{Score: 0, Data: []byte{}}}
+		for _, kind := range allKinds {
+			var p Projected
+			p.parseVersion("5")
+			require.Equal(t, ClassCorrupt, Classify(kind, zero, p), kindName(kind))
+			p.HasValue = true
+			require.Equal(t, ClassCurrent, Classify(kind, zero, p), "%s: the zero value, present, is current", kindName(kind))
+		}
+	})
 	require.Equal(t, "corrupt", ClassCorrupt.String())
 	require.Equal(t, "class(99)", Class(99).String())
 }

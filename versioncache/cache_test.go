@@ -605,6 +605,54 @@ func TestVersionNeverGoesBackwards(t *testing.T) {
 		require.Equal(t, want, got)
 	})
 
+	// Invalidate's version is at least Redis's clock (doc.go: the largest of
+	// current+1, the clock and one above the embedded version), not merely
+	// one above the stored version.
+	t.Run("InvalidateCatchesUpWithTheClock", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t, nil)
+		b.truth.write("p1", 1)
+		_, err := b.cache.Get(ctx, "p1", b.truth.loader("p1"))
+		require.NoError(t, err)
+		// A version well behind the clock, as one stored long ago.
+		behind := time.Now().Add(-time.Hour).UnixMicro()
+		require.NoError(t, b.client.Set(ctx, b.cache.versionKey("p1"), strconv.FormatInt(behind, 10), time.Hour).Err())
+		now, err := b.client.Time(ctx).Result()
+		require.NoError(t, err)
+
+		require.NoError(t, b.cache.Invalidate(ctx, "p1"))
+		_, v, _, err := b.cache.Peek(ctx, "p1")
+		require.NoError(t, err)
+		require.GreaterOrEqual(t, v, now.UnixMicro(), "the version stayed behind the clock")
+	})
+
+	// The version key holds a version ahead of Redis's clock (a clock that
+	// stepped back, a failover to a server whose clock lags) and the current
+	// value embeds an older one: Invalidate must still move the version up,
+	// not back to the clock, below versions already handed out.
+	t.Run("VersionKeyAheadOfClock", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t, nil)
+		b.truth.write("p1", 1)
+		_, err := b.cache.Get(ctx, "p1", b.truth.loader("p1"))
+		require.NoError(t, err)
+		ahead := time.Now().Add(time.Hour).UnixMicro()
+		require.NoError(t, b.client.Set(ctx, b.cache.versionKey("p1"), strconv.FormatInt(ahead, 10), time.Hour).Err())
+
+		require.NoError(t, b.cache.Invalidate(ctx, "p1"))
+		_, v, ok, err := b.cache.Peek(ctx, "p1")
+		require.NoError(t, err)
+		require.False(t, ok, "Invalidate deleted the current value")
+		require.Greater(t, v, ahead, "Invalidate moved the version backwards")
+
+		// A fill still carrying the version read before the Invalidate is refused.
+		stored, err := b.cache.lua.fill.Run(ctx, b.client,
+			[]string{b.cache.versionKey("p1"), b.cache.currentKey("p1"), b.cache.leaseKey("p1")},
+			strconv.FormatInt(ahead, 10), joinVersioned(strconv.FormatInt(ahead, 10), []byte(`{}`)), 60000, "").Int()
+		require.NoError(t, err)
+		require.Zero(t, stored)
+	})
+
 	// FLUSHALL, simulated per id (the shared server must not be flushed): a
 	// load that began before it must not be stored after it.
 	t.Run("BothKeysLost", func(t *testing.T) {
