@@ -1127,10 +1127,12 @@ func callerGaveUp(ctx context.Context, err error) error {
 // Backoff between attempts of a call that Redis Cluster answered TRYAGAIN
 // (see retryMigrating): short at first, since moving one slot's keys often
 // takes milliseconds, and capped so that the call notices the migration's
-// end soon after it.
+// end soon after it. migratingRedirectsMax bounds the redirects retried in
+// a row, so that a cluster whose nodes keep disagreeing fails the call.
 const (
-	migratingBackoffMin = 10 * time.Millisecond
-	migratingBackoffMax = 200 * time.Millisecond
+	migratingBackoffMin   = 10 * time.Millisecond
+	migratingBackoffMax   = 200 * time.Millisecond
+	migratingRedirectsMax = 5
 )
 
 // retryMigrating runs attempt again, with capped exponential backoff, for
@@ -1141,32 +1143,54 @@ const (
 // migration ends, far longer than go-redis's own retries (MaxRedirects).
 // TRYAGAIN means the script did not run, so running it again is safe.
 //
-// When ctx ends after a TRYAGAIN, the error matches ErrSlotMigrating and
-// wraps that TRYAGAIN and ctx's error, including when ctx cut off an
-// attempt in flight (which may then have run). Any other error is
-// attempt's own.
+// As the migration ends, the two nodes briefly disagree about the slot's
+// owner, and go-redis's redirects can run out on a MOVED or ASK reply;
+// that too means the script did not run, and up to migratingRedirectsMax
+// of them in a row are retried the same way.
+//
+// When ctx ends after a TRYAGAIN or a redirect, the error matches
+// ErrSlotMigrating and wraps that reply and ctx's error, including when
+// ctx cut off an attempt in flight (which may then have run). Any other
+// error is attempt's own.
 func retryMigrating(ctx context.Context, attempt func() error) error {
-	var tryAgain error // the last TRYAGAIN reply
+	var (
+		refused   error // the last TRYAGAIN or redirect reply
+		redirects int   // redirects in a row
+	)
 	for backoff := migratingBackoffMin; ; backoff = min(2*backoff, migratingBackoffMax) {
 		err := attempt()
-		if !redis.IsTryAgainError(err) {
-			if tryAgain != nil {
+		switch {
+		case redis.IsTryAgainError(err):
+			redirects = 0
+		case isRedirect(err) && redirects < migratingRedirectsMax:
+			redirects++
+		default:
+			if refused != nil {
 				if cerr := callerGaveUp(ctx, err); cerr != nil {
-					return slotMigrating(tryAgain, cerr)
+					return slotMigrating(refused, cerr)
 				}
 			}
 			return err
 		}
-		tryAgain = err
+		refused = err
 		select {
 		case <-ctx.Done():
-			return slotMigrating(tryAgain, ctx.Err())
+			return slotMigrating(refused, ctx.Err())
 		case <-time.After(backoff):
 		}
 	}
 }
 
-// slotMigrating returns a TRYAGAIN reply as an error matching
+// isRedirect reports whether err is a MOVED or ASK reply.
+func isRedirect(err error) bool {
+	if _, ok := redis.IsMovedError(err); ok {
+		return true
+	}
+	_, ok := redis.IsAskError(err)
+	return ok
+}
+
+// slotMigrating returns a TRYAGAIN or redirect reply as an error matching
 // ErrSlotMigrating, and cerr, the caller's ctx error that ended its
 // retries, when not nil.
 func slotMigrating(tryAgain, cerr error) error {
