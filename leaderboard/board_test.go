@@ -306,32 +306,62 @@ func TestSubmitBatch(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 
+	// Every user but c has history (a two versions, b one), projected
+	// before the batch, so each user's versions continue from the stored
+	// one; a and b get several commands, interleaved.
 	t.Run("MatchesSequentialSubmits", func(t *testing.T) {
 		t.Parallel()
 		tb := setup(t)
+		tb.submit(t, "a", 7)
+		tb.submit(t, "a", 3)
 		prior := Command{EventID: uuid.New(), UserID: "b", Delta: 4}
 		priorRes, err := tb.board.Submit(ctx, prior)
 		require.NoError(t, err)
+		tb.drain(t)
 
 		repeated := Command{EventID: uuid.New(), UserID: "a", Delta: 2}
 		cmds := []Command{
 			{EventID: uuid.New(), UserID: "a", Delta: 10},
 			{EventID: uuid.New(), UserID: "b", Delta: 1},
 			prior,
+			{EventID: uuid.New(), UserID: "c", Delta: 6},
 			repeated,
 			{EventID: uuid.New(), UserID: "a", Delta: -3},
+			{EventID: uuid.New(), UserID: "b", Delta: -8},
 			repeated,
 		}
 		got, err := tb.board.SubmitBatch(ctx, cmds)
 		require.NoError(t, err)
+		// Running sums and consecutive versions per user, as if submitted
+		// one by one: each command its own, not its user's last.
 		require.Equal(t, []Result{
-			{Score: 10, Version: 1},
+			{Score: 20, Version: 3},
 			{Score: 5, Version: 2},
 			{Score: priorRes.Score, Version: priorRes.Version, Duplicate: true},
-			{Score: 12, Version: 2},
-			{Score: 9, Version: 3},
-			{Score: 12, Version: 2, Duplicate: true},
+			{Score: 6, Version: 1},
+			{Score: 22, Version: 4},
+			{Score: 19, Version: 5},
+			{Score: -3, Version: 3},
+			{Score: 22, Version: 4, Duplicate: true},
 		}, got)
+
+		// PostgreSQL holds each user's last state, and the outbox that state
+		// alone (the prior submits' rows were drained).
+		type state struct { // exported fields: pgx.RowToStructByPos
+			User           string
+			Score, Version int64
+		}
+		want := []state{{"a", 19, 5}, {"b", -3, 3}, {"c", 6, 1}}
+		collect := func(sql string, args ...any) []state {
+			t.Helper()
+			rows, err := tb.pg.Pool.Query(ctx, sql, args...)
+			require.NoError(t, err)
+			states, err := pgx.CollectRows(rows, pgx.RowToStructByPos[state])
+			require.NoError(t, err)
+			return states
+		}
+		require.Equal(t, want, collect(`SELECT user_id, score, version FROM user_scores WHERE board = $1 ORDER BY user_id`, tb.board.Name()))
+		require.Equal(t, want, collect(`SELECT key, convert_from(payload, 'UTF8')::bigint, version FROM verity_outbox ORDER BY key, version`))
 
 		// Resubmitting the batch changes nothing and reports duplicates.
 		again, err := tb.board.SubmitBatch(ctx, cmds)
@@ -342,8 +372,18 @@ func TestSubmitBatch(t *testing.T) {
 			require.Equal(t, got[i].Version, again[i].Version)
 		}
 		events, users, queued := tb.counts(t)
-		// 5 events; the outbox holds b's single submit plus one final state per user.
-		require.Equal(t, []int{5, 2, 3}, []int{events, users, queued})
+		// 3 earlier events and 6 new; one outbox row per user.
+		require.Equal(t, []int{9, 3, 3}, []int{events, users, queued})
+
+		// Projected, Redis holds the same scores and versions.
+		tb.drain(t)
+		for _, w := range want {
+			score, err := tb.rd.Client.ZScore(ctx, tb.board.SortedSetKey(), w.User).Result()
+			require.NoError(t, err, w.User)
+			version, err := tb.rd.Client.HGet(ctx, tb.board.Keyspace().VersionKey(tb.board.target(w.User)), w.User).Int64()
+			require.NoError(t, err, w.User)
+			require.Equal(t, w, state{w.User, -int64(score), version}) // negated: ascending order is the ranking
+		}
 	})
 
 	t.Run("ConflictWritesNothing", func(t *testing.T) {
