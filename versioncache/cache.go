@@ -586,7 +586,7 @@ func (c *Cache[T]) releaseLease(ctx context.Context, id string, r readResult) {
 	if err := c.lua.release.Run(ctx, c.client, []string{c.leaseKey(id)}, r.version, c.leaseToken).Err(); err != nil {
 		// A Redis error whatever the caller's ctx did: the release runs
 		// detached from it, bounded by detachedTimeout.
-		c.stats.redisErrors.Add(1)
+		c.redisFailed(ctx, err)
 		c.warn(ctx, &c.logs.release, "versioncache: releasing fill lease failed", id, err)
 	}
 }
@@ -649,7 +649,7 @@ func (c *Cache[T]) failOpen(ctx context.Context, id, op string, err error, load 
 	if cerr := callerGaveUp(ctx, err); cerr != nil {
 		return zero, cerr // not a Redis failure
 	}
-	c.stats.redisErrors.Add(1)
+	c.redisFailed(ctx, err)
 	if redis.IsTryAgainError(err) {
 		// Not retried: a read should not wait for a whole migration.
 		err = slotMigrating(err, nil)
@@ -804,7 +804,7 @@ func (c *Cache[T]) loadAndFillAt(ctx context.Context, id, key, versionText strin
 // Redis is to blame (not the caller's own ctx ending).
 func (c *Cache[T]) fillFailed(ctx context.Context, id string, err error, redisFailed bool) {
 	if redisFailed {
-		c.stats.redisErrors.Add(1)
+		c.redisFailed(ctx, err)
 	}
 	c.warn(ctx, &c.logs.fill, "versioncache: fill failed; serving loaded value uncached", id, err)
 }
@@ -877,7 +877,7 @@ func (c *Cache[T]) Invalidate(ctx context.Context, id string) error {
 		// A migration that outlasted the ctx is one, counted once.
 		switch cerr := callerGaveUp(ctx, err); {
 		case cerr == nil || errors.Is(err, ErrSlotMigrating):
-			c.stats.redisErrors.Add(1)
+			c.redisFailed(ctx, err)
 		case !errors.Is(err, cerr):
 			err = fmt.Errorf("%w: %w", cerr, err)
 		}
@@ -955,7 +955,7 @@ func (c *Cache[T]) Peek(ctx context.Context, id string) (val T, version int64, o
 		if cerr := callerGaveUp(ctx, err); cerr != nil && !errors.Is(err, ErrSlotMigrating) {
 			return val, 0, false, cerr
 		}
-		c.stats.redisErrors.Add(1)
+		c.redisFailed(ctx, err)
 		return val, 0, false, &RedisError{Op: "peek", ID: id, Err: err}
 	}
 	if !r.found {
@@ -1198,4 +1198,13 @@ func slotMigrating(tryAgain, cerr error) error {
 		return fmt.Errorf("%w: %w", ErrSlotMigrating, tryAgain)
 	}
 	return fmt.Errorf("%w (retried until %w): %w", ErrSlotMigrating, cerr, tryAgain)
+}
+
+// redisFailed counts a failed Redis call, and has a cluster client reload
+// its slot map when the call could not reach its node: go-redis reloads it
+// on redirects and every ClusterStateReloadInterval only, so after a
+// master died the commands it routes there would fail until then.
+func (c *Cache[T]) redisFailed(ctx context.Context, err error) {
+	c.stats.redisErrors.Add(1)
+	clusterpin.ReloadIfUnreachable(ctx, c.client, err)
 }

@@ -290,7 +290,7 @@ func (c *Cache[T]) peekAt(ctx context.Context, id string) (val T, version int64,
 		if cerr := callerGaveUp(ctx, err); cerr != nil {
 			return val, 0, 0, cerr
 		}
-		c.stats.redisErrors.Add(1)
+		c.redisFailed(ctx, err)
 		return val, 0, 0, &RedisError{Op: "peek", ID: id, Err: err}
 	}
 	version, payload, err := splitVersioned(data)

@@ -3,6 +3,7 @@ package versioncache
 import (
 	"context"
 	"fmt"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -358,4 +359,56 @@ func (b *testBundle) hit(t *testing.T, id string) product {
 	})
 	require.NoError(t, err)
 	return got
+}
+
+// TestClusterMasterKilled kills an id's master (SIGKILL) and promotes its
+// replica behind the back of a plain cluster client whose periodic reload
+// (ClusterStateReloadInterval, 60 s by default) is far off. go-redis
+// reloads its slot map on redirects only, and a dead node sends none: an
+// Invalidate that meets the refused connection has the map reloaded, so
+// that the ones after it reach the new master within seconds.
+func TestClusterMasterKilled(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	cluster := testenv.StartRedisCluster(t, 3, 1)
+	waitReplicasOnline(t, cluster.Client(t))
+	client := cluster.Client(t)
+	b := setupWith(t, client, cluster.Prefix(t), nil)
+	id := "master-killed"
+	b.truth.write(id, 1)
+	_, err := b.cache.Get(ctx, id, b.truth.loader(id))
+	require.NoError(t, err)
+	master, err := client.MasterForKey(ctx, b.cache.versionKey(id))
+	require.NoError(t, err)
+	require.NoError(t, master.Wait(ctx, 1, 5*time.Second).Err(), "a replica has the keys")
+	oldMaster := master.Options().Addr
+	myID, err := master.Do(ctx, "CLUSTER", "MYID").Text()
+	require.NoError(t, err)
+	lines, err := master.Do(ctx, "CLUSTER", "REPLICAS", myID).StringSlice()
+	require.NoError(t, err)
+	require.NotEmpty(t, lines)
+	replica, _, _ := strings.Cut(strings.Fields(lines[0])[1], "@")
+	killed := slices.Index(cluster.Addrs(), oldMaster)
+	require.NotEqual(t, -1, killed)
+
+	cluster.Kill(killed)
+	promoted := redis.NewClient(&redis.Options{Addr: replica})
+	t.Cleanup(func() { _ = promoted.Close() })
+	// TAKEOVER promotes at once, without waiting for cluster-node-timeout.
+	require.NoError(t, promoted.Do(ctx, "CLUSTER", "FAILOVER", "TAKEOVER").Err())
+
+	b.truth.write(id, 2)
+	start := time.Now()
+	for {
+		err := b.cache.Invalidate(ctx, id)
+		if err == nil {
+			t.Logf("Invalidate reached the new master %s after the failover", time.Since(start))
+			break
+		}
+		require.Less(t, time.Since(start), 10*time.Second, "Invalidate still fails: %v", err)
+		time.Sleep(50 * time.Millisecond)
+	}
+	got, err := b.cache.Get(ctx, id, b.truth.loader(id))
+	require.NoError(t, err)
+	require.Equal(t, b.truth.read(id), got)
 }

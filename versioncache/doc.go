@@ -66,6 +66,13 @@
 // the map, waits for it to name the new master (up to two seconds) and
 // sends the command again there. An ASK reply (a slot in the middle of a
 // migration) sends it once to the importing master, after ASKING.
+// A master that died (SIGKILL, a lost host) answers nothing: the command
+// fails with its connection error, and the cache has the cluster client
+// reload its slot map, so the commands after it reach the replica promoted
+// in its place within seconds of the promotion (0.9–2.6 s in the tests).
+// go-redis itself reloads the map on redirects and every
+// ClusterStateReloadInterval (60 s by default) only, never on connection
+// errors.
 //
 // While a slot migrates (MIGRATING on its master, IMPORTING on another, for
 // as long as a resharding takes to move its keys), Redis runs a command

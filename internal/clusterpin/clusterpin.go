@@ -19,6 +19,21 @@
 //     (ClusterStateReloadInterval, 60 s by default, or sooner if the cluster
 //     client meets a redirect itself). OnMaster follows it, staying on a
 //     master.
+//   - go-redis reloads the map on redirects and every
+//     ClusterStateReloadInterval, never on connection errors: once a
+//     master dies and its replica is promoted, commands the map sends to
+//     the dead node — pinned or not — fail until that interval is up. A
+//     pinned command that fails with a connection-level error (refused or
+//     reset connection, EOF, an i/o timeout the caller's context did not
+//     cause) therefore asks the cluster client to reload its map. The
+//     command still fails, with that error (no retry here); the ones
+//     after it reach the new master as soon as a node answers the reload
+//     with the promotion, rather than up to a minute later. The reload
+//     runs in go-redis's own goroutine, one at a time per client, with a
+//     200 ms pause after each that succeeds, however many commands fail
+//     (see Pipeline). Commands that are not pinned get no such help from
+//     go-redis: they keep failing until its next periodic reload, or until
+//     a pinned command has asked for one.
 //
 // A client whose slot map comes from ClusterOptions.ClusterSlots rather than
 // from the servers — the one redis.NewUniversalClient builds for Sentinel
@@ -34,6 +49,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"net"
 	"strings"
 	"time"
@@ -110,7 +126,8 @@ func IsRedirect(err error) bool {
 // no slot yet is not in the slot map, nor is one go-redis names differently
 // from the reply (it replaces loopback hosts, for one): its ASK reply is
 // returned as it is. Any other error, and a second redirect, is returned
-// as it is.
+// as it is; a connection-level one also asks cc to reload its slot map
+// (see Pipeline).
 //
 // READWRITE needs the same ACL permission as the READONLY a replica-reading
 // client sends on every connection (both are in @connection).
@@ -176,28 +193,80 @@ func Eval(ctx context.Context, cc *redis.ClusterClient, script *redis.Script, ke
 // Pipeline returns a pipeline on node, a master's node client of cc, for
 // reads that handle redirects themselves. Unless cc's slot map comes from
 // ClusterSlots (see the package documentation), it starts with READWRITE
-// and, when cc reads from replicas, ends with READONLY: the connection goes back to the node client's pool, which cc
-// also uses to read from that node once a failover has made it a replica.
-// Exec it once: READWRITE is queued only at the start.
+// and, when cc reads from replicas, ends with READONLY: the connection goes
+// back to the node client's pool, which cc also uses to read from that node
+// once a failover has made it a replica. Exec it once: READWRITE is queued
+// only at the start.
+//
+// When Exec fails with a connection-level error (refused or reset
+// connection, EOF, an i/o timeout while Exec's context is still live), it
+// asks cc to reload its slot map (ReloadState) before returning that error:
+// node may have died and a replica taken over its slots, which go-redis
+// would otherwise learn only at its next periodic reload
+// (ClusterStateReloadInterval). ReloadState only starts go-redis's reload,
+// in go-redis's goroutine, or marks one pending when a reload or go-redis's
+// 200 ms pause after one is under way, so a burst of failures costs at most
+// one reload per pause; a reload that fails (no node answers) has no pause,
+// but each of its attempts goes through the node clients' retries and
+// backoff first.
 func Pipeline(ctx context.Context, cc *redis.ClusterClient, node *redis.Client) redis.Pipeliner {
-	pipe := node.Pipeline()
+	pipe := pinnedPipeline{Pipeliner: node.Pipeline(), cc: cc}
 	opts := cc.Options()
 	if opts.ClusterSlots != nil { // not cluster-mode servers (package doc)
 		return pipe
 	}
 	pipe.ReadWrite(ctx)
-	if opts.ReadOnly {
-		return restoringPipeline{pipe}
-	}
+	pipe.restore = opts.ReadOnly
 	return pipe
 }
 
-// restoringPipeline sends READONLY after the queued commands.
-type restoringPipeline struct{ redis.Pipeliner }
+// pinnedPipeline sends READONLY after the queued commands when restore is
+// set, and asks cc to reload its slot map when the node is unreachable.
+type pinnedPipeline struct {
+	redis.Pipeliner
+	cc      *redis.ClusterClient
+	restore bool
+}
 
-func (p restoringPipeline) Exec(ctx context.Context) ([]redis.Cmder, error) {
-	p.Pipeliner.ReadOnly(ctx)
-	return p.Pipeliner.Exec(ctx)
+func (p pinnedPipeline) Exec(ctx context.Context) ([]redis.Cmder, error) {
+	if p.restore {
+		p.Pipeliner.ReadOnly(ctx)
+	}
+	cmds, err := p.Pipeliner.Exec(ctx)
+	ReloadIfUnreachable(ctx, p.cc, err)
+	return cmds, err
+}
+
+// ReloadIfUnreachable asks client, when it is a *redis.ClusterClient, to
+// reload its slot map (ReloadState, rate-limited by go-redis as Pipeline
+// describes) when err, from a command sent with ctx, is a connection-level
+// error, and reports whether it asked. Commands sent through the cluster
+// client itself need it as much as pinned ones: go-redis reloads on
+// redirects and every ClusterStateReloadInterval only.
+func ReloadIfUnreachable(ctx context.Context, client redis.UniversalClient, err error) bool {
+	cc, ok := client.(*redis.ClusterClient)
+	if !ok || !connectionLost(ctx, err) {
+		return false
+	}
+	cc.ReloadState(ctx)
+	return true
+}
+
+// connectionLost reports whether err says the node could not be reached or
+// dropped the connection, rather than that ctx ended or the server replied
+// with an error.
+func connectionLost(ctx context.Context, err error) bool {
+	if err == nil || ctx.Err() != nil {
+		return false
+	}
+	if errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) {
+		return true
+	}
+	// Dial and socket errors (*net.OpError: refused, reset, i/o timeout),
+	// and a deadline go-redis set itself (DialTimeout, ReadTimeout), since
+	// ctx is still live. Server replies are never net.Errors.
+	var netErr net.Error
+	return errors.As(err, &netErr)
 }
 
 // send runs queue's commands on one connection of node, after READWRITE

@@ -3,10 +3,12 @@ package clusterpin
 import (
 	"context"
 	"errors"
+	"io"
 	"net"
 	"strconv"
 	"strings"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 
@@ -379,4 +381,133 @@ func TestOnMasterSentinel(t *testing.T) {
 		require.Equal(t, masterPort, port, "%d pinned reads went to %s, not the master", n, addr)
 	}
 	require.Len(t, gets.counts, 1)
+}
+
+// TestOnMasterReloadsAfterMasterKilled kills the master of a key (SIGKILL)
+// and promotes its replica behind the back of a replica-reading client
+// whose periodic reload (ClusterStateReloadInterval, 60 s by default) is
+// far off. go-redis reloads its slot map on redirects only, and a dead
+// node sends none: the pinned read that meets the refused connection must
+// ask for the reload itself, so that the reads after it reach the new
+// master within seconds.
+func TestOnMasterReloadsAfterMasterKilled(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	cluster := testenv.StartRedisCluster(t, 3, 1)
+	cluster.WaitSlotReplicas(t, 30*time.Second)
+	b := setup(t, cluster, &redis.ClusterOptions{ReadOnly: true})
+	key := "{killed}k"
+	require.NoError(t, b.stale.Set(ctx, key, "v", 0).Err())
+	master, err := b.stale.MasterForKey(ctx, key)
+	require.NoError(t, err)
+	oldMaster := master.Options().Addr
+	replica := syncedReplica(t, master)
+	require.NoError(t, master.Wait(ctx, 1, 5*time.Second).Err(), "the replica has the key")
+	killed := -1
+	for i, addr := range cluster.Addrs() {
+		if addr == oldMaster {
+			killed = i
+		}
+	}
+	require.NotEqual(t, -1, killed)
+
+	cluster.Kill(killed)
+	// TAKEOVER promotes the replica at once, without waiting for the
+	// cluster to find the master failed (cluster-node-timeout).
+	promoted := redis.NewClient(&redis.Options{Addr: replica})
+	t.Cleanup(func() { _ = promoted.Close() })
+	require.NoError(t, promoted.Do(ctx, "CLUSTER", "FAILOVER", "TAKEOVER").Err())
+
+	_, err = b.get(ctx, key)
+	require.Error(t, err, "the read that meets the dead master fails, without a retry")
+	require.False(t, IsRedirect(err), "a connection error: %v", err)
+
+	start := time.Now()
+	deadline := start.Add(10 * time.Second)
+	for {
+		got, err := b.get(ctx, key)
+		if err == nil {
+			require.Equal(t, "v", got)
+			t.Logf("pinned reads reached the new master %s after the failover", time.Since(start))
+			break
+		}
+		require.True(t, time.Now().Before(deadline),
+			"pinned reads still fail %s after the failover: %v", time.Since(start), err)
+		time.Sleep(50 * time.Millisecond)
+	}
+	named, err := b.stale.MasterForKey(ctx, key)
+	require.NoError(t, err)
+	require.Equal(t, replica, named.Options().Addr, "the client's map names the promoted replica")
+	require.Positive(t, b.gets.count(replica), "the read was served by the new master")
+}
+
+// syncedReplica returns the address of a replica of master whose
+// replication link is up, waiting up to 20 s for one.
+func syncedReplica(t *testing.T, master *redis.Client) string {
+	t.Helper()
+	ctx := context.Background()
+	id, err := master.Do(ctx, "CLUSTER", "MYID").Text()
+	require.NoError(t, err)
+	deadline := time.Now().Add(20 * time.Second)
+	for {
+		replicas, err := master.Do(ctx, "CLUSTER", "REPLICAS", id).StringSlice()
+		require.NoError(t, err)
+		for _, line := range replicas {
+			// "<id> <ip:port@cport[,hostname]> <flags> ..."
+			fields := strings.Fields(line)
+			if len(fields) < 3 || strings.Contains(fields[2], "fail") {
+				continue
+			}
+			addr, _, _ := strings.Cut(fields[1], "@")
+			replica := redis.NewClient(&redis.Options{Addr: addr})
+			info, err := replica.Info(ctx, "replication").Result()
+			_ = replica.Close()
+			if err == nil && strings.Contains(info, "master_link_status:up") {
+				return addr
+			}
+		}
+		require.True(t, time.Now().Before(deadline), "no replica of %s in sync after 20 s", master.Options().Addr)
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+func TestReloadIfUnreachable(t *testing.T) {
+	t.Parallel()
+	live := context.Background()
+	ended, cancel := context.WithCancel(live)
+	cancel()
+	refused := &net.OpError{Op: "dial", Net: "tcp", Err: syscall.ECONNREFUSED}
+	reset := &net.OpError{Op: "read", Net: "tcp", Err: syscall.ECONNRESET}
+	for _, tc := range []struct {
+		name   string
+		ctx    context.Context
+		err    error
+		reload bool
+	}{
+		{"NoError", live, nil, false},
+		{"Nil", live, redis.Nil, false},
+		{"ServerError", live, errors.New("WRONGTYPE Operation against a key holding the wrong kind of value"), false},
+		{"Refused", live, refused, true},
+		{"Reset", live, reset, true},
+		{"EOF", live, io.EOF, true},
+		{"UnexpectedEOF", live, io.ErrUnexpectedEOF, true},
+		{"TimeoutOfItsOwn", live, context.DeadlineExceeded, true},
+		{"CallersContextEnded", ended, refused, false},
+		{"CallersContextError", ended, context.Canceled, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			cc := redis.NewClusterClient(&redis.ClusterOptions{
+				Addrs: []string{"127.0.0.1:1"}, // never dialled: the reload fails at once
+				ClusterSlots: func(context.Context) ([]redis.ClusterSlot, error) {
+					return nil, errors.New("no slots")
+				},
+			})
+			t.Cleanup(func() { _ = cc.Close() })
+			require.Equal(t, tc.reload, ReloadIfUnreachable(tc.ctx, cc, tc.err))
+			single := redis.NewClient(&redis.Options{Addr: "127.0.0.1:1"})
+			t.Cleanup(func() { _ = single.Close() })
+			require.False(t, ReloadIfUnreachable(tc.ctx, single, tc.err), "not a cluster client")
+		})
+	}
 }
