@@ -3,7 +3,6 @@ package versioncache
 import (
 	"context"
 	"fmt"
-	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -378,24 +377,7 @@ func TestClusterMasterKilled(t *testing.T) {
 	b.truth.write(id, 1)
 	_, err := b.cache.Get(ctx, id, b.truth.loader(id))
 	require.NoError(t, err)
-	master, err := client.MasterForKey(ctx, b.cache.versionKey(id))
-	require.NoError(t, err)
-	require.NoError(t, master.Wait(ctx, 1, 5*time.Second).Err(), "a replica has the keys")
-	oldMaster := master.Options().Addr
-	myID, err := master.Do(ctx, "CLUSTER", "MYID").Text()
-	require.NoError(t, err)
-	lines, err := master.Do(ctx, "CLUSTER", "REPLICAS", myID).StringSlice()
-	require.NoError(t, err)
-	require.NotEmpty(t, lines)
-	replica, _, _ := strings.Cut(strings.Fields(lines[0])[1], "@")
-	killed := slices.Index(cluster.Addrs(), oldMaster)
-	require.NotEqual(t, -1, killed)
-
-	cluster.Kill(killed)
-	promoted := redis.NewClient(&redis.Options{Addr: replica})
-	t.Cleanup(func() { _ = promoted.Close() })
-	// TAKEOVER promotes at once, without waiting for cluster-node-timeout.
-	require.NoError(t, promoted.Do(ctx, "CLUSTER", "FAILOVER", "TAKEOVER").Err())
+	cluster.KillMaster(t, b.cache.versionKey(id))
 
 	b.truth.write(id, 2)
 	start := time.Now()

@@ -8,6 +8,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -851,6 +852,46 @@ func (c *RedisCluster) Failover(t testing.TB, key string) (oldMaster, newMaster 
 	}
 	c.waitSlotOwner(t, key, addr)
 	return old.Options().Addr, addr
+}
+
+// KillMaster kills the master serving key (SIGKILL) once one of its
+// replicas in sync has every write it acknowledged, and promotes that
+// replica with CLUSTER FAILOVER TAKEOVER, which does not wait for the
+// cluster to find the master failed (cluster-node-timeout). It returns the
+// killed master's and the promoted replica's addresses. Existing clients'
+// slot maps still name the dead master.
+func (c *RedisCluster) KillMaster(t testing.TB, key string) (killed, promoted string) {
+	t.Helper()
+	ctx := context.Background()
+	client := c.Client(t)
+	var old *redis.Client
+	deadline := time.Now().Add(20 * time.Second)
+	for {
+		old, promoted = masterAndReplica(ctx, client, key)
+		if promoted != "" {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("testenv: no master of %q with a replica in sync after 20 s", key)
+		}
+		client.ReloadState(ctx)
+		time.Sleep(50 * time.Millisecond)
+	}
+	killed = old.Options().Addr
+	if n, err := old.Wait(ctx, 1, 5*time.Second).Result(); err != nil || n < 1 {
+		t.Fatalf("testenv: WAIT on %s before the kill: %d replicas, %v", killed, n, err)
+	}
+	i := slices.Index(c.Addrs(), killed)
+	if i < 0 {
+		t.Fatalf("testenv: %s is not a node of the cluster", killed)
+	}
+	c.Kill(i)
+	replica := redis.NewClient(&redis.Options{Addr: promoted})
+	defer replica.Close()
+	if err := replica.Do(ctx, "CLUSTER", "FAILOVER", "TAKEOVER").Err(); err != nil {
+		t.Fatalf("testenv: CLUSTER FAILOVER TAKEOVER on %s: %v", promoted, err)
+	}
+	return killed, promoted
 }
 
 // waitSlotOwner waits, up to 20 s, until every node of the cluster routes
