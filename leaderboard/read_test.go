@@ -1223,23 +1223,7 @@ func TestFreshnessProbe(t *testing.T) {
 
 		// A change arrives and is not projected; the next probe hangs.
 		tb.submit(t, "user-a", 7)
-		conn, err := small.Acquire(ctx)
-		require.NoError(t, err)
-		defer conn.Release()
-		time.Sleep(cfg.LagProbeInterval)
-		probeCtx, cancelProbe := context.WithCancel(ctx)
-		probed := make(chan struct{})
-		go func() {
-			defer close(probed)
-			_, _ = board.Top(probeCtx, 10)
-		}()
-		t.Cleanup(func() { cancelProbe(); <-probed })
-		require.Eventually(t, func() bool {
-			board.lagMu.Lock()
-			defer board.lagMu.Unlock()
-			return board.lagProbe.running
-		}, 5*time.Second, time.Millisecond)
-		time.Sleep(cfg.MaxLag + 20*time.Millisecond)
+		hangNextProbe(t, board, small)
 
 		// Readers reusing the old "nothing pending" measurement must not
 		// call Redis fresh: its age is the lag it may hide.
@@ -1275,23 +1259,7 @@ func TestFreshnessProbe(t *testing.T) {
 		require.GreaterOrEqual(t, pendingLag, time.Duration(0))
 
 		// The next probe hangs.
-		conn, err := small.Acquire(ctx)
-		require.NoError(t, err)
-		defer conn.Release()
-		time.Sleep(cfg.LagProbeInterval)
-		probeCtx, cancelProbe := context.WithCancel(ctx)
-		probed := make(chan struct{})
-		go func() {
-			defer close(probed)
-			_, _ = board.Top(probeCtx, 10)
-		}()
-		t.Cleanup(func() { cancelProbe(); <-probed })
-		require.Eventually(t, func() bool {
-			board.lagMu.Lock()
-			defer board.lagMu.Unlock()
-			return board.lagProbe.running
-		}, 5*time.Second, time.Millisecond)
-		time.Sleep(cfg.MaxLag + 20*time.Millisecond)
+		hangNextProbe(t, board, small)
 
 		asked := time.Now()
 		fr := board.Freshness(ctx)
@@ -1640,4 +1608,30 @@ func (h *afterVersionPoll) ProcessPipelineHook(next redis.ProcessPipelineHook) r
 		}
 		return err
 	}
+}
+
+// hangNextProbe holds the only connection of board's pool (small), lets
+// the last lag measurement expire, starts a read whose probe then hangs on
+// the pool, and waits until that measurement is older than MaxLag: the
+// reads after it reuse the old measurement. The hung read ends with t.
+func hangNextProbe(t *testing.T, board *Board, small *pgxpool.Pool) {
+	t.Helper()
+	ctx := context.Background()
+	cfg := board.Config()
+	conn, err := small.Acquire(ctx)
+	require.NoError(t, err)
+	time.Sleep(cfg.LagProbeInterval)
+	probeCtx, cancelProbe := context.WithCancel(ctx)
+	probed := make(chan struct{})
+	go func() {
+		defer close(probed)
+		_, _ = board.Top(probeCtx, 10)
+	}()
+	t.Cleanup(func() { cancelProbe(); <-probed; conn.Release() })
+	require.Eventually(t, func() bool {
+		board.lagMu.Lock()
+		defer board.lagMu.Unlock()
+		return board.lagProbe.running
+	}, 5*time.Second, time.Millisecond)
+	time.Sleep(cfg.MaxLag + 20*time.Millisecond)
 }
