@@ -894,6 +894,34 @@ func (c *RedisCluster) KillMaster(t testing.TB, key string) (killed, promoted st
 	return killed, promoted
 }
 
+// KillMasterAndRetry kills the master serving key and promotes its replica
+// (KillMaster), then calls op until it returns nil, failing the test when
+// it still fails after within; it then restarts the killed node, which
+// rejoins as a replica, and waits for the cluster to be healthy, so that
+// the next call can kill key's master again. It returns how long op kept
+// failing. A client whose slot map was loaded before the kill, with no
+// periodic reload due (ClusterStateReloadInterval), shows whether op's own
+// failures make the client find the promoted replica.
+func (c *RedisCluster) KillMasterAndRetry(t testing.TB, key string, within time.Duration, op func() error) time.Duration {
+	t.Helper()
+	killed, _ := c.KillMaster(t, key)
+	start := time.Now()
+	for {
+		err := op()
+		if err == nil {
+			break
+		}
+		if time.Since(start) > within {
+			t.Fatalf("testenv: still failing %s after the master of %q was killed: %v", within, key, err)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	failing := time.Since(start)
+	c.Start(t, slices.Index(c.Addrs(), killed))
+	c.WaitHealthy(t)
+	return failing
+}
+
 // waitSlotOwner waits, up to 20 s, until every node of the cluster routes
 // key to the master at owner (it answers for key itself, or with MOVED to
 // owner): the nodes not involved in a failover or a slot reassignment learn
