@@ -246,3 +246,78 @@ func TestRedisClusterFailoverReads(t *testing.T) {
 		})
 	}
 }
+
+// TestRedisClusterMasterKilled kills the master serving a board's slot
+// (SIGKILL) and promotes its replica behind the back of a plain cluster
+// client, whose slot map go-redis reloads on redirects and periodically
+// only (here: not within the test). A dead node sends no redirect: each
+// way the board talks to Redis must have the map reloaded when its command
+// cannot reach the node, so that the reads and Verify after it reach the
+// promoted replica within seconds rather than after the periodic reload
+// (60 s by default).
+func TestRedisClusterMasterKilled(t *testing.T) {
+	t.Parallel()
+	if testing.Short() {
+		t.Skip("starts a private Redis Cluster and kills its masters")
+	}
+	ctx := context.Background()
+	cluster := testenv.StartRedisCluster(t, 3, 1)
+	pg := testenv.Postgres(t)
+	cfg := &Config{Name: "killed", Schema: pg.Schema, KeyPrefix: "killed:", ReadPolicy: ServeStale}
+	require.NoError(t, Migrate(ctx, pg.Pool, cfg))
+	newBoard := func(t *testing.T) *Board {
+		client := redis.NewClusterClient(&redis.ClusterOptions{
+			Addrs:                      cluster.Addrs(),
+			ClusterStateReloadInterval: time.Hour,
+		})
+		t.Cleanup(func() { _ = client.Close() })
+		board, err := New(pg.Pool, client, cfg)
+		require.NoError(t, err)
+		t.Cleanup(board.Close)
+		return board
+	}
+	tb := &testBundle{board: newBoard(t), pg: pg}
+	tb.submit(t, "user-a", 2)
+	tb.submit(t, "user-b", 1)
+	tb.drain(t)
+	want := []Entry{{UserID: "user-a", Score: 2, Rank: 1}, {UserID: "user-b", Score: 1, Rank: 2}}
+
+	for _, c := range []struct {
+		name string
+		run  func(board *Board) error
+	}{
+		// A pipeline of plain commands (onMaster's unpinned branch).
+		{"Top", func(board *Board) error {
+			page, err := board.Top(ctx, 2)
+			if err == nil {
+				require.Equal(t, want, page.Entries)
+				require.Equal(t, SourceRedis, page.Freshness.Source)
+			}
+			return err
+		}},
+		// A read script (evalRead's unpinned branch).
+		{"Around", func(board *Board) error {
+			page, err := board.Around(ctx, "user-b", 1)
+			if err == nil {
+				require.Equal(t, want, page.Entries)
+			}
+			return err
+		}},
+		// Verify's marker, set before its reconcile pass.
+		{"Verify", func(board *Board) error {
+			_, verified, err := board.Verify(ctx, nil)
+			if err == nil {
+				require.True(t, verified)
+			}
+			return err
+		}},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			board := newBoard(t)
+			_, _, err := board.Rank(ctx, "user-a") // loads the slot map
+			require.NoError(t, err)
+			failing := cluster.KillMasterAndRetry(t, board.SortedSetKey(), 10*time.Second, func() error { return c.run(board) })
+			t.Logf("%s reached the promoted replica %s after the kill", c.name, failing)
+		})
+	}
+}

@@ -178,13 +178,14 @@
 // not caught up with then answers MOVED instead of serving the read as a
 // replica; a MOVED reply has the map reloaded and the read sent again to
 // the new master, an ASK reply sends it to the importing master. A master
-// that died answers nothing: the read fails with its connection error and
-// has the map reloaded, so the reads after it reach the replica promoted
-// in its place within seconds of the promotion, not at go-redis's
-// next periodic reload (ClusterStateReloadInterval, 60 s by default), the
-// only one go-redis makes after a connection error. Commands the board
-// does not pin to masters (all of them with a client that does not read
-// from replicas) still wait for that reload, or for a pinned one.
+// that died answers nothing: with any cluster client, whether it reads
+// from replicas or not, a read, Verify or reconcile pass that cannot reach
+// it fails with its connection error (no hidden retry) and has the map
+// reloaded, so the calls after it reach the replica promoted in its place
+// within seconds of the promotion, not at go-redis's next periodic reload
+// (ClusterStateReloadInterval, 60 s by default), the only one go-redis
+// makes after a connection error. The Worker's projection gate reloads the
+// map after any failed write.
 // Sentinel with replica reads (redis.NewUniversalClient with MasterName and
 // RouteRandomly or RouteByLatency) builds such a client over servers that
 // are not in cluster mode: those reads go to the master Sentinel named, as

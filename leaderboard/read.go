@@ -977,6 +977,19 @@ func (b *Board) onMaster(ctx context.Context, key string, queue func(redis.Pipel
 		queue(p)
 		return nil
 	})
+	return b.sent(ctx, err)
+}
+
+// sent returns err, the error of commands sent through the board's client,
+// after asking a Redis Cluster client to reload its slot map when err says
+// their node could not be reached (clusterpin.ReloadIfUnreachable): go-redis
+// reloads it on redirects and every ClusterStateReloadInterval only, so
+// after a master died and a replica took over, the board's commands would
+// fail until then, up to a minute. The failed command is not retried; the
+// next ones reach the new master. Pinned commands (clusterpin) ask for the
+// reload themselves.
+func (b *Board) sent(ctx context.Context, err error) error {
+	clusterpin.ReloadIfUnreachable(ctx, b.rdb, err)
 	return err
 }
 
@@ -1104,7 +1117,8 @@ func (b *Board) evalWithVersions(ctx context.Context, script *redis.Script, need
 // READONLY connection.
 func (b *Board) evalRead(ctx context.Context, script *redis.Script, keys []string, args ...any) (any, error) {
 	if b.primary == nil {
-		return script.Run(ctx, b.rdb, keys, args...).Result()
+		res, err := script.Run(ctx, b.rdb, keys, args...).Result()
+		return res, b.sent(ctx, err)
 	}
 	return clusterpin.Eval(ctx, b.primary, script, keys, args...).Result()
 }

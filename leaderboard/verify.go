@@ -61,7 +61,7 @@ func (b *Board) Verify(ctx context.Context, cfg *reconcile.Config) (report *reco
 		return nil, false, err
 	}
 	token := uuid.NewString()
-	if err := b.rdb.Set(ctx, b.verifyingKey, token, 0).Err(); err != nil {
+	if err := b.sent(ctx, b.rdb.Set(ctx, b.verifyingKey, token, 0).Err()); err != nil {
 		return nil, false, fmt.Errorf("leaderboard: verify: %w", err)
 	}
 	defer func() {
@@ -84,6 +84,7 @@ func (b *Board) Verify(ctx context.Context, cfg *reconcile.Config) (report *reco
 	}
 	args := []any{token, time.Now().UTC().Format(time.RFC3339Nano)}
 	n, err := verifiedScript.Run(ctx, b.rdb, []string{b.verifyingKey, b.verifiedKey}, args...).Int()
+	err = b.sent(ctx, err)
 	if err != nil && !isRedisReply(err) {
 		// The reply was lost, not the recording perhaps. The script tells
 		// when run again: it records if the first run never happened, and
@@ -110,7 +111,7 @@ func (b *Board) Verify(ctx context.Context, cfg *reconcile.Config) (report *reco
 func (b *Board) abandonVerify(ctx context.Context, token string) {
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), verifyAbandonTimeout)
 	defer cancel()
-	if err := verifyAbandonScript.Run(ctx, b.rdb, []string{b.verifyingKey}, token).Err(); err != nil {
+	if err := b.sent(ctx, verifyAbandonScript.Run(ctx, b.rdb, []string{b.verifyingKey}, token).Err()); err != nil {
 		b.cfg.Logger.Warn("leaderboard: verify: deleting the pass's marker failed", "board", b.cfg.Name, "error", err)
 	}
 }

@@ -511,3 +511,58 @@ func TestClusterWrongTypeCheckOnMasters(t *testing.T) {
 	require.Empty(t, offMaster, "TYPE checks sent to replicas")
 	require.EqualValues(t, 1, rep.Results[ResultNotAttempted], "c alone is refused")
 }
+
+// TestClusterMasterKilled kills the master serving a collection's slot
+// (SIGKILL) and promotes its replica behind the back of a plain cluster
+// client, whose slot map go-redis reloads on redirects and periodically
+// only (here: not within the test). A dead node sends no redirect: a run,
+// a CheckKeys and a Rebuild that fail because they cannot reach it must
+// have the map reloaded, so that the next one reaches the promoted replica
+// within seconds rather than after the periodic reload (60 s by default).
+func TestClusterMasterKilled(t *testing.T) {
+	t.Parallel()
+	if testing.Short() {
+		t.Skip("starts a private Redis Cluster and kills its masters")
+	}
+	ctx := context.Background()
+	cluster := testenv.StartRedisCluster(t, 3, 1)
+	for _, c := range []struct {
+		name string
+		run  func(r *Reconciler, rows []Row) error
+	}{
+		{"Run", func(r *Reconciler, _ []Row) error {
+			rep, err := r.Run(ctx, RunOptions{DryRun: true})
+			if err == nil {
+				require.Equal(t, map[Class]int64{ClassCurrent: 30}, rep.Counts)
+			}
+			return err
+		}},
+		{"CheckKeys", func(r *Reconciler, rows []Row) error {
+			rep, err := r.CheckKeys(ctx, []string{rows[0].Key, rows[1].Key}, RunOptions{DryRun: true})
+			if err == nil {
+				require.Equal(t, map[Class]int64{ClassCurrent: 2}, rep.Counts)
+			}
+			return err
+		}},
+		{"Rebuild", func(r *Reconciler, _ []Row) error {
+			rep, err := r.Rebuild(ctx)
+			if err == nil {
+				require.EqualValues(t, 30, rep.Rows)
+				require.True(t, rep.Switched)
+			}
+			return err
+		}},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			client := redis.NewClusterClient(&redis.ClusterOptions{
+				Addrs:                      cluster.Addrs(),
+				ClusterStateReloadInterval: time.Hour,
+			})
+			t.Cleanup(func() { _ = client.Close() })
+			b, rows, r, _ := projectedAndLoaded(t, projection.KindSortedSet, client, "killed-"+c.name+":")
+			collection := b.ks.ValueKey(b.target.target(""))
+			failing := cluster.KillMasterAndRetry(t, collection, 10*time.Second, func() error { return c.run(r, rows) })
+			t.Logf("%s reached the promoted replica %s after the kill", c.name, failing)
+		})
+	}
+}

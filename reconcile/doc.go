@@ -104,7 +104,11 @@
 // name the new master and runs once more, still on masters; a Rebuild's
 // reads follow the move the same way. A run that meets a slot in the middle
 // of a migration (ASK), or a map that does not catch up, fails, and can be
-// run again.
+// run again. A master that died sends no redirect: with any cluster client,
+// a Run, CheckKeys or Rebuild that cannot reach a node fails with its
+// connection error and has the map reloaded, so that the next one reaches
+// the replica promoted in its place within seconds, not at go-redis's
+// next periodic reload (ClusterStateReloadInterval, 60 s by default).
 // Sentinel with replica reads (redis.NewUniversalClient with MasterName and
 // RouteRandomly or RouteByLatency) builds such a client over servers that
 // are not in cluster mode: those reads go to the master Sentinel named, as

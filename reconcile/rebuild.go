@@ -100,6 +100,7 @@ func (r *Reconciler) Rebuild(ctx context.Context) (*RebuildReport, error) {
 		return &RebuildReport{Started: time.Now()}, errUnmade()
 	}
 	rep, err := r.rebuild(ctx)
+	r.reloadIfUnreachable(ctx, err)
 	r.metrics.recordRebuild(ctx, rep, err)
 	return rep, err
 }

@@ -241,6 +241,7 @@ func (r *Reconciler) Run(ctx context.Context, opts RunOptions) (*Report, error) 
 		rep, err = r.run(ctx, opts)
 		rep.carry(earlier, r.cfg.ExamplesPerClass)
 	}
+	r.reloadIfUnreachable(ctx, err)
 	// Refused repairs did not stop the run; it reports them now.
 	err = errors.Join(append([]error{err}, rep.refused...)...)
 	r.logFinished(ctx, "reconcile run finished", err,
@@ -253,6 +254,16 @@ func (r *Reconciler) Run(ctx context.Context, opts RunOptions) (*Report, error) 
 	}
 	r.metrics.recordRun(ctx, mode, rep, err)
 	return rep, err
+}
+
+// reloadIfUnreachable has a Redis Cluster client reload its slot map when
+// err, which ended a run or a rebuild, says a node could not be reached
+// (clusterpin.ReloadIfUnreachable). go-redis reloads it on redirects and
+// every ClusterStateReloadInterval only: after a master died and a replica
+// took over, every run would otherwise fail until then, up to a minute.
+// The failed run is not retried; the next one reaches the new master.
+func (r *Reconciler) reloadIfUnreachable(ctx context.Context, err error) {
+	clusterpin.ReloadIfUnreachable(ctx, r.target.Client, err)
 }
 
 // logFinished logs the line that ends a run or a rebuild: at Info, or at
@@ -700,6 +711,7 @@ func (r *Reconciler) CheckKeys(ctx context.Context, keys []string, opts RunOptio
 		return rep, errUnmade()
 	}
 	err := r.checkKeys(ctx, opts, dedupe(append([]string(nil), keys...)), rep)
+	r.reloadIfUnreachable(ctx, err)
 	err = errors.Join(append([]error{err}, rep.refused...)...)
 	rep.Duration = time.Since(rep.Started)
 	r.metrics.recordRun(ctx, modeKeys, rep, err)

@@ -32,8 +32,9 @@
 //     runs in go-redis's own goroutine, one at a time per client, with a
 //     200 ms pause after each that succeeds, however many commands fail
 //     (see Pipeline). Commands that are not pinned get no such help from
-//     go-redis: they keep failing until its next periodic reload, or until
-//     a pinned command has asked for one.
+//     go-redis: they keep failing until its next periodic reload, unless
+//     their caller passes their error to ReloadIfUnreachable, as every
+//     verity package does.
 //
 // A client whose slot map comes from ClusterOptions.ClusterSlots rather than
 // from the servers — the one redis.NewUniversalClient builds for Sentinel
