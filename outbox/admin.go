@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
 	"time"
 
 	"github.com/google/uuid"
@@ -78,11 +79,23 @@ func (r *Relay) Stats(ctx context.Context) (Stats, error) {
 	if err != nil {
 		return Stats{}, mapError("stats", err)
 	}
-	s.OldestPendingAge = max(time.Duration(ageUS)*time.Microsecond, 0)
+	s.OldestPendingAge = ageFromMicroseconds(ageUS)
 	if r.metrics.enabled {
 		r.lastStats.Store(&statsSample{stats: s, at: time.Now()})
 	}
 	return s, nil
+}
+
+// ageFromMicroseconds converts an age PostgreSQL measured in microseconds
+// to a Duration: 0 for a row dated in the future (a clock that stepped
+// back), and the largest Duration, not a wrapped figure, for one older
+// than that holds (about 292 years: a row dated year 1, which a composed
+// INSERT passing an unset time.Time stores).
+func ageFromMicroseconds(us int64) time.Duration {
+	if us > math.MaxInt64/int64(time.Microsecond) {
+		return math.MaxInt64
+	}
+	return max(time.Duration(us)*time.Microsecond, 0)
 }
 
 // DeadLetter is a row that failed MaxAttempts times.

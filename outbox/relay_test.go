@@ -1492,6 +1492,27 @@ func TestRelayStats(t *testing.T) {
 	require.Zero(t, stats.InFlight)
 }
 
+// TestRelayStatsAncientRow checks that OldestPendingAge saturates at the
+// largest Duration for a row older than a Duration holds (a composed
+// INSERT that passes an unset time.Time stores year 1, which migration
+// 006 accepts as finite), rather than wrapping to 0 or to an arbitrary age
+// while that row is the one to alert on.
+func TestRelayStatsAncientRow(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	b := setup(t)
+	b.appendCommitted(t, newMessage("s", "k", 1))
+	r := b.relay(t, nil, &recorder{}, outbox.RelayConfig{})
+	for _, at := range []string{"0001-01-01 00:00:00+00", "1700-01-01 00:00:00+00"} {
+		_, err := b.pool.Exec(ctx, `UPDATE `+b.writer.Table()+` SET created_at = $1::timestamptz`, at)
+		require.NoError(t, err)
+		stats, err := r.Stats(ctx)
+		require.NoError(t, err)
+		require.EqualValues(t, 1, stats.Pending)
+		require.Equal(t, time.Duration(math.MaxInt64), stats.OldestPendingAge, "created_at %s", at)
+	}
+}
+
 // insertBeforeMigration006 inserts, with a composed INSERT, a row of
 // partition 0 whose created_at is createdAt ('infinity' or '-infinity'), as
 // an outbox without migration 006's constraint accepts: the constraint is
