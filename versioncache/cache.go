@@ -676,8 +676,8 @@ func (c *Cache[T]) failOpen(ctx context.Context, id, op string, err error, load 
 }
 
 // GetAt is Get for callers that already know the value's version from the
-// source of truth, such as a row_version column or updated_at (as Unix
-// microseconds), usually read with a cheap query before an expensive load.
+// source of truth, such as a row_version column the writes increment,
+// usually read with a cheap query before an expensive load.
 // No counter is read or bumped and no Invalidate is needed: one key per id
 // holds the value together with the version it was cached under, and a hit
 // (one GET) is any stored version at or above the caller's. A miss loads and
@@ -692,11 +692,16 @@ func (c *Cache[T]) failOpen(ctx context.Context, id, op string, err error, load 
 // older ones, so that both keep missing.
 //
 // The trap: GetAt is only as correct as the version. A write that does not
-// change it (a bulk UPDATE or a data fix that forgets row_version or
-// updated_at, a trigger that is disabled, a clock that ties two updated_at
-// values) leaves the old value cached under the unchanged version until TTL.
-// Prefer Get with Invalidate unless every write path provably moves the
-// version, and prefer a database-incremented counter to a timestamp;
+// change it (a bulk UPDATE or a data fix that forgets row_version, a
+// trigger that is disabled) leaves the old value cached under the unchanged
+// version until TTL. A timestamp is a poor version even without a clock
+// fault: PostgreSQL's now() (CURRENT_TIMESTAMP, DEFAULT now()) is the
+// writing transaction's start, so a transaction that began first and
+// commits last stores an older updated_at over a newer one, and GetAt then
+// serves the superseded value, cached under the "newer" version, as a hit;
+// clock_timestamp() narrows that to clock steps and ties. Prefer Get with
+// Invalidate unless every write path provably moves the version, and use a
+// counter each write increments (version = version + 1 in the UPDATE);
 // CheckAt finds such values, and Invalidate deletes them (see Invalidate for
 // a GetAt load in flight during the call).
 //

@@ -178,8 +178,8 @@ func sample(ids []string, n int) []string {
 }
 
 // VersionedIDLoader loads the current value of one id from the source of
-// truth together with the version GetAt callers pass for it (row_version,
-// updated_at), for CheckAt.
+// truth together with the version GetAt callers pass for it (a row_version
+// column, say), for CheckAt.
 type VersionedIDLoader[T any] func(ctx context.Context, id string) (T, int64, error)
 
 // CheckAt is Check for the values GetAt caches, and looks for GetAt's trap:
