@@ -108,7 +108,15 @@ type Config struct {
 	// OutboxTable is the name of the outbox table (in Schema) the board
 	// appends its projection work to. A name the board's own tables use
 	// (score_events, user_scores, their _pkey indexes, the rank index) is
-	// refused. Defaults to OutboxTableDefault.
+	// refused. The board's rows carry the stream StreamPrefix + Name, and
+	// only the board's Worker may project them: any other relay on this
+	// table (an application's own outbox.Relay on the default table, say)
+	// must set outbox.RelayConfig.Streams to streams of its own, or it
+	// claims the board's rows, writes them where its own mapper says, and
+	// deletes them, so that the board's Redis ranking misses those changes
+	// while its Lag, which counts pending rows, reads 0 (a reconcile pass
+	// finds and repairs them). Give the board a table of its own when in
+	// doubt. Defaults to OutboxTableDefault.
 	OutboxTable string
 
 	// MinDelta and MaxDelta bound Command.Delta (inclusive). They are taken
@@ -182,7 +190,12 @@ type Config struct {
 	// KeyPrefix prefixes every Redis key of the projection. It must not
 	// contain '{' or '}'. A prefix set here is used as given: boards of the
 	// same Name that share one Redis (in different Schemas) must then differ
-	// in it, or they share every key and serve each other's users. The
+	// in it, or they share every key and serve each other's users. It only
+	// places the keys: Schema and Name tell boards apart. Two Boards of one
+	// Schema and Name are one board in PostgreSQL (the same scores and
+	// outbox stream) whatever their KeyPrefix, and with different prefixes
+	// each one's Worker takes rows the other's keys then miss; to keep
+	// boards apart in one schema, give them different Names. The
 	// default keeps boards of different schemas apart. Defaults to
 	// KeyPrefixDefault ("verity:lb:") in SchemaDefault, and in any other
 	// schema to KeyPrefixDefault + the schema (escaped: no ':' or brace) +

@@ -113,7 +113,9 @@
 // right after the previous one ended, so concurrent updates never make it
 // repeat or skip an entry that kept its place, and the same cursor works
 // against Redis and PostgreSQL. A cursor is bound to its board (Name, Schema and
-// KeyPrefix): another board refuses it with ErrInvalidCursor.
+// KeyPrefix): another board refuses it with ErrInvalidCursor. (Boards are
+// told apart by Schema and Name; see Config.KeyPrefix for what sharing both
+// with another prefix does.)
 //
 // Lag is the age, by the database clock, of the board's oldest outbox row
 // not yet projected, pending or dead-lettered (when there is none: zero

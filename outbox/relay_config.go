@@ -145,7 +145,14 @@ type RelayConfig struct {
 	DisableNotify bool
 
 	// Streams, when not empty, restricts the relay to rows of these streams,
-	// so that different processes can serve different projections. Such a
+	// so that different processes can serve different projections. Leave
+	// it empty only when this relay's handler serves every stream written
+	// to Table: otherwise it also claims rows another component's relay
+	// should project (a leaderboard board's rows, stream "leaderboard:" +
+	// its name, are in the default table unless its Config.OutboxTable
+	// names another), and its handler either projects them where its own
+	// mapper says, and the row is deleted, or fails them until they are
+	// dead-lettered (projection.ErrUnmappedStream). Such a
 	// relay leases partitions like any other: while its batch runs, relays
 	// serving other streams skip those partitions and take others. The
 	// claim finds due rows through the partition index, which does not
