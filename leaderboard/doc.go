@@ -124,12 +124,16 @@
 // before it is visible. The probe is one small query, reused for
 // Config.LagProbeInterval; a measurement reused for longer, while a slow
 // probe is under way, adds its age to the lag, so Lag understates the
-// truth by less than LagProbeInterval. A dead letter of the board counts
-// until it is replayed or deleted, or until a newer version of its user
-// has reached Redis (it carries the user's whole score, which makes the
-// dead letter moot): the dead letter keeps counting while any change of
-// that user is pending, and when the user's current version was
-// dead-lettered too.
+// truth by less than LagProbeInterval. Lag is -1 when it could not be
+// measured, which the read policies treat as a lag above MaxLag: the probe
+// failed, or it found a change not yet projected dated after the database
+// clock (the clock stepped back since the change was written, so neither
+// its age nor that of the changes before it is known; logged at most once
+// a second). A dead letter of the board counts until it is replayed or
+// deleted, or until a newer version of its user has reached Redis (it
+// carries the user's whole score, which makes the dead letter moot): the
+// dead letter keeps counting while any change of that user is pending, and
+// when the user's current version was dead-lettered too.
 //
 // When Lag exceeds Config.MaxLag, Config.ReadPolicy decides: ServeStale
 // answers from Redis anyway (the Freshness tells the caller), FallbackToPostgres

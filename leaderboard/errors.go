@@ -271,7 +271,9 @@ func (e *ScoreOutOfRangeError) Unwrap() error { return ErrScoreOutOfRange }
 // AtLeast requirement finds the user it looks up missing in Redis
 // (ServeStale cannot answer that from Redis). It matches ErrStale.
 type StaleError struct {
-	// Lag is the measured lag (negative when it could not be measured).
+	// Lag is the measured lag (negative when it could not be measured:
+	// PostgreSQL could not be asked, or its clock stepped back; see
+	// Freshness.Lag).
 	Lag time.Duration
 	// MaxLag is the configured limit.
 	MaxLag time.Duration

@@ -75,8 +75,14 @@ type Freshness struct {
 	// been waiting since), so Lag understates the true lag by less than
 	// LagProbeInterval. A measurement's age counts from when its query was
 	// sent. 0 for PostgreSQL answers; negative when it could not be
-	// measured (PostgreSQL unreachable). Lag sees the outbox only, not
-	// entries Redis itself lost (see Reading in the package documentation).
+	// measured: PostgreSQL could not be asked, or the probe found a change
+	// not yet projected dated after the database clock, which therefore
+	// stepped back since the change was written (an NTP step, a VM
+	// resumed, a failover to a host whose clock lags), so that neither its
+	// age nor that of changes written before the step is known; reads see
+	// -1 until such a change is projected or the clock passes it. Lag sees
+	// the outbox only, not entries Redis itself lost (see Reading in the
+	// package documentation).
 	Lag time.Duration
 	// Unverified is set, with Lag -1, when Config.RequireVerifiedProjection
 	// is on and Redis, looked at less than Config.LagProbeInterval before
@@ -649,7 +655,7 @@ type lagProbe struct {
 	at      time.Time     // local time the query was sent; zero before the first
 	lag     time.Duration // age of the oldest unprojected row then
 	pending bool          // whether any row was unprojected
-	failed  bool          // whether the measurement failed
+	failed  bool          // whether the measurement failed or found the clock stepped back
 	running bool          // whether a measurement is under way
 	// notMigrated: the measurement failed on a missing table (dbError's
 	// ErrNotMigrated), which reads report instead of a lag of -1.
@@ -670,11 +676,11 @@ type verification struct {
 }
 
 // readLogs limits the warnings a failure could otherwise repeat on every
-// read (a Redis read that fails) or every probe (the lag probe and the look
-// for Verify's record, about once per LagProbeInterval each): see
-// Config.Logger.
+// read (a Redis read that fails) or every probe (the lag probe, a database
+// clock the probe finds stepped back, and the look for Verify's record,
+// about once per LagProbeInterval each): see Config.Logger.
 type readLogs struct {
-	fallback, lagProbe, verification lograte.Limiter
+	fallback, lagProbe, clockStep, verification lograte.Limiter
 }
 
 // warn logs msg about the board at WARN with err, unless l suppresses it,
@@ -729,7 +735,7 @@ func (b *Board) freshness(ctx context.Context) (Freshness, error) {
 	b.lagMu.Unlock()
 
 	if measure {
-		dbNow, oldest, sent, err := b.measureLag(ctx)
+		reading, sent, err := b.measureLag(ctx)
 		if callerEnded(ctx, err) != nil {
 			// This caller gave up, which says nothing about the database:
 			// keep the previous measurement for the other readers, and let
@@ -750,9 +756,18 @@ func (b *Board) freshness(ctx context.Context) (Freshness, error) {
 			if nm := b.dbError("measuring projection lag", err); errors.Is(nm, ErrNotMigrated) {
 				p.notMigrated = nm
 			}
-		} else if oldest != nil {
+		} else if ahead, stepped := reading.clockStepped(); stepped {
+			// Clamped to 0, such a row would make the lag 0 on every probe
+			// until the clock caught up with it: FailClosed reads would
+			// serve a projection behind by up to the step as fresh.
+			p.failed = true
+			if log, suppressed := b.logs.clockStep.Allow(); log {
+				b.cfg.Logger.WarnContext(ctx, "leaderboard: the database clock appears to have stepped back: a change of the board not yet projected is dated after it, so the projection lag cannot be measured (reads see Lag -1) until the change is projected or the clock passes it",
+					"board", b.cfg.Name, "ahead", ahead, lograte.Suppressed, suppressed)
+			}
+		} else if reading.oldest != nil {
 			p.pending = true
-			p.lag = max(0, dbNow.Sub(*oldest))
+			p.lag = reading.dbNow.Sub(*reading.oldest)
 		}
 		b.lagMu.Lock()
 		b.lagProbe = p
@@ -775,7 +790,7 @@ func (b *Board) freshness(ctx context.Context) (Freshness, error) {
 	age := now.Sub(p.at)
 	switch {
 	case p.pending:
-		lag := p.lag + age
+		lag := addLag(p.lag, age)
 		return Freshness{Source: SourceRedis, Lag: lag, ProjectedThrough: now.Add(-lag)}, nil
 	case age >= b.cfg.LagProbeInterval:
 		// Nothing was pending at p.at, but a change committed right after
@@ -931,7 +946,7 @@ func (b *Board) observedLag(ctx context.Context) (time.Duration, bool) {
 		return 0, false
 	}
 	if p.pending {
-		return p.lag + age, true
+		return addLag(p.lag, age), true
 	}
 	return 0, true
 }
@@ -943,19 +958,53 @@ const (
 	lagGaugeWait    = 250 * time.Millisecond
 )
 
-// measureLag runs the lag query on a connection of its own and returns the
-// database's now(), the oldest unprojected row's creation time (nil when
-// none is pending) and the local time the query was sent, taken after the
+// lagReading is what the lag query read (see lagSQL).
+type lagReading struct {
+	dbNow time.Time // the database clock
+	// oldest is the oldest unprojected row's creation time; nil when none
+	// is pending.
+	oldest *time.Time
+	// ahead is the latest creation time of a pending row of the stream
+	// dated after dbNow; nil when none is.
+	ahead *time.Time
+}
+
+// measureLag runs the lag query on a connection of its own and returns
+// what it read and the local time the query was sent, taken after the
 // connection was acquired so that waiting for the pool is not counted.
-func (b *Board) measureLag(ctx context.Context) (dbNow time.Time, oldest *time.Time, sent time.Time, err error) {
+func (b *Board) measureLag(ctx context.Context) (r lagReading, sent time.Time, err error) {
 	conn, err := b.pool.Acquire(ctx)
 	if err != nil {
-		return dbNow, nil, time.Now(), err
+		return r, time.Now(), err
 	}
 	defer conn.Release()
 	sent = time.Now()
-	err = conn.QueryRow(ctx, b.sql.lag, b.stream, b.cfg.Name).Scan(&dbNow, &oldest)
-	return dbNow, oldest, sent, err
+	err = conn.QueryRow(ctx, b.sql.lag, b.stream, b.cfg.Name).Scan(&r.dbNow, &r.oldest, &r.ahead)
+	return r, sent, err
+}
+
+// clockStepped reports whether r found an unprojected row dated after the
+// database clock, whose age, and that of the rows before it, cannot then
+// be measured (see lagSQL), and by how much the latest such row is ahead.
+func (r lagReading) clockStepped() (time.Duration, bool) {
+	switch {
+	case r.ahead != nil:
+		return r.ahead.Sub(r.dbNow), true
+	case r.oldest != nil && r.oldest.After(r.dbNow):
+		// A dead letter: lagSQL looks for pending rows only.
+		return r.oldest.Sub(r.dbNow), true
+	}
+	return 0, false
+}
+
+// addLag returns lag + age (both not negative), or the largest Duration
+// when the sum would overflow: a row dated far in the past (created_at of
+// year 1 is finite) already measures the largest Duration.
+func addLag(lag, age time.Duration) time.Duration {
+	if lag > math.MaxInt64-age {
+		return math.MaxInt64
+	}
+	return lag + age
 }
 
 // onMaster sends read-only commands on key to the master that owns key

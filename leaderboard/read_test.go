@@ -1557,7 +1557,10 @@ func (tb *testBundle) oldestDeadLetterAge(t *testing.T) time.Duration {
 // them all; the plan must still read this stream's dead letters by the
 // (stream, id) index (not walk the table in id order filtering on stream),
 // and check the pending and dead sets by hashed subplans (read once, not
-// once per dead letter).
+// once per dead letter). The look for pending rows dated after the clock
+// must be a range scan of the created_at index bounded by the clock
+// reading, which skips the other streams' pending rows (all in the past)
+// instead of reading them.
 func TestLagProbePlan(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
@@ -1567,7 +1570,11 @@ func TestLagProbePlan(t *testing.T) {
 		SELECT i, gen_random_uuid(), 'leaderboard:other', 'user-' || i, 1, '', now(), 1, 'x'
 		FROM generate_series(1, 5000) AS i`)
 	require.NoError(t, err)
-	_, err = tb.pg.Pool.Exec(ctx, `ANALYZE verity_outbox_dead`)
+	_, err = tb.pg.Pool.Exec(ctx, `INSERT INTO verity_outbox (event_id, stream, key, version, payload, created_at)
+		SELECT gen_random_uuid(), 'leaderboard:other', 'user-' || i, 1, '', now() - i * interval '1 ms'
+		FROM generate_series(1, 5000) AS i`)
+	require.NoError(t, err)
+	_, err = tb.pg.Pool.Exec(ctx, `ANALYZE verity_outbox_dead, verity_outbox`)
 	require.NoError(t, err)
 
 	plan, doc := explainPlan(t, tb.pg.ConnString, tb.board.sql.lag, true, []any{tb.board.Stream(), tb.board.Config().Name})
@@ -1587,6 +1594,14 @@ func TestLagProbePlan(t *testing.T) {
 		sp := subplans[len(subplans)-1] // the innermost
 		require.Contains(t, doc, "hashed "+sp.SubplanName+")", doc)
 	}
+
+	// The pending rows dated after the clock reading: a range of the
+	// created_at index, bounded by that reading.
+	scans = plan.find(func(n *planNode) bool { return n.Alias == "f" })
+	require.Len(t, scans, 1, doc)
+	require.Equal(t, "Index Scan", scans[0].NodeType, doc)
+	require.Equal(t, outbox.TableDefault+"_created_idx", scans[0].IndexName, doc)
+	require.Equal(t, "(created_at > c.now)", scans[0].IndexCond, doc)
 }
 
 // afterVersionPoll runs run once, when armed, right after the first

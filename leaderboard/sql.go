@@ -395,15 +395,18 @@ func withAtLeast(q string, columns []string, params int) string {
 	).Replace(atLeastSQL)
 }
 
-// lagSQL reads the creation time of the board's oldest unprojected change,
-// and the database clock to measure its age by: $1 stream, $2 board.
+// lagSQL reads the database clock, the creation time of the board's
+// oldest unprojected change, whose age it measures, and that of the
+// stream's latest pending change dated after the clock, which makes the
+// age unmeasurable: $1 stream, $2 board.
 // Unprojected means pending in the outbox, or dead-lettered: a row that
 // failed MaxAttempts times left the outbox for its dead-letter table, and
 // Redis may lack it for good, so it counts as waiting since its original
 // creation until it is replayed (outbox.Relay.ReplayDead) or deleted. An
 // age rather than "unknown" (a negative Lag, which means PostgreSQL could
-// not be asked) keeps Lag's meaning: the age of the oldest change Redis
-// may not reflect; it exceeds MaxLag once the dead letter is MaxLag old.
+// not be asked, or its clock made the age unmeasurable: see the third
+// column) keeps Lag's meaning: the age of the oldest change Redis may not
+// reflect; it exceeds MaxLag once the dead letter is MaxLag old.
 //
 // A dead letter stops counting once a newer version of its user (the row's
 // key) has reached Redis: payloads are absolute, so Redis then holds newer
@@ -456,8 +459,27 @@ func withAtLeast(q string, columns []string, params int) string {
 // strings. TestLagProbePlan checks the generic plan.
 //
 // LEAST ignores NULLs: the result is NULL only when neither has a row.
+//
+// The third column is the latest creation time of the stream's pending
+// rows dated after the clock reading (NULL when none is): a committed row
+// is visible only if it committed before the statement's snapshot, so its
+// created_at (its transaction's start) can follow this reading only when
+// the database clock stepped back since it was written (an NTP step, a VM
+// resumed, a failover to a host whose clock lags), or when a writer
+// stamped created_at itself from a clock ahead. Such a row's age, and that
+// of any older row stamped before the step, cannot be measured: the
+// minimum of the first subquery may be a row stamped after the step, and a
+// row from the future would count as waiting for no time at all. The
+// board reports the lag as unmeasured (Lag -1) instead, and logs how far
+// ahead the latest such row is (the clock stepped back at least that far).
+// The clock is read once, in c (PostgreSQL does not pull up a subquery
+// whose output calls a volatile function), so that the columns compare
+// with one reading, and the subquery can use that reading as a bound of
+// the created_at index (a volatile call in its WHERE could not be): one
+// short range scan of the rows after it, normally none. TestLagProbePlan
+// checks that plan too.
 const lagSQL = `
-SELECT clock_timestamp(), LEAST(
+SELECT c.now, LEAST(
     (
         SELECT created_at
         FROM {{outbox}}
@@ -489,7 +511,14 @@ SELECT clock_timestamp(), LEAST(
         ORDER BY d.stream, d.id
         LIMIT 1
     )
-)`
+), (
+    SELECT f.created_at
+    FROM {{outbox}} AS f
+    WHERE f.published_at IS NULL AND f.created_at > c.now AND f.stream = $1::text
+    ORDER BY f.created_at DESC
+    LIMIT 1
+)
+FROM (SELECT clock_timestamp() AS now) AS c`
 
 // renderSQL replaces the identifier placeholders of q. outboxTable is the
 // outbox table's unquoted name; outbox.Config documents the dead-letter

@@ -1,0 +1,185 @@
+package leaderboard
+
+import (
+	"context"
+	"math"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/verity-go/verity/internal/testenv"
+)
+
+// futurePending dates the board's pending outbox rows d after their
+// creation, as if PostgreSQL's clock had stepped back by d since it wrote
+// them (an NTP step, a VM resumed, a failover to a host whose clock lags).
+func (tb *testBundle) futurePending(t *testing.T, d time.Duration) {
+	t.Helper()
+	_, err := tb.pg.Pool.Exec(context.Background(),
+		`UPDATE verity_outbox SET created_at = created_at + $1::interval WHERE published_at IS NULL`, d)
+	require.NoError(t, err)
+}
+
+// TestLagWhenTheDatabaseClockSteppedBack checks that a change dated after
+// the database clock makes the lag unmeasured (Lag -1, as a failed probe)
+// rather than 0: clamped to 0, it read as fresh on every probe until the
+// clock caught up with it, so FailClosed served a projection behind by up
+// to the step.
+func TestLagWhenTheDatabaseClockSteppedBack(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+
+	t.Run("FailClosedRefuses", func(t *testing.T) {
+		t.Parallel()
+		tb := setup(t, func(c *Config) {
+			c.ReadPolicy = FailClosed
+			c.MaxLag = 400 * time.Millisecond
+			c.LagProbeInterval = 20 * time.Millisecond
+		})
+		tb.submit(t, "user-a", 10)
+		tb.drain(t)
+		tb.submit(t, "user-a", 7) // never projected: Redis keeps 10
+		tb.futurePending(t, time.Hour)
+
+		// Pending for longer than MaxLag, and from the first probe on.
+		for range 2 {
+			r, err := tb.board.Top(ctx, 10)
+			var stale *StaleError
+			require.ErrorAs(t, err, &stale, "served %+v", r)
+			require.Negative(t, stale.Lag)
+			require.False(t, stale.Unverified)
+			time.Sleep(tb.board.Config().MaxLag + 10*time.Millisecond)
+		}
+		_, ok := tb.board.observedLag(ctx)
+		require.False(t, ok, "the lag gauge is absent while the lag cannot be measured")
+
+		// Once the change is projected, the lag is measured again.
+		tb.drain(t)
+		time.Sleep(tb.board.Config().LagProbeInterval)
+		r, err := tb.board.Top(ctx, 10)
+		require.NoError(t, err)
+		require.Equal(t, SourceRedis, r.Freshness.Source)
+		require.Equal(t, int64(17), r.Entries[0].Score)
+		require.GreaterOrEqual(t, r.Freshness.Lag, time.Duration(0))
+	})
+
+	// An older change stamped before the step and a newer one stamped after
+	// it: the newer one is the oldest by created_at, and its small age
+	// hid the older one.
+	t.Run("OlderChangeHiddenByNewerOne", func(t *testing.T) {
+		t.Parallel()
+		tb := setup(t, func(c *Config) {
+			c.ReadPolicy = FallbackToPostgres
+			c.MaxLag = 400 * time.Millisecond
+			c.LagProbeInterval = 20 * time.Millisecond
+		})
+		tb.submit(t, "user-a", 10)
+		tb.drain(t)
+		tb.submit(t, "user-a", 7) // before the step
+		tb.futurePending(t, time.Hour)
+		tb.submit(t, "user-b", 1) // after it
+
+		r, err := tb.board.Top(ctx, 10)
+		require.NoError(t, err)
+		require.Equal(t, SourcePostgres, r.Freshness.Source, "Lag %s", r.Freshness.Lag)
+		require.Equal(t, []Entry{{UserID: "user-a", Score: 17, Rank: 1}, {UserID: "user-b", Score: 1, Rank: 2}}, r.Entries)
+
+		r, err = tb.board.Top(ctx, 10, WithPolicy(ServeStale))
+		require.NoError(t, err)
+		require.Equal(t, SourceRedis, r.Freshness.Source)
+		require.Equal(t, time.Duration(-1), r.Freshness.Lag)
+		require.True(t, r.Freshness.ProjectedThrough.IsZero())
+	})
+
+	// A dead letter keeps its original creation time: one dated after the
+	// clock cannot be aged either.
+	t.Run("DeadLetterDatedAfterTheClock", func(t *testing.T) {
+		t.Parallel()
+		tb := setup(t, func(c *Config) {
+			c.ReadPolicy = FailClosed
+			c.MaxLag = 400 * time.Millisecond
+			c.LagProbeInterval = 20 * time.Millisecond
+		})
+		tb.submit(t, "user-a", 10)
+		tb.drain(t)
+		tb.submit(t, "user-a", 7) // dead-lettered: Redis keeps 10
+		tb.bury(t)
+		_, err := tb.pg.Pool.Exec(ctx, `UPDATE verity_outbox_dead SET created_at = created_at + interval '1 hour'`)
+		require.NoError(t, err)
+
+		_, err = tb.board.Top(ctx, 10)
+		var stale *StaleError
+		require.ErrorAs(t, err, &stale)
+		require.Negative(t, stale.Lag)
+	})
+
+	// Every probe finds the change again: the board says what it found,
+	// about once a second, and not as a failed probe.
+	t.Run("LoggedAtMostOnceASecond", func(t *testing.T) {
+		t.Parallel()
+		logs := &testenv.LogSink{}
+		tb := setup(t, func(c *Config) {
+			c.ReadPolicy = ServeStale
+			c.MaxLag = 400 * time.Millisecond
+			c.LagProbeInterval = 5 * time.Millisecond
+			c.Logger = logs.Logger()
+		})
+		tb.submit(t, "user-a", 10)
+		tb.futurePending(t, time.Hour)
+
+		start := time.Now()
+		for range 20 {
+			r, err := tb.board.Top(ctx, 10)
+			require.NoError(t, err)
+			require.Equal(t, time.Duration(-1), r.Freshness.Lag)
+			time.Sleep(tb.board.Config().LagProbeInterval)
+		}
+		elapsed := time.Since(start)
+		lines := logs.Lines(t, "leaderboard: the database clock appears to have stepped back: a change of the board not yet projected is dated after it, so the projection lag cannot be measured (reads see Lag -1) until the change is projected or the clock passes it")
+		require.NotEmpty(t, lines)
+		require.LessOrEqual(t, len(lines), 1+int(elapsed/time.Second), "%d lines in %v", len(lines), elapsed)
+		require.Equal(t, "weekly-2026-48", lines[0]["board"])
+		ahead := time.Duration(lines[0]["ahead"].(float64))
+		require.InDelta(t, float64(time.Hour), float64(ahead), float64(time.Minute), "ahead %v", ahead)
+		require.Empty(t, logs.Lines(t, "leaderboard: measuring projection lag failed"))
+	})
+}
+
+// TestLagSaturatesForAncientPendingChange checks that a pending row dated
+// year 1 (finite: migration 006 accepts it, as from a composed INSERT that
+// passes an unset time.Time) reports the largest Duration as its lag, to
+// reads and to the lag gauge. Its age by the database clock saturates at
+// that Duration, and adding the measurement's age wrapped the sum to a
+// huge negative lag: "not measured" for reads, and a valid observation far
+// below any alert threshold for the gauge.
+func TestLagSaturatesForAncientPendingChange(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	tb := setup(t, func(c *Config) {
+		c.ReadPolicy = ServeStale
+		c.MaxLag = time.Second
+		c.LagProbeInterval = 100 * time.Millisecond
+	})
+	tb.submit(t, "user-a", 10)
+	tb.drain(t)
+	tb.submit(t, "user-a", 7) // never projected
+	_, err := tb.pg.Pool.Exec(ctx,
+		`UPDATE verity_outbox SET created_at = '0001-01-01 00:00:00+00' WHERE published_at IS NULL`)
+	require.NoError(t, err)
+
+	_, err = tb.board.Top(ctx, 10)
+	require.NoError(t, err)
+	time.Sleep(5 * time.Millisecond) // the measurement has an age
+	r, err := tb.board.Top(ctx, 10)
+	require.NoError(t, err)
+	require.Equal(t, time.Duration(math.MaxInt64), r.Freshness.Lag)
+	gauge, ok := tb.board.observedLag(ctx)
+	require.True(t, ok)
+	require.Equal(t, time.Duration(math.MaxInt64), gauge)
+
+	_, err = tb.board.Top(ctx, 10, WithPolicy(FailClosed))
+	var stale *StaleError
+	require.ErrorAs(t, err, &stale)
+	require.Equal(t, time.Duration(math.MaxInt64), stale.Lag)
+}
