@@ -390,7 +390,12 @@
 // at once. After a database error it pauses before claiming
 // again, 100ms doubling up to ReconnectBackoffMax; notifications do not cut
 // that pause short. Behind a transaction-pooling proxy, set DisableNotify
-// and rely on polling.
+// and rely on polling. The text-format exec modes such a proxy needs
+// (pgx.QueryExecModeExec, QueryExecModeSimpleProtocol) parse timestamps
+// and bytea only in PostgreSQL's default DateStyle (ISO) and bytea_output
+// (hex): with a role that changes either, every claim fails after the
+// server committed it (the claim is released, no attempt counted, nothing
+// projected); set both in ConnConfig.RuntimeParams.
 //
 // The relay's claims and settles are written for READ COMMITTED,
 // PostgreSQL's default: give it a pool that runs at that level (with a
