@@ -16,7 +16,6 @@ import (
 
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/redis/go-redis/v9"
-	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
 
 	"github.com/verity-go/verity/leaderboard"
 	"github.com/verity-go/verity/outbox"
@@ -492,7 +491,3 @@ func readSnapshot(ctx context.Context, relay *outbox.Relay, board *leaderboard.B
 	}
 	return snap
 }
-
-// MeterProvider returns the provider behind /metrics, for instruments of
-// other packages that should be exported with the service's.
-func (s *Service) MeterProvider() *sdkmetric.MeterProvider { return s.metrics.provider }

@@ -74,9 +74,6 @@ func (s *PostgresServer) ConnString() string {
 	return fmt.Sprintf("postgres://postgres@127.0.0.1:%d/postgres?sslmode=disable", s.port)
 }
 
-// Port is the server's TCP port; it does not change across restarts.
-func (s *PostgresServer) Port() int { return s.port }
-
 // Start starts the server (again) and waits until it accepts connections.
 func (s *PostgresServer) Start(ctx context.Context) error {
 	return s.proc.startAndWait(ctx, 30*time.Second, func() bool { return pingPostgres(ctx, s.ConnString()) == nil })

@@ -80,16 +80,6 @@ func (in *Instruments) Histogram(name, unit, description string, buckets ...floa
 	return h
 }
 
-// Float64Gauge creates a synchronous Float64Gauge.
-func (in *Instruments) Float64Gauge(name, unit, description string) metric.Float64Gauge {
-	g, err := in.meter.Float64Gauge(name, metric.WithUnit(unit), metric.WithDescription(description))
-	if err != nil || g == nil {
-		in.fail(name, errOrNil(err))
-		return noop.Float64Gauge{}
-	}
-	return g
-}
-
 // Int64ObservableGauge creates an Int64ObservableGauge (observed in a
 // callback registered with the meter).
 func (in *Instruments) Int64ObservableGauge(name, unit, description string) metric.Int64ObservableGauge {
