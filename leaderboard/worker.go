@@ -4,7 +4,11 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"strconv"
+	"time"
+
+	"github.com/redis/go-redis/v9"
 
 	"github.com/verity-go/verity/outbox"
 	"github.com/verity-go/verity/projection"
@@ -61,6 +65,8 @@ type WorkerConfig struct {
 type Worker struct {
 	projector *projection.RedisProjector
 	relay     *outbox.Relay
+	rdb       redis.UniversalClient
+	logger    *slog.Logger
 }
 
 // Worker returns a Worker for the board. It does not start it; call Run.
@@ -108,7 +114,28 @@ func (b *Board) Worker(cfg *WorkerConfig) (*Worker, error) {
 	if err != nil {
 		return nil, fromOutboxConfig("WorkerConfig.Relay.", err)
 	}
-	return &Worker{projector: projector, relay: relay}, nil
+	return &Worker{projector: projector, relay: relay, rdb: b.rdb, logger: rc.Logger}, nil
+}
+
+// evictionCheckTimeout bounds the check of the Redis eviction policy that
+// Run makes before it starts.
+const evictionCheckTimeout = 2 * time.Second
+
+// warnIfEvicting logs a warning when a server of the board's Redis may
+// evict the gate's version keys (projection.CheckEvictionPolicy): the
+// projection would then apply a redelivered older record, and a reader
+// see a score the database has since replaced, until a reconcile pass. A
+// server that could not be asked is logged at Debug: that says nothing
+// about its policy (managed services often refuse INFO's memory section).
+func (w *Worker) warnIfEvicting(ctx context.Context) {
+	ctx, cancel := context.WithTimeout(ctx, evictionCheckTimeout)
+	defer cancel()
+	switch err := projection.CheckEvictionPolicy(ctx, w.rdb); {
+	case errors.Is(err, projection.ErrEvictionPolicy):
+		w.logger.WarnContext(ctx, "leaderboard: worker: the board's Redis may evict the projection's version keys; run it with maxmemory-policy noeviction", "error", err)
+	case err != nil:
+		w.logger.DebugContext(ctx, "leaderboard: worker: could not check the Redis eviction policy", "error", err)
+	}
 }
 
 // Run projects until ctx is cancelled, then shuts down gracefully (see
@@ -116,10 +143,14 @@ func (b *Board) Worker(cfg *WorkerConfig) (*Worker, error) {
 // once at a time: Run while another Run of it is under way returns
 // outbox.ErrRelayRunning at once (run more Workers for more relays). Its
 // errors, and RunOnce's and Drain's, are the relay's (package outbox).
+// Before it starts, Run asks the board's Redis servers whether they could
+// evict the projection's version keys (projection.CheckEvictionPolicy, for
+// at most 2 s) and logs a warning if one could; it runs either way.
 func (w *Worker) Run(ctx context.Context) error {
 	if w.notFromBoard() {
 		return errWorkerNotFromBoard()
 	}
+	w.warnIfEvicting(ctx)
 	err := w.relay.Run(ctx)
 	if errors.Is(err, context.Canceled) && ctx.Err() != nil {
 		return nil

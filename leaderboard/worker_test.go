@@ -11,6 +11,7 @@ import (
 	"github.com/redis/go-redis/v9"
 	"github.com/stretchr/testify/require"
 
+	"github.com/verity-go/verity/internal/testenv"
 	"github.com/verity-go/verity/outbox"
 	"github.com/verity-go/verity/projection"
 	"github.com/verity-go/verity/reconcile"
@@ -299,4 +300,57 @@ func TestPageStableUnderConcurrentUpdates(t *testing.T) {
 			}
 		}
 	}
+}
+
+// TestWorkerChecksEvictionPolicy runs a Worker against a Redis that may
+// evict keys without a TTL (a memory limit and allkeys-lru), where the
+// gate's version keys could be evicted and an older record applied: Run
+// warns once at start, and still projects. Against noeviction it says
+// nothing.
+func TestWorkerChecksEvictionPolicy(t *testing.T) {
+	t.Parallel()
+	const (
+		warning   = "leaderboard: worker: the board's Redis may evict the projection's version keys; run it with maxmemory-policy noeviction"
+		uncertain = "leaderboard: worker: could not check the Redis eviction policy"
+	)
+	run := func(t *testing.T, policy string) *testenv.LogSink {
+		ctx := context.Background()
+		server := testenv.StartRedis(t, "--maxmemory", "100mb", "--maxmemory-policy", policy)
+		pg := testenv.Postgres(t)
+		logs := &testenv.LogSink{}
+		cfg := &Config{Name: "evicting", Schema: pg.Schema, Logger: logs.Logger()}
+		require.NoError(t, Migrate(ctx, pg.Pool, cfg))
+		board, err := New(pg.Pool, server.Client(t), cfg)
+		require.NoError(t, err)
+		t.Cleanup(board.Close)
+		tb := &testBundle{board: board, pg: pg}
+		tb.submit(t, "alice", 3)
+		w, err := board.Worker(nil)
+		require.NoError(t, err)
+		runCtx, cancel := context.WithCancel(ctx)
+		done := make(chan error, 1)
+		go func() { done <- w.Run(runCtx) }()
+		require.Eventually(t, func() bool {
+			rank, _, err := board.Rank(ctx, "alice")
+			return err == nil && rank.Score == 3
+		}, 10*time.Second, 10*time.Millisecond, "the worker projects")
+		cancel()
+		require.NoError(t, <-done)
+		// The check runs before the relay starts: it is over once Run has
+		// projected, and was not cut short.
+		require.Empty(t, logs.Lines(t, uncertain))
+		return logs
+	}
+
+	t.Run("AllKeysLRUWarns", func(t *testing.T) {
+		t.Parallel()
+		lines := run(t, "allkeys-lru").Lines(t, warning)
+		require.Len(t, lines, 1)
+		require.Equal(t, "WARN", lines[0]["level"])
+		require.Contains(t, lines[0]["error"], "maxmemory-policy allkeys-lru")
+	})
+	t.Run("NoEvictionIsQuiet", func(t *testing.T) {
+		t.Parallel()
+		require.Empty(t, run(t, "noeviction").Lines(t, warning))
+	})
 }

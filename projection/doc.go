@@ -14,7 +14,10 @@
 // noeviction: a version key lost to eviction, a FLUSHALL or a failover
 // lets a redelivered older record (a relay that crashed before its ack, a
 // replayed dead letter) apply over a newer value until a reconcile pass
-// repairs it, and the outbox lag does not show it.
+// repairs it, and the outbox lag does not show it. (A volatile-* policy
+// evicts only keys with a TTL, which the projection sets on none.)
+// CheckEvictionPolicy tells whether the servers behind a client could
+// evict them; leaderboard's Worker runs it at start and logs a warning.
 //
 // A Mapper turns each record into a Write: a Target (where), a Version and
 // a Value (what). Three kinds of target are built in:

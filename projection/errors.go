@@ -21,9 +21,10 @@ var (
 	// 9223372036854775807), so the gate cannot order the write against it.
 	// The write is refused (never guessed); reconcile repairs such entries.
 	ErrCorruptVersion = errors.New("projection: stored version is not a positive int64")
-	// ErrUnexpectedReply: Redis answered the gate script with a reply this
-	// package does not understand (a different script under the same SHA,
-	// or a proxy rewriting replies).
+	// ErrUnexpectedReply: Redis answered the gate script (or INFO, for
+	// CheckEvictionPolicy) with a reply this package does not understand
+	// (a different script under the same SHA, or a proxy rewriting
+	// replies).
 	ErrUnexpectedReply = errors.New("projection: unexpected reply from gate script")
 	// ErrUnmappedStream: a StreamMapper has no Mapper for a record's stream.
 	ErrUnmappedStream = errors.New("projection: no mapper for stream")
@@ -57,6 +58,10 @@ var (
 	// removed by hand, after which the record's retry or reconcile
 	// restores the target.
 	ErrWrongKeyType = errors.New("projection: a key of the target holds another Redis type")
+	// ErrEvictionPolicy: CheckEvictionPolicy found a Redis server with a
+	// memory limit and an allkeys-* maxmemory-policy, which may evict the
+	// gate's version keys. The *EvictionPolicyError names the server.
+	ErrEvictionPolicy = errors.New("projection: redis may evict the gate's version keys")
 )
 
 // ConfigError reports an invalid configuration field.

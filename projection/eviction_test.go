@@ -1,0 +1,107 @@
+package projection
+
+import (
+	"context"
+	"errors"
+	"testing"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+	"github.com/stretchr/testify/require"
+
+	"github.com/verity-go/verity/internal/testenv"
+)
+
+func TestCheckEvictionPolicy(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+
+	for _, c := range []struct {
+		name      string
+		args      []string
+		evicting  bool
+		maxMemory int64
+	}{
+		{"NoEviction", []string{"--maxmemory", "100mb", "--maxmemory-policy", "noeviction"}, false, 0},
+		{"VolatilePolicyKeepsKeysWithoutTTL", []string{"--maxmemory", "100mb", "--maxmemory-policy", "volatile-lru"}, false, 0},
+		{"AllKeysWithoutLimit", []string{"--maxmemory", "0", "--maxmemory-policy", "allkeys-lru"}, false, 0},
+		{"AllKeysLRU", []string{"--maxmemory", "100mb", "--maxmemory-policy", "allkeys-lru"}, true, 100 << 20},
+		{"AllKeysRandom", []string{"--maxmemory", "1gb", "--maxmemory-policy", "allkeys-random"}, true, 1 << 30},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			t.Parallel()
+			server := testenv.StartRedis(t, c.args...)
+			err := CheckEvictionPolicy(ctx, server.Client(t))
+			if !c.evicting {
+				require.NoError(t, err)
+				return
+			}
+			require.ErrorIs(t, err, ErrEvictionPolicy)
+			var perr *EvictionPolicyError
+			require.ErrorAs(t, err, &perr)
+			require.Equal(t, server.Addr(), perr.Addr)
+			require.Equal(t, c.args[3], perr.Policy)
+			require.Equal(t, c.maxMemory, perr.MaxMemory)
+		})
+	}
+
+	t.Run("InfoRefusedIsNotAFinding", func(t *testing.T) {
+		t.Parallel()
+		server := testenv.StartRedis(t, "--maxmemory", "100mb", "--maxmemory-policy", "allkeys-lru")
+		require.NoError(t, server.Client(t).Do(ctx, "ACL", "SETUSER", "no-info", "on", ">pw", "~*", "+@all", "-info").Err())
+		limited := redis.NewClient(&redis.Options{Addr: server.Addr(), Username: "no-info", Password: "pw"})
+		t.Cleanup(func() { _ = limited.Close() })
+		err := CheckEvictionPolicy(ctx, limited)
+		require.Error(t, err)
+		require.NotErrorIs(t, err, ErrEvictionPolicy, "the policy is unknown, not found evicting")
+		require.Contains(t, err.Error(), server.Addr())
+	})
+
+	t.Run("NilClient", func(t *testing.T) {
+		t.Parallel()
+		require.ErrorIs(t, CheckEvictionPolicy(ctx, nil), ErrInvalidConfig)
+		var nilClient *redis.Client
+		require.ErrorIs(t, CheckEvictionPolicy(ctx, nilClient), ErrInvalidConfig)
+	})
+}
+
+// TestCheckEvictionPolicyCluster sets an evicting policy on one replica of
+// a private cluster: a failover would promote it with its settings, so it
+// is reported too, and the masters are not.
+func TestCheckEvictionPolicyCluster(t *testing.T) {
+	t.Parallel()
+	if testing.Short() {
+		t.Skip("starts a private Redis Cluster")
+	}
+	ctx := context.Background()
+	cluster := testenv.StartRedisCluster(t, 3, 1)
+	cluster.WaitSlotReplicas(t, 30*time.Second) // in the client's slot map
+	client := cluster.Client(t)
+	require.NoError(t, CheckEvictionPolicy(ctx, client))
+
+	var replica string
+	for _, addr := range cluster.Addrs() {
+		node := redis.NewClient(&redis.Options{Addr: addr})
+		role, err := node.Do(ctx, "ROLE").Slice()
+		if err == nil && len(role) > 0 && role[0] == "slave" {
+			replica = addr
+			err = errors.Join(
+				node.ConfigSet(ctx, "maxmemory", "64mb").Err(),
+				node.ConfigSet(ctx, "maxmemory-policy", "allkeys-lfu").Err())
+		}
+		_ = node.Close()
+		require.NoError(t, err)
+		if replica != "" {
+			break
+		}
+	}
+	require.NotEmpty(t, replica, "the cluster has a replica")
+
+	err := CheckEvictionPolicy(ctx, client)
+	require.ErrorIs(t, err, ErrEvictionPolicy)
+	var perr *EvictionPolicyError
+	require.ErrorAs(t, err, &perr)
+	require.Equal(t, replica, perr.Addr)
+	require.Equal(t, "allkeys-lfu", perr.Policy)
+	require.Len(t, err.(interface{ Unwrap() []error }).Unwrap(), 1, "the masters and the other replicas keep their keys")
+}
