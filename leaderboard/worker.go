@@ -135,6 +135,8 @@ func (w *Worker) warnIfEvicting(ctx context.Context) {
 		w.logger.WarnContext(ctx, "leaderboard: worker: the board's Redis may evict the projection's version keys; run it with maxmemory-policy noeviction", "error", err)
 	case err != nil:
 		w.logger.DebugContext(ctx, "leaderboard: worker: could not check the Redis eviction policy", "error", err)
+	default:
+		w.logger.DebugContext(ctx, "leaderboard: worker: the Redis eviction policy keeps the projection's version keys")
 	}
 }
 
@@ -143,15 +145,23 @@ func (w *Worker) warnIfEvicting(ctx context.Context) {
 // once at a time: Run while another Run of it is under way returns
 // outbox.ErrRelayRunning at once (run more Workers for more relays). Its
 // errors, and RunOnce's and Drain's, are the relay's (package outbox).
-// Before it starts, Run asks the board's Redis servers whether they could
-// evict the projection's version keys (projection.CheckEvictionPolicy, for
-// at most 2 s) and logs a warning if one could; it runs either way.
+// As it starts, Run asks the board's Redis servers whether they could
+// evict the projection's version keys (projection.CheckEvictionPolicy,
+// beside the relay, for at most 2 s) and logs a warning if one could; it
+// projects either way.
 func (w *Worker) Run(ctx context.Context) error {
 	if w.notFromBoard() {
 		return errWorkerNotFromBoard()
 	}
-	w.warnIfEvicting(ctx)
+	// Beside the relay, not before it: a Redis that does not answer must
+	// not hold the projection back for the check's timeout.
+	checked := make(chan struct{})
+	go func() {
+		defer close(checked)
+		w.warnIfEvicting(ctx)
+	}()
 	err := w.relay.Run(ctx)
+	<-checked
 	if errors.Is(err, context.Canceled) && ctx.Err() != nil {
 		return nil
 	}
