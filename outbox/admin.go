@@ -27,7 +27,11 @@ type Stats struct {
 	// "outbox age", the figure to alert on: it grows when relays stop or
 	// fail, whatever the volume). Zero when nothing is pending. Rows whose
 	// created_at is not finite (see Record.CreatedAt) have no age and are
-	// left out.
+	// left out. It is measured on the database clock: after that clock
+	// steps back (an NTP step, a failover to a host whose clock lags), rows
+	// written before the step look younger by the step, 0 when dated after
+	// the clock, until it catches up; leaderboard's lag probe reports such
+	// rows as unmeasurable instead. Capped at the largest Duration.
 	OldestPendingAge time.Duration
 	// DeadLetters counts rows in the dead-letter table.
 	DeadLetters int64
