@@ -165,16 +165,31 @@ func TestRelayPartitionLeases(t *testing.T) {
 
 	// A row stamped by a relay of an earlier version (row-level lease) is
 	// left to that relay while its lease lasts, so a rolling upgrade does
-	// not deliver it twice at once.
+	// not deliver it twice at once, and Stats counts it in flight. Once
+	// that lease has ended (the old relay crashed) the row is neither in
+	// flight nor held back.
 	t.Run("RowLeaseOfOlderRelayIsHonoured", func(t *testing.T) {
 		t.Parallel()
 		b := setup(t)
-		b.appendCommitted(t, newMessage("s", "a", 1))
-		_, err := b.pool.Exec(ctx, `UPDATE `+b.writer.Table()+` SET leased_until = now() + interval '1 hour', claim_token = gen_random_uuid()`)
+		b.appendCommitted(t, newMessage("s", "live", 1), newMessage("s", "expired", 1))
+		_, err := b.pool.Exec(ctx, `UPDATE `+b.writer.Table()+` SET leased_until = now() + interval '1 hour', claim_token = gen_random_uuid() WHERE key = 'live'`)
 		require.NoError(t, err)
-		n, err := b.relay(t, nil, &recorder{}, outbox.RelayConfig{}).RunOnce(ctx)
+		_, err = b.pool.Exec(ctx, `UPDATE `+b.writer.Table()+` SET leased_until = now() - interval '1 hour', claim_token = gen_random_uuid() WHERE key = 'expired'`)
 		require.NoError(t, err)
-		require.Zero(t, n)
+		h := &recorder{}
+		r := b.relay(t, nil, h, outbox.RelayConfig{})
+		stats, err := r.Stats(ctx)
+		require.NoError(t, err)
+		require.EqualValues(t, 2, stats.Pending)
+		require.EqualValues(t, 1, stats.InFlight, "the live row-level lease counts; the expired one does not")
+
+		n, err := r.RunOnce(ctx)
+		require.NoError(t, err)
+		require.Equal(t, 1, n)
+		require.Equal(t, "expired", h.seen()[0].Key)
+		n, err = r.RunOnce(ctx)
+		require.NoError(t, err)
+		require.Zero(t, n, "the live row-level lease is left alone")
 	})
 
 	// A claim cut off by its context is still running on the server, and

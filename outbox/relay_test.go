@@ -138,9 +138,16 @@ func TestRelayDelivery(t *testing.T) {
 			require.NotNil(t, row.PublishedAt)
 		}
 		b.requireLeasesFree(t)
+		// Kept rows are delivered: neither Pending nor OldestPendingAge may
+		// count them, or a KeepPublished outbox would alert on rows that
+		// wait for nothing. Aged by an hour, they could not hide in a small
+		// age.
+		_, err = b.pool.Exec(ctx, `UPDATE `+b.writer.Table()+` SET created_at = created_at - interval '1 hour'`)
+		require.NoError(t, err)
 		stats, err := r.Stats(ctx)
 		require.NoError(t, err)
 		require.Zero(t, stats.Pending)
+		require.Zero(t, stats.OldestPendingAge, "a published row's age counted as pending")
 	})
 
 	t.Run("StreamsFilter", func(t *testing.T) {
@@ -317,7 +324,7 @@ func TestRelayLease(t *testing.T) {
 		b.appendCommitted(t, msg)
 		// A lease far longer than the checks made while it lasts; the test
 		// ends it on purpose (expireLeases) when it wants it over.
-		const lease = 10 * time.Second
+		const lease = time.Minute
 
 		slow := newBlocking()
 		relayA := b.relay(t, nil, handle(slow), outbox.RelayConfig{LeaseDuration: lease, Name: "a"})
@@ -339,6 +346,16 @@ func TestRelayLease(t *testing.T) {
 		require.False(t, deadline.IsZero(), "the handler's context carries the lease deadline")
 		require.False(t, deadline.Before(claimedAt.Add(lease)), "deadline %s before the lease could end", deadline)
 		require.False(t, deadline.After(handlerStarted.Add(lease)), "deadline %s after the lease ends", deadline)
+		// The lease the claim wrote on the server lasts LeaseDuration too
+		// (it is sent in microseconds): a lease 1000 times too short lets
+		// another relay re-claim the rows while the Handler still runs, and
+		// one 1000 times too long leaves a crashed relay's rows waiting for
+		// hours. What is left of it is read by the database's clock; half a
+		// lease (30s) of slack for the claim and the checks above.
+		var left time.Duration
+		require.NoError(t, b.pool.QueryRow(ctx, `SELECT max(leased_until) - now() FROM `+b.leasesTable()).Scan(&left))
+		require.Greater(t, left, lease/2, "the server's lease is shorter than LeaseDuration")
+		require.LessOrEqual(t, left, lease, "the server's lease is longer than LeaseDuration")
 
 		// While A's lease lasts nobody else gets the row.
 		h := &recorder{}
@@ -350,8 +367,14 @@ func TestRelayLease(t *testing.T) {
 		require.NoError(t, err)
 		require.EqualValues(t, 1, stats.InFlight)
 
-		// After it, B claims and acknowledges it.
+		// After it, the row is no longer in flight, although A's lease row
+		// still lists it (A hung or crashed: the row is up for grabs), and
+		// B claims and acknowledges it.
 		require.EqualValues(t, 1, b.expireLeases(t), "A's batch holds one partition")
+		stats, err = relayB.Stats(ctx)
+		require.NoError(t, err)
+		require.EqualValues(t, 1, stats.Pending)
+		require.Zero(t, stats.InFlight, "the rows of an expired lease are not in flight")
 		n, err = relayB.RunOnce(ctx)
 		require.NoError(t, err)
 		require.Equal(t, 1, n, "the row is claimed again once the lease ended")
@@ -1490,6 +1513,19 @@ func TestRelayStats(t *testing.T) {
 	require.NoError(t, err)
 	require.EqualValues(t, 1, stats.Pending)
 	require.Zero(t, stats.InFlight)
+
+	// OldestPendingAge, the figure to alert on, is the age of the oldest
+	// pending row, not of the newest (the rows above were all appended at
+	// once, so they could not tell). The remaining row is dated an hour
+	// back by the database's clock rather than slept on.
+	_, err = b.pool.Exec(ctx, `UPDATE `+b.writer.Table()+` SET created_at = now() - interval '1 hour'`)
+	require.NoError(t, err)
+	b.appendCommitted(t, newMessage("s", "d", 1))
+	stats, err = r.Stats(ctx)
+	require.NoError(t, err)
+	require.EqualValues(t, 2, stats.Pending)
+	require.GreaterOrEqual(t, stats.OldestPendingAge, time.Hour, "the oldest row's age, not the newest's")
+	require.Less(t, stats.OldestPendingAge, time.Hour+time.Minute)
 }
 
 // TestRelayStatsAncientRow checks that OldestPendingAge saturates at the
@@ -1511,6 +1547,24 @@ func TestRelayStatsAncientRow(t *testing.T) {
 		require.EqualValues(t, 1, stats.Pending)
 		require.Equal(t, time.Duration(math.MaxInt64), stats.OldestPendingAge, "created_at %s", at)
 	}
+}
+
+// TestRelayStatsFutureRow checks that a row dated after the database's
+// clock (a composed INSERT: created_at need only be finite; or a clock
+// that stepped back) counts as not having waited at all: OldestPendingAge
+// is never negative, which an alert or a gauge would misread.
+func TestRelayStatsFutureRow(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	b := setup(t)
+	r := b.relay(t, nil, &recorder{}, outbox.RelayConfig{})
+	_, err := b.pool.Exec(ctx, `INSERT INTO `+b.writer.Table()+` (event_id, stream, key, version, payload, created_at)
+		VALUES (gen_random_uuid(), 's', 'future', 1, '\x00', now() + interval '1 hour')`)
+	require.NoError(t, err)
+	stats, err := r.Stats(ctx)
+	require.NoError(t, err)
+	require.EqualValues(t, 1, stats.Pending)
+	require.Zero(t, stats.OldestPendingAge)
 }
 
 // insertBeforeMigration006 inserts, with a composed INSERT, a row of

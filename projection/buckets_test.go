@@ -126,6 +126,28 @@ func TestKeyspaceVersionBuckets(t *testing.T) {
 		require.Equal(t, flat.VersionKey(d), ks.VersionKey(d), "documents are not bucketed")
 	})
 
+	// Bucket key names are stored data like every other key name (see
+	// TestKeyspace's DocumentedKeyNames): B hashes numbered 0 … B-1 after
+	// ":", each with its own "~r" shadow. One bucket is numbered too: it
+	// must not reuse the unbucketed hash's name, whose presence is what
+	// the gate and the leaderboard probe to recognise a legacy collection.
+	t.Run("DocumentedKeyNames", func(t *testing.T) {
+		t.Parallel()
+		for _, n := range []int{1, 3} {
+			ks, err := flat.WithVersionBuckets(n)
+			require.NoError(t, err)
+			var want, shadows []string
+			for b := range n {
+				want = append(want, "app:{weekly}:zv:"+strconv.Itoa(b))
+				shadows = append(shadows, "app:{weekly}:zv:"+strconv.Itoa(b)+"~r")
+			}
+			require.Equal(t, want, ks.VersionKeys("weekly", KindSortedSet), "%d buckets", n)
+			require.Equal(t, shadows, ks.ShadowVersionKeys("weekly", KindSortedSet), "%d buckets", n)
+			require.Equal(t, "app:{weekly}:hv:0", ks.VersionKeys("weekly", KindHash)[0], "%d buckets", n)
+			require.Equal(t, "app:{weekly}:zv", ks.unbucketedVersionKey("weekly", KindSortedSet), "%d buckets", n)
+		}
+	})
+
 	t.Run("Spread", func(t *testing.T) {
 		t.Parallel()
 		ks, err := flat.WithVersionBuckets(100)

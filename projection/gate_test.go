@@ -153,6 +153,48 @@ func TestKeyspace(t *testing.T) {
 		}
 	})
 
+	// The key names are stored data, documented on Keyspace (and relied on
+	// by reconcile and by readers of other releases): renaming any of them
+	// orphans every projected key after an upgrade, and a reader of another
+	// release sees an empty projection. The distinctness and slot checks
+	// above cannot notice a rename, so the documented layout is pinned here.
+	t.Run("DocumentedKeyNames", func(t *testing.T) {
+		t.Parallel()
+		ks, err := NewKeyspace("app:")
+		require.NoError(t, err)
+		z := Target{Kind: KindSortedSet, Name: "weekly", Member: "alice"}
+		h := Target{Kind: KindHash, Name: "weekly", Member: "alice"}
+		d := Target{Kind: KindDocument, Name: "weekly"}
+
+		require.Equal(t, "app:{weekly}:z", ks.ValueKey(z))
+		require.Equal(t, "app:{weekly}:zv", ks.VersionKey(z))
+		require.Equal(t, "app:{weekly}:h", ks.ValueKey(h))
+		require.Equal(t, "app:{weekly}:hv", ks.VersionKey(h))
+		require.Equal(t, "app:{weekly}:d", ks.ValueKey(d))
+		require.Equal(t, "app:{weekly}:dv", ks.VersionKey(d))
+		require.Equal(t, []string{"app:{weekly}:zv"}, ks.VersionKeys("weekly", KindSortedSet))
+		require.Equal(t, []string{"app:{weekly}:hv"}, ks.VersionKeys("weekly", KindHash))
+		require.Equal(t, "app:{weekly}:z~layout", ks.LayoutKey("weekly", KindSortedSet))
+		require.Equal(t, "app:{weekly}:h~layout", ks.LayoutKey("weekly", KindHash))
+		require.Equal(t, "app:{weekly}:z~layout~r", ks.ShadowLayoutKey("weekly", KindSortedSet))
+		require.Equal(t, "app:{weekly}:z~rebuild", ks.RebuildMarkerKey("weekly", KindSortedSet))
+		require.Equal(t, "app:{weekly}:h~rebuild", ks.RebuildMarkerKey("weekly", KindHash))
+		require.Equal(t, "app:{weekly}:z~rebuild~copied", ks.RebuildCopyKey("weekly", KindSortedSet))
+		require.Equal(t, "app:{weekly}:z~r", ks.ShadowValueKey("weekly", KindSortedSet))
+		require.Equal(t, "app:{weekly}:h~r", ks.ShadowValueKey("weekly", KindHash))
+		require.Equal(t, "app:{weekly}:zv~r", ks.ShadowVersionKey("weekly", KindSortedSet))
+		require.Equal(t, "app:{weekly}:hv~r", ks.ShadowVersionKey("weekly", KindHash))
+		require.Equal(t, "{weekly}", ks.HashTag(z))
+		require.Equal(t, KeySlot("weekly"), ks.Slot(z))
+
+		// The tag is keyenc.Escape of the name: letters, digits and "._-"
+		// stay readable, anything else is %XX, and the empty name is "%".
+		pass := "azAZ09._-"
+		require.Equal(t, "app:{"+pass+"}:z", ks.ValueKey(Target{Kind: KindSortedSet, Name: pass}))
+		require.Equal(t, "app:{a%3Ab%7Bc%7D}:z", ks.ValueKey(Target{Kind: KindSortedSet, Name: "a:b{c}"}))
+		require.Equal(t, "app:{%}:z", ks.ValueKey(Target{Kind: KindSortedSet, Name: ""}))
+	})
+
 	t.Run("NonCollectionKindsHaveNoShadowKeys", func(t *testing.T) {
 		t.Parallel()
 		ks, err := NewKeyspace("")

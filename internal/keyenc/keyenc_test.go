@@ -1,6 +1,7 @@
 package keyenc
 
 import (
+	"fmt"
 	"strings"
 	"testing"
 	"unicode/utf8"
@@ -31,6 +32,26 @@ func TestEscape(t *testing.T) {
 	require.Equal(t, "plain-id_1.2", Escape("plain-id_1.2"), "safe ids stay readable")
 }
 
+// TestEscapeEveryByte pins Escape's exact mapping of each of the 256 byte
+// values: [A-Za-z0-9._-] copied through, every other byte as '%' and two
+// upper-case hex digits. Escaped ids are stored data (they are part of
+// every key name), so the mapping is a compatibility guarantee: a release
+// that escaped 'z', or stopped escaping some other byte, would still be
+// injective and round-trip (what TestEscape checks) while orphaning every
+// key of a board whose name contains that byte after an upgrade.
+func TestEscapeEveryByte(t *testing.T) {
+	t.Parallel()
+	for c := 0; c < 256; c++ {
+		in := string([]byte{byte(c)})
+		want := fmt.Sprintf("%%%02X", c)
+		if strings.IndexByte(passThrough, byte(c)) >= 0 {
+			want = in
+		}
+		require.Equal(t, want, Escape(in), "byte %#02x", c)
+		require.Equal(t, "p:{"+want+"}:z", Tagged("p:", in, ":z"), "byte %#02x", c)
+	}
+}
+
 func TestUnescapeRejectsWhatEscapeCannotProduce(t *testing.T) {
 	t.Parallel()
 	for _, bad := range []string{"%", "%4", "%zz", "%41" /* 'A' is safe */, "a b", "{x}", "%7b"} {
@@ -45,6 +66,7 @@ func TestTagged(t *testing.T) {
 	require.Equal(t, "p:{%}:z", Tagged("p:", "", ":z"), "an empty tag must still be a tag")
 	require.Equal(t, "p:{%7Bx%7D}:z", Tagged("p:", "{x}", ":z"))
 	require.Error(t, ValidatePrefix("a{b"))
+	require.Error(t, ValidatePrefix("a}b"), "a closing brace could end a hash tag too")
 	require.NoError(t, ValidatePrefix("app:v1:"))
 }
 
