@@ -95,7 +95,7 @@ func TestRedisClusterReplicaReads(t *testing.T) {
 		addr := node.Options().Addr
 		node.AddHook(testenv.CommandHook(func(name string) {
 			switch name {
-			case "zrange", "hget", "zscore", "zrank", "evalsha", "eval":
+			case "zrange", "hget", "zscore", "zrank", "evalsha", "eval", "evalsha_ro", "eval_ro":
 				mu.Lock()
 				reads[addr]++
 				mu.Unlock()
@@ -195,7 +195,7 @@ func TestRedisClusterFailoverReads(t *testing.T) {
 			addr := node.Options().Addr
 			node.AddHook(testenv.CommandHook(func(name string) {
 				switch name {
-				case "zrange", "hget", "exists", "evalsha", "eval":
+				case "zrange", "hget", "exists", "evalsha", "eval", "evalsha_ro", "eval_ro":
 					mu.Lock()
 					reads[addr]++
 					mu.Unlock()

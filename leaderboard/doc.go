@@ -199,6 +199,11 @@
 // may serve them as a replica until Sentinel's next answer reaches the
 // client.
 //
+// Reads send their scripts with EVALSHA_RO (EVAL_RO when Redis lacks
+// them), which Redis checks against read key permission only: a process
+// that only reads can run as an ACL user allowed to read the board's keys
+// (%R~prefix*) and the few commands README lists under Redis permissions.
+//
 // # Payouts
 //
 // Authoritative reads the ranking from PostgreSQL only. Use it, and never

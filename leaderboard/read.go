@@ -1164,12 +1164,20 @@ func (b *Board) evalWithVersions(ctx context.Context, script *redis.Script, need
 // script is sent to the master the slot map names, and a master demoted by
 // a failover the map has not caught up with would run it as a replica on a
 // READONLY connection.
+//
+// It sends EVALSHA_RO (EVAL_RO after NOSCRIPT), so that a reader whose ACL
+// user may only read the board's keys (%R~) can run it: Redis checks
+// EVALSHA and EVAL as writes to every key they name. Every script it runs
+// (page.lua, around.lua, and those of withVersions) only reads; Redis would
+// refuse a write. go-redis deems the RO variants read-only, which matters
+// to a client that routes reads to replicas only, and such a client's
+// reads are pinned (b.primary).
 func (b *Board) evalRead(ctx context.Context, script *redis.Script, keys []string, args ...any) (any, error) {
 	if b.primary == nil {
-		res, err := script.Run(ctx, b.rdb, keys, args...).Result()
+		res, err := script.RunRO(ctx, b.rdb, keys, args...).Result()
 		return res, b.sent(ctx, err)
 	}
-	return clusterpin.Eval(ctx, b.primary, script, keys, args...).Result()
+	return clusterpin.EvalRO(ctx, b.primary, script, keys, args...).Result()
 }
 
 // parseScriptRange decodes {first index, {member, score, ...}}.

@@ -1007,13 +1007,26 @@ func (c *Cache[T]) read(ctx context.Context, id string, initialise, ignoreCurren
 	// outlasts TTL is still cached; see Config.TTL.
 	versionLife := c.config.TTL.Milliseconds() + c.config.FillLeaseTTL.Milliseconds()
 	args := []any{mode, versionLife, leaseTTL, c.leaseToken, ignore}
+	// Peek's mode ("0") returns before any write in read.lua: it goes as
+	// EVALSHA_RO (EVAL_RO after NOSCRIPT), which Redis checks against
+	// read key permission only, so a tool whose ACL user may only read the
+	// cache's keys (%R~) can Peek and Check; EVALSHA and EVAL need write
+	// permission on every key named. A miss's mode writes, so it cannot.
 	var cmd *redis.Cmd
-	if c.primary != nil {
+	switch {
+	case c.primary != nil && initialise:
 		// On the master, like the hit's GET: the script may return the
 		// current value, and a demoted master would run it as a replica.
 		cmd = clusterpin.Eval(ctx, c.primary, c.lua.read, keys, args...)
-	} else {
+	case c.primary != nil:
+		// Pinned too: go-redis deems the RO variants read-only.
+		cmd = clusterpin.EvalRO(ctx, c.primary, c.lua.read, keys, args...)
+	case initialise:
 		cmd = c.lua.read.Run(ctx, c.client, keys, args...)
+	default:
+		// c.primary is nil: the client routes no read to a replica, so
+		// the RO variants go where EVALSHA would.
+		cmd = c.lua.read.RunRO(ctx, c.client, keys, args...)
 	}
 	res, err := cmd.Slice()
 	if err != nil {

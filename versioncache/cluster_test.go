@@ -325,7 +325,7 @@ func TestClusterFailoverPeek(t *testing.T) {
 	client.OnNewNode(func(node *redis.Client) {
 		addr := node.Options().Addr
 		node.AddHook(testenv.CommandHook(func(name string) {
-			if name == "evalsha" || name == "eval" {
+			if name == "evalsha" || name == "eval" || name == "evalsha_ro" || name == "eval_ro" {
 				mu.Lock()
 				defer mu.Unlock()
 				scripts[addr]++

@@ -316,7 +316,11 @@
 // in production long before a customer did. It reads what Get caches
 // (through Peek). CheckAt does the same for the values GetAt caches, with a
 // loader that also returns the version callers pass: it finds GetAt's own
-// trap, a write that changed a row but not its version.
+// trap, a write that changed a row but not its version. Peek sends its
+// script, in a mode that writes nothing, with EVALSHA_RO (EVAL_RO when
+// Redis lacks it), which Redis checks against read key permission only:
+// a checking tool can run as an ACL user allowed to read the cache's keys
+// (%R~prefix*) and the few commands README lists under Redis permissions.
 //
 // Invalidate repairs what either finds: it deletes P{id}:c and P{id}:a. A
 // GetAt load in flight during the Invalidate may store what it read, under

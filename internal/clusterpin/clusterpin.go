@@ -130,8 +130,10 @@ func IsRedirect(err error) bool {
 // as it is; a connection-level one also asks cc to reload its slot map
 // (see Pipeline).
 //
-// READWRITE needs the same ACL permission as the READONLY a replica-reading
-// client sends on every connection (both are in @connection).
+// A replica-reading client sends READONLY on every connection, and pinned
+// commands add READWRITE (see Pipeline): its ACL user needs both. Granting
+// @connection covers the two; a user whose commands are listed one by one
+// must list each (+readonly +readwrite).
 func OnMaster(ctx context.Context, cc *redis.ClusterClient, key string, queue func(p redis.Pipeliner)) error {
 	node, err := cc.MasterForKey(ctx, key)
 	if err != nil {
@@ -177,10 +179,29 @@ func OnMaster(ctx context.Context, cc *redis.ClusterClient, key string, queue fu
 // OnMaster sends commands: EVALSHA, and EVAL when the master does not have
 // the script yet. The returned command holds the reply or the error.
 func Eval(ctx context.Context, cc *redis.ClusterClient, script *redis.Script, keys []string, args ...any) *redis.Cmd {
+	return eval(ctx, cc, script, false, keys, args)
+}
+
+// EvalRO is Eval for a script that never writes (in the mode args select):
+// EVALSHA_RO, and EVAL_RO when the master does not have the script yet
+// (Redis 7.0 or later). Redis checks the ACL key permissions of the
+// read-only variants for reading only, where EVALSHA and EVAL need write
+// permission on every key named, and refuses a write the script attempts.
+// go-redis deems these commands read-only and would send them to a
+// replica; OnMaster keeps them on the master, like any pinned command.
+func EvalRO(ctx context.Context, cc *redis.ClusterClient, script *redis.Script, keys []string, args ...any) *redis.Cmd {
+	return eval(ctx, cc, script, true, keys, args)
+}
+
+func eval(ctx context.Context, cc *redis.ClusterClient, script *redis.Script, ro bool, keys []string, args []any) *redis.Cmd {
+	evalSha, evalSrc := script.EvalSha, script.Eval
+	if ro {
+		evalSha, evalSrc = script.EvalShaRO, script.EvalRO
+	}
 	var cmd *redis.Cmd
-	err := OnMaster(ctx, cc, keys[0], func(p redis.Pipeliner) { cmd = script.EvalSha(ctx, p, keys, args...) })
+	err := OnMaster(ctx, cc, keys[0], func(p redis.Pipeliner) { cmd = evalSha(ctx, p, keys, args...) })
 	if redis.HasErrorPrefix(err, "NOSCRIPT") {
-		err = OnMaster(ctx, cc, keys[0], func(p redis.Pipeliner) { cmd = script.Eval(ctx, p, keys, args...) })
+		err = OnMaster(ctx, cc, keys[0], func(p redis.Pipeliner) { cmd = evalSrc(ctx, p, keys, args...) })
 	}
 	if cmd == nil { // OnMaster failed before queueing
 		cmd = redis.NewCmd(ctx)

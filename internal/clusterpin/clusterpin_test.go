@@ -241,6 +241,83 @@ func TestOnMasterAfterFailover(t *testing.T) {
 	require.Equal(t, 1, b.gets.count(oldMaster), "the demoted master answered MOVED, and served nothing")
 }
 
+// TestEvalRO runs a read script with EvalRO through a replica-reading
+// client. go-redis deems EVALSHA_RO and EVAL_RO read-only, and that client
+// sends them to a replica when it routes them itself; pinned, they run on
+// the master, the new one after a failover the client's map has not caught
+// up with, and they are the read-only variants: a write is refused.
+func TestEvalRO(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	cluster := testenv.StartRedisCluster(t, 3, 1)
+	cluster.WaitSlotReplicas(t, 30*time.Second)
+	stale := redis.NewClusterClient(&redis.ClusterOptions{Addrs: cluster.Addrs(), ReadOnly: true})
+	t.Cleanup(func() { _ = stale.Close() })
+	var mu sync.Mutex
+	scripts := map[string]map[string]int{} // node address → command → calls
+	stale.OnNewNode(func(node *redis.Client) {
+		addr := node.Options().Addr
+		node.AddHook(testenv.CommandHook(func(name string) {
+			if strings.HasPrefix(name, "eval") {
+				mu.Lock()
+				defer mu.Unlock()
+				if scripts[addr] == nil {
+					scripts[addr] = map[string]int{}
+				}
+				scripts[addr][name]++
+			}
+		}))
+	})
+	calls := func(addr, name string) int {
+		mu.Lock()
+		defer mu.Unlock()
+		return scripts[addr][name]
+	}
+	key := "{evalro}k"
+	require.NoError(t, stale.Set(ctx, key, "v", 0).Err(), "loads the slot map")
+	master, err := stale.MasterForKey(ctx, key)
+	require.NoError(t, err)
+	read := redis.NewScript("return redis.call('GET', KEYS[1])")
+
+	// The same command routed by the client itself goes to a replica, or
+	// to the master while go-redis deems the replica failing (for 15 s
+	// after it answered LOADING, or an attempt on it failed): asked until
+	// one does not reach the master.
+	toReplica := false
+	for deadline := time.Now().Add(20 * time.Second); !toReplica && time.Now().Before(deadline); {
+		before := calls(master.Options().Addr, "eval_ro")
+		require.NoError(t, stale.EvalRO(ctx, "return 1", []string{key}).Err())
+		toReplica = calls(master.Options().Addr, "eval_ro") == before
+		if !toReplica {
+			time.Sleep(100 * time.Millisecond)
+		}
+	}
+	require.True(t, toReplica, "the client sends EVAL_RO to a replica")
+
+	roBefore := calls(master.Options().Addr, "eval_ro")
+	got, err := EvalRO(ctx, stale, read, []string{key}).Text()
+	require.NoError(t, err)
+	require.Equal(t, "v", got)
+	require.Equal(t, 1, calls(master.Options().Addr, "evalsha_ro"), "EVALSHA_RO first")
+	require.Equal(t, roBefore+1, calls(master.Options().Addr, "eval_ro"), "EVAL_RO after NOSCRIPT")
+
+	write := redis.NewScript("return redis.call('SET', KEYS[1], 'w')")
+	err = EvalRO(ctx, stale, write, []string{key}).Err()
+	require.ErrorContains(t, err, "Write commands are not allowed from read-only scripts")
+	require.NoError(t, Eval(ctx, stale, write, []string{key}).Err(), "Eval may write")
+	require.Equal(t, 1, calls(master.Options().Addr, "evalsha"), "the script cache is shared: EVAL_RO loaded it")
+	require.Zero(t, calls(master.Options().Addr, "eval"))
+
+	oldMaster, newMaster := cluster.Failover(t, key)
+	require.Equal(t, master.Options().Addr, oldMaster)
+	before := calls(oldMaster, "evalsha_ro")
+	got, err = EvalRO(ctx, stale, read, []string{key}).Text()
+	require.NoError(t, err)
+	require.Equal(t, "w", got)
+	require.Equal(t, before+1, calls(oldMaster, "evalsha_ro"), "the demoted master answered MOVED")
+	require.Positive(t, calls(newMaster, "evalsha_ro"), "the new master ran it")
+}
+
 // TestPipelineRestoresReadOnly checks that a pinned read leaves the node
 // client's connections as a replica-reading client opened them, READONLY:
 // once a failover makes that node a replica, the client reads from it, and

@@ -5,7 +5,8 @@
 -- KEYS[2]  current key          P{id}:c   ("<version>:<encoded value>")
 -- KEYS[3]  lease key            P{id}:l   ("<version>:<lease token>")
 -- ARGV[1]  "1" for a miss (initialise a missing version, keep it alive, take
---          the lease), "0" to only look (Peek)
+--          the lease), "0" to only look (Peek): it writes nothing, and is
+--          sent as EVALSHA_RO, which refuses writes
 -- ARGV[2]  milliseconds a miss keeps the version key alive at least
 --          (TTL + FillLeaseTTL)
 -- ARGV[3]  fill-lease TTL in milliseconds, "0" when leases are off

@@ -1,0 +1,122 @@
+package leaderboard
+
+import (
+	"context"
+	"testing"
+
+	"github.com/google/uuid"
+	"github.com/redis/go-redis/v9"
+	"github.com/stretchr/testify/require"
+
+	"github.com/verity-go/verity/internal/testenv"
+)
+
+// readerCommands are the commands README ("Redis permissions") lists for a
+// process that only reads a board: the read scripts' EVALSHA_RO and EVAL_RO,
+// the commands the scripts call, and the plain reads (Top's ZRANGE, the
+// AtLeast wait's MGET, EXISTS and HGET, the EXISTS that looks for Verify's
+// record).
+var readerCommands = []string{"evalsha_ro", "eval_ro", "zrange", "zcount", "zrank", "mget", "exists", "hget"}
+
+// TestReadOnlyKeyPermission reads a board as Redis ACL users with read
+// permission only on the board's keys (%R~prefix*), one allowed every
+// command and one only readerCommands: every read answers from Redis.
+// EVALSHA and EVAL count as writes to every key they name, so read scripts
+// sent with them fail with NOPERM, and FallbackToPostgres would hide that
+// by answering from PostgreSQL: the reads here fail closed, and must come
+// from Redis.
+func TestReadOnlyKeyPermission(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	srv := testenv.StartRedis(t)
+	admin := srv.Client(t)
+	pg := testenv.Postgres(t)
+	cfg := &Config{Name: "acl", Schema: pg.Schema, KeyPrefix: "acl:", ReadPolicy: FailClosed, RequireVerifiedProjection: true}
+	require.NoError(t, Migrate(ctx, pg.Pool, cfg))
+	writer, err := New(pg.Pool, admin, cfg)
+	require.NoError(t, err)
+	t.Cleanup(writer.Close)
+	var last Result
+	for _, u := range []string{"ada", "bob", "cy"} {
+		last, err = writer.Submit(ctx, Command{EventID: uuid.New(), UserID: u, Delta: 3})
+		require.NoError(t, err)
+	}
+	w, err := writer.Worker(nil)
+	require.NoError(t, err)
+	_, err = w.Drain(ctx)
+	require.NoError(t, err)
+	_, verified, err := writer.Verify(ctx, nil)
+	require.NoError(t, err)
+	require.True(t, verified)
+
+	listed := []string{"-@all"}
+	for _, c := range readerCommands {
+		listed = append(listed, "+"+c)
+	}
+	for _, user := range []struct {
+		name  string
+		rules []string
+	}{
+		// Any command, read permission on the keys: EVALSHA would be
+		// refused the keys.
+		{"AllCommands", []string{"+@all"}},
+		// Exactly the commands README lists for a reader.
+		{"ListedCommands", listed},
+	} {
+		// Not parallel: SCRIPT FLUSH is server-wide.
+		t.Run(user.name, func(t *testing.T) {
+			acl := []any{"ACL", "SETUSER", user.name, "reset", "on", ">pw", "%R~acl:*"}
+			for _, r := range user.rules {
+				acl = append(acl, r)
+			}
+			require.NoError(t, admin.Do(ctx, acl...).Err())
+			// Every script's first run then meets NOSCRIPT and falls back
+			// to EVAL_RO.
+			require.NoError(t, admin.ScriptFlush(ctx).Err())
+			ro := redis.NewClient(&redis.Options{Addr: srv.Addr(), Username: user.name, Password: "pw"})
+			t.Cleanup(func() { _ = ro.Close() })
+			reader, err := New(pg.Pool, ro, cfg)
+			require.NoError(t, err)
+			t.Cleanup(reader.Close)
+			readAll(t, reader, AtLeast("cy", last.Version))
+		})
+	}
+	for _, name := range []string{"evalsha_ro", "eval_ro"} {
+		require.Positive(t, testenv.CommandCalls(t, admin, name), name)
+	}
+}
+
+// readAll runs every kind of read of reader, without and with atLeast, and
+// fails t unless each answers from Redis.
+func readAll(t *testing.T, reader *Board, atLeast ReadOption) {
+	t.Helper()
+	ctx := context.Background()
+	fromRedis := func(t *testing.T, fresh Freshness) {
+		t.Helper()
+		require.Equal(t, SourceRedis, fresh.Source)
+		require.True(t, fresh.AtLeastMet)
+	}
+	for _, opts := range [][]ReadOption{nil, {atLeast}} {
+		top, err := reader.Top(ctx, 10, opts...)
+		require.NoError(t, err, "Top")
+		require.Len(t, top.Entries, 3)
+		fromRedis(t, top.Freshness)
+		first, err := reader.Page(ctx, "", 1, opts...)
+		require.NoError(t, err, "the first Page")
+		fromRedis(t, first.Freshness)
+		second, err := reader.Page(ctx, first.Next, 1, opts...)
+		require.NoError(t, err, "the second Page")
+		require.Equal(t, top.Entries[1:2], second.Entries)
+		fromRedis(t, second.Freshness)
+		entry, fresh, err := reader.Rank(ctx, "bob", opts...)
+		require.NoError(t, err, "Rank")
+		require.Equal(t, top.Entries[1], entry)
+		fromRedis(t, fresh)
+		around, err := reader.Around(ctx, "bob", 1, opts...)
+		require.NoError(t, err, "Around")
+		require.Equal(t, top.Entries, around.Entries)
+		fromRedis(t, around.Freshness)
+	}
+	_, _, err := reader.Rank(ctx, "nobody")
+	require.ErrorIs(t, err, ErrUserNotFound)
+}
