@@ -2,13 +2,16 @@ package leaderboard
 
 import (
 	"context"
+	"fmt"
 	"testing"
+	"time"
 
 	"github.com/google/uuid"
 	"github.com/redis/go-redis/v9"
 	"github.com/stretchr/testify/require"
 
 	"github.com/verity-go/verity/internal/testenv"
+	"github.com/verity-go/verity/reconcile"
 )
 
 // readerCommands are the commands README ("Redis permissions") lists for a
@@ -119,4 +122,78 @@ func readAll(t *testing.T, reader *Board, atLeast ReadOption) {
 	}
 	_, _, err := reader.Rank(ctx, "nobody")
 	require.ErrorIs(t, err, ErrUserNotFound)
+}
+
+// writerCommands are the commands README ("Redis permissions") lists for a
+// process that writes or repairs a board (Submit, the Worker and its
+// eviction check, Verify, the Reconciler, Rebuild).
+var writerCommands = []string{"evalsha", "eval", "evalsha_ro", "eval_ro", "get", "set", "mget",
+	"exists", "del", "unlink", "type", "hget", "hset", "hmget", "hdel",
+	"hlen", "hscan", "hincrby", "hrandfield", "zadd", "zrem", "zscore",
+	"zmscore", "zrank", "zrange", "zcard", "zcount", "zscan", "rename", "pexpire", "info"}
+
+// TestWriterCommandList runs a board's writing side as a Redis ACL user
+// allowed exactly writerCommands on its prefix: the Worker, Verify, a
+// reconcile pass that repairs, and Rebuilds, one of them long enough to
+// refresh its marker (rebuild.lua's PEXPIRE), all succeed.
+func TestWriterCommandList(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	srv := testenv.StartRedis(t)
+	admin := srv.Client(t)
+	acl := []any{"ACL", "SETUSER", "writer", "reset", "on", ">pw", "~wr:*", "-@all"}
+	for _, c := range writerCommands {
+		acl = append(acl, "+"+c)
+	}
+	require.NoError(t, admin.Do(ctx, acl...).Err())
+	limited := redis.NewClient(&redis.Options{Addr: srv.Addr(), Username: "writer", Password: "pw"})
+	t.Cleanup(func() { _ = limited.Close() })
+
+	pg := testenv.Postgres(t)
+	logs := &testenv.LogSink{}
+	cfg := &Config{Name: "wr", Schema: pg.Schema, KeyPrefix: "wr:", Logger: logs.Logger()}
+	require.NoError(t, Migrate(ctx, pg.Pool, cfg))
+	board, err := New(pg.Pool, limited, cfg)
+	require.NoError(t, err)
+	t.Cleanup(board.Close)
+	tb := &testBundle{board: board, pg: pg}
+	for i := range 200 {
+		tb.submit(t, fmt.Sprintf("user-%03d", i), int64(i+1))
+	}
+	w, err := board.Worker(nil)
+	require.NoError(t, err)
+	runCtx, cancel := context.WithCancel(ctx)
+	done := make(chan error, 1)
+	go func() { done <- w.Run(runCtx) }()
+	require.Eventually(t, func() bool {
+		stats, err := w.Relay().Stats(ctx)
+		return err == nil && stats.Pending == 0
+	}, 10*time.Second, 10*time.Millisecond, "the Worker drains")
+	require.Eventually(t, func() bool {
+		return len(logs.Lines(t, "leaderboard: worker: the Redis eviction policy keeps the projection's version keys")) == 1
+	}, 10*time.Second, 10*time.Millisecond, "the eviction check ran (INFO)")
+	cancel()
+	require.NoError(t, <-done)
+
+	_, verified, err := board.Verify(ctx, nil)
+	require.NoError(t, err)
+	require.True(t, verified)
+
+	require.NoError(t, admin.ZAdd(ctx, board.SortedSetKey(), redis.Z{Score: 0, Member: "user-007"}).Err())
+	rec, err := board.Reconciler(nil)
+	require.NoError(t, err)
+	rep, err := rec.Run(ctx, reconcile.RunOptions{})
+	require.NoError(t, err)
+	require.EqualValues(t, 1, rep.Repaired)
+
+	rebuild, err := rec.Rebuild(ctx)
+	require.NoError(t, err)
+	require.True(t, rebuild.Switched)
+	// One row per page and a short marker: the copy outlasts
+	// RebuildMarkerTTL/4, and refreshes the marker.
+	rec, err = board.Reconciler(&reconcile.Config{PageSize: 1, RebuildMarkerTTL: 100 * time.Millisecond})
+	require.NoError(t, err)
+	rebuild, err = rec.Rebuild(ctx)
+	require.NoError(t, err)
+	require.True(t, rebuild.Switched)
 }

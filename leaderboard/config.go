@@ -112,11 +112,13 @@ type Config struct {
 	// only the board's Worker may project them: any other relay on this
 	// table (an application's own outbox.Relay on the default table, say)
 	// must set outbox.RelayConfig.Streams to streams of its own, or it
-	// claims the board's rows, writes them where its own mapper says, and
-	// deletes them, so that the board's Redis ranking misses those changes
-	// while its Lag, which counts pending rows, reads 0 (a reconcile pass
-	// finds and repairs them). Give the board a table of its own when in
-	// doubt. Defaults to OutboxTableDefault.
+	// claims the board's rows: its mapper either writes them where it says
+	// and the rows are deleted, so that the board's Redis ranking misses
+	// those changes while its Lag, which counts pending rows, reads 0 (a
+	// reconcile pass finds and repairs them), or refuses them until they
+	// are dead-lettered (projection.ErrUnmappedStream), which the Lag does
+	// count. Give the board a table of its own when in doubt. Defaults to
+	// OutboxTableDefault.
 	OutboxTable string
 
 	// MinDelta and MaxDelta bound Command.Delta (inclusive). They are taken

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"log/slog"
 	"strconv"
+	"sync/atomic"
 	"time"
 
 	"github.com/redis/go-redis/v9"
@@ -67,6 +68,9 @@ type Worker struct {
 	relay     *outbox.Relay
 	rdb       redis.UniversalClient
 	logger    *slog.Logger
+	// evictionChecked is set by the first Run, which checks the eviction
+	// policy; later and concurrent ones do not.
+	evictionChecked atomic.Bool
 }
 
 // Worker returns a Worker for the board. It does not start it; call Run.
@@ -117,8 +121,8 @@ func (b *Board) Worker(cfg *WorkerConfig) (*Worker, error) {
 	return &Worker{projector: projector, relay: relay, rdb: b.rdb, logger: rc.Logger}, nil
 }
 
-// evictionCheckTimeout bounds the check of the Redis eviction policy that
-// Run makes before it starts.
+// evictionCheckTimeout bounds the ctx of the check of the Redis eviction
+// policy that Run makes as it starts.
 const evictionCheckTimeout = 2 * time.Second
 
 // warnIfEvicting logs a warning when a server of the board's Redis may
@@ -145,23 +149,38 @@ func (w *Worker) warnIfEvicting(ctx context.Context) {
 // once at a time: Run while another Run of it is under way returns
 // outbox.ErrRelayRunning at once (run more Workers for more relays). Its
 // errors, and RunOnce's and Drain's, are the relay's (package outbox).
-// As it starts, Run asks the board's Redis servers whether they could
-// evict the projection's version keys (projection.CheckEvictionPolicy,
-// beside the relay, for at most 2 s) and logs a warning if one could; it
-// projects either way.
+// As it starts, the Worker's first Run asks the board's Redis servers
+// whether they could evict the projection's version keys
+// (projection.CheckEvictionPolicy, beside the relay; its ctx allows 2 s,
+// and a client that does not apply ctx deadlines to socket reads waits up
+// to its ReadTimeout) and logs a warning if one could; it projects either
+// way, and once ctx has ended returns without waiting for the check.
 func (w *Worker) Run(ctx context.Context) error {
 	if w.notFromBoard() {
 		return errWorkerNotFromBoard()
 	}
 	// Beside the relay, not before it: a Redis that does not answer must
 	// not hold the projection back for the check's timeout.
-	checked := make(chan struct{})
-	go func() {
-		defer close(checked)
-		w.warnIfEvicting(ctx)
-	}()
+	var checked chan struct{}
+	if w.evictionChecked.CompareAndSwap(false, true) {
+		checked = make(chan struct{})
+		go func() {
+			defer close(checked)
+			w.warnIfEvicting(ctx)
+		}()
+	}
 	err := w.relay.Run(ctx)
-	<-checked
+	if checked != nil {
+		// Once ctx has ended, Run does not wait for a check still under
+		// way: a client that does not apply ctx deadlines to socket reads
+		// (ContextTimeoutEnabled unset, go-redis's default) waits for a
+		// Redis that does not answer until its ReadTimeout, and the check
+		// ends by itself then, or when the client is closed.
+		select {
+		case <-checked:
+		case <-ctx.Done():
+		}
+	}
 	if errors.Is(err, context.Canceled) && ctx.Err() != nil {
 		return nil
 	}

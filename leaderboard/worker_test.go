@@ -3,6 +3,8 @@ package leaderboard
 import (
 	"context"
 	"fmt"
+	"io"
+	"net"
 	"sync"
 	"testing"
 	"time"
@@ -355,4 +357,75 @@ func TestWorkerChecksEvictionPolicy(t *testing.T) {
 		require.Empty(t, logs.Lines(t, warning))
 		require.Equal(t, "DEBUG", logs.Lines(t, keeps)[0]["level"])
 	})
+}
+
+// TestWorkerRunWhileEvictionCheckHangs runs a Worker whose Redis accepts
+// connections and never answers, with a client that does not apply ctx
+// deadlines to socket reads (go-redis's default): the eviction check's
+// INFO then waits for the client's ReadTimeout. Run must still return
+// promptly once its ctx is cancelled, and a second Run, refused because
+// the first is under way, at once, without a check of its own.
+func TestWorkerRunWhileEvictionCheckHangs(t *testing.T) {
+	t.Parallel()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	var (
+		mu    sync.Mutex
+		conns []net.Conn
+	)
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			mu.Lock()
+			conns = append(conns, c)
+			mu.Unlock()
+			go func() { _, _ = io.Copy(io.Discard, c) }() // reads, never answers
+		}
+	}()
+	t.Cleanup(func() {
+		_ = ln.Close()
+		mu.Lock()
+		defer mu.Unlock()
+		for _, c := range conns {
+			_ = c.Close()
+		}
+	})
+	const readTimeout = 10 * time.Second
+	rdb := redis.NewClient(&redis.Options{Addr: ln.Addr().String(), ReadTimeout: readTimeout})
+	t.Cleanup(func() { _ = rdb.Close() })
+
+	ctx := context.Background()
+	pg := testenv.Postgres(t)
+	cfg := &Config{Name: "hung", Schema: pg.Schema}
+	require.NoError(t, Migrate(ctx, pg.Pool, cfg))
+	board, err := New(pg.Pool, rdb, cfg)
+	require.NoError(t, err)
+	t.Cleanup(board.Close)
+	w, err := board.Worker(nil)
+	require.NoError(t, err)
+
+	runCtx, cancel := context.WithCancel(ctx)
+	done := make(chan error, 1)
+	go func() { done <- w.Run(runCtx) }()
+	require.Eventually(t, func() bool {
+		mu.Lock()
+		defer mu.Unlock()
+		return len(conns) > 0
+	}, 5*time.Second, 10*time.Millisecond, "the check reached the server")
+
+	start := time.Now()
+	require.ErrorIs(t, w.Run(ctx), outbox.ErrRelayRunning)
+	require.Less(t, time.Since(start), readTimeout/2, "the second Run is refused at once")
+
+	cancel()
+	start = time.Now()
+	select {
+	case err := <-done:
+		require.NoError(t, err)
+	case <-time.After(readTimeout / 2):
+		t.Fatalf("Run still running %s after its ctx was cancelled: it waits for the eviction check", time.Since(start))
+	}
 }
