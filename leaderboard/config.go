@@ -236,10 +236,10 @@ type Config struct {
 	// Logger receives the board's logs. A warning that a failure would
 	// repeat on every read or lag probe (a Redis read that failed under
 	// FallbackToPostgres, a lag probe or a look for Verify's record that
-	// failed, a lag probe that found a pending change dated after the
-	// database clock) is logged at once the first time, then at most once
-	// a second while it recurs, so that an outage logs about a line a
-	// second per board and kind rather than a line per read; each line's
+	// failed, a lag probe that found a change not yet projected dated
+	// after the database clock) is logged at once the first time, then at
+	// most once a second while it recurs, so that an outage logs about a
+	// line a second per board and kind rather than a line per read; each line's
 	// "suppressed" attribute counts the occurrences not logged since the
 	// line before. The reads metric and each read's Freshness (Source, and
 	// Lag -1 after a failed or unmeasurable probe or a failed look) report

@@ -114,6 +114,79 @@ func TestLagWhenTheDatabaseClockSteppedBack(t *testing.T) {
 		require.Negative(t, stale.Lag)
 	})
 
+	// A change written after the step is the oldest by created_at, and its
+	// small age hid the dead letter dated after the clock, whose change
+	// Redis lacks.
+	t.Run("DeadLetterDatedAfterTheClockHiddenByNewerRow", func(t *testing.T) {
+		t.Parallel()
+		tb := setup(t, func(c *Config) {
+			c.ReadPolicy = FailClosed
+			c.MaxLag = 400 * time.Millisecond
+			c.LagProbeInterval = 20 * time.Millisecond
+		})
+		tb.submit(t, "user-a", 10)
+		tb.drain(t)
+		tb.submit(t, "user-a", 7) // dead-lettered before the step: Redis keeps 10
+		tb.bury(t)
+		_, err := tb.pg.Pool.Exec(ctx, `UPDATE verity_outbox_dead SET created_at = created_at + interval '1 hour'`)
+		require.NoError(t, err)
+		tb.submit(t, "user-b", 1) // after the step, pending
+
+		r, err := tb.board.Top(ctx, 10)
+		var stale *StaleError
+		require.ErrorAs(t, err, &stale, "served %+v (user-a 10 in Redis, 17 in PostgreSQL)", r)
+		require.Negative(t, stale.Lag)
+	})
+
+	// The first dead letter in id order, stamped long enough before the
+	// step to be dated in the past, hid a later one dated after the clock.
+	t.Run("DeadLetterDatedAfterTheClockBehindAnOlderOne", func(t *testing.T) {
+		t.Parallel()
+		tb := setup(t, func(c *Config) {
+			c.ReadPolicy = FailClosed
+			c.MaxLag = 400 * time.Millisecond
+			c.LagProbeInterval = 20 * time.Millisecond
+		})
+		tb.submit(t, "user-a", 10)
+		tb.drain(t)
+		tb.submit(t, "user-b", 1) // dead-lettered, dated in the past
+		tb.bury(t)
+		tb.submit(t, "user-a", 7) // dead-lettered, dated after the clock: Redis keeps 10
+		tb.bury(t)
+		_, err := tb.pg.Pool.Exec(ctx, `UPDATE verity_outbox_dead SET created_at = created_at + interval '1 hour' WHERE key = 'user-a'`)
+		require.NoError(t, err)
+
+		r, err := tb.board.Top(ctx, 10)
+		var stale *StaleError
+		require.ErrorAs(t, err, &stale, "served %+v (user-a 10 in Redis, 17 in PostgreSQL)", r)
+		require.Negative(t, stale.Lag)
+	})
+
+	// A dead letter whose user's newer version reached Redis does not count
+	// as lag, nor when dated after the clock: Lag stays measured.
+	t.Run("SupersededDeadLetterDatedAfterTheClock", func(t *testing.T) {
+		t.Parallel()
+		tb := setup(t, func(c *Config) {
+			c.ReadPolicy = FailClosed
+			c.MaxLag = 400 * time.Millisecond
+			c.LagProbeInterval = 20 * time.Millisecond
+		})
+		tb.submit(t, "user-a", 10)
+		tb.drain(t)
+		tb.submit(t, "user-a", 7) // dead-lettered
+		tb.bury(t)
+		_, err := tb.pg.Pool.Exec(ctx, `UPDATE verity_outbox_dead SET created_at = created_at + interval '1 hour'`)
+		require.NoError(t, err)
+		tb.submit(t, "user-a", 1) // supersedes it once projected
+		tb.drain(t)
+
+		r, err := tb.board.Top(ctx, 10)
+		require.NoError(t, err)
+		require.Equal(t, SourceRedis, r.Freshness.Source)
+		require.Equal(t, []Entry{{UserID: "user-a", Score: 18, Rank: 1}}, r.Entries)
+		require.GreaterOrEqual(t, r.Freshness.Lag, time.Duration(0))
+	})
+
 	// Every probe finds the change again: the board says what it found,
 	// about once a second, and not as a failed probe.
 	t.Run("LoggedAtMostOnceASecond", func(t *testing.T) {

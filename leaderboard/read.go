@@ -964,8 +964,8 @@ type lagReading struct {
 	// oldest is the oldest unprojected row's creation time; nil when none
 	// is pending.
 	oldest *time.Time
-	// ahead is the latest creation time of a pending row of the stream
-	// dated after dbNow; nil when none is.
+	// ahead is the creation time of an unprojected row (pending, or a dead
+	// letter that counts) dated after dbNow; nil when none is.
 	ahead *time.Time
 }
 
@@ -985,16 +985,14 @@ func (b *Board) measureLag(ctx context.Context) (r lagReading, sent time.Time, e
 
 // clockStepped reports whether r found an unprojected row dated after the
 // database clock, whose age, and that of the rows before it, cannot then
-// be measured (see lagSQL), and by how much the latest such row is ahead.
+// be measured (see lagSQL), and by how much that row is ahead. The lag
+// query looks at every row that oldest may be (pending, or a dead letter
+// that counts), so oldest is after dbNow only when ahead is set.
 func (r lagReading) clockStepped() (time.Duration, bool) {
-	switch {
-	case r.ahead != nil:
-		return r.ahead.Sub(r.dbNow), true
-	case r.oldest != nil && r.oldest.After(r.dbNow):
-		// A dead letter: lagSQL looks for pending rows only.
-		return r.oldest.Sub(r.dbNow), true
+	if r.ahead == nil {
+		return 0, false
 	}
-	return 0, false
+	return r.ahead.Sub(r.dbNow), true
 }
 
 // addLag returns lag + age (both not negative), or the largest Duration

@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/base64"
 	"encoding/binary"
+	"encoding/json"
 	"fmt"
 	"hash/crc32"
 	"math"
@@ -1556,11 +1557,14 @@ func (tb *testBundle) oldestDeadLetterAge(t *testing.T) time.Duration {
 // another stream's dead letters only, so its statistics say one stream holds
 // them all; the plan must still read this stream's dead letters by the
 // (stream, id) index (not walk the table in id order filtering on stream),
-// and check the pending and dead sets by hashed subplans (read once, not
-// once per dead letter). The look for pending rows dated after the clock
-// must be a range scan of the created_at index bounded by the clock
-// reading, which skips the other streams' pending rows (all in the past)
-// instead of reading them.
+// once for the oldest that counts and once for one dated after the clock,
+// that one filtered on created_at before the superseded check, which looks
+// the user up by user_scores' primary key and checks the pending and dead
+// sets by hashed subplans (read once, not once per dead letter). The look
+// for pending rows dated after the clock must be a range scan of the
+// created_at index bounded by the clock reading, which skips the other
+// streams' pending rows (all in the past) instead of reading them. The
+// custom plan must do the same.
 func TestLagProbePlan(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
@@ -1574,34 +1578,91 @@ func TestLagProbePlan(t *testing.T) {
 		SELECT gen_random_uuid(), 'leaderboard:other', 'user-' || i, 1, '', now() - i * interval '1 ms'
 		FROM generate_series(1, 5000) AS i`)
 	require.NoError(t, err)
-	_, err = tb.pg.Pool.Exec(ctx, `ANALYZE verity_outbox_dead, verity_outbox`)
+	_, err = tb.pg.Pool.Exec(ctx, `INSERT INTO user_scores (board, user_id, score, version)
+		SELECT $1::text, 'user-' || i, i, 2 FROM generate_series(1, 5000) AS i`, tb.board.Config().Name)
 	require.NoError(t, err)
+	_, err = tb.pg.Pool.Exec(ctx, `ANALYZE verity_outbox_dead, verity_outbox, user_scores`)
+	require.NoError(t, err)
+	args := []any{tb.board.Stream(), tb.board.Config().Name}
 
-	plan, doc := explainPlan(t, tb.pg.ConnString, tb.board.sql.lag, true, []any{tb.board.Stream(), tb.board.Config().Name})
-
-	// The scan of the stream's dead letters, in (stream, id) order.
-	scans := plan.find(func(n *planNode) bool { return n.Alias == "d" })
-	require.Len(t, scans, 1, doc)
-	require.Equal(t, "Index Scan", scans[0].NodeType, doc)
-	require.Equal(t, outbox.TableDefault+"_dead_stream_idx", scans[0].IndexName, doc)
-
-	// The pending and dead sets: each a hashed subplan.
-	for _, alias := range []string{"o", "n"} {
-		subplans := plan.find(func(n *planNode) bool {
-			return n.SubplanName != "" && len(n.find(func(m *planNode) bool { return m.Alias == alias })) > 0
-		})
-		require.NotEmpty(t, subplans, doc)
-		sp := subplans[len(subplans)-1] // the innermost
-		require.Contains(t, doc, "hashed "+sp.SubplanName+")", doc)
+	generic := func() (*planNode, string) {
+		return explainPlan(t, tb.pg.ConnString, tb.board.sql.lag, true, args)
+	}
+	custom := func() (*planNode, string) {
+		return explainPlan(t, tb.pg.ConnString, tb.board.sql.lag, false, args)
 	}
 
-	// The pending rows dated after the clock reading: a range of the
-	// created_at index, bounded by that reading.
-	scans = plan.find(func(n *planNode) bool { return n.Alias == "f" })
-	require.Len(t, scans, 1, doc)
-	require.Equal(t, "Index Scan", scans[0].NodeType, doc)
-	require.Equal(t, outbox.TableDefault+"_created_idx", scans[0].IndexName, doc)
-	require.Equal(t, "(created_at > c.now)", scans[0].IndexCond, doc)
+	for name, explain := range map[string]func() (*planNode, string){"Generic": generic, "Custom": custom} {
+		t.Run(name, func(t *testing.T) {
+			plan, doc := explain()
+
+			// The scans of the stream's dead letters, in (stream, id) order:
+			// d for the oldest that counts, d_1 for one dated after the clock.
+			for _, alias := range []string{"d", "d_1"} {
+				scans := plan.find(func(n *planNode) bool { return n.Alias == alias })
+				require.Len(t, scans, 1, doc)
+				require.Equal(t, "Index Scan", scans[0].NodeType, doc)
+				require.Equal(t, outbox.TableDefault+"_dead_stream_idx", scans[0].IndexName, doc)
+				if alias == "d_1" {
+					require.Equal(t, "(created_at > c.now)", planFilter(t, doc, alias), doc)
+				}
+			}
+
+			// Each superseded check: a primary-key lookup of the user, and
+			// the pending and dead sets each a hashed subplan.
+			for _, alias := range []string{"s", "s_1"} {
+				scans := plan.find(func(n *planNode) bool { return n.Alias == alias })
+				require.Len(t, scans, 1, doc)
+				require.Equal(t, "Index Scan", scans[0].NodeType, doc)
+				require.Equal(t, "user_scores_pkey", scans[0].IndexName, doc)
+			}
+			for _, alias := range []string{"o", "n", "o_1", "n_1"} {
+				subplans := plan.find(func(n *planNode) bool {
+					return n.SubplanName != "" && len(n.find(func(m *planNode) bool { return m.Alias == alias })) > 0
+				})
+				require.NotEmpty(t, subplans, doc)
+				sp := subplans[len(subplans)-1] // the innermost
+				require.Contains(t, doc, "hashed "+sp.SubplanName+")", doc)
+			}
+
+			// The pending rows dated after the clock reading: a range of the
+			// created_at index, bounded by that reading.
+			scans := plan.find(func(n *planNode) bool { return n.Alias == "f" })
+			require.Len(t, scans, 1, doc)
+			require.Equal(t, "Index Scan", scans[0].NodeType, doc)
+			require.Equal(t, outbox.TableDefault+"_created_idx", scans[0].IndexName, doc)
+			require.Equal(t, "(created_at > c.now)", scans[0].IndexCond, doc)
+		})
+	}
+}
+
+// planFilter returns the Filter of the node of EXPLAIN (FORMAT JSON)
+// output doc whose alias is alias (planNode does not decode it).
+func planFilter(t *testing.T, doc, alias string) string {
+	t.Helper()
+	type node struct {
+		Alias  string `json:"Alias"`
+		Filter string `json:"Filter"`
+		Plans  []node `json:"Plans"`
+	}
+	var find func(n node) (string, bool)
+	find = func(n node) (string, bool) {
+		if n.Alias == alias {
+			return n.Filter, true
+		}
+		for _, c := range n.Plans {
+			if f, ok := find(c); ok {
+				return f, true
+			}
+		}
+		return "", false
+	}
+	var plans []struct{ Plan node }
+	require.NoError(t, json.Unmarshal([]byte(doc), &plans))
+	require.Len(t, plans, 1)
+	f, ok := find(plans[0].Plan)
+	require.True(t, ok, "no node %s in %s", alias, doc)
+	return f
 }
 
 // afterVersionPoll runs run once, when armed, right after the first

@@ -396,9 +396,9 @@ func withAtLeast(q string, columns []string, params int) string {
 }
 
 // lagSQL reads the database clock, the creation time of the board's
-// oldest unprojected change, whose age it measures, and that of the
-// stream's latest pending change dated after the clock, which makes the
-// age unmeasurable: $1 stream, $2 board.
+// oldest unprojected change, whose age it measures, and that of an
+// unprojected change dated after the clock, which makes the age
+// unmeasurable: $1 stream, $2 board.
 // Unprojected means pending in the outbox, or dead-lettered: a row that
 // failed MaxAttempts times left the outbox for its dead-letter table, and
 // Redis may lack it for good, so it counts as waiting since its original
@@ -421,12 +421,14 @@ func withAtLeast(q string, columns []string, params int) string {
 // the two do not matter: the current version's payload replaces them. A
 // dead letter of the current version never stops counting this way.
 //
+// counted holds the stream's dead letters that count (not superseded).
 // The outbox's partial index on created_at makes the first subquery a short
 // index scan (it skips pending rows of other streams that are older). The
-// second reads the stream's dead letters in id order by the dead-letter
-// table's (stream, id) index and stops at the first one not superseded;
-// each check is a primary-key lookup in user_scores, and only a dead letter
-// whose user has a newer version goes on to the pending and dead checks.
+// second reads counted in id order: the stream's dead letters by the
+// dead-letter table's (stream, id) index, stopping at the first one not
+// superseded; each check is a primary-key lookup in user_scores, and only
+// a dead letter whose user has a newer version goes on to the pending and
+// dead checks.
 // Those are uncorrelated NOT IN subqueries on equalities, which PostgreSQL
 // runs as hashed subplans: each reads its set once per probe, and only when
 // some dead letter gets that far (a test for any newer dead letter, an
@@ -447,8 +449,8 @@ func withAtLeast(q string, columns []string, params int) string {
 // compared with MaxLag.
 //
 // The dead-letter scans bound the stream by two inequalities, not one
-// equality, and the second subquery orders by (stream, id), which is id
-// order within the one stream: only the (stream, id) index returns rows in
+// equality, and counted is read in (stream, id) order, which is id order
+// within the one stream: only the (stream, id) index returns rows in
 // that order. Given stream = $1 and ORDER BY id, the planner may instead
 // walk the primary key and filter on stream, and a generic plan (pgx caches
 // the statement; PostgreSQL plans it generically from its sixth run) cannot
@@ -458,27 +460,69 @@ func withAtLeast(q string, columns []string, params int) string {
 // which is deterministic, so the inequalities select exactly the equal
 // strings. TestLagProbePlan checks the generic plan.
 //
-// LEAST ignores NULLs: the result is NULL only when neither has a row.
+// LEAST and GREATEST ignore NULLs: the result is NULL only when neither
+// has a row.
 //
-// The third column is the latest creation time of the stream's pending
-// rows dated after the clock reading (NULL when none is): a committed row
-// is visible only if it committed before the statement's snapshot, so its
-// created_at (its transaction's start) can follow this reading only when
-// the database clock stepped back since it was written (an NTP step, a VM
-// resumed, a failover to a host whose clock lags), or when a writer
-// stamped created_at itself from a clock ahead. Such a row's age, and that
-// of any older row stamped before the step, cannot be measured: the
-// minimum of the first subquery may be a row stamped after the step, and a
-// row from the future would count as waiting for no time at all. The
-// board reports the lag as unmeasured (Lag -1) instead, and logs how far
-// ahead the latest such row is (the clock stepped back at least that far).
+// The third column is the creation time of an unprojected row dated after
+// the clock reading, NULL when none is: the later of the stream's latest
+// pending row dated after it and the first, in id order, of its counted
+// dead letters dated after it. A committed row is visible only if it
+// committed before the statement's snapshot, so its created_at (its
+// transaction's start; a dead letter keeps its row's) can follow this
+// reading only when the database
+// clock stepped back since it was written (an NTP step, a VM resumed, a
+// failover to a host whose clock lags), or when a writer stamped
+// created_at itself from a clock ahead. Such a row's age, and that of any
+// older row stamped before the step, cannot be measured: the minimum of
+// LEAST may be a row stamped after the step, pending or dead, and a row
+// from the future would count as waiting for no time at all. The board
+// reports the lag as unmeasured (Lag -1) instead, and logs how far ahead
+// the row is (the clock stepped back at least that far). Every counted
+// dead letter is checked, not only the one LEAST sees: a newer pending row
+// or an older dead letter dated before the clock would hide it there.
+// Superseded dead letters are not: Redis holds newer state for them, and
+// one dated after the clock would keep the board at Lag -1 until the clock
+// passes it, up to the whole step, while nothing is missing.
+//
 // The clock is read once, in c (PostgreSQL does not pull up a subquery
 // whose output calls a volatile function), so that the columns compare
-// with one reading, and the subquery can use that reading as a bound of
-// the created_at index (a volatile call in its WHERE could not be): one
-// short range scan of the rows after it, normally none. TestLagProbePlan
-// checks that plan too.
+// with one reading, and the pending look can use that reading as a bound
+// of the created_at index (a volatile call in its WHERE could not be): one
+// short range scan of the rows after it, normally none. No index of the
+// dead-letter table covers created_at (it has its primary key, event_id
+// and (stream, id)), so the dead-letter look reads the stream's dead
+// letters by the (stream, id) index, as the second subquery does, filters
+// them on created_at first and runs the superseded check only for those
+// after the reading: one more pass over the stream's dead letters (none,
+// normally), with no lookup for those dated before it. counted is NOT
+// MATERIALIZED so that each use is planned in place with its own filter
+// and LIMIT (materialized, it would run the superseded check on every dead
+// letter of the stream). Its two
+// uses read it in id order, so that a generic plan keeps to the (stream,
+// id) index for both. TestLagProbePlan checks these plans too.
 const lagSQL = `
+WITH counted AS NOT MATERIALIZED (
+    SELECT d.stream, d.id, d.created_at
+    FROM {{outbox_dead}} AS d
+    WHERE d.stream >= $1::text AND d.stream <= $1::text
+      AND NOT EXISTS (
+          SELECT 1
+          FROM {{user_scores}} AS s
+          WHERE s.board = $2::text
+            AND s.user_id = d.key COLLATE "C"
+            AND s.version > d.version
+            AND d.key NOT IN (
+                SELECT o.key
+                FROM {{outbox}} AS o
+                WHERE o.published_at IS NULL AND o.stream = $1::text
+            )
+            AND (d.key, s.version) NOT IN (
+                SELECT n.key, n.version
+                FROM {{outbox_dead}} AS n
+                WHERE n.stream >= $1::text AND n.stream <= $1::text
+            )
+      )
+)
 SELECT c.now, LEAST(
     (
         SELECT created_at
@@ -488,35 +532,26 @@ SELECT c.now, LEAST(
         LIMIT 1
     ),
     (
-        SELECT d.created_at
-        FROM {{outbox_dead}} AS d
-        WHERE d.stream >= $1::text AND d.stream <= $1::text
-          AND NOT EXISTS (
-              SELECT 1
-              FROM {{user_scores}} AS s
-              WHERE s.board = $2::text
-                AND s.user_id = d.key COLLATE "C"
-                AND s.version > d.version
-                AND d.key NOT IN (
-                    SELECT o.key
-                    FROM {{outbox}} AS o
-                    WHERE o.published_at IS NULL AND o.stream = $1::text
-                )
-                AND (d.key, s.version) NOT IN (
-                    SELECT n.key, n.version
-                    FROM {{outbox_dead}} AS n
-                    WHERE n.stream >= $1::text AND n.stream <= $1::text
-                )
-          )
-        ORDER BY d.stream, d.id
+        SELECT created_at
+        FROM counted
+        ORDER BY stream, id
         LIMIT 1
     )
-), (
-    SELECT f.created_at
-    FROM {{outbox}} AS f
-    WHERE f.published_at IS NULL AND f.created_at > c.now AND f.stream = $1::text
-    ORDER BY f.created_at DESC
-    LIMIT 1
+), GREATEST(
+    (
+        SELECT f.created_at
+        FROM {{outbox}} AS f
+        WHERE f.published_at IS NULL AND f.created_at > c.now AND f.stream = $1::text
+        ORDER BY f.created_at DESC
+        LIMIT 1
+    ),
+    (
+        SELECT created_at
+        FROM counted
+        WHERE created_at > c.now
+        ORDER BY stream, id
+        LIMIT 1
+    )
 )
 FROM (SELECT clock_timestamp() AS now) AS c`
 
