@@ -21,6 +21,40 @@ func (tb *testBundle) futurePending(t *testing.T, d time.Duration) {
 	require.NoError(t, err)
 }
 
+// futureDead dates user's dead letters d after their creation (see
+// futurePending).
+func (tb *testBundle) futureDead(t *testing.T, d time.Duration, user string) {
+	t.Helper()
+	_, err := tb.pg.Pool.Exec(context.Background(),
+		`UPDATE verity_outbox_dead SET created_at = created_at + $1::interval WHERE key = $2`, d, user)
+	require.NoError(t, err)
+}
+
+// clockStepBoard sets up a board under policy whose lag probe runs every
+// 20 ms, with MaxLag 400 ms, and user-a's score 10 projected.
+func clockStepBoard(t *testing.T, policy ReadPolicy) *testBundle {
+	t.Helper()
+	tb := setup(t, func(c *Config) {
+		c.ReadPolicy = policy
+		c.MaxLag = 400 * time.Millisecond
+		c.LagProbeInterval = 20 * time.Millisecond
+	})
+	tb.submit(t, "user-a", 10)
+	tb.drain(t)
+	return tb
+}
+
+// requireRefusedUnmeasured requires Top to refuse with a *StaleError whose
+// lag could not be measured.
+func requireRefusedUnmeasured(t *testing.T, tb *testBundle) *StaleError {
+	t.Helper()
+	r, err := tb.board.Top(context.Background(), 10)
+	var stale *StaleError
+	require.ErrorAs(t, err, &stale, "served %+v", r)
+	require.Negative(t, stale.Lag)
+	return stale
+}
+
 // TestLagWhenTheDatabaseClockSteppedBack checks that a change dated after
 // the database clock makes the lag unmeasured (Lag -1, as a failed probe)
 // rather than 0: clamped to 0, it read as fresh on every probe until the
@@ -32,23 +66,13 @@ func TestLagWhenTheDatabaseClockSteppedBack(t *testing.T) {
 
 	t.Run("FailClosedRefuses", func(t *testing.T) {
 		t.Parallel()
-		tb := setup(t, func(c *Config) {
-			c.ReadPolicy = FailClosed
-			c.MaxLag = 400 * time.Millisecond
-			c.LagProbeInterval = 20 * time.Millisecond
-		})
-		tb.submit(t, "user-a", 10)
-		tb.drain(t)
+		tb := clockStepBoard(t, FailClosed)
 		tb.submit(t, "user-a", 7) // never projected: Redis keeps 10
 		tb.futurePending(t, time.Hour)
 
 		// Pending for longer than MaxLag, and from the first probe on.
 		for range 2 {
-			r, err := tb.board.Top(ctx, 10)
-			var stale *StaleError
-			require.ErrorAs(t, err, &stale, "served %+v", r)
-			require.Negative(t, stale.Lag)
-			require.False(t, stale.Unverified)
+			require.False(t, requireRefusedUnmeasured(t, tb).Unverified)
 			time.Sleep(tb.board.Config().MaxLag + 10*time.Millisecond)
 		}
 		_, ok := tb.board.observedLag(ctx)
@@ -69,13 +93,7 @@ func TestLagWhenTheDatabaseClockSteppedBack(t *testing.T) {
 	// hid the older one.
 	t.Run("OlderChangeHiddenByNewerOne", func(t *testing.T) {
 		t.Parallel()
-		tb := setup(t, func(c *Config) {
-			c.ReadPolicy = FallbackToPostgres
-			c.MaxLag = 400 * time.Millisecond
-			c.LagProbeInterval = 20 * time.Millisecond
-		})
-		tb.submit(t, "user-a", 10)
-		tb.drain(t)
+		tb := clockStepBoard(t, FallbackToPostgres)
 		tb.submit(t, "user-a", 7) // before the step
 		tb.futurePending(t, time.Hour)
 		tb.submit(t, "user-b", 1) // after it
@@ -96,22 +114,12 @@ func TestLagWhenTheDatabaseClockSteppedBack(t *testing.T) {
 	// clock cannot be aged either.
 	t.Run("DeadLetterDatedAfterTheClock", func(t *testing.T) {
 		t.Parallel()
-		tb := setup(t, func(c *Config) {
-			c.ReadPolicy = FailClosed
-			c.MaxLag = 400 * time.Millisecond
-			c.LagProbeInterval = 20 * time.Millisecond
-		})
-		tb.submit(t, "user-a", 10)
-		tb.drain(t)
+		tb := clockStepBoard(t, FailClosed)
 		tb.submit(t, "user-a", 7) // dead-lettered: Redis keeps 10
 		tb.bury(t)
-		_, err := tb.pg.Pool.Exec(ctx, `UPDATE verity_outbox_dead SET created_at = created_at + interval '1 hour'`)
-		require.NoError(t, err)
+		tb.futureDead(t, time.Hour, "user-a")
 
-		_, err = tb.board.Top(ctx, 10)
-		var stale *StaleError
-		require.ErrorAs(t, err, &stale)
-		require.Negative(t, stale.Lag)
+		requireRefusedUnmeasured(t, tb)
 	})
 
 	// A change written after the step is the oldest by created_at, and its
@@ -119,64 +127,37 @@ func TestLagWhenTheDatabaseClockSteppedBack(t *testing.T) {
 	// Redis lacks.
 	t.Run("DeadLetterDatedAfterTheClockHiddenByNewerRow", func(t *testing.T) {
 		t.Parallel()
-		tb := setup(t, func(c *Config) {
-			c.ReadPolicy = FailClosed
-			c.MaxLag = 400 * time.Millisecond
-			c.LagProbeInterval = 20 * time.Millisecond
-		})
-		tb.submit(t, "user-a", 10)
-		tb.drain(t)
+		tb := clockStepBoard(t, FailClosed)
 		tb.submit(t, "user-a", 7) // dead-lettered before the step: Redis keeps 10
 		tb.bury(t)
-		_, err := tb.pg.Pool.Exec(ctx, `UPDATE verity_outbox_dead SET created_at = created_at + interval '1 hour'`)
-		require.NoError(t, err)
+		tb.futureDead(t, time.Hour, "user-a")
 		tb.submit(t, "user-b", 1) // after the step, pending
 
-		r, err := tb.board.Top(ctx, 10)
-		var stale *StaleError
-		require.ErrorAs(t, err, &stale, "served %+v (user-a 10 in Redis, 17 in PostgreSQL)", r)
-		require.Negative(t, stale.Lag)
+		requireRefusedUnmeasured(t, tb) // user-a: 10 in Redis, 17 in PostgreSQL
 	})
 
 	// The first dead letter in id order, stamped long enough before the
 	// step to be dated in the past, hid a later one dated after the clock.
 	t.Run("DeadLetterDatedAfterTheClockBehindAnOlderOne", func(t *testing.T) {
 		t.Parallel()
-		tb := setup(t, func(c *Config) {
-			c.ReadPolicy = FailClosed
-			c.MaxLag = 400 * time.Millisecond
-			c.LagProbeInterval = 20 * time.Millisecond
-		})
-		tb.submit(t, "user-a", 10)
-		tb.drain(t)
+		tb := clockStepBoard(t, FailClosed)
 		tb.submit(t, "user-b", 1) // dead-lettered, dated in the past
 		tb.bury(t)
 		tb.submit(t, "user-a", 7) // dead-lettered, dated after the clock: Redis keeps 10
 		tb.bury(t)
-		_, err := tb.pg.Pool.Exec(ctx, `UPDATE verity_outbox_dead SET created_at = created_at + interval '1 hour' WHERE key = 'user-a'`)
-		require.NoError(t, err)
+		tb.futureDead(t, time.Hour, "user-a")
 
-		r, err := tb.board.Top(ctx, 10)
-		var stale *StaleError
-		require.ErrorAs(t, err, &stale, "served %+v (user-a 10 in Redis, 17 in PostgreSQL)", r)
-		require.Negative(t, stale.Lag)
+		requireRefusedUnmeasured(t, tb) // user-a: 10 in Redis, 17 in PostgreSQL
 	})
 
 	// A dead letter whose user's newer version reached Redis does not count
 	// as lag, nor when dated after the clock: Lag stays measured.
 	t.Run("SupersededDeadLetterDatedAfterTheClock", func(t *testing.T) {
 		t.Parallel()
-		tb := setup(t, func(c *Config) {
-			c.ReadPolicy = FailClosed
-			c.MaxLag = 400 * time.Millisecond
-			c.LagProbeInterval = 20 * time.Millisecond
-		})
-		tb.submit(t, "user-a", 10)
-		tb.drain(t)
+		tb := clockStepBoard(t, FailClosed)
 		tb.submit(t, "user-a", 7) // dead-lettered
 		tb.bury(t)
-		_, err := tb.pg.Pool.Exec(ctx, `UPDATE verity_outbox_dead SET created_at = created_at + interval '1 hour'`)
-		require.NoError(t, err)
+		tb.futureDead(t, time.Hour, "user-a")
 		tb.submit(t, "user-a", 1) // supersedes it once projected
 		tb.drain(t)
 

@@ -64,14 +64,18 @@ func TestLagWithKeptPublishedRows(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	keepPublished := func() *WorkerConfig { return &WorkerConfig{Relay: &outbox.RelayConfig{KeepPublished: true}} }
+	// Every read probes; MaxLag is well above a probe's duration.
+	failClosedBoard := func(t *testing.T) *testBundle {
+		return setup(t, func(c *Config) {
+			c.ReadPolicy = FailClosed
+			c.MaxLag = 5 * time.Second
+			c.LagProbeInterval = time.Nanosecond
+		})
+	}
 
 	t.Run("DeliveredRowIsNotLag", func(t *testing.T) {
 		t.Parallel()
-		tb := setup(t, func(c *Config) {
-			c.ReadPolicy = FailClosed
-			c.MaxLag = 5 * time.Second // well above a probe's duration
-			c.LagProbeInterval = time.Nanosecond
-		})
+		tb := failClosedBoard(t)
 		tb.submit(t, "amy", 5)
 		w, err := tb.board.Worker(keepPublished())
 		require.NoError(t, err)
@@ -96,11 +100,7 @@ func TestLagWithKeptPublishedRows(t *testing.T) {
 	// keep the dead letter counting as an unprojected change would.
 	t.Run("KeptNewerVersionSupersedesDeadLetter", func(t *testing.T) {
 		t.Parallel()
-		tb := setup(t, func(c *Config) {
-			c.ReadPolicy = FailClosed
-			c.MaxLag = 5 * time.Second // well above a probe's duration
-			c.LagProbeInterval = time.Nanosecond
-		})
+		tb := failClosedBoard(t)
 		tb.submit(t, "user-a", 10)
 		tb.drain(t)
 		tb.submit(t, "user-a", 7) // version 2, buried
