@@ -449,9 +449,10 @@ func withAtLeast(q string, columns []string, params int) string {
 // compared with MaxLag.
 //
 // The dead-letter scans bound the stream by two inequalities, not one
-// equality, and counted is read in (stream, id) order, which is id order
-// within the one stream: only the (stream, id) index returns rows in
-// that order. Given stream = $1 and ORDER BY id, the planner may instead
+// equality, and read counted in (stream, id) or (stream, created_at)
+// order, which is id or creation order within the one stream: only the
+// index of those columns returns rows in that order. Given stream = $1 and
+// ORDER BY id, the planner may instead
 // walk the primary key and filter on stream, and a generic plan (pgx caches
 // the statement; PostgreSQL plans it generically from its sixth run) cannot
 // see $1: it takes that walk when the statistics say one stream holds most
@@ -465,12 +466,11 @@ func withAtLeast(q string, columns []string, params int) string {
 //
 // The third column is the creation time of an unprojected row dated after
 // the clock reading, NULL when none is: the later of the stream's latest
-// pending row dated after it and the first, in id order, of its counted
-// dead letters dated after it. A committed row is visible only if it
-// committed before the statement's snapshot, so its created_at (its
-// transaction's start; a dead letter keeps its row's) can follow this
-// reading only when the database
-// clock stepped back since it was written (an NTP step, a VM resumed, a
+// pending row dated after it and the earliest of its counted dead letters
+// dated after it. A committed row is visible only if it committed before
+// the statement's snapshot, so its created_at (its transaction's start; a
+// dead letter keeps its row's) can follow this reading only when the
+// database clock stepped back since it was written (an NTP step, a VM resumed, a
 // failover to a host whose clock lags), or when a writer stamped
 // created_at itself from a clock ahead. Such a row's age, and that of any
 // older row stamped before the step, cannot be measured: the minimum of
@@ -486,20 +486,20 @@ func withAtLeast(q string, columns []string, params int) string {
 //
 // The clock is read once, in c (PostgreSQL does not pull up a subquery
 // whose output calls a volatile function), so that the columns compare
-// with one reading, and the pending look can use that reading as a bound
-// of the created_at index (a volatile call in its WHERE could not be): one
-// short range scan of the rows after it, normally none. No index of the
-// dead-letter table covers created_at (it has its primary key, event_id
-// and (stream, id)), so the dead-letter look reads the stream's dead
-// letters by the (stream, id) index, as the second subquery does, filters
-// them on created_at first and runs the superseded check only for those
-// after the reading: one more pass over the stream's dead letters (none,
-// normally), with no lookup for those dated before it. counted is NOT
-// MATERIALIZED so that each use is planned in place with its own filter
-// and LIMIT (materialized, it would run the superseded check on every dead
-// letter of the stream). Its two
-// uses read it in id order, so that a generic plan keeps to the (stream,
-// id) index for both. TestLagProbePlan checks these plans too.
+// with one reading, and the looks can use that reading as a bound of an
+// index (a volatile call in their WHERE could not be): the pending look one
+// short range scan of the created_at index, the dead-letter look one of the
+// dead-letter table's (stream, created_at) index (outbox migration 008),
+// each over the rows after the reading, normally none; the superseded check
+// runs only for those. Without that index (an outbox not yet migrated) the
+// probe still answers the same, but reads every dead letter of the stream
+// by the (stream, id) index: about 12 ms a probe with 100,000 of them,
+// against 0.1 ms with it. counted is NOT MATERIALIZED so that each use is
+// planned in place with its own filter, order and LIMIT (materialized, it
+// would run the superseded check on every dead letter of the stream). Each
+// use reads it in the order of the index meant for it, (stream, id) and
+// (stream, created_at), so that a generic plan keeps to that index.
+// TestLagProbePlan checks these plans too.
 const lagSQL = `
 WITH counted AS NOT MATERIALIZED (
     SELECT d.stream, d.id, d.created_at
@@ -549,7 +549,7 @@ SELECT c.now, LEAST(
         SELECT created_at
         FROM counted
         WHERE created_at > c.now
-        ORDER BY stream, id
+        ORDER BY stream, created_at
         LIMIT 1
     )
 )

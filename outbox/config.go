@@ -55,8 +55,8 @@ type Config struct {
 	// A Table ending in one of the suffixes those names are derived with is
 	// refused with a *ConfigError: "_dead", "_idempotency", "_leases",
 	// "_pending_idx", "_created_idx", "_dead_event_idx", "_dead_stream_idx",
-	// "_idempotency_created_idx", "_partition_idx", "_leases_touched_idx",
-	// and "_pkey", "_event_id_key", "_id_seq" (PostgreSQL's names for the
+	// "_dead_created_idx", "_idempotency_created_idx", "_partition_idx",
+	// "_leases_touched_idx", and "_pkey", "_event_id_key", "_id_seq" (PostgreSQL's names for the
 	// tables' primary keys, the unique event_id and the id sequence). Such
 	// a Table is a name another outbox of the schema derives (outbox "q"
 	// keeps its dead letters in "q_dead"), and the two outboxes would take
@@ -74,8 +74,8 @@ type Config struct {
 var derivedSuffixes = []string{
 	"_dead", "_idempotency", "_leases",
 	"_pending_idx", "_created_idx", "_dead_event_idx", "_dead_stream_idx",
-	"_idempotency_created_idx", "_partition_idx", "_leases_touched_idx",
-	"_pkey", "_event_id_key", "_id_seq",
+	"_dead_created_idx", "_idempotency_created_idx", "_partition_idx",
+	"_leases_touched_idx", "_pkey", "_event_id_key", "_id_seq",
 }
 
 // WithDefaults returns a copy of c with every zero field set to its default.
@@ -158,6 +158,7 @@ type names struct {
 	CreatedIndex            string
 	DeadEventIndex          string
 	DeadStreamIndex         string
+	DeadCreatedIndex        string
 	IdempotencyCreatedIndex string
 	Leases                  string // quoted schema.table_leases
 	PartitionIndex          string
@@ -186,6 +187,7 @@ func newNames(schema, table string) names {
 		CreatedIndex:            pgx.Identifier{table + "_created_idx"}.Sanitize(),
 		DeadEventIndex:          pgx.Identifier{table + "_dead_event_idx"}.Sanitize(),
 		DeadStreamIndex:         pgx.Identifier{table + "_dead_stream_idx"}.Sanitize(),
+		DeadCreatedIndex:        pgx.Identifier{table + "_dead_created_idx"}.Sanitize(),
 		IdempotencyCreatedIndex: pgx.Identifier{table + "_idempotency_created_idx"}.Sanitize(),
 		Leases:                  qualified(table + "_leases"),
 		PartitionIndex:          pgx.Identifier{table + "_partition_idx"}.Sanitize(),

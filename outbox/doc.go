@@ -278,6 +278,11 @@
 // the dead-letter table, with a last_error saying why; ReplayDead skips
 // them. A stream too long even for the dead-letter index makes Migrate
 // fail, moving nothing, with a message counting such rows.
+// Migration 008 indexes the dead-letter table by (stream, created_at), for
+// consumers that look for a stream's dead letters dated after the
+// database clock (the leaderboard's lag probe, which otherwise reads all of
+// the stream's dead letters on every probe). Every dead letter fits it, as
+// it fits 004's index of the same size.
 // Schema, tables, storage settings, constraints and indexes are created
 // or changed only when the catalog shows them missing, so Migrate of a
 // migrated outbox needs only USAGE on the schema and DML on the tables

@@ -38,7 +38,8 @@ func TestMigrationsForTools(t *testing.T) {
 			names = append(names, m.Name)
 		}
 		require.Equal(t, []string{"001_outbox.sql", "002_queue_autovacuum.sql", "003_partition_leases.sql",
-			"004_dead_stream_index.sql", "005_stream_length.sql", "006_created_at_finite.sql", "007_long_streams_dead.sql"}, names)
+			"004_dead_stream_index.sql", "005_stream_length.sql", "006_created_at_finite.sql", "007_long_streams_dead.sql",
+			"008_dead_created_index.sql"}, names)
 		script, err := outbox.MigrationSQL(nil)
 		require.NoError(t, err)
 		for _, name := range names {
@@ -67,7 +68,7 @@ func TestMigrationsForTools(t *testing.T) {
 					require.True(t, strings.HasSuffix(stmt, "\n"+tag[1]+";"), "%s: DO block cut apart:\n%s", m.Name, stmt)
 				}
 			}
-			require.Equal(t, 18, blocks, "one DO block per index, table, storage setting and constraint, for the schema, and for 007's move")
+			require.Equal(t, 19, blocks, "one DO block per index, table, storage setting and constraint, for the schema, and for 007's move")
 		}
 	})
 
@@ -96,9 +97,10 @@ func TestMigrationsForTools(t *testing.T) {
 		indexes, err := pgx.CollectRows(rows, pgx.RowTo[string])
 		require.NoError(t, err)
 		// That the leaderboard's lag probe reads dead letters by
-		// _dead_stream_idx, also in a generic plan, is checked by its own
-		// test (leaderboard.TestLagProbePlan) against the real statement.
-		require.Subset(t, indexes, []string{cfg.Table + "_dead_stream_idx", cfg.Table + "_partition_idx"})
+		// _dead_stream_idx and _dead_created_idx, also in a generic plan, is
+		// checked by its own test (leaderboard.TestLagProbePlan) against the
+		// real statement.
+		require.Subset(t, indexes, []string{cfg.Table + "_dead_stream_idx", cfg.Table + "_dead_created_idx", cfg.Table + "_partition_idx"})
 		w, err := outbox.NewWriter(cfg)
 		require.NoError(t, err)
 		tx, err := pg.Pool.Begin(ctx)
@@ -399,6 +401,63 @@ func TestMigrateLongStreamsBeforeMigration005(t *testing.T) {
 		require.NoError(t, err)
 		require.Equal(t, []string{"long", "too-long"}, keys, "nothing moved, nothing lost")
 	})
+}
+
+// TestMigrateDeadCreatedIndexOverLongestDeadLetter upgrades an outbox of the
+// release before migration 008 whose dead-letter table holds a row with the
+// longest stream 004's (stream, id) index admits: 008's (stream,
+// created_at) index, of the same size, must admit it too, or the upgrade
+// would fail on such an outbox.
+func TestMigrateDeadCreatedIndexOverLongestDeadLetter(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pg := testenv.Postgres(t)
+	cfg := &outbox.Config{Schema: pg.Schema}
+	migrations, err := outbox.Migrations(cfg)
+	require.NoError(t, err)
+	require.Equal(t, "008_dead_created_index.sql", migrations[7].Name)
+	for _, m := range migrations[:7] {
+		_, err := pg.Pool.Exec(ctx, m.SQL)
+		require.NoError(t, err, m.Name)
+	}
+	dead := pgx.Identifier{pg.Schema, outbox.TableDefault + "_dead"}.Sanitize()
+	var random strings.Builder
+	for random.Len() < 8000 {
+		random.WriteString(uuid.NewString())
+	}
+	insert := func(n int) error {
+		_, err := pg.Pool.Exec(ctx, `INSERT INTO `+dead+` (id, event_id, stream, key, version, payload, created_at, attempts, last_error)
+			VALUES ($1, $2, $3, 'k', 1, '\x00', now(), 1, 'x')`, n, uuid.New(), random.String()[:n])
+		return err
+	}
+	// The longest prefix of random that enters the dead-letter table, by
+	// bisection: a longer one is refused by 004's index.
+	lo, hi := 1, random.Len()
+	for lo < hi {
+		mid := (lo + hi + 1) / 2
+		if err := insert(mid); err == nil {
+			_, err := pg.Pool.Exec(ctx, `DELETE FROM `+dead)
+			require.NoError(t, err)
+			lo = mid
+		} else {
+			var pgErr *pgconn.PgError
+			require.ErrorAs(t, err, &pgErr)
+			require.Equal(t, "54000", pgErr.Code, "refused by the index: %v", err)
+			hi = mid - 1
+		}
+	}
+	require.Greater(t, lo, outbox.MaxStreamBytes)
+	require.NoError(t, insert(lo))
+
+	require.NoError(t, outbox.Migrate(ctx, pg.Pool, cfg))
+	var valid bool
+	require.NoError(t, pg.Pool.QueryRow(ctx, `SELECT i.indisvalid FROM pg_index AS i
+		JOIN pg_class AS c ON c.oid = i.indexrelid JOIN pg_namespace AS n ON n.oid = c.relnamespace
+		WHERE n.nspname = $1 AND c.relname = $2`, pg.Schema, outbox.TableDefault+"_dead_created_idx").Scan(&valid))
+	require.True(t, valid)
+	var streamBytes int
+	require.NoError(t, pg.Pool.QueryRow(ctx, `SELECT octet_length(stream) FROM `+dead).Scan(&streamBytes))
+	require.Equal(t, lo, streamBytes, "the dead letter is kept as it was")
 }
 
 // outboxBefore005 returns a schema holding an outbox of the release before

@@ -353,7 +353,7 @@ func TestMigrate(t *testing.T) {
 		require.NoError(t, err)
 		require.Subset(t, indexes, []string{
 			table + "_pending_idx", table + "_created_idx", table + "_dead_event_idx", table + "_dead_stream_idx",
-			table + "_idempotency_created_idx", table + "_leases_touched_idx", table + "_partition_idx",
+			table + "_dead_created_idx", table + "_idempotency_created_idx", table + "_leases_touched_idx", table + "_partition_idx",
 		})
 	})
 
