@@ -2,6 +2,7 @@ package leaderboard
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"strconv"
@@ -97,7 +98,7 @@ type Board struct {
 
 	sql struct {
 		submit, submitTx, lookupEvent string
-		submitBatch                   string
+		submitBatch, submitBatchTx    string
 		overflowProbe                 string
 		top, page, pageBytes, rank    string
 		around, lag                   string
@@ -191,7 +192,7 @@ func New(pool *pgxpool.Pool, rdb redis.UniversalClient, cfg *Config) (*Board, er
 	b.primary = clusterpin.Client(rdb)
 	r := func(q string) string { return renderSQL(q, c.Schema, w.Config().Table) }
 	b.sql.submit, b.sql.submitTx, b.sql.lookupEvent = r(submitSQL), r(submitTxSQL), r(lookupEventSQL)
-	b.sql.submitBatch = r(submitBatchSQL)
+	b.sql.submitBatch, b.sql.submitBatchTx = r(submitBatchSQL), r(submitBatchTxSQL)
 	b.sql.overflowProbe = r(overflowProbeSQL)
 	b.sql.top, b.sql.page, b.sql.pageBytes = r(topSQL), r(pageSQL), r(pageBytesSQL)
 	b.sql.rank, b.sql.around, b.sql.lag = r(rankSQL), r(aroundSQL), r(lagSQL)
@@ -572,6 +573,147 @@ func (b *Board) SubmitBatch(ctx context.Context, cmds []Command) ([]Result, erro
 	return out, nil
 }
 
+// SubmitBatchTx is SubmitBatch inside the caller's transaction tx (a
+// pgx.Tx, or a database/sql transaction through outbox.SQLTx): the
+// commands' score changes and outbox rows commit or roll back with the
+// caller's own writes, in one statement and one round trip. It returns one
+// Result per command, in order, and reports duplicates, invalid commands
+// and reused event ids as SubmitBatch does; those failures write nothing
+// and leave tx usable. As with SubmitTx, nothing is visible to others, nor
+// sent to Redis, until tx commits, and the relays are woken when it does
+// (a notification queued in tx, once per call).
+//
+// These failures abort tx (PostgreSQL refuses its every later statement):
+// roll it back, and retry the whole transaction where the error says so.
+//
+//   - *ConcurrentSubmitError (errors.Is(err, ErrConcurrentSubmit)): another
+//     transaction committed a command with one of the batch's event ids
+//     while the statement ran. The retry reports it as a duplicate. EventID
+//     is that id when the server's message names it, else uuid.Nil.
+//   - *ScoreOutOfRangeError with Index -1: a command would leave the score
+//     range. SubmitBatch finds which by reading the scores again, which
+//     an aborted transaction cannot; the caller's transaction may also hold
+//     score changes nobody else can see, so the board does not guess.
+//   - ErrIdempotencyConflict without a *IdempotencyConflictError: another
+//     writer of the same outbox has a row with one of the event ids in the
+//     outbox table (see SubmitTx).
+//   - A deadlock (SQLSTATE 40P01), which SubmitBatch retries itself, or
+//     under REPEATABLE READ or SERIALIZABLE a serialization failure
+//     (40001): returned wrapped; retry the transaction.
+//
+// The statement locks the batch's users' rows until tx ends, in user id
+// order, as SubmitBatch's does; a transaction that also changes them
+// elsewhere should change them in that order too, or risk a deadlock.
+// Batches above MaxSubmitsPerStatementDefault commands in a pgx.Tx whose
+// connection caches statements are sent unnamed, so that PostgreSQL plans
+// each for its arrays (see SubmitBatch); through database/sql they run as
+// its driver sends them.
+//
+// The verity.leaderboard.submits counter counts its commands as staged,
+// as SubmitTx's.
+func (b *Board) SubmitBatchTx(ctx context.Context, tx outbox.Tx, cmds []Command) ([]Result, error) {
+	if b.notFromNew() {
+		return nil, errBoardNotFromNew()
+	}
+	out, err := b.submitBatchTx(ctx, tx, cmds)
+	if err != nil {
+		b.metrics.submitted(ctx, len(cmds), outcomeStaged, false, err)
+		return out, err
+	}
+	dup := 0
+	for _, r := range out {
+		if r.Duplicate {
+			dup++
+		}
+	}
+	b.metrics.submitted(ctx, len(out)-dup, outcomeStaged, false, nil)
+	b.metrics.submitted(ctx, dup, outcomeStaged, true, nil)
+	return out, nil
+}
+
+func (b *Board) submitBatchTx(ctx context.Context, tx outbox.Tx, cmds []Command) ([]Result, error) {
+	if deps.Missing(tx) {
+		return nil, errors.New("leaderboard: SubmitBatchTx needs a transaction (a pgx.Tx, or outbox.SQLTx of a *sql.Tx)")
+	}
+	if len(cmds) == 0 {
+		return nil, nil
+	}
+	in, err := b.prepareBatch(ctx, tx, cmds, false)
+	if err != nil {
+		return nil, err
+	}
+	args := []any{in.ids, in.users, in.deltas, b.cfg.Name, b.stream, false, b.channel}
+	if ptx, ok := tx.(pgx.Tx); ok && len(in.sent) > preparedBatchMax && ptx.Conn() != nil &&
+		ptx.Conn().Config().DefaultQueryExecMode == pgx.QueryExecModeCacheStatement {
+		args = append([]any{pgx.QueryExecModeExec}, args...)
+	}
+	var doc string
+	err = tx.QueryRow(ctx, b.sql.submitBatchTx, args...).Scan(&doc)
+	switch {
+	case err == nil:
+	case isUniqueViolation(err) && violatedTable(err) == b.cfg.OutboxTable:
+		return nil, fmt.Errorf("leaderboard: submit batch: an event id is already used by another outbox writer (the transaction is aborted): %w (%w)", ErrIdempotencyConflict, err)
+	case isUniqueViolation(err):
+		return nil, &ConcurrentSubmitError{EventID: twinEventID(err, cmds, in.sent)}
+	case isScoreRangeViolation(err):
+		return nil, &ScoreOutOfRangeError{Index: -1}
+	default:
+		return nil, b.dbError(opSubmitBatchTx, err)
+	}
+	var rows []batchTxRow
+	if err := json.Unmarshal([]byte(doc), &rows); err != nil {
+		return nil, fmt.Errorf("leaderboard: submit batch: decoding the results: %w", err)
+	}
+	out := make([]Result, len(cmds))
+	seen := make([]bool, len(in.sent))
+	for _, r := range rows {
+		if r.Ord < 1 || int(r.Ord) > len(in.sent) || seen[r.Ord-1] {
+			return nil, fmt.Errorf("leaderboard: submit batch: unexpected row number %d", r.Ord)
+		}
+		seen[r.Ord-1] = true
+		i := in.sent[r.Ord-1]
+		// A prior command that differs: the statement wrote nothing and
+		// returned the prior rows only (see submitBatchCTEs).
+		if _, err := b.checkDuplicate(cmds[i], Result{Duplicate: r.Duplicate}, r.Board, r.User, r.Delta); err != nil {
+			return nil, err
+		}
+		out[i] = Result{Score: r.Score, Version: r.Version, Duplicate: r.Duplicate}
+	}
+	if len(rows) != len(in.sent) {
+		return nil, fmt.Errorf("leaderboard: submit batch: %d results for %d commands", len(rows), len(in.sent))
+	}
+	in.copyRepeats(cmds, out)
+	return out, nil
+}
+
+// batchTxRow is one element of submitBatchTxSQL's JSON array.
+type batchTxRow struct {
+	Ord       int64  `json:"o"`
+	Duplicate bool   `json:"d"`
+	Score     int64  `json:"s"`
+	Version   int64  `json:"v"`
+	Board     string `json:"b"`
+	User      string `json:"u"`
+	Delta     int64  `json:"x"`
+}
+
+// twinEventID returns the event id of the batch's commands (those at
+// positions sent) that a unique violation of score_events names, or
+// uuid.Nil when its detail names none (a server whose messages are
+// translated still quotes the key's value).
+func twinEventID(err error, cmds []Command, sent []int) uuid.UUID {
+	var pgErr *pgconn.PgError
+	if !errors.As(err, &pgErr) {
+		return uuid.Nil
+	}
+	for _, i := range sent {
+		if strings.Contains(pgErr.Detail, cmds[i].EventID.String()) {
+			return cmds[i].EventID
+		}
+	}
+	return uuid.Nil
+}
+
 // batchOptions adapt submitBatch to Submit's groups.
 type batchOptions struct {
 	// everyState queues every command's resulting state in the outbox, as
@@ -591,7 +733,7 @@ type batchOptions struct {
 	group bool
 }
 
-// batchQuerier is what sendBatch, locateOverflow and batchConflict run on:
+// batchQuerier is what sendBatch and locateOverflow run on:
 // the pool or a connection taken from it.
 type batchQuerier interface {
 	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
@@ -612,45 +754,80 @@ func (b *Board) querier(opts batchOptions) batchQuerier {
 	return b.pool
 }
 
-// submitBatch applies cmds in one statement.
-func (b *Board) submitBatch(ctx context.Context, cmds []Command, opts batchOptions) ([]Result, error) {
-	if len(cmds) == 0 {
-		return nil, nil
-	}
+// batchInput is a validated batch as its statement takes it: each event
+// id once, at its first command's position.
+type batchInput struct {
 	// first maps an event id to its first position; later copies of the
 	// same command take that command's result.
-	first := make(map[uuid.UUID]int, len(cmds))
+	first map[uuid.UUID]int
 	// pgtype.UUID: pgx sends it in binary in either statement mode. A
 	// uuid.UUID is a type QueryExecModeExec cannot map to a PostgreSQL
 	// type, and strings made a cached statement fail to plan a binary
 	// uuid[] on every call (an error built and dropped) before falling
 	// back to text that PostgreSQL then parsed.
-	ids := make([]pgtype.UUID, 0, len(cmds))
-	users := make([]string, 0, len(cmds))
-	deltas := make([]int64, 0, len(cmds))
-	sent := make([]int, 0, len(cmds)) // position in cmds of each sent row
-	reused := -1                      // first command whose event id an earlier one used for another command
+	ids    []pgtype.UUID
+	users  []string
+	deltas []int64
+	sent   []int // position in cmds of each sent row
+}
+
+// prepareBatch validates cmds and gathers the batch's arrays. An event id
+// used for two different commands fails the batch with batchConflict's
+// error, read on q (unless group: see batchOptions.group).
+func (b *Board) prepareBatch(ctx context.Context, q rowQuerier, cmds []Command, group bool) (batchInput, error) {
+	in := batchInput{
+		first:  make(map[uuid.UUID]int, len(cmds)),
+		ids:    make([]pgtype.UUID, 0, len(cmds)),
+		users:  make([]string, 0, len(cmds)),
+		deltas: make([]int64, 0, len(cmds)),
+		sent:   make([]int, 0, len(cmds)),
+	}
+	reused := -1 // first command whose event id an earlier one used for another command
 	for i, cmd := range cmds {
 		if err := b.validate(i, cmd); err != nil {
-			return nil, err
+			return batchInput{}, err
 		}
-		if j, ok := first[cmd.EventID]; ok {
+		if j, ok := in.first[cmd.EventID]; ok {
 			if reused < 0 && (cmds[j].UserID != cmd.UserID || cmds[j].Delta != cmd.Delta) {
 				reused = i
 			}
 			continue
 		}
-		first[cmd.EventID] = i
-		ids, users, deltas = append(ids, binaryUUID(cmd.EventID)), append(users, cmd.UserID), append(deltas, cmd.Delta)
-		sent = append(sent, i)
+		in.first[cmd.EventID] = i
+		in.ids, in.users, in.deltas = append(in.ids, binaryUUID(cmd.EventID)), append(in.users, cmd.UserID), append(in.deltas, cmd.Delta)
+		in.sent = append(in.sent, i)
 	}
 	if reused >= 0 {
-		earlier := cmds[first[cmds[reused].EventID]]
-		if opts.group { // never a caller's: the group falls back (see batchOptions.group)
-			return nil, &IdempotencyConflictError{EventID: earlier.EventID, Board: b.cfg.Name, UserID: earlier.UserID, Delta: earlier.Delta, Attempted: cmds[reused], WithinBatch: true}
+		earlier := cmds[in.first[cmds[reused].EventID]]
+		if group { // never a caller's: the group falls back (see batchOptions.group)
+			return batchInput{}, &IdempotencyConflictError{EventID: earlier.EventID, Board: b.cfg.Name, UserID: earlier.UserID, Delta: earlier.Delta, Attempted: cmds[reused], WithinBatch: true}
 		}
-		return nil, b.batchConflict(ctx, b.querier(opts), earlier, cmds[reused])
+		return batchInput{}, b.batchConflict(ctx, q, earlier, cmds[reused])
 	}
+	return in, nil
+}
+
+// copyRepeats gives each later copy of a command its first copy's result,
+// as a duplicate.
+func (in batchInput) copyRepeats(cmds []Command, out []Result) {
+	for i, cmd := range cmds {
+		if j := in.first[cmd.EventID]; j != i {
+			out[i] = out[j]
+			out[i].Duplicate = true
+		}
+	}
+}
+
+// submitBatch applies cmds in one statement.
+func (b *Board) submitBatch(ctx context.Context, cmds []Command, opts batchOptions) ([]Result, error) {
+	if len(cmds) == 0 {
+		return nil, nil
+	}
+	in, err := b.prepareBatch(ctx, b.querier(opts), cmds, opts.group)
+	if err != nil {
+		return nil, err
+	}
+	sent, ids, users, deltas := in.sent, in.ids, in.users, in.deltas
 
 	out := make([]Result, len(cmds))
 	// A twin committed after the statement's snapshot aborts it with a
@@ -660,7 +837,6 @@ func (b *Board) submitBatch(ctx context.Context, cmds []Command, opts batchOptio
 	// fails that way. A deadlock (event ids reused for other commands by a
 	// transaction that holds them in another order) is retried as well: the
 	// statement that lost it released everything.
-	var err error
 	for twins, deadlocks := 0, 0; ; {
 		err = b.submitBatchOnce(ctx, cmds, sent, ids, users, deltas, opts, out)
 		switch {
@@ -681,12 +857,7 @@ func (b *Board) submitBatch(ctx context.Context, cmds []Command, opts batchOptio
 	if err != nil {
 		return nil, err
 	}
-	for i, cmd := range cmds {
-		if j := first[cmd.EventID]; j != i {
-			out[i] = out[j]
-			out[i].Duplicate = true
-		}
-	}
+	in.copyRepeats(cmds, out)
 	return out, nil
 }
 
@@ -698,7 +869,7 @@ func (b *Board) submitBatch(ctx context.Context, cmds []Command, opts batchOptio
 // database holds. The refused command is the first of the two that differs
 // from it (when earlier is the recorded one, every copy before later is
 // too). With none recorded, the error describes earlier and refuses later.
-func (b *Board) batchConflict(ctx context.Context, q batchQuerier, earlier, later Command) error {
+func (b *Board) batchConflict(ctx context.Context, q rowQuerier, earlier, later Command) error {
 	var (
 		board, user           string
 		delta, score, version int64

@@ -214,6 +214,13 @@ func TestSubmit(t *testing.T) {
 			require.False(t, errors.As(err, &conflict), when)
 			violation(err, when)
 			require.NoError(t, tx.Rollback(ctx))
+			tx, err = tb.pg.Pool.Begin(ctx)
+			require.NoError(t, err)
+			_, err = tb.board.SubmitBatchTx(ctx, tx, []Command{cmd})
+			require.ErrorIs(t, err, ErrIdempotencyConflict, when)
+			require.False(t, errors.As(err, &conflict), when)
+			violation(err, when)
+			require.NoError(t, tx.Rollback(ctx))
 		}
 
 		pending, kept := foreign("orders"), foreign("audit")

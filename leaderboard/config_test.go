@@ -283,6 +283,7 @@ func TestConfig(t *testing.T) {
 					"Submit":        func() error { _, err := b.Submit(ctx, cmd); return err },
 					"SubmitTx":      func() error { _, err := b.SubmitTx(ctx, nil, cmd); return err },
 					"SubmitBatch":   func() error { _, err := b.SubmitBatch(ctx, []Command{cmd}); return err },
+					"SubmitBatchTx": func() error { _, err := b.SubmitBatchTx(ctx, nil, []Command{cmd}); return err },
 					"Top":           func() error { _, err := b.Top(ctx, 10); return err },
 					"Page":          func() error { _, err := b.Page(ctx, "", 10); return err },
 					"Rank":          func() error { _, _, err := b.Rank(ctx, "u"); return err },

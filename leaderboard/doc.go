@@ -45,8 +45,9 @@
 // (outbox.RelayConfig.PollInterval): the projection is late, nothing is
 // lost. Board.Close stops the notifier; it is optional, because the
 // notifier's goroutine exits on its own after 100 ms without submits.
-// SubmitTx, whose commit the caller makes, keeps the pg_notify inside the
-// statement, so its wake-up is delivered exactly when the caller commits.
+// SubmitTx and SubmitBatchTx, whose commit the caller makes, keep the
+// pg_notify inside the statement, so the wake-up is delivered exactly when
+// the caller commits.
 //
 // The event id makes Submit idempotent. Submitting it again changes nothing
 // and returns the original result with Duplicate set — also when two twins
@@ -71,6 +72,11 @@
 // retry the transaction, and the retry reports Duplicate. No savepoint is
 // used: it would cost a round trip per call, and many in one transaction
 // overflow PostgreSQL's subtransaction cache.
+//
+// SubmitBatchTx is SubmitBatch inside the caller's transaction, on the same
+// terms as SubmitTx; an out-of-range score aborts that transaction before
+// the board can find which command caused it, so its
+// *ScoreOutOfRangeError has Index -1.
 //
 // # Validation
 //

@@ -54,8 +54,8 @@ var (
 	// format produced (cursors issued before an upgrade that changed it
 	// are refused; start again from the first page).
 	ErrInvalidCursor = errors.New("leaderboard: invalid page cursor")
-	// ErrConcurrentSubmit matches *ConcurrentSubmitError: SubmitTx met a
-	// twin of its command that committed meanwhile, and the caller's
+	// ErrConcurrentSubmit matches *ConcurrentSubmitError: SubmitTx or
+	// SubmitBatchTx met a twin of a command that committed meanwhile, and the caller's
 	// transaction is aborted. Roll back and retry the transaction.
 	ErrConcurrentSubmit = errors.New("leaderboard: a concurrent submit of the same event id committed first")
 	// ErrInvalidReadOption is returned, before anything is read, for a
@@ -145,9 +145,9 @@ func (b *Board) dbError(op string, err error) error {
 	var pgErr *pgconn.PgError
 	if errors.As(err, &pgErr) && pgErr.Code == pgUndefinedTable {
 		fix := "run leaderboard.Migrate with the board's Schema and OutboxTable first"
-		if op == opSubmitTx {
-			// The caller's transaction need not be on the board's database.
-			fix += ", or, if the board's database has them, give SubmitTx a transaction of that database"
+		// The caller's transaction need not be on the board's database.
+		if method := txMethod(op); method != "" {
+			fix += ", or, if the board's database has them, give " + method + " a transaction of that database"
 		}
 		return &notMigratedError{err: err, msg: fmt.Sprintf(
 			"leaderboard: %s: a table of the board is missing in schema %q (%s, %s or the outbox table %q); %s: %v",
@@ -159,8 +159,24 @@ func (b *Board) dbError(op string, err error) error {
 // pgUndefinedTable is PostgreSQL's undefined_table.
 const pgUndefinedTable = "42P01"
 
-// opSubmitTx is SubmitTx's op for dbError.
-const opSubmitTx = "submit in the caller's transaction"
+// opSubmitTx and opSubmitBatchTx are SubmitTx's and SubmitBatchTx's ops
+// for dbError.
+const (
+	opSubmitTx      = "submit in the caller's transaction"
+	opSubmitBatchTx = "submit a batch in the caller's transaction"
+)
+
+// txMethod names the method of an op that runs in the caller's
+// transaction, "" for other ops.
+func txMethod(op string) string {
+	switch op {
+	case opSubmitTx:
+		return "SubmitTx"
+	case opSubmitBatchTx:
+		return "SubmitBatchTx"
+	}
+	return ""
+}
 
 // notMigratedError is dbError's error for a missing table. It matches
 // ErrNotMigrated and the driver's error, without the sentinel's own text,
@@ -224,20 +240,27 @@ func (e *IdempotencyConflictError) Error() string {
 // Unwrap returns ErrIdempotencyConflict.
 func (e *IdempotencyConflictError) Unwrap() error { return ErrIdempotencyConflict }
 
-// ConcurrentSubmitError reports that, while SubmitTx ran in the caller's
-// transaction, another transaction committed a command with the same event
-// id (typically a client retry racing its original). The unique violation
-// that revealed it aborted the caller's transaction: roll it back and retry
-// the whole transaction, whose SubmitTx then returns the twin's Result with
-// Duplicate set (or an *IdempotencyConflictError if the commands differ).
-// Nothing of the caller's transaction can commit. It matches
-// ErrConcurrentSubmit.
+// ConcurrentSubmitError reports that, while SubmitTx or SubmitBatchTx ran
+// in the caller's transaction, another transaction committed a command with
+// the same event id (typically a client retry racing its original). The
+// unique violation that revealed it aborted the caller's transaction: roll
+// it back and retry the whole transaction, whose SubmitTx then returns the
+// twin's Result with Duplicate set (or an *IdempotencyConflictError if the
+// commands differ). Nothing of the caller's transaction can commit. It
+// matches ErrConcurrentSubmit.
 type ConcurrentSubmitError struct {
+	// EventID is the command's event id. For SubmitBatchTx it is taken from
+	// the server's message, and uuid.Nil if that names none of the batch's
+	// ids.
 	EventID uuid.UUID
 }
 
 func (e *ConcurrentSubmitError) Error() string {
-	return fmt.Sprintf("leaderboard: event %s was committed by a concurrent transaction; this transaction is aborted: roll it back and retry it (the retry reports the duplicate)", e.EventID)
+	what := "an event of the batch"
+	if e.EventID != uuid.Nil {
+		what = "event " + e.EventID.String()
+	}
+	return "leaderboard: " + what + " was committed by a concurrent transaction; this transaction is aborted: roll it back and retry it (the retry reports the duplicate)"
 }
 
 // Unwrap returns ErrConcurrentSubmit.
@@ -248,7 +271,9 @@ func (e *ConcurrentSubmitError) Unwrap() error { return ErrConcurrentSubmit }
 // Nothing was written. It matches ErrScoreOutOfRange.
 type ScoreOutOfRangeError struct {
 	// Index is the command's position in a SubmitBatch call (0 for
-	// Submit), or -1 when a concurrent change made it impossible to tell.
+	// Submit), or -1 when a concurrent change made it impossible to tell,
+	// and always for SubmitBatchTx, whose failed statement aborts the
+	// transaction it would have to look in.
 	Index  int
 	UserID string
 	Delta  int64

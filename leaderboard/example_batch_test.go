@@ -58,3 +58,54 @@ func ExampleBoard_SubmitBatch() {
 	// ada -5: score 45, version 3, duplicate false
 	// refused: command 1, field UserID
 }
+
+// Season rewards granted in the application's own pgx transaction, with
+// the application's record of the payout: both commit, or neither. The
+// reward's event ids derive from the season and the user, so a rerun of
+// the job reports duplicates instead of paying twice.
+func ExampleBoard_SubmitBatchTx() {
+	ctx := context.Background()
+	// A migrated board and its pool, set up as in Example.
+	board, pool, cleanup, err := exampleBoardAndPool(ctx, leaderboard.Config{Name: "season-7"})
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer cleanup()
+	if _, err := pool.Exec(ctx, `CREATE TABLE season_payouts (season int PRIMARY KEY, users int NOT NULL)`); err != nil {
+		log.Fatal(err)
+	}
+
+	reward := func(winners []string) error {
+		tx, err := pool.Begin(ctx)
+		if err != nil {
+			return err
+		}
+		defer tx.Rollback(ctx) //nolint:errcheck // a no-op after Commit
+		cmds := make([]leaderboard.Command, len(winners))
+		for i, user := range winners {
+			id := uuid.NewSHA1(uuid.NameSpaceURL, []byte("season-7-reward/"+user))
+			cmds[i] = leaderboard.Command{EventID: id, UserID: user, Delta: 100}
+		}
+		results, err := board.SubmitBatchTx(ctx, tx, cmds)
+		if err != nil {
+			return err
+		}
+		for i, res := range results {
+			fmt.Printf("%s: score %d, duplicate %t\n", winners[i], res.Score, res.Duplicate)
+		}
+		if _, err := tx.Exec(ctx, `INSERT INTO season_payouts VALUES (7, $1) ON CONFLICT DO NOTHING`, len(winners)); err != nil {
+			return err
+		}
+		return tx.Commit(ctx)
+	}
+	for range 2 { // the job runs twice
+		if err := reward([]string{"ada", "bob"}); err != nil {
+			log.Fatal(err)
+		}
+	}
+	// Output:
+	// ada: score 100, duplicate false
+	// bob: score 100, duplicate false
+	// ada: score 100, duplicate true
+	// bob: score 100, duplicate true
+}

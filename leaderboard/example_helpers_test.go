@@ -16,9 +16,16 @@ import (
 // own (it sets cfg.Schema and cfg.KeyPrefix). cleanup closes the board and
 // the clients and removes the schema and the keys.
 func exampleBoard(ctx context.Context, cfg leaderboard.Config) (board *leaderboard.Board, cleanup func(), err error) {
+	board, _, cleanup, err = exampleBoardAndPool(ctx, cfg)
+	return board, cleanup, err
+}
+
+// exampleBoardAndPool is exampleBoard that also returns the board's pool,
+// for examples that open their own transactions.
+func exampleBoardAndPool(ctx context.Context, cfg leaderboard.Config) (board *leaderboard.Board, pool *pgxpool.Pool, cleanup func(), err error) {
 	pgURL, redisURL, dropSchema, err := services.ResolveForExample()
 	if err != nil {
-		return nil, nil, err
+		return nil, nil, nil, err
 	}
 	var undo []func()
 	cleanup = func() {
@@ -27,11 +34,11 @@ func exampleBoard(ctx context.Context, cfg leaderboard.Config) (board *leaderboa
 		}
 	}
 	undo = append(undo, dropSchema)
-	fail := func(err error) (*leaderboard.Board, func(), error) {
+	fail := func(err error) (*leaderboard.Board, *pgxpool.Pool, func(), error) {
 		cleanup()
-		return nil, nil, err
+		return nil, nil, nil, err
 	}
-	pool, err := pgxpool.New(ctx, pgURL)
+	pool, err = pgxpool.New(ctx, pgURL)
 	if err != nil {
 		return fail(err)
 	}
@@ -57,5 +64,5 @@ func exampleBoard(ctx context.Context, cfg leaderboard.Config) (board *leaderboa
 		return fail(err)
 	}
 	undo = append(undo, board.Close) // stops the relay wake-ups, before pool.Close
-	return board, cleanup, nil
+	return board, pool, cleanup, nil
 }

@@ -61,7 +61,7 @@ func newBoardMetrics(c *Config, lag func(context.Context) (time.Duration, bool))
 	m := &boardMetrics{
 		board: board,
 		submits: in.Counter(metricSubmits, "{command}",
-			"Score commands by outcome: applied (committed by the board: Submit, SubmitBatch), staged (SubmitTx: written in the caller's transaction, whose commit or rollback the board does not see), duplicate, conflict (event id reused for another command), concurrent (SubmitTx lost to a twin), invalid, out_of_range, error."),
+			"Score commands by outcome: applied (committed by the board: Submit, SubmitBatch), staged (SubmitTx, SubmitBatchTx: written in the caller's transaction, whose commit or rollback the board does not see), duplicate, conflict (event id reused for another command), concurrent (SubmitTx or SubmitBatchTx lost to a twin), invalid, out_of_range, error."),
 		reads: in.Counter(metricReads, "{read}",
 			"Reads (Top, Page, Rank, Around) by the store that answered (redis, postgres; none on error, and for a user id no store can hold) and outcome (ok; stale: refused by FailClosed, or an unmet AtLeast whose user is not in Redis; not_found; error). Reads refused for invalid input (limit, cursor, ReadOption) before any store is read are not counted."),
 	}

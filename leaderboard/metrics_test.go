@@ -126,6 +126,21 @@ func TestBoardMetrics(t *testing.T) {
 		require.Equal(t, int64(2), s.Int(metricSubmits, board, outcome("staged")))
 		require.Equal(t, int64(1), s.Int(metricSubmits, board, outcome("duplicate")))
 		require.Equal(t, int64(4), s.Int(metricSubmits, board))
+
+		// SubmitBatchTx likewise: two new commands staged, a repeat of a
+		// recorded one a duplicate, then rolled back.
+		tx, err = tb.pg.Pool.Begin(ctx)
+		require.NoError(t, err)
+		out, err := tb.board.SubmitBatchTx(ctx, tx, []Command{
+			{EventID: uuid.New(), UserID: "bea", Delta: 1}, committed, {EventID: uuid.New(), UserID: "cal", Delta: 2},
+		})
+		require.NoError(t, err)
+		require.True(t, out[1].Duplicate)
+		require.NoError(t, tx.Rollback(ctx))
+		s = rec.Collect(t)
+		require.Equal(t, int64(1), s.Int(metricSubmits, board, outcome("applied")))
+		require.Equal(t, int64(4), s.Int(metricSubmits, board, outcome("staged")))
+		require.Equal(t, int64(2), s.Int(metricSubmits, board, outcome("duplicate")))
 	})
 
 	// A read refused for invalid input before any store is read is the

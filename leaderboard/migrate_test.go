@@ -126,6 +126,13 @@ func TestMigrate(t *testing.T) {
 				_, err = board.SubmitTx(ctx, tx, cmd())
 				return err
 			},
+			"SubmitBatchTx": func() error {
+				tx, err := pg.Pool.Begin(ctx)
+				require.NoError(t, err)
+				defer func() { _ = tx.Rollback(ctx) }()
+				_, err = board.SubmitBatchTx(ctx, tx, []Command{cmd(), cmd()})
+				return err
+			},
 			"Authoritative": func() error { _, err := board.Authoritative(ctx, 10); return err },
 			"PageFromPostgres": func() error {
 				_, err := board.Page(ctx, "", 10, forcePostgres())
@@ -171,9 +178,9 @@ func TestMigrate(t *testing.T) {
 			require.ErrorIs(t, err, ErrNotMigrated, name)
 			require.ErrorIs(t, err, outbox.ErrNotMigrated, name)
 			require.ErrorContains(t, err, "run leaderboard.Migrate", name)
-			if name == "SubmitTx" {
+			if name == "SubmitTx" || name == "SubmitBatchTx" {
 				// Or the caller's transaction is on another database.
-				require.ErrorContains(t, err, "give SubmitTx a transaction of that database")
+				require.ErrorContains(t, err, "give "+name+" a transaction of that database")
 			}
 			require.ErrorContains(t, err, pg.Schema, name)
 			var pgErr *pgconn.PgError

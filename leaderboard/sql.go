@@ -87,7 +87,8 @@ SELECT board, user_id, delta, score, version
 FROM {{score_events}}
 WHERE event_id = $1::uuid`
 
-// submitBatchSQL applies many commands in one statement.
+// submitBatchCTEs applies many commands in one statement; submitBatchSQL
+// and submitBatchTxSQL finish it.
 //
 //	$1 event ids, $2 user ids, $3 deltas (parallel arrays, no repeated id),
 //	$4 board, $5 stream, $6 every state
@@ -100,8 +101,7 @@ WHERE event_id = $1::uuid`
 // command's own score and version are derived from running sums in batch
 // order. Unless $6 (Submit's groups, which keep Submit's one outbox row per
 // command), only each user's last state goes to the outbox: payloads are
-// absolute, so the intermediate ones would be superseded anyway. Like
-// submitSQL it does not notify; SubmitBatch uses the board's Notifier.
+// absolute, so the intermediate ones would be superseded anyway.
 //
 // Event ids are recorded in id order, so that two batches (or a batch and
 // a caller's transaction) that collide on several ids wait for them in the
@@ -117,7 +117,7 @@ WHERE event_id = $1::uuid`
 // off) it read the whole event history for every batch: at 250,000 events
 // that read took 50-75 ms per 1,000 ids against 4 ms for the probes, and it
 // grows with the table. TestManyKeyPlans checks the plans.
-const submitBatchSQL = `
+const submitBatchCTEs = `
 WITH input AS (
     SELECT i.ord, i.event_id, i.user_id COLLATE "C" AS user_id, i.delta
     FROM unnest($1::uuid[], $2::text[], $3::bigint[]) WITH ORDINALITY AS i(event_id, user_id, delta, ord)
@@ -183,12 +183,41 @@ queued AS (
     SELECT r.event_id, $5::text, r.user_id, r.version, convert_to(r.score::text, 'UTF8')
     FROM results AS r JOIN recorded USING (event_id)
     WHERE r.last OR $6::boolean
-)
+)`
+
+// submitBatchSQL is SubmitBatch's statement (and that of Submit's groups):
+// one row per command, new or prior. Like submitSQL it does not notify;
+// SubmitBatch uses the board's Notifier.
+const submitBatchSQL = submitBatchCTEs + `
 SELECT r.ord, false, r.score, r.version, $4::text, r.user_id::text, r.delta
 FROM results AS r
 UNION ALL
 SELECT i.ord, true, p.score, p.version, p.board, p.user_id::text, p.delta
 FROM prior AS p JOIN input AS i USING (event_id)`
+
+// submitBatchTxSQL is SubmitBatchTx's statement: submitBatchSQL's rows as
+// one JSON array in one row, because outbox.Tx reads single rows only
+// (database/sql's transactions too, through outbox.SQLTx), plus notified,
+// which wakes the relays on channel $7 when the caller's transaction
+// commits, once however many commands it applied (see submitTxSQL). Each
+// element is an object: o the command's position (1-based), d duplicate,
+// s score, v version, b board, u user id, x delta. JSON carries bigint
+// exactly (its digits), and scores are within +-2^53 anyway.
+const submitBatchTxSQL = submitBatchCTEs + `,
+notified AS (
+    SELECT pg_notify($7::text, '')
+    WHERE EXISTS (SELECT 1 FROM recorded)
+),
+answered AS (
+    SELECT r.ord, false AS duplicate, r.score, r.version, $4::text AS board, r.user_id::text AS user_id, r.delta
+    FROM results AS r
+    UNION ALL
+    SELECT i.ord, true, p.score, p.version, p.board, p.user_id::text, p.delta
+    FROM prior AS p JOIN input AS i USING (event_id)
+)
+SELECT coalesce(json_agg(json_build_object(
+    'o', a.ord, 'd', a.duplicate, 's', a.score, 'v', a.version, 'b', a.board, 'u', a.user_id, 'x', a.delta)), '[]')::text
+FROM answered AS a, (SELECT count(*) FROM notified) AS n`
 
 // setLockTimeoutSQL sets lock_timeout ($1, for example "50ms") for the rest
 // of the current transaction.

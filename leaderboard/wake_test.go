@@ -14,7 +14,8 @@ import (
 // TestWakeUp checks that every write path wakes a running worker: with a
 // one-minute poll, only a NOTIFY can make the change visible in time.
 // Submit and SubmitBatch notify through the board's Notifier after their
-// statement; SubmitTx notifies inside the caller's transaction.
+// statement; SubmitTx and SubmitBatchTx notify inside the caller's
+// transaction.
 func TestWakeUp(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
@@ -41,6 +42,18 @@ func TestWakeUp(t *testing.T) {
 			require.NoError(t, err)
 			require.NoError(t, tx.Commit(ctx))
 			return res
+		},
+		"SubmitBatchTx": func(t *testing.T, tb *testBundle, user string) Result {
+			tx, err := tb.pg.Pool.Begin(ctx)
+			require.NoError(t, err)
+			defer tx.Rollback(ctx) //nolint:errcheck // no-op after commit
+			out, err := tb.board.SubmitBatchTx(ctx, tx, []Command{
+				{EventID: uuid.New(), UserID: user, Delta: 4},
+				{EventID: uuid.New(), UserID: user, Delta: 6},
+			})
+			require.NoError(t, err)
+			require.NoError(t, tx.Commit(ctx))
+			return out[1]
 		},
 	}
 	for name, write := range writers {

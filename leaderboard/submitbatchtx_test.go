@@ -1,0 +1,304 @@
+package leaderboard
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"testing"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/stretchr/testify/require"
+
+	"github.com/verity-go/verity/outbox"
+)
+
+func TestSubmitBatchTx(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+
+	for _, path := range []string{"Pgx", "DatabaseSQL"} {
+		t.Run(path, func(t *testing.T) {
+			t.Parallel()
+
+			setupTx := func(t *testing.T) (*testBundle, func(t *testing.T) *callerTx) {
+				tb := setup(t)
+				return tb, txPaths(t, tb)[path]
+			}
+
+			t.Run("CommitMakesItVisible", func(t *testing.T) {
+				t.Parallel()
+				tb, begin := setupTx(t)
+				c := begin(t)
+				first := Command{EventID: uuid.New(), UserID: "alice", Delta: 10}
+				out, err := tb.board.SubmitBatchTx(ctx, c.tx, []Command{
+					first,
+					{EventID: uuid.New(), UserID: "bob", Delta: 5},
+					{EventID: uuid.New(), UserID: "alice", Delta: -3},
+					first, // a repeat within the batch
+				})
+				require.NoError(t, err)
+				require.Equal(t, []Result{
+					{Score: 10, Version: 1},
+					{Score: 5, Version: 1},
+					{Score: 7, Version: 2},
+					{Score: 10, Version: 1, Duplicate: true},
+				}, out)
+				events, users, queued := tb.counts(t)
+				require.Equal(t, [3]int{0, 0, 0}, [3]int{events, users, queued}, "nothing is visible before the caller commits")
+
+				// The transaction goes on, and sees its own batch.
+				res, err := tb.board.SubmitTx(ctx, c.tx, Command{EventID: uuid.New(), UserID: "bob", Delta: 1})
+				require.NoError(t, err)
+				require.Equal(t, Result{Score: 6, Version: 2}, res)
+				require.NoError(t, c.commit())
+
+				events, users, queued = tb.counts(t)
+				require.Equal(t, [3]int{4, 2, 3}, [3]int{events, users, queued}, "each user's last state of the batch, and the SubmitTx's row")
+				rows, err := tb.pg.Pool.Query(ctx, `SELECT key, version, convert_from(payload, 'UTF8') FROM verity_outbox ORDER BY key, version`)
+				require.NoError(t, err)
+				var queuedRows []string
+				for rows.Next() {
+					var key, payload string
+					var version int64
+					require.NoError(t, rows.Scan(&key, &version, &payload))
+					queuedRows = append(queuedRows, fmt.Sprintf("%s v%d %s", key, version, payload))
+				}
+				require.NoError(t, rows.Err())
+				require.Equal(t, []string{"alice v2 7", "bob v1 5", "bob v2 6"}, queuedRows)
+			})
+
+			t.Run("RollbackLeavesNothing", func(t *testing.T) {
+				t.Parallel()
+				tb, begin := setupTx(t)
+				c := begin(t)
+				_, err := tb.board.SubmitBatchTx(ctx, c.tx, []Command{{EventID: uuid.New(), UserID: "bob", Delta: 3}})
+				require.NoError(t, err)
+				require.NoError(t, c.rollback())
+				events, users, queued := tb.counts(t)
+				require.Equal(t, [3]int{0, 0, 0}, [3]int{events, users, queued})
+			})
+
+			t.Run("DuplicatesReturnTheirOriginal", func(t *testing.T) {
+				t.Parallel()
+				tb, begin := setupTx(t)
+				cmd := Command{EventID: uuid.New(), UserID: "carol", Delta: 7}
+				first, err := tb.board.Submit(ctx, cmd)
+				require.NoError(t, err)
+				c := begin(t)
+				out, err := tb.board.SubmitBatchTx(ctx, c.tx, []Command{cmd, {EventID: uuid.New(), UserID: "carol", Delta: 1}})
+				require.NoError(t, err)
+				require.Equal(t, []Result{{Score: first.Score, Version: first.Version, Duplicate: true}, {Score: 8, Version: 2}}, out)
+				require.NoError(t, c.commit())
+				events, users, queued := tb.counts(t)
+				require.Equal(t, [3]int{2, 1, 2}, [3]int{events, users, queued})
+			})
+
+			t.Run("RefusedBatchesWriteNothingAndKeepTxUsable", func(t *testing.T) {
+				t.Parallel()
+				tb, begin := setupTx(t)
+				id := uuid.New()
+				_, err := tb.board.Submit(ctx, Command{EventID: id, UserID: "dave", Delta: 1})
+				require.NoError(t, err)
+				c := begin(t)
+				fresh := Command{EventID: uuid.New(), UserID: "dave", Delta: 100}
+
+				// An event id recorded for another command.
+				_, err = tb.board.SubmitBatchTx(ctx, c.tx, []Command{fresh, {EventID: id, UserID: "dave", Delta: 2}})
+				var conflict *IdempotencyConflictError
+				require.ErrorAs(t, err, &conflict)
+				require.Equal(t, Command{EventID: id, UserID: "dave", Delta: 2}, conflict.Attempted)
+				require.Equal(t, int64(1), conflict.Delta, "the recorded command")
+
+				// An event id used twice within the batch.
+				reused := uuid.New()
+				_, err = tb.board.SubmitBatchTx(ctx, c.tx, []Command{fresh, {EventID: reused, UserID: "x", Delta: 1}, {EventID: reused, UserID: "x", Delta: 2}})
+				require.ErrorAs(t, err, &conflict)
+				require.True(t, conflict.WithinBatch)
+				require.Equal(t, int64(2), conflict.Attempted.Delta)
+
+				// An invalid command.
+				_, err = tb.board.SubmitBatchTx(ctx, c.tx, []Command{fresh, {EventID: uuid.New(), UserID: "", Delta: 2}})
+				var invalid *ValidationError
+				require.ErrorAs(t, err, &invalid)
+				require.Equal(t, 1, invalid.Index)
+
+				out, err := tb.board.SubmitBatchTx(ctx, c.tx, []Command{fresh})
+				require.NoError(t, err, "the transaction survives refused batches")
+				require.Equal(t, []Result{{Score: 101, Version: 2}}, out)
+				require.NoError(t, c.commit())
+				events, users, queued := tb.counts(t)
+				require.Equal(t, [3]int{2, 1, 2}, [3]int{events, users, queued})
+			})
+
+			t.Run("ConcurrentTwinAbortsAndRetryIsDuplicate", func(t *testing.T) {
+				t.Parallel()
+				tb, begin := setupTx(t)
+				cmd := Command{EventID: uuid.New(), UserID: "erin", Delta: 4}
+				other := Command{EventID: uuid.New(), UserID: "zoe", Delta: 1}
+				first := begin(t)
+				_, err := tb.board.SubmitTx(ctx, first.tx, cmd)
+				require.NoError(t, err)
+
+				twin := begin(t)
+				done := make(chan error, 1)
+				go func() {
+					_, err := tb.board.SubmitBatchTx(ctx, twin.tx, []Command{other, cmd})
+					done <- err
+				}()
+				// The twin cannot see the uncommitted first submit, so it
+				// waits on its locks; commit the first only once it does.
+				require.Eventually(t, func() bool {
+					var waiting bool
+					err := tb.pg.Pool.QueryRow(ctx,
+						`SELECT EXISTS (SELECT 1 FROM pg_locks WHERE pid = $1 AND NOT granted)`, twin.pid).Scan(&waiting)
+					return err == nil && waiting
+				}, 10*time.Second, 5*time.Millisecond)
+				require.NoError(t, first.commit())
+
+				var err2 error
+				select {
+				case err2 = <-done:
+				case <-time.After(10 * time.Second):
+					t.Fatal("the twin's SubmitBatchTx did not return after the first committed")
+				}
+				var concurrent *ConcurrentSubmitError
+				require.ErrorAs(t, err2, &concurrent)
+				require.ErrorIs(t, err2, ErrConcurrentSubmit)
+				require.Equal(t, cmd.EventID, concurrent.EventID, "the server's detail names the id")
+				require.Error(t, twin.commit(), "the caller's transaction is aborted")
+
+				retry := begin(t)
+				out, err := tb.board.SubmitBatchTx(ctx, retry.tx, []Command{other, cmd})
+				require.NoError(t, err)
+				require.Equal(t, []Result{{Score: 1, Version: 1}, {Score: 4, Version: 1, Duplicate: true}}, out)
+				require.NoError(t, retry.commit())
+				events, users, queued := tb.counts(t)
+				require.Equal(t, [3]int{2, 2, 2}, [3]int{events, users, queued})
+			})
+
+			t.Run("EventIDOfAnotherOutboxWriter", func(t *testing.T) {
+				t.Parallel()
+				tb, begin := setupTx(t)
+				w, err := outbox.NewWriter(&outbox.Config{Schema: tb.pg.Schema})
+				require.NoError(t, err)
+				id := uuid.New()
+				other := begin(t)
+				require.NoError(t, w.Append(ctx, other.tx, outbox.Message{EventID: id, Stream: "orders", Key: "o1", Version: 1}))
+				require.NoError(t, other.commit())
+
+				c := begin(t)
+				_, err = tb.board.SubmitBatchTx(ctx, c.tx, []Command{{EventID: uuid.New(), UserID: "frank", Delta: 2}, {EventID: id, UserID: "frank", Delta: 1}})
+				require.ErrorIs(t, err, ErrIdempotencyConflict)
+				require.False(t, errors.Is(err, ErrConcurrentSubmit), "retrying would not help")
+				var conflict *IdempotencyConflictError
+				require.False(t, errors.As(err, &conflict))
+				var pgErr *pgconn.PgError
+				require.ErrorAs(t, err, &pgErr, "the driver's unique violation is kept")
+				require.Error(t, c.commit())
+				events, users, _ := tb.counts(t)
+				require.Equal(t, [2]int{0, 0}, [2]int{events, users})
+			})
+
+			// The statement's constraint violation aborts the transaction,
+			// so the board cannot look for the culprit: Index -1.
+			t.Run("ScoreOutOfRange", func(t *testing.T) {
+				t.Parallel()
+				tb, begin := setupTx(t)
+				tb.submit(t, "gina", 1)
+				_, err := tb.pg.Pool.Exec(ctx, `UPDATE user_scores SET score = $1`, MaxScore-1)
+				require.NoError(t, err)
+				c := begin(t)
+				_, err = tb.board.SubmitBatchTx(ctx, c.tx, []Command{
+					{EventID: uuid.New(), UserID: "hal", Delta: 1},
+					{EventID: uuid.New(), UserID: "gina", Delta: 1},
+					{EventID: uuid.New(), UserID: "gina", Delta: 1},
+				})
+				var outOfRange *ScoreOutOfRangeError
+				require.ErrorAs(t, err, &outOfRange)
+				require.ErrorIs(t, err, ErrScoreOutOfRange)
+				require.Equal(t, -1, outOfRange.Index)
+				require.Error(t, c.commit(), "the caller's transaction is aborted")
+				events, users, queued := tb.counts(t)
+				require.Equal(t, [3]int{1, 1, 1}, [3]int{events, users, queued}, "only the first submit")
+			})
+		})
+	}
+
+	// Above MaxSubmitsPerStatementDefault commands a pgx transaction on a
+	// statement-caching connection sends the statement unnamed, so that it
+	// never runs on a generic plan; smaller batches use the cached
+	// statement. The results are the same either way, also past the fifth
+	// run, when a cached statement switches to a generic plan.
+	t.Run("LargeBatches", func(t *testing.T) {
+		t.Parallel()
+		tb := setup(t)
+		conn, err := tb.pg.Pool.Acquire(ctx)
+		require.NoError(t, err)
+		defer conn.Release()
+		prepared := func() int {
+			var n int
+			require.NoError(t, conn.QueryRow(ctx, `SELECT count(*) FROM pg_prepared_statements WHERE statement LIKE '%pg_notify($7::text%' AND statement NOT LIKE '%pg_prepared_statements%'`).Scan(&n))
+			return n
+		}
+		for _, n := range []int{MaxSubmitsPerStatementDefault + 1, MaxSubmitsPerStatementDefault} {
+			for round := range 7 {
+				tx, err := conn.Begin(ctx)
+				require.NoError(t, err)
+				cmds := make([]Command, n)
+				want := map[string]Result{}
+				for i := range cmds {
+					cmds[i] = Command{EventID: uuid.New(), UserID: fmt.Sprintf("user-%d", i%50), Delta: 1}
+					r := want[cmds[i].UserID]
+					want[cmds[i].UserID] = Result{Score: r.Score + 1, Version: r.Version + 1}
+				}
+				out, err := tb.board.SubmitBatchTx(ctx, tx, cmds)
+				require.NoError(t, err, "n=%d round %d", n, round)
+				require.Len(t, out, n)
+				require.NoError(t, tx.Rollback(ctx))
+				for i, cmd := range cmds[n-50:] { // each user's last command
+					require.Equal(t, want[cmd.UserID], out[n-50+i], "n=%d round %d", n, round)
+				}
+			}
+			if n > MaxSubmitsPerStatementDefault {
+				require.Zero(t, prepared(), "sent unnamed")
+			} else {
+				require.Equal(t, 1, prepared(), "the cached statement")
+			}
+		}
+	})
+
+	t.Run("EmptyBatch", func(t *testing.T) {
+		t.Parallel()
+		tb := setup(t)
+		tx, err := tb.pg.Pool.Begin(ctx)
+		require.NoError(t, err)
+		defer tx.Rollback(ctx) //nolint:errcheck // the test only reads
+		out, err := tb.board.SubmitBatchTx(ctx, tx, nil)
+		require.NoError(t, err)
+		require.Empty(t, out)
+	})
+
+	// A server whose message names none of the batch's ids (translated,
+	// or cut short) leaves EventID unknown, and the message says so.
+	t.Run("ConcurrentSubmitErrorWithoutEventID", func(t *testing.T) {
+		t.Parallel()
+		err := &ConcurrentSubmitError{}
+		require.ErrorIs(t, err, ErrConcurrentSubmit)
+		require.Contains(t, err.Error(), "an event of the batch was committed by a concurrent transaction")
+		id := uuid.New()
+		require.Contains(t, (&ConcurrentSubmitError{EventID: id}).Error(), "event "+id.String()+" was committed")
+		cmds := []Command{{EventID: uuid.New()}, {EventID: id}}
+		require.Equal(t, id, twinEventID(&pgconn.PgError{Code: "23505", Detail: "Schlüssel »(event_id)=(" + id.String() + ")« existiert bereits."}, cmds, []int{0, 1}))
+		require.Equal(t, uuid.Nil, twinEventID(&pgconn.PgError{Code: "23505"}, cmds, []int{0, 1}))
+		require.Equal(t, uuid.Nil, twinEventID(&pgconn.PgError{Code: "23505", Detail: id.String()}, cmds, []int{0}), "only the batch's sent ids")
+	})
+
+	t.Run("NilTx", func(t *testing.T) {
+		t.Parallel()
+		tb := setup(t)
+		_, err := tb.board.SubmitBatchTx(ctx, nil, []Command{{EventID: uuid.New(), UserID: "x", Delta: 1}})
+		require.ErrorContains(t, err, "SubmitBatchTx needs a transaction")
+	})
+}
