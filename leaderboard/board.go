@@ -177,7 +177,7 @@ func New(pool *pgxpool.Pool, rdb redis.UniversalClient, cfg *Config) (*Board, er
 	if b.metrics, err = newBoardMetrics(c, b.observedLag); err != nil {
 		return nil, fmt.Errorf("leaderboard: %w", err)
 	}
-	if b.notifier, err = outbox.NewNotifier(pool, w.Channel(), &outbox.NotifierConfig{Logger: c.Logger}); err != nil {
+	if b.notifier, err = outbox.NewNotifier(pool, w.Channel(), &outbox.NotifierConfig{Stream: b.stream, Logger: c.Logger}); err != nil {
 		_ = b.metrics.close()
 		return nil, fmt.Errorf("leaderboard: %w", err)
 	}

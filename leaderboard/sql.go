@@ -68,12 +68,12 @@ SELECT true, score, version, board, user_id, delta
 FROM prior`
 
 // submitTxSQL is SubmitTx's statement: submitSQL plus notified, which
-// wakes the relays on channel $6 when the caller's transaction commits
-// (and never if it rolls back). The notification stays inside because the
+// wakes the relays of stream $5 on channel $6 when the caller's transaction
+// commits (and never if it rolls back). The notification stays inside because the
 // board cannot know when, or whether, the caller commits.
 const submitTxSQL = submitCTEs + `,
 notified AS (
-    SELECT pg_notify($6::text, '') FROM upserted
+    SELECT pg_notify($6::text, $5::text) FROM upserted
 )
 SELECT false, u.score, u.version, $2::text, $3::text, $4::bigint
 FROM upserted AS u, (SELECT count(*) FROM notified) AS n
@@ -205,7 +205,7 @@ FROM prior AS p JOIN input AS i USING (event_id)`
 // exactly (its digits), and scores are within +-2^53 anyway.
 const submitBatchTxSQL = submitBatchCTEs + `,
 notified AS (
-    SELECT pg_notify($7::text, '')
+    SELECT pg_notify($7::text, $5::text)
     WHERE EXISTS (SELECT 1 FROM recorded)
 ),
 answered AS (

@@ -2,10 +2,15 @@ package leaderboard
 
 import (
 	"context"
+	"fmt"
+	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
 	"github.com/verity-go/verity/outbox"
@@ -87,6 +92,68 @@ func TestWakeUp(t *testing.T) {
 			}
 		})
 	}
+
+	// Boards of one schema share the outbox table and its channel. Every
+	// write path names its board's stream in the notification, so the
+	// Workers of other boards stay asleep: each wake-up would be a claim
+	// transaction, and with a Worker per board one write would make every
+	// Worker claim.
+	t.Run("OtherBoardsWorkersStayAsleep", func(t *testing.T) {
+		t.Parallel()
+		tb := setup(t)
+		var acquired atomic.Int64 // the other boards' pool: a claim pass takes at least one
+		pcfg, err := pgxpool.ParseConfig(tb.pg.ConnString)
+		require.NoError(t, err)
+		pcfg.PrepareConn = func(context.Context, *pgx.Conn) (bool, error) {
+			acquired.Add(1)
+			return true, nil
+		}
+		pool, err := pgxpool.NewWithConfig(ctx, pcfg)
+		require.NoError(t, err)
+		t.Cleanup(pool.Close)
+		runCtx, stop := context.WithCancel(ctx)
+		var running sync.WaitGroup
+		t.Cleanup(func() { stop(); running.Wait() })
+		run := func(b *Board) {
+			w, err := b.Worker(&WorkerConfig{Relay: &outbox.RelayConfig{PollInterval: time.Hour}})
+			require.NoError(t, err)
+			running.Go(func() { _ = w.Run(runCtx) })
+		}
+		run(tb.board)
+		const others = 3
+		for i := range others {
+			cfg := tb.board.Config()
+			cfg.Name = fmt.Sprintf("other-%d", i)
+			b, err := New(pool, tb.rd.Client, &cfg)
+			require.NoError(t, err)
+			t.Cleanup(b.Close)
+			run(b)
+		}
+		require.Eventually(t, func() bool {
+			var n int
+			err := tb.pg.Pool.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity WHERE query LIKE 'LISTEN %' AND state = 'idle'
+				AND query LIKE '%' || $1 || '%'`, tb.board.channel).Scan(&n)
+			return err == nil && n == others+1
+		}, 10*time.Second, 10*time.Millisecond, "every Worker listens")
+		quiet := func() int64 { // the startup passes are over
+			for {
+				before := acquired.Load()
+				time.Sleep(200 * time.Millisecond)
+				if n := acquired.Load(); n == before {
+					return n
+				}
+			}
+		}
+		before := quiet()
+		for i := range 10 {
+			user := fmt.Sprint("user-", i)
+			for _, write := range writers {
+				write(t, tb, user)
+			}
+			time.Sleep(5 * time.Millisecond)
+		}
+		require.LessOrEqual(t, quiet()-before, int64(others), "40 writes on one board woke the other boards' Workers")
+	})
 
 	t.Run("CloseStopsOnlyWakeUps", func(t *testing.T) {
 		t.Parallel()

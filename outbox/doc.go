@@ -92,11 +92,13 @@
 //	    SELECT $3, 'leaderboard', user_id, version, <encode score> FROM s
 //	    RETURNING 1
 //	)
-//	SELECT ... FROM s, o, pg_notify($4, '')  -- $4 = w.Channel()
+//	SELECT ... FROM s, o, pg_notify($4, 'leaderboard')  -- $4 = w.Channel()
 //
 // Writer.Table returns the quoted, qualified table name to splice into the
 // SQL text (it is safe to concatenate: it is sanitized), and Writer.Channel
-// the NOTIFY channel to pass as a parameter. Without pg_notify the rows are
+// the NOTIFY channel to pass as a parameter; the payload, the rows' stream
+// (or empty when they have several), wakes only the relays that serve it.
+// Without pg_notify the rows are
 // still delivered, at the relays' next poll, or as soon as a Notifier's
 // Notify, called after the commit, wakes the relays: leaving pg_notify out
 // and calling Notify keeps the notification out of the writing
@@ -387,7 +389,9 @@
 // configuration, not taken from the pool, running the pool's BeforeConnect,
 // AfterConnect and BeforeClose hooks; a hook's failure fails the
 // connection, retried like any other) in LISTEN on a channel derived from
-// Schema and Table (Writer.Channel), claims as soon as it is notified, and
+// Schema and Table (Writer.Channel), claims as soon as it is notified of
+// rows it serves (a payload naming a stream outside RelayConfig.Streams
+// does not wake it; an empty one does), and
 // reconnects with a growing pause if that connection fails. Notifications are an optimisation:
 // a relay also polls every PollInterval, which picks up rows whose backoff or
 // lease ran out and covers any lost notification. After a full batch (rows

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
+	"slices"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -87,11 +88,25 @@ func (r *Relay) listenOnce(ctx, workCtx context.Context, wake chan<- struct{}, c
 	r.logger.Debug("outbox relay listening", slog.String("channel", r.names.Channel))
 	signal(wake)
 	for {
-		if _, err := conn.WaitForNotification(ctx); err != nil {
+		n, err := conn.WaitForNotification(ctx)
+		if err != nil {
 			return fmt.Errorf("wait for notification: %w", err)
 		}
-		signal(wake)
+		if r.serves(n.Payload) {
+			signal(wake)
+		}
 	}
+}
+
+// serves reports whether a notification with payload may announce rows this
+// relay claims. Writers that know their rows' one stream send it as the
+// payload (Append, a Notifier with NotifierConfig.Stream, the leaderboard),
+// so that the relays of other streams on the same table stay asleep: every
+// wake-up is a claim transaction, and with many relays, one per stream, one
+// write would otherwise make every relay claim. An empty payload (several
+// streams, or a writer that does not say) wakes every relay.
+func (r *Relay) serves(payload string) bool {
+	return payload == "" || len(r.cfg.Streams) == 0 || slices.Contains(r.cfg.Streams, payload)
 }
 
 // signal records a wake-up without blocking; one pending wake-up is enough.

@@ -24,16 +24,17 @@ const (
 	NotifierTimeoutDefault = time.Second
 )
 
-// notifySQL wakes the relays listening on channel $1. It runs as its own
+// notifySQL wakes the relays listening on channel $1 that serve stream $2
+// (all of them when $2 is empty). It runs as its own
 // autocommit statement, with synchronous_commit off for that transaction
 // only (set_config with is_local): PostgreSQL gives a notifying transaction
 // an xid and holds a database-wide lock from PreCommit_Notify until its
 // commit record is written, so a synchronous commit would hold that lock
-// through a WAL flush. The notification carries no data and is lost in a
-// crash anyway (listeners reconnect and poll), so an unflushed commit of it
+// through a WAL flush. The notification carries no data (its payload only
+// says which relays it is for) and is lost in a crash anyway (listeners reconnect and poll), so an unflushed commit of it
 // weakens nothing; the data it announces was committed durably before
 // Notify was called.
-const notifySQL = `SELECT set_config('synchronous_commit', 'off', true), pg_notify($1::text, '')`
+const notifySQL = `SELECT set_config('synchronous_commit', 'off', true), pg_notify($1::text, $2::text)`
 
 // NotifierConfig configures a Notifier. A nil *NotifierConfig means all
 // defaults; negative durations are errors.
@@ -54,6 +55,16 @@ type NotifierConfig struct {
 	// connection). A later wake-up is worth little: the relays poll anyway.
 	// Defaults to NotifierTimeoutDefault (1 s).
 	Timeout time.Duration
+
+	// Stream, when set, is sent as each notification's payload: relays
+	// restricted to other streams (RelayConfig.Streams) ignore it, and only
+	// those that may claim the rows wake and claim. Set it when every row
+	// the Notifier announces is of this one stream (a leaderboard board's
+	// Notifier does); with many relays, one per stream, on one table, an
+	// empty Stream makes every write wake them all. At most MaxStreamBytes
+	// bytes of valid UTF-8 without NUL, as a row's stream. Defaults to ""
+	// (every relay of the outbox wakes).
+	Stream string
 
 	// Logger receives a warning when a NOTIFY fails. Defaults to discarding
 	// logs.
@@ -93,6 +104,11 @@ func (c *NotifierConfig) validate() error {
 		return negative("IdleTimeout", c.IdleTimeout)
 	case c.Timeout < 0:
 		return negative("Timeout", c.Timeout)
+	case len(c.Stream) > MaxStreamBytes:
+		return &ConfigError{Field: "Stream", Reason: fmt.Sprintf("is %d bytes; at most %d (MaxStreamBytes) are allowed", len(c.Stream), MaxStreamBytes)}
+	}
+	if reason := textProblem(c.Stream); reason != "" {
+		return &ConfigError{Field: "Stream", Reason: reason}
 	}
 	return nil
 }
@@ -304,7 +320,7 @@ func (n *Notifier) flush() {
 func (n *Notifier) send() {
 	ctx, cancel := context.WithTimeout(context.Background(), n.cfg.Timeout)
 	defer cancel()
-	if _, err := n.db.Exec(ctx, notifySQL, n.channel); err != nil {
+	if _, err := n.db.Exec(ctx, notifySQL, n.channel, n.cfg.Stream); err != nil {
 		n.cfg.Logger.Warn("outbox notifier: NOTIFY failed; relays will find the rows at their next poll",
 			slog.String("channel", n.channel), slog.String("error", err.Error()))
 	}

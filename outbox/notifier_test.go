@@ -100,6 +100,25 @@ func TestNotifier(t *testing.T) {
 		require.Empty(t, got.Payload)
 	})
 
+	// With Stream set, the payload says which relays the rows are for
+	// (see Relay.serves); the longest stream allowed fits pg_notify's.
+	t.Run("SendsStreamAsPayload", func(t *testing.T) {
+		t.Parallel()
+		b := setupNotifier(t)
+		conn := b.listen(t)
+		for _, stream := range []string{"leaderboard:weekly", strings.Repeat("é", MaxStreamBytes/2)} {
+			n, err := NewNotifier(b.db, b.channel, &NotifierConfig{Stream: stream})
+			require.NoError(t, err)
+			n.Notify()
+			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+			got, err := conn.WaitForNotification(ctx)
+			cancel()
+			require.NoError(t, err)
+			require.Equal(t, stream, got.Payload)
+			n.Close()
+		}
+	})
+
 	t.Run("CoalescesPerInterval", func(t *testing.T) {
 		t.Parallel()
 		b := setupNotifier(t)
@@ -315,6 +334,9 @@ func TestNotifier(t *testing.T) {
 			{"NegativeInterval", b.db, b.channel, &NotifierConfig{Interval: -time.Millisecond}, "Interval"},
 			{"NegativeIdleTimeout", b.db, b.channel, &NotifierConfig{IdleTimeout: -1}, "IdleTimeout"},
 			{"NegativeTimeout", b.db, b.channel, &NotifierConfig{Timeout: -1}, "Timeout"},
+			{"StreamTooLong", b.db, b.channel, &NotifierConfig{Stream: strings.Repeat("s", MaxStreamBytes+1)}, "Stream"},
+			{"StreamNotUTF8", b.db, b.channel, &NotifierConfig{Stream: "\xff"}, "Stream"},
+			{"NULInStream", b.db, b.channel, &NotifierConfig{Stream: "a\x00b"}, "Stream"},
 		}
 		for _, tc := range cases {
 			t.Run(tc.name, func(t *testing.T) {

@@ -161,7 +161,10 @@ type RelayConfig struct {
 	// relays of the other streams O(N) per claim (about 0.2 s per claim at
 	// 300,000 rows on a 2-core VM). Give such streams tables of their own
 	// (Config.Table and RelayConfig.Table) if one may pile up while the
-	// others are served.
+	// others are served. A notification whose payload names a stream
+	// not listed here does not wake the relay (Append, a Notifier with
+	// NotifierConfig.Stream and the leaderboard send their rows' stream);
+	// an empty payload wakes it.
 	// Defaults to nil (every stream).
 	Streams []string
 

@@ -54,9 +54,11 @@ func (w *Writer) Table() string { return w.names.Outbox }
 
 // Channel returns the NOTIFY channel relays of this outbox listen on. A
 // composed INSERT wakes them by calling pg_notify with this channel (passed
-// as a bind parameter) and an empty payload; the notification is delivered when the transaction
-// commits. The name is derived from Schema and Table, so outboxes in
-// different schemas do not wake each other.
+// as a bind parameter); the notification is delivered when the transaction
+// commits. Its payload is the rows' stream when they all have one, so that
+// relays restricted to other streams (RelayConfig.Streams) are not woken,
+// or else empty, which wakes every relay. The name is derived from Schema
+// and Table, so outboxes in different schemas do not wake each other.
 func (w *Writer) Channel() string { return w.names.Channel }
 
 // Config returns the Writer's configuration with defaults applied.
@@ -66,6 +68,8 @@ func (w *Writer) Config() Config { return w.cfg }
 // same statement. unnest keeps array order, so ids ascend in message order.
 // pg_notify appears once in FROM and runs once; PostgreSQL queues the
 // notification and delivers it only when (and if) the transaction commits.
+// Its payload, $7, is the messages' stream when they share one, else empty
+// (see notifyPayload).
 const appendSQL = `WITH inserted AS (
     INSERT INTO %s (event_id, stream, key, version, payload)
     SELECT event_id, stream, key, version, payload
@@ -73,7 +77,18 @@ const appendSQL = `WITH inserted AS (
         AS m(event_id, stream, key, version, payload)
     RETURNING 1
 )
-SELECT count(*) FROM inserted, pg_notify($6, '')`
+SELECT count(*) FROM inserted, pg_notify($6, $7::text)`
+
+// notifyPayload returns the NOTIFY payload for rows of streams: their
+// stream if they share one, else "" (every relay wakes).
+func notifyPayload(streams []string) string {
+	for _, s := range streams[1:] {
+		if s != streams[0] {
+			return ""
+		}
+	}
+	return streams[0]
+}
 
 // pgUUID is id as a query argument. pgx sends a pgtype.UUID in binary; a
 // uuid.UUID, a driver.Valuer, fails pgx's binary encode plan on every call
@@ -118,7 +133,7 @@ func (w *Writer) Append(ctx context.Context, tx Tx, msgs ...Message) error {
 		}
 	}
 	var inserted int64
-	err := tx.QueryRow(ctx, w.appendSQL, eventIDs, streams, keys, versions, payloads, w.names.Channel).Scan(&inserted)
+	err := tx.QueryRow(ctx, w.appendSQL, eventIDs, streams, keys, versions, payloads, w.names.Channel, notifyPayload(streams)).Scan(&inserted)
 	if err != nil {
 		var pgErr *pgconn.PgError
 		if errors.As(err, &pgErr) && pgErr.Code == pgUniqueViolation && pgErr.TableName == w.cfg.Table {

@@ -1,0 +1,108 @@
+package outbox_test
+
+import (
+	"context"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/stretchr/testify/require"
+
+	"github.com/verity-go/verity/outbox"
+)
+
+// TestRelayWakesOnlyForItsStreams: every wake-up is a claim transaction,
+// so a relay restricted to some streams must not wake for notifications
+// naming another: with one relay per stream on one table (a leaderboard
+// Worker per board), one write would otherwise make every relay claim.
+func TestRelayWakesOnlyForItsStreams(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	b := setup(t)
+
+	// A pool that counts acquisitions: a claim pass takes at least one.
+	var acquired atomic.Int64
+	cfg, err := pgxpool.ParseConfig(b.pg.ConnString)
+	require.NoError(t, err)
+	cfg.PrepareConn = func(context.Context, *pgx.Conn) (bool, error) {
+		acquired.Add(1)
+		return true, nil
+	}
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	require.NoError(t, err)
+	t.Cleanup(pool.Close)
+
+	h := &recorder{}
+	r := b.relay(t, pool, h, outbox.RelayConfig{Streams: []string{"a"}, PollInterval: time.Hour})
+	startRun(t, r)
+	waitListening(t, b)
+	// The passes at start and after LISTEN are over once a notified row
+	// of the relay's stream was handled and the pool has been quiet.
+	b.appendNow(t, newMessage("a", "k0", 1))
+	require.Eventually(t, func() bool { return len(h.seen()) == 1 }, 10*time.Second, 10*time.Millisecond)
+	quiet := func() int64 {
+		for {
+			before := acquired.Load()
+			time.Sleep(100 * time.Millisecond)
+			if n := acquired.Load(); n == before {
+				return n
+			}
+		}
+	}
+	notify := func(payload string) {
+		_, err := b.pool.Exec(ctx, `SELECT pg_notify($1, $2)`, b.writer.Channel(), payload)
+		require.NoError(t, err)
+	}
+
+	// Thirty notifications for stream b, apart: a relay that woke for each
+	// would claim for each.
+	before := quiet()
+	for range 30 {
+		notify("b")
+		time.Sleep(5 * time.Millisecond)
+	}
+	b.appendNow(t, newMessage("b", "kb", 1)) // Append names stream b too
+	require.LessOrEqual(t, quiet()-before, int64(2), "notifications for another stream woke the relay")
+
+	// Its own stream's notification, and one that names none, wake it.
+	for _, payload := range []string{"a", ""} {
+		before := quiet()
+		notify(payload)
+		require.Eventually(t, func() bool { return acquired.Load() > before }, 10*time.Second, 10*time.Millisecond, "payload %q", payload)
+	}
+}
+
+// TestAppendNotifiesItsStream: Append's notification names the messages'
+// stream when they share one, else none (every relay wakes).
+func TestAppendNotifiesItsStream(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	b := setup(t)
+	conn, err := pgx.ConnectConfig(ctx, b.pool.Config().ConnConfig)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = conn.Close(context.Background()) })
+	_, err = conn.Exec(ctx, "LISTEN "+pgx.Identifier{b.writer.Channel()}.Sanitize())
+	require.NoError(t, err)
+
+	for _, tc := range []struct {
+		streams []string
+		payload string
+	}{
+		{[]string{"orders"}, "orders"},
+		{[]string{"orders", "orders"}, "orders"},
+		{[]string{"orders", "invoices"}, ""},
+	} {
+		var msgs []outbox.Message
+		for i, s := range tc.streams {
+			msgs = append(msgs, newMessage(s, "k", int64(i+1)))
+		}
+		b.appendCommitted(t, msgs...)
+		wctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+		n, err := conn.WaitForNotification(wctx)
+		cancel()
+		require.NoError(t, err)
+		require.Equal(t, tc.payload, n.Payload, "%v", tc.streams)
+	}
+}
