@@ -63,6 +63,14 @@ type WorkerConfig struct {
 // gate makes redeliveries and out-of-order deliveries harmless. Create it
 // with Board.Worker: the methods of a zero Worker or a nil *Worker return a
 // *ConfigError (Field "Worker") instead.
+//
+// While Run runs, the Worker holds one PostgreSQL connection of its own,
+// outside the board's pool, in LISTEN (see outbox.Relay); it takes pool
+// connections only to claim and settle. Count one connection per running
+// Worker on top of the pool's MaxConns against max_connections and any
+// CONNECTION LIMIT, or set Relay.DisableNotify (the Worker then finds rows
+// by polling every PollInterval). Notifications name the board's stream,
+// so a write on one board wakes only that board's Workers.
 type Worker struct {
 	projector *projection.RedisProjector
 	relay     *outbox.Relay
