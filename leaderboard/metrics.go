@@ -3,6 +3,7 @@ package leaderboard
 import (
 	"context"
 	"errors"
+	"sync"
 	"time"
 
 	"go.opentelemetry.io/otel/attribute"
@@ -47,11 +48,13 @@ type boardMetrics struct {
 	reads   metric.Int64Counter
 
 	lagGauge *telemetry.Once // the lag gauge's callback
+	prefetch lagPrefetch     // starts the gauge's measurement ahead of a collection
 }
 
 // newBoardMetrics creates the board's instruments. lag returns the lag to
 // report, or false for none (see Board.observedLag); it is called at
-// collection time.
+// collection time, and by the gauge's prefetch with an ended context, which
+// starts a measurement that is due without waiting for it.
 func newBoardMetrics(c *Config, lag func(context.Context) (time.Duration, bool)) (*boardMetrics, error) {
 	if !telemetry.Enabled(c.MeterProvider) {
 		return nil, nil
@@ -71,7 +74,13 @@ func newBoardMetrics(c *Config, lag func(context.Context) (time.Duration, bool))
 		return nil, err
 	}
 	boardOp := metric.WithAttributeSet(attribute.NewSet(board))
+	prefetch := func() {
+		ended, cancel := context.WithCancel(context.Background())
+		cancel()
+		lag(ended)
+	}
 	reg, err := in.Meter().RegisterCallback(func(ctx context.Context, o metric.Observer) error {
+		m.prefetch.schedule(time.Now(), prefetch)
 		if d, ok := lag(ctx); ok {
 			o.ObserveFloat64(gauge, d.Seconds(), boardOp)
 		}
@@ -84,12 +93,74 @@ func newBoardMetrics(c *Config, lag func(context.Context) (time.Duration, bool))
 	return m, nil
 }
 
-// close unregisters the lag gauge's callback; later calls do nothing.
+// close unregisters the lag gauge's callback and stops its prefetch; later
+// calls do nothing. A prefetch that has started a measurement has
+// registered it with the board's group (Board.Close waits for it) before
+// close returns.
 func (m *boardMetrics) close() error {
 	if m == nil {
 		return nil
 	}
-	return m.lagGauge.Unregister()
+	err := m.lagGauge.Unregister() // waits for a collection under way
+	m.prefetch.stop()
+	return err
+}
+
+// lagPrefetch starts the lag gauge's measurement lagGaugeWait before the
+// collection it expects next, a collection interval after the last one,
+// so that when the database stops answering, the measurement of every
+// board is already under way when the collection comes, and none waits
+// for it (Board.observedLag); when it answers, the collection finds the
+// measurement done. It keeps one timer, which fires at most once per
+// collection and which close stops; a board dropped without Close makes
+// at most one measurement after its provider's last collection.
+type lagPrefetch struct {
+	mu     sync.Mutex
+	last   time.Time   // when the last collection called the callback; zero before the first
+	timer  *time.Timer // nil before the first prefetch is scheduled
+	closed bool
+}
+
+// schedule records a collection at now and sets the timer to run start
+// lagGaugeWait before the next one is due, a collection interval after
+// now, when the interval since the previous collection is longer than
+// lagGaugeWait. A shorter interval (a second reader collecting right after
+// the first) leaves the timer as it is.
+func (p *lagPrefetch) schedule(now time.Time, start func()) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	prev := p.last
+	p.last = now
+	if p.closed || prev.IsZero() {
+		return
+	}
+	delay := now.Sub(prev) - lagGaugeWait
+	if delay <= 0 {
+		return
+	}
+	if p.timer == nil {
+		p.timer = time.AfterFunc(delay, func() {
+			p.mu.Lock()
+			defer p.mu.Unlock()
+			if !p.closed {
+				start()
+			}
+		})
+		return
+	}
+	p.timer.Reset(delay)
+}
+
+// stop stops the timer for good. A prefetch that fired already either
+// waits for stop and does nothing, or has started its measurement when
+// stop returns.
+func (p *lagPrefetch) stop() {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.closed = true
+	if p.timer != nil {
+		p.timer.Stop()
+	}
 }
 
 // submitted counts n commands that ended with err (or, without error, as

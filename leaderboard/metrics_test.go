@@ -3,11 +3,13 @@ package leaderboard
 import (
 	"context"
 	"fmt"
+	"net"
 	"testing"
 	"time"
 
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/redis/go-redis/v9"
 	"github.com/stretchr/testify/require"
 	"go.opentelemetry.io/otel/attribute"
 
@@ -334,6 +336,26 @@ func TestLagGauge(t *testing.T) {
 		require.False(t, s.Has(metricLag), "nothing measured, nothing exported")
 	})
 
+	// Collections at a steady interval set the prefetch to measure ahead
+	// of the next one; Close stops it, so a closed board measures nothing
+	// more.
+	t.Run("CloseStopsThePrefetch", func(t *testing.T) {
+		t.Parallel()
+		tb, rec := metered(t, 10*time.Millisecond)
+		rec.Collect(t)
+		time.Sleep(lagGaugeWait + 100*time.Millisecond)
+		rec.Collect(t) // the prefetch is due 100 ms from now
+		tb.board.Close()
+		tb.board.lagMu.Lock()
+		closed := tb.board.lagProbe.at
+		tb.board.lagMu.Unlock()
+		time.Sleep(lagGaugeWait)
+		tb.board.lagMu.Lock()
+		defer tb.board.lagMu.Unlock()
+		require.Equal(t, closed, tb.board.lagProbe.at, "no measurement after Close")
+		require.Nil(t, tb.board.lagGaugeProbe)
+	})
+
 	t.Run("CloseUnregisters", func(t *testing.T) {
 		t.Parallel()
 		tb, rec := metered(t, 5*time.Second)
@@ -342,5 +364,212 @@ func TestLagGauge(t *testing.T) {
 		tb.board.Close()
 		tb.board.Close()
 		require.False(t, rec.Collect(t).Has(metricLag))
+	})
+}
+
+// TestLagGaugeCollectionStaysBounded: the SDK runs the boards' lag gauge
+// callbacks one after another, and each waited up to lagGaugeWait for a
+// measurement it had just started, so a database (or, with
+// RequireVerifiedProjection, a Redis) that does not answer made one
+// collection last boards × lagGaugeWait: 20 boards 5 s, 200 boards 50 s,
+// past any scrape timeout, losing every metric of the process. Collections
+// at a steady interval now find each board's measurement started ahead of
+// them, done or under way: they stay bounded while the stall lasts, and a
+// board nobody reads shows a current measurement before and after it.
+func TestLagGaugeCollectionStaysBounded(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	const (
+		boards = 20
+		// interval is the collections' (a Prometheus scrape's or a
+		// PeriodicReader's), shortened; longer than the two
+		// LagProbeIntervals plus twice lagGaugeWait after which a
+		// measurement is too old for the gauge.
+		interval = 800 * time.Millisecond
+		bound    = 2 * lagGaugeWait
+	)
+	// newBoards makes the boards on pool and rdb, with a pending change
+	// each (no worker runs), so that a board's gauge, when present, is
+	// positive.
+	newBoards := func(t *testing.T, tb *testBundle, rec *metrictest.Recorder, pool *pgxpool.Pool, rdb redis.UniversalClient) []*Board {
+		t.Helper()
+		out := make([]*Board, boards)
+		for i := range out {
+			cfg := tb.board.Config()
+			cfg.Name, cfg.MeterProvider = fmt.Sprintf("board-%02d", i), rec.Provider
+			b, err := New(pool, rdb, &cfg)
+			require.NoError(t, err)
+			t.Cleanup(b.Close)
+			if cfg.RequireVerifiedProjection {
+				_, verified, err := b.Verify(ctx, nil)
+				require.NoError(t, err)
+				require.True(t, verified)
+			}
+			_, err = b.Submit(ctx, Command{EventID: uuid.New(), UserID: "user-a", Delta: 1})
+			require.NoError(t, err)
+			out[i] = b
+		}
+		return out
+	}
+	// run collects at a steady interval: healthy, then while stall holds,
+	// then after resume.
+	run := func(t *testing.T, rec *metrictest.Recorder, all []*Board, stall, resume func()) {
+		t.Helper()
+		// last: when the last collection began; prev: the one before.
+		tick, last, prev := time.Now(), time.Now(), time.Time{}
+		step := func(what string) metrictest.Snapshot {
+			t.Helper()
+			tick = tick.Add(interval)
+			time.Sleep(time.Until(tick))
+			start := time.Now()
+			s := rec.Collect(t)
+			took := time.Since(start)
+			t.Logf("%s: one collection of %d boards took %v", what, len(all), took)
+			require.Less(t, took, bound, "%s: a collection waits about lagGaugeWait at most, not per board", what)
+			prev, last = last, start
+			return s
+		}
+		// requireCurrent: every board's gauge is there, and measured (and,
+		// with RequireVerifiedProjection, looked for Verify's record)
+		// since the previous collection began.
+		requireCurrent := func(s metrictest.Snapshot, what string) {
+			t.Helper()
+			for _, b := range all {
+				require.Positive(t, s.Float(metricLag, attribute.String(AttributeBoard, b.Name())), "%s: board %s", what, b.Name())
+				b.lagMu.Lock()
+				measured, looked := b.lagProbe.at, b.verification.at
+				b.lagMu.Unlock()
+				require.True(t, measured.After(prev), "%s: board %s measured its lag since the previous collection", what, b.Name())
+				if b.cfg.RequireVerifiedProjection {
+					require.True(t, looked.After(prev), "%s: board %s looked for Verify's record since the previous collection", what, b.Name())
+				}
+			}
+		}
+		for i := range 3 {
+			requireCurrent(step("healthy"), fmt.Sprintf("healthy collection %d", i+1))
+		}
+		stall()
+		for range 3 {
+			require.False(t, step("stalled").Has(metricLag), "a lag that cannot be measured is absent, not frozen")
+		}
+		resume()
+		// Measurements under way when the stall ended finish meanwhile.
+		step("recovering")
+		step("recovering")
+		for i := range 2 {
+			requireCurrent(step("resumed"), fmt.Sprintf("collection %d after the stall", i+1))
+		}
+	}
+
+	t.Run("DatabaseStalls", func(t *testing.T) {
+		t.Parallel()
+		tb := setup(t)
+		rec := metrictest.New(t)
+		// A pool of one connection, which the stall holds: a database that
+		// answers nothing, or a saturated pool.
+		pc, err := pgxpool.ParseConfig(tb.pg.ConnString)
+		require.NoError(t, err)
+		pc.MaxConns = 1
+		pool, err := pgxpool.NewWithConfig(ctx, pc)
+		require.NoError(t, err)
+		t.Cleanup(pool.Close)
+		all := newBoards(t, tb, rec, pool, tb.rd.Client)
+		var held *pgxpool.Conn
+		t.Cleanup(func() { // before the boards' Close, which waits for the measurements
+			if held != nil {
+				held.Release()
+			}
+		})
+		run(t, rec, all,
+			func() {
+				held, err = pool.Acquire(ctx)
+				require.NoError(t, err)
+			},
+			func() { held.Release(); held = nil })
+	})
+
+	// The look for Verify's record is part of the gauge's measurement: a
+	// Redis that does not answer it stalls the collection alike.
+	t.Run("RedisStallsTheVerificationLook", func(t *testing.T) {
+		t.Parallel()
+		tb := setup(t, func(c *Config) { c.RequireVerifiedProjection = true })
+		rec := metrictest.New(t)
+		opts := *tb.rd.Client.(*redis.Client).Options()
+		proxy := startDelayProxy(t, opts.Addr)
+		opts.Addr = proxy.ln.Addr().(*net.TCPAddr).String()
+		client := redis.NewClient(&opts)
+		t.Cleanup(func() { _ = client.Close() })
+		all := newBoards(t, tb, rec, tb.pg.Pool, client)
+		t.Cleanup(func() { proxy.delay.Store(0) })
+		run(t, rec, all,
+			func() { proxy.delay.Store(int64(time.Second)) },
+			func() { proxy.delay.Store(0) })
+	})
+
+	// Collections that come at no steady interval get no measurement
+	// started ahead of them. Once a board's measurement did not answer in
+	// time, the next collection does not wait for a new one either.
+	t.Run("UnsteadyCollectionsAfterAStall", func(t *testing.T) {
+		t.Parallel()
+		tb := setup(t)
+		rec := metrictest.New(t)
+		pc, err := pgxpool.ParseConfig(tb.pg.ConnString)
+		require.NoError(t, err)
+		pc.MaxConns = 1
+		pool, err := pgxpool.NewWithConfig(ctx, pc)
+		require.NoError(t, err)
+		t.Cleanup(pool.Close)
+		var all []*Board
+		for i := range 8 {
+			cfg := tb.board.Config()
+			cfg.Name, cfg.MeterProvider = fmt.Sprintf("board-%d", i), rec.Provider
+			b, err := New(pool, tb.rd.Client, &cfg)
+			require.NoError(t, err)
+			t.Cleanup(b.Close)
+			_, err = b.Submit(ctx, Command{EventID: uuid.New(), UserID: "user-a", Delta: 1})
+			require.NoError(t, err)
+			all = append(all, b)
+		}
+		held, err := pool.Acquire(ctx)
+		require.NoError(t, err)
+		released := false
+		t.Cleanup(func() {
+			if !released {
+				held.Release()
+			}
+		})
+
+		// The first collection waits for each board's first measurement.
+		require.False(t, rec.Collect(t).Has(metricLag))
+		require.Eventually(t, func() bool {
+			for _, b := range all {
+				b.lagMu.Lock()
+				running := b.lagGaugeProbe != nil
+				b.lagMu.Unlock()
+				if running {
+					return false
+				}
+			}
+			return true
+		}, 2*lagGaugeTimeout, 10*time.Millisecond, "the measurements run out of time")
+
+		start := time.Now()
+		s := rec.Collect(t)
+		took := time.Since(start)
+		t.Logf("a collection of %d boards after their measurements ran out of time took %v", len(all), took)
+		require.Less(t, took, bound)
+		require.False(t, s.Has(metricLag))
+
+		held.Release()
+		released = true
+		require.Eventually(t, func() bool {
+			s := rec.Collect(t)
+			for _, b := range all {
+				if s.Float(metricLag, attribute.String(AttributeBoard, b.Name())) <= 0 {
+					return false
+				}
+			}
+			return true
+		}, 5*time.Second, 50*time.Millisecond, "the gauge is back once the database answers")
 	})
 }

@@ -660,6 +660,19 @@ type lagProbe struct {
 	// notMigrated: the measurement failed on a missing table (dbError's
 	// ErrNotMigrated), which reads report instead of a lag of -1.
 	notMigrated error
+	// gauge is the state of the lag gauge's own probe (observedLag), which
+	// a new measurement keeps.
+	gauge gaugeProbe
+}
+
+// gaugeProbe is the state of the probe the lag gauge runs (observedLag).
+type gaugeProbe struct {
+	started time.Time // when the probe under way started; zero when none
+	// slow: the last probe took longer than lagGaugeWait, or its deadline
+	// (lagGaugeTimeout) cut it off.
+	slow bool
+	// prefetched is when the gauge's prefetch last ran; zero before.
+	prefetched time.Time
 }
 
 // verification caches the last look for Verify's record in Redis
@@ -770,6 +783,7 @@ func (b *Board) freshness(ctx context.Context) (Freshness, error) {
 			p.lag = reading.dbNow.Sub(*reading.oldest)
 		}
 		b.lagMu.Lock()
+		p.gauge = b.lagProbe.gauge
 		b.lagProbe = p
 		b.lagMu.Unlock()
 	}
@@ -892,26 +906,60 @@ func (b *Board) verificationRecorded() {
 	b.lagMu.Unlock()
 }
 
-// observedLag returns the lag for the verity.leaderboard.lag gauge. When
-// no read has measured it (or, with Config.RequireVerifiedProjection,
-// looked for Verify's record) for LagProbeInterval, it starts a
-// measurement in the background (one at a time, bounded by
-// lagGaugeTimeout, awaited by Close) and waits for it at most lagGaugeWait,
-// so that a database that does not answer cannot stall a metrics scrape.
+// observedLag returns the lag for the verity.leaderboard.lag gauge, which
+// the SDK asks of every board in turn, one after another, in each
+// collection.
+//
+// When no read has measured the lag (or, with
+// Config.RequireVerifiedProjection, looked for Verify's record) for
+// LagProbeInterval, it starts a measurement in the background (one at a
+// time, bounded by lagGaugeTimeout, awaited by Close) and waits for it
+// until lagGaugeWait after that measurement started, or until ctx ends. It
+// does not wait for a measurement that has been under way for
+// lagGaugeWait already, nor, when the board's last one took longer than
+// that, for a new one: a database (or Redis) that does not answer then
+// costs a collection about lagGaugeWait in all, not lagGaugeWait per
+// board.
+//
+// The gauge's prefetch (lagPrefetch) calls it with an ended ctx
+// lagGaugeWait before the collection it expects, which starts the
+// measurement then, if one is due, and returns at once. A collection that
+// comes within lagGaugeWait of the expected time asks for a measurement
+// current as of the prefetch (the one it started, or one that was current
+// then), so it finds that measurement done, or under way for lagGaugeWait
+// already, and does not wait.
+//
 // It reports the last measurement, the oldest pending row aged since, and
 // nothing when that measurement failed, the last look found the board
 // unverified (reads see a lag of -1), or either is older than two
-// LagProbeIntervals (the database or Redis did not answer in time): the
-// gauge is then absent rather than frozen at a healthy-looking value.
+// LagProbeIntervals plus twice lagGaugeWait (the database or Redis did not
+// answer in time): the gauge is then absent rather than frozen at a
+// healthy-looking value.
 func (b *Board) observedLag(ctx context.Context) (time.Duration, bool) {
 	verifying := b.cfg.RequireVerifiedProjection
+	prefetch := ctx.Err() != nil
 	b.lagMu.Lock()
+	g := &b.lagProbe.gauge
+	now := time.Now()
+	asOf := now // the measurement must be current as of asOf
+	if prefetch {
+		g.prefetched = now
+	} else if now.Sub(g.prefetched) < 2*lagGaugeWait {
+		asOf = g.prefetched
+	}
 	p, v := b.lagProbe, b.verification
-	if p.at.IsZero() || time.Since(p.at) >= b.cfg.LagProbeInterval ||
-		verifying && (v.at.IsZero() || time.Since(v.at) >= b.cfg.LagProbeInterval) {
+	if p.at.IsZero() || asOf.Sub(p.at) >= b.cfg.LagProbeInterval ||
+		verifying && (v.at.IsZero() || asOf.Sub(v.at) >= b.cfg.LagProbeInterval) {
+		deadline := g.started.Add(lagGaugeWait) // of the measurement under way
 		if b.lagGaugeProbe == nil {
 			done := make(chan struct{})
 			b.lagGaugeProbe = done
+			g.started, deadline = now, now.Add(lagGaugeWait)
+			if g.slow {
+				// The last measurement did not answer in time: nor may this
+				// one, and every board would wait for its own.
+				deadline = now
+			}
 			untrack := b.group.track()
 			go func() {
 				defer untrack()
@@ -920,24 +968,30 @@ func (b *Board) observedLag(ctx context.Context) (time.Duration, bool) {
 				b.freshness(mctx)
 				b.lagMu.Lock()
 				b.lagGaugeProbe = nil
+				g := &b.lagProbe.gauge
+				g.started, g.slow = time.Time{}, time.Since(now) > lagGaugeWait
 				b.lagMu.Unlock()
 				close(done)
 			}()
 		}
 		done := b.lagGaugeProbe
 		b.lagMu.Unlock()
-		t := time.NewTimer(lagGaugeWait)
-		select {
-		case <-done:
-		case <-t.C:
-		case <-ctx.Done():
+		if wait := time.Until(deadline); wait > 0 {
+			t := time.NewTimer(wait)
+			select {
+			case <-done:
+			case <-t.C:
+			case <-ctx.Done():
+			}
+			t.Stop()
 		}
-		t.Stop()
 		b.lagMu.Lock()
 		p, v = b.lagProbe, b.verification
 	}
 	b.lagMu.Unlock()
-	tooOld := 2*b.cfg.LagProbeInterval + lagGaugeWait
+	// A measurement the prefetch took is up to twice lagGaugeWait old when
+	// the collection comes (see above).
+	tooOld := 2*b.cfg.LagProbeInterval + 2*lagGaugeWait
 	age := time.Since(p.at)
 	if p.at.IsZero() || p.failed || age > tooOld {
 		return 0, false
@@ -951,8 +1005,9 @@ func (b *Board) observedLag(ctx context.Context) (time.Duration, bool) {
 	return 0, true
 }
 
-// lagGaugeTimeout bounds a lag measurement a metrics collection starts;
-// lagGaugeWait bounds how long the collection waits for it.
+// lagGaugeTimeout bounds a lag measurement the lag gauge starts;
+// lagGaugeWait bounds how long a collection waits for it, from its start,
+// and is how long before the expected collection the prefetch starts it.
 const (
 	lagGaugeTimeout = 5 * time.Second
 	lagGaugeWait    = 250 * time.Millisecond
