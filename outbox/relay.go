@@ -194,6 +194,15 @@ const partitionsPerClaim = 4
 // still honoured, so a rolling upgrade does not hand a row claimed the old
 // way to a new relay.
 //
+// The last column, held, reports a partition that another claim's lease
+// holds (in the statement's snapshot, so not one leased here) with a row
+// due that this relay could take: the holder's relay picks only its own
+// streams' rows, and nothing wakes this relay when that lease ends (a
+// settle sends no notification, and notifications naming other streams do
+// not wake it), so Run claims again after a short pause instead of a
+// PollInterval. Its cost is one probe per partition held at the moment
+// (few: partitionsPerClaim per relay's batch under way).
+//
 // The due-row test is one probe of the partition index per partition
 // visited, in lease order, stopping once enough partitions are found:
 // OFFSET 0 keeps PostgreSQL from turning the EXISTS into a join, which on
@@ -252,7 +261,17 @@ dead AS (
     RETURNING id
 )
 SELECT (SELECT count(*) FROM leased), set_config('enable_bitmapscan', 'off', true),
-    ARRAY(SELECT id FROM dead ORDER BY id)`
+    ARRAY(SELECT id FROM dead ORDER BY id),
+    EXISTS (
+        SELECT 1 FROM %[2]s AS h
+        WHERE h.leased_until > now()
+          AND EXISTS (
+            SELECT 1 FROM %[1]s AS o
+            WHERE mod(o.id / %[7]d, %[5]d) = h.part
+              AND o.published_at IS NULL
+              AND o.available_at <= now()
+              AND (o.leased_until IS NULL OR o.leased_until <= now())%[3]s
+            OFFSET 0))`
 
 // buryCrashed is the condition under which the claim buries a row o of a
 // crashed batch instead of counting the attempt: its attempts, counting
@@ -450,12 +469,12 @@ func (r *Relay) RunOnce(ctx context.Context) (int, error) {
 
 // runBatch claims unless claimCtx is cancelled and runs the handler under
 // workCtx, which Run cancels only when the shutdown timeout has passed.
-// more reports that other rows may be due already.
-func (r *Relay) runBatch(claimCtx, workCtx context.Context) (n int, more bool, err error) {
+// again says when to claim next (see claim).
+func (r *Relay) runBatch(claimCtx, workCtx context.Context) (n int, again claimAgain, err error) {
 	token := uuid.New()
-	batch, more, start, err := r.claim(claimCtx, workCtx, token)
+	batch, again, start, err := r.claim(claimCtx, workCtx, token)
 	if err != nil || len(batch) == 0 {
-		return 0, false, err
+		return 0, again, err
 	}
 	// The handler's deadline is measured from before the claim was sent,
 	// so it ends no later than the lease on the server.
@@ -466,7 +485,7 @@ func (r *Relay) runBatch(claimCtx, workCtx context.Context) (n int, more bool, e
 	r.metrics.handlerDuration.Record(workCtx, time.Since(handleStart).Seconds(), r.metrics.attrs)
 	cancel()
 	stopping := workCtx.Err() != nil
-	return len(batch), more, r.settle(context.WithoutCancel(workCtx), token, batch, results, stopping)
+	return len(batch), again, r.settle(context.WithoutCancel(workCtx), token, batch, results, stopping)
 }
 
 // claimRetries bounds how often claim leases again after leasing
@@ -479,8 +498,10 @@ func (r *Relay) runBatch(claimCtx, workCtx context.Context) (n int, more bool, e
 const claimRetries = 3
 
 // claim leases partitions and returns their due rows, sorted by id,
-// whether more rows may be due already (the claim read a full batch,
-// buried rows included, or leased as many partitions as it may), and when
+// when to claim again (claimNow when more rows may be due already: the
+// claim read a full batch, buried rows included, or leased as many
+// partitions as it may; claimSoon when rows it could take wait in
+// partitions other claims hold), and when
 // the claim that found them was sent: the leases, and so the Handler's
 // deadline, run from then. It claims until a claim finds rows to hand out,
 // finds no partition with due rows, or comes back empty claimRetries times,
@@ -501,10 +522,11 @@ const claimRetries = 3
 // lets finish. Cut off, they would leave the relay releasing what they
 // leased and pgx closing their connection in the background (which over
 // TLS can take pgx's full 15 s, holding up the pool's Close).
-func (r *Relay) claim(claimCtx, workCtx context.Context, token uuid.UUID) (batch []Record, more bool, start time.Time, err error) {
+func (r *Relay) claim(claimCtx, workCtx context.Context, token uuid.UUID) (batch []Record, again claimAgain, start time.Time, err error) {
+	held := false
 	for empty := 0; empty < claimRetries; {
 		if err := claimCtx.Err(); err != nil {
-			return nil, false, start, err
+			return nil, claimOnWake, start, err
 		}
 		start = time.Now()
 		// Without a deadline a half-open connection (a dead NAT entry, a
@@ -516,22 +538,37 @@ func (r *Relay) claim(claimCtx, workCtx context.Context, token uuid.UUID) (batch
 		c, err := r.claimOnce(acquireCtx, sendCtx, token)
 		cancelAcquire()
 		cancelSend()
+		if err == nil {
+			held = c.held
+		}
 		switch {
 		case err != nil:
-			return nil, false, start, err
+			return nil, claimOnWake, start, err
 		case len(c.batch) > 0:
 			// Rows pickSQL buried took places in the batch as handed-out
 			// ones do: a full read may have left rows due.
-			return c.batch, c.read >= r.cfg.BatchSize || c.leased >= partitionsPerClaim, start, nil
+			if c.read >= r.cfg.BatchSize || c.leased >= partitionsPerClaim {
+				return c.batch, claimNow, start, nil
+			}
+			return c.batch, whenHeld(held), start, nil
 		case c.buried > 0:
 			// Progress: claim again.
 		case c.leased == 0:
-			return nil, false, start, nil
+			return nil, whenHeld(held), start, nil
 		default:
 			empty++
 		}
 	}
-	return nil, false, start, nil
+	return nil, whenHeld(held), start, nil
+}
+
+// whenHeld is when to claim again after a claim that found no more rows:
+// soon when rows it could take are due in partitions other claims hold.
+func whenHeld(held bool) claimAgain {
+	if held {
+		return claimSoon
+	}
+	return claimOnWake
 }
 
 // claimed is what one claim found.
@@ -540,7 +577,23 @@ type claimed struct {
 	leased int      // partitions leased
 	read   int      // rows pickSQL read: the batch and the rows it buried
 	buried int      // rows moved to the dead-letter table, by either statement
+	held   bool     // rows this relay could take are due in partitions other claims hold
 }
+
+// claimAgain says when Run claims after a batch.
+type claimAgain int
+
+const (
+	// claimOnWake: at the next notification, or after PollInterval.
+	claimOnWake claimAgain = iota
+	// claimNow: rows may be due already (a full batch, or as many
+	// partitions as a claim takes).
+	claimNow
+	// claimSoon: rows this relay could take are due in partitions other
+	// relays' leases hold; after a short, growing pause, or the next
+	// notification.
+	claimSoon
+)
 
 // claimOnce runs the claim statements once under sendCtx, on a connection
 // acquired under acquireCtx, and returns what it found.
@@ -597,8 +650,9 @@ func (r *Relay) sendClaim(ctx context.Context, conn *pgx.Conn, token uuid.UUID) 
 		leased  int
 		setting string
 		buried  []int64
+		held    bool
 	)
-	if err := res.QueryRow().Scan(&leased, &setting, &buried); err != nil {
+	if err := res.QueryRow().Scan(&leased, &setting, &buried, &held); err != nil {
 		return claimed{}, mapError("claim", err)
 	}
 	rows, err := res.Query()
@@ -642,7 +696,7 @@ func (r *Relay) sendClaim(ctx context.Context, conn *pgx.Conn, token uuid.UUID) 
 			slog.Any("ids", exhausted), slog.Int("max_attempts", r.cfg.MaxAttempts))
 	}
 	slices.SortFunc(batch, func(a, b Record) int { return cmp.Compare(a.ID, b.ID) })
-	return claimed{batch: batch, leased: leased, read: len(batch) + len(exhausted), buried: len(buried) + len(exhausted)}, nil
+	return claimed{batch: batch, leased: leased, read: len(batch) + len(exhausted), buried: len(buried) + len(exhausted), held: held}, nil
 }
 
 // claimLockSQL takes a transaction-scoped advisory lock on the claim's
@@ -1011,8 +1065,12 @@ func (r *Relay) Run(ctx context.Context) error {
 	defer r.logger.Info("outbox relay stopped")
 
 	errPause := newPauser(r.cfg.ReconnectBackoffMax)
+	// heldPause spaces the claims while rows this relay could take wait in
+	// partitions other relays hold (claimSoon): their batches end without
+	// a notification.
+	heldPause := newPauser(r.cfg.PollInterval)
 	for {
-		n, more, err := r.runBatch(ctx, workCtx)
+		n, again, err := r.runBatch(ctx, workCtx)
 		switch {
 		case ctx.Err() != nil:
 			// The last batch (n > 0) may have failed to settle, which must
@@ -1043,13 +1101,20 @@ func (r *Relay) Run(ctx context.Context) error {
 		case err != nil:
 			errPause.reset()
 			r.logger.Warn("outbox relay lost a lease; another relay owns those rows", slog.String("error", err.Error()))
-		case more:
+		case again == claimNow:
 			errPause.reset()
+			heldPause.reset()
 			continue // a full batch, or more partitions than one claim takes
 		default:
 			errPause.reset()
 		}
-		timer := time.NewTimer(r.cfg.PollInterval)
+		wait := r.cfg.PollInterval
+		if again == claimSoon {
+			wait = heldPause.next()
+		} else {
+			heldPause.reset()
+		}
+		timer := time.NewTimer(wait)
 		select {
 		case <-ctx.Done():
 			timer.Stop()

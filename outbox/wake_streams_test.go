@@ -106,3 +106,44 @@ func TestAppendNotifiesItsStream(t *testing.T) {
 		require.Equal(t, tc.payload, n.Payload, "%v", tc.streams)
 	}
 }
+
+// TestRelayClaimsRowsFreedByAnotherStreamsRelay: rows of several streams
+// share partitions, and a relay skips the partitions another relay's
+// batch holds. When it was notified of a row in such a partition, nothing
+// wakes it when that batch ends (a settle sends no notification, and
+// notifications naming other streams do not wake it): it must claim
+// again by itself, not a PollInterval later.
+func TestRelayClaimsRowsFreedByAnotherStreamsRelay(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	b := setup(t)
+	entered, release := make(chan struct{}, 1), make(chan struct{})
+	holder := outbox.HandlerFunc(func(_ context.Context, batch []outbox.Record) ([]outbox.Result, error) {
+		entered <- struct{}{}
+		<-release
+		return make([]outbox.Result, len(batch)), nil
+	})
+	hB := &recorder{}
+	startRun(t, b.relay(t, nil, holder, outbox.RelayConfig{Streams: []string{"a"}, PollInterval: time.Hour}))
+	startRun(t, b.relay(t, nil, hB, outbox.RelayConfig{Streams: []string{"b"}, PollInterval: time.Hour}))
+	require.Eventually(t, func() bool {
+		var n int
+		err := b.pool.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity WHERE query = $1`, `LISTEN "`+b.writer.Channel()+`"`).Scan(&n)
+		return err == nil && n == 2
+	}, 10*time.Second, 10*time.Millisecond, "both relays listen")
+
+	b.appendNow(t, newMessage("a", "ka", 1)) // the first ids: one partition
+	select {
+	case <-entered:
+	case <-time.After(10 * time.Second):
+		t.Fatal("relay a never claimed its row")
+	}
+	b.appendNow(t, newMessage("b", "kb", 1)) // same partition, held by a's batch
+	// Relay b was notified and claimed, but the partition is held.
+	time.Sleep(300 * time.Millisecond)
+	require.Empty(t, hB.seen(), "relay b took a row from a partition relay a holds")
+
+	close(release) // a's batch settles, releasing the partition; nothing is written after
+	require.Eventually(t, func() bool { return len(hB.seen()) == 1 }, 5*time.Second, 10*time.Millisecond,
+		"relay b's row waits for its PollInterval (an hour) after the partition was released")
+}
