@@ -220,7 +220,9 @@ func New(pool *pgxpool.Pool, rdb redis.UniversalClient, cfg *Config) (*Board, er
 // Close the board still works; its Submit and SubmitBatch then no longer
 // wake the relays, which find the rows at their next poll. With a
 // Config.MeterProvider, Close also unregisters the verity.leaderboard.lag
-// gauge and waits for a lag measurement a collection started (the provider
+// gauge, stops its prefetch timer (which starts a measurement shortly
+// before the collection it expects) and waits for a lag measurement a
+// collection or the prefetch started (the provider
 // holds the board until then; a board dropped without Close keeps
 // measuring its lag for the gauge, at most once per LagProbeInterval of
 // collections). Close does not close the pool or the Redis client. It is
@@ -588,8 +590,9 @@ func (b *Board) SubmitBatch(ctx context.Context, cmds []Command) ([]Result, erro
 //
 //   - *ConcurrentSubmitError (errors.Is(err, ErrConcurrentSubmit)): another
 //     transaction committed a command with one of the batch's event ids
-//     while the statement ran. The retry reports it as a duplicate. EventID
-//     is that id when the server's message names it, else uuid.Nil.
+//     while the statement ran. The retry reports it as a duplicate (or
+//     fails with an *IdempotencyConflictError if the commands differ).
+//     EventID is that id when the server's message names it, else uuid.Nil.
 //   - *ScoreOutOfRangeError with Index -1: a command would leave the score
 //     range. SubmitBatch finds which by reading the scores again, which
 //     an aborted transaction cannot; the caller's transaction may also hold

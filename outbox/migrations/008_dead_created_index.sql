@@ -8,10 +8,12 @@
 -- 100,000 of them, after a long Redis outage buried a backlog. With this
 -- index it is one short range scan of the rows dated after the reading,
 -- normally none. Like every index here it is built only if missing (see
--- 001): building it reads the dead-letter table once and blocks burying
--- (not the outbox's writers or claims) while it runs, normally a moment,
--- as the table is normally near empty; build it beforehand with CREATE
--- INDEX CONCURRENTLY under this name to avoid even that.
+-- 001): building it reads the dead-letter table once, and while it runs
+-- every relay's claims and settles wait (each statement may bury rows, so
+-- it locks the dead-letter table for writing even when it buries none);
+-- the outbox's writers do not. That is normally a moment, as the table is
+-- normally near empty; build it beforehand with CREATE INDEX CONCURRENTLY
+-- under this name to avoid even that.
 {{define "dead_created"}}CREATE INDEX {{.DeadCreatedIndex}}
     ON {{.Dead}} (stream, created_at){{end -}}
 {{createIndex "dead_created" .DeadCreatedIndex}};
