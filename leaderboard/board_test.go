@@ -45,6 +45,19 @@ func setupTB(t testing.TB, mutate ...func(*Config)) *testBundle {
 	return &testBundle{board: board, pg: pg, rd: rd}
 }
 
+// newPool opens a pool of its own on the bundle's database, its
+// configuration adjusted by mutate, closed when the test ends.
+func (tb *testBundle) newPool(t *testing.T, mutate func(*pgxpool.Config)) *pgxpool.Pool {
+	t.Helper()
+	pc, err := pgxpool.ParseConfig(tb.pg.ConnString)
+	require.NoError(t, err)
+	mutate(pc)
+	pool, err := pgxpool.NewWithConfig(context.Background(), pc)
+	require.NoError(t, err)
+	t.Cleanup(pool.Close)
+	return pool
+}
+
 // counts returns the number of score events, user rows and outbox rows.
 func (tb *testBundle) counts(t *testing.T) (events, users, queued int) {
 	t.Helper()

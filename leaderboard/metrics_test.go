@@ -313,12 +313,7 @@ func TestLagGauge(t *testing.T) {
 		// but must not wait it out (5 s per board would overrun a scrape).
 		tb := setup(t)
 		rec := metrictest.New(t)
-		pc, err := pgxpool.ParseConfig(tb.pg.ConnString)
-		require.NoError(t, err)
-		pc.MaxConns = 1
-		pool, err := pgxpool.NewWithConfig(ctx, pc)
-		require.NoError(t, err)
-		t.Cleanup(pool.Close)
+		pool := tb.newPool(t, func(pc *pgxpool.Config) { pc.MaxConns = 1 })
 		for _, name := range []string{"daily", "weekly", "monthly"} {
 			cfg := tb.board.Config()
 			cfg.Name, cfg.MeterProvider = name, rec.Provider
@@ -467,12 +462,7 @@ func TestLagGaugeCollectionStaysBounded(t *testing.T) {
 		rec := metrictest.New(t)
 		// A pool of one connection, which the stall holds: a database that
 		// answers nothing, or a saturated pool.
-		pc, err := pgxpool.ParseConfig(tb.pg.ConnString)
-		require.NoError(t, err)
-		pc.MaxConns = 1
-		pool, err := pgxpool.NewWithConfig(ctx, pc)
-		require.NoError(t, err)
-		t.Cleanup(pool.Close)
+		pool := tb.newPool(t, func(pc *pgxpool.Config) { pc.MaxConns = 1 })
 		all := newBoards(t, tb, rec, pool, tb.rd.Client)
 		var held *pgxpool.Conn
 		t.Cleanup(func() { // before the boards' Close, which waits for the measurements
@@ -482,6 +472,7 @@ func TestLagGaugeCollectionStaysBounded(t *testing.T) {
 		})
 		run(t, rec, all,
 			func() {
+				var err error
 				held, err = pool.Acquire(ctx)
 				require.NoError(t, err)
 			},
@@ -513,12 +504,7 @@ func TestLagGaugeCollectionStaysBounded(t *testing.T) {
 		t.Parallel()
 		tb := setup(t)
 		rec := metrictest.New(t)
-		pc, err := pgxpool.ParseConfig(tb.pg.ConnString)
-		require.NoError(t, err)
-		pc.MaxConns = 1
-		pool, err := pgxpool.NewWithConfig(ctx, pc)
-		require.NoError(t, err)
-		t.Cleanup(pool.Close)
+		pool := tb.newPool(t, func(pc *pgxpool.Config) { pc.MaxConns = 1 })
 		var all []*Board
 		for i := range 8 {
 			cfg := tb.board.Config()

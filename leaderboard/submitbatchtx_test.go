@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"testing"
-	"time"
 
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5/pgconn"
@@ -142,27 +141,10 @@ func TestSubmitBatchTx(t *testing.T) {
 				require.NoError(t, err)
 
 				twin := begin(t)
-				done := make(chan error, 1)
-				go func() {
+				err2 := commitFirstWhileTwinWaits(t, tb, first, twin, func() error {
 					_, err := tb.board.SubmitBatchTx(ctx, twin.tx, []Command{other, cmd})
-					done <- err
-				}()
-				// The twin cannot see the uncommitted first submit, so it
-				// waits on its locks; commit the first only once it does.
-				require.Eventually(t, func() bool {
-					var waiting bool
-					err := tb.pg.Pool.QueryRow(ctx,
-						`SELECT EXISTS (SELECT 1 FROM pg_locks WHERE pid = $1 AND NOT granted)`, twin.pid).Scan(&waiting)
-					return err == nil && waiting
-				}, 10*time.Second, 5*time.Millisecond)
-				require.NoError(t, first.commit())
-
-				var err2 error
-				select {
-				case err2 = <-done:
-				case <-time.After(10 * time.Second):
-					t.Fatal("the twin's SubmitBatchTx did not return after the first committed")
-				}
+					return err
+				})
 				var concurrent *ConcurrentSubmitError
 				require.ErrorAs(t, err2, &concurrent)
 				require.ErrorIs(t, err2, ErrConcurrentSubmit)

@@ -51,6 +51,30 @@ func txPaths(t *testing.T, tb *testBundle) map[string]func(t *testing.T) *caller
 	}
 }
 
+// commitFirstWhileTwinWaits runs submit (a submit in twin's transaction of
+// a command first's uncommitted transaction holds) in the background,
+// commits first once twin waits on its locks (it cannot see the
+// uncommitted command), and returns submit's error.
+func commitFirstWhileTwinWaits(t *testing.T, tb *testBundle, first, twin *callerTx, submit func() error) error {
+	t.Helper()
+	done := make(chan error, 1)
+	go func() { done <- submit() }()
+	require.Eventually(t, func() bool {
+		var waiting bool
+		err := tb.pg.Pool.QueryRow(context.Background(),
+			`SELECT EXISTS (SELECT 1 FROM pg_locks WHERE pid = $1 AND NOT granted)`, twin.pid).Scan(&waiting)
+		return err == nil && waiting
+	}, 10*time.Second, 5*time.Millisecond)
+	require.NoError(t, first.commit())
+	select {
+	case err := <-done:
+		return err
+	case <-time.After(10 * time.Second):
+		t.Fatal("the twin's submit did not return after the first committed")
+		return nil
+	}
+}
+
 func TestSubmitTx(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
@@ -144,27 +168,10 @@ func TestSubmitTx(t *testing.T) {
 				require.NoError(t, err)
 
 				twin := begin(t)
-				done := make(chan error, 1)
-				go func() {
+				err2 := commitFirstWhileTwinWaits(t, tb, first, twin, func() error {
 					_, err := tb.board.SubmitTx(ctx, twin.tx, cmd)
-					done <- err
-				}()
-				// The twin cannot see the uncommitted first submit, so it
-				// waits on its locks; commit the first only once it does.
-				require.Eventually(t, func() bool {
-					var waiting bool
-					err := tb.pg.Pool.QueryRow(ctx,
-						`SELECT EXISTS (SELECT 1 FROM pg_locks WHERE pid = $1 AND NOT granted)`, twin.pid).Scan(&waiting)
-					return err == nil && waiting
-				}, 10*time.Second, 5*time.Millisecond)
-				require.NoError(t, first.commit())
-
-				var err2 error
-				select {
-				case err2 = <-done:
-				case <-time.After(10 * time.Second):
-					t.Fatal("the twin's SubmitTx did not return after the first committed")
-				}
+					return err
+				})
 				var concurrent *ConcurrentSubmitError
 				require.ErrorAs(t, err2, &concurrent)
 				require.ErrorIs(t, err2, ErrConcurrentSubmit)

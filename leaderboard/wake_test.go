@@ -102,15 +102,12 @@ func TestWakeUp(t *testing.T) {
 		t.Parallel()
 		tb := setup(t)
 		var acquired atomic.Int64 // the other boards' pool: a claim pass takes at least one
-		pcfg, err := pgxpool.ParseConfig(tb.pg.ConnString)
-		require.NoError(t, err)
-		pcfg.PrepareConn = func(context.Context, *pgx.Conn) (bool, error) {
-			acquired.Add(1)
-			return true, nil
-		}
-		pool, err := pgxpool.NewWithConfig(ctx, pcfg)
-		require.NoError(t, err)
-		t.Cleanup(pool.Close)
+		pool := tb.newPool(t, func(pc *pgxpool.Config) {
+			pc.PrepareConn = func(context.Context, *pgx.Conn) (bool, error) {
+				acquired.Add(1)
+				return true, nil
+			}
+		})
 		runCtx, stop := context.WithCancel(ctx)
 		var running sync.WaitGroup
 		t.Cleanup(func() { stop(); running.Wait() })
