@@ -412,7 +412,12 @@ func TestLagGaugeCollectionStaysBounded(t *testing.T) {
 		t.Helper()
 		// last: when the last collection began; prev: the one before.
 		tick, last, prev := time.Now(), time.Now(), time.Time{}
-		step := func(what string) metrictest.Snapshot {
+		// step collects; bounded, it fails unless the collection stays
+		// within bound. Only collections during the stall are bounded:
+		// with a healthy database a collection's time is the boards'
+		// measurements' (the first, with no interval to go by, waits for
+		// each), which a loaded machine stretches.
+		step := func(what string, bounded bool) metrictest.Snapshot {
 			t.Helper()
 			tick = tick.Add(interval)
 			time.Sleep(time.Until(tick))
@@ -420,40 +425,56 @@ func TestLagGaugeCollectionStaysBounded(t *testing.T) {
 			s := rec.Collect(t)
 			took := time.Since(start)
 			t.Logf("%s: one collection of %d boards took %v", what, len(all), took)
-			require.Less(t, took, bound, "%s: a collection waits about lagGaugeWait at most, not per board", what)
+			if bounded {
+				require.Less(t, took, bound, "%s: a collection waits about lagGaugeWait at most, not per board", what)
+			}
 			prev, last = last, start
 			return s
 		}
-		// requireCurrent: every board's gauge is there, and measured (and,
-		// with RequireVerifiedProjection, looked for Verify's record)
-		// since the previous collection began.
-		requireCurrent := func(s metrictest.Snapshot, what string) {
-			t.Helper()
+		// current says why a board's gauge in s is not current, or "": it
+		// is there, and measured (and, with RequireVerifiedProjection,
+		// looked for Verify's record) since the previous collection began.
+		current := func(s metrictest.Snapshot) string {
 			for _, b := range all {
-				require.Positive(t, s.Float(metricLag, attribute.String(AttributeBoard, b.Name())), "%s: board %s", what, b.Name())
+				if s.Float(metricLag, attribute.String(AttributeBoard, b.Name())) <= 0 {
+					return "board " + b.Name() + ": no gauge"
+				}
 				b.lagMu.Lock()
 				measured, looked := b.lagProbe.at, b.verification.at
 				b.lagMu.Unlock()
-				require.True(t, measured.After(prev), "%s: board %s measured its lag since the previous collection", what, b.Name())
-				if b.cfg.RequireVerifiedProjection {
-					require.True(t, looked.After(prev), "%s: board %s looked for Verify's record since the previous collection", what, b.Name())
+				if !measured.After(prev) {
+					return "board " + b.Name() + ": lag not measured since the previous collection"
+				}
+				if b.cfg.RequireVerifiedProjection && !looked.After(prev) {
+					return "board " + b.Name() + ": Verify's record not looked for since the previous collection"
 				}
 			}
+			return ""
 		}
-		for i := range 3 {
-			requireCurrent(step("healthy"), fmt.Sprintf("healthy collection %d", i+1))
+		// requireCurrentSoon: with a healthy database, two collections in
+		// a row find every board's gauge current, within ten; one that
+		// does not (a measurement a loaded machine kept past its wait) is
+		// logged.
+		requireCurrentSoon := func(what string) {
+			t.Helper()
+			inRow := 0
+			for i := 0; i < 10 && inRow < 2; i++ {
+				if why := current(step(what, false)); why != "" {
+					t.Logf("%s: %s", what, why)
+					inRow = 0
+				} else {
+					inRow++
+				}
+			}
+			require.Equal(t, 2, inRow, "%s: no two collections in a row with every board's gauge current", what)
 		}
+		requireCurrentSoon("healthy")
 		stall()
 		for range 3 {
-			require.False(t, step("stalled").Has(metricLag), "a lag that cannot be measured is absent, not frozen")
+			require.False(t, step("stalled", true).Has(metricLag), "a lag that cannot be measured is absent, not frozen")
 		}
 		resume()
-		// Measurements under way when the stall ended finish meanwhile.
-		step("recovering")
-		step("recovering")
-		for i := range 2 {
-			requireCurrent(step("resumed"), fmt.Sprintf("collection %d after the stall", i+1))
-		}
+		requireCurrentSoon("after the stall")
 	}
 
 	t.Run("DatabaseStalls", func(t *testing.T) {

@@ -281,14 +281,17 @@ func TestEvalRO(t *testing.T) {
 
 	// The same command routed by the client itself goes to a replica, or
 	// to the master while go-redis deems the replica failing (for 15 s
-	// after it answered LOADING, or an attempt on it failed): asked until
-	// one does not reach the master.
+	// after it answered LOADING, or an attempt on it failed) or its slot
+	// map lacks the replica (loaded from a node that did not list it yet):
+	// asked until one does not reach the master, reloading the map
+	// meanwhile (go-redis reloads it by itself every 60 s only).
 	toReplica := false
 	for deadline := time.Now().Add(20 * time.Second); !toReplica && time.Now().Before(deadline); {
 		before := calls(master.Options().Addr, "eval_ro")
 		require.NoError(t, stale.EvalRO(ctx, "return 1", []string{key}).Err())
 		toReplica = calls(master.Options().Addr, "eval_ro") == before
 		if !toReplica {
+			stale.ReloadState(ctx)
 			time.Sleep(100 * time.Millisecond)
 		}
 	}

@@ -38,25 +38,32 @@ func (h CommandHook) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.P
 }
 
 // WaitSlotReplicas waits until CLUSTER SLOTS lists a replica for every
-// slot range of the cluster, failing t after timeout. go-redis builds its
-// slot map from CLUSTER SLOTS, so a client created afterwards can route
-// reads to replicas; right after start-up the replicas may not be listed
-// yet.
+// slot range of the cluster on every node, failing t after timeout.
+// go-redis builds its slot map from CLUSTER SLOTS of a node it picks at
+// random, so a client created afterwards can route reads to replicas
+// whichever node it asks; right after start-up the replicas may not be
+// listed yet, and a node may list them later than another (a client that
+// asked it then keeps a map without them until its next reload, 60 s by
+// default).
 func (c *RedisCluster) WaitSlotReplicas(t testing.TB, timeout time.Duration) {
 	t.Helper()
-	client := c.Client(t)
 	ctx := context.Background()
 	deadline := time.Now().Add(timeout)
-	for {
-		//lint:ignore SA1019 go-redis builds its slot map from CLUSTER SLOTS, so that is the view to wait for.
-		slots, err := client.ClusterSlots(ctx).Result()
-		if err == nil && len(slots) > 0 && allReplicated(slots) {
-			return
+	for _, addr := range c.Addrs() {
+		node := redis.NewClient(&redis.Options{Addr: addr, MaxRetries: -1})
+		for {
+			//lint:ignore SA1019 go-redis builds its slot map from CLUSTER SLOTS, so that is the view to wait for.
+			slots, err := node.ClusterSlots(ctx).Result()
+			if err == nil && len(slots) > 0 && allReplicated(slots) {
+				break
+			}
+			if time.Now().After(deadline) {
+				_ = node.Close()
+				t.Fatalf("testenv: CLUSTER SLOTS of %s lists no replica for some slots after %s (err %v)", addr, timeout, err)
+			}
+			time.Sleep(50 * time.Millisecond)
 		}
-		if time.Now().After(deadline) {
-			t.Fatalf("testenv: CLUSTER SLOTS lists no replica for some slots after %s (err %v)", timeout, err)
-		}
-		time.Sleep(50 * time.Millisecond)
+		_ = node.Close()
 	}
 }
 
