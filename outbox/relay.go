@@ -196,8 +196,9 @@ const partitionsPerClaim = 4
 //
 // The last column, held, reports a partition that another claim's lease
 // holds (in the statement's snapshot, so not one leased here) with a row
-// due that this relay could take: the holder's relay picks only its own
-// streams' rows, and nothing wakes this relay when that lease ends (a
+// due that this relay could take, one not in the holder's batch (its
+// inflight ids): the holder's relay picks only its own streams' rows, or
+// its batch was full, and nothing wakes this relay when that lease ends (a
 // settle sends no notification, and notifications naming other streams do
 // not wake it), so Run claims again after a short pause instead of a
 // PollInterval. Its cost is one probe per partition held at the moment
@@ -271,6 +272,7 @@ SELECT (SELECT count(*) FROM leased), set_config('enable_bitmapscan', 'off', tru
               AND o.published_at IS NULL
               AND o.available_at <= now()
               AND (o.leased_until IS NULL OR o.leased_until <= now())%[3]s
+              AND NOT h.inflight @> o.id
             OFFSET 0))`
 
 // buryCrashed is the condition under which the claim buries a row o of a

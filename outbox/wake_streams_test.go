@@ -2,6 +2,7 @@ package outbox_test
 
 import (
 	"context"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -146,4 +147,52 @@ func TestRelayClaimsRowsFreedByAnotherStreamsRelay(t *testing.T) {
 	close(release) // a's batch settles, releasing the partition; nothing is written after
 	require.Eventually(t, func() bool { return len(hB.seen()) == 1 }, 5*time.Second, 10*time.Millisecond,
 		"relay b's row waits for its PollInterval (an hour) after the partition was released")
+}
+
+// TestRelayDoesNotReclaimForAnotherRelaysBatch: the rows a batch under way
+// holds are not rows another relay could take, so relays of the same
+// stream (an HA pair) wait for a notification or PollInterval while it
+// runs, instead of claiming again and again.
+func TestRelayDoesNotReclaimForAnotherRelaysBatch(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	b := setup(t)
+	var acquired atomic.Int64 // by the idle relay's pool
+	cfg, err := pgxpool.ParseConfig(b.pg.ConnString)
+	require.NoError(t, err)
+	cfg.PrepareConn = func(context.Context, *pgx.Conn) (bool, error) {
+		acquired.Add(1)
+		return true, nil
+	}
+	idlePool, err := pgxpool.NewWithConfig(ctx, cfg)
+	require.NoError(t, err)
+	t.Cleanup(idlePool.Close)
+
+	entered, release := make(chan struct{}, 2), make(chan struct{})
+	var once sync.Once
+	releaseOnce := func() { once.Do(func() { close(release) }) }
+	handler := outbox.HandlerFunc(func(_ context.Context, batch []outbox.Record) ([]outbox.Result, error) {
+		entered <- struct{}{}
+		<-release
+		return make([]outbox.Result, len(batch)), nil
+	})
+	startRun(t, b.relay(t, nil, handler, outbox.RelayConfig{Streams: []string{"a"}, PollInterval: time.Hour}))
+	b.appendNow(t, newMessage("a", "k", 1))
+	select {
+	case <-entered:
+	case <-time.After(10 * time.Second):
+		t.Fatal("the first relay never claimed the row")
+	}
+	// The second relay starts while the first one's batch holds the row.
+	startRun(t, b.relay(t, idlePool, handler, outbox.RelayConfig{Streams: []string{"a"}, PollInterval: time.Hour}))
+	t.Cleanup(releaseOnce) // runs before either relay's stop (startRun's cleanup)
+	require.Eventually(t, func() bool {
+		var n int
+		err := b.pool.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity WHERE query = $1`, `LISTEN "`+b.writer.Channel()+`"`).Scan(&n)
+		return err == nil && n == 2
+	}, 10*time.Second, 10*time.Millisecond, "both relays listen")
+	time.Sleep(200 * time.Millisecond) // its claims at start and after LISTEN
+	before := acquired.Load()
+	time.Sleep(1500 * time.Millisecond) // a relay that re-claimed would at 100, 200, 400, 800 ms
+	require.LessOrEqual(t, acquired.Load()-before, int64(1), "the idle relay claimed again while the other's batch ran")
 }
