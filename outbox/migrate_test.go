@@ -413,13 +413,7 @@ func TestMigrateDeadCreatedIndexOverLongestDeadLetter(t *testing.T) {
 	ctx := context.Background()
 	pg := testenv.Postgres(t)
 	cfg := &outbox.Config{Schema: pg.Schema}
-	migrations, err := outbox.Migrations(cfg)
-	require.NoError(t, err)
-	require.Equal(t, "008_dead_created_index.sql", migrations[7].Name)
-	for _, m := range migrations[:7] {
-		_, err := pg.Pool.Exec(ctx, m.SQL)
-		require.NoError(t, err, m.Name)
-	}
+	migrateBefore(t, pg, cfg, "008")
 	dead := pgx.Identifier{pg.Schema, outbox.TableDefault + "_dead"}.Sanitize()
 	var random strings.Builder
 	for random.Len() < 8000 {
@@ -465,14 +459,27 @@ func TestMigrateDeadCreatedIndexOverLongestDeadLetter(t *testing.T) {
 func outboxBefore005(t *testing.T) (*testenv.PG, string) {
 	t.Helper()
 	pg := testenv.Postgres(t)
-	migrations, err := outbox.Migrations(&outbox.Config{Schema: pg.Schema})
+	migrateBefore(t, pg, &outbox.Config{Schema: pg.Schema}, "005")
+	return pg, pgx.Identifier{pg.Schema, outbox.TableDefault}.Sanitize()
+}
+
+// migrateBefore applies cfg's migrations whose names sort before first (a
+// migration's number, "005"), as an outbox of the release before it, and
+// fails unless there is a migration first.
+func migrateBefore(t *testing.T, pg *testenv.PG, cfg *outbox.Config, first string) {
+	t.Helper()
+	migrations, err := outbox.Migrations(cfg)
 	require.NoError(t, err)
-	require.Equal(t, "004_dead_stream_index.sql", migrations[3].Name)
-	for _, m := range migrations[:4] {
+	found := false
+	for _, m := range migrations {
+		if m.Name >= first {
+			found = strings.HasPrefix(m.Name, first)
+			break
+		}
 		_, err := pg.Pool.Exec(context.Background(), m.SQL)
 		require.NoError(t, err, m.Name)
 	}
-	return pg, pgx.Identifier{pg.Schema, outbox.TableDefault}.Sanitize()
+	require.True(t, found, "no migration %s", first)
 }
 
 // TestMigratePrivileges covers Migrate by a role that uses the outbox but

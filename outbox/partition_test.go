@@ -315,15 +315,7 @@ func TestMigratePartitionLeasesOnExistingOutbox(t *testing.T) {
 	ctx := context.Background()
 	pg := testenv.Postgres(t)
 	cfg := &outbox.Config{Schema: pg.Schema}
-	migrations, err := outbox.Migrations(cfg)
-	require.NoError(t, err)
-	for _, m := range migrations {
-		if m.Name >= "003" {
-			break
-		}
-		_, err := pg.Pool.Exec(ctx, m.SQL)
-		require.NoError(t, err, m.Name)
-	}
+	migrateBefore(t, pg, cfg, "003")
 	w, err := outbox.NewWriter(cfg)
 	require.NoError(t, err)
 	b := &testBundle{pg: pg, pool: pg.Pool, cfg: cfg, writer: w}
