@@ -396,7 +396,8 @@
 // a relay also polls every PollInterval, which picks up rows whose backoff or
 // lease ran out and covers any lost notification. When rows it could take
 // are due in partitions another relay's batch holds (that relay serves
-// other streams, or its batch is full), it claims again after a pause of
+// other streams, or its batch is full), or that another relay's claim had
+// locked at that instant, it claims again after a pause of
 // 100 ms, doubling up to PollInterval, while they stay held: the end of a
 // batch sends no notification. After a full batch (rows
 // its claim moved to the dead-letter table count toward it) it claims again

@@ -194,15 +194,19 @@ const partitionsPerClaim = 4
 // still honoured, so a rolling upgrade does not hand a row claimed the old
 // way to a new relay.
 //
-// The last column, held, reports a partition that another claim's lease
-// holds (in the statement's snapshot, so not one leased here) with a row
-// due that this relay could take, one not in the holder's batch (its
-// inflight ids): the holder's relay picks only its own streams' rows, or
-// its batch was full, and nothing wakes this relay when that lease ends (a
-// settle sends no notification, and notifications naming other streams do
-// not wake it), so Run claims again after a short pause instead of a
-// PollInterval. Its cost is one probe per partition held at the moment
-// (few: partitionsPerClaim per relay's batch under way).
+// The last column, held, reports a partition this claim did not lease with
+// a row due that this relay could take, one not in the batch (inflight
+// ids) of a live lease on it: another claim's lease holds the partition
+// (the holder's relay picks only its own streams' rows, or its batch was
+// full), or another claim, not yet committed, had it locked, so that this
+// one skipped it while, in its snapshot, no lease held it. Nothing wakes
+// this relay when that claim's batch ends (a settle sends no notification,
+// and notifications naming other streams do not wake it), so Run claims
+// again after a short pause instead of a PollInterval. It is not asked
+// when the claim leased as many partitions as it may (Run claims again at
+// once); otherwise every partition with a due row was either leased here or
+// skipped, so its cost is one probe per partition, as the free partitions'
+// look already makes on a trickle.
 //
 // The due-row test is one probe of the partition index per partition
 // visited, in lease order, stopping once enough partitions are found:
@@ -263,17 +267,17 @@ dead AS (
 )
 SELECT (SELECT count(*) FROM leased), set_config('enable_bitmapscan', 'off', true),
     ARRAY(SELECT id FROM dead ORDER BY id),
-    EXISTS (
+    CASE WHEN (SELECT count(*) FROM leased) >= %[6]d THEN false ELSE EXISTS (
         SELECT 1 FROM %[2]s AS h
-        WHERE h.leased_until > now()
+        WHERE NOT EXISTS (SELECT 1 FROM leased AS m WHERE m.part = h.part)
           AND EXISTS (
             SELECT 1 FROM %[1]s AS o
             WHERE mod(o.id / %[7]d, %[5]d) = h.part
               AND o.published_at IS NULL
               AND o.available_at <= now()
               AND (o.leased_until IS NULL OR o.leased_until <= now())%[3]s
-              AND NOT h.inflight @> o.id
-            OFFSET 0))`
+              AND NOT (h.leased_until > now() AND h.inflight @> o.id)
+            OFFSET 0)) END`
 
 // buryCrashed is the condition under which the claim buries a row o of a
 // crashed batch instead of counting the attempt: its attempts, counting

@@ -196,3 +196,33 @@ func TestRelayDoesNotReclaimForAnotherRelaysBatch(t *testing.T) {
 	time.Sleep(1500 * time.Millisecond) // a relay that re-claimed would at 100, 200, 400, 800 ms
 	require.LessOrEqual(t, acquired.Load()-before, int64(1), "the idle relay claimed again while the other's batch ran")
 }
+
+// TestRelayClaimsRowsSkippedByItsClaim: a claim skips the partitions that
+// concurrent claims have locked, and in its snapshot no lease holds them
+// yet (those claims have not committed). Rows it could take there must
+// make it claim again soon, as rows in a held partition do: relays of
+// several streams woken by writes at the same moment otherwise leave all
+// but one of those rows to the PollInterval.
+func TestRelayClaimsRowsSkippedByItsClaim(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	b := setup(t)
+	h := &recorder{}
+	startRun(t, b.relay(t, nil, h, outbox.RelayConfig{Streams: []string{"b"}, PollInterval: time.Hour}))
+	waitListening(t, b)
+	time.Sleep(200 * time.Millisecond) // the first claim is over
+
+	// Another claim under way: every partition locked, no lease committed.
+	tx, err := b.pool.Begin(ctx)
+	require.NoError(t, err)
+	defer func() { _ = tx.Rollback(ctx) }()
+	_, err = tx.Exec(ctx, `SELECT 1 FROM `+b.leasesTable()+` FOR UPDATE`)
+	require.NoError(t, err)
+	b.appendNow(t, newMessage("b", "k", 1)) // notifies the relay, which skips every partition
+	time.Sleep(300 * time.Millisecond)
+	require.Empty(t, h.seen(), "the relay claimed through a locked partition")
+
+	require.NoError(t, tx.Rollback(ctx)) // that claim ends; nothing is written after
+	require.Eventually(t, func() bool { return len(h.seen()) == 1 }, 5*time.Second, 10*time.Millisecond,
+		"the row the claim skipped waits for the PollInterval (an hour)")
+}
