@@ -166,3 +166,87 @@ func TestWakeUp(t *testing.T) {
 		require.Equal(t, int64(3), e.Score)
 	})
 }
+
+// TestWorkersShareAListener: the Workers of many boards in one process can
+// share one LISTEN connection (WorkerConfig.Relay.Listener), and each is
+// still woken for its own board's writes, made at the same moment.
+func TestWorkersShareAListener(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+
+	t.Run("OneConnectionForEveryBoard", func(t *testing.T) {
+		t.Parallel()
+		readOwnWrites := func(c *Config) {
+			c.ReadPolicy = FailClosed
+			c.ReadYourWritesTimeout = 10 * time.Second
+		}
+		tb := setup(t, readOwnWrites)
+		listener, err := outbox.NewListener(tb.pg.Pool, &outbox.ListenerConfig{Schema: tb.board.Config().Schema, Table: OutboxTableDefault})
+		require.NoError(t, err)
+		boards := []*Board{tb.board}
+		for i := range 5 {
+			cfg := tb.board.Config()
+			cfg.Name = fmt.Sprintf("other-%d", i)
+			b, err := New(tb.pg.Pool, tb.rd.Client, &cfg)
+			require.NoError(t, err)
+			t.Cleanup(b.Close)
+			boards = append(boards, b)
+		}
+		runCtx, stop := context.WithCancel(ctx)
+		var running sync.WaitGroup
+		t.Cleanup(func() { stop(); running.Wait() })
+		for _, b := range boards {
+			w, err := b.Worker(&WorkerConfig{Relay: &outbox.RelayConfig{PollInterval: time.Hour, Listener: listener}})
+			require.NoError(t, err)
+			running.Go(func() { assertNoError(t, w.Run(runCtx)) })
+		}
+		listening := func() int {
+			var n int
+			require.NoError(t, tb.pg.Pool.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity WHERE query = $1`,
+				`LISTEN "`+tb.board.channel+`"`).Scan(&n))
+			return n
+		}
+		require.Eventually(t, func() bool { return listening() == 1 }, 10*time.Second, 10*time.Millisecond, "the Workers listen")
+		time.Sleep(200 * time.Millisecond) // the Workers' first claims are over
+		require.Equal(t, 1, listening(), "Workers sharing a Listener hold one LISTEN connection")
+
+		// A write on every board at once: the Workers claim together.
+		var wg sync.WaitGroup
+		for _, b := range boards {
+			wg.Go(func() {
+				res, err := b.Submit(ctx, Command{EventID: uuid.New(), UserID: "u", Delta: 7})
+				if !assertNoError(t, err) {
+					return
+				}
+				e, fr, err := b.Rank(ctx, "u", AtLeast("u", res.Version))
+				if assertNoError(t, err) && (fr.Source != SourceRedis || e.Score != 7) {
+					t.Errorf("board %s: %+v from %v, want 7 from Redis", b.Config().Name, e, fr.Source)
+				}
+			})
+		}
+		wg.Wait()
+	})
+
+	t.Run("ListenerOfAnotherTableRefused", func(t *testing.T) {
+		t.Parallel()
+		tb := setup(t)
+		other, err := outbox.NewListener(tb.pg.Pool, &outbox.ListenerConfig{Schema: tb.board.Config().Schema, Table: "other_outbox"})
+		require.NoError(t, err)
+		_, err = tb.board.Worker(&WorkerConfig{Relay: &outbox.RelayConfig{Listener: other}})
+		var cerr *ConfigError
+		require.ErrorAs(t, err, &cerr)
+		require.Equal(t, "WorkerConfig.Relay.Listener", cerr.Field)
+		require.ErrorIs(t, err, ErrInvalidConfig)
+	})
+}
+
+// assertNoError reports err as a test failure, from any goroutine, and
+// whether there was none.
+func assertNoError(t *testing.T, err error) bool {
+	t.Helper()
+	if err != nil {
+		t.Error(err)
+		return false
+	}
+	return true
+}

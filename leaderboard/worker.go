@@ -44,8 +44,9 @@ func (b *Board) write(user string, score, version int64) projection.Write {
 // WorkerConfig configures a Worker.
 type WorkerConfig struct {
 	// Relay tunes the outbox relay (batch size, lease, polling, retries,
-	// logger, metrics...). Its Schema, Table and Streams are set by the
-	// board and must be left empty. Its Logger and MeterProvider default to
+	// logger, metrics, a shared Listener...). Its Schema, Table and
+	// Streams are set by the board and must be left empty; a Listener
+	// must be made for the board's Schema and OutboxTable. Its Logger and MeterProvider default to
 	// the board's, and the projector uses the same ones. Its Name, which
 	// only labels the relay's logs, defaults to "leaderboard-" + the
 	// board's name, so that the logs say which board a worker serves (the
@@ -68,9 +69,13 @@ type WorkerConfig struct {
 // outside the board's pool, in LISTEN (see outbox.Relay); it takes pool
 // connections only to claim and settle. Count one connection per running
 // Worker on top of the pool's MaxConns against max_connections and any
-// CONNECTION LIMIT, or set Relay.DisableNotify (the Worker then finds rows
-// by polling every PollInterval). Notifications name the board's stream,
-// so a write on one board wakes only that board's Workers.
+// CONNECTION LIMIT; or give the Workers of the boards a process runs one
+// outbox.Listener (Relay.Listener, made by outbox.NewListener with the
+// boards' Schema and OutboxTable), so that they share one such connection;
+// or set Relay.DisableNotify (the Worker then finds rows by polling every
+// PollInterval). Notifications name the board's stream, so a write on one
+// board wakes only that board's Workers, whether they share a Listener or
+// not.
 type Worker struct {
 	projector *projection.RedisProjector
 	relay     *outbox.Relay

@@ -392,7 +392,11 @@
 // Schema and Table (Writer.Channel), claims as soon as it is notified of
 // rows it serves (a payload naming a stream outside RelayConfig.Streams
 // does not wake it; an empty one does), and
-// reconnects with a growing pause if that connection fails. Notifications are an optimisation:
+// reconnects with a growing pause if that connection fails. Relays of one
+// process serving the same table can share that connection instead
+// (RelayConfig.Listener, made by NewListener): a process running a relay
+// per stream then holds one connection outside its pool rather than one
+// per relay. Notifications are an optimisation:
 // a relay also polls every PollInterval, which picks up rows whose backoff or
 // lease ran out and covers any lost notification. When rows it could take
 // are due in partitions another relay's batch holds (that relay serves

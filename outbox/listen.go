@@ -8,35 +8,53 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 )
 
 // listenCloseTimeout bounds closing the LISTEN connection.
 const listenCloseTimeout = 2 * time.Second
 
-// listen keeps a dedicated connection LISTENing on the outbox channel until
-// ctx is done, signalling wake on every notification. The connection is
-// opened from the pool's configuration, running the pool's BeforeConnect,
-// AfterConnect and BeforeClose hooks as the pool does (they may supply credentials, the
-// host, or session settings), but is not a pool connection: holding a pooled
-// connection forever would shrink the pool, and a pooled connection may be
-// reset or closed under the listener. After any error it reconnects with a
-// growing pause.
+// listenConn is one LISTEN connection: the pool whose configuration opens
+// it, the channel it listens on, and how it logs and reconnects. A Relay
+// without a Listener runs one of its own; a Listener runs one for the
+// relays that share it.
+type listenConn struct {
+	pool       *pgxpool.Pool
+	channel    string
+	logger     *slog.Logger
+	backoffMax time.Duration
+}
+
+// run keeps a dedicated connection LISTENing on the channel until ctx is
+// done, calling connected each time LISTEN is in effect (a notification
+// sent while no connection was listening is lost for good, so whoever
+// waits for one must then look for itself) and notified with each
+// notification's payload. The connection is opened from the pool's
+// configuration, running the pool's BeforeConnect, AfterConnect and
+// BeforeClose hooks as the pool does (they may supply credentials, the
+// host, or session settings), but is not a pool connection: holding a
+// pooled connection forever would shrink the pool, and a pooled connection
+// may be reset or closed under the listener. After any error it reconnects
+// with a growing pause.
 //
 // The LISTEN statement (and AfterConnect, which may run statements) runs
-// under workCtx, which outlives ctx by the shutdown grace: a statement cut
-// off mid-flight makes pgx close the connection in a goroutine of its own,
-// which on a TLS connection can wait out pgx's 15 s deadline, whereas
+// under stmtCtx, which should outlive ctx by a grace period: a statement
+// cut off mid-flight makes pgx close the connection in a goroutine of its
+// own, which on a TLS connection can wait out pgx's 15 s deadline, whereas
 // waiting for a notification is cut off cleanly and the connection is then
 // closed in place.
-func (r *Relay) listen(ctx, workCtx context.Context, wake chan<- struct{}) {
-	pause := newPauser(r.cfg.ReconnectBackoffMax)
+func (lc listenConn) run(ctx, stmtCtx context.Context, connected func(), notified func(payload string)) {
+	pause := newPauser(lc.backoffMax)
 	for {
-		err := r.listenOnce(ctx, workCtx, wake, pause.reset)
+		err := lc.once(ctx, stmtCtx, func() {
+			pause.reset()
+			connected()
+		}, notified)
 		if ctx.Err() != nil {
 			return
 		}
 		d := pause.next()
-		r.logger.Warn("outbox relay LISTEN connection failed; reconnecting",
+		lc.logger.Warn("outbox LISTEN connection failed; reconnecting",
 			slog.String("error", err.Error()), slog.Duration("pause", d))
 		if !sleep(ctx, d) {
 			return
@@ -44,12 +62,10 @@ func (r *Relay) listen(ctx, workCtx context.Context, wake chan<- struct{}) {
 	}
 }
 
-// listenOnce connects, LISTENs and relays notifications until an error. It
-// calls connected once LISTEN is in effect and then signals wake, because a
-// notification sent while no connection was listening is lost for good.
-func (r *Relay) listenOnce(ctx, workCtx context.Context, wake chan<- struct{}, connected func()) error {
+// once connects, LISTENs and passes notifications on until an error.
+func (lc listenConn) once(ctx, stmtCtx context.Context, connected func(), notified func(string)) error {
 	// Config returns a copy, so BeforeConnect may change its ConnConfig.
-	poolCfg := r.pool.Config()
+	poolCfg := lc.pool.Config()
 	if poolCfg.BeforeConnect != nil {
 		if err := poolCfg.BeforeConnect(ctx, poolCfg.ConnConfig); err != nil {
 			return fmt.Errorf("connect: BeforeConnect: %w", err)
@@ -68,7 +84,7 @@ func (r *Relay) listenOnce(ctx, workCtx context.Context, wake chan<- struct{}, c
 		defer cancel()
 		_ = conn.Close(closeCtx) // the connection is discarded either way
 		// If a failure made pgx close the connection in the background,
-		// wait for it as pgxpool does, so that Run leaves nothing running.
+		// wait for it as pgxpool does, so that nothing is left running.
 		select {
 		case <-conn.PgConn().CleanupDone():
 		case <-closeCtx.Done():
@@ -76,26 +92,35 @@ func (r *Relay) listenOnce(ctx, workCtx context.Context, wake chan<- struct{}, c
 	}()
 	// A failure closes the connection in the deferred function above.
 	if poolCfg.AfterConnect != nil {
-		if err := poolCfg.AfterConnect(workCtx, conn); err != nil {
+		if err := poolCfg.AfterConnect(stmtCtx, conn); err != nil {
 			return fmt.Errorf("connect: AfterConnect: %w", err)
 		}
 	}
 	hooked = true
-	if _, err := conn.Exec(workCtx, "LISTEN "+pgx.Identifier{r.names.Channel}.Sanitize()); err != nil {
+	if _, err := conn.Exec(stmtCtx, "LISTEN "+pgx.Identifier{lc.channel}.Sanitize()); err != nil {
 		return fmt.Errorf("listen: %w", err)
 	}
+	lc.logger.Debug("outbox listening", slog.String("channel", lc.channel))
 	connected()
-	r.logger.Debug("outbox relay listening", slog.String("channel", r.names.Channel))
-	signal(wake)
 	for {
 		n, err := conn.WaitForNotification(ctx)
 		if err != nil {
 			return fmt.Errorf("wait for notification: %w", err)
 		}
-		if r.serves(n.Payload) {
+		notified(n.Payload)
+	}
+}
+
+// listen runs the relay's own LISTEN connection until ctx is done,
+// signalling wake on each notification the relay serves and after each
+// (re)connection.
+func (r *Relay) listen(ctx, workCtx context.Context, wake chan<- struct{}) {
+	lc := listenConn{pool: r.pool, channel: r.names.Channel, logger: r.logger, backoffMax: r.cfg.ReconnectBackoffMax}
+	lc.run(ctx, workCtx, func() { signal(wake) }, func(payload string) {
+		if r.serves(payload) {
 			signal(wake)
 		}
-	}
+	})
 }
 
 // serves reports whether a notification with payload may announce rows this

@@ -1059,7 +1059,11 @@ func (r *Relay) Run(ctx context.Context) error {
 			r.refreshStats(ctx, workCtx)
 		}()
 	}
-	if !r.cfg.DisableNotify {
+	switch {
+	case r.cfg.DisableNotify:
+	case r.cfg.Listener != nil:
+		defer r.cfg.Listener.subscribe(r.serves, wake)()
+	default:
 		wg.Add(1)
 		go func() {
 			defer wg.Done()

@@ -144,6 +144,15 @@ type RelayConfig struct {
 	// mode) that cannot hold a LISTEN session. Defaults to false.
 	DisableNotify bool
 
+	// Listener, when set, is the LISTEN connection the relay shares with
+	// the other relays of the process given the same Listener, instead of
+	// holding one of its own while it runs: with a relay per stream (a
+	// leaderboard Worker per board), the process then holds one connection
+	// outside the pool rather than one per relay. It must be made by
+	// NewListener for the relay's Schema and Table, and cannot be combined
+	// with DisableNotify. Defaults to nil (a connection of the relay's own).
+	Listener *Listener
+
 	// Streams, when not empty, restricts the relay to rows of these streams,
 	// so that different processes can serve different projections. Leave
 	// it empty only when this relay's handler serves every stream written
@@ -264,6 +273,11 @@ func (c *RelayConfig) validate() error {
 	case c.LeaseDuration < time.Millisecond:
 		return &ConfigError{Field: "LeaseDuration", Reason: fmt.Sprintf("is %s; use at least 1ms", c.LeaseDuration)}
 	}
+	if c.Listener != nil {
+		if err := c.validateListener(); err != nil {
+			return err
+		}
+	}
 	for i, s := range c.Streams {
 		if s == "" {
 			return &ConfigError{Field: "Streams", Reason: fmt.Sprintf("element %d is empty; remove it", i)}
@@ -271,6 +285,20 @@ func (c *RelayConfig) validate() error {
 		if reason := textProblem(s); reason != "" {
 			return &ConfigError{Field: "Streams", Reason: fmt.Sprintf("element %d %s", i, reason)}
 		}
+	}
+	return nil
+}
+
+func (c *RelayConfig) validateListener() error {
+	switch l := c.Listener; {
+	case l.unmade():
+		return &ConfigError{Field: "Listener", Reason: "was not made by NewListener; create it with NewListener"}
+	case c.DisableNotify:
+		return &ConfigError{Field: "Listener", Reason: "is set with DisableNotify; unset one of them (DisableNotify turns notifications off, a Listener shares them)"}
+	case l.conn.channel != channelName(c.Schema, c.Table):
+		return &ConfigError{Field: "Listener", Reason: fmt.Sprintf(
+			"listens for outbox %q.%q, not the relay's %q.%q; give the relay a Listener made with its Schema and Table",
+			l.cfg.Schema, l.cfg.Table, c.Schema, c.Table)}
 	}
 	return nil
 }

@@ -1434,8 +1434,6 @@ func (b *testBundle) appendNow(t *testing.T, msgs ...outbox.Message) time.Time {
 	return time.Now()
 }
 
-// listenerPid finds the backend LISTENing on the bundle's channel, or 0 (also
-// on error: it runs inside Eventually, where the test must not be failed).
 // listenerPid returns the pid of the relay's LISTEN connection, or 0 when
 // there is none, or when the query fails (for require.Eventually; use
 // requireNoListener to assert there is none).

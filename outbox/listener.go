@@ -1,0 +1,193 @@
+package outbox
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"sync"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+)
+
+// ListenerConfig configures a Listener.
+type ListenerConfig struct {
+	// Schema and Table name the outbox whose notifications the Listener
+	// receives; the relays that share it must serve that outbox. Default
+	// to SchemaDefault and TableDefault.
+	Schema string
+	Table  string
+
+	// ReconnectBackoffMax caps the pause between attempts to reconnect
+	// after the connection fails (100ms, doubling). Defaults to
+	// ReconnectBackoffMaxDefault.
+	ReconnectBackoffMax time.Duration
+
+	// Logger receives the Listener's logs (a failed connection, at Warn).
+	// Defaults to a logger that discards everything.
+	Logger *slog.Logger
+}
+
+// WithDefaults returns a copy of c with every zero field set to its default.
+// A nil c yields all defaults.
+func (c *ListenerConfig) WithDefaults() *ListenerConfig {
+	var out ListenerConfig
+	if c != nil {
+		out = *c
+	}
+	setDefault(&out.Schema, SchemaDefault)
+	setDefault(&out.Table, TableDefault)
+	setDefault(&out.ReconnectBackoffMax, ReconnectBackoffMaxDefault)
+	if out.Logger == nil {
+		out.Logger = slog.New(slog.DiscardHandler)
+	}
+	return &out
+}
+
+func (c *ListenerConfig) validate() error {
+	if err := validateNames(c.Schema, c.Table); err != nil {
+		return err
+	}
+	if c.ReconnectBackoffMax <= 0 {
+		return &ConfigError{Field: "ReconnectBackoffMax", Reason: fmt.Sprintf("is %s; use a positive duration, or zero for the default", c.ReconnectBackoffMax)}
+	}
+	return nil
+}
+
+// Listener is one LISTEN connection shared by the relays of a process that
+// serve the same outbox table (RelayConfig.Listener): each relay running
+// without one holds a PostgreSQL connection of its own, outside the pool,
+// so a process running a relay per stream (a leaderboard Worker per board)
+// would otherwise hold one per relay. The Listener passes each
+// notification to the running relays it may concern (a payload naming a
+// stream wakes only the relays serving it) and, after it (re)connects,
+// wakes them all, since notifications sent while it was not listening are
+// lost.
+//
+// The connection is opened, as a relay's own would be, from the
+// configuration of the pool given to NewListener, running its BeforeConnect,
+// AfterConnect and BeforeClose hooks, and reconnected with a growing pause
+// after any error. It is open only while at least one relay that shares
+// the Listener runs: the first Relay.Run to start opens it, and the last
+// to return closes it before returning. A Listener is safe for concurrent
+// use and needs no closing.
+type Listener struct {
+	conn listenConn
+	cfg  ListenerConfig
+
+	mu   sync.Mutex
+	subs map[*subscription]struct{}
+	// stop ends the running connection; nil while none runs.
+	stop func()
+}
+
+// subscription is a running relay's interest in the Listener's
+// notifications.
+type subscription struct {
+	serves func(payload string) bool
+	wake   chan<- struct{}
+}
+
+// NewListener returns a Listener for the outbox that cfg names (nil means
+// the defaults), connecting with pool's configuration when a relay that
+// shares it runs. It opens no connection itself. Bad arguments are a
+// *ConfigError.
+func NewListener(pool *pgxpool.Pool, cfg *ListenerConfig) (*Listener, error) {
+	if pool == nil {
+		return nil, &ConfigError{Field: "pool", Reason: "is nil; pass the *pgxpool.Pool of the outbox's database"}
+	}
+	cfg = cfg.WithDefaults()
+	if err := cfg.validate(); err != nil {
+		return nil, err
+	}
+	return &Listener{
+		conn: listenConn{
+			pool:       pool,
+			channel:    channelName(cfg.Schema, cfg.Table),
+			logger:     cfg.Logger.With(slog.String("listener", channelName(cfg.Schema, cfg.Table))),
+			backoffMax: cfg.ReconnectBackoffMax,
+		},
+		cfg:  *cfg,
+		subs: make(map[*subscription]struct{}),
+	}, nil
+}
+
+// Config returns the Listener's configuration with defaults applied.
+func (l *Listener) Config() ListenerConfig {
+	if l.unmade() {
+		return *(*ListenerConfig)(nil).WithDefaults()
+	}
+	return l.cfg
+}
+
+// unmade reports a Listener not made by NewListener.
+func (l *Listener) unmade() bool { return l == nil || l.subs == nil }
+
+// subscribe adds a running relay; the returned function removes it and,
+// for the last one, closes the connection and waits until it is closed.
+// Rows committed before subscribe returns are the relay's own to find
+// (its first claim follows); from then on it is notified, or woken after
+// a reconnection.
+func (l *Listener) subscribe(serves func(string) bool, wake chan<- struct{}) (unsubscribe func()) {
+	sub := &subscription{serves: serves, wake: wake}
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.subs[sub] = struct{}{}
+	if l.stop == nil {
+		l.stop = l.start()
+	}
+	return func() {
+		l.mu.Lock()
+		delete(l.subs, sub)
+		var stop func()
+		if len(l.subs) == 0 {
+			stop, l.stop = l.stop, nil
+		}
+		l.mu.Unlock()
+		if stop != nil {
+			stop()
+		}
+	}
+}
+
+// start runs a connection until the returned function is called; that
+// function returns once the connection is closed. A relay that subscribes
+// while an earlier connection is still closing starts a new one: both
+// then wake the current relays, which costs at most a spare claim.
+func (l *Listener) start() (stop func()) {
+	ctx, cancel := context.WithCancel(context.Background())
+	// Statements outlive ctx by listenCloseTimeout (see listenConn.run).
+	stmtCtx, cancelStmts := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		defer cancelStmts()
+		l.conn.run(ctx, stmtCtx, l.wakeAll, l.dispatch)
+	}()
+	return func() {
+		cancel()
+		grace := time.AfterFunc(listenCloseTimeout, cancelStmts)
+		defer grace.Stop()
+		<-done
+	}
+}
+
+// wakeAll wakes every running relay: the connection was (re)established.
+func (l *Listener) wakeAll() {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	for sub := range l.subs {
+		signal(sub.wake)
+	}
+}
+
+// dispatch wakes the running relays that serve payload's stream.
+func (l *Listener) dispatch(payload string) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	for sub := range l.subs {
+		if sub.serves(payload) {
+			signal(sub.wake)
+		}
+	}
+}

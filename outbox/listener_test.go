@@ -1,0 +1,231 @@
+package outbox_test
+
+import (
+	"context"
+	"log/slog"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/stretchr/testify/require"
+
+	"github.com/verity-go/verity/outbox"
+)
+
+// listeners counts the connections LISTENing on the bundle's channel.
+func (b *testBundle) listeners(t *testing.T) int {
+	t.Helper()
+	var n int
+	require.NoError(t, b.pool.QueryRow(context.Background(), `SELECT count(*) FROM pg_stat_activity WHERE query = $1`,
+		`LISTEN "`+b.writer.Channel()+`"`).Scan(&n))
+	return n
+}
+
+// countingPool returns a pool of the bundle's database that counts its
+// acquisitions (a claim pass takes at least one).
+func (b *testBundle) countingPool(t *testing.T, acquired *atomic.Int64) *pgxpool.Pool {
+	t.Helper()
+	cfg, err := pgxpool.ParseConfig(b.pg.ConnString)
+	require.NoError(t, err)
+	cfg.PrepareConn = func(context.Context, *pgx.Conn) (bool, error) {
+		acquired.Add(1)
+		return true, nil
+	}
+	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
+	require.NoError(t, err)
+	t.Cleanup(pool.Close)
+	return pool
+}
+
+func (b *testBundle) listener(t *testing.T, pool *pgxpool.Pool) *outbox.Listener {
+	t.Helper()
+	if pool == nil {
+		pool = b.pool
+	}
+	l, err := outbox.NewListener(pool, &outbox.ListenerConfig{Schema: b.cfg.Schema, Table: b.cfg.Table, ReconnectBackoffMax: 100 * time.Millisecond})
+	require.NoError(t, err)
+	return l
+}
+
+func TestListener(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+
+	// Relays sharing a Listener hold one LISTEN connection between them,
+	// and each is notified of its own stream's rows.
+	t.Run("SharesOneConnection", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		l := b.listener(t, nil)
+		streams := []string{"s0", "s1", "s2", "s3"}
+		handlers := make([]*recorder, len(streams))
+		for i, s := range streams {
+			handlers[i] = &recorder{}
+			startRun(t, b.relay(t, nil, handlers[i], outbox.RelayConfig{Streams: []string{s}, PollInterval: time.Hour, Listener: l}))
+		}
+		waitListening(t, b)
+		time.Sleep(200 * time.Millisecond) // the relays' first claims are over
+		require.Equal(t, 1, b.listeners(t), "relays sharing a Listener hold one LISTEN connection")
+		for i, s := range streams {
+			b.appendNow(t, newMessage(s, "k", int64(i+1)))
+		}
+		for i, h := range handlers {
+			require.Eventually(t, func() bool { return len(h.seen()) == 1 }, 10*time.Second, 10*time.Millisecond,
+				"relay of %s was not woken for its row (its PollInterval is an hour)", streams[i])
+			require.Equal(t, streams[i], h.seen()[0].Stream)
+		}
+		require.Equal(t, 1, b.listeners(t))
+	})
+
+	// A notification naming a stream wakes only the relays serving it; an
+	// empty payload wakes them all.
+	t.Run("WakesOnlyTheRelaysOfTheStream", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		l := b.listener(t, nil)
+		var acquiredA, acquiredB atomic.Int64
+		startRun(t, b.relay(t, b.countingPool(t, &acquiredA), &recorder{}, outbox.RelayConfig{Streams: []string{"a"}, PollInterval: time.Hour, Listener: l}))
+		startRun(t, b.relay(t, b.countingPool(t, &acquiredB), &recorder{}, outbox.RelayConfig{Streams: []string{"b"}, PollInterval: time.Hour, Listener: l}))
+		waitListening(t, b)
+		quiet := func() (a, b int64) {
+			for {
+				a0, b0 := acquiredA.Load(), acquiredB.Load()
+				time.Sleep(100 * time.Millisecond)
+				if a, b := acquiredA.Load(), acquiredB.Load(); a == a0 && b == b0 {
+					return a, b
+				}
+			}
+		}
+		notify := func(payload string) {
+			_, err := b.pool.Exec(ctx, `SELECT pg_notify($1, $2)`, b.writer.Channel(), payload)
+			require.NoError(t, err)
+		}
+
+		a0, b0 := quiet()
+		for range 30 {
+			notify("b")
+			time.Sleep(5 * time.Millisecond)
+		}
+		a1, b1 := quiet()
+		require.LessOrEqual(t, a1-a0, int64(2), "notifications for stream b woke relay a")
+		require.Greater(t, b1, b0, "notifications for stream b did not wake relay b")
+
+		notify("")
+		require.Eventually(t, func() bool { return acquiredA.Load() > a1 && acquiredB.Load() > b1 }, 10*time.Second, 10*time.Millisecond,
+			"an empty payload wakes every relay")
+	})
+
+	// Notifications sent while the connection is down are lost: once it is
+	// back, the Listener wakes every relay, which then finds the rows.
+	t.Run("WakesEveryRelayAfterReconnecting", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		var connects atomic.Int64
+		gate := make(chan struct{})
+		cfg, err := pgxpool.ParseConfig(b.pg.ConnString)
+		require.NoError(t, err)
+		cfg.BeforeConnect = func(ctx context.Context, _ *pgx.ConnConfig) error {
+			if connects.Add(1) == 1 {
+				return nil
+			}
+			select { // the reconnection waits until the rows are written
+			case <-gate:
+				return nil
+			case <-ctx.Done():
+				return ctx.Err()
+			}
+		}
+		listenPool, err := pgxpool.NewWithConfig(ctx, cfg)
+		require.NoError(t, err)
+		t.Cleanup(listenPool.Close)
+		l := b.listener(t, listenPool)
+		hA, hB := &recorder{}, &recorder{}
+		startRun(t, b.relay(t, nil, hA, outbox.RelayConfig{Streams: []string{"a"}, PollInterval: time.Hour, Listener: l}))
+		startRun(t, b.relay(t, nil, hB, outbox.RelayConfig{Streams: []string{"b"}, PollInterval: time.Hour, Listener: l}))
+		pid := waitListening(t, b)
+		time.Sleep(200 * time.Millisecond) // the relays' first claims are over
+
+		_, err = b.pool.Exec(ctx, `SELECT pg_terminate_backend($1)`, pid)
+		require.NoError(t, err)
+		require.Eventually(t, func() bool { return connects.Load() >= 2 }, 10*time.Second, 10*time.Millisecond, "the Listener reconnects")
+		b.appendNow(t, newMessage("a", "k", 1), newMessage("b", "k", 1)) // nobody listens
+		close(gate)
+		for _, h := range []*recorder{hA, hB} {
+			require.Eventually(t, func() bool { return len(h.seen()) == 1 }, 10*time.Second, 10*time.Millisecond,
+				"a row written while the Listener was reconnecting waits for the PollInterval (an hour)")
+		}
+	})
+
+	// The connection is open only while a relay sharing the Listener runs:
+	// the last Run to return closes it, and a later Run opens it again.
+	t.Run("OpenWhileARelayRuns", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		l := b.listener(t, nil)
+		time.Sleep(100 * time.Millisecond)
+		require.Zero(t, b.listeners(t), "NewListener connected")
+
+		stopA := startRun(t, b.relay(t, nil, &recorder{}, outbox.RelayConfig{Streams: []string{"a"}, Listener: l}))
+		stopB := startRun(t, b.relay(t, nil, &recorder{}, outbox.RelayConfig{Streams: []string{"b"}, Listener: l}))
+		waitListening(t, b)
+		require.NoError(t, stopA())
+		require.Equal(t, 1, b.listeners(t), "a relay still runs")
+		require.NoError(t, stopB())
+		requireNoListener(t, b, "the last relay's Run returned with the connection open")
+
+		h := &recorder{}
+		startRun(t, b.relay(t, nil, h, outbox.RelayConfig{Streams: []string{"c"}, PollInterval: time.Hour, Listener: l}))
+		waitListening(t, b)
+		time.Sleep(200 * time.Millisecond)
+		b.appendNow(t, newMessage("c", "k", 1))
+		require.Eventually(t, func() bool { return len(h.seen()) == 1 }, 10*time.Second, 10*time.Millisecond)
+	})
+
+	t.Run("Config", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		l := b.listener(t, nil)
+		require.Equal(t, b.cfg.Schema, l.Config().Schema)
+		require.Equal(t, 100*time.Millisecond, l.Config().ReconnectBackoffMax)
+
+		def := (*outbox.ListenerConfig)(nil).WithDefaults()
+		require.Equal(t, outbox.SchemaDefault, def.Schema)
+		require.Equal(t, outbox.TableDefault, def.Table)
+		require.Equal(t, outbox.ReconnectBackoffMaxDefault, def.ReconnectBackoffMax)
+		require.NotNil(t, def.Logger)
+		require.Equal(t, *def, (*outbox.Listener)(nil).Config())
+
+		for name, tc := range map[string]struct {
+			pool  *pgxpool.Pool
+			cfg   outbox.ListenerConfig
+			field string
+		}{
+			"NilPool":         {nil, outbox.ListenerConfig{}, "pool"},
+			"ReservedSchema":  {b.pool, outbox.ListenerConfig{Schema: "pg_x"}, "Schema"},
+			"DerivedTable":    {b.pool, outbox.ListenerConfig{Table: "q_dead"}, "Table"},
+			"NegativeBackoff": {b.pool, outbox.ListenerConfig{ReconnectBackoffMax: -time.Second}, "ReconnectBackoffMax"},
+		} {
+			_, err := outbox.NewListener(tc.pool, &tc.cfg)
+			var cerr *outbox.ConfigError
+			require.ErrorAs(t, err, &cerr, name)
+			require.Equal(t, tc.field, cerr.Field, name)
+			require.ErrorIs(t, err, outbox.ErrInvalidConfig, name)
+		}
+
+		other, err := outbox.NewListener(b.pool, &outbox.ListenerConfig{Schema: b.cfg.Schema, Table: "other", Logger: slog.Default()})
+		require.NoError(t, err)
+		for name, cfg := range map[string]outbox.RelayConfig{
+			"AnotherTable":      {Listener: other},
+			"WithDisableNotify": {Listener: l, DisableNotify: true},
+			"NotFromNew":        {Listener: &outbox.Listener{}},
+		} {
+			cfg.Schema, cfg.Table = b.cfg.Schema, b.cfg.Table
+			_, err := outbox.NewRelay(b.pool, &recorder{}, &cfg)
+			var cerr *outbox.ConfigError
+			require.ErrorAs(t, err, &cerr, name)
+			require.Equal(t, "Listener", cerr.Field, name)
+		}
+	})
+}
