@@ -7,9 +7,7 @@ import (
 
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgxpool"
 
-	"github.com/verity-go/verity/internal/services"
 	"github.com/verity-go/verity/outbox"
 )
 
@@ -18,29 +16,12 @@ import (
 // relay is still woken only by its own stream's rows.
 func ExampleListener() {
 	ctx := context.Background()
-	pgURL, _, cleanup, err := services.ResolveForExample()
+	// A migrated outbox in a schema of its own, set up as in Example.
+	pool, schema, writer, cleanup, err := exampleOutbox(ctx)
 	if err != nil {
-		fmt.Println("services unavailable:", err)
-		return
+		panic(err)
 	}
 	defer cleanup()
-	pool, err := pgxpool.New(ctx, pgURL)
-	if err != nil {
-		panic(err)
-	}
-	defer pool.Close()
-	var schema string
-	if err := pool.QueryRow(ctx, `SELECT current_schema()`).Scan(&schema); err != nil {
-		panic(err)
-	}
-	cfg := &outbox.Config{Schema: schema}
-	if err := outbox.Migrate(ctx, pool, cfg); err != nil {
-		panic(err)
-	}
-	writer, err := outbox.NewWriter(cfg)
-	if err != nil {
-		panic(err)
-	}
 
 	listener, err := outbox.NewListener(pool, &outbox.ListenerConfig{Schema: schema})
 	if err != nil {

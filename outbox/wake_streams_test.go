@@ -23,20 +23,9 @@ func TestRelayWakesOnlyForItsStreams(t *testing.T) {
 	ctx := context.Background()
 	b := setup(t)
 
-	// A pool that counts acquisitions: a claim pass takes at least one.
 	var acquired atomic.Int64
-	cfg, err := pgxpool.ParseConfig(b.pg.ConnString)
-	require.NoError(t, err)
-	cfg.PrepareConn = func(context.Context, *pgx.Conn) (bool, error) {
-		acquired.Add(1)
-		return true, nil
-	}
-	pool, err := pgxpool.NewWithConfig(ctx, cfg)
-	require.NoError(t, err)
-	t.Cleanup(pool.Close)
-
 	h := &recorder{}
-	r := b.relay(t, pool, h, outbox.RelayConfig{Streams: []string{"a"}, PollInterval: time.Hour})
+	r := b.relay(t, b.countingPool(t, &acquired), h, outbox.RelayConfig{Streams: []string{"a"}, PollInterval: time.Hour})
 	startRun(t, r)
 	waitListening(t, b)
 	// The passes at start and after LISTEN are over once a notified row
