@@ -69,8 +69,10 @@ func (c *ListenerConfig) validate() error {
 // AfterConnect and BeforeClose hooks, and reconnected with a growing pause
 // after any error. It is open only while at least one relay that shares
 // the Listener runs: the first Relay.Run to start opens it, and the last
-// to return closes it before returning. A Listener is safe for concurrent
-// use and needs no closing.
+// to stop (its context ends) closes it, letting a LISTEN statement in
+// flight run for up to that relay's ShutdownTimeout, before its Run
+// returns. A Listener is safe for concurrent use and needs no closing;
+// give it a Logger to see its connection failures.
 type Listener struct {
 	conn listenConn
 	cfg  ListenerConfig
@@ -78,7 +80,7 @@ type Listener struct {
 	mu   sync.Mutex
 	subs map[*subscription]struct{}
 	// stop ends the running connection; nil while none runs.
-	stop func()
+	stop func(grace time.Duration)
 }
 
 // subscription is a running relay's interest in the Listener's
@@ -124,11 +126,13 @@ func (l *Listener) Config() ListenerConfig {
 func (l *Listener) unmade() bool { return l == nil || l.subs == nil }
 
 // subscribe adds a running relay; the returned function removes it and,
-// for the last one, closes the connection and waits until it is closed.
+// for the last one, closes the connection and waits until it is closed,
+// letting a LISTEN (or AfterConnect) statement in flight run for up to
+// grace first, as a relay's own connection is given its ShutdownTimeout.
 // Rows committed before subscribe returns are the relay's own to find
 // (its first claim follows); from then on it is notified, or woken after
 // a reconnection.
-func (l *Listener) subscribe(serves func(string) bool, wake chan<- struct{}) (unsubscribe func()) {
+func (l *Listener) subscribe(serves func(string) bool, wake chan<- struct{}) (unsubscribe func(grace time.Duration)) {
 	sub := &subscription{serves: serves, wake: wake}
 	l.mu.Lock()
 	defer l.mu.Unlock()
@@ -136,27 +140,28 @@ func (l *Listener) subscribe(serves func(string) bool, wake chan<- struct{}) (un
 	if l.stop == nil {
 		l.stop = l.start()
 	}
-	return func() {
+	return func(grace time.Duration) {
 		l.mu.Lock()
 		delete(l.subs, sub)
-		var stop func()
+		var stop func(time.Duration)
 		if len(l.subs) == 0 {
 			stop, l.stop = l.stop, nil
 		}
 		l.mu.Unlock()
 		if stop != nil {
-			stop()
+			stop(grace)
 		}
 	}
 }
 
 // start runs a connection until the returned function is called; that
-// function returns once the connection is closed. A relay that subscribes
-// while an earlier connection is still closing starts a new one: both
-// then wake the current relays, which costs at most a spare claim.
-func (l *Listener) start() (stop func()) {
+// function returns once the connection is closed, having let a statement
+// in flight run for up to grace (see listenConn.run). A relay that
+// subscribes while an earlier connection is still closing starts a new
+// one: both then wake the current relays, which costs at most a spare
+// claim.
+func (l *Listener) start() (stop func(grace time.Duration)) {
 	ctx, cancel := context.WithCancel(context.Background())
-	// Statements outlive ctx by listenCloseTimeout (see listenConn.run).
 	stmtCtx, cancelStmts := context.WithCancel(context.Background())
 	done := make(chan struct{})
 	go func() {
@@ -164,10 +169,10 @@ func (l *Listener) start() (stop func()) {
 		defer cancelStmts()
 		l.conn.run(ctx, stmtCtx, l.wakeAll, l.dispatch)
 	}()
-	return func() {
+	return func(grace time.Duration) {
 		cancel()
-		grace := time.AfterFunc(listenCloseTimeout, cancelStmts)
-		defer grace.Stop()
+		timer := time.AfterFunc(grace, cancelStmts)
+		defer timer.Stop()
 		<-done
 	}
 }

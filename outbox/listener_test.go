@@ -229,3 +229,47 @@ func TestListener(t *testing.T) {
 		}
 	})
 }
+
+// TestListenerStopGivesShutdownTimeout: the last relay to stop closes the
+// shared connection within its ShutdownTimeout, as its own connection
+// would be, even while the connection's setup (AfterConnect, LISTEN) hangs.
+func TestListenerStopGivesShutdownTimeout(t *testing.T) {
+	t.Parallel()
+	for name, shared := range map[string]bool{"OwnConnection": false, "SharedListener": true} {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			b := setup(t)
+			entered := make(chan struct{}, 1)
+			var hang atomic.Bool // set once the pool holds a connection for the claims
+			cfg, err := pgxpool.ParseConfig(b.pg.ConnString)
+			require.NoError(t, err)
+			cfg.AfterConnect = func(ctx context.Context, _ *pgx.Conn) error {
+				if !hang.Load() {
+					return nil
+				}
+				select {
+				case entered <- struct{}{}:
+				default:
+				}
+				<-ctx.Done() // a session setup that does not end (a lock, a slow server)
+				return ctx.Err()
+			}
+			pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
+			require.NoError(t, err)
+			t.Cleanup(pool.Close)
+			c, err := pool.Acquire(context.Background())
+			require.NoError(t, err)
+			c.Release()
+			hang.Store(true)
+			rc := outbox.RelayConfig{PollInterval: time.Hour, ShutdownTimeout: 100 * time.Millisecond}
+			if shared {
+				rc.Listener = b.listener(t, pool)
+			}
+			stop := startRun(t, b.relay(t, pool, &recorder{}, rc))
+			receive(t, entered)
+			began := time.Now()
+			require.NoError(t, stop())
+			require.Less(t, time.Since(began), time.Second, "Run waited past ShutdownTimeout for the LISTEN connection's setup")
+		})
+	}
+}

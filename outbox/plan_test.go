@@ -62,15 +62,76 @@ func TestSettlePlanUsesIndexes(t *testing.T) {
 	t.Parallel()
 	b := setupBacklog(t, 5000)
 	for _, keep := range []bool{false, true} {
-		r := b.relay(t, nil, &recorder{}, outbox.RelayConfig{KeepPublished: keep})
-		// The token, then acknowledged ids ($2), rows to retry ($3-$5),
-		// to bury ($6-$7), to release ($8), and the attempt numbers ($9-$10).
-		plan := genericPlan(t, b, r.SettleSQL(), "'"+uuid.NewString()+
-			"', '{1, 2, 3}', '{4}', '{boom}', '{1000}', '{5}', '{boom}', '{6}', '{1}', '{3}'")
-		t.Logf("generic settle plan (keep published %v):\n%s", keep, plan)
-		require.NotRegexp(t, `Seq Scan on verity_outbox\b`, plan, "the settle statement must not scan the whole outbox")
-		require.Regexp(t, `Index (Only )?Scan using verity_outbox_pkey on verity_outbox`, plan, "rows are found through the primary key")
+		for _, streams := range [][]string{nil, {"s"}} {
+			r := b.relay(t, nil, &recorder{}, outbox.RelayConfig{KeepPublished: keep, Streams: streams})
+			// The token, then acknowledged ids ($2), rows to retry ($3-$5),
+			// to bury ($6-$7), to release ($8), the attempt numbers
+			// ($9-$10), the channel ($11) and the relay's streams ($12).
+			args := "'" + uuid.NewString() + "', '{1, 2, 3}', '{4}', '{boom}', '{1000}', '{5}', '{boom}', '{6}', '{1}', '{3}', 'channel'"
+			if streams != nil {
+				args += ", '{s}'"
+			}
+			plan := genericPlan(t, b, r.SettleSQL(), args)
+			t.Logf("generic settle plan (keep published %v, streams %v):\n%s", keep, streams, plan)
+			require.NotRegexp(t, `Seq Scan on verity_outbox\b`, plan, "the settle statement must not scan the whole outbox")
+			require.NotContains(t, plan, "_pending_idx", "the settle statement must not read every due row")
+			require.Regexp(t, `Index (Only )?Scan using verity_outbox_pkey on verity_outbox`, plan, "rows are found through the primary key")
+			if streams != nil {
+				require.Contains(t, plan, "_partition_idx", "other streams' rows come from the partition index")
+			}
+		}
 	}
+}
+
+// TestClaimHeldCostOnAnotherStreamsBacklog: a relay restricted to some
+// streams reads past another stream's pending rows when it looks for due
+// partitions (RelayConfig.Streams documents the cost). Its held column,
+// which reports rows in partitions the claim skipped, must not read them a
+// second time: it reuses that look.
+func TestClaimHeldCostOnAnotherStreamsBacklog(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	b := setup(t)
+	_, err := b.pool.Exec(ctx, fmt.Sprintf(`INSERT INTO %s (event_id, stream, key, version, payload)
+        SELECT gen_random_uuid(), 'a', 'k' || g, 1, '{}' FROM generate_series(1, 60000) AS g`, b.writer.Table()))
+	require.NoError(t, err)
+	b.appendNow(t, newMessage("b", "kb", 1))
+	_, err = b.pool.Exec(ctx, `ANALYZE `+b.writer.Table())
+	require.NoError(t, err)
+
+	r := b.relay(t, nil, &recorder{}, outbox.RelayConfig{Streams: []string{"b"}})
+	lease, _ := r.ClaimSQL()
+	i := strings.Index(lease, "CASE WHEN (SELECT count(*) FROM leased)")
+	require.Positive(t, i, "the held column is the statement's last")
+	withHeld := statementBuffers(t, b, lease, []string{"b"})
+	without := statementBuffers(t, b, lease[:i]+"false", []string{"b"})
+	t.Logf("lease statement buffers: %d with the held column, %d without", withHeld, without)
+	require.Less(t, float64(withHeld), 1.3*float64(without), "the held column reads the other stream's backlog again")
+}
+
+// statementBuffers runs a claim's lease statement under EXPLAIN (ANALYZE,
+// BUFFERS) in a transaction it rolls back, and returns the shared buffers
+// the whole statement touched (hit + read).
+func statementBuffers(t *testing.T, b *testBundle, sql string, streams []string) int {
+	t.Helper()
+	ctx := context.Background()
+	tx, err := b.pool.Begin(ctx)
+	require.NoError(t, err)
+	defer func() { _ = tx.Rollback(ctx) }()
+	args := []any{uuid.New(), int64(30_000_000)}
+	if streams != nil {
+		args = append(args, streams)
+	}
+	rows, err := tx.Query(ctx, "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) "+sql, args...)
+	require.NoError(t, err)
+	plans, err := pgx.CollectRows(rows, pgx.RowTo[[]map[string]any])
+	require.NoError(t, err)
+	require.Len(t, plans, 1)
+	top := plans[0][0]["Plan"].(map[string]any)
+	hit, _ := top["Shared Hit Blocks"].(float64)
+	read, _ := top["Shared Read Blocks"].(float64)
+	require.Positive(t, hit+read, "no buffers in %v", top)
+	return int(hit + read)
 }
 
 // setupBacklog is setup with n pending rows, analyzed, so that plans see

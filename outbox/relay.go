@@ -89,6 +89,10 @@ func NewRelay(pool *pgxpool.Pool, handler Handler, cfg *RelayConfig) (*Relay, er
 	if cfg.DurableBookkeeping {
 		async = ""
 	}
+	others := ""
+	if len(cfg.Streams) > 0 {
+		others = fmt.Sprintf(settleOthers, n.Outbox, partitionBlock, partitionCount, settleLookahead)
+	}
 	lease := fmt.Sprintf(leaseSQL, n.Outbox, n.Leases, streamFilter, async, partitionCount, partitionsPerClaim, partitionBlock, n.Dead,
 		crashedError("LEAST(o.attempts, 2147483646) + 1"), buryCrashed(n.Dead, cfg), crashedError("attempts"))
 	return &Relay{
@@ -100,7 +104,7 @@ func NewRelay(pool *pgxpool.Pool, handler Handler, cfg *RelayConfig) (*Relay, er
 		metrics:    metrics,
 		leaseSQL:   lease,
 		pickSQL:    fmt.Sprintf(pickSQL, n.Outbox, n.Leases, streamFilter, partitionCount, partitionBlock, n.Dead, cfg.MaxAttempts, crashedError("attempts")),
-		settleSQL:  fmt.Sprintf(settleSQL, ack, n.Outbox, n.Dead, async, n.Leases, partitionCount, partitionBlock),
+		settleSQL:  fmt.Sprintf(settleSQL, ack, n.Outbox, n.Dead, async, n.Leases, partitionCount, partitionBlock, others),
 		releaseSQL: fmt.Sprintf(releaseClaimSQL, n.Leases),
 
 		releaseTimeouts: releaseTimeouts{
@@ -194,30 +198,35 @@ const partitionsPerClaim = 4
 // still honoured, so a rolling upgrade does not hand a row claimed the old
 // way to a new relay.
 //
-// The last column, held, reports a partition this claim did not lease with
-// a row due that this relay could take, one not in the batch (inflight
-// ids) of a live lease on it: another claim's lease holds the partition
-// (the holder's relay picks only its own streams' rows, or its batch was
-// full), or another claim, not yet committed, had it locked, so that this
-// one skipped it while, in its snapshot, no lease held it. Nothing wakes
-// this relay when that claim's batch ends (a settle sends no notification,
-// and notifications naming other streams do not wake it), so Run claims
-// again after a short pause instead of a PollInterval. It is not asked
-// when the claim leased as many partitions as it may (Run claims again at
-// once); otherwise every partition with a due row was either leased here or
-// skipped, so its cost is one probe per partition, as the free partitions'
-// look already makes on a trickle.
+// "due" lists the partitions that no live lease holds (in the statement's
+// snapshot) and that have a row due this relay could take; "free" locks the
+// least recently claimed of them. The last column, held, reports rows this
+// relay could take in partitions it did not lease: in a partition of "due"
+// that another claim, not yet committed, had locked (so that this claim
+// skipped it while, in its snapshot, no lease held it), or in one another
+// claim's live lease holds, not in that batch (its inflight ids: the
+// holder's relay picks only its own streams' rows, or its batch was full).
+// Nothing wakes this relay when that claim's batch ends (a settle notifies
+// only rows it releases or leaves behind of other streams, see settleSQL),
+// so Run claims again after a short pause instead of a PollInterval. It is
+// not asked when the claim leased as many partitions as it may (Run claims
+// again at once); the first half reads "due" again, the second probes each
+// partition held at the moment (few: partitionsPerClaim per relay's batch
+// under way). Two relays of one stream woken by one write (an HA pair)
+// make one extra claim this way when one skips the partition the other
+// is claiming.
 //
 // The due-row test is one probe of the partition index per partition
-// visited, in lease order, stopping once enough partitions are found:
-// OFFSET 0 keeps PostgreSQL from turning the EXISTS into a join, which on
+// without a live lease: OFFSET 0 keeps PostgreSQL from turning the EXISTS
+// into a join, which on
 // an outbox without statistics (never analysed: autovacuum off, or behind
 // a burst) it planned as a hash join over every due row of the outbox,
 // read through the pending index on every claim. With statistics the join
-// it chose walked the partitions in the same order, so nothing changes
-// there.
-const leaseSQL = `WITH free AS MATERIALIZED (
-    SELECT l.part, l.owner, l.inflight
+// it chose walked the partitions in lease order, stopping once enough were
+// found; "due" visits them all, once, so that held can tell which it skipped:
+// on a backlog each probe stops at its first row.
+const leaseSQL = `WITH due AS MATERIALIZED (
+    SELECT l.part
     FROM %[2]s AS l
     WHERE (l.leased_until IS NULL OR l.leased_until <= now())
       AND EXISTS (
@@ -227,6 +236,12 @@ const leaseSQL = `WITH free AS MATERIALIZED (
           AND o.available_at <= now()
           AND (o.leased_until IS NULL OR o.leased_until <= now())%[3]s
         OFFSET 0)
+),
+free AS MATERIALIZED (
+    SELECT l.part, l.owner, l.inflight
+    FROM %[2]s AS l
+    WHERE (l.leased_until IS NULL OR l.leased_until <= now())
+      AND l.part IN (SELECT part FROM due)
     ORDER BY l.touched_at, l.part
     LIMIT %[6]d
     FOR UPDATE OF l SKIP LOCKED
@@ -267,17 +282,20 @@ dead AS (
 )
 SELECT (SELECT count(*) FROM leased), set_config('enable_bitmapscan', 'off', true),
     ARRAY(SELECT id FROM dead ORDER BY id),
-    CASE WHEN (SELECT count(*) FROM leased) >= %[6]d THEN false ELSE EXISTS (
-        SELECT 1 FROM %[2]s AS h
-        WHERE NOT EXISTS (SELECT 1 FROM leased AS m WHERE m.part = h.part)
-          AND EXISTS (
-            SELECT 1 FROM %[1]s AS o
-            WHERE mod(o.id / %[7]d, %[5]d) = h.part
-              AND o.published_at IS NULL
-              AND o.available_at <= now()
-              AND (o.leased_until IS NULL OR o.leased_until <= now())%[3]s
-              AND NOT (h.leased_until > now() AND h.inflight @> o.id)
-            OFFSET 0)) END`
+    CASE WHEN (SELECT count(*) FROM leased) >= %[6]d THEN false ELSE
+        EXISTS (SELECT 1 FROM due WHERE part NOT IN (SELECT part FROM leased))
+        OR EXISTS (
+            SELECT 1 FROM %[2]s AS h
+            WHERE h.leased_until > now()
+              AND EXISTS (
+                SELECT 1 FROM %[1]s AS o
+                WHERE mod(o.id / %[7]d, %[5]d) = h.part
+                  AND o.published_at IS NULL
+                  AND o.available_at <= now()
+                  AND (o.leased_until IS NULL OR o.leased_until <= now())%[3]s
+                  AND NOT h.inflight @> o.id
+                OFFSET 0))
+    END`
 
 // buryCrashed is the condition under which the claim buries a row o of a
 // crashed batch instead of counting the attempt: its attempts, counting
@@ -409,6 +427,19 @@ const (
 // every part touches only rows of those, so a relay whose lease expired and
 // whose partition another relay took over changes nothing there; the ids
 // returned are those actually settled.
+//
+// Releasing the partitions notifies, on the outbox's channel ($11, sent on
+// commit), each stream of the rows left for others to claim: the rows
+// released for re-delivery (another relay of their stream, idle since its
+// claim saw them in this batch, is woken by nothing else), and, for a relay
+// restricted to some streams, other streams' rows due among the first
+// settleLookahead rows of each released partition (settleOthers): their
+// relays skipped the partition while this batch held it, and a busy stream
+// whose relay held it again and again would otherwise keep them waiting
+// for a claim that happens to find it free. The look is bounded so that a
+// settle on a backlog of the relay's own stream reads a few index entries
+// per partition, not the backlog; rows deeper in such a partition wait
+// for their relay's growing pause (see leaseSQL's held).
 const settleSQL = `WITH owned AS MATERIALIZED (
     SELECT part FROM %[5]s WHERE owner = $1 FOR UPDATE
 ),
@@ -437,16 +468,41 @@ dead AS (
     SELECT id, event_id, stream, key, version, payload, created_at, attempts, err FROM buried
     RETURNING id
 ),
+woken AS (
+    SELECT o.stream FROM %[2]s AS o
+    WHERE o.id = ANY($8::bigint[]) AND mod(o.id / %[7]d, %[6]d) IN (SELECT part FROM owned)%[8]s
+),
 released AS (
     UPDATE %[5]s
     SET owner = NULL, leased_until = NULL, inflight = '{}'
     WHERE part IN (SELECT part FROM owned)%[4]s
+      AND (SELECT count(pg_notify($11, w.stream)) FROM (SELECT DISTINCT stream FROM woken) AS w) >= 0
     RETURNING part
 )
 SELECT id FROM acked
 UNION ALL SELECT id FROM retried
 UNION ALL SELECT id FROM dead
 UNION ALL SELECT r.id FROM unnest($8::bigint[]) AS r(id) WHERE mod(r.id / %[7]d, %[6]d) IN (SELECT part FROM owned)`
+
+// settleLookahead is how many of a released partition's first due rows the
+// settle looks at for other streams' rows (see settleSQL).
+const settleLookahead = 32
+
+// settleOthers is the part of settleSQL's "woken" that finds other streams'
+// rows due in the released partitions, for a relay restricted to streams
+// ($12); outbox, block and count are formatted in by NewRelay.
+const settleOthers = `
+    UNION ALL
+    SELECT n.stream FROM owned AS w CROSS JOIN LATERAL (
+        SELECT o.stream FROM %[1]s AS o
+        WHERE mod(o.id / %[2]d, %[3]d) = w.part
+          AND o.published_at IS NULL
+          AND o.available_at <= now()
+          AND (o.leased_until IS NULL OR o.leased_until <= now())
+        ORDER BY mod(o.id / %[2]d, %[3]d), o.available_at, o.id
+        LIMIT %[4]d
+    ) AS n
+    WHERE NOT n.stream = ANY($12::text[])`
 
 // RunOnce claims one batch of due rows, hands it to the Handler and settles
 // it. It returns the number of rows handed to the Handler (0 when nothing
@@ -916,8 +972,13 @@ func (r *Relay) settle(ctx context.Context, token uuid.UUID, batch []Record, res
 		r.logger.Warn("outbox batch had failures; rows will be retried after a backoff",
 			slog.Int("failed", failedCount), slog.Int("batch", len(batch)), slog.String("first_error", firstErr.Error()))
 	}
-	rows, err := r.pool.Query(ctx, r.settleSQL, pgUUID(token), nonNil(acked), nonNil(retryIDs), nonNil(retryErrs),
-		nonNil(retryDelays), nonNil(deadIDs), nonNil(deadErrs), nonNil(released), nonNil(retryAttempts), nonNil(deadAttempts))
+	args := []any{pgUUID(token), nonNil(acked), nonNil(retryIDs), nonNil(retryErrs),
+		nonNil(retryDelays), nonNil(deadIDs), nonNil(deadErrs), nonNil(released), nonNil(retryAttempts), nonNil(deadAttempts),
+		r.names.Channel}
+	if len(r.cfg.Streams) > 0 {
+		args = append(args, r.cfg.Streams) // settleOthers
+	}
+	rows, err := r.pool.Query(ctx, r.settleSQL, args...)
 	if err != nil {
 		return mapError("settle batch", err)
 	}
@@ -1062,7 +1123,23 @@ func (r *Relay) Run(ctx context.Context) error {
 	switch {
 	case r.cfg.DisableNotify:
 	case r.cfg.Listener != nil:
-		defer r.cfg.Listener.subscribe(r.serves, wake)()
+		// Notifications are of no use once ctx ends: the relay leaves
+		// then, so that closing the shared connection (when it is the
+		// last to leave) overlaps the batch in flight, with the same
+		// grace as the relay's own connection would get.
+		unsubscribe := r.cfg.Listener.subscribe(r.serves, wake)
+		left := make(chan struct{})
+		stopLeave := context.AfterFunc(ctx, func() {
+			defer close(left)
+			unsubscribe(r.cfg.ShutdownTimeout)
+		})
+		defer func() {
+			if stopLeave() {
+				unsubscribe(r.cfg.ShutdownTimeout)
+			} else {
+				<-left
+			}
+		}()
 	default:
 		wg.Add(1)
 		go func() {

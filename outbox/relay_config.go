@@ -112,7 +112,9 @@ type RelayConfig struct {
 	ShutdownTimeout time.Duration
 
 	// ReconnectBackoffMax caps the pause after a database error, both
-	// before reconnecting the LISTEN connection and before claiming again.
+	// before reconnecting the LISTEN connection (a shared Listener's own
+	// ListenerConfig.ReconnectBackoffMax applies to it instead) and before
+	// claiming again.
 	// Pauses start at 100ms and double until a success. Notifications do
 	// not cut the pause before claiming short, and PollInterval does not
 	// cap it. Defaults to ReconnectBackoffMaxDefault (5s).
@@ -150,7 +152,11 @@ type RelayConfig struct {
 	// leaderboard Worker per board), the process then holds one connection
 	// outside the pool rather than one per relay. It must be made by
 	// NewListener for the relay's Schema and Table, and cannot be combined
-	// with DisableNotify. Defaults to nil (a connection of the relay's own).
+	// with DisableNotify. The relay stops sharing it when Run's context
+	// ends; the last relay to stop closes the connection, giving a LISTEN
+	// statement in flight its ShutdownTimeout, before its Run returns.
+	// The Listener's own Logger and ReconnectBackoffMax apply to the
+	// connection. Defaults to nil (a connection of the relay's own).
 	Listener *Listener
 
 	// Streams, when not empty, restricts the relay to rows of these streams,

@@ -2,6 +2,7 @@ package outbox_test
 
 import (
 	"context"
+	"fmt"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -214,4 +215,76 @@ func TestRelayClaimsRowsSkippedByItsClaim(t *testing.T) {
 	require.NoError(t, tx.Rollback(ctx)) // that claim ends; nothing is written after
 	require.Eventually(t, func() bool { return len(h.seen()) == 1 }, 5*time.Second, 10*time.Millisecond,
 		"the row the claim skipped waits for the PollInterval (an hour)")
+}
+
+// TestRelayWakesForRowsReleasedAtShutdown: a relay stopping with its
+// Handler past ShutdownTimeout releases the rows for immediate re-delivery.
+// The other relay of the stream (an HA pair, a rolling restart) is idle,
+// and its last claim saw those rows in the stopping relay's batch: only a
+// notification from the release wakes it before its PollInterval.
+func TestRelayWakesForRowsReleasedAtShutdown(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	entered := make(chan struct{}, 1)
+	hung := outbox.HandlerFunc(func(ctx context.Context, _ []outbox.Record) ([]outbox.Result, error) {
+		select {
+		case entered <- struct{}{}:
+		default:
+		}
+		<-ctx.Done() // past ShutdownTimeout: the rows are released
+		return nil, ctx.Err()
+	})
+	stopA := startRun(t, b.relay(t, nil, hung, outbox.RelayConfig{
+		Streams: []string{"s"}, PollInterval: time.Hour, ShutdownTimeout: 100 * time.Millisecond,
+	}))
+	b.appendNow(t, newMessage("s", "k", 1))
+	receive(t, entered)
+	h := &recorder{}
+	startRun(t, b.relay(t, nil, h, outbox.RelayConfig{Streams: []string{"s"}, PollInterval: time.Hour}))
+	require.Eventually(t, func() bool { return b.listeners(t) == 2 }, 10*time.Second, 10*time.Millisecond, "both relays listen")
+	time.Sleep(300 * time.Millisecond) // the second relay's first claims are over
+
+	require.NoError(t, stopA())
+	require.Eventually(t, func() bool { return len(h.seen()) == 1 }, 5*time.Second, 10*time.Millisecond,
+		"the row released at shutdown waits for the other relay's PollInterval (an hour)")
+}
+
+// TestRelayServesRowsInABusyStreamsPartition: a trickle of writes lands in
+// one partition (256 consecutive ids share one), so a quiet stream's row
+// shares it with a busy stream's, whose relay holds the partition almost
+// all the time. The quiet relay's own retries rarely find the partition
+// free; the busy relay's settle, which releases it with that row due,
+// must wake the quiet relay.
+func TestRelayServesRowsInABusyStreamsPartition(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	b := setup(t)
+	slow := outbox.HandlerFunc(func(_ context.Context, batch []outbox.Record) ([]outbox.Result, error) {
+		time.Sleep(40 * time.Millisecond)
+		return make([]outbox.Result, len(batch)), nil
+	})
+	startRun(t, b.relay(t, nil, slow, outbox.RelayConfig{Streams: []string{"busy"}, PollInterval: time.Hour}))
+	h := &recorder{}
+	startRun(t, b.relay(t, nil, h, outbox.RelayConfig{Streams: []string{"quiet"}, PollInterval: time.Hour}))
+	require.Eventually(t, func() bool { return b.listeners(t) == 2 }, 10*time.Second, 10*time.Millisecond, "both relays listen")
+
+	// A row of the busy stream every 20 ms, in batches of 40 ms.
+	var writing sync.WaitGroup
+	writing.Go(func() {
+		for i := 0; ctx.Err() == nil && i < 200; i++ {
+			err := pgx.BeginFunc(ctx, b.pool, func(tx pgx.Tx) error {
+				return b.writer.Append(ctx, tx, newMessage("busy", fmt.Sprint("k", i), 1))
+			})
+			if err != nil {
+				return
+			}
+			time.Sleep(20 * time.Millisecond)
+		}
+	})
+	defer func() { cancel(); writing.Wait() }()
+	time.Sleep(500 * time.Millisecond)
+	b.appendNow(t, newMessage("quiet", "k", 1))
+	require.Eventually(t, func() bool { return len(h.seen()) == 1 }, 2*time.Second, 10*time.Millisecond,
+		"the quiet stream's row waits while the busy relay holds its partition")
 }
