@@ -198,33 +198,38 @@ const partitionsPerClaim = 4
 // still honoured, so a rolling upgrade does not hand a row claimed the old
 // way to a new relay.
 //
-// "due" lists the partitions that no live lease holds (in the statement's
-// snapshot) and that have a row due this relay could take; "free" locks the
-// least recently claimed of them. The last column, held, reports rows this
+// "due" lists the first partitions, least recently claimed first, that no
+// live lease holds (in the statement's snapshot) and that have a row due
+// this relay could take, twice as many as a claim takes; "free" locks up to
+// partitionsPerClaim of them. The last column, held, reports rows this
 // relay could take in partitions it did not lease: in a partition of "due"
 // that another claim, not yet committed, had locked (so that this claim
 // skipped it while, in its snapshot, no lease held it), or in one another
 // claim's live lease holds, not in that batch (its inflight ids: the
 // holder's relay picks only its own streams' rows, or its batch was full).
-// Nothing wakes this relay when that claim's batch ends (a settle notifies
-// only rows it releases or leaves behind of other streams, see settleSQL),
-// so Run claims again after a short pause instead of a PollInterval. It is
-// not asked when the claim leased as many partitions as it may (Run claims
+// Nothing wakes this relay when that claim's batch ends for certain (a
+// settle notifies only some of the rows it leaves, see settleSQL), so Run
+// claims again after a short pause instead of a PollInterval. It is not
+// asked when the claim leased as many partitions as it may (Run claims
 // again at once); the first half reads "due" again, the second probes each
 // partition held at the moment (few: partitionsPerClaim per relay's batch
-// under way). Two relays of one stream woken by one write (an HA pair)
-// make one extra claim this way when one skips the partition the other
-// is claiming.
+// under way). When concurrent claims lock more than partitionsPerClaim of
+// the partitions in "due", this claim leases fewer than it could and claims
+// again after the short pause. Two relays of one stream woken by one write
+// (an HA pair) make one extra claim this way when one skips the partition
+// the other is claiming.
 //
 // The due-row test is one probe of the partition index per partition
-// without a live lease: OFFSET 0 keeps PostgreSQL from turning the EXISTS
-// into a join, which on
+// visited, in lease order (the leases' touched index), stopping once
+// "due" is full: OFFSET 0 keeps PostgreSQL from turning the EXISTS into a
+// join, which on
 // an outbox without statistics (never analysed: autovacuum off, or behind
 // a burst) it planned as a hash join over every due row of the outbox,
 // read through the pending index on every claim. With statistics the join
-// it chose walked the partitions in lease order, stopping once enough were
-// found; "due" visits them all, once, so that held can tell which it skipped:
-// on a backlog each probe stops at its first row.
+// it chose walked the partitions in the same order, so nothing changes
+// there. Stopping early matters on a backlog: the partitions drained last
+// begin with the index entries of rows their acknowledgements deleted,
+// which a probe reads past until vacuum removes them.
 const leaseSQL = `WITH due AS MATERIALIZED (
     SELECT l.part
     FROM %[2]s AS l
@@ -236,6 +241,8 @@ const leaseSQL = `WITH due AS MATERIALIZED (
           AND o.available_at <= now()
           AND (o.leased_until IS NULL OR o.leased_until <= now())%[3]s
         OFFSET 0)
+    ORDER BY l.touched_at, l.part
+    LIMIT 2 * %[6]d
 ),
 free AS MATERIALIZED (
     SELECT l.part, l.owner, l.inflight
