@@ -402,8 +402,8 @@
 // are due in partitions another relay's batch holds (that relay serves
 // other streams, or its batch is full), or that another relay's claim had
 // locked at that instant, it claims again after a pause of
-// 100 ms, doubling up to PollInterval, while they stay held. The end of a
-// batch notifies the streams of the rows it leaves for others: rows
+// 100 ms, doubling up to 2 s (or PollInterval if shorter), jittered, while
+// they stay held. The end of a batch notifies the streams of the rows it leaves for others: rows
 // released at shutdown, and, for a relay restricted to some streams, other
 // streams' rows due among the first 32 of each partition it releases (so
 // that a busy stream holding a partition again and again does not keep a

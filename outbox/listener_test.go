@@ -2,6 +2,7 @@ package outbox_test
 
 import (
 	"context"
+	"fmt"
 	"log/slog"
 	"sync/atomic"
 	"testing"
@@ -141,21 +142,26 @@ func TestListener(t *testing.T) {
 		require.NoError(t, err)
 		t.Cleanup(listenPool.Close)
 		l := b.listener(t, listenPool)
-		hA, hB := &recorder{}, &recorder{}
-		startRun(t, b.relay(t, nil, hA, outbox.RelayConfig{Streams: []string{"a"}, PollInterval: time.Hour, Listener: l}))
-		startRun(t, b.relay(t, nil, hB, outbox.RelayConfig{Streams: []string{"b"}, PollInterval: time.Hour, Listener: l}))
+		// Twenty relays woken at once find their rows in one partition:
+		// all but one find it held, and must still deliver promptly.
+		streams := make([]string, 20)
+		handlers := make([]*recorder, len(streams))
+		for i := range streams {
+			streams[i] = fmt.Sprint("s", i)
+			handlers[i] = &recorder{delay: 20 * time.Millisecond} // a projection's round trips
+			startRun(t, b.relay(t, nil, handlers[i], outbox.RelayConfig{Streams: streams[i : i+1], PollInterval: time.Hour, Listener: l}))
+		}
 		pid := waitListening(t, b)
-		time.Sleep(200 * time.Millisecond) // the relays' first claims are over
+		time.Sleep(300 * time.Millisecond) // the relays' first claims are over
 
 		_, err = b.pool.Exec(ctx, `SELECT pg_terminate_backend($1)`, pid)
 		require.NoError(t, err)
 		require.Eventually(t, func() bool { return connects.Load() >= 2 }, 10*time.Second, 10*time.Millisecond, "the Listener reconnects")
-		b.appendNow(t, newMessage("a", "k", 1), newMessage("b", "k", 1)) // nobody listens
-		close(gate)
-		for _, h := range []*recorder{hA, hB} {
-			require.Eventually(t, func() bool { return len(h.seen()) == 1 }, 10*time.Second, 10*time.Millisecond,
-				"a row written while the Listener was reconnecting waits for the PollInterval (an hour)")
+		for _, s := range streams { // nobody listens
+			b.appendNow(t, newMessage(s, "k", 1))
 		}
+		close(gate)
+		requireEachDelivers(t, handlers, 3*time.Second, "a row written while the Listener was reconnecting")
 	})
 
 	// The connection is open only while a relay sharing the Listener runs:
@@ -271,5 +277,16 @@ func TestListenerStopGivesShutdownTimeout(t *testing.T) {
 			require.NoError(t, stop())
 			require.Less(t, time.Since(began), time.Second, "Run waited past ShutdownTimeout for the LISTEN connection's setup")
 		})
+	}
+}
+
+// requireEachDelivers waits until each handler has seen one row, failing
+// the test, with what, when one has not within d.
+func requireEachDelivers(t *testing.T, handlers []*recorder, d time.Duration, what string) {
+	t.Helper()
+	deadline := time.Now().Add(d)
+	for i, h := range handlers {
+		require.Eventually(t, func() bool { return len(h.seen()) == 1 }, max(time.Until(deadline), time.Millisecond), 10*time.Millisecond,
+			"%s: relay %d had not handled it within %s", what, i, d)
 	}
 }

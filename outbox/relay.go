@@ -1044,7 +1044,12 @@ func (r *Relay) backoff(attempts int) time.Duration {
 	for i := 1; i < attempts && d < r.cfg.RetryBackoffMax; i++ {
 		d = doubled(d, r.cfg.RetryBackoffMax)
 	}
-	d = min(d, r.cfg.RetryBackoffMax)
+	return jittered(min(d, r.cfg.RetryBackoffMax))
+}
+
+// jittered returns a duration drawn uniformly from the upper half of d, so
+// that relays started by one event do not all act again at one instant.
+func jittered(d time.Duration) time.Duration {
 	half := d / 2
 	return half + rand.N(d-half+1)
 }
@@ -1160,9 +1165,13 @@ func (r *Relay) Run(ctx context.Context) error {
 
 	errPause := newPauser(r.cfg.ReconnectBackoffMax)
 	// heldPause spaces the claims while rows this relay could take wait in
-	// partitions other relays hold (claimSoon): their batches end without
-	// a notification.
-	heldPause := newPauser(r.cfg.PollInterval)
+	// partitions other relays hold (claimSoon): a batch's settle notifies
+	// only some of the rows it leaves (see settleSQL). It is jittered,
+	// because relays woken together (a reconnected Listener, a write of
+	// many streams) find their rows held together and would otherwise
+	// collide again at every doubling, and capped at heldPauseMax, a
+	// backstop for rows a settle does not announce.
+	heldPause := newPauser(min(r.cfg.PollInterval, heldPauseMax))
 	for {
 		n, again, err := r.runBatch(ctx, workCtx)
 		switch {
@@ -1204,7 +1213,7 @@ func (r *Relay) Run(ctx context.Context) error {
 		}
 		wait := r.cfg.PollInterval
 		if again == claimSoon {
-			wait = heldPause.next()
+			wait = jittered(heldPause.next())
 		} else {
 			heldPause.reset()
 		}
@@ -1219,6 +1228,10 @@ func (r *Relay) Run(ctx context.Context) error {
 		timer.Stop()
 	}
 }
+
+// heldPauseMax caps the pause between claims while rows this relay could
+// take wait in partitions other relays hold.
+const heldPauseMax = 2 * time.Second
 
 // pauser produces exponentially growing pauses: 100ms, 200ms, … up to max.
 type pauser struct {

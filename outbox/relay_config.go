@@ -151,12 +151,14 @@ type RelayConfig struct {
 	// holding one of its own while it runs: with a relay per stream (a
 	// leaderboard Worker per board), the process then holds one connection
 	// outside the pool rather than one per relay. It must be made by
-	// NewListener for the relay's Schema and Table, and cannot be combined
-	// with DisableNotify. The relay stops sharing it when Run's context
-	// ends; the last relay to stop closes the connection, giving a LISTEN
-	// statement in flight its ShutdownTimeout, before its Run returns.
-	// The Listener's own Logger and ReconnectBackoffMax apply to the
-	// connection. Defaults to nil (a connection of the relay's own).
+	// NewListener for the relay's Schema and Table, with a pool of the
+	// relay's database (NewRelay checks the table, not the database), and
+	// cannot be combined with DisableNotify. The relay stops sharing it
+	// when Run's context ends; the last relay to stop closes the
+	// connection, giving a LISTEN statement in flight its ShutdownTimeout,
+	// before its Run returns. The Listener's own Logger and
+	// ReconnectBackoffMax apply to the connection. Defaults to nil (a
+	// connection of the relay's own).
 	Listener *Listener
 
 	// Streams, when not empty, restricts the relay to rows of these streams,

@@ -66,9 +66,11 @@ type recorder struct {
 	mu      sync.Mutex
 	records []outbox.Record
 	fail    func(rec outbox.Record) error // nil: every record succeeds
+	delay   time.Duration                 // how long each batch takes
 }
 
 func (h *recorder) Handle(_ context.Context, batch []outbox.Record) ([]outbox.Result, error) {
+	time.Sleep(h.delay)
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	results := make([]outbox.Result, len(batch))

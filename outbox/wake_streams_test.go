@@ -288,3 +288,24 @@ func TestRelayServesRowsInABusyStreamsPartition(t *testing.T) {
 	require.Eventually(t, func() bool { return len(h.seen()) == 1 }, 2*time.Second, 10*time.Millisecond,
 		"the quiet stream's row waits while the busy relay holds its partition")
 }
+
+// TestRelaysWokenTogetherAllDeliver: one Append of rows of twenty streams
+// notifies with an empty payload, which wakes every relay at once; the
+// rows share a partition, so all relays but one find it held. Each must
+// still deliver its row promptly, not after pauses that grew in step.
+func TestRelaysWokenTogetherAllDeliver(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	msgs := make([]outbox.Message, 20)
+	handlers := make([]*recorder, len(msgs))
+	for i := range msgs {
+		s := fmt.Sprint("s", i)
+		msgs[i] = newMessage(s, "k", 1)
+		handlers[i] = &recorder{delay: 20 * time.Millisecond} // a projection's round trips
+		startRun(t, b.relay(t, nil, handlers[i], outbox.RelayConfig{Streams: []string{s}, PollInterval: time.Hour}))
+	}
+	require.Eventually(t, func() bool { return b.listeners(t) == len(msgs) }, 10*time.Second, 10*time.Millisecond, "every relay listens")
+	time.Sleep(300 * time.Millisecond) // the relays' first claims are over
+	b.appendNow(t, msgs...)
+	requireEachDelivers(t, handlers, 3*time.Second, "a row of a write that woke every relay")
+}
