@@ -12,11 +12,14 @@ import (
 
 // ListenerConfig configures a Listener.
 type ListenerConfig struct {
-	// Schema and Table name the outbox whose notifications the Listener
-	// receives; the relays that share it must serve that outbox. Default
-	// to SchemaDefault and TableDefault.
+	// Schema is the schema of the outbox whose notifications the Listener
+	// receives, as given to Migrate; the relays that share it must serve
+	// that outbox. Defaults to SchemaDefault ("public").
 	Schema string
-	Table  string
+
+	// Table is the outbox table whose notifications the Listener receives.
+	// Defaults to TableDefault.
+	Table string
 
 	// ReconnectBackoffMax caps the pause between attempts to reconnect
 	// after the connection fails (100ms, doubling). Defaults to
