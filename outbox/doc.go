@@ -403,12 +403,14 @@
 // other streams, or its batch is full), or that another relay's claim had
 // locked at that instant, it claims again after a pause of
 // 100 ms, doubling up to 2 s (or PollInterval if shorter), jittered, while
-// they stay held. The end of a batch notifies the streams of the rows it leaves for others: rows
-// released at shutdown, and, for a relay restricted to some streams, other
-// streams' rows due among the first 32 of each partition it releases (so
-// that a busy stream holding a partition again and again does not keep a
-// quiet stream's row there waiting; rows deeper behind a backlog wait for
-// their relay's pause). After a full batch (rows
+// they stay held. The end of a batch notifies the streams of rows it
+// leaves for others: rows released at shutdown, and, for a relay
+// restricted to some streams, the first other stream's row due among the
+// 32 rows after its own batch in each partition it releases (that row's
+// relay then announces the next in the same way), so that a busy stream
+// holding a partition again and again does not keep a quiet stream's row
+// there waiting; rows deeper behind a backlog wait for their relay's pause.
+// After a full batch (rows
 // its claim moved to the dead-letter table count toward it) it claims again
 // at once. After a database error it pauses before claiming
 // again, 100ms doubling up to ReconnectBackoffMax; notifications do not cut

@@ -161,7 +161,7 @@ func TestListener(t *testing.T) {
 			b.appendNow(t, newMessage(s, "k", 1))
 		}
 		close(gate)
-		requireEachDelivers(t, handlers, 3*time.Second, "a row written while the Listener was reconnecting")
+		requireEachDelivers(t, handlers, 5*time.Second, "a row written while the Listener was reconnecting")
 	})
 
 	// The connection is open only while a relay sharing the Listener runs:

@@ -436,19 +436,22 @@ const (
 // returned are those actually settled.
 //
 // Releasing the partitions notifies, on the outbox's channel ($11, sent on
-// commit), each stream of the rows left for others to claim: the rows
-// released for re-delivery (another relay of their stream, idle since its
-// claim saw them in this batch, is woken by nothing else), and, for a relay
-// restricted to some streams, other streams' rows due among the first
-// settleLookahead rows of each released partition (settleOthers): their
-// relays skipped the partition while this batch held it, and a busy stream
-// whose relay held it again and again would otherwise keep them waiting
-// for a claim that happens to find it free. The look is bounded so that a
-// settle on a backlog of the relay's own stream reads a few index entries
+// commit), streams whose rows are left for others to claim: those of the
+// rows released for re-delivery (another relay of their stream, idle since
+// its claim saw them in this batch, is woken by nothing else), and, for a
+// relay restricted to some streams, the stream of the first other stream's
+// row due among the first settleLookahead rows of each released partition
+// after this batch's own (settleOthers): its relay skipped the partition
+// while this batch held it, and a busy stream whose relay held it again and
+// again would otherwise keep it waiting for a claim that happens to find
+// the partition free. Only the first: that relay's settle announces the
+// next, so rows of N streams in one partition cost O(N) claims, not the
+// O(N²) of waking them all after every batch. The look is bounded so that
+// a settle on a backlog of the relay's own stream reads a few index entries
 // per partition, not the backlog; rows deeper in such a partition wait
 // for their relay's growing pause (see leaseSQL's held).
 const settleSQL = `WITH owned AS MATERIALIZED (
-    SELECT part FROM %[5]s WHERE owner = $1 FOR UPDATE
+    SELECT part, inflight FROM %[5]s WHERE owner = $1 FOR UPDATE
 ),
 acked AS (
     %[1]s
@@ -501,15 +504,20 @@ const settleLookahead = 32
 const settleOthers = `
     UNION ALL
     SELECT n.stream FROM owned AS w CROSS JOIN LATERAL (
-        SELECT o.stream FROM %[1]s AS o
-        WHERE mod(o.id / %[2]d, %[3]d) = w.part
-          AND o.published_at IS NULL
-          AND o.available_at <= now()
-          AND (o.leased_until IS NULL OR o.leased_until <= now())
-        ORDER BY mod(o.id / %[2]d, %[3]d), o.available_at, o.id
-        LIMIT %[4]d
-    ) AS n
-    WHERE NOT n.stream = ANY($12::text[])`
+        SELECT a.stream FROM (
+            SELECT o.stream, o.available_at, o.id FROM %[1]s AS o
+            WHERE mod(o.id / %[2]d, %[3]d) = w.part
+              AND o.published_at IS NULL
+              AND o.available_at <= now()
+              AND (o.leased_until IS NULL OR o.leased_until <= now())
+              AND NOT w.inflight @> o.id
+            ORDER BY mod(o.id / %[2]d, %[3]d), o.available_at, o.id
+            LIMIT %[4]d
+        ) AS a
+        WHERE NOT a.stream = ANY($12::text[])
+        ORDER BY a.available_at, a.id
+        LIMIT 1
+    ) AS n`
 
 // RunOnce claims one batch of due rows, hands it to the Handler and settles
 // it. It returns the number of rows handed to the Handler (0 when nothing

@@ -181,8 +181,10 @@ type RelayConfig struct {
 	// others are served. A notification whose payload names a stream
 	// not listed here does not wake the relay (Append, a Notifier with
 	// NotifierConfig.Stream and the leaderboard send their rows' stream);
-	// an empty payload wakes it.
-	// Defaults to nil (every stream).
+	// an empty payload wakes it. A restricted relay's settle notifies the
+	// stream of the first other stream's row due behind its batch in each
+	// partition it releases (see "Waking relays" in the package
+	// documentation). Defaults to nil (every stream).
 	Streams []string
 
 	// Name identifies the relay in logs. Defaults to "relay-" followed by

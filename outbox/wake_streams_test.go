@@ -71,11 +71,7 @@ func TestAppendNotifiesItsStream(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	b := setup(t)
-	conn, err := pgx.ConnectConfig(ctx, b.pool.Config().ConnConfig)
-	require.NoError(t, err)
-	t.Cleanup(func() { _ = conn.Close(context.Background()) })
-	_, err = conn.Exec(ctx, "LISTEN "+pgx.Identifier{b.writer.Channel()}.Sanitize())
-	require.NoError(t, err)
+	conn := b.listenOn(t)
 
 	for _, tc := range []struct {
 		streams []string
@@ -307,5 +303,85 @@ func TestRelaysWokenTogetherAllDeliver(t *testing.T) {
 	require.Eventually(t, func() bool { return b.listeners(t) == len(msgs) }, 10*time.Second, 10*time.Millisecond, "every relay listens")
 	time.Sleep(300 * time.Millisecond) // the relays' first claims are over
 	b.appendNow(t, msgs...)
-	requireEachDelivers(t, handlers, 3*time.Second, "a row of a write that woke every relay")
+	requireEachDelivers(t, handlers, 5*time.Second, "a row of a write that woke every relay")
+}
+
+// listenOn opens a connection of the test's own LISTENing on the bundle's
+// channel.
+func (b *testBundle) listenOn(t *testing.T) *pgx.Conn {
+	t.Helper()
+	ctx := context.Background()
+	conn, err := pgx.ConnectConfig(ctx, b.pool.Config().ConnConfig)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = conn.Close(context.Background()) })
+	_, err = conn.Exec(ctx, "LISTEN "+pgx.Identifier{b.writer.Channel()}.Sanitize())
+	require.NoError(t, err)
+	return conn
+}
+
+// payloads collects the notifications conn receives within d.
+func payloads(conn *pgx.Conn, d time.Duration) []string {
+	var out []string
+	ctx, cancel := context.WithTimeout(context.Background(), d)
+	defer cancel()
+	for {
+		n, err := conn.WaitForNotification(ctx)
+		if err != nil {
+			return out
+		}
+		out = append(out, n.Payload)
+	}
+}
+
+// TestSettleAnnouncesTheRowBehindItsBatch: a relay restricted to a stream
+// settles a batch that took more rows from a partition than the settle
+// looks ahead; the row right behind them, another stream's, is the
+// partition's first due row once the settle commits, and its stream must
+// be notified: its relay skipped the partition while the batch held it.
+func TestSettleAnnouncesTheRowBehindItsBatch(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	b := setup(t)
+	msgs := make([]outbox.Message, 40) // more than the settle's look-ahead
+	for i := range msgs {
+		msgs[i] = newMessage("busy", fmt.Sprint("k", i), 1)
+	}
+	b.appendCommitted(t, msgs...)                     // the first ids: one partition
+	b.appendCommitted(t, newMessage("quiet", "q", 1)) // the next id, the same partition
+	conn := b.listenOn(t)
+
+	r := b.relay(t, nil, &recorder{}, outbox.RelayConfig{Streams: []string{"busy"}})
+	n, err := r.RunOnce(ctx)
+	require.NoError(t, err)
+	require.Equal(t, len(msgs), n)
+	require.Equal(t, []string{"quiet"}, payloads(conn, time.Second), "the settle's notifications")
+}
+
+// TestSettleWakesOneStreamAtATime: rows of thirty streams in one partition,
+// a relay per stream. Each settle wakes the relay of the next stream's row
+// only, whose own settle wakes the one after: waking every stream with a
+// row there after each batch made every remaining relay claim after every
+// batch, O(N²) claims for N rows (495 pool acquisitions here).
+func TestSettleWakesOneStreamAtATime(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	var acquired atomic.Int64
+	pool := b.countingPool(t, &acquired)
+	msgs := make([]outbox.Message, 30)
+	handlers := make([]*recorder, len(msgs))
+	for i := range msgs {
+		s := fmt.Sprint("s", i)
+		msgs[i] = newMessage(s, "k", 1)
+		handlers[i] = &recorder{delay: 20 * time.Millisecond} // a projection's round trips
+		startRun(t, b.relay(t, pool, handlers[i], outbox.RelayConfig{Streams: []string{s}, PollInterval: time.Hour}))
+	}
+	require.Eventually(t, func() bool { return b.listeners(t) == len(msgs) }, 10*time.Second, 10*time.Millisecond, "every relay listens")
+	time.Sleep(500 * time.Millisecond) // the relays' first claims are over
+	before := acquired.Load()
+	b.appendNow(t, msgs...)
+	requireEachDelivers(t, handlers, 10*time.Second, "a row of a write of thirty streams")
+	time.Sleep(2 * time.Second) // pauses still running end
+	got := acquired.Load() - before
+	t.Logf("%d pool acquisitions for %d rows", got, len(msgs))
+	require.LessOrEqual(t, got, int64(7*len(msgs)), "claims grow with the square of the streams sharing a partition")
 }
