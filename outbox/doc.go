@@ -405,11 +405,14 @@
 // 100 ms, doubling up to 2 s (or PollInterval if shorter), jittered, while
 // they stay held. The end of a batch notifies the streams of rows it
 // leaves for others: rows released at shutdown, and, for a relay
-// restricted to some streams, the first other stream's row due among the
-// 32 rows after its own batch in each partition it releases (that row's
-// relay then announces the next in the same way), so that a busy stream
-// holding a partition again and again does not keep a quiet stream's row
-// there waiting; rows deeper behind a backlog wait for their relay's pause.
+// restricted to some streams, the stream of the first other stream's row
+// due among the 32 rows after its own batch in each partition it releases
+// (that row's relay, if it is restricted too, then announces the next the
+// same way), and of every other stream's row there due for more than 2 s
+// (one nobody took: its relay is not running or does not listen), so that
+// a busy stream holding a partition again and again does not keep a quiet
+// stream's row there waiting. Rows deeper behind a backlog, or behind a
+// row nobody takes for less than 2 s, wait for their relay's pause.
 // After a full batch (rows
 // its claim moved to the dead-letter table count toward it) it claims again
 // at once. After a database error it pauses before claiming

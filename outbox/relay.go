@@ -91,7 +91,7 @@ func NewRelay(pool *pgxpool.Pool, handler Handler, cfg *RelayConfig) (*Relay, er
 	}
 	others := ""
 	if len(cfg.Streams) > 0 {
-		others = fmt.Sprintf(settleOthers, n.Outbox, partitionBlock, partitionCount, settleLookahead)
+		others = fmt.Sprintf(settleOthers, n.Outbox, partitionBlock, partitionCount, settleLookahead, heldPauseMax.Microseconds())
 	}
 	lease := fmt.Sprintf(leaseSQL, n.Outbox, n.Leases, streamFilter, async, partitionCount, partitionsPerClaim, partitionBlock, n.Dead,
 		crashedError("LEAST(o.attempts, 2147483646) + 1"), buryCrashed(n.Dead, cfg), crashedError("attempts"))
@@ -446,7 +446,11 @@ const (
 // again would otherwise keep it waiting for a claim that happens to find
 // the partition free. Only the first: that relay's settle announces the
 // next, so rows of N streams in one partition cost O(N) claims, not the
-// O(N²) of waking them all after every batch. The look is bounded so that
+// O(N²) of waking them all after every batch. That chain stops at a row
+// nobody takes (its stream's relay is not running, or does not listen), so
+// the settle also announces every other stream whose row in the look has
+// been due for longer than heldPauseMax, the longest a relay that found
+// its row held waits before it claims again. The look is bounded so that
 // a settle on a backlog of the relay's own stream reads a few index entries
 // per partition, not the backlog; rows deeper in such a partition wait
 // for their relay's growing pause (see leaseSQL's held).
@@ -504,7 +508,8 @@ const settleLookahead = 32
 const settleOthers = `
     UNION ALL
     SELECT n.stream FROM owned AS w CROSS JOIN LATERAL (
-        SELECT a.stream FROM (
+        SELECT a.stream, a.available_at, row_number() OVER (ORDER BY a.available_at, a.id) AS nth
+        FROM (
             SELECT o.stream, o.available_at, o.id FROM %[1]s AS o
             WHERE mod(o.id / %[2]d, %[3]d) = w.part
               AND o.published_at IS NULL
@@ -515,9 +520,8 @@ const settleOthers = `
             LIMIT %[4]d
         ) AS a
         WHERE NOT a.stream = ANY($12::text[])
-        ORDER BY a.available_at, a.id
-        LIMIT 1
-    ) AS n`
+    ) AS n
+    WHERE n.nth = 1 OR n.available_at < now() - %[5]d * interval '1 microsecond'`
 
 // RunOnce claims one batch of due rows, hands it to the Handler and settles
 // it. It returns the number of rows handed to the Handler (0 when nothing

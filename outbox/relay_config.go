@@ -182,9 +182,10 @@ type RelayConfig struct {
 	// not listed here does not wake the relay (Append, a Notifier with
 	// NotifierConfig.Stream and the leaderboard send their rows' stream);
 	// an empty payload wakes it. A restricted relay's settle notifies the
-	// stream of the first other stream's row due behind its batch in each
-	// partition it releases (see "Waking relays" in the package
-	// documentation). Defaults to nil (every stream).
+	// streams of other streams' rows due behind its batch in each
+	// partition it releases: the first, and any due for more than 2 s (see
+	// "Waking relays" in the package documentation). Defaults to nil
+	// (every stream).
 	Streams []string
 
 	// Name identifies the relay in logs. Defaults to "relay-" followed by

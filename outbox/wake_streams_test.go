@@ -250,25 +250,46 @@ func TestRelayWakesForRowsReleasedAtShutdown(t *testing.T) {
 // shares it with a busy stream's, whose relay holds the partition almost
 // all the time. The quiet relay's own retries rarely find the partition
 // free; the busy relay's settle, which releases it with that row due,
-// must wake the quiet relay.
+// must wake the quiet relay, also when a row nobody takes (its stream's
+// relay is not running) comes before it.
 func TestRelayServesRowsInABusyStreamsPartition(t *testing.T) {
 	t.Parallel()
-	ctx, cancel := context.WithCancel(context.Background())
-	defer cancel()
-	b := setup(t)
-	slow := outbox.HandlerFunc(func(_ context.Context, batch []outbox.Record) ([]outbox.Result, error) {
-		time.Sleep(40 * time.Millisecond)
-		return make([]outbox.Result, len(batch)), nil
-	})
-	startRun(t, b.relay(t, nil, slow, outbox.RelayConfig{Streams: []string{"busy"}, PollInterval: time.Hour}))
-	h := &recorder{}
-	startRun(t, b.relay(t, nil, h, outbox.RelayConfig{Streams: []string{"quiet"}, PollInterval: time.Hour}))
-	require.Eventually(t, func() bool { return b.listeners(t) == 2 }, 10*time.Second, 10*time.Millisecond, "both relays listen")
+	for name, tc := range map[string]struct {
+		ahead []string // streams of rows written before the quiet one
+		bound time.Duration
+	}{
+		"RightBehindTheBatch":   {nil, 2 * time.Second},
+		"BehindARowNobodyTakes": {[]string{"orphan"}, 5 * time.Second}, // announced once it has waited heldPauseMax
+	} {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			b := setup(t)
+			stop := b.busyPartition(t)
+			defer stop()
+			h := &recorder{}
+			startRun(t, b.relay(t, nil, h, outbox.RelayConfig{Streams: []string{"quiet"}, PollInterval: time.Hour}))
+			require.Eventually(t, func() bool { return b.listeners(t) == 2 }, 10*time.Second, 10*time.Millisecond, "both relays listen")
+			time.Sleep(500 * time.Millisecond)
+			for _, s := range tc.ahead {
+				b.appendNow(t, newMessage(s, "k", 1))
+			}
+			b.appendNow(t, newMessage("quiet", "k", 1))
+			require.Eventually(t, func() bool { return len(h.seen()) == 1 }, tc.bound, 10*time.Millisecond,
+				"the quiet stream's row waits while the busy relay holds its partition")
+		})
+	}
+}
 
-	// A row of the busy stream every 20 ms, in batches of 40 ms.
+// busyPartition runs a relay of stream "busy" whose batches take 40 ms and
+// writes a row of that stream every 20 ms, until stop is called: the busy
+// relay holds the trickle's partition almost all the time.
+func (b *testBundle) busyPartition(t *testing.T) (stop func()) {
+	t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	startRun(t, b.relay(t, nil, &recorder{delay: 40 * time.Millisecond}, outbox.RelayConfig{Streams: []string{"busy"}, PollInterval: time.Hour}))
 	var writing sync.WaitGroup
 	writing.Go(func() {
-		for i := 0; ctx.Err() == nil && i < 200; i++ {
+		for i := 0; ctx.Err() == nil && i < 1000; i++ {
 			err := pgx.BeginFunc(ctx, b.pool, func(tx pgx.Tx) error {
 				return b.writer.Append(ctx, tx, newMessage("busy", fmt.Sprint("k", i), 1))
 			})
@@ -278,11 +299,7 @@ func TestRelayServesRowsInABusyStreamsPartition(t *testing.T) {
 			time.Sleep(20 * time.Millisecond)
 		}
 	})
-	defer func() { cancel(); writing.Wait() }()
-	time.Sleep(500 * time.Millisecond)
-	b.appendNow(t, newMessage("quiet", "k", 1))
-	require.Eventually(t, func() bool { return len(h.seen()) == 1 }, 2*time.Second, 10*time.Millisecond,
-		"the quiet stream's row waits while the busy relay holds its partition")
+	return func() { cancel(); writing.Wait() }
 }
 
 // TestRelaysWokenTogetherAllDeliver: one Append of rows of twenty streams
