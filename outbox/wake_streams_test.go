@@ -309,16 +309,7 @@ func (b *testBundle) busyPartition(t *testing.T) (stop func()) {
 func TestRelaysWokenTogetherAllDeliver(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
-	msgs := make([]outbox.Message, 20)
-	handlers := make([]*recorder, len(msgs))
-	for i := range msgs {
-		s := fmt.Sprint("s", i)
-		msgs[i] = newMessage(s, "k", 1)
-		handlers[i] = &recorder{delay: 20 * time.Millisecond} // a projection's round trips
-		startRun(t, b.relay(t, nil, handlers[i], outbox.RelayConfig{Streams: []string{s}, PollInterval: time.Hour}))
-	}
-	require.Eventually(t, func() bool { return b.listeners(t) == len(msgs) }, 10*time.Second, 10*time.Millisecond, "every relay listens")
-	time.Sleep(300 * time.Millisecond) // the relays' first claims are over
+	msgs, handlers := b.relayPerStream(t, nil, 20)
 	b.appendNow(t, msgs...)
 	requireEachDelivers(t, handlers, 5*time.Second, "a row of a write that woke every relay")
 }
@@ -383,17 +374,7 @@ func TestSettleWakesOneStreamAtATime(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
 	var acquired atomic.Int64
-	pool := b.countingPool(t, &acquired)
-	msgs := make([]outbox.Message, 30)
-	handlers := make([]*recorder, len(msgs))
-	for i := range msgs {
-		s := fmt.Sprint("s", i)
-		msgs[i] = newMessage(s, "k", 1)
-		handlers[i] = &recorder{delay: 20 * time.Millisecond} // a projection's round trips
-		startRun(t, b.relay(t, pool, handlers[i], outbox.RelayConfig{Streams: []string{s}, PollInterval: time.Hour}))
-	}
-	require.Eventually(t, func() bool { return b.listeners(t) == len(msgs) }, 10*time.Second, 10*time.Millisecond, "every relay listens")
-	time.Sleep(500 * time.Millisecond) // the relays' first claims are over
+	msgs, handlers := b.relayPerStream(t, b.countingPool(t, &acquired), 30)
 	before := acquired.Load()
 	b.appendNow(t, msgs...)
 	requireEachDelivers(t, handlers, 10*time.Second, "a row of a write of thirty streams")
@@ -401,4 +382,23 @@ func TestSettleWakesOneStreamAtATime(t *testing.T) {
 	got := acquired.Load() - before
 	t.Logf("%d pool acquisitions for %d rows", got, len(msgs))
 	require.LessOrEqual(t, got, int64(7*len(msgs)), "claims grow with the square of the streams sharing a partition")
+}
+
+// relayPerStream runs n relays on pool (nil: the bundle's), one per stream
+// s0, s1, …, each batch taking 20 ms (a projection's round trips), with an
+// hour's PollInterval, and returns once they listen and their first claims
+// are over: a message for each stream, and the relays' handlers.
+func (b *testBundle) relayPerStream(t *testing.T, pool *pgxpool.Pool, n int) ([]outbox.Message, []*recorder) {
+	t.Helper()
+	msgs := make([]outbox.Message, n)
+	handlers := make([]*recorder, n)
+	for i := range msgs {
+		s := fmt.Sprint("s", i)
+		msgs[i] = newMessage(s, "k", 1)
+		handlers[i] = &recorder{delay: 20 * time.Millisecond}
+		startRun(t, b.relay(t, pool, handlers[i], outbox.RelayConfig{Streams: []string{s}, PollInterval: time.Hour}))
+	}
+	require.Eventually(t, func() bool { return b.listeners(t) == n }, 10*time.Second, 10*time.Millisecond, "every relay listens")
+	time.Sleep(500 * time.Millisecond)
+	return msgs, handlers
 }
