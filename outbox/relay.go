@@ -451,9 +451,10 @@ const (
 // the settle also announces every other stream whose row in the look has
 // been due for longer than heldPauseMax, the longest a relay that found
 // its row held waits before it claims again. The look is bounded so that
-// a settle on a backlog of the relay's own stream reads a few index entries
-// per partition, not the backlog; rows deeper in such a partition wait
-// for their relay's growing pause (see leaseSQL's held).
+// a settle on a backlog of the relay's own stream reads, per partition, the
+// index entries of its batch (still there in the statement's snapshot) and
+// settleLookahead more, not the backlog; rows deeper in such a partition
+// wait for their relay's growing pause (see leaseSQL's held).
 const settleSQL = `WITH owned AS MATERIALIZED (
     SELECT part, inflight FROM %[5]s WHERE owner = $1 FOR UPDATE
 ),
