@@ -183,9 +183,9 @@ type RelayConfig struct {
 	// NotifierConfig.Stream and the leaderboard send their rows' stream);
 	// an empty payload wakes it. A restricted relay's settle notifies the
 	// streams of other streams' rows due behind its batch in each
-	// partition it releases: the first, and any due for more than 2 s (see
-	// "Waking relays" in the package documentation). Defaults to nil
-	// (every stream).
+	// partition it releases: the first, and one of those due for more than
+	// 2 s, picked at random (see "Waking relays" in the package
+	// documentation). Defaults to nil (every stream).
 	Streams []string
 
 	// Name identifies the relay in logs. Defaults to "relay-" followed by

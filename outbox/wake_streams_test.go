@@ -260,6 +260,7 @@ func TestRelayServesRowsInABusyStreamsPartition(t *testing.T) {
 	}{
 		"RightBehindTheBatch":   {nil, 2 * time.Second},
 		"BehindARowNobodyTakes": {[]string{"orphan"}, 5 * time.Second}, // announced once it has waited heldPauseMax
+		"BehindRowsNobodyTakes": {[]string{"orphan", "stray", "lost"}, 5 * time.Second},
 	} {
 		t.Run(name, func(t *testing.T) {
 			t.Parallel()
@@ -309,7 +310,7 @@ func (b *testBundle) busyPartition(t *testing.T) (stop func()) {
 func TestRelaysWokenTogetherAllDeliver(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
-	msgs, handlers := b.relayPerStream(t, nil, 20)
+	msgs, handlers := b.relayPerStream(t, nil, 20, 20*time.Millisecond)
 	b.appendNow(t, msgs...)
 	requireEachDelivers(t, handlers, 5*time.Second, "a row of a write that woke every relay")
 }
@@ -365,37 +366,55 @@ func TestSettleAnnouncesTheRowBehindItsBatch(t *testing.T) {
 	require.Equal(t, []string{"quiet"}, payloads(conn, time.Second), "the settle's notifications")
 }
 
-// TestSettleWakesOneStreamAtATime: rows of thirty streams in one partition,
-// a relay per stream. Each settle wakes the relay of the next stream's row
-// only, whose own settle wakes the one after: waking every stream with a
-// row there after each batch made every remaining relay claim after every
-// batch, O(N²) claims for N rows (495 pool acquisitions here).
+// TestSettleWakesOneStreamAtATime: rows of many streams in one partition,
+// a relay per stream. Each settle wakes the relay of the next stream's row,
+// whose own settle wakes the one after: waking every stream with a row
+// there after each batch made every remaining relay claim after every
+// batch, O(N²) claims for N rows (495 pool acquisitions for 30 streams).
+// A chain of slow batches outlasts heldPauseMax, after which the rows
+// behind it count as rows nobody took: announcing all of them after every
+// batch was O(N²) again (about 540 acquisitions for 40 streams); one, at
+// random, is enough to pass a row nobody takes.
 func TestSettleWakesOneStreamAtATime(t *testing.T) {
 	t.Parallel()
-	b := setup(t)
-	var acquired atomic.Int64
-	msgs, handlers := b.relayPerStream(t, b.countingPool(t, &acquired), 30)
-	before := acquired.Load()
-	b.appendNow(t, msgs...)
-	requireEachDelivers(t, handlers, 10*time.Second, "a row of a write of thirty streams")
-	time.Sleep(2 * time.Second) // pauses still running end
-	got := acquired.Load() - before
-	t.Logf("%d pool acquisitions for %d rows", got, len(msgs))
-	require.LessOrEqual(t, got, int64(7*len(msgs)), "claims grow with the square of the streams sharing a partition")
+	for name, tc := range map[string]struct {
+		streams int
+		batch   time.Duration
+		perRow  int64 // pool acquisitions allowed per row
+	}{
+		"QuickBatches": {30, 20 * time.Millisecond, 7},
+		// The chain takes 4 s; meanwhile each waiting relay also claims on
+		// its own held pause (100 ms doubling up to 2 s): about 7 claims.
+		"ChainLongerThanHeldPauseMax": {40, 100 * time.Millisecond, 10},
+	} {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			b := setup(t)
+			var acquired atomic.Int64
+			msgs, handlers := b.relayPerStream(t, b.countingPool(t, &acquired), tc.streams, tc.batch)
+			before := acquired.Load()
+			b.appendNow(t, msgs...)
+			requireEachDelivers(t, handlers, 30*time.Second, "a row of a write of many streams")
+			time.Sleep(2 * time.Second) // pauses still running end
+			got := acquired.Load() - before
+			t.Logf("%d pool acquisitions for %d rows", got, len(msgs))
+			require.LessOrEqual(t, got, tc.perRow*int64(len(msgs)), "claims grow with the square of the streams sharing a partition")
+		})
+	}
 }
 
 // relayPerStream runs n relays on pool (nil: the bundle's), one per stream
-// s0, s1, …, each batch taking 20 ms (a projection's round trips), with an
+// s0, s1, …, each batch taking batch (a projection's round trips), with an
 // hour's PollInterval, and returns once they listen and their first claims
 // are over: a message for each stream, and the relays' handlers.
-func (b *testBundle) relayPerStream(t *testing.T, pool *pgxpool.Pool, n int) ([]outbox.Message, []*recorder) {
+func (b *testBundle) relayPerStream(t *testing.T, pool *pgxpool.Pool, n int, batch time.Duration) ([]outbox.Message, []*recorder) {
 	t.Helper()
 	msgs := make([]outbox.Message, n)
 	handlers := make([]*recorder, n)
 	for i := range msgs {
 		s := fmt.Sprint("s", i)
 		msgs[i] = newMessage(s, "k", 1)
-		handlers[i] = &recorder{delay: 20 * time.Millisecond}
+		handlers[i] = &recorder{delay: batch}
 		startRun(t, b.relay(t, pool, handlers[i], outbox.RelayConfig{Streams: []string{s}, PollInterval: time.Hour}))
 	}
 	require.Eventually(t, func() bool { return b.listeners(t) == n }, 10*time.Second, 10*time.Millisecond, "every relay listens")
