@@ -72,7 +72,8 @@ type WorkerConfig struct {
 // CONNECTION LIMIT; or give the Workers of the boards a process runs one
 // outbox.Listener (Relay.Listener, made by outbox.NewListener with the
 // boards' Schema and OutboxTable and a Logger, for its connection
-// failures), so that they share one such connection;
+// failures), so that they share one such connection (one Listener per
+// outbox table: boards in different schemas need one each);
 // or set Relay.DisableNotify (the Worker then finds rows by polling every
 // PollInterval). Notifications name the board's stream, so a write on one
 // board wakes only that board's Workers, whether they share a Listener or

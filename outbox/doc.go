@@ -392,11 +392,16 @@
 // Schema and Table (Writer.Channel), claims as soon as it is notified of
 // rows it serves (a payload naming a stream outside RelayConfig.Streams
 // does not wake it; an empty one does), and
-// reconnects with a growing pause if that connection fails. Relays of one
-// process serving the same table can share that connection instead
-// (RelayConfig.Listener, made by NewListener): a process running a relay
-// per stream then holds one connection outside its pool rather than one
-// per relay. Notifications are an optimisation:
+// reconnects with a growing pause if that connection fails, or if, after
+// ListenCheckInterval (10 s) without a notification, it does not answer a
+// ping within the same time (a half-open connection fails nothing by
+// itself); it claims after each reconnection, since notifications sent
+// meanwhile are lost. Relays of one process serving the same table can
+// share that connection instead (RelayConfig.Listener, made by
+// NewListener): a process running a relay per stream then holds one
+// connection outside its pool rather than one per relay (one per outbox
+// table: boards in different schemas need a Listener each). Notifications
+// are an optimisation:
 // a relay also polls every PollInterval, which picks up rows whose backoff or
 // lease ran out and covers any lost notification. When rows it could take
 // are due in partitions another relay's batch holds (that relay serves
@@ -530,5 +535,6 @@
 // keep the driver's error: ErrEventIDExists (from Append and ReplayDead)
 // wraps the unique violation, so errors.As reaches its *pgconn.PgError. A
 // Schema beginning with "pg_" (reserved by PostgreSQL) is refused with a
-// *ConfigError by NewWriter, NewRelay, Migrate and MigrationSQL.
+// *ConfigError by NewWriter, NewRelay, NewListener, Migrate and
+// MigrationSQL.
 package outbox

@@ -14,10 +14,11 @@ import (
 // matches the sentinel with errors.Is; the typed errors below carry details
 // for errors.As.
 var (
-	// ErrInvalidConfig reports a Config, RelayConfig, NotifierConfig or
-	// ReplayFilter field (or a constructor argument) that cannot be used,
-	// or a Relay not made by NewRelay (a zero value, or nil). The error is
-	// a *ConfigError naming the field (or the type).
+	// ErrInvalidConfig reports a Config, RelayConfig, ListenerConfig,
+	// NotifierConfig or ReplayFilter field (or a constructor argument)
+	// that cannot be used, or a Relay or Listener not made by NewRelay or
+	// NewListener (a zero value, or nil). The error is a *ConfigError
+	// naming the field (or the type).
 	ErrInvalidConfig = errors.New("outbox: invalid config")
 
 	// ErrInvalidMessage reports a Message that Append refused before writing

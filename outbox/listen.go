@@ -8,6 +8,8 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgconn/ctxwatch"
 	"github.com/jackc/pgx/v5/pgxpool"
 )
 
@@ -23,6 +25,9 @@ type listenConn struct {
 	channel    string
 	logger     *slog.Logger
 	backoffMax time.Duration
+	// checkAfter is how long the connection may receive nothing before a
+	// ping checks that it still answers, within the same time.
+	checkAfter time.Duration
 }
 
 // run keeps a dedicated connection LISTENing on the channel until ctx is
@@ -35,7 +40,13 @@ type listenConn struct {
 // host, or session settings), but is not a pool connection: holding a
 // pooled connection forever would shrink the pool, and a pooled connection
 // may be reset or closed under the listener. After any error it reconnects
-// with a growing pause.
+// with a growing pause. A connection that has received nothing for
+// checkAfter is pinged, and one whose ping does not answer within
+// checkAfter counts as failed: waiting for a notification reads from the
+// socket and nothing else, so a connection whose peer or a middlebox
+// stopped passing traffic without closing it (a half-open connection,
+// which still answers TCP keepalives) would otherwise wait for ever, and
+// its relays fall back to PollInterval.
 //
 // The LISTEN statement (and AfterConnect, which may run statements) runs
 // under stmtCtx, which should outlive ctx by a grace period: a statement
@@ -71,6 +82,13 @@ func (lc listenConn) once(ctx, stmtCtx context.Context, connected func(), notifi
 			return fmt.Errorf("connect: BeforeConnect: %w", err)
 		}
 	}
+	// Waits end by a deadline on the socket, which leaves the connection
+	// usable (see the idle check below), not by a cancel request: a pool
+	// configured to send those would open a connection to the server at
+	// every idle check.
+	poolCfg.ConnConfig.BuildContextWatcherHandler = func(c *pgconn.PgConn) ctxwatch.Handler {
+		return &pgconn.DeadlineContextWatcherHandler{Conn: c.Conn()}
+	}
 	conn, err := pgx.ConnectConfig(ctx, poolCfg.ConnConfig)
 	if err != nil {
 		return fmt.Errorf("connect: %w", err)
@@ -103,11 +121,23 @@ func (lc listenConn) once(ctx, stmtCtx context.Context, connected func(), notifi
 	lc.logger.Debug("outbox listening", slog.String("channel", lc.channel))
 	connected()
 	for {
-		n, err := conn.WaitForNotification(ctx)
-		if err != nil {
+		waitCtx, cancel := context.WithTimeout(ctx, lc.checkAfter)
+		n, err := conn.WaitForNotification(waitCtx)
+		idle := waitCtx.Err() != nil && ctx.Err() == nil
+		cancel()
+		switch {
+		case err == nil:
+			notified(n.Payload)
+		case !idle:
 			return fmt.Errorf("wait for notification: %w", err)
+		default:
+			pingCtx, cancel := context.WithTimeout(stmtCtx, lc.checkAfter)
+			err := conn.Ping(pingCtx)
+			cancel()
+			if err != nil {
+				return fmt.Errorf("check after %s without a notification: %w", lc.checkAfter, err)
+			}
 		}
-		notified(n.Payload)
 	}
 }
 
@@ -115,7 +145,13 @@ func (lc listenConn) once(ctx, stmtCtx context.Context, connected func(), notifi
 // signalling wake on each notification the relay serves and after each
 // (re)connection.
 func (r *Relay) listen(ctx, workCtx context.Context, wake chan<- struct{}) {
-	lc := listenConn{pool: r.pool, channel: r.names.Channel, logger: r.logger, backoffMax: r.cfg.ReconnectBackoffMax}
+	lc := listenConn{
+		pool:       r.pool,
+		channel:    r.names.Channel,
+		logger:     r.logger,
+		backoffMax: r.cfg.ReconnectBackoffMax,
+		checkAfter: r.cfg.ListenCheckInterval,
+	}
 	lc.run(ctx, workCtx, func() { signal(wake) }, func(payload string) {
 		if r.serves(payload) {
 			signal(wake)

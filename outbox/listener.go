@@ -26,6 +26,13 @@ type ListenerConfig struct {
 	// ReconnectBackoffMaxDefault.
 	ReconnectBackoffMax time.Duration
 
+	// ListenCheckInterval is how long the connection may receive no
+	// notification before the Listener pings it; a ping that does not
+	// answer within the same time counts as a failed connection, which is
+	// replaced (see RelayConfig.ListenCheckInterval). Defaults to
+	// ListenCheckIntervalDefault (10s).
+	ListenCheckInterval time.Duration
+
 	// Logger receives the Listener's logs (a failed connection, at Warn).
 	// Defaults to a logger that discards everything.
 	Logger *slog.Logger
@@ -41,6 +48,7 @@ func (c *ListenerConfig) WithDefaults() *ListenerConfig {
 	setDefault(&out.Schema, SchemaDefault)
 	setDefault(&out.Table, TableDefault)
 	setDefault(&out.ReconnectBackoffMax, ReconnectBackoffMaxDefault)
+	setDefault(&out.ListenCheckInterval, ListenCheckIntervalDefault)
 	if out.Logger == nil {
 		out.Logger = slog.New(slog.DiscardHandler)
 	}
@@ -51,8 +59,16 @@ func (c *ListenerConfig) validate() error {
 	if err := validateNames(c.Schema, c.Table); err != nil {
 		return err
 	}
-	if c.ReconnectBackoffMax <= 0 {
-		return &ConfigError{Field: "ReconnectBackoffMax", Reason: fmt.Sprintf("is %s; use a positive duration, or zero for the default", c.ReconnectBackoffMax)}
+	for _, d := range []struct {
+		field string
+		v     time.Duration
+	}{
+		{"ReconnectBackoffMax", c.ReconnectBackoffMax},
+		{"ListenCheckInterval", c.ListenCheckInterval},
+	} {
+		if d.v <= 0 {
+			return &ConfigError{Field: d.field, Reason: fmt.Sprintf("is %s; use a positive duration, or zero for the default", d.v)}
+		}
 	}
 	return nil
 }
@@ -70,7 +86,8 @@ func (c *ListenerConfig) validate() error {
 // The connection is opened, as a relay's own would be, from the
 // configuration of the pool given to NewListener, running its BeforeConnect,
 // AfterConnect and BeforeClose hooks, and reconnected with a growing pause
-// after any error. It is open only while at least one relay that shares
+// after any error, or when it does not answer a ping after
+// ListenCheckInterval without a notification. It is open only while at least one relay that shares
 // the Listener runs: the first Relay.Run to start opens it, and the last
 // to stop (its context ends) closes it, letting a LISTEN statement in
 // flight run for up to that relay's ShutdownTimeout, before its Run
@@ -111,6 +128,7 @@ func NewListener(pool *pgxpool.Pool, cfg *ListenerConfig) (*Listener, error) {
 			channel:    channelName(cfg.Schema, cfg.Table),
 			logger:     cfg.Logger.With(slog.String("listener", channelName(cfg.Schema, cfg.Table))),
 			backoffMax: cfg.ReconnectBackoffMax,
+			checkAfter: cfg.ListenCheckInterval,
 		},
 		cfg:  *cfg,
 		subs: make(map[*subscription]struct{}),

@@ -200,6 +200,7 @@ func TestListener(t *testing.T) {
 		require.Equal(t, outbox.SchemaDefault, def.Schema)
 		require.Equal(t, outbox.TableDefault, def.Table)
 		require.Equal(t, outbox.ReconnectBackoffMaxDefault, def.ReconnectBackoffMax)
+		require.Equal(t, outbox.ListenCheckIntervalDefault, def.ListenCheckInterval)
 		require.NotNil(t, def.Logger)
 		require.Equal(t, *def, (*outbox.Listener)(nil).Config())
 
@@ -212,6 +213,7 @@ func TestListener(t *testing.T) {
 			"ReservedSchema":  {b.pool, outbox.ListenerConfig{Schema: "pg_x"}, "Schema"},
 			"DerivedTable":    {b.pool, outbox.ListenerConfig{Table: "q_dead"}, "Table"},
 			"NegativeBackoff": {b.pool, outbox.ListenerConfig{ReconnectBackoffMax: -time.Second}, "ReconnectBackoffMax"},
+			"NegativeCheck":   {b.pool, outbox.ListenerConfig{ListenCheckInterval: -time.Second}, "ListenCheckInterval"},
 		} {
 			_, err := outbox.NewListener(tc.pool, &tc.cfg)
 			var cerr *outbox.ConfigError

@@ -28,6 +28,9 @@ const (
 	// ReconnectBackoffMaxDefault is the default for
 	// RelayConfig.ReconnectBackoffMax.
 	ReconnectBackoffMaxDefault = 5 * time.Second
+	// ListenCheckIntervalDefault is the default for
+	// RelayConfig.ListenCheckInterval and ListenerConfig.ListenCheckInterval.
+	ListenCheckIntervalDefault = 10 * time.Second
 	// StatsIntervalDefault is the default for RelayConfig.StatsInterval.
 	StatsIntervalDefault = 15 * time.Second
 )
@@ -120,6 +123,20 @@ type RelayConfig struct {
 	// cap it. Defaults to ReconnectBackoffMaxDefault (5s).
 	ReconnectBackoffMax time.Duration
 
+	// ListenCheckInterval is how long the relay's LISTEN connection may
+	// receive no notification before the relay pings it; a ping that does
+	// not answer within the same time counts as a failed connection, which
+	// is closed and opened again (the relay then claims, since
+	// notifications sent meanwhile are lost). Waiting for a notification
+	// only reads from the socket, so without the ping a connection that a
+	// middlebox or a frozen peer stopped passing traffic on, without
+	// closing it (half-open), would go unnoticed until the operating
+	// system's TCP keepalive gave up, if ever, and rows would wait for
+	// PollInterval meanwhile. A shared Listener's own
+	// ListenerConfig.ListenCheckInterval applies to it instead. Defaults to
+	// ListenCheckIntervalDefault (10s).
+	ListenCheckInterval time.Duration
+
 	// KeepPublished keeps acknowledged rows, marked with published_at, for
 	// audit, instead of deleting them. The partial indexes exclude them, so
 	// claims and Stats stay cheap; deleting old published rows is then the
@@ -156,8 +173,8 @@ type RelayConfig struct {
 	// cannot be combined with DisableNotify. The relay stops sharing it
 	// when Run's context ends; the last relay to stop closes the
 	// connection, giving a LISTEN statement in flight its ShutdownTimeout,
-	// before its Run returns. The Listener's own Logger and
-	// ReconnectBackoffMax apply to the connection. Defaults to nil (a
+	// before its Run returns. The Listener's own Logger,
+	// ReconnectBackoffMax and ListenCheckInterval apply to the connection. Defaults to nil (a
 	// connection of the relay's own).
 	Listener *Listener
 
@@ -231,6 +248,7 @@ func (c *RelayConfig) WithDefaults() *RelayConfig {
 	setDefault(&out.RetryBackoffMax, RetryBackoffMaxDefault)
 	setDefault(&out.ShutdownTimeout, ShutdownTimeoutDefault)
 	setDefault(&out.ReconnectBackoffMax, ReconnectBackoffMaxDefault)
+	setDefault(&out.ListenCheckInterval, ListenCheckIntervalDefault)
 	setDefault(&out.StatsInterval, StatsIntervalDefault)
 	if out.Name == "" {
 		out.Name = "relay-" + randomSuffix()
@@ -268,6 +286,7 @@ func (c *RelayConfig) validate() error {
 		{"RetryBackoffMax", c.RetryBackoffMax},
 		{"ShutdownTimeout", c.ShutdownTimeout},
 		{"ReconnectBackoffMax", c.ReconnectBackoffMax},
+		{"ListenCheckInterval", c.ListenCheckInterval},
 		{"StatsInterval", c.StatsInterval},
 	} {
 		if err := positive(d.field, d.v); err != nil {

@@ -15,6 +15,7 @@ import (
 
 	"github.com/verity-go/verity/internal/testenv"
 	"github.com/verity-go/verity/leaderboard"
+	"github.com/verity-go/verity/outbox"
 )
 
 // freezer is a TCP forwarder that can freeze every connection open at the
@@ -168,6 +169,71 @@ func TestRelaySurvivesHalfOpenConnections(t *testing.T) {
 	t.Cleanup(stopRun)
 	frozen, recovered := freezeAndRecover(t, ctx, fz, direct)
 	summary(t, "network", "half-open-postgres", "frozen_connections", frozen,
+		"recovered_after", recovered.Round(time.Millisecond), "lost", 0)
+}
+
+// TestListenerSurvivesHalfOpenConnection freezes the LISTEN connection of a
+// Listener shared by a running worker, whose claims go straight to the
+// database, with an hour's PollInterval: waiting for a notification only
+// reads from the socket, so without the Listener's idle check the frozen
+// connection would never fail and every row would wait for the poll.
+// Within ListenCheckInterval twice over (the wait, then the ping), and the
+// 2 s it gives the dead connection to close, the Listener must replace it,
+// wake the worker for the rows written meanwhile, and pass notifications
+// again.
+func TestListenerSurvivesHalfOpenConnection(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pg := testenv.Postgres(t)
+	rd := testenv.Redis(t)
+	fz := startFreezer(t, hostPort(t, pg.ConnString))
+	pcfg, err := pgxpool.ParseConfig(withHost(t, pg.ConnString, fz.addr(), "verity-faults-halfopen-listen"))
+	require.NoError(t, err)
+	listenPool, err := pgxpool.NewWithConfig(ctx, pcfg)
+	require.NoError(t, err)
+	t.Cleanup(listenPool.Close)
+	bb := newBoard(t, pg.Pool, pg.Schema, rd.Client, rd.Prefix, "halfopen-listen")
+	const check = 500 * time.Millisecond
+	listener, err := outbox.NewListener(listenPool, &outbox.ListenerConfig{
+		Schema: pg.Schema, Table: leaderboard.OutboxTableDefault, ListenCheckInterval: check, ReconnectBackoffMax: 300 * time.Millisecond,
+	})
+	require.NoError(t, err)
+	relayCfg := faultRelayConfig("halfopen-listen")
+	relayCfg.PollInterval = time.Hour
+	relayCfg.Listener = listener
+	w, err := bb.board.Worker(&leaderboard.WorkerConfig{Relay: relayCfg})
+	require.NoError(t, err)
+	runCtx, stopRun := context.WithCancel(ctx)
+	runDone := make(chan error, 1)
+	go func() { runDone <- w.Run(runCtx) }()
+	t.Cleanup(func() {
+		select {
+		case err := <-runDone:
+			require.NoError(t, err)
+		case <-time.After(20 * time.Second):
+			t.Error("the worker did not return")
+		}
+	})
+	t.Cleanup(fz.close)
+	t.Cleanup(stopRun)
+
+	submit := func(user string) {
+		for range 5 {
+			_, err := bb.board.Submit(ctx, leaderboard.Command{EventID: uuid.New(), UserID: user, Delta: 1})
+			require.NoError(t, err)
+		}
+	}
+	submit("u")
+	bb.waitDrained(t, 10*time.Second)
+	require.Equal(t, 1, fz.freezeAll(), "only the Listener's connection goes through the freezer")
+	frozenAt := time.Now()
+	submit("v") // its notifications go to the frozen connection: lost
+	bb.waitDrained(t, 2*check+2*time.Second+5*time.Second)
+	recovered := time.Since(frozenAt)
+	submit("w") // through the new connection
+	bb.waitDrained(t, 5*time.Second)
+	bb.requireConverged(t)
+	summary(t, "network", "half-open-listen", "check_interval", check,
 		"recovered_after", recovered.Round(time.Millisecond), "lost", 0)
 }
 
