@@ -315,6 +315,10 @@ func (c *RelayConfig) validate() error {
 		if reason := textProblem(s); reason != "" {
 			return &ConfigError{Field: "Streams", Reason: fmt.Sprintf("element %d %s", i, reason)}
 		}
+		if len(s) > MaxStreamBytes {
+			// No row can have such a stream: the relay would serve nothing.
+			return &ConfigError{Field: "Streams", Reason: fmt.Sprintf("element %d is %d bytes; at most %d (MaxStreamBytes) are allowed", i, len(s), MaxStreamBytes)}
+		}
 	}
 	return nil
 }

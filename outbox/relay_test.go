@@ -1678,6 +1678,7 @@ func TestRelayConfig(t *testing.T) {
 		{"BackoffMaxBelowMin", outbox.RelayConfig{RetryBackoffMin: time.Minute, RetryBackoffMax: time.Second}, "RetryBackoffMax"},
 		{"NegativeShutdown", outbox.RelayConfig{ShutdownTimeout: -time.Second}, "ShutdownTimeout"},
 		{"EmptyStream", outbox.RelayConfig{Streams: []string{"a", ""}}, "Streams"},
+		{"LongStream", outbox.RelayConfig{Streams: []string{strings.Repeat("s", outbox.MaxStreamBytes+1)}}, "Streams"},
 		{"NegativeListenCheck", outbox.RelayConfig{ListenCheckInterval: -time.Second}, "ListenCheckInterval"},
 		{"BadTable", outbox.RelayConfig{Table: "x\x00"}, "Table"},
 	}
