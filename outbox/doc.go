@@ -74,7 +74,14 @@
 // Relays of this version never write leased_until and claim_token (they
 // lease partitions instead, migration 003) but still honour them, so rows
 // claimed by a relay of an earlier version during a rolling upgrade are
-// left to it until its lease ends.
+// left to it until its lease ends. The reverse does not hold: a relay of a
+// version before 003 does not see partition leases, so while relays of
+// both run on one table it claims rows a newer relay's batch holds. Such
+// rows are delivered twice (the version gate answers the second as a
+// duplicate) and the relay that settles second logs that it lost a lease,
+// on both sides, until the older relays stop: stop them before starting
+// newer ones if either matters. Relays of versions since 003 run together
+// without either.
 //
 // # Composing your own INSERT
 //
