@@ -115,7 +115,8 @@ func (lc listenConn) once(ctx, stmtCtx context.Context, connected func(), notifi
 		}
 	}
 	hooked = true
-	if _, err := conn.Exec(stmtCtx, "LISTEN "+pgx.Identifier{lc.channel}.Sanitize()); err != nil {
+	listen := "LISTEN " + pgx.Identifier{lc.channel}.Sanitize()
+	if _, err := conn.Exec(stmtCtx, listen); err != nil {
 		return fmt.Errorf("listen: %w", err)
 	}
 	lc.logger.Debug("outbox listening", slog.String("channel", lc.channel))
@@ -125,14 +126,18 @@ func (lc listenConn) once(ctx, stmtCtx context.Context, connected func(), notifi
 		n, err := conn.WaitForNotification(waitCtx)
 		idle := waitCtx.Err() != nil && ctx.Err() == nil
 		cancel()
+		if n != nil { // pgx may return one it buffered with an error
+			notified(n.Payload)
+		}
 		switch {
 		case err == nil:
-			notified(n.Payload)
 		case !idle:
 			return fmt.Errorf("wait for notification: %w", err)
 		default:
+			// LISTEN again, a no-op on a listening session, as the ping:
+			// the session keeps showing LISTEN in pg_stat_activity.
 			pingCtx, cancel := context.WithTimeout(stmtCtx, lc.checkAfter)
-			err := conn.Ping(pingCtx)
+			_, err := conn.Exec(pingCtx, listen)
 			cancel()
 			if err != nil {
 				return fmt.Errorf("check after %s without a notification: %w", lc.checkAfter, err)

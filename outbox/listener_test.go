@@ -80,6 +80,27 @@ func TestListener(t *testing.T) {
 		require.Equal(t, 1, b.listeners(t))
 	})
 
+	// The idle check pings a healthy connection and keeps it: the same
+	// backend listens throughout, and notifications sent at any moment,
+	// during a ping too, still wake the relay at once.
+	t.Run("IdleChecksKeepAHealthyConnection", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		l, err := outbox.NewListener(b.pool, &outbox.ListenerConfig{Schema: b.cfg.Schema, Table: b.cfg.Table, ListenCheckInterval: 5 * time.Millisecond})
+		require.NoError(t, err)
+		h := &recorder{}
+		startRun(t, b.relay(t, nil, h, outbox.RelayConfig{PollInterval: time.Hour, Listener: l}))
+		pid := waitListening(t, b)
+		time.Sleep(200 * time.Millisecond) // dozens of idle checks
+		for i := range 40 {
+			b.appendNow(t, newMessage("s", "k", int64(i+1)))
+			require.Eventually(t, func() bool { return len(h.seen()) == i+1 }, 5*time.Second, time.Millisecond,
+				"row %d waits for the PollInterval (an hour): a notification was lost across an idle check", i+1)
+			time.Sleep(time.Duration(i%7) * time.Millisecond)
+		}
+		require.Equal(t, pid, listenerPid(b), "an idle check replaced a healthy connection")
+	})
+
 	// A notification naming a stream wakes only the relays serving it; an
 	// empty payload wakes them all.
 	t.Run("WakesOnlyTheRelaysOfTheStream", func(t *testing.T) {
