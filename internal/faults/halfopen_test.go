@@ -142,31 +142,11 @@ func TestRelaySurvivesHalfOpenConnections(t *testing.T) {
 	ctx := context.Background()
 	pg := testenv.Postgres(t)
 	rd := testenv.Redis(t)
-	fz := startFreezer(t, hostPort(t, pg.ConnString))
-	pcfg, err := pgxpool.ParseConfig(withHost(t, pg.ConnString, fz.addr(), "verity-faults-halfopen"))
-	require.NoError(t, err)
-	pool, err := pgxpool.NewWithConfig(ctx, pcfg)
-	require.NoError(t, err)
-	t.Cleanup(pool.Close)
+	fz, pool := freezerPool(t, pg, "verity-faults-halfopen")
 	frozenSide := newBoard(t, pool, pg.Schema, rd.Client, rd.Prefix, "halfopen")
 	direct := newBoard(t, pg.Pool, pg.Schema, rd.Client, rd.Prefix, "halfopen")
 
-	w := frozenSide.worker(t, "halfopen")
-	runCtx, stopRun := context.WithCancel(ctx)
-	runDone := make(chan error, 1)
-	go func() { runDone <- w.Run(runCtx) }()
-	// On failure, unblock everything in order: cancel the worker, close the
-	// frozen connections (a query stuck on one holds a pool connection,
-	// which pool.Close would wait for), wait for the worker.
-	t.Cleanup(func() {
-		select {
-		case <-runDone:
-		case <-time.After(20 * time.Second):
-			t.Error("the worker did not return after its connections were closed")
-		}
-	})
-	t.Cleanup(fz.close)
-	t.Cleanup(stopRun)
+	runFrozenWorker(t, fz, frozenSide.worker(t, "halfopen"))
 	frozen, recovered := freezeAndRecover(t, ctx, fz, direct)
 	summary(t, "network", "half-open-postgres", "frozen_connections", frozen,
 		"recovered_after", recovered.Round(time.Millisecond), "lost", 0)
@@ -186,12 +166,7 @@ func TestListenerSurvivesHalfOpenConnection(t *testing.T) {
 	ctx := context.Background()
 	pg := testenv.Postgres(t)
 	rd := testenv.Redis(t)
-	fz := startFreezer(t, hostPort(t, pg.ConnString))
-	pcfg, err := pgxpool.ParseConfig(withHost(t, pg.ConnString, fz.addr(), "verity-faults-halfopen-listen"))
-	require.NoError(t, err)
-	listenPool, err := pgxpool.NewWithConfig(ctx, pcfg)
-	require.NoError(t, err)
-	t.Cleanup(listenPool.Close)
+	fz, listenPool := freezerPool(t, pg, "verity-faults-halfopen-listen")
 	bb := newBoard(t, pg.Pool, pg.Schema, rd.Client, rd.Prefix, "halfopen-listen")
 	const check = 500 * time.Millisecond
 	listener, err := outbox.NewListener(listenPool, &outbox.ListenerConfig{
@@ -203,19 +178,7 @@ func TestListenerSurvivesHalfOpenConnection(t *testing.T) {
 	relayCfg.Listener = listener
 	w, err := bb.board.Worker(&leaderboard.WorkerConfig{Relay: relayCfg})
 	require.NoError(t, err)
-	runCtx, stopRun := context.WithCancel(ctx)
-	runDone := make(chan error, 1)
-	go func() { runDone <- w.Run(runCtx) }()
-	t.Cleanup(func() {
-		select {
-		case err := <-runDone:
-			require.NoError(t, err)
-		case <-time.After(20 * time.Second):
-			t.Error("the worker did not return")
-		}
-	})
-	t.Cleanup(fz.close)
-	t.Cleanup(stopRun)
+	runFrozenWorker(t, fz, w)
 
 	submit := func(user string) {
 		for range 5 {
@@ -235,6 +198,39 @@ func TestListenerSurvivesHalfOpenConnection(t *testing.T) {
 	bb.requireConverged(t)
 	summary(t, "network", "half-open-listen", "check_interval", check,
 		"recovered_after", recovered.Round(time.Millisecond), "lost", 0)
+}
+
+// freezerPool returns a freezer in front of pg and a pool of connections
+// through it, named appName.
+func freezerPool(t *testing.T, pg *testenv.PG, appName string) (*freezer, *pgxpool.Pool) {
+	t.Helper()
+	fz := startFreezer(t, hostPort(t, pg.ConnString))
+	pcfg, err := pgxpool.ParseConfig(withHost(t, pg.ConnString, fz.addr(), appName))
+	require.NoError(t, err)
+	pool, err := pgxpool.NewWithConfig(context.Background(), pcfg)
+	require.NoError(t, err)
+	t.Cleanup(pool.Close)
+	return fz, pool
+}
+
+// runFrozenWorker runs w until the test ends. On the way out it unblocks
+// everything in order: cancel the worker, close the frozen connections (a
+// query stuck on one holds a pool connection, which pool.Close would wait
+// for), wait for the worker.
+func runFrozenWorker(t *testing.T, fz *freezer, w *leaderboard.Worker) {
+	t.Helper()
+	runCtx, stopRun := context.WithCancel(context.Background())
+	runDone := make(chan error, 1)
+	go func() { runDone <- w.Run(runCtx) }()
+	t.Cleanup(func() {
+		select {
+		case <-runDone:
+		case <-time.After(20 * time.Second):
+			t.Error("the worker did not return after its connections were closed")
+		}
+	})
+	t.Cleanup(fz.close)
+	t.Cleanup(stopRun)
 }
 
 // TestRelaySurvivesHalfOpenRedis freezes every Redis connection of a
