@@ -46,7 +46,9 @@ type listenConn struct {
 // socket and nothing else, so a connection whose peer or a middlebox
 // stopped passing traffic without closing it (a half-open connection,
 // which still answers TCP keepalives) would otherwise wait for ever, and
-// its relays fall back to PollInterval.
+// its relays fall back to PollInterval. Opening the connection (with
+// BeforeConnect), AfterConnect and LISTEN are bounded by checkAfter each,
+// for the same reason.
 //
 // The LISTEN statement (and AfterConnect, which may run statements) runs
 // under stmtCtx, which should outlive ctx by a grace period: a statement
@@ -75,23 +77,10 @@ func (lc listenConn) run(ctx, stmtCtx context.Context, connected func(), notifie
 
 // once connects, LISTENs and passes notifications on until an error.
 func (lc listenConn) once(ctx, stmtCtx context.Context, connected func(), notified func(string)) error {
-	// Config returns a copy, so BeforeConnect may change its ConnConfig.
 	poolCfg := lc.pool.Config()
-	if poolCfg.BeforeConnect != nil {
-		if err := poolCfg.BeforeConnect(ctx, poolCfg.ConnConfig); err != nil {
-			return fmt.Errorf("connect: BeforeConnect: %w", err)
-		}
-	}
-	// Waits end by a deadline on the socket, which leaves the connection
-	// usable (see the idle check below), not by a cancel request: a pool
-	// configured to send those would open a connection to the server at
-	// every idle check.
-	poolCfg.ConnConfig.BuildContextWatcherHandler = func(c *pgconn.PgConn) ctxwatch.Handler {
-		return &pgconn.DeadlineContextWatcherHandler{Conn: c.Conn()}
-	}
-	conn, err := pgx.ConnectConfig(ctx, poolCfg.ConnConfig)
+	conn, err := lc.connect(ctx, poolCfg)
 	if err != nil {
-		return fmt.Errorf("connect: %w", err)
+		return err
 	}
 	hooked := false // AfterConnect ran: BeforeClose pairs with it, as in pgxpool
 	defer func() {
@@ -110,13 +99,19 @@ func (lc listenConn) once(ctx, stmtCtx context.Context, connected func(), notifi
 	}()
 	// A failure closes the connection in the deferred function above.
 	if poolCfg.AfterConnect != nil {
-		if err := poolCfg.AfterConnect(stmtCtx, conn); err != nil {
+		hookCtx, cancel := context.WithTimeout(stmtCtx, lc.checkAfter)
+		err := poolCfg.AfterConnect(hookCtx, conn)
+		cancel()
+		if err != nil {
 			return fmt.Errorf("connect: AfterConnect: %w", err)
 		}
 	}
 	hooked = true
 	listen := "LISTEN " + pgx.Identifier{lc.channel}.Sanitize()
-	if _, err := conn.Exec(stmtCtx, listen); err != nil {
+	listenCtx, cancel := context.WithTimeout(stmtCtx, lc.checkAfter)
+	_, err = conn.Exec(listenCtx, listen)
+	cancel()
+	if err != nil {
 		return fmt.Errorf("listen: %w", err)
 	}
 	lc.logger.Debug("outbox listening", slog.String("channel", lc.channel))
@@ -144,6 +139,35 @@ func (lc listenConn) once(ctx, stmtCtx context.Context, connected func(), notifi
 			}
 		}
 	}
+}
+
+// connect opens the connection from the pool's configuration cfg (a copy),
+// running its BeforeConnect hook, within checkAfter.
+func (lc listenConn) connect(ctx context.Context, cfg *pgxpool.Config) (*pgx.Conn, error) {
+	ctx, cancel := context.WithTimeout(ctx, lc.checkAfter)
+	defer cancel()
+	// BeforeConnect may change the copy's ConnConfig.
+	if cfg.BeforeConnect != nil {
+		if err := cfg.BeforeConnect(ctx, cfg.ConnConfig); err != nil {
+			return nil, fmt.Errorf("connect: BeforeConnect: %w", err)
+		}
+	}
+	// Waits end by a deadline on the socket, which leaves the connection
+	// usable (see the idle check), not by a cancel request: a pool
+	// configured to send those would open a connection to the server at
+	// every idle check.
+	cfg.ConnConfig.BuildContextWatcherHandler = func(c *pgconn.PgConn) ctxwatch.Handler {
+		return &pgconn.DeadlineContextWatcherHandler{Conn: c.Conn()}
+	}
+	// pgx queues notifications for WaitForNotification only when no
+	// OnNotification callback takes them; the pool's own is for its
+	// connections, and here would leave the relays deaf.
+	cfg.ConnConfig.OnNotification = nil
+	conn, err := pgx.ConnectConfig(ctx, cfg.ConnConfig)
+	if err != nil {
+		return nil, fmt.Errorf("connect: %w", err)
+	}
+	return conn, nil
 }
 
 // listen runs the relay's own LISTEN connection until ctx is done,

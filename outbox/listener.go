@@ -29,7 +29,8 @@ type ListenerConfig struct {
 	// ListenCheckInterval is how long the connection may receive no
 	// notification before the Listener pings it; a ping that does not
 	// answer within the same time counts as a failed connection, which is
-	// replaced (see RelayConfig.ListenCheckInterval). Defaults to
+	// replaced; it also bounds opening the connection, AfterConnect and
+	// LISTEN (see RelayConfig.ListenCheckInterval). Defaults to
 	// ListenCheckIntervalDefault (10s).
 	ListenCheckInterval time.Duration
 
@@ -87,11 +88,11 @@ func (c *ListenerConfig) validate() error {
 // configuration of the pool given to NewListener, running its BeforeConnect,
 // AfterConnect and BeforeClose hooks, and reconnected with a growing pause
 // after any error, or when it does not answer a ping after
-// ListenCheckInterval without a notification. It is open only while at least one relay that shares
-// the Listener runs: the first Relay.Run to start opens it, and the last
-// to stop (its context ends) closes it, letting a LISTEN statement in
-// flight run for up to that relay's ShutdownTimeout, before its Run
-// returns. A Listener is safe for concurrent use and needs no closing;
+// ListenCheckInterval without a notification. It is open only while at
+// least one relay that shares the Listener runs: the first Relay.Run to
+// start opens it, and the last to stop (its context ends) closes it,
+// letting a LISTEN statement in flight run for up to that relay's
+// ShutdownTimeout, before its Run returns. A Listener is safe for concurrent use and needs no closing;
 // give it a Logger to see its connection failures.
 type Listener struct {
 	conn listenConn

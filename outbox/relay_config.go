@@ -132,9 +132,10 @@ type RelayConfig struct {
 	// middlebox or a frozen peer stopped passing traffic on, without
 	// closing it (half-open), would go unnoticed until the operating
 	// system's TCP keepalive gave up, if ever, and rows would wait for
-	// PollInterval meanwhile. A shared Listener's own
-	// ListenerConfig.ListenCheckInterval applies to it instead. Defaults to
-	// ListenCheckIntervalDefault (10s).
+	// PollInterval meanwhile. It also bounds opening the connection
+	// (BeforeConnect included), AfterConnect and the LISTEN statement, each.
+	// A shared Listener's own ListenerConfig.ListenCheckInterval applies to
+	// it instead. Defaults to ListenCheckIntervalDefault (10s).
 	ListenCheckInterval time.Duration
 
 	// KeepPublished keeps acknowledged rows, marked with published_at, for

@@ -1454,8 +1454,6 @@ func queryListenerPid(b *testBundle) (int, error) {
 	return pid, err
 }
 
-// requireNoListener asserts that no connection is listening on the outbox's
-// channel.
 // requireNoListener asserts that no backend LISTENs on the bundle's
 // channel. It gives a closed connection's server process a second to exit
 // (it outlives the client's close by some milliseconds, more under load);
