@@ -420,9 +420,9 @@
 // restricted to some streams, the stream of the first other stream's row
 // due among the 32 rows after its own batch in each partition it releases
 // (that row's relay, if it is restricted too, then announces the next the
-// same way), and of one other stream, picked at random, of those whose
-// rows there have been due for more than 2 s (one nobody took: its relay
-// is not running or does not listen), so that a busy stream holding a
+// same way), and, of the streams whose rows there have been due for more
+// than 2 s (rows nobody took: their relay is not running or does not
+// listen), the youngest row's and one picked at random, so that a busy stream holding a
 // partition again and again does not keep a quiet stream's row there
 // waiting. Rows deeper behind a backlog, or behind a row nobody takes for
 // less than 2 s, wait for their relay's pause.

@@ -448,13 +448,15 @@ const (
 // next, so rows of N streams in one partition cost O(N) claims, not the
 // O(N²) of waking them all after every batch. That chain stops at a row
 // nobody takes (its stream's relay is not running, or does not listen), so
-// the settle also announces one other stream, picked at random, of those
-// whose rows in the look have been due for longer than heldPauseMax, the
-// longest a relay that found its row held waits before it claims again.
-// One, not all: a chain of N healthy relays whose batches outlast
-// heldPauseMax would otherwise wake every relay still waiting its turn
-// after every batch, O(N²) again; at random, so that a row behind several
-// rows nobody takes is reached. The look is bounded so that
+// the settle also announces, of the other streams whose rows in the look
+// have been due for longer than heldPauseMax (the longest a relay that
+// found its row held waits before it claims again), the stream of the
+// youngest such row (a row behind rows nobody takes becomes the youngest
+// the moment it passes heldPauseMax) and one picked at random (so that no
+// row is passed over for ever by younger rows nobody takes). Two, not all:
+// a chain of N healthy relays whose batches outlast heldPauseMax would
+// otherwise wake every relay still waiting its turn after every batch,
+// O(N²) again. The look is bounded so that
 // a settle on a backlog of the relay's own stream reads, per partition, the
 // index entries of its batch (still there in the statement's snapshot) and
 // settleLookahead more, not the backlog; rows deeper in such a partition
@@ -509,17 +511,19 @@ const settleLookahead = 32
 
 // settleOthers is the part of settleSQL's "woken" that finds other streams'
 // rows due in the released partitions, for a relay restricted to streams
-// ($12): per partition, the stream of the first such row and one of the
-// streams of those due for longer than heldPauseMax, picked at random
-// (NULL when there is none). Outbox, block, count, look-ahead and
+// ($12): per partition, the stream of the first such row and, of those
+// due for longer than heldPauseMax, the youngest's and one picked at
+// random (each NULL when there is none). Outbox, block, count, look-ahead and
 // heldPauseMax are formatted in by NewRelay.
 const settleOthers = `
     UNION ALL
     SELECT s.stream FROM owned AS w CROSS JOIN LATERAL (
         SELECT (array_agg(a.stream ORDER BY a.available_at, a.id))[1] AS first,
-            array_agg(DISTINCT a.stream) FILTER (WHERE a.available_at < now() - %[5]d * interval '1 microsecond') AS old
+            (array_agg(a.stream ORDER BY a.available_at DESC, a.id DESC) FILTER (WHERE a.old))[1] AS youngest,
+            array_agg(DISTINCT a.stream) FILTER (WHERE a.old) AS old
         FROM (
-            SELECT o.stream, o.available_at, o.id FROM %[1]s AS o
+            SELECT o.stream, o.available_at, o.id, o.available_at < now() - %[5]d * interval '1 microsecond' AS old
+            FROM %[1]s AS o
             WHERE mod(o.id / %[2]d, %[3]d) = w.part
               AND o.published_at IS NULL
               AND o.available_at <= now()
@@ -530,7 +534,7 @@ const settleOthers = `
         ) AS a
         WHERE NOT a.stream = ANY($12::text[])
     ) AS n
-    CROSS JOIN LATERAL (VALUES (n.first), (n.old[1 + floor(random() * cardinality(n.old))::int])) AS s(stream)
+    CROSS JOIN LATERAL (VALUES (n.first), (n.youngest), (n.old[1 + floor(random() * cardinality(n.old))::int])) AS s(stream)
     WHERE s.stream IS NOT NULL`
 
 // RunOnce claims one batch of due rows, hands it to the Handler and settles

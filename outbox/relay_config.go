@@ -201,9 +201,9 @@ type RelayConfig struct {
 	// NotifierConfig.Stream and the leaderboard send their rows' stream);
 	// an empty payload wakes it. A restricted relay's settle notifies the
 	// streams of other streams' rows due behind its batch in each
-	// partition it releases: the first, and one of those due for more than
-	// 2 s, picked at random (see "Waking relays" in the package
-	// documentation). Relays of different streams take turns on a shared
+	// partition it releases: the first, and of those due for more than
+	// 2 s the youngest and one picked at random (see "Waking relays" in
+	// the package documentation). Relays of different streams take turns on a shared
 	// partition, one batch at a time, and a trickle of writes lands in one
 	// or two partitions (256 consecutive ids each): with N streams'
 	// relays busy in one, a row may wait about N batches (measured: 50

@@ -261,6 +261,9 @@ func TestRelayServesRowsInABusyStreamsPartition(t *testing.T) {
 		"RightBehindTheBatch":   {nil, 2 * time.Second},
 		"BehindARowNobodyTakes": {[]string{"orphan"}, 5 * time.Second}, // announced once it has waited heldPauseMax
 		"BehindRowsNobodyTakes": {[]string{"orphan", "stray", "lost"}, 5 * time.Second},
+		// Announced as the youngest row due for more than heldPauseMax
+		// (a random pick among 17 streams took up to 6.5 s).
+		"BehindManyRowsNobodyTakes": {nobody(16), 5 * time.Second},
 	} {
 		t.Run(name, func(t *testing.T) {
 			t.Parallel()
@@ -279,6 +282,15 @@ func TestRelayServesRowsInABusyStreamsPartition(t *testing.T) {
 				"the quiet stream's row waits while the busy relay holds its partition")
 		})
 	}
+}
+
+// nobody returns n streams whose relays never run.
+func nobody(n int) []string {
+	streams := make([]string, n)
+	for i := range streams {
+		streams[i] = fmt.Sprint("nobody-", i)
+	}
+	return streams
 }
 
 // busyPartition runs a relay of stream "busy" whose batches take 40 ms and
