@@ -121,7 +121,9 @@ func (lc listenConn) once(ctx, stmtCtx context.Context, connected func(), notifi
 		n, err := conn.WaitForNotification(waitCtx)
 		idle := waitCtx.Err() != nil && ctx.Err() == nil
 		cancel()
-		if n != nil { // pgx may return one it buffered with an error
+		// pgx may return one it buffered with an error. The pool's
+		// AfterConnect may LISTEN on channels of the application's own.
+		if n != nil && n.Channel == lc.channel {
 			notified(n.Payload)
 		}
 		switch {

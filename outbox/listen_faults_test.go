@@ -206,3 +206,39 @@ func TestRelayListensWhenThePoolSetsOnNotification(t *testing.T) {
 		"a pool whose ConnConfig sets OnNotification makes the relay deaf: the row waits for PollInterval (an hour)")
 	require.Zero(t, appGot.Load(), "the pool's callback is for its own connections")
 }
+
+// TestRelayIgnoresOtherChannels: the LISTEN connection runs the pool's
+// AfterConnect, which may LISTEN on a channel of the application's own;
+// its notifications arrive on the relay's connection too, and must not
+// wake the relay into a claim.
+func TestRelayIgnoresOtherChannels(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	pc, err := pgxpool.ParseConfig(b.pg.ConnString)
+	require.NoError(t, err)
+	var acquired atomic.Int64
+	pc.PrepareConn = func(context.Context, *pgx.Conn) (bool, error) { acquired.Add(1); return true, nil }
+	pc.AfterConnect = func(ctx context.Context, c *pgx.Conn) error {
+		_, err := c.Exec(ctx, `LISTEN app_events`)
+		return err
+	}
+	pool, err := pgxpool.NewWithConfig(context.Background(), pc)
+	require.NoError(t, err)
+	t.Cleanup(pool.Close)
+	h := &recorder{}
+	startRun(t, b.relay(t, pool, h, outbox.RelayConfig{Streams: []string{"a"}, PollInterval: time.Hour}))
+	waitListening(t, b)
+	time.Sleep(500 * time.Millisecond) // the first claims are over
+	before := acquired.Load()
+	for _, payload := range []string{"a", ""} {
+		for range 10 {
+			_, err := b.pool.Exec(context.Background(), `SELECT pg_notify('app_events', $1)`, payload)
+			require.NoError(t, err)
+			time.Sleep(10 * time.Millisecond)
+		}
+	}
+	time.Sleep(300 * time.Millisecond)
+	require.Zero(t, acquired.Load()-before, "notifications on the application's channel made the relay claim")
+	b.appendNow(t, newMessage("a", "k", 1))
+	require.Eventually(t, func() bool { return len(h.seen()) == 1 }, 5*time.Second, 10*time.Millisecond, "the outbox's own notification wakes it")
+}
