@@ -416,20 +416,22 @@ func TestSettleWakesOneStreamAtATime(t *testing.T) {
 }
 
 // relayPerStream runs n relays on pool (nil: the bundle's), one per stream
-// s0, s1, …, each batch taking batch (a projection's round trips), with an
-// hour's PollInterval, and returns once they listen and their first claims
-// are over: a message for each stream, and the relays' handlers.
+// s0, s1, …, sharing a Listener, each batch taking batch (a projection's
+// round trips), with an hour's PollInterval, and returns once they listen
+// and their first claims are over: a message for each stream, and the
+// relays' handlers.
 func (b *testBundle) relayPerStream(t *testing.T, pool *pgxpool.Pool, n int, batch time.Duration) ([]outbox.Message, []*recorder) {
 	t.Helper()
 	msgs := make([]outbox.Message, n)
 	handlers := make([]*recorder, n)
+	l := b.listener(t, pool) // one connection, not n: parallel tests share max_connections
 	for i := range msgs {
 		s := fmt.Sprint("s", i)
 		msgs[i] = newMessage(s, "k", 1)
 		handlers[i] = &recorder{delay: batch}
-		startRun(t, b.relay(t, pool, handlers[i], outbox.RelayConfig{Streams: []string{s}, PollInterval: time.Hour}))
+		startRun(t, b.relay(t, pool, handlers[i], outbox.RelayConfig{Streams: []string{s}, PollInterval: time.Hour, Listener: l}))
 	}
-	require.Eventually(t, func() bool { return b.listeners(t) == n }, 10*time.Second, 10*time.Millisecond, "every relay listens")
+	require.Eventually(t, func() bool { return b.listeners(t) == 1 }, 10*time.Second, 10*time.Millisecond, "the relays listen")
 	time.Sleep(500 * time.Millisecond)
 	return msgs, handlers
 }
