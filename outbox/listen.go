@@ -2,6 +2,7 @@ package outbox
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"log/slog"
 	"slices"
@@ -103,7 +104,7 @@ func (lc listenConn) once(ctx, stmtCtx context.Context, connected func(), notifi
 		err := poolCfg.AfterConnect(hookCtx, conn)
 		cancel()
 		if err != nil {
-			return fmt.Errorf("connect: AfterConnect: %w", err)
+			return fmt.Errorf("connect: AfterConnect: %w", lc.bounded(hookCtx, err))
 		}
 	}
 	hooked = true
@@ -112,7 +113,7 @@ func (lc listenConn) once(ctx, stmtCtx context.Context, connected func(), notifi
 	_, err = conn.Exec(listenCtx, listen)
 	cancel()
 	if err != nil {
-		return fmt.Errorf("listen: %w", err)
+		return fmt.Errorf("listen: %w", lc.bounded(listenCtx, err))
 	}
 	lc.logger.Debug("outbox listening", slog.String("channel", lc.channel))
 	connected()
@@ -151,7 +152,7 @@ func (lc listenConn) connect(ctx context.Context, cfg *pgxpool.Config) (*pgx.Con
 	// BeforeConnect may change the copy's ConnConfig.
 	if cfg.BeforeConnect != nil {
 		if err := cfg.BeforeConnect(ctx, cfg.ConnConfig); err != nil {
-			return nil, fmt.Errorf("connect: BeforeConnect: %w", err)
+			return nil, fmt.Errorf("connect: BeforeConnect: %w", lc.bounded(ctx, err))
 		}
 	}
 	// Waits end by a deadline on the socket, which leaves the connection
@@ -167,9 +168,19 @@ func (lc listenConn) connect(ctx context.Context, cfg *pgxpool.Config) (*pgx.Con
 	cfg.ConnConfig.OnNotification = nil
 	conn, err := pgx.ConnectConfig(ctx, cfg.ConnConfig)
 	if err != nil {
-		return nil, fmt.Errorf("connect: %w", err)
+		return nil, fmt.Errorf("connect: %w", lc.bounded(ctx, err))
 	}
 	return conn, nil
+}
+
+// bounded says, when err comes from ctx's ListenCheckInterval deadline,
+// that it was that bound: a setting too short for a slow connection or hook
+// fails every attempt, and the log should name it.
+func (lc listenConn) bounded(ctx context.Context, err error) error {
+	if errors.Is(ctx.Err(), context.DeadlineExceeded) {
+		return fmt.Errorf("not done within ListenCheckInterval (%s): %w", lc.checkAfter, err)
+	}
+	return err
 }
 
 // listen runs the relay's own LISTEN connection until ctx is done,

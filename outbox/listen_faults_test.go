@@ -2,8 +2,10 @@ package outbox_test
 
 import (
 	"context"
+	"log/slog"
 	"net"
 	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -241,4 +243,33 @@ func TestRelayIgnoresOtherChannels(t *testing.T) {
 	require.Zero(t, acquired.Load()-before, "notifications on the application's channel made the relay claim")
 	b.appendNow(t, newMessage("a", "k", 1))
 	require.Eventually(t, func() bool { return len(h.seen()) == 1 }, 5*time.Second, 10*time.Millisecond, "the outbox's own notification wakes it")
+}
+
+// TestListenerLogsAnIntervalTooShortToConnect: ListenCheckInterval bounds
+// opening the connection too, so one shorter than a slow BeforeConnect (a
+// credentials fetch) fails every attempt; the log must name the setting,
+// not only a deadline.
+func TestListenerLogsAnIntervalTooShortToConnect(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	pc, err := pgxpool.ParseConfig(b.pg.ConnString)
+	require.NoError(t, err)
+	pc.BeforeConnect = func(ctx context.Context, _ *pgx.ConnConfig) error {
+		select {
+		case <-time.After(300 * time.Millisecond):
+			return nil
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+	}
+	pool, err := pgxpool.NewWithConfig(context.Background(), pc)
+	require.NoError(t, err)
+	t.Cleanup(pool.Close)
+	logs := &syncBuffer{}
+	l, err := outbox.NewListener(pool, &outbox.ListenerConfig{Schema: b.cfg.Schema, Table: b.cfg.Table,
+		ListenCheckInterval: 100 * time.Millisecond, ReconnectBackoffMax: 100 * time.Millisecond, Logger: slog.New(slog.NewTextHandler(logs, nil))})
+	require.NoError(t, err)
+	startRun(t, b.relay(t, nil, &recorder{}, outbox.RelayConfig{PollInterval: time.Hour, Listener: l}))
+	require.Eventually(t, func() bool { return strings.Contains(logs.String(), "within ListenCheckInterval (100ms)") }, 5*time.Second, 10*time.Millisecond,
+		"the Listener's log does not say the connection failed its ListenCheckInterval: %s", logs.String())
 }

@@ -133,7 +133,9 @@ type RelayConfig struct {
 	// closing it (half-open), would go unnoticed until the operating
 	// system's TCP keepalive gave up, if ever, and rows would wait for
 	// PollInterval meanwhile. It also bounds opening the connection
-	// (BeforeConnect included), AfterConnect and the LISTEN statement, each.
+	// (BeforeConnect included), AfterConnect and the LISTEN statement, each:
+	// a value shorter than they take fails every attempt (logged at Warn,
+	// naming this setting), and rows then wait for PollInterval.
 	// A shared Listener's own ListenerConfig.ListenCheckInterval applies to
 	// it instead. Defaults to ListenCheckIntervalDefault (10s).
 	ListenCheckInterval time.Duration
