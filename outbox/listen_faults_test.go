@@ -112,17 +112,28 @@ func (p *holeProxy) freezeAll() int {
 // of connections through it running afterConnect.
 func holePool(t *testing.T, b *testBundle, afterConnect func(context.Context, *pgx.Conn) error) (*holeProxy, *pgxpool.Pool) {
 	t.Helper()
+	var p *holeProxy
+	pool := poolWith(t, b, func(pc *pgxpool.Config) {
+		p = startHoleProxy(t, net.JoinHostPort(pc.ConnConfig.Host, strconv.Itoa(int(pc.ConnConfig.Port))))
+		host, port, _ := net.SplitHostPort(p.ln.Addr().String())
+		n, _ := strconv.Atoi(port)
+		pc.ConnConfig.Host, pc.ConnConfig.Port = host, uint16(n)
+		pc.AfterConnect = afterConnect
+	})
+	return p, pool
+}
+
+// poolWith returns a pool of the bundle's database whose configuration
+// mutate has changed, closed when the test ends.
+func poolWith(t *testing.T, b *testBundle, mutate func(*pgxpool.Config)) *pgxpool.Pool {
+	t.Helper()
 	pc, err := pgxpool.ParseConfig(b.pg.ConnString)
 	require.NoError(t, err)
-	p := startHoleProxy(t, net.JoinHostPort(pc.ConnConfig.Host, strconv.Itoa(int(pc.ConnConfig.Port))))
-	host, port, _ := net.SplitHostPort(p.ln.Addr().String())
-	n, _ := strconv.Atoi(port)
-	pc.ConnConfig.Host, pc.ConnConfig.Port = host, uint16(n)
-	pc.AfterConnect = afterConnect
+	mutate(pc)
 	pool, err := pgxpool.NewWithConfig(context.Background(), pc)
 	require.NoError(t, err)
 	t.Cleanup(pool.Close)
-	return p, pool
+	return pool
 }
 
 // TestListenerReconnectsThroughAFrozenPath: the idle check finds the
@@ -192,13 +203,10 @@ func TestListenerReplacesAConnectionFrozenBeforeListen(t *testing.T) {
 func TestRelayListensWhenThePoolSetsOnNotification(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
-	pc, err := pgxpool.ParseConfig(b.pg.ConnString)
-	require.NoError(t, err)
 	var appGot atomic.Int32
-	pc.ConnConfig.OnNotification = func(*pgconn.PgConn, *pgconn.Notification) { appGot.Add(1) }
-	pool, err := pgxpool.NewWithConfig(context.Background(), pc)
-	require.NoError(t, err)
-	t.Cleanup(pool.Close)
+	pool := poolWith(t, b, func(pc *pgxpool.Config) {
+		pc.ConnConfig.OnNotification = func(*pgconn.PgConn, *pgconn.Notification) { appGot.Add(1) }
+	})
 	h := &recorder{}
 	startRun(t, b.relay(t, pool, h, outbox.RelayConfig{PollInterval: time.Hour}))
 	waitListening(t, b)
@@ -216,17 +224,14 @@ func TestRelayListensWhenThePoolSetsOnNotification(t *testing.T) {
 func TestRelayIgnoresOtherChannels(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
-	pc, err := pgxpool.ParseConfig(b.pg.ConnString)
-	require.NoError(t, err)
 	var acquired atomic.Int64
-	pc.PrepareConn = func(context.Context, *pgx.Conn) (bool, error) { acquired.Add(1); return true, nil }
-	pc.AfterConnect = func(ctx context.Context, c *pgx.Conn) error {
-		_, err := c.Exec(ctx, `LISTEN app_events`)
-		return err
-	}
-	pool, err := pgxpool.NewWithConfig(context.Background(), pc)
-	require.NoError(t, err)
-	t.Cleanup(pool.Close)
+	pool := poolWith(t, b, func(pc *pgxpool.Config) {
+		pc.PrepareConn = func(context.Context, *pgx.Conn) (bool, error) { acquired.Add(1); return true, nil }
+		pc.AfterConnect = func(ctx context.Context, c *pgx.Conn) error {
+			_, err := c.Exec(ctx, `LISTEN app_events`)
+			return err
+		}
+	})
 	h := &recorder{}
 	startRun(t, b.relay(t, pool, h, outbox.RelayConfig{Streams: []string{"a"}, PollInterval: time.Hour}))
 	waitListening(t, b)
@@ -252,19 +257,16 @@ func TestRelayIgnoresOtherChannels(t *testing.T) {
 func TestListenerLogsAnIntervalTooShortToConnect(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
-	pc, err := pgxpool.ParseConfig(b.pg.ConnString)
-	require.NoError(t, err)
-	pc.BeforeConnect = func(ctx context.Context, _ *pgx.ConnConfig) error {
-		select {
-		case <-time.After(300 * time.Millisecond):
-			return nil
-		case <-ctx.Done():
-			return ctx.Err()
+	pool := poolWith(t, b, func(pc *pgxpool.Config) {
+		pc.BeforeConnect = func(ctx context.Context, _ *pgx.ConnConfig) error {
+			select {
+			case <-time.After(300 * time.Millisecond):
+				return nil
+			case <-ctx.Done():
+				return ctx.Err()
+			}
 		}
-	}
-	pool, err := pgxpool.NewWithConfig(context.Background(), pc)
-	require.NoError(t, err)
-	t.Cleanup(pool.Close)
+	})
 	logs := &syncBuffer{}
 	l, err := outbox.NewListener(pool, &outbox.ListenerConfig{Schema: b.cfg.Schema, Table: b.cfg.Table,
 		ListenCheckInterval: 100 * time.Millisecond, ReconnectBackoffMax: 100 * time.Millisecond, Logger: slog.New(slog.NewTextHandler(logs, nil))})

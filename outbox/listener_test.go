@@ -28,16 +28,12 @@ func (b *testBundle) listeners(t *testing.T) int {
 // acquisitions (a claim pass takes at least one).
 func (b *testBundle) countingPool(t *testing.T, acquired *atomic.Int64) *pgxpool.Pool {
 	t.Helper()
-	cfg, err := pgxpool.ParseConfig(b.pg.ConnString)
-	require.NoError(t, err)
-	cfg.PrepareConn = func(context.Context, *pgx.Conn) (bool, error) {
-		acquired.Add(1)
-		return true, nil
-	}
-	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
-	require.NoError(t, err)
-	t.Cleanup(pool.Close)
-	return pool
+	return poolWith(t, b, func(cfg *pgxpool.Config) {
+		cfg.PrepareConn = func(context.Context, *pgx.Conn) (bool, error) {
+			acquired.Add(1)
+			return true, nil
+		}
+	})
 }
 
 func (b *testBundle) listener(t *testing.T, pool *pgxpool.Pool) *outbox.Listener {
