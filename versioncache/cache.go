@@ -44,18 +44,38 @@ var (
 // scripts are the Lua scripts a Cache runs. They are per Cache only so that
 // tests can run every path under a wrapper that rejects undeclared keys.
 type scripts struct {
-	read, fill, bump, release, fillAt *redis.Script
-	bumpSrc                           string // for EVAL in bumpAndWait's pipeline
+	read, peek, fill, bump, release, fillAt *redis.Script
+	bumpSrc                                 string // for EVAL in bumpAndWait's pipeline
 }
+
+// Each script declares its flags (Redis 7), because Redis checks maxmemory
+// for a script without them only at its first command that may grow
+// memory, and a script that first ran a write Redis allows when full
+// (PEXPIRE, DEL) then writes freely past the limit. Declared:
+//   - scriptMayGrow: a miss's read (version key, lease) and the fills are
+//     refused whole by a Redis at maxmemory (an OOM error; a FailOpen miss
+//     then serves the loaded value uncached), so a full Redis stays full
+//     rather than growing until the kernel ends it.
+//   - scriptFrees: Invalidate and a lease's release run on a full Redis.
+//     Invalidate must: it deletes the value a write made stale, and its new
+//     version replaces the old one in place.
+//   - scriptReadOnly: Peek and Check, sent as EVALSHA_RO, which refuses a
+//     script declared to write.
+const (
+	scriptMayGrow  = "#!lua\n"
+	scriptFrees    = "#!lua flags=allow-oom\n"
+	scriptReadOnly = "#!lua flags=no-writes\n"
+)
 
 func newScripts(wrap func(src string) string) *scripts {
 	return &scripts{
-		read:    redis.NewScript(wrap(versionsLua + readLua)),
-		fill:    redis.NewScript(wrap(fillLua)),
-		bump:    redis.NewScript(wrap(versionsLua + bumpLua)),
-		release: redis.NewScript(wrap(releaseLua)),
-		fillAt:  redis.NewScript(wrap(fillAtLua)),
-		bumpSrc: wrap(versionsLua + bumpLua),
+		read:    redis.NewScript(scriptMayGrow + wrap(versionsLua+readLua)),
+		peek:    redis.NewScript(scriptReadOnly + wrap(versionsLua+readLua)),
+		fill:    redis.NewScript(scriptMayGrow + wrap(fillLua)),
+		bump:    redis.NewScript(scriptFrees + wrap(versionsLua+bumpLua)),
+		release: redis.NewScript(scriptFrees + wrap(releaseLua)),
+		fillAt:  redis.NewScript(scriptMayGrow + wrap(fillAtLua)),
+		bumpSrc: scriptFrees + wrap(versionsLua+bumpLua),
 	}
 }
 
@@ -1020,13 +1040,13 @@ func (c *Cache[T]) read(ctx context.Context, id string, initialise, ignoreCurren
 		cmd = clusterpin.Eval(ctx, c.primary, c.lua.read, keys, args...)
 	case c.primary != nil:
 		// Pinned too: go-redis deems the RO variants read-only.
-		cmd = clusterpin.EvalRO(ctx, c.primary, c.lua.read, keys, args...)
+		cmd = clusterpin.EvalRO(ctx, c.primary, c.lua.peek, keys, args...)
 	case initialise:
 		cmd = c.lua.read.Run(ctx, c.client, keys, args...)
 	default:
 		// c.primary is nil: the client routes no read to a replica, so
 		// the RO variants go where EVALSHA would.
-		cmd = c.lua.read.RunRO(ctx, c.client, keys, args...)
+		cmd = c.lua.peek.RunRO(ctx, c.client, keys, args...)
 	}
 	res, err := cmd.Slice()
 	if err != nil {

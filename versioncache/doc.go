@@ -267,6 +267,18 @@
 // left out (see Config.Logger), while Stats and the metrics count every
 // failure.
 //
+// A Redis at its maxmemory with the noeviction policy (a Redis it shares
+// with a projection should have that policy) refuses every script that
+// could grow it with an OOM error, whole: a miss is then a Redis failure
+// as above (FailOpen serves the loaded value uncached, FailClosed returns
+// the *RedisError), and nothing is stored. Hits, Peek, Check and
+// Invalidate keep working; Invalidate must, since a value it fails to
+// delete stays readable, and it frees more than it stores. Each script
+// declares its flags for this (Redis 7 shebangs): without them Redis
+// checks maxmemory only until a script's first write, and a miss's script
+// may begin with one Redis allows when full (PEXPIRE): its lease and the
+// fill after it would then be stored past the limit.
+//
 // A Redis that stops answering fails a call only at its connection's
 // deadline: go-redis does not end a command in flight when its ctx is
 // cancelled. That deadline comes from the client's ReadTimeout and
