@@ -11,6 +11,7 @@ import (
 	"unicode/utf8"
 
 	"github.com/verity-go/verity/internal/deps"
+	"github.com/verity-go/verity/internal/lograte"
 )
 
 // Defaults applied by NotifierConfig.WithDefaults to zero-valued fields.
@@ -66,8 +67,9 @@ type NotifierConfig struct {
 	// (every relay of the outbox wakes).
 	Stream string
 
-	// Logger receives a warning when a NOTIFY fails. Defaults to discarding
-	// logs.
+	// Logger receives a warning when a NOTIFY fails, at most one a second
+	// (each with the number of failures left out since the one before, under
+	// "suppressed"). Defaults to discarding logs.
 	Logger *slog.Logger
 }
 
@@ -147,6 +149,9 @@ type Notifier struct {
 
 	dirty atomic.Bool   // a notification is owed
 	kick  chan struct{} // capacity 1: dirty went from false to true
+	// failures limits the failed-NOTIFY warnings: a database out of
+	// connection slots fails every NOTIFY, up to one a millisecond.
+	failures lograte.Limiter
 
 	mu      sync.Mutex
 	running bool // a sending goroutine exists
@@ -315,13 +320,16 @@ func (n *Notifier) flush() {
 	n.mu.Unlock()
 }
 
-// send runs one NOTIFY. A failure is logged and otherwise ignored: the
-// relays' poll picks the rows up.
+// send runs one NOTIFY. A failure is logged (at most once a second, with
+// the number of failures left out) and otherwise ignored: the relays' poll
+// picks the rows up.
 func (n *Notifier) send() {
 	ctx, cancel := context.WithTimeout(context.Background(), n.cfg.Timeout)
 	defer cancel()
 	if _, err := n.db.Exec(ctx, notifySQL, n.channel, n.cfg.Stream); err != nil {
-		n.cfg.Logger.Warn("outbox notifier: NOTIFY failed; relays will find the rows at their next poll",
-			slog.String("channel", n.channel), slog.String("error", err.Error()))
+		if log, suppressed := n.failures.Allow(); log {
+			n.cfg.Logger.Warn("outbox notifier: NOTIFY failed; relays will find the rows at their next poll",
+				slog.String("channel", n.channel), slog.String("error", err.Error()), slog.Int64(lograte.Suppressed, suppressed))
+		}
 	}
 }

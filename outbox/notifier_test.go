@@ -317,6 +317,37 @@ func TestNotifier(t *testing.T) {
 		n.Close()
 	})
 
+	// A database that refuses every connection (max_connections reached)
+	// fails every NOTIFY; a warning per failure would be a line per commit.
+	t.Run("FailedNotifiesLogOnceASecond", func(t *testing.T) {
+		t.Parallel()
+		b := setupNotifier(t)
+		closed, err := pgxpool.NewWithConfig(context.Background(), b.pool.Config())
+		require.NoError(t, err)
+		closed.Close()
+		db := &countingExecer{db: closed}
+		var logs testenv.LogSink
+		n, err := NewNotifier(db, b.channel, &NotifierConfig{Logger: logs.Logger()})
+		require.NoError(t, err)
+		for range 50 {
+			n.Notify()
+			want := db.calls.Load() + 1
+			require.Eventually(t, func() bool { return db.calls.Load() >= want }, 10*time.Second, time.Millisecond)
+		}
+		n.Close()
+		lines := logs.Lines(t, "outbox notifier: NOTIFY failed; relays will find the rows at their next poll")
+		require.NotEmpty(t, lines)
+		require.Less(t, len(lines), 5, "50 failed NOTIFYs in well under 4 s")
+		var reported int64
+		for _, l := range lines {
+			reported += 1 + int64(l["suppressed"].(float64))
+		}
+		// The failures after the last line are counted in the next one, so
+		// they go unreported when no line follows.
+		require.LessOrEqual(t, reported, db.calls.Load())
+		require.Greater(t, reported, int64(0))
+	})
+
 	t.Run("Validation", func(t *testing.T) {
 		t.Parallel()
 		b := setupNotifier(t)
