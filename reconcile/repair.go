@@ -90,6 +90,9 @@ func (r *Reconciler) settleGateRepair(fs []*Finding, outcomes []projection.Outco
 		// ResultNotAttempted.
 		return fmt.Errorf("reconcile: repairing %d entries through the gate: %w", len(fs), err)
 	}
+	if refusedUnwritten(err) {
+		return fmt.Errorf("reconcile: repairing %d entries through the gate: %w", len(fs), err)
+	}
 	if err != nil && (outcomes == nil || !errors.Is(err, projection.ErrCorruptVersion)) {
 		for _, f := range fs {
 			f.Result = ResultUncertain
@@ -214,6 +217,9 @@ func (r *Reconciler) casRepair(ctx context.Context, fs []*Finding) (refused []er
 			err = checkRepairReply(replies[j])
 		}
 		for j, f := range g.items {
+			if refusedUnwritten(err) {
+				continue // f stays ResultNotAttempted
+			}
 			if err != nil {
 				f.Result = ResultUncertain
 				continue
@@ -280,4 +286,15 @@ func nonNil(b []byte) []byte {
 		return []byte{}
 	}
 	return b
+}
+
+// refusedUnwritten reports an error reply with which Redis refused a
+// script before it wrote anything, so that its repairs are not attempted
+// rather than uncertain: OOM, from a Redis at maxmemory with the
+// noeviction policy. Redis checks maxmemory for a script only until its
+// first write goes through (later writes may pass the limit), so an OOM
+// reply means that none did.
+func refusedUnwritten(err error) bool {
+	var reply redis.Error
+	return errors.As(err, &reply) && strings.HasPrefix(reply.Error(), "OOM ")
 }

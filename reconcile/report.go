@@ -32,11 +32,14 @@ const (
 	// repaired state and declines.
 	ResultRaced
 	// ResultNotAttempted: nothing was written for this finding. The run
-	// stopped (context cancelled or an error) before its repair was sent,
-	// or the repair was refused because a key it needs holds another Redis
-	// type (a hash where a document's value belongs): the run went on, and
-	// Run returns a *WrongKeyTypeError naming the key. Delete such a key by
-	// hand, or Rebuild a collection (documents cannot be rebuilt).
+	// stopped (context cancelled or an error) before its repair was sent;
+	// or Redis refused the repair whole, with nothing written (an OOM
+	// error from a Redis at maxmemory with the noeviction policy: Run
+	// returns it); or the repair was refused because a key it needs holds
+	// another Redis type (a hash where a document's value belongs): the run
+	// went on, and Run returns a *WrongKeyTypeError naming the key. Delete
+	// such a key by hand, or Rebuild a collection (documents cannot be
+	// rebuilt).
 	ResultNotAttempted
 	// ResultUncertain: the repair was sent but its reply was lost (a
 	// network error); it may or may not have been applied. Every such

@@ -6,7 +6,6 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/redis/go-redis/v9"
 	"github.com/stretchr/testify/require"
 
 	"github.com/verity-go/verity/internal/testenv"
@@ -37,9 +36,7 @@ func TestFullRedis(t *testing.T) {
 		require.NoError(t, err)
 		require.NoError(t, cache.Invalidate(ctx, strconv.Itoa(i)))
 	}
-	limit := usedMemory(t, client) - 1024
-	require.NoError(t, client.ConfigSet(ctx, "maxmemory", strconv.FormatInt(limit, 10)).Err())
-	require.ErrorContains(t, client.Set(ctx, "full:probe", "x", 0).Err(), "OOM", "Redis is not full")
+	limit := testenv.FillRedis(t, client)
 
 	t.Run("FailOpenServesUncached", func(t *testing.T) {
 		before := cache.Stats().Fills
@@ -49,7 +46,7 @@ func TestFullRedis(t *testing.T) {
 			require.Equal(t, big, v)
 		}
 		require.Zero(t, cache.Stats().Fills-before, "a full Redis stored fills")
-		require.Less(t, usedMemory(t, client)-limit, int64(64<<10), "the cache grew Redis past maxmemory")
+		require.Less(t, testenv.UsedMemory(t, client)-limit, int64(64<<10), "the cache grew Redis past maxmemory")
 		n, err := client.Exists(ctx, cache.currentKey("0"), cache.leaseKey("0")).Result()
 		require.NoError(t, err)
 		require.Zero(t, n, "a value or lease was stored")
@@ -82,20 +79,4 @@ func TestFullRedis(t *testing.T) {
 		require.NoError(t, err)
 		require.True(t, ok)
 	})
-}
-
-// usedMemory returns the server's used_memory (INFO memory).
-func usedMemory(t *testing.T, client *redis.Client) int64 {
-	t.Helper()
-	info, err := client.Info(context.Background(), "memory").Result()
-	require.NoError(t, err)
-	for line := range strings.Lines(info) {
-		if v, ok := strings.CutPrefix(strings.TrimSpace(line), "used_memory:"); ok {
-			n, err := strconv.ParseInt(v, 10, 64)
-			require.NoError(t, err)
-			return n
-		}
-	}
-	t.Fatal("INFO memory has no used_memory")
-	return 0
 }

@@ -91,3 +91,42 @@ func CommandCalls(t testing.TB, client *redis.Client, command string) int64 {
 	}
 	return 0
 }
+
+// FillRedis makes the private server behind client full: it sets maxmemory
+// 1 KiB below the memory in use, so that a server started with
+// "--maxmemory-policy", "noeviction" refuses writes that may grow it with
+// an OOM error (FillRedis checks that a SET is refused). It returns the
+// limit set; CONFIG SET maxmemory 0 lifts it.
+func FillRedis(t testing.TB, client *redis.Client) (limit int64) {
+	t.Helper()
+	ctx := context.Background()
+	limit = UsedMemory(t, client) - 1024
+	if err := client.ConfigSet(ctx, "maxmemory", strconv.FormatInt(limit, 10)).Err(); err != nil {
+		t.Fatalf("testenv: CONFIG SET maxmemory: %v", err)
+	}
+	if err := client.Set(ctx, "testenv:full-probe", "x", 0).Err(); err == nil || !strings.HasPrefix(err.Error(), "OOM ") {
+		t.Fatalf("testenv: a SET on the full server answered %v, want an OOM error (is maxmemory-policy noeviction?)", err)
+	}
+	return limit
+}
+
+// UsedMemory returns the used_memory of the server behind client (INFO
+// memory).
+func UsedMemory(t testing.TB, client *redis.Client) int64 {
+	t.Helper()
+	info, err := client.Info(context.Background(), "memory").Result()
+	if err != nil {
+		t.Fatalf("testenv: INFO memory: %v", err)
+	}
+	for line := range strings.SplitSeq(info, "\n") {
+		if v, ok := strings.CutPrefix(strings.TrimSpace(line), "used_memory:"); ok {
+			n, err := strconv.ParseInt(v, 10, 64)
+			if err != nil {
+				t.Fatalf("testenv: INFO memory: %q: %v", line, err)
+			}
+			return n
+		}
+	}
+	t.Fatal("testenv: INFO memory has no used_memory")
+	return 0
+}

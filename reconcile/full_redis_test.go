@@ -1,0 +1,45 @@
+package reconcile
+
+import (
+	"context"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/verity-go/verity/internal/testenv"
+	"github.com/verity-go/verity/projection"
+)
+
+// TestRepairOnAFullRedis runs a reconciliation against a private Redis at
+// maxmemory with the noeviction policy: Redis refuses every repair script
+// whole with an OOM error. That is an answer, not a lost reply: the
+// findings are not attempted, none is uncertain, and the next run after
+// room is made repairs them.
+func TestRepairOnAFullRedis(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	srv := testenv.StartRedis(t, "--maxmemory-policy", "noeviction")
+	client := srv.Client(t)
+	b := setupWith(t, projection.KindSortedSet, client, "full:")
+	b.insert(t, "current", 1)
+	b.project(t, "current", 1)
+	b.insert(t, "missing", 1) // repaired through the gate
+	b.insert(t, "corrupt", 2) // repaired by compare-and-set
+	b.project(t, "corrupt", 2)
+	b.setRaw(t, "corrupt", &projection.Value{Score: -1}, nil)
+	testenv.FillRedis(t, client)
+
+	rec := b.reconciler(t, nil)
+	rep, err := rec.Run(ctx, RunOptions{})
+	require.ErrorContains(t, err, "OOM")
+	require.EqualValues(t, 1, rep.Counts[ClassMissing])
+	require.EqualValues(t, 1, rep.Counts[ClassCorrupt])
+	require.Zero(t, rep.Uncertain, "report: %v", rep)
+	require.EqualValues(t, 2, rep.Results[ResultNotAttempted], "report: %v", rep)
+	require.Equal(t, Projected{}, b.state(t, rec, "missing"), "nothing written")
+
+	require.NoError(t, client.ConfigSet(ctx, "maxmemory", "0").Err())
+	rep, err = rec.Run(ctx, RunOptions{})
+	require.NoError(t, err)
+	require.EqualValues(t, 2, rep.Results[ResultRepaired], "report: %v", rep)
+}
