@@ -226,10 +226,15 @@ type Config struct {
 	// and FallbackToPostgres reads fall back. Reads look for the record in
 	// Redis at most once per LagProbeInterval, apart from the lag probe:
 	// every read made LagProbeInterval or more after the loss sees it,
-	// however slow PostgreSQL is. Only the loss of the board's keys removes
-	// it: after a partial loss (eviction, writes a failover lost) only a
-	// reconcile pass finds what is missing. Call Verify after the first
-	// deployment and after every Redis loss (a new board needs one too).
+	// however slow PostgreSQL is. Only the loss of the board's keys, or a
+	// Verify whose pass finds an entry wrong and leaves it so (an ahead or
+	// orphan entry it only reports, a repair not made), removes it: after
+	// a partial loss (eviction, writes a failover lost) only a reconcile
+	// pass finds what is missing. Call Verify after the first deployment,
+	// after every Redis loss (a new board needs one too), and after
+	// PostgreSQL went back in time (a failover to a standby that missed
+	// commits, a restore: see "When PostgreSQL goes back" in the package
+	// documentation).
 	// Defaults to false: Lag measures the outbox only.
 	RequireVerifiedProjection bool
 

@@ -41,6 +41,14 @@ const verifyAbandonTimeout = 5 * time.Second
 // the report so far and the pass's error wrapped (errors.Is and errors.As
 // reach it: ErrNotMigrated for a board never migrated, reconcile's errors).
 //
+// A pass that finds an entry wrong and leaves it so (reported, vetoed, not
+// attempted or uncertain; also when the pass then fails) deletes the record
+// of an earlier Verify, whichever process made it: the projection it
+// vouched for is known wrong now. Reads that require a verified projection
+// then refuse or fall back until a Verify finds it right. (Two Verify
+// calls that overlap may thus leave no record although the later one made
+// one; run Verify again.)
+//
 // cfg configures the pass's Reconciler as for Board.Reconciler. Its Policy
 // must repair every class the pass finds: the default repairs missing,
 // stale and corrupt entries but only reports ahead and orphan ones (Redis
@@ -64,23 +72,23 @@ func (b *Board) Verify(ctx context.Context, cfg *reconcile.Config) (report *reco
 	if err := b.sent(ctx, b.rdb.Set(ctx, b.verifyingKey, token, 0).Err()); err != nil {
 		return nil, false, fmt.Errorf("leaderboard: verify: %w", err)
 	}
+	refuted := false
 	defer func() {
 		if !verified {
-			b.abandonVerify(ctx, token)
+			b.abandonVerify(ctx, token, refuted)
 		}
 	}()
 	report, err = rec.Run(ctx, reconcile.RunOptions{})
-	if err != nil {
-		return report, false, fmt.Errorf("leaderboard: verify: %w", err)
-	}
 	// Only a projection left equal to PostgreSQL is recorded: every
 	// finding repaired, or raced by a newer write. One reported (the
 	// policy's choice), vetoed, not attempted or uncertain stands in the
-	// way.
-	for result, n := range report.Results {
-		if n > 0 && result != reconcile.ResultRepaired && result != reconcile.ResultRaced {
-			return report, false, nil
-		}
+	// way, and refutes an earlier record too: this pass saw Redis wrong.
+	refuted = leftWrong(report)
+	if err != nil {
+		return report, false, fmt.Errorf("leaderboard: verify: %w", err)
+	}
+	if refuted {
+		return report, false, nil
 	}
 	args := []any{token, time.Now().UTC().Format(time.RFC3339Nano)}
 	n, err := verifiedScript.Run(ctx, b.rdb, []string{b.verifyingKey, b.verifiedKey}, args...).Int()
@@ -105,14 +113,44 @@ func (b *Board) Verify(ctx context.Context, cfg *reconcile.Config) (report *reco
 	return report, n == 1, nil
 }
 
+// leftWrong reports whether a pass found an entry wrong and left it so.
+func leftWrong(report *reconcile.Report) bool {
+	if report == nil {
+		return false
+	}
+	for result, n := range report.Results {
+		if n > 0 && result != reconcile.ResultRepaired && result != reconcile.ResultRaced {
+			return true
+		}
+	}
+	return false
+}
+
 // abandonVerify deletes the marker of the pass token if it is still there,
-// also after ctx has ended. A failure only leaves the marker to the next
-// Verify, so it is logged, not returned.
-func (b *Board) abandonVerify(ctx context.Context, token string) {
+// also after ctx has ended, and, when refuted, the record of an earlier
+// Verify: the pass found the projection wrong and left it so (entries it
+// only reported, for one), so reads that require a verified projection
+// must stop trusting it. A failure to delete the marker only leaves it to
+// the next Verify; a failure to delete the record leaves an earlier
+// verification standing that this pass contradicted: both are logged, not
+// returned (the pass's own result is what Verify returns).
+func (b *Board) abandonVerify(ctx context.Context, token string, refuted bool) {
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), verifyAbandonTimeout)
 	defer cancel()
-	if err := b.sent(ctx, verifyAbandonScript.Run(ctx, b.rdb, []string{b.verifyingKey}, token).Err()); err != nil {
+	refute := "0"
+	if refuted {
+		refute = "1"
+	}
+	err := b.sent(ctx, verifyAbandonScript.Run(ctx, b.rdb, []string{b.verifyingKey, b.verifiedKey}, token, refute).Err())
+	switch {
+	case err != nil && refuted:
+		b.cfg.Logger.Error("leaderboard: verify: the pass found the projection wrong, but deleting the earlier verification record failed: reads may still trust it; run Verify again",
+			"board", b.cfg.Name, "error", err)
+	case err != nil:
 		b.cfg.Logger.Warn("leaderboard: verify: deleting the pass's marker failed", "board", b.cfg.Name, "error", err)
+	}
+	if refuted {
+		b.verificationRecorded() // this process's reads look again
 	}
 }
 

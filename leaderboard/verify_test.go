@@ -303,7 +303,7 @@ func TestVerify(t *testing.T) {
 		t.Parallel()
 		tb := verifying(t)
 		require.NoError(t, tb.rd.Client.Set(ctx, tb.board.verifyingKey, "another-pass", 0).Err())
-		tb.board.abandonVerify(ctx, "this-pass")
+		tb.board.abandonVerify(ctx, "this-pass", false)
 		v, err := tb.rd.Client.Get(ctx, tb.board.verifyingKey).Result()
 		require.NoError(t, err)
 		require.Equal(t, "another-pass", v, "a pass deleted the marker of another")
@@ -389,6 +389,50 @@ func TestVerify(t *testing.T) {
 		r, err := tb.board.Top(ctx, 10)
 		require.NoError(t, err)
 		require.Equal(t, []Entry{{UserID: "ada", Score: 10, Rank: 1}}, r.Entries)
+	})
+
+	// A verified projection whose source then went back (a failover to a
+	// standby that missed the last commits, a restore): the next Verify
+	// finds Redis ahead of PostgreSQL and leaves it so. The earlier record
+	// must not keep vouching for it.
+	t.Run("PassLeavingDriftRefutesEarlierRecord", func(t *testing.T) {
+		t.Parallel()
+		tb := verifying(t)
+		tb.submit(t, "ada", 10)
+		tb.drain(t)
+		_, verified, err := tb.board.Verify(ctx, nil)
+		require.NoError(t, err)
+		require.True(t, verified)
+		tb.submit(t, "ada", 5)
+		tb.submit(t, "cy", 7)
+		tb.drain(t)
+		_, err = tb.pg.Pool.Exec(ctx, `UPDATE user_scores SET score = 10, version = 1 WHERE user_id = 'ada'`)
+		require.NoError(t, err)
+		_, err = tb.pg.Pool.Exec(ctx, `DELETE FROM user_scores WHERE user_id = 'cy'`)
+		require.NoError(t, err)
+		r, err := tb.board.Top(ctx, 10)
+		require.NoError(t, err, "still verified: nothing has looked yet")
+		require.False(t, r.Freshness.Unverified)
+
+		rep, verified, err := tb.board.Verify(ctx, nil)
+		require.NoError(t, err)
+		require.False(t, verified)
+		require.Equal(t, int64(1), rep.Counts[reconcile.ClassAhead])
+		require.Equal(t, int64(1), rep.Counts[reconcile.ClassOrphan])
+		requireUnverified(t, tb)
+		requireNoMarker(t, tb.rd, tb.board)
+		n, err := tb.rd.Client.Exists(ctx, tb.board.verifiedKey).Result()
+		require.NoError(t, err)
+		require.Zero(t, n, "the earlier record outlived a pass that found the projection wrong")
+
+		// Another board of the same keys (another process) sees it too.
+		other, err := New(tb.pg.Pool, tb.rd.Client, tb.board.cfg)
+		require.NoError(t, err)
+		t.Cleanup(other.Close)
+		_, err = other.Top(ctx, 10)
+		var stale *StaleError
+		require.ErrorAs(t, err, &stale)
+		require.True(t, stale.Unverified)
 	})
 
 	// The recording's reply is lost to a client timeout while a busy Redis
