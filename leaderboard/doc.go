@@ -239,6 +239,36 @@
 // refused the same way instead of waiting for a version it cannot see, and
 // Rebuild migrates a board from one count to another.
 //
+// # When PostgreSQL goes back
+//
+// The projection trusts versions to only grow. A PostgreSQL that goes back
+// in time breaks that: a failover to an asynchronous standby that had not
+// received the last commits, or a restore from a backup. Commits the
+// Worker had already projected are then gone from PostgreSQL but not from
+// Redis, and the board, fed by the outbox, cannot tell: Lag is zero and
+// every read policy serves, for a user whose commit was lost, a score
+// PostgreSQL no longer has, or a user it no longer has. New writes of
+// such a user reuse the lost versions, so the projection gate answers
+// them as duplicate or stale and writes nothing until the user's version
+// passes the one in Redis; an AtLeast read of such a version is met by
+// the lost score. Nothing is lost beyond what PostgreSQL lost, but Redis
+// is wrong until repaired. After such an event:
+//
+//  1. Let the Worker drain the outbox on the new PostgreSQL.
+//  2. Rebuild the projection (Board.Reconciler, then Rebuild;
+//     leaderboard-service rebuild), or run a reconcile pass that repairs
+//     every class: reconcile.Policy{Ahead: reconcile.ActionRepair,
+//     Orphan: reconcile.ActionRepair}. The default policy repairs entries
+//     whose version matches with another score, and only reports ahead and
+//     orphan ones.
+//  3. With Config.RequireVerifiedProjection, run Verify. A Verify that
+//     finds ahead or orphan entries and leaves them (its default policy)
+//     deletes the earlier verification record, so reads report Unverified
+//     until a Verify finds the projection right.
+//
+// Payouts read PostgreSQL (Board.Authoritative), which is right by
+// definition, before and after.
+//
 // # Cost
 //
 // Measured on a 2-core machine shared with other busy processes (load

@@ -68,14 +68,21 @@
 //
 // We found one situation where version equality stops identifying the
 // event: a source that reuses versions — a database restored from an older
-// backup, or an entity deleted and re-created with its counter back at 1.
-// Then a genuinely new state arrives with a version already seen and is
-// reported duplicate or stale. A marker would not help either: the write
-// would pass the marker and still lose the version comparison. Keep versions
-// monotonic across deletes (never reset a counter; a sequence works), and
-// run reconciliation after a restore: it compares source and projection and
-// reports such entries (as ahead, or corrupt when the versions match but
-// the values differ) and repairs them. Markers are therefore not offered.
+// backup, a failover to an asynchronous standby that missed the last
+// commits (their versions were projected, then lost with the old primary),
+// or an entity deleted and re-created with its counter back at 1. Then a
+// genuinely new state arrives with a version already seen and is reported
+// duplicate or stale, and nothing is written. A marker would not help
+// either: the write would pass the marker and still lose the version
+// comparison. Keep versions monotonic across deletes (never reset a
+// counter; a sequence works), and run reconciliation after a restore or
+// such a failover: it compares source and projection and finds such
+// entries — ahead (a version the source no longer has), orphan (an entity
+// it no longer has), or corrupt when the versions match but the values
+// differ. By default it repairs corrupt entries and only reports ahead and
+// orphan ones; repair those with reconcile.Policy{Ahead: ActionRepair,
+// Orphan: ActionRepair}, or rebuild the projection. Markers are therefore
+// not offered.
 //
 // # Keys and Redis Cluster
 //
