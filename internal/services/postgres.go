@@ -18,6 +18,8 @@ type PostgresServer struct {
 	dir  string
 	port int
 	proc *process
+	bin  string              // the directory of the PostgreSQL binaries
+	cred *syscall.Credential // the user it runs as; nil for the current one
 }
 
 // StartPostgres runs initdb in a new directory under parent (os.TempDir()
@@ -45,14 +47,21 @@ func StartPostgres(ctx context.Context, parent string) (*PostgresServer, error) 
 		os.RemoveAll(dir)
 		return nil, fmt.Errorf("initdb: %w: %s", err, out)
 	}
-	s := &PostgresServer{dir: dir}
+	return startServer(ctx, bin, dir, cred)
+}
+
+// startServer starts a server on the data directory dir/data on a free port,
+// and removes dir if it cannot.
+func startServer(ctx context.Context, bin, dir string, cred *syscall.Credential) (*PostgresServer, error) {
+	s := &PostgresServer{dir: dir, bin: bin, cred: cred}
+	var err error
 	for attempt := 0; ; attempt++ {
 		if s.port, err = FreePort(); err != nil {
 			break
 		}
 		s.proc = &process{
 			name: filepath.Join(bin, "postgres"),
-			args: []string{"-D", data, "-p", strconv.Itoa(s.port), "-k", dir,
+			args: []string{"-D", filepath.Join(dir, "data"), "-p", strconv.Itoa(s.port), "-k", dir,
 				"-c", "listen_addresses=127.0.0.1", "-c", "fsync=off", "-c", "full_page_writes=off",
 				"-c", "max_connections=300", "-c", "shared_buffers=64MB"},
 			cred: cred,
@@ -67,6 +76,28 @@ func StartPostgres(ctx context.Context, parent string) (*PostgresServer, error) 
 		return nil, err
 	}
 	return s, nil
+}
+
+// StartStandby makes a streaming standby of s (pg_basebackup -R, WAL
+// streamed; asynchronous, as by default) in a new directory under parent
+// (os.TempDir() when empty), starts it on a free port and waits until it
+// accepts connections (read-only, as a hot standby). Promote it with
+// SELECT pg_promote(); it then starts a new timeline. Close it as any
+// server.
+func (s *PostgresServer) StartStandby(ctx context.Context, parent string) (*PostgresServer, error) {
+	dir, err := makeDir(parent, "verity-pg-standby-*", s.cred)
+	if err != nil {
+		return nil, err
+	}
+	backup := exec.CommandContext(ctx, filepath.Join(s.bin, "pg_basebackup"),
+		"-h", "127.0.0.1", "-p", strconv.Itoa(s.port), "-U", "postgres",
+		"-D", filepath.Join(dir, "data"), "-R", "-X", "stream", "-c", "fast")
+	backup.SysProcAttr = &syscall.SysProcAttr{Credential: s.cred}
+	if out, err := backup.CombinedOutput(); err != nil {
+		os.RemoveAll(dir)
+		return nil, fmt.Errorf("pg_basebackup: %w: %s", err, out)
+	}
+	return startServer(ctx, s.bin, dir, s.cred)
 }
 
 // ConnString is a URL for the server's "postgres" database.

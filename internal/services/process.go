@@ -297,6 +297,12 @@ func unprivilegedCredential() (*syscall.Credential, error) {
 func findPostgresBin() (string, error) {
 	if p, err := exec.LookPath("initdb"); err == nil {
 		if _, err := exec.LookPath("postgres"); err == nil {
+			// The directory the link points into holds the other
+			// binaries too (pg_basebackup), where PATH may hold links to
+			// a few.
+			if real, err := filepath.EvalSymlinks(p); err == nil {
+				p = real
+			}
 			return filepath.Dir(p), nil
 		}
 	}

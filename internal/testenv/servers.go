@@ -33,6 +33,18 @@ func StartPostgres(t testing.TB) *PostgresServer {
 // Start starts the server again after Stop or Kill.
 func (s *PostgresServer) Start() error { return s.PostgresServer.Start(context.Background()) }
 
+// StartStandby starts an asynchronous streaming standby of s, killed and
+// removed at cleanup (see services.PostgresServer.StartStandby).
+func (s *PostgresServer) StartStandby(t testing.TB) *PostgresServer {
+	t.Helper()
+	sb, err := s.PostgresServer.StartStandby(context.Background(), "")
+	if err != nil {
+		t.Fatalf("testenv: start a standby: %v", err)
+	}
+	t.Cleanup(sb.Close)
+	return &PostgresServer{sb}
+}
+
 // Pool opens a pool on the server's postgres database, closed at cleanup.
 func (s *PostgresServer) Pool(t testing.TB) *pgxpool.Pool {
 	t.Helper()
