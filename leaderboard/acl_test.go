@@ -17,9 +17,9 @@ import (
 // readerCommands are the commands README ("Redis permissions") lists for a
 // process that only reads a board: the read scripts' EVALSHA_RO and EVAL_RO,
 // the commands the scripts call, and the plain reads (Top's ZRANGE, the
-// AtLeast wait's MGET, EXISTS and HGET, the EXISTS that looks for Verify's
+// AtLeast wait's MGET, EXISTS and HGET, the GET that reads Verify's
 // record).
-var readerCommands = []string{"evalsha_ro", "eval_ro", "zrange", "zcount", "zrank", "mget", "exists", "hget"}
+var readerCommands = []string{"evalsha_ro", "eval_ro", "zrange", "zcount", "zrank", "mget", "exists", "hget", "get"}
 
 // TestReadOnlyKeyPermission reads a board as Redis ACL users with read
 // permission only on the board's keys (%R~prefix*), one allowed every

@@ -195,7 +195,7 @@ func TestRedisClusterFailoverReads(t *testing.T) {
 			addr := node.Options().Addr
 			node.AddHook(testenv.CommandHook(func(name string) {
 				switch name {
-				case "zrange", "hget", "exists", "evalsha", "eval", "evalsha_ro", "eval_ro":
+				case "zrange", "hget", "exists", "get", "evalsha", "eval", "evalsha_ro", "eval_ro":
 					mu.Lock()
 					reads[addr]++
 					mu.Unlock()

@@ -230,11 +230,14 @@ type Config struct {
 	// Verify whose pass finds an entry wrong and leaves it so (an ahead or
 	// orphan entry it only reports, a repair not made), removes it: after
 	// a partial loss (eviction, writes a failover lost) only a reconcile
-	// pass finds what is missing. Call Verify after the first deployment,
-	// after every Redis loss (a new board needs one too), and after
-	// PostgreSQL went back in time (a failover to a standby that missed
-	// commits, a restore: see "When PostgreSQL goes back" in the package
-	// documentation).
+	// pass finds what is missing. The record names the PostgreSQL it was
+	// made against (system identifier and timeline, which the lag probe
+	// also reads): after a failover to a standby, a point-in-time recovery
+	// or a restore into another cluster, which may lack commits the
+	// projection still shows, reads are unverified too (see "When
+	// PostgreSQL goes back" in the package documentation). Call Verify
+	// after the first deployment, after every Redis loss (a new board
+	// needs one too), and after every PostgreSQL failover or restore.
 	// Defaults to false: Lag measures the outbox only.
 	RequireVerifiedProjection bool
 

@@ -261,10 +261,23 @@
 //     Orphan: reconcile.ActionRepair}. The default policy repairs entries
 //     whose version matches with another score, and only reports ahead and
 //     orphan ones.
-//  3. With Config.RequireVerifiedProjection, run Verify. A Verify that
-//     finds ahead or orphan entries and leaves them (its default policy)
-//     deletes the earlier verification record, so reads report Unverified
-//     until a Verify finds the projection right.
+//  3. With Config.RequireVerifiedProjection, run Verify.
+//
+// Config.RequireVerifiedProjection sees such an event by itself. Verify's
+// record names the database it checked the projection against: its system
+// identifier, which a restore into another cluster changes, and its
+// timeline, which a promoted standby or a point-in-time recovery starts
+// anew. The lag probe reads both (at most once per LagProbeInterval), and
+// once they differ from the record's, reads report Unverified (Lag -1:
+// FailClosed refuses, FallbackToPostgres answers from PostgreSQL) until
+// Verify records the projection right against the new database. A planned
+// switchover starts a new timeline too, with no commit lost: reads are
+// unverified after it as well, until Verify. A pool on a standby reads no
+// timeline, and only the system identifier is compared. A Verify that
+// finds ahead or orphan entries and leaves them (its default policy)
+// deletes the earlier record whichever database it names. What it cannot
+// see: a server that lost acknowledged commits without a failover (a crash
+// under synchronous_commit = off) keeps its identity.
 //
 // Payouts read PostgreSQL (Board.Authoritative), which is right by
 // definition, before and after.
@@ -312,6 +325,13 @@
 // using them (its reconcile pass reports the other schemas' members there
 // as orphans); with none, delete them. Boards in "public", and boards that
 // set KeyPrefix, keep their keys.
+//
+// Verify's record names the database (see "When PostgreSQL goes back"):
+// a record made by an earlier release names none and is trusted as before,
+// against any database, until the next Verify replaces it. Reads with
+// RequireVerifiedProjection now read the record with GET (they checked it
+// with EXISTS): a Redis ACL user of a reading process needs the get
+// command (README, "Redis permissions").
 //
 // During a rolling deploy old processes project into the old keys while
 // new ones read the new, empty keys and, without RequireVerifiedProjection,

@@ -657,6 +657,9 @@ type lagProbe struct {
 	pending bool          // whether any row was unprojected
 	failed  bool          // whether the measurement failed or found the clock stepped back
 	running bool          // whether a measurement is under way
+	// source is the database's identity then (see sourceIdentitySQL),
+	// read with Config.RequireVerifiedProjection only; "" otherwise.
+	source string
 	// notMigrated: the measurement failed on a missing table (dbError's
 	// ErrNotMigrated), which reads report instead of a lag of -1.
 	notMigrated error
@@ -682,6 +685,7 @@ type gaugeProbe struct {
 type verification struct {
 	at       time.Time     // local time the last published look was sent; zero before the first
 	verified bool          // whether Redis held the record then
+	source   string        // the database identity the record names; "" when it names none
 	look     *verifiedLook // the latest look under way; nil when none
 	// epoch counts the records Verify made: a look sent before the latest
 	// one may have missed it, and is not published.
@@ -693,7 +697,7 @@ type verification struct {
 // clock the probe finds stepped back, and the look for Verify's record,
 // about once per LagProbeInterval each): see Config.Logger.
 type readLogs struct {
-	fallback, lagProbe, clockStep, verification lograte.Limiter
+	fallback, lagProbe, clockStep, verification, sourceChanged lograte.Limiter
 }
 
 // warn logs msg about the board at WARN with err, unless l suppresses it,
@@ -709,8 +713,10 @@ type verifiedLook struct {
 	sent  time.Time
 	epoch uint64
 	done  chan struct{} // closed once verified and gaveUp are set
-	// verified: Redis held the record.
+	// verified: Redis held the record; source: the database identity it
+	// names.
 	verified bool
+	source   string
 	// gaveUp: the looking read's ctx ended first, so nothing was learned.
 	gaveUp bool
 }
@@ -763,7 +769,7 @@ func (b *Board) freshness(ctx context.Context) (Freshness, error) {
 		// it with the sending time, never later than the snapshot. Stamped
 		// on arrival, a slow reply would hide a change committed while it
 		// travelled, for as long as it travelled.
-		p = lagProbe{at: sent, failed: err != nil}
+		p = lagProbe{at: sent, failed: err != nil, source: reading.source}
 		if err != nil {
 			b.warn(ctx, &b.logs.lagProbe, "leaderboard: measuring projection lag failed", err)
 			if nm := b.dbError("measuring projection lag", err); errors.Is(nm, ErrNotMigrated) {
@@ -791,11 +797,18 @@ func (b *Board) freshness(ctx context.Context) (Freshness, error) {
 		return Freshness{Source: SourceRedis, Lag: -1}, p.notMigrated
 	}
 	if b.cfg.RequireVerifiedProjection {
-		verified, err := b.verifiedLately(ctx)
+		verified, source, err := b.verifiedLately(ctx)
 		if err != nil {
 			return Freshness{Source: SourceRedis, Lag: -1}, nil // this caller gave up
 		}
 		if !verified {
+			return Freshness{Source: SourceRedis, Lag: -1, Unverified: true}, nil
+		}
+		if !sameSource(source, p.source) {
+			if log, suppressed := b.logs.sourceChanged.Allow(); log {
+				b.cfg.Logger.WarnContext(ctx, "leaderboard: PostgreSQL is not the database Verify checked the projection against (a failover to a standby, or a restore, since): reads are unverified until Board.Verify",
+					"board", b.cfg.Name, "verified_against", source, "database", p.source, lograte.Suppressed, suppressed)
+			}
 			return Freshness{Source: SourceRedis, Lag: -1, Unverified: true}, nil
 		}
 	}
@@ -823,26 +836,26 @@ func (b *Board) freshness(ctx context.Context) (Freshness, error) {
 // within the interval (a Redis round trip, about to be made by the read
 // anyway), and looks itself if none was. The error is ctx's, when it ended
 // first.
-func (b *Board) verifiedLately(ctx context.Context) (bool, error) {
+func (b *Board) verifiedLately(ctx context.Context) (verified bool, source string, err error) {
 	for {
 		b.lagMu.Lock()
 		now := time.Now()
 		v := b.verification
 		if !v.at.IsZero() && now.Sub(v.at) < b.cfg.LagProbeInterval {
 			b.lagMu.Unlock()
-			return v.verified, nil
+			return v.verified, v.source, nil
 		}
 		if l := v.look; l != nil && now.Sub(l.sent) < b.cfg.LagProbeInterval {
 			b.lagMu.Unlock()
 			select {
 			case <-l.done:
 			case <-ctx.Done():
-				return false, ctx.Err()
+				return false, "", ctx.Err()
 			}
 			if l.gaveUp {
 				continue // that look's reader gave up: look again
 			}
-			return l.verified, nil
+			return l.verified, l.source, nil
 		}
 		l := &verifiedLook{sent: now, epoch: v.epoch, done: make(chan struct{})}
 		b.verification.look = l
@@ -855,8 +868,8 @@ func (b *Board) verifiedLately(ctx context.Context) (bool, error) {
 // unless a look sent after it was published first (looks overlap when
 // Redis takes longer than LagProbeInterval to answer) or Verify recorded
 // the projection since l was sent.
-func (b *Board) lookForVerified(ctx context.Context, l *verifiedLook) (bool, error) {
-	verified, err := b.projectionVerified(ctx)
+func (b *Board) lookForVerified(ctx context.Context, l *verifiedLook) (bool, string, error) {
+	verified, source, err := b.projectionVerified(ctx)
 	ended := callerEnded(ctx, err)
 	gaveUp := ended != nil
 	b.lagMu.Lock()
@@ -865,18 +878,18 @@ func (b *Board) lookForVerified(ctx context.Context, l *verifiedLook) (bool, err
 		v.look = nil
 	}
 	if !gaveUp && l.epoch == v.epoch && l.sent.After(v.at) {
-		v.at, v.verified = l.sent, verified
+		v.at, v.verified, v.source = l.sent, verified, source
 	}
-	l.verified, l.gaveUp = verified, gaveUp
+	l.verified, l.source, l.gaveUp = verified, source, gaveUp
 	b.lagMu.Unlock()
 	close(l.done)
 	if gaveUp {
-		return false, ended
+		return false, "", ended
 	}
 	if err != nil {
 		b.warn(ctx, &b.logs.verification, "leaderboard: reading the projection's verification record failed", err)
 	}
-	return verified, nil
+	return verified, source, nil
 }
 
 // callerEnded returns the caller's own context error when err (not nil)
@@ -996,7 +1009,7 @@ func (b *Board) observedLag(ctx context.Context) (time.Duration, bool) {
 	if p.at.IsZero() || p.failed || age > tooOld {
 		return 0, false
 	}
-	if verifying && (v.at.IsZero() || !v.verified || time.Since(v.at) > tooOld) {
+	if verifying && (v.at.IsZero() || !v.verified || !sameSource(v.source, p.source) || time.Since(v.at) > tooOld) {
 		return 0, false
 	}
 	if p.pending {
@@ -1022,6 +1035,9 @@ type lagReading struct {
 	// ahead is the creation time of an unprojected row (pending, or a dead
 	// letter that counts) dated after dbNow; nil when none is.
 	ahead *time.Time
+	// source is the database's identity (sourceIdentitySQL), read with
+	// Config.RequireVerifiedProjection only.
+	source string
 }
 
 // measureLag runs the lag query on a connection of its own and returns
@@ -1034,7 +1050,17 @@ func (b *Board) measureLag(ctx context.Context) (r lagReading, sent time.Time, e
 	}
 	defer conn.Release()
 	sent = time.Now()
-	err = conn.QueryRow(ctx, b.sql.lag, b.stream, b.cfg.Name).Scan(&r.dbNow, &r.oldest, &r.ahead)
+	if !b.cfg.RequireVerifiedProjection {
+		err = conn.QueryRow(ctx, b.sql.lag, b.stream, b.cfg.Name).Scan(&r.dbNow, &r.oldest, &r.ahead)
+		return r, sent, err
+	}
+	// One round trip for both.
+	batch := &pgx.Batch{}
+	batch.Queue(b.sql.lag, b.stream, b.cfg.Name).QueryRow(func(row pgx.Row) error {
+		return row.Scan(&r.dbNow, &r.oldest, &r.ahead)
+	})
+	batch.Queue(sourceIdentitySQL).QueryRow(func(row pgx.Row) error { return row.Scan(&r.source) })
+	err = conn.SendBatch(ctx, batch).Close()
 	return r, sent, err
 }
 

@@ -585,6 +585,20 @@ SELECT c.now, LEAST(
 )
 FROM (SELECT clock_timestamp() AS now) AS c`
 
+// sourceIdentitySQL reads the database's identity, "<system
+// identifier>:<timeline>", which Verify records with its result and reads
+// compare (Config.RequireVerifiedProjection): a restore into another
+// cluster changes the system identifier, and a promoted standby or a
+// point-in-time recovery starts a new timeline, at once (unlike
+// pg_control_checkpoint's, which waits for the next checkpoint). A standby
+// is still recovering and has no current WAL position: its timeline part is
+// empty. All three functions are executable by any role.
+const sourceIdentitySQL = `SELECT s.system_identifier::text || ':' || CASE
+    WHEN pg_is_in_recovery() THEN ''
+    ELSE substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8)
+END
+FROM pg_control_system() AS s`
+
 // renderSQL replaces the identifier placeholders of q. outboxTable is the
 // outbox table's unquoted name; outbox.Config documents the dead-letter
 // table's name as that name + "_dead".

@@ -5,6 +5,7 @@ import (
 	_ "embed"
 	"errors"
 	"fmt"
+	"strings"
 	"time"
 
 	"github.com/google/uuid"
@@ -41,6 +42,11 @@ const verifyAbandonTimeout = 5 * time.Second
 // the report so far and the pass's error wrapped (errors.Is and errors.As
 // reach it: ErrNotMigrated for a board never migrated, reconcile's errors).
 //
+// The record names the database the pass read (its system identifier and
+// timeline): reads stop trusting it once the lag probe finds PostgreSQL is
+// another (a promoted standby, a restore). A pass during which that
+// identity changed records nothing (logged at Warn; run Verify again).
+//
 // A pass that finds an entry wrong and leaves it so (reported, vetoed, not
 // attempted or uncertain; also when the pass then fails) deletes the record
 // of an earlier Verify, whichever process made it: the projection it
@@ -68,6 +74,13 @@ func (b *Board) Verify(ctx context.Context, cfg *reconcile.Config) (report *reco
 	if err != nil {
 		return nil, false, err
 	}
+	// The record names the database the pass compared Redis with: reads
+	// stop trusting it once PostgreSQL is another one (a promoted standby,
+	// a restore), which may lack commits the projection still shows.
+	source, err := b.sourceIdentity(ctx)
+	if err != nil {
+		return nil, false, fmt.Errorf("leaderboard: verify: reading the database's identity: %w", err)
+	}
 	token := uuid.NewString()
 	if err := b.sent(ctx, b.rdb.Set(ctx, b.verifyingKey, token, 0).Err()); err != nil {
 		return nil, false, fmt.Errorf("leaderboard: verify: %w", err)
@@ -90,7 +103,17 @@ func (b *Board) Verify(ctx context.Context, cfg *reconcile.Config) (report *reco
 	if refuted {
 		return report, false, nil
 	}
-	args := []any{token, time.Now().UTC().Format(time.RFC3339Nano)}
+	after, err := b.sourceIdentity(ctx)
+	if err != nil {
+		return report, false, fmt.Errorf("leaderboard: verify: reading the database's identity: %w", err)
+	}
+	if !sameSource(source, after) {
+		// Part of the pass may have read the database before a failover.
+		b.cfg.Logger.WarnContext(ctx, "leaderboard: verify: PostgreSQL changed during the pass (a failover?); nothing recorded, run Verify again",
+			"board", b.cfg.Name, "before", source, "after", after)
+		return report, false, nil
+	}
+	args := []any{token, time.Now().UTC().Format(time.RFC3339Nano) + " " + source}
 	n, err := verifiedScript.Run(ctx, b.rdb, []string{b.verifyingKey, b.verifiedKey}, args...).Int()
 	err = b.sent(ctx, err)
 	if err != nil && !isRedisReply(err) {
@@ -162,12 +185,41 @@ func isRedisReply(err error) bool {
 }
 
 // projectionVerified reports whether Redis holds Verify's record that the
-// projection is complete, read on the master.
-func (b *Board) projectionVerified(ctx context.Context) (bool, error) {
-	var cmd *redis.IntCmd
-	err := b.onMaster(ctx, b.verifiedKey, func(p redis.Pipeliner) { cmd = p.Exists(ctx, b.verifiedKey) })
-	if err != nil {
-		return false, err
+// projection is complete, read on the master, and the database identity
+// the record names ("" for a record of a release that named none).
+func (b *Board) projectionVerified(ctx context.Context) (verified bool, source string, err error) {
+	var cmd *redis.StringCmd
+	err = b.onMaster(ctx, b.verifiedKey, func(p redis.Pipeliner) { cmd = p.Get(ctx, b.verifiedKey) })
+	if errors.Is(err, redis.Nil) {
+		return false, "", nil
 	}
-	return cmd.Val() == 1, nil
+	if err != nil {
+		return false, "", err
+	}
+	// "<token> <time> <source>"; see Verify.
+	if fields := strings.Fields(cmd.Val()); len(fields) >= 3 {
+		source = fields[2]
+	}
+	return true, source, nil
+}
+
+// sourceIdentity reads the database's identity (sourceIdentitySQL).
+func (b *Board) sourceIdentity(ctx context.Context) (string, error) {
+	var id string
+	err := b.pool.QueryRow(ctx, sourceIdentitySQL).Scan(&id)
+	return id, err
+}
+
+// sameSource reports whether recorded, the database identity Verify's
+// record names, and current, the one the lag probe read, may be one
+// database with one history: the same system identifier, and the same
+// timeline unless one of them is a standby's (no timeline). An empty
+// identity (a record of an older release, or none read) is not compared.
+func sameSource(recorded, current string) bool {
+	if recorded == "" || current == "" {
+		return true
+	}
+	rs, rt, _ := strings.Cut(recorded, ":")
+	cs, ct, _ := strings.Cut(current, ":")
+	return rs == cs && (rt == "" || ct == "" || rt == ct)
 }

@@ -214,7 +214,7 @@ func TestVerify(t *testing.T) {
 		t.Cleanup(func() { _ = client.Close() })
 		var looks atomic.Int64
 		client.AddHook(testenv.CommandHook(func(name string) {
-			if name == "exists" {
+			if name == "get" {
 				looks.Add(1)
 			}
 		}))

@@ -1,0 +1,136 @@
+package leaderboard
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/stretchr/testify/require"
+
+	"github.com/verity-go/verity/internal/testenv"
+	"github.com/verity-go/verity/reconcile"
+)
+
+// TestVerifiedAgainstAnotherDatabase fails a private PostgreSQL over to its
+// asynchronous standby after a commit the standby never received was
+// projected: Redis then shows a score the new primary does not have, with
+// the outbox drained (Lag 0). With RequireVerifiedProjection the record
+// Verify made names the old primary's timeline, so reads on the promoted
+// standby (a new timeline) are unverified until Verify, and the runbook
+// (leaderboard doc, "When PostgreSQL goes back") restores a right
+// projection.
+func TestVerifiedAgainstAnotherDatabase(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	primary := testenv.StartPostgres(t)
+	standby := primary.StartStandby(t)
+	rd := testenv.Redis(t)
+	cfg := &Config{
+		Name: "b", KeyPrefix: rd.Prefix, RequireVerifiedProjection: true,
+		ReadPolicy: FailClosed, LagProbeInterval: time.Nanosecond,
+	}
+	open := func(server *testenv.PostgresServer) *testBundle {
+		pool := server.Pool(t)
+		board, err := New(pool, rd.Client, cfg)
+		require.NoError(t, err)
+		t.Cleanup(board.Close)
+		return &testBundle{board: board, pg: &testenv.PG{Pool: pool}, rd: rd}
+	}
+	primaryPool := primary.Pool(t)
+	require.NoError(t, Migrate(ctx, primaryPool, cfg))
+	old := open(primary)
+	old.submit(t, "ada", 10)
+	old.drain(t)
+	_, verified, err := old.board.Verify(ctx, nil)
+	require.NoError(t, err)
+	require.True(t, verified)
+
+	// The standby replays everything so far, then stops receiving.
+	var lsn string
+	require.NoError(t, primaryPool.QueryRow(ctx, `SELECT pg_current_wal_lsn()::text`).Scan(&lsn))
+	standbyPool := standby.Pool(t)
+	require.Eventually(t, func() bool {
+		var done bool
+		err := standbyPool.QueryRow(ctx, `SELECT pg_last_wal_replay_lsn() >= $1::pg_lsn`, lsn).Scan(&done)
+		return err == nil && done
+	}, 30*time.Second, 10*time.Millisecond)
+	for _, q := range []string{`ALTER SYSTEM SET primary_conninfo = ''`, `SELECT pg_reload_conf()`} {
+		_, err := standbyPool.Exec(ctx, q)
+		require.NoError(t, err)
+	}
+	require.Eventually(t, func() bool {
+		var receivers int
+		err := standbyPool.QueryRow(ctx, `SELECT count(*) FROM pg_stat_wal_receiver`).Scan(&receivers)
+		return err == nil && receivers == 0
+	}, 30*time.Second, 10*time.Millisecond)
+
+	// Committed and projected on the primary only, then lost with it.
+	old.submit(t, "ada", 5)
+	old.submit(t, "cy", 7)
+	old.drain(t)
+	require.NoError(t, primary.Kill())
+	var promoted bool
+	require.NoError(t, standbyPool.QueryRow(ctx, `SELECT pg_promote(true, 60)`).Scan(&promoted))
+	require.True(t, promoted)
+
+	tb := open(standby)
+	truth, err := tb.board.Authoritative(ctx, 10)
+	require.NoError(t, err)
+	require.Equal(t, []Entry{{UserID: "ada", Score: 10, Rank: 1}}, truth)
+
+	t.Run("ReadsAreUnverified", func(t *testing.T) {
+		_, err := tb.board.Top(ctx, 10)
+		var stale *StaleError
+		require.ErrorAs(t, err, &stale, "Redis (ada 15, cy 7) was served as verified")
+		require.True(t, stale.Unverified)
+		fr := tb.board.Freshness(ctx)
+		require.True(t, fr.Unverified)
+		require.Equal(t, time.Duration(-1), fr.Lag)
+		// A new write reuses the lost version 2: the gate answers it as a
+		// duplicate, and Redis keeps the lost score.
+		res, err := tb.board.Submit(ctx, Command{EventID: uuid.New(), UserID: "ada", Delta: 1})
+		require.NoError(t, err)
+		require.Equal(t, int64(2), res.Version)
+		tb.drain(t)
+		score, err := rd.Client.ZScore(ctx, tb.board.SortedSetKey(), "ada").Result()
+		require.NoError(t, err)
+		require.Equal(t, float64(-15), score, "the projection gate applied a reused version")
+	})
+
+	t.Run("RunbookRestoresTheProjection", func(t *testing.T) {
+		rep, verified, err := tb.board.Verify(ctx, nil)
+		require.NoError(t, err)
+		require.False(t, verified)
+		require.Equal(t, int64(1), rep.Counts[reconcile.ClassCorrupt], "ada: version 2 with another score")
+		require.Equal(t, int64(1), rep.Counts[reconcile.ClassOrphan], "cy")
+		_, err = tb.board.Top(ctx, 10)
+		require.Error(t, err)
+
+		_, verified, err = tb.board.Verify(ctx, &reconcile.Config{Policy: reconcile.Policy{Orphan: reconcile.ActionRepair}})
+		require.NoError(t, err)
+		require.True(t, verified)
+		r, err := tb.board.Top(ctx, 10)
+		require.NoError(t, err)
+		require.False(t, r.Freshness.Unverified)
+		require.Equal(t, []Entry{{UserID: "ada", Score: 11, Rank: 1}}, r.Entries)
+	})
+}
+
+func TestSameSource(t *testing.T) {
+	t.Parallel()
+	for _, c := range []struct {
+		recorded, current string
+		same              bool
+	}{
+		{"7715209476908992695:00000001", "7715209476908992695:00000001", true},
+		{"7715209476908992695:00000001", "7715209476908992695:00000002", false}, // promoted standby, PITR
+		{"7715209476908992695:00000001", "8000000000000000001:00000001", false}, // another cluster
+		{"7715209476908992695:00000001", "7715209476908992695:", true},          // read on a standby
+		{"7715209476908992695:", "8000000000000000001:", false},
+		{"", "7715209476908992695:00000002", true}, // a record of an older release
+		{"7715209476908992695:00000001", "", true}, // not read
+	} {
+		require.Equal(t, c.same, sameSource(c.recorded, c.current), "%q vs %q", c.recorded, c.current)
+	}
+}
