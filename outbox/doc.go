@@ -434,9 +434,13 @@
 // and rely on polling. The text-format exec modes such a proxy needs
 // (pgx.QueryExecModeExec, QueryExecModeSimpleProtocol) parse timestamps
 // and bytea only in PostgreSQL's default DateStyle (ISO) and bytea_output
-// (hex): with a role that changes either, every claim fails after the
-// server committed it (the claim is released, no attempt counted, nothing
-// projected); set both in ConnConfig.RuntimeParams.
+// (hex). A claim sets both for its own transaction, so relays work
+// whatever the session's settings (PgBouncer refuses bytea_output as a
+// connection parameter, and keeps another client's plain SET on the
+// server connection). Other reads of those types (DeadLetters) take the
+// session's: with a role that changes either, they fail (nothing is
+// changed). Set them in ConnConfig.RuntimeParams, or, behind a proxy, on
+// the role or database (ALTER ROLE … SET bytea_output = 'hex').
 //
 // The relay's claims and settles are written for READ COMMITTED,
 // PostgreSQL's default: give it a pool that runs at that level (with a

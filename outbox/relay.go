@@ -797,7 +797,15 @@ func (r *Relay) sendClaim(ctx context.Context, conn *pgx.Conn, token uuid.UUID) 
 // claimLockSQL takes a transaction-scoped advisory lock on the claim's
 // token (claimLockKey) before the claim leases anything, so that
 // releaseClaim can find the claim's transaction and wait for its end.
-const claimLockSQL = `SELECT pg_advisory_xact_lock($1)`
+//
+// It also pins, for the claim's transaction only, the output settings
+// pgx's text formats need (hex bytea, ISO timestamps), which the exec modes
+// a transaction-pooling proxy needs return the claimed rows in. A client
+// cannot pin them for the session behind such a proxy (PgBouncer refuses
+// bytea_output as a startup parameter), and another client's plain SET
+// stays on the server connection it leaves; with another setting every
+// claim would fail after the server committed it.
+const claimLockSQL = `SELECT pg_advisory_xact_lock($1), set_config('bytea_output', 'hex', true), set_config('DateStyle', 'ISO', true)`
 
 // claimLockKey is the advisory lock key of a claim: the token's first 64
 // bits, random, so it collides with no other key in practice.

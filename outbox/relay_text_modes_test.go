@@ -1,0 +1,54 @@
+package outbox_test
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/stretchr/testify/require"
+
+	"github.com/verity-go/verity/outbox"
+)
+
+// TestRelayClaimsUnderAnySessionOutputSettings runs a relay in the
+// text-format exec modes a transaction-pooling proxy needs, on sessions whose
+// bytea_output and DateStyle are not PostgreSQL's defaults. pgx parses text
+// bytea only as hex and timestamps only as ISO, and behind PgBouncer a
+// session setting cannot be pinned from the client (it refuses
+// bytea_output as a startup parameter) while another client's plain SET
+// stays on the shared server connection: the claim pins both for its own
+// transaction.
+func TestRelayClaimsUnderAnySessionOutputSettings(t *testing.T) {
+	t.Parallel()
+	for _, mode := range []pgx.QueryExecMode{pgx.QueryExecModeExec, pgx.QueryExecModeSimpleProtocol} {
+		t.Run(mode.String(), func(t *testing.T) {
+			t.Parallel()
+			ctx := context.Background()
+			b := setup(t)
+			pool := poolWith(t, b, func(pc *pgxpool.Config) {
+				pc.ConnConfig.DefaultQueryExecMode = mode
+				pc.ConnConfig.RuntimeParams["bytea_output"] = "escape"
+				pc.ConnConfig.RuntimeParams["DateStyle"] = "SQL, DMY"
+			})
+			msg := newMessage("s", "k", 1)
+			msg.Payload = []byte{0, 1, 2, 0xff, '\\', '"'}
+			written := b.appendNow(t, msg)
+			var got []outbox.Record
+			r := b.relay(t, pool, outbox.HandlerFunc(func(_ context.Context, batch []outbox.Record) ([]outbox.Result, error) {
+				got = append(got, batch...)
+				return make([]outbox.Result, len(batch)), nil
+			}), outbox.RelayConfig{DisableNotify: true})
+			n, err := r.RunOnce(ctx)
+			require.NoError(t, err)
+			require.Equal(t, 1, n)
+			require.Len(t, got, 1)
+			require.Equal(t, msg.Payload, got[0].Payload)
+			require.WithinDuration(t, written, got[0].CreatedAt, time.Minute)
+			var output, style string
+			require.NoError(t, pool.QueryRow(ctx, `SELECT current_setting('bytea_output'), current_setting('DateStyle')`).Scan(&output, &style))
+			require.Equal(t, "escape, SQL, DMY", output+", "+style, "the claim's settings outlived its transaction")
+		})
+	}
+}
