@@ -431,7 +431,13 @@
 // at once. After a database error it pauses before claiming
 // again, 100ms doubling up to ReconnectBackoffMax; notifications do not cut
 // that pause short. Behind a transaction-pooling proxy, set DisableNotify
-// and rely on polling. The text-format exec modes such a proxy needs
+// and rely on polling: there LISTEN lands on whichever server connection
+// the proxy picks, whose notifications the proxy drops. A LISTEN
+// connection (a relay's own, or a Listener's) finds that out: after each
+// LISTEN it also listens on the channel verity_listen_probe and sends a
+// notification there through the pool, and if that has not come back
+// within ListenCheckInterval (5 s at least) it counts as failed, logged
+// with a message naming DisableNotify. The text-format exec modes such a proxy needs
 // (pgx.QueryExecModeExec, QueryExecModeSimpleProtocol) parse timestamps
 // and bytea only in PostgreSQL's default DateStyle (ISO) and bytea_output
 // (hex). A claim sets both for its own transaction, so relays work

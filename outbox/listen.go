@@ -8,6 +8,7 @@ import (
 	"slices"
 	"time"
 
+	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgconn/ctxwatch"
@@ -16,6 +17,29 @@ import (
 
 // listenCloseTimeout bounds closing the LISTEN connection.
 const listenCloseTimeout = 2 * time.Second
+
+// probeChannel is the channel on which every LISTEN connection checks,
+// after each LISTEN, that notifications reach it: it listens there too,
+// and sends one through the pool, with a token of its own as the payload.
+// Behind a transaction-pooling proxy (PgBouncer in transaction mode) LISTEN
+// lands on whichever server connection the proxy picks and stays there,
+// and notifications for it arrive while that connection serves another
+// client, or none: the proxy drops them, nothing fails, and the relays
+// would fall back to PollInterval without a word. Connections of every
+// process listen on the one channel (a name per connection would leave a
+// new registration on a proxy's server connections at every attempt) and
+// ignore the others' tokens; no relay is woken by a probe.
+const probeChannel = "verity_listen_probe"
+
+// probeWaitMin is the least time a LISTEN connection waits for its probe
+// to come back (ListenCheckInterval when longer): a delivery is a round
+// trip of milliseconds, and a busy server must not make a short
+// ListenCheckInterval replace healthy connections.
+const probeWaitMin = 5 * time.Second
+
+// errNotificationsLost is the failure of a LISTEN connection whose probe
+// did not come back.
+var errNotificationsLost = errors.New("a notification sent through the pool did not reach the LISTEN connection: LISTEN needs a session of its own, which a transaction-pooling proxy (PgBouncer in transaction mode) does not give; behind one, set RelayConfig.DisableNotify (relays poll meanwhile)")
 
 // listenConn is one LISTEN connection: the pool whose configuration opens
 // it, the channel it listens on, and how it logs and reconnects. A Relay
@@ -109,14 +133,21 @@ func (lc listenConn) once(ctx, stmtCtx context.Context, connected func(), notifi
 	}
 	hooked = true
 	listen := "LISTEN " + pgx.Identifier{lc.channel}.Sanitize()
-	listenCtx, cancel := context.WithTimeout(stmtCtx, lc.checkAfter)
-	_, err = conn.Exec(listenCtx, listen)
-	cancel()
-	if err != nil {
-		return fmt.Errorf("listen: %w", lc.bounded(listenCtx, err))
+	// The probe channel first: the session's last statement, which
+	// pg_stat_activity shows, stays the outbox channel's LISTEN.
+	for _, stmt := range []string{"LISTEN " + probeChannel, listen} {
+		listenCtx, cancel := context.WithTimeout(stmtCtx, lc.checkAfter)
+		_, err = conn.Exec(listenCtx, stmt)
+		cancel()
+		if err != nil {
+			return fmt.Errorf("listen: %w", lc.bounded(listenCtx, err))
+		}
 	}
 	lc.logger.Debug("outbox listening", slog.String("channel", lc.channel))
 	connected()
+	probe := uuid.NewString()
+	probing := lc.sendProbe(ctx, probe)
+	probeDeadline := time.Now().Add(max(lc.checkAfter, probeWaitMin))
 	for {
 		waitCtx, cancel := context.WithTimeout(ctx, lc.checkAfter)
 		n, err := conn.WaitForNotification(waitCtx)
@@ -124,8 +155,16 @@ func (lc listenConn) once(ctx, stmtCtx context.Context, connected func(), notifi
 		cancel()
 		// pgx may return one it buffered with an error. The pool's
 		// AfterConnect may LISTEN on channels of the application's own.
-		if n != nil && n.Channel == lc.channel {
-			notified(n.Payload)
+		if n != nil {
+			switch n.Channel {
+			case lc.channel:
+				notified(n.Payload)
+			case probeChannel:
+				probing = probing && n.Payload != probe // another connection's otherwise
+			}
+		}
+		if probing && ctx.Err() == nil && !time.Now().Before(probeDeadline) {
+			return fmt.Errorf("no probe back within %s: %w", max(lc.checkAfter, probeWaitMin), errNotificationsLost)
 		}
 		switch {
 		case err == nil:
@@ -142,6 +181,20 @@ func (lc listenConn) once(ctx, stmtCtx context.Context, connected func(), notifi
 			}
 		}
 	}
+}
+
+// sendProbe sends the probe notification with payload token through the
+// pool, within checkAfter, and reports whether it was sent. A probe that
+// could not be sent (the pool exhausted, the database refusing) proves
+// nothing either way, so it is only logged at Debug.
+func (lc listenConn) sendProbe(ctx context.Context, token string) bool {
+	ctx, cancel := context.WithTimeout(ctx, lc.checkAfter)
+	defer cancel()
+	if _, err := lc.pool.Exec(ctx, `SELECT pg_notify($1::text, $2::text)`, probeChannel, token); err != nil {
+		lc.logger.Debug("outbox LISTEN probe not sent", slog.String("error", err.Error()))
+		return false
+	}
+	return true
 }
 
 // connect opens the connection from the pool's configuration cfg (a copy),

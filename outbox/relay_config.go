@@ -163,7 +163,12 @@ type RelayConfig struct {
 
 	// DisableNotify turns off LISTEN: the relay finds work by polling only.
 	// Use it behind a transaction-pooling proxy (PgBouncer in transaction
-	// mode) that cannot hold a LISTEN session. Defaults to false.
+	// mode) that cannot hold a LISTEN session. Without it, the LISTEN
+	// connection finds such a proxy: after each LISTEN it sends a probe
+	// notification through the pool, and when that has not come back
+	// within ListenCheckInterval (5 s at least), it logs a warning naming
+	// this field and reconnects with its growing pause; each LISTEN stays
+	// registered on a server connection of the proxy. Defaults to false.
 	DisableNotify bool
 
 	// Listener, when set, is the LISTEN connection the relay shares with
