@@ -60,6 +60,7 @@ type options struct {
 	limit  int
 
 	requireVerified bool // serve, stats
+	disableNotify   bool // serve
 	verify          bool // reconcile
 }
 
@@ -84,6 +85,8 @@ func parseFlags(name string, args []string, stderr io.Writer) (*options, error) 
 		fs.DurationVar(&o.maxLag, "max-lag", leaderboard.MaxLagDefault, "largest projection lag at which Redis answers count as fresh; must exceed the lag probe interval (leaderboard.LagProbeIntervalDefault, 100ms)")
 		fs.DurationVar(&o.reconcileEvery, "reconcile-every", reconcileEveryDefault, "interval of the sampled reconcile (0 disables it)")
 		fs.IntVar(&o.reconcileSample, "reconcile-sample", reconcileSampleDefault, "rows checked by each scheduled reconcile")
+		fs.BoolVar(&o.disableNotify, "disable-notify", false,
+			"find new outbox rows by polling only, without LISTEN (outbox.RelayConfig.DisableNotify): needed behind a transaction-pooling proxy such as PgBouncer in transaction mode")
 		fs.BoolVar(&o.requireVerified, "require-verified", false,
 			"treat the projection as stale until a full pass has verified it (leaderboard.Config.RequireVerifiedProjection); the scheduled reconcile then runs that pass while it is unverified, bounded by --reconcile-every (for a board whose pass takes longer, run 'reconcile --verify')")
 	case "reconcile":

@@ -38,6 +38,7 @@ func cmdServe(ctx context.Context, o *options, _, stderr io.Writer) error {
 	svc, err := NewService(d.pool, d.rdb, d.board, ServiceConfig{
 		ReconcileEvery:  o.reconcileEvery,
 		ReconcileSample: o.reconcileSample,
+		Relay:           &outbox.RelayConfig{Logger: logger, DisableNotify: o.disableNotify},
 		Logger:          logger,
 	})
 	if err != nil {

@@ -475,3 +475,17 @@ func TestConnectServers(t *testing.T) {
 		require.NoError(t, d.rdb.Ping(t.Context()).Err())
 	})
 }
+
+// --disable-notify is serve's only way to run behind a transaction-pooling
+// proxy, where LISTEN cannot work.
+func TestDisableNotifyFlag(t *testing.T) {
+	t.Parallel()
+	o, err := parseFlags("serve", nil, io.Discard)
+	require.NoError(t, err)
+	require.False(t, o.disableNotify)
+	o, err = parseFlags("serve", []string{"--disable-notify"}, io.Discard)
+	require.NoError(t, err)
+	require.True(t, o.disableNotify)
+	_, err = parseFlags("stats", []string{"--disable-notify"}, io.Discard)
+	require.Error(t, err, "only serve runs a worker")
+}
