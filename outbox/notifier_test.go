@@ -303,13 +303,18 @@ func TestNotifier(t *testing.T) {
 		require.Zero(t, b.db.calls.Load(), "nothing was owed")
 	})
 
-	t.Run("FailedNotifyIsNotFatal", func(t *testing.T) {
-		t.Parallel()
-		b := setupNotifier(t)
+	// failing returns an Execer whose every call fails: a closed pool.
+	failing := func(t *testing.T, b *notifierBundle) *countingExecer {
 		closed, err := pgxpool.NewWithConfig(context.Background(), b.pool.Config())
 		require.NoError(t, err)
 		closed.Close()
-		db := &countingExecer{db: closed}
+		return &countingExecer{db: closed}
+	}
+
+	t.Run("FailedNotifyIsNotFatal", func(t *testing.T) {
+		t.Parallel()
+		b := setupNotifier(t)
+		db := failing(t, b)
 		n, err := NewNotifier(db, b.channel, &NotifierConfig{IdleTimeout: 10 * time.Millisecond})
 		require.NoError(t, err)
 		n.Notify()
@@ -322,10 +327,7 @@ func TestNotifier(t *testing.T) {
 	t.Run("FailedNotifiesLogOnceASecond", func(t *testing.T) {
 		t.Parallel()
 		b := setupNotifier(t)
-		closed, err := pgxpool.NewWithConfig(context.Background(), b.pool.Config())
-		require.NoError(t, err)
-		closed.Close()
-		db := &countingExecer{db: closed}
+		db := failing(t, b)
 		var logs testenv.LogSink
 		n, err := NewNotifier(db, b.channel, &NotifierConfig{Logger: logs.Logger()})
 		require.NoError(t, err)
