@@ -235,7 +235,8 @@ type Config struct {
 	// also reads): after a failover to a standby, a point-in-time recovery
 	// or a restore into another cluster, which may lack commits the
 	// projection still shows, reads are unverified too (see "When
-	// PostgreSQL goes back" in the package documentation). Call Verify
+	// PostgreSQL goes back" in the package documentation for the cases it
+	// cannot see). Call Verify
 	// after the first deployment, after every Redis loss (a new board
 	// needs one too), and after every PostgreSQL failover or restore.
 	// Defaults to false: Lag measures the outbox only.

@@ -263,21 +263,30 @@
 //     orphan ones.
 //  3. With Config.RequireVerifiedProjection, run Verify.
 //
-// Config.RequireVerifiedProjection sees such an event by itself. Verify's
-// record names the database it checked the projection against: its system
-// identifier, which a restore into another cluster changes, and its
-// timeline, which a promoted standby or a point-in-time recovery starts
-// anew. The lag probe reads both (at most once per LagProbeInterval), and
-// once they differ from the record's, reads report Unverified (Lag -1:
-// FailClosed refuses, FallbackToPostgres answers from PostgreSQL) until
-// Verify records the projection right against the new database. A planned
-// switchover starts a new timeline too, with no commit lost: reads are
-// unverified after it as well, until Verify. A pool on a standby reads no
-// timeline, and only the system identifier is compared. A Verify that
-// finds ahead or orphan entries and leaves them (its default policy)
-// deletes the earlier record whichever database it names. What it cannot
-// see: a server that lost acknowledged commits without a failover (a crash
-// under synchronous_commit = off) keeps its identity.
+// Config.RequireVerifiedProjection sees the common cases by itself.
+// Verify's record names the database it checked the projection against:
+// its system identifier, which a restore into another cluster changes, and
+// its timeline, which a promoted standby or a point-in-time recovery
+// starts anew. The lag probe reads both (at most once per
+// LagProbeInterval), and once they differ from the record's, reads report
+// Unverified (Lag -1: FailClosed refuses, FallbackToPostgres answers from
+// PostgreSQL) until Verify records the projection right against the new
+// database. A planned switchover starts a new timeline too, with no commit
+// lost: reads are unverified after it as well, until Verify. Run Verify
+// with a pool on the primary: a record made on a standby names no timeline
+// and matches no primary (readers on a standby compare the system
+// identifier only). A Verify that finds ahead or orphan entries and leaves
+// them (its default policy) deletes the earlier record whichever database
+// it names. What keeps the identity, and goes unseen: a server that lost
+// acknowledged commits without a failover (a crash under
+// synchronous_commit = off); a rollback of the same cluster to a snapshot
+// of its disk; a pg_dump restored into the same server; and a second
+// standby promoted after the first without a shared WAL archive, which
+// can pick the same timeline number. After those, follow the steps above.
+// A role that may not run pg_control_system, pg_walfile_name or
+// pg_current_wal_lsn (a revoked grant, a managed service without them) has
+// its lag measured and Verify run as without the identity, which is then
+// not compared, with a warning at most once a second.
 //
 // Payouts read PostgreSQL (Board.Authoritative), which is right by
 // definition, before and after.

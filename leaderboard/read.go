@@ -697,7 +697,7 @@ type verification struct {
 // clock the probe finds stepped back, and the look for Verify's record,
 // about once per LagProbeInterval each): see Config.Logger.
 type readLogs struct {
-	fallback, lagProbe, clockStep, verification, sourceChanged lograte.Limiter
+	fallback, lagProbe, clockStep, verification, sourceChanged, identity lograte.Limiter
 }
 
 // warn logs msg about the board at WARN with err, unless l suppresses it,
@@ -1054,13 +1054,26 @@ func (b *Board) measureLag(ctx context.Context) (r lagReading, sent time.Time, e
 		err = conn.QueryRow(ctx, b.sql.lag, b.stream, b.cfg.Name).Scan(&r.dbNow, &r.oldest, &r.ahead)
 		return r, sent, err
 	}
-	// One round trip for both.
+	// One round trip for both, the lag first: a server that refuses the
+	// identity's functions still has its lag measured.
 	batch := &pgx.Batch{}
-	batch.Queue(b.sql.lag, b.stream, b.cfg.Name).QueryRow(func(row pgx.Row) error {
-		return row.Scan(&r.dbNow, &r.oldest, &r.ahead)
-	})
-	batch.Queue(sourceIdentitySQL).QueryRow(func(row pgx.Row) error { return row.Scan(&r.source) })
-	err = conn.SendBatch(ctx, batch).Close()
+	batch.Queue(b.sql.lag, b.stream, b.cfg.Name)
+	batch.Queue(sourceIdentitySQL)
+	results := conn.SendBatch(ctx, batch)
+	if err = results.QueryRow().Scan(&r.dbNow, &r.oldest, &r.ahead); err != nil {
+		_ = results.Close()
+		return r, sent, err
+	}
+	idErr := results.QueryRow().Scan(&r.source)
+	err = results.Close()
+	if idErr != nil {
+		if !identityUnavailable(idErr) {
+			return r, sent, idErr
+		}
+		r.source = ""
+		b.identityUnavailable(ctx, idErr)
+		return r, sent, nil
+	}
 	return r, sent, err
 }
 

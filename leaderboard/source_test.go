@@ -2,6 +2,7 @@ package leaderboard
 
 import (
 	"context"
+	"strings"
 	"testing"
 	"time"
 
@@ -128,9 +129,54 @@ func TestSameSource(t *testing.T) {
 		{"7715209476908992695:00000001", "8000000000000000001:00000001", false}, // another cluster
 		{"7715209476908992695:00000001", "7715209476908992695:", true},          // read on a standby
 		{"7715209476908992695:", "8000000000000000001:", false},
+		{"7715209476908992695:", "7715209476908992695:00000002", false}, // verified on a standby: which timeline?
+		{"7715209476908992695:", "7715209476908992695:", true},
 		{"", "7715209476908992695:00000002", true}, // a record of an older release
 		{"7715209476908992695:00000001", "", true}, // not read
 	} {
 		require.Equal(t, c.same, sameSource(c.recorded, c.current), "%q vs %q", c.recorded, c.current)
 	}
+}
+
+// TestVerifiedWhereTheIdentityIsRefused: a role that may not run the
+// identity's functions (revoked, or a managed service without them) keeps
+// its lag measured and Verify working, as before records named a
+// database, and the log says what the board cannot see.
+func TestVerifiedWhereTheIdentityIsRefused(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	server := testenv.StartPostgres(t)
+	admin := server.Pool(t)
+	for _, q := range []string{
+		`CREATE ROLE app LOGIN`,
+		`GRANT CREATE ON DATABASE postgres TO app`,
+		`REVOKE EXECUTE ON FUNCTION pg_current_wal_lsn() FROM PUBLIC`,
+	} {
+		_, err := admin.Exec(ctx, q)
+		require.NoError(t, err)
+	}
+	pool := testenv.NewPool(t, strings.Replace(server.ConnString(), "postgres@", "app@", 1))
+	rd := testenv.Redis(t)
+	var logs testenv.LogSink
+	cfg := &Config{
+		Name: "b", Schema: "game", KeyPrefix: rd.Prefix, RequireVerifiedProjection: true,
+		ReadPolicy: FailClosed, LagProbeInterval: time.Nanosecond, Logger: logs.Logger(),
+	}
+	require.NoError(t, Migrate(ctx, pool, cfg))
+	board, err := New(pool, rd.Client, cfg)
+	require.NoError(t, err)
+	t.Cleanup(board.Close)
+	tb := &testBundle{board: board, pg: &testenv.PG{Pool: pool}, rd: rd}
+	tb.submit(t, "ada", 10)
+	tb.drain(t)
+	_, verified, err := board.Verify(ctx, nil)
+	require.NoError(t, err)
+	require.True(t, verified)
+	r, err := board.Top(ctx, 10)
+	require.NoError(t, err)
+	require.GreaterOrEqual(t, r.Freshness.Lag, time.Duration(0))
+	require.False(t, r.Freshness.Unverified)
+	lines := logs.Lines(t, "leaderboard: the database's identity cannot be read (pg_control_system, pg_walfile_name, pg_current_wal_lsn), so RequireVerifiedProjection cannot see a failover or restore; grant the board's role EXECUTE on them")
+	require.NotEmpty(t, lines)
+	require.Contains(t, lines[0]["error"], "42501")
 }

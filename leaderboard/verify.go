@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/redis/go-redis/v9"
 
 	"github.com/verity-go/verity/reconcile"
@@ -44,7 +45,9 @@ const verifyAbandonTimeout = 5 * time.Second
 //
 // The record names the database the pass read (its system identifier and
 // timeline): reads stop trusting it once the lag probe finds PostgreSQL is
-// another (a promoted standby, a restore). A pass during which that
+// another (a promoted standby, a point-in-time recovery, a restore into
+// another cluster; see "When PostgreSQL goes back" for what keeps the
+// identity). A pass during which that
 // identity changed records nothing (logged at Warn; run Verify again).
 //
 // A pass that finds an entry wrong and leaves it so (reported, vetoed, not
@@ -203,23 +206,53 @@ func (b *Board) projectionVerified(ctx context.Context) (verified bool, source s
 	return true, source, nil
 }
 
-// sourceIdentity reads the database's identity (sourceIdentitySQL).
+// sourceIdentity reads the database's identity (sourceIdentitySQL), ""
+// where the server refuses its functions (identityUnavailable, logged).
 func (b *Board) sourceIdentity(ctx context.Context) (string, error) {
 	var id string
 	err := b.pool.QueryRow(ctx, sourceIdentitySQL).Scan(&id)
+	if err != nil && identityUnavailable(err) {
+		b.identityUnavailable(ctx, err)
+		return "", nil
+	}
 	return id, err
+}
+
+// identityUnavailable reports an error with which the server refused the
+// functions sourceIdentitySQL calls (revoked from the role, or not offered
+// by a managed service): without the identity, Verify's record names no
+// database and reads do not compare it, as before records named one.
+func identityUnavailable(err error) bool {
+	var pgErr *pgconn.PgError
+	if !errors.As(err, &pgErr) {
+		return false
+	}
+	switch pgErr.Code {
+	case "42501", "0A000", "55000", "42883": // insufficient privilege, not supported, prerequisite state, undefined function
+		return true
+	}
+	return false
+}
+
+// identityUnavailable logs, at most once a second, that err kept the
+// board from reading the database's identity.
+func (b *Board) identityUnavailable(ctx context.Context, err error) {
+	b.warn(ctx, &b.logs.identity, "leaderboard: the database's identity cannot be read (pg_control_system, pg_walfile_name, pg_current_wal_lsn), so RequireVerifiedProjection cannot see a failover or restore; grant the board's role EXECUTE on them", err)
 }
 
 // sameSource reports whether recorded, the database identity Verify's
 // record names, and current, the one the lag probe read, may be one
 // database with one history: the same system identifier, and the same
-// timeline unless one of them is a standby's (no timeline). An empty
-// identity (a record of an older release, or none read) is not compared.
+// timeline, unless current is a standby's (no timeline; a reader on a
+// replica). A record made on a standby names no timeline and matches no
+// primary: it cannot tell which timeline it checked. An empty identity (a
+// record of an older release, or a server that refuses the functions) is
+// not compared.
 func sameSource(recorded, current string) bool {
 	if recorded == "" || current == "" {
 		return true
 	}
 	rs, rt, _ := strings.Cut(recorded, ":")
 	cs, ct, _ := strings.Cut(current, ":")
-	return rs == cs && (rt == "" || ct == "" || rt == ct)
+	return rs == cs && (ct == "" || rt == ct)
 }
