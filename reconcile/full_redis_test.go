@@ -2,8 +2,10 @@ package reconcile
 
 import (
 	"context"
+	"fmt"
 	"testing"
 
+	"github.com/redis/go-redis/v9"
 	"github.com/stretchr/testify/require"
 
 	"github.com/verity-go/verity/internal/testenv"
@@ -42,4 +44,41 @@ func TestRepairOnAFullRedis(t *testing.T) {
 	rep, err = rec.Run(ctx, RunOptions{})
 	require.NoError(t, err)
 	require.EqualValues(t, 2, rep.Results[ResultRepaired], "report: %v", rep)
+}
+
+// TestRepairOnOneFullShard: documents spread over a Ring, one of whose
+// shards is full. The gate sends one script per shard: the healthy shard's
+// repairs are applied, so the findings of a call that failed with OOM are
+// uncertain (which of them were written, the error does not say), never
+// "not attempted" (nothing written).
+func TestRepairOnOneFullShard(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	full := testenv.StartRedis(t, "--maxmemory-policy", "noeviction")
+	healthy := testenv.StartRedis(t)
+	ring := redis.NewRing(&redis.RingOptions{
+		Addrs:       map[string]string{"a": full.Addr(), "b": healthy.Addr()},
+		HeartbeatFn: func(context.Context, *redis.Client) bool { return true },
+	})
+	t.Cleanup(func() { _ = ring.Close() })
+	b := setupWith(t, projection.KindDocument, ring, "ring:")
+	const n = 40
+	for i := range n {
+		b.insert(t, fmt.Sprintf("user-%d", i), 1) // all missing from Redis
+	}
+	testenv.FillRedis(t, full.Client(t))
+
+	rec := b.reconciler(t, &Config{SkipOrphans: true})
+	rep, err := rec.Run(ctx, RunOptions{})
+	require.ErrorContains(t, err, "OOM")
+	written := 0
+	for i := range n {
+		if b.state(t, rec, fmt.Sprintf("user-%d", i)).HasValue {
+			written++
+		}
+	}
+	require.NotZero(t, written, "setup: the healthy shard took none")
+	require.Less(t, written, n, "setup: the full shard took some")
+	require.Zero(t, rep.Results[ResultNotAttempted], "report: %v", rep)
+	require.EqualValues(t, n, rep.Uncertain, "report: %v", rep)
 }

@@ -90,7 +90,9 @@ func (r *Reconciler) settleGateRepair(fs []*Finding, outcomes []projection.Outco
 		// ResultNotAttempted.
 		return fmt.Errorf("reconcile: repairing %d entries through the gate: %w", len(fs), err)
 	}
-	if refusedUnwritten(err) {
+	if refusedUnwritten(err) && r.oneSlotGroup(fs) {
+		// One script call, refused whole. (With several, on a Cluster or
+		// a Ring, the others may have been applied: uncertain below.)
 		return fmt.Errorf("reconcile: repairing %d entries through the gate: %w", len(fs), err)
 	}
 	if err != nil && (outcomes == nil || !errors.Is(err, projection.ErrCorruptVersion)) {
@@ -286,6 +288,21 @@ func nonNil(b []byte) []byte {
 		return []byte{}
 	}
 	return b
+}
+
+// oneSlotGroup reports whether the gate sends the repairs of fs in one
+// script call: a collection's entries share its hash tag; documents do
+// only when they share a slot group.
+func (r *Reconciler) oneSlotGroup(fs []*Finding) bool {
+	if r.target.Kind != projection.KindDocument || len(fs) < 2 {
+		return true
+	}
+	for _, f := range fs[1:] {
+		if r.groupKey(r.target.target(f.Key)) != r.groupKey(r.target.target(fs[0].Key)) {
+			return false
+		}
+	}
+	return true
 }
 
 // refusedUnwritten reports an error reply with which Redis refused a
