@@ -84,10 +84,10 @@ type listenConn struct {
 func (lc listenConn) run(ctx, stmtCtx context.Context, connected func(), notified func(payload string)) {
 	pause := newPauser(lc.backoffMax)
 	for {
-		err := lc.once(ctx, stmtCtx, func() {
-			pause.reset()
-			connected()
-		}, notified)
+		// The pause resets once the probe came back (or could not be
+		// sent), not at LISTEN: behind a proxy that loses notifications
+		// every LISTEN succeeds, and the pause must still grow.
+		err := lc.once(ctx, stmtCtx, connected, pause.reset, notified)
 		if ctx.Err() != nil {
 			return
 		}
@@ -100,8 +100,10 @@ func (lc listenConn) run(ctx, stmtCtx context.Context, connected func(), notifie
 	}
 }
 
-// once connects, LISTENs and passes notifications on until an error.
-func (lc listenConn) once(ctx, stmtCtx context.Context, connected func(), notified func(string)) error {
+// once connects, LISTENs and passes notifications on until an error. It
+// calls connected once LISTEN is in effect, and proven once the probe came
+// back or could not be sent.
+func (lc listenConn) once(ctx, stmtCtx context.Context, connected, proven func(), notified func(string)) error {
 	poolCfg := lc.pool.Config()
 	conn, err := lc.connect(ctx, poolCfg)
 	if err != nil {
@@ -147,6 +149,9 @@ func (lc listenConn) once(ctx, stmtCtx context.Context, connected func(), notifi
 	connected()
 	probe := uuid.NewString()
 	probing := lc.sendProbe(ctx, probe)
+	if !probing {
+		proven()
+	}
 	probeDeadline := time.Now().Add(max(lc.checkAfter, probeWaitMin))
 	for {
 		waitCtx, cancel := context.WithTimeout(ctx, lc.checkAfter)
@@ -160,7 +165,10 @@ func (lc listenConn) once(ctx, stmtCtx context.Context, connected func(), notifi
 			case lc.channel:
 				notified(n.Payload)
 			case probeChannel:
-				probing = probing && n.Payload != probe // another connection's otherwise
+				if probing && n.Payload == probe { // another connection's otherwise
+					probing = false
+					proven()
+				}
 			}
 		}
 		if probing && ctx.Err() == nil && !time.Now().Before(probeDeadline) {

@@ -98,6 +98,16 @@ func TestListenerFindsNotificationsLost(t *testing.T) {
 	line := logs.Lines(t, "outbox LISTEN connection failed; reconnecting")[0]
 	require.Contains(t, line["error"], "DisableNotify")
 	require.Positive(t, dropped.Load(), "the probe was sent, and lost on the way")
+
+	// Every LISTEN succeeds on such a path: the pause grows all the same,
+	// so the warnings (and the LISTENs left on a proxy's connections) slow
+	// down.
+	require.Eventually(t, func() bool {
+		return len(logs.Lines(t, "outbox LISTEN connection failed; reconnecting")) >= 2
+	}, 15*time.Second, 10*time.Millisecond)
+	lines := logs.Lines(t, "outbox LISTEN connection failed; reconnecting")
+	first, second := lines[0]["pause"].(float64), lines[1]["pause"].(float64) // nanoseconds
+	require.Greater(t, second, first, "the pause was reset by a LISTEN whose probe never came back")
 }
 
 // TestListenerProbeComesBack: on a direct connection the probe arrives, so

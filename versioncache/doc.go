@@ -273,7 +273,10 @@
 // as above (FailOpen serves the loaded value uncached, FailClosed returns
 // the *RedisError), and nothing is stored. Hits, Peek, Check and
 // Invalidate keep working; Invalidate must, since a value it fails to
-// delete stays readable, and it frees more than it stores. Each script
+// delete stays readable. It frees the value it deletes, but an
+// Invalidate of an id with no version key (never cached, or expired)
+// stores one (about 140 bytes, for TTL), so on a full Redis invalidations
+// of such ids grow it by that much each. Each script
 // declares its flags for this (Redis 7 shebangs): without them Redis
 // checks maxmemory only until a script's first write, and a miss's script
 // may begin with one Redis allows when full (PEXPIRE): its lease and the
