@@ -233,10 +233,10 @@ type Config struct {
 	// pass finds what is missing. The record names the PostgreSQL it was
 	// made against (system identifier and timeline, which the lag probe
 	// also reads): after a failover to a standby, a point-in-time recovery
-	// or a restore into another cluster, which may lack commits the
-	// projection still shows, reads are unverified too (see "When
-	// PostgreSQL goes back" in the package documentation for the cases it
-	// cannot see). Call Verify
+	// or a logical restore into a new cluster, which may lack commits the
+	// projection still shows, reads are unverified too (on a standby, once
+	// it made a restartpoint on the new timeline; see "When PostgreSQL goes
+	// back" in the package documentation for the cases it cannot see). Call Verify
 	// after the first deployment, after every Redis loss (a new board
 	// needs one too), and after every PostgreSQL failover or restore.
 	// Defaults to false: Lag measures the outbox only.

@@ -265,26 +265,33 @@
 //
 // Config.RequireVerifiedProjection sees the common cases by itself.
 // Verify's record names the database it checked the projection against:
-// its system identifier, which a restore into another cluster changes, and
-// its timeline, which a promoted standby or a point-in-time recovery
-// starts anew. The lag probe reads both (at most once per
+// its system identifier, which only a new cluster has (initdb, then a
+// logical restore), and its timeline, which a promoted standby or a
+// point-in-time recovery starts anew. The lag probe reads both (at most once per
 // LagProbeInterval), and once they differ from the record's, reads report
 // Unverified (Lag -1: FailClosed refuses, FallbackToPostgres answers from
 // PostgreSQL) until Verify records the projection right against the new
 // database. A planned switchover starts a new timeline too, with no commit
 // lost: reads are unverified after it as well, until Verify. Run Verify
-// with a pool on the primary: a record made on a standby names no timeline
-// and matches no primary (readers on a standby compare the system
-// identifier only). A Verify that finds ahead or orphan entries and leaves
+// with a pool on the primary: a record made on a standby cannot tell which
+// timeline it checked, and matches no primary. A reader whose pool is on a
+// standby knows only a lower bound of the timeline it replays (its last
+// restartpoint's): after its standby starts following a promoted one, its
+// reads stay verified until its next restartpoint, which follows the new
+// primary's next checkpoint by checkpoint_timeout at most (5 minutes by
+// default). A Verify that finds ahead or orphan entries and leaves
 // them (its default policy) deletes the earlier record whichever database
 // it names. What keeps the identity, and goes unseen: a server that lost
 // acknowledged commits without a failover (a crash under
 // synchronous_commit = off); a rollback of the same cluster to a snapshot
-// of its disk; a pg_dump restored into the same server; and a second
+// of its disk; a physical copy (a base backup, a standby) started as a
+// primary without archive recovery, which keeps both the system identifier
+// and the timeline; a pg_dump restored into the same server; and a second
 // standby promoted after the first without a shared WAL archive, which
 // can pick the same timeline number. After those, follow the steps above.
 // A role that may not run pg_control_system, pg_walfile_name or
-// pg_current_wal_lsn (a revoked grant, a managed service without them) has
+// pg_current_wal_lsn (on a standby pg_control_checkpoint and
+// pg_control_recovery instead of the last two; a revoked grant, a managed service without them) has
 // its lag measured and Verify run as without the identity, which is then
 // not compared, with a warning at most once a second.
 //

@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
 	"github.com/verity-go/verity/internal/testenv"
@@ -26,6 +27,7 @@ func TestVerifiedAgainstAnotherDatabase(t *testing.T) {
 	ctx := context.Background()
 	primary := testenv.StartPostgres(t)
 	standby := primary.StartStandby(t)
+	sibling := primary.StartStandby(t) // follows standby once it is promoted
 	rd := testenv.Redis(t)
 	cfg := &Config{
 		Name: "b", KeyPrefix: rd.Prefix, RequireVerifiedProjection: true,
@@ -47,24 +49,34 @@ func TestVerifiedAgainstAnotherDatabase(t *testing.T) {
 	require.NoError(t, err)
 	require.True(t, verified)
 
-	// The standby replays everything so far, then stops receiving.
+	// The standbys replay everything so far, then stop receiving: the
+	// sibling first, so that it can follow the promoted standby's timeline
+	// from a point no later than where that one forks.
 	var lsn string
 	require.NoError(t, primaryPool.QueryRow(ctx, `SELECT pg_current_wal_lsn()::text`).Scan(&lsn))
-	standbyPool := standby.Pool(t)
-	require.Eventually(t, func() bool {
-		var done bool
-		err := standbyPool.QueryRow(ctx, `SELECT pg_last_wal_replay_lsn() >= $1::pg_lsn`, lsn).Scan(&done)
-		return err == nil && done
-	}, 30*time.Second, 10*time.Millisecond)
-	for _, q := range []string{`ALTER SYSTEM SET primary_conninfo = ''`, `SELECT pg_reload_conf()`} {
-		_, err := standbyPool.Exec(ctx, q)
-		require.NoError(t, err)
+	standbyPool, siblingPool := standby.Pool(t), sibling.Pool(t)
+	replayed := func(pool *pgxpool.Pool, lsn string) {
+		require.Eventually(t, func() bool {
+			var done bool
+			err := pool.QueryRow(ctx, `SELECT pg_last_wal_replay_lsn() >= $1::pg_lsn`, lsn).Scan(&done)
+			return err == nil && done
+		}, 30*time.Second, 10*time.Millisecond)
 	}
-	require.Eventually(t, func() bool {
-		var receivers int
-		err := standbyPool.QueryRow(ctx, `SELECT count(*) FROM pg_stat_wal_receiver`).Scan(&receivers)
-		return err == nil && receivers == 0
-	}, 30*time.Second, 10*time.Millisecond)
+	follow := func(pool *pgxpool.Pool, conninfo string) {
+		for _, q := range []string{`ALTER SYSTEM SET primary_conninfo = ` + quoteLiteral(conninfo), `SELECT pg_reload_conf()`} {
+			_, err := pool.Exec(ctx, q)
+			require.NoError(t, err)
+		}
+	}
+	for _, pool := range []*pgxpool.Pool{siblingPool, standbyPool} {
+		replayed(pool, lsn)
+		follow(pool, "")
+		require.Eventually(t, func() bool {
+			var receivers int
+			err := pool.QueryRow(ctx, `SELECT count(*) FROM pg_stat_wal_receiver`).Scan(&receivers)
+			return err == nil && receivers == 0
+		}, 30*time.Second, 10*time.Millisecond)
+	}
 
 	// Committed and projected on the primary only, then lost with it.
 	old.submit(t, "ada", 5)
@@ -99,6 +111,31 @@ func TestVerifiedAgainstAnotherDatabase(t *testing.T) {
 		require.Equal(t, float64(-15), score, "the projection gate applied a reused version")
 	})
 
+	// A reader on a standby knows a lower bound of its timeline only (its
+	// last restartpoint's): once it passes the record's, reads there are
+	// unverified too.
+	t.Run("AStandbyFollowingThePromotedOne", func(t *testing.T) {
+		follow(siblingPool, standby.ConnString())
+		_, err := standbyPool.Exec(ctx, `CHECKPOINT`)
+		require.NoError(t, err)
+		var lsn string
+		require.NoError(t, standbyPool.QueryRow(ctx, `SELECT pg_current_wal_lsn()::text`).Scan(&lsn))
+		replayed(siblingPool, lsn)
+		_, err = siblingPool.Exec(ctx, `CHECKPOINT`) // a restartpoint
+		require.NoError(t, err)
+		var identity string
+		require.NoError(t, siblingPool.QueryRow(ctx, sourceIdentitySQL).Scan(&identity))
+		require.True(t, strings.HasSuffix(identity, ":~00000002"), identity)
+
+		reader := open(sibling)
+		fr := reader.board.Freshness(ctx)
+		require.True(t, fr.Unverified, "a reader on a standby of the new timeline")
+		_, err = reader.board.Top(ctx, 10)
+		var stale *StaleError
+		require.ErrorAs(t, err, &stale)
+		require.True(t, stale.Unverified)
+	})
+
 	t.Run("RunbookRestoresTheProjection", func(t *testing.T) {
 		rep, verified, err := tb.board.Verify(ctx, nil)
 		require.NoError(t, err)
@@ -125,13 +162,22 @@ func TestSameSource(t *testing.T) {
 		same              bool
 	}{
 		{"7715209476908992695:00000001", "7715209476908992695:00000001", true},
-		{"7715209476908992695:00000001", "7715209476908992695:00000002", false}, // promoted standby, PITR
-		{"7715209476908992695:00000001", "8000000000000000001:00000001", false}, // another cluster
-		{"7715209476908992695:00000001", "7715209476908992695:", true},          // read on a standby
-		{"7715209476908992695:", "8000000000000000001:", false},
-		{"7715209476908992695:", "7715209476908992695:00000002", false}, // verified on a standby: which timeline?
-		{"7715209476908992695:", "7715209476908992695:", true},
-		{"", "7715209476908992695:00000002", true}, // a record of an older release
+		{"7715209476908992695:00000001", "7715209476908992695:00000002", false},  // promoted standby, PITR
+		{"7715209476908992695:00000001", "8000000000000000001:00000001", false},  // another cluster
+		{"7715209476908992695:00000001", "7715209476908992695:~00000001", true},  // read on a standby
+		{"7715209476908992695:00000002", "7715209476908992695:~00000001", true},  // its restartpoint still before the switch
+		{"7715209476908992695:0000000A", "7715209476908992695:~00000009", true},  // hexadecimal
+		{"7715209476908992695:00000001", "7715209476908992695:~00000002", false}, // it follows a promoted standby
+		{"7715209476908992695:00000009", "7715209476908992695:~0000000A", false},
+		{"7715209476908992695:00000001", "8000000000000000001:~00000001", false},
+		{"7715209476908992695:~00000001", "7715209476908992695:00000001", false}, // verified on a standby: which timeline?
+		{"7715209476908992695:~00000002", "7715209476908992695:~00000002", true},
+		{"7715209476908992695:~00000001", "7715209476908992695:~00000002", false},
+		{"7715209476908992695:~00000001", "8000000000000000001:~00000001", false},
+		{"7715209476908992695:00000001", "7715209476908992695:~0000000G", false}, // malformed
+		{"7715209476908992695:", "7715209476908992695:~00000001", false},
+		{"7715209476908992695", "7715209476908992695:00000001", false},
+		{"", "7715209476908992695:00000002", true}, // not read when recorded
 		{"7715209476908992695:00000001", "", true}, // not read
 	} {
 		require.Equal(t, c.same, sameSource(c.recorded, c.current), "%q vs %q", c.recorded, c.current)
@@ -176,7 +222,7 @@ func TestVerifiedWhereTheIdentityIsRefused(t *testing.T) {
 	require.NoError(t, err)
 	require.GreaterOrEqual(t, r.Freshness.Lag, time.Duration(0))
 	require.False(t, r.Freshness.Unverified)
-	lines := logs.Lines(t, "leaderboard: the database's identity cannot be read (pg_control_system, pg_walfile_name, pg_current_wal_lsn), so RequireVerifiedProjection cannot see a failover or restore; grant the board's role EXECUTE on them")
+	lines := logs.Lines(t, "leaderboard: the database's identity cannot be read (pg_control_system, pg_walfile_name, pg_current_wal_lsn; on a standby pg_control_checkpoint, pg_control_recovery), so RequireVerifiedProjection cannot see a failover or restore; grant the board's role EXECUTE on them")
 	require.NotEmpty(t, lines)
 	require.Contains(t, lines[0]["error"], "42501")
 }

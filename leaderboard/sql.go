@@ -585,16 +585,25 @@ SELECT c.now, LEAST(
 )
 FROM (SELECT clock_timestamp() AS now) AS c`
 
-// sourceIdentitySQL reads the database's identity, "<system
-// identifier>:<timeline>", which Verify records with its result and reads
-// compare (Config.RequireVerifiedProjection): a restore into another
-// cluster changes the system identifier, and a promoted standby or a
-// point-in-time recovery starts a new timeline, at once (unlike
-// pg_control_checkpoint's, which waits for the next checkpoint). A standby
-// is still recovering and has no current WAL position: its timeline part is
-// empty. All three functions are executable by any role.
+// sourceIdentitySQL reads the database's identity, which Verify records
+// with its result and reads compare (Config.RequireVerifiedProjection; see
+// sameSource): "<system identifier>:<timeline>" on a primary, where a
+// restore into a new cluster changes the system identifier, and a promoted
+// standby or a point-in-time recovery starts a new timeline, at once
+// (unlike pg_control_checkpoint's, which waits for the next checkpoint).
+// A standby has no current WAL position; its identity is "<system
+// identifier>:~<timeline>", the latest timeline its control file names
+// (its last restartpoint, or the minimum recovery point), a lower bound
+// of the one it replays: a standby that follows a promoted one reaches
+// the new timeline there at its next restartpoint. Timelines are eight
+// hexadecimal digits, as in WAL file names. The control-file functions
+// run on a standby only. Every function here is executable by any role
+// by default.
 const sourceIdentitySQL = `SELECT s.system_identifier::text || ':' || CASE
-    WHEN pg_is_in_recovery() THEN ''
+    WHEN pg_is_in_recovery() THEN '~' || lpad(upper(to_hex(GREATEST(
+        (SELECT c.timeline_id FROM pg_control_checkpoint() AS c),
+        (SELECT r.min_recovery_end_timeline FROM pg_control_recovery() AS r)
+    ))), 8, '0')
     ELSE substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8)
 END
 FROM pg_control_system() AS s`

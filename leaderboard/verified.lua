@@ -2,14 +2,15 @@
 --
 -- KEYS[1] holds the token of the Verify pass under way, KEYS[2] is the
 -- record that the projection is complete; both share the board's hash tag.
--- ARGV[1] is the pass's token, ARGV[2] the time to record.
+-- ARGV[1] is the pass's token, ARGV[2] what to record after it: the time,
+-- a space, and the identity of the database checked.
 --
 -- The pass set KEYS[1] before it read anything. If Redis lost the board's
 -- keys since (a restart without persistence, FLUSHALL), KEYS[1] is gone or
 -- another pass replaced it, and nothing is recorded: the pages read before
 -- the loss may be missing again. Returns 1 when recorded, 0 otherwise.
 --
--- The record is "<token> <time>". A client may run this script twice for
+-- The record is "<token> <time> <identity>". A client may run this script twice for
 -- one call (go-redis resends it when the connection drops before the
 -- reply): the second run finds KEYS[1] deleted by the first, and the token
 -- in KEYS[2] tells that the record is this pass's, still in place.

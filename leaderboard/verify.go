@@ -5,6 +5,7 @@ import (
 	_ "embed"
 	"errors"
 	"fmt"
+	"strconv"
 	"strings"
 	"time"
 
@@ -45,8 +46,8 @@ const verifyAbandonTimeout = 5 * time.Second
 //
 // The record names the database the pass read (its system identifier and
 // timeline): reads stop trusting it once the lag probe finds PostgreSQL is
-// another (a promoted standby, a point-in-time recovery, a restore into
-// another cluster; see "When PostgreSQL goes back" for what keeps the
+// another (a promoted standby, a point-in-time recovery, a logical restore
+// into a new cluster; see "When PostgreSQL goes back" for what keeps the
 // identity). A pass during which that
 // identity changed records nothing (logged at Warn; run Verify again).
 //
@@ -237,22 +238,36 @@ func identityUnavailable(err error) bool {
 // identityUnavailable logs, at most once a second, that err kept the
 // board from reading the database's identity.
 func (b *Board) identityUnavailable(ctx context.Context, err error) {
-	b.warn(ctx, &b.logs.identity, "leaderboard: the database's identity cannot be read (pg_control_system, pg_walfile_name, pg_current_wal_lsn), so RequireVerifiedProjection cannot see a failover or restore; grant the board's role EXECUTE on them", err)
+	b.warn(ctx, &b.logs.identity, "leaderboard: the database's identity cannot be read (pg_control_system, pg_walfile_name, pg_current_wal_lsn; on a standby pg_control_checkpoint, pg_control_recovery), so RequireVerifiedProjection cannot see a failover or restore; grant the board's role EXECUTE on them", err)
 }
 
 // sameSource reports whether recorded, the database identity Verify's
-// record names, and current, the one the lag probe read, may be one
-// database with one history: the same system identifier, and the same
-// timeline, unless current is a standby's (no timeline; a reader on a
-// replica). A record made on a standby names no timeline and matches no
-// primary: it cannot tell which timeline it checked. An empty identity (a
-// record of an older release, or a server that refuses the functions) is
-// not compared.
+// record names, and current, the one the lag probe read (both from
+// sourceIdentitySQL), may be one database with one history. The system
+// identifiers must be equal. A primary's timeline must equal the
+// record's, which must have been made on a primary too: a record made on
+// a standby cannot tell which timeline it checked. A standby's timeline
+// is a lower bound, so it differs only once it passes the record's: a
+// standby that follows a promoted one is seen at its next restartpoint,
+// not before. An empty identity (a server that refuses the functions) is
+// not compared; a malformed one differs.
 func sameSource(recorded, current string) bool {
 	if recorded == "" || current == "" {
 		return true
 	}
 	rs, rt, _ := strings.Cut(recorded, ":")
 	cs, ct, _ := strings.Cut(current, ":")
-	return rs == cs && (ct == "" || rt == ct)
+	if rs != cs {
+		return false
+	}
+	cBound, onStandby := strings.CutPrefix(ct, "~")
+	if !onStandby {
+		return rt == ct && !strings.HasPrefix(rt, "~")
+	}
+	rTimeline, err := strconv.ParseUint(strings.TrimPrefix(rt, "~"), 16, 32)
+	if err != nil {
+		return false
+	}
+	cTimeline, err := strconv.ParseUint(cBound, 16, 32)
+	return err == nil && cTimeline <= rTimeline
 }
