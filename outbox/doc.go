@@ -436,8 +436,10 @@
 // connection (a relay's own, or a Listener's) finds that out: after each
 // LISTEN it also listens on the channel verity_listen_probe and sends a
 // notification there through the pool, and if that has not come back
-// within ListenCheckInterval (5 s at least) it counts as failed, logged
-// with a message naming DisableNotify. The text-format exec modes such a proxy needs
+// within ListenCheckInterval (5 s at least) of being sent it counts as
+// failed, logged at Warn (to the relay's Logger, or the Listener's) with a
+// message naming DisableNotify; relays sharing a Listener must drop it
+// too, which DisableNotify refuses. The text-format exec modes such a proxy needs
 // (pgx.QueryExecModeExec, QueryExecModeSimpleProtocol) parse timestamps
 // and bytea only in PostgreSQL's default DateStyle (ISO) and bytea_output
 // (hex). A claim sets both for its own transaction, so relays work

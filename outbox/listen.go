@@ -39,7 +39,7 @@ const probeWaitMin = 5 * time.Second
 
 // errNotificationsLost is the failure of a LISTEN connection whose probe
 // did not come back.
-var errNotificationsLost = errors.New("a notification sent through the pool did not reach the LISTEN connection: LISTEN needs a session of its own, which a transaction-pooling proxy (PgBouncer in transaction mode) does not give; behind one, set RelayConfig.DisableNotify (relays poll meanwhile)")
+var errNotificationsLost = errors.New("a notification sent through the pool did not reach the LISTEN connection: LISTEN needs a session of its own, which a transaction-pooling proxy (PgBouncer in transaction mode) does not give; behind one, set RelayConfig.DisableNotify, and leave RelayConfig.Listener unset (relays poll meanwhile)")
 
 // listenConn is one LISTEN connection: the pool whose configuration opens
 // it, the channel it listens on, and how it logs and reconnects. A Relay
@@ -147,14 +147,48 @@ func (lc listenConn) once(ctx, stmtCtx context.Context, connected, proven func()
 	}
 	lc.logger.Debug("outbox listening", slog.String("channel", lc.channel))
 	connected()
+	// The probe goes out in a goroutine of its own: a pool with no
+	// connection free would otherwise hold notifications back for as long
+	// as the send may take.
 	probe := uuid.NewString()
-	probing := lc.sendProbe(ctx, probe)
-	if !probing {
-		proven()
+	probeCtx, stopProbe := context.WithCancel(ctx)
+	sent := make(chan probeSent, 1)
+	go func() { sent <- lc.sendProbe(probeCtx, probe) }()
+	probing, probeSending := true, true
+	defer func() {
+		stopProbe()
+		if probeSending {
+			<-sent // at once, cancelled
+		}
+	}()
+	probeWait := max(lc.checkAfter, probeWaitMin)
+	var probeDeadline time.Time // once sent
+	probeLost := func() bool {
+		return probing && !probeSending && ctx.Err() == nil && !time.Now().Before(probeDeadline)
 	}
-	probeDeadline := time.Now().Add(max(lc.checkAfter, probeWaitMin))
 	for {
-		waitCtx, cancel := context.WithTimeout(ctx, lc.checkAfter)
+		if probeSending {
+			select {
+			case r := <-sent:
+				probeSending = false
+				switch {
+				case !r.ok && probing:
+					probing = false
+					proven()
+				case r.ok:
+					probeDeadline = r.at.Add(probeWait)
+				}
+			default:
+			}
+		}
+		if probeLost() {
+			return fmt.Errorf("no probe back within %s of sending it: %w", probeWait, errNotificationsLost)
+		}
+		wait := lc.checkAfter
+		if probing && !probeSending {
+			wait = min(wait, time.Until(probeDeadline))
+		}
+		waitCtx, cancel := context.WithTimeout(ctx, wait)
 		n, err := conn.WaitForNotification(waitCtx)
 		idle := waitCtx.Err() != nil && ctx.Err() == nil
 		cancel()
@@ -167,12 +201,13 @@ func (lc listenConn) once(ctx, stmtCtx context.Context, connected, proven func()
 			case probeChannel:
 				if probing && n.Payload == probe { // another connection's otherwise
 					probing = false
+					lc.logger.Debug("outbox LISTEN probe came back")
 					proven()
 				}
 			}
 		}
-		if probing && ctx.Err() == nil && !time.Now().Before(probeDeadline) {
-			return fmt.Errorf("no probe back within %s: %w", max(lc.checkAfter, probeWaitMin), errNotificationsLost)
+		if idle && wait < lc.checkAfter {
+			continue // woken for the probe's deadline (above), not idle for checkAfter
 		}
 		switch {
 		case err == nil:
@@ -191,18 +226,24 @@ func (lc listenConn) once(ctx, stmtCtx context.Context, connected, proven func()
 	}
 }
 
+// probeSent is sendProbe's answer: whether the probe was sent, and when.
+type probeSent struct {
+	ok bool
+	at time.Time
+}
+
 // sendProbe sends the probe notification with payload token through the
-// pool, within checkAfter, and reports whether it was sent. A probe that
-// could not be sent (the pool exhausted, the database refusing) proves
-// nothing either way, so it is only logged at Debug.
-func (lc listenConn) sendProbe(ctx context.Context, token string) bool {
+// pool, within checkAfter. A probe that could not be sent (the pool
+// exhausted, the database refusing) proves nothing either way, so it is
+// only logged at Debug.
+func (lc listenConn) sendProbe(ctx context.Context, token string) probeSent {
 	ctx, cancel := context.WithTimeout(ctx, lc.checkAfter)
 	defer cancel()
 	if _, err := lc.pool.Exec(ctx, `SELECT pg_notify($1::text, $2::text)`, probeChannel, token); err != nil {
 		lc.logger.Debug("outbox LISTEN probe not sent", slog.String("error", err.Error()))
-		return false
+		return probeSent{}
 	}
-	return true
+	return probeSent{ok: true, at: time.Now()}
 }
 
 // connect opens the connection from the pool's configuration cfg (a copy),

@@ -126,10 +126,41 @@ func TestListenerProbeComesBack(t *testing.T) {
 	waitListening(t, b)
 	pid := listenerPid(b)
 	startRun(t, b.relay(t, nil, &recorder{}, outbox.RelayConfig{PollInterval: time.Hour, Listener: newListener()}))
-	time.Sleep(6 * time.Second) // past the probe's 5 s wait
+	// Each connection's own probe came back (the other's, which it also
+	// receives, does not count): it will not be replaced for it.
+	require.Eventually(t, func() bool {
+		return len(logs.Lines(t, "outbox LISTEN probe came back")) == 2
+	}, 15*time.Second, 10*time.Millisecond)
+	require.Empty(t, logs.Lines(t, "outbox LISTEN probe not sent"))
 	require.Empty(t, logs.Lines(t, "outbox LISTEN connection failed; reconnecting"))
 	var still bool
 	require.NoError(t, b.pool.QueryRow(context.Background(),
 		`SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE pid = $1)`, pid).Scan(&still))
 	require.True(t, still, "the first connection was replaced")
+}
+
+// TestListenerPassesNotificationsWhileItsProbeWaits: a Listener whose pool
+// has no connection free cannot send its probe until ListenCheckInterval
+// (a minute here) ends; the notifications that arrive meanwhile are passed
+// on at once, not held back behind the send.
+func TestListenerPassesNotificationsWhileItsProbeWaits(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	b := setup(t)
+	pool := poolWith(t, b, func(pc *pgxpool.Config) { pc.MaxConns = 1 })
+	held, err := pool.Acquire(ctx)
+	require.NoError(t, err)
+	t.Cleanup(held.Release)
+	var logs testenv.LogSink
+	l, err := outbox.NewListener(pool, &outbox.ListenerConfig{Schema: b.cfg.Schema, Table: b.cfg.Table,
+		ListenCheckInterval: time.Minute, Logger: logs.Logger()})
+	require.NoError(t, err)
+	h := &recorder{}
+	startRun(t, b.relay(t, nil, h, outbox.RelayConfig{PollInterval: time.Hour, Listener: l}))
+	waitListening(t, b)
+	time.Sleep(200 * time.Millisecond) // the relay's first claim is over
+	b.appendNow(t, newMessage("s", "k", 1))
+	require.Eventually(t, func() bool { return len(h.seen()) == 1 }, 30*time.Second, 10*time.Millisecond,
+		"the notification waited for the probe's send (a minute)")
+	require.Empty(t, logs.Lines(t, "outbox LISTEN probe came back"), "the probe went through the held connection")
 }

@@ -30,11 +30,15 @@ type ListenerConfig struct {
 	// notification before the Listener pings it; a ping that does not
 	// answer within the same time counts as a failed connection, which is
 	// replaced; it also bounds opening the connection, AfterConnect and
-	// LISTEN (see RelayConfig.ListenCheckInterval). Defaults to
+	// LISTEN (see RelayConfig.ListenCheckInterval), and is how long, 5 s
+	// at least, the connection waits for the probe notification it sends
+	// after each LISTEN (see RelayConfig.DisableNotify). Defaults to
 	// ListenCheckIntervalDefault (10s).
 	ListenCheckInterval time.Duration
 
-	// Logger receives the Listener's logs (a failed connection, at Warn).
+	// Logger receives the Listener's logs (a failed connection, at Warn,
+	// including one whose probe did not come back behind a
+	// transaction-pooling proxy).
 	// Defaults to a logger that discards everything.
 	Logger *slog.Logger
 }

@@ -165,10 +165,15 @@ type RelayConfig struct {
 	// Use it behind a transaction-pooling proxy (PgBouncer in transaction
 	// mode) that cannot hold a LISTEN session. Without it, the LISTEN
 	// connection finds such a proxy: after each LISTEN it sends a probe
-	// notification through the pool, and when that has not come back
-	// within ListenCheckInterval (5 s at least), it logs a warning naming
-	// this field and reconnects with its growing pause; each LISTEN stays
-	// registered on a server connection of the proxy. Defaults to false.
+	// notification through the pool (without holding notifications back
+	// meanwhile), and when that has not come back within ListenCheckInterval
+	// (5 s at least) of being sent, it logs a warning naming this field (to
+	// Logger; a Listener's to ListenerConfig.Logger) and reconnects with its
+	// growing pause; each LISTEN stays registered on a server connection of
+	// the proxy. Every LISTEN connection of the database receives every
+	// other's probe, once per connection made, and ignores it. A relay with
+	// a Listener cannot set this field: unset Listener too. Defaults to
+	// false.
 	DisableNotify bool
 
 	// Listener, when set, is the LISTEN connection the relay shares with
