@@ -37,6 +37,7 @@ type freezer struct {
 type frozenPair struct {
 	client, server net.Conn
 	freeze         chan struct{}
+	closed         bool // a side ended; guarded by freezer.mu
 }
 
 func startFreezer(t *testing.T, upstream string) *freezer {
@@ -78,6 +79,11 @@ func (f *freezer) accept() {
 // the pair is frozen.
 func (f *freezer) pipe(p *frozenPair, dst, src net.Conn) {
 	defer f.wg.Done()
+	defer func() {
+		f.mu.Lock()
+		p.closed = true
+		f.mu.Unlock()
+	}()
 	buf := make([]byte, 32<<10)
 	for {
 		n, err := src.Read(buf)
@@ -112,7 +118,7 @@ func (f *freezer) freezeAll() int {
 	defer f.mu.Unlock()
 	n := 0
 	for p := range f.all {
-		if !f.frozen[p] {
+		if !f.frozen[p] && !p.closed {
 			f.frozen[p] = true
 			close(p.freeze)
 			n++
