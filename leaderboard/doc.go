@@ -276,10 +276,11 @@
 // with a pool on the primary: a record made on a standby cannot tell which
 // timeline it checked, and matches no primary. A reader whose pool is on a
 // standby knows only a lower bound of the timeline it replays (its last
-// restartpoint's): after its standby starts following a promoted one, its
-// reads stay verified until its next restartpoint, which follows the new
-// primary's next checkpoint by checkpoint_timeout at most (5 minutes by
-// default). A Verify that finds ahead or orphan entries and leaves
+// restartpoint's, or its minimum recovery point's): after its standby
+// starts following a promoted one, its reads may stay verified until its
+// next restartpoint (sooner when a page it writes out advances the minimum
+// recovery point), which follows the new primary's next checkpoint by
+// checkpoint_timeout at most (5 minutes by default). A Verify that finds ahead or orphan entries and leaves
 // them (its default policy) deletes the earlier record whichever database
 // it names. What keeps the identity, and goes unseen: a server that lost
 // acknowledged commits without a failover (a crash under
@@ -289,9 +290,10 @@
 // and the timeline; a pg_dump restored into the same server; and a second
 // standby promoted after the first without a shared WAL archive, which
 // can pick the same timeline number. After those, follow the steps above.
-// A role that may not run pg_control_system, pg_walfile_name or
-// pg_current_wal_lsn (on a standby pg_control_checkpoint and
-// pg_control_recovery instead of the last two; a revoked grant, a managed service without them) has
+// A role that may not run any one of pg_control_system, pg_walfile_name,
+// pg_current_wal_lsn, pg_control_checkpoint and pg_control_recovery
+// (PostgreSQL checks them all, on a primary and on a standby; a revoked
+// grant, a managed service without them) has
 // its lag measured and Verify run as without the identity, which is then
 // not compared, with a warning at most once a second.
 //

@@ -78,6 +78,12 @@ func TestVerifiedAgainstAnotherDatabase(t *testing.T) {
 		}, 30*time.Second, 10*time.Millisecond)
 	}
 
+	// A reader on a standby of the verified primary is verified.
+	var identity string
+	require.NoError(t, siblingPool.QueryRow(ctx, sourceIdentitySQL).Scan(&identity))
+	require.True(t, strings.HasSuffix(identity, ":~00000001"), identity)
+	require.False(t, open(sibling).board.Freshness(ctx).Unverified, "a standby of the primary Verify checked")
+
 	// Committed and projected on the primary only, then lost with it.
 	old.submit(t, "ada", 5)
 	old.submit(t, "cy", 7)
@@ -123,7 +129,6 @@ func TestVerifiedAgainstAnotherDatabase(t *testing.T) {
 		replayed(siblingPool, lsn)
 		_, err = siblingPool.Exec(ctx, `CHECKPOINT`) // a restartpoint
 		require.NoError(t, err)
-		var identity string
 		require.NoError(t, siblingPool.QueryRow(ctx, sourceIdentitySQL).Scan(&identity))
 		require.True(t, strings.HasSuffix(identity, ":~00000002"), identity)
 
@@ -222,7 +227,7 @@ func TestVerifiedWhereTheIdentityIsRefused(t *testing.T) {
 	require.NoError(t, err)
 	require.GreaterOrEqual(t, r.Freshness.Lag, time.Duration(0))
 	require.False(t, r.Freshness.Unverified)
-	lines := logs.Lines(t, "leaderboard: the database's identity cannot be read (pg_control_system, pg_walfile_name, pg_current_wal_lsn; on a standby pg_control_checkpoint, pg_control_recovery), so RequireVerifiedProjection cannot see a failover or restore; grant the board's role EXECUTE on them")
+	lines := logs.Lines(t, "leaderboard: the database's identity cannot be read (pg_control_system, pg_walfile_name, pg_current_wal_lsn, pg_control_checkpoint, pg_control_recovery), so RequireVerifiedProjection cannot see a failover or restore; grant the board's role EXECUTE on them")
 	require.NotEmpty(t, lines)
 	require.Contains(t, lines[0]["error"], "42501")
 }

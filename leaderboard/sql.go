@@ -595,9 +595,10 @@ FROM (SELECT clock_timestamp() AS now) AS c`
 // identifier>:~<timeline>", the latest timeline its control file names
 // (its last restartpoint, or the minimum recovery point), a lower bound
 // of the one it replays: a standby that follows a promoted one reaches
-// the new timeline there at its next restartpoint. Timelines are eight
-// hexadecimal digits, as in WAL file names. The control-file functions
-// run on a standby only. Every function here is executable by any role
+// the new timeline there at its next restartpoint, or sooner. Timelines
+// are eight hexadecimal digits, as in WAL file names. The control-file
+// functions run on a standby only, but PostgreSQL checks the privilege to
+// run every function here on any server; all are executable by any role
 // by default.
 const sourceIdentitySQL = `SELECT s.system_identifier::text || ':' || CASE
     WHEN pg_is_in_recovery() THEN '~' || lpad(upper(to_hex(GREATEST(

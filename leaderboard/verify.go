@@ -238,7 +238,7 @@ func identityUnavailable(err error) bool {
 // identityUnavailable logs, at most once a second, that err kept the
 // board from reading the database's identity.
 func (b *Board) identityUnavailable(ctx context.Context, err error) {
-	b.warn(ctx, &b.logs.identity, "leaderboard: the database's identity cannot be read (pg_control_system, pg_walfile_name, pg_current_wal_lsn; on a standby pg_control_checkpoint, pg_control_recovery), so RequireVerifiedProjection cannot see a failover or restore; grant the board's role EXECUTE on them", err)
+	b.warn(ctx, &b.logs.identity, "leaderboard: the database's identity cannot be read (pg_control_system, pg_walfile_name, pg_current_wal_lsn, pg_control_checkpoint, pg_control_recovery), so RequireVerifiedProjection cannot see a failover or restore; grant the board's role EXECUTE on them", err)
 }
 
 // sameSource reports whether recorded, the database identity Verify's
