@@ -181,9 +181,6 @@ func (lc listenConn) once(ctx, stmtCtx context.Context, connected, proven func()
 			default:
 			}
 		}
-		if probeLost() {
-			return fmt.Errorf("no probe back within %s of sending it: %w", probeWait, errNotificationsLost)
-		}
 		wait := lc.checkAfter
 		if probing && !probeSending {
 			wait = min(wait, time.Until(probeDeadline))
@@ -206,8 +203,14 @@ func (lc listenConn) once(ctx, stmtCtx context.Context, connected, proven func()
 				}
 			}
 		}
+		// After the notification: one that came back during the ping,
+		// buffered since, is read first (pgx returns those even once the
+		// wait's deadline has passed).
+		if probeLost() {
+			return fmt.Errorf("no probe back within %s of sending it: %w", probeWait, errNotificationsLost)
+		}
 		if idle && wait < lc.checkAfter {
-			continue // woken for the probe's deadline (above), not idle for checkAfter
+			continue // woken for the probe's deadline, not idle for checkAfter
 		}
 		switch {
 		case err == nil:
