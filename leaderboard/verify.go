@@ -248,8 +248,8 @@ func (b *Board) identityUnavailable(ctx context.Context, err error) {
 // record's, which must have been made on a primary too: a record made on
 // a standby cannot tell which timeline it checked. A standby's timeline
 // is a lower bound, so it differs only once it passes the record's: a
-// standby that follows a promoted one is seen at its next restartpoint,
-// not before. An empty identity (a server that refuses the functions) is
+// standby that follows a promoted one is seen at its next restartpoint at
+// the latest. An empty identity (a server that refuses the functions) is
 // not compared; a malformed one differs.
 func sameSource(recorded, current string) bool {
 	if recorded == "" || current == "" {

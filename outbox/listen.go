@@ -147,44 +147,11 @@ func (lc listenConn) once(ctx, stmtCtx context.Context, connected, proven func()
 	}
 	lc.logger.Debug("outbox listening", slog.String("channel", lc.channel))
 	connected()
-	// The probe goes out in a goroutine of its own: a pool with no
-	// connection free would otherwise hold notifications back for as long
-	// as the send may take.
-	probe := uuid.NewString()
-	probeCtx, stopProbe := context.WithCancel(ctx)
-	sent := make(chan probeSent, 1)
-	go func() { sent <- lc.sendProbe(probeCtx, probe) }()
-	probing, probeSending := true, true
-	defer func() {
-		stopProbe()
-		if probeSending {
-			<-sent // at once, cancelled
-		}
-	}()
-	probeWait := max(lc.checkAfter, probeWaitMin)
-	var probeDeadline time.Time // once sent
-	probeLost := func() bool {
-		return probing && !probeSending && ctx.Err() == nil && !time.Now().Before(probeDeadline)
-	}
+	probe := lc.startProbe(ctx, proven)
+	defer probe.stop()
 	for {
-		if probeSending {
-			select {
-			case r := <-sent:
-				probeSending = false
-				switch {
-				case !r.ok && probing:
-					probing = false
-					proven()
-				case r.ok:
-					probeDeadline = r.at.Add(probeWait)
-				}
-			default:
-			}
-		}
-		wait := lc.checkAfter
-		if probing && !probeSending {
-			wait = min(wait, time.Until(probeDeadline))
-		}
+		probe.poll()
+		wait := probe.waitFor(lc.checkAfter)
 		waitCtx, cancel := context.WithTimeout(ctx, wait)
 		n, err := conn.WaitForNotification(waitCtx)
 		idle := waitCtx.Err() != nil && ctx.Err() == nil
@@ -196,18 +163,14 @@ func (lc listenConn) once(ctx, stmtCtx context.Context, connected, proven func()
 			case lc.channel:
 				notified(n.Payload)
 			case probeChannel:
-				if probing && n.Payload == probe { // another connection's otherwise
-					probing = false
-					lc.logger.Debug("outbox LISTEN probe came back")
-					proven()
-				}
+				probe.received(n.Payload)
 			}
 		}
 		// After the notification: one that came back during the ping,
 		// buffered since, is read first (pgx returns those even once the
 		// wait's deadline has passed).
-		if probeLost() {
-			return fmt.Errorf("no probe back within %s of sending it: %w", probeWait, errNotificationsLost)
+		if ctx.Err() == nil && probe.lost() {
+			return fmt.Errorf("no probe back within %s of sending it: %w", probe.wait, errNotificationsLost)
 		}
 		if idle && wait < lc.checkAfter {
 			continue // woken for the probe's deadline, not idle for checkAfter
@@ -229,10 +192,92 @@ func (lc listenConn) once(ctx, stmtCtx context.Context, connected, proven func()
 	}
 }
 
+// listenProbe is the probe of one LISTEN connection: sent through the
+// pool in a goroutine of its own (a pool with no connection free would
+// otherwise hold notifications back for as long as the send may take),
+// then awaited on the connection. Only the connection's goroutine calls
+// its methods.
+type listenProbe struct {
+	lc     listenConn
+	token  string
+	proven func()
+	wait   time.Duration // how long it may take to come back once sent
+	cancel context.CancelFunc
+	sent   chan probeSent // the send's answer, once
+	// sending until the send's answer is read; awaiting until the probe
+	// came back or could not be sent, from when it was sent until
+	// deadline.
+	sending, awaiting bool
+	deadline          time.Time
+}
+
 // probeSent is sendProbe's answer: whether the probe was sent, and when.
 type probeSent struct {
 	ok bool
 	at time.Time
+}
+
+// startProbe sends a probe of a new token through the pool; proven is
+// called once it came back or could not be sent.
+func (lc listenConn) startProbe(ctx context.Context, proven func()) *listenProbe {
+	ctx, cancel := context.WithCancel(ctx)
+	p := &listenProbe{
+		lc: lc, token: uuid.NewString(), proven: proven, wait: max(lc.checkAfter, probeWaitMin),
+		cancel: cancel, sent: make(chan probeSent, 1), sending: true, awaiting: true,
+	}
+	go func() { p.sent <- lc.sendProbe(ctx, p.token) }()
+	return p
+}
+
+// poll reads the send's answer if it has come.
+func (p *listenProbe) poll() {
+	if !p.sending {
+		return
+	}
+	select {
+	case r := <-p.sent:
+		p.sending = false
+		switch {
+		case r.ok:
+			p.deadline = r.at.Add(p.wait)
+		case p.awaiting: // proves nothing either way
+			p.awaiting = false
+			p.proven()
+		}
+	default:
+	}
+}
+
+// waitFor shortens a wait of d for notifications to end at the deadline.
+func (p *listenProbe) waitFor(d time.Duration) time.Duration {
+	if p.awaiting && !p.sending {
+		return min(d, time.Until(p.deadline))
+	}
+	return d
+}
+
+// received takes a notification on the probe channel: this connection's
+// probe, or another connection's, which is ignored.
+func (p *listenProbe) received(payload string) {
+	if p.awaiting && payload == p.token {
+		p.awaiting = false
+		p.lc.logger.Debug("outbox LISTEN probe came back")
+		p.proven()
+	}
+}
+
+// lost reports whether the probe was sent and has not come back by its
+// deadline.
+func (p *listenProbe) lost() bool {
+	return p.awaiting && !p.sending && !time.Now().Before(p.deadline)
+}
+
+// stop cancels a send still under way and waits for its goroutine.
+func (p *listenProbe) stop() {
+	p.cancel()
+	if p.sending {
+		<-p.sent // at once, cancelled
+	}
 }
 
 // sendProbe sends the probe notification with payload token through the
