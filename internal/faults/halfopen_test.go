@@ -28,23 +28,24 @@ type freezer struct {
 	ln       net.Listener
 	upstream string
 
-	mu     sync.Mutex
-	frozen map[*frozenPair]bool
-	all    map[*frozenPair]bool
-	wg     sync.WaitGroup
+	mu  sync.Mutex
+	all map[*frozenPair]bool
+	wg  sync.WaitGroup
 }
 
 type frozenPair struct {
 	client, server net.Conn
 	freeze         chan struct{}
-	closed         bool // a side ended; guarded by freezer.mu
+	// Guarded by freezer.mu: frozen once freezeAll froze it, closed once
+	// a side ended.
+	frozen, closed bool
 }
 
 func startFreezer(t *testing.T, upstream string) *freezer {
 	t.Helper()
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	require.NoError(t, err)
-	f := &freezer{ln: ln, upstream: upstream, frozen: map[*frozenPair]bool{}, all: map[*frozenPair]bool{}}
+	f := &freezer{ln: ln, upstream: upstream, all: map[*frozenPair]bool{}}
 	f.wg.Add(1)
 	go f.accept()
 	t.Cleanup(f.close)
@@ -118,8 +119,8 @@ func (f *freezer) freezeAll() int {
 	defer f.mu.Unlock()
 	n := 0
 	for p := range f.all {
-		if !f.frozen[p] && !p.closed {
-			f.frozen[p] = true
+		if !p.frozen && !p.closed {
+			p.frozen = true
 			close(p.freeze)
 			n++
 		}
