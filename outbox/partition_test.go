@@ -10,6 +10,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 	"go.opentelemetry.io/otel/attribute"
@@ -304,6 +305,55 @@ func TestRelayPartitionLeases(t *testing.T) {
 		}), outbox.RelayConfig{BatchSize: outbox.BatchSizeMax, PollInterval: time.Hour, DisableNotify: true})
 		startRun(t, r)
 		require.Eventually(t, func() bool { return handled.Load() == rows }, 10*time.Second, 10*time.Millisecond)
+	})
+
+	// While its batch is out, a claim's lease rows say exactly which rows
+	// it handed out (what a takeover after a crash counts an attempt for),
+	// and a leased partition that contributed none is back at once, still
+	// first in line.
+	t.Run("ClaimRecordsWhatItHandedOut", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		msgs := make([]outbox.Message, 3*256-1) // ids 1 to 767: partitions 0 to 2
+		for i := range msgs {
+			msgs[i] = newMessage("s", fmt.Sprint("k", i), 1)
+		}
+		b.appendCommitted(t, msgs...)
+		// Partition 0 is claimed first, then 1, then 2; row 100 of
+		// partition 0 is not due, so what partition 0 hands out is two runs.
+		for part := range 3 {
+			_, err := b.pool.Exec(ctx, `UPDATE `+b.leasesTable()+` SET touched_at = '2000-01-01'::timestamptz + $2 * interval '1 hour' WHERE part = $1`, part, part)
+			require.NoError(t, err)
+		}
+		_, err := b.pool.Exec(ctx, `UPDATE `+b.writer.Table()+` SET available_at = now() + interval '1 hour' WHERE id = 100`)
+		require.NoError(t, err)
+
+		type lease struct {
+			Part     int
+			Owned    bool
+			Inflight string
+			Touched  bool // touched_at moved from what the test set
+		}
+		var during []lease
+		r := b.relay(t, nil, outbox.HandlerFunc(func(ctx context.Context, batch []outbox.Record) ([]outbox.Result, error) {
+			rows, err := b.pool.Query(ctx, `SELECT part, owner IS NOT NULL AND leased_until > now(), inflight::text,
+    touched_at <> '2000-01-01'::timestamptz + part * interval '1 hour'
+FROM `+b.leasesTable()+` WHERE part < 3 ORDER BY part`)
+			if err != nil {
+				return nil, err
+			}
+			during, err = pgx.CollectRows(rows, pgx.RowToStructByPos[lease])
+			return make([]outbox.Result, len(batch)), err
+		}), outbox.RelayConfig{BatchSize: 300, PollInterval: time.Hour, DisableNotify: true})
+		n, err := r.RunOnce(ctx)
+		require.NoError(t, err)
+		require.Equal(t, 300, n, "254 rows of partition 0, then 46 of partition 1")
+		require.Equal(t, []lease{
+			{Part: 0, Owned: true, Inflight: "{[1,100),[101,256)}", Touched: true},
+			{Part: 1, Owned: true, Inflight: "{[256,302)}", Touched: true},
+			{Part: 2, Owned: false, Inflight: "{}", Touched: false},
+		}, during)
+		b.requireLeasesFree(t)
 	})
 }
 
