@@ -376,3 +376,32 @@ FROM generate_series(0, $2::int - 1) AS g`, drainStream, rows, users)
 		require.ErrorContains(t, err, "0 members of 100", "peak %.1f MiB reported", peak)
 	})
 }
+
+// TestHostCPU: PostgreSQL's share is read only for a server on this host,
+// and from /proc where there is one.
+func TestHostCPU(t *testing.T) {
+	t.Parallel()
+	for host, want := range map[string]bool{
+		"127.0.0.1": true, "::1": true, "localhost": true, "/var/run/postgresql": true,
+		"10.0.0.7": false, "db.example.com": false, "": false,
+	} {
+		require.Equal(t, want, onThisHost(host), "host %q", host)
+	}
+	require.False(t, readHostCPU("10.0.0.7").ok, "a remote server's CPU is not this host's postgres processes'")
+	if _, err := os.Stat("/proc/stat"); err != nil {
+		t.Skip("no /proc on this system")
+	}
+	pg := testenv.Postgres(t)
+	before := readHostCPU(pg.Pool.Config().ConnConfig.Host)
+	if !before.ok {
+		t.Skipf("PostgreSQL (%s) does not run on this host", pg.Pool.Config().ConnConfig.Host)
+	}
+	// Work the server so that its processes' CPU time moves.
+	_, err := pg.Pool.Exec(context.Background(), `SELECT count(*) FROM generate_series(1, 3000000)`)
+	require.NoError(t, err)
+	after := readHostCPU(pg.Pool.Config().ConnConfig.Host)
+	require.True(t, after.ok)
+	require.Greater(t, after.postgres, before.postgres, "the query's CPU time is counted")
+	require.Greater(t, after.total, before.total)
+	require.LessOrEqual(t, after.busy-before.busy, after.total-before.total)
+}

@@ -39,8 +39,9 @@ const minDrainRows = oneWorkerShare * drainRounds
 // and the same number of workers; the library claims -batch rows at a time
 // (its default, 1000), the seed its LIMIT 100. The clock runs from the
 // first claim to the last acknowledgement; filling is not timed. Each
-// side's CPU per row, this process's and the Redis server's, is logged:
-// on a machine with few cores the drain is bound by the CPU that the
+// side's CPU per row, this process's and the Redis server's (and, when
+// PostgreSQL runs on this host, its processes' and how busy the CPUs
+// were, from /proc), is logged: on a machine with few cores the drain is bound by the CPU that the
 // relays, PostgreSQL and Redis spend per row together.
 func runDrain(ctx context.Context, e *env) ([]Figure, error) {
 	schema, err := e.schema(ctx, "drain")

@@ -354,8 +354,12 @@ func processCPU() (time.Duration, error) {
 }
 
 // cpuSample is this process's and the Redis server's CPU time at one moment
-// (or, from since, spent between two moments).
-type cpuSample struct{ client, redis time.Duration }
+// (or, from since, spent between two moments), and what /proc says where
+// PostgreSQL runs on this host.
+type cpuSample struct {
+	client, redis time.Duration
+	host          hostCPU
+}
 
 // sampleCPU reads this process's and the Redis server's CPU time so far.
 func (e *env) sampleCPU(ctx context.Context) (cpuSample, error) {
@@ -364,12 +368,17 @@ func (e *env) sampleCPU(ctx context.Context) (cpuSample, error) {
 		return cpuSample{}, err
 	}
 	rd, err := redisCPU(ctx, e.rdb)
-	return cpuSample{client: client, redis: rd}, err
+	return cpuSample{client: client, redis: rd, host: readHostCPU(e.pool.Config().ConnConfig.Host)}, err
 }
 
 // since returns the CPU spent from earlier to s.
 func (s cpuSample) since(earlier cpuSample) cpuSample {
-	return cpuSample{client: s.client - earlier.client, redis: s.redis - earlier.redis}
+	d := cpuSample{client: s.client - earlier.client, redis: s.redis - earlier.redis}
+	if s.host.ok && earlier.host.ok {
+		d.host = hostCPU{postgres: s.host.postgres - earlier.host.postgres, busy: s.host.busy - earlier.host.busy,
+			total: s.host.total - earlier.host.total, ok: true}
+	}
+	return d
 }
 
 // plus returns s and d added up.
@@ -377,8 +386,15 @@ func (s cpuSample) plus(d cpuSample) cpuSample {
 	return cpuSample{client: s.client + d.client, redis: s.redis + d.redis}
 }
 
-// perRow describes the CPU spent between s and later per row, in µs.
+// perRow describes the CPU spent between s and later per row, in µs, and,
+// where /proc tells, PostgreSQL's and how busy the host's CPUs were: a
+// drain is bound by the three sides' CPU per row together.
 func (s cpuSample) perRow(later cpuSample, rows int) string {
 	d, n := later.since(s), float64(max(rows, 1))
-	return fmt.Sprintf("CPU per row: this process %.2f µs, Redis %.2f µs", us(d.client)/n, us(d.redis)/n)
+	out := fmt.Sprintf("CPU per row: this process %.2f µs, Redis %.2f µs", us(d.client)/n, us(d.redis)/n)
+	if d.host.ok && d.host.total > 0 {
+		out += fmt.Sprintf(", PostgreSQL %.2f µs (postgres processes on this host); CPUs %.0f%% busy",
+			us(d.host.postgres)/n, 100*float64(d.host.busy)/float64(d.host.total))
+	}
+	return out
 }

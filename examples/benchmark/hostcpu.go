@@ -1,0 +1,90 @@
+package main
+
+import (
+	"net"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"time"
+)
+
+// clockTick is the unit of the CPU times in /proc (USER_HZ), 100 per
+// second on every Linux architecture Go supports.
+const clockTick = 10 * time.Millisecond
+
+// hostCPU is what /proc says about this host's CPU time so far: that of
+// every process named postgres, and the host's busy and total time. ok is
+// false where it cannot be read (not Linux), and when PostgreSQL is not on
+// this host: the harness then cannot tell its share.
+type hostCPU struct {
+	postgres, busy, total time.Duration
+	ok                    bool
+}
+
+// readHostCPU reads hostCPU if pgHost (the pool's host) is this host.
+// Every process named postgres counts, another cluster's too if one runs
+// here: a diagnostic for the log, not a figure.
+func readHostCPU(pgHost string) hostCPU {
+	if !onThisHost(pgHost) {
+		return hostCPU{}
+	}
+	stat, err := os.ReadFile("/proc/stat")
+	if err != nil {
+		return hostCPU{}
+	}
+	// The first line: "cpu  user nice system idle iowait irq softirq steal ...".
+	line, _, _ := strings.Cut(string(stat), "\n")
+	fields := strings.Fields(line)
+	if len(fields) < 6 || fields[0] != "cpu" {
+		return hostCPU{}
+	}
+	var h hostCPU
+	for i, f := range fields[1:] {
+		ticks, err := strconv.ParseInt(f, 10, 64)
+		if err != nil {
+			return hostCPU{}
+		}
+		h.total += time.Duration(ticks) * clockTick
+		if i != 3 && i != 4 { // neither idle nor waiting for I/O
+			h.busy += time.Duration(ticks) * clockTick
+		}
+	}
+	dirs, _ := filepath.Glob("/proc/[0-9]*")
+	found := false
+	for _, dir := range dirs {
+		b, err := os.ReadFile(dir + "/stat")
+		if err != nil {
+			continue // the process ended
+		}
+		// "pid (comm) state ppid ...": utime and stime are fields 14 and 15.
+		s := string(b)
+		open, closing := strings.IndexByte(s, '('), strings.LastIndexByte(s, ')')
+		if open < 0 || closing < open || s[open+1:closing] != "postgres" {
+			continue
+		}
+		rest := strings.Fields(s[closing+1:])
+		if len(rest) < 13 {
+			continue
+		}
+		utime, err1 := strconv.ParseInt(rest[11], 10, 64)
+		stime, err2 := strconv.ParseInt(rest[12], 10, 64)
+		if err1 != nil || err2 != nil {
+			continue
+		}
+		h.postgres += time.Duration(utime+stime) * clockTick
+		found = true
+	}
+	h.ok = found
+	return h
+}
+
+// onThisHost reports whether host, a pgconn host, is this machine: a
+// loopback address, localhost, or a Unix socket directory.
+func onThisHost(host string) bool {
+	if strings.HasPrefix(host, "/") || host == "localhost" {
+		return true
+	}
+	ip := net.ParseIP(host)
+	return ip != nil && ip.IsLoopback()
+}
