@@ -58,6 +58,10 @@
 -- writes this call applied. An error before the first write (a layout or
 -- marker key of another type) is the script's error reply as usual.
 --
+-- A live call whose writes all go to collections with one version hash,
+-- none of them being rebuilt (the relay's common case), is decided and
+-- written in bulk, with the same replies: see bulk below.
+--
 -- Lua numbers are doubles, which cannot hold every int64, so versions are
 -- never converted to numbers: they are compared as decimal strings.
 
@@ -179,6 +183,112 @@ end
 -- Checks passed: record the layout of collections that had no layout key.
 for _, p in ipairs(adopt) do
   redis.call('SET', p[1], p[2])
+end
+
+-- CHUNK bounds the arguments of one command built with unpack, whose
+-- results must fit Lua's C stack (8,000 slots).
+local CHUNK = 1000
+
+-- bulk decides and writes a live call whose writes are all to collections
+-- with one version hash ("z", "h") none of which is being rebuilt, the
+-- relay's common case, with a few commands per collection instead of three
+-- per write: HMGET of every member's stored version, then, once every
+-- write is decided in order (a write counting as stored for later writes
+-- of its member), one ZADD or HSET of the values and one HSET of the
+-- versions, each in chunks. It returns nil, having written nothing, for
+-- any other call, and when a key holds another type: the loop below then
+-- runs and reports the failing write as the header says. Once it writes,
+-- a failure is reported after the writes decided before the first write
+-- applied (only the first write command can fail: Redis checks maxmemory
+-- until a script's first write, and the types were checked).
+local function bulk()
+  if shadowOnly or last < 3 then return nil end
+  -- Per write, its first argument's position and its collection; per
+  -- collection (in order of first write), its kind, members, stored
+  -- versions, and the arguments of its value and version writes.
+  local at, coll, order, colls = {}, {}, {}, {}
+  local a = 3
+  while a <= last do
+    local kind, base = ARGV[a], tonumber(ARGV[a + 1])
+    if (kind ~= 'z' and kind ~= 'h') or rebuilding[base] then return nil end
+    local c = colls[base]
+    if not c then
+      c = { base = base, kind = kind, members = {}, stored = {}, values = {}, versions = {} }
+      colls[base] = c
+      order[#order + 1] = c
+    elseif c.kind ~= kind then
+      return nil
+    end
+    local n = #at + 1
+    at[n], coll[n] = a, c
+    c.members[#c.members + 1] = ARGV[a + 2]
+    a = a + 5
+  end
+  for _, c in ipairs(order) do
+    local t = redis.call('TYPE', KEYS[c.base])
+    t = t.ok or t
+    if t ~= 'none' and t ~= ((c.kind == 'z') and 'zset' or 'hash') then return nil end
+    local members, stored = c.members, c.stored
+    for i = 1, #members, CHUNK do
+      local j = math.min(i + CHUNK - 1, #members)
+      local got = redis.pcall('HMGET', KEYS[c.base + 5], unpack(members, i, j))
+      if got.err then return nil end
+      for k = i, j do stored[members[k]] = got[k - i + 1] end
+    end
+  end
+  local out, firstApplied = {}, nil
+  for i = 1, #at do
+    local a, c = at[i], coll[i]
+    local member, version = ARGV[a + 2], ARGV[a + 3]
+    local stored = c.stored[member]
+    local r = APPLIED
+    if stored then
+      if not readable(stored) then
+        r = stored
+      else
+        local cmp = compare(version, stored)
+        if cmp == 0 then r = DUPLICATE elseif cmp < 0 then r = STALE end
+      end
+    end
+    if r == APPLIED then
+      firstApplied = firstApplied or i
+      c.stored[member] = version
+      local vs, ws = c.values, c.versions
+      local n = #vs
+      if c.kind == 'z' then
+        vs[n + 1], vs[n + 2] = ARGV[a + 4], member
+      else
+        vs[n + 1], vs[n + 2] = member, ARGV[a + 4]
+      end
+      n = #ws
+      ws[n + 1], ws[n + 2] = member, version
+    end
+    out[i] = r
+  end
+  local ok, failure = pcall(function()
+    for _, c in ipairs(order) do
+      local cmd = (c.kind == 'z') and 'ZADD' or 'HSET'
+      local vs, ws = c.values, c.versions
+      for i = 1, #vs, 2 * CHUNK do
+        redis.call(cmd, KEYS[c.base], unpack(vs, i, math.min(i + 2 * CHUNK - 1, #vs)))
+      end
+      for i = 1, #ws, 2 * CHUNK do
+        redis.call('HSET', KEYS[c.base + 5], unpack(ws, i, math.min(i + 2 * CHUNK - 1, #ws)))
+      end
+    end
+  end)
+  if not ok then
+    if type(failure) ~= 'table' then failure = { err = tostring(failure) } end
+    local reply = {}
+    for i = 1, firstApplied - 1 do reply[i] = out[i] end
+    reply[#reply + 1] = failure
+    return reply
+  end
+  return out
+end
+do
+  local reply = bulk()
+  if reply then return reply end
 end
 
 local out = {}

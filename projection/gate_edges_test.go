@@ -95,3 +95,96 @@ func TestLayoutMismatchReportsMaxBuckets(t *testing.T) {
 	require.Equal(t, LayoutMismatchError{Kind: KindSortedSet, Name: "board", Stored: VersionBucketsMax, Configured: 4}, *lm)
 	require.Equal(t, VersionBucketsMax, ParseLayout(strconv.Itoa(VersionBucketsMax)))
 }
+
+// TestGateOnAFullRedis: a Redis at maxmemory with the noeviction policy
+// refuses a script's first write, and nothing after it runs. A call that
+// decides writes and then writes them all at once (a live batch of
+// existing collections without buckets) must fail whole, with no verdict
+// kept and nothing written, for any mix of kinds and verdicts; and once
+// there is room the same batch goes through.
+func TestGateOnAFullRedis(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	srv := testenv.StartRedis(t, "--maxmemory-policy", "noeviction")
+	client := srv.Client(t)
+	ks, err := NewKeyspace("full:")
+	require.NoError(t, err)
+	gate := NewGate(client, ks)
+	// Both collections exist, with their layouts recorded, before Redis is
+	// full: the batch's first write is a value, not a layout.
+	out, err := gate.Apply(ctx, []Write{zset("board", "ada", 2, 10), hash("profiles", "ada", 2, "a")})
+	require.NoError(t, err)
+	require.Equal(t, []Outcome{OutcomeApplied, OutcomeApplied}, out)
+	testenv.FillRedis(t, client)
+
+	batch := []Write{
+		zset("board", "ada", 2, 10),      // duplicate
+		zset("board", "ada", 1, 5),       // stale
+		zset("board", "bob", 1, 7),       // new
+		hash("profiles", "bob", 1, "b"),  // new
+		zset("board", "ada", 3, 11),      // newer
+		hash("profiles", "ada", 2, "a2"), // duplicate
+	}
+	out, err = gate.Apply(ctx, batch)
+	require.ErrorContains(t, err, "OOM")
+	for i, o := range out {
+		require.Equal(t, OutcomeUnknown, o, "write %d: no verdict is kept from a failed call", i)
+	}
+	require.Equal(t, storedState{true, "10", "2"}, readState(t, client, ks, zset("board", "ada", 0, 0).Target))
+	require.Equal(t, storedState{}, readState(t, client, ks, zset("board", "bob", 0, 0).Target))
+	require.Equal(t, storedState{}, readState(t, client, ks, hash("profiles", "bob", 0, "").Target))
+	require.Equal(t, storedState{true, "a", "2"}, readState(t, client, ks, hash("profiles", "ada", 0, "").Target))
+
+	require.NoError(t, client.ConfigSet(ctx, "maxmemory", "0").Err())
+	out, err = gate.Apply(ctx, batch)
+	require.NoError(t, err)
+	require.Equal(t, []Outcome{OutcomeDuplicate, OutcomeStale, OutcomeApplied, OutcomeApplied, OutcomeApplied, OutcomeDuplicate}, out)
+	require.Equal(t, storedState{true, "11", "3"}, readState(t, client, ks, zset("board", "ada", 0, 0).Target))
+	require.Equal(t, storedState{true, "7", "1"}, readState(t, client, ks, zset("board", "bob", 0, 0).Target))
+	require.Equal(t, storedState{true, "b", "1"}, readState(t, client, ks, hash("profiles", "bob", 0, "").Target))
+}
+
+// TestGateVersionHashOfAnotherType: a live batch of collections without
+// buckets, one of whose version hashes is a key of another type, fails
+// that collection's writes and applies the others, in either position.
+func TestGateVersionHashOfAnotherType(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	rd := testenv.Redis(t)
+	ks, err := NewKeyspace(rd.Prefix)
+	require.NoError(t, err)
+	gate := NewGate(rd.Client, ks)
+	_, err = gate.Apply(ctx, []Write{zset("board", "ada", 1, 1), hash("profiles", "ada", 1, "a")})
+	require.NoError(t, err)
+	versions := ks.VersionKey(zset("board", "", 0, 0).Target)
+	require.NoError(t, rd.Client.Del(ctx, versions).Err())
+	require.NoError(t, rd.Client.Set(ctx, versions, "not a hash", 0).Err())
+
+	for _, first := range []bool{true, false} {
+		name := "profiles-" + strconv.FormatBool(first)
+		writes := []Write{hash(name, "a", 1, "x"), zset("board", "bob", 1, 2), hash(name, "b", 1, "y")}
+		if !first {
+			writes[0], writes[1] = writes[1], writes[0]
+		}
+		bad := 1
+		if !first {
+			bad = 0
+		}
+		outcomes, perWrite, err := gate.run(ctx, modeLive, "", writes, true)
+		require.NoError(t, err)
+		for i := range writes {
+			if i == bad {
+				require.Equal(t, OutcomeUnknown, outcomes[i])
+				var wt *WrongKeyTypeError
+				require.ErrorAs(t, perWrite[i], &wt, "write %d", i)
+				require.Equal(t, i, wt.Index)
+				continue
+			}
+			require.NoError(t, perWrite[i], "write %d", i)
+			require.Equal(t, OutcomeApplied, outcomes[i], "write %d", i)
+		}
+		require.Equal(t, storedState{true, "x", "1"}, readState(t, rd.Client, ks, hash(name, "a", 0, "").Target))
+		require.Equal(t, storedState{true, "y", "1"}, readState(t, rd.Client, ks, hash(name, "b", 0, "").Target))
+	}
+	require.Equal(t, "not a hash", rd.Client.Get(ctx, versions).Val())
+}

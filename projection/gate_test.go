@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"math"
 	"math/rand/v2"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -573,6 +574,36 @@ func TestGate(t *testing.T) {
 					readState(t, gb.client, gb.ks, zset("c"+strconv.Itoa(k%3), strconv.Itoa(k), 0, 0).Target))
 				require.Equal(t, storedState{true, "v" + strconv.Itoa(versions), strconv.Itoa(versions)},
 					readState(t, gb.client, gb.ks, doc("doc"+strconv.Itoa(k), 0, "").Target))
+			}
+		})
+
+		// A batch of distinct members larger than one command's chunk of
+		// the script, delivered again: every write, wherever it falls in a
+		// chunk, is judged against its own stored version.
+		t.Run("LargeBatchRedelivered", func(t *testing.T) {
+			t.Parallel()
+			gb := setupGate(t, b)
+			const members = 2_345
+			batch := make([]Write, 0, 2*members)
+			for m := range members {
+				member := "m" + strconv.Itoa(m)
+				batch = append(batch, zset("redelivered", member, 5, int64(m)), hash("redelivered", member, 5, member))
+			}
+			for round, want := range []Outcome{OutcomeApplied, OutcomeDuplicate} {
+				out, err := gb.gate.Apply(context.Background(), batch)
+				require.NoError(t, err)
+				for i, o := range out {
+					require.Equal(t, want, o, "round %d, write %d", round, i)
+				}
+			}
+			older := slices.Clone(batch)
+			for i := range older {
+				older[i].Version = 4
+			}
+			out, err := gb.gate.Apply(context.Background(), older)
+			require.NoError(t, err)
+			for i, o := range out {
+				require.Equal(t, OutcomeStale, o, "write %d", i)
 			}
 		})
 
