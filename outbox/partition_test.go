@@ -307,6 +307,44 @@ func TestRelayPartitionLeases(t *testing.T) {
 		require.Eventually(t, func() bool { return handled.Load() == rows }, 10*time.Second, 10*time.Millisecond)
 	})
 
+	// Claims that run at the same moment lock the same first partitions;
+	// one that finds every one of them locked takes the next free ones
+	// instead of coming back empty (in Run, to wait a pause while a
+	// backlog waits too).
+	t.Run("ClaimPassesPartitionsOtherClaimsAreTaking", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		msgs := make([]outbox.Message, 12*256-1) // ids 1 to 3071: partitions 0 to 11
+		for i := range msgs {
+			msgs[i] = newMessage("s", fmt.Sprint("k", i), 1)
+		}
+		b.appendCommitted(t, msgs...)
+		for part := range 12 {
+			_, err := b.pool.Exec(ctx, `UPDATE `+b.leasesTable()+` SET touched_at = '2000-01-01'::timestamptz + $2 * interval '1 hour' WHERE part = $1`, part, part)
+			require.NoError(t, err)
+		}
+		// Two claims under way hold the eight partitions claimed longest ago.
+		others, err := b.pool.Begin(ctx)
+		require.NoError(t, err)
+		t.Cleanup(func() { _ = others.Rollback(ctx) })
+		_, err = others.Exec(ctx, `SELECT 1 FROM `+b.leasesTable()+` WHERE part < 8 FOR UPDATE`)
+		require.NoError(t, err)
+
+		h := &recorder{}
+		r := b.relay(t, nil, h, outbox.RelayConfig{BatchSize: 300, PollInterval: time.Hour, DisableNotify: true})
+		n, err := r.RunOnce(ctx)
+		require.NoError(t, err)
+		require.Equal(t, 300, n, "256 rows of partition 8, then 44 of partition 9")
+		for _, rec := range h.seen() {
+			require.Contains(t, []int64{8, 9}, rec.ID/256%64, "record %d", rec.ID)
+		}
+		require.NoError(t, others.Rollback(ctx))
+		n, err = r.RunOnce(ctx)
+		require.NoError(t, err)
+		require.Equal(t, 300, n)
+		require.EqualValues(t, 1, h.seen()[300].ID, "partition 0 is next once it is free")
+	})
+
 	// While its batch is out, a claim's lease rows say exactly which rows
 	// it handed out (what a takeover after a crash counts an attempt for),
 	// and a leased partition that contributed none is back at once, still
