@@ -609,9 +609,9 @@ func TestGate(t *testing.T) {
 
 		// A batch near the relay's BatchSizeMax, every member written in
 		// several versions: every outcome and final state right, with one
-		// version hash and with buckets. (It also guards any bulk form of the
-		// script: an experimental one that read and wrote 1,000 arguments per
-		// call failed it when its chunk boundary was broken on purpose.)
+		// version hash and with buckets. (It also guards the script's bulk
+		// form: it fails when a chunk boundary of the bulk writes is broken
+		// on purpose; LargeBatchRedelivered, when one of the reads is.)
 		t.Run("LargeBatchOfRepeatedMembers", func(t *testing.T) {
 			t.Parallel()
 			gb := setupGate(t, b)
