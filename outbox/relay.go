@@ -50,6 +50,10 @@ type Relay struct {
 
 	metrics   *relayMetrics
 	lastStats atomic.Pointer[statsSample] // latest Stats result, for the gauges
+	// lastBatch is how many rows the last claim handed out: the next
+	// batch's starting capacity, so that a backlog's batches of BatchSize
+	// records are not grown by doubling, nor a trickle's given BatchSize.
+	lastBatch atomic.Int64
 
 	leaseSQL   string
 	pickSQL    string
@@ -791,7 +795,7 @@ func (r *Relay) sendClaim(ctx context.Context, conn *pgx.Conn, token uuid.UUID) 
 		return claimed{}, mapError("claim", err)
 	}
 	var (
-		batch     []Record
+		batch     = make([]Record, 0, r.lastBatch.Load())
 		exhausted []int64 // rows pickSQL buried
 		rec       Record
 		isBuried  bool
@@ -814,6 +818,7 @@ func (r *Relay) sendClaim(ctx context.Context, conn *pgx.Conn, token uuid.UUID) 
 	if err := res.Close(); err != nil {
 		return claimed{}, mapError("claim", err)
 	}
+	r.lastBatch.Store(int64(len(batch)))
 	// Committed now. Like the settle's burials, these are dead letters an
 	// operator must hear of; they never reach a Handler to be logged.
 	if len(buried) > 0 {
