@@ -381,9 +381,25 @@ func (s cpuSample) since(earlier cpuSample) cpuSample {
 	return d
 }
 
-// plus returns s and d added up.
+// plus returns s and d added up (the host's part only while both have it,
+// or s has none yet).
 func (s cpuSample) plus(d cpuSample) cpuSample {
-	return cpuSample{client: s.client + d.client, redis: s.redis + d.redis}
+	sum := cpuSample{client: s.client + d.client, redis: s.redis + d.redis}
+	if d.host.ok && (s.host.ok || s.host.total == 0 && s.client == 0) {
+		sum.host = hostCPU{postgres: s.host.postgres + d.host.postgres, busy: s.host.busy + d.host.busy,
+			total: s.host.total + d.host.total, ok: true}
+	}
+	return sum
+}
+
+// hostShare describes, where /proc tells, PostgreSQL's CPU over n passes
+// and how busy the host's CPUs were; "" where it does not.
+func (s cpuSample) hostShare(n int) string {
+	if !s.host.ok || s.host.total <= 0 {
+		return ""
+	}
+	return fmt.Sprintf("PostgreSQL %s per pass, CPUs %.0f%% busy",
+		(s.host.postgres / time.Duration(max(n, 1))).Round(time.Millisecond), 100*float64(s.host.busy)/float64(s.host.total))
 }
 
 // perRow describes the CPU spent between s and later per row, in µs, and,

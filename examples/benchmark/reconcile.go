@@ -141,6 +141,9 @@ SELECT 'bench', 'user-' || lpad(g::text, 9, '0'), (g * 7919) % 100000, 1 + g % 5
 	floor := (libCPU.client + libCPU.redis) / time.Duration(reconcileRounds*cores)
 	e.log("reconcile: this process's CPU per pass: library %s, hand loop %s; with Redis's, %d CPUs cap the library's pass at %.2fx the hand loop (wall %s at least), PostgreSQL's CPU not counted",
 		perPass(libCPU.client), perPass(handCPU.client), cores, float64(hand.elapsed)/float64(reconcileRounds)/float64(floor), floor.Round(time.Millisecond))
+	if lib, hand := libCPU.hostShare(reconcileRounds), handCPU.hostShare(reconcileRounds); lib != "" && hand != "" {
+		e.log("reconcile: on this host (postgres processes): library %s; hand loop %s", lib, hand)
+	}
 	return []Figure{newFigure("reconcile", "rows/s", lib.perSecond(), hand.perSecond())}, nil
 }
 
