@@ -98,7 +98,8 @@ func NewRelay(pool *pgxpool.Pool, handler Handler, cfg *RelayConfig) (*Relay, er
 		others = fmt.Sprintf(settleOthers, n.Outbox, partitionBlock, partitionCount, settleLookahead, heldPauseMax.Microseconds())
 	}
 	lease := fmt.Sprintf(leaseSQL, n.Outbox, n.Leases, streamFilter, async, partitionCount, partitionsPerClaim, partitionBlock, n.Dead,
-		crashedError("LEAST(o.attempts, 2147483646) + 1"), buryCrashed(n.Dead, cfg), crashedError("attempts"))
+		crashedError("LEAST(o.attempts, 2147483646) + 1"), buryCrashed(n.Dead, cfg), crashedError("attempts"),
+		fmt.Sprintf(dueRowProbe, n.Outbox, partitionBlock, partitionCount, streamFilter))
 	return &Relay{
 		pool:       pool,
 		handler:    handler,
@@ -243,13 +244,7 @@ const leaseSQL = `WITH due AS MATERIALIZED (
     SELECT l.part
     FROM %[2]s AS l
     WHERE (l.leased_until IS NULL OR l.leased_until <= now())
-      AND EXISTS (
-        SELECT 1 FROM %[1]s AS o
-        WHERE mod(o.id / %[7]d, %[5]d) = l.part
-          AND o.published_at IS NULL
-          AND o.available_at <= now()
-          AND (o.leased_until IS NULL OR o.leased_until <= now())%[3]s
-        OFFSET 0)
+      AND %[12]s
     ORDER BY l.touched_at, l.part
     LIMIT 2 * %[6]d
 ),
@@ -267,13 +262,7 @@ more AS MATERIALIZED (
     FROM %[2]s AS l
     WHERE (l.leased_until IS NULL OR l.leased_until <= now())
       AND l.part NOT IN (SELECT part FROM due)
-      AND EXISTS (
-        SELECT 1 FROM %[1]s AS o
-        WHERE mod(o.id / %[7]d, %[5]d) = l.part
-          AND o.published_at IS NULL
-          AND o.available_at <= now()
-          AND (o.leased_until IS NULL OR o.leased_until <= now())%[3]s
-        OFFSET 0)
+      AND %[12]s
     ORDER BY l.touched_at, l.part
     LIMIT CASE WHEN (SELECT count(*) FROM due) < 2 * %[6]d THEN 0 ELSE %[6]d - (SELECT count(*) FROM free) END
     FOR UPDATE OF l SKIP LOCKED
@@ -333,6 +322,18 @@ SELECT (SELECT count(*) FROM leased), set_config('enable_bitmapscan', 'off', tru
                   AND NOT h.inflight @> o.id
                 OFFSET 0))
     END`
+
+// dueRowProbe tests whether the partition of lease row l has a row due
+// that the relay could take: one probe of the partition index (leaseSQL
+// says why OFFSET 0). Outbox, block, count and the stream filter are
+// formatted in by NewRelay.
+const dueRowProbe = `EXISTS (
+        SELECT 1 FROM %[1]s AS o
+        WHERE mod(o.id / %[2]d, %[3]d) = l.part
+          AND o.published_at IS NULL
+          AND o.available_at <= now()
+          AND (o.leased_until IS NULL OR o.leased_until <= now())%[4]s
+        OFFSET 0)`
 
 // buryCrashed is the condition under which the claim buries a row o of a
 // crashed batch instead of counting the attempt: its attempts, counting
