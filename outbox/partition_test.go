@@ -259,23 +259,12 @@ func TestRelayPartitionLeases(t *testing.T) {
 		t.Parallel()
 		b := setup(t)
 		ctx := context.Background()
-		msgs := make([]outbox.Message, 5*256-1) // ids 1 to 1279: partitions 0 to 4
-		for i := range msgs {
-			msgs[i] = newMessage("s", fmt.Sprint("k", i), 1)
-		}
-		b.appendCommitted(t, msgs...)
+		b.appendPartitions(t, 5)
 		rows := b.rows(t)
 		require.EqualValues(t, 1, rows[0].ID)
-		require.EqualValues(t, len(msgs), rows[len(rows)-1].ID)
+		require.EqualValues(t, 5*256-1, rows[len(rows)-1].ID)
 		for _, order := range [][]int{{4, 3, 2, 1, 0}, {1, 3, 0, 4, 2}, {0, 1, 2, 3, 4}} {
-			// order[0] was claimed longest ago, order[4] last. Written in
-			// reverse, so that the lease rows' physical order (an UPDATE
-			// moves a row to the end) is the opposite of the claim order.
-			for rank := len(order) - 1; rank >= 0; rank-- {
-				part := order[rank]
-				_, err := b.pool.Exec(ctx, `UPDATE `+b.leasesTable()+` SET touched_at = '2000-01-01'::timestamptz + $2 * interval '1 hour' WHERE part = $1`, part, rank)
-				require.NoError(t, err)
-			}
+			b.claimOrder(t, order...)
 			h := &recorder{}
 			r := b.relay(t, nil, h, outbox.RelayConfig{BatchSize: 5, PollInterval: time.Hour, DisableNotify: true})
 			n, err := r.RunOnce(ctx)
@@ -314,15 +303,8 @@ func TestRelayPartitionLeases(t *testing.T) {
 	t.Run("ClaimPassesPartitionsOtherClaimsAreTaking", func(t *testing.T) {
 		t.Parallel()
 		b := setup(t)
-		msgs := make([]outbox.Message, 12*256-1) // ids 1 to 3071: partitions 0 to 11
-		for i := range msgs {
-			msgs[i] = newMessage("s", fmt.Sprint("k", i), 1)
-		}
-		b.appendCommitted(t, msgs...)
-		for part := range 12 {
-			_, err := b.pool.Exec(ctx, `UPDATE `+b.leasesTable()+` SET touched_at = '2000-01-01'::timestamptz + $2 * interval '1 hour' WHERE part = $1`, part, part)
-			require.NoError(t, err)
-		}
+		b.appendPartitions(t, 12)
+		b.claimOrder(t, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11)
 		// Two claims under way hold the eight partitions claimed longest ago.
 		others, err := b.pool.Begin(ctx)
 		require.NoError(t, err)
@@ -352,17 +334,10 @@ func TestRelayPartitionLeases(t *testing.T) {
 	t.Run("ClaimRecordsWhatItHandedOut", func(t *testing.T) {
 		t.Parallel()
 		b := setup(t)
-		msgs := make([]outbox.Message, 3*256-1) // ids 1 to 767: partitions 0 to 2
-		for i := range msgs {
-			msgs[i] = newMessage("s", fmt.Sprint("k", i), 1)
-		}
-		b.appendCommitted(t, msgs...)
+		b.appendPartitions(t, 3)
 		// Partition 0 is claimed first, then 1, then 2; row 100 of
 		// partition 0 is not due, so what partition 0 hands out is two runs.
-		for part := range 3 {
-			_, err := b.pool.Exec(ctx, `UPDATE `+b.leasesTable()+` SET touched_at = '2000-01-01'::timestamptz + $2 * interval '1 hour' WHERE part = $1`, part, part)
-			require.NoError(t, err)
-		}
+		b.claimOrder(t, 0, 1, 2)
 		_, err := b.pool.Exec(ctx, `UPDATE `+b.writer.Table()+` SET available_at = now() + interval '1 hour' WHERE id = 100`)
 		require.NoError(t, err)
 
@@ -393,6 +368,30 @@ FROM `+b.leasesTable()+` WHERE part < 3 ORDER BY part`)
 		}, during)
 		b.requireLeasesFree(t)
 	})
+}
+
+// appendPartitions appends and commits rows with ids 1 to n*256-1: every
+// id of partitions 0 to n-1 (id 0 is never assigned).
+func (b *testBundle) appendPartitions(t *testing.T, n int) {
+	t.Helper()
+	msgs := make([]outbox.Message, n*256-1)
+	for i := range msgs {
+		msgs[i] = newMessage("s", fmt.Sprint("k", i), 1)
+	}
+	b.appendCommitted(t, msgs...)
+}
+
+// claimOrder makes claims take the partitions parts in that order: the
+// touched_at of the lease of parts[rank] is 2000-01-01 plus rank hours.
+// They are written in reverse, so that the lease rows' physical order (an
+// UPDATE moves a row to the end) is the opposite of the claim order.
+func (b *testBundle) claimOrder(t *testing.T, parts ...int) {
+	t.Helper()
+	for rank := len(parts) - 1; rank >= 0; rank-- {
+		_, err := b.pool.Exec(context.Background(), `UPDATE `+b.leasesTable()+
+			` SET touched_at = '2000-01-01'::timestamptz + $2 * interval '1 hour' WHERE part = $1`, parts[rank], rank)
+		require.NoError(t, err)
+	}
 }
 
 // TestMigratePartitionLeasesOnExistingOutbox applies the migrations before
