@@ -200,7 +200,10 @@ local CHUNK = 1000
 -- runs and reports the failing write as the header says. Once it writes,
 -- a failure is reported after the writes decided before the first write
 -- applied (only the first write command can fail: Redis checks maxmemory
--- until a script's first write, and the types were checked).
+-- until a script's first write, the types were checked, and scores are
+-- decimal integers, which ZADD always accepts; a value ZADD could refuse
+-- would make a later chunk fail after earlier ones were written, and this
+-- reply under-report them).
 local function bulk()
   if shadowOnly or last < 3 then return nil end
   -- Per write, its first argument's position and its collection; per
