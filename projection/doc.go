@@ -127,9 +127,11 @@
 // when it grows past twice that.
 //
 // Buckets cost the gate some CPU in Redis (a listpack is searched entry by
-// entry): BenchmarkGate/BatchedVersionBuckets, batches of 100 over 15
-// buckets, ran at 0.46–1.06× (median about 0.8×) the unbucketed
-// throughput in six alternating runs at load 5. Reconciliation pays more:
+// entry), and a bucketed collection is written one write at a time, not in
+// bulk (see above): BenchmarkGate/BatchedVersionBuckets, batches of 100
+// over 15 buckets, ran at 0.48–0.75× (median about 0.65×) the unbucketed
+// throughput in seven runs on 2026-12-04 (0.46–1.06×, median about 0.8×,
+// before the bulk writes). Reconciliation pays more:
 // a page of source rows touches a bucket per member instead of one hash,
 // so a full pass ran at 0.34–0.7× the unbucketed speed (see package
 // reconcile). Collections without buckets pay one GET of the layout key
