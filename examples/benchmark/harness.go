@@ -381,11 +381,13 @@ func (s cpuSample) since(earlier cpuSample) cpuSample {
 	return d
 }
 
-// plus returns s and d added up (the host's part only while both have it,
-// or s has none yet).
+// noCPU is the sum of no samples, to add samples to with plus.
+func noCPU() cpuSample { return cpuSample{host: hostCPU{ok: true}} }
+
+// plus returns s and d added up; the host's part only while both have it.
 func (s cpuSample) plus(d cpuSample) cpuSample {
 	sum := cpuSample{client: s.client + d.client, redis: s.redis + d.redis}
-	if d.host.ok && (s.host.ok || s.host.total == 0 && s.client == 0) {
+	if s.host.ok && d.host.ok {
 		sum.host = hostCPU{postgres: s.host.postgres + d.host.postgres, busy: s.host.busy + d.host.busy,
 			total: s.host.total + d.host.total, ok: true}
 	}

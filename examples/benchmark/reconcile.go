@@ -87,7 +87,7 @@ SELECT 'bench', 'user-' || lpad(g::text, 9, '0'), (g * 7919) % 100000, 1 + g % 5
 	vkey := board.Keyspace().VersionKey(projection.Target{Kind: projection.KindSortedSet, Name: board.Name()})
 
 	var lib, hand, buckets rate
-	var libCPU, handCPU cpuSample // this process's and Redis's CPU spent in the timed passes
+	libCPU, handCPU := noCPU(), noCPU() // CPU spent in the timed passes
 	for range reconcileRounds {
 		cpu0, err := e.sampleCPU(ctx)
 		if err != nil {
