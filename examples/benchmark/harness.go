@@ -373,12 +373,7 @@ func (e *env) sampleCPU(ctx context.Context) (cpuSample, error) {
 
 // since returns the CPU spent from earlier to s.
 func (s cpuSample) since(earlier cpuSample) cpuSample {
-	d := cpuSample{client: s.client - earlier.client, redis: s.redis - earlier.redis}
-	if s.host.ok && earlier.host.ok {
-		d.host = hostCPU{postgres: s.host.postgres - earlier.host.postgres, busy: s.host.busy - earlier.host.busy,
-			total: s.host.total - earlier.host.total, ok: true}
-	}
-	return d
+	return cpuSample{client: s.client - earlier.client, redis: s.redis - earlier.redis, host: s.host.add(earlier.host, -1)}
 }
 
 // noCPU is the sum of no samples, to add samples to with plus.
@@ -386,22 +381,17 @@ func noCPU() cpuSample { return cpuSample{host: hostCPU{ok: true}} }
 
 // plus returns s and d added up; the host's part only while both have it.
 func (s cpuSample) plus(d cpuSample) cpuSample {
-	sum := cpuSample{client: s.client + d.client, redis: s.redis + d.redis}
-	if s.host.ok && d.host.ok {
-		sum.host = hostCPU{postgres: s.host.postgres + d.host.postgres, busy: s.host.busy + d.host.busy,
-			total: s.host.total + d.host.total, ok: true}
-	}
-	return sum
+	return cpuSample{client: s.client + d.client, redis: s.redis + d.redis, host: s.host.add(d.host, 1)}
 }
 
 // hostShare describes, where /proc tells, PostgreSQL's CPU over n passes
 // and how busy the host's CPUs were; "" where it does not.
 func (s cpuSample) hostShare(n int) string {
-	if !s.host.ok || s.host.total <= 0 {
+	busy, ok := s.host.busyPercent()
+	if !ok {
 		return ""
 	}
-	return fmt.Sprintf("PostgreSQL %s per pass, CPUs %.0f%% busy",
-		(s.host.postgres / time.Duration(max(n, 1))).Round(time.Millisecond), 100*float64(s.host.busy)/float64(s.host.total))
+	return fmt.Sprintf("PostgreSQL %s per pass, CPUs %.0f%% busy", (s.host.postgres / time.Duration(max(n, 1))).Round(time.Millisecond), busy)
 }
 
 // perRow describes the CPU spent between s and later per row, in µs, and,
@@ -410,9 +400,8 @@ func (s cpuSample) hostShare(n int) string {
 func (s cpuSample) perRow(later cpuSample, rows int) string {
 	d, n := later.since(s), float64(max(rows, 1))
 	out := fmt.Sprintf("CPU per row: this process %.2f µs, Redis %.2f µs", us(d.client)/n, us(d.redis)/n)
-	if d.host.ok && d.host.total > 0 {
-		out += fmt.Sprintf(", PostgreSQL %.2f µs (postgres processes on this host); CPUs %.0f%% busy",
-			us(d.host.postgres)/n, 100*float64(d.host.busy)/float64(d.host.total))
+	if busy, ok := d.host.busyPercent(); ok {
+		out += fmt.Sprintf(", PostgreSQL %.2f µs (postgres processes on this host); CPUs %.0f%% busy", us(d.host.postgres)/n, busy)
 	}
 	return out
 }

@@ -22,6 +22,23 @@ type hostCPU struct {
 	ok                    bool
 }
 
+// add returns h plus sign times o (sign 1 or -1); not ok unless both are.
+func (h hostCPU) add(o hostCPU, sign time.Duration) hostCPU {
+	if !h.ok || !o.ok {
+		return hostCPU{}
+	}
+	return hostCPU{postgres: h.postgres + sign*o.postgres, busy: h.busy + sign*o.busy, total: h.total + sign*o.total, ok: true}
+}
+
+// busyPercent is the share of the CPU time h spans that the CPUs were
+// busy, when h tells.
+func (h hostCPU) busyPercent() (float64, bool) {
+	if !h.ok || h.total <= 0 {
+		return 0, false
+	}
+	return 100 * float64(h.busy) / float64(h.total), true
+}
+
 // readHostCPU reads hostCPU if pgHost (the pool's host) is this host.
 // Every process named postgres counts, another cluster's too if one runs
 // here: a diagnostic for the log, not a figure.
