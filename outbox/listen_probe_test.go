@@ -2,11 +2,13 @@ package outbox_test
 
 import (
 	"bufio"
+	"bytes"
 	"context"
 	"encoding/binary"
 	"io"
 	"net"
 	"strconv"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -18,18 +20,72 @@ import (
 	"github.com/verity-go/verity/outbox"
 )
 
-// startNotificationDropper forwards TCP to upstream, dropping every
-// NotificationResponse ('A') message from the server: a path that loses
-// notifications and nothing else, as a transaction-pooling proxy does
-// (PgBouncer in transaction mode drops those that arrive for a server
-// connection while it serves another client, or none). It returns its
-// address and the count of notifications dropped. The client must not
-// ask for TLS: the server's stream is parsed from its first byte.
-func startNotificationDropper(t *testing.T, upstream string) (addr string, dropped *atomic.Int64) {
+// notificationPath is a TCP forwarder to PostgreSQL that drops
+// notifications on the way to its clients (see startNotificationPath).
+type notificationPath struct {
+	addr string
+	// dropped counts the notifications dropped; passedProbes, the probe
+	// channel's notifications passed on.
+	dropped, passedProbes atomic.Int64
+
+	mu   sync.Mutex
+	pids map[uint32]bool // server processes of the connections through it
+}
+
+// ours reports whether server process pid serves a connection through p.
+func (p *notificationPath) ours(pid uint32) bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.pids[pid]
+}
+
+// startNotificationPath forwards TCP to upstream, dropping the server's
+// NotificationResponse ('A') messages: every one when dropAll, a path that
+// loses notifications and nothing else, as a transaction-pooling proxy
+// does (PgBouncer in transaction mode drops those that arrive for a server
+// connection while it serves another client, or none); otherwise only
+// those sent by a connection through the path itself (its server process
+// is read from BackendKeyData), so that a LISTEN connection through it
+// never receives what its own pool sends but receives everyone else's.
+// The client must not ask for TLS: the server's stream is parsed from its
+// first byte.
+func startNotificationPath(t *testing.T, upstream string, dropAll bool) *notificationPath {
 	t.Helper()
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	require.NoError(t, err)
-	dropped = &atomic.Int64{}
+	p := &notificationPath{addr: ln.Addr().String(), pids: map[uint32]bool{}}
+	forward := func(c, s net.Conn) {
+		in, out := bufio.NewReader(s), bufio.NewWriter(c)
+		header := make([]byte, 5)
+		for {
+			if _, err := io.ReadFull(in, header); err != nil {
+				return
+			}
+			body := make([]byte, int(binary.BigEndian.Uint32(header[1:]))-4)
+			if _, err := io.ReadFull(in, body); err != nil {
+				return
+			}
+			switch header[0] {
+			case 'K': // BackendKeyData: the server process's pid, then a secret
+				p.mu.Lock()
+				p.pids[binary.BigEndian.Uint32(body)] = true
+				p.mu.Unlock()
+			case 'A': // NotificationResponse: the sender's pid, channel, payload
+				if dropAll || p.ours(binary.BigEndian.Uint32(body)) {
+					p.dropped.Add(1)
+					continue
+				}
+				if channel, _, _ := bytes.Cut(body[4:], []byte{0}); string(channel) == "verity_listen_probe" {
+					p.passedProbes.Add(1)
+				}
+			}
+			_, _ = out.Write(header)
+			_, _ = out.Write(body)
+			if in.Buffered() == 0 && out.Flush() != nil {
+				return
+			}
+		}
+	}
 	go func() {
 		for {
 			c, err := ln.Accept()
@@ -43,32 +99,25 @@ func startNotificationDropper(t *testing.T, upstream string) (addr string, dropp
 			}
 			t.Cleanup(func() { _ = c.Close(); _ = s.Close() })
 			go func() { _, _ = io.Copy(s, c) }()
-			go func() {
-				in, out := bufio.NewReader(s), bufio.NewWriter(c)
-				header := make([]byte, 5)
-				for {
-					if _, err := io.ReadFull(in, header); err != nil {
-						return
-					}
-					body := make([]byte, int(binary.BigEndian.Uint32(header[1:]))-4)
-					if _, err := io.ReadFull(in, body); err != nil {
-						return
-					}
-					if header[0] == 'A' {
-						dropped.Add(1)
-						continue
-					}
-					_, _ = out.Write(header)
-					_, _ = out.Write(body)
-					if in.Buffered() == 0 && out.Flush() != nil {
-						return
-					}
-				}
-			}()
+			go forward(c, s)
 		}
 	}()
 	t.Cleanup(func() { _ = ln.Close() })
-	return ln.Addr().String(), dropped
+	return p
+}
+
+// poolThrough returns a pool of b's database whose connections go through
+// a notification path (see startNotificationPath), without TLS.
+func poolThrough(t *testing.T, b *testBundle, dropAll bool) (*pgxpool.Pool, *notificationPath) {
+	t.Helper()
+	var path *notificationPath
+	pool := poolWith(t, b, func(pc *pgxpool.Config) {
+		path = startNotificationPath(t, net.JoinHostPort(pc.ConnConfig.Host, strconv.Itoa(int(pc.ConnConfig.Port))), dropAll)
+		host, port, _ := net.SplitHostPort(path.addr)
+		n, _ := strconv.Atoi(port)
+		pc.ConnConfig.Host, pc.ConnConfig.Port, pc.ConnConfig.TLSConfig, pc.ConnConfig.Fallbacks = host, uint16(n), nil, nil
+	})
+	return pool, path
 }
 
 // TestListenerFindsNotificationsLost: a Listener whose notifications never
@@ -79,14 +128,7 @@ func startNotificationDropper(t *testing.T, upstream string) (addr string, dropp
 func TestListenerFindsNotificationsLost(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
-	var dropped *atomic.Int64
-	pool := poolWith(t, b, func(pc *pgxpool.Config) {
-		var addr string
-		addr, dropped = startNotificationDropper(t, net.JoinHostPort(pc.ConnConfig.Host, strconv.Itoa(int(pc.ConnConfig.Port))))
-		host, port, _ := net.SplitHostPort(addr)
-		n, _ := strconv.Atoi(port)
-		pc.ConnConfig.Host, pc.ConnConfig.Port, pc.ConnConfig.TLSConfig, pc.ConnConfig.Fallbacks = host, uint16(n), nil, nil
-	})
+	pool, path := poolThrough(t, b, true)
 	var logs testenv.LogSink
 	l, err := outbox.NewListener(pool, &outbox.ListenerConfig{Schema: b.cfg.Schema, Table: b.cfg.Table,
 		ListenCheckInterval: 100 * time.Millisecond, ReconnectBackoffMax: time.Second, Logger: logs.Logger()})
@@ -97,7 +139,7 @@ func TestListenerFindsNotificationsLost(t *testing.T) {
 	}, 15*time.Second, 10*time.Millisecond, "a LISTEN connection that receives no notification at all goes unnoticed")
 	line := logs.Lines(t, "outbox LISTEN connection failed; reconnecting")[0]
 	require.Contains(t, line["error"], "DisableNotify")
-	require.Positive(t, dropped.Load(), "the probe was sent, and lost on the way")
+	require.Positive(t, path.dropped.Load(), "the probe was sent, and lost on the way")
 
 	// Every LISTEN succeeds on such a path: the pause grows all the same,
 	// so the warnings (and the LISTENs left on a proxy's connections) slow
@@ -137,6 +179,40 @@ func TestListenerProbeComesBack(t *testing.T) {
 	require.NoError(t, b.pool.QueryRow(context.Background(),
 		`SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE pid = $1)`, pid).Scan(&still))
 	require.True(t, still, "the first connection was replaced")
+}
+
+// TestListenerProbeOfAnotherConnectionProvesNothing: a LISTEN connection
+// receives every other connection's probes (one channel for all), so only
+// its own token may prove its path. Here its own probe is lost (its pool
+// and it share a path that drops what they send) while another Listener's
+// probe reaches it: it must still find its notifications lost.
+func TestListenerProbeOfAnotherConnectionProvesNothing(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	pool, path := poolThrough(t, b, false)
+	var logs, otherLogs testenv.LogSink
+	l, err := outbox.NewListener(pool, &outbox.ListenerConfig{Schema: b.cfg.Schema, Table: b.cfg.Table,
+		ListenCheckInterval: 100 * time.Millisecond, Logger: logs.Logger()})
+	require.NoError(t, err)
+	startRun(t, b.relay(t, nil, &recorder{}, outbox.RelayConfig{PollInterval: time.Hour, Listener: l}))
+	waitListening(t, b)
+
+	other, err := outbox.NewListener(b.pool, &outbox.ListenerConfig{Schema: b.cfg.Schema, Table: b.cfg.Table,
+		ListenCheckInterval: 100 * time.Millisecond, Logger: otherLogs.Logger()})
+	require.NoError(t, err)
+	startRun(t, b.relay(t, nil, &recorder{}, outbox.RelayConfig{PollInterval: time.Hour, Listener: other}))
+	require.Eventually(t, func() bool {
+		return len(otherLogs.Lines(t, "outbox LISTEN probe came back")) > 0
+	}, 15*time.Second, 10*time.Millisecond, "the other Listener's probe")
+	require.Positive(t, path.passedProbes.Load(), "another connection's probe reached the connection under test")
+	require.Empty(t, logs.Lines(t, "outbox LISTEN connection failed; reconnecting"),
+		"failed before the other probe arrived: the test proves nothing (the wait is at least 5 s)")
+
+	require.Eventually(t, func() bool {
+		return len(logs.Lines(t, "outbox LISTEN connection failed; reconnecting")) > 0
+	}, 15*time.Second, 10*time.Millisecond, "another connection's probe was taken for this one's")
+	require.Empty(t, logs.Lines(t, "outbox LISTEN probe came back"))
+	require.Positive(t, path.dropped.Load(), "its own probe was sent, and lost on the way")
 }
 
 // TestListenerPassesNotificationsWhileItsProbeWaits: a Listener whose pool
