@@ -128,7 +128,9 @@
 //
 // Buckets cost the gate some CPU in Redis (a listpack is searched entry by
 // entry), and a bucketed collection is written one write at a time, not in
-// bulk (see above): BenchmarkGate/BatchedVersionBuckets, batches of 100
+// bulk (see above; grouping a call's writes by bucket was measured and is
+// slower at members / 64 buckets, where a batch touches about a bucket per
+// write): BenchmarkGate/BatchedVersionBuckets, batches of 100
 // over 15 buckets, ran at 0.48–0.75× (median about 0.65×) the unbucketed
 // throughput in seven runs on 2026-12-04 (0.46–1.06×, median about 0.8×,
 // before the bulk writes). Reconciliation pays more:
