@@ -405,6 +405,25 @@ func TestGate(t *testing.T) {
 				require.ErrorIs(t, err, redis.Nil, "stored %q: refused write stored nothing", stored)
 				require.Zero(t, gb.client.Exists(ctx, gb.ks.ValueKey(d.Target)).Val(), "stored %q", stored)
 			}
+			// The same with collection writes only, which the script
+			// decides in bulk (a document sends the call above through
+			// the per-write loop).
+			for i, stored := range []string{"99999999999999999999", "9223372036854775808", "-7", "0", "+5", "00"} {
+				member := "c" + strconv.Itoa(i)
+				h, z := hash("h", member, 5, "new"), zset("z", member, 5, 50)
+				require.NoError(t, gb.client.HSet(ctx, gb.ks.VersionKey(h.Target), member, stored).Err())
+				require.NoError(t, gb.client.HSet(ctx, gb.ks.VersionKey(z.Target), member, stored).Err())
+				out, err := gb.gate.Apply(ctx, []Write{h, z})
+				require.ErrorIs(t, err, ErrCorruptVersion, "stored %q", stored)
+				require.Equal(t, []Outcome{OutcomeUnknown, OutcomeUnknown}, out, "stored %q", stored)
+				var cerr *CorruptVersionError
+				require.ErrorAs(t, err, &cerr)
+				require.Equal(t, stored, cerr.Stored)
+				_, err = gb.client.HGet(ctx, gb.ks.ValueKey(h.Target), member).Result()
+				require.ErrorIs(t, err, redis.Nil, "stored %q: refused write stored nothing", stored)
+				_, err = gb.client.ZScore(ctx, gb.ks.ValueKey(z.Target), member).Result()
+				require.ErrorIs(t, err, redis.Nil, "stored %q: refused write stored nothing", stored)
+			}
 			// The largest int64 is still a version.
 			top := zset("z", "top", math.MaxInt64, 1)
 			require.NoError(t, gb.client.HSet(ctx, gb.ks.VersionKey(top.Target), "top", "9223372036854775807").Err())
