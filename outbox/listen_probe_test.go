@@ -190,21 +190,26 @@ func TestListenerProbeOfAnotherConnectionProvesNothing(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
 	pool, path := poolThrough(t, b, false)
+	// The probe is sent within ListenCheckInterval or not at all (which
+	// proves nothing either way): one second, and a connection already in
+	// the pool, so that a busy machine (TLS through the path) sends it.
+	require.NoError(t, pool.Ping(context.Background()))
 	var logs, otherLogs testenv.LogSink
 	l, err := outbox.NewListener(pool, &outbox.ListenerConfig{Schema: b.cfg.Schema, Table: b.cfg.Table,
-		ListenCheckInterval: 100 * time.Millisecond, Logger: logs.Logger()})
+		ListenCheckInterval: time.Second, Logger: logs.Logger()})
 	require.NoError(t, err)
 	startRun(t, b.relay(t, nil, &recorder{}, outbox.RelayConfig{PollInterval: time.Hour, Listener: l}))
 	waitListening(t, b)
 
 	other, err := outbox.NewListener(b.pool, &outbox.ListenerConfig{Schema: b.cfg.Schema, Table: b.cfg.Table,
-		ListenCheckInterval: 100 * time.Millisecond, Logger: otherLogs.Logger()})
+		ListenCheckInterval: time.Second, Logger: otherLogs.Logger()})
 	require.NoError(t, err)
 	startRun(t, b.relay(t, nil, &recorder{}, outbox.RelayConfig{PollInterval: time.Hour, Listener: other}))
 	require.Eventually(t, func() bool {
 		return len(otherLogs.Lines(t, "outbox LISTEN probe came back")) > 0
 	}, 15*time.Second, 10*time.Millisecond, "the other Listener's probe")
 	require.Positive(t, path.passedProbes.Load(), "another connection's probe reached the connection under test")
+	require.Empty(t, logs.Lines(t, "outbox LISTEN probe not sent"), "the probe under test was not sent: the test proves nothing")
 	require.Empty(t, logs.Lines(t, "outbox LISTEN connection failed; reconnecting"),
 		"failed before the other probe arrived: the test proves nothing (the wait is at least 5 s)")
 
