@@ -249,10 +249,11 @@
 // every read policy serves, for a user whose commit was lost, a score
 // PostgreSQL no longer has, or a user it no longer has. New writes of
 // such a user reuse the lost versions, so the projection gate answers
-// them as duplicate or stale and writes nothing until the user's version
-// passes the one in Redis; an AtLeast read of such a version is met by
-// the lost score. Nothing is lost beyond what PostgreSQL lost, but Redis
-// is wrong until repaired. After such an event:
+// them as conflict or stale (duplicate where the scores happen to match:
+// conflicts are logged as warnings, a line a second at most) and writes
+// nothing until the user's version passes the one in Redis; an AtLeast
+// read of such a version is met by the lost score. Nothing is lost beyond
+// what PostgreSQL lost, but Redis is wrong until repaired. After such an event:
 //
 //  1. Let the Worker drain the outbox on the new PostgreSQL.
 //  2. Rebuild the projection (Board.Reconciler, then Rebuild;

@@ -39,6 +39,8 @@
 //
 //	no S, or V > S  write value and version   OutcomeApplied
 //	V == S          nothing                   OutcomeDuplicate
+//	V == S, value   nothing                   OutcomeConflict
+//	  stored differs
 //	V < S           nothing                   OutcomeStale
 //
 // The comparison and the writes run inside one Lua script, so no other
@@ -66,13 +68,22 @@
 // event, expire (after which the version check is what protects the state
 // anyway), and bring nothing the version does not already decide.
 //
+// The gate still checks that claim: a write at its stored version whose
+// value differs from the one stored with that version is OutcomeConflict,
+// not a duplicate, and the projector logs it (at most one line a second)
+// as a warning. Two states for one version mean the source or the Mapper
+// broke the contract, and the drop is then a loss worth seeing at once,
+// not only at the next reconciliation. The value is read only for writes
+// at their stored version, so a pass of new versions pays nothing for it.
+//
 // We found one situation where version equality stops identifying the
 // event: a source that reuses versions — a database restored from an older
 // backup, a failover to an asynchronous standby that missed the last
 // commits (their versions were projected, then lost with the old primary),
 // or an entity deleted and re-created with its counter back at 1. Then a
 // genuinely new state arrives with a version already seen and is reported
-// duplicate or stale, and nothing is written. A marker would not help
+// stale, or conflict (duplicate if the states happen to be equal), and
+// nothing is written. A marker would not help
 // either: the write would pass the marker and still lose the version
 // comparison. Keep versions monotonic across deletes (never reset a
 // counter; a sequence works), and run reconciliation after a restore or
@@ -283,7 +294,7 @@
 //
 // With Config.MeterProvider set, the projector reports OpenTelemetry metrics
 // (verity.projection.*): the gate's verdicts by outcome (applied, duplicate,
-// stale, unknown) and mode (live, shadow), records that failed by reason (map,
+// stale, conflict, unknown) and mode (live, shadow), records that failed by reason (map,
 // corrupt_version, layout, redis; when a Mapper refuses records, Project
 // fails the whole batch but counts only those records, and when one slot
 // group's script call fails, only that group's records count as failed

@@ -145,6 +145,11 @@ func FuzzGateApply(f *testing.F) {
 	f.Add(uint8(3), "doc{1}", "", int64(7), int64(0), []byte(`{"a":1}`))
 	f.Add(uint8(3), "doc", "member-not-allowed", int64(7), int64(0), []byte("x"))
 	f.Add(uint8(9), "n", "m", int64(1), int64(1), []byte("x"))
+	// Equal versions after the seeds above: a conflict each, then a duplicate.
+	f.Add(uint8(1), "board", "alice", int64(1), int64(11), []byte(nil))
+	f.Add(uint8(2), "h{}", "f:1", int64(3), int64(0), []byte("w"))
+	f.Add(uint8(3), "doc{1}", "", int64(7), int64(0), []byte(`{"a":2}`))
+	f.Add(uint8(3), "doc{1}", "", int64(7), int64(0), []byte(`{"a":1}`))
 	f.Fuzz(func(t *testing.T, kind uint8, name, member string, version, score int64, data []byte) {
 		ctx := context.Background()
 		w := projection.Write{
@@ -154,6 +159,7 @@ func FuzzGateApply(f *testing.F) {
 		valueKey, versionKey := ks.ValueKey(w.Target), ks.VersionKey(w.Target)
 		before := dumpKeys(t, rd.Client, valueKey, versionKey)
 		prior := priorVersion(t, rd.Client, ks, w)
+		held := heldValue(t, rd.Client, valueKey, w)
 		outcomes, err := gate.Apply(ctx, []projection.Write{w})
 		switch {
 		case errors.Is(err, projection.ErrInvalidVersion), errors.Is(err, projection.ErrScoreOutOfRange),
@@ -170,16 +176,21 @@ func FuzzGateApply(f *testing.F) {
 			require.True(t, score >= projection.MinScore && score <= projection.MaxScore, "accepted score %d", score)
 		}
 		stored := storedVersion(t, rd.Client, ks, w)
-		// The gate's whole rule: newer applies, equal is a duplicate, older
-		// is stale, and only an applied write changes Redis.
+		// The gate's whole rule: newer applies, equal is a duplicate (a
+		// conflict when another value is held), older is stale, and only an
+		// applied write changes Redis.
 		switch {
 		case version > prior:
 			require.Equal(t, projection.OutcomeApplied, outcomes[0], "version %d over stored %d", version, prior)
 			require.Equal(t, version, stored)
 			requireProjected(t, rd.Client, valueKey, w)
 		case version == prior:
-			require.Equal(t, projection.OutcomeDuplicate, outcomes[0], "version %d equal to stored", version)
-			require.Equal(t, before, dumpKeys(t, rd.Client, valueKey, versionKey), "a duplicate changed Redis")
+			want := projection.OutcomeDuplicate
+			if held.ok && held.value != valueString(w) {
+				want = projection.OutcomeConflict
+			}
+			require.Equal(t, want, outcomes[0], "version %d equal to stored, value %q held, %q written", version, held.value, valueString(w))
+			require.Equal(t, before, dumpKeys(t, rd.Client, valueKey, versionKey), "a duplicate or conflict changed Redis")
 		default:
 			require.Equal(t, projection.OutcomeStale, outcomes[0], "version %d under stored %d", version, prior)
 			require.Equal(t, before, dumpKeys(t, rd.Client, valueKey, versionKey), "a stale write changed Redis")
@@ -211,6 +222,48 @@ func priorVersion(t *testing.T, c redis.UniversalClient, ks projection.Keyspace,
 		return 0
 	}
 	return storedVersion(t, c, ks, w)
+}
+
+// held is the value Redis holds for a write's target, in valueString's
+// form; ok is false when it holds none.
+type held struct {
+	value string
+	ok    bool
+}
+
+// heldValue reads the value Redis holds for w's target.
+func heldValue(t *testing.T, c redis.UniversalClient, valueKey string, w projection.Write) held {
+	t.Helper()
+	ctx := context.Background()
+	var (
+		v   string
+		err error
+	)
+	switch w.Target.Kind {
+	case projection.KindSortedSet:
+		var score float64
+		score, err = c.ZScore(ctx, valueKey, w.Target.Member).Result()
+		v = strconv.FormatFloat(score, 'f', -1, 64)
+	case projection.KindHash:
+		v, err = c.HGet(ctx, valueKey, w.Target.Member).Result()
+	case projection.KindDocument:
+		v, err = c.Get(ctx, valueKey).Result()
+	default:
+		return held{}
+	}
+	if errors.Is(err, redis.Nil) {
+		return held{}
+	}
+	require.NoError(t, err)
+	return held{v, true}
+}
+
+// valueString is w's value as heldValue reads it back once projected.
+func valueString(w projection.Write) string {
+	if w.Target.Kind == projection.KindSortedSet {
+		return strconv.FormatFloat(float64(w.Value.Score), 'f', -1, 64)
+	}
+	return string(w.Value.Data)
 }
 
 // requireProjected checks that Redis holds w's value for its target.

@@ -33,6 +33,7 @@ const (
 	replyApplied   = 1
 	replyDuplicate = 2
 	replyStale     = 3
+	replyConflict  = 4
 )
 
 // Gate applies versioned writes to Redis atomically per Redis Cluster slot:
@@ -405,6 +406,8 @@ func decodeReplies(writes []Write, index []int, codes []any, outcomes []Outcome,
 			outcomes[i] = OutcomeDuplicate
 		case int64(replyStale):
 			outcomes[i] = OutcomeStale
+		case int64(replyConflict):
+			outcomes[i] = OutcomeConflict
 		default:
 			stored, ok := reply.(string)
 			if !ok {

@@ -49,7 +49,9 @@
 -- recorded "0".)
 --
 -- Returns one element per write: the integer 1 applied, 2 duplicate,
--- 3 stale; or, when the stored version is not a positive int64 in
+-- 3 stale, 4 conflict (the stored version equals the write's but the value
+-- stored with it differs: two states claim one version, and neither is
+-- overwritten); or, when the stored version is not a positive int64 in
 -- canonical decimal, that stored version as a string (nothing written).
 -- A Redis error in a write (WRONGTYPE, when a key holds another type)
 -- ends the script, but Redis keeps what it wrote before: the reply is then
@@ -65,7 +67,7 @@
 -- Lua numbers are doubles, which cannot hold every int64, so versions are
 -- never converted to numbers: they are compared as decimal strings.
 
-local APPLIED, DUPLICATE, STALE = 1, 2, 3
+local APPLIED, DUPLICATE, STALE, CONFLICT = 1, 2, 3, 4
 
 -- compare returns -1, 0 or 1 for decimal integers a and b without sign or
 -- leading zeros: length first, then digit by digit (bytes, not the locale,
@@ -96,6 +98,33 @@ local function readable(s)
   return #s < #MAX_INT64 or (#s == #MAX_INT64 and compare(s, MAX_INT64) <= 0)
 end
 
+-- differs reports whether a stored value (false when absent) differs from
+-- a write's: scores as the numbers ZADD stores (the caller sends a decimal
+-- integer, Redis returns its own formatting), other values as bytes. An
+-- absent value is no conflict: the version was applied and the value lost
+-- since, which the reconciler finds and repairs.
+local function differs(kind, held, value)
+  if not held then return false end
+  if kind == 'z' then return tonumber(held) ~= tonumber(value) end
+  return held ~= value
+end
+
+-- held returns the value stored for one write's target, false when there
+-- is none or when it cannot be read (a key of another type: the write is
+-- not applied, so nothing fails, as before values were compared).
+local function held(kind, valueKey, member)
+  local r
+  if kind == 'z' then
+    r = redis.pcall('ZSCORE', valueKey, member)
+  elseif kind == 'h' then
+    r = redis.pcall('HGET', valueKey, member)
+  else
+    r = redis.pcall('GET', valueKey)
+  end
+  if type(r) == 'table' then return false end
+  return r
+end
+
 local function gate(kind, valueKey, versionKey, member, version, value)
   local stored
   if kind == 'd' then
@@ -106,7 +135,10 @@ local function gate(kind, valueKey, versionKey, member, version, value)
   if stored then
     if not readable(stored) then return stored end
     local c = compare(version, stored)
-    if c == 0 then return DUPLICATE end
+    if c == 0 then
+      if differs(kind, held(kind, valueKey, member), value) then return CONFLICT end
+      return DUPLICATE
+    end
     if c < 0 then return STALE end
   end
   if kind == 'z' then
@@ -194,8 +226,9 @@ local CHUNK = 1000
 -- relay's common case, with a few commands per collection instead of three
 -- per write: HMGET of every member's stored version, then, once every
 -- write is decided in order (a write counting as stored for later writes
--- of its member), one ZADD or HSET of the values and one HSET of the
--- versions, each in chunks. It returns nil, having written nothing, for
+-- of its member; a ZMSCORE or HMGET of the values stored for writes at
+-- their stored version tells a duplicate from a conflict), one ZADD or
+-- HSET of the values and one HSET of the versions, each in chunks. It returns nil, having written nothing, for
 -- any other call, and when a key holds another type: the loop below then
 -- runs and reports the failing write as the header says. Once it writes,
 -- a failure is reported after the writes decided before the first write
@@ -216,7 +249,7 @@ local function bulk()
     if (kind ~= 'z' and kind ~= 'h') or rebuilding[base] then return nil end
     local c = colls[base]
     if not c then
-      c = { base = base, kind = kind, members = {}, stored = {}, values = {}, versions = {} }
+      c = { base = base, kind = kind, members = {}, stored = {}, held = {}, unsure = {}, values = {}, versions = {} }
       colls[base] = c
       order[#order + 1] = c
     elseif c.kind ~= kind then
@@ -250,12 +283,26 @@ local function bulk()
         r = stored
       else
         local cmp = compare(version, stored)
-        if cmp == 0 then r = DUPLICATE elseif cmp < 0 then r = STALE end
+        if cmp == 0 then
+          -- A redelivery, or a conflict. Neither writes, so the later
+          -- writes' verdicts do not depend on which: a value written
+          -- earlier in this call decides now, one stored before it once
+          -- read (below).
+          local h = c.held[member]
+          if h == nil then
+            r = DUPLICATE
+            c.unsure[#c.unsure + 1] = i
+          else
+            r = differs(c.kind, h, ARGV[a + 4]) and CONFLICT or DUPLICATE
+          end
+        elseif cmp < 0 then
+          r = STALE
+        end
       end
     end
     if r == APPLIED then
       firstApplied = firstApplied or i
-      c.stored[member] = version
+      c.stored[member], c.held[member] = version, ARGV[a + 4]
       local vs, ws = c.values, c.versions
       local n = #vs
       if c.kind == 'z' then
@@ -267,6 +314,22 @@ local function bulk()
       ws[n + 1], ws[n + 2] = member, version
     end
     out[i] = r
+  end
+  -- The values stored before this call, of the writes at their stored
+  -- version that no earlier write of the call decided: read only for
+  -- those (rare outside a retry), and before anything is written.
+  for _, c in ipairs(order) do
+    local unsure, cmd = c.unsure, (c.kind == 'z') and 'ZMSCORE' or 'HMGET'
+    for i = 1, #unsure, CHUNK do
+      local j = math.min(i + CHUNK - 1, #unsure)
+      local members = {}
+      for k = i, j do members[k - i + 1] = ARGV[at[unsure[k]] + 2] end
+      local got = redis.call(cmd, KEYS[c.base], unpack(members))
+      for k = i, j do
+        local w = unsure[k]
+        if differs(c.kind, got[k - i + 1], ARGV[at[w] + 4]) then out[w] = CONFLICT end
+      end
+    end
   end
   local ok, failure = pcall(function()
     for _, c in ipairs(order) do

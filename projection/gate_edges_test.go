@@ -123,7 +123,8 @@ func TestGateOnAFullRedis(t *testing.T) {
 		zset("board", "bob", 1, 7),       // new
 		hash("profiles", "bob", 1, "b"),  // new
 		zset("board", "ada", 3, 11),      // newer
-		hash("profiles", "ada", 2, "a2"), // duplicate
+		hash("profiles", "ada", 2, "a2"), // conflict: same version, another value
+		hash("profiles", "ada", 2, "a"),  // duplicate
 	}
 	out, err = gate.Apply(ctx, batch)
 	require.ErrorContains(t, err, "OOM")
@@ -138,7 +139,7 @@ func TestGateOnAFullRedis(t *testing.T) {
 	require.NoError(t, client.ConfigSet(ctx, "maxmemory", "0").Err())
 	out, err = gate.Apply(ctx, batch)
 	require.NoError(t, err)
-	require.Equal(t, []Outcome{OutcomeDuplicate, OutcomeStale, OutcomeApplied, OutcomeApplied, OutcomeApplied, OutcomeDuplicate}, out)
+	require.Equal(t, []Outcome{OutcomeDuplicate, OutcomeStale, OutcomeApplied, OutcomeApplied, OutcomeApplied, OutcomeConflict, OutcomeDuplicate}, out)
 	require.Equal(t, storedState{true, "11", "3"}, readState(t, client, ks, zset("board", "ada", 0, 0).Target))
 	require.Equal(t, storedState{true, "7", "1"}, readState(t, client, ks, zset("board", "bob", 0, 0).Target))
 	require.Equal(t, storedState{true, "b", "1"}, readState(t, client, ks, hash("profiles", "bob", 0, "").Target))

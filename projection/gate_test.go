@@ -231,27 +231,80 @@ func TestGate(t *testing.T) {
 			}
 		})
 
-		t.Run("DuplicateWritesNothing", func(t *testing.T) {
+		// Same version, same value: a redelivery, nothing written. Same
+		// version, another value: a conflict, nothing written either, and
+		// the first state stays. Scores compare as numbers, whatever Redis
+		// formats them as; a version whose value is gone is a duplicate.
+		t.Run("SameVersionOtherValueIsConflict", func(t *testing.T) {
 			t.Parallel()
 			gb := setupGate(t, b)
-			first := hash("h", "f", 5, "original")
-			gb.apply(t, first)
-			// Same version, different bytes: the gate trusts the version and
-			// keeps what it has (a redelivery carries the same state).
-			require.Equal(t, []Outcome{OutcomeDuplicate}, gb.apply(t, hash("h", "f", 5, "other")))
-			require.Equal(t, "original", readState(t, gb.client, gb.ks, first.Target).value)
+			ctx := context.Background()
+			type pair struct{ first, same, other Write }
+			pairs := func(n string) []pair {
+				return []pair{
+					{zset("z", n, 5, 7), zset("z", n, 5, 7), zset("z", n, 5, 8)},
+					{zset("z", "max"+n, 5, MaxScore), zset("z", "max"+n, 5, MaxScore), zset("z", "max"+n, 5, MaxScore-1)},
+					{zset("z", "min"+n, 5, MinScore), zset("z", "min"+n, 5, MinScore), zset("z", "min"+n, 5, MinScore+1)},
+					{zset("z", "zero"+n, 5, 0), zset("z", "zero"+n, 5, 0), zset("z", "zero"+n, 5, -1)},
+					{hash("h", n, 5, "original"), hash("h", n, 5, "original"), hash("h", n, 5, "other")},
+					{hash("h", "empty"+n, 5, ""), hash("h", "empty"+n, 5, ""), hash("h", "empty"+n, 5, " ")},
+				}
+			}
+			// A document in a call sends it through the per-write loop;
+			// collection writes alone are decided in bulk.
+			for _, mixed := range []bool{true, false} {
+				n := strconv.FormatBool(mixed)
+				ps := pairs(n)
+				if mixed {
+					ps = append(ps, pair{doc("d", 5, "{}"), doc("d", 5, "{}"), doc("d", 5, "{ }")})
+				}
+				var first, same, other []Write
+				for _, p := range ps {
+					first, same, other = append(first, p.first), append(same, p.same), append(other, p.other)
+				}
+				gb.apply(t, first...)
+				for i, o := range gb.apply(t, same...) {
+					require.Equal(t, OutcomeDuplicate, o, "mixed %v: %v", mixed, same[i].Target)
+				}
+				for i, o := range gb.apply(t, other...) {
+					require.Equal(t, OutcomeConflict, o, "mixed %v: %v", mixed, other[i].Target)
+				}
+				for _, w := range first {
+					require.Equal(t, storedState{true, valueOf(w), "5"}, readState(t, gb.client, gb.ks, w.Target), "mixed %v", mixed)
+				}
+				// The value lost, its version kept: nothing to conflict with.
+				lost := zset("z", "lost"+n, 5, 1)
+				gb.apply(t, lost)
+				require.NoError(t, gb.client.ZRem(ctx, gb.ks.ValueKey(lost.Target), lost.Target.Member).Err())
+				call := []Write{zset("z", "lost"+n, 5, 2)}
+				if mixed {
+					call = append(call, doc("d", 5, "{}"))
+				}
+				require.Equal(t, OutcomeDuplicate, gb.apply(t, call...)[0], "mixed %v", mixed)
+			}
 		})
 
 		t.Run("BatchOrderWithinOneBatch", func(t *testing.T) {
 			t.Parallel()
 			gb := setupGate(t, b)
+			// A write at a version applied earlier in the same batch is
+			// judged against that write's value.
 			out := gb.apply(t,
-				zset("b", "m", 1, 10), zset("b", "m", 3, 30), zset("b", "m", 2, 20), zset("b", "m", 3, 31),
-				doc("d", 7, "seven"), doc("d", 7, "again"), doc("d", 8, "eight"))
-			require.Equal(t, []Outcome{OutcomeApplied, OutcomeApplied, OutcomeStale, OutcomeDuplicate,
-				OutcomeApplied, OutcomeDuplicate, OutcomeApplied}, out)
+				zset("b", "m", 1, 10), zset("b", "m", 3, 30), zset("b", "m", 2, 20), zset("b", "m", 3, 31), zset("b", "m", 3, 30),
+				doc("d", 7, "seven"), doc("d", 7, "again"), doc("d", 7, "seven"), doc("d", 8, "eight"))
+			require.Equal(t, []Outcome{OutcomeApplied, OutcomeApplied, OutcomeStale, OutcomeConflict, OutcomeDuplicate,
+				OutcomeApplied, OutcomeConflict, OutcomeDuplicate, OutcomeApplied}, out)
 			require.Equal(t, storedState{true, "30", "3"}, readState(t, gb.client, gb.ks, zset("b", "m", 0, 0).Target))
 			require.Equal(t, storedState{true, "eight", "8"}, readState(t, gb.client, gb.ks, doc("d", 0, "").Target))
+			// The same in bulk (collections only), and against a value
+			// stored before the batch.
+			out = gb.apply(t,
+				hash("b", "m", 1, "one"), hash("b", "m", 2, "two"), hash("b", "m", 2, "deux"), hash("b", "m", 2, "two"),
+				zset("b", "m", 3, 30), zset("b", "m", 3, 33), zset("b", "m", 4, 40), zset("b", "m", 4, 40), zset("b", "m", 4, 44))
+			require.Equal(t, []Outcome{OutcomeApplied, OutcomeApplied, OutcomeConflict, OutcomeDuplicate,
+				OutcomeDuplicate, OutcomeConflict, OutcomeApplied, OutcomeDuplicate, OutcomeConflict}, out)
+			require.Equal(t, storedState{true, "40", "4"}, readState(t, gb.client, gb.ks, zset("b", "m", 0, 0).Target))
+			require.Equal(t, storedState{true, "two", "2"}, readState(t, gb.client, gb.ks, hash("b", "m", 0, "").Target))
 		})
 
 		t.Run("VersionsNearMaxInt64ComparedExactly", func(t *testing.T) {
@@ -266,7 +319,7 @@ func TestGate(t *testing.T) {
 				require.Equal(t, []Outcome{OutcomeApplied}, gb.apply(t, zset("big", member, lo, 1)))
 				require.Equal(t, []Outcome{OutcomeApplied}, gb.apply(t, zset("big", member, hi, 2)), "%d after %d", hi, lo)
 				require.Equal(t, []Outcome{OutcomeStale}, gb.apply(t, zset("big", member, lo, 3)), "%d after %d", lo, hi)
-				require.Equal(t, []Outcome{OutcomeDuplicate}, gb.apply(t, zset("big", member, hi, 4)))
+				require.Equal(t, []Outcome{OutcomeDuplicate}, gb.apply(t, zset("big", member, hi, 2)))
 				require.Equal(t, storedState{true, "2", strconv.FormatInt(hi, 10)},
 					readState(t, gb.client, gb.ks, zset("big", member, 0, 0).Target))
 			}
@@ -621,11 +674,30 @@ func TestGate(t *testing.T) {
 					require.Equal(t, want, o, "round %d, write %d", round, i)
 				}
 			}
+			// Again with every third write's value changed: those, and only
+			// those, are conflicts, wherever they fall in a chunk.
+			changed := slices.Clone(batch)
+			for i := 0; i < len(changed); i += 3 {
+				if changed[i].Target.Kind == KindSortedSet {
+					changed[i].Value.Score = -changed[i].Value.Score - 1
+				} else {
+					changed[i].Value.Data = append([]byte("x"), changed[i].Value.Data...)
+				}
+			}
+			out, err := gb.gate.Apply(context.Background(), changed)
+			require.NoError(t, err)
+			for i, o := range out {
+				want := OutcomeDuplicate
+				if i%3 == 0 {
+					want = OutcomeConflict
+				}
+				require.Equal(t, want, o, "write %d", i)
+			}
 			older := slices.Clone(batch)
 			for i := range older {
 				older[i].Version = 4
 			}
-			out, err := gb.gate.Apply(context.Background(), older)
+			out, err = gb.gate.Apply(context.Background(), older)
 			require.NoError(t, err)
 			for i, o := range out {
 				require.Equal(t, OutcomeStale, o, "write %d", i)
@@ -655,13 +727,13 @@ func TestGate(t *testing.T) {
 							hash(name, member, int64(r), fmt.Sprintf("%d/%d", m, r)))
 					}
 				}
-				batch = append(batch, zset(name, "m0", 1, -1), zset(name, "m1", rounds, -1))
+				batch = append(batch, zset(name, "m0", 1, -1), zset(name, "m1", rounds, -1), zset(name, "m2", rounds, rounds*members+2))
 				out, err := gate.Apply(context.Background(), batch)
 				require.NoError(t, err)
-				for i, o := range out[:len(out)-2] {
+				for i, o := range out[:len(out)-3] {
 					require.Equal(t, OutcomeApplied, o, "write %d", i)
 				}
-				require.Equal(t, []Outcome{OutcomeStale, OutcomeDuplicate}, out[len(out)-2:])
+				require.Equal(t, []Outcome{OutcomeStale, OutcomeConflict, OutcomeDuplicate}, out[len(out)-3:])
 				for m := 0; m < members; m++ {
 					member := "m" + strconv.Itoa(m)
 					require.Equal(t, storedState{true, strconv.Itoa(rounds*members + m), strconv.Itoa(rounds)},
@@ -673,7 +745,7 @@ func TestGate(t *testing.T) {
 				require.NoError(t, err)
 				require.Equal(t, int64(members), card)
 				// Redelivered whole: the last round is a duplicate, the rest stale.
-				out, err = gate.Apply(context.Background(), batch[:len(batch)-2])
+				out, err = gate.Apply(context.Background(), batch[:len(batch)-3])
 				require.NoError(t, err)
 				for i, o := range out {
 					want := OutcomeStale

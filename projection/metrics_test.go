@@ -175,8 +175,8 @@ func TestProjectorMetrics(t *testing.T) {
 		unmetered := NewGate(p.Gate().client, p.Keyspace())
 		_, err := unmetered.Apply(ctx, []Write{
 			{Target: Target{Kind: KindSortedSet, Name: "board", Member: "f"}, Version: 1, Value: Value{Score: 1}},
-			{Target: Target{Kind: KindHash, Name: "profiles", Member: "d"}, Version: 1},
-			{Target: Target{Kind: KindHash, Name: "profiles", Member: "e"}, Version: 1},
+			{Target: Target{Kind: KindHash, Name: "profiles", Member: "d"}, Version: 1, Value: Value{Data: []byte("{}")}},
+			{Target: Target{Kind: KindHash, Name: "profiles", Member: "e"}, Version: 1, Value: Value{Data: []byte("{}")}},
 		})
 		require.NoError(t, err)
 		client := p.Gate().client
@@ -207,9 +207,9 @@ func TestProjectorMetrics(t *testing.T) {
 		// The outcomes Handle logs are the same.
 		outcomes, perWrite, err := unmetered.run(ctx, modeLive, "", []Write{
 			{Target: Target{Kind: KindHash, Name: "profiles", Member: "h"}, Version: 1},
-			{Target: Target{Kind: KindHash, Name: "profiles", Member: "a"}, Version: 1},
+			{Target: Target{Kind: KindHash, Name: "profiles", Member: "a"}, Version: 1, Value: Value{Data: []byte("{}")}},
 			{Target: Target{Kind: KindSortedSet, Name: "board", Member: "i"}, Version: 1},
-			{Target: Target{Kind: KindHash, Name: "profiles", Member: "b"}, Version: 1},
+			{Target: Target{Kind: KindHash, Name: "profiles", Member: "b"}, Version: 1, Value: Value{Data: []byte("{}")}},
 			{Target: Target{Kind: KindHash, Name: "profiles", Member: "j"}, Version: 1},
 		}, true)
 		require.NoError(t, err)

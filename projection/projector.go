@@ -10,6 +10,7 @@ import (
 	"go.opentelemetry.io/otel/metric"
 
 	"github.com/verity-go/verity/internal/deps"
+	"github.com/verity-go/verity/internal/lograte"
 	"github.com/verity-go/verity/outbox"
 )
 
@@ -43,7 +44,7 @@ type Config struct {
 	Logger *slog.Logger
 	// MeterProvider receives the projector's metrics (verity.projection.*,
 	// see the README's metrics table): the gate's verdicts (applied,
-	// duplicate, stale), records that failed, the gate's round-trip time
+	// duplicate, stale, conflict), records that failed, the gate's round-trip time
 	// and the commit-to-visible lag of applied records. Defaults to nil
 	// (left nil by WithDefaults): nothing is recorded.
 	MeterProvider metric.MeterProvider
@@ -83,6 +84,9 @@ type RedisProjector struct {
 	mapper  Mapper
 	logger  *slog.Logger
 	metrics *projectionMetrics // nil: no MeterProvider
+	// conflicts limits the warnings about OutcomeConflict to one line a
+	// second: a source that reuses versions may do so for many records.
+	conflicts lograte.Limiter
 }
 
 var (
@@ -360,10 +364,11 @@ func (p *RedisProjector) mapRecord(i int, rec outbox.Record) (Write, error) {
 }
 
 func (p *RedisProjector) logBatch(ctx context.Context, batch []outbox.Record, outcomes []Outcome, results []outbox.Result) {
+	p.warnConflicts(ctx, batch, outcomes)
 	if !p.logger.Enabled(ctx, slog.LevelDebug) {
 		return
 	}
-	var applied, duplicate, stale, failed int
+	var applied, duplicate, stale, conflict, failed int
 	for i, o := range outcomes {
 		switch {
 		case results != nil && results[i].Err != nil, o == OutcomeUnknown:
@@ -374,10 +379,39 @@ func (p *RedisProjector) logBatch(ctx context.Context, batch []outbox.Record, ou
 			duplicate++
 		case o == OutcomeStale:
 			stale++
+		case o == OutcomeConflict:
+			conflict++
 		}
 	}
 	p.logger.DebugContext(ctx, "projection: batch projected", "records", len(batch),
-		"applied", applied, "duplicate", duplicate, "stale", stale, "failed", failed)
+		"applied", applied, "duplicate", duplicate, "stale", stale, "conflict", conflict, "failed", failed)
+}
+
+// warnConflicts logs the batch's first OutcomeConflict as a warning, with
+// how many the batch had, unless a line was logged less than a second ago
+// (the metrics count every one).
+func (p *RedisProjector) warnConflicts(ctx context.Context, batch []outbox.Record, outcomes []Outcome) {
+	first, n := -1, 0
+	for i, o := range outcomes {
+		if o == OutcomeConflict {
+			if first < 0 {
+				first = i
+			}
+			n++
+		}
+	}
+	if n == 0 {
+		return
+	}
+	log, suppressed := p.conflicts.Allow()
+	if !log {
+		return
+	}
+	rec := batch[first]
+	p.logger.WarnContext(ctx, "projection: a record's version is stored with another value; the stored one was kept "+
+		"(the source or the Mapper gave one version two states; reconciliation reports the entity as corrupt)",
+		"record_id", rec.ID, "event_id", rec.EventID, "stream", rec.Stream, "key", rec.Key, "version", rec.Version,
+		"conflicts_in_batch", n, lograte.Suppressed, suppressed)
 }
 
 func compact(errs []error) []error {

@@ -539,7 +539,31 @@ func TestProjectorLogs(t *testing.T) {
 	require.NoError(t, err)
 	_, err = p.Handle(context.Background(), []outbox.Record{record("scores", "a", 1, "1"), record("scores", "a", 1, "1"), record("x", "a", 1, "1")})
 	require.NoError(t, err)
-	require.Contains(t, buf.String(), "applied=1 duplicate=1 stale=0 failed=1")
+	require.Contains(t, buf.String(), "applied=1 duplicate=1 stale=0 conflict=0 failed=1")
+	require.NotContains(t, buf.String(), "level=WARN")
+
+	t.Run("ConflictIsAWarning", func(t *testing.T) {
+		t.Parallel()
+		pb := setupProjector(t, backends[0])
+		var buf bytes.Buffer
+		logger := slog.New(slog.NewTextHandler(&buf, &slog.HandlerOptions{Level: slog.LevelWarn}))
+		p, err := NewRedisProjector(pb.client, testMapper(), &Config{Prefix: pb.ks.Prefix(), Logger: logger})
+		require.NoError(t, err)
+		first := record("scores", "a", 3, "10")
+		other := record("scores", "a", 3, "11")
+		outcomes, err := p.Project(context.Background(), []outbox.Record{first, record("scores", "b", 1, "1"), other, other})
+		require.NoError(t, err)
+		require.Equal(t, []Outcome{OutcomeApplied, OutcomeApplied, OutcomeConflict, OutcomeConflict}, outcomes)
+		line := buf.String()
+		require.Equal(t, 1, strings.Count(line, "\n"), "one line per batch: %s", line)
+		require.Contains(t, line, "level=WARN")
+		for _, attr := range []string{
+			"record_id=" + strconv.FormatInt(other.ID, 10), "event_id=" + other.EventID.String(),
+			"stream=scores", "key=a", "version=3", "conflicts_in_batch=2", "suppressed=0",
+		} {
+			require.Contains(t, line, attr)
+		}
+	})
 }
 
 func TestMappers(t *testing.T) {

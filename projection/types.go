@@ -112,9 +112,20 @@ const (
 	// OutcomeStale means the stored version is higher: a newer state was
 	// applied already (out-of-order delivery). Nothing was written.
 	OutcomeStale
+	// OutcomeConflict means the stored version equals the write's but the
+	// value stored with it differs (a score as a number, other values
+	// byte for byte): two states claim one version. That breaks the
+	// contract a Mapper and its source keep (one version, one state), so
+	// it is never a redelivery; a source that reused a version, or a
+	// Mapper whose output changed for a record already projected, are the
+	// usual causes. Nothing was written: the first state to arrive stays,
+	// the reconciler reports the entity as corrupt against the source and
+	// can repair it. A version stored without a value (the value was lost)
+	// is OutcomeDuplicate, as before values were compared.
+	OutcomeConflict
 )
 
-// String returns "applied", "duplicate", "stale" or "unknown".
+// String returns "applied", "duplicate", "stale", "conflict" or "unknown".
 func (o Outcome) String() string {
 	switch o {
 	case OutcomeApplied:
@@ -123,6 +134,8 @@ func (o Outcome) String() string {
 		return "duplicate"
 	case OutcomeStale:
 		return "stale"
+	case OutcomeConflict:
+		return "conflict"
 	}
 	return "unknown"
 }

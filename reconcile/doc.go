@@ -41,7 +41,8 @@
 //
 //   - missing and stale entries are written through projection.Gate.Apply:
 //     a gate write of a newer version made meanwhile makes the gate answer
-//     duplicate or stale, and nothing is written;
+//     stale (duplicate or conflict for the same version), and nothing is
+//     written;
 //   - corrupt, ahead and orphan entries are overwritten or removed by a Lua
 //     script that acts only if the stored version and value are still
 //     exactly those that were read.

@@ -19,7 +19,8 @@ var repairSource string
 
 // gateRepair writes the source's state for missing and stale findings
 // through the projection gate, so a newer version written meanwhile wins by
-// construction (the gate answers duplicate or stale and writes nothing).
+// construction (the gate answers stale, duplicate or conflict and writes
+// nothing).
 // A document whose version key holds another Redis type is refused with
 // nothing written, as casRepair refuses one: its finding stays
 // ResultNotAttempted and its *WrongKeyTypeError is in refused.
@@ -105,7 +106,7 @@ func (r *Reconciler) settleGateRepair(fs []*Finding, outcomes []projection.Outco
 		if outcomes[i] == projection.OutcomeApplied {
 			f.Result = ResultRepaired
 		} else {
-			// Duplicate, stale, or a version corrupted since it was read:
+			// Duplicate, stale, conflict, or a version corrupted since it was read:
 			// the projection changed under us, so leave it to the next run.
 			f.Result = ResultRaced
 		}
