@@ -409,7 +409,7 @@ func (p *RedisProjector) warnConflicts(ctx context.Context, batch []outbox.Recor
 	}
 	rec := batch[first]
 	p.logger.WarnContext(ctx, "projection: a record's version is stored with another value; the stored one was kept "+
-		"(the source or the Mapper gave one version two states; reconciliation reports the entity as corrupt)",
+		"(the source or the Mapper gave one version two states; if the source holds the other, reconcile finds the entity corrupt)",
 		"record_id", rec.ID, "event_id", rec.EventID, "stream", rec.Stream, "key", rec.Key, "version", rec.Version,
 		"conflicts_in_batch", n, lograte.Suppressed, suppressed)
 }

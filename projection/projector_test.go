@@ -563,6 +563,13 @@ func TestProjectorLogs(t *testing.T) {
 		} {
 			require.Contains(t, line, attr)
 		}
+
+		// The relay acknowledges a conflict: sending it again cannot help,
+		// and the source keeps the record of what it meant.
+		results, err := p.Handle(context.Background(), []outbox.Record{other, record("scores", "c", 1, "1")})
+		require.NoError(t, err)
+		require.Equal(t, []outbox.Result{{}, {}}, results)
+		require.Equal(t, storedState{true, "10", "3"}, readState(t, pb.client, pb.ks, Target{Kind: KindSortedSet, Name: "board", Member: "a"}))
 	})
 }
 

@@ -118,10 +118,13 @@ const (
 	// contract a Mapper and its source keep (one version, one state), so
 	// it is never a redelivery; a source that reused a version, or a
 	// Mapper whose output changed for a record already projected, are the
-	// usual causes. Nothing was written: the first state to arrive stays,
-	// the reconciler reports the entity as corrupt against the source and
-	// can repair it. A version stored without a value (the value was lost)
-	// is OutcomeDuplicate, as before values were compared.
+	// usual causes. Nothing was written: the first state to arrive stays
+	// until a newer version, or the reconciler, replaces it (a source
+	// holding another state at that version makes the entity corrupt,
+	// which reconcile repairs by default). Handle reports no error for it, so the relay
+	// acknowledges the record: delivering it again cannot change the
+	// verdict. A version stored without a value (the value was lost) is
+	// OutcomeDuplicate, as before values were compared.
 	OutcomeConflict
 )
 
