@@ -250,7 +250,7 @@
 // PostgreSQL no longer has, or a user it no longer has. New writes of
 // such a user reuse the lost versions, so the projection gate answers
 // them as conflict or stale (duplicate where the scores happen to match:
-// conflicts are logged as warnings, a line a second at most) and writes
+// conflicts are logged as warnings, a line a second per Worker) and writes
 // nothing until the user's version passes the one in Redis; an AtLeast
 // read of such a version is met by the lost score. Nothing is lost beyond
 // what PostgreSQL lost, but Redis is wrong until repaired. After such an event:

@@ -70,10 +70,11 @@
 //
 // The gate still checks that claim: a write at its stored version whose
 // value differs from the one stored with that version is OutcomeConflict,
-// not a duplicate, and the projector logs it (at most one line a second)
-// as a warning. Two states for one version mean the source or the Mapper
-// broke the contract, and the drop is then a loss worth seeing at once,
-// not only at the next reconciliation. The value is read only for writes
+// not a duplicate, and RedisProjector logs it as a warning (a line a
+// second at most, per projector). Two states for one version mean the
+// source or the Mapper broke the contract, or the stored value was edited
+// since, and the drop is then a loss worth seeing at once, not only at the
+// next reconciliation. The value is read only for writes
 // at their stored version, so a pass of new versions pays nothing for it.
 //
 // We found one situation where version equality stops identifying the

@@ -226,8 +226,9 @@ local CHUNK = 1000
 -- relay's common case, with a few commands per collection instead of three
 -- per write: HMGET of every member's stored version, then, once every
 -- write is decided in order (a write counting as stored for later writes
--- of its member; a ZMSCORE or HMGET of the values stored for writes at
--- their stored version tells a duplicate from a conflict), one ZADD or
+-- of its member; per collection, a ZMSCORE or HMGET, in chunks, of the
+-- values stored for writes at their stored version tells a duplicate from
+-- a conflict), one ZADD or
 -- HSET of the values and one HSET of the versions, each in chunks. It returns nil, having written nothing, for
 -- any other call, and when a key holds another type: the loop below then
 -- runs and reports the failing write as the header says. Once it writes,

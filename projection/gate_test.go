@@ -233,8 +233,8 @@ func TestGate(t *testing.T) {
 
 		// Same version, same value: a redelivery, nothing written. Same
 		// version, another value: a conflict, nothing written either, and
-		// the first state stays. Scores compare as numbers, whatever Redis
-		// formats them as; a version whose value is gone is a duplicate.
+		// the first state stays. Scores compare as numbers (at the range's
+		// ends too); a version whose value is gone is a duplicate.
 		t.Run("SameVersionOtherValueIsConflict", func(t *testing.T) {
 			t.Parallel()
 			gb := setupGate(t, b)
@@ -281,6 +281,24 @@ func TestGate(t *testing.T) {
 					call = append(call, doc("d", 5, "{}"))
 				}
 				require.Equal(t, OutcomeDuplicate, gb.apply(t, call...)[0], "mixed %v", mixed)
+				// A value key of another type (a hand edit) cannot be read:
+				// no conflict, and no error either, as nothing is written.
+				typed := []Write{zset("zt"+n, "m", 5, 1), hash("ht"+n, "m", 5, "a")}
+				if mixed {
+					typed = append(typed, doc("dt"+n, 5, "a"))
+				}
+				gb.apply(t, typed...)
+				var again []Write
+				for _, w := range typed {
+					key := gb.ks.ValueKey(w.Target)
+					require.NoError(t, gb.client.Del(ctx, key).Err())
+					require.NoError(t, gb.client.RPush(ctx, key, "not", "a", "value").Err())
+					w.Value = Value{Score: 2, Data: []byte("b")}
+					again = append(again, w)
+				}
+				for i, o := range gb.apply(t, again...) {
+					require.Equal(t, OutcomeDuplicate, o, "mixed %v: %v", mixed, again[i].Target)
+				}
 			}
 		})
 

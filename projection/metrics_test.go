@@ -49,11 +49,13 @@ func TestProjectorMetrics(t *testing.T) {
 		require.NoError(t, err)
 		require.Error(t, results[3].Err)
 
-		// Redelivery: alice v2 and bob v1 again (duplicates), alice v1 (stale).
+		// Redelivery: alice v2 and bob v1 again (duplicates), alice v1
+		// (stale), bob v1 with another score (a conflict).
 		_, err = p.Handle(ctx, []outbox.Record{
 			at(record("scores", "alice", 2, "10"), 3*time.Second),
 			at(record("scores", "bob", 1, "25"), 3*time.Second),
 			at(record("scores", "alice", 1, "4"), 3*time.Second),
+			at(record("scores", "bob", 1, "26"), 3*time.Second),
 		})
 		require.NoError(t, err)
 
@@ -64,6 +66,7 @@ func TestProjectorMetrics(t *testing.T) {
 			attribute.String(AttributeKind, "document")), "documents report no name: their Name is an id")
 		require.Equal(t, int64(2), s.Int(metricWrites, board, outcome("duplicate")))
 		require.Equal(t, int64(1), s.Int(metricWrites, board, outcome("stale")))
+		require.Equal(t, int64(1), s.Int(metricWrites, board, outcome("conflict")))
 		require.Equal(t, int64(1), s.Int(metricFailed, attribute.String(AttributeReason, "map")))
 
 		require.Equal(t, uint64(2), s.Count(metricLag, board), "only applied writes have a lag")

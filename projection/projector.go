@@ -39,8 +39,9 @@ type Config struct {
 	// *LayoutMismatchError, and reconcile's Rebuild migrates a collection
 	// to a new count. Defaults to 0: one version hash per collection.
 	VersionBuckets int
-	// Logger receives a debug line per batch. Defaults to a logger that
-	// discards everything.
+	// Logger receives a debug line per batch, and a warning for a batch
+	// with an OutcomeConflict (one a second at most, per projector).
+	// Defaults to a logger that discards everything.
 	Logger *slog.Logger
 	// MeterProvider receives the projector's metrics (verity.projection.*,
 	// see the README's metrics table): the gate's verdicts (applied,
@@ -388,8 +389,9 @@ func (p *RedisProjector) logBatch(ctx context.Context, batch []outbox.Record, ou
 }
 
 // warnConflicts logs the batch's first OutcomeConflict as a warning, with
-// how many the batch had, unless a line was logged less than a second ago
-// (the metrics count every one).
+// how many the batch had, unless this projector logged one less than a
+// second ago (the line then reports, as suppressed, the batches not
+// logged; the metrics count every conflict).
 func (p *RedisProjector) warnConflicts(ctx context.Context, batch []outbox.Record, outcomes []Outcome) {
 	first, n := -1, 0
 	for i, o := range outcomes {
@@ -409,7 +411,9 @@ func (p *RedisProjector) warnConflicts(ctx context.Context, batch []outbox.Recor
 	}
 	rec := batch[first]
 	p.logger.WarnContext(ctx, "projection: a record's version is stored with another value; the stored one was kept "+
-		"(the source or the Mapper gave one version two states; if the source holds the other, reconcile finds the entity corrupt)",
+		"(one version, two states: the source reused the version, the Mapper changed, or the stored value was edited; "+
+		"if the source holds another state at that version, reconcile finds the entity corrupt)",
+
 		"record_id", rec.ID, "event_id", rec.EventID, "stream", rec.Stream, "key", rec.Key, "version", rec.Version,
 		"conflicts_in_batch", n, lograte.Suppressed, suppressed)
 }

@@ -546,22 +546,40 @@ func TestProjectorLogs(t *testing.T) {
 		t.Parallel()
 		pb := setupProjector(t, backends[0])
 		var buf bytes.Buffer
-		logger := slog.New(slog.NewTextHandler(&buf, &slog.HandlerOptions{Level: slog.LevelWarn}))
+		logger := slog.New(slog.NewTextHandler(&buf, &slog.HandlerOptions{Level: slog.LevelDebug}))
 		p, err := NewRedisProjector(pb.client, testMapper(), &Config{Prefix: pb.ks.Prefix(), Logger: logger})
 		require.NoError(t, err)
+		warnings := func() []string {
+			var out []string
+			for _, l := range strings.Split(buf.String(), "\n") {
+				if strings.Contains(l, "level=WARN") {
+					out = append(out, l)
+				}
+			}
+			return out
+		}
 		first := record("scores", "a", 3, "10")
 		other := record("scores", "a", 3, "11")
-		outcomes, err := p.Project(context.Background(), []outbox.Record{first, record("scores", "b", 1, "1"), other, other})
+		third := record("scores", "b", 1, "2")
+		start := time.Now()
+		outcomes, err := p.Project(context.Background(), []outbox.Record{first, record("scores", "b", 1, "1"), other, third})
 		require.NoError(t, err)
 		require.Equal(t, []Outcome{OutcomeApplied, OutcomeApplied, OutcomeConflict, OutcomeConflict}, outcomes)
-		line := buf.String()
-		require.Equal(t, 1, strings.Count(line, "\n"), "one line per batch: %s", line)
-		require.Contains(t, line, "level=WARN")
-		for _, attr := range []string{
+		require.Contains(t, buf.String(), "applied=2 duplicate=0 stale=0 conflict=2 failed=0")
+		lines := warnings()
+		require.Len(t, lines, 1, "one line per batch: %s", buf.String())
+		for _, attr := range []string{ // the batch's first conflict
 			"record_id=" + strconv.FormatInt(other.ID, 10), "event_id=" + other.EventID.String(),
 			"stream=scores", "key=a", "version=3", "conflicts_in_batch=2", "suppressed=0",
 		} {
-			require.Contains(t, line, attr)
+			require.Contains(t, lines[0], attr)
+		}
+		// Another batch of conflicts within the second is not logged, but
+		// counted for the next line.
+		_, err = p.Project(context.Background(), []outbox.Record{third})
+		require.NoError(t, err)
+		if time.Since(start) < 900*time.Millisecond {
+			require.Len(t, warnings(), 1, "a second line within a second")
 		}
 
 		// The relay acknowledges a conflict: sending it again cannot help,

@@ -106,8 +106,9 @@ const (
 	// OutcomeApplied means the stored version was absent or lower; value
 	// and version were written.
 	OutcomeApplied
-	// OutcomeDuplicate means the stored version equals the write's: the
-	// same state was applied before (a redelivery). Nothing was written.
+	// OutcomeDuplicate means the stored version equals the write's, and
+	// the value stored with it too (or none is stored): the same state was
+	// applied before (a redelivery). Nothing was written.
 	OutcomeDuplicate
 	// OutcomeStale means the stored version is higher: a newer state was
 	// applied already (out-of-order delivery). Nothing was written.
@@ -116,12 +117,15 @@ const (
 	// value stored with it differs (a score as a number, other values
 	// byte for byte): two states claim one version. That breaks the
 	// contract a Mapper and its source keep (one version, one state), so
-	// it is never a redelivery; a source that reused a version, or a
-	// Mapper whose output changed for a record already projected, are the
-	// usual causes. Nothing was written: the first state to arrive stays
-	// until a newer version, or the reconciler, replaces it (a source
-	// holding another state at that version makes the entity corrupt,
-	// which reconcile repairs by default). Handle reports no error for it, so the relay
+	// it is never a redelivery: a source that reused a version, a Mapper
+	// whose output changed for a record already projected, or a value
+	// edited in Redis by hand since it was applied. Nothing was written to
+	// the live keys (during a rebuild, the shadow keys take the write as
+	// they would a duplicate's): the stored state stays until a newer
+	// version, or the reconciler, replaces it (a source holding another
+	// state at that version makes the entity corrupt, which reconcile
+	// repairs by default). Gate callers get the outcome; RedisProjector
+	// also logs it and counts it in its metrics. Handle reports no error for it, so the relay
 	// acknowledges the record: delivering it again cannot change the
 	// verdict. A version stored without a value (the value was lost) is
 	// OutcomeDuplicate, as before values were compared.
