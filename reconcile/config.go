@@ -160,7 +160,8 @@ type Config struct {
 	// "Rebuild" in the package documentation for their names). Defaults to
 	// RebuildMarkerTTLDefault.
 	RebuildMarkerTTL time.Duration
-	// Logger receives a line per run and per rebuild, with the attributes
+	// Logger receives a line per run and per rebuild (and a warning for a
+	// rebuild with RebuildReport.Conflicts), with the attributes
 	// "kind" and "collection" (the Target's Name, or a document target's
 	// Namespace) and, for a failed one, at Warn, "error". Defaults to
 	// discarding.

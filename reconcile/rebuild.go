@@ -35,6 +35,15 @@ type RebuildReport struct {
 	// during the rebuild, dual-written into the shadow, wins).
 	Applied int64
 	Kept    int64
+	// Conflicts counts, among Kept, rows whose shadow entry already held
+	// the row's version with another value (projection.OutcomeConflict):
+	// a live write dual-written during the rebuild disagreed with the
+	// source at the same version (the source reused a version, or the
+	// Mapper and the Source encode the entity differently). The shadow
+	// keeps the live write's value, so after the switch a Run finds the
+	// entity corrupt and, by default, repairs it; the rebuild logs a
+	// warning when there are any.
+	Conflicts int64
 	// Switched reports whether the shadow keys replaced the live keys; it
 	// is false too when that is unknown (ErrRebuildUncertain).
 	Switched bool
@@ -167,7 +176,13 @@ func (r *Reconciler) rebuild(ctx context.Context) (*RebuildReport, error) {
 	rep.Duration = time.Since(rep.Started)
 	r.logFinished(ctx, "reconcile rebuild finished", err,
 		slog.Int64("rows", rep.Rows), slog.Int64("applied", rep.Applied),
-		slog.Int64("kept", rep.Kept), slog.Bool("switched", rep.Switched), slog.Duration("duration", rep.Duration))
+		slog.Int64("kept", rep.Kept), slog.Int64("conflicts", rep.Conflicts), slog.Bool("switched", rep.Switched),
+		slog.Duration("duration", rep.Duration))
+	if rep.Conflicts > 0 {
+		r.logger.WarnContext(ctx, "reconcile rebuild: source rows met a live write of their version with another value; "+
+			"the live write's value was kept (run the reconciler to repair it from the source)",
+			slog.Int64("conflicts", rep.Conflicts))
+	}
 	return rep, err
 }
 
@@ -356,9 +371,13 @@ func (r *Reconciler) copyToShadow(ctx context.Context, rep *RebuildReport, token
 		}
 		rep.Rows += int64(len(writes))
 		for _, o := range outcomes {
-			if o == projection.OutcomeApplied {
+			switch o {
+			case projection.OutcomeApplied:
 				rep.Applied++
-			} else {
+			case projection.OutcomeConflict:
+				rep.Conflicts++
+				rep.Kept++
+			default:
 				rep.Kept++
 			}
 		}

@@ -853,3 +853,53 @@ func TestRebuildCopyRunTwice(t *testing.T) {
 	require.False(t, b.state(t, b.reconciler(t, nil), "orphan").HasValue, "switched")
 	require.Equal(t, []bool{false}, b.keysExist(t, b.copyKey()))
 }
+
+// TestRebuildCountsConflicts: a live write at a source row's version with
+// another value (a source that reused a version) lands in the shadow keys
+// during a rebuild; the copy of that row is then a conflict, counted among
+// the kept rows and apart, and warned about. The switch keeps the live
+// write's value, which a Run then finds corrupt.
+func TestRebuildCountsConflicts(t *testing.T) {
+	t.Parallel()
+	for _, kind := range []projection.Kind{projection.KindSortedSet, projection.KindHash} {
+		t.Run(kindName(kind), func(t *testing.T) {
+			t.Parallel()
+			ctx := context.Background()
+			b := setup(t, kind)
+			const n = 120
+			rows := b.insertMany(t, n)
+			b.projectRows(t, rows)
+			var (
+				once     sync.Once
+				outcomes []projection.Outcome
+				hookErr  error
+			)
+			src := &hookedSource{Source: b.source, onPage: func(ctx context.Context, _ int) {
+				once.Do(func() { // before the first page is read: after the marker is set
+					row := rows[n/2]
+					outcomes, hookErr = b.gate.Apply(ctx, []projection.Write{{
+						Target: b.target.target(row.Key), Version: row.Version, Value: b.value(row.Key, row.Version+1000),
+					}})
+				})
+			}}
+			var logs testenv.LogSink
+			r, err := New(src, b.target, &Config{PageSize: 50, Logger: logs.Logger()})
+			require.NoError(t, err)
+			rep, err := r.Rebuild(ctx)
+			require.NoError(t, err)
+			require.NoError(t, hookErr)
+			require.Equal(t, []projection.Outcome{projection.OutcomeConflict}, outcomes, "the live keys held the source's value")
+			require.True(t, rep.Switched)
+			require.Equal(t, RebuildReport{Rows: n, Applied: n - 1, Kept: 1, Conflicts: 1, Switched: true},
+				RebuildReport{Rows: rep.Rows, Applied: rep.Applied, Kept: rep.Kept, Conflicts: rep.Conflicts, Switched: rep.Switched})
+			warned := logs.Lines(t, "reconcile rebuild: source rows met a live write of their version with another value; "+
+				"the live write's value was kept (run the reconciler to repair it from the source)")
+			require.Len(t, warned, 1)
+			require.Equal(t, 1.0, warned[0]["conflicts"])
+
+			run, err := b.reconciler(t, nil).Run(ctx, RunOptions{DryRun: true})
+			require.NoError(t, err)
+			require.Equal(t, map[Class]int64{ClassCurrent: n - 1, ClassCorrupt: 1}, run.Counts)
+		})
+	}
+}

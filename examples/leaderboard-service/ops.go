@@ -233,6 +233,7 @@ type rebuildJSON struct {
 	Rows       int64     `json:"rows"`
 	Applied    int64     `json:"applied"`
 	Kept       int64     `json:"kept"`
+	Conflicts  int64     `json:"conflicts"`
 	Switched   bool      `json:"switched"`
 }
 
@@ -253,12 +254,12 @@ func cmdRebuild(ctx context.Context, o *options, stdout, stderr io.Writer) error
 	}
 	out := rebuildJSON{Board: d.board.Name(), Started: r.Started.UTC(),
 		DurationMS: float64(r.Duration) / float64(time.Millisecond),
-		Rows:       r.Rows, Applied: r.Applied, Kept: r.Kept, Switched: r.Switched}
+		Rows:       r.Rows, Applied: r.Applied, Kept: r.Kept, Conflicts: r.Conflicts, Switched: r.Switched}
 	if o.json {
 		return printJSON(stdout, out)
 	}
-	fmt.Fprintf(stdout, "rebuild %s: %d rows copied in %s (%d written, %d kept newer live writes); switched: %t\n",
-		out.Board, out.Rows, humanDuration(r.Duration), out.Applied, out.Kept, out.Switched)
+	fmt.Fprintf(stdout, "rebuild %s: %d rows copied in %s (%d written, %d kept newer live writes, %d conflicts); switched: %t\n",
+		out.Board, out.Rows, humanDuration(r.Duration), out.Applied, out.Kept, out.Conflicts, out.Switched)
 	return nil
 }
 
