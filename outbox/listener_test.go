@@ -292,6 +292,15 @@ func TestListenerStopGivesShutdownTimeout(t *testing.T) {
 			}
 			stop := startRun(t, b.relay(t, pool, &recorder{}, rc))
 			receive(t, entered)
+			// The relay's first claim (on the pool's idle connection) must
+			// be over: cut off by the shutdown, it would lose its
+			// connection, and its release, which needs a new one, would
+			// hang in AfterConnect for its own bound (5 s), not the
+			// LISTEN's.
+			require.Eventually(t, func() bool {
+				st := pool.Stat()
+				return st.AcquireCount() >= 2 && st.AcquiredConns() == 0
+			}, 10*time.Second, time.Millisecond, "the relay's first claim")
 			began := time.Now()
 			require.NoError(t, stop())
 			require.Less(t, time.Since(began), time.Second, "Run waited past ShutdownTimeout for the LISTEN connection's setup")

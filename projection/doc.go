@@ -37,11 +37,10 @@
 // For each write, in batch order, the gate reads the stored version S of the
 // target and compares it with the write's version V:
 //
-//	no S, or V > S  write value and version   OutcomeApplied
-//	V == S          nothing                   OutcomeDuplicate
-//	V == S, value   nothing                   OutcomeConflict
-//	  stored differs
-//	V < S           nothing                   OutcomeStale
+//	no S, or V > S                 write value and version   OutcomeApplied
+//	V == S, same value or none     nothing                   OutcomeDuplicate
+//	V == S, another value stored   nothing                   OutcomeConflict
+//	V < S                          nothing                   OutcomeStale
 //
 // The comparison and the writes run inside one Lua script, so no other
 // client can interleave between them. Versions are int64 and must be
@@ -74,8 +73,8 @@
 // second at most, per projector). Two states for one version mean the
 // source or the Mapper broke the contract, or the stored value was edited
 // since, and the drop is then a loss worth seeing at once, not only at the
-// next reconciliation. The value is read only for writes
-// at their stored version, so a pass of new versions pays nothing for it.
+// next reconciliation. The value is read only for writes at their stored
+// version, so a batch of new versions pays nothing for it.
 //
 // We found one situation where version equality stops identifying the
 // event: a source that reuses versions — a database restored from an older

@@ -171,7 +171,8 @@ func ExampleRedisProjector_relay() {
 }
 
 // Ids may contain anything, braces included: they are encoded so that all
-// keys of a collection stay in one Cluster slot, and a value outside the
+// keys of a collection stay in one Cluster slot. A version applied again
+// is a duplicate, or a conflict if its value differs; a value outside the
 // exact range of a Redis score is refused before anything is written.
 func ExampleGate_Apply() {
 	ctx := context.Background()
@@ -192,7 +193,8 @@ func ExampleGate_Apply() {
 	}
 	outcomes, err := gate.Apply(ctx, []projection.Write{
 		{Target: member("a}b"), Version: 1, Value: projection.Value{Score: 5}},
-		{Target: member("a}b"), Version: 1, Value: projection.Value{Score: 5}},
+		{Target: member("a}b"), Version: 1, Value: projection.Value{Score: 5}}, // a redelivery
+		{Target: member("a}b"), Version: 1, Value: projection.Value{Score: 6}}, // one version, two states
 		{Target: member("{c"), Version: 9_223_372_036_854_775_807, Value: projection.Value{Score: projection.MaxScore}},
 	})
 	fmt.Println(outcomes, err)
@@ -204,7 +206,7 @@ func ExampleGate_Apply() {
 	})
 	fmt.Println(err)
 	// Output:
-	// [applied duplicate applied] <nil>
+	// [applied duplicate conflict applied] <nil>
 	// true true
 	// projection: write 0 (sorted-set "season{2}" member "d"): score 9007199254740993 outside [-9007199254740992, 9007199254740992]
 }
