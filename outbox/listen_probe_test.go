@@ -159,8 +159,11 @@ func TestListenerProbeComesBack(t *testing.T) {
 	b := setup(t)
 	var logs testenv.LogSink
 	newListener := func() *outbox.Listener {
+		// A probe has ListenCheckInterval to be sent: one second, so that
+		// a busy machine sends it (one not sent proves nothing, and is
+		// asserted against below).
 		l, err := outbox.NewListener(b.pool, &outbox.ListenerConfig{Schema: b.cfg.Schema, Table: b.cfg.Table,
-			ListenCheckInterval: 100 * time.Millisecond, Logger: logs.Logger()})
+			ListenCheckInterval: time.Second, Logger: logs.Logger()})
 		require.NoError(t, err)
 		return l
 	}
