@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -428,4 +429,47 @@ func TestWorkerRunWhileEvictionCheckHangs(t *testing.T) {
 	case <-time.After(readTimeout / 2):
 		t.Fatalf("Run still running %s after its ctx was cancelled: it waits for the eviction check", time.Since(start))
 	}
+}
+
+// TestWorkerReportsAReusedVersion: PostgreSQL goes back (a row rewound, as
+// a restore or a failover to a lagging standby leaves it) and the next
+// command reuses a version Redis already holds, with another score. The
+// gate keeps Redis's score and the Worker warns of the conflict; a
+// reconcile pass finds the entry corrupt and repairs it from PostgreSQL.
+func TestWorkerReportsAReusedVersion(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	logs := &testenv.LogSink{}
+	tb := setup(t, func(c *Config) { c.Logger = logs.Logger() })
+	tb.submit(t, "ada", 10)
+	tb.submit(t, "ada", 5) // version 2, score 15
+	tb.drain(t)
+	_, err := tb.pg.Pool.Exec(ctx, `UPDATE user_scores SET score = 10, version = 1 WHERE user_id = 'ada'`)
+	require.NoError(t, err)
+	res := tb.submit(t, "ada", 3)
+	require.Equal(t, Result{Score: 13, Version: 2}, Result{Score: res.Score, Version: res.Version})
+	tb.drain(t)
+
+	score, err := tb.rd.Client.ZScore(ctx, tb.board.SortedSetKey(), "ada").Result()
+	require.NoError(t, err)
+	require.Equal(t, -15.0, score, "the gate kept the score it had for version 2 (negated: ascending order is the ranking)")
+	var warned []map[string]any
+	for _, l := range logs.Lines(t, "") {
+		if msg, _ := l["msg"].(string); l["level"] == "WARN" && strings.HasPrefix(msg, "projection: a record's version is stored with another value") {
+			warned = append(warned, l)
+		}
+	}
+	require.Len(t, warned, 1)
+	require.Equal(t, "ada", warned[0]["key"])
+	require.Equal(t, 2.0, warned[0]["version"])
+
+	r, err := tb.board.Reconciler(nil)
+	require.NoError(t, err)
+	rep, err := r.Run(ctx, reconcile.RunOptions{})
+	require.NoError(t, err)
+	require.Equal(t, int64(1), rep.Counts[reconcile.ClassCorrupt])
+	require.Equal(t, int64(1), rep.Repaired)
+	score, err = tb.rd.Client.ZScore(ctx, tb.board.SortedSetKey(), "ada").Result()
+	require.NoError(t, err)
+	require.Equal(t, -13.0, score)
 }
