@@ -532,23 +532,26 @@ func TestNewRedisProjectorNeedsBoundedCommands(t *testing.T) {
 
 func TestProjectorLogs(t *testing.T) {
 	t.Parallel()
-	pb := setupProjector(t, backends[0])
-	var buf bytes.Buffer
-	logger := slog.New(slog.NewTextHandler(&buf, &slog.HandlerOptions{Level: slog.LevelDebug}))
-	p, err := NewRedisProjector(pb.client, testMapper(), &Config{Prefix: pb.ks.Prefix(), Logger: logger})
-	require.NoError(t, err)
-	_, err = p.Handle(context.Background(), []outbox.Record{record("scores", "a", 1, "1"), record("scores", "a", 1, "1"), record("x", "a", 1, "1")})
+	// logged returns a projector on a single node that logs, from Debug
+	// up, as text into the returned buffer.
+	logged := func(t *testing.T) (*RedisProjector, *projectorBundle, *bytes.Buffer) {
+		t.Helper()
+		pb := setupProjector(t, backends[0])
+		var buf bytes.Buffer
+		logger := slog.New(slog.NewTextHandler(&buf, &slog.HandlerOptions{Level: slog.LevelDebug}))
+		p, err := NewRedisProjector(pb.client, testMapper(), &Config{Prefix: pb.ks.Prefix(), Logger: logger})
+		require.NoError(t, err)
+		return p, pb, &buf
+	}
+	p, _, buf := logged(t)
+	_, err := p.Handle(context.Background(), []outbox.Record{record("scores", "a", 1, "1"), record("scores", "a", 1, "1"), record("x", "a", 1, "1")})
 	require.NoError(t, err)
 	require.Contains(t, buf.String(), "applied=1 duplicate=1 stale=0 conflict=0 failed=1")
 	require.NotContains(t, buf.String(), "level=WARN")
 
 	t.Run("ConflictIsAWarning", func(t *testing.T) {
 		t.Parallel()
-		pb := setupProjector(t, backends[0])
-		var buf bytes.Buffer
-		logger := slog.New(slog.NewTextHandler(&buf, &slog.HandlerOptions{Level: slog.LevelDebug}))
-		p, err := NewRedisProjector(pb.client, testMapper(), &Config{Prefix: pb.ks.Prefix(), Logger: logger})
-		require.NoError(t, err)
+		p, pb, buf := logged(t)
 		warnings := func() []string {
 			var out []string
 			for _, l := range strings.Split(buf.String(), "\n") {
