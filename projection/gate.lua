@@ -50,8 +50,8 @@
 --
 -- Returns one element per write: the integer 1 applied, 2 duplicate,
 -- 3 stale, 4 conflict (the stored version equals the write's but the value
--- stored with it differs: two states claim one version, and neither is
--- overwritten); or, when the stored version is not a positive int64 in
+-- stored with it differs: two states claim one version; nothing written);
+-- or, when the stored version is not a positive int64 in
 -- canonical decimal, that stored version as a string (nothing written).
 -- A Redis error in a write (WRONGTYPE, when a key holds another type)
 -- ends the script, but Redis keeps what it wrote before: the reply is then
@@ -228,8 +228,8 @@ local CHUNK = 1000
 -- write is decided in order (a write counting as stored for later writes
 -- of its member; per collection, a ZMSCORE or HMGET, in chunks, of the
 -- values stored for writes at their stored version tells a duplicate from
--- a conflict), one ZADD or
--- HSET of the values and one HSET of the versions, each in chunks. It returns nil, having written nothing, for
+-- a conflict), one ZADD or HSET of the values and one HSET of the
+-- versions, each in chunks. It returns nil, having written nothing, for
 -- any other call, and when a key holds another type: the loop below then
 -- runs and reports the failing write as the header says. Once it writes,
 -- a failure is reported after the writes decided before the first write
