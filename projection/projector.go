@@ -45,9 +45,9 @@ type Config struct {
 	Logger *slog.Logger
 	// MeterProvider receives the projector's metrics (verity.projection.*,
 	// see the README's metrics table): the gate's verdicts (applied,
-	// duplicate, stale, conflict), records that failed, the gate's round-trip time
-	// and the commit-to-visible lag of applied records. Defaults to nil
-	// (left nil by WithDefaults): nothing is recorded.
+	// duplicate, stale, conflict), records that failed, the gate's
+	// round-trip time and the commit-to-visible lag of applied records.
+	// Defaults to nil (left nil by WithDefaults): nothing is recorded.
 	MeterProvider metric.MeterProvider
 }
 
@@ -413,7 +413,6 @@ func (p *RedisProjector) warnConflicts(ctx context.Context, batch []outbox.Recor
 	p.logger.WarnContext(ctx, "projection: a record's version is stored with another value; the stored one was kept "+
 		"(one version, two states: the source reused the version, the Mapper changed, or the stored value was edited; "+
 		"if the source holds another state at that version, reconcile finds the entity corrupt)",
-
 		"record_id", rec.ID, "event_id", rec.EventID, "stream", rec.Stream, "key", rec.Key, "version", rec.Version,
 		"conflicts_in_batch", n, lograte.Suppressed, suppressed)
 }
