@@ -111,6 +111,96 @@ func TestReplayDeadLongStream(t *testing.T) {
 	require.Equal(t, 1, b.count(t, b.deadTable()))
 }
 
+// TestReplayDeadEventBackInOutbox covers a dead event that the outbox holds
+// again (a client re-sent it): the replay must not deliver it twice, nor
+// lose its dead letter.
+func TestReplayDeadEventBackInOutbox(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	const deadID int64 = 1_000_001 // above the outbox's own ids, as a buried row's would be
+
+	// An event appended anew since it died is skipped, not counted, and
+	// its dead letter stays; the other events are replayed.
+	t.Run("AppendedBefore", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		again, other := newMessage("s", "k", 2), uuid.New()
+		b.insertDead(t, deadID, again.EventID)
+		b.insertDead(t, deadID+1, other)
+		b.appendCommitted(t, again)
+		r := b.relay(t, nil, &recorder{}, outbox.RelayConfig{})
+
+		moved, err := r.ReplayDead(ctx, outbox.ReplayFilter{})
+		require.NoError(t, err)
+		require.EqualValues(t, 1, moved)
+		rows := b.rows(t)
+		require.Len(t, rows, 2)
+		require.Equal(t, again.EventID, rows[0].EventID)
+		require.Equal(t, int64(2), rows[0].Version, "the appended row, untouched")
+		require.Equal(t, deadID+1, rows[1].ID, "the other event, from its dead letter")
+		require.Equal(t, other, rows[1].EventID)
+		dead, err := r.DeadLetters(ctx, 0, 10)
+		require.NoError(t, err)
+		require.Len(t, dead, 1)
+		require.Equal(t, again.EventID, dead[0].EventID)
+
+		moved, err = r.ReplayDead(ctx, outbox.ReplayFilter{EventIDs: []uuid.UUID{again.EventID}})
+		require.NoError(t, err)
+		require.Zero(t, moved, "asked for by id, it is skipped all the same")
+		require.Equal(t, 1, b.count(t, b.deadTable()))
+	})
+
+	// An event appended while the replay runs makes the replay's insert
+	// fail on the unique key: the replay moves nothing, dead letters
+	// included, and says why; a second replay skips that event.
+	t.Run("AppendedDuringReplay", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		again, other := newMessage("s", "k", 2), uuid.New()
+		b.insertDead(t, deadID, again.EventID)
+		b.insertDead(t, deadID+1, other)
+		tx, err := b.pool.Begin(ctx)
+		require.NoError(t, err)
+		t.Cleanup(func() { _ = tx.Rollback(context.Background()) })
+		require.NoError(t, b.writer.Append(ctx, tx, again))
+
+		appName := "replay-" + uuid.NewString()
+		r := b.relay(t, newPoolNamed(t, b.pg.ConnString, appName), &recorder{}, outbox.RelayConfig{})
+		type result struct {
+			moved int64
+			err   error
+		}
+		done := make(chan result, 1)
+		go func() {
+			moved, err := r.ReplayDead(lockedCtx(t), outbox.ReplayFilter{})
+			done <- result{moved, err}
+		}()
+		// The replay waits on the appended row's unique key until the
+		// append's transaction ends.
+		require.Eventually(t, func() bool { return b.waitingForLock(appName, "") },
+			5*time.Second, 10*time.Millisecond, "the replay never waited for the appended row")
+		require.NoError(t, tx.Commit(ctx))
+
+		res := <-done
+		require.ErrorIs(t, res.err, outbox.ErrEventIDExists)
+		require.Contains(t, res.err.Error(), again.EventID.String(), "the error names the event id")
+		require.Zero(t, res.moved)
+		rows := b.rows(t)
+		require.Len(t, rows, 1, "nothing was replayed")
+		require.Equal(t, again.EventID, rows[0].EventID)
+		require.Equal(t, 2, b.count(t, b.deadTable()), "no dead letter was lost")
+
+		moved, err := r.ReplayDead(ctx, outbox.ReplayFilter{})
+		require.NoError(t, err)
+		require.EqualValues(t, 1, moved, "the other event")
+		require.Equal(t, []int64{rows[0].ID, deadID + 1}, b.outboxIDs(t))
+		dead, err := r.DeadLetters(ctx, 0, 10)
+		require.NoError(t, err)
+		require.Len(t, dead, 1)
+		require.Equal(t, again.EventID, dead[0].EventID)
+	})
+}
+
 // insertDead adds a dead letter with the given id and event id.
 func (b *testBundle) insertDead(t *testing.T, id int64, eventID uuid.UUID) {
 	t.Helper()
