@@ -117,16 +117,13 @@ func TestReplayDeadLongStream(t *testing.T) {
 func TestReplayDeadEventBackInOutbox(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	const deadID int64 = 1_000_001 // above the outbox's own ids, as a buried row's would be
 
 	// An event appended anew since it died is skipped, not counted, and
 	// its dead letter stays; the other events are replayed.
 	t.Run("AppendedBefore", func(t *testing.T) {
 		t.Parallel()
 		b := setup(t)
-		again, other := newMessage("s", "k", 2), uuid.New()
-		b.insertDead(t, deadID, again.EventID)
-		b.insertDead(t, deadID+1, other)
+		again, other := b.twoDeadEvents(t)
 		b.appendCommitted(t, again)
 		r := b.relay(t, nil, &recorder{}, outbox.RelayConfig{})
 
@@ -137,12 +134,9 @@ func TestReplayDeadEventBackInOutbox(t *testing.T) {
 		require.Len(t, rows, 2)
 		require.Equal(t, again.EventID, rows[0].EventID)
 		require.Equal(t, int64(2), rows[0].Version, "the appended row, untouched")
-		require.Equal(t, deadID+1, rows[1].ID, "the other event, from its dead letter")
+		require.Equal(t, replayDeadID+1, rows[1].ID, "the other event, from its dead letter")
 		require.Equal(t, other, rows[1].EventID)
-		dead, err := r.DeadLetters(ctx, 0, 10)
-		require.NoError(t, err)
-		require.Len(t, dead, 1)
-		require.Equal(t, again.EventID, dead[0].EventID)
+		requireDeadEvents(t, r, again.EventID)
 
 		moved, err = r.ReplayDead(ctx, outbox.ReplayFilter{EventIDs: []uuid.UUID{again.EventID}})
 		require.NoError(t, err)
@@ -156,9 +150,7 @@ func TestReplayDeadEventBackInOutbox(t *testing.T) {
 	t.Run("AppendedDuringReplay", func(t *testing.T) {
 		t.Parallel()
 		b := setup(t)
-		again, other := newMessage("s", "k", 2), uuid.New()
-		b.insertDead(t, deadID, again.EventID)
-		b.insertDead(t, deadID+1, other)
+		again, _ := b.twoDeadEvents(t)
 		tx, err := b.pool.Begin(ctx)
 		require.NoError(t, err)
 		t.Cleanup(func() { _ = tx.Rollback(context.Background()) })
@@ -193,12 +185,37 @@ func TestReplayDeadEventBackInOutbox(t *testing.T) {
 		moved, err := r.ReplayDead(ctx, outbox.ReplayFilter{})
 		require.NoError(t, err)
 		require.EqualValues(t, 1, moved, "the other event")
-		require.Equal(t, []int64{rows[0].ID, deadID + 1}, b.outboxIDs(t))
-		dead, err := r.DeadLetters(ctx, 0, 10)
-		require.NoError(t, err)
-		require.Len(t, dead, 1)
-		require.Equal(t, again.EventID, dead[0].EventID)
+		require.Equal(t, []int64{rows[0].ID, replayDeadID + 1}, b.outboxIDs(t))
+		requireDeadEvents(t, r, again.EventID)
 	})
+}
+
+// replayDeadID is the first dead letter id of TestReplayDeadEventBackInOutbox,
+// above the outbox's own ids, as a buried row's would be.
+const replayDeadID int64 = 1_000_001
+
+// twoDeadEvents inserts two dead letters, ids replayDeadID and the next:
+// one of again's event (again is the message a client re-sends; the test
+// appends it) and one of other.
+func (b *testBundle) twoDeadEvents(t *testing.T) (again outbox.Message, other uuid.UUID) {
+	t.Helper()
+	again, other = newMessage("s", "k", 2), uuid.New()
+	b.insertDead(t, replayDeadID, again.EventID)
+	b.insertDead(t, replayDeadID+1, other)
+	return again, other
+}
+
+// requireDeadEvents fails unless the dead letters hold exactly these
+// events, in id order.
+func requireDeadEvents(t *testing.T, r *outbox.Relay, want ...uuid.UUID) {
+	t.Helper()
+	dead, err := r.DeadLetters(context.Background(), 0, 100)
+	require.NoError(t, err)
+	got := make([]uuid.UUID, len(dead))
+	for i, d := range dead {
+		got[i] = d.EventID
+	}
+	require.Equal(t, want, got)
 }
 
 // insertDead adds a dead letter with the given id and event id.
