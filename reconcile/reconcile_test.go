@@ -173,6 +173,70 @@ func TestRunDryRun(t *testing.T) {
 	require.False(t, called)
 }
 
+// TestRunDryRunWritesNothing runs dry with every class forced to repair,
+// ahead and orphan included, on every kind: Redis must hold byte for byte
+// what it held before, every finding must be ResultDryRun (and so counted
+// Skipped), OnAlert must still fire for ahead and orphan findings, and no
+// other hook may be called.
+func TestRunDryRunWritesNothing(t *testing.T) {
+	t.Parallel()
+	for _, kind := range allKinds {
+		t.Run(kindName(kind), func(t *testing.T) {
+			t.Parallel()
+			ctx := context.Background()
+			b := setup(t, kind)
+			want := b.drift(t)
+			before := b.dumpPrefix(t)
+			alerts := map[string]Class{}
+			hooks := 0
+			r := b.reconciler(t, &Config{
+				PageSize:     3,
+				Policy:       Policy{Ahead: ActionRepair, Orphan: ActionRepair},
+				OnAlert:      func(_ context.Context, f Finding) { alerts[f.Key] = f.Class },
+				BeforeRepair: func(context.Context, Finding) bool { hooks++; return true },
+				AfterRepair:  func(context.Context, Finding) { hooks++ },
+			})
+			rep, err := r.Run(ctx, RunOptions{DryRun: true})
+			require.NoError(t, err)
+			require.Equal(t, before, b.dumpPrefix(t), "a dry run writes nothing")
+			require.Equal(t, countClasses(want), rep.Counts)
+			require.EqualValues(t, 7, rep.Checked)
+			require.Zero(t, rep.Repaired)
+			require.Empty(t, rep.RepairedByClass)
+			require.Equal(t, map[Result]int64{ResultDryRun: 8}, rep.Results) // all but current
+			require.EqualValues(t, 8, rep.Skipped, "dry-run findings are skipped")
+			require.Zero(t, rep.Uncertain)
+			require.Equal(t, rep.Drift(), rep.Repaired+rep.Skipped+rep.Uncertain)
+			require.Equal(t, map[string]Class{"ahead": ClassAhead, "orphan": ClassOrphan, "elsewhere": ClassOrphan}, alerts,
+				"OnAlert still fires in a dry run")
+			require.Zero(t, hooks, "BeforeRepair and AfterRepair are not called in a dry run")
+
+			rep, err = r.CheckKeys(ctx, []string{"miss", "stale", "ahead", "corrupt", "orphan"}, RunOptions{DryRun: true})
+			require.NoError(t, err)
+			require.EqualValues(t, 5, rep.Results[ResultDryRun])
+			require.Equal(t, before, b.dumpPrefix(t), "a dry CheckKeys writes nothing")
+			require.Zero(t, hooks)
+		})
+	}
+}
+
+// dumpPrefix DUMPs every key under the bundle's prefix (documents have a
+// server of their own), so a test can assert that a call wrote nothing.
+func (b *testBundle) dumpPrefix(t testing.TB) map[string]string {
+	t.Helper()
+	ctx := context.Background()
+	out := map[string]string{}
+	iter := b.client.Scan(ctx, 0, escapeGlob(b.ks.Prefix())+"*", 1000).Iterator()
+	for iter.Next(ctx) {
+		v, err := b.client.Dump(ctx, iter.Val()).Result()
+		require.NoError(t, err)
+		out[iter.Val()] = v
+	}
+	require.NoError(t, iter.Err())
+	require.NotEmpty(t, out)
+	return out
+}
+
 func TestRunPolicyAndVeto(t *testing.T) {
 	t.Parallel()
 	b := setup(t, projection.KindHash)
