@@ -134,9 +134,18 @@ func TestRunForceAheadAndOrphan(t *testing.T) {
 			t.Parallel()
 			b := setup(t, kind)
 			b.drift(t)
-			r := b.reconciler(t, &Config{Policy: Policy{Ahead: ActionRepair, Orphan: ActionRepair}})
+			// OnAlert fires before any repair: the entry it is told about
+			// is still in Redis as it was read.
+			var r *Reconciler
+			unrepaired := map[string]bool{}
+			r = b.reconciler(t, &Config{Policy: Policy{Ahead: ActionRepair, Orphan: ActionRepair},
+				OnAlert: func(_ context.Context, f Finding) {
+					unrepaired[f.Key] = sameProjected(f.Projected, b.state(t, r, f.Key))
+				}})
 			rep, err := r.Run(context.Background(), RunOptions{})
 			require.NoError(t, err)
+			require.Equal(t, map[string]bool{"ahead": true, "orphan": true, "elsewhere": true}, unrepaired,
+				"OnAlert is called before the repair")
 			require.EqualValues(t, 8, rep.Repaired)
 			require.EqualValues(t, 1, rep.RepairedByClass[ClassAhead])
 			require.EqualValues(t, 2, rep.RepairedByClass[ClassOrphan])
@@ -258,6 +267,8 @@ func TestRunPolicyAndVeto(t *testing.T) {
 	require.EqualValues(t, 1, rep.Results[ResultVetoed])
 	require.EqualValues(t, 2, rep.Results[ResultReported]) // stale by policy, ahead by default
 	require.EqualValues(t, 3, rep.Repaired)                // miss, bad{ver}, nover
+	require.EqualValues(t, 3, rep.Skipped, "vetoed and reported findings are skipped")
+	require.Equal(t, rep.Drift(), rep.Repaired+rep.Skipped+rep.Uncertain)
 	require.Len(t, after, 3)
 	for _, f := range after {
 		require.Equal(t, ResultRepaired, f.Result)
