@@ -862,6 +862,38 @@ func TestCheckKeys(t *testing.T) {
 	require.Regexp(t, `^checked 3, scanned 0, drift 3 \(stale 1, corrupt 1, orphan 1\), repaired 2, skipped 1 in \d+ms$`, rep.String())
 	require.Equal(t, ClassMissing, want["miss"])
 	require.Equal(t, Projected{}, b.state(t, r, "miss"), "keys not asked about are left alone")
+
+	// opts.Sample is ignored: the keys given are checked, not a sample.
+	rep, err = r.CheckKeys(context.Background(), []string{"cur", "stale", "nowhere"}, RunOptions{Sample: 1, DryRun: true})
+	require.NoError(t, err)
+	require.False(t, rep.Sampled)
+	require.EqualValues(t, 2, rep.Checked)
+	require.Equal(t, map[Class]int64{ClassCurrent: 2}, rep.Counts)
+}
+
+// TestExamplesPerClass keeps the first ExamplesPerClass findings of each
+// class, in source order, and none at all with -1, while the counts are
+// unchanged.
+func TestExamplesPerClass(t *testing.T) {
+	t.Parallel()
+	b := setup(t, projection.KindHash)
+	want := b.drift(t)
+	for _, tc := range []struct {
+		examples int
+		corrupt  []string
+	}{{1, []string{"bad{ver}"}}, {2, []string{"bad{ver}", "corrupt"}}, {-1, nil}} {
+		rep, err := b.reconciler(t, &Config{ExamplesPerClass: tc.examples}).Run(context.Background(), RunOptions{DryRun: true})
+		require.NoError(t, err)
+		require.Equal(t, countClasses(want), rep.Counts)
+		var keys []string
+		for _, f := range rep.Examples[ClassCorrupt] {
+			keys = append(keys, f.Key)
+		}
+		require.Equal(t, tc.corrupt, keys, "ExamplesPerClass %d", tc.examples)
+		if tc.examples < 0 {
+			require.Empty(t, rep.Examples, "ExamplesPerClass -1 keeps none")
+		}
+	}
 }
 
 func TestPrefetched(t *testing.T) {
