@@ -310,6 +310,100 @@ func TestGet(t *testing.T) {
 		require.EqualValues(t, 1, b.cache.Stats().StaleFillsSkipped)
 	})
 
+	// doc.go, Stampedes: a joiner can only join a load that started after
+	// the version it observed. A Get that begins after an Invalidate
+	// returned must not share a load that read the row before the write.
+	t.Run("NoJoiningALoadOfAnOlderVersion", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t, nil)
+		b.truth.write("p1", 4900)
+
+		loaded := make(chan struct{})
+		release := make(chan struct{})
+		oldDone := make(chan product, 1)
+		go func() {
+			p, err := b.cache.Get(ctx, "p1", func(ctx context.Context) (product, error) {
+				p := b.truth.read("p1") // reads 4900
+				close(loaded)
+				<-release
+				return p, nil
+			})
+			if err != nil {
+				t.Errorf("Get: %v", err)
+			}
+			oldDone <- p
+		}()
+		<-loaded
+		want := b.truth.write("p1", 4400)
+		require.NoError(t, b.cache.Invalidate(ctx, "p1"))
+
+		newDone := make(chan product, 1)
+		go func() {
+			p, err := b.cache.Get(ctx, "p1", b.truth.loader("p1"))
+			if err != nil {
+				t.Errorf("Get: %v", err)
+			}
+			newDone <- p
+		}()
+		var got product
+		select {
+		case got = <-newDone:
+			close(release)
+		case <-time.After(200 * time.Millisecond):
+			// It joined the older load; let that load finish so that the
+			// assertion below reports what it was served.
+			close(release)
+			got = <-newDone
+		}
+		require.Equal(t, want, got, "a Get begun after Invalidate returned is served the write")
+		require.Equal(t, 4900, (<-oldDone).Price)
+		require.Zero(t, b.cache.Stats().SharedLoads)
+	})
+
+	// Config.TTL: TTL bounds how long a value is kept after it was loaded,
+	// and a hit does not extend it: a write whose Invalidate was lost is
+	// visible once TTL has passed.
+	t.Run("ValueExpiresAfterTTL", func(t *testing.T) {
+		t.Parallel()
+		const ttl = 300 * time.Millisecond
+		b := setup(t, &Config{TTL: ttl})
+		first := b.truth.write("p1", 4900)
+		loadedAt := time.Now()
+		got, err := b.cache.Get(ctx, "p1", b.truth.loader("p1"))
+		require.NoError(t, err)
+		require.Equal(t, first, got)
+
+		want := b.truth.write("p1", 4400) // no Invalidate: a lost one
+		time.Sleep(ttl / 2)
+		got, err = b.cache.Get(ctx, "p1", b.truth.loader("p1"))
+		require.NoError(t, err)
+		require.Equal(t, first, got, "within TTL the cached value is a hit")
+		require.EqualValues(t, 1, b.cache.Stats().Hits)
+
+		time.Sleep(time.Until(loadedAt.Add(ttl + 100*time.Millisecond)))
+		got, err = b.cache.Get(ctx, "p1", b.truth.loader("p1"))
+		require.NoError(t, err)
+		require.Equal(t, want, got, "TTL after the load, despite the hit in between, the value is gone")
+		require.EqualValues(t, 2, b.truth.loads.Load())
+	})
+
+	// doc.go: an Invalidate of an id with no version key stores one, for
+	// TTL (so that invalidating ids that were never cached cannot grow a
+	// Redis for ever).
+	t.Run("InvalidateOfUncachedIDKeepsVersionForTTL", func(t *testing.T) {
+		t.Parallel()
+		const ttl = 10 * time.Second
+		b := setup(t, &Config{TTL: ttl})
+		require.NoError(t, b.cache.Invalidate(ctx, "never-cached"))
+		keys, err := b.client.Keys(ctx, keyenc.Tagged(b.prefix, "never-cached", "*")).Result()
+		require.NoError(t, err)
+		require.Equal(t, []string{b.cache.versionKey("never-cached")}, keys)
+		pttl, err := b.client.PTTL(ctx, b.cache.versionKey("never-cached")).Result()
+		require.NoError(t, err)
+		require.Positive(t, pttl, "the version key expires")
+		require.LessOrEqual(t, pttl, ttl)
+	})
+
 	// The version key a miss reads must still be there at its fill, or
 	// the fill is refused: a load slower than the key's remaining life
 	// would never be cached, miss after miss.
