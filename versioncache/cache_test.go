@@ -831,6 +831,57 @@ func TestVersionNeverGoesBackwards(t *testing.T) {
 		}
 	})
 
+	// doc.go: a P{id}:v holding no version is treated as lost and replaced
+	// by the next miss, not only by the next Invalidate: the miss caches
+	// under a version of its own, and the next Get is a hit.
+	t.Run("ForeignVersionKeyReplacedByMiss", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t, nil)
+		for i, foreign := range []string{"9007199254740993", "9007199254740992", "18446744073709551616", "-5", "0042", "v7", ""} {
+			id := fmt.Sprintf("p%d", i)
+			want := b.truth.write(id, 4900+i)
+			require.NoError(t, b.client.Set(ctx, b.cache.versionKey(id), foreign, 0).Err())
+			for range 2 {
+				got, err := b.cache.Get(ctx, id, b.truth.loader(id))
+				require.NoError(t, err, foreign)
+				require.Equal(t, want, got, foreign)
+			}
+			v := b.client.Get(ctx, b.cache.versionKey(id)).Val()
+			require.NotEqual(t, foreign, v, "the miss replaced %q", foreign)
+			n, err := strconv.ParseInt(v, 10, 64)
+			require.NoError(t, err, foreign)
+			require.Less(t, n, int64(1)<<53, foreign)
+			_, cached, ok, err := b.cache.Peek(ctx, id)
+			require.NoError(t, err, foreign)
+			require.True(t, ok, foreign)
+			require.Equal(t, n, cached, "cached under the new version, not %q", foreign)
+		}
+		st := b.cache.Stats()
+		require.EqualValues(t, 7, st.Misses)
+		require.EqualValues(t, 7, st.Hits)
+	})
+
+	// read.lua: a miss that re-creates a lost version key while the current
+	// value survived but does not decode (another release's shape) starts
+	// above the version embedded in that value, as Invalidate does: a
+	// re-created version is larger than every version handed out.
+	t.Run("UndecodableCurrentValueBoundsARecreatedVersion", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t, nil)
+		want := b.truth.write("p1", 4900)
+		ahead := time.Now().Add(24 * time.Hour).UnixMicro()
+		require.NoError(t, b.client.Set(ctx, b.cache.currentKey("p1"),
+			strconv.FormatInt(ahead, 10)+":another release's shape", 0).Err())
+		got, err := b.cache.Get(ctx, "p1", b.truth.loader("p1"))
+		require.NoError(t, err)
+		require.Equal(t, want, got)
+		require.EqualValues(t, 1, b.cache.Stats().DecodeErrors)
+		_, v, ok, err := b.cache.Peek(ctx, "p1")
+		require.NoError(t, err)
+		require.True(t, ok)
+		require.Greater(t, v, ahead)
+	})
+
 	// The one case that leaves Invalidate no new version: 2^53 - 1 as the
 	// version (no successor) and 2^53 - 2 in the current value (whose
 	// successor is the version as it is). Invalidate must fail, not
