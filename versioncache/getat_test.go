@@ -37,6 +37,36 @@ func TestGetAt(t *testing.T) {
 		require.EqualValues(t, 2, b.truth.loads.Load())
 	})
 
+	// The trap lasts until TTL, not for ever: GetAt's value expires TTL
+	// after its fill, and a hit does not extend it.
+	t.Run("ValueExpiresAfterTTL", func(t *testing.T) {
+		t.Parallel()
+		const ttl = 300 * time.Millisecond
+		b := setup(t, &Config{TTL: ttl})
+		v1 := b.truth.write("p1", 4900)
+		loadedAt := time.Now()
+		got, err := b.cache.GetAt(ctx, "p1", v1.Version, b.truth.loader("p1"))
+		require.NoError(t, err)
+		require.Equal(t, v1, got)
+
+		b.truth.mu.Lock()
+		row := b.truth.rows["p1"]
+		row.Price = 1 // a write that keeps the version
+		b.truth.rows["p1"] = row
+		b.truth.mu.Unlock()
+
+		time.Sleep(ttl / 2)
+		got, err = b.cache.GetAt(ctx, "p1", row.Version, b.truth.loader("p1"))
+		require.NoError(t, err)
+		require.Equal(t, 4900, got.Price, "within TTL: the trap")
+
+		time.Sleep(time.Until(loadedAt.Add(ttl + 100*time.Millisecond)))
+		got, err = b.cache.GetAt(ctx, "p1", row.Version, b.truth.loader("p1"))
+		require.NoError(t, err)
+		require.Equal(t, row, got, "after TTL, despite the hit in between")
+		require.EqualValues(t, 2, b.truth.loads.Load())
+	})
+
 	// The documented trap: a write that does not move the version (a bulk
 	// UPDATE forgetting row_version) is invisible to GetAt until TTL.
 	t.Run("TrapWriteWithoutVersionBump", func(t *testing.T) {
