@@ -111,6 +111,8 @@ func TestNew(t *testing.T) {
 			{"FillLeaseTTL", Config{FillLeaseTTL: -time.Second}},
 			{"FillLeaseWait", Config{FillLeaseWait: -time.Second}},
 			{"FillLeasePoll", Config{FillLeasePoll: -time.Second}},
+			{"InvalidateReplicas", Config{InvalidateReplicas: -1}},
+			{"InvalidateWaitTimeout", Config{InvalidateWaitTimeout: 500 * time.Microsecond}},
 			// A typed nil is refused like a nil client, not dereferenced on
 			// the first miss (only an untyped nil selects JSONCodec).
 			{"Codec", Config{Codec: (*JSONCodec)(nil)}},
@@ -225,7 +227,28 @@ func TestNew(t *testing.T) {
 		require.Equal(t, TTLDefault, cfg.TTL)
 		require.Equal(t, FailOpen, cfg.FailureMode)
 		require.Equal(t, FillLeaseWaitDefault, cfg.FillLeaseWait)
+		require.Equal(t, FillLeaseTTLDefault, cfg.FillLeaseTTL)
+		require.Equal(t, FillLeasePollDefault, cfg.FillLeasePoll)
+		require.Equal(t, InvalidateWaitTimeoutDefault, cfg.InvalidateWaitTimeout)
+		require.Equal(t, JSONCodec{}, cfg.Codec)
+		require.False(t, cfg.DisableFillLease, "lease on")
+		require.Zero(t, cfg.InvalidateReplicas, "do not wait")
+		require.Nil(t, cfg.MeterProvider)
 		require.NotNil(t, cfg.Logger)
+
+		// A copy: the caller's Config is left as it was.
+		in := &Config{Prefix: "p:", TTL: time.Minute}
+		out := in.WithDefaults()
+		require.Equal(t, &Config{Prefix: "p:", TTL: time.Minute}, in)
+		require.Equal(t, "p:", out.Prefix)
+		require.Equal(t, time.Minute, out.TTL)
+	})
+
+	t.Run("FailureModeString", func(t *testing.T) {
+		t.Parallel()
+		require.Equal(t, "fail-open", FailOpen.String())
+		require.Equal(t, "fail-closed", FailClosed.String())
+		require.Equal(t, "FailureMode(7)", FailureMode(7).String())
 	})
 }
 
