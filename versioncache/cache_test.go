@@ -67,6 +67,16 @@ type testBundle struct {
 	truth  *truth
 }
 
+// pttl is key's remaining time to live; it fails the test if key is absent
+// or has no expiry.
+func (b *testBundle) pttl(t *testing.T, key string) time.Duration {
+	t.Helper()
+	d, err := b.client.PTTL(context.Background(), key).Result()
+	require.NoError(t, err)
+	require.Positive(t, d, "%s has a time to live", key)
+	return d
+}
+
 func setup(t *testing.T, cfg *Config) *testBundle {
 	t.Helper()
 	rd := testenv.Redis(t)
@@ -388,20 +398,22 @@ func TestGet(t *testing.T) {
 	// visible once TTL has passed.
 	t.Run("ValueExpiresAfterTTL", func(t *testing.T) {
 		t.Parallel()
-		const ttl = 300 * time.Millisecond
+		const ttl = time.Second
 		b := setup(t, &Config{TTL: ttl})
 		first := b.truth.write("p1", 4900)
 		loadedAt := time.Now()
 		got, err := b.cache.Get(ctx, "p1", b.truth.loader("p1"))
 		require.NoError(t, err)
 		require.Equal(t, first, got)
+		left := b.pttl(t, b.cache.currentKey("p1"))
+		require.True(t, left > 0 && left <= ttl, "the value expires within TTL: %s", left)
 
 		want := b.truth.write("p1", 4400) // no Invalidate: a lost one
-		time.Sleep(ttl / 2)
 		got, err = b.cache.Get(ctx, "p1", b.truth.loader("p1"))
 		require.NoError(t, err)
 		require.Equal(t, first, got, "within TTL the cached value is a hit")
 		require.EqualValues(t, 1, b.cache.Stats().Hits)
+		require.LessOrEqual(t, b.pttl(t, b.cache.currentKey("p1")), left, "a hit does not extend the value's life")
 
 		time.Sleep(time.Until(loadedAt.Add(ttl + 100*time.Millisecond)))
 		got, err = b.cache.Get(ctx, "p1", b.truth.loader("p1"))
@@ -421,10 +433,7 @@ func TestGet(t *testing.T) {
 		keys, err := b.client.Keys(ctx, keyenc.Tagged(b.prefix, "never-cached", "*")).Result()
 		require.NoError(t, err)
 		require.Equal(t, []string{b.cache.versionKey("never-cached")}, keys)
-		pttl, err := b.client.PTTL(ctx, b.cache.versionKey("never-cached")).Result()
-		require.NoError(t, err)
-		require.Positive(t, pttl, "the version key expires")
-		require.LessOrEqual(t, pttl, ttl)
+		require.LessOrEqual(t, b.pttl(t, b.cache.versionKey("never-cached")), ttl, "the version key expires within TTL")
 	})
 
 	// The version key a miss reads must still be there at its fill, or

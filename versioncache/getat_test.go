@@ -41,13 +41,15 @@ func TestGetAt(t *testing.T) {
 	// after its fill, and a hit does not extend it.
 	t.Run("ValueExpiresAfterTTL", func(t *testing.T) {
 		t.Parallel()
-		const ttl = 300 * time.Millisecond
+		const ttl = time.Second
 		b := setup(t, &Config{TTL: ttl})
 		v1 := b.truth.write("p1", 4900)
 		loadedAt := time.Now()
 		got, err := b.cache.GetAt(ctx, "p1", v1.Version, b.truth.loader("p1"))
 		require.NoError(t, err)
 		require.Equal(t, v1, got)
+		left := b.pttl(t, b.cache.atKey("p1"))
+		require.True(t, left > 0 && left <= ttl, "the value expires within TTL: %s", left)
 
 		b.truth.mu.Lock()
 		row := b.truth.rows["p1"]
@@ -55,10 +57,10 @@ func TestGetAt(t *testing.T) {
 		b.truth.rows["p1"] = row
 		b.truth.mu.Unlock()
 
-		time.Sleep(ttl / 2)
 		got, err = b.cache.GetAt(ctx, "p1", row.Version, b.truth.loader("p1"))
 		require.NoError(t, err)
 		require.Equal(t, 4900, got.Price, "within TTL: the trap")
+		require.LessOrEqual(t, b.pttl(t, b.cache.atKey("p1")), left, "a hit does not extend the value's life")
 
 		time.Sleep(time.Until(loadedAt.Add(ttl + 100*time.Millisecond)))
 		got, err = b.cache.GetAt(ctx, "p1", row.Version, b.truth.loader("p1"))
