@@ -263,6 +263,11 @@ func TestRelayDelivery(t *testing.T) {
 			"BatchError": func(context.Context, []outbox.Record) ([]outbox.Result, error) {
 				return nil, errors.New("redis unreachable")
 			},
+			// A non-nil error fails every record even when the handler
+			// also returned a full slice of nil (successful) Results.
+			"BatchErrorWithResults": func(_ context.Context, batch []outbox.Record) ([]outbox.Result, error) {
+				return make([]outbox.Result, len(batch)), errors.New("pipeline failed after the writes")
+			},
 			// A nil *T in the error interface: its Error() panics, and
 			// settle calls it outside the handler's recover.
 			"PanickingError": func(_ context.Context, batch []outbox.Record) ([]outbox.Result, error) {
@@ -288,7 +293,12 @@ func TestRelayDelivery(t *testing.T) {
 				require.Equal(t, 1, row.Attempts, name)
 				require.True(t, row.AvailableAt.After(time.Now().Add(-time.Second)), name)
 			}
-			if name != "BatchError" {
+			switch name {
+			case "BatchError":
+				require.Equal(t, "redis unreachable", *rows[0].LastError, name)
+			case "BatchErrorWithResults":
+				require.Equal(t, "pipeline failed after the writes", *rows[0].LastError, name)
+			default:
 				require.Contains(t, *rows[0].LastError, "handler broke its contract", name)
 			}
 		}
