@@ -8,11 +8,13 @@ import (
 	"log/slog"
 	"math"
 	"math/rand/v2"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
+	"unicode/utf8"
 
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
@@ -787,6 +789,110 @@ func TestRelayRetries(t *testing.T) {
 		require.Len(t, rows, 1)
 		require.Equal(t, failing.EventID, rows[0].EventID)
 		require.Equal(t, 1, rows[0].Attempts, "the failed row was not attempted again")
+	})
+
+	// The delay a failed row waits in the outbox is the backoff of the
+	// attempt that failed: within the upper half of RetryBackoffMin
+	// doubled once per earlier attempt. Twenty rows make the check
+	// independent of the jitter: the second attempt's delays all lie in
+	// [1m, 2m], the first's in [30s, 1m], so a settle that used the first
+	// attempt's backoff every time would leave no row waiting past a minute.
+	t.Run("BackoffDoublesPerAttempt", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		msgs := make([]outbox.Message, 20)
+		for i := range msgs {
+			msgs[i] = newMessage("s", fmt.Sprint("k", i), 1)
+		}
+		b.appendCommitted(t, msgs...)
+		h := &recorder{fail: func(outbox.Record) error { return errors.New("down") }}
+		const backoffMin = time.Minute
+		r := b.relay(t, nil, h, outbox.RelayConfig{RetryBackoffMin: backoffMin, RetryBackoffMax: time.Hour, MaxAttempts: 5})
+		// delays returns how long each row still waits, by the database's
+		// clock, and makes every row due for the next attempt.
+		delays := func() []time.Duration {
+			t.Helper()
+			rows, err := b.pool.Query(ctx, `SELECT (EXTRACT(EPOCH FROM available_at - now()) * 1000000)::bigint FROM `+
+				b.writer.Table()+` ORDER BY id`)
+			require.NoError(t, err)
+			us, err := pgx.CollectRows(rows, pgx.RowTo[int64])
+			require.NoError(t, err)
+			require.Len(t, us, len(msgs), "every failed row is still in the outbox")
+			_, err = b.pool.Exec(ctx, `UPDATE `+b.writer.Table()+` SET available_at = now()`)
+			require.NoError(t, err)
+			out := make([]time.Duration, len(us))
+			for i, v := range us {
+				out[i] = time.Duration(v) * time.Microsecond
+			}
+			return out
+		}
+		// A generous allowance for the time between the settle and the
+		// query; the ranges below are a minute apart.
+		const slack = 10 * time.Second
+		for attempt := 1; attempt <= 3; attempt++ {
+			n, err := r.RunOnce(ctx)
+			require.NoError(t, err)
+			require.Equal(t, len(msgs), n, "attempt %d", attempt)
+			ceiling := backoffMin << (attempt - 1)
+			ds := delays()
+			for i, d := range ds {
+				require.LessOrEqual(t, d, ceiling, "attempt %d, row %d", attempt, i)
+				require.Greater(t, d, ceiling/2-slack, "attempt %d, row %d: jittered within the upper half", attempt, i)
+			}
+			require.Greater(t, slices.Max(ds), ceiling*3/4, "attempt %d: delays spread over the upper half (%v)", attempt, ds)
+		}
+		for _, row := range b.rows(t) {
+			require.Equal(t, 3, row.Attempts)
+		}
+	})
+
+	// A handler error is stored as last_error whatever its text: NUL bytes
+	// and invalid UTF-8, which a text column refuses, and a text longer
+	// than 4,096 bytes, bounded. Unsanitised, one such error would fail the
+	// settle of the whole batch, its successes included.
+	t.Run("UnstorableErrorText", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		bad, good := newMessage("s", "bad", 1), newMessage("s", "good", 1)
+		b.appendCommitted(t, bad, good)
+		text := "a\x00b\xff" + strings.Repeat("é", 3000)
+		h := &recorder{fail: func(rec outbox.Record) error {
+			if rec.EventID == bad.EventID {
+				return errors.New(text)
+			}
+			return nil
+		}}
+		r := b.relay(t, nil, h, outbox.RelayConfig{MaxAttempts: 2, RetryBackoffMin: time.Hour, RetryBackoffMax: time.Hour})
+		requireStored := func(stored string) {
+			t.Helper()
+			require.True(t, utf8.ValidString(stored))
+			require.NotContains(t, stored, "\x00")
+			require.LessOrEqual(t, len(stored), 4096)
+			require.Greater(t, len(stored), 4000, "only the excess is cut")
+			require.True(t, strings.HasPrefix(stored, "ab\uFFFDéé"), "%.20q", stored)
+		}
+
+		n, err := r.RunOnce(ctx)
+		require.NoError(t, err)
+		require.Equal(t, 2, n)
+		rows := b.rows(t)
+		require.Len(t, rows, 1, "the good row is acknowledged")
+		require.Equal(t, bad.EventID, rows[0].EventID)
+		require.Equal(t, 1, rows[0].Attempts)
+		requireStored(*rows[0].LastError)
+
+		// The dead-letter path stores it the same way.
+		_, err = b.pool.Exec(ctx, `UPDATE `+b.writer.Table()+` SET available_at = now()`)
+		require.NoError(t, err)
+		n, err = r.RunOnce(ctx)
+		require.NoError(t, err)
+		require.Equal(t, 1, n)
+		require.Zero(t, b.count(t, b.writer.Table()))
+		dead, err := r.DeadLetters(ctx, 0, 10)
+		require.NoError(t, err)
+		require.Len(t, dead, 1)
+		require.Equal(t, 2, dead[0].Attempts)
+		requireStored(dead[0].LastError)
 	})
 
 	t.Run("BackoffWithoutCap", func(t *testing.T) {
