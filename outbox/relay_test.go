@@ -1647,6 +1647,66 @@ func TestRelayStats(t *testing.T) {
 	require.Less(t, stats.OldestPendingAge, time.Hour+time.Minute)
 }
 
+// TestRelayDeadLetters checks DeadLetters' pages (id order, strictly after
+// afterID, at most limit) and contents, and that a page size of 0 or less
+// is refused with a *ConfigError naming "limit".
+func TestRelayDeadLetters(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	b := setup(t)
+	msgs := make([]outbox.Message, 5)
+	for i := range msgs {
+		msgs[i] = newMessage(fmt.Sprint("stream-", i), fmt.Sprint("key-", i), int64(i+1))
+	}
+	b.appendCommitted(t, msgs...)
+	r := b.relay(t, nil, &recorder{fail: func(rec outbox.Record) error {
+		return fmt.Errorf("cannot project %s", rec.Key)
+	}}, outbox.RelayConfig{MaxAttempts: 1})
+	n, err := r.RunOnce(ctx)
+	require.NoError(t, err)
+	require.Equal(t, len(msgs), n)
+	require.Zero(t, b.count(t, b.writer.Table()), "every row is dead after its only attempt")
+
+	for _, limit := range []int{0, -1} {
+		dead, err := r.DeadLetters(ctx, 0, limit)
+		require.ErrorIs(t, err, outbox.ErrInvalidConfig, "limit %d", limit)
+		var cfgErr *outbox.ConfigError
+		require.ErrorAs(t, err, &cfgErr, "limit %d", limit)
+		require.Equal(t, "limit", cfgErr.Field)
+		require.Nil(t, dead)
+	}
+
+	var all []outbox.DeadLetter
+	after := int64(0)
+	for _, want := range []int{2, 2, 1, 0} {
+		page, err := r.DeadLetters(ctx, after, 2)
+		require.NoError(t, err)
+		require.Len(t, page, want, "page after id %d", after)
+		for _, d := range page {
+			require.Greater(t, d.ID, after, "only ids after afterID")
+			after = d.ID
+		}
+		all = append(all, page...)
+	}
+	require.Len(t, all, len(msgs), "the pages hold every dead letter once")
+	for i, d := range all {
+		m := msgs[i]
+		require.Equal(t, m.EventID, d.EventID)
+		require.Equal(t, m.Stream, d.Stream)
+		require.Equal(t, m.Key, d.Key)
+		require.Equal(t, m.Version, d.Version)
+		require.Equal(t, m.Payload, d.Payload)
+		require.Equal(t, 1, d.Attempts)
+		require.Equal(t, "cannot project "+m.Key, d.LastError)
+		require.WithinDuration(t, time.Now(), d.CreatedAt, time.Minute)
+		require.WithinDuration(t, time.Now(), d.FailedAt, time.Minute)
+		require.False(t, d.FailedAt.Before(d.CreatedAt), "failed after it was created")
+	}
+	stats, err := r.Stats(ctx)
+	require.NoError(t, err)
+	require.Equal(t, outbox.Stats{DeadLetters: int64(len(msgs))}, stats)
+}
+
 // TestRelayStatsAncientRow checks that OldestPendingAge saturates at the
 // largest Duration for a row older than a Duration holds (a composed
 // INSERT that passes an unset time.Time stores year 1, which migration
