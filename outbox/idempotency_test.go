@@ -318,8 +318,17 @@ func TestRecordCommand(t *testing.T) {
 		require.NoError(t, err)
 		require.EqualValues(t, 1, n)
 		require.Equal(t, 1, b.idempotencyRows(t))
-		_, err = b.writer.PruneCommands(ctx, b.pool, 0)
-		require.ErrorIs(t, err, outbox.ErrInvalidConfig)
+		// A retention of 0 or less would delete every record: refused,
+		// naming the argument, and nothing is deleted.
+		for _, retention := range []time.Duration{0, -time.Hour} {
+			n, err := b.writer.PruneCommands(ctx, b.pool, retention)
+			require.ErrorIs(t, err, outbox.ErrInvalidConfig, "retention %s", retention)
+			var cfgErr *outbox.ConfigError
+			require.ErrorAs(t, err, &cfgErr, "retention %s", retention)
+			require.Equal(t, "retention", cfgErr.Field)
+			require.Zero(t, n)
+			require.Equal(t, 1, b.idempotencyRows(t), "retention %s deleted a record", retention)
+		}
 	})
 
 	// PruneCommands deletes the id's old record after RecordCommand's
