@@ -1855,6 +1855,14 @@ func TestRelayConfig(t *testing.T) {
 		{"LongStream", outbox.RelayConfig{Streams: []string{strings.Repeat("s", outbox.MaxStreamBytes+1)}}, "Streams"},
 		{"NegativeListenCheck", outbox.RelayConfig{ListenCheckInterval: -time.Second}, "ListenCheckInterval"},
 		{"BadTable", outbox.RelayConfig{Table: "x\x00"}, "Table"},
+		{"DerivedTable", outbox.RelayConfig{Table: "x_dead"}, "Table"},
+		{"ReservedSchema", outbox.RelayConfig{Schema: "pg_x"}, "Schema"},
+		{"NegativeBackoffMin", outbox.RelayConfig{RetryBackoffMin: -time.Second}, "RetryBackoffMin"},
+		{"NegativeBackoffMax", outbox.RelayConfig{RetryBackoffMax: -time.Second}, "RetryBackoffMax"},
+		{"NegativeReconnectBackoff", outbox.RelayConfig{ReconnectBackoffMax: -time.Second}, "ReconnectBackoffMax"},
+		{"NegativeStatsInterval", outbox.RelayConfig{StatsInterval: -time.Second}, "StatsInterval"},
+		{"NULInStream", outbox.RelayConfig{Streams: []string{"a\x00b"}}, "Streams"},
+		{"InvalidUTF8Stream", outbox.RelayConfig{Streams: []string{"\xff"}}, "Streams"},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
@@ -1891,6 +1899,7 @@ func TestRelayConfig(t *testing.T) {
 		require.Equal(t, outbox.ShutdownTimeoutDefault, got.ShutdownTimeout)
 		require.Equal(t, outbox.ReconnectBackoffMaxDefault, got.ReconnectBackoffMax)
 		require.Equal(t, outbox.ListenCheckIntervalDefault, got.ListenCheckInterval)
+		require.Equal(t, outbox.StatsIntervalDefault, got.StatsInterval)
 		require.NotEmpty(t, got.Name)
 		require.NotNil(t, got.Logger)
 	})
