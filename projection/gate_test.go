@@ -447,6 +447,21 @@ func TestGate(t *testing.T) {
 			require.Equal(t, "007", cerr.Stored)
 			require.Equal(t, []Outcome{OutcomeUnknown, OutcomeApplied, OutcomeUnknown}, out)
 			require.Contains(t, err.Error(), `"1e3"`)
+			// One *CorruptVersionError per refused write, each naming the
+			// write's position in the batch, not in its slot group (on
+			// Cluster and Ring the document is sent in a call of its own).
+			joined, ok := err.(interface{ Unwrap() []error })
+			require.True(t, ok, "the errors are joined: %v", err)
+			got := map[int]CorruptVersionError{}
+			for _, e := range joined.Unwrap() {
+				var ce *CorruptVersionError
+				require.ErrorAs(t, e, &ce)
+				got[ce.Index] = *ce
+			}
+			require.Equal(t, map[int]CorruptVersionError{
+				0: {Index: 0, Target: bad.Target, Stored: "007"},
+				2: {Index: 2, Target: badDoc.Target, Stored: "1e3"},
+			}, got)
 			require.False(t, readState(t, gb.client, gb.ks, badDoc.Target).exists == true &&
 				readState(t, gb.client, gb.ks, badDoc.Target).value == "new", "refused write stored nothing")
 			v, err := gb.client.HGet(ctx, gb.ks.ValueKey(bad.Target), "bad").Result()
