@@ -285,6 +285,49 @@ func TestRedisProjector(t *testing.T) {
 			require.Nil(t, out)
 		})
 
+		// A layout key of another type (a hand edit) fails the script
+		// before its first write, for the whole slot group: Handle sends
+		// the group's writes again one by one, so only the collection's
+		// own records fail (*WrongKeyTypeError) and the rest are applied.
+		t.Run("HandleIsolatesLayoutKeyOfAnotherType", func(t *testing.T) {
+			t.Parallel()
+			pb := setupProjector(t, b)
+			ctx := context.Background()
+			layout := pb.ks.LayoutKey("board", KindSortedSet)
+			require.NoError(t, pb.client.HSet(ctx, layout, "buckets", "0").Err())
+			batch := []outbox.Record{
+				record("orders", "41", 1, `{"total":1}`),
+				record("scores", "bob", 1, "5"),
+				record("profiles", "bob", 1, "{}"),
+				record("scores", "carol", 1, "6"),
+				record("orders", "42", 1, `{"total":2}`),
+			}
+			results, err := pb.projector.Handle(ctx, batch)
+			require.NoError(t, err, "a key of another type fails its records, not the batch")
+			require.Len(t, results, len(batch))
+			for _, i := range []int{1, 3} {
+				require.ErrorIs(t, results[i].Err, ErrWrongKeyType, "record %d", i)
+				var wt *WrongKeyTypeError
+				require.ErrorAs(t, results[i].Err, &wt)
+				require.Equal(t, i, wt.Index, "the index is the record's position in the batch")
+				require.Equal(t, Target{Kind: KindSortedSet, Name: "board", Member: batch[i].Key}, wt.Target)
+				require.False(t, readState(t, pb.client, pb.ks, wt.Target).exists, "record %d: nothing written", i)
+			}
+			for _, i := range []int{0, 2, 4} {
+				require.NoError(t, results[i].Err, "record %d", i)
+			}
+			require.Equal(t, storedState{true, `{"total":1}`, "1"}, readState(t, pb.client, pb.ks, Target{Kind: KindDocument, Name: "order:41"}))
+			require.Equal(t, storedState{true, `{"total":2}`, "1"}, readState(t, pb.client, pb.ks, Target{Kind: KindDocument, Name: "order:42"}))
+			require.Equal(t, storedState{true, "{}", "1"}, readState(t, pb.client, pb.ks, Target{Kind: KindHash, Name: "profiles", Member: "bob"}))
+			require.Equal(t, "hash", pb.client.Type(ctx, layout).Val(), "the bad key is left for a human")
+
+			// Project keeps its batch contract: Redis's error is the call's.
+			out, err := pb.projector.Project(ctx, batch)
+			require.ErrorContains(t, err, "WRONGTYPE")
+			require.NotErrorIs(t, err, ErrWrongKeyType)
+			require.Nil(t, out)
+		})
+
 		t.Run("CancelledContextFailsTheBatch", func(t *testing.T) {
 			t.Parallel()
 			pb := setupProjector(t, b)
