@@ -429,6 +429,49 @@ func TestSubmitBatch(t *testing.T) {
 		require.Equal(t, []int{1, 1, 1}, []int{events, users, queued})
 	})
 
+	// An event id recorded earlier for another command differs from the
+	// batch's use of it in one field only (the board, the user or the
+	// delta): the batch is refused whole, its other commands included, and
+	// the conflict describes the recorded command.
+	t.Run("ConflictWithARecordedCommandWritesNothing", func(t *testing.T) {
+		t.Parallel()
+		tb := setup(t)
+		id := uuid.New()
+		_, err := tb.board.Submit(ctx, Command{EventID: id, UserID: "a", Delta: 1})
+		require.NoError(t, err)
+		other, err := New(tb.pg.Pool, tb.rd.Client, &Config{Name: "other", Schema: tb.pg.Schema, KeyPrefix: tb.rd.Prefix})
+		require.NoError(t, err)
+		t.Cleanup(other.Close)
+		otherID := uuid.New()
+		_, err = other.Submit(ctx, Command{EventID: otherID, UserID: "a", Delta: 1})
+		require.NoError(t, err)
+
+		for _, tc := range []struct {
+			name     string
+			reused   Command
+			board    string
+			recorded Command
+		}{
+			{"AnotherBoard", Command{EventID: otherID, UserID: "a", Delta: 1}, "other", Command{UserID: "a", Delta: 1}},
+			{"AnotherUser", Command{EventID: id, UserID: "b", Delta: 1}, tb.board.Name(), Command{UserID: "a", Delta: 1}},
+			{"AnotherDelta", Command{EventID: id, UserID: "a", Delta: 2}, tb.board.Name(), Command{UserID: "a", Delta: 1}},
+		} {
+			t.Run(tc.name, func(t *testing.T) {
+				_, err := tb.board.SubmitBatch(ctx, []Command{{EventID: uuid.New(), UserID: "c", Delta: 5}, tc.reused})
+				require.ErrorIs(t, err, ErrIdempotencyConflict)
+				var conflict *IdempotencyConflictError
+				require.ErrorAs(t, err, &conflict)
+				require.Equal(t, &IdempotencyConflictError{EventID: tc.reused.EventID, Board: tc.board,
+					UserID: tc.recorded.UserID, Delta: tc.recorded.Delta, Attempted: tc.reused}, conflict)
+			})
+		}
+		events, users, queued := tb.counts(t)
+		require.Equal(t, []int{2, 2, 2}, []int{events, users, queued}, "only the two earlier submits")
+		var c int
+		require.NoError(t, tb.pg.Pool.QueryRow(ctx, `SELECT count(*) FROM user_scores WHERE user_id = 'c'`).Scan(&c))
+		require.Zero(t, c, "the batch's valid command was not applied")
+	})
+
 	// An event id used twice in one batch, for two different commands: the
 	// conflict reports the command the database recorded under it, when
 	// there is one, whichever copy of the batch comes first.
