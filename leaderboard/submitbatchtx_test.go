@@ -110,6 +110,21 @@ func TestSubmitBatchTx(t *testing.T) {
 				require.Equal(t, Command{EventID: id, UserID: "dave", Delta: 2}, conflict.Attempted)
 				require.Equal(t, int64(1), conflict.Delta, "the recorded command")
 
+				// An event id recorded for another user, and one recorded on
+				// another board, each with the same delta.
+				_, err = tb.board.SubmitBatchTx(ctx, c.tx, []Command{fresh, {EventID: id, UserID: "erin", Delta: 1}})
+				require.ErrorAs(t, err, &conflict)
+				require.Equal(t, "dave", conflict.UserID, "the recorded command")
+				other, err := New(tb.pg.Pool, tb.rd.Client, &Config{Name: "other", Schema: tb.pg.Schema, KeyPrefix: tb.rd.Prefix})
+				require.NoError(t, err)
+				t.Cleanup(other.Close)
+				otherID := uuid.New()
+				_, err = other.Submit(ctx, Command{EventID: otherID, UserID: "dave", Delta: 1})
+				require.NoError(t, err)
+				_, err = tb.board.SubmitBatchTx(ctx, c.tx, []Command{fresh, {EventID: otherID, UserID: "dave", Delta: 1}})
+				require.ErrorAs(t, err, &conflict)
+				require.Equal(t, "other", conflict.Board, "the recorded command")
+
 				// An event id used twice within the batch.
 				reused := uuid.New()
 				_, err = tb.board.SubmitBatchTx(ctx, c.tx, []Command{fresh, {EventID: reused, UserID: "x", Delta: 1}, {EventID: reused, UserID: "x", Delta: 2}})
@@ -128,7 +143,7 @@ func TestSubmitBatchTx(t *testing.T) {
 				require.Equal(t, []Result{{Score: 101, Version: 2}}, out)
 				require.NoError(t, c.commit())
 				events, users, queued := tb.counts(t)
-				require.Equal(t, [3]int{2, 1, 2}, [3]int{events, users, queued})
+				require.Equal(t, [3]int{3, 2, 3}, [3]int{events, users, queued}) // with the other board's
 			})
 
 			t.Run("ConcurrentTwinAbortsAndRetryIsDuplicate", func(t *testing.T) {
