@@ -317,6 +317,55 @@ func TestSubmitGroups(t *testing.T) {
 		require.Equal(t, 4, users)
 	})
 
+	// A group one of whose commands reuses an event id recorded earlier
+	// for another user, or on another board, with the same delta: the
+	// shared statement writes nothing, and each call gets its own outcome,
+	// the group's other command applied once, not reported as a duplicate.
+	t.Run("ConflictWithARecordedCommandGivesEachCallItsOwnOutcome", func(t *testing.T) {
+		t.Parallel()
+		for _, board := range []string{"", "other"} { // "": this board
+			name := "AnotherUser"
+			if board != "" {
+				name = "AnotherBoard"
+			}
+			t.Run(name, func(t *testing.T) {
+				gb := setupGroups(t)
+				recorder := gb.board
+				if board != "" {
+					other, err := New(gb.pg.Pool, gb.rd.Client, &Config{Name: board, Schema: gb.pg.Schema, KeyPrefix: gb.rd.Prefix})
+					require.NoError(t, err)
+					t.Cleanup(other.Close)
+					recorder = other
+				}
+				recorded := Command{EventID: uuid.New(), UserID: "user-b", Delta: 1}
+				_, err := recorder.Submit(ctx, recorded)
+				require.NoError(t, err)
+				reused := recorded
+				if board == "" {
+					reused.UserID = "user-c"
+				}
+
+				gb.hold(t)
+				firstOut := gb.submitQueued(t, ctx, Command{EventID: uuid.New(), UserID: "user-z", Delta: 1}, 0)
+				ok := Command{EventID: uuid.New(), UserID: "user-a", Delta: 1}
+				okOut := gb.submitQueued(t, ctx, ok, 1)
+				reusedOut := gb.submitQueued(t, ctx, reused, 2)
+				gb.release()
+				require.NoError(t, wait(t, firstOut).err)
+
+				o := wait(t, okOut)
+				require.NoError(t, o.err)
+				require.Equal(t, Result{Score: 1, Version: 1}, o.res, "applied once, by its own call")
+				var conflict *IdempotencyConflictError
+				require.ErrorAs(t, wait(t, reusedOut).err, &conflict)
+				require.Equal(t, &IdempotencyConflictError{EventID: recorded.EventID, Board: recorder.Name(),
+					UserID: recorded.UserID, Delta: recorded.Delta, Attempted: reused}, conflict)
+				events, users, queued := gb.counts(t)
+				require.Equal(t, []int{3, 3, 3}, []int{events, users, queued}) // recorded, user-z, ok
+			})
+		}
+	})
+
 	t.Run("ConflictInTheGroupNeedsNoLookup", func(t *testing.T) {
 		t.Parallel()
 		// A group that uses an event id for two commands applies each
