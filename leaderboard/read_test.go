@@ -170,6 +170,35 @@ func forcePostgres() ReadOption {
 	return func(o *readOptions) { o.forceStale = true }
 }
 
+// TestAuthoritativeReadsPostgresOnly: the payout ranking comes from
+// PostgreSQL whatever Redis holds: a hand-edited score, a member the
+// projection never wrote, a change not projected yet.
+func TestAuthoritativeReadsPostgresOnly(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	tb := setup(t)
+	tb.submit(t, "ada", 10)
+	tb.submit(t, "bob", 20)
+	tb.drain(t)
+	key := tb.board.SortedSetKey()
+	require.NoError(t, tb.rd.Client.ZAdd(ctx, key, redis.Z{Score: -1000, Member: "ada"}, redis.Z{Score: -500, Member: "mallory"}).Err())
+	tb.submit(t, "carol", 30) // not projected
+
+	want := []Entry{{UserID: "carol", Score: 30, Rank: 1}, {UserID: "bob", Score: 20, Rank: 2}, {UserID: "ada", Score: 10, Rank: 3}}
+	auth, err := tb.board.Authoritative(ctx, 10)
+	require.NoError(t, err)
+	require.Equal(t, want, auth)
+	auth, err = tb.board.Authoritative(ctx, 1)
+	require.NoError(t, err)
+	require.Equal(t, want[:1], auth)
+
+	// Redis does answer otherwise: the edit is what a Redis read sees.
+	r, err := tb.board.Top(ctx, 10, WithPolicy(ServeStale))
+	require.NoError(t, err)
+	require.Equal(t, SourceRedis, r.Freshness.Source)
+	require.Equal(t, Entry{UserID: "ada", Score: 1000, Rank: 1}, r.Entries[0])
+}
+
 func TestPageCursor(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
