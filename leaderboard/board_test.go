@@ -290,6 +290,38 @@ func TestSubmit(t *testing.T) {
 		require.Equal(t, []int{2, 2, 2}, []int{events, users, queued})
 	})
 
+	// The configured MaxUserIDLength and delta pair are the limits, not the
+	// defaults: MinDelta 0, MaxDelta 50 allows increments only.
+	t.Run("ConfiguredLimits", func(t *testing.T) {
+		t.Parallel()
+		tb := setup(t, func(c *Config) { c.MaxUserIDLength, c.MinDelta, c.MaxDelta = 4, 0, 50 })
+		for _, tc := range []struct {
+			cmd   Command
+			field string
+		}{
+			{Command{EventID: uuid.New(), UserID: "abcde", Delta: 1}, "UserID"},
+			{Command{EventID: uuid.New(), UserID: "ab", Delta: -1}, "Delta"},
+			{Command{EventID: uuid.New(), UserID: "ab", Delta: 51}, "Delta"},
+		} {
+			_, err := tb.board.Submit(ctx, tc.cmd)
+			var verr *ValidationError
+			require.ErrorAs(t, err, &verr, "%+v", tc.cmd)
+			require.Equal(t, tc.field, verr.Field)
+			_, err = tb.board.SubmitBatch(ctx, []Command{tc.cmd})
+			require.ErrorAs(t, err, &verr, "%+v", tc.cmd)
+			require.Equal(t, tc.field, verr.Field)
+		}
+		for _, cmd := range []Command{
+			{EventID: uuid.New(), UserID: "abcd", Delta: 0},
+			{EventID: uuid.New(), UserID: "ab", Delta: 50},
+		} {
+			_, err := tb.board.Submit(ctx, cmd)
+			require.NoError(t, err)
+		}
+		events, users, queued := tb.counts(t)
+		require.Equal(t, []int{2, 2, 2}, []int{events, users, queued})
+	})
+
 	t.Run("ScoreOutOfRange", func(t *testing.T) {
 		t.Parallel()
 		tb := setup(t, func(c *Config) { c.MinDelta, c.MaxDelta = MinScore, MaxScore })
