@@ -30,6 +30,22 @@ func setup(t *testing.T, mutate ...func(*Config)) *testBundle {
 	return setupTB(t, mutate...)
 }
 
+// sibling opens the board name in the bundle's schema and key prefix: the
+// same tables and the same Redis namespace, as another board of one
+// deployment. mutate, when given, adjusts its Config. It is closed at
+// cleanup.
+func (tb *testBundle) sibling(t *testing.T, name string, mutate ...func(*Config)) *Board {
+	t.Helper()
+	cfg := &Config{Name: name, Schema: tb.pg.Schema, KeyPrefix: tb.rd.Prefix}
+	for _, m := range mutate {
+		m(cfg)
+	}
+	b, err := New(tb.pg.Pool, tb.rd.Client, cfg)
+	require.NoError(t, err)
+	t.Cleanup(b.Close)
+	return b
+}
+
 // setupTB is setup for tests and benchmarks.
 func setupTB(t testing.TB, mutate ...func(*Config)) *testBundle {
 	t.Helper()
@@ -161,8 +177,7 @@ func TestSubmit(t *testing.T) {
 			require.Equal(t, cmd, conflict.Attempted)
 		}
 		// Another board of the same tables must not reuse the id either.
-		other, err := New(tb.pg.Pool, tb.rd.Client, &Config{Name: "other", Schema: tb.pg.Schema, KeyPrefix: tb.rd.Prefix})
-		require.NoError(t, err)
+		other := tb.sibling(t, "other")
 		_, err = other.Submit(ctx, Command{EventID: id, UserID: "user-a", Delta: 10})
 		require.ErrorIs(t, err, ErrIdempotencyConflict)
 
@@ -471,9 +486,7 @@ func TestSubmitBatch(t *testing.T) {
 		id := uuid.New()
 		_, err := tb.board.Submit(ctx, Command{EventID: id, UserID: "a", Delta: 1})
 		require.NoError(t, err)
-		other, err := New(tb.pg.Pool, tb.rd.Client, &Config{Name: "other", Schema: tb.pg.Schema, KeyPrefix: tb.rd.Prefix})
-		require.NoError(t, err)
-		t.Cleanup(other.Close)
+		other := tb.sibling(t, "other")
 		otherID := uuid.New()
 		_, err = other.Submit(ctx, Command{EventID: otherID, UserID: "a", Delta: 1})
 		require.NoError(t, err)
@@ -513,9 +526,7 @@ func TestSubmitBatch(t *testing.T) {
 		id := uuid.New()
 		_, err := tb.board.Submit(ctx, Command{EventID: id, UserID: "a", Delta: 1})
 		require.NoError(t, err)
-		other, err := New(tb.pg.Pool, tb.rd.Client, &Config{Name: "other", Schema: tb.pg.Schema, KeyPrefix: tb.rd.Prefix})
-		require.NoError(t, err)
-		t.Cleanup(other.Close)
+		other := tb.sibling(t, "other")
 		otherID := uuid.New()
 		_, err = other.Submit(ctx, Command{EventID: otherID, UserID: "x", Delta: 5})
 		require.NoError(t, err)

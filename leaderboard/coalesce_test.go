@@ -332,10 +332,7 @@ func TestSubmitGroups(t *testing.T) {
 				gb := setupGroups(t)
 				recorder := gb.board
 				if board != "" {
-					other, err := New(gb.pg.Pool, gb.rd.Client, &Config{Name: board, Schema: gb.pg.Schema, KeyPrefix: gb.rd.Prefix})
-					require.NoError(t, err)
-					t.Cleanup(other.Close)
-					recorder = other
+					recorder = gb.sibling(t, board)
 				}
 				recorded := Command{EventID: uuid.New(), UserID: "user-b", Delta: 1}
 				_, err := recorder.Submit(ctx, recorded)

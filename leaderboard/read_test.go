@@ -229,8 +229,7 @@ func TestPageCursor(t *testing.T) {
 
 	_, err = tb.board.Page(ctx, "not-a-cursor", 3)
 	require.ErrorIs(t, err, ErrInvalidCursor)
-	other, err := New(tb.pg.Pool, tb.rd.Client, &Config{Name: "other", Schema: tb.pg.Schema, KeyPrefix: tb.rd.Prefix})
-	require.NoError(t, err)
+	other := tb.sibling(t, "other")
 	_, err = other.Page(ctx, first.Next, 3)
 	require.ErrorIs(t, err, ErrInvalidCursor)
 	_, err = tb.board.Top(ctx, 0)
@@ -1420,9 +1419,7 @@ func TestFreshnessProbe(t *testing.T) {
 		// Another board's dead letter is not this board's lag. A long
 		// LagProbeInterval: a fresh measurement's age, however long its probe
 		// took, does not count as lag, so anything but zero is a dead letter.
-		other, err := New(tb.pg.Pool, tb.rd.Client, &Config{Name: "other", Schema: tb.pg.Schema, KeyPrefix: tb.rd.Prefix,
-			MaxLag: 2 * time.Hour, LagProbeInterval: time.Hour})
-		require.NoError(t, err)
+		other := tb.sibling(t, "other", func(c *Config) { c.MaxLag, c.LagProbeInterval = 2*time.Hour, time.Hour })
 		require.Zero(t, other.Freshness(ctx).Lag)
 
 		// Replayed and projected, the board is fresh again.
@@ -1456,15 +1453,14 @@ func TestFreshnessProbe(t *testing.T) {
 
 		// Newer versions of another user, or of the same user on another
 		// board, supersede nothing.
-		other, err := New(tb.pg.Pool, tb.rd.Client, &Config{Name: "other", Schema: tb.pg.Schema, KeyPrefix: tb.rd.Prefix})
-		require.NoError(t, err)
+		other := tb.sibling(t, "other")
 		for range 3 {
-			_, err = other.Submit(ctx, Command{EventID: uuid.New(), UserID: "user-a", Delta: 1})
+			_, err := other.Submit(ctx, Command{EventID: uuid.New(), UserID: "user-a", Delta: 1})
 			require.NoError(t, err)
 			tb.submit(t, "user-b", 1)
 		}
 		tb.drain(t)
-		_, err = tb.board.Top(ctx, 10)
+		_, err := tb.board.Top(ctx, 10)
 		var stale *StaleError
 		require.ErrorAs(t, err, &stale)
 		require.Greater(t, stale.Lag, 59*time.Second)
