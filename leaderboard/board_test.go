@@ -483,13 +483,8 @@ func TestSubmitBatch(t *testing.T) {
 	t.Run("ConflictWithARecordedCommandWritesNothing", func(t *testing.T) {
 		t.Parallel()
 		tb := setup(t)
-		id := uuid.New()
-		_, err := tb.board.Submit(ctx, Command{EventID: id, UserID: "a", Delta: 1})
-		require.NoError(t, err)
-		other := tb.sibling(t, "other")
-		otherID := uuid.New()
-		_, err = other.Submit(ctx, Command{EventID: otherID, UserID: "a", Delta: 1})
-		require.NoError(t, err)
+		id := record(t, tb.board, "a", 1)
+		otherID := record(t, tb.sibling(t, "other"), "a", 1)
 
 		for _, tc := range []struct {
 			name     string
@@ -523,13 +518,8 @@ func TestSubmitBatch(t *testing.T) {
 	t.Run("ConflictWithinTheBatchReportsTheRecordedCommand", func(t *testing.T) {
 		t.Parallel()
 		tb := setup(t)
-		id := uuid.New()
-		_, err := tb.board.Submit(ctx, Command{EventID: id, UserID: "a", Delta: 1})
-		require.NoError(t, err)
-		other := tb.sibling(t, "other")
-		otherID := uuid.New()
-		_, err = other.Submit(ctx, Command{EventID: otherID, UserID: "x", Delta: 5})
-		require.NoError(t, err)
+		id := record(t, tb.board, "a", 1)
+		otherID := record(t, tb.sibling(t, "other"), "x", 5)
 
 		for _, tc := range []struct {
 			name      string
@@ -559,7 +549,7 @@ func TestSubmitBatch(t *testing.T) {
 		// With nothing recorded, the batch's first command under the id is
 		// the one the conflict describes.
 		dup := uuid.New()
-		_, err = tb.board.SubmitBatch(ctx, []Command{
+		_, err := tb.board.SubmitBatch(ctx, []Command{
 			{EventID: uuid.New(), UserID: "c", Delta: 7},
 			{EventID: dup, UserID: "c", Delta: 1},
 			{EventID: dup, UserID: "c", Delta: 2},

@@ -34,6 +34,16 @@ func (tb *testBundle) submit(t *testing.T, user string, delta int64) Result {
 	return res
 }
 
+// record submits a command with a new event id on b and returns that id,
+// for tests that reuse it.
+func record(t *testing.T, b *Board, user string, delta int64) uuid.UUID {
+	t.Helper()
+	id := uuid.New()
+	_, err := b.Submit(context.Background(), Command{EventID: id, UserID: user, Delta: delta})
+	require.NoError(t, err)
+	return id
+}
+
 // drain projects everything pending.
 func (tb *testBundle) drain(t *testing.T) {
 	t.Helper()

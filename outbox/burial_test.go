@@ -127,8 +127,7 @@ func TestClaimBuriesRowsAtItsMaxAttempts(t *testing.T) {
 			n, err := more.RunOnce(ctx)
 			require.NoError(t, err)
 			require.Equal(t, 1, n)
-			_, err = b.pool.Exec(ctx, `UPDATE `+b.writer.Table()+` SET available_at = now()`)
-			require.NoError(t, err)
+			b.makeDue(t)
 		}
 
 		h := &recorder{fail: func(outbox.Record) error { return errors.New("handed out") }}
@@ -255,8 +254,7 @@ func (b *testBundle) exhaustedBacklog(t *testing.T, n int, good ...outbox.Messag
 		got, err := more.RunOnce(ctx)
 		require.NoError(t, err)
 		require.Equal(t, n, got)
-		_, err = b.pool.Exec(ctx, `UPDATE `+b.writer.Table()+` SET available_at = now()`)
-		require.NoError(t, err)
+		b.makeDue(t)
 	}
 	b.appendCommitted(t, good...)
 }

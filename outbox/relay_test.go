@@ -818,8 +818,7 @@ func TestRelayRetries(t *testing.T) {
 			us, err := pgx.CollectRows(rows, pgx.RowTo[int64])
 			require.NoError(t, err)
 			require.Len(t, us, len(msgs), "every failed row is still in the outbox")
-			_, err = b.pool.Exec(ctx, `UPDATE `+b.writer.Table()+` SET available_at = now()`)
-			require.NoError(t, err)
+			b.makeDue(t)
 			out := make([]time.Duration, len(us))
 			for i, v := range us {
 				out[i] = time.Duration(v) * time.Microsecond
@@ -882,8 +881,7 @@ func TestRelayRetries(t *testing.T) {
 		requireStored(*rows[0].LastError)
 
 		// The dead-letter path stores it the same way.
-		_, err = b.pool.Exec(ctx, `UPDATE `+b.writer.Table()+` SET available_at = now()`)
-		require.NoError(t, err)
+		b.makeDue(t)
 		n, err = r.RunOnce(ctx)
 		require.NoError(t, err)
 		require.Equal(t, 1, n)

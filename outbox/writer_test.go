@@ -57,6 +57,14 @@ func (b *testBundle) appendCommitted(t *testing.T, msgs ...outbox.Message) {
 	require.NoError(t, tx.Commit(ctx))
 }
 
+// makeDue makes every outbox row due now, as if its retry backoff had
+// passed.
+func (b *testBundle) makeDue(t *testing.T) {
+	t.Helper()
+	_, err := b.pool.Exec(context.Background(), `UPDATE `+b.writer.Table()+` SET available_at = now()`)
+	require.NoError(t, err)
+}
+
 // outboxRow is a row of the outbox as stored.
 type outboxRow struct {
 	ID          int64
