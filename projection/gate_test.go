@@ -281,6 +281,7 @@ func TestGate(t *testing.T) {
 					call = append(call, doc("d", 5, "{}"))
 				}
 				require.Equal(t, OutcomeDuplicate, gb.apply(t, call...)[0], "mixed %v", mixed)
+				require.Equal(t, storedState{}, readState(t, gb.client, gb.ks, lost.Target), "mixed %v: a duplicate writes nothing, not even a lost value", mixed)
 				// A value key of another type (a hand edit) cannot be read:
 				// no conflict, and no error either, as nothing is written.
 				typed := []Write{zset("zt"+n, "m", 5, 1), hash("ht"+n, "m", 5, "a")}
@@ -298,6 +299,7 @@ func TestGate(t *testing.T) {
 				}
 				for i, o := range gb.apply(t, again...) {
 					require.Equal(t, OutcomeDuplicate, o, "mixed %v: %v", mixed, again[i].Target)
+					require.Equal(t, "list", gb.client.Type(ctx, gb.ks.ValueKey(again[i].Target)).Val(), "mixed %v: %v: the duplicate wrote", mixed, again[i].Target)
 				}
 			}
 		})
