@@ -189,3 +189,32 @@ func TestGateVersionHashOfAnotherType(t *testing.T) {
 	}
 	require.Equal(t, "not a hash", rd.Client.Get(ctx, versions).Val())
 }
+
+// TestGateLayoutMismatchAdoptsNothing: a slot group refused for one
+// collection's layout writes nothing, not even the layout key of a new
+// collection checked before it: a refused writer must not pin the bucket
+// count of a collection it never wrote. (One node: on Cluster and a Ring
+// the two collections are sent in calls of their own.)
+func TestGateLayoutMismatchAdoptsNothing(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	flat := setupGate(t, backends[0])
+	eight := flat.bucketed(t, 8)
+	eight.apply(t, zset("board", "a", 1, 10))
+	board := flat.dump(t, "board", KindSortedSet)
+	for _, writes := range [][]Write{
+		{hash("new", "a", 1, "x"), zset("board", "b", 1, 1)},
+		{zset("board", "b", 1, 1), hash("new", "a", 1, "x")},
+	} {
+		out, err := flat.gate.Apply(ctx, writes)
+		require.Nil(t, out)
+		var lm *LayoutMismatchError
+		require.ErrorAs(t, err, &lm)
+		require.Equal(t, LayoutMismatchError{Kind: KindSortedSet, Name: "board", Stored: 8, Configured: 0}, *lm)
+		require.Empty(t, flat.dump(t, "new", KindHash), "the refused call wrote the new collection's keys")
+		require.Equal(t, board, flat.dump(t, "board", KindSortedSet))
+	}
+	// The new collection takes the count of its first write that lands.
+	require.Equal(t, []Outcome{OutcomeApplied}, eight.apply(t, hash("new", "a", 1, "x")))
+	require.Equal(t, "8", flat.client.Get(ctx, flat.ks.LayoutKey("new", KindHash)).Val())
+}
