@@ -3,6 +3,7 @@ package projection
 import (
 	"context"
 	"errors"
+	"slices"
 	"testing"
 	"time"
 
@@ -63,6 +64,39 @@ func TestCheckEvictionPolicy(t *testing.T) {
 		var nilClient *redis.Client
 		require.ErrorIs(t, CheckEvictionPolicy(ctx, nilClient), ErrInvalidConfig)
 	})
+}
+
+// TestCheckEvictionPolicyRing: every shard of a Ring is asked, and each
+// that may evict is reported under its own address, the errors sorted by
+// server whatever order the shards answer in.
+func TestCheckEvictionPolicyRing(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	addrs := map[string]string{"keeps": testenv.StartRedis(t, "--maxmemory", "100mb", "--maxmemory-policy", "noeviction").Addr()}
+	var evicting []string
+	for _, policy := range []string{"allkeys-lru", "allkeys-lfu", "allkeys-random"} {
+		addr := testenv.StartRedis(t, "--maxmemory", "100mb", "--maxmemory-policy", policy).Addr()
+		addrs[policy] = addr
+		evicting = append(evicting, addr)
+	}
+	ring := redis.NewRing(&redis.RingOptions{Addrs: addrs, HeartbeatFn: func(context.Context, *redis.Client) bool { return true }})
+	t.Cleanup(func() { _ = ring.Close() })
+	for range 5 { // the shards answer concurrently
+		err := CheckEvictionPolicy(ctx, ring)
+		require.ErrorIs(t, err, ErrEvictionPolicy)
+		joined, ok := err.(interface{ Unwrap() []error })
+		require.True(t, ok, "%v", err)
+		var got, text []string
+		for _, e := range joined.Unwrap() {
+			var perr *EvictionPolicyError
+			require.ErrorAs(t, e, &perr)
+			require.Equal(t, addrs[perr.Policy], perr.Addr)
+			got = append(got, perr.Addr)
+			text = append(text, e.Error())
+		}
+		require.ElementsMatch(t, evicting, got)
+		require.True(t, slices.IsSorted(text), "sorted by server: %q", text)
+	}
 }
 
 // TestCheckEvictionPolicyCluster sets an evicting policy on one replica of
