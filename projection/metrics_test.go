@@ -98,8 +98,15 @@ func TestProjectorMetrics(t *testing.T) {
 		w := Write{Target: Target{Kind: KindSortedSet, Name: "board", Member: "erin"}, Version: 1, Value: Value{Score: 3}}
 		_, err := p.Gate().ApplyShadow(ctx, "", []Write{w})
 		require.NoError(t, err)
+		// A rebuild's counted copy is a shadow write too.
+		require.NoError(t, p.Gate().client.Set(ctx, p.Keyspace().RebuildMarkerKey("board", KindSortedSet), "tok", 0).Err())
+		w.Target.Member = "fay"
+		_, err = p.Gate().ApplyShadowCopy(ctx, "tok", 1, []Write{w})
+		require.NoError(t, err)
 		s := rec.Collect(t)
-		require.Equal(t, int64(1), s.Int(metricWrites, board, outcome("applied"), attribute.String(AttributeMode, "shadow")))
+		require.Equal(t, int64(2), s.Int(metricWrites, board, outcome("applied"), attribute.String(AttributeMode, "shadow")))
+		require.Equal(t, int64(2), s.Int(metricWrites), "no write under another mode")
+		require.Equal(t, uint64(2), s.Count(metricBatchDuration, attribute.String(AttributeMode, "shadow")))
 		require.Zero(t, s.Int(metricWrites, attribute.String(AttributeMode, "live")))
 		require.Zero(t, s.Count(metricLag), "writes that do not come from the outbox have no commit time")
 	})
