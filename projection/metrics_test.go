@@ -150,6 +150,27 @@ func TestProjectorMetrics(t *testing.T) {
 		require.Equal(t, int64(1), s.Int(metricWrites, attribute.String(AttributeKind, "document"), outcome("applied")))
 	})
 
+	t.Run("CorruptVersionHasItsOwnReason", func(t *testing.T) {
+		t.Parallel()
+		p, rec := setup(t)
+		kim := Target{Kind: KindSortedSet, Name: "board", Member: "kim"}
+		require.NoError(t, p.Gate().client.HSet(ctx, p.Keyspace().VersionKey(kim), "kim", "007").Err())
+		batch := []outbox.Record{record("scores", "kim", 1, "2"), record("scores", "lee", 1, "3")}
+		results, err := p.Handle(ctx, batch)
+		require.NoError(t, err)
+		require.ErrorIs(t, results[0].Err, ErrCorruptVersion)
+		require.NoError(t, results[1].Err)
+		_, err = p.Project(ctx, batch)
+		require.ErrorIs(t, err, ErrCorruptVersion)
+
+		s := rec.Collect(t)
+		require.Equal(t, int64(2), s.Int(metricFailed, reason("corrupt_version")), "one record through Handle, one through Project")
+		require.Equal(t, int64(2), s.Int(metricFailed), "no other reason")
+		require.Equal(t, int64(2), s.Int(metricWrites, board, outcome("unknown")))
+		require.Equal(t, int64(1), s.Int(metricWrites, board, outcome("applied")))
+		require.Equal(t, int64(1), s.Int(metricWrites, board, outcome("duplicate")))
+	})
+
 	// A slot group sent again write by write to find a key of another type
 	// is counted once: each write with its final outcome, one batch.
 	t.Run("WrongKeyTypeIsCountedOnce", func(t *testing.T) {
