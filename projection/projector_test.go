@@ -16,6 +16,7 @@ import (
 	"github.com/redis/go-redis/v9"
 	"github.com/stretchr/testify/require"
 
+	"github.com/verity-go/verity/internal/lograte"
 	"github.com/verity-go/verity/internal/testenv"
 	"github.com/verity-go/verity/outbox"
 )
@@ -627,6 +628,24 @@ func TestProjectorLogs(t *testing.T) {
 		if time.Since(start) < 900*time.Millisecond {
 			require.Len(t, warnings(), 1, "a second line within a second")
 		}
+		// Batches of conflicts until the next line: it comes a second after
+		// the first at the earliest and reports, as suppressed, every batch
+		// not logged since.
+		batches, ctx := 2, context.Background()
+		var projectErr error
+		require.Eventually(t, func() bool {
+			if _, projectErr = p.Project(ctx, []outbox.Record{third}); projectErr != nil {
+				return true
+			}
+			batches++
+			return len(warnings()) > 1
+		}, 30*time.Second, 20*time.Millisecond)
+		require.NoError(t, projectErr)
+		require.GreaterOrEqual(t, time.Since(start), lograte.Interval)
+		lines = warnings()
+		require.Len(t, lines, 2)
+		require.Contains(t, lines[1], "conflicts_in_batch=1")
+		require.True(t, strings.HasSuffix(lines[1], fmt.Sprintf(" suppressed=%d", batches-2)), "%d batches of conflicts: %s", batches, lines[1])
 
 		// The relay acknowledges a conflict: sending it again cannot help,
 		// and the source keeps the record of what it meant.
