@@ -574,20 +574,21 @@ func TestNewRedisProjectorNeedsBoundedCommands(t *testing.T) {
 	})
 }
 
+// loggedProjector returns a projector on a single node that logs, from
+// Debug up, as text into the returned buffer.
+func loggedProjector(t *testing.T) (*RedisProjector, *projectorBundle, *bytes.Buffer) {
+	t.Helper()
+	pb := setupProjector(t, backends[0])
+	var buf bytes.Buffer
+	logger := slog.New(slog.NewTextHandler(&buf, &slog.HandlerOptions{Level: slog.LevelDebug}))
+	p, err := NewRedisProjector(pb.client, testMapper(), &Config{Prefix: pb.ks.Prefix(), Logger: logger})
+	require.NoError(t, err)
+	return p, pb, &buf
+}
+
 func TestProjectorLogs(t *testing.T) {
 	t.Parallel()
-	// logged returns a projector on a single node that logs, from Debug
-	// up, as text into the returned buffer.
-	logged := func(t *testing.T) (*RedisProjector, *projectorBundle, *bytes.Buffer) {
-		t.Helper()
-		pb := setupProjector(t, backends[0])
-		var buf bytes.Buffer
-		logger := slog.New(slog.NewTextHandler(&buf, &slog.HandlerOptions{Level: slog.LevelDebug}))
-		p, err := NewRedisProjector(pb.client, testMapper(), &Config{Prefix: pb.ks.Prefix(), Logger: logger})
-		require.NoError(t, err)
-		return p, pb, &buf
-	}
-	p, _, buf := logged(t)
+	p, _, buf := loggedProjector(t)
 	_, err := p.Handle(context.Background(), []outbox.Record{record("scores", "a", 1, "1"), record("scores", "a", 1, "1"), record("x", "a", 1, "1")})
 	require.NoError(t, err)
 	require.Contains(t, buf.String(), "applied=1 duplicate=1 stale=0 conflict=0 failed=1")
@@ -595,7 +596,7 @@ func TestProjectorLogs(t *testing.T) {
 
 	t.Run("ConflictIsAWarning", func(t *testing.T) {
 		t.Parallel()
-		p, pb, buf := logged(t)
+		p, pb, buf := loggedProjector(t)
 		warnings := func() []string {
 			var out []string
 			for _, l := range strings.Split(buf.String(), "\n") {
@@ -654,6 +655,27 @@ func TestProjectorLogs(t *testing.T) {
 		require.Equal(t, []outbox.Result{{}, {}}, results)
 		require.Equal(t, storedState{true, "10", "3"}, readState(t, pb.client, pb.ks, Target{Kind: KindSortedSet, Name: "board", Member: "a"}))
 	})
+}
+
+// TestProjectorLogsHandleConflict: the relay's path warns about a conflict
+// too, naming the record by its place in the batch, records its Mapper
+// refused included.
+func TestProjectorLogsHandleConflict(t *testing.T) {
+	t.Parallel()
+	p, _, buf := loggedProjector(t)
+	ctx := context.Background()
+	results, err := p.Handle(ctx, []outbox.Record{record("x", "a", 1, "1"), record("scores", "a", 1, "1")})
+	require.NoError(t, err)
+	require.NoError(t, results[1].Err)
+	require.NotContains(t, buf.String(), "level=WARN")
+	conflict := record("scores", "a", 1, "2")
+	results, err = p.Handle(ctx, []outbox.Record{record("x", "b", 1, "1"), conflict})
+	require.NoError(t, err)
+	require.NoError(t, results[1].Err, "a conflict is acknowledged")
+	require.Equal(t, 1, strings.Count(buf.String(), "level=WARN"), buf.String())
+	for _, attr := range []string{"record_id=" + strconv.FormatInt(conflict.ID, 10), "key=a", "version=1", "conflicts_in_batch=1"} {
+		require.Contains(t, buf.String(), attr)
+	}
 }
 
 func TestMappers(t *testing.T) {
