@@ -77,6 +77,31 @@ func TestProjectorMetrics(t *testing.T) {
 		require.Equal(t, uint64(2), s.Count(metricBatchDuration, attribute.String(AttributeMode, "live")))
 	})
 
+	// Handle measures each applied record's lag from its own CreatedAt,
+	// under its own name, when records its Mapper refused come first.
+	t.Run("HandleLagOfEachRecord", func(t *testing.T) {
+		t.Parallel()
+		p, rec := setup(t)
+		now := time.Now()
+		p.metrics.now = func() time.Time { return now }
+		at := func(r outbox.Record, ago time.Duration) outbox.Record { r.CreatedAt = now.Add(-ago); return r }
+		results, err := p.Handle(ctx, []outbox.Record{
+			at(record("nowhere", "x", 1, "1"), 5*time.Second),
+			at(record("scores", "lou", 1, "1"), 2*time.Second),
+			at(record("orders", "8", 1, "{}"), time.Second),
+			at(record("scores", "lou", 1, "1"), 4*time.Second), // a duplicate: no lag
+		})
+		require.NoError(t, err)
+		require.ErrorIs(t, results[0].Err, ErrUnmappedStream)
+		s := rec.Collect(t)
+		require.Equal(t, uint64(1), s.Count(metricLag, board))
+		lag, _ := s.Min(metricLag, board)
+		require.Equal(t, 2.0, lag)
+		require.Equal(t, uint64(1), s.Count(metricLag, attribute.String(AttributeName, "")))
+		lag, _ = s.Min(metricLag, attribute.String(AttributeName, ""))
+		require.Equal(t, 1.0, lag)
+	})
+
 	t.Run("ClockSkewRecordsZeroLag", func(t *testing.T) {
 		t.Parallel()
 		p, rec := setup(t)
