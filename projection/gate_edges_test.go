@@ -94,6 +94,11 @@ func TestLayoutMismatchReportsMaxBuckets(t *testing.T) {
 	require.ErrorAs(t, err, &lm)
 	require.Equal(t, LayoutMismatchError{Kind: KindSortedSet, Name: "board", Stored: VersionBucketsMax, Configured: 4}, *lm)
 	require.Equal(t, VersionBucketsMax, ParseLayout(strconv.Itoa(VersionBucketsMax)))
+	// ParseLayout reads what readers find in a layout key: a canonical
+	// decimal within [0, VersionBucketsMax], else -1.
+	for s, want := range map[string]int{"0": 0, "8": 8, strconv.Itoa(VersionBucketsMax + 1): -1, "-1": -1, "07": -1, "+8": -1, "": -1, "8 ": -1, "x": -1} {
+		require.Equal(t, want, ParseLayout(s), "%q", s)
+	}
 }
 
 // TestGateOnAFullRedis: a Redis at maxmemory with the noeviction policy
