@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"encoding/json"
 	"net"
 	"net/http"
 	"os"
@@ -23,11 +24,15 @@ import (
 // scheduled reconcile), uses it, cancels it, and checks that Run returns and
 // leaves no goroutine behind. It is not parallel on purpose: it counts the
 // process's goroutines, which other tests running at the same time would
-// change.
+// change. The request in flight when it is cancelled is a read-your-writes
+// read of a version submitted only once the listener is closed: it is
+// answered with that version, so the worker kept projecting until the
+// request was done.
 func TestRunShutsDownGracefully(t *testing.T) {
-	// A read-your-writes read of a version that never comes waits this
-	// long in the handler: the in-flight request of the shutdown.
-	const slowRead = time.Second
+	// The in-flight read waits up to this long for its version; the worker
+	// must project it well before, so a shutdown that stops the worker
+	// first answers it unmet, and late.
+	const slowRead = 8 * time.Second
 	tb := setup(t, func(c *leaderboard.Config) { c.ReadYourWritesTimeout = slowRead })
 	svc, err := NewService(tb.pg.Pool, tb.rd.Client, tb.board, ServiceConfig{ReconcileEvery: 50 * time.Millisecond, ReconcileSample: 10})
 	require.NoError(t, err)
@@ -36,7 +41,7 @@ func TestRunShutsDownGracefully(t *testing.T) {
 	slowStarted := make(chan struct{})
 	handler := svc.handler
 	svc.handler = http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		if r.URL.Query().Get("at_least") == "99" {
+		if r.URL.Query().Get("at_least") == "2" {
 			close(slowStarted)
 		}
 		handler.ServeHTTP(w, r)
@@ -72,34 +77,50 @@ func TestRunShutsDownGracefully(t *testing.T) {
 		return last != nil && last.Checked == 1 && last.Error == ""
 	}, 10*time.Second, 20*time.Millisecond, "the scheduled reconcile never reported")
 
-	// Shut down while a request is in flight: it must still be answered.
-	slowDone := make(chan int, 1)
+	// Shut down while a request is in flight, waiting for ada's version 2:
+	// it must still be answered, and with that version.
+	type answer struct {
+		status int
+		body   rankResponse
+	}
+	slowDone := make(chan answer, 1)
 	go func() {
-		resp, err := client.Get(base + "/users/ada/rank?at_least=99")
+		resp, err := client.Get(base + "/users/ada/rank?at_least=2")
 		if err != nil {
-			slowDone <- -1
+			slowDone <- answer{status: -1}
 			return
 		}
-		resp.Body.Close()
-		slowDone <- resp.StatusCode
+		defer resp.Body.Close()
+		a := answer{status: resp.StatusCode}
+		_ = json.NewDecoder(resp.Body).Decode(&a.body)
+		slowDone <- a
 	}()
 	select {
 	case <-slowStarted:
 	case <-time.After(10 * time.Second):
 		t.Fatal("the slow request never reached the handler")
 	}
-	shutdownStarted := time.Now()
 	cancel()
+	require.Eventually(t, func() bool {
+		resp, err := client.Get(base + "/healthz")
+		if err == nil {
+			resp.Body.Close()
+		}
+		return err != nil
+	}, 10*time.Second, 5*time.Millisecond, "the listener never closed")
+	res, err := tb.board.Submit(context.Background(), leaderboard.Command{EventID: uuid.New(), UserID: "ada", Delta: 3})
+	require.NoError(t, err)
+	require.Equal(t, int64(2), res.Version)
 	select {
 	case err := <-done:
 		require.NoError(t, err)
 	case <-time.After(15 * time.Second):
 		t.Fatal("Run did not return after cancellation")
 	}
-	require.Equal(t, http.StatusOK, <-slowDone, "the in-flight request was answered")
-	require.GreaterOrEqual(t, time.Since(shutdownStarted), slowRead/2, "Run waited for the in-flight request")
-	_, err = client.Get(base + "/healthz")
-	require.Error(t, err, "the listener is closed")
+	got := <-slowDone
+	require.Equal(t, http.StatusOK, got.status, "the in-flight request was answered")
+	require.True(t, got.body.Freshness.AtLeastMet, "the worker stopped before the in-flight request was done")
+	require.Equal(t, int64(10), got.body.Score)
 
 	// Goroutines wind down asynchronously (connection readers notice the
 	// close); give them a moment, then compare.
