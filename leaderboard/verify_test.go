@@ -238,6 +238,38 @@ func TestVerify(t *testing.T) {
 		require.Equal(t, int64(1), looks.Load(), "reads within LagProbeInterval looked again")
 	})
 
+	// What a Verify finds reaches its own board's reads at once, not once
+	// their last look for the record is LagProbeInterval old: the record it
+	// made, and the deletion of an earlier one by a pass that found the
+	// projection wrong.
+	t.Run("OwnVerifyIsSeenAtOnce", func(t *testing.T) {
+		t.Parallel()
+		tb := setup(t, func(c *Config) {
+			c.RequireVerifiedProjection = true
+			c.ReadPolicy = FailClosed
+			c.LagProbeInterval = time.Hour
+			c.MaxLag = 2 * time.Hour
+		})
+		tb.submit(t, "ada", 10)
+		tb.drain(t)
+		requireUnverified(t, tb) // a look that found no record, good for an hour
+		_, verified, err := tb.board.Verify(ctx, nil)
+		require.NoError(t, err)
+		require.True(t, verified)
+		r, err := tb.board.Top(ctx, 10)
+		require.NoError(t, err, "the board's own Verify went unseen")
+		require.False(t, r.Freshness.Unverified)
+
+		// A member PostgreSQL does not have, which the default policy
+		// leaves: the next pass refutes the record.
+		require.NoError(t, tb.rd.Client.ZAdd(ctx, tb.board.SortedSetKey(), redis.Z{Score: -5, Member: "ghost"}).Err())
+		rep, verified, err := tb.board.Verify(ctx, nil)
+		require.NoError(t, err)
+		require.False(t, verified)
+		require.Equal(t, int64(1), rep.Counts[reconcile.ClassOrphan])
+		requireUnverified(t, tb)
+	})
+
 	t.Run("LossDuringVerifyIsNotRecorded", func(t *testing.T) {
 		t.Parallel()
 		tb := verifying(t)
