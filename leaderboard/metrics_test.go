@@ -145,6 +145,39 @@ func TestBoardMetrics(t *testing.T) {
 		require.Equal(t, int64(2), s.Int(metricSubmits, board, outcome("duplicate")))
 	})
 
+	// A score out of range and a SubmitTx lost to a twin that committed
+	// while it ran have outcomes of their own, not error.
+	t.Run("OutOfRangeAndConcurrentSubmits", func(t *testing.T) {
+		t.Parallel()
+		rec := metrictest.New(t)
+		tb := setup(t, func(c *Config) {
+			c.MeterProvider = rec.Provider
+			c.MinDelta, c.MaxDelta = MinScore, MaxScore
+		})
+		board := attribute.String(AttributeBoard, tb.board.Name())
+		_, err := tb.board.Submit(ctx, Command{EventID: uuid.New(), UserID: "max", Delta: MaxScore})
+		require.NoError(t, err)
+		_, err = tb.board.Submit(ctx, Command{EventID: uuid.New(), UserID: "max", Delta: 1})
+		require.ErrorIs(t, err, ErrScoreOutOfRange)
+
+		begin := txPaths(t, tb)["Pgx"]
+		cmd := Command{EventID: uuid.New(), UserID: "erin", Delta: 4}
+		first := begin(t)
+		_, err = tb.board.SubmitTx(ctx, first.tx, cmd)
+		require.NoError(t, err)
+		twin := begin(t)
+		err = commitFirstWhileTwinWaits(t, tb, first, twin, func() error {
+			_, err := tb.board.SubmitTx(ctx, twin.tx, cmd)
+			return err
+		})
+		require.ErrorIs(t, err, ErrConcurrentSubmit)
+
+		s := rec.Collect(t)
+		require.Equal(t, int64(1), s.Int(metricSubmits, board, outcome("out_of_range")))
+		require.Equal(t, int64(1), s.Int(metricSubmits, board, outcome("concurrent")))
+		require.Zero(t, s.Int(metricSubmits, board, outcome("error")))
+	})
+
 	// A read refused for invalid input before any store is read is the
 	// caller's mistake, not an outage: not counted, whether the limit, the
 	// cursor or a ReadOption is wrong.
