@@ -117,6 +117,11 @@ func TestRunShutsDownGracefully(t *testing.T) {
 	case <-time.After(15 * time.Second):
 		t.Fatal("Run did not return after cancellation")
 	}
+	// Run returned after its worker's Run did: the worker is free to run
+	// again (a Run still under way refuses another).
+	ended, end := context.WithCancel(context.Background())
+	end()
+	require.NoError(t, svc.worker.Run(ended), "Run returned before its worker stopped")
 	got := <-slowDone
 	require.Equal(t, http.StatusOK, got.status, "the in-flight request was answered")
 	require.True(t, got.body.Freshness.AtLeastMet, "the worker stopped before the in-flight request was done")
