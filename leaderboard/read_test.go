@@ -788,6 +788,23 @@ func TestReadYourWrites(t *testing.T) {
 		require.Equal(t, int64(10), e.Score)
 	})
 
+	// A caller that gives up while its read waits for a version gets its
+	// own ctx's error, under FailClosed too: not a *StaleError, which
+	// would blame the projection.
+	t.Run("CallerGivingUpDuringTheWaitIsNotStale", func(t *testing.T) {
+		t.Parallel()
+		tb := setup(t, func(c *Config) {
+			c.ReadPolicy = FailClosed
+			c.ReadYourWritesTimeout = time.Minute
+		})
+		res := tb.submit(t, "user-a", 10) // never projected
+		rctx, cancel := context.WithCancel(ctx)
+		defer time.AfterFunc(300*time.Millisecond, cancel).Stop()
+		_, _, err := tb.board.Rank(rctx, "user-a", AtLeast("user-a", res.Version))
+		require.ErrorIs(t, err, context.Canceled)
+		require.NotErrorIs(t, err, ErrStale)
+	})
+
 	t.Run("UnprojectedNewUserIsStaleNotMissing", func(t *testing.T) {
 		t.Parallel()
 		// A user's first score, not projected yet: with ServeStale the
