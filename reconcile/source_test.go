@@ -268,6 +268,28 @@ func TestSQLSource(t *testing.T) {
 		require.Equal(t, "n", rowErr.Key)
 	})
 
+	// Filters on a column whose name needs quoting, several at once (each
+	// compared with its own parameter), and a NULL key: only the row
+	// matching every filter is read, by Page and by Lookup, and the
+	// NULL-keyed row is ignored.
+	t.Run("FiltersQuotedNumberedAndNullKeys", func(t *testing.T) {
+		t.Parallel()
+		pg := testenv.Postgres(t)
+		_, err := pg.Pool.Exec(ctx, `CREATE TABLE f ("Key" text, v bigint NOT NULL, p bigint NOT NULL, "Board Name" text NOT NULL, season int NOT NULL);
+			INSERT INTO f VALUES ('a', 1, 10, 'weekly', 1), ('b', 1, 20, 'weekly', 2), ('c', 1, 30, 'daily', 1), (NULL, 1, 40, 'weekly', 1)`)
+		require.NoError(t, err)
+		src, err := NewSQLSource(pg.Pool, &SQLSourceConfig{Table: "f", Schema: pg.Schema, KeyColumn: "Key", VersionColumn: "v",
+			ValueColumn: "p", Kind: projection.KindSortedSet, Filters: []Filter{{Column: "Board Name", Value: "weekly"}, {Column: "season", Value: 1}}})
+		require.NoError(t, err)
+		want := []Row{{Key: "a", Version: 1, Value: projection.Value{Score: 10}}}
+		rows, err := src.Page(ctx, Cursor{}, 10)
+		require.NoError(t, err)
+		require.Equal(t, want, rows)
+		rows, err = src.Lookup(ctx, []string{"a", "b", "c"})
+		require.NoError(t, err)
+		require.Equal(t, want, rows)
+	})
+
 	t.Run("Config", func(t *testing.T) {
 		t.Parallel()
 		pg := testenv.Postgres(t)
