@@ -47,6 +47,9 @@ func TestConfig(t *testing.T) {
 			"Config.RepairTimeout":    {RepairTimeout: -time.Second},
 			"Config.RebuildMarkerTTL": {RebuildMarkerTTL: time.Millisecond},
 			"Config.Policy.Orphan":    {Policy: Policy{Orphan: ActionRepair + 1}},
+			"Config.Policy.Missing":   {Policy: Policy{Missing: ActionRepair + 1}},
+			"Config.Policy.Stale":     {Policy: Policy{Stale: ActionRepair + 1}},
+			"Config.Policy.Corrupt":   {Policy: Policy{Corrupt: ActionRepair + 1}},
 		} {
 			_, err := New(src, target, cfg)
 			var cfgErr *ConfigError
@@ -56,8 +59,8 @@ func TestConfig(t *testing.T) {
 		}
 		_, err = New(src, target, &Config{ReadAhead: ReadAheadMax + 1})
 		require.ErrorContains(t, err, "Config.ReadAhead: must be between 1 and 64")
-		_, err = New(src, target, &Config{ReadAhead: ReadAheadMax})
-		require.NoError(t, err)
+		_, err = New(src, target, &Config{ReadAhead: ReadAheadMax, PageSize: PageSizeMax, RebuildMarkerTTL: 100 * time.Millisecond})
+		require.NoError(t, err, "the largest ReadAhead and PageSize and the shortest RebuildMarkerTTL are valid")
 	})
 
 	// Repairs and Rebuild's switch run detached, bounded by RepairTimeout
