@@ -1209,3 +1209,37 @@ func TestRunRefusesWrongTypedKeysAlone(t *testing.T) {
 		require.Equal(t, map[Class]int64{ClassCurrent: 6, ClassOrphan: 1}, rep.Counts)
 	})
 }
+
+// TestRepairScoresRedisPrintsOtherwise force-repairs sorted-set members
+// whose scores Redis prints otherwise than the reconciler's read formats
+// them (3000000 against 3e+06, 0.10000000000000001 against 0.1): the
+// compare-and-set compares scores as numbers, so each repair is written,
+// not declined as raced run after run.
+func TestRepairScoresRedisPrintsOtherwise(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	b := setup(t, projection.KindSortedSet)
+	for key, score := range map[string]int64{"corrupt": 2_000_000, "fraction": 7, "ahead": 1} {
+		_, err := b.pool.Exec(ctx, `INSERT INTO items (key, board, version, score) VALUES ($1, $2, 1, $3)`, key, testBoard, score)
+		require.NoError(t, err)
+	}
+	var writes []projection.Write
+	for key, w := range map[string]struct{ version, score int64 }{
+		"corrupt": {1, 3_000_000}, "fraction": {1, 7}, "ahead": {2, projection.MaxScore}, "orphan": {1, -5_000_000},
+	} {
+		writes = append(writes, projection.Write{Target: b.target.target(key), Version: w.version, Value: projection.Value{Score: w.score}})
+	}
+	_, err := b.gate.Apply(ctx, writes)
+	require.NoError(t, err)
+	require.NoError(t, b.client.ZAdd(ctx, b.ks.ValueKey(b.target.target("")), redis.Z{Score: 0.1, Member: "fraction"}).Err())
+
+	r := b.reconciler(t, &Config{Policy: Policy{Ahead: ActionRepair, Orphan: ActionRepair}})
+	rep, err := r.Run(ctx, RunOptions{})
+	require.NoError(t, err)
+	require.Equal(t, map[Class]int64{ClassCorrupt: 2, ClassAhead: 1, ClassOrphan: 1}, rep.Counts)
+	require.Equal(t, map[Result]int64{ResultRepaired: 4}, rep.Results)
+	require.Equal(t, Projected{}, b.state(t, r, "orphan"))
+	rep, err = r.Run(ctx, RunOptions{DryRun: true})
+	require.NoError(t, err)
+	require.Equal(t, map[Class]int64{ClassCurrent: 3}, rep.Counts)
+}
