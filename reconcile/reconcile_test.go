@@ -1243,3 +1243,23 @@ func TestRepairScoresRedisPrintsOtherwise(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, map[Class]int64{ClassCurrent: 3}, rep.Counts)
 }
+
+// TestOrphanScanFindsAValueWithoutVersion: an orphan that is a value
+// without a version leaves the version count as the pass accounted for it;
+// the value count differs, so the scan runs and finds it.
+func TestOrphanScanFindsAValueWithoutVersion(t *testing.T) {
+	t.Parallel()
+	for _, kind := range []projection.Kind{projection.KindSortedSet, projection.KindHash} {
+		t.Run(kindName(kind), func(t *testing.T) {
+			t.Parallel()
+			b := setup(t, kind)
+			b.projectRows(t, b.insertMany(t, 20))
+			b.setRaw(t, "ghost", &projection.Value{Score: 3, Data: []byte("ghost")}, nil)
+			rep, err := b.reconciler(t, &Config{PageSize: 8}).Run(context.Background(), RunOptions{})
+			require.NoError(t, err)
+			require.False(t, rep.OrphanScanSkipped)
+			require.Equal(t, map[Class]int64{ClassCurrent: 20, ClassOrphan: 1}, rep.Counts)
+			require.Equal(t, "ghost", rep.Examples[ClassOrphan][0].Key)
+		})
+	}
+}
