@@ -1263,3 +1263,27 @@ func TestOrphanScanFindsAValueWithoutVersion(t *testing.T) {
 		})
 	}
 }
+
+// TestRunRefusesASourceRepeatingKeys: a Source whose Page ignores the
+// cursor returns its first page forever. Run and Rebuild stop at the
+// repeated page with an error instead of reading it again and again.
+func TestRunRefusesASourceRepeatingKeys(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	b := setup(t, projection.KindSortedSet)
+	r, err := New(repeatingSource{rowsSource{rows: []Row{b.insert(t, "a", 1), b.insert(t, "b", 1)}}}, b.target, nil)
+	require.NoError(t, err)
+	_, err = r.Run(ctx, RunOptions{})
+	require.ErrorContains(t, err, `source returned key "b" again`)
+	rep, err := r.Rebuild(ctx)
+	require.ErrorContains(t, err, `source returned key "b" again`)
+	require.False(t, rep.Switched)
+}
+
+// repeatingSource is a rowsSource whose Page ignores the cursor.
+type repeatingSource struct{ rowsSource }
+
+func (s repeatingSource) Page(ctx context.Context, _ Cursor, limit int) ([]Row, error) {
+	return s.rowsSource.Page(ctx, Cursor{}, limit)
+}
