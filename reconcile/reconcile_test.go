@@ -1287,3 +1287,29 @@ type repeatingSource struct{ rowsSource }
 func (s repeatingSource) Page(ctx context.Context, _ Cursor, limit int) ([]Row, error) {
 	return s.rowsSource.Page(ctx, Cursor{}, limit)
 }
+
+// TestRepairRaceVersionCorruptedBeforeGateRepair: a hand edit leaves one
+// of two stale entries with a version the gate refuses ("garbage")
+// between their read and their gate repair. That write is declined
+// (raced, the edit left for the next run, which finds it corrupt) and the
+// other is written: the run neither fails nor calls the batch uncertain.
+func TestRepairRaceVersionCorruptedBeforeGateRepair(t *testing.T) {
+	t.Parallel()
+	b := setup(t, projection.KindHash)
+	for _, key := range []string{"s1", "s2"} {
+		b.insert(t, key, 3)
+		b.project(t, key, 1)
+	}
+	r := b.reconciler(t, &Config{BeforeRepair: func(_ context.Context, f Finding) bool {
+		if f.Key == "s1" {
+			b.setRaw(t, "s1", nil, ptr("garbage"))
+		}
+		return true
+	}})
+	rep, err := r.Run(context.Background(), RunOptions{})
+	require.NoError(t, err)
+	require.Equal(t, map[Class]int64{ClassStale: 2}, rep.Counts)
+	require.Equal(t, map[Result]int64{ResultRepaired: 1, ResultRaced: 1}, rep.Results)
+	require.Equal(t, "garbage", b.state(t, r, "s1").RawVersion)
+	require.Equal(t, int64(3), b.state(t, r, "s2").Version)
+}
