@@ -903,3 +903,55 @@ func TestRebuildCountsConflicts(t *testing.T) {
 		})
 	}
 }
+
+// cancelAfterStep is a go-redis hook that calls cancel once Redis has
+// answered a rebuild.lua step.
+type cancelAfterStep struct {
+	step   string
+	cancel context.CancelFunc
+}
+
+func (h *cancelAfterStep) DialHook(next redis.DialHook) redis.DialHook { return next }
+
+func (h *cancelAfterStep) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+	return next
+}
+
+func (h *cancelAfterStep) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
+	return func(ctx context.Context, cmd redis.Cmder) error {
+		err := next(ctx, cmd)
+		if err == nil && rebuildStepOf(cmd) == h.step && h.cancel != nil {
+			h.cancel()
+		}
+		return err
+	}
+}
+
+// TestRebuildCancelledRightAfterStart cancels ctx once the start step has
+// set the marker, before the copy reads a page. The copy's read-ahead then
+// either fails its first read or stops without reading at all, having
+// copied nothing; either way the rebuild must abort, not switch the empty
+// shadow in (its copy count, 0, equals the rows it sent). Whichever the
+// read-ahead does is up to Go's select, so the rebuild is tried several
+// times.
+func TestRebuildCancelledRightAfterStart(t *testing.T) {
+	t.Parallel()
+	b := setup(t, projection.KindSortedSet)
+	b.projectRows(t, b.insertMany(t, 20))
+	b.project(t, "orphan", 1)
+	hook := &cancelAfterStep{step: "start"}
+	r := b.withHook(t, hook).reconciler(t, &Config{PageSize: 5})
+	marker, sv, sver := b.rebuildKeys()
+	for i := range 8 {
+		ctx, cancel := context.WithCancel(context.Background())
+		hook.cancel = cancel
+		rep, err := r.Rebuild(ctx)
+		cancel()
+		require.ErrorIs(t, err, context.Canceled, "attempt %d", i)
+		require.False(t, rep.Switched, "attempt %d", i)
+		n, err := b.client.ZCard(context.Background(), b.ks.ValueKey(b.target.target(""))).Result()
+		require.NoError(t, err)
+		require.EqualValues(t, 21, n, "attempt %d: the live projection is untouched", i)
+		require.Equal(t, []bool{false, false, false, false}, b.keysExist(t, marker, sv, sver, b.copyKey()), "attempt %d", i)
+	}
+}
