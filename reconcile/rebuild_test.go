@@ -955,3 +955,40 @@ func TestRebuildCancelledRightAfterStart(t *testing.T) {
 		require.Equal(t, []bool{false, false, false, false}, b.keysExist(t, marker, sv, sver, b.copyKey()), "attempt %d", i)
 	}
 }
+
+// TestRebuildClearsADeadRebuildsShadow: a rebuild whose process died
+// mid-copy leaves its shadow keys behind (only its marker expires). The
+// next Rebuild's start clears them, so that none of their entries survives
+// its switch: neither a member since deleted from the source nor a version
+// ahead of the source's.
+func TestRebuildClearsADeadRebuildsShadow(t *testing.T) {
+	t.Parallel()
+	for _, kind := range []projection.Kind{projection.KindSortedSet, projection.KindHash} {
+		t.Run(kindName(kind), func(t *testing.T) {
+			t.Parallel()
+			ctx := context.Background()
+			b := setup(t, kind)
+			b.projectRows(t, []Row{b.insert(t, "a", 1), b.insert(t, "b", 1)})
+			_, sv, sver := b.rebuildKeys()
+			// What the dead rebuild copied: "ghost" (deleted from the source
+			// since) and "a" at a version the source never had.
+			for member, version := range map[string]string{"ghost": "5", "a": "9"} {
+				if kind == projection.KindSortedSet {
+					require.NoError(t, b.client.ZAdd(ctx, sv, redis.Z{Score: 999, Member: member}).Err())
+				} else {
+					require.NoError(t, b.client.HSet(ctx, sv, member, "dead rebuild").Err())
+				}
+				require.NoError(t, b.client.HSet(ctx, sver, member, version).Err())
+			}
+			r := b.reconciler(t, nil)
+			rep, err := r.Rebuild(ctx)
+			require.NoError(t, err)
+			require.True(t, rep.Switched)
+			require.EqualValues(t, 2, rep.Applied, "every row copied into an empty shadow")
+			require.Equal(t, Projected{}, b.state(t, r, "ghost"))
+			run, err := r.Run(ctx, RunOptions{DryRun: true})
+			require.NoError(t, err)
+			require.Equal(t, map[Class]int64{ClassCurrent: 2}, run.Counts)
+		})
+	}
+}
