@@ -95,6 +95,28 @@ func TestRecordCommand(t *testing.T) {
 		require.Equal(t, 1, b.count(t, b.writer.Table()), "one effect only")
 	})
 
+	// A duplicate of a command whose transaction stored no result sees
+	// none (nil), not an empty result: the two are told apart.
+	t.Run("DuplicateWithoutStoredResult", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		id := uuid.New()
+		record := func() outbox.Command {
+			t.Helper()
+			tx, err := b.pool.Begin(ctx)
+			require.NoError(t, err)
+			defer tx.Rollback(ctx) //nolint:errcheck
+			cmd, err := b.writer.RecordCommand(ctx, tx, id, outbox.Fingerprint([]byte("c")))
+			require.NoError(t, err)
+			require.NoError(t, tx.Commit(ctx))
+			return cmd
+		}
+		require.False(t, record().Duplicate)
+		again := record()
+		require.True(t, again.Duplicate)
+		require.Nil(t, again.Result, "no result was stored")
+	})
+
 	t.Run("ConflictingFingerprint", func(t *testing.T) {
 		t.Parallel()
 		b := setup(t)
@@ -312,12 +334,24 @@ func TestRecordCommand(t *testing.T) {
 		_, err = b.pool.Exec(ctx, `UPDATE `+pgx.Identifier{b.cfg.Schema, outbox.TableDefault + "_idempotency"}.Sanitize()+
 			` SET created_at = now() - interval '2 days'`)
 		require.NoError(t, err)
+		// A record 23 hours old is within a retention of 24 hours: kept.
+		// The retention is sent in microseconds; read in any coarser unit
+		// it would be 1000 times too short and delete this one too.
+		recent := uuid.New()
+		_, err = execute(t, b, recent, "recent")
+		require.NoError(t, err)
+		_, err = b.pool.Exec(ctx, `UPDATE `+pgx.Identifier{b.cfg.Schema, outbox.TableDefault + "_idempotency"}.Sanitize()+
+			` SET created_at = now() - interval '23 hours' WHERE event_id = $1`, recent)
+		require.NoError(t, err)
 		_, err = execute(t, b, uuid.New(), "new")
 		require.NoError(t, err)
 		n, err := b.writer.PruneCommands(ctx, b.pool, 24*time.Hour)
 		require.NoError(t, err)
-		require.EqualValues(t, 1, n)
-		require.Equal(t, 1, b.idempotencyRows(t))
+		require.EqualValues(t, 1, n, "only the record older than the retention")
+		require.Equal(t, 2, b.idempotencyRows(t))
+		cmd, err := execute(t, b, recent, "recent")
+		require.NoError(t, err)
+		require.True(t, cmd.Duplicate, "the record within the retention still makes its command a duplicate")
 		// A retention of 0 or less would delete every record: refused,
 		// naming the argument, and nothing is deleted.
 		for _, retention := range []time.Duration{0, -time.Hour} {
@@ -327,7 +361,7 @@ func TestRecordCommand(t *testing.T) {
 			require.ErrorAs(t, err, &cfgErr, "retention %s", retention)
 			require.Equal(t, "retention", cfgErr.Field)
 			require.Zero(t, n)
-			require.Equal(t, 1, b.idempotencyRows(t), "retention %s deleted a record", retention)
+			require.Equal(t, 2, b.idempotencyRows(t), "retention %s deleted a record", retention)
 		}
 	})
 
