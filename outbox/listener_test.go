@@ -257,55 +257,92 @@ func TestListener(t *testing.T) {
 
 // TestListenerStopGivesShutdownTimeout: the last relay to stop closes the
 // shared connection within its ShutdownTimeout, as its own connection
-// would be, even while the connection's setup (AfterConnect, LISTEN) hangs.
+// would be, even while the connection's setup (AfterConnect, LISTEN) hangs;
+// a setup that ends within ShutdownTimeout is let finish, not cut off.
 func TestListenerStopGivesShutdownTimeout(t *testing.T) {
 	t.Parallel()
 	for name, shared := range map[string]bool{"OwnConnection": false, "SharedListener": true} {
 		t.Run(name, func(t *testing.T) {
 			t.Parallel()
-			b := setup(t)
-			entered := make(chan struct{}, 1)
-			var hang atomic.Bool // set once the pool holds a connection for the claims
-			cfg, err := pgxpool.ParseConfig(b.pg.ConnString)
-			require.NoError(t, err)
-			cfg.AfterConnect = func(ctx context.Context, _ *pgx.Conn) error {
-				if !hang.Load() {
-					return nil
-				}
-				select {
-				case entered <- struct{}{}:
-				default:
-				}
-				<-ctx.Done() // a session setup that does not end (a lock, a slow server)
-				return ctx.Err()
-			}
-			pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
-			require.NoError(t, err)
-			t.Cleanup(pool.Close)
-			c, err := pool.Acquire(context.Background())
-			require.NoError(t, err)
-			c.Release()
-			hang.Store(true)
-			rc := outbox.RelayConfig{PollInterval: time.Hour, ShutdownTimeout: 100 * time.Millisecond}
-			if shared {
-				rc.Listener = b.listener(t, pool)
-			}
-			stop := startRun(t, b.relay(t, pool, &recorder{}, rc))
-			receive(t, entered)
-			// The relay's first claim (on the pool's idle connection) must
-			// be over: cut off by the shutdown, it would lose its
-			// connection, and its release, which needs a new one, would
-			// hang in AfterConnect for its own bound (5 s), not the
-			// LISTEN's.
-			require.Eventually(t, func() bool {
-				st := pool.Stat()
-				return st.AcquireCount() >= 2 && st.AcquiredConns() == 0
-			}, 10*time.Second, time.Millisecond, "the relay's first claim")
-			began := time.Now()
-			require.NoError(t, stop())
-			require.Less(t, time.Since(began), time.Second, "Run waited past ShutdownTimeout for the LISTEN connection's setup")
+			t.Run("HangingSetupIsCut", func(t *testing.T) {
+				t.Parallel()
+				stop, _ := runWithListenSetupHanging(t, shared, 100*time.Millisecond, nil)
+				began := time.Now()
+				require.NoError(t, stop())
+				require.Less(t, time.Since(began), time.Second, "Run waited past ShutdownTimeout for the LISTEN connection's setup")
+			})
+
+			// A statement cut off mid-flight makes pgx close its connection
+			// in the background (over TLS, for up to 15 s): within
+			// ShutdownTimeout the setup keeps its context.
+			t.Run("SetupFinishesWithinShutdownTimeout", func(t *testing.T) {
+				t.Parallel()
+				proceed := make(chan struct{})
+				stop, cut := runWithListenSetupHanging(t, shared, time.Minute, proceed)
+				stopped := make(chan error, 1)
+				go func() { stopped <- stop() }()
+				require.Never(t, cut.Load, time.Second, time.Millisecond,
+					"the LISTEN connection's setup was cut off long before ShutdownTimeout")
+				close(proceed)
+				require.NoError(t, receive(t, stopped))
+				require.False(t, cut.Load())
+			})
 		})
 	}
+}
+
+// runWithListenSetupHanging runs a relay whose LISTEN connection's
+// AfterConnect hangs until its context ends (then cut reports true) or
+// proceed is closed (never, when nil), the connection shared through a
+// Listener or the relay's own. It returns once the hook hangs and the
+// relay's first claim is over.
+func runWithListenSetupHanging(t *testing.T, shared bool, shutdownTimeout time.Duration, proceed <-chan struct{}) (stop func() error, cut *atomic.Bool) {
+	t.Helper()
+	b := setup(t)
+	entered := make(chan struct{}, 1)
+	cut = new(atomic.Bool)
+	var hang atomic.Bool // set once the pool holds a connection for the claims
+	cfg, err := pgxpool.ParseConfig(b.pg.ConnString)
+	require.NoError(t, err)
+	cfg.AfterConnect = func(ctx context.Context, _ *pgx.Conn) error {
+		if !hang.Load() {
+			return nil
+		}
+		select {
+		case entered <- struct{}{}:
+		default:
+		}
+		select { // a session setup that does not end by itself (a lock, a slow server)
+		case <-ctx.Done():
+			cut.Store(true)
+			return ctx.Err()
+		case <-proceed:
+			return nil
+		}
+	}
+	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
+	require.NoError(t, err)
+	t.Cleanup(pool.Close)
+	c, err := pool.Acquire(context.Background())
+	require.NoError(t, err)
+	c.Release()
+	hang.Store(true)
+	rc := outbox.RelayConfig{PollInterval: time.Hour, ShutdownTimeout: shutdownTimeout}
+	if shared {
+		rc.Listener = b.listener(t, pool)
+	}
+	stop = startRun(t, b.relay(t, pool, &recorder{}, rc))
+	receive(t, entered)
+	// The relay's first claim (on the pool's idle connection) must
+	// be over: cut off by the shutdown, it would lose its
+	// connection, and its release, which needs a new one, would
+	// hang in AfterConnect for its own bound (5 s), not the
+	// LISTEN's.
+	require.Eventually(t, func() bool {
+		st := pool.Stat()
+		return st.AcquireCount() >= 2 && st.AcquiredConns() == 0
+	}, 10*time.Second, time.Millisecond, "the relay's first claim")
+	return stop, cut
 }
 
 // requireEachDelivers waits until each handler has seen one row, failing
