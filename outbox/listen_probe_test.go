@@ -184,6 +184,44 @@ func TestListenerProbeComesBack(t *testing.T) {
 	require.True(t, still, "the first connection was replaced")
 }
 
+// TestListenerPauseResetsOnceItsProbeComesBack: the pause before a
+// reconnection grows while connections fail, and starts again from 100 ms
+// once a connection proved itself (its probe came back): failures far apart
+// must not each wait longer than the one before, up to ReconnectBackoffMax.
+func TestListenerPauseResetsOnceItsProbeComesBack(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	var logs testenv.LogSink
+	// A probe has ListenCheckInterval (10 s) to be sent; one that could
+	// not be sent proves nothing either way, and resets the pause too.
+	l, err := outbox.NewListener(b.pool, &outbox.ListenerConfig{Schema: b.cfg.Schema, Table: b.cfg.Table,
+		ReconnectBackoffMax: time.Minute, Logger: logs.Logger()})
+	require.NoError(t, err)
+	startRun(t, b.relay(t, nil, &recorder{}, outbox.RelayConfig{PollInterval: time.Hour, Listener: l}))
+	pid := 0
+	for i := 1; i <= 3; i++ {
+		require.Eventually(t, func() bool {
+			return len(logs.Lines(t, "outbox LISTEN probe came back"))+len(logs.Lines(t, "outbox LISTEN probe not sent")) == i
+		}, 15*time.Second, 10*time.Millisecond, "connection %d: its probe came back", i)
+		require.Eventually(t, func() bool {
+			next := listenerPid(b)
+			if next == 0 || next == pid {
+				return false
+			}
+			pid = next
+			return true
+		}, 10*time.Second, 10*time.Millisecond, "connection %d listens", i)
+		_, err := b.pool.Exec(context.Background(), `SELECT pg_terminate_backend($1)`, pid)
+		require.NoError(t, err)
+		require.Eventually(t, func() bool {
+			return len(logs.Lines(t, "outbox LISTEN connection failed; reconnecting")) == i
+		}, 10*time.Second, 10*time.Millisecond, "connection %d failed", i)
+	}
+	for i, line := range logs.Lines(t, "outbox LISTEN connection failed; reconnecting") {
+		require.EqualValues(t, 100*time.Millisecond, line["pause"], "failure %d: the pause grew across connections whose probe came back", i+1)
+	}
+}
+
 // TestListenerProbeOfAnotherConnectionProvesNothing: a LISTEN connection
 // receives every other connection's probes (one channel for all), so only
 // its own token may prove its path. Here its own probe is lost (its pool
