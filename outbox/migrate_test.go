@@ -231,8 +231,9 @@ func TestMigrateUnderStricterDefaultIsolation(t *testing.T) {
 }
 
 // TestMigrateLeavesACallersTransactionsLevelAlone runs Migrate inside a
-// database/sql transaction (SQLTx) at REPEATABLE READ: Migrate sets READ
-// COMMITTED only for its own implicit transaction, never for a caller's.
+// database/sql transaction (SQLTx) at REPEATABLE READ, and inside a pgx.Tx:
+// Migrate sets READ COMMITTED only for its own implicit transaction, never
+// for a caller's.
 func TestMigrateLeavesACallersTransactionsLevelAlone(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
@@ -250,6 +251,17 @@ func TestMigrateLeavesACallersTransactionsLevelAlone(t *testing.T) {
 		_, err = tx.ExecContext(ctx, `SELECT count(*) FROM pg_class`)
 		require.NoError(t, err)
 		require.NoError(t, outbox.Migrate(ctx, outbox.SQLTx(tx), &outbox.Config{Schema: pg.Schema}))
+	})
+	// A pgx.Tx is recognised as a transaction too.
+	t.Run("PgxRepeatableReadTxIsLeftAlone", func(t *testing.T) {
+		t.Parallel()
+		tx, err := pg.Pool.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.RepeatableRead})
+		require.NoError(t, err)
+		defer tx.Rollback(ctx) //nolint:errcheck
+		require.NoError(t, outbox.Migrate(ctx, tx, &outbox.Config{Schema: pg.Schema}))
+		var level string
+		require.NoError(t, tx.QueryRow(ctx, `SHOW transaction_isolation`).Scan(&level))
+		require.Equal(t, "repeatable read", level, "Migrate changed the caller's transaction's isolation level")
 	})
 	t.Run("RepeatableReadTxIsLeftAlone", func(t *testing.T) {
 		t.Parallel()
