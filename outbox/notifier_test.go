@@ -206,6 +206,24 @@ func TestNotifier(t *testing.T) {
 		require.GreaterOrEqual(t, time.Since(start), interval, "the second NOTIFY waited out the Interval")
 	})
 
+	// The coalescing itself, on a machine of any speed: with an Interval
+	// of an hour, a Notify after the first NOTIFY stays owed (whether the
+	// goroutine went idle or not) until Close flushes it.
+	t.Run("NotifyWithinTheIntervalWaits", func(t *testing.T) {
+		t.Parallel()
+		b := setupNotifier(t)
+		n, err := NewNotifier(b.db, b.channel, &NotifierConfig{Interval: time.Hour, IdleTimeout: 5 * time.Millisecond})
+		require.NoError(t, err)
+		n.Notify()
+		require.Eventually(t, func() bool { return b.db.calls.Load() == 1 && !n.isRunning() }, 10*time.Second, time.Millisecond)
+		n.Notify()
+		n.Notify()
+		require.Never(t, func() bool { return b.db.calls.Load() > 1 }, 200*time.Millisecond, time.Millisecond,
+			"a NOTIFY was sent within the Interval of the first")
+		n.Close()
+		require.EqualValues(t, 2, b.db.calls.Load(), "Close sends the owed notification, once")
+	})
+
 	t.Run("CloseFlushesAndStops", func(t *testing.T) {
 		t.Parallel()
 		b := setupNotifier(t)
