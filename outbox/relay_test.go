@@ -1957,7 +1957,8 @@ func (e *panickingError) Error() string { return e.msg }
 // The LISTEN connection runs the pool's BeforeClose after its AfterConnect,
 // as pgxpool does: a pool whose hooks pair up per connection (register in
 // AfterConnect, unregister in BeforeClose) is left with no registration
-// once the relay and the pool are closed.
+// once the relay and the pool are closed. A connection whose AfterConnect
+// failed registered nothing, and is not passed to BeforeClose either.
 func TestListenPairsAfterConnectWithBeforeClose(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
@@ -1965,14 +1966,26 @@ func TestListenPairsAfterConnectWithBeforeClose(t *testing.T) {
 	cfg, err := pgxpool.ParseConfig(b.pg.ConnString)
 	require.NoError(t, err)
 	var open atomic.Int64
-	cfg.AfterConnect = func(context.Context, *pgx.Conn) error { open.Add(1); return nil }
+	var refuse atomic.Bool // the next connection's AfterConnect fails: BeforeClose is not its pair
+	cfg.AfterConnect = func(context.Context, *pgx.Conn) error {
+		if refuse.CompareAndSwap(true, false) {
+			return errors.New("session setup refused")
+		}
+		open.Add(1)
+		return nil
+	}
 	cfg.BeforeClose = func(*pgx.Conn) { open.Add(-1) }
 	pool, err := pgxpool.NewWithConfig(ctx, cfg)
 	require.NoError(t, err)
-	r := b.relay(t, pool, &recorder{}, outbox.RelayConfig{PollInterval: time.Hour})
+	c, err := pool.Acquire(ctx) // the claims' connection, opened before the refusal
+	require.NoError(t, err)
+	c.Release()
+	refuse.Store(true)
+	r := b.relay(t, pool, &recorder{}, outbox.RelayConfig{PollInterval: time.Hour, ReconnectBackoffMax: 100 * time.Millisecond})
 	stop := startRun(t, r)
 	waitListening(t, b)
+	require.False(t, refuse.Load(), "a connection's AfterConnect was refused")
 	require.NoError(t, stop())
 	pool.Close()
-	require.Zero(t, open.Load(), "connections registered by AfterConnect and never passed to BeforeClose")
+	require.Zero(t, open.Load(), "AfterConnect and BeforeClose do not pair up: positive, connections never passed to BeforeClose; negative, refused ones passed to it")
 }
