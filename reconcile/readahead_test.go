@@ -14,14 +14,16 @@ import (
 	"github.com/verity-go/verity/projection"
 )
 
-// countingSource counts the pages a run asks its Source for.
+// countingSource counts the pages a run asks its Source for, and the
+// pages its Source has answered.
 type countingSource struct {
 	Source
-	pages atomic.Int64
+	pages, answered atomic.Int64
 }
 
 func (s *countingSource) Page(ctx context.Context, after Cursor, limit int) ([]Row, error) {
 	s.pages.Add(1)
+	defer s.answered.Add(1)
 	return s.Source.Page(ctx, after, limit)
 }
 
@@ -140,5 +142,38 @@ func TestReadAhead(t *testing.T) {
 		require.EqualValues(t, 9, rep.Checked, "the three pages before the bad one")
 		require.EqualValues(t, 9, rep.Repaired)
 		require.Equal(t, 9, repaired)
+	})
+
+	// A walk that ctx cuts short ends with a page carrying ctx's error,
+	// never as if the source had no more rows: taken for complete, a
+	// rebuild's partial copy would be switched over the live projection.
+	// The walk is cut while it waits for a slot, the one place it stops
+	// without reading anything more.
+	t.Run("CutWalkEndsWithTheContextsError", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t, projection.KindSortedSet)
+		b.insertMany(t, 20)
+		src := &countingSource{Source: b.source}
+		r, err := New(src, b.target, &Config{PageSize: 2})
+		require.NoError(t, err)
+		walkCtx, cancel := context.WithCancel(ctx)
+		defer cancel()
+		pages, stop := r.pages(walkCtx, false)
+		defer stop()
+		var got []page
+		for p := range pages {
+			if len(got) == 0 {
+				// Both of the walk's slots are taken: this page and the
+				// next, already read.
+				require.Eventually(t, func() bool { return src.answered.Load() == 2 },
+					10*time.Second, time.Millisecond, "the next page is read ahead")
+				cancel()
+			}
+			got = append(got, p)
+		}
+		require.Len(t, got, 3, "the page held, the page read ahead, and the end")
+		require.NoError(t, got[0].err)
+		require.NoError(t, got[1].err)
+		require.ErrorIs(t, got[2].err, context.Canceled)
 	})
 }

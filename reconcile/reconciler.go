@@ -373,7 +373,12 @@ func (r *Reconciler) runFull(ctx context.Context, opts RunOptions, rep *Report) 
 // need to).
 //
 // Pages come out in source order; the sequence ends after the last page or
-// after a page carrying an error. Without readProjection (a rebuild writes
+// after a page carrying an error. It ends without an error only once the
+// source has returned an empty page: a walk cut short by ctx ends with a
+// page carrying ctx's error, so that no caller can take a cancelled walk
+// for a complete one (a rebuild would switch a partial copy over the live
+// projection, a pass would scan for orphans against half the source).
+// Without readProjection (a rebuild writes
 // pages, it does not compare them), pages are delivered as the source
 // returns them, one read ahead of the one the caller holds. stop must be
 // called; it returns once every goroutine has exited.
@@ -390,6 +395,9 @@ func (r *Reconciler) pages(ctx context.Context, readProjection bool) (iter.Seq[p
 	// One future per slot taken, so the walk never blocks on sending one.
 	out := make(chan chan page, n)
 	var wg sync.WaitGroup
+	// cut is written before out is closed and read after: set when the walk
+	// stopped for ctx before the source's end, without a page to say so.
+	var cut bool
 	wg.Add(1)
 	go func() {
 		defer wg.Done()
@@ -399,6 +407,7 @@ func (r *Reconciler) pages(ctx context.Context, readProjection bool) (iter.Seq[p
 			select {
 			case slots <- struct{}{}:
 			case <-fetchCtx.Done():
+				cut = true
 				return
 			}
 			p := page{}
@@ -437,6 +446,9 @@ func (r *Reconciler) pages(ctx context.Context, readProjection bool) (iter.Seq[p
 				return
 			}
 			<-slots // the caller is done with the page: its slot is free
+		}
+		if cut {
+			yield(page{err: fetchCtx.Err()})
 		}
 	}
 	return seq, func() {
