@@ -44,6 +44,8 @@ func TestInstruments(t *testing.T) {
 		require.Equal(t, int64(3), s.Int("verity.test.count"))
 		require.Equal(t, "{thing}", s.Unit("verity.test.count"))
 		require.Equal(t, uint64(1), s.Count("verity.test.duration"))
+		require.Equal(t, "github.com/verity-go/verity/outbox", s.Scope("verity.test.count"), "the meter is named by the package's import path")
+		require.Equal(t, telemetry.DurationBuckets(), s.Bounds("verity.test.duration"), "the histogram has the buckets asked for")
 	})
 
 	t.Run("InvalidNameIsReportedAndStillUsable", func(t *testing.T) {

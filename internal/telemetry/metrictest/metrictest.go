@@ -60,6 +60,29 @@ func (s Snapshot) Has(name string) bool {
 	return ok
 }
 
+// Scope returns the name of the meter that created instrument name (""
+// when absent).
+func (s Snapshot) Scope(name string) string {
+	for _, sm := range s.rm.ScopeMetrics {
+		for _, m := range sm.Metrics {
+			if m.Name == name {
+				return sm.Scope.Name
+			}
+		}
+	}
+	return ""
+}
+
+// Bounds returns the bucket boundaries of the float64 histogram name, from
+// its first data point (nil when it has none).
+func (s Snapshot) Bounds(name string) []float64 {
+	m, _ := s.find(name)
+	if d, ok := m.Data.(metricdata.Histogram[float64]); ok && len(d.DataPoints) > 0 {
+		return d.DataPoints[0].Bounds
+	}
+	return nil
+}
+
 // Unit returns the unit of instrument name ("" when absent).
 func (s Snapshot) Unit(name string) string {
 	m, _ := s.find(name)
