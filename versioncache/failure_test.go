@@ -194,6 +194,26 @@ func TestRedisUnavailable(t *testing.T) {
 		require.Equal(t, loadsBefore, b.truth.loads.Load(), "fail-closed does not touch the database")
 	})
 
+	// FailClosed refuses a failed read only: once the loader ran, its
+	// value is served even though caching it failed, and that fill is a
+	// Redis error.
+	t.Run("FailClosedServesALoadWhoseFillFailed", func(t *testing.T) {
+		t.Parallel()
+		rs, b := setupPrivate(t, FailClosed)
+		want := b.truth.write("p1", 4900)
+		got, err := b.cache.Get(ctx, "p1", func(ctx context.Context) (product, error) {
+			require.NoError(t, rs.Stop())
+			return b.truth.loader("p1")(ctx)
+		})
+		require.NoError(t, err)
+		require.Equal(t, want, got)
+		stats := b.cache.Stats()
+		require.EqualValues(t, 1, stats.Loads)
+		require.Zero(t, stats.FailOpenLoads, "the read succeeded: not a fail-open load")
+		require.Zero(t, stats.Fills)
+		require.EqualValues(t, 1, stats.RedisErrors, "the failed fill")
+	})
+
 	// Process A holds the fill lease of p1 and is loading; process B (own
 	// Cache, own client) misses p1 and polls for A's value; then B loses
 	// Redis. The failed poll is a Redis failure like any other, not a
