@@ -152,6 +152,72 @@ func TestCodec(t *testing.T) {
 			Home struct{ Street, Zip string }
 		}
 		require.NotEqual(t, tag(JSONCodec{}, reflect.TypeFor[before]()), tag(JSONCodec{}, reflect.TypeFor[after]()), "an unnamed field type changed")
+
+		// Two releases of one type: the same name and package, one change.
+		release := func(t1, t2 reflect.Type, change string) {
+			require.Equal(t, typeName(t1), typeName(t2), "two releases of one type")
+			require.NotEqual(t, tag(JSONCodec{}, t1), tag(JSONCodec{}, t2), change)
+		}
+		var row1, row2, row3, row4, row5 reflect.Type
+		{
+			type row struct {
+				ID    string
+				cents int32
+			}
+			row1 = reflect.TypeOf(row{cents: 1})
+		}
+		{
+			type row struct {
+				ID    string
+				cents int64
+			}
+			row2 = reflect.TypeOf(row{cents: 1})
+		}
+		{
+			type row struct {
+				Key   string
+				cents int64
+			}
+			row3 = reflect.TypeOf(row{cents: 1})
+		}
+		{
+			type row struct {
+				Key   string
+				cents [2]int64
+			}
+			row4 = reflect.TypeOf(row{cents: [2]int64{1}})
+		}
+		{
+			type row struct {
+				Key   string
+				cents [3]int64
+			}
+			row5 = reflect.TypeOf(row{cents: [3]int64{1}})
+		}
+		release(row1, row2, "an unexported field's type changed")
+		release(row2, row3, "a field renamed, its tag and type kept")
+		release(row4, row5, "an array's length changed")
+		require.NotEqual(t, tag(JSONCodec{}, reflect.TypeFor[struct{ product }]()),
+			tag(JSONCodec{}, reflect.TypeFor[struct{ product product }]()), "an embedded field no longer embedded")
+
+		// A struct Codec's own fields, unexported too, are part of its shape.
+		var codec1, codec2 Codec
+		{
+			type fieldCodec struct {
+				JSONCodec
+				indent bool
+			}
+			codec1 = fieldCodec{indent: true}
+		}
+		{
+			type fieldCodec struct {
+				JSONCodec
+				indent string
+			}
+			codec2 = fieldCodec{indent: "\t"}
+		}
+		require.Equal(t, typeName(reflect.TypeOf(codec1)), typeName(reflect.TypeOf(codec2)), "two releases of one Codec")
+		require.NotEqual(t, tag(codec1, p), tag(codec2, p), "a Codec's unexported field changed")
 	})
 
 	// Peek does not repair: it reports a cached value that does not decode.
