@@ -564,26 +564,39 @@ func (opaqueCanceledError) Error() string { return "rpc error: code = Canceled" 
 func TestCheckMoved(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	b := setup(t, nil)
-	b.truth.write("p1", 1)
-	_, err := b.cache.Get(ctx, "p1", b.truth.loader("p1"))
-	require.NoError(t, err)
 
-	// A write lands while Check compares: committed, then invalidated.
-	calls := 0
-	report, err := b.cache.Check(ctx, []string{"p1"}, 1, func(ctx context.Context, id string) (product, error) {
-		calls++
-		if calls == 1 {
-			b.truth.write(id, 2)
-			if err := b.cache.Invalidate(ctx, id); err != nil {
-				return product{}, err
-			}
-		}
-		return b.truth.read(id), nil
-	})
-	require.NoError(t, err)
-	require.Equal(t, 1, report.Moved)
-	require.Zero(t, report.Divergent)
+	// A write lands while Check compares: committed, then invalidated, and
+	// (Refilled) cached again by a Get, under a new version, before Check
+	// looks again.
+	for name, refill := range map[string]bool{"Invalidated": false, "Refilled": true} {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			b := setup(t, nil)
+			b.truth.write("p1", 1)
+			_, err := b.cache.Get(ctx, "p1", b.truth.loader("p1"))
+			require.NoError(t, err)
+
+			calls := 0
+			report, err := b.cache.Check(ctx, []string{"p1"}, 1, func(ctx context.Context, id string) (product, error) {
+				calls++
+				if calls == 1 {
+					b.truth.write(id, 2)
+					if err := b.cache.Invalidate(ctx, id); err != nil {
+						return product{}, err
+					}
+					if refill {
+						if _, err := b.cache.Get(ctx, id, b.truth.loader(id)); err != nil {
+							return product{}, err
+						}
+					}
+				}
+				return b.truth.read(id), nil
+			})
+			require.NoError(t, err)
+			require.Equal(t, 1, report.Moved)
+			require.Zero(t, report.Divergent)
+		})
+	}
 }
 
 // A process whose load failed gives its lease up at once: another process
