@@ -1692,13 +1692,10 @@ func TestLagProbePlan(t *testing.T) {
 // afterVersionPoll runs run once, when armed, right after the first
 // pipeline that reads a projected version (the wait's HGET) was answered.
 type afterVersionPoll struct {
+	testenv.PassThroughHook
 	armed atomic.Bool
 	run   func()
 }
-
-func (h *afterVersionPoll) DialHook(next redis.DialHook) redis.DialHook { return next }
-
-func (h *afterVersionPoll) ProcessHook(next redis.ProcessHook) redis.ProcessHook { return next }
 
 func (h *afterVersionPoll) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
 	return func(ctx context.Context, cmds []redis.Cmder) error {

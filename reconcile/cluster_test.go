@@ -421,14 +421,11 @@ func startSlotMigration(t *testing.T, client *redis.ClusterClient, key string) {
 // beforeSwitch runs fn once, just before the first rebuild "switch" script
 // is sent.
 type beforeSwitch struct {
+	testenv.PassThroughHook
 	once sync.Once
 	fn   func()
 }
 
-func (h *beforeSwitch) DialHook(next redis.DialHook) redis.DialHook { return next }
-func (h *beforeSwitch) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
-	return next
-}
 func (h *beforeSwitch) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
 	return func(ctx context.Context, cmd redis.Cmder) error {
 		name := cmd.Name()

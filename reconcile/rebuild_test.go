@@ -334,15 +334,10 @@ var errLost = errors.New("test: reply lost")
 // loseReply is a go-redis hook that fails the first call of one rebuild.lua
 // step with errLost, after Redis ran it (sent) or without sending it.
 type loseReply struct {
+	testenv.PassThroughHook
 	step string
 	sent bool
 	done atomic.Bool
-}
-
-func (h *loseReply) DialHook(next redis.DialHook) redis.DialHook { return next }
-
-func (h *loseReply) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
-	return next
 }
 
 func (h *loseReply) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
@@ -815,12 +810,9 @@ func TestRebuildRefusesAShadowThatLostCopyWrites(t *testing.T) {
 // runCopyTwice is a go-redis hook that runs the first call of a counted
 // shadow copy twice, as a client that retried a call whose reply was lost
 // after Redis ran it would.
-type runCopyTwice struct{ done atomic.Bool }
-
-func (h *runCopyTwice) DialHook(next redis.DialHook) redis.DialHook { return next }
-
-func (h *runCopyTwice) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
-	return next
+type runCopyTwice struct {
+	testenv.PassThroughHook
+	done atomic.Bool
 }
 
 func (h *runCopyTwice) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
@@ -907,14 +899,9 @@ func TestRebuildCountsConflicts(t *testing.T) {
 // cancelAfterStep is a go-redis hook that calls cancel once Redis has
 // answered a rebuild.lua step.
 type cancelAfterStep struct {
+	testenv.PassThroughHook
 	step   string
 	cancel context.CancelFunc
-}
-
-func (h *cancelAfterStep) DialHook(next redis.DialHook) redis.DialHook { return next }
-
-func (h *cancelAfterStep) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
-	return next
 }
 
 func (h *cancelAfterStep) ProcessHook(next redis.ProcessHook) redis.ProcessHook {

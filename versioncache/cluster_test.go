@@ -204,11 +204,10 @@ func (g *getsByNode) total() int {
 }
 
 type getCounter struct {
+	testenv.PassThroughHook
 	g    *getsByNode
 	addr string
 }
-
-func (h getCounter) DialHook(next redis.DialHook) redis.DialHook { return next }
 
 func (h getCounter) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
 	return func(ctx context.Context, cmd redis.Cmder) error {

@@ -8,6 +8,22 @@ import (
 	"github.com/redis/go-redis/v9"
 )
 
+// PassThroughHook is a go-redis hook that passes dials, commands and
+// pipelines through unchanged. A test's hook embeds it and overrides only
+// the part it watches.
+type PassThroughHook struct{}
+
+// DialHook returns next.
+func (PassThroughHook) DialHook(next redis.DialHook) redis.DialHook { return next }
+
+// ProcessHook returns next.
+func (PassThroughHook) ProcessHook(next redis.ProcessHook) redis.ProcessHook { return next }
+
+// ProcessPipelineHook returns next.
+func (PassThroughHook) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+	return next
+}
+
 // CommandHook is a go-redis hook that calls fn with the name of every
 // command the client sends (pipelined ones included), for tests that check
 // which node a command reached: add it to each node with
