@@ -44,6 +44,19 @@ func TestVerify(t *testing.T) {
 			c.LagProbeInterval = time.Nanosecond
 		})
 	}
+	// A verifying board whose reads look for the record once an hour, with
+	// ada's score projected.
+	verifyingHourly := func(t *testing.T) *testBundle {
+		tb := setup(t, func(c *Config) {
+			c.RequireVerifiedProjection = true
+			c.ReadPolicy = FailClosed
+			c.LagProbeInterval = time.Hour
+			c.MaxLag = 2 * time.Hour
+		})
+		tb.submit(t, "ada", 10)
+		tb.drain(t)
+		return tb
+	}
 	requireUnverified := func(t *testing.T, tb *testBundle) {
 		t.Helper()
 		_, err := tb.board.Top(ctx, 10)
@@ -198,14 +211,7 @@ func TestVerify(t *testing.T) {
 	// the look under way.
 	t.Run("ReadsLookOncePerInterval", func(t *testing.T) {
 		t.Parallel()
-		tb := setup(t, func(c *Config) {
-			c.RequireVerifiedProjection = true
-			c.ReadPolicy = FailClosed
-			c.LagProbeInterval = time.Hour
-			c.MaxLag = 2 * time.Hour
-		})
-		tb.submit(t, "ada", 10)
-		tb.drain(t)
+		tb := verifyingHourly(t)
 		_, verified, err := tb.board.Verify(ctx, nil)
 		require.NoError(t, err)
 		require.True(t, verified)
@@ -244,14 +250,7 @@ func TestVerify(t *testing.T) {
 	// projection wrong.
 	t.Run("OwnVerifyIsSeenAtOnce", func(t *testing.T) {
 		t.Parallel()
-		tb := setup(t, func(c *Config) {
-			c.RequireVerifiedProjection = true
-			c.ReadPolicy = FailClosed
-			c.LagProbeInterval = time.Hour
-			c.MaxLag = 2 * time.Hour
-		})
-		tb.submit(t, "ada", 10)
-		tb.drain(t)
+		tb := verifyingHourly(t)
 		requireUnverified(t, tb) // a look that found no record, good for an hour
 		_, verified, err := tb.board.Verify(ctx, nil)
 		require.NoError(t, err)
@@ -560,16 +559,11 @@ func (c *replyDropConn) Read(b []byte) (int, error) {
 // just before the first script call naming key is sent: Redis runs the
 // script after the sleep, when the client may have given up on the reply.
 type busyBeforeScript struct {
+	testenv.PassThroughHook
 	admin   *redis.Client
 	key     string
 	seconds string
 	fired   atomic.Bool
-}
-
-func (h *busyBeforeScript) DialHook(next redis.DialHook) redis.DialHook { return next }
-
-func (h *busyBeforeScript) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
-	return next
 }
 
 func (h *busyBeforeScript) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
