@@ -343,7 +343,7 @@ func TestSharedLoad(t *testing.T) {
 			joined <- p
 		}()
 		require.Eventually(t, func() bool { return b.cache.Stats().Misses == 2 }, 5*time.Second, time.Millisecond)
-		time.Sleep(20 * time.Millisecond) // let the joiner reach the flight
+		require.Eventually(t, func() bool { return b.cache.flights.joiners() == 1 }, 5*time.Second, time.Millisecond, "the others joined the load in flight")
 		cancel()
 		require.ErrorIs(t, <-leaderErr, context.Canceled)
 		require.Equal(t, want, <-joined)
@@ -394,7 +394,7 @@ func TestSharedLoad(t *testing.T) {
 						joined <- p
 					}()
 					require.Eventually(t, func() bool { return b.cache.Stats().Misses == 2 }, 5*time.Second, time.Millisecond)
-					time.Sleep(20 * time.Millisecond) // let the joiner reach the flight
+					require.Eventually(t, func() bool { return b.cache.flights.joiners() == 1 }, 5*time.Second, time.Millisecond, "the others joined the load in flight")
 					cancel()
 					require.ErrorIs(t, <-leaderDone, leaderErr)
 					require.Equal(t, want, <-joined)
@@ -443,7 +443,7 @@ func TestSharedLoad(t *testing.T) {
 					joinerErr <- err
 				}()
 				require.Eventually(t, func() bool { return b.cache.Stats().Misses == 2 }, 5*time.Second, time.Millisecond)
-				time.Sleep(20 * time.Millisecond) // let the joiner reach the flight
+				require.Eventually(t, func() bool { return b.cache.flights.joiners() == 1 }, 5*time.Second, time.Millisecond, "the others joined the load in flight")
 				cancel()
 				require.ErrorIs(t, <-joinerErr, context.Canceled)
 				close(release)
@@ -491,7 +491,7 @@ func TestSharedLoad(t *testing.T) {
 			joined <- err
 		}()
 		require.Eventually(t, func() bool { return b.cache.Stats().Misses == 2 }, 5*time.Second, time.Millisecond)
-		time.Sleep(20 * time.Millisecond) // let the joiner reach the flight
+		require.Eventually(t, func() bool { return b.cache.flights.joiners() == 1 }, 5*time.Second, time.Millisecond, "the others joined the load in flight")
 		close(release)
 		require.Equal(t, "boom", <-panicked)
 		err := <-joined
@@ -539,7 +539,7 @@ func TestSharedLoad(t *testing.T) {
 						go func() { errs <- get(load) }()
 					}
 					require.Eventually(t, func() bool { return b.cache.Stats().Misses == callers }, 5*time.Second, time.Millisecond)
-					time.Sleep(20 * time.Millisecond) // let the joiners reach the flight
+					require.Eventually(t, func() bool { return b.cache.flights.joiners() == callers-1 }, 5*time.Second, time.Millisecond, "the others joined the load in flight")
 					close(release)
 					for range callers {
 						err := <-errs
@@ -691,8 +691,8 @@ func TestGetAtFillOutlivesTheLoadingCaller(t *testing.T) {
 		joined <- p
 	}()
 	require.Eventually(t, func() bool { return b.cache.Stats().Misses == 2 }, 5*time.Second, time.Millisecond)
-	time.Sleep(20 * time.Millisecond) // let the joiner reach the flight
-	cancel()                          // the loading caller gives up
+	require.Eventually(t, func() bool { return b.cache.flights.joiners() == 1 }, 5*time.Second, time.Millisecond, "the others joined the load in flight")
+	cancel() // the loading caller gives up
 	close(release)
 	<-leaderDone
 	require.Equal(t, want, <-joined)

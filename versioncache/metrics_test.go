@@ -101,7 +101,7 @@ func TestCacheMetrics(t *testing.T) {
 					joined <- p
 				}()
 				require.Eventually(t, func() bool { return b.cache.Stats().Misses == 2 }, 5*time.Second, time.Millisecond)
-				time.Sleep(20 * time.Millisecond) // let the joiner reach the flight
+				require.Eventually(t, func() bool { return b.cache.flights.joiners() == 1 }, 5*time.Second, time.Millisecond, "the others joined the load in flight")
 				cancel()
 				require.ErrorIs(t, <-leaderErr, context.Canceled)
 				require.Equal(t, want, <-joined)

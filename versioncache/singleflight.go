@@ -29,6 +29,9 @@ type flightCall[T any] struct {
 	// returned, so its error, of whatever kind, may be that caller's, not
 	// the load's.
 	leaderEnded bool
+	// joiners counts the callers that found the call in flight and wait
+	// for it (guarded by the group's mu).
+	joiners int
 }
 
 // do runs fn for key unless a run is already in flight, in which case it waits
@@ -45,6 +48,7 @@ func (g *flightGroup[T]) do(ctx context.Context, key, id string, fn func() (T, e
 		g.calls = make(map[string]*flightCall[T])
 	}
 	if c, ok := g.calls[key]; ok {
+		c.joiners++
 		g.mu.Unlock()
 		select {
 		case <-c.done:
@@ -73,6 +77,18 @@ func (g *flightGroup[T]) do(ctx context.Context, key, id string, fn func() (T, e
 	finished = true
 	g.release(key, c)
 	return c.val, false, false, c.err
+}
+
+// joiners reports how many callers have joined the calls still in flight,
+// so that a test can wait for a joiner rather than for time to pass.
+func (g *flightGroup[T]) joiners() int {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	n := 0
+	for _, c := range g.calls {
+		n += c.joiners
+	}
+	return n
 }
 
 func (g *flightGroup[T]) release(key string, c *flightCall[T]) {

@@ -281,7 +281,7 @@ func TestSharedLoadGivesEachCallerItsOwnValue(t *testing.T) {
 		results <- v
 	}()
 	require.Eventually(t, func() bool { return cache.Stats().Misses == 2 }, 5*time.Second, time.Millisecond)
-	time.Sleep(20 * time.Millisecond) // let the joiner reach the flight
+	require.Eventually(t, func() bool { return cache.flights.joiners() == 1 }, 5*time.Second, time.Millisecond, "the others joined the load in flight")
 	close(release)
 	a, b := <-results, <-results
 	require.EqualValues(t, 1, cache.Stats().SharedLoads)
