@@ -509,13 +509,9 @@ func rebuildLostLayout(t *testing.T, b *testBundle, n int, garbage string) {
 // layout's shadow keys, then is refused after the switch and replaced).
 func TestRebuildMigrationUnderWrites(t *testing.T) {
 	t.Parallel()
-	for _, kind := range []projection.Kind{projection.KindSortedSet, projection.KindHash} {
-		t.Run(kindName(kind), func(t *testing.T) {
-			t.Parallel()
-			b := setup(t, kind)
-			rebuildUnderWrites(t, b, b.withBuckets(t, 16).ks)
-		})
-	}
+	eachKind(t, func(t *testing.T, b *testBundle) {
+		rebuildUnderWrites(t, b, b.withBuckets(t, 16).ks)
+	})
 	t.Run("BucketsToBuckets", func(t *testing.T) {
 		t.Parallel()
 		b := setup(t, projection.KindSortedSet).withBuckets(t, 5)

@@ -195,3 +195,16 @@ func (b *testBundle) setRaw(t testing.TB, key string, value *projection.Value, v
 }
 
 func ptr[T any](v T) *T { return &v }
+
+// eachKind runs test as a parallel subtest, named by kind, for each kind of
+// collection a full pass reads (sorted set and hash), each with a bundle
+// of its own.
+func eachKind(t *testing.T, test func(t *testing.T, b *testBundle)) {
+	t.Helper()
+	for _, kind := range []projection.Kind{projection.KindSortedSet, projection.KindHash} {
+		t.Run(kindName(kind), func(t *testing.T) {
+			t.Parallel()
+			test(t, setup(t, kind))
+		})
+	}
+}

@@ -75,26 +75,22 @@ func (b *testBundle) rebuildKeys() (marker, shadowValue, shadowVersion string) {
 
 func TestRebuild(t *testing.T) {
 	t.Parallel()
-	for _, kind := range []projection.Kind{projection.KindSortedSet, projection.KindHash} {
-		t.Run(kindName(kind), func(t *testing.T) {
-			t.Parallel()
-			b := setup(t, kind)
-			want := b.drift(t)
-			r := b.reconciler(t, &Config{PageSize: 2})
-			rep, err := r.Rebuild(context.Background())
-			require.NoError(t, err)
-			require.True(t, rep.Switched)
-			require.EqualValues(t, len(want)-2, rep.Rows)
-			require.EqualValues(t, rep.Rows, rep.Applied)
+	eachKind(t, func(t *testing.T, b *testBundle) {
+		want := b.drift(t)
+		r := b.reconciler(t, &Config{PageSize: 2})
+		rep, err := r.Rebuild(context.Background())
+		require.NoError(t, err)
+		require.True(t, rep.Switched)
+		require.EqualValues(t, len(want)-2, rep.Rows)
+		require.EqualValues(t, rep.Rows, rep.Applied)
 
-			marker, sv, sver := b.rebuildKeys()
-			require.Equal(t, []bool{false, false, false, false}, b.keysExist(t, marker, sv, sver, b.copyKey()))
+		marker, sv, sver := b.rebuildKeys()
+		require.Equal(t, []bool{false, false, false, false}, b.keysExist(t, marker, sv, sver, b.copyKey()))
 
-			run, err := r.Run(context.Background(), RunOptions{DryRun: true})
-			require.NoError(t, err)
-			require.Equal(t, map[Class]int64{ClassCurrent: 7}, run.Counts, "ahead replaced, orphans gone")
-		})
-	}
+		run, err := r.Run(context.Background(), RunOptions{DryRun: true})
+		require.NoError(t, err)
+		require.Equal(t, map[Class]int64{ClassCurrent: 7}, run.Counts, "ahead replaced, orphans gone")
+	})
 	t.Run("Documents", func(t *testing.T) {
 		t.Parallel()
 		b := setup(t, projection.KindDocument)
@@ -118,13 +114,9 @@ func TestRebuild(t *testing.T) {
 // always see the whole projection, and no gate write is lost.
 func TestRebuildConcurrentWrites(t *testing.T) {
 	t.Parallel()
-	for _, kind := range []projection.Kind{projection.KindSortedSet, projection.KindHash} {
-		t.Run(kindName(kind), func(t *testing.T) {
-			t.Parallel()
-			b := setup(t, kind)
-			rebuildUnderWrites(t, b, b.ks)
-		})
-	}
+	eachKind(t, func(t *testing.T, b *testBundle) {
+		rebuildUnderWrites(t, b, b.ks)
+	})
 }
 
 // rebuildUnderWrites rebuilds b's collection into keyspace to (b.ks, or
@@ -853,47 +845,43 @@ func TestRebuildCopyRunTwice(t *testing.T) {
 // write's value, which a Run then finds corrupt.
 func TestRebuildCountsConflicts(t *testing.T) {
 	t.Parallel()
-	for _, kind := range []projection.Kind{projection.KindSortedSet, projection.KindHash} {
-		t.Run(kindName(kind), func(t *testing.T) {
-			t.Parallel()
-			ctx := context.Background()
-			b := setup(t, kind)
-			const n = 120
-			rows := b.insertMany(t, n)
-			b.projectRows(t, rows)
-			var (
-				once     sync.Once
-				outcomes []projection.Outcome
-				hookErr  error
-			)
-			src := &hookedSource{Source: b.source, onPage: func(ctx context.Context, _ int) {
-				once.Do(func() { // before the first page is read: after the marker is set
-					row := rows[n/2]
-					outcomes, hookErr = b.gate.Apply(ctx, []projection.Write{{
-						Target: b.target.target(row.Key), Version: row.Version, Value: b.value(row.Key, row.Version+1000),
-					}})
-				})
-			}}
-			var logs testenv.LogSink
-			r, err := New(src, b.target, &Config{PageSize: 50, Logger: logs.Logger()})
-			require.NoError(t, err)
-			rep, err := r.Rebuild(ctx)
-			require.NoError(t, err)
-			require.NoError(t, hookErr)
-			require.Equal(t, []projection.Outcome{projection.OutcomeConflict}, outcomes, "the live keys held the source's value")
-			require.True(t, rep.Switched)
-			require.Equal(t, RebuildReport{Rows: n, Applied: n - 1, Kept: 1, Conflicts: 1, Switched: true},
-				RebuildReport{Rows: rep.Rows, Applied: rep.Applied, Kept: rep.Kept, Conflicts: rep.Conflicts, Switched: rep.Switched})
-			warned := logs.Lines(t, "reconcile rebuild: source rows met a live write of their version with another value; "+
-				"the live write's value was kept (run the reconciler to repair it from the source)")
-			require.Len(t, warned, 1)
-			require.Equal(t, 1.0, warned[0]["conflicts"])
+	eachKind(t, func(t *testing.T, b *testBundle) {
+		ctx := context.Background()
+		const n = 120
+		rows := b.insertMany(t, n)
+		b.projectRows(t, rows)
+		var (
+			once     sync.Once
+			outcomes []projection.Outcome
+			hookErr  error
+		)
+		src := &hookedSource{Source: b.source, onPage: func(ctx context.Context, _ int) {
+			once.Do(func() { // before the first page is read: after the marker is set
+				row := rows[n/2]
+				outcomes, hookErr = b.gate.Apply(ctx, []projection.Write{{
+					Target: b.target.target(row.Key), Version: row.Version, Value: b.value(row.Key, row.Version+1000),
+				}})
+			})
+		}}
+		var logs testenv.LogSink
+		r, err := New(src, b.target, &Config{PageSize: 50, Logger: logs.Logger()})
+		require.NoError(t, err)
+		rep, err := r.Rebuild(ctx)
+		require.NoError(t, err)
+		require.NoError(t, hookErr)
+		require.Equal(t, []projection.Outcome{projection.OutcomeConflict}, outcomes, "the live keys held the source's value")
+		require.True(t, rep.Switched)
+		require.Equal(t, RebuildReport{Rows: n, Applied: n - 1, Kept: 1, Conflicts: 1, Switched: true},
+			RebuildReport{Rows: rep.Rows, Applied: rep.Applied, Kept: rep.Kept, Conflicts: rep.Conflicts, Switched: rep.Switched})
+		warned := logs.Lines(t, "reconcile rebuild: source rows met a live write of their version with another value; "+
+			"the live write's value was kept (run the reconciler to repair it from the source)")
+		require.Len(t, warned, 1)
+		require.Equal(t, 1.0, warned[0]["conflicts"])
 
-			run, err := b.reconciler(t, nil).Run(ctx, RunOptions{DryRun: true})
-			require.NoError(t, err)
-			require.Equal(t, map[Class]int64{ClassCurrent: n - 1, ClassCorrupt: 1}, run.Counts)
-		})
-	}
+		run, err := b.reconciler(t, nil).Run(ctx, RunOptions{DryRun: true})
+		require.NoError(t, err)
+		require.Equal(t, map[Class]int64{ClassCurrent: n - 1, ClassCorrupt: 1}, run.Counts)
+	})
 }
 
 // cancelAfterStep is a go-redis hook that calls cancel once Redis has
@@ -950,32 +938,28 @@ func TestRebuildCancelledRightAfterStart(t *testing.T) {
 // ahead of the source's.
 func TestRebuildClearsADeadRebuildsShadow(t *testing.T) {
 	t.Parallel()
-	for _, kind := range []projection.Kind{projection.KindSortedSet, projection.KindHash} {
-		t.Run(kindName(kind), func(t *testing.T) {
-			t.Parallel()
-			ctx := context.Background()
-			b := setup(t, kind)
-			b.projectRows(t, []Row{b.insert(t, "a", 1), b.insert(t, "b", 1)})
-			_, sv, sver := b.rebuildKeys()
-			// What the dead rebuild copied: "ghost" (deleted from the source
-			// since) and "a" at a version the source never had.
-			for member, version := range map[string]string{"ghost": "5", "a": "9"} {
-				if kind == projection.KindSortedSet {
-					require.NoError(t, b.client.ZAdd(ctx, sv, redis.Z{Score: 999, Member: member}).Err())
-				} else {
-					require.NoError(t, b.client.HSet(ctx, sv, member, "dead rebuild").Err())
-				}
-				require.NoError(t, b.client.HSet(ctx, sver, member, version).Err())
+	eachKind(t, func(t *testing.T, b *testBundle) {
+		ctx := context.Background()
+		b.projectRows(t, []Row{b.insert(t, "a", 1), b.insert(t, "b", 1)})
+		_, sv, sver := b.rebuildKeys()
+		// What the dead rebuild copied: "ghost" (deleted from the source
+		// since) and "a" at a version the source never had.
+		for member, version := range map[string]string{"ghost": "5", "a": "9"} {
+			if b.kind == projection.KindSortedSet {
+				require.NoError(t, b.client.ZAdd(ctx, sv, redis.Z{Score: 999, Member: member}).Err())
+			} else {
+				require.NoError(t, b.client.HSet(ctx, sv, member, "dead rebuild").Err())
 			}
-			r := b.reconciler(t, nil)
-			rep, err := r.Rebuild(ctx)
-			require.NoError(t, err)
-			require.True(t, rep.Switched)
-			require.EqualValues(t, 2, rep.Applied, "every row copied into an empty shadow")
-			require.Equal(t, Projected{}, b.state(t, r, "ghost"))
-			run, err := r.Run(ctx, RunOptions{DryRun: true})
-			require.NoError(t, err)
-			require.Equal(t, map[Class]int64{ClassCurrent: 2}, run.Counts)
-		})
-	}
+			require.NoError(t, b.client.HSet(ctx, sver, member, version).Err())
+		}
+		r := b.reconciler(t, nil)
+		rep, err := r.Rebuild(ctx)
+		require.NoError(t, err)
+		require.True(t, rep.Switched)
+		require.EqualValues(t, 2, rep.Applied, "every row copied into an empty shadow")
+		require.Equal(t, Projected{}, b.state(t, r, "ghost"))
+		run, err := r.Run(ctx, RunOptions{DryRun: true})
+		require.NoError(t, err)
+		require.Equal(t, map[Class]int64{ClassCurrent: 2}, run.Counts)
+	})
 }

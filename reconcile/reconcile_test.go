@@ -618,35 +618,31 @@ func kindName(k projection.Kind) string {
 // no scan, and a single orphan forces one (and is found).
 func TestOrphanScanSkipped(t *testing.T) {
 	t.Parallel()
-	for _, kind := range []projection.Kind{projection.KindSortedSet, projection.KindHash} {
-		t.Run(kindName(kind), func(t *testing.T) {
-			t.Parallel()
-			b := setup(t, kind)
-			rows := b.insertMany(t, 40)
-			b.projectRows(t, rows[:30]) // 10 missing: repaired, then counted as present
-			r := b.reconciler(t, &Config{PageSize: 16})
-			rep, err := r.Run(context.Background(), RunOptions{})
-			require.NoError(t, err)
-			require.EqualValues(t, 10, rep.Repaired)
-			require.True(t, rep.OrphanScanSkipped)
-			require.Zero(t, rep.Scanned)
+	eachKind(t, func(t *testing.T, b *testBundle) {
+		rows := b.insertMany(t, 40)
+		b.projectRows(t, rows[:30]) // 10 missing: repaired, then counted as present
+		r := b.reconciler(t, &Config{PageSize: 16})
+		rep, err := r.Run(context.Background(), RunOptions{})
+		require.NoError(t, err)
+		require.EqualValues(t, 10, rep.Repaired)
+		require.True(t, rep.OrphanScanSkipped)
+		require.Zero(t, rep.Scanned)
 
-			b.project(t, "orphan", 1)
-			b.setRaw(t, rows[0].Key, nil, ptr("")) // value without version: counts differ too
-			rep, err = r.Run(context.Background(), RunOptions{})
-			require.NoError(t, err)
-			require.False(t, rep.OrphanScanSkipped)
-			require.EqualValues(t, 41, rep.Scanned) // 40 versions + the versionless value
-			require.EqualValues(t, 1, rep.Counts[ClassOrphan])
-			require.EqualValues(t, 1, rep.Counts[ClassCorrupt])
+		b.project(t, "orphan", 1)
+		b.setRaw(t, rows[0].Key, nil, ptr("")) // value without version: counts differ too
+		rep, err = r.Run(context.Background(), RunOptions{})
+		require.NoError(t, err)
+		require.False(t, rep.OrphanScanSkipped)
+		require.EqualValues(t, 41, rep.Scanned) // 40 versions + the versionless value
+		require.EqualValues(t, 1, rep.Counts[ClassOrphan])
+		require.EqualValues(t, 1, rep.Counts[ClassCorrupt])
 
-			// Dry run over a drifted projection: counts use what was read.
-			rep, err = r.Run(context.Background(), RunOptions{DryRun: true})
-			require.NoError(t, err)
-			require.False(t, rep.OrphanScanSkipped)
-			require.EqualValues(t, 1, rep.Counts[ClassOrphan])
-		})
-	}
+		// Dry run over a drifted projection: counts use what was read.
+		rep, err = r.Run(context.Background(), RunOptions{DryRun: true})
+		require.NoError(t, err)
+		require.False(t, rep.OrphanScanSkipped)
+		require.EqualValues(t, 1, rep.Counts[ClassOrphan])
+	})
 }
 
 // TestOrphanScanAfterAheadRowDeleted deletes the source row of an ahead
@@ -998,29 +994,25 @@ func TestDocumentNamespace(t *testing.T) {
 // corrupt. An entry read corrupt twice stays corrupt.
 func TestTornReadIsNotCorrupt(t *testing.T) {
 	t.Parallel()
-	for _, kind := range []projection.Kind{projection.KindSortedSet, projection.KindHash} {
-		t.Run(kindName(kind), func(t *testing.T) {
-			t.Parallel()
-			ctx := context.Background()
-			b := setup(t, kind)
-			row := b.insert(t, "k", 2)
-			b.project(t, "k", 2)
-			bad := b.insert(t, "bad", 1)
-			b.project(t, "bad", 1)
-			b.setRaw(t, "bad", &projection.Value{Score: 999, Data: []byte("garbage")}, nil)
-			r := b.reconciler(t, &Config{Policy: Policy{Corrupt: ActionReport}})
+	eachKind(t, func(t *testing.T, b *testBundle) {
+		ctx := context.Background()
+		row := b.insert(t, "k", 2)
+		b.project(t, "k", 2)
+		bad := b.insert(t, "bad", 1)
+		b.project(t, "bad", 1)
+		b.setRaw(t, "bad", &projection.Value{Score: 999, Data: []byte("garbage")}, nil)
+		r := b.reconciler(t, &Config{Policy: Policy{Corrupt: ActionReport}})
 
-			torn := b.state(t, r, "k")
-			old := b.value("k", 1)
-			torn.Score, torn.Data = float64(old.Score), old.Data
-			require.Equal(t, ClassCorrupt, Classify(kind, &row, torn), "the torn read alone looks corrupt")
+		torn := b.state(t, r, "k")
+		old := b.value("k", 1)
+		torn.Score, torn.Data = float64(old.Score), old.Data
+		require.Equal(t, ClassCorrupt, Classify(b.kind, &row, torn), "the torn read alone looks corrupt")
 
-			rep := newReport(RunOptions{})
-			require.NoError(t, r.checkRead(ctx, RunOptions{}, []Row{row, bad}, []Projected{torn, b.state(t, r, "bad")}, rep))
-			require.Equal(t, map[Class]int64{ClassCurrent: 1, ClassCorrupt: 1}, rep.Counts)
-			require.Equal(t, "bad", rep.Examples[ClassCorrupt][0].Key)
-		})
-	}
+		rep := newReport(RunOptions{})
+		require.NoError(t, r.checkRead(ctx, RunOptions{}, []Row{row, bad}, []Projected{torn, b.state(t, r, "bad")}, rep))
+		require.Equal(t, map[Class]int64{ClassCurrent: 1, ClassCorrupt: 1}, rep.Counts)
+		require.Equal(t, "bad", rep.Examples[ClassCorrupt][0].Key)
+	})
 }
 
 // TestReportCarry adds an earlier pass of a run (stopped by a slot move) to
@@ -1249,19 +1241,15 @@ func TestRepairScoresRedisPrintsOtherwise(t *testing.T) {
 // the value count differs, so the scan runs and finds it.
 func TestOrphanScanFindsAValueWithoutVersion(t *testing.T) {
 	t.Parallel()
-	for _, kind := range []projection.Kind{projection.KindSortedSet, projection.KindHash} {
-		t.Run(kindName(kind), func(t *testing.T) {
-			t.Parallel()
-			b := setup(t, kind)
-			b.projectRows(t, b.insertMany(t, 20))
-			b.setRaw(t, "ghost", &projection.Value{Score: 3, Data: []byte("ghost")}, nil)
-			rep, err := b.reconciler(t, &Config{PageSize: 8}).Run(context.Background(), RunOptions{})
-			require.NoError(t, err)
-			require.False(t, rep.OrphanScanSkipped)
-			require.Equal(t, map[Class]int64{ClassCurrent: 20, ClassOrphan: 1}, rep.Counts)
-			require.Equal(t, "ghost", rep.Examples[ClassOrphan][0].Key)
-		})
-	}
+	eachKind(t, func(t *testing.T, b *testBundle) {
+		b.projectRows(t, b.insertMany(t, 20))
+		b.setRaw(t, "ghost", &projection.Value{Score: 3, Data: []byte("ghost")}, nil)
+		rep, err := b.reconciler(t, &Config{PageSize: 8}).Run(context.Background(), RunOptions{})
+		require.NoError(t, err)
+		require.False(t, rep.OrphanScanSkipped)
+		require.Equal(t, map[Class]int64{ClassCurrent: 20, ClassOrphan: 1}, rep.Counts)
+		require.Equal(t, "ghost", rep.Examples[ClassOrphan][0].Key)
+	})
 }
 
 // TestRunRefusesASourceRepeatingKeys: a Source whose Page ignores the

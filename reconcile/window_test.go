@@ -276,33 +276,29 @@ func (h *tornRead) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.Pro
 // reported.
 func TestTornReadOfAnUpdatedRow(t *testing.T) {
 	t.Parallel()
-	for _, kind := range []projection.Kind{projection.KindSortedSet, projection.KindHash} {
-		t.Run(kindName(kind), func(t *testing.T) {
-			t.Parallel()
-			ctx := context.Background()
-			b := setup(t, kind)
-			b.projectRows(t, b.insertMany(t, 10))
-			const key = "k0000003"
-			hook := &tornRead{valueKey: b.ks.ValueKey(b.target.target(key)), member: key}
-			hook.between = func() {
-				applied, err := b.outboxWrite(ctx, key, 2)
-				if err != nil || !applied {
-					t.Errorf("writing %s at version 2: applied %v, %v", key, applied, err)
-				}
+	eachKind(t, func(t *testing.T, b *testBundle) {
+		ctx := context.Background()
+		b.projectRows(t, b.insertMany(t, 10))
+		const key = "k0000003"
+		hook := &tornRead{valueKey: b.ks.ValueKey(b.target.target(key)), member: key}
+		hook.between = func() {
+			applied, err := b.outboxWrite(ctx, key, 2)
+			if err != nil || !applied {
+				t.Errorf("writing %s at version 2: applied %v, %v", key, applied, err)
 			}
-			b.client.AddHook(hook)
-			var alerts []Finding
-			r := b.reconciler(t, &Config{PageSize: 5, OnAlert: func(_ context.Context, f Finding) { alerts = append(alerts, f) }})
+		}
+		b.client.AddHook(hook)
+		var alerts []Finding
+		r := b.reconciler(t, &Config{PageSize: 5, OnAlert: func(_ context.Context, f Finding) { alerts = append(alerts, f) }})
 
-			rep, err := r.Run(ctx, RunOptions{})
-			require.NoError(t, err)
-			require.True(t, hook.done.Load(), "the write landed inside the projection read")
-			require.EqualValues(t, 2, b.state(t, r, key).Version)
-			require.Equal(t, map[Class]int64{ClassCurrent: 10}, rep.Counts, "examples: %+v", rep.Examples)
-			require.Zero(t, rep.Results[ResultRaced])
-			require.Empty(t, alerts)
-		})
-	}
+		rep, err := r.Run(ctx, RunOptions{})
+		require.NoError(t, err)
+		require.True(t, hook.done.Load(), "the write landed inside the projection read")
+		require.EqualValues(t, 2, b.state(t, r, key).Version)
+		require.Equal(t, map[Class]int64{ClassCurrent: 10}, rep.Counts, "examples: %+v", rep.Examples)
+		require.Zero(t, rep.Results[ResultRaced])
+		require.Empty(t, alerts)
+	})
 }
 
 // TestAheadRowDeletedCountedOnce deletes an ahead entry's row after its
