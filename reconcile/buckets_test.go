@@ -509,7 +509,7 @@ func rebuildLostLayout(t *testing.T, b *testBundle, n int, garbage string) {
 // layout's shadow keys, then is refused after the switch and replaced).
 func TestRebuildMigrationUnderWrites(t *testing.T) {
 	t.Parallel()
-	eachKind(t, func(t *testing.T, b *testBundle) {
+	forKinds(t, collectionKinds, func(t *testing.T, b *testBundle) {
 		rebuildUnderWrites(t, b, b.withBuckets(t, 16).ks)
 	})
 	t.Run("BucketsToBuckets", func(t *testing.T) {

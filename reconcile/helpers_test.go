@@ -196,12 +196,11 @@ func (b *testBundle) setRaw(t testing.TB, key string, value *projection.Value, v
 
 func ptr[T any](v T) *T { return &v }
 
-// eachKind runs test as a parallel subtest, named by kind, for each kind of
-// collection a full pass reads (sorted set and hash), each with a bundle
-// of its own.
-func eachKind(t *testing.T, test func(t *testing.T, b *testBundle)) {
+// forKinds runs test as a parallel subtest, named by kind, for each of
+// kinds, each with a bundle of its own.
+func forKinds(t *testing.T, kinds []projection.Kind, test func(t *testing.T, b *testBundle)) {
 	t.Helper()
-	for _, kind := range []projection.Kind{projection.KindSortedSet, projection.KindHash} {
+	for _, kind := range kinds {
 		t.Run(kindName(kind), func(t *testing.T) {
 			t.Parallel()
 			test(t, setup(t, kind))

@@ -75,7 +75,7 @@ func (b *testBundle) rebuildKeys() (marker, shadowValue, shadowVersion string) {
 
 func TestRebuild(t *testing.T) {
 	t.Parallel()
-	eachKind(t, func(t *testing.T, b *testBundle) {
+	forKinds(t, collectionKinds, func(t *testing.T, b *testBundle) {
 		want := b.drift(t)
 		r := b.reconciler(t, &Config{PageSize: 2})
 		rep, err := r.Rebuild(context.Background())
@@ -114,7 +114,7 @@ func TestRebuild(t *testing.T) {
 // always see the whole projection, and no gate write is lost.
 func TestRebuildConcurrentWrites(t *testing.T) {
 	t.Parallel()
-	eachKind(t, func(t *testing.T, b *testBundle) {
+	forKinds(t, collectionKinds, func(t *testing.T, b *testBundle) {
 		rebuildUnderWrites(t, b, b.ks)
 	})
 }
@@ -845,7 +845,7 @@ func TestRebuildCopyRunTwice(t *testing.T) {
 // write's value, which a Run then finds corrupt.
 func TestRebuildCountsConflicts(t *testing.T) {
 	t.Parallel()
-	eachKind(t, func(t *testing.T, b *testBundle) {
+	forKinds(t, collectionKinds, func(t *testing.T, b *testBundle) {
 		ctx := context.Background()
 		const n = 120
 		rows := b.insertMany(t, n)
@@ -938,7 +938,7 @@ func TestRebuildCancelledRightAfterStart(t *testing.T) {
 // ahead of the source's.
 func TestRebuildClearsADeadRebuildsShadow(t *testing.T) {
 	t.Parallel()
-	eachKind(t, func(t *testing.T, b *testBundle) {
+	forKinds(t, collectionKinds, func(t *testing.T, b *testBundle) {
 		ctx := context.Background()
 		b.projectRows(t, []Row{b.insert(t, "a", 1), b.insert(t, "b", 1)})
 		_, sv, sver := b.rebuildKeys()

@@ -23,6 +23,9 @@ import (
 
 var allKinds = []projection.Kind{projection.KindSortedSet, projection.KindHash, projection.KindDocument}
 
+// collectionKinds are the kinds that hold one collection of many members.
+var collectionKinds = []projection.Kind{projection.KindSortedSet, projection.KindHash}
+
 // drift builds one entity of every class and returns the expected class per
 // key.
 func (b *testBundle) drift(t *testing.T) map[string]Class {
@@ -74,91 +77,83 @@ func countClasses(m map[string]Class) map[Class]int64 {
 
 func TestRunClasses(t *testing.T) {
 	t.Parallel()
-	for _, kind := range allKinds {
-		t.Run(kindName(kind), func(t *testing.T) {
-			t.Parallel()
-			b := setup(t, kind)
-			want := b.drift(t)
-			ctx := context.Background()
+	forKinds(t, allKinds, func(t *testing.T, b *testBundle) {
+		want := b.drift(t)
+		ctx := context.Background()
 
-			var mu sync.Mutex
-			alerts := map[string]Class{}
-			r := b.reconciler(t, &Config{PageSize: 3, OnAlert: func(_ context.Context, f Finding) {
-				mu.Lock()
-				defer mu.Unlock()
-				alerts[f.Key] = f.Class
-			}})
-			rep, err := r.Run(ctx, RunOptions{})
-			require.NoError(t, err)
-			require.Equal(t, countClasses(want), rep.Counts)
-			require.EqualValues(t, 7, rep.Checked)
-			require.EqualValues(t, 5, rep.Repaired) // missing, stale, 3 corrupt
-			require.EqualValues(t, 3, rep.Skipped)  // ahead and 2 orphans, reported only
-			require.EqualValues(t, 3, rep.Results[ResultReported])
-			require.Equal(t, map[string]Class{"ahead": ClassAhead, "orphan": ClassOrphan, "elsewhere": ClassOrphan}, alerts)
-			for key, c := range want {
-				if c == ClassCurrent {
-					continue
-				}
-				ex := rep.Examples[c]
-				found := false
-				for _, f := range ex {
-					found = found || f.Key == key
-				}
-				require.True(t, found, "example for %s (%s)", key, c)
+		var mu sync.Mutex
+		alerts := map[string]Class{}
+		r := b.reconciler(t, &Config{PageSize: 3, OnAlert: func(_ context.Context, f Finding) {
+			mu.Lock()
+			defer mu.Unlock()
+			alerts[f.Key] = f.Class
+		}})
+		rep, err := r.Run(ctx, RunOptions{})
+		require.NoError(t, err)
+		require.Equal(t, countClasses(want), rep.Counts)
+		require.EqualValues(t, 7, rep.Checked)
+		require.EqualValues(t, 5, rep.Repaired) // missing, stale, 3 corrupt
+		require.EqualValues(t, 3, rep.Skipped)  // ahead and 2 orphans, reported only
+		require.EqualValues(t, 3, rep.Results[ResultReported])
+		require.Equal(t, map[string]Class{"ahead": ClassAhead, "orphan": ClassOrphan, "elsewhere": ClassOrphan}, alerts)
+		for key, c := range want {
+			if c == ClassCurrent {
+				continue
 			}
-
-			// Repaired entries now hold the source's state; ahead and orphans
-			// are untouched.
-			for _, key := range []string{"miss", "stale", "corrupt", "bad{ver}", "nover"} {
-				rows, err := b.source.Lookup(ctx, []string{key})
-				require.NoError(t, err)
-				require.Equal(t, ClassCurrent, Classify(kind, &rows[0], b.state(t, r, key)), key)
+			ex := rep.Examples[c]
+			found := false
+			for _, f := range ex {
+				found = found || f.Key == key
 			}
-			require.Equal(t, int64(2), b.state(t, r, "ahead").Version)
-			require.True(t, b.state(t, r, "orphan").HasValue)
+			require.True(t, found, "example for %s (%s)", key, c)
+		}
 
-			// A second run finds only what the policy leaves alone.
-			rep, err = r.Run(ctx, RunOptions{})
+		// Repaired entries now hold the source's state; ahead and orphans
+		// are untouched.
+		for _, key := range []string{"miss", "stale", "corrupt", "bad{ver}", "nover"} {
+			rows, err := b.source.Lookup(ctx, []string{key})
 			require.NoError(t, err)
-			require.Equal(t, map[Class]int64{ClassCurrent: 6, ClassAhead: 1, ClassOrphan: 2}, rep.Counts)
-			require.Zero(t, rep.Repaired)
-		})
-	}
+			require.Equal(t, ClassCurrent, Classify(b.kind, &rows[0], b.state(t, r, key)), key)
+		}
+		require.Equal(t, int64(2), b.state(t, r, "ahead").Version)
+		require.True(t, b.state(t, r, "orphan").HasValue)
+
+		// A second run finds only what the policy leaves alone.
+		rep, err = r.Run(ctx, RunOptions{})
+		require.NoError(t, err)
+		require.Equal(t, map[Class]int64{ClassCurrent: 6, ClassAhead: 1, ClassOrphan: 2}, rep.Counts)
+		require.Zero(t, rep.Repaired)
+	})
 }
 
 func TestRunForceAheadAndOrphan(t *testing.T) {
 	t.Parallel()
-	for _, kind := range allKinds {
-		t.Run(kindName(kind), func(t *testing.T) {
-			t.Parallel()
-			b := setup(t, kind)
-			b.drift(t)
-			// OnAlert fires before any repair: the entry it is told about
-			// is still in Redis as it was read.
-			var r *Reconciler
-			unrepaired := map[string]bool{}
-			r = b.reconciler(t, &Config{Policy: Policy{Ahead: ActionRepair, Orphan: ActionRepair},
-				OnAlert: func(_ context.Context, f Finding) {
-					unrepaired[f.Key] = sameProjected(f.Projected, b.state(t, r, f.Key))
-				}})
-			rep, err := r.Run(context.Background(), RunOptions{})
-			require.NoError(t, err)
-			require.Equal(t, map[string]bool{"ahead": true, "orphan": true, "elsewhere": true}, unrepaired,
-				"OnAlert is called before the repair")
-			require.EqualValues(t, 8, rep.Repaired)
-			require.EqualValues(t, 1, rep.RepairedByClass[ClassAhead])
-			require.EqualValues(t, 2, rep.RepairedByClass[ClassOrphan])
+	forKinds(t, allKinds, func(t *testing.T, b *testBundle) {
+		b.drift(t)
+		// OnAlert fires before any repair: the entry it is told about
+		// is still in Redis as it was read.
+		var r *Reconciler
+		unrepaired := map[string]bool{}
+		r = b.reconciler(t, &Config{Policy: Policy{Ahead: ActionRepair, Orphan: ActionRepair},
+			OnAlert: func(_ context.Context, f Finding) {
+				unrepaired[f.Key] = sameProjected(f.Projected, b.state(t, r, f.Key))
+			}})
+		rep, err := r.Run(context.Background(), RunOptions{})
+		require.NoError(t, err)
+		require.Equal(t, map[string]bool{"ahead": true, "orphan": true, "elsewhere": true}, unrepaired,
+			"OnAlert is called before the repair")
+		require.EqualValues(t, 8, rep.Repaired)
+		require.EqualValues(t, 1, rep.RepairedByClass[ClassAhead])
+		require.EqualValues(t, 2, rep.RepairedByClass[ClassOrphan])
 
-			require.Equal(t, int64(1), b.state(t, r, "ahead").Version)
-			require.Equal(t, Projected{}, b.state(t, r, "orphan"))
-			require.Equal(t, Projected{}, b.state(t, r, "elsewhere"))
+		require.Equal(t, int64(1), b.state(t, r, "ahead").Version)
+		require.Equal(t, Projected{}, b.state(t, r, "orphan"))
+		require.Equal(t, Projected{}, b.state(t, r, "elsewhere"))
 
-			rep, err = r.Run(context.Background(), RunOptions{})
-			require.NoError(t, err)
-			require.Equal(t, map[Class]int64{ClassCurrent: 7}, rep.Counts)
-		})
-	}
+		rep, err = r.Run(context.Background(), RunOptions{})
+		require.NoError(t, err)
+		require.Equal(t, map[Class]int64{ClassCurrent: 7}, rep.Counts)
+	})
 }
 
 func TestRunDryRun(t *testing.T) {
@@ -189,44 +184,40 @@ func TestRunDryRun(t *testing.T) {
 // other hook may be called.
 func TestRunDryRunWritesNothing(t *testing.T) {
 	t.Parallel()
-	for _, kind := range allKinds {
-		t.Run(kindName(kind), func(t *testing.T) {
-			t.Parallel()
-			ctx := context.Background()
-			b := setup(t, kind)
-			want := b.drift(t)
-			before := b.dumpPrefix(t)
-			alerts := map[string]Class{}
-			hooks := 0
-			r := b.reconciler(t, &Config{
-				PageSize:     3,
-				Policy:       Policy{Ahead: ActionRepair, Orphan: ActionRepair},
-				OnAlert:      func(_ context.Context, f Finding) { alerts[f.Key] = f.Class },
-				BeforeRepair: func(context.Context, Finding) bool { hooks++; return true },
-				AfterRepair:  func(context.Context, Finding) { hooks++ },
-			})
-			rep, err := r.Run(ctx, RunOptions{DryRun: true})
-			require.NoError(t, err)
-			require.Equal(t, before, b.dumpPrefix(t), "a dry run writes nothing")
-			require.Equal(t, countClasses(want), rep.Counts)
-			require.EqualValues(t, 7, rep.Checked)
-			require.Zero(t, rep.Repaired)
-			require.Empty(t, rep.RepairedByClass)
-			require.Equal(t, map[Result]int64{ResultDryRun: 8}, rep.Results) // all but current
-			require.EqualValues(t, 8, rep.Skipped, "dry-run findings are skipped")
-			require.Zero(t, rep.Uncertain)
-			require.Equal(t, rep.Drift(), rep.Repaired+rep.Skipped+rep.Uncertain)
-			require.Equal(t, map[string]Class{"ahead": ClassAhead, "orphan": ClassOrphan, "elsewhere": ClassOrphan}, alerts,
-				"OnAlert still fires in a dry run")
-			require.Zero(t, hooks, "BeforeRepair and AfterRepair are not called in a dry run")
-
-			rep, err = r.CheckKeys(ctx, []string{"miss", "stale", "ahead", "corrupt", "orphan"}, RunOptions{DryRun: true})
-			require.NoError(t, err)
-			require.EqualValues(t, 5, rep.Results[ResultDryRun])
-			require.Equal(t, before, b.dumpPrefix(t), "a dry CheckKeys writes nothing")
-			require.Zero(t, hooks)
+	forKinds(t, allKinds, func(t *testing.T, b *testBundle) {
+		ctx := context.Background()
+		want := b.drift(t)
+		before := b.dumpPrefix(t)
+		alerts := map[string]Class{}
+		hooks := 0
+		r := b.reconciler(t, &Config{
+			PageSize:     3,
+			Policy:       Policy{Ahead: ActionRepair, Orphan: ActionRepair},
+			OnAlert:      func(_ context.Context, f Finding) { alerts[f.Key] = f.Class },
+			BeforeRepair: func(context.Context, Finding) bool { hooks++; return true },
+			AfterRepair:  func(context.Context, Finding) { hooks++ },
 		})
-	}
+		rep, err := r.Run(ctx, RunOptions{DryRun: true})
+		require.NoError(t, err)
+		require.Equal(t, before, b.dumpPrefix(t), "a dry run writes nothing")
+		require.Equal(t, countClasses(want), rep.Counts)
+		require.EqualValues(t, 7, rep.Checked)
+		require.Zero(t, rep.Repaired)
+		require.Empty(t, rep.RepairedByClass)
+		require.Equal(t, map[Result]int64{ResultDryRun: 8}, rep.Results) // all but current
+		require.EqualValues(t, 8, rep.Skipped, "dry-run findings are skipped")
+		require.Zero(t, rep.Uncertain)
+		require.Equal(t, rep.Drift(), rep.Repaired+rep.Skipped+rep.Uncertain)
+		require.Equal(t, map[string]Class{"ahead": ClassAhead, "orphan": ClassOrphan, "elsewhere": ClassOrphan}, alerts,
+			"OnAlert still fires in a dry run")
+		require.Zero(t, hooks, "BeforeRepair and AfterRepair are not called in a dry run")
+
+		rep, err = r.CheckKeys(ctx, []string{"miss", "stale", "ahead", "corrupt", "orphan"}, RunOptions{DryRun: true})
+		require.NoError(t, err)
+		require.EqualValues(t, 5, rep.Results[ResultDryRun])
+		require.Equal(t, before, b.dumpPrefix(t), "a dry CheckKeys writes nothing")
+		require.Zero(t, hooks)
+	})
 }
 
 // dumpPrefix DUMPs every key under the bundle's prefix (documents have a
@@ -282,43 +273,39 @@ func TestRunPolicyAndVeto(t *testing.T) {
 // newer state must survive.
 func TestRepairRace(t *testing.T) {
 	t.Parallel()
-	for _, kind := range allKinds {
-		t.Run(kindName(kind), func(t *testing.T) {
-			t.Parallel()
-			b := setup(t, kind)
-			want := b.drift(t)
-			raced := map[string]int64{}
-			r := b.reconciler(t, &Config{
-				Policy: Policy{Ahead: ActionRepair, Orphan: ActionRepair},
-				BeforeRepair: func(_ context.Context, f Finding) bool {
-					// The outbox delivers version 7 just now. For bad{ver}
-					// and nover the gate cannot order the write, so a hand
-					// edit stands in for it.
-					switch f.Key {
-					case "bad{ver}":
-						b.setRaw(t, f.Key, nil, ptr("02"))
-					case "nover":
-						b.setRaw(t, f.Key, &projection.Value{Score: 5, Data: []byte("5")}, nil)
-					default:
-						require.Equal(t, projection.OutcomeApplied, b.project(t, f.Key, 7))
-						raced[f.Key] = 7
-					}
-					return true
-				},
-			})
-			rep, err := r.Run(context.Background(), RunOptions{})
-			require.NoError(t, err)
-			require.Equal(t, countClasses(want), rep.Counts)
-			require.Zero(t, rep.Repaired)
-			require.EqualValues(t, 8, rep.Results[ResultRaced])
-			for key, v := range raced {
-				p := b.state(t, r, key)
-				require.Equal(t, v, p.Version, key)
-				require.Equal(t, ClassCurrent, Classify(kind, &Row{Key: key, Version: v, Value: b.value(key, v)}, p), key)
-			}
-			require.Equal(t, "02", b.state(t, r, "bad{ver}").RawVersion)
+	forKinds(t, allKinds, func(t *testing.T, b *testBundle) {
+		want := b.drift(t)
+		raced := map[string]int64{}
+		r := b.reconciler(t, &Config{
+			Policy: Policy{Ahead: ActionRepair, Orphan: ActionRepair},
+			BeforeRepair: func(_ context.Context, f Finding) bool {
+				// The outbox delivers version 7 just now. For bad{ver}
+				// and nover the gate cannot order the write, so a hand
+				// edit stands in for it.
+				switch f.Key {
+				case "bad{ver}":
+					b.setRaw(t, f.Key, nil, ptr("02"))
+				case "nover":
+					b.setRaw(t, f.Key, &projection.Value{Score: 5, Data: []byte("5")}, nil)
+				default:
+					require.Equal(t, projection.OutcomeApplied, b.project(t, f.Key, 7))
+					raced[f.Key] = 7
+				}
+				return true
+			},
 		})
-	}
+		rep, err := r.Run(context.Background(), RunOptions{})
+		require.NoError(t, err)
+		require.Equal(t, countClasses(want), rep.Counts)
+		require.Zero(t, rep.Repaired)
+		require.EqualValues(t, 8, rep.Results[ResultRaced])
+		for key, v := range raced {
+			p := b.state(t, r, key)
+			require.Equal(t, v, p.Version, key)
+			require.Equal(t, ClassCurrent, Classify(b.kind, &Row{Key: key, Version: v, Value: b.value(key, v)}, p), key)
+		}
+		require.Equal(t, "02", b.state(t, r, "bad{ver}").RawVersion)
+	})
 }
 
 // TestRepairRaceVersionAppearsWithTheSameValue makes a version appear, with
@@ -329,54 +316,50 @@ func TestRepairRace(t *testing.T) {
 // TestRepairRace's race on "nover" changes the value as well.
 func TestRepairRaceVersionAppearsWithTheSameValue(t *testing.T) {
 	t.Parallel()
-	for _, kind := range allKinds {
-		t.Run(kindName(kind), func(t *testing.T) {
-			t.Parallel()
-			ctx := context.Background()
-			b := setup(t, kind)
-			// A projected entry, so that the collection records its layout.
-			b.insert(t, "anchor", 1)
-			require.Equal(t, projection.OutcomeApplied, b.project(t, "anchor", 1))
-			// corrupt: the source has version 3; Redis holds the value of
-			// version 5 without any version (a lost version key).
-			b.insert(t, "corrupt", 3)
-			v5 := b.value("corrupt", 5)
-			b.setRaw(t, "corrupt", &v5, nil)
-			// orphan: not in the source; Redis holds a value without a version.
-			o2 := b.value("orphan", 2)
-			b.setRaw(t, "orphan", &o2, nil)
+	forKinds(t, allKinds, func(t *testing.T, b *testBundle) {
+		ctx := context.Background()
+		// A projected entry, so that the collection records its layout.
+		b.insert(t, "anchor", 1)
+		require.Equal(t, projection.OutcomeApplied, b.project(t, "anchor", 1))
+		// corrupt: the source has version 3; Redis holds the value of
+		// version 5 without any version (a lost version key).
+		b.insert(t, "corrupt", 3)
+		v5 := b.value("corrupt", 5)
+		b.setRaw(t, "corrupt", &v5, nil)
+		// orphan: not in the source; Redis holds a value without a version.
+		o2 := b.value("orphan", 2)
+		b.setRaw(t, "orphan", &o2, nil)
 
-			r := b.reconciler(t, &Config{
-				Policy: Policy{Orphan: ActionRepair},
-				BeforeRepair: func(ctx context.Context, f Finding) bool {
-					// The outbox delivers a newer version with the value
-					// Redis already holds. BeforeRepair may run on another
-					// goroutine: assert, not require.
-					switch f.Key {
-					case "corrupt":
-						b.insert(t, "corrupt", 5)
-						assert.Equal(t, projection.OutcomeApplied, b.project(t, "corrupt", 5))
-					case "orphan":
-						b.insert(t, "orphan", 2)
-						assert.Equal(t, projection.OutcomeApplied, b.project(t, "orphan", 2))
-					}
-					return true
-				},
-			})
-			rep, err := r.Run(ctx, RunOptions{})
-			require.NoError(t, err)
-			require.EqualValues(t, 1, rep.Counts[ClassCorrupt], "report: %v", rep)
-			require.EqualValues(t, 1, rep.Counts[ClassOrphan], "report: %v", rep)
-			require.EqualValues(t, 2, rep.Results[ResultRaced], "results: %v", rep.Results)
-
-			p := b.state(t, r, "corrupt")
-			require.Equal(t, int64(5), p.Version, "the repair overwrote a newer gate write with the older source row it had read")
-			require.Equal(t, ClassCurrent, Classify(kind, &Row{Key: "corrupt", Version: 5, Value: v5}, p))
-			p = b.state(t, r, "orphan")
-			require.True(t, p.HasValue && p.HasVersion, "the orphan removal deleted an entry projected after the read")
-			require.Equal(t, int64(2), p.Version)
+		r := b.reconciler(t, &Config{
+			Policy: Policy{Orphan: ActionRepair},
+			BeforeRepair: func(ctx context.Context, f Finding) bool {
+				// The outbox delivers a newer version with the value
+				// Redis already holds. BeforeRepair may run on another
+				// goroutine: assert, not require.
+				switch f.Key {
+				case "corrupt":
+					b.insert(t, "corrupt", 5)
+					assert.Equal(t, projection.OutcomeApplied, b.project(t, "corrupt", 5))
+				case "orphan":
+					b.insert(t, "orphan", 2)
+					assert.Equal(t, projection.OutcomeApplied, b.project(t, "orphan", 2))
+				}
+				return true
+			},
 		})
-	}
+		rep, err := r.Run(ctx, RunOptions{})
+		require.NoError(t, err)
+		require.EqualValues(t, 1, rep.Counts[ClassCorrupt], "report: %v", rep)
+		require.EqualValues(t, 1, rep.Counts[ClassOrphan], "report: %v", rep)
+		require.EqualValues(t, 2, rep.Results[ResultRaced], "results: %v", rep.Results)
+
+		p := b.state(t, r, "corrupt")
+		require.Equal(t, int64(5), p.Version, "the repair overwrote a newer gate write with the older source row it had read")
+		require.Equal(t, ClassCurrent, Classify(b.kind, &Row{Key: "corrupt", Version: 5, Value: v5}, p))
+		p = b.state(t, r, "orphan")
+		require.True(t, p.HasValue && p.HasVersion, "the orphan removal deleted an entry projected after the read")
+		require.Equal(t, int64(2), p.Version)
+	})
 }
 
 // TestRepairRaceGateAnswersDuplicate has the relay project the source's very
@@ -386,28 +369,24 @@ func TestRepairRaceVersionAppearsWithTheSameValue(t *testing.T) {
 // with another version, which the gate answers stale.
 func TestRepairRaceGateAnswersDuplicate(t *testing.T) {
 	t.Parallel()
-	for _, kind := range allKinds {
-		t.Run(kindName(kind), func(t *testing.T) {
-			t.Parallel()
-			b := setup(t, kind)
-			b.insert(t, "missing", 3)
-			b.insert(t, "stale", 4)
-			require.Equal(t, projection.OutcomeApplied, b.project(t, "stale", 2))
-			r := b.reconciler(t, &Config{
-				BeforeRepair: func(ctx context.Context, f Finding) bool {
-					// The relay delivers exactly the source's version now.
-					assert.Equal(t, projection.OutcomeApplied, b.project(t, f.Key, f.Source.Version))
-					return true
-				},
-			})
-			rep, err := r.Run(context.Background(), RunOptions{})
-			require.NoError(t, err)
-			require.EqualValues(t, 1, rep.Counts[ClassMissing], "report: %v", rep)
-			require.EqualValues(t, 1, rep.Counts[ClassStale], "report: %v", rep)
-			require.Zero(t, rep.Repaired, "the relay had delivered both versions; results %v", rep.Results)
-			require.EqualValues(t, 2, rep.Results[ResultRaced], "results: %v", rep.Results)
+	forKinds(t, allKinds, func(t *testing.T, b *testBundle) {
+		b.insert(t, "missing", 3)
+		b.insert(t, "stale", 4)
+		require.Equal(t, projection.OutcomeApplied, b.project(t, "stale", 2))
+		r := b.reconciler(t, &Config{
+			BeforeRepair: func(ctx context.Context, f Finding) bool {
+				// The relay delivers exactly the source's version now.
+				assert.Equal(t, projection.OutcomeApplied, b.project(t, f.Key, f.Source.Version))
+				return true
+			},
 		})
-	}
+		rep, err := r.Run(context.Background(), RunOptions{})
+		require.NoError(t, err)
+		require.EqualValues(t, 1, rep.Counts[ClassMissing], "report: %v", rep)
+		require.EqualValues(t, 1, rep.Counts[ClassStale], "report: %v", rep)
+		require.Zero(t, rep.Repaired, "the relay had delivered both versions; results %v", rep.Results)
+		require.EqualValues(t, 2, rep.Results[ResultRaced], "results: %v", rep.Results)
+	})
 }
 
 // TestRepairRaceVersionsAboveDoublePrecision re-creates and projects an
@@ -618,7 +597,7 @@ func kindName(k projection.Kind) string {
 // no scan, and a single orphan forces one (and is found).
 func TestOrphanScanSkipped(t *testing.T) {
 	t.Parallel()
-	eachKind(t, func(t *testing.T, b *testBundle) {
+	forKinds(t, collectionKinds, func(t *testing.T, b *testBundle) {
 		rows := b.insertMany(t, 40)
 		b.projectRows(t, rows[:30]) // 10 missing: repaired, then counted as present
 		r := b.reconciler(t, &Config{PageSize: 16})
@@ -705,61 +684,57 @@ func TestRunUncertain(t *testing.T) {
 // every stale entry is either repaired or reported raced.
 func TestRepairRaceConcurrent(t *testing.T) {
 	t.Parallel()
-	for _, kind := range allKinds {
-		t.Run(kindName(kind), func(t *testing.T) {
-			t.Parallel()
-			b := setup(t, kind)
-			const n = 400
-			rows := b.insertMany(t, n)
-			b.projectRows(t, rows)
-			ctx := context.Background()
-			_, err := b.pool.Exec(ctx, `UPDATE items SET version = 2, score = score + 1, data = data || 'x'`)
-			require.NoError(t, err)
+	forKinds(t, allKinds, func(t *testing.T, b *testBundle) {
+		const n = 400
+		rows := b.insertMany(t, n)
+		b.projectRows(t, rows)
+		ctx := context.Background()
+		_, err := b.pool.Exec(ctx, `UPDATE items SET version = 2, score = score + 1, data = data || 'x'`)
+		require.NoError(t, err)
 
-			var (
-				mu        sync.Mutex
-				delivered = map[string]int64{}
-				stop      = make(chan struct{})
-				done      = make(chan error, 1)
-			)
-			go func() {
-				for i := 0; ; i++ {
-					select {
-					case <-stop:
-						done <- nil
-						return
-					default:
-					}
-					key := rows[(i*7919)%n].Key
-					version := int64(3 + i/n)
-					applied, err := b.outboxWrite(ctx, key, version)
-					if err != nil {
-						done <- err
-						return
-					}
-					if applied {
-						mu.Lock()
-						delivered[key] = version
-						mu.Unlock()
-					}
+		var (
+			mu        sync.Mutex
+			delivered = map[string]int64{}
+			stop      = make(chan struct{})
+			done      = make(chan error, 1)
+		)
+		go func() {
+			for i := 0; ; i++ {
+				select {
+				case <-stop:
+					done <- nil
+					return
+				default:
 				}
-			}()
-			r := b.reconciler(t, &Config{PageSize: 20, SkipOrphans: true})
-			rep, err := r.Run(ctx, RunOptions{})
-			close(stop)
-			require.NoError(t, <-done)
-			require.NoError(t, err)
-			require.EqualValues(t, n, rep.Checked)
-			require.Equal(t, rep.Counts[ClassStale], rep.Repaired+rep.Results[ResultRaced])
-
-			for key, v := range delivered {
-				require.GreaterOrEqual(t, b.state(t, r, key).Version, v, "delivered version of %s regressed", key)
+				key := rows[(i*7919)%n].Key
+				version := int64(3 + i/n)
+				applied, err := b.outboxWrite(ctx, key, version)
+				if err != nil {
+					done <- err
+					return
+				}
+				if applied {
+					mu.Lock()
+					delivered[key] = version
+					mu.Unlock()
+				}
 			}
-			final, err := r.Run(ctx, RunOptions{DryRun: true})
-			require.NoError(t, err)
-			require.Equal(t, map[Class]int64{ClassCurrent: n}, final.Counts)
-		})
-	}
+		}()
+		r := b.reconciler(t, &Config{PageSize: 20, SkipOrphans: true})
+		rep, err := r.Run(ctx, RunOptions{})
+		close(stop)
+		require.NoError(t, <-done)
+		require.NoError(t, err)
+		require.EqualValues(t, n, rep.Checked)
+		require.Equal(t, rep.Counts[ClassStale], rep.Repaired+rep.Results[ResultRaced])
+
+		for key, v := range delivered {
+			require.GreaterOrEqual(t, b.state(t, r, key).Version, v, "delivered version of %s regressed", key)
+		}
+		final, err := r.Run(ctx, RunOptions{DryRun: true})
+		require.NoError(t, err)
+		require.Equal(t, map[Class]int64{ClassCurrent: n}, final.Counts)
+	})
 }
 
 // rowsSource is a Source over fixed rows, for rows SQLSource would refuse.
@@ -804,45 +779,41 @@ func TestRunInvalidRowsFromAnySource(t *testing.T) {
 func TestHazardousKeys(t *testing.T) {
 	t.Parallel()
 	keys := []string{"", "a:b", "{x}", "}{", "*?[", "% 20", "ü→✓", "new\nline"}
-	for _, kind := range allKinds {
-		t.Run(kindName(kind), func(t *testing.T) {
-			t.Parallel()
-			b := setup(t, kind)
-			for i, k := range keys {
-				b.insert(t, k, 2)
-				switch i % 3 {
-				case 0: // missing
-				case 1:
-					b.project(t, k, 1) // stale
-				case 2:
-					b.project(t, k, 2)
-					b.setRaw(t, k, &projection.Value{Score: -7, Data: []byte("edited")}, nil)
-				}
-				b.project(t, "orphan"+k, 1)
+	forKinds(t, allKinds, func(t *testing.T, b *testBundle) {
+		for i, k := range keys {
+			b.insert(t, k, 2)
+			switch i % 3 {
+			case 0: // missing
+			case 1:
+				b.project(t, k, 1) // stale
+			case 2:
+				b.project(t, k, 2)
+				b.setRaw(t, k, &projection.Value{Score: -7, Data: []byte("edited")}, nil)
 			}
-			// Members no text column can hold (a buggy writer's): orphans
-			// too, even though PostgreSQL rejects them as lookup keys.
-			junk := []string{"junk\xff", "nul\x00"}
-			for _, k := range junk {
-				b.project(t, k, 1)
-			}
-			r := b.reconciler(t, &Config{PageSize: 3, Policy: Policy{Orphan: ActionRepair}})
-			rep, err := r.Run(context.Background(), RunOptions{})
-			require.NoError(t, err)
-			require.Equal(t, map[Class]int64{ClassMissing: 3, ClassStale: 3, ClassCorrupt: 2, ClassOrphan: int64(len(keys) + len(junk))}, rep.Counts)
-			require.EqualValues(t, 8+len(keys)+len(junk), rep.Repaired)
+			b.project(t, "orphan"+k, 1)
+		}
+		// Members no text column can hold (a buggy writer's): orphans
+		// too, even though PostgreSQL rejects them as lookup keys.
+		junk := []string{"junk\xff", "nul\x00"}
+		for _, k := range junk {
+			b.project(t, k, 1)
+		}
+		r := b.reconciler(t, &Config{PageSize: 3, Policy: Policy{Orphan: ActionRepair}})
+		rep, err := r.Run(context.Background(), RunOptions{})
+		require.NoError(t, err)
+		require.Equal(t, map[Class]int64{ClassMissing: 3, ClassStale: 3, ClassCorrupt: 2, ClassOrphan: int64(len(keys) + len(junk))}, rep.Counts)
+		require.EqualValues(t, 8+len(keys)+len(junk), rep.Repaired)
 
-			rep, err = r.Run(context.Background(), RunOptions{})
-			require.NoError(t, err)
-			require.Equal(t, map[Class]int64{ClassCurrent: int64(len(keys))}, rep.Counts)
-			for _, k := range keys {
-				require.Equal(t, Projected{}, b.state(t, r, "orphan"+k), k)
-			}
-			for _, k := range junk {
-				require.Equal(t, Projected{}, b.state(t, r, k), k)
-			}
-		})
-	}
+		rep, err = r.Run(context.Background(), RunOptions{})
+		require.NoError(t, err)
+		require.Equal(t, map[Class]int64{ClassCurrent: int64(len(keys))}, rep.Counts)
+		for _, k := range keys {
+			require.Equal(t, Projected{}, b.state(t, r, "orphan"+k), k)
+		}
+		for _, k := range junk {
+			require.Equal(t, Projected{}, b.state(t, r, k), k)
+		}
+	})
 }
 
 func TestCheckKeys(t *testing.T) {
@@ -994,7 +965,7 @@ func TestDocumentNamespace(t *testing.T) {
 // corrupt. An entry read corrupt twice stays corrupt.
 func TestTornReadIsNotCorrupt(t *testing.T) {
 	t.Parallel()
-	eachKind(t, func(t *testing.T, b *testBundle) {
+	forKinds(t, collectionKinds, func(t *testing.T, b *testBundle) {
 		ctx := context.Background()
 		row := b.insert(t, "k", 2)
 		b.project(t, "k", 2)
@@ -1241,7 +1212,7 @@ func TestRepairScoresRedisPrintsOtherwise(t *testing.T) {
 // the value count differs, so the scan runs and finds it.
 func TestOrphanScanFindsAValueWithoutVersion(t *testing.T) {
 	t.Parallel()
-	eachKind(t, func(t *testing.T, b *testBundle) {
+	forKinds(t, collectionKinds, func(t *testing.T, b *testBundle) {
 		b.projectRows(t, b.insertMany(t, 20))
 		b.setRaw(t, "ghost", &projection.Value{Score: 3, Data: []byte("ghost")}, nil)
 		rep, err := b.reconciler(t, &Config{PageSize: 8}).Run(context.Background(), RunOptions{})

@@ -72,26 +72,22 @@ func TestOrphanCheckReadsProjectionFirst(t *testing.T) {
 
 	t.Run("CheckKeys", func(t *testing.T) {
 		t.Parallel()
-		for _, kind := range allKinds {
-			t.Run(kindName(kind), func(t *testing.T) {
-				t.Parallel()
-				b := setup(t, kind)
-				src := &windowSource{Source: b.source}
-				src.afterLookup = once("newuser", func() {
-					b.insert(t, "newuser", 1)
-					require.Equal(t, projection.OutcomeApplied, b.project(t, "newuser", 1))
-				})
-				alerts := 0
-				r, err := New(src, b.target, &Config{Policy: Policy{Orphan: ActionRepair},
-					OnAlert: func(context.Context, Finding) { alerts++ }})
-				require.NoError(t, err)
-				rep, err := r.CheckKeys(ctx, []string{"newuser"}, RunOptions{})
-				require.NoError(t, err)
-				require.Zero(t, rep.Counts[ClassOrphan])
-				require.Zero(t, alerts)
-				require.EqualValues(t, 1, b.state(t, r, "newuser").Version, "the new entry survives")
+		forKinds(t, allKinds, func(t *testing.T, b *testBundle) {
+			src := &windowSource{Source: b.source}
+			src.afterLookup = once("newuser", func() {
+				b.insert(t, "newuser", 1)
+				require.Equal(t, projection.OutcomeApplied, b.project(t, "newuser", 1))
 			})
-		}
+			alerts := 0
+			r, err := New(src, b.target, &Config{Policy: Policy{Orphan: ActionRepair},
+				OnAlert: func(context.Context, Finding) { alerts++ }})
+			require.NoError(t, err)
+			rep, err := r.CheckKeys(ctx, []string{"newuser"}, RunOptions{})
+			require.NoError(t, err)
+			require.Zero(t, rep.Counts[ClassOrphan])
+			require.Zero(t, alerts)
+			require.EqualValues(t, 1, b.state(t, r, "newuser").Version, "the new entry survives")
+		})
 	})
 
 	// The scan finds an entry deleted from the source; it is created again
@@ -100,52 +96,44 @@ func TestOrphanCheckReadsProjectionFirst(t *testing.T) {
 	// must decline.
 	t.Run("OrphanScan", func(t *testing.T) {
 		t.Parallel()
-		for _, kind := range allKinds {
-			t.Run(kindName(kind), func(t *testing.T) {
-				t.Parallel()
-				b := setup(t, kind)
-				b.project(t, "gone", 1)
-				src := &windowSource{Source: b.source}
-				src.afterLookup = nth(2, "gone", func() {
-					b.insert(t, "gone", 2)
-					require.Equal(t, projection.OutcomeApplied, b.project(t, "gone", 2))
-				})
-				r, err := New(src, b.target, &Config{Policy: Policy{Orphan: ActionRepair}})
-				require.NoError(t, err)
-				rep, err := r.Run(ctx, RunOptions{})
-				require.NoError(t, err)
-				require.Equal(t, map[Class]int64{ClassOrphan: 1}, rep.Counts)
-				require.EqualValues(t, 1, rep.Results[ResultRaced])
-				require.Zero(t, rep.Repaired)
-				require.EqualValues(t, 2, b.state(t, r, "gone").Version, "the re-created entry survives")
-				require.EqualValues(t, 2, src.lookups.Load(), "looked up, read, looked up again")
+		forKinds(t, allKinds, func(t *testing.T, b *testBundle) {
+			b.project(t, "gone", 1)
+			src := &windowSource{Source: b.source}
+			src.afterLookup = nth(2, "gone", func() {
+				b.insert(t, "gone", 2)
+				require.Equal(t, projection.OutcomeApplied, b.project(t, "gone", 2))
 			})
-		}
+			r, err := New(src, b.target, &Config{Policy: Policy{Orphan: ActionRepair}})
+			require.NoError(t, err)
+			rep, err := r.Run(ctx, RunOptions{})
+			require.NoError(t, err)
+			require.Equal(t, map[Class]int64{ClassOrphan: 1}, rep.Counts)
+			require.EqualValues(t, 1, rep.Results[ResultRaced])
+			require.Zero(t, rep.Repaired)
+			require.EqualValues(t, 2, b.state(t, r, "gone").Version, "the re-created entry survives")
+			require.EqualValues(t, 2, src.lookups.Load(), "looked up, read, looked up again")
+		})
 	})
 
 	// Created right after the first lookup: the read sees it and the
 	// confirming lookup finds it, so it is not even reported.
 	t.Run("OrphanScanFirstLookup", func(t *testing.T) {
 		t.Parallel()
-		for _, kind := range allKinds {
-			t.Run(kindName(kind), func(t *testing.T) {
-				t.Parallel()
-				b := setup(t, kind)
-				b.project(t, "gone", 1)
-				src := &windowSource{Source: b.source}
-				src.afterLookup = once("gone", func() {
-					b.insert(t, "gone", 2)
-					require.Equal(t, projection.OutcomeApplied, b.project(t, "gone", 2))
-				})
-				r, err := New(src, b.target, &Config{Policy: Policy{Orphan: ActionRepair}})
-				require.NoError(t, err)
-				rep, err := r.Run(ctx, RunOptions{})
-				require.NoError(t, err)
-				require.Empty(t, rep.Counts)
-				require.EqualValues(t, 1, rep.Scanned)
-				require.EqualValues(t, 2, b.state(t, r, "gone").Version)
+		forKinds(t, allKinds, func(t *testing.T, b *testBundle) {
+			b.project(t, "gone", 1)
+			src := &windowSource{Source: b.source}
+			src.afterLookup = once("gone", func() {
+				b.insert(t, "gone", 2)
+				require.Equal(t, projection.OutcomeApplied, b.project(t, "gone", 2))
 			})
-		}
+			r, err := New(src, b.target, &Config{Policy: Policy{Orphan: ActionRepair}})
+			require.NoError(t, err)
+			rep, err := r.Run(ctx, RunOptions{})
+			require.NoError(t, err)
+			require.Empty(t, rep.Counts)
+			require.EqualValues(t, 1, rep.Scanned)
+			require.EqualValues(t, 2, b.state(t, r, "gone").Version)
+		})
 	})
 }
 
@@ -276,7 +264,7 @@ func (h *tornRead) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.Pro
 // reported.
 func TestTornReadOfAnUpdatedRow(t *testing.T) {
 	t.Parallel()
-	eachKind(t, func(t *testing.T, b *testBundle) {
+	forKinds(t, collectionKinds, func(t *testing.T, b *testBundle) {
 		ctx := context.Background()
 		b.projectRows(t, b.insertMany(t, 10))
 		const key = "k0000003"
