@@ -277,7 +277,7 @@ func TestNotifier(t *testing.T) {
 		b := setupNotifier(t)
 		lost := 0
 		const iterations = 500
-		for range iterations {
+		for i := range iterations {
 			db := &countingExecer{db: b.pool}
 			n, err := NewNotifier(db, b.channel, &NotifierConfig{Interval: time.Hour, IdleTimeout: time.Millisecond})
 			require.NoError(t, err)
@@ -286,11 +286,23 @@ func TestNotifier(t *testing.T) {
 			n.Notify()
 			require.Eventually(t, func() bool { return db.calls.Load() == 1 && !n.isRunning() },
 				5*time.Second, 100*time.Microsecond, "the first NOTIFY is sent and the goroutine goes idle")
-			go n.Notify() // A
-			// Spin, not yield: yielding would let A finish first.
-			for !n.dirty.Load() {
+			var aReturned atomic.Bool
+			go func() { n.Notify(); aReturned.Store(true) }() // A
+			// Spin, not yield: yielding would let A finish first. The spin
+			// also ends when A has returned: if A's notification was sent
+			// at once (the Interval did not hold it), dirty may be true
+			// only for an instant this loop never sees.
+			for !n.dirty.Load() && !aReturned.Load() {
 			}
 			n.Notify() // B: returns at once, the notification is owed
+			// The race this test needs: the Interval holds A's notification,
+			// so it is owed, not sent, until Close. Nothing before Close can
+			// clear dirty on a correct Notifier.
+			if sent, owed := db.calls.Load(), n.dirty.Load(); sent != 1 || !owed {
+				n.Close()
+				require.Failf(t, "a Notify within the Interval of the first NOTIFY was sent at once: the Interval must hold it until Close",
+					"iteration %d: %d NOTIFYs before Close, owed %v", i, sent, owed)
+			}
 			n.Close()
 			if db.calls.Load() == 1 {
 				lost++
