@@ -5,12 +5,14 @@ package outbox
 
 import (
 	"context"
+	"fmt"
 	"os"
 	"os/exec"
 	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
+	"testing/synctest"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -74,6 +76,61 @@ func (b *notifierBundle) listen(t *testing.T) *pgx.Conn {
 	return conn
 }
 
+// sendClock records when each statement was sent, then passes it on.
+type sendClock struct {
+	db Execer
+	mu sync.Mutex
+	at []time.Time
+}
+
+func (s *sendClock) Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error) {
+	s.mu.Lock()
+	s.at = append(s.at, time.Now())
+	s.mu.Unlock()
+	return s.db.Exec(ctx, sql, args...)
+}
+
+// since returns the send times as offsets from start.
+func (s *sendClock) since(start time.Time) []time.Duration {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	out := make([]time.Duration, len(s.at))
+	for i, at := range s.at {
+		out[i] = at.Sub(start)
+	}
+	return out
+}
+
+// inBubble runs f in a synctest bubble, with a sendClock on a connection to
+// the test's database that is opened and closed inside the bubble. The
+// bubble's clock is fake: it moves only when every goroutine in the bubble
+// is blocked on the bubble's channels or timers, so a Notifier made in it
+// sends at exact instants however loaded the machine is, and time.Sleep in
+// f sets the schedule of its calls rather than waiting for anything. The
+// NOTIFYs are real: a goroutine waiting for PostgreSQL's reply is not
+// blocked in that sense, so the clock does not move while a send is under
+// way.
+func (b *notifierBundle) inBubble(t *testing.T, f func(t *testing.T, db *sendClock)) {
+	t.Helper()
+	synctest.Test(t, func(t *testing.T) {
+		conn, err := pgx.ConnectConfig(context.Background(), b.pool.Config().ConnConfig)
+		require.NoError(t, err)
+		defer func() { _ = conn.Close(context.Background()) }()
+		f(t, &sendClock{db: conn})
+	})
+}
+
+// received reads want notifications from conn, failing if one is missing.
+func received(t *testing.T, conn *pgx.Conn, want int) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	for i := range want {
+		_, err := conn.WaitForNotification(ctx)
+		require.NoError(t, err, "notification %d of %d", i+1, want)
+	}
+}
+
 func (n *Notifier) isRunning() bool {
 	n.mu.Lock()
 	defer n.mu.Unlock()
@@ -119,49 +176,41 @@ func TestNotifier(t *testing.T) {
 		}
 	})
 
+	// Bursts of Notify calls from eight goroutines every 0.3 Interval, on
+	// the bubble's fake clock (see inBubble): the first burst's NOTIFY
+	// goes at once, the others are coalesced into one at each Interval,
+	// and Close flushes the one the last bursts owe.
 	t.Run("CoalescesPerInterval", func(t *testing.T) {
 		t.Parallel()
 		b := setupNotifier(t)
-		const interval = 25 * time.Millisecond
-		n, err := NewNotifier(b.db, b.channel, &NotifierConfig{Interval: interval})
-		require.NoError(t, err)
-
-		start := time.Now()
-		var calls atomic.Int64
-		// The callers go on for at least 200ms, 1000 calls and two NOTIFYs:
-		// the sending goroutine competes with eight busy callers for the
-		// CPUs and, on a loaded machine, may not get to send twice within
-		// 200ms. The cap only ends a test that is failing anyway.
-		const minRun, maxRun = 200 * time.Millisecond, 10 * time.Second
-		keepCalling := func() bool {
-			since := time.Since(start)
-			if since >= maxRun {
-				return false
-			}
-			return since < minRun || calls.Load() <= 1000 || b.db.calls.Load() < 2
-		}
-		var wg sync.WaitGroup
-		for range 8 {
-			wg.Add(1)
-			go func() {
-				defer wg.Done()
-				for keepCalling() {
-					n.Notify()
-					calls.Add(1)
+		conn := b.listen(t)
+		const interval = time.Minute
+		var sent []time.Duration
+		b.inBubble(t, func(t *testing.T, db *sendClock) {
+			n, err := NewNotifier(db, b.channel, &NotifierConfig{Interval: interval})
+			require.NoError(t, err)
+			defer n.Close()
+			start := time.Now()
+			for burst := range 10 { // at 0, 0.3, ..., 2.7 Intervals
+				if burst > 0 {
+					time.Sleep(interval * 3 / 10)
 				}
-			}()
-		}
-		wg.Wait()
-		sentWhileCalled := b.db.calls.Load()
-		n.Close() // sends what is still owed
-		elapsed := time.Since(start)
-
-		sent := b.db.calls.Load()
-		require.Greater(t, calls.Load(), int64(1000), "the callers should have called Notify many times")
-		require.GreaterOrEqual(t, sentWhileCalled, int64(2), "one NOTIFY per interval, not one in total")
-		// At most one per Interval, plus the first (sent at once) and the
-		// one Close flushes.
-		require.LessOrEqual(t, sent, int64(elapsed/interval)+2)
+				var wg sync.WaitGroup
+				for range 8 {
+					wg.Go(func() {
+						for range 100 {
+							n.Notify()
+						}
+					})
+				}
+				wg.Wait()
+			}
+			n.Close() // sends what the last bursts owe
+			sent = db.since(start)
+		})
+		require.Equal(t, "[0s 1m0s 2m0s 2m42s]", fmt.Sprint(sent),
+			"8000 calls to Notify: one NOTIFY at once, one per Interval after it, one flushed by Close")
+		received(t, conn, len(sent))
 	})
 
 	t.Run("IdleGoroutineExitsAndRestarts", func(t *testing.T) {
@@ -189,21 +238,31 @@ func TestNotifier(t *testing.T) {
 	})
 
 	// Interval bounds the rate of NOTIFYs also when the sending goroutine
-	// exits idle between two calls and a new one starts.
+	// exits idle between two calls and a new one starts. On the bubble's
+	// fake clock (see inBubble), the second NOTIFY goes exactly one
+	// Interval after the first.
 	t.Run("IntervalHoldsAcrossIdleRestart", func(t *testing.T) {
 		t.Parallel()
 		b := setupNotifier(t)
-		const interval = 500 * time.Millisecond
-		n, err := NewNotifier(b.db, b.channel, &NotifierConfig{Interval: interval, IdleTimeout: 5 * time.Millisecond})
-		require.NoError(t, err)
-		defer n.Close()
-
-		start := time.Now()
-		n.Notify()
-		require.Eventually(t, func() bool { return b.db.calls.Load() == 1 && !n.isRunning() }, 10*time.Second, time.Millisecond)
-		n.Notify()
-		require.Eventually(t, func() bool { return b.db.calls.Load() == 2 }, 10*time.Second, time.Millisecond)
-		require.GreaterOrEqual(t, time.Since(start), interval, "the second NOTIFY waited out the Interval")
+		conn := b.listen(t)
+		const interval = time.Minute
+		var sent []time.Duration
+		b.inBubble(t, func(t *testing.T, db *sendClock) {
+			n, err := NewNotifier(db, b.channel, &NotifierConfig{Interval: interval, IdleTimeout: time.Second})
+			require.NoError(t, err)
+			defer n.Close()
+			start := time.Now()
+			n.Notify()
+			time.Sleep(interval / 2)
+			require.False(t, n.isRunning(), "the sending goroutine exits after IdleTimeout")
+			n.Notify()
+			time.Sleep(interval)
+			require.False(t, n.isRunning(), "the restarted goroutine exits after IdleTimeout too")
+			sent = db.since(start)
+		})
+		require.Equal(t, "[0s 1m0s]", fmt.Sprint(sent),
+			"a Notify half an Interval after the first NOTIFY, with the goroutine restarted, is sent when the Interval is over")
+		received(t, conn, len(sent))
 	})
 
 	// The coalescing itself, on a machine of any speed: with an Interval
