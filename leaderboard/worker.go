@@ -70,12 +70,12 @@ type WorkerConfig struct {
 // connections only to claim and settle. Count one connection per running
 // Worker on top of the pool's MaxConns against max_connections and any
 // CONNECTION LIMIT; or give the Workers of the boards a process runs one
-// outbox.Listener (Relay.Listener, made by outbox.NewListener with the
-// boards' Schema and OutboxTable and a Logger, for its connection
-// failures), so that they share one such connection (one Listener per
-// outbox table: boards in different schemas need one each);
-// or set Relay.DisableNotify (the Worker then finds rows by polling every
-// PollInterval). Notifications name the board's stream, so a write on one
+// outbox.Listener (WorkerConfig.Relay.Listener, made by
+// outbox.NewListener with the boards' Schema and OutboxTable and a Logger,
+// for its connection failures), so that they share one such connection
+// (one Listener per outbox table: boards in different schemas need one
+// each); or set WorkerConfig.Relay.DisableNotify (the Worker then finds
+// rows by polling every PollInterval). Notifications name the board's stream, so a write on one
 // board wakes only that board's Workers, whether they share a Listener or
 // not.
 type Worker struct {
