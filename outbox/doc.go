@@ -18,7 +18,7 @@
 //	err = pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
 //		cmd, err := w.RecordCommand(ctx, tx, eventID, outbox.Fingerprint(requestBytes))
 //		if err != nil || cmd.Duplicate {
-//			return err // duplicate: cmd.Result holds the first answer
+//			return err // duplicate: cmd.Result holds what StoreCommandResult stored, if anything
 //		}
 //		score, version := ... // update the state row, bump its version
 //		return w.Append(ctx, tx, outbox.Message{
