@@ -39,15 +39,15 @@ type CheckReport[T any] struct {
 	// Divergent counts cached values that differed from the source of truth
 	// twice, with the version unchanged in between.
 	Divergent   int
-	Divergences []Divergence[T]
+	Divergences []Divergence[T] // one per Divergent id, in the order checked
 }
 
 // Divergence is a cached value that disagrees with the source of truth.
 type Divergence[T any] struct {
 	ID      string
-	Version int64
-	Cached  T
-	Current T
+	Version int64 // the version the value is cached under
+	Cached  T     // the cached value, as Get (CheckAt: GetAt) would serve it
+	Current T     // the source's value, from the loader
 }
 
 // Check compares the cached values of up to n ids picked at random from ids

@@ -27,7 +27,7 @@ type Stats struct {
 	// came more than TTL + FillLeaseTTL after its miss (see Config.TTL).
 	// For GetAt, loads not stored because a newer version was stored.
 	StaleFillsSkipped uint64
-	Invalidations     uint64
+	Invalidations     uint64 // Invalidate calls that succeeded
 	// OrphanedValueKeys is always 0. Values used to be stored per version,
 	// so each Invalidate left the previous one behind until its TTL; now
 	// Invalidate deletes the current value in the same script that moves the
