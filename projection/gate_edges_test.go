@@ -3,6 +3,7 @@ package projection
 import (
 	"context"
 	"strconv"
+	"sync"
 	"testing"
 	"time"
 
@@ -261,5 +262,42 @@ func TestGateGroupsSameSlotTags(t *testing.T) {
 		for _, w := range writes {
 			require.Equal(t, storedState{true, valueOf(w), "1"}, readState(t, gb.client, gb.ks, w.Target), "%s", w.Target)
 		}
+		if ring, ok := gb.client.(*redis.Ring); ok {
+			// The Ring case tells grouping by tag from grouping by slot
+			// only if some same-slot pair spans both shards: a call for
+			// the pair would then write one of them on the wrong shard.
+			require.True(t, pairSpansShards(t, ring, gb.ks, names), "no same-slot pair of collections spans the Ring's shards: pick other names")
+		}
 	})
+}
+
+// pairSpansShards reports whether the value keys of some pair of names
+// (names[0] and names[1], names[2] and names[3], ...) are stored on
+// different shards of ring.
+func pairSpansShards(t *testing.T, ring *redis.Ring, ks Keyspace, names []string) bool {
+	t.Helper()
+	ctx := context.Background()
+	var mu sync.Mutex
+	shardOf := map[string]string{}
+	require.NoError(t, ring.ForEachShard(ctx, func(ctx context.Context, shard *redis.Client) error {
+		for _, n := range names {
+			k, err := shard.Exists(ctx, ks.ValueKey(Target{Kind: KindSortedSet, Name: n})).Result()
+			if err != nil {
+				return err
+			}
+			if k == 1 {
+				mu.Lock()
+				shardOf[n] = shard.Options().Addr
+				mu.Unlock()
+			}
+		}
+		return nil
+	}))
+	require.Len(t, shardOf, len(names), "every collection's key is on a shard")
+	for i := 0; i+1 < len(names); i += 2 {
+		if shardOf[names[i]] != shardOf[names[i+1]] {
+			return true
+		}
+	}
+	return false
 }
