@@ -3,6 +3,7 @@ package projection
 import (
 	"context"
 	"strconv"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -74,6 +75,61 @@ func TestGateClusterFailover(t *testing.T) {
 	for _, o := range applyUntilAccepted(batch(2)) {
 		require.Equal(t, OutcomeStale, o)
 	}
+}
+
+// TestGateClusterReloadOnFailedCall counts the loads of a Cluster client's
+// slot map (ClusterOptions.ClusterSlots, answered by the shared cluster's
+// own CLUSTER SLOTS; no periodic reload is due during the test). A failed
+// script call makes the gate ask for a reload, which is what lets the
+// relay's retries find a promoted replica (TestGateClusterFailover); a call
+// that failed because the caller gave up says nothing about the cluster
+// and asks for none.
+func TestGateClusterReloadOnFailedCall(t *testing.T) {
+	t.Parallel()
+	c := testenv.SharedRedisCluster(t)
+	ctx := context.Background()
+	seed := redis.NewClient(&redis.Options{Addr: c.Addrs()[0]})
+	t.Cleanup(func() { _ = seed.Close() })
+	var loads atomic.Int64
+	client := redis.NewClusterClient(&redis.ClusterOptions{
+		ClusterSlots: func(ctx context.Context) ([]redis.ClusterSlot, error) {
+			loads.Add(1)
+			//lint:ignore SA1019 go-redis builds its slot map from CLUSTER SLOTS.
+			return seed.ClusterSlots(ctx).Result()
+		},
+		ClusterStateReloadInterval: time.Hour,
+	})
+	t.Cleanup(func() { _ = client.Close() })
+	ks, err := NewKeyspace(c.Prefix(t))
+	require.NoError(t, err)
+	gate := NewGate(client, ks)
+	out, err := gate.Apply(ctx, []Write{zset("board", "ada", 1, 10)})
+	require.NoError(t, err)
+	require.Equal(t, []Outcome{OutcomeApplied}, out)
+	require.EqualValues(t, 1, loads.Load(), "the first call loads the slot map")
+
+	t.Run("NotWhenTheCallerGaveUp", func(t *testing.T) {
+		cancelled, cancel := context.WithCancel(ctx)
+		cancel()
+		_, err := gate.Apply(cancelled, []Write{zset("board", "ada", 2, 20)})
+		require.ErrorIs(t, err, context.Canceled)
+		// A reload would start at once, asynchronously: watch for one for
+		// a while (FailedCall below shows the counting sees them).
+		require.Never(t, func() bool { return loads.Load() > 1 }, 2*time.Second, 20*time.Millisecond)
+	})
+
+	t.Run("FailedCall", func(t *testing.T) {
+		// Any failed call; here Redis refuses it (a collection's version
+		// hash replaced by a string), which a test on a shared cluster can
+		// cause.
+		versions := ks.VersionKey(zset("board", "", 0, 0).Target)
+		require.NoError(t, client.Del(ctx, versions).Err())
+		require.NoError(t, client.Set(ctx, versions, "not a hash", 0).Err())
+		before := loads.Load()
+		_, err := gate.Apply(ctx, []Write{zset("board", "bob", 1, 10)})
+		require.ErrorContains(t, err, "WRONGTYPE")
+		require.Eventually(t, func() bool { return loads.Load() > before }, 10*time.Second, 20*time.Millisecond)
+	})
 }
 
 // TestGateRingShardOutage pauses the Ring shard that holds a collection. A
