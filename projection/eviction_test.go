@@ -58,6 +58,45 @@ func TestCheckEvictionPolicy(t *testing.T) {
 		require.Contains(t, err.Error(), server.Addr())
 	})
 
+	t.Run("CancelledIsNotAFinding", func(t *testing.T) {
+		t.Parallel()
+		server := testenv.StartRedis(t, "--maxmemory", "100mb", "--maxmemory-policy", "allkeys-lru")
+		cancelled, cancel := context.WithCancel(ctx)
+		cancel()
+		err := CheckEvictionPolicy(cancelled, server.Client(t))
+		require.ErrorIs(t, err, context.Canceled, "the server's error is wrapped, so callers can tell why")
+		require.NotErrorIs(t, err, ErrEvictionPolicy)
+		require.Contains(t, err.Error(), server.Addr())
+	})
+
+	// A Cluster client that cannot load its slot map asks no node: that
+	// is an error, not a clean bill. (A server without cluster support
+	// stands for a cluster that cannot be reached.)
+	t.Run("ClusterSlotMapUnavailable", func(t *testing.T) {
+		t.Parallel()
+		server := testenv.StartRedis(t, "--maxmemory", "100mb", "--maxmemory-policy", "allkeys-lru")
+		client := redis.NewClusterClient(&redis.ClusterOptions{Addrs: []string{server.Addr()}})
+		t.Cleanup(func() { _ = client.Close() })
+		err := CheckEvictionPolicy(ctx, client)
+		require.Error(t, err)
+		require.NotErrorIs(t, err, ErrEvictionPolicy)
+		var rerr redis.Error
+		require.ErrorAs(t, err, &rerr, "Redis's error is wrapped")
+		require.ErrorContains(t, err, "cluster support disabled")
+	})
+
+	// Any other UniversalClient (here one embedding a *redis.Client) is
+	// asked through its own commands.
+	t.Run("ClientOfAnotherType", func(t *testing.T) {
+		t.Parallel()
+		server := testenv.StartRedis(t, "--maxmemory", "100mb", "--maxmemory-policy", "allkeys-lru")
+		err := CheckEvictionPolicy(ctx, embeddedClient{server.Client(t)})
+		require.ErrorIs(t, err, ErrEvictionPolicy)
+		var perr *EvictionPolicyError
+		require.ErrorAs(t, err, &perr)
+		require.Equal(t, "allkeys-lru", perr.Policy)
+	})
+
 	t.Run("NilClient", func(t *testing.T) {
 		t.Parallel()
 		require.ErrorIs(t, CheckEvictionPolicy(ctx, nil), ErrInvalidConfig)
@@ -65,6 +104,10 @@ func TestCheckEvictionPolicy(t *testing.T) {
 		require.ErrorIs(t, CheckEvictionPolicy(ctx, nilClient), ErrInvalidConfig)
 	})
 }
+
+// embeddedClient is a redis.UniversalClient of a type CheckEvictionPolicy
+// does not know.
+type embeddedClient struct{ *redis.Client }
 
 // TestCheckEvictionPolicyRing: every shard of a Ring is asked, and each
 // that may evict is reported under its own address, the errors sorted by
@@ -138,4 +181,32 @@ func TestCheckEvictionPolicyCluster(t *testing.T) {
 	require.Equal(t, replica, perr.Addr)
 	require.Equal(t, "allkeys-lfu", perr.Policy)
 	require.Len(t, err.(interface{ Unwrap() []error }).Unwrap(), 1, "the masters and the other replicas keep their keys")
+
+	t.Run("EveryNodeIsReported", func(t *testing.T) {
+		// Every node, masters included, may evict, each with a policy of
+		// its own: each is reported once, under its own address, sorted.
+		policies := map[string]string{}
+		for i, addr := range cluster.Addrs() {
+			policy := []string{"allkeys-lru", "allkeys-lfu", "allkeys-random"}[i%3]
+			node := redis.NewClient(&redis.Options{Addr: addr})
+			err := errors.Join(
+				node.ConfigSet(ctx, "maxmemory", "64mb").Err(),
+				node.ConfigSet(ctx, "maxmemory-policy", policy).Err())
+			_ = node.Close()
+			require.NoError(t, err)
+			policies[addr] = policy
+		}
+		err := CheckEvictionPolicy(ctx, client)
+		require.ErrorIs(t, err, ErrEvictionPolicy)
+		var got, text []string
+		for _, e := range err.(interface{ Unwrap() []error }).Unwrap() {
+			var perr *EvictionPolicyError
+			require.ErrorAs(t, e, &perr)
+			require.Equal(t, policies[perr.Addr], perr.Policy, "%s", perr.Addr)
+			got = append(got, perr.Addr)
+			text = append(text, e.Error())
+		}
+		require.ElementsMatch(t, cluster.Addrs(), got)
+		require.True(t, slices.IsSorted(text), "sorted by server: %q", text)
+	})
 }
