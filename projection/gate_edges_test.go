@@ -74,6 +74,34 @@ func TestGateFailedCallCountsNoVerdict(t *testing.T) {
 	require.Equal(t, int64(0), s.Int(metricWrites, attribute.String(AttributeOutcome, "unknown")))
 }
 
+// TestGateCallFailedPartWayCountsNoVerdict: a script call that Redis fails
+// after some of its writes (here WRONGTYPE, without Handle's isolation)
+// leaves every write of its group undecided, the ones it applied before
+// the error too: none is counted among the verdicts, each counts as
+// failed. Kept verdicts are for WRONGTYPE under isolation only (see the
+// failed-call case in Gate.run).
+func TestGateCallFailedPartWayCountsNoVerdict(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	rd := testenv.Redis(t)
+	rec := metrictest.New(t)
+	p, err := NewRedisProjector(rd.Client, testMapper(), &Config{Prefix: rd.Prefix, MeterProvider: rec.Provider})
+	require.NoError(t, err)
+	ks := p.Keyspace()
+	// One node: both records go in one call, and the board's version hash
+	// is a string, so the call fails at bob, after applying alice.
+	require.NoError(t, rd.Client.Set(ctx, ks.VersionKey(Target{Kind: KindSortedSet, Name: "board"}), "not a hash", 0).Err())
+	out, err := p.Project(ctx, []outbox.Record{record("profiles", "alice", 1, "a"), record("scores", "bob", 1, "2")})
+	require.ErrorContains(t, err, "WRONGTYPE")
+	require.Nil(t, out)
+	require.Equal(t, storedState{true, "a", "1"}, readState(t, rd.Client, ks, Target{Kind: KindHash, Name: "profiles", Member: "alice"}),
+		"alice was written before the error")
+
+	s := rec.Collect(t)
+	require.Zero(t, s.Int(metricWrites), "no verdict counted, alice's included")
+	require.Equal(t, int64(2), s.Int(metricFailed, attribute.String(AttributeReason, reasonRedis)))
+}
+
 // TestLayoutMismatchReportsMaxBuckets: a collection stored with
 // VersionBucketsMax buckets is a valid layout; a writer configured
 // otherwise is refused with a *LayoutMismatchError naming the stored count,
