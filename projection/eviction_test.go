@@ -140,6 +140,15 @@ func TestCheckEvictionPolicyRing(t *testing.T) {
 		require.ElementsMatch(t, evicting, got)
 		require.True(t, slices.IsSorted(text), "sorted by server: %q", text)
 	}
+
+	// The caller's context reaches every shard: cancelled, none is asked
+	// and each reports why.
+	cancelled, cancel := context.WithCancel(ctx)
+	cancel()
+	err := CheckEvictionPolicy(cancelled, ring)
+	require.ErrorIs(t, err, context.Canceled)
+	require.NotErrorIs(t, err, ErrEvictionPolicy)
+	require.Len(t, err.(interface{ Unwrap() []error }).Unwrap(), len(addrs))
 }
 
 // TestCheckEvictionPolicyCluster sets an evicting policy on one replica of
@@ -208,5 +217,15 @@ func TestCheckEvictionPolicyCluster(t *testing.T) {
 		}
 		require.ElementsMatch(t, cluster.Addrs(), got)
 		require.True(t, slices.IsSorted(text), "sorted by server: %q", text)
+	})
+
+	t.Run("CancelledIsNotAFinding", func(t *testing.T) {
+		// The caller's context reaches every node: cancelled, none is
+		// asked, and the evicting policies set above go unreported.
+		cancelled, cancel := context.WithCancel(ctx)
+		cancel()
+		err := CheckEvictionPolicy(cancelled, client)
+		require.ErrorIs(t, err, context.Canceled)
+		require.NotErrorIs(t, err, ErrEvictionPolicy)
 	})
 }
