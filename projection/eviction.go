@@ -42,14 +42,21 @@ func (e *EvictionPolicyError) Is(target error) bool { return target == ErrEvicti
 // the package documentation). noeviction, and the volatile-* policies,
 // which evict only keys with a TTL (the projection sets none), keep them.
 //
-// It asks every node of a *redis.ClusterClient, replicas included (a
-// failover promotes a replica with its own settings), every shard of a
-// *redis.Ring, and otherwise the server the client sends commands to.
-// A server that cannot be asked (a node down, INFO refused by an ACL or
-// by a managed service) adds its error, which does not match
+// It asks every node of a *redis.ClusterClient's slot map, replicas
+// included (a failover promotes a replica with its own settings), every
+// shard of a *redis.Ring that the Ring counts as up, and otherwise the
+// server the client sends commands to. A server that cannot be asked (a
+// node the client lists but cannot reach, INFO refused by an ACL or by a
+// managed service) adds its error, which does not match
 // ErrEvictionPolicy: callers that only warn (leaderboard's Worker logs a
 // warning at start) can tell the two apart with errors.Is. The errors are
 // joined, sorted by server.
+//
+// A node the client no longer lists is not asked, and adds no error: a
+// replica the cluster has marked failed (CLUSTER SLOTS leaves it out), or
+// a Ring shard that go-redis's default heartbeat has marked down (a Ring
+// built as the package documents, with a HeartbeatFn that reports every
+// shard up, lists them all). Check again when such a node is back.
 func CheckEvictionPolicy(ctx context.Context, client redis.UniversalClient) error {
 	if deps.Missing(client) {
 		return &ConfigError{Field: "client", Reason: "is nil: pass the Redis client the projection writes with"}
