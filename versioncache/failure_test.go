@@ -211,6 +211,7 @@ func TestRedisUnavailable(t *testing.T) {
 		require.EqualValues(t, 1, stats.Loads)
 		require.Zero(t, stats.FailOpenLoads, "the read succeeded: not a fail-open load")
 		require.Zero(t, stats.Fills)
+		require.Zero(t, stats.StaleFillsSkipped, "the fill failed: no version check refused it")
 		require.EqualValues(t, 1, stats.RedisErrors, "the failed fill")
 	})
 
