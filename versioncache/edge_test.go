@@ -10,10 +10,12 @@ import (
 	"os"
 	"reflect"
 	"strconv"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
 
+	"github.com/redis/go-redis/v9"
 	"github.com/stretchr/testify/require"
 
 	"github.com/verity-go/verity/internal/testenv"
@@ -731,5 +733,52 @@ func TestPlainJSON(t *testing.T) {
 			t.Parallel()
 			require.Equal(t, tc.plain, plainJSON(tc.codec, tc.typ))
 		})
+	}
+}
+
+// TestHitFoundByTheMissScript has another process fill the value between
+// a Get's GET, which misses, and its miss script, which then finds the
+// value: the call is a hit (one read, served from Redis, no load), as
+// Stats documents, not a call counted as neither hit nor miss.
+func TestHitFoundByTheMissScript(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	rd := testenv.Redis(t)
+	peer := setupWith(t, rd.Client, rd.Prefix, nil)
+	want := peer.truth.write("p1", 4900)
+
+	opt, err := redis.ParseURL(rd.URL)
+	require.NoError(t, err)
+	client := redis.NewClient(opt)
+	t.Cleanup(func() { _ = client.Close() })
+	b := setupWith(t, client, rd.Prefix, nil)
+	client.AddHook(afterFirstGet{once: new(sync.Once), fill: func() {
+		_, err := peer.cache.Get(ctx, "p1", peer.truth.loader("p1"))
+		require.NoError(t, err)
+	}})
+
+	require.Equal(t, want, b.hit(t, "p1"))
+	require.EqualValues(t, 1, peer.truth.loads.Load(), "the peer filled after the GET")
+	st := b.cache.Stats()
+	require.EqualValues(t, 1, st.Hits)
+	require.Zero(t, st.Misses)
+	require.Zero(t, st.Loads)
+}
+
+// afterFirstGet calls fill once, after the first GET its client sends has
+// been answered.
+type afterFirstGet struct {
+	testenv.PassThroughHook
+	fill func()
+	once *sync.Once
+}
+
+func (h afterFirstGet) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
+	return func(ctx context.Context, cmd redis.Cmder) error {
+		err := next(ctx, cmd)
+		if cmd.Name() == "get" {
+			h.once.Do(h.fill)
+		}
+		return err
 	}
 }
