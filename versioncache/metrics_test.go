@@ -2,6 +2,7 @@ package versioncache
 
 import (
 	"context"
+	"sync"
 	"testing"
 	"time"
 
@@ -12,6 +13,7 @@ import (
 	"go.opentelemetry.io/otel/sdk/metric/metricdata"
 
 	"github.com/verity-go/verity/internal/telemetry/metrictest"
+	"github.com/verity-go/verity/internal/testenv"
 )
 
 func TestCacheMetrics(t *testing.T) {
@@ -139,6 +141,137 @@ func TestCacheMetrics(t *testing.T) {
 		require.Equal(t, int64(1), s.Int(metricLoads, attribute.Bool(AttributeShared, false)))
 		require.Zero(t, s.Int(metricReads))
 		require.Equal(t, uint64(1), b.cache.Stats().FailOpenLoads)
+	})
+
+	// A process waits for a peer's fill twice: once the peer fills in time
+	// (a lease wait hit), once it never fills (a fallback after
+	// FillLeaseWait). Each wait shows under its own result, and only the
+	// fallback is a lease_timeout fallback.
+	t.Run("LeaseWaitsByResult", func(t *testing.T) {
+		t.Parallel()
+		rd := testenv.Redis(t)
+		// The peer holds its leases until it fills or the test ends.
+		peer := setupWith(t, rd.Client, rd.Prefix, &Config{FillLeaseTTL: time.Minute})
+		newWaiter := func(wait time.Duration) (*Cache[product], *metrictest.Recorder) {
+			rec := metrictest.New(t)
+			c, err := New[product](rd.Client, &Config{Prefix: rd.Prefix, MeterProvider: rec.Provider, FillLeaseWait: wait})
+			require.NoError(t, err)
+			t.Cleanup(func() { require.NoError(t, c.Close()) })
+			return c, rec
+		}
+		fallback := attribute.String(AttributeResult, "fallback")
+		leaseTimeout := attribute.String(AttributeReason, "lease_timeout")
+
+		t.Run("Hit", func(t *testing.T) {
+			waiter, rec := newWaiter(time.Minute) // only the peer's fill ends the wait
+			want := peer.truth.write("h", 1)
+			held, err := peer.cache.read(ctx, "h", true, false)
+			require.NoError(t, err)
+			require.EqualValues(t, leaseHeldByUs, held.lease)
+			got := make(chan product, 1)
+			go func() {
+				p, err := waiter.Get(ctx, "h", peer.truth.loader("h"))
+				if err != nil {
+					t.Errorf("Get: %v", err)
+				}
+				got <- p
+			}()
+			require.Eventually(t, func() bool { return waiter.Stats().LeaseWaits == 1 },
+				10*time.Second, time.Millisecond, "the waiter waits for the peer's fill")
+			_, err = peer.cache.loadAndFill(ctx, "h", held, peer.truth.loader("h"))
+			require.NoError(t, err)
+			require.Equal(t, want, <-got)
+			require.EqualValues(t, 1, waiter.Stats().LeaseWaitHits)
+
+			s := rec.Collect(t)
+			require.Equal(t, int64(1), s.Int(metricLeaseWaits, result("hit")))
+			require.Zero(t, s.Int(metricLeaseWaits, fallback))
+			require.Zero(t, s.Int(metricFallbacks, leaseTimeout))
+		})
+
+		t.Run("Fallback", func(t *testing.T) {
+			waiter, rec := newWaiter(50 * time.Millisecond)
+			want := peer.truth.write("f", 1)
+			held, err := peer.cache.read(ctx, "f", true, false)
+			require.NoError(t, err)
+			require.EqualValues(t, leaseHeldByUs, held.lease, "a peer that never fills")
+			got, err := waiter.Get(ctx, "f", peer.truth.loader("f"))
+			require.NoError(t, err)
+			require.Equal(t, want, got)
+			require.EqualValues(t, 1, waiter.Stats().LeaseFallbacks)
+
+			s := rec.Collect(t)
+			require.Equal(t, int64(1), s.Int(metricLeaseWaits, fallback))
+			require.Zero(t, s.Int(metricLeaseWaits, result("hit")))
+			require.Equal(t, int64(1), s.Int(metricFallbacks, leaseTimeout))
+			require.Zero(t, s.Int(metricFallbacks, attribute.String(AttributeReason, "redis_error")))
+		})
+	})
+
+	// Stale fills, shared loads and each error kind show under their own
+	// instrument and attribute, with counts that differ from each other.
+	t.Run("StaleSharedAndErrorKinds", func(t *testing.T) {
+		t.Parallel()
+		rec := metrictest.New(t)
+		// No replica confirms on the test server: Invalidate reports a
+		// *ReplicationError.
+		b := setup(t, &Config{MeterProvider: rec.Provider, InvalidateReplicas: 1, InvalidateWaitTimeout: 10 * time.Millisecond})
+		t.Cleanup(func() { require.NoError(t, b.cache.Close()) })
+		writer := setupWith(t, b.client, b.prefix, nil) // invalidates without waiting for replicas
+
+		// A write lands during the load: its fill is refused.
+		b.truth.write("s", 1)
+		_, err := b.cache.Get(ctx, "s", func(ctx context.Context) (product, error) {
+			p := b.truth.read("s")
+			b.truth.write("s", 2)
+			return p, writer.cache.Invalidate(ctx, "s")
+		})
+		require.NoError(t, err)
+		// Two cached values that do not decode.
+		for _, id := range []string{"d1", "d2"} {
+			b.truth.write(id, 1)
+			require.NoError(t, b.client.Set(ctx, b.cache.currentKey(id), "1:not ours", 0).Err())
+			_, err := b.cache.Get(ctx, id, b.truth.loader(id))
+			require.NoError(t, err)
+		}
+		require.ErrorIs(t, b.cache.Invalidate(ctx, "r"), ErrNotReplicated)
+		// A miss joins another's load in flight.
+		b.truth.write("j", 1)
+		started, release := make(chan struct{}), make(chan struct{})
+		var wg sync.WaitGroup
+		wg.Go(func() {
+			_, err := b.cache.Get(ctx, "j", func(ctx context.Context) (product, error) {
+				close(started)
+				<-release
+				return b.truth.read("j"), nil
+			})
+			if err != nil {
+				t.Errorf("leader: %v", err)
+			}
+		})
+		<-started
+		wg.Go(func() {
+			if _, err := b.cache.Get(ctx, "j", b.truth.loader("j")); err != nil {
+				t.Errorf("joiner: %v", err)
+			}
+		})
+		require.Eventually(t, func() bool { return b.cache.flights.joiners() == 1 }, 5*time.Second, time.Millisecond, "the joiner joined the load in flight")
+		close(release)
+		wg.Wait()
+
+		st := b.cache.Stats()
+		require.EqualValues(t, 1, st.StaleFillsSkipped)
+		require.EqualValues(t, 2, st.DecodeErrors)
+		require.EqualValues(t, 1, st.ReplicationErrors)
+		require.EqualValues(t, 1, st.SharedLoads)
+		s := rec.Collect(t)
+		require.Equal(t, int64(1), s.Int(metricStaleSkipped))
+		require.Equal(t, int64(2), s.Int(metricErrors, attribute.String(AttributeKind, "decode")))
+		require.Equal(t, int64(1), s.Int(metricErrors, attribute.String(AttributeKind, "replication")))
+		require.Zero(t, s.Int(metricErrors, attribute.String(AttributeKind, "redis")))
+		require.Equal(t, int64(1), s.Int(metricLoads, attribute.Bool(AttributeShared, true)))
+		require.Equal(t, int64(st.Loads), s.Int(metricLoads, attribute.Bool(AttributeShared, false)))
+		require.Equal(t, int64(st.Fills), s.Int(metricFills))
 	})
 
 	// The descriptions are the Prometheus HELP lines: every kind=
