@@ -535,6 +535,21 @@ func TestLostBump(t *testing.T) {
 		}
 	})
 
+	// The same check for a cluster client, whose bump and WAIT go to the
+	// id's master in one pipeline, read with the cluster's ReadTimeout.
+	t.Run("InvalidateWaitTimeoutBelowClusterReadTimeout", func(t *testing.T) {
+		t.Parallel()
+		client := redis.NewClusterClient(&redis.ClusterOptions{Addrs: []string{"127.0.0.1:1"}, ReadTimeout: 200 * time.Millisecond})
+		defer client.Close()
+		_, err := New[product](client, &Config{Prefix: "p:", InvalidateReplicas: 1, InvalidateWaitTimeout: 500 * time.Millisecond})
+		var cerr *ConfigError
+		require.ErrorAs(t, err, &cerr)
+		require.Equal(t, "InvalidateWaitTimeout", cerr.Field)
+		require.Contains(t, cerr.Reason, "(200ms)", "it names the cluster client's ReadTimeout")
+		_, err = New[product](client, &Config{Prefix: "p:", InvalidateReplicas: 1, InvalidateWaitTimeout: 100 * time.Millisecond})
+		require.NoError(t, err)
+	})
+
 	t.Run("InvalidateReplicasNeedsKnownClient", func(t *testing.T) {
 		t.Parallel()
 		ring := redis.NewRing(&redis.RingOptions{Addrs: map[string]string{"a": "127.0.0.1:1"}})
