@@ -239,6 +239,7 @@ func TestCodec(t *testing.T) {
 		raw, err := b.client.Get(ctx, b.cache.currentKey("p1")).Result()
 		require.NoError(t, err)
 		require.Equal(t, "42:not json", raw, "left in place")
+		require.EqualValues(t, 1, b.cache.Stats().DecodeErrors)
 	})
 
 	// A miss answers what its hits will: the value as the Codec gives it

@@ -150,6 +150,30 @@ func TestRedisUnavailable(t *testing.T) {
 		require.Zero(t, rec.Collect(t).Int(metricErrors, attribute.String(AttributeKind, "redis")))
 	})
 
+	// Check and CheckAt stop at a failed read of the cache, and each such
+	// read counts as a Redis error, as Get's and Peek's do.
+	t.Run("CheckAndCheckAtCountTheFailedRead", func(t *testing.T) {
+		t.Parallel()
+		// Nothing listens on port 1: every Redis call fails at once.
+		client := redis.NewClient(&redis.Options{Addr: "127.0.0.1:1", MaxRetries: -1, DialTimeout: time.Second})
+		t.Cleanup(func() { _ = client.Close() })
+		b := setupWith(t, client, "vc:", nil)
+		_, err := b.cache.Check(ctx, []string{"p1"}, 0, func(context.Context, string) (product, error) {
+			return product{}, errors.New("Check loaded after a failed read")
+		})
+		var rerr *RedisError
+		require.ErrorAs(t, err, &rerr)
+		require.Equal(t, "peek", rerr.Op)
+		require.EqualValues(t, 1, b.cache.Stats().RedisErrors)
+
+		_, err = b.cache.CheckAt(ctx, []string{"p1"}, 0, func(context.Context, string) (product, int64, error) {
+			return product{}, 0, errors.New("CheckAt loaded after a failed read")
+		})
+		require.ErrorAs(t, err, &rerr)
+		require.Equal(t, "peek", rerr.Op)
+		require.EqualValues(t, 2, b.cache.Stats().RedisErrors)
+	})
+
 	t.Run("FailOpenServesTheDatabaseNeverTheOldValue", func(t *testing.T) {
 		t.Parallel()
 		rs, b := setupPrivate(t, FailOpen)
