@@ -3,6 +3,8 @@ package versioncache
 import (
 	"context"
 	"fmt"
+	"net"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -126,6 +128,20 @@ func TestCluster(t *testing.T) {
 		t.Cleanup(func() { _ = client.Close() })
 		gets := &getsByNode{counts: map[string]int{}}
 		client.OnNewNode(func(node *redis.Client) { node.AddHook(gets.hook(node.Options().Addr)) })
+		// Peek's script goes as EVALSHA_RO (EVAL_RO), which go-redis
+		// deems read-only and would send to a replica too.
+		var mu sync.Mutex
+		peeks := map[string]int{} // node address → read-only scripts
+		client.OnNewNode(func(node *redis.Client) {
+			addr := node.Options().Addr
+			node.AddHook(testenv.CommandHook(func(name string) {
+				if name == "evalsha_ro" || name == "eval_ro" {
+					mu.Lock()
+					defer mu.Unlock()
+					peeks[addr]++
+				}
+			}))
+		})
 		b := setupWith(t, client, cluster.Prefix(t), nil)
 		require.NotNil(t, b.cache.primary)
 		master, err := client.MasterForKey(ctx, b.cache.currentKey("r"))
@@ -141,10 +157,22 @@ func TestCluster(t *testing.T) {
 			got, err = b.cache.Get(ctx, "r", b.truth.loader("r"))
 			require.NoError(t, err)
 			require.Equal(t, want, got, "hit, iteration %d", i)
+			got, _, ok, err := b.cache.Peek(ctx, "r")
+			require.NoError(t, err)
+			require.True(t, ok)
+			require.Equal(t, want, got, "Peek, iteration %d", i)
 		}
 		require.Equal(t, gets.total()-before, gets.count(master.Options().Addr)-beforeMaster,
 			"every GET of the current key went to its primary")
 		require.GreaterOrEqual(t, gets.total()-before, 600)
+		mu.Lock()
+		defer mu.Unlock()
+		total := 0
+		for _, n := range peeks {
+			total += n
+		}
+		require.GreaterOrEqual(t, total, 300)
+		require.Equal(t, total, peeks[master.Options().Addr], "every Peek ran on the primary: %v", peeks)
 	})
 
 	t.Run("ConcurrentVersionKeyLoss", func(t *testing.T) {
@@ -233,6 +261,70 @@ func (h getCounter) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.Pr
 		}
 		return next(ctx, cmds)
 	}
+}
+
+// TestClusterInvalidateReplicasWaitsOnTheBumpsConnection has Invalidate
+// with InvalidateReplicas bump an id whose master has lost its replica,
+// while the other masters keep theirs. WAIT counts the replicas that
+// acknowledged the writes of the connection it is sent on, so only on the
+// connection that ran the bump does it count 0: sent anywhere else
+// (another master, another connection), it counts replicas with nothing
+// to acknowledge, and reports a bump that no replica holds as confirmed.
+func TestClusterInvalidateReplicasWaitsOnTheBumpsConnection(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	cluster := testenv.StartRedisCluster(t, 3, 1)
+	client := cluster.Client(t)
+	waitReplicasOnline(t, client)
+	b := setupWith(t, client, cluster.Prefix(t), &Config{InvalidateReplicas: 1, InvalidateWaitTimeout: 50 * time.Millisecond})
+	id := "unreplicated"
+	master, err := client.MasterForKey(ctx, b.cache.versionKey(id))
+	require.NoError(t, err)
+	info, err := master.Info(ctx, "replication").Result()
+	require.NoError(t, err)
+	killed := 0
+	for _, line := range strings.Split(info, "\n") {
+		// "slave0:ip=127.0.0.1,port=7001,state=online,offset=...,lag=0"
+		if !strings.HasPrefix(line, "slave") {
+			continue
+		}
+		var ip, port string
+		for _, field := range strings.Split(strings.TrimSpace(line[strings.IndexByte(line, ':')+1:]), ",") {
+			k, v, _ := strings.Cut(field, "=")
+			switch k {
+			case "ip":
+				ip = v
+			case "port":
+				port = v
+			}
+		}
+		addr := net.JoinHostPort(ip, port)
+		i := slices.Index(cluster.Addrs(), addr)
+		require.GreaterOrEqual(t, i, 0, "replica %s is a node of the cluster", addr)
+		cluster.Kill(i)
+		killed++
+	}
+	require.Positive(t, killed, "the master had a replica: %s", info)
+	require.Eventually(t, func() bool {
+		info, err := master.Info(ctx, "replication").Result()
+		return err == nil && strings.Contains(info, "connected_slaves:0")
+	}, 10*time.Second, 10*time.Millisecond, "the master saw its replica go")
+
+	// A WAIT sent elsewhere lands on another master (and counts its
+	// replica) about two times in three: twenty calls all but rule that
+	// out.
+	for i := range 20 {
+		err := b.cache.Invalidate(ctx, id)
+		var rerr *ReplicationError
+		require.ErrorAs(t, err, &rerr, "Invalidate %d: no replica has the bump", i)
+		require.Zero(t, rerr.Got)
+	}
+	st := b.cache.Stats()
+	require.EqualValues(t, 20, st.ReplicationErrors)
+	require.Zero(t, st.Invalidations)
+	version, err := client.Get(ctx, b.cache.versionKey(id)).Result()
+	require.NoError(t, err)
+	require.NotEmpty(t, version, "the master has the bumps")
 }
 
 // TestClusterSlotMove moves an id's slot to another master behind the back
