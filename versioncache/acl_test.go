@@ -88,3 +88,45 @@ func TestPeekWithReadOnlyKeyPermission(t *testing.T) {
 		require.Positive(t, testenv.CommandCalls(t, admin, name), name)
 	}
 }
+
+// TestClusterPeekWithReadOnlyKeyPermission is
+// TestPeekWithReadOnlyKeyPermission through a cluster client that reads
+// from replicas: Peek's script is pinned to the id's master there, and
+// still goes as EVALSHA_RO, which a user with read permission only on the
+// keys may run.
+func TestClusterPeekWithReadOnlyKeyPermission(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	cluster := testenv.StartRedisCluster(t, 3, 0)
+	prefix := cluster.Prefix(t)
+	writer, err := New[string](cluster.Client(t), &Config{Prefix: prefix})
+	require.NoError(t, err)
+	ids := []string{"a", "b", "c", "d", "e", "f"} // over more than one master
+	for _, id := range ids {
+		_, err := writer.Get(ctx, id, func(context.Context) (string, error) { return "v-" + id, nil })
+		require.NoError(t, err)
+	}
+	// ACL users are per node.
+	for _, addr := range cluster.Addrs() {
+		node := redis.NewClient(&redis.Options{Addr: addr})
+		err := node.Do(ctx, "ACL", "SETUSER", "peeker", "reset", "on", ">pw", "%R~"+prefix+"*", "+@all").Err()
+		_ = node.Close()
+		require.NoError(t, err, addr)
+	}
+	ro := redis.NewClusterClient(&redis.ClusterOptions{Addrs: cluster.Addrs(), ReadOnly: true, Username: "peeker", Password: "pw"})
+	t.Cleanup(func() { _ = ro.Close() })
+	reader, err := New[string](ro, &Config{Prefix: prefix, FailureMode: FailClosed})
+	require.NoError(t, err)
+	require.NotNil(t, reader.primary, "Peek is pinned to the master")
+
+	for _, id := range ids {
+		v, _, ok, err := reader.Peek(ctx, id)
+		require.NoError(t, err, "Peek %s", id)
+		require.True(t, ok)
+		require.Equal(t, "v-"+id, v)
+	}
+	report, err := reader.Check(ctx, ids, 0, func(_ context.Context, id string) (string, error) { return "v-" + id, nil })
+	require.NoError(t, err, "Check")
+	require.Equal(t, len(ids), report.Cached)
+	require.Zero(t, reader.Stats().RedisErrors)
+}
