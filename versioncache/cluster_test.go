@@ -327,6 +327,43 @@ func TestClusterInvalidateReplicasWaitsOnTheBumpsConnection(t *testing.T) {
 	require.NotEmpty(t, version, "the master has the bumps")
 }
 
+// TestClusterNodesDisagreeForGood gives an id's slot away on its master
+// only: that master answers MOVED to another, which still names the first
+// as the owner and answers MOVED back, for as long as nobody repairs the
+// cluster. Invalidate retries a few redirects in a row (a migration's end
+// looks like this for a moment), then fails with the redirect, long before
+// its ctx ends, rather than wait for a repair that is not coming.
+func TestClusterNodesDisagreeForGood(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	cluster := testenv.StartRedisCluster(t, 3, 0)
+	client := cluster.Client(t)
+	b := setupWith(t, client, cluster.Prefix(t), nil)
+	id := "disputed"
+	key := b.cache.versionKey(id)
+	src, err := client.MasterForKey(ctx, key)
+	require.NoError(t, err)
+	var dst *redis.Client
+	for _, m := range testenv.Masters(t, client) {
+		if m.Options().Addr != src.Options().Addr {
+			dst = m
+		}
+	}
+	require.NotNil(t, dst)
+	dstID, err := dst.Do(ctx, "CLUSTER", "MYID").Text()
+	require.NoError(t, err)
+	require.NoError(t, src.Do(ctx, "CLUSTER", "SETSLOT", keySlot(key), "NODE", dstID).Err(), "the slot holds no keys")
+
+	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel()
+	err = b.cache.Invalidate(ctx, id)
+	require.ErrorIs(t, err, ErrRedis)
+	require.ErrorContains(t, err, "MOVED")
+	require.NotErrorIs(t, err, ErrSlotMigrating, "not retried until the ctx ended")
+	require.NoError(t, ctx.Err())
+	require.EqualValues(t, 1, b.cache.Stats().RedisErrors)
+}
+
 // TestClusterSlotMove moves an id's slot to another master behind the back
 // of a replica-reading client. Hits and Invalidate's bump-and-WAIT run on
 // the master's own connection, which answers MOVED and does not follow it:
