@@ -13,7 +13,6 @@ import (
 	"github.com/redis/go-redis/v9"
 	"github.com/stretchr/testify/require"
 
-	"github.com/verity-go/verity/internal/keyenc"
 	"github.com/verity-go/verity/internal/testenv"
 )
 
@@ -39,9 +38,10 @@ func TestCluster(t *testing.T) {
 		for i := range ids {
 			ids[i] = fmt.Sprintf("product-%d{%d}", i, i) // braces in ids too
 			b.truth.write(ids[i], i)
-			slot := b.client.ClusterKeySlot(ctx, keyenc.Tagged(b.prefix, ids[i], suffixVersion)).Val()
-			for _, suffix := range []string{suffixCurrent, suffixAt, suffixLease} {
-				require.Equal(t, slot, b.client.ClusterKeySlot(ctx, keyenc.Tagged(b.prefix, ids[i], suffix)).Val())
+			// The keys the Cache names, not what it should name them.
+			slot := b.client.ClusterKeySlot(ctx, b.cache.versionKey(ids[i])).Val()
+			for _, key := range []string{b.cache.currentKey(ids[i]), b.cache.atKey(ids[i]), b.cache.leaseKey(ids[i])} {
+				require.Equal(t, slot, b.client.ClusterKeySlot(ctx, key).Val(), key)
 			}
 			slots[slot] = true
 		}
