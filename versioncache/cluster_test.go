@@ -7,6 +7,7 @@ import (
 	"slices"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -327,41 +328,101 @@ func TestClusterInvalidateReplicasWaitsOnTheBumpsConnection(t *testing.T) {
 	require.NotEmpty(t, version, "the master has the bumps")
 }
 
-// TestClusterNodesDisagreeForGood gives an id's slot away on its master
-// only: that master answers MOVED to another, which still names the first
-// as the owner and answers MOVED back, for as long as nobody repairs the
-// cluster. Invalidate retries a few redirects in a row (a migration's end
-// looks like this for a moment), then fails with the redirect, long before
-// its ctx ends, rather than wait for a repair that is not coming.
-func TestClusterNodesDisagreeForGood(t *testing.T) {
+// TestClusterNodesDisagree gives an id's slot away on its master only:
+// that master answers MOVED to another, which still names the first as the
+// owner and answers MOVED back, until someone assigns the slot on the other
+// masters too. go-redis gives up after MaxRedirects; Invalidate then
+// retries a few such redirects in a row (a migration's end looks like this
+// for a moment), and fails with the redirect once they run out.
+func TestClusterNodesDisagree(t *testing.T) {
 	t.Parallel()
-	ctx := context.Background()
 	cluster := testenv.StartRedisCluster(t, 3, 0)
-	client := cluster.Client(t)
-	b := setupWith(t, client, cluster.Prefix(t), nil)
-	id := "disputed"
-	key := b.cache.versionKey(id)
-	src, err := client.MasterForKey(ctx, key)
-	require.NoError(t, err)
-	var dst *redis.Client
-	for _, m := range testenv.Masters(t, client) {
-		if m.Options().Addr != src.Options().Addr {
-			dst = m
+
+	// giveAway has the master of id's keys assign their slot to another
+	// master, without telling that one. It returns a func that assigns the
+	// slot to that master on every master, as a repair would.
+	giveAway := func(t *testing.T, b *testBundle, id string) (repair func()) {
+		t.Helper()
+		ctx := context.Background()
+		client := cluster.Client(t)
+		key := b.cache.versionKey(id)
+		src, err := client.MasterForKey(ctx, key)
+		require.NoError(t, err)
+		masters := testenv.Masters(t, client)
+		var dst *redis.Client
+		for _, m := range masters {
+			if m.Options().Addr != src.Options().Addr {
+				dst = m
+			}
+		}
+		require.NotNil(t, dst)
+		dstID, err := dst.Do(ctx, "CLUSTER", "MYID").Text()
+		require.NoError(t, err)
+		require.NoError(t, src.Do(ctx, "CLUSTER", "SETSLOT", keySlot(key), "NODE", dstID).Err(), "the slot holds no keys")
+		return func() {
+			for _, m := range append([]*redis.Client{dst}, masters...) {
+				require.NoError(t, m.Do(ctx, "CLUSTER", "SETSLOT", keySlot(key), "NODE", dstID).Err())
+			}
 		}
 	}
-	require.NotNil(t, dst)
-	dstID, err := dst.Do(ctx, "CLUSTER", "MYID").Text()
-	require.NoError(t, err)
-	require.NoError(t, src.Do(ctx, "CLUSTER", "SETSLOT", keySlot(key), "NODE", dstID).Err(), "the slot holds no keys")
 
-	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
-	defer cancel()
-	err = b.cache.Invalidate(ctx, id)
-	require.ErrorIs(t, err, ErrRedis)
-	require.ErrorContains(t, err, "MOVED")
-	require.NotErrorIs(t, err, ErrSlotMigrating, "not retried until the ctx ended")
-	require.NoError(t, ctx.Err())
-	require.EqualValues(t, 1, b.cache.Stats().RedisErrors)
+	// Nobody repairs it: Invalidate fails with the redirect long before
+	// its ctx ends, rather than wait for a repair that is not coming.
+	t.Run("ForGood", func(t *testing.T) {
+		t.Parallel()
+		b := setupWith(t, cluster.Client(t), cluster.Prefix(t), nil)
+		giveAway(t, b, "disputed")
+		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		defer cancel()
+		err := b.cache.Invalidate(ctx, "disputed")
+		require.ErrorIs(t, err, ErrRedis)
+		require.ErrorContains(t, err, "MOVED")
+		require.NotErrorIs(t, err, ErrSlotMigrating, "not retried until the ctx ended")
+		require.NoError(t, ctx.Err())
+		require.EqualValues(t, 1, b.cache.Stats().RedisErrors)
+	})
+
+	// The slot is assigned on every master as soon as go-redis has given
+	// up on the redirects once: Invalidate's next try gets through.
+	t.Run("UntilRepaired", func(t *testing.T) {
+		t.Parallel()
+		client := cluster.Client(t)
+		b := setupWith(t, client, cluster.Prefix(t), nil)
+		id := "repaired"
+		require.NotEqual(t, keySlot(b.cache.versionKey("disputed")), keySlot(b.cache.versionKey(id)))
+		repair := giveAway(t, b, id)
+		var moved atomic.Int32
+		client.AddHook(afterMoved{once: new(sync.Once), moved: &moved, fn: repair})
+		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		defer cancel()
+		require.NoError(t, b.cache.Invalidate(ctx, id))
+		require.EqualValues(t, 1, moved.Load(), "go-redis ran out of redirects once")
+		require.Zero(t, b.cache.Stats().RedisErrors)
+		version, err := client.Get(ctx, b.cache.versionKey(id)).Int64()
+		require.NoError(t, err, "the bump landed")
+		require.Positive(t, version)
+	})
+}
+
+// afterMoved calls fn once, when a command its cluster client sent failed
+// with a MOVED reply after go-redis's own redirects, and counts such
+// failures in moved.
+type afterMoved struct {
+	testenv.PassThroughHook
+	once  *sync.Once
+	moved *atomic.Int32
+	fn    func()
+}
+
+func (h afterMoved) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
+	return func(ctx context.Context, cmd redis.Cmder) error {
+		err := next(ctx, cmd)
+		if _, ok := redis.IsMovedError(err); ok {
+			h.moved.Add(1)
+			h.once.Do(h.fn)
+		}
+		return err
+	}
 }
 
 // TestClusterSlotMove moves an id's slot to another master behind the back
