@@ -1371,6 +1371,36 @@ func TestFreshnessProbe(t *testing.T) {
 		require.GreaterOrEqual(t, staleErr.Lag, 700*time.Millisecond)
 	})
 
+	// Within LagProbeInterval a read reuses a measurement that found nothing
+	// pending and reports Lag 0, which the contract allows (Lag understates
+	// by less than LagProbeInterval); ProjectedThrough must still be that
+	// measurement's time, never the read's: a change committed after the
+	// measurement, not projected, is not in the answer.
+	t.Run("ReusedMeasurementClaimsNothingAfterIt", func(t *testing.T) {
+		t.Parallel()
+		tb := setup(t, func(c *Config) {
+			c.ReadPolicy = FailClosed
+			c.MaxLag = 2 * time.Hour
+			c.LagProbeInterval = time.Hour // the second read reuses the first's measurement
+		})
+		tb.submit(t, "user-a", 10)
+		tb.drain(t)
+		r, err := tb.board.Top(ctx, 10)
+		require.NoError(t, err)
+		require.Zero(t, r.Freshness.Lag)
+
+		beforeCommit := time.Now()
+		tb.submit(t, "user-a", 7) // never projected
+		r, err = tb.board.Top(ctx, 10)
+		require.NoError(t, err)
+		require.Equal(t, SourceRedis, r.Freshness.Source)
+		require.Equal(t, int64(10), r.Entries[0].Score, "setup: the answer lacks the change")
+		require.False(t, r.Freshness.ProjectedThrough.IsZero())
+		require.False(t, r.Freshness.ProjectedThrough.After(beforeCommit),
+			"ProjectedThrough %s claims a change committed after %s, which the answer lacks",
+			r.Freshness.ProjectedThrough.Format(time.RFC3339Nano), beforeCommit.Format(time.RFC3339Nano))
+	})
+
 	// A probe failing on every read (LagProbeInterval 1 ns; the outbox
 	// table renamed away) logs at most once a second.
 	t.Run("FailingProbeLogsAtMostOnceASecond", func(t *testing.T) {
