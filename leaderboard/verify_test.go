@@ -269,6 +269,51 @@ func TestVerify(t *testing.T) {
 		requireUnverified(t, tb)
 	})
 
+	// A look for the record that Redis answered "verified" just before a
+	// Verify of the same board refuted the record, and whose reply reaches
+	// the board only after that, is not published: the reads after the
+	// refutation look again, instead of trusting the record for the rest of
+	// LagProbeInterval.
+	t.Run("LookAnsweredBeforeARefutationIsNotReused", func(t *testing.T) {
+		t.Parallel()
+		tb := verifyingHourly(t)
+		_, verified, err := tb.board.Verify(ctx, nil)
+		require.NoError(t, err)
+		require.True(t, verified)
+
+		opts := *tb.rd.Client.(*redis.Client).Options()
+		client := redis.NewClient(&opts)
+		t.Cleanup(func() { _ = client.Close() })
+		hook := &heldAfterGet{key: tb.board.verifiedKey, answered: make(chan struct{}), release: make(chan struct{})}
+		hook.armed.Store(true)
+		client.AddHook(hook)
+		board, err := New(tb.pg.Pool, client, tb.board.cfg)
+		require.NoError(t, err)
+		t.Cleanup(board.Close)
+
+		first := make(chan error, 1)
+		go func() {
+			_, err := board.Top(ctx, 10)
+			first <- err
+		}()
+		<-hook.answered // Redis answered the look: the record was there
+
+		// A member PostgreSQL does not have, which the default policy
+		// leaves: the pass refutes the record.
+		require.NoError(t, tb.rd.Client.ZAdd(ctx, tb.board.SortedSetKey(), redis.Z{Score: -5, Member: "ghost"}).Err())
+		rep, verified, err := board.Verify(ctx, nil)
+		require.NoError(t, err)
+		require.False(t, verified)
+		require.Equal(t, int64(1), rep.Counts[reconcile.ClassOrphan])
+		close(hook.release)
+		require.NoError(t, <-first, "the look was answered before the refutation")
+
+		_, err = board.Top(ctx, 10)
+		var stale *StaleError
+		require.ErrorAs(t, err, &stale, "served as verified after this board's own Verify refuted the record")
+		require.True(t, stale.Unverified)
+	})
+
 	t.Run("LossDuringVerifyIsNotRecorded", func(t *testing.T) {
 		t.Parallel()
 		tb := verifying(t)
@@ -553,6 +598,30 @@ func (c *replyDropConn) Read(b []byte) (int, error) {
 		return 0, io.EOF
 	}
 	return c.Conn.Read(b)
+}
+
+// heldAfterGet, while armed, holds the reply of the first pipeline that
+// GETs key (a look for Verify's record): it closes answered once Redis has
+// answered, and returns the reply once release is closed.
+type heldAfterGet struct {
+	testenv.PassThroughHook
+	key      string
+	armed    atomic.Bool
+	answered chan struct{}
+	release  chan struct{}
+}
+
+func (h *heldAfterGet) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+	return func(ctx context.Context, cmds []redis.Cmder) error {
+		err := next(ctx, cmds)
+		if slices.ContainsFunc(cmds, func(c redis.Cmder) bool {
+			return c.Name() == "get" && slices.Contains(c.Args(), any(h.key))
+		}) && h.armed.CompareAndSwap(true, false) {
+			close(h.answered)
+			<-h.release
+		}
+		return err
+	}
 }
 
 // busyBeforeScript keeps Redis busy (DEBUG SLEEP from another connection)
