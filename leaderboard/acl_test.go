@@ -84,6 +84,26 @@ func TestReadOnlyKeyPermission(t *testing.T) {
 			readAll(t, reader, AtLeast("cy", last.Version))
 		})
 	}
+	// A reader deployed without get (README lists it since reads GET
+	// Verify's record) cannot read the record: its reads are unverified
+	// (refused here, fail-closed), never verified unchecked.
+	t.Run("WithoutGetIsUnverified", func(t *testing.T) {
+		acl := []any{"ACL", "SETUSER", "noget", "reset", "on", ">pw", "%R~acl:*"}
+		for _, r := range listed {
+			acl = append(acl, r)
+		}
+		require.NoError(t, admin.Do(ctx, append(acl, "-get")...).Err())
+		ro := redis.NewClient(&redis.Options{Addr: srv.Addr(), Username: "noget", Password: "pw"})
+		t.Cleanup(func() { _ = ro.Close() })
+		reader, err := New(pg.Pool, ro, cfg)
+		require.NoError(t, err)
+		t.Cleanup(reader.Close)
+		r, err := reader.Top(ctx, 10)
+		var stale *StaleError
+		require.ErrorAs(t, err, &stale, "served %v as verified without reading the record", r.Entries)
+		require.True(t, stale.Unverified)
+		require.True(t, reader.Freshness(ctx).Unverified)
+	})
 	for _, name := range []string{"evalsha_ro", "eval_ro"} {
 		require.Positive(t, testenv.CommandCalls(t, admin, name), name)
 	}
