@@ -571,6 +571,20 @@ func TestReadPolicies(t *testing.T) {
 		require.ErrorIs(t, err, ErrStale)
 	})
 
+	// An AtLeast the wait found unmet, on a board whose lag is also above
+	// MaxLag: the StaleError names the requirement (AtLeast's contract),
+	// with the lag, rather than only the lag.
+	t.Run("UnmetAtLeastOnALaggingBoardNamesIt", func(t *testing.T) {
+		t.Parallel()
+		tb := lagging(t, FailClosed)
+		_, _, err := tb.board.Rank(ctx, "user-a", AtLeast("user-a", 2)) // version 2 is pending
+		var stale *StaleError
+		require.ErrorAs(t, err, &stale)
+		require.Equal(t, "user-a", stale.UserID)
+		require.Equal(t, int64(2), stale.Version)
+		require.Greater(t, stale.Lag, 59*time.Second)
+	})
+
 	// An AtLeast that Redis already meets says nothing of the rest of the
 	// board: the lag still decides, as for a read without it.
 	t.Run("MetAtLeastDoesNotExcuseLag", func(t *testing.T) {
