@@ -684,6 +684,13 @@ func TestReadPolicies(t *testing.T) {
 		cancel()
 		_, _, err = tb.board.Rank(canceled, "user-a", AtLeast("user-a", res.Version))
 		require.ErrorIs(t, err, context.Canceled)
+
+		// The other policies do not fall back: the failure is the answer.
+		for _, p := range []ReadPolicy{ServeStale, FailClosed} {
+			_, fresh, err := tb.board.Rank(ctx, "user-a", AtLeast("user-a", res.Version), WithPolicy(p))
+			require.Error(t, err, "%s answered from %s", p, fresh.Source)
+			require.NotErrorIs(t, err, ErrStale, "%s", p)
+		}
 	})
 
 	t.Run("CorruptScoreFailsLikeTheScripts", func(t *testing.T) {
