@@ -1137,6 +1137,24 @@ func TestReadYourWrites(t *testing.T) {
 		}
 	})
 
+	// Pages read with AtLeast run other scripts than those without (under
+	// versions.lua): walking the board page by page with them must reach
+	// the same entries, Next included.
+	t.Run("PagesWithAtLeastWalkTheBoard", func(t *testing.T) {
+		t.Parallel()
+		tb := setup(t, func(c *Config) { c.ReadPolicy = FailClosed })
+		var last Result
+		for i, u := range []string{"ada", "bob", "cy", "dee", "eve"} {
+			last = tb.submit(t, u, int64(10*(i%3)))
+		}
+		tb.drain(t)
+		want, _ := allPages(t, tb.board, 2)
+		require.Len(t, want, 5)
+		got, source := allPages(t, tb.board, 2, AtLeast("eve", last.Version))
+		require.Equal(t, SourceRedis, source)
+		require.Equal(t, want, got)
+	})
+
 	t.Run("MaxAtLeastUsers", func(t *testing.T) {
 		t.Parallel()
 		tb := setup(t, func(c *Config) {
