@@ -1252,6 +1252,39 @@ func TestReadYourWrites(t *testing.T) {
 		check(true)
 	})
 
+	// The first score of a user, submitted in a transaction that has not
+	// committed (or rolled back): PostgreSQL has no row for the user, which
+	// meets no version. With only that requirement, nothing else in the
+	// answer is unmet to hide it.
+	t.Run("FallbackDoesNotMeetAUserWithoutARow", func(t *testing.T) {
+		t.Parallel()
+		tb := setup(t, func(c *Config) {
+			c.ReadPolicy = FallbackToPostgres
+			c.ReadYourWritesTimeout = 20 * time.Millisecond
+		})
+		tb.submit(t, "ada", 5)
+		tb.drain(t)
+		open, err := tb.pg.Pool.Begin(ctx)
+		require.NoError(t, err)
+		t.Cleanup(func() { _ = open.Rollback(ctx) })
+		res, err := tb.board.SubmitTx(ctx, open, Command{EventID: uuid.New(), UserID: "newcomer", Delta: 1})
+		require.NoError(t, err)
+
+		need := AtLeast("newcomer", res.Version)
+		top, err := tb.board.Top(ctx, 10, need)
+		require.NoError(t, err)
+		require.Equal(t, SourcePostgres, top.Freshness.Source)
+		require.Equal(t, []Entry{{UserID: "ada", Score: 5, Rank: 1}}, top.Entries)
+		require.False(t, top.Freshness.AtLeastMet, "Top: the newcomer is not in the answer")
+		around, err := tb.board.Around(ctx, "ada", 1, need)
+		require.NoError(t, err)
+		require.Equal(t, SourcePostgres, around.Freshness.Source)
+		require.False(t, around.Freshness.AtLeastMet, "Around")
+		_, fr, err := tb.board.Rank(ctx, "ada", need)
+		require.NoError(t, err)
+		require.False(t, fr.AtLeastMet, "Rank")
+	})
+
 	t.Run("InvalidOptionsReadNothing", func(t *testing.T) {
 		t.Parallel()
 		// A fail-closed board whose projection lags: an option that fell
