@@ -1155,6 +1155,60 @@ func TestReadYourWrites(t *testing.T) {
 		require.Equal(t, want, got)
 	})
 
+	// The projection's layout changes right after the wait checked it (a
+	// rebuild to another VersionBuckets, a projection of a release before
+	// layout keys restored): the versions the script reads are then not
+	// the projection's, and the read fails with the mismatch, under every
+	// policy, rather than answer from them.
+	t.Run("LayoutChangedAfterTheWait", func(t *testing.T) {
+		t.Parallel()
+		for name, c := range map[string]struct {
+			buckets int
+			change  func(p redis.Pipeliner, tb *testBundle)
+		}{
+			"OtherCount": {0, func(p redis.Pipeliner, tb *testBundle) {
+				p.Set(ctx, tb.board.layoutKey, "8", 0)
+			}},
+			"UnbucketedHash": {8, func(p redis.Pipeliner, tb *testBundle) {
+				p.Del(ctx, tb.board.layoutKey)
+				p.HSet(ctx, tb.board.unbucketedKey, "ada", 1)
+			}},
+		} {
+			t.Run(name, func(t *testing.T) {
+				t.Parallel()
+				tb := setup(t, func(cfg *Config) { cfg.VersionBuckets = c.buckets })
+				opt, err := redis.ParseURL(tb.rd.URL)
+				require.NoError(t, err)
+				admin := redis.NewClient(opt)
+				t.Cleanup(func() { _ = admin.Close() })
+				res := tb.submit(t, "ada", 10)
+				tb.drain(t)
+				layout, err := admin.Get(ctx, tb.board.layoutKey).Result()
+				require.NoError(t, err)
+				hook := &afterVersionPoll{run: func() {
+					_, err := admin.TxPipelined(ctx, func(p redis.Pipeliner) error {
+						c.change(p, tb)
+						return nil
+					})
+					require.NoError(t, err)
+				}}
+				tb.rd.Client.AddHook(hook)
+				for _, policy := range []ReadPolicy{ServeStale, FallbackToPostgres, FailClosed} {
+					_, err := admin.TxPipelined(ctx, func(p redis.Pipeliner) error {
+						p.Set(ctx, tb.board.layoutKey, layout, 0)
+						p.Del(ctx, tb.board.unbucketedKey)
+						return nil
+					})
+					require.NoError(t, err)
+					hook.armed.Store(true)
+					_, fr, err := tb.board.Rank(ctx, "ada", AtLeast("ada", res.Version), WithPolicy(policy))
+					require.False(t, hook.armed.Load(), "%s: setup: the layout changed after the wait", policy)
+					require.ErrorIs(t, err, projection.ErrLayoutMismatch, "%s: answered from %s, AtLeastMet %v", policy, fr.Source, fr.AtLeastMet)
+				}
+			})
+		}
+	})
+
 	t.Run("MaxAtLeastUsers", func(t *testing.T) {
 		t.Parallel()
 		tb := setup(t, func(c *Config) {
