@@ -370,6 +370,46 @@ FROM `+b.leasesTable()+` WHERE part < 3 ORDER BY part`)
 	})
 }
 
+// A claim looks at a bounded number of partitions with due rows, least
+// recently claimed first, and gives back the ones that gave it nothing
+// without moving them back in that order. So the due-row test must count
+// only rows this relay could take: eight partitions (as many as one claim
+// looks at) holding only rows it cannot take, claimed before the one that
+// holds a row it can, would otherwise fill every claim, and that row would
+// never be delivered.
+func TestClaimIsNotCrowdedOutByRowsItCannotTake(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	for name, c := range map[string]struct {
+		untake string // makes a row one the relay cannot take
+		cfg    outbox.RelayConfig
+	}{
+		"BackingOff":           {untake: `available_at = now() + interval '1 hour'`},
+		"Published":            {untake: `published_at = now()`, cfg: outbox.RelayConfig{KeepPublished: true}},
+		"RowLeaseOfOlderRelay": {untake: `leased_until = now() + interval '1 hour', claim_token = gen_random_uuid()`},
+		"OtherStream":          {untake: `stream = 'other'`, cfg: outbox.RelayConfig{Streams: []string{"s"}}},
+	} {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			b := setup(t)
+			// One row in each of partitions 0 to 8 (ids 1, 257, …, 2049).
+			b.appendPartitions(t, 9)
+			_, err := b.pool.Exec(ctx, `DELETE FROM `+b.writer.Table()+` WHERE id % 256 <> 1`)
+			require.NoError(t, err)
+			_, err = b.pool.Exec(ctx, `UPDATE `+b.writer.Table()+` SET `+c.untake+` WHERE id < 8 * 256`)
+			require.NoError(t, err)
+			b.claimOrder(t, 0, 1, 2, 3, 4, 5, 6, 7, 8)
+
+			h := &recorder{}
+			c.cfg.PollInterval, c.cfg.DisableNotify = time.Hour, true
+			n, err := b.relay(t, nil, h, c.cfg).RunOnce(ctx)
+			require.NoError(t, err)
+			require.Equal(t, 1, n, "the row of partition 8 is delivered")
+			require.EqualValues(t, 8*256+1, h.seen()[0].ID)
+		})
+	}
+}
+
 // appendPartitions appends and commits rows with ids 1 to n*256-1: every
 // id of partitions 0 to n-1 (id 0 is never assigned).
 func (b *testBundle) appendPartitions(t *testing.T, n int) {
