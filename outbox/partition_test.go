@@ -327,6 +327,40 @@ func TestRelayPartitionLeases(t *testing.T) {
 		require.EqualValues(t, 1, h.seen()[300].ID, "partition 0 is next once it is free")
 	})
 
+	// When every partition the claim looked at first is being taken by
+	// other claims, it looks further ("more"), and there too it must pass
+	// partitions that another relay's live lease holds: that relay's batch
+	// has their rows.
+	t.Run("ClaimPassingLockedPartitionsSkipsLiveLeases", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		b.appendPartitions(t, 11)
+		b.claimOrder(t, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10)
+		// Partition 8 is another relay's, its lease live for an hour.
+		_, err := b.pool.Exec(ctx, `UPDATE `+b.leasesTable()+` SET owner = gen_random_uuid(), leased_until = now() + interval '1 hour',
+			inflight = '{[2048,2304)}' WHERE part = 8`)
+		require.NoError(t, err)
+		// Claims under way hold the eight partitions claimed longest ago.
+		others, err := b.pool.Begin(ctx)
+		require.NoError(t, err)
+		t.Cleanup(func() { _ = others.Rollback(ctx) })
+		_, err = others.Exec(ctx, `SELECT 1 FROM `+b.leasesTable()+` WHERE part < 8 FOR UPDATE`)
+		require.NoError(t, err)
+
+		h := &recorder{}
+		r := b.relay(t, nil, h, outbox.RelayConfig{BatchSize: 300, PollInterval: time.Hour, DisableNotify: true})
+		n, err := r.RunOnce(ctx)
+		require.NoError(t, err)
+		require.Equal(t, 300, n, "256 rows of partition 9, then 44 of partition 10")
+		for _, rec := range h.seen() {
+			require.Contains(t, []int64{9, 10}, rec.ID/256%64, "record %d", rec.ID)
+		}
+		var owned bool
+		require.NoError(t, b.pool.QueryRow(ctx, `SELECT owner IS DISTINCT FROM NULL AND leased_until > now() AND inflight = '{[2048,2304)}'
+FROM `+b.leasesTable()+` WHERE part = 8`).Scan(&owned))
+		require.True(t, owned, "partition 8's lease is the other relay's still")
+	})
+
 	// While its batch is out, a claim's lease rows say exactly which rows
 	// it handed out (what a takeover after a crash counts an attempt for),
 	// and a leased partition that contributed none is back at once, still
