@@ -506,6 +506,50 @@ func TestRelayLease(t *testing.T) {
 		}
 	})
 
+	// A's settle runs while another relay's claim is taking A's expired
+	// partition over, not yet committed. The settle must wait for that
+	// claim and then find the partition no longer A's: acknowledging with
+	// what it read before the takeover would delete a row the other relay
+	// has just been handed, and releasing would free that relay's lease
+	// for a third relay while its batch is out.
+	t.Run("SettleWaitsForATakeoverUnderWay", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		b.appendCommitted(t, newMessage("s", "k", 1))
+		appName := "verity_relay_" + uuid.NewString()[:8]
+		slow := newBlocking()
+		// A long lease, ended on purpose (expireLeases).
+		relayA := b.relay(t, newPoolNamed(t, b.pg.ConnString, appName), handle(slow), outbox.RelayConfig{LeaseDuration: 10 * time.Second})
+		doneA := make(chan error, 1)
+		go func() {
+			_, err := relayA.RunOnce(ctx)
+			doneA <- err
+		}()
+		batchA := receive(t, slow.started)
+		require.Len(t, batchA, 1)
+		require.EqualValues(t, 1, b.expireLeases(t), "A's batch holds one partition")
+
+		// The takeover claim, as leaseSQL writes it, holding the lease row.
+		takeover, err := b.pool.Begin(ctx)
+		require.NoError(t, err)
+		t.Cleanup(func() { _ = takeover.Rollback(ctx) })
+		var owner uuid.UUID
+		require.NoError(t, takeover.QueryRow(ctx, `UPDATE `+b.leasesTable()+` SET owner = gen_random_uuid(),
+    leased_until = now() + interval '1 hour', inflight = int8multirange(int8range($1, $1, '[]'))
+WHERE part = mod($1 / 256, 64) RETURNING owner`, batchA[0].ID).Scan(&owner))
+
+		close(slow.release)
+		require.Eventually(t, func() bool { return b.waitingForLock(appName, "") }, 10*time.Second, 10*time.Millisecond,
+			"A's settle waits for the takeover's lock")
+		require.NoError(t, takeover.Commit(ctx))
+		require.ErrorIs(t, receive(t, doneA), outbox.ErrLeaseLost)
+		require.Equal(t, 1, b.count(t, b.writer.Table()), "the row handed to the other relay is still there")
+		var held bool
+		require.NoError(t, b.pool.QueryRow(ctx, `SELECT owner = $1 AND leased_until > now() FROM `+b.leasesTable()+
+			` WHERE part = mod($2 / 256, 64)`, owner, batchA[0].ID).Scan(&held))
+		require.True(t, held, "the other relay's lease still holds")
+	})
+
 	t.Run("LostLeaseLogsNoOutcome", func(t *testing.T) {
 		t.Parallel()
 		// A's failure would bury its row (MaxAttempts 1) or reschedule it
