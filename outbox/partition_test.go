@@ -225,6 +225,11 @@ func TestRelayPartitionLeases(t *testing.T) {
 		h := &recorder{}
 		r := b.relay(t, pool, h, outbox.RelayConfig{LeaseDuration: time.Minute})
 		msg, blocker := b.blockNextClaim(t, r)
+		// Another relay's batch holds partition 63: the release frees only
+		// what the cut-off claim leased.
+		var otherOwner string
+		require.NoError(t, b.pool.QueryRow(ctx, `UPDATE `+b.leasesTable()+` SET owner = gen_random_uuid(),
+    leased_until = now() + interval '1 hour' WHERE part = 63 RETURNING owner::text`).Scan(&otherOwner))
 
 		refuse.Store(true)
 		cctx, cancel := context.WithTimeout(ctx, 300*time.Millisecond)
@@ -238,10 +243,10 @@ func TestRelayPartitionLeases(t *testing.T) {
 		// holds the lease row's lock.
 		_, err = b.pool.Exec(ctx, `SELECT 1 FROM `+b.leasesTable()+` FOR UPDATE`)
 		require.NoError(t, err)
-		var leased int
-		require.NoError(t, b.pool.QueryRow(ctx, `SELECT count(*) FROM `+b.leasesTable()+
+		var leased []string
+		require.NoError(t, b.pool.QueryRow(ctx, `SELECT coalesce(array_agg(owner::text), '{}') FROM `+b.leasesTable()+
 			` WHERE owner IS NOT NULL AND leased_until > now()`).Scan(&leased))
-		require.Zero(t, leased, "no partition is leased to the cut-off claim")
+		require.Equal(t, []string{otherOwner}, leased, "no partition is leased to the cut-off claim; the other relay's lease holds")
 		refuse.Store(false)
 
 		n, err := r.RunOnce(ctx)
