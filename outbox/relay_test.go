@@ -550,6 +550,40 @@ WHERE part = mod($1 / 256, 64) RETURNING owner`, batchA[0].ID).Scan(&owner))
 		require.True(t, held, "the other relay's lease still holds")
 	})
 
+	// Rows a stopping relay releases count as settled only where its lease
+	// still holds: RunOnce reports the others lost, as it does for
+	// acknowledgements and failures.
+	t.Run("ReleaseAfterTakeoverIsReportedLost", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		b.appendCommitted(t, newMessage("s", "k", 1))
+		slow := newBlocking()
+		relayA := b.relay(t, nil, outbox.HandlerFunc(func(ctx context.Context, batch []outbox.Record) ([]outbox.Result, error) {
+			slow.started <- batch
+			<-slow.release
+			return nil, ctx.Err()
+		}), outbox.RelayConfig{LeaseDuration: 10 * time.Second})
+		runCtx, cancel := context.WithCancel(ctx)
+		defer cancel()
+		doneA := make(chan error, 1)
+		go func() {
+			_, err := relayA.RunOnce(runCtx)
+			doneA <- err
+		}()
+		batchA := receive(t, slow.started)
+		require.EqualValues(t, 1, b.expireLeases(t), "A's batch holds one partition")
+		batchB, err := b.relay(t, nil, &recorder{}, outbox.RelayConfig{LeaseDuration: time.Minute}).ClaimOnly(ctx)
+		require.NoError(t, err)
+		require.Len(t, batchB, 1, "B takes the partition over")
+
+		cancel() // A stops: its rows are released, not retried
+		close(slow.release)
+		err = receive(t, doneA)
+		var lost *outbox.LeaseLostError
+		require.ErrorAs(t, err, &lost)
+		require.Equal(t, []int64{batchA[0].ID}, lost.IDs)
+	})
+
 	t.Run("LostLeaseLogsNoOutcome", func(t *testing.T) {
 		t.Parallel()
 		// A's failure would bury its row (MaxAttempts 1) or reschedule it
