@@ -257,6 +257,30 @@ func TestRelayPartitionLeases(t *testing.T) {
 		require.Equal(t, 2, seen[len(seen)-1].Attempts, "the crashed relay's attempt and this one; the cut-off claim's none")
 	})
 
+	// Within a partition rows are claimed in (available_at, id) order: a
+	// row whose backoff ended earlier goes before a lower id that became
+	// due later (a retried row comes back behind rows due before it).
+	t.Run("PartitionIsClaimedInAvailableAtOrder", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		b.appendCommitted(t, newMessage("s", "due-later", 1), newMessage("s", "due-earlier", 1), newMessage("s", "due-last", 1))
+		_, err := b.pool.Exec(ctx, `UPDATE `+b.writer.Table()+` SET available_at = now() - CASE key
+    WHEN 'due-earlier' THEN interval '3 minutes' WHEN 'due-later' THEN interval '2 minutes' ELSE interval '1 minute' END`)
+		require.NoError(t, err)
+		h := &recorder{}
+		r := b.relay(t, nil, h, outbox.RelayConfig{BatchSize: 1})
+		for range 3 {
+			n, err := r.RunOnce(ctx)
+			require.NoError(t, err)
+			require.Equal(t, 1, n)
+		}
+		var keys []string
+		for _, rec := range h.seen() {
+			keys = append(keys, rec.Key)
+		}
+		require.Equal(t, []string{"due-earlier", "due-later", "due-last"}, keys)
+	})
+
 	// A claim fills its batch from the partitions it leased least recently
 	// claimed first, so that on a backlog the partition that waited longest
 	// is served, not leased and given back again.
