@@ -409,6 +409,36 @@ func TestRelayLease(t *testing.T) {
 		require.Zero(t, b.count(t, b.writer.Table()))
 	})
 
+	// The server's lease runs from when it received the claim, so the
+	// Handler's deadline must run from no later than the claim was sent:
+	// measured from when the claim's reply came back, it would outlast the
+	// lease by the claim's duration, and the Handler could still be
+	// projecting rows that another relay had taken over.
+	t.Run("HandlerDeadlineRunsFromBeforeTheClaimWasSent", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		b.appendCommitted(t, newMessage("s", "k", 1))
+		tracer := &claimClock{}
+		cfg, err := pgxpool.ParseConfig(b.pg.ConnString)
+		require.NoError(t, err)
+		cfg.ConnConfig.Tracer = tracer
+		pool, err := pgxpool.NewWithConfig(ctx, cfg)
+		require.NoError(t, err)
+		t.Cleanup(pool.Close)
+		const lease = time.Minute
+		var deadline time.Time
+		r := b.relay(t, pool, outbox.HandlerFunc(func(ctx context.Context, batch []outbox.Record) ([]outbox.Result, error) {
+			deadline, _ = ctx.Deadline()
+			return make([]outbox.Result, len(batch)), nil
+		}), outbox.RelayConfig{LeaseDuration: lease})
+		n, err := r.RunOnce(ctx)
+		require.NoError(t, err)
+		require.Equal(t, 1, n)
+		sent := tracer.sent()
+		require.False(t, sent.IsZero(), "the claim was traced")
+		require.False(t, deadline.After(sent.Add(lease)), "the deadline %s is later than the claim's send %s plus the lease", deadline, sent)
+	})
+
 	t.Run("LostLeaseDoesNotTouchReclaimedRow", func(t *testing.T) {
 		t.Parallel()
 		b := setup(t)
@@ -1980,6 +2010,38 @@ func TestRelayConfig(t *testing.T) {
 		require.NotNil(t, got.Logger)
 	})
 }
+
+// claimClock is a pgx tracer that notes when the last claim batch (the one
+// that starts with the claim's advisory lock) was sent.
+type claimClock struct {
+	mu   sync.Mutex
+	last time.Time
+}
+
+func (c *claimClock) sent() time.Time {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.last
+}
+
+func (c *claimClock) TraceBatchStart(ctx context.Context, _ *pgx.Conn, data pgx.TraceBatchStartData) context.Context {
+	if qs := data.Batch.QueuedQueries; len(qs) > 0 && strings.Contains(qs[0].SQL, "pg_advisory_xact_lock") {
+		c.mu.Lock()
+		c.last = time.Now()
+		c.mu.Unlock()
+	}
+	return ctx
+}
+
+func (c *claimClock) TraceBatchQuery(context.Context, *pgx.Conn, pgx.TraceBatchQueryData) {}
+
+func (c *claimClock) TraceBatchEnd(context.Context, *pgx.Conn, pgx.TraceBatchEndData) {}
+
+func (c *claimClock) TraceQueryStart(ctx context.Context, _ *pgx.Conn, _ pgx.TraceQueryStartData) context.Context {
+	return ctx
+}
+
+func (c *claimClock) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
 
 // expireLeases ends every live partition lease now, by the database's
 // clock, as if its LeaseDuration had passed; the lease rows keep their owner
