@@ -107,7 +107,7 @@ func TestClaimBuriesRowsAtItsMaxAttempts(t *testing.T) {
 		require.Equal(t, rowA.EventID, dead[0].EventID)
 		require.Equal(t, maxAttempts, dead[0].Attempts)
 		require.Contains(t, dead[0].LastError, fmt.Sprintf("the relay handling attempt %d stopped without settling it", maxAttempts))
-		require.Contains(t, logs.String(), "outbox rows moved to dead letters")
+		require.Contains(t, logs.String(), "outbox rows moved to dead letters: they came to this relay with MaxAttempts attempts counted already")
 		table := attribute.String(outbox.AttributeTable, b.cfg.Schema+".verity_outbox")
 		require.Equal(t, int64(1), metrics.Collect(t).Int("verity.outbox.dead_lettered", table))
 	})

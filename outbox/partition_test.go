@@ -1,11 +1,13 @@
 package outbox_test
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
 	"log/slog"
 	"net"
+	"slices"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -118,7 +120,11 @@ func TestRelayPartitionLeases(t *testing.T) {
 			require.Equal(t, maxAttempts, dead[i].Attempts)
 			require.Contains(t, dead[i].LastError, "the relay handling attempt 3 stopped without settling it")
 		}
-		require.Contains(t, logs.String(), "outbox rows moved to dead letters")
+		// The claim that takes the partition over buries them, and says why;
+		// not its reading of the rows, which would log that their attempts
+		// had been used up elsewhere.
+		require.Contains(t, logs.String(), "outbox rows moved to dead letters: the relay handling their last attempt stopped without settling them")
+		require.NotContains(t, logs.String(), "came to this relay with MaxAttempts attempts counted already")
 		table := attribute.String(outbox.AttributeTable, b.cfg.Schema+".verity_outbox")
 		s := metrics.Collect(t)
 		require.Equal(t, int64(2), s.Int("verity.outbox.dead_lettered", table))
@@ -279,6 +285,20 @@ func TestRelayPartitionLeases(t *testing.T) {
 			keys = append(keys, rec.Key)
 		}
 		require.Equal(t, []string{"due-earlier", "due-later", "due-last"}, keys)
+	})
+
+	// A batch spanning partitions is handed to the Handler in id order,
+	// whatever order the partitions were read in.
+	t.Run("BatchIsInIDOrder", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		b.appendPartitions(t, 2)
+		b.claimOrder(t, 1, 0)
+		h := &recorder{}
+		n, err := b.relay(t, nil, h, outbox.RelayConfig{BatchSize: 600}).RunOnce(ctx)
+		require.NoError(t, err)
+		require.Equal(t, 511, n)
+		require.True(t, slices.IsSortedFunc(h.seen(), func(a, b outbox.Record) int { return cmp.Compare(a.ID, b.ID) }))
 	})
 
 	// A claim fills its batch from the partitions it leased least recently
