@@ -189,6 +189,34 @@ func TestClaimBurialSkipsAnIDAlreadyDead(t *testing.T) {
 	require.True(t, delivered, "the row of the other partition is delivered; claims failed with %v", errs)
 }
 
+// A row that comes to a claim with MaxAttempts attempts counted but no
+// last_error (attempts stored by a composed INSERT, or counted by a relay
+// of an earlier version) is buried with a last_error saying its relay
+// stopped without settling it: the dead-letter table's last_error is NOT
+// NULL, and a burial it refused would fail every claim of the partition.
+func TestClaimBuriesARowWithoutLastError(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	b := setup(t)
+	exhausted, good := newMessage("s", "exhausted", 1), newMessage("s", "good", 1)
+	b.appendCommitted(t, exhausted, good)
+	_, err := b.pool.Exec(ctx, `UPDATE `+b.writer.Table()+` SET attempts = 3 WHERE key = 'exhausted'`)
+	require.NoError(t, err)
+
+	h := &recorder{}
+	r := b.relay(t, nil, h, outbox.RelayConfig{MaxAttempts: 3})
+	n, err := r.RunOnce(ctx)
+	require.NoError(t, err)
+	require.Equal(t, 1, n)
+	require.Equal(t, good.EventID, h.seen()[0].EventID)
+	dead, err := r.DeadLetters(ctx, 0, 10)
+	require.NoError(t, err)
+	require.Len(t, dead, 1)
+	require.Equal(t, exhausted.EventID, dead[0].EventID)
+	require.Equal(t, 3, dead[0].Attempts)
+	require.Contains(t, dead[0].LastError, "the relay handling attempt 3 stopped without settling it")
+}
+
 // A composed INSERT may store any attempts, up to the integer column's
 // maximum: adding the current attempt to it overflowed in every claim of
 // its partition, which failed uncounted again and again. The count now

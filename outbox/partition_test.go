@@ -308,11 +308,13 @@ func TestRelayPartitionLeases(t *testing.T) {
 		t.Parallel()
 		b := setup(t)
 		ctx := context.Background()
-		b.appendPartitions(t, 5)
+		b.appendPartitions(t, 10)
 		rows := b.rows(t)
 		require.EqualValues(t, 1, rows[0].ID)
-		require.EqualValues(t, 5*256-1, rows[len(rows)-1].ID)
-		for _, order := range [][]int{{4, 3, 2, 1, 0}, {1, 3, 0, 4, 2}, {0, 1, 2, 3, 4}} {
+		require.EqualValues(t, 10*256-1, rows[len(rows)-1].ID)
+		// More due partitions than a claim looks at (eight), so that the
+		// ones it looks at must be the least recently claimed too.
+		for _, order := range [][]int{{9, 8, 7, 6, 5, 4, 3, 2, 1, 0}, {1, 3, 0, 4, 2, 9, 7, 5, 8, 6}, {0, 1, 2, 3, 4, 5, 6, 7, 8, 9}} {
 			b.claimOrder(t, order...)
 			h := &recorder{}
 			r := b.relay(t, nil, h, outbox.RelayConfig{BatchSize: 5, PollInterval: time.Hour, DisableNotify: true})
