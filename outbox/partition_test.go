@@ -357,11 +357,7 @@ func TestRelayPartitionLeases(t *testing.T) {
 		b.appendPartitions(t, 12)
 		b.claimOrder(t, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11)
 		// Two claims under way hold the eight partitions claimed longest ago.
-		others, err := b.pool.Begin(ctx)
-		require.NoError(t, err)
-		t.Cleanup(func() { _ = others.Rollback(ctx) })
-		_, err = others.Exec(ctx, `SELECT 1 FROM `+b.leasesTable()+` WHERE part < 8 FOR UPDATE`)
-		require.NoError(t, err)
+		others := b.lockPartitionsBelow(t, 8)
 
 		h := &recorder{}
 		r := b.relay(t, nil, h, outbox.RelayConfig{BatchSize: 300, PollInterval: time.Hour, DisableNotify: true})
@@ -392,11 +388,7 @@ func TestRelayPartitionLeases(t *testing.T) {
 			inflight = '{[2048,2304)}' WHERE part = 8`)
 		require.NoError(t, err)
 		// Claims under way hold the eight partitions claimed longest ago.
-		others, err := b.pool.Begin(ctx)
-		require.NoError(t, err)
-		t.Cleanup(func() { _ = others.Rollback(ctx) })
-		_, err = others.Exec(ctx, `SELECT 1 FROM `+b.leasesTable()+` WHERE part < 8 FOR UPDATE`)
-		require.NoError(t, err)
+		b.lockPartitionsBelow(t, 8)
 
 		h := &recorder{}
 		r := b.relay(t, nil, h, outbox.RelayConfig{BatchSize: 300, PollInterval: time.Hour, DisableNotify: true})
@@ -510,6 +502,20 @@ func (b *testBundle) appendPartitions(t *testing.T, n int) {
 // touched_at of the lease of parts[rank] is 2000-01-01 plus rank hours.
 // They are written in reverse, so that the lease rows' physical order (an
 // UPDATE moves a row to the end) is the opposite of the claim order.
+// lockPartitionsBelow locks the lease rows of partitions 0 to n-1, as
+// claims under way do, in a transaction it returns (rolled back at the
+// test's end at the latest).
+func (b *testBundle) lockPartitionsBelow(t *testing.T, n int) pgx.Tx {
+	t.Helper()
+	ctx := context.Background()
+	tx, err := b.pool.Begin(ctx)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = tx.Rollback(ctx) })
+	_, err = tx.Exec(ctx, `SELECT 1 FROM `+b.leasesTable()+` WHERE part < $1 FOR UPDATE`, n)
+	require.NoError(t, err)
+	return tx
+}
+
 func (b *testBundle) claimOrder(t *testing.T, parts ...int) {
 	t.Helper()
 	for rank := len(parts) - 1; rank >= 0; rank-- {
