@@ -457,21 +457,13 @@ func TestRelayLease(t *testing.T) {
 			<-slow.release
 			return nil, errors.New("too late anyway")
 		}), outbox.RelayConfig{LeaseDuration: lease})
-		doneA := make(chan error, 1)
-		go func() {
-			_, err := relayA.RunOnce(ctx)
-			doneA <- err
-		}()
+		doneA := runOnceAsync(ctx, relayA)
 		receive(t, slow.started)
 		require.EqualValues(t, 1, b.expireLeases(t), "A's batch holds one partition")
 
 		hold := newBlocking()
 		relayB := b.relay(t, nil, handle(hold), outbox.RelayConfig{LeaseDuration: time.Minute})
-		doneB := make(chan error, 1)
-		go func() {
-			_, err := relayB.RunOnce(ctx)
-			doneB <- err
-		}()
+		doneB := runOnceAsync(ctx, relayB)
 		receive(t, hold.started)
 		rowsBefore := b.rows(t)
 		require.Len(t, rowsBefore, 1)
@@ -504,22 +496,14 @@ func TestRelayLease(t *testing.T) {
 
 				slow := newBlocking()
 				relayA := b.relay(t, nil, handle(slow), outbox.RelayConfig{LeaseDuration: lease, KeepPublished: keep, Name: "a"})
-				doneA := make(chan error, 1)
-				go func() {
-					_, err := relayA.RunOnce(ctx)
-					doneA <- err
-				}()
+				doneA := runOnceAsync(ctx, relayA)
 				batchA := receive(t, slow.started)
 				require.Len(t, batchA, 1)
 				require.EqualValues(t, 1, b.expireLeases(t), "A's batch holds one partition")
 
 				hold := newBlocking()
 				relayB := b.relay(t, nil, handle(hold), outbox.RelayConfig{LeaseDuration: time.Minute, KeepPublished: keep, Name: "b"})
-				doneB := make(chan error, 1)
-				go func() {
-					_, err := relayB.RunOnce(ctx)
-					doneB <- err
-				}()
+				doneB := runOnceAsync(ctx, relayB)
 				batchB := receive(t, hold.started)
 				require.Len(t, batchB, 1)
 				require.Equal(t, batchA[0].ID, batchB[0].ID)
@@ -550,11 +534,7 @@ func TestRelayLease(t *testing.T) {
 		slow := newBlocking()
 		// A long lease, ended on purpose (expireLeases).
 		relayA := b.relay(t, newPoolNamed(t, b.pg.ConnString, appName), handle(slow), outbox.RelayConfig{LeaseDuration: 10 * time.Second})
-		doneA := make(chan error, 1)
-		go func() {
-			_, err := relayA.RunOnce(ctx)
-			doneA <- err
-		}()
+		doneA := runOnceAsync(ctx, relayA)
 		batchA := receive(t, slow.started)
 		require.Len(t, batchA, 1)
 		require.EqualValues(t, 1, b.expireLeases(t), "A's batch holds one partition")
@@ -643,11 +623,7 @@ WHERE part = mod($1 / 256, 64) RETURNING owner`, batchA[0].ID).Scan(&owner))
 					return out, nil
 				})
 				relayA := b.relay(t, nil, failing, cfg)
-				doneA := make(chan error, 1)
-				go func() {
-					_, err := relayA.RunOnce(ctx)
-					doneA <- err
-				}()
+				doneA := runOnceAsync(ctx, relayA)
 				batchA := receive(t, slow.started)
 				require.Len(t, batchA, 1)
 				require.EqualValues(t, 1, b.expireLeases(t), "A's batch holds one partition")
@@ -2128,4 +2104,15 @@ func TestListenPairsAfterConnectWithBeforeClose(t *testing.T) {
 	require.NoError(t, stop())
 	pool.Close()
 	require.Zero(t, open.Load(), "AfterConnect and BeforeClose do not pair up: positive, connections never passed to BeforeClose; negative, refused ones passed to it")
+}
+
+// runOnceAsync runs r.RunOnce in a goroutine and returns the channel its
+// error arrives on.
+func runOnceAsync(ctx context.Context, r *outbox.Relay) chan error {
+	done := make(chan error, 1)
+	go func() {
+		_, err := r.RunOnce(ctx)
+		done <- err
+	}()
+	return done
 }
