@@ -419,12 +419,7 @@ func TestRelayLease(t *testing.T) {
 		b := setup(t)
 		b.appendCommitted(t, newMessage("s", "k", 1))
 		tracer := &claimClock{}
-		cfg, err := pgxpool.ParseConfig(b.pg.ConnString)
-		require.NoError(t, err)
-		cfg.ConnConfig.Tracer = tracer
-		pool, err := pgxpool.NewWithConfig(ctx, cfg)
-		require.NoError(t, err)
-		t.Cleanup(pool.Close)
+		pool := newPoolTraced(t, b.pg.ConnString, tracer)
 		const lease = time.Minute
 		var deadline time.Time
 		r := b.relay(t, pool, outbox.HandlerFunc(func(ctx context.Context, batch []outbox.Record) ([]outbox.Result, error) {
@@ -1595,6 +1590,19 @@ func newPoolNamed(t *testing.T, connString, appName string) *pgxpool.Pool {
 	require.NoError(t, err)
 	cfg.ConnConfig.RuntimeParams["application_name"] = appName
 	cfg.MaxConns = 8
+	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
+	require.NoError(t, err)
+	t.Cleanup(pool.Close)
+	return pool
+}
+
+// newPoolTraced opens a pool on connString whose connections report to
+// tracer, closed at cleanup.
+func newPoolTraced(t *testing.T, connString string, tracer pgx.QueryTracer) *pgxpool.Pool {
+	t.Helper()
+	cfg, err := pgxpool.ParseConfig(connString)
+	require.NoError(t, err)
+	cfg.ConnConfig.Tracer = tracer
 	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
 	require.NoError(t, err)
 	t.Cleanup(pool.Close)

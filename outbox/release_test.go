@@ -139,17 +139,12 @@ func TestRelayReleaseClaim(t *testing.T) {
 		t.Parallel()
 		b := setup(t)
 		tracer := &claimSaboteur{}
-		cfg, err := pgxpool.ParseConfig(b.pg.ConnString)
-		require.NoError(t, err)
-		cfg.ConnConfig.Tracer = tracer
-		pool, err := pgxpool.NewWithConfig(ctx, cfg)
-		require.NoError(t, err)
-		t.Cleanup(pool.Close)
+		pool := newPoolTraced(t, b.pg.ConnString, tracer)
 		r := b.relay(t, pool, &recorder{}, outbox.RelayConfig{})
 		b.appendCommitted(t, newMessage("s", "k", 1))
 
 		tracer.armed.Store(true)
-		_, err = r.RunOnce(ctx)
+		_, err := r.RunOnce(ctx)
 		require.ErrorIs(t, err, context.Canceled)
 		require.True(t, pgconn.SafeToRetry(err), "the claim's statements never left")
 		require.False(t, tracer.armed.Load(), "the claim was cut off")
