@@ -237,7 +237,7 @@ func drainLibrary(ctx context.Context, e *env, schema, tag string, n, users, rel
 	if err != nil {
 		return 0, err
 	}
-	e.log("drain: library %s: %s; %s", tag, &times, cpu0.perRow(cpu1, n))
+	e.log("drain: library %s: %s; %s", tag, &times, cpu0.per("row", cpu1, int64(n)))
 	if handled != int64(n) {
 		return 0, fmt.Errorf("library drain incomplete: %d handled of %d", handled, n)
 	}
@@ -311,7 +311,7 @@ func drainSeed(ctx context.Context, e *env, workPool *pgxpool.Pool, schema, tag 
 	if err != nil {
 		return 0, err
 	}
-	e.log("drain: seed %s: %s", tag, cpu0.perRow(cpu1, n))
+	e.log("drain: seed %s: %s", tag, cpu0.per("row", cpu1, int64(n)))
 	// The same check as the library's.
 	left, err := seed.pending(ctx)
 	if err != nil {

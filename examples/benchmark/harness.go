@@ -394,12 +394,13 @@ func (s cpuSample) hostShare(n int) string {
 	return fmt.Sprintf("PostgreSQL %s per pass, CPUs %.0f%% busy", (s.host.postgres / time.Duration(max(n, 1))).Round(time.Millisecond), busy)
 }
 
-// perRow describes the CPU spent between s and later per row, in µs, and,
-// where /proc tells, PostgreSQL's and how busy the host's CPUs were: a
-// drain is bound by the three sides' CPU per row together.
-func (s cpuSample) perRow(later cpuSample, rows int) string {
-	d, n := later.since(s), float64(max(rows, 1))
-	out := fmt.Sprintf("CPU per row: this process %.2f µs, Redis %.2f µs", us(d.client)/n, us(d.redis)/n)
+// per describes the CPU spent between s and later per unit (n of them:
+// rows, commands), in µs, and, where /proc tells, PostgreSQL's and how
+// busy the host's CPUs were: a drain or an ingest is bound by the sides'
+// CPU per unit together.
+func (s cpuSample) per(unit string, later cpuSample, units int64) string {
+	d, n := later.since(s), float64(max(units, 1))
+	out := fmt.Sprintf("CPU per %s: this process %.2f µs, Redis %.2f µs", unit, us(d.client)/n, us(d.redis)/n)
 	if busy, ok := d.host.busyPercent(); ok {
 		out += fmt.Sprintf(", PostgreSQL %.2f µs (postgres processes on this host); CPUs %.0f%% busy", us(d.host.postgres)/n, busy)
 	}

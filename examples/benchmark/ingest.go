@@ -179,8 +179,8 @@ type ingestPhase struct {
 	run func() (cmds int64, elapsed time.Duration, queued int64, err error)
 }
 
-// runChecked runs the phase after a checkpoint and adds it to its rate
-// once the side's new score_events rows (one per command) and outbox rows
+// runChecked runs the phase after a checkpoint, logs its CPU per command,
+// and adds it to its rate once the side's new score_events rows (one per command) and outbox rows
 // match what the phase counted. The counts are taken outside the timed
 // window, before the checkpoint.
 func (p ingestPhase) runChecked(ctx context.Context, e *env) error {
@@ -189,10 +189,19 @@ func (p ingestPhase) runChecked(ctx context.Context, e *env) error {
 		return fmt.Errorf("%s: counting stored rows: %w", p.what, err)
 	}
 	e.checkpoint(ctx)
+	cpu0, err := e.sampleCPU(ctx)
+	if err != nil {
+		return err
+	}
 	cmds, elapsed, queued, err := p.run()
 	if err != nil {
 		return fmt.Errorf("%s: %w", p.what, err)
 	}
+	cpu1, err := e.sampleCPU(ctx)
+	if err != nil {
+		return err
+	}
+	e.log("ingest: %s: %.0f commands/s; %s", p.what, float64(cmds)/elapsed.Seconds(), cpu0.per("command", cpu1, cmds))
 	after, err := p.stored(ctx)
 	if err != nil {
 		return fmt.Errorf("%s: counting stored rows: %w", p.what, err)
