@@ -130,8 +130,11 @@ func TestListenerFindsNotificationsLost(t *testing.T) {
 	b := setup(t)
 	pool, path := poolThrough(t, b, true)
 	var logs testenv.LogSink
+	// ListenCheckInterval also bounds opening the connection and LISTEN:
+	// one second, so that a busy machine does not fail them first (the
+	// probe is waited for 5 s whatever the interval).
 	l, err := outbox.NewListener(pool, &outbox.ListenerConfig{Schema: b.cfg.Schema, Table: b.cfg.Table,
-		ListenCheckInterval: 100 * time.Millisecond, ReconnectBackoffMax: time.Second, Logger: logs.Logger()})
+		ListenCheckInterval: time.Second, ReconnectBackoffMax: time.Second, Logger: logs.Logger()})
 	require.NoError(t, err)
 	startRun(t, b.relay(t, nil, &recorder{}, outbox.RelayConfig{PollInterval: time.Hour, Listener: l}))
 	require.Eventually(t, func() bool {

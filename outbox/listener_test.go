@@ -82,17 +82,20 @@ func TestListener(t *testing.T) {
 	t.Run("IdleChecksKeepAHealthyConnection", func(t *testing.T) {
 		t.Parallel()
 		b := setup(t)
-		l, err := outbox.NewListener(b.pool, &outbox.ListenerConfig{Schema: b.cfg.Schema, Table: b.cfg.Table, ListenCheckInterval: 100 * time.Millisecond})
+		// A ping must answer within the interval: 250 ms, so that a busy
+		// machine does not fail a healthy connection's ping.
+		const interval = 250 * time.Millisecond
+		l, err := outbox.NewListener(b.pool, &outbox.ListenerConfig{Schema: b.cfg.Schema, Table: b.cfg.Table, ListenCheckInterval: interval})
 		require.NoError(t, err)
 		h := &recorder{}
 		startRun(t, b.relay(t, nil, h, outbox.RelayConfig{PollInterval: time.Hour, Listener: l}))
 		pid := waitListening(t, b)
-		time.Sleep(600 * time.Millisecond) // several idle checks
+		time.Sleep(4 * interval) // several idle checks
 		for i := range 40 {
 			b.appendNow(t, newMessage("s", "k", int64(i+1)))
 			require.Eventually(t, func() bool { return len(h.seen()) == i+1 }, 5*time.Second, time.Millisecond,
 				"row %d waits for the PollInterval (an hour): a notification was lost across an idle check", i+1)
-			time.Sleep(time.Duration(i%7) * 20 * time.Millisecond) // some sent during a check
+			time.Sleep(time.Duration(i%7) * interval / 5) // up to 1.2 intervals: some sent during a check
 		}
 		require.Equal(t, pid, listenerPid(b), "an idle check replaced a healthy connection")
 	})
