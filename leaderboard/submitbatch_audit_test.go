@@ -1,0 +1,97 @@
+package leaderboard
+
+import (
+	"context"
+	"testing"
+
+	"github.com/google/uuid"
+	"github.com/stretchr/testify/require"
+)
+
+// TestSubmitBatchLocatesTheOverflow: SubmitBatch's *ScoreOutOfRangeError
+// names the first command whose resulting score leaves the range, replaying
+// the batch over this board's current scores: commands applied before
+// (duplicates) change nothing, every new command's score counts for the
+// next, both bounds apply, and another board's scores play no part.
+func TestSubmitBatchLocatesTheOverflow(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	wide := func(c *Config) { c.MinDelta, c.MaxDelta = MinScore, MaxScore }
+
+	for _, tc := range []struct {
+		name  string
+		prior func(t *testing.T, tb *testBundle) Command // recorded before the batch
+		batch func(prior Command) []Command
+		index int
+	}{
+		{"DuplicatesChangeNothing",
+			func(t *testing.T, tb *testBundle) Command { return submitted(t, tb.board, "u", MaxScore-1) },
+			func(prior Command) []Command {
+				return []Command{prior, {EventID: uuid.New(), UserID: "u", Delta: 1}, {EventID: uuid.New(), UserID: "u", Delta: 1}}
+			}, 2},
+		{"IntermediateScoresCount",
+			func(t *testing.T, tb *testBundle) Command { return submitted(t, tb.board, "u", MaxScore-2) },
+			func(Command) []Command {
+				return []Command{{EventID: uuid.New(), UserID: "u", Delta: 1}, {EventID: uuid.New(), UserID: "u", Delta: 1}, {EventID: uuid.New(), UserID: "u", Delta: 1}}
+			}, 2},
+		{"BelowMinScore",
+			func(t *testing.T, tb *testBundle) Command { return submitted(t, tb.board, "u", MinScore+1) },
+			func(Command) []Command {
+				return []Command{{EventID: uuid.New(), UserID: "w", Delta: 1}, {EventID: uuid.New(), UserID: "u", Delta: -1}, {EventID: uuid.New(), UserID: "u", Delta: -1}}
+			}, 2},
+		{"ScoresOfThisBoardOnly",
+			func(t *testing.T, tb *testBundle) Command {
+				return submitted(t, tb.sibling(t, "other", wide), "u", MaxScore)
+			},
+			func(Command) []Command {
+				return []Command{{EventID: uuid.New(), UserID: "u", Delta: 5}, {EventID: uuid.New(), UserID: "x", Delta: MaxScore}, {EventID: uuid.New(), UserID: "x", Delta: 1}}
+			}, 2},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			tb := setup(t, wide)
+			batch := tc.batch(tc.prior(t, tb))
+			before, _, _ := tb.counts(t)
+			_, err := tb.board.SubmitBatch(ctx, batch)
+			var rangeErr *ScoreOutOfRangeError
+			require.ErrorAs(t, err, &rangeErr)
+			want := batch[tc.index]
+			require.Equal(t, ScoreOutOfRangeError{Index: tc.index, UserID: want.UserID, Delta: want.Delta}, *rangeErr)
+			after, _, _ := tb.counts(t)
+			require.Equal(t, before, after, "the refused batch wrote nothing")
+		})
+	}
+}
+
+// submitted submits delta for user on b and returns the command.
+func submitted(t *testing.T, b *Board, user string, delta int64) Command {
+	t.Helper()
+	cmd := Command{EventID: uuid.New(), UserID: user, Delta: delta}
+	_, err := b.Submit(context.Background(), cmd)
+	require.NoError(t, err)
+	return cmd
+}
+
+// TestSubmitBatchConflictRefusesTheFirstDifferingCopy: with nothing
+// recorded under a reused event id, the conflict describes the batch's
+// first command with the id and refuses the first later one that differs
+// from it, not a copy equal to it nor a later differing one.
+func TestSubmitBatchConflictRefusesTheFirstDifferingCopy(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	tb := setup(t)
+	id := uuid.New()
+	batch := []Command{
+		{EventID: id, UserID: "a", Delta: 1},
+		{EventID: id, UserID: "a", Delta: 1},
+		{EventID: id, UserID: "b", Delta: 1},
+		{EventID: id, UserID: "c", Delta: 2},
+	}
+	_, err := tb.board.SubmitBatch(ctx, batch)
+	var conflict *IdempotencyConflictError
+	require.ErrorAs(t, err, &conflict)
+	require.Equal(t, &IdempotencyConflictError{EventID: id, Board: tb.board.Name(), UserID: "a", Delta: 1,
+		Attempted: batch[2], WithinBatch: true}, conflict)
+	events, users, queued := tb.counts(t)
+	require.Equal(t, []int{0, 0, 0}, []int{events, users, queued})
+}
