@@ -21,20 +21,15 @@ func TestSubmitGroupOverflow(t *testing.T) {
 	gb := setupGroups(t, func(c *Config) { c.MinDelta, c.MaxDelta = MinScore, MaxScore })
 	_, err := gb.board.Submit(ctx, Command{EventID: uuid.New(), UserID: "user-high", Delta: MaxScore - 1})
 	require.NoError(t, err)
-	gb.hold(t)
-	firstOut := gb.submitQueued(t, ctx, Command{EventID: uuid.New(), UserID: "user-z", Delta: 1}, 0)
 	ok := Command{EventID: uuid.New(), UserID: "user-a", Delta: 1}
 	overflow := Command{EventID: uuid.New(), UserID: "user-high", Delta: 5}
-	okOut := gb.submitQueued(t, ctx, ok, 1)
-	overflowOut := gb.submitQueued(t, ctx, overflow, 2)
-	gb.release()
-	require.NoError(t, wait(t, firstOut).err)
+	outs := gb.groupBehindFirst(t, ctx, ok, overflow)
 
-	o := wait(t, okOut)
+	o := wait(t, outs[0])
 	require.NoError(t, o.err, "the other command of the group is applied")
 	require.Equal(t, Result{Score: 1, Version: 1}, o.res)
 	var tooHigh *ScoreOutOfRangeError
-	require.ErrorAs(t, wait(t, overflowOut).err, &tooHigh)
+	require.ErrorAs(t, wait(t, outs[1]).err, &tooHigh)
 	require.Equal(t, ScoreOutOfRangeError{UserID: "user-high", Delta: 5}, *tooHigh)
 	require.Zero(t, gb.transactions(t, overflow.EventID), "the refused command wrote nothing")
 	events, users, queued := gb.counts(t)
@@ -56,10 +51,7 @@ func TestSubmitGroupCallsEndedOrStalled(t *testing.T) {
 		ended, cancel := context.WithCancel(ctx)
 		cancel()
 		dead := &submitCall{ctx: ended, cmd: Command{EventID: uuid.New(), UserID: "user-a", Delta: 1}, done: make(chan struct{})}
-		g.mu.Lock()
-		g.queue = append(g.queue, dead)
-		g.startFlusherLocked()
-		g.mu.Unlock()
+		g.enqueue(dead)
 		select {
 		case <-dead.done:
 		case <-time.After(10 * time.Second):
@@ -140,10 +132,7 @@ func TestSubmitGroupCallsEndedOrStalled(t *testing.T) {
 			// Queued as a call that found the statement busy: a flusher sends it.
 			g := &tb.board.group
 			call := &submitCall{ctx: ctx, cmd: cmd, done: make(chan struct{})}
-			g.mu.Lock()
-			g.queue = append(g.queue, call)
-			g.startFlusherLocked()
-			g.mu.Unlock()
+			g.enqueue(call)
 			out := make(chan outcome, 1)
 			go func() {
 				<-call.done

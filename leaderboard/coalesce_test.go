@@ -73,6 +73,32 @@ func (gb *groupBundle) release() {
 	gb.held = nil
 }
 
+// groupBehindFirst queues cmds, in order, as one group behind a first call
+// (of user-z) that holds the board's only statement, lets them run, and
+// returns their outcomes once the first call is done.
+func (gb *groupBundle) groupBehindFirst(t *testing.T, ctx context.Context, cmds ...Command) []<-chan outcome {
+	t.Helper()
+	gb.hold(t)
+	firstOut := gb.submitQueued(t, ctx, Command{EventID: uuid.New(), UserID: "user-z", Delta: 1}, 0)
+	outs := make([]<-chan outcome, len(cmds))
+	for i, cmd := range cmds {
+		outs[i] = gb.submitQueued(t, ctx, cmd, i+1)
+	}
+	gb.release()
+	require.NoError(t, wait(t, firstOut).err)
+	return outs
+}
+
+// enqueue queues calls as Submit queues a call that finds every statement
+// busy, and starts a flusher if one may start: a test builds the calls
+// itself to control their contexts.
+func (g *submitGroup) enqueue(calls ...*submitCall) {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	g.queue = append(g.queue, calls...)
+	g.startFlusherLocked()
+}
+
 // outcome is what a Submit call returned.
 type outcome struct {
 	res Result
@@ -247,17 +273,11 @@ func TestSubmitGroups(t *testing.T) {
 	t.Run("TwinsInOneStatement", func(t *testing.T) {
 		t.Parallel()
 		gb := setupGroups(t)
-		gb.hold(t)
-		firstOut := gb.submitQueued(t, ctx, Command{EventID: uuid.New(), UserID: "user-z", Delta: 1}, 0)
 		cmd := Command{EventID: uuid.New(), UserID: "user-a", Delta: 3}
 		other := Command{EventID: uuid.New(), UserID: "user-b", Delta: 1}
-		a := gb.submitQueued(t, ctx, cmd, 1)
-		twin := gb.submitQueued(t, ctx, cmd, 2)
-		b := gb.submitQueued(t, ctx, other, 3)
-		gb.release()
-		require.NoError(t, wait(t, firstOut).err)
+		outs := gb.groupBehindFirst(t, ctx, cmd, cmd, other)
 
-		oa, ot, ob := wait(t, a), wait(t, twin), wait(t, b)
+		oa, ot, ob := wait(t, outs[0]), wait(t, outs[1]), wait(t, outs[2])
 		require.NoError(t, oa.err)
 		require.NoError(t, ot.err)
 		require.NoError(t, ob.err)
@@ -273,20 +293,13 @@ func TestSubmitGroups(t *testing.T) {
 		gb := setupGroups(t, func(c *Config) { c.MinDelta, c.MaxDelta = MinScore, MaxScore })
 		_, err := gb.board.Submit(ctx, Command{EventID: uuid.New(), UserID: "user-high", Delta: MaxScore - 1})
 		require.NoError(t, err)
-		gb.hold(t)
-		firstOut := gb.submitQueued(t, ctx, Command{EventID: uuid.New(), UserID: "user-z", Delta: 1}, 0)
 		id := uuid.New()
 		ok1 := Command{EventID: uuid.New(), UserID: "user-a", Delta: 1}
 		reused := Command{EventID: id, UserID: "user-b", Delta: 1}
 		conflicting := Command{EventID: id, UserID: "user-c", Delta: 1}
 		overflow := Command{EventID: uuid.New(), UserID: "user-high", Delta: 5}
 		ok2 := Command{EventID: uuid.New(), UserID: "user-a", Delta: 1}
-		var outs []<-chan outcome
-		for i, cmd := range []Command{ok1, reused, conflicting, overflow, ok2} {
-			outs = append(outs, gb.submitQueued(t, ctx, cmd, i+1))
-		}
-		gb.release()
-		require.NoError(t, wait(t, firstOut).err)
+		outs := gb.groupBehindFirst(t, ctx, ok1, reused, conflicting, overflow, ok2)
 
 		// Replayed concurrently: the two commands of user-a get versions 1
 		// and 2 in either order, and either user of the reused id wins.
@@ -342,19 +355,14 @@ func TestSubmitGroups(t *testing.T) {
 					reused.UserID = "user-c"
 				}
 
-				gb.hold(t)
-				firstOut := gb.submitQueued(t, ctx, Command{EventID: uuid.New(), UserID: "user-z", Delta: 1}, 0)
 				ok := Command{EventID: uuid.New(), UserID: "user-a", Delta: 1}
-				okOut := gb.submitQueued(t, ctx, ok, 1)
-				reusedOut := gb.submitQueued(t, ctx, reused, 2)
-				gb.release()
-				require.NoError(t, wait(t, firstOut).err)
+				outs := gb.groupBehindFirst(t, ctx, ok, reused)
 
-				o := wait(t, okOut)
+				o := wait(t, outs[0])
 				require.NoError(t, o.err)
 				require.Equal(t, Result{Score: 1, Version: 1}, o.res, "applied once, by its own call")
 				var conflict *IdempotencyConflictError
-				require.ErrorAs(t, wait(t, reusedOut).err, &conflict)
+				require.ErrorAs(t, wait(t, outs[1]).err, &conflict)
 				require.Equal(t, &IdempotencyConflictError{EventID: recorded.EventID, Board: recorder.Name(),
 					UserID: recorded.UserID, Delta: recorded.Delta, Attempted: reused}, conflict)
 				events, users, queued := gb.counts(t)
@@ -373,18 +381,11 @@ func TestSubmitGroups(t *testing.T) {
 		// group would have got its error.
 		gb := setupGroups(t)
 		gb.board.sql.lookupEvent = `SELECT 1/0 WHERE $1::uuid IS NOT NULL`
-		gb.hold(t)
-		firstOut := gb.submitQueued(t, ctx, Command{EventID: uuid.New(), UserID: "user-z", Delta: 1}, 0)
 		id := uuid.New()
 		ok := Command{EventID: uuid.New(), UserID: "user-a", Delta: 1}
 		reused := Command{EventID: id, UserID: "user-b", Delta: 1}
 		conflicting := Command{EventID: id, UserID: "user-c", Delta: 1}
-		var outs []<-chan outcome
-		for i, cmd := range []Command{ok, reused, conflicting} {
-			outs = append(outs, gb.submitQueued(t, ctx, cmd, i+1))
-		}
-		gb.release()
-		require.NoError(t, wait(t, firstOut).err)
+		outs := gb.groupBehindFirst(t, ctx, ok, reused, conflicting)
 
 		o := wait(t, outs[0])
 		require.NoError(t, o.err)
@@ -493,10 +494,7 @@ func TestSubmitGroups(t *testing.T) {
 		cancel()
 		live := &submitCall{ctx: ctx, cmd: Command{EventID: uuid.New(), UserID: "user-a", Delta: 1}, done: make(chan struct{})}
 		dead := &submitCall{ctx: ended, cmd: Command{EventID: uuid.New(), UserID: "user-b", Delta: 1}, done: make(chan struct{})}
-		g.mu.Lock()
-		g.queue = append(g.queue, live, dead)
-		g.startFlusherLocked()
-		g.mu.Unlock()
+		g.enqueue(live, dead)
 		<-live.done
 		<-dead.done
 		require.NoError(t, live.err)
