@@ -180,9 +180,9 @@ type ingestPhase struct {
 }
 
 // runChecked runs the phase after a checkpoint, logs its CPU per command,
-// and adds it to its rate once the side's new score_events rows (one per command) and outbox rows
-// match what the phase counted. The counts are taken outside the timed
-// window, before the checkpoint.
+// and adds it to its rate once the side's new score_events rows (one per
+// command) and outbox rows match what the phase counted. The counts are
+// taken outside the timed window, before the checkpoint.
 func (p ingestPhase) runChecked(ctx context.Context, e *env) error {
 	before, err := p.stored(ctx)
 	if err != nil {
