@@ -215,17 +215,12 @@ func TestVerify(t *testing.T) {
 		_, verified, err := tb.board.Verify(ctx, nil)
 		require.NoError(t, err)
 		require.True(t, verified)
-		opts := *tb.rd.Client.(*redis.Client).Options()
-		client := redis.NewClient(&opts)
-		t.Cleanup(func() { _ = client.Close() })
 		var looks atomic.Int64
-		client.AddHook(testenv.CommandHook(func(name string) {
+		board := boardOnClient(t, tb, nil, testenv.CommandHook(func(name string) {
 			if name == "get" {
 				looks.Add(1)
 			}
 		}))
-		board, err := New(tb.pg.Pool, client, tb.board.cfg)
-		require.NoError(t, err)
 
 		var wg sync.WaitGroup
 		for range 20 {
@@ -281,15 +276,9 @@ func TestVerify(t *testing.T) {
 		require.NoError(t, err)
 		require.True(t, verified)
 
-		opts := *tb.rd.Client.(*redis.Client).Options()
-		client := redis.NewClient(&opts)
-		t.Cleanup(func() { _ = client.Close() })
 		hook := &heldAfterGet{key: tb.board.verifiedKey, answered: make(chan struct{}), release: make(chan struct{})}
 		hook.armed.Store(true)
-		client.AddHook(hook)
-		board, err := New(tb.pg.Pool, client, tb.board.cfg)
-		require.NoError(t, err)
-		t.Cleanup(board.Close)
+		board := boardOnClient(t, tb, nil, hook)
 
 		first := make(chan error, 1)
 		go func() {
@@ -393,24 +382,21 @@ func TestVerify(t *testing.T) {
 		tb := verifying(t)
 		tb.submit(t, "ada", 10)
 		tb.drain(t)
-		opts := *tb.rd.Client.(*redis.Client).Options()
 		// Loaded first, so that the marked EVALSHA runs it (rather than
 		// fail with NOSCRIPT and leave the run to an EVAL).
 		sha, err := verifiedScript.Load(ctx, tb.rd.Client).Result()
 		require.NoError(t, err)
 		fired := new(atomic.Bool)
-		opts.Dialer = func(ctx context.Context, network, addr string) (net.Conn, error) {
-			var d net.Dialer
-			c, err := d.DialContext(ctx, network, addr)
-			if err != nil {
-				return nil, err
+		board := boardOnClient(t, tb, func(opts *redis.Options) {
+			opts.Dialer = func(ctx context.Context, network, addr string) (net.Conn, error) {
+				var d net.Dialer
+				c, err := d.DialContext(ctx, network, addr)
+				if err != nil {
+					return nil, err
+				}
+				return &replyDropConn{Conn: c, marker: []byte(sha), fired: fired}, nil
 			}
-			return &replyDropConn{Conn: c, marker: []byte(sha), fired: fired}, nil
-		}
-		client := redis.NewClient(&opts)
-		t.Cleanup(func() { _ = client.Close() })
-		board, err := New(tb.pg.Pool, client, tb.board.cfg)
-		require.NoError(t, err)
+		})
 
 		_, verified, err := board.Verify(ctx, nil)
 		require.NoError(t, err)
@@ -666,18 +652,14 @@ func TestCallerDeadlineIsNoRedisLoss(t *testing.T) {
 	require.NoError(t, err)
 	require.True(t, verified)
 
-	opts := *tb.rd.Client.(*redis.Client).Options()
-	proxy := startDelayProxy(t, opts.Addr)
-	opts.Addr = proxy.ln.Addr().(*net.TCPAddr).String()
-	opts.ContextTimeoutEnabled = true
-	opts.ReadTimeout = 5 * time.Second
-	opts.MaxRetries = -1
-	client := redis.NewClient(&opts)
-	t.Cleanup(func() { _ = client.Close() })
-	cfg := tb.board.Config()
-	board, err := New(tb.pg.Pool, client, &cfg)
-	require.NoError(t, err)
-	t.Cleanup(board.Close)
+	var proxy *delayProxy
+	board := boardOnClient(t, tb, func(opts *redis.Options) {
+		proxy = startDelayProxy(t, opts.Addr)
+		opts.Addr = proxy.ln.Addr().(*net.TCPAddr).String()
+		opts.ContextTimeoutEnabled = true
+		opts.ReadTimeout = 5 * time.Second
+		opts.MaxRetries = -1
+	})
 
 	spurious := 0
 	const trials = 8
@@ -712,4 +694,25 @@ func TestCallerDeadlineIsNoRedisLoss(t *testing.T) {
 		time.Sleep(250 * time.Millisecond) // the delayed reply drains
 	}
 	require.Zero(t, spurious, "%d of %d healthy reads were refused as unverified because an earlier caller's own deadline cut its look short", spurious, trials)
+}
+
+// boardOnClient returns tb's board, configured alike, on a Redis client of
+// its own: tb's client's options as edit (if not nil) changes them, with
+// hooks added. Both are closed when the test ends.
+func boardOnClient(t *testing.T, tb *testBundle, edit func(*redis.Options), hooks ...redis.Hook) *Board {
+	t.Helper()
+	opts := *tb.rd.Client.(*redis.Client).Options()
+	if edit != nil {
+		edit(&opts)
+	}
+	client := redis.NewClient(&opts)
+	t.Cleanup(func() { _ = client.Close() })
+	for _, hook := range hooks {
+		client.AddHook(hook)
+	}
+	cfg := tb.board.Config()
+	board, err := New(tb.pg.Pool, client, &cfg)
+	require.NoError(t, err)
+	t.Cleanup(board.Close)
+	return board
 }
