@@ -1223,6 +1223,23 @@ func TestOrphanScanFindsAValueWithoutVersion(t *testing.T) {
 	})
 }
 
+// TestOrphanScanFindsAVersionWithoutValue is the converse: an orphan that
+// is a version without a value leaves the value count as the pass
+// accounted for it; the version count differs, so the scan runs and finds
+// it.
+func TestOrphanScanFindsAVersionWithoutValue(t *testing.T) {
+	t.Parallel()
+	forKinds(t, collectionKinds, func(t *testing.T, b *testBundle) {
+		b.projectRows(t, b.insertMany(t, 20))
+		b.setRaw(t, "ghost", nil, ptr("7"))
+		rep, err := b.reconciler(t, &Config{PageSize: 8}).Run(context.Background(), RunOptions{})
+		require.NoError(t, err)
+		require.False(t, rep.OrphanScanSkipped)
+		require.Equal(t, map[Class]int64{ClassCurrent: 20, ClassOrphan: 1}, rep.Counts)
+		require.Equal(t, "ghost", rep.Examples[ClassOrphan][0].Key)
+	})
+}
+
 // TestRunRefusesASourceRepeatingKeys: a Source whose Page ignores the
 // cursor returns its first page forever. Run and Rebuild stop at the
 // repeated page with an error instead of reading it again and again.
