@@ -979,9 +979,18 @@ func TestTornReadIsNotCorrupt(t *testing.T) {
 		torn.Score, torn.Data = float64(old.Score), old.Data
 		require.Equal(t, ClassCorrupt, Classify(b.kind, &row, torn), "the torn read alone looks corrupt")
 
+		// A read that differs from Redis in its version only (here one the
+		// gate would not write, since replaced) is read again too: the
+		// version is part of the state compared.
+		vrow := b.insert(t, "v", 3)
+		b.project(t, "v", 3)
+		tornVersion := b.state(t, r, "v")
+		tornVersion.parseVersion("03")
+		require.Equal(t, ClassCorrupt, Classify(b.kind, &vrow, tornVersion))
+
 		rep := newReport(RunOptions{})
-		require.NoError(t, r.checkRead(ctx, RunOptions{}, []Row{row, bad}, []Projected{torn, b.state(t, r, "bad")}, rep))
-		require.Equal(t, map[Class]int64{ClassCurrent: 1, ClassCorrupt: 1}, rep.Counts)
+		require.NoError(t, r.checkRead(ctx, RunOptions{}, []Row{row, bad, vrow}, []Projected{torn, b.state(t, r, "bad"), tornVersion}, rep))
+		require.Equal(t, map[Class]int64{ClassCurrent: 2, ClassCorrupt: 1}, rep.Counts)
 		require.Equal(t, "bad", rep.Examples[ClassCorrupt][0].Key)
 	})
 }
