@@ -18,10 +18,11 @@ func TestRebuildRefreshesItsMarker(t *testing.T) {
 	t.Parallel()
 	b := setup(t, projection.KindSortedSet)
 	b.insertMany(t, 30)
-	const ttl = 400 * time.Millisecond
-	// Six pages (five of rows, one empty) of 150ms each: about twice the
-	// TTL in all, each page well within it.
-	src := &hookedSource{Source: b.source, onPage: func(context.Context, int) { time.Sleep(150 * time.Millisecond) }}
+	const ttl = time.Second
+	// Six pages (five of rows, one empty) of 300ms each: about twice the
+	// TTL in all, each page well within it (with room for a loaded
+	// machine: the marker lapses only if a page and its copy take a TTL).
+	src := &hookedSource{Source: b.source, onPage: func(context.Context, int) { time.Sleep(300 * time.Millisecond) }}
 	r, err := New(src, b.target, &Config{PageSize: 6, RebuildMarkerTTL: ttl})
 	require.NoError(t, err)
 	start := time.Now()
