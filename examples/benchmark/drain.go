@@ -222,7 +222,7 @@ func drainLibrary(ctx context.Context, e *env, schema, tag string, n, users, rel
 	}
 	kp := e.keyPrefix("drain-lib-" + tag)
 	var times batchTimes
-	e.quiesce(ctx) // the fill's WAL flushed and its garbage collected, for both sides alike
+	e.checkpoint(ctx) // the fill's WAL flushed, for both sides alike
 	cpu0, err := e.sampleCPU(ctx)
 	if err != nil {
 		return 0, err
@@ -286,7 +286,7 @@ func drainSeed(ctx context.Context, e *env, workPool *pgxpool.Pool, schema, tag 
 		return 0, err
 	}
 	seed.workerPool = workPool
-	e.quiesce(ctx) // the fill's WAL flushed and its garbage collected, for both sides alike
+	e.checkpoint(ctx) // the fill's WAL flushed, for both sides alike
 	cpu0, err := e.sampleCPU(ctx)
 	if err != nil {
 		return 0, err

@@ -7,7 +7,6 @@ import (
 	"io"
 	"log/slog"
 	"math"
-	"runtime"
 	"slices"
 	"strconv"
 	"strings"
@@ -254,24 +253,16 @@ func (e *env) cleanup(ctx context.Context) error {
 	if err := deletePrefix(ctx, e.rdb, e.prefix); err != nil {
 		errs = append(errs, fmt.Errorf("deleting keys under %s: %w", e.prefix, err))
 	}
-	e.quiesce(ctx)
+	e.checkpoint(ctx)
 	return errors.Join(errs...)
 }
 
-// quiesce is run before each measured phase: it flushes what was written
-// so far, so that the next measurement — the next group, or the other
-// side of the same figure — does not run under the checkpoint that WAL
-// triggers, and collects this process's garbage, so that the next one
-// does not sweep what the last one left (as testing.B does before each
-// benchmark). CHECKPOINT needs superuser (or pg_checkpoint on PostgreSQL
-// 15+); without it, runs are noisier.
-//
-// The collection matters most to the lag figure's tail: after the ingest
-// group, four `-only ingest,lag` runs without it gave a lag p99 of
-// 6.40–7.36 ms, against 4.26–5.68 with it and 4.5 for lag alone
-// (2026-12-05).
-func (e *env) quiesce(ctx context.Context) {
-	defer runtime.GC()
+// checkpoint flushes what was written so far, so that the next
+// measurement — the next group, or the other side of the same figure — does
+// not run under the checkpoint that WAL triggers. CHECKPOINT needs
+// superuser (or pg_checkpoint on PostgreSQL 15+); without it, runs are
+// noisier.
+func (e *env) checkpoint(ctx context.Context) {
 	if e.checkpointRefused {
 		return
 	}

@@ -130,8 +130,8 @@ func runIngest(ctx context.Context, e *env) ([]Figure, error) {
 		return n, d, queued, err
 	}}
 	// Every other round the seed goes first, and every phase starts after
-	// a checkpoint and a garbage collection (quiesce), so that neither side
-	// always runs in the other's WAL, dead tuples and garbage.
+	// a checkpoint, so that neither side always runs in the other's WAL and
+	// dead tuples.
 	for r := range ingestRounds {
 		phases := []ingestPhase{submitLib, submitSeed, submitUngrouped, submitBatch}
 		if r%2 == 1 {
@@ -179,16 +179,16 @@ type ingestPhase struct {
 	run func() (cmds int64, elapsed time.Duration, queued int64, err error)
 }
 
-// runChecked runs the phase after quiesce, logs its CPU per command,
+// runChecked runs the phase after a checkpoint, logs its CPU per command,
 // and adds it to its rate once the side's new score_events rows (one per
 // command) and outbox rows match what the phase counted. The counts are
-// taken outside the timed window, before quiesce.
+// taken outside the timed window, before the checkpoint.
 func (p ingestPhase) runChecked(ctx context.Context, e *env) error {
 	before, err := p.stored(ctx)
 	if err != nil {
 		return fmt.Errorf("%s: counting stored rows: %w", p.what, err)
 	}
-	e.quiesce(ctx)
+	e.checkpoint(ctx)
 	cpu0, err := e.sampleCPU(ctx)
 	if err != nil {
 		return err

@@ -64,7 +64,7 @@ func runLag(ctx context.Context, e *env) ([]Figure, error) {
 		return nil, fmt.Errorf("library: %w", err)
 	}
 	e.log("lag: library p50 %.2fms p99 %.2fms (%d commands at %.0f/s)", ms(percentile(lib, .5)), ms(percentile(lib, .99)), len(lib), libRate)
-	e.quiesce(ctx) // the seed starts as clean as the library did
+	e.checkpoint(ctx) // the seed starts as clean as the library did
 	seed, seedRate, err := lagSeed(ctx, e, schema, d)
 	if err != nil {
 		return nil, fmt.Errorf("seed: %w", err)
