@@ -14,28 +14,28 @@ import (
 type Class uint8
 
 const (
-	// ClassCurrent: the projection holds the source's version and value.
+	// ClassCurrent means the projection holds the source's version and value.
 	ClassCurrent Class = iota + 1
-	// ClassMissing: the projection holds neither value nor version for a
+	// ClassMissing means the projection holds neither value nor version for a
 	// source row (a lost key, an expired cache, a write never projected).
 	ClassMissing
-	// ClassStale: the projected version is lower than the source's (the
+	// ClassStale means the projected version is lower than the source's (the
 	// outbox is lagging, or an update was lost).
 	ClassStale
-	// ClassAhead: the projected version is higher than the source's. Redis
-	// should never know more than the source of truth; this means a lagging
+	// ClassAhead means the projected version is higher than the source's.
+	// Redis should never know more than the source of truth, so a lagging
 	// replica was read, the wrong database was queried, or the projection
 	// holds invented state. Alert, investigate, and repair only on purpose.
 	ClassAhead
-	// ClassCorrupt: the source's version with a different value, or with
-	// no value at all; or a value without a version; or a version that is
-	// not a canonical positive decimal. A version without a value that is
-	// lower or higher than the source's is ClassStale or ClassAhead
-	// instead: versions are compared before values. Hand edits and buggy
-	// writers end up here.
+	// ClassCorrupt means the projection holds the source's version with a
+	// different value, or with no value at all; or a value without a version;
+	// or a version that is not a canonical positive decimal. A version without
+	// a value that is lower or higher than the source's is ClassStale or
+	// ClassAhead instead: versions are compared before values. Hand edits and
+	// buggy writers end up here.
 	ClassCorrupt
-	// ClassOrphan: the projection holds an entity the source does not have
-	// (deleted in the source, or never there).
+	// ClassOrphan means the projection holds an entity the source does not
+	// have (deleted in the source, or never there).
 	ClassOrphan
 )
 

@@ -12,38 +12,37 @@ import (
 type Result uint8
 
 const (
-	// ResultNone: nothing to do (the entity is current).
+	// ResultNone means there was nothing to do (the entity is current).
 	ResultNone Result = iota
-	// ResultRepaired: the repair was written.
+	// ResultRepaired means the repair was written.
 	ResultRepaired
-	// ResultReported: the policy for the class is to report only (the
+	// ResultReported means the policy for the class is to report only (the
 	// default for ahead and orphan).
 	ResultReported
-	// ResultDryRun: the repair would have been written, but the run was a
+	// ResultDryRun means the repair would have been written, but the run was a
 	// dry run.
 	ResultDryRun
-	// ResultVetoed: Config.BeforeRepair returned false.
+	// ResultVetoed means Config.BeforeRepair returned false.
 	ResultVetoed
-	// ResultRaced: the projection changed between the read and the repair
+	// ResultRaced means the projection changed between the read and the repair
 	// (typically a newer gate write), so the compare-and-set declined to
-	// overwrite it. The newer state is kept; the next run checks it again.
-	// A repair the Redis client resent after Redis ran it (its reply lost
-	// to a dropped connection) is reported so too: the resend finds the
-	// repaired state and declines.
+	// overwrite it. The newer state is kept; the next run checks it again. A
+	// repair the Redis client resent after Redis ran it (its reply lost to a
+	// dropped connection) is reported so too: the resend finds the repaired
+	// state and declines.
 	ResultRaced
-	// ResultNotAttempted: nothing was written for this finding. The run
-	// stopped (context cancelled or an error) before its repair was sent;
-	// or Redis refused the repair whole, with nothing written (an OOM
-	// error from a Redis at maxmemory with the noeviction policy: Run
-	// returns it); or the repair was refused because a key it needs holds
-	// another Redis type (a hash where a document's value belongs): the run
-	// went on, and Run returns a *WrongKeyTypeError naming the key. Delete
-	// such a key by hand, or Rebuild a collection (documents cannot be
-	// rebuilt).
+	// ResultNotAttempted means nothing was written for this finding. The run
+	// stopped (context cancelled or an error) before its repair was sent; or
+	// Redis refused the repair whole, with nothing written (an OOM error from
+	// a Redis at maxmemory with the noeviction policy: Run returns it); or the
+	// repair was refused because a key it needs holds another Redis type (a
+	// hash where a document's value belongs): the run went on, and Run returns
+	// a *WrongKeyTypeError naming the key. Delete such a key by hand, or
+	// Rebuild a collection (documents cannot be rebuilt).
 	ResultNotAttempted
-	// ResultUncertain: the repair was sent but its reply was lost (a
-	// network error); it may or may not have been applied. Every such
-	// finding is counted in Report.Uncertain, never silently dropped.
+	// ResultUncertain means the repair was sent but its reply was lost (a
+	// network error); it may or may not have been applied. Every such finding
+	// is counted in Report.Uncertain, never silently dropped.
 	ResultUncertain
 )
 

@@ -24,11 +24,12 @@ const (
 // Origin says where a resolved server came from.
 type Origin string
 
+// The origins, in the order Resolve tries them.
 const (
-	OriginEnv     Origin = "env"
-	OriginLocal   Origin = "local"
-	OriginPrivate Origin = "private"
-	OriginDocker  Origin = "docker"
+	OriginEnv     Origin = "env"     // the URL in the environment variable
+	OriginLocal   Origin = "local"   // a server already answering at the local URL
+	OriginPrivate Origin = "private" // a server started from local binaries
+	OriginDocker  Origin = "docker"  // a server started in a container
 )
 
 var (
