@@ -33,9 +33,9 @@ func (r *Relay) SetReleaseTimeouts(total, cancel, lock time.Duration) {
 	r.releaseTimeouts = releaseTimeouts{total: total, cancel: cancel, lock: lock}
 }
 
-// Pauses returns the first n pauses of a reconnect pauser capped at max.
-func Pauses(max time.Duration, n int) []time.Duration {
-	p := newPauser(max)
+// Pauses returns the first n pauses of a reconnect pauser capped at ceiling.
+func Pauses(ceiling time.Duration, n int) []time.Duration {
+	p := newPauser(ceiling)
 	out := make([]time.Duration, n)
 	for i := range out {
 		out[i] = p.next()

@@ -1309,20 +1309,21 @@ func (r *Relay) Run(ctx context.Context) error {
 // take wait in partitions other relays hold.
 const heldPauseMax = 2 * time.Second
 
-// pauser produces exponentially growing pauses: 100ms, 200ms, … up to max.
+// pauser produces exponentially growing pauses: 100ms, 200ms, … up to
+// ceiling.
 type pauser struct {
-	max, cur time.Duration
+	ceiling, cur time.Duration
 }
 
 const pauseMin = 100 * time.Millisecond
 
-func newPauser(max time.Duration) *pauser { return &pauser{max: max} }
+func newPauser(ceiling time.Duration) *pauser { return &pauser{ceiling: ceiling} }
 
 func (p *pauser) next() time.Duration {
 	if p.cur == 0 {
-		p.cur = min(pauseMin, p.max)
+		p.cur = min(pauseMin, p.ceiling)
 	} else {
-		p.cur = doubled(p.cur, p.max)
+		p.cur = doubled(p.cur, p.ceiling)
 	}
 	return p.cur
 }

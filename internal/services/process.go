@@ -300,8 +300,8 @@ func findPostgresBin() (string, error) {
 			// The directory the link points into holds the other
 			// binaries too (pg_basebackup), where PATH may hold links to
 			// a few.
-			if real, err := filepath.EvalSymlinks(p); err == nil {
-				p = real
+			if target, err := filepath.EvalSymlinks(p); err == nil {
+				p = target
 			}
 			return filepath.Dir(p), nil
 		}
