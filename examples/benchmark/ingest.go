@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"math/rand/v2"
+	"strings"
 	"sync/atomic"
 	"time"
 
@@ -28,6 +29,7 @@ const (
 // concurrent clients over 10,000 users; Submit with grouping turned off
 // (MaxSubmitsPerStatement 1), to show what grouping adds; and SubmitBatch
 // with one client sending batches of 1,000, against the same seed figure.
+// Each library side writes tables of its own (ingestBoard says why).
 // A command counts only if it was stored: any result marked duplicate fails
 // the group, and after each phase, outside its timed window, the side's new
 // score_events rows must equal its commands and its new outbox rows what
@@ -38,22 +40,21 @@ func runIngest(ctx context.Context, e *env) ([]Figure, error) {
 	if err != nil {
 		return nil, err
 	}
-	cfg := &leaderboard.Config{Name: "bench", Schema: schema, KeyPrefix: e.keyPrefix("ingest-lib"), Logger: quiet}
-	if err := leaderboard.Migrate(ctx, e.pool, cfg); err != nil {
-		return nil, err
-	}
-	board, err := leaderboard.New(e.pool, e.rdb, cfg)
+	board, err := ingestBoard(ctx, e, schema, "ingest-lib", 0)
 	if err != nil {
 		return nil, err
 	}
 	defer board.Close()
-	ungroupedCfg := *cfg
-	ungroupedCfg.Name, ungroupedCfg.MaxSubmitsPerStatement = "bench-ungrouped", 1
-	ungrouped, err := leaderboard.New(e.pool, e.rdb, &ungroupedCfg)
+	ungrouped, err := ingestBoard(ctx, e, "", "ingest-ungrouped", 1)
 	if err != nil {
 		return nil, err
 	}
 	defer ungrouped.Close()
+	batchBoard, err := ingestBoard(ctx, e, "", "ingest-batch", 0)
+	if err != nil {
+		return nil, err
+	}
+	defer batchBoard.Close()
 	seed, err := newSeedDesign(ctx, e.pool, e.rdb, schema, "seed_", e.keyPrefix("ingest-seed"))
 	if err != nil {
 		return nil, err
@@ -66,7 +67,7 @@ func runIngest(ctx context.Context, e *env) ([]Figure, error) {
 	// Every command gets a fresh event id, so a result marked duplicate
 	// means a command that changed nothing: the phase fails.
 	submitOn := func(b *leaderboard.Board, into *rate, what string) ingestPhase {
-		return ingestPhase{what: what, into: into, stored: libStored(e, schema, b), run: func() (int64, time.Duration, int64, error) {
+		return ingestPhase{what: what, into: into, stored: libStored(e, b), run: func() (int64, time.Duration, int64, error) {
 			n, d, err := closedLoop(ctx, ingestClients, round, func(ctx context.Context) (int, error) {
 				id := uuid.New()
 				res, err := b.Submit(ctx, leaderboard.Command{EventID: id, UserID: user(), Delta: 1})
@@ -100,7 +101,7 @@ func runIngest(ctx context.Context, e *env) ([]Figure, error) {
 	// there.
 	drawn := make([]int, ingestUsers)
 	batches := 0
-	submitBatch := ingestPhase{what: "SubmitBatch", into: &batched, stored: libStored(e, schema, board), run: func() (int64, time.Duration, int64, error) {
+	submitBatch := ingestPhase{what: "SubmitBatch", into: &batched, stored: libStored(e, batchBoard), run: func() (int64, time.Duration, int64, error) {
 		var queued int64
 		n, d, err := closedLoop(ctx, 1, round, func(ctx context.Context) (int, error) {
 			batches++
@@ -112,7 +113,7 @@ func runIngest(ctx context.Context, e *env) ([]Figure, error) {
 				}
 				cmds[i] = leaderboard.Command{EventID: uuid.New(), UserID: userName(k), Delta: 1}
 			}
-			res, err := board.SubmitBatch(ctx, cmds)
+			res, err := batchBoard.SubmitBatch(ctx, cmds)
 			if err != nil {
 				return 0, err
 			}
@@ -213,11 +214,33 @@ func (p ingestPhase) runChecked(ctx context.Context, e *env) error {
 	return p.into.add(cmds, elapsed, nil)
 }
 
+// ingestBoard returns a board of its own tables for one library side of
+// the ingest, migrated into schema, or into a new schema named after
+// prefix when schema is "". Each side writes only its own tables, as the
+// seed does: sharing them, a side would pay for the others' rows (the
+// SubmitBatch phases add over 100,000 events a round), in bigger indexes
+// and in the full-page images its first writes after each phase's
+// checkpoint put in the WAL.
+func ingestBoard(ctx context.Context, e *env, schema, prefix string, maxPerStatement int) (*leaderboard.Board, error) {
+	if schema == "" {
+		var err error
+		if schema, err = e.schema(ctx, strings.ReplaceAll(prefix, "-", "_")); err != nil {
+			return nil, err
+		}
+	}
+	cfg := &leaderboard.Config{Name: "bench", Schema: schema, KeyPrefix: e.keyPrefix(prefix), MaxSubmitsPerStatement: maxPerStatement, Logger: quiet}
+	if err := leaderboard.Migrate(ctx, e.pool, cfg); err != nil {
+		return nil, err
+	}
+	return leaderboard.New(e.pool, e.rdb, cfg)
+}
+
 // libStored counts board's score_events rows and the outbox rows of its
-// stream (the boards of the ingest share both tables).
-func libStored(e *env, schema string, board *leaderboard.Board) func(context.Context) (stored, error) {
-	query := `SELECT (SELECT count(*) FROM ` + qualify(schema, leaderboard.ScoreEventsTable) + ` WHERE board = $1),
-	(SELECT count(*) FROM ` + qualify(schema, board.Config().OutboxTable) + ` WHERE stream = $2)`
+// stream.
+func libStored(e *env, board *leaderboard.Board) func(context.Context) (stored, error) {
+	cfg := board.Config()
+	query := `SELECT (SELECT count(*) FROM ` + qualify(cfg.Schema, leaderboard.ScoreEventsTable) + ` WHERE board = $1),
+	(SELECT count(*) FROM ` + qualify(cfg.Schema, cfg.OutboxTable) + ` WHERE stream = $2)`
 	return func(ctx context.Context) (stored, error) {
 		var s stored
 		err := e.pool.QueryRow(ctx, query, board.Name(), board.Stream()).Scan(&s.events, &s.queued)
