@@ -36,26 +36,26 @@ const (
 // those commands queue (one per command; for SubmitBatch one per user of a
 // batch).
 func runIngest(ctx context.Context, e *env) ([]Figure, error) {
-	schema, err := e.schema(ctx, "ingest")
+	seedSchema, err := e.schema(ctx, "ingest")
 	if err != nil {
 		return nil, err
 	}
-	board, err := ingestBoard(ctx, e, schema, "ingest-lib", 0)
+	board, err := ingestBoard(ctx, e, "ingest-lib", 0)
 	if err != nil {
 		return nil, err
 	}
 	defer board.Close()
-	ungrouped, err := ingestBoard(ctx, e, "", "ingest-ungrouped", 1)
+	ungrouped, err := ingestBoard(ctx, e, "ingest-ungrouped", 1)
 	if err != nil {
 		return nil, err
 	}
 	defer ungrouped.Close()
-	batchBoard, err := ingestBoard(ctx, e, "", "ingest-batch", 0)
+	batchBoard, err := ingestBoard(ctx, e, "ingest-batch", 0)
 	if err != nil {
 		return nil, err
 	}
 	defer batchBoard.Close()
-	seed, err := newSeedDesign(ctx, e.pool, e.rdb, schema, "seed_", e.keyPrefix("ingest-seed"))
+	seed, err := newSeedDesign(ctx, e.pool, e.rdb, seedSchema, "seed_", e.keyPrefix("ingest-seed"))
 	if err != nil {
 		return nil, err
 	}
@@ -214,19 +214,17 @@ func (p ingestPhase) runChecked(ctx context.Context, e *env) error {
 	return p.into.add(cmds, elapsed, nil)
 }
 
-// ingestBoard returns a board of its own tables for one library side of
-// the ingest, migrated into schema, or into a new schema named after
-// prefix when schema is "". Each side writes only its own tables, as the
-// seed does. Sharing them, a side's phases ran on indexes holding the
-// other sides' rows too (the SubmitBatch phases add over 100,000 events a
-// round): in three alternating pairs of -only ingest runs (2026-12-05)
-// SubmitBatch ran 20,296–22,569 commands/s so, 24,334–27,570 alone.
-func ingestBoard(ctx context.Context, e *env, schema, prefix string, maxPerStatement int) (*leaderboard.Board, error) {
-	if schema == "" {
-		var err error
-		if schema, err = e.schema(ctx, strings.ReplaceAll(prefix, "-", "_")); err != nil {
-			return nil, err
-		}
+// ingestBoard returns a board of its own tables for one library side of the
+// ingest, in a schema of its own named after prefix. Each side writes only
+// its own tables, as the seed does. Sharing them, a side's phases ran on
+// indexes holding the other sides' rows too (the SubmitBatch phases add
+// over 100,000 events a round): in three alternating pairs of -only ingest
+// runs (2026-12-05) SubmitBatch ran 20,296–22,569 commands/s so,
+// 24,334–27,570 alone.
+func ingestBoard(ctx context.Context, e *env, prefix string, maxPerStatement int) (*leaderboard.Board, error) {
+	schema, err := e.schema(ctx, strings.ReplaceAll(prefix, "-", "_"))
+	if err != nil {
+		return nil, err
 	}
 	cfg := &leaderboard.Config{Name: "bench", Schema: schema, KeyPrefix: e.keyPrefix(prefix), MaxSubmitsPerStatement: maxPerStatement, Logger: quiet}
 	if err := leaderboard.Migrate(ctx, e.pool, cfg); err != nil {
