@@ -498,10 +498,6 @@ func (b *testBundle) appendPartitions(t *testing.T, n int) {
 	b.appendCommitted(t, msgs...)
 }
 
-// claimOrder makes claims take the partitions parts in that order: the
-// touched_at of the lease of parts[rank] is 2000-01-01 plus rank hours.
-// They are written in reverse, so that the lease rows' physical order (an
-// UPDATE moves a row to the end) is the opposite of the claim order.
 // lockPartitionsBelow locks the lease rows of partitions 0 to n-1, as
 // claims under way do, in a transaction it returns (rolled back at the
 // test's end at the latest).
@@ -516,6 +512,10 @@ func (b *testBundle) lockPartitionsBelow(t *testing.T, n int) pgx.Tx {
 	return tx
 }
 
+// claimOrder makes claims take the partitions parts in that order: the
+// touched_at of the lease of parts[rank] is 2000-01-01 plus rank hours.
+// They are written in reverse, so that the lease rows' physical order (an
+// UPDATE moves a row to the end) is the opposite of the claim order.
 func (b *testBundle) claimOrder(t *testing.T, parts ...int) {
 	t.Helper()
 	for rank := len(parts) - 1; rank >= 0; rank-- {
