@@ -552,6 +552,43 @@ func TestZeroValues(t *testing.T) {
 	}
 }
 
+// TestLookupOfARowThatFailsIsNotAnOrphan: a row the source cannot
+// evaluate (here a view whose value divides by zero for it) fails its
+// lookup with a data exception, as a key the key column cannot hold does.
+// Lookup used to take it for such a key and leave it out, so that the
+// reconciler classified the row's projection entry as an orphan and, under
+// an ActionRepair policy, deleted it. The row exists: Lookup fails, and so
+// does the check, with the entry left as it was.
+func TestLookupOfARowThatFailsIsNotAnOrphan(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	b := setup(t, projection.KindSortedSet)
+	_, err := b.pool.Exec(ctx, `ALTER TABLE items ADD COLUMN divisor bigint NOT NULL DEFAULT 1;
+		CREATE VIEW items_by_divisor AS SELECT key, board, version, score / divisor AS score FROM items`)
+	require.NoError(t, err)
+	src, err := NewSQLSource(b.pool, &SQLSourceConfig{Table: "items_by_divisor", KeyColumn: "key", VersionColumn: "version",
+		ValueColumn: "score", Kind: projection.KindSortedSet, Filters: []Filter{{Column: "board", Value: testBoard}}})
+	require.NoError(t, err)
+	b.source = src
+	b.insert(t, "alice", 3)
+	b.insert(t, "bob", 1)
+	b.project(t, "alice", 3)
+	before := b.state(t, b.reconciler(t, nil), "alice")
+	require.True(t, before.HasValue)
+	_, err = b.pool.Exec(ctx, `UPDATE items SET divisor = 0 WHERE key = 'alice'`)
+	require.NoError(t, err)
+
+	_, err = src.Lookup(ctx, []string{"bob", "alice", "carol"})
+	var pgErr *pgconn.PgError
+	require.ErrorAs(t, err, &pgErr)
+	require.Equal(t, "22012", pgErr.Code, "division_by_zero")
+
+	r := b.reconciler(t, &Config{Policy: Policy{Orphan: ActionRepair}})
+	_, err = r.CheckKeys(ctx, []string{"alice"}, RunOptions{})
+	require.ErrorAs(t, err, &pgErr)
+	require.Equal(t, before, b.state(t, r, "alice"), "the entry of a row that exists is kept")
+}
+
 // TestSQLSourceUnderEveryExecMode reads through pools set to each of pgx's
 // statement modes: behind a transaction-pooling proxy the simple protocol
 // writes every argument in as an untyped literal, so the lookup's key array
@@ -583,6 +620,9 @@ func TestSQLSourceUnderEveryExecMode(t *testing.T) {
 			require.Equal(t, []Row{{Key: "10", Version: 1, Value: projection.Value{Score: 30}}, {Key: "11", Version: 1, Value: projection.Value{Score: 33}}}, page)
 			found, err := scores.Lookup(ctx, []string{"3", "30"})
 			require.NoError(t, err, "Lookup on a bigint key")
+			require.Equal(t, []Row{{Key: "3", Version: 1, Value: projection.Value{Score: 9}}}, found)
+			found, err = scores.Lookup(ctx, []string{"abc", "3"})
+			require.NoError(t, err, "Lookup of a key a bigint cannot hold")
 			require.Equal(t, []Row{{Key: "3", Version: 1, Value: projection.Value{Score: 9}}}, found)
 
 			docs, err := NewSQLSource(pool, &SQLSourceConfig{Schema: pg.Schema, Table: "Docs", KeyColumn: "k", VersionColumn: "v", ValueColumn: "d", Kind: projection.KindDocument})

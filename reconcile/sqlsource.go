@@ -122,6 +122,7 @@ type SQLSource struct {
 	pageFirstSQL string
 	pageAfterSQL string
 	lookupSQL    string
+	keyCastSQL   string
 	sampleSQL    string
 	estimateSQL  string
 	relation     string
@@ -245,6 +246,9 @@ func (s *SQLSource) buildSQL(cfg *SQLSourceConfig) {
 FROM (SELECT DISTINCT unnest(COALESCE($%[3]d, (SELECT array_agg(%[2]s) FROM %[1]s AS src WHERE false)))) AS wanted(key)
 CROSS JOIN LATERAL (%[4]s WHERE %[5]s AND %[2]s = wanted.key OFFSET 0) AS found(key, version, value)`,
 		s.relation, key, n+1, cols, where)
+	// The lookup's key array alone, cast as lookupSQL casts it and no row
+	// read: it fails only for a key the key column cannot hold.
+	s.keyCastSQL = fmt.Sprintf("SELECT cardinality(COALESCE($1, (SELECT array_agg(%s) FROM %s AS src WHERE false)))", key, s.relation)
 	s.sampleSQL = fmt.Sprintf("%s TABLESAMPLE SYSTEM ($%d::float8) WHERE %s ORDER BY random() LIMIT $%d",
 		cols, n+1, where, n+2)
 	s.estimateSQL = "SELECT COALESCE((SELECT reltuples::float8 FROM pg_class WHERE oid = to_regclass($1)), -1)"
@@ -285,7 +289,10 @@ func (s *SQLSource) Page(ctx context.Context, after Cursor, limit int) ([]Row, e
 // column's type ("user:42" for a bigint column) costs more: the server
 // rejects the whole statement for it, so the batch is split in halves until
 // each rejected key stands alone, about two failed statements per such key,
-// each logged as an ERROR by the server. A clean batch costs one query. If
+// each logged as an ERROR by the server, and a third confirms that the key
+// column cannot hold it. A row that fails the same way for another reason
+// (a view whose value expression fails for it) exists and is not left out:
+// Lookup returns that error. A clean batch costs one query. If
 // the projection may hold many such keys, use a key column of a text type,
 // or a Source of your own whose Lookup leaves out keys its column cannot
 // hold.
@@ -329,7 +336,7 @@ func (s *SQLSource) lookupSplit(ctx context.Context, keys []string) ([]Row, erro
 	case !isDataException(err):
 		return nil, err
 	case len(keys) == 1:
-		return nil, nil
+		return nil, s.keyRejected(ctx, keys[0], err)
 	}
 	half := len(keys) / 2
 	first, err := s.lookupSplit(ctx, keys[:half])
@@ -341,6 +348,24 @@ func (s *SQLSource) lookupSplit(ctx context.Context, keys []string) ([]Row, erro
 		return nil, err
 	}
 	return append(first, second...), nil
+}
+
+// keyRejected decides what a data exception err of a lookup of key alone
+// means. It returns nil if the key column cannot hold key: no row can have
+// it, and the key is left out as absent. Otherwise the error came from a
+// row (a view whose value expression fails for it, say): that row exists,
+// and leaving it out would report its projection entry as an orphan, which
+// an ActionRepair policy deletes, so err is returned.
+func (s *SQLSource) keyRejected(ctx context.Context, key string, err error) error {
+	var n int
+	cerr := s.db.QueryRow(ctx, s.keyCastSQL, []string{key}).Scan(&n)
+	switch {
+	case cerr == nil:
+		return err
+	case isDataException(cerr):
+		return nil
+	}
+	return fmt.Errorf("reconcile: querying %s: %w", s.relation, cerr)
 }
 
 // isDataException reports a PostgreSQL data exception (SQLSTATE class 22):
