@@ -190,6 +190,28 @@ func TestBucketsLayoutMismatch(t *testing.T) {
 		}
 	})
 
+	// A sampled run whose source sample is empty reads no row, so only the
+	// orphan sample can find the mismatch: it checked nothing and found no
+	// member in the version keys of the configured layout, which the
+	// collection does not use, and so reported no drift.
+	t.Run("SampleOfAnEmptySource", func(t *testing.T) {
+		t.Parallel()
+		four := setup(t, projection.KindSortedSet).withBuckets(t, 4)
+		for _, k := range []string{"a", "b", "c"} {
+			four.project(t, k, 1) // orphans: the source has no rows
+		}
+		for _, n := range []int{0, 2} {
+			r := four.withBuckets(t, n).reconciler(t, nil)
+			rep, err := r.Run(context.Background(), RunOptions{Sample: 10})
+			var lm *projection.LayoutMismatchError
+			require.ErrorAs(t, err, &lm, "%d buckets: report %s", n, rep)
+			require.Equal(t, projection.LayoutMismatchError{Kind: projection.KindSortedSet, Name: testBoard, Stored: 4, Configured: n}, *lm)
+		}
+		rep, err := four.reconciler(t, nil).Run(context.Background(), RunOptions{Sample: 10, DryRun: true})
+		require.NoError(t, err)
+		require.Equal(t, map[Class]int64{ClassOrphan: 3}, rep.Counts, "the sample finds them with the stored layout")
+	})
+
 	// Written before layouts were recorded: values and the unbucketed
 	// version hash, no layout key. It has layout 0, which the first repair
 	// records, as the gate's first write would.

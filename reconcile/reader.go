@@ -65,12 +65,7 @@ func (r *Reconciler) readCollection(ctx context.Context, keys []string, out []Pr
 		return fmt.Errorf("reconcile: reading projection: %w", err)
 	}
 	values := pipe.Do(ctx, valueArgs...)
-	// MGET, not GET: an absent key is a nil element, not redis.Nil.
-	layout := pipe.Do(ctx, "MGET", r.layoutKey)
-	// Both, whatever the bucket count: an absent layout key means
-	// different things depending on which of the two exist.
-	valueExists := pipe.Exists(ctx, r.valueKey)
-	flatExists := pipe.Exists(ctx, r.unbucketedKey)
+	checkLayout := r.queueLayout(ctx, pipe)
 	var versions func() ([]any, error)
 	if r.buckets == 0 {
 		versionArgs := make([]any, len(valueArgs))
@@ -81,7 +76,7 @@ func (r *Reconciler) readCollection(ctx context.Context, keys []string, out []Pr
 		versions = r.hmgetBuckets(ctx, pipe, keys)
 	}
 	_, _ = pipe.Exec(ctx) // errors are inspected per command below
-	if err := r.checkLayout(layout, valueExists, flatExists); err != nil {
+	if err := checkLayout(); err != nil {
 		return err
 	}
 	vers, err := versions()
@@ -104,6 +99,18 @@ func (r *Reconciler) readCollection(ctx context.Context, keys []string, out []Pr
 		}
 	}
 	return nil
+}
+
+// queueLayout queues on pipe the reads checkLayout needs and returns the
+// check, to be called once the pipeline has run.
+func (r *Reconciler) queueLayout(ctx context.Context, pipe redis.Pipeliner) func() error {
+	// MGET, not GET: an absent key is a nil element, not redis.Nil.
+	layout := pipe.Do(ctx, "MGET", r.layoutKey)
+	// Both, whatever the bucket count: an absent layout key means
+	// different things depending on which of the two exist.
+	valueExists := pipe.Exists(ctx, r.valueKey)
+	flatExists := pipe.Exists(ctx, r.unbucketedKey)
+	return func() error { return r.checkLayout(layout, valueExists, flatExists) }
 }
 
 // checkLayout compares the collection's stored layout (MGET of the layout

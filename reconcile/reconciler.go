@@ -312,7 +312,7 @@ func (r *Reconciler) runSample(ctx context.Context, opts RunOptions, rep *Report
 	}
 	members, err := r.sampleVersioned(ctx, opts.Sample)
 	if err != nil {
-		return fmt.Errorf("reconcile: sampling projection: %w", err)
+		return err
 	}
 	for len(members) > 0 {
 		n := min(len(members), r.cfg.PageSize)
@@ -793,32 +793,39 @@ func (r *Reconciler) checkKeys(ctx context.Context, opts RunOptions, keys []stri
 // a random bucket decide how many entries each bucket gives (pipelined), so
 // a member's chance is uniform only as far as buckets are equally full —
 // which hashing makes them, roughly.
+//
+// The collection's layout is checked in the same pipeline: the members'
+// reads check it too, but a sample can find no member at all in the
+// version keys of a layout the collection is not stored in.
 func (r *Reconciler) sampleVersioned(ctx context.Context, n int) ([]string, error) {
 	pipe, err := r.collectionPipeline(ctx)
 	if err != nil {
-		return nil, err
+		return nil, fmt.Errorf("reconcile: sampling projection: %w", err)
 	}
+	checkLayout := r.queueLayout(ctx, pipe)
+	var cmds []*redis.StringSliceCmd
 	if r.buckets == 0 {
-		fields := pipe.HRandField(ctx, r.versionKeys[0], n)
-		if _, err := pipe.Exec(ctx); err != nil {
-			return nil, err
+		cmds = append(cmds, pipe.HRandField(ctx, r.versionKeys[0], n))
+	} else {
+		draws := make(map[int]int)
+		for range n {
+			draws[rand.IntN(r.buckets)]++
 		}
-		return fields.Val(), nil
+		for b, k := range draws {
+			cmds = append(cmds, pipe.HRandField(ctx, r.versionKeys[b], k))
+		}
 	}
-	draws := make(map[int]int)
-	for range n {
-		draws[rand.IntN(r.buckets)]++
-	}
-	cmds := make([]*redis.StringSliceCmd, 0, len(draws))
-	for b, k := range draws {
-		cmds = append(cmds, pipe.HRandField(ctx, r.versionKeys[b], k))
-	}
-	if _, err := pipe.Exec(ctx); err != nil {
+	_, _ = pipe.Exec(ctx) // errors are inspected per command below
+	if err := checkLayout(); err != nil {
 		return nil, err
 	}
 	var members []string
 	for _, c := range cmds {
-		members = append(members, c.Val()...)
+		got, err := c.Result()
+		if err != nil {
+			return nil, fmt.Errorf("reconcile: sampling projection: %w", err)
+		}
+		members = append(members, got...)
 	}
 	return members, nil
 }
