@@ -322,7 +322,11 @@
 // whole batch: SQLSource then bisects the batch until each rejected key
 // stands alone, about two failed statements per such key (each twice per
 // pass, for the orphan scan confirms its lookups), every one an ERROR in
-// the server's log. If the projection may hold many such members, give the
+// the server's log, and casts the lone key on its own to be sure: a row
+// that fails the same way for another reason (a view whose value
+// expression fails for it) exists, so Lookup returns its error instead of
+// leaving it out to be taken for an orphan. If the projection may hold
+// many such members, give the
 // table a key column of a text type, or write a Source whose Lookup leaves
 // out keys its column cannot hold.
 package reconcile

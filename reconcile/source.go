@@ -54,7 +54,9 @@ type Source interface {
 	// order. Keys that do not exist are simply absent from the result, and
 	// so are keys the source could never hold (a malformed projection
 	// member): return no row for them, not an error, or the orphan scan
-	// cannot report the very entries it exists to find.
+	// cannot report the very entries it exists to find. A row that exists
+	// but cannot be read is an error, not an absent key: left out, its
+	// projection entry would be taken for an orphan.
 	Lookup(ctx context.Context, keys []string) ([]Row, error)
 }
 
