@@ -182,7 +182,7 @@ func Run(ctx context.Context, opts Options) (figs []Figure, err error) {
 		// groups its p99 was 6.1–11.5 ms in 14 runs, against 3.2–4.8 ms
 		// in 13 runs of the lag group alone, 5.0–5.5 after 10 s of idling
 		// and 3.9–4.9 after 30 s (2026-12-05; the seed's p99 moved
-		// likewise); in full runs, 2.99–9.54 ms in fifteen with the pause
+		// likewise); in full runs, 2.99–9.54 ms in eighteen with the pause
 		// (6.81–9.54 in the six of a slow phase of the VM) against
 		// 6.5–10.3 in six without. What takes that long to pass
 		// was not found: a garbage collection of this process (with its
