@@ -89,6 +89,48 @@ func TestSQLSource(t *testing.T) {
 		require.Equal(t, "22021", pgErr.Code)
 	})
 
+	// Through a pgx.Tx (one snapshot for a whole pass), the statements a
+	// rejected key fails would abort the transaction: Lookup failed with
+	// the key's error instead of leaving it out, so the orphan scan never
+	// reported it, and every later statement of the pass failed too.
+	t.Run("LookupInsideATransaction", func(t *testing.T) {
+		t.Parallel()
+		pg := testenv.Postgres(t)
+		rd := testenv.Redis(t)
+		_, err := pg.Pool.Exec(ctx, `CREATE TABLE n (k bigint PRIMARY KEY, v bigint NOT NULL, p bigint NOT NULL);
+			INSERT INTO n SELECT g, 1, g FROM generate_series(1, 5) g`)
+		require.NoError(t, err)
+		tx, err := pg.Pool.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.RepeatableRead, AccessMode: pgx.ReadOnly})
+		require.NoError(t, err)
+		defer tx.Rollback(ctx) //nolint:errcheck // read-only
+		src, err := NewSQLSource(tx, &SQLSourceConfig{Table: "n", Schema: pg.Schema, KeyColumn: "k", VersionColumn: "v",
+			ValueColumn: "p", Kind: projection.KindSortedSet})
+		require.NoError(t, err)
+
+		found, err := src.Lookup(ctx, []string{"3", "user:42", "5"})
+		require.NoError(t, err)
+		require.ElementsMatch(t, []Row{{Key: "3", Version: 1, Value: projection.Value{Score: 3}},
+			{Key: "5", Version: 1, Value: projection.Value{Score: 5}}}, found)
+		page, err := src.Page(ctx, Cursor{}, 10)
+		require.NoError(t, err, "the transaction is still usable")
+		require.Len(t, page, 5)
+
+		ks, err := projection.NewKeyspace(rd.Prefix)
+		require.NoError(t, err)
+		var writes []projection.Write
+		for _, k := range []string{"1", "2", "3", "4", "5", "user:42"} {
+			writes = append(writes, projection.Write{Target: projection.Target{Kind: projection.KindSortedSet, Name: "b", Member: k},
+				Version: 1, Value: projection.Value{Score: int64(k[0] - '0')}})
+		}
+		_, err = projection.NewGate(rd.Client, ks).Apply(ctx, writes)
+		require.NoError(t, err)
+		r, err := New(src, Target{Client: rd.Client, Keyspace: ks, Kind: projection.KindSortedSet, Name: "b"}, nil)
+		require.NoError(t, err)
+		rep, err := r.Run(ctx, RunOptions{DryRun: true})
+		require.NoError(t, err)
+		require.Equal(t, map[Class]int64{ClassCurrent: 5, ClassOrphan: 1}, rep.Counts)
+	})
+
 	// Keys no text parameter can carry (invalid UTF-8, a NUL byte) were
 	// sent and bisected: about two failed statements per such key, in
 	// Lookup and in the orphan scan that looks each batch up twice.

@@ -22,7 +22,11 @@ import (
 )
 
 // DBTX is the narrow view of PostgreSQL that SQLSource needs. *pgxpool.Pool,
-// *pgx.Conn and pgx.Tx satisfy it.
+// *pgx.Conn and pgx.Tx satisfy it. Through a pgx.Tx (one snapshot for a
+// whole pass), Lookup runs each statement in a savepoint, so that a key it
+// expects PostgreSQL to reject does not abort the transaction; begin a
+// transaction as a pgx.Tx rather than with BEGIN on a *pgx.Conn, which
+// SQLSource cannot tell from a connection outside one.
 type DBTX interface {
 	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
 	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
@@ -292,7 +296,8 @@ func (s *SQLSource) Page(ctx context.Context, after Cursor, limit int) ([]Row, e
 // each logged as an ERROR by the server, and a third confirms that the key
 // column cannot hold it. A row that fails the same way for another reason
 // (a view whose value expression fails for it) exists and is not left out:
-// Lookup returns that error. A clean batch costs one query. If
+// Lookup returns that error. A clean batch costs one query (through a
+// pgx.Tx, with a savepoint around it: see DBTX). If
 // the projection may hold many such keys, use a key column of a text type,
 // or a Source of your own whose Lookup leaves out keys its column cannot
 // hold.
@@ -321,9 +326,42 @@ func (s *SQLSource) Lookup(ctx context.Context, keys []string) ([]Row, error) {
 // stored key of any type can have it as its text form.
 func unsendable(k string) bool { return !utf8.ValidString(k) || strings.IndexByte(k, 0) >= 0 }
 
-func (s *SQLSource) lookup(ctx context.Context, keys []string) ([]Row, error) {
+func (s *SQLSource) lookup(ctx context.Context, keys []string) (rows []Row, err error) {
 	args := append(append([]any(nil), s.args...), keys)
-	return s.query(ctx, len(keys), s.lookupSQL, args...)
+	err = s.mayFail(ctx, func(db DBTX) error {
+		rows, err = s.queryOn(ctx, db, len(keys), s.lookupSQL, args...)
+		return err
+	})
+	return rows, err
+}
+
+// mayFail runs one of Lookup's statements, whose failure (for a key the key
+// column cannot hold) Lookup expects and recovers from. A failed statement
+// aborts the transaction it runs in, and with it every statement after:
+// Lookup's next try, and the rest of the pass. So when the source reads
+// through a pgx.Tx, each such statement runs in a savepoint of its own
+// (two more round trips), rolled back if it fails. A pool or a connection
+// outside a transaction needs none.
+func (s *SQLSource) mayFail(ctx context.Context, run func(DBTX) error) error {
+	tx, ok := s.db.(pgx.Tx)
+	if !ok {
+		return run(s.db)
+	}
+	sp, err := tx.Begin(ctx)
+	if err != nil {
+		return fmt.Errorf("reconcile: querying %s: %w", s.relation, err)
+	}
+	if err := run(sp); err != nil {
+		if rerr := sp.Rollback(ctx); rerr != nil {
+			// Not a data exception: Lookup gives up.
+			return fmt.Errorf("reconcile: rolling back a failed lookup in %s (%v): %w", s.relation, err, rerr)
+		}
+		return err
+	}
+	if err := sp.Commit(ctx); err != nil {
+		return fmt.Errorf("reconcile: querying %s: %w", s.relation, err)
+	}
+	return nil
 }
 
 // lookupSplit looks keys up in halves, dropping each key PostgreSQL rejects
@@ -357,8 +395,10 @@ func (s *SQLSource) lookupSplit(ctx context.Context, keys []string) ([]Row, erro
 // and leaving it out would report its projection entry as an orphan, which
 // an ActionRepair policy deletes, so err is returned.
 func (s *SQLSource) keyRejected(ctx context.Context, key string, err error) error {
-	var n int
-	cerr := s.db.QueryRow(ctx, s.keyCastSQL, []string{key}).Scan(&n)
+	cerr := s.mayFail(ctx, func(db DBTX) error {
+		var n int
+		return db.QueryRow(ctx, s.keyCastSQL, []string{key}).Scan(&n)
+	})
 	switch {
 	case cerr == nil:
 		return err
@@ -406,7 +446,11 @@ func (s *SQLSource) Sample(ctx context.Context, n int) ([]Row, error) {
 }
 
 func (s *SQLSource) query(ctx context.Context, capHint int, sql string, args ...any) ([]Row, error) {
-	rows, err := s.db.Query(ctx, sql, args...)
+	return s.queryOn(ctx, s.db, capHint, sql, args...)
+}
+
+func (s *SQLSource) queryOn(ctx context.Context, db DBTX, capHint int, sql string, args ...any) ([]Row, error) {
+	rows, err := db.Query(ctx, sql, args...)
 	if err != nil {
 		return nil, fmt.Errorf("reconcile: querying %s: %w", s.relation, err)
 	}
