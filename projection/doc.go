@@ -177,7 +177,13 @@
 // keeps its layout key 0, so its writes still apply and reconcile repairs
 // its values, left without versions, as corrupt. (One written before
 // layout keys that loses the hash before its next write looks like a lost
-// layout key: set the layout key to 0.)
+// layout key: set the layout key to 0.) A bucketed collection that loses its
+// values and its layout key together, keeping only its version buckets,
+// looks empty: the gate reads only the buckets of the writer's own count, so
+// a writer whose count differs records its count and finds no versions, and
+// may apply writes older than the versions the buckets hold. Run with an
+// eviction policy that keeps these keys (CheckEvictionPolicy), and drop a
+// collection by deleting all of its keys, never some of them.
 //
 // To change the count of a live collection, run reconcile's Rebuild with
 // the new count: it copies the source into shadow keys of the new layout
