@@ -188,15 +188,17 @@ const pruneCommandsSQL = `DELETE FROM %s WHERE created_at < now() - $1 * interva
 // how many it deleted. A command retried after its record is pruned is
 // executed again (one retried while it is being pruned may be: see
 // RecordCommand), so keep records longer than any client retries. The deletion is index-backed
-// (created_at); run it periodically, from any process. A retention of 0 or
-// less, which would delete every record, is refused with a *ConfigError
-// naming "retention" (ErrInvalidConfig), and nothing is deleted.
+// (created_at); run it periodically, from any process. A retention below
+// one microsecond (the unit it is sent in), which would delete every
+// record, is refused with a *ConfigError naming "retention"
+// (ErrInvalidConfig), and nothing is deleted.
 func (w *Writer) PruneCommands(ctx context.Context, db Execer, retention time.Duration) (int64, error) {
 	if deps.Missing(db) {
 		return 0, missingDB()
 	}
-	if retention <= 0 {
-		return 0, &ConfigError{Field: "retention", Reason: "must be positive"}
+	if retention < time.Microsecond {
+		// Sent in whole microseconds: anything less would be 0.
+		return 0, &ConfigError{Field: "retention", Reason: fmt.Sprintf("is %s; it must be at least 1µs, or it would delete every record", retention)}
 	}
 	tag, err := db.Exec(ctx, fmt.Sprintf(pruneCommandsSQL, w.names.Idempotency), retention.Microseconds())
 	if err != nil {

@@ -352,9 +352,10 @@ func TestRecordCommand(t *testing.T) {
 		cmd, err := execute(t, b, recent, "recent")
 		require.NoError(t, err)
 		require.True(t, cmd.Duplicate, "the record within the retention still makes its command a duplicate")
-		// A retention of 0 or less would delete every record: refused,
-		// naming the argument, and nothing is deleted.
-		for _, retention := range []time.Duration{0, -time.Hour} {
+		// A retention below a microsecond (sent in microseconds: 0) would
+		// delete every record: refused, naming the argument, and nothing is
+		// deleted.
+		for _, retention := range []time.Duration{0, -time.Hour, time.Microsecond - 1} {
 			n, err := b.writer.PruneCommands(ctx, b.pool, retention)
 			require.ErrorIs(t, err, outbox.ErrInvalidConfig, "retention %s", retention)
 			var cfgErr *outbox.ConfigError
