@@ -61,14 +61,18 @@ func CheckEvictionPolicy(ctx context.Context, client redis.UniversalClient) erro
 	if deps.Missing(client) {
 		return &ConfigError{Field: "client", Reason: "is nil: pass the Redis client the projection writes with"}
 	}
+	type nodeError struct {
+		addr string
+		err  error
+	}
 	var (
 		mu   sync.Mutex
-		errs []error
+		errs []nodeError
 	)
 	check := func(ctx context.Context, addr string, c redis.Cmdable) error {
 		if err := checkEvictionPolicy(ctx, addr, c); err != nil {
 			mu.Lock()
-			errs = append(errs, err)
+			errs = append(errs, nodeError{addr, err})
 			mu.Unlock()
 		}
 		return nil
@@ -77,19 +81,27 @@ func CheckEvictionPolicy(ctx context.Context, client redis.UniversalClient) erro
 	switch c := client.(type) {
 	case *redis.ClusterClient:
 		if err := c.ForEachShard(ctx, node); err != nil {
-			errs = append(errs, fmt.Errorf("projection: checking the eviction policy: %w", err))
+			errs = append(errs, nodeError{err: fmt.Errorf("projection: checking the eviction policy: %w", err)})
 		}
 	case *redis.Ring:
 		if err := c.ForEachShard(ctx, node); err != nil {
-			errs = append(errs, fmt.Errorf("projection: checking the eviction policy: %w", err))
+			errs = append(errs, nodeError{err: fmt.Errorf("projection: checking the eviction policy: %w", err)})
 		}
 	case *redis.Client:
 		_ = node(ctx, c)
 	default:
 		_ = check(ctx, "", client)
 	}
-	slices.SortFunc(errs, func(a, b error) int { return cmp.Compare(a.Error(), b.Error()) })
-	return errors.Join(errs...)
+	// By server, then by text: the order does not depend on which node
+	// answered first.
+	slices.SortFunc(errs, func(a, b nodeError) int {
+		return cmp.Or(cmp.Compare(a.addr, b.addr), cmp.Compare(a.err.Error(), b.err.Error()))
+	})
+	joined := make([]error, len(errs))
+	for i, e := range errs {
+		joined[i] = e.err
+	}
+	return errors.Join(joined...)
 }
 
 // checkEvictionPolicy asks one server.

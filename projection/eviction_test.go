@@ -1,6 +1,7 @@
 package projection
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"slices"
@@ -140,6 +141,38 @@ func TestCheckEvictionPolicyRing(t *testing.T) {
 		require.ElementsMatch(t, evicting, got)
 		require.True(t, slices.IsSorted(text), "sorted by server: %q", text)
 	}
+
+	// A server that cannot be asked is sorted by its address too, not
+	// ahead of every finding because of its message's wording.
+	t.Run("RefusedAndEvictingSortedByServer", func(t *testing.T) {
+		t.Parallel()
+		servers := []*testenv.RedisServer{
+			testenv.StartRedis(t, "--maxmemory", "100mb", "--maxmemory-policy", "allkeys-lru"),
+			testenv.StartRedis(t, "--maxmemory", "100mb", "--maxmemory-policy", "allkeys-lru"),
+		}
+		slices.SortFunc(servers, func(a, b *testenv.RedisServer) int { return cmp.Compare(a.Addr(), b.Addr()) })
+		// The first server answers INFO and is found evicting; the second
+		// refuses INFO to the ring's user.
+		for i, server := range servers {
+			info := "+info"
+			if i == 1 {
+				info = "-info"
+			}
+			require.NoError(t, server.Client(t).Do(ctx, "ACL", "SETUSER", "checker", "on", ">pw", "~*", "+@all", info).Err())
+		}
+		ring := redis.NewRing(&redis.RingOptions{Addrs: map[string]string{"a": servers[0].Addr(), "b": servers[1].Addr()},
+			Username: "checker", Password: "pw", HeartbeatFn: func(context.Context, *redis.Client) bool { return true }})
+		t.Cleanup(func() { _ = ring.Close() })
+		err := CheckEvictionPolicy(ctx, ring)
+		require.ErrorIs(t, err, ErrEvictionPolicy)
+		joined := err.(interface{ Unwrap() []error }).Unwrap()
+		require.Len(t, joined, 2)
+		var perr *EvictionPolicyError
+		require.ErrorAs(t, joined[0], &perr, "the lower address first: %v", err)
+		require.Equal(t, servers[0].Addr(), perr.Addr)
+		require.NotErrorIs(t, joined[1], ErrEvictionPolicy)
+		require.Contains(t, joined[1].Error(), servers[1].Addr())
+	})
 
 	// The caller's context reaches every shard: cancelled, none is asked
 	// and each reports why.
