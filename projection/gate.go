@@ -108,14 +108,26 @@ func (g *Gate) Keyspace() Keyspace {
 	return g.ks
 }
 
-// Load loads the gate script into the script cache of the node(s) the
-// client reaches. It is optional: Apply falls back to EVAL when a node
-// answers NOSCRIPT (after a restart or failover).
+// Load loads the gate script into the script cache of the servers the
+// client writes to: every master of a *redis.ClusterClient, every shard of
+// a *redis.Ring that the Ring counts as up, the server of any other
+// client. It is optional: Apply falls back to EVAL when a node answers
+// NOSCRIPT (after a restart or failover).
 func (g *Gate) Load(ctx context.Context) error {
 	if err := g.unusable(); err != nil {
 		return err
 	}
-	if err := g.script.Load(ctx, g.client).Err(); err != nil {
+	var err error
+	if ring, ok := g.client.(*redis.Ring); ok {
+		// A Ring sends a command without keys, SCRIPT LOAD included, to
+		// one shard picked at random.
+		err = ring.ForEachShard(ctx, func(ctx context.Context, shard *redis.Client) error {
+			return g.script.Load(ctx, shard).Err()
+		})
+	} else {
+		err = g.script.Load(ctx, g.client).Err()
+	}
+	if err != nil {
 		return fmt.Errorf("projection: load gate script: %w", err)
 	}
 	return nil

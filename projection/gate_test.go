@@ -859,6 +859,29 @@ func TestGateOneScriptCallPerBatch(t *testing.T) {
 	require.Equal(t, before+1, calls())
 }
 
+// TestGateLoadReachesEveryRingShard: a Ring sends SCRIPT LOAD to one shard
+// picked at random, so Load asks each shard itself.
+func TestGateLoadReachesEveryRingShard(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	shards := map[string]*testenv.RedisServer{"a": testenv.StartRedis(t), "b": testenv.StartRedis(t), "c": testenv.StartRedis(t)}
+	addrs := map[string]string{}
+	for name, srv := range shards {
+		addrs[name] = srv.Addr()
+	}
+	ring := redis.NewRing(&redis.RingOptions{Addrs: addrs, HeartbeatFn: func(context.Context, *redis.Client) bool { return true }})
+	t.Cleanup(func() { _ = ring.Close() })
+	ks, err := NewKeyspace("load:")
+	require.NoError(t, err)
+	gate := NewGate(ring, ks)
+	require.NoError(t, gate.Load(ctx))
+	for name, srv := range shards {
+		loaded, err := srv.Client(t).ScriptExists(ctx, gate.script.Hash()).Result()
+		require.NoError(t, err)
+		require.Equal(t, []bool{true}, loaded, "shard %s", name)
+	}
+}
+
 // TestGateClusterGroupsBySlot checks that a Cluster batch is split into
 // exactly one script call per slot touched, and that those calls survive a
 // flushed script cache (NOSCRIPT → EVAL fallback, pipelined).
