@@ -361,6 +361,26 @@ func (c *Cache[T]) Get(ctx context.Context, id string, load Loader[T]) (T, error
 	}
 }
 
+// getAt is GetAt's and CheckAt's read of an id's GetAt key: one GET, which
+// a replica may serve (see GetAt), but never go-redis's client-side cache.
+// That cache can answer with a value an acknowledged Invalidate deleted
+// until its invalidation message arrives, at the caller's own version
+// included: the value of a data fix that kept the version, which the
+// Invalidate was to repair. Its error is redis.Nil for an absent key.
+func (c *Cache[T]) getAt(ctx context.Context, key string) ([]byte, error) {
+	if !c.bypassLocal {
+		return c.client.Get(ctx, key).Bytes()
+	}
+	// go-redis serves only single commands from its client-side cache,
+	// never a pipeline's.
+	p := c.client.Pipeline()
+	cmd := p.Get(ctx, key)
+	if _, err := p.Exec(ctx); err != nil && !errors.Is(err, redis.Nil) {
+		return nil, err
+	}
+	return cmd.Bytes()
+}
+
 // getCurrent is the hit path: one GET of the current key, on the primary.
 func (c *Cache[T]) getCurrent(ctx context.Context, id string) ([]byte, bool, error) {
 	key := c.currentKey(id)
@@ -750,7 +770,7 @@ func (c *Cache[T]) GetAt(ctx context.Context, id string, version int64, load Loa
 	for {
 		// Any replica may serve this read: a lagging one holds an older
 		// version, which is a miss, never a stale hit.
-		data, err := c.client.Get(ctx, key).Bytes()
+		data, err := c.getAt(ctx, key)
 		switch {
 		case err == nil:
 			stored, payload, serr := splitVersioned(data)
@@ -846,8 +866,9 @@ func (c *Cache[T]) filled(stored int) {
 
 // Invalidate moves id to a new version and deletes its current value
 // (P{id}:c, Get's) and its GetAt value (P{id}:a), in one atomic step, so that
-// no value cached before the call can be read again, by Get or by GetAt, and
-// no Get load that began before it can be stored. Call it after the database
+// no value cached before the call can be read again, by Get or by GetAt (by
+// GetAt through a client that reads from replicas, once the replica has
+// the delete), and no Get load that began before it can be stored. Call it after the database
 // transaction that changed the value has committed (calling it before leaves
 // a window in which a read caches the pre-commit value under the new
 // version).

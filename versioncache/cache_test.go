@@ -632,6 +632,33 @@ func TestGet(t *testing.T) {
 				require.Equal(t, want, got, "a value an acknowledged Invalidate deleted was served")
 				require.Zero(t, local.gets.Load(), "the hit consulted the client-side cache")
 
+				// GetAt's and CheckAt's reads too: Invalidate is the repair
+				// of a data fix that kept the row's version, so a GetAt
+				// value it deleted must not come back at that version.
+				at := reader.truth.write("p2", 100)
+				_, err = writer.cache.GetAt(ctx, "p2", at.Version, writer.truth.loader("p2")) // cached
+				require.NoError(t, err)
+				for range 2 { // hits
+					_, err := reader.cache.GetAt(ctx, "p2", at.Version, reader.truth.loader("p2"))
+					require.NoError(t, err)
+				}
+				reader.truth.mu.Lock()
+				fixed := reader.truth.rows["p2"]
+				fixed.Price = 1 // the version stays
+				reader.truth.rows["p2"] = fixed
+				reader.truth.mu.Unlock()
+				require.NoError(t, writer.cache.Invalidate(ctx, "p2"))
+				report, err := reader.cache.CheckAt(ctx, []string{"p2"}, 0, func(_ context.Context, id string) (product, int64, error) {
+					p := reader.truth.read(id)
+					return p, p.Version, nil
+				})
+				require.NoError(t, err)
+				require.Equal(t, CheckReport[product]{Sampled: 1, NotCached: 1}, report, "CheckAt read a value an acknowledged Invalidate deleted")
+				got, err = reader.cache.GetAt(ctx, "p2", fixed.Version, reader.truth.loader("p2"))
+				require.NoError(t, err)
+				require.Equal(t, fixed, got, "GetAt served a value an acknowledged Invalidate deleted")
+				require.Zero(t, local.gets.Load(), "GetAt or CheckAt consulted the client-side cache")
+
 				// The client does cache single GETs, or this test proves nothing.
 				key := reader.cache.currentKey("p1")
 				for range 2 {

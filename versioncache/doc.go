@@ -136,8 +136,10 @@
 // the Cache nothing. Other clients' hits remain a single GET. Node or shard
 // clients with a client-side cache, made by the NewClient function of
 // ClusterOptions or RingOptions, are not detected and would serve stale
-// hits: do not use them. GetAt's GET needs no such care, as with replicas:
-// its hit only needs a version at or above the caller's.
+// hits: do not use them. GetAt's and CheckAt's GETs bypass it the same
+// way. Their hit only needs a version at or above the caller's, but a
+// value go-redis holds can be the very one an Invalidate deleted to repair
+// a write that kept its version (see Checking).
 //
 // # Versions never go backwards
 //
@@ -340,8 +342,10 @@
 // Invalidate repairs what either finds: it deletes P{id}:c and P{id}:a. A
 // GetAt load in flight during the Invalidate may store what it read, under
 // its caller's version, after the delete (GetAt trusts that version to name
-// the value), so run CheckAt again to confirm, and move the row's version
-// with a data fix to rule that out.
+// the value), and GetAt and CheckAt through a client that reads from
+// replicas may read one that has not applied the delete yet, so run
+// CheckAt again to confirm, and move the row's version with a data fix to
+// rule that out.
 //
 // # Metrics
 //
