@@ -502,10 +502,13 @@ func splitVersioned(data []byte) (int64, []byte, error) {
 }
 
 // versionedPayload is splitVersioned for the hit path, which needs only the
-// payload: it checks the prefix's shape without parsing it.
+// payload: it checks the prefix's shape without parsing it, and accepts
+// exactly what splitVersioned accepts, so that Get serves no value Peek and
+// Check would call undecodable (a foreign writer's "0001:" or a number
+// past int64).
 func versionedPayload(data []byte) ([]byte, error) {
 	i := bytes.IndexByte(data, ':')
-	if i <= 0 || i > 19 {
+	if i <= 0 || i > len(maxVersionText) || (i > 1 && data[0] == '0') {
 		return nil, errMalformed
 	}
 	for _, b := range data[:i] {
@@ -513,8 +516,14 @@ func versionedPayload(data []byte) ([]byte, error) {
 			return nil, errMalformed
 		}
 	}
+	if i == len(maxVersionText) && string(data[:i]) > maxVersionText {
+		return nil, errMalformed
+	}
 	return data[i+1:], nil
 }
+
+// maxVersionText is the largest version prefix, math.MaxInt64 in decimal.
+const maxVersionText = "9223372036854775807"
 
 // joinVersioned builds "<version>:<payload>".
 func joinVersioned(version string, payload []byte) []byte {

@@ -18,6 +18,9 @@ func FuzzSplitVersioned(f *testing.F) {
 		v, payload, err := splitVersioned(data)
 		if err != nil {
 			require.Equal(t, errMalformed, err)
+			// The hit path serves exactly what Peek and Check can read.
+			_, err := versionedPayload(data)
+			require.Equal(t, errMalformed, err, "the hit path accepts %q", data)
 			return
 		}
 		require.GreaterOrEqual(t, v, int64(0))
