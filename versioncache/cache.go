@@ -361,13 +361,14 @@ func (c *Cache[T]) Get(ctx context.Context, id string, load Loader[T]) (T, error
 	}
 }
 
-// getAt is GetAt's and CheckAt's read of an id's GetAt key: one GET, which
-// a replica may serve (see GetAt), but never go-redis's client-side cache.
+// getPastLocalCache is GetAt's and CheckAt's read of an id's GetAt key (and Get's hit
+// on a client that does not read from replicas): one GET, which a replica
+// may serve (see GetAt), but never go-redis's client-side cache.
 // That cache can answer with a value an acknowledged Invalidate deleted
 // until its invalidation message arrives, at the caller's own version
 // included: the value of a data fix that kept the version, which the
 // Invalidate was to repair. Its error is redis.Nil for an absent key.
-func (c *Cache[T]) getAt(ctx context.Context, key string) ([]byte, error) {
+func (c *Cache[T]) getPastLocalCache(ctx context.Context, key string) ([]byte, error) {
 	if !c.bypassLocal {
 		return c.client.Get(ctx, key).Bytes()
 	}
@@ -384,25 +385,20 @@ func (c *Cache[T]) getAt(ctx context.Context, key string) ([]byte, error) {
 // getCurrent is the hit path: one GET of the current key, on the primary.
 func (c *Cache[T]) getCurrent(ctx context.Context, id string) ([]byte, bool, error) {
 	key := c.currentKey(id)
-	var cmd *redis.StringCmd
-	switch {
-	case c.primary != nil:
-		err := clusterpin.OnMaster(ctx, c.primary, key, func(p redis.Pipeliner) { cmd = p.Get(ctx, key) })
+	var (
+		data []byte
+		err  error
+	)
+	if c.primary != nil {
+		var cmd *redis.StringCmd
+		err = clusterpin.OnMaster(ctx, c.primary, key, func(p redis.Pipeliner) { cmd = p.Get(ctx, key) })
 		if err != nil && !errors.Is(err, redis.Nil) {
 			return nil, false, err
 		}
-	case c.bypassLocal:
-		// go-redis serves only single commands from its client-side cache,
-		// never a pipeline's.
-		p := c.client.Pipeline()
-		cmd = p.Get(ctx, key)
-		if _, err := p.Exec(ctx); err != nil && !errors.Is(err, redis.Nil) {
-			return nil, false, err
-		}
-	default:
-		cmd = c.client.Get(ctx, key)
+		data, err = cmd.Bytes()
+	} else {
+		data, err = c.getPastLocalCache(ctx, key) // the same GET, past any client-side cache
 	}
-	data, err := cmd.Bytes()
 	switch {
 	case err == nil:
 		return data, true, nil
@@ -779,7 +775,7 @@ func (c *Cache[T]) GetAt(ctx context.Context, id string, version int64, load Loa
 	for {
 		// Any replica may serve this read: a lagging one holds an older
 		// version, which is a miss, never a stale hit.
-		data, err := c.getAt(ctx, key)
+		data, err := c.getPastLocalCache(ctx, key)
 		switch {
 		case err == nil:
 			stored, payload, serr := splitVersioned(data)

@@ -282,7 +282,7 @@ const (
 
 // peekAt reads the value GetAt cached for id, without filling.
 func (c *Cache[T]) peekAt(ctx context.Context, id string) (val T, version int64, state int, err error) {
-	data, err := c.getAt(ctx, c.atKey(id))
+	data, err := c.getPastLocalCache(ctx, c.atKey(id))
 	switch {
 	case errors.Is(err, redis.Nil):
 		return val, 0, atNotCached, nil
