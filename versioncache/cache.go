@@ -361,10 +361,10 @@ func (c *Cache[T]) Get(ctx context.Context, id string, load Loader[T]) (T, error
 	}
 }
 
-// getPastLocalCache is GetAt's and CheckAt's read of an id's GetAt key (and Get's hit
-// on a client that does not read from replicas): one GET, which a replica
-// may serve (see GetAt), but never go-redis's client-side cache.
-// That cache can answer with a value an acknowledged Invalidate deleted
+// getPastLocalCache is one GET that never comes from go-redis's
+// client-side cache: GetAt's and CheckAt's read of an id's GetAt key
+// (which a replica may serve, see GetAt), and Get's hit on a client that
+// does not read from replicas. That cache can answer with a value an acknowledged Invalidate deleted
 // until its invalidation message arrives, at the caller's own version
 // included: the value of a data fix that kept the version, which the
 // Invalidate was to repair. Its error is redis.Nil for an absent key.
