@@ -207,7 +207,10 @@ func TestBucketsLayoutMismatch(t *testing.T) {
 			require.ErrorAs(t, err, &lm, "%d buckets: report %s", n, rep)
 			require.Equal(t, projection.LayoutMismatchError{Kind: projection.KindSortedSet, Name: testBoard, Stored: 4, Configured: n}, *lm)
 		}
-		rep, err := four.reconciler(t, nil).Run(context.Background(), RunOptions{Sample: 10, DryRun: true})
+		// Each of the 200 draws picks one of the 4 buckets, so a bucket
+		// holding one of the 3 members goes undrawn with odds of (3/4)^200:
+		// with 10 draws, CI once found 2 of the 3.
+		rep, err := four.reconciler(t, nil).Run(context.Background(), RunOptions{Sample: 200, DryRun: true})
 		require.NoError(t, err)
 		require.Equal(t, map[Class]int64{ClassOrphan: 3}, rep.Counts, "the sample finds them with the stored layout")
 	})
