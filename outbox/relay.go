@@ -1280,6 +1280,12 @@ func (r *Relay) Run(ctx context.Context) error {
 		case err != nil:
 			errPause.reset()
 			r.logger.Warn("outbox relay lost a lease; another relay owns those rows", slog.String("error", err.Error()))
+			if again == claimNow {
+				// The rows of the lost lease are another relay's now,
+				// but the claim was full: more may be due behind them.
+				heldPause.reset()
+				continue
+			}
 		case again == claimNow:
 			errPause.reset()
 			heldPause.reset()

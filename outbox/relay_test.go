@@ -434,6 +434,42 @@ func TestRelayLease(t *testing.T) {
 		require.False(t, deadline.After(sent.Add(lease)), "the deadline %s is later than the claim's send %s plus the lease", deadline, sent)
 	})
 
+	// A batch that lost its lease was still a full claim, so Run claims
+	// again at once, as after any full batch, rather than waiting a
+	// PollInterval (an hour here, and no notification wakes it) while
+	// rows are due.
+	t.Run("RunClaimsAgainAtOnceAfterAFullBatchLostItsLease", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		first, second := newMessage("s", "k1", 1), newMessage("s", "k2", 1)
+		b.appendCommitted(t, first)
+		b.appendCommitted(t, second)
+
+		slow := newBlocking()
+		h := &recorder{}
+		var calls atomic.Int32
+		relayA := b.relay(t, nil, outbox.HandlerFunc(func(ctx context.Context, batch []outbox.Record) ([]outbox.Result, error) {
+			if calls.Add(1) == 1 {
+				return handle(slow)(ctx, batch)
+			}
+			return h.Handle(ctx, batch)
+		}), outbox.RelayConfig{BatchSize: 1, PollInterval: time.Hour, DisableNotify: true, LeaseDuration: time.Minute})
+		startRun(t, relayA)
+		require.Equal(t, first.EventID, receive(t, slow.started)[0].EventID, "A's first claim is full with one row")
+
+		require.EqualValues(t, 1, b.expireLeases(t))
+		relayB := b.relay(t, nil, &recorder{}, outbox.RelayConfig{BatchSize: 1, Name: "b"})
+		n, err := relayB.RunOnce(ctx)
+		require.NoError(t, err)
+		require.Equal(t, 1, n, "B takes over the first row")
+
+		close(slow.release) // A's settle finds its lease lost
+		require.Eventually(t, func() bool { return len(h.seen()) == 1 }, 10*time.Second, 10*time.Millisecond,
+			"A claims the second row without waiting its PollInterval")
+		require.Equal(t, second.EventID, h.seen()[0].EventID)
+		require.Zero(t, b.count(t, b.writer.Table()))
+	})
+
 	t.Run("LostLeaseDoesNotTouchReclaimedRow", func(t *testing.T) {
 		t.Parallel()
 		b := setup(t)
