@@ -33,15 +33,7 @@ func TestRelayWakesOnlyForItsStreams(t *testing.T) {
 	// of the relay's stream was handled and the pool has been quiet.
 	b.appendNow(t, newMessage("a", "k0", 1))
 	require.Eventually(t, func() bool { return len(h.seen()) == 1 }, 10*time.Second, 10*time.Millisecond)
-	quiet := func() int64 {
-		for {
-			before := acquired.Load()
-			time.Sleep(100 * time.Millisecond)
-			if n := acquired.Load(); n == before {
-				return n
-			}
-		}
-	}
+	quiet := func() int64 { return quietCount(t, &acquired, 100*time.Millisecond) }
 	notify := func(payload string) {
 		_, err := b.pool.Exec(ctx, `SELECT pg_notify($1, $2)`, b.writer.Channel(), payload)
 		require.NoError(t, err)
@@ -177,7 +169,12 @@ func TestRelayDoesNotReclaimForAnotherRelaysBatch(t *testing.T) {
 		err := b.pool.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity WHERE query = $1`, `LISTEN "`+b.writer.Channel()+`"`).Scan(&n)
 		return err == nil && n == 2
 	}, 10*time.Second, 10*time.Millisecond, "both relays listen")
-	time.Sleep(200 * time.Millisecond) // its claims at start and after LISTEN
+	// Its claims at start and after LISTEN, and the probe notification its
+	// LISTEN connection sends through the pool; a fixed sleep here let a
+	// stalled one land in the window below.
+	require.Eventually(t, func() bool { return acquired.Load() >= 3 }, 10*time.Second, 5*time.Millisecond,
+		"the idle relay's claims at start and after LISTEN, and its probe")
+	time.Sleep(100 * time.Millisecond)
 	before := acquired.Load()
 	time.Sleep(1500 * time.Millisecond) // a relay that re-claimed would at 100, 200, 400, 800 ms
 	require.LessOrEqual(t, acquired.Load()-before, int64(1), "the idle relay claimed again while the other's batch ran")
@@ -322,7 +319,7 @@ func (b *testBundle) busyPartition(t *testing.T) (stop func()) {
 func TestRelaysWokenTogetherAllDeliver(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
-	msgs, handlers := b.relayPerStream(t, nil, 20, 20*time.Millisecond)
+	msgs, handlers, _ := b.relayPerStream(t, 20, 20*time.Millisecond)
 	b.appendNow(t, msgs...)
 	requireEachDelivers(t, handlers, 5*time.Second, "a row of a write that woke every relay")
 }
@@ -402,8 +399,7 @@ func TestSettleWakesOneStreamAtATime(t *testing.T) {
 		t.Run(name, func(t *testing.T) {
 			t.Parallel()
 			b := setup(t)
-			var acquired atomic.Int64
-			msgs, handlers := b.relayPerStream(t, b.countingPool(t, &acquired), tc.streams, tc.batch)
+			msgs, handlers, acquired := b.relayPerStream(t, tc.streams, tc.batch)
 			before := acquired.Load()
 			b.appendNow(t, msgs...)
 			requireEachDelivers(t, handlers, 30*time.Second, "a row of a write of many streams")
@@ -415,13 +411,15 @@ func TestSettleWakesOneStreamAtATime(t *testing.T) {
 	}
 }
 
-// relayPerStream runs n relays on pool (nil: the bundle's), one per stream
+// relayPerStream runs n relays on a pool of their own, one per stream
 // s0, s1, …, sharing a Listener, each batch taking batch (a projection's
 // round trips), with an hour's PollInterval, and returns once they listen
-// and their first claims are over: a message for each stream, and the
-// relays' handlers.
-func (b *testBundle) relayPerStream(t *testing.T, pool *pgxpool.Pool, n int, batch time.Duration) ([]outbox.Message, []*recorder) {
+// and their first claims are over: a message for each stream, the relays'
+// handlers, and the count of the pool's acquisitions.
+func (b *testBundle) relayPerStream(t *testing.T, n int, batch time.Duration) ([]outbox.Message, []*recorder, *atomic.Int64) {
 	t.Helper()
+	acquired := new(atomic.Int64)
+	pool := b.countingPool(t, acquired)
 	msgs := make([]outbox.Message, n)
 	handlers := make([]*recorder, n)
 	l := b.listener(t, pool) // one connection, not n: parallel tests share max_connections
@@ -432,6 +430,27 @@ func (b *testBundle) relayPerStream(t *testing.T, pool *pgxpool.Pool, n int, bat
 		startRun(t, b.relay(t, pool, handlers[i], outbox.RelayConfig{Streams: []string{s}, PollInterval: time.Hour, Listener: l}))
 	}
 	require.Eventually(t, func() bool { return b.listeners(t) == 1 }, 10*time.Second, 10*time.Millisecond, "the relays listen")
-	time.Sleep(500 * time.Millisecond)
-	return msgs, handlers
+	// Their claims at start and after LISTEN, and the probe: about two
+	// acquisitions a relay, which took up to 576 ms on a loaded machine
+	// and so could not be left to a fixed sleep.
+	quietCount(t, acquired, 200*time.Millisecond)
+	return msgs, handlers, acquired
+}
+
+// quietCount waits until counter has not moved for window and returns its
+// value; it fails the test if that takes more than 10 s.
+func quietCount(t *testing.T, counter *atomic.Int64, window time.Duration) int64 {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		before := counter.Load()
+		time.Sleep(window)
+		n := counter.Load()
+		if n == before {
+			return n
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the count kept moving for 10s (%d, %d a window of %s ago)", n, before, window)
+		}
+	}
 }
