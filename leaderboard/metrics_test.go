@@ -414,7 +414,11 @@ func TestLagGaugeCollectionStaysBounded(t *testing.T) {
 		// LagProbeIntervals plus twice lagGaugeWait after which a
 		// measurement is too old for the gauge.
 		interval = 800 * time.Millisecond
-		bound    = 2 * lagGaugeWait
+		// bound is a collection's during the stall: about lagGaugeWait,
+		// plus the CPU of collecting 20 boards under -race, which took
+		// 600 ms more on a loaded machine (2× lagGaugeWait failed there).
+		// Waiting per board takes 20 × lagGaugeWait, 5 s.
+		bound = 6 * lagGaugeWait
 	)
 	// newBoards makes the boards on pool and rdb, with a pending change
 	// each (no worker runs), so that a board's gauge, when present, is
