@@ -177,8 +177,10 @@
 // If the Handler outlives its lease and another relay takes the partition
 // over, the first relay's settle statement no longer finds its token there:
 // it changes nothing for those rows and reports a *LeaseLostError
-// (ErrLeaseLost). A relay whose lease expired but whose partitions nobody
-// took over still settles them: the token is still its own.
+// (ErrLeaseLost). Run logs it and goes on, claiming again at once when that
+// batch was full, as after any full batch. A relay whose lease expired but
+// whose partitions nobody took over still settles them: the token is still
+// its own.
 //
 // # Delivery guarantees
 //
