@@ -1250,19 +1250,24 @@ func (r *Relay) Run(ctx context.Context) error {
 	heldPause := newPauser(min(r.cfg.PollInterval, heldPauseMax))
 	for {
 		n, again, err := r.runBatch(ctx, workCtx)
+		if errors.Is(err, ErrLeaseLost) {
+			// The settle committed: the rows of the lost lease are another
+			// relay's now, and the batch counts as any other (a full one
+			// claims again at once).
+			r.logger.Warn("outbox relay lost a lease; another relay owns those rows", slog.String("error", err.Error()))
+			err = nil
+		}
 		switch {
 		case ctx.Err() != nil:
 			// The last batch (n > 0) may have failed to settle, which must
 			// not go unnoticed; an error without a batch is only the claim
 			// seeing ctx end.
-			if n > 0 && errors.Is(err, ErrLeaseLost) {
-				r.logger.Warn("outbox relay lost a lease; another relay owns those rows", slog.String("error", err.Error()))
-			} else if n > 0 && err != nil {
+			if n > 0 && err != nil {
 				r.logger.Error("outbox relay could not settle its last batch at shutdown; its rows are delivered again when their lease ends",
 					slog.String("error", err.Error()), slog.Int("batch", n))
 			}
 			return nil
-		case err != nil && !errors.Is(err, ErrLeaseLost):
+		case err != nil:
 			pause := errPause.next()
 			r.logger.Error("outbox relay batch failed", slog.String("error", err.Error()), slog.Duration("pause", pause))
 			// Notifications do not cut the pause short: every commit sends
@@ -1277,15 +1282,6 @@ func (r *Relay) Run(ctx context.Context) error {
 			default:
 			}
 			continue
-		case err != nil:
-			errPause.reset()
-			r.logger.Warn("outbox relay lost a lease; another relay owns those rows", slog.String("error", err.Error()))
-			if again == claimNow {
-				// The rows of the lost lease are another relay's now,
-				// but the claim was full: more may be due behind them.
-				heldPause.reset()
-				continue
-			}
 		case again == claimNow:
 			errPause.reset()
 			heldPause.reset()
