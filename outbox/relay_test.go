@@ -311,15 +311,24 @@ func TestRelayLease(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 
-	// blockingHandler signals started when called, then waits for release
+	// blockingHandler signals started when called, then waits for unblock
 	// regardless of its context, like a relay whose process froze.
 	type blockingHandler struct {
 		started  chan []outbox.Record
 		release  chan struct{}
 		deadline chan time.Time
+		unblock  func() // idempotent
 	}
-	newBlocking := func() *blockingHandler {
-		return &blockingHandler{started: make(chan []outbox.Record, 1), release: make(chan struct{}), deadline: make(chan time.Time, 1)}
+	// newBlocking's handler is unblocked at t's cleanup at the latest, so
+	// a subtest that fails while it blocks leaves no call stuck behind it.
+	// A subtest whose Run cleanup waits for the call (startRun) registers
+	// unblock again after startRun: cleanups run last-registered first.
+	newBlocking := func(t *testing.T) *blockingHandler {
+		h := &blockingHandler{started: make(chan []outbox.Record, 1), release: make(chan struct{}), deadline: make(chan time.Time, 1)}
+		var once sync.Once
+		h.unblock = func() { once.Do(func() { close(h.release) }) }
+		t.Cleanup(h.unblock)
+		return h
 	}
 	handle := func(h *blockingHandler) outbox.HandlerFunc {
 		return func(ctx context.Context, batch []outbox.Record) ([]outbox.Result, error) {
@@ -340,7 +349,7 @@ func TestRelayLease(t *testing.T) {
 		// ends it on purpose (expireLeases) when it wants it over.
 		const lease = time.Minute
 
-		slow := newBlocking()
+		slow := newBlocking(t)
 		relayA := b.relay(t, nil, handle(slow), outbox.RelayConfig{LeaseDuration: lease, Name: "a"})
 		claimedAt := time.Now()
 		type outcome struct {
@@ -398,7 +407,7 @@ func TestRelayLease(t *testing.T) {
 		require.Equal(t, 2, seen[0].Attempts, "the re-delivery is the second attempt")
 
 		// A finally finishes: its acknowledgement is refused.
-		close(slow.release)
+		slow.unblock()
 		resA := receive(t, doneA)
 		require.Equal(t, 1, resA.n)
 		require.ErrorIs(t, resA.err, outbox.ErrLeaseLost)
@@ -445,7 +454,7 @@ func TestRelayLease(t *testing.T) {
 		b.appendCommitted(t, first)
 		b.appendCommitted(t, second)
 
-		slow := newBlocking()
+		slow := newBlocking(t)
 		h := &recorder{}
 		var calls atomic.Int32
 		relayA := b.relay(t, nil, outbox.HandlerFunc(func(ctx context.Context, batch []outbox.Record) ([]outbox.Result, error) {
@@ -455,9 +464,7 @@ func TestRelayLease(t *testing.T) {
 			return h.Handle(ctx, batch)
 		}), outbox.RelayConfig{BatchSize: 1, PollInterval: time.Hour, DisableNotify: true, LeaseDuration: time.Minute})
 		startRun(t, relayA)
-		var once sync.Once
-		release := func() { once.Do(func() { close(slow.release) }) }
-		t.Cleanup(release) // before startRun's stop, should the test fail first
+		t.Cleanup(slow.unblock) // before startRun's stop, should the test fail first
 		require.Equal(t, first.EventID, receive(t, slow.started)[0].EventID, "A's first claim is full with one row")
 
 		require.EqualValues(t, 1, b.expireLeases(t))
@@ -466,7 +473,7 @@ func TestRelayLease(t *testing.T) {
 		require.NoError(t, err)
 		require.Equal(t, 1, n, "B takes over the first row")
 
-		release() // A's settle finds its lease lost
+		slow.unblock() // A's settle finds its lease lost
 		require.Eventually(t, func() bool { return len(h.seen()) == 1 }, 10*time.Second, 10*time.Millisecond,
 			"A claims the second row without waiting its PollInterval")
 		require.Equal(t, second.EventID, h.seen()[0].EventID)
@@ -486,7 +493,7 @@ func TestRelayLease(t *testing.T) {
 
 		// A fails its batch after B has re-claimed it: A's failure must not
 		// reschedule or release B's claim.
-		slow := newBlocking()
+		slow := newBlocking(t)
 		relayA := b.relay(t, nil, outbox.HandlerFunc(func(ctx context.Context, batch []outbox.Record) ([]outbox.Result, error) {
 			slow.started <- batch
 			<-slow.release
@@ -496,19 +503,19 @@ func TestRelayLease(t *testing.T) {
 		receive(t, slow.started)
 		require.EqualValues(t, 1, b.expireLeases(t), "A's batch holds one partition")
 
-		hold := newBlocking()
+		hold := newBlocking(t)
 		relayB := b.relay(t, nil, handle(hold), outbox.RelayConfig{LeaseDuration: time.Minute})
 		doneB := runOnceAsync(ctx, relayB)
 		receive(t, hold.started)
 		rowsBefore := b.rows(t)
 		require.Len(t, rowsBefore, 1)
 
-		close(slow.release)
+		slow.unblock()
 		require.ErrorIs(t, receive(t, doneA), outbox.ErrLeaseLost)
 		rowsAfter := b.rows(t)
 		require.Equal(t, rowsBefore, rowsAfter, "A's late failure changed nothing")
 
-		close(hold.release)
+		hold.unblock()
 		require.NoError(t, receive(t, doneB))
 		require.Zero(t, b.count(t, b.writer.Table()))
 	})
@@ -529,14 +536,14 @@ func TestRelayLease(t *testing.T) {
 				// ExpiryRedeliversAndLateAckIsRefused.
 				const lease = 10 * time.Second
 
-				slow := newBlocking()
+				slow := newBlocking(t)
 				relayA := b.relay(t, nil, handle(slow), outbox.RelayConfig{LeaseDuration: lease, KeepPublished: keep, Name: "a"})
 				doneA := runOnceAsync(ctx, relayA)
 				batchA := receive(t, slow.started)
 				require.Len(t, batchA, 1)
 				require.EqualValues(t, 1, b.expireLeases(t), "A's batch holds one partition")
 
-				hold := newBlocking()
+				hold := newBlocking(t)
 				relayB := b.relay(t, nil, handle(hold), outbox.RelayConfig{LeaseDuration: time.Minute, KeepPublished: keep, Name: "b"})
 				doneB := runOnceAsync(ctx, relayB)
 				batchB := receive(t, hold.started)
@@ -545,11 +552,11 @@ func TestRelayLease(t *testing.T) {
 				rowsBefore := b.rows(t)
 				require.Len(t, rowsBefore, 1)
 
-				close(slow.release)
+				slow.unblock()
 				require.ErrorIs(t, receive(t, doneA), outbox.ErrLeaseLost, "A's late acknowledgement is refused")
 				require.Equal(t, rowsBefore, b.rows(t), "A's late acknowledgement changed a row B holds")
 
-				close(hold.release)
+				hold.unblock()
 				require.NoError(t, receive(t, doneB), "B holds the lease: its settle succeeds")
 			})
 		}
@@ -566,7 +573,7 @@ func TestRelayLease(t *testing.T) {
 		b := setup(t)
 		b.appendCommitted(t, newMessage("s", "k", 1))
 		appName := "verity_relay_" + uuid.NewString()[:8]
-		slow := newBlocking()
+		slow := newBlocking(t)
 		// A long lease, ended on purpose (expireLeases).
 		relayA := b.relay(t, newPoolNamed(t, b.pg.ConnString, appName), handle(slow), outbox.RelayConfig{LeaseDuration: 10 * time.Second})
 		doneA := runOnceAsync(ctx, relayA)
@@ -583,7 +590,7 @@ func TestRelayLease(t *testing.T) {
     leased_until = now() + interval '1 hour', inflight = int8multirange(int8range($1, $1, '[]'))
 WHERE part = mod($1 / 256, 64) RETURNING owner`, batchA[0].ID).Scan(&owner))
 
-		close(slow.release)
+		slow.unblock()
 		require.Eventually(t, func() bool { return b.waitingForLock(appName, "") }, 10*time.Second, 10*time.Millisecond,
 			"A's settle waits for the takeover's lock")
 		require.NoError(t, takeover.Commit(ctx))
@@ -602,7 +609,7 @@ WHERE part = mod($1 / 256, 64) RETURNING owner`, batchA[0].ID).Scan(&owner))
 		t.Parallel()
 		b := setup(t)
 		b.appendCommitted(t, newMessage("s", "k", 1))
-		slow := newBlocking()
+		slow := newBlocking(t)
 		relayA := b.relay(t, nil, outbox.HandlerFunc(func(ctx context.Context, batch []outbox.Record) ([]outbox.Result, error) {
 			slow.started <- batch
 			<-slow.release
@@ -622,7 +629,7 @@ WHERE part = mod($1 / 256, 64) RETURNING owner`, batchA[0].ID).Scan(&owner))
 		require.Len(t, batchB, 1, "B takes the partition over")
 
 		cancel() // A stops: its rows are released, not retried
-		close(slow.release)
+		slow.unblock()
 		err = receive(t, doneA)
 		var lost *outbox.LeaseLostError
 		require.ErrorAs(t, err, &lost)
@@ -642,7 +649,7 @@ WHERE part = mod($1 / 256, 64) RETURNING owner`, batchA[0].ID).Scan(&owner))
 				b.appendCommitted(t, newMessage("a", "k1", 1), newMessage("b", "k2", 1)) // consecutive ids: one partition
 
 				var logs syncBuffer
-				slow := newBlocking()
+				slow := newBlocking(t)
 				cfg := outbox.RelayConfig{
 					Streams: []string{"a"}, MaxAttempts: maxAttempts, LeaseDuration: 10 * time.Second,
 					RetryBackoffMin: time.Minute, RetryBackoffMax: time.Minute,
@@ -668,7 +675,7 @@ WHERE part = mod($1 / 256, 64) RETURNING owner`, batchA[0].ID).Scan(&owner))
 				require.NoError(t, err)
 				require.Equal(t, 1, n, "B takes the partition over and delivers its row")
 
-				close(slow.release)
+				slow.unblock()
 				require.ErrorIs(t, receive(t, doneA), outbox.ErrLeaseLost)
 				st, err := relayA.Stats(ctx)
 				require.NoError(t, err)
@@ -708,7 +715,7 @@ WHERE part = mod($1 / 256, 64) RETURNING owner`, batchA[0].ID).Scan(&owner))
 		t.Parallel()
 		b := setup(t)
 		b.appendCommitted(t, newMessage("s", "k", 1))
-		slow := newBlocking()
+		slow := newBlocking(t)
 		// A long lease, ended on purpose once the batch is handled: a short
 		// one could run out during the claim itself on a loaded machine.
 		r := b.relay(t, nil, handle(slow), outbox.RelayConfig{LeaseDuration: 10 * time.Second})
@@ -719,7 +726,7 @@ WHERE part = mod($1 / 256, 64) RETURNING owner`, batchA[0].ID).Scan(&owner))
 		}()
 		receive(t, slow.started)
 		require.EqualValues(t, 1, b.expireLeases(t), "the batch holds one partition")
-		close(slow.release)
+		slow.unblock()
 		require.NoError(t, receive(t, done), "the claim token is still ours, so the work counts")
 		require.Zero(t, b.count(t, b.writer.Table()))
 	})
