@@ -32,10 +32,33 @@ import (
 func FreePort() (int, error) { return FreePortPair(0) }
 
 // FreePortPair returns a port p such that p and p+offset were both free a
-// moment ago, chosen as FreePort chooses (offset 0: one port). A Redis
-// Cluster node needs its port and port+10000, for its bus.
+// moment ago, chosen as FreePort chooses (offset 0: one port), and neither
+// returned before by this process. A Redis Cluster node needs its port and
+// port+10000, for its bus.
 func FreePortPair(offset int) (int, error) {
-	free := func(p int) bool { return portFree(p) && (offset == 0 || portFree(p+offset)) }
+	handedOut.mu.Lock()
+	defer handedOut.mu.Unlock()
+	p, err := freePortPair(offset, func(p int) bool { return !handedOut.ports[p] })
+	if err == nil {
+		handedOut.ports[p], handedOut.ports[p+offset] = true, true
+	}
+	return p, err
+}
+
+// handedOut is every port FreePortPair returned in this process. None is
+// returned twice: a test's server that is down for a restart leaves its
+// port free, and another test in the same process must not take it then.
+// (Process-wide because the ports are.)
+var handedOut = struct {
+	mu    sync.Mutex
+	ports map[int]bool
+}{ports: map[int]bool{}}
+
+// freePortPair is FreePortPair's search among the ports ok accepts.
+func freePortPair(offset int, ok func(int) bool) (int, error) {
+	free := func(p int) bool {
+		return ok(p) && ok(p+offset) && portFree(p) && (offset == 0 || portFree(p+offset))
+	}
 	lo, hi := minFixedPort, ephemeralPortsStart()-1-offset
 	for attempt := 0; hi > lo && attempt < 100; attempt++ {
 		if p := lo + rand.IntN(hi-lo+1); free(p) {

@@ -37,4 +37,23 @@ func TestFreePort(t *testing.T) {
 			require.Less(t, p+10000, ephemeral, "the pair's second port must stay below the range too")
 		}
 	})
+
+	// A server stopped for a restart leaves its port free for a while:
+	// no port goes to two callers in one process, so no other test here
+	// can take it then. (By chance alone, 300 draws from the ports below
+	// the ephemeral range would repeat one more often than not.)
+	t.Run("NeverTwice", func(t *testing.T) {
+		t.Parallel()
+		seen := map[int]bool{}
+		for i := range 300 {
+			p, err := FreePortPair(i % 2 * 10000)
+			require.NoError(t, err)
+			require.False(t, seen[p], "port %d handed out twice", p)
+			seen[p] = true
+			if i%2 == 1 {
+				require.False(t, seen[p+10000], "port %d handed out twice", p+10000)
+				seen[p+10000] = true
+			}
+		}
+	})
 }
