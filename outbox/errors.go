@@ -16,9 +16,9 @@ import (
 var (
 	// ErrInvalidConfig reports a Config, RelayConfig, ListenerConfig,
 	// NotifierConfig or ReplayFilter field (or a constructor argument)
-	// that cannot be used, or a Relay or Listener not made by NewRelay or
-	// NewListener (a zero value, or nil). The error is a *ConfigError
-	// naming the field (or the type).
+	// that cannot be used, or a Writer, Relay or Listener not made by
+	// NewWriter, NewRelay or NewListener (a zero value, or nil). The error
+	// is a *ConfigError naming the field (or the type).
 	ErrInvalidConfig = errors.New("outbox: invalid config")
 
 	// ErrInvalidMessage reports a Message that Append refused before writing

@@ -151,3 +151,41 @@ func TestZeroRelay(t *testing.T) {
 		})
 	}
 }
+
+// A Writer not made by NewWriter is refused with a *ConfigError by every
+// method that writes, and nothing is written: the caller's transaction
+// stays usable.
+func TestZeroWriter(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	b := setup(t)
+	for name, w := range map[string]*outbox.Writer{"Zero": {}, "Nil": nil} {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			tx, err := b.pool.Begin(ctx)
+			require.NoError(t, err)
+			t.Cleanup(func() { _ = tx.Rollback(ctx) })
+			for method, call := range map[string]func() error{
+				"Append":        func() error { return w.Append(ctx, tx, newMessage("s", "k", 1)) },
+				"RecordCommand": func() error { _, err := w.RecordCommand(ctx, tx, uuid.New(), []byte("f")); return err },
+				"StoreCommandResult": func() error {
+					return w.StoreCommandResult(ctx, tx, uuid.New(), []byte("r"))
+				},
+				"PruneCommands": func() error { _, err := w.PruneCommands(ctx, tx, time.Hour); return err },
+			} {
+				err := call()
+				require.ErrorIs(t, err, outbox.ErrInvalidConfig, method)
+				var cfgErr *outbox.ConfigError
+				require.ErrorAs(t, err, &cfgErr, method)
+				require.Equal(t, "Writer", cfgErr.Field, method)
+				require.Contains(t, cfgErr.Reason, "create it with NewWriter", method)
+			}
+			var n int
+			require.NoError(t, tx.QueryRow(ctx, "SELECT count(*) FROM "+b.writer.Table()).Scan(&n), "the transaction is still usable")
+			require.Zero(t, n, "nothing was written")
+			require.Empty(t, w.Table())
+			require.Empty(t, w.Channel())
+			require.Equal(t, outbox.TableDefault, w.Config().Table, "the defaults")
+		})
+	}
+}

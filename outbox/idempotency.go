@@ -97,6 +97,9 @@ RETURNING created_at`
 // REPEATABLE READ or SERIALIZABLE the snapshot still sees that record, and
 // the command is a duplicate.
 func (w *Writer) RecordCommand(ctx context.Context, tx Tx, eventID uuid.UUID, fingerprint []byte) (Command, error) {
+	if w.unmade() {
+		return Command{}, errUnmadeWriter()
+	}
 	if deps.Missing(tx) {
 		return Command{}, missingTx()
 	}
@@ -154,6 +157,9 @@ func (w *Writer) RecordCommand(ctx context.Context, tx Tx, eventID uuid.UUID, fi
 // ErrCommandNotRecorded when the id is unknown. Neither error fails a
 // statement, so tx remains usable.
 func (w *Writer) StoreCommandResult(ctx context.Context, tx Tx, eventID uuid.UUID, result []byte) error {
+	if w.unmade() {
+		return errUnmadeWriter()
+	}
 	if deps.Missing(tx) {
 		return missingTx()
 	}
@@ -193,6 +199,9 @@ const pruneCommandsSQL = `DELETE FROM %s WHERE created_at < now() - $1 * interva
 // record, is refused with a *ConfigError naming "retention"
 // (ErrInvalidConfig), and nothing is deleted.
 func (w *Writer) PruneCommands(ctx context.Context, db Execer, retention time.Duration) (int64, error) {
+	if w.unmade() {
+		return 0, errUnmadeWriter()
+	}
 	if deps.Missing(db) {
 		return 0, missingDB()
 	}

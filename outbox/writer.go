@@ -47,10 +47,25 @@ func NewWriter(cfg *Config) (*Writer, error) {
 	}, nil
 }
 
+// unmade reports a Writer not made by NewWriter (a zero value, or nil),
+// which has no table to write to.
+func (w *Writer) unmade() bool { return w == nil || w.appendSQL == "" }
+
+// errUnmadeWriter refuses a Writer not made by NewWriter.
+func errUnmadeWriter() error {
+	return &ConfigError{Field: "Writer", Reason: "has no outbox table (a zero value, or nil); create it with NewWriter(cfg)"}
+}
+
 // Table returns the quoted, schema-qualified name of the outbox table, ready
 // to be placed in SQL text, for callers that compose their own INSERT (see
-// the package documentation, "Composing your own INSERT").
-func (w *Writer) Table() string { return w.names.Outbox }
+// the package documentation, "Composing your own INSERT"). It is empty for
+// a Writer not made by NewWriter.
+func (w *Writer) Table() string {
+	if w.unmade() {
+		return ""
+	}
+	return w.names.Outbox
+}
 
 // Channel returns the NOTIFY channel relays of this outbox listen on. A
 // composed INSERT wakes them by calling pg_notify with this channel (passed
@@ -58,11 +73,23 @@ func (w *Writer) Table() string { return w.names.Outbox }
 // commits. Its payload is the rows' stream when they all have one, so that
 // relays restricted to other streams (RelayConfig.Streams) are not woken,
 // or else empty, which wakes every relay. The name is derived from Schema
-// and Table, so outboxes in different schemas do not wake each other.
-func (w *Writer) Channel() string { return w.names.Channel }
+// and Table, so outboxes in different schemas do not wake each other. It
+// is empty for a Writer not made by NewWriter.
+func (w *Writer) Channel() string {
+	if w.unmade() {
+		return ""
+	}
+	return w.names.Channel
+}
 
-// Config returns the Writer's configuration with defaults applied.
-func (w *Writer) Config() Config { return w.cfg }
+// Config returns the Writer's configuration with defaults applied (only
+// the defaults for a Writer not made by NewWriter).
+func (w *Writer) Config() Config {
+	if w.unmade() {
+		return *(*Config)(nil).WithDefaults()
+	}
+	return w.cfg
+}
 
 // appendSQL inserts every message with one statement and wakes relays in the
 // same statement. unnest keeps array order, so ids ascend in message order.
@@ -110,6 +137,9 @@ func pgUUID(id uuid.UUID) pgtype.UUID { return pgtype.UUID{Bytes: id, Valid: tru
 func (w *Writer) Append(ctx context.Context, tx Tx, msgs ...Message) error {
 	if len(msgs) == 0 {
 		return nil // nothing to write, whatever tx is
+	}
+	if w.unmade() {
+		return errUnmadeWriter()
 	}
 	if deps.Missing(tx) {
 		return missingTx()
