@@ -51,7 +51,14 @@ const (
 ON CONFLICT (event_id) DO NOTHING
 RETURNING created_at`
 
-	lookupCommandSQL = `SELECT fingerprint, result, created_at FROM %s WHERE event_id = $1`
+	// Under REPEATABLE READ or SERIALIZABLE the lookup can see two records
+	// of one id: one pruned after tx's snapshot was taken, and the one tx
+	// recorded anew since (see RecordCommand). tx's own is the newer: its
+	// created_at is tx's start, and the pruned one's is older than the
+	// retention it was pruned at, unless tx was open that long before
+	// recording.
+	lookupCommandSQL = `SELECT fingerprint, result, created_at FROM %s WHERE event_id = $1
+ORDER BY created_at DESC LIMIT 1`
 
 	// storeResultSQL sets only a result not stored yet: the first one is
 	// what duplicates return (Command.Result). When it matches no row,
@@ -95,7 +102,9 @@ RETURNING created_at`
 // three times in all, after which RecordCommand returns an error matching
 // ErrCommandRecordDeleted, having written nothing (tx remains usable). Under
 // REPEATABLE READ or SERIALIZABLE the snapshot still sees that record, and
-// the command is a duplicate.
+// the command is a duplicate. A command tx recorded anew is then what tx's
+// later RecordCommand calls for the id find, not the pruned record its
+// snapshot still sees.
 func (w *Writer) RecordCommand(ctx context.Context, tx Tx, eventID uuid.UUID, fingerprint []byte) (Command, error) {
 	if w.unmade() {
 		return Command{}, errUnmadeWriter()

@@ -488,6 +488,42 @@ func TestRecordCommand(t *testing.T) {
 		}
 	})
 
+	// Pruned after tx's snapshot, the id is recorded anew by tx for another
+	// command; tx's snapshot now sees both records, and RecordCommand again
+	// in tx must find tx's own: a duplicate with tx's result, and a
+	// conflict for the pruned record's command.
+	t.Run("PrunedAfterSnapshotThenRecordedTwice", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		id := uuid.New()
+		_, err := execute(t, b, id, "c")
+		require.NoError(t, err)
+		tx, err := b.pool.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.RepeatableRead})
+		require.NoError(t, err)
+		defer tx.Rollback(ctx)            //nolint:errcheck
+		_, err = tx.Exec(ctx, "SELECT 1") // takes the snapshot
+		require.NoError(t, err)
+		n, err := b.writer.PruneCommands(ctx, b.pool, time.Microsecond)
+		require.NoError(t, err)
+		require.EqualValues(t, 1, n)
+
+		d := outbox.Fingerprint([]byte("d"))
+		cmd, err := b.writer.RecordCommand(ctx, tx, id, d)
+		require.NoError(t, err)
+		require.False(t, cmd.Duplicate)
+		require.NoError(t, b.writer.StoreCommandResult(ctx, tx, id, []byte("result of d")))
+
+		cmd, err = b.writer.RecordCommand(ctx, tx, id, d)
+		require.NoError(t, err, "tx recorded d itself")
+		require.True(t, cmd.Duplicate)
+		require.Equal(t, "result of d", string(cmd.Result))
+
+		_, err = b.writer.RecordCommand(ctx, tx, id, outbox.Fingerprint([]byte("c")))
+		var conflict *outbox.IdempotencyConflictError
+		require.ErrorAs(t, err, &conflict, "c was pruned; the id is d's now")
+		require.Equal(t, d, conflict.RecordedFingerprint)
+	})
+
 	// A record that reappears before, and is deleted after, every one of
 	// RecordCommand's inserts: it gives up after three, with a typed error,
 	// having written nothing, and the transaction stays usable.
