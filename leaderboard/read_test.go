@@ -1619,6 +1619,33 @@ func TestFreshnessProbe(t *testing.T) {
 		require.Equal(t, int64(17), r.Entries[0].Score)
 	})
 
+	// A row written late in a long transaction has a newer id than rows
+	// written meanwhile, but is as old as the transaction: the oldest dead
+	// letter is the one created first, whatever its id.
+	t.Run("OldestDeadLetterIsTheFirstCreatedNotTheFirstID", func(t *testing.T) {
+		t.Parallel()
+		tb := setup(t, func(c *Config) {
+			c.ReadPolicy = FailClosed
+			c.MaxLag = 5 * time.Second
+			c.LagProbeInterval = time.Nanosecond
+		})
+		tb.submit(t, "seed", 1)
+		tb.drain(t)
+		tb.submit(t, "user-a", 10)
+		tb.submit(t, "user-b", 20)
+		tb.bury(t)
+		// user-b's row, the newer id, stands for one whose transaction
+		// began a minute before user-a's.
+		_, err := tb.pg.Pool.Exec(ctx, `UPDATE verity_outbox_dead SET created_at = created_at - interval '1 minute' WHERE key = 'user-b'`)
+		require.NoError(t, err)
+		require.Greater(t, tb.oldestDeadLetterAge(t), 59*time.Second)
+
+		_, err = tb.board.Top(ctx, 10)
+		var stale *StaleError
+		require.ErrorAs(t, err, &stale, "FailClosed must not serve Redis with a minute-old change missing from it")
+		require.Greater(t, stale.Lag, 59*time.Second)
+	})
+
 	t.Run("SupersededDeadLetterDoesNotCount", func(t *testing.T) {
 		t.Parallel()
 		tb := setup(t, func(c *Config) {
@@ -1763,7 +1790,7 @@ func (tb *testBundle) oldestDeadLetterAge(t *testing.T) time.Duration {
 // generic plan, which cannot see the stream. The dead-letter table holds
 // another stream's dead letters only, so its statistics say one stream holds
 // them all; the plan must still read this stream's dead letters by the
-// (stream, id) index (not walk the table in id order filtering on stream),
+// (stream, created_at) index (not walk the table filtering on stream),
 // once for the oldest that counts and once for one dated after the clock,
 // that one filtered on created_at before the superseded check, which looks
 // the user up by user_scores' primary key and checks the pending and dead
@@ -1803,11 +1830,10 @@ func TestLagProbePlan(t *testing.T) {
 		t.Run(name, func(t *testing.T) {
 			plan, doc := explain()
 
-			// The scans of the stream's dead letters: d for the oldest that
-			// counts, in (stream, id) order; d_1 for one dated after the
-			// clock, a range of the (stream, created_at) index bounded by
-			// that reading.
-			for alias, index := range map[string]string{"d": "_dead_stream_idx", "d_1": "_dead_created_idx"} {
+			// The scans of the stream's dead letters, both by the (stream,
+			// created_at) index: d for the oldest that counts, d_1 for one
+			// dated after the clock, a range bounded by that reading.
+			for alias, index := range map[string]string{"d": "_dead_created_idx", "d_1": "_dead_created_idx"} {
 				scans := plan.find(func(n *planNode) bool { return n.Alias == alias })
 				require.Len(t, scans, 1, doc)
 				require.Equal(t, "Index Scan", scans[0].NodeType, doc)
