@@ -421,7 +421,10 @@ func (b *Board) submitOne(ctx context.Context, cmd Command) (Result, error) {
 // The outbox row's creation time, which the lag counts from
 // (Freshness.Lag), is the start of tx (PostgreSQL's now()): a long
 // transaction commits a change that already looks that old, and reads
-// report the lag, against Config.MaxLag too, until it is projected.
+// report the lag, against Config.MaxLag too, until it is projected. Reads
+// that reuse a lag measurement taken while tx was open (for up to
+// Config.LagProbeInterval) do not see the change yet, and report too
+// small a lag by up to how long tx had been open then.
 //
 // Unlike Submit, the statement itself notifies the relays (pg_notify,
 // delivered when tx commits and never if it rolls back): the board cannot

@@ -130,7 +130,8 @@
 // before it is visible. The probe is one small query, reused for
 // Config.LagProbeInterval; a measurement reused for longer, while a slow
 // probe is under way, adds its age to the lag, so Lag understates the
-// truth by less than LagProbeInterval. Lag is -1 when it could not be
+// truth by less than LagProbeInterval (more only for a change whose
+// transaction was open across the measurement: see Board.SubmitTx). Lag is -1 when it could not be
 // measured, which the read policies treat as a lag above MaxLag: the probe
 // failed, or it found a change not yet projected dated after the database
 // clock (the clock stepped back since the change was written, so neither

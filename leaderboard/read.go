@@ -73,8 +73,10 @@ type Freshness struct {
 	// measurement is younger than Config.LagProbeInterval and its age
 	// after that (a probe under way can take longer, and a change may have
 	// been waiting since), so Lag understates the true lag by less than
-	// LagProbeInterval. A measurement's age counts from when its query was
-	// sent. 0 for PostgreSQL answers; negative when it could not be
+	// LagProbeInterval, plus, for a change whose transaction was already
+	// open when the measurement was taken (a change counts from its
+	// transaction's start; see Board.SubmitTx), how long it had been open
+	// then. A measurement's age counts from when its query was sent. 0 for PostgreSQL answers; negative when it could not be
 	// measured: PostgreSQL could not be asked, or the probe found a change
 	// not yet projected dated after the database clock, which therefore
 	// stepped back since the change was written (an NTP step, a VM
@@ -733,7 +735,10 @@ type verifiedLook struct {
 // when its query was sent, not from when the reply arrived (a change that
 // commits while the reply travels is invisible to it). Reported lag
 // therefore understates the true lag by less than LagProbeInterval, however
-// long a probe or its reply takes.
+// long a probe or its reply takes, except for a change whose transaction
+// began before the measurement and committed after it: the measurement
+// could not see it, and its age counts from its transaction's start, so
+// the understatement grows by how long that transaction had been open.
 //
 // With Config.RequireVerifiedProjection, a measured lag is reported only
 // when verifiedLately then finds Verify's record, looked for apart from the
