@@ -477,9 +477,14 @@ func (b *Board) SubmitTx(ctx context.Context, tx outbox.Tx, cmd Command) (Result
 	return res, err
 }
 
+// errNilTx refuses a nil transaction given to method.
+func errNilTx(method string) error {
+	return &ConfigError{Field: "tx", Reason: "is nil; " + method + " needs the caller's open transaction (a pgx.Tx, or outbox.SQLTx of a *sql.Tx)"}
+}
+
 func (b *Board) submitTx(ctx context.Context, tx outbox.Tx, cmd Command) (Result, error) {
 	if deps.Missing(tx) {
-		return Result{}, errors.New("leaderboard: SubmitTx needs a transaction (a pgx.Tx, or outbox.SQLTx of a *sql.Tx)")
+		return Result{}, errNilTx("SubmitTx")
 	}
 	if err := b.validate(0, cmd); err != nil {
 		return Result{}, err
@@ -639,7 +644,7 @@ func (b *Board) SubmitBatchTx(ctx context.Context, tx outbox.Tx, cmds []Command)
 
 func (b *Board) submitBatchTx(ctx context.Context, tx outbox.Tx, cmds []Command) ([]Result, error) {
 	if deps.Missing(tx) {
-		return nil, errors.New("leaderboard: SubmitBatchTx needs a transaction (a pgx.Tx, or outbox.SQLTx of a *sql.Tx)")
+		return nil, errNilTx("SubmitBatchTx")
 	}
 	if len(cmds) == 0 {
 		return nil, nil

@@ -13,8 +13,7 @@ import (
 
 // Sentinel errors. Every error the package returns for a caller's mistake or
 // a refused operation matches one of them with errors.Is; the typed errors
-// below carry the details for errors.As. (Two exceptions: a nil
-// transaction given to SubmitTx is a plain error, and a Worker's Run,
+// below carry the details for errors.As. (One exception: a Worker's Run,
 // RunOnce and Drain return its outbox.Relay's errors as they are, such as
 // outbox.ErrRelayRunning for a second concurrent Run and
 // outbox.ErrLeaseLost; Run returns nil after a cancellation.)
@@ -22,7 +21,8 @@ var (
 	// ErrInvalidConfig matches every *ConfigError: New, Migrate,
 	// MigrationSQL, Board.Worker, Board.Reconciler or Board.Verify was given
 	// a nil dependency or a configuration it cannot use (Board.Worker's
-	// Redis client included), or a method was called on a Board that New
+	// Redis client included), SubmitTx or SubmitBatchTx a nil transaction
+	// (nothing was written), or a method was called on a Board that New
 	// did not make or a Worker that Board.Worker did not make (a zero
 	// value, or a nil pointer), and nothing was created or run.
 	ErrInvalidConfig = errors.New("leaderboard: invalid config")
@@ -95,8 +95,8 @@ type ConfigError struct {
 	// "reconcile.Config.PageSize" (Reconciler's and Verify's cfg), an
 	// argument of New ("pool", "rdb", "cfg"; "rdb" also for a Redis client
 	// that could wait forever, and from Board.Worker for a Redis client its
-	// projector refuses), Migrate's "db", or
-	// "Board" or "Worker" for a zero or nil one.
+	// projector refuses), Migrate's "db", SubmitTx's and SubmitBatchTx's
+	// "tx", or "Board" or "Worker" for a zero or nil one.
 	Field string
 	// Reason says what is wrong and how to fix it.
 	Reason string

@@ -291,6 +291,10 @@ func TestSubmitBatchTx(t *testing.T) {
 		t.Parallel()
 		tb := setup(t)
 		_, err := tb.board.SubmitBatchTx(ctx, nil, []Command{{EventID: uuid.New(), UserID: "x", Delta: 1}})
-		require.ErrorContains(t, err, "SubmitBatchTx needs a transaction")
+		require.ErrorIs(t, err, ErrInvalidConfig)
+		var cfgErr *ConfigError
+		require.ErrorAs(t, err, &cfgErr)
+		require.Equal(t, "tx", cfgErr.Field)
+		require.Contains(t, cfgErr.Reason, "SubmitBatchTx needs the caller's open transaction")
 	})
 }

@@ -235,6 +235,10 @@ func TestSubmitTx(t *testing.T) {
 		t.Parallel()
 		tb := setup(t)
 		_, err := tb.board.SubmitTx(ctx, nil, Command{EventID: uuid.New(), UserID: "x", Delta: 1})
-		require.Error(t, err)
+		require.ErrorIs(t, err, ErrInvalidConfig)
+		var cfgErr *ConfigError
+		require.ErrorAs(t, err, &cfgErr)
+		require.Equal(t, "tx", cfgErr.Field)
+		require.Contains(t, cfgErr.Reason, "SubmitTx needs the caller's open transaction")
 	})
 }
