@@ -341,16 +341,25 @@ func (s *Service) Run(ctx context.Context, ln net.Listener) error {
 // reconcileLoop runs a sampled reconcile at once and then every
 // ReconcileEvery, keeping the last report for the page and /reconcile/last.
 func (s *Service) reconcileLoop(ctx context.Context) {
-	ticker := time.NewTicker(s.cfg.ReconcileEvery)
-	defer ticker.Stop()
+	every := s.cfg.ReconcileEvery
+	slot := time.Now()
 	for {
 		s.reconcileOnce(ctx)
-		next := time.Now().Add(s.cfg.ReconcileEvery)
+		// Runs start every ReconcileEvery from the first, whatever each
+		// took; one that ran into the next slot (its timeout ends it about
+		// there) waits for the slot after. next_run is exactly when the
+		// next one starts.
+		now := time.Now()
+		for slot = slot.Add(every); !slot.After(now); slot = slot.Add(every) {
+		}
+		next := slot
 		s.nextReconcile.Store(&next)
+		timer := time.NewTimer(next.Sub(now))
 		select {
 		case <-ctx.Done():
+			timer.Stop()
 			return
-		case <-ticker.C:
+		case <-timer.C:
 		}
 	}
 }

@@ -480,3 +480,47 @@ func TestScheduledReconcileVerifies(t *testing.T) {
 	require.Nil(t, last.Verified)
 	require.True(t, last.Sampled)
 }
+
+// TestReconcileScheduleKeepsItsCadence runs the reconcile schedule with a
+// first run held up behind a lock: the next run starts one interval after
+// the first started, and next_run (what /reconcile/last shows) said so,
+// not one interval after the slow run ended.
+func TestReconcileScheduleKeepsItsCadence(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	tb := setup(t)
+	const every, stall = time.Second, 600 * time.Millisecond
+	svc, err := NewService(tb.pg.Pool, tb.rd.Client, tb.board, ServiceConfig{ReconcileEvery: every, ReconcileSample: 10})
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = svc.Close() })
+
+	lock, err := tb.pg.Pool.Begin(ctx)
+	require.NoError(t, err)
+	_, err = lock.Exec(ctx, `LOCK TABLE `+leaderboard.UserScoresTable+` IN ACCESS EXCLUSIVE MODE`)
+	require.NoError(t, err)
+	time.AfterFunc(stall, func() { _ = lock.Rollback(ctx) })
+
+	loopCtx, cancel := context.WithCancel(ctx)
+	done := make(chan struct{})
+	go func() { defer close(done); svc.reconcileLoop(loopCtx) }()
+	t.Cleanup(func() { cancel(); <-done })
+
+	var first *reconcileSummary
+	var next time.Time
+	require.Eventually(t, func() bool {
+		first = svc.lastReconcile.Load()
+		if n := svc.nextReconcile.Load(); n != nil {
+			next = *n
+		}
+		return first != nil && !next.IsZero()
+	}, 10*time.Second, 5*time.Millisecond)
+	require.GreaterOrEqual(t, first.DurationMS, float64(stall/2/time.Millisecond), "the first run waited for the lock")
+	require.WithinDuration(t, first.Started.Add(every), next, 200*time.Millisecond, "next_run is one interval after the first run started")
+
+	var second *reconcileSummary
+	require.Eventually(t, func() bool {
+		second = svc.lastReconcile.Load()
+		return second != first
+	}, 10*time.Second, 5*time.Millisecond)
+	require.False(t, second.Started.Before(next), "the second run started at %s, before next_run %s", second.Started, next)
+}
