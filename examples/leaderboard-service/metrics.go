@@ -107,7 +107,7 @@ func newMetrics(s *Service) (*metrics, error) {
 		metric.WithDescription("Age of the oldest pending outbox row; alert on it."))
 	add(err)
 	dead, err := meter.Int64ObservableGauge("verity.service.outbox.dead_letters", metric.WithUnit("{row}"),
-		metric.WithDescription("Rows in the outbox's dead-letter table."))
+		metric.WithDescription("Rows in the outbox's dead-letter table (every stream: all boards sharing the outbox)."))
 	add(err)
 	lag, err := meter.Float64ObservableGauge("verity.service.projection.lag", metric.WithUnit("s"),
 		metric.WithDescription("The board's projection lag (Board.Freshness); absent while it cannot be measured."))

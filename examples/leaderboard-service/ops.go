@@ -84,7 +84,7 @@ func cmdStats(ctx context.Context, o *options, stdout, stderr io.Writer) error {
 	fmt.Fprintf(tw, "board\t%s\n", st.Board)
 	fmt.Fprintf(tw, "outbox pending\t%d\t(in flight %d, retrying %d; all streams)\n", st.Pending, st.InFlight, st.Retrying)
 	fmt.Fprintf(tw, "oldest pending\t%s\n", humanDuration(snap.Outbox.OldestPendingAge))
-	fmt.Fprintf(tw, "dead letters\t%d\n", st.DeadLetters)
+	fmt.Fprintf(tw, "dead letters\t%d\t(all streams)\n", st.DeadLetters)
 	lag := lagText(snap.Freshness.Lag)
 	if snap.Freshness.Unverified {
 		lag = "unknown: the projection is not verified (Redis lost data, or no full pass yet; run 'reconcile --verify')"
@@ -94,7 +94,10 @@ func cmdStats(ctx context.Context, o *options, stdout, stderr io.Writer) error {
 		return err
 	}
 	if st.DeadLetters > 0 {
-		fmt.Fprintln(stdout, "\ndead letters wait for a fix and 'leaderboard-service replay-dead'")
+		// The count is the whole table's; replay-dead moves only this
+		// board's stream, so say which, lest other boards' dead letters
+		// seem stuck.
+		fmt.Fprintf(stdout, "\ndead letters wait for a fix, then 'leaderboard-service replay-dead', which moves back this board's (stream %q); the count includes every board sharing the outbox\n", d.board.Stream())
 	}
 	return nil
 }

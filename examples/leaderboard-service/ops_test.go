@@ -92,9 +92,9 @@ func TestStatsCommand(t *testing.T) {
 
 	code, stdout, stderr := runCommand(t, append([]string{"stats"}, tb.opsFlags()...)...)
 	require.Equal(t, exitOK, code, stderr)
-	require.Regexp(t, `(?m)^dead letters\s+1$`, stdout)
+	require.Regexp(t, `(?m)^dead letters\s+1\s+\(all streams\)$`, stdout)
 	require.Regexp(t, `(?m)^outbox pending\s+0\s`, stdout)
-	require.Contains(t, stdout, "replay-dead")
+	require.Contains(t, stdout, fmt.Sprintf("'leaderboard-service replay-dead', which moves back this board's (stream %q)", tb.board.Stream()))
 	require.False(t, st.Freshness.Unverified)
 
 	// Measured as a service run with --require-verified: no full pass has
