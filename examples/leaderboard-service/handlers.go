@@ -454,6 +454,12 @@ func (s *Service) handleLastReconcile(w http.ResponseWriter, _ *http.Request) {
 	})
 }
 
+// statusClientClosedRequest (nginx's 499) is what the request counter
+// records for a request whose client went away before its answer: no one
+// received a 503, and hang-ups must not feed the 5xx rate an availability
+// alert watches.
+const statusClientClosedRequest = 499
+
 // writeTimeout answers a request that RequestTimeout cut off: 503, retry
 // shortly. err is what the request met, for the log.
 func (s *Service) writeTimeout(w http.ResponseWriter, r *http.Request, err error) {
@@ -529,7 +535,7 @@ func (s *Service) writeError(w http.ResponseWriter, r *http.Request, err error) 
 		if r.URL.Path == "/scores" {
 			s.metrics.countSubmit(r.Context(), "error")
 		}
-		w.WriteHeader(http.StatusServiceUnavailable)
+		w.WriteHeader(statusClientClosedRequest)
 	default:
 		if r.URL.Path == "/scores" {
 			s.metrics.countSubmit(r.Context(), "error")

@@ -594,6 +594,34 @@ func TestMetrics(t *testing.T) {
 	require.NotContains(t, text, "secret-user")
 }
 
+// TestMetricsClientHangUp: a client that gives up on a read-your-writes
+// read is counted as 499, not as a 503 the service never sent: the 5xx
+// series is what an availability alert watches.
+func TestMetricsClientHangUp(t *testing.T) {
+	t.Parallel()
+	tb := setup(t, func(c *leaderboard.Config) { c.ReadYourWritesTimeout = 5 * time.Second })
+	require.Equal(t, http.StatusCreated, tb.submit(t, uuid.NewString(), `{"user_id":"ada","delta":3}`).status)
+
+	// Nothing projects the submit: the read waits for it until the client
+	// gives up.
+	ctx, cancel := context.WithTimeout(context.Background(), 200*time.Millisecond)
+	defer cancel()
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, tb.srv.URL+"/users/ada/rank?at_least=1", nil)
+	require.NoError(t, err)
+	_, err = tb.srv.Client().Do(req)
+	require.ErrorIs(t, err, context.DeadlineExceeded, "the client gave up")
+
+	counted := func(code string) *regexp.Regexp {
+		return regexp.MustCompile(`(?m)^verity_service_http_requests_total\{[^}]*code="` + code + `"[^}]*route="GET /users/\{id\}/rank"[^}]*\} 1$`)
+	}
+	var text string
+	require.Eventually(t, func() bool {
+		text = string(tb.do(t, http.MethodGet, "/metrics", nil, "").body)
+		return counted("499").MatchString(text)
+	}, 10*time.Second, 50*time.Millisecond, "the hang-up is counted once, as 499")
+	require.NotRegexp(t, counted("503"), text)
+}
+
 func TestPage(t *testing.T) {
 	t.Parallel()
 	tb := setup(t)
