@@ -273,6 +273,13 @@ func (x *experiment) restartWorker(ctx context.Context) error {
 			return errors.New("the restarted worker did not drain the outbox within 30s")
 		case err := <-done:
 			stop()
+			if err == nil {
+				// Run returns nil once its context ends: ours was
+				// cancelled (an interrupt), which is the error to report.
+				if err = ctx.Err(); err == nil {
+					return errors.New("the restarted worker stopped before draining the outbox")
+				}
+			}
 			return fmt.Errorf("worker stopped: %w", err)
 		case <-time.After(10 * time.Millisecond):
 		}

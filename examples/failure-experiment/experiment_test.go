@@ -9,6 +9,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/verity-go/verity/internal/testenv"
+	"github.com/verity-go/verity/leaderboard"
 )
 
 func TestExperiment(t *testing.T) {
@@ -95,4 +96,28 @@ func TestCommandJSON(t *testing.T) {
 	require.Len(t, report.Stages, 6)
 	require.Equal(t, ReconcileFigures{Checked: 2, Current: 1, Corrupt: 1, Repaired: 1}, report.Reconcile)
 	require.True(t, report.OrderingMatch)
+}
+
+// TestRestartWorkerInterrupted: an interrupt while the restarted worker
+// drains (stage 4) is reported as the cancellation it is. The worker's Run
+// returns nil once its context ends; wrapped as it was, that nil read
+// "worker stopped: %!w(<nil>)".
+func TestRestartWorkerInterrupted(t *testing.T) {
+	t.Parallel()
+	pg := testenv.Postgres(t)
+	rd := testenv.Redis(t)
+	cfg := &leaderboard.Config{Name: "experiment", Schema: pg.Schema, KeyPrefix: rd.Prefix}
+	require.NoError(t, leaderboard.Migrate(context.Background(), pg.Pool, cfg))
+	board, err := leaderboard.New(pg.Pool, rd.Client, cfg)
+	require.NoError(t, err)
+	t.Cleanup(board.Close)
+	worker, err := board.Worker(nil)
+	require.NoError(t, err)
+	x := &experiment{pool: pg.Pool, board: board, worker: worker}
+
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel() // the signal landed
+	err = x.restartWorker(ctx)
+	require.ErrorIs(t, err, context.Canceled)
+	require.NotContains(t, err.Error(), "%!w")
 }
