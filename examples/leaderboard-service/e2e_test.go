@@ -56,57 +56,16 @@ func (b *lockedBuffer) String() string {
 // command again is reported as a duplicate and changes nothing.
 func TestPageEndToEnd(t *testing.T) {
 	t.Parallel()
-	chromium := chromiumPath(t)
 	// The rank lookup that the submit triggers waits for the projection
 	// (read-your-writes). With the default 250 ms a loaded machine may not
 	// project in time, and the page then rightly says to retry, which the
 	// test does not do: the lookup gets long enough, within its poll below.
 	tb := setup(t, func(c *leaderboard.Config) { c.ReadYourWritesTimeout = 5 * time.Second })
-	svc, err := NewService(tb.pg.Pool, tb.rd.Client, tb.board, ServiceConfig{ReconcileEvery: time.Second, ReconcileSample: 50})
-	require.NoError(t, err)
-	t.Cleanup(func() { _ = svc.Close() })
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	require.NoError(t, err)
-	runCtx, stopService := context.WithCancel(context.Background())
-	served := make(chan error, 1)
-	go func() { served <- svc.Run(runCtx, ln) }()
-	t.Cleanup(func() {
-		stopService()
-		require.NoError(t, <-served)
-	})
-	base := "http://" + ln.Addr().String()
+	browser, base, fail := openPage(t, tb, ServiceConfig{ReconcileEvery: time.Second, ReconcileSample: 50})
 
 	// Someone is already ahead, so the new score ranks second.
-	_, err = tb.board.Submit(context.Background(), leaderboard.Command{EventID: uuid.New(), UserID: "e2e-grace", Delta: 100})
+	_, err := tb.board.Submit(context.Background(), leaderboard.Command{EventID: uuid.New(), UserID: "e2e-grace", Delta: 100})
 	require.NoError(t, err)
-
-	var browserOut lockedBuffer
-	ctx, cancel := context.WithTimeout(context.Background(), 45*time.Second)
-	defer cancel()
-	allocCtx, cancelAlloc := chromedp.NewExecAllocator(ctx,
-		chromedp.ExecPath(chromium),
-		chromedp.Headless,
-		chromedp.NoSandbox, // we run as root
-		chromedp.DisableGPU,
-		chromedp.NoFirstRun,
-		chromedp.NoDefaultBrowserCheck,
-		chromedp.Flag("disable-quic", true),
-		chromedp.Flag("disable-background-networking", true),
-		chromedp.Flag("disable-component-update", true),
-		chromedp.Flag("disable-sync", true),
-		chromedp.Flag("disable-dev-shm-usage", true),
-		chromedp.WindowSize(1100, 800),
-		chromedp.CombinedOutput(&browserOut),
-	)
-	defer cancelAlloc()
-	browser, cancelBrowser := chromedp.NewContext(allocCtx)
-	defer cancelBrowser()
-
-	fail := func(step string, err error) {
-		t.Helper()
-		html, _ := chromedp.Run(browser, chromedp.OuterHTML(chromedp.CSS("body")))
-		t.Fatalf("%s: %v\npage:\n%s\nbrowser output:\n%s", step, err, html, browserOut.String())
-	}
 	const row = `#top tbody tr[data-user="e2e-ada"]`
 
 	// The page loads and its refresh shows the existing leader.
@@ -179,4 +138,140 @@ func TestPageEndToEnd(t *testing.T) {
 	); err != nil {
 		fail("see the reconcile report", err)
 	}
+}
+
+// TestPageHidesARefusedLeaderboard: on a fail-closed board whose lag passes
+// MaxLag (here a dead letter an hour old), the page's next refresh takes
+// the last top 10 off the screen instead of leaving it there as if
+// current, and shows it again once reads are answered.
+func TestPageHidesARefusedLeaderboard(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	tb := setup(t, func(c *leaderboard.Config) {
+		c.ReadPolicy, c.MaxLag, c.LagProbeInterval = leaderboard.FailClosed, 5*time.Second, 100*time.Millisecond
+	})
+	browser, base, fail := openPage(t, tb, ServiceConfig{})
+	_, err := tb.board.Submit(ctx, leaderboard.Command{EventID: uuid.New(), UserID: "e2e-grace", Delta: 100})
+	require.NoError(t, err)
+	const grace = `#top tbody tr[data-user="e2e-grace"]`
+	if err := chromedp.Do(browser, chromedp.Navigate(base+"/"), chromedp.WaitVisible(chromedp.CSS(grace))); err != nil {
+		fail("load the page", err)
+	}
+
+	_, err = tb.pg.Pool.Exec(ctx, `INSERT INTO verity_outbox_dead
+		(id, event_id, stream, key, version, payload, created_at, attempts, last_error)
+		VALUES (1000000, gen_random_uuid(), $1, 'e2e-ghost', 1, '', now() - interval '1 hour', 1, 'test')`, tb.board.Stream())
+	require.NoError(t, err)
+	if err := chromedp.Do(browser, chromedp.Poll[chromedp.Void](
+		`document.querySelector("#top tbody").textContent.includes("not shown") && !document.querySelector(`+"`"+grace+"`"+`)`,
+		chromedp.WithPollingTimeout(10*time.Second)),
+	); err != nil {
+		fail("the refused read clears the table", err)
+	}
+	freshness, err := chromedp.Run(browser, chromedp.Text(chromedp.CSS("#freshness")))
+	if err != nil {
+		fail("read the freshness line", err)
+	}
+	require.Contains(t, freshness, "catching up")
+
+	_, err = tb.pg.Pool.Exec(ctx, `DELETE FROM verity_outbox_dead`)
+	require.NoError(t, err)
+	if err := chromedp.Do(browser, chromedp.WaitVisible(chromedp.CSS(grace))); err != nil {
+		fail("the answered read shows the table again", err)
+	}
+}
+
+// TestPageSaysASubmitIsNotProjectedYet: with the projection held up (the
+// relays' lease table locked), a submit through the form commits and its
+// read-your-writes lookup is served stale after ReadYourWritesTimeout; the
+// page says the change is not projected yet and shows the score from
+// before it as such, not as the result.
+func TestPageSaysASubmitIsNotProjectedYet(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	tb := setup(t) // ServeStale, the default
+	browser, base, fail := openPage(t, tb, ServiceConfig{})
+	_, err := tb.board.Submit(ctx, leaderboard.Command{EventID: uuid.New(), UserID: "e2e-ada", Delta: 10})
+	require.NoError(t, err)
+	const ada = `#top tbody tr[data-user="e2e-ada"]`
+	if err := chromedp.Do(browser, chromedp.Navigate(base+"/"), chromedp.WaitVisible(chromedp.CSS(ada))); err != nil {
+		fail("load the page", err)
+	}
+
+	lock, err := tb.pg.Pool.Begin(ctx)
+	require.NoError(t, err)
+	_, err = lock.Exec(ctx, `LOCK TABLE verity_outbox_leases IN ACCESS EXCLUSIVE MODE`)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = lock.Rollback(ctx) }) // before the service stops
+
+	if err := chromedp.Do(browser,
+		chromedp.SendKeys(chromedp.CSS("#user-id"), "e2e-ada"),
+		chromedp.SetValue(chromedp.CSS("#delta"), "5"),
+		chromedp.Click(chromedp.CSS("#submit")),
+		chromedp.Poll[chromedp.Void](
+			`document.querySelector("#rank-result").textContent.startsWith("e2e-ada: your change is not projected yet; before it: rank 1, score 10")`,
+			chromedp.WithPollingTimeout(10*time.Second)),
+	); err != nil {
+		fail("the stale lookup is labelled", err)
+	}
+	class, err := chromedp.Run(browser, chromedp.AttributeValue(chromedp.CSS("#rank-result"), "class"))
+	if err != nil {
+		fail("read the lookup's class", err)
+	}
+	require.Equal(t, "warn", class.Value)
+	result, err := chromedp.Run(browser, chromedp.Text(chromedp.CSS("#submit-result")))
+	if err != nil {
+		fail("read the submit result", err)
+	}
+	require.Contains(t, result, "e2e-ada: score 15, version 2 — applied")
+}
+
+// openPage runs a Service over tb's board, built with cfg (worker and
+// scheduled reconcile included), and opens its page in headless Chromium.
+// fail ends the test with the page's HTML and the browser's output.
+func openPage(t *testing.T, tb *testBundle, cfg ServiceConfig) (browser context.Context, base string, fail func(step string, err error)) {
+	t.Helper()
+	chromium := chromiumPath(t)
+	svc, err := NewService(tb.pg.Pool, tb.rd.Client, tb.board, cfg)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = svc.Close() })
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	runCtx, stopService := context.WithCancel(context.Background())
+	served := make(chan error, 1)
+	go func() { served <- svc.Run(runCtx, ln) }()
+	t.Cleanup(func() {
+		stopService()
+		require.NoError(t, <-served)
+	})
+	base = "http://" + ln.Addr().String()
+
+	var browserOut lockedBuffer
+	ctx, cancel := context.WithTimeout(context.Background(), 45*time.Second)
+	t.Cleanup(cancel)
+	allocCtx, cancelAlloc := chromedp.NewExecAllocator(ctx,
+		chromedp.ExecPath(chromium),
+		chromedp.Headless,
+		chromedp.NoSandbox, // we run as root
+		chromedp.DisableGPU,
+		chromedp.NoFirstRun,
+		chromedp.NoDefaultBrowserCheck,
+		chromedp.Flag("disable-quic", true),
+		chromedp.Flag("disable-background-networking", true),
+		chromedp.Flag("disable-component-update", true),
+		chromedp.Flag("disable-sync", true),
+		chromedp.Flag("disable-dev-shm-usage", true),
+		chromedp.WindowSize(1100, 800),
+		chromedp.CombinedOutput(&browserOut),
+	)
+	t.Cleanup(cancelAlloc)
+	browser, cancelBrowser := chromedp.NewContext(allocCtx)
+	t.Cleanup(cancelBrowser)
+
+	fail = func(step string, err error) {
+		t.Helper()
+		html, _ := chromedp.Run(browser, chromedp.OuterHTML(chromedp.CSS("body")))
+		t.Fatalf("%s: %v\npage:\n%s\nbrowser output:\n%s", step, err, html, browserOut.String())
+	}
+	return browser, base, fail
 }
