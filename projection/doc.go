@@ -114,8 +114,9 @@
 // rebuilt, are decided in order and then written with a few commands per
 // collection (HMGET of the stored versions, one ZADD or HSET of values,
 // one HSET of versions), which costs Redis about a third less per write
-// than a command per write; documents, version buckets and rebuilds take
-// one write at a time. Both give the same replies. Works with any
+// than a command per write; a call that holds a document, or a write to a
+// collection with version buckets or being rebuilt, takes all its writes
+// one at a time. Both give the same replies. Works with any
 // redis.UniversalClient. A Gate made with the zero Keyspace refuses every
 // call with a *ConfigError: pass NewGate NewKeyspace(prefix) or the
 // projector's Keyspace().

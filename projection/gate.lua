@@ -148,6 +148,9 @@ local function gate(kind, valueKey, versionKey, member, version, value)
     redis.call('HSET', valueKey, member, value)
     redis.call('HSET', versionKey, member, version)
   else
+    -- SET would replace a key of any type: refuse another type's here
+    -- (WRONGTYPE, before anything is written), as ZADD and HSET do.
+    redis.call('STRLEN', valueKey)
     redis.call('SET', valueKey, value)
     redis.call('SET', versionKey, version)
   end

@@ -286,6 +286,37 @@ func TestRedisProjector(t *testing.T) {
 			require.Nil(t, out)
 		})
 
+		// A document's value key of another type is refused as a
+		// collection's is, and kept: SET alone would replace it.
+		t.Run("HandleIsolatesDocumentOfAnotherType", func(t *testing.T) {
+			t.Parallel()
+			pb := setupProjector(t, b)
+			ctx := context.Background()
+			order := pb.ks.ValueKey(Target{Kind: KindDocument, Name: "order:41"})
+			require.NoError(t, pb.client.RPush(ctx, order, "another program's list").Err())
+			batch := []outbox.Record{
+				record("orders", "40", 1, `{"total":0}`),
+				record("orders", "41", 1, `{"total":1}`),
+				record("scores", "g", 1, "1"),
+			}
+			results, err := pb.projector.Handle(ctx, batch)
+			require.NoError(t, err)
+			require.Len(t, results, len(batch))
+			var wt *WrongKeyTypeError
+			require.ErrorAs(t, results[1].Err, &wt)
+			require.Equal(t, Target{Kind: KindDocument, Name: "order:41"}, wt.Target)
+			require.NoError(t, results[0].Err)
+			require.NoError(t, results[2].Err)
+			require.Equal(t, "list", pb.client.Type(ctx, order).Val(), "the foreign key is kept")
+			require.Equal(t, []string{"another program's list"}, pb.client.LRange(ctx, order, 0, -1).Val())
+			require.Zero(t, pb.client.Exists(ctx, pb.ks.VersionKey(Target{Kind: KindDocument, Name: "order:41"})).Val(), "no version written")
+			require.Equal(t, storedState{true, `{"total":0}`, "1"}, readState(t, pb.client, pb.ks, Target{Kind: KindDocument, Name: "order:40"}))
+
+			_, err = pb.projector.Project(ctx, batch[1:2])
+			require.ErrorContains(t, err, "WRONGTYPE", "Project: Redis's error is the call's")
+			require.Equal(t, "list", pb.client.Type(ctx, order).Val())
+		})
+
 		// A layout key of another type (a hand edit) fails the script
 		// before its first write, for the whole slot group: Handle sends
 		// the group's writes again one by one, so only the collection's

@@ -224,15 +224,14 @@
 // Documents cannot be rebuilt (ErrRebuildUnsupported), so for them that is
 // the only remedy. A collection whose value key or version hash holds
 // another type fails the run when it is read (WRONGTYPE); delete the key,
-// or Rebuild the collection. The exception: a document that reads as
-// missing or stale (its version key absent, or holding an older version,
-// and its value key of another type, which reads as absent) is written
-// through the gate, like the relay's writes, and the gate's SET replaces
-// the value key of another type, as the relay's would. A version key of
-// another type is refused there too, with nothing written for that
-// document (the page's other gate repairs are sent again; any the first
-// call had applied then count as raced). Keep other programs' keys out of
-// the projection's prefix.
+// or Rebuild the collection. A document that reads as missing or stale
+// (its version key absent, or holding an older version, and its value key
+// of another type, which reads as absent) is written through the gate,
+// like the relay's writes, and the gate refuses a value or version key of
+// another type as repair.lua does, with nothing written for that document
+// (the page's other gate repairs are sent again; any the first call had
+// applied then count as raced). Keep other programs' keys out of the
+// projection's prefix.
 //
 // # Rebuild
 //

@@ -21,8 +21,8 @@ var repairSource string
 // through the projection gate, so a newer version written meanwhile wins by
 // construction (the gate answers stale, duplicate or conflict and writes
 // nothing).
-// A document whose version key holds another Redis type is refused with
-// nothing written, as casRepair refuses one: its finding stays
+// A document whose value or version key holds another Redis type is
+// refused with nothing written, as casRepair refuses one: its finding stays
 // ResultNotAttempted and its *WrongKeyTypeError is in refused.
 func (r *Reconciler) gateRepair(ctx context.Context, fs []*Finding) (refused []error, err error) {
 	if len(fs) == 0 {
@@ -34,11 +34,10 @@ func (r *Reconciler) gateRepair(ctx context.Context, fs []*Finding) (refused []e
 	}
 	outcomes, err := r.gate.Apply(ctx, writes)
 	if err != nil && r.target.Kind == projection.KindDocument && strings.Contains(err.Error(), "WRONGTYPE") {
-		// The gate's GET of a version key holding another type stopped
-		// its script, after the writes before it in the call (SET, which
-		// any type gives way to, cannot fail so). Refuse those documents
-		// and send the others again: the ones the first call applied come
-		// back duplicate, counted raced.
+		// The gate met a value or version key holding another type, which
+		// stopped its script after the writes before it in the call.
+		// Refuse those documents and send the others again: the ones the
+		// first call applied come back duplicate, counted raced.
 		refused, rest, terr := r.refuseWrongTyped(ctx, fs)
 		if terr == nil && len(refused) > 0 {
 			others, err := r.gateRepair(ctx, rest)
@@ -48,34 +47,45 @@ func (r *Reconciler) gateRepair(ctx context.Context, fs []*Finding) (refused []e
 	return nil, r.settleGateRepair(fs, outcomes, err)
 }
 
-// refuseWrongTyped finds the documents of fs whose version key holds
-// another type than a string, marks their findings ResultNotAttempted and
-// returns their errors, and the other findings.
+// refuseWrongTyped finds the documents of fs whose value or version key
+// holds another type than a string, marks their findings
+// ResultNotAttempted and returns their errors, and the other findings.
 func (r *Reconciler) refuseWrongTyped(ctx context.Context, fs []*Finding) (refused []error, rest []*Finding, err error) {
-	types := make([]*redis.StatusCmd, len(fs))
+	// Per document: its value key's type, then its version key's.
+	keys := make([][2]string, len(fs))
+	types := make([][2]*redis.StatusCmd, len(fs))
+	for i, f := range fs {
+		target := r.target.target(f.Key)
+		keys[i] = [2]string{r.target.Keyspace.ValueKey(target), r.target.Keyspace.VersionKey(target)}
+	}
 	if r.primary != nil {
 		// On the masters, which answered WRONGTYPE, as every read of the
 		// reconciler: a lagging replica may not hold the foreign key yet.
-		// One round trip per document, on this rare path only.
-		for i, f := range fs {
-			key := r.target.Keyspace.VersionKey(r.target.target(f.Key))
-			if err := clusterpin.OnMaster(ctx, r.primary, key, func(p redis.Pipeliner) { types[i] = p.Type(ctx, key) }); err != nil {
+		// One round trip per document (its keys share a slot), on this
+		// rare path only.
+		for i := range fs {
+			if err := clusterpin.OnMaster(ctx, r.primary, keys[i][0], func(p redis.Pipeliner) {
+				types[i] = [2]*redis.StatusCmd{p.Type(ctx, keys[i][0]), p.Type(ctx, keys[i][1])}
+			}); err != nil {
 				return nil, nil, err
 			}
 		}
 	} else if _, err = r.target.Client.Pipelined(ctx, func(p redis.Pipeliner) error {
-		for i, f := range fs {
-			types[i] = p.Type(ctx, r.target.Keyspace.VersionKey(r.target.target(f.Key)))
+		for i := range fs {
+			types[i] = [2]*redis.StatusCmd{p.Type(ctx, keys[i][0]), p.Type(ctx, keys[i][1])}
 		}
 		return nil
 	}); err != nil {
 		return nil, nil, err
 	}
+next:
 	for i, f := range fs {
-		if t := types[i].Val(); t != "string" && t != "none" {
-			f.Result = ResultNotAttempted
-			refused = append(refused, &WrongKeyTypeError{Key: f.Key, RedisKey: r.target.Keyspace.VersionKey(r.target.target(f.Key)), Type: t})
-			continue
+		for k, cmd := range types[i] {
+			if t := cmd.Val(); t != "string" && t != "none" {
+				f.Result = ResultNotAttempted
+				refused = append(refused, &WrongKeyTypeError{Key: f.Key, RedisKey: keys[i][k], Type: t})
+				continue next
+			}
 		}
 		rest = append(rest, f)
 	}

@@ -12,28 +12,44 @@ import (
 	"github.com/verity-go/verity/projection"
 )
 
-// TestStaleDocumentWithForeignValueKeyRepaired pins that stale entries are
-// repaired through the gate, not by compare-and-set: the package documents
-// that a document reading as stale whose value key holds another type is
-// written through the gate, whose SET replaces that key as the relay's
-// would. A compare-and-set repair would refuse it (WrongKeyTypeError).
-func TestStaleDocumentWithForeignValueKeyRepaired(t *testing.T) {
+// TestStaleDocumentWithForeignValueKeyRefused: a document that reads as
+// stale (its version key holds an older version) is repaired through the
+// gate, and its value key holding another type is refused there, as a
+// compare-and-set repair refuses one: a *WrongKeyTypeError, nothing
+// written, the foreign key kept. Deleted by hand, the next run repairs it.
+func TestStaleDocumentWithForeignValueKeyRefused(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	b := setup(t, projection.KindDocument)
 	b.insert(t, "a", 2)
 	b.project(t, "a", 1)
+	b.insert(t, "b", 2) // stale too, repaired in the same gate call
+	b.project(t, "b", 1)
 	// A hash where a's value belongs: the version key still holds 1.
 	valueKey := b.ks.ValueKey(b.target.target("a"))
+	versionKey := b.ks.VersionKey(b.target.target("a"))
 	require.NoError(t, b.client.Del(ctx, valueKey).Err())
 	require.NoError(t, b.client.HSet(ctx, valueKey, "f", "1").Err())
 
-	rep, err := b.reconciler(t, nil).Run(ctx, RunOptions{})
+	r := b.reconciler(t, nil)
+	rep, err := r.Run(ctx, RunOptions{})
+	require.ErrorIs(t, err, projection.ErrWrongKeyType)
+	var wt *WrongKeyTypeError
+	require.ErrorAs(t, err, &wt)
+	require.Equal(t, WrongKeyTypeError{Key: "a", RedisKey: valueKey, Type: "hash"}, *wt)
+	require.EqualValues(t, 2, rep.Counts[ClassStale])
+	require.EqualValues(t, 1, rep.Results[ResultNotAttempted])
+	require.EqualValues(t, 1, rep.Repaired, "b")
+	require.Equal(t, map[string]string{"f": "1"}, b.client.HGetAll(ctx, valueKey).Val(), "the foreign key is kept")
+	require.Equal(t, "1", b.client.Get(ctx, versionKey).Val(), "nothing written for a")
+	require.Equal(t, string(b.value("b", 2).Data), b.client.Get(ctx, b.ks.ValueKey(b.target.target("b"))).Val())
+
+	require.NoError(t, b.client.Del(ctx, valueKey).Err())
+	rep, err = r.Run(ctx, RunOptions{})
 	require.NoError(t, err)
-	require.EqualValues(t, 1, rep.Counts[ClassStale])
 	require.EqualValues(t, 1, rep.Repaired)
-	require.Equal(t, string(b.value("a", 2).Data), b.client.Get(ctx, valueKey).Val(), "the gate's SET replaced the hash")
-	require.Equal(t, "2", b.client.Get(ctx, b.ks.VersionKey(b.target.target("a"))).Val())
+	require.Equal(t, string(b.value("a", 2).Data), b.client.Get(ctx, valueKey).Val())
+	require.Equal(t, "2", b.client.Get(ctx, versionKey).Val())
 }
 
 // TestRunSampleSkipOrphans pins that Config.SkipOrphans turns off the
