@@ -119,6 +119,9 @@ func TestNew(t *testing.T) {
 			{"TTL", Config{TTL: time.Microsecond}},
 			{"FailureMode", Config{FailureMode: 7}},
 			{"FillLeaseTTL", Config{FillLeaseTTL: -time.Second}},
+			// Used with the lease off too, so its error must not suggest
+			// turning the lease off.
+			{"FillLeaseTTL", Config{FillLeaseTTL: time.Microsecond, DisableFillLease: true}},
 			{"FillLeaseWait", Config{FillLeaseWait: -time.Second}},
 			{"FillLeasePoll", Config{FillLeasePoll: -time.Second}},
 			{"InvalidateReplicas", Config{InvalidateReplicas: -1}},
@@ -135,6 +138,7 @@ func TestNew(t *testing.T) {
 			require.ErrorAs(t, err, &cerr, tc.field)
 			require.Equal(t, tc.field, cerr.Field)
 			require.ErrorIs(t, err, ErrInvalidConfig)
+			require.NotContains(t, cerr.Reason, "DisableFillLease", "advice that would not help")
 		}
 		_, err := New[product](client, nil)
 		var cerr *ConfigError

@@ -295,9 +295,11 @@ func (c *Cache[T]) peekAt(ctx context.Context, id string) (val T, version int64,
 	}
 	version, payload, err := splitVersioned(data)
 	if err != nil {
+		c.stats.decodeErrors.Add(1) // as Peek counts one
 		return val, 0, atUndecodable, nil
 	}
 	if val, err = c.decode(payload); err != nil {
+		c.stats.decodeErrors.Add(1)
 		return val, version, atUndecodable, nil
 	}
 	return val, version, atCached, nil

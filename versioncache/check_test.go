@@ -106,6 +106,7 @@ func TestCheck(t *testing.T) {
 		require.Equal(t, 4, report.Cached)
 		require.Equal(t, 1, report.Undecodable)
 		require.Zero(t, report.Divergent)
+		require.EqualValues(t, 1, b.cache.Stats().DecodeErrors)
 	})
 
 	// A value that decoded at the first look and not at the confirming one

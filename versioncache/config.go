@@ -206,7 +206,7 @@ func (c *Config) validate() error {
 		return &ConfigError{Field: "FailureMode", Reason: "must be FailOpen or FailClosed"}
 	}
 	if c.FillLeaseTTL < time.Millisecond {
-		return &ConfigError{Field: "FillLeaseTTL", Reason: "must be at least 1ms; leave it zero for the default, or set DisableFillLease"}
+		return &ConfigError{Field: "FillLeaseTTL", Reason: "must be at least 1ms, with the lease on or off (it also bounds how long a load may take and still be cached); leave it zero for the default"}
 	}
 	if c.FillLeaseWait < 0 {
 		return &ConfigError{Field: "FillLeaseWait", Reason: "must not be negative"}

@@ -505,6 +505,7 @@ func TestCheckAt(t *testing.T) {
 		report, err := b.cache.CheckAt(ctx, []string{"p1", "p2"}, 0, byID(b))
 		require.NoError(t, err)
 		require.Equal(t, 2, report.Undecodable)
+		require.EqualValues(t, 2, b.cache.Stats().DecodeErrors, "counted as Check counts them")
 	})
 
 	t.Run("NilLoader", func(t *testing.T) {
