@@ -234,7 +234,10 @@ func writeFigures(out io.Writer, figs []Figure, asJSON bool, opts Options) error
 
 // targets are issue 7's goals, printed next to each figure: the ratio must
 // be at least (or, for lower-is-better figures, at most) the given value,
-// or, for lag_p99, the value itself at most 10 ms.
+// or, for lag_p99, the value itself at most 10 ms. "Flat" relay RSS is
+// read as at most 1.2: about 28 MiB of each peak is the process's own,
+// so 1.2 already allows a relay that kept some 6 bytes per row more over
+// the larger drain's 900,000 extra rows (1.00–1.08 measured).
 var targets = map[string]string{
 	"drain":               "ratio ≥ 3.0",
 	"ingest":              "ratio ≥ 2.0",
@@ -243,7 +246,7 @@ var targets = map[string]string{
 	"cache_hit_p50":       "ratio ≤ 1.1",
 	"reconcile":           "ratio ≥ 2.0",
 	"memory":              "ratio ≤ 0.5",
-	"relay_rss_peak":      "ratio ≤ 1.5",
+	"relay_rss_peak":      "ratio ≤ 1.2",
 }
 
 // meets evaluates a target string against a figure.

@@ -25,7 +25,8 @@ const (
 // defaults (keyset pages; up to ReadAhead = 4 pages read at once, counting
 // the one being checked; an orphan count check at the end) against a hand-written loop doing the same comparison the plain way
 // (keyset pages of 1,000, then one pipelined ZMSCORE + HMGET per page, one
-// after the other). Rows per second of wall time; the two alternate twice.
+// after the other). Rows per second of wall time; the two run in turn,
+// library first, twice.
 //
 // The board keeps one version hash (the default). A third pass in each
 // round reconciles the same source against a copy projected with version
