@@ -24,8 +24,10 @@
 //     master dies and its replica is promoted, commands the map sends to
 //     the dead node — pinned or not — fail until that interval is up. A
 //     pinned command that fails with a connection-level error (refused or
-//     reset connection, EOF, an i/o timeout the caller's context did not
-//     cause) therefore asks the cluster client to reload its map. The
+//     reset connection, EOF, an i/o timeout, also one that came after the
+//     caller's context ended, as a frozen node's does when go-redis bounds
+//     its reads by its own ReadTimeout; not a context error of the
+//     caller's) therefore asks the cluster client to reload its map. The
 //     command still fails, with that error (no retry here); the ones
 //     after it reach the new master as soon as a node answers the reload
 //     with the promotion, rather than up to a minute later. The reload
@@ -277,16 +279,27 @@ func ReloadIfUnreachable(ctx context.Context, client redis.UniversalClient, err 
 // connectionLost reports whether err says the node could not be reached or
 // dropped the connection, rather than that ctx ended or the server replied
 // with an error.
+//
+// Whether ctx has ended by now does not decide it: by default go-redis
+// does not bound its socket reads by ctx (ContextTimeoutEnabled), so a
+// frozen or partitioned node's read fails on go-redis's own ReadTimeout,
+// seconds after a short per-call deadline ended, and only that error says
+// the node is gone. A context error says nothing about the node, unless
+// ctx is still live: then it is a deadline go-redis set itself.
 func connectionLost(ctx context.Context, err error) bool {
-	if err == nil || ctx.Err() != nil {
+	if err == nil {
+		return false
+	}
+	if ctx.Err() != nil && (errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded)) {
 		return false
 	}
 	if errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) {
 		return true
 	}
-	// Dial and socket errors (*net.OpError: refused, reset, i/o timeout),
-	// and a deadline go-redis set itself (DialTimeout, ReadTimeout), since
-	// ctx is still live. Server replies are never net.Errors.
+	// Dial and socket errors (*net.OpError: refused, reset, i/o timeout,
+	// including one at a socket deadline taken from ctx, which costs a
+	// rate-limited reload at worst), and a deadline go-redis set itself
+	// (DialTimeout, ReadTimeout). Server replies are never net.Errors.
 	var netErr net.Error
 	return errors.As(err, &netErr)
 }

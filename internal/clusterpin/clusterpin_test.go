@@ -5,6 +5,7 @@ import (
 	"errors"
 	"io"
 	"net"
+	"os"
 	"strconv"
 	"strings"
 	"sync"
@@ -526,8 +527,13 @@ func TestReloadIfUnreachable(t *testing.T) {
 		{"EOF", live, io.EOF, true},
 		{"UnexpectedEOF", live, io.ErrUnexpectedEOF, true},
 		{"TimeoutOfItsOwn", live, context.DeadlineExceeded, true},
-		{"CallersContextEnded", ended, refused, false},
+		// The node's own answer, whenever ctx ended: go-redis may report
+		// a frozen node's read timeout long after a short deadline.
+		{"RefusedAfterCallersContextEnded", ended, refused, true},
+		{"ReadTimeoutAfterCallersContextEnded", ended, &net.OpError{Op: "read", Net: "tcp", Err: os.ErrDeadlineExceeded}, true},
 		{"CallersContextError", ended, context.Canceled, false},
+		{"CallersDeadline", ended, context.DeadlineExceeded, false},
+		{"DialCancelledByCaller", ended, &net.OpError{Op: "dial", Net: "tcp", Err: context.Canceled}, false},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()
