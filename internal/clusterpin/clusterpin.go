@@ -54,8 +54,11 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"runtime"
 	"strings"
+	"sync"
 	"time"
+	"weak"
 
 	"github.com/redis/go-redis/v9"
 )
@@ -168,11 +171,16 @@ func OnMaster(ctx context.Context, cc *redis.ClusterClient, key string, queue fu
 		node = next
 	}
 	if addr, ok := redis.IsAskError(err); ok {
-		target := knownMaster(ctx, cc, normalizeAddr(addr))
+		addr = normalizeAddr(addr)
+		target := knownMaster(ctx, cc, addr)
 		if target == nil {
 			return err
 		}
-		return send(ctx, cc, target, true, queue)
+		err = send(ctx, cc, target, true, queue)
+		if errors.Is(err, redis.ErrClosed) {
+			forgetMaster(cc, addr)
+		}
+		return err
 	}
 	return err
 }
@@ -327,24 +335,73 @@ func normalizeAddr(addr string) string {
 }
 
 // knownMaster returns the node client of the master at addr, or nil.
+//
+// ForEachMaster, the one way go-redis offers to reach a node by its
+// address, reloads the slot map (CLUSTER SLOTS) before every call, without
+// the pause ReloadState keeps; every pinned read that meets an ASK during
+// a resharding would add one. So the masters it lists are kept per client,
+// and listed again only for an address they lack, at most once per
+// askRelistInterval.
 func knownMaster(ctx context.Context, cc *redis.ClusterClient, addr string) *redis.Client {
-	found := make(chan *redis.Client, 1)
-	// ForEachMaster calls fn concurrently; at most one master has addr.
-	_ = cc.ForEachMaster(ctx, func(_ context.Context, n *redis.Client) error {
-		if n.Options().Addr == addr {
-			select {
-			case found <- n:
-			default: // never blocks, however the map lists its masters
-			}
-		}
-		return nil
-	})
-	select {
-	case n := <-found:
+	idx := mastersOf(cc)
+	idx.mu.Lock()
+	defer idx.mu.Unlock()
+	if n := idx.byAddr[addr]; n != nil {
 		return n
-	default:
+	}
+	if !idx.listed.IsZero() && time.Since(idx.listed) < askRelistInterval {
 		return nil
 	}
+	var mu sync.Mutex
+	byAddr := map[string]*redis.Client{}
+	// ForEachMaster calls fn concurrently.
+	_ = cc.ForEachMaster(ctx, func(_ context.Context, n *redis.Client) error {
+		mu.Lock()
+		defer mu.Unlock()
+		byAddr[n.Options().Addr] = n
+		return nil
+	})
+	idx.byAddr, idx.listed = byAddr, time.Now()
+	return byAddr[addr]
+}
+
+// forgetMaster drops addr's node client from cc's list, after go-redis
+// closed it (a node gone from the map): the next ASK lists the masters
+// again.
+func forgetMaster(cc *redis.ClusterClient, addr string) {
+	idx := mastersOf(cc)
+	idx.mu.Lock()
+	defer idx.mu.Unlock()
+	delete(idx.byAddr, addr)
+	idx.listed = time.Time{}
+}
+
+// askRelistInterval is the least time between two listings of a client's
+// masters for ASK replies, as go-redis pauses between slot-map reloads.
+const askRelistInterval = 200 * time.Millisecond
+
+// masterList is a cluster client's masters by address, as last listed.
+type masterList struct {
+	mu     sync.Mutex
+	byAddr map[string]*redis.Client
+	listed time.Time
+}
+
+// masterLists holds a *masterList per cluster client, keyed weakly: an
+// entry goes when its client is garbage collected. (Package-wide because
+// go-redis gives a client nowhere to keep it.)
+var masterLists sync.Map // weak.Pointer[redis.ClusterClient] → *masterList
+
+func mastersOf(cc *redis.ClusterClient) *masterList {
+	key := weak.Make(cc)
+	if v, ok := masterLists.Load(key); ok {
+		return v.(*masterList)
+	}
+	v, loaded := masterLists.LoadOrStore(key, &masterList{})
+	if !loaded {
+		runtime.AddCleanup(cc, func(k weak.Pointer[redis.ClusterClient]) { masterLists.Delete(k) }, key)
+	}
+	return v.(*masterList)
 }
 
 // AwaitMaster asks cc to reload its slot map and waits until the map names,

@@ -27,10 +27,18 @@ type testBundle struct {
 	gets  *getsByNode
 }
 
-// getsByNode counts the GET commands each node was sent.
+// getsByNode counts the GET commands each node was sent, and the CLUSTER
+// commands (slot-map reloads) sent to any.
 type getsByNode struct {
-	mu     sync.Mutex
-	counts map[string]int
+	mu      sync.Mutex
+	counts  map[string]int
+	reloads int
+}
+
+func (g *getsByNode) clusterCommands() int {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	return g.reloads
 }
 
 func (g *getsByNode) count(addr string) int {
@@ -45,10 +53,13 @@ func countGets(cc *redis.ClusterClient) *getsByNode {
 	cc.OnNewNode(func(node *redis.Client) {
 		addr := node.Options().Addr
 		node.AddHook(testenv.CommandHook(func(name string) {
-			if name == "get" {
-				gets.mu.Lock()
-				defer gets.mu.Unlock()
+			gets.mu.Lock()
+			defer gets.mu.Unlock()
+			switch name {
+			case "get":
 				gets.counts[addr]++
+			case "cluster":
+				gets.reloads++
 			}
 		}))
 	})
@@ -164,6 +175,18 @@ func TestOnMaster(t *testing.T) {
 		require.NoError(t, err)
 		require.Equal(t, "migrated", got)
 		require.Equal(t, 1, b.gets.count(dst))
+
+		// Following ASK does not reload the slot map each time (go-redis's
+		// ForEachMaster would, with no pause): a resharding's reads would
+		// flood the cluster with CLUSTER SLOTS.
+		reloads := b.gets.clusterCommands()
+		for range 100 {
+			got, err := b.get(ctx, key)
+			require.NoError(t, err)
+			require.Equal(t, "migrated", got)
+		}
+		require.Equal(t, 101, b.gets.count(dst))
+		require.LessOrEqual(t, b.gets.clusterCommands()-reloads, 2, "slot-map reloads for 100 ASK-followed reads")
 	})
 
 	t.Run("MapThatNeverCatchesUp", func(t *testing.T) {
