@@ -190,7 +190,10 @@
 // after READWRITE: a master demoted by a failover the client's slot map has
 // not caught up with then answers MOVED instead of serving the read as a
 // replica; a MOVED reply has the map reloaded and the read sent again to
-// the new master, an ASK reply sends it to the importing master. A master
+// the new master, an ASK reply sends it to the importing master (a read of
+// several keys of a slot being migrated may fail instead, with TRYAGAIN or
+// the redirect, until the migration is done: go-redis and Redis allow only
+// the command right after ASKING there). A master
 // that died answers nothing: with any cluster client, whether it reads
 // from replicas or not, a read, Verify or reconcile pass that cannot reach
 // it fails with its connection error (no hidden retry) and has the map
