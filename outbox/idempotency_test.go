@@ -78,6 +78,20 @@ func TestRecordCommand(t *testing.T) {
 		return cmd, nil
 	}
 
+	// executedThenTx executes command "c" under a new event id, then
+	// begins a transaction at iso (rolled back at cleanup) for a test to
+	// race a prune against.
+	executedThenTx := func(t *testing.T, b *testBundle, iso pgx.TxIsoLevel) (uuid.UUID, pgx.Tx) {
+		t.Helper()
+		id := uuid.New()
+		_, err := execute(t, b, id, "c")
+		require.NoError(t, err)
+		tx, err := b.pool.BeginTx(ctx, pgx.TxOptions{IsoLevel: iso})
+		require.NoError(t, err)
+		t.Cleanup(func() { _ = tx.Rollback(ctx) })
+		return id, tx
+	}
+
 	t.Run("FirstThenDuplicate", func(t *testing.T) {
 		t.Parallel()
 		b := setup(t)
@@ -425,12 +439,7 @@ func TestRecordCommand(t *testing.T) {
 	t.Run("PrunedBetweenInsertAndLookupRepeatableRead", func(t *testing.T) {
 		t.Parallel()
 		b := setup(t)
-		id := uuid.New()
-		_, err := execute(t, b, id, "c")
-		require.NoError(t, err)
-		tx, err := b.pool.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.RepeatableRead})
-		require.NoError(t, err)
-		defer tx.Rollback(ctx) //nolint:errcheck
+		id, tx := executedThenTx(t, b, pgx.RepeatableRead)
 		inserts := 0
 		hooked := insertHookTx{Tx: tx, after: func() {
 			inserts++
@@ -458,13 +467,8 @@ func TestRecordCommand(t *testing.T) {
 			t.Run(name, func(t *testing.T) {
 				t.Parallel()
 				b := setup(t)
-				id := uuid.New()
-				_, err := execute(t, b, id, "c")
-				require.NoError(t, err)
+				id, tx := executedThenTx(t, b, iso)
 				table := pgx.Identifier{b.cfg.Schema, outbox.TableDefault + "_idempotency"}.Sanitize()
-				tx, err := b.pool.BeginTx(ctx, pgx.TxOptions{IsoLevel: iso})
-				require.NoError(t, err)
-				defer tx.Rollback(ctx) //nolint:errcheck
 				var seen int
 				require.NoError(t, tx.QueryRow(ctx, `SELECT count(*) FROM `+table+` WHERE event_id = $1`, id).Scan(&seen))
 				require.Equal(t, 1, seen, "the snapshot sees the record")
@@ -495,13 +499,8 @@ func TestRecordCommand(t *testing.T) {
 	t.Run("PrunedAfterSnapshotThenRecordedTwice", func(t *testing.T) {
 		t.Parallel()
 		b := setup(t)
-		id := uuid.New()
-		_, err := execute(t, b, id, "c")
-		require.NoError(t, err)
-		tx, err := b.pool.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.RepeatableRead})
-		require.NoError(t, err)
-		defer tx.Rollback(ctx)            //nolint:errcheck
-		_, err = tx.Exec(ctx, "SELECT 1") // takes the snapshot
+		id, tx := executedThenTx(t, b, pgx.RepeatableRead)
+		_, err := tx.Exec(ctx, "SELECT 1") // takes the snapshot
 		require.NoError(t, err)
 		n, err := b.writer.PruneCommands(ctx, b.pool, time.Microsecond)
 		require.NoError(t, err)
