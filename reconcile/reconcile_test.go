@@ -500,7 +500,7 @@ func TestRunSample(t *testing.T) {
 	require.EqualValues(t, 400, rep.Checked)
 	require.EqualValues(t, 400, rep.Scanned, "400 projection entries sampled for orphans")
 	require.Equal(t, rep.Checked, rep.Counts[ClassCurrent]+rep.Counts[ClassMissing])
-	// 10% of the source is missing and 300 of the projection's 3300
+	// 10% of the source is missing and 300 of the projection's 3,000
 	// entries are orphans; 400 draws each (without replacement) fall
 	// outside 10..70 less than twice in ten million runs.
 	require.InDelta(t, 40, rep.Counts[ClassMissing], 30)

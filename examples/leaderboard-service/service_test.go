@@ -489,7 +489,9 @@ func TestReconcileScheduleKeepsItsCadence(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	tb := setup(t)
-	const every, stall = time.Second, 600 * time.Millisecond
+	// A run gets its whole interval (its timeout): 3 s leaves a loaded
+	// machine room to finish the stalled run within its slot.
+	const every, stall = 3 * time.Second, 600 * time.Millisecond
 	svc, err := NewService(tb.pg.Pool, tb.rd.Client, tb.board, ServiceConfig{ReconcileEvery: every, ReconcileSample: 10})
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = svc.Close() })
