@@ -405,3 +405,88 @@ func TestHostCPU(t *testing.T) {
 	require.Greater(t, after.total, before.total)
 	require.LessOrEqual(t, after.busy-before.busy, after.total-before.total)
 }
+
+// TestHostCPUParsing: guest time, which the kernel already counts in user
+// and nice, is not counted twice, and exited children's time is counted.
+func TestHostCPUParsing(t *testing.T) {
+	t.Parallel()
+
+	t.Run("GuestCountedOnce", func(t *testing.T) {
+		t.Parallel()
+		// user 100 (of it guest 40), nice 10 (guest_nice 5), system 20,
+		// idle 300, iowait 7, irq 1, softirq 2, steal 3.
+		h, ok := parseCPULine("cpu  100 10 20 300 7 1 2 3 40 5")
+		require.True(t, ok)
+		require.Equal(t, 443*clockTick, h.total)
+		require.Equal(t, 136*clockTick, h.busy)
+		// Older kernels end before steal.
+		h, ok = parseCPULine("cpu  100 10 20 300 7")
+		require.True(t, ok)
+		require.Equal(t, 437*clockTick, h.total)
+		require.Equal(t, 130*clockTick, h.busy)
+		for _, bad := range []string{"", "cpu0 1 2 3 4 5", "cpu 1 2 3", "cpu 1 2 x 4 5"} {
+			_, ok := parseCPULine(bad)
+			require.False(t, ok, "%q", bad)
+		}
+	})
+
+	t.Run("ProcessAndWaitedChildren", func(t *testing.T) {
+		t.Parallel()
+		// utime 11, stime 12, cutime 13, cstime 14; a comm with spaces and
+		// parentheses is not postgres.
+		const line = "42 (postgres) S 1 42 42 0 -1 4194560 900 0 0 0 11 12 13 14 20 0 1 0 100 0 0"
+		ticks, ok := postgresTicks(line)
+		require.True(t, ok)
+		require.Equal(t, int64(50), ticks)
+		for _, other := range []string{
+			"43 (redis-server) S 1 43 43 0 -1 4194560 900 0 0 0 11 12 13 14 20 0 1 0 100 0 0",
+			"44 (x) (postgres) S 1 44 44 0 -1 4194560 900 0 0 0 11 12 13 14 20 0 1 0 100 0 0",
+			"45 (postgres) S 1 45",
+		} {
+			_, ok := postgresTicks(other)
+			require.False(t, ok, "%q", other)
+		}
+	})
+
+	t.Run("ExitedBackendStillCounts", func(t *testing.T) {
+		t.Parallel()
+		if _, err := os.Stat("/proc/self/stat"); err != nil {
+			t.Skip("no /proc on this system")
+		}
+		pg := testenv.Postgres(t)
+		if !onThisHost(pg.Pool.Config().ConnConfig.Host) {
+			t.Skip("PostgreSQL does not run on this host")
+		}
+		ctx := context.Background()
+		conn, err := pgx.ConnectConfig(ctx, pg.Pool.Config().ConnConfig.Copy())
+		require.NoError(t, err)
+		pid := conn.PgConn().PID()
+		_, err = conn.Exec(ctx, `SELECT count(*) FROM generate_series(1, 3000000)`)
+		require.NoError(t, err)
+		stat, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+		if err != nil {
+			t.Skipf("cannot read the backend's /proc entry: %v", err)
+		}
+		backend, ok := postgresTicks(string(stat))
+		require.True(t, ok)
+		require.Positive(t, backend, "the query took CPU time")
+		// The backend's parent is the postmaster, which waits for it.
+		fields := strings.Fields(string(stat)[strings.LastIndexByte(string(stat), ')')+1:])
+		postmaster := "/proc/" + fields[1] + "/stat"
+		readPostmaster := func() int64 {
+			b, err := os.ReadFile(postmaster)
+			require.NoError(t, err)
+			ticks, ok := postgresTicks(string(b))
+			require.True(t, ok)
+			return ticks
+		}
+		before := readPostmaster()
+		require.NoError(t, conn.Close(ctx))
+		require.Eventually(t, func() bool {
+			_, err := os.Stat(fmt.Sprintf("/proc/%d", pid))
+			return err != nil
+		}, 10*time.Second, 10*time.Millisecond, "the backend exits")
+		require.Eventually(t, func() bool { return readPostmaster()-before >= backend }, 10*time.Second, 10*time.Millisecond,
+			"the exited backend's %d ticks move to the postmaster", backend)
+	})
+}

@@ -50,22 +50,10 @@ func readHostCPU(pgHost string) hostCPU {
 	if err != nil {
 		return hostCPU{}
 	}
-	// The first line: "cpu  user nice system idle iowait irq softirq steal ...".
 	line, _, _ := strings.Cut(string(stat), "\n")
-	fields := strings.Fields(line)
-	if len(fields) < 6 || fields[0] != "cpu" {
+	h, ok := parseCPULine(line)
+	if !ok {
 		return hostCPU{}
-	}
-	var h hostCPU
-	for i, f := range fields[1:] {
-		ticks, err := strconv.ParseInt(f, 10, 64)
-		if err != nil {
-			return hostCPU{}
-		}
-		h.total += time.Duration(ticks) * clockTick
-		if i != 3 && i != 4 { // neither idle nor waiting for I/O
-			h.busy += time.Duration(ticks) * clockTick
-		}
 	}
 	dirs, _ := filepath.Glob("/proc/[0-9]*")
 	found := false
@@ -74,26 +62,63 @@ func readHostCPU(pgHost string) hostCPU {
 		if err != nil {
 			continue // the process ended
 		}
-		// "pid (comm) state ppid ...": utime and stime are fields 14 and 15.
-		s := string(b)
-		open, closing := strings.IndexByte(s, '('), strings.LastIndexByte(s, ')')
-		if open < 0 || closing < open || s[open+1:closing] != "postgres" {
-			continue
+		if ticks, ok := postgresTicks(string(b)); ok {
+			h.postgres += time.Duration(ticks) * clockTick
+			found = true
 		}
-		rest := strings.Fields(s[closing+1:])
-		if len(rest) < 13 {
-			continue
-		}
-		utime, err1 := strconv.ParseInt(rest[11], 10, 64)
-		stime, err2 := strconv.ParseInt(rest[12], 10, 64)
-		if err1 != nil || err2 != nil {
-			continue
-		}
-		h.postgres += time.Duration(utime+stime) * clockTick
-		found = true
 	}
 	h.ok = found
 	return h
+}
+
+// parseCPULine reads the busy and total time from /proc/stat's first line,
+// "cpu  user nice system idle iowait irq softirq steal guest guest_nice".
+// The kernel already counts guest time in user and guest_nice in nice, so
+// the fields after steal are left out rather than counted twice.
+func parseCPULine(line string) (hostCPU, bool) {
+	fields := strings.Fields(line)
+	if len(fields) < 6 || fields[0] != "cpu" {
+		return hostCPU{}, false
+	}
+	var h hostCPU
+	for i, f := range fields[1:min(len(fields), 9)] {
+		ticks, err := strconv.ParseInt(f, 10, 64)
+		if err != nil {
+			return hostCPU{}, false
+		}
+		h.total += time.Duration(ticks) * clockTick
+		if i != 3 && i != 4 { // neither idle nor waiting for I/O
+			h.busy += time.Duration(ticks) * clockTick
+		}
+	}
+	return h, true
+}
+
+// postgresTicks reads a /proc/<pid>/stat line, "pid (comm) state ppid ...",
+// and returns the CPU ticks of a process named postgres: its own (utime,
+// stime) and those of its children that have exited and been waited for
+// (cutime, cstime). The postmaster's children are the backends, so a
+// backend that exits within a measured window still counts: its time moves
+// to the postmaster's cutime and cstime.
+func postgresTicks(stat string) (int64, bool) {
+	open, closing := strings.IndexByte(stat, '('), strings.LastIndexByte(stat, ')')
+	if open < 0 || closing < open || stat[open+1:closing] != "postgres" {
+		return 0, false
+	}
+	// After the comm, fields 14 to 17 of the line are at 11 to 14.
+	rest := strings.Fields(stat[closing+1:])
+	if len(rest) < 15 {
+		return 0, false
+	}
+	var sum int64
+	for _, f := range rest[11:15] {
+		ticks, err := strconv.ParseInt(f, 10, 64)
+		if err != nil {
+			return 0, false
+		}
+		sum += ticks
+	}
+	return sum, true
 }
 
 // onThisHost reports whether host, a pgconn host, is this machine: a
