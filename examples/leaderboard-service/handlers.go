@@ -520,6 +520,10 @@ func (s *Service) writeError(w http.ResponseWriter, r *http.Request, err error) 
 		// reached in time), and "catching up" would give the client the
 		// wrong reason and keep the timeout out of the log.
 		s.writeTimeout(w, r, err)
+	case errors.As(err, &stale) && stale.Unverified && s.cfg.ReconcileEvery == 0:
+		// Nothing in this process will verify the board: an operator's
+		// 'reconcile --verify' will, at a time no Retry-After can name.
+		writeJSON(w, http.StatusServiceUnavailable, errorResponse{Error: "the leaderboard is not verified yet (a new board, or Redis lost its data) and this service runs no reconcile; an operator must run 'reconcile --verify'"})
 	case errors.As(err, &stale) && stale.Unverified:
 		// Waiting for a verifying pass, which the scheduled reconcile runs
 		// (every ReconcileEvery), not for the worker: retry after it.

@@ -481,6 +481,37 @@ func TestScheduledReconcileVerifies(t *testing.T) {
 	require.True(t, last.Sampled)
 }
 
+// TestUnverifiedWithoutSchedule: a service that requires a verified
+// projection but runs no reconcile of its own cannot say when the board
+// will be verified, so its refusals name no Retry-After; they say an
+// operator's 'reconcile --verify' is needed; after one, reads answer.
+func TestUnverifiedWithoutSchedule(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	tb := setup(t, func(c *leaderboard.Config) {
+		c.RequireVerifiedProjection, c.ReadPolicy, c.LagProbeInterval = true, leaderboard.FailClosed, time.Millisecond
+	})
+	svc, err := NewService(tb.pg.Pool, tb.rd.Client, tb.board, ServiceConfig{ReconcileEvery: 0})
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = svc.Close() })
+	tb.srv = newServer(t, svc)
+	require.Equal(t, http.StatusCreated, tb.submit(t, uuid.NewString(), `{"user_id":"ada","delta":5}`).status)
+	tb.drain(t)
+
+	time.Sleep(2 * time.Millisecond) // past the probe interval
+	refused := tb.do(t, http.MethodGet, "/leaderboard", nil, "")
+	require.Equal(t, http.StatusServiceUnavailable, refused.status, "unverified")
+	require.Empty(t, refused.header.Get("Retry-After"), "nothing here will verify the board")
+	require.Contains(t, refused.json(t)["error"], "an operator must run 'reconcile --verify'")
+
+	_, verified, err := tb.board.Verify(ctx, nil)
+	require.NoError(t, err)
+	require.True(t, verified)
+	time.Sleep(2 * time.Millisecond)
+	res := tb.do(t, http.MethodGet, "/leaderboard", nil, "")
+	require.Equal(t, http.StatusOK, res.status, "%s", res.body)
+}
+
 // TestReconcileScheduleKeepsItsCadence runs the reconcile schedule with a
 // first run held up behind a lock: the next run starts one interval after
 // the first started, and next_run (what /reconcile/last shows) said so,
