@@ -441,6 +441,9 @@ func (b *Board) readUnderPolicy(ctx context.Context, o readOptions, need []requi
 				return fallback()
 			case FailClosed:
 				fresh, notMigrated := b.freshness(ctx)
+				if err := ctx.Err(); err != nil {
+					return Freshness{}, err // as below: an unmeasured lag
+				}
 				if notMigrated != nil {
 					return Freshness{}, notMigrated
 				}

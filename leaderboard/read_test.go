@@ -826,6 +826,28 @@ func TestReadYourWrites(t *testing.T) {
 		require.NotErrorIs(t, err, ErrStale)
 	})
 
+	// The same when the wait itself ran out and the caller gives up in the
+	// lag probe that follows it: a lag its own cancellation left
+	// unmeasured (-1) is no staleness to report.
+	t.Run("CallerGivingUpAfterTheWaitIsNotStale", func(t *testing.T) {
+		t.Parallel()
+		tb := setup(t, func(c *Config) {
+			c.ReadPolicy = FailClosed
+			c.ReadYourWritesTimeout = time.Nanosecond // spent by the first poll
+			c.LagProbeInterval = time.Nanosecond      // every read measures
+		})
+		res := tb.submit(t, "user-a", 10) // never projected
+		rctx, cancel := context.WithCancel(ctx)
+		defer cancel()
+		hook := &afterVersionPoll{run: cancel}
+		hook.armed.Store(true)
+		tb.rd.Client.AddHook(hook)
+		_, _, err := tb.board.Rank(rctx, "user-a", AtLeast("user-a", res.Version))
+		require.False(t, hook.armed.Load(), "the wait polled")
+		require.ErrorIs(t, err, context.Canceled)
+		require.NotErrorIs(t, err, ErrStale)
+	})
+
 	t.Run("UnprojectedNewUserIsStaleNotMissing", func(t *testing.T) {
 		t.Parallel()
 		// A user's first score, not projected yet: with ServeStale the
