@@ -588,8 +588,11 @@ const settleOthers = `
 //
 // The Handler's context is ctx, bounded by the lease. If ctx is cancelled
 // while the Handler runs, the rows it fails are released for immediate
-// re-delivery instead of being retried after a backoff. Settling runs even
-// after ctx is cancelled (bounded by 10s), so completed work is recorded.
+// re-delivery instead of being retried after a backoff. If ctx's deadline
+// passes instead, their failures count as attempts, as at the lease's end:
+// a row that outlasts every deadline still backs off and, after
+// MaxAttempts, reaches the dead-letter table. Settling runs even after ctx
+// is done (bounded by 10s), so completed work is recorded.
 //
 // A non-nil error with a positive count means the batch was handled but not
 // entirely settled: a *LeaseLostError (errors.Is(err, ErrLeaseLost)) lists
@@ -620,7 +623,13 @@ func (r *Relay) runBatch(claimCtx, workCtx context.Context) (n int, again claimA
 	results := r.handle(handlerCtx, batch)
 	r.metrics.handlerDuration.Record(workCtx, time.Since(handleStart).Seconds(), r.metrics.attrs)
 	cancel()
-	stopping := workCtx.Err() != nil
+	// Only a cancellation stops: a deadline (RunOnce's caller's) ends the
+	// attempt as the lease's does, and the failure counts. Released
+	// instead, a row that hangs its Handler until any deadline would be
+	// handed out first in every pass, never backing off nor dying, and the
+	// rows behind it in its partition never reached. Run's workCtx is
+	// only ever cancelled.
+	stopping := errors.Is(workCtx.Err(), context.Canceled)
 	return len(batch), again, r.settle(context.WithoutCancel(workCtx), token, batch, results, stopping)
 }
 

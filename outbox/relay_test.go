@@ -886,6 +886,39 @@ func TestRelayRetries(t *testing.T) {
 	// A row waiting out a backoff is not handed out before its time when a
 	// new row in the same partition makes a claim lease that partition:
 	// re-delivered on every append, it would burn its attempts early.
+	// A row whose Handler hangs until the context ends, driven by RunOnce
+	// under a deadline (a cron pass, a bounded Drain): each pass's failure
+	// counts, as at the lease's end, so the row backs off and dies after
+	// MaxAttempts. Released instead, as on a cancellation, it was handed
+	// out as attempt 1 in every pass, for ever.
+	t.Run("CallerDeadlineCountsTheAttempt", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		b.appendCommitted(t, newMessage("scores", "poison", 1))
+		var (
+			mu   sync.Mutex
+			seen []int
+		)
+		h := outbox.HandlerFunc(func(ctx context.Context, batch []outbox.Record) ([]outbox.Result, error) {
+			mu.Lock()
+			seen = append(seen, batch[0].Attempts)
+			mu.Unlock()
+			<-ctx.Done()
+			return nil, ctx.Err()
+		})
+		r := b.relay(t, nil, h, outbox.RelayConfig{MaxAttempts: 2, RetryBackoffMin: time.Millisecond, RetryBackoffMax: time.Millisecond})
+		for range 5 {
+			pass, cancel := context.WithTimeout(ctx, 100*time.Millisecond)
+			_, _ = r.RunOnce(pass)
+			cancel()
+			time.Sleep(5 * time.Millisecond) // past the backoff
+		}
+		mu.Lock()
+		defer mu.Unlock()
+		require.Equal(t, []int{1, 2}, seen, "attempts handed out")
+		require.Equal(t, 1, b.count(t, b.deadTable()), "the row is dead-lettered")
+	})
+
 	t.Run("BackoffHoldsWhileItsPartitionIsClaimed", func(t *testing.T) {
 		t.Parallel()
 		b := setup(t)
