@@ -89,6 +89,25 @@ func TestSQLSource(t *testing.T) {
 		require.Equal(t, "22021", pgErr.Code)
 	})
 
+	// A domain's CHECK refuses a key with a check violation (23514), not
+	// a data exception: such a key, too, is one the column cannot hold,
+	// left out as absent rather than failing the lookup (and the run).
+	t.Run("LookupLeavesOutKeysADomainRefuses", func(t *testing.T) {
+		t.Parallel()
+		pg := testenv.Postgres(t)
+		_, err := pg.Pool.Exec(ctx, `CREATE DOMAIN user_id AS text CHECK (VALUE LIKE 'u%');
+			CREATE TABLE d (k user_id PRIMARY KEY, v bigint NOT NULL, p bigint NOT NULL);
+			INSERT INTO d VALUES ('u1', 1, 10), ('u2', 1, 20)`)
+		require.NoError(t, err)
+		src, err := NewSQLSource(pg.Pool, &SQLSourceConfig{Table: "d", Schema: pg.Schema, KeyColumn: "k", VersionColumn: "v",
+			ValueColumn: "p", Kind: projection.KindSortedSet})
+		require.NoError(t, err)
+		found, err := src.Lookup(ctx, []string{"u1", "x9", "u2", "u3"})
+		require.NoError(t, err)
+		require.ElementsMatch(t, []Row{{Key: "u1", Version: 1, Value: projection.Value{Score: 10}},
+			{Key: "u2", Version: 1, Value: projection.Value{Score: 20}}}, found)
+	})
+
 	// Through a pgx.Tx (one snapshot for a whole pass), the statements a
 	// rejected key fails would abort the transaction: Lookup failed with
 	// the key's error instead of leaving it out, so the orphan scan never

@@ -408,12 +408,16 @@ func (s *SQLSource) keyRejected(ctx context.Context, key string, err error) erro
 	return fmt.Errorf("reconcile: querying %s: %w", s.relation, cerr)
 }
 
-// isDataException reports a PostgreSQL data exception (SQLSTATE class 22):
-// a value its type cannot represent.
+// isDataException reports a PostgreSQL data exception (SQLSTATE class 22),
+// a value its type cannot represent, or a check violation (23514), which
+// is how a domain type's CHECK refuses a value cast to it.
 func isDataException(err error) bool {
 	var pgErr *pgconn.PgError
-	return errors.As(err, &pgErr) && strings.HasPrefix(pgErr.Code, "22")
+	return errors.As(err, &pgErr) && (strings.HasPrefix(pgErr.Code, "22") || pgErr.Code == pgCheckViolation)
 }
+
+// pgCheckViolation is PostgreSQL's SQLSTATE check_violation.
+const pgCheckViolation = "23514"
 
 // Sample implements Source with TABLESAMPLE SYSTEM; see SQLSource for the
 // bias this implies.
