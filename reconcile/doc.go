@@ -72,6 +72,13 @@
 //     that confirming lookup: an entry created after the read changes it,
 //     and the removal declines.
 //
+// Those lookups see a write committed since the page was read only if the
+// source takes a fresh snapshot per statement: a pool does; a REPEATABLE
+// READ or SERIALIZABLE transaction does not, so through one, Run refuses
+// to repair ahead or orphan entries and Rebuild refuses to run (see DBTX).
+// A custom Source whose lookups read an old snapshot must not be run with
+// those repairs, nor rebuilt from.
+//
 // Missing and stale entries are not looked up again: a row deleted from the
 // source after its page was read may be written back, as a relay delivering
 // the row's last outbox record would write it, and the next run reports it
@@ -317,7 +324,8 @@
 // member the source's key column cannot hold is an orphan found through
 // Lookup. SQLSource drops a key no PostgreSQL text parameter can carry
 // (invalid UTF-8, a NUL byte) without querying. A key PostgreSQL rejects
-// for the column's type ("user:42" for a bigint column) makes it reject the
+// for the column's type ("user:42" for a bigint column, or a value a
+// domain's CHECK refuses) makes it reject the
 // whole batch: SQLSource then bisects the batch until each rejected key
 // stands alone, about two failed statements per such key (each twice per
 // pass, for the orphan scan confirms its lookups), every one an ERROR in

@@ -119,6 +119,9 @@ func (r *Reconciler) rebuild(ctx context.Context) (*RebuildReport, error) {
 	if r.target.Kind == projection.KindDocument {
 		return rep, ErrRebuildUnsupported
 	}
+	if err := r.refuseFrozenSource(ctx, "Rebuild cannot run through it: a write committed and projected after its snapshot but before the rebuild started would be neither copied nor dual-written, and the switch would take it back; give NewSQLSource a pool"); err != nil {
+		return rep, err
+	}
 	var buf [16]byte
 	_, _ = rand.Read(buf[:])
 	token := hex.EncodeToString(buf[:])

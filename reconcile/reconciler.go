@@ -222,6 +222,11 @@ func (r *Reconciler) Run(ctx context.Context, opts RunOptions) (*Report, error) 
 	if r.unmade() {
 		return newReport(opts), errUnmade()
 	}
+	if !opts.DryRun && (r.cfg.Policy.For(ClassAhead) == ActionRepair || r.cfg.Policy.For(ClassOrphan) == ActionRepair) {
+		if err := r.refuseFrozenSource(ctx, "Run cannot repair ahead or orphan entries (Config.Policy) through it: a write committed after its snapshot would be taken for drift, and its newer version taken back or its new entity deleted; give NewSQLSource a pool, run with DryRun, or leave Policy.Ahead and Policy.Orphan to report"); err != nil {
+			return newReport(opts), err
+		}
+	}
 	rep, err := r.run(ctx, opts)
 	// A read pinned to a master met a slot move the client's map had not
 	// caught up with (a failover, a resharding): the master's own
@@ -254,6 +259,30 @@ func (r *Reconciler) Run(ctx context.Context, opts RunOptions) (*Report, error) 
 	}
 	r.metrics.recordRun(ctx, mode, rep, err)
 	return rep, err
+}
+
+// frozenSource is a Source that can tell whether it reads one snapshot for
+// a whole pass (SQLSource through a REPEATABLE READ or SERIALIZABLE
+// transaction), whose lookups cannot confirm a finding.
+type frozenSource interface {
+	frozenSnapshot(ctx context.Context) (bool, error)
+}
+
+// refuseFrozenSource returns a *ConfigError saying why (what cannot be
+// done) when r's source reads one snapshot for a whole pass.
+func (r *Reconciler) refuseFrozenSource(ctx context.Context, why string) error {
+	fs, ok := r.source.(frozenSource)
+	if !ok {
+		return nil
+	}
+	frozen, err := fs.frozenSnapshot(ctx)
+	if err != nil {
+		return err
+	}
+	if frozen {
+		return &ConfigError{Field: "source", Reason: "reads through a REPEATABLE READ or SERIALIZABLE transaction, one snapshot for the whole pass; " + why}
+	}
+	return nil
 }
 
 // reloadIfUnreachable has a Redis Cluster client reload its slot map when

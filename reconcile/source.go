@@ -105,3 +105,17 @@ func (s *serialSource) Lookup(ctx context.Context, keys []string) ([]Row, error)
 	defer func() { <-s.turn }()
 	return s.src.Lookup(ctx, keys)
 }
+
+// frozenSnapshot asks the Source it wraps, if that can tell (see
+// frozenSource); a Source that cannot is taken to read fresh snapshots.
+func (s *serialSource) frozenSnapshot(ctx context.Context) (bool, error) {
+	fs, ok := s.src.(frozenSource)
+	if !ok {
+		return false, nil
+	}
+	if err := s.acquire(ctx); err != nil {
+		return false, err
+	}
+	defer func() { <-s.turn }()
+	return fs.frozenSnapshot(ctx)
+}

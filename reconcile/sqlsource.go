@@ -22,11 +22,21 @@ import (
 )
 
 // DBTX is the narrow view of PostgreSQL that SQLSource needs. *pgxpool.Pool,
-// *pgx.Conn and pgx.Tx satisfy it. Through a pgx.Tx (one snapshot for a
-// whole pass), Lookup runs each statement in a savepoint, so that a key it
-// expects PostgreSQL to reject does not abort the transaction; begin a
-// transaction as a pgx.Tx rather than with BEGIN on a *pgx.Conn, which
-// SQLSource cannot tell from a connection outside one.
+// *pgx.Conn and pgx.Tx satisfy it. Through a pgx.Tx, Lookup runs each
+// statement in a savepoint, so that a key it expects PostgreSQL to reject
+// does not abort the transaction; begin a transaction as a pgx.Tx rather
+// than with BEGIN on a *pgx.Conn, which SQLSource cannot tell from a
+// connection outside one.
+//
+// Prefer a pool. A REPEATABLE READ or SERIALIZABLE transaction reads one
+// snapshot for the whole pass, and the lookups that confirm ahead and
+// orphan findings (package doc, "Repairs") then cannot see a
+// write committed after it: once projected, such a write is reported as
+// ahead, or its new entity as an orphan. Through such a transaction,
+// Reconciler.Run refuses to repair ahead or orphan entries (unless
+// DryRun), and Reconciler.Rebuild refuses to run, each with a
+// *ConfigError: a repair would take a newer version back, or delete a new
+// entity, and a rebuild would switch in versions older than the live ones.
 type DBTX interface {
 	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
 	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
@@ -407,6 +417,25 @@ func (s *SQLSource) keyRejected(ctx context.Context, key string, err error) erro
 	}
 	return fmt.Errorf("reconcile: querying %s: %w", s.relation, cerr)
 }
+
+// frozenSnapshot reports whether s reads through a pgx.Tx whose isolation
+// (REPEATABLE READ or SERIALIZABLE) keeps one snapshot for the whole
+// transaction: a lookup through it cannot see a write committed since, so
+// it cannot confirm a finding. Through a pool, a connection, or a READ
+// COMMITTED transaction, every statement takes a fresh snapshot.
+func (s *SQLSource) frozenSnapshot(ctx context.Context) (bool, error) {
+	if _, ok := s.db.(pgx.Tx); !ok {
+		return false, nil
+	}
+	var level string
+	if err := s.db.QueryRow(ctx, isolationSQL).Scan(&level); err != nil {
+		return false, fmt.Errorf("reconcile: reading the isolation of the source's transaction: %w", err)
+	}
+	return level == "repeatable read" || level == "serializable", nil
+}
+
+// isolationSQL reads the isolation level of the current transaction.
+const isolationSQL = "SELECT current_setting('transaction_isolation')"
 
 // isDataException reports a PostgreSQL data exception (SQLSTATE class 22),
 // a value its type cannot represent, or a check violation (23514), which

@@ -1,0 +1,128 @@
+package reconcile
+
+import (
+	"context"
+	"testing"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/stretchr/testify/require"
+
+	"github.com/verity-go/verity/projection"
+)
+
+// TestSnapshotSource: through a REPEATABLE READ or SERIALIZABLE
+// transaction, the lookups that confirm ahead and orphan findings read the
+// snapshot the pass began with, so a write committed and projected during
+// the pass looked like drift: forced repairs took a's newer version back
+// and deleted the new entity c, and a Rebuild switched in a's older
+// version. Such a source is refused for those, with nothing written; dry
+// runs and the default policy still run through it, and a READ COMMITTED
+// transaction confirms as a pool does.
+func TestSnapshotSource(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	forced := &Config{Policy: Policy{Ahead: ActionRepair, Orphan: ActionRepair}}
+
+	// open returns a SQLSource through a new transaction of level iso,
+	// whose snapshot (for a snapshot level) predates a := v2 and c, both
+	// committed and projected afterwards.
+	open := func(t *testing.T, iso pgx.TxIsoLevel) (*testBundle, *SQLSource) {
+		t.Helper()
+		b := setup(t, projection.KindSortedSet)
+		b.projectRows(t, []Row{b.insert(t, "a", 1), b.insert(t, "b", 1)})
+		tx, err := b.pool.BeginTx(ctx, pgx.TxOptions{IsoLevel: iso, AccessMode: pgx.ReadOnly})
+		require.NoError(t, err)
+		t.Cleanup(func() { _ = tx.Rollback(ctx) })
+		src, err := NewSQLSource(tx, &SQLSourceConfig{Table: "items", KeyColumn: "key", VersionColumn: "version",
+			ValueColumn: "score", Kind: projection.KindSortedSet, Filters: []Filter{{Column: "board", Value: testBoard}}})
+		require.NoError(t, err)
+		_, err = src.Page(ctx, Cursor{}, 10) // the snapshot is taken
+		require.NoError(t, err)
+		b.project(t, "a", b.insert(t, "a", 2).Version)
+		b.project(t, "c", b.insert(t, "c", 1).Version)
+		return b, src
+	}
+	// untouched checks that the projection still holds what the relay wrote.
+	untouched := func(t *testing.T, b *testBundle, r *Reconciler) {
+		t.Helper()
+		require.Equal(t, int64(2), b.state(t, r, "a").Version)
+		require.True(t, b.state(t, r, "c").HasValue, "c is still projected")
+	}
+
+	for _, iso := range []pgx.TxIsoLevel{pgx.RepeatableRead, pgx.Serializable} {
+		t.Run("ForcedRepairsRefused"+pascal(string(iso)), func(t *testing.T) {
+			t.Parallel()
+			b, src := open(t, iso)
+			r, err := New(src, b.target, forced)
+			require.NoError(t, err)
+			_, err = r.Run(ctx, RunOptions{})
+			var cfgErr *ConfigError
+			require.ErrorAs(t, err, &cfgErr)
+			require.Equal(t, "source", cfgErr.Field)
+			require.ErrorIs(t, err, ErrInvalidConfig)
+			_, err = r.Run(ctx, RunOptions{Sample: 10})
+			require.ErrorAs(t, err, &cfgErr, "a sampled run repairs ahead entries too")
+			untouched(t, b, r)
+
+			// A dry run, and the default policy, only report.
+			rep, err := r.Run(ctx, RunOptions{DryRun: true})
+			require.NoError(t, err)
+			require.Equal(t, int64(1), rep.Counts[ClassAhead], "ahead as of the snapshot")
+			r, err = New(src, b.target, nil)
+			require.NoError(t, err)
+			_, err = r.Run(ctx, RunOptions{})
+			require.NoError(t, err)
+			untouched(t, b, r)
+		})
+
+		t.Run("RebuildRefused"+pascal(string(iso)), func(t *testing.T) {
+			t.Parallel()
+			b, src := open(t, iso)
+			r, err := New(src, b.target, nil)
+			require.NoError(t, err)
+			rep, err := r.Rebuild(ctx)
+			var cfgErr *ConfigError
+			require.ErrorAs(t, err, &cfgErr)
+			require.Equal(t, "source", cfgErr.Field)
+			require.False(t, rep.Switched)
+			untouched(t, b, r)
+		})
+	}
+
+	// Each statement of a READ COMMITTED transaction sees what committed
+	// before it: the confirming lookups find a's v2 and c.
+	t.Run("ReadCommittedConfirms", func(t *testing.T) {
+		t.Parallel()
+		b, src := open(t, pgx.ReadCommitted)
+		r, err := New(src, b.target, forced)
+		require.NoError(t, err)
+		rep, err := r.Run(ctx, RunOptions{})
+		require.NoError(t, err)
+		require.Zero(t, rep.Drift(), "%v", rep.Counts)
+		untouched(t, b, r)
+		rebuilt, err := r.Rebuild(ctx)
+		require.NoError(t, err)
+		require.True(t, rebuilt.Switched)
+		untouched(t, b, r)
+	})
+}
+
+// pascal turns a transaction isolation level ("repeatable read") into a
+// subtest name ("RepeatableRead").
+func pascal(s string) string {
+	out := []byte{}
+	up := true
+	for i := range len(s) {
+		switch c := s[i]; {
+		case c == ' ':
+			up = true
+		case up && c >= 'a' && c <= 'z':
+			out = append(out, c-'a'+'A')
+			up = false
+		default:
+			out = append(out, c)
+			up = false
+		}
+	}
+	return string(out)
+}
