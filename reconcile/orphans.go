@@ -124,15 +124,19 @@ func (r *Reconciler) checkCandidates(ctx context.Context, opts RunOptions, keys 
 	if err != nil {
 		return err
 	}
-	if versionless {
-		kept, keptRead := keys[:0], projected[:0]
-		for i, k := range keys {
-			if !projected[i].HasVersion {
-				kept = append(kept, k)
-				keptRead = append(keptRead, projected[i])
-			}
+	// Each scan keeps its own entries, so that no entry is counted
+	// twice: the value scan those without a version, the version scan
+	// those with one (a document's version key holding another type reads
+	// as no version, and its value key is met by the value scan).
+	kept, keptRead := keys[:0], projected[:0]
+	for i, k := range keys {
+		if projected[i].HasVersion != versionless {
+			kept = append(kept, k)
+			keptRead = append(keptRead, projected[i])
 		}
-		keys, projected = kept, keptRead
+	}
+	keys, projected = kept, keptRead
+	if versionless {
 		rep.Scanned += int64(len(keys))
 	}
 	if len(keys) == 0 {

@@ -520,17 +520,23 @@ func (r *Reconciler) checkRead(ctx context.Context, opts RunOptions, rows []Row,
 	// here; only drift becomes a Finding (a pass used to allocate one per
 	// row).
 	var findings []Finding
+	var current []int
 	for i := range rows {
 		class := Classify(r.target.Kind, &rows[i], projected[i])
 		if class == ClassCurrent {
-			rep.Counts[ClassCurrent]++
-			rep.tally.addAsRead(&projected[i])
+			current = append(current, i)
 			continue
 		}
 		findings = append(findings, Finding{Class: class, Key: rows[i].Key, Source: &rows[i], Projected: projected[i]})
 	}
 	if err := r.recheck(ctx, findings); err != nil {
+		// The page is not counted at all: neither its rows as checked
+		// nor its current entities.
 		return err
+	}
+	for _, i := range current {
+		rep.Counts[ClassCurrent]++
+		rep.tally.addAsRead(&projected[i])
 	}
 	rep.Checked += int64(len(rows))
 	err := r.settle(ctx, opts, findings, rep)
@@ -544,7 +550,9 @@ func (r *Reconciler) checkRead(ctx context.Context, opts RunOptions, rows []Row,
 		// the row's last record back).
 		if f.Class == ClassOrphan {
 			switch f.Result {
-			case ResultReported, ResultDryRun, ResultVetoed:
+			case ResultReported, ResultDryRun, ResultVetoed, ResultNotAttempted:
+				// NotAttempted: its removal was refused (a key of
+				// another type) with nothing written.
 				rep.noteOrphan(f.Key)
 			}
 		}
@@ -730,8 +738,15 @@ func (r *Reconciler) settle(ctx context.Context, opts RunOptions, findings []Fin
 	defer cancel()
 	refused, errGate := r.gateRepair(repairCtx, viaGate)
 	rep.refused = append(rep.refused, refused...)
-	refused, errCAS := r.casRepair(repairCtx, viaCAS)
-	rep.refused = append(rep.refused, refused...)
+	// Cancelled while the gate repairs were in flight: the
+	// compare-and-set repairs have not been sent, and are not.
+	errCAS := ctx.Err()
+	if errCAS != nil {
+		viaCAS = nil // they stay ResultNotAttempted
+	} else {
+		refused, errCAS = r.casRepair(repairCtx, viaCAS)
+		rep.refused = append(rep.refused, refused...)
+	}
 	if r.cfg.AfterRepair != nil {
 		for _, f := range append(viaGate, viaCAS...) {
 			r.cfg.AfterRepair(ctx, *f)

@@ -1,0 +1,137 @@
+package reconcile
+
+import (
+	"context"
+	"sync/atomic"
+	"testing"
+
+	"github.com/redis/go-redis/v9"
+	"github.com/stretchr/testify/require"
+
+	"github.com/verity-go/verity/internal/testenv"
+	"github.com/verity-go/verity/projection"
+)
+
+// TestReportCountsEachEntityOnce: a Report counts every entity it met in
+// exactly one class, and a cancelled run's partial Report counts only what
+// it checked, and writes nothing after the cancellation.
+func TestReportCountsEachEntityOnce(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+
+	// A document orphan whose version key holds another type reads as a
+	// value without a version: the version-key scan met it (SCAN matches
+	// a key whatever its type), and so did the value-key scan, which keeps
+	// the entries without a version: one entity, two orphans.
+	t.Run("OrphanWithAWrongTypedVersionKey", func(t *testing.T) {
+		t.Parallel()
+		for name, policy := range map[string]Policy{"Report": {}, "Repair": {Orphan: ActionRepair}} {
+			t.Run(name, func(t *testing.T) {
+				t.Parallel()
+				b := setup(t, projection.KindDocument)
+				b.insert(t, "a", 1)
+				b.project(t, "a", 1)
+				b.project(t, "o", 1) // an orphan
+				version := b.ks.VersionKey(b.target.target("o"))
+				require.NoError(t, b.client.Del(ctx, version).Err())
+				require.NoError(t, b.client.HSet(ctx, version, "f", "v").Err())
+				rep, _ := b.reconciler(t, &Config{Policy: policy}).Run(ctx, RunOptions{})
+				require.EqualValues(t, 1, rep.Counts[ClassOrphan], "%s", rep)
+				require.LessOrEqual(t, len(rep.refused), 1, "refused once at most")
+			})
+		}
+	})
+
+	// An ahead document whose row is deleted during the pass is an
+	// orphan; its forced removal, refused for a value key of another type,
+	// wrote nothing, and the orphan scan that followed met the entry again
+	// and counted (and refused) it a second time.
+	t.Run("RefusedOrphanRemoval", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t, projection.KindDocument)
+		b.insert(t, "k", 1)
+		b.project(t, "k", 2) // ahead of the source
+		value := b.ks.ValueKey(b.target.target("k"))
+		require.NoError(t, b.client.Del(ctx, value).Err())
+		require.NoError(t, b.client.HSet(ctx, value, "f", "v").Err())
+		src := &windowSource{Source: b.source}
+		src.beforeLookup = once("k", func() {
+			_, err := b.pool.Exec(ctx, `DELETE FROM items WHERE key = 'k'`)
+			require.NoError(t, err)
+		})
+		r, err := New(src, b.target, &Config{Policy: Policy{Orphan: ActionRepair}})
+		require.NoError(t, err)
+		rep, err := r.Run(ctx, RunOptions{})
+		require.ErrorIs(t, err, projection.ErrWrongKeyType)
+		require.EqualValues(t, 1, rep.Checked)
+		require.EqualValues(t, 1, rep.Counts[ClassOrphan], "%s", rep)
+		require.Len(t, rep.refused, 1)
+	})
+
+	// Cancelled while an ahead finding was looked up again, a page's
+	// current rows were counted, but its rows not as checked.
+	t.Run("CancelledDuringARecheck", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t, projection.KindSortedSet)
+		for _, k := range []string{"a", "b", "c", "d"} {
+			b.insert(t, k, 1)
+			b.project(t, k, 1)
+		}
+		b.insert(t, "e", 1)
+		b.project(t, "e", 2) // ahead
+		rctx, cancel := context.WithCancel(ctx)
+		defer cancel()
+		src := &windowSource{Source: b.source, beforeLookup: func([]string) { cancel() }}
+		r, err := New(src, b.target, &Config{SkipOrphans: true})
+		require.NoError(t, err)
+		rep, err := r.Run(rctx, RunOptions{})
+		require.ErrorIs(t, err, context.Canceled)
+		var counted int64
+		for _, c := range []Class{ClassCurrent, ClassMissing, ClassStale, ClassAhead, ClassCorrupt} {
+			counted += rep.Counts[c]
+		}
+		require.Equal(t, rep.Checked, counted, "%s", rep)
+	})
+
+	// Cancelled while a page's gate repairs were in flight, the run still
+	// sent the page's compare-and-set repairs afterwards, which had not
+	// been sent when it was cancelled.
+	t.Run("CancelledDuringTheGateRepairs", func(t *testing.T) {
+		t.Parallel()
+		base := setup(t, projection.KindHash)
+		rctx, cancel := context.WithCancel(ctx)
+		defer cancel()
+		hook := &afterScript{run: cancel}
+		b := base.withHook(t, hook)
+		b.insert(t, "missing", 1) // repaired through the gate
+		b.insert(t, "corrupt", 1)
+		b.project(t, "corrupt", 1)
+		b.setRaw(t, "corrupt", &projection.Value{Data: []byte("garbage")}, nil)
+		r := b.reconciler(t, &Config{SkipOrphans: true})
+		hook.armed.Store(true)
+		rep, err := r.Run(rctx, RunOptions{})
+		require.ErrorIs(t, err, context.Canceled)
+		require.False(t, hook.armed.Load(), "the gate's script ran")
+		require.Equal(t, []byte("garbage"), b.state(t, r, "corrupt").Data, "no compare-and-set repair after the cancellation")
+		require.EqualValues(t, 1, rep.Repaired, "the gate's repair, sent before, counts: %s", rep)
+	})
+}
+
+// afterScript runs run once, when armed, right after the first script
+// call (EVAL or EVALSHA: the gate's, which a page's repairs send first)
+// has returned.
+type afterScript struct {
+	testenv.PassThroughHook
+	armed atomic.Bool
+	run   func()
+}
+
+func (h *afterScript) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
+	return func(ctx context.Context, cmd redis.Cmder) error {
+		err := next(ctx, cmd)
+		if (cmd.Name() == "evalsha" || cmd.Name() == "eval") && h.armed.CompareAndSwap(true, false) {
+			h.run()
+		}
+		return err
+	}
+}
