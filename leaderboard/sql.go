@@ -103,6 +103,14 @@ WHERE event_id = $1::uuid`
 // command), only each user's last state goes to the outbox: payloads are
 // absolute, so the intermediate ones would be superseded anyway.
 //
+// The row upserted proposes each user's batch total as its score, and
+// PostgreSQL checks the score's CHECK on that proposed row even when it
+// then updates an existing one: a total outside [MinScore, MaxScore] is
+// proposed clamped, and an existing row adds the exact total (looked up in
+// totals only then). A user inserted with a clamped total (version = n)
+// has its commands' scores counted from 0, so its last one fails
+// score_events' CHECK as it should.
+//
 // Event ids are recorded in id order, so that two batches (or a batch and
 // a caller's transaction) that collide on several ids wait for them in the
 // same order, and the outbox rows are read from recorded: a twin's id
@@ -153,18 +161,21 @@ totals AS (
 ),
 upserted AS (
     INSERT INTO {{user_scores}} AS s (board, user_id, score, version)
-    SELECT $4::text, user_id, total, n
+    SELECT $4::text, user_id, LEAST(GREATEST(total, -9007199254740992), 9007199254740992), n
     FROM totals
     ORDER BY user_id
     ON CONFLICT (board, user_id) DO UPDATE
-    SET score = s.score + EXCLUDED.score,
+    SET score = s.score + CASE
+            WHEN abs(EXCLUDED.score) < 9007199254740992 THEN EXCLUDED.score
+            ELSE (SELECT t.total FROM totals AS t WHERE t.user_id = EXCLUDED.user_id)
+        END,
         version = s.version + EXCLUDED.version,
         updated_at = now()
     RETURNING user_id, score, version
 ),
 results AS (
     SELECT f.ord, f.event_id, f.user_id, f.delta,
-           u.score - t.total + f.running AS score,
+           CASE WHEN u.version = t.n THEN 0 ELSE u.score - t.total END + f.running AS score,
            u.version - t.n + f.seq AS version,
            f.seq = t.n AS last
     FROM fresh AS f

@@ -63,6 +63,56 @@ func TestSubmitBatchLocatesTheOverflow(t *testing.T) {
 	}
 }
 
+// TestSubmitBatchRangeIsPerCommand: the range applies to each command's
+// score, not to the sum of a user's deltas in a batch. The statement
+// proposed that sum as a new row's score, and PostgreSQL checks the
+// range on the proposed row even when it updates an existing one: a user at
+// MinScore given +MaxScore twice (scores 0, then MaxScore) was refused.
+func TestSubmitBatchRangeIsPerCommand(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	wide := func(c *Config) { c.MinDelta, c.MaxDelta = MinScore, MaxScore }
+	batch := func() []Command {
+		return []Command{
+			{EventID: uuid.New(), UserID: "u", Delta: MaxScore},
+			{EventID: uuid.New(), UserID: "new", Delta: 7},
+			{EventID: uuid.New(), UserID: "u", Delta: MaxScore},
+		}
+	}
+	want := []Result{{Score: 0, Version: 2}, {Score: 7, Version: 1}, {Score: MaxScore, Version: 3}}
+	// next checks the stored score: the next command counts from MaxScore.
+	next := func(t *testing.T, b *Board) {
+		t.Helper()
+		res, err := b.Submit(ctx, Command{EventID: uuid.New(), UserID: "u", Delta: -1})
+		require.NoError(t, err)
+		require.Equal(t, Result{Score: MaxScore - 1, Version: 4}, res)
+	}
+
+	t.Run("SubmitBatch", func(t *testing.T) {
+		t.Parallel()
+		tb := setup(t, wide)
+		submitted(t, tb.board, "u", MinScore)
+		out, err := tb.board.SubmitBatch(ctx, batch())
+		require.NoError(t, err)
+		require.Equal(t, want, out)
+		next(t, tb.board)
+	})
+
+	t.Run("SubmitBatchTx", func(t *testing.T) {
+		t.Parallel()
+		tb := setup(t, wide)
+		submitted(t, tb.board, "u", MinScore)
+		tx, err := tb.pg.Pool.Begin(ctx)
+		require.NoError(t, err)
+		defer func() { _ = tx.Rollback(ctx) }()
+		out, err := tb.board.SubmitBatchTx(ctx, tx, batch())
+		require.NoError(t, err)
+		require.Equal(t, want, out)
+		require.NoError(t, tx.Commit(ctx))
+		next(t, tb.board)
+	})
+}
+
 // submitted submits delta for user on b and returns the command.
 func submitted(t *testing.T, b *Board, user string, delta int64) Command {
 	t.Helper()
