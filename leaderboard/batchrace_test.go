@@ -7,6 +7,8 @@ import (
 
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgconn/ctxwatch"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 )
@@ -241,4 +243,44 @@ func TestSubmitBatchDeadlockIsRetried(t *testing.T) {
 	require.Equal(t, 2, events, "the transaction's two commands, nothing of the batch")
 	require.Equal(t, 2, users)
 	require.Equal(t, 2, queued)
+}
+
+// TestSubmitBatchTwinAfterItsCallerGaveUp: a twin commits while the batch
+// waits on it, after the batch's caller gave up. The retry that would
+// report the twin is not run, and the caller got the driver's bare unique
+// violation: no context error, nothing typed. With pgx's
+// DeadlineContextWatcherHandler (for servers a cancel request cannot
+// reach) the statement outlives the cancellation until the twin commits.
+func TestSubmitBatchTwinAfterItsCallerGaveUp(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	tb := setup(t)
+	pool := tb.newPool(t, func(pc *pgxpool.Config) {
+		pc.ConnConfig.BuildContextWatcherHandler = func(c *pgconn.PgConn) ctxwatch.Handler {
+			return &pgconn.DeadlineContextWatcherHandler{Conn: c.Conn(), DeadlineDelay: 5 * time.Second}
+		}
+	})
+	board, err := New(pool, tb.rd.Client, &Config{Name: tb.board.Name(), Schema: tb.pg.Schema, KeyPrefix: tb.rd.Prefix})
+	require.NoError(t, err)
+	t.Cleanup(board.Close)
+
+	cmd := Command{EventID: uuid.New(), UserID: "u", Delta: 1}
+	twin := beginCaller(t, tb)
+	_, err = tb.board.SubmitTx(ctx, twin.tx, cmd)
+	require.NoError(t, err)
+	bctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	done := make(chan error, 1)
+	go func() {
+		_, err := board.SubmitBatch(bctx, []Command{cmd, {EventID: uuid.New(), UserID: "v", Delta: 1}})
+		done <- err
+	}()
+	waitBlockedBy(t, tb, twin.pid, "the batch waits for the twin")
+	cancel()
+	require.NoError(t, twin.tx.Commit(ctx))
+	err = <-done
+	require.ErrorIs(t, err, context.Canceled)
+	require.ErrorContains(t, err, "leaderboard: submit batch")
+	events, _, queued := tb.counts(t)
+	require.Equal(t, []int{1, 1}, []int{events, queued}, "only the twin's command was written")
 }

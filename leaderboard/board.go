@@ -859,6 +859,12 @@ func (b *Board) submitBatch(ctx context.Context, cmds []Command, opts batchOptio
 		case isUniqueViolation(err) && twins < len(sent) && ctx.Err() == nil:
 			twins++
 			continue
+		case isUniqueViolation(err) && ctx.Err() != nil:
+			// A twin committed meanwhile, and the caller gave up before
+			// the retry that would report it: nothing was written.
+			return nil, fmt.Errorf("leaderboard: submit batch: %w (a twin committed meanwhile: %w)", ctx.Err(), err)
+		case isUniqueViolation(err):
+			return nil, b.dbError("submit batch", err)
 		case isDeadlock(err) && deadlocks < batchDeadlockRetries && ctx.Err() == nil:
 			deadlocks++
 			continue
