@@ -46,8 +46,9 @@ var (
 	// the read policy is FailClosed, or an unmet AtLeast read found its
 	// user missing in Redis.
 	ErrStale = errors.New("leaderboard: projection too stale")
-	// ErrUserNotFound is returned by Rank and Around for a user without a
-	// score on the board (in the source the read used).
+	// ErrUserNotFound matches *UserNotFoundError, returned by Rank and
+	// Around for a user without a score on the board (in the source the
+	// read used).
 	ErrUserNotFound = errors.New("leaderboard: user has no score on this board")
 	// ErrInvalidCursor is returned by Page for a cursor that this board did
 	// not produce, or that a version of the package with another cursor
@@ -333,3 +334,20 @@ func (e *StaleError) Error() string {
 
 // Unwrap returns ErrStale.
 func (e *StaleError) Unwrap() error { return ErrStale }
+
+// UserNotFoundError is Rank's and Around's answer for a user without a
+// score in the store that answered. It matches ErrUserNotFound. Freshness
+// says how far that answer can be trusted, as it would for an entry: from
+// Redis (ServeStale, or a fresh enough projection), a user with no score
+// may be one whose first score is not projected yet (Lag), or one Redis
+// lost (Unverified). It is the zero Freshness for a user id no store can
+// hold (too long, not UTF-8, with a NUL byte), which is not looked up.
+type UserNotFoundError struct {
+	UserID    string
+	Freshness Freshness
+}
+
+func (e *UserNotFoundError) Error() string { return ErrUserNotFound.Error() }
+
+// Unwrap returns ErrUserNotFound.
+func (e *UserNotFoundError) Unwrap() error { return ErrUserNotFound }

@@ -235,8 +235,11 @@ func (b *Board) Page(ctx context.Context, cursorText string, n int, opts ...Read
 	return b.ranking(entries, n, fresh), nil
 }
 
-// Rank returns user's entry. It returns ErrUserNotFound when the user has
-// no score in the store that answered.
+// Rank returns user's entry. It returns a *UserNotFoundError (matching
+// ErrUserNotFound) when the user has no score in the store that answered;
+// its Freshness describes that answer, as the Freshness returned with an
+// entry would: from a lagging projection, "no score" may only mean "not
+// projected yet".
 func (b *Board) Rank(ctx context.Context, user string, opts ...ReadOption) (Entry, Freshness, error) {
 	if b.notFromNew() {
 		return Entry{}, Freshness{}, errBoardNotFromNew()
@@ -253,14 +256,23 @@ func (b *Board) Rank(ctx context.Context, user string, opts ...ReadOption) (Entr
 		},
 	)
 	if err != nil {
-		return Entry{}, Freshness{}, err
+		return Entry{}, Freshness{}, withUser(err, user)
 	}
 	return entry, fresh, nil
 }
 
+// withUser names user in err when it is a *UserNotFoundError.
+func withUser(err error, user string) error {
+	if nf, ok := err.(*UserNotFoundError); ok {
+		nf.UserID = user
+	}
+	return err
+}
+
 // Around returns user's entry with up to n neighbours on each side, in
-// ranking order. It returns ErrUserNotFound when the user has no score in
-// the store that answered.
+// ranking order. It returns a *UserNotFoundError (matching ErrUserNotFound,
+// with the answer's Freshness) when the user has no score in the store
+// that answered.
 func (b *Board) Around(ctx context.Context, user string, n int, opts ...ReadOption) (Ranking, error) {
 	if b.notFromNew() {
 		return Ranking{}, errBoardNotFromNew()
@@ -280,7 +292,7 @@ func (b *Board) Around(ctx context.Context, user string, n int, opts ...ReadOpti
 		},
 	)
 	if err != nil {
-		return Ranking{}, err
+		return Ranking{}, withUser(err, user)
 	}
 	return Ranking{Entries: entries, Freshness: fresh}, nil
 }
@@ -400,7 +412,7 @@ func (b *Board) readOptions(opts []ReadOption) (readOptions, []requirement, erro
 
 func (b *Board) readUnderPolicy(ctx context.Context, o readOptions, need []requirement, noSuchUser bool, fromRedis redisReader, fromPostgres pgReader) (Freshness, error) {
 	if noSuchUser {
-		return Freshness{}, ErrUserNotFound
+		return Freshness{}, &UserNotFoundError{}
 	}
 	fallback := func() (Freshness, error) {
 		// PostgreSQL answers with what is committed: a version asked for
@@ -411,13 +423,14 @@ func (b *Board) readUnderPolicy(ctx context.Context, o readOptions, need []requi
 			met, err = fromPostgres(ctx, db, need)
 			return err
 		})
+		fresh := Freshness{Source: SourcePostgres, ProjectedThrough: sent, AtLeastMet: met}
 		if err != nil {
 			if errors.Is(err, ErrUserNotFound) {
-				return Freshness{Source: SourcePostgres}, err
+				return Freshness{Source: SourcePostgres}, &UserNotFoundError{Freshness: fresh}
 			}
 			return Freshness{}, err
 		}
-		return Freshness{Source: SourcePostgres, ProjectedThrough: sent, AtLeastMet: met}, nil
+		return fresh, nil
 	}
 
 	// The wait decides when to read Redis; the versions read with the
@@ -504,7 +517,7 @@ func (b *Board) readUnderPolicy(ctx context.Context, o readOptions, need []requi
 		}
 	}
 	if err != nil { // ErrUserNotFound
-		return Freshness{Source: SourceRedis}, err
+		return Freshness{Source: SourceRedis}, &UserNotFoundError{Freshness: fresh}
 	}
 	return fresh, nil
 }

@@ -1936,3 +1936,77 @@ func hangNextProbe(t *testing.T, board *Board, small *pgxpool.Pool) {
 	}, 5*time.Second, time.Millisecond)
 	time.Sleep(cfg.MaxLag + 20*time.Millisecond)
 }
+
+// TestUserNotFoundSaysHowFresh: "no score" is an answer like any other,
+// and as stale as the projection it came from: a user whose score Redis
+// lost (the board unverified) or has not projected yet. Rank and Around
+// returned a bare ErrUserNotFound, and a ServeStale caller could not tell
+// "no score" from "not projected"; the *UserNotFoundError now carries the
+// answer's Freshness.
+func TestUserNotFoundSaysHowFresh(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+
+	t.Run("UnverifiedRedis", func(t *testing.T) {
+		t.Parallel()
+		tb := setup(t, func(c *Config) {
+			c.RequireVerifiedProjection, c.ReadPolicy, c.LagProbeInterval = true, ServeStale, time.Nanosecond
+		})
+		tb.submit(t, "ada", 10)
+		tb.drain(t)
+		_, verified, err := tb.board.Verify(ctx, nil)
+		require.NoError(t, err)
+		require.True(t, verified)
+		keys, err := tb.rd.Client.Keys(ctx, tb.rd.Prefix+"*").Result()
+		require.NoError(t, err)
+		require.NoError(t, tb.rd.Client.Del(ctx, keys...).Err()) // Redis lost the board
+
+		_, fresh, err := tb.board.Rank(ctx, "ada")
+		require.Equal(t, Freshness{}, fresh, "the public reads return a zero Freshness with an error")
+		var nf *UserNotFoundError
+		require.ErrorAs(t, err, &nf)
+		require.ErrorIs(t, err, ErrUserNotFound)
+		require.Equal(t, "ada", nf.UserID)
+		require.Equal(t, SourceRedis, nf.Freshness.Source)
+		require.True(t, nf.Freshness.Unverified, "%+v", nf.Freshness)
+		require.Negative(t, nf.Freshness.Lag)
+
+		_, err = tb.board.Around(ctx, "ada", 2)
+		require.ErrorAs(t, err, &nf)
+		require.Equal(t, "ada", nf.UserID)
+		require.True(t, nf.Freshness.Unverified)
+	})
+
+	t.Run("NotProjectedYet", func(t *testing.T) {
+		t.Parallel()
+		tb := setup(t, func(c *Config) { c.ReadPolicy, c.LagProbeInterval = ServeStale, time.Nanosecond })
+		tb.submit(t, "ada", 10) // never projected
+		time.Sleep(5 * time.Millisecond)
+		_, _, err := tb.board.Rank(ctx, "ada")
+		var nf *UserNotFoundError
+		require.ErrorAs(t, err, &nf)
+		require.Equal(t, SourceRedis, nf.Freshness.Source)
+		require.GreaterOrEqual(t, nf.Freshness.Lag, 5*time.Millisecond, "the unprojected score is as old as the lag")
+	})
+
+	t.Run("FromPostgres", func(t *testing.T) {
+		t.Parallel()
+		tb := setup(t, func(c *Config) { c.ReadPolicy = FallbackToPostgres })
+		before := time.Now()
+		_, _, err := tb.board.Rank(ctx, "nobody", forcePostgres())
+		var nf *UserNotFoundError
+		require.ErrorAs(t, err, &nf)
+		require.Equal(t, "nobody", nf.UserID)
+		require.Equal(t, SourcePostgres, nf.Freshness.Source)
+		require.False(t, nf.Freshness.ProjectedThrough.Before(before), "answered as of the read")
+	})
+
+	t.Run("UnstorableID", func(t *testing.T) {
+		t.Parallel()
+		tb := setup(t)
+		_, _, err := tb.board.Rank(ctx, "bad\x00id")
+		var nf *UserNotFoundError
+		require.ErrorAs(t, err, &nf)
+		require.Equal(t, Freshness{}, nf.Freshness, "not looked up")
+	})
+}

@@ -47,6 +47,9 @@ type errorResponse struct {
 	Error   string `json:"error"`
 	Field   string `json:"field,omitempty"`
 	EventID string `json:"event_id,omitempty"`
+	// Freshness is that of a "no score" answer: from a lagging or
+	// unverified projection, the score may exist but not be projected.
+	Freshness *freshnessJSON `json:"freshness,omitempty"`
 }
 
 type entryJSON struct {
@@ -59,7 +62,7 @@ type freshnessJSON struct {
 	Source string `json:"source"`
 	// ProjectedThrough is null when the lag could not be measured.
 	ProjectedThrough *time.Time `json:"projected_through"`
-	// LagMS is the projection lag in milliseconds, negative when unknown.
+	// LagMS is the projection lag in milliseconds, -1 when unknown.
 	LagMS      float64 `json:"lag_ms"`
 	AtLeastMet bool    `json:"at_least_met"`
 	// Unverified says why the lag is unknown when the board requires a
@@ -83,7 +86,7 @@ type rankResponse struct {
 func toFreshness(f leaderboard.Freshness) freshnessJSON {
 	out := freshnessJSON{
 		Source:     string(f.Source),
-		LagMS:      float64(f.Lag) / float64(time.Millisecond),
+		LagMS:      lagMS(f.Lag),
 		AtLeastMet: f.AtLeastMet,
 		Unverified: f.Unverified,
 	}
@@ -94,12 +97,27 @@ func toFreshness(f leaderboard.Freshness) freshnessJSON {
 	return out
 }
 
+// lagMS is lag in milliseconds, -1 when unknown (lag -1 ns).
+func lagMS(lag time.Duration) float64 {
+	if lag < 0 {
+		return -1
+	}
+	return float64(lag) / float64(time.Millisecond)
+}
+
 func toEntry(e leaderboard.Entry) entryJSON {
 	return entryJSON{Rank: e.Rank, UserID: e.UserID, Score: e.Score}
 }
 
 // handleSubmit is POST /scores.
 func (s *Service) handleSubmit(w http.ResponseWriter, r *http.Request) {
+	if len(r.Header.Values("Idempotency-Key")) > 1 {
+		// Ambiguous, as a repeated body key is: which event is this?
+		s.metrics.countSubmit(r.Context(), "invalid")
+		writeJSON(w, http.StatusUnprocessableEntity, errorResponse{Field: "Idempotency-Key",
+			Error: "appears more than once; send exactly one key"})
+		return
+	}
 	key := strings.TrimSpace(r.Header.Get("Idempotency-Key"))
 	if key == "" {
 		s.metrics.countSubmit(r.Context(), "invalid")
@@ -510,6 +528,12 @@ func (s *Service) writeError(w http.ResponseWriter, r *http.Request, err error) 
 		// at_least's user id, and handleRank answers the ids the board
 		// refuses before reading; should the board's rules outgrow
 		// boardRefusesUserID, such an id still has no score.
+		var notFound *leaderboard.UserNotFoundError
+		if errors.As(err, &notFound) && notFound.Freshness.Source != "" {
+			fresh := toFreshness(notFound.Freshness)
+			writeJSON(w, http.StatusNotFound, errorResponse{Error: userNotFound, Freshness: &fresh})
+			return
+		}
 		writeUserNotFound(w)
 	case errors.Is(context.Cause(r.Context()), errRequestTimeout):
 		// Ours, not the client's: it is still waiting for an answer. A
@@ -551,8 +575,10 @@ func (s *Service) writeError(w http.ResponseWriter, r *http.Request, err error) 
 
 // writeUserNotFound is the 404 of GET /users/{id}/rank.
 func writeUserNotFound(w http.ResponseWriter) {
-	writeJSON(w, http.StatusNotFound, errorResponse{Error: "user has no score on this leaderboard"})
+	writeJSON(w, http.StatusNotFound, errorResponse{Error: userNotFound})
 }
+
+const userNotFound = "user has no score on this leaderboard"
 
 // boardRefusesUserID reports whether the board would refuse user as a
 // Command.UserID (empty, longer than Config.MaxUserIDLength, not valid

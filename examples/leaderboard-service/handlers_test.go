@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"log/slog"
 	"net/http"
@@ -142,6 +143,30 @@ func TestSubmit(t *testing.T) {
 		}
 		events, queued := tb.counts(t)
 		require.Zero(t, events, "a refused request writes nothing")
+		require.Zero(t, queued)
+	})
+
+	// Two Idempotency-Key lines name two events, as a repeated body key
+	// names two users: ambiguous, refused, nothing written. The first line
+	// used to win silently.
+	t.Run("RepeatedKeyHeader", func(t *testing.T) {
+		t.Parallel()
+		tb := setup(t)
+		req, err := http.NewRequestWithContext(t.Context(), http.MethodPost, tb.srv.URL+"/scores",
+			strings.NewReader(`{"user_id":"ada","delta":5}`))
+		require.NoError(t, err)
+		req.Header.Set("Content-Type", "application/json")
+		req.Header.Add("Idempotency-Key", uuid.NewString())
+		req.Header.Add("Idempotency-Key", uuid.NewString())
+		resp, err := tb.srv.Client().Do(req)
+		require.NoError(t, err)
+		defer resp.Body.Close()
+		var got map[string]any
+		require.NoError(t, json.NewDecoder(resp.Body).Decode(&got))
+		require.Equal(t, http.StatusUnprocessableEntity, resp.StatusCode, "%v", got)
+		require.Equal(t, "Idempotency-Key", got["field"])
+		events, queued := tb.counts(t)
+		require.Zero(t, events)
 		require.Zero(t, queued)
 	})
 

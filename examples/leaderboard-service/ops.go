@@ -89,7 +89,9 @@ func cmdStats(ctx context.Context, o *options, stdout, stderr io.Writer) error {
 	if snap.Freshness.Unverified {
 		lag = "unknown: the projection is not verified (Redis lost data, or no full pass yet; run 'reconcile --verify')"
 	}
-	fmt.Fprintf(tw, "projection lag\t%s\t(%s)\n", lag, projectedThroughText(st.Freshness))
+	// The lag is no column cell: the unverified explanation would widen
+	// the column of the dead-letter count above it to its own length.
+	fmt.Fprintf(tw, "projection lag\t%s  (%s)\n", lag, projectedThroughText(st.Freshness))
 	if err := tw.Flush(); err != nil {
 		return err
 	}

@@ -512,6 +512,41 @@ func TestUnverifiedWithoutSchedule(t *testing.T) {
 	require.Equal(t, http.StatusOK, res.status, "%s", res.body)
 }
 
+// TestUserNotFoundSaysHowFresh: under serve-stale, a user Redis lost (the
+// board unverified) answered a bare 404 "no score", indistinguishable from
+// a user who never scored. The 404 now carries the answer's freshness.
+func TestUserNotFoundSaysHowFresh(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	tb := setup(t, func(c *leaderboard.Config) {
+		c.RequireVerifiedProjection, c.ReadPolicy, c.LagProbeInterval = true, leaderboard.ServeStale, time.Millisecond
+	})
+	require.Equal(t, http.StatusCreated, tb.submit(t, uuid.NewString(), `{"user_id":"ada","delta":5}`).status)
+	tb.drain(t)
+	_, verified, err := tb.board.Verify(ctx, nil)
+	require.NoError(t, err)
+	require.True(t, verified)
+	keys, err := tb.rd.Client.Keys(ctx, tb.rd.Prefix+"*").Result()
+	require.NoError(t, err)
+	require.NoError(t, tb.rd.Client.Del(ctx, keys...).Err()) // Redis lost the board
+
+	time.Sleep(2 * time.Millisecond) // past the probe interval
+	res := tb.do(t, http.MethodGet, "/users/ada/rank", nil, "")
+	require.Equal(t, http.StatusNotFound, res.status)
+	body := res.json(t)
+	require.Equal(t, "user has no score on this leaderboard", body["error"])
+	fresh, ok := body["freshness"].(map[string]any)
+	require.True(t, ok, "%s", res.body)
+	require.Equal(t, "redis", fresh["source"])
+	require.Equal(t, true, fresh["unverified"])
+	require.Equal(t, -1.0, fresh["lag_ms"])
+
+	// An id no store can hold is not looked up: no freshness to tell.
+	res = tb.do(t, http.MethodGet, "/users/a%00b/rank", nil, "")
+	require.Equal(t, http.StatusNotFound, res.status)
+	require.NotContains(t, res.json(t), "freshness")
+}
+
 // TestReconcileScheduleKeepsItsCadence runs the reconcile schedule with a
 // first run held up behind a lock: the next run starts one interval after
 // the first started, and next_run (what /reconcile/last shows) said so,
