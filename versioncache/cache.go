@@ -83,9 +83,9 @@ func newScripts(wrap func(src string) string) *scripts {
 // {id}, so one script can touch all of them on Redis Cluster.
 const (
 	suffixVersion   = ":v" // version counter
-	suffixCurrent   = ":c" // current value: "<version>:<encoded value>"
+	suffixCurrent   = ":c" // current value: "<version>:<shape>~<encoded value>"
 	suffixLease     = ":l" // fill lease: "<version>:<lease token>"
-	suffixAt        = ":a" // GetAt value: "<caller's version>:<encoded value>"
+	suffixAt        = ":a" // GetAt value: "<caller's version>:<shape>~<encoded value>"
 	leaseHeldByUs   = 1
 	leaseHeldByPeer = 2
 )
@@ -1140,12 +1140,12 @@ func (c *Cache[T]) versionKey(id string) string {
 	return keyenc.Tagged(c.config.Prefix, id, suffixVersion)
 }
 
-// currentKey holds "<version>:<encoded value>" while that value is current.
+// currentKey holds "<version>:<shape>~<encoded value>" while that value is current.
 func (c *Cache[T]) currentKey(id string) string {
 	return keyenc.Tagged(c.config.Prefix, id, suffixCurrent)
 }
 
-// atKey holds GetAt's "<caller's version>:<encoded value>".
+// atKey holds GetAt's "<caller's version>:<shape>~<encoded value>".
 func (c *Cache[T]) atKey(id string) string {
 	return keyenc.Tagged(c.config.Prefix, id, suffixAt)
 }

@@ -24,12 +24,13 @@
 // For a prefix P and id, the keys are
 //
 //	P{id}:v  the version
-//	P{id}:c  the current value: "<version>:<encoded value>", with a TTL
+//	P{id}:c  the current value: "<version>:<shape>~<encoded value>", with a TTL
 //	P{id}:l  a short fill lease: "<version>:<lease token>"
-//	P{id}:a  GetAt's value: "<caller's version>:<encoded value>", with a TTL
-//	         (read only by GetAt and CheckAt; Invalidate deletes it)
+//	P{id}:a  GetAt's value: "<caller's version>:<shape>~<encoded value>",
+//	         with a TTL (read only by GetAt and CheckAt; Invalidate deletes it)
 //
-// where id is escaped by internal/keyenc so it can hold any bytes. A hit is a
+// where shape is the Codec's shape tag (see "Types and Codecs in a rollout"),
+// and id is escaped by internal/keyenc so it can hold any bytes. A hit is a
 // plain GET of P{id}:c: that key exists only while its value is current,
 // because
 //
