@@ -366,7 +366,12 @@
 //   - A lost acknowledgement (or release) leaves the rows claimed; when the
 //     lease ends they are delivered again and the version gate answers
 //     duplicate. This is the same re-delivery a relay crash between handling
-//     and settling causes, which at-least-once delivery allows anyway.
+//     and settling causes, which at-least-once delivery allows anyway, and
+//     it counts as such a crashed attempt: a row acknowledged on its
+//     MaxAttempts-th attempt whose acknowledgement is lost (or whose settle
+//     fails, say on a connection the server dropped) reaches the
+//     dead-letter table, although it was handled. ReplayDead delivers it
+//     again, and the gate answers duplicate.
 //   - A lost retry or dead-letter move leaves the row claimed: when the
 //     lease ends the attempt counts as one whose relay stopped without
 //     settling it, so the row's backoff is shortened, or it reaches the
