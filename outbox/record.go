@@ -89,10 +89,10 @@ type Result struct {
 // Handler processes batches of claimed records. The relay calls Handle with at
 // most BatchSize records and acknowledges exactly those whose Result has a nil
 // Err. Handle must return len(batch) results, or a non-nil error, which fails
-// every record of the batch. Handle must not modify batch, its records
-// included, and must not retain it after returning: the relay settles the
-// records by their ID and Attempts once Handle has returned, and reuses
-// nothing of them, but a record changed in place would settle another row.
+// every record of the batch. Handle must not modify batch or its records:
+// the relay settles them by their ID and Attempts once Handle has returned,
+// so a record changed in place would settle another row. (It may keep them:
+// the relay does not reuse them.)
 //
 // Delivery is at-least-once: a record may be handed to Handle again after a
 // crash, a lost lease or a failed acknowledgement, so Handle must be
