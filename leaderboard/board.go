@@ -1047,6 +1047,11 @@ func (b *Board) locateOverflow(ctx context.Context, q batchQuerier, cmds []Comma
 	}
 	rows, err := q.Query(ctx, b.sql.overflowProbe, b.cfg.Name, users, ids)
 	if err != nil {
+		if cerr := ctx.Err(); cerr != nil {
+			// Not a concurrent change: the caller gave up before the
+			// look-up. Both are true, and both match.
+			return fmt.Errorf("%w (not located: %w)", unknown, cerr)
+		}
 		return unknown
 	}
 	scores := make(map[string]int64, len(users))

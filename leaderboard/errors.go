@@ -272,9 +272,10 @@ func (e *ConcurrentSubmitError) Unwrap() error { return ErrConcurrentSubmit }
 // Nothing was written. It matches ErrScoreOutOfRange.
 type ScoreOutOfRangeError struct {
 	// Index is the command's position in a SubmitBatch call (0 for
-	// Submit), or -1 when a concurrent change made it impossible to tell,
-	// and always for SubmitBatchTx, whose failed statement aborts the
-	// transaction it would have to look in.
+	// Submit), or -1 when a concurrent change made it impossible to tell
+	// (or the caller's context ended first: the error then matches the
+	// context's error too), and always for SubmitBatchTx, whose failed
+	// statement aborts the transaction it would have to look in.
 	Index  int
 	UserID string
 	Delta  int64

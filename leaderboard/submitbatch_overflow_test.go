@@ -2,9 +2,13 @@ package leaderboard
 
 import (
 	"context"
+	"errors"
 	"testing"
 
 	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 )
 
@@ -144,4 +148,50 @@ func TestSubmitBatchConflictRefusesTheFirstDifferingCopy(t *testing.T) {
 		Attempted: batch[2], WithinBatch: true}, conflict)
 	events, users, queued := tb.counts(t)
 	require.Equal(t, []int{0, 0, 0}, []int{events, users, queued})
+}
+
+// TestSubmitBatchOverflowAfterItsCallerGaveUp: a batch refused for the
+// range, whose caller's context ends before the look-up that locates the
+// command: the error is still a *ScoreOutOfRangeError (Index -1), and
+// matches the context's error too. It used to blame a concurrent change.
+func TestSubmitBatchOverflowAfterItsCallerGaveUp(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	tb := setup(t, func(c *Config) { c.MinDelta, c.MaxDelta = MinScore, MaxScore })
+	submitted(t, tb.board, "u", MaxScore)
+	bctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	pool := tb.newPool(t, func(pc *pgxpool.Config) {
+		pc.ConnConfig.Tracer = cancelOnError{code: "23514", cancel: cancel}
+	})
+	board, err := New(pool, tb.rd.Client, &Config{Name: tb.board.Name(), Schema: tb.pg.Schema, KeyPrefix: tb.rd.Prefix,
+		MinDelta: MinScore, MaxDelta: MaxScore})
+	require.NoError(t, err)
+	t.Cleanup(board.Close)
+
+	_, err = board.SubmitBatch(bctx, []Command{{EventID: uuid.New(), UserID: "v", Delta: 1}, {EventID: uuid.New(), UserID: "u", Delta: 1}})
+	var rangeErr *ScoreOutOfRangeError
+	require.ErrorAs(t, err, &rangeErr)
+	require.Equal(t, -1, rangeErr.Index)
+	require.ErrorIs(t, err, context.Canceled)
+	events, _, _ := tb.counts(t)
+	require.Equal(t, 1, events, "the refused batch wrote nothing")
+}
+
+// cancelOnError is a pgx tracer that calls cancel when a statement fails
+// with SQLSTATE code.
+type cancelOnError struct {
+	code   string
+	cancel context.CancelFunc
+}
+
+func (c cancelOnError) TraceQueryStart(ctx context.Context, _ *pgx.Conn, _ pgx.TraceQueryStartData) context.Context {
+	return ctx
+}
+
+func (c cancelOnError) TraceQueryEnd(_ context.Context, _ *pgx.Conn, data pgx.TraceQueryEndData) {
+	var pgErr *pgconn.PgError
+	if errors.As(data.Err, &pgErr) && pgErr.Code == c.code {
+		c.cancel()
+	}
 }
