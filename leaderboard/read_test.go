@@ -2001,6 +2001,23 @@ func TestUserNotFoundSaysHowFresh(t *testing.T) {
 		require.False(t, nf.Freshness.ProjectedThrough.Before(before), "answered as of the read")
 	})
 
+	// A new user's SubmitTx not committed yet: PostgreSQL has no score
+	// for them, and says the version asked for is not there either.
+	t.Run("FromPostgresBeforeTheCommit", func(t *testing.T) {
+		t.Parallel()
+		tb := setup(t, func(c *Config) { c.ReadPolicy, c.ReadYourWritesTimeout = FallbackToPostgres, time.Millisecond })
+		tx, err := tb.pg.Pool.Begin(ctx)
+		require.NoError(t, err)
+		defer func() { _ = tx.Rollback(ctx) }()
+		res, err := tb.board.SubmitTx(ctx, tx, Command{EventID: uuid.New(), UserID: "ada", Delta: 3})
+		require.NoError(t, err)
+		_, _, err = tb.board.Rank(ctx, "ada", AtLeast("ada", res.Version))
+		var nf *UserNotFoundError
+		require.ErrorAs(t, err, &nf)
+		require.Equal(t, SourcePostgres, nf.Freshness.Source)
+		require.False(t, nf.Freshness.AtLeastMet)
+	})
+
 	t.Run("UnstorableID", func(t *testing.T) {
 		t.Parallel()
 		tb := setup(t)
