@@ -222,11 +222,6 @@ func (r *Reconciler) Run(ctx context.Context, opts RunOptions) (*Report, error) 
 	if r.unmade() {
 		return newReport(opts), errUnmade()
 	}
-	if !opts.DryRun && (r.cfg.Policy.For(ClassAhead) == ActionRepair || r.cfg.Policy.For(ClassOrphan) == ActionRepair) {
-		if err := r.refuseFrozenSource(ctx, "Run cannot repair ahead or orphan entries (Config.Policy) through it: a write committed after its snapshot would be taken for drift, and its newer version taken back or its new entity deleted; give NewSQLSource a pool, run with DryRun, or leave Policy.Ahead and Policy.Orphan to report"); err != nil {
-			return newReport(opts), err
-		}
-	}
 	rep, err := r.run(ctx, opts)
 	// A read pinned to a master met a slot move the client's map had not
 	// caught up with (a failover, a resharding): the master's own
@@ -266,6 +261,16 @@ func (r *Reconciler) Run(ctx context.Context, opts RunOptions) (*Report, error) 
 // transaction), whose lookups cannot confirm a finding.
 type frozenSource interface {
 	frozenSnapshot(ctx context.Context) (bool, error)
+}
+
+// refuseForcedRepairsOfFrozenSource refuses a run that may repair ahead or
+// orphan entries through a source that reads one snapshot for the whole
+// pass: its lookups cannot confirm those findings.
+func (r *Reconciler) refuseForcedRepairsOfFrozenSource(ctx context.Context, opts RunOptions) error {
+	if opts.DryRun || (r.cfg.Policy.For(ClassAhead) != ActionRepair && r.cfg.Policy.For(ClassOrphan) != ActionRepair) {
+		return nil
+	}
+	return r.refuseFrozenSource(ctx, "Run cannot repair ahead or orphan entries (Config.Policy) through it: a write committed after its snapshot would be taken for drift, and its newer version taken back or its new entity deleted; give NewSQLSource a pool, run with DryRun, or leave Policy.Ahead and Policy.Orphan to report")
 }
 
 // refuseFrozenSource returns a *ConfigError saying why (what cannot be
@@ -309,8 +314,9 @@ func (r *Reconciler) logFinished(ctx context.Context, msg string, err error, att
 // run is one pass of Run.
 func (r *Reconciler) run(ctx context.Context, opts RunOptions) (*Report, error) {
 	rep := newReport(opts)
-	var err error
+	err := r.refuseForcedRepairsOfFrozenSource(ctx, opts)
 	switch {
+	case err != nil:
 	case opts.Sample > SampleMax:
 		err = &ConfigError{Field: "RunOptions.Sample", Reason: fmt.Sprintf("is %d; use at most %d (SampleMax), or 0 for a full run", opts.Sample, SampleMax)}
 	case opts.Sample > 0:

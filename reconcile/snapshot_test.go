@@ -6,7 +6,9 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
+	"go.opentelemetry.io/otel/attribute"
 
+	"github.com/verity-go/verity/internal/telemetry/metrictest"
 	"github.com/verity-go/verity/projection"
 )
 
@@ -53,7 +55,8 @@ func TestSnapshotSource(t *testing.T) {
 		t.Run("ForcedRepairsRefused"+pascal(string(iso)), func(t *testing.T) {
 			t.Parallel()
 			b, src := open(t, iso)
-			r, err := New(src, b.target, forced)
+			rec := metrictest.New(t)
+			r, err := New(src, b.target, &Config{Policy: forced.Policy, MeterProvider: rec.Provider})
 			require.NoError(t, err)
 			_, err = r.Run(ctx, RunOptions{})
 			var cfgErr *ConfigError
@@ -63,6 +66,11 @@ func TestSnapshotSource(t *testing.T) {
 			_, err = r.Run(ctx, RunOptions{Sample: 10})
 			require.ErrorAs(t, err, &cfgErr, "a sampled run repairs ahead entries too")
 			untouched(t, b, r)
+			// Refused runs are failed runs, for the alert on them.
+			errOutcome := attribute.String(AttributeOutcome, outcomeError)
+			collected := rec.Collect(t)
+			require.Equal(t, int64(1), collected.Int(metricRuns, errOutcome, attribute.String(AttributeMode, modeFull)))
+			require.Equal(t, int64(1), collected.Int(metricRuns, errOutcome, attribute.String(AttributeMode, modeSample)))
 
 			// A dry run, and the default policy, only report.
 			rep, err := r.Run(ctx, RunOptions{DryRun: true})
