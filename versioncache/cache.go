@@ -313,6 +313,11 @@ func (c *Cache[T]) Get(ctx context.Context, id string, load Loader[T]) (T, error
 		}
 		r, err := c.read(ctx, id, true, ignoreCurrent)
 		if err != nil {
+			if !missed {
+				// The GET answered, with no value to serve: a miss,
+				// whatever the script that was to start its load met.
+				c.stats.misses.Add(1)
+			}
 			return c.redisDown(ctx, id, "read", err, load)
 		}
 		if r.found {

@@ -122,6 +122,31 @@ func TestCacheMetrics(t *testing.T) {
 		}
 	})
 
+	// Get's GET answered with no value to serve, then its read script
+	// failed (a real WRONGTYPE: a list under the version key): the call
+	// missed, and counts so. It counted as neither.
+	t.Run("MissThenRedisError", func(t *testing.T) {
+		t.Parallel()
+		for name, undecodable := range map[string]bool{"Absent": false, "Undecodable": true} {
+			t.Run(name, func(t *testing.T) {
+				t.Parallel()
+				rec := metrictest.New(t)
+				b := setup(t, &Config{MeterProvider: rec.Provider, FailureMode: FailClosed})
+				t.Cleanup(func() { require.NoError(t, b.cache.Close()) })
+				if undecodable {
+					require.NoError(t, b.client.Set(ctx, b.cache.currentKey("p1"), "not a cached value", 0).Err())
+				}
+				require.NoError(t, b.client.RPush(ctx, b.cache.versionKey("p1"), "x").Err())
+				_, err := b.cache.Get(ctx, "p1", b.truth.loader("p1"))
+				require.Error(t, err)
+				st := b.cache.Stats()
+				require.EqualValues(t, 1, st.RedisErrors)
+				require.EqualValues(t, 1, st.Misses)
+				require.Equal(t, int64(1), rec.Collect(t).Int(metricReads, result("miss")))
+			})
+		}
+	})
+
 	t.Run("FailOpenIsAFallback", func(t *testing.T) {
 		t.Parallel()
 		rec := metrictest.New(t)
