@@ -58,7 +58,7 @@ func newRelayMetrics(cfg *RelayConfig) (*relayMetrics, error) {
 		acked:        in.Counter(metricAcked, "{row}", "Outbox rows acknowledged after the handler processed them."),
 		retried:      in.Counter(metricRetried, "{row}", "Outbox rows the handler failed that were scheduled for a retry after a backoff."),
 		deadLettered: in.Counter(metricDeadLettered, "{row}", "Outbox rows moved to the dead-letter table after MaxAttempts failures."),
-		released:     in.Counter(metricReleased, "{row}", "Outbox rows released unprocessed for immediate re-delivery at shutdown."),
+		released:     in.Counter(metricReleased, "{row}", "Outbox rows released unprocessed for immediate re-delivery at shutdown, or when a RunOnce context is cancelled while its Handler runs."),
 		leaseLost:    in.Counter(metricLeaseLost, "{row}", "Outbox rows whose lease had expired and been taken by another relay before settling."),
 		replayed:     in.Counter(metricReplayed, "{row}", "Dead letters moved back into the outbox by ReplayDead."),
 		handlerDuration: in.Histogram(metricHandlerDuration, "s", "Duration of Handler calls, one per claimed batch.",
