@@ -626,18 +626,22 @@ func fillContext(ctx context.Context) (fillCtx context.Context, cancel context.C
 
 // releaseLease gives up this process's lease after a failed (or panicked)
 // load, even when ctx is what failed, so other processes need not wait
-// FillLeaseTTL.
+// FillLeaseTTL. It runs on ctx while ctx lasts, so that the caller's
+// deadline holds (a release cut off by it leaves the lease to lapse, as a
+// failed fill does), and detached, bounded by detachedTimeout, once ctx
+// has ended.
 func (c *Cache[T]) releaseLease(ctx context.Context, id string, r readResult) {
 	if r.lease != leaseHeldByUs {
 		return
 	}
-	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), detachedTimeout)
+	relCtx, cancel, detached := fillContext(ctx)
 	defer cancel()
-	if err := c.lua.release.Run(ctx, c.client, []string{c.leaseKey(id)}, r.version, c.leaseToken).Err(); err != nil {
-		// A Redis error whatever the caller's ctx did: the release runs
-		// detached from it, bounded by detachedTimeout.
-		c.redisFailed(ctx, err)
-		c.warn(ctx, &c.logs.release, "versioncache: releasing fill lease failed", id, err)
+	if err := c.lua.release.Run(relCtx, c.client, []string{c.leaseKey(id)}, r.version, c.leaseToken).Err(); err != nil {
+		// A Redis error unless the caller's own ctx cut it off.
+		if detached || callerGaveUp(ctx, err) == nil {
+			c.redisFailed(relCtx, err)
+		}
+		c.warn(relCtx, &c.logs.release, "versioncache: releasing fill lease failed", id, err)
 	}
 }
 

@@ -59,6 +59,33 @@ func TestRedisUnavailable(t *testing.T) {
 		require.NoError(t, admin.Do(context.Background(), "CLIENT", "UNPAUSE").Err())
 	})
 
+	// The same for the lease's release after a failed load: it ran on a
+	// detached one-second context even while the caller's was live, and
+	// the caller waited for it.
+	t.Run("FailedLoadKeepsTheCallersDeadline", func(t *testing.T) {
+		t.Parallel()
+		rs := testenv.StartRedis(t)
+		client := rs.Client(t)
+		client.Options().ContextTimeoutEnabled = true
+		b := setupWith(t, client, "vc:", &Config{FailureMode: FailOpen})
+		admin := rs.Client(t)
+		loadErr := errors.New("database said no")
+		ctx, cancel := context.WithTimeout(ctx, 300*time.Millisecond)
+		defer cancel()
+		start := time.Now()
+		_, err := b.cache.Get(ctx, "p1", func(ctx context.Context) (product, error) {
+			// Writes (the release's script) wait for 3 s from now.
+			if err := admin.Do(context.Background(), "CLIENT", "PAUSE", 3000, "WRITE").Err(); err != nil {
+				return product{}, err
+			}
+			return product{}, loadErr
+		})
+		elapsed := time.Since(start)
+		require.ErrorIs(t, err, loadErr)
+		require.Less(t, elapsed, 700*time.Millisecond, "Get outlived its 300 ms deadline")
+		require.NoError(t, admin.Do(context.Background(), "CLIENT", "UNPAUSE").Err())
+	})
+
 	// A client that honours deadlines and does not retry reports the
 	// caller's deadline as a network timeout, not a context error: still
 	// the caller's, not a Redis failure, and no load under a dead ctx.
