@@ -80,6 +80,34 @@ func TestMigrate(t *testing.T) {
 		require.Equal(t, 1, indexes)
 	})
 
+	// A CREATE INDEX CONCURRENTLY of the rank index that failed leaves an
+	// invalid index of its name, which the planner cannot use: Migrate
+	// kept it without a word, and PostgreSQL reads sorted the whole table.
+	// It fails instead, as the outbox's Migrate does, until it is dropped.
+	t.Run("InvalidRankIndexRefused", func(t *testing.T) {
+		t.Parallel()
+		pg := testenv.Postgres(t)
+		cfg := &Config{Schema: pg.Schema}
+		require.NoError(t, Migrate(ctx, pg.Pool, cfg))
+		index := pgx.Identifier{pg.Schema, rankIndexName}.Sanitize()
+		scores := pgx.Identifier{pg.Schema, "user_scores"}.Sanitize()
+		_, err := pg.Pool.Exec(ctx, `DROP INDEX `+index+`;
+			INSERT INTO `+scores+` (board, user_id, score, version) VALUES ('b', 'u1', 1, 1), ('b', 'u2', 1, 1)`)
+		require.NoError(t, err)
+		// Unique on board: the build fails on the duplicate, and leaves it.
+		_, err = pg.Pool.Exec(ctx, `CREATE UNIQUE INDEX CONCURRENTLY `+pgx.Identifier{rankIndexName}.Sanitize()+` ON `+scores+` (board)`)
+		require.Error(t, err)
+
+		err = Migrate(ctx, pg.Pool, cfg)
+		require.ErrorContains(t, err, "exists but is invalid")
+		_, err = pg.Pool.Exec(ctx, `DROP INDEX `+index)
+		require.NoError(t, err)
+		require.NoError(t, Migrate(ctx, pg.Pool, cfg))
+		var valid bool
+		require.NoError(t, pg.Pool.QueryRow(ctx, `SELECT indisvalid FROM pg_index WHERE indexrelid = to_regclass($1)`, index).Scan(&valid))
+		require.True(t, valid)
+	})
+
 	// A name that spells a placeholder of the script is still only a name.
 	t.Run("NameHoldingAPlaceholder", func(t *testing.T) {
 		t.Parallel()

@@ -63,11 +63,14 @@ CREATE TABLE IF NOT EXISTS {{user_scores}} (
 -- until this script's transaction ends: every Submit would wait for a
 -- Migrate at start-up, and Migrate for every open SubmitTx. So it runs
 -- only when the index is missing (the advisory lock above makes the check
--- and the creation atomic). No line inside the block ends with a
+-- and the creation atomic). An index of that name left invalid by a
+-- CREATE INDEX CONCURRENTLY that failed fails the migration, as the
+-- outbox's do: the planner cannot use it. No line inside the block ends with a
 -- semicolon: tools that split scripts at such lines (goose) keep it whole.
 DO {{do}}
 BEGIN
     IF to_regclass({{rank_index_regclass}}) IS NULL THEN
         CREATE INDEX {{rank_index}}
-            ON {{user_scores}} (board, (-score), user_id); END IF; END
+            ON {{user_scores}} (board, (-score), user_id); ELSIF NOT (SELECT indisvalid FROM pg_index WHERE indexrelid = to_regclass({{rank_index_regclass}})) THEN
+        RAISE EXCEPTION 'index % exists but is invalid (a CREATE INDEX CONCURRENTLY that failed or is still running): drop it, or let its build finish, then migrate again', {{rank_index_regclass}}; END IF; END
 {{do}};
