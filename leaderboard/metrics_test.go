@@ -3,6 +3,7 @@ package leaderboard
 import (
 	"context"
 	"fmt"
+	"math"
 	"net"
 	"testing"
 	"time"
@@ -310,6 +311,17 @@ func TestLagGauge(t *testing.T) {
 		require.Positive(t, first)
 		time.Sleep(2 * probe)
 		require.Greater(t, rec.Collect(t).Float(metricLag, board), first)
+	})
+
+	// A LagProbeInterval above half the largest Duration: the age past
+	// which a measurement is dropped wrapped negative, and the gauge
+	// dropped every measurement.
+	t.Run("TheLongestProbeInterval", func(t *testing.T) {
+		t.Parallel()
+		tb, rec := metered(t, 200*365*24*time.Hour, func(c *Config) { c.MaxLag = math.MaxInt64 })
+		s := rec.Collect(t)
+		require.True(t, s.Has(metricLag), "a measured lag is exported")
+		require.Zero(t, s.Float(metricLag, attribute.String(AttributeBoard, tb.board.Name())))
 	})
 
 	t.Run("AbsentWhileTheProbeFails", func(t *testing.T) {

@@ -1025,7 +1025,12 @@ func (b *Board) observedLag(ctx context.Context) (time.Duration, bool) {
 	b.lagMu.Unlock()
 	// A measurement the prefetch took is up to twice lagGaugeWait old when
 	// the collection comes (see above).
-	tooOld := 2*b.cfg.LagProbeInterval + 2*lagGaugeWait
+	// Saturated: twice a LagProbeInterval above half the largest Duration
+	// would wrap negative and hide every measurement.
+	tooOld := time.Duration(math.MaxInt64)
+	if b.cfg.LagProbeInterval <= (math.MaxInt64-2*lagGaugeWait)/2 {
+		tooOld = 2*b.cfg.LagProbeInterval + 2*lagGaugeWait
+	}
 	age := time.Since(p.at)
 	if p.at.IsZero() || p.failed || age > tooOld {
 		return 0, false

@@ -3,6 +3,7 @@ package outbox
 import (
 	"context"
 	"log/slog"
+	"math"
 	"strings"
 	"time"
 
@@ -86,7 +87,10 @@ type statsSample struct {
 // of freezing a healthy-looking backlog.
 func (r *Relay) registerGauges() (metric.Registration, error) {
 	m := r.metrics
-	maxAge := 2 * r.cfg.StatsInterval
+	maxAge := time.Duration(math.MaxInt64) // saturated: 2*StatsInterval could wrap negative
+	if r.cfg.StatsInterval <= math.MaxInt64/2 {
+		maxAge = 2 * r.cfg.StatsInterval
+	}
 	return telemetry.Meter(r.cfg.MeterProvider, "outbox").RegisterCallback(
 		func(_ context.Context, o metric.Observer) error {
 			s := r.lastStats.Load()

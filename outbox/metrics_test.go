@@ -3,6 +3,7 @@ package outbox_test
 import (
 	"context"
 	"errors"
+	"math"
 	"testing"
 	"time"
 
@@ -108,6 +109,26 @@ func TestRelayMetrics(t *testing.T) {
 		s = rec.Collect(t)
 		require.Zero(t, s.Int("verity.outbox.pending"), "a stopped relay no longer reports its backlog")
 		require.Equal(t, int64(3), s.Int("verity.outbox.retried"), "counters survive the relay")
+	})
+
+	// A StatsInterval above half the largest Duration: twice it, the age
+	// past which a snapshot is no longer reported, wrapped negative, and
+	// no snapshot was ever reported.
+	t.Run("BacklogGaugesWithTheLongestStatsInterval", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		rec := metrictest.New(t)
+		b.appendCommitted(t, newMessage("scores", "a", 1))
+		failAll := &recorder{fail: func(outbox.Record) error { return errors.New("projection down") }}
+		r := b.relay(t, nil, failAll, outbox.RelayConfig{
+			MeterProvider: rec.Provider, StatsInterval: math.MaxInt64,
+			RetryBackoffMin: time.Hour, RetryBackoffMax: time.Hour,
+		})
+		startRun(t, r)
+		require.Eventually(t, func() bool { return rec.Collect(t).Int("verity.outbox.retried") == 1 },
+			10*time.Second, 10*time.Millisecond)
+		require.Eventually(t, func() bool { return rec.Collect(t).Has("verity.outbox.pending") },
+			5*time.Second, 10*time.Millisecond, "Run's first snapshot is reported")
 	})
 
 	// A typed-nil provider (a *sdkmetric.MeterProvider left nil when

@@ -8,6 +8,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"math"
 	"strconv"
 	"strings"
 	"time"
@@ -128,7 +129,13 @@ func (r *Reconciler) rebuild(ctx context.Context) (*RebuildReport, error) {
 	ttl := strconv.FormatInt(r.cfg.RebuildMarkerTTL.Milliseconds(), 10)
 	// The switched key must outlive every resend of the switch, all sent
 	// within RepairTimeout of it (and be at least 100ms, as the TTL is).
-	switchedTTL := strconv.FormatInt(max(r.cfg.RebuildMarkerTTL, 2*r.cfg.RepairTimeout).Milliseconds(), 10)
+	// Twice RepairTimeout saturates: a RepairTimeout above half the
+	// largest Duration would otherwise wrap negative.
+	twice := time.Duration(math.MaxInt64)
+	if r.cfg.RepairTimeout <= math.MaxInt64/2 {
+		twice = 2 * r.cfg.RepairTimeout
+	}
+	switchedTTL := strconv.FormatInt(max(r.cfg.RebuildMarkerTTL, twice).Milliseconds(), 10)
 	step := func(ctx context.Context, name string) (bool, error) {
 		n, err := r.rebuildStep(ctx, name, token, ttl, 0)
 		if err != nil {

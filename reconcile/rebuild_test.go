@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"math"
 	"net"
 	"strings"
 	"sync"
@@ -91,6 +92,22 @@ func TestRebuild(t *testing.T) {
 		require.NoError(t, err)
 		require.Equal(t, map[Class]int64{ClassCurrent: 7}, run.Counts, "ahead replaced, orphans gone")
 	})
+	// The switched key lives twice RepairTimeout (or the marker's TTL if
+	// longer): with RepairTimeout above half the largest Duration, twice
+	// it wrapped negative, and the key got the marker's minute.
+	t.Run("SwitchedKeyWithTheLongestRepairTimeout", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t, projection.KindSortedSet)
+		b.insert(t, "a", 1)
+		rep, err := b.reconciler(t, &Config{RepairTimeout: math.MaxInt64}).Rebuild(context.Background())
+		require.NoError(t, err)
+		require.True(t, rep.Switched)
+		// Raw milliseconds: go-redis's PTTL overflows a Duration here.
+		pttl, err := b.client.Do(context.Background(), "PTTL", rebuildSwitchedKey(b.ks, b.target.Name, b.kind)).Int64()
+		require.NoError(t, err)
+		require.Greater(t, pttl, int64(100*365*24*time.Hour/time.Millisecond))
+	})
+
 	t.Run("Documents", func(t *testing.T) {
 		t.Parallel()
 		b := setup(t, projection.KindDocument)
