@@ -148,7 +148,7 @@ type Config struct {
 	// connection's deadline: with the client's ContextTimeoutEnabled this
 	// timeout is that deadline; without it, a stalled Redis holds the batch
 	// (and a cancelled Run) for the client's ReadTimeout (and WriteTimeout)
-	// instead, whatever this timeout says. Defaults to
+	// instead, whatever this timeout says. At least 1ms. Defaults to
 	// RepairTimeoutDefault.
 	RepairTimeout time.Duration
 	// RebuildMarkerTTL is the lifetime of a rebuild's marker key, refreshed
@@ -209,8 +209,8 @@ func (c *Config) validate() error {
 		return &ConfigError{Field: "Config.ReadAhead", Reason: fmt.Sprintf("must be between 1 and %d (0 uses the default)", ReadAheadMax)}
 	case c.ExamplesPerClass < -1:
 		return &ConfigError{Field: "Config.ExamplesPerClass", Reason: "must be -1 (none) or more"}
-	case c.RepairTimeout < 0:
-		return &ConfigError{Field: "Config.RepairTimeout", Reason: "must be positive (0 uses the default)"}
+	case c.RepairTimeout < time.Millisecond:
+		return &ConfigError{Field: "Config.RepairTimeout", Reason: fmt.Sprintf("is %s; use at least 1ms, enough for a Redis round trip (0 uses the default)", c.RepairTimeout)}
 	case c.RebuildMarkerTTL < 0 || (c.RebuildMarkerTTL > 0 && c.RebuildMarkerTTL < 100*time.Millisecond):
 		return &ConfigError{Field: "Config.RebuildMarkerTTL", Reason: "must be at least 100ms (0 uses the default)"}
 	}

@@ -59,6 +59,12 @@ func TestConfig(t *testing.T) {
 		}
 		_, err = New(src, target, &Config{ReadAhead: ReadAheadMax + 1})
 		require.ErrorContains(t, err, "Config.ReadAhead: must be between 1 and 64")
+		// Too short for any Redis round trip: every repair would fail,
+		// and a Rebuild report a switch it never sent as uncertain.
+		_, err = New(src, target, &Config{RepairTimeout: time.Millisecond - 1})
+		require.ErrorContains(t, err, "Config.RepairTimeout: is 999.999µs; use at least 1ms")
+		_, err = New(src, target, &Config{RepairTimeout: time.Millisecond})
+		require.NoError(t, err)
 		_, err = New(src, target, &Config{ReadAhead: ReadAheadMax, PageSize: PageSizeMax, RebuildMarkerTTL: 100 * time.Millisecond})
 		require.NoError(t, err, "the largest ReadAhead and PageSize and the shortest RebuildMarkerTTL are valid")
 	})
