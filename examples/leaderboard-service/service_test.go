@@ -451,19 +451,7 @@ func TestLastReconcileHidesConnectionDetails(t *testing.T) {
 func TestScheduledReconcileVerifies(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	tb := setup(t, func(c *leaderboard.Config) {
-		c.RequireVerifiedProjection, c.ReadPolicy, c.LagProbeInterval = true, leaderboard.FailClosed, time.Millisecond
-	})
-	svc, err := NewService(tb.pg.Pool, tb.rd.Client, tb.board, ServiceConfig{ReconcileEvery: time.Minute, ReconcileSample: 10})
-	require.NoError(t, err)
-	t.Cleanup(func() { _ = svc.Close() })
-	tb.srv = newServer(t, svc)
-	require.Equal(t, http.StatusCreated, tb.submit(t, uuid.NewString(), `{"user_id":"ada","delta":5}`).status)
-	tb.drain(t)
-
-	time.Sleep(2 * time.Millisecond) // past the probe interval
-	refused := tb.do(t, http.MethodGet, "/leaderboard", nil, "")
-	require.Equal(t, http.StatusServiceUnavailable, refused.status, "unverified")
+	tb, svc, refused := refusedUnverified(t, time.Minute)
 	require.Equal(t, "60", refused.header.Get("Retry-After"), "after the next scheduled, verifying reconcile")
 	require.Equal(t, "the leaderboard is not verified yet (a new board, or Redis lost its data); retry later", refused.json(t)["error"])
 	svc.reconcileOnce(ctx)
@@ -481,17 +469,16 @@ func TestScheduledReconcileVerifies(t *testing.T) {
 	require.True(t, last.Sampled)
 }
 
-// TestUnverifiedWithoutSchedule: a service that requires a verified
-// projection but runs no reconcile of its own cannot say when the board
-// will be verified, so its refusals name no Retry-After; they say an
-// operator's 'reconcile --verify' is needed; after one, reads answer.
-func TestUnverifiedWithoutSchedule(t *testing.T) {
-	t.Parallel()
-	ctx := context.Background()
+// refusedUnverified starts a fail-closed service, reconciling every every
+// (0: never), whose board requires a verified projection, submits and
+// projects a score, and returns its first top-10 read: refused, for no
+// full pass has verified the board.
+func refusedUnverified(t *testing.T, every time.Duration) (*testBundle, *Service, response) {
+	t.Helper()
 	tb := setup(t, func(c *leaderboard.Config) {
 		c.RequireVerifiedProjection, c.ReadPolicy, c.LagProbeInterval = true, leaderboard.FailClosed, time.Millisecond
 	})
-	svc, err := NewService(tb.pg.Pool, tb.rd.Client, tb.board, ServiceConfig{ReconcileEvery: 0})
+	svc, err := NewService(tb.pg.Pool, tb.rd.Client, tb.board, ServiceConfig{ReconcileEvery: every, ReconcileSample: 10})
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = svc.Close() })
 	tb.srv = newServer(t, svc)
@@ -501,6 +488,17 @@ func TestUnverifiedWithoutSchedule(t *testing.T) {
 	time.Sleep(2 * time.Millisecond) // past the probe interval
 	refused := tb.do(t, http.MethodGet, "/leaderboard", nil, "")
 	require.Equal(t, http.StatusServiceUnavailable, refused.status, "unverified")
+	return tb, svc, refused
+}
+
+// TestUnverifiedWithoutSchedule: a service that requires a verified
+// projection but runs no reconcile of its own cannot say when the board
+// will be verified, so its refusals name no Retry-After; they say an
+// operator's 'reconcile --verify' is needed; after one, reads answer.
+func TestUnverifiedWithoutSchedule(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	tb, _, refused := refusedUnverified(t, 0)
 	require.Empty(t, refused.header.Get("Retry-After"), "nothing here will verify the board")
 	require.Contains(t, refused.json(t)["error"], "an operator must run 'reconcile --verify'")
 
