@@ -898,19 +898,21 @@ func TestRelayRetries(t *testing.T) {
 		var (
 			mu   sync.Mutex
 			seen []int
+			pass *expiring
 		)
 		h := outbox.HandlerFunc(func(ctx context.Context, batch []outbox.Record) ([]outbox.Result, error) {
 			mu.Lock()
 			seen = append(seen, batch[0].Attempts)
 			mu.Unlock()
+			pass.expire() // the caller's deadline passes while the Handler runs
 			<-ctx.Done()
 			return nil, ctx.Err()
 		})
 		r := b.relay(t, nil, h, outbox.RelayConfig{MaxAttempts: 2, RetryBackoffMin: time.Millisecond, RetryBackoffMax: time.Millisecond})
 		for range 5 {
-			pass, cancel := context.WithTimeout(ctx, 100*time.Millisecond)
-			_, _ = r.RunOnce(pass)
-			cancel()
+			pass = newExpiring()
+			_, err := r.RunOnce(pass)
+			require.NoError(t, err)
 			time.Sleep(5 * time.Millisecond) // past the backoff
 		}
 		mu.Lock()
@@ -2203,4 +2205,29 @@ func runOnceAsync(ctx context.Context, r *outbox.Relay) chan error {
 		done <- err
 	}()
 	return done
+}
+
+// expiring is a RunOnce caller's context whose deadline the test passes
+// when it chooses (expire): its Err is then context.DeadlineExceeded, so
+// the claim before it never races a timer.
+type expiring struct {
+	context.Context
+	done chan struct{}
+	once sync.Once
+}
+
+func newExpiring() *expiring {
+	return &expiring{Context: context.Background(), done: make(chan struct{})}
+}
+
+func (e *expiring) expire()               { e.once.Do(func() { close(e.done) }) }
+func (e *expiring) Done() <-chan struct{} { return e.done }
+
+func (e *expiring) Err() error {
+	select {
+	case <-e.done:
+		return context.DeadlineExceeded
+	default:
+		return nil
+	}
 }
