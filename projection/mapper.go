@@ -14,8 +14,10 @@ import (
 
 // SortedSetMapper projects every record into the sorted set named
 // collection: the member is the record's Key, the version its Version and
-// the score its Payload, a base-10 int64 such as "17" or "-3" (a bare JSON
-// integer qualifies). Any other payload is refused with ErrInvalidPayload.
+// the score its Payload, a base-10 int64 as strconv.ParseInt reads it:
+// "17" or "-3" (so a bare JSON integer qualifies), and also "+17", "007"
+// and "-0", each the number it spells. Any other payload (spaces, "17.0",
+// "1e3") is refused with ErrInvalidPayload.
 func SortedSetMapper(collection string) Mapper {
 	return MapperFunc(func(rec outbox.Record) (Write, error) {
 		score, err := strconv.ParseInt(string(rec.Payload), 10, 64)
