@@ -53,19 +53,22 @@ RETURNING created_at`
 
 	// Under REPEATABLE READ or SERIALIZABLE the lookup can see two records
 	// of one id: one pruned after tx's snapshot was taken, and the one tx
-	// recorded anew since (see RecordCommand). tx's own is the newer: its
-	// created_at is tx's start, and the pruned one's is older than the
-	// retention it was pruned at, unless tx was open that long before
-	// recording.
+	// recorded anew since (see RecordCommand). The pruned one carries its
+	// committed deleter in xmax; tx's own, not committed yet, cannot have
+	// been deleted or locked by anyone else, so its xmax is 0. (created_at
+	// alone cannot tell them apart: tx's is tx's start, which may precede
+	// the pruned record's.)
 	lookupCommandSQL = `SELECT fingerprint, result, created_at FROM %s WHERE event_id = $1
-ORDER BY created_at DESC LIMIT 1`
+ORDER BY xmax = '0'::xid DESC, created_at DESC LIMIT 1`
 
 	// storeResultSQL sets only a result not stored yet: the first one is
 	// what duplicates return (Command.Result). When it matches no row,
 	// lookupResultSQL, with a fresh snapshot, tells an unknown id from a
-	// stored result.
+	// stored result. Like lookupCommandSQL, it picks tx's own record when
+	// its snapshot also sees a pruned one.
 	storeResultSQL  = `UPDATE %s SET result = $2 WHERE event_id = $1 AND result IS NULL RETURNING true`
-	lookupResultSQL = `SELECT result FROM %s WHERE event_id = $1`
+	lookupResultSQL = `SELECT result FROM %s WHERE event_id = $1
+ORDER BY xmax = '0'::xid DESC, created_at DESC LIMIT 1`
 
 	// recordCommandAttempts bounds RecordCommand's inserts: each retry
 	// needs another record of the id to be committed and deleted between

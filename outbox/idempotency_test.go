@@ -511,6 +511,10 @@ func TestRecordCommand(t *testing.T) {
 		require.NoError(t, err)
 		require.False(t, cmd.Duplicate)
 		require.NoError(t, b.writer.StoreCommandResult(ctx, tx, id, []byte("result of d")))
+		// Stored again, the same result is an idempotent retry; the lookup
+		// behind it used to find c's pruned record and its result, and
+		// report a conflict.
+		require.NoError(t, b.writer.StoreCommandResult(ctx, tx, id, []byte("result of d")))
 
 		cmd, err = b.writer.RecordCommand(ctx, tx, id, d)
 		require.NoError(t, err, "tx recorded d itself")
@@ -521,6 +525,37 @@ func TestRecordCommand(t *testing.T) {
 		var conflict *outbox.IdempotencyConflictError
 		require.ErrorAs(t, err, &conflict, "c was pruned; the id is d's now")
 		require.Equal(t, d, conflict.RecordedFingerprint)
+	})
+
+	// The same when c was recorded after tx began but before its snapshot:
+	// tx's own record of d carries tx's start as its created_at, older than
+	// c's, so the newest-first lookup found c's pruned record, and a false
+	// conflict.
+	t.Run("RecordedAfterTxBeganThenPruned", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		id := uuid.New()
+		tx, err := b.pool.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.RepeatableRead})
+		require.NoError(t, err)
+		t.Cleanup(func() { _ = tx.Rollback(ctx) })
+		time.Sleep(5 * time.Millisecond) // tx's now() is before c's
+		_, err = execute(t, b, id, "c")
+		require.NoError(t, err)
+		_, err = tx.Exec(ctx, "SELECT 1") // takes the snapshot, which sees c
+		require.NoError(t, err)
+		n, err := b.writer.PruneCommands(ctx, b.pool, time.Microsecond)
+		require.NoError(t, err)
+		require.EqualValues(t, 1, n)
+
+		d := outbox.Fingerprint([]byte("d"))
+		cmd, err := b.writer.RecordCommand(ctx, tx, id, d)
+		require.NoError(t, err)
+		require.False(t, cmd.Duplicate)
+		require.NoError(t, b.writer.StoreCommandResult(ctx, tx, id, []byte("result of d")))
+		cmd, err = b.writer.RecordCommand(ctx, tx, id, d)
+		require.NoError(t, err, "tx recorded d itself")
+		require.True(t, cmd.Duplicate)
+		require.Equal(t, "result of d", string(cmd.Result))
 	})
 
 	// A record that reappears before, and is deleted after, every one of
