@@ -205,7 +205,9 @@ const pruneCommandsSQL = `DELETE FROM %s WHERE created_at < now() - $1 * interva
 // PruneCommands deletes idempotency records older than retention and returns
 // how many it deleted. A command retried after its record is pruned is
 // executed again (one retried while it is being pruned may be: see
-// RecordCommand), so keep records longer than any client retries. The deletion is index-backed
+// RecordCommand), unless its outbox row is still there: then the retry's
+// Append fails with ErrEventIDExists and its transaction writes nothing.
+// Keep records longer than any client retries. The deletion is index-backed
 // (created_at); run it periodically, from any process. A retention below
 // one microsecond (the unit it is sent in), which would delete every
 // record, is refused with a *ConfigError naming "retention"
