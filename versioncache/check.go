@@ -59,10 +59,15 @@ type Divergence[T any] struct {
 // CheckAt).
 //
 // Repair a divergence with Invalidate after the write that Check caught has
-// committed (for one that skipped Invalidate, that is the missing call).
+// committed (for one that skipped Invalidate, that is the missing call). A
+// write between its commit and its own Invalidate is Divergent too, if
+// Check looks in that moment: run Check again on the ids it reports before
+// acting on them.
 //
 // Values are compared as Get would serve them: by their Codec encoding, and
-// when encodings differ, decoded, with reflect.DeepEqual. A mismatch is confirmed by a
+// when encodings differ, decoded, with reflect.DeepEqual. So a value that
+// holds a NaN float and whose encoding varies (a map under a gob Codec)
+// compares unequal to itself, and counts as Divergent. A mismatch is confirmed by a
 // second Peek and load; if the cached value changed in between (its version
 // moved, or it was deleted or no longer decodes), the id counts as Moved, not
 // Divergent, because a write was still settling. A cached value
