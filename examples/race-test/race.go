@@ -144,7 +144,11 @@ func runMode(ctx context.Context, cfg config, d deps, mode string) (res Result, 
 	case modeNaive:
 		cache = &naiveCache{client: d.Redis, prefix: prefix, ttl: cfg.TTL}
 	case modeVersioned:
-		vc, err = versioncache.New[product](d.Redis, &versioncache.Config{Prefix: prefix, TTL: cfg.TTL})
+		// FailClosed: a Redis error fails the run, as it does in naive
+		// mode. FailOpen would serve such reads straight from PostgreSQL
+		// and count them as fresh reads the cache never served.
+		vc, err = versioncache.New[product](d.Redis, &versioncache.Config{Prefix: prefix, TTL: cfg.TTL,
+			FailureMode: versioncache.FailClosed})
 		if err != nil {
 			return res, err
 		}

@@ -4,9 +4,12 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"errors"
+	"sync/atomic"
 	"testing"
 	"time"
 
+	"github.com/redis/go-redis/v9"
 	"github.com/stretchr/testify/require"
 
 	"github.com/verity-go/verity/internal/testenv"
@@ -14,18 +17,38 @@ import (
 
 type testBundle struct {
 	deps deps
+	url  string // the Redis server's
 }
 
 func setup(t *testing.T) *testBundle {
 	t.Helper()
 	pg := testenv.Postgres(t)
 	rd := testenv.Redis(t)
-	return &testBundle{deps: deps{Pool: pg.Pool, Redis: rd.Client, Prefix: rd.Prefix}}
+	return &testBundle{deps: deps{Pool: pg.Pool, Redis: rd.Client, Prefix: rd.Prefix}, url: rd.URL}
 }
 
 func TestRun(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
+
+	// Redis failing GETs failed the naive run, but the versioned one
+	// (versioncache's default FailOpen) served those reads from PostgreSQL
+	// and reported "0 stale reads after ack" over reads the cache never
+	// served. It fails the run now, as naive does.
+	t.Run("VersionedFailsOnRedisErrors", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		opt, err := redis.ParseURL(b.url)
+		require.NoError(t, err)
+		client := redis.NewClient(opt)
+		t.Cleanup(func() { _ = client.Close() })
+		var failed atomic.Int64
+		client.AddHook(failGets{until: time.Now().Add(700 * time.Millisecond), n: &failed})
+		_, err = run(ctx, config{Readers: 4, Writers: 1, Duration: time.Second, Modes: []string{modeVersioned},
+			WritePause: time.Millisecond}, deps{Pool: b.deps.Pool, Redis: client, Prefix: b.deps.Prefix})
+		require.Positive(t, failed.Load())
+		require.Error(t, err, "%d reads failed in Redis", failed.Load())
+	})
 
 	t.Run("VersionedNeverStale", func(t *testing.T) {
 		t.Parallel()
@@ -145,5 +168,25 @@ func TestGroup(t *testing.T) {
 	t.Parallel()
 	for in, want := range map[int64]string{0: "0", 999: "999", 4102: "4,102", 41208: "41,208", 1234567: "1,234,567", -4102: "-4,102"} {
 		require.Equal(t, want, group(in))
+	}
+}
+
+// failGets fails every GET sent before until, as a Redis that times out
+// would, counting them in n, and passes everything else through.
+type failGets struct {
+	testenv.PassThroughHook
+	until time.Time
+	n     *atomic.Int64
+}
+
+func (h failGets) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
+	return func(ctx context.Context, cmd redis.Cmder) error {
+		if cmd.Name() == "get" && time.Now().Before(h.until) {
+			h.n.Add(1)
+			err := errors.New("i/o timeout (injected)")
+			cmd.SetErr(err)
+			return err
+		}
+		return next(ctx, cmd)
 	}
 }

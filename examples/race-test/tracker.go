@@ -142,6 +142,10 @@ func (t *tracker) abandon(version int64) {
 // settle moves pending writes whose earlier reads have all finished into the
 // settled set. It is called often by a monitor goroutine.
 func (t *tracker) settle() {
+	// Only writes acknowledged before the scan can be judged by it: a read
+	// the scan saw idle may have begun after the scan and before a later
+	// ack.
+	scanned := t.now()
 	oldest := int64(math.MaxInt64) // earliest start of a read in flight
 	unknown := false
 	for i := range t.inFlight {
@@ -156,7 +160,7 @@ func (t *tracker) settle() {
 	defer t.mu.Unlock()
 	kept := t.pending[:0]
 	for _, w := range t.pending {
-		if unknown || oldest < w.ackedAt {
+		if unknown || oldest < w.ackedAt || w.ackedAt > scanned {
 			kept = append(kept, w)
 			continue
 		}

@@ -2,6 +2,7 @@ package main
 
 import (
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/require"
 )
@@ -80,5 +81,32 @@ func TestTracker(t *testing.T) {
 		p50, p99 := tr.percentiles()
 		require.InDelta(t, 51, p50, 1)
 		require.InDelta(t, 100, p99, 1)
+	})
+
+	// A write acknowledged between settle's scan of the reads in flight and
+	// its taking the lock was settled, although a read that began after the
+	// scan and before the ack was still in flight: a read returning the
+	// older version then counted as a divergence, not a stale read.
+	t.Run("AckDuringSettleWaitsForReadsBeforeIt", func(t *testing.T) {
+		t.Parallel()
+		tr := newTracker(2, 1)
+		tr.mu.Lock()
+		done := make(chan struct{})
+		go func() { defer close(done); tr.settle() }() // scans: nobody reading; then waits for mu
+		time.Sleep(100 * time.Millisecond)
+		slow := tr.beginRead(0) // after the scan, before the ack
+		time.Sleep(time.Millisecond)
+		// acknowledge(2), as it runs while settle waits for the lock.
+		tr.acked.Store(2)
+		tr.writes++
+		tr.pending = append(tr.pending, ackedWrite{version: 2, ackedAt: tr.now()})
+		tr.mu.Unlock()
+		<-done
+
+		require.EqualValues(t, 1, tr.settledFloor.Load(), "reader 0 began before write 2's ack and is still reading")
+		fast := tr.beginRead(1)
+		tr.endRead(fast, 1, true)
+		require.Empty(t, tr.diverged, "write 2 is not settled")
+		tr.endRead(slow, 1, true)
 	})
 }
