@@ -7,6 +7,7 @@ import (
 	"log/slog"
 	"maps"
 	"sort"
+	"strings"
 	"time"
 
 	"github.com/google/uuid"
@@ -293,7 +294,9 @@ func (x *experiment) restartWorker(ctx context.Context) error {
 // PostgreSQL state and Redis projection, and the repair's figures.
 var reference = struct {
 	stages []Stage
-	repair ReconcileFigures
+	// results are how each stage's Result begins when it behaved.
+	results []string
+	repair  ReconcileFigures
 }{
 	stages: []Stage{
 		{Name: "first command for user-a", Source: map[string]SourceState{"user-a": {10, 1}}, Projection: map[string]int64{"user-a": 10}},
@@ -302,6 +305,14 @@ var reference = struct {
 		{Name: "worker restarted", Source: map[string]SourceState{"user-a": {17, 2}, "user-b": {25, 1}}, Projection: map[string]int64{"user-a": 17, "user-b": 25}},
 		{Name: "redis user-a changed to 999", Source: map[string]SourceState{"user-a": {17, 2}, "user-b": {25, 1}}, Projection: map[string]int64{"user-a": 999, "user-b": 25}},
 		{Name: "repair complete", Source: map[string]SourceState{"user-a": {17, 2}, "user-b": {25, 1}}, Projection: map[string]int64{"user-a": 17, "user-b": 25}},
+	},
+	results: []string{
+		"applied (",
+		"duplicate detected; no second effect",
+		"projection lags: 2 outbox rows pending",
+		"outbox drained (0 pending)",
+		"reconciliation classified user-a as corrupt",
+		"1 of 2 rows repaired; identical ranking",
 	},
 	repair: ReconcileFigures{Checked: 2, Current: 1, Corrupt: 1, Repaired: 1},
 }
@@ -321,6 +332,8 @@ func (r *Report) Check() error {
 			return fmt.Errorf("stage %q: PostgreSQL holds %v, want %v", got.Name, got.Source, want.Source)
 		case !maps.Equal(got.Projection, want.Projection):
 			return fmt.Errorf("stage %q: Redis holds %v, want %v", got.Name, got.Projection, want.Projection)
+		case !strings.HasPrefix(got.Result, reference.results[i]):
+			return fmt.Errorf("stage %q: %s, want %s…", got.Name, got.Result, reference.results[i])
 		}
 	}
 	if r.Reconcile != reference.repair {

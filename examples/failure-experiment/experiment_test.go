@@ -121,3 +121,32 @@ func TestRestartWorkerInterrupted(t *testing.T) {
 	require.ErrorIs(t, err, context.Canceled)
 	require.NotContains(t, err.Error(), "%!w")
 }
+
+// TestCheckReadsEachStagesResult: the exit code comes from Report.Check,
+// which compared each stage's states but not the Result it printed. A
+// replay applied a second time ("applied again: DOUBLE EFFECT"), or a dry
+// run that found no drift, was printed and still exited 0.
+func TestCheckReadsEachStagesResult(t *testing.T) {
+	t.Parallel()
+	good := func() *Report {
+		r := &Report{Reconcile: reference.repair, OrderingMatch: true}
+		for i, st := range reference.stages {
+			st.Result = []string{
+				"applied (score 10, version 1)",
+				"duplicate detected; no second effect (original result: score 10, version 1)",
+				"projection lags: 2 outbox rows pending, oldest 4ms old",
+				"outbox drained (0 pending)",
+				"reconciliation classified user-a as corrupt",
+				"1 of 2 rows repaired; identical ranking",
+			}[i]
+			r.Stages = append(r.Stages, st)
+		}
+		return r
+	}
+	require.NoError(t, good().Check())
+	for i, bad := range map[int]string{1: "applied again: DOUBLE EFFECT", 4: "no drift found"} {
+		r := good()
+		r.Stages[i].Result = bad
+		require.Error(t, r.Check(), "stage %q printed %q", r.Stages[i].Name, bad)
+	}
+}
