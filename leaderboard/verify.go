@@ -117,6 +117,11 @@ func (b *Board) Verify(ctx context.Context, cfg *reconcile.Config) (report *reco
 			"board", b.cfg.Name, "before", source, "after", after)
 		return report, false, nil
 	}
+	if err := ctx.Err(); err != nil {
+		// Not sent: the retry below is for a reply lost, not for a call
+		// the caller's cancellation kept from being made.
+		return report, false, fmt.Errorf("leaderboard: verify: %w", err)
+	}
 	args := []any{token, time.Now().UTC().Format(time.RFC3339Nano) + " " + source}
 	n, err := verifiedScript.Run(ctx, b.rdb, []string{b.verifyingKey, b.verifiedKey}, args...).Int()
 	err = b.sent(ctx, err)

@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/redis/go-redis/v9"
@@ -715,4 +716,82 @@ func boardOnClient(t *testing.T, tb *testBundle, edit func(*redis.Options), hook
 	require.NoError(t, err)
 	t.Cleanup(board.Close)
 	return board
+}
+
+// TestVerifyCancelledBeforeRecording: the caller gives up after the pass,
+// as the second identity query ends. go-redis then fails the recording
+// script unsent, which Verify took for a lost reply and sent again on a
+// detached context: it recorded, and returned verified to a caller who had
+// cancelled.
+func TestVerifyCancelledBeforeRecording(t *testing.T) {
+	t.Parallel()
+	tb := setup(t)
+	tb.submit(t, "ada", 10)
+	tb.drain(t)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	tracer := &cancelAfterQuery{contains: "pg_control_system", nth: 2, cancel: cancel}
+	pool := tb.newPool(t, func(c *pgxpool.Config) { c.ConnConfig.Tracer = tracer })
+	b, err := New(pool, tb.rd.Client, &Config{Name: tb.board.Name(), Schema: tb.pg.Schema, KeyPrefix: tb.rd.Prefix,
+		RequireVerifiedProjection: true})
+	require.NoError(t, err)
+	t.Cleanup(b.Close)
+
+	_, verified, err := b.Verify(ctx, nil)
+	require.EqualValues(t, 2, tracer.seen.Load(), "both identity queries ran")
+	require.ErrorIs(t, err, context.Canceled)
+	require.False(t, verified)
+	require.ErrorIs(t, tb.rd.Client.Get(context.Background(), b.verifiedKey).Err(), redis.Nil, "nothing recorded")
+}
+
+// cancelAfterQuery is a pgx tracer that calls cancel when the nth query
+// whose SQL holds contains ends.
+type cancelAfterQuery struct {
+	contains string
+	nth      int32
+	cancel   context.CancelFunc
+	seen     atomic.Int32
+}
+
+type cancelAfterQueryKey struct{}
+
+func (c *cancelAfterQuery) TraceQueryStart(ctx context.Context, _ *pgx.Conn, data pgx.TraceQueryStartData) context.Context {
+	if strings.Contains(data.SQL, c.contains) {
+		return context.WithValue(ctx, cancelAfterQueryKey{}, true)
+	}
+	return ctx
+}
+
+func (c *cancelAfterQuery) TraceQueryEnd(ctx context.Context, _ *pgx.Conn, _ pgx.TraceQueryEndData) {
+	if ctx.Value(cancelAfterQueryKey{}) != nil && c.seen.Add(1) == c.nth {
+		c.cancel()
+	}
+}
+
+// TestUnverifiedByIdentityDoesNotBlameRedis: a verification record of
+// another database (a failover, a restore) makes reads unverified, and
+// the refusal said Redis lost the board's keys, which it had not.
+func TestUnverifiedByIdentityDoesNotBlameRedis(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	tb := setup(t, func(c *Config) {
+		c.RequireVerifiedProjection, c.ReadPolicy, c.LagProbeInterval = true, FailClosed, time.Nanosecond
+	})
+	tb.submit(t, "ada", 10)
+	tb.drain(t)
+	_, verified, err := tb.board.Verify(ctx, nil)
+	require.NoError(t, err)
+	require.True(t, verified)
+	record, err := tb.rd.Client.Get(ctx, tb.board.verifiedKey).Result()
+	require.NoError(t, err)
+	fields := strings.Fields(record)
+	require.GreaterOrEqual(t, len(fields), 2)
+	require.NoError(t, tb.rd.Client.Set(ctx, tb.board.verifiedKey, fields[0]+" "+fields[1]+" 1:00000001", 0).Err()) // another database
+	tb.board.verificationRecorded()
+
+	_, err = tb.board.Top(ctx, 10)
+	var stale *StaleError
+	require.ErrorAs(t, err, &stale)
+	require.True(t, stale.Unverified)
+	require.Contains(t, err.Error(), "PostgreSQL is not the database Verify checked it against")
 }
