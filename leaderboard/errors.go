@@ -312,17 +312,18 @@ type StaleError struct {
 	Version int64
 	// Unverified is set, with Lag -1, when Config.RequireVerifiedProjection
 	// refused the read: no Verify has found the projection complete since
-	// Redis last lost the board's keys (Freshness.Unverified). Board.Verify
-	// is the fix, not PostgreSQL.
+	// Redis last lost the board's keys, or against the database PostgreSQL
+	// is now (Freshness.Unverified). Board.Verify is the fix, not
+	// PostgreSQL.
 	Unverified bool
 }
 
 func (e *StaleError) Error() string {
 	if e.Unverified && e.Version > 0 {
-		return fmt.Sprintf("leaderboard: projection has not reached version %d of user %q, and is not verified since Redis lost the board's keys (run Board.Verify)", e.Version, e.UserID)
+		return fmt.Sprintf("leaderboard: projection has not reached version %d of user %q, and is not verified (Redis lost the board's keys, or PostgreSQL is not the database Verify checked it against; run Board.Verify)", e.Version, e.UserID)
 	}
 	if e.Unverified {
-		return "leaderboard: projection not verified since Redis lost the board's keys (run Board.Verify)"
+		return "leaderboard: projection not verified (Redis lost the board's keys, or PostgreSQL is not the database Verify checked it against; run Board.Verify)"
 	}
 	if e.Version > 0 {
 		return fmt.Sprintf("leaderboard: projection has not reached version %d of user %q", e.Version, e.UserID)

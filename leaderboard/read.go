@@ -89,7 +89,10 @@ type Freshness struct {
 	// Unverified is set, with Lag -1, when Config.RequireVerifiedProjection
 	// is on and Redis, looked at less than Config.LagProbeInterval before
 	// the read or during it, held no record of a Verify since it last lost
-	// the board's keys: the projection may be missing entries.
+	// the board's keys (or could not be read), or the record names another
+	// database than the one the lag probe found (a failover, a restore; see
+	// "When PostgreSQL goes back"): the projection may be missing entries,
+	// or show scores PostgreSQL no longer has.
 	Unverified bool
 	// AtLeastMet reports whether the answer reflects every version the
 	// read asked for with AtLeast (true when it asked for none): Redis
