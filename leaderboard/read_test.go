@@ -1949,14 +1949,7 @@ func TestUserNotFoundSaysHowFresh(t *testing.T) {
 
 	t.Run("UnverifiedRedis", func(t *testing.T) {
 		t.Parallel()
-		tb := setup(t, func(c *Config) {
-			c.RequireVerifiedProjection, c.ReadPolicy, c.LagProbeInterval = true, ServeStale, time.Nanosecond
-		})
-		tb.submit(t, "ada", 10)
-		tb.drain(t)
-		_, verified, err := tb.board.Verify(ctx, nil)
-		require.NoError(t, err)
-		require.True(t, verified)
+		tb := verifiedBoard(t, ServeStale)
 		keys, err := tb.rd.Client.Keys(ctx, tb.rd.Prefix+"*").Result()
 		require.NoError(t, err)
 		require.NoError(t, tb.rd.Client.Del(ctx, keys...).Err()) // Redis lost the board

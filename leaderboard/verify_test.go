@@ -774,14 +774,7 @@ func (c *cancelAfterQuery) TraceQueryEnd(ctx context.Context, _ *pgx.Conn, _ pgx
 func TestUnverifiedByIdentityDoesNotBlameRedis(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	tb := setup(t, func(c *Config) {
-		c.RequireVerifiedProjection, c.ReadPolicy, c.LagProbeInterval = true, FailClosed, time.Nanosecond
-	})
-	tb.submit(t, "ada", 10)
-	tb.drain(t)
-	_, verified, err := tb.board.Verify(ctx, nil)
-	require.NoError(t, err)
-	require.True(t, verified)
+	tb := verifiedBoard(t, FailClosed)
 	record, err := tb.rd.Client.Get(ctx, tb.board.verifiedKey).Result()
 	require.NoError(t, err)
 	fields := strings.Fields(record)
@@ -794,4 +787,20 @@ func TestUnverifiedByIdentityDoesNotBlameRedis(t *testing.T) {
 	require.ErrorAs(t, err, &stale)
 	require.True(t, stale.Unverified)
 	require.Contains(t, err.Error(), "PostgreSQL is not the database Verify checked it against")
+}
+
+// verifiedBoard returns a board read under policy that requires a verified
+// projection and measures the lag on every read, with ada's score
+// projected and the projection verified.
+func verifiedBoard(t *testing.T, policy ReadPolicy) *testBundle {
+	t.Helper()
+	tb := setup(t, func(c *Config) {
+		c.RequireVerifiedProjection, c.ReadPolicy, c.LagProbeInterval = true, policy, time.Nanosecond
+	})
+	tb.submit(t, "ada", 10)
+	tb.drain(t)
+	_, verified, err := tb.board.Verify(context.Background(), nil)
+	require.NoError(t, err)
+	require.True(t, verified)
+	return tb
 }

@@ -502,21 +502,13 @@ func TestRecordCommand(t *testing.T) {
 		id, tx := executedThenTx(t, b, pgx.RepeatableRead)
 		_, err := tx.Exec(ctx, "SELECT 1") // takes the snapshot
 		require.NoError(t, err)
-		n, err := b.writer.PruneCommands(ctx, b.pool, time.Microsecond)
-		require.NoError(t, err)
-		require.EqualValues(t, 1, n)
-
-		d := outbox.Fingerprint([]byte("d"))
-		cmd, err := b.writer.RecordCommand(ctx, tx, id, d)
-		require.NoError(t, err)
-		require.False(t, cmd.Duplicate)
-		require.NoError(t, b.writer.StoreCommandResult(ctx, tx, id, []byte("result of d")))
+		d := prunedThenRecordedAnew(t, b, tx, id)
 		// Stored again, the same result is an idempotent retry; the lookup
 		// behind it used to find c's pruned record and its result, and
 		// report a conflict.
 		require.NoError(t, b.writer.StoreCommandResult(ctx, tx, id, []byte("result of d")))
 
-		cmd, err = b.writer.RecordCommand(ctx, tx, id, d)
+		cmd, err := b.writer.RecordCommand(ctx, tx, id, d)
 		require.NoError(t, err, "tx recorded d itself")
 		require.True(t, cmd.Duplicate)
 		require.Equal(t, "result of d", string(cmd.Result))
@@ -543,16 +535,8 @@ func TestRecordCommand(t *testing.T) {
 		require.NoError(t, err)
 		_, err = tx.Exec(ctx, "SELECT 1") // takes the snapshot, which sees c
 		require.NoError(t, err)
-		n, err := b.writer.PruneCommands(ctx, b.pool, time.Microsecond)
-		require.NoError(t, err)
-		require.EqualValues(t, 1, n)
-
-		d := outbox.Fingerprint([]byte("d"))
+		d := prunedThenRecordedAnew(t, b, tx, id)
 		cmd, err := b.writer.RecordCommand(ctx, tx, id, d)
-		require.NoError(t, err)
-		require.False(t, cmd.Duplicate)
-		require.NoError(t, b.writer.StoreCommandResult(ctx, tx, id, []byte("result of d")))
-		cmd, err = b.writer.RecordCommand(ctx, tx, id, d)
 		require.NoError(t, err, "tx recorded d itself")
 		require.True(t, cmd.Duplicate)
 		require.Equal(t, "result of d", string(cmd.Result))
@@ -645,4 +629,21 @@ func TestSQLTx(t *testing.T) {
 	for _, r := range b.rows(t) {
 		require.Zero(t, r.Attempts)
 	}
+}
+
+// prunedThenRecordedAnew prunes every command record (id's, which tx's
+// snapshot still sees, included), then has tx record command "d" anew
+// under id and store "result of d"; it returns d's fingerprint.
+func prunedThenRecordedAnew(t *testing.T, b *testBundle, tx pgx.Tx, id uuid.UUID) []byte {
+	t.Helper()
+	ctx := context.Background()
+	n, err := b.writer.PruneCommands(ctx, b.pool, time.Microsecond)
+	require.NoError(t, err)
+	require.EqualValues(t, 1, n)
+	d := outbox.Fingerprint([]byte("d"))
+	cmd, err := b.writer.RecordCommand(ctx, tx, id, d)
+	require.NoError(t, err)
+	require.False(t, cmd.Duplicate)
+	require.NoError(t, b.writer.StoreCommandResult(ctx, tx, id, []byte("result of d")))
+	return d
 }
