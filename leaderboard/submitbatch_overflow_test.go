@@ -6,7 +6,6 @@ import (
 	"testing"
 
 	"github.com/google/uuid"
-	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
@@ -162,7 +161,7 @@ func TestSubmitBatchOverflowAfterItsCallerGaveUp(t *testing.T) {
 	bctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	pool := tb.newPool(t, func(pc *pgxpool.Config) {
-		pc.ConnConfig.Tracer = cancelOnError{code: "23514", cancel: cancel}
+		pc.ConnConfig.Tracer = &cancelAfterQuery{match: refusedForTheRange, nth: 1, cancel: cancel}
 	})
 	board, err := New(pool, tb.rd.Client, &Config{Name: tb.board.Name(), Schema: tb.pg.Schema, KeyPrefix: tb.rd.Prefix,
 		MinDelta: MinScore, MaxDelta: MaxScore})
@@ -178,20 +177,8 @@ func TestSubmitBatchOverflowAfterItsCallerGaveUp(t *testing.T) {
 	require.Equal(t, 1, events, "the refused batch wrote nothing")
 }
 
-// cancelOnError is a pgx tracer that calls cancel when a statement fails
-// with SQLSTATE code.
-type cancelOnError struct {
-	code   string
-	cancel context.CancelFunc
-}
-
-func (c cancelOnError) TraceQueryStart(ctx context.Context, _ *pgx.Conn, _ pgx.TraceQueryStartData) context.Context {
-	return ctx
-}
-
-func (c cancelOnError) TraceQueryEnd(_ context.Context, _ *pgx.Conn, data pgx.TraceQueryEndData) {
+// refusedForTheRange matches a statement the score range's CHECK refused.
+func refusedForTheRange(_ string, err error) bool {
 	var pgErr *pgconn.PgError
-	if errors.As(data.Err, &pgErr) && pgErr.Code == c.code {
-		c.cancel()
-	}
+	return errors.As(err, &pgErr) && pgErr.Code == "23514"
 }

@@ -730,7 +730,8 @@ func TestVerifyCancelledBeforeRecording(t *testing.T) {
 	tb.drain(t)
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	tracer := &cancelAfterQuery{contains: "pg_control_system", nth: 2, cancel: cancel}
+	identity := func(sql string, _ error) bool { return strings.Contains(sql, "pg_control_system") }
+	tracer := &cancelAfterQuery{match: identity, nth: 2, cancel: cancel}
 	pool := tb.newPool(t, func(c *pgxpool.Config) { c.ConnConfig.Tracer = tracer })
 	b, err := New(pool, tb.rd.Client, &Config{Name: tb.board.Name(), Schema: tb.pg.Schema, KeyPrefix: tb.rd.Prefix,
 		RequireVerifiedProjection: true})
@@ -745,25 +746,23 @@ func TestVerifyCancelledBeforeRecording(t *testing.T) {
 }
 
 // cancelAfterQuery is a pgx tracer that calls cancel when the nth query
-// whose SQL holds contains ends.
+// that match accepts (by its SQL and its error) ends.
 type cancelAfterQuery struct {
-	contains string
-	nth      int32
-	cancel   context.CancelFunc
-	seen     atomic.Int32
+	match  func(sql string, err error) bool
+	nth    int32
+	cancel context.CancelFunc
+	seen   atomic.Int32
 }
 
-type cancelAfterQueryKey struct{}
+type querySQLKey struct{}
 
 func (c *cancelAfterQuery) TraceQueryStart(ctx context.Context, _ *pgx.Conn, data pgx.TraceQueryStartData) context.Context {
-	if strings.Contains(data.SQL, c.contains) {
-		return context.WithValue(ctx, cancelAfterQueryKey{}, true)
-	}
-	return ctx
+	return context.WithValue(ctx, querySQLKey{}, data.SQL)
 }
 
-func (c *cancelAfterQuery) TraceQueryEnd(ctx context.Context, _ *pgx.Conn, _ pgx.TraceQueryEndData) {
-	if ctx.Value(cancelAfterQueryKey{}) != nil && c.seen.Add(1) == c.nth {
+func (c *cancelAfterQuery) TraceQueryEnd(ctx context.Context, _ *pgx.Conn, data pgx.TraceQueryEndData) {
+	sql, _ := ctx.Value(querySQLKey{}).(string)
+	if c.match(sql, data.Err) && c.seen.Add(1) == c.nth {
 		c.cancel()
 	}
 }
