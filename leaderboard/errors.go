@@ -65,7 +65,8 @@ var (
 	// would refuse, or AtLeast for more than MaxAtLeast users in one read.
 	ErrInvalidReadOption = errors.New("leaderboard: invalid read option")
 	// ErrInvalidLimit is returned for a page size outside [1, MaxPageSize]
-	// (Around also accepts 0 neighbours).
+	// (Around accepts 0 neighbours, and its error, which matches this one,
+	// says so).
 	ErrInvalidLimit = fmt.Errorf("leaderboard: page size must be between 1 and %d", MaxPageSize)
 	// ErrCorruptScore is returned by a read from Redis that met a
 	// sorted-set score the projection never writes (±inf, a fraction, a
@@ -189,6 +190,17 @@ type notMigratedError struct {
 
 func (e *notMigratedError) Error() string   { return e.msg }
 func (e *notMigratedError) Unwrap() []error { return []error{ErrNotMigrated, e.err} }
+
+// invalidNeighboursError is Around's refusal of its n. It matches
+// ErrInvalidLimit without that sentinel's text, whose range (from 1)
+// would contradict Around's (from 0).
+type invalidNeighboursError struct{}
+
+func (invalidNeighboursError) Error() string {
+	return fmt.Sprintf("leaderboard: Around's neighbours on each side must be between 0 and %d", MaxPageSize)
+}
+
+func (invalidNeighboursError) Is(target error) bool { return target == ErrInvalidLimit }
 
 // ValidationError reports a Command field that was refused. Nothing was
 // written. It matches ErrInvalidCommand.

@@ -2,6 +2,7 @@ package leaderboard
 
 import (
 	"context"
+	"fmt"
 	"testing"
 	"time"
 
@@ -37,6 +38,8 @@ func TestPageSizeLimits(t *testing.T) {
 	for _, n := range []int{-1, MaxPageSize + 1} {
 		r, err := tb.board.Around(ctx, "amy", n)
 		require.ErrorIs(t, err, ErrInvalidLimit, "Around(%d) = %v", n, r.Entries)
+		// Its text names Around's own range, not the pages' "from 1".
+		require.ErrorContains(t, err, fmt.Sprintf("between 0 and %d", MaxPageSize))
 	}
 
 	amy, bob := Entry{UserID: "amy", Score: 5, Rank: 1}, Entry{UserID: "bob", Score: 3, Rank: 2}

@@ -281,7 +281,7 @@ func (b *Board) Around(ctx context.Context, user string, n int, opts ...ReadOpti
 		return Ranking{}, errBoardNotFromNew()
 	}
 	if n < 0 || n > MaxPageSize {
-		return Ranking{}, ErrInvalidLimit
+		return Ranking{}, invalidNeighboursError{}
 	}
 	var entries []Entry
 	fresh, err := b.read(ctx, opts, !storableUserID(user),
