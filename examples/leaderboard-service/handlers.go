@@ -9,6 +9,7 @@ import (
 	"io"
 	"log/slog"
 	"net/http"
+	"net/url"
 	"os"
 	"strconv"
 	"strings"
@@ -320,19 +321,55 @@ func jsonKind(field string) string {
 	return "value of another type"
 }
 
+// oneQueryValue returns the value of the query parameter name, "" when
+// it is absent. A parameter given more than once is answered 422 here
+// (ok false): which of its values a proxy or cache in front of the
+// service honours is not for the service to guess.
+func oneQueryValue(w http.ResponseWriter, query url.Values, name string) (value string, ok bool) {
+	values := query[name]
+	if len(values) > 1 {
+		writeJSON(w, http.StatusUnprocessableEntity, errorResponse{Field: name, Error: "given more than once; give it once"})
+		return "", false
+	}
+	if len(values) == 0 {
+		return "", true
+	}
+	return values[0], true
+}
+
+// parseDecimal parses a query number written as the service writes its
+// numbers: decimal digits only, without a sign or spaces. ok is false for
+// anything else, or a number above 2^63-1.
+func parseDecimal(s string) (n int64, ok bool) {
+	if s == "" || strings.TrimLeft(s, "0123456789") != "" {
+		return 0, false
+	}
+	n, err := strconv.ParseInt(s, 10, 64)
+	return n, err == nil
+}
+
 // handleLeaderboard is GET /leaderboard?limit=&cursor=.
 func (s *Service) handleLeaderboard(w http.ResponseWriter, r *http.Request) {
+	query := r.URL.Query()
+	v, ok := oneQueryValue(w, query, "limit")
+	if !ok {
+		return
+	}
 	limit := defaultLimit
-	if v := r.URL.Query().Get("limit"); v != "" {
-		n, err := strconv.Atoi(v)
-		if err != nil || n < 1 || n > leaderboard.MaxPageSize {
+	if v != "" {
+		n, ok := parseDecimal(v)
+		if !ok || n < 1 || n > leaderboard.MaxPageSize {
 			writeJSON(w, http.StatusUnprocessableEntity, errorResponse{Field: "limit",
 				Error: fmt.Sprintf("must be an integer between 1 and %d", leaderboard.MaxPageSize)})
 			return
 		}
-		limit = n
+		limit = int(n)
 	}
-	page, err := s.board.Page(r.Context(), r.URL.Query().Get("cursor"), limit)
+	cursor, ok := oneQueryValue(w, query, "cursor")
+	if !ok {
+		return
+	}
+	page, err := s.board.Page(r.Context(), cursor, limit)
 	if err != nil {
 		s.writeError(w, r, err)
 		return
@@ -355,9 +392,13 @@ func (s *Service) handleLeaderboard(w http.ResponseWriter, r *http.Request) {
 func (s *Service) handleRank(w http.ResponseWriter, r *http.Request) {
 	user := r.PathValue("id")
 	var opts []leaderboard.ReadOption
-	if v := r.URL.Query().Get("at_least"); v != "" {
-		version, err := strconv.ParseInt(v, 10, 64)
-		if err != nil || version < 1 {
+	v, ok := oneQueryValue(w, r.URL.Query(), "at_least")
+	if !ok {
+		return
+	}
+	if v != "" {
+		version, ok := parseDecimal(v)
+		if !ok || version < 1 {
 			writeJSON(w, http.StatusUnprocessableEntity, errorResponse{Field: "at_least",
 				Error: "must be a positive version, as returned by POST /scores"})
 			return

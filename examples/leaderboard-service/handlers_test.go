@@ -333,7 +333,8 @@ func TestLeaderboard(t *testing.T) {
 		tb := setup(t)
 		for _, tc := range []struct{ query, field string }{
 			{"limit=0", "limit"}, {"limit=1001", "limit"}, {"limit=ten", "limit"},
-			{"cursor=not-a-cursor", "cursor"},
+			{"limit=%2B1", "limit"}, {"limit=1%20", "limit"}, {"limit=1&limit=2", "limit"},
+			{"cursor=not-a-cursor", "cursor"}, {"cursor=&cursor=", "cursor"},
 		} {
 			res := tb.do(t, http.MethodGet, "/leaderboard?"+tc.query, nil, "")
 			require.Equal(t, http.StatusUnprocessableEntity, res.status, "%s: %s", tc.query, res.body)
@@ -464,7 +465,9 @@ func TestRank(t *testing.T) {
 		body = tb.do(t, http.MethodGet, fmt.Sprintf("/users/ada/rank?at_least=%d", version+1), nil, "").json(t)
 		require.Equal(t, false, body["freshness"].(map[string]any)["at_least_met"])
 
-		for _, q := range []string{"0", "-1", "x"} {
+		// A sign, a space or a second at_least is refused, not read as
+		// the number it might mean.
+		for _, q := range []string{"0", "-1", "x", "%2B1", "%201", "1&at_least=2"} {
 			res := tb.do(t, http.MethodGet, "/users/ada/rank?at_least="+q, nil, "")
 			require.Equal(t, http.StatusUnprocessableEntity, res.status)
 			require.Equal(t, "at_least", res.json(t)["field"])
