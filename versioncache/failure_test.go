@@ -7,6 +7,8 @@ import (
 	"os"
 	"regexp"
 	"strings"
+	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -46,13 +48,17 @@ func TestRedisUnavailable(t *testing.T) {
 			rs := testenv.StartRedis(t)
 			client := rs.Client(t)
 			client.Options().ContextTimeoutEnabled = true
+			sends := &deadlineRecorder{}
+			client.AddHook(sends)
 			b := setupWith(t, client, "vc:", &Config{FailureMode: FailOpen})
 			want := b.truth.write("p1", 4900)
 			admin := rs.Client(t)
 			ctx, cancel := context.WithTimeout(ctx, 300*time.Millisecond)
 			defer cancel()
+			callerDeadline, _ := ctx.Deadline()
 			start := time.Now()
 			got, err := b.cache.Get(ctx, "p1", func(ctx context.Context) (product, error) {
+				sends.loaded.Store(true)
 				// Writes (the fill's or the release's script) wait for 3 s
 				// from now.
 				if err := admin.Do(context.Background(), "CLIENT", "PAUSE", 3000, "WRITE").Err(); err != nil {
@@ -70,7 +76,18 @@ func TestRedisUnavailable(t *testing.T) {
 				require.NoError(t, err)
 				require.Equal(t, want, got)
 			}
-			require.Less(t, elapsed, 700*time.Millisecond, "Get outlived its 300 ms deadline")
+			// Every command after the load (the fill's or the release's
+			// script) went with the caller's deadline, not a later one:
+			// checked on the deadlines sent, which no slow machine blurs.
+			afterLoad := sends.afterLoad()
+			require.NotEmpty(t, afterLoad, "no command was sent after the load")
+			for _, sent := range afterLoad {
+				require.True(t, sent.hasDeadline, "%s was sent without a deadline", sent.name)
+				require.False(t, sent.deadline.After(callerDeadline),
+					"%s was sent with a deadline %s past the caller's", sent.name, sent.deadline.Sub(callerDeadline))
+			}
+			// And the call did not wait out the 3 s pause.
+			require.Less(t, elapsed, 2*time.Second, "Get waited for Redis past its 300 ms deadline")
 			require.NoError(t, admin.Do(context.Background(), "CLIENT", "UNPAUSE").Err())
 		})
 	}
@@ -599,4 +616,37 @@ func TestLostBump(t *testing.T) {
 		require.ErrorAs(t, err, &cerr)
 		require.Equal(t, "InvalidateReplicas", cerr.Field)
 	})
+}
+
+// deadlineRecorder is a go-redis hook that records each command sent
+// after loaded was set, with its context's deadline.
+type deadlineRecorder struct {
+	testenv.PassThroughHook
+	loaded atomic.Bool
+	mu     sync.Mutex
+	sent   []sentCommand
+}
+
+type sentCommand struct {
+	name        string
+	deadline    time.Time
+	hasDeadline bool
+}
+
+func (h *deadlineRecorder) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
+	return func(ctx context.Context, cmd redis.Cmder) error {
+		if h.loaded.Load() {
+			deadline, ok := ctx.Deadline()
+			h.mu.Lock()
+			h.sent = append(h.sent, sentCommand{name: cmd.Name(), deadline: deadline, hasDeadline: ok})
+			h.mu.Unlock()
+		}
+		return next(ctx, cmd)
+	}
+}
+
+func (h *deadlineRecorder) afterLoad() []sentCommand {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return append([]sentCommand(nil), h.sent...)
 }
