@@ -70,7 +70,7 @@ func newProjectionMetrics(mp metric.MeterProvider) (*projectionMetrics, error) {
 	in := telemetry.New(mp, "projection")
 	m := &projectionMetrics{
 		writes: in.Counter(metricWrites, "{write}",
-			"Writes decided by the version gate, by outcome: applied, duplicate (same version again), stale (older version), conflict (same version, another value), unknown (refused: unreadable stored version, or the collection's version layout differs)."),
+			"Writes decided by the version gate, by outcome: applied, duplicate (same version again), stale (older version), conflict (same version, another value), unknown (refused: unreadable stored version, the collection's version layout differs, or, under Handle, a key it needs holds another Redis type)."),
 		failed: in.Counter(metricFailed, "{record}",
 			"Outbox records the projector could not apply, by reason: map (the Mapper refused it), corrupt_version (unreadable stored version), layout (its collection's version layout differs from the projector's), redis (the script call of its slot group failed, or a key holds another Redis type)."),
 		lag: in.Histogram(metricLag, "s",
