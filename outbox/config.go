@@ -5,6 +5,7 @@ import (
 	"encoding/hex"
 	"fmt"
 	"strings"
+	"time"
 	"unicode/utf8"
 
 	"github.com/jackc/pgx/v5"
@@ -128,6 +129,20 @@ func validateNames(schema, table string) error {
 				"%q ends in %q, a suffix the outbox derives the names of its other tables and indexes with, so it could be one of outbox %q's; choose a name that ends in none of %s",
 				table, suffix, strings.TrimSuffix(table, suffix), strings.Join(derivedSuffixes, ", "))}
 		}
+	}
+	return nil
+}
+
+// validateInterval checks a polling, reconnecting or reporting interval:
+// positive, and at least a millisecond. A shorter one is almost always a
+// bare integer (5 is 5ns, not 5s), and would have the relay or Listener
+// query, reconnect to or ping PostgreSQL in a busy loop.
+func validateInterval(field string, v time.Duration) error {
+	switch {
+	case v <= 0:
+		return &ConfigError{Field: field, Reason: fmt.Sprintf("is %s; use a positive duration, or zero for the default", v)}
+	case v < time.Millisecond:
+		return &ConfigError{Field: field, Reason: fmt.Sprintf("is %s; use at least 1ms (a bare 5 is 5ns: write 5 * time.Second)", v)}
 	}
 	return nil
 }

@@ -2,7 +2,6 @@ package outbox
 
 import (
 	"context"
-	"fmt"
 	"log/slog"
 	"sync"
 	"time"
@@ -22,8 +21,8 @@ type ListenerConfig struct {
 	Table string
 
 	// ReconnectBackoffMax caps the pause between attempts to reconnect
-	// after the connection fails (100ms, doubling). Defaults to
-	// ReconnectBackoffMaxDefault.
+	// after the connection fails (100ms, doubling). Must be at least 1ms.
+	// Defaults to ReconnectBackoffMaxDefault (5s).
 	ReconnectBackoffMax time.Duration
 
 	// ListenCheckInterval is how long the connection may receive no
@@ -32,8 +31,8 @@ type ListenerConfig struct {
 	// replaced; it also bounds opening the connection, AfterConnect and
 	// LISTEN (see RelayConfig.ListenCheckInterval), and is how long, 5 s
 	// at least, the connection waits for the probe notification it sends
-	// after each LISTEN (see RelayConfig.DisableNotify). Defaults to
-	// ListenCheckIntervalDefault (10s).
+	// after each LISTEN (see RelayConfig.DisableNotify). Must be at least
+	// 1ms. Defaults to ListenCheckIntervalDefault (10s).
 	ListenCheckInterval time.Duration
 
 	// Logger receives the Listener's logs (a failed connection, at Warn,
@@ -71,8 +70,8 @@ func (c *ListenerConfig) validate() error {
 		{"ReconnectBackoffMax", c.ReconnectBackoffMax},
 		{"ListenCheckInterval", c.ListenCheckInterval},
 	} {
-		if d.v <= 0 {
-			return &ConfigError{Field: d.field, Reason: fmt.Sprintf("is %s; use a positive duration, or zero for the default", d.v)}
+		if err := validateInterval(d.field, d.v); err != nil {
+			return err
 		}
 	}
 	return nil

@@ -234,6 +234,8 @@ func TestListener(t *testing.T) {
 			"DerivedTable":    {b.pool, outbox.ListenerConfig{Table: "q_dead"}, "Table"},
 			"NegativeBackoff": {b.pool, outbox.ListenerConfig{ReconnectBackoffMax: -time.Second}, "ReconnectBackoffMax"},
 			"NegativeCheck":   {b.pool, outbox.ListenerConfig{ListenCheckInterval: -time.Second}, "ListenCheckInterval"},
+			"TinyBackoff":     {b.pool, outbox.ListenerConfig{ReconnectBackoffMax: 5}, "ReconnectBackoffMax"},
+			"TinyCheck":       {b.pool, outbox.ListenerConfig{ListenCheckInterval: time.Microsecond}, "ListenCheckInterval"},
 		} {
 			_, err := outbox.NewListener(tc.pool, &tc.cfg)
 			var cerr *outbox.ConfigError

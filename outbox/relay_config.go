@@ -73,7 +73,7 @@ type RelayConfig struct {
 	// PollInterval is how often an idle relay looks for due rows without
 	// being notified. Notifications wake it at once; polling picks up rows
 	// whose backoff or lease expired, and covers a lost LISTEN connection.
-	// Defaults to PollIntervalDefault (5s).
+	// Must be at least 1ms. Defaults to PollIntervalDefault (5s).
 	PollInterval time.Duration
 
 	// MaxAttempts is how many times a row is claimed before a failure moves
@@ -120,7 +120,8 @@ type RelayConfig struct {
 	// claiming again.
 	// Pauses start at 100ms and double until a success. Notifications do
 	// not cut the pause before claiming short, and PollInterval does not
-	// cap it. Defaults to ReconnectBackoffMaxDefault (5s).
+	// cap it. Must be at least 1ms. Defaults to ReconnectBackoffMaxDefault
+	// (5s).
 	ReconnectBackoffMax time.Duration
 
 	// ListenCheckInterval is how long the relay's LISTEN connection may
@@ -137,7 +138,8 @@ type RelayConfig struct {
 	// a value shorter than they take fails every attempt (logged at Warn,
 	// naming this setting), and rows then wait for PollInterval.
 	// A shared Listener's own ListenerConfig.ListenCheckInterval applies to
-	// it instead. Defaults to ListenCheckIntervalDefault (10s).
+	// it instead. Must be at least 1ms. Defaults to
+	// ListenCheckIntervalDefault (10s).
 	ListenCheckInterval time.Duration
 
 	// KeepPublished keeps acknowledged rows, marked with published_at, for
@@ -244,8 +246,8 @@ type RelayConfig struct {
 	// the backlog gauges. Scrapes never query the database; they report
 	// the latest snapshot, or nothing once it is older than two intervals
 	// (the relay stopped). Each refresh is one Stats query, O(pending).
-	// Only used when MeterProvider is set. Defaults to
-	// StatsIntervalDefault (15s).
+	// Only used when MeterProvider is set. Must be at least 1ms. Defaults
+	// to StatsIntervalDefault (15s).
 	StatsInterval time.Duration
 }
 
@@ -300,15 +302,24 @@ func (c *RelayConfig) validate() error {
 		v     time.Duration
 	}{
 		{"LeaseDuration", c.LeaseDuration},
-		{"PollInterval", c.PollInterval},
 		{"RetryBackoffMin", c.RetryBackoffMin},
 		{"RetryBackoffMax", c.RetryBackoffMax},
 		{"ShutdownTimeout", c.ShutdownTimeout},
+	} {
+		if err := positive(d.field, d.v); err != nil {
+			return err
+		}
+	}
+	for _, d := range []struct {
+		field string
+		v     time.Duration
+	}{
+		{"PollInterval", c.PollInterval},
 		{"ReconnectBackoffMax", c.ReconnectBackoffMax},
 		{"ListenCheckInterval", c.ListenCheckInterval},
 		{"StatsInterval", c.StatsInterval},
 	} {
-		if err := positive(d.field, d.v); err != nil {
+		if err := validateInterval(d.field, d.v); err != nil {
 			return err
 		}
 	}

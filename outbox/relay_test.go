@@ -2035,6 +2035,12 @@ func TestRelayConfig(t *testing.T) {
 		{"NegativeStatsInterval", outbox.RelayConfig{StatsInterval: -time.Second}, "StatsInterval"},
 		{"NULInStream", outbox.RelayConfig{Streams: []string{"a\x00b"}}, "Streams"},
 		{"InvalidUTF8Stream", outbox.RelayConfig{Streams: []string{"\xff"}}, "Streams"},
+		// A bare integer is nanoseconds: below 1ms the relay would poll,
+		// reconnect or ping PostgreSQL in a busy loop.
+		{"NanosecondPoll", outbox.RelayConfig{PollInterval: 5}, "PollInterval"},
+		{"TinyReconnectBackoff", outbox.RelayConfig{ReconnectBackoffMax: time.Millisecond - 1}, "ReconnectBackoffMax"},
+		{"TinyListenCheck", outbox.RelayConfig{ListenCheckInterval: time.Microsecond}, "ListenCheckInterval"},
+		{"TinyStatsInterval", outbox.RelayConfig{StatsInterval: 10}, "StatsInterval"},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
