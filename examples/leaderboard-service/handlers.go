@@ -321,6 +321,19 @@ func jsonKind(field string) string {
 	return "value of another type"
 }
 
+// parseQuery parses r's query string, answering 400 for a malformed one
+// (a bad %-escape, a ';' separator): r.URL.Query drops such a pair without
+// a word, so a bad at_least, limit or cursor would be served as if never
+// sent, at_least_met true included.
+func parseQuery(w http.ResponseWriter, r *http.Request) (url.Values, bool) {
+	query, err := url.ParseQuery(r.URL.RawQuery)
+	if err != nil {
+		writeJSON(w, http.StatusBadRequest, errorResponse{Error: "the query string is malformed: " + err.Error()})
+		return nil, false
+	}
+	return query, true
+}
+
 // oneQueryValue returns the value of the query parameter name, "" when
 // it is absent. A parameter given more than once is answered 422 here
 // (ok false): which of its values a proxy or cache in front of the
@@ -350,7 +363,10 @@ func parseDecimal(s string) (n int64, ok bool) {
 
 // handleLeaderboard is GET /leaderboard?limit=&cursor=.
 func (s *Service) handleLeaderboard(w http.ResponseWriter, r *http.Request) {
-	query := r.URL.Query()
+	query, ok := parseQuery(w, r)
+	if !ok {
+		return
+	}
 	v, ok := oneQueryValue(w, query, "limit")
 	if !ok {
 		return
@@ -392,7 +408,11 @@ func (s *Service) handleLeaderboard(w http.ResponseWriter, r *http.Request) {
 func (s *Service) handleRank(w http.ResponseWriter, r *http.Request) {
 	user := r.PathValue("id")
 	var opts []leaderboard.ReadOption
-	v, ok := oneQueryValue(w, r.URL.Query(), "at_least")
+	query, ok := parseQuery(w, r)
+	if !ok {
+		return
+	}
+	v, ok := oneQueryValue(w, query, "at_least")
 	if !ok {
 		return
 	}

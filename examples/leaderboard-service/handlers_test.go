@@ -661,3 +661,30 @@ func TestPage(t *testing.T) {
 	}
 	require.Equal(t, http.StatusNotFound, tb.do(t, http.MethodGet, "/index.html/x", nil, "").status)
 }
+
+// TestMalformedQuery: net/url drops a query pair it cannot parse without
+// a word, so a bad at_least, limit or cursor would be served as if never
+// sent: an at_least read then claimed at_least_met for a version it does
+// not reflect. A malformed query string is a 400 instead.
+func TestMalformedQuery(t *testing.T) {
+	t.Parallel()
+	tb := setup(t)
+	require.Equal(t, http.StatusCreated, tb.submit(t, uuid.NewString(), `{"user_id":"ada","delta":1}`).status)
+	tb.drain(t)
+	// Version 2 is committed but not projected.
+	res := tb.submit(t, uuid.NewString(), `{"user_id":"ada","delta":5}`)
+	require.Equal(t, http.StatusCreated, res.status)
+	require.EqualValues(t, 2, res.json(t)["version"])
+
+	for _, path := range []string{
+		"/users/ada/rank?at_least=2%",   // a stray percent sign
+		"/users/ada/rank?at_least=2;",   // a ';' separator, as some clients still send
+		"/users/ada/rank?at_least=%32%", // "2" escaped, one escape cut short
+		"/leaderboard?limit=5%",         // would be served with the default 10
+		"/leaderboard?cursor=AAAA%",     // would be served from the first page
+	} {
+		res := tb.do(t, http.MethodGet, path, nil, "")
+		require.Equal(t, http.StatusBadRequest, res.status, "%s: %s", path, res.body)
+		require.Contains(t, res.json(t)["error"], "malformed", path)
+	}
+}
