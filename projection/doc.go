@@ -239,6 +239,18 @@
 // that loss; the projection is behind (never wrong in the other direction)
 // until the next write of that target or a reconciliation run repairs it.
 //
+// Resharding a Cluster fails every gate call for a collection whose slot
+// is being moved, with TRYAGAIN, until the slot has moved: each call names
+// keys that usually do not exist (the rebuild marker, the shadow keys),
+// and Redis refuses to look for keys on a migrating slot. Through Handle
+// only those records fail, and the relay retries them with backoff: let a
+// reshard finish well within the relay's MaxAttempts, or replay the dead
+// letters after it. When such a call is the first a pipeline sends to its
+// node, go-redis sends the node's other script calls of the batch again,
+// after they ran: their writes then come back duplicate or stale, not
+// applied, and the applied count and the lag histogram miss them for that
+// batch. What Redis holds is right; only those verdicts are off.
+//
 // A *redis.Ring needs one option. By default go-redis pings every shard
 // and, after a few missed pings, hashes the keys of a shard it marks down
 // onto the others until it answers again. Versions live with the keys, so
