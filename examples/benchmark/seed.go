@@ -147,7 +147,9 @@ func (s *seedDesign) drainBatch(ctx context.Context, onProjected func([]seedRow)
 	}
 	batch, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (seedRow, error) {
 		var sr seedRow
-		err := r.Scan(&sr.id, &sr.eventID, &sr.user, &sr.score, &sr.version)
+		// (*[16]byte): pgx scans a uuid.UUID through its sql.Scanner, via
+		// text; the relay reads the 16 bytes, and so does the seed.
+		err := r.Scan(&sr.id, (*[16]byte)(&sr.eventID), &sr.user, &sr.score, &sr.version)
 		return sr, err
 	})
 	if err != nil || len(batch) == 0 {
