@@ -199,9 +199,13 @@ const replayDeadSQL = `WITH newest AS (
       AND NOT EXISTS (SELECT 1 FROM %[1]s AS o WHERE o.event_id = d.event_id)
     ORDER BY d.event_id, d.id DESC
 ),
+free AS (
+    SELECT n.id FROM newest AS n
+    WHERE NOT EXISTS (SELECT 1 FROM %[1]s AS o WHERE o.id = n.id)
+),
 locked AS MATERIALIZED (
     SELECT id, event_id FROM %[2]s
-    WHERE id IN (SELECT id FROM newest) AND octet_length(stream) <= %[3]d
+    WHERE id IN (SELECT id FROM free) AND octet_length(stream) <= %[3]d
     ORDER BY id
     LIMIT $3
     FOR UPDATE SKIP LOCKED
@@ -238,7 +242,10 @@ SELECT count(*) FROM restored, pg_notify($4, '')`
 // than MaxStreamBytes (appended before migration 005 bounded the stream)
 // is left in the dead-letter table, skipped and not counted: the outbox no
 // longer accepts that stream. List it with DeadLetters and deal with it
-// outside the outbox.
+// outside the outbox. So is an event whose newest dead letter's id the
+// outbox holds again (possible only after the outbox's ids were reset).
+// A replay that deadlocks with a transaction appending dead events (it
+// moved nothing) is run again, up to three times.
 func (r *Relay) ReplayDead(ctx context.Context, filter ReplayFilter) (int64, error) {
 	if r.unmade() {
 		return 0, errUnmadeRelay()
@@ -254,12 +261,24 @@ func (r *Relay) ReplayDead(ctx context.Context, filter ReplayFilter) (int64, err
 	for i, id := range filter.EventIDs {
 		ids[i] = pgUUID(id)
 	}
-	var n int64
-	err := r.pool.QueryRow(ctx, fmt.Sprintf(replayDeadSQL, r.names.Outbox, r.names.Dead, MaxStreamBytes),
-		ids, filter.Stream, limit, r.names.Channel).Scan(&n)
+	var (
+		n   int64
+		err error
+	)
+	for deadlocks := 0; ; deadlocks++ {
+		// A deadlock with a caller's transaction appending dead events
+		// rolled the statement back, moving nothing: run it again.
+		err = r.pool.QueryRow(ctx, fmt.Sprintf(replayDeadSQL, r.names.Outbox, r.names.Dead, MaxStreamBytes),
+			ids, filter.Stream, limit, r.names.Channel).Scan(&n)
+		var pgErr *pgconn.PgError
+		if deadlocks < 3 && ctx.Err() == nil && errors.As(err, &pgErr) && pgErr.Code == pgDeadlockDetected {
+			continue
+		}
+		break
+	}
 	if err != nil {
 		var pgErr *pgconn.PgError
-		if errors.As(err, &pgErr) && pgErr.Code == pgUniqueViolation {
+		if errors.As(err, &pgErr) && isEventIDViolation(pgErr) {
 			return 0, fmt.Errorf("%w: replay dead letters: %s (%w)", ErrEventIDExists, pgErr.Detail, err)
 		}
 		return 0, mapError("replay dead letters", err)

@@ -163,9 +163,17 @@ func (e *LeaseLostError) Is(target error) bool { return target == ErrLeaseLost }
 
 // PostgreSQL error codes the package interprets.
 const (
-	pgUniqueViolation = "23505"
-	pgUndefinedTable  = "42P01"
+	pgUniqueViolation  = "23505"
+	pgUndefinedTable   = "42P01"
+	pgDeadlockDetected = "40P01"
 )
+
+// isEventIDViolation reports a unique violation of the event id, not of
+// the primary key (ids reset): PostgreSQL keeps the "_pkey" suffix when it
+// shortens a long table's constraint names.
+func isEventIDViolation(pgErr *pgconn.PgError) bool {
+	return pgErr.Code == pgUniqueViolation && !strings.HasSuffix(pgErr.ConstraintName, "_pkey")
+}
 
 // mapError is the one place that turns driver errors into the package's own.
 // op names the operation for the message.

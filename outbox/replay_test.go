@@ -9,6 +9,7 @@ import (
 
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/stretchr/testify/require"
 
 	"github.com/verity-go/verity/outbox"
@@ -187,6 +188,85 @@ func TestReplayDeadEventBackInOutbox(t *testing.T) {
 		require.EqualValues(t, 1, moved, "the other event")
 		require.Equal(t, []int64{rows[0].ID, replayDeadID + 1}, b.outboxIDs(t))
 		requireDeadEvents(t, r, again.EventID)
+	})
+}
+
+// TestReplayDeadDeadlockAndIDClash covers two clashes a replay's insert can
+// meet besides an event back in the outbox: a deadlock with a transaction
+// appending two dead events, and a dead letter whose id the outbox holds
+// again.
+func TestReplayDeadDeadlockAndIDClash(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+
+	// The caller's transaction appends dead event y, the replay inserts x
+	// and waits for y, the caller appends x: a deadlock. PostgreSQL aborts
+	// one side. When it is the replay, the replay (which moved nothing)
+	// runs again instead of failing with a bare 40P01: it then names the
+	// clash, or finds both events appended and moves nothing.
+	t.Run("DeadlockWithAppendingTransaction", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		x, y := newMessage("s", "kx", 2), newMessage("s", "ky", 2)
+		b.insertDead(t, replayDeadID, x.EventID)
+		b.insertDead(t, replayDeadID+1, y.EventID)
+		tx, err := b.pool.Begin(ctx)
+		require.NoError(t, err)
+		t.Cleanup(func() { _ = tx.Rollback(context.Background()) })
+		require.NoError(t, b.writer.Append(ctx, tx, y))
+
+		appName := "replay-" + uuid.NewString()
+		r := b.relay(t, newPoolNamed(t, b.pg.ConnString, appName), &recorder{}, outbox.RelayConfig{})
+		done := make(chan error, 1)
+		go func() {
+			_, err := r.ReplayDead(lockedCtx(t), outbox.ReplayFilter{})
+			done <- err
+		}()
+		require.Eventually(t, func() bool { return b.waitingForLock(appName, "") },
+			5*time.Second, 10*time.Millisecond, "the replay never waited for the appended row")
+		appendErr := b.writer.Append(ctx, tx, x)
+		if appendErr != nil {
+			// The caller's transaction lost the deadlock: a retryable
+			// failure of its own; the replay then moves both events.
+			var pgErr *pgconn.PgError
+			require.ErrorAs(t, appendErr, &pgErr)
+			require.Equal(t, "40P01", pgErr.Code)
+			require.NoError(t, tx.Rollback(ctx))
+			require.NoError(t, <-done)
+			require.Len(t, b.rows(t), 2, "both events replayed")
+			require.Zero(t, b.count(t, b.deadTable()))
+			return
+		}
+		require.NoError(t, tx.Commit(ctx))
+		if err := <-done; err != nil {
+			require.ErrorIs(t, err, outbox.ErrEventIDExists, "a failed replay names the clash, not a bare deadlock")
+		}
+		require.Len(t, b.rows(t), 2, "the two appended rows, nothing replayed")
+		require.Equal(t, 2, b.count(t, b.deadTable()), "no dead letter lost")
+	})
+
+	// After the outbox's ids were reset, a dead letter whose id a pending
+	// row holds again is skipped (it stays), like an event back in the
+	// outbox; it used to fail every replay on the primary key, reported
+	// as an event id already in the outbox.
+	t.Run("DeadLetterIDHeldAgain", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		b.appendCommitted(t, newMessage("s", "k", 1))
+		ids := b.outboxIDs(t)
+		require.Len(t, ids, 1)
+		clash, other := uuid.New(), uuid.New()
+		b.insertDead(t, ids[0], clash)
+		b.insertDead(t, replayDeadID, other)
+		r := b.relay(t, nil, &recorder{}, outbox.RelayConfig{})
+		moved, err := r.ReplayDead(ctx, outbox.ReplayFilter{})
+		require.NoError(t, err)
+		require.EqualValues(t, 1, moved, "the other event")
+		require.Equal(t, []int64{ids[0], replayDeadID}, b.outboxIDs(t))
+		requireDeadEvents(t, r, clash)
+		moved, err = r.ReplayDead(ctx, outbox.ReplayFilter{})
+		require.NoError(t, err)
+		require.Zero(t, moved)
 	})
 }
 

@@ -166,7 +166,7 @@ func (w *Writer) Append(ctx context.Context, tx Tx, msgs ...Message) error {
 	err := tx.QueryRow(ctx, w.appendSQL, eventIDs, streams, keys, versions, payloads, w.names.Channel, notifyPayload(streams)).Scan(&inserted)
 	if err != nil {
 		var pgErr *pgconn.PgError
-		if errors.As(err, &pgErr) && pgErr.Code == pgUniqueViolation && pgErr.TableName == w.cfg.Table {
+		if errors.As(err, &pgErr) && isEventIDViolation(pgErr) && pgErr.TableName == w.cfg.Table {
 			return fmt.Errorf("%w: %s (%w)", ErrEventIDExists, pgErr.Detail, err)
 		}
 		return mapError("append", err)

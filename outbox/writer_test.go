@@ -227,6 +227,27 @@ func TestAppend(t *testing.T) {
 		require.Equal(t, 1, b.count(t, b.writer.Table()))
 	})
 
+	// After the outbox's ids were reset, a new event whose row takes an
+	// id the outbox still holds fails on the primary key: not reported as
+	// an event id already in the outbox, which it is not.
+	t.Run("IDClashIsNotAnEventIDClash", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		b.appendCommitted(t, newMessage("s", "k", 1))
+		_, err := b.pool.Exec(ctx, `ALTER TABLE `+b.writer.Table()+` ALTER COLUMN id RESTART WITH 1`)
+		require.NoError(t, err)
+		tx, err := b.pool.Begin(ctx)
+		require.NoError(t, err)
+		defer tx.Rollback(ctx) //nolint:errcheck
+		fresh := newMessage("s", "k", 2)
+		err = b.writer.Append(ctx, tx, fresh)
+		require.Error(t, err)
+		require.NotErrorIs(t, err, outbox.ErrEventIDExists, "event %s is not in the outbox", fresh.EventID)
+		var pgErr *pgconn.PgError
+		require.ErrorAs(t, err, &pgErr)
+		require.Equal(t, "23505", pgErr.Code)
+	})
+
 	t.Run("NotMigrated", func(t *testing.T) {
 		t.Parallel()
 		pg := testenv.Postgres(t)
