@@ -140,7 +140,10 @@
 // deleted, or until a newer version of its user has reached Redis (it
 // carries the user's whole score, which makes the dead letter moot): the
 // dead letter keeps counting while any change of that user is pending, and
-// when the user's current version was dead-lettered too.
+// when the user's current version was dead-lettered too. The probe infers
+// "reached Redis" from the current version being neither pending nor
+// dead-lettered, so deleting a user's newest dead letter by hand also ends
+// the count of its older ones: replay or delete them together.
 //
 // When Lag exceeds Config.MaxLag, Config.ReadPolicy decides: ServeStale
 // answers from Redis anyway (the Freshness tells the caller), FallbackToPostgres
