@@ -14,8 +14,20 @@
 -- one call (go-redis resends it when the connection drops before the
 -- reply): the second run finds KEYS[1] deleted by the first, and the token
 -- in KEYS[2] tells that the record is this pass's, still in place.
+--
+-- KEYS[1] holds "<token> <replication id>" (verify_begin.lua): a server
+-- whose id changed since (a replica promoted in a failover, which may
+-- lack the pass's repairs) records nothing either. An empty id (INFO
+-- refused to the user) is not compared.
 local mine = ARGV[1] .. ' '
-if redis.call('GET', KEYS[1]) ~= ARGV[1] then
+local info = redis.pcall('INFO', 'replication')
+local id = ''
+if type(info) == 'string' then
+  id = string.match(info, 'master_replid:(%x+)') or ''
+end
+local marker = redis.call('GET', KEYS[1])
+if not marker or string.sub(marker, 1, #mine) ~= mine or
+    (string.sub(marker, #mine + 1) ~= '' and string.sub(marker, #mine + 1) ~= id) then
   local record = redis.call('GET', KEYS[2])
   if record and string.sub(record, 1, #mine) == mine then
     return 1

@@ -21,6 +21,10 @@ var (
 	verifiedLua    string
 	verifiedScript = redis.NewScript(verifiedLua)
 
+	//go:embed verify_begin.lua
+	verifyBeginLua    string
+	verifyBeginScript = redis.NewScript(verifyBeginLua)
+
 	//go:embed verify_abandon.lua
 	verifyAbandonLua    string
 	verifyAbandonScript = redis.NewScript(verifyAbandonLua)
@@ -34,7 +38,9 @@ const verifyAbandonTimeout = 5 * time.Second
 // Verify runs a full reconcile pass over the board and, when the pass
 // repaired every entry it found wrong (a repair that raced a newer write
 // counts: the newer entry is there) and Redis kept the board's keys
-// throughout, records in Redis that the projection is complete. With
+// throughout and did not fail over (a replica promoted during the pass may
+// lack its repairs: replication is asynchronous), records in Redis that
+// the projection is complete. With
 // Config.RequireVerifiedProjection, reads report Lag -1 and Unverified until
 // that record exists; a Redis that loses its data loses the record too.
 // verified tells whether it was recorded; when it was not, run Verify again
@@ -86,7 +92,7 @@ func (b *Board) Verify(ctx context.Context, cfg *reconcile.Config) (report *reco
 		return nil, false, fmt.Errorf("leaderboard: verify: reading the database's identity: %w", err)
 	}
 	token := uuid.NewString()
-	if err := b.sent(ctx, b.rdb.Set(ctx, b.verifyingKey, token, 0).Err()); err != nil {
+	if err := b.sent(ctx, verifyBeginScript.Run(ctx, b.rdb, []string{b.verifyingKey}, token).Err()); err != nil {
 		return nil, false, fmt.Errorf("leaderboard: verify: %w", err)
 	}
 	refuted := false
@@ -141,6 +147,9 @@ func (b *Board) Verify(ctx context.Context, cfg *reconcile.Config) (report *reco
 	}
 	if n == 1 {
 		b.verificationRecorded()
+	} else {
+		b.cfg.Logger.WarnContext(ctx, "leaderboard: verify: Redis lost the pass's marker or failed over during the pass, so its repairs may be lost; nothing recorded, run Verify again",
+			"board", b.cfg.Name)
 	}
 	return report, n == 1, nil
 }

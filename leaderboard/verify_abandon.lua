@@ -13,7 +13,8 @@
 if ARGV[2] == '1' then
   redis.call('DEL', KEYS[2])
 end
-if redis.call('GET', KEYS[1]) == ARGV[1] then
+local marker = redis.call('GET', KEYS[1])
+if marker and string.sub(marker, 1, #ARGV[1] + 1) == ARGV[1] .. ' ' then
   return redis.call('DEL', KEYS[1])
 end
 return 0
