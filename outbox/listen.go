@@ -147,7 +147,7 @@ func (lc listenConn) once(ctx, stmtCtx context.Context, connected, proven func()
 	}
 	lc.logger.Debug("outbox listening", slog.String("channel", lc.channel))
 	connected()
-	probe := lc.startProbe(ctx, proven)
+	probe := lc.startProbe(ctx, stmtCtx, proven)
 	defer probe.stop()
 	for {
 		probe.poll()
@@ -198,12 +198,14 @@ func (lc listenConn) once(ctx, stmtCtx context.Context, connected, proven func()
 // then awaited on the connection. Only the connection's goroutine calls
 // its methods.
 type listenProbe struct {
-	lc     listenConn
-	token  string
-	proven func()
-	wait   time.Duration // how long it may take to come back once sent
-	cancel context.CancelFunc
-	sent   chan probeSent // the send's answer, once
+	lc            listenConn
+	token         string
+	proven        func()
+	wait          time.Duration // how long it may take to come back once sent
+	cancel        context.CancelFunc
+	cancelAcquire context.CancelFunc
+	ctx           context.Context // the connection's: ended at shutdown
+	sent          chan probeSent  // the send's answer, once
 	// sending until the send's answer is read; awaiting until the probe
 	// came back or could not be sent, from when it was sent until
 	// deadline.
@@ -218,14 +220,19 @@ type probeSent struct {
 }
 
 // startProbe sends a probe of a new token through the pool; proven is
-// called once it came back or could not be sent.
-func (lc listenConn) startProbe(ctx context.Context, proven func()) *listenProbe {
-	ctx, cancel := context.WithCancel(ctx)
+// called once it came back or could not be sent. The pool connection is
+// acquired under ctx, but the statement, once sent, runs under stmtCtx, as
+// the relay's other statements do: cut off, it would leave pgx closing the
+// pool connection in the background after Run returned.
+func (lc listenConn) startProbe(ctx, stmtCtx context.Context, proven func()) *listenProbe {
+	acquireCtx, cancelAcquire := context.WithCancel(ctx)
+	sendCtx, cancelSend := context.WithCancel(stmtCtx)
 	p := &listenProbe{
 		lc: lc, token: uuid.NewString(), proven: proven, wait: max(lc.checkAfter, probeWaitMin),
-		cancel: cancel, sent: make(chan probeSent, 1), sending: true, awaiting: true,
+		cancel: func() { cancelAcquire(); cancelSend() }, cancelAcquire: cancelAcquire, ctx: ctx,
+		sent: make(chan probeSent, 1), sending: true, awaiting: true,
 	}
-	go func() { p.sent <- lc.sendProbe(ctx, p.token) }()
+	go func() { p.sent <- lc.sendProbe(acquireCtx, sendCtx, p.token) }()
 	return p
 }
 
@@ -272,22 +279,36 @@ func (p *listenProbe) lost() bool {
 	return p.awaiting && !p.sending && !time.Now().Before(p.deadline)
 }
 
-// stop cancels a send still under way and waits for its goroutine.
+// stop cancels a send still under way and waits for its goroutine. At
+// shutdown (the connection's ctx ended) a send already on its way is let
+// finish, within checkAfter and the statements' grace.
 func (p *listenProbe) stop() {
-	p.cancel()
-	if p.sending {
-		<-p.sent // at once, cancelled
+	if p.ctx.Err() == nil {
+		p.cancel()
 	}
+	p.cancelAcquire()
+	if p.sending {
+		<-p.sent
+	}
+	p.cancel()
 }
 
 // sendProbe sends the probe notification with payload token through the
 // pool, within checkAfter. A probe that could not be sent (the pool
 // exhausted, the database refusing) proves nothing either way, so it is
 // only logged at Debug.
-func (lc listenConn) sendProbe(ctx context.Context, token string) probeSent {
-	ctx, cancel := context.WithTimeout(ctx, lc.checkAfter)
-	defer cancel()
-	if _, err := lc.pool.Exec(ctx, `SELECT pg_notify($1::text, $2::text)`, probeChannel, token); err != nil {
+func (lc listenConn) sendProbe(acquireCtx, sendCtx context.Context, token string) probeSent {
+	start := time.Now()
+	acquireCtx, cancelAcquire := context.WithDeadline(acquireCtx, start.Add(lc.checkAfter))
+	defer cancelAcquire()
+	sendCtx, cancelSend := context.WithDeadline(sendCtx, start.Add(lc.checkAfter))
+	defer cancelSend()
+	conn, err := lc.pool.Acquire(acquireCtx)
+	if err == nil {
+		_, err = conn.Exec(sendCtx, `SELECT pg_notify($1::text, $2::text)`, probeChannel, token)
+		conn.Release()
+	}
+	if err != nil {
 		lc.logger.Debug("outbox LISTEN probe not sent", slog.String("error", err.Error()))
 		return probeSent{}
 	}

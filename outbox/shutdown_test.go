@@ -1,12 +1,16 @@
 package outbox_test
 
 import (
+	"bytes"
 	"context"
+	"net"
 	"runtime"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
 	"github.com/verity-go/verity/internal/telemetry/metrictest"
@@ -38,6 +42,69 @@ func TestRelayRunLeavesNothingClosing(t *testing.T) {
 		closing := closingConnections()
 		require.Empty(t, closing, "round %d: a connection was still being closed after Run returned and its pool closed", round)
 	}
+}
+
+// TestRelayRunLetsAProbeFinish stops Run while its LISTEN connection's
+// probe (a pg_notify through the pool, sent right after LISTEN) waits for
+// the server's answer. The probe ran under Run's ctx, not under the grace
+// the relay's other statements get: cut off mid-statement, pgx closed its
+// pool connection in the background (a cancel request on a new connection,
+// then Terminate), which outlived Run and held up the pool's Close (here
+// new dials take 3 s). Sequential, for the same reason as
+// TestRelayRunLeavesNothingClosing.
+func TestRelayRunLetsAProbeFinish(t *testing.T) {
+	b := setup(t)
+	var probing, slowDials atomic.Bool
+	pool := poolWith(t, b, func(pc *pgxpool.Config) {
+		pc.ConnConfig.TLSConfig, pc.ConnConfig.Fallbacks = nil, nil // plain bytes for slowProbeConn
+		pc.ConnConfig.DialFunc = func(ctx context.Context, network, addr string) (net.Conn, error) {
+			if slowDials.Load() {
+				select {
+				case <-time.After(3 * time.Second):
+				case <-ctx.Done():
+					return nil, ctx.Err()
+				}
+			}
+			c, err := (&net.Dialer{}).DialContext(ctx, network, addr)
+			if err != nil {
+				return nil, err
+			}
+			return &slowProbeConn{Conn: c, probing: &probing}, nil
+		}
+	})
+	r := b.relay(t, pool, &recorder{}, outbox.RelayConfig{PollInterval: time.Hour})
+	stop := startRun(t, r)
+	require.Eventually(t, probing.Load, 10*time.Second, time.Millisecond, "the probe was never sent")
+	slowDials.Store(true)
+	require.NoError(t, stop())
+	closing := closingConnections()
+	began := time.Now()
+	pool.Close()
+	require.Empty(t, closing, "a pool connection was still being closed after Run returned (the probe was cut off)")
+	require.Less(t, time.Since(began), time.Second, "the pool's Close waited for the probe's connection being closed")
+}
+
+// slowProbeConn delays the server's answer to the LISTEN probe's
+// pg_notify by 300 ms (a slow server or network, for one statement).
+type slowProbeConn struct {
+	net.Conn
+	probing *atomic.Bool // set once a probe was sent on any connection
+	delay   atomic.Bool
+}
+
+func (c *slowProbeConn) Write(p []byte) (int, error) {
+	if bytes.Contains(p, []byte("SELECT pg_notify($1::text, $2::text)")) {
+		c.delay.Store(true)
+		c.probing.Store(true)
+	}
+	return c.Conn.Write(p)
+}
+
+func (c *slowProbeConn) Read(p []byte) (int, error) {
+	if c.delay.CompareAndSwap(true, false) {
+		time.Sleep(300 * time.Millisecond)
+	}
+	return c.Conn.Read(p)
 }
 
 // closingConnections returns the stacks of the goroutines in which pgx is
