@@ -342,7 +342,10 @@ func (b *Board) userIDProblem(user string) string {
 // (while it is queued, or its group waits for a pool connection), it
 // writes nothing; if it ends once the statement was sent, the command may
 // have committed, as with any statement cancelled in flight, and retrying
-// with the same event id is safe.
+// with the same event id is safe. Likewise when the connection breaks (or
+// the server dies) once the statement was sent: the error then matches
+// ErrOutcomeUnknown, and a retry with the same event id returns the
+// original Result with Duplicate set if the first attempt committed.
 // The relays are woken after the commit, by the board's outbox.Notifier
 // (coalesced, at most one NOTIFY per millisecond, sent on its own); if the
 // process dies between the commit and that NOTIFY, the relays find the row at
@@ -352,8 +355,9 @@ func (b *Board) userIDProblem(user string) string {
 // and an event id on another outbox writer's row still in the outbox table
 // returns ErrIdempotencyConflict alone (see ErrIdempotencyConflict).
 // Invalid commands return a *ValidationError and a resulting score outside
-// [MinScore, MaxScore] a *ScoreOutOfRangeError; in every error case nothing
-// is written. To submit inside a transaction of your own, use SubmitTx.
+// [MinScore, MaxScore] a *ScoreOutOfRangeError; in each of these error
+// cases nothing is written. To submit inside a transaction of your own,
+// use SubmitTx.
 func (b *Board) Submit(ctx context.Context, cmd Command) (Result, error) {
 	if b.notFromNew() {
 		return Result{}, errBoardNotFromNew()
@@ -523,6 +527,8 @@ func (b *Board) submitStatement(ctx context.Context, q rowQuerier, op, query str
 		return Result{}, err
 	case isScoreRangeViolation(err):
 		return Result{}, &ScoreOutOfRangeError{UserID: cmd.UserID, Delta: cmd.Delta}
+	case op == "submit": // autocommit: a broken answer leaves the commit unknown
+		return Result{}, outcomeUnknown(b.dbError(op, err))
 	default:
 		return Result{}, b.dbError(op, err)
 	}
@@ -555,6 +561,10 @@ func (b *Board) checkDuplicate(cmd Command, res Result, board, user string, delt
 // table with ErrIdempotencyConflict alone, and an out-of-range score, even
 // an intermediate one, with a *ScoreOutOfRangeError. Commands whose event id
 // was applied before are reported as duplicates with their original result.
+// The batch is one statement: it commits whole or not at all. When the
+// connection breaks (or the server dies) once it was sent, the error
+// matches ErrOutcomeUnknown: retry the batch with the same event ids, and
+// commands that committed come back as duplicates.
 //
 // Commands of the same user are applied in batch order, each getting its
 // own version; the outbox receives only each user's final state (the
@@ -1032,7 +1042,7 @@ func (b *Board) mapBatchError(ctx context.Context, err error, cmds []Command, se
 	case isScoreRangeViolation(err):
 		return b.locateOverflow(ctx, b.querier(opts), cmds, sent)
 	}
-	return b.dbError("submit batch", err)
+	return outcomeUnknown(b.dbError("submit batch", err))
 }
 
 // locateOverflow finds which command of a refused batch would have left

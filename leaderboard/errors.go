@@ -1,6 +1,7 @@
 package leaderboard
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"time"
@@ -86,7 +87,30 @@ var (
 	// Config.RequireVerifiedProjection see which; run Verify again to be
 	// sure.
 	ErrVerifyUncertain = errors.New("leaderboard: verify: whether the result was recorded is unknown")
+	// ErrOutcomeUnknown matches the error of a Submit or SubmitBatch whose
+	// statement was sent but whose answer never came (the connection
+	// broke, the server crashed, the context ended in flight): the
+	// commands may or may not have committed. Retry with the same event
+	// ids: a committed command then comes back as a duplicate with its
+	// original Result. The driver's error stays reachable.
+	ErrOutcomeUnknown = errors.New("leaderboard: the statement was sent but its outcome is unknown; retry with the same event id")
 )
+
+// outcomeUnknown wraps err, the error of a Submit or SubmitBatch statement
+// (dbError's already), in ErrOutcomeUnknown when the statement may have
+// reached the server and no answer says how it ended: not a server error,
+// nor one pgx reports as raised before anything was sent, nor a failure to
+// connect or to get a connection before the context ended.
+func outcomeUnknown(err error) error {
+	var pgErr *pgconn.PgError
+	var connectErr *pgconn.ConnectError
+	switch {
+	case err == nil, errors.As(err, &pgErr), errors.As(err, &connectErr), pgconn.SafeToRetry(err),
+		(errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded)) && !pgconn.Timeout(err):
+		return err
+	}
+	return fmt.Errorf("%w: %w", ErrOutcomeUnknown, err)
+}
 
 // ConfigError reports a configuration field, or a dependency, that New,
 // Migrate, MigrationSQL, Board.Worker, Board.Reconciler or Board.Verify

@@ -190,3 +190,95 @@ func cutPool(t *testing.T, tb *testBundle) (*pgxpool.Pool, *atomic.Int32) {
 	})
 	return pool, mode
 }
+
+// TestSubmitOutcomeUnknown: a Submit or SubmitBatch whose connection breaks
+// after the server committed, before its answer arrived, cannot know
+// whether the commands took effect. Its error says so (ErrOutcomeUnknown,
+// the driver's error kept); it used to be a bare driver error, though the
+// doc said that no error case wrote anything. A retry with the same event
+// ids returns the original results as duplicates: one effect.
+func TestSubmitOutcomeUnknown(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	tb := setup(t)
+	armed := &atomic.Bool{}
+	var d net.Dialer
+	pool := tb.newPool(t, func(pc *pgxpool.Config) {
+		pc.MaxConns = 1
+		pc.ConnConfig.TLSConfig, pc.ConnConfig.Fallbacks = nil, nil
+		pc.ConnConfig.DialFunc = func(ctx context.Context, network, addr string) (net.Conn, error) {
+			c, err := d.DialContext(ctx, network, addr)
+			if err != nil {
+				return nil, err
+			}
+			return &lostReplyConn{Conn: c, armed: armed}, nil
+		}
+	})
+	cfg := tb.board.Config()
+	cfg.MinDelta, cfg.MaxDelta = MinScore, MaxScore // PostgreSQL refuses an overflow
+	board, err := New(pool, tb.rd.Client, &cfg)
+	require.NoError(t, err)
+	// No NOTIFY on the one connection: only the statements under test
+	// read from it.
+	board.Close()
+
+	// Warm-ups: the connection is open and both statements are prepared,
+	// so the armed read is the execution's answer.
+	_, err = board.Submit(ctx, Command{EventID: uuid.New(), UserID: "u", Delta: 5})
+	require.NoError(t, err)
+	_, err = board.SubmitBatch(ctx, []Command{{EventID: uuid.New(), UserID: "w", Delta: 1}})
+	require.NoError(t, err)
+
+	cmd := Command{EventID: uuid.New(), UserID: "u", Delta: 7}
+	armed.Store(true)
+	_, err = board.Submit(ctx, cmd)
+	require.ErrorIs(t, err, ErrOutcomeUnknown)
+	require.ErrorContains(t, err, "injected: connection reset")
+	events, _, _ := tb.counts(t)
+	require.Equal(t, 3, events, "the Submit committed")
+	// Moved on meanwhile; the retry still answers the original result.
+	_, err = board.Submit(ctx, Command{EventID: uuid.New(), UserID: "u", Delta: 1})
+	require.NoError(t, err)
+	res, err := board.Submit(ctx, cmd)
+	require.NoError(t, err)
+	require.Equal(t, Result{Score: 12, Version: 2, Duplicate: true}, res)
+
+	// The connection that replaced the broken one prepares the batch
+	// statement first.
+	_, err = board.SubmitBatch(ctx, []Command{{EventID: uuid.New(), UserID: "w", Delta: 1}})
+	require.NoError(t, err)
+	batch := []Command{{EventID: uuid.New(), UserID: "u", Delta: 2}, {EventID: uuid.New(), UserID: "v", Delta: 3}}
+	armed.Store(true)
+	_, err = board.SubmitBatch(ctx, batch)
+	require.ErrorIs(t, err, ErrOutcomeUnknown)
+	out, err := board.SubmitBatch(ctx, batch)
+	require.NoError(t, err)
+	require.Equal(t, []Result{{Score: 15, Version: 4, Duplicate: true}, {Score: 3, Version: 1, Duplicate: true}}, out)
+
+	// A server error is no unknown outcome: nothing was written.
+	_, err = board.Submit(ctx, Command{EventID: uuid.New(), UserID: "u", Delta: MaxScore})
+	require.ErrorIs(t, err, ErrScoreOutOfRange)
+	require.NotErrorIs(t, err, ErrOutcomeUnknown)
+}
+
+// lostReplyConn, once armed, drops the next answer the server sends (it
+// sends it after the commit: PostgreSQL flushes at ReadyForQuery) and fails
+// that read and every later one: the commit happened, its answer was lost.
+type lostReplyConn struct {
+	net.Conn
+	armed *atomic.Bool
+	dead  atomic.Bool
+}
+
+func (c *lostReplyConn) Read(p []byte) (int, error) {
+	if c.dead.Load() {
+		return 0, errors.New("injected: connection reset by peer")
+	}
+	n, err := c.Conn.Read(p)
+	if n > 0 && c.armed.CompareAndSwap(true, false) {
+		c.dead.Store(true)
+		_ = c.Conn.Close()
+		return 0, errors.New("injected: connection reset by peer")
+	}
+	return n, err
+}

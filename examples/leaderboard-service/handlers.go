@@ -618,6 +618,13 @@ func (s *Service) writeError(w http.ResponseWriter, r *http.Request, err error) 
 	case errors.As(err, &stale):
 		w.Header().Set("Retry-After", "1")
 		writeJSON(w, http.StatusServiceUnavailable, errorResponse{Error: "the leaderboard is catching up; retry shortly"})
+	case errors.Is(err, leaderboard.ErrOutcomeUnknown) && r.Context().Err() == nil:
+		// The connection to PostgreSQL broke after the command was sent:
+		// it may have been applied. The same Idempotency-Key tells.
+		s.metrics.countSubmit(r.Context(), "error")
+		s.logger.Warn("submit outcome unknown", slog.Any("err", err))
+		w.Header().Set("Retry-After", "1")
+		writeJSON(w, http.StatusServiceUnavailable, errorResponse{Error: "the database connection broke after the score was sent, so it may have been applied; retry with the same Idempotency-Key"})
 	case r.Context().Err() != nil:
 		// The client went away; nobody reads the answer. A submit cut
 		// short may have committed: counted like a timeout.

@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"log/slog"
 	"net"
 	"net/http"
@@ -245,6 +246,22 @@ func TestRequestTimeout(t *testing.T) {
 			&leaderboard.StaleError{Lag: -1, MaxLag: time.Millisecond})
 		require.Equal(t, http.StatusServiceUnavailable, rec.Code)
 		require.Equal(t, "the leaderboard is catching up; retry shortly", response{body: rec.Body.Bytes()}.json(t)["error"])
+	})
+
+	// A submit whose connection to PostgreSQL broke after it was sent may
+	// have been applied: a 503 asking for a retry with the same key, not
+	// a 500.
+	t.Run("OutcomeUnknown", func(t *testing.T) {
+		t.Parallel()
+		var logs lockedBuffer
+		tb := setup(t).withService(t, ServiceConfig{Logger: slog.New(slog.NewTextHandler(&logs, nil))})
+		rec := httptest.NewRecorder()
+		tb.svc.writeError(rec, httptest.NewRequestWithContext(t.Context(), http.MethodPost, "/scores", nil),
+			fmt.Errorf("%w: %w", leaderboard.ErrOutcomeUnknown, io.ErrUnexpectedEOF))
+		require.Equal(t, http.StatusServiceUnavailable, rec.Code, "%s", rec.Body)
+		require.Equal(t, "1", rec.Header().Get("Retry-After"))
+		require.Contains(t, response{body: rec.Body.Bytes()}.json(t)["error"], "retry with the same Idempotency-Key")
+		require.Contains(t, logs.String(), "submit outcome unknown")
 	})
 
 	// A submit whose body has not arrived by the deadline is cut off like
