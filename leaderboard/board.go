@@ -89,9 +89,10 @@ type Board struct {
 	unbucketedKey string
 	// verifiedKey records that Verify found the projection complete (the
 	// pass's token and time, see verified.lua); verifyingKey holds the
-	// token of the Verify pass under way. Both
-	// share the sorted set's hash tag.
-	verifiedKey, verifyingKey string
+	// token of the Verify pass under way; heldKey holds the recording
+	// pass's token when the sorted set existed then. All share the sorted
+	// set's hash tag.
+	verifiedKey, verifyingKey, heldKey string
 
 	notifier *outbox.Notifier // wakes the relays after Submit and SubmitBatch
 	group    submitGroup      // coalesces concurrent Submit calls
@@ -188,7 +189,7 @@ func New(pool *pgxpool.Pool, rdb redis.UniversalClient, cfg *Config) (*Board, er
 		flat, _ := ks.WithVersionBuckets(0) // 0 buckets is always valid
 		b.unbucketedKey = flat.VersionKeys(c.Name, projection.KindSortedSet)[0]
 	}
-	b.verifiedKey, b.verifyingKey = b.zsetKey+"~verified", b.zsetKey+"~verifying"
+	b.verifiedKey, b.verifyingKey, b.heldKey = b.zsetKey+"~verified", b.zsetKey+"~verifying", b.zsetKey+"~verified~held"
 	b.primary = clusterpin.Client(rdb)
 	r := func(q string) string { return renderSQL(q, c.Schema, w.Config().Table) }
 	b.sql.submit, b.sql.submitTx, b.sql.lookupEvent = r(submitSQL), r(submitTxSQL), r(lookupEventSQL)

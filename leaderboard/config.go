@@ -228,9 +228,11 @@ type Config struct {
 	// every read made LagProbeInterval or more after the loss sees it,
 	// however slow PostgreSQL is. Only the loss of the board's keys, or a
 	// Verify whose pass finds an entry wrong and leaves it so (an ahead or
-	// orphan entry it only reports, a repair not made), removes it: after
-	// a partial loss (eviction, writes a failover lost) only a reconcile
-	// pass finds what is missing. The record names the PostgreSQL it was
+	// orphan entry it only reports, a repair not made), removes it; a
+	// record made while the sorted set existed also stops counting once
+	// the sorted set is gone (a DEL of it alone, its eviction). After a
+	// partial loss (evicted version keys, writes a failover lost) only a
+	// reconcile pass finds what is missing. The record names the PostgreSQL it was
 	// made against (system identifier and timeline, which the lag probe
 	// also reads): after a failover to a standby, a point-in-time recovery
 	// or a logical restore into a new cluster, which may lack commits the

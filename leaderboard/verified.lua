@@ -1,7 +1,8 @@
 -- verity leaderboard: record a verified projection.
 --
 -- KEYS[1] holds the token of the Verify pass under way, KEYS[2] is the
--- record that the projection is complete; both share the board's hash tag.
+-- record that the projection is complete, KEYS[3] the board's sorted set,
+-- KEYS[4] the record's companion (below); all share the board's hash tag.
 -- ARGV[1] is the pass's token, ARGV[2] what to record after it: the time,
 -- a space, and the identity of the database checked.
 --
@@ -35,5 +36,15 @@ if not marker or string.sub(marker, 1, #mine) ~= mine or
   return 0
 end
 redis.call('SET', KEYS[2], mine .. ARGV[2])
+-- KEYS[4] holds the token while the sorted set (KEYS[3]) exists: readers
+-- stop trusting the record once it is gone (a DEL of it alone, its
+-- eviction), which would otherwise read as an empty, verified board. A
+-- board verified empty has no KEYS[4]: its first projected score creates
+-- the sorted set, and nothing is lost.
+if redis.call('EXISTS', KEYS[3]) == 1 then
+  redis.call('SET', KEYS[4], ARGV[1])
+else
+  redis.call('DEL', KEYS[4])
+end
 redis.call('DEL', KEYS[1])
 return 1

@@ -129,14 +129,14 @@ func (b *Board) Verify(ctx context.Context, cfg *reconcile.Config) (report *reco
 		return report, false, fmt.Errorf("leaderboard: verify: %w", err)
 	}
 	args := []any{token, time.Now().UTC().Format(time.RFC3339Nano) + " " + source}
-	n, err := verifiedScript.Run(ctx, b.rdb, []string{b.verifyingKey, b.verifiedKey}, args...).Int()
+	n, err := verifiedScript.Run(ctx, b.rdb, []string{b.verifyingKey, b.verifiedKey, b.zsetKey, b.heldKey}, args...).Int()
 	err = b.sent(ctx, err)
 	if err != nil && !isRedisReply(err) {
 		// The reply was lost, not the recording perhaps. The script tells
 		// when run again: it records if the first run never happened, and
 		// finds this pass's record if it did.
 		retryCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), verifyAbandonTimeout)
-		n, err = verifiedScript.Run(retryCtx, b.rdb, []string{b.verifyingKey, b.verifiedKey}, args...).Int()
+		n, err = verifiedScript.Run(retryCtx, b.rdb, []string{b.verifyingKey, b.verifiedKey, b.zsetKey, b.heldKey}, args...).Int()
 		cancel()
 		if err != nil && !isRedisReply(err) {
 			return report, false, fmt.Errorf("%w: %w", ErrVerifyUncertain, err)
@@ -182,7 +182,7 @@ func (b *Board) abandonVerify(ctx context.Context, token string, refuted bool) {
 	if refuted {
 		refute = "1"
 	}
-	err := b.sent(ctx, verifyAbandonScript.Run(ctx, b.rdb, []string{b.verifyingKey, b.verifiedKey}, token, refute).Err())
+	err := b.sent(ctx, verifyAbandonScript.Run(ctx, b.rdb, []string{b.verifyingKey, b.verifiedKey, b.heldKey}, token, refute).Err())
 	switch {
 	case err != nil && refuted:
 		b.cfg.Logger.Error("leaderboard: verify: the pass found the projection wrong, but deleting the earlier verification record failed: reads may still trust it; run Verify again",
@@ -204,19 +204,34 @@ func isRedisReply(err error) bool {
 
 // projectionVerified reports whether Redis holds Verify's record that the
 // projection is complete, read on the master, and the database identity
-// the record names ("" for a record of a release that named none).
+// the record names ("" for a record of a release that named none). A
+// record made while the sorted set existed no longer counts once the
+// sorted set is gone (a DEL of it alone, its eviction): the board would
+// read empty.
 func (b *Board) projectionVerified(ctx context.Context) (verified bool, source string, err error) {
-	var cmd *redis.StringCmd
-	err = b.onMaster(ctx, b.verifiedKey, func(p redis.Pipeliner) { cmd = p.Get(ctx, b.verifiedKey) })
-	if errors.Is(err, redis.Nil) {
-		return false, "", nil
-	}
-	if err != nil {
+	var record, held *redis.StringCmd
+	var exists *redis.IntCmd
+	err = b.onMaster(ctx, b.verifiedKey, func(p redis.Pipeliner) {
+		record, held, exists = p.Get(ctx, b.verifiedKey), p.Get(ctx, b.heldKey), p.Exists(ctx, b.zsetKey)
+	})
+	if err != nil && !errors.Is(err, redis.Nil) {
 		return false, "", err
 	}
+	for _, cmd := range []redis.Cmder{record, held, exists} {
+		if err := cmd.Err(); err != nil && !errors.Is(err, redis.Nil) {
+			return false, "", err
+		}
+	}
+	if record.Err() != nil {
+		return false, "", nil // no record
+	}
 	// "<token> <time> <source>"; see Verify.
-	if fields := strings.Fields(cmd.Val()); len(fields) >= 3 {
+	fields := strings.Fields(record.Val())
+	if len(fields) >= 3 {
 		source = fields[2]
+	}
+	if held.Err() == nil && len(fields) > 0 && held.Val() == fields[0] && exists.Val() == 0 {
+		return false, "", nil // the sorted set the pass saw is gone
 	}
 	return true, source, nil
 }

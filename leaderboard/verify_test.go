@@ -88,6 +88,39 @@ func TestVerify(t *testing.T) {
 		require.Equal(t, int64(10), r.Entries[0].Score)
 	})
 
+	// A DEL of the sorted set alone (or its eviction) keeps the record,
+	// and the board would read empty and verified: the record no longer
+	// counts once the sorted set it saw is gone. A board verified empty
+	// stays verified when its first score is projected.
+	t.Run("SortedSetLostAloneIsSeen", func(t *testing.T) {
+		t.Parallel()
+		tb := verifying(t)
+		_, verified, err := tb.board.Verify(ctx, nil)
+		require.NoError(t, err)
+		require.True(t, verified, "verified empty")
+		tb.submit(t, "ada", 10)
+		tb.submit(t, "bob", 20)
+		tb.drain(t)
+		r, err := tb.board.Top(ctx, 10)
+		require.NoError(t, err, "the first scores of a board verified empty")
+		require.Len(t, r.Entries, 2)
+
+		_, verified, err = tb.board.Verify(ctx, nil)
+		require.NoError(t, err)
+		require.True(t, verified)
+		require.NoError(t, tb.rd.Client.Del(ctx, tb.board.SortedSetKey()).Err())
+		requireUnverified(t, tb)
+
+		rep, verified, err := tb.board.Verify(ctx, nil)
+		require.NoError(t, err)
+		require.True(t, verified)
+		require.Equal(t, int64(2), rep.Repaired, "%v", rep.Counts)
+		r, err = tb.board.Top(ctx, 10)
+		require.NoError(t, err)
+		require.Len(t, r.Entries, 2)
+		require.False(t, r.Freshness.Unverified)
+	})
+
 	t.Run("RedisLossIsSeenAndRepaired", func(t *testing.T) {
 		t.Parallel()
 		tb := verifying(t)
@@ -217,11 +250,7 @@ func TestVerify(t *testing.T) {
 		require.NoError(t, err)
 		require.True(t, verified)
 		var looks atomic.Int64
-		board := boardOnClient(t, tb, nil, testenv.CommandHook(func(name string) {
-			if name == "get" {
-				looks.Add(1)
-			}
-		}))
+		board := boardOnClient(t, tb, nil, getsOfKey{key: tb.board.verifiedKey, n: &looks})
 
 		var wg sync.WaitGroup
 		for range 20 {
@@ -585,6 +614,35 @@ func (c *replyDropConn) Read(b []byte) (int, error) {
 		return 0, io.EOF
 	}
 	return c.Conn.Read(b)
+}
+
+// getsOfKey counts the GETs of key the client sends, pipelined or not.
+type getsOfKey struct {
+	testenv.PassThroughHook
+	key string
+	n   *atomic.Int64
+}
+
+func (h getsOfKey) count(cmd redis.Cmder) {
+	if args := cmd.Args(); cmd.Name() == "get" && len(args) == 2 && args[1] == any(h.key) {
+		h.n.Add(1)
+	}
+}
+
+func (h getsOfKey) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
+	return func(ctx context.Context, cmd redis.Cmder) error {
+		h.count(cmd)
+		return next(ctx, cmd)
+	}
+}
+
+func (h getsOfKey) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+	return func(ctx context.Context, cmds []redis.Cmder) error {
+		for _, cmd := range cmds {
+			h.count(cmd)
+		}
+		return next(ctx, cmds)
+	}
 }
 
 // heldAfterGet, while armed, holds the reply of the first pipeline that
