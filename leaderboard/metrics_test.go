@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"math"
 	"net"
+	"sync"
 	"testing"
 	"time"
 
@@ -405,6 +406,44 @@ func TestLagGauge(t *testing.T) {
 		tb.board.Close()
 		require.False(t, rec.Collect(t).Has(metricLag))
 	})
+}
+
+// TestLagGaugeAgesAnEmptyMeasurement: when no measurement answers in time
+// (the board's database stalls), the gauge reports the last one. One that
+// found nothing pending was reported as 0, healthy, while reads reported
+// its age as the lag (a change may have been waiting since), and FailClosed
+// refused them: an alert on the gauge stayed silent. It now reports that
+// age too.
+func TestLagGaugeAgesAnEmptyMeasurement(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	tb := setup(t)
+	rec := metrictest.New(t)
+	pool := tb.newPool(t, func(pc *pgxpool.Config) { pc.MaxConns = 1 })
+	cfg := tb.board.Config()
+	cfg.MeterProvider, cfg.LagProbeInterval, cfg.MaxLag = rec.Provider, time.Second, 3*time.Second
+	b, err := New(pool, tb.rd.Client, &cfg)
+	require.NoError(t, err)
+	t.Cleanup(b.Close)
+	board := attribute.String(AttributeBoard, b.Name())
+
+	require.Zero(t, b.Freshness(ctx).Lag, "measured: nothing pending")
+	// The board's database stops answering: its pool's one connection is
+	// held. A change commits through another pool, never projected.
+	held, err := pool.Acquire(ctx)
+	require.NoError(t, err)
+	var release sync.Once
+	t.Cleanup(func() { release.Do(held.Release) }) // before b.Close
+	tb.submit(t, "user-a", 5)
+	time.Sleep(1500 * time.Millisecond)
+
+	s := rec.Collect(t)
+	fresh := b.Freshness(ctx)
+	require.Greater(t, fresh.Lag, 1400*time.Millisecond, "reads report the measurement's age")
+	require.True(t, s.Has(metricLag), "the measurement is under 2 intervals old: reported")
+	require.GreaterOrEqual(t, s.Float(metricLag, board), 1.4,
+		"the gauge reports a healthy lag while reads report %v", fresh.Lag)
+	release.Do(held.Release)
 }
 
 // TestLagGaugeCollectionStaysBounded: the SDK runs the boards' lag gauge

@@ -966,8 +966,9 @@ func (b *Board) verificationRecorded() {
 // then), so it finds that measurement done, or under way for lagGaugeWait
 // already, and does not wait.
 //
-// It reports the last measurement, the oldest pending row aged since, and
-// nothing when that measurement failed, the last look found the board
+// It reports the last measurement, the oldest pending row aged since (or,
+// when it found nothing pending and no newer one answered in time, its
+// age, as reads do), and nothing when that measurement failed, the last look found the board
 // unverified (reads see a lag of -1), or either is older than two
 // LagProbeIntervals plus twice lagGaugeWait (the database or Redis did not
 // answer in time): the gauge is then absent rather than frozen at a
@@ -1043,6 +1044,12 @@ func (b *Board) observedLag(ctx context.Context) (time.Duration, bool) {
 	}
 	if p.pending {
 		return addLag(p.lag, age), true
+	}
+	if asOf.Sub(p.at) >= b.cfg.LagProbeInterval {
+		// No measurement current as of asOf answered in time: nothing was
+		// pending at p.at, but a change may have been waiting since, as
+		// reads report (see freshness).
+		return age, true
 	}
 	return 0, true
 }
