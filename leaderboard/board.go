@@ -385,7 +385,7 @@ func (b *Board) submitOne(ctx context.Context, cmd Command) (Result, error) {
 	if err == nil && !res.Duplicate {
 		b.notifier.Notify() // committed: autocommit statement
 	}
-	if !isUniqueViolation(err) {
+	if !isUniqueViolation(err) || b.outboxIDClash(err) {
 		return res, err
 	}
 	// The driver's unique violation stays reachable (errors.As), as in
@@ -495,7 +495,7 @@ func (b *Board) submitTx(ctx context.Context, tx outbox.Tx, cmd Command) (Result
 		return Result{}, err
 	}
 	res, err := b.submitStatement(ctx, tx, opSubmitTx, b.sql.submitTx, cmd, b.channel)
-	if !isUniqueViolation(err) {
+	if !isUniqueViolation(err) || b.outboxIDClash(err) {
 		return res, err
 	}
 	if violatedTable(err) == b.cfg.OutboxTable {
@@ -524,6 +524,8 @@ func (b *Board) submitStatement(ctx context.Context, q rowQuerier, op, query str
 	err := q.QueryRow(ctx, query, args...).Scan(&res.Duplicate, &res.Score, &res.Version, &board, &user, &delta)
 	switch {
 	case err == nil:
+	case b.outboxIDClash(err):
+		return Result{}, b.dbError(op, err)
 	case isUniqueViolation(err):
 		return Result{}, err
 	case isScoreRangeViolation(err):
@@ -673,6 +675,8 @@ func (b *Board) submitBatchTx(ctx context.Context, tx outbox.Tx, cmds []Command)
 	err = tx.QueryRow(ctx, b.sql.submitBatchTx, args...).Scan(&doc)
 	switch {
 	case err == nil:
+	case b.outboxIDClash(err):
+		return nil, b.dbError(opSubmitBatchTx, err)
 	case isUniqueViolation(err) && violatedTable(err) == b.cfg.OutboxTable:
 		return nil, fmt.Errorf("leaderboard: submit batch: an event id is already used by another outbox writer (the transaction is aborted): %w (%w)", ErrIdempotencyConflict, err)
 	case isUniqueViolation(err):
@@ -863,6 +867,8 @@ func (b *Board) submitBatch(ctx context.Context, cmds []Command, opts batchOptio
 		err = b.submitBatchOnce(ctx, cmds, sent, ids, users, deltas, opts, out)
 		switch {
 		case err == nil:
+		case b.outboxIDClash(err):
+			return nil, b.dbError("submit batch", err)
 		case isUniqueViolation(err) && violatedTable(err) == b.cfg.OutboxTable:
 			// score_events took the id, the outbox did not: another
 			// writer of the same outbox holds it (see submitBatchSQL).
@@ -1096,6 +1102,14 @@ func (b *Board) locateOverflow(ctx context.Context, q batchQuerier, cmds []Comma
 		scores[cmd.UserID] = next
 	}
 	return unknown
+}
+
+// outboxIDClash reports a unique violation of the outbox's primary key
+// (its ids reset), not of an event id: no writer used the event id.
+func (b *Board) outboxIDClash(err error) bool {
+	var pgErr *pgconn.PgError
+	return errors.As(err, &pgErr) && pgErr.Code == "23505" && pgErr.TableName == b.cfg.OutboxTable &&
+		strings.HasSuffix(pgErr.ConstraintName, "_pkey")
 }
 
 // isUniqueViolation reports a unique-key violation (SQLSTATE 23505).

@@ -8,6 +8,7 @@ import (
 
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/puddle/v2"
 
 	"github.com/verity-go/verity/outbox"
 )
@@ -89,10 +90,14 @@ var (
 	ErrVerifyUncertain = errors.New("leaderboard: verify: whether the result was recorded is unknown")
 	// ErrOutcomeUnknown matches the error of a Submit or SubmitBatch whose
 	// statement was sent but whose answer never came (the connection
-	// broke, the server crashed, the context ended in flight): the
-	// commands may or may not have committed. Retry with the same event
-	// ids: a committed command then comes back as a duplicate with its
-	// original Result. The driver's error stays reachable.
+	// broke, the server crashed): the commands may or may not have
+	// committed. Retry with the same event ids: a committed command then
+	// comes back as a duplicate with its original Result. The driver's
+	// error stays reachable. A call whose own context ended returns that
+	// context's error instead, whether or not its statement was sent (a
+	// grouped Submit's statement goes on without it): once sent, it may
+	// have committed all the same, and the same retry is safe (see
+	// Submit).
 	ErrOutcomeUnknown = errors.New("leaderboard: the statement was sent but its outcome is unknown; retry with the same event id")
 )
 
@@ -100,13 +105,15 @@ var (
 // (dbError's already), in ErrOutcomeUnknown when the statement may have
 // reached the server and no answer says how it ended: not a server error,
 // nor one pgx reports as raised before anything was sent, nor a failure to
-// connect or to get a connection before the context ended.
+// connect or to get a connection (a closed pool), nor the caller's context
+// error, which Submit's doc covers.
 func outcomeUnknown(err error) error {
 	var pgErr *pgconn.PgError
 	var connectErr *pgconn.ConnectError
 	switch {
 	case err == nil, errors.As(err, &pgErr), errors.As(err, &connectErr), pgconn.SafeToRetry(err),
-		(errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded)) && !pgconn.Timeout(err):
+		errors.Is(err, puddle.ErrClosedPool), // pgxpool's Acquire: nothing sent
+		errors.Is(err, context.Canceled), errors.Is(err, context.DeadlineExceeded):
 		return err
 	}
 	return fmt.Errorf("%w: %w", ErrOutcomeUnknown, err)

@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 )
@@ -281,4 +282,48 @@ func (c *lostReplyConn) Read(p []byte) (int, error) {
 		return 0, errors.New("injected: connection reset by peer")
 	}
 	return n, err
+}
+
+// TestSubmitErrorsThatAreNotWhatTheySeem: errors that resemble another
+// case. A closed pool sends nothing, so it is no unknown outcome. A clash
+// on the outbox's primary key (its ids reset while a row is undelivered)
+// is no event id used by another outbox writer: the event id is new.
+func TestSubmitErrorsThatAreNotWhatTheySeem(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+
+	t.Run("ClosedPoolIsNoUnknownOutcome", func(t *testing.T) {
+		t.Parallel()
+		tb := setup(t)
+		pool := tb.newPool(t, func(*pgxpool.Config) {})
+		cfg := tb.board.Config()
+		board, err := New(pool, tb.rd.Client, &cfg)
+		require.NoError(t, err)
+		board.Close()
+		pool.Close()
+		_, err = board.Submit(ctx, Command{EventID: uuid.New(), UserID: "u", Delta: 1})
+		require.Error(t, err)
+		require.NotErrorIs(t, err, ErrOutcomeUnknown)
+		_, err = board.SubmitBatch(ctx, []Command{{EventID: uuid.New(), UserID: "u", Delta: 1}})
+		require.Error(t, err)
+		require.NotErrorIs(t, err, ErrOutcomeUnknown)
+	})
+
+	t.Run("OutboxIDClashIsNoIdempotencyConflict", func(t *testing.T) {
+		t.Parallel()
+		tb := setup(t)
+		_, err := tb.board.SubmitBatch(ctx, []Command{{EventID: uuid.New(), UserID: "u", Delta: 1}, {EventID: uuid.New(), UserID: "w", Delta: 1}})
+		require.NoError(t, err)
+		_, err = tb.pg.Pool.Exec(ctx, `ALTER TABLE `+pgx.Identifier{tb.pg.Schema, tb.board.Config().OutboxTable}.Sanitize()+` ALTER COLUMN id RESTART WITH 1`)
+		require.NoError(t, err)
+		_, err = tb.board.Submit(ctx, Command{EventID: uuid.New(), UserID: "v", Delta: 1})
+		require.Error(t, err)
+		require.NotErrorIs(t, err, ErrIdempotencyConflict, "a new event id reported as used by another outbox writer")
+		require.ErrorContains(t, err, "_pkey")
+		_, err = tb.board.SubmitBatch(ctx, []Command{{EventID: uuid.New(), UserID: "v", Delta: 1}})
+		require.Error(t, err)
+		require.NotErrorIs(t, err, ErrIdempotencyConflict, "a new event id reported as used by another outbox writer")
+		events, _, _ := tb.counts(t)
+		require.Equal(t, 2, events, "nothing of the refused commands was written")
+	})
 }

@@ -416,7 +416,7 @@ func (s *Service) handleRank(w http.ResponseWriter, r *http.Request) {
 	if !ok {
 		return
 	}
-	if v != "" {
+	if _, given := query["at_least"]; given { // "at_least=" is no version either
 		version, ok := parseDecimal(v)
 		if !ok || version < 1 {
 			writeJSON(w, http.StatusUnprocessableEntity, errorResponse{Field: "at_least",

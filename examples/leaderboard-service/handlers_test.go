@@ -467,7 +467,7 @@ func TestRank(t *testing.T) {
 
 		// A sign, a space or a second at_least is refused, not read as
 		// the number it might mean.
-		for _, q := range []string{"0", "-1", "x", "%2B1", "%201", "1&at_least=2"} {
+		for _, q := range []string{"0", "-1", "x", "%2B1", "%201", "1&at_least=2", "", "&"} {
 			res := tb.do(t, http.MethodGet, "/users/ada/rank?at_least="+q, nil, "")
 			require.Equal(t, http.StatusUnprocessableEntity, res.status)
 			require.Equal(t, "at_least", res.json(t)["field"])
