@@ -106,10 +106,10 @@
 // opens every connection with READONLY, so the reads go after READWRITE, and
 // a master demoted by a failover answers MOVED instead of serving them as a
 // replica. A master's own connection does not follow redirects, so a run
-// that meets a slot move (a
-// MOVED reply: a failover, or a resharding the client's slot map has not
-// caught up with) has the map reloaded, waits up to two seconds for it to
-// name the new master and runs once more, still on masters; a Rebuild's
+// (Run or CheckKeys) that meets a slot move (a MOVED reply: a failover, or
+// a resharding the client's slot map has not caught up with) has the map
+// reloaded, waits up to two seconds for it to name the new master and runs
+// once more, still on masters; a Rebuild's
 // reads follow the move the same way. A run that meets a slot in the middle
 // of a migration (ASK), or a map that does not catch up, fails, and can be
 // run again. A master that died sends no redirect: with any cluster client,

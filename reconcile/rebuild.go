@@ -180,7 +180,15 @@ func (r *Reconciler) rebuild(ctx context.Context) (*RebuildReport, error) {
 	// happen it finds nothing of this rebuild's left to remove.
 	if err != nil && !rep.Switched {
 		abortCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), r.cfg.RepairTimeout)
-		_, _ = step(abortCtx, "abort")
+		// Redis Cluster refuses every step (TRYAGAIN) while the
+		// collection's slot is being migrated: try again until it has
+		// moved, or the marker would hold other rebuilds off for its TTL.
+		for {
+			_, aerr := step(abortCtx, "abort")
+			if !redis.IsTryAgainError(aerr) || sleepCtx(abortCtx, 50*time.Millisecond) != nil {
+				break
+			}
+		}
 		cancel()
 	}
 	rep.Duration = time.Since(rep.Started)
@@ -403,4 +411,16 @@ func (r *Reconciler) copyToShadow(ctx context.Context, rep *RebuildReport, token
 		}
 	}
 	return ctx.Err()
+}
+
+// sleepCtx waits d, or until ctx ends (returning its error).
+func sleepCtx(ctx context.Context, d time.Duration) error {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-t.C:
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
+	}
 }

@@ -772,7 +772,20 @@ func (r *Reconciler) CheckKeys(ctx context.Context, keys []string, opts RunOptio
 	if r.unmade() {
 		return rep, errUnmade()
 	}
-	err := r.checkKeys(ctx, opts, dedupe(append([]string(nil), keys...)), rep)
+	keys = dedupe(append([]string(nil), keys...))
+	err := r.checkKeys(ctx, opts, keys, rep)
+	// A read pinned to a master met a slot move: as Run does, wait for the
+	// reloaded map to name the new master and check the keys again there.
+	for deadline := time.Now().Add(clusterpin.AwaitTimeout); r.primary != nil && clusterpin.IsRedirect(err); {
+		if werr := r.awaitMove(ctx, err); werr != nil || !time.Now().Before(deadline) {
+			err = cmp.Or(werr, err)
+			break
+		}
+		earlier := rep
+		rep = newReport(opts)
+		err = r.checkKeys(ctx, opts, keys, rep)
+		rep.carry(earlier, r.cfg.ExamplesPerClass)
+	}
 	r.reloadIfUnreachable(ctx, err)
 	err = errors.Join(append([]error{err}, rep.refused...)...)
 	rep.Duration = time.Since(rep.Started)

@@ -321,8 +321,11 @@ func (r *Reconciler) oneSlotGroup(fs []*Finding) bool {
 // rather than uncertain: OOM, from a Redis at maxmemory with the
 // noeviction policy. Redis checks maxmemory for a script only until its
 // first write goes through (later writes may pass the limit), so an OOM
-// reply means that none did.
+// reply means that none did. Also TRYAGAIN, with which Redis Cluster
+// refuses a script naming several keys, before running it, on a slot
+// being migrated.
 func refusedUnwritten(err error) bool {
 	var reply redis.Error
-	return errors.As(err, &reply) && strings.HasPrefix(reply.Error(), "OOM ")
+	return errors.As(err, &reply) &&
+		(strings.HasPrefix(reply.Error(), "OOM ") || strings.HasPrefix(reply.Error(), "TRYAGAIN "))
 }

@@ -34,7 +34,8 @@ const (
 	// ResultNotAttempted means nothing was written for this finding. The run
 	// stopped (context cancelled or an error) before its repair was sent; or
 	// Redis refused the repair whole, with nothing written (an OOM error from
-	// a Redis at maxmemory with the noeviction policy: Run returns it); or the
+	// a Redis at maxmemory with the noeviction policy, or TRYAGAIN from a
+	// Redis Cluster slot being migrated: Run returns it); or the
 	// repair was refused because a key it needs holds another Redis type (a
 	// hash where a document's value belongs): the run went on, and Run returns
 	// a *WrongKeyTypeError naming the key. Delete such a key by hand, or
@@ -126,6 +127,11 @@ type Report struct {
 	// rewritten counts the repairs that wrote a source row's state (all
 	// but removals), after which the entity is current.
 	rewritten int64
+	// rewrittenAt counts the rewritten repairs by Checked when they were
+	// recorded (in order, one entry per distinct Checked: about one per
+	// page): a pass run again after a slot move re-checked the entity only
+	// if it got that far.
+	rewrittenAt []rewrites
 	// refused holds a *WrongKeyTypeError per repair refused for a key of
 	// another type; Run and CheckKeys return them once they are done.
 	refused []error
@@ -150,6 +156,9 @@ func (r *Report) countedOrphan(key string) bool {
 	_, ok := r.orphaned[key]
 	return ok
 }
+
+// rewrites counts n rewritten repairs recorded when Checked was at.
+type rewrites struct{ at, n int64 }
 
 // tally counts the projection entries a full pass accounted for with source
 // rows, as they stand after its repairs.
@@ -271,7 +280,15 @@ func (r *Report) carry(earlier *Report, examples int) {
 	if earlier.Repaired == 0 {
 		return
 	}
-	r.Counts[ClassCurrent] -= min(earlier.rewritten, r.Counts[ClassCurrent])
+	// Only the repairs of pages r checked again: a pass that failed
+	// partway did not see the others, and its current entities are others.
+	var seen int64
+	for _, w := range earlier.rewrittenAt {
+		if w.at <= r.Checked {
+			seen += w.n
+		}
+	}
+	r.Counts[ClassCurrent] -= min(seen, r.Counts[ClassCurrent])
 	if r.Counts[ClassCurrent] == 0 {
 		delete(r.Counts, ClassCurrent)
 	}
@@ -282,6 +299,7 @@ func (r *Report) carry(earlier *Report, examples int) {
 	r.Results[ResultRepaired] += earlier.Repaired
 	r.Repaired += earlier.Repaired
 	r.rewritten += earlier.rewritten
+	r.rewrittenAt = append(r.rewrittenAt, earlier.rewrittenAt...)
 	r.keepExamples(earlier, examples, func(f *Finding) bool { return f.Result == ResultRepaired })
 }
 
@@ -314,6 +332,11 @@ func (r *Report) record(f *Finding, examples int) {
 		r.RepairedByClass[f.Class]++
 		if f.Source != nil {
 			r.rewritten++
+			if n := len(r.rewrittenAt); n > 0 && r.rewrittenAt[n-1].at == r.Checked {
+				r.rewrittenAt[n-1].n++
+			} else {
+				r.rewrittenAt = append(r.rewrittenAt, rewrites{at: r.Checked, n: 1})
+			}
 		}
 	case ResultUncertain:
 		r.Uncertain++

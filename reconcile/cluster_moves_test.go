@@ -1,0 +1,193 @@
+package reconcile
+
+import (
+	"context"
+	"errors"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/verity-go/verity/internal/testenv"
+	"github.com/verity-go/verity/projection"
+)
+
+// failSecondWalk fails the Page call that reads after key the second
+// time it is asked for (the re-run of a pass that met a slot move).
+type failSecondWalk struct {
+	Source
+	after string
+	seen  atomic.Int32
+}
+
+func (s *failSecondWalk) Page(ctx context.Context, after Cursor, limit int) ([]Row, error) {
+	if k, ok := after.Key(); ok && k == s.after && s.seen.Add(1) == 2 {
+		return nil, errors.New("source failed")
+	}
+	return s.Source.Page(ctx, after, limit)
+}
+
+// TestClusterRerunCountsOnlyWhatItChecked: a pass repairs all 10
+// documents of page 2, meets a slot move on page 3 and runs again; the
+// re-run checks page 1 (10 current documents) and fails reading page 2.
+// The Report counts page 1's 10 current documents and the 10 repairs: it
+// used to take the first pass's rewrites off current whether or not the
+// re-run had got that far.
+func TestClusterRerunCountsOnlyWhatItChecked(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	cluster := testenv.StartRedisCluster(t, 3, 1)
+	client := cluster.ReadOnlyClient(t)
+	b, rows, _, _ := projectedAndLoaded(t, projection.KindDocument, client, "carry:")
+	src := &failSecondWalk{Source: b.source, after: rows[9].Key}
+	r, err := New(src, b.target, &Config{PageSize: 10, ReadAhead: 1})
+	require.NoError(t, err)
+	// Prime the reconciler's slot map.
+	_, err = r.Run(ctx, RunOptions{DryRun: true})
+	require.NoError(t, err)
+	src.seen.Store(0)
+
+	for _, row := range rows[10:20] { // page 2: missing, repaired by pass 1
+		tg := b.target.target(row.Key)
+		require.NoError(t, client.Del(ctx, b.ks.ValueKey(tg), b.ks.VersionKey(tg)).Err())
+	}
+	moved := b.target.target(rows[25].Key) // page 3: its slot moves
+	srcNode, err := client.MasterForKey(ctx, b.ks.ValueKey(moved))
+	require.NoError(t, err)
+	slot, err := srcNode.ClusterKeySlot(ctx, b.ks.ValueKey(moved)).Result()
+	require.NoError(t, err)
+	inSlot, err := srcNode.ClusterGetKeysInSlot(ctx, int(slot), 1000).Result()
+	require.NoError(t, err)
+	require.NoError(t, srcNode.Del(ctx, inSlot...).Err())
+	for _, row := range rows[:10] { // page 1 must not share the moved slot
+		tg := b.target.target(row.Key)
+		s, err := srcNode.ClusterKeySlot(ctx, b.ks.ValueKey(tg)).Result()
+		require.NoError(t, err)
+		require.NotEqual(t, slot, s)
+	}
+	cluster.ReassignSlot(t, b.ks.ValueKey(moved))
+
+	rep, err := r.Run(ctx, RunOptions{})
+	require.ErrorContains(t, err, "source failed")
+	t.Logf("report: %s counts=%v results=%v checked=%d", rep, rep.Counts, rep.Results, rep.Checked)
+	require.EqualValues(t, 10, rep.Repaired, "pass 1's repairs are reported")
+	require.EqualValues(t, 10, rep.Checked, "the re-run checked page 1")
+	require.EqualValues(t, 10, rep.Counts[ClassCurrent], "page 1's 10 documents were current in the re-run")
+}
+
+// TestClusterTryAgainRepairIsNotUncertain: a run of a collection whose
+// slot is MIGRATING (a reshard begun, no key moved): Redis refuses every
+// repair script up front with TRYAGAIN (each names a key that does not
+// exist), so nothing is written. The repairs are not attempted, not
+// uncertain ("sent, reply lost, may have been applied").
+func TestClusterTryAgainRepairIsNotUncertain(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	cluster := testenv.StartRedisCluster(t, 3, 0)
+	client := cluster.Client(t)
+	b := setupWith(t, projection.KindSortedSet, client, "try:").withBuckets(t, 4)
+	rows := b.insertMany(t, 30)
+	b.projectRows(t, rows)
+	r := b.reconciler(t, nil)
+	_, err := r.Run(ctx, RunOptions{DryRun: true})
+	require.NoError(t, err)
+
+	b.setRaw(t, rows[3].Key, &projection.Value{Score: 1}, nil) // corrupt: CAS repair
+	b.setRaw(t, rows[7].Key, nil, ptr(""))                     // version gone: corrupt too
+	require.NoError(t, client.ZRem(ctx, b.ks.ValueKey(b.target.target("")), rows[11].Key).Err())
+	b.setRaw(t, rows[11].Key, nil, ptr("")) // missing: gate repair
+	startSlotMigration(t, client, b.ks.ValueKey(b.target.target("")))
+
+	rep, err := r.Run(ctx, RunOptions{})
+	require.Error(t, err)
+	require.Contains(t, err.Error(), "TRYAGAIN")
+	// Nothing was written.
+	require.Equal(t, float64(1), client.ZScore(ctx, b.ks.ValueKey(b.target.target("")), rows[3].Key).Val())
+	require.Zero(t, rep.Uncertain, "TRYAGAIN: refused before anything ran, not uncertain")
+	require.EqualValues(t, 3, rep.Results[ResultNotAttempted])
+}
+
+// TestClusterCheckKeysAfterFailover: CheckKeys of a collection through a
+// replica-reading client, after a failover its slot map has not caught up
+// with: the reads are pinned to the demoted master, which answers MOVED.
+// CheckKeys follows the move as Run does; it used to fail until go-redis's
+// periodic reload.
+func TestClusterCheckKeysAfterFailover(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	cluster := testenv.StartRedisCluster(t, 3, 1)
+	client := cluster.ReadOnlyClient(t)
+	b, rows, r, rep := projectedAndLoaded(t, projection.KindSortedSet, client, "ck:")
+	require.Equal(t, map[Class]int64{ClassCurrent: 30}, rep.Counts)
+	collection := b.ks.ValueKey(b.target.target(""))
+	oldMaster, _ := cluster.Failover(t, collection)
+	named, err := client.MasterForKey(ctx, collection)
+	require.NoError(t, err)
+	require.Equal(t, oldMaster, named.Options().Addr, "the client's map has not caught up")
+
+	rep, err = r.CheckKeys(ctx, []string{rows[0].Key, rows[1].Key}, RunOptions{DryRun: true})
+	rep2, err2 := r.CheckKeys(ctx, []string{rows[0].Key, rows[1].Key}, RunOptions{DryRun: true})
+	require.NoError(t, err, "CheckKeys after a failover")
+	require.NoError(t, err2, "the CheckKeys after that")
+	require.Equal(t, map[Class]int64{ClassCurrent: 2}, rep.Counts)
+	require.Equal(t, map[Class]int64{ClassCurrent: 2}, rep2.Counts)
+}
+
+// onSecondPage runs fn before the second Page call.
+type onSecondPage struct {
+	Source
+	n  atomic.Int32
+	fn func()
+}
+
+func (s *onSecondPage) Page(ctx context.Context, after Cursor, limit int) ([]Row, error) {
+	if s.n.Add(1) == 2 {
+		s.fn()
+	}
+	return s.Source.Page(ctx, after, limit)
+}
+
+// TestClusterRebuildAbortsDuringMigration: a Rebuild whose collection's
+// slot starts migrating mid-copy fails; the doc promises that then "the
+// marker and shadow keys are removed", but the abort, refused with TRYAGAIN
+// like every step, was not tried again, and the marker held off the next
+// Rebuild for its TTL. Once the resharding is called off, the next Rebuild
+// runs.
+func TestClusterRebuildAbortsDuringMigration(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	cluster := testenv.StartRedisCluster(t, 3, 0)
+	client := cluster.Client(t)
+	b, _, _, _ := projectedAndLoaded(t, projection.KindSortedSet, client, "rb:")
+	valueKey := b.ks.ValueKey(b.target.target(""))
+	slot, err := client.ClusterKeySlot(ctx, valueKey).Result()
+	require.NoError(t, err)
+	masters := testenv.Masters(t, client)
+	// The resharding is called off a second after it began, while the
+	// failed rebuild is still aborting.
+	callOff := func() {
+		time.Sleep(time.Second)
+		for _, m := range masters {
+			_ = m.Do(ctx, "CLUSTER", "SETSLOT", slot, "STABLE").Err()
+		}
+	}
+	src := &onSecondPage{Source: b.source, fn: func() { startSlotMigration(t, client, valueKey); go callOff() }}
+	r, err := New(src, b.target, &Config{PageSize: 10, ReadAhead: 1})
+	require.NoError(t, err)
+	_, err = r.Rebuild(ctx)
+	t.Logf("rebuild during migration: %v", err)
+	require.Error(t, err)
+
+	time.Sleep(1500 * time.Millisecond) // the resharding is called off
+	marker, err := client.Exists(ctx, b.ks.RebuildMarkerKey(b.target.Name, b.kind)).Result()
+	require.NoError(t, err)
+	shadow, err := client.Exists(ctx, b.ks.ShadowValueKey(b.target.Name, b.kind)).Result()
+	require.NoError(t, err)
+	require.Zero(t, marker, "the failed rebuild's marker is left")
+	require.Zero(t, shadow, "the failed rebuild's shadow values are left")
+	r2 := b.reconciler(t, nil)
+	rb, err := r2.Rebuild(ctx)
+	require.NoError(t, err, "a rebuild after the failed one")
+	require.True(t, rb.Switched)
+}
