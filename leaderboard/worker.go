@@ -185,7 +185,10 @@ func (w *Worker) Run(ctx context.Context) error {
 		}()
 	}
 	err := w.relay.Run(ctx)
-	if checked != nil {
+	// A Run refused because another is under way returns at once, also
+	// when it started the check (it raced the Run that won): the check
+	// goes on beside that Run.
+	if checked != nil && !errors.Is(err, outbox.ErrRelayRunning) {
 		// Once ctx has ended, Run does not wait for a check still under
 		// way: a client that does not apply ctx deadlines to socket reads
 		// (ContextTimeoutEnabled unset, go-redis's default) waits for a

@@ -395,7 +395,8 @@ func TestWorkerRunWhileEvictionCheckHangs(t *testing.T) {
 		}
 	})
 	const readTimeout = 10 * time.Second
-	rdb := redis.NewClient(&redis.Options{Addr: ln.Addr().String(), ReadTimeout: readTimeout})
+	// Each Worker's check holds a connection until ReadTimeout.
+	rdb := redis.NewClient(&redis.Options{Addr: ln.Addr().String(), ReadTimeout: readTimeout, PoolSize: 1000})
 	t.Cleanup(func() { _ = rdb.Close() })
 
 	ctx := context.Background()
@@ -428,6 +429,29 @@ func TestWorkerRunWhileEvictionCheckHangs(t *testing.T) {
 		require.NoError(t, err)
 	case <-time.After(readTimeout / 2):
 		t.Fatalf("Run still running %s after its ctx was cancelled: it waits for the eviction check", time.Since(start))
+	}
+
+	// Two Runs of a new Worker started together: the one that starts the
+	// check may lose the race for the relay. Refused, it still returns at
+	// once; it used to wait for the check (in a few trials in a hundred).
+	for trial := range 100 {
+		w, err := board.Worker(&WorkerConfig{Relay: &outbox.RelayConfig{DisableNotify: true, PollInterval: time.Hour}})
+		require.NoError(t, err)
+		runCtx, cancel := context.WithCancel(ctx)
+		refused := make(chan error, 2)
+		begin := make(chan struct{})
+		for range 2 {
+			go func() {
+				<-begin
+				refused <- w.Run(runCtx)
+			}()
+		}
+		close(begin)
+		start := time.Now()
+		require.ErrorIs(t, <-refused, outbox.ErrRelayRunning, "trial %d", trial)
+		require.Less(t, time.Since(start), readTimeout/2, "trial %d: the refused Run waited for the eviction check", trial)
+		cancel()
+		require.NoError(t, <-refused)
 	}
 }
 
