@@ -704,7 +704,7 @@ func (c *Cache[T]) failOpen(ctx context.Context, id, op string, err error, load 
 		return zero, cerr // not a Redis failure
 	}
 	c.redisFailed(ctx, err)
-	if redis.IsTryAgainError(err) {
+	if redis.IsTryAgainError(err) || isAsk(err) {
 		// Not retried: a read should not wait for a whole migration.
 		err = slotMigrating(err, nil)
 	}
@@ -1233,7 +1233,11 @@ func retryMigrating(ctx context.Context, attempt func() error) error {
 	for backoff := migratingBackoffMin; ; backoff = min(2*backoff, migratingBackoffMax) {
 		err := attempt()
 		switch {
-		case redis.IsTryAgainError(err):
+		case redis.IsTryAgainError(err) || isAsk(err):
+			// ASK: the slot is migrating and the command did not run; a
+			// pinned command cannot follow it to an importing master that
+			// serves no slot yet (a node just added), so wait as for
+			// TRYAGAIN.
 			redirects = 0
 		case isRedirect(err) && redirects < migratingRedirectsMax:
 			redirects++
@@ -1252,6 +1256,12 @@ func retryMigrating(ctx context.Context, attempt func() error) error {
 		case <-time.After(backoff):
 		}
 	}
+}
+
+// isAsk reports whether err is an ASK reply.
+func isAsk(err error) bool {
+	_, ok := redis.IsAskError(err)
+	return ok
 }
 
 // isRedirect reports whether err is a MOVED or ASK reply.

@@ -90,7 +90,10 @@
 // pinned to masters (above) follow one ASK and do not retry. So:
 //
 //   - Invalidate and Peek (so Check) retry TRYAGAIN, backing off from 10 ms
-//     to 200 ms, until the migration ends or their ctx does. They then
+//     to 200 ms, until the migration ends or their ctx does; so do those
+//     pinned to a master that meet an ASK they cannot follow (the
+//     importing master joined the cluster and serves no slot yet, so the
+//     client's slot map does not name it). They then
 //     return a *RedisError matching ErrSlotMigrating and ctx's error,
 //     counted as one Redis error (Stats.RedisErrors); the bump did not
 //     happen (unless the ctx cut off an attempt in flight), so retry it as
@@ -102,7 +105,11 @@
 //     *RedisError matching ErrSlotMigrating with FailClosed; a fill meeting
 //     it is skipped (its loaded value is served, as after any failed fill).
 //     A hit, one GET of one key, is not held up: the migrating master
-//     answers it, or sends it to the importing one.
+//     answers it, or sends it to the importing one. One exception: through
+//     a client that reads from replicas (its reads pinned to masters), a
+//     hit whose key has moved to an importing master that serves no slot
+//     yet cannot follow the ASK, and is a miss that met a migration (a
+//     load with FailOpen, ErrSlotMigrating with FailClosed).
 //   - GetAt and CheckAt name one key per command, and are not held up.
 //
 // Nothing stale is served meanwhile: a script that meets TRYAGAIN did not
