@@ -90,8 +90,8 @@ type Board struct {
 	// verifiedKey records that Verify found the projection complete (the
 	// pass's token and time, see verified.lua); verifyingKey holds the
 	// token of the Verify pass under way; heldKey holds the recording
-	// pass's token when the sorted set existed then. All share the sorted
-	// set's hash tag.
+	// pass's token and the sorted set's size then (absent when it was
+	// empty). All share the sorted set's hash tag.
 	verifiedKey, verifyingKey, heldKey string
 
 	notifier *outbox.Notifier // wakes the relays after Submit and SubmitBatch

@@ -2,6 +2,8 @@ package leaderboard
 
 import (
 	"context"
+	"fmt"
+	"net"
 	"sync"
 	"testing"
 	"time"
@@ -319,5 +321,71 @@ func TestRedisClusterMasterKilled(t *testing.T) {
 			failing := cluster.KillMasterAndRetry(t, board.SortedSetKey(), 10*time.Second, func() error { return c.run(board) })
 			t.Logf("%s reached the promoted replica %s after the kill", c.name, failing)
 		})
+	}
+}
+
+// TestVerifiedDuringSlotMigration: a verified board on a Redis Cluster, its
+// slot being migrated and one of its keys, the record's companion, moved.
+// The look for Verify's record is a pipeline of three commands on keys of
+// the slot; through a client that reads from replicas (the board pins its
+// reads to masters) only the first after ASKING ran on the importing
+// master, the look failed, and every FailClosed read was refused as
+// unverified for the migration. Each command now follows its own ASK.
+func TestVerifiedDuringSlotMigration(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	cluster := testenv.StartRedisCluster(t, 3, 1)
+	for _, replicaReads := range []bool{true, false} {
+		t.Run(fmt.Sprintf("replicaReads=%v", replicaReads), func(t *testing.T) {
+			var client *redis.ClusterClient
+			if replicaReads {
+				client = cluster.ReadOnlyClient(t)
+			} else {
+				client = cluster.Client(t)
+			}
+			pg := testenv.Postgres(t)
+			cfg := &Config{Name: fmt.Sprintf("migrating%v", replicaReads), Schema: pg.Schema, KeyPrefix: cluster.Prefix(t),
+				ReadPolicy: FailClosed, RequireVerifiedProjection: true, LagProbeInterval: time.Nanosecond}
+			require.NoError(t, Migrate(ctx, pg.Pool, cfg))
+			board, err := New(pg.Pool, client, cfg)
+			require.NoError(t, err)
+			t.Cleanup(board.Close)
+			tb := &testBundle{board: board, pg: pg}
+			tb.submit(t, "ada", 10)
+			tb.drain(t)
+			_, verified, err := board.Verify(ctx, nil)
+			require.NoError(t, err)
+			require.True(t, verified)
+			r, err := board.Top(ctx, 10)
+			require.NoError(t, err)
+			require.Len(t, r.Entries, 1)
+
+			// Mid-resharding: the slot is MIGRATING, one key of it moved.
+			importing := cluster.MigrateKey(t, board.heldKey)
+			t.Cleanup(func() { finishMigration(t, cluster, board.SortedSetKey(), board.heldKey, importing) })
+
+			r, err = board.Top(ctx, 10)
+			require.NoError(t, err, "a verified board read during a slot migration")
+			require.False(t, r.Freshness.Unverified)
+		})
+	}
+}
+
+// finishMigration moves key back from the importing master and ends the
+// migration of its slot on every master.
+func finishMigration(t *testing.T, cluster *testenv.RedisCluster, key, moved, importing string) {
+	ctx := context.Background()
+	client := cluster.Client(t)
+	slot, err := client.ClusterKeySlot(ctx, key).Result()
+	require.NoError(t, err)
+	src, err := client.MasterForKey(ctx, key)
+	require.NoError(t, err)
+	require.NoError(t, src.Do(ctx, "CLUSTER", "SETSLOT", slot, "STABLE").Err())
+	for _, m := range testenv.Masters(t, client) {
+		if m.Options().Addr == importing {
+			host, port, _ := net.SplitHostPort(src.Options().Addr)
+			require.NoError(t, m.Migrate(ctx, host, port, moved, 0, 5*time.Second).Err())
+			require.NoError(t, m.Do(ctx, "CLUSTER", "SETSLOT", slot, "STABLE").Err())
+		}
 	}
 }

@@ -229,8 +229,10 @@ type Config struct {
 	// however slow PostgreSQL is. Only the loss of the board's keys, or a
 	// Verify whose pass finds an entry wrong and leaves it so (an ahead or
 	// orphan entry it only reports, a repair not made), removes it; a
-	// record made while the sorted set existed also stops counting once
-	// the sorted set is gone (a DEL of it alone, its eviction). After a
+	// record also stops counting once the sorted set holds fewer members
+	// than the pass found (a DEL of it alone, its eviction, also after new
+	// scores recreated it; an orphan repair or a Rebuild that removed
+	// users, after which Verify is due anyway). After a
 	// partial loss (evicted version keys, writes a failover lost) only a
 	// reconcile pass finds what is missing. The record names the PostgreSQL it was
 	// made against (system identifier and timeline, which the lag probe

@@ -36,13 +36,14 @@ if not marker or string.sub(marker, 1, #mine) ~= mine or
   return 0
 end
 redis.call('SET', KEYS[2], mine .. ARGV[2])
--- KEYS[4] holds the token while the sorted set (KEYS[3]) exists: readers
--- stop trusting the record once it is gone (a DEL of it alone, its
--- eviction), which would otherwise read as an empty, verified board. A
+-- KEYS[4] holds the token and the sorted set's (KEYS[3]) size: readers
+-- stop trusting the record once it holds fewer members (a DEL of it
+-- alone, its eviction, even once new scores recreated it). A
 -- board verified empty has no KEYS[4]: its first projected score creates
 -- the sorted set, and nothing is lost.
-if redis.call('EXISTS', KEYS[3]) == 1 then
-  redis.call('SET', KEYS[4], ARGV[1])
+local held = redis.call('ZCARD', KEYS[3])
+if held > 0 then
+  redis.call('SET', KEYS[4], ARGV[1] .. ' ' .. held)
 else
   redis.call('DEL', KEYS[4])
 end

@@ -13,6 +13,7 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/redis/go-redis/v9"
 
+	"github.com/verity-go/verity/internal/clusterpin"
 	"github.com/verity-go/verity/reconcile"
 )
 
@@ -205,15 +206,37 @@ func isRedisReply(err error) bool {
 // projectionVerified reports whether Redis holds Verify's record that the
 // projection is complete, read on the master, and the database identity
 // the record names ("" for a record of a release that named none). A
-// record made while the sorted set existed no longer counts once the
-// sorted set is gone (a DEL of it alone, its eviction): the board would
-// read empty.
+// record no longer counts once the sorted set holds fewer members than the
+// pass found (a DEL of it alone, its eviction, also after new scores
+// recreated it): the board would read without them.
 func (b *Board) projectionVerified(ctx context.Context) (verified bool, source string, err error) {
 	var record, held *redis.StringCmd
 	var exists *redis.IntCmd
 	err = b.onMaster(ctx, b.verifiedKey, func(p redis.Pipeliner) {
-		record, held, exists = p.Get(ctx, b.verifiedKey), p.Get(ctx, b.heldKey), p.Exists(ctx, b.zsetKey)
+		record, held, exists = p.Get(ctx, b.verifiedKey), p.Get(ctx, b.heldKey), p.ZCount(ctx, b.zsetKey, "-inf", "+inf")
 	})
+	migrating := false
+	for _, cmd := range []redis.Cmder{record, held, exists} {
+		if cmd != nil && (clusterpin.IsRedirect(cmd.Err()) || redis.IsTryAgainError(cmd.Err())) {
+			migrating = true
+		}
+	}
+	if b.primary != nil && migrating {
+		// The slot is being migrated: a pinned pipeline follows an ASK
+		// with its first command only. One command at a time, each
+		// follows its own.
+		err = nil
+		for _, q := range []func(redis.Pipeliner){
+			func(p redis.Pipeliner) { record = p.Get(ctx, b.verifiedKey) },
+			func(p redis.Pipeliner) { held = p.Get(ctx, b.heldKey) },
+			func(p redis.Pipeliner) { exists = p.ZCount(ctx, b.zsetKey, "-inf", "+inf") },
+		} {
+			if e := b.onMaster(ctx, b.verifiedKey, q); e != nil && !errors.Is(e, redis.Nil) {
+				err = e
+				break
+			}
+		}
+	}
 	if err != nil && !errors.Is(err, redis.Nil) {
 		return false, "", err
 	}
@@ -230,8 +253,15 @@ func (b *Board) projectionVerified(ctx context.Context) (verified bool, source s
 	if len(fields) >= 3 {
 		source = fields[2]
 	}
-	if held.Err() == nil && len(fields) > 0 && held.Val() == fields[0] && exists.Val() == 0 {
-		return false, "", nil // the sorted set the pass saw is gone
+	if held.Err() == nil && len(fields) > 0 {
+		token, size, _ := strings.Cut(held.Val(), " ")
+		n, perr := strconv.ParseInt(size, 10, 64)
+		if perr != nil {
+			n = 1 // no size: the token alone
+		}
+		if token == fields[0] && exists.Val() < n {
+			return false, "", nil // members the pass saw are gone
+		}
 	}
 	return true, source, nil
 }

@@ -90,8 +90,9 @@ func TestVerify(t *testing.T) {
 
 	// A DEL of the sorted set alone (or its eviction) keeps the record,
 	// and the board would read empty and verified: the record no longer
-	// counts once the sorted set it saw is gone. A board verified empty
-	// stays verified when its first score is projected.
+	// counts once the sorted set holds fewer members than the pass saw,
+	// also after new scores recreated it. A board verified empty stays
+	// verified when its first score is projected.
 	t.Run("SortedSetLostAloneIsSeen", func(t *testing.T) {
 		t.Parallel()
 		tb := verifying(t)
@@ -110,6 +111,11 @@ func TestVerify(t *testing.T) {
 		require.True(t, verified)
 		require.NoError(t, tb.rd.Client.Del(ctx, tb.board.SortedSetKey()).Err())
 		requireUnverified(t, tb)
+		// A new score recreates the sorted set, without ada and bob: still
+		// fewer members than Verify saw.
+		tb.submit(t, "carol", 5)
+		tb.drain(t)
+		requireUnverified(t, tb)
 
 		rep, verified, err := tb.board.Verify(ctx, nil)
 		require.NoError(t, err)
@@ -117,7 +123,7 @@ func TestVerify(t *testing.T) {
 		require.Equal(t, int64(2), rep.Repaired, "%v", rep.Counts)
 		r, err = tb.board.Top(ctx, 10)
 		require.NoError(t, err)
-		require.Len(t, r.Entries, 2)
+		require.Len(t, r.Entries, 3)
 		require.False(t, r.Freshness.Unverified)
 	})
 
