@@ -428,6 +428,7 @@ func TestLagGaugeAgesAnEmptyMeasurement(t *testing.T) {
 	board := attribute.String(AttributeBoard, b.Name())
 
 	require.Zero(t, b.Freshness(ctx).Lag, "measured: nothing pending")
+	measured := time.Now() // the measurement was sent before this
 	// The board's database stops answering: its pool's one connection is
 	// held. A change commits through another pool, never projected.
 	held, err := pool.Acquire(ctx)
@@ -435,7 +436,10 @@ func TestLagGaugeAgesAnEmptyMeasurement(t *testing.T) {
 	var release sync.Once
 	t.Cleanup(func() { release.Do(held.Release) }) // before b.Close
 	tb.submit(t, "user-a", 5)
-	time.Sleep(1500 * time.Millisecond)
+	// 1.5 intervals after the measurement, not after the submit: the
+	// gauge drops a measurement older than 2.5 s, and a slow Acquire and
+	// submit on a loaded machine must not eat that margin.
+	time.Sleep(time.Until(measured.Add(1500 * time.Millisecond)))
 
 	s := rec.Collect(t)
 	fresh := b.Freshness(ctx)
