@@ -13,17 +13,17 @@ import (
 	"github.com/verity-go/verity/projection"
 )
 
-// failSecondWalk fails the Page call that reads after key the second
-// time it is asked for (the re-run of a pass that met a slot move).
-type failSecondWalk struct {
+// pageHook calls before with each Page call's number (from 1) and cursor;
+// an error it returns fails the call.
+type pageHook struct {
 	Source
-	after string
-	seen  atomic.Int32
+	calls  atomic.Int32
+	before func(n int32, after Cursor) error
 }
 
-func (s *failSecondWalk) Page(ctx context.Context, after Cursor, limit int) ([]Row, error) {
-	if k, ok := after.Key(); ok && k == s.after && s.seen.Add(1) == 2 {
-		return nil, errors.New("source failed")
+func (s *pageHook) Page(ctx context.Context, after Cursor, limit int) ([]Row, error) {
+	if err := s.before(s.calls.Add(1), after); err != nil {
+		return nil, err
 	}
 	return s.Source.Page(ctx, after, limit)
 }
@@ -40,33 +40,32 @@ func TestClusterRerunCountsOnlyWhatItChecked(t *testing.T) {
 	cluster := testenv.StartRedisCluster(t, 3, 1)
 	client := cluster.ReadOnlyClient(t)
 	b, rows, _, _ := projectedAndLoaded(t, projection.KindDocument, client, "carry:")
-	src := &failSecondWalk{Source: b.source, after: rows[9].Key}
+	// The second read after page 1 (the re-run's) fails.
+	var walks atomic.Int32
+	src := &pageHook{Source: b.source, before: func(_ int32, after Cursor) error {
+		if k, ok := after.Key(); ok && k == rows[9].Key && walks.Add(1) == 2 {
+			return errors.New("source failed")
+		}
+		return nil
+	}}
 	r, err := New(src, b.target, &Config{PageSize: 10, ReadAhead: 1})
 	require.NoError(t, err)
 	// Prime the reconciler's slot map.
 	_, err = r.Run(ctx, RunOptions{DryRun: true})
 	require.NoError(t, err)
-	src.seen.Store(0)
+	walks.Store(0)
 
 	for _, row := range rows[10:20] { // page 2: missing, repaired by pass 1
 		tg := b.target.target(row.Key)
 		require.NoError(t, client.Del(ctx, b.ks.ValueKey(tg), b.ks.VersionKey(tg)).Err())
 	}
 	moved := b.target.target(rows[25].Key) // page 3: its slot moves
-	srcNode, err := client.MasterForKey(ctx, b.ks.ValueKey(moved))
-	require.NoError(t, err)
-	slot, err := srcNode.ClusterKeySlot(ctx, b.ks.ValueKey(moved)).Result()
-	require.NoError(t, err)
-	inSlot, err := srcNode.ClusterGetKeysInSlot(ctx, int(slot), 1000).Result()
-	require.NoError(t, err)
-	require.NoError(t, srcNode.Del(ctx, inSlot...).Err())
-	for _, row := range rows[:10] { // page 1 must not share the moved slot
-		tg := b.target.target(row.Key)
-		s, err := srcNode.ClusterKeySlot(ctx, b.ks.ValueKey(tg)).Result()
+	slot := reassignEmptied(t, cluster, client, b.ks.ValueKey(moved))
+	for _, row := range rows[:10] { // page 1 does not share the moved slot
+		s, err := client.ClusterKeySlot(ctx, b.ks.ValueKey(b.target.target(row.Key))).Result()
 		require.NoError(t, err)
 		require.NotEqual(t, slot, s)
 	}
-	cluster.ReassignSlot(t, b.ks.ValueKey(moved))
 
 	rep, err := r.Run(ctx, RunOptions{})
 	require.ErrorContains(t, err, "source failed")
@@ -134,20 +133,6 @@ func TestClusterCheckKeysAfterFailover(t *testing.T) {
 	require.Equal(t, map[Class]int64{ClassCurrent: 2}, rep2.Counts)
 }
 
-// onSecondPage runs fn before the second Page call.
-type onSecondPage struct {
-	Source
-	n  atomic.Int32
-	fn func()
-}
-
-func (s *onSecondPage) Page(ctx context.Context, after Cursor, limit int) ([]Row, error) {
-	if s.n.Add(1) == 2 {
-		s.fn()
-	}
-	return s.Source.Page(ctx, after, limit)
-}
-
 // TestClusterRebuildAbortsDuringMigration: a Rebuild whose collection's
 // slot starts migrating mid-copy fails; the doc promises that then "the
 // marker and shadow keys are removed", but the abort, refused with TRYAGAIN
@@ -172,7 +157,13 @@ func TestClusterRebuildAbortsDuringMigration(t *testing.T) {
 			_ = m.Do(ctx, "CLUSTER", "SETSLOT", slot, "STABLE").Err()
 		}
 	}
-	src := &onSecondPage{Source: b.source, fn: func() { startSlotMigration(t, client, valueKey); go callOff() }}
+	src := &pageHook{Source: b.source, before: func(n int32, _ Cursor) error {
+		if n == 2 {
+			startSlotMigration(t, client, valueKey)
+			go callOff()
+		}
+		return nil
+	}}
 	r, err := New(src, b.target, &Config{PageSize: 10, ReadAhead: 1})
 	require.NoError(t, err)
 	_, err = r.Rebuild(ctx)

@@ -263,17 +263,8 @@ func TestClusterSlotMoveDuringReplicaReads(t *testing.T) {
 		first := b.target.target(rows[0].Key) // page 1: missing, repaired
 		require.NoError(t, client.Del(ctx, b.ks.ValueKey(first), b.ks.VersionKey(first)).Err())
 		moved := b.target.target(rows[25].Key) // page 3: its slot moves
-		src, err := client.MasterForKey(ctx, b.ks.ValueKey(moved))
-		require.NoError(t, err)
-		// Redis reassigns only an empty slot, and the earlier subtests'
-		// documents of the same ids share it.
-		slot, err := src.ClusterKeySlot(ctx, b.ks.ValueKey(moved)).Result()
-		require.NoError(t, err)
-		inSlot, err := src.ClusterGetKeysInSlot(ctx, int(slot), 1000).Result()
-		require.NoError(t, err)
-		require.Contains(t, inSlot, b.ks.ValueKey(moved))
-		require.NoError(t, src.Del(ctx, inSlot...).Err())
-		cluster.ReassignSlot(t, b.ks.ValueKey(moved))
+		// The earlier subtests' documents of the same ids share the slot.
+		reassignEmptied(t, cluster, client, b.ks.ValueKey(moved))
 
 		rep, err := r.Run(ctx, RunOptions{})
 		require.NoError(t, err)
@@ -562,4 +553,22 @@ func TestClusterMasterKilled(t *testing.T) {
 			t.Logf("%s reached the promoted replica %s after the kill", c.name, failing)
 		})
 	}
+}
+
+// reassignEmptied deletes every key of key's slot on its master (Redis
+// reassigns only an empty slot; key must be among them) and moves the slot
+// to another master behind the client's back. It returns the slot.
+func reassignEmptied(t *testing.T, cluster *testenv.RedisCluster, client *redis.ClusterClient, key string) int64 {
+	t.Helper()
+	ctx := context.Background()
+	src, err := client.MasterForKey(ctx, key)
+	require.NoError(t, err)
+	slot, err := src.ClusterKeySlot(ctx, key).Result()
+	require.NoError(t, err)
+	inSlot, err := src.ClusterGetKeysInSlot(ctx, int(slot), 1000).Result()
+	require.NoError(t, err)
+	require.Contains(t, inSlot, key)
+	require.NoError(t, src.Del(ctx, inSlot...).Err())
+	cluster.ReassignSlot(t, key)
+	return slot
 }
