@@ -83,8 +83,9 @@ type Worker struct {
 	relay     *outbox.Relay
 	rdb       redis.UniversalClient
 	logger    *slog.Logger
-	// evictionChecked is set by the first Run, which checks the eviction
-	// policy; later and concurrent ones do not.
+	// evictionChecked is set by the Run that checks the eviction policy;
+	// later and concurrent ones do not, unless the caller's ctx cut that
+	// check short.
 	evictionChecked atomic.Bool
 }
 
@@ -146,12 +147,17 @@ const evictionCheckTimeout = 2 * time.Second
 // see a score the database has since replaced, until a reconcile pass. A
 // server that could not be asked is logged at Debug: that says nothing
 // about its policy (managed services often refuse INFO's memory section).
+// A check that the caller's ctx cut short leaves the next Run to check
+// again: a Run cancelled as it starts must not stand for the check.
 func (w *Worker) warnIfEvicting(ctx context.Context) {
-	ctx, cancel := context.WithTimeout(ctx, evictionCheckTimeout)
+	checkCtx, cancel := context.WithTimeout(ctx, evictionCheckTimeout)
 	defer cancel()
-	switch err := projection.CheckEvictionPolicy(ctx, w.rdb); {
+	switch err := projection.CheckEvictionPolicy(checkCtx, w.rdb); {
 	case errors.Is(err, projection.ErrEvictionPolicy):
 		w.logger.WarnContext(ctx, "leaderboard: worker: the board's Redis may evict the projection's version keys; run it with maxmemory-policy noeviction", "error", err)
+	case err != nil && ctx.Err() != nil:
+		w.evictionChecked.Store(false)
+		w.logger.DebugContext(ctx, "leaderboard: worker: the eviction check was cut short by Run's ctx; the next Run checks again", "error", err)
 	case err != nil:
 		w.logger.DebugContext(ctx, "leaderboard: worker: could not check the Redis eviction policy", "error", err)
 	default:
@@ -164,7 +170,8 @@ func (w *Worker) warnIfEvicting(ctx context.Context) {
 // once at a time: Run while another Run of it is under way returns
 // outbox.ErrRelayRunning at once (run more Workers for more relays). Its
 // errors, and RunOnce's and Drain's, are the relay's (package outbox).
-// As it starts, the Worker's first Run asks the board's Redis servers
+// As it starts, the Worker's first Run (or, if the caller's ctx ended
+// before the servers answered, the next one) asks the board's Redis servers
 // whether they could evict the projection's version keys
 // (projection.CheckEvictionPolicy, beside the relay; its ctx allows 2 s,
 // and a client that does not apply ctx deadlines to socket reads waits up

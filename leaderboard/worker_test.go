@@ -360,6 +360,45 @@ func TestWorkerChecksEvictionPolicy(t *testing.T) {
 	})
 }
 
+// TestWorkerChecksEvictionAfterCancelledRun runs a Worker whose first Run
+// is cancelled before the eviction check could answer: that Run does not
+// stand for the check, and the next Run warns of an evicting Redis.
+func TestWorkerChecksEvictionAfterCancelledRun(t *testing.T) {
+	t.Parallel()
+	const (
+		cutShort = "leaderboard: worker: the eviction check was cut short by Run's ctx; the next Run checks again"
+		couldNot = "leaderboard: worker: could not check the Redis eviction policy"
+		warning  = "leaderboard: worker: the board's Redis may evict the projection's version keys; run it with maxmemory-policy noeviction"
+	)
+	ctx := context.Background()
+	server := testenv.StartRedis(t, "--maxmemory", "100mb", "--maxmemory-policy", "allkeys-lru")
+	pg := testenv.Postgres(t)
+	logs := &testenv.LogSink{}
+	cfg := &Config{Name: "evicting", Schema: pg.Schema, Logger: logs.Logger()}
+	require.NoError(t, Migrate(ctx, pg.Pool, cfg))
+	board, err := New(pg.Pool, server.Client(t), cfg)
+	require.NoError(t, err)
+	t.Cleanup(board.Close)
+	w, err := board.Worker(nil)
+	require.NoError(t, err)
+
+	cancelled, cancel := context.WithCancel(ctx)
+	cancel()
+	require.NoError(t, w.Run(cancelled))
+	require.Eventually(t, func() bool {
+		return len(logs.Lines(t, cutShort))+len(logs.Lines(t, couldNot)) == 1
+	}, 10*time.Second, 10*time.Millisecond, "the cancelled Run's check ends")
+	require.Empty(t, logs.Lines(t, warning), "a check cut short warns of nothing")
+
+	runCtx, stop := context.WithCancel(ctx)
+	done := make(chan error, 1)
+	go func() { done <- w.Run(runCtx) }()
+	require.Eventually(t, func() bool { return len(logs.Lines(t, warning)) == 1 }, 10*time.Second, 10*time.Millisecond, "the next Run checks again and warns")
+	stop()
+	require.NoError(t, <-done)
+	require.Len(t, logs.Lines(t, cutShort), 1, "the first check says it was cut short")
+}
+
 // TestWorkerRunWhileEvictionCheckHangs runs a Worker whose Redis accepts
 // connections and never answers, with a client that does not apply ctx
 // deadlines to socket reads (go-redis's default): the eviction check's
