@@ -294,6 +294,37 @@ func (e *env) checkpoint(ctx context.Context) {
 	}
 }
 
+// walSample is PostgreSQL's WAL activity so far (pg_stat_wal, cluster
+// wide): flushes to disk and bytes written. ok is false where the server
+// does not tell (before PostgreSQL 14, or a role refused the view).
+type walSample struct {
+	syncs, bytes int64
+	ok           bool
+}
+
+// sampleWAL reads pg_stat_wal. A failure is not the benchmark's: the
+// figure is left out.
+func (e *env) sampleWAL(ctx context.Context) walSample {
+	var w walSample
+	err := e.pool.QueryRow(ctx, `SELECT "wal_sync", "wal_bytes"::bigint FROM "pg_stat_wal"`).Scan(&w.syncs, &w.bytes)
+	w.ok = err == nil
+	return w
+}
+
+// per describes the WAL flushes and bytes between w and later per unit
+// (n of them): a commit waits for its WAL to reach the disk, and only one
+// flush runs at a time, so on a fast CPU the flushes bound a closed loop
+// of small transactions, and commands per flush is what sharing a commit
+// buys. "" where PostgreSQL does not tell.
+func (w walSample) per(unit string, later walSample, units int64) string {
+	if !w.ok || !later.ok {
+		return ""
+	}
+	syncs, n := later.syncs-w.syncs, float64(max(units, 1))
+	return fmt.Sprintf("; WAL: %d flushes, %.2f %ss per flush, %.0f B per %s",
+		syncs, n/float64(max(syncs, 1)), unit, float64(later.bytes-w.bytes)/n, unit)
+}
+
 // deletePrefix removes every key under prefix with SCAN + UNLINK (never
 // FLUSHDB: the server may be shared).
 func deletePrefix(ctx context.Context, rdb *redis.Client, prefix string) error {

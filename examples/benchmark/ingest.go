@@ -180,7 +180,7 @@ type ingestPhase struct {
 	run func() (cmds int64, elapsed time.Duration, queued int64, err error)
 }
 
-// runChecked runs the phase after a checkpoint, logs its CPU per command,
+// runChecked runs the phase after a checkpoint, logs its CPU and WAL per command,
 // and adds it to its rate once the side's new score_events rows (one per
 // command) and outbox rows match what the phase counted. The counts are
 // taken outside the timed window, before the checkpoint.
@@ -194,15 +194,17 @@ func (p ingestPhase) runChecked(ctx context.Context, e *env) error {
 	if err != nil {
 		return err
 	}
+	wal0 := e.sampleWAL(ctx)
 	cmds, elapsed, queued, err := p.run()
 	if err != nil {
 		return fmt.Errorf("%s: %w", p.what, err)
 	}
+	wal1 := e.sampleWAL(ctx)
 	cpu1, err := e.sampleCPU(ctx)
 	if err != nil {
 		return err
 	}
-	e.log("ingest: %s: %.0f commands/s; %s", p.what, float64(cmds)/elapsed.Seconds(), cpu0.per("command", cpu1, cmds))
+	e.log("ingest: %s: %.0f commands/s; %s%s", p.what, float64(cmds)/elapsed.Seconds(), cpu0.per("command", cpu1, cmds), wal0.per("command", wal1, cmds))
 	after, err := p.stored(ctx)
 	if err != nil {
 		return fmt.Errorf("%s: counting stored rows: %w", p.what, err)
