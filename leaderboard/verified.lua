@@ -4,12 +4,14 @@
 -- record that the projection is complete, KEYS[3] the board's sorted set,
 -- KEYS[4] the record's companion (below); all share the board's hash tag.
 -- ARGV[1] is the pass's token, ARGV[2] what to record after it: the time,
--- a space, and the identity of the database checked.
+-- a space, and the identity of the database checked; ARGV[3] the number of
+-- users the pass checked.
 --
 -- The pass set KEYS[1] before it read anything. If Redis lost the board's
 -- keys since (a restart without persistence, FLUSHALL), KEYS[1] is gone or
 -- another pass replaced it, and nothing is recorded: the pages read before
--- the loss may be missing again. Returns 1 when recorded, 0 otherwise.
+-- the loss may be missing again. Returns 1 when recorded, 2 when the
+-- sorted set lost members during the pass (below), 0 otherwise.
 --
 -- The record is "<token> <time> <identity>". A client may run this script twice for
 -- one call (go-redis resends it when the connection drops before the
@@ -34,6 +36,14 @@ if not marker or string.sub(marker, 1, #mine) ~= mine or
     return 1
   end
   return 0
+end
+-- Each user the pass checked (ARGV[3]) is a member after it: current,
+-- repaired, or overtaken by a newer write (the board never deletes a
+-- user's row). A sorted set holding fewer lost members during the pass (a
+-- DEL of it alone, its eviction) after the pass had found them current,
+-- and is not recorded as complete.
+if redis.call('ZCARD', KEYS[3]) < tonumber(ARGV[3] or '0') then
+  return 2
 end
 redis.call('SET', KEYS[2], mine .. ARGV[2])
 -- KEYS[4] holds the token and the sorted set's (KEYS[3]) size: readers

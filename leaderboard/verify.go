@@ -40,8 +40,11 @@ const verifyAbandonTimeout = 5 * time.Second
 // repaired every entry it found wrong (a repair that raced a newer write
 // counts: the newer entry is there) and Redis kept the board's keys
 // throughout and did not fail over (a replica promoted during the pass may
-// lack its repairs: replication is asynchronous), records in Redis that
-// the projection is complete. With
+// lack its repairs: replication is asynchronous), and the sorted set
+// still holds at least as many members as the pass checked users (a DEL of
+// it alone, or its eviction, during the pass loses members the pass had
+// already found current; that also deletes an earlier Verify's record),
+// records in Redis that the projection is complete. With
 // Config.RequireVerifiedProjection, reads report Lag -1 and Unverified until
 // that record exists; a Redis that loses its data loses the record too.
 // verified tells whether it was recorded; when it was not, run Verify again
@@ -129,7 +132,10 @@ func (b *Board) Verify(ctx context.Context, cfg *reconcile.Config) (report *reco
 		// the caller's cancellation kept from being made.
 		return report, false, fmt.Errorf("leaderboard: verify: %w", err)
 	}
-	args := []any{token, time.Now().UTC().Format(time.RFC3339Nano) + " " + source}
+	// Every source row the pass checked is in the sorted set after it
+	// (current, repaired, or overtaken by a newer write): fewer members
+	// mean some were lost during the pass, after it had found them.
+	args := []any{token, time.Now().UTC().Format(time.RFC3339Nano) + " " + source, report.Checked}
 	n, err := verifiedScript.Run(ctx, b.rdb, []string{b.verifyingKey, b.verifiedKey, b.zsetKey, b.heldKey}, args...).Int()
 	err = b.sent(ctx, err)
 	if err != nil && !isRedisReply(err) {
@@ -146,9 +152,16 @@ func (b *Board) Verify(ctx context.Context, cfg *reconcile.Config) (report *reco
 	if err != nil {
 		return report, false, fmt.Errorf("leaderboard: verify: recording the result: %w", err)
 	}
-	if n == 1 {
+	switch n {
+	case 1:
 		b.verificationRecorded()
-	} else {
+	case 2:
+		// This pass saw members that are gone: an earlier record,
+		// which vouches for fewer members, must not stand either.
+		refuted = true
+		b.cfg.Logger.WarnContext(ctx, "leaderboard: verify: the sorted set lost members during the pass (a DEL of it, its eviction); nothing recorded, run Verify again",
+			"board", b.cfg.Name)
+	default:
 		b.cfg.Logger.WarnContext(ctx, "leaderboard: verify: Redis lost the pass's marker or failed over during the pass, so its repairs may be lost; nothing recorded, run Verify again",
 			"board", b.cfg.Name)
 	}

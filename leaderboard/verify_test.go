@@ -3,6 +3,7 @@ package leaderboard
 import (
 	"bytes"
 	"context"
+	"fmt"
 	"io"
 	"net"
 	"slices"
@@ -125,6 +126,56 @@ func TestVerify(t *testing.T) {
 		require.NoError(t, err)
 		require.Len(t, r.Entries, 3)
 		require.False(t, r.Freshness.Unverified)
+	})
+
+	// The sorted set lost alone during the pass, after the pass had found
+	// its first page current: the pages it read after the loss are
+	// repaired, the first is not. Nothing is recorded, and the record of
+	// an earlier Verify goes too.
+	t.Run("SortedSetLostDuringThePass", func(t *testing.T) {
+		t.Parallel()
+		logs := &testenv.LogSink{}
+		tb := setup(t, func(c *Config) {
+			c.RequireVerifiedProjection = true
+			c.ReadPolicy = FailClosed
+			c.LagProbeInterval = time.Nanosecond
+			c.Logger = logs.Logger()
+		})
+		const users = 20
+		for i := range users {
+			if i == users/2 {
+				tb.drain(t)
+				_, verified, err := tb.board.Verify(ctx, nil)
+				require.NoError(t, err)
+				require.True(t, verified, "setup: the earlier Verify, of half the users")
+			}
+			tb.submit(t, fmt.Sprintf("u%02d", i), int64(i+1))
+		}
+		tb.drain(t)
+		// A drifted first page, so that the pass repairs there, and the
+		// loss happens after it found the page's other members current.
+		require.NoError(t, tb.rd.Client.ZRem(ctx, tb.board.SortedSetKey(), "u00").Err())
+		var lose sync.Once
+		cfg := &reconcile.Config{PageSize: 5, ReadAhead: 1, BeforeRepair: func(ctx context.Context, _ reconcile.Finding) bool {
+			lose.Do(func() { require.NoError(t, tb.rd.Client.Del(ctx, tb.board.SortedSetKey()).Err()) })
+			return true
+		}}
+		rep, verified, err := tb.board.Verify(ctx, cfg)
+		require.NoError(t, err)
+		require.False(t, verified, "the pass checked %d users; the sorted set lost some of them: %v", rep.Checked, rep.Counts)
+		require.Equal(t, int64(users), rep.Checked)
+		require.Len(t, logs.Lines(t, "leaderboard: verify: the sorted set lost members during the pass (a DEL of it, its eviction); nothing recorded, run Verify again"), 1)
+		held, err := tb.rd.Client.ZCard(ctx, tb.board.SortedSetKey()).Result()
+		require.NoError(t, err)
+		require.Less(t, held, int64(users), "setup: members lost for good")
+		requireUnverified(t, tb)
+
+		_, verified, err = tb.board.Verify(ctx, nil)
+		require.NoError(t, err)
+		require.True(t, verified, "the next Verify repairs and records")
+		r, err := tb.board.Top(ctx, users)
+		require.NoError(t, err)
+		require.Len(t, r.Entries, users)
 	})
 
 	t.Run("RedisLossIsSeenAndRepaired", func(t *testing.T) {
