@@ -350,10 +350,17 @@ func (s *Service) reconcileLoop(ctx context.Context) {
 		// there) waits for the slot after. next_run is exactly when the
 		// next one starts.
 		now := time.Now()
-		for slot = slot.Add(every); !slot.After(now); slot = slot.Add(every) {
+		// Skipped slots are counted, not stepped through: stepping takes
+		// longer than a tiny interval covers, and never catches up.
+		slot = slot.Add(every)
+		if !slot.After(now) {
+			slot = slot.Add((now.Sub(slot)/every + 1) * every)
 		}
 		next := slot
 		s.nextReconcile.Store(&next)
+		if ctx.Err() != nil {
+			return // a select would pick an expired timer half the time
+		}
 		timer := time.NewTimer(next.Sub(now))
 		select {
 		case <-ctx.Done():

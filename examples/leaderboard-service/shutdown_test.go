@@ -247,3 +247,29 @@ func TestShutdownDuringScrapeOfStalledStats(t *testing.T) {
 		t.Fatal("Run returned while the stats read it served was still running")
 	}
 }
+
+// TestShutdownWithTinyReconcileInterval runs the service with the smallest
+// interval the flag takes (1ns): the schedule skips the slots a run
+// overran without stepping through each (the steps took longer than the
+// time they covered, and the loop never caught up), and a cancellation
+// ends the loop even when its next slot is already due.
+func TestShutdownWithTinyReconcileInterval(t *testing.T) {
+	t.Parallel()
+	tb := setup(t)
+	svc, err := NewService(tb.pg.Pool, tb.rd.Client, tb.board, ServiceConfig{ReconcileEvery: time.Nanosecond, ReconcileSample: 10})
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = svc.Close() })
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- svc.Run(ctx, ln) }()
+	time.Sleep(3 * time.Second)
+	cancel()
+	select {
+	case err := <-done:
+		require.NoError(t, err)
+	case <-time.After(15 * time.Second):
+		t.Fatal("Run did not return within 15s of the cancellation")
+	}
+}
