@@ -56,7 +56,11 @@ func TestUsageErrors(t *testing.T) {
 		{"StrayArgument", slices.Concat(short, []string{"naive"}), `unexpected argument "naive"`},
 		{"StrayArgumentAfterFlagTerminator", slices.Concat(short, []string{"--", "--mode=naive"}), `unexpected argument "--mode=naive"`},
 		{"UnknownFlag", slices.Concat(short, []string{"--nope"}), "flag provided but not defined"},
-		{"BadValue", slices.Concat(short, []string{"--readers=0"}), "--readers must be at least 1"},
+		{"BadValue", slices.Concat(short, []string{"--readers=0"}), "--readers must be from 1 to 10000"},
+		// Sized into the Redis pool, these panicked in redis.NewClient
+		// after the servers were resolved.
+		{"TooManyReaders", slices.Concat(short, []string{"--readers=4611686018427387904"}), "--readers must be from 1 to 10000"},
+		{"TooManyWriters", slices.Concat(short, []string{"--writers=3000000000"}), "--writers must be from 1 to 10000"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()

@@ -44,12 +44,17 @@ type config struct {
 	TTL time.Duration
 }
 
+// maxWorkers bounds --readers and --writers: each is a goroutine and a
+// Redis connection (the pool is sized to their sum), and the tracker keeps
+// a slot per reader.
+const maxWorkers = 10_000
+
 func (c config) validate() error {
 	switch {
-	case c.Readers < 1:
-		return errors.New("--readers must be at least 1")
-	case c.Writers < 1:
-		return errors.New("--writers must be at least 1")
+	case c.Readers < 1 || c.Readers > maxWorkers:
+		return fmt.Errorf("--readers must be from 1 to %d", maxWorkers)
+	case c.Writers < 1 || c.Writers > maxWorkers:
+		return fmt.Errorf("--writers must be from 1 to %d", maxWorkers)
 	case c.Duration <= 0:
 		return errors.New("--seconds must be positive")
 	case c.Window < 0 || c.WritePause < 0 || c.DropVersionEvery < 0:
@@ -205,7 +210,14 @@ func runMode(ctx context.Context, cfg config, d deps, mode string) (res Result, 
 				}
 				tr.acknowledge(version)
 				if cfg.WritePause > 0 {
-					time.Sleep(cfg.WritePause)
+					// The pause is between writes, never inside one: the
+					// run's end (or an interrupt) cuts it short.
+					pause := time.NewTimer(cfg.WritePause)
+					select {
+					case <-pause.C:
+					case <-runCtx.Done():
+						pause.Stop()
+					}
 				}
 			}
 		})

@@ -150,6 +150,30 @@ func TestRun(t *testing.T) {
 	})
 }
 
+// TestWritePauseDoesNotOutlastTheRun: a run lasts --seconds, and an
+// interrupt ends it at once; a writer resting --write-pause between writes
+// holds up neither until its pause is over.
+func TestWritePauseDoesNotOutlastTheRun(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	t.Run("Duration", func(t *testing.T) {
+		start := time.Now()
+		_, err := run(context.Background(), config{Readers: 1, Writers: 1, Duration: 300 * time.Millisecond,
+			Modes: []string{modeNaive}, WritePause: 8 * time.Second}, b.deps)
+		require.NoError(t, err)
+		require.Less(t, time.Since(start), 3*time.Second, "a 300ms run lasted the whole write pause")
+	})
+	t.Run("Interrupt", func(t *testing.T) {
+		ctx, cancel := context.WithCancel(context.Background())
+		time.AfterFunc(300*time.Millisecond, cancel)
+		start := time.Now()
+		_, err := run(ctx, config{Readers: 1, Writers: 1, Duration: time.Minute,
+			Modes: []string{modeNaive}, WritePause: 8 * time.Second}, b.deps)
+		require.ErrorIs(t, err, context.Canceled)
+		require.Less(t, time.Since(start), 3*time.Second, "an interrupted run waited out the write pause")
+	})
+}
+
 func TestJSONKeys(t *testing.T) {
 	t.Parallel()
 	var buf bytes.Buffer
