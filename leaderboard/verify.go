@@ -76,7 +76,9 @@ const verifyAbandonTimeout = 5 * time.Second
 // database, a hand edit), so a board with any of those is never recorded
 // as verified. Investigate them, then repair them with
 // reconcile.Policy{Ahead: reconcile.ActionRepair, Orphan:
-// reconcile.ActionRepair} or rebuild the projection.
+// reconcile.ActionRepair} or rebuild the projection. cfg.SkipOrphans is
+// refused with a *ConfigError: a pass that does not look for orphans cannot
+// vouch that Redis holds no user PostgreSQL lacks.
 //
 // While the pass runs, Redis holds its marker (the key SortedSetKey() +
 // "~verifying"); a Verify that records nothing, an error included,
@@ -84,6 +86,9 @@ const verifyAbandonTimeout = 5 * time.Second
 // Redis that fails that deletion, leaves it until the board's next Verify,
 // which replaces it; it never stands for a verified projection.
 func (b *Board) Verify(ctx context.Context, cfg *reconcile.Config) (report *reconcile.Report, verified bool, err error) {
+	if cfg != nil && cfg.SkipOrphans {
+		return nil, false, &ConfigError{Field: "reconcile.Config.SkipOrphans", Reason: "is set; Verify records that Redis holds nothing PostgreSQL lacks, which only the orphan check can tell: leave it false for Verify"}
+	}
 	rec, err := b.Reconciler(cfg)
 	if err != nil {
 		return nil, false, err

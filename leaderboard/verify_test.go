@@ -178,6 +178,34 @@ func TestVerify(t *testing.T) {
 		require.Len(t, r.Entries, users)
 	})
 
+	// A pass that skips the orphan check cannot tell that Redis holds a
+	// user PostgreSQL lacks: Verify refuses the option, writes nothing,
+	// and reads stay unverified.
+	t.Run("SkipOrphansIsRefused", func(t *testing.T) {
+		t.Parallel()
+		tb := verifying(t)
+		tb.submit(t, "alice", 5)
+		tb.drain(t)
+		require.NoError(t, tb.rd.Client.ZAdd(ctx, tb.board.SortedSetKey(), redis.Z{Score: -1000, Member: "mallory"}).Err())
+
+		rep, verified, err := tb.board.Verify(ctx, &reconcile.Config{SkipOrphans: true})
+		var cfgErr *ConfigError
+		require.ErrorAs(t, err, &cfgErr)
+		require.Equal(t, "reconcile.Config.SkipOrphans", cfgErr.Field)
+		require.ErrorIs(t, err, ErrInvalidConfig)
+		require.False(t, verified)
+		require.Nil(t, rep)
+		exists, err := tb.rd.Client.Exists(ctx, tb.board.SortedSetKey()+"~verifying").Result()
+		require.NoError(t, err)
+		require.Zero(t, exists, "no pass marker was set")
+		requireUnverified(t, tb)
+
+		rep, verified, err = tb.board.Verify(ctx, nil)
+		require.NoError(t, err)
+		require.False(t, verified, "the default pass finds the orphan")
+		require.Equal(t, int64(1), rep.Counts[reconcile.ClassOrphan])
+	})
+
 	t.Run("RedisLossIsSeenAndRepaired", func(t *testing.T) {
 		t.Parallel()
 		tb := verifying(t)
