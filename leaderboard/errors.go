@@ -386,7 +386,9 @@ func (e *StaleError) Unwrap() error { return ErrStale }
 // Redis (ServeStale, or a fresh enough projection), a user with no score
 // may be one whose first score is not projected yet (Lag), or one Redis
 // lost (Unverified). It is the zero Freshness for a user id no store can
-// hold (too long, not UTF-8, with a NUL byte), which is not looked up.
+// hold (empty, not UTF-8, with a NUL byte), which is not looked up; an id
+// longer than Config.MaxUserIDLength is looked up (it may have been
+// stored under a larger limit).
 type UserNotFoundError struct {
 	UserID    string
 	Freshness Freshness

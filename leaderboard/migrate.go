@@ -79,7 +79,8 @@ func quoteLiteral(s string) string {
 // migrated every creating or altering statement is skipped after a catalog
 // look-up, so USAGE on the schema and SELECT, INSERT, UPDATE and DELETE on
 // its tables suffice (see outbox.Migrate). A nil cfg is the zero Config:
-// the connection's search_path and the default table names.
+// Schema SchemaDefault ("public"), whatever the connection's search_path,
+// as for New, and the default table names.
 func Migrate(ctx context.Context, db Execer, cfg *Config) error {
 	if deps.Missing(db) {
 		return &ConfigError{Field: "db", Reason: "is nil; pass the board's database (a *pgxpool.Pool, a connection or a transaction)"}
