@@ -217,6 +217,24 @@
 // that only reads can run as an ACL user allowed to read the board's keys
 // (%R~prefix*) and the few commands README lists under Redis permissions.
 //
+// # A pool on a standby
+//
+// The lag probe and PostgreSQL answers read the board's pool. A reader
+// whose pool is on a streaming standby measures Lag and ProjectedThrough
+// against what that standby has replayed: a change the primary committed
+// and the standby has not replayed yet is neither pending nor present
+// there, so Lag can read 0 and a PostgreSQL answer's ProjectedThrough the
+// time of the read while the standby is behind (a paused replay, a
+// conflict with a long query under max_standby_streaming_delay, a lost
+// connection to the primary). FailClosed and FallbackToPostgres then
+// bound staleness by Redis's lag behind the standby, not behind the
+// primary. Where the bound must hold against the primary, give the board
+// a pool on the primary, or bound the standby's own delay (for example
+// pg_last_xact_replay_timestamp() on the standby against the primary's
+// clock, or the primary's pg_stat_replication.replay_lag) before reading.
+// Authoritative on a standby answers as of its replay too: run payouts
+// with a pool on the primary.
+//
 // # Payouts
 //
 // Authoritative reads the ranking from PostgreSQL only. Use it, and never

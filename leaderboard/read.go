@@ -84,7 +84,10 @@ type Freshness struct {
 	// age nor that of changes written before the step is known; reads see
 	// -1 until such a change is projected or the clock passes it. Lag sees
 	// the outbox only, not entries Redis itself lost (see Reading in the
-	// package documentation).
+	// package documentation). Lag and ProjectedThrough are measured in the
+	// board's pool: on a standby they leave out what the primary committed
+	// and the standby has not replayed yet (see "A pool on a standby" in
+	// the package documentation).
 	Lag time.Duration
 	// Unverified is set, with Lag -1, when Config.RequireVerifiedProjection
 	// is on and Redis, looked at less than Config.LagProbeInterval before
