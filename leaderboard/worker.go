@@ -204,6 +204,14 @@ func (w *Worker) Run(ctx context.Context) error {
 		select {
 		case <-checked:
 		case <-ctx.Done():
+			// The check has not answered and ctx ended: this Run does
+			// not stand for it, and the next Run, which may start
+			// before the check gives up, checks again.
+			select {
+			case <-checked:
+			default:
+				w.evictionChecked.Store(false)
+			}
 		}
 	}
 	if errors.Is(err, context.Canceled) && ctx.Err() != nil {

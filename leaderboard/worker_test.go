@@ -1,12 +1,14 @@
 package leaderboard
 
 import (
+	"bytes"
 	"context"
 	"fmt"
 	"io"
 	"net"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -397,6 +399,121 @@ func TestWorkerChecksEvictionAfterCancelledRun(t *testing.T) {
 	stop()
 	require.NoError(t, <-done)
 	require.Len(t, logs.Lines(t, cutShort), 1, "the first check says it was cut short")
+}
+
+// TestWorkerChecksEvictionAfterRunCancelledMidCheck cancels a Worker's
+// first Run while its eviction check waits for a Redis that does not
+// answer: that Run returns at once, and the next Run, started before the
+// check gives up, checks again and warns of an evicting Redis.
+func TestWorkerChecksEvictionAfterRunCancelledMidCheck(t *testing.T) {
+	t.Parallel()
+	const (
+		cutShort = "leaderboard: worker: the eviction check was cut short by Run's ctx; the next Run checks again"
+		warning  = "leaderboard: worker: the board's Redis may evict the projection's version keys; run it with maxmemory-policy noeviction"
+	)
+	ctx := context.Background()
+	server := testenv.StartRedis(t, "--maxmemory", "100mb", "--maxmemory-policy", "allkeys-lru")
+	proxy := startStallProxy(t, server.Addr())
+	const readTimeout = time.Second
+	rdb := redis.NewClient(&redis.Options{Addr: proxy.ln.Addr().String(), ReadTimeout: readTimeout})
+	t.Cleanup(func() { _ = rdb.Close() })
+	pg := testenv.Postgres(t)
+	logs := &testenv.LogSink{}
+	cfg := &Config{Name: "evicting", Schema: pg.Schema, Logger: logs.Logger()}
+	require.NoError(t, Migrate(ctx, pg.Pool, cfg))
+	board, err := New(pg.Pool, rdb, cfg)
+	require.NoError(t, err)
+	t.Cleanup(board.Close)
+	w, err := board.Worker(nil)
+	require.NoError(t, err)
+
+	proxy.armed.Store(true)
+	first, cancel := context.WithCancel(ctx)
+	done := make(chan error, 1)
+	go func() { done <- w.Run(first) }()
+	select {
+	case <-proxy.stalled:
+	case <-time.After(5 * time.Second):
+		t.Fatal("setup: the first Run's check never reached Redis")
+	}
+	cancel()
+	require.NoError(t, <-done)
+
+	// The next Run, once the first has returned.
+	runCtx, stop := context.WithCancel(ctx)
+	defer stop()
+	next := make(chan error, 1)
+	go func() { next <- w.Run(runCtx) }()
+	require.Eventually(t, func() bool { return len(logs.Lines(t, cutShort)) == 1 }, 3*readTimeout, 10*time.Millisecond,
+		"setup: the first Run's check ends cut short")
+	require.Eventually(t, func() bool { return len(logs.Lines(t, warning)) >= 1 }, 3*readTimeout, 10*time.Millisecond,
+		"the next Run, started after the first Run's ctx ended before Redis answered, checks again and warns")
+	stop()
+	require.NoError(t, <-next)
+}
+
+// stallProxy forwards to upstream, except that once armed, the first
+// connection that sends an INFO command is black-holed from then on: its
+// commands are read and never forwarded, so its reply never comes.
+type stallProxy struct {
+	ln      net.Listener
+	armed   atomic.Bool
+	stalled chan struct{}
+	mu      sync.Mutex
+	conns   []net.Conn
+}
+
+func startStallProxy(t *testing.T, upstream string) *stallProxy {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	p := &stallProxy{ln: ln, stalled: make(chan struct{})}
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			u, err := net.Dial("tcp", upstream)
+			if err != nil {
+				_ = c.Close()
+				continue
+			}
+			p.mu.Lock()
+			p.conns = append(p.conns, c, u)
+			p.mu.Unlock()
+			go func() { _, _ = io.Copy(c, u) }()
+			go func() {
+				buf := make([]byte, 64<<10)
+				holed := false
+				for {
+					n, err := c.Read(buf)
+					if err != nil {
+						_ = u.Close()
+						return
+					}
+					if !holed && bytes.Contains(bytes.ToLower(buf[:n]), []byte("info")) && p.armed.CompareAndSwap(true, false) {
+						holed = true
+						close(p.stalled)
+					}
+					if holed {
+						continue
+					}
+					if _, err := u.Write(buf[:n]); err != nil {
+						return
+					}
+				}
+			}()
+		}
+	}()
+	t.Cleanup(func() {
+		_ = ln.Close()
+		p.mu.Lock()
+		defer p.mu.Unlock()
+		for _, c := range p.conns {
+			_ = c.Close()
+		}
+	})
+	return p
 }
 
 // TestWorkerRunWhileEvictionCheckHangs runs a Worker whose Redis accepts
