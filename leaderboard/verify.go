@@ -43,8 +43,10 @@ const verifyAbandonTimeout = 5 * time.Second
 // lack its repairs: replication is asynchronous), and the sorted set
 // still holds at least as many members as the pass checked users (a DEL of
 // it alone, or its eviction, during the pass loses members the pass had
-// already found current; that also deletes an earlier Verify's record),
-// records in Redis that the projection is complete. With
+// already found current; that also deletes an earlier Verify's record; as
+// for reads, the check counts, and a loss that as many new users' first
+// scores made up for meanwhile goes unseen), records in Redis that the
+// projection is complete. With
 // Config.RequireVerifiedProjection, reads report Lag -1 and Unverified until
 // that record exists; a Redis that loses its data loses the record too.
 // verified tells whether it was recorded; when it was not, run Verify again
