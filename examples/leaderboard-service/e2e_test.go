@@ -4,7 +4,9 @@ import (
 	"bytes"
 	"context"
 	"net"
+	"net/http"
 	"os/exec"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -231,6 +233,14 @@ func TestPageSaysASubmitIsNotProjectedYet(t *testing.T) {
 // fail ends the test with the page's HTML and the browser's output.
 func openPage(t *testing.T, tb *testBundle, cfg ServiceConfig) (browser context.Context, base string, fail func(step string, err error)) {
 	t.Helper()
+	browser, base, _, fail = openStoppablePage(t, tb, cfg)
+	return browser, base, fail
+}
+
+// openStoppablePage is openPage, plus stop, which stops the service
+// (listener closed) before the test ends, leaving the page open.
+func openStoppablePage(t *testing.T, tb *testBundle, cfg ServiceConfig) (browser context.Context, base string, stop func(), fail func(step string, err error)) {
+	t.Helper()
 	chromium := chromiumPath(t)
 	svc, err := NewService(tb.pg.Pool, tb.rd.Client, tb.board, cfg)
 	require.NoError(t, err)
@@ -240,10 +250,14 @@ func openPage(t *testing.T, tb *testBundle, cfg ServiceConfig) (browser context.
 	runCtx, stopService := context.WithCancel(context.Background())
 	served := make(chan error, 1)
 	go func() { served <- svc.Run(runCtx, ln) }()
-	t.Cleanup(func() {
-		stopService()
-		require.NoError(t, <-served)
-	})
+	var once sync.Once
+	stop = func() {
+		once.Do(func() {
+			stopService()
+			require.NoError(t, <-served)
+		})
+	}
+	t.Cleanup(stop)
 	base = "http://" + ln.Addr().String()
 
 	var browserOut lockedBuffer
@@ -273,5 +287,203 @@ func openPage(t *testing.T, tb *testBundle, cfg ServiceConfig) (browser context.
 		html, _ := chromedp.Run(browser, chromedp.OuterHTML(chromedp.CSS("body")))
 		t.Fatalf("%s: %v\npage:\n%s\nbrowser output:\n%s", step, err, html, browserOut.String())
 	}
-	return browser, base, fail
+	return browser, base, stop, fail
+}
+
+// TestPageSaysTheBoardIsUnverified: with --require-verified and serve-stale, Redis
+// loses the board's keys (FLUSHALL, a restart without persistence). Reads
+// report the board unverified (lag -1, "unverified": true) and serve what
+// Redis has: nothing. The page must not present that as an empty board
+// ("no scores yet") with a calm "lag unknown", nor the lost user as a user
+// who never scored.
+func TestPageSaysTheBoardIsUnverified(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	tb := setup(t, func(c *leaderboard.Config) {
+		c.RequireVerifiedProjection, c.ReadPolicy, c.LagProbeInterval = true, leaderboard.ServeStale, 10*time.Millisecond
+	})
+	_, err := tb.board.Submit(ctx, leaderboard.Command{EventID: uuid.New(), UserID: "e2e-ada", Delta: 10})
+	require.NoError(t, err)
+	tb.drain(t)
+	_, verified, err := tb.board.Verify(ctx, nil)
+	require.NoError(t, err)
+	require.True(t, verified)
+
+	browser, base, fail := openPage(t, tb, ServiceConfig{}) // no scheduled reconcile
+	const ada = `#top tbody tr[data-user="e2e-ada"]`
+	if err := chromedp.Do(browser, chromedp.Navigate(base+"/"), chromedp.WaitVisible(chromedp.CSS(ada))); err != nil {
+		fail("load the page", err)
+	}
+
+	keys, err := tb.rd.Client.Keys(ctx, tb.rd.Prefix+"*").Result()
+	require.NoError(t, err)
+	require.NoError(t, tb.rd.Client.Del(ctx, keys...).Err()) // Redis lost the board
+
+	// The API says so.
+	time.Sleep(20 * time.Millisecond)
+	res := tb.do(t, http.MethodGet, "/leaderboard", nil, "")
+	require.Equal(t, http.StatusOK, res.status)
+	require.Contains(t, string(res.body), `"unverified":true`)
+
+	if err := chromedp.Do(browser, chromedp.Poll[chromedp.Void](`!document.querySelector(`+"`"+ada+"`"+`)`,
+		chromedp.WithPollingTimeout(10*time.Second))); err != nil {
+		fail("the next refresh", err)
+	}
+	table, err := chromedp.Run(browser, chromedp.Evaluate[string](`document.querySelector("#top tbody").textContent`))
+	if err != nil {
+		fail("read the table", err)
+	}
+	freshness, err := chromedp.Run(browser, chromedp.Evaluate[string](`document.querySelector("#freshness").textContent`))
+	if err != nil {
+		fail("read the freshness", err)
+	}
+	class, err := chromedp.Run(browser, chromedp.Evaluate[string](`document.querySelector("#freshness").className`))
+	if err != nil {
+		fail("read the class", err)
+	}
+	t.Logf("table %q; freshness %q (class %q)", table, freshness, class)
+	require.NotContains(t, table, "no scores yet", "an unverified board is not an empty one")
+	require.Contains(t, freshness, "not verified", "the page must say why the lag is unknown")
+	require.NotEqual(t, "muted", class, "an unverified projection is a warning, at least as much as a 5 s lag")
+
+	// The rank lookup of the lost user.
+	if err := chromedp.Do(browser,
+		chromedp.SendKeys(chromedp.CSS("#rank-user"), "e2e-ada"),
+		chromedp.Click(chromedp.CSS("#rank-lookup")),
+		chromedp.Poll[chromedp.Void](`document.querySelector("#rank-result").textContent.startsWith("e2e-ada: ")`,
+			chromedp.WithPollingTimeout(10*time.Second)),
+	); err != nil {
+		fail("rank lookup", err)
+	}
+	rank, err := chromedp.Run(browser, chromedp.Evaluate[string](`document.querySelector("#rank-result").textContent`))
+	if err != nil {
+		fail("read the rank result", err)
+	}
+	t.Logf("rank result %q", rank)
+	require.Contains(t, rank, "not verified", "ada has a score in PostgreSQL: the 404's freshness says the projection is unverified")
+}
+
+// TestPageClearsTheTableWhenTheServiceIsUnreachable: the service stops answering. The page
+// says "service unreachable" at the top, but must not keep the last top 10
+// under a freshness line that still reads as current ("lag 2 ms").
+func TestPageClearsTheTableWhenTheServiceIsUnreachable(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	tb := setup(t)
+	browser, base, stop, fail := openStoppablePage(t, tb, ServiceConfig{})
+	_, err := tb.board.Submit(ctx, leaderboard.Command{EventID: uuid.New(), UserID: "e2e-grace", Delta: 100})
+	require.NoError(t, err)
+	const grace = `#top tbody tr[data-user="e2e-grace"]`
+	if err := chromedp.Do(browser, chromedp.Navigate(base+"/"), chromedp.WaitVisible(chromedp.CSS(grace))); err != nil {
+		fail("load the page", err)
+	}
+	stop()
+	if err := chromedp.Do(browser, chromedp.Poll[chromedp.Void](
+		`document.querySelector("#status").textContent.startsWith("service unreachable")`,
+		chromedp.WithPollingTimeout(10*time.Second))); err != nil {
+		fail("see the service unreachable", err)
+	}
+	time.Sleep(1500 * time.Millisecond) // another failed refresh or two
+	shown, err := chromedp.Run(browser, chromedp.Evaluate[bool](`!!document.querySelector(`+"`"+grace+"`"+`)`))
+	if err != nil {
+		fail("read the page", err)
+	}
+	freshness, err := chromedp.Run(browser, chromedp.Evaluate[string](`document.querySelector("#freshness").textContent`))
+	if err != nil {
+		fail("read the freshness", err)
+	}
+	t.Logf("row shown %v; freshness %q", shown, freshness)
+	require.False(t, shown && strings.HasPrefix(freshness, "freshness: source"),
+		"the last answer stays on screen under its old freshness line, as if current")
+}
+
+// TestPageEscapesUserIDsAndShowsExtremeScores: a user id that is markup renders as text in
+// the table, the submit answer and the rank lookup; negative and
+// ±2^53 scores show exactly.
+func TestPageEscapesUserIDsAndShowsExtremeScores(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	tb := setup(t, func(c *leaderboard.Config) { c.MinDelta, c.MaxDelta = leaderboard.MinScore, leaderboard.MaxScore })
+	browser, base, fail := openPage(t, tb, ServiceConfig{})
+	const evil = `<img src=x onerror="window.pwned=1">"'&`
+	res := tb.submit(t, uuid.NewString(), `{"user_id":"<img src=x onerror=\"window.pwned=1\">\"'&","delta":-7}`)
+	require.Equal(t, http.StatusCreated, res.status, "%s", res.body)
+	for _, c := range []struct {
+		user  string
+		delta int64
+	}{{"big", leaderboard.MaxScore}, {"small", leaderboard.MinScore}, {"near", leaderboard.MaxScore - 1}} {
+		_, err := tb.board.Submit(ctx, leaderboard.Command{EventID: uuid.New(), UserID: c.user, Delta: c.delta})
+		require.NoError(t, err)
+	}
+	if err := chromedp.Do(browser, chromedp.Navigate(base+"/"), chromedp.WaitVisible(chromedp.CSS(`#top tbody tr[data-user="small"]`))); err != nil {
+		fail("load the page", err)
+	}
+	cells, err := chromedp.Run(browser, chromedp.Evaluate[[]string](`Array.from(document.querySelectorAll("#top tbody tr")).map(r => r.textContent)`))
+	if err != nil {
+		fail("read", err)
+	}
+	check := func() {
+		t.Helper()
+		state, err := chromedp.Run(browser, chromedp.Evaluate[string](`(window.pwned ? "pwned" : "clean") + " imgs " + document.querySelectorAll("img").length`))
+		if err != nil {
+			fail("read", err)
+		}
+		require.Equal(t, "clean imgs 0", state)
+	}
+	check()
+	t.Logf("rows %q", cells)
+	require.Equal(t, []string{"1big9007199254740992", "2near9007199254740991", "3" + evil + "-7", "4small-9007199254740992"}, cells)
+
+	// Through the form and the rank lookup too.
+	if err := chromedp.Do(browser,
+		chromedp.SendKeys(chromedp.CSS("#user-id"), evil),
+		chromedp.SetValue(chromedp.CSS("#delta"), "-3"),
+		chromedp.Click(chromedp.CSS("#submit")),
+		chromedp.Poll[chromedp.Void](`document.querySelector("#rank-result").textContent.includes("score -10")`,
+			chromedp.WithPollingTimeout(10*time.Second)),
+	); err != nil {
+		fail("submit", err)
+	}
+	check()
+}
+
+// TestPageRankNotFoundSaysHowFresh: a user's first score is committed but
+// not projected (the relays' lease table locked). Looking the user up, the
+// 404 carries the answer's freshness (a lag), for "the score may exist but
+// not be projected yet" (README); the page must not drop it and state
+// flatly that the user has no score.
+func TestPageRankNotFoundSaysHowFresh(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	tb := setup(t)
+	browser, base, fail := openPage(t, tb, ServiceConfig{})
+	if err := chromedp.Do(browser, chromedp.Navigate(base+"/"), chromedp.WaitVisible(chromedp.CSS("#top tbody tr"))); err != nil {
+		fail("load the page", err)
+	}
+	lock, err := tb.pg.Pool.Begin(ctx)
+	require.NoError(t, err)
+	_, err = lock.Exec(ctx, `LOCK TABLE verity_outbox_leases IN ACCESS EXCLUSIVE MODE`)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = lock.Rollback(ctx) })
+	_, err = tb.board.Submit(ctx, leaderboard.Command{EventID: uuid.New(), UserID: "e2e-new", Delta: 10})
+	require.NoError(t, err)
+	time.Sleep(300 * time.Millisecond)
+	res := tb.do(t, http.MethodGet, "/users/e2e-new/rank", nil, "")
+	require.Equal(t, http.StatusNotFound, res.status)
+	t.Logf("API: %s", res.body)
+
+	if err := chromedp.Do(browser,
+		chromedp.SendKeys(chromedp.CSS("#rank-user"), "e2e-new"),
+		chromedp.Click(chromedp.CSS("#rank-lookup")),
+		chromedp.Poll[chromedp.Void](`document.querySelector("#rank-result").textContent.startsWith("e2e-new: ")`,
+			chromedp.WithPollingTimeout(10*time.Second)),
+	); err != nil {
+		fail("rank lookup", err)
+	}
+	rank, err := chromedp.Run(browser, chromedp.Evaluate[string](`document.querySelector("#rank-result").textContent`))
+	if err != nil {
+		fail("read the rank result", err)
+	}
+	t.Logf("page: %q", rank)
+	require.Regexp(t, `lag \d`, rank, "the page must say how fresh the 'no score' answer is")
 }
