@@ -444,9 +444,9 @@ func TestWorkerChecksEvictionAfterRunCancelledMidCheck(t *testing.T) {
 	defer stop()
 	next := make(chan error, 1)
 	go func() { next <- w.Run(runCtx) }()
-	require.Eventually(t, func() bool { return len(logs.Lines(t, cutShort)) == 1 }, 3*readTimeout, 10*time.Millisecond,
+	require.Eventually(t, func() bool { return len(logs.Lines(t, cutShort)) == 1 }, 10*readTimeout, 10*time.Millisecond,
 		"setup: the first Run's check ends cut short")
-	require.Eventually(t, func() bool { return len(logs.Lines(t, warning)) >= 1 }, 3*readTimeout, 10*time.Millisecond,
+	require.Eventually(t, func() bool { return len(logs.Lines(t, warning)) >= 1 }, 10*readTimeout, 10*time.Millisecond,
 		"the next Run, started after the first Run's ctx ended before Redis answered, checks again and warns")
 	stop()
 	require.NoError(t, <-next)
