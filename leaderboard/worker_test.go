@@ -307,6 +307,28 @@ func TestPageStableUnderConcurrentUpdates(t *testing.T) {
 	}
 }
 
+// The eviction check's log lines.
+const (
+	evictionWarning  = "leaderboard: worker: the board's Redis may evict the projection's version keys; run it with maxmemory-policy noeviction"
+	evictionKept     = "leaderboard: worker: the Redis eviction policy keeps the projection's version keys"
+	evictionCutShort = "leaderboard: worker: the eviction check was cut short by Run's ctx; the next Run checks again"
+	evictionCouldNot = "leaderboard: worker: could not check the Redis eviction policy"
+)
+
+// loggingBoard returns a migrated board over rdb, in a schema of its own,
+// that logs into the returned sink.
+func loggingBoard(t *testing.T, rdb redis.UniversalClient) (*testBundle, *testenv.LogSink) {
+	t.Helper()
+	pg := testenv.Postgres(t)
+	logs := &testenv.LogSink{}
+	cfg := &Config{Name: "evicting", Schema: pg.Schema, Logger: logs.Logger()}
+	require.NoError(t, Migrate(context.Background(), pg.Pool, cfg))
+	board, err := New(pg.Pool, rdb, cfg)
+	require.NoError(t, err)
+	t.Cleanup(board.Close)
+	return &testBundle{board: board, pg: pg}, logs
+}
+
 // TestWorkerChecksEvictionPolicy runs a Worker against a Redis that may
 // evict keys without a TTL (a memory limit and allkeys-lru), where the
 // gate's version keys could be evicted and an older record applied: Run
@@ -314,21 +336,12 @@ func TestPageStableUnderConcurrentUpdates(t *testing.T) {
 // warns of nothing.
 func TestWorkerChecksEvictionPolicy(t *testing.T) {
 	t.Parallel()
-	const (
-		warning = "leaderboard: worker: the board's Redis may evict the projection's version keys; run it with maxmemory-policy noeviction"
-		keeps   = "leaderboard: worker: the Redis eviction policy keeps the projection's version keys"
-	)
+	const warning, keeps = evictionWarning, evictionKept
 	run := func(t *testing.T, policy, verdict string) *testenv.LogSink {
 		ctx := context.Background()
 		server := testenv.StartRedis(t, "--maxmemory", "100mb", "--maxmemory-policy", policy)
-		pg := testenv.Postgres(t)
-		logs := &testenv.LogSink{}
-		cfg := &Config{Name: "evicting", Schema: pg.Schema, Logger: logs.Logger()}
-		require.NoError(t, Migrate(ctx, pg.Pool, cfg))
-		board, err := New(pg.Pool, server.Client(t), cfg)
-		require.NoError(t, err)
-		t.Cleanup(board.Close)
-		tb := &testBundle{board: board, pg: pg}
+		tb, logs := loggingBoard(t, server.Client(t))
+		board := tb.board
 		tb.submit(t, "alice", 3)
 		w, err := board.Worker(nil)
 		require.NoError(t, err)
@@ -367,21 +380,11 @@ func TestWorkerChecksEvictionPolicy(t *testing.T) {
 // stand for the check, and the next Run warns of an evicting Redis.
 func TestWorkerChecksEvictionAfterCancelledRun(t *testing.T) {
 	t.Parallel()
-	const (
-		cutShort = "leaderboard: worker: the eviction check was cut short by Run's ctx; the next Run checks again"
-		couldNot = "leaderboard: worker: could not check the Redis eviction policy"
-		warning  = "leaderboard: worker: the board's Redis may evict the projection's version keys; run it with maxmemory-policy noeviction"
-	)
+	const cutShort, couldNot, warning = evictionCutShort, evictionCouldNot, evictionWarning
 	ctx := context.Background()
 	server := testenv.StartRedis(t, "--maxmemory", "100mb", "--maxmemory-policy", "allkeys-lru")
-	pg := testenv.Postgres(t)
-	logs := &testenv.LogSink{}
-	cfg := &Config{Name: "evicting", Schema: pg.Schema, Logger: logs.Logger()}
-	require.NoError(t, Migrate(ctx, pg.Pool, cfg))
-	board, err := New(pg.Pool, server.Client(t), cfg)
-	require.NoError(t, err)
-	t.Cleanup(board.Close)
-	w, err := board.Worker(nil)
+	tb, logs := loggingBoard(t, server.Client(t))
+	w, err := tb.board.Worker(nil)
 	require.NoError(t, err)
 
 	cancelled, cancel := context.WithCancel(ctx)
@@ -407,24 +410,15 @@ func TestWorkerChecksEvictionAfterCancelledRun(t *testing.T) {
 // check gives up, checks again and warns of an evicting Redis.
 func TestWorkerChecksEvictionAfterRunCancelledMidCheck(t *testing.T) {
 	t.Parallel()
-	const (
-		cutShort = "leaderboard: worker: the eviction check was cut short by Run's ctx; the next Run checks again"
-		warning  = "leaderboard: worker: the board's Redis may evict the projection's version keys; run it with maxmemory-policy noeviction"
-	)
+	const cutShort, warning = evictionCutShort, evictionWarning
 	ctx := context.Background()
 	server := testenv.StartRedis(t, "--maxmemory", "100mb", "--maxmemory-policy", "allkeys-lru")
 	proxy := startStallProxy(t, server.Addr())
 	const readTimeout = time.Second
 	rdb := redis.NewClient(&redis.Options{Addr: proxy.ln.Addr().String(), ReadTimeout: readTimeout})
 	t.Cleanup(func() { _ = rdb.Close() })
-	pg := testenv.Postgres(t)
-	logs := &testenv.LogSink{}
-	cfg := &Config{Name: "evicting", Schema: pg.Schema, Logger: logs.Logger()}
-	require.NoError(t, Migrate(ctx, pg.Pool, cfg))
-	board, err := New(pg.Pool, rdb, cfg)
-	require.NoError(t, err)
-	t.Cleanup(board.Close)
-	w, err := board.Worker(nil)
+	tb, logs := loggingBoard(t, rdb)
+	w, err := tb.board.Worker(nil)
 	require.NoError(t, err)
 
 	proxy.armed.Store(true)
