@@ -5,6 +5,7 @@ import (
 	"math"
 	"testing"
 	"time"
+	"unsafe"
 
 	"github.com/stretchr/testify/require"
 
@@ -236,4 +237,140 @@ func TestLagSaturatesForAncientPendingChange(t *testing.T) {
 	var stale *StaleError
 	require.ErrorAs(t, err, &stale)
 	require.Equal(t, time.Duration(math.MaxInt64), stale.Lag)
+}
+
+// slept returns tm as seen from a process that resumed after its host
+// slept for d since tm was taken: Go's monotonic clock (CLOCK_MONOTONIC on
+// Linux) does not advance while the host is suspended, its wall clock does.
+// From after the resume, tm's wall reading is d older than its monotonic
+// reading says: the same as moving tm's wall reading back by d and keeping
+// its monotonic reading, which is what this does (d whole seconds).
+func slept(t *testing.T, tm time.Time, d time.Duration) time.Time {
+	t.Helper()
+	type raw struct {
+		wall uint64
+		ext  int64
+		loc  *time.Location
+	}
+	const hasMonotonic, nsecShift = 1 << 63, 30
+	r := (*raw)(unsafe.Pointer(&tm))
+	require.NotZero(t, r.wall&hasMonotonic, "tm carries a monotonic reading")
+	out := tm
+	o := (*raw)(unsafe.Pointer(&out))
+	o.wall -= uint64(d/time.Second) << nsecShift
+	require.Equal(t, tm.Round(0).Add(-d), out.Round(0), "wall reading moved back")
+	require.Zero(t, out.Sub(tm), "monotonic reading kept")
+	return out
+}
+
+// hostSleeps makes b's last lag measurement (and look for Verify's record)
+// taken d before a host suspend the process has just resumed from.
+func hostSleeps(t *testing.T, b *Board, d time.Duration) {
+	t.Helper()
+	b.lagMu.Lock()
+	defer b.lagMu.Unlock()
+	require.False(t, b.lagProbe.at.IsZero())
+	b.lagProbe.at = slept(t, b.lagProbe.at, d)
+	if !b.verification.at.IsZero() {
+		b.verification.at = slept(t, b.verification.at, d)
+	}
+}
+
+// suspendFor is how long the tests' host sleeps.
+const suspendFor = time.Hour
+
+// suspendForedWithBacklog sets up a FailClosed board (MaxLag 2 s, probe every
+// second) with user-a's 10 projected and measured as current; then the host
+// sleeps an hour, during which another instance of the service writes
+// user-a +7 that the sleeping host's worker does not project.
+func suspendForedWithBacklog(t *testing.T) *testBundle {
+	t.Helper()
+	ctx := context.Background()
+	tb := setup(t, func(c *Config) {
+		c.ReadPolicy = FailClosed
+		c.MaxLag = 2 * time.Second
+		c.LagProbeInterval = time.Second
+	})
+	tb.submit(t, "user-a", 10)
+	tb.drain(t)
+	r, err := tb.board.Top(ctx, 10) // measures: nothing pending
+	require.NoError(t, err)
+	require.Zero(t, r.Freshness.Lag)
+
+	tb.submit(t, "user-a", 7)
+	_, err = tb.pg.Pool.Exec(ctx,
+		`UPDATE verity_outbox SET created_at = created_at - $1::interval WHERE published_at IS NULL`, suspendFor)
+	require.NoError(t, err)
+	hostSleeps(t, tb.board, suspendFor)
+	return tb
+}
+
+// TestHostSuspendAgesTheLagMeasurement checks the documented bound (Lag understates the
+// true lag by less than LagProbeInterval) across a host suspend: a
+// measurement taken before the suspend is not reused as current after it.
+func TestHostSuspendAgesTheLagMeasurement(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	bound := time.Second // LagProbeInterval
+
+	t.Run("FailClosedRead", func(t *testing.T) {
+		t.Parallel()
+		tb := suspendForedWithBacklog(t)
+		r, err := tb.board.Top(ctx, 10)
+		var stale *StaleError
+		require.ErrorAs(t, err, &stale,
+			"served %v with Lag %v and ProjectedThrough %v ago, while the oldest change has waited %v",
+			r.Entries, r.Freshness.Lag, time.Now().Round(0).Sub(r.Freshness.ProjectedThrough.Round(0)).Round(time.Second), suspendFor)
+		require.Greater(t, stale.Lag, suspendFor-bound)
+	})
+
+	t.Run("Freshness", func(t *testing.T) {
+		t.Parallel()
+		tb := suspendForedWithBacklog(t)
+		fr := tb.board.Freshness(ctx)
+		require.Greater(t, fr.Lag, suspendFor-bound, "%+v", fr)
+	})
+
+	t.Run("LagGauge", func(t *testing.T) {
+		t.Parallel()
+		tb := suspendForedWithBacklog(t)
+		lag, ok := tb.board.observedLag(ctx)
+		require.True(t, ok)
+		require.Greater(t, lag, suspendFor-bound)
+	})
+}
+
+// TestHostSuspendHidesNoRedisLoss: with RequireVerifiedProjection, a
+// Redis that lost the board's keys during the suspend is seen by the first
+// read after it ("every read made LagProbeInterval or more after the loss
+// sees it"), not hidden by a look for Verify's record taken before.
+func TestHostSuspendHidesNoRedisLoss(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	tb := setup(t, func(c *Config) {
+		c.RequireVerifiedProjection = true
+		c.ReadPolicy = FailClosed
+		c.MaxLag = 2 * time.Second
+		c.LagProbeInterval = time.Second
+	})
+	tb.submit(t, "ada", 10)
+	tb.drain(t)
+	_, verified, err := tb.board.Verify(ctx, nil)
+	require.NoError(t, err)
+	require.True(t, verified)
+	r, err := tb.board.Top(ctx, 10) // measures and looks for the record
+	require.NoError(t, err)
+	require.Len(t, r.Entries, 1)
+
+	// During the suspend Redis restarts without persistence.
+	keys, err := tb.rd.Client.Keys(ctx, tb.rd.Prefix+"*").Result()
+	require.NoError(t, err)
+	require.NotEmpty(t, keys)
+	require.NoError(t, tb.rd.Client.Del(ctx, keys...).Err())
+	hostSleeps(t, tb.board, suspendFor)
+
+	r, err = tb.board.Top(ctx, 10)
+	var stale *StaleError
+	require.ErrorAs(t, err, &stale, "served %+v", r)
+	require.True(t, stale.Unverified)
 }

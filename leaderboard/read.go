@@ -76,7 +76,9 @@ type Freshness struct {
 	// LagProbeInterval, plus, for a change whose transaction was already
 	// open when the measurement was taken (a change counts from its
 	// transaction's start; see Board.SubmitTx), how long it had been open
-	// then. A measurement's age counts from when its query was sent. 0 for PostgreSQL answers; negative when it could not be
+	// then. A measurement's age counts from when its query was sent, by the
+	// process's monotonic clock, or by its wall clock where that says longer
+	// (a host suspend stops the monotonic clock, not the wall clock). 0 for PostgreSQL answers; negative when it could not be
 	// measured: PostgreSQL could not be asked, or the probe found a change
 	// not yet projected dated after the database clock, which therefore
 	// stepped back since the change was written (an NTP step, a VM
@@ -773,7 +775,7 @@ type verifiedLook struct {
 func (b *Board) freshness(ctx context.Context) (Freshness, error) {
 	b.lagMu.Lock()
 	p := b.lagProbe
-	due := p.at.IsZero() || time.Since(p.at) >= b.cfg.LagProbeInterval
+	due := p.at.IsZero() || elapsed(time.Now(), p.at) >= b.cfg.LagProbeInterval
 	measure := due && (!p.running || p.at.IsZero())
 	if measure {
 		b.lagProbe.running = true
@@ -841,7 +843,7 @@ func (b *Board) freshness(ctx context.Context) (Freshness, error) {
 	}
 
 	now := time.Now()
-	age := now.Sub(p.at)
+	age := elapsed(now, p.at)
 	switch {
 	case p.pending:
 		lag := addLag(p.lag, age)
@@ -868,11 +870,11 @@ func (b *Board) verifiedLately(ctx context.Context) (verified bool, source strin
 		b.lagMu.Lock()
 		now := time.Now()
 		v := b.verification
-		if !v.at.IsZero() && now.Sub(v.at) < b.cfg.LagProbeInterval {
+		if !v.at.IsZero() && elapsed(now, v.at) < b.cfg.LagProbeInterval {
 			b.lagMu.Unlock()
 			return v.verified, v.source, nil
 		}
-		if l := v.look; l != nil && now.Sub(l.sent) < b.cfg.LagProbeInterval {
+		if l := v.look; l != nil && elapsed(now, l.sent) < b.cfg.LagProbeInterval {
 			b.lagMu.Unlock()
 			select {
 			case <-l.done:
@@ -989,8 +991,8 @@ func (b *Board) observedLag(ctx context.Context) (time.Duration, bool) {
 		asOf = g.prefetched
 	}
 	p, v := b.lagProbe, b.verification
-	if p.at.IsZero() || asOf.Sub(p.at) >= b.cfg.LagProbeInterval ||
-		verifying && (v.at.IsZero() || asOf.Sub(v.at) >= b.cfg.LagProbeInterval) {
+	if p.at.IsZero() || elapsed(asOf, p.at) >= b.cfg.LagProbeInterval ||
+		verifying && (v.at.IsZero() || elapsed(asOf, v.at) >= b.cfg.LagProbeInterval) {
 		deadline := g.started.Add(lagGaugeWait) // of the measurement under way
 		if b.lagGaugeProbe == nil {
 			done := make(chan struct{})
@@ -1038,17 +1040,17 @@ func (b *Board) observedLag(ctx context.Context) (time.Duration, bool) {
 	if b.cfg.LagProbeInterval <= (math.MaxInt64-2*lagGaugeWait)/2 {
 		tooOld = 2*b.cfg.LagProbeInterval + 2*lagGaugeWait
 	}
-	age := time.Since(p.at)
+	age := elapsed(time.Now(), p.at)
 	if p.at.IsZero() || p.failed || age > tooOld {
 		return 0, false
 	}
-	if verifying && (v.at.IsZero() || !v.verified || !sameSource(v.source, p.source) || time.Since(v.at) > tooOld) {
+	if verifying && (v.at.IsZero() || !v.verified || !sameSource(v.source, p.source) || elapsed(time.Now(), v.at) > tooOld) {
 		return 0, false
 	}
 	if p.pending {
 		return addLag(p.lag, age), true
 	}
-	if asOf.Sub(p.at) >= b.cfg.LagProbeInterval {
+	if elapsed(asOf, p.at) >= b.cfg.LagProbeInterval {
 		// No measurement current as of asOf answered in time: nothing was
 		// pending at p.at, but a change may have been waiting since, as
 		// reads report (see freshness).
@@ -1126,6 +1128,22 @@ func (r lagReading) clockStepped() (time.Duration, bool) {
 		return 0, false
 	}
 	return r.ahead.Sub(r.dbNow), true
+}
+
+// elapsed returns how long before now (both local time.Now readings) t
+// was: by the monotonic clock, or by the wall clock when that says longer.
+// Go's monotonic clock (CLOCK_MONOTONIC on Linux) stops while the host is
+// suspended, so after a resume it alone would make a measurement taken
+// before the suspend look current, and reads would report its lag,
+// understating the true one by the whole suspend. The wall clock counts
+// the suspend; stepped forward, it only makes a measurement look older,
+// which has it taken again.
+func elapsed(now, t time.Time) time.Duration {
+	d := now.Sub(t)
+	if w := now.Round(0).Sub(t.Round(0)); w > d {
+		return w
+	}
+	return d
 }
 
 // addLag returns lag + age (both not negative), or the largest Duration
