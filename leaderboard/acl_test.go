@@ -3,6 +3,10 @@ package leaderboard
 import (
 	"context"
 	"fmt"
+	"os"
+	"regexp"
+	"slices"
+	"strings"
 	"testing"
 	"time"
 
@@ -216,4 +220,41 @@ func TestWriterCommandList(t *testing.T) {
 	rebuild, err = rec.Rebuild(ctx)
 	require.NoError(t, err)
 	require.True(t, rebuild.Switched)
+}
+
+// readmeCommandList returns the backticked commands of the README bullet
+// of "Redis permissions" that starts with start, up to the next bullet.
+func readmeCommandList(t *testing.T, start string) []string {
+	t.Helper()
+	b, err := os.ReadFile("../README.md")
+	require.NoError(t, err)
+	s := string(b)
+	i := strings.Index(s, "### Redis permissions")
+	require.Positive(t, i)
+	s = s[i:]
+	j := strings.Index(s, start)
+	require.Positive(t, j, start)
+	s = s[j+len(start):]
+	if k := strings.Index(s, "\n- **"); k > 0 {
+		s = s[:k]
+	}
+	var out []string
+	for _, m := range regexp.MustCompile("`([a-z_|]+)`").FindAllStringSubmatch(s, -1) {
+		if !slices.Contains(out, m[1]) {
+			out = append(out, m[1])
+		}
+	}
+	return out
+}
+
+// TestACLListsAreTheREADMEs: the ACL tests run copies of the README's
+// Redis permission lists; the copies must be the lists.
+func TestACLListsAreTheREADMEs(t *testing.T) {
+	t.Parallel()
+	w := readmeCommandList(t, "a process that writes or repairs")
+	r := readmeCommandList(t, "a process that only reads")
+	require.NotEmpty(t, w)
+	require.NotEmpty(t, r)
+	require.ElementsMatch(t, writerCommands, w)
+	require.ElementsMatch(t, readerCommands, r)
 }
