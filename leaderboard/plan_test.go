@@ -4,7 +4,10 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"regexp"
+	"strconv"
 	"testing"
+	"time"
 
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -177,4 +180,51 @@ func TestLargeGroupsArePlannedForTheirArrays(t *testing.T) {
 	}
 	generic, custom = plans()
 	require.Equal(t, [2]int64{4, 12}, [2]int64{generic, custom}, "the setting did not outlive the large groups' transactions")
+}
+
+// TestSubmitBatchRetryIsLinear retries a committed batch of 8,000
+// commands (as after ErrOutcomeUnknown): the conflict check joins the prior
+// events with the batch without comparing every pair (64M pairs took 3-8 s).
+func TestSubmitBatchRetryIsLinear(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	tb := setup(t)
+	const n = 8000
+	cmds := make([]Command, n)
+	for i := range cmds {
+		cmds[i] = Command{EventID: uuid.New(), UserID: fmt.Sprintf("u%d", i), Delta: 1}
+	}
+	start := time.Now()
+	_, err := tb.board.SubmitBatch(ctx, cmds)
+	require.NoError(t, err)
+	first := time.Since(start)
+	start = time.Now()
+	res, err := tb.board.SubmitBatch(ctx, cmds)
+	require.NoError(t, err)
+	again := time.Since(start)
+	require.True(t, res[n-1].Duplicate)
+	t.Logf("n=%d first=%s retry=%s", n, first, again)
+	// The planner's choice, not a timing: no join over n*n rows.
+	in, err := tb.board.prepareBatch(ctx, tb.pg.Pool, cmds, false)
+	require.NoError(t, err)
+	var plan string
+	require.NoError(t, tb.pg.Pool.QueryRow(ctx, "EXPLAIN (ANALYZE, COSTS OFF, FORMAT JSON) "+tb.board.sql.submitBatch,
+		in.ids, in.users, in.deltas, tb.board.cfg.Name, tb.board.stream, false).Scan(&plan))
+	worst := 0
+	for _, m := range regexp.MustCompile(`"Rows Removed by Join Filter": (\d+)`).FindAllStringSubmatch(plan, -1) {
+		v, _ := strconv.Atoi(m[1])
+		worst = max(worst, v)
+	}
+	require.Less(t, worst, 10*n, "a join of the retry compared %d pairs for %d ids", worst, n)
+
+	// SubmitBatchTx shares the statement's CTEs.
+	tx, err := tb.pg.Pool.Begin(ctx)
+	require.NoError(t, err)
+	defer tx.Rollback(ctx)
+	start = time.Now()
+	res, err = tb.board.SubmitBatchTx(ctx, tx, cmds)
+	require.NoError(t, err)
+	inTx := time.Since(start)
+	require.True(t, res[0].Duplicate)
+	t.Logf("SubmitBatchTx retry=%s", inTx)
 }
