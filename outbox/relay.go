@@ -41,12 +41,13 @@ const maxErrorLength = 4096
 // fallback) or drive it batch by batch with RunOnce. Stats, DeadLetters and
 // ReplayDead are administrative helpers that need no running relay.
 type Relay struct {
-	pool    *pgxpool.Pool
-	handler Handler
-	cfg     RelayConfig
-	names   names
-	logger  *slog.Logger
-	running atomic.Bool
+	pool     *pgxpool.Pool
+	handler  Handler
+	cfg      RelayConfig
+	perClaim int // claimPartitions(cfg.BatchSize)
+	names    names
+	logger   *slog.Logger
+	running  atomic.Bool
 
 	metrics   *relayMetrics
 	lastStats atomic.Pointer[statsSample] // latest Stats result, for the gauges
@@ -97,13 +98,15 @@ func NewRelay(pool *pgxpool.Pool, handler Handler, cfg *RelayConfig) (*Relay, er
 	if len(cfg.Streams) > 0 {
 		others = fmt.Sprintf(settleOthers, n.Outbox, partitionBlock, partitionCount, settleLookahead, heldPauseMax.Microseconds())
 	}
-	lease := fmt.Sprintf(leaseSQL, n.Outbox, n.Leases, streamFilter, async, partitionCount, partitionsPerClaim, partitionBlock, n.Dead,
+	perClaim := claimPartitions(cfg.BatchSize)
+	lease := fmt.Sprintf(leaseSQL, n.Outbox, n.Leases, streamFilter, async, partitionCount, perClaim, partitionBlock, n.Dead,
 		crashedError("LEAST(o.attempts, 2147483646) + 1"), buryCrashed(n.Dead, cfg), crashedError("attempts"),
 		fmt.Sprintf(dueRowProbe, n.Outbox, partitionBlock, partitionCount, streamFilter))
 	return &Relay{
 		pool:       pool,
 		handler:    handler,
 		cfg:        *cfg,
+		perClaim:   perClaim,
 		names:      n,
 		logger:     cfg.Logger.With(slog.String("relay", cfg.Name)),
 		metrics:    metrics,
@@ -164,6 +167,15 @@ const partitionBlock = 256
 // running at the same instant; Run claims again at once when a claim locked
 // this many, since more partitions may have due rows.
 const partitionsPerClaim = 4
+
+// claimPartitions is the most partitions a claim of batchSize rows locks:
+// partitionsPerClaim, or enough partitions for a batch when each holds one
+// run of partitionBlock ids (a backlog of fewer than
+// partitionCount*partitionBlock rows), so that a BatchSize above
+// partitionsPerClaim*partitionBlock is not capped at that many rows.
+func claimPartitions(batchSize int) int {
+	return min(partitionCount, max(partitionsPerClaim, (batchSize+partitionBlock-1)/partitionBlock))
+}
 
 // A claim is two statements sent together (one round trip, one implicit
 // transaction, a snapshot each), after claimLockSQL: leaseSQL takes
@@ -692,7 +704,7 @@ func (r *Relay) claim(claimCtx, workCtx context.Context, token uuid.UUID) (batch
 		case len(c.batch) > 0:
 			// Rows pickSQL buried took places in the batch as handed-out
 			// ones do: a full read may have left rows due.
-			if c.read >= r.cfg.BatchSize || c.leased >= partitionsPerClaim {
+			if c.read >= r.cfg.BatchSize || c.leased >= r.perClaim {
 				return c.batch, claimNow, start, nil
 			}
 			return c.batch, whenHeld(held), start, nil

@@ -2237,3 +2237,29 @@ func (e *expiring) Err() error {
 		return nil
 	}
 }
+
+// TestRelayClaimsUpToBatchSize: a claim takes whatever is due up to
+// BatchSize, also above the 1,024 rows four partitions hold on a backlog of
+// one run per partition.
+func TestRelayClaimsUpToBatchSize(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	for _, size := range []int{2000, outbox.BatchSizeMax} {
+		t.Run(fmt.Sprint(size), func(t *testing.T) {
+			t.Parallel()
+			b := setup(t)
+			msgs := make([]outbox.Message, size)
+			for i := range msgs {
+				msgs[i] = newMessage("s", fmt.Sprintf("k%d", i), 1)
+			}
+			b.appendCommitted(t, msgs...)
+			ok := outbox.HandlerFunc(func(_ context.Context, batch []outbox.Record) ([]outbox.Result, error) {
+				return make([]outbox.Result, len(batch)), nil
+			})
+			r := b.relay(t, nil, ok, outbox.RelayConfig{BatchSize: size})
+			got, err := r.RunOnce(ctx)
+			require.NoError(t, err)
+			require.Equal(t, size, got, "one claim of BatchSize %d with %d rows due", size, size)
+		})
+	}
+}
