@@ -374,3 +374,29 @@ func TestHostSuspendHidesNoRedisLoss(t *testing.T) {
 	require.ErrorAs(t, err, &stale, "served %+v", r)
 	require.True(t, stale.Unverified)
 }
+
+// TestHostSuspendProjectedThrough: after a host suspend, a read that
+// reuses the measurement taken before it (a probe under way) reports Lag
+// as the measurement's wall-clock age, and ProjectedThrough as the time of
+// that measurement; time.Since(ProjectedThrough) must then say as much,
+// not the monotonic age that stopped during the suspend.
+func TestHostSuspendProjectedThrough(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	tb := setup(t, func(c *Config) { c.LagProbeInterval = time.Second })
+	tb.submit(t, "ada", 10)
+	tb.drain(t)
+	r, err := tb.board.Top(ctx, 10) // measures: nothing pending
+	require.NoError(t, err)
+	require.Zero(t, r.Freshness.Lag)
+	hostSleeps(t, tb.board, suspendFor)
+	// The first read after the resume is measuring (a slow reply): others
+	// reuse the previous measurement.
+	tb.board.lagMu.Lock()
+	tb.board.lagProbe.running = true
+	tb.board.lagMu.Unlock()
+	fr := tb.board.Freshness(ctx)
+	require.Greater(t, fr.Lag, suspendFor-time.Second, "%+v", fr)
+	require.Greater(t, time.Since(fr.ProjectedThrough), suspendFor-time.Second,
+		"Lag %v but time.Since(ProjectedThrough) %v", fr.Lag, time.Since(fr.ProjectedThrough))
+}

@@ -850,10 +850,12 @@ func (b *Board) freshness(ctx context.Context) (Freshness, error) {
 		return Freshness{Source: SourceRedis, Lag: lag, ProjectedThrough: now.Add(-lag)}, nil
 	case age >= b.cfg.LagProbeInterval:
 		// Nothing was pending at p.at, but a change committed right after
-		// may have been waiting ever since.
-		return Freshness{Source: SourceRedis, Lag: age, ProjectedThrough: p.at}, nil
+		// may have been waiting ever since. ProjectedThrough carries no
+		// monotonic reading: taken before a host suspend, it would make
+		// time.Since(ProjectedThrough) leave the suspend out (see elapsed).
+		return Freshness{Source: SourceRedis, Lag: age, ProjectedThrough: p.at.Round(0)}, nil
 	}
-	return Freshness{Source: SourceRedis, ProjectedThrough: p.at}, nil
+	return Freshness{Source: SourceRedis, ProjectedThrough: p.at.Round(0)}, nil
 }
 
 // verifiedLately reports whether Redis held Verify's record at some moment
