@@ -209,7 +209,8 @@
 // rows it moves to the dead-letter table, see "Lifecycle of a row") and
 // never visits another relay's partition. A claim leases up to four
 // partitions, or, for a BatchSize above 1,024, as many as a batch fills
-// when each holds one run (BatchSize / 256, at most all 64): four runs
+// when each holds one run (BatchSize / 256 rounded up, plus one for the
+// partial runs at a backlog's ends, at most all 64): four runs
 // would cap a claim at 1,024 rows on a backlog under 16,384.
 // Runs of consecutive ids keep a batch on few heap pages,
 // and keep a trickle of new rows in one or two partitions, so that one claim

@@ -174,7 +174,12 @@ const partitionsPerClaim = 4
 // partitionCount*partitionBlock rows), so that a BatchSize above
 // partitionsPerClaim*partitionBlock is not capped at that many rows.
 func claimPartitions(batchSize int) int {
-	return min(partitionCount, max(partitionsPerClaim, (batchSize+partitionBlock-1)/partitionBlock))
+	if batchSize <= partitionsPerClaim*partitionBlock {
+		return partitionsPerClaim
+	}
+	// A backlog's ids rarely start at a run's boundary: batchSize
+	// consecutive ids span one run more than batchSize/partitionBlock.
+	return min(partitionCount, (batchSize+partitionBlock-1)/partitionBlock+1)
 }
 
 // A claim is two statements sent together (one round trip, one implicit

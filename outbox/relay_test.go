@@ -2240,15 +2240,24 @@ func (e *expiring) Err() error {
 
 // TestRelayClaimsUpToBatchSize: a claim takes whatever is due up to
 // BatchSize, also above the 1,024 rows four partitions hold on a backlog of
-// one run per partition.
+// one run per partition, and also when the backlog's ids do not start at a
+// run's boundary (as after any earlier traffic: BatchSize consecutive ids
+// then span one partition more).
 func TestRelayClaimsUpToBatchSize(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	for _, size := range []int{2000, outbox.BatchSizeMax} {
-		t.Run(fmt.Sprint(size), func(t *testing.T) {
+	for _, tc := range []struct {
+		size  int
+		start int64 // the id sequence's last value before the backlog
+	}{{2000, 0}, {outbox.BatchSizeMax, 0}, {2000, 128}, {4096, 128}} {
+		t.Run(fmt.Sprintf("%dFrom%d", tc.size, tc.start+1), func(t *testing.T) {
 			t.Parallel()
 			b := setup(t)
-			msgs := make([]outbox.Message, size)
+			if tc.start > 0 {
+				_, err := b.pool.Exec(ctx, `SELECT setval(pg_get_serial_sequence($1, 'id'), $2)`, b.writer.Table(), tc.start)
+				require.NoError(t, err)
+			}
+			msgs := make([]outbox.Message, tc.size)
 			for i := range msgs {
 				msgs[i] = newMessage("s", fmt.Sprintf("k%d", i), 1)
 			}
@@ -2256,10 +2265,10 @@ func TestRelayClaimsUpToBatchSize(t *testing.T) {
 			ok := outbox.HandlerFunc(func(_ context.Context, batch []outbox.Record) ([]outbox.Result, error) {
 				return make([]outbox.Result, len(batch)), nil
 			})
-			r := b.relay(t, nil, ok, outbox.RelayConfig{BatchSize: size})
+			r := b.relay(t, nil, ok, outbox.RelayConfig{BatchSize: tc.size})
 			got, err := r.RunOnce(ctx)
 			require.NoError(t, err)
-			require.Equal(t, size, got, "one claim of BatchSize %d with %d rows due", size, size)
+			require.Equal(t, tc.size, got, "one claim of BatchSize %d with %d rows due", tc.size, tc.size)
 		})
 	}
 }
