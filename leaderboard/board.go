@@ -667,12 +667,31 @@ func (b *Board) submitBatchTx(ctx context.Context, tx outbox.Tx, cmds []Command)
 		return nil, err
 	}
 	args := []any{in.ids, in.users, in.deltas, b.cfg.Name, b.stream, false, b.channel}
-	if ptx, ok := tx.(pgx.Tx); ok && len(in.sent) > preparedBatchMax && ptx.Conn() != nil &&
-		ptx.Conn().Config().DefaultQueryExecMode == pgx.QueryExecModeCacheStatement {
-		args = append([]any{pgx.QueryExecModeExec}, args...)
+	// A large batch must be planned for its arrays (see sendBatch). A pgx
+	// transaction sends it unnamed; pgx's modes that cache no statement
+	// plan for the arguments anyway. Another Tx (database/sql through
+	// outbox.SQLTx) may cache the statement, which switches to the generic
+	// plan after five runs (2,000 commands: 40 ms, then 530 ms): there the
+	// statement runs with plan_cache_mode force_custom_plan, and the
+	// caller's setting is put back after it.
+	customPlan := len(in.sent) > preparedBatchMax
+	if ptx, ok := tx.(pgx.Tx); ok && ptx.Conn() != nil {
+		if customPlan && ptx.Conn().Config().DefaultQueryExecMode == pgx.QueryExecModeCacheStatement {
+			args = append([]any{pgx.QueryExecModeExec}, args...)
+		}
+		customPlan = false
+	}
+	var planMode string
+	if customPlan {
+		if err := tx.QueryRow(ctx, forceCustomPlanSQL).Scan(&planMode, new(string)); err != nil {
+			return nil, b.dbError(opSubmitBatchTx, err)
+		}
 	}
 	var doc string
 	err = tx.QueryRow(ctx, b.sql.submitBatchTx, args...).Scan(&doc)
+	if err == nil && customPlan {
+		err = tx.QueryRow(ctx, restorePlanModeSQL, planMode).Scan(new(string))
+	}
 	switch {
 	case err == nil:
 	case b.outboxIDClash(err):

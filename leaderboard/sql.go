@@ -247,6 +247,17 @@ const setLockTimeoutSQL = `SELECT set_config('lock_timeout', $1::text, true)`
 // not with the cached generic plan (see sendBatch).
 const setLockTimeoutCustomPlanSQL = `SELECT set_config('lock_timeout', $1::text, true), set_config('plan_cache_mode', 'force_custom_plan', true)`
 
+// forceCustomPlanSQL makes PostgreSQL plan the statements that follow in
+// the current transaction for their arguments, and returns the setting it
+// replaced (read first: the CTE is materialized), for restorePlanModeSQL.
+const forceCustomPlanSQL = `
+WITH prev AS MATERIALIZED (SELECT current_setting('plan_cache_mode') AS v)
+SELECT v, set_config('plan_cache_mode', 'force_custom_plan', true) FROM prev`
+
+// restorePlanModeSQL puts plan_cache_mode ($1) back for the rest of the
+// current transaction.
+const restorePlanModeSQL = `SELECT set_config('plan_cache_mode', $1::text, true)`
+
 // overflowProbeSQL reads, for a refused batch, the current scores of its
 // users ($2) and which of its event ids ($3) were applied before: board $1.
 // Both parts probe a primary key once per distinct element, as
