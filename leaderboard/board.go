@@ -630,8 +630,11 @@ func (b *Board) SubmitBatch(ctx context.Context, cmds []Command) ([]Result, erro
 // elsewhere should change them in that order too, or risk a deadlock.
 // Batches above MaxSubmitsPerStatementDefault commands in a pgx.Tx whose
 // connection caches statements are sent unnamed, so that PostgreSQL plans
-// each for its arrays (see SubmitBatch); through database/sql they run as
-// its driver sends them.
+// each for its arrays (see SubmitBatch); through database/sql (whose
+// driver may cache the statement, and a cached statement switches to a
+// generic plan after five runs) the statement is wrapped in two short ones
+// in tx, which set plan_cache_mode to force_custom_plan and then put the
+// caller's setting back.
 //
 // The verity.leaderboard.submits counter counts its commands as staged,
 // as SubmitTx's.
