@@ -632,9 +632,10 @@ func (b *Board) SubmitBatch(ctx context.Context, cmds []Command) ([]Result, erro
 // connection caches statements are sent unnamed, so that PostgreSQL plans
 // each for its arrays (see SubmitBatch); through database/sql (whose
 // driver may cache the statement, and a cached statement switches to a
-// generic plan after five runs) the statement is wrapped in two short ones
-// in tx, which set plan_cache_mode to force_custom_plan and then put the
-// caller's setting back.
+// generic plan after five runs), and in a pgx.Tx not using the simple
+// protocol (the caller's session or role may force generic plans), the
+// statement is wrapped in two short ones in tx, which set plan_cache_mode
+// to force_custom_plan and then put the caller's setting back.
 //
 // The verity.leaderboard.submits counter counts its commands as staged,
 // as SubmitTx's.
@@ -670,19 +671,23 @@ func (b *Board) submitBatchTx(ctx context.Context, tx outbox.Tx, cmds []Command)
 		return nil, err
 	}
 	args := []any{in.ids, in.users, in.deltas, b.cfg.Name, b.stream, false, b.channel}
-	// A large batch must be planned for its arrays (see sendBatch). A pgx
-	// transaction sends it unnamed; pgx's modes that cache no statement
-	// plan for the arguments anyway. Another Tx (database/sql through
-	// outbox.SQLTx) may cache the statement, which switches to the generic
-	// plan after five runs (2,000 commands: 40 ms, then 530 ms): there the
-	// statement runs with plan_cache_mode force_custom_plan, and the
-	// caller's setting is put back after it.
+	// A large batch must be planned for its arrays (see sendBatch). A Tx
+	// may cache the statement (database/sql through outbox.SQLTx does),
+	// which switches to the generic plan after five runs (2,000 commands:
+	// 40 ms, then 530 ms), and the caller's session may force generic
+	// plans: the statement runs with plan_cache_mode force_custom_plan, and
+	// the caller's setting is put back after it.
 	customPlan := len(in.sent) > preparedBatchMax
-	if ptx, ok := tx.(pgx.Tx); ok && ptx.Conn() != nil {
-		if customPlan && ptx.Conn().Config().DefaultQueryExecMode == pgx.QueryExecModeCacheStatement {
+	if ptx, ok := tx.(pgx.Tx); ok && ptx.Conn() != nil && customPlan {
+		// An unnamed statement is planned for its arguments only under
+		// plan_cache_mode auto: the caller's session (or role) may force
+		// generic plans. The simple protocol sends the values as text.
+		switch ptx.Conn().Config().DefaultQueryExecMode {
+		case pgx.QueryExecModeSimpleProtocol:
+			customPlan = false
+		case pgx.QueryExecModeCacheStatement:
 			args = append([]any{pgx.QueryExecModeExec}, args...)
 		}
-		customPlan = false
 	}
 	var planMode string
 	if customPlan {
@@ -693,7 +698,9 @@ func (b *Board) submitBatchTx(ctx context.Context, tx outbox.Tx, cmds []Command)
 	var doc string
 	err = tx.QueryRow(ctx, b.sql.submitBatchTx, args...).Scan(&doc)
 	if err == nil && customPlan {
-		err = tx.QueryRow(ctx, restorePlanModeSQL, planMode).Scan(new(string))
+		// Not cut short by ctx: the batch is in tx now, and an error here
+		// would tell the caller it failed.
+		err = tx.QueryRow(context.WithoutCancel(ctx), restorePlanModeSQL, planMode).Scan(new(string))
 	}
 	switch {
 	case err == nil:

@@ -3,11 +3,15 @@ package leaderboard
 import (
 	"context"
 	"database/sql"
+	"encoding/json"
 	"errors"
 	"fmt"
+	"strings"
+	"sync"
 	"testing"
 
 	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/stretchr/testify/require"
 
@@ -338,4 +342,80 @@ func TestSubmitBatchTxThroughDatabaseSQLIsPlannedForItsArrays(t *testing.T) {
 	require.Equal(t, int64(1), prepared, "setup: the driver cached the batch statement")
 	require.Zero(t, generic, "runs on the generic plan")
 	require.Equal(t, int64(8), custom)
+}
+
+// TestSubmitBatchTxInPgxIsPlannedForItsArrays runs batches larger than
+// preparedBatchMax in a pgx transaction, in each of pgx's query modes,
+// with the caller's plan_cache_mode auto and force_generic_plan: each is
+// planned for its arrays (auto_explain's plan holds the batch's values,
+// not unnest($1)), past the five runs after which a cached statement goes
+// generic, and the caller's setting is back after each.
+func TestSubmitBatchTxInPgxIsPlannedForItsArrays(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	modes := []pgx.QueryExecMode{pgx.QueryExecModeCacheStatement, pgx.QueryExecModeCacheDescribe,
+		pgx.QueryExecModeDescribeExec, pgx.QueryExecModeExec, pgx.QueryExecModeSimpleProtocol}
+	for _, callerMode := range []string{"auto", "force_generic_plan"} {
+		for _, mode := range modes {
+			t.Run(fmt.Sprintf("%s/%v", callerMode, mode), func(t *testing.T) {
+				t.Parallel()
+				tb := setup(t)
+				cfg, err := pgx.ParseConfig(tb.pg.ConnString)
+				require.NoError(t, err)
+				cfg.DefaultQueryExecMode = mode
+				var mu sync.Mutex
+				var plans []string
+				cfg.OnNotice = func(_ *pgconn.PgConn, n *pgconn.Notice) {
+					i := strings.Index(n.Message, "plan:\n")
+					if i < 0 {
+						return
+					}
+					var p struct {
+						Query string          `json:"Query Text"`
+						Plan  json.RawMessage `json:"Plan"`
+					}
+					if json.Unmarshal([]byte(n.Message[i+len("plan:\n"):]), &p) != nil {
+						return
+					}
+					if strings.Contains(p.Query, "json_build_object(") {
+						mu.Lock()
+						plans = append(plans, string(p.Plan))
+						mu.Unlock()
+					}
+				}
+				conn, err := pgx.ConnectConfig(ctx, cfg)
+				require.NoError(t, err)
+				t.Cleanup(func() { conn.Close(context.Background()) })
+				for run := range 7 { // past the five custom plans of a cached statement
+					tx, err := conn.Begin(ctx)
+					require.NoError(t, err)
+					for _, s := range []string{`LOAD 'auto_explain'`,
+						`SET LOCAL auto_explain.log_min_duration = 0`, `SET LOCAL auto_explain.log_level = notice`,
+						`SET LOCAL auto_explain.log_format = json`, `SET LOCAL auto_explain.log_verbose = on`,
+						`SET LOCAL plan_cache_mode = ` + callerMode} {
+						_, err := tx.Exec(ctx, s)
+						require.NoError(t, err, s)
+					}
+					cmds := make([]Command, preparedBatchMax+1)
+					for i := range cmds {
+						cmds[i] = Command{EventID: uuid.New(), UserID: fmt.Sprintf("zzmark%d-%d", run, i), Delta: 1}
+					}
+					_, err = tb.board.SubmitBatchTx(ctx, tx, cmds)
+					require.NoError(t, err)
+					var got string
+					require.NoError(t, tx.QueryRow(ctx, `SELECT current_setting('plan_cache_mode')`).Scan(&got))
+					require.Equal(t, callerMode, got, "the caller's setting is back")
+					require.NoError(t, tx.Commit(ctx))
+				}
+				mu.Lock()
+				defer mu.Unlock()
+				require.Len(t, plans, 7)
+				for run, p := range plans {
+					if !strings.Contains(p, fmt.Sprintf("zzmark%d-", run)) {
+						t.Errorf("run %d is planned with the generic plan, not for its arrays (unnest($1) in the plan: %v)", run, strings.Contains(p, `unnest($1)`))
+					}
+				}
+			})
+		}
+	}
 }
