@@ -211,7 +211,11 @@
 // partitions, or, for a BatchSize above 1,024, as many as a batch fills
 // when each holds one run (BatchSize / 256 rounded up, plus one for the
 // partial runs at a backlog's ends, at most all 64): four runs
-// would cap a claim at 1,024 rows on a backlog under 16,384.
+// would cap a claim at 1,024 rows on a backlog under 16,384. At a BatchSize
+// of 1,024 or less (the default 1,000 included) a claim keeps its four
+// partitions, and on such a backlog whose ids do not start at a run's
+// boundary it can hand out fewer rows than BatchSize (down to 769); Run
+// claims again at once when a claim took all the partitions it could.
 // Runs of consecutive ids keep a batch on few heap pages,
 // and keep a trickle of new rows in one or two partitions, so that one claim
 // finds them all.

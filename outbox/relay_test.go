@@ -2242,7 +2242,8 @@ func (e *expiring) Err() error {
 // BatchSize, also above the 1,024 rows four partitions hold on a backlog of
 // one run per partition, and also when the backlog's ids do not start at a
 // run's boundary (as after any earlier traffic: BatchSize consecutive ids
-// then span one partition more).
+// then span one partition more). At 1,024 or less a claim keeps four
+// partitions (the package doc says what that costs).
 func TestRelayClaimsUpToBatchSize(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
