@@ -41,13 +41,12 @@ const maxErrorLength = 4096
 // fallback) or drive it batch by batch with RunOnce. Stats, DeadLetters and
 // ReplayDead are administrative helpers that need no running relay.
 type Relay struct {
-	pool     *pgxpool.Pool
-	handler  Handler
-	cfg      RelayConfig
-	perClaim int // claimPartitions(cfg.BatchSize)
-	names    names
-	logger   *slog.Logger
-	running  atomic.Bool
+	pool    *pgxpool.Pool
+	handler Handler
+	cfg     RelayConfig
+	names   names
+	logger  *slog.Logger
+	running atomic.Bool
 
 	metrics   *relayMetrics
 	lastStats atomic.Pointer[statsSample] // latest Stats result, for the gauges
@@ -98,15 +97,13 @@ func NewRelay(pool *pgxpool.Pool, handler Handler, cfg *RelayConfig) (*Relay, er
 	if len(cfg.Streams) > 0 {
 		others = fmt.Sprintf(settleOthers, n.Outbox, partitionBlock, partitionCount, settleLookahead, heldPauseMax.Microseconds())
 	}
-	perClaim := claimPartitions(cfg.BatchSize)
-	lease := fmt.Sprintf(leaseSQL, n.Outbox, n.Leases, streamFilter, async, partitionCount, perClaim, partitionBlock, n.Dead,
+	lease := fmt.Sprintf(leaseSQL, n.Outbox, n.Leases, streamFilter, async, partitionCount, claimPartitions(cfg.BatchSize), partitionBlock, n.Dead,
 		crashedError("LEAST(o.attempts, 2147483646) + 1"), buryCrashed(n.Dead, cfg), crashedError("attempts"),
 		fmt.Sprintf(dueRowProbe, n.Outbox, partitionBlock, partitionCount, streamFilter))
 	return &Relay{
 		pool:       pool,
 		handler:    handler,
 		cfg:        *cfg,
-		perClaim:   perClaim,
 		names:      n,
 		logger:     cfg.Logger.With(slog.String("relay", cfg.Name)),
 		metrics:    metrics,
@@ -709,7 +706,7 @@ func (r *Relay) claim(claimCtx, workCtx context.Context, token uuid.UUID) (batch
 		case len(c.batch) > 0:
 			// Rows pickSQL buried took places in the batch as handed-out
 			// ones do: a full read may have left rows due.
-			if c.read >= r.cfg.BatchSize || c.leased >= r.perClaim {
+			if c.read >= r.cfg.BatchSize || c.leased >= claimPartitions(r.cfg.BatchSize) {
 				return c.batch, claimNow, start, nil
 			}
 			return c.batch, whenHeld(held), start, nil
