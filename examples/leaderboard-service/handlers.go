@@ -8,15 +8,19 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"net"
 	"net/http"
 	"net/url"
 	"os"
 	"strconv"
 	"strings"
+	"syscall"
 	"time"
 	"unicode/utf8"
 
 	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/redis/go-redis/v9"
 
 	"github.com/verity-go/verity/leaderboard"
 )
@@ -632,6 +636,13 @@ func (s *Service) writeError(w http.ResponseWriter, r *http.Request, err error) 
 			s.metrics.countSubmit(r.Context(), "error")
 		}
 		w.WriteHeader(statusClientClosedRequest)
+	case r.Method == http.MethodGet && unreachable(err):
+		// A read under ServeStale or FailClosed whose Redis (or, falling
+		// back, PostgreSQL) cannot be reached: an outage the client can
+		// wait out, not a fault in this service.
+		s.logger.Warn("read failed: a store cannot be reached", slog.String("path", r.URL.Path), slog.Any("err", err))
+		w.Header().Set("Retry-After", "1")
+		writeJSON(w, http.StatusServiceUnavailable, errorResponse{Error: "the leaderboard's store cannot be reached; retry shortly"})
 	default:
 		if r.URL.Path == "/scores" {
 			s.metrics.countSubmit(r.Context(), "error")
@@ -639,6 +650,19 @@ func (s *Service) writeError(w http.ResponseWriter, r *http.Request, err error) 
 		s.logger.Error("request failed", slog.String("method", r.Method), slog.String("path", r.URL.Path), slog.Any("err", err))
 		writeJSON(w, http.StatusInternalServerError, errorResponse{Error: "internal error"})
 	}
+}
+
+// unreachable reports whether err says a store could not be reached or its
+// connection broke: a refused or timed-out dial, a reset or closed
+// connection, a Redis pool that found no connection in time.
+func unreachable(err error) bool {
+	var (
+		netErr     net.Error
+		connectErr *pgconn.ConnectError
+	)
+	return errors.As(err, &netErr) || errors.As(err, &connectErr) ||
+		errors.Is(err, redis.ErrPoolTimeout) || errors.Is(err, io.EOF) ||
+		errors.Is(err, io.ErrUnexpectedEOF) || errors.Is(err, syscall.ECONNRESET)
 }
 
 // writeUserNotFound is the 404 of GET /users/{id}/rank.

@@ -688,3 +688,51 @@ func TestMalformedQuery(t *testing.T) {
 		require.Contains(t, res.json(t)["error"], "malformed", path)
 	}
 }
+
+// A read that cannot reach its store is an outage the client can wait out:
+// 503 with Retry-After, not 500 (a fault of the service). FallbackToPostgres
+// still answers, from PostgreSQL.
+func TestReadsWithRedisDown(t *testing.T) {
+	t.Parallel()
+
+	for _, tc := range []struct {
+		policy leaderboard.ReadPolicy
+		status int
+	}{
+		{leaderboard.ServeStale, http.StatusServiceUnavailable},
+		{leaderboard.FailClosed, http.StatusServiceUnavailable},
+		{leaderboard.FallbackToPostgres, http.StatusOK},
+	} {
+		t.Run(tc.policy.String(), func(t *testing.T) {
+			t.Parallel()
+			ctx := context.Background()
+			pg := testenv.Postgres(t)
+			rs := testenv.StartRedis(t)
+			rdb := redis.NewClient(&redis.Options{Addr: rs.Addr(), MaxRetries: -1})
+			t.Cleanup(func() { _ = rdb.Close() })
+			cfg := &leaderboard.Config{Name: testBoard, Schema: pg.Schema, ReadPolicy: tc.policy}
+			require.NoError(t, leaderboard.Migrate(ctx, pg.Pool, cfg))
+			board, err := leaderboard.New(pg.Pool, rdb, cfg)
+			require.NoError(t, err)
+			svc, err := NewService(pg.Pool, rdb, board, ServiceConfig{})
+			require.NoError(t, err)
+			t.Cleanup(func() { _ = svc.Close() })
+			tb := &testBundle{svc: svc, srv: newServer(t, svc)}
+			require.Equal(t, http.StatusCreated, tb.submit(t, uuid.NewString(), `{"user_id":"ada","delta":5}`).status)
+			tb.drain(t)
+			require.Equal(t, http.StatusOK, tb.do(t, http.MethodGet, "/leaderboard", nil, "").status)
+
+			require.NoError(t, rs.Stop())
+			for _, path := range []string{"/leaderboard", "/users/ada/rank"} {
+				res := tb.do(t, http.MethodGet, path, nil, "")
+				require.Equal(t, tc.status, res.status, "%s: %s", path, res.body)
+				if tc.status == http.StatusServiceUnavailable {
+					require.Equal(t, "1", res.header.Get("Retry-After"), path)
+					require.Contains(t, res.json(t)["error"], "cannot be reached", path)
+				} else {
+					require.Equal(t, "postgres", res.json(t)["freshness"].(map[string]any)["source"], path)
+				}
+			}
+		})
+	}
+}
