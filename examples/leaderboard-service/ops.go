@@ -76,6 +76,14 @@ func cmdStats(ctx context.Context, o *options, stdout, stderr io.Writer) error {
 	if snap.Err != nil {
 		return snap.Err
 	}
+	if snap.Freshness.Unverified {
+		// Unverified also covers a verify record that could not be read:
+		// an unreachable Redis must fail the command, not pass for a
+		// board that lost its data.
+		if err := d.rdb.Ping(ctx).Err(); err != nil {
+			return fmt.Errorf("redis: %w", err)
+		}
+	}
 	st := toStats(d.board.Name(), snap)
 	if o.json {
 		return printJSON(stdout, st)

@@ -111,6 +111,22 @@ func TestStatsCommand(t *testing.T) {
 	require.Regexp(t, `(?m)^dead letters\s{1,8}1\s{1,8}\(all streams\)$`, stdout)
 }
 
+// A Redis that cannot be reached is an error (exit 1, named on stderr), not
+// a board that "is not verified" because Redis lost its data.
+func TestStatsCommandRedisDown(t *testing.T) {
+	t.Parallel()
+	tb := setup(t)
+	flags := []string{"--database-url=" + tb.pg.ConnString, "--redis-url=redis://127.0.0.1:1",
+		"--schema=" + tb.pg.Schema, "--key-prefix=" + tb.rd.Prefix, "--board=" + testBoard}
+	for _, args := range [][]string{{"stats", "--require-verified"}, {"stats", "--require-verified", "--json"}} {
+		code, stdout, stderr := runCommand(t, append(args, flags...)...)
+		require.Equal(t, exitError, code, "%v: %s%s", args, stdout, stderr)
+		require.NotContains(t, stdout, "not verified", args)
+		require.Contains(t, stderr, "redis: ", args)
+		require.Contains(t, stderr, "127.0.0.1:1", args)
+	}
+}
+
 func TestReconcileCommand(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
