@@ -62,6 +62,11 @@ func mainErr(args []string, out io.Writer) error {
 		fs.Usage()
 		return usageError{fmt.Errorf("unexpected argument %q", fs.Arg(0))}
 	}
+	// Checked before the conversion: a value past maxSeconds (or NaN)
+	// would overflow time.Duration into a negative or arbitrary length.
+	if !(*seconds > 0 && *seconds <= maxSeconds) {
+		return usageError{fmt.Errorf("--seconds must be above 0 and at most %d (a week)", maxSeconds)}
+	}
 	cfg := config{
 		Readers:    *readers,
 		Writers:    *writers,

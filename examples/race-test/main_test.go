@@ -61,6 +61,11 @@ func TestUsageErrors(t *testing.T) {
 		// after the servers were resolved.
 		{"TooManyReaders", slices.Concat(short, []string{"--readers=4611686018427387904"}), "--readers must be from 1 to 10000"},
 		{"TooManyWriters", slices.Concat(short, []string{"--writers=3000000000"}), "--writers must be from 1 to 10000"},
+		// Converted to a time.Duration, these overflowed into a negative
+		// length, and the message said "must be positive".
+		{"TooManySeconds", slices.Concat(short, []string{"--seconds=1e10"}), "--seconds must be above 0 and at most 604800"},
+		{"NaNSeconds", slices.Concat(short, []string{"--seconds=NaN"}), "--seconds must be above 0 and at most 604800"},
+		{"ZeroSeconds", slices.Concat(short, []string{"--seconds=0"}), "--seconds must be above 0 and at most 604800"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()

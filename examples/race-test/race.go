@@ -49,6 +49,10 @@ type config struct {
 // a slot per reader.
 const maxWorkers = 10_000
 
+// maxSeconds bounds --seconds: a run is a demonstration, and the bound
+// keeps the length far inside time.Duration.
+const maxSeconds = 7 * 24 * 3600
+
 func (c config) validate() error {
 	switch {
 	case c.Readers < 1 || c.Readers > maxWorkers:
@@ -56,7 +60,7 @@ func (c config) validate() error {
 	case c.Writers < 1 || c.Writers > maxWorkers:
 		return fmt.Errorf("--writers must be from 1 to %d", maxWorkers)
 	case c.Duration <= 0:
-		return errors.New("--seconds must be positive")
+		return fmt.Errorf("--seconds must be above 0 and at most %d (a week)", maxSeconds)
 	case c.Window < 0 || c.WritePause < 0 || c.DropVersionEvery < 0:
 		return errors.New("--window, --write-pause and --drop-version-every must not be negative")
 	case len(c.Modes) == 0:
