@@ -57,6 +57,24 @@ func TestReconcileMetrics(t *testing.T) {
 		require.Equal(t, int64(5), s.Int(metricRepaired), "a dry run repairs nothing")
 	})
 
+	// Options no run can take are the caller's mistake, refused before
+	// anything is read: not a failed run.
+	t.Run("InvalidOptionsAreNoRun", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t, projection.KindSortedSet)
+		rec := metrictest.New(t)
+		r := b.reconciler(t, &Config{MeterProvider: rec.Provider})
+		for _, opts := range []RunOptions{{Sample: -1}, {Sample: SampleMax + 1}} {
+			_, err := r.Run(ctx, opts)
+			require.ErrorIs(t, err, ErrInvalidConfig)
+		}
+		_, err := r.Run(ctx, RunOptions{Sample: 3})
+		require.NoError(t, err)
+		s := rec.Collect(t)
+		require.Zero(t, s.Int(metricRuns, attribute.String(AttributeOutcome, "error")))
+		require.Equal(t, int64(1), s.Int(metricRuns, name, mode("sample"), attribute.String(AttributeOutcome, "ok")))
+	})
+
 	t.Run("Rebuild", func(t *testing.T) {
 		t.Parallel()
 		b := setup(t, projection.KindSortedSet)

@@ -35,6 +35,18 @@ type RunOptions struct {
 	DryRun bool
 }
 
+// validate returns a *ConfigError naming the field of o that no run can
+// take.
+func (o RunOptions) validate() error {
+	switch {
+	case o.Sample > SampleMax:
+		return &ConfigError{Field: "RunOptions.Sample", Reason: fmt.Sprintf("is %d; use at most %d (SampleMax), or 0 for a full run", o.Sample, SampleMax)}
+	case o.Sample < 0:
+		return &ConfigError{Field: "RunOptions.Sample", Reason: "must not be negative (0 runs a full pass)"}
+	}
+	return nil
+}
+
 // Reconciler compares a Source with a Redis projection and repairs drift.
 // A Reconciler is safe for concurrent use, but two runs over the same
 // projection only waste work.
@@ -222,6 +234,12 @@ func (r *Reconciler) Run(ctx context.Context, opts RunOptions) (*Report, error) 
 	if r.unmade() {
 		return newReport(opts), errUnmade()
 	}
+	if err := opts.validate(); err != nil {
+		// The caller's mistake, found before anything is read: no run,
+		// so nothing logged or counted (runs{outcome=error} is for
+		// passes that failed).
+		return newReport(opts), err
+	}
 	rep, err := r.run(ctx, opts)
 	// A read pinned to a master met a slot move the client's map had not
 	// caught up with (a failover, a resharding): the master's own
@@ -317,12 +335,8 @@ func (r *Reconciler) run(ctx context.Context, opts RunOptions) (*Report, error) 
 	err := r.refuseForcedRepairsOfFrozenSource(ctx, opts)
 	switch {
 	case err != nil:
-	case opts.Sample > SampleMax:
-		err = &ConfigError{Field: "RunOptions.Sample", Reason: fmt.Sprintf("is %d; use at most %d (SampleMax), or 0 for a full run", opts.Sample, SampleMax)}
 	case opts.Sample > 0:
 		err = r.runSample(ctx, opts, rep)
-	case opts.Sample < 0:
-		err = &ConfigError{Field: "RunOptions.Sample", Reason: "must not be negative (0 runs a full pass)"}
 	default:
 		err = r.runFull(ctx, opts, rep)
 	}
