@@ -48,14 +48,11 @@ end
 redis.call('SET', KEYS[2], mine .. ARGV[2])
 -- KEYS[4] holds the token and the sorted set's (KEYS[3]) size: readers
 -- stop trusting the record once it holds fewer members (a DEL of it
--- alone, its eviction, even once new scores recreated it). A
--- board verified empty has no KEYS[4]: its first projected score creates
--- the sorted set, and nothing is lost.
+-- alone, its eviction, even once new scores recreated it). It is written
+-- for a board verified empty too ("<token> 0"), and readers take a record
+-- without it as lost: an allkeys-* eviction can take it with the sorted
+-- set and leave the record.
 local held = redis.call('ZCARD', KEYS[3])
-if held > 0 then
-  redis.call('SET', KEYS[4], ARGV[1] .. ' ' .. held)
-else
-  redis.call('DEL', KEYS[4])
-end
+redis.call('SET', KEYS[4], ARGV[1] .. ' ' .. held)
 redis.call('DEL', KEYS[1])
 return 1

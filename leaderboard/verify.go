@@ -228,7 +228,9 @@ func isRedisReply(err error) bool {
 // the record names ("" for a record of a release that named none). A
 // record no longer counts once the sorted set holds fewer members than the
 // pass found (a DEL of it alone, its eviction, also after new scores
-// recreated it): the board would read without them.
+// recreated it): the board would read without them. Nor does it count
+// without its companion, the size the pass found (heldKey), which an
+// eviction can take with the sorted set.
 func (b *Board) projectionVerified(ctx context.Context) (verified bool, source string, err error) {
 	var record, held *redis.StringCmd
 	var exists *redis.IntCmd
@@ -273,7 +275,10 @@ func (b *Board) projectionVerified(ctx context.Context) (verified bool, source s
 	if len(fields) >= 3 {
 		source = fields[2]
 	}
-	if held.Err() == nil && len(fields) > 0 {
+	if held.Err() != nil {
+		return false, "", nil // the companion is lost (evicted), so may members be
+	}
+	if len(fields) > 0 {
 		token, size, _ := strings.Cut(held.Val(), " ")
 		n, perr := strconv.ParseInt(size, 10, 64)
 		if perr != nil {

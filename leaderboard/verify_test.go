@@ -128,6 +128,35 @@ func TestVerify(t *testing.T) {
 		require.False(t, r.Freshness.Unverified)
 	})
 
+	// An allkeys-* eviction can take the sorted set and the record's
+	// companion (the size Verify saw) and leave the record: without the
+	// companion the count could not be checked, and the board read empty
+	// and verified. A record without its companion is taken as lost with
+	// it, also for a board verified empty (whose companion says 0).
+	t.Run("CompanionLostWithTheSortedSetIsSeen", func(t *testing.T) {
+		t.Parallel()
+		tb := verifying(t)
+		_, verified, err := tb.board.Verify(ctx, nil)
+		require.NoError(t, err)
+		require.True(t, verified, "verified empty")
+		require.NoError(t, tb.rd.Client.Del(ctx, tb.board.heldKey).Err())
+		requireUnverified(t, tb)
+
+		for i := range 20 {
+			tb.submit(t, fmt.Sprintf("user-%02d", i), int64(i+1))
+		}
+		tb.drain(t)
+		_, verified, err = tb.board.Verify(ctx, nil)
+		require.NoError(t, err)
+		require.True(t, verified)
+		r, err := tb.board.Top(ctx, 10)
+		require.NoError(t, err)
+		require.Len(t, r.Entries, 10)
+		require.NoError(t, tb.rd.Client.Del(ctx, tb.board.SortedSetKey(), tb.board.heldKey).Err())
+		require.Equal(t, int64(1), tb.rd.Client.Exists(ctx, tb.board.verifiedKey).Val(), "the record stays")
+		requireUnverified(t, tb)
+	})
+
 	// The sorted set lost alone during the pass, after the pass had found
 	// its first page current: the pages it read after the loss are
 	// repaired, the first is not. Nothing is recorded, and the record of
