@@ -254,7 +254,11 @@
 // loses some of the copy but keeps the marker (a failover to a replica
 // that missed later pages, a restart from a snapshot taken mid-copy), the
 // count falls short of the rows sent and the rebuild aborts
-// (ErrRebuildAborted) instead of switching a partial projection in. Each
+// (ErrRebuildAborted) instead of switching a partial projection in. So it
+// does when the shadow keys hold fewer members or versions than rows
+// sent, whatever the count says: an allkeys-* eviction can take a shadow
+// key and leave the count (the source's keys must be unique, as for
+// Run). Each
 // step may be resent by the Redis client after Redis ran it (go-redis
 // retries a command whose connection dropped before the reply): a resent
 // start finds its own marker and succeeds without clearing anything, a

@@ -168,7 +168,7 @@ func (r *Reconciler) rebuild(ctx context.Context) (*RebuildReport, error) {
 				rep.Switched = true
 			case n == switchIncomplete:
 				err = fmt.Errorf("%w: Redis no longer holds every row the copy wrote into the shadow keys (%d sent), "+
-					"yet kept the marker: it lost writes (a failover, a restart from an older snapshot)", ErrRebuildAborted, rep.Rows)
+					"yet kept the marker: it lost writes (a failover, a restart from an older snapshot, an eviction)", ErrRebuildAborted, rep.Rows)
 			default:
 				err = errMarkerLost // a reply: the marker was gone
 			}

@@ -46,7 +46,8 @@
 --          which finds the marker gone and the layouts changed, answers 1
 --          from it before anything else.
 --          Returns 1, 0 if the marker is gone or not ours, or 3 if the
---          count is not ARGV[8] (nothing is touched either way). The count
+--          count is not ARGV[8] or the shadow holds fewer values or
+--          versions than that (nothing is touched either way). The count
 --          changes in the script that writes the copy's rows, so Redis keeps
 --          or loses both together: a failover to a replica that missed some
 --          of the copy, or a restart from a snapshot taken mid-copy, can
@@ -145,6 +146,25 @@ if step == 'switch' then
   -- Redis lost copy writes (and their counts) but kept the marker: this
   -- shadow would drop members the live keys still hold.
   if (redis.call('HGET', copied, 'rows') or '0') ~= ARGV[8] then
+    return 3
+  end
+  -- The count survives a loss of the shadow keys alone (their eviction
+  -- under an allkeys-* policy): every row copied is a member (the gate
+  -- never removes one), so a shadow holding fewer values or versions than
+  -- rows copied lost some, and must not replace the live keys.
+  local rows = tonumber(ARGV[8])
+  local t = redis.call('TYPE', shadowValue)
+  t = t.ok or t
+  local held = 0
+  if t == 'zset' then held = redis.call('ZCARD', shadowValue)
+  elseif t == 'hash' then held = redis.call('HLEN', shadowValue) end
+  local versions = 0
+  if nM == 0 then
+    versions = redis.call('HLEN', shadowFlat)
+  else
+    for b = 0, nM - 1 do versions = versions + redis.call('HLEN', KEYS[newShadow + b]) end
+  end
+  if held < rows or versions < rows then
     return 3
   end
   -- UNLINK first: RENAME over an existing key would free the old

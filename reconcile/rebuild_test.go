@@ -816,6 +816,51 @@ func TestRebuildRefusesAShadowThatLostCopyWrites(t *testing.T) {
 	}
 }
 
+// TestRebuildRefusesAShadowThatLostAKey: an allkeys-* eviction can take a
+// shadow key alone and leave the copy count complete. The switch used to
+// trust the count, remove the live keys and install nothing (an evicted
+// shadow value) or values without versions: it refuses a shadow holding
+// fewer values or versions than rows sent.
+func TestRebuildRefusesAShadowThatLostAKey(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	for _, kind := range []projection.Kind{projection.KindSortedSet, projection.KindHash} {
+		for _, buckets := range []int{0, 4} {
+			for _, lost := range []string{"Values", "Versions"} {
+				t.Run(fmt.Sprintf("%s/Buckets%d/%s", kindName(kind), buckets, lost), func(t *testing.T) {
+					t.Parallel()
+					b := setup(t, kind).withBuckets(t, buckets)
+					const n = 40
+					b.projectRows(t, b.insertMany(t, n))
+					before := b.snapshot(t)
+					k, name := b.kind, b.target.Name
+					evict := []string{b.ks.ShadowValueKey(name, k)}
+					if lost == "Versions" {
+						evict = b.ks.ShadowVersionKeys(name, k)
+					}
+					src := &hookedSource{Source: b.source, onPage: func(ctx context.Context, page int) {
+						if page != 5 { // the empty page that ends the copy
+							return
+						}
+						b.waitShadow(ctx, t, b.client, n)
+						if err := b.client.Del(ctx, evict...).Err(); err != nil {
+							t.Errorf("DEL %v: %v", evict, err)
+						}
+					}}
+					r, err := New(src, b.target, &Config{PageSize: 10})
+					require.NoError(t, err)
+					rep, err := r.Rebuild(ctx)
+					require.ErrorIs(t, err, ErrRebuildAborted)
+					require.ErrorContains(t, err, "an eviction")
+					require.False(t, rep.Switched)
+					require.EqualValues(t, n, rep.Rows)
+					require.Equal(t, before, b.snapshot(t), "live projection untouched, no rebuild key left")
+				})
+			}
+		}
+	}
+}
+
 // runCopyTwice is a go-redis hook that runs the first call of a counted
 // shadow copy twice, as a client that retried a call whose reply was lost
 // after Redis ran it would.
