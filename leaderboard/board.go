@@ -635,7 +635,10 @@ func (b *Board) SubmitBatch(ctx context.Context, cmds []Command) ([]Result, erro
 // generic plan after five runs), and in a pgx.Tx not using the simple
 // protocol (the caller's session or role may force generic plans), the
 // statement is wrapped in two short ones in tx, which set plan_cache_mode
-// to force_custom_plan and then put the caller's setting back.
+// to force_custom_plan and then put the caller's setting back. Once the
+// batch is in tx, ctx does not cut the second one short (its error would
+// tell the caller a staged batch failed); planRestoreTimeout (5 s) does,
+// should the database stop answering.
 //
 // The verity.leaderboard.submits counter counts its commands as staged,
 // as SubmitTx's.
@@ -700,7 +703,11 @@ func (b *Board) submitBatchTx(ctx context.Context, tx outbox.Tx, cmds []Command)
 	if err == nil && customPlan {
 		// Not cut short by ctx: the batch is in tx now, and an error here
 		// would tell the caller it failed.
-		err = tx.QueryRow(context.WithoutCancel(ctx), restorePlanModeSQL, planMode).Scan(new(string))
+		// Bounded all the same: a database that stops answering must not
+		// hold the call past every deadline.
+		restoreCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), planRestoreTimeout)
+		err = tx.QueryRow(restoreCtx, restorePlanModeSQL, planMode).Scan(new(string))
+		cancel()
 	}
 	switch {
 	case err == nil:
@@ -1150,6 +1157,10 @@ func isUniqueViolation(err error) bool {
 // preparedBatchMax is the largest batch sent as a cached prepared
 // statement (see sendBatch).
 const preparedBatchMax = MaxSubmitsPerStatementDefault
+
+// planRestoreTimeout bounds SubmitBatchTx's statement that puts the
+// caller's plan_cache_mode back, which ctx does not cut short.
+const planRestoreTimeout = 5 * time.Second
 
 // batchDeadlockRetries bounds how often SubmitBatch runs its statement
 // again after losing a deadlock (counted apart from the twins it meets).

@@ -8,13 +8,16 @@ import (
 	"fmt"
 	"strings"
 	"sync"
+	"syscall"
 	"testing"
+	"time"
 
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/stretchr/testify/require"
 
+	"github.com/verity-go/verity/internal/testenv"
 	"github.com/verity-go/verity/outbox"
 )
 
@@ -418,4 +421,66 @@ func TestSubmitBatchTxInPgxIsPlannedForItsArrays(t *testing.T) {
 			})
 		}
 	}
+}
+
+// stallBeforePlanRestore forwards to a transaction and, just before the
+// statement that puts the caller's plan_cache_mode back, stops the
+// transaction's server process (SIGSTOP): the database stops answering
+// at that moment, as behind a network partition.
+type stallBeforePlanRestore struct {
+	outbox.Tx
+	pid     int
+	stalled chan struct{}
+}
+
+func (s *stallBeforePlanRestore) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row {
+	if sql == restorePlanModeSQL {
+		_ = syscall.Kill(s.pid, syscall.SIGSTOP)
+		close(s.stalled)
+	}
+	return s.Tx.QueryRow(ctx, sql, args...)
+}
+
+// TestSubmitBatchTxPlanRestoreIsBounded: ctx does not cut short the
+// statement that puts the caller's plan_cache_mode back (the batch is in
+// the transaction by then), but planRestoreTimeout does: a database that
+// stopped answering there held the call until it answered again.
+func TestSubmitBatchTxPlanRestoreIsBounded(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	srv := testenv.StartPostgres(t) // a private server: its backend is stopped
+	pool := srv.Pool(t)
+	rd := testenv.Redis(t)
+	cfg := &Config{Name: "b", KeyPrefix: rd.Prefix}
+	require.NoError(t, Migrate(ctx, pool, cfg))
+	board, err := New(pool, rd.Client, cfg)
+	require.NoError(t, err)
+	t.Cleanup(board.Close)
+
+	tx, err := pool.Begin(ctx)
+	require.NoError(t, err)
+	// Before the pool's Close, which waits for the transaction's connection.
+	t.Cleanup(func() { _ = tx.Rollback(ctx) })
+	var pid int
+	require.NoError(t, tx.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&pid))
+	t.Cleanup(func() { _ = syscall.Kill(pid, syscall.SIGCONT) })
+	stalling := &stallBeforePlanRestore{Tx: tx, pid: pid, stalled: make(chan struct{})}
+	cmds := make([]Command, preparedBatchMax+1)
+	for i := range cmds {
+		cmds[i] = Command{EventID: uuid.New(), UserID: fmt.Sprintf("u%d", i), Delta: 1}
+	}
+	callCtx, cancel := context.WithTimeout(ctx, time.Second)
+	defer cancel()
+	done := make(chan error, 1)
+	go func() { _, err := board.SubmitBatchTx(callCtx, stalling, cmds); done <- err }()
+	<-stalling.stalled
+	select {
+	case err := <-done:
+		require.ErrorIs(t, err, context.DeadlineExceeded)
+	case <-time.After(planRestoreTimeout + 5*time.Second):
+		require.NoError(t, syscall.Kill(pid, syscall.SIGCONT))
+		<-done
+		t.Fatalf("SubmitBatchTx was held past planRestoreTimeout (%v) by a database that stopped answering", planRestoreTimeout)
+	}
+	require.NoError(t, syscall.Kill(pid, syscall.SIGCONT))
 }
