@@ -2,10 +2,13 @@ package leaderboard
 
 import (
 	"context"
+	"strconv"
+	"syscall"
 	"testing"
 	"time"
 
 	"github.com/google/uuid"
+	"github.com/redis/go-redis/v9"
 	"github.com/stretchr/testify/require"
 
 	"github.com/verity-go/verity/internal/testenv"
@@ -95,4 +98,51 @@ func TestOutages(t *testing.T) {
 		_, err = board.Authoritative(ctx, 10)
 		require.Error(t, err, "payout rankings never come from Redis")
 	})
+}
+
+// TestReadCutOffByItsDeadline: a read whose Redis stops answering ends at
+// the caller's deadline with ctx's error, under every policy, also through
+// a client that reports it as a bare i/o timeout (ContextTimeoutEnabled,
+// no retries): the caller can tell its own deadline from an outage.
+func TestReadCutOffByItsDeadline(t *testing.T) {
+	t.Parallel()
+	rs := testenv.StartRedis(t)
+	pg := testenv.Postgres(t)
+	rc := redis.NewClient(&redis.Options{Addr: rs.Addr(), ContextTimeoutEnabled: true,
+		ReadTimeout: 20 * time.Second, WriteTimeout: 20 * time.Second, MaxRetries: -1})
+	t.Cleanup(func() { _ = rc.Close() })
+	cfg := &Config{Name: "b", Schema: pg.Schema}
+	require.NoError(t, Migrate(context.Background(), pg.Pool, cfg))
+	board, err := New(pg.Pool, rc, cfg)
+	require.NoError(t, err)
+	t.Cleanup(board.Close)
+	tb := &testBundle{board: board, pg: pg}
+	tb.submit(t, "ada", 10)
+	tb.drain(t)
+
+	pid := redisPID(t, rc)
+	require.NoError(t, syscall.Kill(pid, syscall.SIGSTOP))
+	t.Cleanup(func() { _ = syscall.Kill(pid, syscall.SIGCONT) })
+	for _, policy := range []ReadPolicy{ServeStale, FallbackToPostgres, FailClosed} {
+		for name, read := range map[string]func(ctx context.Context) error{
+			"Top":    func(ctx context.Context) error { _, err := board.Top(ctx, 10, WithPolicy(policy)); return err },
+			"Rank":   func(ctx context.Context) error { _, _, err := board.Rank(ctx, "ada", WithPolicy(policy)); return err },
+			"Around": func(ctx context.Context) error { _, err := board.Around(ctx, "ada", 2, WithPolicy(policy)); return err },
+		} {
+			ctx, cancel := context.WithTimeout(context.Background(), 200*time.Millisecond)
+			err := read(ctx)
+			cancel()
+			require.ErrorIs(t, err, context.DeadlineExceeded, "%s under %s", name, policy)
+		}
+	}
+}
+
+// redisPID is the process id of the Redis server client talks to.
+func redisPID(t *testing.T, client *redis.Client) int {
+	t.Helper()
+	info, err := client.InfoMap(context.Background(), "server").Result()
+	require.NoError(t, err)
+	pid, err := strconv.Atoi(info["Server"]["process_id"])
+	require.NoError(t, err)
+	return pid
 }

@@ -391,6 +391,14 @@ func (b *Board) read(ctx context.Context, opts []ReadOption, noSuchUser bool, fr
 		return Freshness{}, err
 	}
 	fresh, err := b.readUnderPolicy(ctx, o, need, noSuchUser, fromRedis, fromPostgres)
+	// An i/o timeout at the caller's own deadline (go-redis with
+	// ContextTimeoutEnabled and no retry left) is ctx's error, as the
+	// policies already take it: say so to errors.Is.
+	if errors.Is(err, os.ErrDeadlineExceeded) && !errors.Is(err, context.DeadlineExceeded) {
+		if cerr := callerEnded(ctx, err); cerr != nil {
+			err = fmt.Errorf("%w: %w", err, cerr)
+		}
+	}
 	b.metrics.read(ctx, fresh, err)
 	return fresh, err
 }
