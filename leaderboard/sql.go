@@ -247,6 +247,11 @@ const setLockTimeoutSQL = `SELECT set_config('lock_timeout', $1::text, true)`
 // not with the cached generic plan (see sendBatch).
 const setLockTimeoutCustomPlanSQL = `SELECT set_config('lock_timeout', $1::text, true), set_config('plan_cache_mode', 'force_custom_plan', true)`
 
+// customPlanSQL makes PostgreSQL plan the statement that follows in the
+// same transaction for its actual arrays, whatever plan_cache_mode the
+// session has (see sendBatch).
+const customPlanSQL = `SELECT set_config('plan_cache_mode', 'force_custom_plan', true)`
+
 // forceCustomPlanSQL makes PostgreSQL plan the statements that follow in
 // the current transaction for their arguments, and returns the setting it
 // replaced (read first: the CTE is materialized), for restorePlanModeSQL.
