@@ -113,6 +113,12 @@ type DeadLetter struct {
 	FailedAt time.Time
 }
 
+// pinOutputSQL sets the text output settings pgx parses (hex bytea, ISO
+// dates) for the current transaction only, as claims do (claimLockSQL):
+// in the text modes a transaction-pooling proxy needs, the session's may
+// be anything, another client's plain SET included.
+const pinOutputSQL = `SELECT set_config('bytea_output', 'hex', true), set_config('DateStyle', 'ISO', true)`
+
 const deadLettersSQL = `SELECT id, event_id, stream, key, version, payload, created_at, attempts, last_error, failed_at
 FROM %s WHERE id > $1 ORDER BY id LIMIT $2`
 
@@ -126,7 +132,17 @@ func (r *Relay) DeadLetters(ctx context.Context, afterID int64, limit int) ([]De
 	if limit <= 0 {
 		return nil, &ConfigError{Field: "limit", Reason: fmt.Sprintf("is %d; use a positive page size", limit)}
 	}
-	rows, err := r.pool.Query(ctx, fmt.Sprintf(deadLettersSQL, r.names.Dead), afterID, limit)
+	// One pipeline, one implicit transaction, which the settings do not
+	// outlive.
+	batch := &pgx.Batch{}
+	batch.Queue(pinOutputSQL)
+	batch.Queue(fmt.Sprintf(deadLettersSQL, r.names.Dead), afterID, limit)
+	results := r.pool.SendBatch(ctx, batch)
+	defer results.Close()
+	if _, err := results.Exec(); err != nil {
+		return nil, mapError("dead letters", err)
+	}
+	rows, err := results.Query()
 	if err != nil {
 		return nil, mapError("dead letters", err)
 	}
@@ -136,6 +152,9 @@ func (r *Relay) DeadLetters(ctx context.Context, afterID int64, limit int) ([]De
 		return d, err
 	})
 	if err != nil {
+		return nil, mapError("dead letters", err)
+	}
+	if err := results.Close(); err != nil {
 		return nil, mapError("dead letters", err)
 	}
 	return out, nil

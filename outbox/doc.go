@@ -458,13 +458,10 @@
 // too, which DisableNotify refuses. The text-format exec modes such a proxy needs
 // (pgx.QueryExecModeExec, QueryExecModeSimpleProtocol) parse timestamps
 // and bytea only in PostgreSQL's default DateStyle (ISO) and bytea_output
-// (hex). A claim sets both for its own transaction, so relays work
-// whatever the session's settings (PgBouncer refuses bytea_output as a
-// connection parameter, and keeps another client's plain SET on the
-// server connection). Other reads of those types (DeadLetters) take the
-// session's: with a role that changes either, they fail (nothing is
-// changed). Set them in ConnConfig.RuntimeParams, or, behind a proxy, on
-// the role or database (ALTER ROLE … SET bytea_output = 'hex').
+// (hex). A claim, and DeadLetters, set both for their own transaction, so
+// relays work whatever the session's settings (PgBouncer refuses
+// bytea_output as a connection parameter, and keeps another client's
+// plain SET on the server connection).
 //
 // The relay's claims and settles are written for READ COMMITTED,
 // PostgreSQL's default: give it a pool that runs at that level (with a

@@ -2,6 +2,7 @@ package outbox_test
 
 import (
 	"context"
+	"errors"
 	"testing"
 	"time"
 
@@ -49,6 +50,45 @@ func TestRelayClaimsUnderAnySessionOutputSettings(t *testing.T) {
 			var output, style string
 			require.NoError(t, pool.QueryRow(ctx, `SELECT current_setting('bytea_output'), current_setting('DateStyle')`).Scan(&output, &style))
 			require.Equal(t, "escape, SQL, DMY", output+", "+style, "the claim's settings outlived its transaction")
+		})
+	}
+}
+
+// TestDeadLettersUnderAnySessionOutputSettings: DeadLetters reads bytea and
+// timestamps too, and pins the settings for its own transaction as claims
+// do. It failed ("invalid hex format") on such a session, also behind
+// PgBouncer after an ALTER ROLE, which the proxy's open server
+// connections do not see.
+func TestDeadLettersUnderAnySessionOutputSettings(t *testing.T) {
+	t.Parallel()
+	for _, mode := range []pgx.QueryExecMode{pgx.QueryExecModeExec, pgx.QueryExecModeSimpleProtocol} {
+		t.Run(mode.String(), func(t *testing.T) {
+			t.Parallel()
+			ctx := context.Background()
+			b := setup(t)
+			pool := poolWith(t, b, func(pc *pgxpool.Config) {
+				pc.ConnConfig.DefaultQueryExecMode = mode
+				pc.ConnConfig.RuntimeParams["bytea_output"] = "escape"
+				pc.ConnConfig.RuntimeParams["DateStyle"] = "SQL, DMY"
+			})
+			msg := newMessage("s", "k", 1)
+			msg.Payload = []byte{0, 1, 2, 0xff, '\\', '"'}
+			written := b.appendNow(t, msg)
+			r := b.relay(t, pool, outbox.HandlerFunc(func(_ context.Context, batch []outbox.Record) ([]outbox.Result, error) {
+				return nil, errors.New("poison")
+			}), outbox.RelayConfig{DisableNotify: true, MaxAttempts: 1})
+			_, err := r.RunOnce(ctx)
+			require.NoError(t, err)
+			dead, err := r.DeadLetters(ctx, 0, 10)
+			require.NoError(t, err)
+			require.Len(t, dead, 1)
+			require.Equal(t, msg.Payload, dead[0].Payload)
+			require.WithinDuration(t, written, dead[0].CreatedAt, time.Minute)
+			require.WithinDuration(t, time.Now(), dead[0].FailedAt, time.Minute)
+			require.Equal(t, "poison", dead[0].LastError)
+			var output, style string
+			require.NoError(t, pool.QueryRow(ctx, `SELECT current_setting('bytea_output'), current_setting('DateStyle')`).Scan(&output, &style))
+			require.Equal(t, "escape, SQL, DMY", output+", "+style, "DeadLetters' settings outlived its transaction")
 		})
 	}
 }
