@@ -94,6 +94,10 @@ type Service struct {
 	handler    http.Handler
 
 	lastReconcile atomic.Pointer[reconcileSummary]
+	// seenVerifyMarker is the marker of another process's Verify pass
+	// that the reconcile loop found at its last run (only that loop
+	// reads or writes it).
+	seenVerifyMarker string
 	nextReconcile atomic.Pointer[time.Time]
 
 	// ownsBoard is set when wire built board (instrumented), so Close
@@ -382,7 +386,21 @@ func (s *Service) reconcileOnce(ctx context.Context) {
 	)
 	if s.board.Config().RequireVerifiedProjection && s.board.Freshness(runCtx).Unverified {
 		// Reads refuse (or fall back) until a full pass verifies the
-		// projection: a sample cannot, so run that pass instead.
+		// projection: a sample cannot, so run that pass instead. Not
+		// while another instance's pass is under way (a marker this loop
+		// did not find at its last run): a Verify begun meanwhile would
+		// replace its marker, so neither would record, and instances
+		// whose schedules keep overlapping would never verify the board.
+		// A marker found unchanged a whole interval later is a dead
+		// process's (a scheduled pass never outlives its interval), and
+		// is replaced.
+		marker, merr := s.rdb.Get(runCtx, s.board.SortedSetKey()+"~verifying").Result()
+		if merr == nil && marker != s.seenVerifyMarker {
+			s.seenVerifyMarker = marker
+			s.logger.Info("another process is verifying the board; not starting a verifying pass until the next reconcile")
+			return
+		}
+		s.seenVerifyMarker = ""
 		report, *verified, err = s.board.Verify(runCtx, &reconcile.Config{Logger: s.logger})
 	} else {
 		verified = nil

@@ -486,6 +486,45 @@ func TestScheduledReconcileVerifies(t *testing.T) {
 	require.True(t, last.Sampled)
 }
 
+// TestScheduledVerifyWaitsForAnotherProcesssPass: two service instances
+// on one board, each starting a verifying pass whenever the board is
+// unverified, replaced each other's pass markers so that neither recorded
+// (when a pass took more than half the interval, for as long as their
+// schedules kept overlapping). A run that finds another process's marker
+// it had not seen skips its pass; one found unchanged a whole interval
+// later is a dead process's, and is replaced.
+func TestScheduledVerifyWaitsForAnotherProcesssPass(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	tb, svc, _ := refusedUnverified(t, time.Minute)
+	markerKey := tb.board.SortedSetKey() + "~verifying"
+	other := func(token string) {
+		require.NoError(t, tb.rd.Client.Set(ctx, markerKey, token+" ", 0).Err())
+	}
+	unverified := func() bool {
+		time.Sleep(2 * time.Millisecond) // past the probe interval
+		return tb.board.Freshness(ctx).Unverified
+	}
+
+	other("pass-of-another-process")
+	svc.reconcileOnce(ctx)
+	require.Equal(t, "pass-of-another-process ", tb.rd.Client.Get(ctx, markerKey).Val(), "the other pass's marker is left alone")
+	require.Nil(t, svc.lastReconcile.Load(), "no run")
+	require.True(t, unverified())
+
+	other("a-later-pass") // the other process began another pass meanwhile
+	svc.reconcileOnce(ctx)
+	require.Equal(t, "a-later-pass ", tb.rd.Client.Get(ctx, markerKey).Val())
+	require.True(t, unverified())
+
+	svc.reconcileOnce(ctx) // the same marker a whole interval later: a dead process's
+	last := svc.lastReconcile.Load()
+	require.NotNil(t, last)
+	require.NotNil(t, last.Verified)
+	require.True(t, *last.Verified)
+	require.False(t, unverified())
+}
+
 // refusedUnverified starts a fail-closed service, reconciling every every
 // (0: never), whose board requires a verified projection, submits and
 // projects a score, and returns its first top-10 read: refused, for no
