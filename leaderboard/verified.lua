@@ -11,7 +11,8 @@
 -- keys since (a restart without persistence, FLUSHALL), KEYS[1] is gone or
 -- another pass replaced it, and nothing is recorded: the pages read before
 -- the loss may be missing again. Returns 1 when recorded, 2 when the
--- sorted set lost members during the pass (below), 0 otherwise.
+-- sorted set lost members during the pass (below), 3 when another pass's
+-- marker, on this server, replaced this one's, 0 otherwise.
 --
 -- The record is "<token> <time> <identity>". A client may run this script twice for
 -- one call (go-redis resends it when the connection drops before the
@@ -34,6 +35,12 @@ if not marker or string.sub(marker, 1, #mine) ~= mine or
   local record = redis.call('GET', KEYS[2])
   if record and string.sub(record, 1, #mine) == mine then
     return 1
+  end
+  -- Another pass's marker on the same server: that pass began after this
+  -- one, and replaced its marker (it records if it completes).
+  if marker and string.sub(marker, 1, #mine) ~= mine and
+      (id == '' or string.sub(marker, -#id) == id) then
+    return 3
   end
   return 0
 end

@@ -168,8 +168,11 @@ func (b *Board) Verify(ctx context.Context, cfg *reconcile.Config) (report *reco
 		refuted = true
 		b.cfg.Logger.WarnContext(ctx, "leaderboard: verify: the sorted set lost members during the pass (a DEL of it, its eviction); nothing recorded, run Verify again",
 			"board", b.cfg.Name)
+	case 3:
+		b.cfg.Logger.WarnContext(ctx, "leaderboard: verify: another Verify of the board began during this pass and replaced its marker; nothing recorded by this pass (the other records if it completes)",
+			"board", b.cfg.Name)
 	default:
-		b.cfg.Logger.WarnContext(ctx, "leaderboard: verify: Redis lost the pass's marker or failed over during the pass, so its repairs may be lost; nothing recorded, run Verify again",
+		b.cfg.Logger.WarnContext(ctx, "leaderboard: verify: the pass's marker is gone (another Verify of the board began and ended during this pass, Redis lost the key, or a failover), so its repairs may be lost; nothing recorded, run Verify again",
 			"board", b.cfg.Name)
 	}
 	return report, n == 1, nil

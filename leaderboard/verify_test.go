@@ -36,6 +36,9 @@ func requireNoMarker(t *testing.T, rd *testenv.RD, board *Board) {
 // TestVerify checks RequireVerifiedProjection: reads see a Redis that lost
 // the board's keys, which the outbox lag cannot show, until Verify has
 // found the projection complete again.
+// verifyMarkerGone is Verify's warning when its pass's marker is gone.
+const verifyMarkerGone = "leaderboard: verify: the pass's marker is gone (another Verify of the board began and ended during this pass, Redis lost the key, or a failover), so its repairs may be lost; nothing recorded, run Verify again"
+
 func TestVerify(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
@@ -205,6 +208,56 @@ func TestVerify(t *testing.T) {
 		r, err := tb.board.Top(ctx, users)
 		require.NoError(t, err)
 		require.Len(t, r.Entries, users)
+	})
+
+	// A Verify that begins during another replaces its marker: the
+	// earlier records nothing, and says why, rather than blaming a Redis
+	// loss or a failover alone; the later one records.
+	t.Run("OverlappedPassSaysSo", func(t *testing.T) {
+		t.Parallel()
+		logs := &testenv.LogSink{}
+		tb := setup(t, func(c *Config) {
+			c.RequireVerifiedProjection = true
+			c.ReadPolicy = FailClosed
+			c.LagProbeInterval = time.Nanosecond
+			c.Logger = logs.Logger()
+		})
+		for i := range 10 {
+			tb.submit(t, fmt.Sprintf("u%02d", i), int64(i+1))
+		}
+		tb.drain(t)
+		require.NoError(t, tb.rd.Client.ZRem(ctx, tb.board.SortedSetKey(), "u00").Err()) // a repair: the hook below runs
+		var later sync.Once
+		cfg := &reconcile.Config{BeforeRepair: func(ctx context.Context, _ reconcile.Finding) bool {
+			later.Do(func() {
+				_, verified, err := tb.board.Verify(ctx, nil)
+				require.NoError(t, err)
+				require.True(t, verified, "the later pass records")
+			})
+			return true
+		}}
+		_, verified, err := tb.board.Verify(ctx, cfg)
+		require.NoError(t, err)
+		require.False(t, verified)
+		require.Len(t, logs.Lines(t, verifyMarkerGone), 1, "the later pass ended before the earlier: its marker is gone")
+		r, err := tb.board.Top(ctx, 10)
+		require.NoError(t, err, "the later pass's record stands")
+		require.Len(t, r.Entries, 10)
+
+		// The later pass still under way when the earlier ends.
+		require.NoError(t, tb.rd.Client.ZRem(ctx, tb.board.SortedSetKey(), "u01").Err())
+		var begin sync.Once
+		cfg = &reconcile.Config{BeforeRepair: func(ctx context.Context, _ reconcile.Finding) bool {
+			begin.Do(func() {
+				require.NoError(t, verifyBeginScript.Run(ctx, tb.rd.Client, []string{tb.board.verifyingKey}, "a-later-pass").Err())
+			})
+			return true
+		}}
+		_, verified, err = tb.board.Verify(ctx, cfg)
+		require.NoError(t, err)
+		require.False(t, verified)
+		require.Len(t, logs.Lines(t, "leaderboard: verify: another Verify of the board began during this pass and replaced its marker; nothing recorded by this pass (the other records if it completes)"), 1)
+		require.Len(t, logs.Lines(t, verifyMarkerGone), 1, "no more than before")
 	})
 
 	// A pass that skips the orphan check cannot tell that Redis holds a
