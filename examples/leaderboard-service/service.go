@@ -98,7 +98,7 @@ type Service struct {
 	// that the reconcile loop found at its last run (only that loop
 	// reads or writes it).
 	seenVerifyMarker string
-	nextReconcile atomic.Pointer[time.Time]
+	nextReconcile    atomic.Pointer[time.Time]
 
 	// ownsBoard is set when wire built board (instrumented), so Close
 	// must close it; a board passed in stays the caller's to close.
