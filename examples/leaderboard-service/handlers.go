@@ -654,16 +654,38 @@ func (s *Service) writeError(w http.ResponseWriter, r *http.Request, err error) 
 
 // unreachable reports whether err says a store could not be reached or its
 // connection broke: a refused or timed-out dial, a reset or closed
-// connection, a Redis pool that found no connection in time.
+// connection, a Redis pool that found no connection in time, or a Redis
+// reply saying it cannot serve the key for now (unavailableReplies). An
+// answer of PostgreSQL's (a missing database, a refused password, even
+// while connecting) is a fault to fix, not an outage to wait out.
 func unreachable(err error) bool {
 	var (
+		pgErr      *pgconn.PgError
 		netErr     net.Error
 		connectErr *pgconn.ConnectError
+		reply      redis.Error
 	)
+	switch {
+	case errors.As(err, &pgErr):
+		return false
+	case errors.As(err, &reply) && !errors.Is(err, redis.Nil):
+		for _, prefix := range unavailableReplies {
+			if strings.HasPrefix(reply.Error(), prefix) {
+				return true
+			}
+		}
+		return false
+	}
 	return errors.As(err, &netErr) || errors.As(err, &connectErr) ||
-		errors.Is(err, redis.ErrPoolTimeout) || errors.Is(err, io.EOF) ||
-		errors.Is(err, io.ErrUnexpectedEOF) || errors.Is(err, syscall.ECONNRESET)
+		errors.Is(err, redis.ErrPoolTimeout) || errors.Is(err, redis.ErrClosed) ||
+		errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) || errors.Is(err, syscall.ECONNRESET)
 }
+
+// unavailableReplies start the Redis error replies of a server that cannot
+// serve a key for now: a cluster that lost a slot's master, a server
+// loading its dataset after a restart, a replica cut off from its master,
+// a slot being moved.
+var unavailableReplies = []string{"CLUSTERDOWN ", "LOADING ", "MASTERDOWN ", "TRYAGAIN "}
 
 // writeUserNotFound is the 404 of GET /users/{id}/rank.
 func writeUserNotFound(w http.ResponseWriter) {

@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"log/slog"
 	"net/http"
@@ -13,6 +14,7 @@ import (
 	"time"
 
 	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/redis/go-redis/v9"
 	"github.com/stretchr/testify/assert"
@@ -734,5 +736,58 @@ func TestReadsWithRedisDown(t *testing.T) {
 				}
 			}
 		})
+	}
+}
+
+// TestUnreachable classifies errors met for real: a Redis that answers
+// "not now" (a cluster down, a server loading) and one that cannot be
+// reached are outages to wait out (503); PostgreSQL's own answers, even
+// while connecting (a missing database), are faults (500).
+func TestUnreachable(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	rd := testenv.Redis(t)
+	pg := testenv.Postgres(t)
+	reply := func(text string) error {
+		t.Helper()
+		err := rd.Client.Eval(ctx, "return redis.error_reply(ARGV[1])", nil, text).Err()
+		require.Error(t, err)
+		return fmt.Errorf("leaderboard: reading Redis: %w", err)
+	}
+	closed, err := redis.ParseURL(rd.URL)
+	require.NoError(t, err)
+	closedClient := redis.NewClient(closed)
+	require.NoError(t, closedClient.Close())
+	refused := redis.NewClient(&redis.Options{Addr: "127.0.0.1:1", MaxRetries: -1})
+	t.Cleanup(func() { _ = refused.Close() })
+	cfg, err := pgx.ParseConfig(pg.ConnString)
+	require.NoError(t, err)
+	cfg.Database = "verity_no_such_database"
+	cfg.TLSConfig, cfg.Fallbacks = nil, nil
+	_, noDatabase := pgx.ConnectConfig(ctx, cfg)
+	require.Error(t, noDatabase)
+	_, syntax := pg.Pool.Exec(ctx, "SELEC 1")
+	require.Error(t, syntax)
+
+	for name, tc := range map[string]struct {
+		err  error
+		want bool
+	}{
+		"ClusterDown":    {reply("CLUSTERDOWN The cluster is down"), true},
+		"Loading":        {reply("LOADING Redis is loading the dataset in memory"), true},
+		"MasterDown":     {reply("MASTERDOWN Link with MASTER is down and replica-serve-stale-data is set to 'no'."), true},
+		"TryAgain":       {reply("TRYAGAIN Multiple keys request during rehashing of slot"), true},
+		"OtherReply":     {reply("WRONGTYPE Operation against a key holding the wrong kind of value"), false},
+		"Refused":        {refused.Ping(ctx).Err(), true},
+		"ClosedClient":   {closedClient.Ping(ctx).Err(), true},
+		"NoSuchDatabase": {noDatabase, false},
+		"PostgresSyntax": {syntax, false},
+		"RedisNil":       {fmt.Errorf("wrapped: %w", redis.Nil), false},
+		// A store that did not answer within an inner deadline (the
+		// request's own is answered before this is asked).
+		"InnerDeadline": {fmt.Errorf("leaderboard: reading Redis: %w", context.DeadlineExceeded), true},
+		"PlainError":    {errors.New("something else"), false},
+	} {
+		require.Equal(t, tc.want, unreachable(tc.err), "%s: %v", name, tc.err)
 	}
 }
