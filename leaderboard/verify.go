@@ -31,6 +31,12 @@ var (
 	verifyAbandonScript = redis.NewScript(verifyAbandonLua)
 )
 
+// heldTokenPrefix starts the token of every pass that records the sorted
+// set's size beside its record (heldKey), which readers then require: a
+// record without it is an earlier release's, trusted as before (see
+// "Upgrading"). No UUID starts with it ('h' is no hex digit).
+const heldTokenPrefix = "held-"
+
 // verifyAbandonTimeout bounds the calls a Verify makes after its own ctx
 // may have ended: asking again whether its recording happened, after the
 // reply was lost, and deleting its pass's marker when it records nothing.
@@ -102,7 +108,7 @@ func (b *Board) Verify(ctx context.Context, cfg *reconcile.Config) (report *reco
 	if err != nil {
 		return nil, false, fmt.Errorf("leaderboard: verify: reading the database's identity: %w", err)
 	}
-	token := uuid.NewString()
+	token := heldTokenPrefix + uuid.NewString()
 	if err := b.sent(ctx, verifyBeginScript.Run(ctx, b.rdb, []string{b.verifyingKey}, token).Err()); err != nil {
 		return nil, false, fmt.Errorf("leaderboard: verify: %w", err)
 	}
@@ -233,7 +239,8 @@ func isRedisReply(err error) bool {
 // pass found (a DEL of it alone, its eviction, also after new scores
 // recreated it): the board would read without them. Nor does it count
 // without its companion, the size the pass found (heldKey), which an
-// eviction can take with the sorted set.
+// eviction can take with the sorted set; a record of an earlier release,
+// made without one (its token lacks heldTokenPrefix), does.
 func (b *Board) projectionVerified(ctx context.Context) (verified bool, source string, err error) {
 	var record, held *redis.StringCmd
 	var exists *redis.IntCmd
@@ -279,7 +286,10 @@ func (b *Board) projectionVerified(ctx context.Context) (verified bool, source s
 		source = fields[2]
 	}
 	if held.Err() != nil {
-		return false, "", nil // the companion is lost (evicted), so may members be
+		if len(fields) > 0 && strings.HasPrefix(fields[0], heldTokenPrefix) {
+			return false, "", nil // the companion is lost (evicted), so may members be
+		}
+		return true, source, nil // an earlier release's record, made without one
 	}
 	if len(fields) > 0 {
 		token, size, _ := strings.Cut(held.Val(), " ")

@@ -160,6 +160,31 @@ func TestVerify(t *testing.T) {
 		requireUnverified(t, tb)
 	})
 
+	// A record of an earlier release names no database and has no
+	// companion: it is trusted as before (see "Upgrading") until the next
+	// Verify replaces it.
+	t.Run("EarlierReleaseRecordIsTrusted", func(t *testing.T) {
+		t.Parallel()
+		tb := verifying(t)
+		for i := range 3 {
+			tb.submit(t, fmt.Sprintf("user-%d", i), int64(i+1))
+		}
+		tb.drain(t)
+		record := uuid.NewString() + " " + time.Now().UTC().Format(time.RFC3339Nano)
+		require.NoError(t, tb.rd.Client.Set(ctx, tb.board.verifiedKey, record, 0).Err())
+		require.Zero(t, tb.rd.Client.Exists(ctx, tb.board.heldKey).Val())
+		r, err := tb.board.Top(ctx, 10)
+		require.NoError(t, err, "an earlier release's record is trusted as before")
+		require.Len(t, r.Entries, 3)
+		require.False(t, r.Freshness.Unverified)
+
+		_, verified, err := tb.board.Verify(ctx, nil)
+		require.NoError(t, err)
+		require.True(t, verified)
+		require.NoError(t, tb.rd.Client.Del(ctx, tb.board.heldKey).Err())
+		requireUnverified(t, tb) // this release's record needs its companion
+	})
+
 	// The sorted set lost alone during the pass, after the pass had found
 	// its first page current: the pages it read after the loss are
 	// repaired, the first is not. Nothing is recorded, and the record of
