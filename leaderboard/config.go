@@ -117,7 +117,9 @@ type Config struct {
 	// those changes while its Lag, which counts pending rows, reads 0 (a
 	// reconcile pass finds and repairs them), or refuses them until they
 	// are dead-lettered (projection.ErrUnmappedStream), which the Lag does
-	// count. Give the board a table of its own when in doubt. Defaults to
+	// count. Give the board a table of its own when in doubt; another
+	// stream's backlog in the table also slows the board's lag probe (see
+	// "Reading" in the package documentation). Defaults to
 	// OutboxTableDefault.
 	OutboxTable string
 
