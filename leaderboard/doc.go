@@ -381,9 +381,11 @@
 // Verify's record names the database (see "When PostgreSQL goes back"):
 // a record made by an earlier release names none and is trusted as before,
 // against any database, until the next Verify replaces it; so is one
-// made without the sorted set's size beside it (records now come with it,
-// and a record whose size is lost, as an eviction can take it, is not
-// trusted). Reads with
+// without the sorted set's size beside it, while the sorted set holds
+// members (records now come with the size, and a record whose size is
+// lost, as an eviction can take it, is not trusted; an earlier release's
+// record of a board verified empty reads unverified until the next
+// Verify). Reads with
 // RequireVerifiedProjection now read the record with GET (they checked it
 // with EXISTS): a Redis ACL user of a reading process needs the get
 // command (README, "Redis permissions").

@@ -239,8 +239,9 @@ func isRedisReply(err error) bool {
 // pass found (a DEL of it alone, its eviction, also after new scores
 // recreated it): the board would read without them. Nor does it count
 // without its companion, the size the pass found (heldKey), which an
-// eviction can take with the sorted set; a record of an earlier release,
-// made without one (its token lacks heldTokenPrefix), does.
+// eviction can take with the sorted set; a record of an earlier release
+// (its token lacks heldTokenPrefix) without one does while the sorted set
+// holds members.
 func (b *Board) projectionVerified(ctx context.Context) (verified bool, source string, err error) {
 	var record, held *redis.StringCmd
 	var exists *redis.IntCmd
@@ -289,7 +290,10 @@ func (b *Board) projectionVerified(ctx context.Context) (verified bool, source s
 		if len(fields) > 0 && strings.HasPrefix(fields[0], heldTokenPrefix) {
 			return false, "", nil // the companion is lost (evicted), so may members be
 		}
-		return true, source, nil // an earlier release's record, made without one
+		// An earlier release's record: made without a companion, or with
+		// one that an eviction took with the sorted set. Trusted as
+		// before only while the sorted set holds members.
+		return exists.Val() > 0, source, nil
 	}
 	if len(fields) > 0 {
 		token, size, _ := strings.Cut(held.Val(), " ")

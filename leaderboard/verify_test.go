@@ -185,6 +185,32 @@ func TestVerify(t *testing.T) {
 		requireUnverified(t, tb) // this release's record needs its companion
 	})
 
+	// The releases just before wrote the companion with a record whose
+	// token lacks the prefix: once an eviction takes the sorted set and
+	// the companion, such a record is not trusted either.
+	t.Run("EarlierReleaseRecordWithItsCompanionLost", func(t *testing.T) {
+		t.Parallel()
+		tb := verifying(t)
+		for i := range 20 {
+			tb.submit(t, fmt.Sprintf("user-%02d", i), int64(i+1))
+		}
+		tb.drain(t)
+		_, verified, err := tb.board.Verify(ctx, nil)
+		require.NoError(t, err)
+		require.True(t, verified)
+		record := tb.rd.Client.Get(ctx, tb.board.verifiedKey).Val()
+		held := tb.rd.Client.Get(ctx, tb.board.heldKey).Val()
+		require.True(t, strings.HasPrefix(record, heldTokenPrefix), record)
+		require.NoError(t, tb.rd.Client.Set(ctx, tb.board.verifiedKey, strings.TrimPrefix(record, heldTokenPrefix), 0).Err())
+		require.NoError(t, tb.rd.Client.Set(ctx, tb.board.heldKey, strings.TrimPrefix(held, heldTokenPrefix), 0).Err())
+		r, err := tb.board.Top(ctx, 10)
+		require.NoError(t, err)
+		require.Len(t, r.Entries, 10)
+
+		require.NoError(t, tb.rd.Client.Del(ctx, tb.board.SortedSetKey(), tb.board.heldKey).Err())
+		requireUnverified(t, tb)
+	})
+
 	// The sorted set lost alone during the pass, after the pass had found
 	// its first page current: the pages it read after the loss are
 	// repaired, the first is not. Nothing is recorded, and the record of
