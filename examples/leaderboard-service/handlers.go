@@ -655,9 +655,9 @@ func (s *Service) writeError(w http.ResponseWriter, r *http.Request, err error) 
 // unreachable reports whether err says a store could not be reached or its
 // connection broke: a refused or timed-out dial, a reset or closed
 // connection, a Redis pool that found no connection in time, or a Redis
-// reply saying it cannot serve the key for now (unavailableReplies). An
-// answer of PostgreSQL's (a missing database, a refused password, even
-// while connecting) is a fault to fix, not an outage to wait out.
+// reply saying it cannot serve the key for now (unavailableReplies). Any
+// other answer of PostgreSQL's (a missing database, a refused password,
+// even while connecting) is a fault to fix, not an outage to wait out.
 func unreachable(err error) bool {
 	var (
 		pgErr      *pgconn.PgError
@@ -667,7 +667,10 @@ func unreachable(err error) bool {
 	)
 	switch {
 	case errors.As(err, &pgErr):
-		return false
+		// Except a server starting up, shutting down or in recovery
+		// (cannot_connect_now), or out of connection slots: outages to
+		// wait out, as Redis's LOADING.
+		return pgErr.Code == "57P03" || pgErr.Code == "53300"
 	case errors.As(err, &reply) && !errors.Is(err, redis.Nil):
 		for _, prefix := range unavailableReplies {
 			if strings.HasPrefix(reply.Error(), prefix) {

@@ -8,8 +8,11 @@ import (
 	"log/slog"
 	"net/http"
 	"net/url"
+	"os"
 	"regexp"
+	"strconv"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -790,4 +793,43 @@ func TestUnreachable(t *testing.T) {
 	} {
 		require.Equal(t, tc.want, unreachable(tc.err), "%s: %v", name, tc.err)
 	}
+}
+
+// TestUnreachablePostgresShuttingDown: a PostgreSQL shutting down (or
+// starting up, or in recovery) answers a new connection with
+// cannot_connect_now (57P03): an outage to wait out, not a fault.
+func TestUnreachablePostgresShuttingDown(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	srv := testenv.StartPostgres(t)
+	held, err := pgx.Connect(ctx, srv.ConnString())
+	require.NoError(t, err)
+	defer held.Close(ctx) // lets the smart shutdown finish
+	var backend int
+	require.NoError(t, held.QueryRow(ctx, "SELECT pg_backend_pid()").Scan(&backend))
+	status, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", backend))
+	require.NoError(t, err)
+	var postmaster int
+	for line := range strings.SplitSeq(string(status), "\n") {
+		if v, ok := strings.CutPrefix(line, "PPid:"); ok {
+			postmaster, err = strconv.Atoi(strings.TrimSpace(v))
+			require.NoError(t, err)
+		}
+	}
+	require.NotZero(t, postmaster)
+	// A smart shutdown: the open session keeps the server up, and new
+	// ones are refused.
+	require.NoError(t, syscall.Kill(postmaster, syscall.SIGTERM))
+	var refused error
+	for deadline := time.Now().Add(10 * time.Second); refused == nil && time.Now().Before(deadline); {
+		c, err := pgx.Connect(ctx, srv.ConnString())
+		if err != nil {
+			refused = err
+			break
+		}
+		c.Close(ctx)
+		time.Sleep(20 * time.Millisecond)
+	}
+	require.ErrorContains(t, refused, "57P03")
+	require.True(t, unreachable(refused), "%v", refused)
 }
