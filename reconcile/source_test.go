@@ -656,7 +656,7 @@ func TestLookupOfARowThatFailsIsNotAnOrphan(t *testing.T) {
 // must get its type from the statement itself.
 func TestSQLSourceUnderEveryExecMode(t *testing.T) {
 	t.Parallel()
-	for _, mode := range []pgx.QueryExecMode{pgx.QueryExecModeCacheStatement, pgx.QueryExecModeExec, pgx.QueryExecModeDescribeExec, pgx.QueryExecModeSimpleProtocol} {
+	for _, mode := range []pgx.QueryExecMode{pgx.QueryExecModeCacheStatement, pgx.QueryExecModeCacheDescribe, pgx.QueryExecModeExec, pgx.QueryExecModeDescribeExec, pgx.QueryExecModeSimpleProtocol} {
 		t.Run(mode.String(), func(t *testing.T) {
 			t.Parallel()
 			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
@@ -665,7 +665,9 @@ func TestSQLSourceUnderEveryExecMode(t *testing.T) {
 			_, err := pg.Pool.Exec(ctx, `CREATE TABLE "Scores Tbl" ("User Id" bigint PRIMARY KEY, "Ver" bigint NOT NULL, "Pts" bigint NOT NULL);
 				INSERT INTO "Scores Tbl" SELECT g, 1, g * 3 FROM generate_series(1, 25) g;
 				CREATE TABLE "Docs" (k text PRIMARY KEY, v bigint NOT NULL, d bytea NOT NULL);
-				INSERT INTO "Docs" VALUES ('a', 1, '\x00ff'), ('b', 2, '')`)
+				INSERT INTO "Docs" VALUES ('a', 1, '\x00ff'), ('b', 2, '');
+				CREATE TABLE sessions (k text PRIMARY KEY, v int NOT NULL, id uuid NOT NULL, at time NOT NULL, doc jsonb NOT NULL);
+				INSERT INTO sessions VALUES ('s', 7, 'a0eebc99-9c0b-4ef8-bb6d-6bb9bd380a11', '10:00', '{"b": 1, "a": [2]}')`)
 			require.NoError(t, err)
 			pcfg, err := pgxpool.ParseConfig(pg.ConnString)
 			require.NoError(t, err)
@@ -691,6 +693,27 @@ func TestSQLSourceUnderEveryExecMode(t *testing.T) {
 			found, err = docs.Lookup(ctx, []string{"a", "zz"})
 			require.NoError(t, err, "Lookup on a text key")
 			require.Equal(t, []Row{{Key: "a", Version: 1, Value: projection.Value{Data: []byte{0, 0xff}}}}, found)
+
+			// A value column of another type is read in its text form in
+			// every mode: binary, a uuid scanned as its 16 raw bytes (and a
+			// default Run overwrote a projection holding the text form
+			// with them), a time in another form.
+			for column, want := range map[string]string{"id": "a0eebc99-9c0b-4ef8-bb6d-6bb9bd380a11", "at": "10:00:00", "doc": `{"a": [2], "b": 1}`} {
+				for _, kind := range []projection.Kind{projection.KindHash, projection.KindDocument} {
+					src, err := NewSQLSource(pool, &SQLSourceConfig{Schema: pg.Schema, Table: "sessions", KeyColumn: "k", VersionColumn: "v", ValueColumn: column, Kind: kind})
+					require.NoError(t, err)
+					wantRows := []Row{{Key: "s", Version: 7, Value: projection.Value{Data: []byte(want)}}}
+					page, err := src.Page(ctx, Cursor{}, 10)
+					require.NoError(t, err)
+					require.Equal(t, wantRows, page, "%s as %v", column, kind)
+					found, err := src.Lookup(ctx, []string{"s"})
+					require.NoError(t, err)
+					require.Equal(t, wantRows, found, "%s as %v", column, kind)
+					sampled, err := src.Sample(ctx, 5)
+					require.NoError(t, err)
+					require.Equal(t, wantRows, sampled, "%s as %v", column, kind)
+				}
+			}
 		})
 	}
 }

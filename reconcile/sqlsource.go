@@ -81,9 +81,11 @@ type SQLSourceConfig struct {
 	// VersionColumn holds the entity's version, an integer column. Required.
 	VersionColumn string
 	// ValueColumn holds the absolute value: an integer score for
-	// projection.KindSortedSet, bytes for KindHash and KindDocument (bytea,
-	// text and json columns all scan as bytes; the projector must write the
-	// same bytes for rows to compare as current). Required.
+	// projection.KindSortedSet, bytes for KindHash and KindDocument: a bytea
+	// column's bytes, any other column's text form as PostgreSQL writes it
+	// (text and json as stored, jsonb, uuid or time as their output
+	// functions give them), whatever pgx's statement mode; the projector
+	// must write the same bytes for rows to compare as current. Required.
 	ValueColumn string
 	// Kind is the projection kind the values feed; it decides how
 	// ValueColumn is read. Required. It must be the Target.Kind of the
@@ -483,6 +485,13 @@ func (s *SQLSource) query(ctx context.Context, capHint int, sql string, args ...
 }
 
 func (s *SQLSource) queryOn(ctx context.Context, db DBTX, capHint int, sql string, args ...any) ([]Row, error) {
+	if s.kind != projection.KindSortedSet {
+		// A value's bytes must not depend on pgx's statement mode: in
+		// binary a uuid column scans as its 16 raw bytes, and a time
+		// column in another form, where the simple protocol reads their
+		// text forms.
+		args = append([]any{valueResultFormats}, args...)
+	}
 	rows, err := db.Query(ctx, sql, args...)
 	if err != nil {
 		return nil, fmt.Errorf("reconcile: querying %s: %w", s.relation, err)
@@ -501,6 +510,16 @@ func (s *SQLSource) queryOn(ctx context.Context, db DBTX, capHint int, sql strin
 		return nil, fmt.Errorf("reconcile: reading %s: %w", s.relation, err)
 	}
 	return out, nil
+}
+
+// valueResultFormats asks for the columns of a hash or document source in
+// PostgreSQL's text form, but bytea (whose bytes are the value either way,
+// and twice as long in text) and integers (the version, parsed either way).
+var valueResultFormats = pgx.QueryResultFormatsByOID{
+	pgtype.ByteaOID: pgx.BinaryFormatCode,
+	pgtype.Int8OID:  pgx.BinaryFormatCode,
+	pgtype.Int4OID:  pgx.BinaryFormatCode,
+	pgtype.Int2OID:  pgx.BinaryFormatCode,
 }
 
 // rowScanner scans one query's rows into the same targets, row after row,
