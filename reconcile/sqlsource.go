@@ -70,8 +70,9 @@ type SQLSourceConfig struct {
 	// and Lookup also work on views.
 	Table string
 	// KeyColumn identifies the entity: it becomes Row.Key through a ::text
-	// cast. Any type with ordering and a text form works (text, bigint,
-	// uuid) whose collation is deterministic (the default; a
+	// cast. Any scalar type with ordering and a text form works (text,
+	// bigint, uuid; not an array or composite type, which Page or Lookup
+	// refuse with PostgreSQL's error) whose collation is deterministic (the default; a
 	// nondeterministic collation can make distinct keys compare equal, and
 	// a keyset page would skip one). Required. Index it (it is usually the
 	// primary key): every page is an index range scan. Rows whose key is
