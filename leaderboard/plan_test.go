@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"regexp"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -254,23 +255,7 @@ func TestSubmitBatchIsPlannedForItsArraysUnderForcedGenericPlans(t *testing.T) {
 			poolCfg.MaxConns = 1
 			poolCfg.ConnConfig.DefaultQueryExecMode = mode
 			poolCfg.ConnConfig.RuntimeParams["plan_cache_mode"] = "force_generic_plan"
-			var mu sync.Mutex
-			var plans []string
-			poolCfg.ConnConfig.OnNotice = func(_ *pgconn.PgConn, n *pgconn.Notice) {
-				i := strings.Index(n.Message, "plan:\n")
-				if i < 0 {
-					return
-				}
-				var p struct {
-					Query string          `json:"Query Text"`
-					Plan  json.RawMessage `json:"Plan"`
-				}
-				if json.Unmarshal([]byte(n.Message[i+len("plan:\n"):]), &p) == nil && strings.Contains(p.Query, "WITH ORDINALITY AS i(event_id") {
-					mu.Lock()
-					plans = append(plans, string(p.Plan))
-					mu.Unlock()
-				}
-			}
+			plans := collectPlans(poolCfg.ConnConfig, "WITH ORDINALITY AS i(event_id")
 			poolCfg.AfterConnect = func(ctx context.Context, conn *pgx.Conn) error {
 				for _, s := range []string{`LOAD 'auto_explain'`, `SET auto_explain.log_min_duration = 0`,
 					`SET auto_explain.log_level = notice`, `SET auto_explain.log_format = json`, `SET auto_explain.log_verbose = on`} {
@@ -299,14 +284,42 @@ func TestSubmitBatchIsPlannedForItsArraysUnderForcedGenericPlans(t *testing.T) {
 			var setting string
 			require.NoError(t, pool.QueryRow(ctx, `SELECT current_setting('plan_cache_mode')`).Scan(&setting))
 			require.Equal(t, "force_generic_plan", setting, "the session's setting is left as it was")
-			mu.Lock()
-			defer mu.Unlock()
-			require.Len(t, plans, 7)
-			for run, p := range plans {
+			require.Len(t, plans(), 7)
+			for run, p := range plans() {
 				if !strings.Contains(p, fmt.Sprintf("zzmark%d-", run)) {
 					t.Errorf("run %d is planned with the generic plan, not for its arrays (unnest($1) in the plan: %v)", run, strings.Contains(p, `unnest($1)`))
 				}
 			}
 		})
+	}
+}
+
+// collectPlans has auto_explain's JSON plans (notices: see the sessions'
+// auto_explain settings) of the statements whose text contains marker
+// collected from connections of cfg, and returns them so far.
+func collectPlans(cfg *pgx.ConnConfig, marker string) (plans func() []string) {
+	var (
+		mu        sync.Mutex
+		collected []string
+	)
+	cfg.OnNotice = func(_ *pgconn.PgConn, n *pgconn.Notice) {
+		i := strings.Index(n.Message, "plan:\n")
+		if i < 0 {
+			return
+		}
+		var p struct {
+			Query string          `json:"Query Text"`
+			Plan  json.RawMessage `json:"Plan"`
+		}
+		if json.Unmarshal([]byte(n.Message[i+len("plan:\n"):]), &p) == nil && strings.Contains(p.Query, marker) {
+			mu.Lock()
+			collected = append(collected, string(p.Plan))
+			mu.Unlock()
+		}
+	}
+	return func() []string {
+		mu.Lock()
+		defer mu.Unlock()
+		return slices.Clone(collected)
 	}
 }

@@ -3,11 +3,9 @@ package leaderboard
 import (
 	"context"
 	"database/sql"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"strings"
-	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -366,26 +364,7 @@ func TestSubmitBatchTxInPgxIsPlannedForItsArrays(t *testing.T) {
 				cfg, err := pgx.ParseConfig(tb.pg.ConnString)
 				require.NoError(t, err)
 				cfg.DefaultQueryExecMode = mode
-				var mu sync.Mutex
-				var plans []string
-				cfg.OnNotice = func(_ *pgconn.PgConn, n *pgconn.Notice) {
-					i := strings.Index(n.Message, "plan:\n")
-					if i < 0 {
-						return
-					}
-					var p struct {
-						Query string          `json:"Query Text"`
-						Plan  json.RawMessage `json:"Plan"`
-					}
-					if json.Unmarshal([]byte(n.Message[i+len("plan:\n"):]), &p) != nil {
-						return
-					}
-					if strings.Contains(p.Query, "json_build_object(") {
-						mu.Lock()
-						plans = append(plans, string(p.Plan))
-						mu.Unlock()
-					}
-				}
+				plans := collectPlans(cfg, "json_build_object(")
 				conn, err := pgx.ConnectConfig(ctx, cfg)
 				require.NoError(t, err)
 				t.Cleanup(func() { conn.Close(context.Background()) })
@@ -410,10 +389,8 @@ func TestSubmitBatchTxInPgxIsPlannedForItsArrays(t *testing.T) {
 					require.Equal(t, callerMode, got, "the caller's setting is back")
 					require.NoError(t, tx.Commit(ctx))
 				}
-				mu.Lock()
-				defer mu.Unlock()
-				require.Len(t, plans, 7)
-				for run, p := range plans {
+				require.Len(t, plans(), 7)
+				for run, p := range plans() {
 					if !strings.Contains(p, fmt.Sprintf("zzmark%d-", run)) {
 						t.Errorf("run %d is planned with the generic plan, not for its arrays (unnest($1) in the plan: %v)", run, strings.Contains(p, `unnest($1)`))
 					}

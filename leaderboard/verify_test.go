@@ -42,12 +42,12 @@ const verifyMarkerGone = "leaderboard: verify: the pass's marker is gone (anothe
 func TestVerify(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	verifying := func(t *testing.T) *testBundle {
-		return setup(t, func(c *Config) {
+	verifying := func(t *testing.T, mutate ...func(*Config)) *testBundle {
+		return setup(t, append([]func(*Config){func(c *Config) {
 			c.RequireVerifiedProjection = true
 			c.ReadPolicy = FailClosed
 			c.LagProbeInterval = time.Nanosecond
-		})
+		}}, mutate...)...)
 	}
 	// A verifying board whose reads look for the record once an hour, with
 	// ada's score projected.
@@ -218,12 +218,7 @@ func TestVerify(t *testing.T) {
 	t.Run("SortedSetLostDuringThePass", func(t *testing.T) {
 		t.Parallel()
 		logs := &testenv.LogSink{}
-		tb := setup(t, func(c *Config) {
-			c.RequireVerifiedProjection = true
-			c.ReadPolicy = FailClosed
-			c.LagProbeInterval = time.Nanosecond
-			c.Logger = logs.Logger()
-		})
+		tb := verifying(t, func(c *Config) { c.Logger = logs.Logger() })
 		const users = 20
 		for i := range users {
 			if i == users/2 {
@@ -267,12 +262,7 @@ func TestVerify(t *testing.T) {
 	t.Run("OverlappedPassSaysSo", func(t *testing.T) {
 		t.Parallel()
 		logs := &testenv.LogSink{}
-		tb := setup(t, func(c *Config) {
-			c.RequireVerifiedProjection = true
-			c.ReadPolicy = FailClosed
-			c.LagProbeInterval = time.Nanosecond
-			c.Logger = logs.Logger()
-		})
+		tb := verifying(t, func(c *Config) { c.Logger = logs.Logger() })
 		for i := range 10 {
 			tb.submit(t, fmt.Sprintf("u%02d", i), int64(i+1))
 		}
