@@ -250,24 +250,14 @@ func TestSubmitBatchIsPlannedForItsArraysUnderForcedGenericPlans(t *testing.T) {
 		t.Run(mode.String(), func(t *testing.T) {
 			t.Parallel()
 			tb := setup(t)
-			poolCfg, err := pgxpool.ParseConfig(tb.pg.ConnString)
-			require.NoError(t, err)
-			poolCfg.MaxConns = 1
-			poolCfg.ConnConfig.DefaultQueryExecMode = mode
-			poolCfg.ConnConfig.RuntimeParams["plan_cache_mode"] = "force_generic_plan"
-			plans := collectPlans(poolCfg.ConnConfig, "WITH ORDINALITY AS i(event_id")
-			poolCfg.AfterConnect = func(ctx context.Context, conn *pgx.Conn) error {
-				for _, s := range []string{`LOAD 'auto_explain'`, `SET auto_explain.log_min_duration = 0`,
-					`SET auto_explain.log_level = notice`, `SET auto_explain.log_format = json`, `SET auto_explain.log_verbose = on`} {
-					if _, err := conn.Exec(ctx, s, pgx.QueryExecModeSimpleProtocol); err != nil {
-						return err
-					}
-				}
-				return nil
-			}
-			pool, err := pgxpool.NewWithConfig(ctx, poolCfg)
-			require.NoError(t, err)
-			t.Cleanup(pool.Close)
+			var plans func() []string
+			pool := tb.newPool(t, func(poolCfg *pgxpool.Config) {
+				poolCfg.MaxConns = 1
+				poolCfg.ConnConfig.DefaultQueryExecMode = mode
+				poolCfg.ConnConfig.RuntimeParams["plan_cache_mode"] = "force_generic_plan"
+				plans = collectPlans(poolCfg.ConnConfig, "WITH ORDINALITY AS i(event_id")
+				poolCfg.AfterConnect = autoExplain
+			})
 			cfg := tb.board.Config()
 			board, err := New(pool, tb.rd.Client, &cfg)
 			require.NoError(t, err)
@@ -322,4 +312,16 @@ func collectPlans(cfg *pgx.ConnConfig, marker string) (plans func() []string) {
 		defer mu.Unlock()
 		return slices.Clone(collected)
 	}
+}
+
+// autoExplain has a session send auto_explain's JSON plans of every
+// statement as notices (see collectPlans).
+func autoExplain(ctx context.Context, conn *pgx.Conn) error {
+	for _, s := range []string{`LOAD 'auto_explain'`, `SET auto_explain.log_min_duration = 0`,
+		`SET auto_explain.log_level = notice`, `SET auto_explain.log_format = json`, `SET auto_explain.log_verbose = on`} {
+		if _, err := conn.Exec(ctx, s, pgx.QueryExecModeSimpleProtocol); err != nil {
+			return err
+		}
+	}
+	return nil
 }
