@@ -668,9 +668,15 @@ func unreachable(err error) bool {
 	switch {
 	case errors.As(err, &pgErr):
 		// Except a server starting up, shutting down or in recovery
-		// (cannot_connect_now), or out of connection slots: outages to
-		// wait out, as Redis's LOADING.
-		return pgErr.Code == "57P03" || pgErr.Code == "53300"
+		// (cannot_connect_now), out of connection slots, or one that
+		// ended the session (an administrator's terminate, a fast
+		// shutdown, a crashed sibling backend): outages to wait out, as
+		// Redis's LOADING. The pool replaces the connection.
+		switch pgErr.Code {
+		case "57P01", "57P02", "57P03", "53300":
+			return true
+		}
+		return false
 	case errors.As(err, &reply) && !errors.Is(err, redis.Nil):
 		for _, prefix := range unavailableReplies {
 			if strings.HasPrefix(reply.Error(), prefix) {
@@ -687,8 +693,8 @@ func unreachable(err error) bool {
 // unavailableReplies start the Redis error replies of a server that cannot
 // serve a key for now: a cluster that lost a slot's master, a server
 // loading its dataset after a restart, a replica cut off from its master,
-// a slot being moved.
-var unavailableReplies = []string{"CLUSTERDOWN ", "LOADING ", "MASTERDOWN ", "TRYAGAIN "}
+// a slot being moved, a server held by a long-running script.
+var unavailableReplies = []string{"CLUSTERDOWN ", "LOADING ", "MASTERDOWN ", "TRYAGAIN ", "BUSY "}
 
 // writeUserNotFound is the 404 of GET /users/{id}/rank.
 func writeUserNotFound(w http.ResponseWriter) {

@@ -771,6 +771,19 @@ func TestUnreachable(t *testing.T) {
 	require.Error(t, noDatabase)
 	_, syntax := pg.Pool.Exec(ctx, "SELEC 1")
 	require.Error(t, syntax)
+	// A connection that an administrator (or a fast shutdown) terminated
+	// answers its next query with 57P01.
+	victim, err := pgx.Connect(ctx, pg.ConnString)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = victim.Close(ctx) })
+	var terminated bool
+	require.NoError(t, pg.Pool.QueryRow(ctx, "SELECT pg_terminate_backend($1)", victim.PgConn().PID()).Scan(&terminated))
+	require.True(t, terminated)
+	var adminShutdown error
+	require.Eventually(t, func() bool {
+		_, adminShutdown = victim.Exec(ctx, "SELECT 1")
+		return adminShutdown != nil
+	}, 5*time.Second, 10*time.Millisecond)
 
 	for name, tc := range map[string]struct {
 		err  error
@@ -780,6 +793,8 @@ func TestUnreachable(t *testing.T) {
 		"Loading":        {reply("LOADING Redis is loading the dataset in memory"), true},
 		"MasterDown":     {reply("MASTERDOWN Link with MASTER is down and replica-serve-stale-data is set to 'no'."), true},
 		"TryAgain":       {reply("TRYAGAIN Multiple keys request during rehashing of slot"), true},
+		"Busy":           {reply("BUSY Redis is busy running a script. You can only call SCRIPT KILL or SHUTDOWN NOSAVE."), true},
+		"AdminShutdown":  {adminShutdown, true},
 		"OtherReply":     {reply("WRONGTYPE Operation against a key holding the wrong kind of value"), false},
 		"Refused":        {refused.Ping(ctx).Err(), true},
 		"ClosedClient":   {closedClient.Ping(ctx).Err(), true},
