@@ -157,8 +157,10 @@ type Config struct {
 	// dead rebuild's shadow values and versions, copy count and shadow
 	// layout have no TTL and stay in Redis until the next Rebuild of the
 	// collection starts and clears them, or until deleted by hand (see
-	// "Rebuild" in the package documentation for their names). Defaults to
-	// RebuildMarkerTTLDefault.
+	// "Rebuild" in the package documentation for their names). At least
+	// 100ms (a rebuild refreshes it between pages, and a shorter one could
+	// expire while a page is copied, aborting the rebuild); a shorter one
+	// is refused with a *ConfigError. Defaults to RebuildMarkerTTLDefault.
 	RebuildMarkerTTL time.Duration
 	// Logger receives a line per run and per rebuild (and a warning for a
 	// rebuild with RebuildReport.Conflicts), with the attributes
