@@ -175,11 +175,13 @@ func TestSQLSource(t *testing.T) {
 		found, err := src.Lookup(ctx, keys)
 		require.NoError(t, err)
 		require.ElementsMatch(t, want, found)
-		require.EqualValues(t, 1, db.n.Load(), "statements for one lookup")
+		// One more, the first time such a key comes, reads the database's
+		// encoding (a SQL_ASCII one can hold keys that are not UTF-8).
+		require.EqualValues(t, 2, db.n.Load(), "statements for one lookup")
 		found, err = src.Lookup(ctx, bad)
 		require.NoError(t, err)
 		require.Empty(t, found)
-		require.EqualValues(t, 1, db.n.Load(), "statements for a lookup of nothing but such keys")
+		require.EqualValues(t, 2, db.n.Load(), "statements for a lookup of nothing but such keys")
 
 		// A full pass over a projection holding them: its orphan scan
 		// reports them without a statement each.
@@ -423,6 +425,11 @@ type countingDB struct {
 func (c *countingDB) Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error) {
 	c.n.Add(1)
 	return c.DBTX.Query(ctx, sql, args...)
+}
+
+func (c *countingDB) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row {
+	c.n.Add(1)
+	return c.DBTX.QueryRow(ctx, sql, args...)
 }
 
 func TestClassify(t *testing.T) {
@@ -716,4 +723,71 @@ func TestSQLSourceUnderEveryExecMode(t *testing.T) {
 			}
 		})
 	}
+}
+
+// TestSQLSourceKeysNotUTF8: a SQL_ASCII database holds keys that are not
+// UTF-8, which no query can send back. A pass that meets one stops with an
+// *InvalidRowError, and a lookup of one is refused the same way: left out
+// as absent, the entry that matches its row would be taken for an orphan
+// and, under an orphan repair policy, deleted.
+func TestSQLSourceKeysNotUTF8(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pg := testenv.Postgres(t)
+	rd := testenv.Redis(t)
+	db := "verity_ascii_" + strings.ToLower(strings.NewReplacer("-", "_", ".", "_").Replace(pg.Schema))
+	_, err := pg.Pool.Exec(ctx, `CREATE DATABASE `+pgx.Identifier{db}.Sanitize()+` ENCODING 'SQL_ASCII' LC_COLLATE 'C' LC_CTYPE 'C' TEMPLATE template0`)
+	require.NoError(t, err)
+	t.Cleanup(func() {
+		_, err := pg.Pool.Exec(context.Background(), `DROP DATABASE `+pgx.Identifier{db}.Sanitize()+` WITH (FORCE)`)
+		require.NoError(t, err)
+	})
+	cfg, err := pgxpool.ParseConfig(pg.ServerURL)
+	require.NoError(t, err)
+	cfg.ConnConfig.Database = db
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	require.NoError(t, err)
+	t.Cleanup(pool.Close)
+	_, err = pool.Exec(ctx, `CREATE TABLE t (k text PRIMARY KEY, v bigint NOT NULL, p bigint NOT NULL);
+		INSERT INTO t VALUES (E'caf\xe9', 1, 5), ('plain', 1, 6)`)
+	require.NoError(t, err)
+
+	ks, err := projection.NewKeyspace(rd.Prefix)
+	require.NoError(t, err)
+	target := Target{Client: rd.Client, Keyspace: ks, Kind: projection.KindSortedSet, Name: "b"}
+	var writes []projection.Write
+	for i, k := range []string{"caf\xe9", "plain", "gone"} {
+		writes = append(writes, projection.Write{Target: target.target(k), Version: 1, Value: projection.Value{Score: int64(5 + i)}})
+	}
+	_, err = projection.NewGate(rd.Client, ks).Apply(ctx, writes)
+	require.NoError(t, err)
+	src, err := NewSQLSource(pool, &SQLSourceConfig{Table: "t", KeyColumn: "k", VersionColumn: "v", ValueColumn: "p", Kind: projection.KindSortedSet})
+	require.NoError(t, err)
+	r, err := New(src, target, &Config{Policy: Policy{Missing: ActionRepair, Stale: ActionRepair, Corrupt: ActionRepair, Ahead: ActionRepair, Orphan: ActionRepair}})
+	require.NoError(t, err)
+	members := func() []string {
+		t.Helper()
+		got, err := rd.Client.ZRange(ctx, ks.ValueKey(target.target("")), 0, -1).Result()
+		require.NoError(t, err)
+		return got
+	}
+
+	t.Run("RunStops", func(t *testing.T) {
+		_, err := r.Run(ctx, RunOptions{})
+		var invalid *InvalidRowError
+		require.ErrorAs(t, err, &invalid)
+		require.Equal(t, "caf\xe9", invalid.Key)
+		require.ElementsMatch(t, []string{"caf\xe9", "plain", "gone"}, members())
+	})
+	t.Run("CheckKeysRefuses", func(t *testing.T) {
+		_, err := r.CheckKeys(ctx, []string{"caf\xe9"}, RunOptions{})
+		require.ErrorIs(t, err, ErrInvalidRow)
+		require.Contains(t, members(), "caf\xe9")
+		// A key with a NUL byte no database holds: still an orphan.
+		_, err = rd.Client.ZAdd(ctx, ks.ValueKey(target.target("")), redis.Z{Member: "nul\x00", Score: 1}).Result()
+		require.NoError(t, err)
+		rep, err := r.CheckKeys(ctx, []string{"nul\x00"}, RunOptions{DryRun: true})
+		require.NoError(t, err)
+		require.EqualValues(t, 1, rep.Counts[ClassOrphan])
+	})
 }

@@ -10,6 +10,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"unicode/utf8"
 
 	"github.com/jackc/pgx/v5"
@@ -143,6 +144,10 @@ type SQLSource struct {
 	sampleSQL    string
 	estimateSQL  string
 	relation     string
+
+	// sqlASCII caches whether the database's encoding is SQL_ASCII (see
+	// Lookup): 0 not known yet, 1 yes, 2 no.
+	sqlASCII atomic.Int32
 }
 
 // NewSQLSource validates cfg and returns a source reading through db.
@@ -302,7 +307,9 @@ func (s *SQLSource) Page(ctx context.Context, after Cursor, limit int) ([]Row, e
 // the table, so it is left out of the result like any absent key. A key no
 // PostgreSQL text parameter can carry (invalid UTF-8, a NUL byte: a
 // projection member written by something other than the gate) is dropped
-// before querying and costs nothing. A key PostgreSQL rejects for the
+// before querying and costs nothing, except that a key that is not UTF-8
+// gets an *InvalidRowError from a SQL_ASCII database, which may hold it
+// (the first such key costs a statement to learn the encoding). A key PostgreSQL rejects for the
 // column's type ("user:42" for a bigint column) costs more: the server
 // rejects the whole statement for it, so the batch is split in halves until
 // each rejected key stands alone, about two failed statements per such key,
@@ -319,6 +326,9 @@ func (s *SQLSource) Lookup(ctx context.Context, keys []string) ([]Row, error) {
 		return nil, errUnmadeSource()
 	}
 	if slices.ContainsFunc(keys, unsendable) {
+		if err := s.refuseUnreadable(ctx, keys); err != nil {
+			return nil, err
+		}
 		keys = slices.DeleteFunc(slices.Clone(keys), unsendable)
 	}
 	if len(keys) == 0 {
@@ -336,8 +346,41 @@ func (s *SQLSource) Lookup(ctx context.Context, keys []string) ([]Row, error) {
 }
 
 // unsendable reports a key that no PostgreSQL text value can hold, so no
-// stored key of any type can have it as its text form.
+// stored key of any type can have it as its text form, or that only a
+// SQL_ASCII database can (see refuseUnreadable).
 func unsendable(k string) bool { return !utf8.ValidString(k) || strings.IndexByte(k, 0) >= 0 }
+
+// refuseUnreadable returns an *InvalidRowError for the first key of keys
+// that is not valid UTF-8 (and holds no NUL) when the database's encoding
+// is SQL_ASCII. Such a database stores any bytes but NUL, so it may hold
+// the key, but no query can send it (the server checks a UTF-8 client's
+// text), and left out as absent its projection entry would be taken for an
+// orphan and, under an orphan repair policy, deleted. The encoding is asked
+// once per SQLSource, and only when such a key comes.
+func (s *SQLSource) refuseUnreadable(ctx context.Context, keys []string) error {
+	i := slices.IndexFunc(keys, func(k string) bool { return !utf8.ValidString(k) && strings.IndexByte(k, 0) < 0 })
+	if i < 0 {
+		return nil
+	}
+	if s.sqlASCII.Load() == 0 {
+		var encoding string
+		if err := s.db.QueryRow(ctx, sqlEncodingSQL).Scan(&encoding); err != nil {
+			return fmt.Errorf("reconcile: reading the encoding of %s's database: %w", s.relation, err)
+		}
+		if encoding == "SQL_ASCII" {
+			s.sqlASCII.Store(1)
+		} else {
+			s.sqlASCII.Store(2)
+		}
+	}
+	if s.sqlASCII.Load() == 1 {
+		return &InvalidRowError{Key: keys[i], Reason: "is not valid UTF-8, which this SQL_ASCII database can hold but no query can send, so it cannot be looked up; convert the key column's values to UTF-8"}
+	}
+	return nil
+}
+
+// sqlEncodingSQL reads the database's encoding.
+const sqlEncodingSQL = "SELECT current_setting('server_encoding')"
 
 func (s *SQLSource) lookup(ctx context.Context, keys []string) (rows []Row, err error) {
 	args := append(append([]any(nil), s.args...), keys)
@@ -556,6 +599,12 @@ func (sc *rowScanner) scan(rows pgx.Rows) (Row, error) {
 	}
 	r := Row{Key: sc.key}
 	switch {
+	case !utf8.ValidString(r.Key):
+		// Only a SQL_ASCII database holds such a key. It could not be
+		// looked up (see refuseUnreadable) or sent as the next page's
+		// cursor: the pass stops here rather than later, or in the
+		// orphan scan.
+		return Row{}, &InvalidRowError{Key: r.Key, Reason: "key is not valid UTF-8 (a SQL_ASCII database holding other bytes); no query can send it back, so it cannot be reconciled: convert the key column's values to UTF-8"}
 	case !sc.version.Valid:
 		return Row{}, &InvalidRowError{Key: r.Key, Reason: "version is NULL"}
 	case sc.version.Int64 <= 0:
