@@ -28,12 +28,14 @@ func (s *pageHook) Page(ctx context.Context, after Cursor, limit int) ([]Row, er
 	return s.Source.Page(ctx, after, limit)
 }
 
-// TestClusterRerunCountsOnlyWhatItChecked: a pass repairs all 10
-// documents of page 2, meets a slot move on page 3 and runs again; the
-// re-run checks page 1 (10 current documents) and fails reading page 2.
-// The Report counts page 1's 10 current documents and the 10 repairs: it
-// used to take the first pass's rewrites off current whether or not the
-// re-run had got that far.
+// TestClusterRerunCountsOnlyWhatItChecked: a pass repairs 9 documents of
+// page 2 and refuses the 10th (its value key holds a hash), meets a slot
+// move on page 3 and runs again; the re-run checks page 1 (10 current
+// documents) and fails reading page 2. The Report counts page 1's 10
+// current documents and the 9 repairs: it used to take the first pass's
+// rewrites off current whether or not the re-run had got that far. The
+// refusal is returned and reported too: it used to be dropped, as if the
+// re-run had met it again.
 func TestClusterRerunCountsOnlyWhatItChecked(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
@@ -55,10 +57,13 @@ func TestClusterRerunCountsOnlyWhatItChecked(t *testing.T) {
 	require.NoError(t, err)
 	walks.Store(0)
 
-	for _, row := range rows[10:20] { // page 2: missing, repaired by pass 1
+	for _, row := range rows[10:19] { // page 2: missing, repaired by pass 1
 		tg := b.target.target(row.Key)
 		require.NoError(t, client.Del(ctx, b.ks.ValueKey(tg), b.ks.VersionKey(tg)).Err())
 	}
+	wrong := b.target.target(rows[19].Key) // page 2: corrupt, its repair refused
+	require.NoError(t, client.Del(ctx, b.ks.ValueKey(wrong)).Err())
+	require.NoError(t, client.HSet(ctx, b.ks.ValueKey(wrong), "f", "v").Err())
 	moved := b.target.target(rows[25].Key) // page 3: its slot moves
 	slot := reassignEmptied(t, cluster, client, b.ks.ValueKey(moved))
 	for _, row := range rows[:10] { // page 1 does not share the moved slot
@@ -70,9 +75,15 @@ func TestClusterRerunCountsOnlyWhatItChecked(t *testing.T) {
 	rep, err := r.Run(ctx, RunOptions{})
 	require.ErrorContains(t, err, "source failed")
 	t.Logf("report: %s counts=%v results=%v checked=%d", rep, rep.Counts, rep.Results, rep.Checked)
-	require.EqualValues(t, 10, rep.Repaired, "pass 1's repairs are reported")
+	require.EqualValues(t, 9, rep.Repaired, "pass 1's repairs are reported")
 	require.EqualValues(t, 10, rep.Checked, "the re-run checked page 1")
 	require.EqualValues(t, 10, rep.Counts[ClassCurrent], "page 1's 10 documents were current in the re-run")
+	var refused *WrongKeyTypeError
+	require.ErrorAs(t, err, &refused, "pass 1's refusal is returned")
+	require.Equal(t, rows[19].Key, refused.Key)
+	require.EqualValues(t, 1, rep.Counts[ClassCorrupt])
+	require.EqualValues(t, 1, rep.Results[ResultNotAttempted])
+	require.Equal(t, rep.Drift(), rep.Repaired+rep.Skipped+rep.Uncertain)
 }
 
 // TestClusterTryAgainRepairIsNotUncertain: a run of a collection whose

@@ -717,9 +717,24 @@ func (r *Reconciler) validateRow(row *Row) error {
 // records every finding in the report, whatever happens.
 func (r *Reconciler) settle(ctx context.Context, opts RunOptions, findings []Finding, rep *Report) error {
 	var viaGate, viaCAS []*Finding
+	refusedBefore := len(rep.refused)
 	defer func() {
+		var refusals map[string]error
+		for _, err := range rep.refused[refusedBefore:] {
+			var wrong *WrongKeyTypeError
+			if errors.As(err, &wrong) {
+				if refusals == nil {
+					refusals = make(map[string]error)
+				}
+				refusals[wrong.Key] = err
+			}
+		}
 		for i := range findings {
-			rep.record(&findings[i], r.cfg.ExamplesPerClass)
+			f := &findings[i]
+			rep.record(f, r.cfg.ExamplesPerClass)
+			if refusal := refusals[f.Key]; refusal != nil || f.Result == ResultUncertain {
+				rep.unsettled = append(rep.unsettled, unsettled{at: rep.Checked, class: f.Class, result: f.Result, refusal: refusal})
+			}
 		}
 	}()
 

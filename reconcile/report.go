@@ -135,6 +135,10 @@ type Report struct {
 	// refused holds a *WrongKeyTypeError per repair refused for a key of
 	// another type; Run and CheckKeys return them once they are done.
 	refused []error
+	// unsettled holds the findings left refused or uncertain, by Checked
+	// when they were recorded (as rewrittenAt), for a pass run again that
+	// fails before it gets that far (see carry). Both are rare.
+	unsettled []unsettled
 	// orphaned holds the keys found ahead that turned out to be orphans
 	// (their rows were deleted mid-pass) and were left in place, which an
 	// orphan scan meets again and must not count twice. Rare, so usually
@@ -276,7 +280,25 @@ func (r *Report) carry(earlier *Report, examples int) {
 		r.keepExamples(earlier, examples, func(*Finding) bool { return true })
 		return
 	}
-	// The earlier pass's refusals wrote nothing: r has met them again.
+	// The earlier pass's refused and uncertain repairs: r met those of the
+	// pages it checked again anew; the others, past where r failed, it
+	// reports as the earlier pass left them (and returns the refusals).
+	for _, u := range earlier.unsettled {
+		if u.at <= r.Checked {
+			continue
+		}
+		r.Counts[u.class]++
+		r.Results[u.result]++
+		if u.result == ResultUncertain {
+			r.Uncertain++
+		} else {
+			r.Skipped++
+		}
+		if u.refusal != nil {
+			r.refused = append(r.refused, u.refusal)
+		}
+		r.unsettled = append(r.unsettled, u)
+	}
 	if earlier.Repaired == 0 {
 		return
 	}
@@ -317,6 +339,15 @@ func (r *Report) keepExamples(earlier *Report, examples int, keep func(*Finding)
 			r.Examples[c] = append(kept, r.Examples[c]...)
 		}
 	}
+}
+
+// unsettled is a finding whose repair was refused (refusal is its
+// *WrongKeyTypeError) or left uncertain, recorded when Checked was at.
+type unsettled struct {
+	at      int64
+	class   Class
+	result  Result
+	refusal error
 }
 
 // record accounts for one finding whose Result is final.
