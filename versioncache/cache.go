@@ -295,6 +295,9 @@ func (c *Cache[T]) Get(ctx context.Context, id string, load Loader[T]) (T, error
 	// however often it goes round: once it has run or joined a load, it is
 	// a miss, even if it is then served from Redis.
 	missed := false
+	// waited: the call has been counted in LeaseWaits. A miss can wait
+	// again when the version moved during its first wait.
+	waited := false
 	for {
 		if !ignoreCurrent {
 			data, found, err := c.getCurrent(ctx, id)
@@ -336,7 +339,7 @@ func (c *Cache[T]) Get(ctx context.Context, id string, load Loader[T]) (T, error
 			missed = true
 		}
 		res, shared, leaderEnded, err := c.flights.do(ctx, c.flightKey(id, r.version), id, func() (loaded[T], error) {
-			return c.loadAndFill(ctx, id, r, load)
+			return c.loadAndFill(ctx, id, r, load, &waited)
 		})
 		switch {
 		case errors.Is(err, errVersionMoved):
@@ -538,10 +541,13 @@ func joinVersioned(version string, payload []byte) []byte {
 // for another process's fill.
 var errVersionMoved = errors.New("versioncache: version moved")
 
-func (c *Cache[T]) loadAndFill(ctx context.Context, id string, r readResult, load Loader[T]) (loaded[T], error) {
+func (c *Cache[T]) loadAndFill(ctx context.Context, id string, r readResult, load Loader[T], waited *bool) (loaded[T], error) {
 	var zero loaded[T]
 	if r.lease == leaseHeldByPeer {
-		c.stats.leaseWaits.Add(1)
+		if !*waited {
+			*waited = true
+			c.stats.leaseWaits.Add(1)
+		}
 		got, res, err := c.waitForPeer(ctx, id, &r)
 		var rerr *RedisError
 		if errors.As(err, &rerr) {
@@ -675,6 +681,11 @@ func (c *Cache[T]) waitForPeer(ctx context.Context, id string, r *readResult) (b
 			return false, zero, nil
 		}
 		if next.version != r.version {
+			// This poll, a miss of the new version, may have taken that
+			// version's lease. Get goes round and takes it again; a caller
+			// whose ctx ends first would leave it to lapse, and other
+			// processes to wait FillLeaseWait for a fill that never comes.
+			c.releaseLease(ctx, id, next)
 			return false, zero, errVersionMoved
 		}
 		if next.lease == leaseHeldByUs {

@@ -2,10 +2,14 @@ package versioncache
 
 import (
 	"context"
+	"sync/atomic"
 	"testing"
 	"time"
 
+	"github.com/redis/go-redis/v9"
 	"github.com/stretchr/testify/require"
+
+	"github.com/verity-go/verity/internal/testenv"
 )
 
 // TestWaitForPeerNoticesMovedVersion: a process waiting for a
@@ -32,6 +36,84 @@ func TestWaitForPeerNoticesMovedVersion(t *testing.T) {
 	require.False(t, got)
 	require.ErrorIs(t, err, errVersionMoved, "the version moved while waiting")
 	require.Less(t, time.Since(start), time.Second)
+	// The poll that saw the move took the new version's lease; it gave it
+	// up, or a caller whose ctx ended before going round would leave it to
+	// lapse, and other processes to wait for a fill that never comes.
+	lease, err := caches[1].client.Get(ctx, caches[1].leaseKey("p")).Result()
+	if err == nil {
+		require.NotContains(t, lease, caches[1].leaseToken, "the new version's lease is not left held")
+	} else {
+		require.ErrorIs(t, err, redis.Nil)
+	}
+}
+
+// beforeScript runs fn, once armed, before the next script its client
+// sends.
+type beforeScript struct {
+	testenv.PassThroughHook
+	armed *atomic.Bool
+	fn    func()
+}
+
+func (h beforeScript) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
+	return func(ctx context.Context, cmd redis.Cmder) error {
+		if n := cmd.Name(); (n == "evalsha" || n == "eval") && h.armed.CompareAndSwap(true, false) {
+			h.fn()
+		}
+		return next(ctx, cmd)
+	}
+}
+
+// TestLeaseWaitsCountsAMissOnce: a miss waits for a holder's fill, the
+// version moves, and a third process takes the new version's lease before
+// the waiter's next poll, so the waiter waits again within the same Get.
+// LeaseWaits counts misses that waited: one. It used to count each wait.
+func TestLeaseWaitsCountsAMissOnce(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	rd := testenv.Redis(t)
+	cfg := Config{Prefix: rd.Prefix, FillLeaseTTL: time.Minute, FillLeaseWait: time.Minute, FillLeasePoll: 5 * time.Millisecond}
+	holder, err := New[product](rd.Client, &cfg)
+	require.NoError(t, err)
+	third, err := New[product](rd.Client, &cfg)
+	require.NoError(t, err)
+	waiterClient := redis.NewClient(rd.Client.(*redis.Client).Options())
+	t.Cleanup(func() { _ = waiterClient.Close() })
+	var armed atomic.Bool
+	src := newTruth()
+	src.write("p", 1)
+	waiterClient.AddHook(beforeScript{armed: &armed, fn: func() {
+		src.write("p", 2)
+		require.NoError(t, holder.Invalidate(ctx, "p"))
+		r, err := third.read(ctx, "p", true, false)
+		require.NoError(t, err)
+		require.EqualValues(t, leaseHeldByUs, r.lease)
+	}})
+	waiter, err := New[product](waiterClient, &cfg)
+	require.NoError(t, err)
+	held, err := holder.read(ctx, "p", true, false)
+	require.NoError(t, err)
+	require.EqualValues(t, leaseHeldByUs, held.lease)
+
+	done := make(chan error, 1)
+	go func() {
+		_, err := waiter.Get(ctx, "p", src.loader("p"))
+		done <- err
+	}()
+	require.Eventually(t, func() bool { return waiter.Stats().LeaseWaits == 1 }, 10*time.Second, time.Millisecond)
+	armed.Store(true)
+	require.Eventually(t, func() bool { return !armed.Load() }, 10*time.Second, time.Millisecond, "the waiter polled again")
+	// Time for the waiter to go round and wait on the third's lease (with
+	// less, it may take the lease below directly: the test then passes
+	// without exercising a second wait).
+	time.Sleep(100 * time.Millisecond)
+	// The third process gives up its lease (as after a failed load): the
+	// waiter's next poll takes it and loads.
+	require.NoError(t, rd.Client.Del(ctx, third.leaseKey("p")).Err())
+	require.NoError(t, <-done)
+	st := waiter.Stats()
+	require.EqualValues(t, 1, st.Misses)
+	require.EqualValues(t, 1, st.LeaseWaits, "one miss that waited, twice")
 }
 
 // TestLeaseWaitEndings ends a process's wait for a peer's fill in each way

@@ -203,7 +203,7 @@ func TestCacheMetrics(t *testing.T) {
 			}()
 			require.Eventually(t, func() bool { return waiter.Stats().LeaseWaits == 1 },
 				10*time.Second, time.Millisecond, "the waiter waits for the peer's fill")
-			_, err = peer.cache.loadAndFill(ctx, "h", held, peer.truth.loader("h"))
+			_, err = peer.cache.loadAndFill(ctx, "h", held, peer.truth.loader("h"), new(bool))
 			require.NoError(t, err)
 			require.Equal(t, want, <-got)
 			require.EqualValues(t, 1, waiter.Stats().LeaseWaitHits)

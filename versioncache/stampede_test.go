@@ -205,7 +205,7 @@ func TestLeaseFollowsVersion(t *testing.T) {
 	require.NotEqual(t, old.version, r.version)
 	require.EqualValues(t, leaseHeldByUs, r.lease, "a lease of a moved version does not block")
 
-	_, err = caches[0].loadAndFill(ctx, "p", old, src.loader("p"))
+	_, err = caches[0].loadAndFill(ctx, "p", old, src.loader("p"), new(bool))
 	require.NoError(t, err)
 	require.EqualValues(t, 1, caches[0].Stats().StaleFillsSkipped)
 	caches[0].releaseLease(ctx, "p", old)
@@ -214,7 +214,7 @@ func TestLeaseFollowsVersion(t *testing.T) {
 	require.Equal(t, r.version, again.version)
 	require.EqualValues(t, leaseHeldByPeer, again.lease, "the new lease survived")
 
-	res, err := caches[1].loadAndFill(ctx, "p", r, src.loader("p"))
+	res, err := caches[1].loadAndFill(ctx, "p", r, src.loader("p"), new(bool))
 	require.NoError(t, err)
 	require.Equal(t, want, res.val)
 	got, err := caches[0].Get(ctx, "p", src.loader("p"))

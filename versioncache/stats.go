@@ -48,7 +48,12 @@ type Stats struct {
 	LeaseFallbacks uint64 // ... and loaded themselves after FillLeaseWait
 	// RedisErrors are failed Redis calls, not those cut off by the
 	// caller's ctx; an Invalidate or Peek that retried TRYAGAIN during a
-	// slot migration until its ctx ended counts once.
+	// slot migration until its ctx ended counts once. A call that fails
+	// after the caller's ctx ended counts as cut off, even when Redis had
+	// stopped answering: without ContextTimeoutEnabled, go-redis waits for
+	// a hung Redis until its ReadTimeout (3 s by default), and callers
+	// whose deadlines are shorter never see it counted here. Alert on
+	// Redis itself, or on the callers' timeouts, for a hang.
 	RedisErrors  uint64
 	DecodeErrors uint64 // cached values the Codec could not decode
 	// ReplicationErrors are Invalidate calls that returned a
