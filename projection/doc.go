@@ -249,7 +249,10 @@
 // node, go-redis sends the node's other script calls of the batch again,
 // after they ran: their writes then come back duplicate or stale, not
 // applied, and the applied count and the lag histogram miss them for that
-// batch. What Redis holds is right; only those verdicts are off.
+// batch. What Redis holds is right; only those verdicts are off. The same
+// holds on any client whose MaxRetries lets go-redis resend a script whose
+// reply was lost (a connection cut after Redis ran it, a ReadTimeout):
+// the resent writes come back duplicate or stale.
 //
 // A *redis.Ring needs one option. By default go-redis pings every shard
 // and, after a few missed pings, hashes the keys of a shard it marks down
