@@ -312,6 +312,13 @@
 // database clock (the leaderboard's lag probe, which otherwise reads all of
 // the stream's dead letters on every probe). Every dead letter fits it, as
 // it fits 004's index of the same size.
+// Migration 001 itself changed in the first hour of this package's history
+// (2026-11-30, before any release): an outbox created by that hour's
+// commits lacks the leased_until column (every claim then fails with
+// SQLSTATE 42703) and keeps a UNIQUE event_id on its dead-letter table (an
+// event that dies twice then fails its batch's settle). Migrate does not
+// change such tables: recreate them, or add the column and drop that
+// constraint by hand.
 // Schema, tables, storage settings, constraints and indexes are created
 // or changed only when the catalog shows them missing, so Migrate of a
 // migrated outbox needs only USAGE on the schema and DML on the tables
