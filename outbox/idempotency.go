@@ -65,8 +65,15 @@ ORDER BY xmax = '0'::xid DESC, created_at DESC LIMIT 1`
 	// what duplicates return (Command.Result). When it matches no row,
 	// lookupResultSQL, with a fresh snapshot, tells an unknown id from a
 	// stored result. Like lookupCommandSQL, it picks tx's own record when
-	// its snapshot also sees a pruned one.
-	storeResultSQL  = `UPDATE %s SET result = $2 WHERE event_id = $1 AND result IS NULL RETURNING true`
+	// its snapshot also sees a pruned one: by the record's ctid, since
+	// result IS NULL alone would also match a pruned record stored without
+	// a result, and updating a row another transaction deleted fails tx
+	// with a serialization error (40001) under REPEATABLE READ. (Under
+	// READ COMMITTED a result stored concurrently fails the recheck of
+	// result IS NULL as before; the row's new ctid fails it too.)
+	storeResultSQL = `UPDATE %[1]s SET result = $2 WHERE event_id = $1 AND result IS NULL
+AND ctid = (SELECT ctid FROM %[1]s WHERE event_id = $1 ORDER BY xmax = '0'::xid DESC, created_at DESC LIMIT 1)
+RETURNING true`
 	lookupResultSQL = `SELECT result FROM %s WHERE event_id = $1
 ORDER BY xmax = '0'::xid DESC, created_at DESC LIMIT 1`
 

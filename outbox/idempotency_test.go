@@ -463,11 +463,37 @@ func TestRecordCommand(t *testing.T) {
 	// although the snapshot still sees the old record.
 	t.Run("PrunedAfterSnapshotBeforeInsert", func(t *testing.T) {
 		t.Parallel()
-		for name, iso := range map[string]pgx.TxIsoLevel{"RepeatableRead": pgx.RepeatableRead, "Serializable": pgx.Serializable} {
+		for name, tc := range map[string]struct {
+			iso pgx.TxIsoLevel
+			// noResult: the pruned record had no result (storing one is
+			// optional); tx's snapshot then sees two records without one,
+			// and StoreCommandResult used to update both and fail with
+			// 40001 on the pruned one.
+			noResult bool
+		}{
+			"RepeatableRead":         {iso: pgx.RepeatableRead},
+			"Serializable":           {iso: pgx.Serializable},
+			"RepeatableReadNoResult": {iso: pgx.RepeatableRead, noResult: true},
+			"SerializableNoResult":   {iso: pgx.Serializable, noResult: true},
+		} {
 			t.Run(name, func(t *testing.T) {
 				t.Parallel()
 				b := setup(t)
-				id, tx := executedThenTx(t, b, iso)
+				var id uuid.UUID
+				var tx pgx.Tx
+				if tc.noResult {
+					id = uuid.New()
+					first, err := b.pool.Begin(ctx)
+					require.NoError(t, err)
+					_, err = b.writer.RecordCommand(ctx, first, id, outbox.Fingerprint([]byte("c")))
+					require.NoError(t, err)
+					require.NoError(t, first.Commit(ctx))
+					tx, err = b.pool.BeginTx(ctx, pgx.TxOptions{IsoLevel: tc.iso})
+					require.NoError(t, err)
+					t.Cleanup(func() { _ = tx.Rollback(ctx) })
+				} else {
+					id, tx = executedThenTx(t, b, tc.iso)
+				}
 				table := pgx.Identifier{b.cfg.Schema, outbox.TableDefault + "_idempotency"}.Sanitize()
 				var seen int
 				require.NoError(t, tx.QueryRow(ctx, `SELECT count(*) FROM `+table+` WHERE event_id = $1`, id).Scan(&seen))
