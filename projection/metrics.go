@@ -112,7 +112,13 @@ func (m *projectionMetrics) recordWrites(ctx context.Context, mode string, write
 		if undecided != nil && undecided[i] {
 			continue
 		}
-		counts[writeKey{name: metricName(writes[i].Target), kind: writes[i].Target.Kind, outcome: outcomes[i]}]++
+		name, kind := metricName(writes[i].Target), writes[i].Target.Kind
+		counts[writeKey{name: name, kind: kind, outcome: outcomes[i]}]++
+		// The conflict series exists, at 0, from a collection's first
+		// batch: born at its first conflict, it would show Prometheus's
+		// increase() no growth (the README's alert covers a conflict in
+		// that first batch too).
+		counts[writeKey{name: name, kind: kind, outcome: OutcomeConflict}] += 0
 	}
 	for k, n := range counts {
 		m.writes.Add(ctx, n, metric.WithAttributes(

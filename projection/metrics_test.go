@@ -48,6 +48,12 @@ func TestProjectorMetrics(t *testing.T) {
 		})
 		require.NoError(t, err)
 		require.Error(t, results[3].Err)
+		// The conflict series exists, at 0, before any conflict: an alert
+		// on increase() would not see the first conflict of a series born
+		// at 1.
+		first := rec.Collect(t)
+		require.Equal(t, 1, first.Series(metricWrites, board, outcome("conflict"), attribute.String(AttributeMode, "live")))
+		require.Zero(t, first.Int(metricWrites, board, outcome("conflict")))
 
 		// Redelivery: alice v2 and bob v1 again (duplicates), alice v1
 		// (stale), bob v1 with another score (a conflict).

@@ -70,7 +70,19 @@ func newReconcileMetrics(cfg *Config, target Target) (*reconcileMetrics, error) 
 			"Rebuilds by outcome: switched, aborted (marker lost, or copy writes lost), in_progress (another rebuild held the marker), unsupported, error."),
 		rebuildRows: in.Counter(metricRebuildRows, "{row}", "Source rows copied into shadow keys by rebuilds."),
 	}
-	return m, in.Err()
+	if err := in.Err(); err != nil {
+		return m, err
+	}
+	// Every mode and class starts at 0: a series born at its first drift
+	// would show Prometheus's increase() no growth, and the README's drift
+	// alerts would miss the first drift a process finds.
+	for _, mode := range []string{modeFull, modeSample, modeKeys} {
+		for _, class := range Classes {
+			m.rows.Add(context.Background(), 0, metric.WithAttributes(m.name,
+				attribute.String(AttributeMode, mode), attribute.String(AttributeClass, class.String())))
+		}
+	}
+	return m, nil
 }
 
 func (m *reconcileMetrics) recordRun(ctx context.Context, mode string, rep *Report, err error) {

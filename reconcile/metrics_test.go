@@ -25,6 +25,15 @@ func TestReconcileMetrics(t *testing.T) {
 		want := countClasses(b.drift(t))
 		rec := metrictest.New(t)
 		r := b.reconciler(t, &Config{MeterProvider: rec.Provider})
+		// Every mode and class has its series, at 0, before any run: an
+		// alert on increase() would not see the first drift of a series
+		// born at its first value.
+		before := rec.Collect(t)
+		for _, m := range []string{"full", "sample", "keys"} {
+			for _, c := range Classes {
+				require.Equal(t, 1, before.Series(metricRows, name, mode(m), class(c)), "%s %s", m, c)
+			}
+		}
 
 		rep, err := r.Run(ctx, RunOptions{})
 		require.NoError(t, err)

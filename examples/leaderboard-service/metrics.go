@@ -139,6 +139,13 @@ func newMetrics(s *Service) (*metrics, error) {
 	if err != nil {
 		return nil, err
 	}
+	// Every finding class starts at 0: a series born at its first finding
+	// would show Prometheus's increase() no growth.
+	for _, class := range reconcile.Classes {
+		if class != reconcile.ClassCurrent {
+			m.reconcileFindings.Add(context.Background(), 0, metric.WithAttributes(attribute.String("class", class.String())))
+		}
+	}
 	return m, nil
 }
 

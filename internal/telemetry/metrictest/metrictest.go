@@ -134,6 +134,26 @@ func sumPoints[N int64 | float64](s Snapshot, name string, attrs []attribute.Key
 	return total
 }
 
+// Series reports how many data points of the int64 counter name have
+// attributes that include every one of attrs, zero-valued ones included:
+// an alert on Prometheus's increase() sees a series' first value only as
+// its start.
+func (s Snapshot) Series(name string, attrs ...attribute.KeyValue) int {
+	m, ok := s.find(name)
+	if !ok {
+		return 0
+	}
+	n := 0
+	if d, ok := m.Data.(metricdata.Sum[int64]); ok {
+		for _, p := range d.DataPoints {
+			if matches(p.Attributes, attrs) {
+				n++
+			}
+		}
+	}
+	return n
+}
+
 // Count returns how many values the float64 histogram name recorded in the
 // data points whose attributes include every one of attrs.
 func (s Snapshot) Count(name string, attrs ...attribute.KeyValue) uint64 {
