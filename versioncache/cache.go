@@ -88,6 +88,7 @@ const (
 	suffixAt        = ":a" // GetAt value: "<caller's version>:<shape>~<encoded value>"
 	leaseHeldByUs   = 1
 	leaseHeldByPeer = 2
+	leaseTaken      = 3 // read.lua's leaseHeldByUs, taken by that call
 )
 
 // Loader reads the current value from the source of truth. It is called at
@@ -685,7 +686,11 @@ func (c *Cache[T]) waitForPeer(ctx context.Context, id string, r *readResult) (b
 			// version's lease. Get goes round and takes it again; a caller
 			// whose ctx ends first would leave it to lapse, and other
 			// processes to wait FillLeaseWait for a fill that never comes.
-			c.releaseLease(ctx, id, next)
+			// Only a lease this poll took: one this process held already is
+			// another goroutine's, loading under it.
+			if next.took {
+				c.releaseLease(ctx, id, next)
+			}
 			return false, zero, errVersionMoved
 		}
 		if next.lease == leaseHeldByUs {
@@ -1051,6 +1056,9 @@ type readResult struct {
 	current []byte // contents of the current key, when found
 	found   bool
 	lease   int64
+	// took: this read took the lease (lease is leaseHeldByUs); one held
+	// already may be another goroutine's of this process, loading.
+	took bool
 }
 
 // read runs the miss script: the current value if there is one (unless
@@ -1107,6 +1115,9 @@ func (c *Cache[T]) read(ctx context.Context, id string, initialise, ignoreCurren
 		r.current, r.found = []byte(v), true
 	}
 	r.lease, _ = res[2].(int64)
+	if r.lease == leaseTaken {
+		r.lease, r.took = leaseHeldByUs, true
+	}
 	if initialise && !r.found && r.version == "" {
 		return readResult{}, errors.New("versioncache: read script returned no version")
 	}

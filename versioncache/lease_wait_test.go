@@ -193,3 +193,79 @@ func TestLeaseWaitEndings(t *testing.T) {
 		})
 	}
 }
+
+// afterReadScript runs fn, once armed, after the next miss script (read.lua)
+// its client sends has answered.
+type afterReadScript struct {
+	testenv.PassThroughHook
+	armed *atomic.Bool
+	sha   string
+	fn    func()
+}
+
+func (h afterReadScript) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
+	return func(ctx context.Context, cmd redis.Cmder) error {
+		err := next(ctx, cmd)
+		if args := cmd.Args(); cmd.Name() == "evalsha" && len(args) > 1 && args[1] == h.sha && h.armed.CompareAndSwap(true, false) {
+			h.fn()
+		}
+		return err
+	}
+}
+
+// TestWaiterKeepsItsProcessLease: a goroutine of process A waits for a
+// peer's fill; the version moves, another goroutine of A takes the new
+// version's lease and loads, and the waiter's caller gives up right after
+// its next poll. That poll saw the new version's lease as A's, which it
+// is, but for the other goroutine's load: the waiter must not give it up,
+// or a third process would load the same version again.
+func TestWaiterKeepsItsProcessLease(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	rd := testenv.Redis(t)
+	cfg := Config{Prefix: rd.Prefix, FillLeaseTTL: time.Minute, FillLeaseWait: time.Minute, FillLeasePoll: 5 * time.Millisecond}
+	peer, err := New[product](rd.Client, &cfg)
+	require.NoError(t, err)
+	third, err := New[product](rd.Client, &cfg)
+	require.NoError(t, err)
+	aClient := redis.NewClient(rd.Client.(*redis.Client).Options())
+	t.Cleanup(func() { _ = aClient.Close() })
+	a, err := New[product](aClient, &cfg)
+	require.NoError(t, err)
+	src := newTruth()
+	src.write("p", 1)
+	waiterCtx, giveUp := context.WithCancel(ctx)
+	defer giveUp()
+	var armed atomic.Bool
+	aClient.AddHook(afterReadScript{armed: &armed, sha: a.lua.read.Hash(), fn: giveUp})
+	held, err := peer.read(ctx, "p", true, false)
+	require.NoError(t, err)
+	require.EqualValues(t, leaseHeldByUs, held.lease)
+
+	waiterDone := make(chan error, 1)
+	go func() {
+		_, err := a.Get(waiterCtx, "p", src.loader("p"))
+		waiterDone <- err
+	}()
+	require.Eventually(t, func() bool { return a.Stats().LeaseWaits == 1 }, 10*time.Second, time.Millisecond)
+	src.write("p", 2)
+	require.NoError(t, peer.Invalidate(ctx, "p"))
+	started, unblock := make(chan struct{}), make(chan struct{})
+	loaderDone := make(chan error, 1)
+	go func() {
+		_, err := a.Get(ctx, "p", func(context.Context) (product, error) {
+			close(started)
+			<-unblock
+			return src.read("p"), nil
+		})
+		loaderDone <- err
+	}()
+	<-started
+	armed.Store(true)
+	require.ErrorIs(t, <-waiterDone, context.Canceled)
+	r, err := third.read(ctx, "p", true, false)
+	require.NoError(t, err)
+	close(unblock)
+	require.NoError(t, <-loaderDone)
+	require.EqualValues(t, leaseHeldByPeer, r.lease, "a third process waits for A's load, not load the version again")
+}

@@ -18,7 +18,9 @@
 --            the caller serves it (it is current by construction: every
 --            Invalidate deletes it, every fill is version-checked).
 --   lease:   0 = no lease asked, 1 = the caller's process holds the fill
---            lease, 2 = another process holds it.
+--            lease, 2 = another process holds it, 3 = this call took it
+--            (the caller's process holds it now; 1 says it held it
+--            already, for another goroutine's load).
 --
 -- One lease key per id, holding the version it was taken for, so that the
 -- key is known before the version is read and can be declared in KEYS.
@@ -87,4 +89,4 @@ end
 -- No lease, or one taken under another version: its holder's fill will be
 -- refused by fill.lua's version check, so it guards nothing. Take it over.
 redis.call('SET', KEYS[3], ours, 'PX', ARGV[3])
-return {stored, false, 1}
+return {stored, false, 3}
