@@ -328,9 +328,12 @@
 // member the source's key column cannot hold is an orphan found through
 // Lookup. SQLSource drops a key no PostgreSQL text parameter can carry
 // (invalid UTF-8, a NUL byte) without querying. A SQL_ASCII database is
-// the exception: it can hold keys that are not UTF-8 but cannot be sent
-// one, so a pass that reads such a key, or looks one up, stops with an
-// *InvalidRowError rather than take its entry for an orphan. A key PostgreSQL rejects
+// the exception: it can hold keys that are not UTF-8. A session whose
+// client_encoding is SQL_ASCII too (pgx's default there) sends them as
+// they are, and they are looked up like any other; one that declares
+// another client_encoding cannot, so a pass that reads such a key, or
+// looks one up, stops with an *InvalidRowError rather than take its
+// entry for an orphan. A key PostgreSQL rejects
 // for the column's type ("user:42" for a bigint column, or a value a
 // domain's CHECK refuses) makes it reject the
 // whole batch: SQLSource then bisects the batch until each rejected key

@@ -19,8 +19,8 @@ var (
 	// ErrInvalidRow: the source produced a row the projection cannot hold
 	// (a version that is not positive, a NULL column, a score outside ±2^53),
 	// or an SQLSource over a SQL_ASCII database met a key that is not
-	// UTF-8, which it can read but not send back in a query. The pass stops
-	// there rather than guess.
+	// UTF-8, which its session's client_encoding cannot send back in a
+	// query. The pass stops there rather than guess.
 	ErrInvalidRow = errors.New("reconcile: invalid source row")
 	// ErrRebuildInProgress: Rebuild found another rebuild's marker on the
 	// collection. Wait for it to finish (or for its marker TTL to expire).

@@ -726,15 +726,17 @@ func TestSQLSourceUnderEveryExecMode(t *testing.T) {
 }
 
 // TestSQLSourceKeysNotUTF8: a SQL_ASCII database holds keys that are not
-// UTF-8, which no query can send back. A pass that meets one stops with an
-// *InvalidRowError, and a lookup of one is refused the same way: left out
-// as absent, the entry that matches its row would be taken for an orphan
-// and, under an orphan repair policy, deleted.
+// UTF-8. Through pgx's default session there (client_encoding SQL_ASCII)
+// they are walked, paged past and looked up like any other: the entry that
+// matches its row is current, not an orphan (an orphan repair policy used
+// to delete it on every run). A session declaring client_encoding UTF8
+// can neither read them (PostgreSQL refuses to send the row: 22021) nor
+// send them back: a lookup of one is refused with an *InvalidRowError.
+// Either way nothing is written.
 func TestSQLSourceKeysNotUTF8(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	pg := testenv.Postgres(t)
-	rd := testenv.Redis(t)
 	db := "verity_ascii_" + strings.ToLower(strings.NewReplacer("-", "_", ".", "_").Replace(pg.Schema))
 	_, err := pg.Pool.Exec(ctx, `CREATE DATABASE `+pgx.Identifier{db}.Sanitize()+` ENCODING 'SQL_ASCII' LC_COLLATE 'C' LC_CTYPE 'C' TEMPLATE template0`)
 	require.NoError(t, err)
@@ -742,52 +744,76 @@ func TestSQLSourceKeysNotUTF8(t *testing.T) {
 		_, err := pg.Pool.Exec(context.Background(), `DROP DATABASE `+pgx.Identifier{db}.Sanitize()+` WITH (FORCE)`)
 		require.NoError(t, err)
 	})
-	cfg, err := pgxpool.ParseConfig(pg.ServerURL)
-	require.NoError(t, err)
-	cfg.ConnConfig.Database = db
-	pool, err := pgxpool.NewWithConfig(ctx, cfg)
-	require.NoError(t, err)
-	t.Cleanup(pool.Close)
-	_, err = pool.Exec(ctx, `CREATE TABLE t (k text PRIMARY KEY, v bigint NOT NULL, p bigint NOT NULL);
-		INSERT INTO t VALUES (E'caf\xe9', 1, 5), ('plain', 1, 6)`)
-	require.NoError(t, err)
-
-	ks, err := projection.NewKeyspace(rd.Prefix)
-	require.NoError(t, err)
-	target := Target{Client: rd.Client, Keyspace: ks, Kind: projection.KindSortedSet, Name: "b"}
-	var writes []projection.Write
-	for i, k := range []string{"caf\xe9", "plain", "gone"} {
-		writes = append(writes, projection.Write{Target: target.target(k), Version: 1, Value: projection.Value{Score: int64(5 + i)}})
-	}
-	_, err = projection.NewGate(rd.Client, ks).Apply(ctx, writes)
-	require.NoError(t, err)
-	src, err := NewSQLSource(pool, &SQLSourceConfig{Table: "t", KeyColumn: "k", VersionColumn: "v", ValueColumn: "p", Kind: projection.KindSortedSet})
-	require.NoError(t, err)
-	r, err := New(src, target, &Config{Policy: Policy{Missing: ActionRepair, Stale: ActionRepair, Corrupt: ActionRepair, Ahead: ActionRepair, Orphan: ActionRepair}})
-	require.NoError(t, err)
-	members := func() []string {
+	newPool := func(t *testing.T, clientEncoding string) *pgxpool.Pool {
 		t.Helper()
-		got, err := rd.Client.ZRange(ctx, ks.ValueKey(target.target("")), 0, -1).Result()
+		cfg, err := pgxpool.ParseConfig(pg.ServerURL)
 		require.NoError(t, err)
-		return got
+		cfg.ConnConfig.Database = db
+		if clientEncoding != "" {
+			cfg.ConnConfig.RuntimeParams["client_encoding"] = clientEncoding
+		}
+		pool, err := pgxpool.NewWithConfig(ctx, cfg)
+		require.NoError(t, err)
+		t.Cleanup(pool.Close)
+		return pool
 	}
+	_, err = newPool(t, "").Exec(ctx, `CREATE TABLE t (k text PRIMARY KEY, v bigint NOT NULL, p bigint NOT NULL);
+		INSERT INTO t VALUES ('apple', 1, 4), (E'caf\xe9', 1, 5), ('plain', 1, 6)`)
+	require.NoError(t, err)
+	allRepair := Policy{Missing: ActionRepair, Stale: ActionRepair, Corrupt: ActionRepair, Ahead: ActionRepair, Orphan: ActionRepair}
 
-	t.Run("RunStops", func(t *testing.T) {
-		_, err := r.Run(ctx, RunOptions{})
-		var invalid *InvalidRowError
-		require.ErrorAs(t, err, &invalid)
-		require.Equal(t, "caf\xe9", invalid.Key)
-		require.ElementsMatch(t, []string{"caf\xe9", "plain", "gone"}, members())
-	})
-	t.Run("CheckKeysRefuses", func(t *testing.T) {
-		_, err := r.CheckKeys(ctx, []string{"caf\xe9"}, RunOptions{})
-		require.ErrorIs(t, err, ErrInvalidRow)
-		require.Contains(t, members(), "caf\xe9")
-		// A key with a NUL byte no database holds: still an orphan.
-		_, err = rd.Client.ZAdd(ctx, ks.ValueKey(target.target("")), redis.Z{Member: "nul\x00", Score: 1}).Result()
-		require.NoError(t, err)
-		rep, err := r.CheckKeys(ctx, []string{"nul\x00"}, RunOptions{DryRun: true})
-		require.NoError(t, err)
-		require.EqualValues(t, 1, rep.Counts[ClassOrphan])
-	})
+	for name, tc := range map[string]struct {
+		clientEncoding string
+		sendable       bool
+	}{
+		"DefaultSession": {sendable: true},
+		"UTF8Session":    {clientEncoding: "UTF8"},
+	} {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			rd := testenv.Redis(t)
+			ks, err := projection.NewKeyspace(rd.Prefix)
+			require.NoError(t, err)
+			target := Target{Client: rd.Client, Keyspace: ks, Kind: projection.KindSortedSet, Name: "b"}
+			var writes []projection.Write
+			for k, score := range map[string]int64{"apple": 4, "caf\xe9": 5, "plain": 6, "gone": 7} {
+				writes = append(writes, projection.Write{Target: target.target(k), Version: 1, Value: projection.Value{Score: score}})
+			}
+			_, err = projection.NewGate(rd.Client, ks).Apply(ctx, writes)
+			require.NoError(t, err)
+			src, err := NewSQLSource(newPool(t, tc.clientEncoding), &SQLSourceConfig{Table: "t", KeyColumn: "k", VersionColumn: "v", ValueColumn: "p", Kind: projection.KindSortedSet})
+			require.NoError(t, err)
+			// Pages of one row: the key is the second page's cursor.
+			r, err := New(src, target, &Config{PageSize: 1, Policy: allRepair})
+			require.NoError(t, err)
+			members := func() []string {
+				t.Helper()
+				got, err := rd.Client.ZRange(ctx, ks.ValueKey(target.target("")), 0, -1).Result()
+				require.NoError(t, err)
+				return got
+			}
+
+			rep, err := r.Run(ctx, RunOptions{})
+			if tc.sendable {
+				require.NoError(t, err)
+				require.Equal(t, map[Class]int64{ClassCurrent: 3, ClassOrphan: 1}, rep.Counts)
+				require.ElementsMatch(t, []string{"apple", "caf\xe9", "plain"}, members(), "only the true orphan removed")
+				rep, err = r.CheckKeys(ctx, []string{"caf\xe9", "nul\x00"}, RunOptions{DryRun: true})
+				require.NoError(t, err)
+				require.Equal(t, map[Class]int64{ClassCurrent: 1}, rep.Counts, "a key with a NUL byte is in no database: not projected, not an orphan")
+				return
+			}
+			// PostgreSQL itself refuses to send the row to such a session.
+			var pgErr *pgconn.PgError
+			require.ErrorAs(t, err, &pgErr)
+			require.Equal(t, "22021", pgErr.Code)
+			require.Len(t, members(), 4, "nothing removed")
+			_, err = r.CheckKeys(ctx, []string{"caf\xe9"}, RunOptions{})
+			var invalid *InvalidRowError
+			require.ErrorAs(t, err, &invalid)
+			require.Equal(t, "caf\xe9", invalid.Key)
+			require.Contains(t, invalid.Reason, "client_encoding UTF8")
+			require.Contains(t, members(), "caf\xe9", "nothing removed")
+		})
+	}
 }

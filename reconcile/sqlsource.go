@@ -145,9 +145,17 @@ type SQLSource struct {
 	estimateSQL  string
 	relation     string
 
-	// sqlASCII caches whether the database's encoding is SQL_ASCII (see
-	// Lookup): 0 not known yet, 1 yes, 2 no.
-	sqlASCII atomic.Int32
+	// encodings caches what rawKeys learnt; nil until a key that is not
+	// UTF-8 first comes.
+	encodings atomic.Pointer[encodings]
+}
+
+// encodings says what an SQLSource's database and sessions do with keys
+// that are not UTF-8 (see rawKeys).
+type encodings struct {
+	held     bool   // the database can hold them (its encoding is SQL_ASCII)
+	sendable bool   // and the session can send them back (client_encoding SQL_ASCII too)
+	client   string // the session's client_encoding
 }
 
 // NewSQLSource validates cfg and returns a source reading through db.
@@ -307,9 +315,11 @@ func (s *SQLSource) Page(ctx context.Context, after Cursor, limit int) ([]Row, e
 // the table, so it is left out of the result like any absent key. A key no
 // PostgreSQL text parameter can carry (invalid UTF-8, a NUL byte: a
 // projection member written by something other than the gate) is dropped
-// before querying and costs nothing, except that a key that is not UTF-8
-// gets an *InvalidRowError from a SQL_ASCII database, which may hold it
-// (the first such key costs a statement to learn the encoding). A key PostgreSQL rejects for the
+// before querying and costs nothing, except in a SQL_ASCII database, which
+// can hold keys that are not UTF-8: there such a key is looked up, or, when
+// the session's client_encoding cannot send it, refused with an
+// *InvalidRowError (the first such key costs a statement to learn the
+// encodings). A key PostgreSQL rejects for the
 // column's type ("user:42" for a bigint column) costs more: the server
 // rejects the whole statement for it, so the batch is split in halves until
 // each rejected key stands alone, about two failed statements per such key,
@@ -326,10 +336,19 @@ func (s *SQLSource) Lookup(ctx context.Context, keys []string) ([]Row, error) {
 		return nil, errUnmadeSource()
 	}
 	if slices.ContainsFunc(keys, unsendable) {
-		if err := s.refuseUnreadable(ctx, keys); err != nil {
-			return nil, err
+		drop := unsendable
+		if i := slices.IndexFunc(keys, notUTF8); i >= 0 {
+			enc, err := s.rawKeys(ctx)
+			switch {
+			case err != nil:
+				return nil, err
+			case enc.sendable:
+				drop = hasNUL
+			case enc.held:
+				return nil, enc.refuse(keys[i])
+			}
 		}
-		keys = slices.DeleteFunc(slices.Clone(keys), unsendable)
+		keys = slices.DeleteFunc(slices.Clone(keys), drop)
 	}
 	if len(keys) == 0 {
 		return nil, nil
@@ -346,41 +365,50 @@ func (s *SQLSource) Lookup(ctx context.Context, keys []string) ([]Row, error) {
 }
 
 // unsendable reports a key that no PostgreSQL text value can hold, so no
-// stored key of any type can have it as its text form, or that only a
-// SQL_ASCII database can (see refuseUnreadable).
-func unsendable(k string) bool { return !utf8.ValidString(k) || strings.IndexByte(k, 0) >= 0 }
+// stored key of any type can have it as its text form, unless it is only
+// not UTF-8 and the database is SQL_ASCII (see rawKeys).
+func unsendable(k string) bool { return !utf8.ValidString(k) || hasNUL(k) }
 
-// refuseUnreadable returns an *InvalidRowError for the first key of keys
-// that is not valid UTF-8 (and holds no NUL) when the database's encoding
-// is SQL_ASCII. Such a database stores any bytes but NUL, so it may hold
-// the key, but no query can send it (the server checks a UTF-8 client's
-// text), and left out as absent its projection entry would be taken for an
-// orphan and, under an orphan repair policy, deleted. The encoding is asked
-// once per SQLSource, and only when such a key comes.
-func (s *SQLSource) refuseUnreadable(ctx context.Context, keys []string) error {
-	i := slices.IndexFunc(keys, func(k string) bool { return !utf8.ValidString(k) && strings.IndexByte(k, 0) < 0 })
-	if i < 0 {
-		return nil
+func hasNUL(k string) bool { return strings.IndexByte(k, 0) >= 0 }
+
+// notUTF8 reports a key that is not UTF-8 and holds no NUL: one a SQL_ASCII
+// database can hold.
+func notUTF8(k string) bool { return !utf8.ValidString(k) && !hasNUL(k) }
+
+// rawKeys tells what the database and its sessions do with keys that are
+// not UTF-8, asking once per SQLSource (when such a key first comes). A
+// database whose encoding is not SQL_ASCII holds none. A SQL_ASCII one
+// holds any bytes but NUL: a session whose client_encoding is SQL_ASCII
+// too (pgx's default there) reads and sends them as they are, but one that
+// declares another encoding (UTF8, which the simple protocol requires)
+// has every such parameter refused (and such rows are not sent to it). Left out of a Lookup as absent, such a
+// key's projection entry would be taken for an orphan and, under an orphan
+// repair policy, deleted; sent as a page's cursor, it would fail the pass
+// there.
+func (s *SQLSource) rawKeys(ctx context.Context) (*encodings, error) {
+	if enc := s.encodings.Load(); enc != nil {
+		return enc, nil
 	}
-	if s.sqlASCII.Load() == 0 {
-		var encoding string
-		if err := s.db.QueryRow(ctx, sqlEncodingSQL).Scan(&encoding); err != nil {
-			return fmt.Errorf("reconcile: reading the encoding of %s's database: %w", s.relation, err)
-		}
-		if encoding == "SQL_ASCII" {
-			s.sqlASCII.Store(1)
-		} else {
-			s.sqlASCII.Store(2)
-		}
+	var server, client string
+	if err := s.db.QueryRow(ctx, encodingsSQL).Scan(&server, &client); err != nil {
+		return nil, fmt.Errorf("reconcile: reading the encodings of %s's database and session: %w", s.relation, err)
 	}
-	if s.sqlASCII.Load() == 1 {
-		return &InvalidRowError{Key: keys[i], Reason: "is not valid UTF-8, which this SQL_ASCII database can hold but no query can send, so it cannot be looked up; convert the key column's values to UTF-8"}
-	}
-	return nil
+	enc := &encodings{held: server == "SQL_ASCII", client: client}
+	enc.sendable = enc.held && client == "SQL_ASCII"
+	s.encodings.Store(enc)
+	return enc, nil
 }
 
-// sqlEncodingSQL reads the database's encoding.
-const sqlEncodingSQL = "SELECT current_setting('server_encoding')"
+// refuse is the error for key, which is not UTF-8, when the session cannot
+// send it back.
+func (enc *encodings) refuse(key string) error {
+	return &InvalidRowError{Key: key, Reason: fmt.Sprintf(
+		"is not valid UTF-8, which this SQL_ASCII database holds but a session with client_encoding %s cannot send back in a query, so it cannot be reconciled: connect with client_encoding SQL_ASCII, or convert the key column's values to UTF-8",
+		enc.client)}
+}
+
+// encodingsSQL reads the database's encoding and the session's.
+const encodingsSQL = "SELECT current_setting('server_encoding'), current_setting('client_encoding')"
 
 func (s *SQLSource) lookup(ctx context.Context, keys []string) (rows []Row, err error) {
 	args := append(append([]any(nil), s.args...), keys)
@@ -524,8 +552,25 @@ func (s *SQLSource) Sample(ctx context.Context, n int) ([]Row, error) {
 	}
 }
 
+// query runs a walk's or a sample's statement. A row whose key is not
+// UTF-8 stops the pass when the session cannot send it back (as the next
+// page's cursor, or in the orphan scan's lookups): see rawKeys. (PostgreSQL
+// refuses to send such a row to a UTF8 session in the first place.)
 func (s *SQLSource) query(ctx context.Context, capHint int, sql string, args ...any) ([]Row, error) {
-	return s.queryOn(ctx, s.db, capHint, sql, args...)
+	rows, err := s.queryOn(ctx, s.db, capHint, sql, args...)
+	if err != nil {
+		return nil, err
+	}
+	if i := slices.IndexFunc(rows, func(r Row) bool { return !utf8.ValidString(r.Key) }); i >= 0 {
+		enc, err := s.rawKeys(ctx)
+		if err != nil {
+			return nil, err
+		}
+		if !enc.sendable {
+			return nil, enc.refuse(rows[i].Key)
+		}
+	}
+	return rows, nil
 }
 
 func (s *SQLSource) queryOn(ctx context.Context, db DBTX, capHint int, sql string, args ...any) ([]Row, error) {
@@ -599,12 +644,6 @@ func (sc *rowScanner) scan(rows pgx.Rows) (Row, error) {
 	}
 	r := Row{Key: sc.key}
 	switch {
-	case !utf8.ValidString(r.Key):
-		// Only a SQL_ASCII database holds such a key. It could not be
-		// looked up (see refuseUnreadable) or sent as the next page's
-		// cursor: the pass stops here rather than later, or in the
-		// orphan scan.
-		return Row{}, &InvalidRowError{Key: r.Key, Reason: "key is not valid UTF-8 (a SQL_ASCII database holding other bytes); no query can send it back, so it cannot be reconciled: convert the key column's values to UTF-8"}
 	case !sc.version.Valid:
 		return Row{}, &InvalidRowError{Key: r.Key, Reason: "version is NULL"}
 	case sc.version.Int64 <= 0:
