@@ -193,3 +193,60 @@ func TestClusterRebuildAbortsDuringMigration(t *testing.T) {
 	require.NoError(t, err, "a rebuild after the failed one")
 	require.True(t, rb.Switched)
 }
+
+// lookupHook fails the fail-th Lookup call (from 1).
+type lookupHook struct {
+	Source
+	calls atomic.Int32
+	fail  int32
+}
+
+func (s *lookupHook) Lookup(ctx context.Context, keys []string) ([]Row, error) {
+	if s.calls.Add(1) == s.fail {
+		return nil, errors.New("source failed")
+	}
+	return s.Source.Lookup(ctx, keys)
+}
+
+// TestClusterRerunKeepsRefusedOrphan: a CheckKeys pass refuses an orphan's
+// removal (its value key holds a hash), meets a slot move on its next
+// batch and runs again; the re-run fails looking its first batch up. The
+// refusal and its finding are reported: an orphan adds nothing to Checked,
+// so the re-run used to count as having met it again.
+func TestClusterRerunKeepsRefusedOrphan(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	cluster := testenv.StartRedisCluster(t, 3, 1)
+	client := cluster.ReadOnlyClient(t)
+	b, rows, _, _ := projectedAndLoaded(t, projection.KindDocument, client, "carryorphan:")
+	src := &lookupHook{Source: b.source}
+	r, err := New(src, b.target, &Config{PageSize: 1, ReadAhead: 1, Policy: Policy{Orphan: ActionRepair}})
+	require.NoError(t, err)
+	// Prime the reconciler's slot map.
+	_, err = r.CheckKeys(ctx, []string{rows[0].Key, rows[25].Key}, RunOptions{DryRun: true})
+	require.NoError(t, err)
+
+	const orphan = "orphan"
+	orphanKey := b.ks.ValueKey(b.target.target(orphan))
+	b.projectRows(t, []Row{{Key: orphan, Version: 1, Value: b.value(orphan, 1)}})
+	require.NoError(t, client.Del(ctx, orphanKey).Err())
+	require.NoError(t, client.HSet(ctx, orphanKey, "f", "v").Err())
+	moved := b.ks.ValueKey(b.target.target(rows[25].Key))
+	orphanSlot, err := client.ClusterKeySlot(ctx, orphanKey).Result()
+	require.NoError(t, err)
+	movedSlot, err := client.ClusterKeySlot(ctx, moved).Result()
+	require.NoError(t, err)
+	require.NotEqual(t, orphanSlot, movedSlot)
+	reassignEmptied(t, cluster, client, moved)
+	src.calls.Store(0)
+	src.fail = 2 // the re-run's lookup of its first batch
+
+	rep, err := r.CheckKeys(ctx, []string{orphan, rows[25].Key}, RunOptions{})
+	require.ErrorContains(t, err, "source failed")
+	require.EqualValues(t, 2, src.calls.Load())
+	var refused *WrongKeyTypeError
+	require.ErrorAs(t, err, &refused, "the first pass's refusal is returned")
+	require.Equal(t, orphan, refused.Key)
+	require.EqualValues(t, 1, rep.Counts[ClassOrphan])
+	require.EqualValues(t, 1, rep.Results[ResultNotAttempted])
+}

@@ -190,6 +190,7 @@ func (r *Reconciler) checkAbsent(ctx context.Context, opts RunOptions, missing [
 			findings = append(findings, Finding{Class: c, Key: k, Projected: projected[i]})
 		}
 	}
+	rep.examined += int64(len(missing))
 	return r.settle(ctx, opts, findings, rep)
 }
 

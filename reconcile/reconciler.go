@@ -559,6 +559,7 @@ func (r *Reconciler) checkRead(ctx context.Context, opts RunOptions, rows []Row,
 		rep.tally.addAsRead(&projected[i])
 	}
 	rep.Checked += int64(len(rows))
+	rep.examined += int64(len(rows))
 	err := r.settle(ctx, opts, findings, rep)
 	for i := range findings {
 		f := &findings[i]
@@ -733,7 +734,7 @@ func (r *Reconciler) settle(ctx context.Context, opts RunOptions, findings []Fin
 			f := &findings[i]
 			rep.record(f, r.cfg.ExamplesPerClass)
 			if refusal := refusals[f.Key]; refusal != nil || f.Result == ResultUncertain {
-				rep.unsettled = append(rep.unsettled, unsettled{at: rep.Checked, class: f.Class, result: f.Result, refusal: refusal})
+				rep.unsettled = append(rep.unsettled, unsettled{at: rep.examined, class: f.Class, result: f.Result, refusal: refusal})
 			}
 		}
 	}()

@@ -135,10 +135,14 @@ type Report struct {
 	// refused holds a *WrongKeyTypeError per repair refused for a key of
 	// another type; Run and CheckKeys return them once they are done.
 	refused []error
-	// unsettled holds the findings left refused or uncertain, by Checked
-	// when they were recorded (as rewrittenAt), for a pass run again that
-	// fails before it gets that far (see carry). Both are rare.
+	// unsettled holds the findings left refused or uncertain, by examined
+	// when they were recorded, for a pass run again that fails before it
+	// gets that far (see carry). Both are rare.
 	unsettled []unsettled
+	// examined counts the source rows checked and the keys found absent
+	// from the source (orphan candidates, which Checked leaves out): how
+	// far a pass got, for unsettled.
+	examined int64
 	// orphaned holds the keys found ahead that turned out to be orphans
 	// (their rows were deleted mid-pass) and were left in place, which an
 	// orphan scan meets again and must not count twice. Rare, so usually
@@ -284,7 +288,7 @@ func (r *Report) carry(earlier *Report, examples int) {
 	// pages it checked again anew; the others, past where r failed, it
 	// reports as the earlier pass left them (and returns the refusals).
 	for _, u := range earlier.unsettled {
-		if u.at <= r.Checked {
+		if u.at <= r.examined {
 			continue
 		}
 		r.Counts[u.class]++
@@ -342,7 +346,7 @@ func (r *Report) keepExamples(earlier *Report, examples int, keep func(*Finding)
 }
 
 // unsettled is a finding whose repair was refused (refusal is its
-// *WrongKeyTypeError) or left uncertain, recorded when Checked was at.
+// *WrongKeyTypeError) or left uncertain, recorded when examined was at.
 type unsettled struct {
 	at      int64
 	class   Class
