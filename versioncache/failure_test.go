@@ -29,7 +29,7 @@ func TestRedisUnavailable(t *testing.T) {
 		t.Helper()
 		rs := testenv.StartRedis(t)
 		client := rs.Client(t)
-		client.Options().MaxRetries = -1
+		client.Options().MaxRetries = 0 // no retry: once NewClient has run, 0 is one attempt (-1 would make pipelines send nothing)
 		return rs, setupWith(t, client, "vc:", &Config{FailureMode: mode})
 	}
 
@@ -100,7 +100,7 @@ func TestRedisUnavailable(t *testing.T) {
 		rs := testenv.StartRedis(t)
 		client := rs.Client(t)
 		client.Options().ContextTimeoutEnabled = true
-		client.Options().MaxRetries = -1
+		client.Options().MaxRetries = 0 // no retry: once NewClient has run, 0 is one attempt (-1 would make pipelines send nothing)
 		b := setupWith(t, client, "vc:", &Config{FailureMode: FailOpen})
 		admin := rs.Client(t)
 		require.NoError(t, admin.Do(ctx, "CLIENT", "PAUSE", 1000, "ALL").Err())
@@ -123,7 +123,7 @@ func TestRedisUnavailable(t *testing.T) {
 		rs := testenv.StartRedis(t)
 		client := rs.Client(t)
 		client.Options().ContextTimeoutEnabled = true
-		client.Options().MaxRetries = -1
+		client.Options().MaxRetries = 0 // no retry: once NewClient has run, 0 is one attempt (-1 would make pipelines send nothing)
 		b := setupWith(t, client, "vc:", nil)
 		admin := rs.Client(t)
 		require.NoError(t, admin.Do(ctx, "CLIENT", "PAUSE", 1000, "WRITE").Err())
