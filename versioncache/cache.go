@@ -88,7 +88,6 @@ const (
 	suffixAt        = ":a" // GetAt value: "<caller's version>:<shape>~<encoded value>"
 	leaseHeldByUs   = 1
 	leaseHeldByPeer = 2
-	leaseTaken      = 3 // read.lua's leaseHeldByUs, taken by that call
 )
 
 // Loader reads the current value from the source of truth. It is called at
@@ -669,7 +668,7 @@ func (c *Cache[T]) waitForPeer(ctx context.Context, id string, r *readResult) (b
 			return false, zero, ctx.Err()
 		case <-timer.C:
 		}
-		next, err := c.read(ctx, id, true, false)
+		next, err := c.pollWaited(ctx, id, r.version)
 		if err != nil {
 			return false, zero, &RedisError{Op: "read", ID: id, Err: err}
 		}
@@ -682,15 +681,8 @@ func (c *Cache[T]) waitForPeer(ctx context.Context, id string, r *readResult) (b
 			return false, zero, nil
 		}
 		if next.version != r.version {
-			// This poll, a miss of the new version, may have taken that
-			// version's lease. Get goes round and takes it again; a caller
-			// whose ctx ends first would leave it to lapse, and other
-			// processes to wait FillLeaseWait for a fill that never comes.
-			// Only a lease this poll took: one this process held already is
-			// another goroutine's, loading under it.
-			if next.took {
-				c.releaseLease(ctx, id, next)
-			}
+			// The poll took no lease under the new version (see
+			// pollWaited): Get goes round and takes one there.
 			return false, zero, errVersionMoved
 		}
 		if next.lease == leaseHeldByUs {
@@ -1056,15 +1048,27 @@ type readResult struct {
 	current []byte // contents of the current key, when found
 	found   bool
 	lease   int64
-	// took: this read took the lease (lease is leaseHeldByUs); one held
-	// already may be another goroutine's of this process, loading.
-	took bool
 }
 
 // read runs the miss script: the current value if there is one (unless
 // ignoreCurrent), else the version (initialising it when initialise) and,
 // for Get, the fill lease.
 func (c *Cache[T]) read(ctx context.Context, id string, initialise, ignoreCurrent bool) (readResult, error) {
+	return c.readScript(ctx, id, initialise, ignoreCurrent, "")
+}
+
+// pollWaited is a waiter's poll for the value of version: read as a miss,
+// except that under another version it takes no lease. A lease taken
+// there would be given up when the waiter starts over, or left to lapse if
+// its caller gave up first; and the process may hold it already, for
+// another goroutine's load, which giving it up would expose to a second
+// load by another process.
+func (c *Cache[T]) pollWaited(ctx context.Context, id, version string) (readResult, error) {
+	return c.readScript(ctx, id, true, false, version)
+}
+
+// readScript is read, and pollWaited when waitedFor is a version.
+func (c *Cache[T]) readScript(ctx context.Context, id string, initialise, ignoreCurrent bool, waitedFor string) (readResult, error) {
 	mode, leaseTTL, ignore := "0", "0", "0"
 	if initialise {
 		mode = "1"
@@ -1080,7 +1084,7 @@ func (c *Cache[T]) read(ctx context.Context, id string, initialise, ignoreCurren
 	// milliseconds, where the sum cannot overflow), so that a load that
 	// outlasts TTL is still cached; see Config.TTL.
 	versionLife := c.config.TTL.Milliseconds() + c.config.FillLeaseTTL.Milliseconds()
-	args := []any{mode, versionLife, leaseTTL, c.leaseToken, ignore}
+	args := []any{mode, versionLife, leaseTTL, c.leaseToken, ignore, waitedFor}
 	// Peek's mode ("0") returns before any write in read.lua: it goes as
 	// EVALSHA_RO (EVAL_RO after NOSCRIPT), which Redis checks against
 	// read key permission only, so a tool whose ACL user may only read the
@@ -1115,9 +1119,6 @@ func (c *Cache[T]) read(ctx context.Context, id string, initialise, ignoreCurren
 		r.current, r.found = []byte(v), true
 	}
 	r.lease, _ = res[2].(int64)
-	if r.lease == leaseTaken {
-		r.lease, r.took = leaseHeldByUs, true
-	}
 	if initialise && !r.found && r.version == "" {
 		return readResult{}, errors.New("versioncache: read script returned no version")
 	}

@@ -36,9 +36,9 @@ func TestWaitForPeerNoticesMovedVersion(t *testing.T) {
 	require.False(t, got)
 	require.ErrorIs(t, err, errVersionMoved, "the version moved while waiting")
 	require.Less(t, time.Since(start), time.Second)
-	// The poll that saw the move took the new version's lease; it gave it
-	// up, or a caller whose ctx ended before going round would leave it to
-	// lapse, and other processes to wait for a fill that never comes.
+	// The poll that saw the move took no lease under the new version: a
+	// caller whose ctx ended before going round would leave it to lapse,
+	// and other processes to wait for a fill that never comes.
 	lease, err := caches[1].client.Get(ctx, caches[1].leaseKey("p")).Result()
 	if err == nil {
 		require.NotContains(t, lease, caches[1].leaseToken, "the new version's lease is not left held")
@@ -195,19 +195,24 @@ func TestLeaseWaitEndings(t *testing.T) {
 }
 
 // afterReadScript runs fn, once armed, after the next miss script (read.lua)
-// its client sends has answered.
+// its client sends has answered, and whose reply reply accepts (any reply
+// when reply is nil).
 type afterReadScript struct {
 	testenv.PassThroughHook
 	armed *atomic.Bool
 	sha   string
+	reply func([]any) bool
 	fn    func()
 }
 
 func (h afterReadScript) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
 	return func(ctx context.Context, cmd redis.Cmder) error {
 		err := next(ctx, cmd)
-		if args := cmd.Args(); cmd.Name() == "evalsha" && len(args) > 1 && args[1] == h.sha && h.armed.CompareAndSwap(true, false) {
-			h.fn()
+		if args := cmd.Args(); cmd.Name() == "evalsha" && len(args) > 1 && args[1] == h.sha {
+			res, _ := cmd.(*redis.Cmd).Slice()
+			if (h.reply == nil || h.reply(res)) && h.armed.CompareAndSwap(true, false) {
+				h.fn()
+			}
 		}
 		return err
 	}
@@ -262,6 +267,67 @@ func TestWaiterKeepsItsProcessLease(t *testing.T) {
 	}()
 	<-started
 	armed.Store(true)
+	require.ErrorIs(t, <-waiterDone, context.Canceled)
+	r, err := third.read(ctx, "p", true, false)
+	require.NoError(t, err)
+	close(unblock)
+	require.NoError(t, <-loaderDone)
+	require.EqualValues(t, leaseHeldByPeer, r.lease, "a third process waits for A's load, not load the version again")
+}
+
+// TestWaiterTakesNoLeaseUnderAMovedVersion: the version moves while a
+// goroutine of process A waits; right after its poll sees the new version,
+// another goroutine of A misses, takes the new version's lease and loads,
+// and the waiter's caller gives up. A third process waits for A's load. A
+// waiter whose poll took the new lease, and gave it up as it started over,
+// used to release the lease the other goroutine was loading under.
+func TestWaiterTakesNoLeaseUnderAMovedVersion(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	rd := testenv.Redis(t)
+	cfg := Config{Prefix: rd.Prefix, FillLeaseTTL: time.Minute, FillLeaseWait: time.Minute, FillLeasePoll: 5 * time.Millisecond}
+	peer, err := New[product](rd.Client, &cfg)
+	require.NoError(t, err)
+	third, err := New[product](rd.Client, &cfg)
+	require.NoError(t, err)
+	aClient := redis.NewClient(rd.Client.(*redis.Client).Options())
+	t.Cleanup(func() { _ = aClient.Close() })
+	a, err := New[product](aClient, &cfg)
+	require.NoError(t, err)
+	src := newTruth()
+	src.write("p", 1)
+	held, err := peer.read(ctx, "p", true, false)
+	require.NoError(t, err)
+	require.EqualValues(t, leaseHeldByUs, held.lease)
+
+	waiterCtx, giveUp := context.WithCancel(ctx)
+	defer giveUp()
+	started, unblock := make(chan struct{}), make(chan struct{})
+	loaderDone := make(chan error, 1)
+	var armed atomic.Bool
+	aClient.AddHook(afterReadScript{armed: &armed, sha: a.lua.read.Hash(),
+		reply: func(res []any) bool { return len(res) == 3 && res[0] != held.version },
+		fn: func() {
+			giveUp()
+			go func() {
+				_, err := a.Get(ctx, "p", func(context.Context) (product, error) {
+					close(started)
+					<-unblock
+					return src.read("p"), nil
+				})
+				loaderDone <- err
+			}()
+			<-started
+		}})
+	waiterDone := make(chan error, 1)
+	go func() {
+		_, err := a.Get(waiterCtx, "p", src.loader("p"))
+		waiterDone <- err
+	}()
+	require.Eventually(t, func() bool { return a.Stats().LeaseWaits == 1 }, 10*time.Second, time.Millisecond)
+	armed.Store(true)
+	src.write("p", 2)
+	require.NoError(t, peer.Invalidate(ctx, "p"))
 	require.ErrorIs(t, <-waiterDone, context.Canceled)
 	r, err := third.read(ctx, "p", true, false)
 	require.NoError(t, err)

@@ -12,15 +12,18 @@
 -- ARGV[3]  fill-lease TTL in milliseconds, "0" when leases are off
 -- ARGV[4]  lease token of the calling process (one per Cache)
 -- ARGV[5]  "1" to ignore the current key (it did not decode), "0" otherwise
+-- ARGV[6]  the version a waiter polls for, "" otherwise: under another
+--          version the call takes no lease (the waiter starts over, and a
+--          lease it took and gave up could be one another goroutine of its
+--          process goes on to load under)
 --
 -- Returns {version or false, current or false, lease}
 --   current: the current key's contents, when it exists and is not ignored;
 --            the caller serves it (it is current by construction: every
 --            Invalidate deletes it, every fill is version-checked).
---   lease:   0 = no lease asked, 1 = the caller's process holds the fill
---            lease, 2 = another process holds it, 3 = this call took it
---            (the caller's process holds it now; 1 says it held it
---            already, for another goroutine's load).
+--   lease:   0 = no lease asked (or the version is not ARGV[6]), 1 = the
+--            caller's process holds the fill lease, 2 = another process
+--            holds it.
 --
 -- One lease key per id, holding the version it was taken for, so that the
 -- key is known before the version is read and can be declared in KEYS.
@@ -72,7 +75,7 @@ else
   redis.call('SET', KEYS[1], stored, 'PX', ARGV[2])
 end
 
-if ARGV[3] == '0' then
+if ARGV[3] == '0' or (ARGV[6] ~= '' and ARGV[6] ~= stored) then
   return {stored, false, 0}
 end
 local ours = stored .. ':' .. ARGV[4]
@@ -89,4 +92,4 @@ end
 -- No lease, or one taken under another version: its holder's fill will be
 -- refused by fill.lua's version check, so it guards nothing. Take it over.
 redis.call('SET', KEYS[3], ours, 'PX', ARGV[3])
-return {stored, false, 3}
+return {stored, false, 1}
