@@ -330,10 +330,11 @@
 // (invalid UTF-8, a NUL byte) without querying. A SQL_ASCII database is
 // the exception: it can hold keys that are not UTF-8. A session whose
 // client_encoding is SQL_ASCII too (pgx's default there) sends them as
-// they are, and they are looked up like any other; one that declares
-// another client_encoding cannot, so a pass that reads such a key, or
-// looks one up, stops with an *InvalidRowError rather than take its
-// entry for an orphan. A key PostgreSQL rejects
+// they are, and they are looked up like any other. One that declares
+// another client_encoding can neither read nor send them: a pass that
+// meets such a row stops with PostgreSQL's error (22021: the server
+// refuses to send it), and a lookup of such a key with an
+// *InvalidRowError, rather than take its entry for an orphan. A key PostgreSQL rejects
 // for the column's type ("user:42" for a bigint column, or a value a
 // domain's CHECK refuses) makes it reject the
 // whole batch: SQLSource then bisects the batch until each rejected key

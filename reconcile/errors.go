@@ -18,9 +18,9 @@ var (
 	ErrInvalidConfig = errors.New("reconcile: invalid configuration")
 	// ErrInvalidRow: the source produced a row the projection cannot hold
 	// (a version that is not positive, a NULL column, a score outside ±2^53),
-	// or an SQLSource over a SQL_ASCII database met a key that is not
-	// UTF-8, which its session's client_encoding cannot send back in a
-	// query. The pass stops there rather than guess.
+	// or an SQLSource over a SQL_ASCII database was asked to look up a key
+	// that is not UTF-8, which its session's client_encoding cannot send.
+	// The pass stops there rather than guess.
 	ErrInvalidRow = errors.New("reconcile: invalid source row")
 	// ErrRebuildInProgress: Rebuild found another rebuild's marker on the
 	// collection. Wait for it to finish (or for its marker TTL to expire).
