@@ -80,6 +80,22 @@ func (h countScripts) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
 	}
 }
 
+// threeProcesses returns two Caches on one Redis, with long fill leases
+// and waits and a short poll, and a client of its own for a third one, on
+// which a test hooks the waiter's script calls.
+func threeProcesses(t *testing.T) (holder, third *Cache[product], waiterClient *redis.Client) {
+	t.Helper()
+	rd := testenv.Redis(t)
+	cfg := Config{Prefix: rd.Prefix, FillLeaseTTL: time.Minute, FillLeaseWait: time.Minute, FillLeasePoll: 5 * time.Millisecond}
+	holder, err := New[product](rd.Client, &cfg)
+	require.NoError(t, err)
+	third, err = New[product](rd.Client, &cfg)
+	require.NoError(t, err)
+	waiterClient = redis.NewClient(rd.Client.(*redis.Client).Options())
+	t.Cleanup(func() { _ = waiterClient.Close() })
+	return holder, third, waiterClient
+}
+
 // TestLeaseWaitsCountsAMissOnce: a miss waits for a holder's fill, the
 // version moves, and a third process takes the new version's lease before
 // the waiter's next poll, so the waiter waits again within the same Get.
@@ -87,14 +103,7 @@ func (h countScripts) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
 func TestLeaseWaitsCountsAMissOnce(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	rd := testenv.Redis(t)
-	cfg := Config{Prefix: rd.Prefix, FillLeaseTTL: time.Minute, FillLeaseWait: time.Minute, FillLeasePoll: 5 * time.Millisecond}
-	holder, err := New[product](rd.Client, &cfg)
-	require.NoError(t, err)
-	third, err := New[product](rd.Client, &cfg)
-	require.NoError(t, err)
-	waiterClient := redis.NewClient(rd.Client.(*redis.Client).Options())
-	t.Cleanup(func() { _ = waiterClient.Close() })
+	holder, third, waiterClient := threeProcesses(t)
 	var armed, moved atomic.Bool
 	var scriptsSince atomic.Int32 // the waiter's scripts since the move
 	src := newTruth()
@@ -108,7 +117,7 @@ func TestLeaseWaitsCountsAMissOnce(t *testing.T) {
 		moved.Store(true)
 	}})
 	waiterClient.AddHook(countScripts{on: &moved, n: &scriptsSince})
-	waiter, err := New[product](waiterClient, &cfg)
+	waiter, err := New[product](waiterClient, holder.config)
 	require.NoError(t, err)
 	held, err := holder.read(ctx, "p", true, false)
 	require.NoError(t, err)
@@ -126,7 +135,7 @@ func TestLeaseWaitsCountsAMissOnce(t *testing.T) {
 	require.Eventually(t, func() bool { return scriptsSince.Load() >= 3 }, 10*time.Second, time.Millisecond, "the waiter waits again")
 	// The third process gives up its lease (as after a failed load): the
 	// waiter's next poll takes it and loads.
-	require.NoError(t, rd.Client.Del(ctx, third.leaseKey("p")).Err())
+	require.NoError(t, holder.client.Del(ctx, third.leaseKey("p")).Err())
 	require.NoError(t, <-done)
 	st := waiter.Stats()
 	require.EqualValues(t, 1, st.Misses)
@@ -244,15 +253,8 @@ func (h afterReadScript) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
 func TestWaiterTakesNoLeaseUnderAMovedVersion(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	rd := testenv.Redis(t)
-	cfg := Config{Prefix: rd.Prefix, FillLeaseTTL: time.Minute, FillLeaseWait: time.Minute, FillLeasePoll: 5 * time.Millisecond}
-	peer, err := New[product](rd.Client, &cfg)
-	require.NoError(t, err)
-	third, err := New[product](rd.Client, &cfg)
-	require.NoError(t, err)
-	aClient := redis.NewClient(rd.Client.(*redis.Client).Options())
-	t.Cleanup(func() { _ = aClient.Close() })
-	a, err := New[product](aClient, &cfg)
+	peer, third, aClient := threeProcesses(t)
+	a, err := New[product](aClient, peer.config)
 	require.NoError(t, err)
 	src := newTruth()
 	src.write("p", 1)
