@@ -13,6 +13,30 @@ import (
 	"github.com/verity-go/verity/outbox"
 )
 
+// oddOutputSession returns a pool in mode whose sessions have bytea_output
+// and DateStyle other than PostgreSQL's defaults, and appends a message
+// whose payload text bytea must escape, returning it and its creation time.
+func oddOutputSession(t *testing.T, b *testBundle, mode pgx.QueryExecMode) (*pgxpool.Pool, outbox.Message, time.Time) {
+	t.Helper()
+	pool := poolWith(t, b, func(pc *pgxpool.Config) {
+		pc.ConnConfig.DefaultQueryExecMode = mode
+		pc.ConnConfig.RuntimeParams["bytea_output"] = "escape"
+		pc.ConnConfig.RuntimeParams["DateStyle"] = "SQL, DMY"
+	})
+	msg := newMessage("s", "k", 1)
+	msg.Payload = []byte{0, 1, 2, 0xff, '\\', '"'}
+	return pool, msg, b.appendNow(t, msg)
+}
+
+// requireOddOutput fails unless pool's sessions kept oddOutputSession's
+// settings (a pin for one transaction must not outlive it).
+func requireOddOutput(t *testing.T, pool *pgxpool.Pool, msg string) {
+	t.Helper()
+	var output, style string
+	require.NoError(t, pool.QueryRow(context.Background(), `SELECT current_setting('bytea_output'), current_setting('DateStyle')`).Scan(&output, &style))
+	require.Equal(t, "escape, SQL, DMY", output+", "+style, msg)
+}
+
 // TestRelayClaimsUnderAnySessionOutputSettings runs a relay in the
 // text-format exec modes a transaction-pooling proxy needs, on sessions whose
 // bytea_output and DateStyle are not PostgreSQL's defaults. pgx parses text
@@ -28,14 +52,7 @@ func TestRelayClaimsUnderAnySessionOutputSettings(t *testing.T) {
 			t.Parallel()
 			ctx := context.Background()
 			b := setup(t)
-			pool := poolWith(t, b, func(pc *pgxpool.Config) {
-				pc.ConnConfig.DefaultQueryExecMode = mode
-				pc.ConnConfig.RuntimeParams["bytea_output"] = "escape"
-				pc.ConnConfig.RuntimeParams["DateStyle"] = "SQL, DMY"
-			})
-			msg := newMessage("s", "k", 1)
-			msg.Payload = []byte{0, 1, 2, 0xff, '\\', '"'}
-			written := b.appendNow(t, msg)
+			pool, msg, written := oddOutputSession(t, b, mode)
 			var got []outbox.Record
 			r := b.relay(t, pool, outbox.HandlerFunc(func(_ context.Context, batch []outbox.Record) ([]outbox.Result, error) {
 				got = append(got, batch...)
@@ -47,9 +64,7 @@ func TestRelayClaimsUnderAnySessionOutputSettings(t *testing.T) {
 			require.Len(t, got, 1)
 			require.Equal(t, msg.Payload, got[0].Payload)
 			require.WithinDuration(t, written, got[0].CreatedAt, time.Minute)
-			var output, style string
-			require.NoError(t, pool.QueryRow(ctx, `SELECT current_setting('bytea_output'), current_setting('DateStyle')`).Scan(&output, &style))
-			require.Equal(t, "escape, SQL, DMY", output+", "+style, "the claim's settings outlived its transaction")
+			requireOddOutput(t, pool, "the claim's settings outlived its transaction")
 		})
 	}
 }
@@ -66,14 +81,7 @@ func TestDeadLettersUnderAnySessionOutputSettings(t *testing.T) {
 			t.Parallel()
 			ctx := context.Background()
 			b := setup(t)
-			pool := poolWith(t, b, func(pc *pgxpool.Config) {
-				pc.ConnConfig.DefaultQueryExecMode = mode
-				pc.ConnConfig.RuntimeParams["bytea_output"] = "escape"
-				pc.ConnConfig.RuntimeParams["DateStyle"] = "SQL, DMY"
-			})
-			msg := newMessage("s", "k", 1)
-			msg.Payload = []byte{0, 1, 2, 0xff, '\\', '"'}
-			written := b.appendNow(t, msg)
+			pool, msg, written := oddOutputSession(t, b, mode)
 			r := b.relay(t, pool, outbox.HandlerFunc(func(_ context.Context, batch []outbox.Record) ([]outbox.Result, error) {
 				return nil, errors.New("poison")
 			}), outbox.RelayConfig{DisableNotify: true, MaxAttempts: 1})
@@ -86,9 +94,7 @@ func TestDeadLettersUnderAnySessionOutputSettings(t *testing.T) {
 			require.WithinDuration(t, written, dead[0].CreatedAt, time.Minute)
 			require.WithinDuration(t, time.Now(), dead[0].FailedAt, time.Minute)
 			require.Equal(t, "poison", dead[0].LastError)
-			var output, style string
-			require.NoError(t, pool.QueryRow(ctx, `SELECT current_setting('bytea_output'), current_setting('DateStyle')`).Scan(&output, &style))
-			require.Equal(t, "escape, SQL, DMY", output+", "+style, "DeadLetters' settings outlived its transaction")
+			requireOddOutput(t, pool, "DeadLetters' settings outlived its transaction")
 		})
 	}
 }
