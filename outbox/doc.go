@@ -163,9 +163,11 @@
 // many attempts counted already (a crash counted by another stream's relay,
 // or failures retried by a relay allowing more attempts) is moved to the
 // dead-letter table by the claim instead, keeping its last_error. So a row
-// is handed out at most MaxAttempts times (not counting the releases of a
-// RunOnce cancelled while its Handler ran, which count no attempt: a
-// caller that always cancels there hands a failing row out again and
+// is handed out at most MaxAttempts times (not counting releases, which
+// count no attempt: those of a RunOnce cancelled while its Handler ran,
+// and those of a Run stopped while its Handler ran past ShutdownTimeout;
+// a caller that always cancels there, or a process stopped again and
+// again while its Handler hangs on a row, hands that row out again and
 // again); with relays of different
 // MaxAttempts, at most the largest one's, and a relay of a smaller one
 // buries, without another attempt, a row that reaches it past its own. A
