@@ -144,8 +144,11 @@ func (e *CommandResultConflictError) Error() string {
 // Is makes a *CommandResultConflictError match ErrCommandResultConflict.
 func (e *CommandResultConflictError) Is(target error) bool { return target == ErrCommandResultConflict }
 
-// LeaseLostError lists the rows a relay could not settle because another
-// relay had re-claimed them after this relay's lease expired.
+// LeaseLostError lists the rows a relay could not settle because its lease
+// on their partition expired and another relay took the partition over.
+// The next claim that takes the partition hands them out again (the relay
+// that took it over may release it unfilled, when its batch is full); the
+// rows stay in the outbox until a relay settles them.
 type LeaseLostError struct {
 	IDs []int64 // outbox row ids, ascending
 }
