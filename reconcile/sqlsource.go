@@ -79,6 +79,23 @@ type SQLSourceConfig struct {
 	// primary key): every page is an index range scan. Rows whose key is
 	// NULL are ignored. Lookup probes the key once per key asked for, so a
 	// table PostgreSQL has no statistics for yet is not read whole.
+	//
+	// Some types' text forms depend on the session's settings: timestamptz
+	// on TimeZone and DateStyle, date and timestamp on DateStyle, interval
+	// on IntervalStyle, floats on extra_float_digits, bytea on
+	// bytea_output, money on lc_monetary. The projector must write members
+	// in the form this source's sessions write, and every connection of
+	// its pool must share those settings: a member written in another form
+	// (the same instant under another TimeZone) is not the key's entry, so
+	// the row reads as missing and the member as an orphan, which an
+	// orphan repair policy removes. A pass that reads a key whose text form
+	// does not read back as the same key in its session (DateStyle SQL or
+	// Postgres under a zone whose abbreviation PostgreSQL reads as another
+	// zone, such as Asia/Kolkata's IST; extra_float_digits below 1) fails
+	// with an *InvalidRowError before checking that row's page: such a
+	// key, as the next page's cursor, would skip rows or walk back. The
+	// first Page or Sample reads the key column's type from the catalog
+	// for that check.
 	KeyColumn string
 	// VersionColumn holds the entity's version, an integer column. Required.
 	VersionColumn string
@@ -137,13 +154,19 @@ type SQLSource struct {
 	kind projection.Kind
 	args []any // filter values, $1..$len(args)
 
-	pageFirstSQL string
-	pageAfterSQL string
-	lookupSQL    string
-	keyCastSQL   string
-	sampleSQL    string
-	estimateSQL  string
-	relation     string
+	// walkSQL holds the page and sample statements, built on the first
+	// Page or Sample, which learns the key column's type (see walkSQLs).
+	walkSQL     atomic.Pointer[walkStatements]
+	keyTypeSQL  string
+	keyColumn   string
+	walkCols    string // SELECT list and FROM with a %s for the read-back check
+	walkKey     string
+	walkWhere   string
+	walkArgs    int
+	lookupSQL   string
+	keyCastSQL  string
+	estimateSQL string
+	relation    string
 
 	// encodings caches what rawKeys learnt; nil until a key that is not
 	// UTF-8 first comes.
@@ -258,11 +281,12 @@ func (s *SQLSource) buildSQL(cfg *SQLSourceConfig) {
 	n := len(s.args)
 	cols := fmt.Sprintf("SELECT %s::text, %s, %s FROM %s AS src", key, ver, val, s.relation)
 
-	// The key is compared and ordered in its own type (so an index on it is
-	// used) and only cast to text for the caller; the $after parameter is a
-	// string, which PostgreSQL converts to the column's type.
-	s.pageFirstSQL = fmt.Sprintf("%s WHERE %s ORDER BY %s LIMIT $%d", cols, where, key, n+1)
-	s.pageAfterSQL = fmt.Sprintf("%s WHERE %s AND %s > $%d ORDER BY %s LIMIT $%d", cols, where, key, n+1, key, n+2)
+	// The walk's statements (pages and samples) are built by walkSQLs,
+	// once the key column's type is known.
+	s.keyColumn, s.walkKey, s.walkWhere, s.walkArgs = cfg.KeyColumn, key, where, n
+	s.walkCols = fmt.Sprintf("SELECT %s::text, %s, %s, %%s FROM %s AS src", key, ver, val, s.relation)
+	s.keyTypeSQL = `SELECT format_type(a.atttypid, a.atttypmod) FROM pg_catalog.pg_attribute AS a
+WHERE a.attrelid = to_regclass($1) AND a.attname = $2 AND a.attnum > 0 AND NOT a.attisdropped`
 	// Lookup probes the key once per distinct key, through a lateral
 	// subquery that OFFSET 0 keeps from being flattened into a join:
 	// written as key = ANY ($n), the planner chose by the table's
@@ -279,8 +303,6 @@ CROSS JOIN LATERAL (%[4]s WHERE %[5]s AND %[2]s = wanted.key OFFSET 0) AS found(
 	// The lookup's key array alone, cast as lookupSQL casts it and no row
 	// read: it fails only for a key the key column cannot hold.
 	s.keyCastSQL = fmt.Sprintf("SELECT cardinality(COALESCE($1, (SELECT array_agg(%s) FROM %s AS src WHERE false)))", key, s.relation)
-	s.sampleSQL = fmt.Sprintf("%s TABLESAMPLE SYSTEM ($%d::float8) WHERE %s ORDER BY random() LIMIT $%d",
-		cols, n+1, where, n+2)
 	s.estimateSQL = "SELECT COALESCE((SELECT reltuples::float8 FROM pg_class WHERE oid = to_regclass($1)), -1)"
 }
 
@@ -301,14 +323,65 @@ func (s *SQLSource) Page(ctx context.Context, after Cursor, limit int) ([]Row, e
 	if limit <= 0 {
 		return nil, nil
 	}
+	walk, err := s.walkSQLs(ctx)
+	if err != nil {
+		return nil, err
+	}
 	args := append([]any(nil), s.args...)
-	sql := s.pageFirstSQL
+	sql := walk.first
 	if k, ok := after.Key(); ok {
-		sql = s.pageAfterSQL
+		sql = walk.after
 		args = append(args, k)
 	}
 	args = append(args, limit)
 	return s.query(ctx, limit, sql, args...)
+}
+
+// walkStatements are the statements that read rows for a pass: its pages
+// and its samples.
+type walkStatements struct {
+	first, after, sample string
+}
+
+// walkSQLs returns the walk's statements, built once the key column's type
+// is known. Each returns a fourth column, true when the key's text form,
+// read back as the key column's type, is the key again. In a session whose
+// settings write a form that reads back as another value (DateStyle SQL or
+// Postgres under a time zone whose abbreviation PostgreSQL reads as
+// another zone, as Asia/Kolkata's IST; a float rounded by a low
+// extra_float_digits), that text as the next page's cursor would skip rows
+// or walk back and forth for ever, and the key's lookups would miss its
+// row, taking its correct entry for an orphan: scan refuses such a row.
+//
+// The key is compared and ordered in its own type (so an index on it is
+// used) and only cast to text for the caller; the $after parameter is a
+// string, which PostgreSQL converts to the column's type.
+func (s *SQLSource) walkSQLs(ctx context.Context) (*walkStatements, error) {
+	if w := s.walkSQL.Load(); w != nil {
+		return w, nil
+	}
+	var typ string
+	check := "true"
+	switch err := s.db.QueryRow(ctx, s.keyTypeSQL, s.relation, s.keyColumn).Scan(&typ); {
+	case errors.Is(err, pgx.ErrNoRows):
+		// No such table or column (yet): the statements, left unchecked
+		// and not kept, fail with PostgreSQL's own error (42P01, 42703).
+	case err != nil:
+		return nil, fmt.Errorf("reconcile: reading the type of %s's key column: %w", s.relation, err)
+	default:
+		check = fmt.Sprintf("%[1]s::text::%[2]s = %[1]s", s.walkKey, typ)
+	}
+	cols := fmt.Sprintf(s.walkCols, check)
+	key, where, n := s.walkKey, s.walkWhere, s.walkArgs
+	w := &walkStatements{
+		first:  fmt.Sprintf("%s WHERE %s ORDER BY %s LIMIT $%d", cols, where, key, n+1),
+		after:  fmt.Sprintf("%s WHERE %s AND %s > $%d ORDER BY %s LIMIT $%d", cols, where, key, n+1, key, n+2),
+		sample: fmt.Sprintf("%s TABLESAMPLE SYSTEM ($%d::float8) WHERE %s ORDER BY random() LIMIT $%d", cols, n+1, where, n+2),
+	}
+	if typ != "" {
+		s.walkSQL.Store(w)
+	}
+	return w, nil
 }
 
 // Lookup implements Source. A key the key column cannot hold cannot be in
@@ -531,6 +604,10 @@ func (s *SQLSource) Sample(ctx context.Context, n int) ([]Row, error) {
 	if n <= 0 {
 		return nil, nil
 	}
+	walk, err := s.walkSQLs(ctx)
+	if err != nil {
+		return nil, err
+	}
 	var estimate float64
 	if err := s.db.QueryRow(ctx, s.estimateSQL, s.relation).Scan(&estimate); err != nil {
 		return nil, fmt.Errorf("reconcile: estimating rows of %s: %w", s.relation, err)
@@ -544,7 +621,7 @@ func (s *SQLSource) Sample(ctx context.Context, n int) ([]Row, error) {
 	for {
 		percent = math.Min(math.Max(percent, 0.0001), 100)
 		args := append(append([]any(nil), s.args...), percent, n)
-		rows, err := s.query(ctx, n, s.sampleSQL, args...)
+		rows, err := s.query(ctx, n, walk.sample, args...)
 		if err != nil || len(rows) >= n || percent >= 100 {
 			return rows, err
 		}
@@ -587,7 +664,9 @@ func (s *SQLSource) queryOn(ctx context.Context, db DBTX, capHint int, sql strin
 	}
 	defer rows.Close()
 	out := make([]Row, 0, min(capHint, 4096))
-	sc := s.newScanner()
+	// The walk's statements have a fourth column (see walkSQLs); the
+	// lookup's have three.
+	sc := s.newScanner(len(rows.FieldDescriptions()) == 4)
 	for rows.Next() {
 		r, err := sc.scan(rows)
 		if err != nil {
@@ -623,16 +702,22 @@ type rowScanner struct {
 	version pgtype.Int8
 	score   pgtype.Int8
 	data    *[]byte
-	dests   []any
+	// readsBack is a walk's fourth column: the key's text form reads back
+	// as the key (see walkSQLs).
+	readsBack pgtype.Bool
+	dests     []any
 }
 
-func (s *SQLSource) newScanner() *rowScanner {
+func (s *SQLSource) newScanner(checked bool) *rowScanner {
 	sc := &rowScanner{src: s}
 	var value any = &sc.data
 	if s.kind == projection.KindSortedSet {
 		value = &sc.score
 	}
 	sc.dests = []any{&sc.key, &sc.version, value}
+	if checked {
+		sc.dests = append(sc.dests, &sc.readsBack)
+	}
 	return sc
 }
 
@@ -644,6 +729,8 @@ func (sc *rowScanner) scan(rows pgx.Rows) (Row, error) {
 	}
 	r := Row{Key: sc.key}
 	switch {
+	case len(sc.dests) == 4 && !sc.readsBack.Bool:
+		return Row{}, &InvalidRowError{Key: r.Key, Reason: "the key's text form does not read back as the same key in this session (its DateStyle and TimeZone, or extra_float_digits, write a form that names another value): as a cursor it would skip rows or walk back, and its entry would be taken for an orphan"}
 	case !sc.version.Valid:
 		return Row{}, &InvalidRowError{Key: r.Key, Reason: "version is NULL"}
 	case sc.version.Int64 <= 0:

@@ -1,0 +1,199 @@
+package reconcile
+
+import (
+	"context"
+	"fmt"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/stretchr/testify/require"
+
+	"github.com/verity-go/verity/internal/testenv"
+	"github.com/verity-go/verity/projection"
+)
+
+// keyTextBundle is a table "ev" of one key column, a projection of every
+// row written with the key's text form as one session writes it, and a
+// SQLSource reading through that session's settings.
+type keyTextBundle struct {
+	src     *SQLSource
+	target  Target
+	members func(t *testing.T) []string
+	written int
+}
+
+// setupKeyText creates ev (k keyType PRIMARY KEY, v, s) with n rows whose
+// keys gen (an expression of g) gives, opens a pool whose sessions carry
+// params, projects every row under the key's text form in that session, and
+// returns a SQLSource over it.
+func setupKeyText(t *testing.T, keyType, gen string, n int, params map[string]string) *keyTextBundle {
+	t.Helper()
+	ctx := context.Background()
+	pg := testenv.Postgres(t)
+	rd := testenv.Redis(t)
+	_, err := pg.Pool.Exec(ctx, fmt.Sprintf(`CREATE TABLE ev (k %s PRIMARY KEY, v bigint NOT NULL, s bigint NOT NULL);
+		INSERT INTO ev SELECT %s, 1, g FROM generate_series(1, %d) AS g`, keyType, gen, n))
+	require.NoError(t, err)
+	pcfg, err := pgxpool.ParseConfig(pg.ConnString)
+	require.NoError(t, err)
+	for k, v := range params {
+		pcfg.ConnConfig.RuntimeParams[k] = v
+	}
+	pool, err := pgxpool.NewWithConfig(ctx, pcfg)
+	require.NoError(t, err)
+	t.Cleanup(pool.Close)
+
+	ks, err := projection.NewKeyspace(rd.Prefix)
+	require.NoError(t, err)
+	target := Target{Client: rd.Client, Keyspace: ks, Kind: projection.KindSortedSet, Name: "b"}
+	rows, err := pool.Query(ctx, `SELECT k::text, v, s FROM ev`)
+	require.NoError(t, err)
+	var writes []projection.Write
+	for rows.Next() {
+		var k string
+		var v, s int64
+		require.NoError(t, rows.Scan(&k, &v, &s))
+		writes = append(writes, projection.Write{Target: target.target(k), Version: v, Value: projection.Value{Score: s}})
+	}
+	require.NoError(t, rows.Err())
+	require.Len(t, writes, n)
+	_, err = projection.NewGate(rd.Client, ks).Apply(ctx, writes)
+	require.NoError(t, err)
+
+	src, err := NewSQLSource(pool, &SQLSourceConfig{Table: "ev", KeyColumn: "k", VersionColumn: "v", ValueColumn: "s", Kind: projection.KindSortedSet})
+	require.NoError(t, err)
+	return &keyTextBundle{
+		src: src, target: target, written: n,
+		members: func(t *testing.T) []string {
+			t.Helper()
+			got, err := rd.Client.ZRange(ctx, ks.ValueKey(target.target("")), 0, -1).Result()
+			require.NoError(t, err)
+			return got
+		},
+	}
+}
+
+// A key whose text form reads back as another value in the source's
+// session must stop the pass: as the next page's cursor it skipped rows or
+// walked back and forth for ever, and its correct entry, looked up by that
+// text, was taken for an orphan, which an orphan repair policy removed.
+func TestSQLSourceKeyTextMustReadBack(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	refuses := func(t *testing.T, b *keyTextBundle, pageSize int) {
+		t.Helper()
+		before := b.members(t)
+		r, err := New(b.src, b.target, &Config{PageSize: pageSize, Policy: Policy{Orphan: ActionRepair, Ahead: ActionRepair, Missing: ActionRepair}})
+		require.NoError(t, err)
+		runCtx, cancel := context.WithTimeout(ctx, 20*time.Second)
+		defer cancel()
+		rep, err := r.Run(runCtx, RunOptions{})
+		require.NoError(t, runCtx.Err(), "the pass was still walking: checked %d rows of %d", rep.Checked, b.written)
+		require.ErrorIs(t, err, ErrInvalidRow)
+		var invalid *InvalidRowError
+		require.ErrorAs(t, err, &invalid)
+		require.Contains(t, invalid.Reason, "does not read back")
+		require.Zero(t, rep.Repaired)
+		require.ElementsMatch(t, before, b.members(t), "nothing written")
+	}
+
+	// Asia/Kolkata writes IST under DateStyle SQL or Postgres, which
+	// PostgreSQL reads as Israel time: the cursor lands 3h30 late.
+	for _, style := range []string{"SQL, DMY", "Postgres"} {
+		for _, pageSize := range []int{1, 3} {
+			t.Run(fmt.Sprintf("ISTAsKolkata/%s/Page%d", style, pageSize), func(t *testing.T) {
+				t.Parallel()
+				b := setupKeyText(t, "timestamptz", "'2026-12-06 00:00:00+00'::timestamptz + g * interval '1 hour'", 8,
+					map[string]string{"TimeZone": "Asia/Kolkata", "DateStyle": style})
+				refuses(t, b, pageSize)
+			})
+		}
+	}
+
+	// Europe/Dublin's summer time is IST too (+01), read as +02: keys 37
+	// minutes apart across the switch sent the cursor back, for ever.
+	t.Run("ISTAsDublinWalksBack", func(t *testing.T) {
+		t.Parallel()
+		b := setupKeyText(t, "timestamptz", "'2026-03-29 00:00:00+00'::timestamptz + g * interval '37 minutes'", 8,
+			map[string]string{"TimeZone": "Europe/Dublin", "DateStyle": "German"})
+		refuses(t, b, 1)
+	})
+
+	// A low extra_float_digits rounds a float key's text form.
+	t.Run("FloatRounded", func(t *testing.T) {
+		t.Parallel()
+		b := setupKeyText(t, "float8", "g * 0.1::float8 + 1e-15", 8, map[string]string{"extra_float_digits": "0"})
+		refuses(t, b, 2)
+	})
+
+	t.Run("Sample", func(t *testing.T) {
+		t.Parallel()
+		b := setupKeyText(t, "float8", "g * 0.1::float8 + 1e-15", 8, map[string]string{"extra_float_digits": "0"})
+		_, err := b.src.Sample(ctx, 8)
+		require.ErrorIs(t, err, ErrInvalidRow)
+	})
+}
+
+// Key columns of many types, read under session settings that change their
+// text forms, with the projection written in the same session's forms:
+// every pass checks every row once and finds it current, or, where the
+// text does not read back, fails with ErrInvalidRow and removes nothing.
+func TestSQLSourceKeyTypesUnderSessionSettings(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	types := []struct{ typ, gen string }{
+		{"timestamptz", "'2026-03-29 00:00:00+00'::timestamptz + g * interval '37 minutes 1.5 seconds'"},
+		{"timestamp", "'2026-03-29 00:00:00'::timestamp + g * interval '37 minutes 1.000001 seconds'"},
+		{"date", "'0002-01-01 BC'::date + g * 400"},
+		{"time", "'00:00'::time + g * interval '1 hour 0.25 seconds'"},
+		{"timetz", "'00:00+03'::timetz + g * interval '1 hour'"},
+		{"numeric(20,10)", "(g::numeric / 7)::numeric(20,10)"},
+		{"float8", "g * 0.1::float8 + 1e-15"},
+		{"float4", "(g * 0.1)::float4"},
+		{"uuid", "md5(g::text)::uuid"},
+		{"bytea", "decode(lpad(to_hex(g * 37), 4, '0'), 'hex')"},
+		{"char(5)", "'k' || g"},
+		{"interval", "g * interval '1 month 1 day 1 hour 1.5 seconds'"},
+		{"inet", "('10.0.0.' || g)::inet"},
+	}
+	settings := []map[string]string{
+		{},
+		{"TimeZone": "Asia/Kolkata"},
+		{"TimeZone": "Europe/Dublin", "DateStyle": "German"},
+		{"TimeZone": "America/New_York", "DateStyle": "SQL, DMY"},
+		{"IntervalStyle": "sql_standard"},
+		{"IntervalStyle": "postgres_verbose"},
+		{"extra_float_digits": "0"},
+		{"bytea_output": "escape"},
+	}
+	// The cases whose text does not read back, as the reviewer's matrix
+	// found them; every other case must be current throughout.
+	refused := map[string]bool{"timestamptz/2": true, "float8/6": true}
+	for _, ty := range types {
+		t.Run(ty.typ, func(t *testing.T) {
+			t.Parallel()
+			for i, set := range settings {
+				t.Run(fmt.Sprint(i), func(t *testing.T) {
+					b := setupKeyText(t, ty.typ, ty.gen, 8, set)
+					for _, pageSize := range []int{1, 3} {
+						r, err := New(b.src, b.target, &Config{PageSize: pageSize, Policy: Policy{Orphan: ActionRepair, Ahead: ActionRepair, Missing: ActionRepair}})
+						require.NoError(t, err)
+						runCtx, cancel := context.WithTimeout(ctx, 20*time.Second)
+						rep, err := r.Run(runCtx, RunOptions{})
+						cancel()
+						require.Len(t, b.members(t), 8, "page %d: entries removed or added (counts %v, err %v)", pageSize, rep.Counts, err)
+						if refused[fmt.Sprintf("%s/%d", ty.typ, i)] {
+							require.ErrorIs(t, err, ErrInvalidRow, "page %d", pageSize)
+							require.Zero(t, rep.Repaired)
+							continue
+						}
+						require.NoError(t, err, "page %d", pageSize)
+						require.EqualValues(t, 8, rep.Checked, "page %d", pageSize)
+						require.Equal(t, map[Class]int64{ClassCurrent: 8}, rep.Counts, "page %d", pageSize)
+					}
+				})
+			}
+		})
+	}
+}
