@@ -636,6 +636,15 @@ func (s *Service) writeError(w http.ResponseWriter, r *http.Request, err error) 
 			s.metrics.countSubmit(r.Context(), "error")
 		}
 		w.WriteHeader(statusClientClosedRequest)
+	case r.Method == http.MethodPost && unreachable(err):
+		// PostgreSQL refused the connection, had no slot, or ended the
+		// session (57P01 and the like): an outage to wait out, not a
+		// fault. The retry with the same key is safe whatever happened
+		// (a break after the command was sent is ErrOutcomeUnknown, above).
+		s.metrics.countSubmit(r.Context(), "error")
+		s.logger.Warn("submit failed: PostgreSQL cannot be reached or ended the session", slog.Any("err", err))
+		w.Header().Set("Retry-After", "1")
+		writeJSON(w, http.StatusServiceUnavailable, errorResponse{Error: "the database cannot be reached or ended the session; retry with the same Idempotency-Key"})
 	case r.Method == http.MethodGet && unreachable(err):
 		// A read under ServeStale or FailClosed whose Redis (or, falling
 		// back, PostgreSQL) cannot be reached: an outage the client can
