@@ -609,6 +609,14 @@ func (s *Service) writeError(w http.ResponseWriter, r *http.Request, err error) 
 		// reached in time), and "catching up" would give the client the
 		// wrong reason and keep the timeout out of the log.
 		s.writeTimeout(w, r, err)
+	case errors.As(err, &stale) && stale.Unverified && s.redisUnreachable(r.Context()):
+		// Unverified because Verify's record could not be read: Redis is
+		// down or cannot serve (a replica cut off from its master), which
+		// no reconcile can mend. An outage to wait out, as for any read
+		// whose store cannot be reached.
+		s.logger.Warn("read failed: Redis cannot be reached to check the board is verified", slog.String("path", r.URL.Path))
+		w.Header().Set("Retry-After", "1")
+		writeJSON(w, http.StatusServiceUnavailable, errorResponse{Error: "the leaderboard's store cannot be reached; retry shortly"})
 	case errors.As(err, &stale) && stale.Unverified && s.cfg.ReconcileEvery == 0:
 		// Nothing in this process will verify the board: an operator's
 		// 'reconcile --verify' will, at a time no Retry-After can name.
@@ -659,6 +667,15 @@ func (s *Service) writeError(w http.ResponseWriter, r *http.Request, err error) 
 		s.logger.Error("request failed", slog.String("method", r.Method), slog.String("path", r.URL.Path), slog.Any("err", err))
 		writeJSON(w, http.StatusInternalServerError, errorResponse{Error: "internal error"})
 	}
+}
+
+// redisUnreachable reports whether Redis fails a ping (within pingTimeout)
+// with an error unreachable classes as an outage.
+func (s *Service) redisUnreachable(ctx context.Context) bool {
+	ctx, cancel := context.WithTimeout(ctx, pingTimeout)
+	defer cancel()
+	err := s.rdb.Ping(ctx).Err()
+	return err != nil && unreachable(err)
 }
 
 // unreachable reports whether err says a store could not be reached or its

@@ -1,0 +1,93 @@
+package main
+
+import (
+	"context"
+	"net/http"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/redis/go-redis/v9"
+	"github.com/stretchr/testify/require"
+
+	"github.com/verity-go/verity/internal/testenv"
+	"github.com/verity-go/verity/leaderboard"
+)
+
+// With --require-verified and fail-closed, a read while Redis cannot serve
+// (stopped, or a replica cut off from its master: MASTERDOWN) finds Verify's
+// record unreadable, and the board calls the projection unverified. The
+// service must answer as for any store that cannot be reached (503,
+// Retry-After: 1), not blame the data and send the operator to
+// 'reconcile --verify', which cannot run either and is not needed after.
+func TestVerifiedReadsWithRedisUnreachable(t *testing.T) {
+	t.Parallel()
+	for _, mode := range []string{"Stopped", "MasterDown"} {
+		for _, every := range []time.Duration{0, 30 * time.Second} {
+			t.Run(mode+"/ReconcileEvery"+every.String(), func(t *testing.T) {
+				t.Parallel()
+				ctx := context.Background()
+				pg := testenv.Postgres(t)
+				rs := testenv.StartRedis(t)
+				rdb := redis.NewClient(&redis.Options{Addr: rs.Addr(), MaxRetries: -1})
+				t.Cleanup(func() { _ = rdb.Close() })
+				cfg := &leaderboard.Config{Name: testBoard, Schema: pg.Schema, ReadPolicy: leaderboard.FailClosed,
+					RequireVerifiedProjection: true, LagProbeInterval: time.Millisecond}
+				require.NoError(t, leaderboard.Migrate(ctx, pg.Pool, cfg))
+				board, err := leaderboard.New(pg.Pool, rdb, cfg)
+				require.NoError(t, err)
+				t.Cleanup(board.Close)
+				svc, err := NewService(pg.Pool, rdb, board, ServiceConfig{ReconcileEvery: every})
+				require.NoError(t, err)
+				t.Cleanup(func() { _ = svc.Close() })
+				tb := &testBundle{svc: svc, srv: newServer(t, svc)}
+				require.Equal(t, http.StatusCreated, tb.submit(t, uuid.NewString(), `{"user_id":"ada","delta":5}`).status)
+				tb.drain(t)
+				_, ok, err := board.Verify(ctx, nil)
+				require.NoError(t, err)
+				require.True(t, ok)
+				require.Equal(t, http.StatusOK, tb.do(t, http.MethodGet, "/leaderboard", nil, "").status)
+
+				switch mode {
+				case "Stopped":
+					require.NoError(t, rs.Stop())
+				case "MasterDown":
+					// Copy the board (and Verify's record) to another server,
+					// make this one its replica, then stop the master.
+					m := testenv.StartRedis(t)
+					mc := m.Client(t)
+					host, port, _ := strings.Cut(rs.Addr(), ":")
+					require.NoError(t, mc.ReplicaOf(ctx, host, port).Err())
+					waitReplicaInSync(t, mc)
+					require.NoError(t, mc.ReplicaOf(ctx, "no", "one").Err())
+					host, port, _ = strings.Cut(m.Addr(), ":")
+					require.NoError(t, rdb.ReplicaOf(ctx, host, port).Err())
+					waitReplicaInSync(t, rdb)
+					require.NoError(t, rdb.ConfigSet(ctx, "replica-serve-stale-data", "no").Err())
+					require.NoError(t, m.Stop())
+					require.Eventually(t, func() bool {
+						err := rdb.Get(ctx, "x").Err()
+						return err != nil && strings.HasPrefix(err.Error(), "MASTERDOWN")
+					}, 10*time.Second, 20*time.Millisecond)
+				}
+				time.Sleep(5 * time.Millisecond) // past LagProbeInterval: the read probes again
+				for _, path := range []string{"/leaderboard", "/users/ada/rank"} {
+					res := tb.do(t, http.MethodGet, path, nil, "")
+					require.Equal(t, http.StatusServiceUnavailable, res.status, "%s: %s", path, res.body)
+					require.Equal(t, "1", res.header.Get("Retry-After"), "%s: %s", path, res.body)
+					require.Contains(t, res.json(t)["error"], "cannot be reached", path)
+				}
+			})
+		}
+	}
+}
+
+// waitReplicaInSync waits until c, a replica, has its master's data.
+func waitReplicaInSync(t *testing.T, c *redis.Client) {
+	t.Helper()
+	require.Eventually(t, func() bool {
+		info, err := c.Info(context.Background(), "replication").Result()
+		return err == nil && strings.Contains(info, "master_link_status:up") && strings.Contains(info, "master_sync_in_progress:0")
+	}, 10*time.Second, 20*time.Millisecond)
+}
