@@ -93,9 +93,13 @@ type SQLSourceConfig struct {
 	// Postgres under a zone whose abbreviation PostgreSQL reads as another
 	// zone, such as Asia/Kolkata's IST; extra_float_digits below 1) fails
 	// with an *InvalidRowError before checking that row's page: such a
-	// key, as the next page's cursor, would skip rows or walk back. The
-	// first Page or Sample reads the key column's type from the catalog
-	// for that check.
+	// key, as the next page's cursor, would skip rows or walk back. A text
+	// form PostgreSQL cannot read at all (a zone's local mean time, "LMT",
+	// for an instant before the zone's standard time, under those
+	// DateStyles) fails the pass with PostgreSQL's 22007 instead. Nothing
+	// is repaired in either case. Each pass's first Page, and each Sample,
+	// reads the key column's type from the catalog for that check, so a
+	// migration that changes it is seen by the next pass.
 	KeyColumn string
 	// VersionColumn holds the entity's version, an integer column. Required.
 	VersionColumn string
@@ -323,13 +327,16 @@ func (s *SQLSource) Page(ctx context.Context, after Cursor, limit int) ([]Row, e
 	if limit <= 0 {
 		return nil, nil
 	}
-	walk, err := s.walkSQLs(ctx)
+	k, ok := after.Key()
+	// A pass's first page reads the key column's type again: a migration
+	// may have changed it since the statements were built.
+	walk, err := s.walkSQLs(ctx, !ok)
 	if err != nil {
 		return nil, err
 	}
 	args := append([]any(nil), s.args...)
 	sql := walk.first
-	if k, ok := after.Key(); ok {
+	if ok {
 		sql = walk.after
 		args = append(args, k)
 	}
@@ -344,7 +351,7 @@ type walkStatements struct {
 }
 
 // walkSQLs returns the walk's statements, built once the key column's type
-// is known. For a type whose text form depends on the session's settings,
+// is known, and again when fresh (a pass's first page, a sample). For a type whose text form depends on the session's settings,
 // each returns a fourth column, true when the key's text form, read back as
 // the key column's type, is the key again. In a session whose
 // settings write a form that reads back as another value (DateStyle SQL or
@@ -357,8 +364,8 @@ type walkStatements struct {
 // The key is compared and ordered in its own type (so an index on it is
 // used) and only cast to text for the caller; the $after parameter is a
 // string, which PostgreSQL converts to the column's type.
-func (s *SQLSource) walkSQLs(ctx context.Context) (*walkStatements, error) {
-	if w := s.walkSQL.Load(); w != nil {
+func (s *SQLSource) walkSQLs(ctx context.Context, fresh bool) (*walkStatements, error) {
+	if w := s.walkSQL.Load(); w != nil && !fresh {
 		return w, nil
 	}
 	var (
@@ -618,7 +625,7 @@ func (s *SQLSource) Sample(ctx context.Context, n int) ([]Row, error) {
 	if n <= 0 {
 		return nil, nil
 	}
-	walk, err := s.walkSQLs(ctx)
+	walk, err := s.walkSQLs(ctx, true)
 	if err != nil {
 		return nil, err
 	}

@@ -6,6 +6,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
@@ -127,6 +129,26 @@ func TestSQLSourceKeyTextMustReadBack(t *testing.T) {
 		refuses(t, b, 2)
 	})
 
+	// Before standard time, a zone's offset is local mean time, written
+	// "LMT" under these DateStyles, which PostgreSQL cannot read at all:
+	// the check fails with 22007, and nothing is repaired.
+	for _, style := range []string{"Postgres", "SQL, MDY"} {
+		t.Run("LMTUnreadable/"+style, func(t *testing.T) {
+			t.Parallel()
+			b := setupKeyText(t, "timestamptz", "CASE WHEN g = 4 THEN '1800-01-01 00:00:00+00'::timestamptz ELSE '2026-12-06 00:00:00+00'::timestamptz + g * interval '1 hour' END", 8,
+				map[string]string{"TimeZone": "America/New_York", "DateStyle": style})
+			before := b.members(t)
+			r, err := New(b.src, b.target, &Config{PageSize: 3, Policy: Policy{Orphan: ActionRepair, Ahead: ActionRepair, Missing: ActionRepair}})
+			require.NoError(t, err)
+			rep, err := r.Run(ctx, RunOptions{})
+			var pgErr *pgconn.PgError
+			require.ErrorAs(t, err, &pgErr)
+			require.Equal(t, "22007", pgErr.Code)
+			require.Zero(t, rep.Repaired)
+			require.ElementsMatch(t, before, b.members(t))
+		})
+	}
+
 	t.Run("Sample", func(t *testing.T) {
 		t.Parallel()
 		b := setupKeyText(t, "float8", "g * 0.1::float8 + 1e-15", 8, map[string]string{"extra_float_digits": "0"})
@@ -196,4 +218,57 @@ func TestSQLSourceKeyTypesUnderSessionSettings(t *testing.T) {
 			}
 		})
 	}
+}
+
+// A long-lived SQLSource (a service's scheduled reconcile) outlives a
+// migration that changes its key column's type: each pass reads the type
+// again, so its statements neither name the old type nor miss the check
+// the new one needs.
+func TestSQLSourceKeyTypeChangedBetweenPasses(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pass := func(t *testing.T, src *SQLSource, target Target, pageSize int) (*Report, error) {
+		t.Helper()
+		r, err := New(src, target, &Config{PageSize: pageSize})
+		require.NoError(t, err)
+		runCtx, cancel := context.WithTimeout(ctx, 10*time.Second)
+		defer cancel()
+		return r.Run(runCtx, RunOptions{})
+	}
+
+	// The kept check `k::text::timestamptz = k` would no longer type-check.
+	t.Run("TimestamptzToText", func(t *testing.T) {
+		t.Parallel()
+		b := setupKeyText(t, "timestamptz", "'2026-12-06 00:00:00+00'::timestamptz + g * interval '1 hour'", 8, map[string]string{"TimeZone": "UTC"})
+		rep, err := pass(t, b.src, b.target, 3)
+		require.NoError(t, err)
+		require.EqualValues(t, 8, rep.Checked)
+		_, err = b.src.db.(*pgxpool.Pool).Exec(ctx, `ALTER TABLE ev ALTER COLUMN k TYPE text USING k::text`)
+		require.NoError(t, err)
+		rep, err = pass(t, b.src, b.target, 3)
+		require.NoError(t, err, "the pass after the migration")
+		require.EqualValues(t, 8, rep.Checked)
+	})
+
+	// The kept statements, built for bigint, have no check, and would walk
+	// with the cursor the check refuses.
+	t.Run("BigintToTimestamptz", func(t *testing.T) {
+		t.Parallel()
+		b := setupKeyText(t, "bigint", "g", 8, map[string]string{"TimeZone": "Asia/Kolkata", "DateStyle": "SQL, DMY"})
+		// A pool that prepares nothing: pgx's statement cache would keep
+		// the old parameter types, a failure of its own.
+		pcfg := b.src.db.(*pgxpool.Pool).Config()
+		pcfg.ConnConfig.DefaultQueryExecMode = pgx.QueryExecModeExec
+		pool, err := pgxpool.NewWithConfig(ctx, pcfg)
+		require.NoError(t, err)
+		t.Cleanup(pool.Close)
+		src, err := NewSQLSource(pool, &SQLSourceConfig{Table: "ev", KeyColumn: "k", VersionColumn: "v", ValueColumn: "s", Kind: projection.KindSortedSet})
+		require.NoError(t, err)
+		_, err = pass(t, src, b.target, 1)
+		require.NoError(t, err)
+		_, err = pool.Exec(ctx, `ALTER TABLE ev ALTER COLUMN k TYPE timestamptz USING '2026-12-06 00:00:00+00'::timestamptz + k * interval '1 hour'`)
+		require.NoError(t, err)
+		rep, err := pass(t, src, b.target, 1)
+		require.ErrorIs(t, err, ErrInvalidRow, "checked %d rows, counts %v", rep.Checked, rep.Counts)
+	})
 }
