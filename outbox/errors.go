@@ -146,9 +146,12 @@ func (e *CommandResultConflictError) Is(target error) bool { return target == Er
 
 // LeaseLostError lists the rows a relay could not settle because its lease
 // on their partition expired and another relay took the partition over.
-// The next claim that takes the partition hands them out again (the relay
-// that took it over may release it unfilled, when its batch is full); the
-// rows stay in the outbox until a relay settles them.
+// The claim that took the partition over counted their attempt as a
+// crashed one: a row whose attempts thereby reached MaxAttempts was moved
+// to the dead-letter table by that claim (although this relay's Handler
+// may have processed it) and is not handed out again; the others are
+// handed out again by the next claim that takes the partition (the relay
+// that took it over may release it unfilled, when its batch is full).
 type LeaseLostError struct {
 	IDs []int64 // outbox row ids, ascending
 }
