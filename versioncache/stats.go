@@ -51,7 +51,7 @@ type Stats struct {
 	// slot migration until its ctx ended counts once. A call that fails
 	// after the caller's ctx ended counts as cut off, even when Redis had
 	// stopped answering: without ContextTimeoutEnabled, go-redis waits for
-	// a hung Redis until its ReadTimeout (3 s by default), and callers
+	// a hung Redis until its ReadTimeout (5 s by default), and callers
 	// whose deadlines are shorter never see it counted here. Alert on
 	// Redis itself, or on the callers' timeouts, for a hang.
 	RedisErrors  uint64
