@@ -645,14 +645,14 @@ func (s *Service) writeError(w http.ResponseWriter, r *http.Request, err error) 
 		}
 		w.WriteHeader(statusClientClosedRequest)
 	case r.Method == http.MethodPost && unreachable(err):
-		// PostgreSQL refused the connection, had no slot, or ended the
-		// session (57P01 and the like): an outage to wait out, not a
-		// fault. The retry with the same key is safe whatever happened
+		// PostgreSQL refused the connection, had no slot, ended the
+		// session (57P01 and the like) or took only reads (25006): an
+		// outage to wait out, not a fault. The retry with the same key is safe whatever happened
 		// (a break after the command was sent is ErrOutcomeUnknown, above).
 		s.metrics.countSubmit(r.Context(), "error")
-		s.logger.Warn("submit failed: PostgreSQL cannot be reached or ended the session", slog.Any("err", err))
+		s.logger.Warn("submit failed: PostgreSQL cannot be reached, ended the session or takes only reads", slog.Any("err", err))
 		w.Header().Set("Retry-After", "1")
-		writeJSON(w, http.StatusServiceUnavailable, errorResponse{Error: "the database cannot be reached or ended the session; retry with the same Idempotency-Key"})
+		writeJSON(w, http.StatusServiceUnavailable, errorResponse{Error: "the database cannot take the score now (unreachable, restarting or read-only); retry with the same Idempotency-Key"})
 	case r.Method == http.MethodGet && unreachable(err):
 		// A read under ServeStale or FailClosed whose Redis (or, falling
 		// back, PostgreSQL) cannot be reached: an outage the client can
@@ -694,12 +694,14 @@ func unreachable(err error) bool {
 	switch {
 	case errors.As(err, &pgErr):
 		// Except a server starting up, shutting down or in recovery
-		// (cannot_connect_now), out of connection slots, or one that
+		// (cannot_connect_now), out of connection slots, one that
 		// ended the session (an administrator's terminate, a fast
-		// shutdown, a crashed sibling backend): outages to wait out, as
-		// Redis's LOADING. The pool replaces the connection.
+		// shutdown, a crashed sibling backend), or one that takes only
+		// reads (a standby, or a primary demoted in a switchover, until
+		// the pool's connections reach the new one): outages to wait out,
+		// as Redis's LOADING. The pool replaces the connection.
 		switch pgErr.Code {
-		case "57P01", "57P02", "57P03", "53300":
+		case "57P01", "57P02", "57P03", "53300", "25006":
 			return true
 		}
 		return false

@@ -13,9 +13,9 @@ import (
 	"github.com/verity-go/verity/leaderboard"
 )
 
-// A POST /scores that PostgreSQL could not take (the server down, or the
-// session ended by an administrator before the command committed) is an
-// outage to wait out: 503 with Retry-After, telling the client to retry
+// A POST /scores that PostgreSQL could not take (the server down or
+// read-only, or the session ended by an administrator before the command
+// committed) is an outage to wait out: 503 with Retry-After, telling the client to retry
 // with the same Idempotency-Key, never 500. The retry has exactly one
 // effect, without restarting the service.
 func TestSubmitDuringPostgresOutage(t *testing.T) {
@@ -84,6 +84,36 @@ func TestSubmitDuringPostgresOutage(t *testing.T) {
 		}, 10*time.Second, 10*time.Millisecond, "no submit waited on the lock")
 		r := <-answer
 		require.NoError(t, tx.Rollback(ctx))
+		requireRetryAnswer(t, r)
+		require.Zero(t, events(t, admin, key))
+		retryOnce(t, tb, admin, key)
+	})
+
+	// A primary turned read-only (as in a switchover) refuses the write
+	// with 25006.
+	t.Run("ServerReadOnly", func(t *testing.T) {
+		t.Parallel()
+		tb, _, admin := setupPrivate(t)
+		setReadOnly := func(on bool) {
+			t.Helper()
+			stmt := `ALTER SYSTEM SET default_transaction_read_only = on`
+			if !on {
+				stmt = `ALTER SYSTEM RESET default_transaction_read_only`
+			}
+			_, err := admin.Exec(ctx, stmt)
+			require.NoError(t, err)
+			_, err = admin.Exec(ctx, `SELECT pg_reload_conf()`)
+			require.NoError(t, err)
+			want := map[bool]string{true: "on", false: "off"}[on]
+			require.Eventually(t, func() bool {
+				var got string
+				return admin.QueryRow(ctx, `SHOW default_transaction_read_only`).Scan(&got) == nil && got == want
+			}, 10*time.Second, 10*time.Millisecond)
+		}
+		setReadOnly(true)
+		key := uuid.NewString()
+		r := tb.submit(t, key, body)
+		setReadOnly(false)
 		requireRetryAnswer(t, r)
 		require.Zero(t, events(t, admin, key))
 		retryOnce(t, tb, admin, key)
