@@ -220,6 +220,10 @@ func cmdReconcile(ctx context.Context, o *options, stdout, stderr io.Writer) err
 	if sum.Verified != nil {
 		if *sum.Verified {
 			fmt.Fprintln(stdout, "verified: the projection is recorded as complete")
+		} else if sum.Error != "" {
+			// The pass itself failed (Ctrl-C, an unreachable store): that,
+			// on stderr, is what stood in the way, not its findings.
+			fmt.Fprintln(stdout, "NOT verified: the pass failed (the error follows on stderr)")
 		} else {
 			if sum.Counts[reconcile.ClassAhead.String()]+sum.Counts[reconcile.ClassOrphan.String()] > 0 {
 				// Running it again would find them again.
