@@ -154,6 +154,14 @@ func resolveOne(ctx context.Context, ep *Endpoints, opts Options, env, def strin
 	}{{OriginPrivate, private}, {OriginDocker, docker}} {
 		u, stop, err := s.start(ctx, opts.Dir)
 		if err != nil {
+			if ctx.Err() != nil {
+				// Interrupted (Ctrl-C, SIGTERM): that is the error, not a
+				// missing server, and nothing else is worth starting.
+				if cause := context.Cause(ctx); cause != ctx.Err() {
+					return "", "", fmt.Errorf("starting a %s server: %w: %w", s.origin, ctx.Err(), cause)
+				}
+				return "", "", fmt.Errorf("starting a %s server: %w", s.origin, ctx.Err())
+			}
 			errs = append(errs, fmt.Errorf("%s: %w", s.origin, err))
 			continue
 		}
