@@ -669,12 +669,16 @@ func (s *Service) writeError(w http.ResponseWriter, r *http.Request, err error) 
 	}
 }
 
-// redisUnreachable reports whether Redis fails a ping (within pingTimeout)
-// with an error unreachable classes as an outage.
+// redisUnreachable reports whether Redis fails a read of the board's key
+// (within pingTimeout) with an error unreachable classes as an outage. A
+// keyed read, not a PING: a cluster client sends PING to any one node,
+// and a node answers PING while the cluster is down for keys
+// (CLUSTERDOWN), so neither says whether the node serving the board's
+// slot can serve it.
 func (s *Service) redisUnreachable(ctx context.Context) bool {
 	ctx, cancel := context.WithTimeout(ctx, pingTimeout)
 	defer cancel()
-	err := s.rdb.Ping(ctx).Err()
+	err := s.rdb.Exists(ctx, s.board.SortedSetKey()).Err()
 	return err != nil && unreachable(err)
 }
 

@@ -91,3 +91,104 @@ func waitReplicaInSync(t *testing.T, c *redis.Client) {
 		return err == nil && strings.Contains(info, "master_link_status:up") && strings.Contains(info, "master_sync_in_progress:0")
 	}, 10*time.Second, 20*time.Millisecond)
 }
+
+// The same on a Redis Cluster, where a PING says nothing about the node
+// serving the board's slot (a cluster client sends it to any node, and a
+// node answers it while the cluster is down for keys): a read of an
+// unverified board answers "cannot be reached" while the board's slot
+// cannot be served, and still sends the operator to 'reconcile --verify'
+// while it can, another master down or not.
+func TestVerifiedReadsOnClusterWithANodeDown(t *testing.T) {
+	t.Parallel()
+	for _, c := range []struct {
+		name                        string
+		killBoardNode, fullCoverage bool
+		want                        string
+	}{
+		// Default settings: the board's master dies (no replica to fail
+		// over to), or another one does and, after cluster-node-timeout,
+		// every node answers CLUSTERDOWN for keys.
+		{"BoardNodeDown", true, true, "cannot be reached"},
+		{"OtherNodeDownClusterDown", false, true, "cannot be reached"},
+		// cluster-require-full-coverage no: the board's node serves on,
+		// and the board is as unverified as before.
+		{"OtherNodeDownBoardServes", false, false, "reconcile --verify"},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			t.Parallel()
+			ctx := context.Background()
+			pg := testenv.Postgres(t)
+			cluster := testenv.StartRedisCluster(t, 3, 0)
+			if !c.fullCoverage {
+				for _, addr := range cluster.Addrs() {
+					node := redis.NewClient(&redis.Options{Addr: addr})
+					require.NoError(t, node.ConfigSet(ctx, "cluster-require-full-coverage", "no").Err())
+					require.NoError(t, node.Close())
+				}
+			}
+			rdb := redis.NewClusterClient(&redis.ClusterOptions{Addrs: cluster.Addrs(), MaxRetries: -1})
+			t.Cleanup(func() { _ = rdb.Close() })
+			cfg := &leaderboard.Config{Name: testBoard, Schema: pg.Schema, KeyPrefix: cluster.Prefix(t), ReadPolicy: leaderboard.FailClosed,
+				RequireVerifiedProjection: true, LagProbeInterval: time.Millisecond}
+			require.NoError(t, leaderboard.Migrate(ctx, pg.Pool, cfg))
+			board, err := leaderboard.New(pg.Pool, rdb, cfg)
+			require.NoError(t, err)
+			t.Cleanup(board.Close)
+			svc, err := NewService(pg.Pool, rdb, board, ServiceConfig{ReconcileEvery: 0})
+			require.NoError(t, err)
+			t.Cleanup(func() { _ = svc.Close() })
+			tb := &testBundle{svc: svc, srv: newServer(t, svc)}
+			require.Equal(t, http.StatusCreated, tb.submit(t, uuid.NewString(), `{"user_id":"ada","delta":5}`).status)
+			tb.drain(t)
+			// Never verified: the operator must verify it.
+			before := tb.do(t, http.MethodGet, "/leaderboard", nil, "")
+			require.Equal(t, http.StatusServiceUnavailable, before.status, "%s", before.body)
+			require.Contains(t, before.json(t)["error"], "reconcile --verify")
+
+			boardNode, err := rdb.MasterForKey(ctx, board.SortedSetKey())
+			require.NoError(t, err)
+			victim, witness := -1, -1
+			for i, addr := range cluster.Addrs() {
+				switch holds := addr == boardNode.Options().Addr; {
+				case victim < 0 && holds == c.killBoardNode:
+					victim = i
+				case witness < 0 && !holds:
+					witness = i
+				}
+			}
+			require.True(t, victim >= 0 && witness >= 0)
+			cluster.Kill(victim)
+			// Wait for a surviving master to mark the victim failed, and,
+			// with full coverage required, the cluster down.
+			node := redis.NewClient(&redis.Options{Addr: cluster.Addrs()[witness]})
+			t.Cleanup(func() { _ = node.Close() })
+			require.Eventually(t, func() bool {
+				nodes, err := node.ClusterNodes(ctx).Result()
+				if err != nil {
+					return false
+				}
+				for line := range strings.SplitSeq(nodes, "\n") {
+					if strings.Contains(line, cluster.Addrs()[victim]) {
+						return strings.Contains(line, "fail") && !strings.Contains(line, "fail?")
+					}
+				}
+				return false
+			}, 20*time.Second, 50*time.Millisecond)
+			if c.fullCoverage {
+				require.Eventually(t, func() bool {
+					info, err := node.ClusterInfo(ctx).Result()
+					return err == nil && strings.Contains(info, "cluster_state:fail")
+				}, 20*time.Second, 50*time.Millisecond)
+			}
+
+			for range 5 {
+				res := tb.do(t, http.MethodGet, "/leaderboard", nil, "")
+				require.Equal(t, http.StatusServiceUnavailable, res.status, "%s", res.body)
+				require.Contains(t, res.json(t)["error"], c.want)
+				if c.want == "cannot be reached" {
+					require.Equal(t, "1", res.header.Get("Retry-After"))
+				}
+			}
+		})
+	}
+}
