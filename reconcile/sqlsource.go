@@ -161,6 +161,7 @@ type SQLSource struct {
 	// walkSQL holds the page and sample statements, built on the first
 	// Page or Sample, which learns the key column's type (see walkSQLs).
 	walkSQL     atomic.Pointer[walkStatements]
+	walkReads   atomic.Uint64 // catalog reads begun, numbering walkStatements.read
 	keyTypeSQL  string
 	keyColumn   string
 	walkCols    string // SELECT list and FROM with a %s for a read-back check
@@ -348,6 +349,7 @@ func (s *SQLSource) Page(ctx context.Context, after Cursor, limit int) ([]Row, e
 // and its samples.
 type walkStatements struct {
 	first, after, sample string
+	read                 uint64 // the catalog read they were built from
 }
 
 // walkSQLs returns the walk's statements, built once the key column's type
@@ -373,6 +375,7 @@ func (s *SQLSource) walkSQLs(ctx context.Context, fresh bool) (*walkStatements, 
 		typ   string
 		check string
 	)
+	read := s.walkReads.Add(1)
 	switch err := s.db.QueryRow(ctx, s.keyTypeSQL, s.relation, s.keyColumn).Scan(&oid, &typ); {
 	case errors.Is(err, pgx.ErrNoRows):
 		// No such table or column (yet): the statements, left unchecked
@@ -388,9 +391,16 @@ func (s *SQLSource) walkSQLs(ctx context.Context, fresh bool) (*walkStatements, 
 		first:  fmt.Sprintf("%s WHERE %s ORDER BY %s LIMIT $%d", cols, where, key, n+1),
 		after:  fmt.Sprintf("%s WHERE %s AND %s > $%d ORDER BY %s LIMIT $%d", cols, where, key, n+1, key, n+2),
 		sample: fmt.Sprintf("%s TABLESAMPLE SYSTEM ($%d::float8) WHERE %s ORDER BY random() LIMIT $%d", cols, n+1, where, n+2),
+		read:   read,
 	}
-	if typ != "" {
-		s.walkSQL.Store(w)
+	// Kept unless a catalog read begun later (which saw the catalog as
+	// new or newer) kept its statements first: a slow read of the type
+	// before a migration must not replace those of a pass begun after it.
+	for typ != "" {
+		cur := s.walkSQL.Load()
+		if (cur != nil && cur.read > read) || s.walkSQL.CompareAndSwap(cur, w) {
+			break
+		}
 	}
 	return w, nil
 }

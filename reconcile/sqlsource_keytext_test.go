@@ -3,6 +3,8 @@ package reconcile
 import (
 	"context"
 	"fmt"
+	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -271,4 +273,82 @@ func TestSQLSourceKeyTypeChangedBetweenPasses(t *testing.T) {
 		rep, err := pass(t, src, b.target, 1)
 		require.ErrorIs(t, err, ErrInvalidRow, "checked %d rows, counts %v", rep.Checked, rep.Counts)
 	})
+}
+
+// slowCatalog is a real pool whose first armed catalog read (the key
+// column's type) is delivered late: its reply is read, then held until
+// release closes, as a slow network or a descheduled goroutine would.
+type slowCatalog struct {
+	*pgxpool.Pool
+	armed            atomic.Bool
+	reached, release chan struct{}
+}
+
+func (s *slowCatalog) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row {
+	row := s.Pool.QueryRow(ctx, sql, args...)
+	if strings.Contains(sql, "pg_attribute") && s.armed.CompareAndSwap(true, false) {
+		return slowRow{row, s}
+	}
+	return row
+}
+
+type slowRow struct {
+	pgx.Row
+	s *slowCatalog
+}
+
+func (r slowRow) Scan(dest ...any) error {
+	err := r.Row.Scan(dest...)
+	close(r.s.reached)
+	<-r.s.release
+	return err
+}
+
+// A Sample whose catalog read saw the key column before a migration, and
+// whose reply came late, must not replace the statements of a pass that
+// began after the migration: that pass's later pages would run without the
+// read-back check, and walk with a cursor the check refuses.
+func TestSQLSourceSlowTypeReadDoesNotWin(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	b := setupKeyText(t, "bigint", "g", 8, map[string]string{"TimeZone": "Asia/Kolkata", "DateStyle": "SQL, DMY"})
+	pcfg := b.src.db.(*pgxpool.Pool).Config()
+	pcfg.ConnConfig.DefaultQueryExecMode = pgx.QueryExecModeExec
+	pool, err := pgxpool.NewWithConfig(ctx, pcfg)
+	require.NoError(t, err)
+	t.Cleanup(pool.Close)
+	db := &slowCatalog{Pool: pool, reached: make(chan struct{}), release: make(chan struct{})}
+	src, err := NewSQLSource(db, &SQLSourceConfig{Table: "ev", KeyColumn: "k", VersionColumn: "v", ValueColumn: "s", Kind: projection.KindSortedSet})
+	require.NoError(t, err)
+
+	db.armed.Store(true)
+	sampled := make(chan error, 1)
+	go func() {
+		_, err := src.Sample(ctx, 1)
+		sampled <- err
+	}()
+	<-db.reached // the Sample read the type: bigint
+
+	// The migration: keys 1 and 2 become instants of 1943 (written
+	// "+0630", which reads back), the others of 2026 (written "IST",
+	// which PostgreSQL reads as Israel's zone).
+	_, err = pool.Exec(ctx, `ALTER TABLE ev ALTER COLUMN k TYPE timestamptz USING
+		CASE WHEN k <= 2 THEN '1943-06-01 00:00+00'::timestamptz ELSE '2026-12-06 00:00+00'::timestamptz END + k * interval '1 hour'`)
+	require.NoError(t, err)
+
+	// A pass that begins after it: its first page reads the type again.
+	first, err := src.Page(ctx, Cursor{}, 2)
+	require.NoError(t, err)
+	require.Len(t, first, 2)
+
+	close(db.release) // the Sample's late reply: it stores bigint's statements
+	require.NoError(t, <-sampled)
+
+	second, err := src.Page(ctx, After(first[1].Key), 2)
+	t.Logf("second page after %q: rows %v, err %v", first[1].Key, second, err)
+	if err == nil {
+		third, err := src.Page(ctx, After(second[len(second)-1].Key), 8)
+		t.Logf("third page after %q: rows %v, err %v (of 8 keys, the walk saw %d)", second[len(second)-1].Key, third, err, len(first)+len(second)+len(third))
+	}
+	require.ErrorIs(t, err, ErrInvalidRow, "the pass began after the migration: its pages check that a timestamptz key reads back")
 }
