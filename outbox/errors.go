@@ -147,11 +147,14 @@ func (e *CommandResultConflictError) Is(target error) bool { return target == Er
 // LeaseLostError lists the rows a relay could not settle because its lease
 // on their partition expired and another relay took the partition over.
 // The claim that took the partition over counted their attempt as a
-// crashed one: a row whose attempts thereby reached MaxAttempts was moved
-// to the dead-letter table by that claim (although this relay's Handler
-// may have processed it) and is not handed out again; the others are
-// handed out again by the next claim that takes the partition (the relay
-// that took it over may release it unfilled, when its batch is full).
+// crashed one: a row whose attempts thereby reached MaxAttempts is not
+// handed out again (although this relay's Handler may have processed it):
+// it was moved to the dead-letter table by that claim when that claim's
+// relay serves the row's stream, and otherwise is moved there by the next
+// claim of a relay of its stream that takes the partition. The others are
+// handed out again by the next such claim (the relay that took it over may
+// serve other streams only, or release it unfilled when its batch is
+// full).
 type LeaseLostError struct {
 	IDs []int64 // outbox row ids, ascending
 }
