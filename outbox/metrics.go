@@ -56,7 +56,7 @@ func newRelayMetrics(cfg *RelayConfig) (*relayMetrics, error) {
 		attrs:   metric.WithAttributeSet(attribute.NewSet(attribute.String(AttributeTable, table))),
 
 		claimed:      in.Counter(metricClaimed, "{row}", "Outbox rows claimed by relays (each delivery attempt counts)."),
-		acked:        in.Counter(metricAcked, "{row}", "Outbox rows acknowledged after the handler processed them; a row re-delivered after a lost acknowledgement counts again."),
+		acked:        in.Counter(metricAcked, "{row}", "Outbox rows acknowledged after the handler processed them; a row delivered again after PostgreSQL lost an acknowledgement it had answered (a crash under non-durable bookkeeping) counts again."),
 		retried:      in.Counter(metricRetried, "{row}", "Outbox rows the handler failed that were scheduled for a retry after a backoff."),
 		deadLettered: in.Counter(metricDeadLettered, "{row}", "Outbox rows moved to the dead-letter table after MaxAttempts failures."),
 		released:     in.Counter(metricReleased, "{row}", "Outbox rows released unprocessed for immediate re-delivery at shutdown, or when a RunOnce context is cancelled while its Handler runs."),
