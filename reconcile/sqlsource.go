@@ -161,7 +161,6 @@ type SQLSource struct {
 	// walkSQL holds the page and sample statements, built on the first
 	// Page or Sample, which learns the key column's type (see walkSQLs).
 	walkSQL     atomic.Pointer[walkStatements]
-	walkReads   atomic.Uint64 // catalog reads begun, numbering walkStatements.read
 	keyTypeSQL  string
 	keyColumn   string
 	walkCols    string // SELECT list and FROM with a %s for a read-back check
@@ -290,7 +289,9 @@ func (s *SQLSource) buildSQL(cfg *SQLSourceConfig) {
 	// once the key column's type is known.
 	s.keyColumn, s.walkKey, s.walkWhere, s.walkArgs = cfg.KeyColumn, key, where, n
 	s.walkCols = fmt.Sprintf("SELECT %s::text, %s, %s%%s FROM %s AS src", key, ver, val, s.relation)
-	s.keyTypeSQL = `SELECT a.atttypid, format_type(a.atttypid, a.atttypmod) FROM pg_catalog.pg_attribute AS a
+	s.keyTypeSQL = `SELECT a.atttypid, format_type(a.atttypid, a.atttypmod),
+	pg_snapshot_xmax(pg_current_snapshot())::text::bigint, cardinality(ARRAY(SELECT pg_snapshot_xip(pg_current_snapshot())))
+FROM pg_catalog.pg_attribute AS a
 WHERE a.attrelid = to_regclass($1) AND a.attname = $2 AND a.attnum > 0 AND NOT a.attisdropped`
 	// Lookup probes the key once per distinct key, through a lateral
 	// subquery that OFFSET 0 keeps from being flattened into a join:
@@ -349,7 +350,15 @@ func (s *SQLSource) Page(ctx context.Context, after Cursor, limit int) ([]Row, e
 // and its samples.
 type walkStatements struct {
 	first, after, sample string
-	read                 uint64 // the catalog read they were built from
+	// The snapshot of the catalog read they were built from: a later
+	// snapshot has a greater xmax, or the same xmax and fewer
+	// transactions in progress.
+	xmax, nxip int64
+}
+
+// newer reports whether w was built from a later catalog snapshot than o.
+func (w *walkStatements) newer(o *walkStatements) bool {
+	return w.xmax > o.xmax || (w.xmax == o.xmax && w.nxip < o.nxip)
 }
 
 // walkSQLs returns the walk's statements, built once the key column's type
@@ -375,8 +384,8 @@ func (s *SQLSource) walkSQLs(ctx context.Context, fresh bool) (*walkStatements, 
 		typ   string
 		check string
 	)
-	read := s.walkReads.Add(1)
-	switch err := s.db.QueryRow(ctx, s.keyTypeSQL, s.relation, s.keyColumn).Scan(&oid, &typ); {
+	var xmax, nxip int64
+	switch err := s.db.QueryRow(ctx, s.keyTypeSQL, s.relation, s.keyColumn).Scan(&oid, &typ, &xmax, &nxip); {
 	case errors.Is(err, pgx.ErrNoRows):
 		// No such table or column (yet): the statements, left unchecked
 		// and not kept, fail with PostgreSQL's own error (42P01, 42703).
@@ -391,14 +400,20 @@ func (s *SQLSource) walkSQLs(ctx context.Context, fresh bool) (*walkStatements, 
 		first:  fmt.Sprintf("%s WHERE %s ORDER BY %s LIMIT $%d", cols, where, key, n+1),
 		after:  fmt.Sprintf("%s WHERE %s AND %s > $%d ORDER BY %s LIMIT $%d", cols, where, key, n+1, key, n+2),
 		sample: fmt.Sprintf("%s TABLESAMPLE SYSTEM ($%d::float8) WHERE %s ORDER BY random() LIMIT $%d", cols, n+1, where, n+2),
-		read:   read,
+		xmax:   xmax,
+		nxip:   nxip,
 	}
-	// Kept unless a catalog read begun later (which saw the catalog as
-	// new or newer) kept its statements first: a slow read of the type
-	// before a migration must not replace those of a pass begun after it.
+	// Kept unless statements built from a later snapshot were kept
+	// first: a read of the type that PostgreSQL answered before a
+	// migration, however late it is sent or its reply arrives, must not
+	// replace those of a pass whose first page saw the migration. (Ordered
+	// by the snapshot PostgreSQL used, not by when this process asked:
+	// a read asked first can wait for a connection and be answered last.
+	// A pool moved to another cluster, whose transaction ids are lower,
+	// keeps the old statements until its ids pass them.)
 	for typ != "" {
 		cur := s.walkSQL.Load()
-		if (cur != nil && cur.read > read) || s.walkSQL.CompareAndSwap(cur, w) {
+		if (cur != nil && cur.newer(w)) || s.walkSQL.CompareAndSwap(cur, w) {
 			break
 		}
 	}

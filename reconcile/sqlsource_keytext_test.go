@@ -352,3 +352,73 @@ func TestSQLSourceSlowTypeReadDoesNotWin(t *testing.T) {
 	}
 	require.ErrorIs(t, err, ErrInvalidRow, "the pass began after the migration: its pages check that a timestamptz key reads back")
 }
+
+// lateSend is a real pool whose first armed catalog read is sent late: its
+// query reaches PostgreSQL only after release closes (a pool acquire
+// waiting for a connection, a descheduled goroutine).
+type lateSend struct {
+	*pgxpool.Pool
+	armed            atomic.Bool
+	reached, release chan struct{}
+}
+
+func (s *lateSend) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row {
+	if strings.Contains(sql, "pg_attribute") && s.armed.CompareAndSwap(true, false) {
+		close(s.reached)
+		<-s.release
+	}
+	return s.Pool.QueryRow(ctx, sql, args...)
+}
+
+// A pass's first page whose catalog read is asked first but sent last sees
+// the migration; a Sample whose read is asked later but answered before the
+// migration must not keep bigint's statements over it, for the pass's later
+// pages to run: statements older than the catalog its first page saw.
+func TestSQLSourcePassFirstPageSentLate(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	b := setupKeyText(t, "bigint", "g", 8, map[string]string{"TimeZone": "Asia/Kolkata", "DateStyle": "SQL, DMY"})
+	pcfg := b.src.db.(*pgxpool.Pool).Config()
+	pcfg.ConnConfig.DefaultQueryExecMode = pgx.QueryExecModeExec
+	pool, err := pgxpool.NewWithConfig(ctx, pcfg)
+	require.NoError(t, err)
+	t.Cleanup(pool.Close)
+	db := &lateSend{Pool: pool, reached: make(chan struct{}), release: make(chan struct{})}
+	src, err := NewSQLSource(db, &SQLSourceConfig{Table: "ev", KeyColumn: "k", VersionColumn: "v", ValueColumn: "s", Kind: projection.KindSortedSet})
+	require.NoError(t, err)
+
+	db.armed.Store(true)
+	type res struct {
+		rows []Row
+		err  error
+	}
+	firstc := make(chan res, 1)
+	go func() {
+		rows, err := src.Page(ctx, Cursor{}, 2) // asked first, sent late
+		firstc <- res{rows, err}
+	}()
+	<-db.reached
+
+	// A Sample that reads the catalog before the migration.
+	_, err = src.Sample(ctx, 1)
+	require.NoError(t, err)
+
+	_, err = pool.Exec(ctx, `ALTER TABLE ev ALTER COLUMN k TYPE timestamptz USING
+		CASE WHEN k <= 2 THEN '1943-06-01 00:00+00'::timestamptz ELSE '2026-12-06 00:00+00'::timestamptz END + k * interval '1 hour'`)
+	require.NoError(t, err)
+
+	close(db.release) // the first page's read now reaches PostgreSQL: it sees timestamptz
+	r := <-firstc
+	require.NoError(t, r.err)
+	first := r.rows
+	require.Len(t, first, 2)
+
+	second, err := src.Page(ctx, After(first[1].Key), 2)
+	t.Logf("second page after %q: rows %v, err %v", first[1].Key, second, err)
+	if err == nil && len(second) > 0 {
+		third, err2 := src.Page(ctx, After(second[len(second)-1].Key), 8)
+		t.Logf("third page: rows %v, err %v (of 8 keys, the walk saw %d)", third, err2, len(first)+len(second)+len(third))
+		err = err2
+	}
+	require.ErrorIs(t, err, ErrInvalidRow, "the pass's first page saw timestamptz: its later pages must check that a key reads back")
+}
