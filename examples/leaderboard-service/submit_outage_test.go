@@ -94,26 +94,10 @@ func TestSubmitDuringPostgresOutage(t *testing.T) {
 	t.Run("ServerReadOnly", func(t *testing.T) {
 		t.Parallel()
 		tb, _, admin := setupPrivate(t)
-		setReadOnly := func(on bool) {
-			t.Helper()
-			stmt := `ALTER SYSTEM SET default_transaction_read_only = on`
-			if !on {
-				stmt = `ALTER SYSTEM RESET default_transaction_read_only`
-			}
-			_, err := admin.Exec(ctx, stmt)
-			require.NoError(t, err)
-			_, err = admin.Exec(ctx, `SELECT pg_reload_conf()`)
-			require.NoError(t, err)
-			want := map[bool]string{true: "on", false: "off"}[on]
-			require.Eventually(t, func() bool {
-				var got string
-				return admin.QueryRow(ctx, `SHOW default_transaction_read_only`).Scan(&got) == nil && got == want
-			}, 10*time.Second, 10*time.Millisecond)
-		}
-		setReadOnly(true)
+		setReadOnly(t, admin, tb.svc.pool, true)
 		key := uuid.NewString()
 		r := tb.submit(t, key, body)
-		setReadOnly(false)
+		setReadOnly(t, admin, tb.svc.pool, false)
 		requireRetryAnswer(t, r)
 		require.Zero(t, events(t, admin, key))
 		retryOnce(t, tb, admin, key)
@@ -130,4 +114,39 @@ func TestSubmitDuringPostgresOutage(t *testing.T) {
 		require.Zero(t, events(t, admin, key))
 		retryOnce(t, tb, admin, key)
 	})
+}
+
+// setReadOnly turns the server's default_transaction_read_only on or off
+// (ALTER SYSTEM, then a reload) and waits until every idle connection of
+// both pools shows it. The admin's SHOW alone proves nothing about the
+// service's connection: the postmaster signals its backends one by one,
+// and each applies the reload only at its next command, so under load the
+// service's submit could still run with the old value.
+func setReadOnly(t *testing.T, admin, service *pgxpool.Pool, on bool) {
+	t.Helper()
+	ctx := context.Background()
+	stmt := `ALTER SYSTEM SET default_transaction_read_only = on`
+	if !on {
+		stmt = `ALTER SYSTEM RESET default_transaction_read_only`
+	}
+	_, err := admin.Exec(ctx, stmt)
+	require.NoError(t, err)
+	_, err = admin.Exec(ctx, `SELECT pg_reload_conf()`)
+	require.NoError(t, err)
+	want := map[bool]string{true: "on", false: "off"}[on]
+	// A connection opened later forks from the postmaster, which reloaded
+	// before signalling anyone: only the idle ones need asking.
+	seen := func(p *pgxpool.Pool) bool {
+		ok := true
+		for _, c := range p.AcquireAllIdle(ctx) {
+			var got string
+			ok = ok && c.QueryRow(ctx, `SHOW default_transaction_read_only`).Scan(&got) == nil && got == want
+			c.Release()
+		}
+		return ok
+	}
+	require.Eventually(t, func() bool {
+		var got string
+		return admin.QueryRow(ctx, `SHOW default_transaction_read_only`).Scan(&got) == nil && got == want && seen(service)
+	}, 10*time.Second, 10*time.Millisecond)
 }
