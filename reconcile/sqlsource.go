@@ -290,7 +290,8 @@ func (s *SQLSource) buildSQL(cfg *SQLSourceConfig) {
 	s.keyColumn, s.walkKey, s.walkWhere, s.walkArgs = cfg.KeyColumn, key, where, n
 	s.walkCols = fmt.Sprintf("SELECT %s::text, %s, %s%%s FROM %s AS src", key, ver, val, s.relation)
 	s.keyTypeSQL = `SELECT a.atttypid, format_type(a.atttypid, a.atttypmod),
-	pg_snapshot_xmax(pg_current_snapshot())::text::bigint, cardinality(ARRAY(SELECT pg_snapshot_xip(pg_current_snapshot())))
+	pg_snapshot_xmax(pg_current_snapshot())::text::bigint, pg_snapshot_xmin(pg_current_snapshot())::text::bigint, cardinality(ARRAY(SELECT pg_snapshot_xip(pg_current_snapshot()))),
+	(coalesce(pg_last_wal_replay_lsn(), '0/0') - '0/0')::bigint
 FROM pg_catalog.pg_attribute AS a
 WHERE a.attrelid = to_regclass($1) AND a.attname = $2 AND a.attnum > 0 AND NOT a.attisdropped`
 	// Lookup probes the key once per distinct key, through a lateral
@@ -351,14 +352,26 @@ func (s *SQLSource) Page(ctx context.Context, after Cursor, limit int) ([]Row, e
 type walkStatements struct {
 	first, after, sample string
 	// The snapshot of the catalog read they were built from: a later
-	// snapshot has a greater xmax, or the same xmax and fewer
-	// transactions in progress.
-	xmax, nxip int64
+	// snapshot has a greater xmax, or the same xmax and a greater xmin
+	// (on a hot standby pg_current_snapshot lists no xip: a snapshot
+	// taken in recovery keeps them in subxip), or both the same and fewer
+	// transactions in progress, or (on a standby, where none are listed)
+	// all the same and a later replay position read by the same statement.
+	xmax, xmin, nxip, replay int64
 }
 
 // newer reports whether w was built from a later catalog snapshot than o.
 func (w *walkStatements) newer(o *walkStatements) bool {
-	return w.xmax > o.xmax || (w.xmax == o.xmax && w.nxip < o.nxip)
+	if w.xmax != o.xmax {
+		return w.xmax > o.xmax
+	}
+	if w.xmin != o.xmin {
+		return w.xmin > o.xmin
+	}
+	if w.nxip != o.nxip {
+		return w.nxip < o.nxip
+	}
+	return w.replay > o.replay
 }
 
 // walkSQLs returns the walk's statements, built once the key column's type
@@ -384,8 +397,8 @@ func (s *SQLSource) walkSQLs(ctx context.Context, fresh bool) (*walkStatements, 
 		typ   string
 		check string
 	)
-	var xmax, nxip int64
-	switch err := s.db.QueryRow(ctx, s.keyTypeSQL, s.relation, s.keyColumn).Scan(&oid, &typ, &xmax, &nxip); {
+	var xmax, xmin, nxip, replay int64
+	switch err := s.db.QueryRow(ctx, s.keyTypeSQL, s.relation, s.keyColumn).Scan(&oid, &typ, &xmax, &xmin, &nxip, &replay); {
 	case errors.Is(err, pgx.ErrNoRows):
 		// No such table or column (yet): the statements, left unchecked
 		// and not kept, fail with PostgreSQL's own error (42P01, 42703).
@@ -401,7 +414,9 @@ func (s *SQLSource) walkSQLs(ctx context.Context, fresh bool) (*walkStatements, 
 		after:  fmt.Sprintf("%s WHERE %s AND %s > $%d ORDER BY %s LIMIT $%d", cols, where, key, n+1, key, n+2),
 		sample: fmt.Sprintf("%s TABLESAMPLE SYSTEM ($%d::float8) WHERE %s ORDER BY random() LIMIT $%d", cols, n+1, where, n+2),
 		xmax:   xmax,
+		xmin:   xmin,
 		nxip:   nxip,
+		replay: replay,
 	}
 	// Kept unless statements built from a later snapshot were kept
 	// first: a read of the type that PostgreSQL answered before a

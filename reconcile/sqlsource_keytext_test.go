@@ -422,3 +422,137 @@ func TestSQLSourcePassFirstPageSentLate(t *testing.T) {
 	}
 	require.ErrorIs(t, err, ErrInvalidRow, "the pass's first page saw timestamptz: its later pages must check that a key reads back")
 }
+
+// lateReply is a real pool whose first armed catalog read is answered by
+// PostgreSQL at once (its snapshot taken, its row scanned) but whose reply
+// is handed to walkSQLs only after release closes (a descheduled goroutine).
+type lateReply struct {
+	*pgxpool.Pool
+	armed            atomic.Bool
+	reached, release chan struct{}
+}
+
+type lateRow struct {
+	pgx.Row
+	s *lateReply
+}
+
+func (r lateRow) Scan(dest ...any) error {
+	err := r.Row.Scan(dest...)
+	close(r.s.reached)
+	<-r.s.release
+	return err
+}
+
+func (s *lateReply) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row {
+	row := s.Pool.QueryRow(ctx, sql, args...)
+	if strings.Contains(sql, "pg_attribute") && s.armed.CompareAndSwap(true, false) {
+		return lateRow{row, s}
+	}
+	return row
+}
+
+func waitReplay(t *testing.T, primary, standby *pgxpool.Pool) {
+	t.Helper()
+	if primary == standby {
+		return
+	}
+	ctx := context.Background()
+	var lsn string
+	require.NoError(t, primary.QueryRow(ctx, `SELECT pg_current_wal_lsn()::text`).Scan(&lsn))
+	for i := 0; ; i++ {
+		var ok bool
+		require.NoError(t, standby.QueryRow(ctx, `SELECT coalesce(pg_last_wal_replay_lsn() >= $1::pg_lsn, false)`, lsn).Scan(&ok))
+		if ok {
+			return
+		}
+		require.Less(t, i, 1000, "standby did not replay %s", lsn)
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+// runLateReply: a catalog read answered before a migration, whose reply
+// reaches walkSQLs after a later pass kept the statements it built from
+// the migrated column, must not replace them. On a hot standby,
+// pg_current_snapshot() lists no transaction in progress (a snapshot taken
+// in recovery keeps them in subxip), so the two snapshots can have the
+// same xmax, xmin and (zero) count, and only the replay position orders
+// them.
+func runLateReply(t *testing.T, onStandby, olderOpen bool) {
+	ctx := context.Background()
+	primary := testenv.StartPostgres(t)
+	ppool := primary.Pool(t)
+	_, err := ppool.Exec(ctx, `CREATE TABLE ev (k bigint PRIMARY KEY, v bigint NOT NULL, s bigint NOT NULL);
+		INSERT INTO ev SELECT g, 1, g FROM generate_series(1, 8) AS g`)
+	require.NoError(t, err)
+	readPool := ppool
+	if onStandby {
+		standby := primary.StartStandby(t)
+		readPool = standby.Pool(t)
+	}
+	db := &lateReply{Pool: readPool, reached: make(chan struct{}), release: make(chan struct{})}
+	src, err := NewSQLSource(db, &SQLSourceConfig{Table: "ev", KeyColumn: "k", VersionColumn: "v", ValueColumn: "s", Kind: projection.KindSortedSet})
+	require.NoError(t, err)
+
+	// The migration's transaction takes its xid first; a later
+	// transaction ends before it, so the migration's commit does not move
+	// latestCompletedXid (xmax).
+	if olderOpen { // an unrelated transaction, older than the migration, stays open throughout
+		old, err := ppool.Begin(ctx)
+		require.NoError(t, err)
+		defer old.Rollback(ctx)
+		_, err = old.Exec(ctx, `SELECT pg_current_xact_id()`)
+		require.NoError(t, err)
+	}
+	mig, err := ppool.Begin(ctx)
+	require.NoError(t, err)
+	defer mig.Rollback(ctx)
+	_, err = mig.Exec(ctx, `SELECT pg_current_xact_id()`)
+	require.NoError(t, err)
+	_, err = ppool.Exec(ctx, `CREATE TABLE later (x int)`)
+	require.NoError(t, err)
+	waitReplay(t, ppool, readPool)
+
+	snap := func() string {
+		var s string
+		require.NoError(t, readPool.QueryRow(ctx, `SELECT pg_current_snapshot()::text`).Scan(&s))
+		return s
+	}
+	// Pass A's first page: its catalog read is answered before the migration.
+	db.armed.Store(true)
+	done := make(chan error, 1)
+	go func() { _, err := src.Page(ctx, Cursor{}, 2); done <- err }()
+	<-db.reached
+	t.Logf("snapshot before the migration: %s", snap())
+
+	_, err = mig.Exec(ctx, `ALTER TABLE ev ALTER COLUMN k TYPE timestamptz USING to_timestamp(k)`)
+	require.NoError(t, err)
+	require.NoError(t, mig.Commit(ctx))
+	waitReplay(t, ppool, readPool)
+	t.Logf("snapshot after the migration: %s", snap())
+
+	// Pass B's first page sees timestamptz and keeps its statements.
+	_, err = src.Page(ctx, Cursor{}, 2)
+	require.NoError(t, err)
+	require.Contains(t, src.walkSQL.Load().first, "timestamp with time zone")
+
+	// Pass A's reply now arrives: built from the older snapshot, it must not replace B's.
+	close(db.release)
+	require.NoError(t, <-done)
+	w := src.walkSQL.Load()
+	require.Contains(t, w.first, "timestamp with time zone", "statements built from a catalog snapshot before the migration replaced those built after it")
+}
+
+func TestSQLSourceLateCatalogReply(t *testing.T) {
+	t.Parallel()
+	for name, c := range map[string]struct{ onStandby, olderOpen bool }{
+		"Primary":          {},
+		"Standby":          {onStandby: true},
+		"StandbyOlderOpen": {onStandby: true, olderOpen: true},
+	} {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			runLateReply(t, c.onStandby, c.olderOpen)
+		})
+	}
+}
