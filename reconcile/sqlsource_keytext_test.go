@@ -78,6 +78,34 @@ func setupKeyText(t *testing.T, keyType, gen string, n int, params map[string]st
 	}
 }
 
+// migrateKeysToInstants turns ev's bigint keys into instants: keys 1 and 2
+// of 1943 (which Asia/Kolkata under DateStyle SQL writes "+0630", and
+// which read back), the others of 2026 (written "IST", which PostgreSQL
+// reads as Israel's zone).
+const migrateKeysToInstants = `ALTER TABLE ev ALTER COLUMN k TYPE timestamptz USING
+	CASE WHEN k <= 2 THEN '1943-06-01 00:00+00'::timestamptz ELSE '2026-12-06 00:00+00'::timestamptz END + k * interval '1 hour'`
+
+// uncachedPool opens a pool like b's source's whose statements are not
+// prepared: pgx's statement cache would keep a statement's parameter types
+// across a migration of the key column, a failure of its own.
+func uncachedPool(t *testing.T, b *keyTextBundle) *pgxpool.Pool {
+	t.Helper()
+	pcfg := b.src.db.(*pgxpool.Pool).Config()
+	pcfg.ConnConfig.DefaultQueryExecMode = pgx.QueryExecModeExec
+	pool, err := pgxpool.NewWithConfig(context.Background(), pcfg)
+	require.NoError(t, err)
+	t.Cleanup(pool.Close)
+	return pool
+}
+
+// evSource is a SQLSource over setupKeyText's table ev, through db.
+func evSource(t *testing.T, db DBTX) *SQLSource {
+	t.Helper()
+	src, err := NewSQLSource(db, &SQLSourceConfig{Table: "ev", KeyColumn: "k", VersionColumn: "v", ValueColumn: "s", Kind: projection.KindSortedSet})
+	require.NoError(t, err)
+	return src
+}
+
 // A key whose text form reads back as another value in the source's
 // session must stop the pass: as the next page's cursor it skipped rows or
 // walked back and forth for ever, and its correct entry, looked up by that
@@ -257,16 +285,9 @@ func TestSQLSourceKeyTypeChangedBetweenPasses(t *testing.T) {
 	t.Run("BigintToTimestamptz", func(t *testing.T) {
 		t.Parallel()
 		b := setupKeyText(t, "bigint", "g", 8, map[string]string{"TimeZone": "Asia/Kolkata", "DateStyle": "SQL, DMY"})
-		// A pool that prepares nothing: pgx's statement cache would keep
-		// the old parameter types, a failure of its own.
-		pcfg := b.src.db.(*pgxpool.Pool).Config()
-		pcfg.ConnConfig.DefaultQueryExecMode = pgx.QueryExecModeExec
-		pool, err := pgxpool.NewWithConfig(ctx, pcfg)
-		require.NoError(t, err)
-		t.Cleanup(pool.Close)
-		src, err := NewSQLSource(pool, &SQLSourceConfig{Table: "ev", KeyColumn: "k", VersionColumn: "v", ValueColumn: "s", Kind: projection.KindSortedSet})
-		require.NoError(t, err)
-		_, err = pass(t, src, b.target, 1)
+		pool := uncachedPool(t, b)
+		src := evSource(t, pool)
+		_, err := pass(t, src, b.target, 1)
 		require.NoError(t, err)
 		_, err = pool.Exec(ctx, `ALTER TABLE ev ALTER COLUMN k TYPE timestamptz USING '2026-12-06 00:00:00+00'::timestamptz + k * interval '1 hour'`)
 		require.NoError(t, err)
@@ -312,14 +333,9 @@ func TestSQLSourceSlowTypeReadDoesNotWin(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	b := setupKeyText(t, "bigint", "g", 8, map[string]string{"TimeZone": "Asia/Kolkata", "DateStyle": "SQL, DMY"})
-	pcfg := b.src.db.(*pgxpool.Pool).Config()
-	pcfg.ConnConfig.DefaultQueryExecMode = pgx.QueryExecModeExec
-	pool, err := pgxpool.NewWithConfig(ctx, pcfg)
-	require.NoError(t, err)
-	t.Cleanup(pool.Close)
+	pool := uncachedPool(t, b)
 	db := &slowCatalog{Pool: pool, reached: make(chan struct{}), release: make(chan struct{})}
-	src, err := NewSQLSource(db, &SQLSourceConfig{Table: "ev", KeyColumn: "k", VersionColumn: "v", ValueColumn: "s", Kind: projection.KindSortedSet})
-	require.NoError(t, err)
+	src := evSource(t, db)
 
 	db.armed.Store(true)
 	sampled := make(chan error, 1)
@@ -329,11 +345,7 @@ func TestSQLSourceSlowTypeReadDoesNotWin(t *testing.T) {
 	}()
 	<-db.reached // the Sample read the type: bigint
 
-	// The migration: keys 1 and 2 become instants of 1943 (written
-	// "+0630", which reads back), the others of 2026 (written "IST",
-	// which PostgreSQL reads as Israel's zone).
-	_, err = pool.Exec(ctx, `ALTER TABLE ev ALTER COLUMN k TYPE timestamptz USING
-		CASE WHEN k <= 2 THEN '1943-06-01 00:00+00'::timestamptz ELSE '2026-12-06 00:00+00'::timestamptz END + k * interval '1 hour'`)
+	_, err := pool.Exec(ctx, migrateKeysToInstants)
 	require.NoError(t, err)
 
 	// A pass that begins after it: its first page reads the type again.
@@ -378,14 +390,9 @@ func TestSQLSourcePassFirstPageSentLate(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	b := setupKeyText(t, "bigint", "g", 8, map[string]string{"TimeZone": "Asia/Kolkata", "DateStyle": "SQL, DMY"})
-	pcfg := b.src.db.(*pgxpool.Pool).Config()
-	pcfg.ConnConfig.DefaultQueryExecMode = pgx.QueryExecModeExec
-	pool, err := pgxpool.NewWithConfig(ctx, pcfg)
-	require.NoError(t, err)
-	t.Cleanup(pool.Close)
+	pool := uncachedPool(t, b)
 	db := &lateSend{Pool: pool, reached: make(chan struct{}), release: make(chan struct{})}
-	src, err := NewSQLSource(db, &SQLSourceConfig{Table: "ev", KeyColumn: "k", VersionColumn: "v", ValueColumn: "s", Kind: projection.KindSortedSet})
-	require.NoError(t, err)
+	src := evSource(t, db)
 
 	db.armed.Store(true)
 	type res struct {
@@ -400,11 +407,10 @@ func TestSQLSourcePassFirstPageSentLate(t *testing.T) {
 	<-db.reached
 
 	// A Sample that reads the catalog before the migration.
-	_, err = src.Sample(ctx, 1)
+	_, err := src.Sample(ctx, 1)
 	require.NoError(t, err)
 
-	_, err = pool.Exec(ctx, `ALTER TABLE ev ALTER COLUMN k TYPE timestamptz USING
-		CASE WHEN k <= 2 THEN '1943-06-01 00:00+00'::timestamptz ELSE '2026-12-06 00:00+00'::timestamptz END + k * interval '1 hour'`)
+	_, err = pool.Exec(ctx, migrateKeysToInstants)
 	require.NoError(t, err)
 
 	close(db.release) // the first page's read now reaches PostgreSQL: it sees timestamptz
@@ -421,35 +427,6 @@ func TestSQLSourcePassFirstPageSentLate(t *testing.T) {
 		err = err2
 	}
 	require.ErrorIs(t, err, ErrInvalidRow, "the pass's first page saw timestamptz: its later pages must check that a key reads back")
-}
-
-// lateReply is a real pool whose first armed catalog read is answered by
-// PostgreSQL at once (its snapshot taken, its row scanned) but whose reply
-// is handed to walkSQLs only after release closes (a descheduled goroutine).
-type lateReply struct {
-	*pgxpool.Pool
-	armed            atomic.Bool
-	reached, release chan struct{}
-}
-
-type lateRow struct {
-	pgx.Row
-	s *lateReply
-}
-
-func (r lateRow) Scan(dest ...any) error {
-	err := r.Row.Scan(dest...)
-	close(r.s.reached)
-	<-r.s.release
-	return err
-}
-
-func (s *lateReply) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row {
-	row := s.Pool.QueryRow(ctx, sql, args...)
-	if strings.Contains(sql, "pg_attribute") && s.armed.CompareAndSwap(true, false) {
-		return lateRow{row, s}
-	}
-	return row
 }
 
 func waitReplay(t *testing.T, primary, standby *pgxpool.Pool) {
@@ -490,9 +467,8 @@ func runLateReply(t *testing.T, onStandby, olderOpen bool) {
 		standby := primary.StartStandby(t)
 		readPool = standby.Pool(t)
 	}
-	db := &lateReply{Pool: readPool, reached: make(chan struct{}), release: make(chan struct{})}
-	src, err := NewSQLSource(db, &SQLSourceConfig{Table: "ev", KeyColumn: "k", VersionColumn: "v", ValueColumn: "s", Kind: projection.KindSortedSet})
-	require.NoError(t, err)
+	db := &slowCatalog{Pool: readPool, reached: make(chan struct{}), release: make(chan struct{})}
+	src := evSource(t, db)
 
 	// The migration's transaction takes its xid first; a later
 	// transaction ends before it, so the migration's commit does not move
