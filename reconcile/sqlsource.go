@@ -96,10 +96,15 @@ type SQLSourceConfig struct {
 	// key, as the next page's cursor, would skip rows or walk back. A text
 	// form PostgreSQL cannot read at all (a zone's local mean time, "LMT",
 	// for an instant before the zone's standard time, under those
-	// DateStyles) fails the pass with PostgreSQL's 22007 instead. Nothing
-	// is repaired in either case. Each pass's first Page, and each Sample,
-	// reads the key column's type from the catalog for that check, so a
-	// migration that changes it is seen by the next pass.
+	// DateStyles) fails the pass with PostgreSQL's 22007 instead. A Lookup
+	// (orphan checks, CheckKeys, rechecks) that finds no row for a key whose
+	// text does not read back as itself fails with an *InvalidRowError too,
+	// since the key may name a row the lookup could not find: for such
+	// types, a member in another form than PostgreSQL's own (not one the
+	// projector wrote) stops the orphan checks instead of being removed.
+	// Nothing is repaired in any of these cases. Each pass's first Page,
+	// and each Sample, reads the key column's type from the catalog for
+	// the check, so a migration that changes it is seen by the next pass.
 	KeyColumn string
 	// VersionColumn holds the entity's version, an integer column. Required.
 	VersionColumn string
@@ -169,6 +174,7 @@ type SQLSource struct {
 	walkArgs    int
 	lookupSQL   string
 	keyCastSQL  string
+	keyBackSQL  string
 	estimateSQL string
 	relation    string
 
@@ -291,7 +297,8 @@ func (s *SQLSource) buildSQL(cfg *SQLSourceConfig) {
 	s.walkCols = fmt.Sprintf("SELECT %s::text, %s, %s%%s FROM %s AS src", key, ver, val, s.relation)
 	s.keyTypeSQL = `SELECT a.atttypid, format_type(a.atttypid, a.atttypmod),
 	pg_snapshot_xmax(pg_current_snapshot())::text::bigint, pg_snapshot_xmin(pg_current_snapshot())::text::bigint, cardinality(ARRAY(SELECT pg_snapshot_xip(pg_current_snapshot()))),
-	(coalesce(pg_last_wal_replay_lsn(), '0/0') - '0/0')::bigint
+	(coalesce(pg_last_wal_replay_lsn(), '0/0') - '0/0')::bigint,
+	(SELECT has_schema_privilege(t.typnamespace, 'USAGE') FROM pg_catalog.pg_type AS t WHERE t.oid = a.atttypid)
 FROM pg_catalog.pg_attribute AS a
 WHERE a.attrelid = to_regclass($1) AND a.attname = $2 AND a.attnum > 0 AND NOT a.attisdropped`
 	// Lookup probes the key once per distinct key, through a lateral
@@ -310,6 +317,7 @@ CROSS JOIN LATERAL (%[4]s WHERE %[5]s AND %[2]s = wanted.key OFFSET 0) AS found(
 	// The lookup's key array alone, cast as lookupSQL casts it and no row
 	// read: it fails only for a key the key column cannot hold.
 	s.keyCastSQL = fmt.Sprintf("SELECT cardinality(COALESCE($1, (SELECT array_agg(%s) FROM %s AS src WHERE false)))", key, s.relation)
+	s.keyBackSQL = fmt.Sprintf("SELECT t.orig FROM unnest($1::text[], COALESCE($2, (SELECT array_agg(%s) FROM %s AS src WHERE false))) AS t(orig, k) WHERE t.k::text IS DISTINCT FROM t.orig LIMIT 1", key, s.relation)
 	s.estimateSQL = "SELECT COALESCE((SELECT reltuples::float8 FROM pg_class WHERE oid = to_regclass($1)), -1)"
 }
 
@@ -358,6 +366,8 @@ type walkStatements struct {
 	// transactions in progress, or (on a standby, where none are listed)
 	// all the same and a later replay position read by the same statement.
 	xmax, xmin, nxip, replay int64
+	// checked: the key's type has a read-back check (not keyTextFixed).
+	checked bool
 }
 
 // newer reports whether w was built from a later catalog snapshot than o.
@@ -398,25 +408,33 @@ func (s *SQLSource) walkSQLs(ctx context.Context, fresh bool) (*walkStatements, 
 		check string
 	)
 	var xmax, xmin, nxip, replay int64
-	switch err := s.db.QueryRow(ctx, s.keyTypeSQL, s.relation, s.keyColumn).Scan(&oid, &typ, &xmax, &xmin, &nxip, &replay); {
+	var usable bool
+	switch err := s.db.QueryRow(ctx, s.keyTypeSQL, s.relation, s.keyColumn).Scan(&oid, &typ, &xmax, &xmin, &nxip, &replay, &usable); {
 	case errors.Is(err, pgx.ErrNoRows):
 		// No such table or column (yet): the statements, left unchecked
 		// and not kept, fail with PostgreSQL's own error (42P01, 42703).
 	case err != nil:
 		return nil, fmt.Errorf("reconcile: reading the type of %s's key column: %w", s.relation, err)
-	case !keyTextFixed[oid]:
+	case !keyTextFixed[oid] && usable:
 		check = fmt.Sprintf(", %[1]s::text::%[2]s = %[1]s", s.walkKey, typ)
+	case !keyTextFixed[oid]:
+		// The type's schema is not usable by this role, so its name
+		// cannot be written in a cast (42501), though the table reads
+		// fine: read the text back through the relation's row type.
+		check = fmt.Sprintf(", (json_populate_record(NULL::%[2]s, json_build_object(%[3]s, %[1]s::text))).%[4]s = %[1]s",
+			s.walkKey, s.relation, "'"+strings.ReplaceAll(s.keyColumn, "'", "''")+"'", pgx.Identifier{s.keyColumn}.Sanitize())
 	}
 	cols := fmt.Sprintf(s.walkCols, check)
 	key, where, n := s.walkKey, s.walkWhere, s.walkArgs
 	w := &walkStatements{
-		first:  fmt.Sprintf("%s WHERE %s ORDER BY %s LIMIT $%d", cols, where, key, n+1),
-		after:  fmt.Sprintf("%s WHERE %s AND %s > $%d ORDER BY %s LIMIT $%d", cols, where, key, n+1, key, n+2),
-		sample: fmt.Sprintf("%s TABLESAMPLE SYSTEM ($%d::float8) WHERE %s ORDER BY random() LIMIT $%d", cols, n+1, where, n+2),
-		xmax:   xmax,
-		xmin:   xmin,
-		nxip:   nxip,
-		replay: replay,
+		first:   fmt.Sprintf("%s WHERE %s ORDER BY %s LIMIT $%d", cols, where, key, n+1),
+		after:   fmt.Sprintf("%s WHERE %s AND %s > $%d ORDER BY %s LIMIT $%d", cols, where, key, n+1, key, n+2),
+		sample:  fmt.Sprintf("%s TABLESAMPLE SYSTEM ($%d::float8) WHERE %s ORDER BY random() LIMIT $%d", cols, n+1, where, n+2),
+		xmax:    xmax,
+		xmin:    xmin,
+		nxip:    nxip,
+		replay:  replay,
+		checked: check != "",
 	}
 	// Kept unless statements built from a later snapshot were kept
 	// first: a read of the type that PostgreSQL answered before a
@@ -488,14 +506,64 @@ func (s *SQLSource) Lookup(ctx context.Context, keys []string) ([]Row, error) {
 		return nil, nil
 	}
 	rows, err := s.lookup(ctx, keys)
-	if err == nil || !isDataException(err) {
-		return rows, err
+	if err != nil && isDataException(err) {
+		// Rule out a rejected filter value: then the error is not the keys'.
+		if _, perr := s.lookup(ctx, []string{}); perr != nil {
+			return nil, err
+		}
+		rows, err = s.lookupSplit(ctx, keys)
 	}
-	// Rule out a rejected filter value: then the error is not the keys'.
-	if _, perr := s.lookup(ctx, []string{}); perr != nil {
+	if err != nil {
 		return nil, err
 	}
-	return s.lookupSplit(ctx, keys)
+	return rows, s.absentReadBack(ctx, keys, rows)
+}
+
+// absentReadBack refuses, as a walk does, a key Lookup did not find whose
+// text does not read back as itself in this session (IST read as Israel
+// time): it may be the text form of a row the lookup could not find, and
+// taken for an orphan its correct entry would be deleted.
+func (s *SQLSource) absentReadBack(ctx context.Context, keys []string, rows []Row) error {
+	found := make(map[string]bool, len(rows))
+	for _, r := range rows {
+		found[r.Key] = true
+	}
+	absent := slices.DeleteFunc(slices.Clone(keys), func(k string) bool { return found[k] })
+	if len(absent) == 0 {
+		return nil
+	}
+	w, err := s.walkSQLs(ctx, false)
+	if err != nil || !w.checked {
+		return err
+	}
+	check := func(ks []string) (string, error) {
+		var bad string
+		err := s.mayFail(ctx, func(db DBTX) error {
+			err := db.QueryRow(ctx, s.keyBackSQL, ks, ks).Scan(&bad)
+			if errors.Is(err, pgx.ErrNoRows) {
+				return nil
+			}
+			return err
+		})
+		return bad, err
+	}
+	bad, err := check(absent)
+	if err != nil && isDataException(err) {
+		// Some key the column cannot hold: check the others one by one.
+		for _, k := range absent {
+			if bad, err = check([]string{k}); err == nil && bad != "" || err != nil && !isDataException(err) {
+				break
+			}
+			err = nil
+		}
+	}
+	switch {
+	case err != nil:
+		return fmt.Errorf("reconcile: querying %s: %w", s.relation, err)
+	case bad != "":
+		return &InvalidRowError{Key: bad, Reason: "the key does not read back as the same text in this session (its DateStyle and TimeZone, or extra_float_digits, read it as another value): the row it names cannot be looked up, and its entry would be taken for an orphan"}
+	}
+	return nil
 }
 
 // unsendable reports a key that no PostgreSQL text value can hold, so no

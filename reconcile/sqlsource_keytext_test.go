@@ -532,3 +532,106 @@ func TestSQLSourceLateCatalogReply(t *testing.T) {
 		})
 	}
 }
+
+// TestSQLSourceKeyTypeInSchemaWithoutUsage: a role with SELECT on the table
+// (and USAGE on its schema) but no USAGE on the schema holding the key
+// column's domain type pages and samples the table: the read-back check
+// cannot cast to the type's name (42501), and reads the text back through
+// the table's row type instead.
+func TestSQLSourceKeyTypeInSchemaWithoutUsage(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pg := testenv.Postgres(t)
+	typesSchema := pg.Schema + "_ty"
+	role := pg.Schema + "_rd"
+	ts, rs := pgx.Identifier{typesSchema}.Sanitize(), pgx.Identifier{role}.Sanitize()
+	_, err := pg.Pool.Exec(ctx, fmt.Sprintf(`CREATE SCHEMA %[1]s; CREATE DOMAIN %[1]s.code AS text;
+		CREATE TABLE ev (k %[1]s.code PRIMARY KEY, v bigint NOT NULL, s bigint NOT NULL);
+		INSERT INTO ev SELECT 'k' || g, 1, g FROM generate_series(1, 5) AS g;
+		CREATE ROLE %[2]s LOGIN; GRANT USAGE ON SCHEMA %[3]s TO %[2]s; GRANT SELECT ON ev TO %[2]s`,
+		ts, rs, pgx.Identifier{pg.Schema}.Sanitize()))
+	require.NoError(t, err)
+	t.Cleanup(func() {
+		_, _ = pg.Pool.Exec(context.Background(), fmt.Sprintf(`DROP TABLE IF EXISTS ev; DROP SCHEMA %s CASCADE; DROP OWNED BY %[2]s; DROP ROLE %[2]s`, ts, rs))
+	})
+	cfg, err := pgxpool.ParseConfig(pg.ConnString)
+	require.NoError(t, err)
+	cfg.ConnConfig.User = role
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	require.NoError(t, err)
+	t.Cleanup(pool.Close)
+
+	src, err := NewSQLSource(pool, &SQLSourceConfig{Table: "ev", KeyColumn: "k", VersionColumn: "v", ValueColumn: "s", Kind: projection.KindSortedSet})
+	require.NoError(t, err)
+	rows, err := src.Page(ctx, Cursor{}, 100)
+	require.NoError(t, err)
+	require.Len(t, rows, 5)
+	rows, err = src.Sample(ctx, 5)
+	require.NoError(t, err)
+	require.Len(t, rows, 5)
+}
+
+// TestSQLSourceKeyTypeWithoutUsageStillChecked: through the fallback (no USAGE
+// on the type's schema) a timestamptz-domain key that does not read back
+// (Asia/Kolkata under DateStyle SQL writes IST, read as Israel time) is
+// still refused, for Page and Sample.
+func TestSQLSourceKeyTypeWithoutUsageStillChecked(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pg := testenv.Postgres(t)
+	typesSchema := pg.Schema + "_ty"
+	role := pg.Schema + "_rd"
+	ts, rs := pgx.Identifier{typesSchema}.Sanitize(), pgx.Identifier{role}.Sanitize()
+	_, err := pg.Pool.Exec(ctx, fmt.Sprintf(`CREATE SCHEMA %[1]s; CREATE DOMAIN %[1]s.at AS timestamptz;
+		CREATE TABLE ev (k %[1]s.at PRIMARY KEY, v bigint NOT NULL, s bigint NOT NULL);
+		INSERT INTO ev SELECT '2026-12-06 00:00:00+00'::timestamptz + g * interval '1 hour', 1, g FROM generate_series(1, 5) AS g;
+		CREATE ROLE %[2]s LOGIN; GRANT USAGE ON SCHEMA %[3]s TO %[2]s; GRANT SELECT ON ev TO %[2]s`,
+		ts, rs, pgx.Identifier{pg.Schema}.Sanitize()))
+	require.NoError(t, err)
+	t.Cleanup(func() {
+		_, _ = pg.Pool.Exec(context.Background(), fmt.Sprintf(`DROP TABLE IF EXISTS ev; DROP SCHEMA %s CASCADE; DROP OWNED BY %[2]s; DROP ROLE %[2]s`, ts, rs))
+	})
+	for _, params := range []map[string]string{{"TimeZone": "Asia/Kolkata", "DateStyle": "SQL, DMY"}, {"TimeZone": "UTC"}} {
+		cfg, err := pgxpool.ParseConfig(pg.ConnString)
+		require.NoError(t, err)
+		cfg.ConnConfig.User = role
+		for k, v := range params {
+			cfg.ConnConfig.RuntimeParams[k] = v
+		}
+		pool, err := pgxpool.NewWithConfig(ctx, cfg)
+		require.NoError(t, err)
+		t.Cleanup(pool.Close)
+		src, err := NewSQLSource(pool, &SQLSourceConfig{Table: "ev", KeyColumn: "k", VersionColumn: "v", ValueColumn: "s", Kind: projection.KindSortedSet})
+		require.NoError(t, err)
+		_, perr := src.Page(ctx, Cursor{}, 100)
+		_, serr := src.Sample(ctx, 5)
+		if params["TimeZone"] == "UTC" {
+			require.NoError(t, perr)
+			require.NoError(t, serr)
+			continue
+		}
+		require.ErrorIs(t, perr, ErrInvalidRow)
+		require.ErrorIs(t, serr, ErrInvalidRow)
+	}
+}
+
+// TestCheckKeysRefusesKeysThatDoNotReadBack: CheckKeys (like a sampled
+// run's orphan sample, and the rechecks of ahead entries) only looks keys
+// up, walking no row. A correct member whose text does not read back
+// (Asia/Kolkata under DateStyle SQL: IST read as Israel time) finds no row;
+// taken for an orphan, an orphan repair policy deleted it. It is refused
+// with *InvalidRowError, and nothing is repaired.
+func TestCheckKeysRefusesKeysThatDoNotReadBack(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	b := setupKeyText(t, "timestamptz", "'2026-12-06 00:00:00+00'::timestamptz + g * interval '1 hour'", 4,
+		map[string]string{"TimeZone": "Asia/Kolkata", "DateStyle": "SQL, DMY"})
+	before := b.members(t)
+	require.Len(t, before, 4)
+	r, err := New(b.src, b.target, &Config{Policy: Policy{Orphan: ActionRepair, Ahead: ActionRepair, Missing: ActionRepair}})
+	require.NoError(t, err)
+	rep, err := r.CheckKeys(ctx, before, RunOptions{})
+	require.ElementsMatch(t, before, b.members(t), "correct entries were deleted")
+	require.ErrorIs(t, err, ErrInvalidRow)
+	require.Zero(t, rep.Repaired)
+}
