@@ -609,7 +609,7 @@ func (s *Service) writeError(w http.ResponseWriter, r *http.Request, err error) 
 		// reached in time), and "catching up" would give the client the
 		// wrong reason and keep the timeout out of the log.
 		s.writeTimeout(w, r, err)
-	case errors.As(err, &stale) && stale.Unverified && s.redisUnreachable(r.Context()):
+	case errors.As(err, &stale) && stale.Unverified && s.redisUnreachable(r.Context()) && r.Context().Err() == nil:
 		// Unverified because Verify's record could not be read: Redis is
 		// down or cannot serve (a replica cut off from its master), which
 		// no reconcile can mend. An outage to wait out, as for any read
@@ -617,6 +617,14 @@ func (s *Service) writeError(w http.ResponseWriter, r *http.Request, err error) 
 		s.logger.Warn("read failed: Redis cannot be reached to check the board is verified", slog.String("path", r.URL.Path))
 		w.Header().Set("Retry-After", "1")
 		writeJSON(w, http.StatusServiceUnavailable, errorResponse{Error: "the leaderboard's store cannot be reached; retry shortly"})
+	case r.Context().Err() != nil:
+		// The client went away; nobody reads the answer (it may have
+		// left during the probe above, or after a stale read). A submit cut
+		// short may have committed: counted like a timeout.
+		if r.URL.Path == "/scores" {
+			s.metrics.countSubmit(r.Context(), "error")
+		}
+		w.WriteHeader(statusClientClosedRequest)
 	case errors.As(err, &stale) && stale.Unverified && s.cfg.ReconcileEvery == 0:
 		// Nothing in this process will verify the board: an operator's
 		// 'reconcile --verify' will, at a time no Retry-After can name.
@@ -637,13 +645,6 @@ func (s *Service) writeError(w http.ResponseWriter, r *http.Request, err error) 
 		s.logger.Warn("submit outcome unknown", slog.Any("err", err))
 		w.Header().Set("Retry-After", "1")
 		writeJSON(w, http.StatusServiceUnavailable, errorResponse{Error: "the database connection broke after the score was sent, so it may have been applied; retry with the same Idempotency-Key"})
-	case r.Context().Err() != nil:
-		// The client went away; nobody reads the answer. A submit cut
-		// short may have committed: counted like a timeout.
-		if r.URL.Path == "/scores" {
-			s.metrics.countSubmit(r.Context(), "error")
-		}
-		w.WriteHeader(statusClientClosedRequest)
 	case r.Method == http.MethodPost && unreachable(err):
 		// PostgreSQL refused the connection, had no slot, ended the
 		// session (57P01 and the like) or took only reads (25006): an

@@ -79,8 +79,10 @@ func cmdStats(ctx context.Context, o *options, stdout, stderr io.Writer) error {
 	if snap.Freshness.Unverified {
 		// Unverified also covers a verify record that could not be read:
 		// an unreachable Redis must fail the command, not pass for a
-		// board that lost its data.
-		if err := d.rdb.Ping(ctx).Err(); err != nil {
+		// board that lost its data. A keyed read, not a PING, as in
+		// redisUnreachable: a cluster node answers PING while the cluster
+		// is down for keys.
+		if err := d.rdb.Exists(ctx, d.board.SortedSetKey()).Err(); err != nil {
 			return fmt.Errorf("redis: %w", err)
 		}
 	}
