@@ -296,33 +296,66 @@ func TestSQLSourceKeyTypeChangedBetweenPasses(t *testing.T) {
 	})
 }
 
-// slowCatalog is a real pool whose first armed catalog read (the key
-// column's type) is delivered late: its reply is read, then held until
-// release closes, as a slow network or a descheduled goroutine would.
-type slowCatalog struct {
+// heldCatalog is a real pool whose first armed catalog read (the key
+// column's type) is held until release closes: before it is sent (a pool
+// acquire waiting for a connection, a descheduled goroutine), or, with
+// holdReply, after PostgreSQL answered it and its row was scanned (a slow
+// network). reached closes when the read is held.
+type heldCatalog struct {
 	*pgxpool.Pool
+	holdReply        bool
 	armed            atomic.Bool
 	reached, release chan struct{}
 }
 
-func (s *slowCatalog) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row {
-	row := s.Pool.QueryRow(ctx, sql, args...)
-	if strings.Contains(sql, "pg_attribute") && s.armed.CompareAndSwap(true, false) {
-		return slowRow{row, s}
+// heldSource is a SQLSource over ev through a heldCatalog on pool, armed.
+func heldSource(t *testing.T, pool *pgxpool.Pool, holdReply bool) (*SQLSource, *heldCatalog) {
+	t.Helper()
+	db := &heldCatalog{Pool: pool, holdReply: holdReply, reached: make(chan struct{}), release: make(chan struct{})}
+	db.armed.Store(true)
+	return evSource(t, db), db
+}
+
+func (h *heldCatalog) hold() {
+	close(h.reached)
+	<-h.release
+}
+
+func (h *heldCatalog) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row {
+	if !strings.Contains(sql, "pg_attribute") || !h.armed.CompareAndSwap(true, false) {
+		return h.Pool.QueryRow(ctx, sql, args...)
 	}
-	return row
+	if !h.holdReply {
+		h.hold()
+		return h.Pool.QueryRow(ctx, sql, args...)
+	}
+	return heldRow{h.Pool.QueryRow(ctx, sql, args...), h}
 }
 
-type slowRow struct {
+type heldRow struct {
 	pgx.Row
-	s *slowCatalog
+	h *heldCatalog
 }
 
-func (r slowRow) Scan(dest ...any) error {
+func (r heldRow) Scan(dest ...any) error {
 	err := r.Row.Scan(dest...)
-	close(r.s.reached)
-	<-r.s.release
+	r.h.hold()
 	return err
+}
+
+// restOfPass pages on after first, as a pass does, and returns the error
+// that ended it (nil when it reached the end).
+func restOfPass(t *testing.T, src *SQLSource, first []Row) error {
+	t.Helper()
+	seen, last := len(first), first[len(first)-1].Key
+	for {
+		rows, err := src.Page(context.Background(), After(last), 2)
+		if err != nil || len(rows) == 0 {
+			t.Logf("after %q: err %v (the walk saw %d of 8 keys)", last, err, seen)
+			return err
+		}
+		seen, last = seen+len(rows), rows[len(rows)-1].Key
+	}
 }
 
 // A Sample whose catalog read saw the key column before a migration, and
@@ -334,10 +367,8 @@ func TestSQLSourceSlowTypeReadDoesNotWin(t *testing.T) {
 	ctx := context.Background()
 	b := setupKeyText(t, "bigint", "g", 8, map[string]string{"TimeZone": "Asia/Kolkata", "DateStyle": "SQL, DMY"})
 	pool := uncachedPool(t, b)
-	db := &slowCatalog{Pool: pool, reached: make(chan struct{}), release: make(chan struct{})}
-	src := evSource(t, db)
+	src, db := heldSource(t, pool, true)
 
-	db.armed.Store(true)
 	sampled := make(chan error, 1)
 	go func() {
 		_, err := src.Sample(ctx, 1)
@@ -356,30 +387,7 @@ func TestSQLSourceSlowTypeReadDoesNotWin(t *testing.T) {
 	close(db.release) // the Sample's late reply: it stores bigint's statements
 	require.NoError(t, <-sampled)
 
-	second, err := src.Page(ctx, After(first[1].Key), 2)
-	t.Logf("second page after %q: rows %v, err %v", first[1].Key, second, err)
-	if err == nil {
-		third, err := src.Page(ctx, After(second[len(second)-1].Key), 8)
-		t.Logf("third page after %q: rows %v, err %v (of 8 keys, the walk saw %d)", second[len(second)-1].Key, third, err, len(first)+len(second)+len(third))
-	}
-	require.ErrorIs(t, err, ErrInvalidRow, "the pass began after the migration: its pages check that a timestamptz key reads back")
-}
-
-// lateSend is a real pool whose first armed catalog read is sent late: its
-// query reaches PostgreSQL only after release closes (a pool acquire
-// waiting for a connection, a descheduled goroutine).
-type lateSend struct {
-	*pgxpool.Pool
-	armed            atomic.Bool
-	reached, release chan struct{}
-}
-
-func (s *lateSend) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row {
-	if strings.Contains(sql, "pg_attribute") && s.armed.CompareAndSwap(true, false) {
-		close(s.reached)
-		<-s.release
-	}
-	return s.Pool.QueryRow(ctx, sql, args...)
+	require.ErrorIs(t, restOfPass(t, src, first), ErrInvalidRow, "the pass began after the migration: its pages check that a timestamptz key reads back")
 }
 
 // A pass's first page whose catalog read is asked first but sent last sees
@@ -391,10 +399,8 @@ func TestSQLSourcePassFirstPageSentLate(t *testing.T) {
 	ctx := context.Background()
 	b := setupKeyText(t, "bigint", "g", 8, map[string]string{"TimeZone": "Asia/Kolkata", "DateStyle": "SQL, DMY"})
 	pool := uncachedPool(t, b)
-	db := &lateSend{Pool: pool, reached: make(chan struct{}), release: make(chan struct{})}
-	src := evSource(t, db)
+	src, db := heldSource(t, pool, false)
 
-	db.armed.Store(true)
 	type res struct {
 		rows []Row
 		err  error
@@ -419,14 +425,7 @@ func TestSQLSourcePassFirstPageSentLate(t *testing.T) {
 	first := r.rows
 	require.Len(t, first, 2)
 
-	second, err := src.Page(ctx, After(first[1].Key), 2)
-	t.Logf("second page after %q: rows %v, err %v", first[1].Key, second, err)
-	if err == nil && len(second) > 0 {
-		third, err2 := src.Page(ctx, After(second[len(second)-1].Key), 8)
-		t.Logf("third page: rows %v, err %v (of 8 keys, the walk saw %d)", third, err2, len(first)+len(second)+len(third))
-		err = err2
-	}
-	require.ErrorIs(t, err, ErrInvalidRow, "the pass's first page saw timestamptz: its later pages must check that a key reads back")
+	require.ErrorIs(t, restOfPass(t, src, first), ErrInvalidRow, "the pass's first page saw timestamptz: its later pages must check that a key reads back")
 }
 
 func waitReplay(t *testing.T, primary, standby *pgxpool.Pool) {
@@ -467,8 +466,8 @@ func runLateReply(t *testing.T, onStandby, olderOpen bool) {
 		standby := primary.StartStandby(t)
 		readPool = standby.Pool(t)
 	}
-	db := &slowCatalog{Pool: readPool, reached: make(chan struct{}), release: make(chan struct{})}
-	src := evSource(t, db)
+	src, db := heldSource(t, readPool, true)
+	db.armed.Store(false) // armed below, for pass A only
 
 	// The migration's transaction takes its xid first; a later
 	// transaction ends before it, so the migration's commit does not move
