@@ -544,16 +544,22 @@ func (s *Service) handleLastReconcile(w http.ResponseWriter, _ *http.Request) {
 const statusClientClosedRequest = 499
 
 // writeTimeout answers a request that RequestTimeout cut off: 503, retry
-// shortly. err is what the request met, for the log.
+// shortly. A submit cut off may have committed, so its answer says to
+// retry with the same Idempotency-Key: a new key would apply it twice.
+// err is what the request met, for the log.
 func (s *Service) writeTimeout(w http.ResponseWriter, r *http.Request, err error) {
-	if r.URL.Path == "/scores" {
-		s.metrics.countSubmit(r.Context(), "error")
-	}
 	s.logger.Warn("request timed out", slog.String("method", r.Method), slog.String("path", r.URL.Path),
 		slog.Duration("timeout", s.cfg.RequestTimeout), slog.Any("err", err))
 	w.Header().Set("Retry-After", "1")
+	if r.URL.Path == "/scores" {
+		s.metrics.countSubmit(r.Context(), "error")
+		writeJSON(w, http.StatusServiceUnavailable, errorResponse{Error: submitTimedOut})
+		return
+	}
 	writeJSON(w, http.StatusServiceUnavailable, errorResponse{Error: "the request took too long; retry shortly"})
 }
+
+const submitTimedOut = "the request took too long, so the score may have been applied; retry with the same Idempotency-Key"
 
 // writeError maps the leaderboard's errors to HTTP answers. It is the one
 // place that decides which error is the client's and which is ours.

@@ -207,7 +207,7 @@ func TestRequestTimeout(t *testing.T) {
 		h := map[string]string{"Content-Type": "application/json", "Idempotency-Key": key}
 		res, took := tb.doWithin(t, 10*time.Second, http.MethodPost, "/scores", h, `{"user_id":"ada","delta":1}`)
 		require.Equal(t, http.StatusServiceUnavailable, res.status, "%s", res.body)
-		require.Equal(t, "the request took too long; retry shortly", res.json(t)["error"])
+		require.Equal(t, submitTimedOut, res.json(t)["error"])
 		require.Equal(t, "1", res.header.Get("Retry-After"))
 		require.GreaterOrEqual(t, took, timeout)
 		require.Less(t, took, timeout+2*time.Second)
