@@ -690,9 +690,12 @@ func (s *Service) redisUnreachable(ctx context.Context) bool {
 }
 
 // unreachable reports whether err says a store could not be reached or its
-// connection broke: a refused or timed-out dial, a reset or closed
-// connection, a Redis pool that found no connection in time, or a Redis
-// reply saying it cannot serve the key for now (unavailableReplies). Any
+// connection broke: a refused or timed-out dial, a reset, closed or broken
+// connection (a system call's errno is a net.Error), a Redis pool that
+// found no connection in time, a Ring whose shards are all down, or a
+// Redis reply saying it cannot serve the key for now (unavailableReplies).
+// A Redis at maxclients closes a new connection after its reply saying
+// so: the client reads either, or a broken pipe. Any
 // other answer of PostgreSQL's (a missing database, a refused password,
 // even while connecting) is a fault to fix, not an outage to wait out.
 func unreachable(err error) bool {
@@ -726,14 +729,20 @@ func unreachable(err error) bool {
 	}
 	return errors.As(err, &netErr) || errors.As(err, &connectErr) ||
 		errors.Is(err, redis.ErrPoolTimeout) || errors.Is(err, redis.ErrClosed) ||
-		errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) || errors.Is(err, syscall.ECONNRESET)
+		errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) || errors.Is(err, syscall.ECONNRESET) ||
+		err.Error() == ringShardsDown
 }
+
+// ringShardsDown is go-redis's error (unexported, so compared by text) of
+// a Ring with no shard up.
+const ringShardsDown = "redis: all ring shards are down"
 
 // unavailableReplies start the Redis error replies of a server that cannot
 // serve a key for now: a cluster that lost a slot's master, a server
 // loading its dataset after a restart, a replica cut off from its master,
-// a slot being moved, a server held by a long-running script.
-var unavailableReplies = []string{"CLUSTERDOWN ", "LOADING ", "MASTERDOWN ", "TRYAGAIN ", "BUSY "}
+// a slot being moved, a server held by a long-running script, a server
+// with no client slot left (maxclients).
+var unavailableReplies = []string{"CLUSTERDOWN ", "LOADING ", "MASTERDOWN ", "TRYAGAIN ", "BUSY ", "ERR max number of clients reached"}
 
 // writeUserNotFound is the 404 of GET /users/{id}/rank.
 func writeUserNotFound(w http.ResponseWriter) {

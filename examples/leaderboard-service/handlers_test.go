@@ -794,6 +794,7 @@ func TestUnreachable(t *testing.T) {
 		"MasterDown":     {reply("MASTERDOWN Link with MASTER is down and replica-serve-stale-data is set to 'no'."), true},
 		"TryAgain":       {reply("TRYAGAIN Multiple keys request during rehashing of slot"), true},
 		"Busy":           {reply("BUSY Redis is busy running a script. You can only call SCRIPT KILL or SHUTDOWN NOSAVE."), true},
+		"MaxClients":     {reply("ERR max number of clients reached"), true},
 		"AdminShutdown":  {adminShutdown, true},
 		"OtherReply":     {reply("WRONGTYPE Operation against a key holding the wrong kind of value"), false},
 		"Refused":        {refused.Ping(ctx).Err(), true},
@@ -847,4 +848,64 @@ func TestUnreachablePostgresShuttingDown(t *testing.T) {
 	}
 	require.ErrorContains(t, refused, "57P03")
 	require.True(t, unreachable(refused), "%v", refused)
+}
+
+// A Redis with no client slot left (maxclients) closes each new
+// connection after replying so: the client sees a broken pipe (here), or
+// that reply (TestUnreachable). A read that needed a new connection then
+// is an outage to wait out (503, Retry-After: 1), not a fault (500); and
+// so is a Ring with every shard down.
+func TestUnreachableRedisOutOfClients(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+
+	t.Run("MaxClients", func(t *testing.T) {
+		t.Parallel()
+		pg := testenv.Postgres(t)
+		rs := testenv.StartRedis(t)
+		rdb := redis.NewClient(&redis.Options{Addr: rs.Addr(), MaxRetries: -1})
+		t.Cleanup(func() { _ = rdb.Close() })
+		cfg := &leaderboard.Config{Name: testBoard, Schema: pg.Schema, ReadPolicy: leaderboard.ServeStale}
+		require.NoError(t, leaderboard.Migrate(ctx, pg.Pool, cfg))
+		board, err := leaderboard.New(pg.Pool, rdb, cfg)
+		require.NoError(t, err)
+		t.Cleanup(board.Close)
+		svc, err := NewService(pg.Pool, rdb, board, ServiceConfig{})
+		require.NoError(t, err)
+		t.Cleanup(func() { _ = svc.Close() })
+		tb := &testBundle{svc: svc, srv: newServer(t, svc)}
+		require.Equal(t, http.StatusCreated, tb.submit(t, uuid.NewString(), `{"user_id":"ada","delta":5}`).status)
+		tb.drain(t)
+		require.Equal(t, http.StatusOK, tb.do(t, http.MethodGet, "/leaderboard", nil, "").status)
+
+		// One connection (the admin's) is all the server takes; every
+		// other client's is closed, so the service must dial anew.
+		admin := rs.Client(t)
+		require.NoError(t, admin.ConfigSet(ctx, "maxclients", "1").Err())
+		require.NoError(t, admin.ClientKillByFilter(ctx, "TYPE", "normal", "SKIPME", "yes").Err())
+		for _, path := range []string{"/leaderboard", "/users/ada/rank"} {
+			res := tb.do(t, http.MethodGet, path, nil, "")
+			require.Equal(t, http.StatusServiceUnavailable, res.status, "%s: %s", path, res.body)
+			require.Equal(t, "1", res.header.Get("Retry-After"), path)
+			require.Contains(t, res.json(t)["error"], "cannot be reached", path)
+		}
+
+		require.NoError(t, admin.ConfigSet(ctx, "maxclients", "10000").Err())
+		require.Equal(t, http.StatusOK, tb.do(t, http.MethodGet, "/leaderboard", nil, "").status)
+	})
+
+	t.Run("RingShardsDown", func(t *testing.T) {
+		t.Parallel()
+		rs := testenv.StartRedis(t)
+		addr := rs.Addr()
+		require.NoError(t, rs.Stop())
+		ring := redis.NewRing(&redis.RingOptions{Addrs: map[string]string{"a": addr}, MaxRetries: -1})
+		t.Cleanup(func() { _ = ring.Close() })
+		var err error
+		require.Eventually(t, func() bool {
+			err = ring.Exists(ctx, "k").Err()
+			return err != nil && err.Error() == ringShardsDown
+		}, 10*time.Second, 10*time.Millisecond)
+		require.True(t, unreachable(err), "%v", err)
+	})
 }
