@@ -472,7 +472,10 @@ func (s *Service) handleHealth(w http.ResponseWriter, r *http.Request) {
 		return ok
 	}
 	pgOK := ping("postgres", s.pool.Ping)
-	redisOK := ping("redis", func(ctx context.Context) error { return s.rdb.Ping(ctx).Err() })
+	// Redis's ping reads the board's key, as redisUnreachable does: on a
+	// Cluster a PING goes to any node, which answers it while the board's
+	// slot cannot be served.
+	redisOK := ping("redis", func(ctx context.Context) error { return s.rdb.Exists(ctx, s.board.SortedSetKey()).Err() })
 	resp := healthResponse{Status: "ok", Postgres: "ok", Redis: "ok"}
 	status := http.StatusOK
 	if !<-pgOK {

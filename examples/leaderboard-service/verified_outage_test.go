@@ -189,6 +189,15 @@ func TestVerifiedReadsOnClusterWithANodeDown(t *testing.T) {
 					require.Equal(t, "1", res.header.Get("Retry-After"))
 				}
 			}
+			// /healthz asks the node serving the board's slot too, not
+			// any node a PING would reach.
+			health := tb.do(t, http.MethodGet, "/healthz", nil, "")
+			if c.want == "cannot be reached" {
+				require.Equal(t, http.StatusServiceUnavailable, health.status, "%s", health.body)
+				require.Equal(t, "unavailable", health.json(t)["redis"])
+			} else {
+				require.Equal(t, http.StatusOK, health.status, "%s", health.body)
+			}
 		})
 	}
 }
