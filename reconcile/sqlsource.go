@@ -426,10 +426,20 @@ func (s *SQLSource) walkSQLs(ctx context.Context, fresh bool) (*walkStatements, 
 	}
 	cols := fmt.Sprintf(s.walkCols, check)
 	key, where, n := s.walkKey, s.walkWhere, s.walkArgs
+	// The type's oid, in a comment, makes each type's statements distinct
+	// text: pgx's default exec mode prepares a statement once per
+	// connection, cached by its text, and PostgreSQL keeps the parameter
+	// types it inferred then. Statements of the same text for a key
+	// changed from bigint to text (neither checked) would send the cursor
+	// "user:3" as a bigint (22P02) until the pool recycled the connection.
+	typed := ""
+	if typ != "" {
+		typed = fmt.Sprintf(" /* key type %d */", oid)
+	}
 	w := &walkStatements{
-		first:   fmt.Sprintf("%s WHERE %s ORDER BY %s LIMIT $%d", cols, where, key, n+1),
-		after:   fmt.Sprintf("%s WHERE %s AND %s > $%d ORDER BY %s LIMIT $%d", cols, where, key, n+1, key, n+2),
-		sample:  fmt.Sprintf("%s TABLESAMPLE SYSTEM ($%d::float8) WHERE %s ORDER BY random() LIMIT $%d", cols, n+1, where, n+2),
+		first:   fmt.Sprintf("%s WHERE %s ORDER BY %s LIMIT $%d%s", cols, where, key, n+1, typed),
+		after:   fmt.Sprintf("%s WHERE %s AND %s > $%d ORDER BY %s LIMIT $%d%s", cols, where, key, n+1, key, n+2, typed),
+		sample:  fmt.Sprintf("%s TABLESAMPLE SYSTEM ($%d::float8) WHERE %s ORDER BY random() LIMIT $%d%s", cols, n+1, where, n+2, typed),
 		xmax:    xmax,
 		xmin:    xmin,
 		nxip:    nxip,

@@ -280,6 +280,69 @@ func TestSQLSourceKeyTypeChangedBetweenPasses(t *testing.T) {
 		require.EqualValues(t, 8, rep.Checked)
 	})
 
+	// Through pgx's default exec mode, which prepares each statement once
+	// per connection and caches it by its text: from bigint to text
+	// neither type needs a check, so the statements' text would not
+	// change, and the connections' prepared statements kept their bigint
+	// parameters ("after" page, lookups) until the pool recycled them.
+	t.Run("BigintToTextCachedStatements", func(t *testing.T) {
+		t.Parallel()
+		b := setupKeyText(t, "bigint", "g", 8, nil)
+		pool := b.src.db.(*pgxpool.Pool)
+		require.Equal(t, pgx.QueryExecModeCacheStatement, pool.Config().ConnConfig.DefaultQueryExecMode)
+		r, err := New(b.src, b.target, &Config{PageSize: 3})
+		require.NoError(t, err)
+		for range 3 { // over each of the pool's connections likely to hold them
+			_, err := r.Run(ctx, RunOptions{})
+			require.NoError(t, err)
+			_, err = r.CheckKeys(ctx, []string{"1", "2", "x"}, RunOptions{})
+			require.NoError(t, err)
+		}
+		_, err = pool.Exec(ctx, `ALTER TABLE ev ALTER COLUMN k TYPE text USING 'user:' || k`)
+		require.NoError(t, err)
+		_, err = pool.Exec(ctx, `INSERT INTO ev VALUES ('user:x', 1, 0)`)
+		require.NoError(t, err)
+		for range 3 {
+			rep, err := r.Run(ctx, RunOptions{})
+			require.NoError(t, err, "a pass after the migration")
+			require.EqualValues(t, 9, rep.Checked)
+			require.EqualValues(t, 9, rep.Counts[ClassMissing]+rep.Counts[ClassCurrent])
+			rep, err = r.CheckKeys(ctx, []string{"user:1", "user:x"}, RunOptions{})
+			require.NoError(t, err, "a lookup after the migration")
+			require.EqualValues(t, 2, rep.Checked)
+		}
+	})
+
+	// The same migration, and lookups before any pass reads the new type:
+	// the lookup's statements, cached as bigint's, must still find
+	// "user:1", or its correct entry, taken for an orphan, would be deleted
+	// under an orphan repair policy. (They do: PostgreSQL plans them again
+	// for the new type.)
+	t.Run("BigintToTextLookupFirst", func(t *testing.T) {
+		t.Parallel()
+		b := setupKeyText(t, "bigint", "g", 8, nil)
+		pool := b.src.db.(*pgxpool.Pool)
+		r, err := New(b.src, b.target, &Config{PageSize: 3, Policy: Policy{Orphan: ActionRepair}})
+		require.NoError(t, err)
+		for range 3 {
+			_, err := r.Run(ctx, RunOptions{})
+			require.NoError(t, err)
+			_, err = r.CheckKeys(ctx, []string{"1", "x"}, RunOptions{})
+			require.NoError(t, err)
+		}
+		_, err = pool.Exec(ctx, `ALTER TABLE ev ALTER COLUMN k TYPE text USING 'user:' || k`)
+		require.NoError(t, err)
+		_, err = projection.NewGate(b.target.Client, b.target.Keyspace).Apply(ctx,
+			[]projection.Write{{Target: b.target.target("user:1"), Version: 1, Value: projection.Value{Score: 1}}})
+		require.NoError(t, err)
+		for range 3 {
+			rep, err := r.CheckKeys(ctx, []string{"user:1"}, RunOptions{})
+			require.NoError(t, err)
+			require.EqualValues(t, 1, rep.Counts[ClassCurrent], "%v", rep.Counts)
+			require.Contains(t, b.members(t), "user:1")
+		}
+	})
+
 	// The kept statements, built for bigint, have no check, and would walk
 	// with the cursor the check refuses.
 	t.Run("BigintToTimestamptz", func(t *testing.T) {
