@@ -229,13 +229,15 @@ func (w *Worker) RunOnce(ctx context.Context) (int, error) {
 	return w.relay.RunOnce(ctx)
 }
 
-// Drain projects batches until none is due, and returns how many records
-// it handled, failed ones included. Records a claim moves to the
-// dead-letter table without another attempt (they reached MaxAttempts
-// already) are not counted, and never make Drain stop while records are
-// due. Records backing off after a failure are
-// not due and are left alone: Relay().Stats or Board.Freshness tells
-// whether anything is still pending.
+// Drain projects batches until none is due that it may take, and returns
+// how many records it handled, failed ones included. Records a claim moves
+// to the dead-letter table without another attempt (they reached
+// MaxAttempts already) are not counted, and never make Drain stop while
+// records are due. Records backing off after a failure are not due and are
+// left alone, and records in a partition another worker's batch holds
+// (one in flight, or a crashed process's until its lease ends) are not
+// its to take: Drain can stop while they are due. Relay().Stats or
+// Board.Freshness tells whether anything is still pending.
 func (w *Worker) Drain(ctx context.Context) (int, error) {
 	if w.notFromBoard() {
 		return 0, errWorkerNotFromBoard()

@@ -176,8 +176,10 @@
 // A claim that buried every row it read is followed by another at once,
 // so a backlog of such rows (a rollout that lowers MaxAttempts while rows
 // are retrying) holds up the rows due behind it for no PollInterval, and
-// RunOnce, which does not count buried rows, returns 0 only when nothing
-// is due.
+// RunOnce, which does not count buried rows, never returns 0 because of
+// them. It does return 0 while rows are due in partitions that another
+// batch's lease holds: another relay's batch in flight, or a crashed
+// relay's until its lease ends (LeaseDuration).
 //
 // If the Handler outlives its lease and another relay takes the partition
 // over, the first relay's settle statement no longer finds its token there:

@@ -593,12 +593,16 @@ const settleOthers = `
     WHERE s.stream IS NOT NULL`
 
 // RunOnce claims one batch of due rows, hands it to the Handler and settles
-// it. It returns the number of rows handed to the Handler (0 when nothing
-// was due). A claim moves rows that reached MaxAttempts already to the
-// dead-letter table instead of handing them out (see the package
-// documentation, "Lifecycle of a row"); they are not counted, and never
-// make RunOnce return 0 while rows are due: after a claim that only buried
-// rows it claims again, until it finds rows to hand out or none are due.
+// it. It returns the number of rows handed to the Handler: 0 when no row it
+// may take was due. Rows in a partition that another batch's lease holds
+// are not for it to take: another relay's batch in flight, or a crashed
+// relay's until its lease ends (LeaseDuration). So a loop until RunOnce
+// returns 0 can stop while such rows are due; Stats tells what is left. A
+// claim moves rows that reached MaxAttempts already to the dead-letter
+// table instead of handing them out (see the package documentation,
+// "Lifecycle of a row"); they are not counted, and never make RunOnce
+// return 0: after a claim that only buried rows it claims again, until it
+// finds rows to hand out or none are due.
 //
 // The Handler's context is ctx, bounded by the lease. If ctx is cancelled
 // while the Handler runs, the rows it fails are released for immediate
