@@ -481,7 +481,10 @@
 // (hex). A claim, and DeadLetters, set both for their own transaction, so
 // relays work whatever the session's settings (PgBouncer refuses
 // bytea_output as a connection parameter, and keeps another client's
-// plain SET on the server connection).
+// plain SET on the server connection). RecordCommand and
+// StoreCommandResult, which run in the caller's transaction and so set
+// nothing, read the fingerprint, the result and the time as hex text and
+// microseconds, which no setting changes.
 //
 // The relay's claims and settles are written for READ COMMITTED,
 // PostgreSQL's default: give it a pool that runs at that level (with a

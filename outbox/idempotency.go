@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"crypto/sha256"
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"time"
@@ -40,6 +41,12 @@ func Fingerprint(canonical []byte) []byte {
 	return sum[:]
 }
 
+// These statements run in the caller's transaction, so they cannot pin
+// bytea_output and DateStyle for it as a claim does for its own: their
+// results are in forms no session setting changes (bytea as hex text, a
+// time as microseconds since the epoch), which the text-format exec modes
+// of a transaction-pooling proxy parse whatever the session's settings.
+//
 // The insert and the lookup are two statements on purpose: in READ COMMITTED
 // an INSERT … ON CONFLICT DO NOTHING that waited for a concurrent twin sees
 // its outcome, but a SELECT in the same statement would use the snapshot
@@ -49,7 +56,7 @@ func Fingerprint(canonical []byte) []byte {
 const (
 	recordCommandSQL = `INSERT INTO %s (event_id, fingerprint) VALUES ($1, $2)
 ON CONFLICT (event_id) DO NOTHING
-RETURNING created_at`
+RETURNING (extract(epoch FROM created_at) * 1000000)::int8`
 
 	// Under REPEATABLE READ or SERIALIZABLE the lookup can see two records
 	// of one id: one pruned after tx's snapshot was taken, and the one tx
@@ -58,7 +65,8 @@ RETURNING created_at`
 	// been deleted or locked by anyone else, so its xmax is 0. (created_at
 	// alone cannot tell them apart: tx's is tx's start, which may precede
 	// the pruned record's.)
-	lookupCommandSQL = `SELECT fingerprint, result, created_at FROM %s WHERE event_id = $1
+	lookupCommandSQL = `SELECT encode(fingerprint, 'hex'), encode(result, 'hex'), (extract(epoch FROM created_at) * 1000000)::int8
+FROM %s WHERE event_id = $1
 ORDER BY xmax = '0'::xid DESC, created_at DESC LIMIT 1`
 
 	// storeResultSQL sets only a result not stored yet: the first one is
@@ -74,7 +82,7 @@ ORDER BY xmax = '0'::xid DESC, created_at DESC LIMIT 1`
 	storeResultSQL = `UPDATE %[1]s SET result = $2 WHERE event_id = $1 AND result IS NULL
 AND ctid = (SELECT ctid FROM %[1]s WHERE event_id = $1 ORDER BY xmax = '0'::xid DESC, created_at DESC LIMIT 1)
 RETURNING true`
-	lookupResultSQL = `SELECT result FROM %s WHERE event_id = $1
+	lookupResultSQL = `SELECT encode(result, 'hex') FROM %s WHERE event_id = $1
 ORDER BY xmax = '0'::xid DESC, created_at DESC LIMIT 1`
 
 	// recordCommandAttempts bounds RecordCommand's inserts: each retry
@@ -130,8 +138,10 @@ func (w *Writer) RecordCommand(ctx context.Context, tx Tx, eventID uuid.UUID, fi
 	}
 	for range recordCommandAttempts {
 		cmd := Command{EventID: eventID}
-		err := tx.QueryRow(ctx, w.recordSQL, pgUUID(eventID), fingerprint).Scan(&cmd.RecordedAt)
+		var recordedAt int64
+		err := tx.QueryRow(ctx, w.recordSQL, pgUUID(eventID), fingerprint).Scan(&recordedAt)
 		if err == nil {
+			cmd.RecordedAt = time.UnixMicro(recordedAt)
 			return cmd, nil
 		}
 		if !errors.Is(err, pgx.ErrNoRows) {
@@ -142,12 +152,22 @@ func (w *Writer) RecordCommand(ctx context.Context, tx Tx, eventID uuid.UUID, fi
 		}
 
 		// Conflict: the id exists (committed, or recorded earlier in this tx).
-		var recorded []byte
-		err = tx.QueryRow(ctx, w.lookupSQL, pgUUID(eventID)).Scan(&recorded, &cmd.Result, &cmd.RecordedAt)
+		var (
+			recordedHex string
+			resultHex   *string
+			recorded    []byte
+		)
+		err = tx.QueryRow(ctx, w.lookupSQL, pgUUID(eventID)).Scan(&recordedHex, &resultHex, &recordedAt)
 		if errors.Is(err, pgx.ErrNoRows) {
 			// Deleted since the insert saw it, which only READ COMMITTED's
 			// fresh snapshot can show: insert again.
 			continue
+		}
+		if err == nil {
+			cmd.RecordedAt = time.UnixMicro(recordedAt)
+			if recorded, err = decodeHex(recordedHex); err == nil && resultHex != nil {
+				cmd.Result, err = decodeHex(*resultHex)
+			}
 		}
 		if err != nil {
 			return Command{}, mapError("look up command", err)
@@ -190,8 +210,14 @@ func (w *Writer) StoreCommandResult(ctx context.Context, tx Tx, eventID uuid.UUI
 		return mapError("store command result", err)
 	}
 	// Nothing updated: the id is unknown, or a result is stored already.
-	var stored []byte
-	err = tx.QueryRow(ctx, w.lookupResultSQL, pgUUID(eventID)).Scan(&stored)
+	var (
+		storedHex *string
+		stored    []byte
+	)
+	err = tx.QueryRow(ctx, w.lookupResultSQL, pgUUID(eventID)).Scan(&storedHex)
+	if err == nil && storedHex != nil {
+		stored, err = decodeHex(*storedHex)
+	}
 	switch {
 	case errors.Is(err, pgx.ErrNoRows):
 		return fmt.Errorf("%w: %s", ErrCommandNotRecorded, eventID)
@@ -205,6 +231,14 @@ func (w *Writer) StoreCommandResult(ctx context.Context, tx Tx, eventID uuid.UUI
 		return nil // the same result again: an idempotent retry
 	}
 	return &CommandResultConflictError{EventID: eventID, StoredResult: stored, GivenResult: bytes.Clone(result)}
+}
+
+// decodeHex decodes a bytea read as encode(…, 'hex'): never nil, since nil
+// stands for SQL NULL (no result stored), and an empty result is a result.
+func decodeHex(s string) ([]byte, error) {
+	b := make([]byte, hex.DecodedLen(len(s)))
+	_, err := hex.Decode(b, []byte(s))
+	return b, err
 }
 
 const pruneCommandsSQL = `DELETE FROM %s WHERE created_at < now() - $1 * interval '1 microsecond'`

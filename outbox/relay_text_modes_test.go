@@ -6,6 +6,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
@@ -95,6 +96,74 @@ func TestDeadLettersUnderAnySessionOutputSettings(t *testing.T) {
 			require.WithinDuration(t, time.Now(), dead[0].FailedAt, time.Minute)
 			require.Equal(t, "poison", dead[0].LastError)
 			requireOddOutput(t, pool, "DeadLetters' settings outlived its transaction")
+		})
+	}
+}
+
+// TestRecordCommandUnderAnySessionOutputSettings: RecordCommand and
+// StoreCommandResult run in the caller's transaction, which they must not
+// pin as a claim does; they read bytea and times in forms no setting
+// changes. On such a session they failed, each call ("invalid hex
+// format", a DateStyle SQL time pgx could not parse).
+func TestRecordCommandUnderAnySessionOutputSettings(t *testing.T) {
+	t.Parallel()
+	for _, mode := range []pgx.QueryExecMode{pgx.QueryExecModeExec, pgx.QueryExecModeSimpleProtocol} {
+		t.Run(mode.String(), func(t *testing.T) {
+			t.Parallel()
+			ctx := context.Background()
+			b := setup(t)
+			pool, _, _ := oddOutputSession(t, b, mode)
+			fingerprint := outbox.Fingerprint([]byte("c"))
+			result := []byte{0, 1, 0xff, '\\', '"'}
+			run := func(id uuid.UUID, fingerprint, result []byte) (outbox.Command, error) {
+				tx, err := pool.Begin(ctx)
+				require.NoError(t, err)
+				defer tx.Rollback(ctx) //nolint:errcheck
+				cmd, err := b.writer.RecordCommand(ctx, tx, id, fingerprint)
+				if err != nil {
+					return cmd, err
+				}
+				if result != nil {
+					if err := b.writer.StoreCommandResult(ctx, tx, id, result); err != nil {
+						return cmd, err
+					}
+				}
+				require.NoError(t, tx.Commit(ctx))
+				return cmd, nil
+			}
+
+			id := uuid.New()
+			before := time.Now()
+			first, err := run(id, fingerprint, result)
+			require.NoError(t, err)
+			require.False(t, first.Duplicate)
+			require.WithinDuration(t, before, first.RecordedAt, time.Minute)
+
+			again, err := run(id, fingerprint, result) // the same result again: accepted
+			require.NoError(t, err)
+			require.True(t, again.Duplicate)
+			require.Equal(t, result, again.Result)
+			require.True(t, first.RecordedAt.Equal(again.RecordedAt), "%s vs %s", first.RecordedAt, again.RecordedAt)
+
+			_, err = run(id, fingerprint, []byte("another"))
+			var resultConflict *outbox.CommandResultConflictError
+			require.ErrorAs(t, err, &resultConflict)
+			require.Equal(t, result, resultConflict.StoredResult)
+
+			_, err = run(id, outbox.Fingerprint([]byte("d")), nil)
+			var conflict *outbox.IdempotencyConflictError
+			require.ErrorAs(t, err, &conflict)
+			require.Equal(t, fingerprint, conflict.RecordedFingerprint)
+
+			// An empty result is a result, not "none stored".
+			empty := uuid.New()
+			_, err = run(empty, fingerprint, []byte{})
+			require.NoError(t, err)
+			dup, err := run(empty, fingerprint, nil)
+			require.NoError(t, err)
+			require.NotNil(t, dup.Result)
+			require.Empty(t, dup.Result)
+			requireOddOutput(t, pool, "RecordCommand changed the session's settings")
 		})
 	}
 }
