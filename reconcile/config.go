@@ -162,7 +162,7 @@ type Config struct {
 	// expire while a page is copied, aborting the rebuild); a shorter one
 	// is refused with a *ConfigError. Defaults to RebuildMarkerTTLDefault.
 	RebuildMarkerTTL time.Duration
-	// Logger receives a line per run and per rebuild (and a warning for a
+	// Logger receives a line per run (Run and CheckKeys) and per rebuild (and a warning for a
 	// rebuild with RebuildReport.Conflicts), with the attributes
 	// "kind" and "collection" (the Target's Name, or a document target's
 	// Namespace) and, for a failed one, at Warn, "error". Defaults to

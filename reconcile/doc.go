@@ -217,9 +217,10 @@
 //
 // A key holding another Redis type than the projection keeps there (a hash
 // where a document's value belongs, left by a hand edit or another
-// program) is reported, not repaired, with one exception below. A
+// program) is reported, not repaired, whichever way its repair is sent
+// (a compare-and-set script, or the gate: below). A
 // document whose value or version key holds another type reads as having
-// none, so it usually looks corrupt (missing or stale: see the exception);
+// none, so it usually looks corrupt (or missing or stale: below);
 // its compare-and-set repair checks the types of its keys before it reads
 // or writes them and is refused with nothing written (ResultNotAttempted),
 // while the other repairs of the same script call are applied. The run

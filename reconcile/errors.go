@@ -82,10 +82,11 @@ func (e *InvalidRowError) Is(target error) bool { return target == ErrInvalidRow
 // written for it, its finding is ResultNotAttempted, and the run went on:
 // Run and CheckKeys return one such error per refusal, joined, once they
 // are done. Delete the key by hand (the next run then repairs the entity
-// from the source), or, for a collection, Rebuild; a document's value key
-// of another type is only replaced when the document reads as missing or
-// stale, through the gate (see Keys of another type in the package
-// documentation). It matches projection.ErrWrongKeyType.
+// from the source), or, for a collection, Rebuild. A document's key of
+// another type is never replaced either: when the document reads as
+// missing or stale, its repair goes through the gate, which refuses such a
+// key too (see Keys of another type in the package documentation). It
+// matches projection.ErrWrongKeyType.
 type WrongKeyTypeError struct {
 	Key      string // the entity: sorted-set member, hash field or document id
 	RedisKey string // the key holding another type

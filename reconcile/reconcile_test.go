@@ -582,6 +582,21 @@ func TestLogLines(t *testing.T) {
 	line = logs.String()
 	require.Contains(t, line, `level=WARN msg="reconcile run finished" `+names, line)
 	require.Contains(t, line, "error=", line)
+
+	// CheckKeys is a run too (runs{mode=keys}): a line each, repairing or
+	// failing.
+	logs.Reset()
+	_, err = r.CheckKeys(ctx, []string{"a"}, RunOptions{})
+	require.NoError(t, err)
+	line = logs.String()
+	require.Contains(t, line, `level=INFO msg="reconcile check of keys finished" `+names, line)
+	require.Contains(t, line, "keys=1 ", line)
+	logs.Reset()
+	_, err = r.CheckKeys(ctx, []string{"b"}, RunOptions{})
+	require.ErrorIs(t, err, ErrInvalidRow)
+	line = logs.String()
+	require.Contains(t, line, `level=WARN msg="reconcile check of keys finished" `+names, line)
+	require.Contains(t, line, "error=", line)
 }
 
 func kindName(k projection.Kind) string {

@@ -288,7 +288,7 @@ func (r *Reconciler) refuseForcedRepairsOfFrozenSource(ctx context.Context, opts
 	if opts.DryRun || (r.cfg.Policy.For(ClassAhead) != ActionRepair && r.cfg.Policy.For(ClassOrphan) != ActionRepair) {
 		return nil
 	}
-	return r.refuseFrozenSource(ctx, "Run cannot repair ahead or orphan entries (Config.Policy) through it: a write committed after its snapshot would be taken for drift, and its newer version taken back or its new entity deleted; give NewSQLSource a pool, run with DryRun, or leave Policy.Ahead and Policy.Orphan to report")
+	return r.refuseFrozenSource(ctx, "a run (Run or CheckKeys) cannot repair ahead or orphan entries (Config.Policy) through it: a write committed after its snapshot would be taken for drift, and its newer version taken back or its new entity deleted; give NewSQLSource a pool, run with DryRun, or leave Policy.Ahead and Policy.Orphan to report")
 }
 
 // refuseFrozenSource returns a *ConfigError saying why (what cannot be
@@ -803,7 +803,13 @@ func (r *Reconciler) CheckKeys(ctx context.Context, keys []string, opts RunOptio
 		return rep, errUnmade()
 	}
 	keys = dedupe(append([]string(nil), keys...))
-	err := r.checkKeys(ctx, opts, keys, rep)
+	// Refused as Run refuses it: through one snapshot, a key written and
+	// projected since reads as ahead (its new version would be taken back)
+	// or, if new, as an orphan (deleted).
+	err := r.refuseForcedRepairsOfFrozenSource(ctx, opts)
+	if err == nil {
+		err = r.checkKeys(ctx, opts, keys, rep)
+	}
 	// A read pinned to a master met a slot move: as Run does, wait for the
 	// reloaded map to name the new master and check the keys again there.
 	for deadline := time.Now().Add(clusterpin.AwaitTimeout); r.primary != nil && clusterpin.IsRedirect(err); {
@@ -819,6 +825,10 @@ func (r *Reconciler) CheckKeys(ctx context.Context, keys []string, opts RunOptio
 	r.reloadIfUnreachable(ctx, err)
 	err = errors.Join(append([]error{err}, rep.refused...)...)
 	rep.Duration = time.Since(rep.Started)
+	r.logFinished(ctx, "reconcile check of keys finished", err,
+		slog.Int("keys", len(keys)), slog.Int64("checked", rep.Checked), slog.Int64("drift", rep.Drift()),
+		slog.Int64("repaired", rep.Repaired), slog.Int64("skipped", rep.Skipped),
+		slog.Int64("uncertain", rep.Uncertain), slog.Duration("duration", rep.Duration))
 	r.metrics.recordRun(ctx, modeKeys, rep, err)
 	return rep, err
 }

@@ -134,3 +134,39 @@ func pascal(s string) string {
 	}
 	return string(out)
 }
+
+// CheckKeys refuses forced ahead and orphan repairs through one snapshot,
+// as Run does: a's version 2 and the new entity c, written and projected
+// after the snapshot, read as ahead and orphan there, and were taken back
+// to version 1 and deleted.
+func TestCheckKeysFrozenSourceRefusesForcedRepairs(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	b := setup(t, projection.KindSortedSet)
+	b.projectRows(t, []Row{b.insert(t, "a", 1), b.insert(t, "b", 1)})
+	tx, err := b.pool.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.RepeatableRead, AccessMode: pgx.ReadOnly})
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = tx.Rollback(ctx) })
+	src, err := NewSQLSource(tx, &SQLSourceConfig{Table: "items", KeyColumn: "key", VersionColumn: "version",
+		ValueColumn: "score", Kind: projection.KindSortedSet, Filters: []Filter{{Column: "board", Value: testBoard}}})
+	require.NoError(t, err)
+	_, err = src.Page(ctx, Cursor{}, 10) // the snapshot is taken
+	require.NoError(t, err)
+	b.project(t, "a", b.insert(t, "a", 2).Version)
+	b.project(t, "c", b.insert(t, "c", 1).Version)
+
+	r, err := New(src, b.target, &Config{Policy: Policy{Ahead: ActionRepair, Orphan: ActionRepair}})
+	require.NoError(t, err)
+	_, err = r.CheckKeys(ctx, []string{"a", "c"}, RunOptions{})
+	var cfgErr *ConfigError
+	require.ErrorAs(t, err, &cfgErr)
+	require.Equal(t, "source", cfgErr.Field)
+	require.EqualValues(t, 2, b.state(t, r, "a").Version, "a's version 2 was taken back")
+	require.True(t, b.state(t, r, "c").HasValue, "c was deleted")
+
+	// Reported, not repaired, the check goes on.
+	rep, err := r.CheckKeys(ctx, []string{"a", "c"}, RunOptions{DryRun: true})
+	require.NoError(t, err)
+	require.EqualValues(t, 1, rep.Counts[ClassAhead])
+	require.EqualValues(t, 1, rep.Counts[ClassOrphan])
+}

@@ -34,8 +34,8 @@ import (
 // orphan findings (package doc, "Repairs") then cannot see a
 // write committed after it: once projected, such a write is reported as
 // ahead, or its new entity as an orphan. Through such a transaction,
-// Reconciler.Run refuses to repair ahead or orphan entries (unless
-// DryRun), and Reconciler.Rebuild refuses to run, each with a
+// Reconciler.Run and CheckKeys refuse to repair ahead or orphan entries
+// (unless DryRun), and Reconciler.Rebuild refuses to run, each with a
 // *ConfigError: a repair would take a newer version back, or delete a new
 // entity, and a rebuild would switch in versions older than the live ones.
 type DBTX interface {
