@@ -250,7 +250,10 @@ SELECT count(*) FROM restored, pg_notify($4, '')`
 // ReplayDead moves the dead letters selected by filter back into the outbox,
 // due immediately with attempts reset, and wakes the relays. It returns how
 // many rows it moved back. Fix the cause first (a handler bug, a bad
-// payload), or the rows will fail MaxAttempts times again.
+// payload), or the rows will fail MaxAttempts times again. A row moved back
+// keeps its created_at, so its age counts from its first append: replaying
+// a dead letter from hours ago raises Stats.OldestPendingAge (and an alert
+// on it) to hours at once, until the row is delivered.
 //
 // An event with several dead letters is moved back once, from its newest
 // dead letter, and its older dead letters are deleted. An event the outbox
