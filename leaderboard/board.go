@@ -584,7 +584,8 @@ func (b *Board) SubmitBatch(ctx context.Context, cmds []Command) ([]Result, erro
 	}
 	out, err := func() ([]Result, error) {
 		defer b.group.track()()
-		return b.submitBatch(ctx, cmds, batchOptions{})
+		out, err := b.submitBatch(ctx, cmds, batchOptions{})
+		return out, withCallerEnded(ctx, err)
 	}()
 	if err != nil {
 		b.metrics.submitted(ctx, len(cmds), outcomeApplied, false, err)

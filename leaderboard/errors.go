@@ -119,6 +119,19 @@ func outcomeUnknown(err error) error {
 	return fmt.Errorf("%w: %w", ErrOutcomeUnknown, err)
 }
 
+// withCallerEnded makes err, the error of a statement that ctx ended, match
+// ctx's error too: a pool whose connections answer a cancelled ctx with a
+// cancel request (pgconn.CancelRequestContextWatcherHandler) gets the
+// server's query_canceled (57014) instead of ctx's error.
+func withCallerEnded(ctx context.Context, err error) error {
+	var pgErr *pgconn.PgError
+	cerr := ctx.Err()
+	if err == nil || cerr == nil || errors.Is(err, cerr) || !errors.As(err, &pgErr) || pgErr.Code != "57014" {
+		return err
+	}
+	return fmt.Errorf("%w: %w", err, cerr)
+}
+
 // ConfigError reports a configuration field, or a dependency, that New,
 // Migrate, MigrationSQL, Board.Worker, Board.Reconciler or Board.Verify
 // refused, or a Board or Worker that was not made by New or Board.Worker.

@@ -8,6 +8,9 @@ import (
 	"time"
 
 	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgconn/ctxwatch"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/redis/go-redis/v9"
 	"github.com/stretchr/testify/require"
 
@@ -145,4 +148,71 @@ func redisPID(t *testing.T, client *redis.Client) int {
 	pid, err := strconv.Atoi(info["Server"]["process_id"])
 	require.NoError(t, err)
 	return pid
+}
+
+// A pool whose connections answer a cancelled ctx with a cancel request
+// (pgconn.CancelRequestContextWatcherHandler, a pgx option) gets
+// PostgreSQL's query_canceled (57014), not ctx's error. A SubmitBatch or a
+// read from PostgreSQL whose own ctx ended must still return an error that
+// matches ctx's (ErrOutcomeUnknown's doc, ReadPolicy's): it returned the
+// bare 57014, which callers and the reads metric took for a server fault.
+func TestCallerEndedUnderCancelRequestWatcher(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	cancelRequests := func(pc *pgxpool.Config) {
+		pc.ConnConfig.BuildContextWatcherHandler = func(c *pgconn.PgConn) ctxwatch.Handler {
+			return &pgconn.CancelRequestContextWatcherHandler{Conn: c, DeadlineDelay: 5 * time.Second}
+		}
+	}
+
+	t.Run("Submit", func(t *testing.T) {
+		t.Parallel()
+		tb := setup(t)
+		tb.submit(t, "a", 1)
+		cfg := tb.board.Config()
+		board, err := New(tb.newPool(t, cancelRequests), tb.rd.Client, &cfg)
+		require.NoError(t, err)
+		t.Cleanup(board.Close)
+		tx, err := tb.pg.Pool.Begin(ctx) // holds user a's row
+		require.NoError(t, err)
+		t.Cleanup(func() { _ = tx.Rollback(ctx) })
+		_, err = tx.Exec(ctx, `UPDATE user_scores SET score = score WHERE user_id = 'a'`)
+		require.NoError(t, err)
+
+		for _, n := range []int{0, 1, 100} { // 0: Submit
+			cctx, cancel := context.WithTimeout(ctx, 200*time.Millisecond)
+			cmds := make([]Command, max(n, 1))
+			for i := range cmds {
+				cmds[i] = Command{EventID: uuid.New(), UserID: "a", Delta: 1}
+			}
+			if n == 0 {
+				_, err = board.Submit(cctx, cmds[0])
+			} else {
+				_, err = board.SubmitBatch(cctx, cmds)
+			}
+			cancel()
+			require.ErrorIs(t, err, context.DeadlineExceeded, "%d commands: %v", n, err)
+		}
+	})
+
+	t.Run("ReadFromPostgres", func(t *testing.T) {
+		t.Parallel()
+		tb := setup(t)
+		tb.submit(t, "a", 1)
+		cfg := tb.board.Config()
+		cfg.LagProbeInterval, cfg.MaxLag = 10*time.Second, 20*time.Second
+		board, err := New(tb.newPool(t, cancelRequests), tb.rd.Client, &cfg)
+		require.NoError(t, err)
+		t.Cleanup(board.Close)
+		board.Freshness(ctx) // measured: the read below reuses it
+		tx, err := tb.pg.Pool.Begin(ctx)
+		require.NoError(t, err)
+		t.Cleanup(func() { _ = tx.Rollback(ctx) })
+		_, err = tx.Exec(ctx, `LOCK TABLE user_scores IN ACCESS EXCLUSIVE MODE`)
+		require.NoError(t, err)
+		cctx, cancel := context.WithTimeout(ctx, 200*time.Millisecond)
+		defer cancel()
+		_, err = board.Top(cctx, 10, forcePostgres(), WithPolicy(FallbackToPostgres))
+		require.ErrorIs(t, err, context.DeadlineExceeded, "%v", err)
+	})
 }

@@ -391,6 +391,7 @@ func (b *Board) read(ctx context.Context, opts []ReadOption, noSuchUser bool, fr
 		return Freshness{}, err
 	}
 	fresh, err := b.readUnderPolicy(ctx, o, need, noSuchUser, fromRedis, fromPostgres)
+	err = withCallerEnded(ctx, err)
 	// An i/o timeout at the caller's own deadline (go-redis with
 	// ContextTimeoutEnabled and no retry left) is ctx's error, as the
 	// policies already take it: say so to errors.Is.
