@@ -240,8 +240,8 @@ func isRedisReply(err error) bool {
 // recreated it): the board would read without them. Nor does it count
 // without its companion, the size the pass found (heldKey), which an
 // eviction can take with the sorted set; a record of an earlier release
-// (its token lacks heldTokenPrefix) without one does while the sorted set
-// holds members.
+// (its token lacks heldTokenPrefix) without one (or beside another pass's,
+// which is not its own) does while the sorted set holds members.
 func (b *Board) projectionVerified(ctx context.Context) (verified bool, source string, err error) {
 	var record, held *redis.StringCmd
 	var exists *redis.IntCmd
@@ -286,7 +286,13 @@ func (b *Board) projectionVerified(ctx context.Context) (verified bool, source s
 	if len(fields) >= 3 {
 		source = fields[2]
 	}
-	if held.Err() != nil {
+	companion := held.Err() == nil
+	if companion && len(fields) > 0 {
+		// Another pass's companion is none of this record's.
+		token, _, _ := strings.Cut(held.Val(), " ")
+		companion = token == fields[0]
+	}
+	if !companion {
 		if len(fields) > 0 && strings.HasPrefix(fields[0], heldTokenPrefix) {
 			return false, "", nil // the companion is lost (evicted), so may members be
 		}

@@ -1069,3 +1069,40 @@ func verifiedBoard(t *testing.T, policy ReadPolicy) *testBundle {
 	require.True(t, verified)
 	return tb
 }
+
+// An earlier release's record (the time alone, no companion of its own)
+// is trusted only while the sorted set holds members. A companion that a
+// pass of this release left beside it is none of its own: it made the
+// record trusted over an emptied sorted set, which FailClosed then served
+// as a verified, empty board (a rolling deploy with an earlier release's
+// process running Verify).
+func TestVerifyEarlierRecordBesideAnotherPassCompanion(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	tb := setup(t, func(c *Config) {
+		c.RequireVerifiedProjection = true
+		c.ReadPolicy = FailClosed
+		c.LagProbeInterval = time.Millisecond
+	})
+	for _, u := range []string{"a", "b", "c"} {
+		tb.submit(t, u, 3)
+	}
+	tb.drain(t)
+	_, ok, err := tb.board.Verify(ctx, nil)
+	require.NoError(t, err)
+	require.True(t, ok)
+	rdb := tb.rd.Client
+	held, err := rdb.Get(ctx, tb.board.heldKey).Result()
+	require.NoError(t, err)
+	require.Contains(t, held, heldTokenPrefix)
+	require.NoError(t, rdb.Set(ctx, tb.board.verifiedKey, time.Now().UTC().Format(time.RFC3339Nano), 0).Err())
+	_, err = tb.board.Top(ctx, 10)
+	require.NoError(t, err, "the earlier record is trusted while the sorted set holds members")
+
+	require.NoError(t, rdb.Del(ctx, tb.board.zsetKey).Err())
+	time.Sleep(5 * time.Millisecond) // past LagProbeInterval
+	_, err = tb.board.Top(ctx, 10)
+	var stale *StaleError
+	require.ErrorAs(t, err, &stale)
+	require.True(t, stale.Unverified)
+}
