@@ -298,7 +298,8 @@ func (s *SQLSource) buildSQL(cfg *SQLSourceConfig) {
 	s.keyTypeSQL = `SELECT a.atttypid, format_type(a.atttypid, a.atttypmod),
 	pg_snapshot_xmax(pg_current_snapshot())::text::bigint, pg_snapshot_xmin(pg_current_snapshot())::text::bigint, cardinality(ARRAY(SELECT pg_snapshot_xip(pg_current_snapshot()))),
 	(coalesce(pg_last_wal_replay_lsn(), '0/0') - '0/0')::bigint,
-	(SELECT has_schema_privilege(t.typnamespace, 'USAGE') FROM pg_catalog.pg_type AS t WHERE t.oid = a.atttypid)
+	(SELECT has_schema_privilege(t.typnamespace, 'USAGE') FROM pg_catalog.pg_type AS t WHERE t.oid = a.atttypid),
+	(SELECT string_agg(c.atttypid::text, ',' ORDER BY c.attnum) FROM pg_catalog.pg_attribute AS c WHERE c.attrelid = a.attrelid AND c.attnum > 0 AND NOT c.attisdropped)
 FROM pg_catalog.pg_attribute AS a
 WHERE a.attrelid = to_regclass($1) AND a.attname = $2 AND a.attnum > 0 AND NOT a.attisdropped`
 	// Lookup probes the key once per distinct key, through a lateral
@@ -368,6 +369,8 @@ type walkStatements struct {
 	xmax, xmin, nxip, replay int64
 	// checked: the key's type has a read-back check (not keyTextFixed).
 	checked bool
+	// typed: the comment naming the types, for the lookups' statements.
+	typed string
 }
 
 // newer reports whether w was built from a later catalog snapshot than o.
@@ -406,10 +409,11 @@ func (s *SQLSource) walkSQLs(ctx context.Context, fresh bool) (*walkStatements, 
 		oid   uint32
 		typ   string
 		check string
+		types string
 	)
 	var xmax, xmin, nxip, replay int64
 	var usable bool
-	switch err := s.db.QueryRow(ctx, s.keyTypeSQL, s.relation, s.keyColumn).Scan(&oid, &typ, &xmax, &xmin, &nxip, &replay, &usable); {
+	switch err := s.db.QueryRow(ctx, s.keyTypeSQL, s.relation, s.keyColumn).Scan(&oid, &typ, &xmax, &xmin, &nxip, &replay, &usable, &types); {
 	case errors.Is(err, pgx.ErrNoRows):
 		// No such table or column (yet): the statements, left unchecked
 		// and not kept, fail with PostgreSQL's own error (42P01, 42703).
@@ -432,9 +436,13 @@ func (s *SQLSource) walkSQLs(ctx context.Context, fresh bool) (*walkStatements, 
 	// types it inferred then. Statements of the same text for a key
 	// changed from bigint to text (neither checked) would send the cursor
 	// "user:3" as a bigint (22P02) until the pool recycled the connection.
+	// Every column's type, not the key's alone: a filter column changed
+	// from bigint to text failed the same way (42883), and a version
+	// column from integer to bigint with 0A000. Lookups carry the same
+	// comment (typedSuffix).
 	typed := ""
 	if typ != "" {
-		typed = fmt.Sprintf(" /* key type %d */", oid)
+		typed = fmt.Sprintf(" /* key type %d, column types %s */", oid, types)
 	}
 	w := &walkStatements{
 		first:   fmt.Sprintf("%s WHERE %s ORDER BY %s LIMIT $%d%s", cols, where, key, n+1, typed),
@@ -445,6 +453,7 @@ func (s *SQLSource) walkSQLs(ctx context.Context, fresh bool) (*walkStatements, 
 		nxip:    nxip,
 		replay:  replay,
 		checked: check != "",
+		typed:   typed,
 	}
 	// Kept unless statements built from a later snapshot were kept
 	// first: a read of the type that PostgreSQL answered before a
@@ -461,6 +470,17 @@ func (s *SQLSource) walkSQLs(ctx context.Context, fresh bool) (*walkStatements, 
 		}
 	}
 	return w, nil
+}
+
+// typedSuffix is the types comment of the statements the latest pass
+// built (none before any), for the lookups' statements: a pass's first
+// page read the key column's type, so its lookups are prepared anew after
+// a migration, as its pages are.
+func (s *SQLSource) typedSuffix() string {
+	if w := s.walkSQL.Load(); w != nil {
+		return w.typed
+	}
+	return ""
 }
 
 // keyTextFixed holds the key column types whose text form no session
@@ -515,6 +535,22 @@ func (s *SQLSource) Lookup(ctx context.Context, keys []string) ([]Row, error) {
 	if len(keys) == 0 {
 		return nil, nil
 	}
+	typed := s.typedSuffix()
+	rows, err := s.lookupKeys(ctx, keys)
+	if err != nil && ctx.Err() == nil {
+		// Statements prepared for the column types the last pass read can
+		// fail after a migration (42846: the key array's type no longer
+		// matches the column's) until a pass reads the new ones: read them
+		// now, and look up again if they changed.
+		if _, werr := s.walkSQLs(ctx, true); werr == nil && s.typedSuffix() != typed {
+			rows, err = s.lookupKeys(ctx, keys)
+		}
+	}
+	return rows, err
+}
+
+// lookupKeys is Lookup for keys that a text parameter can carry.
+func (s *SQLSource) lookupKeys(ctx context.Context, keys []string) ([]Row, error) {
 	rows, err := s.lookup(ctx, keys)
 	if err != nil && isDataException(err) {
 		// Rule out a rejected filter value: then the error is not the keys'.
@@ -549,7 +585,7 @@ func (s *SQLSource) absentReadBack(ctx context.Context, keys []string, rows []Ro
 	check := func(ks []string) (string, error) {
 		var bad string
 		err := s.mayFail(ctx, func(db DBTX) error {
-			err := db.QueryRow(ctx, s.keyBackSQL, ks, ks).Scan(&bad)
+			err := db.QueryRow(ctx, s.keyBackSQL+w.typed, ks, ks).Scan(&bad)
 			if errors.Is(err, pgx.ErrNoRows) {
 				return nil
 			}
@@ -624,8 +660,9 @@ const encodingsSQL = "SELECT current_setting('server_encoding'), current_setting
 
 func (s *SQLSource) lookup(ctx context.Context, keys []string) (rows []Row, err error) {
 	args := append(append([]any(nil), s.args...), keys)
+	typed := s.typedSuffix()
 	err = s.mayFail(ctx, func(db DBTX) error {
-		rows, err = s.queryOn(ctx, db, len(keys), s.lookupSQL, args...)
+		rows, err = s.queryOn(ctx, db, len(keys), s.lookupSQL+typed, args...)
 		return err
 	})
 	return rows, err
@@ -693,7 +730,7 @@ func (s *SQLSource) lookupSplit(ctx context.Context, keys []string) ([]Row, erro
 func (s *SQLSource) keyRejected(ctx context.Context, key string, err error) error {
 	cerr := s.mayFail(ctx, func(db DBTX) error {
 		var n int
-		return db.QueryRow(ctx, s.keyCastSQL, []string{key}).Scan(&n)
+		return db.QueryRow(ctx, s.keyCastSQL+s.typedSuffix(), []string{key}).Scan(&n)
 	})
 	switch {
 	case cerr == nil:
