@@ -562,7 +562,7 @@ func (s *Service) writeTimeout(w http.ResponseWriter, r *http.Request, err error
 	writeJSON(w, http.StatusServiceUnavailable, errorResponse{Error: "the request took too long; retry shortly"})
 }
 
-const submitTimedOut = "the request took too long, so the score may have been applied; retry with the same Idempotency-Key"
+const submitTimedOut = "the request took too long, and the score may or may not have been applied; retry with the same Idempotency-Key"
 
 // writeError maps the leaderboard's errors to HTTP answers. It is the one
 // place that decides which error is the client's and which is ours.
@@ -733,7 +733,28 @@ func unreachable(err error) bool {
 	return errors.As(err, &netErr) || errors.As(err, &connectErr) ||
 		errors.Is(err, redis.ErrPoolTimeout) || errors.Is(err, redis.ErrClosed) ||
 		errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) || errors.Is(err, syscall.ECONNRESET) ||
-		err.Error() == ringShardsDown
+		hasText(err, ringShardsDown)
+}
+
+// hasText reports whether err or an error it wraps reads text.
+func hasText(err error, text string) bool {
+	if err == nil {
+		return false
+	}
+	if err.Error() == text {
+		return true
+	}
+	switch u := err.(type) {
+	case interface{ Unwrap() error }:
+		return hasText(u.Unwrap(), text)
+	case interface{ Unwrap() []error }:
+		for _, e := range u.Unwrap() {
+			if hasText(e, text) {
+				return true
+			}
+		}
+	}
+	return false
 }
 
 // ringShardsDown is go-redis's error (unexported, so compared by text) of

@@ -894,18 +894,39 @@ func TestUnreachableRedisOutOfClients(t *testing.T) {
 		require.Equal(t, http.StatusOK, tb.do(t, http.MethodGet, "/leaderboard", nil, "").status)
 	})
 
-	t.Run("RingShardsDown", func(t *testing.T) {
-		t.Parallel()
-		rs := testenv.StartRedis(t)
-		addr := rs.Addr()
-		require.NoError(t, rs.Stop())
-		ring := redis.NewRing(&redis.RingOptions{Addrs: map[string]string{"a": addr}, MaxRetries: -1})
-		t.Cleanup(func() { _ = ring.Close() })
-		var err error
-		require.Eventually(t, func() bool {
-			err = ring.Exists(ctx, "k").Err()
-			return err != nil && err.Error() == ringShardsDown
-		}, 10*time.Second, 10*time.Millisecond)
-		require.True(t, unreachable(err), "%v", err)
-	})
+	// Through the service: the board wraps go-redis's Ring error.
+	for _, policy := range []leaderboard.ReadPolicy{leaderboard.ServeStale, leaderboard.FailClosed} {
+		t.Run("RingShardsDown/"+policy.String(), func(t *testing.T) {
+			t.Parallel()
+			pg := testenv.Postgres(t)
+			rs := testenv.StartRedis(t)
+			ring := redis.NewRing(&redis.RingOptions{Addrs: map[string]string{"a": rs.Addr()}, MaxRetries: -1,
+				HeartbeatFrequency: 100 * time.Millisecond})
+			t.Cleanup(func() { _ = ring.Close() })
+			cfg := &leaderboard.Config{Name: testBoard, Schema: pg.Schema, ReadPolicy: policy}
+			require.NoError(t, leaderboard.Migrate(ctx, pg.Pool, cfg))
+			board, err := leaderboard.New(pg.Pool, ring, cfg)
+			require.NoError(t, err)
+			t.Cleanup(board.Close)
+			svc, err := NewService(pg.Pool, ring, board, ServiceConfig{})
+			require.NoError(t, err)
+			t.Cleanup(func() { _ = svc.Close() })
+			tb := &testBundle{svc: svc, srv: newServer(t, svc)}
+			require.Equal(t, http.StatusCreated, tb.submit(t, uuid.NewString(), `{"user_id":"ada","delta":5}`).status)
+			tb.drain(t)
+			require.Equal(t, http.StatusOK, tb.do(t, http.MethodGet, "/leaderboard", nil, "").status)
+
+			require.NoError(t, rs.Stop())
+			require.Eventually(t, func() bool {
+				err := ring.Exists(ctx, "k").Err()
+				return err != nil && err.Error() == ringShardsDown
+			}, 10*time.Second, 10*time.Millisecond)
+			for _, path := range []string{"/leaderboard", "/users/ada/rank"} {
+				res := tb.do(t, http.MethodGet, path, nil, "")
+				require.Equal(t, http.StatusServiceUnavailable, res.status, "%s: %s", path, res.body)
+				require.Equal(t, "1", res.header.Get("Retry-After"), path)
+				require.Contains(t, res.json(t)["error"], "cannot be reached", path)
+			}
+		})
+	}
 }
