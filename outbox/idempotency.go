@@ -194,7 +194,9 @@ func (w *Writer) RecordCommand(ctx context.Context, tx Tx, eventID uuid.UUID, fi
 // different bytes returns a *CommandResultConflictError
 // (errors.Is(err, ErrCommandResultConflict)) and writes nothing. It returns
 // ErrCommandNotRecorded when the id is unknown. Neither error fails a
-// statement, so tx remains usable.
+// statement, so tx remains usable. A result is read back as hex text (see
+// the statements), twice its size, which PostgreSQL's 1 GB limit on a
+// value bounds: keep results small (an id, a status), far below 512 MB.
 func (w *Writer) StoreCommandResult(ctx context.Context, tx Tx, eventID uuid.UUID, result []byte) error {
 	if w.unmade() {
 		return errUnmadeWriter()
