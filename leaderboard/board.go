@@ -117,6 +117,7 @@ type Board struct {
 
 	lagMu        sync.Mutex
 	lagProbe     lagProbe
+	lagFirst     chan struct{} // closed when the first lag measurement ends
 	verification verification
 	// lagGaugeProbe is closed when the measurement a metrics collection
 	// started is over; nil while none runs.

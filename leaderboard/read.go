@@ -759,7 +759,7 @@ type verifiedLook struct {
 // freshness returns the projection's freshness, measuring the lag at most
 // once per Config.LagProbeInterval. While one read measures, concurrent
 // reads use the previous measurement instead of queueing behind it (only
-// the very first reads of a Board wait for a measurement of their own).
+// the very first reads of a Board, having none, wait for the first one).
 //
 // A measurement is trusted as is for LagProbeInterval only: when the probe
 // under way takes longer (a saturated pool, a slow database), the reused
@@ -783,11 +783,28 @@ type verifiedLook struct {
 // failed measurement.
 func (b *Board) freshness(ctx context.Context) (Freshness, error) {
 	b.lagMu.Lock()
+	// Before the first measurement there is none to reuse: wait for the
+	// one under way instead of each sending another.
+	for b.lagProbe.at.IsZero() && b.lagProbe.running {
+		first := b.lagFirst
+		b.lagMu.Unlock()
+		select {
+		case <-first:
+		case <-ctx.Done():
+			return Freshness{Source: SourceRedis, Lag: -1}, nil
+		}
+		b.lagMu.Lock()
+	}
 	p := b.lagProbe
 	due := p.at.IsZero() || elapsed(time.Now(), p.at) >= b.cfg.LagProbeInterval
-	measure := due && (!p.running || p.at.IsZero())
+	measure := due && !p.running
+	var first chan struct{}
 	if measure {
 		b.lagProbe.running = true
+		if p.at.IsZero() {
+			first = make(chan struct{})
+			b.lagFirst = first
+		}
 	}
 	b.lagMu.Unlock()
 
@@ -800,6 +817,9 @@ func (b *Board) freshness(ctx context.Context) (Freshness, error) {
 			b.lagMu.Lock()
 			b.lagProbe.running = false
 			b.lagMu.Unlock()
+			if first != nil {
+				close(first) // a waiter measures instead
+			}
 			return Freshness{Source: SourceRedis, Lag: -1}, nil
 		}
 		// The measurement holds as of the query's snapshot, which PostgreSQL
@@ -830,6 +850,9 @@ func (b *Board) freshness(ctx context.Context) (Freshness, error) {
 		p.gauge = b.lagProbe.gauge
 		b.lagProbe = p
 		b.lagMu.Unlock()
+		if first != nil {
+			close(first)
+		}
 	}
 	if p.failed {
 		return Freshness{Source: SourceRedis, Lag: -1}, p.notMigrated

@@ -11,11 +11,14 @@ import (
 	"slices"
 	"sort"
 	"strconv"
+	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/redis/go-redis/v9"
 	"github.com/stretchr/testify/require"
@@ -2019,4 +2022,59 @@ func TestUserNotFoundSaysHowFresh(t *testing.T) {
 		require.ErrorAs(t, err, &nf)
 		require.Equal(t, Freshness{}, nf.Freshness, "not looked up")
 	})
+}
+
+// lagQueryCounter counts the lag probe's queries on a pool.
+type lagQueryCounter struct{ n atomic.Int64 }
+
+func (c *lagQueryCounter) TraceQueryStart(ctx context.Context, _ *pgx.Conn, d pgx.TraceQueryStartData) context.Context {
+	if strings.Contains(d.SQL, "WITH counted AS NOT MATERIALIZED") { // lagSQL
+		c.n.Add(1)
+	}
+	return ctx
+}
+
+func (c *lagQueryCounter) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
+
+// A new board's first reads, all at once, share one lag measurement: each
+// sent its own query (32 readers, 32 queries), where the README promises
+// one query per LagProbeInterval at most. A reader that gives up while
+// waiting returns at once, and the next read measures.
+func TestFreshnessFirstReadsShareOneProbe(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	tb := setup(t)
+	tb.submit(t, "a", 1)
+	var counter lagQueryCounter
+	pool := tb.newPool(t, func(c *pgxpool.Config) { c.ConnConfig.Tracer = &counter })
+	cfg := tb.board.Config()
+	cfg.LagProbeInterval, cfg.MaxLag = time.Hour, 2*time.Hour
+	b, err := New(pool, tb.rd.Client, &cfg)
+	require.NoError(t, err)
+	t.Cleanup(b.Close)
+
+	// Hold the first measurement until every reader is waiting on it.
+	lock, err := tb.pg.Pool.Begin(ctx)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = lock.Rollback(ctx) })
+	_, err = lock.Exec(ctx, `LOCK TABLE verity_outbox IN ACCESS EXCLUSIVE MODE`)
+	require.NoError(t, err)
+	const readers = 32
+	var wg sync.WaitGroup
+	lags := make([]time.Duration, readers)
+	for i := range readers {
+		wg.Go(func() { lags[i] = b.Freshness(ctx).Lag })
+	}
+	require.Eventually(t, func() bool { return counter.n.Load() >= 1 }, 10*time.Second, 5*time.Millisecond)
+	// A reader that gives up while the first measurement runs.
+	cctx, cancel := context.WithTimeout(ctx, 50*time.Millisecond)
+	gaveUp := b.Freshness(cctx)
+	cancel()
+	require.EqualValues(t, -1, gaveUp.Lag)
+	require.NoError(t, lock.Rollback(ctx))
+	wg.Wait()
+	require.EqualValues(t, 1, counter.n.Load(), "lag queries for %d concurrent first reads", readers)
+	for _, lag := range lags {
+		require.GreaterOrEqual(t, lag, time.Duration(0), "every reader got the shared measurement")
+	}
 }
