@@ -370,6 +370,7 @@ func (b *Board) Submit(ctx context.Context, cmd Command) (Result, error) {
 		return Result{}, errBoardNotFromNew()
 	}
 	res, err := b.submit(ctx, cmd)
+	err = withCallerEnded(ctx, err)
 	b.metrics.submitted(ctx, 1, outcomeApplied, res.Duplicate, err)
 	return res, err
 }

@@ -195,6 +195,27 @@ func TestCallerEndedUnderCancelRequestWatcher(t *testing.T) {
 		}
 	})
 
+	// Grouping off: Submit runs its statement itself.
+	t.Run("SubmitAlone", func(t *testing.T) {
+		t.Parallel()
+		tb := setup(t)
+		tb.submit(t, "a", 1)
+		cfg := tb.board.Config()
+		cfg.MaxSubmitsPerStatement = 1
+		board, err := New(tb.newPool(t, cancelRequests), tb.rd.Client, &cfg)
+		require.NoError(t, err)
+		t.Cleanup(board.Close)
+		tx, err := tb.pg.Pool.Begin(ctx) // holds user a's row
+		require.NoError(t, err)
+		t.Cleanup(func() { _ = tx.Rollback(ctx) })
+		_, err = tx.Exec(ctx, `UPDATE user_scores SET score = score WHERE user_id = 'a'`)
+		require.NoError(t, err)
+		cctx, cancel := context.WithTimeout(ctx, 200*time.Millisecond)
+		defer cancel()
+		_, err = board.Submit(cctx, Command{EventID: uuid.New(), UserID: "a", Delta: 1})
+		require.ErrorIs(t, err, context.DeadlineExceeded, "%v", err)
+	})
+
 	t.Run("ReadFromPostgres", func(t *testing.T) {
 		t.Parallel()
 		tb := setup(t)
