@@ -287,8 +287,11 @@ func (b *Board) projectionVerified(ctx context.Context) (verified bool, source s
 		source = fields[2]
 	}
 	companion := held.Err() == nil
-	if companion && len(fields) > 0 {
-		// Another pass's companion is none of this record's.
+	if companion && len(fields) > 0 && !strings.HasPrefix(fields[0], heldTokenPrefix) {
+		// Another pass's companion is none of an earlier release's record.
+		// Beside this release's record it is the companion of a pass that
+		// recorded between the pipeline's GETs (Redis need not run them
+		// together): its size holds for the newer record, checked below.
 		token, _, _ := strings.Cut(held.Val(), " ")
 		companion = token == fields[0]
 	}
@@ -302,12 +305,12 @@ func (b *Board) projectionVerified(ctx context.Context) (verified bool, source s
 		return exists.Val() > 0, source, nil
 	}
 	if len(fields) > 0 {
-		token, size, _ := strings.Cut(held.Val(), " ")
+		_, size, _ := strings.Cut(held.Val(), " ")
 		n, perr := strconv.ParseInt(size, 10, 64)
 		if perr != nil {
 			n = 1 // no size: the token alone
 		}
-		if token == fields[0] && exists.Val() < n {
+		if exists.Val() < n {
 			return false, "", nil // members the pass saw are gone
 		}
 	}

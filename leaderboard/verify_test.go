@@ -3,6 +3,7 @@ package leaderboard
 import (
 	"bytes"
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"net"
@@ -1105,4 +1106,65 @@ func TestVerifyEarlierRecordBesideAnotherPassCompanion(t *testing.T) {
 	var stale *StaleError
 	require.ErrorAs(t, err, &stale)
 	require.True(t, stale.Unverified)
+}
+
+// splitHook runs the reader's verification pipeline (GET record, GET
+// companion, ZCOUNT) as Redis may: another client's script between its
+// commands. Here that script is a real Verify of the board, by another
+// process (tb.board), recording its own record and companion.
+type splitHook struct {
+	key     string
+	between func()
+	done    bool
+}
+
+func (h *splitHook) DialHook(next redis.DialHook) redis.DialHook          { return next }
+func (h *splitHook) ProcessHook(next redis.ProcessHook) redis.ProcessHook { return next }
+func (h *splitHook) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+	return func(ctx context.Context, cmds []redis.Cmder) error {
+		if h.done || len(cmds) != 3 || len(cmds[0].Args()) < 2 || cmds[0].Args()[1] != h.key {
+			return next(ctx, cmds)
+		}
+		h.done = true
+		err1 := next(ctx, cmds[:1])
+		h.between()
+		err2 := next(ctx, cmds[1:])
+		return errors.Join(err1, err2)
+	}
+}
+
+// Two Verify passes of this release, one after the other, each finding the
+// projection complete: a read that looks between them (its record from the
+// first, the companion from the second) must see it verified. It failed
+// closed when the companion's token was required to match the record's.
+func TestVerifyRecordReplacedDuringTheReadersLook(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	tb := setup(t, func(c *Config) {
+		c.RequireVerifiedProjection = true
+		c.ReadPolicy = FailClosed
+	})
+	for _, u := range []string{"a", "b", "c"} {
+		tb.submit(t, u, 3)
+	}
+	tb.drain(t)
+	_, ok, err := tb.board.Verify(ctx, nil)
+	require.NoError(t, err)
+	require.True(t, ok)
+
+	reader := redis.NewClient(tb.rd.Client.(*redis.Client).Options())
+	t.Cleanup(func() { _ = reader.Close() })
+	hook := &splitHook{key: tb.board.verifiedKey, between: func() {
+		_, ok, err := tb.board.Verify(ctx, nil)
+		require.NoError(t, err)
+		require.True(t, ok)
+	}}
+	reader.AddHook(hook)
+	cfg := tb.board.Config()
+	board, err := New(tb.pg.Pool, reader, &cfg)
+	require.NoError(t, err)
+	t.Cleanup(board.Close)
+	_, err = board.Top(ctx, 10)
+	require.True(t, hook.done)
+	require.NoError(t, err, "verified before, during and after the look")
 }
