@@ -299,7 +299,7 @@ func (s *SQLSource) buildSQL(cfg *SQLSourceConfig) {
 	pg_snapshot_xmax(pg_current_snapshot())::text::bigint, pg_snapshot_xmin(pg_current_snapshot())::text::bigint, cardinality(ARRAY(SELECT pg_snapshot_xip(pg_current_snapshot()))),
 	(coalesce(pg_last_wal_replay_lsn(), '0/0') - '0/0')::bigint,
 	(SELECT has_schema_privilege(t.typnamespace, 'USAGE') FROM pg_catalog.pg_type AS t WHERE t.oid = a.atttypid),
-	(SELECT string_agg(c.atttypid::text, ',' ORDER BY c.attnum) FROM pg_catalog.pg_attribute AS c WHERE c.attrelid = a.attrelid AND c.attnum > 0 AND NOT c.attisdropped)
+	(SELECT string_agg(c.atttypid::text || ':' || c.atttypmod || ':' || c.attcollation, ',' ORDER BY c.attnum) FROM pg_catalog.pg_attribute AS c WHERE c.attrelid = a.attrelid AND c.attnum > 0 AND NOT c.attisdropped)
 FROM pg_catalog.pg_attribute AS a
 WHERE a.attrelid = to_regclass($1) AND a.attname = $2 AND a.attnum > 0 AND NOT a.attisdropped`
 	// Lookup probes the key once per distinct key, through a lateral

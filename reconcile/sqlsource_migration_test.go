@@ -7,6 +7,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
+	"github.com/verity-go/verity/internal/testenv"
 	"github.com/verity-go/verity/projection"
 )
 
@@ -205,5 +206,51 @@ func TestSQLSourcePassLookupsAfterKeyTypeChanged(t *testing.T) {
 				require.EqualValues(t, 8, rep.Counts[ClassCurrent])
 			}
 		})
+	}
+}
+
+// A migration that changes a column's type modifier only (a KindHash value
+// column widened from varchar(10) to varchar(20)) keeps every column's type
+// oid, and so does a change of its collation: the comment names each
+// column's type modifier and collation too, or pgx's cached statements
+// fail the next pass with "cached plan must not change result type".
+func TestSQLSourceColumnTypmodOrCollationChanged(t *testing.T) {
+	t.Parallel()
+	for name, alter := range map[string]string{
+		"Typmod":    `ALTER TABLE ev ALTER COLUMN s TYPE varchar(20)`,
+		"Collation": `ALTER TABLE ev ALTER COLUMN s TYPE varchar(10) COLLATE "C"`,
+	} {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			typmodMigration(t, alter)
+		})
+	}
+}
+
+func typmodMigration(t *testing.T, alter string) {
+	ctx := context.Background()
+	pg := testenv.Postgres(t)
+	rd := testenv.Redis(t)
+	_, err := pg.Pool.Exec(ctx, `CREATE TABLE ev (k bigint PRIMARY KEY, v bigint NOT NULL, s varchar(10) NOT NULL);
+		INSERT INTO ev SELECT g, 1, 'x' || g FROM generate_series(1, 8) AS g`)
+	require.NoError(t, err)
+	ks, err := projection.NewKeyspace(rd.Prefix)
+	require.NoError(t, err)
+	target := Target{Client: rd.Client, Keyspace: ks, Kind: projection.KindHash, Name: "b"}
+	src, err := NewSQLSource(pg.Pool, &SQLSourceConfig{Table: "ev", KeyColumn: "k", VersionColumn: "v", ValueColumn: "s", Kind: projection.KindHash})
+	require.NoError(t, err)
+	r, err := New(src, target, &Config{PageSize: 3})
+	require.NoError(t, err)
+	for range 3 {
+		rep, err := r.Run(ctx, RunOptions{})
+		require.NoError(t, err)
+		require.EqualValues(t, 8, rep.Checked)
+	}
+	_, err = pg.Pool.Exec(ctx, alter)
+	require.NoError(t, err)
+	for i := range 3 {
+		rep, err := r.Run(ctx, RunOptions{})
+		require.NoError(t, err, "pass %d after the migration", i)
+		require.EqualValues(t, 8, rep.Checked)
 	}
 }
