@@ -809,6 +809,17 @@ func (b *Board) freshness(ctx context.Context) (Freshness, error) {
 	b.lagMu.Unlock()
 
 	if measure {
+		settled := false
+		defer func() {
+			if !settled { // a panic (a tracer's, a Logger's): let a later read measure
+				b.lagMu.Lock()
+				b.lagProbe.running = false
+				b.lagMu.Unlock()
+				if first != nil {
+					close(first)
+				}
+			}
+		}()
 		reading, sent, err := b.measureLag(ctx)
 		if callerEnded(ctx, err) != nil {
 			// This caller gave up, which says nothing about the database:
@@ -817,6 +828,7 @@ func (b *Board) freshness(ctx context.Context) (Freshness, error) {
 			b.lagMu.Lock()
 			b.lagProbe.running = false
 			b.lagMu.Unlock()
+			settled = true
 			if first != nil {
 				close(first) // a waiter measures instead
 			}
@@ -850,6 +862,7 @@ func (b *Board) freshness(ctx context.Context) (Freshness, error) {
 		p.gauge = b.lagProbe.gauge
 		b.lagProbe = p
 		b.lagMu.Unlock()
+		settled = true
 		if first != nil {
 			close(first)
 		}

@@ -2024,12 +2024,19 @@ func TestUserNotFoundSaysHowFresh(t *testing.T) {
 	})
 }
 
-// lagQueryCounter counts the lag probe's queries on a pool.
-type lagQueryCounter struct{ n atomic.Int64 }
+// lagQueryCounter counts the lag probe's queries on a pool; armed, it
+// panics on the next one, as an application's tracer (or Logger) may.
+type lagQueryCounter struct {
+	n     atomic.Int64
+	armed atomic.Bool
+}
 
 func (c *lagQueryCounter) TraceQueryStart(ctx context.Context, _ *pgx.Conn, d pgx.TraceQueryStartData) context.Context {
 	if strings.Contains(d.SQL, "WITH counted AS NOT MATERIALIZED") { // lagSQL
 		c.n.Add(1)
+		if c.armed.CompareAndSwap(true, false) {
+			panic("tracer bug")
+		}
 	}
 	return ctx
 }
@@ -2077,4 +2084,37 @@ func TestFreshnessFirstReadsShareOneProbe(t *testing.T) {
 	for _, lag := range lags {
 		require.GreaterOrEqual(t, lag, time.Duration(0), "every reader got the shared measurement")
 	}
+}
+
+// A panic during a board's first lag measurement (recovered by the caller,
+// as net/http recovers a handler's) must not wedge the board: every later
+// read waited for a measurement nobody would finish, until its ctx ended
+// (for ever without one). The next read measures again.
+func TestFreshnessPanicInFirstProbe(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	tb := setup(t)
+	tb.submit(t, "a", 1)
+	var counter lagQueryCounter
+	counter.armed.Store(true)
+	pool := tb.newPool(t, func(c *pgxpool.Config) { c.ConnConfig.Tracer = &counter })
+	cfg := tb.board.Config()
+	cfg.LagProbeInterval, cfg.MaxLag = time.Hour, 2*time.Hour
+	b, err := New(pool, tb.rd.Client, &cfg)
+	require.NoError(t, err)
+	t.Cleanup(b.Close)
+
+	func() {
+		defer func() { require.NotNil(t, recover(), "the tracer panicked") }()
+		b.Freshness(ctx)
+	}()
+	done := make(chan Freshness, 1)
+	go func() { done <- b.Freshness(ctx) }() // no deadline
+	select {
+	case fr := <-done:
+		require.GreaterOrEqual(t, fr.Lag, time.Duration(0))
+	case <-time.After(10 * time.Second):
+		t.Fatal("a read after the panic is still waiting after 10 s")
+	}
+	require.EqualValues(t, 2, counter.n.Load(), "the read after the panic measured again")
 }
