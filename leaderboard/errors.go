@@ -119,14 +119,16 @@ func outcomeUnknown(err error) error {
 	return fmt.Errorf("%w: %w", ErrOutcomeUnknown, err)
 }
 
-// withCallerEnded makes err, the error of a statement that ctx ended, match
-// ctx's error too: a pool whose connections answer a cancelled ctx with a
-// cancel request (pgconn.CancelRequestContextWatcherHandler) gets the
-// server's query_canceled (57014) instead of ctx's error.
+// withCallerEnded makes err, the error of a call whose ctx has ended, match
+// ctx's error too, as the docs promise whatever ended the statement: a pool
+// whose connections answer a cancelled ctx with a cancel request
+// (pgconn.CancelRequestContextWatcherHandler) gets the server's
+// query_canceled (57014), and a server that ends the session before the
+// cancel request goes out, its FATAL error. The driver's error stays
+// reachable with errors.As.
 func withCallerEnded(ctx context.Context, err error) error {
-	var pgErr *pgconn.PgError
 	cerr := ctx.Err()
-	if err == nil || cerr == nil || errors.Is(err, cerr) || !errors.As(err, &pgErr) || pgErr.Code != "57014" {
+	if err == nil || cerr == nil || errors.Is(err, cerr) {
 		return err
 	}
 	return fmt.Errorf("%w: %w", err, cerr)

@@ -237,3 +237,51 @@ func TestCallerEndedUnderCancelRequestWatcher(t *testing.T) {
 		require.ErrorIs(t, err, context.DeadlineExceeded, "%v", err)
 	})
 }
+
+// A Submit whose ctx ended, and whose connection then broke before the
+// cancel request went out (a pool with a CancelRequestDelay; the server
+// terminated the backend: a restart, a failover), returns an error matching
+// its ctx's, as ErrOutcomeUnknown's doc promises ("A call whose own context
+// ended returns that context's error instead"), grouped or alone.
+func TestCallerEndedThenConnectionBroke(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	for name, per := range map[string]int{"Alone": 1, "Grouped": 0, "Batch": -1} {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			tb := setup(t)
+			tb.submit(t, "a", 1)
+			app := "ended" + uuid.NewString()[:8]
+			pool := tb.newPool(t, func(pc *pgxpool.Config) {
+				pc.ConnConfig.RuntimeParams["application_name"] = app
+				pc.ConnConfig.BuildContextWatcherHandler = func(c *pgconn.PgConn) ctxwatch.Handler {
+					return &pgconn.CancelRequestContextWatcherHandler{Conn: c, CancelRequestDelay: 3 * time.Second, DeadlineDelay: 5 * time.Second}
+				}
+			})
+			cfg := tb.board.Config()
+			if per > 0 {
+				cfg.MaxSubmitsPerStatement = per
+			}
+			board, err := New(pool, tb.rd.Client, &cfg)
+			require.NoError(t, err)
+			t.Cleanup(board.Close)
+			tx, err := tb.pg.Pool.Begin(ctx) // holds user a's row
+			require.NoError(t, err)
+			t.Cleanup(func() { _ = tx.Rollback(ctx) })
+			_, err = tx.Exec(ctx, `UPDATE user_scores SET score = score WHERE user_id = 'a'`)
+			require.NoError(t, err)
+			go func() {
+				time.Sleep(700 * time.Millisecond) // the caller's ctx ended at 200 ms
+				_, _ = tb.pg.Pool.Exec(ctx, `SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = $1 AND wait_event_type = 'Lock'`, app)
+			}()
+			cctx, cancel := context.WithTimeout(ctx, 200*time.Millisecond)
+			defer cancel()
+			if per < 0 {
+				_, err = board.SubmitBatch(cctx, []Command{{EventID: uuid.New(), UserID: "a", Delta: 1}})
+			} else {
+				_, err = board.Submit(cctx, Command{EventID: uuid.New(), UserID: "a", Delta: 1})
+			}
+			require.ErrorIs(t, err, context.DeadlineExceeded, "%v", err)
+		})
+	}
+}
