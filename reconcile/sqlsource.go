@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"math/rand/v2"
 	"reflect"
 	"slices"
 	"strconv"
@@ -181,6 +182,10 @@ type SQLSource struct {
 	// encodings caches what rawKeys learnt; nil until a key that is not
 	// UTF-8 first comes.
 	encodings atomic.Pointer[encodings]
+
+	// txTag, for a source over a pgx.Tx, makes its statements its own (see
+	// NewSQLSource).
+	txTag string
 }
 
 // encodings says what an SQLSource's database and sessions do with keys
@@ -244,6 +249,14 @@ func NewSQLSource(db DBTX, cfg *SQLSourceConfig) (*SQLSource, error) {
 	}
 
 	s := &SQLSource{db: db, kind: cfg.Kind}
+	if _, ok := db.(pgx.Tx); ok {
+		// The catalog read that names the columns' types in the
+		// statements runs in the transaction's snapshot, which under
+		// REPEATABLE READ can predate a migration the planner sees: the
+		// connection's statements cached under the same text would fail
+		// (0A000). The source's own, prepared anew, are planned for it.
+		s.txTag = fmt.Sprintf(", source %016x", rand.Uint64())
+	}
 	s.buildSQL(cfg)
 	return s, nil
 }
@@ -442,7 +455,7 @@ func (s *SQLSource) walkSQLs(ctx context.Context, fresh bool) (*walkStatements, 
 	// comment (typedSuffix).
 	typed := ""
 	if typ != "" {
-		typed = fmt.Sprintf(" /* key type %d, column types %s */", oid, types)
+		typed = fmt.Sprintf(" /* key type %d, column types %s%s */", oid, types, s.txTag)
 	}
 	w := &walkStatements{
 		first:   fmt.Sprintf("%s WHERE %s ORDER BY %s LIMIT $%d%s", cols, where, key, n+1, typed),

@@ -4,6 +4,7 @@ import (
 	"context"
 	"testing"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
@@ -253,4 +254,55 @@ func typmodMigration(t *testing.T, alter string) {
 		require.NoError(t, err, "pass %d after the migration", i)
 		require.EqualValues(t, 8, rep.Checked)
 	}
+}
+
+// A pass through a REPEATABLE READ pgx.Tx whose snapshot predates a
+// migration, on a connection that cached the walk's statements: the
+// catalog read, in that snapshot, names the old types, and the cached
+// statements failed (0A000). A source over a pgx.Tx has statements of its
+// own.
+func TestSQLSourceOverTxSnapshotBeforeMigration(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pg := testenv.Postgres(t)
+	rd := testenv.Redis(t)
+	_, err := pg.Pool.Exec(ctx, `CREATE TABLE ev (k bigint PRIMARY KEY, v bigint NOT NULL, s varchar(10) NOT NULL);
+		INSERT INTO ev SELECT g, 1, 'x' || g FROM generate_series(1, 8) AS g`)
+	require.NoError(t, err)
+	cfg, err := pgxpool.ParseConfig(pg.ConnString)
+	require.NoError(t, err)
+	cfg.MaxConns = 1
+	one, err := pgxpool.NewWithConfig(ctx, cfg)
+	require.NoError(t, err)
+	t.Cleanup(one.Close)
+
+	ks, err := projection.NewKeyspace(rd.Prefix)
+	require.NoError(t, err)
+	target := Target{Client: rd.Client, Keyspace: ks, Kind: projection.KindHash, Name: "b"}
+	scfg := &SQLSourceConfig{Table: "ev", KeyColumn: "k", VersionColumn: "v", ValueColumn: "s", Kind: projection.KindHash}
+	src, err := NewSQLSource(one, scfg)
+	require.NoError(t, err)
+	r, err := New(src, target, &Config{PageSize: 3})
+	require.NoError(t, err)
+	for range 2 {
+		rep, err := r.Run(ctx, RunOptions{})
+		require.NoError(t, err)
+		require.EqualValues(t, 8, rep.Checked)
+	}
+
+	tx, err := one.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.RepeatableRead})
+	require.NoError(t, err)
+	defer tx.Rollback(ctx)
+	_, err = tx.Exec(ctx, `SELECT 1`) // the snapshot
+	require.NoError(t, err)
+	_, err = pg.Pool.Exec(ctx, `ALTER TABLE ev ALTER COLUMN s TYPE varchar(20)`)
+	require.NoError(t, err)
+
+	txsrc, err := NewSQLSource(tx, scfg)
+	require.NoError(t, err)
+	rt, err := New(txsrc, target, &Config{PageSize: 3})
+	require.NoError(t, err)
+	rep, err := rt.Run(ctx, RunOptions{DryRun: true})
+	require.NoError(t, err, "pass through the transaction after the migration")
+	require.EqualValues(t, 8, rep.Checked)
 }
