@@ -28,7 +28,9 @@ import (
 // statement in a savepoint, so that a key it expects PostgreSQL to reject
 // does not abort the transaction; begin a transaction as a pgx.Tx rather
 // than with BEGIN on a *pgx.Conn, which SQLSource cannot tell from a
-// connection outside one.
+// connection outside one. A source made over a pgx.Tx prepares statements
+// of its own on the transaction's connection (pgx's default exec mode),
+// so make one source per transaction, not one per pass.
 //
 // Prefer a pool. A REPEATABLE READ or SERIALIZABLE transaction reads one
 // snapshot for the whole pass, and the lookups that confirm ahead and
