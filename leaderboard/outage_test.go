@@ -159,26 +159,13 @@ func redisPID(t *testing.T, client *redis.Client) int {
 func TestCallerEndedUnderCancelRequestWatcher(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	cancelRequests := func(pc *pgxpool.Config) {
-		pc.ConnConfig.BuildContextWatcherHandler = func(c *pgconn.PgConn) ctxwatch.Handler {
-			return &pgconn.CancelRequestContextWatcherHandler{Conn: c, DeadlineDelay: 5 * time.Second}
-		}
-	}
-
 	t.Run("Submit", func(t *testing.T) {
 		t.Parallel()
 		tb := setup(t)
 		tb.submit(t, "a", 1)
-		cfg := tb.board.Config()
-		board, err := New(tb.newPool(t, cancelRequests), tb.rd.Client, &cfg)
-		require.NoError(t, err)
-		t.Cleanup(board.Close)
-		tx, err := tb.pg.Pool.Begin(ctx) // holds user a's row
-		require.NoError(t, err)
-		t.Cleanup(func() { _ = tx.Rollback(ctx) })
-		_, err = tx.Exec(ctx, `UPDATE user_scores SET score = score WHERE user_id = 'a'`)
-		require.NoError(t, err)
-
+		board := cancelRequestBoard(t, tb, 0, nil)
+		holdUserRow(t, tb, "a")
+		var err error
 		for _, n := range []int{0, 1, 100} { // 0: Submit
 			cctx, cancel := context.WithTimeout(ctx, 200*time.Millisecond)
 			cmds := make([]Command, max(n, 1))
@@ -200,19 +187,11 @@ func TestCallerEndedUnderCancelRequestWatcher(t *testing.T) {
 		t.Parallel()
 		tb := setup(t)
 		tb.submit(t, "a", 1)
-		cfg := tb.board.Config()
-		cfg.MaxSubmitsPerStatement = 1
-		board, err := New(tb.newPool(t, cancelRequests), tb.rd.Client, &cfg)
-		require.NoError(t, err)
-		t.Cleanup(board.Close)
-		tx, err := tb.pg.Pool.Begin(ctx) // holds user a's row
-		require.NoError(t, err)
-		t.Cleanup(func() { _ = tx.Rollback(ctx) })
-		_, err = tx.Exec(ctx, `UPDATE user_scores SET score = score WHERE user_id = 'a'`)
-		require.NoError(t, err)
+		board := cancelRequestBoard(t, tb, 0, func(_ *pgxpool.Config, c *Config) { c.MaxSubmitsPerStatement = 1 })
+		holdUserRow(t, tb, "a")
 		cctx, cancel := context.WithTimeout(ctx, 200*time.Millisecond)
 		defer cancel()
-		_, err = board.Submit(cctx, Command{EventID: uuid.New(), UserID: "a", Delta: 1})
+		_, err := board.Submit(cctx, Command{EventID: uuid.New(), UserID: "a", Delta: 1})
 		require.ErrorIs(t, err, context.DeadlineExceeded, "%v", err)
 	})
 
@@ -220,11 +199,9 @@ func TestCallerEndedUnderCancelRequestWatcher(t *testing.T) {
 		t.Parallel()
 		tb := setup(t)
 		tb.submit(t, "a", 1)
-		cfg := tb.board.Config()
-		cfg.LagProbeInterval, cfg.MaxLag = 10*time.Second, 20*time.Second
-		board, err := New(tb.newPool(t, cancelRequests), tb.rd.Client, &cfg)
-		require.NoError(t, err)
-		t.Cleanup(board.Close)
+		board := cancelRequestBoard(t, tb, 0, func(_ *pgxpool.Config, c *Config) {
+			c.LagProbeInterval, c.MaxLag = 10*time.Second, 20*time.Second
+		})
 		board.Freshness(ctx) // measured: the read below reuses it
 		tx, err := tb.pg.Pool.Begin(ctx)
 		require.NoError(t, err)
@@ -252,24 +229,14 @@ func TestCallerEndedThenConnectionBroke(t *testing.T) {
 			tb := setup(t)
 			tb.submit(t, "a", 1)
 			app := "ended" + uuid.NewString()[:8]
-			pool := tb.newPool(t, func(pc *pgxpool.Config) {
+			board := cancelRequestBoard(t, tb, 3*time.Second, func(pc *pgxpool.Config, c *Config) {
 				pc.ConnConfig.RuntimeParams["application_name"] = app
-				pc.ConnConfig.BuildContextWatcherHandler = func(c *pgconn.PgConn) ctxwatch.Handler {
-					return &pgconn.CancelRequestContextWatcherHandler{Conn: c, CancelRequestDelay: 3 * time.Second, DeadlineDelay: 5 * time.Second}
+				if per > 0 {
+					c.MaxSubmitsPerStatement = per
 				}
 			})
-			cfg := tb.board.Config()
-			if per > 0 {
-				cfg.MaxSubmitsPerStatement = per
-			}
-			board, err := New(pool, tb.rd.Client, &cfg)
-			require.NoError(t, err)
-			t.Cleanup(board.Close)
-			tx, err := tb.pg.Pool.Begin(ctx) // holds user a's row
-			require.NoError(t, err)
-			t.Cleanup(func() { _ = tx.Rollback(ctx) })
-			_, err = tx.Exec(ctx, `UPDATE user_scores SET score = score WHERE user_id = 'a'`)
-			require.NoError(t, err)
+			holdUserRow(t, tb, "a")
+			var err error
 			go func() {
 				time.Sleep(700 * time.Millisecond) // the caller's ctx ended at 200 ms
 				_, _ = tb.pg.Pool.Exec(ctx, `SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = $1 AND wait_event_type = 'Lock'`, app)
@@ -284,4 +251,36 @@ func TestCallerEndedThenConnectionBroke(t *testing.T) {
 			require.ErrorIs(t, err, context.DeadlineExceeded, "%v", err)
 		})
 	}
+}
+
+// cancelRequestBoard is a board like tb's over a new pool whose connections
+// answer a cancelled ctx with a cancel request (a pgx option), sent after
+// delay; mutate, if not nil, adjusts the pool's and the board's config.
+func cancelRequestBoard(t *testing.T, tb *testBundle, delay time.Duration, mutate func(*pgxpool.Config, *Config)) *Board {
+	t.Helper()
+	cfg := tb.board.Config()
+	pool := tb.newPool(t, func(pc *pgxpool.Config) {
+		pc.ConnConfig.BuildContextWatcherHandler = func(c *pgconn.PgConn) ctxwatch.Handler {
+			return &pgconn.CancelRequestContextWatcherHandler{Conn: c, CancelRequestDelay: delay, DeadlineDelay: 5 * time.Second}
+		}
+		if mutate != nil {
+			mutate(pc, &cfg)
+		}
+	})
+	board, err := New(pool, tb.rd.Client, &cfg)
+	require.NoError(t, err)
+	t.Cleanup(board.Close)
+	return board
+}
+
+// holdUserRow locks user's row of user_scores in a transaction held until
+// the test ends, so that a submit for user waits.
+func holdUserRow(t *testing.T, tb *testBundle, user string) {
+	t.Helper()
+	ctx := context.Background()
+	tx, err := tb.pg.Pool.Begin(ctx)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = tx.Rollback(ctx) })
+	_, err = tx.Exec(ctx, `UPDATE user_scores SET score = score WHERE user_id = $1`, user)
+	require.NoError(t, err)
 }

@@ -33,18 +33,10 @@ func TestSQLSourceFilterColumnTypeChanged(t *testing.T) {
 	require.NoError(t, err)
 	r, err := New(src, b.target, &Config{PageSize: 3})
 	require.NoError(t, err)
-	for range 3 {
-		rep, err := r.Run(ctx, RunOptions{})
-		require.NoError(t, err)
-		require.EqualValues(t, 8, rep.Checked)
-	}
+	runPasses(t, r, 3, 8, "before the migration")
 	_, err = pool.Exec(ctx, `ALTER TABLE ev ALTER COLUMN tenant TYPE text USING tenant::text`)
 	require.NoError(t, err)
-	for i := range 3 {
-		rep, err := r.Run(ctx, RunOptions{})
-		require.NoError(t, err, "pass %d after the migration", i)
-		require.EqualValues(t, 8, rep.Checked)
-	}
+	runPasses(t, r, 3, 8, "after the migration")
 }
 
 // A migration of the version column (integer to bigint): same key type.
@@ -58,17 +50,10 @@ func TestSQLSourceVersionColumnTypeChanged(t *testing.T) {
 	require.NoError(t, err)
 	r, err = New(b.src, b.target, &Config{PageSize: 3})
 	require.NoError(t, err)
-	for range 3 {
-		_, err := r.Run(ctx, RunOptions{})
-		require.NoError(t, err)
-	}
+	runPasses(t, r, 3, 8, "before the migration")
 	_, err = pool.Exec(ctx, `ALTER TABLE ev ALTER COLUMN v TYPE bigint`)
 	require.NoError(t, err)
-	for i := range 3 {
-		rep, err := r.Run(ctx, RunOptions{})
-		require.NoError(t, err, "pass %d after the migration", i)
-		require.EqualValues(t, 8, rep.Checked)
-	}
+	runPasses(t, r, 3, 8, "after the migration")
 }
 
 // CheckKeys (lookups) after a migration of the version column.
@@ -242,18 +227,10 @@ func typmodMigration(t *testing.T, alter string) {
 	require.NoError(t, err)
 	r, err := New(src, target, &Config{PageSize: 3})
 	require.NoError(t, err)
-	for range 3 {
-		rep, err := r.Run(ctx, RunOptions{})
-		require.NoError(t, err)
-		require.EqualValues(t, 8, rep.Checked)
-	}
+	runPasses(t, r, 3, 8, "before the migration")
 	_, err = pg.Pool.Exec(ctx, alter)
 	require.NoError(t, err)
-	for i := range 3 {
-		rep, err := r.Run(ctx, RunOptions{})
-		require.NoError(t, err, "pass %d after the migration", i)
-		require.EqualValues(t, 8, rep.Checked)
-	}
+	runPasses(t, r, 3, 8, "after the migration")
 }
 
 // A pass through a REPEATABLE READ pgx.Tx whose snapshot predates a
@@ -305,4 +282,14 @@ func TestSQLSourceOverTxSnapshotBeforeMigration(t *testing.T) {
 	rep, err := rt.Run(ctx, RunOptions{DryRun: true})
 	require.NoError(t, err, "pass through the transaction after the migration")
 	require.EqualValues(t, 8, rep.Checked)
+}
+
+// runPasses runs n passes of r, each of which must check want rows.
+func runPasses(t *testing.T, r *Reconciler, n int, want int64, when string) {
+	t.Helper()
+	for i := range n {
+		rep, err := r.Run(context.Background(), RunOptions{})
+		require.NoError(t, err, "pass %d %s", i, when)
+		require.EqualValues(t, want, rep.Checked, "pass %d %s", i, when)
+	}
 }

@@ -861,22 +861,10 @@ func TestUnreachableRedisOutOfClients(t *testing.T) {
 
 	t.Run("MaxClients", func(t *testing.T) {
 		t.Parallel()
-		pg := testenv.Postgres(t)
 		rs := testenv.StartRedis(t)
 		rdb := redis.NewClient(&redis.Options{Addr: rs.Addr(), MaxRetries: -1})
 		t.Cleanup(func() { _ = rdb.Close() })
-		cfg := &leaderboard.Config{Name: testBoard, Schema: pg.Schema, ReadPolicy: leaderboard.ServeStale}
-		require.NoError(t, leaderboard.Migrate(ctx, pg.Pool, cfg))
-		board, err := leaderboard.New(pg.Pool, rdb, cfg)
-		require.NoError(t, err)
-		t.Cleanup(board.Close)
-		svc, err := NewService(pg.Pool, rdb, board, ServiceConfig{})
-		require.NoError(t, err)
-		t.Cleanup(func() { _ = svc.Close() })
-		tb := &testBundle{svc: svc, srv: newServer(t, svc)}
-		require.Equal(t, http.StatusCreated, tb.submit(t, uuid.NewString(), `{"user_id":"ada","delta":5}`).status)
-		tb.drain(t)
-		require.Equal(t, http.StatusOK, tb.do(t, http.MethodGet, "/leaderboard", nil, "").status)
+		tb := serviceWithAda(t, rdb, leaderboard.ServeStale)
 
 		// One connection (the admin's) is all the server takes; every
 		// other client's is closed, so the service must dial anew.
@@ -898,23 +886,11 @@ func TestUnreachableRedisOutOfClients(t *testing.T) {
 	for _, policy := range []leaderboard.ReadPolicy{leaderboard.ServeStale, leaderboard.FailClosed} {
 		t.Run("RingShardsDown/"+policy.String(), func(t *testing.T) {
 			t.Parallel()
-			pg := testenv.Postgres(t)
 			rs := testenv.StartRedis(t)
 			ring := redis.NewRing(&redis.RingOptions{Addrs: map[string]string{"a": rs.Addr()}, MaxRetries: -1,
 				HeartbeatFrequency: 100 * time.Millisecond})
 			t.Cleanup(func() { _ = ring.Close() })
-			cfg := &leaderboard.Config{Name: testBoard, Schema: pg.Schema, ReadPolicy: policy}
-			require.NoError(t, leaderboard.Migrate(ctx, pg.Pool, cfg))
-			board, err := leaderboard.New(pg.Pool, ring, cfg)
-			require.NoError(t, err)
-			t.Cleanup(board.Close)
-			svc, err := NewService(pg.Pool, ring, board, ServiceConfig{})
-			require.NoError(t, err)
-			t.Cleanup(func() { _ = svc.Close() })
-			tb := &testBundle{svc: svc, srv: newServer(t, svc)}
-			require.Equal(t, http.StatusCreated, tb.submit(t, uuid.NewString(), `{"user_id":"ada","delta":5}`).status)
-			tb.drain(t)
-			require.Equal(t, http.StatusOK, tb.do(t, http.MethodGet, "/leaderboard", nil, "").status)
+			tb := serviceWithAda(t, ring, policy)
 
 			require.NoError(t, rs.Stop())
 			require.Eventually(t, func() bool {
@@ -929,4 +905,25 @@ func TestUnreachableRedisOutOfClients(t *testing.T) {
 			}
 		})
 	}
+}
+
+// serviceWithAda is a service over a board in a new schema and rdb, read
+// under policy, whose user ada scored 5, projected and served.
+func serviceWithAda(t *testing.T, rdb redis.UniversalClient, policy leaderboard.ReadPolicy) *testBundle {
+	t.Helper()
+	ctx := context.Background()
+	pg := testenv.Postgres(t)
+	cfg := &leaderboard.Config{Name: testBoard, Schema: pg.Schema, ReadPolicy: policy}
+	require.NoError(t, leaderboard.Migrate(ctx, pg.Pool, cfg))
+	board, err := leaderboard.New(pg.Pool, rdb, cfg)
+	require.NoError(t, err)
+	t.Cleanup(board.Close)
+	svc, err := NewService(pg.Pool, rdb, board, ServiceConfig{})
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = svc.Close() })
+	tb := &testBundle{svc: svc, srv: newServer(t, svc)}
+	require.Equal(t, http.StatusCreated, tb.submit(t, uuid.NewString(), `{"user_id":"ada","delta":5}`).status)
+	tb.drain(t)
+	require.Equal(t, http.StatusOK, tb.do(t, http.MethodGet, "/leaderboard", nil, "").status)
+	return tb
 }
