@@ -42,8 +42,9 @@ const notifySQL = `SELECT set_config('synchronous_commit', 'off', true), pg_noti
 type NotifierConfig struct {
 	// Interval is the shortest time between two notifications: calls to
 	// Notify within one Interval are coalesced into one NOTIFY. The first
-	// Notify after a quiet Interval is sent at once. Defaults to
-	// NotifierIntervalDefault (1 ms).
+	// Notify after a quiet Interval is sent at once, and so is a
+	// notification still owed when Close is called, however recent the
+	// last. Defaults to NotifierIntervalDefault (1 ms).
 	Interval time.Duration
 
 	// IdleTimeout is how long the sending goroutine waits for another
