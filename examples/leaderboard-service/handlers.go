@@ -55,6 +55,21 @@ type errorResponse struct {
 	// Freshness is that of a "no score" answer: from a lagging or
 	// unverified projection, the score may exist but not be projected.
 	Freshness *freshnessJSON `json:"freshness,omitempty"`
+	// bodyKey says Field names a body key, which may be "" (still named).
+	bodyKey bool
+}
+
+// MarshalJSON writes field even when empty if it names a body key: the
+// README says field is absent only when the body is not a JSON object.
+func (e errorResponse) MarshalJSON() ([]byte, error) {
+	type plain errorResponse
+	if !e.bodyKey {
+		return json.Marshal(plain(e))
+	}
+	return json.Marshal(struct {
+		plain
+		Field string `json:"field"`
+	}{plain(e), e.Field})
 }
 
 type entryJSON struct {
@@ -224,7 +239,7 @@ func decodeSubmit(w http.ResponseWriter, r *http.Request) (*submitRequest, int, 
 		case "delta":
 			target = &req.Delta
 		default:
-			return nil, http.StatusUnprocessableEntity, &errorResponse{Field: key,
+			return nil, http.StatusUnprocessableEntity, &errorResponse{Field: key, bodyKey: true,
 				Error: "unknown field; the body has only user_id and delta"}
 		}
 		if seen[key] {
@@ -376,7 +391,7 @@ func (s *Service) handleLeaderboard(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	limit := defaultLimit
-	if v != "" {
+	if v != "" { // "limit=" means the default, as no limit does (README)
 		n, ok := parseDecimal(v)
 		if !ok || n < 1 || n > leaderboard.MaxPageSize {
 			writeJSON(w, http.StatusUnprocessableEntity, errorResponse{Field: "limit",
@@ -436,6 +451,13 @@ func (s *Service) handleRank(w http.ResponseWriter, r *http.Request) {
 			return
 		}
 		opts = append(opts, leaderboard.AtLeast(user, version))
+	}
+	// The board reads an id too long to submit like any other (it may
+	// predate a lower MaxUserIDLength), under the read policy: fail-closed
+	// would answer 503 for an id that has no score. 404, as with at_least.
+	if len(user) > s.board.Config().MaxUserIDLength {
+		writeUserNotFound(w)
+		return
 	}
 	entry, fresh, err := s.board.Rank(r.Context(), user, opts...)
 	if err != nil {
@@ -663,7 +685,7 @@ func (s *Service) writeError(w http.ResponseWriter, r *http.Request, err error) 
 		s.logger.Warn("submit failed: PostgreSQL cannot be reached, ended the session or takes only reads", slog.Any("err", err))
 		w.Header().Set("Retry-After", "1")
 		writeJSON(w, http.StatusServiceUnavailable, errorResponse{Error: "the database cannot take the score now (unreachable, restarting or read-only); retry with the same Idempotency-Key"})
-	case r.Method == http.MethodGet && unreachable(err):
+	case (r.Method == http.MethodGet || r.Method == http.MethodHead) && unreachable(err):
 		// A read under ServeStale or FailClosed whose Redis (or, falling
 		// back, PostgreSQL) cannot be reached: an outage the client can
 		// wait out, not a fault in this service.

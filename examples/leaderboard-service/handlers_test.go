@@ -927,3 +927,60 @@ func serviceWithAda(t *testing.T, rdb redis.UniversalClient, policy leaderboard.
 	require.Equal(t, http.StatusOK, tb.do(t, http.MethodGet, "/leaderboard", nil, "").status)
 	return tb
 }
+
+// ServeMux routes HEAD to the GET patterns: a HEAD read while Redis is
+// down is the same outage as a GET (503, Retry-After), not the 500 it
+// answered, which a load balancer's HEAD check takes for a fault.
+func TestHeadReadsWithRedisDown(t *testing.T) {
+	t.Parallel()
+	for _, policy := range []leaderboard.ReadPolicy{leaderboard.ServeStale, leaderboard.FailClosed} {
+		t.Run(policy.String(), func(t *testing.T) {
+			t.Parallel()
+			rs := testenv.StartRedis(t)
+			rdb := redis.NewClient(&redis.Options{Addr: rs.Addr(), MaxRetries: -1})
+			t.Cleanup(func() { _ = rdb.Close() })
+			tb := serviceWithAda(t, rdb, policy)
+			require.Equal(t, http.StatusOK, tb.do(t, http.MethodHead, "/leaderboard", nil, "").status)
+			require.NoError(t, rs.Stop())
+			for _, path := range []string{"/leaderboard", "/users/ada/rank"} {
+				head := tb.do(t, http.MethodHead, path, nil, "")
+				require.Equal(t, http.StatusServiceUnavailable, head.status, "HEAD %s", path)
+				require.Equal(t, "1", head.header.Get("Retry-After"), "HEAD %s", path)
+			}
+		})
+	}
+}
+
+// An id longer than the board takes has no score: 404 with at_least or
+// without. Without, it went through a read under the policy, and
+// fail-closed, while the projection lagged, answered 503 "catching up",
+// which a client retries for ever.
+func TestRankOfTooLongIDUnderFailClosed(t *testing.T) {
+	t.Parallel()
+	tb := setup(t, func(c *leaderboard.Config) {
+		c.ReadPolicy, c.MaxLag, c.LagProbeInterval = leaderboard.FailClosed, time.Millisecond, 1
+	})
+	require.Equal(t, http.StatusCreated, tb.submit(t, uuid.NewString(), `{"user_id":"ada","delta":1}`).status)
+	require.Eventually(t, func() bool {
+		return tb.do(t, http.MethodGet, "/users/ada/rank", nil, "").status == http.StatusServiceUnavailable
+	}, 5*time.Second, 10*time.Millisecond, "the projection lags: fail-closed refuses reads")
+	long := strings.Repeat("y", tb.board.Config().MaxUserIDLength+1)
+	for _, q := range []string{"?at_least=1", ""} {
+		res := tb.do(t, http.MethodGet, "/users/"+long+"/rank"+q, nil, "")
+		require.Equal(t, http.StatusNotFound, res.status, "at_least %q: %s", q, res.body)
+	}
+}
+
+// The empty key is a key: field names it (""), where the README has field
+// absent only for a body that is not a JSON object.
+func TestSubmitEmptyUnknownKeyIsNamed(t *testing.T) {
+	t.Parallel()
+	tb := setup(t)
+	res := tb.submit(t, uuid.NewString(), `{"":1,"user_id":"ada","delta":1}`)
+	require.Equal(t, http.StatusUnprocessableEntity, res.status, "%s", res.body)
+	got := res.json(t)
+	require.Contains(t, got, "field", "%s", res.body)
+	require.Equal(t, "", got["field"])
+	events, queued := tb.counts(t)
+	require.Zero(t, events+queued, "nothing written")
+}
