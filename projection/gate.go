@@ -109,10 +109,11 @@ func (g *Gate) Keyspace() Keyspace {
 }
 
 // Load loads the gate script into the script cache of the servers the
-// client writes to: every master of a *redis.ClusterClient, every shard of
-// a *redis.Ring that the Ring counts as up, the server of any other
-// client. It is optional: Apply falls back to EVAL when a node answers
-// NOSCRIPT (after a restart or failover).
+// client writes to: every node a *redis.ClusterClient knows, replicas
+// included (go-redis sends SCRIPT LOAD to each, so one that cannot be
+// reached fails Load), every shard of a *redis.Ring that the Ring counts
+// as up, the server of any other client. It is optional: Apply falls back
+// to EVAL when a node answers NOSCRIPT (after a restart or failover).
 func (g *Gate) Load(ctx context.Context) error {
 	if err := g.unusable(); err != nil {
 		return err
