@@ -452,9 +452,12 @@ func (s *Service) handleRank(w http.ResponseWriter, r *http.Request) {
 		}
 		opts = append(opts, leaderboard.AtLeast(user, version))
 	}
-	// The board reads an id too long to submit like any other (it may
-	// predate a lower MaxUserIDLength), under the read policy: fail-closed
-	// would answer 503 for an id that has no score. 404, as with at_least.
+	// The board would read an id longer than it now takes (one stored
+	// before MaxUserIDLength was lowered), under the read policy; this
+	// service answers 404 for any id the board refuses, without at_least
+	// as with it (README), and fail-closed would otherwise answer 503
+	// "catching up" while the projection lags, which a client retries for
+	// ever.
 	if len(user) > s.board.Config().MaxUserIDLength {
 		writeUserNotFound(w)
 		return
