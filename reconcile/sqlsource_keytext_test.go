@@ -292,12 +292,7 @@ func TestSQLSourceKeyTypeChangedBetweenPasses(t *testing.T) {
 		require.Equal(t, pgx.QueryExecModeCacheStatement, pool.Config().ConnConfig.DefaultQueryExecMode)
 		r, err := New(b.src, b.target, &Config{PageSize: 3})
 		require.NoError(t, err)
-		for range 3 { // over each of the pool's connections likely to hold them
-			_, err := r.Run(ctx, RunOptions{})
-			require.NoError(t, err)
-			_, err = r.CheckKeys(ctx, []string{"1", "2", "x"}, RunOptions{})
-			require.NoError(t, err)
-		}
+		warmStatements(t, r, "1", "2", "x")
 		_, err = pool.Exec(ctx, `ALTER TABLE ev ALTER COLUMN k TYPE text USING 'user:' || k`)
 		require.NoError(t, err)
 		_, err = pool.Exec(ctx, `INSERT INTO ev VALUES ('user:x', 1, 0)`)
@@ -324,12 +319,7 @@ func TestSQLSourceKeyTypeChangedBetweenPasses(t *testing.T) {
 		pool := b.src.db.(*pgxpool.Pool)
 		r, err := New(b.src, b.target, &Config{PageSize: 3, Policy: Policy{Orphan: ActionRepair}})
 		require.NoError(t, err)
-		for range 3 {
-			_, err := r.Run(ctx, RunOptions{})
-			require.NoError(t, err)
-			_, err = r.CheckKeys(ctx, []string{"1", "x"}, RunOptions{})
-			require.NoError(t, err)
-		}
+		warmStatements(t, r, "1", "x")
 		_, err = pool.Exec(ctx, `ALTER TABLE ev ALTER COLUMN k TYPE text USING 'user:' || k`)
 		require.NoError(t, err)
 		_, err = projection.NewGate(b.target.Client, b.target.Keyspace).Apply(ctx,
