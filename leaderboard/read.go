@@ -809,14 +809,17 @@ func (b *Board) freshness(ctx context.Context) (Freshness, error) {
 	b.lagMu.Unlock()
 
 	if measure {
-		settled := false
+		// Unless a measurement is stored, release the probe for a later
+		// read to measure: this caller gave up, or a tracer or Logger
+		// panicked.
+		stored := false
 		defer func() {
-			if !settled { // a panic (a tracer's, a Logger's): let a later read measure
+			if !stored {
 				b.lagMu.Lock()
 				b.lagProbe.running = false
 				b.lagMu.Unlock()
 				if first != nil {
-					close(first)
+					close(first) // a waiter measures instead
 				}
 			}
 		}()
@@ -824,14 +827,7 @@ func (b *Board) freshness(ctx context.Context) (Freshness, error) {
 		if callerEnded(ctx, err) != nil {
 			// This caller gave up, which says nothing about the database:
 			// keep the previous measurement for the other readers, and let
-			// the next one measure again.
-			b.lagMu.Lock()
-			b.lagProbe.running = false
-			b.lagMu.Unlock()
-			settled = true
-			if first != nil {
-				close(first) // a waiter measures instead
-			}
+			// the next one measure again (the deferred release).
 			return Freshness{Source: SourceRedis, Lag: -1}, nil
 		}
 		// The measurement holds as of the query's snapshot, which PostgreSQL
@@ -862,7 +858,7 @@ func (b *Board) freshness(ctx context.Context) (Freshness, error) {
 		p.gauge = b.lagProbe.gauge
 		b.lagProbe = p
 		b.lagMu.Unlock()
-		settled = true
+		stored = true
 		if first != nil {
 			close(first)
 		}
