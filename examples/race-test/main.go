@@ -7,6 +7,7 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"math"
 	"os"
 	"os/signal"
 	"strings"
@@ -70,7 +71,7 @@ func mainErr(args []string, out io.Writer) error {
 	cfg := config{
 		Readers:    *readers,
 		Writers:    *writers,
-		Duration:   time.Duration(*seconds * float64(time.Second)),
+		Duration:   time.Duration(math.Ceil(*seconds * float64(time.Second))),
 		Window:     *window,
 		WritePause: *writePause,
 

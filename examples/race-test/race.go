@@ -128,9 +128,8 @@ func runMode(ctx context.Context, cfg config, d deps, mode string) (res Result, 
 	tbl := pgx.Identifier{"race_products_" + suffix}.Sanitize()
 	prefix := d.Prefix + suffix + ":" + mode + ":"
 
-	if _, err := d.Pool.Exec(ctx, fmt.Sprintf(sqlCreate, tbl)); err != nil {
-		return res, fmt.Errorf("create table: %w", err)
-	}
+	// Armed before CREATE TABLE: an interrupt can cut the statement off
+	// client-side after the server committed it.
 	defer func() {
 		// Clean up even when ctx was canceled (Ctrl-C).
 		cleanup, cancel := context.WithTimeout(context.Background(), 30*time.Second)
@@ -142,6 +141,9 @@ func runMode(ctx context.Context, cfg config, d deps, mode string) (res Result, 
 			err = fmt.Errorf("delete keys: %w", derr)
 		}
 	}()
+	if _, err := d.Pool.Exec(ctx, fmt.Sprintf(sqlCreate, tbl)); err != nil {
+		return res, fmt.Errorf("create table: %w", err)
+	}
 	var initialVersion int64
 	if err := d.Pool.QueryRow(ctx, fmt.Sprintf(sqlInsert, tbl), productID, 4900).Scan(&initialVersion); err != nil {
 		return res, fmt.Errorf("insert product: %w", err)
