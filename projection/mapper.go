@@ -75,7 +75,9 @@ func (m documentMapper) Map(rec outbox.Record) (Write, error) {
 }
 
 // checkStreams refuses a StreamMapper with a nil entry (typed nils
-// included), which would fail every record of its stream, and one two of
+// included, and a nested StreamMapper that routes the stream to none or
+// never stops nesting), which would fail every record of its stream, and
+// one two of
 // whose streams map through DocumentMappers where one namespace is a
 // proper prefix of the other (see DocumentMapper). Mappers it cannot see
 // into (a MapperFunc wrapping a DocumentMapper) are not checked.
@@ -86,15 +88,15 @@ func checkStreams(m Mapper) error {
 	}
 	// Sorted, so that of several nil entries the same one is reported.
 	for _, name := range slices.Sorted(maps.Keys(sm)) {
-		if deps.Missing(sm[name]) {
+		if deps.Missing(routed(name, sm[name])) {
 			return &ConfigError{Field: "mapper", Reason: fmt.Sprintf(
-				"the StreamMapper's entry for stream %q is nil, which would fail every record of the stream; give it a Mapper, or remove the entry", name)}
+				"the StreamMapper's entry for stream %q is nil, or a nested StreamMapper that routes the stream to none, which would fail every record of the stream; give it a Mapper, or remove the entry", name)}
 		}
 	}
 	type stream struct{ name, namespace string }
 	var docs []stream
 	for name, mm := range sm {
-		if d, ok := mm.(documentMapper); ok {
+		if d, ok := routed(name, mm).(documentMapper); ok {
 			docs = append(docs, stream{name: name, namespace: d.namespace})
 		}
 	}
@@ -112,6 +114,20 @@ func checkStreams(m Mapper) error {
 					a.name, b.name, a.namespace, b.namespace, rest+"1", a.name, b.name, b.namespace+"1")}
 			}
 		}
+	}
+	return nil
+}
+
+// routed returns the Mapper that records of stream name reach through m,
+// following nested StreamMappers (each routes by the same name): nil when
+// they reach none, or when the nesting does not end (a cycle).
+func routed(name string, m Mapper) Mapper {
+	for range 64 {
+		sm, ok := m.(StreamMapper)
+		if !ok {
+			return m
+		}
+		m = sm[name]
 	}
 	return nil
 }

@@ -100,7 +100,8 @@ var (
 // cfg may be nil for the defaults. A StreamMapper with a nil entry (typed
 // nils included, such as a nil MapperFunc), or whose DocumentMapper
 // namespaces could name the same document (one a prefix of another, see
-// DocumentMapper), is refused with *ConfigError.
+// DocumentMapper), is refused with *ConfigError; so are such entries
+// reached through StreamMappers nested in it.
 //
 // client must bound how long it waits for Redis. go-redis ends a command
 // in flight only at its connection's deadline, which comes from

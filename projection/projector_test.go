@@ -407,7 +407,15 @@ func TestNewRedisProjector(t *testing.T) {
 	require.NoError(t, err, "a nil StreamMapper maps no stream, and is a Mapper")
 	// A StreamMapper entry that is absent, typed nils included, would
 	// fail every record of its stream; refused up front, naming it.
-	for name, entry := range map[string]Mapper{"NilEntry": nil, "NilMapperFuncEntry": MapperFunc(nil)} {
+	// A nested StreamMapper routes by the same stream name: one that
+	// routes the stream to nothing, or never stops nesting, is as absent.
+	cycle := StreamMapper{}
+	cycle["bad"] = cycle
+	for name, entry := range map[string]Mapper{
+		"NilEntry": nil, "NilMapperFuncEntry": MapperFunc(nil),
+		"NestedNilStreamMapper": StreamMapper(nil), "NestedWithoutTheStream": StreamMapper{"good": HashMapper("h")},
+		"NestedTypedNil": StreamMapper{"bad": MapperFunc(nil)}, "Cycle": cycle,
+	} {
 		_, err := NewRedisProjector(client, StreamMapper{"good": HashMapper("h"), "bad": entry}, nil)
 		require.ErrorIs(t, err, ErrInvalidConfig, name)
 		var cfgErr *ConfigError
@@ -823,7 +831,9 @@ func TestDocumentNamespacesMustNotOverlap(t *testing.T) {
 		{"ProperPrefix", StreamMapper{"a": DocumentMapper("u"), "b": DocumentMapper("us")}, `streams "a" and "b"`, false},
 		{"EmptyNamespace", StreamMapper{"x": DocumentMapper("order:"), "y": DocumentMapper(""), "z": HashMapper("h")}, `streams "y" and "x"`, false},
 		{"SeparatorNotEnough", StreamMapper{"users": DocumentMapper("user:"), "settings": DocumentMapper("user:settings:")}, `streams "users" and "settings"`, false},
+		{"InsideANestedStreamMapper", StreamMapper{"a": StreamMapper{"a": DocumentMapper("u")}, "b": DocumentMapper("us")}, `streams "a" and "b"`, false},
 		{"Distinct", StreamMapper{"a": DocumentMapper("order:"), "b": DocumentMapper("invoice:"), "c": SortedSetMapper("o")}, "", true},
+		{"DistinctNested", StreamMapper{"a": StreamMapper{"a": DocumentMapper("order:")}, "b": DocumentMapper("invoice:")}, "", true},
 		{"EqualNamesTheSameDocuments", StreamMapper{"orders": DocumentMapper("order:"), "orders_v2": DocumentMapper("order:")}, "", true},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
