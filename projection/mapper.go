@@ -77,10 +77,9 @@ func (m documentMapper) Map(rec outbox.Record) (Write, error) {
 // checkStreams refuses a StreamMapper with a nil entry (typed nils
 // included, and a nested StreamMapper that routes the stream to none or
 // never stops nesting), which would fail every record of its stream, and
-// one two of
-// whose streams map through DocumentMappers where one namespace is a
-// proper prefix of the other (see DocumentMapper). Mappers it cannot see
-// into (a MapperFunc wrapping a DocumentMapper) are not checked.
+// one two of whose streams map through DocumentMappers where one namespace
+// is a proper prefix of the other (see DocumentMapper). Mappers it cannot
+// see into (a MapperFunc wrapping a DocumentMapper) are not checked.
 func checkStreams(m Mapper) error {
 	sm, ok := m.(StreamMapper)
 	if !ok {
