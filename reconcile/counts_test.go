@@ -2,6 +2,7 @@ package reconcile
 
 import (
 	"context"
+	"fmt"
 	"sync/atomic"
 	"testing"
 
@@ -115,6 +116,86 @@ func TestReportCountsEachEntityOnce(t *testing.T) {
 		require.Equal(t, []byte("garbage"), b.state(t, r, "corrupt").Data, "no compare-and-set repair after the cancellation")
 		require.EqualValues(t, 1, rep.Repaired, "the gate's repair, sent before, counts: %s", rep)
 	})
+
+	// An entry ahead of its row, whose row the recheck found deleted (an
+	// orphan), and whose removal raced a relay's write: the orphan scan
+	// met the changed entry again and counted the entity twice.
+	t.Run("OrphanFoundAheadWhoseRemovalRaced", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t, projection.KindHash)
+		b.insert(t, "x", 3)
+		b.project(t, "x", 5)
+		src := &deletingSource{SQLSource: b.source, b: b, key: "x"}
+		raced := false
+		r, err := New(src, b.target, &Config{
+			Policy: Policy{Ahead: ActionRepair, Orphan: ActionRepair},
+			BeforeRepair: func(ctx context.Context, f Finding) bool {
+				if !raced && f.Key == "x" {
+					raced = true
+					b.project(t, "x", 6) // a relay, between the read and the removal
+				}
+				return true
+			},
+		})
+		require.NoError(t, err)
+		rep, err := r.Run(ctx, RunOptions{})
+		require.NoError(t, err)
+		require.True(t, raced)
+		require.EqualValues(t, 1, rep.Counts[ClassOrphan], "one entity: %s", rep)
+		require.EqualValues(t, 1, rep.Results[ResultRaced], "left to the next run: %s", rep)
+		require.EqualValues(t, 6, b.state(t, r, "x").Version, "the relay's write stays until the next run")
+		rep, err = r.Run(ctx, RunOptions{})
+		require.NoError(t, err)
+		require.EqualValues(t, 1, rep.Repaired, "the next run removes it: %s", rep)
+	})
+
+	// Keys another application wrote under the prefix with an empty hash
+	// tag ("doc:{}:d"; Escape writes the empty id as "{%}") read as the
+	// empty id's entries: counted as scanned, and with the empty id's own
+	// orphan met in another SCAN batch, one entity counted twice.
+	t.Run("ForeignKeysWithAnEmptyHashTag", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t, projection.KindDocument)
+		require.NoError(t, b.client.Set(ctx, "doc:{}:dv", "7", 0).Err())
+		require.NoError(t, b.client.Set(ctx, "doc:{}:d", "x", 0).Err())
+		r := b.reconciler(t, &Config{PageSize: 1})
+		rep, err := r.Run(ctx, RunOptions{})
+		require.NoError(t, err)
+		require.Zero(t, rep.Drift(), "%s", rep)
+		require.Zero(t, rep.Scanned, "foreign keys are not projection entries: %s", rep)
+
+		b.project(t, "", 1) // the empty id's own entry, an orphan
+		pipe := b.client.Pipeline()
+		for i := range 3000 {
+			pipe.Set(ctx, fmt.Sprintf("filler:%d", i), "f", 0)
+		}
+		_, err = pipe.Exec(ctx)
+		require.NoError(t, err)
+		for range 5 {
+			rep, err = r.Run(ctx, RunOptions{})
+			require.NoError(t, err)
+			require.EqualValues(t, 1, rep.Counts[ClassOrphan], "one entity, one orphan: %s", rep)
+		}
+	})
+}
+
+// deletingSource is b's source, but its first Lookup (the recheck of an
+// entry found ahead) finds key's row deleted by a writer first.
+type deletingSource struct {
+	*SQLSource
+	b    *testBundle
+	key  string
+	done bool
+}
+
+func (s *deletingSource) Lookup(ctx context.Context, keys []string) ([]Row, error) {
+	if !s.done {
+		s.done = true
+		if _, err := s.b.pool.Exec(ctx, `DELETE FROM items WHERE key = $1`, s.key); err != nil {
+			return nil, err
+		}
+	}
+	return s.SQLSource.Lookup(ctx, keys)
 }
 
 // afterScript runs run once, when armed, right after the first script

@@ -421,6 +421,10 @@ func documentID(key, prefix, suffix string) (string, bool) {
 		return "", false
 	}
 	tag := key[len(prefix)+1 : len(key)-len(suffix)-1]
+	if tag == "" {
+		// Another application's key: Escape writes the empty id as "%".
+		return "", false
+	}
 	if tag == "%" {
 		return "", true
 	}

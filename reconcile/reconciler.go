@@ -566,14 +566,15 @@ func (r *Reconciler) checkRead(ctx context.Context, opts RunOptions, rows []Row,
 		rep.tally.add(f)
 		// An ahead entry whose row was deleted meanwhile, left as it was
 		// read: the orphan scan will meet it again and must not count it
-		// twice. One the run removed, or whose removal raced, is the
-		// scan's to count if it is there again (a relay may have written
-		// the row's last record back).
+		// twice. One the run removed is the scan's to count if it is
+		// there again (a relay may have written the row's last record
+		// back).
 		if f.Class == ClassOrphan {
 			switch f.Result {
-			case ResultReported, ResultDryRun, ResultVetoed, ResultNotAttempted:
+			case ResultReported, ResultDryRun, ResultVetoed, ResultNotAttempted, ResultRaced:
 				// NotAttempted: its removal was refused (a key of
-				// another type) with nothing written.
+				// another type) with nothing written. Raced: it changed
+				// before its removal, which is left to the next run.
 				rep.noteOrphan(f.Key)
 			}
 		}
