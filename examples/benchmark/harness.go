@@ -131,7 +131,7 @@ func Run(ctx context.Context, opts Options) (figs []Figure, err error) {
 	if err != nil {
 		return nil, fmt.Errorf("parsing the PostgreSQL URL: %w", err)
 	}
-	poolCfg.MaxConns = 24
+	poolCfg.MaxConns = int32(max(24, opts.Relays+8)) // every relay (and seed worker under -durable-bookkeeping) its connection
 	pool, err := pgxpool.NewWithConfig(ctx, poolCfg)
 	if err != nil {
 		return nil, fmt.Errorf("connecting to PostgreSQL: %w", err)
@@ -243,7 +243,7 @@ func (e *env) seedWorkerPool(ctx context.Context) (*pgxpool.Pool, error) {
 		return nil, err
 	}
 	cfg.ConnConfig.RuntimeParams["synchronous_commit"] = "off"
-	cfg.MaxConns = 16
+	cfg.MaxConns = int32(max(16, e.opts.Relays)) // a seed worker holds its connection for its whole batch
 	e.workers, err = pgxpool.NewWithConfig(ctx, cfg)
 	return e.workers, err
 }

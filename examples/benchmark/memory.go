@@ -311,7 +311,7 @@ func relayChild(ctx context.Context, stdin io.Reader, stdout io.Writer) error {
 	}
 	rdb := redis.NewClient(opts)
 	defer rdb.Close()
-	n, err := drainRelays(ctx, pool, rdb, os.Getenv("VERITY_BENCH_SCHEMA"), os.Getenv("VERITY_BENCH_TABLE"),
+	n, _, err := drainRelays(ctx, pool, rdb, os.Getenv("VERITY_BENCH_SCHEMA"), os.Getenv("VERITY_BENCH_TABLE"),
 		os.Getenv("VERITY_BENCH_PREFIX"), relays, batch, false, nil)
 	if err != nil {
 		return err

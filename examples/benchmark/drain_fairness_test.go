@@ -1,0 +1,105 @@
+package main
+
+import (
+	"context"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+	"github.com/stretchr/testify/require"
+)
+
+// barrierHook holds the seed workers' EVALSHA pipelines until want of them
+// are in flight at once (each inside its claim transaction), or until a
+// timeout; it then lets everything through and reports the peak reached.
+type barrierHook struct {
+	want    int32
+	in      atomic.Int32
+	peak    atomic.Int32
+	release chan struct{}
+	once    sync.Once
+}
+
+func (h *barrierHook) DialHook(next redis.DialHook) redis.DialHook          { return next }
+func (h *barrierHook) ProcessHook(next redis.ProcessHook) redis.ProcessHook { return next }
+func (h *barrierHook) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+	return func(ctx context.Context, cmds []redis.Cmder) error {
+		if len(cmds) > 0 && cmds[0].Name() == "evalsha" {
+			n := h.in.Add(1)
+			for p := h.peak.Load(); n > p && !h.peak.CompareAndSwap(p, n); p = h.peak.Load() {
+			}
+			if n >= h.want {
+				h.once.Do(func() { close(h.release) })
+			}
+			select {
+			case <-h.release:
+			case <-time.After(3 * time.Second):
+				h.once.Do(func() { close(h.release) })
+			}
+			defer h.in.Add(-1)
+		}
+		return next(ctx, cmds)
+	}
+}
+
+// TestDrainSeedWorkersAllRunAtOnce: the drain baseline is "as many seed
+// workers" as -relays, each holding its claim transaction (a connection)
+// while it calls Redis. With -relays above the seed pool's 16 connections
+// only 16 worked at once.
+func TestDrainSeedWorkersAllRunAtOnce(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	const workers = 20
+	e := testEnv(t, quickSizes)
+	e.opts.Relays = workers
+	schema, err := e.schema(ctx, "drain")
+	require.NoError(t, err)
+	seedPool, err := e.seedWorkerPool(ctx)
+	require.NoError(t, err)
+	h := &barrierHook{want: workers, release: make(chan struct{})}
+	e.rdb.AddHook(h)
+	_, err = drainSeed(ctx, e, seedPool, schema, "many", 4_000, 1_000, workers)
+	require.NoError(t, err)
+	require.EqualValues(t, workers, h.peak.Load(), "seed workers in their Redis call at once, of %d", workers)
+}
+
+// slowScriptLoad delays every SCRIPT LOAD: setup, which the README says
+// the drain clock does not include ("from the first claim to the last
+// acknowledgement").
+type slowScriptLoad struct{ delay time.Duration }
+
+func (h slowScriptLoad) DialHook(next redis.DialHook) redis.DialHook { return next }
+func (h slowScriptLoad) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
+	return func(ctx context.Context, cmd redis.Cmder) error {
+		if cmd.Name() == "script" {
+			time.Sleep(h.delay)
+		}
+		return next(ctx, cmd)
+	}
+}
+func (h slowScriptLoad) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+	return next
+}
+
+// TestDrainClockExcludesSetup: both sides load their Lua script before
+// draining, outside the clock ("from the first claim to the last
+// acknowledgement"); the library loaded its inside its timed window.
+func TestDrainClockExcludesSetup(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	const delay = 2 * time.Second
+	e := testEnv(t, quickSizes)
+	schema, err := e.schema(ctx, "drain")
+	require.NoError(t, err)
+	seedPool, err := e.seedWorkerPool(ctx)
+	require.NoError(t, err)
+	e.rdb.AddHook(slowScriptLoad{delay})
+	seed, err := drainSeed(ctx, e, seedPool, schema, "setup", 203, 50, 2)
+	require.NoError(t, err)
+	lib, err := drainLibrary(ctx, e, schema, "setup", 203, 50, 2)
+	require.NoError(t, err)
+	require.Less(t, seed, delay, "seed's timed drain of 203 rows")
+	require.Less(t, lib, delay, "library's timed drain of 203 rows")
+}
