@@ -60,14 +60,15 @@ RETURNING (extract(epoch FROM created_at) * 1000000)::int8`
 
 	// Under REPEATABLE READ or SERIALIZABLE the lookup can see two records
 	// of one id: one pruned after tx's snapshot was taken, and the one tx
-	// recorded anew since (see RecordCommand). The pruned one carries its
-	// committed deleter in xmax; tx's own, not committed yet, cannot have
-	// been deleted or locked by anyone else, so its xmax is 0. (created_at
-	// alone cannot tell them apart: tx's is tx's start, which may precede
-	// the pruned record's.)
+	// recorded anew since (see RecordCommand). Tx's own has created_at =
+	// now(), tx's start (the pruned one's transaction started at another
+	// time; tx's may precede it, so created_at DESC alone cannot tell them
+	// apart). xmax alone cannot either: the pruned one carries its
+	// committed deleter, and tx's own may carry a savepoint of tx that
+	// updated it (StoreCommandResult) and rolled back.
 	lookupCommandSQL = `SELECT encode(fingerprint, 'hex'), encode(result, 'hex'), (extract(epoch FROM created_at) * 1000000)::int8
 FROM %s WHERE event_id = $1
-ORDER BY xmax = '0'::xid DESC, created_at DESC LIMIT 1`
+ORDER BY created_at = now() DESC, xmax = '0'::xid DESC, created_at DESC LIMIT 1`
 
 	// storeResultSQL sets only a result not stored yet: the first one is
 	// what duplicates return (Command.Result). When it matches no row,
@@ -80,10 +81,10 @@ ORDER BY xmax = '0'::xid DESC, created_at DESC LIMIT 1`
 	// READ COMMITTED a result stored concurrently fails the recheck of
 	// result IS NULL as before; the row's new ctid fails it too.)
 	storeResultSQL = `UPDATE %[1]s SET result = $2 WHERE event_id = $1 AND result IS NULL
-AND ctid = (SELECT ctid FROM %[1]s WHERE event_id = $1 ORDER BY xmax = '0'::xid DESC, created_at DESC LIMIT 1)
+AND ctid = (SELECT ctid FROM %[1]s WHERE event_id = $1 ORDER BY created_at = now() DESC, xmax = '0'::xid DESC, created_at DESC LIMIT 1)
 RETURNING true`
 	lookupResultSQL = `SELECT encode(result, 'hex') FROM %s WHERE event_id = $1
-ORDER BY xmax = '0'::xid DESC, created_at DESC LIMIT 1`
+ORDER BY created_at = now() DESC, xmax = '0'::xid DESC, created_at DESC LIMIT 1`
 
 	// recordCommandAttempts bounds RecordCommand's inserts: each retry
 	// needs another record of the id to be committed and deleted between

@@ -3,6 +3,7 @@ package outbox_test
 import (
 	"context"
 	"database/sql"
+	"fmt"
 	"strings"
 	"testing"
 	"time"
@@ -566,6 +567,54 @@ func TestRecordCommand(t *testing.T) {
 		require.NoError(t, err, "tx recorded d itself")
 		require.True(t, cmd.Duplicate)
 		require.Equal(t, "result of d", string(cmd.Result))
+	})
+
+	// The same with c's record younger than tx's start, after a savepoint
+	// of tx stored a result for d and rolled back (a handler's failed
+	// attempt): that left the savepoint's id in the xmax of tx's own
+	// record, which the lookup took for a deleted record's, and it found
+	// c's pruned record instead: a false conflict, and then a false
+	// result conflict.
+	t.Run("RecordedAnewThenSavepointRolledBack", func(t *testing.T) {
+		t.Parallel()
+		for _, attempts := range []int{1, 2} {
+			t.Run(fmt.Sprintf("Attempts%d", attempts), func(t *testing.T) {
+				t.Parallel()
+				b := setup(t)
+				id := uuid.New()
+				tx, err := b.pool.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.RepeatableRead})
+				require.NoError(t, err)
+				t.Cleanup(func() { _ = tx.Rollback(ctx) })
+				time.Sleep(5 * time.Millisecond) // tx's now() is before c's
+				_, err = execute(t, b, id, "c")
+				require.NoError(t, err)
+				_, err = tx.Exec(ctx, "SELECT 1") // takes the snapshot, which sees c
+				require.NoError(t, err)
+				n, err := b.writer.PruneCommands(ctx, b.pool, time.Microsecond)
+				require.NoError(t, err)
+				require.EqualValues(t, 1, n)
+
+				d := outbox.Fingerprint([]byte("d"))
+				cmd, err := b.writer.RecordCommand(ctx, tx, id, d)
+				require.NoError(t, err)
+				require.False(t, cmd.Duplicate)
+				for range attempts {
+					sp, err := tx.Begin(ctx)
+					require.NoError(t, err)
+					require.NoError(t, b.writer.StoreCommandResult(ctx, sp, id, []byte("attempt")))
+					require.NoError(t, sp.Rollback(ctx))
+				}
+				cmd, err = b.writer.RecordCommand(ctx, tx, id, d)
+				require.NoError(t, err, "tx's own record of d, not c's pruned one")
+				require.True(t, cmd.Duplicate)
+				require.Nil(t, cmd.Result, "the attempts' results were rolled back")
+				require.NoError(t, b.writer.StoreCommandResult(ctx, tx, id, []byte("result of d")))
+				cmd, err = b.writer.RecordCommand(ctx, tx, id, d)
+				require.NoError(t, err)
+				require.Equal(t, "result of d", string(cmd.Result))
+				require.NoError(t, tx.Commit(ctx))
+			})
+		}
 	})
 
 	// A record that reappears before, and is deleted after, every one of
