@@ -484,3 +484,47 @@ func lookUpRank(browser context.Context, fail func(string, error), user string) 
 	}
 	return rank
 }
+
+// TestPageDoubleClickSubmitsOnce: a double-click on Submit while the
+// first request is still in flight (the score table locked) must not send a
+// second command under a second Idempotency-Key.
+func TestPageDoubleClickSubmitsOnce(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	tb := setup(t)
+	browser, base, fail := openPage(t, tb, ServiceConfig{})
+	if err := chromedp.Do(browser, chromedp.Navigate(base+"/"), chromedp.WaitVisible(chromedp.CSS("#top tbody tr"))); err != nil {
+		fail("load the page", err)
+	}
+	lock, err := tb.pg.Pool.Begin(ctx)
+	require.NoError(t, err)
+	_, err = lock.Exec(ctx, `LOCK TABLE score_events IN ACCESS EXCLUSIVE MODE`)
+	require.NoError(t, err)
+	released := false
+	t.Cleanup(func() {
+		if !released {
+			_ = lock.Rollback(ctx)
+		}
+	})
+	if err := chromedp.Do(browser,
+		chromedp.SendKeys(chromedp.CSS("#user-id"), "e2e-ada"),
+		chromedp.SetValue(chromedp.CSS("#delta"), "10"),
+		chromedp.Click(chromedp.CSS("#submit")), // a double-click: two clicks
+		chromedp.Click(chromedp.CSS("#submit")),
+	); err != nil {
+		fail("double-click submit", err)
+	}
+	time.Sleep(300 * time.Millisecond)
+	require.NoError(t, lock.Rollback(ctx))
+	released = true
+	if err := chromedp.Do(browser, chromedp.Poll[chromedp.Void](
+		`document.querySelector("#submit-result").textContent.includes("applied")`,
+		chromedp.WithPollingTimeout(10*time.Second))); err != nil {
+		fail("submit answer", err)
+	}
+	time.Sleep(300 * time.Millisecond)
+	events, _ := tb.counts(t)
+	result, _ := chromedp.Run(browser, chromedp.Evaluate[string](`document.querySelector("#submit-result").textContent`))
+	t.Logf("events %d; submit result %q", events, result)
+	require.Equal(t, 1, events, "one double-click, one score event")
+}

@@ -984,3 +984,33 @@ func TestSubmitEmptyUnknownKeyIsNamed(t *testing.T) {
 	events, queued := tb.counts(t)
 	require.Zero(t, events+queued, "nothing written")
 }
+
+// TestEveryAnswerIsNosniff: every answer of the service, JSON, the page and
+// the metrics, carries X-Content-Type-Options: nosniff.
+func TestEveryAnswerIsNosniff(t *testing.T) {
+	t.Parallel()
+	tb := setup(t)
+	res := tb.submit(t, uuid.NewString(), `{"user_id":"ada","delta":1}`)
+	require.Equal(t, http.StatusCreated, res.status, "%s", res.body)
+	var missing []string
+	for _, c := range []struct{ method, path, body string }{
+		{http.MethodGet, "/", ""},
+		{http.MethodGet, "/leaderboard", ""},
+		{http.MethodGet, "/leaderboard?limit=x", ""},
+		{http.MethodGet, "/users/ada/rank", ""},
+		{http.MethodGet, "/users/nobody/rank", ""},
+		{http.MethodGet, "/stats", ""},
+		{http.MethodGet, "/reconcile/last", ""},
+		{http.MethodGet, "/healthz", ""},
+		{http.MethodGet, "/metrics", ""},
+		{http.MethodPost, "/scores", `{"<b>":1}`},
+	} {
+		h := map[string]string{"Idempotency-Key": uuid.NewString()}
+		r := tb.do(t, c.method, c.path, h, c.body)
+		t.Logf("%s %s: %d %q nosniff=%q", c.method, c.path, r.status, r.header.Get("Content-Type"), r.header.Get("X-Content-Type-Options"))
+		if r.header.Get("X-Content-Type-Options") != "nosniff" {
+			missing = append(missing, c.method+" "+c.path)
+		}
+	}
+	require.Empty(t, missing, "answers without X-Content-Type-Options: nosniff")
+}

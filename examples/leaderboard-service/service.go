@@ -246,7 +246,17 @@ func (s *Service) routes() (http.Handler, error) {
 	// withTimeout is outermost: instrument reads the route pattern that the
 	// mux sets on the request it is given, so no request copy may come
 	// between them.
-	return s.withTimeout(s.metrics.instrument(mux)), nil
+	return nosniff(s.withTimeout(s.metrics.instrument(mux))), nil
+}
+
+// nosniff marks every answer's Content-Type as authoritative: no browser
+// may sniff a JSON answer echoing client text (user ids, body keys) as
+// markup or script.
+func nosniff(next http.Handler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("X-Content-Type-Options", "nosniff")
+		next.ServeHTTP(w, r)
+	})
 }
 
 // errRequestTimeout is the cause of a request context that ran out of
