@@ -204,7 +204,7 @@ func (g *submitGroup) underWayLocked() chan struct{} {
 // counted, as a statement of its own; then it gives the place back, or
 // hands it to a flusher for the calls queued meanwhile.
 func (g *submitGroup) applyAlone(call *submitCall, done chan struct{}) {
-	stalled := g.apply([]*submitCall{call})
+	stalled := g.applyOrRelease(call, done)
 	g.mu.Lock()
 	delete(g.inFlight, done)
 	if !stalled { // a stalled statement's place was given back already
@@ -213,6 +213,24 @@ func (g *submitGroup) applyAlone(call *submitCall, done chan struct{}) {
 	}
 	g.mu.Unlock()
 	close(done)
+}
+
+// applyOrRelease applies call alone; if apply panics (a pgx tracer or pool
+// hook: the panic goes on in the caller), the statement is no longer under
+// way, and apply gave its place back.
+func (g *submitGroup) applyOrRelease(call *submitCall, done chan struct{}) bool {
+	ok := false
+	defer func() {
+		if !ok {
+			g.mu.Lock()
+			delete(g.inFlight, done)
+			g.mu.Unlock()
+			close(done)
+		}
+	}()
+	stalled := g.apply([]*submitCall{call})
+	ok = true
+	return stalled
 }
 
 // apply runs calls in one statement and reports whether it stalled (ran
@@ -245,6 +263,17 @@ func (g *submitGroup) apply(calls []*submitCall) (stalled bool) {
 	})
 	defer func() {
 		timer.Stop()
+		if p := recover(); p != nil {
+			// A panic (a pgx tracer or hook) goes on in the caller: give
+			// the place back now, as a stalled statement's is.
+			if state.CompareAndSwap(running, released) {
+				g.mu.Lock()
+				g.flushers--
+				g.startFlusherLocked()
+				g.mu.Unlock()
+			}
+			panic(p)
+		}
 		stalled = !state.CompareAndSwap(running, done)
 	}()
 

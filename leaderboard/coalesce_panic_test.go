@@ -1,0 +1,72 @@
+package leaderboard
+
+import (
+	"context"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/stretchr/testify/require"
+)
+
+// panickyTracer panics once, when armed, as the next pool connection is
+// acquired (before one is taken, so the pool loses none).
+type panickyTracer struct{ armed atomic.Bool }
+
+func (p *panickyTracer) TraceQueryStart(ctx context.Context, _ *pgx.Conn, _ pgx.TraceQueryStartData) context.Context {
+	return ctx
+}
+func (p *panickyTracer) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
+func (p *panickyTracer) TraceAcquireStart(ctx context.Context, _ *pgxpool.Pool, _ pgxpool.TraceAcquireStartData) context.Context {
+	if p.armed.CompareAndSwap(true, false) {
+		panic("tracer panic")
+	}
+	return ctx
+}
+func (p *panickyTracer) TraceAcquireEnd(context.Context, *pgxpool.Pool, pgxpool.TraceAcquireEndData) {
+}
+
+// TestSubmitAfterARecoveredPanic: a panic in an application's pgx tracer
+// during a lone Submit (sent on its caller's goroutine) reaches the caller,
+// which recovers it (net/http does, for a handler). The statement stayed
+// registered as under way, and its place in SubmitStatements taken: Close
+// waited for ever, and with one place every later Submit queued with no
+// one to send it.
+func TestSubmitAfterARecoveredPanic(t *testing.T) {
+	t.Parallel()
+	for name, statements := range map[string]int{"OnePlace": 1, "Default": 0} {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			tb := setup(t)
+			tr := &panickyTracer{}
+			pool := tb.newPool(t, func(pc *pgxpool.Config) { pc.ConnConfig.Tracer = tr })
+			cfg := tb.board.Config()
+			cfg.SubmitStatements = statements
+			board, err := New(pool, tb.rd.Client, &cfg)
+			require.NoError(t, err)
+
+			tr.armed.Store(true)
+			func() {
+				defer func() { require.NotNil(t, recover(), "the tracer's panic reaches the caller") }()
+				_, _ = board.Submit(context.Background(), Command{EventID: uuid.New(), UserID: "user-a", Delta: 1})
+			}()
+
+			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+			defer cancel()
+			res, err := board.Submit(ctx, Command{EventID: uuid.New(), UserID: "user-b", Delta: 1})
+			require.NoError(t, err, "a Submit after the recovered panic is sent")
+			require.EqualValues(t, 1, res.Score)
+
+			closed := make(chan struct{})
+			go func() { board.Close(); close(closed) }()
+			select {
+			case <-closed:
+			case <-time.After(10 * time.Second):
+				t.Fatal("Board.Close waits for the statement that panicked")
+			}
+		})
+	}
+}
