@@ -128,8 +128,6 @@ func runMode(ctx context.Context, cfg config, d deps, mode string) (res Result, 
 	tbl := pgx.Identifier{"race_products_" + suffix}.Sanitize()
 	prefix := d.Prefix + suffix + ":" + mode + ":"
 
-	// Armed before CREATE TABLE: an interrupt can cut the statement off
-	// client-side after the server committed it.
 	defer func() {
 		// Clean up even when ctx was canceled (Ctrl-C).
 		cleanup, cancel := context.WithTimeout(context.Background(), 30*time.Second)
@@ -141,8 +139,17 @@ func runMode(ctx context.Context, cfg config, d deps, mode string) (res Result, 
 			err = fmt.Errorf("delete keys: %w", derr)
 		}
 	}()
-	if _, err := d.Pool.Exec(ctx, fmt.Sprintf(sqlCreate, tbl)); err != nil {
+	// An interrupt does not cut the CREATE short: pgx would give up on the
+	// connection at once while the server went on to commit the statement,
+	// after the DROP above ran on another connection and found nothing.
+	createCtx, cancelCreate := context.WithTimeout(context.WithoutCancel(ctx), 30*time.Second)
+	_, err = d.Pool.Exec(createCtx, fmt.Sprintf(sqlCreate, tbl))
+	cancelCreate()
+	if err != nil {
 		return res, fmt.Errorf("create table: %w", err)
+	}
+	if err := ctx.Err(); err != nil {
+		return res, err
 	}
 	var initialVersion int64
 	if err := d.Pool.QueryRow(ctx, fmt.Sprintf(sqlInsert, tbl), productID, 4900).Scan(&initialVersion); err != nil {
