@@ -215,9 +215,9 @@ func (g *submitGroup) applyAlone(call *submitCall, done chan struct{}) {
 	close(done)
 }
 
-// applyOrRelease applies call alone; if apply panics (a pgx tracer or pool
-// hook: the panic goes on in the caller), the statement is no longer under
-// way, and apply gave its place back.
+// applyOrRelease applies call alone; if apply panics or calls
+// runtime.Goexit (a pgx tracer or pool hook: either goes on in the caller),
+// the statement is no longer under way, and apply gave its place back.
 func (g *submitGroup) applyOrRelease(call *submitCall, done chan struct{}) bool {
 	ok := false
 	defer func() {
@@ -261,22 +261,30 @@ func (g *submitGroup) apply(calls []*submitCall) (stalled bool) {
 			g.mu.Unlock()
 		}
 	})
+	returned := false
 	defer func() {
 		timer.Stop()
-		if p := recover(); p != nil {
-			// A panic (a pgx tracer or hook) goes on in the caller: give
-			// the place back now, as a stalled statement's is.
+		if !returned {
+			// A panic (a pgx tracer or hook) or runtime.Goexit goes on in
+			// the caller: give the place back now, as a stalled
+			// statement's is.
 			if state.CompareAndSwap(running, released) {
 				g.mu.Lock()
 				g.flushers--
 				g.startFlusherLocked()
 				g.mu.Unlock()
 			}
-			panic(p)
+			return
 		}
 		stalled = !state.CompareAndSwap(running, done)
 	}()
+	g.applyCalls(calls)
+	returned = true
+	return
+}
 
+// applyCalls is apply's statement.
+func (g *submitGroup) applyCalls(calls []*submitCall) {
 	ctx, cancel := context.WithCancel(context.WithoutCancel(calls[0].ctx))
 	defer cancel()
 	var live atomic.Int64

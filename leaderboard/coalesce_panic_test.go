@@ -2,6 +2,7 @@ package leaderboard
 
 import (
 	"context"
+	"runtime"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -13,8 +14,12 @@ import (
 )
 
 // panickyTracer panics once, when armed, as the next pool connection is
-// acquired (before one is taken, so the pool loses none).
-type panickyTracer struct{ armed atomic.Bool }
+// acquired (before one is taken, so the pool loses none); or, with goexit,
+// ends the goroutine with runtime.Goexit, as t.FailNow in a tracer would.
+type panickyTracer struct {
+	armed  atomic.Bool
+	goexit bool
+}
 
 func (p *panickyTracer) TraceQueryStart(ctx context.Context, _ *pgx.Conn, _ pgx.TraceQueryStartData) context.Context {
 	return ctx
@@ -22,6 +27,9 @@ func (p *panickyTracer) TraceQueryStart(ctx context.Context, _ *pgx.Conn, _ pgx.
 func (p *panickyTracer) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
 func (p *panickyTracer) TraceAcquireStart(ctx context.Context, _ *pgxpool.Pool, _ pgxpool.TraceAcquireStartData) context.Context {
 	if p.armed.CompareAndSwap(true, false) {
+		if p.goexit {
+			runtime.Goexit()
+		}
 		panic("tracer panic")
 	}
 	return ctx
@@ -34,25 +42,38 @@ func (p *panickyTracer) TraceAcquireEnd(context.Context, *pgxpool.Pool, pgxpool.
 // which recovers it (net/http does, for a handler). The statement stayed
 // registered as under way, and its place in SubmitStatements taken: Close
 // waited for ever, and with one place every later Submit queued with no
-// one to send it.
+// one to send it. A runtime.Goexit there kept the place too.
 func TestSubmitAfterARecoveredPanic(t *testing.T) {
 	t.Parallel()
-	for name, statements := range map[string]int{"OnePlace": 1, "Default": 0} {
-		t.Run(name, func(t *testing.T) {
+	for _, tc := range []struct {
+		name       string
+		statements int
+		goexit     bool
+	}{{"OnePlace", 1, false}, {"Default", 0, false}, {"GoexitOnePlace", 1, true}} {
+		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()
 			tb := setup(t)
-			tr := &panickyTracer{}
+			tr := &panickyTracer{goexit: tc.goexit}
 			pool := tb.newPool(t, func(pc *pgxpool.Config) { pc.ConnConfig.Tracer = tr })
 			cfg := tb.board.Config()
-			cfg.SubmitStatements = statements
+			cfg.SubmitStatements = tc.statements
 			board, err := New(pool, tb.rd.Client, &cfg)
 			require.NoError(t, err)
 
 			tr.armed.Store(true)
-			func() {
-				defer func() { require.NotNil(t, recover(), "the tracer's panic reaches the caller") }()
-				_, _ = board.Submit(context.Background(), Command{EventID: uuid.New(), UserID: "user-a", Delta: 1})
-			}()
+			if tc.goexit {
+				exited := make(chan struct{})
+				go func() {
+					defer close(exited)
+					_, _ = board.Submit(context.Background(), Command{EventID: uuid.New(), UserID: "user-a", Delta: 1})
+				}()
+				<-exited
+			} else {
+				func() {
+					defer func() { require.NotNil(t, recover(), "the tracer's panic reaches the caller") }()
+					_, _ = board.Submit(context.Background(), Command{EventID: uuid.New(), UserID: "user-a", Delta: 1})
+				}()
+			}
 
 			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 			defer cancel()
