@@ -12,8 +12,9 @@ import (
 )
 
 // barrierHook holds the seed workers' EVALSHA pipelines until want of them
-// are in flight at once (each inside its claim transaction), or until a
-// timeout; it then lets everything through and reports the peak reached.
+// are in flight at once (each inside its claim transaction); it then lets
+// everything through and reports the peak reached. No clock decides: want
+// is at most the seed pool's connections, the most that can be in at once.
 type barrierHook struct {
 	want    int32
 	in      atomic.Int32
@@ -35,8 +36,7 @@ func (h *barrierHook) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.
 			}
 			select {
 			case <-h.release:
-			case <-time.After(3 * time.Second):
-				h.once.Do(func() { close(h.release) })
+			case <-ctx.Done(): // the test's deadline: fail, not hang
 			}
 			defer h.in.Add(-1)
 		}
@@ -50,7 +50,8 @@ func (h *barrierHook) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.
 // only 16 worked at once.
 func TestDrainSeedWorkersAllRunAtOnce(t *testing.T) {
 	t.Parallel()
-	ctx := context.Background()
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
 	const workers = 20
 	e := testEnv(t, quickSizes)
 	e.opts.Relays = workers
@@ -58,29 +59,47 @@ func TestDrainSeedWorkersAllRunAtOnce(t *testing.T) {
 	require.NoError(t, err)
 	seedPool, err := e.seedWorkerPool(ctx)
 	require.NoError(t, err)
-	h := &barrierHook{want: workers, release: make(chan struct{})}
+	h := &barrierHook{want: min(workers, seedPool.Config().MaxConns), release: make(chan struct{})}
 	e.rdb.AddHook(h)
 	_, err = drainSeed(ctx, e, seedPool, schema, "many", 4_000, 1_000, workers)
 	require.NoError(t, err)
 	require.EqualValues(t, workers, h.peak.Load(), "seed workers in their Redis call at once, of %d", workers)
 }
 
-// slowScriptLoad delays every SCRIPT LOAD: setup, which the README says
+// slowScriptLoad delays every SCRIPT LOAD and notes when it ended: setup, which the README says
 // the drain clock does not include ("from the first claim to the last
 // acknowledgement").
-type slowScriptLoad struct{ delay time.Duration }
+type slowScriptLoad struct {
+	delay time.Duration
+	mu    sync.Mutex
+	end   time.Time // when the last SCRIPT LOAD ended
+}
 
-func (h slowScriptLoad) DialHook(next redis.DialHook) redis.DialHook { return next }
-func (h slowScriptLoad) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
+func (h *slowScriptLoad) DialHook(next redis.DialHook) redis.DialHook { return next }
+func (h *slowScriptLoad) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
 	return func(ctx context.Context, cmd redis.Cmder) error {
-		if cmd.Name() == "script" {
-			time.Sleep(h.delay)
+		if cmd.Name() != "script" {
+			return next(ctx, cmd)
 		}
-		return next(ctx, cmd)
+		time.Sleep(h.delay)
+		err := next(ctx, cmd)
+		h.mu.Lock()
+		h.end = time.Now()
+		h.mu.Unlock()
+		return err
 	}
 }
-func (h slowScriptLoad) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+func (h *slowScriptLoad) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
 	return next
+}
+
+// clockStartedAfterLoad: a clock that read elapsed when its caller
+// returned started no later than now-elapsed; that is not before the last
+// SCRIPT LOAD ended unless the load was inside it (whatever the drain costs).
+func (h *slowScriptLoad) clockStartedAfterLoad(elapsed time.Duration) bool {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return !time.Now().Add(-elapsed).Before(h.end)
 }
 
 // TestDrainClockExcludesSetup: both sides load their Lua script before
@@ -89,17 +108,18 @@ func (h slowScriptLoad) ProcessPipelineHook(next redis.ProcessPipelineHook) redi
 func TestDrainClockExcludesSetup(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	const delay = 2 * time.Second
+	const delay = 100 * time.Millisecond
 	e := testEnv(t, quickSizes)
 	schema, err := e.schema(ctx, "drain")
 	require.NoError(t, err)
 	seedPool, err := e.seedWorkerPool(ctx)
 	require.NoError(t, err)
-	e.rdb.AddHook(slowScriptLoad{delay})
+	h := &slowScriptLoad{delay: delay}
+	e.rdb.AddHook(h)
 	seed, err := drainSeed(ctx, e, seedPool, schema, "setup", 203, 50, 2)
 	require.NoError(t, err)
+	require.True(t, h.clockStartedAfterLoad(seed), "seed's timed drain of 203 rows (%v) includes its SCRIPT LOAD", seed)
 	lib, err := drainLibrary(ctx, e, schema, "setup", 203, 50, 2)
 	require.NoError(t, err)
-	require.Less(t, seed, delay, "seed's timed drain of 203 rows")
-	require.Less(t, lib, delay, "library's timed drain of 203 rows")
+	require.True(t, h.clockStartedAfterLoad(lib), "library's timed drain of 203 rows (%v) includes its SCRIPT LOAD", lib)
 }
