@@ -197,8 +197,10 @@ func setOptionsIfDifferent(table string, options ...string) string {
 // no constraint of that name. The ALTER takes an ACCESS EXCLUSIVE lock, so
 // only the first Migrate after an upgrade waits for open writers (and makes
 // new ones wait); later ones find the constraint and take no lock. NOT
-// VALID checks new rows only: the existing ones are not scanned under that
-// lock. The constraint name and check are constants of the migration files.
+// VALID checks new rows only: the ALTER scans no existing one. The lock
+// is held until Migrate's transaction commits, so the later statements of
+// that Migrate run under it (007 reads the pending rows). The constraint
+// name and check are constants of the migration files.
 func addCheckIfMissing(table, constraint, check string) string {
 	body := fmt.Sprintf("\nBEGIN\n    IF NOT EXISTS (SELECT 1 FROM pg_constraint WHERE conrelid = %s::regclass AND conname = %s) THEN\n"+
 		"        ALTER TABLE %s ADD CONSTRAINT %s CHECK (%s) NOT VALID; END IF; END\n",
