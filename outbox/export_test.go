@@ -45,3 +45,7 @@ func Pauses(ceiling time.Duration, n int) []time.Duration {
 
 // MigrationLockKey is the advisory lock Migrate holds.
 const MigrationLockKey = migrationLockKey
+
+// ClaimLockSQL is the statement a claim sends first, in the transaction of
+// its lease and pick statements.
+const ClaimLockSQL = claimLockSQL

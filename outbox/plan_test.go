@@ -210,3 +210,92 @@ func statementPlan(t *testing.T, b *testBundle, mode, sql, args string) string {
 	require.NoError(t, err)
 	return strings.Join(lines, "\n")
 }
+
+// TestClaimIsNotJITCompiled: the claim's statements are not JIT-compiled
+// by a server with the default jit settings (jit = on, jit_above_cost =
+// 100000), as the lease statement was once the lease table had grown. JIT emission costs tens of milliseconds of CPU
+// per execution (the plan is not reused across executions), against ~2 ms
+// for the whole statement: a relay on a loaded machine then claims a
+// batch per second. Checked on a fresh outbox and after the lease table has
+// seen a few hundred claims without a vacuum (autovacuum off or behind).
+func TestClaimIsNotJITCompiled(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	_, err := b.pool.Exec(ctx, `ALTER TABLE `+b.writer.Table()+` SET (autovacuum_enabled = false)`)
+	require.NoError(t, err)
+	_, err = b.pool.Exec(ctx, `ALTER TABLE `+b.cfg.Schema+`.verity_outbox_leases SET (autovacuum_enabled = false)`)
+	require.NoError(t, err)
+	r := b.relay(t, nil, &recorder{}, outbox.RelayConfig{Streams: []string{"s"}, BatchSize: 7})
+	lease, pick := r.ClaimSQL()
+	check := func(stage string) {
+		for name, sql := range map[string]string{"lease": lease, "pick": pick} {
+			for _, mode := range []string{"custom", "generic"} {
+				plan := jitPlan(t, b, mode, sql)
+				if i := strings.Index(plan, "JIT:"); i >= 0 {
+					t.Fatalf("%s: the %s statement's %s plan is JIT-compiled: %s\n%s", stage, name, mode, strings.SplitN(plan, "\n", 2)[0], plan[i:])
+				}
+			}
+		}
+	}
+	check("fresh outbox")
+	msgs := make([]outbox.Message, 2000)
+	for i := range msgs {
+		msgs[i] = newMessage("s", fmt.Sprint("k", i), 1)
+	}
+	b.appendCommitted(t, msgs...)
+	// Concurrent transactions (other sessions of the database) hold back
+	// pruning, so the lease rows' old versions pile up between vacuums: the
+	// stalled run's lease table had 42 pages for its 64 rows. A snapshot
+	// held open while relays claim does the same.
+	snap, err := b.pool.Begin(ctx)
+	require.NoError(t, err)
+	_, err = snap.Exec(ctx, `SET TRANSACTION ISOLATION LEVEL REPEATABLE READ`)
+	require.NoError(t, err)
+	var one int
+	require.NoError(t, snap.QueryRow(ctx, `SELECT 1`).Scan(&one))
+	claims := 0
+	var pages int64
+	for ; claims < 5000 && pages < 42; claims++ {
+		n, err := r.RunOnce(ctx)
+		require.NoError(t, err)
+		if n == 0 {
+			b.appendCommitted(t, msgs[:700]...)
+		}
+		require.NoError(t, b.pool.QueryRow(ctx, `SELECT pg_relation_size($1) / 8192`, b.cfg.Schema+".verity_outbox_leases").Scan(&pages))
+	}
+	require.NoError(t, snap.Rollback(ctx))
+	t.Logf("%d claims; lease table %d pages", claims, pages)
+	check(fmt.Sprintf("after %d claims (lease table %d pages)", claims, pages))
+}
+
+// jitPlan prepares sql on a connection of its own with plan_cache_mode
+// forced to mode and returns EXPLAIN (ANALYZE) of one execution, in a
+// transaction rolled back.
+func jitPlan(t *testing.T, b *testBundle, mode, sql string) string {
+	t.Helper()
+	ctx := context.Background()
+	conn, err := b.pool.Acquire(ctx)
+	require.NoError(t, err)
+	defer conn.Release()
+	defer func() { _ = conn.Conn().Close(ctx) }()
+	_, err = conn.Exec(ctx, `SET plan_cache_mode = force_`+mode+`_plan`)
+	require.NoError(t, err)
+	_, err = conn.Exec(ctx, `BEGIN`)
+	require.NoError(t, err)
+	// As the relay sends it: the claim's first statement, in its transaction.
+	_, err = conn.Exec(ctx, outbox.ClaimLockSQL, int64(42))
+	require.NoError(t, err)
+	defer func() { _, _ = conn.Exec(ctx, `ROLLBACK`) }()
+	_, err = conn.Conn().Prepare(ctx, "planned", sql)
+	require.NoError(t, err)
+	args := fmt.Sprintf("'%s', 7, '{s}'", uuid.New())
+	if strings.HasPrefix(strings.TrimSpace(sql), "WITH due") {
+		args = fmt.Sprintf("'%s', 30000000, '{s}'", uuid.New())
+	}
+	rows, err := conn.Query(ctx, `EXPLAIN (ANALYZE) EXECUTE planned(`+args+`)`)
+	require.NoError(t, err)
+	lines, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	require.NoError(t, err)
+	return strings.Join(lines, "\n")
+}
