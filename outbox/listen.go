@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"net"
 	"slices"
 	"time"
 
@@ -105,7 +106,14 @@ func (lc listenConn) run(ctx, stmtCtx context.Context, connected func(), notifie
 // back or could not be sent.
 func (lc listenConn) once(ctx, stmtCtx context.Context, connected, proven func(), notified func(string)) error {
 	poolCfg := lc.pool.Config()
-	conn, err := lc.connect(ctx, poolCfg)
+	// abandon closes every socket the connection dialled (its cancel
+	// request's too) once closing it has had listenCloseTimeout: pgx's
+	// background close of a connection cut off mid-statement sends a cancel
+	// request on a new connection and waits up to 15 s for it, which a
+	// frozen path never answers.
+	abandonCtx, abandon := context.WithCancel(context.WithoutCancel(ctx))
+	defer abandon()
+	conn, err := lc.connect(ctx, abandonCtx, poolCfg)
 	if err != nil {
 		return err
 	}
@@ -122,6 +130,8 @@ func (lc listenConn) once(ctx, stmtCtx context.Context, connected, proven func()
 		select {
 		case <-conn.PgConn().CleanupDone():
 		case <-closeCtx.Done():
+			abandon()
+			<-conn.PgConn().CleanupDone()
 		}
 	}()
 	// A failure closes the connection in the deferred function above.
@@ -317,7 +327,7 @@ func (lc listenConn) sendProbe(acquireCtx, sendCtx context.Context, token string
 
 // connect opens the connection from the pool's configuration cfg (a copy),
 // running its BeforeConnect hook, within checkAfter.
-func (lc listenConn) connect(ctx context.Context, cfg *pgxpool.Config) (*pgx.Conn, error) {
+func (lc listenConn) connect(ctx, abandonCtx context.Context, cfg *pgxpool.Config) (*pgx.Conn, error) {
 	ctx, cancel := context.WithTimeout(ctx, lc.checkAfter)
 	defer cancel()
 	// BeforeConnect may change the copy's ConnConfig.
@@ -337,6 +347,18 @@ func (lc listenConn) connect(ctx context.Context, cfg *pgxpool.Config) (*pgx.Con
 	// OnNotification callback takes them; the pool's own is for its
 	// connections, and here would leave the relays deaf.
 	cfg.ConnConfig.OnNotification = nil
+	if dial := cfg.ConnConfig.DialFunc; dial != nil {
+		cfg.ConnConfig.DialFunc = func(ctx context.Context, network, addr string) (net.Conn, error) {
+			ctx, cancel := context.WithCancel(ctx)
+			defer cancel()
+			defer context.AfterFunc(abandonCtx, cancel)()
+			c, err := dial(ctx, network, addr)
+			if err == nil {
+				context.AfterFunc(abandonCtx, func() { _ = c.Close() })
+			}
+			return c, err
+		}
+	}
 	conn, err := pgx.ConnectConfig(ctx, cfg.ConnConfig)
 	if err != nil {
 		return nil, fmt.Errorf("connect: %w", lc.bounded(ctx, err))

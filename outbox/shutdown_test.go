@@ -189,3 +189,28 @@ func TestRelayRunLetsAStatsRefreshFinish(t *testing.T) {
 	relayPool.Close()
 	require.Empty(t, closingConnections(), "a connection was still being closed after Run returned")
 }
+
+// A LISTEN connection frozen (half-open) and replaced: pgx closes it in a
+// goroutine of its own (a cancel request on a new connection, which the
+// frozen path accepts and never answers, for up to 15 s); listen.go waits
+// for it only listenCloseTimeout (2 s), so it was still running, holding the
+// frozen socket, when Run returned. Sequential, for the same reason as
+// TestRelayRunLeavesNothingClosing.
+func TestRelayRunLeavesNoFrozenListenerClosing(t *testing.T) {
+	b := setup(t)
+	proxy, lpool := holePool(t, b, nil)
+	l, err := outbox.NewListener(lpool, &outbox.ListenerConfig{Schema: b.cfg.Schema, Table: b.cfg.Table,
+		ListenCheckInterval: 500 * time.Millisecond, ReconnectBackoffMax: 100 * time.Millisecond})
+	require.NoError(t, err)
+	stop := startRun(t, b.relay(t, nil, &recorder{}, outbox.RelayConfig{PollInterval: time.Hour, Listener: l, ShutdownTimeout: time.Second}))
+	waitListening(t, b)
+	time.Sleep(200 * time.Millisecond)
+	proxy.hole.Store(true)
+	require.Positive(t, proxy.freezeAll())
+	time.Sleep(3500 * time.Millisecond) // ping fails at ~1 s, close waited 2 s
+	began := time.Now()
+	require.NoError(t, stop())
+	t.Logf("Run returned %s after cancel", time.Since(began))
+	closing := closingConnections()
+	require.Empty(t, closing, "a LISTEN connection is still being closed after Run returned")
+}
