@@ -340,7 +340,6 @@ func (g *submitGroup) applyCalls(calls []*submitCall) {
 			call.finish(Result{}, err)
 		}
 	}
-	return
 }
 
 // dropEnded finishes the calls whose ctx has ended with its error (their
