@@ -93,6 +93,23 @@ func TestRecordCommand(t *testing.T) {
 		return id, tx
 	}
 
+	// txBeganBeforeC begins a REPEATABLE READ transaction (rolled back at
+	// cleanup), then executes "c" under a new event id, then takes tx's
+	// snapshot, which sees c: tx's now() is older than c's created_at.
+	txBeganBeforeC := func(t *testing.T, b *testBundle) (uuid.UUID, pgx.Tx) {
+		t.Helper()
+		id := uuid.New()
+		tx, err := b.pool.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.RepeatableRead})
+		require.NoError(t, err)
+		t.Cleanup(func() { _ = tx.Rollback(ctx) })
+		time.Sleep(5 * time.Millisecond) // tx's now() is before c's
+		_, err = execute(t, b, id, "c")
+		require.NoError(t, err)
+		_, err = tx.Exec(ctx, "SELECT 1") // takes the snapshot, which sees c
+		require.NoError(t, err)
+		return id, tx
+	}
+
 	t.Run("FirstThenDuplicate", func(t *testing.T) {
 		t.Parallel()
 		b := setup(t)
@@ -553,15 +570,7 @@ func TestRecordCommand(t *testing.T) {
 	t.Run("RecordedAfterTxBeganThenPruned", func(t *testing.T) {
 		t.Parallel()
 		b := setup(t)
-		id := uuid.New()
-		tx, err := b.pool.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.RepeatableRead})
-		require.NoError(t, err)
-		t.Cleanup(func() { _ = tx.Rollback(ctx) })
-		time.Sleep(5 * time.Millisecond) // tx's now() is before c's
-		_, err = execute(t, b, id, "c")
-		require.NoError(t, err)
-		_, err = tx.Exec(ctx, "SELECT 1") // takes the snapshot, which sees c
-		require.NoError(t, err)
+		id, tx := txBeganBeforeC(t, b)
 		d := prunedThenRecordedAnew(t, b, tx, id)
 		cmd, err := b.writer.RecordCommand(ctx, tx, id, d)
 		require.NoError(t, err, "tx recorded d itself")
@@ -581,15 +590,7 @@ func TestRecordCommand(t *testing.T) {
 			t.Run(fmt.Sprintf("Attempts%d", attempts), func(t *testing.T) {
 				t.Parallel()
 				b := setup(t)
-				id := uuid.New()
-				tx, err := b.pool.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.RepeatableRead})
-				require.NoError(t, err)
-				t.Cleanup(func() { _ = tx.Rollback(ctx) })
-				time.Sleep(5 * time.Millisecond) // tx's now() is before c's
-				_, err = execute(t, b, id, "c")
-				require.NoError(t, err)
-				_, err = tx.Exec(ctx, "SELECT 1") // takes the snapshot, which sees c
-				require.NoError(t, err)
+				id, tx := txBeganBeforeC(t, b)
 				n, err := b.writer.PruneCommands(ctx, b.pool, time.Microsecond)
 				require.NoError(t, err)
 				require.EqualValues(t, 1, n)
