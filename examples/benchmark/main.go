@@ -10,8 +10,10 @@
 //   - drain: a pre-filled outbox projected into a sorted set by outbox.Relay
 //     and projection.RedisProjector, against the seed worker (a transaction
 //     holding FOR UPDATE SKIP LOCKED per batch, one EVALSHA per event with a
-//     marker key, pipelined, then UPDATE … SET published_at). Same rows, same
-//     worker count (-relays) and, by default, batch size (outbox.BatchSizeDefault, 1000; the seed keeps its LIMIT 100). drain_1_worker: one each.
+//     marker key, pipelined, then UPDATE … SET published_at). Same rows and
+//     worker count (-relays); the relays claim -batch rows
+//     (outbox.BatchSizeDefault, 1000), the seed its LIMIT 100.
+//     drain_1_worker: one each (left out with -relays 1, where drain is).
 //   - ingest: leaderboard.Submit with 8 clients against the seed's
 //     five-statement transaction; ingest_ungrouped: the same Submit with
 //     grouping of concurrent calls turned off (MaxSubmitsPerStatement 1);
