@@ -35,6 +35,14 @@
 // command at a time, so every caller gets the outcome its command would have
 // had alone. MaxSubmitsPerStatement 1 turns grouping off.
 //
+// A statement sent alone runs on its caller's goroutine, a shared one on a
+// goroutine of the board's, as do the Notifier's NOTIFY and the lag
+// measurement behind the metrics' lag gauge. A panic in code of the
+// application's that pgx calls (a tracer, a pool hook) reaches the caller
+// of a lone Submit, and the board stays usable; on the board's goroutines
+// it ends the process, as any goroutine's panic does, and so does a panic
+// in the Logger's handler there.
+//
 // The relays are woken after the commit, not inside it: a pg_notify in the
 // statement would make PostgreSQL serialise the commits of concurrent
 // submits (it holds a database-wide lock from PreCommit_Notify through the
