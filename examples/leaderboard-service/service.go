@@ -281,8 +281,12 @@ func (s *Service) withTimeout(next http.Handler) http.Handler {
 // in-flight requests, a stats read that a request started and nobody waits
 // for any more is cancelled, the worker settles its batch, and the
 // reconcile loop stops. Run returns after every goroutine it or its
-// requests started has exited; it returns nil after a cancellation, or the
-// first error that stopped it.
+// requests started has exited, but for two the board started: the
+// Worker's Redis eviction check, if Redis has not answered it (it ends at
+// the client's ReadTimeout, or when the caller closes the client; see
+// leaderboard.Worker.Run), and the lag measurement behind a /metrics
+// scrape's lag gauge, which Close waits for. It returns nil after a
+// cancellation, or the first error that stopped it.
 func (s *Service) Run(ctx context.Context, ln net.Listener) error {
 	srv := &http.Server{
 		Handler:           s.handler,
