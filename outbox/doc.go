@@ -396,8 +396,9 @@
 //   - A lost claim puts the rows back as they were: claimable again, by any
 //     relay, at once or when the previous lease ends.
 //   - A lost acknowledgement (or release) leaves the rows claimed; when the
-//     lease ends they are delivered again and the version gate answers
-//     duplicate. This is the same re-delivery a relay crash between handling
+//     lease ends (or sooner: a relay that saw its settle fail ends the
+//     lease before its next claim) they are delivered again and the
+//     version gate answers duplicate. This is the same re-delivery a relay crash between handling
 //     and settling causes, which at-least-once delivery allows anyway, and
 //     it counts as such a crashed attempt: a row acknowledged on its
 //     MaxAttempts-th attempt whose acknowledgement is lost (or whose settle

@@ -55,12 +55,18 @@ type Relay struct {
 	// records are not grown by doubling, nor a trickle's given BatchSize.
 	lastBatch atomic.Int64
 
-	leaseSQL   string
-	pickSQL    string
-	settleSQL  string
-	releaseSQL string
+	leaseSQL        string
+	pickSQL         string
+	settleSQL       string
+	releaseSQL      string
+	endUnsettledSQL string
 
 	releaseTimeouts releaseTimeouts // tests shorten them
+
+	// unsettled holds the tokens of batches whose settle failed: their
+	// leases are ended (see endUnsettled) once the database answers again.
+	unsettledMu sync.Mutex
+	unsettled   []unsettledBatch
 }
 
 // NewRelay returns a Relay that hands rows of the outbox described by cfg
@@ -101,16 +107,17 @@ func NewRelay(pool *pgxpool.Pool, handler Handler, cfg *RelayConfig) (*Relay, er
 		crashedError("LEAST(o.attempts, 2147483646) + 1"), buryCrashed(n.Dead, cfg), crashedError("attempts"),
 		fmt.Sprintf(dueRowProbe, n.Outbox, partitionBlock, partitionCount, streamFilter))
 	return &Relay{
-		pool:       pool,
-		handler:    handler,
-		cfg:        *cfg,
-		names:      n,
-		logger:     cfg.Logger.With(slog.String("relay", cfg.Name)),
-		metrics:    metrics,
-		leaseSQL:   lease,
-		pickSQL:    fmt.Sprintf(pickSQL, n.Outbox, n.Leases, streamFilter, partitionCount, partitionBlock, n.Dead, cfg.MaxAttempts, crashedError("attempts")),
-		settleSQL:  fmt.Sprintf(settleSQL, ack, n.Outbox, n.Dead, async, n.Leases, partitionCount, partitionBlock, others),
-		releaseSQL: fmt.Sprintf(releaseClaimSQL, n.Leases),
+		pool:            pool,
+		handler:         handler,
+		cfg:             *cfg,
+		names:           n,
+		logger:          cfg.Logger.With(slog.String("relay", cfg.Name)),
+		metrics:         metrics,
+		leaseSQL:        lease,
+		pickSQL:         fmt.Sprintf(pickSQL, n.Outbox, n.Leases, streamFilter, partitionCount, partitionBlock, n.Dead, cfg.MaxAttempts, crashedError("attempts")),
+		settleSQL:       fmt.Sprintf(settleSQL, ack, n.Outbox, n.Dead, async, n.Leases, partitionCount, partitionBlock, others),
+		releaseSQL:      fmt.Sprintf(releaseClaimSQL, n.Leases),
+		endUnsettledSQL: fmt.Sprintf(endUnsettledSQL, n.Leases),
 
 		releaseTimeouts: releaseTimeouts{
 			total:  releaseClaimTimeout,
@@ -614,8 +621,10 @@ const settleOthers = `
 //
 // A non-nil error with a positive count means the batch was handled but not
 // entirely settled: a *LeaseLostError (errors.Is(err, ErrLeaseLost)) lists
-// rows another relay had re-claimed; any other error leaves the rows to be
-// re-delivered when their lease expires.
+// rows another relay had re-claimed; any other error leaves the rows leased,
+// to be re-delivered when the lease expires or, sooner, once the relay's
+// next RunOnce reaches the database: before it claims, it ends the leases
+// its failed settles left (a settle that committed after all leaves none).
 func (r *Relay) RunOnce(ctx context.Context) (int, error) {
 	if r.unmade() {
 		return 0, errUnmadeRelay()
@@ -628,6 +637,7 @@ func (r *Relay) RunOnce(ctx context.Context) (int, error) {
 // workCtx, which Run cancels only when the shutdown timeout has passed.
 // again says when to claim next (see claim).
 func (r *Relay) runBatch(claimCtx, workCtx context.Context) (n int, again claimAgain, err error) {
+	r.endUnsettled(claimCtx)
 	token := uuid.New()
 	batch, again, start, err := r.claim(claimCtx, workCtx, token)
 	if err != nil || len(batch) == 0 {
@@ -648,7 +658,82 @@ func (r *Relay) runBatch(claimCtx, workCtx context.Context) (n int, again claimA
 	// rows behind it in its partition never reached. Run's workCtx is
 	// only ever cancelled.
 	stopping := errors.Is(workCtx.Err(), context.Canceled)
-	return len(batch), again, r.settle(context.WithoutCancel(workCtx), token, batch, results, stopping)
+	err = r.settle(context.WithoutCancel(workCtx), token, batch, results, stopping)
+	if err != nil && !errors.Is(err, ErrLeaseLost) {
+		r.noteUnsettled(token, start)
+	}
+	return len(batch), again, err
+}
+
+// endUnsettledSQL ends now the leases that a batch whose settle failed
+// still holds, as if they had run out: the next claim takes the partitions
+// over and counts the attempt, as after a crash (see claimSQL). It matches
+// only the batch's own token, so a settle that committed after all (its
+// answer lost, the leases freed) or a partition another relay has taken
+// since is left alone; a settle still running on the server holds the
+// lease rows' locks, and the statement waits for it (bounded, below) and
+// then finds them freed.
+const endUnsettledSQL = `UPDATE %s SET leased_until = now() WHERE owner = $1 AND leased_until > now()`
+
+// unsettledBatch is a batch whose settle failed, and when its lease ends
+// by itself.
+type unsettledBatch struct {
+	token uuid.UUID
+	until time.Time
+}
+
+// noteUnsettled records the batch of token, claimed at start, whose settle
+// failed, for endUnsettled.
+func (r *Relay) noteUnsettled(token uuid.UUID, start time.Time) {
+	r.unsettledMu.Lock()
+	r.unsettled = append(r.unsettled, unsettledBatch{token: token, until: start.Add(r.cfg.LeaseDuration)})
+	r.unsettledMu.Unlock()
+}
+
+// endUnsettled ends the leases of the batches whose settle failed (a
+// connection lost as PostgreSQL restarted, say) before the next claim, so
+// that their rows are delivered again as soon as the database answers
+// rather than when the leases run out (LeaseDuration). A batch whose
+// statement fails stays listed until its lease has run out by itself. It
+// runs under the claim's ctx: a shutdown does not wait for it, and a
+// statement cut short only leaves the lease to run out.
+func (r *Relay) endUnsettled(ctx context.Context) {
+	r.unsettledMu.Lock()
+	pending := r.unsettled
+	r.unsettled = nil
+	r.unsettledMu.Unlock()
+	if len(pending) == 0 || ctx.Err() != nil {
+		r.keepUnsettled(pending)
+		return
+	}
+	for i, u := range pending {
+		if !time.Now().Before(u.until) {
+			continue // ran out by itself
+		}
+		uctx, cancel := context.WithTimeout(ctx, releaseClaimTimeout)
+		b := &pgx.Batch{}
+		b.Queue(releaseUpdateTimeoutSQL, fmt.Sprintf("%dms", releaseUpdateTimeout.Milliseconds()))
+		b.Queue(r.endUnsettledSQL, pgUUID(u.token))
+		err := r.pool.SendBatch(uctx, b).Close()
+		cancel()
+		if err != nil {
+			// The database does not answer yet, or the settle still runs:
+			// try again before the next claim.
+			r.logger.DebugContext(ctx, "outbox: ending the leases of a batch whose settle failed did not succeed; retrying before the next claim", slog.Any("error", err))
+			r.keepUnsettled(pending[i:])
+			return
+		}
+	}
+}
+
+// keepUnsettled puts batches back for the next endUnsettled.
+func (r *Relay) keepUnsettled(batches []unsettledBatch) {
+	if len(batches) == 0 {
+		return
+	}
+	r.unsettledMu.Lock()
+	r.unsettled = append(batches, r.unsettled...)
+	r.unsettledMu.Unlock()
 }
 
 // claimRetries bounds how often claim leases again after leasing

@@ -65,7 +65,10 @@ type RelayConfig struct {
 	// documentation); while the lease lasts no other relay takes rows of
 	// those partitions; when it ends without being settled (the relay died,
 	// hung or lost its database connection) any relay leases them again and
-	// counts the unfinished attempt. The Handler's context expires with the
+	// counts the unfinished attempt. A relay whose settle failed (its
+	// connection lost as PostgreSQL restarted, say) ends that lease itself
+	// before its next claim, once the database answers, rather than leave
+	// the rows waiting for it. The Handler's context expires with the
 	// lease. Choose it well above the Handler's worst expected latency.
 	// Defaults to LeaseDurationDefault (30s).
 	LeaseDuration time.Duration

@@ -1,0 +1,174 @@
+package outbox_test
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"io"
+	"net"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/stretchr/testify/require"
+
+	"github.com/verity-go/verity/internal/testenv"
+	"github.com/verity-go/verity/outbox"
+)
+
+// gatedHandler acknowledges every record and records the attempt each
+// event was last delivered at; while gate is set, the next batch closes
+// entered and waits for gate to be closed.
+type gatedHandler struct {
+	mu      sync.Mutex
+	gate    chan struct{}
+	entered chan struct{}
+	last    map[uuid.UUID]int
+}
+
+func (h *gatedHandler) Handle(_ context.Context, batch []outbox.Record) ([]outbox.Result, error) {
+	h.mu.Lock()
+	gate, entered := h.gate, h.entered
+	h.gate, h.entered = nil, nil
+	for _, rec := range batch {
+		h.last[rec.EventID] = rec.Attempts
+	}
+	h.mu.Unlock()
+	if gate != nil {
+		close(entered)
+		<-gate
+	}
+	return make([]outbox.Result, len(batch)), nil
+}
+
+// lostSettleReplyConn loses the server's answer to the settle statement
+// once armed: the statement runs and commits, the relay sees a broken
+// connection.
+type lostSettleReplyConn struct {
+	net.Conn
+	arm  *atomic.Bool
+	sent atomic.Bool
+}
+
+func (c *lostSettleReplyConn) Write(p []byte) (int, error) {
+	if c.arm.Load() && bytes.Contains(p, []byte("retried AS (")) { // settleSQL's text
+		c.arm.Store(false)
+		c.sent.Store(true)
+	}
+	return c.Conn.Write(p)
+}
+
+func (c *lostSettleReplyConn) Read(p []byte) (int, error) {
+	if c.sent.Load() {
+		time.Sleep(300 * time.Millisecond) // the settle commits meanwhile
+		_ = c.Conn.Close()
+		return 0, io.ErrUnexpectedEOF
+	}
+	return c.Conn.Read(p)
+}
+
+// TestRelayFailedSettle: a batch whose settle failed leaves its partitions
+// leased; the relay ends those leases itself before its next claim, so its
+// rows are delivered again as soon as the database answers, not when the
+// lease runs out, and it touches no lease but its own.
+func TestRelayFailedSettle(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+
+	// PostgreSQL restarts while a batch is in the Handler, so its settle
+	// fails. With a lease of 10 minutes the rows were delivered again only
+	// when it ran out (19.7 s after the restart with a 20 s lease).
+	t.Run("LeasesEndOnceTheDatabaseAnswers", func(t *testing.T) {
+		t.Parallel()
+		srv := testenv.StartPostgres(t)
+		pool := testenv.NewPool(t, srv.ConnString())
+		cfg := &outbox.Config{Schema: "settle_failure"}
+		require.NoError(t, outbox.Migrate(ctx, pool, cfg))
+		w, err := outbox.NewWriter(cfg)
+		require.NoError(t, err)
+		h := &gatedHandler{last: map[uuid.UUID]int{}}
+		r, err := outbox.NewRelay(pool, h, &outbox.RelayConfig{Schema: cfg.Schema, LeaseDuration: 10 * time.Minute,
+			PollInterval: 200 * time.Millisecond, ReconnectBackoffMax: 500 * time.Millisecond})
+		require.NoError(t, err)
+		startRun(t, r)
+		pending := func() int {
+			var n int
+			if err := pool.QueryRow(ctx, `SELECT count(*) FROM `+w.Table()).Scan(&n); err != nil {
+				return -1 // the server is not back yet
+			}
+			return n
+		}
+
+		for round := range 2 {
+			gate, entered := make(chan struct{}), make(chan struct{})
+			h.mu.Lock()
+			h.gate, h.entered = gate, entered
+			h.mu.Unlock()
+			msgs := make([]outbox.Message, 5)
+			for i := range msgs {
+				msgs[i] = newMessage("s", fmt.Sprintf("k%d-%d", round, i), 1)
+			}
+			require.NoError(t, pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error { return w.Append(ctx, tx, msgs...) }))
+			select {
+			case <-entered:
+			case <-time.After(time.Minute):
+				t.Fatal("the batch never reached the Handler")
+			}
+			require.NoError(t, srv.Stop())
+			close(gate) // the settle fails: the server is down
+			require.NoError(t, srv.Start())
+			require.Eventually(t, func() bool { return pending() == 0 }, time.Minute, 20*time.Millisecond,
+				"round %d: the rows of the batch whose settle failed wait for its lease", round)
+			h.mu.Lock()
+			for _, m := range msgs {
+				require.Equal(t, 2, h.last[m.EventID], "round %d: the unsettled attempt counts, as after a crash", round)
+			}
+			h.mu.Unlock()
+		}
+	})
+
+	// The settle commits but its answer is lost; meanwhile another relay
+	// takes every partition. Ending the failed batch's leases must leave
+	// the other relay's alone.
+	t.Run("EndsOnlyItsOwnLeases", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		var arm atomic.Bool
+		pool := poolWith(t, b, func(pc *pgxpool.Config) {
+			pc.ConnConfig.DefaultQueryExecMode = pgx.QueryExecModeSimpleProtocol
+			pc.ConnConfig.TLSConfig, pc.ConnConfig.Fallbacks = nil, nil // plain bytes to match
+			pc.ConnConfig.DialFunc = func(ctx context.Context, network, addr string) (net.Conn, error) {
+				c, err := (&net.Dialer{}).DialContext(ctx, network, addr)
+				if err != nil {
+					return nil, err
+				}
+				return &lostSettleReplyConn{Conn: c, arm: &arm}, nil
+			}
+		})
+		r := b.relay(t, pool, &recorder{}, outbox.RelayConfig{LeaseDuration: time.Minute})
+		b.appendNow(t, newMessage("s", "k", 1))
+		arm.Store(true)
+		n, err := r.RunOnce(ctx)
+		require.Equal(t, 1, n)
+		require.Error(t, err, "the settle's answer was lost")
+		require.False(t, arm.Load(), "the settle was sent")
+		var left int
+		require.NoError(t, b.pool.QueryRow(ctx, `SELECT count(*) FROM `+b.writer.Table()).Scan(&left))
+		require.Zero(t, left, "the settle committed")
+
+		other := uuid.NewString()
+		_, err = b.pool.Exec(ctx, `UPDATE `+b.leasesTable()+` SET owner = $1, leased_until = now() + interval '1 hour'`, other)
+		require.NoError(t, err)
+		n, err = r.RunOnce(ctx)
+		require.NoError(t, err)
+		require.Zero(t, n)
+		var held, total int
+		require.NoError(t, b.pool.QueryRow(ctx, `SELECT count(*) FILTER (WHERE owner::text = $1 AND leased_until > now() + interval '50 minutes'), count(*) FROM `+b.leasesTable(), other).Scan(&held, &total))
+		require.Positive(t, total)
+		require.Equal(t, total, held, "the other relay's leases are untouched")
+	})
+}
