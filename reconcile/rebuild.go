@@ -110,6 +110,11 @@ func (r *Reconciler) Rebuild(ctx context.Context) (*RebuildReport, error) {
 		return &RebuildReport{Started: time.Now()}, errUnmade()
 	}
 	rep, err := r.rebuild(ctx)
+	rep.Duration = time.Since(rep.Started)
+	r.logFinished(ctx, "reconcile rebuild finished", err,
+		slog.Int64("rows", rep.Rows), slog.Int64("applied", rep.Applied),
+		slog.Int64("kept", rep.Kept), slog.Int64("conflicts", rep.Conflicts), slog.Bool("switched", rep.Switched),
+		slog.Duration("duration", rep.Duration))
 	r.reloadIfUnreachable(ctx, err)
 	r.metrics.recordRebuild(ctx, rep, err)
 	return rep, err
@@ -159,7 +164,7 @@ func (r *Reconciler) rebuild(ctx context.Context) (*RebuildReport, error) {
 			n, err = r.rebuildStep(switchCtx, "switch", token, switchedTTL, rep.Rows)
 			cancel()
 			switch {
-			case err != nil && answered(err):
+			case err != nil && (answered(err) || errors.As(err, new(*stepNotSentError))):
 				err = wrap("rebuild switch", err)
 			case err != nil:
 				// The sentinel's text names the switch already.
@@ -191,11 +196,6 @@ func (r *Reconciler) rebuild(ctx context.Context) (*RebuildReport, error) {
 		}
 		cancel()
 	}
-	rep.Duration = time.Since(rep.Started)
-	r.logFinished(ctx, "reconcile rebuild finished", err,
-		slog.Int64("rows", rep.Rows), slog.Int64("applied", rep.Applied),
-		slog.Int64("kept", rep.Kept), slog.Int64("conflicts", rep.Conflicts), slog.Bool("switched", rep.Switched),
-		slog.Duration("duration", rep.Duration))
 	if rep.Conflicts > 0 {
 		r.logger.WarnContext(ctx, "reconcile rebuild: source rows met a live write of their version with another value; "+
 			"the live write's value was kept (run the reconciler to repair it from the source)",
@@ -265,7 +265,7 @@ func (r *Reconciler) rebuildStep(ctx context.Context, step, token, ttl string, c
 			_, err = pipe.Exec(ctx)
 		}
 		if err != nil {
-			return 0, err
+			return 0, &stepNotSentError{err}
 		}
 		got := layoutKeys.Val()
 		if len(got) != 2 {
@@ -332,6 +332,13 @@ func (r *Reconciler) rebuildStep(ctx context.Context, step, token, ttl string, c
 	}
 	return 0, fmt.Errorf("%w: the collection's layout keys kept changing", ErrUnexpectedReply)
 }
+
+// stepNotSentError is a failure of the reads that precede a step's script:
+// the script itself was not sent.
+type stepNotSentError struct{ err error }
+
+func (e *stepNotSentError) Error() string { return e.err.Error() }
+func (e *stepNotSentError) Unwrap() error { return e.err }
 
 // rebuildSwitchedKey returns the key in which a rebuild's switch leaves
 // its token for a while (P T:z~rebuild~switched), so that a resent switch

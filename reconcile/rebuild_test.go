@@ -9,6 +9,7 @@ import (
 	"log/slog"
 	"math"
 	"net"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -273,6 +274,36 @@ func TestRebuildInProgress(t *testing.T) {
 	require.Equal(t, []bool{true, true}, b.keysExist(t, marker, sv), "the other rebuild's keys are untouched")
 }
 
+// A refused rebuild is a failed one: logged at Warn with its error, as the
+// metrics count it (Config.Logger promises a line per rebuild).
+func TestRebuildRefusalLogged(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		name string
+		kind projection.Kind
+		want error
+	}{
+		{"InProgress", projection.KindSortedSet, ErrRebuildInProgress},
+		{"Unsupported", projection.KindDocument, ErrRebuildUnsupported},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			b := setup(t, tc.kind)
+			if tc.kind != projection.KindDocument {
+				marker, _, _ := b.rebuildKeys()
+				require.NoError(t, b.client.Set(context.Background(), marker, "someone-else", time.Minute).Err())
+			}
+			var logs testenv.LogSink
+			_, err := b.reconciler(t, &Config{Logger: logs.Logger()}).Rebuild(context.Background())
+			require.ErrorIs(t, err, tc.want)
+			lines := logs.Lines(t, "reconcile rebuild finished")
+			require.Len(t, lines, 1, "one line for the rebuild")
+			require.Equal(t, "WARN", lines[0]["level"])
+			require.Contains(t, lines[0]["error"], err.Error())
+		})
+	}
+}
+
 func TestRebuildAborted(t *testing.T) {
 	t.Parallel()
 	t.Run("MarkerExpired", func(t *testing.T) {
@@ -363,6 +394,55 @@ func (h *loseReply) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
 		cmd.SetErr(errLost)
 		return errLost
 	}
+}
+
+// loseSecondLayoutRead is a go-redis hook that fails the second pipeline
+// reading the layout keys (MGET) with errLost after Redis ran it, and
+// records the rebuild.lua steps sent that read them first (not the copy's).
+type loseSecondLayoutRead struct {
+	testenv.PassThroughHook
+	mu    sync.Mutex
+	reads int
+	steps []string
+}
+
+func (h *loseSecondLayoutRead) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
+	return func(ctx context.Context, cmd redis.Cmder) error {
+		if step := rebuildStepOf(cmd); slices.Contains([]string{"start", "refresh", "switch", "abort"}, step) {
+			h.mu.Lock()
+			h.steps = append(h.steps, step)
+			h.mu.Unlock()
+		}
+		return next(ctx, cmd)
+	}
+}
+
+func (h *loseSecondLayoutRead) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+	return func(ctx context.Context, cmds []redis.Cmder) error {
+		err := next(ctx, cmds)
+		if len(cmds) == 0 || cmds[0].Name() != "mget" {
+			return err
+		}
+		h.mu.Lock()
+		h.reads++
+		lose := h.reads == 2
+		h.mu.Unlock()
+		if !lose {
+			return err
+		}
+		for _, cmd := range cmds {
+			cmd.SetErr(errLost)
+		}
+		return errLost
+	}
+}
+
+// scripts returns the rebuild.lua steps sent, each once (a NOSCRIPT retry
+// with EVAL is not a second step).
+func (h *loseSecondLayoutRead) scripts() []string {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return slices.Compact(slices.Clone(h.steps))
 }
 
 // rebuildStepOf returns ARGV[1] of an EVAL or EVALSHA, the step for
@@ -461,6 +541,31 @@ func TestRebuildLostReply(t *testing.T) {
 				require.Equal(t, map[Class]int64{ClassCurrent: 20}, run.Counts, "switched: the orphan is gone, the rest intact")
 				marker, sv, _ := b.rebuildKeys()
 				require.Equal(t, []bool{false, false}, b.keysExist(t, marker, sv))
+			})
+		}
+	})
+
+	// The read of the layout keys that precedes the switch lost its reply:
+	// the switch was certainly not sent, so the outcome is known (not
+	// switched), not ErrRebuildUncertain, and the old projection is live.
+	t.Run("ReadBeforeSwitchLost", func(t *testing.T) {
+		t.Parallel()
+		for _, kind := range []projection.Kind{projection.KindSortedSet, projection.KindHash} {
+			t.Run(kind.String(), func(t *testing.T) {
+				t.Parallel()
+				b := setup(t, kind)
+				b.projectRows(t, b.insertMany(t, 10)[:5]) // 5 missing: the switch would add them
+				// A rebuild this short refreshes no marker: its second
+				// read precedes the switch (the first, the start).
+				h := &loseSecondLayoutRead{}
+				rep, err := b.withHook(t, h).reconciler(t, &Config{PageSize: 3}).Rebuild(ctx)
+				require.ErrorIs(t, err, errLost)
+				require.NotErrorIs(t, err, ErrRebuildUncertain, "no switch was sent: %v", err)
+				require.False(t, rep.Switched)
+				require.Equal(t, []string{"start", "abort"}, h.scripts(), "the switch was not sent")
+				run, err := b.reconciler(t, nil).Run(ctx, RunOptions{DryRun: true})
+				require.NoError(t, err)
+				require.Equal(t, map[Class]int64{ClassCurrent: 5, ClassMissing: 5}, run.Counts, "the old projection is live")
 			})
 		}
 	})
