@@ -700,9 +700,9 @@ func (b *Board) submitBatchTx(ctx context.Context, tx outbox.Tx, cmds []Command)
 			args = append([]any{pgx.QueryExecModeExec}, args...)
 		}
 	}
-	var planMode string
+	var planMode, jitMode string
 	if customPlan {
-		if err := tx.QueryRow(ctx, forceCustomPlanSQL).Scan(&planMode, new(string)); err != nil {
+		if err := tx.QueryRow(ctx, forceCustomPlanSQL).Scan(&planMode, &jitMode, new(string), new(string)); err != nil {
 			return nil, b.dbError(opSubmitBatchTx, err)
 		}
 	}
@@ -714,7 +714,7 @@ func (b *Board) submitBatchTx(ctx context.Context, tx outbox.Tx, cmds []Command)
 		// Bounded all the same: a database that stops answering must not
 		// hold the call past every deadline.
 		restoreCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), planRestoreTimeout)
-		err = tx.QueryRow(restoreCtx, restorePlanModeSQL, planMode).Scan(new(string))
+		err = tx.QueryRow(restoreCtx, restorePlanModeSQL, planMode, jitMode).Scan(new(string), new(string))
 		cancel()
 	}
 	switch {

@@ -244,24 +244,29 @@ const setLockTimeoutSQL = `SELECT set_config('lock_timeout', $1::text, true)`
 // setLockTimeoutCustomPlanSQL is setLockTimeoutSQL for a shared statement
 // of more than preparedBatchMax commands: it also makes PostgreSQL plan the
 // statement that follows in the same transaction for its actual arrays,
-// not with the cached generic plan (see sendBatch).
-const setLockTimeoutCustomPlanSQL = `SELECT set_config('lock_timeout', $1::text, true), set_config('plan_cache_mode', 'force_custom_plan', true)`
+// not with the cached generic plan (see sendBatch), and without JIT (see
+// customPlanSQL).
+const setLockTimeoutCustomPlanSQL = `SELECT set_config('lock_timeout', $1::text, true), set_config('plan_cache_mode', 'force_custom_plan', true), set_config('jit', 'off', true)`
 
 // customPlanSQL makes PostgreSQL plan the statement that follows in the
 // same transaction for its actual arrays, whatever plan_cache_mode the
-// session has (see sendBatch).
-const customPlanSQL = `SELECT set_config('plan_cache_mode', 'force_custom_plan', true)`
+// session has (see sendBatch). It also turns JIT off for that transaction:
+// from about 10,000 commands the statement's estimated cost passes the
+// default jit_above_cost, and compiling it took 62-226 ms a batch, for no
+// gain in its execution.
+const customPlanSQL = `SELECT set_config('plan_cache_mode', 'force_custom_plan', true), set_config('jit', 'off', true)`
 
 // forceCustomPlanSQL makes PostgreSQL plan the statements that follow in
-// the current transaction for their arguments, and returns the setting it
-// replaced (read first: the CTE is materialized), for restorePlanModeSQL.
+// the current transaction for their arguments, without JIT (see
+// customPlanSQL), and returns the settings it replaced (read first: the
+// CTE is materialized), for restorePlanModeSQL.
 const forceCustomPlanSQL = `
-WITH prev AS MATERIALIZED (SELECT current_setting('plan_cache_mode') AS v)
-SELECT v, set_config('plan_cache_mode', 'force_custom_plan', true) FROM prev`
+WITH prev AS MATERIALIZED (SELECT current_setting('plan_cache_mode') AS v, current_setting('jit') AS j)
+SELECT v, j, set_config('plan_cache_mode', 'force_custom_plan', true), set_config('jit', 'off', true) FROM prev`
 
-// restorePlanModeSQL puts plan_cache_mode ($1) back for the rest of the
-// current transaction.
-const restorePlanModeSQL = `SELECT set_config('plan_cache_mode', $1::text, true)`
+// restorePlanModeSQL puts plan_cache_mode ($1) and jit ($2) back for the
+// rest of the current transaction.
+const restorePlanModeSQL = `SELECT set_config('plan_cache_mode', $1::text, true), set_config('jit', $2::text, true)`
 
 // overflowProbeSQL reads, for a refused batch, the current scores of its
 // users ($2) and which of its event ids ($3) were applied before: board $1.
