@@ -744,7 +744,10 @@ func (c *Cache[T]) failOpen(ctx context.Context, id, op string, err error, load 
 // holds the value together with the version it was cached under, and a hit
 // (one GET) is any stored version at or above the caller's. A miss loads and
 // stores unless a newer version is stored by then, so the stored version
-// never goes backwards. A stored value that does not decode is a miss, and
+// never goes backwards while the key lasts. Once Invalidate has deleted it
+// or its TTL has ended, a caller with an older version stores that one;
+// no hit comes of it for a caller with a newer version, which misses and
+// replaces it. A stored value that does not decode is a miss, and
 // the fill replaces it like any other: if its version is not newer than the
 // caller's, or if it has no version (no canonical decimal "<version>:" prefix).
 // One that does have a newer version is left alone, and the caller is
