@@ -446,6 +446,15 @@ func (b *Board) submitOne(ctx context.Context, cmd Command) (Result, error) {
 // through its commit's WAL flush, so many concurrent SubmitTx commits do not
 // group-commit. For bulk work use SubmitBatch, or Submit.
 //
+// Each call writes its own outbox row, the user's score after that call.
+// Two calls for one user in one tx (+10, then -10) commit one score, 0, and
+// two rows, 10 and 0; a relay may project them in separate batches, and a
+// read between the two then shows 10, a score the commit never left (the
+// first call's Result; reads report the lag until the second is
+// projected). To apply several commands of one user in one transaction,
+// pass them to one SubmitBatchTx, which writes only each user's last
+// score.
+//
 // A duplicate event id (committed before the statement's snapshot: the
 // statement's own under READ COMMITTED, the transaction's under REPEATABLE
 // READ or SERIALIZABLE) returns
