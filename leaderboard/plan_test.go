@@ -112,6 +112,7 @@ type planNode struct {
 	IndexName    string     `json:"Index Name"`
 	IndexCond    string     `json:"Index Cond"`
 	SubplanName  string     `json:"Subplan Name"`
+	ActualRows   float64    `json:"Actual Rows"` // EXPLAIN ANALYZE only
 	Plans        []planNode `json:"Plans"`
 }
 
@@ -126,6 +127,83 @@ func (n *planNode) find(match func(*planNode) bool) []*planNode {
 		out = append(out, n.Plans[i].find(match)...)
 	}
 	return out
+}
+
+// TestKeysetPagesReadOnePageWithoutStatistics: on a board bulk-loaded and
+// never analysed (autovacuum behind or off), the planner expected 654 rows
+// of a board of 200,000 users, and planned a page of 1,000 (the reconcile
+// source's pages, and Top, Page and Around from PostgreSQL) as a bitmap
+// scan of every row after the cursor and a sort: 100,000-200,000 rows read
+// per page, for the first five runs of each pooled connection's cached
+// statement and for every unnamed one. Each page must read about its own
+// rows, from the index in key order, with statistics or without. The
+// count of the entries ahead (an aggregate) is O(rank) by design.
+func TestKeysetPagesReadOnePageWithoutStatistics(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	tb := setup(t)
+	const users, limit = 200_000, 1000
+	board := tb.board.Config().Name
+	_, err := tb.pg.Pool.Exec(ctx, `ALTER TABLE `+UserScoresTable+` SET (autovacuum_enabled = false)`)
+	require.NoError(t, err)
+	_, err = tb.pg.Pool.Exec(ctx, `INSERT INTO `+UserScoresTable+` (board, user_id, score, version)
+		SELECT $1, 'user-' || lpad(i::text, 7, '0'), hashint4(i) % 100000, 1 FROM generate_series(1, $2::int) AS i`, board, users)
+	require.NoError(t, err)
+	var analysed bool
+	require.NoError(t, tb.pg.Pool.QueryRow(ctx, `SELECT reltuples >= 0 FROM pg_class WHERE oid = $1::regclass`, UserScoresTable).Scan(&analysed))
+	require.False(t, analysed, "the table must be without statistics")
+	var midScore int64
+	var midUser string
+	require.NoError(t, tb.pg.Pool.QueryRow(ctx, `SELECT score, user_id FROM `+UserScoresTable+`
+		WHERE board = $1 ORDER BY -score, user_id OFFSET $2 LIMIT 1`, board, users/2).Scan(&midScore, &midUser))
+
+	statements := []struct {
+		name string
+		sql  string
+		args []any
+	}{
+		{"SourceFirst", tb.board.sql.sourceFirst, []any{board, limit}},
+		{"SourcePage", tb.board.sql.sourcePage, []any{board, fmt.Sprintf("user-%07d", users/2), limit}},
+		{"Top", tb.board.sql.top, []any{board, limit}},
+		{"Page", tb.board.sql.page, []any{board, limit, midScore, midUser}},
+		{"PageFromTop", tb.board.sql.page, []any{board, limit, int64(1) << 40, ""}},
+		{"PageBytes", tb.board.sql.pageBytes, []any{board, limit, midScore, []byte(midUser + "\xff")}},
+		{"Around", tb.board.sql.around, []any{board, midUser, limit}},
+	}
+	// pageReads returns the reads of the board's table outside counts.
+	var pageReads func(n *planNode) []*planNode
+	pageReads = func(n *planNode) []*planNode {
+		if n.NodeType == "Aggregate" {
+			return nil
+		}
+		var out []*planNode
+		if n.RelationName == UserScoresTable {
+			out = append(out, n)
+		}
+		for i := range n.Plans {
+			out = append(out, pageReads(&n.Plans[i])...)
+		}
+		return out
+	}
+	for _, stats := range []string{"NoStatistics", "Analysed"} {
+		if stats == "Analysed" {
+			_, err := tb.pg.Pool.Exec(ctx, `ANALYZE `+UserScoresTable)
+			require.NoError(t, err)
+		}
+		for _, st := range statements {
+			// A custom plan, as a cached statement's first five runs get.
+			var doc string
+			require.NoError(t, tb.pg.Pool.QueryRow(ctx, "EXPLAIN (ANALYZE, FORMAT JSON) "+st.sql, st.args...).Scan(&doc))
+			var plans []struct{ Plan planNode }
+			require.NoError(t, json.Unmarshal([]byte(doc), &plans))
+			reads := pageReads(&plans[0].Plan)
+			require.NotEmpty(t, reads, "%s/%s: no read of the board in\n%s", stats, st.name, doc)
+			for _, read := range reads {
+				require.LessOrEqual(t, read.ActualRows, float64(limit+1),
+					"%s/%s: a page of %d read as a %s of %.0f rows", stats, st.name, limit, read.NodeType, read.ActualRows)
+			}
+		}
+	}
 }
 
 // TestLargeGroupsArePlannedForTheirArrays checks that a shared Submit

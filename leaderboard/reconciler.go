@@ -58,21 +58,24 @@ type boardSource Board
 var _ reconcile.Source = (*boardSource)(nil)
 
 // Source queries: $1 board. Keys are user ids in byte order (C collation),
-// served by the primary key (board, user_id).
+// served by the primary key (board, user_id). The page size is hidden from
+// the planner in a subquery, as for the reads (see sql.go): without
+// statistics a page was otherwise planned as a read of every key after the
+// cursor and a sort.
 const (
 	sourceFirstSQL = `
 SELECT user_id::text, version, score
 FROM {{user_scores}}
 WHERE board = $1::text
 ORDER BY user_id
-LIMIT $2::bigint`
+LIMIT (SELECT $2::bigint)`
 
 	sourcePageSQL = `
 SELECT user_id::text, version, score
 FROM {{user_scores}}
 WHERE board = $1::text AND user_id > $2::text COLLATE "C"
 ORDER BY user_id
-LIMIT $3::bigint`
+LIMIT (SELECT $3::bigint)`
 
 	// ORDER BY random() reads the whole board once per sample: fine for
 	// boards of up to a few million users at an hourly cadence. For more,
