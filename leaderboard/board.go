@@ -388,7 +388,16 @@ func (b *Board) submit(ctx context.Context, cmd Command) (Result, error) {
 
 // submitOne applies a validated command in a statement of its own.
 func (b *Board) submitOne(ctx context.Context, cmd Command) (Result, error) {
-	res, err := b.submitStatement(ctx, b.pool, "submit", b.sql.submit, cmd)
+	// A connection of its own, released even if an application's pgx
+	// tracer panics in the statement: pgxpool's QueryRow takes one before
+	// TraceQueryStart and gives it back only in Scan, so such a panic lost
+	// it for good (and pool.Close then waited for it for ever).
+	conn, err := b.pool.Acquire(ctx)
+	if err != nil {
+		return Result{}, b.dbError("submit", err) // nothing sent
+	}
+	defer conn.Release()
+	res, err := b.submitStatement(ctx, conn, "submit", b.sql.submit, cmd)
 	if err == nil && !res.Duplicate {
 		b.notifier.Notify() // committed: autocommit statement
 	}
@@ -407,7 +416,7 @@ func (b *Board) submitOne(ctx context.Context, cmd Command) (Result, error) {
 		board, user string
 		delta       int64
 	)
-	err = b.pool.QueryRow(ctx, b.sql.lookupEvent, binaryUUID(cmd.EventID)).Scan(&board, &user, &delta, &res.Score, &res.Version)
+	err = conn.QueryRow(ctx, b.sql.lookupEvent, binaryUUID(cmd.EventID)).Scan(&board, &user, &delta, &res.Score, &res.Version)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return Result{}, fmt.Errorf("leaderboard: event %s is already used by another outbox writer: %w (%w)", cmd.EventID, ErrIdempotencyConflict, violation)
 	}
@@ -717,14 +726,20 @@ func (b *Board) submitBatchTx(ctx context.Context, tx outbox.Tx, cmds []Command)
 	}
 	var doc string
 	err = tx.QueryRow(ctx, b.sql.submitBatchTx, args...).Scan(&doc)
-	if err == nil && customPlan {
-		// Not cut short by ctx: the batch is in tx now, and an error here
-		// would tell the caller it failed.
-		// Bounded all the same: a database that stops answering must not
-		// hold the call past every deadline.
+	if customPlan {
+		// Also after the statement failed: one that ctx stopped before it
+		// was sent leaves tx usable, with the caller's settings changed.
+		// Not cut short by ctx: the batch may be in tx now, and an error
+		// here would tell the caller it failed. Bounded all the same: a
+		// database that stops answering must not hold the call past every
+		// deadline. After a failed statement the statement's error is the
+		// one returned (in an aborted tx the restore fails too).
 		restoreCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), planRestoreTimeout)
-		err = tx.QueryRow(restoreCtx, restorePlanModeSQL, planMode, jitMode).Scan(new(string), new(string))
+		rerr := tx.QueryRow(restoreCtx, restorePlanModeSQL, planMode, jitMode).Scan(new(string), new(string))
 		cancel()
+		if err == nil {
+			err = rerr
+		}
 	}
 	switch {
 	case err == nil:

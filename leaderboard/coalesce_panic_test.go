@@ -14,23 +14,35 @@ import (
 )
 
 // panickyTracer panics once, when armed, as the next pool connection is
-// acquired (before one is taken, so the pool loses none); or, with goexit,
-// ends the goroutine with runtime.Goexit, as t.FailNow in a tracer would.
+// acquired (before one is taken), or, with inQuery, as the next statement
+// starts (on a connection taken); or, with goexit, ends the goroutine with
+// runtime.Goexit, as t.FailNow in a tracer would.
 type panickyTracer struct {
-	armed  atomic.Bool
-	goexit bool
+	armed   atomic.Bool
+	goexit  bool
+	inQuery bool
 }
 
 func (p *panickyTracer) TraceQueryStart(ctx context.Context, _ *pgx.Conn, _ pgx.TraceQueryStartData) context.Context {
+	if p.inQuery {
+		p.fire()
+	}
 	return ctx
 }
-func (p *panickyTracer) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
-func (p *panickyTracer) TraceAcquireStart(ctx context.Context, _ *pgxpool.Pool, _ pgxpool.TraceAcquireStartData) context.Context {
+
+func (p *panickyTracer) fire() {
 	if p.armed.CompareAndSwap(true, false) {
 		if p.goexit {
 			runtime.Goexit()
 		}
 		panic("tracer panic")
+	}
+}
+
+func (p *panickyTracer) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
+func (p *panickyTracer) TraceAcquireStart(ctx context.Context, _ *pgxpool.Pool, _ pgxpool.TraceAcquireStartData) context.Context {
+	if !p.inQuery {
+		p.fire()
 	}
 	return ctx
 }
@@ -88,6 +100,54 @@ func TestSubmitAfterARecoveredPanic(t *testing.T) {
 			case <-time.After(10 * time.Second):
 				t.Fatal("Board.Close waits for the statement that panicked")
 			}
+		})
+	}
+}
+
+// TestSubmitAfterAQueryTracerPanic: a panic (or runtime.Goexit) in an
+// application's tracer as a lone Submit's statement starts, on a
+// connection the pool has handed out. pgxpool's QueryRow gives the
+// connection back only in Scan: the pool lost it for good, and with one
+// connection every later Submit waited for its ctx and pool.Close for
+// ever. The connection is back in the pool, and the board usable.
+func TestSubmitAfterAQueryTracerPanic(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		name   string
+		goexit bool
+	}{{"Panic", false}, {"Goexit", true}} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			tb := setup(t)
+			tr := &panickyTracer{goexit: tc.goexit, inQuery: true}
+			pc, err := pgxpool.ParseConfig(tb.pg.ConnString)
+			require.NoError(t, err)
+			pc.MaxConns = 1
+			pc.ConnConfig.Tracer = tr
+			pool, err := pgxpool.NewWithConfig(context.Background(), pc)
+			require.NoError(t, err)
+			t.Cleanup(func() { go pool.Close() }) // a lost connection makes Close wait for ever
+			cfg := tb.board.Config()
+			board, err := New(pool, tb.rd.Client, &cfg)
+			require.NoError(t, err)
+
+			tr.armed.Store(true)
+			ended := make(chan any, 1)
+			go func() {
+				defer func() { ended <- recover() }()
+				_, _ = board.Submit(context.Background(), Command{EventID: uuid.New(), UserID: "user-a", Delta: 1})
+			}()
+			if got := <-ended; !tc.goexit {
+				require.NotNil(t, got, "the tracer's panic reaches the caller")
+			}
+			require.Zero(t, pool.Stat().AcquiredConns(), "the connection is back in the pool")
+
+			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+			defer cancel()
+			res, err := board.Submit(ctx, Command{EventID: uuid.New(), UserID: "user-b", Delta: 1})
+			require.NoError(t, err, "a Submit after the panic is sent")
+			require.EqualValues(t, 1, res.Score)
+			board.Close()
 		})
 	}
 }

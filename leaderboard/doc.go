@@ -35,8 +35,9 @@
 // command at a time, so every caller gets the outcome its command would have
 // had alone. MaxSubmitsPerStatement 1 turns grouping off.
 //
-// A statement sent alone runs on its caller's goroutine, a shared one on a
-// goroutine of the board's, as do the Notifier's NOTIFY and the lag
+// A statement sent alone runs on its caller's goroutine; a shared one, and
+// the one-by-one statements that replay a shared one that failed, on
+// goroutines of the board's, as do the Notifier's NOTIFY and the lag
 // measurement behind the metrics' lag gauge. A panic in code of the
 // application's that pgx calls (a tracer, a pool hook) reaches the caller
 // of a lone Submit, and the board stays usable; on the board's goroutines

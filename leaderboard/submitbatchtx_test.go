@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"strings"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -13,6 +14,7 @@ import (
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
 	"github.com/verity-go/verity/internal/testenv"
@@ -470,4 +472,64 @@ func TestSubmitBatchTxPlanRestoreIsBounded(t *testing.T) {
 		t.Fatalf("SubmitBatchTx was held past planRestoreTimeout (%v) by a database that stopped answering", planRestoreTimeout)
 	}
 	require.NoError(t, syscall.Kill(pid, syscall.SIGCONT))
+}
+
+// cancelAfterTracer cancels a context once a statement whose text holds
+// marker has ended.
+type cancelAfterTracer struct {
+	marker string
+	cancel atomic.Pointer[context.CancelFunc]
+}
+
+type cancelAfterKey struct{}
+
+func (c *cancelAfterTracer) TraceQueryStart(ctx context.Context, _ *pgx.Conn, d pgx.TraceQueryStartData) context.Context {
+	if strings.Contains(d.SQL, c.marker) {
+		return context.WithValue(ctx, cancelAfterKey{}, true)
+	}
+	return ctx
+}
+
+func (c *cancelAfterTracer) TraceQueryEnd(ctx context.Context, _ *pgx.Conn, _ pgx.TraceQueryEndData) {
+	if ctx.Value(cancelAfterKey{}) != nil {
+		if cancel := c.cancel.Swap(nil); cancel != nil {
+			(*cancel)()
+		}
+	}
+}
+
+// TestSubmitBatchTxPutsSettingsBackWhenCancelled: ctx ends after the
+// statement that forces custom plans and turns JIT off for a large batch,
+// before the batch's statement is sent. Nothing aborts the caller's
+// transaction, and its plan_cache_mode and jit were left changed.
+func TestSubmitBatchTxPutsSettingsBackWhenCancelled(t *testing.T) {
+	t.Parallel()
+	tb := setup(t)
+	tr := &cancelAfterTracer{marker: "current_setting('jit')"}
+	pool := tb.newPool(t, func(pc *pgxpool.Config) {
+		pc.MaxConns = 1
+		pc.ConnConfig.Tracer = tr
+	})
+	cfg := tb.board.Config()
+	board, err := New(pool, tb.rd.Client, &cfg)
+	require.NoError(t, err)
+	t.Cleanup(board.Close)
+
+	bg := context.Background()
+	tx, err := pool.Begin(bg)
+	require.NoError(t, err)
+	defer func() { _ = tx.Rollback(bg) }()
+	cmds := make([]Command, preparedBatchMax+1)
+	for i := range cmds {
+		cmds[i] = Command{EventID: uuid.New(), UserID: fmt.Sprintf("u%d", i), Delta: 1}
+	}
+	ctx, cancel := context.WithCancel(bg)
+	defer cancel()
+	tr.cancel.Store(&cancel)
+	_, err = board.SubmitBatchTx(ctx, tx, cmds)
+	require.ErrorIs(t, err, context.Canceled)
+	var jit, mode string
+	require.NoError(t, tx.QueryRow(bg, `SELECT current_setting('jit'), current_setting('plan_cache_mode')`).Scan(&jit, &mode),
+		"the caller's transaction is still usable")
+	require.Equal(t, []string{"on", "auto"}, []string{jit, mode}, "the caller's settings are put back")
 }
