@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 	"time"
 
 	"github.com/google/uuid"
@@ -90,9 +91,11 @@ var (
 	ErrVerifyUncertain = errors.New("leaderboard: verify: whether the result was recorded is unknown")
 	// ErrOutcomeUnknown matches the error of a Submit or SubmitBatch whose
 	// statement was sent but whose answer never came (the connection
-	// broke, the server crashed): the commands may or may not have
-	// committed. Retry with the same event ids: a committed command then
-	// comes back as a duplicate with its original Result. The driver's
+	// broke, the server crashed, or a pooler such as PgBouncer reported
+	// its server connection broken, SQLSTATE class 08): the commands may
+	// or may not have committed. Retry with the same event ids: a
+	// committed command then comes back as a duplicate with its original
+	// Result. The driver's
 	// error stays reachable. A call whose own context ended returns that
 	// context's error instead, whether or not its statement was sent (a
 	// grouped Submit's statement goes on without it): once sent, it may
@@ -106,11 +109,15 @@ var (
 // reached the server and no answer says how it ended: not a server error,
 // nor one pgx reports as raised before anything was sent, nor a failure to
 // connect or to get a connection (a closed pool), nor the caller's context
-// error, which Submit's doc covers.
+// error, which Submit's doc covers. A connection exception (SQLSTATE class
+// 08) is not the statement's answer: PgBouncer reports a server connection
+// that broke under the statement as its own 08P01 ("server conn
+// crashed?"), after PostgreSQL may have committed.
 func outcomeUnknown(err error) error {
 	var pgErr *pgconn.PgError
 	var connectErr *pgconn.ConnectError
 	switch {
+	case errors.As(err, &pgErr) && strings.HasPrefix(pgErr.Code, "08") && !errors.As(err, &connectErr):
 	case err == nil, errors.As(err, &pgErr), errors.As(err, &connectErr), pgconn.SafeToRetry(err),
 		errors.Is(err, puddle.ErrClosedPool), // pgxpool's Acquire: nothing sent
 		errors.Is(err, context.Canceled), errors.Is(err, context.DeadlineExceeded):

@@ -853,7 +853,10 @@ const (
 // dropped connection. Its partitions would then stay leased to a token
 // nobody holds until the lease ends, and the rows it recorded would be
 // counted an attempt they never had; releaseClaim undoes that. A server
-// error aborted the claim's transaction, and a claim that found no
+// error aborted the claim's transaction (but a connection exception,
+// SQLSTATE class 08, is not the server's: PgBouncer reports a server
+// connection that broke under the claim, which may have committed, as its
+// own 08P01), and a claim that found no
 // connection, or failed before its statements left (pgconn.SafeToRetry: for
 // example its context ended as it began), sent nothing: neither needs it,
 // and skipping it spares a shutdown the release's round trips.
@@ -867,7 +870,7 @@ func (r *Relay) claimOnce(acquireCtx, sendCtx context.Context, token uuid.UUID) 
 	// connection.
 	conn.Release()
 	var pgErr *pgconn.PgError
-	if err != nil && !errors.As(err, &pgErr) && !pgconn.SafeToRetry(err) {
+	if err != nil && (!errors.As(err, &pgErr) || strings.HasPrefix(pgErr.Code, "08")) && !pgconn.SafeToRetry(err) {
 		r.releaseClaim(context.WithoutCancel(sendCtx), token)
 	}
 	return c, err

@@ -741,12 +741,15 @@ func unreachable(err error) bool {
 		// shutdown, a crashed sibling backend), or one that takes only
 		// reads (a standby, or a primary demoted in a switchover, until
 		// the pool's connections reach the new one): outages to wait out,
-		// as Redis's LOADING. The pool replaces the connection.
+		// as Redis's LOADING. The pool replaces the connection. So is a
+		// connection exception (class 08): behind PgBouncer, a PostgreSQL
+		// that cannot be reached is its 08P01 (query_wait_timeout,
+		// "server login has been failing", "server conn crashed?").
 		switch pgErr.Code {
 		case "57P01", "57P02", "57P03", "53300", "25006":
 			return true
 		}
-		return false
+		return strings.HasPrefix(pgErr.Code, "08")
 	case errors.As(err, &reply) && !errors.Is(err, redis.Nil):
 		for _, prefix := range unavailableReplies {
 			if strings.HasPrefix(reply.Error(), prefix) {
