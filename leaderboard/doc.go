@@ -40,9 +40,12 @@
 // goroutines of the board's, as do the Notifier's NOTIFY and the lag
 // measurement behind the metrics' lag gauge. A panic in code of the
 // application's that pgx calls (a tracer, a pool hook) reaches the caller
-// of a lone Submit, and the board stays usable; on the board's goroutines
-// it ends the process, as any goroutine's panic does, and so does a panic
-// in the Logger's handler there.
+// of a lone Submit; one as its statement runs leaves the board usable,
+// but one in pgxpool's Acquire after it has taken a connection
+// (TraceAcquireEnd, BeforeAcquire, PrepareConn) loses that connection for
+// good, as it would for any caller of the pool. On the board's goroutines
+// a panic ends the process, as any goroutine's panic does, and so does a
+// panic in the Logger's handler there.
 //
 // The relays are woken after the commit, not inside it: a pg_notify in the
 // statement would make PostgreSQL serialise the commits of concurrent

@@ -2,6 +2,7 @@ package leaderboard
 
 import (
 	"context"
+	"fmt"
 	"testing"
 
 	"github.com/google/uuid"
@@ -36,8 +37,10 @@ func TestOutcomeUnknownBehindPgBouncer(t *testing.T) {
 			_, err = board.Submit(ctx, Command{EventID: uuid.New(), UserID: "u", Delta: 1})
 			require.NoError(t, err)
 
-			cmd := Command{EventID: uuid.New(), UserID: "u", Delta: 7}
-			drop.DropNextReply()
+			// The answer lost is the one to the statement that carries this
+			// user id, not one to the board's own traffic (its NOTIFY).
+			cmd := Command{EventID: uuid.New(), UserID: "lost-submit", Delta: 7}
+			drop.DropReplyAfter(cmd.UserID)
 			_, err = board.Submit(ctx, cmd)
 			require.Error(t, err)
 			events, _, _ := tb.counts(t)
@@ -47,9 +50,36 @@ func TestOutcomeUnknownBehindPgBouncer(t *testing.T) {
 			require.NoError(t, err)
 			require.True(t, res.Duplicate)
 
-			drop.DropNextReply()
-			_, err = board.SubmitBatch(ctx, []Command{{EventID: uuid.New(), UserID: "u", Delta: 2}, {EventID: uuid.New(), UserID: "v", Delta: 3}})
+			drop.DropReplyAfter("lost-batch")
+			_, err = board.SubmitBatch(ctx, []Command{{EventID: uuid.New(), UserID: "lost-batch", Delta: 2}, {EventID: uuid.New(), UserID: "v", Delta: 3}})
 			require.ErrorIs(t, err, ErrOutcomeUnknown)
 		})
 	}
+}
+
+// TestOversizedBatchBehindPgBouncer: PgBouncer refuses a packet larger
+// than its max_packet_size with its own 08P01 ("bad packet header") before
+// anything reaches PostgreSQL. That is a definite failure, not
+// ErrOutcomeUnknown, whose retry with the same ids would be refused the
+// same way for ever.
+func TestOversizedBatchBehindPgBouncer(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	tb := setup(t)
+	addr, database := testenv.ServerAddr(t, tb.pg.ServerURL)
+	bouncer := testenv.StartPgBouncer(t, addr, "transaction", 1, "max_packet_size = 65536")
+	pool := testenv.NewPool(t, bouncer.URL(database)+"&pool_max_conns=1&default_query_exec_mode=exec")
+	cfg := tb.board.Config()
+	board, err := New(pool, tb.rd.Client, &cfg)
+	require.NoError(t, err)
+	t.Cleanup(board.Close)
+	cmds := make([]Command, 3000) // about 150 kB of arrays
+	for i := range cmds {
+		cmds[i] = Command{EventID: uuid.New(), UserID: fmt.Sprintf("user-%06d", i), Delta: 1}
+	}
+	_, err = board.SubmitBatch(ctx, cmds)
+	require.ErrorContains(t, err, "bad packet header")
+	require.NotErrorIs(t, err, ErrOutcomeUnknown, "refused before it was sent, and on every retry")
+	events, _, _ := tb.counts(t)
+	require.Zero(t, events)
 }

@@ -749,7 +749,16 @@ func unreachable(err error) bool {
 		case "57P01", "57P02", "57P03", "53300", "25006":
 			return true
 		}
-		return strings.HasPrefix(pgErr.Code, "08")
+		if !strings.HasPrefix(pgErr.Code, "08") {
+			return false
+		}
+		// While connecting, PgBouncer relabels PostgreSQL's own refusals
+		// (a missing database, a failed login) 08P01 too: only its own
+		// words for a server it cannot reach are an outage then.
+		return !errors.As(err, &connectErr) ||
+			strings.HasPrefix(pgErr.Message, "server login has been failing") ||
+			strings.HasPrefix(pgErr.Message, "query_wait_timeout") ||
+			strings.HasPrefix(pgErr.Message, "pgbouncer cannot connect to server")
 	case errors.As(err, &reply) && !errors.Is(err, redis.Nil):
 		for _, prefix := range unavailableReplies {
 			if strings.HasPrefix(reply.Error(), prefix) {

@@ -57,4 +57,23 @@ func TestUnreachableBehindPgBouncer(t *testing.T) {
 		_, err = conn.Exec(ctx, "SELECT 1")
 		wantOutage(t, err)
 	})
+
+	// PgBouncer relabels PostgreSQL's own refusal of a new connection
+	// 08P01 too: a missing database is a fault to fix (500), not an
+	// outage to wait out.
+	t.Run("MissingDatabase", func(t *testing.T) {
+		t.Parallel()
+		pg := testenv.Postgres(t)
+		addr, _ := testenv.ServerAddr(t, pg.ServerURL)
+		bouncer := testenv.StartPgBouncer(t, addr, "transaction", 1)
+		conn, err := pgx.Connect(ctx, bouncer.URL("verity_no_such_database")+"&default_query_exec_mode=exec")
+		if err == nil {
+			defer conn.Close(ctx)
+			_, err = conn.Exec(ctx, "SELECT 1")
+		}
+		var pgErr *pgconn.PgError
+		require.ErrorAs(t, err, &pgErr)
+		require.Equal(t, "08P01", pgErr.Code, "%v", err)
+		require.False(t, unreachable(err), "%v", err)
+	})
 }
