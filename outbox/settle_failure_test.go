@@ -47,7 +47,7 @@ func (h *gatedHandler) Handle(_ context.Context, batch []outbox.Record) ([]outbo
 
 // lostSettleReplyConn loses the server's answer to the settle statement
 // once armed: the statement runs and commits, the relay sees a broken
-// connection.
+// connection (simple protocol: one ReadyForQuery ends the answer).
 type lostSettleReplyConn struct {
 	net.Conn
 	arm  *atomic.Bool
@@ -64,7 +64,16 @@ func (c *lostSettleReplyConn) Write(p []byte) (int, error) {
 
 func (c *lostSettleReplyConn) Read(p []byte) (int, error) {
 	if c.sent.Load() {
-		time.Sleep(300 * time.Millisecond) // the settle commits meanwhile
+		// The server answers ReadyForQuery only once the settle has
+		// committed: read up to it, then lose it all.
+		var got []byte
+		for !bytes.Contains(got, []byte{'Z', 0, 0, 0, 5}) {
+			n, err := c.Conn.Read(p)
+			got = append(got, p[:n]...)
+			if err != nil {
+				break
+			}
+		}
 		_ = c.Conn.Close()
 		return 0, io.ErrUnexpectedEOF
 	}

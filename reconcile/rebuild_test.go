@@ -555,10 +555,10 @@ func TestRebuildLostReply(t *testing.T) {
 				t.Parallel()
 				b := setup(t, kind)
 				b.projectRows(t, b.insertMany(t, 10)[:5]) // 5 missing: the switch would add them
-				// A rebuild this short refreshes no marker: its second
-				// read precedes the switch (the first, the start).
+				// Its second read precedes the switch (the first, the start).
 				h := &loseSecondLayoutRead{}
-				rep, err := b.withHook(t, h).reconciler(t, &Config{PageSize: 3}).Rebuild(ctx)
+				// A TTL of an hour: no refresh of the marker reads the layout.
+				rep, err := b.withHook(t, h).reconciler(t, &Config{PageSize: 3, RebuildMarkerTTL: time.Hour}).Rebuild(ctx)
 				require.ErrorIs(t, err, errLost)
 				require.NotErrorIs(t, err, ErrRebuildUncertain, "no switch was sent: %v", err)
 				require.False(t, rep.Switched)

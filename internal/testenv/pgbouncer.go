@@ -50,15 +50,41 @@ func StartPgBouncer(t testing.TB, target, poolMode string, poolSize int, setting
 	if err != nil {
 		t.Fatalf("testenv: pgbouncer target %q: %v", target, err)
 	}
-	listen, err := freePort()
-	if err != nil {
-		t.Fatalf("testenv: pgbouncer port: %v", err)
-	}
 	dir, err := os.MkdirTemp("", "verity-pgbouncer-")
 	if err != nil {
 		t.Fatalf("testenv: %v", err)
 	}
 	t.Cleanup(func() { _ = os.RemoveAll(dir) })
+	if os.Geteuid() == 0 { // PgBouncer refuses to run as root
+		u, err := user.Lookup("postgres")
+		if err != nil {
+			Unavailable(t, "pgbouncer as root needs a postgres user to run as: %v", err)
+		}
+		uid, _ := strconv.Atoi(u.Uid)
+		if err := os.Chown(dir, uid, -1); err != nil {
+			t.Fatalf("testenv: %v", err)
+		}
+	}
+	// The port is free when chosen, but another test may bind it before
+	// PgBouncer does: then PgBouncer exits, and it is tried on another.
+	for range 5 {
+		if b := startPgBouncerOnce(t, bin, dir, host, port, poolMode, poolSize, settings); b != nil {
+			return b
+		}
+	}
+	t.Fatalf("testenv: pgbouncer did not start; its logs are in %s", dir)
+	return nil
+}
+
+// startPgBouncerOnce starts PgBouncer on a free port, or returns nil if it
+// exited before it listened there.
+func startPgBouncerOnce(t testing.TB, bin, dir, host, port, poolMode string, poolSize int, settings []string) *PgBouncer {
+	t.Helper()
+	listen, err := freePort()
+	if err != nil {
+		t.Fatalf("testenv: pgbouncer port: %v", err)
+	}
+	logFile := filepath.Join(dir, fmt.Sprintf("pgbouncer-%d.log", listen))
 	ini := fmt.Sprintf(`[databases]
 * = host=%s port=%s
 [pgbouncer]
@@ -73,7 +99,7 @@ max_client_conn = 200
 ignore_startup_parameters = extra_float_digits,search_path
 server_reset_query = DISCARD ALL
 logfile = %s
-`, host, port, listen, filepath.Join(dir, "users.txt"), poolMode, poolSize, filepath.Join(dir, "pgbouncer.log"))
+`, host, port, listen, filepath.Join(dir, "users.txt"), poolMode, poolSize, logFile)
 	for _, s := range settings {
 		ini += s + "\n"
 	}
@@ -84,30 +110,31 @@ logfile = %s
 		}
 	}
 	args := []string{cfg}
-	if os.Geteuid() == 0 { // PgBouncer refuses to run as root
-		u, err := user.Lookup("postgres")
-		if err != nil {
-			Unavailable(t, "pgbouncer as root needs a postgres user to run as: %v", err)
-		}
-		uid, _ := strconv.Atoi(u.Uid)
-		if err := os.Chown(dir, uid, -1); err != nil {
-			t.Fatalf("testenv: %v", err)
-		}
+	if os.Geteuid() == 0 {
 		args = []string{"-u", "postgres", cfg}
 	}
 	cmd := exec.Command(bin, args...)
 	if err := cmd.Start(); err != nil {
 		Unavailable(t, "pgbouncer: %v", err)
 	}
-	t.Cleanup(func() { _ = cmd.Process.Kill(); _ = cmd.Wait() })
-	for range 200 {
-		if c, err := net.Dial("tcp", fmt.Sprintf("127.0.0.1:%d", listen)); err == nil {
-			_ = c.Close()
+	exited := make(chan struct{})
+	go func() { _ = cmd.Wait(); close(exited) }()
+	t.Cleanup(func() { _ = cmd.Process.Kill(); <-exited })
+	// Listening on this port by its own log, not by a dial, which a
+	// listener of another test's could answer.
+	listening := []byte(fmt.Sprintf("listening on 127.0.0.1:%d", listen))
+	for range 400 {
+		select {
+		case <-exited:
+			return nil
+		default:
+		}
+		if log, _ := os.ReadFile(logFile); bytes.Contains(log, listening) {
 			return &PgBouncer{Port: listen}
 		}
 		time.Sleep(25 * time.Millisecond)
 	}
-	log, _ := os.ReadFile(filepath.Join(dir, "pgbouncer.log"))
+	log, _ := os.ReadFile(logFile)
 	t.Fatalf("testenv: pgbouncer did not start: %s", log)
 	return nil
 }
