@@ -112,15 +112,18 @@ var (
 // error, which Submit's doc covers. A connection exception (SQLSTATE class
 // 08) is not the statement's answer: PgBouncer reports a server connection
 // that broke under the statement as its own 08P01 ("server conn
-// crashed?"), after PostgreSQL may have committed. Not its "bad packet
-// header": a statement larger than its max_packet_size, refused before
-// anything reached PostgreSQL, and refused again on every retry.
+// crashed?"), after PostgreSQL may have committed. Not those it sends for
+// a statement that never left it: "bad packet header" (larger than its
+// max_packet_size, refused again on every retry), query_wait_timeout and
+// "server login has been failing" (no server connection to send it on).
 func outcomeUnknown(err error) error {
 	var pgErr *pgconn.PgError
 	var connectErr *pgconn.ConnectError
 	switch {
 	case errors.As(err, &pgErr) && strings.HasPrefix(pgErr.Code, "08") && !errors.As(err, &connectErr) &&
-		!strings.HasPrefix(pgErr.Message, "bad packet header"): // PgBouncer refused it unsent (max_packet_size), for good
+		!strings.HasPrefix(pgErr.Message, "bad packet header") && // refused unsent (max_packet_size), for good
+		!strings.HasPrefix(pgErr.Message, "query_wait_timeout") && // waited unsent for a server connection
+		!strings.HasPrefix(pgErr.Message, "server login has been failing"):
 	case err == nil, errors.As(err, &pgErr), errors.As(err, &connectErr), pgconn.SafeToRetry(err),
 		errors.Is(err, puddle.ErrClosedPool), // pgxpool's Acquire: nothing sent
 		errors.Is(err, context.Canceled), errors.Is(err, context.DeadlineExceeded):

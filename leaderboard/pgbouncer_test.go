@@ -6,6 +6,7 @@ import (
 	"testing"
 
 	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
 
 	"github.com/verity-go/verity/internal/testenv"
@@ -80,6 +81,38 @@ func TestOversizedBatchBehindPgBouncer(t *testing.T) {
 	_, err = board.SubmitBatch(ctx, cmds)
 	require.ErrorContains(t, err, "bad packet header")
 	require.NotErrorIs(t, err, ErrOutcomeUnknown, "refused before it was sent, and on every retry")
+	events, _, _ := tb.counts(t)
+	require.Zero(t, events)
+}
+
+// TestWaitedUnsentBehindPgBouncer: a Submit that waited in PgBouncer for
+// a server connection until its query_wait_timeout never reached
+// PostgreSQL: a definite failure, not ErrOutcomeUnknown ("was sent ... may
+// have committed").
+func TestWaitedUnsentBehindPgBouncer(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	tb := setup(t)
+	addr, database := testenv.ServerAddr(t, tb.pg.ServerURL)
+	bouncer := testenv.StartPgBouncer(t, addr, "transaction", 1, "query_wait_timeout = 1")
+	pool := testenv.NewPool(t, bouncer.URL(database)+"&pool_max_conns=1&default_query_exec_mode=exec")
+	cfg := tb.board.Config()
+	board, err := New(pool, tb.rd.Client, &cfg)
+	require.NoError(t, err)
+	t.Cleanup(board.Close)
+
+	// Another client's transaction holds PgBouncer's only server connection.
+	hold, err := pgx.Connect(ctx, bouncer.URL(database)+"&default_query_exec_mode=exec")
+	require.NoError(t, err)
+	defer hold.Close(ctx)
+	tx, err := hold.Begin(ctx)
+	require.NoError(t, err)
+	_, err = tx.Exec(ctx, "SELECT 1")
+	require.NoError(t, err)
+	_, err = board.Submit(ctx, Command{EventID: uuid.New(), UserID: "never-sent", Delta: 7})
+	require.ErrorContains(t, err, "query_wait_timeout")
+	require.NotErrorIs(t, err, ErrOutcomeUnknown, "never sent, yet reported as maybe committed")
+	require.NoError(t, tx.Rollback(ctx))
 	events, _, _ := tb.counts(t)
 	require.Zero(t, events)
 }

@@ -717,6 +717,24 @@ func (s *Service) redisUnreachable(ctx context.Context) bool {
 	return err != nil && unreachable(err)
 }
 
+// pgBouncerOutages begin the messages of the 08P01 errors that PgBouncer
+// (1.18) answers a new connection with while PostgreSQL cannot take it:
+// outages to wait out, unlike its relabelled refusals of a missing
+// database or a failed login. They are English: with a translated
+// lc_messages on the PostgreSQL behind it, the relabelled ones are not
+// recognised, and are answered 500.
+var pgBouncerOutages = []string{
+	"server login has been failing",
+	"query_wait_timeout",
+	"pgbouncer cannot connect to server",
+	"client_login_timeout (server down)",
+	"no more connections allowed",     // its max_client_conn, as 53300
+	"the database system is",          // PostgreSQL's 57P03: starting up, shutting down, in recovery
+	"sorry, too many clients already", // PostgreSQL's 53300
+	"remaining connection slots are reserved",
+	"too many connections for",
+}
+
 // unreachable reports whether err says a store could not be reached or its
 // connection broke: a refused or timed-out dial, a reset, closed or broken
 // connection (a system call's errno is a net.Error), a Redis pool that
@@ -726,6 +744,8 @@ func (s *Service) redisUnreachable(ctx context.Context) bool {
 // so: the client reads either, or a broken pipe. Any
 // other answer of PostgreSQL's (a missing database, a refused password,
 // even while connecting) is a fault to fix, not an outage to wait out.
+// A connection exception (class 08, PgBouncer's 08P01) is an outage,
+// except while connecting, where only pgBouncerOutages are.
 func unreachable(err error) bool {
 	var (
 		pgErr      *pgconn.PgError
@@ -753,12 +773,18 @@ func unreachable(err error) bool {
 			return false
 		}
 		// While connecting, PgBouncer relabels PostgreSQL's own refusals
-		// (a missing database, a failed login) 08P01 too: only its own
-		// words for a server it cannot reach are an outage then.
-		return !errors.As(err, &connectErr) ||
-			strings.HasPrefix(pgErr.Message, "server login has been failing") ||
-			strings.HasPrefix(pgErr.Message, "query_wait_timeout") ||
-			strings.HasPrefix(pgErr.Message, "pgbouncer cannot connect to server")
+		// 08P01 too: a missing database or a failed login is a fault,
+		// while its words for a server it cannot reach, its own client
+		// limit, and PostgreSQL's 57P03 and 53300 relabelled are outages.
+		if !errors.As(err, &connectErr) {
+			return true
+		}
+		for _, prefix := range pgBouncerOutages {
+			if strings.HasPrefix(pgErr.Message, prefix) {
+				return true
+			}
+		}
+		return false
 	case errors.As(err, &reply) && !errors.Is(err, redis.Nil):
 		for _, prefix := range unavailableReplies {
 			if strings.HasPrefix(reply.Error(), prefix) {

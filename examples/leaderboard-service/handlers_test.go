@@ -816,11 +816,21 @@ func TestUnreachable(t *testing.T) {
 // cannot_connect_now (57P03): an outage to wait out, not a fault.
 func TestUnreachablePostgresShuttingDown(t *testing.T) {
 	t.Parallel()
-	ctx := context.Background()
 	srv := testenv.StartPostgres(t)
+	refused := smartShutdown(t, srv)
+	require.ErrorContains(t, refused, "57P03")
+	require.True(t, unreachable(refused), "%v", refused)
+}
+
+// smartShutdown begins a smart shutdown of srv while a session of its own
+// keeps the server up (closed at cleanup, which lets the shutdown finish),
+// and returns the error of a new connection, refused (57P03) from then on.
+func smartShutdown(t *testing.T, srv *testenv.PostgresServer) (refused error) {
+	t.Helper()
+	ctx := context.Background()
 	held, err := pgx.Connect(ctx, srv.ConnString())
 	require.NoError(t, err)
-	defer held.Close(ctx) // lets the smart shutdown finish
+	t.Cleanup(func() { _ = held.Close(ctx) })
 	var backend int
 	require.NoError(t, held.QueryRow(ctx, "SELECT pg_backend_pid()").Scan(&backend))
 	status, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", backend))
@@ -833,21 +843,17 @@ func TestUnreachablePostgresShuttingDown(t *testing.T) {
 		}
 	}
 	require.NotZero(t, postmaster)
-	// A smart shutdown: the open session keeps the server up, and new
-	// ones are refused.
 	require.NoError(t, syscall.Kill(postmaster, syscall.SIGTERM))
-	var refused error
 	for deadline := time.Now().Add(10 * time.Second); refused == nil && time.Now().Before(deadline); {
 		c, err := pgx.Connect(ctx, srv.ConnString())
 		if err != nil {
-			refused = err
-			break
+			return err
 		}
 		c.Close(ctx)
 		time.Sleep(20 * time.Millisecond)
 	}
-	require.ErrorContains(t, refused, "57P03")
-	require.True(t, unreachable(refused), "%v", refused)
+	t.Fatal("the server still takes new connections 10 s after a smart shutdown began")
+	return nil
 }
 
 // A Redis with no client slot left (maxclients) closes each new

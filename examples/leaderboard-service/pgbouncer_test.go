@@ -76,4 +76,44 @@ func TestUnreachableBehindPgBouncer(t *testing.T) {
 		require.Equal(t, "08P01", pgErr.Code, "%v", err)
 		require.False(t, unreachable(err), "%v", err)
 	})
+
+	// While connecting, PgBouncer's own limit and its login timeout while
+	// PostgreSQL is down are outages, as PostgreSQL's 53300 would be.
+	t.Run("ClientLimit", func(t *testing.T) {
+		t.Parallel()
+		pg := testenv.Postgres(t)
+		addr, database := testenv.ServerAddr(t, pg.ServerURL)
+		bouncer := testenv.StartPgBouncer(t, addr, "transaction", 1, "max_client_conn = 1")
+		first, err := pgx.Connect(ctx, bouncer.URL(database)+"&default_query_exec_mode=exec")
+		require.NoError(t, err)
+		defer first.Close(ctx)
+		_, err = pgx.Connect(ctx, bouncer.URL(database)+"&default_query_exec_mode=exec")
+		wantOutage(t, err)
+	})
+	t.Run("LoginTimeoutServerDown", func(t *testing.T) {
+		t.Parallel()
+		srv := testenv.StartPostgres(t)
+		addr, database := testenv.ServerAddr(t, srv.ConnString())
+		require.NoError(t, srv.Stop())
+		bouncer := testenv.StartPgBouncer(t, addr, "transaction", 1, "client_login_timeout = 1")
+		_, err := pgx.Connect(ctx, bouncer.URL(database)+"&default_query_exec_mode=exec")
+		wantOutage(t, err)
+	})
+
+	// PostgreSQL's own outages, relabelled 08P01 while connecting: here
+	// its 57P03 during a smart shutdown.
+	t.Run("ServerShuttingDown", func(t *testing.T) {
+		t.Parallel()
+		srv := testenv.StartPostgres(t)
+		addr, database := testenv.ServerAddr(t, srv.ConnString())
+		bouncer := testenv.StartPgBouncer(t, addr, "transaction", 1)
+		smartShutdown(t, srv)
+		conn, err := pgx.Connect(ctx, bouncer.URL(database)+"&default_query_exec_mode=exec")
+		if err == nil {
+			defer conn.Close(ctx)
+			_, err = conn.Exec(ctx, "SELECT 1")
+		}
+		require.ErrorContains(t, err, "shutting down")
+		wantOutage(t, err)
+	})
 }
