@@ -25,17 +25,12 @@ func TestOutcomeUnknownBehindPgBouncer(t *testing.T) {
 			t.Parallel()
 			ctx := context.Background()
 			tb := setup(t)
-			addr, database := testenv.ServerAddr(t, tb.pg.ServerURL)
+			addr, _ := testenv.ServerAddr(t, tb.pg.ServerURL)
 			drop := testenv.StartReplyDropper(t, addr)
-			bouncer := testenv.StartPgBouncer(t, drop.Addr(), "transaction", 1)
-			pool := testenv.NewPool(t, bouncer.URL(database)+"&pool_max_conns=1&default_query_exec_mode="+mode)
-			cfg := tb.board.Config()
-			board, err := New(pool, tb.rd.Client, &cfg)
-			require.NoError(t, err)
-			t.Cleanup(board.Close)
+			board, _ := boardBehindPgBouncer(t, tb, drop.Addr(), mode)
 
 			// PgBouncer's server connection is made now, not at the lost answer.
-			_, err = board.Submit(ctx, Command{EventID: uuid.New(), UserID: "u", Delta: 1})
+			_, err := board.Submit(ctx, Command{EventID: uuid.New(), UserID: "u", Delta: 1})
 			require.NoError(t, err)
 
 			// The answer lost is the one to the statement that carries this
@@ -67,18 +62,13 @@ func TestOversizedBatchBehindPgBouncer(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	tb := setup(t)
-	addr, database := testenv.ServerAddr(t, tb.pg.ServerURL)
-	bouncer := testenv.StartPgBouncer(t, addr, "transaction", 1, "max_packet_size = 65536")
-	pool := testenv.NewPool(t, bouncer.URL(database)+"&pool_max_conns=1&default_query_exec_mode=exec")
-	cfg := tb.board.Config()
-	board, err := New(pool, tb.rd.Client, &cfg)
-	require.NoError(t, err)
-	t.Cleanup(board.Close)
+	addr, _ := testenv.ServerAddr(t, tb.pg.ServerURL)
+	board, _ := boardBehindPgBouncer(t, tb, addr, "exec", "max_packet_size = 65536")
 	cmds := make([]Command, 3000) // about 150 kB of arrays
 	for i := range cmds {
 		cmds[i] = Command{EventID: uuid.New(), UserID: fmt.Sprintf("user-%06d", i), Delta: 1}
 	}
-	_, err = board.SubmitBatch(ctx, cmds)
+	_, err := board.SubmitBatch(ctx, cmds)
 	require.ErrorContains(t, err, "bad packet header")
 	require.NotErrorIs(t, err, ErrOutcomeUnknown, "refused before it was sent, and on every retry")
 	events, _, _ := tb.counts(t)
@@ -93,16 +83,11 @@ func TestWaitedUnsentBehindPgBouncer(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	tb := setup(t)
-	addr, database := testenv.ServerAddr(t, tb.pg.ServerURL)
-	bouncer := testenv.StartPgBouncer(t, addr, "transaction", 1, "query_wait_timeout = 1")
-	pool := testenv.NewPool(t, bouncer.URL(database)+"&pool_max_conns=1&default_query_exec_mode=exec")
-	cfg := tb.board.Config()
-	board, err := New(pool, tb.rd.Client, &cfg)
-	require.NoError(t, err)
-	t.Cleanup(board.Close)
+	addr, _ := testenv.ServerAddr(t, tb.pg.ServerURL)
+	board, url := boardBehindPgBouncer(t, tb, addr, "exec", "query_wait_timeout = 1")
 
 	// Another client's transaction holds PgBouncer's only server connection.
-	hold, err := pgx.Connect(ctx, bouncer.URL(database)+"&default_query_exec_mode=exec")
+	hold, err := pgx.Connect(ctx, url)
 	require.NoError(t, err)
 	defer hold.Close(ctx)
 	tx, err := hold.Begin(ctx)
@@ -115,4 +100,20 @@ func TestWaitedUnsentBehindPgBouncer(t *testing.T) {
 	require.NoError(t, tx.Rollback(ctx))
 	events, _, _ := tb.counts(t)
 	require.Zero(t, events)
+}
+
+// boardBehindPgBouncer returns a board on tb's tables whose pool (one
+// connection, exec mode) goes through a private PgBouncer in transaction
+// mode with one server connection, in front of target (tb's server, or a
+// ReplyDropper in front of it), and that PgBouncer's URL for tb's database.
+func boardBehindPgBouncer(t *testing.T, tb *testBundle, target, mode string, settings ...string) (*Board, string) {
+	t.Helper()
+	_, database := testenv.ServerAddr(t, tb.pg.ServerURL)
+	url := testenv.StartPgBouncer(t, target, "transaction", 1, settings...).URL(database) + "&default_query_exec_mode=" + mode
+	pool := testenv.NewPool(t, url+"&pool_max_conns=1")
+	cfg := tb.board.Config()
+	board, err := New(pool, tb.rd.Client, &cfg)
+	require.NoError(t, err)
+	t.Cleanup(board.Close)
+	return board, url
 }
