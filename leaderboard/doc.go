@@ -35,12 +35,14 @@
 // command at a time, so every caller gets the outcome its command would have
 // had alone. MaxSubmitsPerStatement 1 turns grouping off.
 //
-// A statement sent alone runs on its caller's goroutine; a shared one, and
-// the one-by-one statements that replay a shared one that failed, on
-// goroutines of the board's, as do the Notifier's NOTIFY and the lag
-// measurement behind the metrics' lag gauge. A panic in code of the
-// application's that pgx calls (a tracer, a pool hook) reaches the caller
-// of a lone Submit; one as its statement runs leaves the board usable,
+// A call that sends its statement itself (it found a statement free and
+// nobody queued, or grouping is off) runs it on its caller's goroutine; a
+// call that waited for a statement is sent, alone or shared, on goroutines
+// of the board's, as are the one-by-one statements that replay a shared
+// one that failed, the Notifier's NOTIFY and the lag measurement behind
+// the metrics' lag gauge. A panic in code of the application's that pgx
+// calls (a tracer, a pool hook) reaches the caller of a Submit that sent
+// its own statement; one as its statement runs leaves the board usable,
 // but one in pgxpool's Acquire after it has taken a connection
 // (TraceAcquireEnd, BeforeAcquire, PrepareConn) loses that connection for
 // good, as it would for any caller of the pool. On the board's goroutines

@@ -281,11 +281,13 @@ func (s *Service) withTimeout(next http.Handler) http.Handler {
 // in-flight requests, a stats read that a request started and nobody waits
 // for any more is cancelled, the worker settles its batch, and the
 // reconcile loop stops. Run returns after every goroutine it or its
-// requests started has exited, but for two the board started: the
+// requests started has exited, but for three the board started: the
 // Worker's Redis eviction check, if Redis has not answered it (it ends at
 // the client's ReadTimeout, or when the caller closes the client; see
-// leaderboard.Worker.Run), and the lag measurement behind a /metrics
-// scrape's lag gauge, which Close waits for. It returns nil after a
+// leaderboard.Worker.Run), the lag measurement behind a /metrics scrape's
+// lag gauge, which Close waits for, and the goroutine that sends the
+// relays' wake-up after a submit (it ends once idle for the Notifier's
+// IdleTimeout, 100 ms, or at Close). It returns nil after a
 // cancellation, or the first error that stopped it.
 func (s *Service) Run(ctx context.Context, ln net.Listener) error {
 	srv := &http.Server{
