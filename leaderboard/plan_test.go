@@ -75,7 +75,7 @@ func TestManyKeyPlans(t *testing.T) {
 			for _, generic := range []bool{false, true} {
 				plan, doc := explainPlan(t, tb.pg.ConnString, st.sql, generic, st.args)
 				for table, column := range st.keyed {
-					scans := plan.find(func(n *planNode) bool {
+					scans := plan.Find(func(n *planNode) bool {
 						return n.RelationName == table && n.NodeType != "ModifyTable"
 					})
 					require.NotEmpty(t, scans, "no read of %s in\n%s", table, doc)
@@ -98,36 +98,11 @@ func TestManyKeyPlans(t *testing.T) {
 func explainPlan(t *testing.T, connString, sql string, generic bool, args []any) (*planNode, string) {
 	t.Helper()
 	doc := testenv.Plan(t, connString, generic, "JSON", sql, args...)
-	var plans []struct{ Plan planNode }
-	require.NoError(t, json.Unmarshal([]byte(doc), &plans))
-	require.Len(t, plans, 1)
-	return &plans[0].Plan, doc
+	return testenv.ParsePlan(t, doc), doc
 }
 
 // planNode is a node of EXPLAIN (FORMAT JSON).
-type planNode struct {
-	NodeType     string     `json:"Node Type"`
-	Alias        string     `json:"Alias"`
-	RelationName string     `json:"Relation Name"`
-	IndexName    string     `json:"Index Name"`
-	IndexCond    string     `json:"Index Cond"`
-	SubplanName  string     `json:"Subplan Name"`
-	ActualRows   float64    `json:"Actual Rows"` // EXPLAIN ANALYZE only
-	Plans        []planNode `json:"Plans"`
-}
-
-// find returns the nodes of the tree under n (n included) that match, in
-// depth-first order.
-func (n *planNode) find(match func(*planNode) bool) []*planNode {
-	var out []*planNode
-	if match(n) {
-		out = append(out, n)
-	}
-	for i := range n.Plans {
-		out = append(out, n.Plans[i].find(match)...)
-	}
-	return out
-}
+type planNode = testenv.PlanNode
 
 // TestKeysetPagesReadOnePageWithoutStatistics: on a board bulk-loaded and
 // never analysed (autovacuum behind or off), the planner expected 654 rows
@@ -194,9 +169,7 @@ func TestKeysetPagesReadOnePageWithoutStatistics(t *testing.T) {
 			// A custom plan, as a cached statement's first five runs get.
 			var doc string
 			require.NoError(t, tb.pg.Pool.QueryRow(ctx, "EXPLAIN (ANALYZE, FORMAT JSON) "+st.sql, st.args...).Scan(&doc))
-			var plans []struct{ Plan planNode }
-			require.NoError(t, json.Unmarshal([]byte(doc), &plans))
-			reads := pageReads(&plans[0].Plan)
+			reads := pageReads(testenv.ParsePlan(t, doc))
 			require.NotEmpty(t, reads, "%s/%s: no read of the board in\n%s", stats, st.name, doc)
 			for _, read := range reads {
 				require.LessOrEqual(t, read.ActualRows, float64(limit+1),

@@ -1859,7 +1859,7 @@ func TestLagProbePlan(t *testing.T) {
 			// created_at) index: d for the oldest that counts, d_1 for one
 			// dated after the clock, a range bounded by that reading.
 			for alias, index := range map[string]string{"d": "_dead_created_idx", "d_1": "_dead_created_idx"} {
-				scans := plan.find(func(n *planNode) bool { return n.Alias == alias })
+				scans := plan.Find(func(n *planNode) bool { return n.Alias == alias })
 				require.Len(t, scans, 1, doc)
 				require.Equal(t, "Index Scan", scans[0].NodeType, doc)
 				require.Equal(t, outbox.TableDefault+index, scans[0].IndexName, doc)
@@ -1871,14 +1871,14 @@ func TestLagProbePlan(t *testing.T) {
 			// Each superseded check: a primary-key lookup of the user, and
 			// the pending and dead sets each a hashed subplan.
 			for _, alias := range []string{"s", "s_1"} {
-				scans := plan.find(func(n *planNode) bool { return n.Alias == alias })
+				scans := plan.Find(func(n *planNode) bool { return n.Alias == alias })
 				require.Len(t, scans, 1, doc)
 				require.Equal(t, "Index Scan", scans[0].NodeType, doc)
 				require.Equal(t, "user_scores_pkey", scans[0].IndexName, doc)
 			}
 			for _, alias := range []string{"o", "n", "o_1", "n_1"} {
-				subplans := plan.find(func(n *planNode) bool {
-					return n.SubplanName != "" && len(n.find(func(m *planNode) bool { return m.Alias == alias })) > 0
+				subplans := plan.Find(func(n *planNode) bool {
+					return n.SubplanName != "" && len(n.Find(func(m *planNode) bool { return m.Alias == alias })) > 0
 				})
 				require.NotEmpty(t, subplans, doc)
 				sp := subplans[len(subplans)-1] // the innermost
@@ -1887,7 +1887,7 @@ func TestLagProbePlan(t *testing.T) {
 
 			// The pending rows dated after the clock reading: a range of the
 			// created_at index, bounded by that reading.
-			scans := plan.find(func(n *planNode) bool { return n.Alias == "f" })
+			scans := plan.Find(func(n *planNode) bool { return n.Alias == "f" })
 			require.Len(t, scans, 1, doc)
 			require.Equal(t, "Index Scan", scans[0].NodeType, doc)
 			require.Equal(t, outbox.TableDefault+"_created_idx", scans[0].IndexName, doc)

@@ -2,7 +2,6 @@ package reconcile
 
 import (
 	"context"
-	"encoding/json"
 	"fmt"
 	"testing"
 
@@ -11,26 +10,6 @@ import (
 	"github.com/verity-go/verity/internal/testenv"
 	"github.com/verity-go/verity/projection"
 )
-
-// planNode is a node of EXPLAIN (ANALYZE, FORMAT JSON).
-type planNode struct {
-	NodeType     string     `json:"Node Type"`
-	RelationName string     `json:"Relation Name"`
-	ActualRows   float64    `json:"Actual Rows"`
-	Plans        []planNode `json:"Plans"`
-}
-
-// reads returns the nodes under n (n included) that read table.
-func (n *planNode) reads(table string) []*planNode {
-	var out []*planNode
-	if n.RelationName == table {
-		out = append(out, n)
-	}
-	for i := range n.Plans {
-		out = append(out, n.Plans[i].reads(table)...)
-	}
-	return out
-}
 
 // TestSQLSourcePagesReadOnePageWithoutStatistics: over a table bulk-loaded
 // and never analysed (autovacuum behind or off), a filtered SQLSource's
@@ -72,9 +51,7 @@ func TestSQLSourcePagesReadOnePageWithoutStatistics(t *testing.T) {
 		} {
 			var doc string
 			require.NoError(t, pg.Pool.QueryRow(ctx, "EXPLAIN (ANALYZE, FORMAT JSON) "+st.sql, st.args...).Scan(&doc))
-			var plans []struct{ Plan planNode }
-			require.NoError(t, json.Unmarshal([]byte(doc), &plans))
-			reads := plans[0].Plan.reads("scores")
+			reads := testenv.ParsePlan(t, doc).Find(func(n *testenv.PlanNode) bool { return n.RelationName == "scores" })
 			require.Len(t, reads, 1, "%s/%s:\n%s", stats, st.name, doc)
 			require.Equal(t, "Index Scan", reads[0].NodeType, "%s/%s:\n%s", stats, st.name, doc)
 			require.LessOrEqual(t, reads[0].ActualRows, float64(limit), "%s/%s: a page of %d read %.0f rows", stats, st.name, limit, reads[0].ActualRows)

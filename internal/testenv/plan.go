@@ -2,6 +2,7 @@ package testenv
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"strings"
 	"testing"
@@ -64,4 +65,41 @@ func Plan(t testing.TB, connString string, generic bool, format, sql string, arg
 		}
 	}
 	return strings.Join(lines, "\n")
+}
+
+// PlanNode is a node of EXPLAIN (FORMAT JSON), with the rows it returned
+// when EXPLAIN ran with ANALYZE.
+type PlanNode struct {
+	NodeType     string     `json:"Node Type"`
+	Alias        string     `json:"Alias"`
+	RelationName string     `json:"Relation Name"`
+	IndexName    string     `json:"Index Name"`
+	IndexCond    string     `json:"Index Cond"`
+	SubplanName  string     `json:"Subplan Name"`
+	ActualRows   float64    `json:"Actual Rows"`
+	Plans        []PlanNode `json:"Plans"`
+}
+
+// ParsePlan returns the root of the plan of an EXPLAIN (FORMAT JSON)
+// document of one statement.
+func ParsePlan(t testing.TB, doc string) *PlanNode {
+	t.Helper()
+	var plans []struct{ Plan PlanNode }
+	if err := json.Unmarshal([]byte(doc), &plans); err != nil || len(plans) != 1 {
+		t.Fatalf("testenv: not the plan of one statement (%v): %s", err, doc)
+	}
+	return &plans[0].Plan
+}
+
+// Find returns the nodes of the tree under n (n included) that match, in
+// depth-first order.
+func (n *PlanNode) Find(match func(*PlanNode) bool) []*PlanNode {
+	var out []*PlanNode
+	if match(n) {
+		out = append(out, n)
+	}
+	for i := range n.Plans {
+		out = append(out, n.Plans[i].Find(match)...)
+	}
+	return out
 }
