@@ -47,6 +47,7 @@ type options struct {
 
 	// serve
 	addr            string
+	allowedHosts    string
 	reconcileEvery  time.Duration
 	reconcileSample int
 
@@ -80,6 +81,8 @@ func parseFlags(name string, args []string, stderr io.Writer) (*options, error) 
 	switch name {
 	case "serve":
 		fs.StringVar(&o.addr, "addr", addrDefault, "HTTP listen address")
+		fs.StringVar(&o.allowedHosts, "allowed-hosts", "",
+			"comma-separated host names a request's Host header may name; others are answered 421 (default: localhost, 127.0.0.1 and ::1 when --addr's host is one of them, else any; '*': any)")
 		fs.StringVar(&o.readPolicy, "read-policy", leaderboard.ReadPolicyDefault.String(),
 			"what reads do when the projection lags more than --max-lag: serve-stale, fallback-to-postgres or fail-closed")
 		fs.DurationVar(&o.maxLag, "max-lag", leaderboard.MaxLagDefault, "largest projection lag at which Redis answers count as fresh; must exceed the lag probe interval (leaderboard.LagProbeIntervalDefault, 100ms)")
@@ -181,6 +184,9 @@ func parseFlags(name string, args []string, stderr io.Writer) (*options, error) 
 		}
 		if _, err := strconv.ParseUint(port, 10, 16); err != nil {
 			return usage("--addr %q: the port must be a number from 0 to 65535 (0: any free port)", o.addr)
+		}
+		if _, err := o.hostAllowList(); err != nil {
+			return usage("--allowed-hosts: %v", err)
 		}
 	}
 	// reconcile.Reconciler.Run refuses a larger sample, after connecting
@@ -346,4 +352,45 @@ func parseReadPolicy(name string) (leaderboard.ReadPolicy, error) {
 		}
 	}
 	return 0, fmt.Errorf("unknown policy %q (want serve-stale, fallback-to-postgres or fail-closed)", name)
+}
+
+// loopbackHosts are the names a browser on this machine uses for a
+// service on a loopback address.
+var loopbackHosts = []string{"localhost", "127.0.0.1", "::1"}
+
+// hostAllowList is ServiceConfig.AllowedHosts from --allowed-hosts: nil
+// (any host) for "*", the listed names, or by default the loopback names
+// when --addr's host is one of them (a service only this machine can reach,
+// which DNS rebinding is the way in to), else nil.
+func (o *options) hostAllowList() ([]string, error) {
+	switch o.allowedHosts {
+	case "*":
+		return nil, nil
+	case "":
+		host, _, err := net.SplitHostPort(o.addr)
+		if err != nil {
+			return nil, err
+		}
+		if ip := net.ParseIP(host); host == "localhost" || (ip != nil && ip.IsLoopback()) {
+			return loopbackHosts, nil
+		}
+		return nil, nil
+	}
+	var hosts []string
+	for _, h := range strings.Split(o.allowedHosts, ",") {
+		h = strings.TrimSpace(h)
+		switch {
+		case h == "":
+			continue
+		case h == "*":
+			return nil, errors.New(`"*" allows any host: give it alone`)
+		case strings.ContainsAny(h, "/[]") || (strings.Contains(h, ":") && net.ParseIP(h) == nil):
+			return nil, fmt.Errorf("%q: give a host name or IP address, without a port or brackets", h)
+		}
+		hosts = append(hosts, h)
+	}
+	if len(hosts) == 0 {
+		return nil, errors.New(`no host named: list host names, or "*" for any`)
+	}
+	return hosts, nil
 }

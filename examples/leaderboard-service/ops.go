@@ -35,7 +35,12 @@ func cmdServe(ctx context.Context, o *options, _, stderr io.Writer) error {
 		return err
 	}
 	defer d.close()
+	allowedHosts, err := o.hostAllowList() // checked by parseFlags
+	if err != nil {
+		return err
+	}
 	svc, err := NewService(d.pool, d.rdb, d.board, ServiceConfig{
+		AllowedHosts:    allowedHosts,
 		ReconcileEvery:  o.reconcileEvery,
 		ReconcileSample: o.reconcileSample,
 		Relay:           &outbox.RelayConfig{Logger: logger, DisableNotify: o.disableNotify},

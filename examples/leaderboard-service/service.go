@@ -10,6 +10,7 @@ import (
 	"net"
 	"net/http"
 	"runtime/debug"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -78,6 +79,14 @@ type ServiceConfig struct {
 	Relay *outbox.RelayConfig
 	// Logger receives the service's logs. Defaults to discarding them.
 	Logger *slog.Logger
+	// AllowedHosts lists the host names (no port; IPv6 addresses without
+	// brackets) that a request's Host header may name, matched without
+	// regard to case; a request naming another is answered 421 and reaches
+	// no route. It keeps a web page on another site from reaching a service
+	// on a loopback address through DNS rebinding (its name made to resolve
+	// to 127.0.0.1: the browser then treats the service as that site's own).
+	// Defaults to allowing any host.
+	AllowedHosts []string
 }
 
 // Service is the leaderboard HTTP service: handlers over a Board, the
@@ -242,20 +251,55 @@ func (s *Service) routes() (http.Handler, error) {
 	if err != nil {
 		return nil, err
 	}
-	mux.Handle("GET /{$}", http.FileServerFS(static))
-	// withTimeout is outermost: instrument reads the route pattern that the
-	// mux sets on the request it is given, so no request copy may come
-	// between them.
-	return nosniff(s.withTimeout(s.metrics.instrument(mux))), nil
+	files := http.FileServerFS(static)
+	mux.Handle("GET /{$}", files)
+	mux.Handle("GET /app.js", files)
+	mux.Handle("GET /app.css", files)
+	// withTimeout is outermost but for the header checks: instrument reads
+	// the route pattern that the mux sets on the request it is given, so no
+	// request copy may come between them.
+	return secureHeaders(checkHost(s.cfg.AllowedHosts, s.withTimeout(s.metrics.instrument(mux)))), nil
 }
 
-// nosniff marks every answer's Content-Type as authoritative: no browser
-// may sniff a JSON answer echoing client text (user ids, body keys) as
-// markup or script.
-func nosniff(next http.Handler) http.Handler {
+// contentSecurityPolicy lets the page run only its own script and style
+// files and talk only to this service: were a server-provided string ever
+// written into the page as markup, no script it carried would run. It
+// also forbids framing the page, and forms from posting anywhere (the
+// page's forms send with fetch).
+const contentSecurityPolicy = "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; img-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
+
+// secureHeaders marks every answer's Content-Type as authoritative, so no
+// browser may sniff a JSON answer echoing client text (user ids, body
+// keys) as markup or script, and sets the Content-Security-Policy.
+func secureHeaders(next http.Handler) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		w.Header().Set("X-Content-Type-Options", "nosniff")
+		w.Header().Set("Content-Security-Policy", contentSecurityPolicy)
 		next.ServeHTTP(w, r)
+	})
+}
+
+// checkHost answers 421 Misdirected Request to a request whose Host names
+// none of allowed (see ServiceConfig.AllowedHosts); an empty list allows
+// any.
+func checkHost(allowed []string, next http.Handler) http.Handler {
+	if len(allowed) == 0 {
+		return next
+	}
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		host := r.Host
+		if h, _, err := net.SplitHostPort(host); err == nil {
+			host = h
+		}
+		host = strings.TrimSuffix(strings.TrimPrefix(host, "["), "]")
+		for _, a := range allowed {
+			if strings.EqualFold(host, a) {
+				next.ServeHTTP(w, r)
+				return
+			}
+		}
+		writeJSON(w, http.StatusMisdirectedRequest, errorResponse{
+			Error: fmt.Sprintf("this service does not answer for host %q (see --allowed-hosts)", host)})
 	})
 }
 
