@@ -431,7 +431,9 @@ func (b *Board) submitOne(ctx context.Context, cmd Command) (Result, error) {
 // event record and the outbox row commit or roll back with tx, together
 // with whatever else the caller writes in it. tx is a pgx.Tx, or a *sql.Tx
 // of the pgx stdlib driver wrapped by outbox.SQLTx. It costs the same
-// single statement as Submit.
+// single statement as Submit. A *pgxpool.Pool, or a *pgx.Conn or
+// *pgxpool.Conn outside a transaction, is refused with a *ConfigError
+// (Field "tx"), nothing written: its statements commit on their own.
 //
 // tx must be a transaction of the board's own database, the one its pool
 // (New's pool) connects to: the board cannot tell. On another database
@@ -512,9 +514,18 @@ func errNilTx(method string) error {
 	return &ConfigError{Field: "tx", Reason: "is nil; " + method + " needs the caller's open transaction (a pgx.Tx, or outbox.SQLTx of a *sql.Tx)"}
 }
 
+// errNotATransaction refuses a pool or an idle connection given as a
+// *Tx method's tx (see deps.NotInTransaction).
+func errNotATransaction(method, why string) error {
+	return &ConfigError{Field: "tx", Reason: why + "; " + method + " needs the caller's open transaction (pool.Begin), so that the score commits with the caller's own writes"}
+}
+
 func (b *Board) submitTx(ctx context.Context, tx outbox.Tx, cmd Command) (Result, error) {
 	if deps.Missing(tx) {
 		return Result{}, errNilTx("SubmitTx")
+	}
+	if why := deps.NotInTransaction(tx); why != "" {
+		return Result{}, errNotATransaction("SubmitTx", why)
 	}
 	if err := b.validate(0, cmd); err != nil {
 		return Result{}, err
@@ -625,7 +636,8 @@ func (b *Board) SubmitBatch(ctx context.Context, cmds []Command) ([]Result, erro
 // SubmitBatchTx is SubmitBatch inside the caller's transaction tx (a
 // pgx.Tx, or a database/sql transaction through outbox.SQLTx): the
 // commands' score changes and outbox rows commit or roll back with the
-// caller's own writes, in one statement and one round trip. It returns one
+// caller's own writes, in one statement and one round trip (a pool or a
+// connection outside a transaction is refused, as by SubmitTx). It returns one
 // Result per command, in order, and reports duplicates, invalid commands
 // and reused event ids as SubmitBatch does; those failures write nothing
 // and leave tx usable. As with SubmitTx, nothing is visible to others, nor
@@ -691,6 +703,9 @@ func (b *Board) SubmitBatchTx(ctx context.Context, tx outbox.Tx, cmds []Command)
 func (b *Board) submitBatchTx(ctx context.Context, tx outbox.Tx, cmds []Command) ([]Result, error) {
 	if deps.Missing(tx) {
 		return nil, errNilTx("SubmitBatchTx")
+	}
+	if why := deps.NotInTransaction(tx); why != "" {
+		return nil, errNotATransaction("SubmitBatchTx", why)
 	}
 	if len(cmds) == 0 {
 		return nil, nil

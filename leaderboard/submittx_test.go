@@ -241,4 +241,25 @@ func TestSubmitTx(t *testing.T) {
 		require.Equal(t, "tx", cfgErr.Field)
 		require.Contains(t, cfgErr.Reason, "SubmitTx needs the caller's open transaction")
 	})
+
+	// A pool, or a connection outside a transaction, would commit the
+	// score without the caller's writes: refused, nothing written.
+	t.Run("NotATransaction", func(t *testing.T) {
+		t.Parallel()
+		tb := setup(t)
+		conn, err := tb.pg.Pool.Acquire(ctx)
+		require.NoError(t, err)
+		defer conn.Release()
+		for name, tx := range map[string]outbox.Tx{"Pool": tb.pg.Pool, "Conn": conn} {
+			_, err := tb.board.SubmitTx(ctx, tx, Command{EventID: uuid.New(), UserID: "x", Delta: 1})
+			require.ErrorIs(t, err, ErrInvalidConfig, name)
+			var cfgErr *ConfigError
+			require.ErrorAs(t, err, &cfgErr, name)
+			require.Equal(t, "tx", cfgErr.Field, name)
+			require.Contains(t, cfgErr.Reason, "commit on their own", name)
+		}
+		var n int
+		require.NoError(t, tb.pg.Pool.QueryRow(ctx, `SELECT (SELECT count(*) FROM user_scores) + (SELECT count(*) FROM verity_outbox)`).Scan(&n))
+		require.Zero(t, n, "nothing written")
+	})
 }

@@ -581,7 +581,12 @@
 //
 // Writer methods take the narrow Tx interface, which pgx.Tx satisfies. SQLTx
 // adapts a *sql.Tx opened with the pgx stdlib driver
-// (github.com/jackc/pgx/v5/stdlib).
+// (github.com/jackc/pgx/v5/stdlib). A *pgxpool.Pool, or a *pgx.Conn or
+// *pgxpool.Conn outside a transaction, satisfies Tx too, and is refused
+// with a *ConfigError (Field "tx") before anything is written: its
+// statements would each commit on their own, so a command could be recorded
+// as done while a crash lost its effects, and every retry would then be a
+// duplicate. A connection on which the caller ran BEGIN is a transaction.
 //
 // # Errors
 //

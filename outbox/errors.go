@@ -90,6 +90,12 @@ func missingTx() error {
 	return &ConfigError{Field: "tx", Reason: "is nil; pass the caller's open transaction (a pgx.Tx, or SQLTx of a *sql.Tx)"}
 }
 
+// txNotATransaction refuses a pool or an idle connection given to a Writer
+// method as its tx (see deps.NotInTransaction).
+func txNotATransaction(why string) error {
+	return &ConfigError{Field: "tx", Reason: why + "; pass the caller's open transaction (pool.Begin), so that these writes commit with its own"}
+}
+
 // missingDB refuses a nil database handle.
 func missingDB() error {
 	return &ConfigError{Field: "db", Reason: "is nil; pass a database handle (a *pgxpool.Pool, a connection or a transaction)"}

@@ -131,6 +131,9 @@ func (w *Writer) RecordCommand(ctx context.Context, tx Tx, eventID uuid.UUID, fi
 	if deps.Missing(tx) {
 		return Command{}, missingTx()
 	}
+	if why := deps.NotInTransaction(tx); why != "" {
+		return Command{}, txNotATransaction(why)
+	}
 	if eventID == uuid.Nil {
 		return Command{}, &MessageError{Field: "EventID", Reason: "is the nil UUID; give every command a stable, unique id"}
 	}
@@ -204,6 +207,9 @@ func (w *Writer) StoreCommandResult(ctx context.Context, tx Tx, eventID uuid.UUI
 	}
 	if deps.Missing(tx) {
 		return missingTx()
+	}
+	if why := deps.NotInTransaction(tx); why != "" {
+		return txNotATransaction(why)
 	}
 	var ok bool
 	// Never NULL: NULL means "none stored yet", and an empty result stored

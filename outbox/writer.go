@@ -144,6 +144,9 @@ func (w *Writer) Append(ctx context.Context, tx Tx, msgs ...Message) error {
 	if deps.Missing(tx) {
 		return missingTx()
 	}
+	if why := deps.NotInTransaction(tx); why != "" {
+		return txNotATransaction(why)
+	}
 	if err := validateMessages(msgs); err != nil {
 		return err
 	}

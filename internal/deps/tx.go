@@ -1,0 +1,33 @@
+package deps
+
+import (
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
+)
+
+// NotInTransaction says why v, given where the caller's open transaction
+// belongs, is not one: a pool, whose every statement commits on its own
+// (and may run on another connection), or a connection that is not inside
+// a transaction. It returns "" for anything else, which it cannot judge (a
+// pgx.Tx, an adapter of a *sql.Tx, a wrapper). Writes meant to commit with
+// the caller's own would otherwise commit without them: a command recorded
+// as done whose effects a crash then lost, an outbox row for a state change
+// that never committed, or the reverse.
+func NotInTransaction(v any) string {
+	var conn *pgconn.PgConn
+	switch c := v.(type) {
+	case *pgxpool.Pool:
+		return "is a *pgxpool.Pool, whose statements each commit on their own"
+	case *pgx.Conn:
+		conn = c.PgConn()
+	case *pgxpool.Conn:
+		conn = c.Conn().PgConn()
+	default:
+		return ""
+	}
+	if conn.TxStatus() == 'I' {
+		return "is a connection outside a transaction, whose statements each commit on their own"
+	}
+	return ""
+}
