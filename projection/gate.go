@@ -622,7 +622,14 @@ func (g *Gate) group(mode, token string, writes []Write, idx []int) []*slotGroup
 			gk := g.groupKey(g.ks.HashTag(t))
 			grp := byKey[gk]
 			if grp == nil {
-				grp = &slotGroup{bases: make(map[baseKey]collKeys), args: make([]any, 2, 2+5*len(idx))}
+				// Room for the whole batch in the first group only (the
+				// common case: one group); later ones grow as they fill,
+				// so a batch over many slots costs memory linear in it.
+				capacity := 2 + 5*len(idx)
+				if len(groups) > 0 {
+					capacity = 7
+				}
+				grp = &slotGroup{bases: make(map[baseKey]collKeys), args: make([]any, 2, capacity)}
 				arg := mode
 				if mode == modeCopy {
 					arg = modeShadow // the script knows a copy by its batch
