@@ -199,7 +199,7 @@ func parseFlags(name string, args []string, stderr io.Writer) (*options, error) 
 	if o.verify && (o.sample > 0 || o.dryRun) {
 		return usage("--verify runs a full pass that repairs: it cannot be combined with --sample or --dry-run")
 	}
-	if o.maxLag != 0 && o.maxLag <= leaderboard.LagProbeIntervalDefault {
+	if name == "serve" && o.maxLag <= leaderboard.LagProbeIntervalDefault {
 		return usage("--max-lag %s must exceed the lag probe interval (%s)", o.maxLag, leaderboard.LagProbeIntervalDefault)
 	}
 	return o, nil

@@ -3,6 +3,8 @@ package main
 import (
 	"bytes"
 	"context"
+	"crypto/tls"
+	"crypto/x509"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -743,9 +745,24 @@ var pgBouncerOutages = []string{
 // A Redis at maxclients closes a new connection after its reply saying
 // so: the client reads either, or a broken pipe. Any
 // other answer of PostgreSQL's (a missing database, a refused password,
-// even while connecting) is a fault to fix, not an outage to wait out.
+// even while connecting), and a server certificate the client's TLS
+// settings refuse, are faults to fix, not outages to wait out.
 // A connection exception (class 08, PgBouncer's 08P01) is an outage,
 // except while connecting, where only pgBouncerOutages are.
+// certificateRefused reports whether err is a TLS handshake that failed
+// on the server's certificate: crypto/tls's own check (sslmode=verify-full),
+// or pgx's (verify-ca), which returns x509's errors unwrapped.
+func certificateRefused(err error) bool {
+	var (
+		verification *tls.CertificateVerificationError
+		authority    x509.UnknownAuthorityError
+		hostname     x509.HostnameError
+		invalid      x509.CertificateInvalidError
+	)
+	return errors.As(err, &verification) || errors.As(err, &authority) ||
+		errors.As(err, &hostname) || errors.As(err, &invalid)
+}
+
 func unreachable(err error) bool {
 	var (
 		pgErr      *pgconn.PgError
@@ -791,6 +808,12 @@ func unreachable(err error) bool {
 				return true
 			}
 		}
+		return false
+	}
+	// A server certificate that the client's TLS settings refuse (an
+	// unknown CA, a name not in it) is a fault to fix, as a refused
+	// password is: no retry connects.
+	if certificateRefused(err) {
 		return false
 	}
 	return errors.As(err, &netErr) || errors.As(err, &connectErr) ||

@@ -249,6 +249,10 @@ func TestCommandLine(t *testing.T) {
 		{"BadLogLevelServe", []string{"serve", "--log-level=verbose"}, exitUsage, "--log-level"},
 		{"EmptyBoard", []string{"stats", "--board="}, exitUsage, "--board must not be empty"},
 		{"MaxLagNotAboveProbeInterval", []string{"serve", "--max-lag=100ms"}, exitUsage, "--max-lag 100ms must exceed"},
+		// Not the board's default (5 s) read as fresh by a service asked
+		// for no lag at all.
+		{"MaxLagZero", append([]string{"serve", "--addr=127.0.0.1:0", "--read-policy=fail-closed", "--max-lag=0"}, nowhere...), exitUsage, "--max-lag 0s must exceed"},
+		{"AllowedHostsWithPort", append([]string{"serve", "--addr=127.0.0.1:0", "--allowed-hosts=a.example:80"}, nowhere...), exitUsage, "--allowed-hosts: \"a.example:80\""},
 		// The board's own rules (leaderboard.New), checked before connecting.
 		{"KeyPrefixWithBraces", append([]string{"stats", "--key-prefix={x}:"}, nowhere...), exitUsage, "must not contain '{' or '}'"},
 		{"BoardTooLong", append([]string{"stats", "--board=" + strings.Repeat("b", leaderboard.MaxNameLength+1)}, nowhere...), exitUsage, "at most 200 bytes"},
