@@ -178,6 +178,9 @@ func (g *Gate) Apply(ctx context.Context, writes []Write) ([]Outcome, error) {
 // other way). ApplyShadowCopy also counts the writes, so that a rebuild
 // can verify that Redis still holds them at its switch.
 func (g *Gate) ApplyShadow(ctx context.Context, token string, writes []Write) ([]Outcome, error) {
+	if err := g.unusable(); err != nil { // first, as for every call
+		return nil, err
+	}
 	if err := checkShadow(token, writes); err != nil {
 		return nil, err
 	}
@@ -200,6 +203,9 @@ func (g *Gate) ApplyShadow(ctx context.Context, token string, writes []Write) ([
 // written but not counted again, so a call that ran but whose reply was
 // lost (and that the client retried) is counted once.
 func (g *Gate) ApplyShadowCopy(ctx context.Context, token string, batch int64, writes []Write) ([]Outcome, error) {
+	if err := g.unusable(); err != nil { // first, as for every call
+		return nil, err
+	}
 	if err := checkShadow(token, writes); err != nil {
 		return nil, err
 	}

@@ -822,7 +822,13 @@ func TestGateRefusesZeroKeyspace(t *testing.T) {
 		"Apply":           func() error { _, err := gate.Apply(ctx, []Write{w}); return err },
 		"ApplyShadow":     func() error { _, err := gate.ApplyShadow(ctx, "", []Write{w}); return err },
 		"ApplyShadowCopy": func() error { _, err := gate.ApplyShadowCopy(ctx, "token", 1, []Write{w}); return err },
-		"Load":            func() error { return gate.Load(ctx) },
+		// Even a call that is wrong in other ways too.
+		"ApplyShadowOfDocument": func() error {
+			_, err := gate.ApplyShadow(ctx, "", []Write{{Target: Target{Kind: KindDocument, Name: name, Member: "d"}, Version: 1}})
+			return err
+		},
+		"ApplyShadowCopyWithoutToken": func() error { _, err := gate.ApplyShadowCopy(ctx, "", 0, []Write{w}); return err },
+		"Load":                        func() error { return gate.Load(ctx) },
 	} {
 		err := call()
 		require.ErrorIs(t, err, ErrInvalidConfig, method)
