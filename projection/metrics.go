@@ -77,7 +77,7 @@ func newProjectionMetrics(mp metric.MeterProvider) (*projectionMetrics, error) {
 			"Commit-to-visible lag: time from the outbox row's created_at (database clock) until the gate applied it in Redis (projector host clock). Only applied writes.",
 			telemetry.LagBuckets()...),
 		batchDuration: in.Histogram(metricBatchDuration, "s",
-			"Duration of one gate round trip (one script call per Redis Cluster slot, pipelined).",
+			"Duration of one gate call: one round trip (one script call per Redis Cluster slot, pipelined), plus the rounds that isolate a write Redis refused (a WRONGTYPE key, a layout mismatch) when there is one.",
 			telemetry.DurationBuckets()...),
 		now: time.Now,
 	}
