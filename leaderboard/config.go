@@ -234,7 +234,10 @@ type Config struct {
 	// record also stops counting once the sorted set holds fewer members
 	// than the pass found (a DEL of it alone, its eviction, also after new
 	// scores recreated it; an orphan repair or a Rebuild that removed
-	// users, after which Verify is due anyway). After a
+	// users, after which Verify is due anyway). It counts only to the size
+	// the pass found: a board verified empty (a new board's first pass)
+	// shows no loss of the members it gained since, so Verify it again once
+	// it has scores. After a
 	// partial loss (evicted version keys, writes a failover lost) only a
 	// reconcile pass finds what is missing. The record names the PostgreSQL it was
 	// made against (system identifier and timeline, which the lag probe

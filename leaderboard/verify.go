@@ -237,7 +237,9 @@ func isRedisReply(err error) bool {
 // the record names ("" for a record of a release that named none). A
 // record no longer counts once the sorted set holds fewer members than the
 // pass found (a DEL of it alone, its eviction, also after new scores
-// recreated it): the board would read without them. Nor does it count
+// recreated it): the board would read without them. Members gained since
+// the pass are not counted: a loss of those alone goes unseen (on a board
+// verified empty, any loss) until the next pass. Nor does it count
 // without its companion, the size the pass found (heldKey), which an
 // eviction can take with the sorted set; a record of an earlier release
 // (its token lacks heldTokenPrefix) without one (or beside another pass's,
