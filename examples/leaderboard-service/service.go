@@ -107,7 +107,12 @@ type Service struct {
 	// that the reconcile loop found at its last run (only that loop
 	// reads or writes it).
 	seenVerifyMarker string
-	nextReconcile    atomic.Pointer[time.Time]
+	// verifiedEmpty is set when the reconcile loop's last verifying pass
+	// found the board empty: its record counts no member, so readers would
+	// see no loss of the members the board gains since (only that loop
+	// reads or writes it).
+	verifiedEmpty bool
+	nextReconcile atomic.Pointer[time.Time]
 
 	// ownsBoard is set when wire built board (instrumented), so Close
 	// must close it; a board passed in stays the caller's to close.
@@ -444,9 +449,11 @@ func (s *Service) reconcileOnce(ctx context.Context) {
 		err      error
 		verified = new(bool)
 	)
-	if s.board.Config().RequireVerifiedProjection && s.board.Freshness(runCtx).Unverified {
+	if s.board.Config().RequireVerifiedProjection && (s.verifiedEmpty || s.board.Freshness(runCtx).Unverified) {
 		// Reads refuse (or fall back) until a full pass verifies the
-		// projection: a sample cannot, so run that pass instead. Not
+		// projection: a sample cannot, so run that pass instead. Run it
+		// again after one that found the board empty (a new board's
+		// first), until one finds members, which readers then count. Not
 		// while another instance's pass is under way (a marker this loop
 		// did not find at its last run): a Verify begun meanwhile would
 		// replace its marker, so neither would record, and instances
@@ -462,6 +469,9 @@ func (s *Service) reconcileOnce(ctx context.Context) {
 		}
 		s.seenVerifyMarker = ""
 		report, *verified, err = s.board.Verify(runCtx, &reconcile.Config{Logger: s.logger})
+		if err == nil && *verified {
+			s.verifiedEmpty = report.Checked == 0
+		}
 	} else {
 		verified = nil
 		report, err = s.reconciler.Run(runCtx, reconcile.RunOptions{Sample: s.cfg.ReconcileSample})
