@@ -9,6 +9,7 @@ import (
 	"log/slog"
 	"net"
 	"os"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -82,7 +83,7 @@ func parseFlags(name string, args []string, stderr io.Writer) (*options, error) 
 	case "serve":
 		fs.StringVar(&o.addr, "addr", addrDefault, "HTTP listen address")
 		fs.StringVar(&o.allowedHosts, "allowed-hosts", "",
-			"comma-separated host names a request's Host header may name; others are answered 421 (default: localhost, 127.0.0.1 and ::1 when --addr's host is one of them, else any; '*': any)")
+			"comma-separated host names a request's Host header may name; others are answered 421 (default: localhost, 127.0.0.1, ::1 and --addr's host when that is a loopback address, else any; '*': any)")
 		fs.StringVar(&o.readPolicy, "read-policy", leaderboard.ReadPolicyDefault.String(),
 			"what reads do when the projection lags more than --max-lag: serve-stale, fallback-to-postgres or fail-closed")
 		fs.DurationVar(&o.maxLag, "max-lag", leaderboard.MaxLagDefault, "largest projection lag at which Redis answers count as fresh; must exceed the lag probe interval (leaderboard.LagProbeIntervalDefault, 100ms)")
@@ -360,8 +361,8 @@ var loopbackHosts = []string{"localhost", "127.0.0.1", "::1"}
 
 // hostAllowList is ServiceConfig.AllowedHosts from --allowed-hosts: nil
 // (any host) for "*", the listed names, or by default the loopback names
-// when --addr's host is one of them (a service only this machine can reach,
-// which DNS rebinding is the way in to), else nil.
+// and --addr's host when that is a loopback address (a service only this
+// machine can reach, which DNS rebinding is the way in to), else nil.
 func (o *options) hostAllowList() ([]string, error) {
 	switch o.allowedHosts {
 	case "*":
@@ -372,7 +373,10 @@ func (o *options) hostAllowList() ([]string, error) {
 			return nil, err
 		}
 		if ip := net.ParseIP(host); host == "localhost" || (ip != nil && ip.IsLoopback()) {
-			return loopbackHosts, nil
+			if slices.Contains(loopbackHosts, host) {
+				return loopbackHosts, nil
+			}
+			return append(slices.Clone(loopbackHosts), host), nil // 127.0.0.2, ::ffff:127.0.0.1
 		}
 		return nil, nil
 	}

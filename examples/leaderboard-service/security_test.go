@@ -1,12 +1,15 @@
 package main
 
 import (
+	"bufio"
 	"context"
 	"io"
+	"net"
 	"net/http"
 	"net/http/httptest"
 	"net/http/httputil"
 	"net/url"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -106,6 +109,7 @@ func TestHostAllowList(t *testing.T) {
 		{addr: "127.0.0.1:8080", want: loopbackHosts},
 		{addr: "[::1]:0", want: loopbackHosts},
 		{addr: "localhost:8080", want: loopbackHosts},
+		{addr: "127.0.0.2:8080", want: append(slices.Clone(loopbackHosts), "127.0.0.2")},
 		{addr: ":8080"},
 		{addr: "0.0.0.0:8080"},
 		{addr: "10.1.2.3:8080"},
@@ -206,4 +210,56 @@ func TestPageShowsTheLatestRankLookup(t *testing.T) {
 		fail("read the rank line", err)
 	}
 	require.True(t, strings.HasPrefix(text, "fast-user: rank"), "the older lookup's answer replaced the newer: %q", text)
+}
+
+// TestDefaultHostsOnAnotherLoopbackAddress: a service on a loopback
+// address other than 127.0.0.1 and ::1 (--addr=127.0.0.2:PORT) answers a
+// request naming its own address under the default --allowed-hosts.
+func TestDefaultHostsOnAnotherLoopbackAddress(t *testing.T) {
+	t.Parallel()
+	tb := setup(t)
+	ln, err := net.Listen("tcp", "127.0.0.2:0")
+	require.NoError(t, err)
+	o := &options{addr: ln.Addr().String()}
+	hosts, err := o.hostAllowList()
+	require.NoError(t, err)
+	svc, err := NewService(tb.pg.Pool, tb.rd.Client, tb.board, ServiceConfig{AllowedHosts: hosts})
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = svc.Close() })
+	srv := httptest.NewUnstartedServer(svc.Handler())
+	srv.Listener.Close()
+	srv.Listener = ln
+	srv.Start()
+	t.Cleanup(srv.Close)
+	resp, err := http.Get(srv.URL + "/leaderboard")
+	require.NoError(t, err)
+	resp.Body.Close()
+	require.Equal(t, http.StatusOK, resp.StatusCode, "GET %s/leaderboard on --addr=%s (default list %v)", srv.URL, o.addr, hosts)
+}
+
+// TestOptionsStarGoesThroughHostCheck: net/http answers "OPTIONS *"
+// itself, before any handler, unless told not to: with a Host naming
+// another site it got 200, without the Content-Security-Policy.
+func TestOptionsStarGoesThroughHostCheck(t *testing.T) {
+	t.Parallel()
+	tb := setup(t)
+	svc, err := NewService(tb.pg.Pool, tb.rd.Client, tb.board, ServiceConfig{AllowedHosts: loopbackHosts})
+	require.NoError(t, err)
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- svc.Run(ctx, ln) }()
+	t.Cleanup(func() { cancel(); <-done; _ = svc.Close() })
+
+	c, err := net.Dial("tcp", ln.Addr().String())
+	require.NoError(t, err)
+	defer c.Close()
+	_, err = c.Write([]byte("OPTIONS * HTTP/1.1\r\nHost: evil.example\r\nConnection: close\r\n\r\n"))
+	require.NoError(t, err)
+	resp, err := http.ReadResponse(bufio.NewReader(c), nil)
+	require.NoError(t, err)
+	resp.Body.Close()
+	require.Equal(t, http.StatusMisdirectedRequest, resp.StatusCode, "OPTIONS * with Host evil.example; headers %v", resp.Header)
+	require.NotEmpty(t, resp.Header.Get("Content-Security-Policy"))
 }

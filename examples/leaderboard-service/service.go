@@ -107,12 +107,7 @@ type Service struct {
 	// that the reconcile loop found at its last run (only that loop
 	// reads or writes it).
 	seenVerifyMarker string
-	// verifiedEmpty is set when the reconcile loop's last verifying pass
-	// found the board empty: its record counts no member, so readers would
-	// see no loss of the members the board gains since (only that loop
-	// reads or writes it).
-	verifiedEmpty bool
-	nextReconcile atomic.Pointer[time.Time]
+	nextReconcile    atomic.Pointer[time.Time]
 
 	// ownsBoard is set when wire built board (instrumented), so Close
 	// must close it; a board passed in stays the caller's to close.
@@ -342,10 +337,12 @@ func (s *Service) Run(ctx context.Context, ln net.Listener) error {
 	srv := &http.Server{
 		Handler:           s.handler,
 		ReadHeaderTimeout: 5 * time.Second,
-		ReadTimeout:       readTimeout,
-		WriteTimeout:      s.cfg.RequestTimeout + writeSlack,
-		IdleTimeout:       2 * time.Minute,
-		ErrorLog:          slog.NewLogLogger(s.logger.Handler(), slog.LevelWarn),
+		// "OPTIONS *" too goes through the host check and the headers.
+		DisableGeneralOptionsHandler: true,
+		ReadTimeout:                  readTimeout,
+		WriteTimeout:                 s.cfg.RequestTimeout + writeSlack,
+		IdleTimeout:                  2 * time.Minute,
+		ErrorLog:                     slog.NewLogLogger(s.logger.Handler(), slog.LevelWarn),
 	}
 	// Background work stops when the service stops, whatever the reason,
 	// but only after the HTTP server: requests still in flight at shutdown
@@ -449,7 +446,7 @@ func (s *Service) reconcileOnce(ctx context.Context) {
 		err      error
 		verified = new(bool)
 	)
-	if s.board.Config().RequireVerifiedProjection && (s.verifiedEmpty || s.board.Freshness(runCtx).Unverified) {
+	if s.board.Config().RequireVerifiedProjection && (s.verifiedEmpty(runCtx) || s.board.Freshness(runCtx).Unverified) {
 		// Reads refuse (or fall back) until a full pass verifies the
 		// projection: a sample cannot, so run that pass instead. Run it
 		// again after one that found the board empty (a new board's
@@ -469,9 +466,6 @@ func (s *Service) reconcileOnce(ctx context.Context) {
 		}
 		s.seenVerifyMarker = ""
 		report, *verified, err = s.board.Verify(runCtx, &reconcile.Config{Logger: s.logger})
-		if err == nil && *verified {
-			s.verifiedEmpty = report.Checked == 0
-		}
 	} else {
 		verified = nil
 		report, err = s.reconciler.Run(runCtx, reconcile.RunOptions{Sample: s.cfg.ReconcileSample})
@@ -496,6 +490,17 @@ func (s *Service) reconcileOnce(ctx context.Context) {
 	}
 	s.logger.Log(ctx, level, "scheduled reconcile",
 		slog.Int64("checked", report.Checked), slog.Int64("drift", report.Drift()), slog.Int64("repaired", report.Repaired))
+}
+
+// verifiedEmpty reports whether the board's last verifying pass, whoever
+// made it (this loop, another instance, 'reconcile --verify', this service
+// before a restart), found it empty: the size recorded beside its record
+// (leaderboard's verified.lua: "<token> <members>") is 0, so readers see no
+// loss of the members the board gained since.
+func (s *Service) verifiedEmpty(ctx context.Context) bool {
+	held, err := s.rdb.Get(ctx, s.board.SortedSetKey()+"~verified~held").Result()
+	_, size, _ := strings.Cut(held, " ")
+	return err == nil && size == "0"
 }
 
 // statsSnapshot is the outbox backlog and the board's projection lag at one
