@@ -385,7 +385,9 @@ type StaleError struct {
 	// refused the read: no Verify has found the projection complete since
 	// Redis last lost the board's keys, or against the database PostgreSQL
 	// is now (Freshness.Unverified). Board.Verify is the fix, not
-	// PostgreSQL.
+	// waiting for PostgreSQL (though Verify needs it: Unverified is also
+	// reported while PostgreSQL cannot be asked, once Redis has lost the
+	// record).
 	Unverified bool
 }
 

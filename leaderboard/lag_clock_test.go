@@ -400,3 +400,46 @@ func TestHostSuspendProjectedThrough(t *testing.T) {
 	require.Greater(t, time.Since(fr.ProjectedThrough), suspendFor-time.Second,
 		"Lag %v but time.Since(ProjectedThrough) %v", fr.Lag, time.Since(fr.ProjectedThrough))
 }
+
+// TestProjectedThroughAfterWallClockStepBack: the host's wall
+// clock steps back (an NTP step) after a lag measurement that found nothing
+// pending. A change committed after the step, not projected, is dated
+// before the measurement's old wall reading; a read that reuses the
+// measurement must not report a ProjectedThrough after that change
+// ("a time before which every committed change of the board is reflected
+// in the answer"), nor one in the future.
+func TestProjectedThroughAfterWallClockStepBack(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	tb := setup(t, func(c *Config) { c.LagProbeInterval = time.Second })
+	tb.submit(t, "ada", 10)
+	tb.drain(t)
+	r, err := tb.board.Top(ctx, 10) // measures: nothing pending
+	require.NoError(t, err)
+	require.Zero(t, r.Freshness.Lag)
+
+	// The wall clock steps back an hour: the measurement's wall reading is
+	// now an hour ahead of the clock, its monotonic one unchanged.
+	tb.board.lagMu.Lock()
+	tb.board.lagProbe.at = slept(t, tb.board.lagProbe.at, -time.Hour)
+	tb.board.lagMu.Unlock()
+
+	tb.submit(t, "ada", 5) // committed, not projected
+	committed := time.Now()
+	r, err = tb.board.Top(ctx, 10)
+	require.NoError(t, err)
+	require.Equal(t, []Entry{{UserID: "ada", Score: 10, Rank: 1}}, r.Entries, "the change is not in the answer")
+	require.False(t, r.Freshness.ProjectedThrough.After(committed),
+		"ProjectedThrough %v claims the change committed at %v (%v in the future), which the answer lacks",
+		r.Freshness.ProjectedThrough, committed.Round(0), r.Freshness.ProjectedThrough.Sub(time.Now().Round(0)).Round(time.Second))
+
+	// A probe stuck meanwhile (a slow PostgreSQL): Lag grows with the
+	// measurement's age; ProjectedThrough must stay consistent with it.
+	tb.board.lagMu.Lock()
+	tb.board.lagProbe.running = true
+	tb.board.lagMu.Unlock()
+	time.Sleep(1100 * time.Millisecond)
+	fr := tb.board.Freshness(ctx)
+	require.Positive(t, fr.Lag)
+	require.False(t, fr.ProjectedThrough.After(time.Now()), "Lag %v, ProjectedThrough %v in the future", fr.Lag, fr.ProjectedThrough)
+}

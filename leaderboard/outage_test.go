@@ -284,3 +284,53 @@ func holdUserRow(t *testing.T, tb *testBundle, user string) {
 	_, err = tx.Exec(ctx, `UPDATE user_scores SET score = score WHERE user_id = $1`, user)
 	require.NoError(t, err)
 }
+
+// TestUnverifiedWhilePostgresDown: with RequireVerifiedProjection, Redis
+// loses the board's keys while PostgreSQL cannot be asked. Reads report the
+// board unverified within LagProbeInterval, however slow (or down)
+// PostgreSQL is: a failed lag probe skipped the look for Verify's record,
+// and a ServeStale read served the empty board as verified.
+func TestUnverifiedWhilePostgresDown(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	srv := testenv.StartPostgres(t)
+	pool := srv.Pool(t)
+	rd := testenv.Redis(t)
+	cfg := &Config{Name: "b", KeyPrefix: rd.Prefix, ReadPolicy: ServeStale,
+		RequireVerifiedProjection: true, LagProbeInterval: 10 * time.Millisecond}
+	require.NoError(t, Migrate(ctx, pool, cfg))
+	board, err := New(pool, rd.Client, cfg)
+	require.NoError(t, err)
+	t.Cleanup(board.Close)
+	tb := &testBundle{board: board}
+	tb.submit(t, "ada", 10)
+	tb.drain(t)
+	_, verified, err := board.Verify(ctx, nil)
+	require.NoError(t, err)
+	require.True(t, verified)
+	r, err := board.Top(ctx, 10)
+	require.NoError(t, err)
+	require.False(t, r.Freshness.Unverified)
+	require.Len(t, r.Entries, 1)
+
+	// PostgreSQL goes down, then Redis loses every key of the board (a
+	// restart without persistence).
+	require.NoError(t, srv.Stop())
+	keys, err := rd.Client.Keys(ctx, rd.Prefix+"*").Result()
+	require.NoError(t, err)
+	require.NotEmpty(t, keys)
+	require.NoError(t, rd.Client.Del(ctx, keys...).Err())
+	time.Sleep(50 * time.Millisecond) // several LagProbeIntervals
+
+	r, err = board.Top(ctx, 10)
+	require.NoError(t, err)
+	require.Empty(t, r.Entries)
+	require.Equal(t, time.Duration(-1), r.Freshness.Lag)
+	require.True(t, r.Freshness.Unverified, "Redis holds no record of a Verify, yet the read says %+v", r.Freshness)
+	require.True(t, board.Freshness(ctx).Unverified, "Board.Freshness")
+	_, err = board.Top(ctx, 10, WithPolicy(FailClosed))
+	var stale *StaleError
+	require.ErrorAs(t, err, &stale)
+	require.True(t, stale.Unverified, "FailClosed refusal: %v", err)
+}

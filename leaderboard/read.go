@@ -864,7 +864,15 @@ func (b *Board) freshness(ctx context.Context) (Freshness, error) {
 		}
 	}
 	if p.failed {
-		return Freshness{Source: SourceRedis, Lag: -1}, p.notMigrated
+		fresh := Freshness{Source: SourceRedis, Lag: -1}
+		if b.cfg.RequireVerifiedProjection && p.notMigrated == nil {
+			// The look does not need PostgreSQL: a Redis that lost the
+			// board's keys is reported while the lag is unknown too.
+			if verified, _, err := b.verifiedLately(ctx); err == nil && !verified {
+				fresh.Unverified = true
+			}
+		}
+		return fresh, p.notMigrated
 	}
 	if b.cfg.RequireVerifiedProjection {
 		verified, source, err := b.verifiedLately(ctx)
@@ -894,9 +902,11 @@ func (b *Board) freshness(ctx context.Context) (Freshness, error) {
 		// may have been waiting ever since. ProjectedThrough carries no
 		// monotonic reading: taken before a host suspend, it would make
 		// time.Since(ProjectedThrough) leave the suspend out (see elapsed).
-		return Freshness{Source: SourceRedis, Lag: age, ProjectedThrough: p.at.Round(0)}, nil
+		return Freshness{Source: SourceRedis, Lag: age, ProjectedThrough: now.Round(0).Add(-age)}, nil
 	}
-	return Freshness{Source: SourceRedis, ProjectedThrough: p.at.Round(0)}, nil
+	// The measurement's time on today's wall clock: p.at's own wall reading
+	// is ahead of it by as much as the wall clock stepped back since.
+	return Freshness{Source: SourceRedis, ProjectedThrough: now.Round(0).Add(-age)}, nil
 }
 
 // verifiedLately reports whether Redis held Verify's record at some moment
