@@ -310,21 +310,10 @@ func TestSubmitBatchTx(t *testing.T) {
 	// score without the caller's writes: refused, nothing written.
 	t.Run("NotATransaction", func(t *testing.T) {
 		t.Parallel()
-		tb := setup(t)
-		conn, err := tb.pg.Pool.Acquire(ctx)
-		require.NoError(t, err)
-		defer conn.Release()
-		for name, tx := range map[string]outbox.Tx{"Pool": tb.pg.Pool, "Conn": conn} {
+		requireNonTransactionRefused(t, func(tb *testBundle, tx outbox.Tx) error {
 			_, err := tb.board.SubmitBatchTx(ctx, tx, []Command{{EventID: uuid.New(), UserID: "x", Delta: 1}})
-			require.ErrorIs(t, err, ErrInvalidConfig, name)
-			var cfgErr *ConfigError
-			require.ErrorAs(t, err, &cfgErr, name)
-			require.Equal(t, "tx", cfgErr.Field, name)
-			require.Contains(t, cfgErr.Reason, "commit on their own", name)
-		}
-		var n int
-		require.NoError(t, tb.pg.Pool.QueryRow(ctx, `SELECT (SELECT count(*) FROM user_scores) + (SELECT count(*) FROM verity_outbox)`).Scan(&n))
-		require.Zero(t, n, "nothing written")
+			return err
+		})
 	})
 }
 

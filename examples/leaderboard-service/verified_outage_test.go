@@ -207,83 +207,57 @@ func TestVerifiedReadsOnClusterWithANodeDown(t *testing.T) {
 // loss of the members the board gained since (a DEL of the sorted set, its
 // eviction) went unseen, and fail-closed reads served an empty board as
 // fresh. The scheduled reconcile verifies again until a pass finds
-// members, which readers then count.
+// members, which readers then count, whoever made the pass that found the
+// board empty: this service, or another process ('reconcile --verify',
+// another instance, this service before a restart).
 func TestReverifiesABoardVerifiedEmpty(t *testing.T) {
 	t.Parallel()
-	ctx := context.Background()
-	pg := testenv.Postgres(t)
-	rd := testenv.Redis(t)
-	cfg := &leaderboard.Config{Name: testBoard, Schema: pg.Schema, KeyPrefix: rd.Prefix, ReadPolicy: leaderboard.FailClosed,
-		RequireVerifiedProjection: true, LagProbeInterval: time.Millisecond}
-	require.NoError(t, leaderboard.Migrate(ctx, pg.Pool, cfg))
-	board, err := leaderboard.New(pg.Pool, rd.Client, cfg)
-	require.NoError(t, err)
-	t.Cleanup(board.Close)
-	svc, err := NewService(pg.Pool, rd.Client, board, ServiceConfig{ReconcileEvery: time.Minute})
-	require.NoError(t, err)
-	t.Cleanup(func() { _ = svc.Close() })
-	tb := &testBundle{svc: svc, srv: newServer(t, svc)}
+	for _, byThisService := range []bool{true, false} {
+		name := map[bool]string{true: "ByThisService", false: "ByAnotherProcess"}[byThisService]
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			ctx := context.Background()
+			pg := testenv.Postgres(t)
+			rd := testenv.Redis(t)
+			cfg := &leaderboard.Config{Name: testBoard, Schema: pg.Schema, KeyPrefix: rd.Prefix, ReadPolicy: leaderboard.FailClosed,
+				RequireVerifiedProjection: true, LagProbeInterval: time.Millisecond}
+			require.NoError(t, leaderboard.Migrate(ctx, pg.Pool, cfg))
+			board, err := leaderboard.New(pg.Pool, rd.Client, cfg)
+			require.NoError(t, err)
+			t.Cleanup(board.Close)
+			if !byThisService {
+				_, verified, err := board.Verify(ctx, nil)
+				require.NoError(t, err)
+				require.True(t, verified)
+			}
+			svc, err := NewService(pg.Pool, rd.Client, board, ServiceConfig{ReconcileEvery: time.Minute})
+			require.NoError(t, err)
+			t.Cleanup(func() { _ = svc.Close() })
+			tb := &testBundle{svc: svc, srv: newServer(t, svc)}
+			if byThisService {
+				// The first scheduled run verifies the empty board.
+				svc.reconcileOnce(ctx)
+				first := svc.lastReconcile.Load()
+				require.NotNil(t, first.Verified, "the first run is a verifying pass")
+				require.True(t, *first.Verified)
+			}
 
-	// The first scheduled run verifies the empty board.
-	svc.reconcileOnce(ctx)
-	first := svc.lastReconcile.Load()
-	require.NotNil(t, first.Verified, "the first run is a verifying pass")
-	require.True(t, *first.Verified)
+			require.Equal(t, http.StatusCreated, tb.submit(t, uuid.NewString(), `{"user_id":"ada","delta":5}`).status)
+			tb.drain(t)
+			time.Sleep(5 * time.Millisecond) // past LagProbeInterval
+			res := tb.do(t, http.MethodGet, "/leaderboard", nil, "")
+			require.Equal(t, http.StatusOK, res.status, "%s", res.body)
+			require.Contains(t, string(res.body), `"ada"`)
 
-	require.Equal(t, http.StatusCreated, tb.submit(t, uuid.NewString(), `{"user_id":"ada","delta":5}`).status)
-	tb.drain(t)
-	time.Sleep(5 * time.Millisecond) // past LagProbeInterval
-	res := tb.do(t, http.MethodGet, "/leaderboard", nil, "")
-	require.Equal(t, http.StatusOK, res.status, "%s", res.body)
-	require.Contains(t, string(res.body), `"ada"`)
-
-	// The next scheduled run, whatever it is, leaves a record that sees
-	// the sorted set's loss.
-	svc.reconcileOnce(ctx)
-	require.NoError(t, rd.Client.Del(ctx, board.SortedSetKey()).Err())
-	time.Sleep(5 * time.Millisecond) // past LagProbeInterval: the read looks again
-	for _, path := range []string{"/leaderboard", "/users/ada/rank"} {
-		res := tb.do(t, http.MethodGet, path, nil, "")
-		require.Equal(t, http.StatusServiceUnavailable, res.status, "%s after the sorted set's loss: %s", path, res.body)
-	}
-}
-
-// TestReverifiesABoardAnotherProcessVerifiedEmpty: as
-// TestReverifiesABoardVerifiedEmpty, when the pass that found the board
-// empty was another process's ('reconcile --verify', another instance, this
-// service before a restart).
-func TestReverifiesABoardAnotherProcessVerifiedEmpty(t *testing.T) {
-	t.Parallel()
-	ctx := context.Background()
-	pg := testenv.Postgres(t)
-	rd := testenv.Redis(t)
-	cfg := &leaderboard.Config{Name: testBoard, Schema: pg.Schema, KeyPrefix: rd.Prefix, ReadPolicy: leaderboard.FailClosed,
-		RequireVerifiedProjection: true, LagProbeInterval: time.Millisecond}
-	require.NoError(t, leaderboard.Migrate(ctx, pg.Pool, cfg))
-	board, err := leaderboard.New(pg.Pool, rd.Client, cfg)
-	require.NoError(t, err)
-	t.Cleanup(board.Close)
-
-	// `reconcile --verify` on the new, empty board (or the service's own
-	// first pass, before a restart).
-	_, verified, err := board.Verify(ctx, nil)
-	require.NoError(t, err)
-	require.True(t, verified)
-
-	svc, err := NewService(pg.Pool, rd.Client, board, ServiceConfig{ReconcileEvery: time.Minute})
-	require.NoError(t, err)
-	t.Cleanup(func() { _ = svc.Close() })
-	tb := &testBundle{svc: svc, srv: newServer(t, svc)}
-
-	require.Equal(t, http.StatusCreated, tb.submit(t, uuid.NewString(), `{"user_id":"ada","delta":5}`).status)
-	tb.drain(t)
-	time.Sleep(5 * time.Millisecond)
-
-	svc.reconcileOnce(ctx)
-	require.NoError(t, rd.Client.Del(ctx, board.SortedSetKey()).Err())
-	time.Sleep(5 * time.Millisecond)
-	for _, path := range []string{"/leaderboard", "/users/ada/rank"} {
-		res := tb.do(t, http.MethodGet, path, nil, "")
-		require.Equal(t, http.StatusServiceUnavailable, res.status, "%s after the sorted set's loss: %s", path, res.body)
+			// The next scheduled run, whatever it is, leaves a record that
+			// sees the sorted set's loss.
+			svc.reconcileOnce(ctx)
+			require.NoError(t, rd.Client.Del(ctx, board.SortedSetKey()).Err())
+			time.Sleep(5 * time.Millisecond) // past LagProbeInterval: the read looks again
+			for _, path := range []string{"/leaderboard", "/users/ada/rank"} {
+				res := tb.do(t, http.MethodGet, path, nil, "")
+				require.Equal(t, http.StatusServiceUnavailable, res.status, "%s after the sorted set's loss: %s", path, res.body)
+			}
+		})
 	}
 }
