@@ -398,10 +398,10 @@
 // without the sorted set's size beside it, while the sorted set holds
 // members (records now come with the size, and a record whose size is
 // lost, as an eviction can take it, is not trusted; an earlier release's
-// record of a board verified empty reads unverified until the next
-// Verify, and one whose size an eviction took with the sorted set is
-// trusted again once a new score recreates it: run Verify after
-// upgrading). Reads with
+// record reads unverified while the sorted set is empty, and verified
+// again once a new score recreates it, whether the board was verified
+// empty or an eviction took its size with the sorted set: run Verify
+// after upgrading). Reads with
 // RequireVerifiedProjection now read the record with GET (they checked it
 // with EXISTS): a Redis ACL user of a reading process needs the get
 // command (README, "Redis permissions").

@@ -3,6 +3,7 @@ package leaderboard
 import (
 	"context"
 	"math"
+	"strings"
 	"testing"
 	"time"
 	"unsafe"
@@ -442,4 +443,46 @@ func TestProjectedThroughAfterWallClockStepBack(t *testing.T) {
 	fr := tb.board.Freshness(ctx)
 	require.Positive(t, fr.Lag)
 	require.False(t, fr.ProjectedThrough.After(time.Now()), "Lag %v, ProjectedThrough %v in the future", fr.Lag, fr.ProjectedThrough)
+}
+
+// TestClockStepAndRecordOfAnotherDatabase: the database clock steps back
+// (the probe finds a pending change dated after it, as after a failover to
+// a host whose clock lags), and Verify's record names another database
+// than the one the lag probe found: reads are unverified, though the lag
+// cannot be measured.
+func TestClockStepAndRecordOfAnotherDatabase(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	tb := setup(t, func(c *Config) {
+		c.RequireVerifiedProjection = true
+		c.ReadPolicy = FailClosed
+		c.LagProbeInterval = time.Nanosecond
+	})
+	tb.submit(t, "ada", 10)
+	tb.drain(t)
+	_, verified, err := tb.board.Verify(ctx, nil)
+	require.NoError(t, err)
+	require.True(t, verified)
+	require.False(t, tb.board.Freshness(ctx).Unverified)
+
+	// The record now names another database (a promoted standby's system
+	// identifier), as after a failover.
+	record := tb.rd.Client.Get(ctx, tb.board.verifiedKey).Val()
+	f := strings.Fields(record)
+	require.Len(t, f, 3)
+	_, tl, _ := strings.Cut(f[2], ":")
+	f[2] = "1234567890123456789:" + tl
+	require.NoError(t, tb.rd.Client.Set(ctx, tb.board.verifiedKey, strings.Join(f, " "), 0).Err())
+	require.True(t, tb.board.Freshness(ctx).Unverified, "another database, clock fine")
+
+	// The new host's clock lags: a pending change is dated after it.
+	tb.submit(t, "bob", 3)
+	tb.futurePending(t, time.Hour)
+	fr := tb.board.Freshness(ctx)
+	require.Equal(t, time.Duration(-1), fr.Lag)
+	require.True(t, fr.Unverified, "the record names another database than the probe found, yet %+v", fr)
+	_, err = tb.board.Top(ctx, 10)
+	var stale *StaleError
+	require.ErrorAs(t, err, &stale)
+	require.True(t, stale.Unverified, "%v", err)
 }

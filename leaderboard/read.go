@@ -868,7 +868,9 @@ func (b *Board) freshness(ctx context.Context) (Freshness, error) {
 		if b.cfg.RequireVerifiedProjection && p.notMigrated == nil {
 			// The look does not need PostgreSQL: a Redis that lost the
 			// board's keys is reported while the lag is unknown too.
-			if verified, _, err := b.verifiedLately(ctx); err == nil && !verified {
+			// A probe that read the database's identity (the clock stepped
+			// back) still compares it with the record's.
+			if verified, source, err := b.verifiedLately(ctx); err == nil && (!verified || !sameSource(source, p.source)) {
 				fresh.Unverified = true
 			}
 		}

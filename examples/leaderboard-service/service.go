@@ -107,7 +107,13 @@ type Service struct {
 	// that the reconcile loop found at its last run (only that loop
 	// reads or writes it).
 	seenVerifyMarker string
-	nextReconcile    atomic.Pointer[time.Time]
+	// emptyPassFailed is set when the loop's last run was a verifying pass
+	// run only because the board was verified empty, and it did not
+	// verify: the next run is a sample, so that a pass that never fits in
+	// the interval does not starve them (only that loop reads or writes
+	// it).
+	emptyPassFailed bool
+	nextReconcile   atomic.Pointer[time.Time]
 
 	// ownsBoard is set when wire built board (instrumented), so Close
 	// must close it; a board passed in stays the caller's to close.
@@ -446,7 +452,11 @@ func (s *Service) reconcileOnce(ctx context.Context) {
 		err      error
 		verified = new(bool)
 	)
-	if s.board.Config().RequireVerifiedProjection && (s.verifiedEmpty(runCtx) || s.board.Freshness(runCtx).Unverified) {
+	required := s.board.Config().RequireVerifiedProjection
+	unverified := required && s.board.Freshness(runCtx).Unverified
+	onlyEmpty := required && !unverified && !s.emptyPassFailed && s.verifiedEmpty(runCtx)
+	s.emptyPassFailed = false
+	if unverified || onlyEmpty {
 		// Reads refuse (or fall back) until a full pass verifies the
 		// projection: a sample cannot, so run that pass instead. Run it
 		// again after one that found the board empty (a new board's
@@ -466,6 +476,7 @@ func (s *Service) reconcileOnce(ctx context.Context) {
 		}
 		s.seenVerifyMarker = ""
 		report, *verified, err = s.board.Verify(runCtx, &reconcile.Config{Logger: s.logger})
+		s.emptyPassFailed = onlyEmpty && !*verified
 	} else {
 		verified = nil
 		report, err = s.reconciler.Run(runCtx, reconcile.RunOptions{Sample: s.cfg.ReconcileSample})

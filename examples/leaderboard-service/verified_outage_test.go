@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"fmt"
 	"net/http"
 	"strings"
 	"testing"
@@ -13,6 +14,7 @@ import (
 
 	"github.com/verity-go/verity/internal/testenv"
 	"github.com/verity-go/verity/leaderboard"
+	"github.com/verity-go/verity/reconcile"
 )
 
 // With --require-verified and fail-closed, a read while Redis cannot serve
@@ -260,4 +262,54 @@ func TestReverifiesABoardVerifiedEmpty(t *testing.T) {
 			}
 		})
 	}
+}
+
+// A board verified empty that has grown past what one verifying pass can
+// check within --reconcile-every: each re-verification is cut off at the
+// interval and records nothing, so the record still counts no member, and
+// every scheduled run was a verifying pass again: no sampled reconcile
+// ran any more. A failed re-verification is followed by a sample.
+func TestReverifyingAnEmptyBoardDoesNotStarveSamples(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pg := testenv.Postgres(t)
+	rd := testenv.Redis(t)
+	cfg := &leaderboard.Config{Name: testBoard, Schema: pg.Schema, KeyPrefix: rd.Prefix, ReadPolicy: leaderboard.FailClosed,
+		RequireVerifiedProjection: true, LagProbeInterval: time.Millisecond}
+	require.NoError(t, leaderboard.Migrate(ctx, pg.Pool, cfg))
+	board, err := leaderboard.New(pg.Pool, rd.Client, cfg)
+	require.NoError(t, err)
+	t.Cleanup(board.Close)
+	_, verified, err := board.Verify(ctx, nil) // the new board's first pass
+	require.NoError(t, err)
+	require.True(t, verified)
+
+	// The board grows (an import); a full pass brings Redis up to date.
+	_, err = pg.Pool.Exec(ctx, fmt.Sprintf(`INSERT INTO %q.%s (board, user_id, score, version)
+		SELECT $1, 'u' || g, g, 1 FROM generate_series(1, 30000) g`, pg.Schema, leaderboard.UserScoresTable), testBoard)
+	require.NoError(t, err)
+	_, err = pg.Pool.Exec(ctx, fmt.Sprintf(`ANALYZE %q.%s`, pg.Schema, leaderboard.UserScoresTable))
+	require.NoError(t, err) // so that a sample reads its rows, not the table
+	rec, err := board.Reconciler(nil)
+	require.NoError(t, err)
+	_, err = rec.Run(ctx, reconcile.RunOptions{})
+	require.NoError(t, err)
+	start := time.Now()
+	_, err = rec.Run(ctx, reconcile.RunOptions{})
+	require.NoError(t, err)
+	full := time.Since(start)
+
+	// An interval half a full pass long.
+	svc, err := NewService(pg.Pool, rd.Client, board, ServiceConfig{ReconcileEvery: full / 2, ReconcileSample: 200})
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = svc.Close() })
+	require.False(t, board.Freshness(ctx).Unverified, "reads trust the record")
+	samples := 0
+	for range 4 {
+		svc.reconcileOnce(ctx)
+		if svc.lastReconcile.Load().Verified == nil {
+			samples++
+		}
+	}
+	require.Positive(t, samples, "4 scheduled runs after a full pass took %v, every one a verifying pass: no sampled reconcile ran", full)
 }
