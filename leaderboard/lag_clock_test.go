@@ -384,12 +384,7 @@ func TestHostSuspendHidesNoRedisLoss(t *testing.T) {
 func TestHostSuspendProjectedThrough(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	tb := setup(t, func(c *Config) { c.LagProbeInterval = time.Second })
-	tb.submit(t, "ada", 10)
-	tb.drain(t)
-	r, err := tb.board.Top(ctx, 10) // measures: nothing pending
-	require.NoError(t, err)
-	require.Zero(t, r.Freshness.Lag)
+	tb := measuredNothingPending(t)
 	hostSleeps(t, tb.board, suspendFor)
 	// The first read after the resume is measuring (a slow reply): others
 	// reuse the previous measurement.
@@ -412,12 +407,7 @@ func TestHostSuspendProjectedThrough(t *testing.T) {
 func TestProjectedThroughAfterWallClockStepBack(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	tb := setup(t, func(c *Config) { c.LagProbeInterval = time.Second })
-	tb.submit(t, "ada", 10)
-	tb.drain(t)
-	r, err := tb.board.Top(ctx, 10) // measures: nothing pending
-	require.NoError(t, err)
-	require.Zero(t, r.Freshness.Lag)
+	tb := measuredNothingPending(t)
 
 	// The wall clock steps back an hour: the measurement's wall reading is
 	// now an hour ahead of the clock, its monotonic one unchanged.
@@ -427,7 +417,7 @@ func TestProjectedThroughAfterWallClockStepBack(t *testing.T) {
 
 	tb.submit(t, "ada", 5) // committed, not projected
 	committed := time.Now()
-	r, err = tb.board.Top(ctx, 10)
+	r, err := tb.board.Top(ctx, 10)
 	require.NoError(t, err)
 	require.Equal(t, []Entry{{UserID: "ada", Score: 10, Rank: 1}}, r.Entries, "the change is not in the answer")
 	require.False(t, r.Freshness.ProjectedThrough.After(committed),
@@ -485,4 +475,17 @@ func TestClockStepAndRecordOfAnotherDatabase(t *testing.T) {
 	var stale *StaleError
 	require.ErrorAs(t, err, &stale)
 	require.True(t, stale.Unverified, "%v", err)
+}
+
+// measuredNothingPending returns a board (LagProbeInterval 1 s) holding
+// one projected score, whose last lag measurement found nothing pending.
+func measuredNothingPending(t *testing.T) *testBundle {
+	t.Helper()
+	tb := setup(t, func(c *Config) { c.LagProbeInterval = time.Second })
+	tb.submit(t, "ada", 10)
+	tb.drain(t)
+	r, err := tb.board.Top(context.Background(), 10) // measures: nothing pending
+	require.NoError(t, err)
+	require.Zero(t, r.Freshness.Lag)
+	return tb
 }

@@ -219,14 +219,7 @@ func TestReverifiesABoardVerifiedEmpty(t *testing.T) {
 		t.Run(name, func(t *testing.T) {
 			t.Parallel()
 			ctx := context.Background()
-			pg := testenv.Postgres(t)
-			rd := testenv.Redis(t)
-			cfg := &leaderboard.Config{Name: testBoard, Schema: pg.Schema, KeyPrefix: rd.Prefix, ReadPolicy: leaderboard.FailClosed,
-				RequireVerifiedProjection: true, LagProbeInterval: time.Millisecond}
-			require.NoError(t, leaderboard.Migrate(ctx, pg.Pool, cfg))
-			board, err := leaderboard.New(pg.Pool, rd.Client, cfg)
-			require.NoError(t, err)
-			t.Cleanup(board.Close)
+			pg, rd, board := failClosedVerifiedBoard(t)
 			if !byThisService {
 				_, verified, err := board.Verify(ctx, nil)
 				require.NoError(t, err)
@@ -272,14 +265,7 @@ func TestReverifiesABoardVerifiedEmpty(t *testing.T) {
 func TestReverifyingAnEmptyBoardDoesNotStarveSamples(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	pg := testenv.Postgres(t)
-	rd := testenv.Redis(t)
-	cfg := &leaderboard.Config{Name: testBoard, Schema: pg.Schema, KeyPrefix: rd.Prefix, ReadPolicy: leaderboard.FailClosed,
-		RequireVerifiedProjection: true, LagProbeInterval: time.Millisecond}
-	require.NoError(t, leaderboard.Migrate(ctx, pg.Pool, cfg))
-	board, err := leaderboard.New(pg.Pool, rd.Client, cfg)
-	require.NoError(t, err)
-	t.Cleanup(board.Close)
+	pg, rd, board := failClosedVerifiedBoard(t)
 	_, verified, err := board.Verify(ctx, nil) // the new board's first pass
 	require.NoError(t, err)
 	require.True(t, verified)
@@ -312,4 +298,20 @@ func TestReverifyingAnEmptyBoardDoesNotStarveSamples(t *testing.T) {
 		}
 	}
 	require.Positive(t, samples, "4 scheduled runs after a full pass took %v, every one a verifying pass: no sampled reconcile ran", full)
+}
+
+// failClosedVerifiedBoard returns a migrated board in the test's own schema
+// and key prefix that fails closed and requires a verified projection,
+// looking for Verify's record at every read (LagProbeInterval 1 ms).
+func failClosedVerifiedBoard(t *testing.T) (*testenv.PG, *testenv.RD, *leaderboard.Board) {
+	t.Helper()
+	pg := testenv.Postgres(t)
+	rd := testenv.Redis(t)
+	cfg := &leaderboard.Config{Name: testBoard, Schema: pg.Schema, KeyPrefix: rd.Prefix, ReadPolicy: leaderboard.FailClosed,
+		RequireVerifiedProjection: true, LagProbeInterval: time.Millisecond}
+	require.NoError(t, leaderboard.Migrate(context.Background(), pg.Pool, cfg))
+	board, err := leaderboard.New(pg.Pool, rd.Client, cfg)
+	require.NoError(t, err)
+	t.Cleanup(board.Close)
+	return pg, rd, board
 }
