@@ -189,6 +189,51 @@ func TestClaimBurialSkipsAnIDAlreadyDead(t *testing.T) {
 	require.True(t, delivered, "the row of the other partition is delivered; claims failed with %v", errs)
 }
 
+// The settle's burial meets the same stale dead letter: a row whose last
+// attempt failed while its id is already in the dead-letter table stays in
+// the outbox, retried after RetryBackoffMax, and the rest of its batch is
+// settled. The burial's INSERT used to fail the whole settle on the
+// primary key, so the rows the Handler had projected were never
+// acknowledged, counted the failed settle as a crash, and were buried
+// after MaxAttempts rounds although every attempt succeeded.
+func TestSettleBurialKeepsAnIDAlreadyDead(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	b := setup(t)
+	poison, good := newMessage("s", "poison", 1), newMessage("s", "good", 1)
+	b.appendCommitted(t, poison, good) // consecutive ids: one partition, one batch
+	poisonID := b.outboxIDs(t)[0]
+	b.insertDead(t, poisonID, uuid.New()) // a stale dead letter with the same id
+
+	h := &recorder{fail: func(rec outbox.Record) error {
+		if rec.EventID == poison.EventID {
+			return errors.New("projection failed")
+		}
+		return nil
+	}}
+	cfg := outbox.RelayConfig{MaxAttempts: 1, LeaseDuration: 10 * time.Second, RetryBackoffMax: time.Hour, DisableNotify: true}
+	r := b.relay(t, nil, h, cfg)
+	for range 3 {
+		_, err := r.RunOnce(ctx)
+		require.NoError(t, err, "the settle of a batch holding a row whose id is already dead")
+	}
+	dead, err := r.DeadLetters(ctx, 0, 100)
+	require.NoError(t, err)
+	require.Len(t, dead, 1, "only the stale dead letter")
+	require.NotEqual(t, poison.EventID, dead[0].EventID)
+	require.NotEqual(t, good.EventID, dead[0].EventID)
+
+	rows := b.rows(t)
+	require.Len(t, rows, 1, "the good row is acknowledged, the poisoned one kept")
+	require.Equal(t, poison.EventID, rows[0].EventID)
+	require.Equal(t, 1, rows[0].Attempts)
+	require.NotNil(t, rows[0].LastError)
+	require.Equal(t, "projection failed", *rows[0].LastError)
+	require.Nil(t, rows[0].ClaimToken, "the kept row's lease is ended")
+	require.Greater(t, time.Until(rows[0].AvailableAt), 50*time.Minute, "the kept row waits RetryBackoffMax")
+	require.Len(t, h.seen(), 2, "each row handed out once")
+}
+
 // A row that comes to a claim with MaxAttempts attempts counted but no
 // last_error (attempts stored by a composed INSERT, or counted by a relay
 // of an earlier version) is buried with a last_error saying its relay

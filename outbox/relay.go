@@ -115,7 +115,7 @@ func NewRelay(pool *pgxpool.Pool, handler Handler, cfg *RelayConfig) (*Relay, er
 		metrics:         metrics,
 		leaseSQL:        lease,
 		pickSQL:         fmt.Sprintf(pickSQL, n.Outbox, n.Leases, streamFilter, partitionCount, partitionBlock, n.Dead, cfg.MaxAttempts, crashedError("attempts")),
-		settleSQL:       fmt.Sprintf(settleSQL, ack, n.Outbox, n.Dead, async, n.Leases, partitionCount, partitionBlock, others),
+		settleSQL:       fmt.Sprintf(settleSQL, ack, n.Outbox, n.Dead, async, n.Leases, partitionCount, partitionBlock, others, cfg.RetryBackoffMax.Microseconds()),
 		releaseSQL:      fmt.Sprintf(releaseClaimSQL, n.Leases),
 		endUnsettledSQL: fmt.Sprintf(endUnsettledSQL, n.Leases),
 
@@ -492,7 +492,11 @@ const (
 // delay and attempt number ($3-$5, $9), rows to bury in the dead-letter
 // table with their error and attempt number ($6-$7, $10) and rows to release
 // for immediate re-delivery ($8, nothing to write: a claim wrote nothing on
-// them). "owned" locks the partitions still leased to the batch's token ($1);
+// them). A row to bury whose id is already in the dead-letter table (the
+// outbox's ids were reset) is kept as a retry after RetryBackoffMax instead
+// ("kept", returned flagged true): its INSERT would fail the whole statement,
+// and with it the batch's acknowledgements. "owned" locks the partitions
+// still leased to the batch's token ($1);
 // every part touches only rows of those, so a relay whose lease expired and
 // whose partition another relay took over changes nothing there; the ids
 // returned are those actually settled.
@@ -544,7 +548,20 @@ buried AS (
     DELETE FROM %[2]s AS o
     USING unnest($6::bigint[], $7::text[], $10::int[]) AS f(id, err, attempts)
     WHERE o.id = f.id AND mod(o.id / %[7]d, %[6]d) IN (SELECT part FROM owned)
+      AND NOT EXISTS (SELECT 1 FROM %[3]s AS d WHERE d.id = o.id)
     RETURNING o.id, o.event_id, o.stream, o.key, o.version, o.payload, o.created_at, f.attempts, f.err
+),
+kept AS (
+    UPDATE %[2]s AS o
+    SET claim_token = NULL,
+        leased_until = NULL,
+        attempts = f.attempts,
+        last_error = f.err,
+        available_at = now() + %[9]d * interval '1 microsecond'
+    FROM unnest($6::bigint[], $7::text[], $10::int[]) AS f(id, err, attempts)
+    WHERE o.id = f.id AND mod(o.id / %[7]d, %[6]d) IN (SELECT part FROM owned)
+      AND EXISTS (SELECT 1 FROM %[3]s AS d WHERE d.id = o.id)
+    RETURNING o.id
 ),
 dead AS (
     INSERT INTO %[3]s (id, event_id, stream, key, version, payload, created_at, attempts, last_error)
@@ -562,10 +579,11 @@ released AS (
       AND (SELECT count(pg_notify($11, w.stream)) FROM (SELECT DISTINCT stream FROM woken) AS w) >= 0
     RETURNING part
 )
-SELECT id FROM acked
-UNION ALL SELECT id FROM retried
-UNION ALL SELECT id FROM dead
-UNION ALL SELECT r.id FROM unnest($8::bigint[]) AS r(id) WHERE mod(r.id / %[7]d, %[6]d) IN (SELECT part FROM owned)`
+SELECT id, false FROM acked
+UNION ALL SELECT id, false FROM retried
+UNION ALL SELECT id, false FROM dead
+UNION ALL SELECT id, true FROM kept
+UNION ALL SELECT r.id, false FROM unnest($8::bigint[]) AS r(id) WHERE mod(r.id / %[7]d, %[6]d) IN (SELECT part FROM owned)`
 
 // settleLookahead is how many of a released partition's first due rows the
 // settle looks at for other streams' rows (see settleSQL).
@@ -1187,17 +1205,35 @@ func (r *Relay) settle(ctx context.Context, token uuid.UUID, batch []Record, res
 	if err != nil {
 		return mapError("settle batch", err)
 	}
-	settled, err := pgx.CollectRows(rows, pgx.RowTo[int64])
+	type settledRow struct {
+		id   int64
+		kept bool // to bury, but its id is in the dead-letter table: retried
+	}
+	settled, err := pgx.CollectRows(rows, func(row pgx.CollectableRow) (settledRow, error) {
+		var s settledRow
+		return s, row.Scan(&s.id, &s.kept)
+	})
 	if err != nil {
 		return mapError("settle batch", err)
 	}
-	for _, id := range settled {
-		delete(want, id)
+	kept := make(map[int64]bool)
+	for _, s := range settled {
+		delete(want, s.id)
+		if s.kept {
+			kept[s.id] = true
+		}
 	}
 	// Only now, and only for the rows the statement settled: a row whose
 	// partition another relay took over was neither buried nor rescheduled.
 	for _, i := range dead {
-		if rec := batch[i]; !want[rec.ID] {
+		rec := batch[i]
+		switch {
+		case want[rec.ID]:
+		case kept[rec.ID]:
+			r.logger.Warn("outbox row not moved to dead letters: its id is already a dead letter (the outbox's ids were reset); retried after RetryBackoffMax",
+				slog.Int64("id", rec.ID), slog.String("event_id", rec.EventID.String()),
+				slog.String("stream", rec.Stream), slog.Int("attempts", rec.Attempts), slog.String("error", results[i].Err.Error()))
+		default:
 			r.logger.Warn("outbox row moved to dead letters", slog.Int64("id", rec.ID), slog.String("event_id", rec.EventID.String()),
 				slog.String("stream", rec.Stream), slog.Int("attempts", rec.Attempts), slog.String("error", results[i].Err.Error()))
 		}
@@ -1217,7 +1253,7 @@ func (r *Relay) settle(ctx context.Context, token uuid.UUID, batch []Record, res
 		}
 		return n
 	}
-	nAcked, nRetry, nDead, nReleased := settledCount(acked), settledCount(retryIDs), settledCount(deadIDs), settledCount(released)
+	nAcked, nRetry, nDead, nReleased := settledCount(acked), settledCount(retryIDs)+len(kept), settledCount(deadIDs)-len(kept), settledCount(released)
 	if r.metrics.enabled {
 		r.metrics.settled(ctx, nAcked, nRetry, nDead, nReleased, len(want))
 	}
