@@ -2,7 +2,9 @@
 --
 -- KEYS[1] holds the token of the Verify pass under way, KEYS[2] is the
 -- record that the projection is complete, KEYS[3] the board's sorted set,
--- KEYS[4] the record's companion (below); all share the board's hash tag.
+-- KEYS[4] the record's companion (below), KEYS[5..] every version key of
+-- the board (one hash, or its version buckets); all share the board's hash
+-- tag.
 -- ARGV[1] is the pass's token, ARGV[2] what to record after it: the time,
 -- a space, and the identity of the database checked; ARGV[3] the number of
 -- users the pass checked.
@@ -11,7 +13,8 @@
 -- keys since (a restart without persistence, FLUSHALL), KEYS[1] is gone or
 -- another pass replaced it, and nothing is recorded: the pages read before
 -- the loss may be missing again. Returns 1 when recorded, 2 when the
--- sorted set lost members during the pass (below), 3 when another pass's
+-- sorted set or its version keys lost members during the pass (below), 3
+-- when another pass's
 -- marker, on this server, replaced this one's, 0 otherwise.
 --
 -- The record is "<token> <time> <identity>". A client may run this script twice for
@@ -50,6 +53,14 @@ end
 -- DEL of it alone, its eviction) after the pass had found them current,
 -- and is not recorded as complete.
 if redis.call('ZCARD', KEYS[3]) < tonumber(ARGV[3] or '0') then
+  return 2
+end
+-- So does each one's version (KEYS[5..]): fewer versions lost some the
+-- pass had found current (a DEL or eviction of the version hash or a
+-- bucket), and a user without one takes any redelivered older score.
+local versions = 0
+for i = 5, #KEYS do versions = versions + redis.call('HLEN', KEYS[i]) end
+if #KEYS > 4 and versions < tonumber(ARGV[3] or '0') then
   return 2
 end
 redis.call('SET', KEYS[2], mine .. ARGV[2])

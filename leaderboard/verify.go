@@ -14,6 +14,7 @@ import (
 	"github.com/redis/go-redis/v9"
 
 	"github.com/verity-go/verity/internal/clusterpin"
+	"github.com/verity-go/verity/projection"
 	"github.com/verity-go/verity/reconcile"
 )
 
@@ -47,10 +48,12 @@ const verifyAbandonTimeout = 5 * time.Second
 // counts: the newer entry is there) and Redis kept the board's keys
 // throughout and did not fail over (a replica promoted during the pass may
 // lack its repairs: replication is asynchronous), and the sorted set
-// still holds at least as many members as the pass checked users (a DEL of
-// it alone, or its eviction, during the pass loses members the pass had
-// already found current; that also deletes an earlier Verify's record; as
-// for reads, the check counts, and a loss that as many new users' first
+// and the board's version keys still hold at least as many members and
+// versions as the pass checked users (a DEL of either alone, or its
+// eviction, during the pass loses members or versions the pass had
+// already found current, and a user without a version takes any
+// redelivered older score; that also deletes an earlier Verify's record;
+// the check counts, and a loss that as many new users' first
 // scores made up for meanwhile goes unseen), records in Redis that the
 // projection is complete. With
 // Config.RequireVerifiedProjection, reads report Lag -1 and Unverified until
@@ -145,18 +148,20 @@ func (b *Board) Verify(ctx context.Context, cfg *reconcile.Config) (report *reco
 		// the caller's cancellation kept from being made.
 		return report, false, fmt.Errorf("leaderboard: verify: %w", err)
 	}
-	// Every source row the pass checked is in the sorted set after it
-	// (current, repaired, or overtaken by a newer write): fewer members
-	// mean some were lost during the pass, after it had found them.
+	// Every source row the pass checked is in the sorted set after it,
+	// with its version (current, repaired, or overtaken by a newer
+	// write): fewer members or versions mean some were lost during the
+	// pass, after it had found them.
 	args := []any{token, time.Now().UTC().Format(time.RFC3339Nano) + " " + source, report.Checked}
-	n, err := verifiedScript.Run(ctx, b.rdb, []string{b.verifyingKey, b.verifiedKey, b.zsetKey, b.heldKey}, args...).Int()
+	keys := append([]string{b.verifyingKey, b.verifiedKey, b.zsetKey, b.heldKey}, b.ks.VersionKeys(b.cfg.Name, projection.KindSortedSet)...)
+	n, err := verifiedScript.Run(ctx, b.rdb, keys, args...).Int()
 	err = b.sent(ctx, err)
 	if err != nil && !isRedisReply(err) {
 		// The reply was lost, not the recording perhaps. The script tells
 		// when run again: it records if the first run never happened, and
 		// finds this pass's record if it did.
 		retryCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), verifyAbandonTimeout)
-		n, err = verifiedScript.Run(retryCtx, b.rdb, []string{b.verifyingKey, b.verifiedKey, b.zsetKey, b.heldKey}, args...).Int()
+		n, err = verifiedScript.Run(retryCtx, b.rdb, keys, args...).Int()
 		cancel()
 		if err != nil && !isRedisReply(err) {
 			return report, false, fmt.Errorf("%w: %w", ErrVerifyUncertain, err)
@@ -172,7 +177,7 @@ func (b *Board) Verify(ctx context.Context, cfg *reconcile.Config) (report *reco
 		// This pass saw members that are gone: an earlier record,
 		// which vouches for fewer members, must not stand either.
 		refuted = true
-		b.cfg.Logger.WarnContext(ctx, "leaderboard: verify: the sorted set lost members during the pass (a DEL of it, its eviction); nothing recorded, run Verify again",
+		b.cfg.Logger.WarnContext(ctx, "leaderboard: verify: the sorted set or its version keys lost members during the pass (a DEL of one, its eviction); nothing recorded, run Verify again",
 			"board", b.cfg.Name)
 	case 3:
 		b.cfg.Logger.WarnContext(ctx, "leaderboard: verify: another Verify of the board began during this pass and replaced its marker; nothing recorded by this pass (the other records if it completes)",

@@ -23,6 +23,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/verity-go/verity/internal/testenv"
+	"github.com/verity-go/verity/projection"
 	"github.com/verity-go/verity/reconcile"
 )
 
@@ -243,7 +244,7 @@ func TestVerify(t *testing.T) {
 		require.NoError(t, err)
 		require.False(t, verified, "the pass checked %d users; the sorted set lost some of them: %v", rep.Checked, rep.Counts)
 		require.Equal(t, int64(users), rep.Checked)
-		require.Len(t, logs.Lines(t, "leaderboard: verify: the sorted set lost members during the pass (a DEL of it, its eviction); nothing recorded, run Verify again"), 1)
+		require.Len(t, logs.Lines(t, "leaderboard: verify: the sorted set or its version keys lost members during the pass (a DEL of one, its eviction); nothing recorded, run Verify again"), 1)
 		held, err := tb.rd.Client.ZCard(ctx, tb.board.SortedSetKey()).Result()
 		require.NoError(t, err)
 		require.Less(t, held, int64(users), "setup: members lost for good")
@@ -255,6 +256,45 @@ func TestVerify(t *testing.T) {
 		r, err := tb.board.Top(ctx, users)
 		require.NoError(t, err)
 		require.Len(t, r.Entries, users)
+	})
+
+	// The board's version keys lost alone during the pass, after it had
+	// found a user current: a user without a version takes any redelivered
+	// older score, so nothing is recorded. The ZCARD check alone let it
+	// record, and the next pass found the user corrupt.
+	t.Run("VersionsLostDuringThePass", func(t *testing.T) {
+		t.Parallel()
+		for _, buckets := range []int{0, 4} {
+			t.Run(fmt.Sprintf("Buckets%d", buckets), func(t *testing.T) {
+				t.Parallel()
+				logs := &testenv.LogSink{}
+				tb := verifying(t, func(c *Config) { c.VersionBuckets = buckets; c.Logger = logs.Logger() })
+				tb.submit(t, "ada", 10)
+				tb.submit(t, "bob", 20)
+				tb.drain(t)
+				// ada missing, so that the pass repairs (and the hook runs)
+				// once it has found bob current.
+				ks := tb.board.Keyspace()
+				require.NoError(t, tb.rd.Client.ZRem(ctx, tb.board.SortedSetKey(), "ada").Err())
+				require.NoError(t, tb.rd.Client.HDel(ctx, ks.VersionKey(projection.Target{Kind: projection.KindSortedSet, Name: tb.board.Name(), Member: "ada"}), "ada").Err())
+				var lose sync.Once
+				cfg := &reconcile.Config{PageSize: 5, ReadAhead: 1, BeforeRepair: func(ctx context.Context, _ reconcile.Finding) bool {
+					lose.Do(func() {
+						require.NoError(t, tb.rd.Client.Del(ctx, ks.VersionKeys(tb.board.Name(), projection.KindSortedSet)...).Err())
+					})
+					return true
+				}}
+				rep, verified, err := tb.board.Verify(ctx, cfg)
+				require.NoError(t, err)
+				require.False(t, verified, "bob's version was lost after the pass found him current: %v", rep.Counts)
+				require.Len(t, logs.Lines(t, "leaderboard: verify: the sorted set or its version keys lost members during the pass (a DEL of one, its eviction); nothing recorded, run Verify again"), 1)
+				requireUnverified(t, tb)
+
+				_, verified, err = tb.board.Verify(ctx, nil)
+				require.NoError(t, err)
+				require.True(t, verified, "the next Verify repairs bob's version and records")
+			})
+		}
 	})
 
 	// A Verify that begins during another replaces its marker: the
