@@ -221,7 +221,8 @@
 // the command right after ASKING there). A master
 // that died answers nothing: with any cluster client, whether it reads
 // from replicas or not, a read, Verify or reconcile pass that cannot reach
-// it fails with its connection error (no hidden retry) and has the map
+// it fails with its connection error (or the caller's deadline, when that
+// is shorter than the client's ReadTimeout; no hidden retry) and has the map
 // reloaded, so the calls after it reach the replica promoted in its place
 // within seconds of the promotion, not at go-redis's next periodic reload
 // (ClusterStateReloadInterval, 60 s by default), the only one go-redis

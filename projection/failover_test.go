@@ -82,8 +82,10 @@ func TestGateClusterFailover(t *testing.T) {
 // own CLUSTER SLOTS; no periodic reload is due during the test). A failed
 // script call makes the gate ask for a reload, which is what lets the
 // relay's retries find a promoted replica (TestGateClusterFailover); a call
-// that failed because the caller gave up says nothing about the cluster
-// and asks for none.
+// that failed because the caller cancelled says nothing about the cluster
+// and asks for none, but one its deadline ended does (to a caller whose
+// deadline is shorter than ReadTimeout, a master that stopped answering
+// shows nothing else).
 func TestGateClusterReloadOnFailedCall(t *testing.T) {
 	t.Parallel()
 	c := testenv.SharedRedisCluster(t)
@@ -116,6 +118,15 @@ func TestGateClusterReloadOnFailedCall(t *testing.T) {
 		// A reload would start at once, asynchronously: watch for one for
 		// a while (FailedCall below shows the counting sees them).
 		require.Never(t, func() bool { return loads.Load() > 1 }, 2*time.Second, 20*time.Millisecond)
+	})
+
+	t.Run("WhenTheCallersDeadlineEnded", func(t *testing.T) {
+		ended, cancel := context.WithDeadline(ctx, time.Now().Add(-time.Second))
+		defer cancel()
+		before := loads.Load()
+		_, err := gate.Apply(ended, []Write{zset("board", "ada", 2, 20)})
+		require.ErrorIs(t, err, context.DeadlineExceeded)
+		require.Eventually(t, func() bool { return loads.Load() > before }, 10*time.Second, 20*time.Millisecond)
 	})
 
 	t.Run("FailedCall", func(t *testing.T) {

@@ -754,9 +754,10 @@ func isWrongType(err error) bool {
 
 // failed wraps a script call's error and, on Cluster, schedules a slot-map
 // reload (asynchronous and de-duplicated by go-redis, so cheap) unless the
-// caller gave up.
+// caller cancelled: a caller's deadline is all go-redis reports of a master
+// that stopped answering (a lost host) when it is shorter than ReadTimeout.
 func (g *Gate) failed(ctx context.Context, err error) error {
-	if g.reloadTopology != nil && ctx.Err() == nil {
+	if g.reloadTopology != nil && !errors.Is(ctx.Err(), context.Canceled) {
 		g.reloadTopology(ctx)
 	}
 	return fmt.Errorf("projection: gate script: %w", err)

@@ -114,7 +114,8 @@
 // of a migration (ASK), or a map that does not catch up, fails, and can be
 // run again. A master that died sends no redirect: with any cluster client,
 // a Run, CheckKeys or Rebuild that cannot reach a node fails with its
-// connection error and has the map reloaded, so that the next one reaches
+// connection error (or the caller's deadline, when that is shorter than the
+// client's ReadTimeout) and has the map reloaded, so that the next one reaches
 // the replica promoted in its place within seconds, not at go-redis's
 // next periodic reload (ClusterStateReloadInterval, 60 s by default).
 // Sentinel with replica reads (redis.NewUniversalClient with MasterName and

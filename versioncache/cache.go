@@ -604,7 +604,7 @@ func (c *Cache[T]) loadAndFill(ctx context.Context, id string, r readResult, loa
 		// failed (or held up the fill past the caller's deadline), and
 		// would keep the caller waiting for it. Not a Redis error if the
 		// caller's own ctx cut it off (a detached fill's bound is ours).
-		c.fillFailed(ctx, id, err, detached || callerGaveUp(ctx, err) == nil)
+		c.fillFailed(ctx, id, err, detached || c.gaveUp(ctx, err) == nil)
 	default:
 		c.filled(stored)
 	}
@@ -644,7 +644,7 @@ func (c *Cache[T]) releaseLease(ctx context.Context, id string, r readResult) {
 	defer cancel()
 	if err := c.lua.release.Run(relCtx, c.client, []string{c.leaseKey(id)}, r.version, c.leaseToken).Err(); err != nil {
 		// A Redis error unless the caller's own ctx cut it off.
-		if detached || callerGaveUp(ctx, err) == nil {
+		if detached || c.gaveUp(ctx, err) == nil {
 			c.redisFailed(relCtx, err)
 		}
 		c.warn(relCtx, &c.logs.release, "versioncache: releasing fill lease failed", id, err)
@@ -708,7 +708,7 @@ func (c *Cache[T]) redisDown(ctx context.Context, id, op string, err error, load
 // too.
 func (c *Cache[T]) failOpen(ctx context.Context, id, op string, err error, load Loader[T]) (loaded[T], error) {
 	var zero loaded[T]
-	if cerr := callerGaveUp(ctx, err); cerr != nil {
+	if cerr := c.gaveUp(ctx, err); cerr != nil {
 		return zero, cerr // not a Redis failure
 	}
 	c.redisFailed(ctx, err)
@@ -863,7 +863,7 @@ func (c *Cache[T]) loadAndFillAt(ctx context.Context, id, key, versionText strin
 	stored, err := c.lua.fillAt.Run(fillCtx, c.client, []string{key},
 		versionText, joinVersioned(versionText, data), c.config.TTL.Milliseconds()).Int()
 	if err != nil {
-		c.fillFailed(ctx, id, err, detached || callerGaveUp(ctx, err) == nil)
+		c.fillFailed(ctx, id, err, detached || c.gaveUp(ctx, err) == nil)
 	} else {
 		c.filled(stored)
 	}
@@ -946,7 +946,7 @@ func (c *Cache[T]) Invalidate(ctx context.Context, id string) error {
 		// says so whatever go-redis reported it as (with
 		// ContextTimeoutEnabled, an i/o timeout at the ctx's deadline).
 		// A migration that outlasted the ctx is one, counted once.
-		switch cerr := callerGaveUp(ctx, err); {
+		switch cerr := c.gaveUp(ctx, err); {
 		case cerr == nil || errors.Is(err, ErrSlotMigrating):
 			c.redisFailed(ctx, err)
 		case !errors.Is(err, cerr):
@@ -1023,7 +1023,7 @@ func (c *Cache[T]) Peek(ctx context.Context, id string) (val T, version int64, o
 		return err
 	})
 	if err != nil {
-		if cerr := callerGaveUp(ctx, err); cerr != nil && !errors.Is(err, ErrSlotMigrating) {
+		if cerr := c.gaveUp(ctx, err); cerr != nil && !errors.Is(err, ErrSlotMigrating) {
 			return val, 0, false, cerr
 		}
 		c.redisFailed(ctx, err)
@@ -1221,6 +1221,21 @@ func callerGaveUp(ctx context.Context, err error) error {
 		return context.DeadlineExceeded
 	}
 	return nil
+}
+
+// gaveUp is callerGaveUp for a call c made, which also has a cluster
+// client reload its slot map (rate-limited, as for a Redis failure; not
+// counted as one) when the caller's deadline ended the call: a master that
+// stopped answering without resetting its connections (a lost host)
+// shows a caller whose deadline is shorter than the client's ReadTimeout
+// nothing but that deadline, and without the reload every call would go
+// to it until go-redis's periodic reload, a minute later by default.
+func (c *Cache[T]) gaveUp(ctx context.Context, err error) error {
+	cerr := callerGaveUp(ctx, err)
+	if errors.Is(cerr, context.DeadlineExceeded) {
+		clusterpin.ReloadIfUnreachable(ctx, c.client, err)
+	}
+	return cerr
 }
 
 // Backoff between attempts of a call that Redis Cluster answered TRYAGAIN

@@ -292,7 +292,7 @@ func (c *Cache[T]) peekAt(ctx context.Context, id string) (val T, version int64,
 	case errors.Is(err, redis.Nil):
 		return val, 0, atNotCached, nil
 	case err != nil:
-		if cerr := callerGaveUp(ctx, err); cerr != nil {
+		if cerr := c.gaveUp(ctx, err); cerr != nil {
 			return val, 0, 0, cerr
 		}
 		c.redisFailed(ctx, err)

@@ -557,29 +557,65 @@ func (b *testBundle) hit(t *testing.T, id string) product {
 // that the ones after it reach the new master within seconds.
 func TestClusterMasterKilled(t *testing.T) {
 	t.Parallel()
-	ctx := context.Background()
-	cluster := testenv.StartRedisCluster(t, 3, 1)
-	waitReplicasOnline(t, cluster.Client(t))
-	client := cluster.Client(t)
-	b := setupWith(t, client, cluster.Prefix(t), nil)
-	id := "master-killed"
-	b.truth.write(id, 1)
-	_, err := b.cache.Get(ctx, id, b.truth.loader(id))
-	require.NoError(t, err)
-	cluster.KillMaster(t, b.cache.versionKey(id))
+	for _, tc := range []struct {
+		name string
+		// lose takes the id's master out and promotes its replica.
+		lose func(*testenv.RedisCluster, testing.TB, string) (string, string)
+		// timeout bounds each call; 0 leaves it to the client.
+		timeout time.Duration
+	}{
+		// A killed master refuses connections: calls fail with that.
+		{"Killed", (*testenv.RedisCluster).KillMaster, 0},
+		// A lost host answers nothing and resets nothing: a caller whose
+		// deadline is shorter than ReadTimeout sees only that deadline,
+		// which must still have the map reloaded, for reads (Peek) and
+		// Invalidate alike, not wait for go-redis's periodic reload.
+		{"LostWithShortDeadlines", (*testenv.RedisCluster).FreezeMaster, 200 * time.Millisecond},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			ctx := context.Background()
+			cluster := testenv.StartRedisCluster(t, 3, 1)
+			waitReplicasOnline(t, cluster.Client(t))
+			client := redis.NewClusterClient(&redis.ClusterOptions{Addrs: cluster.Addrs(), ReadTimeout: time.Second})
+			t.Cleanup(func() { _ = client.Close() })
+			b := setupWith(t, client, cluster.Prefix(t), nil)
+			id := "master-killed"
+			b.truth.write(id, 1)
+			_, err := b.cache.Get(ctx, id, b.truth.loader(id))
+			require.NoError(t, err)
+			tc.lose(cluster, t, b.cache.versionKey(id))
+			bounded := func(call func(ctx context.Context) error) error {
+				if tc.timeout == 0 {
+					return call(ctx)
+				}
+				short, cancel := context.WithTimeout(ctx, tc.timeout)
+				defer cancel()
+				return call(short)
+			}
+			start := time.Now()
+			retry := func(what string, call func(ctx context.Context) error) {
+				t.Helper()
+				for {
+					err := bounded(call)
+					if err == nil {
+						t.Logf("%s reached the new master %s after the failover", what, time.Since(start))
+						return
+					}
+					require.Less(t, time.Since(start), 10*time.Second, "%s still fails: %v", what, err)
+					time.Sleep(50 * time.Millisecond)
+				}
+			}
 
-	b.truth.write(id, 2)
-	start := time.Now()
-	for {
-		err := b.cache.Invalidate(ctx, id)
-		if err == nil {
-			t.Logf("Invalidate reached the new master %s after the failover", time.Since(start))
-			break
-		}
-		require.Less(t, time.Since(start), 10*time.Second, "Invalidate still fails: %v", err)
-		time.Sleep(50 * time.Millisecond)
+			retry("Peek", func(ctx context.Context) error {
+				_, _, _, err := b.cache.Peek(ctx, id)
+				return err
+			})
+			b.truth.write(id, 2)
+			retry("Invalidate", func(ctx context.Context) error { return b.cache.Invalidate(ctx, id) })
+			got, err := b.cache.Get(ctx, id, b.truth.loader(id))
+			require.NoError(t, err)
+			require.Equal(t, b.truth.read(id), got)
+		})
 	}
-	got, err := b.cache.Get(ctx, id, b.truth.loader(id))
-	require.NoError(t, err)
-	require.Equal(t, b.truth.read(id), got)
 }

@@ -68,8 +68,10 @@
 // sends the command again there. An ASK reply (a slot in the middle of a
 // migration) sends it once to the importing master, after ASKING.
 // A master that died (SIGKILL, a lost host) answers nothing: the command
-// fails with its connection error, and the cache has the cluster client
-// reload its slot map, so the commands after it reach the replica promoted
+// fails with its connection error (or, for a caller whose deadline is
+// shorter than the client's ReadTimeout, with that deadline: all go-redis
+// reports of a host that stopped answering), and the cache has the
+// cluster client reload its slot map, so the commands after it reach the replica promoted
 // in its place within seconds of the promotion (0.9–2.6 s in the tests).
 // go-redis itself reloads the map on redirects and every
 // ClusterStateReloadInterval (60 s by default) only, never on connection

@@ -26,8 +26,10 @@
 //     pinned command that fails with a connection-level error (refused or
 //     reset connection, EOF, an i/o timeout, also one that came after the
 //     caller's context ended, as a frozen node's does when go-redis bounds
-//     its reads by its own ReadTimeout; not a context error of the
-//     caller's) therefore asks the cluster client to reload its map. The
+//     its reads by its own ReadTimeout; and the caller's deadline itself,
+//     all go-redis reports of a frozen or lost node to a caller whose
+//     deadline is shorter than ReadTimeout; not the caller's cancellation)
+//     therefore asks the cluster client to reload its map. The
 //     command still fails, with that error (no retry here); the ones
 //     after it reach the new master as soon as a node answers the reload
 //     with the promotion, rather than up to a minute later. The reload
@@ -172,7 +174,10 @@ func OnMaster(ctx context.Context, cc *redis.ClusterClient, key string, queue fu
 	}
 	if addr, ok := redis.IsAskError(err); ok {
 		addr = normalizeAddr(addr)
-		target := knownMaster(ctx, cc, addr)
+		target, kerr := knownMaster(ctx, cc, addr)
+		if kerr != nil {
+			return fmt.Errorf("%w (after %w)", kerr, err)
+		}
 		if target == nil {
 			return err
 		}
@@ -298,7 +303,11 @@ func connectionLost(ctx context.Context, err error) bool {
 	if err == nil {
 		return false
 	}
-	if ctx.Err() != nil && (errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded)) {
+	// A caller's cancellation says nothing about the node. Its deadline
+	// may: go-redis returns it, instead of a frozen or lost node's read
+	// timeout, when the deadline ends before its retry (a deadline shorter
+	// than ReadTimeout), so it costs a rate-limited reload.
+	if ctx.Err() != nil && errors.Is(err, context.Canceled) {
 		return false
 	}
 	if errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) {
@@ -342,15 +351,21 @@ func normalizeAddr(addr string) string {
 // a resharding would add one. So the masters it lists are kept per client,
 // and listed again only for an address they lack, at most once per
 // askRelistInterval.
-func knownMaster(ctx context.Context, cc *redis.ClusterClient, addr string) *redis.Client {
+func knownMaster(ctx context.Context, cc *redis.ClusterClient, addr string) (*redis.Client, error) {
 	idx := mastersOf(cc)
-	idx.mu.Lock()
-	defer idx.mu.Unlock()
+	// Another caller may be listing the masters, bounded by its own ctx
+	// only: wait for it no longer than ours.
+	select {
+	case idx.lock <- struct{}{}:
+	case <-ctx.Done():
+		return nil, ctx.Err()
+	}
+	defer func() { <-idx.lock }()
 	if n := idx.byAddr[addr]; n != nil {
-		return n
+		return n, nil
 	}
 	if !idx.listed.IsZero() && time.Since(idx.listed) < askRelistInterval {
-		return nil
+		return nil, nil
 	}
 	var mu sync.Mutex
 	byAddr := map[string]*redis.Client{}
@@ -362,7 +377,7 @@ func knownMaster(ctx context.Context, cc *redis.ClusterClient, addr string) *red
 		return nil
 	})
 	idx.byAddr, idx.listed = byAddr, time.Now()
-	return byAddr[addr]
+	return byAddr[addr], nil
 }
 
 // forgetMaster drops addr's node client from cc's list, after go-redis
@@ -370,8 +385,8 @@ func knownMaster(ctx context.Context, cc *redis.ClusterClient, addr string) *red
 // again.
 func forgetMaster(cc *redis.ClusterClient, addr string) {
 	idx := mastersOf(cc)
-	idx.mu.Lock()
-	defer idx.mu.Unlock()
+	idx.lock <- struct{}{}
+	defer func() { <-idx.lock }()
 	delete(idx.byAddr, addr)
 	idx.listed = time.Time{}
 }
@@ -382,7 +397,7 @@ const askRelistInterval = 200 * time.Millisecond
 
 // masterList is a cluster client's masters by address, as last listed.
 type masterList struct {
-	mu     sync.Mutex
+	lock   chan struct{} // held by one caller at a time; a channel so that a waiter's ctx ends its wait
 	byAddr map[string]*redis.Client
 	listed time.Time
 }
@@ -397,7 +412,7 @@ func mastersOf(cc *redis.ClusterClient) *masterList {
 	if v, ok := masterLists.Load(key); ok {
 		return v.(*masterList)
 	}
-	v, loaded := masterLists.LoadOrStore(key, &masterList{})
+	v, loaded := masterLists.LoadOrStore(key, &masterList{lock: make(chan struct{}, 1)})
 	if !loaded {
 		runtime.AddCleanup(cc, func(k weak.Pointer[redis.ClusterClient]) { masterLists.Delete(k) }, key)
 	}

@@ -6,6 +6,7 @@ import (
 	"io"
 	"net"
 	"os"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -496,37 +497,121 @@ func TestOnMasterSentinel(t *testing.T) {
 // master within seconds.
 func TestOnMasterReloadsAfterMasterKilled(t *testing.T) {
 	t.Parallel()
+	for _, tc := range []struct {
+		name string
+		// lose takes key's master out and promotes its replica.
+		lose func(*testenv.RedisCluster, testing.TB, string) (string, string)
+		// timeout bounds each read; 0 leaves it to the client.
+		timeout time.Duration
+	}{
+		// A killed master refuses connections: the read fails with that.
+		{"Killed", (*testenv.RedisCluster).KillMaster, 0},
+		// A lost host answers nothing and resets nothing: a caller whose
+		// deadline is shorter than ReadTimeout sees only that deadline,
+		// which must still have the map reloaded, not wait for go-redis's
+		// periodic reload a minute later.
+		{"LostWithShortDeadlines", (*testenv.RedisCluster).FreezeMaster, 200 * time.Millisecond},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			ctx := context.Background()
+			cluster := testenv.StartRedisCluster(t, 3, 1)
+			cluster.WaitSlotReplicas(t, 30*time.Second)
+			b := setup(t, cluster, &redis.ClusterOptions{ReadOnly: true, ReadTimeout: time.Second})
+			key := "{killed}k"
+			require.NoError(t, b.stale.Set(ctx, key, "v", 0).Err())
+			_, replica := tc.lose(cluster, t, key)
+			get := func() (string, error) {
+				if tc.timeout == 0 {
+					return b.get(ctx, key)
+				}
+				short, cancel := context.WithTimeout(ctx, tc.timeout)
+				defer cancel()
+				return b.get(short, key)
+			}
+
+			// The read that meets the lost master fails with the
+			// connection error or the caller's deadline (no hidden retry),
+			// unless the map was reloaded before it was sent.
+			if _, err := get(); err != nil {
+				require.False(t, IsRedirect(err), "a connection error: %v", err)
+			}
+
+			start := time.Now()
+			deadline := start.Add(10 * time.Second)
+			for {
+				got, err := get()
+				if err == nil {
+					require.Equal(t, "v", got)
+					t.Logf("pinned reads reached the new master %s after the failover", time.Since(start))
+					break
+				}
+				require.True(t, time.Now().Before(deadline),
+					"pinned reads still fail %s after the failover: %v", time.Since(start), err)
+				time.Sleep(50 * time.Millisecond)
+			}
+			named, err := b.stale.MasterForKey(ctx, key)
+			require.NoError(t, err)
+			require.Equal(t, replica, named.Options().Addr, "the client's map names the promoted replica")
+			require.Positive(t, b.gets.count(replica), "the read was served by the new master")
+		})
+	}
+}
+
+// A pinned read that meets an ASK while another caller lists the masters
+// for its own ASK, asking a frozen node (bounded only by that caller's
+// ctx or ReadTimeout), gives up at its own deadline: it waited on a mutex
+// for the other caller's listing, 1.4 s past a 50 ms deadline.
+func TestOnMasterAskWaitEndsAtCallersDeadline(t *testing.T) {
+	t.Parallel()
 	ctx := context.Background()
-	cluster := testenv.StartRedisCluster(t, 3, 1)
-	cluster.WaitSlotReplicas(t, 30*time.Second)
-	b := setup(t, cluster, &redis.ClusterOptions{ReadOnly: true})
-	key := "{killed}k"
-	require.NoError(t, b.stale.Set(ctx, key, "v", 0).Err())
-	_, replica := cluster.KillMaster(t, key)
-
-	// The read that meets the dead master fails with the connection error
-	// (no hidden retry), unless the map was reloaded before it was sent.
-	if _, err := b.get(ctx, key); err != nil {
-		require.False(t, IsRedirect(err), "a connection error: %v", err)
-	}
-
-	start := time.Now()
-	deadline := start.Add(10 * time.Second)
-	for {
-		got, err := b.get(ctx, key)
-		if err == nil {
-			require.Equal(t, "v", got)
-			t.Logf("pinned reads reached the new master %s after the failover", time.Since(start))
-			break
-		}
-		require.True(t, time.Now().Before(deadline),
-			"pinned reads still fail %s after the failover: %v", time.Since(start), err)
-		time.Sleep(50 * time.Millisecond)
-	}
-	named, err := b.stale.MasterForKey(ctx, key)
+	cluster := testenv.StartRedisCluster(t, 3, 0)
+	admin := cluster.Client(t)
+	key := "{ask-wait}k"
+	require.NoError(t, admin.Set(ctx, key, "v", 0).Err())
+	src, err := admin.MasterForKey(ctx, key)
 	require.NoError(t, err)
-	require.Equal(t, replica, named.Options().Addr, "the client's map names the promoted replica")
-	require.Positive(t, b.gets.count(replica), "the read was served by the new master")
+	dst := cluster.MigrateKey(t, key)
+	frozen := slices.IndexFunc(cluster.Addrs(), func(a string) bool { return a != src.Options().Addr && a != dst })
+	require.GreaterOrEqual(t, frozen, 0)
+
+	// The listing asks one node at random for the slot map: try again
+	// until it asked the frozen one (a third of the time).
+	for trial := range 30 {
+		cc := redis.NewClusterClient(&redis.ClusterOptions{
+			Addrs: cluster.Addrs(), ReadOnly: true,
+			ContextTimeoutEnabled: true, ReadTimeout: 1500 * time.Millisecond,
+		})
+		_, err := cc.MasterForKey(ctx, key) // loads the slot map
+		require.NoError(t, err)
+		get := func(ctx context.Context) error {
+			return OnMaster(ctx, cc, key, func(p redis.Pipeliner) { p.Get(ctx, key) })
+		}
+		cluster.Freeze(frozen)
+		first := make(chan struct{})
+		go func() { _ = get(ctx); close(first) }()
+		time.Sleep(100 * time.Millisecond)
+		select {
+		case <-first: // its listing asked a live node
+			cluster.Thaw(frozen)
+			_ = cc.Close()
+			continue
+		default:
+		}
+		short, cancel := context.WithTimeout(ctx, 50*time.Millisecond)
+		start := time.Now()
+		err = get(short)
+		took := time.Since(start)
+		cancel()
+		cluster.Thaw(frozen)
+		<-first
+		_ = cc.Close()
+		t.Logf("trial %d: a read with a 50 ms deadline took %s: %v", trial, took, err)
+		require.ErrorIs(t, err, context.DeadlineExceeded)
+		require.Less(t, took, time.Second, "the read waited for another caller's listing of the masters")
+		return
+	}
+	t.Fatal("no listing of the masters asked the frozen node in 30 trials")
 }
 
 func TestReloadIfUnreachable(t *testing.T) {
@@ -555,7 +640,7 @@ func TestReloadIfUnreachable(t *testing.T) {
 		{"RefusedAfterCallersContextEnded", ended, refused, true},
 		{"ReadTimeoutAfterCallersContextEnded", ended, &net.OpError{Op: "read", Net: "tcp", Err: os.ErrDeadlineExceeded}, true},
 		{"CallersContextError", ended, context.Canceled, false},
-		{"CallersDeadline", ended, context.DeadlineExceeded, false},
+		{"CallersDeadline", ended, context.DeadlineExceeded, true},
 		{"DialCancelledByCaller", ended, &net.OpError{Op: "dial", Net: "tcp", Err: context.Canceled}, false},
 	} {
 		t.Run(tc.name, func(t *testing.T) {

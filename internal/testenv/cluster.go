@@ -310,6 +310,15 @@ func (n *clusterNode) start(ctx context.Context, bin string) error {
 }
 
 // signal sends sig to the node and waits for it to exit (SIGKILL after 10s).
+// send sends sig to the node's process, if it runs, without waiting.
+func (n *clusterNode) send(sig syscall.Signal) {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	if n.cmd != nil {
+		_ = n.cmd.Process.Signal(sig)
+	}
+}
+
 func (n *clusterNode) signal(sig syscall.Signal) {
 	n.mu.Lock()
 	cmd, done := n.cmd, n.done
@@ -379,6 +388,14 @@ func (c *RedisCluster) Client(t testing.TB) *redis.ClusterClient {
 
 // Kill sends SIGKILL to node i and waits until it has exited.
 func (c *RedisCluster) Kill(i int) { c.nodes[i].signal(syscall.SIGKILL) }
+
+// Freeze stops node i with SIGSTOP: like a lost host, it keeps its
+// connections open and answers nothing (no reset, no refusal) until Thaw.
+// The cluster's cleanup kills it frozen or not.
+func (c *RedisCluster) Freeze(i int) { c.nodes[i].send(syscall.SIGSTOP) }
+
+// Thaw resumes node i after Freeze (SIGCONT).
+func (c *RedisCluster) Thaw(i int) { c.nodes[i].send(syscall.SIGCONT) }
 
 // Stop shuts node i down with SIGTERM and waits until it has exited.
 func (c *RedisCluster) Stop(i int) { c.nodes[i].signal(syscall.SIGTERM) }
@@ -862,6 +879,26 @@ func (c *RedisCluster) Failover(t testing.TB, key string) (oldMaster, newMaster 
 // slot maps still name the dead master.
 func (c *RedisCluster) KillMaster(t testing.TB, key string) (killed, promoted string) {
 	t.Helper()
+	return c.loseMaster(t, key, c.Kill)
+}
+
+// FreezeMaster is KillMaster for a lost host: the master serving key is
+// frozen (Freeze), so that clients' connections to it stay open and time
+// out instead of being refused or reset, and its replica promoted. The
+// frozen node is thawed at the test's cleanup (it rejoins as a replica).
+func (c *RedisCluster) FreezeMaster(t testing.TB, key string) (frozen, promoted string) {
+	t.Helper()
+	return c.loseMaster(t, key, func(i int) {
+		c.Freeze(i)
+		t.Cleanup(func() { c.Thaw(i) })
+	})
+}
+
+// loseMaster takes the master serving key out with lose (a kill, a
+// freeze) once one of its replicas in sync has every write it
+// acknowledged, and promotes that replica.
+func (c *RedisCluster) loseMaster(t testing.TB, key string, lose func(i int)) (lost, promoted string) {
+	t.Helper()
 	ctx := context.Background()
 	client := c.Client(t)
 	var old *redis.Client
@@ -877,21 +914,21 @@ func (c *RedisCluster) KillMaster(t testing.TB, key string) (killed, promoted st
 		client.ReloadState(ctx)
 		time.Sleep(50 * time.Millisecond)
 	}
-	killed = old.Options().Addr
+	lost = old.Options().Addr
 	if n, err := old.Wait(ctx, 1, 5*time.Second).Result(); err != nil || n < 1 {
-		t.Fatalf("testenv: WAIT on %s before the kill: %d replicas, %v", killed, n, err)
+		t.Fatalf("testenv: WAIT on %s before losing it: %d replicas, %v", lost, n, err)
 	}
-	i := slices.Index(c.Addrs(), killed)
+	i := slices.Index(c.Addrs(), lost)
 	if i < 0 {
-		t.Fatalf("testenv: %s is not a node of the cluster", killed)
+		t.Fatalf("testenv: %s is not a node of the cluster", lost)
 	}
-	c.Kill(i)
+	lose(i)
 	replica := redis.NewClient(&redis.Options{Addr: promoted})
 	defer replica.Close()
 	if err := replica.Do(ctx, "CLUSTER", "FAILOVER", "TAKEOVER").Err(); err != nil {
 		t.Fatalf("testenv: CLUSTER FAILOVER TAKEOVER on %s: %v", promoted, err)
 	}
-	return killed, promoted
+	return lost, promoted
 }
 
 // KillMasterAndRetry kills the master serving key and promotes its replica
