@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"strconv"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/google/uuid"
@@ -45,7 +46,10 @@ const verifyAbandonTimeout = 5 * time.Second
 
 // Verify runs a full reconcile pass over the board and, when the pass
 // repaired every entry it found wrong (a repair that raced a newer write
-// counts: the newer entry is there) and Redis kept the board's keys
+// counts: the newer entry is there; each entry whose repair the gate
+// declined is checked once more after the pass, with CheckKeys, since a
+// foreign write, at the same version with another value or at a version
+// PostgreSQL never had, is declined too) and Redis kept the board's keys
 // throughout and did not fail over (a replica promoted during the pass may
 // lack its repairs: replication is asynchronous), and the sorted set
 // and the board's version keys still hold at least as many members and
@@ -100,7 +104,31 @@ func (b *Board) Verify(ctx context.Context, cfg *reconcile.Config) (report *reco
 	if cfg != nil && cfg.SkipOrphans {
 		return nil, false, &ConfigError{Field: "reconcile.Config.SkipOrphans", Reason: "is set; Verify records that Redis holds nothing PostgreSQL lacks, which only the orphan check can tell: leave it false for Verify"}
 	}
-	rec, err := b.Reconciler(cfg)
+	// A repair the gate declined is raced: a newer write, which the entry
+	// now holds, or a foreign one (the same version with another value, or
+	// a version PostgreSQL never had: a hand edit, a buggy writer), which
+	// leaves a value PostgreSQL never had. The pass's raced keys are
+	// checked again before recording.
+	var (
+		racedMu sync.Mutex
+		raced   []string
+	)
+	withRaced := reconcile.Config{}
+	if cfg != nil {
+		withRaced = *cfg
+	}
+	observe := withRaced.AfterRepair
+	withRaced.AfterRepair = func(ctx context.Context, f reconcile.Finding) {
+		if f.Result == reconcile.ResultRaced {
+			racedMu.Lock()
+			raced = append(raced, f.Key)
+			racedMu.Unlock()
+		}
+		if observe != nil {
+			observe(ctx, f)
+		}
+	}
+	rec, err := b.Reconciler(&withRaced)
 	if err != nil {
 		return nil, false, err
 	}
@@ -127,6 +155,15 @@ func (b *Board) Verify(ctx context.Context, cfg *reconcile.Config) (report *reco
 	// policy's choice), vetoed, not attempted or uncertain stands in the
 	// way, and refutes an earlier record too: this pass saw Redis wrong.
 	refuted = leftWrong(report)
+	racedMu.Lock()
+	recheck := raced
+	raced = nil
+	racedMu.Unlock()
+	if err == nil && !refuted && len(recheck) > 0 {
+		var again *reconcile.Report
+		again, err = rec.CheckKeys(ctx, recheck, reconcile.RunOptions{})
+		refuted = leftWrong(again)
+	}
 	if err != nil {
 		return report, false, fmt.Errorf("leaderboard: verify: %w", err)
 	}

@@ -8,6 +8,7 @@ import (
 	"io"
 	"net"
 	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -293,6 +294,52 @@ func TestVerify(t *testing.T) {
 				_, verified, err = tb.board.Verify(ctx, nil)
 				require.NoError(t, err)
 				require.True(t, verified, "the next Verify repairs bob's version and records")
+			})
+		}
+	})
+
+	// Between the pass's read and its repair of a missing entry, a foreign
+	// write (a hand edit, a buggy writer) puts the user in Redis with a
+	// score PostgreSQL never had, at the same version (the gate answers
+	// conflict) or a higher one (stale). Both came back raced, which
+	// Verify accepted, recording the foreign score as verified; the
+	// raced entries are checked again: the conflict is corrupt and
+	// repaired, the higher version ahead and only reported.
+	t.Run("ForeignWriteDuringRepair", func(t *testing.T) {
+		t.Parallel()
+		for _, tc := range []struct {
+			name     string
+			bump     int64 // added to the source's version by the foreign write
+			verified bool
+		}{
+			{"SameVersion", 0, true},
+			{"HigherVersion", 5, false},
+		} {
+			t.Run(tc.name, func(t *testing.T) {
+				t.Parallel()
+				tb := verifying(t)
+				tb.submit(t, "ada", 10)
+				tb.drain(t)
+				versions := tb.board.Keyspace().VersionKeys(tb.board.Name(), projection.KindSortedSet)[0]
+				// ada's entry lost: the pass finds it missing.
+				require.NoError(t, tb.rd.Client.ZRem(ctx, tb.board.SortedSetKey(), "ada").Err())
+				require.NoError(t, tb.rd.Client.HDel(ctx, versions, "ada").Err())
+				cfg := &reconcile.Config{BeforeRepair: func(ctx context.Context, f reconcile.Finding) bool {
+					require.NoError(t, tb.rd.Client.ZAdd(ctx, tb.board.SortedSetKey(), redis.Z{Score: -999, Member: "ada"}).Err())
+					require.NoError(t, tb.rd.Client.HSet(ctx, versions, "ada", strconv.FormatInt(f.Source.Version+tc.bump, 10)).Err())
+					return true
+				}}
+				rep, verified, err := tb.board.Verify(ctx, cfg)
+				require.NoError(t, err)
+				require.EqualValues(t, 1, rep.Results[reconcile.ResultRaced], "setup: the gate declined the repair")
+				require.Equal(t, tc.verified, verified)
+				if !tc.verified {
+					requireUnverified(t, tb)
+					return
+				}
+				top, err := tb.board.Top(ctx, 10)
+				require.NoError(t, err)
+				require.Equal(t, []Entry{{UserID: "ada", Score: 10, Rank: 1}}, top.Entries, "the verified board holds PostgreSQL's score")
 			})
 		}
 	})
