@@ -116,6 +116,11 @@ var (
 // a statement that never left it: "bad packet header" (larger than its
 // max_packet_size, refused again on every retry), query_wait_timeout and
 // "server login has been failing" (no server connection to send it on).
+// Nor does pgconn.ErrConnClosed mean nothing was sent, though pgconn marks
+// it SafeToRetry: every statement judged here ran on a connection the pool
+// gave out open, and pgx's MultiResultReader (the simple protocol's
+// statements, pipelines in QueryExecModeExec) reports it in place of the
+// read error that closed the connection after the statement was sent.
 func outcomeUnknown(err error) error {
 	var pgErr *pgconn.PgError
 	var connectErr *pgconn.ConnectError
@@ -124,6 +129,7 @@ func outcomeUnknown(err error) error {
 		!strings.HasPrefix(pgErr.Message, "bad packet header") && // refused unsent (max_packet_size), for good
 		!strings.HasPrefix(pgErr.Message, "query_wait_timeout") && // waited unsent for a server connection
 		!strings.HasPrefix(pgErr.Message, "server login has been failing"):
+	case errors.Is(err, pgconn.ErrConnClosed):
 	case err == nil, errors.As(err, &pgErr), errors.As(err, &connectErr), pgconn.SafeToRetry(err),
 		errors.Is(err, puddle.ErrClosedPool), // pgxpool's Acquire: nothing sent
 		errors.Is(err, context.Canceled), errors.Is(err, context.DeadlineExceeded):

@@ -4,7 +4,9 @@ import (
 	"context"
 	"encoding/binary"
 	"errors"
+	"fmt"
 	"net"
+	"strconv"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -14,6 +16,8 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
+
+	"github.com/verity-go/verity/internal/testenv"
 )
 
 // TestSharedStatementGivesItsConnectionBack: however a grouped statement's
@@ -260,6 +264,76 @@ func TestSubmitOutcomeUnknown(t *testing.T) {
 	_, err = board.Submit(ctx, Command{EventID: uuid.New(), UserID: "u", Delta: MaxScore})
 	require.ErrorIs(t, err, ErrScoreOutOfRange)
 	require.NotErrorIs(t, err, ErrOutcomeUnknown)
+}
+
+// TestSubmitOutcomeUnknownInEveryExecMode: in the simple protocol (every
+// statement) and QueryExecModeExec (pipelines: grouped Submits, batches
+// above 64 commands), pgx reports a reply lost after the commit as
+// pgconn.ErrConnClosed, which pgconn marks safe to retry (nothing sent);
+// the committed commands came back with that, not ErrOutcomeUnknown.
+func TestSubmitOutcomeUnknownInEveryExecMode(t *testing.T) {
+	t.Parallel()
+	for name, mode := range map[string]pgx.QueryExecMode{"Exec": pgx.QueryExecModeExec, "SimpleProtocol": pgx.QueryExecModeSimpleProtocol} {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			ctx := context.Background()
+			tb := setup(t)
+			addr, _ := testenv.ServerAddr(t, tb.pg.ConnString)
+			dropper := testenv.StartReplyDropper(t, addr)
+			host, port, err := net.SplitHostPort(dropper.Addr())
+			require.NoError(t, err)
+			portNumber, err := strconv.Atoi(port)
+			require.NoError(t, err)
+			pool := tb.newPool(t, func(pc *pgxpool.Config) {
+				pc.ConnConfig.Host, pc.ConnConfig.Port = host, uint16(portNumber)
+				pc.ConnConfig.TLSConfig, pc.ConnConfig.Fallbacks = nil, nil
+				pc.ConnConfig.DefaultQueryExecMode = mode
+				pc.MaxConns = 1
+			})
+			gb := groupsOn(t, tb, pool)
+			board := gb.board
+			board.Close() // no NOTIFY on the one connection
+			requireUnknownButCommitted := func(what string, err error, ids ...uuid.UUID) {
+				t.Helper()
+				var n int
+				require.NoError(t, tb.pg.Pool.QueryRow(ctx, `SELECT count(*) FROM score_events WHERE event_id = ANY ($1)`, ids).Scan(&n))
+				require.Equal(t, len(ids), n, "%s: setup: the reply was lost after the commit (%v)", what, err)
+				require.ErrorIs(t, err, ErrOutcomeUnknown, what)
+			}
+			_, err = board.Submit(ctx, Command{EventID: uuid.New(), UserID: "w", Delta: 1})
+			require.NoError(t, err)
+
+			lone := Command{EventID: uuid.New(), UserID: "lone", Delta: 1}
+			dropper.DropReplyAfter("user_id, delta\nFROM prior")
+			_, err = board.Submit(ctx, lone)
+			if mode == pgx.QueryExecModeSimpleProtocol { // in exec mode, unexpected EOF already
+				requireUnknownButCommitted("lone Submit", err, lone.EventID)
+			}
+
+			batch := make([]Command, 100)
+			ids := make([]uuid.UUID, len(batch))
+			for i := range batch {
+				batch[i] = Command{EventID: uuid.New(), UserID: fmt.Sprintf("u%d", i%7), Delta: 1}
+				ids[i] = batch[i].EventID
+			}
+			dropper.DropReplyAfter("p.user_id::text, p.delta")
+			_, err = board.SubmitBatch(ctx, batch)
+			requireUnknownButCommitted("SubmitBatch of 100", err, ids...)
+
+			first := Command{EventID: uuid.New(), UserID: "g1", Delta: 2}
+			second := Command{EventID: uuid.New(), UserID: "g2", Delta: 3}
+			dropper.DropReplyAfter("p.user_id::text, p.delta")
+			outs := gb.groupBehindFirst(t, ctx, first, second)
+			requireUnknownButCommitted("grouped Submit, first", wait(t, outs[0]).err, first.EventID)
+			requireUnknownButCommitted("grouped Submit, second", wait(t, outs[1]).err, second.EventID)
+
+			for _, cmd := range []Command{lone, first, second} { // the retries answer the originals
+				res, err := board.Submit(ctx, cmd)
+				require.NoError(t, err)
+				require.True(t, res.Duplicate)
+			}
+		})
+	}
 }
 
 // lostReplyConn, once armed, drops the next answer the server sends (it

@@ -877,7 +877,11 @@ const (
 // own 08P01), and a claim that found no
 // connection, or failed before its statements left (pgconn.SafeToRetry: for
 // example its context ended as it began), sent nothing: neither needs it,
-// and skipping it spares a shutdown the release's round trips.
+// and skipping it spares a shutdown the release's round trips. Not
+// pgconn.ErrConnClosed, which pgconn marks SafeToRetry too: on the
+// connection the pool gave out open, pgx reports it for statements sent in
+// the simple protocol or QueryExecModeExec when the read after them broke
+// the connection.
 func (r *Relay) claimOnce(acquireCtx, sendCtx context.Context, token uuid.UUID) (claimed, error) {
 	conn, err := r.pool.Acquire(acquireCtx)
 	if err != nil {
@@ -888,7 +892,8 @@ func (r *Relay) claimOnce(acquireCtx, sendCtx context.Context, token uuid.UUID) 
 	// connection.
 	conn.Release()
 	var pgErr *pgconn.PgError
-	if err != nil && (!errors.As(err, &pgErr) || strings.HasPrefix(pgErr.Code, "08")) && !pgconn.SafeToRetry(err) {
+	if err != nil && (!errors.As(err, &pgErr) || strings.HasPrefix(pgErr.Code, "08")) &&
+		(!pgconn.SafeToRetry(err) || errors.Is(err, pgconn.ErrConnClosed)) {
 		r.releaseClaim(context.WithoutCancel(sendCtx), token)
 	}
 	return c, err
