@@ -47,9 +47,11 @@ const verifyAbandonTimeout = 5 * time.Second
 // Verify runs a full reconcile pass over the board and, when the pass
 // repaired every entry it found wrong (a repair that raced a newer write
 // counts: the newer entry is there; each entry whose repair the gate
-// declined is checked once more after the pass, with CheckKeys, since a
-// foreign write, at the same version with another value or at a version
-// PostgreSQL never had, is declined too) and Redis kept the board's keys
+// declined is checked again after the pass, with CheckKeys and cfg's
+// hooks, since a foreign write, at the same version with another value or
+// at a version PostgreSQL never had, is declined too; one still declined
+// after three such rechecks records nothing, and the report adds what the
+// rechecks found) and Redis kept the board's keys
 // throughout and did not fail over (a replica promoted during the pass may
 // lack its repairs: replication is asynchronous), and the sorted set
 // and the board's version keys still hold at least as many members and
@@ -159,15 +161,40 @@ func (b *Board) Verify(ctx context.Context, cfg *reconcile.Config) (report *reco
 	recheck := raced
 	raced = nil
 	racedMu.Unlock()
-	if err == nil && !refuted && len(recheck) > 0 {
+	// A recheck raced again is checked again, a few times: a foreign
+	// writer that keeps writing would otherwise be recorded verified.
+	racedAgain := false
+	for round := 0; err == nil && !refuted && len(recheck) > 0; round++ {
+		if round == 3 {
+			racedAgain = true // record nothing, refute nothing
+			break
+		}
 		var again *reconcile.Report
 		again, err = rec.CheckKeys(ctx, recheck, reconcile.RunOptions{})
 		refuted = leftWrong(again)
+		if again != nil && report != nil { // the report says what stood in the way
+			for c, n := range again.Counts {
+				if c != reconcile.ClassCurrent {
+					report.Counts[c] += n
+				}
+			}
+			for res, n := range again.Results {
+				report.Results[res] += n
+			}
+			report.Repaired, report.Skipped, report.Uncertain = report.Repaired+again.Repaired, report.Skipped+again.Skipped, report.Uncertain+again.Uncertain
+		}
+		racedMu.Lock()
+		recheck, raced = raced, nil
+		racedMu.Unlock()
 	}
 	if err != nil {
 		return report, false, fmt.Errorf("leaderboard: verify: %w", err)
 	}
-	if refuted {
+	if racedAgain {
+		b.cfg.Logger.WarnContext(ctx, "leaderboard: verify: an entry's repair was declined again in three rechecks (a writer keeps changing it); nothing recorded, run Verify again",
+			"board", b.cfg.Name)
+	}
+	if refuted || racedAgain {
 		return report, false, nil
 	}
 	after, err := b.sourceIdentity(ctx)

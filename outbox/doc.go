@@ -174,8 +174,9 @@
 // row whose id is already in the dead-letter table (possible only after the
 // outbox's ids were reset) is handed out again rather than fail the claim,
 // and when its last attempt fails it stays in the outbox, retried after
-// RetryBackoffMax and logged, rather than fail its batch's settle; remove
-// the stale dead letter (or replay it) to let it be buried.
+// RetryBackoffMax and logged, rather than fail its batch's settle; delete
+// the stale dead letter (ReplayDead skips it: its id is taken) to let it be
+// buried.
 // A claim that buried every row it read is followed by another at once,
 // so a backlog of such rows (a rollout that lowers MaxAttempts while rows
 // are retrying) holds up the rows due behind it for no PollInterval, and
