@@ -557,22 +557,11 @@ func (b *testBundle) hit(t *testing.T, id string) product {
 // that the ones after it reach the new master within seconds.
 func TestClusterMasterKilled(t *testing.T) {
 	t.Parallel()
-	for _, tc := range []struct {
-		name string
-		// lose takes the id's master out and promotes its replica.
-		lose func(*testenv.RedisCluster, testing.TB, string) (string, string)
-		// timeout bounds each call; 0 leaves it to the client.
-		timeout time.Duration
-	}{
-		// A killed master refuses connections: calls fail with that.
-		{"Killed", (*testenv.RedisCluster).KillMaster, 0},
-		// A lost host answers nothing and resets nothing: a caller whose
-		// deadline is shorter than ReadTimeout sees only that deadline,
-		// which must still have the map reloaded, for reads (Peek) and
-		// Invalidate alike, not wait for go-redis's periodic reload.
-		{"LostWithShortDeadlines", (*testenv.RedisCluster).FreezeMaster, 200 * time.Millisecond},
-	} {
-		t.Run(tc.name, func(t *testing.T) {
+	// A lost host sends no reset either: a caller whose deadline is
+	// shorter than ReadTimeout sees only that deadline, which must still
+	// have the map reloaded, for reads (Peek) and Invalidate alike.
+	for _, loss := range testenv.MasterLosses() {
+		t.Run(loss.Name, func(t *testing.T) {
 			t.Parallel()
 			ctx := context.Background()
 			cluster := testenv.StartRedisCluster(t, 3, 1)
@@ -584,20 +573,12 @@ func TestClusterMasterKilled(t *testing.T) {
 			b.truth.write(id, 1)
 			_, err := b.cache.Get(ctx, id, b.truth.loader(id))
 			require.NoError(t, err)
-			tc.lose(cluster, t, b.cache.versionKey(id))
-			bounded := func(call func(ctx context.Context) error) error {
-				if tc.timeout == 0 {
-					return call(ctx)
-				}
-				short, cancel := context.WithTimeout(ctx, tc.timeout)
-				defer cancel()
-				return call(short)
-			}
+			loss.Lose(cluster, t, b.cache.versionKey(id))
 			start := time.Now()
 			retry := func(what string, call func(ctx context.Context) error) {
 				t.Helper()
 				for {
-					err := bounded(call)
+					err := loss.Call(ctx, call)
 					if err == nil {
 						t.Logf("%s reached the new master %s after the failover", what, time.Since(start))
 						return

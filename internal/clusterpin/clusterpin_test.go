@@ -497,22 +497,11 @@ func TestOnMasterSentinel(t *testing.T) {
 // master within seconds.
 func TestOnMasterReloadsAfterMasterKilled(t *testing.T) {
 	t.Parallel()
-	for _, tc := range []struct {
-		name string
-		// lose takes key's master out and promotes its replica.
-		lose func(*testenv.RedisCluster, testing.TB, string) (string, string)
-		// timeout bounds each read; 0 leaves it to the client.
-		timeout time.Duration
-	}{
-		// A killed master refuses connections: the read fails with that.
-		{"Killed", (*testenv.RedisCluster).KillMaster, 0},
-		// A lost host answers nothing and resets nothing: a caller whose
-		// deadline is shorter than ReadTimeout sees only that deadline,
-		// which must still have the map reloaded, not wait for go-redis's
-		// periodic reload a minute later.
-		{"LostWithShortDeadlines", (*testenv.RedisCluster).FreezeMaster, 200 * time.Millisecond},
-	} {
-		t.Run(tc.name, func(t *testing.T) {
+	// A lost host sends no reset either: a caller whose deadline is
+	// shorter than ReadTimeout sees only that deadline, which must still
+	// have the map reloaded, not wait for go-redis's periodic reload.
+	for _, loss := range testenv.MasterLosses() {
+		t.Run(loss.Name, func(t *testing.T) {
 			t.Parallel()
 			ctx := context.Background()
 			cluster := testenv.StartRedisCluster(t, 3, 1)
@@ -520,14 +509,13 @@ func TestOnMasterReloadsAfterMasterKilled(t *testing.T) {
 			b := setup(t, cluster, &redis.ClusterOptions{ReadOnly: true, ReadTimeout: time.Second})
 			key := "{killed}k"
 			require.NoError(t, b.stale.Set(ctx, key, "v", 0).Err())
-			_, replica := tc.lose(cluster, t, key)
-			get := func() (string, error) {
-				if tc.timeout == 0 {
-					return b.get(ctx, key)
-				}
-				short, cancel := context.WithTimeout(ctx, tc.timeout)
-				defer cancel()
-				return b.get(short, key)
+			_, replica := loss.Lose(cluster, t, key)
+			get := func() (got string, err error) {
+				err = loss.Call(ctx, func(ctx context.Context) error {
+					got, err = b.get(ctx, key)
+					return err
+				})
+				return got, err
 			}
 
 			// The read that meets the lost master fails with the

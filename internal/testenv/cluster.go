@@ -894,6 +894,39 @@ func (c *RedisCluster) FreezeMaster(t testing.TB, key string) (frozen, promoted 
 	})
 }
 
+// MasterLoss is one way for a test to lose a Cluster master, with the
+// deadline the calls after it carry.
+type MasterLoss struct {
+	Name string
+	// Lose takes the master serving key out and promotes its replica
+	// (KillMaster, FreezeMaster).
+	Lose func(c *RedisCluster, t testing.TB, key string) (lost, promoted string)
+	// Timeout bounds each call after the loss; 0 leaves it to the client.
+	Timeout time.Duration
+}
+
+// MasterLosses returns the two losses a cluster client must recover from
+// within seconds: a killed master, which refuses connections, and a lost
+// host (frozen), which answers nothing and resets nothing, met by callers
+// whose deadline (200 ms) is shorter than their client's ReadTimeout (give
+// it a second or more): go-redis reports them only that deadline.
+func MasterLosses() []MasterLoss {
+	return []MasterLoss{
+		{"Killed", (*RedisCluster).KillMaster, 0},
+		{"LostWithShortDeadlines", (*RedisCluster).FreezeMaster, 200 * time.Millisecond},
+	}
+}
+
+// Call runs call with ctx bounded by l.Timeout.
+func (l MasterLoss) Call(ctx context.Context, call func(ctx context.Context) error) error {
+	if l.Timeout == 0 {
+		return call(ctx)
+	}
+	short, cancel := context.WithTimeout(ctx, l.Timeout)
+	defer cancel()
+	return call(short)
+}
+
 // loseMaster takes the master serving key out with lose (a kill, a
 // freeze) once one of its replicas in sync has every write it
 // acknowledged, and promotes that replica.
