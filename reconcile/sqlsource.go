@@ -153,7 +153,10 @@ func sentAsNull(v any) bool {
 // reads only about the sampled fraction of the table, but the rows it returns
 // are correlated (rows stored together are sampled together), so a sample
 // over-represents clusters of recently inserted or updated rows when those
-// share blocks. Every row still has the same chance of being chosen. When a
+// share blocks. Each row's chance of being chosen is about the same, not
+// exactly: about twice n rows are sampled and n of them kept at random, so
+// a row in a fuller block, which brings more rows with it, has a slightly
+// smaller chance than one in a sparse block. When a
 // block sample returns fewer than n rows (a small or freshly loaded table
 // whose pg_class.reltuples estimate is low, or a selective filter), the
 // fraction is raised and the sample retried, up to the whole table.
