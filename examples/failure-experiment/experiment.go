@@ -108,7 +108,16 @@ func Run(ctx context.Context, opts Options) (_ *Report, err error) {
 		ReadPolicy: leaderboard.ServeStale,
 		Logger:     opts.Logger,
 	}
-	if err := leaderboard.Migrate(ctx, pool, cfg); err != nil {
+	// An interrupt does not cut the migration short: pgx would give up on
+	// the connection at once while the server went on to commit the schema,
+	// after the DROP above ran on another connection and found nothing.
+	migrateCtx, cancelMigrate := context.WithTimeout(context.WithoutCancel(ctx), 30*time.Second)
+	err = leaderboard.Migrate(migrateCtx, pool, cfg)
+	cancelMigrate()
+	if err != nil {
+		return nil, err
+	}
+	if err := ctx.Err(); err != nil {
 		return nil, err
 	}
 	board, err := leaderboard.New(pool, rdb, cfg)
@@ -308,7 +317,7 @@ var reference = struct {
 	},
 	results: []string{
 		"applied (",
-		"duplicate detected; no second effect",
+		"duplicate detected; no second effect (original result: score 10, version 1)",
 		"projection lags: 2 outbox rows pending",
 		"outbox drained (0 pending)",
 		"reconciliation classified user-a as corrupt",

@@ -5,6 +5,7 @@ import (
 	"context"
 	"encoding/json"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/require"
 
@@ -149,4 +150,89 @@ func TestCheckReadsEachStagesResult(t *testing.T) {
 		r.Stages[i].Result = bad
 		require.Error(t, r.Check(), "stage %q printed %q", r.Stages[i].Name, bad)
 	}
+}
+
+// TestCheckReadsTheDuplicatesOriginalResult: stage 2 prints the
+// original result the retry was answered with ("original result: score 10,
+// version 1" in the seed's outcome) but Check compared only the words before
+// it. A leaderboard that answered the retry as a duplicate with another
+// result (a zero Result, the current score, a later version) broke the
+// promise the stage shows and the command still exited 0.
+func TestCheckReadsTheDuplicatesOriginalResult(t *testing.T) {
+	t.Parallel()
+	report := func(stage2 string) *Report {
+		r := &Report{Reconcile: reference.repair, OrderingMatch: true}
+		for i, st := range reference.stages {
+			st.Result = []string{
+				"applied (score 10, version 1)",
+				stage2,
+				"projection lags: 2 outbox rows pending, oldest 4ms old",
+				"outbox drained (0 pending)",
+				"reconciliation classified user-a as corrupt",
+				"1 of 2 rows repaired; identical ranking",
+			}[i]
+			r.Stages = append(r.Stages, st)
+		}
+		return r
+	}
+	require.NoError(t, report("duplicate detected; no second effect (original result: score 10, version 1)").Check())
+	for _, bad := range []string{
+		"duplicate detected; no second effect (original result: score 0, version 0)",
+		"duplicate detected; no second effect (original result: score 17, version 2)",
+	} {
+		require.Error(t, report(bad).Check(), "stage 2 printed %q", bad)
+	}
+}
+
+// TestInterruptDuringMigrateLeavesNoSchema: main.go promises the
+// experiment "works in its own schema and key prefix, and removes both when
+// it ends, also on Ctrl-C or SIGTERM". An interrupt that lands while the
+// migration's CREATE SCHEMA is executing makes pgx give up on the
+// connection at once; the deferred DROP SCHEMA IF EXISTS, on another
+// connection, runs before the server has committed the schema, finds
+// nothing, and the schema is committed afterwards and stays. (race-test
+// closed the same window for its CREATE TABLE.) A slow CREATE SCHEMA (an
+// event trigger on a private server that also shrugs off the cancel
+// request) makes the window certain.
+func TestInterruptDuringMigrateLeavesNoSchema(t *testing.T) {
+	t.Parallel()
+	srv := testenv.StartPostgres(t)
+	rd := testenv.Redis(t)
+	admin := srv.Pool(t)
+	bg := context.Background()
+	_, err := admin.Exec(bg, `CREATE FUNCTION slow_ddl() RETURNS event_trigger LANGUAGE plpgsql AS $$
+DECLARE
+  until timestamptz := clock_timestamp() + interval '1500 milliseconds';
+BEGIN
+  WHILE clock_timestamp() < until LOOP
+    BEGIN
+      PERFORM pg_sleep(0.02);
+    EXCEPTION WHEN query_canceled THEN NULL;
+    END;
+  END LOOP;
+END $$`)
+	require.NoError(t, err)
+	_, err = admin.Exec(bg, `CREATE EVENT TRIGGER slow_ddl ON ddl_command_end WHEN TAG IN ('CREATE SCHEMA') EXECUTE FUNCTION slow_ddl()`)
+	require.NoError(t, err)
+
+	const schema = "verity_experiment_zzreview"
+	ctx, cancel := context.WithCancel(bg)
+	defer cancel()
+	go func() { // Ctrl-C while the CREATE SCHEMA runs
+		for ctx.Err() == nil {
+			var n int
+			_ = admin.QueryRow(bg, `SELECT count(*) FROM pg_stat_activity WHERE wait_event = 'PgSleep' AND pid <> pg_backend_pid()`).Scan(&n)
+			if n > 0 {
+				cancel()
+				return
+			}
+			time.Sleep(2 * time.Millisecond)
+		}
+	}()
+	_, err = Run(ctx, Options{PostgresURL: srv.ConnString(), RedisURL: rd.URL, Schema: schema, KeyPrefix: rd.Prefix})
+	require.ErrorIs(t, err, context.Canceled)
+	time.Sleep(2500 * time.Millisecond) // the server ends the statement it was executing
+	var exists bool
+	require.NoError(t, admin.QueryRow(bg, `SELECT EXISTS (SELECT 1 FROM pg_namespace WHERE nspname = $1)`, schema).Scan(&exists))
+	require.False(t, exists, "the interrupted run left its schema %s behind", schema)
 }

@@ -2,7 +2,7 @@ package main
 
 import (
 	"math"
-	"slices"
+	"math/bits"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -39,8 +39,11 @@ type tracker struct {
 	claimless map[int64]bool // versions that make no claim (failed invalidate)
 	diverged  map[int64]bool // versions counted as divergences
 	firstDiv  time.Duration  // since start; valid when len(diverged) > 0
-	latencies [][]int32      // per reader, microseconds; only the reader appends
 	writes    int64          // acknowledged writes
+
+	// latencies counts reads by latency bucket (latencyBucket): a fixed
+	// size whatever the number of reads.
+	latencies [latencyBuckets]atomic.Int64
 
 	reads, staleAfterAck atomic.Int64
 }
@@ -57,7 +60,6 @@ func newTracker(readers int, initialVersion int64) *tracker {
 		settled:   map[int64]bool{},
 		claimless: map[int64]bool{},
 		diverged:  map[int64]bool{},
-		latencies: make([][]int32, readers),
 	}
 	t.acked.Store(initialVersion)
 	t.settledFloor.Store(initialVersion)
@@ -88,13 +90,7 @@ func (t *tracker) endRead(s readSnapshot, version int64, ok bool) {
 	if !ok {
 		return
 	}
-	us := elapsed.Microseconds()
-	if us > math.MaxInt32 {
-		us = math.MaxInt32
-	}
-	// Only this reader appends to its slice; percentiles runs after the
-	// readers stopped.
-	t.latencies[s.reader] = append(t.latencies[s.reader], int32(us))
+	t.recordLatency(s.reader, elapsed.Microseconds())
 	t.reads.Add(1)
 	if version < s.acked {
 		t.staleAfterAck.Add(1)
@@ -179,19 +175,53 @@ func (t *tracker) advanceFloor() {
 	t.settledFloor.Store(floor)
 }
 
+// Latency buckets: exact below 1,024 µs, then 512 per power of two (within
+// 0.2 %), up to math.MaxInt32 µs.
+const latencyBuckets = 1024 + 22*512
+
+func latencyBucket(us int64) int {
+	us = max(0, min(us, math.MaxInt32))
+	if us < 1024 {
+		return int(us)
+	}
+	e := bits.Len64(uint64(us)) - 10 // us>>e is in [512, 1024)
+	return 1024 + (e-1)*512 + int(us>>e) - 512
+}
+
+// bucketValue is the smallest latency of bucket b, in µs.
+func bucketValue(b int) int64 {
+	if b < 1024 {
+		return int64(b)
+	}
+	e := (b-1024)/512 + 1
+	return int64((b-1024)%512+512) << e
+}
+
+// recordLatency counts one read of us microseconds.
+func (t *tracker) recordLatency(_ int, us int64) {
+	t.latencies[latencyBucket(us)].Add(1)
+}
+
 // percentiles returns p50 and p99 read latency in microseconds.
 // Call it only after the readers stopped.
 func (t *tracker) percentiles() (p50, p99 float64) {
-	var all []int32
-	for _, l := range t.latencies {
-		all = append(all, l...)
+	var n int64
+	for i := range t.latencies {
+		n += t.latencies[i].Load()
 	}
-	if len(all) == 0 {
+	if n == 0 {
 		return 0, 0
 	}
-	slices.Sort(all)
 	at := func(q float64) float64 {
-		return float64(all[min(len(all)-1, int(q*float64(len(all))))])
+		rank := min(n-1, int64(q*float64(n))) // 0-based, as before
+		var seen int64
+		for b := range t.latencies {
+			seen += t.latencies[b].Load()
+			if seen > rank {
+				return float64(bucketValue(b))
+			}
+		}
+		return float64(bucketValue(latencyBuckets - 1))
 	}
 	return at(0.50), at(0.99)
 }
