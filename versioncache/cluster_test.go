@@ -559,19 +559,27 @@ func TestClusterMasterKilled(t *testing.T) {
 	t.Parallel()
 	// A lost host sends no reset either: a caller whose deadline is
 	// shorter than ReadTimeout sees only that deadline, which must still
-	// have the map reloaded, for reads (Peek) and Invalidate alike.
+	// have the map reloaded, for reads (Peek) and Invalidate alike: each
+	// through a client of its own, so that one's reload cannot serve the
+	// other.
 	for _, loss := range testenv.MasterLosses() {
 		t.Run(loss.Name, func(t *testing.T) {
 			t.Parallel()
 			ctx := context.Background()
 			cluster := testenv.StartRedisCluster(t, 3, 1)
 			waitReplicasOnline(t, cluster.Client(t))
-			client := redis.NewClusterClient(&redis.ClusterOptions{Addrs: cluster.Addrs(), ReadTimeout: time.Second})
-			t.Cleanup(func() { _ = client.Close() })
-			b := setupWith(t, client, cluster.Prefix(t), nil)
+			prefix := cluster.Prefix(t)
+			newCache := func() *testBundle {
+				client := redis.NewClusterClient(&redis.ClusterOptions{Addrs: cluster.Addrs(), ReadTimeout: time.Second})
+				t.Cleanup(func() { _ = client.Close() })
+				return setupWith(t, client, prefix, nil)
+			}
+			b, invalidator := newCache(), newCache()
 			id := "master-killed"
 			b.truth.write(id, 1)
 			_, err := b.cache.Get(ctx, id, b.truth.loader(id))
+			require.NoError(t, err)
+			_, _, _, err = invalidator.cache.Peek(ctx, id) // loads its slot map
 			require.NoError(t, err)
 			loss.Lose(cluster, t, b.cache.versionKey(id))
 			start := time.Now()
@@ -593,7 +601,7 @@ func TestClusterMasterKilled(t *testing.T) {
 				return err
 			})
 			b.truth.write(id, 2)
-			retry("Invalidate", func(ctx context.Context) error { return b.cache.Invalidate(ctx, id) })
+			retry("Invalidate", func(ctx context.Context) error { return invalidator.cache.Invalidate(ctx, id) })
 			got, err := b.cache.Get(ctx, id, b.truth.loader(id))
 			require.NoError(t, err)
 			require.Equal(t, b.truth.read(id), got)

@@ -3,6 +3,7 @@ package clusterpin
 import (
 	"context"
 	"errors"
+	"fmt"
 	"io"
 	"net"
 	"os"
@@ -10,6 +11,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -549,7 +551,10 @@ func TestOnMasterReloadsAfterMasterKilled(t *testing.T) {
 // A pinned read that meets an ASK while another caller lists the masters
 // for its own ASK, asking a frozen node (bounded only by that caller's
 // ctx or ReadTimeout), gives up at its own deadline: it waited on a mutex
-// for the other caller's listing, 1.4 s past a 50 ms deadline.
+// for the other caller's listing, 1.4 s past a 50 ms deadline. A hook
+// tells when the listing is stuck at the frozen node and whether the
+// timed read met the ASK, so that a starved machine cannot make the trial
+// test something else.
 func TestOnMasterAskWaitEndsAtCallersDeadline(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
@@ -565,27 +570,30 @@ func TestOnMasterAskWaitEndsAtCallersDeadline(t *testing.T) {
 
 	// The listing asks one node at random for the slot map: try again
 	// until it asked the frozen one (a third of the time).
-	for trial := range 30 {
+	for trial := range 60 {
 		cc := redis.NewClusterClient(&redis.ClusterOptions{
 			Addrs: cluster.Addrs(), ReadOnly: true,
 			ContextTimeoutEnabled: true, ReadTimeout: 1500 * time.Millisecond,
 		})
+		watch := &askWatch{frozen: cluster.Addrs()[frozen], stuck: make(chan struct{})}
+		cc.OnNewNode(func(n *redis.Client) { n.AddHook(askWatchHook{watch, n.Options().Addr}) })
 		_, err := cc.MasterForKey(ctx, key) // loads the slot map
 		require.NoError(t, err)
+		watch.armed.Store(true) // that load does not count
 		get := func(ctx context.Context) error {
 			return OnMaster(ctx, cc, key, func(p redis.Pipeliner) { p.Get(ctx, key) })
 		}
 		cluster.Freeze(frozen)
 		first := make(chan struct{})
 		go func() { _ = get(ctx); close(first) }()
-		time.Sleep(100 * time.Millisecond)
 		select {
 		case <-first: // its listing asked a live node
 			cluster.Thaw(frozen)
 			_ = cc.Close()
 			continue
-		default:
+		case <-watch.stuck: // its listing waits for the frozen node
 		}
+		watch.asked.Store(false)
 		short, cancel := context.WithTimeout(ctx, 50*time.Millisecond)
 		start := time.Now()
 		err = get(short)
@@ -594,12 +602,56 @@ func TestOnMasterAskWaitEndsAtCallersDeadline(t *testing.T) {
 		cluster.Thaw(frozen)
 		<-first
 		_ = cc.Close()
-		t.Logf("trial %d: a read with a 50 ms deadline took %s: %v", trial, took, err)
-		require.ErrorIs(t, err, context.DeadlineExceeded)
+		t.Logf("trial %d: a read with a 50 ms deadline took %s (met the ASK: %v): %v", trial, took, watch.asked.Load(), err)
+		if !watch.asked.Load() {
+			continue // its deadline ended before it met the ASK: not the case under test
+		}
+		var netErr net.Error
+		require.True(t, errors.Is(err, context.DeadlineExceeded) || errors.As(err, &netErr) && netErr.Timeout(), "the read's own deadline: %v", err)
 		require.Less(t, took, time.Second, "the read waited for another caller's listing of the masters")
 		return
 	}
-	t.Fatal("no listing of the masters asked the frozen node in 30 trials")
+	t.Fatal("no trial had a read meet the ASK while a listing asked the frozen node")
+}
+
+// askWatch records, for TestOnMasterAskWaitEndsAtCallersDeadline, when a
+// node client sends CLUSTER SLOTS to the frozen node once armed (a
+// listing of the masters stuck there), and whether a pinned read met an
+// ASK.
+type askWatch struct {
+	frozen       string
+	armed, asked atomic.Bool
+	once         sync.Once
+	stuck        chan struct{}
+}
+
+type askWatchHook struct {
+	*askWatch
+	addr string
+}
+
+func (h askWatchHook) DialHook(next redis.DialHook) redis.DialHook { return next }
+
+func (h askWatchHook) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
+	return func(ctx context.Context, cmd redis.Cmder) error {
+		if args := cmd.Args(); h.armed.Load() && h.addr == h.frozen && len(args) > 1 &&
+			strings.EqualFold(cmd.Name(), "cluster") && strings.EqualFold(fmt.Sprint(args[1]), "slots") {
+			h.once.Do(func() { close(h.stuck) })
+		}
+		return next(ctx, cmd)
+	}
+}
+
+func (h askWatchHook) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+	return func(ctx context.Context, cmds []redis.Cmder) error {
+		err := next(ctx, cmds)
+		for _, c := range cmds {
+			if _, ok := redis.IsAskError(c.Err()); ok {
+				h.asked.Store(true)
+			}
+		}
+		return err
+	}
 }
 
 func TestReloadIfUnreachable(t *testing.T) {
