@@ -172,17 +172,7 @@ func (b *Board) Verify(ctx context.Context, cfg *reconcile.Config) (report *reco
 		var again *reconcile.Report
 		again, err = rec.CheckKeys(ctx, recheck, reconcile.RunOptions{})
 		refuted = leftWrong(again)
-		if again != nil && report != nil { // the report says what stood in the way
-			for c, n := range again.Counts {
-				if c != reconcile.ClassCurrent {
-					report.Counts[c] += n
-				}
-			}
-			for res, n := range again.Results {
-				report.Results[res] += n
-			}
-			report.Repaired, report.Skipped, report.Uncertain = report.Repaired+again.Repaired, report.Skipped+again.Skipped, report.Uncertain+again.Uncertain
-		}
+		addRecheck(report, again, withRaced.ExamplesPerClass)
 		racedMu.Lock()
 		recheck, raced = raced, nil
 		racedMu.Unlock()
@@ -251,6 +241,50 @@ func (b *Board) Verify(ctx context.Context, cfg *reconcile.Config) (report *reco
 			"board", b.cfg.Name)
 	}
 	return report, n == 1, nil
+}
+
+// addRecheck adds to report, Verify's pass's, what a recheck of its raced
+// entries found (not the entries found current again: the pass checked
+// those), so that the report says what stood in the way: counts, results
+// and repairs by class, and examples up to examplesPerClass (0: the
+// default) per class.
+func addRecheck(report, again *reconcile.Report, examplesPerClass int) {
+	if report == nil || again == nil {
+		return
+	}
+	if examplesPerClass == 0 {
+		examplesPerClass = reconcile.ExamplesPerClassDefault
+	}
+	for c, n := range again.Counts {
+		if c != reconcile.ClassCurrent {
+			report.Counts = addCount(report.Counts, c, n)
+		}
+	}
+	for res, n := range again.Results {
+		report.Results = addCount(report.Results, res, n)
+	}
+	for c, n := range again.RepairedByClass {
+		report.RepairedByClass = addCount(report.RepairedByClass, c, n)
+	}
+	for c, found := range again.Examples {
+		if report.Examples == nil {
+			report.Examples = map[reconcile.Class][]reconcile.Finding{}
+		}
+		room := max(0, examplesPerClass-len(report.Examples[c]))
+		report.Examples[c] = append(report.Examples[c], found[:min(room, len(found))]...)
+	}
+	report.Repaired += again.Repaired
+	report.Skipped += again.Skipped
+	report.Uncertain += again.Uncertain
+}
+
+// addCount adds n to m[k], making m if it is nil.
+func addCount[K comparable](m map[K]int64, k K, n int64) map[K]int64 {
+	if m == nil {
+		m = map[K]int64{}
+	}
+	m[k] += n
+	return m
 }
 
 // leftWrong reports whether a pass found an entry wrong and left it so.

@@ -353,6 +353,11 @@ func TestVerify(t *testing.T) {
 					top, err := tb.board.Top(ctx, 10)
 					require.NoError(t, err)
 					require.Equal(t, []Entry{{UserID: "ada", Score: 10, Rank: 1}}, top.Entries, "the verified board holds PostgreSQL's score")
+					// The report has the recheck's repair, split by class
+					// as Repaired is, with its example.
+					require.EqualValues(t, 1, rep.Repaired, "%s", rep)
+					require.Equal(t, map[reconcile.Class]int64{reconcile.ClassCorrupt: 1}, rep.RepairedByClass)
+					require.Len(t, rep.Examples[reconcile.ClassCorrupt], 1)
 				}
 			})
 		}

@@ -819,6 +819,7 @@ func unreachable(err error) bool {
 	return errors.As(err, &netErr) || errors.As(err, &connectErr) ||
 		errors.Is(err, redis.ErrPoolTimeout) || errors.Is(err, redis.ErrClosed) ||
 		errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) || errors.Is(err, syscall.ECONNRESET) ||
+		errors.Is(err, pgconn.ErrConnClosed) || // a connection that broke under a statement
 		hasText(err, ringShardsDown)
 }
 

@@ -18,6 +18,7 @@ import (
 
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/redis/go-redis/v9"
 	"github.com/stretchr/testify/assert"
@@ -785,11 +786,20 @@ func TestUnreachable(t *testing.T) {
 		return adminShutdown != nil
 	}, 5*time.Second, 10*time.Millisecond)
 
+	// pgx's answer on a connection that broke under an earlier statement
+	// (in the simple protocol, also under this one, after it was sent).
+	broken, err := pgx.Connect(ctx, pg.ConnString)
+	require.NoError(t, err)
+	require.NoError(t, broken.PgConn().Close(ctx))
+	_, connClosed := broken.Exec(ctx, "SELECT 1")
+	require.ErrorIs(t, connClosed, pgconn.ErrConnClosed)
+
 	for name, tc := range map[string]struct {
 		err  error
 		want bool
 	}{
 		"ClusterDown":    {reply("CLUSTERDOWN The cluster is down"), true},
+		"ConnClosed":     {fmt.Errorf("leaderboard: reading PostgreSQL: %w", connClosed), true},
 		"Loading":        {reply("LOADING Redis is loading the dataset in memory"), true},
 		"MasterDown":     {reply("MASTERDOWN Link with MASTER is down and replica-serve-stale-data is set to 'no'."), true},
 		"TryAgain":       {reply("TRYAGAIN Multiple keys request during rehashing of slot"), true},

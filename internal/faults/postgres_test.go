@@ -109,7 +109,6 @@ func TestPostgresRestartDuringIngest(t *testing.T) {
 	}
 	faultsDone.Store(true)
 	<-done
-	require.Equal(t, restarts, faults)
 	require.Zero(t, failed, "commands still failing after 60s of retries")
 	require.GreaterOrEqual(t, len(outcomes), clients*perClient)
 	// A connection left idle since before the last restart is dead, and
