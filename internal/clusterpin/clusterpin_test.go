@@ -552,9 +552,9 @@ func TestOnMasterReloadsAfterMasterKilled(t *testing.T) {
 // for its own ASK, asking a frozen node (bounded only by that caller's
 // ctx or ReadTimeout), gives up at its own deadline: it waited on a mutex
 // for the other caller's listing, 1.4 s past a 50 ms deadline. A hook
-// tells when the listing is stuck at the frozen node and whether the
-// timed read met the ASK, so that a starved machine cannot make the trial
-// test something else.
+// tells when the listing is stuck at the frozen node, whether and when the
+// timed read met the ASK and when the listing returned, so that the verdict
+// is an order of events a starved machine cannot turn around.
 func TestOnMasterAskWaitEndsAtCallersDeadline(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
@@ -598,6 +598,7 @@ func TestOnMasterAskWaitEndsAtCallersDeadline(t *testing.T) {
 		start := time.Now()
 		err = get(short)
 		took := time.Since(start)
+		returned := time.Now().UnixNano()
 		cancel()
 		cluster.Thaw(frozen)
 		<-first
@@ -606,9 +607,16 @@ func TestOnMasterAskWaitEndsAtCallersDeadline(t *testing.T) {
 		if !watch.asked.Load() {
 			continue // its deadline ended before it met the ASK: not the case under test
 		}
+		ended := watch.listingEnded.Load()
+		if ended != 0 && ended < watch.askedAt.Load() {
+			continue // the listing was over before the read met the ASK: nothing to wait for
+		}
 		var netErr net.Error
 		require.True(t, errors.Is(err, context.DeadlineExceeded) || errors.As(err, &netErr) && netErr.Timeout(), "the read's own deadline: %v", err)
-		require.Less(t, took, time.Second, "the read waited for another caller's listing of the masters")
+		// By order, not by a timer: the stuck listing ends only at Thaw,
+		// after the read; a read that waited for it returns after it.
+		require.True(t, ended == 0 || ended > returned,
+			"the read waited for another caller's listing of the masters: it returned %s after the listing ended", time.Duration(returned-ended))
 		return
 	}
 	t.Fatal("no trial had a read meet the ASK while a listing asked the frozen node")
@@ -623,6 +631,9 @@ type askWatch struct {
 	armed, asked atomic.Bool
 	once         sync.Once
 	stuck        chan struct{}
+	// listingEnded and askedAt are when the stuck listing returned and
+	// when the timed read met the ASK (Unix ns; 0 until then).
+	listingEnded, askedAt atomic.Int64
 }
 
 type askWatchHook struct {
@@ -634,11 +645,16 @@ func (h askWatchHook) DialHook(next redis.DialHook) redis.DialHook { return next
 
 func (h askWatchHook) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
 	return func(ctx context.Context, cmd redis.Cmder) error {
+		stuck := false // the listing that got stuck first, not a later one
 		if args := cmd.Args(); h.armed.Load() && h.addr == h.frozen && len(args) > 1 &&
 			strings.EqualFold(cmd.Name(), "cluster") && strings.EqualFold(fmt.Sprint(args[1]), "slots") {
-			h.once.Do(func() { close(h.stuck) })
+			h.once.Do(func() { close(h.stuck); stuck = true })
 		}
-		return next(ctx, cmd)
+		err := next(ctx, cmd)
+		if stuck {
+			h.listingEnded.Store(time.Now().UnixNano())
+		}
+		return err
 	}
 }
 
@@ -646,7 +662,8 @@ func (h askWatchHook) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.
 	return func(ctx context.Context, cmds []redis.Cmder) error {
 		err := next(ctx, cmds)
 		for _, c := range cmds {
-			if _, ok := redis.IsAskError(c.Err()); ok {
+			if _, ok := redis.IsAskError(c.Err()); ok && !h.asked.Load() {
+				h.askedAt.Store(time.Now().UnixNano())
 				h.asked.Store(true)
 			}
 		}
