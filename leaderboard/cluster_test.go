@@ -256,7 +256,8 @@ func TestRedisClusterFailoverReads(t *testing.T) {
 // way the board talks to Redis must have the map reloaded when its command
 // cannot reach the node, so that the reads and Verify after it reach the
 // promoted replica within seconds rather than after the periodic reload
-// (60 s by default).
+// (60 s by default). So must a master lost without a reset, met by callers
+// whose deadline is shorter than the client's ReadTimeout.
 func TestRedisClusterMasterKilled(t *testing.T) {
 	t.Parallel()
 	if testing.Short() {
@@ -271,6 +272,7 @@ func TestRedisClusterMasterKilled(t *testing.T) {
 		client := redis.NewClusterClient(&redis.ClusterOptions{
 			Addrs:                      cluster.Addrs(),
 			ClusterStateReloadInterval: time.Hour,
+			ReadTimeout:                2 * time.Second,
 		})
 		t.Cleanup(func() { _ = client.Close() })
 		board, err := New(pg.Pool, client, cfg)
@@ -286,10 +288,10 @@ func TestRedisClusterMasterKilled(t *testing.T) {
 
 	for _, c := range []struct {
 		name string
-		run  func(board *Board) error
+		run  func(ctx context.Context, board *Board) error
 	}{
 		// A pipeline of plain commands (onMaster's unpinned branch).
-		{"Top", func(board *Board) error {
+		{"Top", func(ctx context.Context, board *Board) error {
 			page, err := board.Top(ctx, 2)
 			if err == nil {
 				require.Equal(t, want, page.Entries)
@@ -298,7 +300,7 @@ func TestRedisClusterMasterKilled(t *testing.T) {
 			return err
 		}},
 		// A read script (evalRead's unpinned branch).
-		{"Around", func(board *Board) error {
+		{"Around", func(ctx context.Context, board *Board) error {
 			page, err := board.Around(ctx, "user-b", 1)
 			if err == nil {
 				require.Equal(t, want, page.Entries)
@@ -306,7 +308,7 @@ func TestRedisClusterMasterKilled(t *testing.T) {
 			return err
 		}},
 		// Verify's marker, set before its reconcile pass.
-		{"Verify", func(board *Board) error {
+		{"Verify", func(ctx context.Context, board *Board) error {
 			_, verified, err := board.Verify(ctx, nil)
 			if err == nil {
 				require.True(t, verified)
@@ -314,13 +316,21 @@ func TestRedisClusterMasterKilled(t *testing.T) {
 			return err
 		}},
 	} {
-		t.Run(c.name, func(t *testing.T) {
-			board := newBoard(t)
-			_, _, err := board.Rank(ctx, "user-a") // loads the slot map
-			require.NoError(t, err)
-			failing := cluster.KillMasterAndRetry(t, board.SortedSetKey(), 10*time.Second, func() error { return c.run(board) })
-			t.Logf("%s reached the promoted replica %s after the kill", c.name, failing)
-		})
+		// A lost host sends no reset: a caller whose deadline (1 s here)
+		// is shorter than ReadTimeout sees only that deadline, which must
+		// have the map reloaded too.
+		for _, loss := range testenv.MasterLosses() {
+			if loss.Timeout != 0 {
+				loss.Timeout = time.Second
+			}
+			t.Run(c.name+"/"+loss.Name, func(t *testing.T) {
+				board := newBoard(t)
+				_, _, err := board.Rank(ctx, "user-a") // loads the slot map
+				require.NoError(t, err)
+				failing := cluster.LoseMasterAndRetry(t, loss, board.SortedSetKey(), 10*time.Second, func(ctx context.Context) error { return c.run(ctx, board) })
+				t.Logf("%s reached the promoted replica %s after the loss", c.name, failing)
+			})
+		}
 	}
 }
 

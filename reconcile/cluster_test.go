@@ -507,32 +507,33 @@ func TestClusterWrongTypeCheckOnMasters(t *testing.T) {
 // a CheckKeys and a Rebuild that fail because they cannot reach it must
 // have the map reloaded, so that the next one reaches the promoted replica
 // within seconds rather than after the periodic reload (60 s by default).
+// So must a master lost without a reset, met by callers whose deadline is
+// shorter than the client's ReadTimeout.
 func TestClusterMasterKilled(t *testing.T) {
 	t.Parallel()
 	if testing.Short() {
 		t.Skip("starts a private Redis Cluster and kills its masters")
 	}
-	ctx := context.Background()
 	cluster := testenv.StartRedisCluster(t, 3, 1)
 	for _, c := range []struct {
 		name string
-		run  func(r *Reconciler, rows []Row) error
+		run  func(ctx context.Context, r *Reconciler, rows []Row) error
 	}{
-		{"Run", func(r *Reconciler, _ []Row) error {
+		{"Run", func(ctx context.Context, r *Reconciler, _ []Row) error {
 			rep, err := r.Run(ctx, RunOptions{DryRun: true})
 			if err == nil {
 				require.Equal(t, map[Class]int64{ClassCurrent: 30}, rep.Counts)
 			}
 			return err
 		}},
-		{"CheckKeys", func(r *Reconciler, rows []Row) error {
+		{"CheckKeys", func(ctx context.Context, r *Reconciler, rows []Row) error {
 			rep, err := r.CheckKeys(ctx, []string{rows[0].Key, rows[1].Key}, RunOptions{DryRun: true})
 			if err == nil {
 				require.Equal(t, map[Class]int64{ClassCurrent: 2}, rep.Counts)
 			}
 			return err
 		}},
-		{"Rebuild", func(r *Reconciler, _ []Row) error {
+		{"Rebuild", func(ctx context.Context, r *Reconciler, _ []Row) error {
 			rep, err := r.Rebuild(ctx)
 			if err == nil {
 				require.EqualValues(t, 30, rep.Rows)
@@ -541,17 +542,26 @@ func TestClusterMasterKilled(t *testing.T) {
 			return err
 		}},
 	} {
-		t.Run(c.name, func(t *testing.T) {
-			client := redis.NewClusterClient(&redis.ClusterOptions{
-				Addrs:                      cluster.Addrs(),
-				ClusterStateReloadInterval: time.Hour,
+		// A lost host sends no reset: a caller whose deadline (1 s here)
+		// is shorter than ReadTimeout sees only that deadline, which must
+		// have the map reloaded too.
+		for _, loss := range testenv.MasterLosses() {
+			if loss.Timeout != 0 {
+				loss.Timeout = time.Second
+			}
+			t.Run(c.name+"/"+loss.Name, func(t *testing.T) {
+				client := redis.NewClusterClient(&redis.ClusterOptions{
+					Addrs:                      cluster.Addrs(),
+					ClusterStateReloadInterval: time.Hour,
+					ReadTimeout:                2 * time.Second,
+				})
+				t.Cleanup(func() { _ = client.Close() })
+				b, rows, r, _ := projectedAndLoaded(t, projection.KindSortedSet, client, "killed-"+c.name+"-"+loss.Name+":")
+				collection := b.ks.ValueKey(b.target.target(""))
+				failing := cluster.LoseMasterAndRetry(t, loss, collection, 30*time.Second, func(ctx context.Context) error { return c.run(ctx, r, rows) })
+				t.Logf("%s reached the promoted replica %s after the loss", c.name, failing)
 			})
-			t.Cleanup(func() { _ = client.Close() })
-			b, rows, r, _ := projectedAndLoaded(t, projection.KindSortedSet, client, "killed-"+c.name+":")
-			collection := b.ks.ValueKey(b.target.target(""))
-			failing := cluster.KillMasterAndRetry(t, collection, 10*time.Second, func() error { return c.run(r, rows) })
-			t.Logf("%s reached the promoted replica %s after the kill", c.name, failing)
-		})
+		}
 	}
 }
 

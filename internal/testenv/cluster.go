@@ -901,6 +901,8 @@ type MasterLoss struct {
 	// Lose takes the master serving key out and promotes its replica
 	// (KillMaster, FreezeMaster).
 	Lose func(c *RedisCluster, t testing.TB, key string) (lost, promoted string)
+	// Restore brings node i, lost by Lose, back (it rejoins as a replica).
+	Restore func(c *RedisCluster, t testing.TB, i int)
 	// Timeout bounds each call after the loss; 0 leaves it to the client.
 	Timeout time.Duration
 }
@@ -912,8 +914,8 @@ type MasterLoss struct {
 // it a second or more): go-redis reports them only that deadline.
 func MasterLosses() []MasterLoss {
 	return []MasterLoss{
-		{"Killed", (*RedisCluster).KillMaster, 0},
-		{"LostWithShortDeadlines", (*RedisCluster).FreezeMaster, 200 * time.Millisecond},
+		{"Killed", (*RedisCluster).KillMaster, (*RedisCluster).Start, 0},
+		{"LostWithShortDeadlines", (*RedisCluster).FreezeMaster, func(c *RedisCluster, _ testing.TB, i int) { c.Thaw(i) }, 200 * time.Millisecond},
 	}
 }
 
@@ -974,20 +976,28 @@ func (c *RedisCluster) loseMaster(t testing.TB, key string, lose func(i int)) (l
 // failures make the client find the promoted replica.
 func (c *RedisCluster) KillMasterAndRetry(t testing.TB, key string, within time.Duration, op func() error) time.Duration {
 	t.Helper()
-	killed, _ := c.KillMaster(t, key)
+	return c.LoseMasterAndRetry(t, MasterLosses()[0], key, within, func(context.Context) error { return op() })
+}
+
+// LoseMasterAndRetry is KillMasterAndRetry for any loss: op is called
+// with a ctx bounded by loss.Timeout (MasterLoss.Call), and the lost node
+// is restored (loss.Restore) once op succeeds.
+func (c *RedisCluster) LoseMasterAndRetry(t testing.TB, loss MasterLoss, key string, within time.Duration, op func(ctx context.Context) error) time.Duration {
+	t.Helper()
+	lost, _ := loss.Lose(c, t, key)
 	start := time.Now()
 	for {
-		err := op()
+		err := loss.Call(context.Background(), op)
 		if err == nil {
 			break
 		}
 		if time.Since(start) > within {
-			t.Fatalf("testenv: still failing %s after the master of %q was killed: %v", within, key, err)
+			t.Fatalf("testenv: still failing %s after the master of %q was lost (%s): %v", within, key, loss.Name, err)
 		}
 		time.Sleep(50 * time.Millisecond)
 	}
 	failing := time.Since(start)
-	c.Start(t, slices.Index(c.Addrs(), killed))
+	loss.Restore(c, t, slices.Index(c.Addrs(), lost))
 	c.WaitHealthy(t)
 	return failing
 }
