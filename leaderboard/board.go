@@ -88,8 +88,10 @@ type Board struct {
 	// layoutKey records the bucket count the projection's versions are
 	// stored with; layout is ks's count as the gate writes it there.
 	layoutKey, layout string
-	// unbucketedKey is the version hash of a projection without buckets,
-	// read with the layout when this board uses buckets ("" otherwise).
+	// unbucketedKey is the version hash of a projection without buckets
+	// (this board's own version hash when it uses none), read with the
+	// layout: without a layout key, it tells a projection of 0 buckets
+	// from one that lost its layout key, as the gate does.
 	unbucketedKey string
 	// verifiedKey records that Verify found the projection complete (the
 	// pass's token and time, see verified.lua); verifyingKey holds the
@@ -191,10 +193,8 @@ func New(pool *pgxpool.Pool, rdb redis.UniversalClient, cfg *Config) (*Board, er
 	b.group.b, b.group.stallAfter = b, submitStallAfter
 	b.zsetKey = ks.ValueKey(b.target(""))
 	b.layoutKey, b.layout = ks.LayoutKey(c.Name, projection.KindSortedSet), strconv.Itoa(ks.VersionBuckets())
-	if ks.VersionBuckets() != 0 {
-		flat, _ := ks.WithVersionBuckets(0) // 0 buckets is always valid
-		b.unbucketedKey = flat.VersionKeys(c.Name, projection.KindSortedSet)[0]
-	}
+	flat, _ := ks.WithVersionBuckets(0) // 0 buckets is always valid
+	b.unbucketedKey = flat.VersionKeys(c.Name, projection.KindSortedSet)[0]
 	b.verifiedKey, b.verifyingKey, b.heldKey = b.zsetKey+"~verified", b.zsetKey+"~verifying", b.zsetKey+"~verified~held"
 	b.primary = clusterpin.Client(rdb)
 	r := func(q string) string { return renderSQL(q, c.Schema, w.Config().Table) }

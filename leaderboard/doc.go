@@ -190,9 +190,10 @@
 // does) or from PostgreSQL (which checks, in the answer's own statement,
 // that they are committed: a SubmitTx whose transaction rolled back, or
 // has not committed yet, is not). A board whose
-// Config.VersionBuckets is not the projection's stored count does not
-// wait: the read fails with projection.ErrLayoutMismatch under every
-// policy.
+// Config.VersionBuckets is not the projection's stored count, or whose
+// projection lost its layout key (the gate then refuses every writer),
+// does not wait: the read fails with projection.ErrLayoutMismatch under
+// every policy.
 //
 // What Lag cannot see: it measures the outbox, so a projection that Redis
 // itself lost (a restart without persistence, FLUSHALL, eviction under a

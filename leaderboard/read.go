@@ -154,9 +154,12 @@ type requirement struct {
 // them (a failover that lost the newest writes), the policy decides as for
 // a wait that ran out. A board
 // whose Config.VersionBuckets differs from the count the projection is
-// stored with cannot find the versions: the read fails at once, under
-// every policy, with a *projection.LayoutMismatchError
-// (projection.ErrLayoutMismatch).
+// stored with cannot find the versions, nor can any board once the
+// projection lost its layout key while keeping its sorted set (a DEL, an
+// eviction; the gate then refuses every writer until the key is set again
+// or Rebuild runs): the read fails at once, under every policy, with a
+// *projection.LayoutMismatchError (projection.ErrLayoutMismatch; Stored
+// is -1 for a lost layout key).
 func AtLeast(user string, version int64) ReadOption {
 	return func(o *readOptions) { o.atLeast = append(o.atLeast, requirement{user, version}) }
 }
@@ -584,8 +587,9 @@ func (b *Board) requirements(given []requirement) ([]requirement, error) {
 // poll, -1 when all were met (0 with an error). Every poll reads all of
 // them, and the layout key, in one round trip: the keys share the board's
 // hash tag. The layout matters because with another bucket count stored,
-// a user's version is in a key this board does not look at, so the wait
-// could never succeed; it fails at once with *LayoutMismatchError.
+// a user's version is in a key this board does not look at, and with the
+// layout key lost the gate writes no version at all, so the wait could
+// never succeed; it fails at once with *LayoutMismatchError.
 func (b *Board) waitForVersions(ctx context.Context, need []requirement) (int, error) {
 	deadline := time.Now().Add(b.cfg.ReadYourWritesTimeout)
 	backoff := 2 * time.Millisecond
@@ -597,14 +601,13 @@ func (b *Board) waitForVersions(ctx context.Context, need []requirement) (int, e
 	got := make([]any, len(need))
 	for {
 		var layout *redis.SliceCmd
-		var legacy *redis.IntCmd
+		var unbucketed, values *redis.IntCmd
 		err := b.onMaster(ctx, keys[0], func(p redis.Pipeliner) {
 			// MGET, as reconcile reads it: a key of another type is no
 			// layout (nil), not a WRONGTYPE failure of the read.
 			layout = p.MGet(ctx, b.layoutKey)
-			if b.unbucketedKey != "" {
-				legacy = p.Exists(ctx, b.unbucketedKey)
-			}
+			unbucketed = p.Exists(ctx, b.unbucketedKey)
+			values = p.Exists(ctx, b.zsetKey)
 			for i, r := range need {
 				cmds[i] = p.HGet(ctx, keys[i], r.user)
 			}
@@ -616,7 +619,14 @@ func (b *Board) waitForVersions(ctx context.Context, need []requirement) (int, e
 		if v := layout.Val(); len(v) == 1 {
 			stored = v[0]
 		}
-		if lerr := b.checkLayout(stored, legacy != nil && legacy.Val() == 1); lerr != nil {
+		found := layoutKeysEmpty
+		switch {
+		case unbucketed.Val() == 1:
+			found = layoutKeysUnbucketed
+		case values.Val() == 1:
+			found = layoutKeysLost
+		}
+		if lerr := b.checkLayout(stored, found); lerr != nil {
 			return 0, lerr
 		}
 		for i, cmd := range cmds {
@@ -664,18 +674,40 @@ func firstUnmet(need []requirement, got []any) int {
 	return -1
 }
 
+// layoutKeys is what a projection's keys tell of its bucket count when
+// its layout key is absent, read as the gate reads them.
+type layoutKeys int64
+
+const (
+	// layoutKeysEmpty: nothing projected yet, which any layout fits.
+	layoutKeysEmpty layoutKeys = iota
+	// layoutKeysUnbucketed: the unbucketed version hash exists, a
+	// projection of 0 buckets (one projected before layout keys, or one
+	// whose layout key alone was lost).
+	layoutKeysUnbucketed
+	// layoutKeysLost: the sorted set exists without that hash: the
+	// layout key was lost (DEL, eviction) and the bucket count is
+	// unknown, which the gate refuses for every writer.
+	layoutKeysLost
+)
+
 // checkLayout compares the layout key's value (as MGET reads it: nil when
 // absent or not a string) with the board's bucket count. Without a layout
-// key, a projection whose versions sit in the unbucketed hash (one
-// projected before layout keys; legacy reports whether that hash exists,
-// false when the board uses no buckets) is stored with 0 buckets, as the
-// gate reads it; otherwise nothing was projected yet, which passes: the
-// gate records a layout with the first write, which the read then waits
-// for.
-func (b *Board) checkLayout(layout any, legacy bool) error {
+// key, found says what the keys tell: 0 buckets, the gate's reading of a
+// projection with the unbucketed version hash; an unknown count (stored
+// -1), refused like the gate refuses it, for a projection that lost its
+// layout key: the version the read waits for would never come; or nothing
+// projected yet, which passes: the gate records a layout with the first
+// write, which the read then waits for.
+func (b *Board) checkLayout(layout any, found layoutKeys) error {
 	stored, ok := layout.(string)
-	if !ok && legacy {
-		stored, ok = "0", true
+	if !ok {
+		switch found {
+		case layoutKeysUnbucketed:
+			stored, ok = "0", true
+		case layoutKeysLost:
+			stored, ok = "missing", true // not a count: Stored -1
+		}
 	}
 	if !ok || stored == b.layout {
 		return nil
@@ -1340,24 +1372,22 @@ func (b *Board) evalWithVersions(ctx context.Context, script *redis.Script, need
 		keys = append(keys, b.ks.VersionKey(b.target(r.user)))
 		argv = append(argv, r.user)
 	}
-	if b.unbucketedKey != "" {
-		keys = append(keys, b.unbucketedKey)
-	}
+	keys = append(keys, b.unbucketedKey)
 	reply, err := b.evalRead(ctx, script, keys, append(argv, args...)...)
 	if err != nil {
 		return nil, 0, fmt.Errorf("leaderboard: reading Redis: %w", err)
 	}
 	parts, ok := reply.([]any)
-	var legacy int64
+	var found int64
 	var versions []any
 	if ok && len(parts) == 4 {
-		legacy, _ = parts[1].(int64)
+		found, _ = parts[1].(int64)
 		versions, _ = parts[2].([]any)
 	}
 	if len(versions) != len(need) {
 		return nil, 0, fmt.Errorf("leaderboard: unexpected script reply %v", reply)
 	}
-	if err := b.checkLayout(parts[0], legacy == 1); err != nil {
+	if err := b.checkLayout(parts[0], layoutKeys(found)); err != nil {
 		return nil, 0, err
 	}
 	return parts[3], firstUnmet(need, versions), nil

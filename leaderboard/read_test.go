@@ -895,6 +895,64 @@ func TestReadYourWrites(t *testing.T) {
 		require.NoError(t, err, "the unbucketed board still reads it")
 	})
 
+	t.Run("LostLayoutKeyIsRefused", func(t *testing.T) {
+		t.Parallel()
+		// A projection that lost its layout key but kept its sorted set
+		// (a DEL, an eviction): the gate refuses every writer, so no
+		// version can come, and an AtLeast read must fail at once as the
+		// gate does instead of waiting out ReadYourWritesTimeout. An
+		// unbucketed projection that lost only the layout key still has
+		// its version hash, which the gate reads as 0 buckets.
+		for _, c := range []struct {
+			name     string
+			buckets  int
+			alsoLost func(tb *testBundle) []string // keys lost with the layout key
+			refused  bool
+		}{
+			{"Bucketed", 8, func(*testBundle) []string { return nil }, true},
+			{"UnbucketedWithItsVersions", 0, func(*testBundle) []string { return nil }, false},
+			{"UnbucketedWithoutItsVersions", 0, func(tb *testBundle) []string { return []string{tb.board.unbucketedKey} }, true},
+		} {
+			t.Run(c.name, func(t *testing.T) {
+				t.Parallel()
+				tb := setup(t, func(cfg *Config) {
+					cfg.VersionBuckets = c.buckets
+					cfg.ReadYourWritesTimeout = 5 * time.Second
+				})
+				res := tb.submit(t, "ada", 10)
+				tb.drain(t)
+				require.NoError(t, tb.rd.Client.Del(ctx, append(c.alsoLost(tb), tb.board.layoutKey)...).Err())
+				need := []requirement{{"ada", res.Version}}
+
+				// The script a read runs with its versions, on its own:
+				// a layout lost between the wait and the read.
+				_, first, err := tb.board.evalWithVersions(ctx, aroundAtLeastScript, need, "ada", 1)
+				if !c.refused {
+					require.NoError(t, err)
+					require.Equal(t, -1, first, "the version is met")
+					_, fr, err := tb.board.Rank(ctx, "ada", AtLeast("ada", res.Version), WithPolicy(FailClosed))
+					require.NoError(t, err)
+					require.True(t, fr.AtLeastMet)
+					return
+				}
+				var mismatch *projection.LayoutMismatchError
+				require.ErrorAs(t, err, &mismatch)
+				require.Equal(t, -1, mismatch.Stored, "the bucket count is unknown")
+				require.Equal(t, c.buckets, mismatch.Configured)
+
+				for _, policy := range []ReadPolicy{ServeStale, FallbackToPostgres, FailClosed} {
+					start := time.Now()
+					_, _, err := tb.board.Rank(ctx, "ada", AtLeast("ada", res.Version), WithPolicy(policy))
+					require.ErrorAs(t, err, &mismatch, "%s", policy)
+					require.Equal(t, -1, mismatch.Stored)
+					_, err = tb.board.Top(ctx, 10, AtLeast("ada", res.Version), WithPolicy(policy))
+					require.ErrorIs(t, err, projection.ErrLayoutMismatch, "%s", policy)
+					require.Less(t, time.Since(start), tb.board.Config().ReadYourWritesTimeout, "%s: refused without waiting", policy)
+				}
+			})
+		}
+	})
+
 	t.Run("OtherBucketCountIsRefused", func(t *testing.T) {
 		t.Parallel()
 		// A rolling deploy that changes VersionBuckets: a board with the

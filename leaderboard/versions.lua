@@ -9,26 +9,32 @@
 -- KEYS[1]         the sorted set, the read script's key
 -- KEYS[2]         the layout key
 -- KEYS[3..2+n]    each requirement's version hash (its bucket's)
--- KEYS[3+n]       the unbucketed version hash, given only when the board
---                 uses buckets
+-- KEYS[3+n]       the unbucketed version hash (the board's own version
+--                 hash when it uses no buckets)
 -- ARGV[1]         n, the number of requirements
 -- ARGV[2..1+n]    each requirement's user
 -- ARGV[2+n..]     the read script's arguments
 --
--- Result: {layout, legacy, versions, answer}: the layout key's value
--- (false when absent or not a string: MGET, as the wait reads it), 1 when
--- the unbucketed version hash was given and exists (0 otherwise), each
--- user's stored version in order (false when absent), and the read
--- script's result.
+-- Result: {layout, keys, versions, answer}: the layout key's value
+-- (false when absent or not a string: MGET, as the wait reads it); what
+-- the keys tell when it is absent, as the gate reads them: 1 when the
+-- unbucketed version hash exists (a projection of 0 buckets), 2 when it
+-- does not but the sorted set does (a projection that lost its layout
+-- key), 0 otherwise; each user's stored version in order (false when
+-- absent); and the read script's result.
 
 local n = tonumber(ARGV[1])
 local layout = redis.call('MGET', KEYS[2])[1]
-local legacy = 0
-if #KEYS > 2 + n then
-  legacy = redis.call('EXISTS', KEYS[3 + n])
+local keys = 0
+if not layout then
+  if redis.call('EXISTS', KEYS[3 + n]) == 1 then
+    keys = 1
+  elseif redis.call('EXISTS', KEYS[1]) == 1 then
+    keys = 2
+  end
 end
 local versions = {}
 for i = 1, n do
   versions[i] = redis.call('HGET', KEYS[2 + i], ARGV[1 + i])
 end
-return {layout, legacy, versions, read({KEYS[1]}, {unpack(ARGV, 2 + n)})}
+return {layout, keys, versions, read({KEYS[1]}, {unpack(ARGV, 2 + n)})}
