@@ -15,7 +15,10 @@
 // lets a redelivered older record (a relay that crashed before its ack, a
 // replayed dead letter) apply over a newer value until a reconcile pass
 // repairs it, and the outbox lag does not show it. (A volatile-* policy
-// evicts only keys with a TTL, which the projection sets on none.)
+// evicts only keys with a TTL, which the projection's value, version and
+// layout keys never have; a reconcile Rebuild's marker has one, and its
+// eviction aborts the rebuild (reconcile.ErrRebuildAborted) before it
+// switches its copy in.)
 // CheckEvictionPolicy tells whether the servers behind a client could
 // evict them; leaderboard's Worker runs it at start and logs a warning.
 //

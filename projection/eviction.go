@@ -40,7 +40,8 @@ func (e *EvictionPolicyError) Is(target error) bool { return target == ErrEvicti
 // with a maxmemory and an allkeys-* policy. The gate keeps its versions in
 // such keys; an evicted one lets a redelivered older record apply (see
 // the package documentation). noeviction, and the volatile-* policies,
-// which evict only keys with a TTL (the projection sets none), keep them.
+// which evict only keys with a TTL (the projection's value, version and
+// layout keys have none), keep them.
 //
 // It asks every node of a *redis.ClusterClient's slot map, replicas
 // included (a failover promotes a replica with its own settings), every
