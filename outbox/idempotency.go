@@ -28,7 +28,9 @@ type Command struct {
 	// stored; a later StoreCommandResult never replaces it. Only meaningful
 	// when Duplicate is true.
 	Result []byte
-	// RecordedAt is when the id was first recorded.
+	// RecordedAt is when the id was first recorded: the start of the
+	// transaction that recorded it (PostgreSQL's now()), which is what
+	// PruneCommands measures a record's age from.
 	RecordedAt time.Time
 }
 
@@ -257,11 +259,15 @@ const pruneCommandsSQL = `DELETE FROM %s WHERE created_at < now() - $1 * interva
 // executed again (one retried while it is being pruned may be: see
 // RecordCommand), unless its outbox row is still there: then the retry's
 // Append fails with ErrEventIDExists and its transaction writes nothing.
-// Keep records longer than any client retries. The deletion is index-backed
-// (created_at); run it periodically, from any process. A retention below
-// one microsecond (the unit it is sent in), which would delete every
-// record, is refused with a *ConfigError naming "retention"
-// (ErrInvalidConfig), and nothing is deleted.
+// Keep records longer than any client retries. A record's age counts from
+// the start of the transaction that recorded it (Command.RecordedAt), not
+// from its commit: a transaction open longer than retention commits a record
+// that the next prune deletes, so make retention cover the longest recording
+// transaction as well as the retry window. The deletion is index-backed
+// (created_at); run it periodically, from any process. A retention below one
+// microsecond (the unit it is sent in), which would delete every record, is
+// refused with a *ConfigError naming "retention" (ErrInvalidConfig), and
+// nothing is deleted.
 func (w *Writer) PruneCommands(ctx context.Context, db Execer, retention time.Duration) (int64, error) {
 	if w.unmade() {
 		return 0, errUnmadeWriter()

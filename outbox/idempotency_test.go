@@ -398,6 +398,28 @@ func TestRecordCommand(t *testing.T) {
 		}
 	})
 
+	t.Run("AgeCountsFromTheRecordingTransactionsStart", func(t *testing.T) {
+		t.Parallel()
+		// As documented: RecordedAt is the recording transaction's
+		// start, and a prune measures age from it, so a transaction
+		// open longer than the retention commits a record the next
+		// prune deletes.
+		b := setup(t)
+		tx, err := b.pool.Begin(ctx)
+		require.NoError(t, err)
+		t.Cleanup(func() { _ = tx.Rollback(ctx) })
+		var started time.Time
+		require.NoError(t, tx.QueryRow(ctx, `SELECT now()`).Scan(&started))
+		time.Sleep(1100 * time.Millisecond)
+		cmd, err := b.writer.RecordCommand(ctx, tx, uuid.New(), []byte("f"))
+		require.NoError(t, err)
+		require.True(t, cmd.RecordedAt.Equal(started.Truncate(time.Microsecond)), "RecordedAt %s, the transaction started %s", cmd.RecordedAt, started)
+		require.NoError(t, tx.Commit(ctx))
+		n, err := b.writer.PruneCommands(ctx, b.pool, time.Second)
+		require.NoError(t, err)
+		require.EqualValues(t, 1, n, "the record is older than the retention at its commit")
+	})
+
 	// PruneCommands deletes the id's old record after RecordCommand's
 	// INSERT found it and before its lookup: in READ COMMITTED the lookup
 	// no longer sees it, and RecordCommand inserts again instead of failing.
