@@ -274,7 +274,9 @@ func (b *Board) Rank(ctx context.Context, user string, opts ...ReadOption) (Entr
 
 // withUser names user in err when it is a *UserNotFoundError.
 func withUser(err error, user string) error {
-	if nf, ok := err.(*UserNotFoundError); ok {
+	// errors.As: a read whose caller gave up as the answer came joins
+	// ctx's error to it.
+	if nf := (*UserNotFoundError)(nil); errors.As(err, &nf) {
 		nf.UserID = user
 	}
 	return err

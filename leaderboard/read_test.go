@@ -2031,6 +2031,39 @@ func TestUserNotFoundSaysHowFresh(t *testing.T) {
 		require.True(t, nf.Freshness.Unverified)
 	})
 
+	t.Run("CallerEndsAsTheAnswerComes", func(t *testing.T) {
+		t.Parallel()
+		// The caller's ctx ends right after Redis answered "no such
+		// member": the error joins ctx's, and still names the user.
+		tb := setup(t)
+		opt, err := redis.ParseURL(tb.rd.URL)
+		require.NoError(t, err)
+		client := redis.NewClient(opt)
+		t.Cleanup(func() { _ = client.Close() })
+		hook := &cancelAfterReadScript{}
+		client.AddHook(hook)
+		cfg := tb.board.Config()
+		board, err := New(tb.pg.Pool, client, &cfg)
+		require.NoError(t, err)
+		t.Cleanup(board.Close)
+		board.Freshness(ctx) // the lag measured before the reads
+
+		for _, read := range []string{"Rank", "Around"} {
+			readCtx, cancel := context.WithCancel(ctx)
+			hook.arm(cancel)
+			if read == "Rank" {
+				_, _, err = board.Rank(readCtx, "ghost")
+			} else {
+				_, err = board.Around(readCtx, "ghost", 2)
+			}
+			cancel()
+			require.ErrorIs(t, err, context.Canceled, "%s: the caller gave up", read)
+			var nf *UserNotFoundError
+			require.ErrorAs(t, err, &nf, read)
+			require.Equal(t, "ghost", nf.UserID, "%s: %v", read, err)
+		}
+	})
+
 	t.Run("NotProjectedYet", func(t *testing.T) {
 		t.Parallel()
 		tb := setup(t, func(c *Config) { c.ReadPolicy, c.LagProbeInterval = ServeStale, time.Nanosecond })
@@ -2175,4 +2208,34 @@ func TestFreshnessPanicInFirstProbe(t *testing.T) {
 		t.Fatal("a read after the panic is still waiting after 10 s")
 	}
 	require.EqualValues(t, 2, counter.n.Load(), "the read after the panic measured again")
+}
+
+// cancelAfterReadScript is a go-redis hook that, once armed, calls cancel
+// right after the next read script's reply: a caller giving up as the
+// answer comes.
+type cancelAfterReadScript struct {
+	testenv.PassThroughHook
+	mu     sync.Mutex
+	cancel context.CancelFunc
+}
+
+func (h *cancelAfterReadScript) arm(cancel context.CancelFunc) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	h.cancel = cancel
+}
+
+func (h *cancelAfterReadScript) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
+	return func(ctx context.Context, cmd redis.Cmder) error {
+		err := next(ctx, cmd)
+		if name := cmd.Name(); name == "evalsha_ro" || name == "eval_ro" {
+			h.mu.Lock()
+			if h.cancel != nil {
+				h.cancel()
+				h.cancel = nil
+			}
+			h.mu.Unlock()
+		}
+		return err
+	}
 }
