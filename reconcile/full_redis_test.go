@@ -46,6 +46,43 @@ func TestRepairOnAFullRedis(t *testing.T) {
 	require.EqualValues(t, 2, rep.Results[ResultRepaired], "report: %v", rep)
 }
 
+// TestRepairOnAFullRedisRemovesOrphans: removing an orphan is a write a
+// full Redis allows (it frees memory), so with Orphan: ActionRepair it
+// runs, while the same pass's overwrites are refused (the README's "Redis
+// full" row says so). Orphans are repaired in calls of their own, after
+// the page's: a call never removes before it overwrites, which would let
+// the overwrites follow past maxmemory.
+func TestRepairOnAFullRedisRemovesOrphans(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	srv := testenv.StartRedis(t, "--maxmemory-policy", "noeviction")
+	client := srv.Client(t)
+	b := setupWith(t, projection.KindSortedSet, client, "full:")
+	b.project(t, "a-orphan", 1) // in Redis only
+	b.insert(t, "b-corrupt", 2)
+	b.project(t, "b-corrupt", 2)
+	b.setRaw(t, "b-corrupt", &projection.Value{Score: -1}, nil)
+	testenv.FillRedis(t, client)
+
+	rec := b.reconciler(t, &Config{Policy: Policy{Orphan: ActionRepair}})
+	rep, err := rec.Run(ctx, RunOptions{})
+	require.ErrorContains(t, err, "OOM")
+	require.EqualValues(t, 1, rep.Counts[ClassCorrupt], "report: %v", rep)
+	require.EqualValues(t, 1, rep.Results[ResultNotAttempted], "report: %v", rep)
+	require.Equal(t, float64(-1), b.state(t, rec, "b-corrupt").Score, "nothing written past maxmemory")
+
+	rep, err = rec.CheckKeys(ctx, []string{"a-orphan"}, RunOptions{})
+	require.NoError(t, err)
+	require.EqualValues(t, 1, rep.Counts[ClassOrphan], "report: %v", rep)
+	require.EqualValues(t, 1, rep.Results[ResultRepaired], "report: %v", rep)
+	require.False(t, b.state(t, rec, "a-orphan").HasValue, "removed on the full Redis")
+
+	require.NoError(t, client.ConfigSet(ctx, "maxmemory", "0").Err())
+	rep, err = rec.Run(ctx, RunOptions{})
+	require.NoError(t, err)
+	require.EqualValues(t, 1, rep.Results[ResultRepaired], "report: %v", rep)
+}
+
 // TestRepairOnOneFullShard: documents spread over a Ring, one of whose
 // shards is full. The gate sends one script per shard: the healthy shard's
 // repairs are applied, so the findings of a call that failed with OOM are
