@@ -108,6 +108,58 @@ func TestSQLSource(t *testing.T) {
 			{Key: "u2", Version: 1, Value: projection.Value{Score: 20}}}, found)
 	})
 
+	// A name column's binary input (pgx's default exec modes) refuses a
+	// key of more than 63 bytes with name_too_long (42622), not a data
+	// exception: one such member in Redis (a hand edit, a buggy writer)
+	// failed every orphan scan and CheckKeys instead of being reported as
+	// the orphan it is. (The text modes truncate it, and find no row.)
+	t.Run("LookupLeavesOutKeysANameCannotHold", func(t *testing.T) {
+		t.Parallel()
+		pg := testenv.Postgres(t)
+		rd := testenv.Redis(t)
+		_, err := pg.Pool.Exec(ctx, `CREATE TABLE nm (k name PRIMARY KEY, v bigint NOT NULL, p bigint NOT NULL);
+			INSERT INTO nm VALUES ('alice', 1, 5)`)
+		require.NoError(t, err)
+		ks, err := projection.NewKeyspace(rd.Prefix)
+		require.NoError(t, err)
+		long := "alice-" + strings.Repeat("0", 70)
+		var writes []projection.Write
+		for _, k := range []string{"alice", long} {
+			writes = append(writes, projection.Write{Target: projection.Target{Kind: projection.KindSortedSet, Name: "b", Member: k},
+				Version: 1, Value: projection.Value{Score: 5}})
+		}
+		_, err = projection.NewGate(rd.Client, ks).Apply(ctx, writes)
+		require.NoError(t, err)
+		for _, mode := range []pgx.QueryExecMode{pgx.QueryExecModeCacheStatement, pgx.QueryExecModeCacheDescribe, pgx.QueryExecModeDescribeExec} {
+			for _, viaTx := range []bool{false, true} {
+				cfg, err := pgxpool.ParseConfig(pg.ConnString)
+				require.NoError(t, err)
+				cfg.ConnConfig.DefaultQueryExecMode = mode
+				pool, err := pgxpool.NewWithConfig(ctx, cfg)
+				require.NoError(t, err)
+				t.Cleanup(pool.Close)
+				var db DBTX = pool
+				if viaTx {
+					tx, err := pool.Begin(ctx)
+					require.NoError(t, err)
+					t.Cleanup(func() { _ = tx.Rollback(ctx) })
+					db = tx
+				}
+				src, err := NewSQLSource(db, &SQLSourceConfig{Table: "nm", Schema: pg.Schema, KeyColumn: "k", VersionColumn: "v",
+					ValueColumn: "p", Kind: projection.KindSortedSet})
+				require.NoError(t, err)
+				r, err := New(src, Target{Client: rd.Client, Keyspace: ks, Kind: projection.KindSortedSet, Name: "b"}, nil)
+				require.NoError(t, err)
+				rep, err := r.Run(ctx, RunOptions{DryRun: true})
+				require.NoError(t, err, "%s, tx %v", mode, viaTx)
+				require.Equal(t, map[Class]int64{ClassCurrent: 1, ClassOrphan: 1}, rep.Counts, "%s, tx %v", mode, viaTx)
+				rep, err = r.CheckKeys(ctx, []string{"alice", long}, RunOptions{DryRun: true})
+				require.NoError(t, err, "%s, tx %v", mode, viaTx)
+				require.Equal(t, map[Class]int64{ClassCurrent: 1, ClassOrphan: 1}, rep.Counts, "%s, tx %v", mode, viaTx)
+			}
+		}
+	})
+
 	// Through a pgx.Tx (one snapshot for a whole pass), the statements a
 	// rejected key fails would abort the transaction: Lookup failed with
 	// the key's error instead of leaving it out, so the orphan scan never

@@ -785,15 +785,20 @@ func (s *SQLSource) frozenSnapshot(ctx context.Context) (bool, error) {
 const isolationSQL = "SELECT current_setting('transaction_isolation')"
 
 // isDataException reports a PostgreSQL data exception (SQLSTATE class 22),
-// a value its type cannot represent, or a check violation (23514), which
-// is how a domain type's CHECK refuses a value cast to it.
+// a value its type cannot represent; a check violation (23514), which is
+// how a domain type's CHECK refuses a value cast to it; or a name too long
+// (42622), which is how a name column's binary input refuses a key of more
+// than 63 bytes (the statements' own identifiers NewSQLSource checks).
 func isDataException(err error) bool {
 	var pgErr *pgconn.PgError
-	return errors.As(err, &pgErr) && (strings.HasPrefix(pgErr.Code, "22") || pgErr.Code == pgCheckViolation)
+	return errors.As(err, &pgErr) &&
+		(strings.HasPrefix(pgErr.Code, "22") || pgErr.Code == pgCheckViolation || pgErr.Code == pgNameTooLong)
 }
 
-// pgCheckViolation is PostgreSQL's SQLSTATE check_violation.
-const pgCheckViolation = "23514"
+const (
+	pgCheckViolation = "23514" // PostgreSQL's SQLSTATE check_violation
+	pgNameTooLong    = "42622" // PostgreSQL's SQLSTATE name_too_long
+)
 
 // Sample implements Source with TABLESAMPLE SYSTEM; see SQLSource for the
 // bias this implies.
