@@ -92,7 +92,7 @@ func parseFlags(name string, args []string, stderr io.Writer) (*options, error) 
 		fs.BoolVar(&o.disableNotify, "disable-notify", false,
 			"find new outbox rows by polling only, without LISTEN (outbox.RelayConfig.DisableNotify): needed behind a transaction-pooling proxy such as PgBouncer in transaction mode")
 		fs.BoolVar(&o.requireVerified, "require-verified", false,
-			"treat the projection as stale until a full pass has verified it (leaderboard.Config.RequireVerifiedProjection); the scheduled reconcile then runs that pass while it is unverified, bounded by --reconcile-every (for a board whose pass takes longer, run 'reconcile --verify')")
+			"treat the projection as stale until a full pass has verified it (leaderboard.Config.RequireVerifiedProjection); the scheduled reconcile then runs that pass while it is unverified, bounded by --reconcile-every (for a board whose pass takes longer, raise it; or set it to 0 on every instance and run 'reconcile --verify': a running instance replaces a pass it finds unchanged an interval later)")
 	case "reconcile":
 		fs.IntVar(&o.sample, "sample", 0, "check N random rows instead of the whole board (0 = full pass)")
 		fs.BoolVar(&o.dryRun, "dry-run", false, "classify and report, repair nothing")
