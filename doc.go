@@ -46,4 +46,13 @@
 //
 // Data flows one way: outbox → projection → reconcile → leaderboard;
 // versioncache stands alone. No lower package imports a higher one.
+//
+// # Bad input and contexts
+//
+// Bad input (a config field, a command, a key, an option) gets a typed
+// error, naming the field where there is one, and writes nothing. A nil
+// context.Context is not input but a programming error, as the context
+// package says ("do not pass a nil Context"): it is not checked, and a
+// method given one may panic, as pgx, go-redis and database/sql do. Pass
+// context.Background() when there is no other.
 package verity
