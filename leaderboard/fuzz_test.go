@@ -152,3 +152,201 @@ func FuzzSubmit(f *testing.F) {
 		require.Equal(t, strconv.FormatInt(score, 10), string(payload), "the outbox carries the absolute score")
 	})
 }
+
+// FuzzSubmitBatch submits arbitrary batches (ids drawn from a small set,
+// so repeats within and across batches happen; users from a small set plus
+// an arbitrary one; arbitrary deltas on a board allowing any delta)
+// through SubmitBatch, SubmitBatchTx or SubmitTx, and checks each against
+// a model computed from what PostgreSQL holds before the call: the first
+// invalid command's *ValidationError, a conflict within the batch or with
+// an earlier submission, the first out-of-range score, duplicates answered
+// with the original result, and otherwise exact scores, versions, events
+// and outbox rows. A refused batch writes nothing and leaves the caller's
+// transaction usable.
+func FuzzSubmitBatch(f *testing.F) {
+	pg := testenv.Postgres(f)
+	rd := testenv.Redis(f)
+	ctx := context.Background()
+	cfg := &leaderboard.Config{Name: "fuzz-batch", Schema: pg.Schema, KeyPrefix: rd.Prefix,
+		MinDelta: leaderboard.MinScore, MaxDelta: leaderboard.MaxScore}
+	require.NoError(f, leaderboard.Migrate(ctx, pg.Pool, cfg))
+	board, err := leaderboard.New(pg.Pool, rd.Client, cfg)
+	require.NoError(f, err)
+	f.Cleanup(board.Close)
+
+	f.Add([]byte{1, 0, 2, 1, 1, 0}, "z", int64(5), int64(-3), int64(7), false)
+	f.Add([]byte{1, 0, 1, 0}, "z", int64(5), int64(5), int64(7), false)
+	f.Add([]byte{1, 0, 1, 1}, "z", int64(5), int64(6), int64(7), true)
+	f.Add([]byte{3, 2, 4, 2}, "", int64(leaderboard.MaxScore), int64(1), int64(-1), false)
+	f.Add([]byte{5, 0, 6, 0}, "x", int64(leaderboard.MaxScore), int64(1), int64(-2), true)
+	f.Add([]byte{0, 0}, "x", int64(1), int64(1), int64(1), false)
+	f.Add([]byte{7, 2}, "nul\x00", int64(1), int64(1), int64(1), false)
+	f.Add([]byte{9, 1, 10, 1, 11, 1}, "x", int64(-9007199254740992), int64(-1), int64(3), false)
+
+	type event struct {
+		user        string
+		delta       int64
+		score, vers int64
+		found       bool
+	}
+	priorEvent := func(t *testing.T, id uuid.UUID) event {
+		var e event
+		var boardName string
+		err := pg.Pool.QueryRow(ctx, `SELECT board, user_id, delta, score, version FROM `+
+			pgx.Identifier{leaderboard.ScoreEventsTable}.Sanitize()+` WHERE event_id = $1`, id).
+			Scan(&boardName, &e.user, &e.delta, &e.score, &e.vers)
+		if errors.Is(err, pgx.ErrNoRows) {
+			return e
+		}
+		require.NoError(t, err)
+		e.found = true
+		return e
+	}
+	userScore := func(t *testing.T, user string) (int64, int64) {
+		var s, v int64
+		err := pg.Pool.QueryRow(ctx, `SELECT score, version FROM `+
+			pgx.Identifier{leaderboard.UserScoresTable}.Sanitize()+` WHERE board = $1 AND user_id = $2`,
+			board.Name(), user).Scan(&s, &v)
+		if errors.Is(err, pgx.ErrNoRows) {
+			return 0, 0
+		}
+		require.NoError(t, err)
+		return s, v
+	}
+
+	f.Fuzz(func(t *testing.T, data []byte, u string, d0, d1, d2 int64, useTx bool) {
+		deltas := []int64{d0, d1, d2}
+		var cmds []leaderboard.Command
+		for i := 0; i+1 < len(data) && len(cmds) < 6; i += 2 {
+			var id uuid.UUID
+			if sel := data[i] % 16; sel != 0 {
+				id = uuid.MustParse("00000000-0000-4000-8000-0000000000" + string("0123456789abcdef"[sel]) + "0")
+			}
+			user := []string{"a", "b", u}[int(data[i+1])%3]
+			cmds = append(cmds, leaderboard.Command{EventID: id, UserID: user, Delta: deltas[len(cmds)%3]})
+		}
+		if len(cmds) == 0 {
+			return
+		}
+		// The model.
+		firstInvalid := -1
+		for i, c := range cmds {
+			if !validCommand(c, leaderboard.MinScore, leaderboard.MaxScore) {
+				firstInvalid = i
+				break
+			}
+		}
+		conflict := false
+		first := map[uuid.UUID]int{}
+		priors := map[uuid.UUID]event{}
+		if firstInvalid < 0 {
+			for i, c := range cmds {
+				if j, ok := first[c.EventID]; ok {
+					if cmds[j].UserID != c.UserID || cmds[j].Delta != c.Delta {
+						conflict = true
+					}
+					continue
+				}
+				first[c.EventID] = i
+				p := priorEvent(t, c.EventID)
+				priors[c.EventID] = p
+				if p.found && (p.user != c.UserID || p.delta != c.Delta) {
+					conflict = true
+				}
+			}
+		}
+		want := make([]leaderboard.Result, len(cmds))
+		outOfRange := -1
+		state := map[string][2]int64{}
+		newEvents, newUsers := 0, map[string]bool{}
+		if firstInvalid < 0 && !conflict {
+			for i, c := range cmds {
+				if j := first[c.EventID]; j != i {
+					want[i] = want[j]
+					want[i].Duplicate = true
+					continue
+				}
+				if p := priors[c.EventID]; p.found {
+					want[i] = leaderboard.Result{Score: p.score, Version: p.vers, Duplicate: true}
+					continue
+				}
+				st, ok := state[c.UserID]
+				if !ok {
+					s, v := userScore(t, c.UserID)
+					st = [2]int64{s, v}
+				}
+				st[0] += c.Delta
+				st[1]++
+				state[c.UserID] = st
+				if outOfRange < 0 && (st[0] > leaderboard.MaxScore || st[0] < leaderboard.MinScore) {
+					outOfRange = i
+				}
+				want[i] = leaderboard.Result{Score: st[0], Version: st[1]}
+				newEvents++
+				newUsers[c.UserID] = true
+			}
+		}
+
+		before := fuzzCounts(t, pg)
+		var got []leaderboard.Result
+		var err error
+		if useTx {
+			tx, terr := pg.Pool.Begin(ctx)
+			require.NoError(t, terr)
+			if len(cmds) == 1 && data[0]&0x80 != 0 {
+				var r leaderboard.Result
+				r, err = board.SubmitTx(ctx, tx, cmds[0])
+				if err == nil {
+					got = []leaderboard.Result{r}
+				}
+			} else {
+				got, err = board.SubmitBatchTx(ctx, tx, cmds)
+			}
+			var ic *leaderboard.IdempotencyConflictError
+			var ve *leaderboard.ValidationError
+			if errors.As(err, &ic) || errors.As(err, &ve) {
+				_, uerr := tx.Exec(ctx, "SELECT 1")
+				require.NoError(t, uerr, "tx unusable after %v (cmds %+v)", err, cmds)
+			}
+			if err == nil {
+				require.NoError(t, tx.Commit(ctx))
+			} else {
+				_ = tx.Rollback(ctx)
+			}
+		} else {
+			got, err = board.SubmitBatch(ctx, cmds)
+		}
+		after := fuzzCounts(t, pg)
+
+		var (
+			verr *leaderboard.ValidationError
+			rerr *leaderboard.ScoreOutOfRangeError
+		)
+		switch {
+		case firstInvalid >= 0:
+			require.True(t, errors.As(err, &verr), "want a *ValidationError for command %d, got %v", firstInvalid, err)
+			require.Equal(t, firstInvalid, verr.Index, "%v", err)
+			require.Equal(t, before, after, "a refused batch wrote something")
+		case conflict:
+			require.ErrorIs(t, err, leaderboard.ErrIdempotencyConflict, "cmds %+v", cmds)
+			require.Equal(t, before, after, "a conflicting batch wrote something")
+		case outOfRange >= 0:
+			require.True(t, errors.As(err, &rerr), "want a *ScoreOutOfRangeError for command %d, got %v (cmds %+v)", outOfRange, err, cmds)
+			if !useTx {
+				require.Equal(t, outOfRange, rerr.Index, "%v (cmds %+v)", err, cmds)
+				require.Equal(t, cmds[outOfRange].UserID, rerr.UserID)
+				require.Equal(t, cmds[outOfRange].Delta, rerr.Delta)
+			}
+			require.Equal(t, before, after, "an out-of-range batch wrote something")
+		default:
+			require.NoError(t, err, "cmds %+v", cmds)
+			require.Equal(t, want, got, "cmds %+v", cmds)
+			require.Equal(t, before[0]+int64(newEvents), after[0], "score events")
+			require.Equal(t, before[2]+int64(len(newUsers)), after[2], "outbox rows")
+			for user, st := range state {
+				s, v := userScore(t, user)
+				require.Equal(t, st, [2]int64{s, v}, "user %q", user)
+			}
+		}
+	})
+}
