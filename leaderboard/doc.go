@@ -191,9 +191,9 @@
 // that they are committed: a SubmitTx whose transaction rolled back, or
 // has not committed yet, is not). A board whose
 // Config.VersionBuckets is not the projection's stored count, or whose
-// projection lost its layout key (the gate then refuses every writer),
-// does not wait: the read fails with projection.ErrLayoutMismatch under
-// every policy.
+// projection lost its layout key and holds values but no unbucketed
+// version hash (the gate then refuses every writer), does not wait: the
+// read fails with projection.ErrLayoutMismatch under every policy.
 //
 // What Lag cannot see: it measures the outbox, so a projection that Redis
 // itself lost (a restart without persistence, FLUSHALL, eviction under a

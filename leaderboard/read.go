@@ -155,11 +155,13 @@ type requirement struct {
 // a wait that ran out. A board
 // whose Config.VersionBuckets differs from the count the projection is
 // stored with cannot find the versions, nor can any board once the
-// projection lost its layout key while keeping its sorted set (a DEL, an
-// eviction; the gate then refuses every writer until the key is set again
-// or Rebuild runs): the read fails at once, under every policy, with a
-// *projection.LayoutMismatchError (projection.ErrLayoutMismatch; Stored
-// is -1 for a lost layout key).
+// projection lost its layout key while keeping its sorted set but not its
+// unbucketed version hash (a DEL, an eviction; the gate then refuses every
+// writer until the key is set again or Rebuild runs): the read fails at
+// once, under every policy, with a *projection.LayoutMismatchError
+// (projection.ErrLayoutMismatch; Stored is -1 for a lost layout key). A
+// projection that kept its unbucketed version hash reads, as the gate
+// reads it, as stored with 0 buckets.
 func AtLeast(user string, version int64) ReadOption {
 	return func(o *readOptions) { o.atLeast = append(o.atLeast, requirement{user, version}) }
 }

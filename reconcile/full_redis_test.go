@@ -48,10 +48,11 @@ func TestRepairOnAFullRedis(t *testing.T) {
 
 // TestRepairOnAFullRedisRemovesOrphans: removing an orphan is a write a
 // full Redis allows (it frees memory), so with Orphan: ActionRepair it
-// runs, while the same pass's overwrites are refused (the README's "Redis
-// full" row says so). Orphans are repaired in calls of their own, after
-// the page's: a call never removes before it overwrites, which would let
-// the overwrites follow past maxmemory.
+// runs, while overwrites are refused and stop the Run, before its orphan
+// scan (the README's "Redis full" row says so); CheckKeys removes them.
+// Orphans are repaired in calls of their own, after the page's: a call
+// never removes before it overwrites, which would let the overwrites
+// follow past maxmemory.
 func TestRepairOnAFullRedisRemovesOrphans(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
@@ -70,6 +71,8 @@ func TestRepairOnAFullRedisRemovesOrphans(t *testing.T) {
 	require.EqualValues(t, 1, rep.Counts[ClassCorrupt], "report: %v", rep)
 	require.EqualValues(t, 1, rep.Results[ResultNotAttempted], "report: %v", rep)
 	require.Equal(t, float64(-1), b.state(t, rec, "b-corrupt").Score, "nothing written past maxmemory")
+	require.Zero(t, rep.Counts[ClassOrphan], "the Run stopped before its orphan scan: report: %v", rep)
+	require.True(t, b.state(t, rec, "a-orphan").HasValue)
 
 	rep, err = rec.CheckKeys(ctx, []string{"a-orphan"}, RunOptions{})
 	require.NoError(t, err)
