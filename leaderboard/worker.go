@@ -67,8 +67,9 @@ type WorkerConfig struct {
 //
 // While Run runs, the Worker holds one PostgreSQL connection of its own,
 // outside the board's pool, in LISTEN (see outbox.Relay); it takes pool
-// connections only to claim and settle. Count one connection per running
-// Worker on top of the pool's MaxConns against max_connections and any
+// connections for its statements only (claims, settles, releases, the
+// lease and LISTEN probes, Stats). Count one connection per running Worker
+// on top of the pool's MaxConns against max_connections and any
 // CONNECTION LIMIT; or give the Workers of the boards a process runs one
 // outbox.Listener (WorkerConfig.Relay.Listener, made by
 // outbox.NewListener with the boards' Schema and OutboxTable and a Logger,
