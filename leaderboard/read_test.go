@@ -2228,7 +2228,8 @@ func (h *cancelAfterReadScript) arm(cancel context.CancelFunc) {
 func (h *cancelAfterReadScript) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
 	return func(ctx context.Context, cmd redis.Cmder) error {
 		err := next(ctx, cmd)
-		if name := cmd.Name(); name == "evalsha_ro" || name == "eval_ro" {
+		// Not on NOSCRIPT, which is no answer: go-redis then sends EVAL_RO.
+		if name := cmd.Name(); (name == "evalsha_ro" || name == "eval_ro") && !redis.HasErrorPrefix(err, "NOSCRIPT") {
 			h.mu.Lock()
 			if h.cancel != nil {
 				h.cancel()
