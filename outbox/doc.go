@@ -304,10 +304,13 @@
 // never be dead-lettered). Adding it takes an ACCESS EXCLUSIVE lock once
 // (NOT VALID: the ALTER scans no existing row), so the first Migrate after
 // the upgrade waits for open writers; later ones find it and take no
-// lock. Migrate holds that lock until it commits, through 006's update
-// and 007's read of the pending rows: writers and relays wait for that
-// read once, O(pending) (190 ms behind a backlog of a million rows,
-// measured on 2026-12-06).
+// lock. Migrate holds that lock until it commits, through 006's update,
+// 007's read of the pending rows and 008's index build on the dead-letter
+// table: writers and relays wait for them once, O(pending + dead letters)
+// (190 ms behind a backlog of a million rows, measured on 2026-12-06; 503
+// ms behind 400,000 dead letters). Build 008's index beforehand with
+// CREATE INDEX CONCURRENTLY (its name is in MigrationSQL's output) to
+// leave only the read of the pending rows.
 // Migration 006 likewise refuses a created_at of 'infinity' or
 // '-infinity', which time.Time cannot hold, and gives pending rows that
 // already hold one the migration's time (the constraint checks the relay's

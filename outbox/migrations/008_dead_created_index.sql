@@ -11,9 +11,11 @@
 -- 001): building it reads the dead-letter table once, and while it runs
 -- every relay's claims and settles wait (each statement may bury rows, so
 -- it locks the dead-letter table for writing even when it buries none);
--- the outbox's writers do not. That is normally a moment, as the table is
--- normally near empty; build it beforehand with CREATE INDEX CONCURRENTLY
--- under this name to avoid even that.
+-- the outbox's writers do not, but for an upgrade from 005 or earlier,
+-- where Migrate still holds 005's lock on the outbox (see the package
+-- documentation) and they wait for the build too. That is normally a
+-- moment, as the table is normally near empty; build it beforehand with
+-- CREATE INDEX CONCURRENTLY under this name to avoid even that.
 {{define "dead_created"}}CREATE INDEX {{.DeadCreatedIndex}}
     ON {{.Dead}} (stream, created_at){{end -}}
 {{createIndex "dead_created" .DeadCreatedIndex}};
