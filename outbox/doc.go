@@ -554,10 +554,13 @@
 // listener, the metrics' Stats refresh) before returning; a LISTEN or Stats
 // statement under way gets the same grace as the batch. Every database call
 // honours its context. A claim cut off by its context (or a broken
-// connection) may still be running on the server and commit; the relay then
-// cancels it there, waits for its transaction to end and frees what it
-// leased (bounded by a few seconds), so its partitions are not left to a
-// lease nobody holds.
+// connection) may still be running on the server and commit, or not have
+// reached it yet; the relay then ends the claim connection's backend,
+// cancels the claim there, waits for its transaction to end and frees what
+// it leased (bounded by a few seconds), so its partitions are not left to a
+// lease nobody holds. Behind PgBouncer, whose backend process IDs are keys
+// of its own, a claim still on its way when it was cut off is not stopped:
+// it may lease its partitions after the release, until the lease ends.
 //
 // ShutdownTimeout bounds the Handler, not Run: the settle that follows
 // (acknowledging what the Handler completed, releasing the rest) runs on

@@ -887,6 +887,7 @@ func (r *Relay) claimOnce(acquireCtx, sendCtx context.Context, token uuid.UUID) 
 	if err != nil {
 		return claimed{}, mapError("claim", err)
 	}
+	backend := conn.Conn().PgConn().PID()
 	c, err := r.sendClaim(sendCtx, conn.Conn(), token)
 	// Back to the pool first: releaseClaim may need this pool's only
 	// connection.
@@ -894,7 +895,7 @@ func (r *Relay) claimOnce(acquireCtx, sendCtx context.Context, token uuid.UUID) 
 	var pgErr *pgconn.PgError
 	if err != nil && (!errors.As(err, &pgErr) || strings.HasPrefix(pgErr.Code, "08")) &&
 		(!pgconn.SafeToRetry(err) || errors.Is(err, pgconn.ErrConnClosed)) {
-		r.releaseClaim(context.WithoutCancel(sendCtx), token)
+		r.releaseClaim(context.WithoutCancel(sendCtx), token, backend)
 	}
 	return c, err
 }
@@ -1035,7 +1036,9 @@ type releaseTimeouts struct {
 	total, cancel, lock time.Duration
 }
 
-// The statements of releaseClaim. cancelClaimSQL cancels the claim's
+// The statements of releaseClaim. terminateClaimSQL ends the claim
+// connection's backend (process ID $1) and waits up to $2 ms for it to
+// exit, if it is this database's and this role's. cancelClaimSQL cancels the claim's
 // statement if the claim's transaction still runs (it holds the advisory
 // lock of the token, $1). The others are sent together (one implicit
 // transaction): the first sets lock_timeout for that transaction only (like
@@ -1045,6 +1048,12 @@ type releaseTimeouts struct {
 // after the wait, frees whatever the claim leased and forgets the ids it
 // recorded as handed out: no handler saw them.
 const (
+	terminateClaimSQL = `SELECT pg_terminate_backend(a.pid, $2)
+FROM pg_stat_activity AS a
+WHERE a.pid = $1
+  AND a.pid <> pg_backend_pid()
+  AND a.datname = current_database()
+  AND a.usename = current_user`
 	cancelClaimSQL = `SELECT pg_cancel_backend(l.pid)
 FROM pg_locks AS l
 WHERE l.locktype = 'advisory'
@@ -1059,11 +1068,34 @@ WHERE l.locktype = 'advisory'
 )
 
 // releaseClaim frees the partitions a failed claim may have leased to token
-// (see claimOnce). A failure is logged: the lease then ends on its own.
-func (r *Relay) releaseClaim(ctx context.Context, token uuid.UUID) {
+// (see claimOnce), sent on the connection whose backend process ID the
+// server gave as backend. A failure is logged: the lease then ends on its
+// own.
+func (r *Relay) releaseClaim(ctx context.Context, token uuid.UUID, backend uint32) {
 	ctx, cancel := context.WithTimeout(ctx, r.releaseTimeouts.total)
 	defer cancel()
 	key := claimLockKey(token)
+	// A claim whose statements have not reached its backend yet (still in
+	// the network, or in a backend not yet scheduled) holds no lock for the
+	// wait below to find: it would run, and commit, after the release,
+	// leasing its partitions to nobody. Its connection is being closed
+	// anyway: end its backend, waiting for it to exit, so that the claim
+	// either ran before the wait or never runs. Sent on its own, like the
+	// cancel below, and for the same reason. Behind PgBouncer the process
+	// ID is PgBouncer's own key, which names no backend (the same database
+	// and user make one it could name unlikely): that late claim is not
+	// stopped there, and its lease runs out.
+	if backend != 0 {
+		termCtx, termCancel := context.WithTimeout(ctx, r.releaseTimeouts.cancel)
+		// The server waits for the exit half as long as the client waits
+		// for the server.
+		_, err := r.pool.Exec(termCtx, terminateClaimSQL, int64(backend), (r.releaseTimeouts.cancel / 2).Milliseconds())
+		termCancel()
+		if err != nil {
+			r.logger.Debug("outbox relay could not end a cut-off claim's backend; cancelling it",
+				slog.String("error", err.Error()))
+		}
+	}
 	// Sent on its own: pg_cancel_backend raises an ERROR when this session's
 	// current role lacks the privileges of the claim's login role (under SET
 	// ROLE, for example), which would abort the release with it. Without the

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"log/slog"
 	"net"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -332,4 +333,155 @@ func (b *testBundle) blockNextClaim(t *testing.T, r *outbox.Relay) (outbox.Messa
 	_, err = blocker.Exec(ctx, `SELECT 1 FROM `+b.writer.Table()+` WHERE id = $1 FOR UPDATE`, id)
 	require.NoError(t, err)
 	return msg, blocker
+}
+
+// TestCutOffClaimReachingTheServerLate: a RunOnce whose ctx ends after its
+// claim was sent but before the server began it (its messages held in the
+// network; on a loaded server, a backend not yet scheduled does the same).
+// The release found no claim transaction to wait for and nothing leased,
+// and the claim then ran and committed: its partitions stayed leased to a
+// token nobody holds, and the rows it recorded counted an attempt no
+// Handler made, which with MaxAttempts 1 buried a row no Handler saw. The
+// release ends the claim connection's backend first.
+func TestCutOffClaimReachingTheServerLate(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	// cutOff returns a relay whose claim was cut off while its messages
+	// were held for 1.5 s, and its Handler.
+	cutOff := func(t *testing.T, b *testBundle, lease time.Duration) *recorder {
+		var proxy *delayProxy
+		pool := poolWith(t, b, func(pc *pgxpool.Config) {
+			proxy = startDelayProxy(t, net.JoinHostPort(pc.ConnConfig.Host, strconv.Itoa(int(pc.ConnConfig.Port))), 1500*time.Millisecond)
+			host, port, err := net.SplitHostPort(proxy.ln.Addr().String())
+			require.NoError(t, err)
+			n, err := strconv.Atoi(port)
+			require.NoError(t, err)
+			pc.ConnConfig.Host, pc.ConnConfig.Port = host, uint16(n)
+			pc.MaxConns = 2
+		})
+		h := &recorder{}
+		r := b.relay(t, pool, h, outbox.RelayConfig{LeaseDuration: lease, MaxAttempts: 1})
+		// Warm up: the claim's statements are prepared on the pool's
+		// connection, which the proxy then holds back.
+		n, err := r.RunOnce(ctx)
+		require.NoError(t, err)
+		require.Zero(t, n)
+		b.appendCommitted(t, newMessage("s", "k", 1))
+		proxy.delayOpen()
+		cut, cancel := context.WithTimeout(ctx, 300*time.Millisecond)
+		n, err = r.RunOnce(cut)
+		cancel()
+		require.ErrorIs(t, err, context.DeadlineExceeded)
+		require.Zero(t, n)
+		return h
+	}
+
+	t.Run("LeavesNoPartitionLeased", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		h := cutOff(t, b, 20*time.Second)
+		time.Sleep(2 * time.Second) // the held messages have reached the server
+		var held int
+		require.NoError(t, b.pool.QueryRow(ctx, `SELECT count(*) FROM `+b.leasesTable()+` WHERE leased_until > now()`).Scan(&held))
+		require.Zero(t, held, "a partition is leased to the cut-off claim, which its relay released")
+		other := &recorder{}
+		n, err := b.relay(t, nil, other, outbox.RelayConfig{MaxAttempts: 1}).RunOnce(ctx)
+		require.NoError(t, err)
+		require.Equal(t, 1, n, "the row waits for the lease of a claim nobody holds")
+		require.Empty(t, h.seen())
+	})
+
+	t.Run("BuriesNoRowNoHandlerSaw", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		h := cutOff(t, b, 2*time.Second)
+		time.Sleep(3500 * time.Millisecond) // a late claim would have committed, and its lease run out
+		other := &recorder{}
+		r := b.relay(t, nil, other, outbox.RelayConfig{MaxAttempts: 1})
+		n, err := r.RunOnce(ctx)
+		require.NoError(t, err)
+		dead, err := r.DeadLetters(ctx, 0, 10)
+		require.NoError(t, err)
+		require.Empty(t, dead, "a row no Handler saw was buried as crashed")
+		require.Equal(t, 1, n, "the row, never handed to a Handler, is delivered")
+		require.Empty(t, h.seen())
+	})
+}
+
+// delayProxy forwards TCP to upstream; client-to-server bytes of the
+// connections marked by delayOpen are held for delay before being
+// forwarded (a claim's messages that reach its backend late: a loaded
+// server, a retransmission). A client that closes its side still has its
+// held bytes delivered, as the kernel would.
+type delayProxy struct {
+	ln       net.Listener
+	upstream string
+	delay    time.Duration
+	mu       sync.Mutex
+	open     []*atomic.Bool
+}
+
+func startDelayProxy(t *testing.T, upstream string, delay time.Duration) *delayProxy {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = ln.Close() })
+	p := &delayProxy{ln: ln, upstream: upstream, delay: delay}
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			s, err := net.Dial("tcp", upstream)
+			if err != nil {
+				_ = c.Close()
+				continue
+			}
+			delayed := &atomic.Bool{}
+			p.mu.Lock()
+			p.open = append(p.open, delayed)
+			p.mu.Unlock()
+			go func() { // server to client; keeps draining when the client is gone
+				buf := make([]byte, 1<<16)
+				for {
+					n, err := s.Read(buf)
+					if n > 0 {
+						_, _ = c.Write(buf[:n])
+					}
+					if err != nil {
+						_ = c.Close()
+						return
+					}
+				}
+			}()
+			go func() { // client to server
+				buf := make([]byte, 1<<16)
+				for {
+					n, err := c.Read(buf)
+					if n > 0 {
+						chunk := append([]byte(nil), buf[:n]...)
+						if delayed.Load() {
+							time.Sleep(p.delay)
+						}
+						_, _ = s.Write(chunk)
+					}
+					if err != nil {
+						time.Sleep(p.delay) // let the server read what was held
+						_ = s.Close()
+						return
+					}
+				}
+			}()
+		}
+	}()
+	return p
+}
+
+// delayOpen delays the connections open now, not those opened later.
+func (p *delayProxy) delayOpen() {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for _, d := range p.open {
+		d.Store(true)
+	}
 }
