@@ -559,8 +559,10 @@
 // cancels the claim there, waits for its transaction to end and frees what
 // it leased (bounded by a few seconds), so its partitions are not left to a
 // lease nobody holds. Behind PgBouncer, whose backend process IDs are keys
-// of its own, a claim still on its way when it was cut off is not stopped:
-// it may lease its partitions after the release, until the lease ends.
+// of its own, or under a SET ROLE whose role may not signal the login
+// role's backends (as for the cancel), a claim still on its way when it
+// was cut off is not stopped: it may lease its partitions after the
+// release, until the lease ends.
 //
 // ShutdownTimeout bounds the Handler, not Run: the settle that follows
 // (acknowledging what the Handler completed, releasing the rest) runs on

@@ -1038,7 +1038,8 @@ type releaseTimeouts struct {
 
 // The statements of releaseClaim. terminateClaimSQL ends the claim
 // connection's backend (process ID $1) and waits up to $2 ms for it to
-// exit, if it is this database's and this role's. cancelClaimSQL cancels the claim's
+// exit, if it is this database's and this login role's (the role a
+// backend is listed under, whatever SET ROLE made the current one). cancelClaimSQL cancels the claim's
 // statement if the claim's transaction still runs (it holds the advisory
 // lock of the token, $1). The others are sent together (one implicit
 // transaction): the first sets lock_timeout for that transaction only (like
@@ -1053,7 +1054,7 @@ FROM pg_stat_activity AS a
 WHERE a.pid = $1
   AND a.pid <> pg_backend_pid()
   AND a.datname = current_database()
-  AND a.usename = current_user`
+  AND a.usename = session_user`
 	cancelClaimSQL = `SELECT pg_cancel_backend(l.pid)
 FROM pg_locks AS l
 WHERE l.locktype = 'advisory'
@@ -1081,10 +1082,12 @@ func (r *Relay) releaseClaim(ctx context.Context, token uuid.UUID, backend uint3
 	// leasing its partitions to nobody. Its connection is being closed
 	// anyway: end its backend, waiting for it to exit, so that the claim
 	// either ran before the wait or never runs. Sent on its own, like the
-	// cancel below, and for the same reason. Behind PgBouncer the process
+	// cancel below, and for the same reason: under SET ROLE the current
+	// role may not signal the login role's backends, and the late claim
+	// is then not stopped. Nor is it behind PgBouncer, where the process
 	// ID is PgBouncer's own key, which names no backend (the same database
-	// and user make one it could name unlikely): that late claim is not
-	// stopped there, and its lease runs out.
+	// and login role make one it could name unlikely). Its lease then
+	// runs out.
 	if backend != 0 {
 		termCtx, termCancel := context.WithTimeout(ctx, r.releaseTimeouts.cancel)
 		// The server waits for the exit half as long as the client waits
