@@ -96,7 +96,9 @@ func TestSIGTERMCleansUp(t *testing.T) {
 	for range 5 {
 		before := schemas()
 		cmd := exec.Command(os.Args[0])
-		cmd.Env = append(os.Environ(), runMainEnv+"=")
+		// The child finds its servers by DATABASE_URL and REDIS_URL: name
+		// this test's, never whatever the shell exports.
+		cmd.Env = append(os.Environ(), runMainEnv+"=", "DATABASE_URL="+pg.ServerURL, "REDIS_URL="+rd.URL)
 		var stderr bytes.Buffer
 		cmd.Stderr = &stderr
 		require.NoError(t, cmd.Start())

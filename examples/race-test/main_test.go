@@ -121,7 +121,10 @@ func TestSIGTERMCleansUp(t *testing.T) {
 	}
 	before := tables()
 	cmd := exec.Command(os.Args[0])
-	cmd.Env = append(os.Environ(), runMainEnv+"=--seconds=30 --readers=2 --writers=1 --mode=naive")
+	// The child finds its servers by DATABASE_URL and REDIS_URL: name this
+	// test's, never whatever the shell exports.
+	cmd.Env = append(os.Environ(), runMainEnv+"=--seconds=30 --readers=2 --writers=1 --mode=naive",
+		"DATABASE_URL="+pg.ServerURL, "REDIS_URL="+rd.URL)
 	var stderr bytes.Buffer
 	cmd.Stderr = &stderr
 	require.NoError(t, cmd.Start())
