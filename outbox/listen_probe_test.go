@@ -51,9 +51,7 @@ func (p *notificationPath) ours(pid uint32) bool {
 // first byte.
 func startNotificationPath(t *testing.T, upstream string, dropAll bool) *notificationPath {
 	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	require.NoError(t, err)
-	p := &notificationPath{addr: ln.Addr().String(), pids: map[uint32]bool{}}
+	p := &notificationPath{pids: map[uint32]bool{}}
 	forward := func(c, s net.Conn) {
 		in, out := bufio.NewReader(s), bufio.NewWriter(c)
 		header := make([]byte, 5)
@@ -86,6 +84,22 @@ func startNotificationPath(t *testing.T, upstream string, dropAll bool) *notific
 			}
 		}
 	}
+	p.addr = forwardTCP(t, upstream, func(c, s net.Conn) {
+		t.Cleanup(func() { _ = c.Close(); _ = s.Close() })
+		go func() { _, _ = io.Copy(s, c) }()
+		forward(c, s)
+	})
+	return p
+}
+
+// forwardTCP listens on a free local port, which it returns, until t ends;
+// it dials upstream for each connection it accepts and hands both to serve,
+// in a goroutine of their own.
+func forwardTCP(t *testing.T, upstream string, serve func(client, server net.Conn)) string {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = ln.Close() })
 	go func() {
 		for {
 			c, err := ln.Accept()
@@ -97,13 +111,10 @@ func startNotificationPath(t *testing.T, upstream string, dropAll bool) *notific
 				_ = c.Close()
 				continue
 			}
-			t.Cleanup(func() { _ = c.Close(); _ = s.Close() })
-			go func() { _, _ = io.Copy(s, c) }()
-			go forward(c, s)
+			go serve(c, s)
 		}
 	}()
-	t.Cleanup(func() { _ = ln.Close() })
-	return p
+	return ln.Addr().String()
 }
 
 // poolThrough returns a pool of b's database whose connections go through

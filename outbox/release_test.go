@@ -352,7 +352,7 @@ func TestCutOffClaimReachingTheServerLate(t *testing.T) {
 		var proxy *delayProxy
 		pool := poolWith(t, b, func(pc *pgxpool.Config) {
 			proxy = startDelayProxy(t, net.JoinHostPort(pc.ConnConfig.Host, strconv.Itoa(int(pc.ConnConfig.Port))), 1500*time.Millisecond)
-			host, port, err := net.SplitHostPort(proxy.ln.Addr().String())
+			host, port, err := net.SplitHostPort(proxy.addr)
 			require.NoError(t, err)
 			n, err := strconv.Atoi(port)
 			require.NoError(t, err)
@@ -414,66 +414,49 @@ func TestCutOffClaimReachingTheServerLate(t *testing.T) {
 // server, a retransmission). A client that closes its side still has its
 // held bytes delivered, as the kernel would.
 type delayProxy struct {
-	ln       net.Listener
-	upstream string
-	delay    time.Duration
-	mu       sync.Mutex
-	open     []*atomic.Bool
+	addr  string
+	delay time.Duration
+	mu    sync.Mutex
+	open  []*atomic.Bool
 }
 
 func startDelayProxy(t *testing.T, upstream string, delay time.Duration) *delayProxy {
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	require.NoError(t, err)
-	t.Cleanup(func() { _ = ln.Close() })
-	p := &delayProxy{ln: ln, upstream: upstream, delay: delay}
-	go func() {
+	p := &delayProxy{delay: delay}
+	p.addr = forwardTCP(t, upstream, func(c, s net.Conn) {
+		delayed := &atomic.Bool{}
+		p.mu.Lock()
+		p.open = append(p.open, delayed)
+		p.mu.Unlock()
+		go func() { // server to client; keeps draining when the client is gone
+			buf := make([]byte, 1<<16)
+			for {
+				n, err := s.Read(buf)
+				if n > 0 {
+					_, _ = c.Write(buf[:n])
+				}
+				if err != nil {
+					_ = c.Close()
+					return
+				}
+			}
+		}()
+		buf := make([]byte, 1<<16) // client to server
 		for {
-			c, err := ln.Accept()
+			n, err := c.Read(buf)
+			if n > 0 {
+				chunk := append([]byte(nil), buf[:n]...)
+				if delayed.Load() {
+					time.Sleep(p.delay)
+				}
+				_, _ = s.Write(chunk)
+			}
 			if err != nil {
+				time.Sleep(p.delay) // let the server read what was held
+				_ = s.Close()
 				return
 			}
-			s, err := net.Dial("tcp", upstream)
-			if err != nil {
-				_ = c.Close()
-				continue
-			}
-			delayed := &atomic.Bool{}
-			p.mu.Lock()
-			p.open = append(p.open, delayed)
-			p.mu.Unlock()
-			go func() { // server to client; keeps draining when the client is gone
-				buf := make([]byte, 1<<16)
-				for {
-					n, err := s.Read(buf)
-					if n > 0 {
-						_, _ = c.Write(buf[:n])
-					}
-					if err != nil {
-						_ = c.Close()
-						return
-					}
-				}
-			}()
-			go func() { // client to server
-				buf := make([]byte, 1<<16)
-				for {
-					n, err := c.Read(buf)
-					if n > 0 {
-						chunk := append([]byte(nil), buf[:n]...)
-						if delayed.Load() {
-							time.Sleep(p.delay)
-						}
-						_, _ = s.Write(chunk)
-					}
-					if err != nil {
-						time.Sleep(p.delay) // let the server read what was held
-						_ = s.Close()
-						return
-					}
-				}
-			}()
 		}
-	}()
+	})
 	return p
 }
 
