@@ -291,6 +291,9 @@ func (c *Cache[T]) Get(ctx context.Context, id string, load Loader[T]) (T, error
 	// ignoreCurrent is set once the current value failed to decode (a codec
 	// change, a foreign writer): it is then a miss, to be overwritten.
 	ignoreCurrent := false
+	// undecodable is the current value that did not decode, if any: while
+	// waiting for another process's fill, it is not that fill.
+	var undecodable []byte
 	// missed: the call has been counted as a miss. A call is one read
 	// however often it goes round: once it has run or joined a load, it is
 	// a miss, even if it is then served from Redis.
@@ -311,7 +314,7 @@ func (c *Cache[T]) Get(ctx context.Context, id string, load Loader[T]) (T, error
 					}
 					return val, nil
 				}
-				ignoreCurrent = true
+				ignoreCurrent, undecodable = true, data
 			}
 		}
 		r, err := c.read(ctx, id, true, ignoreCurrent)
@@ -331,19 +334,20 @@ func (c *Cache[T]) Get(ctx context.Context, id string, load Loader[T]) (T, error
 				}
 				return val, nil
 			}
-			ignoreCurrent = true
+			ignoreCurrent, undecodable = true, r.current
 			continue
 		}
 		if !missed {
 			c.stats.misses.Add(1)
 			missed = true
 		}
+		r.undecodable = undecodable
 		res, shared, leaderEnded, err := c.flights.do(ctx, c.flightKey(id, r.version), id, func() (loaded[T], error) {
 			return c.loadAndFill(ctx, id, r, load, &waited)
 		})
 		switch {
 		case errors.Is(err, errVersionMoved):
-			ignoreCurrent = false
+			ignoreCurrent, undecodable = false, nil
 			continue
 		case err != nil && shared && leaderEnded && ctx.Err() == nil:
 			// The caller that ran the shared load gave up; we have not.
@@ -671,6 +675,11 @@ func (c *Cache[T]) waitForPeer(ctx context.Context, id string, r *readResult) (b
 		next, err := c.pollWaited(ctx, id, r.version)
 		if err != nil {
 			return false, zero, &RedisError{Op: "read", ID: id, Err: err}
+		}
+		if next.found && r.undecodable != nil && bytes.Equal(next.current, r.undecodable) {
+			// Still the value this miss found undecodable (another
+			// release's): the lease holder has not filled yet.
+			next.found, next.lease = false, leaseHeldByPeer
 		}
 		if next.found {
 			// Whatever is in the current key is current, whoever filled it.
@@ -1051,6 +1060,9 @@ type readResult struct {
 	current []byte // contents of the current key, when found
 	found   bool
 	lease   int64
+	// undecodable: the current value Get found undecodable before this
+	// miss (set by Get, not by the script).
+	undecodable []byte
 }
 
 // read runs the miss script: the current value if there is one (unless

@@ -146,6 +146,71 @@ func TestStampede(t *testing.T) {
 			processes, goroutines, float64(total)/storms)
 	})
 
+	t.Run("DuringRollout", func(t *testing.T) {
+		t.Parallel()
+		// The value cached is the old release's, which no new process
+		// decodes: each misses, one takes the lease, and the others must
+		// wait for its fill, not take the old value they are polling past
+		// for it. They loaded at once, one load per process.
+		rd := testenv.Redis(t)
+		src := newTruth()
+		ctx := context.Background()
+		want := src.write("hot", 7)
+		old, err := New[product](rd.Client, &Config{Prefix: rd.Prefix})
+		require.NoError(t, err)
+		_, err = old.Get(ctx, "hot", src.loader("hot"))
+		require.NoError(t, err)
+
+		const goroutines = 4
+		cfg := stormConfig(Config{Prefix: rd.Prefix})
+		caches := make([]*Cache[productV2], processes)
+		for i := range caches {
+			caches[i], err = New[productV2](rd.Client, &cfg)
+			require.NoError(t, err)
+		}
+		stats := func() (s Stats) {
+			for _, c := range caches {
+				cs := c.Stats()
+				s.Misses += cs.Misses
+				s.LeaseWaits += cs.LeaseWaits
+				s.LeaseWaitHits += cs.LeaseWaitHits
+			}
+			return s
+		}
+		var loads atomic.Int64
+		loader := func(ctx context.Context) (productV2, error) {
+			loads.Add(1)
+			p := src.read("hot")
+			for deadline := time.Now().Add(stormHold); stats().Misses < processes*goroutines && time.Now().Before(deadline); {
+				time.Sleep(time.Millisecond)
+			}
+			// A query that outlasts a poll: the waiters poll the old
+			// value before the fill replaces it.
+			time.Sleep(50 * time.Millisecond)
+			return productV2{ID: p.ID, Price: p.Price, Version: p.Version}, nil
+		}
+		start := make(chan struct{})
+		var wg sync.WaitGroup
+		for _, c := range caches {
+			for range goroutines {
+				wg.Go(func() {
+					<-start
+					p, err := c.Get(ctx, "hot", loader)
+					if err != nil || p.Version != want.Version {
+						t.Errorf("Get: %+v, %v", p, err)
+					}
+				})
+			}
+		}
+		close(start)
+		wg.Wait()
+		s := stats()
+		t.Logf("%d processes x %d goroutines after a rollout: %d loads (lease waits %d, served by the winner %d)",
+			processes, goroutines, loads.Load(), s.LeaseWaits, s.LeaseWaitHits)
+		require.LessOrEqual(t, loads.Load(), int64(2), "about one load, as without a rollout")
+		require.GreaterOrEqual(t, s.LeaseWaitHits, uint64(processes-2), "the other processes served by the winner's fill")
+	})
+
 	t.Run("LeaseHolderVanishes", func(t *testing.T) {
 		t.Parallel()
 		// A process takes the lease and never fills (it crashed). Others
@@ -287,4 +352,13 @@ func TestSharedLoadGivesEachCallerItsOwnValue(t *testing.T) {
 	require.EqualValues(t, 1, cache.Stats().SharedLoads)
 	a["qty"] = 99 // the caller's own copy, it thinks
 	require.Equal(t, 1, b["qty"], "another caller's value changed under it")
+}
+
+// productV2 is product in a later release that added a field: the same
+// prefix, another shape.
+type productV2 struct {
+	ID      string `json:"id"`
+	Price   int    `json:"price"`
+	Version int64  `json:"version"`
+	Extra   string `json:"extra"`
 }
