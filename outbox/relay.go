@@ -800,10 +800,13 @@ func (r *Relay) claim(claimCtx, workCtx context.Context, token uuid.UUID) (batch
 		// claim that outlives a lease is useless anyway: its rows are
 		// claimable again by then.
 		acquireCtx, cancelAcquire := context.WithDeadline(claimCtx, start.Add(r.cfg.LeaseDuration))
-		sendCtx, cancelSend := context.WithDeadline(workCtx, start.Add(r.cfg.LeaseDuration))
-		c, err := r.claimOnce(acquireCtx, sendCtx, token)
+		c, sent, err := r.claimOnce(acquireCtx, workCtx, token)
 		cancelAcquire()
-		cancelSend()
+		if !sent.IsZero() {
+			// The lease, and so the Handler's deadline, runs from the
+			// send, not from before the wait for a pool connection.
+			start = sent
+		}
 		if err == nil {
 			held = c.held
 		}
@@ -882,11 +885,14 @@ const (
 // connection the pool gave out open, pgx reports it for statements sent in
 // the simple protocol or QueryExecModeExec when the read after them broke
 // the connection.
-func (r *Relay) claimOnce(acquireCtx, sendCtx context.Context, token uuid.UUID) (claimed, error) {
+func (r *Relay) claimOnce(acquireCtx, workCtx context.Context, token uuid.UUID) (claimed, time.Time, error) {
 	conn, err := r.pool.Acquire(acquireCtx)
 	if err != nil {
-		return claimed{}, mapError("claim", err)
+		return claimed{}, time.Time{}, mapError("claim", err)
 	}
+	sent := time.Now()
+	sendCtx, cancelSend := context.WithDeadline(workCtx, sent.Add(r.cfg.LeaseDuration))
+	defer cancelSend()
 	backend := conn.Conn().PgConn().PID()
 	c, err := r.sendClaim(sendCtx, conn.Conn(), token)
 	// Back to the pool first: releaseClaim may need this pool's only
@@ -897,7 +903,7 @@ func (r *Relay) claimOnce(acquireCtx, sendCtx context.Context, token uuid.UUID) 
 		(!pgconn.SafeToRetry(err) || errors.Is(err, pgconn.ErrConnClosed)) {
 		r.releaseClaim(context.WithoutCancel(sendCtx), token, backend)
 	}
-	return c, err
+	return c, sent, err
 }
 
 // sendClaim sends the claim statements on conn and reads their results.

@@ -443,6 +443,45 @@ func TestRelayLease(t *testing.T) {
 		require.False(t, deadline.After(sent.Add(lease)), "the deadline %s is later than the claim's send %s plus the lease", deadline, sent)
 	})
 
+	// The lease runs from the claim's send, so the Handler's deadline
+	// must too, not from before the wait for a pool connection: the
+	// relay's pool is usually the application's, and a Handler cut off
+	// early fails an attempt (at MaxAttempts, buries its rows) while the
+	// lease still had the time it took.
+	t.Run("HandlerDeadlineLeavesOutTheWaitForAConnection", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		b.appendCommitted(t, newMessage("s", "k", 1))
+		cfg, err := pgxpool.ParseConfig(b.pg.ConnString)
+		require.NoError(t, err)
+		cfg.MaxConns = 1
+		pool, err := pgxpool.NewWithConfig(ctx, cfg)
+		require.NoError(t, err)
+		t.Cleanup(pool.Close)
+		const lease = 5 * time.Second
+		var deadline time.Time
+		r := b.relay(t, pool, outbox.HandlerFunc(func(ctx context.Context, batch []outbox.Record) ([]outbox.Result, error) {
+			deadline, _ = ctx.Deadline()
+			return make([]outbox.Result, len(batch)), nil
+		}), outbox.RelayConfig{LeaseDuration: lease})
+
+		// Something else holds the pool's only connection for a while.
+		conn, err := pool.Acquire(ctx)
+		require.NoError(t, err)
+		var released time.Time
+		go func() {
+			time.Sleep(300 * time.Millisecond)
+			released = time.Now()
+			conn.Release()
+		}()
+		n, err := r.RunOnce(ctx)
+		require.NoError(t, err)
+		require.Equal(t, 1, n)
+		// The claim got the connection after released was read.
+		require.False(t, deadline.Before(released.Add(lease)),
+			"the Handler's deadline %s ends the lease %s early: it counts the wait for a connection", deadline, released.Add(lease).Sub(deadline))
+	})
+
 	// A batch that lost its lease was still a full claim, so Run claims
 	// again at once, as after any full batch, rather than waiting a
 	// PollInterval (an hour here, and no notification wakes it) while
