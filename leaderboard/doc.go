@@ -142,8 +142,11 @@
 // while the measurement is fresh, its age after that, see Freshness.Lag);
 // ProjectedThrough is when that row was written — every change committed
 // before it is visible. The probe is one small query, reused for
-// Config.LagProbeInterval. It finds the board's oldest pending row by
-// reading pending rows oldest first, other streams' included: a backlog
+// Config.LagProbeInterval, and cut off after Config.MaxLag or 5 s,
+// whichever is longer (a failed measurement: Lag -1), so that a connection
+// that stopped answering holds neither the read that sent it nor the next
+// measurement. It finds the board's oldest pending row by reading pending
+// rows oldest first, other streams' included: a backlog
 // of another board (or any stream) in the same outbox table makes it
 // slower (68-75 ms with 400,000 rows of another board pending, against
 // about 1 ms), and a reader's Lag then adds that time, enough to refuse

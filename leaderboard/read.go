@@ -859,7 +859,14 @@ func (b *Board) freshness(ctx context.Context) (Freshness, error) {
 				}
 			}
 		}()
-		reading, sent, err := b.measureLag(ctx)
+		// Bounded (as the lag gauge's probe is): a probe stuck on a dead
+		// connection would otherwise hold its reader, and keep every other
+		// read from measuring, until the kernel gave up on the socket. One
+		// cut off is a failed measurement (Lag -1); one that takes longer
+		// than MaxLag could not show the projection fresh anyway.
+		pctx, cancel := context.WithTimeout(ctx, max(b.cfg.MaxLag, lagGaugeTimeout))
+		reading, sent, err := b.measureLag(pctx)
+		cancel()
 		if callerEnded(ctx, err) != nil {
 			// This caller gave up, which says nothing about the database:
 			// keep the previous measurement for the other readers, and let

@@ -1580,6 +1580,63 @@ func TestFreshnessProbe(t *testing.T) {
 		require.GreaterOrEqual(t, staleErr.Lag, 700*time.Millisecond)
 	})
 
+	// The path to PostgreSQL goes half-open as a read sends the lag probe,
+	// then heals. The probe is bounded: the read that sent it answers from
+	// a healthy Redis, with Lag -1, and the next read measures again. It
+	// waited on the dead connection for as long as its ctx allowed (for
+	// ever here), and while it did no other read measured: FailClosed
+	// reads kept failing as stale after PostgreSQL answered again.
+	t.Run("StuckOnAHalfOpenConnection", func(t *testing.T) {
+		t.Parallel()
+		tb := setup(t)
+		tb.submit(t, "user-a", 10)
+		tb.drain(t)
+		pc, err := pgxpool.ParseConfig(tb.pg.ConnString)
+		require.NoError(t, err)
+		proxy := startDelayProxy(t, net.JoinHostPort(pc.ConnConfig.Host, strconv.Itoa(int(pc.ConnConfig.Port))))
+		pc.ConnConfig.Host = "127.0.0.1"
+		pc.ConnConfig.Port = uint16(proxy.ln.Addr().(*net.TCPAddr).Port)
+		pc.ConnConfig.Fallbacks = nil
+		pool, err := pgxpool.NewWithConfig(ctx, pc)
+		require.NoError(t, err)
+		t.Cleanup(pool.Close)
+		cfg := tb.board.Config()
+		cfg.ReadPolicy, cfg.MaxLag, cfg.LagProbeInterval = FailClosed, time.Second, 50*time.Millisecond
+		board, err := New(pool, tb.rd.Client, &cfg)
+		require.NoError(t, err)
+		t.Cleanup(board.Close)
+		t.Cleanup(proxy.close) // before the pool's Close, which would wait for a held connection
+		_, err = board.Top(ctx, 10)
+		require.NoError(t, err)
+
+		proxy.frozen.Store(true)
+		time.Sleep(2 * cfg.LagProbeInterval) // the next read measures again
+		type answer struct {
+			r   Ranking
+			err error
+		}
+		stuck := make(chan answer, 1)
+		go func() {
+			r, err := board.Top(ctx, 10, WithPolicy(ServeStale))
+			stuck <- answer{r, err}
+		}()
+		time.Sleep(300 * time.Millisecond) // the probe is on the wire
+		proxy.frozen.Store(false)
+
+		select {
+		case got := <-stuck:
+			require.NoError(t, got.err)
+			require.Equal(t, SourceRedis, got.r.Freshness.Source)
+			require.Equal(t, time.Duration(-1), got.r.Freshness.Lag, "the probe did not answer")
+			require.Len(t, got.r.Entries, 1)
+		case <-time.After(20 * time.Second):
+			t.Fatal("a ServeStale read of a healthy Redis still waits on its lag probe's dead connection after 20 s")
+		}
+		r, err := board.Top(ctx, 10)
+		require.NoError(t, err, "PostgreSQL answers again: the next FailClosed read measures the lag")
+		require.Zero(t, r.Freshness.Lag)
+	})
+
 	// Within LagProbeInterval a read reuses a measurement that found nothing
 	// pending and reports Lag 0, which the contract allows (Lag understates
 	// by less than LagProbeInterval); ProjectedThrough must still be that
