@@ -303,7 +303,10 @@
 // writes in the collection's copy count (Keyspace.RebuildCopyKey) in that
 // same script, once per batch number: Redis keeps or loses rows and count
 // together, so the rebuild's switch can refuse a shadow that lost writes
-// in a failover or a restart while its marker survived.
+// in a failover or a restart while its marker survived. Every write into
+// the shadow keys, copied or dual-written, also counts there the members
+// and versions it creates, so that the switch can refuse a shadow that
+// lost some to an eviction even when new members made up the numbers.
 //
 // # Projector and relay
 //

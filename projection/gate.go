@@ -571,10 +571,10 @@ func (g *Gate) baseKeys(mode string, grp *slotGroup, t Target, bk baseKey) collK
 			g.ks.ShadowValueKey(t.Name, t.Kind),
 			g.ks.ShadowLayoutKey(t.Name, t.Kind),
 			g.ks.unbucketedVersionKey(t.Name, t.Kind),
-			g.ks.unbucketedVersionKey(t.Name, t.Kind)+suffixShadow)
-		if mode == modeCopy {
-			grp.keys = append(grp.keys, g.ks.RebuildCopyKey(t.Name, t.Kind))
-		}
+			g.ks.unbucketedVersionKey(t.Name, t.Kind)+suffixShadow,
+			// Every shadow write counts the members and versions it
+			// creates there, which the rebuild's switch checks.
+			g.ks.RebuildCopyKey(t.Name, t.Kind))
 		if grp.collAt == nil {
 			grp.collAt = make(map[int]baseKey)
 		}

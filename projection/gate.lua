@@ -25,8 +25,10 @@
 -- decimals; "0" means one version hash).
 -- Keys from base: collections use value, layout, rebuild marker, shadow
 -- value, shadow layout, unbucketed version, unbucketed shadow version, and
--- in a copy call (with a batch) the copy count; documents use value,
--- version. Version (bucket) keys follow, referenced by
+-- the copy count (where every write into the shadow keys, copied or
+-- dual-written, counts in fields "members" and "versions" the members and
+-- versions it creates there, for the rebuild's switch); documents use
+-- value, version. Version (bucket) keys follow, referenced by
 -- index from the writes.
 --
 -- Before anything is written, every collection's stored layout is checked
@@ -155,6 +157,23 @@ local function gate(kind, valueKey, versionKey, member, version, value)
     redis.call('SET', versionKey, version)
   end
   return APPLIED
+end
+
+-- shadowGate is gate for a collection write into its shadow keys (value
+-- KEYS[base + 3], versions KEYS[svi]) that also counts, in the copy count
+-- (KEYS[base + 7]), the members and versions it creates there: copy and
+-- dual writes alike, so that the switch can tell a shadow that lost some
+-- (an eviction) from one whose losses new members made up for.
+local function shadowGate(kind, base, svi, member, version, value)
+  local hadValue = held(kind, KEYS[base + 3], member) and true or false
+  local hadVersion = redis.pcall('HGET', KEYS[svi], member)
+  hadVersion = hadVersion ~= false and type(hadVersion) ~= 'table'
+  local r = gate(kind, KEYS[base + 3], KEYS[svi], member, version, value)
+  if r == APPLIED then
+    if not hadValue then redis.call('HINCRBY', KEYS[base + 7], 'members', 1) end
+    if not hadVersion then redis.call('HINCRBY', KEYS[base + 7], 'versions', 1) end
+  end
+  return r
 end
 
 -- storedLayout returns a collection's layout (nil when it is empty) and
@@ -383,7 +402,7 @@ local ok, failure = pcall(function()
     local member, version, value = ARGV[a + 2], ARGV[a + 3], ARGV[a + 4]
     a = a + 5
     if shadowOnly then
-      out[#out + 1] = gate(kind, KEYS[base + 3], KEYS[svi], member, version, value)
+      out[#out + 1] = shadowGate(kind, base, svi, member, version, value)
       if batch then
         if not copied[base] then counted[#counted + 1] = base end
         copied[base] = (copied[base] or 0) + 1
@@ -391,7 +410,7 @@ local ok, failure = pcall(function()
     else
       local r = gate(kind, KEYS[base], KEYS[vi], member, version, value)
       if kind ~= 'd' and rebuilding[base] then
-        gate(kind, KEYS[base + 3], KEYS[svi], member, version, value)
+        shadowGate(kind, base, svi, member, version, value)
       end
       -- Only once the shadow write is done too: the write whose shadow
       -- keys fail is the failing one.

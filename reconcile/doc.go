@@ -258,9 +258,12 @@
 // count falls short of the rows sent and the rebuild aborts
 // (ErrRebuildAborted) instead of switching a partial projection in. So it
 // does when the shadow keys hold fewer members or versions than rows
-// sent, whatever the count says: an allkeys-* eviction can take a shadow
-// key and leave the count (the source's keys must be unique, as for
-// Run). Each
+// sent, or than the gate created there (every write into the shadow, the
+// copy's and the dual-written live ones, counts the members and versions
+// it creates), whatever the count says: an allkeys-* eviction can take a
+// shadow key and leave the count, and new members dual-written after it
+// would otherwise make up the numbers (the source's keys must be unique,
+// as for Run). Each
 // step may be resent by the Redis client after Redis ran it (go-redis
 // retries a command whose connection dropped before the reply): a resent
 // start finds its own marker and succeeds without clearing anything, a

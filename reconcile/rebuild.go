@@ -63,9 +63,11 @@ type RebuildReport struct {
 //     page's rows in the collection's copy count
 //     (projection.Keyspace.RebuildCopyKey). The marker's TTL is extended as
 //     pages go.
-//  3. One script, if the marker is still this rebuild's and the copy count
-//     equals the rows the copy sent, RENAMEs the shadow keys over the live
-//     keys and deletes the marker and the count.
+//  3. One script, if the marker is still this rebuild's, the copy count
+//     equals the rows the copy sent, and the shadow holds at least as many
+//     members and versions as those rows and as the gate's writes created
+//     there, RENAMEs the shadow keys over the live keys and deletes the
+//     marker and the count.
 //
 // The shadow keys are built in the version layout of Target.Keyspace (its
 // bucket count), and the switch also sets the collection's layout key to

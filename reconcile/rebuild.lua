@@ -3,7 +3,8 @@
 -- KEYS (one hash tag, so one Redis Cluster slot): 1 marker, 2 shadow value,
 -- 3 shadow layout, 4 live value, 5 live layout, 6 live unbucketed version
 -- hash, 7 shadow unbucketed version hash, 8 copy count (the gate's count of
--- the copy's writes, field "rows"), 9 switched (the token of the last
+-- the copy's writes, field "rows", and of the members and versions every
+-- shadow write created, fields "members" and "versions"), 9 switched (the token of the last
 -- rebuild that switched, briefly), then four runs of version buckets: the
 -- live buckets of layout L, the shadow buckets of layout S, the shadow
 -- buckets of layout M, the live buckets of layout M, and last a key that
@@ -47,7 +48,8 @@
 --          from it before anything else.
 --          Returns 1, 0 if the marker is gone or not ours, or 3 if the
 --          count is not ARGV[8] or the shadow holds fewer values or
---          versions than that (nothing is touched either way). The count
+--          versions than that, or than the shadow writes created (nothing
+--          is touched either way). The count
 --          changes in the script that writes the copy's rows, so Redis keeps
 --          or loses both together: a failover to a replica that missed some
 --          of the copy, or a restart from a snapshot taken mid-copy, can
@@ -164,7 +166,12 @@ if step == 'switch' then
   else
     for b = 0, nM - 1 do versions = versions + redis.call('HLEN', KEYS[newShadow + b]) end
   end
-  if held < rows or versions < rows then
+  -- Dual-written new members can make up for lost copied ones: every
+  -- shadow write counts what it creates, and the shadow must still hold
+  -- as many members and versions as were created in it.
+  local created = tonumber(redis.call('HGET', copied, 'members') or '0')
+  local createdVersions = tonumber(redis.call('HGET', copied, 'versions') or '0')
+  if held < rows or versions < rows or held < created or versions < createdVersions then
     return 3
   end
   -- UNLINK first: RENAME over an existing key would free the old

@@ -966,6 +966,69 @@ func TestRebuildRefusesAShadowThatLostAKey(t *testing.T) {
 	}
 }
 
+// TestRebuildRefusesAShadowWhoseLossNewMembersMadeUpFor: the live writes
+// of a rebuild are dual-written into the shadow too, and new members among
+// them (new users' first scores) raised the shadow's counts back to the
+// rows copied after an eviction took the copied ones: the switch went
+// ahead, installing a shadow without the copied members (or without their
+// versions, which lets any older redelivery in). Every shadow write counts
+// what it creates, and the switch refuses a shadow holding less.
+func TestRebuildRefusesAShadowWhoseLossNewMembersMadeUpFor(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	for _, kind := range []projection.Kind{projection.KindSortedSet, projection.KindHash} {
+		for _, buckets := range []int{0, 4} {
+			for _, lost := range []string{"Values", "Versions", "OneBucket"} {
+				if lost == "OneBucket" && buckets == 0 {
+					continue
+				}
+				t.Run(fmt.Sprintf("%s/Buckets%d/%s", kindName(kind), buckets, lost), func(t *testing.T) {
+					t.Parallel()
+					b := setup(t, kind).withBuckets(t, buckets)
+					const n = 40
+					b.projectRows(t, b.insertMany(t, n))
+					k, name := b.kind, b.target.Name
+					evict := []string{b.ks.ShadowValueKey(name, k)}
+					switch lost {
+					case "Versions":
+						evict = b.ks.ShadowVersionKeys(name, k)
+					case "OneBucket":
+						evict = b.ks.ShadowVersionKeys(name, k)[:1]
+					}
+					src := &hookedSource{Source: b.source, onPage: func(ctx context.Context, page int) {
+						if page != 5 { // the empty page that ends the copy
+							return
+						}
+						b.waitShadow(ctx, t, b.client, n)
+						if err := b.client.Del(ctx, evict...).Err(); err != nil {
+							t.Errorf("DEL %v: %v", evict, err)
+						}
+						// New entities, before the copy's cursor: only the
+						// live writes bring them to the shadow.
+						for i := range n {
+							key := fmt.Sprintf("a%07d", i)
+							b.insert(t, key, 1)
+							if o := b.project(t, key, 1); o != projection.OutcomeApplied {
+								t.Errorf("project %s: %v", key, o)
+							}
+						}
+					}}
+					r, err := New(src, b.target, &Config{PageSize: 10})
+					require.NoError(t, err)
+					rep, err := r.Rebuild(ctx)
+					require.ErrorIs(t, err, ErrRebuildAborted)
+					require.ErrorContains(t, err, "an eviction")
+					require.False(t, rep.Switched)
+					run, err := r.Run(ctx, RunOptions{DryRun: true})
+					require.NoError(t, err)
+					require.Zero(t, run.Drift(), "the live projection holds every entity: %v", run.Counts)
+					require.EqualValues(t, 2*n, run.Checked)
+				})
+			}
+		}
+	}
+}
+
 // runCopyTwice is a go-redis hook that runs the first call of a counted
 // shadow copy twice, as a client that retried a call whose reply was lost
 // after Redis ran it would.
