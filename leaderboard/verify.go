@@ -143,6 +143,10 @@ func (b *Board) Verify(ctx context.Context, cfg *reconcile.Config) (report *reco
 	}
 	token := heldTokenPrefix + uuid.NewString()
 	if err := b.sent(ctx, verifyBeginScript.Run(ctx, b.rdb, []string{b.verifyingKey}, token).Err()); err != nil {
+		if !isRedisReply(err) {
+			// The reply may be all that was lost: the marker is ours then.
+			b.abandonVerify(ctx, token, false)
+		}
 		return nil, false, fmt.Errorf("leaderboard: verify: %w", err)
 	}
 	refuted := false

@@ -765,6 +765,42 @@ func TestVerify(t *testing.T) {
 		}
 	})
 
+	// The reply to the script that begins the pass is lost after Redis ran
+	// it (and, MaxRetries -1, not resent): Verify fails, and must not leave
+	// its marker behind, which would make an overlapping pass record
+	// nothing while waiting for this one to record.
+	t.Run("BeginReplyLostLeavesNoMarker", func(t *testing.T) {
+		t.Parallel()
+		tb := verifying(t)
+		tb.submit(t, "ada", 10)
+		tb.drain(t)
+		sha, err := verifyBeginScript.Load(ctx, tb.rd.Client).Result()
+		require.NoError(t, err)
+		fired := new(atomic.Bool)
+		board := boardOnClient(t, tb, func(opts *redis.Options) {
+			opts.MaxRetries = -1
+			opts.Dialer = func(ctx context.Context, network, addr string) (net.Conn, error) {
+				var d net.Dialer
+				c, err := d.DialContext(ctx, network, addr)
+				if err != nil {
+					return nil, err
+				}
+				return &replyDropConn{Conn: c, marker: []byte(sha), fired: fired}, nil
+			}
+		})
+
+		_, verified, err := board.Verify(ctx, nil)
+		require.True(t, fired.Load(), "setup: the begin script's reply was dropped")
+		require.Error(t, err)
+		require.False(t, verified)
+		marker, err := tb.rd.Client.Get(ctx, tb.board.verifyingKey).Result()
+		require.ErrorIs(t, err, redis.Nil, "the failed Verify left its marker %q", marker)
+
+		_, verified, err = tb.board.Verify(ctx, nil)
+		require.NoError(t, err)
+		require.True(t, verified, "the next pass records")
+	})
+
 	// A pass that leaves Redis ahead of PostgreSQL (a version or a member
 	// PostgreSQL does not have, as a database restored from a backup
 	// leaves) is not recorded under the default policy, which only reports
