@@ -258,3 +258,52 @@ func TestACLListsAreTheREADMEs(t *testing.T) {
 	require.ElementsMatch(t, writerCommands, w)
 	require.ElementsMatch(t, readerCommands, r)
 }
+
+// TestPublicPrefixACLLeavesOtherSchemasOut: the public schema's default
+// prefix, verity:lb:, begins every other schema's (verity:lb:<schema>:),
+// so the README gives a public board's process ~verity:lb:{* rather than
+// ~verity:lb:*, which would grant it every schema's boards. That pattern
+// must cover everything a public board does (writes, the Worker, reads,
+// Verify) and no other schema's board.
+func TestPublicPrefixACLLeavesOtherSchemasOut(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	srv := testenv.StartRedis(t)
+	admin := srv.Client(t)
+	pg := testenv.Postgres(t)
+	require.NoError(t, Migrate(ctx, pg.Pool, &Config{Schema: pg.Schema}))
+	submit := func(b *Board) {
+		_, err := b.Submit(ctx, Command{EventID: uuid.New(), UserID: "ada", Delta: 7})
+		require.NoError(t, err)
+		w, err := b.Worker(nil)
+		require.NoError(t, err)
+		_, err = w.Drain(ctx)
+		require.NoError(t, err)
+	}
+	other, err := New(pg.Pool, admin, &Config{Name: "weekly", Schema: pg.Schema})
+	require.NoError(t, err)
+	t.Cleanup(other.Close)
+	submit(other)
+
+	public := (&Config{}).WithDefaults().KeyPrefix
+	require.Equal(t, KeyPrefixDefault, public)
+	require.True(t, strings.HasPrefix(other.SortedSetKey(), public), "setup: the other schema's prefix begins with the public one")
+	require.NoError(t, admin.Do(ctx, "ACL", "SETUSER", "publicboard", "reset", "on", ">pw", "~verity:lb:{*", "+@all").Err())
+	acl := redis.NewClient(&redis.Options{Addr: srv.Addr(), Username: "publicboard", Password: "pw"})
+	t.Cleanup(func() { _ = acl.Close() })
+
+	// A board with the public schema's prefix, under the README's pattern.
+	pub, err := New(pg.Pool, acl, &Config{Name: "season", Schema: pg.Schema, KeyPrefix: public, ReadPolicy: FailClosed})
+	require.NoError(t, err)
+	t.Cleanup(pub.Close)
+	submit(pub)
+	top, err := pub.Top(ctx, 10)
+	require.NoError(t, err)
+	require.Len(t, top.Entries, 1)
+	_, verified, err := pub.Verify(ctx, nil)
+	require.NoError(t, err)
+	require.True(t, verified)
+
+	_, err = acl.ZRange(ctx, other.SortedSetKey(), 0, -1).Result()
+	require.ErrorContains(t, err, "NOPERM", "the public board's pattern covers %s", other.SortedSetKey())
+}
