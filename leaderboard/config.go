@@ -156,8 +156,11 @@ type Config struct {
 	// a shared statement waits for no lock longer than 50 ms (a row that a
 	// caller's transaction holds, say) before its commands are applied on
 	// their own, so that only the command that needs the lock waits for
-	// it. It has no effect when MaxSubmitsPerStatement is 1. Defaults to
-	// SubmitStatementsDefault.
+	// it. The replay of a shared statement that failed because of one
+	// command runs one statement per command, all at once, each on a pool
+	// connection of its own (see MaxSubmitsPerStatement): those are not
+	// bounded by SubmitStatements, only by the pool. It has no effect when
+	// MaxSubmitsPerStatement is 1. Defaults to SubmitStatementsDefault.
 	SubmitStatements int
 
 	// MaxUserIDLength bounds Command.UserID in bytes. Defaults to

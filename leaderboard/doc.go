@@ -31,9 +31,12 @@
 // and one WAL flush. A call that finds a statement free goes at once, alone:
 // nothing waits for company. Each command keeps its own event record,
 // version, result and outbox row, and a shared statement that fails because
-// of one command (a reused event id, a score out of range) is replayed one
-// command at a time, so every caller gets the outcome its command would have
-// had alone. MaxSubmitsPerStatement 1 turns grouping off.
+// of one command (a reused event id, a score out of range) is replayed as
+// one statement per command, all at once, so every caller gets the outcome
+// its command would have had alone, and a command that waits for a lock
+// holds up no other. The replays are not bounded by SubmitStatements: each
+// takes a pool connection of its own while the pool has one free.
+// MaxSubmitsPerStatement 1 turns grouping off.
 //
 // A call that sends its statement itself (it found a statement free and
 // nobody queued, or grouping is off) runs it on its caller's goroutine; a
@@ -192,7 +195,10 @@
 // failover that lost the newest writes, meets the policy as an unmet wait
 // does) or from PostgreSQL (which checks, in the answer's own statement,
 // that they are committed: a SubmitTx whose transaction rolled back, or
-// has not committed yet, is not). A board whose
+// has not committed yet, is not, until a later command of the user
+// commits: a version counts the user's committed commands, so a rolled-back
+// command's number goes to the user's next one, which then meets it). A
+// board whose
 // Config.VersionBuckets is not the projection's stored count, or whose
 // projection lost its layout key and holds values but no unbucketed
 // version hash (the gate then refuses every writer), does not wait: the

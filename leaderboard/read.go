@@ -107,7 +107,9 @@ type Freshness struct {
 	// reached them all, and when FallbackToPostgres answered from
 	// PostgreSQL while a version asked for is not committed there either
 	// (the transaction that submitted it rolled back or has not committed
-	// yet).
+	// yet). A version is the count of the user's committed commands, so
+	// the number of a command rolled back goes to the user's next one, and
+	// once that commits it meets AtLeast of the rolled-back one's Result.
 	AtLeastMet bool
 }
 

@@ -1319,6 +1319,31 @@ func TestReadYourWrites(t *testing.T) {
 		require.ErrorIs(t, err, ErrInvalidReadOption)
 	})
 
+	// A version counts the user's committed commands: a rolled-back
+	// SubmitTx's number goes to the user's next command, which then meets
+	// AtLeast of it, as the docs say, with its own score.
+	t.Run("RolledBackVersionGoesToTheNextCommand", func(t *testing.T) {
+		t.Parallel()
+		tb := setup(t, func(c *Config) {
+			c.ReadPolicy = FallbackToPostgres
+			c.ReadYourWritesTimeout = 20 * time.Millisecond
+		})
+		tb.submit(t, "ada", 5)
+		tx, err := tb.pg.Pool.Begin(ctx)
+		require.NoError(t, err)
+		t.Cleanup(func() { _ = tx.Rollback(ctx) })
+		staged, err := tb.board.SubmitTx(ctx, tx, Command{EventID: uuid.New(), UserID: "ada", Delta: 500})
+		require.NoError(t, err)
+		require.NoError(t, tx.Rollback(ctx))
+		next := tb.submit(t, "ada", 1)
+		require.Equal(t, staged.Version, next.Version)
+
+		e, fr, err := tb.board.Rank(ctx, "ada", AtLeast("ada", staged.Version))
+		require.NoError(t, err)
+		require.True(t, fr.AtLeastMet)
+		require.Equal(t, int64(6), e.Score, "the next command's score, not the rolled-back one's %d", staged.Score)
+	})
+
 	t.Run("FallbackMeetsOnlyCommittedVersions", func(t *testing.T) {
 		t.Parallel()
 		// FallbackToPostgres answers what PostgreSQL has committed. A
