@@ -297,15 +297,16 @@ type loadGen struct {
 	users []string
 
 	mu    sync.Mutex
-	sums  map[string]int64 // user → sum of acknowledged deltas
-	acked int64            // commands acknowledged (duplicates excluded)
+	sums  map[string]int64                  // user → sum of acknowledged deltas
+	acked int64                             // commands acknowledged (duplicates excluded)
+	cmds  map[uuid.UUID]leaderboard.Command // acknowledged commands by event id
 
 	retries    atomic.Int64 // failed attempts that were retried with the same event id
 	duplicates atomic.Int64 // retries answered as duplicates: the lost ack was committed
 }
 
 func newLoadGen(b *leaderboard.Board, users int) *loadGen {
-	g := &loadGen{board: b, sums: map[string]int64{}}
+	g := &loadGen{board: b, sums: map[string]int64{}, cmds: map[uuid.UUID]leaderboard.Command{}}
 	for i := range users {
 		// Braces, colons and non-ASCII on purpose: user ids never reach key names.
 		g.users = append(g.users, fmt.Sprintf("user{%d}:ü", i))
@@ -318,6 +319,7 @@ func (g *loadGen) record(cmd leaderboard.Command) {
 	defer g.mu.Unlock()
 	g.sums[cmd.UserID] += cmd.Delta
 	g.acked++
+	g.cmds[cmd.EventID] = cmd
 }
 
 func randomDelta(rng *rand.Rand) int64 { return rng.Int64N(201) - 100 }
@@ -428,10 +430,22 @@ func (g *loadGen) requireExactlyOnce(t testing.TB, bb *boardBundle) {
 		}
 	}
 	require.Zero(t, mismatched, "users whose score is not the sum of their acknowledged deltas")
+	evRows, err := bb.pool.Query(ctx,
+		`SELECT event_id, user_id, delta FROM `+bb.table(leaderboard.ScoreEventsTable)+` WHERE board = $1`, bb.board.Name())
+	require.NoError(t, err)
 	var events int64
-	require.NoError(t, bb.pool.QueryRow(ctx,
-		`SELECT count(*) FROM `+bb.table(leaderboard.ScoreEventsTable)+` WHERE board = $1`, bb.board.Name()).Scan(&events))
+	wrong := 0
+	for evRows.Next() {
+		var cmd leaderboard.Command
+		require.NoError(t, evRows.Scan(&cmd.EventID, &cmd.UserID, &cmd.Delta))
+		events++
+		if g.cmds[cmd.EventID] != cmd {
+			wrong++ // not an acknowledged command, or not as it was sent
+		}
+	}
+	require.NoError(t, evRows.Err())
 	require.Equal(t, g.acked, events, "score events vs acknowledged commands")
+	require.Zero(t, wrong, "score events that are not exactly the acknowledged commands")
 }
 
 func (g *loadGen) ackedCount() int64 {
