@@ -678,8 +678,12 @@ func (c *Cache[T]) waitForPeer(ctx context.Context, id string, r *readResult) (b
 		}
 		if next.found && r.undecodable != nil && bytes.Equal(next.current, r.undecodable) {
 			// Still the value this miss found undecodable (another
-			// release's): the lease holder has not filled yet.
-			next.found, next.lease = false, leaseHeldByPeer
+			// release's): the lease holder has not filled yet. Look past
+			// it at the lease, taking it if the holder gave it up.
+			next, err = c.readScript(ctx, id, true, true, r.version)
+			if err != nil {
+				return false, zero, &RedisError{Op: "read", ID: id, Err: err}
+			}
 		}
 		if next.found {
 			// Whatever is in the current key is current, whoever filled it.

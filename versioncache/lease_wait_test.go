@@ -2,6 +2,7 @@ package versioncache
 
 import (
 	"context"
+	"errors"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -296,4 +297,66 @@ func TestWaiterTakesNoLeaseUnderAMovedVersion(t *testing.T) {
 	close(unblock)
 	require.NoError(t, <-loaderDone)
 	require.EqualValues(t, leaseHeldByPeer, r.lease, "a third process waits for A's load, not load the version again")
+}
+
+// TestWaiterTakesTheLeaseAFailedLoadGaveUp: the lease holder's load fails
+// and it gives the lease up, so that other processes need not wait for it
+// to lapse: a waiting process takes it at its next poll and loads. During
+// a rollout (the value cached is the other release's, which neither
+// process decodes) the poll found that value and looked no further, and the
+// waiter sat out FillLeaseWait before loading without a lease.
+func TestWaiterTakesTheLeaseAFailedLoadGaveUp(t *testing.T) {
+	t.Parallel()
+	for _, rollout := range []bool{false, true} {
+		t.Run(map[bool]string{false: "NoRollout", true: "DuringRollout"}[rollout], func(t *testing.T) {
+			t.Parallel()
+			rd := testenv.Redis(t)
+			src := newTruth()
+			ctx := context.Background()
+			want := src.write("hot", 7)
+			if rollout {
+				old, err := New[product](rd.Client, &Config{Prefix: rd.Prefix})
+				require.NoError(t, err)
+				_, err = old.Get(ctx, "hot", src.loader("hot"))
+				require.NoError(t, err)
+			}
+			cfg := Config{Prefix: rd.Prefix, FillLeaseTTL: 20 * time.Second, FillLeaseWait: 4 * time.Second, FillLeasePoll: 10 * time.Millisecond}
+			a, err := New[productV2](rd.Client, &cfg)
+			require.NoError(t, err)
+			b, err := New[productV2](rd.Client, &cfg)
+			require.NoError(t, err)
+
+			started, fail := make(chan struct{}), make(chan struct{})
+			aDone := make(chan error, 1)
+			go func() {
+				_, err := a.Get(ctx, "hot", func(ctx context.Context) (productV2, error) {
+					close(started)
+					<-fail
+					return productV2{}, errors.New("the database hiccupped")
+				})
+				aDone <- err
+			}()
+			<-started // a holds the lease
+			type answer struct {
+				p   productV2
+				err error
+			}
+			bDone := make(chan answer, 1)
+			go func() {
+				p, err := b.Get(ctx, "hot", func(ctx context.Context) (productV2, error) {
+					q := src.read("hot")
+					return productV2{ID: q.ID, Price: q.Price, Version: q.Version}, nil
+				})
+				bDone <- answer{p, err}
+			}()
+			require.Eventually(t, func() bool { return b.Stats().LeaseWaits == 1 }, 2*time.Second, time.Millisecond, "b waits for a's fill")
+			close(fail)
+			require.Error(t, <-aDone)
+			got := <-bDone
+			require.NoError(t, got.err)
+			require.Equal(t, want.Version, got.p.Version)
+			require.Zero(t, b.Stats().LeaseFallbacks, "b sat out FillLeaseWait instead of taking the lease a gave up")
+			require.EqualValues(t, 1, b.Stats().Loads)
+		})
+	}
 }
