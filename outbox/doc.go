@@ -566,7 +566,10 @@
 //
 // ShutdownTimeout bounds the Handler, not Run: the settle that follows
 // (acknowledging what the Handler completed, releasing the rest) runs on
-// its own bound of 10 s, and a cut-off claim's release on one of 5 s, so
+// its own bound of 10 s, its wait for a pool connection included (outside
+// a shutdown it may take until the batch's lease ends, if that is later,
+// so that a busy pool does not turn a completed batch into a crashed
+// attempt), and a cut-off claim's release on one of 5 s, so
 // against a database that stops answering Run can return up to about
 // ShutdownTimeout + 15 s after its context ends. Size a termination grace
 // period to that, plus whatever a Handler needs to notice its cancelled

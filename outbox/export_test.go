@@ -33,6 +33,10 @@ func (r *Relay) SetReleaseTimeouts(total, cancel, lock time.Duration) {
 	r.releaseTimeouts = releaseTimeouts{total: total, cancel: cancel, lock: lock}
 }
 
+// SetSettleTimeout replaces the settle's bound once Run is shutting down
+// (and its least bound before that). Call it before the relay is used.
+func (r *Relay) SetSettleTimeout(d time.Duration) { r.settleTimeout = d }
+
 // Pauses returns the first n pauses of a reconnect pauser capped at ceiling.
 func Pauses(ceiling time.Duration, n int) []time.Duration {
 	p := newPauser(ceiling)

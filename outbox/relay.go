@@ -23,8 +23,12 @@ import (
 )
 
 // settleTimeout bounds the statement that acknowledges, retries, buries and
-// releases a batch. It runs on a context detached from cancellation, so that
-// work finished during shutdown is still recorded.
+// releases a batch, with its wait for a pool connection, once Run is
+// shutting down; before that they get until the batch's lease ends, if that
+// is later: a settle cut off by a busy pool leaves rows the Handler
+// completed to be counted a crashed attempt. It runs on a context detached
+// from cancellation, so that work finished during shutdown is still
+// recorded.
 const settleTimeout = 10 * time.Second
 
 // maxErrorLength bounds the handler error text stored in last_error.
@@ -62,6 +66,7 @@ type Relay struct {
 	endUnsettledSQL string
 
 	releaseTimeouts releaseTimeouts // tests shorten them
+	settleTimeout   time.Duration   // settleTimeout; tests shorten it
 
 	// unsettled holds the tokens of batches whose settle failed: their
 	// leases are ended (see endUnsettled) once the database answers again.
@@ -119,6 +124,7 @@ func NewRelay(pool *pgxpool.Pool, handler Handler, cfg *RelayConfig) (*Relay, er
 		releaseSQL:      fmt.Sprintf(releaseClaimSQL, n.Leases),
 		endUnsettledSQL: fmt.Sprintf(endUnsettledSQL, n.Leases),
 
+		settleTimeout: settleTimeout,
 		releaseTimeouts: releaseTimeouts{
 			total:  releaseClaimTimeout,
 			cancel: releaseCancelTimeout,
@@ -676,7 +682,13 @@ func (r *Relay) runBatch(claimCtx, workCtx context.Context) (n int, again claimA
 	// rows behind it in its partition never reached. Run's workCtx is
 	// only ever cancelled.
 	stopping := errors.Is(workCtx.Err(), context.Canceled)
-	err = r.settle(context.WithoutCancel(workCtx), token, batch, results, stopping)
+	settleBy := time.Now().Add(r.settleTimeout)
+	if claimCtx.Err() == nil {
+		// Not shutting down: the settle, its wait for a connection
+		// included, may take until the lease ends.
+		settleBy = later(settleBy, start.Add(r.cfg.LeaseDuration))
+	}
+	err = r.settle(context.WithoutCancel(workCtx), token, batch, results, stopping, settleBy)
 	if err != nil && !errors.Is(err, ErrLeaseLost) {
 		r.noteUnsettled(token, start)
 	}
@@ -1191,8 +1203,10 @@ func safeError(err error) (safe error) {
 }
 
 // settle records the outcome of every record of the batch in one statement.
-func (r *Relay) settle(ctx context.Context, token uuid.UUID, batch []Record, results []Result, stopping bool) error {
-	ctx, cancel := context.WithTimeout(ctx, settleTimeout)
+//
+// It must end by deadline, its wait for a pool connection included.
+func (r *Relay) settle(ctx context.Context, token uuid.UUID, batch []Record, results []Result, stopping bool, deadline time.Time) error {
+	ctx, cancel := context.WithDeadline(ctx, deadline)
 	defer cancel()
 
 	var (
@@ -1558,3 +1572,11 @@ func sleep(ctx context.Context, d time.Duration) bool {
 }
 
 func randomSuffix() string { return strings.ReplaceAll(uuid.NewString(), "-", "")[:10] }
+
+// later returns the later of a and b.
+func later(a, b time.Time) time.Time {
+	if a.After(b) {
+		return a
+	}
+	return b
+}

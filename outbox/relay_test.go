@@ -482,6 +482,48 @@ func TestRelayLease(t *testing.T) {
 			"the Handler's deadline %s ends the lease %s early: it counts the wait for a connection", deadline, released.Add(lease).Sub(deadline))
 	})
 
+	// The settle, likewise, waits for a connection as long as the lease
+	// lasts: cut off by its own bound on a busy pool, it left rows the
+	// Handler completed to be counted a crashed attempt (and, with
+	// MaxAttempts 1, buried).
+	t.Run("SettleWaitsForAConnectionWithinTheLease", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		b.appendCommitted(t, newMessage("s", "k", 1))
+		cfg, err := pgxpool.ParseConfig(b.pg.ConnString)
+		require.NoError(t, err)
+		cfg.MaxConns = 1
+		pool, err := pgxpool.NewWithConfig(ctx, cfg)
+		require.NoError(t, err)
+		t.Cleanup(pool.Close)
+		held := make(chan struct{})
+		var handled atomic.Int32
+		r := b.relay(t, pool, outbox.HandlerFunc(func(ctx context.Context, batch []outbox.Record) ([]outbox.Result, error) {
+			if handled.Add(1) == 1 {
+				// The application takes the pool's only connection for
+				// longer than the settle's own bound, well within the lease.
+				conn, err := pool.Acquire(ctx)
+				if err != nil {
+					return nil, err
+				}
+				go func() {
+					defer close(held)
+					time.Sleep(time.Second)
+					conn.Release()
+				}()
+			}
+			return make([]outbox.Result, len(batch)), nil
+		}), outbox.RelayConfig{LeaseDuration: time.Minute, MaxAttempts: 1})
+		r.SetSettleTimeout(200 * time.Millisecond)
+
+		n, err := r.RunOnce(ctx)
+		<-held
+		require.NoError(t, err, "the settle waited for a connection within the lease")
+		require.Equal(t, 1, n)
+		require.Zero(t, b.count(t, b.writer.Table()), "acknowledged")
+		require.Zero(t, b.count(t, b.deadTable()), "a row its Handler completed was buried")
+	})
+
 	// A batch that lost its lease was still a full claim, so Run claims
 	// again at once, as after any full batch, rather than waiting a
 	// PollInterval (an hour here, and no notification wakes it) while
