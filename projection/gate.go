@@ -196,7 +196,9 @@ func (g *Gate) ApplyShadow(ctx context.Context, token string, writes []Write) ([
 // count with what it sent can tell a shadow that lost writes (a failover
 // to a replica that missed some, a restart from an older snapshot) from a
 // complete one. Live writes dual-written into the shadow keys are not
-// counted.
+// counted there; every shadow write, copied or dual-written, counts in the
+// same key the members and versions it creates, for the switch (see
+// package reconcile).
 //
 // batch numbers the call: positive, and higher than that of the rebuild's
 // previous call. A call whose batch is not above the last one counted is

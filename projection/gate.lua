@@ -10,8 +10,9 @@
 -- outcome — in its copy count: HINCRBY of field "rows", unless field
 -- "batch" already holds this batch or a later one (a retried call that
 -- ran before), then "batch" is set. Live writes dual-written into the
--- shadow keys are never counted. ARGV[2] is the number C of collections
--- in the call.
+-- shadow keys are never counted in "rows" (every shadow write counts what
+-- it creates in "members" and "versions": see the keys below). ARGV[2] is
+-- the number C of collections in the call.
 -- Then five arguments per write:
 --   kind ("z" sorted set, "h" hash, "d" document), base (index into KEYS),
 --   member (field; "" for documents), version (canonical decimal), value
