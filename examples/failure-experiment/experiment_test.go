@@ -214,3 +214,43 @@ END $$`)
 	require.NoError(t, admin.QueryRow(bg, `SELECT EXISTS (SELECT 1 FROM pg_namespace WHERE nspname = $1)`, schema).Scan(&exists))
 	require.False(t, exists, "the interrupted run left its schema %s behind", schema)
 }
+
+// TestCheckReadsStatesFiguresAndOrdering: the exit code comes from
+// Report.Check, which compares more than each stage's printed Result
+// (TestCheckReadsEachStagesResult): each stage's Redis projection and
+// PostgreSQL state, the repair run's figures and the final ordering. Each
+// is broken in turn here.
+func TestCheckReadsStatesFiguresAndOrdering(t *testing.T) {
+	t.Parallel()
+	good := func() *Report {
+		r := &Report{Reconcile: reference.repair, OrderingMatch: true}
+		for i, st := range reference.stages {
+			st.Result = reference.results[i]
+			r.Stages = append(r.Stages, st)
+		}
+		return r
+	}
+	require.NoError(t, good().Check())
+	for name, breakIt := range map[string]func(r *Report){
+		// The repair left the hand edit in Redis.
+		"ProjectionNotRepaired": func(r *Report) {
+			r.Stages[5].Projection = map[string]int64{"user-a": 999, "user-b": 25}
+		},
+		// The stopped worker still projected (or the gate let a stale write in).
+		"ProjectionWhileWorkerStopped": func(r *Report) {
+			r.Stages[2].Projection = map[string]int64{"user-a": 17, "user-b": 25}
+		},
+		// The duplicate was applied a second time in PostgreSQL.
+		"SourceDoubleEffect": func(r *Report) {
+			r.Stages[1].Source = map[string]SourceState{"user-a": {Score: 20, Version: 2}}
+		},
+		"RepairFiguresDiffer": func(r *Report) {
+			r.Reconcile = ReconcileFigures{Checked: 2, Current: 1, Corrupt: 1, Repaired: 0}
+		},
+		"OrderingDiffers": func(r *Report) { r.OrderingMatch = false },
+	} {
+		r := good()
+		breakIt(r)
+		require.Error(t, r.Check(), name)
+	}
+}

@@ -161,3 +161,24 @@ func TestPercentilesOfRecordedReads(t *testing.T) {
 	require.InEpsilon(t, 5_000_000, p50, 0.005)
 	require.InEpsilon(t, 9_900_000, p99, 0.005)
 }
+
+// TestFirstDivergenceStaysTheFirst: first_divergence_s is the time of the
+// first divergence; a later one must not move it.
+func TestFirstDivergenceStaysTheFirst(t *testing.T) {
+	t.Parallel()
+	tr := newTracker(1, 1)
+	tr.acknowledge(2)
+	tr.settle()
+	read := tr.beginRead(0)
+	tr.endRead(read, 1, true) // diverges from write 2
+	require.Equal(t, map[int64]bool{2: true}, tr.diverged)
+	first := tr.firstDiv
+
+	time.Sleep(20 * time.Millisecond) // a later divergence has a later time
+	tr.acknowledge(3)
+	tr.settle()
+	read = tr.beginRead(0)
+	tr.endRead(read, 2, true) // diverges from write 3
+	require.Equal(t, map[int64]bool{2: true, 3: true}, tr.diverged)
+	require.Equal(t, first, tr.firstDiv, "the second divergence moved first_divergence_s")
+}
