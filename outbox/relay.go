@@ -23,12 +23,12 @@ import (
 )
 
 // settleTimeout bounds the statement that acknowledges, retries, buries and
-// releases a batch, with its wait for a pool connection, once Run is
-// shutting down; before that they get until the batch's lease ends, if that
-// is later: a settle cut off by a busy pool leaves rows the Handler
-// completed to be counted a crashed attempt. It runs on a context detached
-// from cancellation, so that work finished during shutdown is still
-// recorded.
+// releases a batch, with its wait for a pool connection; outside a shutdown
+// they get until the batch's lease ends, if that is later (a settle cut off
+// by a busy pool leaves rows the Handler completed to be counted a crashed
+// attempt), and a shutdown that begins meanwhile leaves them settleTimeout
+// from then at most (see settleWithin). It runs on a context detached from
+// cancellation, so that work finished during shutdown is still recorded.
 const settleTimeout = 10 * time.Second
 
 // maxErrorLength bounds the handler error text stored in last_error.
@@ -682,13 +682,7 @@ func (r *Relay) runBatch(claimCtx, workCtx context.Context) (n int, again claimA
 	// rows behind it in its partition never reached. Run's workCtx is
 	// only ever cancelled.
 	stopping := errors.Is(workCtx.Err(), context.Canceled)
-	settleBy := time.Now().Add(r.settleTimeout)
-	if claimCtx.Err() == nil {
-		// Not shutting down: the settle, its wait for a connection
-		// included, may take until the lease ends.
-		settleBy = later(settleBy, start.Add(r.cfg.LeaseDuration))
-	}
-	err = r.settle(context.WithoutCancel(workCtx), token, batch, results, stopping, settleBy)
+	err = r.settleWithin(claimCtx, workCtx, start, token, batch, results, stopping)
 	if err != nil && !errors.Is(err, ErrLeaseLost) {
 		r.noteUnsettled(token, start)
 	}
@@ -1202,13 +1196,31 @@ func safeError(err error) (safe error) {
 	return err
 }
 
-// settle records the outcome of every record of the batch in one statement.
-//
-// It must end by deadline, its wait for a pool connection included.
-func (r *Relay) settle(ctx context.Context, token uuid.UUID, batch []Record, results []Result, stopping bool, deadline time.Time) error {
-	ctx, cancel := context.WithDeadline(ctx, deadline)
+// settleWithin runs settle, its wait for a pool connection included,
+// within settleTimeout, or until the lease that began at start ends if that
+// is later, unless Run is shutting down (claimCtx ended): then within
+// settleTimeout from the shutdown's start at the latest, as the package
+// documentation's bound on Run's return counts it.
+func (r *Relay) settleWithin(claimCtx, workCtx context.Context, start time.Time, token uuid.UUID, batch []Record, results []Result, stopping bool) error {
+	by := time.Now().Add(r.settleTimeout)
+	if claimCtx.Err() == nil {
+		by = later(by, start.Add(r.cfg.LeaseDuration))
+	}
+	ctx, cancel := context.WithDeadline(context.WithoutCancel(workCtx), by)
 	defer cancel()
+	var cut atomic.Pointer[time.Timer]
+	stopCut := context.AfterFunc(claimCtx, func() { cut.Store(time.AfterFunc(r.settleTimeout, cancel)) })
+	defer func() {
+		stopCut()
+		if t := cut.Load(); t != nil {
+			t.Stop()
+		}
+	}()
+	return r.settle(ctx, token, batch, results, stopping)
+}
 
+// settle records the outcome of every record of the batch in one statement.
+func (r *Relay) settle(ctx context.Context, token uuid.UUID, batch []Record, results []Result, stopping bool) error {
 	var (
 		acked                 []int64
 		retryIDs, retryDelays []int64

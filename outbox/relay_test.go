@@ -524,6 +524,46 @@ func TestRelayLease(t *testing.T) {
 		require.Zero(t, b.count(t, b.deadTable()), "a row its Handler completed was buried")
 	})
 
+	// A shutdown that begins while the settle waits for a connection
+	// leaves it settleTimeout from then, not the rest of the lease: the
+	// documented bound on Run's return counts the settle's 10 s from the
+	// shutdown.
+	t.Run("ShutdownCutsTheSettlesWait", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		b.appendCommitted(t, newMessage("s", "k", 1))
+		cfg, err := pgxpool.ParseConfig(b.pg.ConnString)
+		require.NoError(t, err)
+		cfg.MaxConns = 1
+		pool, err := pgxpool.NewWithConfig(ctx, cfg)
+		require.NoError(t, err)
+		t.Cleanup(pool.Close)
+		handled := make(chan *pgxpool.Conn, 1)
+		r := b.relay(t, pool, outbox.HandlerFunc(func(ctx context.Context, batch []outbox.Record) ([]outbox.Result, error) {
+			conn, err := pool.Acquire(ctx) // held until the test lets go
+			if err != nil {
+				return nil, err
+			}
+			handled <- conn
+			return make([]outbox.Result, len(batch)), nil
+		}), outbox.RelayConfig{LeaseDuration: time.Minute, DisableNotify: true, PollInterval: time.Hour})
+		r.SetSettleTimeout(300 * time.Millisecond)
+
+		runCtx, cancel := context.WithCancel(ctx)
+		defer cancel()
+		done := make(chan error, 1)
+		go func() { done <- r.Run(runCtx) }()
+		conn := <-handled
+		defer conn.Release()
+		time.Sleep(100 * time.Millisecond) // the settle waits for the connection
+		cancel()
+		select {
+		case <-done:
+		case <-time.After(20 * time.Second):
+			t.Fatal("Run did not return 20 s after its cancellation: the settle kept waiting for the lease's end")
+		}
+	})
+
 	// A batch that lost its lease was still a full claim, so Run claims
 	// again at once, as after any full batch, rather than waiting a
 	// PollInterval (an hour here, and no notification wakes it) while
