@@ -732,16 +732,7 @@ func TestVerify(t *testing.T) {
 		sha, err := verifiedScript.Load(ctx, tb.rd.Client).Result()
 		require.NoError(t, err)
 		fired := new(atomic.Bool)
-		board := boardOnClient(t, tb, func(opts *redis.Options) {
-			opts.Dialer = func(ctx context.Context, network, addr string) (net.Conn, error) {
-				var d net.Dialer
-				c, err := d.DialContext(ctx, network, addr)
-				if err != nil {
-					return nil, err
-				}
-				return &replyDropConn{Conn: c, marker: []byte(sha), fired: fired}, nil
-			}
-		})
+		board := boardOnClient(t, tb, func(opts *redis.Options) { opts.Dialer = replyDropDialer(sha, fired) })
 
 		_, verified, err := board.Verify(ctx, nil)
 		require.NoError(t, err)
@@ -779,14 +770,7 @@ func TestVerify(t *testing.T) {
 		fired := new(atomic.Bool)
 		board := boardOnClient(t, tb, func(opts *redis.Options) {
 			opts.MaxRetries = -1
-			opts.Dialer = func(ctx context.Context, network, addr string) (net.Conn, error) {
-				var d net.Dialer
-				c, err := d.DialContext(ctx, network, addr)
-				if err != nil {
-					return nil, err
-				}
-				return &replyDropConn{Conn: c, marker: []byte(sha), fired: fired}, nil
-			}
+			opts.Dialer = replyDropDialer(sha, fired)
 		})
 
 		_, verified, err := board.Verify(ctx, nil)
@@ -949,6 +933,19 @@ type replyDropConn struct {
 	marker []byte
 	fired  *atomic.Bool // shared by every connection of the client
 	armed  atomic.Bool  // this connection sent the marked command
+}
+
+// replyDropDialer dials connections that lose the reply to the first
+// command (of all of them) whose bytes contain marker.
+func replyDropDialer(marker string, fired *atomic.Bool) func(ctx context.Context, network, addr string) (net.Conn, error) {
+	return func(ctx context.Context, network, addr string) (net.Conn, error) {
+		var d net.Dialer
+		c, err := d.DialContext(ctx, network, addr)
+		if err != nil {
+			return nil, err
+		}
+		return &replyDropConn{Conn: c, marker: []byte(marker), fired: fired}, nil
+	}
 }
 
 func (c *replyDropConn) Write(b []byte) (int, error) {

@@ -452,12 +452,7 @@ func TestRelayLease(t *testing.T) {
 		t.Parallel()
 		b := setup(t)
 		b.appendCommitted(t, newMessage("s", "k", 1))
-		cfg, err := pgxpool.ParseConfig(b.pg.ConnString)
-		require.NoError(t, err)
-		cfg.MaxConns = 1
-		pool, err := pgxpool.NewWithConfig(ctx, cfg)
-		require.NoError(t, err)
-		t.Cleanup(pool.Close)
+		pool := poolWith(t, b, func(pc *pgxpool.Config) { pc.MaxConns = 1 })
 		const lease = 5 * time.Second
 		var deadline time.Time
 		r := b.relay(t, pool, outbox.HandlerFunc(func(ctx context.Context, batch []outbox.Record) ([]outbox.Result, error) {
@@ -490,12 +485,7 @@ func TestRelayLease(t *testing.T) {
 		t.Parallel()
 		b := setup(t)
 		b.appendCommitted(t, newMessage("s", "k", 1))
-		cfg, err := pgxpool.ParseConfig(b.pg.ConnString)
-		require.NoError(t, err)
-		cfg.MaxConns = 1
-		pool, err := pgxpool.NewWithConfig(ctx, cfg)
-		require.NoError(t, err)
-		t.Cleanup(pool.Close)
+		pool := poolWith(t, b, func(pc *pgxpool.Config) { pc.MaxConns = 1 })
 		held := make(chan struct{})
 		var handled atomic.Int32
 		r := b.relay(t, pool, outbox.HandlerFunc(func(ctx context.Context, batch []outbox.Record) ([]outbox.Result, error) {
@@ -532,12 +522,7 @@ func TestRelayLease(t *testing.T) {
 		t.Parallel()
 		b := setup(t)
 		b.appendCommitted(t, newMessage("s", "k", 1))
-		cfg, err := pgxpool.ParseConfig(b.pg.ConnString)
-		require.NoError(t, err)
-		cfg.MaxConns = 1
-		pool, err := pgxpool.NewWithConfig(ctx, cfg)
-		require.NoError(t, err)
-		t.Cleanup(pool.Close)
+		pool := poolWith(t, b, func(pc *pgxpool.Config) { pc.MaxConns = 1 })
 		handled := make(chan *pgxpool.Conn, 1)
 		r := b.relay(t, pool, outbox.HandlerFunc(func(ctx context.Context, batch []outbox.Record) ([]outbox.Result, error) {
 			conn, err := pool.Acquire(ctx) // held until the test lets go
