@@ -243,7 +243,13 @@
 // are not in cluster mode: those reads go to the master Sentinel named, as
 // they are (no READWRITE, no MOVED), and a master Sentinel has just demoted
 // may serve them as a replica until Sentinel's next answer reaches the
-// client.
+// client. A Sentinel client built with ReadOnly (redis.NewUniversalClient
+// with MasterName and ReadOnly, without RouteRandomly or RouteByLatency;
+// or redis.NewFailoverClient with ReplicaOnly) is a *redis.Client
+// connected to a replica, which New cannot tell from a client of the
+// master: a board on it reads the replica, whose own lag behind the master
+// Freshness does not measure, and its Worker's writes fail (a replica
+// refuses them). Do not give a Board such a client.
 //
 // Reads send their scripts with EVALSHA_RO (EVAL_RO when Redis lacks
 // them), which Redis checks against read key permission only: a process
