@@ -22,6 +22,7 @@ type delayProxy struct {
 	ln     net.Listener
 	delay  atomic.Int64
 	frozen atomic.Bool
+	held   atomic.Int64 // chunks held for good while frozen
 	stop   chan struct{}
 	once   sync.Once
 	mu     sync.Mutex
@@ -60,6 +61,7 @@ func startDelayProxy(t *testing.T, target string) *delayProxy {
 					n, err := s.Read(buf)
 					if n > 0 {
 						if p.frozen.Load() {
+							p.held.Add(1)
 							<-p.stop
 							return
 						}

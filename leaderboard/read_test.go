@@ -1645,7 +1645,8 @@ func TestFreshnessProbe(t *testing.T) {
 			r, err := board.Top(ctx, 10, WithPolicy(ServeStale))
 			stuck <- answer{r, err}
 		}()
-		time.Sleep(300 * time.Millisecond) // the probe is on the wire
+		// The probe's reply is held: the connection is dead for good.
+		require.Eventually(t, func() bool { return proxy.held.Load() > 0 }, 10*time.Second, time.Millisecond)
 		proxy.frozen.Store(false)
 
 		select {
