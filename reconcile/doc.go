@@ -132,7 +132,9 @@
 // Each page's Redis read follows its source read at once, so the two see
 // nearly the same moment. Pages are still classified, repaired and
 // reported in source order. Repairs of a page go out in one more round
-// trip. Memory is proportional to Config.PageSize times Config.ReadAhead,
+// trip, two when the page has both missing or stale entries (written
+// through the gate) and others (written by the compare-and-set script).
+// Memory is proportional to Config.PageSize times Config.ReadAhead,
 // not to the table: a 1,000,000-row pass runs in a few MiB.
 //
 // After the source, a full run looks for orphans. For a collection it first
