@@ -540,7 +540,10 @@
 // reports the Stats figures as gauges. Scrapes never query the database: Run
 // refreshes a snapshot every StatsInterval (each Stats call also refreshes
 // it), and a snapshot older than two intervals is not reported, so the
-// gauges of a stopped relay disappear instead of freezing. Writer.Append
+// gauges of a stopped relay (or one whose refreshes fail) disappear instead
+// of freezing; a refresh is cut off after StatsInterval or 5 s, whichever
+// is longer, so one stuck on a connection that stopped answering does not
+// hold up the next. Writer.Append
 // records nothing: it runs in the caller's transaction, which may still roll
 // back.
 //

@@ -107,6 +107,9 @@ func (r *Relay) registerGauges() (metric.Registration, error) {
 		m.pending, m.inFlight, m.retrying, m.deadLetters, m.oldestAge)
 }
 
+// statsRefreshTimeoutMin is the least a Stats refresh is given.
+const statsRefreshTimeoutMin = 5 * time.Second
+
 // refreshStats keeps the Stats snapshot fresh until ctx (Run's) ends. A
 // refresh under way then finishes under workCtx, like a batch in flight:
 // cut off, its statement would leave pgx closing the connection in the
@@ -115,7 +118,13 @@ func (r *Relay) refreshStats(ctx, workCtx context.Context) {
 	t := time.NewTicker(r.cfg.StatsInterval)
 	defer t.Stop()
 	for ctx.Err() == nil {
-		if _, err := r.Stats(workCtx); err != nil && workCtx.Err() == nil {
+		// Bounded: on a half-open connection pgx waits for ever (the
+		// kernel keeps the socket), and the gauges would stay absent while
+		// the relay runs and the database answers on new connections.
+		sctx, cancel := context.WithTimeout(workCtx, max(r.cfg.StatsInterval, statsRefreshTimeoutMin))
+		_, err := r.Stats(sctx)
+		cancel()
+		if err != nil && workCtx.Err() == nil {
 			r.logger.Warn("outbox relay could not refresh its stats for metrics", slog.String("error", err.Error()))
 		}
 		select {

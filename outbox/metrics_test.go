@@ -19,6 +19,34 @@ func TestRelayMetrics(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 
+	// A refresh stuck on a half-open connection is cut off, so the gauges
+	// come back once the database answers on new connections: unbounded,
+	// it held the refresh loop until the kernel gave up on the socket, and
+	// the gauges stayed absent as if the relay had stopped.
+	t.Run("StatsRefreshOnAHalfOpenConnection", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		rec := metrictest.New(t)
+		proxy, pool := holePool(t, b, nil)
+		h := &recorder{}
+		r := b.relay(t, pool, h, outbox.RelayConfig{
+			MeterProvider: rec.Provider, StatsInterval: 50 * time.Millisecond,
+			DisableNotify: true, PollInterval: 50 * time.Millisecond,
+			LeaseDuration: time.Second, ShutdownTimeout: time.Second,
+		})
+		startRun(t, r)
+		require.Eventually(t, func() bool { return rec.Collect(t).Has("verity.outbox.pending") },
+			10*time.Second, 10*time.Millisecond, "the gauges report while running")
+		require.Positive(t, proxy.freezeAll(), "every pool connection stops answering")
+		b.appendCommitted(t, newMessage("scores", "after-freeze", 1))
+		require.Eventually(t, func() bool { return len(h.seen()) == 1 }, 20*time.Second, 20*time.Millisecond,
+			"the relay recovers from the frozen connections")
+		// Back once a refresh that met a frozen connection is cut off
+		// and the next one answers.
+		require.Eventually(t, func() bool { return rec.Collect(t).Has("verity.outbox.pending") },
+			20*time.Second, 20*time.Millisecond, "the backlog gauges stay absent while the relay runs and the database answers")
+	})
+
 	t.Run("CountersAddUpPerBatch", func(t *testing.T) {
 		t.Parallel()
 		b := setup(t)

@@ -248,8 +248,10 @@ type RelayConfig struct {
 	// StatsInterval is how often Run refreshes the Stats snapshot behind
 	// the backlog gauges. Scrapes never query the database; they report
 	// the latest snapshot, or nothing once it is older than two intervals
-	// (the relay stopped). Each refresh is one Stats query, O(pending).
-	// Only used when MeterProvider is set. Must be at least 1ms. Defaults
+	// (the relay stopped, or its refreshes fail). Each refresh is one
+	// Stats query, O(pending), cut off after StatsInterval or 5 s, whichever
+	// is longer, so that one stuck on a connection that stopped answering
+	// does not stop the later ones. Only used when MeterProvider is set. Must be at least 1ms. Defaults
 	// to StatsIntervalDefault (15s).
 	StatsInterval time.Duration
 }
