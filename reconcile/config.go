@@ -38,6 +38,12 @@ const (
 	SampleMax = 1_000_000
 )
 
+// rebuildMarkerPerRow is the least RebuildMarkerTTL allowed per row of
+// Config.PageSize: the marker is refreshed between pages, so it must
+// outlast reading and copying one (about 15µs a row on a 2-core VM at
+// PageSizeMax).
+const rebuildMarkerPerRow = 100 * time.Microsecond
+
 // Action is what a run does about a class of findings.
 type Action uint8
 
@@ -157,10 +163,14 @@ type Config struct {
 	// dead rebuild's shadow values and versions, copy count and shadow
 	// layout have no TTL and stay in Redis until the next Rebuild of the
 	// collection starts and clears them, or until deleted by hand (see
-	// "Rebuild" in the package documentation for their names). At least
-	// 100ms (a rebuild refreshes it between pages, and a shorter one could
-	// expire while a page is copied, aborting the rebuild); a shorter one
-	// is refused with a *ConfigError. Defaults to RebuildMarkerTTLDefault.
+	// "Rebuild" in the package documentation for their names). A rebuild
+	// refreshes it between pages, so it must outlast reading and copying
+	// one page, or every rebuild aborts: at least 100ms, and at least 100µs
+	// per row of PageSize (10s at PageSizeMax; a 2-core VM read and copied
+	// about 15µs a row); a shorter one is refused with a *ConfigError.
+	// These are floors, not margins: the first page dials connections and
+	// loads scripts, and a loaded machine is slower. Defaults to
+	// RebuildMarkerTTLDefault.
 	RebuildMarkerTTL time.Duration
 	// Logger receives a line per run (Run and CheckKeys) and per rebuild (and a warning for a
 	// rebuild with RebuildReport.Conflicts), with the attributes
@@ -215,6 +225,11 @@ func (c *Config) validate() error {
 		return &ConfigError{Field: "Config.RepairTimeout", Reason: fmt.Sprintf("is %s; use at least 1ms, enough for a Redis round trip (0 uses the default)", c.RepairTimeout)}
 	case c.RebuildMarkerTTL < 0 || (c.RebuildMarkerTTL > 0 && c.RebuildMarkerTTL < 100*time.Millisecond):
 		return &ConfigError{Field: "Config.RebuildMarkerTTL", Reason: "must be at least 100ms (0 uses the default)"}
+	case c.RebuildMarkerTTL < time.Duration(c.PageSize)*rebuildMarkerPerRow:
+		// Refreshed between pages only: it must outlast reading and
+		// copying one page.
+		return &ConfigError{Field: "Config.RebuildMarkerTTL", Reason: fmt.Sprintf("is %s, too short to outlast reading and copying a page of Config.PageSize (%d) rows; use at least %s, or a smaller PageSize",
+			c.RebuildMarkerTTL, c.PageSize, time.Duration(c.PageSize)*rebuildMarkerPerRow)}
 	}
 	for _, a := range []struct {
 		field string

@@ -66,7 +66,11 @@ func TestConfig(t *testing.T) {
 		_, err = New(src, target, &Config{RepairTimeout: time.Millisecond})
 		require.NoError(t, err)
 		_, err = New(src, target, &Config{ReadAhead: ReadAheadMax, PageSize: PageSizeMax, RebuildMarkerTTL: 100 * time.Millisecond})
-		require.NoError(t, err, "the largest ReadAhead and PageSize and the shortest RebuildMarkerTTL are valid")
+		require.ErrorContains(t, err, "Config.RebuildMarkerTTL: is 100ms, too short to outlast reading and copying a page of Config.PageSize (100000) rows; use at least 10s")
+		_, err = New(src, target, &Config{ReadAhead: ReadAheadMax, PageSize: PageSizeMax, RebuildMarkerTTL: 10 * time.Second})
+		require.NoError(t, err, "the largest ReadAhead and PageSize with the shortest RebuildMarkerTTL they allow are valid")
+		_, err = New(src, target, &Config{RebuildMarkerTTL: 100 * time.Millisecond})
+		require.NoError(t, err, "the shortest RebuildMarkerTTL is valid with the default PageSize")
 	})
 
 	// Repairs and Rebuild's switch run detached, bounded by RepairTimeout
