@@ -1208,12 +1208,19 @@ func (r *Relay) settleWithin(claimCtx, workCtx context.Context, start time.Time,
 	}
 	ctx, cancel := context.WithDeadline(context.WithoutCancel(workCtx), by)
 	defer cancel()
-	var cut atomic.Pointer[time.Timer]
-	stopCut := context.AfterFunc(claimCtx, func() { cut.Store(time.AfterFunc(r.settleTimeout, cancel)) })
+	// As Run's grace timer: the function context.AfterFunc runs on a
+	// goroutine of its own is waited for, so that neither it nor its timer
+	// outlives the settle.
+	var cut *time.Timer
+	cutStarted := make(chan struct{})
+	stopCut := context.AfterFunc(claimCtx, func() {
+		defer close(cutStarted)
+		cut = time.AfterFunc(r.settleTimeout, cancel)
+	})
 	defer func() {
-		stopCut()
-		if t := cut.Load(); t != nil {
-			t.Stop()
+		if !stopCut() {
+			<-cutStarted
+			cut.Stop()
 		}
 	}()
 	return r.settle(ctx, token, batch, results, stopping)

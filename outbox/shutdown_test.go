@@ -214,3 +214,49 @@ func TestRelayRunLeavesNoFrozenListenerClosing(t *testing.T) {
 	closing := closingConnections()
 	require.Empty(t, closing, "a LISTEN connection is still being closed after Run returned")
 }
+
+// TestRelaySettleLeavesNoTimer cancels RunOnce's ctx (a shutdown) from the
+// Handler and closes the pool, so the settle fails at once: the function
+// the settle registered to cut its wait short on a shutdown then runs on a
+// goroutine of its own, which must not outlive RunOnce and arm a timer
+// nobody stops. With both cores that goroutine mostly runs at once; with
+// one, it ran after RunOnce returned in the first round on the code before.
+// Sequential, for the same reason as TestRelayRunLeavesNothingClosing, and
+// because it sets GOMAXPROCS for the whole binary.
+func TestRelaySettleLeavesNoTimer(t *testing.T) {
+	defer runtime.GOMAXPROCS(runtime.GOMAXPROCS(1))
+	for round := range 10 {
+		b := setup(t) // a schema each: the last round's batch stays leased
+		b.appendCommitted(t, newMessage("s", "k", 1))
+		pool := poolWith(t, b, func(pc *pgxpool.Config) { pc.MaxConns = 2 })
+		ctx, cancel := context.WithCancel(context.Background())
+		r := b.relay(t, pool, outbox.HandlerFunc(func(context.Context, []outbox.Record) ([]outbox.Result, error) {
+			cancel()
+			pool.Close()
+			return []outbox.Result{{}}, nil
+		}), outbox.RelayConfig{DisableNotify: true})
+		_, err := r.RunOnce(ctx)
+		require.ErrorContains(t, err, "settle", "round %d", round)
+		require.Empty(t, goroutinesIn("outbox.(*Relay).settleWithin"), "round %d: a goroutine of the settle outlived RunOnce", round)
+	}
+}
+
+// goroutinesIn returns the stacks of the goroutines with fn in a frame.
+func goroutinesIn(fn string) []string {
+	buf := make([]byte, 1<<16)
+	for {
+		n := runtime.Stack(buf, true)
+		if n < len(buf) {
+			buf = buf[:n]
+			break
+		}
+		buf = make([]byte, 2*len(buf))
+	}
+	var found []string
+	for _, g := range strings.Split(string(buf), "\n\n") {
+		if strings.Contains(g, fn) {
+			found = append(found, g)
+		}
+	}
+	return found
+}
