@@ -8,6 +8,7 @@ import (
 	"io"
 	"log/slog"
 	"net"
+	"net/url"
 	"os"
 	"slices"
 	"strconv"
@@ -323,22 +324,52 @@ func connect(ctx context.Context, o *options, logger *slog.Logger) (*deps, error
 	return &deps{pool: pool, rdb: rdb, board: board, close: closeAll}, nil
 }
 
+// Unless the Redis URL sets them (read_timeout=, max_retries=), the
+// service's client waits redisReadTimeout for a reply and does not resend
+// a command. go-redis's defaults, 5 s and three retries, let a Redis that
+// stopped answering hold a read for up to 35 s: past the request's
+// deadline, so a fallback-to-postgres read answered 503 instead of falling
+// back, and past /healthz's pingTimeout, which only the client's
+// ReadTimeout bounds (it sets no ContextTimeoutEnabled). The Worker
+// retries its own batches, and the board's scripts answer in milliseconds.
+const (
+	redisReadTimeout = pingTimeout
+	redisMaxRetries  = -1 // none
+)
+
 // newRedisClient opens a single-node client, or a cluster client when
 // cluster is set (the board's keys share a hash tag per board, so every
 // script call stays on one slot).
-func newRedisClient(url string, cluster bool) (redis.UniversalClient, error) {
+func newRedisClient(rawURL string, cluster bool) (redis.UniversalClient, error) {
 	if cluster {
-		opt, err := services.ParseRedisClusterURL(url)
+		opt, err := services.ParseRedisClusterURL(rawURL)
 		if err != nil {
 			return nil, err
 		}
+		setTimeouts(rawURL, &opt.ReadTimeout, &opt.MaxRetries)
 		return redis.NewClusterClient(opt), nil
 	}
-	opt, err := services.ParseRedisURL(url)
+	opt, err := services.ParseRedisURL(rawURL)
 	if err != nil {
 		return nil, err
 	}
+	setTimeouts(rawURL, &opt.ReadTimeout, &opt.MaxRetries)
 	return redis.NewClient(opt), nil
+}
+
+// setTimeouts sets the service's read timeout and retries where rawURL,
+// which go-redis parsed already, leaves them to go-redis's defaults.
+func setTimeouts(rawURL string, readTimeout *time.Duration, maxRetries *int) {
+	var q url.Values
+	if u, err := url.Parse(rawURL); err == nil {
+		q = u.Query()
+	}
+	if !q.Has("read_timeout") {
+		*readTimeout = redisReadTimeout
+	}
+	if !q.Has("max_retries") {
+		*maxRetries = redisMaxRetries
+	}
 }
 
 // parseReadPolicy reads a leaderboard.ReadPolicy by its String form; ""

@@ -743,6 +743,89 @@ func TestReadsWithRedisDown(t *testing.T) {
 	}
 }
 
+// TestReadsWithRedisFrozen stops a Redis process (SIGSTOP) that the
+// service's own client (newRedisClient, as serve builds it) is connected
+// to: connections stay open and nothing answers. A fallback-to-postgres
+// read must still answer from PostgreSQL well within the request's
+// deadline, and /healthz name Redis within about pingTimeout. With
+// go-redis's defaults (a 5 s read timeout, three retries) a page read held
+// on past the request's 10 s and answered 503, and /healthz took 5 s.
+func TestReadsWithRedisFrozen(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pg := testenv.Postgres(t)
+	rs := testenv.StartRedis(t)
+	rdb, err := newRedisClient(rs.URL(), false)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = rdb.Close() })
+	cfg := &leaderboard.Config{Name: testBoard, Schema: pg.Schema, ReadPolicy: leaderboard.FallbackToPostgres}
+	require.NoError(t, leaderboard.Migrate(ctx, pg.Pool, cfg))
+	board, err := leaderboard.New(pg.Pool, rdb, cfg)
+	require.NoError(t, err)
+	svc, err := NewService(pg.Pool, rdb, board, ServiceConfig{})
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = svc.Close() })
+	tb := &testBundle{svc: svc, srv: newServer(t, svc)}
+	require.Equal(t, http.StatusCreated, tb.submit(t, uuid.NewString(), `{"user_id":"ada","delta":5}`).status)
+	tb.drain(t)
+	for _, path := range []string{"/leaderboard", "/users/ada/rank"} {
+		res := tb.do(t, http.MethodGet, path, nil, "")
+		require.Equal(t, http.StatusOK, res.status, path)
+		require.Equal(t, "redis", res.json(t)["freshness"].(map[string]any)["source"], path)
+	}
+
+	info, err := rdb.InfoMap(ctx, "server").Result()
+	require.NoError(t, err)
+	pid, err := strconv.Atoi(info["Server"]["process_id"])
+	require.NoError(t, err)
+	require.NoError(t, syscall.Kill(pid, syscall.SIGSTOP))
+	t.Cleanup(func() { _ = syscall.Kill(pid, syscall.SIGCONT) })
+	// Twice each: the second read of a path dials a new connection (the
+	// first one's was closed on its timeout), whose handshake waits too.
+	for _, path := range []string{"/leaderboard", "/users/ada/rank", "/leaderboard", "/users/ada/rank"} {
+		res, took := tb.doWithin(t, 20*time.Second, http.MethodGet, path, nil, "")
+		require.Equal(t, http.StatusOK, res.status, "%s after %s: %s", path, took, res.body)
+		require.Equal(t, "postgres", res.json(t)["freshness"].(map[string]any)["source"], path)
+	}
+	res, took := tb.doWithin(t, 20*time.Second, http.MethodGet, "/healthz", nil, "")
+	require.Equal(t, http.StatusServiceUnavailable, res.status, res.body)
+	require.Equal(t, "unavailable", res.json(t)["redis"], res.body)
+	require.Less(t, took, pingTimeout+time.Second, "the Redis ping outlived pingTimeout")
+}
+
+// TestRedisClientTimeouts: the service's client waits redisReadTimeout and
+// resends nothing, unless the URL says otherwise.
+func TestRedisClientTimeouts(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		url         string
+		cluster     bool
+		readTimeout time.Duration
+		maxRetries  int
+	}{
+		// None: go-redis stores -1 as 0 in a Client's options, as -1 in a
+		// ClusterClient's.
+		{"redis://127.0.0.1:1/0", false, redisReadTimeout, 0},
+		{"redis://127.0.0.1:1/0?read_timeout=7s&max_retries=2", false, 7 * time.Second, 2},
+		{"redis://127.0.0.1:1?addr=127.0.0.1:2", true, redisReadTimeout, -1},
+		{"redis://127.0.0.1:1?addr=127.0.0.1:2&read_timeout=7s&max_retries=2", true, 7 * time.Second, 2},
+	} {
+		rdb, err := newRedisClient(tc.url, tc.cluster)
+		require.NoError(t, err, tc.url)
+		var readTimeout time.Duration
+		var maxRetries int
+		switch c := rdb.(type) {
+		case *redis.Client:
+			readTimeout, maxRetries = c.Options().ReadTimeout, c.Options().MaxRetries
+		case *redis.ClusterClient:
+			readTimeout, maxRetries = c.Options().ReadTimeout, c.Options().MaxRetries
+		}
+		require.NoError(t, rdb.Close())
+		require.Equal(t, tc.readTimeout, readTimeout, tc.url)
+		require.Equal(t, tc.maxRetries, maxRetries, tc.url)
+	}
+}
+
 // TestUnreachable classifies errors met for real: a Redis that answers
 // "not now" (a cluster down, a server loading) and one that cannot be
 // reached are outages to wait out (503); PostgreSQL's own answers, even
