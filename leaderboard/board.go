@@ -1247,6 +1247,14 @@ func violatedTable(err error) string {
 	return ""
 }
 
+// isVersionOverflow reports a user whose version is at int64's maximum:
+// the statements set it to NULL rather than overflow (which 22003 would
+// report as a score out of range), and NOT NULL refuses it.
+func isVersionOverflow(err error) bool {
+	var pgErr *pgconn.PgError
+	return errors.As(err, &pgErr) && pgErr.Code == "23502" && pgErr.ColumnName == "version"
+}
+
 // isScoreRangeViolation reports a violation of the score range constraints
 // (SQLSTATE 23514 on one of ours) or an integer overflow (22003).
 func isScoreRangeViolation(err error) bool {

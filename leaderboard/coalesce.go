@@ -370,7 +370,7 @@ func commandError(err error) bool {
 	var overflow *ScoreOutOfRangeError
 	return errors.As(err, &conflict) || errors.As(err, &overflow) ||
 		errors.Is(err, ErrIdempotencyConflict) || isUniqueViolation(err) ||
-		isDeadlock(err) || isLockTimeout(err)
+		isDeadlock(err) || isLockTimeout(err) || isVersionOverflow(err)
 }
 
 // wait returns once the statements under way when it was called are done.

@@ -112,6 +112,10 @@
 //     where a Redis score (a double) is exact; this also rules out int64
 //     overflow. It is checked by CHECK constraints inside the same statement,
 //     so the check and the write are atomic (*ScoreOutOfRangeError).
+//   - A user whose version is at int64's largest (only a hand edit or an
+//     import can put it there) takes no more commands: each fails with
+//     PostgreSQL's not-null violation on column "version", as an error of
+//     that command alone, and writes nothing.
 //
 // # Ordering and ties
 //

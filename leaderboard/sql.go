@@ -38,7 +38,9 @@ upserted AS (
     WHERE NOT EXISTS (SELECT 1 FROM prior)
     ON CONFLICT (board, user_id) DO UPDATE
     SET score = s.score + EXCLUDED.score,
-        version = s.version + 1,
+        -- NULL, refused by NOT NULL, rather than bigint's overflow
+        -- (22003), which reads as a score out of range.
+        version = CASE WHEN s.version < 9223372036854775807 THEN s.version + 1 END,
         updated_at = now()
     RETURNING score, version
 ),
@@ -176,7 +178,7 @@ upserted AS (
             WHEN abs(EXCLUDED.score) < 9007199254740992 THEN EXCLUDED.score
             ELSE (SELECT t.total FROM totals AS t WHERE t.user_id = EXCLUDED.user_id)
         END,
-        version = s.version + EXCLUDED.version,
+        version = CASE WHEN s.version <= 9223372036854775807 - EXCLUDED.version THEN s.version + EXCLUDED.version END,
         updated_at = now()
     RETURNING user_id, score, version
 ),

@@ -3,6 +3,9 @@ package leaderboard
 import (
 	"context"
 	"errors"
+	"fmt"
+	"math"
+	"sync"
 	"testing"
 
 	"github.com/google/uuid"
@@ -181,4 +184,73 @@ func TestSubmitBatchOverflowAfterItsCallerGaveUp(t *testing.T) {
 func refusedForTheRange(_ string, err error) bool {
 	var pgErr *pgconn.PgError
 	return errors.As(err, &pgErr) && pgErr.Code == "23514"
+}
+
+// TestSubmitVersionAtItsLargest: a user whose version is at int64's largest
+// (only a hand edit or an import puts it there) can take no more commands,
+// though the score each would leave (10) is in range. Every submit path
+// refuses it without a *ScoreOutOfRangeError, which blamed the delta (the
+// service answered it 422 on "delta"); grouped with other users' commands
+// it fails alone; nothing is written.
+func TestSubmitVersionAtItsLargest(t *testing.T) {
+	t.Parallel()
+	for name, mutate := range map[string]func(*Config){
+		"Grouped": func(*Config) {},
+		"Alone":   func(c *Config) { c.MaxSubmitsPerStatement = 1 },
+	} {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			tb := setup(t, mutate)
+			ctx := context.Background()
+			b := tb.board
+			_, err := b.Submit(ctx, Command{EventID: uuid.New(), UserID: "ada", Delta: 5})
+			require.NoError(t, err)
+			_, err = tb.pg.Pool.Exec(ctx, `UPDATE user_scores SET version = $1 WHERE user_id = 'ada'`, int64(math.MaxInt64))
+			require.NoError(t, err)
+			refused := func(path string, err error) {
+				t.Helper()
+				require.ErrorContains(t, err, `column "version"`, path)
+				require.NotErrorIs(t, err, ErrScoreOutOfRange, path)
+			}
+
+			_, err = b.Submit(ctx, Command{EventID: uuid.New(), UserID: "ada", Delta: 5})
+			refused("Submit", err)
+			tx, err := tb.pg.Pool.Begin(ctx)
+			require.NoError(t, err)
+			_, err = b.SubmitTx(ctx, tx, Command{EventID: uuid.New(), UserID: "ada", Delta: 5})
+			require.NoError(t, tx.Rollback(ctx))
+			refused("SubmitTx", err)
+			_, err = b.SubmitBatch(ctx, []Command{{EventID: uuid.New(), UserID: "ada", Delta: 5}})
+			refused("SubmitBatch", err)
+			tx, err = tb.pg.Pool.Begin(ctx)
+			require.NoError(t, err)
+			_, err = b.SubmitBatchTx(ctx, tx, []Command{{EventID: uuid.New(), UserID: "ada", Delta: 5}})
+			require.NoError(t, tx.Rollback(ctx))
+			refused("SubmitBatchTx", err)
+
+			var wg sync.WaitGroup
+			errs := make([]error, 64)
+			for i := range errs {
+				user := fmt.Sprint("other", i)
+				if i == 0 {
+					user = "ada"
+				}
+				wg.Go(func() {
+					_, errs[i] = b.Submit(ctx, Command{EventID: uuid.New(), UserID: user, Delta: 1})
+				})
+			}
+			wg.Wait()
+			refused("concurrent Submit", errs[0])
+			for i, err := range errs[1:] {
+				require.NoError(t, err, "caller %d, grouped with the refused one", i+1)
+			}
+
+			var score, version, events int64
+			require.NoError(t, tb.pg.Pool.QueryRow(ctx, `SELECT score, version FROM user_scores WHERE user_id = 'ada'`).Scan(&score, &version))
+			require.Equal(t, int64(5), score)
+			require.Equal(t, int64(math.MaxInt64), version)
+			require.NoError(t, tb.pg.Pool.QueryRow(ctx, `SELECT count(*) FROM score_events WHERE user_id = 'ada'`).Scan(&events))
+			require.Equal(t, int64(1), events)
+		})
+	}
 }
