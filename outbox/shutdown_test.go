@@ -127,16 +127,7 @@ func closingConnections() []string {
 // closingGoroutines returns the stacks of the goroutines running pgx's
 // closing function, and how many of them have it as their only frame.
 func closingGoroutines() (closing []string, undecided int) {
-	buf := make([]byte, 1<<16)
-	for {
-		n := runtime.Stack(buf, true)
-		if n < len(buf) {
-			buf = buf[:n]
-			break
-		}
-		buf = make([]byte, 2*len(buf))
-	}
-	for _, g := range strings.Split(string(buf), "\n\n") {
+	for _, g := range goroutineStacks() {
 		if !strings.Contains(g, "pgconn.(*PgConn).asyncClose.func") {
 			continue
 		}
@@ -243,20 +234,23 @@ func TestRelaySettleLeavesNoTimer(t *testing.T) {
 
 // goroutinesIn returns the stacks of the goroutines with fn in a frame.
 func goroutinesIn(fn string) []string {
-	buf := make([]byte, 1<<16)
-	for {
-		n := runtime.Stack(buf, true)
-		if n < len(buf) {
-			buf = buf[:n]
-			break
-		}
-		buf = make([]byte, 2*len(buf))
-	}
 	var found []string
-	for _, g := range strings.Split(string(buf), "\n\n") {
+	for _, g := range goroutineStacks() {
 		if strings.Contains(g, fn) {
 			found = append(found, g)
 		}
 	}
 	return found
+}
+
+// goroutineStacks returns the stack of every goroutine of the binary.
+func goroutineStacks() []string {
+	buf := make([]byte, 1<<16)
+	for {
+		n := runtime.Stack(buf, true)
+		if n < len(buf) {
+			return strings.Split(string(buf[:n]), "\n\n")
+		}
+		buf = make([]byte, 2*len(buf))
+	}
 }

@@ -711,22 +711,10 @@ func TestReadsWithRedisDown(t *testing.T) {
 	} {
 		t.Run(tc.policy.String(), func(t *testing.T) {
 			t.Parallel()
-			ctx := context.Background()
-			pg := testenv.Postgres(t)
 			rs := testenv.StartRedis(t)
 			rdb := redis.NewClient(&redis.Options{Addr: rs.Addr(), MaxRetries: -1})
 			t.Cleanup(func() { _ = rdb.Close() })
-			cfg := &leaderboard.Config{Name: testBoard, Schema: pg.Schema, ReadPolicy: tc.policy}
-			require.NoError(t, leaderboard.Migrate(ctx, pg.Pool, cfg))
-			board, err := leaderboard.New(pg.Pool, rdb, cfg)
-			require.NoError(t, err)
-			svc, err := NewService(pg.Pool, rdb, board, ServiceConfig{})
-			require.NoError(t, err)
-			t.Cleanup(func() { _ = svc.Close() })
-			tb := &testBundle{svc: svc, srv: newServer(t, svc)}
-			require.Equal(t, http.StatusCreated, tb.submit(t, uuid.NewString(), `{"user_id":"ada","delta":5}`).status)
-			tb.drain(t)
-			require.Equal(t, http.StatusOK, tb.do(t, http.MethodGet, "/leaderboard", nil, "").status)
+			tb := serviceWithAda(t, rdb, tc.policy)
 
 			require.NoError(t, rs.Stop())
 			for _, path := range []string{"/leaderboard", "/users/ada/rank"} {
@@ -753,21 +741,11 @@ func TestReadsWithRedisDown(t *testing.T) {
 func TestReadsWithRedisFrozen(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	pg := testenv.Postgres(t)
 	rs := testenv.StartRedis(t)
 	rdb, err := newRedisClient(rs.URL(), false)
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = rdb.Close() })
-	cfg := &leaderboard.Config{Name: testBoard, Schema: pg.Schema, ReadPolicy: leaderboard.FallbackToPostgres}
-	require.NoError(t, leaderboard.Migrate(ctx, pg.Pool, cfg))
-	board, err := leaderboard.New(pg.Pool, rdb, cfg)
-	require.NoError(t, err)
-	svc, err := NewService(pg.Pool, rdb, board, ServiceConfig{})
-	require.NoError(t, err)
-	t.Cleanup(func() { _ = svc.Close() })
-	tb := &testBundle{svc: svc, srv: newServer(t, svc)}
-	require.Equal(t, http.StatusCreated, tb.submit(t, uuid.NewString(), `{"user_id":"ada","delta":5}`).status)
-	tb.drain(t)
+	tb := serviceWithAda(t, rdb, leaderboard.FallbackToPostgres)
 	for _, path := range []string{"/leaderboard", "/users/ada/rank"} {
 		res := tb.do(t, http.MethodGet, path, nil, "")
 		require.Equal(t, http.StatusOK, res.status, path)
