@@ -346,6 +346,11 @@ func newRedisClient(rawURL string, cluster bool) (redis.UniversalClient, error) 
 		if err != nil {
 			return nil, err
 		}
+		// A ClusterClient resends a command that timed out up to
+		// MaxRedirects times, whatever MaxRetries says (up to 8 s against
+		// a master that stopped answering). That budget also follows MOVED
+		// and ASK replies, which the board's plain reads need during a
+		// slot migration, so it stays (the README says so).
 		setTimeouts(rawURL, &opt.ReadTimeout, &opt.MaxRetries)
 		return redis.NewClusterClient(opt), nil
 	}
