@@ -44,6 +44,11 @@ const (
 // PageSizeMax).
 const rebuildMarkerPerRow = 100 * time.Microsecond
 
+// repairPerRow is the least RepairTimeout allowed per row of
+// Config.PageSize: a page of repairs (after a Redis loss, every row of it)
+// is one batch bounded by RepairTimeout.
+const repairPerRow = 100 * time.Microsecond
+
 // Action is what a run does about a class of findings.
 type Action uint8
 
@@ -154,7 +159,8 @@ type Config struct {
 	// connection's deadline: with the client's ContextTimeoutEnabled this
 	// timeout is that deadline; without it, a stalled Redis holds the batch
 	// (and a cancelled Run) for the client's ReadTimeout (and WriteTimeout)
-	// instead, whatever this timeout says. At least 1ms. Defaults to
+	// instead, whatever this timeout says. At least 1ms, and at least
+	// 100µs per row of PageSize (a page's repairs are one batch). Defaults to
 	// RepairTimeoutDefault.
 	RepairTimeout time.Duration
 	// RebuildMarkerTTL is the lifetime of a rebuild's marker key, refreshed
@@ -223,6 +229,9 @@ func (c *Config) validate() error {
 		return &ConfigError{Field: "Config.ExamplesPerClass", Reason: "must be -1 (none) or more"}
 	case c.RepairTimeout < time.Millisecond:
 		return &ConfigError{Field: "Config.RepairTimeout", Reason: fmt.Sprintf("is %s; use at least 1ms, enough for a Redis round trip (0 uses the default)", c.RepairTimeout)}
+	case c.RepairTimeout < time.Duration(c.PageSize)*repairPerRow:
+		return &ConfigError{Field: "Config.RepairTimeout", Reason: fmt.Sprintf("is %s, too short for a batch of repairs of a page of Config.PageSize (%d) rows; use at least %s, or a smaller PageSize",
+			c.RepairTimeout, c.PageSize, time.Duration(c.PageSize)*repairPerRow)}
 	case c.RebuildMarkerTTL < 0 || (c.RebuildMarkerTTL > 0 && c.RebuildMarkerTTL < 100*time.Millisecond):
 		return &ConfigError{Field: "Config.RebuildMarkerTTL", Reason: "must be at least 100ms (0 uses the default)"}
 	case c.RebuildMarkerTTL < time.Duration(c.PageSize)*rebuildMarkerPerRow:

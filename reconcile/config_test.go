@@ -63,8 +63,14 @@ func TestConfig(t *testing.T) {
 		// and a Rebuild report a switch it never sent as uncertain.
 		_, err = New(src, target, &Config{RepairTimeout: time.Millisecond - 1})
 		require.ErrorContains(t, err, "Config.RepairTimeout: is 999.999µs; use at least 1ms")
-		_, err = New(src, target, &Config{RepairTimeout: time.Millisecond})
+		_, err = New(src, target, &Config{RepairTimeout: time.Millisecond, PageSize: 10})
 		require.NoError(t, err)
+		// A page's repairs are one batch: a timeout no such batch can
+		// meet would leave every missing or stale page unrepaired.
+		_, err = New(src, target, &Config{RepairTimeout: time.Millisecond})
+		require.ErrorContains(t, err, "Config.RepairTimeout: is 1ms, too short for a batch of repairs of a page of Config.PageSize (1000) rows; use at least 100ms")
+		_, err = New(src, target, &Config{PageSize: PageSizeMax, RepairTimeout: 10*time.Second - 1})
+		require.ErrorContains(t, err, "use at least 10s")
 		_, err = New(src, target, &Config{ReadAhead: ReadAheadMax, PageSize: PageSizeMax, RebuildMarkerTTL: 100 * time.Millisecond})
 		require.ErrorContains(t, err, "Config.RebuildMarkerTTL: is 100ms, too short to outlast reading and copying a page of Config.PageSize (100000) rows; use at least 10s")
 		_, err = New(src, target, &Config{ReadAhead: ReadAheadMax, PageSize: PageSizeMax, RebuildMarkerTTL: 10 * time.Second})
