@@ -69,7 +69,10 @@ type RelayConfig struct {
 	// connection lost as PostgreSQL restarted, say) ends that lease itself
 	// before its next claim, once the database answers, rather than leave
 	// the rows waiting for it. The Handler's context expires with the
-	// lease. Choose it well above the Handler's worst expected latency.
+	// lease. Choose it well above the Handler's worst expected latency. At
+	// least 100ms plus 10µs per row of BatchSize (200ms at BatchSizeMax),
+	// as the claim itself runs within it; a shorter one is refused with a
+	// *ConfigError.
 	// Defaults to LeaseDurationDefault (30s).
 	LeaseDuration time.Duration
 
@@ -335,8 +338,10 @@ func (c *RelayConfig) validate() error {
 		return &ConfigError{Field: "MaxAttempts", Reason: fmt.Sprintf("is %d; use at least 1, or zero for the default", c.MaxAttempts)}
 	case c.RetryBackoffMax < c.RetryBackoffMin:
 		return &ConfigError{Field: "RetryBackoffMax", Reason: fmt.Sprintf("is %s, below RetryBackoffMin (%s); raise it", c.RetryBackoffMax, c.RetryBackoffMin)}
-	case c.LeaseDuration < time.Millisecond:
-		return &ConfigError{Field: "LeaseDuration", Reason: fmt.Sprintf("is %s; use at least 1ms", c.LeaseDuration)}
+	case c.LeaseDuration < leaseFloor(c.BatchSize):
+		// The claim itself (a prepare on a new connection, then reading
+		// and leasing up to BatchSize rows) runs within the lease.
+		return &ConfigError{Field: "LeaseDuration", Reason: fmt.Sprintf("is %s, too short for a claim of BatchSize (%d) rows to finish within it; use at least %s", c.LeaseDuration, c.BatchSize, leaseFloor(c.BatchSize))}
 	}
 	if c.Listener != nil {
 		if err := c.validateListener(); err != nil {
@@ -370,4 +375,11 @@ func (c *RelayConfig) validateListener() error {
 			l.cfg.Schema, l.cfg.Table, c.Schema, c.Table)}
 	}
 	return nil
+}
+
+// leaseFloor is the least LeaseDuration for a BatchSize: a claim, which
+// runs within the lease, takes a few milliseconds (its first on a
+// connection prepares the statements) and a few µs a row.
+func leaseFloor(batchSize int) time.Duration {
+	return 100*time.Millisecond + time.Duration(batchSize)*10*time.Microsecond
 }

@@ -2125,6 +2125,10 @@ func TestRelayConfig(t *testing.T) {
 		{"HugeBatchSize", outbox.RelayConfig{BatchSize: outbox.BatchSizeMax + 1}, "BatchSize"},
 		{"NegativeLease", outbox.RelayConfig{LeaseDuration: -time.Second}, "LeaseDuration"},
 		{"TinyLease", outbox.RelayConfig{LeaseDuration: time.Microsecond}, "LeaseDuration"},
+		// The claim runs within the lease: shorter than a claim, no batch
+		// could ever be delivered.
+		{"LeaseShorterThanAClaim", outbox.RelayConfig{LeaseDuration: 99 * time.Millisecond, BatchSize: 1}, "LeaseDuration"},
+		{"LeaseShorterThanALargeClaim", outbox.RelayConfig{LeaseDuration: 199 * time.Millisecond, BatchSize: outbox.BatchSizeMax}, "LeaseDuration"},
 		{"NegativePoll", outbox.RelayConfig{PollInterval: -1}, "PollInterval"},
 		{"NegativeMaxAttempts", outbox.RelayConfig{MaxAttempts: -3}, "MaxAttempts"},
 		{"BackoffMaxBelowMin", outbox.RelayConfig{RetryBackoffMin: time.Minute, RetryBackoffMax: time.Second}, "RetryBackoffMax"},
