@@ -41,7 +41,7 @@ func TestConfig(t *testing.T) {
 		require.NotNil(t, c.Logger)
 		require.NoError(t, c.validate())
 
-		// MaxLag needs only to exceed LagProbeInterval, whatever the policy.
+		// MaxLag needs only to exceed LagProbeInterval and 1ms, whatever the policy.
 		for _, p := range []ReadPolicy{ServeStale, FallbackToPostgres, FailClosed} {
 			c = (&Config{Name: "b", ReadPolicy: p, MaxLag: time.Millisecond, LagProbeInterval: time.Millisecond - 1}).WithDefaults()
 			require.NoError(t, c.validate())
@@ -75,6 +75,8 @@ func TestConfig(t *testing.T) {
 			{"NegativeProbeInterval", Config{Name: "b", LagProbeInterval: -time.Second}, "Config.LagProbeInterval"},
 			{"LagBelowProbeInterval", Config{Name: "b", MaxLag: 50 * time.Millisecond}, "Config.MaxLag"},
 			{"LagAtProbeInterval", Config{Name: "b", MaxLag: time.Second, LagProbeInterval: time.Second}, "Config.MaxLag"},
+			// A measurement's age alone exceeds it: every read would lag.
+			{"LagBelowAMeasurement", Config{Name: "b", MaxLag: 2 * time.Nanosecond, LagProbeInterval: time.Nanosecond}, "Config.MaxLag"},
 			{"ProbeIntervalAboveDefaultLag", Config{Name: "b", LagProbeInterval: time.Hour}, "Config.MaxLag"},
 			{"BracePrefix", Config{Name: "b", KeyPrefix: "a{b}"}, "Config.KeyPrefix"},
 			{"NegativeBuckets", Config{Name: "b", VersionBuckets: -1}, "Config.VersionBuckets"},
