@@ -17,9 +17,10 @@ import (
 // snapshot the pass began with, so a write committed and projected during
 // the pass looked like drift: forced repairs took a's newer version back
 // and deleted the new entity c, and a Rebuild switched in a's older
-// version. Such a source is refused for those, with nothing written; dry
-// runs and the default policy still run through it, and a READ COMMITTED
-// transaction confirms as a pool does.
+// version; and after Redis lost a, a missing repair wrote a's v1 back.
+// Such a source is refused for those, with nothing written; dry runs, and
+// a policy that only reports missing, ahead and orphan entries, still run
+// through it, and a READ COMMITTED transaction confirms as a pool does.
 func TestSnapshotSource(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
@@ -72,15 +73,38 @@ func TestSnapshotSource(t *testing.T) {
 			require.Equal(t, int64(1), collected.Int(metricRuns, errOutcome, attribute.String(AttributeMode, modeFull)))
 			require.Equal(t, int64(1), collected.Int(metricRuns, errOutcome, attribute.String(AttributeMode, modeSample)))
 
-			// A dry run, and the default policy, only report.
+			// A dry run, and a policy repairing only stale and corrupt
+			// entries, run.
 			rep, err := r.Run(ctx, RunOptions{DryRun: true})
 			require.NoError(t, err)
 			require.Equal(t, int64(1), rep.Counts[ClassAhead], "ahead as of the snapshot")
-			r, err = New(src, b.target, nil)
+			r, err = New(src, b.target, &Config{Policy: Policy{Missing: ActionReport}})
 			require.NoError(t, err)
 			_, err = r.Run(ctx, RunOptions{})
 			require.NoError(t, err)
 			untouched(t, b, r)
+		})
+
+		// Redis loses the collection's keys after a's v2 was projected: a missing
+		// repair from the snapshot wrote a's v1 back, a reverted value no
+		// outbox record would correct.
+		t.Run("MissingRepairsRefused"+pascal(string(iso)), func(t *testing.T) {
+			t.Parallel()
+			b, src := open(t, iso)
+			tg := b.target.target("a")
+			require.NoError(t, b.client.Del(ctx, b.ks.ValueKey(tg), b.ks.VersionKey(tg)).Err())
+			r, err := New(src, b.target, nil)
+			require.NoError(t, err)
+			_, err = r.Run(ctx, RunOptions{})
+			var cfgErr *ConfigError
+			require.ErrorAs(t, err, &cfgErr, "the default policy repairs missing entries")
+			require.Equal(t, "source", cfgErr.Field)
+			_, err = r.CheckKeys(ctx, []string{"a"}, RunOptions{})
+			require.ErrorAs(t, err, &cfgErr)
+			require.False(t, b.state(t, r, "a").HasValue, "nothing written back")
+			rep, err := r.Run(ctx, RunOptions{DryRun: true})
+			require.NoError(t, err)
+			require.Equal(t, int64(2), rep.Counts[ClassMissing], "a and b, the snapshot's rows: %v", rep.Counts)
 		})
 
 		t.Run("RebuildRefused"+pascal(string(iso)), func(t *testing.T) {
