@@ -25,7 +25,12 @@ type Stats struct {
 	Retrying int64
 	// OldestPendingAge is how long the oldest pending row has waited (the
 	// "outbox age", the figure to alert on: it grows when relays stop or
-	// fail, whatever the volume). Zero when nothing is pending. Rows whose
+	// fail, whatever the volume). Zero when nothing is pending. A row that
+	// fails MaxAttempts times leaves it when it moves to the dead-letter
+	// table, although its state never reached the projection: the figure
+	// drops (to 0 if nothing else is pending). Alert on DeadLetters too, and
+	// count a stream's dead letters as unbounded lag in a freshness check
+	// (as leaderboard's lag does). Rows whose
 	// created_at is not finite (see Record.CreatedAt) have no age and are
 	// left out. It is measured on the database clock: after that clock
 	// steps back (an NTP step, a failover to a host whose clock lags), rows
