@@ -117,7 +117,11 @@ type Board struct {
 		atLeast map[string]string
 	}
 
-	lagMu        sync.Mutex
+	lagMu sync.Mutex
+	// shortRecord is the token of a Verify record a look found with fewer
+	// members than its pass saw (under lagMu): it never counts again, even
+	// once new scores make the sorted set as large.
+	shortRecord  string
 	lagProbe     lagProbe
 	lagFirst     chan struct{} // closed when the first lag measurement ends
 	verification verification

@@ -237,7 +237,12 @@ type Config struct {
 	// record also stops counting once the sorted set holds fewer members
 	// than the pass found (a DEL of it alone, its eviction, also after new
 	// scores recreated it; an orphan repair or a Rebuild that removed
-	// users, after which Verify is due anyway). It counts only to the size
+	// users, after which Verify is due anyway), and a Board that saw that
+	// does not count the record again until the next Verify, even once new
+	// scores make the sorted set as large; one that never looked while it
+	// was smaller (started since, or the set grew back within one
+	// LagProbeInterval) counts it again then, the lost users still
+	// missing. It counts only to the size
 	// the pass found: a board verified empty (a new board's first pass)
 	// shows no loss of the members it gained since, so Verify it again once
 	// it has scores. After a

@@ -66,7 +66,8 @@ end
 redis.call('SET', KEYS[2], mine .. ARGV[2])
 -- KEYS[4] holds the token and the sorted set's (KEYS[3]) size: readers
 -- stop trusting the record once it holds fewer members (a DEL of it
--- alone, its eviction, even once new scores recreated it). It is written
+-- alone, its eviction, also once new scores recreated it; a reader that
+-- saw it smaller, also once they made it as large). It is written
 -- for a board verified empty too ("<token> 0"), and readers take a record
 -- without it as lost: an allkeys-* eviction can take it with the sorted
 -- set and leave the record.

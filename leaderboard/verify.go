@@ -344,7 +344,10 @@ func isRedisReply(err error) bool {
 // the record names ("" for a record of a release that named none). A
 // record no longer counts once the sorted set holds fewer members than the
 // pass found (a DEL of it alone, its eviction, also after new scores
-// recreated it): the board would read without them. Members gained since
+// recreated it): the board would read without them. A Board that saw it
+// so never counts that record again (b.shortRecord), even once new scores
+// make the sorted set as large; one that did not look meanwhile (started
+// since, or the set grew back within a LagProbeInterval) does. Members gained since
 // the pass are not counted: a loss of those alone goes unseen (on a board
 // verified empty, any loss) until the next pass. Nor does it count
 // without its companion, the size the pass found (heldKey), which an
@@ -419,8 +422,14 @@ func (b *Board) projectionVerified(ctx context.Context) (verified bool, source s
 		if perr != nil {
 			n = 1 // no size: the token alone
 		}
+		b.lagMu.Lock()
+		defer b.lagMu.Unlock()
 		if exists.Val() < n {
+			b.shortRecord = fields[0]
 			return false, "", nil // members the pass saw are gone
+		}
+		if b.shortRecord == fields[0] {
+			return false, "", nil // they were gone once: new ones need not be them
 		}
 	}
 	return true, source, nil

@@ -98,8 +98,9 @@ func TestVerify(t *testing.T) {
 	// A DEL of the sorted set alone (or its eviction) keeps the record,
 	// and the board would read empty and verified: the record no longer
 	// counts once the sorted set holds fewer members than the pass saw,
-	// also after new scores recreated it. A board verified empty stays
-	// verified when its first score is projected.
+	// also after new scores recreated it, and, for a board that saw it
+	// smaller, once they made it as large again. A board verified empty
+	// stays verified when its first score is projected.
 	t.Run("SortedSetLostAloneIsSeen", func(t *testing.T) {
 		t.Parallel()
 		tb := verifying(t)
@@ -123,6 +124,12 @@ func TestVerify(t *testing.T) {
 		tb.submit(t, "carol", 5)
 		tb.drain(t)
 		requireUnverified(t, tb)
+		// A second makes it as large as Verify saw: this board saw the
+		// loss, and does not trust the record again (it did, and read
+		// carol and dave as the verified board).
+		tb.submit(t, "dave", 6)
+		tb.drain(t)
+		requireUnverified(t, tb)
 
 		rep, verified, err := tb.board.Verify(ctx, nil)
 		require.NoError(t, err)
@@ -130,7 +137,7 @@ func TestVerify(t *testing.T) {
 		require.Equal(t, int64(2), rep.Repaired, "%v", rep.Counts)
 		r, err = tb.board.Top(ctx, 10)
 		require.NoError(t, err)
-		require.Len(t, r.Entries, 3)
+		require.Len(t, r.Entries, 4)
 		require.False(t, r.Freshness.Unverified)
 	})
 
