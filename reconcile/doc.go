@@ -75,8 +75,9 @@
 // Those lookups see a write committed since the page was read only if the
 // source takes a fresh snapshot per statement: a pool does; a REPEATABLE
 // READ or SERIALIZABLE transaction does not, so through one, Run refuses
-// to repair missing, ahead or orphan entries (a key Redis lost would be
-// written back at the snapshot's older version) and Rebuild refuses to run
+// to repair missing, corrupt, ahead or orphan entries (a key Redis lost, or
+// a value whose version it lost, would be written back at the snapshot's
+// older version), repairing stale ones only, and Rebuild refuses to run
 // (see DBTX).
 // A custom Source whose lookups read an old snapshot must not be run with
 // those repairs, nor rebuilt from.

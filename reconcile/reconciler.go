@@ -282,15 +282,19 @@ type frozenSource interface {
 }
 
 // refuseForcedRepairsOfFrozenSource refuses a run that may repair missing,
-// ahead or orphan entries through a source that reads one snapshot for the
-// whole pass: its lookups cannot confirm ahead and orphan findings, and a
-// missing entry (a key Redis lost) would be written back at the snapshot's
+// corrupt, ahead or orphan entries through a source that reads one
+// snapshot for the whole pass: its lookups cannot confirm ahead and orphan
+// findings, and a missing entry (a key Redis lost) or a corrupt one (a
+// value whose version Redis lost) would be written back at the snapshot's
 // version, older than one committed and projected since.
 func (r *Reconciler) refuseForcedRepairsOfFrozenSource(ctx context.Context, opts RunOptions) error {
-	if opts.DryRun || (r.cfg.Policy.For(ClassMissing) != ActionRepair && r.cfg.Policy.For(ClassAhead) != ActionRepair && r.cfg.Policy.For(ClassOrphan) != ActionRepair) {
+	// Corrupt too: a value whose version Redis lost (an evicted version
+	// key) reads as corrupt, and would be written back at the snapshot's
+	// older version as a lost key would.
+	if opts.DryRun || (r.cfg.Policy.For(ClassMissing) != ActionRepair && r.cfg.Policy.For(ClassCorrupt) != ActionRepair && r.cfg.Policy.For(ClassAhead) != ActionRepair && r.cfg.Policy.For(ClassOrphan) != ActionRepair) {
 		return nil
 	}
-	return r.refuseFrozenSource(ctx, "a run (Run or CheckKeys) cannot repair missing, ahead or orphan entries (Config.Policy) through it: a write committed and projected after its snapshot would be taken for drift, and its newer version taken back (a lost key rewritten at the snapshot's older version) or its new entity deleted; give NewSQLSource a pool, run with DryRun, or set Policy.Missing, Policy.Ahead and Policy.Orphan to report")
+	return r.refuseFrozenSource(ctx, "a run (Run or CheckKeys) cannot repair missing, corrupt, ahead or orphan entries (Config.Policy) through it: a write committed and projected after its snapshot would be taken for drift, and its newer version taken back (a lost key rewritten at the snapshot's older version) or its new entity deleted; give NewSQLSource a pool, run with DryRun, or set Policy.Missing, Policy.Corrupt, Policy.Ahead and Policy.Orphan to report")
 }
 
 // refuseFrozenSource returns a *ConfigError saying why (what cannot be

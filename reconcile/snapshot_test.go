@@ -17,7 +17,8 @@ import (
 // snapshot the pass began with, so a write committed and projected during
 // the pass looked like drift: forced repairs took a's newer version back
 // and deleted the new entity c, and a Rebuild switched in a's older
-// version; and after Redis lost a, a missing repair wrote a's v1 back.
+// version; and after Redis lost a (or a's version), a missing (or corrupt)
+// repair wrote a's v1 back.
 // Such a source is refused for those, with nothing written; dry runs, and
 // a policy that only reports missing, ahead and orphan entries, still run
 // through it, and a READ COMMITTED transaction confirms as a pool does.
@@ -73,12 +74,11 @@ func TestSnapshotSource(t *testing.T) {
 			require.Equal(t, int64(1), collected.Int(metricRuns, errOutcome, attribute.String(AttributeMode, modeFull)))
 			require.Equal(t, int64(1), collected.Int(metricRuns, errOutcome, attribute.String(AttributeMode, modeSample)))
 
-			// A dry run, and a policy repairing only stale and corrupt
-			// entries, run.
+			// A dry run, and a policy repairing only stale entries, run.
 			rep, err := r.Run(ctx, RunOptions{DryRun: true})
 			require.NoError(t, err)
 			require.Equal(t, int64(1), rep.Counts[ClassAhead], "ahead as of the snapshot")
-			r, err = New(src, b.target, &Config{Policy: Policy{Missing: ActionReport}})
+			r, err = New(src, b.target, &Config{Policy: Policy{Missing: ActionReport, Corrupt: ActionReport}})
 			require.NoError(t, err)
 			_, err = r.Run(ctx, RunOptions{})
 			require.NoError(t, err)
@@ -105,6 +105,29 @@ func TestSnapshotSource(t *testing.T) {
 			rep, err := r.Run(ctx, RunOptions{DryRun: true})
 			require.NoError(t, err)
 			require.Equal(t, int64(2), rep.Counts[ClassMissing], "a and b, the snapshot's rows: %v", rep.Counts)
+		})
+
+		// Redis loses the version hash alone after a's v2 was projected: a
+		// reads as corrupt (a value without a version), and a repair from
+		// the snapshot wrote a's v1 back over v2's value.
+		t.Run("CorruptRepairsRefused"+pascal(string(iso)), func(t *testing.T) {
+			t.Parallel()
+			b, src := open(t, iso)
+			tg := b.target.target("a")
+			before, err := b.client.ZScore(ctx, b.ks.ValueKey(tg), "a").Result()
+			require.NoError(t, err)
+			require.NoError(t, b.client.Del(ctx, b.ks.VersionKey(tg)).Err())
+			r, err := New(src, b.target, &Config{Policy: Policy{Missing: ActionReport}})
+			require.NoError(t, err)
+			_, err = r.Run(ctx, RunOptions{})
+			var cfgErr *ConfigError
+			require.ErrorAs(t, err, &cfgErr, "the policy repairs corrupt entries")
+			after, err := b.client.ZScore(ctx, b.ks.ValueKey(tg), "a").Result()
+			require.NoError(t, err)
+			require.Equal(t, before, after, "a's v2 value left as it was")
+			rep, err := r.Run(ctx, RunOptions{DryRun: true})
+			require.NoError(t, err)
+			require.Equal(t, int64(2), rep.Counts[ClassCorrupt], "a and b, the snapshot's rows: %v", rep.Counts)
 		})
 
 		t.Run("RebuildRefused"+pascal(string(iso)), func(t *testing.T) {

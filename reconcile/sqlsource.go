@@ -36,11 +36,13 @@ import (
 // snapshot for the whole pass, and the lookups that confirm ahead and
 // orphan findings (package doc, "Repairs") then cannot see a
 // write committed after it: once projected, such a write is reported as
-// ahead, or its new entity as an orphan; and an entry Redis lost since would
-// be repaired, as missing, at the snapshot's older version. Through such a
-// transaction, Reconciler.Run and CheckKeys refuse to repair missing, ahead
-// or orphan entries (unless DryRun; the default Policy repairs missing ones,
-// so set Policy.Missing to ActionReport), and Reconciler.Rebuild refuses to
+// ahead, or its new entity as an orphan; and an entry Redis lost since (or
+// whose version it lost) would be repaired, as missing (or corrupt), at the
+// snapshot's older version. Through such a transaction, Reconciler.Run and
+// CheckKeys refuse to repair missing, corrupt, ahead or orphan entries
+// (unless DryRun; the default Policy repairs missing and corrupt ones, so
+// set Policy.Missing and Policy.Corrupt to ActionReport), and
+// Reconciler.Rebuild refuses to
 // run, each with a *ConfigError: a repair would take a newer version back,
 // or delete a new entity, and a rebuild would switch in versions older than
 // the live ones.
