@@ -174,8 +174,11 @@ type Config struct {
 
 	// MaxLag is the largest projection lag at which Redis answers are
 	// considered fresh. It applies under every ReadPolicy (a read may pick
-	// another with WithPolicy) and must be greater than LagProbeInterval,
-	// and at least 1ms. Defaults to MaxLagDefault.
+	// another with WithPolicy) and must be greater than LagProbeInterval.
+	// The lag a read sees includes its measurement's age (100µs or more):
+	// below that every Redis answer is stale, so FailClosed reads always
+	// fail and FallbackToPostgres reads always go to PostgreSQL (a way to
+	// read PostgreSQL by the fallback path). Defaults to MaxLagDefault.
 	MaxLag time.Duration
 
 	// ReadYourWritesTimeout bounds how long a read with AtLeast waits for
@@ -419,8 +422,6 @@ func (c *Config) validate() error {
 		return bad("ReadYourWritesTimeout", "must not be negative")
 	case c.LagProbeInterval < 0:
 		return bad("LagProbeInterval", "must not be negative")
-	case c.MaxLag < time.Millisecond:
-		return bad("MaxLag", "(%s) must be at least 1ms: the lag is measured by a PostgreSQL query, and the measurement's age alone exceeds a shorter one, so every read would be stale", c.MaxLag)
 	case c.MaxLag <= c.LagProbeInterval:
 		return bad("MaxLag", "(%s) must be greater than Config.LagProbeInterval (%s), since reads made while a lag probe runs see a lag of at least LagProbeInterval; raise MaxLag or lower LagProbeInterval to a small fraction of it", c.MaxLag, c.LagProbeInterval)
 	case c.VersionBuckets < 0 || c.VersionBuckets > projection.VersionBucketsMax:

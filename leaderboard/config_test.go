@@ -41,7 +41,7 @@ func TestConfig(t *testing.T) {
 		require.NotNil(t, c.Logger)
 		require.NoError(t, c.validate())
 
-		// MaxLag needs only to exceed LagProbeInterval and 1ms, whatever the policy.
+		// MaxLag needs only to exceed LagProbeInterval, whatever the policy.
 		for _, p := range []ReadPolicy{ServeStale, FallbackToPostgres, FailClosed} {
 			c = (&Config{Name: "b", ReadPolicy: p, MaxLag: time.Millisecond, LagProbeInterval: time.Millisecond - 1}).WithDefaults()
 			require.NoError(t, c.validate())
@@ -75,8 +75,6 @@ func TestConfig(t *testing.T) {
 			{"NegativeProbeInterval", Config{Name: "b", LagProbeInterval: -time.Second}, "Config.LagProbeInterval"},
 			{"LagBelowProbeInterval", Config{Name: "b", MaxLag: 50 * time.Millisecond}, "Config.MaxLag"},
 			{"LagAtProbeInterval", Config{Name: "b", MaxLag: time.Second, LagProbeInterval: time.Second}, "Config.MaxLag"},
-			// A measurement's age alone exceeds it: every read would lag.
-			{"LagBelowAMeasurement", Config{Name: "b", MaxLag: 2 * time.Nanosecond, LagProbeInterval: time.Nanosecond}, "Config.MaxLag"},
 			{"ProbeIntervalAboveDefaultLag", Config{Name: "b", LagProbeInterval: time.Hour}, "Config.MaxLag"},
 			{"BracePrefix", Config{Name: "b", KeyPrefix: "a{b}"}, "Config.KeyPrefix"},
 			{"NegativeBuckets", Config{Name: "b", VersionBuckets: -1}, "Config.VersionBuckets"},
@@ -180,6 +178,25 @@ func TestConfig(t *testing.T) {
 		require.ErrorContains(t, err, "Config.MaxLag (50ms)")
 		require.ErrorContains(t, err, "Config.LagProbeInterval (100ms)")
 		require.ErrorContains(t, err, "raise MaxLag or lower LagProbeInterval")
+	})
+
+	// A MaxLag below a measurement's own age is accepted, as the doc
+	// says: every Redis answer is then stale, so FailClosed reads fail and
+	// FallbackToPostgres reads answer from PostgreSQL.
+	t.Run("MaxLagBelowAMeasurement", func(t *testing.T) {
+		t.Parallel()
+		tb := setup(t, func(c *Config) { c.MaxLag, c.LagProbeInterval = 2*time.Nanosecond, time.Nanosecond })
+		tb.submit(t, "ada", 10)
+		tb.drain(t)
+		ctx := context.Background()
+		for range 3 {
+			_, err := tb.board.Top(ctx, 10, WithPolicy(FailClosed))
+			require.ErrorIs(t, err, ErrStale)
+			r, err := tb.board.Top(ctx, 10, WithPolicy(FallbackToPostgres))
+			require.NoError(t, err)
+			require.Equal(t, SourcePostgres, r.Freshness.Source)
+			require.Len(t, r.Entries, 1)
+		}
 	})
 
 	t.Run("NewRefusesBadInput", func(t *testing.T) {
