@@ -347,9 +347,9 @@ func isRedisReply(err error) bool {
 // recreated it): the board would read without them. A Board that saw it
 // so never counts that record again (b.shortRecord), even once new scores
 // make the sorted set as large; one that did not look meanwhile (started
-// since, or the set grew back within a LagProbeInterval) does. Members gained since
-// the pass are not counted: a loss of those alone goes unseen (on a board
-// verified empty, any loss) until the next pass. Nor does it count
+// since, or the set grew back within a LagProbeInterval) does. Members
+// gained since the pass are not counted: a loss of those alone goes unseen
+// (on a board verified empty, any loss) until the next pass. Nor does it count
 // without its companion, the size the pass found (heldKey), which an
 // eviction can take with the sorted set; a record of an earlier release
 // (its token lacks heldTokenPrefix) without one (or beside another pass's,
