@@ -175,10 +175,13 @@ type Config struct {
 	// MaxLag is the largest projection lag at which Redis answers are
 	// considered fresh. It applies under every ReadPolicy (a read may pick
 	// another with WithPolicy) and must be greater than LagProbeInterval.
-	// The lag a read sees includes its measurement's age (100µs or more):
-	// below that every Redis answer is stale, so FailClosed reads always
-	// fail and FallbackToPostgres reads always go to PostgreSQL (a way to
-	// read PostgreSQL by the fallback path). Defaults to MaxLagDefault.
+	// The lag a read sees includes its measurement's age, at least the
+	// probe query's round trip (on a local connection, well under 100µs at
+	// times): a MaxLag of a few nanoseconds (with LagProbeInterval 1ns)
+	// makes every Redis answer stale, so FailClosed reads always fail and
+	// FallbackToPostgres reads always go to PostgreSQL (a way to read
+	// PostgreSQL by the fallback path); one below the usual age makes most
+	// of them stale. Defaults to MaxLagDefault.
 	MaxLag time.Duration
 
 	// ReadYourWritesTimeout bounds how long a read with AtLeast waits for

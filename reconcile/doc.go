@@ -74,11 +74,12 @@
 //
 // Those lookups see a write committed since the page was read only if the
 // source takes a fresh snapshot per statement: a pool does; a REPEATABLE
-// READ or SERIALIZABLE transaction does not, so through one, Run refuses
-// to repair missing, corrupt, ahead or orphan entries (a key Redis lost, or
+// READ or SERIALIZABLE transaction does not, so through one, a run whose
+// policy repairs missing, corrupt, ahead or orphan entries (the default
+// policy repairs missing and corrupt ones) is refused (a key Redis lost, or
 // a value whose version it lost, would be written back at the snapshot's
-// older version), repairing stale ones only, and Rebuild refuses to run
-// (see DBTX).
+// older version): only a dry run, or one repairing stale entries alone,
+// goes ahead; and Rebuild refuses to run (see DBTX).
 // A custom Source whose lookups read an old snapshot must not be run with
 // those repairs, nor rebuilt from.
 //
