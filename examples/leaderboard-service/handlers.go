@@ -48,8 +48,10 @@ type submitResponse struct {
 	Duplicate bool      `json:"duplicate"`
 }
 
-// errorResponse is every error body: a message fit for an API client and,
-// for invalid input, the request field it concerns.
+// errorResponse is the body of every error the service's handlers answer:
+// a message fit for an API client and, for invalid input, the request field
+// it concerns. (net/http's own 404 and 405 for unknown paths and methods
+// stay plain text.)
 type errorResponse struct {
 	Error   string `json:"error"`
 	Field   string `json:"field,omitempty"`
