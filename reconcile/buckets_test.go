@@ -7,6 +7,7 @@ import (
 	"math"
 	"sort"
 	"testing"
+	"time"
 
 	"github.com/redis/go-redis/v9"
 	"github.com/stretchr/testify/require"
@@ -637,4 +638,38 @@ func layoutMismatches(err error) []*projection.LayoutMismatchError {
 		return layoutMismatches(e.Unwrap())
 	}
 	return nil
+}
+
+// Rebuild's switch moves every version bucket within RepairTimeout, so New
+// refuses a RepairTimeout too short for the layout's buckets, though it
+// fits a page of PageSize: with the client's ContextTimeoutEnabled (the way
+// the doc gives to make RepairTimeout the switch's deadline), 100ms and
+// VersionBucketsMax buckets made every Rebuild end in ErrRebuildUncertain.
+func TestRepairTimeoutCoversTheSwitch(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	b := setup(t, projection.KindSortedSet)
+	opt := b.client.(*redis.Client).Options()
+	opt.ContextTimeoutEnabled = true
+	client := redis.NewClient(opt)
+	t.Cleanup(func() { _ = client.Close() })
+	b.client, b.target.Client = client, client
+	b = b.withBuckets(t, projection.VersionBucketsMax)
+	b.projectRows(t, []Row{b.insert(t, "a", 1), b.insert(t, "b", 1)})
+
+	_, err := New(b.source, b.target, &Config{RepairTimeout: 100 * time.Millisecond})
+	var cfgErr *ConfigError
+	require.ErrorAs(t, err, &cfgErr)
+	require.Equal(t, "Config.RepairTimeout", cfgErr.Field)
+	require.Contains(t, err.Error(), "65536 version buckets")
+	require.Contains(t, err.Error(), "1.31072s")
+
+	r, err := New(b.source, b.target, &Config{RepairTimeout: time.Duration(projection.VersionBucketsMax) * switchPerBucket})
+	require.NoError(t, err)
+	for range 2 {
+		rep, err := r.Rebuild(ctx)
+		require.NoError(t, err)
+		require.True(t, rep.Switched)
+	}
+	require.Equal(t, fmt.Sprint(projection.VersionBucketsMax), b.layoutOf(t))
 }

@@ -49,6 +49,12 @@ const rebuildMarkerPerRow = 100 * time.Microsecond
 // is one batch bounded by RepairTimeout.
 const repairPerRow = 100 * time.Microsecond
 
+// switchPerBucket is the least RepairTimeout allowed per version bucket of
+// the target's layout: Rebuild's switch, bounded by RepairTimeout, checks
+// and moves every bucket, whatever PageSize is (about 5µs a bucket on a
+// 2-core VM; a whole Rebuild at VersionBucketsMax took 0.36–0.52s).
+const switchPerBucket = 20 * time.Microsecond
+
 // Action is what a run does about a class of findings.
 type Action uint8
 
@@ -159,9 +165,11 @@ type Config struct {
 	// connection's deadline: with the client's ContextTimeoutEnabled this
 	// timeout is that deadline; without it, a stalled Redis holds the batch
 	// (and a cancelled Run) for the client's ReadTimeout (and WriteTimeout)
-	// instead, whatever this timeout says. At least 1ms, and at least
-	// 100µs per row of PageSize (a page's repairs are one batch). Defaults to
-	// RepairTimeoutDefault.
+	// instead, whatever this timeout says. At least 1ms, at least 100µs
+	// per row of PageSize (a page's repairs are one batch), and, checked by
+	// New, at least 20µs per version bucket of Target.Keyspace (Rebuild's
+	// switch moves every bucket: 1.31s at projection.VersionBucketsMax).
+	// Defaults to RepairTimeoutDefault.
 	RepairTimeout time.Duration
 	// RebuildMarkerTTL is the lifetime of a rebuild's marker key, refreshed
 	// while the rebuild makes progress. If the rebuilding process dies, the

@@ -99,6 +99,14 @@ func New(source Source, target Target, cfg *Config) (*Reconciler, error) {
 	if s, ok := source.(*SQLSource); ok && !s.unmade() && s.kind != target.Kind {
 		return nil, &ConfigError{Field: "SQLSourceConfig.Kind", Reason: fmt.Sprintf("is %s but Target.Kind is %s: every entry would be compared with, and repaired to, a value read for the other kind; make the SQLSource with Kind %s and the ValueColumn holding that kind's value", s.kind, target.Kind, target.Kind)}
 	}
+	// Rebuild's switch and its clean-up check and move every version
+	// bucket within RepairTimeout, however small PageSize is.
+	if target.Kind != projection.KindDocument {
+		if buckets := target.Keyspace.VersionBuckets(); cfg.RepairTimeout < time.Duration(buckets)*switchPerBucket {
+			return nil, &ConfigError{Field: "Config.RepairTimeout", Reason: fmt.Sprintf("is %s, too short for Rebuild's switch of the %d version buckets of Target.Keyspace; use at least %s, or fewer buckets",
+				cfg.RepairTimeout, buckets, time.Duration(buckets)*switchPerBucket)}
+		}
+	}
 	// Refused now rather than by every full run, after its whole pass.
 	if target.Kind == projection.KindDocument && !cfg.SkipOrphans && !scansDocuments(target.Client) {
 		return nil, &ConfigError{Field: "Config.SkipOrphans", Reason: fmt.Sprintf("is false, but the orphan scan of documents SCANs every master, which it can do through a *redis.Client or *redis.ClusterClient, not a %T (Target.Client); set SkipOrphans (CheckKeys still looks for orphans among the keys it is given)", target.Client)}
