@@ -78,8 +78,9 @@
 // policy repairs missing, corrupt, ahead or orphan entries (the default
 // policy repairs missing and corrupt ones) is refused (a key Redis lost, or
 // a value whose version it lost, would be written back at the snapshot's
-// older version): only a dry run, or one repairing stale entries alone,
-// goes ahead; and Rebuild refuses to run (see DBTX).
+// older version): only a dry run, or one repairing stale entries alone
+// (up to the snapshot's version, never back), goes ahead; and Rebuild
+// refuses to run (see DBTX).
 // A custom Source whose lookups read an old snapshot must not be run with
 // those repairs, nor rebuilt from.
 //

@@ -130,6 +130,45 @@ func TestSnapshotSource(t *testing.T) {
 			require.Equal(t, int64(2), rep.Counts[ClassCorrupt], "a and b, the snapshot's rows: %v", rep.Counts)
 		})
 
+		// Redis goes back to a's v1 (a failover to a replica that missed
+		// the last writes) after v3 was projected, and the snapshot holds
+		// v2: a reads as stale, and the repair writes the snapshot's v2,
+		// newer than what Redis held, older than PostgreSQL's row, as the
+		// DBTX doc says; a pass through a pool then brings it to v3.
+		t.Run("StaleRepairStopsAtTheSnapshot"+pascal(string(iso)), func(t *testing.T) {
+			t.Parallel()
+			b := setup(t, projection.KindSortedSet)
+			b.projectRows(t, []Row{b.insert(t, "a", 1), b.insert(t, "b", 1)})
+			b.insert(t, "a", 2)
+			tx, err := b.pool.BeginTx(ctx, pgx.TxOptions{IsoLevel: iso, AccessMode: pgx.ReadOnly})
+			require.NoError(t, err)
+			t.Cleanup(func() { _ = tx.Rollback(ctx) })
+			src, err := NewSQLSource(tx, &SQLSourceConfig{Table: "items", KeyColumn: "key", VersionColumn: "version",
+				ValueColumn: "score", Kind: projection.KindSortedSet, Filters: []Filter{{Column: "board", Value: testBoard}}})
+			require.NoError(t, err)
+			_, err = src.Page(ctx, Cursor{}, 10) // the snapshot is taken: a at v2
+			require.NoError(t, err)
+			b.project(t, "a", 2)
+			b.project(t, "a", b.insert(t, "a", 3).Version)
+			tg := b.target.target("a")
+			require.NoError(t, b.client.Del(ctx, b.ks.ValueKey(tg), b.ks.VersionKey(tg)).Err())
+			b.projectRows(t, []Row{{Key: "a", Version: 1, Value: b.value("a", 1)}, {Key: "b", Version: 1, Value: b.value("b", 1)}})
+
+			r, err := New(src, b.target, &Config{Policy: Policy{Missing: ActionReport, Corrupt: ActionReport}})
+			require.NoError(t, err)
+			rep, err := r.Run(ctx, RunOptions{})
+			require.NoError(t, err, "stale repairs alone go ahead")
+			require.Equal(t, int64(1), rep.Counts[ClassStale], "%v", rep.Counts)
+			require.Equal(t, int64(1), rep.Repaired)
+			require.Equal(t, int64(2), b.state(t, r, "a").Version, "the snapshot's version, not PostgreSQL's")
+
+			pooled := b.reconciler(t, nil)
+			rep, err = pooled.Run(ctx, RunOptions{})
+			require.NoError(t, err)
+			require.Equal(t, int64(1), rep.Counts[ClassStale], "%v", rep.Counts)
+			require.Equal(t, int64(3), b.state(t, pooled, "a").Version)
+		})
+
 		t.Run("RebuildRefused"+pascal(string(iso)), func(t *testing.T) {
 			t.Parallel()
 			b, src := open(t, iso)

@@ -45,7 +45,12 @@ import (
 // Reconciler.Rebuild refuses to
 // run, each with a *ConfigError: a repair would take a newer version back,
 // or delete a new entity, and a rebuild would switch in versions older than
-// the live ones.
+// the live ones. Stale entries are still repaired, to the snapshot's
+// version, which the gate writes only over an older one, so such a repair
+// never takes Redis back; but after Redis lost writes made since the
+// snapshot (a failover to a replica that missed them, a restart from an
+// older RDB), the entry it repairs stays older than PostgreSQL's row, and
+// is counted as repaired, until a pass through a pool.
 type DBTX interface {
 	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
 	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
