@@ -353,7 +353,10 @@ func (b *Board) userIDProblem(user string) string {
 // (while it is queued, or its group waits for a pool connection), it
 // writes nothing; if it ends once the statement was sent, the command may
 // have committed, as with any statement cancelled in flight, and retrying
-// with the same event id is safe. Likewise when the connection breaks (or
+// with the same event id is safe (pgx closes the connection of a statement
+// cancelled in flight, so a call after it may wait for a new connection and
+// its prepared statements: tens of milliseconds on a loaded machine, which
+// short deadlines should leave room for). Likewise when the connection breaks (or
 // the server dies) once the statement was sent: the error then matches
 // ErrOutcomeUnknown, and a retry with the same event id returns the
 // original Result with Duplicate set if the first attempt committed.

@@ -15,7 +15,8 @@
 // outbox), and MigrationSQL returns the board tables' SQL for a migration
 // tool; New builds a Board from a pgx pool, a redis.UniversalClient and a
 // Config. A board used before Migrate fails with ErrNotMigrated (its
-// reads under every ReadPolicy, and its Worker, too).
+// reads under every ReadPolicy, and its Worker's RunOnce and Drain, too;
+// Worker.Run, like the relay's, logs the error and tries again).
 //
 // Submit applies a Command{EventID, UserID, Delta} and returns the user's
 // resulting Score and Version. It costs ONE database round trip: a single
