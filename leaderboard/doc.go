@@ -434,6 +434,12 @@
 // set to "verity:lb:" (the old keys; correct only while no other schema
 // has a board of the same name). To move to the new default later, run a
 // reconcile pass of a Board configured with the new prefix (it fills the
-// new keys from PostgreSQL while the old ones serve), deploy the default,
-// and run the pass again for what was written in between.
+// new keys from PostgreSQL while the old ones serve), deploy the default
+// with RequireVerifiedProjection set, and run Verify once no process of
+// the old prefix runs a Worker. While both releases run, each one's
+// Workers project only into its own keys, and both read a lag of 0: the
+// new release's reads stay unverified until that Verify (FailClosed
+// refuses them, FallbackToPostgres reads PostgreSQL), but the old release
+// serves the entries the new Workers changed, stale, as fresh; stopping
+// the old processes before starting new ones avoids that.
 package leaderboard

@@ -1314,3 +1314,52 @@ func TestVerifyRecordReplacedDuringTheReadersLook(t *testing.T) {
 	require.True(t, hook.done)
 	require.NoError(t, err, "verified before, during and after the look")
 }
+
+// TestKeyPrefixMove follows the package doc's move to another KeyPrefix
+// ("Upgrading") while a process of the old prefix still runs a Worker: its
+// projection of alice's next score reaches the old keys alone, the lag
+// reads 0 on both, and the new release's reads, with
+// RequireVerifiedProjection as the doc says, stay unverified until a
+// Verify made once the old Workers are gone. Without it they served
+// alice's replaced score as fresh; the old release does (documented).
+func TestKeyPrefixMove(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	tb := setup(t, func(c *Config) { c.ReadPolicy = FailClosed; c.MaxLag = time.Minute })
+	moved := func(c *Config) {
+		c.KeyPrefix = tb.rd.Prefix + "moved:"
+		c.ReadPolicy = FailClosed
+		c.MaxLag = time.Minute
+	}
+	newBoard := tb.sibling(t, tb.board.Name(), moved, func(c *Config) { c.RequireVerifiedProjection = true })
+	unguarded := tb.sibling(t, tb.board.Name(), moved)
+	tb.submit(t, "alice", 10)
+	tb.drain(t)
+	rec, err := newBoard.Reconciler(nil)
+	require.NoError(t, err)
+	_, err = rec.Run(ctx, reconcile.RunOptions{}) // fills the new keys
+	require.NoError(t, err)
+
+	tb.submit(t, "alice", 5)
+	tb.drain(t) // the old release's Worker: the old keys alone
+
+	e, fr, err := unguarded.Rank(ctx, "alice")
+	require.NoError(t, err)
+	require.Equal(t, int64(10), e.Score, "without RequireVerifiedProjection the replaced score is served")
+	require.Zero(t, fr.Lag)
+	e, _, err = tb.board.Rank(ctx, "alice")
+	require.NoError(t, err)
+	require.Equal(t, int64(15), e.Score)
+
+	_, fr, err = newBoard.Rank(ctx, "alice")
+	var stale *StaleError
+	require.ErrorAs(t, err, &stale, "served %+v", fr)
+	require.True(t, stale.Unverified)
+
+	_, verified, err := newBoard.Verify(ctx, nil) // the old Workers are gone
+	require.NoError(t, err)
+	require.True(t, verified)
+	e, fr, err = newBoard.Rank(ctx, "alice")
+	require.NoError(t, err, "%+v", fr)
+	require.Equal(t, int64(15), e.Score)
+}
