@@ -158,7 +158,10 @@
 // re-created from the clock, and Invalidate sets the version to the largest
 // of current+1, the clock and one above the version embedded in P{id}:c.
 // Every version handed out is therefore at most the clock when it was handed
-// out, and a re-created version is larger than all of them: a fill still in
+// out (unless the one before it already reached the clock: two Invalidates
+// of an id within one microsecond, which one server's scripts, each longer
+// than that, do not manage, or a clock that stepped back), and a re-created
+// version is larger than all of them: a fill still in
 // flight under an old version cannot pass the check. This holds as long as
 // the server clock does not step back by more than the time since the last
 // Invalidate (relevant after a failover to a host with a lagging clock).
