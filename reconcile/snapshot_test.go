@@ -34,14 +34,7 @@ func TestSnapshotSource(t *testing.T) {
 		t.Helper()
 		b := setup(t, projection.KindSortedSet)
 		b.projectRows(t, []Row{b.insert(t, "a", 1), b.insert(t, "b", 1)})
-		tx, err := b.pool.BeginTx(ctx, pgx.TxOptions{IsoLevel: iso, AccessMode: pgx.ReadOnly})
-		require.NoError(t, err)
-		t.Cleanup(func() { _ = tx.Rollback(ctx) })
-		src, err := NewSQLSource(tx, &SQLSourceConfig{Table: "items", KeyColumn: "key", VersionColumn: "version",
-			ValueColumn: "score", Kind: projection.KindSortedSet, Filters: []Filter{{Column: "board", Value: testBoard}}})
-		require.NoError(t, err)
-		_, err = src.Page(ctx, Cursor{}, 10) // the snapshot is taken
-		require.NoError(t, err)
+		src := snapshotSource(t, b, iso)
 		b.project(t, "a", b.insert(t, "a", 2).Version)
 		b.project(t, "c", b.insert(t, "c", 1).Version)
 		return b, src
@@ -140,14 +133,7 @@ func TestSnapshotSource(t *testing.T) {
 			b := setup(t, projection.KindSortedSet)
 			b.projectRows(t, []Row{b.insert(t, "a", 1), b.insert(t, "b", 1)})
 			b.insert(t, "a", 2)
-			tx, err := b.pool.BeginTx(ctx, pgx.TxOptions{IsoLevel: iso, AccessMode: pgx.ReadOnly})
-			require.NoError(t, err)
-			t.Cleanup(func() { _ = tx.Rollback(ctx) })
-			src, err := NewSQLSource(tx, &SQLSourceConfig{Table: "items", KeyColumn: "key", VersionColumn: "version",
-				ValueColumn: "score", Kind: projection.KindSortedSet, Filters: []Filter{{Column: "board", Value: testBoard}}})
-			require.NoError(t, err)
-			_, err = src.Page(ctx, Cursor{}, 10) // the snapshot is taken: a at v2
-			require.NoError(t, err)
+			src := snapshotSource(t, b, iso) // a at v2
 			b.project(t, "a", 2)
 			b.project(t, "a", b.insert(t, "a", 3).Version)
 			tg := b.target.target("a")
@@ -201,6 +187,22 @@ func TestSnapshotSource(t *testing.T) {
 	})
 }
 
+// snapshotSource returns a SQLSource over b's items through a new read-only
+// transaction of level iso, its snapshot taken (for a snapshot level).
+func snapshotSource(t *testing.T, b *testBundle, iso pgx.TxIsoLevel) *SQLSource {
+	t.Helper()
+	ctx := context.Background()
+	tx, err := b.pool.BeginTx(ctx, pgx.TxOptions{IsoLevel: iso, AccessMode: pgx.ReadOnly})
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = tx.Rollback(ctx) })
+	src, err := NewSQLSource(tx, &SQLSourceConfig{Table: "items", KeyColumn: "key", VersionColumn: "version",
+		ValueColumn: "score", Kind: projection.KindSortedSet, Filters: []Filter{{Column: "board", Value: testBoard}}})
+	require.NoError(t, err)
+	_, err = src.Page(ctx, Cursor{}, 10) // the snapshot is taken
+	require.NoError(t, err)
+	return src
+}
+
 // pascal turns a transaction isolation level ("repeatable read") into a
 // subtest name ("RepeatableRead").
 func pascal(s string) string {
@@ -230,14 +232,7 @@ func TestCheckKeysFrozenSourceRefusesForcedRepairs(t *testing.T) {
 	ctx := context.Background()
 	b := setup(t, projection.KindSortedSet)
 	b.projectRows(t, []Row{b.insert(t, "a", 1), b.insert(t, "b", 1)})
-	tx, err := b.pool.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.RepeatableRead, AccessMode: pgx.ReadOnly})
-	require.NoError(t, err)
-	t.Cleanup(func() { _ = tx.Rollback(ctx) })
-	src, err := NewSQLSource(tx, &SQLSourceConfig{Table: "items", KeyColumn: "key", VersionColumn: "version",
-		ValueColumn: "score", Kind: projection.KindSortedSet, Filters: []Filter{{Column: "board", Value: testBoard}}})
-	require.NoError(t, err)
-	_, err = src.Page(ctx, Cursor{}, 10) // the snapshot is taken
-	require.NoError(t, err)
+	src := snapshotSource(t, b, pgx.RepeatableRead)
 	b.project(t, "a", b.insert(t, "a", 2).Version)
 	b.project(t, "c", b.insert(t, "c", 1).Version)
 
