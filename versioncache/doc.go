@@ -164,7 +164,8 @@
 // version is larger than all of them: a fill still in
 // flight under an old version cannot pass the check. This holds as long as
 // the server clock does not step back by more than the time since the last
-// Invalidate (relevant after a failover to a host with a lagging clock).
+// version was handed out, by an Invalidate or a re-creation (relevant after
+// a failover to a host with a lagging clock).
 //
 // Versions are decimal integers below 2^53, where the scripts' Lua numbers
 // (doubles) still count by one. Anything else in P{id}:v or before the ':'
