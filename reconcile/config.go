@@ -169,7 +169,9 @@ type Config struct {
 	// per row of PageSize (a page's repairs are one batch), and, checked by
 	// New, at least 20µs per version bucket of Target.Keyspace (Rebuild's
 	// switch moves every bucket: 1.31s at projection.VersionBucketsMax).
-	// Defaults to RepairTimeoutDefault.
+	// These are floors, not margins: a loaded machine needs more (one
+	// switch of VersionBucketsMax buckets outlasted 1.31s in a CI run under
+	// -race). Defaults to RepairTimeoutDefault.
 	RepairTimeout time.Duration
 	// RebuildMarkerTTL is the lifetime of a rebuild's marker key, refreshed
 	// while the rebuild makes progress. If the rebuilding process dies, the
