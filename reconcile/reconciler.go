@@ -797,6 +797,7 @@ func (r *Reconciler) settle(ctx context.Context, opts RunOptions, findings []Fin
 	} else {
 		refused, errCAS = r.casRepair(repairCtx, viaCAS)
 		rep.refused = append(rep.refused, refused...)
+		errCAS = errors.Join(errCAS, r.deliverAfterTakingBack(repairCtx, viaCAS))
 	}
 	if r.cfg.AfterRepair != nil {
 		for _, f := range append(viaGate, viaCAS...) {
@@ -804,6 +805,42 @@ func (r *Reconciler) settle(ctx context.Context, opts RunOptions, findings []Fin
 		}
 	}
 	return errors.Join(errGate, errCAS)
+}
+
+// deliverAfterTakingBack looks the ahead and orphan entries the repairs
+// took back (or removed) up in the source once more, and writes what it
+// holds through the gate. A write committed after the confirming lookup
+// was delivered against the entry's higher version and refused as stale,
+// its outbox record then gone: without this, the repair's older state
+// would stand, behind the source with nothing to correct it (after a
+// PostgreSQL that went back, every new write of such an entity meets
+// this). The gate applies only a version newer than the repair's, so a
+// write delivered after the repair wins as always.
+func (r *Reconciler) deliverAfterTakingBack(ctx context.Context, fs []*Finding) error {
+	var keys []string
+	for _, f := range fs {
+		if f.Result == ResultRepaired && (f.Class == ClassAhead || f.Class == ClassOrphan) {
+			keys = append(keys, f.Key)
+		}
+	}
+	if len(keys) == 0 {
+		return nil
+	}
+	rows, err := r.source.Lookup(ctx, keys)
+	if err != nil {
+		return fmt.Errorf("reconcile: looking up %d entries taken back, for writes committed meanwhile: %w", len(keys), err)
+	}
+	if len(rows) == 0 {
+		return nil
+	}
+	writes := make([]projection.Write, len(rows))
+	for i, row := range rows {
+		writes[i] = projection.Write{Target: r.target.target(row.Key), Version: row.Version, Value: row.Value}
+	}
+	if _, err := r.gate.Apply(ctx, writes); err != nil {
+		return fmt.Errorf("reconcile: writing %d entries taken back, as the source now holds them: %w", len(writes), err)
+	}
+	return nil
 }
 
 // CheckKeys reconciles only the given keys, with the same policy, hooks and
