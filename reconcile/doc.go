@@ -47,6 +47,14 @@
 //     script that acts only if the stored version and value are still
 //     exactly those that were read.
 //
+// Ahead and orphan repairs take an entry back (or remove it), so once they
+// are done the run looks their keys up in the source again and writes what
+// it holds through the gate: a write committed after the confirming
+// lookup (after PostgreSQL went back, a new write reuses a lost version)
+// was delivered against the entry's higher version and refused as stale,
+// and would otherwise stay behind the repair's older state with nothing in
+// the outbox to correct it.
+//
 // A declined repair is reported as ResultRaced; the next run looks again.
 // So is a repair the Redis client resent by itself after Redis ran it (a
 // connection dropped before the reply; go-redis retries up to
@@ -196,8 +204,12 @@
 // layout, renames the shadows — values and every bucket — over the live
 // keys and sets the layout key to the new count, in one script. From then on writers and
 // readers configured with the old count are refused with
-// ErrLayoutMismatch; redeploy them with the new count (a relay's refused
-// batches stay in the outbox and are retried).
+// ErrLayoutMismatch; redeploy them with the new count. A relay's refused
+// records count as failed attempts: they are retried with the relay's
+// backoff until its MaxAttempts, then moved to the dead letters (with
+// outbox's defaults, four to eight and a half minutes after the switch),
+// which outbox.Relay.ReplayDead moves back once the relays run the new
+// count.
 //
 // Without a layout key, the gate's rule applies here too: an empty
 // collection fits any count (the first repair written records the
