@@ -440,6 +440,36 @@ func TestGet(t *testing.T) {
 		require.LessOrEqual(t, b.pttl(t, b.cache.versionKey("never-cached")), ttl, "the version key expires within TTL")
 	})
 
+	// Config.TTL: the version key lives at least TTL after a fill too. A
+	// load slower than FillLeaseTTL leaves the miss's version key less than
+	// TTL to live; the fill extends it, or it would expire before the value
+	// it stands for (no test failed when fill.lua skipped that: the
+	// mutation audit).
+	t.Run("FillKeepsVersionKeyForTTL", func(t *testing.T) {
+		t.Parallel()
+		const ttl, lease, load = 3 * time.Second, 200 * time.Millisecond, time.Second
+		b := setup(t, &Config{TTL: ttl, FillLeaseTTL: lease})
+		want := b.truth.write("p1", 4900)
+		got, err := b.cache.Get(ctx, "p1", func(ctx context.Context) (product, error) {
+			time.Sleep(load)
+			return b.truth.loader("p1")(ctx)
+		})
+		require.NoError(t, err)
+		require.Equal(t, want, got)
+		require.EqualValues(t, 1, b.cache.Stats().Fills, "the slow load was cached")
+		filledAt := time.Now()
+		// Without the extension about ttl+lease-load (2.2s) would be left.
+		require.Greater(t, b.pttl(t, b.cache.versionKey("p1")), ttl-400*time.Millisecond)
+
+		// Past the miss's TTL+FillLeaseTTL, within the value's TTL.
+		time.Sleep(time.Until(filledAt.Add(ttl + lease - load + 200*time.Millisecond)))
+		got, err = b.cache.Get(ctx, "p1", b.truth.loader("p1"))
+		require.NoError(t, err)
+		require.Equal(t, want, got)
+		require.EqualValues(t, 1, b.cache.Stats().Hits, "the value cached within TTL is a hit")
+		require.EqualValues(t, 1, b.truth.loads.Load())
+	})
+
 	// The version key a miss reads must still be there at its fill, or
 	// the fill is refused: a load slower than the key's remaining life
 	// would never be cached, miss after miss.
