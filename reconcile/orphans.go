@@ -142,9 +142,32 @@ func (r *Reconciler) checkCandidates(ctx context.Context, opts RunOptions, keys 
 	if len(keys) == 0 {
 		return nil
 	}
-	absent, err := r.absentFromSource(ctx, keys)
+	absent, created, err := r.confirmAbsent(ctx, keys)
 	if err != nil {
 		return err
+	}
+	if !versionless && len(created) > 0 {
+		// Created in the source between the two lookups, after the pass
+		// went by their keys: classified against the state read before
+		// this lookup, as a page's rows are (current, stale, or ahead:
+		// an entity created again with a version Redis still holds,
+		// after PostgreSQL went back, is not left there unseen). The
+		// value scan's single lookup finds the rows the pass has
+		// already checked: it leaves them.
+		rows := make([]Row, 0, len(created))
+		rowsRead := make([]Projected, 0, len(created))
+		for i, k := range keys {
+			if row, ok := created[k]; ok {
+				if err := r.validateRow(&row); err != nil {
+					return err
+				}
+				rows = append(rows, row)
+				rowsRead = append(rowsRead, projected[i])
+			}
+		}
+		if err := r.checkRead(ctx, opts, rows, rowsRead, rep); err != nil {
+			return err
+		}
 	}
 	absentRead := make([]Projected, 0, len(absent))
 	for i, j := 0, 0; i < len(keys) && j < len(absent); i++ {
@@ -174,6 +197,29 @@ func (r *Reconciler) absentFromSource(ctx context.Context, keys []string) ([]str
 		}
 	}
 	return absent, nil
+}
+
+// confirmAbsent returns the keys, in order, that the source does not have,
+// and the rows it has for the others (rows for keys not asked about, which
+// break the Lookup contract, are left out).
+func (r *Reconciler) confirmAbsent(ctx context.Context, keys []string) (absent []string, found map[string]Row, err error) {
+	rows, err := r.source.Lookup(ctx, keys)
+	if err != nil {
+		return nil, nil, wrap("looking up projection entries in the source", err)
+	}
+	byKey := make(map[string]Row, len(rows))
+	for _, row := range rows {
+		byKey[row.Key] = row
+	}
+	found = make(map[string]Row, len(rows))
+	for _, k := range keys {
+		if row, ok := byKey[k]; ok {
+			found[k] = row
+		} else {
+			absent = append(absent, k)
+		}
+	}
+	return absent, found, nil
 }
 
 // checkAbsent classifies keys the source does not have against what the

@@ -2,6 +2,7 @@ package reconcile
 
 import (
 	"context"
+	"fmt"
 	"sync/atomic"
 	"testing"
 
@@ -34,7 +35,9 @@ func (s *afterLookup) Lookup(ctx context.Context, keys []string) ([]Row, error) 
 // stale, and the repair then wrote the source's older state over it (or
 // removed the re-created entity), behind the source with nothing left in
 // the outbox. The run now looks the entries it took back up once more and
-// writes what the source holds through the gate.
+// writes what the source holds through the gate; and an entity created
+// again between the orphan scan's two lookups, which the scan dropped,
+// is classified against its row.
 func TestTakenBackEntriesMeetWritesCommittedMeanwhile(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
@@ -63,31 +66,37 @@ func TestTakenBackEntriesMeetWritesCommittedMeanwhile(t *testing.T) {
 			require.Equal(t, want.Data, got.Data)
 		})
 	}
-	// The orphan scan looks the entries up once (u2 absent), then once more
-	// to confirm before the removal: the user is created again after that
-	// second lookup. (Created after the first, it is no orphan, and the
-	// run leaves it; the next pass finds it ahead.)
-	t.Run("Orphan", func(t *testing.T) {
-		t.Parallel()
-		b := setup(t, projection.KindSortedSet)
-		b.insert(t, "u0", 1)
-		b.project(t, "u0", 1)
-		require.Equal(t, projection.OutcomeApplied, b.project(t, "u2", 2), "a user PostgreSQL lost")
-		src := &afterLookup{Source: b.source}
-		src.n.Store(2)
-		var delivered projection.Outcome
-		src.after = func() {
-			b.insert(t, "u2", 1)
-			delivered = b.project(t, "u2", 1)
-		}
-		r, err := New(src, b.target, forced)
-		require.NoError(t, err)
-		rep, err := r.Run(ctx, RunOptions{})
-		require.NoError(t, err)
-		require.Equal(t, projection.OutcomeStale, delivered)
-		require.Equal(t, int64(1), rep.Results[ResultRepaired], "the orphan was removed: %v", rep.Counts)
-		got := b.state(t, r, "u2")
-		require.True(t, got.HasValue, "u2 removed, though the source has it (its delivery: %v)", delivered)
-		require.Equal(t, int64(1), got.Version)
-	})
+	// The orphan scan looks the entries up once (u2 absent), reads them
+	// from Redis, then looks them up again to confirm before the removal.
+	// The user is created again after the first lookup (then it is no
+	// orphan: it is classified against its row, ahead, and the forced
+	// repair takes it to the row's version; it was left at the lost one),
+	// or after the second (the removal happens, then the new row is
+	// written).
+	for n, class := range map[int32]Class{1: ClassAhead, 2: ClassOrphan} {
+		t.Run(fmt.Sprintf("OrphanCreatedAfterLookup%d", n), func(t *testing.T) {
+			t.Parallel()
+			b := setup(t, projection.KindSortedSet)
+			b.insert(t, "u0", 1)
+			b.project(t, "u0", 1)
+			require.Equal(t, projection.OutcomeApplied, b.project(t, "u2", 2), "a user PostgreSQL lost")
+			src := &afterLookup{Source: b.source}
+			src.n.Store(n)
+			var delivered projection.Outcome
+			src.after = func() {
+				b.insert(t, "u2", 1)
+				delivered = b.project(t, "u2", 1)
+			}
+			r, err := New(src, b.target, forced)
+			require.NoError(t, err)
+			rep, err := r.Run(ctx, RunOptions{})
+			require.NoError(t, err)
+			require.Equal(t, projection.OutcomeStale, delivered)
+			require.Equal(t, int64(1), rep.Counts[class], "%v", rep.Counts)
+			require.Equal(t, int64(1), rep.Results[ResultRepaired], "%v", rep.Counts)
+			got := b.state(t, r, "u2")
+			require.True(t, got.HasValue, "u2 removed, though the source has it")
+			require.Equal(t, int64(1), got.Version)
+		})
+	}
 }
