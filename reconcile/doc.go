@@ -78,7 +78,10 @@
 //   - for orphans, the entries the source lacks are read from Redis and
 //     looked up again, and the removal insists on the state read before
 //     that confirming lookup: an entry created after the read changes it,
-//     and the removal declines.
+//     and the removal declines; an entry the confirming lookup finds
+//     (created since the first) is classified against its row as a
+//     page's are, so one created again with a version Redis still holds
+//     reads as ahead, not as nothing.
 //
 // Those lookups see a write committed since the page was read only if the
 // source takes a fresh snapshot per statement: a pool does; a REPEATABLE
