@@ -115,8 +115,14 @@ func (r *Reconciler) checkCandidates(ctx context.Context, opts RunOptions, keys 
 	keys = dedupe(keys)
 	if !versionless {
 		rep.Scanned += int64(len(keys))
-		var err error
-		if keys, err = r.absentFromSource(ctx, keys); err != nil || len(keys) == 0 {
+		var (
+			err   error
+			found []Row
+		)
+		if keys, found, err = r.absentFromSource(ctx, keys); err != nil {
+			return err
+		}
+		if err := r.checkFound(ctx, opts, found, rep); err != nil || len(keys) == 0 {
 			return err
 		}
 	}
@@ -142,32 +148,12 @@ func (r *Reconciler) checkCandidates(ctx context.Context, opts RunOptions, keys 
 	if len(keys) == 0 {
 		return nil
 	}
-	absent, created, err := r.confirmAbsent(ctx, keys)
+	absent, found, err := r.absentFromSource(ctx, keys)
 	if err != nil {
 		return err
 	}
-	if !versionless && len(created) > 0 {
-		// Created in the source between the two lookups, after the pass
-		// went by their keys: classified against the state read before
-		// this lookup, as a page's rows are (current, stale, or ahead:
-		// an entity created again with a version Redis still holds,
-		// after PostgreSQL went back, is not left there unseen). The
-		// value scan's single lookup finds the rows the pass has
-		// already checked: it leaves them.
-		rows := make([]Row, 0, len(created))
-		rowsRead := make([]Projected, 0, len(created))
-		for i, k := range keys {
-			if row, ok := created[k]; ok {
-				if err := r.validateRow(&row); err != nil {
-					return err
-				}
-				rows = append(rows, row)
-				rowsRead = append(rowsRead, projected[i])
-			}
-		}
-		if err := r.checkRead(ctx, opts, rows, rowsRead, rep); err != nil {
-			return err
-		}
+	if err := r.checkFound(ctx, opts, found, rep); err != nil {
+		return err
 	}
 	absentRead := make([]Projected, 0, len(absent))
 	for i, j := 0, 0; i < len(keys) && j < len(absent); i++ {
@@ -181,14 +167,23 @@ func (r *Reconciler) checkCandidates(ctx context.Context, opts RunOptions, keys 
 
 // absentFromSource returns the keys, in order, that the source does not
 // have.
-func (r *Reconciler) absentFromSource(ctx context.Context, keys []string) ([]string, error) {
-	found, err := r.source.Lookup(ctx, keys)
+func (r *Reconciler) absentFromSource(ctx context.Context, keys []string) ([]string, []Row, error) {
+	rows, err := r.source.Lookup(ctx, keys)
 	if err != nil {
-		return nil, wrap("looking up projection entries in the source", err)
+		return nil, nil, wrap("looking up projection entries in the source", err)
 	}
-	inSource := make(map[string]struct{}, len(found))
-	for _, row := range found {
-		inSource[row.Key] = struct{}{}
+	asked := make(map[string]struct{}, len(keys))
+	for _, k := range keys {
+		asked[k] = struct{}{}
+	}
+	inSource := make(map[string]struct{}, len(rows))
+	var found []Row
+	for _, row := range rows {
+		if _, ok := asked[row.Key]; ok {
+			delete(asked, row.Key)
+			inSource[row.Key] = struct{}{}
+			found = append(found, row)
+		}
 	}
 	var absent []string
 	for _, k := range keys {
@@ -196,30 +191,46 @@ func (r *Reconciler) absentFromSource(ctx context.Context, keys []string) ([]str
 			absent = append(absent, k)
 		}
 	}
-	return absent, nil
+	return absent, found, nil
 }
 
-// confirmAbsent returns the keys, in order, that the source does not have,
-// and the rows it has for the others (rows for keys not asked about, which
-// break the Lookup contract, are left out).
-func (r *Reconciler) confirmAbsent(ctx context.Context, keys []string) (absent []string, found map[string]Row, err error) {
-	rows, err := r.source.Lookup(ctx, keys)
+// checkFound checks the scanned entries the source has against their rows,
+// read from the projection after the lookup, and settles those Redis holds
+// ahead of the row or with another value at its version: an entity
+// created again after the walk passed it (after PostgreSQL went back, at a
+// version Redis still holds) had its delivery refused, and nothing else
+// would correct it. Entries current, or behind the row (a delivery in
+// flight), are left to the walk and the outbox.
+func (r *Reconciler) checkFound(ctx context.Context, opts RunOptions, found []Row, rep *Report) error {
+	if len(found) == 0 {
+		return nil
+	}
+	projected, err := r.readRows(ctx, found)
 	if err != nil {
-		return nil, nil, wrap("looking up projection entries in the source", err)
+		return err
 	}
-	byKey := make(map[string]Row, len(rows))
-	for _, row := range rows {
-		byKey[row.Key] = row
-	}
-	found = make(map[string]Row, len(rows))
-	for _, k := range keys {
-		if row, ok := byKey[k]; ok {
-			found[k] = row
-		} else {
-			absent = append(absent, k)
+	var rows []Row
+	var read []Projected
+	for i := range found {
+		if _, seen := rep.drifted[found[i].Key]; seen {
+			continue
+		}
+		// Ahead, or another value at the row's version: what a delivery
+		// refused against a lost version leaves. (A value or version
+		// missing is a loss, which the walk's findings cover.)
+		c := Classify(r.target.Kind, &found[i], projected[i])
+		if c == ClassAhead || c == ClassCorrupt && projected[i].HasValue && projected[i].HasVersion {
+			if err := r.validateRow(&found[i]); err != nil {
+				return err
+			}
+			rows = append(rows, found[i])
+			read = append(read, projected[i])
 		}
 	}
-	return absent, found, nil
+	if len(rows) == 0 {
+		return nil
+	}
+	return r.checkRead(ctx, opts, rows, read, rep)
 }
 
 // checkAbsent classifies keys the source does not have against what the

@@ -578,6 +578,15 @@ func (r *Reconciler) checkRead(ctx context.Context, opts RunOptions, rows []Row,
 	for i := range findings {
 		f := &findings[i]
 		rep.tally.add(f)
+		if f.Result != ResultRepaired || (f.Class != ClassMissing && f.Class != ClassStale) {
+			// checkFound must not count it again. (A missing or stale
+			// entry repaired holds its row's state: checkFound leaves
+			// it, so a pass repairing a whole lost Redis keeps none.)
+			if rep.drifted == nil {
+				rep.drifted = make(map[string]struct{})
+			}
+			rep.drifted[f.Key] = struct{}{}
+		}
 		// An ahead entry whose row was deleted meanwhile, left as it was
 		// read: the orphan scan will meet it again and must not count it
 		// twice. One the run removed is the scan's to count if it is
@@ -830,12 +839,25 @@ func (r *Reconciler) deliverAfterTakingBack(ctx context.Context, fs []*Finding) 
 	if err != nil {
 		return fmt.Errorf("reconcile: looking up %d entries taken back, for writes committed meanwhile: %w", len(keys), err)
 	}
-	if len(rows) == 0 {
-		return nil
+	asked := make(map[string]bool, len(keys))
+	for _, k := range keys {
+		asked[k] = true
 	}
-	writes := make([]projection.Write, len(rows))
-	for i, row := range rows {
-		writes[i] = projection.Write{Target: r.target.target(row.Key), Version: row.Version, Value: row.Value}
+	var writes []projection.Write
+	for _, row := range rows {
+		// Rows not asked about (or repeated) break the Lookup contract;
+		// they are left alone, as everywhere else.
+		if !asked[row.Key] {
+			continue
+		}
+		asked[row.Key] = false
+		if err := r.validateRow(&row); err != nil {
+			return err
+		}
+		writes = append(writes, projection.Write{Target: r.target.target(row.Key), Version: row.Version, Value: row.Value})
+	}
+	if len(writes) == 0 {
+		return nil
 	}
 	if _, err := r.gate.Apply(ctx, writes); err != nil {
 		return fmt.Errorf("reconcile: writing %d entries taken back, as the source now holds them: %w", len(writes), err)

@@ -148,6 +148,11 @@ type Report struct {
 	// orphan scan meets again and must not count twice. Rare, so usually
 	// nil.
 	orphaned map[string]struct{}
+	// drifted holds the keys checked against their source rows and found
+	// drifting (but missing and stale entries repaired, which then hold
+	// their rows' state), so that the orphan scan's check of found rows
+	// (checkFound) does not count them twice. Usually small.
+	drifted map[string]struct{}
 }
 
 // noteOrphan remembers that key was counted as an orphan outside the orphan

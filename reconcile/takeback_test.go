@@ -100,3 +100,75 @@ func TestTakenBackEntriesMeetWritesCommittedMeanwhile(t *testing.T) {
 		})
 	}
 }
+
+// beforeLookup calls before once, right before its n-th Lookup (from 1).
+type beforeLookup struct {
+	Source
+	n      int32
+	calls  atomic.Int32
+	before func()
+}
+
+func (s *beforeLookup) Lookup(ctx context.Context, keys []string) ([]Row, error) {
+	if s.calls.Add(1) == s.n {
+		s.before()
+	}
+	return s.Source.Lookup(ctx, keys)
+}
+
+// TestRecreatedAfterTheWalkPassedIt: a user PostgreSQL lost (Redis holds
+// it at a lost version 2) is created again at version 1 after the walk
+// passed its key, before the orphan scan's first lookup or between its two:
+// its delivery is refused as stale, and the lookup that finds it dropped it
+// from the orphans, so the pass ended with no drift while Redis kept the
+// lost score (a Verify then recorded it). The scan now checks the entries
+// its lookups find against their rows: ahead, reported by default (no
+// Verify record), repaired when forced.
+func TestRecreatedAfterTheWalkPassedIt(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	for _, tc := range []struct {
+		name   string
+		policy Policy
+		before bool // before the scan's first lookup, rather than after it
+	}{
+		{"Forced", Policy{Ahead: ActionRepair, Orphan: ActionRepair}, false},
+		{"Default", Policy{}, false},
+		{"ForcedBeforeFirstLookup", Policy{Ahead: ActionRepair, Orphan: ActionRepair}, true},
+		{"DefaultBeforeFirstLookup", Policy{}, true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			b := setup(t, projection.KindSortedSet)
+			b.insert(t, "u0", 1)
+			b.project(t, "u0", 1)
+			require.Equal(t, projection.OutcomeApplied, b.project(t, "u2", 2), "a user PostgreSQL lost")
+			var delivered projection.Outcome
+			recreate := func() {
+				b.insert(t, "u2", 1)
+				delivered = b.project(t, "u2", 1)
+			}
+			var src Source
+			if tc.before {
+				src = &beforeLookup{Source: b.source, n: 1, before: recreate} // the walk scans, it looks nothing up
+			} else {
+				al := &afterLookup{Source: b.source, after: recreate}
+				al.n.Store(1)
+				src = al
+			}
+			r, err := New(src, b.target, &Config{Policy: tc.policy})
+			require.NoError(t, err)
+			rep, err := r.Run(ctx, RunOptions{})
+			require.NoError(t, err)
+			require.Equal(t, projection.OutcomeStale, delivered)
+			require.Equal(t, int64(1), rep.Counts[ClassAhead], "%v", rep.Counts)
+			got := b.state(t, r, "u2")
+			if tc.policy.Ahead == ActionRepair {
+				require.Equal(t, int64(1), got.Version, "forced: the source's version")
+			} else {
+				require.Equal(t, int64(1), rep.Results[ResultReported], "%v", rep.Results)
+				require.Equal(t, int64(2), got.Version)
+			}
+		})
+	}
+}
