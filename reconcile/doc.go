@@ -78,9 +78,11 @@
 //   - for orphans, the entries the source lacks are read from Redis and
 //     looked up again, and the removal insists on the state read before
 //     that confirming lookup: an entry created after the read changes it,
-//     and the removal declines; an entry the confirming lookup finds
-//     (created since the first) is classified against its row as a
-//     page's are, so one created again with a version Redis still holds
+//     and the removal declines. The entries the scan's lookups find in
+//     the source are read from Redis again, and those it holds ahead of
+//     their row, or with another value at its version, are settled as a
+//     page's findings are: an entity created again after the walk passed
+//     it, at a version Redis still holds (after PostgreSQL went back),
 //     reads as ahead, not as nothing.
 //
 // Those lookups see a write committed since the page was read only if the
