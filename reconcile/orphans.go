@@ -166,32 +166,36 @@ func (r *Reconciler) checkCandidates(ctx context.Context, opts RunOptions, keys 
 }
 
 // absentFromSource returns the keys, in order, that the source does not
-// have.
+// have, and the rows it has for the others.
 func (r *Reconciler) absentFromSource(ctx context.Context, keys []string) ([]string, []Row, error) {
 	rows, err := r.source.Lookup(ctx, keys)
 	if err != nil {
 		return nil, nil, wrap("looking up projection entries in the source", err)
 	}
-	asked := make(map[string]struct{}, len(keys))
+	found, absent := rowsAsked(keys, rows)
+	return absent, found, nil
+}
+
+// rowsAsked returns the rows of a Lookup of keys that answer them, one a
+// key (rows for other keys, or repeated, break the Lookup contract and are
+// left out), and the keys, in order, that no row answers.
+func rowsAsked(keys []string, rows []Row) (found []Row, absent []string) {
+	unanswered := make(map[string]struct{}, len(keys))
 	for _, k := range keys {
-		asked[k] = struct{}{}
+		unanswered[k] = struct{}{}
 	}
-	inSource := make(map[string]struct{}, len(rows))
-	var found []Row
 	for _, row := range rows {
-		if _, ok := asked[row.Key]; ok {
-			delete(asked, row.Key)
-			inSource[row.Key] = struct{}{}
+		if _, ok := unanswered[row.Key]; ok {
+			delete(unanswered, row.Key)
 			found = append(found, row)
 		}
 	}
-	var absent []string
 	for _, k := range keys {
-		if _, ok := inSource[k]; !ok {
+		if _, ok := unanswered[k]; ok {
 			absent = append(absent, k)
 		}
 	}
-	return absent, found, nil
+	return found, absent
 }
 
 // checkFound checks the scanned entries the source has against their rows,

@@ -839,18 +839,9 @@ func (r *Reconciler) deliverAfterTakingBack(ctx context.Context, fs []*Finding) 
 	if err != nil {
 		return fmt.Errorf("reconcile: looking up %d entries taken back, for writes committed meanwhile: %w", len(keys), err)
 	}
-	asked := make(map[string]bool, len(keys))
-	for _, k := range keys {
-		asked[k] = true
-	}
 	var writes []projection.Write
-	for _, row := range rows {
-		// Rows not asked about (or repeated) break the Lookup contract;
-		// they are left alone, as everywhere else.
-		if !asked[row.Key] {
-			continue
-		}
-		asked[row.Key] = false
+	found, _ := rowsAsked(keys, rows)
+	for _, row := range found {
 		if err := r.validateRow(&row); err != nil {
 			return err
 		}
