@@ -81,15 +81,15 @@ func cmdStats(ctx context.Context, o *options, stdout, stderr io.Writer) error {
 	if snap.Err != nil {
 		return snap.Err
 	}
-	if snap.Freshness.Unverified {
-		// Unverified also covers a verify record that could not be read:
-		// an unreachable Redis must fail the command, not pass for a
-		// board that lost its data. A keyed read, not a PING, as in
-		// redisUnreachable: a cluster node answers PING while the cluster
-		// is down for keys.
-		if err := d.rdb.Exists(ctx, d.board.SortedSetKey()).Err(); err != nil {
-			return fmt.Errorf("redis: %w", err)
-		}
+	// The lag is the outbox's, which PostgreSQL answers alone: an
+	// unreachable Redis must fail the command, not print a lag under
+	// which "everything is visible" (nor, with --require-verified, pass
+	// for a board that lost its data: Unverified also covers a record
+	// that could not be read). A keyed read, not a PING, as in
+	// redisUnreachable: a cluster node answers PING while the cluster is
+	// down for keys.
+	if err := d.rdb.Exists(ctx, d.board.SortedSetKey()).Err(); err != nil {
+		return fmt.Errorf("redis: %w", err)
 	}
 	st := toStats(d.board.Name(), snap)
 	if o.json {
