@@ -356,7 +356,10 @@ func (b *Board) userIDProblem(user string) string {
 // with the same event id is safe (pgx closes the connection of a statement
 // cancelled in flight, so a call after it may wait for a new connection and
 // its prepared statements: tens of milliseconds on a loaded machine, which
-// short deadlines should leave room for). Likewise when the connection breaks (or
+// short deadlines should leave room for; over TLS, a cut between two of the
+// statement's writes makes pgx wait out its 15 s deadline before that
+// connection is closed, and your pool's Close waits for it, as the outbox
+// package doc says). Likewise when the connection breaks (or
 // the server dies) once the statement was sent: the error then matches
 // ErrOutcomeUnknown, and a retry with the same event id returns the
 // original Result with Duplicate set if the first attempt committed.
