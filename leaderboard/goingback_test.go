@@ -6,11 +6,13 @@ import (
 	"math/rand/v2"
 	"strconv"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
+	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
 	"github.com/verity-go/verity/reconcile"
@@ -28,6 +30,15 @@ import (
 // on the code before, within 13 rounds).
 func TestVerifyAfterGoingBackUnderTraffic(t *testing.T) {
 	t.Parallel()
+	t.Run("VersionsLost", func(t *testing.T) { t.Parallel(); verifyAfterGoingBack(t, false) })
+	// The restore loses one user in ten as well: Redis holds them,
+	// PostgreSQL does not, and a Submit creates them again at version 1,
+	// which the orphan scan's lookups then find (it dropped them, and
+	// their lost scores stood).
+	t.Run("UsersLost", func(t *testing.T) { t.Parallel(); verifyAfterGoingBack(t, true) })
+}
+
+func verifyAfterGoingBack(t *testing.T, loseUsers bool) {
 	ctx := context.Background()
 	tb := setup(t, func(c *Config) { c.RequireVerifiedProjection = true; c.ReadPolicy = FailClosed })
 	schema := pgx.Identifier{tb.pg.Schema}.Sanitize()
@@ -48,25 +59,36 @@ func TestVerifyAfterGoingBackUnderTraffic(t *testing.T) {
 		require.NoError(t, err)
 		_, err = tb.pg.Pool.Exec(ctx, `UPDATE `+schema+`.user_scores SET version = version - 1, score = score - 1 WHERE version > 1`)
 		require.NoError(t, err)
+		if loseUsers {
+			_, err = tb.pg.Pool.Exec(ctx, `DELETE FROM `+schema+`.user_scores WHERE (substr(user_id, 2)::int + $1::int) % 10 = 0`, round)
+			require.NoError(t, err)
+		}
 
+		// The clients stop between Submits, not by cancellation: a Submit
+		// cancelled once its statement was sent may commit after it
+		// returned, later than any wait for the outbox to stay empty
+		// (TestSubmitCancelledInFlightCommitsLater), and the check below
+		// would take its users for users the pass left behind. (A CI run
+		// under load met that once: four users one version behind.)
 		runCtx, stop := context.WithCancel(ctx)
+		var stopping atomic.Bool
 		var wg sync.WaitGroup
 		wg.Go(func() { _ = worker.Run(runCtx) })
 		for g := range 8 {
 			wg.Go(func() {
 				r := rand.New(rand.NewPCG(uint64(g), uint64(round)))
-				for runCtx.Err() == nil {
-					_, _ = tb.board.Submit(runCtx, Command{EventID: uuid.New(), UserID: uid(r.IntN(users)), Delta: 1})
+				for !stopping.Load() {
+					_, err := tb.board.Submit(ctx, Command{EventID: uuid.New(), UserID: uid(r.IntN(users)), Delta: 1})
+					assert.NoError(t, err)
 				}
 			})
 		}
 		time.Sleep(100 * time.Millisecond)
 		rep, verified, err := tb.board.Verify(ctx, forced)
+		stopping.Store(true)
 		stop()
 		wg.Wait()
 		require.NoError(t, err)
-		// A Submit cancelled once its statement was sent may commit after
-		// it returned: drain until the outbox stays empty.
 		for quiet := 0; quiet < 3; {
 			_, err = worker.Drain(ctx)
 			require.NoError(t, err)

@@ -253,6 +253,68 @@ func TestCallerEndedThenConnectionBroke(t *testing.T) {
 	}
 }
 
+// A Submit whose ctx ended once its statement was sent "may have
+// committed" (Submit's doc): the commit can come well after the call
+// returned, and after the outbox stayed empty for a while. Here the
+// statement's backend is stopped before it reads the statement; pgx gives
+// up, closes the connection and sends a cancel request, which the server
+// ignores while the backend waits for a command; run again, the backend
+// reads the statement and commits it. A retry with the same event id
+// returns that commit's result.
+func TestSubmitCancelledInFlightCommitsLater(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	tb := setup(t)
+	cfg := tb.board.Config()
+	pool := tb.newPool(t, func(pc *pgxpool.Config) { pc.MaxConns, pc.MinConns = 1, 1 })
+	board, err := New(pool, tb.rd.Client, &cfg)
+	require.NoError(t, err)
+	t.Cleanup(board.Close)
+	// Prepares the board's statements on the pool's one connection.
+	_, err = board.Submit(ctx, Command{EventID: uuid.New(), UserID: "a", Delta: 1})
+	require.NoError(t, err)
+	worker, err := tb.board.Worker(nil)
+	require.NoError(t, err)
+	_, err = worker.Drain(ctx)
+	require.NoError(t, err)
+
+	var pid int
+	require.NoError(t, pool.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&pid))
+	if err := syscall.Kill(pid, syscall.SIGSTOP); err != nil {
+		t.Skipf("cannot stop the PostgreSQL backend (%v): run as root or as the server's user", err)
+	}
+	resumed := false
+	resume := func() {
+		if !resumed {
+			resumed = true
+			require.NoError(t, syscall.Kill(pid, syscall.SIGCONT))
+		}
+	}
+	defer resume()
+	cmd := Command{EventID: uuid.New(), UserID: "a", Delta: 1}
+	cctx, cancel := context.WithTimeout(ctx, 50*time.Millisecond)
+	_, err = board.Submit(cctx, cmd)
+	cancel()
+	require.ErrorIs(t, err, context.DeadlineExceeded)
+
+	for range 5 {
+		st, err := worker.Relay().Stats(ctx)
+		require.NoError(t, err)
+		require.Zero(t, st.Pending, "the backend is stopped: nothing can have committed")
+		time.Sleep(20 * time.Millisecond)
+	}
+	resume()
+	var version int64
+	for deadline := time.Now().Add(10 * time.Second); version != 2 && time.Now().Before(deadline); time.Sleep(10 * time.Millisecond) {
+		require.NoError(t, tb.pg.Pool.QueryRow(ctx, `SELECT version FROM user_scores WHERE user_id = 'a'`).Scan(&version))
+	}
+	require.Equal(t, int64(2), version, "the cancelled Submit did not commit once its backend ran again")
+	res, err := tb.board.Submit(ctx, cmd)
+	require.NoError(t, err)
+	require.True(t, res.Duplicate)
+	require.Equal(t, int64(2), res.Version)
+}
+
 // cancelRequestBoard is a board like tb's over a new pool whose connections
 // answer a cancelled ctx with a cancel request (a pgx option), sent after
 // delay; mutate, if not nil, adjusts the pool's and the board's config.
