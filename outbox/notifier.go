@@ -219,9 +219,11 @@ func (n *Notifier) Notify() {
 	go n.run()
 }
 
-// Close stops the Notifier: it sends a pending notification (bounded by
-// Timeout), waits for the sending goroutine to exit and makes later calls
-// to Notify no-ops. It is safe to call more than once, and concurrently:
+// Close stops the Notifier: it waits for a NOTIFY already in flight,
+// sends the notification still owed (each bounded by Timeout, so against a
+// database that stops answering Close can take Timeout more than once),
+// waits for the sending goroutine to exit and makes later calls to Notify
+// no-ops. It is safe to call more than once, and concurrently:
 // every call returns once the notification is sent. On a Notifier not
 // made by NewNotifier it does nothing.
 func (n *Notifier) Close() {
