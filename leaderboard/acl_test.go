@@ -213,9 +213,17 @@ func TestWriterCommandList(t *testing.T) {
 	rebuild, err := rec.Rebuild(ctx)
 	require.NoError(t, err)
 	require.True(t, rebuild.Switched)
-	// One row per page and a short marker: the copy outlasts
-	// RebuildMarkerTTL/4, and refreshes the marker.
-	rec, err = board.Reconciler(&reconcile.Config{PageSize: 1, RebuildMarkerTTL: 100 * time.Millisecond})
+	// One row per page and a short marker: the copy of 1,200 rows
+	// outlasts RebuildMarkerTTL/4, and refreshes the marker. (With the
+	// 100 ms floor, a page held up past it on a loaded machine let the
+	// marker expire.)
+	cmds := make([]Command, 1000)
+	for i := range cmds {
+		cmds[i] = Command{EventID: uuid.New(), UserID: fmt.Sprintf("more-%04d", i), Delta: 1}
+	}
+	_, err = board.SubmitBatch(ctx, cmds)
+	require.NoError(t, err)
+	rec, err = board.Reconciler(&reconcile.Config{PageSize: 1, RebuildMarkerTTL: 400 * time.Millisecond})
 	require.NoError(t, err)
 	rebuild, err = rec.Rebuild(ctx)
 	require.NoError(t, err)
