@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -12,6 +13,7 @@ import (
 
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
@@ -123,4 +125,71 @@ func verifyAfterGoingBack(t *testing.T, loseUsers bool) {
 		require.Empty(t, behind, "round %d: Verify recorded the board verified (%v), and these stayed behind PostgreSQL", round, rep.Counts)
 	}
 	require.NotZero(t, verifiedRounds, "no Verify recorded the board, so nothing was checked")
+}
+
+// scoreAfterFirstLookup runs after once, when the first source Lookup after
+// it was armed has returned (a pass's walk pages; its first Lookup is the
+// orphan scan's).
+type scoreAfterFirstLookup struct {
+	armed atomic.Bool
+	after func()
+}
+
+func (s *scoreAfterFirstLookup) TraceQueryStart(ctx context.Context, _ *pgx.Conn, d pgx.TraceQueryStartData) context.Context {
+	if strings.Contains(d.SQL, "unnest($2::text[])") {
+		return context.WithValue(ctx, s, true)
+	}
+	return ctx
+}
+
+func (s *scoreAfterFirstLookup) TraceQueryEnd(ctx context.Context, _ *pgx.Conn, _ pgx.TraceQueryEndData) {
+	if ctx.Value(s) != nil && s.armed.CompareAndSwap(true, false) {
+		s.after()
+	}
+}
+
+// TestVerifyWithAScoreDuringTheOrphanScan: after PostgreSQL lost a user
+// (an orphan in Redis, so that Verify's pass scans), another user scores
+// and is projected between the scan's lookup of a batch and its read of
+// Redis. The scan counted that user, already checked by the walk, again:
+// Checked exceeded the sorted set's size, and Verify recorded nothing,
+// logged that members were lost during the pass, and deleted the earlier
+// record (goes-back review of 2026-12-07).
+func TestVerifyWithAScoreDuringTheOrphanScan(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	tb := setup(t)
+	hook := &scoreAfterFirstLookup{}
+	pool := tb.newPool(t, func(c *pgxpool.Config) { c.ConnConfig.Tracer = hook })
+	cfg := tb.board.Config()
+	cfg.RequireVerifiedProjection = true
+	board, err := New(pool, tb.rd.Client, &cfg)
+	require.NoError(t, err)
+	t.Cleanup(board.Close)
+	worker, err := board.Worker(nil)
+	require.NoError(t, err)
+	for _, u := range []string{"u1", "u2", "u3", "u9"} {
+		_, err := board.Submit(ctx, Command{EventID: uuid.New(), UserID: u, Delta: 5})
+		require.NoError(t, err)
+	}
+	_, err = worker.Drain(ctx)
+	require.NoError(t, err)
+	_, verified, err := board.Verify(ctx, nil)
+	require.NoError(t, err)
+	require.True(t, verified)
+	_, err = tb.pg.Pool.Exec(ctx, `DELETE FROM `+pgx.Identifier{tb.pg.Schema}.Sanitize()+`.user_scores WHERE user_id = 'u9'`)
+	require.NoError(t, err)
+	hook.after = func() {
+		_, err := board.Submit(ctx, Command{EventID: uuid.New(), UserID: "u1", Delta: 1})
+		assert.NoError(t, err)
+		_, err = worker.Drain(ctx)
+		assert.NoError(t, err)
+	}
+	hook.armed.Store(true)
+	rep, verified, err := board.Verify(ctx, &reconcile.Config{Policy: reconcile.Policy{Ahead: reconcile.ActionRepair, Orphan: reconcile.ActionRepair}})
+	require.NoError(t, err)
+	require.False(t, hook.armed.Load(), "u1 scored during the scan")
+	require.Equal(t, int64(3), tb.rd.Client.ZCard(ctx, board.SortedSetKey()).Val(), "u9 removed, no member lost")
+	require.Equal(t, int64(3), rep.Checked, "%v", rep.Counts)
+	require.True(t, verified, "every finding repaired: %v %v", rep.Counts, rep.Results)
 }

@@ -83,7 +83,9 @@
 //     their row, or with another value at its version, are settled as a
 //     page's findings are: an entity created again after the walk passed
 //     it, at a version Redis still holds (after PostgreSQL went back),
-//     reads as ahead, not as nothing.
+//     reads as ahead, not as nothing. Those a write landed on meanwhile
+//     (current, or behind their row, once looked up again) belong to the
+//     walk and the outbox, and are not counted twice.
 //
 // Those lookups see a write committed since the page was read only if the
 // source takes a fresh snapshot per statement: a pool does; a REPEATABLE

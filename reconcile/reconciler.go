@@ -547,6 +547,19 @@ func (r *Reconciler) readRows(ctx context.Context, rows []Row) ([]Projected, err
 // checkRead classifies rows against what was read for them, repairs and
 // records.
 func (r *Reconciler) checkRead(ctx context.Context, opts RunOptions, rows []Row, projected []Projected, rep *Report) error {
+	return r.checkReadOf(ctx, opts, rows, projected, false, rep)
+}
+
+// checkReadOf is checkRead. With foundByScan, rows are the orphan scan's
+// finds that Redis held ahead of (checkFound), which the walk may have
+// counted already: only those the recheck leaves drifting (ahead or
+// corrupt, counted as checked, or an orphan, the row deleted since) are
+// settled. One found
+// current or behind its row had a write land between the scan's lookup and
+// its read, as any entry may while users score: the walk counted the row
+// (or a delivery in flight will write it), and counted twice it would make
+// Checked exceed what Redis holds, which Verify takes for lost members.
+func (r *Reconciler) checkReadOf(ctx context.Context, opts RunOptions, rows []Row, projected []Projected, foundByScan bool, rep *Report) error {
 	if err := ctx.Err(); err != nil {
 		return err
 	}
@@ -568,12 +581,27 @@ func (r *Reconciler) checkRead(ctx context.Context, opts RunOptions, rows []Row,
 		// nor its current entities.
 		return err
 	}
+	checked := len(rows)
+	if foundByScan {
+		kept := findings[:0]
+		checked = 0
+		for _, f := range findings {
+			switch f.Class {
+			case ClassAhead, ClassCorrupt:
+				checked++ // an entity the walk did not meet
+				kept = append(kept, f)
+			case ClassOrphan:
+				kept = append(kept, f) // no source row to count
+			}
+		}
+		findings, current = kept, nil
+	}
 	for _, i := range current {
 		rep.Counts[ClassCurrent]++
 		rep.tally.addAsRead(&projected[i])
 	}
-	rep.Checked += int64(len(rows))
-	rep.examined += int64(len(rows))
+	rep.Checked += int64(checked)
+	rep.examined += int64(checked)
 	err := r.settle(ctx, opts, findings, rep)
 	for i := range findings {
 		f := &findings[i]

@@ -162,6 +162,7 @@ func TestRecreatedAfterTheWalkPassedIt(t *testing.T) {
 			require.NoError(t, err)
 			require.Equal(t, projection.OutcomeStale, delivered)
 			require.Equal(t, int64(1), rep.Counts[ClassAhead], "%v", rep.Counts)
+			require.Equal(t, int64(2), rep.Checked, "u0 by the walk, u2 by the scan")
 			got := b.state(t, r, "u2")
 			if tc.policy.Ahead == ActionRepair {
 				require.Equal(t, int64(1), got.Version, "forced: the source's version")
@@ -169,6 +170,56 @@ func TestRecreatedAfterTheWalkPassedIt(t *testing.T) {
 				require.Equal(t, int64(1), rep.Results[ResultReported], "%v", rep.Results)
 				require.Equal(t, int64(2), got.Version)
 			}
+		})
+	}
+}
+
+// TestScanCountsNoWalkedRowTwice: the orphan scan looks a batch up, then
+// reads Redis for the rows it found, to settle those Redis holds ahead of
+// their row (TestRecreatedAfterTheWalkPassedIt). A write committed and
+// delivered in between, as users score during any pass, makes an entry the
+// walk already counted look ahead of its old row; the recheck finds it
+// current, or behind a newer row whose delivery is in flight. It was
+// counted a second time, so that Checked exceeded the source's rows (and a
+// leaderboard Verify, comparing Checked with the sorted set's size, took
+// members for lost and deleted its record; reconcile review of
+// 2026-12-07).
+func TestScanCountsNoWalkedRowTwice(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	for _, tc := range []struct {
+		name    string
+		another bool // a second write committed, not yet delivered
+	}{
+		{"FoundCurrent", false},
+		{"FoundBehind", true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			b := setup(t, projection.KindSortedSet)
+			for _, k := range []string{"u1", "u2", "u3"} {
+				b.insert(t, k, 1)
+				b.project(t, k, 1)
+			}
+			b.project(t, "u9", 1) // an orphan, so that the scan runs
+			src := &afterLookup{Source: b.source}
+			src.n.Store(1) // the scan's first lookup: the walk pages
+			src.after = func() {
+				b.insert(t, "u1", 2)
+				require.Equal(t, projection.OutcomeApplied, b.project(t, "u1", 2))
+				if tc.another {
+					b.insert(t, "u1", 3)
+				}
+			}
+			r, err := New(src, b.target, &Config{Policy: Policy{Ahead: ActionRepair, Orphan: ActionRepair}})
+			require.NoError(t, err)
+			rep, err := r.Run(ctx, RunOptions{})
+			require.NoError(t, err)
+			require.Equal(t, map[Class]int64{ClassCurrent: 3, ClassOrphan: 1}, rep.Counts)
+			require.Equal(t, int64(3), rep.Checked, "three source rows, each counted once")
+			require.Equal(t, int64(1), rep.Repaired, "the orphan")
+			got := b.state(t, r, "u1")
+			require.Equal(t, int64(2), got.Version, "as delivered: a newer row's delivery is the outbox's")
 		})
 	}
 }
