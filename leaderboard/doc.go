@@ -334,12 +334,11 @@
 //  3. With Config.RequireVerifiedProjection, run Verify.
 //
 // While users keep scoring, new writes reuse the lost versions during the
-// pass too. The repairs take that into account (they look each key they
-// take back up again), but after PostgreSQL lost users as well as
-// versions, a pass under traffic has, rarely, left a few users behind, and
-// a Verify then recorded the board; the cause was not found. Under
-// traffic, run step 2 once more before step 3: a second pass finds such a
-// user stale and repairs it.
+// pass too, and their deliveries are refused as stale until a user's
+// version passes Redis's. The repairs take that into account: they look
+// each key they took back up again and write what PostgreSQL then holds
+// through the gate, and the orphan scan settles a lost user created again
+// after the walk passed it.
 //
 // Config.RequireVerifiedProjection sees the common cases by itself.
 // Verify's record names the database it checked the projection against:
