@@ -183,3 +183,54 @@ func TestVerifyWithoutInfo(t *testing.T) {
 	require.True(t, verified)
 	require.Equal(t, int64(1), report.RepairedByClass[reconcile.ClassMissing])
 }
+
+// A Verify pass during which Redis fails over to a replica that has every
+// member and version, but older ones (the pass's repairs of stale users were
+// not replicated), must not record the projection complete: the sorted
+// set's size and version count cannot tell, only the replication id in the
+// pass's marker can (verified.lua; TestVerifyFailoverDuringPass empties
+// Redis, which the size checks refuse anyway: mutation audit of
+// 2026-12-07).
+func TestVerifyFailoverLosesStaleRepairs(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pair := startFailoverPair(t)
+	client := redis.NewClient(&redis.Options{Addr: pair.masterAddr})
+	t.Cleanup(func() { _ = client.Close() })
+	beforeRecord := &beforeScript{hash: verifiedScript.Hash(), fn: func() { pair.failover(t) }}
+	client.AddHook(beforeRecord)
+	pg := testenv.Postgres(t)
+	cfg := &Config{Name: "weekly", Schema: pg.Schema, KeyPrefix: "fo:",
+		RequireVerifiedProjection: true, ReadPolicy: FailClosed, LagProbeInterval: time.Nanosecond}
+	require.NoError(t, Migrate(ctx, pg.Pool, cfg))
+	board, err := New(pg.Pool, client, cfg)
+	require.NoError(t, err)
+	t.Cleanup(board.Close)
+	tb := &testBundle{board: board, pg: pg}
+	users := []string{"ada", "bob", "cy"}
+	for i, user := range users {
+		_, err := board.Submit(ctx, Command{EventID: uuid.New(), UserID: user, Delta: int64(10 * (i + 1))})
+		require.NoError(t, err)
+	}
+	tb.drain(t)
+	// Newer scores committed, not projected: Redis holds every user, stale.
+	for _, user := range users {
+		_, err := board.Submit(ctx, Command{EventID: uuid.New(), UserID: user, Delta: 1000})
+		require.NoError(t, err)
+	}
+
+	var cut atomic.Bool
+	report, verified, err := board.Verify(ctx, &reconcile.Config{
+		BeforeRepair: func(context.Context, reconcile.Finding) bool {
+			if cut.CompareAndSwap(false, true) {
+				pair.cutReplica(t) // the marker is replicated; the repairs will not be
+			}
+			return true
+		},
+	})
+	require.NoError(t, err)
+	require.True(t, cut.Load())
+	require.True(t, beforeRecord.fired.Load(), "the failover never happened")
+	require.Equal(t, int64(3), report.RepairedByClass[reconcile.ClassStale])
+	require.False(t, verified, "Verify recorded as complete a projection whose repairs the failover lost")
+}

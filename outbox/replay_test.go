@@ -329,3 +329,49 @@ func (b *testBundle) outboxIDs(t *testing.T) []int64 {
 	}
 	return ids
 }
+
+// ReplayFilter.Stream selects the dead letters ReplayDead moves back, and
+// Limit counts events of that stream: a lower-id dead letter of another
+// stream must neither use up the limit nor be moved (mutation audit of
+// 2026-12-07: with the filter dropped from the selection, stream a's dead
+// letters used the limit up and nothing moved).
+func TestReplayDeadStreamFilterBeforeLimit(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	b := setup(t)
+	// Two events of stream "a" die first (lower ids), then one of "b".
+	b.appendCommitted(t, newMessage("a", "a1", 1), newMessage("a", "a2", 1))
+	b.appendCommitted(t, newMessage("b", "b1", 1))
+	r := b.relay(t, nil, &recorder{fail: func(outbox.Record) error { return errors.New("no") }}, outbox.RelayConfig{MaxAttempts: 1})
+	n, err := r.RunOnce(ctx)
+	require.NoError(t, err)
+	require.Equal(t, 3, n)
+	require.Equal(t, 3, b.count(t, b.deadTable()))
+
+	moved, err := r.ReplayDead(ctx, outbox.ReplayFilter{Stream: "b", Limit: 1})
+	require.NoError(t, err)
+	require.EqualValues(t, 1, moved, "the one dead letter of stream b is moved back; stream a's do not count towards Limit")
+	rows := b.rows(t)
+	require.Len(t, rows, 1)
+	require.Equal(t, 2, b.count(t, b.deadTable()), "stream a's dead letters stay")
+}
+
+// A dead letter whose stream is as long as Append allows (MaxStreamBytes)
+// is replayed: only longer ones, which the outbox no longer accepts, are
+// skipped.
+func TestReplayDeadMaxLengthStream(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	b := setup(t)
+	stream := strings.Repeat("s", outbox.MaxStreamBytes)
+	b.appendCommitted(t, newMessage(stream, "a", 1))
+	r := b.relay(t, nil, &recorder{fail: func(outbox.Record) error { return errors.New("no") }}, outbox.RelayConfig{MaxAttempts: 1})
+	n, err := r.RunOnce(ctx)
+	require.NoError(t, err)
+	require.Equal(t, 1, n)
+	require.Equal(t, 1, b.count(t, b.deadTable()))
+	moved, err := r.ReplayDead(ctx, outbox.ReplayFilter{})
+	require.NoError(t, err)
+	require.EqualValues(t, 1, moved, "a stream of MaxStreamBytes is one the outbox accepts")
+	require.Zero(t, b.count(t, b.deadTable()))
+}

@@ -1193,3 +1193,63 @@ func TestRebuildClearsADeadRebuildsShadow(t *testing.T) {
 		require.Equal(t, map[Class]int64{ClassCurrent: 2}, run.Counts)
 	})
 }
+
+// A rebuild whose copy Redis partly lost (its keys put back to their state
+// after the first page, as a restart from a snapshot would) while live
+// dual-writes created as many new members in the shadow as were lost: the
+// shadow then holds as many values and versions as rows were copied and as
+// members were created, and only the copy count ("rows") tells the loss.
+// The switch must refuse it, or the copied members the loss took vanish
+// from the live projection (the other lost-copy tests are refused by the
+// held-members check too: mutation audit of 2026-12-07).
+func TestRebuildRefusesLostCopyHiddenByDualWrites(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	b := setup(t, projection.KindSortedSet)
+	const n = 40
+	b.projectRows(t, b.insertMany(t, n))
+	k, name := b.kind, b.target.Name
+	keys := append([]string{b.ks.ShadowValueKey(name, k), b.ks.ShadowLayoutKey(name, k), b.copyKey()},
+		b.ks.ShadowVersionKeys(name, k)...)
+	saved := map[string]string{}
+	src := &hookedSource{Source: b.source, onPage: func(ctx context.Context, page int) {
+		switch page {
+		case 2:
+			b.waitShadow(ctx, t, b.client, 10)
+			for _, key := range keys {
+				if v, err := b.client.Dump(ctx, key).Result(); err == nil {
+					saved[key] = v
+				} else if !errors.Is(err, redis.Nil) {
+					t.Errorf("DUMP %s: %v", key, err)
+				}
+			}
+		case 5: // the empty page that ends the copy
+			b.waitShadow(ctx, t, b.client, n)
+			for _, key := range keys {
+				if err := b.client.Del(ctx, key).Err(); err != nil {
+					t.Errorf("DEL %s: %v", key, err)
+				}
+				if v, ok := saved[key]; ok {
+					if err := b.client.Restore(ctx, key, 0, v).Err(); err != nil {
+						t.Errorf("RESTORE %s: %v", key, err)
+					}
+				}
+			}
+			// Live writes of new members, dual-written into the shadow,
+			// as many as the loss took.
+			for i := range n - 10 {
+				out, err := b.gate.Apply(ctx, []projection.Write{{Target: b.target.target(fmt.Sprintf("new%02d", i)), Version: 1, Value: b.value("x", 1)}})
+				if err != nil || out[0] != projection.OutcomeApplied {
+					t.Errorf("dual write: %v %v", out, err)
+				}
+			}
+		}
+	}}
+	r, err := New(src, b.target, &Config{PageSize: 10})
+	require.NoError(t, err)
+	rep, err := r.Rebuild(ctx)
+	require.ErrorIs(t, err, ErrRebuildAborted)
+	require.False(t, rep.Switched)
+	require.EqualValues(t, 2*n-10, b.client.ZCard(ctx, b.ks.ValueKey(b.target.target(""))).Val(),
+		"live projection keeps every copied member (and the new ones)")
+}
