@@ -97,7 +97,7 @@ func mainErr(ctx context.Context, args []string, out, progress io.Writer) error 
 	fs.SetOutput(progress)
 	quick := fs.Bool("quick", false, "small sizes: finishes well under a minute (what CI runs)")
 	asJSON := fs.Bool("json", false, "print one JSON object per figure: name, value, unit, baseline, ratio")
-	only := fs.String("only", "", "comma-separated figure groups to run: "+strings.Join(groups, ","))
+	only := fs.String("only", "", "comma-separated figure groups to run (empty: every group): "+strings.Join(groups, ","))
 	relays := fs.Int("relays", 4, "relays (library) and seed workers (baseline) draining together")
 	batch := fs.Int("batch", outbox.BatchSizeDefault, "rows per relay claim (library); the seed worker keeps its LIMIT 100")
 	seedPoll := fs.Duration("seed-poll", 10*time.Millisecond, "idle sleep of the seed worker in the lag figure (the seed has no wake-up)")
