@@ -552,9 +552,9 @@ func (r *Reconciler) checkRead(ctx context.Context, opts RunOptions, rows []Row,
 
 // checkReadOf is checkRead. With foundByScan, rows are the orphan scan's
 // finds that Redis held ahead of (checkFound), which the walk may have
-// counted already: only those the recheck leaves drifting (ahead or
-// corrupt, counted as checked, or an orphan, the row deleted since) are
-// settled. One found
+// counted already: only those the recheck leaves drifting, and as first
+// read (ahead or corrupt, counted as checked, or an orphan, the row
+// deleted since), are settled. One found
 // current or behind its row had a write land between the scan's lookup and
 // its read, as any entry may while users score: the walk counted the row
 // (or a delivery in flight will write it), and counted twice it would make
@@ -576,6 +576,13 @@ func (r *Reconciler) checkReadOf(ctx context.Context, opts RunOptions, rows []Ro
 		}
 		findings = append(findings, Finding{Class: class, Key: rows[i].Key, Source: &rows[i], Projected: projected[i]})
 	}
+	var firstRead []Projected
+	if foundByScan {
+		firstRead = make([]Projected, len(findings))
+		for i := range findings {
+			firstRead[i] = findings[i].Projected
+		}
+	}
 	if err := r.recheck(ctx, findings); err != nil {
 		// The page is not counted at all: neither its rows as checked
 		// nor its current entities.
@@ -585,7 +592,15 @@ func (r *Reconciler) checkReadOf(ctx context.Context, opts RunOptions, rows []Ro
 	if foundByScan {
 		kept := findings[:0]
 		checked = 0
-		for _, f := range findings {
+		for i, f := range findings {
+			if !sameProjected(firstRead[i], f.Projected) {
+				// Writes landed on the entry during the recheck (torn
+				// reads, each looking corrupt or ahead): the walk's and
+				// the outbox's, as one found current. A lost entity
+				// created again keeps its state: its deliveries are
+				// refused.
+				continue
+			}
 			switch f.Class {
 			case ClassAhead, ClassCorrupt:
 				checked++ // an entity the walk did not meet

@@ -3,9 +3,11 @@ package reconcile
 import (
 	"context"
 	"fmt"
+	"slices"
 	"sync/atomic"
 	"testing"
 
+	"github.com/redis/go-redis/v9"
 	"github.com/stretchr/testify/require"
 
 	"github.com/verity-go/verity/projection"
@@ -220,6 +222,79 @@ func TestScanCountsNoWalkedRowTwice(t *testing.T) {
 			require.Equal(t, int64(1), rep.Repaired, "the orphan")
 			got := b.state(t, r, "u1")
 			require.Equal(t, int64(2), got.Version, "as delivered: a newer row's delivery is the outbox's")
+		})
+	}
+}
+
+// tearReads splits a pipeline that reads key's value (ZMSCORE/HMGET of the
+// value key first) after its first command, and runs between (once per
+// armed tear) as a gate write landing between the two reads of one
+// pipeline would (Redis serves other clients between the parts of a
+// pipeline it reads in pieces).
+type tearReads struct {
+	key     string
+	tears   atomic.Int32
+	between func()
+}
+
+func (h *tearReads) DialHook(next redis.DialHook) redis.DialHook          { return next }
+func (h *tearReads) ProcessHook(next redis.ProcessHook) redis.ProcessHook { return next }
+func (h *tearReads) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+	return func(ctx context.Context, cmds []redis.Cmder) error {
+		if len(cmds) > 1 && h.tears.Load() > 0 {
+			args := cmds[0].Args()
+			if (cmds[0].Name() == "zmscore" || cmds[0].Name() == "hmget") && slices.Contains(args[2:], any(h.key)) && h.tears.Add(-1) >= 0 {
+				if err := next(ctx, cmds[:1]); err != nil {
+					return err
+				}
+				h.between()
+				return next(ctx, cmds[1:])
+			}
+		}
+		return next(ctx, cmds)
+	}
+}
+
+// TestScanCountsNoTornRowTwice: the orphan scan's check of found rows
+// counts a row the walk already counted a second time when the recheck
+// ends with it corrupt because writes kept landing between a pipeline's
+// two reads (each round a torn read: the old value with the new version).
+// The walk in the same case counts the row once; the scan makes Checked
+// exceed the source's rows, which a leaderboard Verify takes for lost
+// members (fresh-eyes review of 2026-12-07, after e77dc97 closed the
+// simpler case, TestScanCountsNoWalkedRowTwice).
+func TestScanCountsNoTornRowTwice(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	for _, kind := range []projection.Kind{projection.KindSortedSet, projection.KindHash} {
+		t.Run(kindName(kind), func(t *testing.T) {
+			t.Parallel()
+			b := setup(t, kind)
+			for _, k := range []string{"u1", "u2", "u3"} {
+				b.insert(t, k, 1)
+				b.project(t, k, 1)
+			}
+			b.project(t, "u9", 1) // an orphan, so that the scan runs
+			hooked := redis.NewClient(b.client.(*redis.Client).Options())
+			t.Cleanup(func() { _ = hooked.Close() })
+			version := int64(1)
+			tear := &tearReads{key: "u1", between: func() {
+				version++
+				b.insert(t, "u1", version)
+				require.Equal(t, projection.OutcomeApplied, b.project(t, "u1", version))
+			}}
+			hooked.AddHook(tear)
+			src := &afterLookup{Source: b.source}
+			src.n.Store(1) // the scan's first lookup: the walk pages
+			src.after = func() { tear.tears.Store(recheckRounds) }
+			target := b.target
+			target.Client = hooked
+			r, err := New(src, target, &Config{Policy: Policy{Ahead: ActionRepair, Orphan: ActionRepair}})
+			require.NoError(t, err)
+			rep, err := r.Run(ctx, RunOptions{})
+			require.NoError(t, err)
+			require.Equal(t, int64(1+recheckRounds), version, "every read of u1 in the scan was torn")
+			require.Equal(t, int64(3), rep.Checked, "three source rows, each counted once: %v %v", rep.Counts, rep.Results)
 		})
 	}
 }
