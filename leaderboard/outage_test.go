@@ -292,7 +292,9 @@ func TestSubmitCancelledInFlightCommitsLater(t *testing.T) {
 	}
 	defer resume()
 	cmd := Command{EventID: uuid.New(), UserID: "a", Delta: 1}
-	cctx, cancel := context.WithTimeout(ctx, 50*time.Millisecond)
+	// Long enough for the statement to be sent on a loaded machine: the
+	// stopped backend cannot answer it however long the call waits.
+	cctx, cancel := context.WithTimeout(ctx, 300*time.Millisecond)
 	_, err = board.Submit(cctx, cmd)
 	cancel()
 	require.ErrorIs(t, err, context.DeadlineExceeded)
