@@ -2323,3 +2323,56 @@ func (h *cancelAfterReadScript) ProcessHook(next redis.ProcessHook) redis.Proces
 		return err
 	}
 }
+
+// A cursor is bound to its board's Name, Schema and KeyPrefix (doc.go,
+// Page): a board of the same name and the same explicit KeyPrefix in
+// another schema (another tenant, on its own Redis or sharing this one)
+// must refuse it with ErrInvalidCursor. The existing test of another
+// schema also changes the key prefix, so a tag that forgot the schema
+// passed it.
+// (A mutation audit of 2026-12-07 found this untested.)
+func TestCursorBoundToSchemaUnderSharedKeyPrefix(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	a := setup(t, func(c *Config) { c.Name = "weekly" })
+	a.submit(t, "ada", 5)
+	a.submit(t, "bob", 3)
+	a.drain(t)
+	page, err := a.board.Top(ctx, 1)
+	require.NoError(t, err)
+	require.NotEmpty(t, page.Next)
+
+	pg := testenv.Postgres(t) // another schema
+	cfg := &Config{Name: "weekly", Schema: pg.Schema, KeyPrefix: a.board.Config().KeyPrefix}
+	require.NoError(t, Migrate(ctx, pg.Pool, cfg))
+	other, err := New(pg.Pool, a.rd.Client, cfg)
+	require.NoError(t, err)
+	t.Cleanup(other.Close)
+	require.NotEqual(t, a.board.Config().Schema, other.Config().Schema)
+
+	_, err = other.Page(ctx, page.Next, 10)
+	require.ErrorIs(t, err, ErrInvalidCursor, "a cursor of the board in schema %s served by the board in schema %s", a.board.Config().Schema, other.Config().Schema)
+}
+
+// Top and Page take n in [1, MaxPageSize] (ErrInvalidLimit: "page size
+// must be between 1 and MaxPageSize"). TestPageSizeLimits checks
+// MaxPageSize itself for Authoritative and Around only: a bound of
+// n >= MaxPageSize in Page (which Top calls) refused the largest page
+// with no test failing.
+// (A mutation audit of 2026-12-07 found this untested.)
+func TestTopAndPageAcceptMaxPageSize(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	tb := setup(t)
+	tb.submit(t, "amy", 5)
+	tb.submit(t, "bob", 3)
+	tb.drain(t)
+
+	top, err := tb.board.Top(ctx, MaxPageSize)
+	require.NoError(t, err, "Top(MaxPageSize)")
+	require.Equal(t, []string{"amy", "bob"}, users(top.Entries))
+	require.Empty(t, top.Next)
+	page, err := tb.board.Page(ctx, "", MaxPageSize)
+	require.NoError(t, err, "Page(\"\", MaxPageSize)")
+	require.Equal(t, []string{"amy", "bob"}, users(page.Entries))
+}

@@ -466,3 +466,36 @@ func TestGateBucketsOneCallPerSlot(t *testing.T) {
 		require.Equal(t, OutcomeApplied, o)
 	}
 }
+
+// The mirror of DualWriteFollowsTheRebuildsLayout: a rebuild that takes a
+// bucketed collection back to one version hash (Rebuild migrates "from
+// one count to another", 0 included). The live gate, configured with 8
+// buckets, learns the shadow's stored layout "0" from the script's
+// VERITY_LAYOUT reply and dual-writes into the unbucketed shadow hash.
+// A relearn condition of stored > 0 instead of >= 0 made every live
+// write fail with a LayoutMismatchError for the whole rebuild, and no
+// test failed.
+// (A mutation audit of 2026-12-07 found this untested.)
+func TestDualWriteFollowsARebuildToNoBuckets(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	flat := setupGate(t, backends[0])
+	eight := flat.bucketed(t, 8)
+	eight.apply(t, zset("r", "a", 1, 10))
+	// A rebuild to 0 buckets has started (reconcile's start step):
+	// marker and shadow layout "0".
+	require.NoError(t, flat.client.Set(ctx, flat.ks.ShadowLayoutKey("r", KindSortedSet), "0", 0).Err())
+	require.NoError(t, flat.client.Set(ctx, flat.ks.RebuildMarkerKey("r", KindSortedSet), "tok", 0).Err())
+
+	for i, batch := range [][]Write{{zset("r", "a", 2, 20), zset("r", "b", 6, 60)}, {zset("r", "c", 1, 5)}} {
+		out, err := eight.gate.Apply(ctx, batch)
+		require.NoError(t, err, "batch %d: the live gate learns the shadow's layout 0", i)
+		for _, o := range out {
+			require.Equal(t, OutcomeApplied, o, "batch %d", i)
+		}
+	}
+	require.Equal(t, storedState{true, "20", "2"}, readShadowState(t, flat.client, flat.ks, zset("r", "a", 0, 0).Target))
+	require.Equal(t, storedState{true, "60", "6"}, readShadowState(t, flat.client, flat.ks, zset("r", "b", 0, 0).Target))
+	require.Equal(t, storedState{true, "5", "1"}, readShadowState(t, flat.client, flat.ks, zset("r", "c", 0, 0).Target))
+	require.Equal(t, storedState{true, "60", "6"}, readState(t, eight.client, eight.ks, zset("r", "b", 0, 0).Target))
+}

@@ -674,3 +674,28 @@ func TestRepairTimeoutCoversTheSwitch(t *testing.T) {
 	require.True(t, rep.Switched)
 	require.Equal(t, fmt.Sprint(projection.VersionBucketsMax), b.layoutOf(t))
 }
+
+// A sampled run draws its orphan candidates from every version bucket
+// (sampleVersioned: "n draws of a random bucket"). Orphans that all sit in
+// the last bucket must be found; TestBucketsRunSample spreads orphans over
+// 16 buckets, where a draw that never picks the last one (rand.IntN(n-1))
+// still finds 15/16 of them within its tolerance.
+// (A mutation audit of 2026-12-07 found this untested.)
+func TestSampleDrawsTheLastBucket(t *testing.T) {
+	t.Parallel()
+	b := setup(t, projection.KindSortedSet).withBuckets(t, 2)
+	var orphans []Row
+	for i := 0; len(orphans) < 40; i++ {
+		key := fmt.Sprintf("orphan%03d", i)
+		if b.ks.VersionBucket(key) == 1 {
+			orphans = append(orphans, Row{Key: key, Version: 1, Value: b.value(key, 1)})
+		}
+	}
+	b.projectRows(t, orphans)
+	r := b.reconciler(t, nil)
+	rep, err := r.Run(context.Background(), RunOptions{Sample: 60, DryRun: true})
+	require.NoError(t, err)
+	// About 30 of the 60 draws pick bucket 1; all of them miss it with
+	// probability 2^-60.
+	require.Positive(t, rep.Counts[ClassOrphan], "%s", rep)
+}

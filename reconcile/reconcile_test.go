@@ -1314,3 +1314,42 @@ func TestRepairRaceVersionCorruptedBeforeGateRepair(t *testing.T) {
 	require.Equal(t, "garbage", b.state(t, r, "s1").RawVersion)
 	require.Equal(t, int64(3), b.state(t, r, "s2").Version)
 }
+
+// CheckKeys checks each key once, whatever the list repeats: the report
+// counts entities (Checked, Counts, Drift). TestCheckKeys repeats a key
+// within one page only, where the page's own Lookup collapses the copies;
+// copies in different pages (a list longer than PageSize) were checked,
+// counted and repaired twice once the dedupe went, and no test failed.
+// (A mutation audit of 2026-12-07 found this untested.)
+func TestCheckKeysRepeatAcrossPages(t *testing.T) {
+	t.Parallel()
+	b := setup(t, projection.KindSortedSet)
+	want := b.drift(t)
+	require.Equal(t, ClassStale, want["stale"])
+	require.Equal(t, ClassOrphan, want["orphan"])
+	r := b.reconciler(t, &Config{PageSize: 1})
+	rep, err := r.CheckKeys(context.Background(), []string{"stale", "orphan", "stale", "orphan"}, RunOptions{DryRun: true})
+	require.NoError(t, err)
+	require.EqualValues(t, 1, rep.Checked, "%s", rep)
+	require.Equal(t, map[Class]int64{ClassStale: 1, ClassOrphan: 1}, rep.Counts, "%s", rep)
+	require.EqualValues(t, 2, rep.Drift())
+}
+
+// RunOptions.Sample is "at most SampleMax": SampleMax itself is a valid
+// sample (on a small source it checks every row). The tests refused
+// SampleMax+1 and never ran SampleMax, so a bound of >= went unnoticed.
+// (A mutation audit of 2026-12-07 found this untested.)
+func TestSampleMaxIsAccepted(t *testing.T) {
+	t.Parallel()
+	b := setup(t, projection.KindSortedSet)
+	b.drift(t)
+	r := b.reconciler(t, nil)
+	full, err := r.Run(context.Background(), RunOptions{DryRun: true})
+	require.NoError(t, err)
+	rep, err := r.Run(context.Background(), RunOptions{Sample: SampleMax, DryRun: true})
+	require.NoError(t, err, "Sample = SampleMax")
+	require.True(t, rep.Sampled)
+	require.Equal(t, full.Checked, rep.Checked, "a sample larger than the source checks every row")
+	_, err = r.Run(context.Background(), RunOptions{Sample: SampleMax + 1, DryRun: true})
+	require.ErrorIs(t, err, ErrInvalidConfig)
+}

@@ -515,3 +515,64 @@ func TestCheckAt(t *testing.T) {
 		require.ErrorIs(t, err, ErrNilLoader)
 	})
 }
+
+// ErrInvalidVersion is returned by GetAt "for a negative version" (and
+// the stored prefix is "a non-negative int64"): version 0, a row_version
+// column's first value in many schemas, is a version like any other. It
+// loads, fills, and the next GetAt at 0 is a hit. No test read at 0, so
+// a bound of <= 0 went unnoticed.
+// (A mutation audit of 2026-12-07 found this untested.)
+func TestGetAtVersionZero(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	b := setup(t, nil)
+	row := product{ID: "p0", Price: 100, Version: 0}
+	b.truth.mu.Lock()
+	b.truth.rows["p0"] = row
+	b.truth.mu.Unlock()
+
+	got, err := b.cache.GetAt(ctx, "p0", 0, b.truth.loader("p0"))
+	require.NoError(t, err, "version 0 is not negative")
+	require.Equal(t, row, got)
+	got, err = b.cache.GetAt(ctx, "p0", 0, b.truth.loader("p0"))
+	require.NoError(t, err)
+	require.Equal(t, row, got)
+	require.EqualValues(t, 1, b.truth.loads.Load(), "the second GetAt at version 0 is a hit")
+
+	_, err = b.cache.GetAt(ctx, "p0", -1, b.truth.loader("p0"))
+	require.ErrorIs(t, err, ErrInvalidVersion)
+}
+
+// CheckAt: "One whose versions move during the confirmation (a write in
+// flight) is Moved" — the cached version too, upwards included. Here a
+// GetAt at a newer version fills P{id}:a between CheckAt's first look and
+// its confirmation (from inside the loader, which CheckAt calls between
+// the two). A confirmation that only noticed a cached version going down
+// compared the new value and reported a Divergence at the old version
+// holding the new value.
+// (A mutation audit of 2026-12-07 found this untested.)
+func TestCheckAtCachedVersionMovesUp(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	b := setup(t, nil)
+	cached := product{ID: "p1", Price: 1, Version: 5}
+	_, err := b.cache.GetAt(ctx, "p1", 5, func(context.Context) (product, error) { return cached, nil })
+	require.NoError(t, err)
+
+	source := product{ID: "p1", Price: 2, Version: 5} // a write that kept the version
+	calls := 0
+	rep, err := b.cache.CheckAt(ctx, []string{"p1"}, 0, func(ctx context.Context, id string) (product, int64, error) {
+		calls++
+		if calls == 1 {
+			// In flight: a GetAt at version 6 stores its value.
+			newer := product{ID: "p1", Price: 3, Version: 6}
+			_, err := b.cache.GetAt(ctx, "p1", 6, func(context.Context) (product, error) { return newer, nil })
+			require.NoError(t, err)
+		}
+		return source, 5, nil
+	})
+	require.NoError(t, err)
+	require.Equal(t, 2, calls)
+	require.EqualValues(t, 1, rep.Moved, "the cached version moved from 5 to 6 during the confirmation: %+v", rep)
+	require.Zero(t, rep.Divergent, "%+v", rep.Divergences)
+}
