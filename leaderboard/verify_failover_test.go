@@ -24,20 +24,9 @@ import (
 func TestVerifyFailoverDuringPass(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	pair := startFailoverPair(t)
-	client := redis.NewClient(&redis.Options{Addr: pair.masterAddr})
-	t.Cleanup(func() { _ = client.Close() })
 	// Just before the pass records, Redis fails over to the cut replica.
-	beforeRecord := &beforeScript{hash: verifiedScript.Hash(), fn: func() { pair.failover(t) }}
-	client.AddHook(beforeRecord)
-	pg := testenv.Postgres(t)
-	cfg := &Config{Name: "weekly", Schema: pg.Schema, KeyPrefix: "fo:",
-		RequireVerifiedProjection: true, ReadPolicy: FailClosed, LagProbeInterval: time.Nanosecond}
-	require.NoError(t, Migrate(ctx, pg.Pool, cfg))
-	board, err := New(pg.Pool, client, cfg)
-	require.NoError(t, err)
-	t.Cleanup(board.Close)
-	tb := &testBundle{board: board, pg: pg}
+	pair, tb, beforeRecord := failoverBoard(t)
+	board := tb.board
 	for i, user := range []string{"ada", "bob", "cy"} {
 		_, err := board.Submit(ctx, Command{EventID: uuid.New(), UserID: user, Delta: int64(10 * (i + 1))})
 		require.NoError(t, err)
@@ -45,7 +34,7 @@ func TestVerifyFailoverDuringPass(t *testing.T) {
 	tb.drain(t)
 	// Redis restarted empty: the whole board is missing, record included.
 	require.NoError(t, pair.master.FlushAll(ctx).Err())
-	_, err = board.Top(ctx, 10)
+	_, err := board.Top(ctx, 10)
 	var stale *StaleError
 	require.ErrorAs(t, err, &stale)
 	require.True(t, stale.Unverified)
@@ -86,6 +75,26 @@ func TestVerifyFailoverDuringPass(t *testing.T) {
 type failoverPair struct {
 	master, replica      *redis.Client
 	masterAddr, replAddr string
+}
+
+// failoverBoard is a board on the master of a new failover pair, whose
+// Redis client fails the pair over to its cut replica just before Verify
+// records (beforeRecord.fired tells that it did).
+func failoverBoard(t *testing.T) (*failoverPair, *testBundle, *beforeScript) {
+	t.Helper()
+	pair := startFailoverPair(t)
+	client := redis.NewClient(&redis.Options{Addr: pair.masterAddr})
+	t.Cleanup(func() { _ = client.Close() })
+	beforeRecord := &beforeScript{hash: verifiedScript.Hash(), fn: func() { pair.failover(t) }}
+	client.AddHook(beforeRecord)
+	pg := testenv.Postgres(t)
+	cfg := &Config{Name: "weekly", Schema: pg.Schema, KeyPrefix: "fo:",
+		RequireVerifiedProjection: true, ReadPolicy: FailClosed, LagProbeInterval: time.Nanosecond}
+	require.NoError(t, Migrate(context.Background(), pg.Pool, cfg))
+	board, err := New(pg.Pool, client, cfg)
+	require.NoError(t, err)
+	t.Cleanup(board.Close)
+	return pair, &testBundle{board: board, pg: pg}, beforeRecord
 }
 
 func startFailoverPair(t *testing.T) *failoverPair {
@@ -194,19 +203,8 @@ func TestVerifyWithoutInfo(t *testing.T) {
 func TestVerifyFailoverLosesStaleRepairs(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	pair := startFailoverPair(t)
-	client := redis.NewClient(&redis.Options{Addr: pair.masterAddr})
-	t.Cleanup(func() { _ = client.Close() })
-	beforeRecord := &beforeScript{hash: verifiedScript.Hash(), fn: func() { pair.failover(t) }}
-	client.AddHook(beforeRecord)
-	pg := testenv.Postgres(t)
-	cfg := &Config{Name: "weekly", Schema: pg.Schema, KeyPrefix: "fo:",
-		RequireVerifiedProjection: true, ReadPolicy: FailClosed, LagProbeInterval: time.Nanosecond}
-	require.NoError(t, Migrate(ctx, pg.Pool, cfg))
-	board, err := New(pg.Pool, client, cfg)
-	require.NoError(t, err)
-	t.Cleanup(board.Close)
-	tb := &testBundle{board: board, pg: pg}
+	pair, tb, beforeRecord := failoverBoard(t)
+	board := tb.board
 	users := []string{"ada", "bob", "cy"}
 	for i, user := range users {
 		_, err := board.Submit(ctx, Command{EventID: uuid.New(), UserID: user, Delta: int64(10 * (i + 1))})

@@ -879,33 +879,15 @@ func TestRebuildRefusesAShadowThatLostCopyWrites(t *testing.T) {
 				b.projectRows(t, b.insertMany(t, n))
 				b.project(t, "orphan", 1) // a switch would remove it
 				before := b.snapshot(t)
-				k, name := b.kind, b.target.Name
-				keys := append([]string{b.ks.ShadowValueKey(name, k), b.ks.ShadowLayoutKey(name, k), b.copyKey()},
-					b.ks.ShadowVersionKeys(name, k)...)
-				saved := map[string]string{}
+				var saved map[string]string
 				src := &hookedSource{Source: b.source, onPage: func(ctx context.Context, page int) {
 					switch page {
 					case 2:
 						b.waitShadow(ctx, t, b.client, 10)
-						for _, key := range keys {
-							if v, err := b.client.Dump(ctx, key).Result(); err == nil {
-								saved[key] = v
-							} else if !errors.Is(err, redis.Nil) {
-								t.Errorf("DUMP %s: %v", key, err)
-							}
-						}
+						saved = b.dumpCopy(ctx, t)
 					case 5: // the empty page that ends the copy
 						b.waitShadow(ctx, t, b.client, n)
-						for _, key := range keys {
-							if err := b.client.Del(ctx, key).Err(); err != nil {
-								t.Errorf("DEL %s: %v", key, err)
-							}
-							if v, ok := saved[key]; ok {
-								if err := b.client.Restore(ctx, key, 0, v).Err(); err != nil {
-									t.Errorf("RESTORE %s: %v", key, err)
-								}
-							}
-						}
+						b.restoreCopy(ctx, t, saved)
 					}
 				}}
 				r, err := New(src, b.target, &Config{PageSize: 10})
@@ -1208,33 +1190,15 @@ func TestRebuildRefusesLostCopyHiddenByDualWrites(t *testing.T) {
 	b := setup(t, projection.KindSortedSet)
 	const n = 40
 	b.projectRows(t, b.insertMany(t, n))
-	k, name := b.kind, b.target.Name
-	keys := append([]string{b.ks.ShadowValueKey(name, k), b.ks.ShadowLayoutKey(name, k), b.copyKey()},
-		b.ks.ShadowVersionKeys(name, k)...)
-	saved := map[string]string{}
+	var saved map[string]string
 	src := &hookedSource{Source: b.source, onPage: func(ctx context.Context, page int) {
 		switch page {
 		case 2:
 			b.waitShadow(ctx, t, b.client, 10)
-			for _, key := range keys {
-				if v, err := b.client.Dump(ctx, key).Result(); err == nil {
-					saved[key] = v
-				} else if !errors.Is(err, redis.Nil) {
-					t.Errorf("DUMP %s: %v", key, err)
-				}
-			}
+			saved = b.dumpCopy(ctx, t)
 		case 5: // the empty page that ends the copy
 			b.waitShadow(ctx, t, b.client, n)
-			for _, key := range keys {
-				if err := b.client.Del(ctx, key).Err(); err != nil {
-					t.Errorf("DEL %s: %v", key, err)
-				}
-				if v, ok := saved[key]; ok {
-					if err := b.client.Restore(ctx, key, 0, v).Err(); err != nil {
-						t.Errorf("RESTORE %s: %v", key, err)
-					}
-				}
-			}
+			b.restoreCopy(ctx, t, saved)
 			// Live writes of new members, dual-written into the shadow,
 			// as many as the loss took.
 			for i := range n - 10 {
@@ -1252,4 +1216,41 @@ func TestRebuildRefusesLostCopyHiddenByDualWrites(t *testing.T) {
 	require.False(t, rep.Switched)
 	require.EqualValues(t, 2*n-10, b.client.ZCard(ctx, b.ks.ValueKey(b.target.target(""))).Val(),
 		"live projection keeps every copied member (and the new ones)")
+}
+
+// copyKeys are the keys a rebuild's copy lives in: the shadow's value,
+// layout and version keys, and the copy count.
+func (b *testBundle) copyKeys() []string {
+	k, name := b.kind, b.target.Name
+	return append([]string{b.ks.ShadowValueKey(name, k), b.ks.ShadowLayoutKey(name, k), b.copyKey()},
+		b.ks.ShadowVersionKeys(name, k)...)
+}
+
+// dumpCopy returns a DUMP of each of copyKeys that exists, for
+// restoreCopy: Redis as a snapshot taken now would restore it.
+func (b *testBundle) dumpCopy(ctx context.Context, t *testing.T) map[string]string {
+	saved := map[string]string{}
+	for _, key := range b.copyKeys() {
+		if v, err := b.client.Dump(ctx, key).Result(); err == nil {
+			saved[key] = v
+		} else if !errors.Is(err, redis.Nil) {
+			t.Errorf("DUMP %s: %v", key, err)
+		}
+	}
+	return saved
+}
+
+// restoreCopy puts copyKeys back as dumpCopy saved them, as a restart from
+// that snapshot would: keys it did not save are deleted.
+func (b *testBundle) restoreCopy(ctx context.Context, t *testing.T, saved map[string]string) {
+	for _, key := range b.copyKeys() {
+		if err := b.client.Del(ctx, key).Err(); err != nil {
+			t.Errorf("DEL %s: %v", key, err)
+		}
+		if v, ok := saved[key]; ok {
+			if err := b.client.Restore(ctx, key, 0, v).Err(); err != nil {
+				t.Errorf("RESTORE %s: %v", key, err)
+			}
+		}
+	}
 }
