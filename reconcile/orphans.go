@@ -205,8 +205,10 @@ func rowsAsked(keys []string, rows []Row) (found []Row, absent []string) {
 // version Redis still holds) had its delivery refused, and nothing else
 // would correct it. Entries current, or behind the row (a delivery in
 // flight), are left to the walk and the outbox, as are those the recheck
-// finds so (a write landed between the lookup and the read): they are not
-// counted again.
+// finds so, or finds changed (writes landed between the lookup and the
+// reads, as on any entry while users score): the walk counted their rows,
+// and counted twice they would make Checked exceed what Redis holds, which
+// a leaderboard Verify takes for lost members.
 func (r *Reconciler) checkFound(ctx context.Context, opts RunOptions, found []Row, rep *Report) error {
 	if len(found) == 0 {
 		return nil
@@ -236,7 +238,32 @@ func (r *Reconciler) checkFound(ctx context.Context, opts RunOptions, found []Ro
 	if len(rows) == 0 {
 		return nil
 	}
-	return r.checkReadOf(ctx, opts, rows, read, true, rep)
+	findings, _, err := r.classifyRead(ctx, rows, read)
+	if err != nil {
+		return err
+	}
+	firstRead := make(map[string]Projected, len(rows))
+	for i := range rows {
+		firstRead[rows[i].Key] = read[i]
+	}
+	kept, checked := findings[:0], 0
+	for _, f := range findings {
+		if !sameProjected(firstRead[f.Key], f.Projected) {
+			// Torn reads through the recheck, each looking corrupt or
+			// ahead: writes landed, as on one found current. A lost
+			// entity created again keeps its state: its deliveries
+			// are refused.
+			continue
+		}
+		switch f.Class {
+		case ClassAhead, ClassCorrupt:
+			checked++ // an entity the walk did not meet
+			kept = append(kept, f)
+		case ClassOrphan:
+			kept = append(kept, f) // its row deleted since: none to count
+		}
+	}
+	return r.settleFindings(ctx, opts, kept, checked, rep)
 }
 
 // checkAbsent classifies keys the source does not have against what the

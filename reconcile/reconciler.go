@@ -547,27 +547,29 @@ func (r *Reconciler) readRows(ctx context.Context, rows []Row) ([]Projected, err
 // checkRead classifies rows against what was read for them, repairs and
 // records.
 func (r *Reconciler) checkRead(ctx context.Context, opts RunOptions, rows []Row, projected []Projected, rep *Report) error {
-	return r.checkReadOf(ctx, opts, rows, projected, false, rep)
-}
-
-// checkReadOf is checkRead. With foundByScan, rows are the orphan scan's
-// finds that Redis held ahead of (checkFound), which the walk may have
-// counted already: only those the recheck leaves drifting, and as first
-// read (ahead or corrupt, counted as checked, or an orphan, the row
-// deleted since), are settled. One found
-// current or behind its row had a write land between the scan's lookup and
-// its read, as any entry may while users score: the walk counted the row
-// (or a delivery in flight will write it), and counted twice it would make
-// Checked exceed what Redis holds, which Verify takes for lost members.
-func (r *Reconciler) checkReadOf(ctx context.Context, opts RunOptions, rows []Row, projected []Projected, foundByScan bool, rep *Report) error {
-	if err := ctx.Err(); err != nil {
+	findings, current, err := r.classifyRead(ctx, rows, projected)
+	if err != nil {
+		// The page is not counted at all: neither its rows as checked
+		// nor its current entities.
 		return err
 	}
+	for _, i := range current {
+		rep.Counts[ClassCurrent]++
+		rep.tally.addAsRead(&projected[i])
+	}
+	return r.settleFindings(ctx, opts, findings, len(rows), rep)
+}
+
+// classifyRead classifies rows against what was read for them and
+// rechecks the findings a write racing the read can fake. It returns the
+// drift, and the indices of the rows found current.
+func (r *Reconciler) classifyRead(ctx context.Context, rows []Row, projected []Projected) (findings []Finding, current []int, err error) {
+	if err := ctx.Err(); err != nil {
+		return nil, nil, err
+	}
 	// Current rows, nearly all of them in a healthy pass, are counted
-	// here; only drift becomes a Finding (a pass used to allocate one per
-	// row).
-	var findings []Finding
-	var current []int
+	// by the caller; only drift becomes a Finding (a pass used to
+	// allocate one per row).
 	for i := range rows {
 		class := Classify(r.target.Kind, &rows[i], projected[i])
 		if class == ClassCurrent {
@@ -576,45 +578,15 @@ func (r *Reconciler) checkReadOf(ctx context.Context, opts RunOptions, rows []Ro
 		}
 		findings = append(findings, Finding{Class: class, Key: rows[i].Key, Source: &rows[i], Projected: projected[i]})
 	}
-	var firstRead []Projected
-	if foundByScan {
-		firstRead = make([]Projected, len(findings))
-		for i := range findings {
-			firstRead[i] = findings[i].Projected
-		}
-	}
 	if err := r.recheck(ctx, findings); err != nil {
-		// The page is not counted at all: neither its rows as checked
-		// nor its current entities.
-		return err
+		return nil, nil, err
 	}
-	checked := len(rows)
-	if foundByScan {
-		kept := findings[:0]
-		checked = 0
-		for i, f := range findings {
-			if !sameProjected(firstRead[i], f.Projected) {
-				// Writes landed on the entry during the recheck (torn
-				// reads, each looking corrupt or ahead): the walk's and
-				// the outbox's, as one found current. A lost entity
-				// created again keeps its state: its deliveries are
-				// refused.
-				continue
-			}
-			switch f.Class {
-			case ClassAhead, ClassCorrupt:
-				checked++ // an entity the walk did not meet
-				kept = append(kept, f)
-			case ClassOrphan:
-				kept = append(kept, f) // no source row to count
-			}
-		}
-		findings, current = kept, nil
-	}
-	for _, i := range current {
-		rep.Counts[ClassCurrent]++
-		rep.tally.addAsRead(&projected[i])
-	}
+	return findings, current, nil
+}
+
+// settleFindings counts checked source rows as checked, settles findings and
+// records them in rep.
+func (r *Reconciler) settleFindings(ctx context.Context, opts RunOptions, findings []Finding, checked int, rep *Report) error {
 	rep.Checked += int64(checked)
 	rep.examined += int64(checked)
 	err := r.settle(ctx, opts, findings, rep)
