@@ -14,6 +14,7 @@ import (
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/redis/go-redis/v9"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
@@ -191,5 +192,51 @@ func TestVerifyWithAScoreDuringTheOrphanScan(t *testing.T) {
 	require.False(t, hook.armed.Load(), "u1 scored during the scan")
 	require.Equal(t, int64(3), tb.rd.Client.ZCard(ctx, board.SortedSetKey()).Val(), "u9 removed, no member lost")
 	require.Equal(t, int64(3), rep.Checked, "%v", rep.Counts)
+	require.True(t, verified, "every finding repaired: %v %v", rep.Counts, rep.Results)
+}
+
+// TestVerifyWithAForeignWriteDuringTheOrphanScan: a foreign
+// write (u1's score changed behind the gate, at its version) lands after
+// the walk found u1 current and before the orphan scan reads it. The scan
+// finds u1 corrupt and repairs it, so every finding is repaired and no
+// member was lost; Verify's doc says it then records. The scan counted u1
+// a second time (Checked 4 for 3 users), so Verify took members for lost,
+// recorded nothing and deleted the earlier record (last review of
+// 2026-12-07).
+func TestVerifyWithAForeignWriteDuringTheOrphanScan(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	tb := setup(t)
+	hook := &scoreAfterFirstLookup{}
+	pool := tb.newPool(t, func(c *pgxpool.Config) { c.ConnConfig.Tracer = hook })
+	cfg := tb.board.Config()
+	cfg.RequireVerifiedProjection = true
+	board, err := New(pool, tb.rd.Client, &cfg)
+	require.NoError(t, err)
+	t.Cleanup(board.Close)
+	worker, err := board.Worker(nil)
+	require.NoError(t, err)
+	for _, u := range []string{"u1", "u2", "u3", "u9"} {
+		_, err := board.Submit(ctx, Command{EventID: uuid.New(), UserID: u, Delta: 5})
+		require.NoError(t, err)
+	}
+	_, err = worker.Drain(ctx)
+	require.NoError(t, err)
+	_, verified, err := board.Verify(ctx, nil)
+	require.NoError(t, err)
+	require.True(t, verified)
+	_, err = tb.pg.Pool.Exec(ctx, `DELETE FROM `+pgx.Identifier{tb.pg.Schema}.Sanitize()+`.user_scores WHERE user_id = 'u9'`)
+	require.NoError(t, err)
+	hook.after = func() {
+		// A foreign write: another score at u1's version.
+		assert.NoError(t, tb.rd.Client.ZAdd(ctx, board.SortedSetKey(), redis.Z{Score: 777, Member: "u1"}).Err())
+	}
+	hook.armed.Store(true)
+	rep, verified, err := board.Verify(ctx, &reconcile.Config{Policy: reconcile.Policy{Ahead: reconcile.ActionRepair, Orphan: reconcile.ActionRepair}})
+	require.NoError(t, err)
+	require.False(t, hook.armed.Load(), "the foreign write landed during the scan")
+	require.Equal(t, int64(3), tb.rd.Client.ZCard(ctx, board.SortedSetKey()).Val(), "u9 removed, no member lost")
+	require.Equal(t, int64(1), rep.Counts[reconcile.ClassCorrupt], "%v", rep.Counts)
+	require.Equal(t, int64(3), rep.Checked, "three users: %v", rep.Counts)
 	require.True(t, verified, "every finding repaired: %v %v", rep.Counts, rep.Results)
 }

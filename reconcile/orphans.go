@@ -206,9 +206,10 @@ func rowsAsked(keys []string, rows []Row) (found []Row, absent []string) {
 // would correct it. Entries current, or behind the row (a delivery in
 // flight), are left to the walk and the outbox, as are those the recheck
 // finds so, or finds changed (writes landed between the lookup and the
-// reads, as on any entry while users score): the walk counted their rows,
-// and counted twice they would make Checked exceed what Redis holds, which
-// a leaderboard Verify takes for lost members.
+// reads, as on any entry while users score): the walk counted their rows.
+// The finds it settles are counted in Counts, not in Checked (below): a
+// Checked above what Redis holds a leaderboard Verify takes for lost
+// members.
 func (r *Reconciler) checkFound(ctx context.Context, opts RunOptions, found []Row, rep *Report) error {
 	if len(found) == 0 {
 		return nil
@@ -246,7 +247,7 @@ func (r *Reconciler) checkFound(ctx context.Context, opts RunOptions, found []Ro
 	for i := range rows {
 		firstRead[rows[i].Key] = read[i]
 	}
-	kept, checked := findings[:0], 0
+	kept, examined := findings[:0], 0
 	for _, f := range findings {
 		if !sameProjected(firstRead[f.Key], f.Projected) {
 			// Torn reads through the recheck, each looking corrupt or
@@ -257,13 +258,18 @@ func (r *Reconciler) checkFound(ctx context.Context, opts RunOptions, found []Ro
 		}
 		switch f.Class {
 		case ClassAhead, ClassCorrupt:
-			checked++ // an entity the walk did not meet
+			examined++
 			kept = append(kept, f)
 		case ClassOrphan:
-			kept = append(kept, f) // its row deleted since: none to count
+			kept = append(kept, f) // its row deleted since
 		}
 	}
-	return r.settleFindings(ctx, opts, kept, checked, rep)
+	// Examined, not Checked: the scan cannot tell an entity the walk did
+	// not meet from a row the walk counted that a foreign write (a hand
+	// edit, a buggy writer) changed after it passed, and counted twice
+	// such a row would make Checked exceed what Redis holds.
+	rep.examined += int64(examined)
+	return r.settleFindings(ctx, opts, kept, 0, rep)
 }
 
 // checkAbsent classifies keys the source does not have against what the

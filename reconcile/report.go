@@ -89,17 +89,19 @@ type Report struct {
 	// Sampled and DryRun echo the RunOptions.
 	Sampled bool
 	DryRun  bool
-	// Checked counts source rows compared with the projection.
+	// Checked counts source rows compared with the projection, but not
+	// those the orphan scan settles (see Scanned).
 	Checked int64
 	// Scanned counts projection entries examined for orphans. Only the
-	// orphans among them appear in Counts, and those held ahead of a
-	// row the walk did not meet (created again after it passed): the
-	// others are entries of source rows, counted when their row is
-	// checked. Redis's cursor scans return every entry at least once,
-	// and may return one twice while Redis rehashes the key during the
-	// scan: such an entry is counted twice here, and in Counts if it is
-	// an orphan left in place (a removed orphan is gone when it comes
-	// again, and is not counted again).
+	// orphans among them appear in Counts, and those held ahead of their
+	// row or with another value at its version (an entity created again
+	// after the walk passed it, or changed by a foreign write), which
+	// Checked leaves out: the others are entries of source rows, counted
+	// when their row is checked. Redis's cursor scans return every entry
+	// at least once, and may return one twice while Redis rehashes the
+	// key during the scan: such an entry is counted twice here, and in
+	// Counts if it is an orphan left in place (a removed orphan is gone
+	// when it comes again, and is not counted again).
 	Scanned int64
 	// Counts holds the number of entities per Class (current included).
 	Counts map[Class]int64

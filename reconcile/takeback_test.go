@@ -164,7 +164,7 @@ func TestRecreatedAfterTheWalkPassedIt(t *testing.T) {
 			require.NoError(t, err)
 			require.Equal(t, projection.OutcomeStale, delivered)
 			require.Equal(t, int64(1), rep.Counts[ClassAhead], "%v", rep.Counts)
-			require.Equal(t, int64(2), rep.Checked, "u0 by the walk, u2 by the scan")
+			require.Equal(t, int64(1), rep.Checked, "u0 by the walk; u2, settled by the scan, in Counts only")
 			got := b.state(t, r, "u2")
 			if tc.policy.Ahead == ActionRepair {
 				require.Equal(t, int64(1), got.Version, "forced: the source's version")
@@ -296,5 +296,39 @@ func TestScanCountsNoTornRowTwice(t *testing.T) {
 			require.Equal(t, int64(1+recheckRounds), version, "every read of u1 in the scan was torn")
 			require.Equal(t, int64(3), rep.Checked, "three source rows, each counted once: %v %v", rep.Counts, rep.Results)
 		})
+	}
+}
+
+// TestScanCountsNoForeignWriteTwice: a foreign write (same version,
+// another value) on a row the walk found current, landing after the walk
+// passed it: the scan counted the row again, and a leaderboard Verify,
+// finding Checked above the sorted set's size, took members for lost
+// (last review of 2026-12-07).
+func TestScanCountsNoForeignWriteTwice(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	b := setup(t, projection.KindSortedSet)
+	for _, k := range []string{"u1", "u2", "u3"} {
+		b.insert(t, k, 1)
+		b.project(t, k, 1)
+	}
+	b.project(t, "u9", 1) // an orphan, so that the scan runs
+	for _, ahead := range []bool{true, false} {
+		b.project(t, "u9", 1)
+		src := &beforeLookup{Source: b.source, n: 1, before: func() {
+			foreign := projection.Value{Score: 12345}
+			if ahead { // a version PostgreSQL never had
+				v := "7"
+				b.setRaw(t, "u2", &foreign, &v)
+			} else { // another value at the row's version
+				b.setRaw(t, "u1", &foreign, nil)
+			}
+		}}
+		r, err := New(src, b.target, &Config{Policy: Policy{Ahead: ActionRepair, Orphan: ActionRepair}})
+		require.NoError(t, err)
+		rep, err := r.Run(ctx, RunOptions{})
+		require.NoError(t, err)
+		require.Equal(t, int64(1), rep.Counts[ClassAhead]+rep.Counts[ClassCorrupt], "%v", rep.Counts)
+		require.Equal(t, int64(3), rep.Checked, "ahead %v: three source rows: %v", ahead, rep.Counts)
 	}
 }
