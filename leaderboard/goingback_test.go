@@ -149,15 +149,12 @@ func (s *scoreAfterFirstLookup) TraceQueryEnd(ctx context.Context, _ *pgx.Conn, 
 	}
 }
 
-// TestVerifyWithAScoreDuringTheOrphanScan: after PostgreSQL lost a user
-// (an orphan in Redis, so that Verify's pass scans), another user scores
-// and is projected between the scan's lookup of a batch and its read of
-// Redis. The scan counted that user, already checked by the walk, again:
-// Checked exceeded the sorted set's size, and Verify recorded nothing,
-// logged that members were lost during the pass, and deleted the earlier
-// record (goes-back review of 2026-12-07).
-func TestVerifyWithAScoreDuringTheOrphanScan(t *testing.T) {
-	t.Parallel()
+// orphanScanBoard is a board verified with users u1, u2, u3 and u9 whose
+// pool's tracer runs hook.after (once armed) right after the first source
+// Lookup, the orphan scan's; PostgreSQL then lost u9 (a restore), so that
+// the next pass scans.
+func orphanScanBoard(t *testing.T) (*testBundle, *Board, *Worker, *scoreAfterFirstLookup) {
+	t.Helper()
 	ctx := context.Background()
 	tb := setup(t)
 	hook := &scoreAfterFirstLookup{}
@@ -180,6 +177,20 @@ func TestVerifyWithAScoreDuringTheOrphanScan(t *testing.T) {
 	require.True(t, verified)
 	_, err = tb.pg.Pool.Exec(ctx, `DELETE FROM `+pgx.Identifier{tb.pg.Schema}.Sanitize()+`.user_scores WHERE user_id = 'u9'`)
 	require.NoError(t, err)
+	return tb, board, worker, hook
+}
+
+// TestVerifyWithAScoreDuringTheOrphanScan: after PostgreSQL lost a user
+// (an orphan in Redis, so that Verify's pass scans), another user scores
+// and is projected between the scan's lookup of a batch and its read of
+// Redis. The scan counted that user, already checked by the walk, again:
+// Checked exceeded the sorted set's size, and Verify recorded nothing,
+// logged that members were lost during the pass, and deleted the earlier
+// record (goes-back review of 2026-12-07).
+func TestVerifyWithAScoreDuringTheOrphanScan(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	tb, board, worker, hook := orphanScanBoard(t)
 	hook.after = func() {
 		_, err := board.Submit(ctx, Command{EventID: uuid.New(), UserID: "u1", Delta: 1})
 		assert.NoError(t, err)
@@ -206,27 +217,7 @@ func TestVerifyWithAScoreDuringTheOrphanScan(t *testing.T) {
 func TestVerifyWithAForeignWriteDuringTheOrphanScan(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	tb := setup(t)
-	hook := &scoreAfterFirstLookup{}
-	pool := tb.newPool(t, func(c *pgxpool.Config) { c.ConnConfig.Tracer = hook })
-	cfg := tb.board.Config()
-	cfg.RequireVerifiedProjection = true
-	board, err := New(pool, tb.rd.Client, &cfg)
-	require.NoError(t, err)
-	t.Cleanup(board.Close)
-	worker, err := board.Worker(nil)
-	require.NoError(t, err)
-	for _, u := range []string{"u1", "u2", "u3", "u9"} {
-		_, err := board.Submit(ctx, Command{EventID: uuid.New(), UserID: u, Delta: 5})
-		require.NoError(t, err)
-	}
-	_, err = worker.Drain(ctx)
-	require.NoError(t, err)
-	_, verified, err := board.Verify(ctx, nil)
-	require.NoError(t, err)
-	require.True(t, verified)
-	_, err = tb.pg.Pool.Exec(ctx, `DELETE FROM `+pgx.Identifier{tb.pg.Schema}.Sanitize()+`.user_scores WHERE user_id = 'u9'`)
-	require.NoError(t, err)
+	tb, board, _, hook := orphanScanBoard(t)
 	hook.after = func() {
 		// A foreign write: another score at u1's version.
 		assert.NoError(t, tb.rd.Client.ZAdd(ctx, board.SortedSetKey(), redis.Z{Score: 777, Member: "u1"}).Err())
