@@ -141,6 +141,12 @@ func parseFlags(name string, args []string, stderr io.Writer) (*options, error) 
 	// check through MigrationSQL, which refuses what Migrate and New refuse
 	// (a NUL byte, more than PostgreSQL's 63 bytes...); and for
 	// Config.KeyPrefix the check New makes through projection.NewKeyspace.
+	// The library reads an empty Schema as the default; an empty flag is
+	// more likely an unset variable ("--schema=$SCHEMA") than a request
+	// for public, whose board the command would then act on.
+	if o.schema == "" {
+		return usage("--schema must not be empty (omit it for %s)", leaderboard.SchemaDefault)
+	}
 	if len(o.board) > leaderboard.MaxNameLength || !utf8.ValidString(o.board) || strings.IndexByte(o.board, 0) >= 0 {
 		return usage("--board must be valid UTF-8 without NUL bytes, at most %d bytes (got %d)", leaderboard.MaxNameLength, len(o.board))
 	}

@@ -259,6 +259,8 @@ func TestCommandLine(t *testing.T) {
 		{"KeyPrefixWithBraces", append([]string{"stats", "--key-prefix={x}:"}, nowhere...), exitUsage, "must not contain '{' or '}'"},
 		{"BoardTooLong", append([]string{"stats", "--board=" + strings.Repeat("b", leaderboard.MaxNameLength+1)}, nowhere...), exitUsage, "at most 200 bytes"},
 		{"BoardNotUTF8", append([]string{"reconcile", "--board=\xff"}, nowhere...), exitUsage, "--board must be valid UTF-8"},
+		// An unset variable ("--schema=$SCHEMA"), not a request for public.
+		{"EmptySchema", append([]string{"reconcile", "--schema="}, nowhere...), exitUsage, "--schema must not be empty"},
 		{"SchemaNotUTF8", append([]string{"rebuild", "--schema=\xff"}, nowhere...), exitUsage, "--schema must be valid UTF-8"},
 		{"SchemaTooLong", append([]string{"stats", "--schema=" + strings.Repeat("s", 64)}, nowhere...), exitUsage, "--schema is 64 bytes long"},
 		{"SampleAboveMax", append([]string{"reconcile", fmt.Sprintf("--sample=%d", reconcile.SampleMax+1)}, nowhere...), exitUsage, "--sample 1000001 is above reconcile.SampleMax"},
