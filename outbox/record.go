@@ -97,6 +97,11 @@ type Result struct {
 // Delivery is at-least-once: a record may be handed to Handle again after a
 // crash, a lost lease or a failed acknowledgement, so Handle must be
 // idempotent (the projection package's version gate is).
+//
+// A panic in Handle fails every record of the batch with ErrHandlerContract,
+// and the relay goes on. runtime.Goexit (t.FailNow in a test's handler)
+// cannot be caught: it ends the goroutine that called Run, leaving the batch
+// leased until LeaseDuration ends, when another relay delivers it again.
 type Handler interface {
 	Handle(ctx context.Context, batch []Record) ([]Result, error)
 }
