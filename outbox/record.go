@@ -100,8 +100,9 @@ type Result struct {
 //
 // A panic in Handle fails every record of the batch with ErrHandlerContract,
 // and the relay goes on. runtime.Goexit (t.FailNow in a test's handler)
-// cannot be caught: it ends the goroutine that called Run, leaving the batch
-// leased until LeaseDuration ends, when another relay delivers it again.
+// cannot be caught: RunOnce never returns and its goroutine ends; Run claims
+// nothing more, never returns, and its goroutine ends once ctx does. The
+// batch stays leased until its lease ends; then another relay delivers it.
 type Handler interface {
 	Handle(ctx context.Context, batch []Record) ([]Result, error)
 }
