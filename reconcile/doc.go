@@ -238,7 +238,7 @@
 // stops and returns the partial Report with the error. No repair goes
 // unreported: repairs already sent are completed on a detached context and
 // counted, repairs not yet sent are ResultNotAttempted, and a repair whose
-// reply was lost is ResultUncertain.
+// outcome is unknown (see ResultUncertain) is ResultUncertain.
 //
 // # Keys of another type
 //

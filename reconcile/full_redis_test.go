@@ -122,3 +122,40 @@ func TestRepairOnOneFullShard(t *testing.T) {
 	require.Zero(t, rep.Results[ResultNotAttempted], "report: %v", rep)
 	require.EqualValues(t, n, rep.Uncertain, "report: %v", rep)
 }
+
+// TestRepairOnAReplicaIsUncertain: a replica refuses every write with
+// READONLY, but that reply is no proof that nothing was written: go-redis
+// retries a command on READONLY, and on a connection that broke before the
+// reply came, so a master demoted by a failover can answer the retry of an
+// attempt that was applied. The repairs are uncertain, not "not attempted"
+// (ResultUncertain's doc).
+func TestRepairOnAReplicaIsUncertain(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	srv := testenv.StartRedis(t)
+	client := srv.Client(t)
+	b := setupWith(t, projection.KindSortedSet, client, "replica:")
+	b.insert(t, "current", 1)
+	b.project(t, "current", 1)
+	b.insert(t, "missing", 1) // repaired through the gate
+	b.insert(t, "corrupt", 2) // repaired by compare-and-set
+	b.project(t, "corrupt", 2)
+	b.setRaw(t, "corrupt", &projection.Value{Score: -1}, nil)
+	// A replica of a master that never answers keeps its data and refuses
+	// writes.
+	require.NoError(t, client.Do(ctx, "REPLICAOF", "127.0.0.1", "1").Err())
+
+	rec := b.reconciler(t, nil)
+	rep, err := rec.Run(ctx, RunOptions{})
+	require.ErrorContains(t, err, "READONLY")
+	require.EqualValues(t, 1, rep.Counts[ClassMissing], "report: %v", rep)
+	require.EqualValues(t, 1, rep.Counts[ClassCorrupt], "report: %v", rep)
+	require.EqualValues(t, 2, rep.Uncertain, "report: %v", rep)
+	require.EqualValues(t, 2, rep.Results[ResultUncertain], "report: %v", rep)
+	require.Equal(t, Projected{}, b.state(t, rec, "missing"), "a replica writes nothing")
+
+	require.NoError(t, client.Do(ctx, "REPLICAOF", "NO", "ONE").Err())
+	rep, err = rec.Run(ctx, RunOptions{})
+	require.NoError(t, err)
+	require.EqualValues(t, 2, rep.Results[ResultRepaired], "report: %v", rep)
+}

@@ -323,7 +323,9 @@ func (r *Reconciler) oneSlotGroup(fs []*Finding) bool {
 // first write goes through (later writes may pass the limit), so an OOM
 // reply means that none did. Also TRYAGAIN, with which Redis Cluster
 // refuses a script naming several keys, before running it, on a slot
-// being migrated.
+// being migrated. Not READONLY: go-redis retries a command on it, and on a
+// connection that broke before the reply came, so a master demoted by a
+// failover can answer READONLY to the retry of an attempt that was applied.
 func refusedUnwritten(err error) bool {
 	var reply redis.Error
 	return errors.As(err, &reply) &&

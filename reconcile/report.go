@@ -41,9 +41,13 @@ const (
 	// a *WrongKeyTypeError naming the key. Delete such a key by hand, or
 	// Rebuild a collection (documents cannot be rebuilt).
 	ResultNotAttempted
-	// ResultUncertain means the repair was sent but its reply was lost (a
-	// network error); it may or may not have been applied. Every such finding
-	// is counted in Report.Uncertain, never silently dropped.
+	// ResultUncertain means the repair was sent and may or may not have been
+	// applied: its reply was lost (a network error), or Redis answered with
+	// an error that does not show the repair refused before any write.
+	// READONLY is one: a master demoted by a failover answers it to
+	// go-redis's retry of a command whose first reply was lost, and that
+	// first attempt may have been applied. Every such finding is counted in
+	// Report.Uncertain, never silently dropped.
 	ResultUncertain
 )
 
@@ -115,8 +119,8 @@ type Report struct {
 	// vetoed, raced or not attempted (see Results for which; not attempted
 	// includes repairs refused for a key of another Redis type).
 	Skipped int64
-	// Uncertain counts repairs sent whose outcome is unknown because the
-	// reply was lost. Run also returns an error in that case.
+	// Uncertain counts repairs sent whose outcome is unknown (see
+	// ResultUncertain). Run also returns an error in that case.
 	Uncertain int64
 	// OrphanScanSkipped reports that a full run did not need to scan the
 	// projection for orphans: it holds exactly as many values and versions
