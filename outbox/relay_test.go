@@ -2163,6 +2163,43 @@ func TestRelayConfig(t *testing.T) {
 		})
 	}
 
+	// Each bound is inclusive, as the fields' docs say.
+	t.Run("BoundsAreInclusive", func(t *testing.T) {
+		t.Parallel()
+		for name, cfg := range map[string]outbox.RelayConfig{
+			"BatchSizeMax":           {BatchSize: outbox.BatchSizeMax, LeaseDuration: time.Minute},
+			"BatchSizeOne":           {BatchSize: 1},
+			"BackoffMaxEqualsMin":    {RetryBackoffMin: time.Second, RetryBackoffMax: time.Second},
+			"OneAttempt":             {MaxAttempts: 1},
+			"StreamOfMaxStreamBytes": {Streams: []string{strings.Repeat("s", outbox.MaxStreamBytes)}},
+			"MillisecondIntervals":   {PollInterval: time.Millisecond, ReconnectBackoffMax: time.Millisecond, ListenCheckInterval: time.Millisecond, StatsInterval: time.Millisecond},
+		} {
+			cfg.Schema, cfg.Table = b.cfg.Schema, b.cfg.Table
+			_, err := outbox.NewRelay(b.pool, h, &cfg)
+			require.NoError(t, err, name)
+		}
+	})
+
+	// WithDefaults copies Streams: a caller reusing its slice after
+	// NewRelay, or editing Config().Streams, changes nothing the relay
+	// serves.
+	t.Run("KeepsItsOwnStreams", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		h := &recorder{}
+		streams := []string{"scores"}
+		r, err := outbox.NewRelay(b.pool, h, &outbox.RelayConfig{Schema: b.cfg.Schema, Table: b.cfg.Table, Streams: streams})
+		require.NoError(t, err)
+		streams[0] = "other"
+		r.Config().Streams[0] = "other"
+		b.appendCommitted(t, newMessage("scores", "ada", 1))
+		n, err := r.RunOnce(context.Background())
+		require.NoError(t, err)
+		require.Equal(t, 1, n, "the relay serves the stream it was made with")
+		require.Len(t, h.seen(), 1)
+		require.Equal(t, "scores", h.seen()[0].Stream)
+	})
+
 	t.Run("MissingDependencies", func(t *testing.T) {
 		t.Parallel()
 		_, err := outbox.NewRelay(nil, h, nil)

@@ -123,7 +123,9 @@ func TestNew(t *testing.T) {
 			// turning the lease off.
 			{"FillLeaseTTL", Config{FillLeaseTTL: time.Microsecond, DisableFillLease: true}},
 			{"FillLeaseWait", Config{FillLeaseWait: -time.Second}},
+			{"FillLeaseWait", Config{FillLeaseWait: -1}},
 			{"FillLeasePoll", Config{FillLeasePoll: -time.Second}},
+			{"FillLeasePoll", Config{FillLeasePoll: -1}},
 			{"InvalidateReplicas", Config{InvalidateReplicas: -1}},
 			{"InvalidateWaitTimeout", Config{InvalidateWaitTimeout: 500 * time.Microsecond}},
 			// A typed nil is refused like a nil client, not dereferenced on
@@ -144,6 +146,23 @@ func TestNew(t *testing.T) {
 		var cerr *ConfigError
 		require.ErrorAs(t, err, &cerr, "a nil config has no Prefix")
 		require.Equal(t, "Prefix", cerr.Field)
+	})
+
+	// Each bound is inclusive: "at least 1ms" accepts 1ms.
+	t.Run("BoundsAreInclusive", func(t *testing.T) {
+		t.Parallel()
+		client := redis.NewClient(&redis.Options{Addr: "127.0.0.1:1"})
+		defer client.Close()
+		for name, cfg := range map[string]Config{
+			"TTL":                   {Prefix: "p:", TTL: time.Millisecond},
+			"FillLeaseTTL":          {Prefix: "p:", FillLeaseTTL: time.Millisecond},
+			"InvalidateWaitTimeout": {Prefix: "p:", InvalidateWaitTimeout: time.Millisecond},
+			"FillLeasePoll":         {Prefix: "p:", FillLeasePoll: 1},
+		} {
+			c, err := New[product](client, &cfg)
+			require.NoError(t, err, name)
+			require.NoError(t, c.Close())
+		}
 	})
 
 	t.Run("TypedNilMeterProvider", func(t *testing.T) {

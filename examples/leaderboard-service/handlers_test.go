@@ -230,6 +230,21 @@ func TestSubmit(t *testing.T) {
 func TestLeaderboard(t *testing.T) {
 	t.Parallel()
 
+	// The README: "an empty limit= means the default, 10".
+	t.Run("EmptyLimitMeansTheDefault", func(t *testing.T) {
+		t.Parallel()
+		tb := setup(t)
+		for i := range 12 {
+			require.Equal(t, http.StatusCreated, tb.submit(t, uuid.NewString(), fmt.Sprintf(`{"user_id":"u%02d","delta":%d}`, i, i+1)).status)
+		}
+		tb.drain(t)
+		for _, path := range []string{"/leaderboard?limit=", "/leaderboard"} {
+			res := tb.do(t, http.MethodGet, path, nil, "")
+			require.Equal(t, http.StatusOK, res.status, "%s: %s", path, res.body)
+			require.Len(t, res.json(t)["entries"], 10, path)
+		}
+	})
+
 	t.Run("PagesWithCursorAndFreshness", func(t *testing.T) {
 		t.Parallel()
 		tb := setup(t)
