@@ -285,10 +285,12 @@
 //
 // A Redis at its maxmemory with the noeviction policy (a Redis it shares
 // with a projection should have that policy) refuses every script that
-// could grow it with an OOM error, whole: a miss is then a Redis failure
-// as above (FailOpen serves the loaded value uncached, FailClosed returns
-// the *RedisError), and nothing is stored. Hits, Peek, Check and
-// Invalidate keep working; Invalidate must, since a value it fails to
+// could grow it with an OOM error, whole: a miss of Get is then a Redis
+// failure as above (FailOpen serves the loaded value uncached, FailClosed
+// returns the *RedisError), and nothing is stored. A miss of GetAt, whose
+// only script is the fill after its load, is served uncached in both
+// modes (a failed fill, as above), each call loading again. Hits, Peek,
+// Check and Invalidate keep working; Invalidate must, since a value it fails to
 // delete stays readable. It frees the value it deletes, but an
 // Invalidate of an id with no version key (never cached, or expired)
 // stores one (about 140 bytes, for TTL), so on a full Redis invalidations

@@ -207,6 +207,23 @@ func TestRedisUnavailable(t *testing.T) {
 		require.EqualValues(t, 2, b.cache.Stats().RedisErrors)
 	})
 
+	// A fail-open load that fails is counted as a load and a fail-open
+	// load, as Stats.FailOpenLoads says: it ran because Redis failed.
+	t.Run("FailOpenLoadThatFailsIsCounted", func(t *testing.T) {
+		t.Parallel()
+		client := redis.NewClient(&redis.Options{Addr: "127.0.0.1:1", MaxRetries: -1, DialTimeout: time.Second})
+		t.Cleanup(func() { _ = client.Close() })
+		b := setupWith(t, client, "vc:", nil)
+		_, err := b.cache.Get(ctx, "p1", func(context.Context) (product, error) {
+			return product{}, errors.New("the database failed too")
+		})
+		require.ErrorIs(t, err, ErrLoad)
+		stats := b.cache.Stats()
+		require.EqualValues(t, 1, stats.Loads)
+		require.EqualValues(t, 1, stats.FailOpenLoads)
+		require.EqualValues(t, 1, stats.RedisErrors)
+	})
+
 	t.Run("FailOpenServesTheDatabaseNeverTheOldValue", func(t *testing.T) {
 		t.Parallel()
 		rs, b := setupPrivate(t, FailOpen)

@@ -60,6 +60,26 @@ func TestFullRedis(t *testing.T) {
 		require.ErrorContains(t, err, "OOM")
 	})
 
+	// GetAt's only script on a miss is the fill after its load: a failed
+	// fill, served in both modes, each call loading again (the package
+	// doc's "When Redis fails").
+	t.Run("FailClosedGetAtMissIsServed", func(t *testing.T) {
+		closed := open(FailClosed)
+		loads := 0
+		for range 3 {
+			v, err := closed.GetAt(ctx, "at", 7, func(context.Context) (string, error) { loads++; return big, nil })
+			require.NoError(t, err)
+			require.Equal(t, big, v)
+		}
+		require.Equal(t, 3, loads, "each call loads again")
+		st := closed.Stats()
+		require.EqualValues(t, 3, st.RedisErrors, "%+v", st)
+		require.Zero(t, st.Fills, "%+v", st)
+		n, err := client.Exists(ctx, closed.atKey("at")).Result()
+		require.NoError(t, err)
+		require.Zero(t, n, "nothing stored")
+	})
+
 	t.Run("PeekAndInvalidateStillWork", func(t *testing.T) {
 		_, v1, _, err := cache.Peek(ctx, "1")
 		require.NoError(t, err)

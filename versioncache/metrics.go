@@ -65,7 +65,7 @@ func newCacheMetrics(cfg *Config, stats func() Stats) (*cacheMetrics, error) {
 		staleSkipped = in.Int64ObservableCounter(metricStaleSkipped, "{value}",
 			"Loaded values not stored because the version moved while loading (a stale-set race closed) or its key expired or was lost first, or, for GetAt, because a newer version was stored.")
 		fallbacks = in.Int64ObservableCounter(metricFallbacks, "{read}",
-			"Reads that loaded without the cache's protection, by reason: lease_timeout (the filling process did not deliver within FillLeaseWait), redis_error (FailOpen served the loader's value).")
+			"Reads that loaded without the cache's protection, by reason: lease_timeout (the filling process did not deliver within FillLeaseWait), redis_error (FailOpen ran the loader, to serve its value uncached).")
 		leaseWaits = in.Int64ObservableCounter(metricLeaseWaits, "{read}",
 			"Misses that waited for another process's fill and got its value (result=hit: Stats.LeaseWaitHits) or loaded themselves after FillLeaseWait ran out (result=fallback: Stats.LeaseFallbacks, also counted as fallbacks with reason lease_timeout). Waits that ended otherwise (the version moved, the lease passed to this process, the value did not decode, a poll failed, the caller's context ended) are not counted; Stats.LeaseWaits counts every wait.")
 		invalidations = in.Int64ObservableCounter(metricInvalidations, "{call}",

@@ -61,8 +61,10 @@ type Stats struct {
 	// replicas than Config.InvalidateReplicas confirmed it in time. They
 	// are not counted in Invalidations.
 	ReplicationErrors uint64
-	// FailOpenLoads are loads that served the loader's value uncached
-	// because Redis failed (FailOpen). They are included in Loads.
+	// FailOpenLoads are loads run because Redis failed (FailOpen), to serve
+	// the loader's value uncached; like Loads, they count a load that then
+	// failed (or whose value did not encode) too. They are included in
+	// Loads.
 	FailOpenLoads uint64
 }
 
