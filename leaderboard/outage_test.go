@@ -114,7 +114,8 @@ func TestReadCutOffByItsDeadline(t *testing.T) {
 	rc := redis.NewClient(&redis.Options{Addr: rs.Addr(), ContextTimeoutEnabled: true,
 		ReadTimeout: 20 * time.Second, WriteTimeout: 20 * time.Second, MaxRetries: -1})
 	t.Cleanup(func() { _ = rc.Close() })
-	cfg := &Config{Name: "b", Schema: pg.Schema}
+	logs := &testenv.LogSink{}
+	cfg := &Config{Name: "b", Schema: pg.Schema, Logger: logs.Logger()}
 	require.NoError(t, Migrate(context.Background(), pg.Pool, cfg))
 	board, err := New(pg.Pool, rc, cfg)
 	require.NoError(t, err)
@@ -138,6 +139,8 @@ func TestReadCutOffByItsDeadline(t *testing.T) {
 			require.ErrorIs(t, err, context.DeadlineExceeded, "%s under %s", name, policy)
 		}
 	}
+	// Not a Redis failure to fall back from: the caller gave up.
+	require.Empty(t, logs.Lines(t, "leaderboard: Redis read failed; answering from PostgreSQL"))
 }
 
 // redisPID is the process id of the Redis server client talks to.
