@@ -323,9 +323,11 @@ func (r *Reconciler) oneSlotGroup(fs []*Finding) bool {
 // first write goes through (later writes may pass the limit), so an OOM
 // reply means that none did. Also TRYAGAIN, with which Redis Cluster
 // refuses a script naming several keys, before running it, on a slot
-// being migrated. Not READONLY: go-redis retries a command on it, and on a
-// connection that broke before the reply came, so a master demoted by a
-// failover can answer READONLY to the retry of an attempt that was applied.
+// being migrated (go-redis resends a command on TRYAGAIN, and on a
+// connection that broke before the reply came, so a TRYAGAIN can answer
+// the resend of an attempt that was applied: rare, as ResultNotAttempted
+// says). Not READONLY: after such a break, a master demoted by a failover
+// answers READONLY to the resend, the common course of a failover.
 func refusedUnwritten(err error) bool {
 	var reply redis.Error
 	return errors.As(err, &reply) &&

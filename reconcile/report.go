@@ -35,7 +35,10 @@ const (
 	// stopped (context cancelled or an error) before its repair was sent; or
 	// Redis refused the repair whole, with nothing written (an OOM error from
 	// a Redis at maxmemory with the noeviction policy, or TRYAGAIN from a
-	// Redis Cluster slot being migrated: Run returns it); or the
+	// Redis Cluster slot being migrated: Run returns it; rarely, a TRYAGAIN
+	// answers the client's resend of a repair Redis had run, its reply lost
+	// to a connection dropped during the migration, and that one was
+	// applied); or the
 	// repair was refused because a key it needs holds another Redis type (a
 	// hash where a document's value belongs): the run went on, and Run returns
 	// a *WrongKeyTypeError naming the key. Delete such a key by hand, or
