@@ -40,7 +40,9 @@ const (
 	FallbackToPostgres
 	// FailClosed answers from Redis while it is fresh enough and returns a
 	// *StaleError (errors.Is(err, ErrStale)) otherwise. A Redis error is
-	// returned to the caller.
+	// returned to the caller, except with Config.RequireVerifiedProjection
+	// when it fails the look for Verify's record: the read is then refused
+	// with a *StaleError whose Unverified is set (the look is logged).
 	FailClosed
 )
 

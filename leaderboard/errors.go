@@ -390,19 +390,22 @@ type StaleError struct {
 	// Unverified is set, with Lag -1, when Config.RequireVerifiedProjection
 	// refused the read: no Verify has found the projection complete since
 	// Redis last lost the board's keys, or against the database PostgreSQL
-	// is now (Freshness.Unverified). Board.Verify is the fix, not
-	// waiting for PostgreSQL (though Verify needs it: Unverified is also
-	// reported while PostgreSQL cannot be asked, once Redis has lost the
-	// record).
+	// is now, or Redis could not be read to look for Verify's record (a
+	// Redis outage, reported so rather than as the Redis error: nothing
+	// need be lost, and reads are verified again once Redis answers)
+	// (Freshness.Unverified). For a lost record Board.Verify is the fix,
+	// not waiting for PostgreSQL (though Verify needs it: Unverified is
+	// also reported while PostgreSQL cannot be asked, once Redis has lost
+	// the record).
 	Unverified bool
 }
 
 func (e *StaleError) Error() string {
 	if e.Unverified && e.Version > 0 {
-		return fmt.Sprintf("leaderboard: projection has not reached version %d of user %q, and is not verified (Redis lost the board's keys, or PostgreSQL is not the database Verify checked it against; run Board.Verify)", e.Version, e.UserID)
+		return fmt.Sprintf("leaderboard: projection has not reached version %d of user %q, and is not verified (Redis could not be read, or lost the board's keys, or PostgreSQL is not the database Verify checked it against; if it stays so while Redis answers, run Board.Verify)", e.Version, e.UserID)
 	}
 	if e.Unverified {
-		return "leaderboard: projection not verified (Redis lost the board's keys, or PostgreSQL is not the database Verify checked it against; run Board.Verify)"
+		return "leaderboard: projection not verified (Redis could not be read, or lost the board's keys, or PostgreSQL is not the database Verify checked it against; if it stays so while Redis answers, run Board.Verify)"
 	}
 	if e.Version > 0 {
 		return fmt.Sprintf("leaderboard: projection has not reached version %d of user %q", e.Version, e.UserID)

@@ -401,3 +401,48 @@ func TestUnverifiedWhilePostgresDown(t *testing.T) {
 	require.ErrorAs(t, err, &stale)
 	require.True(t, stale.Unverified, "FailClosed refusal: %v", err)
 }
+
+// TestFrozenRedisUnderRequireVerified: with RequireVerifiedProjection, a
+// FailClosed read of a Redis that stopped answering (keys and Verify's
+// record intact) is refused as unverified, the look for the record having
+// failed, and its error says that Redis could not be read, not only that
+// it lost the board's keys: Verify is not the fix, and once Redis answers
+// the reads are verified again without it.
+func TestFrozenRedisUnderRequireVerified(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	rs := testenv.StartRedis(t)
+	pg := testenv.Postgres(t)
+	rc := redis.NewClient(&redis.Options{Addr: rs.Addr(), ReadTimeout: 300 * time.Millisecond, MaxRetries: -1})
+	t.Cleanup(func() { _ = rc.Close() })
+	cfg := &Config{Name: "b", Schema: pg.Schema, ReadPolicy: FailClosed, RequireVerifiedProjection: true,
+		LagProbeInterval: 5 * time.Millisecond}
+	require.NoError(t, Migrate(ctx, pg.Pool, cfg))
+	board, err := New(pg.Pool, rc, cfg)
+	require.NoError(t, err)
+	t.Cleanup(board.Close)
+	tb := &testBundle{board: board, pg: pg}
+	tb.submit(t, "ada", 10)
+	tb.drain(t)
+	_, verified, err := board.Verify(ctx, nil)
+	require.NoError(t, err)
+	require.True(t, verified)
+	_, _, err = board.Rank(ctx, "ada")
+	require.NoError(t, err)
+
+	pid := redisPID(t, rc)
+	time.Sleep(2 * cfg.LagProbeInterval) // the last look is older than an interval
+	require.NoError(t, syscall.Kill(pid, syscall.SIGSTOP))
+	t.Cleanup(func() { _ = syscall.Kill(pid, syscall.SIGCONT) })
+	_, _, err = board.Rank(ctx, "ada")
+	require.NoError(t, syscall.Kill(pid, syscall.SIGCONT))
+	var stale *StaleError
+	require.ErrorAs(t, err, &stale)
+	require.True(t, stale.Unverified, "%v", err)
+	require.Contains(t, err.Error(), "Redis could not be read")
+
+	require.Eventually(t, func() bool {
+		e, f, err := board.Rank(ctx, "ada")
+		return err == nil && !f.Unverified && e.Score == 10
+	}, 5*time.Second, 10*time.Millisecond, "verified again without Verify: the record was never lost")
+}

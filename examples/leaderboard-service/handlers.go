@@ -666,13 +666,13 @@ func (s *Service) writeError(w http.ResponseWriter, r *http.Request, err error) 
 	case errors.As(err, &stale) && stale.Unverified && s.cfg.ReconcileEvery == 0:
 		// Nothing in this process will verify the board: an operator's
 		// 'reconcile --verify' will, at a time no Retry-After can name.
-		writeJSON(w, http.StatusServiceUnavailable, errorResponse{Error: "the leaderboard is not verified yet (a new board, or Redis lost its data) and this service runs no reconcile; an operator must run 'reconcile --verify'"})
+		writeJSON(w, http.StatusServiceUnavailable, errorResponse{Error: "the leaderboard is not verified (a new board, Redis lost its data, or Redis cannot be read) and this service runs no reconcile; if it stays so while Redis answers, an operator must run 'reconcile --verify'"})
 	case errors.As(err, &stale) && stale.Unverified:
 		// Waiting for a verifying pass, which the scheduled reconcile runs
 		// (every ReconcileEvery), not for the worker: retry after it.
 		retry := max(1, int(s.cfg.ReconcileEvery.Round(time.Second)/time.Second))
 		w.Header().Set("Retry-After", strconv.Itoa(retry))
-		writeJSON(w, http.StatusServiceUnavailable, errorResponse{Error: "the leaderboard is not verified yet (a new board, or Redis lost its data); retry later"})
+		writeJSON(w, http.StatusServiceUnavailable, errorResponse{Error: "the leaderboard is not verified (a new board, Redis lost its data, or Redis cannot be read); retry later"})
 	case errors.As(err, &stale):
 		w.Header().Set("Retry-After", "1")
 		writeJSON(w, http.StatusServiceUnavailable, errorResponse{Error: "the leaderboard is catching up; retry shortly"})
