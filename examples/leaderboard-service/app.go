@@ -119,6 +119,13 @@ func parseFlags(name string, args []string, stderr io.Writer) (*options, error) 
 		fmt.Fprintf(stderr, "leaderboard-service %s: --sample, --limit, --reconcile-sample, --reconcile-every and --max-lag must not be negative\n", name)
 		return nil, errors.New("negative flag")
 	}
+	// As for --schema below: an empty value is an unset variable, not a
+	// request for the default (serve-stale, where fail-closed may have
+	// been meant). Only serve has the flag.
+	if name == "serve" && o.readPolicy == "" {
+		fmt.Fprintf(stderr, "leaderboard-service %s: --read-policy must not be empty (omit it for %s)\n", name, leaderboard.ReadPolicyDefault)
+		return nil, errors.New("empty --read-policy")
+	}
 	if _, err := parseReadPolicy(o.readPolicy); err != nil {
 		fmt.Fprintf(stderr, "leaderboard-service %s: --read-policy: %v\n", name, err)
 		return nil, err

@@ -244,6 +244,8 @@ func TestCommandLine(t *testing.T) {
 		{"UnknownFlag", []string{"stats", "--nope"}, exitUsage, "flag provided but not defined"},
 		{"ServeFlagOnOps", []string{"stats", "--addr=:1"}, exitUsage, "flag provided but not defined"},
 		{"UnknownReadPolicy", []string{"serve", "--read-policy=optimistic"}, exitUsage, `unknown policy "optimistic"`},
+		// An unset variable ("--read-policy=$POLICY"), not serve-stale.
+		{"EmptyReadPolicy", append([]string{"serve", "--addr=127.0.0.1:0", "--read-policy="}, nowhere...), exitUsage, "--read-policy must not be empty"},
 		{"NegativeSample", []string{"reconcile", "--sample=-1"}, exitUsage, "must not be negative"},
 		{"VerifySampled", []string{"reconcile", "--verify", "--sample=3"}, exitUsage, "--verify runs a full pass"},
 		{"ExtraArgument", []string{"rebuild", "now"}, exitUsage, `unexpected argument "now"`},
