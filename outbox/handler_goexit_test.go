@@ -15,7 +15,7 @@ import (
 // TestHandlerGoexit: runtime.Goexit in a Handler (t.FailNow in a test's
 // handler) cannot be recovered. Under RunOnce it ends the caller's goroutine
 // with the batch leased; Run stops claiming and its goroutine ends once ctx
-// does, without returning. Either way another relay delivers the batch once
+// does (at once without a LISTEN connection of its own), without returning. Either way another relay delivers the batch once
 // the lease ends, as the Handler doc says.
 func TestHandlerGoexit(t *testing.T) {
 	t.Parallel()
@@ -96,5 +96,30 @@ func TestHandlerGoexit(t *testing.T) {
 			t.Fatal("Run's goroutine did not end after ctx")
 		}
 		require.False(t, returned, "Run does not return")
+	})
+
+	// With no goroutine of its own to wait for, Run's goroutine ends at
+	// once, ctx still live.
+	t.Run("RunWithoutNotify", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		b.appendCommitted(t, newMessage("s", "a", 1), newMessage("s", "b", 1))
+		r := b.relay(t, nil, goexit, outbox.RelayConfig{LeaseDuration: lease, PollInterval: 10 * time.Millisecond, DisableNotify: true})
+		runCtx, cancel := context.WithCancel(ctx)
+		defer cancel()
+		returned, ended := false, make(chan struct{})
+		go func() {
+			defer close(ended)
+			_ = r.Run(runCtx)
+			returned = true
+		}()
+		select {
+		case <-ended:
+		case <-time.After(5 * time.Second):
+			t.Fatal("Run's goroutine did not end (DisableNotify, no metrics)")
+		}
+		require.NoError(t, runCtx.Err())
+		require.False(t, returned, "Run does not return")
+		deliverAfterLease(t, b)
 	})
 }

@@ -101,8 +101,10 @@ type Result struct {
 // A panic in Handle fails every record of the batch with ErrHandlerContract,
 // and the relay goes on. runtime.Goexit (t.FailNow in a test's handler)
 // cannot be caught: RunOnce never returns and its goroutine ends; Run claims
-// nothing more, never returns, and its goroutine ends once ctx does. The
-// batch stays leased until its lease ends; then another relay delivers it.
+// nothing more and never returns, and its goroutine ends once ctx does, or
+// at once when Run has no goroutine of its own to wait for (DisableNotify
+// or a shared Listener, and no metrics to refresh). The batch stays leased
+// until its lease ends; then another relay delivers it.
 type Handler interface {
 	Handle(ctx context.Context, batch []Record) ([]Result, error)
 }
