@@ -2376,3 +2376,22 @@ func TestTopAndPageAcceptMaxPageSize(t *testing.T) {
 	require.NoError(t, err, "Page(\"\", MaxPageSize)")
 	require.Equal(t, []string{"amy", "bob"}, users(page.Entries))
 }
+
+// TestFailClosedCancelledBeforeTheProbeIsNotStale: a FailClosed read whose
+// ctx ended before the lag was measured reports the cancellation, not
+// staleness.
+func TestFailClosedCancelledBeforeTheProbeIsNotStale(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	tb := setup(t, func(c *Config) {
+		c.ReadPolicy = FailClosed
+		c.LagProbeInterval = time.Nanosecond
+	})
+	tb.submit(t, "ada", 10)
+	tb.drain(t)
+	rctx, cancel := context.WithCancel(ctx)
+	cancel()
+	_, err := tb.board.Top(rctx, 10)
+	require.ErrorIs(t, err, context.Canceled)
+	require.NotErrorIs(t, err, ErrStale)
+}

@@ -929,6 +929,51 @@ func TestVerify(t *testing.T) {
 		require.NoError(t, err)
 		require.False(t, r.Freshness.Unverified)
 	})
+
+	// The companion holds the size the pass found: a sorted set that new
+	// scores recreated with one member fewer than the pass checked no
+	// longer counts as verified (verified.lua: held is ZCARD, not less).
+	t.Run("RecordStopsCountingOneMemberShort", func(t *testing.T) {
+		t.Parallel()
+		tb := verifying(t)
+		for _, u := range []string{"ada", "bo", "cy"} {
+			tb.submit(t, u, 10)
+		}
+		tb.drain(t)
+		_, verified, err := tb.board.Verify(ctx, nil)
+		require.NoError(t, err)
+		require.True(t, verified)
+		require.False(t, tb.board.Freshness(ctx).Unverified)
+
+		require.NoError(t, tb.rd.Client.Del(ctx, tb.board.zsetKey).Err())
+		tb.submit(t, "dee", 1)
+		tb.submit(t, "eve", 1)
+		tb.drain(t)
+		n, err := tb.rd.Client.ZCard(ctx, tb.board.zsetKey).Result()
+		require.NoError(t, err)
+		require.EqualValues(t, 2, n)
+		require.True(t, tb.board.Freshness(ctx).Unverified, "the pass found 3 members; 2 are left")
+	})
+
+	// A pass that finds the projection wrong deletes the earlier record and
+	// its companion: nothing of the refuted verification is left.
+	t.Run("RefutationLeavesNoCompanion", func(t *testing.T) {
+		t.Parallel()
+		tb := verifying(t)
+		tb.submit(t, "ada", 10)
+		tb.drain(t)
+		_, verified, err := tb.board.Verify(ctx, nil)
+		require.NoError(t, err)
+		require.True(t, verified)
+		// An orphan, which the default policy only reports.
+		require.NoError(t, tb.rd.Client.ZAdd(ctx, tb.board.zsetKey, redis.Z{Score: 1, Member: "ghost"}).Err())
+		_, verified, err = tb.board.Verify(ctx, nil)
+		require.NoError(t, err)
+		require.False(t, verified)
+		n, err := tb.rd.Client.Exists(ctx, tb.board.verifiedKey, tb.board.heldKey, tb.board.verifyingKey).Result()
+		require.NoError(t, err)
+		require.Zero(t, n, "record, companion and marker are all gone")
+	})
 }
 
 // replyDropConn loses the reply to the first command whose bytes contain

@@ -647,3 +647,21 @@ func TestWorkerReportsAReusedVersion(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, -13.0, score)
 }
+
+// TestDrainCountsWhatItHandled: Drain returns how many records it handled.
+func TestDrainCountsWhatItHandled(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	tb := setup(t)
+	for _, u := range []string{"ada", "bo", "cy"} {
+		tb.submit(t, u, 10)
+	}
+	w, err := tb.board.Worker(nil)
+	require.NoError(t, err)
+	n, err := w.Drain(ctx)
+	require.NoError(t, err)
+	require.Equal(t, 3, n)
+	n, err = w.Drain(ctx)
+	require.NoError(t, err)
+	require.Zero(t, n)
+}
