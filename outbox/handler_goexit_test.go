@@ -47,6 +47,19 @@ func TestHandlerGoexit(t *testing.T) {
 		require.EqualValues(t, 2, delivered.Load())
 	}
 
+	// runInBackground runs r.Run(ctx) on a goroutine of its own: ended is
+	// closed when that goroutine ends, and returned, read after, tells
+	// whether Run returned.
+	runInBackground := func(ctx context.Context, r *outbox.Relay) (ended <-chan struct{}, returned func() bool) {
+		done, ran := make(chan struct{}), false
+		go func() {
+			defer close(done)
+			_ = r.Run(ctx)
+			ran = true
+		}()
+		return done, func() bool { <-done; return ran }
+	}
+
 	t.Run("RunOnce", func(t *testing.T) {
 		t.Parallel()
 		b := setup(t)
@@ -75,12 +88,7 @@ func TestHandlerGoexit(t *testing.T) {
 		r := b.relay(t, nil, h, outbox.RelayConfig{LeaseDuration: lease, PollInterval: 10 * time.Millisecond})
 		runCtx, cancel := context.WithCancel(ctx)
 		defer cancel()
-		returned, ended := false, make(chan struct{})
-		go func() {
-			defer close(ended)
-			_ = r.Run(runCtx)
-			returned = true
-		}()
+		ended, returned := runInBackground(runCtx, r)
 		require.Eventually(t, func() bool { return calls.Load() == 1 }, 5*time.Second, 5*time.Millisecond)
 		deliverAfterLease(t, b)
 		require.EqualValues(t, 1, calls.Load(), "Run claims nothing after the Goexit")
@@ -95,7 +103,7 @@ func TestHandlerGoexit(t *testing.T) {
 		case <-time.After(5 * time.Second):
 			t.Fatal("Run's goroutine did not end after ctx")
 		}
-		require.False(t, returned, "Run does not return")
+		require.False(t, returned(), "Run does not return")
 	})
 
 	// With no goroutine of its own to wait for, Run's goroutine ends at
@@ -107,19 +115,14 @@ func TestHandlerGoexit(t *testing.T) {
 		r := b.relay(t, nil, goexit, outbox.RelayConfig{LeaseDuration: lease, PollInterval: 10 * time.Millisecond, DisableNotify: true})
 		runCtx, cancel := context.WithCancel(ctx)
 		defer cancel()
-		returned, ended := false, make(chan struct{})
-		go func() {
-			defer close(ended)
-			_ = r.Run(runCtx)
-			returned = true
-		}()
+		ended, returned := runInBackground(runCtx, r)
 		select {
 		case <-ended:
 		case <-time.After(5 * time.Second):
 			t.Fatal("Run's goroutine did not end (DisableNotify, no metrics)")
 		}
 		require.NoError(t, runCtx.Err())
-		require.False(t, returned, "Run does not return")
+		require.False(t, returned(), "Run does not return")
 		deliverAfterLease(t, b)
 	})
 }
