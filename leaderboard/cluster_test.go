@@ -353,14 +353,9 @@ func TestVerifiedDuringSlotMigration(t *testing.T) {
 			} else {
 				client = cluster.Client(t)
 			}
-			pg := testenv.Postgres(t)
-			cfg := &Config{Name: fmt.Sprintf("migrating%v", replicaReads), Schema: pg.Schema, KeyPrefix: cluster.Prefix(t),
-				ReadPolicy: FailClosed, RequireVerifiedProjection: true, LagProbeInterval: time.Nanosecond}
-			require.NoError(t, Migrate(ctx, pg.Pool, cfg))
-			board, err := New(pg.Pool, client, cfg)
-			require.NoError(t, err)
-			t.Cleanup(board.Close)
-			tb := &testBundle{board: board, pg: pg}
+			tb := boardOn(t, client, &Config{Name: fmt.Sprintf("migrating%v", replicaReads), KeyPrefix: cluster.Prefix(t),
+				ReadPolicy: FailClosed, RequireVerifiedProjection: true, LagProbeInterval: time.Nanosecond})
+			board := tb.board
 			tb.submit(t, "ada", 10)
 			tb.drain(t)
 			_, verified, err := board.Verify(ctx, nil)

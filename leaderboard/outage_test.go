@@ -110,17 +110,12 @@ func TestOutages(t *testing.T) {
 func TestReadCutOffByItsDeadline(t *testing.T) {
 	t.Parallel()
 	rs := testenv.StartRedis(t)
-	pg := testenv.Postgres(t)
 	rc := redis.NewClient(&redis.Options{Addr: rs.Addr(), ContextTimeoutEnabled: true,
 		ReadTimeout: 20 * time.Second, WriteTimeout: 20 * time.Second, MaxRetries: -1})
 	t.Cleanup(func() { _ = rc.Close() })
 	logs := &testenv.LogSink{}
-	cfg := &Config{Name: "b", Schema: pg.Schema, Logger: logs.Logger()}
-	require.NoError(t, Migrate(context.Background(), pg.Pool, cfg))
-	board, err := New(pg.Pool, rc, cfg)
-	require.NoError(t, err)
-	t.Cleanup(board.Close)
-	tb := &testBundle{board: board, pg: pg}
+	tb := boardOn(t, rc, &Config{Name: "b", Logger: logs.Logger()})
+	board := tb.board
 	tb.submit(t, "ada", 10)
 	tb.drain(t)
 
@@ -141,6 +136,19 @@ func TestReadCutOffByItsDeadline(t *testing.T) {
 	}
 	// Not a Redis failure to fall back from: the caller gave up.
 	require.Empty(t, logs.Lines(t, "leaderboard: Redis read failed; answering from PostgreSQL"))
+}
+
+// boardOn returns a board of cfg on client, migrated in a schema of the
+// test's own (cfg.Schema is set to it) and closed at cleanup.
+func boardOn(t *testing.T, client redis.UniversalClient, cfg *Config) *testBundle {
+	t.Helper()
+	pg := testenv.Postgres(t)
+	cfg.Schema = pg.Schema
+	require.NoError(t, Migrate(context.Background(), pg.Pool, cfg))
+	board, err := New(pg.Pool, client, cfg)
+	require.NoError(t, err)
+	t.Cleanup(board.Close)
+	return &testBundle{board: board, pg: pg}
 }
 
 // redisPID is the process id of the Redis server client talks to.
@@ -412,16 +420,12 @@ func TestFrozenRedisUnderRequireVerified(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	rs := testenv.StartRedis(t)
-	pg := testenv.Postgres(t)
 	rc := redis.NewClient(&redis.Options{Addr: rs.Addr(), ReadTimeout: 300 * time.Millisecond, MaxRetries: -1})
 	t.Cleanup(func() { _ = rc.Close() })
-	cfg := &Config{Name: "b", Schema: pg.Schema, ReadPolicy: FailClosed, RequireVerifiedProjection: true,
+	cfg := &Config{Name: "b", ReadPolicy: FailClosed, RequireVerifiedProjection: true,
 		LagProbeInterval: 5 * time.Millisecond}
-	require.NoError(t, Migrate(ctx, pg.Pool, cfg))
-	board, err := New(pg.Pool, rc, cfg)
-	require.NoError(t, err)
-	t.Cleanup(board.Close)
-	tb := &testBundle{board: board, pg: pg}
+	tb := boardOn(t, rc, cfg)
+	board := tb.board
 	tb.submit(t, "ada", 10)
 	tb.drain(t)
 	_, verified, err := board.Verify(ctx, nil)
