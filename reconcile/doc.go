@@ -237,8 +237,8 @@
 // the first few findings per class. When the context is cancelled, Run
 // stops and returns the partial Report with the error. No repair goes
 // unreported: repairs already sent are completed on a detached context and
-// counted, repairs not yet sent are ResultNotAttempted, and a repair whose
-// outcome is unknown (see ResultUncertain) is ResultUncertain.
+// counted, repairs not yet sent are ResultNotAttempted, and a repair that
+// may or may not have been applied is ResultUncertain.
 //
 // # Keys of another type
 //

@@ -232,7 +232,7 @@ func (r *Reconciler) awaitMove(ctx context.Context, err error) error {
 // of a pass that met a slot move and was run again included): a
 // batch of repairs already sent is allowed to finish (bounded by
 // Config.RepairTimeout) and counted; findings whose repair was not sent are
-// ResultNotAttempted; a repair whose outcome is unknown (see ResultUncertain) is
+// ResultNotAttempted; a repair that may or may not have been applied is
 // ResultUncertain.
 //
 // A repair refused because a key it needs holds another Redis type (see
