@@ -103,27 +103,37 @@ func TestRebuildStalledSwitchBounded(t *testing.T) {
 	require.Less(t, time.Since(start), 5*time.Second, "bounded by RepairTimeout")
 }
 
-// rebuildPipelineHold calls before(n) before the n-th pipeline is sent (the
-// reads that precede each rebuild step are the rebuild's only pipelines on
-// a single Redis) and fails it if before returns an error.
-type rebuildPipelineHold struct {
+// rebuildReadsHook watches the reads that precede each rebuild step (the
+// rebuild's only pipelines of three MGETs on a single Redis), counted from
+// 1: before(n), when set, runs before the n-th is sent and fails it with
+// the error it returns; after(n), when set, runs once it was answered,
+// before the step's script is sent.
+type rebuildReadsHook struct {
 	testenv.PassThroughHook
 	n      atomic.Int64
 	before func(n int64) error
+	after  func(n int64)
 }
 
-func (h *rebuildPipelineHold) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+func (h *rebuildReadsHook) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
 	return func(ctx context.Context, cmds []redis.Cmder) error {
 		if len(cmds) != 3 || cmds[0].Name() != "mget" { // not a rebuild step's reads
 			return next(ctx, cmds)
 		}
-		if err := h.before(h.n.Add(1)); err != nil {
-			for _, c := range cmds {
-				c.SetErr(err)
+		n := h.n.Add(1)
+		if h.before != nil {
+			if err := h.before(n); err != nil {
+				for _, c := range cmds {
+					c.SetErr(err)
+				}
+				return err
 			}
-			return err
 		}
-		return next(ctx, cmds)
+		err := next(ctx, cmds)
+		if h.after != nil {
+			h.after(n)
+		}
+		return err
 	}
 }
 
@@ -137,7 +147,7 @@ func TestRebuildSwitchNotSent(t *testing.T) {
 	b.projectRows(t, b.insertMany(t, 10))
 	b.project(t, "orphan", 1)
 	boom := errors.New("connection reset before the switch")
-	hook := &rebuildPipelineHold{before: func(n int64) error {
+	hook := &rebuildReadsHook{before: func(n int64) error {
 		if n == 2 { // start, then switch
 			return boom
 		}
@@ -161,7 +171,7 @@ func TestRebuildSwitchRefusedByLayout(t *testing.T) {
 	b := setup(t, projection.KindSortedSet)
 	b.projectRows(t, b.insertMany(t, 10))
 	b.project(t, "orphan", 1)
-	hook := &rebuildPipelineHold{before: func(n int64) error {
+	hook := &rebuildReadsHook{before: func(n int64) error {
 		if n == 2 {
 			return b.client.Set(context.Background(), b.ks.ShadowLayoutKey(b.target.Name, b.kind), "garbage", 0).Err()
 		}
@@ -175,24 +185,6 @@ func TestRebuildSwitchRefusedByLayout(t *testing.T) {
 	require.True(t, b.state(t, r, "orphan").HasValue, "live projection untouched")
 }
 
-// rebuildAfterPipelineHook calls after(n) once the n-th rebuild step's reads
-// have been answered, before the step's script is sent.
-type rebuildAfterPipelineHook struct {
-	testenv.PassThroughHook
-	n     atomic.Int64
-	after func(n int64)
-}
-
-func (h *rebuildAfterPipelineHook) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
-	return func(ctx context.Context, cmds []redis.Cmder) error {
-		err := next(ctx, cmds)
-		if len(cmds) == 3 && cmds[0].Name() == "mget" {
-			h.after(h.n.Add(1))
-		}
-		return err
-	}
-}
-
 // TestRebuildSwitchRereadsAChangedLayout: the live layout key
 // changes between the switch's reads and its script (a writer's first write
 // into a collection that had none, here its layout key set to 4 buckets):
@@ -203,7 +195,7 @@ func TestRebuildSwitchRereadsAChangedLayout(t *testing.T) {
 	b := setup(t, projection.KindSortedSet)
 	b.insertMany(t, 10)
 	b.project(t, "orphan", 1)
-	hook := &rebuildAfterPipelineHook{after: func(n int64) {
+	hook := &rebuildReadsHook{after: func(n int64) {
 		if n == 2 { // start, then switch
 			layout := b.ks.LayoutKey(b.target.Name, b.kind)
 			require.NoError(t, b.client.Set(context.Background(), layout, "4", 0).Err())
@@ -271,7 +263,7 @@ func TestRebuildSwitchLayoutKeepsChanging(t *testing.T) {
 	b.projectRows(t, b.insertMany(t, 10))
 	b.project(t, "orphan", 1)
 	layout := b.ks.LayoutKey(b.target.Name, b.kind)
-	hook := &rebuildAfterPipelineHook{after: func(n int64) {
+	hook := &rebuildReadsHook{after: func(n int64) {
 		if n >= 2 && n < 2+rebuildStepRetries { // every read of the switch
 			require.NoError(t, b.client.Set(context.Background(), layout, strconv.Itoa(1<<n), 0).Err())
 		}
