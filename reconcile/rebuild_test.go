@@ -323,25 +323,31 @@ func TestRebuildAborted(t *testing.T) {
 	})
 	t.Run("MarkerGoneAtSwitch", func(t *testing.T) {
 		t.Parallel()
-		// The switch's reply says the marker is gone: a definite abort,
-		// not an uncertain outcome.
+		// The switch's own reply says the marker is gone (deleted as the
+		// switch is sent, after the whole copy, so that the copy cannot
+		// notice first): a definite abort, neither uncertain nor "in
+		// progress", with the shadow keys removed.
 		b := setup(t, projection.KindSortedSet)
-		b.insertMany(t, 30)
-		marker, _, _ := b.rebuildKeys()
-		src := &hookedSource{Source: b.source, onPage: func(ctx context.Context, n int) {
-			if n == 4 { // the empty page that ends the copy
-				require.NoError(t, b.client.Del(ctx, marker).Err())
+		b.projectRows(t, b.insertMany(t, 30))
+		b.project(t, "orphan", 1)
+		marker, sv, sver := b.rebuildKeys()
+		hook := &rebuildStepHold{step: "switch", before: func(context.Context) {
+			if err := b.client.Del(context.Background(), marker).Err(); err != nil {
+				t.Error(err)
 			}
 		}}
 		var logs bytes.Buffer
 		logger := slog.New(slog.NewTextHandler(&logs, &slog.HandlerOptions{Level: slog.LevelWarn}))
-		r, err := New(src, b.target, &Config{PageSize: 10, RebuildMarkerTTL: time.Minute, Logger: logger})
-		require.NoError(t, err)
+		r := b.withHook(t, hook).reconciler(t, &Config{PageSize: 10, RebuildMarkerTTL: time.Minute, Logger: logger})
 		rep, err := r.Rebuild(context.Background())
+		require.True(t, hook.done.Load(), "the switch was sent")
 		require.ErrorIs(t, err, ErrRebuildAborted)
 		require.NotErrorIs(t, err, ErrRebuildUncertain)
+		require.NotErrorIs(t, err, ErrRebuildInProgress)
 		require.False(t, rep.Switched)
-		require.EqualValues(t, 4, src.pages.Load())
+		require.EqualValues(t, 30, rep.Rows)
+		require.True(t, b.state(t, r, "orphan").HasValue, "live projection untouched")
+		require.Equal(t, []bool{false, false, false, false}, b.keysExist(t, marker, sv, sver, b.copyKey()))
 		require.Contains(t, logs.String(), "level=WARN msg=\"reconcile rebuild finished\"", "a failed rebuild is a warning, as a failed Run is")
 	})
 	t.Run("Cancelled", func(t *testing.T) {
@@ -751,7 +757,11 @@ func TestRebuildAfterAStalledRebuild(t *testing.T) {
 		defer close(aDone)
 		repA, errA = rA.Rebuild(ctx)
 	}()
-	<-aReadPage1
+	select { // A ends before its first page if its start fails
+	case <-aReadPage1:
+	case <-aDone:
+		t.Fatalf("A ended before its first page: %v", errA)
+	}
 	time.Sleep(400 * time.Millisecond) // A's marker expires (A stalled: GC, slow PG, ...)
 	_, err = b.pool.Exec(ctx, `DELETE FROM items WHERE board = $1 AND key = 'ghost'`, testBoard)
 	require.NoError(t, err)
@@ -770,7 +780,12 @@ func TestRebuildAfterAStalledRebuild(t *testing.T) {
 		defer close(bDone)
 		repB, errB = rB.Rebuild(ctx)
 	}()
-	<-bStart // B's marker and (empty) shadow keys exist now
+	select {
+	case <-bStart: // B's marker and (empty) shadow keys exist now
+	case <-bDone:
+		close(aGo)
+		t.Fatalf("B ended before its first page: %v", errB)
+	}
 	// A resumes and tries to copy its stale first page into the shadow
 	// keys, which are B's now.
 	close(aGo)
@@ -1141,6 +1156,47 @@ func TestRebuildCancelledRightAfterStart(t *testing.T) {
 		require.EqualValues(t, 21, n, "attempt %d: the live projection is untouched", i)
 		require.Equal(t, []bool{false, false, false, false}, b.keysExist(t, marker, sv, sver, b.copyKey()), "attempt %d", i)
 	}
+}
+
+// cancelAtEndSource calls wait and then cancel once the source has
+// answered its last (empty) page.
+type cancelAtEndSource struct {
+	Source
+	wait   func()
+	cancel context.CancelFunc
+}
+
+func (s *cancelAtEndSource) Page(ctx context.Context, after Cursor, limit int) ([]Row, error) {
+	rows, err := s.Source.Page(ctx, after, limit)
+	if err == nil && len(rows) == 0 {
+		s.wait()
+		s.cancel()
+	}
+	return rows, err
+}
+
+// TestRebuildCancelledAfterTheLastPage: ctx cancelled after the copy read
+// the source's end and wrote every row, before the switch: the rebuild
+// returns the cancellation and does not switch.
+func TestRebuildCancelledAfterTheLastPage(t *testing.T) {
+	t.Parallel()
+	b := setup(t, projection.KindSortedSet)
+	b.projectRows(t, b.insertMany(t, 20))
+	b.project(t, "orphan", 1)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	src := &cancelAtEndSource{Source: b.source, cancel: cancel, wait: func() {
+		b.waitShadow(context.Background(), t, b.client, 20) // the last page of rows is written
+		time.Sleep(100 * time.Millisecond)                  // and its reply has reached the copy
+	}}
+	r, err := New(src, b.target, &Config{PageSize: 5})
+	require.NoError(t, err)
+	rep, err := r.Rebuild(ctx)
+	require.ErrorIs(t, err, context.Canceled)
+	require.False(t, rep.Switched)
+	require.True(t, b.state(t, r, "orphan").HasValue, "live projection untouched")
+	marker, sv, sver := b.rebuildKeys()
+	require.Equal(t, []bool{false, false, false, false}, b.keysExist(t, marker, sv, sver, b.copyKey()))
 }
 
 // TestRebuildClearsADeadRebuildsShadow: a rebuild whose process died
