@@ -283,13 +283,17 @@ func (r *Reconciler) rebuildStep(ctx context.Context, step, token, ttl string, c
 				s = "0"
 			}
 			if layouts[i] = projection.ParseLayout(s); layouts[i] < 0 {
-				if i == 1 {
+				if i == 1 && step != "abort" {
 					return 0, r.mismatch(true, s)
 				}
-				// A live layout key holding no bucket count (a hand edit)
-				// says as little as a lost one: the switch removes every
-				// possible bucket. The script compares what it stores
-				// with s, so a change meanwhile is still noticed.
+				// A layout key holding no bucket count (a hand edit) says
+				// as little as a lost one: the switch removes every
+				// possible live bucket, the abort every possible shadow
+				// one (an abort refused here would leave the marker, and
+				// the gate refuses every live write while a marker's
+				// shadow layout is unreadable). The script compares what
+				// it stores with s, so a change meanwhile is still
+				// noticed.
 				layouts[i] = projection.VersionBucketsMax
 			}
 			args[i] = s
@@ -327,7 +331,7 @@ func (r *Reconciler) rebuildStep(ctx context.Context, step, token, ttl string, c
 		}
 		keys = append(keys, rebuildProbeKey(ks, name, kind))
 		n, err := r.rebuildScript.Run(ctx, r.target.Client, keys, step, token, ttl,
-			args[0], args[1], r.layout, strconv.Itoa(live), strconv.FormatInt(copied, 10)).Int64()
+			args[0], args[1], r.layout, strconv.Itoa(live), strconv.FormatInt(copied, 10), strconv.Itoa(shadow)).Int64()
 		if err != nil || n != 2 {
 			return n, err
 		}

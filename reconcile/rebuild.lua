@@ -19,7 +19,9 @@
 -- "missing" (no layout key, values but no unbucketed version hash: a
 -- bucketed collection that lost its layout key, whose bucket count is
 -- unknown; bucket keys are named by index alone, so these cover any),
--- 8 the number of rows the copy sent (switch only).
+-- 8 the number of rows the copy sent (switch only), 9 the number of shadow
+-- buckets passed: S, or every possible bucket when an abort finds a
+-- shadow layout key holding no bucket count (a hand edit).
 --
 -- Every step may run twice with the same token: a client resends a
 -- command whose reply it lost (go-redis: MaxRetries), after Redis ran it.
@@ -67,7 +69,7 @@
 
 local step, token = ARGV[1], ARGV[2]
 local L, S, M = ARGV[4], ARGV[5], ARGV[6]
-local nL, nS, nM = tonumber(ARGV[7]), tonumber(S), tonumber(M)
+local nL, nS, nM = tonumber(ARGV[7]), tonumber(ARGV[9]), tonumber(M)
 local marker, shadowValue, shadowLayout = KEYS[1], KEYS[2], KEYS[3]
 local liveValue, liveLayout = KEYS[4], KEYS[5]
 local liveFlat, shadowFlat = KEYS[6], KEYS[7]

@@ -350,6 +350,35 @@ func TestRebuildAborted(t *testing.T) {
 		require.Equal(t, []bool{false, false, false, false}, b.keysExist(t, marker, sv, sver, b.copyKey()))
 		require.Contains(t, logs.String(), "level=WARN msg=\"reconcile rebuild finished\"", "a failed rebuild is a warning, as a failed Run is")
 	})
+	t.Run("UnreadableShadowLayout", func(t *testing.T) {
+		t.Parallel()
+		// A hand edit leaves the shadow layout key holding no bucket
+		// count mid-copy: the copy fails, and its abort still removes
+		// the marker and the shadow keys. Left, the marker would make
+		// the gate refuse every live write until its TTL.
+		b := setup(t, projection.KindSortedSet)
+		b.projectRows(t, b.insertMany(t, 20))
+		shadowLayout := b.ks.ShadowLayoutKey(b.target.Name, b.kind)
+		src := &hookedSource{Source: b.source, onPage: func(_ context.Context, n int) {
+			if n == 2 {
+				if err := b.client.Set(context.Background(), shadowLayout, "junk", 0).Err(); err != nil {
+					t.Error(err)
+				}
+			}
+		}}
+		r, err := New(src, b.target, &Config{PageSize: 5, RebuildMarkerTTL: time.Minute})
+		require.NoError(t, err)
+		rep, err := r.Rebuild(context.Background())
+		require.ErrorIs(t, err, projection.ErrLayoutMismatch)
+		require.False(t, rep.Switched)
+		marker, sv, _ := b.rebuildKeys()
+		require.Equal(t, []bool{false, false, false}, b.keysExist(t, marker, sv, shadowLayout))
+		_, err = b.gate.Apply(context.Background(), []projection.Write{{Target: b.target.target("k-new"), Version: 1, Value: b.value("k-new", 1)}})
+		require.NoError(t, err, "a live write after the failed rebuild")
+		rep, err = r.Rebuild(context.Background())
+		require.NoError(t, err, "the next rebuild")
+		require.True(t, rep.Switched)
+	})
 	t.Run("Cancelled", func(t *testing.T) {
 		t.Parallel()
 		b := setup(t, projection.KindHash)
