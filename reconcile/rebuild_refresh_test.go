@@ -18,11 +18,13 @@ func TestRebuildRefreshesItsMarker(t *testing.T) {
 	t.Parallel()
 	b := setup(t, projection.KindSortedSet)
 	b.insertMany(t, 30)
-	const ttl = time.Second
-	// Six pages (five of rows, one empty) of 300ms each: about twice the
+	const ttl = 2 * time.Second
+	// Six pages (five of rows, one empty) of 600ms each: about twice the
 	// TTL in all, each page well within it (with room for a loaded
-	// machine: the marker lapses only if a page and its copy take a TTL).
-	src := &hookedSource{Source: b.source, onPage: func(context.Context, int) { time.Sleep(300 * time.Millisecond) }}
+	// machine, 1.4s: the marker lapses only if a page and its copy take a
+	// TTL; with a 1s TTL and 300ms pages it lapsed once under a load of
+	// 12 on two cores).
+	src := &hookedSource{Source: b.source, onPage: func(context.Context, int) { time.Sleep(600 * time.Millisecond) }}
 	r, err := New(src, b.target, &Config{PageSize: 6, RebuildMarkerTTL: ttl})
 	require.NoError(t, err)
 	start := time.Now()
