@@ -67,6 +67,23 @@ type options struct {
 	verify          bool // reconcile
 }
 
+// omittedMeaning returns what a flag whose default is empty stands for
+// when omitted, and whether it is one; given empty, such a flag is a
+// usage error (parseFlags).
+func omittedMeaning(flagName string) (string, bool) {
+	switch flagName {
+	case "database-url":
+		return "$DATABASE_URL, then the local server, then a private one", true
+	case "redis-url":
+		return "$REDIS_URL, then the local server, then a private one", true
+	case "key-prefix":
+		return "the board's default prefix", true
+	case "allowed-hosts":
+		return "the default hosts", true
+	}
+	return "", false
+}
+
 func parseFlags(name string, args []string, stderr io.Writer) (*options, error) {
 	o := &options{}
 	fs := flag.NewFlagSet("leaderboard-service "+name, flag.ContinueOnError)
@@ -153,6 +170,20 @@ func parseFlags(name string, args []string, stderr io.Writer) (*options, error) 
 	// for public, whose board the command would then act on.
 	if o.schema == "" {
 		return usage("--schema must not be empty (omit it for %s)", leaderboard.SchemaDefault)
+	}
+	// The same for the flags whose default is empty: given empty, the
+	// servers would be looked for elsewhere (a server given by its flag
+	// never is), the keys would be the board's default ones, not the
+	// service's, and the host check would take its default (on a
+	// non-loopback --addr, any host).
+	var empty, meaning string
+	fs.Visit(func(f *flag.Flag) {
+		if m, ok := omittedMeaning(f.Name); ok && f.Value.String() == "" && empty == "" {
+			empty, meaning = f.Name, m
+		}
+	})
+	if empty != "" {
+		return usage("--%s must not be empty (omit it for %s)", empty, meaning)
 	}
 	if len(o.board) > leaderboard.MaxNameLength || !utf8.ValidString(o.board) || strings.IndexByte(o.board, 0) >= 0 {
 		return usage("--board must be valid UTF-8 without NUL bytes, at most %d bytes (got %d)", leaderboard.MaxNameLength, len(o.board))

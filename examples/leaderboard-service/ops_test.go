@@ -263,6 +263,13 @@ func TestCommandLine(t *testing.T) {
 		{"BoardNotUTF8", append([]string{"reconcile", "--board=\xff"}, nowhere...), exitUsage, "--board must be valid UTF-8"},
 		// An unset variable ("--schema=$SCHEMA"), not a request for public.
 		{"EmptySchema", append([]string{"reconcile", "--schema="}, nowhere...), exitUsage, "--schema must not be empty"},
+		// The same for the flags whose default is empty: not servers
+		// looked for elsewhere, the board's default keys, or the default
+		// host check (any host on a non-loopback --addr).
+		{"EmptyDatabaseURL", []string{"stats", "--schema=never_migrated", "--database-url=", "--redis-url=redis://127.0.0.1:1"}, exitUsage, "--database-url must not be empty (omit it for $DATABASE_URL"},
+		{"EmptyRedisURL", []string{"rebuild", "--schema=never_migrated", "--database-url=postgres://postgres@127.0.0.1:1/x?connect_timeout=2", "--redis-url="}, exitUsage, "--redis-url must not be empty (omit it for $REDIS_URL"},
+		{"EmptyKeyPrefix", append([]string{"reconcile", "--verify", "--key-prefix="}, nowhere...), exitUsage, "--key-prefix must not be empty"},
+		{"EmptyAllowedHosts", append([]string{"serve", "--addr=0.0.0.0:0", "--allowed-hosts="}, nowhere...), exitUsage, "--allowed-hosts must not be empty"},
 		{"SchemaNotUTF8", append([]string{"rebuild", "--schema=\xff"}, nowhere...), exitUsage, "--schema must be valid UTF-8"},
 		{"SchemaTooLong", append([]string{"stats", "--schema=" + strings.Repeat("s", 64)}, nowhere...), exitUsage, "--schema is 64 bytes long"},
 		{"SampleAboveMax", append([]string{"reconcile", fmt.Sprintf("--sample=%d", reconcile.SampleMax+1)}, nowhere...), exitUsage, "--sample 1000001 is above reconcile.SampleMax"},
