@@ -655,6 +655,13 @@ func (s *Service) writeError(w http.ResponseWriter, r *http.Request, err error) 
 		s.logger.Warn("read failed: Redis cannot be reached to check the board is verified", slog.String("path", r.URL.Path))
 		w.Header().Set("Retry-After", "1")
 		writeJSON(w, http.StatusServiceUnavailable, errorResponse{Error: "the leaderboard's store cannot be reached; retry shortly"})
+	case errors.As(err, &stale) && !stale.Unverified && stale.Lag < 0 && s.postgresUnreachable(r.Context()) && r.Context().Err() == nil:
+		// The lag could not be measured because PostgreSQL cannot be
+		// asked: an outage to wait out, not a projection catching up
+		// (nor can the relay run to catch it up).
+		s.logger.Warn("read failed: PostgreSQL cannot be reached to measure the projection's lag", slog.String("path", r.URL.Path))
+		w.Header().Set("Retry-After", "1")
+		writeJSON(w, http.StatusServiceUnavailable, errorResponse{Error: "the leaderboard's store cannot be reached; retry shortly"})
 	case r.Context().Err() != nil:
 		// The client went away; nobody reads the answer (it may have
 		// left during the probe above, or after a stale read). A submit cut
@@ -666,13 +673,13 @@ func (s *Service) writeError(w http.ResponseWriter, r *http.Request, err error) 
 	case errors.As(err, &stale) && stale.Unverified && s.cfg.ReconcileEvery == 0:
 		// Nothing in this process will verify the board: an operator's
 		// 'reconcile --verify' will, at a time no Retry-After can name.
-		writeJSON(w, http.StatusServiceUnavailable, errorResponse{Error: "the leaderboard is not verified (a new board, Redis lost its data, or Redis cannot be read) and this service runs no reconcile; if it stays so while Redis answers, an operator must run 'reconcile --verify'"})
+		writeJSON(w, http.StatusServiceUnavailable, errorResponse{Error: "the leaderboard is not verified (a new board, Redis lost its data or cannot be read, or PostgreSQL is not the database last verified against) and this service runs no reconcile; if it stays so while Redis answers, an operator must run 'reconcile --verify'"})
 	case errors.As(err, &stale) && stale.Unverified:
 		// Waiting for a verifying pass, which the scheduled reconcile runs
 		// (every ReconcileEvery), not for the worker: retry after it.
 		retry := max(1, int(s.cfg.ReconcileEvery.Round(time.Second)/time.Second))
 		w.Header().Set("Retry-After", strconv.Itoa(retry))
-		writeJSON(w, http.StatusServiceUnavailable, errorResponse{Error: "the leaderboard is not verified (a new board, Redis lost its data, or Redis cannot be read); retry later"})
+		writeJSON(w, http.StatusServiceUnavailable, errorResponse{Error: "the leaderboard is not verified (a new board, Redis lost its data or cannot be read, or PostgreSQL is not the database last verified against); retry later"})
 	case errors.As(err, &stale):
 		w.Header().Set("Retry-After", "1")
 		writeJSON(w, http.StatusServiceUnavailable, errorResponse{Error: "the leaderboard is catching up; retry shortly"})
@@ -718,6 +725,15 @@ func (s *Service) redisUnreachable(ctx context.Context) bool {
 	ctx, cancel := context.WithTimeout(ctx, pingTimeout)
 	defer cancel()
 	err := s.rdb.Exists(ctx, s.board.SortedSetKey()).Err()
+	return err != nil && unreachable(err)
+}
+
+// postgresUnreachable reports whether PostgreSQL fails a ping (within
+// pingTimeout) with an error unreachable classes as an outage.
+func (s *Service) postgresUnreachable(ctx context.Context) bool {
+	ctx, cancel := context.WithTimeout(ctx, pingTimeout)
+	defer cancel()
+	err := s.pool.Ping(ctx)
 	return err != nil && unreachable(err)
 }
 

@@ -102,7 +102,7 @@ func cmdStats(ctx context.Context, o *options, stdout, stderr io.Writer) error {
 	fmt.Fprintf(tw, "dead letters\t%d\t(all streams)\n", st.DeadLetters)
 	lag := lagText(snap.Freshness.Lag)
 	if snap.Freshness.Unverified {
-		lag = "unknown: the projection is not verified (Redis lost data, or no full pass yet; run 'reconcile --verify')"
+		lag = "unknown: the projection is not verified (no full pass yet, Redis lost data, or PostgreSQL is not the database last verified against; run 'reconcile --verify')"
 	}
 	// The lag is no column cell: the unverified explanation would widen
 	// the column of the dead-letter count above it to its own length.

@@ -482,7 +482,7 @@ func TestScheduledReconcileVerifies(t *testing.T) {
 	ctx := context.Background()
 	tb, svc, refused := refusedUnverified(t, time.Minute)
 	require.Equal(t, "60", refused.header.Get("Retry-After"), "after the next scheduled, verifying reconcile")
-	require.Equal(t, "the leaderboard is not verified (a new board, Redis lost its data, or Redis cannot be read); retry later", refused.json(t)["error"])
+	require.Equal(t, "the leaderboard is not verified (a new board, Redis lost its data or cannot be read, or PostgreSQL is not the database last verified against); retry later", refused.json(t)["error"])
 	svc.reconcileOnce(ctx)
 	last := svc.lastReconcile.Load()
 	require.NotNil(t, last.Verified)
