@@ -224,6 +224,10 @@ func cmdReconcile(ctx context.Context, o *options, stdout, stderr io.Writer) err
 		return err
 	}
 	fmt.Fprintf(stdout, "drift %d: repaired %d, skipped %d, uncertain %d\n", sum.Drift, sum.Repaired, sum.Skipped, sum.Uncertain)
+	if sum.Verified == nil && sum.Error != "" {
+		// Read alone, "drift 0" would pass for a clean board.
+		fmt.Fprintln(stdout, "FAILED: the pass did not finish; the counts above cover only what it checked (the error follows on stderr)")
+	}
 	if sum.Verified != nil {
 		if *sum.Verified {
 			fmt.Fprintln(stdout, "verified: the projection is recorded as complete")
