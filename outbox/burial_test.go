@@ -146,6 +146,45 @@ func TestClaimBuriesRowsAtItsMaxAttempts(t *testing.T) {
 	})
 }
 
+// A row whose crashed attempt reaches MaxAttempts is moved to the
+// dead-letter table by the claim that counted it (package doc, "Lifecycle
+// of a row"), also when that claim's batch fills from another partition
+// before its pick reaches the crashed one.
+func TestClaimBuriesACrashedLastAttemptItDoesNotPick(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	b := setup(t)
+	msgs := make([]outbox.Message, 257)
+	for i := range msgs {
+		msgs[i] = newMessage("s", fmt.Sprint("k", i), 1)
+	}
+	b.appendCommitted(t, msgs...)
+	// Keep id 1 (partition 0) and id 257 (partition 1).
+	_, err := b.pool.Exec(ctx, `DELETE FROM `+b.writer.Table()+` WHERE id BETWEEN 2 AND 256`)
+	require.NoError(t, err)
+
+	const maxAttempts = 2
+	cfg := outbox.RelayConfig{MaxAttempts: maxAttempts, BatchSize: 1, LeaseDuration: 10 * time.Second}
+	for crash := 1; crash <= maxAttempts; crash++ {
+		b.claimOrder(t, 0, 1)
+		batch, err := b.relay(t, nil, &recorder{}, cfg).ClaimOnly(ctx) // dies during the attempt
+		require.NoError(t, err)
+		require.Len(t, batch, 1)
+		require.EqualValues(t, 1, batch[0].ID)
+		require.Equal(t, crash, batch[0].Attempts)
+		require.EqualValues(t, 1, b.expireLeases(t))
+	}
+
+	b.claimOrder(t, 1, 0) // the batch of one fills from partition 1
+	h := &recorder{}
+	n, err := b.relay(t, nil, h, cfg).RunOnce(ctx)
+	require.NoError(t, err)
+	require.Equal(t, 1, n)
+	require.EqualValues(t, 257, h.seen()[0].ID)
+	require.Equal(t, 1, b.count(t, b.deadTable()), "the crashed last attempt is buried by the claim that counted it")
+	require.Zero(t, b.count(t, b.writer.Table()))
+}
+
 // A dead letter that already holds the id of a row whose crashed attempts
 // reach MaxAttempts (an operator reset the outbox identity with TRUNCATE …
 // RESTART IDENTITY while dead letters remained) makes every claim fail on

@@ -566,6 +566,52 @@ func TestGate(t *testing.T) {
 			require.ErrorIs(t, err, ErrInvalidTarget)
 		})
 
+		// "By the same rule and independently": a write that is a
+		// duplicate or stale in the live keys is still applied to a shadow
+		// that lacks it or holds an older version.
+		t.Run("RebuildDualWriteWhateverTheLiveOutcome", func(t *testing.T) {
+			t.Parallel()
+			gb := setupGate(t, b)
+			ctx := context.Background()
+			require.Equal(t, []Outcome{OutcomeApplied, OutcomeApplied}, gb.apply(t, zset("r", "m", 5, 50), zset("r", "n", 7, 70)))
+			require.NoError(t, gb.client.Set(ctx, gb.ks.RebuildMarkerKey("r", KindSortedSet), "tok", 0).Err())
+			_, err := gb.gate.ApplyShadow(ctx, "tok", []Write{zset("r", "n", 3, 30)}) // an older copy
+			require.NoError(t, err)
+
+			require.Equal(t, []Outcome{OutcomeDuplicate, OutcomeStale}, gb.apply(t, zset("r", "m", 5, 50), zset("r", "n", 6, 60)))
+			require.Equal(t, storedState{true, "50", "5"}, readShadowState(t, gb.client, gb.ks, zset("r", "m", 0, 0).Target),
+				"a live duplicate, new to the shadow")
+			require.Equal(t, storedState{true, "60", "6"}, readShadowState(t, gb.client, gb.ks, zset("r", "n", 0, 0).Target),
+				"live stale, newer than the shadow's")
+		})
+
+		// Every shadow write, copied or dual-written, counts the members
+		// and versions it creates there (what the rebuild's switch checks
+		// the shadow still holds): a newer version of a member the shadow
+		// holds creates neither.
+		t.Run("ShadowWritesCountWhatTheyCreate", func(t *testing.T) {
+			t.Parallel()
+			gb := setupGate(t, b)
+			ctx := context.Background()
+			require.NoError(t, gb.client.Set(ctx, gb.ks.RebuildMarkerKey("r", KindHash), "tok", 0).Err())
+			count := func() map[string]string {
+				t.Helper()
+				m, err := gb.client.HGetAll(ctx, gb.ks.RebuildCopyKey("r", KindHash)).Result()
+				require.NoError(t, err)
+				delete(m, "batch") // the last copy batch counted
+				return m
+			}
+			_, err := gb.gate.ApplyShadowCopy(ctx, "tok", 1, []Write{hash("r", "a", 1, "x"), hash("r", "b", 1, "y")})
+			require.NoError(t, err)
+			require.Equal(t, map[string]string{"rows": "2", "members": "2", "versions": "2"}, count())
+			_, err = gb.gate.ApplyShadowCopy(ctx, "tok", 2, []Write{hash("r", "a", 2, "x2")})
+			require.NoError(t, err)
+			require.Equal(t, []Outcome{OutcomeApplied}, gb.apply(t, hash("r", "b", 2, "y2"))) // dual-written
+			require.Equal(t, map[string]string{"rows": "3", "members": "2", "versions": "2"}, count(), "nothing created")
+			require.Equal(t, []Outcome{OutcomeApplied}, gb.apply(t, hash("r", "c", 1, "z"))) // dual-written, new
+			require.Equal(t, map[string]string{"rows": "3", "members": "3", "versions": "3"}, count())
+		})
+
 		// A rebuild's copy counts every write it sends (kept ones too) in
 		// the same script, once per batch number; live writes dual-written
 		// into the shadow keys, refused calls and uncounted shadow writes
