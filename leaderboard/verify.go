@@ -104,7 +104,11 @@ const verifyAbandonTimeout = 5 * time.Second
 // which replaces it; it never stands for a verified projection.
 func (b *Board) Verify(ctx context.Context, cfg *reconcile.Config) (report *reconcile.Report, verified bool, err error) {
 	if cfg != nil && cfg.SkipOrphans {
-		return nil, false, &ConfigError{Field: "reconcile.Config.SkipOrphans", Reason: "is set; Verify records that Redis holds nothing PostgreSQL lacks, which only the orphan check can tell: leave it false for Verify"}
+		// Wrapping reconcile's error, as for the reconcile.Config fields
+		// reconcile checks itself (ConfigError.Err).
+		const reason = "is set; Verify records that Redis holds nothing PostgreSQL lacks, which only the orphan check can tell: leave it false for Verify"
+		return nil, false, &ConfigError{Field: "reconcile.Config.SkipOrphans", Reason: reason,
+			Err: &reconcile.ConfigError{Field: "Config.SkipOrphans", Reason: reason}}
 	}
 	// A repair the gate declined is raced: a newer write, which the entry
 	// now holds, or a foreign one (the same version with another value, or

@@ -430,6 +430,12 @@ func TestVerify(t *testing.T) {
 		require.ErrorAs(t, err, &cfgErr)
 		require.Equal(t, "reconcile.Config.SkipOrphans", cfgErr.Field)
 		require.ErrorIs(t, err, ErrInvalidConfig)
+		// As for the reconcile.Config fields reconcile checks itself
+		// (ConfigError.Err): errors.Is finds reconcile's sentinel too.
+		require.ErrorIs(t, err, reconcile.ErrInvalidConfig)
+		var reconcileErr *reconcile.ConfigError
+		require.ErrorAs(t, err, &reconcileErr)
+		require.Equal(t, "Config.SkipOrphans", reconcileErr.Field)
 		require.False(t, verified)
 		require.Nil(t, rep)
 		exists, err := tb.rd.Client.Exists(ctx, tb.board.SortedSetKey()+"~verifying").Result()
