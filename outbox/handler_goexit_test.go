@@ -20,7 +20,10 @@ import (
 func TestHandlerGoexit(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	const lease = 300 * time.Millisecond
+	// Long enough for a claim (bounded by it) on a loaded machine: with
+	// 300ms a RunOnce under a load of 15 on two cores returned before its
+	// Handler ran.
+	const lease = 2 * time.Second
 	goexit := outbox.HandlerFunc(func(context.Context, []outbox.Record) ([]outbox.Result, error) {
 		runtime.Goexit()
 		return nil, nil
