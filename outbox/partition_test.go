@@ -347,6 +347,30 @@ func TestRelayPartitionLeases(t *testing.T) {
 		require.Eventually(t, func() bool { return handled.Load() == rows }, 10*time.Second, 10*time.Millisecond)
 	})
 
+	// The same when a claim locked as many partitions as it may but read
+	// less than a full batch from them: rows may be due in partitions it
+	// did not lease, and Run claims again at once.
+	t.Run("RunClaimsAgainAfterLeasingAsManyPartitionsAsItMay", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		b.appendPartitions(t, 6)
+		// Ten rows in each of six partitions: a claim of four partitions
+		// reads forty, well under BatchSize.
+		_, err := b.pool.Exec(ctx, `DELETE FROM `+b.writer.Table()+` WHERE id % 256 >= 10`)
+		require.NoError(t, err)
+		var due int64
+		require.NoError(t, b.pool.QueryRow(ctx, `SELECT count(*) FROM `+b.writer.Table()).Scan(&due))
+		require.Greater(t, due, int64(4*10), "more than one claim of four partitions reads")
+		var handled atomic.Int64
+		r := b.relay(t, nil, outbox.HandlerFunc(func(_ context.Context, batch []outbox.Record) ([]outbox.Result, error) {
+			handled.Add(int64(len(batch)))
+			return make([]outbox.Result, len(batch)), nil
+		}), outbox.RelayConfig{BatchSize: 100, PollInterval: time.Hour, DisableNotify: true})
+		startRun(t, r)
+		require.Eventually(t, func() bool { return handled.Load() == due }, 10*time.Second, 10*time.Millisecond,
+			"rows in the partitions the first claim did not lease waited for the poll")
+	})
+
 	// Claims that run at the same moment lock the same first partitions;
 	// one that finds every one of them locked takes the next free ones
 	// instead of coming back empty (in Run, to wait a pause while a

@@ -329,3 +329,42 @@ func pairSpansShards(t *testing.T, ring *redis.Ring, ks Keyspace, names []string
 	}
 	return false
 }
+
+// TestGateShortReplyIsUnexpected: a reply with fewer verdicts than writes
+// (another script under the gate's SHA, a proxy rewriting replies) is
+// ErrUnexpectedReply, not writes left OutcomeUnknown without an error
+// (OutcomeUnknown "appears only next to a non-nil error").
+func TestGateShortReplyIsUnexpected(t *testing.T) {
+	t.Parallel()
+	client, prefix := backends[0].connect(t)
+	ks, err := NewKeyspace(prefix)
+	require.NoError(t, err)
+	g := NewGate(client, ks)
+	g.script = redis.NewScript("return {1}")
+	out, err := g.Apply(context.Background(), []Write{zset("board", "a", 1, 1), zset("board", "b", 1, 2)})
+	require.ErrorIs(t, err, ErrUnexpectedReply, "outcomes %v", out)
+}
+
+// TestLayoutMismatchSparesTheSameNameOfAnotherKind: a layout mismatch
+// fails only the records of the collection whose layout differs (Handle's
+// doc): a collection of another kind with the same name has a layout key
+// of its own, and is applied.
+func TestLayoutMismatchSparesTheSameNameOfAnotherKind(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	client, prefix := backends[0].connect(t)
+	bucketed, err := NewRedisProjector(client, StreamMapper{"scores": SortedSetMapper("board")}, &Config{Prefix: prefix, VersionBuckets: 16})
+	require.NoError(t, err)
+	_, err = bucketed.Gate().Apply(ctx, []Write{zset("board", "alice", 1, 1)})
+	require.NoError(t, err)
+
+	p, err := NewRedisProjector(client, StreamMapper{"scores": SortedSetMapper("board"), "names": HashMapper("board")}, &Config{Prefix: prefix})
+	require.NoError(t, err)
+	results, err := p.Handle(ctx, []outbox.Record{record("scores", "bob", 1, "5"), record("names", "bob", 1, "Bob")})
+	require.NoError(t, err)
+	var lm *LayoutMismatchError
+	require.ErrorAs(t, results[0].Err, &lm, "the bucketed sorted set is refused")
+	require.Equal(t, KindSortedSet, lm.Kind)
+	require.NoError(t, results[1].Err, "the hash named board has its own layout")
+	require.Equal(t, storedState{true, "Bob", "1"}, readState(t, client, p.Keyspace(), hash("board", "bob", 0, "").Target))
+}
