@@ -3,6 +3,8 @@ package reconcile
 import (
 	"context"
 	"fmt"
+	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 
@@ -214,5 +216,87 @@ func (h *afterScript) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
 			h.run()
 		}
 		return err
+	}
+}
+
+// TestOrphanScanBatchesBoundedByPageSize: "PageSize is ... the number of
+// projection entries read (and repaired) per round trip. Memory use is
+// proportional to it": also in the orphan scan, whose SCAN-family replies
+// can hold more (a small hash or sorted set answers HSCAN and ZSCAN whole,
+// and the documents' SCAN asks for ten pages' worth per call).
+func TestOrphanScanBatchesBoundedByPageSize(t *testing.T) {
+	t.Parallel()
+	const pageSize, orphans = 10, 100
+	forKinds(t, allKinds, func(t *testing.T, b *testBundle) {
+		b.projectRows(t, []Row{b.insert(t, "kept", 1)})
+		for i := range orphans {
+			b.project(t, fmt.Sprintf("orphan%03d", i), 1)
+		}
+		sizes := &batchSizes{Source: b.source}
+		b.client.AddHook(sizes)
+		r, err := New(sizes, b.target, &Config{PageSize: pageSize, Policy: Policy{Orphan: ActionRepair}})
+		require.NoError(t, err)
+		rep, err := r.Run(context.Background(), RunOptions{})
+		require.NoError(t, err)
+		require.EqualValues(t, orphans, rep.Counts[ClassOrphan])
+		require.EqualValues(t, orphans, rep.Repaired)
+		sizes.mu.Lock()
+		defer sizes.mu.Unlock()
+		require.Positive(t, sizes.repairs, "the hook saw the repairs")
+		require.LessOrEqual(t, sizes.lookup, pageSize, "Source.Lookup batch")
+		require.LessOrEqual(t, sizes.read, pageSize, "entries read by one command")
+		require.LessOrEqual(t, sizes.repairs, pageSize, "repairs in one script call")
+	})
+}
+
+// batchSizes records the largest Source.Lookup batch, the most entries one
+// ZMSCORE, HMGET or MGET read, and the most removals one script call sent.
+type batchSizes struct {
+	Source
+	testenv.PassThroughHook
+	mu                    sync.Mutex
+	lookup, read, repairs int
+}
+
+func (s *batchSizes) Lookup(ctx context.Context, keys []string) ([]Row, error) {
+	s.mu.Lock()
+	s.lookup = max(s.lookup, len(keys))
+	s.mu.Unlock()
+	return s.Source.Lookup(ctx, keys)
+}
+
+func (s *batchSizes) note(cmd redis.Cmder) {
+	args := cmd.Args()
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	switch strings.ToLower(cmd.Name()) {
+	case "zmscore", "hmget":
+		s.read = max(s.read, len(args)-2)
+	case "mget":
+		s.read = max(s.read, (len(args)-1)/2) // a document's value and version keys
+	case "evalsha", "eval":
+		n := 0
+		for _, a := range args {
+			if a == "del" { // repair.lua's action of a removal
+				n++
+			}
+		}
+		s.repairs = max(s.repairs, n)
+	}
+}
+
+func (s *batchSizes) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
+	return func(ctx context.Context, cmd redis.Cmder) error {
+		s.note(cmd)
+		return next(ctx, cmd)
+	}
+}
+
+func (s *batchSizes) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+	return func(ctx context.Context, cmds []redis.Cmder) error {
+		for _, c := range cmds {
+			s.note(c)
+		}
+		return next(ctx, cmds)
 	}
 }

@@ -381,15 +381,27 @@ func (r *Reconciler) scanCollectionFrom(ctx context.Context, pipeline func() red
 		for i := 0; i+1 < len(pairs); i += 2 {
 			members = append(members, pairs[i])
 		}
-		if len(members) > 0 {
-			if err := fn(members); err != nil {
-				return err
-			}
+		if err := r.inPages(members, fn); err != nil {
+			return err
 		}
 		if cursor == 0 {
 			return nil
 		}
 	}
+}
+
+// inPages hands keys to fn in batches of at most PageSize: a SCAN-family
+// reply can hold more (a listpack answers whole, MATCH filters a COUNT of
+// 10 pages), and each batch is one lookup, one read and one repair call.
+func (r *Reconciler) inPages(keys []string, fn func([]string) error) error {
+	for len(keys) > 0 {
+		n := min(len(keys), r.cfg.PageSize)
+		if err := fn(keys[:n]); err != nil {
+			return err
+		}
+		keys = keys[n:]
+	}
+	return nil
 }
 
 // scanDocuments SCANs every master for the keys of the target's documents
@@ -433,10 +445,8 @@ func (r *Reconciler) scanDocumentsInto(ctx context.Context, suffix string, fn fu
 					ids = append(ids, id[len(namespace):])
 				}
 			}
-			if len(ids) > 0 {
-				if err := fn(ids); err != nil {
-					return err
-				}
+			if err := r.inPages(ids, fn); err != nil {
+				return err
 			}
 			if cursor = next; cursor == 0 {
 				return nil
