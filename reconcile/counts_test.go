@@ -300,3 +300,28 @@ func (s *batchSizes) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.P
 		return next(ctx, cmds)
 	}
 }
+
+// sampleWithReplacement is a Source whose Sample draws the first row
+// twice: "up to n rows chosen at random" allows a sample with replacement.
+type sampleWithReplacement struct{ rowsSource }
+
+func (s sampleWithReplacement) Sample(context.Context, int) ([]Row, error) {
+	return []Row{s.rows[0], s.rows[0]}, nil
+}
+
+// TestSampleCountsARepeatedRowOnce: a sampled run checks, counts and
+// repairs an entity its Source sampled twice once, and reports no race
+// for the second repair of it.
+func TestSampleCountsARepeatedRowOnce(t *testing.T) {
+	t.Parallel()
+	b := setup(t, projection.KindSortedSet)
+	r, err := New(sampleWithReplacement{rowsSource{rows: []Row{b.insert(t, "a", 1)}}}, b.target, &Config{SkipOrphans: true})
+	require.NoError(t, err)
+	rep, err := r.Run(context.Background(), RunOptions{Sample: 2})
+	require.NoError(t, err)
+	require.EqualValues(t, 1, rep.Checked)
+	require.EqualValues(t, 1, rep.Counts[ClassMissing], "one entity")
+	require.EqualValues(t, 1, rep.Repaired)
+	require.Zero(t, rep.Results[ResultRaced])
+	require.True(t, b.state(t, r, "a").HasValue)
+}

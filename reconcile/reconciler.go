@@ -9,6 +9,7 @@ import (
 	"iter"
 	"log/slog"
 	"math/rand/v2"
+	"slices"
 	"strconv"
 	"sync"
 	"sync/atomic"
@@ -364,6 +365,14 @@ func (r *Reconciler) runSample(ctx context.Context, opts RunOptions, rep *Report
 	if err != nil {
 		return wrap("sampling source", err)
 	}
+	// A Source may sample with replacement: each entity is checked (and
+	// counted, and repaired) once.
+	seen := make(map[string]struct{}, len(rows))
+	rows = slices.DeleteFunc(rows, func(row Row) bool {
+		_, dup := seen[row.Key]
+		seen[row.Key] = struct{}{}
+		return dup
+	})
 	for len(rows) > 0 {
 		n := min(len(rows), r.cfg.PageSize)
 		if err := r.checkRows(ctx, opts, rows[:n], rep); err != nil {
