@@ -86,6 +86,35 @@ func TestRepairOnAFullRedisRemovesOrphans(t *testing.T) {
 	require.EqualValues(t, 1, rep.Results[ResultRepaired], "report: %v", rep)
 }
 
+// TestRepairOnAFullRedisOverwritesBeforeRemovals: a call that mixes
+// removals and overwrites (a row the source took back mid-pass is removed
+// beside its page's overwrites) sends the overwrites first, so that a full
+// Redis refuses the call whole: a removal first, which a full Redis
+// allows, would let the overwrites after it pass maxmemory.
+func TestRepairOnAFullRedisOverwritesBeforeRemovals(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	srv := testenv.StartRedis(t, "--maxmemory-policy", "noeviction")
+	client := srv.Client(t)
+	b := setupWith(t, projection.KindSortedSet, client, "full:")
+	b.project(t, "a-gone", 1)
+	corrupt := b.insert(t, "b-corrupt", 2)
+	b.project(t, "b-corrupt", 2)
+	b.setRaw(t, "b-corrupt", &projection.Value{Score: -1}, nil)
+	rec := b.reconciler(t, nil)
+	findings := []*Finding{
+		{Class: ClassOrphan, Key: "a-gone", Projected: b.state(t, rec, "a-gone")},
+		{Class: ClassCorrupt, Key: "b-corrupt", Source: &corrupt, Projected: b.state(t, rec, "b-corrupt")},
+	}
+	testenv.FillRedis(t, client)
+
+	_, err := rec.casRepair(ctx, findings)
+	require.ErrorContains(t, err, "OOM")
+	require.Equal(t, float64(-1), b.state(t, rec, "b-corrupt").Score, "nothing written past maxmemory")
+	require.True(t, b.state(t, rec, "a-gone").HasValue, "refused whole")
+	require.Equal(t, "a-gone", findings[0].Key, "the caller's order is left as it was")
+}
+
 // TestRepairOnOneFullShard: documents spread over a Ring, one of whose
 // shards is full. The gate sends one script per shard: the healthy shard's
 // repairs are applied, so the findings of a call that failed with OOM are

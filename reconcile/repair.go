@@ -5,6 +5,7 @@ import (
 	_ "embed"
 	"errors"
 	"fmt"
+	"slices"
 	"strconv"
 	"strings"
 
@@ -134,6 +135,19 @@ func (r *Reconciler) casRepair(ctx context.Context, fs []*Finding) (refused []er
 	if len(fs) == 0 {
 		return nil, nil
 	}
+	// Overwrites before removals in each call: Redis checks maxmemory for
+	// a script only until its first write, and a removal, which a full
+	// Redis allows, would let the overwrites after it pass the limit. (A
+	// page's findings can mix them: a row the source took back mid-pass
+	// is removed as an orphan beside the page's overwrites.)
+	removal := func(f *Finding) int {
+		if f.Source == nil {
+			return 1
+		}
+		return 0
+	}
+	fs = slices.Clone(fs)
+	slices.SortStableFunc(fs, func(a, b *Finding) int { return removal(a) - removal(b) })
 	kind := map[projection.Kind]string{projection.KindSortedSet: "z", projection.KindHash: "h", projection.KindDocument: "d"}[r.target.Kind]
 	type group struct {
 		keys     []string
