@@ -159,8 +159,7 @@ func TestRebuildSwitchNotSent(t *testing.T) {
 	require.NotErrorIs(t, err, ErrRebuildUncertain)
 	require.False(t, rep.Switched)
 	require.True(t, b.state(t, r, "orphan").HasValue, "live projection untouched")
-	marker, sv, sver := b.rebuildKeys()
-	require.Equal(t, []bool{false, false, false, false}, b.keysExist(t, marker, sv, sver, b.copyKey()))
+	b.requireNoRebuildLeft(t)
 }
 
 // TestRebuildSwitchRefusedByLayout: a switch refused before it is
@@ -273,8 +272,7 @@ func TestRebuildSwitchLayoutKeepsChanging(t *testing.T) {
 	require.ErrorIs(t, err, ErrUnexpectedReply)
 	require.NotErrorIs(t, err, ErrRebuildUncertain)
 	require.False(t, rep.Switched)
-	marker, sv, sver := b.rebuildKeys()
-	require.Equal(t, []bool{false, false, false, false}, b.keysExist(t, marker, sv, sver, b.copyKey()), "aborted")
+	b.requireNoRebuildLeft(t, "aborted")
 	n, err := b.client.ZCard(context.Background(), b.ks.ValueKey(b.target.target(""))).Result()
 	require.NoError(t, err)
 	require.EqualValues(t, 11, n, "the old projection is live")

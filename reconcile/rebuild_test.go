@@ -70,6 +70,14 @@ func (b *testBundle) keysExist(t *testing.T, keys ...string) []bool {
 	return out
 }
 
+// requireNoRebuildLeft fails t unless the rebuild's marker, shadow keys
+// and copy count are gone, as a switch and an abort leave them.
+func (b *testBundle) requireNoRebuildLeft(t *testing.T, msgAndArgs ...any) {
+	t.Helper()
+	marker, sv, sver := b.rebuildKeys()
+	require.Equal(t, []bool{false, false, false, false}, b.keysExist(t, marker, sv, sver, b.copyKey()), msgAndArgs...)
+}
+
 func (b *testBundle) rebuildKeys() (marker, shadowValue, shadowVersion string) {
 	k, n := b.kind, b.target.Name
 	return b.ks.RebuildMarkerKey(n, k), b.ks.ShadowValueKey(n, k), b.ks.ShadowVersionKey(n, k)
@@ -86,8 +94,7 @@ func TestRebuild(t *testing.T) {
 		require.EqualValues(t, len(want)-2, rep.Rows)
 		require.EqualValues(t, rep.Rows, rep.Applied)
 
-		marker, sv, sver := b.rebuildKeys()
-		require.Equal(t, []bool{false, false, false, false}, b.keysExist(t, marker, sv, sver, b.copyKey()))
+		b.requireNoRebuildLeft(t)
 
 		run, err := r.Run(context.Background(), RunOptions{DryRun: true})
 		require.NoError(t, err)
@@ -318,8 +325,7 @@ func TestRebuildAborted(t *testing.T) {
 		require.ErrorIs(t, err, ErrRebuildAborted)
 		require.False(t, rep.Switched)
 		require.True(t, b.state(t, r, "orphan").HasValue, "live projection untouched")
-		marker, sv, sver := b.rebuildKeys()
-		require.Equal(t, []bool{false, false, false, false}, b.keysExist(t, marker, sv, sver, b.copyKey()))
+		b.requireNoRebuildLeft(t)
 	})
 	t.Run("MarkerGoneAtSwitch", func(t *testing.T) {
 		t.Parallel()
@@ -397,8 +403,7 @@ func TestRebuildAborted(t *testing.T) {
 		require.ErrorIs(t, err, context.Canceled)
 		require.False(t, rep.Switched)
 		require.True(t, b.state(t, r, "orphan").HasValue, "live projection untouched")
-		marker, sv, sver := b.rebuildKeys()
-		require.Equal(t, []bool{false, false, false, false}, b.keysExist(t, marker, sv, sver, b.copyKey()))
+		b.requireNoRebuildLeft(t)
 	})
 }
 
@@ -618,8 +623,7 @@ func TestRebuildLostReply(t *testing.T) {
 		require.Equal(t, 1, strings.Count(err.Error(), "reconcile: "), "the package is named once: %q", err.Error())
 		require.False(t, rep.Switched)
 		require.True(t, b.state(t, b.reconciler(t, nil), "orphan").HasValue, "not switched")
-		marker, sv, sver := b.rebuildKeys()
-		require.Equal(t, []bool{false, false, false, false}, b.keysExist(t, marker, sv, sver, b.copyKey()))
+		b.requireNoRebuildLeft(t)
 	})
 }
 
@@ -900,8 +904,7 @@ func TestRebuildRefusesAShadowThatLostCopyWrites(t *testing.T) {
 		require.False(t, rep.Switched)
 		require.EqualValues(t, n, rep.Rows)
 		require.EqualValues(t, n, admin.ZCard(ctx, b.ks.ValueKey(b.target.target(""))).Val(), "live projection untouched")
-		marker, sv, sver := b.rebuildKeys()
-		require.Equal(t, []bool{false, false, false, false}, b.keysExist(t, marker, sv, sver, b.copyKey()))
+		b.requireNoRebuildLeft(t)
 
 		rep, err = b.reconciler(t, nil).Rebuild(ctx)
 		require.NoError(t, err, "once Redis is stable, Rebuild again")
@@ -1224,8 +1227,7 @@ func TestRebuildCancelledAfterTheLastPage(t *testing.T) {
 	require.ErrorIs(t, err, context.Canceled)
 	require.False(t, rep.Switched)
 	require.True(t, b.state(t, r, "orphan").HasValue, "live projection untouched")
-	marker, sv, sver := b.rebuildKeys()
-	require.Equal(t, []bool{false, false, false, false}, b.keysExist(t, marker, sv, sver, b.copyKey()))
+	b.requireNoRebuildLeft(t)
 }
 
 // TestRebuildClearsADeadRebuildsShadow: a rebuild whose process died
