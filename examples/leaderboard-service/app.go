@@ -180,6 +180,9 @@ func parseFlags(name string, args []string, stderr io.Writer) (*options, error) 
 	fs.Visit(func(f *flag.Flag) {
 		if m, ok := omittedMeaning(f.Name); ok && f.Value.String() == "" && empty == "" {
 			empty, meaning = f.Name, m
+			if f.Name == "redis-url" && o.cluster {
+				meaning = "$REDIS_URL" // a cluster is never looked for locally, nor started
+			}
 		}
 	})
 	if empty != "" {

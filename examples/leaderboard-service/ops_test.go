@@ -268,6 +268,7 @@ func TestCommandLine(t *testing.T) {
 		// host check (any host on a non-loopback --addr).
 		{"EmptyDatabaseURL", []string{"stats", "--schema=never_migrated", "--database-url=", "--redis-url=redis://127.0.0.1:1"}, exitUsage, "--database-url must not be empty (omit it for $DATABASE_URL"},
 		{"EmptyRedisURL", []string{"rebuild", "--schema=never_migrated", "--database-url=postgres://postgres@127.0.0.1:1/x?connect_timeout=2", "--redis-url="}, exitUsage, "--redis-url must not be empty (omit it for $REDIS_URL"},
+		{"EmptyClusterRedisURL", []string{"stats", "--redis-cluster", "--redis-url=", "--database-url=postgres://postgres@127.0.0.1:1/x?connect_timeout=2"}, exitUsage, "--redis-url must not be empty (omit it for $REDIS_URL)"},
 		{"EmptyKeyPrefix", append([]string{"reconcile", "--verify", "--key-prefix="}, nowhere...), exitUsage, "--key-prefix must not be empty"},
 		{"EmptyAllowedHosts", append([]string{"serve", "--addr=0.0.0.0:0", "--allowed-hosts="}, nowhere...), exitUsage, "--allowed-hosts must not be empty"},
 		{"SchemaNotUTF8", append([]string{"rebuild", "--schema=\xff"}, nowhere...), exitUsage, "--schema must be valid UTF-8"},
