@@ -283,17 +283,18 @@ func (r *Reconciler) rebuildStep(ctx context.Context, step, token, ttl string, c
 				s = "0"
 			}
 			if layouts[i] = projection.ParseLayout(s); layouts[i] < 0 {
-				if i == 1 && step != "abort" {
+				if i == 1 && step != "abort" && step != "start" {
 					return 0, r.mismatch(true, s)
 				}
 				// A layout key holding no bucket count (a hand edit) says
 				// as little as a lost one: the switch removes every
-				// possible live bucket, the abort every possible shadow
-				// one (an abort refused here would leave the marker, and
-				// the gate refuses every live write while a marker's
-				// shadow layout is unreadable). The script compares what
-				// it stores with s, so a change meanwhile is still
-				// noticed.
+				// possible live bucket, the start and the abort every
+				// possible shadow one (the start clears a dead rebuild's
+				// leftovers; an abort refused here would leave the
+				// marker, and the gate refuses every live write while a
+				// marker's shadow layout is unreadable). The script
+				// compares what it stores with s, so a change meanwhile
+				// is still noticed.
 				layouts[i] = projection.VersionBucketsMax
 			}
 			args[i] = s

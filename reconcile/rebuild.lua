@@ -20,8 +20,8 @@
 -- bucketed collection that lost its layout key, whose bucket count is
 -- unknown; bucket keys are named by index alone, so these cover any),
 -- 8 the number of rows the copy sent (switch only), 9 the number of shadow
--- buckets passed: S, or every possible bucket when an abort finds a
--- shadow layout key holding no bucket count (a hand edit).
+-- buckets passed: S, or every possible bucket when a start or an abort
+-- finds a shadow layout key holding no bucket count (a hand edit).
 --
 -- Every step may run twice with the same token: a client resends a
 -- command whose reply it lost (go-redis: MaxRetries), after Redis ran it.

@@ -67,3 +67,31 @@ func TestRebuildClearsADeadRebuildsLeftovers(t *testing.T) {
 		})
 	}
 }
+
+// TestRebuildStartClearsAnUnreadableShadowLayout: a dead rebuild's
+// leftovers stay "until the next Rebuild of that collection starts: its
+// start clears them", also when their shadow layout key holds no bucket
+// count (a hand edit): the start clears every possible shadow bucket
+// instead of refusing with a layout mismatch whose advice is to rebuild.
+func TestRebuildStartClearsAnUnreadableShadowLayout(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	b := setup(t, projection.KindSortedSet).withBuckets(t, 4)
+	b.projectRows(t, []Row{b.insert(t, "a", 1), b.insert(t, "b", 1)})
+	n, k := b.target.Name, b.kind
+	require.NoError(t, b.client.Set(ctx, b.ks.ShadowLayoutKey(n, k), "junk", 0).Err())
+	require.NoError(t, b.client.ZAdd(ctx, b.ks.ShadowValueKey(n, k), redis.Z{Score: 999, Member: "ghost"}).Err())
+	for _, key := range b.withBuckets(t, 8).ks.ShadowVersionKeys(n, k) { // a dead rebuild's of another layout
+		require.NoError(t, b.client.HSet(ctx, key, "ghost", "5").Err())
+	}
+	rep, err := b.reconciler(t, nil).Rebuild(ctx)
+	require.NoError(t, err)
+	require.True(t, rep.Switched)
+	live := map[string]bool{b.ks.ValueKey(b.target.target("")): true, b.ks.LayoutKey(n, k): true}
+	for _, key := range b.ks.VersionKeys(n, k) {
+		live[key] = true
+	}
+	for key := range b.snapshot(t) {
+		require.True(t, live[key], "leftover %s", key)
+	}
+}
