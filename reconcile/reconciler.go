@@ -9,7 +9,6 @@ import (
 	"iter"
 	"log/slog"
 	"math/rand/v2"
-	"slices"
 	"strconv"
 	"sync"
 	"sync/atomic"
@@ -367,12 +366,16 @@ func (r *Reconciler) runSample(ctx context.Context, opts RunOptions, rep *Report
 	}
 	// A Source may sample with replacement: each entity is checked (and
 	// counted, and repaired) once.
+	// A new slice: the Source's own is left as it returned it.
 	seen := make(map[string]struct{}, len(rows))
-	rows = slices.DeleteFunc(rows, func(row Row) bool {
-		_, dup := seen[row.Key]
-		seen[row.Key] = struct{}{}
-		return dup
-	})
+	unique := make([]Row, 0, len(rows))
+	for _, row := range rows {
+		if _, dup := seen[row.Key]; !dup {
+			seen[row.Key] = struct{}{}
+			unique = append(unique, row)
+		}
+	}
+	rows = unique
 	for len(rows) > 0 {
 		n := min(len(rows), r.cfg.PageSize)
 		if err := r.checkRows(ctx, opts, rows[:n], rep); err != nil {
