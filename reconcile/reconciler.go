@@ -365,8 +365,8 @@ func (r *Reconciler) runSample(ctx context.Context, opts RunOptions, rep *Report
 		return wrap("sampling source", err)
 	}
 	// A Source may sample with replacement: each entity is checked (and
-	// counted, and repaired) once.
-	// A new slice: the Source's own is left as it returned it.
+	// counted, and repaired) once, from a slice of the run's own (the
+	// Source's is left as it returned it).
 	seen := make(map[string]struct{}, len(rows))
 	unique := make([]Row, 0, len(rows))
 	for _, row := range rows {
