@@ -25,6 +25,10 @@ const drainRounds = 2
 // drain_1_worker figure drains.
 const oneWorkerShare = 4
 
+// drainWarmupShare is the fraction of the backlog (1/drainWarmupShare) each
+// side drains, untimed, before the timed rounds.
+const drainWarmupShare = 10
+
 // minDrainRows is the smallest backlog (-drain-rows) that leaves every round
 // of both figures at least one row; below it drain_1_worker drains nothing.
 const minDrainRows = oneWorkerShare * drainRounds
@@ -38,7 +42,9 @@ const minDrainRows = oneWorkerShare * drainRounds
 // pipelined, then UPDATE … SET published_at). Both sides get the same rows
 // and the same number of workers; the library claims -batch rows at a time
 // (its default, 1000), the seed its LIMIT 100. The clock runs from the
-// first claim to the last acknowledgement; filling is not timed. Each
+// first claim to the last acknowledgement; filling is not timed. Before
+// the timed rounds each side drains a tenth of the backlog, untimed, on
+// tables and keys of its own (see drainWarmUp). Each
 // side's CPU per row, this process's and the Redis server's (and, when
 // PostgreSQL runs on this host, its processes' and how busy the CPUs
 // were, from /proc), is logged: on a machine with few cores the drain is bound by the CPU that the
@@ -51,6 +57,9 @@ func runDrain(ctx context.Context, e *env) ([]Figure, error) {
 	n, users := e.opts.Sizes.DrainRows, e.opts.Sizes.DrainUsers
 	seedPool, err := e.seedWorkerPool(ctx)
 	if err != nil {
+		return nil, err
+	}
+	if err := drainWarmUp(ctx, e, seedPool, schema, n/drainWarmupShare, users); err != nil {
 		return nil, err
 	}
 	var figs []Figure
@@ -108,6 +117,30 @@ func runDrain(ctx context.Context, e *env) ([]Figure, error) {
 		figs = append(figs, newFigure(name, "rows/s", libRate, seedRate))
 	}
 	return figs, nil
+}
+
+// drainWarmUp drains n rows with each side in turn, untimed, on tables and
+// keys of its own, so that the timed rounds measure workers that are
+// already running. A process's first drain pays once for what a
+// long-running worker has behind it: its pool's connections opened, the Go
+// heap grown to its working size, its PostgreSQL backends' caches filled.
+// Without a warm-up that cost fell on the library's first round, which goes
+// first: 30–40 ms a batch against 24–32 in its second, this process's CPU
+// per row 4.0–5.3 µs against 3.0–4.3 (2026-12-07); the alternating order of
+// the rounds does not cancel a cost paid once. Tables of its own, because a
+// warm-up on the timed tables leaves published rows in the seed's table and
+// slows its timed rounds (RESULTS.md, 2026-12-01).
+func drainWarmUp(ctx context.Context, e *env, seedPool *pgxpool.Pool, schema string, n, users int) error {
+	if n == 0 {
+		return nil
+	}
+	if _, err := drainLibrary(ctx, e, schema, "warmup", n, min(users, n), e.opts.Relays); err != nil {
+		return fmt.Errorf("drain warm-up: library: %w", err)
+	}
+	if _, err := drainSeed(ctx, e, seedPool, schema, "warmup", n, min(users, n), e.opts.Relays); err != nil {
+		return fmt.Errorf("drain warm-up: seed: %w", err)
+	}
+	return nil
 }
 
 // fillOutbox inserts n rows into the library outbox table: key

@@ -2,6 +2,8 @@ package main
 
 import (
 	"context"
+	"fmt"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -125,4 +127,40 @@ func TestDrainClockExcludesSetup(t *testing.T) {
 	lib, err := drainLibrary(ctx, e, schema, "setup", 203, 50, 2)
 	require.NoError(t, err)
 	require.True(t, h.clockStartedAfterLoad(lib), "library's timed drain of 203 rows (%v) includes its SCRIPT LOAD", lib)
+}
+
+// TestDrainWarmsUpFirst: before its first timed round each side drains a
+// tenth of the backlog on tables and keys of its own, so that the cost a
+// process pays once does not fall on whichever side goes first; the timed
+// rounds' tables hold only their own rows.
+func TestDrainWarmsUpFirst(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	e := testEnv(t, quickSizes)
+	var mu sync.Mutex
+	var drained []string // "library <tag>" or "seed <tag>", in order
+	e.log = func(format string, args ...any) {
+		line := fmt.Sprintf(format, args...)
+		if rest, ok := strings.CutPrefix(line, "drain: "); ok && (strings.HasPrefix(rest, "library ") || strings.HasPrefix(rest, "seed ")) {
+			mu.Lock()
+			defer mu.Unlock()
+			side, _, _ := strings.Cut(rest, ":")
+			drained = append(drained, side)
+		}
+	}
+	_, err := runDrain(ctx, e)
+	require.NoError(t, err)
+	require.GreaterOrEqual(t, len(drained), 2+2*drainRounds, "drain rounds logged: %q", drained)
+	require.Equal(t, []string{"library warmup", "seed warmup"}, drained[:2], "the first drains of each side (every drain in order: %q)", drained)
+	for _, d := range drained[2:] {
+		require.NotContains(t, d, "warmup", "a warm-up after the timed rounds began (every drain in order: %q)", drained)
+	}
+
+	schema := e.schemas[len(e.schemas)-1]
+	var warm, timed int64
+	require.NoError(t, e.pool.QueryRow(ctx, `SELECT
+	(SELECT count(*) FROM `+qualify(schema, "seed_warmup_leaderboard_outbox")+`),
+	(SELECT count(*) FROM `+qualify(schema, "seed_w2_r0_leaderboard_outbox")+`)`).Scan(&warm, &timed))
+	require.Equal(t, int64(quickSizes.DrainRows/drainWarmupShare), warm, "the seed's warm-up rows, in a table of their own")
+	require.Equal(t, int64(quickSizes.DrainRows/drainRounds), timed, "the seed's first timed round's rows")
 }
