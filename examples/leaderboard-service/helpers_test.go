@@ -166,13 +166,13 @@ func (tb *testBundle) lockOutbox(t *testing.T) (release func()) {
 	return release
 }
 
-// outboxLockWaiters counts the sessions waiting for a lock on the bundle's
-// outbox table.
-func (tb *testBundle) outboxLockWaiters(t *testing.T) int {
+// lockWaiters counts the sessions waiting for a lock on table, a table of
+// the bundle's schema.
+func (tb *testBundle) lockWaiters(t *testing.T, table string) int {
 	t.Helper()
 	var n int
 	require.NoError(t, tb.pg.Pool.QueryRow(context.Background(),
-		`SELECT count(*) FROM pg_locks WHERE relation = 'verity_outbox'::regclass AND NOT granted`).Scan(&n))
+		`SELECT count(*) FROM pg_locks WHERE relation = $1::regclass AND NOT granted`, table).Scan(&n))
 	return n
 }
 

@@ -26,7 +26,7 @@
 // Redis with the lag (serve-stale), answer from PostgreSQL
 // (fallback-to-postgres) or answer 503 (fail-closed). SIGINT or SIGTERM stops it gracefully: no new connections,
 // in-flight requests finish, the worker settles its batch, every goroutine
-// exits.
+// exits. A second SIGINT or SIGTERM ends the process at once.
 //
 // Each server comes from its flag (--database-url, --redis-url), else its
 // variable (DATABASE_URL, REDIS_URL), else the local default port, else a
@@ -54,6 +54,10 @@ import (
 
 func main() {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	// The first signal starts a graceful shutdown; stop then restores the
+	// signals' default action, so that a second one ends the process at
+	// once instead of waiting out in-flight requests.
+	context.AfterFunc(ctx, stop)
 	code := run(ctx, os.Args[1:], os.Stdout, os.Stderr)
 	stop()
 	os.Exit(code)

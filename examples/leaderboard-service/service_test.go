@@ -180,7 +180,7 @@ func TestStatsDuringPostgresStall(t *testing.T) {
 		require.Equal(t, http.StatusServiceUnavailable, results[i].status, "%s", results[i].body)
 		require.Less(t, took[i], timeout+2*time.Second, "a /stats request queued behind the stalled read")
 	}
-	require.Equal(t, 1, tb.outboxLockWaiters(t), "the stalled requests must share one stats query")
+	require.Equal(t, 1, tb.lockWaiters(t, "verity_outbox"), "the stalled requests must share one stats query")
 
 	// Once PostgreSQL answers again, so does /stats.
 	release()

@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"encoding/json"
+	"fmt"
 	"net"
 	"net/http"
 	"os"
@@ -139,60 +140,138 @@ func TestRunShutsDownGracefully(t *testing.T) {
 	}
 }
 
-// TestSIGTERM starts the real program as a subprocess, uses it, sends it
-// SIGTERM and expects a clean exit.
-func TestSIGTERM(t *testing.T) {
-	t.Parallel()
-	tb := setup(t)
+// program is the real service started as a subprocess by startProgram.
+type program struct {
+	cmd    *exec.Cmd
+	base   string // http://host:port
+	out    *lockedBuffer
+	exited chan error // cmd.Wait's result
+	client *http.Client
+}
 
+// startProgram starts the real program's serve command on the bundle's
+// servers as a subprocess and waits until it answers /healthz.
+func startProgram(t *testing.T, tb *testBundle) *program {
+	t.Helper()
 	// Port 0: the program binds a free port itself and logs it, so no other
 	// test can take the port between choosing and binding it.
 	cmd := exec.Command(os.Args[0], append([]string{"serve", "--addr=127.0.0.1:0", "--reconcile-every=200ms"}, tb.opsFlags()...)...)
 	cmd.Env = append(os.Environ(), mainEnv+"=1")
-	var stderr lockedBuffer
-	cmd.Stdout, cmd.Stderr = &stderr, &stderr
+	p := &program{cmd: cmd, out: &lockedBuffer{}, exited: make(chan error, 1), client: &http.Client{Timeout: 5 * time.Second}}
+	cmd.Stdout, cmd.Stderr = p.out, p.out
 	require.NoError(t, cmd.Start())
-	exited := make(chan error, 1)
-	go func() { exited <- cmd.Wait() }()
+	go func() { p.exited <- cmd.Wait() }()
 	t.Cleanup(func() { _ = cmd.Process.Kill() })
 
 	serving := regexp.MustCompile(`msg=serving addr=(\S+)`)
-	var base string
 	require.Eventually(t, func() bool {
-		if m := serving.FindStringSubmatch(stderr.String()); m != nil {
-			base = "http://" + m[1]
+		if m := serving.FindStringSubmatch(p.out.String()); m != nil {
+			p.base = "http://" + m[1]
 		}
-		return base != ""
-	}, 30*time.Second, 20*time.Millisecond, "the service never logged its address: %s", &stderr)
-
-	client := &http.Client{Timeout: 5 * time.Second}
+		return p.base != ""
+	}, 30*time.Second, 20*time.Millisecond, "the service never logged its address: %s", p.out)
 	require.Eventually(t, func() bool {
-		resp, err := client.Get(base + "/healthz")
+		resp, err := p.client.Get(p.base + "/healthz")
 		if err != nil {
 			return false
 		}
 		resp.Body.Close()
 		return resp.StatusCode == http.StatusOK
-	}, 30*time.Second, 50*time.Millisecond, "the service never became healthy: %s", &stderr)
+	}, 30*time.Second, 50*time.Millisecond, "the service never became healthy: %s", p.out)
+	return p
+}
 
-	req, err := http.NewRequest(http.MethodPost, base+"/scores", strings.NewReader(`{"user_id":"ada","delta":7}`))
+// submit posts one command under the Idempotency-Key key.
+func (p *program) submit(key, userID string, delta int) (*http.Response, error) {
+	req, err := http.NewRequest(http.MethodPost, p.base+"/scores", strings.NewReader(fmt.Sprintf(`{"user_id":%q,"delta":%d}`, userID, delta)))
+	if err != nil {
+		return nil, err
+	}
+	req.Header.Set("Idempotency-Key", key)
+	resp, err := p.client.Do(req)
+	if err == nil {
+		resp.Body.Close()
+	}
+	return resp, err
+}
+
+// TestSIGTERM starts the real program as a subprocess, uses it, sends it
+// SIGTERM and expects a clean exit.
+func TestSIGTERM(t *testing.T) {
+	t.Parallel()
+	p := startProgram(t, setup(t))
+	resp, err := p.submit(uuid.NewString(), "ada", 7)
 	require.NoError(t, err)
-	req.Header.Set("Idempotency-Key", uuid.NewString())
-	resp, err := client.Do(req)
-	require.NoError(t, err)
-	resp.Body.Close()
 	require.Equal(t, http.StatusCreated, resp.StatusCode)
 
-	require.NoError(t, cmd.Process.Signal(syscall.SIGTERM))
+	require.NoError(t, p.cmd.Process.Signal(syscall.SIGTERM))
 	select {
-	case err := <-exited:
-		require.NoError(t, err, "exit status; output:\n%s", &stderr)
+	case err := <-p.exited:
+		require.NoError(t, err, "exit status; output:\n%s", p.out)
 	case <-time.After(20 * time.Second):
-		t.Fatalf("no exit 20s after SIGTERM; output:\n%s", &stderr)
+		t.Fatalf("no exit 20s after SIGTERM; output:\n%s", p.out)
 	}
-	out := stderr.String()
+	out := p.out.String()
 	require.Contains(t, out, "shutting down")
 	require.Contains(t, out, "msg=stopped")
+}
+
+// TestSecondSignalEndsShutdown: a graceful shutdown waits for in-flight
+// requests (up to ShutdownTimeoutDefault, 10 s); a second signal ends the
+// process at once, killed by it. The submit it cut off, waiting for a
+// lock, may or may not commit; its retry with the same Idempotency-Key,
+// on a new process, leaves exactly one event.
+func TestSecondSignalEndsShutdown(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	tb := setup(t)
+	p := startProgram(t, tb)
+
+	lock, err := tb.pg.Pool.Begin(ctx)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = lock.Rollback(ctx) })
+	_, err = lock.Exec(ctx, `LOCK TABLE score_events IN ACCESS EXCLUSIVE MODE`)
+	require.NoError(t, err)
+	key := uuid.NewString()
+	submitted := make(chan error, 1)
+	go func() {
+		_, err := p.submit(key, "ada", 7)
+		submitted <- err
+	}()
+	require.Eventually(t, func() bool { return tb.lockWaiters(t, "score_events") > 0 },
+		10*time.Second, 10*time.Millisecond, "the submit never waited for the lock")
+
+	require.NoError(t, p.cmd.Process.Signal(syscall.SIGINT))
+	require.Eventually(t, func() bool { return strings.Contains(p.out.String(), "shutting down") },
+		5*time.Second, 10*time.Millisecond, "no graceful shutdown began: %s", p.out)
+	select {
+	case err := <-p.exited:
+		t.Fatalf("the first signal ended the process (%v) with a request in flight:\n%s", err, p.out)
+	case <-time.After(300 * time.Millisecond):
+	}
+
+	require.NoError(t, p.cmd.Process.Signal(syscall.SIGINT))
+	select {
+	case err := <-p.exited:
+		var exit *exec.ExitError
+		require.ErrorAs(t, err, &exit, "output:\n%s", p.out)
+		status, ok := exit.Sys().(syscall.WaitStatus)
+		require.True(t, ok && status.Signaled() && status.Signal() == syscall.SIGINT, "exit %v, want killed by SIGINT; output:\n%s", err, p.out)
+	case <-time.After(5 * time.Second):
+		t.Fatalf("no exit 5s after the second signal (graceful shutdown waits up to %v); output:\n%s", ShutdownTimeoutDefault, p.out)
+	}
+	require.Error(t, <-submitted, "the cut-off submit got an answer")
+	require.NoError(t, lock.Rollback(ctx))
+	require.Eventually(t, func() bool {
+		return tb.lockWaiters(t, "score_events") == 0
+	}, 10*time.Second, 20*time.Millisecond, "the cut-off submit still waits for the lock")
+
+	retry := startProgram(t, tb)
+	resp, err := retry.submit(key, "ada", 7)
+	require.NoError(t, err)
+	require.Contains(t, []int{http.StatusOK, http.StatusCreated}, resp.StatusCode, "the retry's status")
+	events, _ := tb.counts(t)
+	require.Equal(t, 1, events, "score events after the cut-off submit and its retry")
 }
 
 // TestShutdownDuringScrapeOfStalledStats stops the service while a
