@@ -745,3 +745,36 @@ func prunedThenRecordedAnew(t *testing.T, b *testBundle, tx pgx.Tx, id uuid.UUID
 	require.NoError(t, b.writer.StoreCommandResult(ctx, tx, id, []byte("result of d")))
 	return d
 }
+
+// TestRecordCommandComparesTheWholeFingerprint: RecordCommand compares the
+// whole fingerprint: two that share a prefix (any stable byte string is
+// allowed, not only Fingerprint's SHA-256) are different commands, and the
+// second is a conflict, writing nothing. ConflictingFingerprint's two
+// SHA-256 values differ in their first byte.
+func TestRecordCommandComparesTheWholeFingerprint(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	b := setup(t)
+	id := uuid.New()
+	recorded := []byte("order:42:add 10")
+	given := []byte("order:42:add 99")
+
+	tx, err := b.pool.Begin(ctx)
+	require.NoError(t, err)
+	cmd, err := b.writer.RecordCommand(ctx, tx, id, recorded)
+	require.NoError(t, err)
+	require.False(t, cmd.Duplicate)
+	require.NoError(t, tx.Commit(ctx))
+
+	tx, err = b.pool.Begin(ctx)
+	require.NoError(t, err)
+	defer tx.Rollback(ctx) //nolint:errcheck
+	cmd, err = b.writer.RecordCommand(ctx, tx, id, given)
+	require.ErrorIs(t, err, outbox.ErrIdempotencyConflict, "reported as %+v", cmd)
+	var conflict *outbox.IdempotencyConflictError
+	require.ErrorAs(t, err, &conflict)
+	require.Equal(t, recorded, conflict.RecordedFingerprint)
+	require.Equal(t, given, conflict.GivenFingerprint)
+	require.NoError(t, tx.Commit(ctx))
+	require.Equal(t, 1, b.idempotencyRows(t))
+}

@@ -1089,3 +1089,63 @@ func versionLossRace(t *testing.T, b *testBundle, d time.Duration) {
 	require.Positive(t, deletes.Load())
 	require.Zero(t, stale.Load())
 }
+
+// frozenClockScripts runs every script with Redis's TIME answering micros,
+// so that a test can put a version exactly at the clock.
+func frozenClockScripts(micros int64) *scripts {
+	prelude := fmt.Sprintf(`
+local real = redis
+local redis = setmetatable({}, {__index = real})
+redis.call = function(cmd, ...)
+  if string.upper(cmd) == 'TIME' then return {'%d', '%d'} end
+  return real.call(cmd, ...)
+end
+`, micros/1_000_000, micros%1_000_000)
+	return newScripts(func(src string) string { return prelude + src })
+}
+
+// TestVersionAtTheClock: doc.go says Invalidate sets the version to the
+// largest of current+1, the clock and one above the embedded version. At the
+// boundary, a version key equal to the clock, the new version is current+1:
+// Invalidate must neither fail nor keep the version.
+func TestVersionAtTheClock(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	const clock = int64(1_800_000_000_123_456)
+	text := strconv.FormatInt(clock, 10)
+
+	t.Run("VersionKeyEqualsClock", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t, nil)
+		b.cache.lua = frozenClockScripts(clock)
+		require.NoError(t, b.client.Set(ctx, b.cache.versionKey("p1"), text, 0).Err())
+		require.NoError(t, b.cache.Invalidate(ctx, "p1"))
+		require.Equal(t, strconv.FormatInt(clock+1, 10), mustVersion(t, b, "p1"))
+	})
+
+	t.Run("EmbeddedVersionEqualsClock", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t, nil)
+		b.cache.lua = frozenClockScripts(clock)
+		require.NoError(t, b.client.Set(ctx, b.cache.currentKey("p1"), text+":x", 0).Err())
+		require.NoError(t, b.cache.Invalidate(ctx, "p1"))
+		require.Equal(t, strconv.FormatInt(clock+1, 10), mustVersion(t, b, "p1"))
+	})
+
+	// read.lua: a miss re-creating a lost version key next to an
+	// undecodable current value embedding the clock starts above it.
+	t.Run("MissAboveEmbeddedVersionAtClock", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t, nil)
+		b.cache.lua = frozenClockScripts(clock)
+		want := b.truth.write("p1", 7)
+		require.NoError(t, b.client.Set(ctx, b.cache.currentKey("p1"), text+":another shape", 0).Err())
+		got, err := b.cache.Get(ctx, "p1", b.truth.loader("p1"))
+		require.NoError(t, err)
+		require.Equal(t, want, got)
+		_, v, ok, err := b.cache.Peek(ctx, "p1")
+		require.NoError(t, err)
+		require.True(t, ok)
+		require.Equal(t, clock+1, v)
+	})
+}

@@ -174,3 +174,45 @@ func TestCheck(t *testing.T) {
 		require.ErrorIs(t, err, ErrNilLoader)
 	})
 }
+
+// TestCheckAtValueGoneDuringConfirmation: in CheckAt a cached value that is
+// deleted or stops decoding between the two reads was replaced while it was
+// compared: Moved, as Check counts it, never a Divergence reporting a zero
+// value as cached.
+func TestCheckAtValueGoneDuringConfirmation(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	for name, tc := range map[string]struct {
+		version int64
+		replace func(b *testBundle) error
+	}{
+		"DeletedAtVersionZero": {0, func(b *testBundle) error { return b.cache.Invalidate(ctx, "p1") }},
+		"UndecodableAtSameVersion": {5, func(b *testBundle) error {
+			return b.client.Set(ctx, b.cache.atKey("p1"), "5:another release's shape", 0).Err()
+		}},
+	} {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			b := setup(t, nil)
+			cached := product{ID: "p1", Price: 1, Version: tc.version}
+			_, err := b.cache.GetAt(ctx, "p1", tc.version, func(context.Context) (product, error) { return cached, nil })
+			require.NoError(t, err)
+			// A write that kept the version; the first load also sees the
+			// cached value replaced right after it (a write in flight).
+			current := product{ID: "p1", Price: 2, Version: tc.version}
+			calls := 0
+			report, err := b.cache.CheckAt(ctx, []string{"p1"}, 0, func(ctx context.Context, id string) (product, int64, error) {
+				calls++
+				if calls == 1 {
+					if err := tc.replace(b); err != nil {
+						return product{}, 0, err
+					}
+				}
+				return current, tc.version, nil
+			})
+			require.NoError(t, err)
+			require.Equal(t, 1, report.Moved, "%+v", report)
+			require.Zero(t, report.Divergent, "%+v", report.Divergences)
+		})
+	}
+}

@@ -576,3 +576,49 @@ func TestCheckAtCachedVersionMovesUp(t *testing.T) {
 	require.EqualValues(t, 1, rep.Moved, "the cached version moved from 5 to 6 during the confirmation: %+v", rep)
 	require.Zero(t, rep.Divergent, "%+v", rep.Divergences)
 }
+
+// TestGetAtNoJoiningALoadOfAnOlderVersion: GetAt's single flight is per
+// version, as Get's is: a GetAt at a newer version must not join a load
+// still running for an older one and be served the older value.
+func TestGetAtNoJoiningALoadOfAnOlderVersion(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	b := setup(t, nil)
+	old := product{ID: "p1", Price: 4900, Version: 1}
+	want := product{ID: "p1", Price: 4400, Version: 2}
+
+	loading := make(chan struct{})
+	release := make(chan struct{})
+	oldDone := make(chan product, 1)
+	go func() {
+		p, err := b.cache.GetAt(ctx, "p1", 1, func(ctx context.Context) (product, error) {
+			close(loading)
+			<-release
+			return old, nil
+		})
+		if err != nil {
+			t.Errorf("GetAt: %v", err)
+		}
+		oldDone <- p
+	}()
+	<-loading
+	newDone := make(chan product, 1)
+	go func() {
+		p, err := b.cache.GetAt(ctx, "p1", 2, func(ctx context.Context) (product, error) { return want, nil })
+		if err != nil {
+			t.Errorf("GetAt: %v", err)
+		}
+		newDone <- p
+	}()
+	var got product
+	select {
+	case got = <-newDone:
+		close(release)
+	case <-time.After(500 * time.Millisecond):
+		close(release) // it joined the older load
+		got = <-newDone
+	}
+	require.Equal(t, old, <-oldDone)
+	require.Equal(t, want, got, "GetAt at version 2 was served the load of version 1")
+	require.Zero(t, b.cache.Stats().SharedLoads)
+}

@@ -362,3 +362,49 @@ type productV2 struct {
 	Version int64  `json:"version"`
 	Extra   string `json:"extra"`
 }
+
+// TestLeaseLapses: Config.FillLeaseTTL is "how long the process that won a
+// miss may take to load and fill before the lease lapses and another process
+// may load". A lease whose holder vanished must lapse after FillLeaseTTL: a
+// miss after that takes it at once instead of waiting FillLeaseWait for a
+// fill that never comes.
+func TestLeaseLapses(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	caches, src := newProcesses(t, 2, Config{FillLeaseTTL: 100 * time.Millisecond, FillLeaseWait: 3 * time.Second})
+	want := src.write("p", 1)
+	r, err := caches[0].read(ctx, "p", true, false)
+	require.NoError(t, err)
+	require.EqualValues(t, leaseHeldByUs, r.lease) // and caches[0] vanishes
+	time.Sleep(200 * time.Millisecond)
+
+	start := time.Now()
+	got, err := caches[1].Get(ctx, "p", src.loader("p"))
+	require.NoError(t, err)
+	require.Equal(t, want, got)
+	st := caches[1].Stats()
+	require.Zero(t, st.LeaseWaits, "waited %v for a lease that should have lapsed", time.Since(start))
+	require.EqualValues(t, 1, st.Fills)
+}
+
+// TestFillReleasesLease: a fill releases the lease it was taken with
+// (fill.lua, ARGV[4]): once the value is cached, nothing is being loaded, so
+// a miss under the same version after the value expired (TTL below
+// FillLeaseTTL) must not wait for a lease nobody holds.
+func TestFillReleasesLease(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	caches, src := newProcesses(t, 2, Config{TTL: 100 * time.Millisecond, FillLeaseTTL: 5 * time.Second, FillLeaseWait: 3 * time.Second})
+	want := src.write("p", 1)
+	got, err := caches[0].Get(ctx, "p", src.loader("p"))
+	require.NoError(t, err)
+	require.Equal(t, want, got)
+	require.EqualValues(t, 1, caches[0].Stats().Fills)
+	time.Sleep(200 * time.Millisecond) // the value expires; its version does not
+
+	start := time.Now()
+	got, err = caches[1].Get(ctx, "p", src.loader("p"))
+	require.NoError(t, err)
+	require.Equal(t, want, got)
+	require.Zero(t, caches[1].Stats().LeaseWaits, "waited %v for the lease of a load that had filled", time.Since(start))
+}
