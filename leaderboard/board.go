@@ -606,9 +606,11 @@ func (b *Board) checkDuplicate(cmd Command, res Result, board, user string, delt
 // Likewise an event id reused for a different command (within the batch or
 // against an earlier submission) fails the batch with an
 // *IdempotencyConflictError, which describes the recorded command (see its
-// fields), an event id on another outbox writer's row still in the outbox
-// table with ErrIdempotencyConflict alone, and an out-of-range score, even
-// an intermediate one, with a *ScoreOutOfRangeError. Commands whose event id
+// fields; with several such commands, a reuse within the batch if there
+// is one, else the first in cmds' order), an event id on another outbox
+// writer's row still in the outbox table with ErrIdempotencyConflict
+// alone, and an out-of-range score, even an intermediate one, with a
+// *ScoreOutOfRangeError. Commands whose event id
 // was applied before are reported as duplicates with their original result.
 // The batch is one statement: it commits whole or not at all. When the
 // connection breaks (or the server dies) once it was sent, the error
@@ -785,6 +787,8 @@ func (b *Board) submitBatchTx(ctx context.Context, tx outbox.Tx, cmds []Command)
 	}
 	out := make([]Result, len(cmds))
 	seen := make([]bool, len(in.sent))
+	var conflict error
+	conflictAt := 0
 	for _, r := range rows {
 		if r.Ord < 1 || int(r.Ord) > len(in.sent) || seen[r.Ord-1] {
 			return nil, fmt.Errorf("leaderboard: submit batch: unexpected row number %d", r.Ord)
@@ -792,11 +796,18 @@ func (b *Board) submitBatchTx(ctx context.Context, tx outbox.Tx, cmds []Command)
 		seen[r.Ord-1] = true
 		i := in.sent[r.Ord-1]
 		// A prior command that differs: the statement wrote nothing and
-		// returned the prior rows only (see submitBatchCTEs).
+		// returned the prior rows only (see submitBatchCTEs). The first in
+		// cmds' order is reported, as by SubmitBatch.
 		if _, err := b.checkDuplicate(cmds[i], Result{Duplicate: r.Duplicate}, r.Board, r.User, r.Delta); err != nil {
-			return nil, err
+			if conflict == nil || i < conflictAt {
+				conflict, conflictAt = err, i
+			}
+			continue
 		}
 		out[i] = Result{Score: r.Score, Version: r.Version, Duplicate: r.Duplicate}
+	}
+	if conflict != nil {
+		return nil, conflict
 	}
 	if len(rows) != len(in.sent) {
 		return nil, fmt.Errorf("leaderboard: submit batch: %d results for %d commands", len(rows), len(in.sent))
@@ -1025,7 +1036,7 @@ func (b *Board) submitBatchOnce(ctx context.Context, cmds []Command, sent []int,
 	// last connection), and this defer covers the others.
 	defer func() { _ = finish() }()
 	var conflict *IdempotencyConflictError
-	seen, applied := 0, 0
+	conflictAt, seen, applied := 0, 0, 0
 	for rows.Next() {
 		var (
 			ord         int64
@@ -1041,8 +1052,10 @@ func (b *Board) submitBatchOnce(ctx context.Context, cmds []Command, sent []int,
 		}
 		i := sent[ord-1]
 		cmd := cmds[i]
-		if res.Duplicate && conflict == nil && (board != b.cfg.Name || user != cmd.UserID || delta != cmd.Delta) {
-			conflict = &IdempotencyConflictError{EventID: cmd.EventID, Board: board, UserID: user, Delta: delta, Attempted: cmd}
+		// The first conflict in cmds' order, whatever order the plan
+		// returns the rows in (a merge join returns them by event id).
+		if res.Duplicate && (conflict == nil || i < conflictAt) && (board != b.cfg.Name || user != cmd.UserID || delta != cmd.Delta) {
+			conflict, conflictAt = &IdempotencyConflictError{EventID: cmd.EventID, Board: board, UserID: user, Delta: delta, Attempted: cmd}, i
 		}
 		out[i] = res
 		seen++

@@ -1,10 +1,12 @@
 package leaderboard
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
 	"math"
+	"slices"
 	"sync"
 	"testing"
 
@@ -253,4 +255,67 @@ func TestSubmitVersionAtItsLargest(t *testing.T) {
 			require.Equal(t, int64(1), events)
 		})
 	}
+}
+
+// TestSubmitBatchReportsTheFirstConflict: with several commands reusing
+// recorded event ids for other commands, the *IdempotencyConflictError
+// describes the first of them in the batch's order, in SubmitBatch and
+// SubmitBatchTx alike, whatever order the statement's rows come back in
+// (by user id, here the batch's reverse order).
+func TestSubmitBatchReportsTheFirstConflict(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	tb := setup(t)
+	ids := []uuid.UUID{uuid.New(), uuid.New(), uuid.New()}
+	slices.SortFunc(ids, func(a, b uuid.UUID) int { return -bytes.Compare(a[:], b[:]) })
+	recorded := make([]Command, 3)
+	for i, user := range []string{"zoe", "yann", "xia"} {
+		recorded[i] = Command{EventID: ids[i], UserID: user, Delta: 1}
+		_, err := tb.board.Submit(ctx, recorded[i])
+		require.NoError(t, err)
+	}
+	batch := []Command{
+		{EventID: uuid.New(), UserID: "zz-new", Delta: 5},
+		{EventID: recorded[0].EventID, UserID: "zoe", Delta: 2},  // recorded with delta 1
+		{EventID: recorded[1].EventID, UserID: "yann", Delta: 3}, // likewise
+		{EventID: recorded[2].EventID, UserID: "xia", Delta: 4},  // likewise
+	}
+	want := &IdempotencyConflictError{EventID: recorded[0].EventID, Board: tb.board.Name(), UserID: "zoe", Delta: 1, Attempted: batch[1]}
+
+	_, err := tb.board.SubmitBatch(ctx, batch)
+	var conflict *IdempotencyConflictError
+	require.ErrorAs(t, err, &conflict)
+	require.Equal(t, want, conflict, "SubmitBatch")
+
+	// A merge join returns the recorded commands in event id order, here
+	// the batch's reverse.
+	poolCfg, err := pgxpool.ParseConfig(tb.pg.ConnString)
+	require.NoError(t, err)
+	poolCfg.ConnConfig.RuntimeParams["enable_hashjoin"] = "off"
+	poolCfg.ConnConfig.RuntimeParams["enable_nestloop"] = "off"
+	pool, err := pgxpool.NewWithConfig(ctx, poolCfg)
+	require.NoError(t, err)
+	t.Cleanup(pool.Close)
+	cfg := tb.board.Config()
+	mergeBoard, err := New(pool, tb.rd.Client, &cfg)
+	require.NoError(t, err)
+	t.Cleanup(mergeBoard.Close)
+	_, err = mergeBoard.SubmitBatch(ctx, batch)
+	require.ErrorAs(t, err, &conflict)
+	require.Equal(t, want, conflict, "SubmitBatch with a merge join")
+
+	tx, err := tb.pg.Pool.Begin(ctx)
+	require.NoError(t, err)
+	defer func() { _ = tx.Rollback(ctx) }()
+	_, err = tb.board.SubmitBatchTx(ctx, tx, batch)
+	require.ErrorAs(t, err, &conflict)
+	require.Equal(t, want, conflict, "SubmitBatchTx")
+	_, err = tx.Exec(ctx, `SET LOCAL enable_hashjoin = off; SET LOCAL enable_nestloop = off`)
+	require.NoError(t, err)
+	_, err = tb.board.SubmitBatchTx(ctx, tx, batch)
+	require.ErrorAs(t, err, &conflict)
+	require.Equal(t, want, conflict, "SubmitBatchTx with a merge join")
+
+	events, users, queued := tb.counts(t)
+	require.Equal(t, []int{3, 3, 3}, []int{events, users, queued}, "the recorded commands alone")
 }
