@@ -319,3 +319,31 @@ func TestSubmitBatchReportsTheFirstConflict(t *testing.T) {
 	events, users, queued := tb.counts(t)
 	require.Equal(t, []int{3, 3, 3}, []int{events, users, queued}, "the recorded commands alone")
 }
+
+// TestSubmitVersionAtItsLargestInAGroup: a user at int64's largest version,
+// in a shared statement with another user's command: its command fails alone
+// (the not-null violation on "version"), the other is applied, as the
+// package doc promises ("as an error of that command alone").
+// TestSubmitVersionAtItsLargest's Grouped case starts the refused user's
+// goroutine first, so it is usually sent alone and never shares a statement.
+func TestSubmitVersionAtItsLargestInAGroup(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	gb := setupGroups(t)
+	_, err := gb.board.Submit(ctx, Command{EventID: uuid.New(), UserID: "ada", Delta: 5})
+	require.NoError(t, err)
+	_, err = gb.pg.Pool.Exec(ctx, `UPDATE user_scores SET version = 9223372036854775807 WHERE user_id = 'ada'`)
+	require.NoError(t, err)
+
+	outs := gb.groupBehindFirst(t, ctx,
+		Command{EventID: uuid.New(), UserID: "ada", Delta: 1},
+		Command{EventID: uuid.New(), UserID: "bob", Delta: 2})
+	ada, bob := wait(t, outs[0]), wait(t, outs[1])
+	require.ErrorContains(t, ada.err, `column "version"`)
+	require.NotErrorIs(t, ada.err, ErrScoreOutOfRange)
+	require.NoError(t, bob.err, "grouped with the refused command")
+	require.Equal(t, Result{Score: 2, Version: 1}, bob.res)
+	var events int
+	require.NoError(t, gb.pg.Pool.QueryRow(ctx, `SELECT count(*) FROM score_events WHERE user_id = 'ada'`).Scan(&events))
+	require.Equal(t, 1, events, "the refused command wrote nothing")
+}

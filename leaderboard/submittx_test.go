@@ -275,3 +275,36 @@ func requireNonTransactionRefused(t *testing.T, submit func(tb *testBundle, tx o
 	require.NoError(t, tb.pg.Pool.QueryRow(ctx, `SELECT (SELECT count(*) FROM user_scores) + (SELECT count(*) FROM verity_outbox)`).Scan(&n))
 	require.Zero(t, n, "nothing written")
 }
+
+// TestSubmitTxConflictOnAnotherBoard: SubmitTx with an event id recorded for
+// the same user and delta on another board of the same tables is a reused
+// id: an *IdempotencyConflictError naming the recorded board, nothing
+// written, tx usable.
+func TestSubmitTxConflictOnAnotherBoard(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	for _, path := range []string{"Pgx", "DatabaseSQL"} {
+		t.Run(path, func(t *testing.T) {
+			t.Parallel()
+			tb := setup(t)
+			begin := txPaths(t, tb)[path]
+			id := record(t, tb.sibling(t, "other"), "a", 1)
+
+			c := begin(t)
+			cmd := Command{EventID: id, UserID: "a", Delta: 1}
+			res, err := tb.board.SubmitTx(ctx, c.tx, cmd)
+			require.ErrorIs(t, err, ErrIdempotencyConflict, "got %+v", res)
+			var conflict *IdempotencyConflictError
+			require.ErrorAs(t, err, &conflict)
+			require.Equal(t, &IdempotencyConflictError{EventID: id, Board: "other", UserID: "a", Delta: 1, Attempted: cmd}, conflict)
+
+			// tx stays usable, and the refused command wrote nothing.
+			_, err = tb.board.SubmitTx(ctx, c.tx, Command{EventID: uuid.New(), UserID: "a", Delta: 2})
+			require.NoError(t, err)
+			require.NoError(t, c.commit())
+			var n int
+			require.NoError(t, tb.pg.Pool.QueryRow(ctx, `SELECT count(*) FROM score_events WHERE board = $1`, tb.board.Name()).Scan(&n))
+			require.Equal(t, 1, n)
+		})
+	}
+}
