@@ -91,6 +91,11 @@ func mainErr(args []string, out io.Writer) error {
 	// ends through its cleanup and drops its tables and keys.
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
+	// The first signal cancels the run, whose operations each run to
+	// completion; stop then restores the signals' default action, so that
+	// a second one ends the process at once should one of them wait on a
+	// server.
+	context.AfterFunc(ctx, stop)
 	// DATABASE_URL and REDIS_URL first, then local defaults, then private
 	// servers started for this run.
 	ep, err := services.Resolve(ctx, services.Options{})

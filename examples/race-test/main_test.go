@@ -92,17 +92,28 @@ func TestUsageErrors(t *testing.T) {
 	})
 }
 
-// TestSIGTERMCleansUp: SIGTERM (timeout(1), CI cancellation, kill) ends a
-// run through its cleanup, as Ctrl-C does, leaving neither its table nor
-// its keys behind.
-func TestSIGTERMCleansUp(t *testing.T) {
-	// Not parallel: it finds its child's table as the one that was not there
-	// before, which holds only while no other test of the package creates
-	// one (they wait for the sequential tests to end).
-	pg := testenv.Postgres(t) // a pool on the server the child resolves
-	rd := testenv.Redis(t)
+// childRun is the command run as a child process by startChildRun, once
+// it has created its table and filled its cache.
+type childRun struct {
+	cmd    *exec.Cmd
+	done   chan error // cmd.Wait's result, put back by whoever takes it
+	stderr *bytes.Buffer
+	table  string // schema.table, as pg_tables names it
+	ident  string // the table, quoted
+	prefix string // its Redis keys'
+	tables func() map[string]bool
+}
+
+// startChildRun starts the command as a child process on the test
+// servers and waits until its table exists and its cache holds the
+// product. Its callers are not parallel: it finds the child's table as
+// the one that was not there before, which holds only while no other test
+// of the package creates one (they wait for the sequential tests to end).
+func startChildRun(t *testing.T, pg *testenv.PG, rd *testenv.RD) *childRun {
+	t.Helper()
 	ctx := context.Background()
-	tables := func() map[string]bool { // t.Errorf: it also runs inside Eventually
+	r := &childRun{done: make(chan error, 1), stderr: &bytes.Buffer{}}
+	r.tables = func() map[string]bool { // t.Errorf: it also runs inside Eventually
 		rows, err := pg.Pool.Query(ctx, `SELECT schemaname || '.' || tablename FROM pg_tables WHERE tablename LIKE 'race_products_%'`)
 		if err != nil {
 			t.Errorf("list tables: %v", err)
@@ -119,58 +130,106 @@ func TestSIGTERMCleansUp(t *testing.T) {
 		}
 		return set
 	}
-	before := tables()
-	cmd := exec.Command(os.Args[0])
+	before := r.tables()
+	r.cmd = exec.Command(os.Args[0])
 	// The child finds its servers by DATABASE_URL and REDIS_URL: name this
 	// test's, never whatever the shell exports.
-	cmd.Env = append(os.Environ(), runMainEnv+"=--seconds=30 --readers=2 --writers=1 --mode=naive",
+	r.cmd.Env = append(os.Environ(), runMainEnv+"=--seconds=30 --readers=2 --writers=1 --mode=naive",
 		"DATABASE_URL="+pg.ServerURL, "REDIS_URL="+rd.URL)
-	var stderr bytes.Buffer
-	cmd.Stderr = &stderr
-	require.NoError(t, cmd.Start())
-	done := make(chan error, 1)
-	go func() { done <- cmd.Wait() }()
+	r.cmd.Stderr = r.stderr
+	require.NoError(t, r.cmd.Start())
+	go func() { r.done <- r.cmd.Wait() }()
 	t.Cleanup(func() {
-		_ = cmd.Process.Kill()
-		<-done
+		_ = r.cmd.Process.Kill()
+		<-r.done
 	})
-	var mine string
 	require.Eventually(t, func() bool {
-		for n := range tables() {
+		for n := range r.tables() {
 			if !before[n] {
-				mine = n
+				r.table = n
 				return true
 			}
 		}
 		return false
 	}, 30*time.Second, 5*time.Millisecond, "the run never created its table")
-	schema, table, _ := strings.Cut(mine, ".")
-	prefix := "verity:race-test:" + strings.TrimPrefix(table, "race_products_") + ":"
+	schema, table, _ := strings.Cut(r.table, ".")
+	r.ident = pgx.Identifier{schema, table}.Sanitize()
+	r.prefix = "verity:race-test:" + strings.TrimPrefix(table, "race_products_") + ":"
 	t.Cleanup(func() {
-		_, _ = pg.Pool.Exec(context.Background(), "DROP TABLE IF EXISTS "+pgx.Identifier{schema, table}.Sanitize())
-		_ = testenv.DeletePrefix(context.Background(), rd.Client, prefix)
+		_, _ = pg.Pool.Exec(context.Background(), "DROP TABLE IF EXISTS "+r.ident)
+		_ = testenv.DeletePrefix(context.Background(), rd.Client, r.prefix)
 	})
 	require.Eventually(t, func() bool { // the cache holds the product
-		keys, err := rd.Client.Keys(ctx, prefix+"*").Result()
+		keys, err := rd.Client.Keys(ctx, r.prefix+"*").Result()
 		return err == nil && len(keys) > 0
 	}, 30*time.Second, 5*time.Millisecond, "the run never filled its cache")
+	return r
+}
 
-	require.NoError(t, cmd.Process.Signal(syscall.SIGTERM))
-	var werr error
+// wait returns the child's exit within d, or fails the test with what.
+func (r *childRun) wait(t *testing.T, d time.Duration, what string) error {
+	t.Helper()
 	select {
-	case werr = <-done:
-		done <- werr // for the cleanup
-	case <-time.After(30 * time.Second):
-		t.Fatal("race-test did not end on SIGTERM")
+	case err := <-r.done:
+		r.done <- err // for the cleanup
+		return err
+	case <-time.After(d):
+		t.Fatalf("%s; stderr:\n%s", what, r.stderr)
+		return nil
 	}
+}
+
+// TestSIGTERMCleansUp: SIGTERM (timeout(1), CI cancellation, kill) ends a
+// run through its cleanup, as Ctrl-C does, leaving neither its table nor
+// its keys behind.
+func TestSIGTERMCleansUp(t *testing.T) {
+	pg, rd := testenv.Postgres(t), testenv.Redis(t) // a pool on the server the child resolves
+	r := startChildRun(t, pg, rd)
+	require.NoError(t, r.cmd.Process.Signal(syscall.SIGTERM))
+	werr := r.wait(t, 30*time.Second, "race-test did not end on SIGTERM")
 	// Canceled, the run reports its error and exits 1; killed by the
 	// signal, the process has no exit code (-1).
 	var exitErr *exec.ExitError
 	require.True(t, errors.As(werr, &exitErr), "%v", werr)
-	require.Equal(t, 1, exitErr.ExitCode(), "SIGTERM killed the run instead of canceling it: %v %s", werr, stderr.String())
-	require.Contains(t, stderr.String(), context.Canceled.Error())
-	require.False(t, tables()[mine], "table %s left behind", mine)
-	keys, err := rd.Client.Keys(ctx, prefix+"*").Result()
+	require.Equal(t, 1, exitErr.ExitCode(), "SIGTERM killed the run instead of canceling it: %v %s", werr, r.stderr)
+	require.Contains(t, r.stderr.String(), context.Canceled.Error())
+	require.False(t, r.tables()[r.table], "table %s left behind", r.table)
+	keys, err := rd.Client.Keys(context.Background(), r.prefix+"*").Result()
 	require.NoError(t, err)
 	require.Empty(t, keys)
+}
+
+// TestSecondSignalEndsAStuckRun: a run whose operations wait on
+// PostgreSQL (another session holds a lock on its table) cannot finish on
+// the first signal, since each operation runs to completion on a context
+// the signal does not cancel; a second signal ends the process at once,
+// killed by it, instead of being swallowed.
+func TestSecondSignalEndsAStuckRun(t *testing.T) {
+	ctx := context.Background()
+	pg, rd := testenv.Postgres(t), testenv.Redis(t)
+	r := startChildRun(t, pg, rd)
+	lock, err := pg.Pool.Begin(ctx)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = lock.Rollback(context.Background()) })
+	_, err = lock.Exec(ctx, "LOCK TABLE "+r.ident+" IN ACCESS EXCLUSIVE MODE")
+	require.NoError(t, err)
+	require.Eventually(t, func() bool {
+		var n int
+		err := pg.Pool.QueryRow(ctx, `SELECT count(*) FROM pg_locks WHERE NOT granted AND relation = $1::regclass`, r.ident).Scan(&n)
+		return err == nil && n > 0
+	}, 10*time.Second, 10*time.Millisecond, "the run never waited for the lock")
+
+	require.NoError(t, r.cmd.Process.Signal(syscall.SIGINT))
+	select {
+	case err := <-r.done:
+		r.done <- err
+		t.Fatalf("the first signal ended the stuck run: %v", err)
+	case <-time.After(500 * time.Millisecond):
+	}
+	require.NoError(t, r.cmd.Process.Signal(syscall.SIGINT))
+	werr := r.wait(t, 5*time.Second, "race-test still running 5 s after a second SIGINT")
+	var exitErr *exec.ExitError
+	require.True(t, errors.As(werr, &exitErr), "%v", werr)
+	status, ok := exitErr.Sys().(syscall.WaitStatus)
+	require.True(t, ok && status.Signaled() && status.Signal() == syscall.SIGINT, "exit %v, want killed by SIGINT", werr)
 }
