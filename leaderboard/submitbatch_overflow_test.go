@@ -289,13 +289,10 @@ func TestSubmitBatchReportsTheFirstConflict(t *testing.T) {
 
 	// A merge join returns the recorded commands in event id order, here
 	// the batch's reverse.
-	poolCfg, err := pgxpool.ParseConfig(tb.pg.ConnString)
-	require.NoError(t, err)
-	poolCfg.ConnConfig.RuntimeParams["enable_hashjoin"] = "off"
-	poolCfg.ConnConfig.RuntimeParams["enable_nestloop"] = "off"
-	pool, err := pgxpool.NewWithConfig(ctx, poolCfg)
-	require.NoError(t, err)
-	t.Cleanup(pool.Close)
+	pool := tb.newPool(t, func(pc *pgxpool.Config) {
+		pc.ConnConfig.RuntimeParams["enable_hashjoin"] = "off"
+		pc.ConnConfig.RuntimeParams["enable_nestloop"] = "off"
+	})
 	cfg := tb.board.Config()
 	mergeBoard, err := New(pool, tb.rd.Client, &cfg)
 	require.NoError(t, err)

@@ -1114,23 +1114,22 @@ func TestVersionAtTheClock(t *testing.T) {
 	const clock = int64(1_800_000_000_123_456)
 	text := strconv.FormatInt(clock, 10)
 
-	t.Run("VersionKeyEqualsClock", func(t *testing.T) {
-		t.Parallel()
-		b := setup(t, nil)
-		b.cache.lua = frozenClockScripts(clock)
-		require.NoError(t, b.client.Set(ctx, b.cache.versionKey("p1"), text, 0).Err())
-		require.NoError(t, b.cache.Invalidate(ctx, "p1"))
-		require.Equal(t, strconv.FormatInt(clock+1, 10), mustVersion(t, b, "p1"))
-	})
-
-	t.Run("EmbeddedVersionEqualsClock", func(t *testing.T) {
-		t.Parallel()
-		b := setup(t, nil)
-		b.cache.lua = frozenClockScripts(clock)
-		require.NoError(t, b.client.Set(ctx, b.cache.currentKey("p1"), text+":x", 0).Err())
-		require.NoError(t, b.cache.Invalidate(ctx, "p1"))
-		require.Equal(t, strconv.FormatInt(clock+1, 10), mustVersion(t, b, "p1"))
-	})
+	for name, stored := range map[string]struct {
+		key   func(c *Cache[product], id string) string
+		value string
+	}{
+		"VersionKeyEqualsClock":      {(*Cache[product]).versionKey, text},
+		"EmbeddedVersionEqualsClock": {(*Cache[product]).currentKey, text + ":x"},
+	} {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			b := setup(t, nil)
+			b.cache.lua = frozenClockScripts(clock)
+			require.NoError(t, b.client.Set(ctx, stored.key(b.cache, "p1"), stored.value, 0).Err())
+			require.NoError(t, b.cache.Invalidate(ctx, "p1"))
+			require.Equal(t, strconv.FormatInt(clock+1, 10), mustVersion(t, b, "p1"))
+		})
+	}
 
 	// read.lua: a miss re-creating a lost version key next to an
 	// undecodable current value embedding the clock starts above it.
