@@ -325,3 +325,46 @@ func TestSampleCountsARepeatedRowOnce(t *testing.T) {
 	require.Zero(t, rep.Results[ResultRaced])
 	require.True(t, b.state(t, r, "a").HasValue)
 }
+
+// TestOrphanScanGoesOnPastEmptyReplies: HSCAN may answer a page with no
+// entries and a cursor to go on with (a sparse hash table: COUNT bounds the
+// buckets visited, not the entries returned). The orphan scan must go on
+// until the cursor is 0.
+func TestOrphanScanGoesOnPastEmptyReplies(t *testing.T) {
+	t.Parallel()
+	b := setup(t, projection.KindHash)
+	ctx := context.Background()
+	// 600 entries make the version hash a hash table of 1024 buckets;
+	// 110 left (10.7%, above the 10% at which Redis shrinks it) spread
+	// thinly over them.
+	rows := make([]Row, 600)
+	for i := range rows {
+		k := fmt.Sprintf("o%04d", i)
+		rows[i] = Row{Key: k, Version: 1, Value: b.value(k, 1)}
+	}
+	b.projectRows(t, rows)
+	tg := b.target.target("")
+	for _, row := range rows[110:] {
+		require.NoError(t, b.client.HDel(ctx, b.ks.ValueKey(tg), row.Key).Err())
+		require.NoError(t, b.client.HDel(ctx, b.ks.VersionKey(tg), row.Key).Err())
+	}
+	enc, err := b.client.ObjectEncoding(ctx, b.ks.VersionKey(tg)).Result()
+	require.NoError(t, err)
+	require.Equal(t, "hashtable", enc)
+	// Some reply of the version scan is empty with a cursor to go on.
+	var empty bool
+	for cursor := uint64(0); ; {
+		keys, next, err := b.client.HScan(ctx, b.ks.VersionKey(tg), cursor, "", 1).Result()
+		require.NoError(t, err)
+		empty = empty || (len(keys) == 0 && next != 0)
+		if cursor = next; cursor == 0 {
+			break
+		}
+	}
+	require.True(t, empty, "no empty HSCAN reply: the test does not exercise the case")
+
+	r := b.reconciler(t, &Config{PageSize: 1})
+	rep, err := r.Run(ctx, RunOptions{})
+	require.NoError(t, err)
+	require.Equal(t, int64(110), rep.Counts[ClassOrphan], rep.String())
+}

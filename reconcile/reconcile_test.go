@@ -1353,3 +1353,35 @@ func TestSampleMaxIsAccepted(t *testing.T) {
 	_, err = r.Run(context.Background(), RunOptions{Sample: SampleMax + 1, DryRun: true})
 	require.ErrorIs(t, err, ErrInvalidConfig)
 }
+
+// TestRacedRepairDoesNotSkipTheOrphanScan: a raced repair leaves the entry's
+// state unknown: the count comparison must not skip the orphan scan on the
+// strength of the state as read. Here the raced entry vanished, so Redis
+// holds exactly as many entries as were read, one of them an orphan.
+func TestRacedRepairDoesNotSkipTheOrphanScan(t *testing.T) {
+	t.Parallel()
+	forKinds(t, []projection.Kind{projection.KindSortedSet, projection.KindHash}, func(t *testing.T, b *testBundle) {
+		ctx := context.Background()
+		b.insert(t, "k1", 2)
+		b.project(t, "k1", 2)
+		b.project(t, "orphan", 1)
+		other := b.value("k1", 9)
+		b.setRaw(t, "k1", &other, nil) // corrupt: same version, another value
+		r := b.reconciler(t, &Config{BeforeRepair: func(ctx context.Context, f Finding) bool {
+			// A write between the read and the repair: the entry is gone.
+			tg := b.target.target(f.Key)
+			if b.kind == projection.KindSortedSet {
+				require.NoError(t, b.client.ZRem(ctx, b.ks.ValueKey(tg), f.Key).Err())
+			} else {
+				require.NoError(t, b.client.HDel(ctx, b.ks.ValueKey(tg), f.Key).Err())
+			}
+			require.NoError(t, b.client.HDel(ctx, b.ks.VersionKey(tg), f.Key).Err())
+			return true
+		}})
+		rep, err := r.Run(ctx, RunOptions{})
+		require.NoError(t, err)
+		require.Equal(t, int64(1), rep.Results[ResultRaced], rep.String())
+		require.False(t, rep.OrphanScanSkipped)
+		require.Equal(t, int64(1), rep.Counts[ClassOrphan], rep.String())
+	})
+}

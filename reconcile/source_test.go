@@ -869,3 +869,25 @@ func TestSQLSourceKeysNotUTF8(t *testing.T) {
 		})
 	}
 }
+
+// TestPolicyRefusesTheFirstInvalidAction: every Policy field refuses the
+// first value past ActionRepair, not only far-off ones: Action(3) would
+// otherwise resolve to itself, neither report nor repair, and be taken for
+// ActionReport silently.
+func TestPolicyRefusesTheFirstInvalidAction(t *testing.T) {
+	t.Parallel()
+	rd := testenv.Redis(t)
+	ks, err := projection.NewKeyspace(rd.Prefix)
+	require.NoError(t, err)
+	target := Target{Client: rd.Client, Keyspace: ks, Kind: projection.KindSortedSet, Name: "b"}
+	bad := ActionRepair + 1
+	for field, p := range map[string]Policy{
+		"Missing": {Missing: bad}, "Stale": {Stale: bad}, "Corrupt": {Corrupt: bad},
+		"Ahead": {Ahead: bad}, "Orphan": {Orphan: bad},
+	} {
+		_, err := New(&SQLSource{}, target, &Config{Policy: p})
+		var cfgErr *ConfigError
+		require.ErrorAs(t, err, &cfgErr, field)
+		require.Equal(t, "Config.Policy."+field, cfgErr.Field)
+	}
+}
