@@ -29,8 +29,10 @@ const (
 )
 
 // waitReplySlack is how much longer than InvalidateWaitTimeout the client
-// must be willing to wait for WAIT's reply.
-const waitReplySlack = 100 * time.Millisecond
+// must be willing to wait for WAIT's reply: Redis ends a WAIT that timed
+// out on its event loop's next tick, up to 1/hz later (100 ms at the
+// default hz 10), and the reply still has to travel.
+const waitReplySlack = 250 * time.Millisecond
 
 // FailureMode says what Get does when Redis cannot be reached.
 type FailureMode int
@@ -128,11 +130,12 @@ type Config struct {
 	InvalidateReplicas int
 
 	// InvalidateWaitTimeout bounds the wait for InvalidateReplicas, and is
-	// used for nothing else. It must be at least 100 ms below the client's
-	// ReadTimeout (go-redis's default is 5 s), or the client would give up
-	// on WAIT's reply first; New refuses it otherwise (only when
-	// InvalidateReplicas is set). A client ReadTimeout below 200 ms is
-	// therefore too short for the default, and one below 101 ms for any
+	// used for nothing else. It must be at least 250 ms below the client's
+	// ReadTimeout (go-redis's default is 5 s), or the client could give up
+	// on WAIT's reply first (Redis answers a WAIT that timed out up to 1/hz
+	// late: 100 ms at the default hz 10); New refuses it otherwise (only when
+	// InvalidateReplicas is set). A client ReadTimeout below 350 ms is
+	// therefore too short for the default, and one below 251 ms for any
 	// value (it must be at least 1 ms): raise it, or leave
 	// InvalidateReplicas 0. Defaults to
 	// InvalidateWaitTimeoutDefault.

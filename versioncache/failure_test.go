@@ -556,7 +556,8 @@ func TestLostBump(t *testing.T) {
 		}{
 			{200 * time.Millisecond, 500 * time.Millisecond, false, false},
 			{200 * time.Millisecond, 150 * time.Millisecond, false, false}, // within the slack
-			{200 * time.Millisecond, 100 * time.Millisecond, false, true},
+			{200 * time.Millisecond, 100 * time.Millisecond, false, false}, // WAIT answers up to 100 ms late
+			{350 * time.Millisecond, 100 * time.Millisecond, false, true},
 			{200 * time.Millisecond, math.MaxInt64, false, false}, // "as long as it takes": no overflow past the check
 			{200 * time.Millisecond, math.MaxInt64 - 50*time.Millisecond, false, false},
 			{0, 5 * time.Second, false, false}, // go-redis's 5 s default
@@ -613,13 +614,13 @@ func TestLostBump(t *testing.T) {
 	// id's master in one pipeline, read with the cluster's ReadTimeout.
 	t.Run("InvalidateWaitTimeoutBelowClusterReadTimeout", func(t *testing.T) {
 		t.Parallel()
-		client := redis.NewClusterClient(&redis.ClusterOptions{Addrs: []string{"127.0.0.1:1"}, ReadTimeout: 200 * time.Millisecond})
+		client := redis.NewClusterClient(&redis.ClusterOptions{Addrs: []string{"127.0.0.1:1"}, ReadTimeout: 350 * time.Millisecond})
 		defer client.Close()
 		_, err := New[product](client, &Config{Prefix: "p:", InvalidateReplicas: 1, InvalidateWaitTimeout: 500 * time.Millisecond})
 		var cerr *ConfigError
 		require.ErrorAs(t, err, &cerr)
 		require.Equal(t, "InvalidateWaitTimeout", cerr.Field)
-		require.Contains(t, cerr.Reason, "(200ms)", "it names the cluster client's ReadTimeout")
+		require.Contains(t, cerr.Reason, "(350ms)", "it names the cluster client's ReadTimeout")
 		_, err = New[product](client, &Config{Prefix: "p:", InvalidateReplicas: 1, InvalidateWaitTimeout: 100 * time.Millisecond})
 		require.NoError(t, err)
 	})
