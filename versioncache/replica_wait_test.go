@@ -73,6 +73,50 @@ func freezeRedis(t *testing.T, addr string) (thaw func()) {
 	return thaw
 }
 
+// requireUnconfirmedBumps: with the replica of id's master frozen, an
+// Invalidate through each of the bundles returns a *ReplicationError
+// after about wait (WAIT's timeout, answered up to 1/hz late), with the
+// bump and the delete applied on master, and a Get through each bundle
+// then serves the new value from the master, not a hang on the replica.
+// The bundles share one source of truth (bundles[0].truth).
+func requireUnconfirmedBumps(t *testing.T, master *redis.Client, id string, wait time.Duration, bundles ...*testBundle) {
+	t.Helper()
+	ctx := context.Background()
+	truth := bundles[0].truth
+	versionKey := bundles[0].cache.versionKey(id)
+	before, err := master.Get(ctx, versionKey).Int64()
+	require.NoError(t, err)
+	for i, c := range bundles {
+		truth.write(id, 10+i)
+		start := time.Now()
+		err := c.cache.Invalidate(ctx, id)
+		took := time.Since(start)
+		t.Logf("client %d: Invalidate with frozen replica: %v after %v", i, err, took)
+		var rerr *ReplicationError
+		require.ErrorAs(t, err, &rerr)
+		require.ErrorIs(t, err, ErrNotReplicated)
+		require.NotErrorIs(t, err, ErrRedis)
+		require.Equal(t, 1, rerr.Want)
+		require.Equal(t, 0, rerr.Got)
+		require.GreaterOrEqual(t, took, wait-10*time.Millisecond, "WAIT waited its timeout")
+		require.Less(t, took, wait+2*time.Second, "and returned, not much longer")
+		after, err := master.Get(ctx, versionKey).Int64()
+		require.NoError(t, err)
+		require.Greater(t, after, before, "the master has the bump")
+		before = after
+		n, err := master.Exists(ctx, c.cache.currentKey(id)).Result()
+		require.NoError(t, err)
+		require.Zero(t, n, "and the delete")
+		for j, g := range bundles {
+			gctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+			got, err := g.cache.Get(gctx, id, truth.loader(id))
+			cancel()
+			require.NoError(t, err, "reader %d", j)
+			require.Equal(t, 10+i, got.Price, "reader %d", j)
+		}
+	}
+}
+
 // TestInvalidateReplicasSentinelFrozenReplica runs Invalidate with
 // InvalidateReplicas on a Sentinel failover client (*redis.Client: the
 // plain Pipelined branch of bumpAndWait) against a real master and
@@ -110,42 +154,10 @@ func TestInvalidateReplicasSentinelFrozenReplica(t *testing.T) {
 	got, err := b.cache.Get(ctx, id, b.truth.loader(id))
 	require.NoError(t, err)
 	require.Equal(t, 1, got.Price)
-	before, err := master.Get(ctx, b.cache.versionKey(id)).Int64()
-	require.NoError(t, err)
 
 	st0 := b.cache.Stats()
 	thaw := freezeRedis(t, replicas[0])
-	for i, c := range []*testBundle{b, rb} {
-		b.truth.write(id, 10+i)
-		start := time.Now()
-		err = c.cache.Invalidate(ctx, id)
-		took := time.Since(start)
-		t.Logf("client %d: Invalidate with frozen replica: %v after %v", i, err, took)
-		var rerr *ReplicationError
-		require.ErrorAs(t, err, &rerr)
-		require.ErrorIs(t, err, ErrNotReplicated)
-		require.NotErrorIs(t, err, ErrRedis)
-		require.Equal(t, 1, rerr.Want)
-		require.Equal(t, 0, rerr.Got)
-		require.GreaterOrEqual(t, took, wait-10*time.Millisecond, "WAIT waited its timeout")
-		require.Less(t, took, wait+2*time.Second, "and returned, not much longer")
-		after, err := master.Get(ctx, b.cache.versionKey(id)).Int64()
-		require.NoError(t, err)
-		require.Greater(t, after, before, "the master has the bump")
-		before = after
-		n, err := master.Exists(ctx, b.cache.currentKey(id)).Result()
-		require.NoError(t, err)
-		require.Zero(t, n, "and the delete")
-		// Hits and misses read on the master: the new value, not a hang
-		// on the frozen replica.
-		for j, g := range []*testBundle{b, rb} {
-			gctx, cancel := context.WithTimeout(ctx, 2*time.Second)
-			got, err := g.cache.Get(gctx, id, b.truth.loader(id))
-			cancel()
-			require.NoError(t, err, "reader %d", j)
-			require.Equal(t, 10+i, got.Price, "reader %d", j)
-		}
-	}
+	requireUnconfirmedBumps(t, master, id, wait, b, rb)
 	st := b.cache.Stats()
 	require.EqualValues(t, 2, st.ReplicationErrors-st0.ReplicationErrors)
 	require.Equal(t, st0.Invalidations, st.Invalidations)
@@ -181,33 +193,8 @@ func TestInvalidateReplicasClusterFrozenReplica(t *testing.T) {
 	}
 	_, err = rb.cache.Get(ctx, id, b.truth.loader(id))
 	require.NoError(t, err)
-	before, err := master.Get(ctx, b.cache.versionKey(id)).Int64()
-	require.NoError(t, err)
-
 	thaw := freezeRedis(t, replicas[0])
-	for i, c := range []*testBundle{b, rb} {
-		b.truth.write(id, 10+i)
-		start := time.Now()
-		err = c.cache.Invalidate(ctx, id)
-		took := time.Since(start)
-		t.Logf("client %d: Invalidate with frozen replica: %v after %v", i, err, took)
-		var rerr *ReplicationError
-		require.ErrorAs(t, err, &rerr)
-		require.Equal(t, 0, rerr.Got)
-		require.GreaterOrEqual(t, took, wait-10*time.Millisecond)
-		require.Less(t, took, wait+2*time.Second)
-		after, err := master.Get(ctx, b.cache.versionKey(id)).Int64()
-		require.NoError(t, err)
-		require.Greater(t, after, before, "the master has the bump")
-		before = after
-		for j, g := range []*testBundle{b, rb} {
-			gctx, cancel := context.WithTimeout(ctx, 2*time.Second)
-			got, err := g.cache.Get(gctx, id, b.truth.loader(id))
-			cancel()
-			require.NoError(t, err, "reader %d", j)
-			require.Equal(t, 10+i, got.Price, "reader %d", j)
-		}
-	}
+	requireUnconfirmedBumps(t, master, id, wait, b, rb)
 	thaw()
 }
 
