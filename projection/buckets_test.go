@@ -73,6 +73,24 @@ func TestKeyspaceVersionBuckets(t *testing.T) {
 		}
 	})
 
+	// VersionBucketsMax's doc: at 64 members a bucket it covers about four
+	// million members. A bucket count on the zero Keyspace leaves it the
+	// zero Keyspace, which Gate and reconcile refuse.
+	t.Run("MaxAndZeroKeyspace", func(t *testing.T) {
+		t.Parallel()
+		require.Equal(t, 65536, VersionBucketsMax)
+		zero, err := Keyspace{}.WithVersionBuckets(4)
+		require.NoError(t, err)
+		require.True(t, zero.IsZero())
+
+		// ShadowVersionKey is the shadow of the bucket holding the empty
+		// member, not of bucket 0.
+		ks, err := flat.WithVersionBuckets(100)
+		require.NoError(t, err)
+		require.Equal(t, 61, ks.VersionBucket(""))
+		require.Equal(t, "app:{w}:zv:61~r", ks.ShadowVersionKey("w", KindSortedSet))
+	})
+
 	t.Run("ProjectorConfigValidated", func(t *testing.T) {
 		t.Parallel()
 		rd := testenv.Redis(t)

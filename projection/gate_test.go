@@ -101,6 +101,35 @@ func TestKeySlot(t *testing.T) {
 			require.Equal(t, int(want), KeySlot(key), "key %q", key)
 		}
 	})
+
+	// Random keys over an alphabet of braces and a few other bytes (empty
+	// tags, a '{' left open, nested braces, '}' first) hash as Redis does.
+	t.Run("MatchesClusterKeySlotOnBraceHeavyKeys", func(t *testing.T) {
+		t.Parallel()
+		c := testenv.SharedRedisCluster(t)
+		client := c.Client(t)
+		ctx := context.Background()
+		r := rand.New(rand.NewPCG(7, 9))
+		const alphabet = "{{}}ab:%\x00\xff"
+		keys := []string{"", "{", "}", "{}", "{}{a}", "{{a}}", "a{", "a}b{c}", "{a{b}c}", "}{a}"}
+		for len(keys) < 3000 {
+			b := make([]byte, r.IntN(10))
+			for j := range b {
+				b[j] = alphabet[r.IntN(len(alphabet))]
+			}
+			keys = append(keys, string(b))
+		}
+		pipe := client.Pipeline()
+		slots := make([]*redis.IntCmd, len(keys))
+		for i, key := range keys {
+			slots[i] = pipe.ClusterKeySlot(ctx, key)
+		}
+		_, err := pipe.Exec(ctx)
+		require.NoError(t, err)
+		for i, key := range keys {
+			require.Equal(t, int(slots[i].Val()), KeySlot(key), "key %q", key)
+		}
+	})
 }
 
 func TestKeyspace(t *testing.T) {
@@ -205,6 +234,65 @@ func TestKeyspace(t *testing.T) {
 		require.Empty(t, ks.ShadowValueKey("x", KindDocument))
 		require.Empty(t, ks.ShadowVersionKey("x", Kind(9)))
 		require.Empty(t, ks.ValueKey(Target{Kind: Kind(9)}))
+		require.Empty(t, ks.VersionKey(Target{Kind: Kind(9), Name: "x"}), "VersionKey is empty for an invalid Kind")
+		require.Empty(t, ks.ShadowLayoutKey("x", KindDocument), "a document has no layout key, so no shadow of one")
+	})
+
+	// Every key any package derives from a Keyspace, its own and the
+	// suffixes reconcile ("~switched", "~probe" on the rebuild marker) and
+	// leaderboard ("~verified", "~verifying", "~verified~held" on the value
+	// key) append, stays distinct across prefixes that begin one another,
+	// bucket counts, kinds and names that look like suffixes or escapes;
+	// and every key of a collection is in its slot, as the scripts need.
+	// Bucket i's key is the same under any bucket count above i, which the
+	// layout key tells apart, so bucket keys are told apart by index only.
+	t.Run("DistinctAcrossPrefixesBucketCountsAndSuffixes", func(t *testing.T) {
+		t.Parallel()
+		names := append(slices.Clone(hazardIDs), "z", "zv", "zv:0", "%25", "~layout", "d", "%3Az", "a%", "a%25")
+		seen := map[string]string{}
+		add := func(key, what string) {
+			if prev, dup := seen[key]; dup && prev != what {
+				t.Fatalf("%s and %s share key %q", prev, what, key)
+			}
+			seen[key] = what
+		}
+		for _, prefix := range []string{"", "a", "a:", "a:b", "%", ":"} {
+			base, err := NewKeyspace(prefix)
+			require.NoError(t, err)
+			for _, buckets := range []int{0, 1, 3} {
+				ks, err := base.WithVersionBuckets(buckets)
+				require.NoError(t, err)
+				bucketed := min(buckets, 1)
+				for _, name := range names {
+					for _, kind := range []Kind{KindSortedSet, KindHash} {
+						id := fmt.Sprintf("%q/%q/%v", prefix, name, kind)
+						coll := Target{Kind: kind, Name: name}
+						value, marker := ks.ValueKey(coll), ks.RebuildMarkerKey(name, kind)
+						keys := map[string]string{
+							"value": value, "layout": ks.LayoutKey(name, kind), "shadow layout": ks.ShadowLayoutKey(name, kind),
+							"marker": marker, "copy count": ks.RebuildCopyKey(name, kind), "shadow value": ks.ShadowValueKey(name, kind),
+							"switched": marker + "~switched", "probe": marker + "~probe",
+							"verified": value + "~verified", "verifying": value + "~verifying", "held": value + "~verified~held",
+						}
+						for i, key := range ks.VersionKeys(name, kind) {
+							keys[fmt.Sprintf("version %d/%d", bucketed, i)] = key
+						}
+						for i, key := range ks.ShadowVersionKeys(name, kind) {
+							keys[fmt.Sprintf("shadow version %d/%d", bucketed, i)] = key
+						}
+						for role, key := range keys {
+							require.NotEmpty(t, key, "%s %s", id, role)
+							add(key, id+" "+role)
+							require.Equal(t, ks.Slot(coll), KeySlot(key), "%s %s %q", id, role, key)
+						}
+					}
+					d := Target{Kind: KindDocument, Name: name}
+					add(ks.ValueKey(d), fmt.Sprintf("%q/%q document", prefix, name))
+					add(ks.VersionKey(d), fmt.Sprintf("%q/%q document version", prefix, name))
+					require.Equal(t, ks.Slot(d), KeySlot(ks.VersionKey(d)))
+				}
+			}
+		}
 	})
 }
 

@@ -737,6 +737,30 @@ func TestMappers(t *testing.T) {
 	_, err = StreamMapper{"s": nil}.Map(rec)
 	require.True(t, errors.Is(err, ErrUnmappedStream))
 
+	// SortedSetMapper takes a base-10 int64 only: no base prefixes and
+	// no digit separators, which strconv reads with base 0.
+	t.Run("SortedSetScoresAreBaseTen", func(t *testing.T) {
+		t.Parallel()
+		for _, payload := range []string{"0x10", "0b1", "0o7", "1_000"} {
+			_, err := SortedSetMapper("b").Map(record("s", "k", 1, payload))
+			require.ErrorIs(t, err, ErrInvalidPayload, payload)
+		}
+	})
+
+	t.Run("NestedStreamMappers", func(t *testing.T) {
+		t.Parallel()
+		nested := StreamMapper{"s": StreamMapper{"s": StreamMapper{"s": DocumentMapper("n:")}}}
+		require.NoError(t, checkStreams(nested))
+		w, err := nested.Map(record("s", "1", 1, ""))
+		require.NoError(t, err)
+		require.Equal(t, "n:1", w.Target.Name)
+
+		// Two document namespaces where one begins the other: the error
+		// names the document both streams would write.
+		err = checkStreams(StreamMapper{"a": DocumentMapper("u"), "b": DocumentMapper("us")})
+		require.ErrorContains(t, err, `key "s1" of stream "a" and key "1" of stream "b" both name document "us1"`)
+	})
+
 	t.Run("NilMapperFuncEntryIsUnmapped", func(t *testing.T) {
 		t.Parallel()
 		_, err := StreamMapper{"s": MapperFunc(nil)}.Map(rec)

@@ -439,6 +439,40 @@ func TestIsRedirect(t *testing.T) {
 	require.False(t, IsRedirect(redis.Nil))
 }
 
+// TestIsRedirectRealReplies: the MOVED of a master that does not own the
+// key and the ASK of its owner mid-migration, as a real Cluster sends them,
+// bare and wrapped. Reconcile and leaderboard retry on these during a
+// resharding; a check that missed ASK would make them fail instead.
+func TestIsRedirectRealReplies(t *testing.T) {
+	t.Parallel()
+	cluster := testenv.StartRedisCluster(t, 3, 0)
+	ctx := context.Background()
+	client := cluster.Client(t)
+	const key = "{is-redirect}x"
+	require.NoError(t, client.Set(ctx, key, "v", 0).Err())
+	owner, err := client.MasterForKey(ctx, key)
+	require.NoError(t, err)
+
+	var moved error
+	for _, m := range testenv.Masters(t, client) {
+		if m.Options().Addr != owner.Options().Addr {
+			moved = m.Get(ctx, key).Err()
+			break
+		}
+	}
+	_, isMoved := redis.IsMovedError(moved)
+	require.True(t, isMoved, "a MOVED reply expected, got %v", moved)
+	require.True(t, IsRedirect(moved))
+	require.True(t, IsRedirect(fmt.Errorf("wrapped: %w", moved)))
+
+	cluster.MigrateKey(t, key)
+	ask := owner.Get(ctx, key).Err()
+	_, isAsk := redis.IsAskError(ask)
+	require.True(t, isAsk, "an ASK reply expected, got %v", ask)
+	require.True(t, IsRedirect(ask))
+	require.True(t, IsRedirect(fmt.Errorf("wrapped: %w", ask)))
+}
+
 func TestNormalizeAddr(t *testing.T) {
 	t.Parallel()
 	for in, want := range map[string]string{

@@ -1,7 +1,9 @@
 package keyenc
 
 import (
+	"errors"
 	"fmt"
+	"math/rand/v2"
 	"strings"
 	"testing"
 	"unicode/utf8"
@@ -57,6 +59,72 @@ func TestUnescapeRejectsWhatEscapeCannotProduce(t *testing.T) {
 	for _, bad := range []string{"%", "%4", "%zz", "%41" /* 'A' is safe */, "a b", "{x}", "%7b"} {
 		_, err := Unescape(bad)
 		require.ErrorIs(t, err, ErrMalformed, bad)
+	}
+}
+
+// TestUnescapeEveryShortString tries every string of up to four bytes
+// over the bytes an escape can trip on (the escape byte, hex digits of both
+// cases and just past them, braces, the separator, bytes above 0x7f, NUL):
+// Unescape refuses each with ErrMalformed or returns the one string whose
+// Escape it is. A bad first hex digit let through (the check on the low
+// digit alone) decodes "%G0"; the hand-picked cases above miss it.
+func TestUnescapeEveryShortString(t *testing.T) {
+	t.Parallel()
+	alphabet := []byte{'%', '0', '2', '5', '7', 'A', 'F', 'G', 'a', 'b', 'f', '{', '}', ':', '-', '~', 0x80, 0xff, 0}
+	var walk func(prefix []byte, depth int)
+	walk = func(prefix []byte, depth int) {
+		s := string(prefix)
+		decoded, err := Unescape(s)
+		if err != nil {
+			if !errors.Is(err, ErrMalformed) {
+				t.Fatalf("Unescape(%q): %v, not ErrMalformed", s, err)
+			}
+		} else if Escape(decoded) != s {
+			t.Fatalf("Unescape(%q) = %q, but Escape of that is %q", s, decoded, Escape(decoded))
+		}
+		if depth == 0 {
+			return
+		}
+		for _, c := range alphabet {
+			walk(append(prefix, c), depth-1)
+		}
+	}
+	walk(nil, 4)
+}
+
+// TestEscapeRoundTripsRandomBytes: random byte strings, biased towards the
+// bytes Escape rewrites, come back from Unescape whole, never share an
+// escaped form, and make Tagged keys with exactly one non-empty tag.
+func TestEscapeRoundTripsRandomBytes(t *testing.T) {
+	t.Parallel()
+	r := rand.New(rand.NewPCG(1, 2))
+	seen := map[string]string{}
+	for range 200_000 {
+		b := make([]byte, r.IntN(12))
+		for j := range b {
+			b[j] = byte(r.IntN(256))
+			if r.IntN(3) == 0 {
+				b[j] = "%{}:%A7"[r.IntN(7)]
+			}
+		}
+		s := string(b)
+		escaped := Escape(s)
+		if strings.ContainsAny(escaped, "{}:") {
+			t.Fatalf("Escape(%q) = %q holds a brace or separator", s, escaped)
+		}
+		back, err := Unescape(escaped)
+		if err != nil || back != s {
+			t.Fatalf("Unescape(Escape(%q)) = %q, %v", s, back, err)
+		}
+		if prev, ok := seen[escaped]; ok && prev != s {
+			t.Fatalf("Escape(%q) == Escape(%q)", s, prev)
+		}
+		seen[escaped] = s
+		key := Tagged("p:", s, ":z")
+		open := strings.IndexByte(key, '{')
+		if strings.Count(key, "{") != 1 || strings.Count(key, "}") != 1 || key[open+1] == '}' {
+			t.Fatalf("Tagged(%q) = %q, not one non-empty tag", s, key)
+		}
 	}
 }
 
