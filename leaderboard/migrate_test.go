@@ -2,6 +2,7 @@ package leaderboard
 
 import (
 	"context"
+	"fmt"
 	"net/url"
 	"testing"
 	"time"
@@ -9,6 +10,7 @@ import (
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
 	"github.com/verity-go/verity/internal/services"
@@ -274,5 +276,62 @@ func TestMigrate(t *testing.T) {
 		require.NoError(t, pg.Pool.QueryRow(ctx, `SELECT count(*) FROM pg_class AS c JOIN pg_namespace AS n ON n.oid = c.relnamespace WHERE n.nspname = $1`,
 			pg.Schema).Scan(&relations))
 		require.Zero(t, relations, "nothing created")
+	})
+
+	// "Safe to run concurrently": eight processes migrating two fresh
+	// schemas at once all succeed, four times over; without the board
+	// script's advisory lock two of its check-then-create blocks race
+	// (a duplicate pg_type row). Then the same under a role whose default
+	// isolation is SERIALIZABLE, which outbox.Migrate lowers for its own
+	// part and the board's script does not need to.
+	t.Run("Concurrent", func(t *testing.T) {
+		t.Parallel()
+		ctx, cancel := context.WithTimeout(ctx, time.Minute)
+		defer cancel()
+		pg := testenv.Postgres(t)
+		serializable := (&testBundle{pg: pg}).newPool(t, func(pc *pgxpool.Config) {
+			pc.ConnConfig.RuntimeParams["default_transaction_isolation"] = "serializable"
+			pc.MaxConns = 8
+		})
+		for round := range 4 {
+			schemas := []string{fmt.Sprintf("%s_r%d", pg.Schema, round), fmt.Sprintf("%s_r%d_other", pg.Schema, round)}
+			t.Cleanup(func() {
+				for _, schema := range schemas {
+					_, _ = pg.Pool.Exec(context.Background(), "DROP SCHEMA IF EXISTS "+pgx.Identifier{schema}.Sanitize()+" CASCADE")
+				}
+			})
+			errs := make(chan error, 8)
+			for i := range 8 {
+				cfg := &Config{Schema: schemas[i%2]}
+				go func() { errs <- Migrate(ctx, pg.Pool, cfg) }()
+			}
+			for range 8 {
+				require.NoError(t, <-errs, "round %d", round)
+			}
+
+			schema := fmt.Sprintf("%s_s%d", pg.Schema, round)
+			t.Cleanup(func() {
+				_, _ = pg.Pool.Exec(context.Background(), "DROP SCHEMA IF EXISTS "+pgx.Identifier{schema}.Sanitize()+" CASCADE")
+			})
+			for range 6 {
+				go func() { errs <- Migrate(ctx, serializable, &Config{Schema: schema}) }()
+			}
+			for range 6 {
+				require.NoError(t, <-errs, "serializable round %d", round)
+			}
+		}
+	})
+
+	// Migrate creates "the outbox tables (cfg.Schema, cfg.OutboxTable)",
+	// not default-named ones.
+	t.Run("ConfiguredOutboxTable", func(t *testing.T) {
+		t.Parallel()
+		pg := testenv.Postgres(t)
+		require.NoError(t, Migrate(ctx, pg.Pool, &Config{Schema: pg.Schema, OutboxTable: "board_outbox"}))
+		var configured, defaultNamed *string
+		require.NoError(t, pg.Pool.QueryRow(ctx, `SELECT to_regclass($1)::text, to_regclass($2)::text`,
+			pgx.Identifier{pg.Schema, "board_outbox"}.Sanitize(), pgx.Identifier{pg.Schema, outbox.TableDefault}.Sanitize()).Scan(&configured, &defaultNamed))
+		require.NotNil(t, configured, "the configured outbox table exists")
+		require.Nil(t, defaultNamed, "no default-named outbox was made")
 	})
 }

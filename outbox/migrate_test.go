@@ -316,6 +316,55 @@ func TestMigrateFiniteCreatedAt(t *testing.T) {
 		require.Equal(t, 1, rows[0].Attempts)
 		require.Equal(t, "fails", *rows[0].LastError)
 	})
+
+	// 006 gives pending rows holding 'infinity' (not only '-infinity') the
+	// migration's time, and leaves rows kept published as they are.
+	t.Run("RepairsBothInfinitiesOfPendingRowsOnly", func(t *testing.T) {
+		t.Parallel()
+		pg := testenv.Postgres(t)
+		cfg := &outbox.Config{Schema: pg.Schema}
+		migrateBefore(t, pg, cfg, "006")
+		table := pgx.Identifier{pg.Schema, outbox.TableDefault}.Sanitize()
+		_, err := pg.Pool.Exec(ctx, `INSERT INTO `+table+` (event_id, stream, key, version, payload, created_at, published_at)
+			VALUES (gen_random_uuid(), 's', 'pos', 1, '', 'infinity', NULL),
+			       (gen_random_uuid(), 's', 'neg', 1, '', '-infinity', NULL),
+			       (gen_random_uuid(), 's', 'kept', 1, '', 'infinity', now())`)
+		require.NoError(t, err)
+		require.NoError(t, outbox.Migrate(ctx, pg.Pool, cfg))
+		rows, err := pg.Pool.Query(ctx, `SELECT key || '=' || CASE WHEN isfinite(created_at) THEN 'finite' ELSE created_at::text END FROM `+table+` ORDER BY key`)
+		require.NoError(t, err)
+		got, err := pgx.CollectRows(rows, pgx.RowTo[string])
+		require.NoError(t, err)
+		require.Equal(t, []string{"kept=infinity", "neg=finite", "pos=finite"}, got)
+	})
+
+	// 006's UPDATE runs after its constraint is in place "so it finds every
+	// such row": also one a writer of the old release committed while the
+	// first Migrate waited for the constraint's lock.
+	t.Run("RepairsARowCommittedWhileMigrateWaits", func(t *testing.T) {
+		t.Parallel()
+		pg := testenv.Postgres(t)
+		cfg := &outbox.Config{Schema: pg.Schema}
+		migrateBefore(t, pg, cfg, "006")
+		table := pgx.Identifier{pg.Schema, outbox.TableDefault}.Sanitize()
+		tx, err := pg.Pool.Begin(ctx)
+		require.NoError(t, err)
+		defer tx.Rollback(context.Background()) //nolint:errcheck
+		_, err = tx.Exec(ctx, `INSERT INTO `+table+` (event_id, stream, key, version, payload, created_at) VALUES (gen_random_uuid(), 's', 'k', 1, '', 'infinity')`)
+		require.NoError(t, err)
+		done := make(chan error, 1)
+		go func() { done <- outbox.Migrate(ctx, pg.Pool, cfg) }()
+		require.Eventually(t, func() bool {
+			var n int
+			err := pg.Pool.QueryRow(ctx, `SELECT count(*) FROM pg_locks WHERE NOT granted AND relation = to_regclass($1)`, table).Scan(&n)
+			return err == nil && n == 1
+		}, 10*time.Second, 10*time.Millisecond)
+		require.NoError(t, tx.Commit(ctx))
+		require.NoError(t, <-done)
+		var finite bool
+		require.NoError(t, pg.Pool.QueryRow(ctx, `SELECT isfinite(created_at) FROM `+table).Scan(&finite))
+		require.True(t, finite, "the row committed while Migrate waited was repaired")
+	})
 }
 
 // TestMigrateLongStreamsBeforeMigration005 covers outboxes upgraded from
@@ -326,6 +375,67 @@ func TestMigrateFiniteCreatedAt(t *testing.T) {
 func TestMigrateLongStreamsBeforeMigration005(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
+	dead := func(pg *testenv.PG) string {
+		return pgx.Identifier{pg.Schema, outbox.TableDefault + "_dead"}.Sanitize()
+	}
+
+	// 005 bounds the stream at MaxStreamBytes inclusive: Append takes a
+	// stream of exactly that length, and the constraint refuses a composed
+	// INSERT one byte longer.
+	t.Run("ConstraintAdmitsMaxStreamBytes", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		b.appendCommitted(t, newMessage(strings.Repeat("s", outbox.MaxStreamBytes), "k", 1))
+		_, err := b.pool.Exec(ctx, `INSERT INTO `+b.writer.Table()+` (event_id, stream, key, version, payload) VALUES (gen_random_uuid(), $1, 'k', 1, '')`,
+			strings.Repeat("s", outbox.MaxStreamBytes+1))
+		var pgErr *pgconn.PgError
+		require.ErrorAs(t, err, &pgErr)
+		require.Equal(t, "verity_outbox_stream_length", pgErr.ConstraintName)
+	})
+
+	// 007 moves a pending row whose stream is one byte over MaxStreamBytes,
+	// and leaves rows kept published (KeepPublished) and a row of exactly
+	// MaxStreamBytes where they are.
+	t.Run("EdgesOfMaxStreamBytes", func(t *testing.T) {
+		t.Parallel()
+		pg, table := outboxBefore005(t)
+		_, err := pg.Pool.Exec(ctx, `INSERT INTO `+table+` (event_id, stream, key, version, payload, published_at)
+			VALUES (gen_random_uuid(), repeat('x', $1::int + 1), 'over', 1, '', NULL),
+			       (gen_random_uuid(), repeat('x', $1::int), 'max', 1, '', NULL),
+			       (gen_random_uuid(), repeat('x', $1::int + 500), 'kept', 1, '', now())`, outbox.MaxStreamBytes)
+		require.NoError(t, err)
+		require.NoError(t, outbox.Migrate(ctx, pg.Pool, &outbox.Config{Schema: pg.Schema}))
+		keys := func(table string) []string {
+			rows, err := pg.Pool.Query(ctx, `SELECT key FROM `+table+` ORDER BY key`)
+			require.NoError(t, err)
+			out, err := pgx.CollectRows(rows, pgx.RowTo[string])
+			require.NoError(t, err)
+			return out
+		}
+		require.Equal(t, []string{"kept", "max"}, keys(table))
+		require.Equal(t, []string{"over"}, keys(dead(pg)))
+	})
+
+	// 007: "a row whose id the dead-letter table already holds ... cannot be
+	// moved: Migrate then fails, moving nothing, with a message that counts
+	// them".
+	t.Run("IDAlreadyDeadFailsMovingNothing", func(t *testing.T) {
+		t.Parallel()
+		pg, table := outboxBefore005(t)
+		_, err := pg.Pool.Exec(ctx, `INSERT INTO `+dead(pg)+` (id, event_id, stream, key, version, payload, created_at, attempts, last_error)
+			VALUES (7, gen_random_uuid(), 's', 'old', 1, '', now(), 3, 'x')`)
+		require.NoError(t, err)
+		_, err = pg.Pool.Exec(ctx, `INSERT INTO `+table+` (id, event_id, stream, key, version, payload) OVERRIDING SYSTEM VALUE
+			VALUES (7, gen_random_uuid(), repeat('x', 2000), 'long', 1, '')`)
+		require.NoError(t, err)
+		err = outbox.Migrate(ctx, pg.Pool, &outbox.Config{Schema: pg.Schema})
+		var pgErr *pgconn.PgError
+		require.ErrorAs(t, err, &pgErr)
+		require.Contains(t, pgErr.Message, "1 pending outbox rows have a stream longer than")
+		var n int
+		require.NoError(t, pg.Pool.QueryRow(ctx, `SELECT count(*) FROM `+table).Scan(&n))
+		require.Equal(t, 1, n, "nothing moved, nothing lost")
+	})
 
 	// One failed attempt of such a row used to fail the settle of its batch
 	// and then every claim (the takeover counts the attempt with an UPDATE),
