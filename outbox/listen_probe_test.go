@@ -303,3 +303,151 @@ func TestListenerPassesNotificationsWhileItsProbeWaits(t *testing.T) {
 		"the notification waited for the probe's send (a minute)")
 	require.Empty(t, logs.Lines(t, "outbox LISTEN probe came back"), "the probe went through the held connection")
 }
+
+// TestListenerPauseResetsWhenItsProbeCannotBeSent: the Listener's pool
+// has no connection free (its only one held), so no probe can be sent; a
+// probe that could not be sent proves nothing either way and resets the
+// reconnect pause (listen.go, run and listenProbe.poll): connections killed
+// one after another, each after its probe failed to go, are each
+// reconnected after the first pause, 100 ms.
+func TestListenerPauseResetsWhenItsProbeCannotBeSent(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	b := setup(t)
+	lpool := poolWith(t, b, func(cfg *pgxpool.Config) { cfg.MaxConns = 1 })
+	held, err := lpool.Acquire(ctx)
+	require.NoError(t, err)
+	defer held.Release()
+	var logs testenv.LogSink
+	l, err := outbox.NewListener(lpool, &outbox.ListenerConfig{Schema: b.cfg.Schema, Table: b.cfg.Table,
+		ListenCheckInterval: 300 * time.Millisecond, ReconnectBackoffMax: time.Minute, Logger: logs.Logger()})
+	require.NoError(t, err)
+	startRun(t, b.relay(t, nil, &recorder{}, outbox.RelayConfig{PollInterval: time.Hour, Listener: l}))
+	pid := 0
+	for i := 1; i <= 4; i++ {
+		require.Eventually(t, func() bool { return len(logs.Lines(t, "outbox LISTEN probe not sent")) >= i },
+			15*time.Second, 10*time.Millisecond, "connection %d: its probe could not be sent", i)
+		require.Eventually(t, func() bool {
+			next := listenerPid(b)
+			if next == 0 || next == pid {
+				return false
+			}
+			pid = next
+			return true
+		}, 10*time.Second, 10*time.Millisecond, "connection %d listens", i)
+		_, err := b.pool.Exec(ctx, `SELECT pg_terminate_backend($1)`, pid)
+		require.NoError(t, err)
+		require.Eventually(t, func() bool {
+			return len(logs.Lines(t, "outbox LISTEN connection failed; reconnecting")) == i
+		}, 10*time.Second, 10*time.Millisecond, "connection %d failed", i)
+	}
+	for i, line := range logs.Lines(t, "outbox LISTEN connection failed; reconnecting") {
+		require.EqualValues(t, 100*time.Millisecond, line["pause"], "failure %d: the pause grew across connections whose probe could not be sent", i+1)
+	}
+}
+
+// TestListenerFailureDoesNotWaitForAProbeStuckInThePool: the probe's
+// send waits for a pool connection (up to ListenCheckInterval, 5 s here)
+// when the pool has none free; a LISTEN connection that fails meanwhile is
+// replaced after the reconnect pause (100 ms), not once that wait is over
+// (listenProbe.stop cancels the send of a connection that failed).
+func TestListenerFailureDoesNotWaitForAProbeStuckInThePool(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	b := setup(t)
+	lpool := poolWith(t, b, func(cfg *pgxpool.Config) { cfg.MaxConns = 1 })
+	held, err := lpool.Acquire(ctx)
+	require.NoError(t, err)
+	defer held.Release()
+	var logs testenv.LogSink
+	l, err := outbox.NewListener(lpool, &outbox.ListenerConfig{Schema: b.cfg.Schema, Table: b.cfg.Table,
+		ListenCheckInterval: 5 * time.Second, Logger: logs.Logger()})
+	require.NoError(t, err)
+	startRun(t, b.relay(t, nil, &recorder{}, outbox.RelayConfig{PollInterval: time.Hour, Listener: l}))
+	pid := waitListening(t, b)
+	killed := time.Now()
+	_, err = b.pool.Exec(ctx, `SELECT pg_terminate_backend($1)`, pid)
+	require.NoError(t, err)
+	require.Eventually(t, func() bool { next := listenerPid(b); return next != 0 && next != pid }, 10*time.Second, 5*time.Millisecond)
+	took := time.Since(killed)
+	require.Less(t, took, 3500*time.Millisecond, "the failed connection waited for its probe's pool connection before reconnecting")
+	for _, line := range logs.Lines(t, "outbox LISTEN probe not sent") {
+		require.Equal(t, "context canceled", line["error"], "the probe gave up before the connection was killed: the test proves nothing")
+	}
+}
+
+// TestListenerSlowProbeKeepsAHealthyConnection: "a busy server must
+// not make a short ListenCheckInterval replace healthy connections"
+// (probeWaitMin): the probe, delayed 1.5 s on its way to the LISTEN
+// connection (other notifications and replies pass at once), still comes
+// back within the 5 s it is given although ListenCheckInterval is 500 ms:
+// the connection is kept, nothing is logged.
+func TestListenerSlowProbeKeepsAHealthyConnection(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	const delay = 1500 * time.Millisecond
+	pool := poolWith(t, b, func(pc *pgxpool.Config) {
+		upstream := net.JoinHostPort(pc.ConnConfig.Host, strconv.Itoa(int(pc.ConnConfig.Port)))
+		addr := forwardTCP(t, upstream, func(c, s net.Conn) {
+			t.Cleanup(func() { _ = c.Close(); _ = s.Close() })
+			go func() { _, _ = io.Copy(s, c) }()
+			var mu sync.Mutex
+			write := func(msg []byte) error {
+				mu.Lock()
+				defer mu.Unlock()
+				_, err := c.Write(msg)
+				return err
+			}
+			in := bufio.NewReader(s)
+			for {
+				header := make([]byte, 5)
+				if _, err := io.ReadFull(in, header); err != nil {
+					return
+				}
+				msg := make([]byte, 5+int(binary.BigEndian.Uint32(header[1:]))-4)
+				copy(msg, header)
+				if _, err := io.ReadFull(in, msg[5:]); err != nil {
+					return
+				}
+				if header[0] == 'A' && bytes.Contains(msg, []byte("verity_listen_probe\x00")) {
+					time.AfterFunc(delay, func() { _ = write(msg) })
+					continue
+				}
+				if write(msg) != nil {
+					return
+				}
+			}
+		})
+		host, port, _ := net.SplitHostPort(addr)
+		n, _ := strconv.Atoi(port)
+		pc.ConnConfig.Host, pc.ConnConfig.Port, pc.ConnConfig.TLSConfig, pc.ConnConfig.Fallbacks = host, uint16(n), nil, nil
+	})
+	var logs testenv.LogSink
+	l, err := outbox.NewListener(pool, &outbox.ListenerConfig{Schema: b.cfg.Schema, Table: b.cfg.Table,
+		ListenCheckInterval: 500 * time.Millisecond, Logger: logs.Logger()})
+	require.NoError(t, err)
+	startRun(t, b.relay(t, nil, &recorder{}, outbox.RelayConfig{PollInterval: time.Hour, Listener: l}))
+	require.Eventually(t, func() bool { return len(logs.Lines(t, "outbox LISTEN probe came back")) > 0 }, 10*time.Second, 10*time.Millisecond)
+	require.Empty(t, logs.Lines(t, "outbox LISTEN connection failed; reconnecting"), "a probe 1.5 s late replaced a healthy connection")
+}
+
+// TestListenerFindsALostProbeWithinItsWait: DisableNotify's doc: "when
+// that has not come back within ListenCheckInterval (5 s at least) of being
+// sent, it logs a warning". With ListenCheckInterval 6 s and a path that
+// drops every notification, the warning comes about 6 s after LISTEN, not
+// at the idle check after that (about 12 s).
+func TestListenerFindsALostProbeWithinItsWait(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	pool, _ := poolThrough(t, b, true)
+	var logs testenv.LogSink
+	l, err := outbox.NewListener(pool, &outbox.ListenerConfig{Schema: b.cfg.Schema, Table: b.cfg.Table,
+		ListenCheckInterval: 6 * time.Second, Logger: logs.Logger()})
+	require.NoError(t, err)
+	start := time.Now()
+	startRun(t, b.relay(t, nil, &recorder{}, outbox.RelayConfig{PollInterval: time.Hour, Listener: l}))
+	require.Eventually(t, func() bool { return len(logs.Lines(t, "outbox LISTEN connection failed; reconnecting")) > 0 },
+		20*time.Second, 10*time.Millisecond)
+	took := time.Since(start)
+	require.Less(t, took, 10*time.Second, "the lost probe was found at the idle check after its deadline")
+}
