@@ -2463,3 +2463,24 @@ func TestRelayDrainsIdsWithGaps(t *testing.T) {
 		})
 	}
 }
+
+// "Retrying counts rows waiting out a retry backoff": a failed row is
+// retrying until its backoff passes, then due again, and no longer counted.
+func TestRelayStatsRetrying(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	b := setup(t)
+	b.appendCommitted(t, newMessage("s", "a", 1))
+	r := b.relay(t, nil, &recorder{fail: func(outbox.Record) error { return errors.New("no") }}, outbox.RelayConfig{MaxAttempts: 3})
+	n, err := r.RunOnce(ctx)
+	require.NoError(t, err)
+	require.Equal(t, 1, n)
+	st, err := r.Stats(ctx)
+	require.NoError(t, err)
+	require.EqualValues(t, 1, st.Retrying)
+	b.makeDue(t)
+	st, err = r.Stats(ctx)
+	require.NoError(t, err)
+	require.EqualValues(t, 1, st.Pending)
+	require.Zero(t, st.Retrying, "a row whose backoff has passed is due, not retrying")
+}

@@ -375,3 +375,102 @@ func TestReplayDeadMaxLengthStream(t *testing.T) {
 	require.EqualValues(t, 1, moved, "a stream of MaxStreamBytes is one the outbox accepts")
 	require.Zero(t, b.count(t, b.deadTable()))
 }
+
+// insertDeadAt adds a dead letter with the given id, event, stream and age.
+func (b *testBundle) insertDeadAt(t *testing.T, id int64, eventID uuid.UUID, stream string, age time.Duration) {
+	t.Helper()
+	_, err := b.pool.Exec(context.Background(), `INSERT INTO `+b.deadTable()+`
+		(id, event_id, stream, key, version, payload, created_at, attempts, last_error)
+		VALUES ($1, $2, $3, 'k', 1, '', now() - $4 * interval '1 microsecond', 1, 'x')`, id, eventID, stream, age.Microseconds())
+	require.NoError(t, err)
+}
+
+// TestReplayDeadDocumentedDetails: Limit's order, EventIDs selecting
+// before Limit counts, created_at kept, the long-stream skip's bound, and
+// the wake.
+func TestReplayDeadDocumentedDetails(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+
+	// "Limit, when positive, moves at most this many events (lowest ids
+	// first)".
+	t.Run("LimitTakesLowestIDs", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		for i := range 3 {
+			b.insertDeadAt(t, 500+int64(i), uuid.New(), "s", 0)
+		}
+		r := b.relay(t, nil, &recorder{}, outbox.RelayConfig{})
+		moved, err := r.ReplayDead(ctx, outbox.ReplayFilter{Limit: 2})
+		require.NoError(t, err)
+		require.EqualValues(t, 2, moved)
+		require.Equal(t, []int64{500, 501}, b.outboxIDs(t))
+	})
+
+	// EventIDs selects before Limit counts: a lower-id dead letter of
+	// another event neither uses up the limit nor moves.
+	t.Run("EventIDsBeforeLimit", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		other, wanted := uuid.New(), uuid.New()
+		b.insertDeadAt(t, 550, other, "s", 0)
+		b.insertDeadAt(t, 551, wanted, "s", 0)
+		r := b.relay(t, nil, &recorder{}, outbox.RelayConfig{})
+		moved, err := r.ReplayDead(ctx, outbox.ReplayFilter{EventIDs: []uuid.UUID{wanted}, Limit: 1})
+		require.NoError(t, err)
+		require.EqualValues(t, 1, moved, "the selected event is moved; the other does not count towards Limit")
+		require.Equal(t, []int64{551}, b.outboxIDs(t))
+		requireDeadEvents(t, r, other)
+	})
+
+	// "A row moved back keeps its created_at".
+	t.Run("KeepsCreatedAt", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		b.insertDeadAt(t, 600, uuid.New(), "s", 3*time.Hour)
+		r := b.relay(t, nil, &recorder{}, outbox.RelayConfig{})
+		dead, err := r.DeadLetters(ctx, 0, 10)
+		require.NoError(t, err)
+		moved, err := r.ReplayDead(ctx, outbox.ReplayFilter{})
+		require.NoError(t, err)
+		require.EqualValues(t, 1, moved)
+		var created time.Time
+		require.NoError(t, b.pool.QueryRow(ctx, `SELECT created_at FROM `+b.writer.Table()).Scan(&created))
+		require.True(t, dead[0].CreatedAt.Equal(created), "created_at %v, dead letter's %v", created, dead[0].CreatedAt)
+		st, err := r.Stats(ctx)
+		require.NoError(t, err)
+		require.Greater(t, st.OldestPendingAge, 2*time.Hour, "the replayed row's age counts from its first append")
+	})
+
+	// Only a stream longer than MaxStreamBytes is skipped: one byte over
+	// is skipped, and the rest replayed, without failing the replay.
+	t.Run("StreamOneByteTooLong", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		long := uuid.New()
+		b.insertDeadAt(t, 700, long, strings.Repeat("s", outbox.MaxStreamBytes+1), 0)
+		b.insertDeadAt(t, 701, uuid.New(), "s", 0)
+		r := b.relay(t, nil, &recorder{}, outbox.RelayConfig{})
+		moved, err := r.ReplayDead(ctx, outbox.ReplayFilter{})
+		require.NoError(t, err)
+		require.EqualValues(t, 1, moved)
+		requireDeadEvents(t, r, long)
+	})
+
+	// "… and wakes the relays": an idle Run with a long PollInterval
+	// delivers a replayed row at once.
+	t.Run("WakesTheRelays", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		h := &recorder{}
+		r := b.relay(t, nil, h, outbox.RelayConfig{PollInterval: time.Minute})
+		startRun(t, r)
+		waitListening(t, b)
+		b.insertDeadAt(t, 800, uuid.New(), "s", 0)
+		moved, err := r.ReplayDead(ctx, outbox.ReplayFilter{})
+		require.NoError(t, err)
+		require.EqualValues(t, 1, moved)
+		require.Eventually(t, func() bool { return len(h.seen()) == 1 }, 5*time.Second, 20*time.Millisecond,
+			"the replayed row was not delivered: the relay was not woken")
+	})
+}
