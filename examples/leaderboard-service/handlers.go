@@ -220,6 +220,12 @@ func decodeSubmit(w http.ResponseWriter, r *http.Request) (*submitRequest, int, 
 	notJSON := func(err error) (*submitRequest, int, *errorResponse) {
 		return nil, http.StatusBadRequest, &errorResponse{Error: "body is not valid JSON: " + err.Error()}
 	}
+	// The whole body first: the checks below stop at the first token or
+	// key at fault, and would answer 422 for a body that is not JSON at all
+	// (`[1,`, or an unknown key and then garbage).
+	if err := json.Unmarshal(body, new(json.RawMessage)); err != nil {
+		return notJSON(err)
+	}
 	dec := json.NewDecoder(bytes.NewReader(body))
 	tok, err := dec.Token()
 	if err != nil {
@@ -446,10 +452,9 @@ func (s *Service) handleRank(w http.ResponseWriter, r *http.Request) {
 				Error: "must be a positive version, as returned by POST /scores"})
 			return
 		}
-		// The board refuses AtLeast for an id it would refuse at submit,
-		// and counts that as a failed read: answered here, a client's
-		// odd path cannot drive the read-error rate an alert watches. Such
-		// an id has no score, as the read without at_least answers.
+		// The board refuses AtLeast for an id it would refuse at submit
+		// with ErrInvalidReadOption; such an id has no score, so the
+		// answer is the 404 the read without at_least gives.
 		if s.boardRefusesUserID(user) {
 			writeUserNotFound(w)
 			return

@@ -1109,3 +1109,111 @@ func TestEveryAnswerIsNosniff(t *testing.T) {
 	}
 	require.Empty(t, missing, "answers without X-Content-Type-Options: nosniff")
 }
+
+// TestSubmitBodyNotJSONIs400: the README's "400 body not JSON (or not
+// valid UTF-8, or with anything after the object)", with no field. A body
+// that is not JSON at all but whose first token is '[' or a scalar, or
+// whose broken part comes after an unknown, repeated or mistyped key, was
+// answered 422 (naming that key, for the latter): the checks stopped at
+// the first token at fault.
+func TestSubmitBodyNotJSONIs400(t *testing.T) {
+	t.Parallel()
+	tb := setup(t)
+	for _, body := range []string{
+		`[`,                           // an array never closed
+		`[1,`,                         // likewise
+		`1x`,                          // a number and garbage
+		`"ada"x`,                      // a string and garbage
+		`{"userId":1,`,                // an unknown key, then the body breaks off
+		`{"user_id":"ada","user_id":`, // a repeated key, then nothing
+		`{"delta":"5",garbage`,        // a mistyped value, then garbage
+	} {
+		res := tb.submit(t, uuid.NewString(), body)
+		require.Equal(t, http.StatusBadRequest, res.status, "%s: %s", body, res.body)
+		require.NotContains(t, res.json(t), "field", "%s: %s", body, res.body)
+	}
+	events, queued := tb.counts(t)
+	require.Zero(t, events+queued, "nothing written")
+}
+
+// TestSubmitBodyLimitIs64KiB: the README's "413 body over 64 KiB", in
+// figures rather than through maxBodyBytes: a body of exactly 64 KiB is
+// taken, one byte more is refused.
+func TestSubmitBodyLimitIs64KiB(t *testing.T) {
+	t.Parallel()
+	tb := setup(t)
+	object := `{"user_id":"ada","delta":1}`
+	pad := func(n int) string { return object + strings.Repeat(" ", n-len(object)) }
+	res := tb.submit(t, uuid.NewString(), pad(64<<10))
+	require.Equal(t, http.StatusCreated, res.status, "a body of exactly 64 KiB: %s", res.body)
+	res = tb.submit(t, uuid.NewString(), pad(64<<10+1))
+	require.Equal(t, http.StatusRequestEntityTooLarge, res.status, "a body one byte over 64 KiB: %s", res.body)
+	events, _ := tb.counts(t)
+	require.Equal(t, 1, events)
+}
+
+// TestSubmitOutcomesCounted: the README's verity.service.submits, by
+// outcome (applied, duplicate, conflict, invalid), each request counted
+// once under its own, the board's refusals among the invalid.
+func TestSubmitOutcomesCounted(t *testing.T) {
+	t.Parallel()
+	tb := setup(t)
+	key := uuid.NewString()
+	require.Equal(t, http.StatusCreated, tb.submit(t, key, `{"user_id":"ada","delta":1}`).status)
+	require.Equal(t, http.StatusOK, tb.submit(t, key, `{"user_id":"ada","delta":1}`).status)
+	require.Equal(t, http.StatusConflict, tb.submit(t, key, `{"user_id":"ada","delta":2}`).status)
+	for _, c := range []struct{ key, body string }{
+		{"", `{"user_id":"ada","delta":1}`},                  // header
+		{uuid.NewString(), `{"user_id":"ada"}`},              // body
+		{uuid.NewString(), `{"user_id":"","delta":1}`},       // the board's ValidationError
+		{uuid.NewString(), `{"user_id":"ada","delta":5000}`}, // the board's ValidationError (MaxDelta)
+	} {
+		require.Equal(t, http.StatusUnprocessableEntity, tb.submit(t, c.key, c.body).status, c.body)
+	}
+	text := string(tb.do(t, http.MethodGet, "/metrics", nil, "").body)
+	for outcome, n := range map[string]int{"applied": 1, "duplicate": 1, "conflict": 1, "invalid": 4} {
+		require.Regexp(t, fmt.Sprintf(`(?m)^verity_service_submits_total\{[^}]*outcome="%s"[^}]*\} %d$`, outcome, n), text, outcome)
+	}
+}
+
+// TestSubmitSurrogateRangeEnds: the README's "a \uD800–\uDFFF escape
+// outside a surrogate pair is refused" at the range's ends (a high range
+// ending at \udbfe would let a lone \udbff through, decoded to U+FFFD),
+// and the code points just outside it, and pairs, taken.
+func TestSubmitSurrogateRangeEnds(t *testing.T) {
+	t.Parallel()
+	tb := setup(t)
+	for _, user := range []string{`\udbff`, `a\udbffb`, `\udfff`, `\udbff\udbff`, `\uDBFF`} {
+		res := tb.submit(t, uuid.NewString(), `{"user_id":"`+user+`","delta":1}`)
+		require.Equal(t, http.StatusUnprocessableEntity, res.status, "%s: %s", user, res.body)
+		require.Equal(t, "user_id", res.json(t)["field"], user)
+	}
+	events, _ := tb.counts(t)
+	require.Zero(t, events)
+	for user, want := range map[string]string{`\ud7ff`: "\ud7ff", `\ue000`: "\ue000", `\udbff\udfff`: "\U0010FFFF", `\ud800\udc00`: "\U00010000"} {
+		res := tb.submit(t, uuid.NewString(), `{"user_id":"`+user+`","delta":1}`)
+		require.Equal(t, http.StatusCreated, res.status, "%s: %s", user, res.body)
+		require.Equal(t, want, res.json(t)["user_id"], user)
+	}
+}
+
+// TestRankOfTheLongestUserID: the longest id the board takes
+// (MaxUserIDLength bytes) has a score GET /users/{id}/rank reads, with
+// at_least and without; one byte more has none (404).
+func TestRankOfTheLongestUserID(t *testing.T) {
+	t.Parallel()
+	tb := setup(t)
+	maxLen := tb.board.Config().MaxUserIDLength
+	longest := strings.Repeat("é", maxLen/2) + strings.Repeat("x", maxLen%2) // multi-byte: the bound is in bytes
+	require.Len(t, longest, maxLen)
+	res := tb.submit(t, uuid.NewString(), fmt.Sprintf(`{"user_id":%q,"delta":7}`, longest))
+	require.Equal(t, http.StatusCreated, res.status, "%s", res.body)
+	tb.drain(t)
+	for _, q := range []string{"", "?at_least=1"} {
+		res := tb.do(t, http.MethodGet, "/users/"+url.PathEscape(longest)+"/rank"+q, nil, "")
+		require.Equal(t, http.StatusOK, res.status, "%q: %s", q, res.body)
+		require.Equal(t, longest, res.json(t)["user_id"])
+		res = tb.do(t, http.MethodGet, "/users/"+url.PathEscape(longest+"x")+"/rank"+q, nil, "")
+		require.Equal(t, http.StatusNotFound, res.status, "%q: %s", q, res.body)
+	}
+}
