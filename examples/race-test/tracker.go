@@ -18,8 +18,12 @@ import (
 //   - a write is settled once its Invalidate returned and every read that
 //     began before that has finished: from then on nothing in flight can
 //     excuse an old value.
-//   - divergence: a write such that a read that began after it settled still
-//     returned an older row version. Each write counts at most once.
+//   - divergence: a write such that a read that began after it, and every
+//     write of a lower row version, settled still returned an older row
+//     version. Each write counts at most once. Writes of one row can settle
+//     out of order (their Invalidates return in any order): a read that
+//     began after a write settled but before a lower one did, and returned
+//     a version below the first, is counted by stale reads after ack only.
 type tracker struct {
 	start time.Time
 

@@ -10,10 +10,10 @@
 //
 //	faults-summary suite=<name> scenario=<name> key=value ...
 //
-// with, at least, the faults injected, the rows checked, the rows repaired and
-// lost=0. Sizes are small enough for CI (-race, 2 cores); VERITY_SOAK=1
-// selects the soak sizes (for example 100 relay kills during a 100k-event
-// drain).
+// with the figures the README's Reliability section quotes (the faults
+// injected, the rows checked and repaired, lost=0, where they apply). Sizes
+// are small enough for CI (-race, 2 cores); VERITY_SOAK=1 selects the soak
+// sizes (for example 100 relay kills during a 100k-event drain).
 //
 //	go test -race -count=1 ./internal/faults/
 //	VERITY_SOAK=1 go test -count=1 -timeout 60m -v -run 'Test' ./internal/faults/
