@@ -214,16 +214,17 @@ func TestWriterCommandList(t *testing.T) {
 	require.NoError(t, err)
 	require.True(t, rebuild.Switched)
 	// One row per page and a short marker: the copy of 1,200 rows
-	// outlasts RebuildMarkerTTL/4, and refreshes the marker. (With the
-	// 100 ms floor, a page held up past it on a loaded machine let the
-	// marker expire.)
+	// outlasts RebuildMarkerTTL/4, and refreshes the marker. The marker is
+	// refreshed only between pages, so one page held up past 3/4 of its
+	// TTL lets it expire: a 400 ms marker failed the rebuild when a page
+	// took 450 ms on a loaded machine; 1 s leaves 750 ms.
 	cmds := make([]Command, 1000)
 	for i := range cmds {
 		cmds[i] = Command{EventID: uuid.New(), UserID: fmt.Sprintf("more-%04d", i), Delta: 1}
 	}
 	_, err = board.SubmitBatch(ctx, cmds)
 	require.NoError(t, err)
-	rec, err = board.Reconciler(&reconcile.Config{PageSize: 1, RebuildMarkerTTL: 400 * time.Millisecond})
+	rec, err = board.Reconciler(&reconcile.Config{PageSize: 1, RebuildMarkerTTL: time.Second})
 	require.NoError(t, err)
 	rebuild, err = rec.Rebuild(ctx)
 	require.NoError(t, err)
