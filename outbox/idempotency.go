@@ -199,8 +199,9 @@ func (w *Writer) RecordCommand(ctx context.Context, tx Tx, eventID uuid.UUID, fi
 // or one that stores on the duplicate path too) returns nil; storing
 // different bytes returns a *CommandResultConflictError
 // (errors.Is(err, ErrCommandResultConflict)) and writes nothing. It returns
-// ErrCommandNotRecorded when the id is unknown. Neither error fails a
-// statement, so tx remains usable. A result is read back as hex text (see
+// ErrCommandNotRecorded when the id is unknown, also when another
+// transaction records it only after this one's update began. Neither error
+// fails a statement, so tx remains usable. A result is read back as hex text (see
 // the statements), twice its size, which PostgreSQL's 1 GB limit on a
 // value bounds: keep results small (an id, a status), far below 512 MB.
 func (w *Writer) StoreCommandResult(ctx context.Context, tx Tx, eventID uuid.UUID, result []byte) error {
@@ -235,9 +236,11 @@ func (w *Writer) StoreCommandResult(ctx context.Context, tx Tx, eventID uuid.UUI
 	case err != nil:
 		return mapError("look up command result", err)
 	case stored == nil:
-		// The row has no result, yet the UPDATE did not see it: it is not
-		// visible to this transaction's snapshot (see RecordCommand).
-		return fmt.Errorf("outbox: store command result %s: the command's record is not visible to this transaction's snapshot; use READ COMMITTED or retry the transaction", eventID)
+		// The row has no result, yet the UPDATE did not see it: another
+		// transaction recorded the command after the UPDATE's snapshot was
+		// taken (under READ COMMITTED, between the two statements), so to
+		// this transaction it was not recorded.
+		return fmt.Errorf("%w: %s: another transaction recorded it after this one's update began; store a result in the transaction that recorded the command, or retry the transaction", ErrCommandNotRecorded, eventID)
 	case bytes.Equal(stored, result):
 		return nil // the same result again: an idempotent retry
 	}

@@ -86,7 +86,8 @@ func (h storeHookTx) QueryRow(ctx context.Context, sql string, args ...any) pgx.
 // records it (without a result) and commits before the lookup: no result is
 // stored, so the call must neither succeed (nothing was written) nor claim
 // a stored result with different bytes (ErrCommandResultConflict: "the
-// command already has a different result stored"; none is).
+// command already has a different result stored"; none is). It reports
+// ErrCommandNotRecorded, as its doc says.
 func TestStoreCommandResultBesideARecordCommittedMeanwhile(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
@@ -111,6 +112,7 @@ func TestStoreCommandResultBesideARecordCommittedMeanwhile(t *testing.T) {
 			err = b.writer.StoreCommandResult(ctx, hooked, id, tc.result)
 			require.Error(t, err, "StoreCommandResult reported success, yet stored nothing")
 			require.False(t, errors.Is(err, outbox.ErrCommandResultConflict), "no result is stored, yet: %v", err)
+			require.ErrorIs(t, err, outbox.ErrCommandNotRecorded, "to this transaction the command was not recorded when its update ran")
 			var stored *[]byte
 			require.NoError(t, b.pool.QueryRow(ctx, `SELECT result FROM `+
 				pgx.Identifier{b.cfg.Schema, outbox.TableDefault + "_idempotency"}.Sanitize()+` WHERE event_id = $1`, id).Scan(&stored))
