@@ -212,11 +212,21 @@ func TestListenerPauseResetsOnceItsProbeComesBack(t *testing.T) {
 		ReconnectBackoffMax: time.Minute, Logger: logs.Logger()})
 	require.NoError(t, err)
 	startRun(t, b.relay(t, nil, &recorder{}, outbox.RelayConfig{PollInterval: time.Hour, Listener: l}))
-	pid := 0
-	for i := 1; i <= 3; i++ {
+	killListenerConnections(t, b, &logs, 3, func(i int) {
 		require.Eventually(t, func() bool {
 			return len(logs.Lines(t, "outbox LISTEN probe came back"))+len(logs.Lines(t, "outbox LISTEN probe not sent")) == i
 		}, 15*time.Second, 10*time.Millisecond, "connection %d: its probe came back", i)
+	})
+	requireReconnectPausesReset(t, &logs, "whose probe came back")
+}
+
+// killListenerConnections kills the Listener's LISTEN connection n times,
+// each new one once ready(i) returns for it (i from 1), and waits for the
+// Listener to log each failure.
+func killListenerConnections(t *testing.T, b *testBundle, logs *testenv.LogSink, n int, ready func(i int)) {
+	t.Helper()
+	pid := 0
+	for i := 1; i <= n; i++ {
 		require.Eventually(t, func() bool {
 			next := listenerPid(b)
 			if next == 0 || next == pid {
@@ -225,14 +235,21 @@ func TestListenerPauseResetsOnceItsProbeComesBack(t *testing.T) {
 			pid = next
 			return true
 		}, 10*time.Second, 10*time.Millisecond, "connection %d listens", i)
+		ready(i)
 		_, err := b.pool.Exec(context.Background(), `SELECT pg_terminate_backend($1)`, pid)
 		require.NoError(t, err)
 		require.Eventually(t, func() bool {
 			return len(logs.Lines(t, "outbox LISTEN connection failed; reconnecting")) == i
 		}, 10*time.Second, 10*time.Millisecond, "connection %d failed", i)
 	}
+}
+
+// requireReconnectPausesReset requires every logged reconnection to have
+// waited the first pause, 100 ms.
+func requireReconnectPausesReset(t *testing.T, logs *testenv.LogSink, connections string) {
+	t.Helper()
 	for i, line := range logs.Lines(t, "outbox LISTEN connection failed; reconnecting") {
-		require.EqualValues(t, 100*time.Millisecond, line["pause"], "failure %d: the pause grew across connections whose probe came back", i+1)
+		require.EqualValues(t, 100*time.Millisecond, line["pause"], "failure %d: the pause grew across connections %s", i+1, connections)
 	}
 }
 
@@ -329,29 +346,12 @@ func TestListenerPauseResetsWhenItsProbeCannotBeSent(t *testing.T) {
 	// wait for notifications next ends, at most ListenCheckInterval and a
 	// ping later: only then is it killed. (Killed as soon as the line was
 	// logged, a connection could fail first, and its pause rightly grow.)
-	const settle = 1500 * time.Millisecond
-	pid := 0
-	for i := 1; i <= 3; i++ {
-		require.Eventually(t, func() bool {
-			next := listenerPid(b)
-			if next == 0 || next == pid {
-				return false
-			}
-			pid = next
-			return true
-		}, 10*time.Second, 10*time.Millisecond, "connection %d listens", i)
+	killListenerConnections(t, b, &logs, 3, func(i int) {
 		require.Eventually(t, func() bool { return len(logs.Lines(t, "outbox LISTEN probe not sent")) == i },
 			15*time.Second, 10*time.Millisecond, "connection %d: its probe could not be sent", i)
-		time.Sleep(settle)
-		_, err := b.pool.Exec(ctx, `SELECT pg_terminate_backend($1)`, pid)
-		require.NoError(t, err)
-		require.Eventually(t, func() bool {
-			return len(logs.Lines(t, "outbox LISTEN connection failed; reconnecting")) == i
-		}, 10*time.Second, 10*time.Millisecond, "connection %d failed", i)
-	}
-	for i, line := range logs.Lines(t, "outbox LISTEN connection failed; reconnecting") {
-		require.EqualValues(t, 100*time.Millisecond, line["pause"], "failure %d: the pause grew across connections whose probe could not be sent", i+1)
-	}
+		time.Sleep(1500 * time.Millisecond)
+	})
+	requireReconnectPausesReset(t, &logs, "whose probe could not be sent")
 }
 
 // TestListenerFailureDoesNotWaitForAProbeStuckInThePool: the probe's

@@ -101,14 +101,7 @@ func TestMigrateUpgradeFromEveryStep(t *testing.T) {
 				require.NoError(t, err)
 			}
 			h := &recorder{}
-			r := b.relay(t, nil, h, outbox.RelayConfig{BatchSize: 7})
-			for {
-				n, err := r.RunOnce(ctx)
-				require.NoError(t, err)
-				if n == 0 {
-					break
-				}
-			}
+			drain(t, b.relay(t, nil, h, outbox.RelayConfig{BatchSize: 7}))
 			got := map[uuid.UUID]int{}
 			for _, rec := range h.seen() {
 				got[rec.EventID]++
@@ -198,14 +191,7 @@ func TestMigrateInterrupted(t *testing.T) {
 
 			require.NoError(t, outbox.Migrate(ctx, pg.Pool, cfg))
 			h := &recorder{}
-			r := b.relay(t, nil, h, outbox.RelayConfig{BatchSize: 100})
-			for {
-				n, err := r.RunOnce(ctx)
-				require.NoError(t, err)
-				if n == 0 {
-					break
-				}
-			}
+			drain(t, b.relay(t, nil, h, outbox.RelayConfig{BatchSize: 100}))
 			require.Len(t, h.seen(), len(msgs))
 		})
 	}

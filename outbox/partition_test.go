@@ -577,14 +577,7 @@ func TestMigratePartitionLeasesOnExistingOutbox(t *testing.T) {
 	require.Equal(t, 64, b.count(t, b.leasesTable()), "one lease row per partition, once")
 
 	h := &recorder{}
-	r := b.relay(t, nil, h, outbox.RelayConfig{BatchSize: 300})
-	for {
-		n, err := r.RunOnce(ctx)
-		require.NoError(t, err)
-		if n == 0 {
-			break
-		}
-	}
+	drain(t, b.relay(t, nil, h, outbox.RelayConfig{BatchSize: 300}))
 	require.Len(t, h.seen(), len(msgs))
 	require.Zero(t, b.count(t, w.Table()))
 }

@@ -301,10 +301,7 @@ func requireDeadEvents(t *testing.T, r *outbox.Relay, want ...uuid.UUID) {
 // insertDead adds a dead letter with the given id and event id.
 func (b *testBundle) insertDead(t *testing.T, id int64, eventID uuid.UUID) {
 	t.Helper()
-	_, err := b.pool.Exec(context.Background(), `INSERT INTO `+b.deadTable()+`
-		(id, event_id, stream, key, version, payload, created_at, attempts, last_error)
-		VALUES ($1, $2, 's', 'k', 1, '', now(), 1, 'x')`, id, eventID)
-	require.NoError(t, err)
+	b.insertDeadAt(t, id, eventID, "s", 0)
 }
 
 // lockDead locks a dead letter in a transaction of its own, rolled back at
