@@ -321,10 +321,8 @@ func TestMigrateFiniteCreatedAt(t *testing.T) {
 	// migration's time, and leaves rows kept published as they are.
 	t.Run("RepairsBothInfinitiesOfPendingRowsOnly", func(t *testing.T) {
 		t.Parallel()
-		pg := testenv.Postgres(t)
+		pg, table := outboxBefore(t, "006")
 		cfg := &outbox.Config{Schema: pg.Schema}
-		migrateBefore(t, pg, cfg, "006")
-		table := pgx.Identifier{pg.Schema, outbox.TableDefault}.Sanitize()
 		_, err := pg.Pool.Exec(ctx, `INSERT INTO `+table+` (event_id, stream, key, version, payload, created_at, published_at)
 			VALUES (gen_random_uuid(), 's', 'pos', 1, '', 'infinity', NULL),
 			       (gen_random_uuid(), 's', 'neg', 1, '', '-infinity', NULL),
@@ -343,10 +341,8 @@ func TestMigrateFiniteCreatedAt(t *testing.T) {
 	// first Migrate waited for the constraint's lock.
 	t.Run("RepairsARowCommittedWhileMigrateWaits", func(t *testing.T) {
 		t.Parallel()
-		pg := testenv.Postgres(t)
+		pg, table := outboxBefore(t, "006")
 		cfg := &outbox.Config{Schema: pg.Schema}
-		migrateBefore(t, pg, cfg, "006")
-		table := pgx.Identifier{pg.Schema, outbox.TableDefault}.Sanitize()
 		tx, err := pg.Pool.Begin(ctx)
 		require.NoError(t, err)
 		defer tx.Rollback(context.Background()) //nolint:errcheck
@@ -580,8 +576,15 @@ func TestMigrateDeadCreatedIndexOverLongestDeadLetter(t *testing.T) {
 // migration 005 (001-004 applied), and its quoted table name.
 func outboxBefore005(t *testing.T) (*testenv.PG, string) {
 	t.Helper()
+	return outboxBefore(t, "005")
+}
+
+// outboxBefore returns a schema of the test's own holding an outbox of the
+// release before migration first, and the outbox's qualified name.
+func outboxBefore(t *testing.T, first string) (*testenv.PG, string) {
+	t.Helper()
 	pg := testenv.Postgres(t)
-	migrateBefore(t, pg, &outbox.Config{Schema: pg.Schema}, "005")
+	migrateBefore(t, pg, &outbox.Config{Schema: pg.Schema}, first)
 	return pg, pgx.Identifier{pg.Schema, outbox.TableDefault}.Sanitize()
 }
 
