@@ -329,29 +329,20 @@ func TestListenerPassesNotificationsWhileItsProbeWaits(t *testing.T) {
 // reconnected after the first pause, 100 ms.
 func TestListenerPauseResetsWhenItsProbeCannotBeSent(t *testing.T) {
 	t.Parallel()
-	ctx := context.Background()
 	b := setup(t)
-	lpool := poolWith(t, b, func(cfg *pgxpool.Config) { cfg.MaxConns = 1 })
-	held, err := lpool.Acquire(ctx)
-	require.NoError(t, err)
-	defer held.Release()
-	var logs testenv.LogSink
-	l, err := outbox.NewListener(lpool, &outbox.ListenerConfig{Schema: b.cfg.Schema, Table: b.cfg.Table,
-		ListenCheckInterval: time.Second, ReconnectBackoffMax: time.Minute, Logger: logs.Logger()})
-	require.NoError(t, err)
-	startRun(t, b.relay(t, nil, &recorder{}, outbox.RelayConfig{PollInterval: time.Hour, Listener: l}))
+	logs := b.runOnListenerWithNoFreeConn(t, &outbox.ListenerConfig{ListenCheckInterval: time.Second, ReconnectBackoffMax: time.Minute})
 	// Each connection sends one probe, which gives up on the pool after
 	// ListenCheckInterval: one "not sent" line per connection. The
 	// connection's loop takes that answer, and resets the pause, when its
 	// wait for notifications next ends, at most ListenCheckInterval and a
 	// ping later: only then is it killed. (Killed as soon as the line was
 	// logged, a connection could fail first, and its pause rightly grow.)
-	killListenerConnections(t, b, &logs, 3, func(i int) {
+	killListenerConnections(t, b, logs, 3, func(i int) {
 		require.Eventually(t, func() bool { return len(logs.Lines(t, "outbox LISTEN probe not sent")) == i },
 			15*time.Second, 10*time.Millisecond, "connection %d: its probe could not be sent", i)
 		time.Sleep(1500 * time.Millisecond)
 	})
-	requireReconnectPausesReset(t, &logs, "whose probe could not be sent")
+	requireReconnectPausesReset(t, logs, "whose probe could not be sent")
 }
 
 // TestListenerFailureDoesNotWaitForAProbeStuckInThePool: the probe's
@@ -363,18 +354,10 @@ func TestListenerFailureDoesNotWaitForAProbeStuckInThePool(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	b := setup(t)
-	lpool := poolWith(t, b, func(cfg *pgxpool.Config) { cfg.MaxConns = 1 })
-	held, err := lpool.Acquire(ctx)
-	require.NoError(t, err)
-	defer held.Release()
-	var logs testenv.LogSink
-	l, err := outbox.NewListener(lpool, &outbox.ListenerConfig{Schema: b.cfg.Schema, Table: b.cfg.Table,
-		ListenCheckInterval: 5 * time.Second, Logger: logs.Logger()})
-	require.NoError(t, err)
-	startRun(t, b.relay(t, nil, &recorder{}, outbox.RelayConfig{PollInterval: time.Hour, Listener: l}))
+	logs := b.runOnListenerWithNoFreeConn(t, &outbox.ListenerConfig{ListenCheckInterval: 5 * time.Second})
 	pid := waitListening(t, b)
 	killed := time.Now()
-	_, err = b.pool.Exec(ctx, `SELECT pg_terminate_backend($1)`, pid)
+	_, err := b.pool.Exec(ctx, `SELECT pg_terminate_backend($1)`, pid)
 	require.NoError(t, err)
 	require.Eventually(t, func() bool { next := listenerPid(b); return next != 0 && next != pid }, 10*time.Second, 5*time.Millisecond)
 	took := time.Since(killed)
@@ -458,4 +441,22 @@ func TestListenerFindsALostProbeWithinItsWait(t *testing.T) {
 		20*time.Second, 10*time.Millisecond)
 	took := time.Since(start)
 	require.Less(t, took, 10*time.Second, "the lost probe was found at the idle check after its deadline")
+}
+
+// runOnListenerWithNoFreeConn runs a relay, polling once an hour, on a
+// Listener configured by cfg (its schema, table and logger set here) whose
+// pool's only connection is held until the test ends, so that no probe can
+// be sent; it returns the Listener's log.
+func (b *testBundle) runOnListenerWithNoFreeConn(t *testing.T, cfg *outbox.ListenerConfig) *testenv.LogSink {
+	t.Helper()
+	pool := poolWith(t, b, func(pc *pgxpool.Config) { pc.MaxConns = 1 })
+	held, err := pool.Acquire(context.Background())
+	require.NoError(t, err)
+	t.Cleanup(held.Release)
+	logs := &testenv.LogSink{}
+	cfg.Schema, cfg.Table, cfg.Logger = b.cfg.Schema, b.cfg.Table, logs.Logger()
+	l, err := outbox.NewListener(pool, cfg)
+	require.NoError(t, err)
+	startRun(t, b.relay(t, nil, &recorder{}, outbox.RelayConfig{PollInterval: time.Hour, Listener: l}))
+	return logs
 }
