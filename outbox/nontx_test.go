@@ -39,6 +39,31 @@ func TestWriterRefusesNonTransaction(t *testing.T) {
 	require.Zero(t, b.idempotencyRows(t), "nothing recorded")
 	require.Zero(t, b.count(t, b.writer.Table()), "nothing appended")
 
+	// A pooled connection released too early, and a closed one, are
+	// refused the same way, typed, not with pgxpool's nil-pointer panic.
+	t.Run("ReleasedOrClosedConn", func(t *testing.T) {
+		released, err := b.pool.Acquire(ctx)
+		require.NoError(t, err)
+		released.Release()
+		closed, err := pgx.Connect(ctx, b.pg.ConnString)
+		require.NoError(t, err)
+		require.NoError(t, closed.Close(ctx))
+		for name, tx := range map[string]outbox.Tx{"ReleasedPoolConn": released, "ClosedConn": closed} {
+			id := uuid.New()
+			_, err := b.writer.RecordCommand(ctx, tx, id, outbox.Fingerprint([]byte("cmd")))
+			for what, err := range map[string]error{"RecordCommand": err,
+				"StoreCommandResult": b.writer.StoreCommandResult(ctx, tx, id, []byte("result")),
+				"Append":             b.writer.Append(ctx, tx, newMessage("s", "k", 1))} {
+				var ce *outbox.ConfigError
+				require.ErrorAs(t, err, &ce, name+" "+what)
+				require.Equal(t, "tx", ce.Field, name+" "+what)
+				require.ErrorIs(t, err, outbox.ErrInvalidConfig, name+" "+what)
+			}
+		}
+		require.Zero(t, b.idempotencyRows(t), "nothing recorded")
+		require.Zero(t, b.count(t, b.writer.Table()), "nothing appended")
+	})
+
 	t.Run("ConnInsideBegin", func(t *testing.T) {
 		_, err := conn.Exec(ctx, "BEGIN")
 		require.NoError(t, err)

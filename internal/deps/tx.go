@@ -20,9 +20,14 @@ func NotInTransaction(v any) string {
 	case *pgxpool.Pool:
 		return "is a *pgxpool.Pool, whose statements each commit on their own"
 	case *pgx.Conn:
+		if c.IsClosed() {
+			return "is a closed *pgx.Conn"
+		}
 		conn = c.PgConn()
 	case *pgxpool.Conn:
-		conn = c.Conn().PgConn()
+		if conn = pooledPgConn(c); conn == nil {
+			return "is a *pgxpool.Conn already released (or hijacked), which has no connection"
+		}
 	default:
 		return ""
 	}
@@ -30,4 +35,16 @@ func NotInTransaction(v any) string {
 		return "is a connection outside a transaction, whose statements each commit on their own"
 	}
 	return ""
+}
+
+// pooledPgConn returns c's connection, or nil when c was released or
+// hijacked: pgxpool's Conn then panics on every method, and exports no
+// way to ask first.
+func pooledPgConn(c *pgxpool.Conn) (conn *pgconn.PgConn) {
+	defer func() {
+		if recover() != nil {
+			conn = nil
+		}
+	}()
+	return c.Conn().PgConn()
 }
