@@ -11,6 +11,7 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/verity-go/verity/internal/deps"
+	"github.com/verity-go/verity/internal/pgcancel"
 	"github.com/verity-go/verity/outbox"
 )
 
@@ -80,7 +81,8 @@ func quoteLiteral(s string) string {
 // look-up, so USAGE on the schema and SELECT, INSERT, UPDATE and DELETE on
 // its tables suffice (see outbox.Migrate). A nil cfg is the zero Config:
 // Schema SchemaDefault ("public"), whatever the connection's search_path,
-// as for New, and the default table names.
+// as for New, and the default table names. Ending ctx stops a part still
+// running on the server, as outbox.Migrate describes.
 func Migrate(ctx context.Context, db Execer, cfg *Config) error {
 	if deps.Missing(db) {
 		return &ConfigError{Field: "db", Reason: "is nil; pass the board's database (a *pgxpool.Pool, a connection or a transaction)"}
@@ -99,7 +101,7 @@ func Migrate(ctx context.Context, db Execer, cfg *Config) error {
 	// Without arguments pgx sends the script with the simple protocol: all
 	// statements run in one implicit transaction, so the advisory lock is
 	// held until the last one is done.
-	if _, err := db.Exec(ctx, script); err != nil {
+	if err := pgcancel.Exec(ctx, db, script); err != nil {
 		return fmt.Errorf("leaderboard: migrate: %w", err)
 	}
 	return nil

@@ -23,6 +23,39 @@ func TestMigrate(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 
+	// Cancelled while its script waits for the advisory lock another
+	// migration holds, Migrate stops waiting on the server before it
+	// returns; with the connection only closed, the server waited on.
+	t.Run("CancelledStopsWaitingOnTheServer", func(t *testing.T) {
+		t.Parallel()
+		tb := setup(t)
+		cfg := tb.board.Config()
+		conn, err := pgx.Connect(ctx, tb.pg.ConnString)
+		require.NoError(t, err)
+		defer conn.Close(ctx)
+		holder, err := tb.pg.Pool.Begin(ctx)
+		require.NoError(t, err)
+		defer func() { _ = holder.Rollback(ctx) }()
+		_, err = holder.Exec(ctx, `SELECT pg_advisory_xact_lock(8317442061)`)
+		require.NoError(t, err)
+
+		waiting := func() int {
+			var n int
+			require.NoError(t, tb.pg.Pool.QueryRow(ctx, `SELECT count(*) FROM pg_locks WHERE NOT granted AND pid = $1`, conn.PgConn().PID()).Scan(&n))
+			return n
+		}
+		mctx, cancel := context.WithCancel(ctx)
+		defer cancel()
+		done := make(chan error, 1)
+		go func() { done <- Migrate(mctx, conn, &cfg) }()
+		require.Eventually(t, func() bool { return waiting() == 1 }, 10*time.Second, 5*time.Millisecond)
+		cancel()
+		require.ErrorIs(t, <-done, context.Canceled)
+		require.Zero(t, waiting())
+		require.NoError(t, holder.Rollback(ctx))
+		require.NoError(t, Migrate(ctx, conn, &cfg), "the connection is kept")
+	})
+
 	// A migrated schema must migrate again without waiting for the
 	// transactions that write to it: a start-up Migrate would otherwise
 	// stall behind, and then block, every submit.

@@ -15,6 +15,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/verity-go/verity/internal/deps"
+	"github.com/verity-go/verity/internal/pgcancel"
 )
 
 //go:embed migrations/*.sql
@@ -253,6 +254,17 @@ func MigrationSQL(cfg *Config) (string, error) {
 // takes a lock that makes writers or relays wait, so calling it at every
 // start-up is safe.
 //
+// On a fresh or older outbox a step may wait for writers' transactions to
+// end (an index build on the outbox table), and while it waits, new
+// writers queue behind it. Ending ctx then stops the step on the server,
+// not only in the client: Migrate sends a cancel request, waits up to two
+// seconds for the server to answer (then closes the connection), and the
+// script's implicit transaction rolls back whole, so no step is half
+// applied and nobody queues behind a Migrate that has returned. For a
+// database/sql transaction (SQLTx) ending ctx is left to the driver; the
+// pgx driver closes the connection, and a server still waiting for a lock
+// may apply the steps once it gets it.
+//
 // Privileges: on a fresh outbox Migrate needs CREATE on the database (to
 // create Config.Schema, unless it exists) or on the schema, and later
 // owns the tables it creates; migrations that change an existing table
@@ -265,6 +277,9 @@ func Migrate(ctx context.Context, db Execer, cfg *Config) error {
 	if deps.Missing(db) {
 		return missingDB()
 	}
+	if reason := deps.Released(db); reason != "" {
+		return &ConfigError{Field: "db", Reason: reason}
+	}
 	script, err := MigrationSQL(cfg)
 	if err != nil {
 		return err
@@ -273,7 +288,7 @@ func Migrate(ctx context.Context, db Execer, cfg *Config) error {
 	// statements and runs them in one implicit transaction.
 	script = fmt.Sprintf("SELECT pg_advisory_xact_lock(%d);\n%s", migrationLockKey, script)
 	script = readCommitted(db) + script
-	if _, err := db.Exec(ctx, script); err != nil {
+	if err := pgcancel.Exec(ctx, db, script); err != nil {
 		return mapError("migrate", err)
 	}
 	return nil

@@ -25,8 +25,8 @@ func NotInTransaction(v any) string {
 		}
 		conn = c.PgConn()
 	case *pgxpool.Conn:
-		if conn = pooledPgConn(c); conn == nil {
-			return "is a *pgxpool.Conn already released (or hijacked), which has no connection"
+		if conn = PooledPgConn(c); conn == nil {
+			return releasedConn
 		}
 	default:
 		return ""
@@ -37,10 +37,22 @@ func NotInTransaction(v any) string {
 	return ""
 }
 
-// pooledPgConn returns c's connection, or nil when c was released or
+const releasedConn = "is a *pgxpool.Conn already released (or hijacked), which has no connection"
+
+// Released says why v cannot run a statement at all, or returns "": a
+// *pgxpool.Conn already released or hijacked, on which pgxpool panics
+// instead of returning an error.
+func Released(v any) string {
+	if c, ok := v.(*pgxpool.Conn); ok && PooledPgConn(c) == nil {
+		return releasedConn
+	}
+	return ""
+}
+
+// PooledPgConn returns c's connection, or nil when c was released or
 // hijacked: pgxpool's Conn then panics on every method, and exports no
 // way to ask first.
-func pooledPgConn(c *pgxpool.Conn) (conn *pgconn.PgConn) {
+func PooledPgConn(c *pgxpool.Conn) (conn *pgconn.PgConn) {
 	defer func() {
 		if recover() != nil {
 			conn = nil

@@ -1,0 +1,117 @@
+// Package pgcancel runs a statement that may wait on the server for a long
+// time, such as a migration queued behind another transaction's lock, so
+// that the end of its context stops it on the server too.
+//
+// pgx answers a context's end by closing the connection. A backend waiting
+// for a lock does not notice a closed socket: it waits on, its queued lock
+// request making every later conflicting statement queue behind it, and
+// once it gets the lock it runs the rest of a simple-protocol script and
+// commits it, with nobody left to tell. A cancel request stops it where it
+// stands.
+package pgcancel
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/verity-go/verity/internal/deps"
+)
+
+// Grace bounds how long Exec waits, once its context has ended, for the
+// server to answer the cancel request before it closes the connection as
+// pgx would have.
+const Grace = 2 * time.Second
+
+// Execer is the handle Exec runs a statement on.
+type Execer interface {
+	Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
+}
+
+// ErrReleased is returned for a *pgxpool.Conn already released or hijacked,
+// on which pgxpool would panic.
+var ErrReleased = errors.New("pgcancel: the *pgxpool.Conn was already released (or hijacked)")
+
+// Exec runs sql on db without arguments (pgx then uses the simple
+// protocol, which runs several statements in one implicit transaction).
+//
+// When ctx ends before the server has answered and db is a *pgxpool.Pool,
+// a *pgxpool.Conn, a *pgx.Conn or a pgx.Tx, Exec sends the server a cancel
+// request and waits up to Grace for the statement to end; only then does it
+// close the connection. It returns only once the statement has ended or its
+// connection is closed, with an error that wraps ctx's cause and the
+// server's answer, or nil if the statement finished before the request
+// reached it. A cancelled statement in the caller's transaction leaves that
+// transaction aborted. Any other db (an adapter of a database/sql
+// transaction) runs the statement with its own Exec, whose answer to ctx's
+// end is its driver's.
+func Exec(ctx context.Context, db Execer, sql string) error {
+	switch d := db.(type) {
+	case *pgxpool.Pool:
+		c, err := d.Acquire(ctx)
+		if err != nil {
+			return err
+		}
+		defer c.Release()
+		return exec(ctx, c.Conn().PgConn(), c, sql)
+	case *pgxpool.Conn:
+		pc := deps.PooledPgConn(d)
+		if pc == nil {
+			return ErrReleased
+		}
+		return exec(ctx, pc, d, sql)
+	case *pgx.Conn:
+		if !d.IsClosed() {
+			return exec(ctx, d.PgConn(), d, sql)
+		}
+	case pgx.Tx:
+		if c := d.Conn(); c != nil && !c.IsClosed() {
+			return exec(ctx, c.PgConn(), d, sql)
+		}
+	}
+	_, err := db.Exec(ctx, sql)
+	return err
+}
+
+func exec(ctx context.Context, pc *pgconn.PgConn, db Execer, sql string) error {
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	// The statement runs on a context that ctx's end does not reach, so
+	// that pgx keeps the connection open while the server answers.
+	execCtx, closeConn := context.WithCancel(context.WithoutCancel(ctx))
+	defer closeConn()
+	done := make(chan error, 1)
+	go func() {
+		_, err := db.Exec(execCtx, sql)
+		done <- err
+	}()
+	select {
+	case err := <-done:
+		return err
+	case <-ctx.Done():
+	}
+	graceCtx, cancelGrace := context.WithTimeout(context.Background(), Grace)
+	defer cancelGrace()
+	// Best effort: a request that cannot be sent leaves the statement to
+	// the connection's closing below. CancelRequest returns once the server
+	// has taken the request, so it cannot reach a statement run after Exec
+	// returns.
+	_ = pc.CancelRequest(graceCtx)
+	var err error
+	select {
+	case err = <-done:
+	case <-graceCtx.Done():
+		closeConn()
+		err = <-done
+	}
+	if err == nil {
+		return nil
+	}
+	return fmt.Errorf("%w: %w", context.Cause(ctx), err)
+}
