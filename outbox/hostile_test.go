@@ -86,14 +86,18 @@ func TestHostileIdentifiers(t *testing.T) {
 }
 
 // TestMissingHandles passes nil (and typed-nil) transactions and database
-// handles: each call returns a *ConfigError naming the argument, instead
-// of dereferencing it.
+// handles, and a *pgxpool.Conn already released: each call returns a
+// *ConfigError naming the argument, instead of dereferencing it (pgxpool
+// panics on a released Conn).
 func TestMissingHandles(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	b := setup(t)
 	var noTx pgx.Tx
 	var noConn *pgx.Conn
+	released, err := b.pool.Acquire(ctx)
+	require.NoError(t, err)
+	released.Release()
 	id := uuid.New()
 	for name, call := range map[string]struct {
 		field string
@@ -101,6 +105,9 @@ func TestMissingHandles(t *testing.T) {
 	}{
 		"Migrate":            {"db", func() error { return outbox.Migrate(ctx, nil, nil) }},
 		"MigrateTypedNil":    {"db", func() error { return outbox.Migrate(ctx, noConn, nil) }},
+		"MigrateReleased":    {"db", func() error { return outbox.Migrate(ctx, released, nil) }},
+		"PruneReleased":      {"db", func() error { _, err := b.writer.PruneCommands(ctx, released, time.Hour); return err }},
+		"NotifierReleased":   {"db", func() error { _, err := outbox.NewNotifier(released, b.writer.Channel(), nil); return err }},
 		"Append":             {"tx", func() error { return b.writer.Append(ctx, noTx, newMessage("s", "k", 1)) }},
 		"AppendSQLTx":        {"tx", func() error { return b.writer.Append(ctx, outbox.SQLTx(nil), newMessage("s", "k", 1)) }},
 		"RecordCommand":      {"tx", func() error { _, err := b.writer.RecordCommand(ctx, nil, id, []byte("f")); return err }},

@@ -278,6 +278,9 @@ func (w *Writer) PruneCommands(ctx context.Context, db Execer, retention time.Du
 	if deps.Missing(db) {
 		return 0, missingDB()
 	}
+	if reason := deps.Released(db); reason != "" {
+		return 0, &ConfigError{Field: "db", Reason: reason}
+	}
 	if retention < time.Microsecond {
 		// Sent in whole microseconds: anything less would be 0.
 		return 0, &ConfigError{Field: "retention", Reason: fmt.Sprintf("is %s; it must be at least 1µs, or it would delete every record", retention)}

@@ -173,6 +173,9 @@ func NewNotifier(db Execer, channel string, cfg *NotifierConfig) (*Notifier, err
 	if deps.Missing(db) {
 		return nil, &ConfigError{Field: "db", Reason: "is nil; pass a database handle (a *pgxpool.Pool)"}
 	}
+	if reason := deps.Released(db); reason != "" {
+		return nil, &ConfigError{Field: "db", Reason: reason}
+	}
 	// PostgreSQL refuses channel names of NAMEDATALEN (64) bytes or more:
 	// every NOTIFY would fail, and only a log would say so.
 	if channel == "" || len(channel) >= 64 || !utf8.ValidString(channel) || strings.IndexByte(channel, 0) >= 0 {

@@ -442,6 +442,14 @@ func TestSQLSource(t *testing.T) {
 		var dbErr *ConfigError
 		require.ErrorAs(t, err, &dbErr, "a typed-nil pool")
 		require.Equal(t, "db", dbErr.Field)
+		// pgxpool panics on a released Conn; the source would at its
+		// first page, inside a reconcile run.
+		released, err := pg.Pool.Acquire(ctx)
+		require.NoError(t, err)
+		released.Release()
+		_, err = NewSQLSource(released, &ok)
+		require.ErrorAs(t, err, &dbErr, "a released pooled connection")
+		require.Equal(t, "db", dbErr.Field)
 
 		// A filter that PostgreSQL receives as NULL matches no row.
 		var nilText *string

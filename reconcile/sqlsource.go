@@ -216,6 +216,9 @@ func NewSQLSource(db DBTX, cfg *SQLSourceConfig) (*SQLSource, error) {
 	if deps.Missing(db) {
 		return nil, &ConfigError{Field: "db", Reason: "must not be nil; pass a *pgxpool.Pool"}
 	}
+	if reason := deps.Released(db); reason != "" {
+		return nil, &ConfigError{Field: "db", Reason: reason + "; pass a *pgxpool.Pool"}
+	}
 	if cfg == nil {
 		return nil, &ConfigError{Field: "SQLSourceConfig", Reason: "must not be nil"}
 	}
