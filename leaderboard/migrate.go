@@ -101,7 +101,7 @@ func Migrate(ctx context.Context, db Execer, cfg *Config) error {
 	// Without arguments pgx sends the script with the simple protocol: all
 	// statements run in one implicit transaction, so the advisory lock is
 	// held until the last one is done.
-	if err := pgcancel.Exec(ctx, db, script); err != nil {
+	if _, err := pgcancel.Exec(ctx, db, script); err != nil {
 		return fmt.Errorf("leaderboard: migrate: %w", err)
 	}
 	return nil

@@ -11,6 +11,8 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgtype"
+
+	"github.com/verity-go/verity/internal/pgcancel"
 )
 
 // Stats is a snapshot of an outbox's backlog.
@@ -272,7 +274,10 @@ SELECT count(*) FROM restored, pg_notify($4, '')`
 // outside the outbox. So is an event whose newest dead letter's id the
 // outbox holds again (possible only after the outbox's ids were reset).
 // A replay that deadlocks with a transaction appending dead events (it
-// moved nothing) is run again, up to three times.
+// moved nothing) is run again, up to three times. If ctx ends while the
+// replay's statement runs (waiting on such an append, say), the statement
+// is cancelled on the server too, as for Migrate, and moves nothing; the
+// error then matches ctx's.
 func (r *Relay) ReplayDead(ctx context.Context, filter ReplayFilter) (int64, error) {
 	if r.unmade() {
 		return 0, errUnmadeRelay()
@@ -295,8 +300,7 @@ func (r *Relay) ReplayDead(ctx context.Context, filter ReplayFilter) (int64, err
 	for deadlocks := 0; ; deadlocks++ {
 		// A deadlock with a caller's transaction appending dead events
 		// rolled the statement back, moving nothing: run it again.
-		err = r.pool.QueryRow(ctx, fmt.Sprintf(replayDeadSQL, r.names.Outbox, r.names.Dead, MaxStreamBytes),
-			ids, filter.Stream, limit, r.names.Channel).Scan(&n)
+		n, err = r.replayDeadOnce(ctx, ids, filter.Stream, limit)
 		var pgErr *pgconn.PgError
 		if deadlocks < 3 && ctx.Err() == nil && errors.As(err, &pgErr) && pgErr.Code == pgDeadlockDetected {
 			continue
@@ -312,4 +316,22 @@ func (r *Relay) ReplayDead(ctx context.Context, filter ReplayFilter) (int64, err
 	}
 	r.metrics.replayed.Add(ctx, n, r.metrics.attrs)
 	return n, nil
+}
+
+// replayDeadOnce runs replayDeadSQL once on a connection of its own, so
+// that ctx's end stops it on the server as well: it may be waiting on an
+// append of one of its event ids, and would otherwise move the rows once
+// that append rolled back, after ReplayDead had returned an error.
+func (r *Relay) replayDeadOnce(ctx context.Context, ids []pgtype.UUID, stream string, limit any) (int64, error) {
+	c, err := r.pool.Acquire(ctx)
+	if err != nil {
+		return 0, err
+	}
+	defer c.Release()
+	var n int64
+	err = pgcancel.Run(ctx, c.Conn().PgConn(), func(ctx context.Context) error {
+		return c.QueryRow(ctx, fmt.Sprintf(replayDeadSQL, r.names.Outbox, r.names.Dead, MaxStreamBytes),
+			ids, stream, limit, r.names.Channel).Scan(&n)
+	})
+	return n, err
 }

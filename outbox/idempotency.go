@@ -13,6 +13,7 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/verity-go/verity/internal/deps"
+	"github.com/verity-go/verity/internal/pgcancel"
 )
 
 // Command is what RecordCommand knows about a command after recording it.
@@ -267,7 +268,10 @@ const pruneCommandsSQL = `DELETE FROM %s WHERE created_at < now() - $1 * interva
 // from its commit: a transaction open longer than retention commits a record
 // that the next prune deletes, so make retention cover the longest recording
 // transaction as well as the retry window. The deletion is index-backed
-// (created_at); run it periodically, from any process. A retention below one
+// (created_at); run it periodically, from any process. If ctx ends while
+// the DELETE runs (waiting for a record another transaction holds, say), it
+// is cancelled on the server too, as for Migrate, and deletes nothing. A
+// retention below one
 // microsecond (the unit it is sent in), which would delete every record, is
 // refused with a *ConfigError naming "retention" (ErrInvalidConfig), and
 // nothing is deleted.
@@ -285,7 +289,9 @@ func (w *Writer) PruneCommands(ctx context.Context, db Execer, retention time.Du
 		// Sent in whole microseconds: anything less would be 0.
 		return 0, &ConfigError{Field: "retention", Reason: fmt.Sprintf("is %s; it must be at least 1µs, or it would delete every record", retention)}
 	}
-	tag, err := db.Exec(ctx, fmt.Sprintf(pruneCommandsSQL, w.names.Idempotency), retention.Microseconds())
+	// Cancelled on the server if ctx ends: the DELETE may wait for a row
+	// another transaction holds, and would otherwise delete once it got it.
+	tag, err := pgcancel.Exec(ctx, db, fmt.Sprintf(pruneCommandsSQL, w.names.Idempotency), retention.Microseconds())
 	if err != nil {
 		return 0, mapError("prune commands", err)
 	}

@@ -288,7 +288,7 @@ func Migrate(ctx context.Context, db Execer, cfg *Config) error {
 	// statements and runs them in one implicit transaction.
 	script = fmt.Sprintf("SELECT pg_advisory_xact_lock(%d);\n%s", migrationLockKey, script)
 	script = readCommitted(db) + script
-	if err := pgcancel.Exec(ctx, db, script); err != nil {
+	if _, err := pgcancel.Exec(ctx, db, script); err != nil {
 		return mapError("migrate", err)
 	}
 	return nil

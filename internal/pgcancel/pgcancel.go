@@ -37,60 +37,66 @@ type Execer interface {
 // on which pgxpool would panic.
 var ErrReleased = errors.New("pgcancel: the *pgxpool.Conn was already released (or hijacked)")
 
-// Exec runs sql on db without arguments (pgx then uses the simple
-// protocol, which runs several statements in one implicit transaction).
+// Exec runs sql with args on db and returns its command tag. Without
+// arguments pgx uses the simple protocol, which runs several statements in
+// one implicit transaction.
 //
 // When ctx ends before the server has answered and db is a *pgxpool.Pool,
-// a *pgxpool.Conn, a *pgx.Conn or a pgx.Tx, Exec sends the server a cancel
-// request and waits up to Grace for the statement to end; only then does it
-// close the connection. It returns only once the statement has ended or its
-// connection is closed, with an error that wraps ctx's cause and the
-// server's answer, or nil if the statement finished before the request
-// reached it. A cancelled statement in the caller's transaction leaves that
-// transaction aborted. Any other db (an adapter of a database/sql
+// a *pgxpool.Conn, a *pgx.Conn or a pgx.Tx, Exec stops the statement on the
+// server as Run does. Any other db (an adapter of a database/sql
 // transaction) runs the statement with its own Exec, whose answer to ctx's
 // end is its driver's.
-func Exec(ctx context.Context, db Execer, sql string) error {
+func Exec(ctx context.Context, db Execer, sql string, args ...any) (pgconn.CommandTag, error) {
+	var tag pgconn.CommandTag
+	on := func(db Execer) func(context.Context) error {
+		return func(ctx context.Context) (err error) {
+			tag, err = db.Exec(ctx, sql, args...)
+			return err
+		}
+	}
 	switch d := db.(type) {
 	case *pgxpool.Pool:
 		c, err := d.Acquire(ctx)
 		if err != nil {
-			return err
+			return tag, err
 		}
 		defer c.Release()
-		return exec(ctx, c.Conn().PgConn(), c, sql)
+		return tag, Run(ctx, c.Conn().PgConn(), on(c))
 	case *pgxpool.Conn:
 		pc := deps.PooledPgConn(d)
 		if pc == nil {
-			return ErrReleased
+			return tag, ErrReleased
 		}
-		return exec(ctx, pc, d, sql)
+		return tag, Run(ctx, pc, on(d))
 	case *pgx.Conn:
 		if !d.IsClosed() {
-			return exec(ctx, d.PgConn(), d, sql)
+			return tag, Run(ctx, d.PgConn(), on(d))
 		}
 	case pgx.Tx:
 		if c := d.Conn(); c != nil && !c.IsClosed() {
-			return exec(ctx, c.PgConn(), d, sql)
+			return tag, Run(ctx, c.PgConn(), on(d))
 		}
 	}
-	_, err := db.Exec(ctx, sql)
-	return err
+	return db.Exec(ctx, sql, args...)
 }
 
-func exec(ctx context.Context, pc *pgconn.PgConn, db Execer, sql string) error {
+// Run calls f, which sends statements on pc's connection with the context
+// it is given. When ctx ends before f returns, Run sends the server a
+// cancel request and waits up to Grace for f to return; only then does it
+// close the connection. It returns once f has returned, with f's error
+// wrapped with ctx's cause, or nil if the statement finished before the
+// request reached it. A statement cancelled in the caller's transaction
+// leaves that transaction aborted.
+func Run(ctx context.Context, pc *pgconn.PgConn, f func(context.Context) error) error {
 	if err := ctx.Err(); err != nil {
 		return err
 	}
-	// The statement runs on a context that ctx's end does not reach, so
-	// that pgx keeps the connection open while the server answers.
-	execCtx, closeConn := context.WithCancel(context.WithoutCancel(ctx))
+	// f runs on a context that ctx's end does not reach, so that pgx keeps
+	// the connection open while the server answers.
+	fctx, closeConn := context.WithCancel(context.WithoutCancel(ctx))
 	defer closeConn()
 	done := make(chan error, 1)
-	go func() {
-		_, err := db.Exec(execCtx, sql)
-		done <- err
-	}()
+	go func() { done <- f(fctx) }()
 	select {
 	case err := <-done:
 		return err
@@ -100,7 +106,7 @@ func exec(ctx context.Context, pc *pgconn.PgConn, db Execer, sql string) error {
 	defer cancelGrace()
 	// Best effort: a request that cannot be sent leaves the statement to
 	// the connection's closing below. CancelRequest returns once the server
-	// has taken the request, so it cannot reach a statement run after Exec
+	// has taken the request, so it cannot reach a statement sent after Run
 	// returns.
 	_ = pc.CancelRequest(graceCtx)
 	var err error

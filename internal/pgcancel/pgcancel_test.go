@@ -50,21 +50,21 @@ func (b *testBundle) waiting(t *testing.T) int {
 
 // execOnceWaiting runs script with pgcancel.Exec on db and ends its
 // context (with cancel) once the server waits for the lock.
-func (b *testBundle) execOnceWaiting(t *testing.T, db pgcancel.Execer) (error, time.Duration) {
+func (b *testBundle) execOnceWaiting(t *testing.T, db pgcancel.Execer) (time.Duration, error) {
 	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	done := make(chan error, 1)
-	go func() { done <- pgcancel.Exec(ctx, db, script) }()
+	go func() { done <- execErr(ctx, db, script) }()
 	require.Eventually(t, func() bool { return b.waiting(t) == 1 }, 10*time.Second, 5*time.Millisecond)
 	start := time.Now()
 	cancel()
 	select {
 	case err := <-done:
-		return err, time.Since(start)
+		return time.Since(start), err
 	case <-time.After(pgcancel.Grace + 30*time.Second):
 		t.Fatal("Exec has not returned")
-		return nil, 0
+		return 0, nil
 	}
 }
 
@@ -95,7 +95,7 @@ func TestExec(t *testing.T) {
 	t.Run("Pool", func(t *testing.T) {
 		t.Parallel()
 		b := setup(t)
-		err, elapsed := b.execOnceWaiting(t, b.pg.Pool)
+		elapsed, err := b.execOnceWaiting(t, b.pg.Pool)
 		requireCancelled(t, err, elapsed)
 		b.requireNothingLeft(t)
 	})
@@ -106,7 +106,7 @@ func TestExec(t *testing.T) {
 		c, err := b.pg.Pool.Acquire(ctx)
 		require.NoError(t, err)
 		defer c.Release()
-		err, elapsed := b.execOnceWaiting(t, c)
+		elapsed, err := b.execOnceWaiting(t, c)
 		requireCancelled(t, err, elapsed)
 		b.requireNothingLeft(t)
 		_, err = c.Exec(ctx, `SELECT 1`)
@@ -119,7 +119,7 @@ func TestExec(t *testing.T) {
 		conn, err := pgx.Connect(ctx, b.pg.ConnString)
 		require.NoError(t, err)
 		defer conn.Close(ctx)
-		err, elapsed := b.execOnceWaiting(t, conn)
+		elapsed, err := b.execOnceWaiting(t, conn)
 		requireCancelled(t, err, elapsed)
 		b.requireNothingLeft(t)
 		_, err = conn.Exec(ctx, `SELECT 1`)
@@ -132,7 +132,7 @@ func TestExec(t *testing.T) {
 		tx, err := b.pg.Pool.Begin(ctx)
 		require.NoError(t, err)
 		defer tx.Rollback(ctx) //nolint:errcheck
-		err, elapsed := b.execOnceWaiting(t, tx)
+		elapsed, err := b.execOnceWaiting(t, tx)
 		requireCancelled(t, err, elapsed)
 		b.requireNothingLeft(t)
 		_, err = tx.Exec(ctx, `SELECT 1`)
@@ -147,7 +147,7 @@ func TestExec(t *testing.T) {
 		b := setup(t)
 		dctx, cancel := context.WithTimeout(ctx, 300*time.Millisecond)
 		defer cancel()
-		err := pgcancel.Exec(dctx, b.pg.Pool, script)
+		err := execErr(dctx, b.pg.Pool, script)
 		require.ErrorIs(t, err, context.DeadlineExceeded)
 		b.requireNothingLeft(t)
 	})
@@ -159,10 +159,28 @@ func TestExec(t *testing.T) {
 		require.NoError(t, err)
 		cctx, cancel := context.WithCancel(ctx)
 		defer cancel()
-		require.NoError(t, pgcancel.Exec(cctx, pg.Pool, script))
+		require.NoError(t, execErr(cctx, pg.Pool, script))
 		var n int
 		require.NoError(t, pg.Pool.QueryRow(ctx, `SELECT count(*) FROM "held"`).Scan(&n))
 		require.Equal(t, 2, n)
+	})
+
+	// With arguments (the extended protocol), the statement's tag comes
+	// back, and a statement waiting for a lock is cancelled as well.
+	t.Run("ArgumentsAndTag", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		const insert = `INSERT INTO "held" SELECT generate_series(1, $1::int)`
+		cctx, cancel := context.WithCancel(ctx)
+		done := make(chan error, 1)
+		go func() { _, err := pgcancel.Exec(cctx, b.pg.Pool, insert, 3); done <- err }()
+		require.Eventually(t, func() bool { return b.waiting(t) == 1 }, 10*time.Second, 5*time.Millisecond)
+		cancel()
+		requireCancelled(t, <-done, 0)
+		b.requireNothingLeft(t)
+		tag, err := pgcancel.Exec(ctx, b.pg.Pool, insert, 3)
+		require.NoError(t, err)
+		require.EqualValues(t, 3, tag.RowsAffected())
 	})
 
 	t.Run("EndedBeforeStart", func(t *testing.T) {
@@ -174,7 +192,7 @@ func TestExec(t *testing.T) {
 		require.NoError(t, err)
 		defer conn.Close(ctx)
 		for _, db := range []pgcancel.Execer{b.pg.Pool, conn} {
-			require.ErrorIs(t, pgcancel.Exec(cctx, db, script), context.Canceled)
+			require.ErrorIs(t, execErr(cctx, db, script), context.Canceled)
 		}
 		b.requireNothingLeft(t)
 	})
@@ -185,7 +203,7 @@ func TestExec(t *testing.T) {
 		c, err := pg.Pool.Acquire(ctx)
 		require.NoError(t, err)
 		c.Release()
-		require.ErrorIs(t, pgcancel.Exec(ctx, c, `SELECT 1`), pgcancel.ErrReleased)
+		require.ErrorIs(t, execErr(ctx, c, `SELECT 1`), pgcancel.ErrReleased)
 	})
 
 	// A cancel request that cannot reach the server: Exec closes the
@@ -218,7 +236,7 @@ func TestExec(t *testing.T) {
 		require.NoError(t, err)
 		defer conn.Close(ctx)
 		connected.Store(true)
-		err, elapsed := b.execOnceWaiting(t, conn)
+		elapsed, err := b.execOnceWaiting(t, conn)
 		require.ErrorIs(t, err, context.Canceled)
 		require.GreaterOrEqual(t, elapsed, pgcancel.Grace)
 		require.Less(t, elapsed, pgcancel.Grace+5*time.Second)
@@ -232,11 +250,17 @@ func TestExec(t *testing.T) {
 		pg := testenv.Postgres(t)
 		_, err := pg.Pool.Exec(ctx, `CREATE TABLE "held" ("n" int)`)
 		require.NoError(t, err)
-		require.NoError(t, pgcancel.Exec(ctx, execFunc(pg.Pool.Exec), script))
+		require.NoError(t, execErr(ctx, execFunc(pg.Pool.Exec), script))
 		var n int
 		require.NoError(t, pg.Pool.QueryRow(ctx, `SELECT count(*) FROM "held"`).Scan(&n))
 		require.Equal(t, 2, n)
 	})
+}
+
+// execErr is pgcancel.Exec without its command tag.
+func execErr(ctx context.Context, db pgcancel.Execer, sql string) error {
+	_, err := pgcancel.Exec(ctx, db, sql)
+	return err
 }
 
 type execFunc func(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
