@@ -10,6 +10,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 
 	"github.com/redis/go-redis/v9"
 
@@ -57,7 +58,10 @@ func (e *EvictionPolicyError) Is(target error) bool { return target == ErrEvicti
 // replica the cluster has marked failed (CLUSTER SLOTS leaves it out), or
 // a Ring shard that go-redis's default heartbeat has marked down (a Ring
 // built as the package documents, with a HeartbeatFn that reports every
-// shard up, lists them all). Check again when such a node is back.
+// shard up, lists them all). Check again when such a node is back. A Ring
+// that lists no shard at all, closed or with every shard down, asks no
+// server and fails with the Ring's own error (redis.ErrClosed once
+// closed).
 func CheckEvictionPolicy(ctx context.Context, client redis.UniversalClient) error {
 	if deps.Missing(client) {
 		return &ConfigError{Field: "client", Reason: "is nil: pass the Redis client the projection writes with"}
@@ -85,7 +89,7 @@ func CheckEvictionPolicy(ctx context.Context, client redis.UniversalClient) erro
 			errs = append(errs, nodeError{err: fmt.Errorf("projection: checking the eviction policy: %w", err)})
 		}
 	case *redis.Ring:
-		if err := c.ForEachShard(ctx, node); err != nil {
+		if err := forEachRingShard(ctx, c, node); err != nil {
 			errs = append(errs, nodeError{err: fmt.Errorf("projection: checking the eviction policy: %w", err)})
 		}
 	case *redis.Client:
@@ -134,4 +138,21 @@ func checkEvictionPolicy(ctx context.Context, addr string, c redis.Cmdable) erro
 		return &EvictionPolicyError{Addr: addr, Policy: policy, MaxMemory: maxMemory}
 	}
 	return nil
+}
+
+// forEachRingShard is ring.ForEachShard, but for a Ring that lists no
+// shard, closed or with every shard down: ForEachShard then calls fn on
+// none and returns nil, as if every server had been asked, where
+// forEachRingShard returns the Ring's own error. The Ring answers that
+// PING without a round trip.
+func forEachRingShard(ctx context.Context, ring *redis.Ring, fn func(context.Context, *redis.Client) error) error {
+	var asked atomic.Bool
+	err := ring.ForEachShard(ctx, func(ctx context.Context, shard *redis.Client) error {
+		asked.Store(true)
+		return fn(ctx, shard)
+	})
+	if err == nil && !asked.Load() {
+		err = ring.Ping(ctx).Err()
+	}
+	return err
 }

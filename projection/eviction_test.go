@@ -142,6 +142,31 @@ func TestCheckEvictionPolicyRing(t *testing.T) {
 		require.True(t, slices.IsSorted(text), "sorted by server: %q", text)
 	}
 
+	// A Ring that lists no shard asks no server: that is no check passed,
+	// and no script loaded. ForEachShard itself returns nil for it.
+	t.Run("NoShardListed", func(t *testing.T) {
+		t.Parallel()
+		addr := testenv.Redis(t).Client.(*redis.Client).Options().Addr
+		ks, err := NewKeyspace("nolisted")
+		require.NoError(t, err)
+
+		closed := redis.NewRing(&redis.RingOptions{Addrs: map[string]string{"a": addr}, HeartbeatFn: func(context.Context, *redis.Client) bool { return true }})
+		require.NoError(t, CheckEvictionPolicy(ctx, closed), "an open Ring is checked")
+		require.NoError(t, NewGate(closed, ks).Load(ctx), "and loaded")
+		require.NoError(t, closed.Close())
+		require.ErrorIs(t, CheckEvictionPolicy(ctx, closed), redis.ErrClosed)
+		require.ErrorIs(t, NewGate(closed, ks).Load(ctx), redis.ErrClosed)
+
+		down := redis.NewRing(&redis.RingOptions{Addrs: map[string]string{"a": addr}, HeartbeatFrequency: 10 * time.Millisecond,
+			HeartbeatFn: func(context.Context, *redis.Client) bool { return false }})
+		t.Cleanup(func() { _ = down.Close() })
+		require.Eventually(t, func() bool { return down.Ping(ctx).Err() != nil }, 10*time.Second, 10*time.Millisecond)
+		err = CheckEvictionPolicy(ctx, down)
+		require.ErrorContains(t, err, "all ring shards are down")
+		require.NotErrorIs(t, err, ErrEvictionPolicy)
+		require.ErrorContains(t, NewGate(down, ks).Load(ctx), "all ring shards are down")
+	})
+
 	// A server that cannot be asked is sorted by its address too, not
 	// ahead of every finding because of its message's wording.
 	t.Run("RefusedAndEvictingSortedByServer", func(t *testing.T) {

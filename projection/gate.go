@@ -112,7 +112,8 @@ func (g *Gate) Keyspace() Keyspace {
 // client writes to: every node a *redis.ClusterClient knows, replicas
 // included (go-redis sends SCRIPT LOAD to each, so one that cannot be
 // reached fails Load), every shard of a *redis.Ring that the Ring counts
-// as up, the server of any other client. It is optional: Apply falls back
+// as up (a Ring with none, closed or every shard down, fails Load), the
+// server of any other client. It is optional: Apply falls back
 // to EVAL when a node answers NOSCRIPT (after a restart or failover).
 func (g *Gate) Load(ctx context.Context) error {
 	if err := g.unusable(); err != nil {
@@ -122,7 +123,7 @@ func (g *Gate) Load(ctx context.Context) error {
 	if ring, ok := g.client.(*redis.Ring); ok {
 		// A Ring sends a command without keys, SCRIPT LOAD included, to
 		// one shard picked at random.
-		err = ring.ForEachShard(ctx, func(ctx context.Context, shard *redis.Client) error {
+		err = forEachRingShard(ctx, ring, func(ctx context.Context, shard *redis.Client) error {
 			return g.script.Load(ctx, shard).Err()
 		})
 	} else {
