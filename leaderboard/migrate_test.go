@@ -25,7 +25,7 @@ func TestMigrate(t *testing.T) {
 
 	// Cancelled while its script waits for the advisory lock another
 	// migration holds, Migrate stops waiting on the server before it
-	// returns; with the connection only closed, the server waited on.
+	// returns (pgx alone returns first and cancels in the background).
 	t.Run("CancelledStopsWaitingOnTheServer", func(t *testing.T) {
 		t.Parallel()
 		tb := setup(t)

@@ -276,8 +276,9 @@ SELECT count(*) FROM restored, pg_notify($4, '')`
 // A replay that deadlocks with a transaction appending dead events (it
 // moved nothing) is run again, up to three times. If ctx ends while the
 // replay's statement runs (waiting on such an append, say), the statement
-// is cancelled on the server too, as for Migrate, and moves nothing; the
-// error then matches ctx's.
+// is cancelled on the server before ReplayDead returns, as for Migrate, and
+// moves nothing; the error then matches ctx's. (A statement that finished
+// first has moved its rows, and ReplayDead returns their count.)
 func (r *Relay) ReplayDead(ctx context.Context, filter ReplayFilter) (int64, error) {
 	if r.unmade() {
 		return 0, errUnmadeRelay()
@@ -319,9 +320,10 @@ func (r *Relay) ReplayDead(ctx context.Context, filter ReplayFilter) (int64, err
 }
 
 // replayDeadOnce runs replayDeadSQL once on a connection of its own, so
-// that ctx's end stops it on the server as well: it may be waiting on an
-// append of one of its event ids, and would otherwise move the rows once
-// that append rolled back, after ReplayDead had returned an error.
+// that ctx's end stops it on the server before it returns: it may be
+// waiting on an append of one of its event ids, and could otherwise move
+// the rows once that append rolled back, after ReplayDead had returned an
+// error.
 func (r *Relay) replayDeadOnce(ctx context.Context, ids []pgtype.UUID, stream string, limit any) (int64, error) {
 	c, err := r.pool.Acquire(ctx)
 	if err != nil {

@@ -46,8 +46,8 @@ func (b *testBundle) cancelWhenWaiting(t *testing.T, appName string, call func(c
 
 // TestReplayDeadCancelledWhileWaiting: a replay waiting on an append of
 // its event id, cancelled, stops waiting on the server before it returns;
-// with the connection only closed, the server went on waiting and moved
-// the dead letter back once the append rolled back.
+// with pgx alone, which returns first and cancels in the background, the
+// append's rollback right after could let it move the dead letter back.
 func TestReplayDeadCancelledWhileWaiting(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
@@ -79,8 +79,9 @@ func TestReplayDeadCancelledWhileWaiting(t *testing.T) {
 
 // TestPruneCommandsCancelledWhileWaiting: a prune waiting for a record
 // another transaction holds, cancelled, stops waiting on the server before
-// it returns; with the connection only closed, the server went on waiting
-// and deleted the record once that transaction rolled back.
+// it returns; with pgx alone, which returns first and cancels in the
+// background, that transaction's rollback right after could let it delete
+// the record.
 func TestPruneCommandsCancelledWhileWaiting(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()

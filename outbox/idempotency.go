@@ -270,7 +270,8 @@ const pruneCommandsSQL = `DELETE FROM %s WHERE created_at < now() - $1 * interva
 // transaction as well as the retry window. The deletion is index-backed
 // (created_at); run it periodically, from any process. If ctx ends while
 // the DELETE runs (waiting for a record another transaction holds, say), it
-// is cancelled on the server too, as for Migrate, and deletes nothing. A
+// is cancelled on the server before PruneCommands returns, as for Migrate,
+// and deletes nothing. A
 // retention below one
 // microsecond (the unit it is sent in), which would delete every record, is
 // refused with a *ConfigError naming "retention" (ErrInvalidConfig), and
@@ -289,8 +290,9 @@ func (w *Writer) PruneCommands(ctx context.Context, db Execer, retention time.Du
 		// Sent in whole microseconds: anything less would be 0.
 		return 0, &ConfigError{Field: "retention", Reason: fmt.Sprintf("is %s; it must be at least 1µs, or it would delete every record", retention)}
 	}
-	// Cancelled on the server if ctx ends: the DELETE may wait for a row
-	// another transaction holds, and would otherwise delete once it got it.
+	// Cancelled on the server before returning if ctx ends: the DELETE may
+	// wait for a row another transaction holds, and could otherwise delete
+	// it after PruneCommands returned ctx's error.
 	tag, err := pgcancel.Exec(ctx, db, fmt.Sprintf(pruneCommandsSQL, w.names.Idempotency), retention.Microseconds())
 	if err != nil {
 		return 0, mapError("prune commands", err)

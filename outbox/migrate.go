@@ -256,14 +256,17 @@ func MigrationSQL(cfg *Config) (string, error) {
 //
 // On a fresh or older outbox a step may wait for writers' transactions to
 // end (an index build on the outbox table), and while it waits, new
-// writers queue behind it. Ending ctx then stops the step on the server,
-// not only in the client: Migrate sends a cancel request, waits up to two
-// seconds for the server to answer (then closes the connection), and the
-// script's implicit transaction rolls back whole, so no step is half
-// applied and nobody queues behind a Migrate that has returned. For a
-// database/sql transaction (SQLTx) ending ctx is left to the driver; the
-// pgx driver closes the connection, and a server still waiting for a lock
-// may apply the steps once it gets it.
+// writers queue behind it. Ending ctx then stops the step on the server
+// before Migrate returns: it sends a cancel request and waits for the
+// statement to end, and the script's implicit transaction rolls back whole,
+// so no step is half applied, none is applied after Migrate returned its
+// error, and nobody queues behind it. (pgx alone would return at once and
+// cancel in the background, leaving a window in which the lock could be
+// granted and the steps committed.) A server that does not answer within
+// two seconds has its connection closed instead, and may go on until the
+// request lands. For a database/sql transaction (SQLTx) ending ctx is left
+// to the driver; the steps, in the caller's transaction, cannot commit
+// without it.
 //
 // Privileges: on a fresh outbox Migrate needs CREATE on the database (to
 // create Config.Schema, unless it exists) or on the schema, and later

@@ -2,12 +2,13 @@
 // time, such as a migration queued behind another transaction's lock, so
 // that the end of its context stops it on the server too.
 //
-// pgx answers a context's end by closing the connection. A backend waiting
-// for a lock does not notice a closed socket: it waits on, its queued lock
-// request making every later conflicting statement queue behind it, and
-// once it gets the lock it runs the rest of a simple-protocol script and
-// commits it, with nobody left to tell. A cancel request stops it where it
-// stands.
+// pgx answers a context's end by returning at once, and closes the
+// connection in the background, sending the server a cancel request there.
+// Until that request lands the statement runs on: a lock it waited for may
+// be granted meanwhile, and the statement commit after the call returned
+// its error (the caller's next statement, which the lock held up, can be
+// what lets it through). Exec and Run return only once the server has
+// taken the request and the statement has ended.
 package pgcancel
 
 import (
@@ -83,9 +84,11 @@ func Exec(ctx context.Context, db Execer, sql string, args ...any) (pgconn.Comma
 // Run calls f, which sends statements on pc's connection with the context
 // it is given. When ctx ends before f returns, Run sends the server a
 // cancel request and waits up to Grace for f to return; only then does it
-// close the connection. It returns once f has returned, with f's error
-// wrapped with ctx's cause, or nil if the statement finished before the
-// request reached it. A statement cancelled in the caller's transaction
+// close the connection (and the statement may run on until pgx's own
+// cancel request, sent as it closes, lands). It returns once f has
+// returned, with f's error wrapped with ctx's error (and its cause, if the
+// caller gave one), or nil if the statement finished before the request
+// reached it. A statement cancelled in the caller's transaction
 // leaves that transaction aborted.
 func Run(ctx context.Context, pc *pgconn.PgConn, f func(context.Context) error) error {
 	if err := ctx.Err(); err != nil {
@@ -119,5 +122,8 @@ func Run(ctx context.Context, pc *pgconn.PgConn, f func(context.Context) error) 
 	if err == nil {
 		return nil
 	}
-	return fmt.Errorf("%w: %w", context.Cause(ctx), err)
+	if cause := context.Cause(ctx); cause != ctx.Err() {
+		return fmt.Errorf("%w (%w): %w", ctx.Err(), cause, err)
+	}
+	return fmt.Errorf("%w: %w", ctx.Err(), err)
 }

@@ -152,6 +152,23 @@ func TestExec(t *testing.T) {
 		b.requireNothingLeft(t)
 	})
 
+	// A cause the caller gave is kept beside ctx's error, which callers
+	// match (pgx's own error matches it).
+	t.Run("CauseKeptBesideCtxErr", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		errSlow := errors.New("too slow")
+		dctx, cancel := context.WithTimeoutCause(ctx, 300*time.Millisecond, errSlow)
+		defer cancel()
+		err := execErr(dctx, b.pg.Pool, script)
+		require.ErrorIs(t, err, context.DeadlineExceeded)
+		require.ErrorIs(t, err, errSlow)
+		var pgErr *pgconn.PgError
+		require.ErrorAs(t, err, &pgErr)
+		require.Equal(t, "57014", pgErr.Code)
+		b.requireNothingLeft(t)
+	})
+
 	t.Run("FinishedFirst", func(t *testing.T) {
 		t.Parallel()
 		pg := testenv.Postgres(t)
