@@ -355,6 +355,12 @@ func TestConfig(t *testing.T) {
 		pg := testenv.Postgres(t)
 		require.ErrorAs(t, Migrate(ctx, pg.Pool, &Config{Schema: strings.Repeat("s", 64)}), &cfgErr)
 		require.Equal(t, "Config.Schema", cfgErr.Field)
+		// A released pooled connection is Migrate's db, not a Config field.
+		released, err := pg.Pool.Acquire(ctx)
+		require.NoError(t, err)
+		released.Release()
+		require.ErrorAs(t, Migrate(ctx, released, &Config{Schema: pg.Schema}), &cfgErr)
+		require.Equal(t, "db", cfgErr.Field)
 	})
 
 	// MigrationSQL refuses what Migrate and New refuse, rather than return

@@ -87,6 +87,9 @@ func Migrate(ctx context.Context, db Execer, cfg *Config) error {
 	if deps.Missing(db) {
 		return &ConfigError{Field: "db", Reason: "is nil; pass the board's database (a *pgxpool.Pool, a connection or a transaction)"}
 	}
+	if reason := deps.Released(db); reason != "" {
+		return &ConfigError{Field: "db", Reason: reason}
+	}
 	c := cfg.WithDefaults()
 	script, err := MigrationSQL(c)
 	if err != nil {
