@@ -90,7 +90,12 @@ type RebuildReport struct {
 // If ctx is cancelled or anything fails before the switch, the marker and
 // shadow keys are removed and the live projection is left as it was; also
 // when the reply to the first step is lost, so that its marker does not
-// hold other rebuilds off. If the reply to the switch is lost, Rebuild
+// hold other rebuilds off. That clean-up has Config.RepairTimeout: if Redis
+// does not answer it either (a server that stopped answering), the error
+// says so, the marker holds other rebuilds off (ErrRebuildInProgress)
+// until it expires (Config.RebuildMarkerTTL), and the shadow keys stay
+// until the next Rebuild of the collection starts; the live projection is
+// still left as it was. If the reply to the switch is lost, Rebuild
 // returns ErrRebuildUncertain: either projection may be live, whole. A
 // step the client resends by itself after Redis ran it (go-redis does,
 // up to Options.MaxRetries times, when a connection drops before the
@@ -190,13 +195,20 @@ func (r *Reconciler) rebuild(ctx context.Context) (*RebuildReport, error) {
 		// Redis Cluster refuses every step (TRYAGAIN) while the
 		// collection's slot is being migrated: try again until it has
 		// moved, or the marker would hold other rebuilds off for its TTL.
+		var aerr error
 		for {
-			_, aerr := step(abortCtx, "abort")
+			_, aerr = step(abortCtx, "abort")
 			if !redis.IsTryAgainError(aerr) || sleepCtx(abortCtx, 50*time.Millisecond) != nil {
 				break
 			}
 		}
 		cancel()
+		if aerr != nil {
+			// aerr is not wrapped: callers match the rebuild's own error.
+			err = fmt.Errorf("%w; and its clean-up failed (%v): its marker may hold other rebuilds off "+
+				"(ErrRebuildInProgress) until it expires (Config.RebuildMarkerTTL), and its shadow keys "+
+				"stay until the next Rebuild of the collection starts", err, aerr)
+		}
 	}
 	if rep.Conflicts > 0 {
 		r.logger.WarnContext(ctx, "reconcile rebuild: source rows met a live write of their version with another value; "+
