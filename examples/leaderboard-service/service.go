@@ -115,6 +115,10 @@ type Service struct {
 	emptyPassFailed bool
 	nextReconcile   atomic.Pointer[time.Time]
 
+	// ran is set by the first Run: a Service runs once (Run stops its
+	// stats reads for good as it shuts down).
+	ran atomic.Bool
+
 	// ownsBoard is set when wire built board (instrumented), so Close
 	// must close it; a board passed in stays the caller's to close.
 	ownsBoard bool
@@ -152,6 +156,9 @@ type statsFlight struct {
 
 // errServiceStopped answers a stats read asked for after Run shut down.
 var errServiceStopped = errors.New("service stopped")
+
+// errRunTwice refuses a second Run of a Service.
+var errRunTwice = errors.New("service: Run was called before on this Service; build a new one with NewService")
 
 // NewService builds a Service for board. It starts nothing; see Run and
 // Handler. Close releases its metrics pipeline.
@@ -338,8 +345,13 @@ func (s *Service) withTimeout(next http.Handler) http.Handler {
 // lag gauge, which Close waits for, and the goroutine that sends the
 // relays' wake-up after a submit (it ends once idle for the Notifier's
 // IdleTimeout, 100 ms, or at Close). It returns nil after a
-// cancellation, or the first error that stopped it.
+// cancellation, or the first error that stopped it. A Service runs once: a
+// later Run, also one while the first is under way, returns errRunTwice
+// at once and touches nothing (ln included).
 func (s *Service) Run(ctx context.Context, ln net.Listener) error {
+	if !s.ran.CompareAndSwap(false, true) {
+		return errRunTwice
+	}
 	srv := &http.Server{
 		Handler:           s.handler,
 		ReadHeaderTimeout: 5 * time.Second,

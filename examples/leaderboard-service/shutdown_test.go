@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"io"
 	"net"
 	"net/http"
 	"os"
@@ -351,4 +352,43 @@ func TestShutdownWithTinyReconcileInterval(t *testing.T) {
 	case <-time.After(15 * time.Second):
 		t.Fatal("Run did not return within 15s of the cancellation")
 	}
+}
+
+// TestRunTwiceIsRefused: a second Run, while the first serves or after it
+// returned, is refused and leaves the first alone. It used to start its
+// worker, be refused by the relay, and on its way out stop the stats reads
+// for good: the first Run, still serving, answered every /stats with 500.
+func TestRunTwiceIsRefused(t *testing.T) {
+	t.Parallel()
+	tb := setup(t)
+	client := &http.Client{Transport: &http.Transport{DisableKeepAlives: true}, Timeout: 10 * time.Second}
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	base := "http://" + ln.Addr().String()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	done := make(chan error, 1)
+	go func() { done <- tb.svc.Run(ctx, ln) }()
+
+	stats := func() (int, string) {
+		t.Helper()
+		resp, err := client.Get(base + "/stats")
+		require.NoError(t, err)
+		defer resp.Body.Close()
+		body, _ := io.ReadAll(resp.Body)
+		return resp.StatusCode, string(body)
+	}
+	require.Eventually(t, func() bool { code, _ := stats(); return code == http.StatusOK }, 10*time.Second, 20*time.Millisecond)
+
+	ln2, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	defer ln2.Close()
+	require.ErrorIs(t, tb.svc.Run(context.Background(), ln2), errRunTwice)
+	time.Sleep(statsTTL + 100*time.Millisecond) // past the cached snapshot
+	code, body := stats()
+	require.Equal(t, http.StatusOK, code, "the refused Run left the first one's /stats alone: %s", body)
+
+	cancel()
+	require.NoError(t, <-done)
+	require.ErrorIs(t, tb.svc.Run(context.Background(), ln2), errRunTwice, "after the first returned too")
 }
