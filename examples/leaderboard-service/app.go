@@ -209,7 +209,7 @@ func parseFlags(name string, args []string, stderr io.Writer) (*options, error) 
 	// anything connects (the pool and the client parse them again).
 	if o.databaseURL != "" {
 		if _, err := pgxpool.ParseConfig(o.databaseURL); err != nil {
-			return usage("--database-url: %v", err)
+			return usage("--database-url: %v", services.HidePostgresConnString(err))
 		}
 	}
 	if o.redisURL != "" {
@@ -307,7 +307,7 @@ func connect(ctx context.Context, o *options, logger *slog.Logger) (*deps, error
 	if pgURL == "" {
 		if u := strings.TrimSpace(getenv("DATABASE_URL")); u != "" {
 			if _, err := pgxpool.ParseConfig(u); err != nil {
-				return nil, usageError{fmt.Errorf("DATABASE_URL: %w", err)}
+				return nil, usageError{fmt.Errorf("DATABASE_URL: %w", services.HidePostgresConnString(err))}
 			}
 		}
 	}

@@ -526,3 +526,48 @@ func TestDisableNotifyFlag(t *testing.T) {
 	_, err = parseFlags("stats", []string{"--disable-notify"}, io.Discard)
 	require.Error(t, err, "only serve runs a worker")
 }
+
+// TestDatabaseURLPasswordNotPrinted: a keyword/value connection string
+// libpq and pgx accept with the password written in a way pgx's own masking
+// misses (spaces around '=', a space after it, an escaped space inside the
+// value, sslpassword), with another mistake in it, is a usage error that
+// does not print the password, from --database-url or DATABASE_URL (README:
+// "no password in any log line or error"). It printed the string whole.
+func TestDatabaseURLPasswordNotPrinted(t *testing.T) {
+	t.Parallel()
+	for name, bad := range map[string]string{
+		"SpacesAroundEquals": "host=127.0.0.1 user=bob password = Qz9Wk7 port=zz",
+		"SpaceBeforeValue":   "host=127.0.0.1 user=bob password= Qz9Wk7 port=zz",
+		"EscapedSpace":       `host=127.0.0.1 user=bob password=Qz9\ Wk7 port=zz`,
+		"SSLPassword":        "host=127.0.0.1 user=bob sslpassword = Qz9Wk7 port=zz",
+	} {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			code, _, stderr := runCommand(t, "stats", "--database-url="+bad, "--redis-url=redis://127.0.0.1:1")
+			require.Equal(t, exitUsage, code, "stderr: %s", stderr)
+			require.Contains(t, stderr, "--database-url: cannot parse `(keyword/value connection string not shown")
+			require.Contains(t, stderr, "invalid port", "pgx's reason is kept")
+			for _, piece := range []string{"Qz9", "Wk7"} {
+				require.NotContains(t, stderr, piece, "--database-url printed the password")
+			}
+
+			o, err := parseFlags("stats", []string{"--redis-url=redis://127.0.0.1:1"}, io.Discard)
+			require.NoError(t, err)
+			o.getenv = func(k string) string {
+				if k == "DATABASE_URL" {
+					return bad
+				}
+				return ""
+			}
+			_, err = connect(t.Context(), o, slog.New(slog.DiscardHandler))
+			require.ErrorAs(t, err, new(usageError))
+			for _, piece := range []string{"Qz9", "Wk7"} {
+				require.NotContains(t, err.Error(), piece, "DATABASE_URL: the password is in the error")
+			}
+		})
+	}
+	// A URL keeps pgx's masking, which shows the rest of it.
+	code, _, stderr := runCommand(t, "stats", "--database-url=postgres://bob:Qz9Wk7@127.0.0.1:zz/db", "--redis-url=redis://127.0.0.1:1")
+	require.Equal(t, exitUsage, code, "stderr: %s", stderr)
+	require.Contains(t, stderr, "postgres://bob:xxxxx@127.0.0.1:zz/db")
+}

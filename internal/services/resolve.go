@@ -12,6 +12,7 @@ import (
 	"unicode"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/redis/go-redis/v9"
 )
 
@@ -176,7 +177,7 @@ func pingPostgres(ctx context.Context, url string) error {
 	defer cancel()
 	conn, err := pgx.Connect(ctx, url)
 	if err != nil {
-		return err
+		return HidePostgresConnString(err)
 	}
 	defer conn.Close(context.Background())
 	return conn.Ping(ctx)
@@ -236,6 +237,24 @@ func parseRedacted[T any](rawURL string, parse func(string) (T, error)) (T, erro
 		return zero, err
 	}
 	return zero, &url.Error{Op: "parse", URL: redacted, Err: errPasswordNotInURLSyntax}
+}
+
+// hiddenConnString stands in pgx's parse error for a keyword/value
+// connection string.
+const hiddenConnString = "(keyword/value connection string not shown: it may hold a password)"
+
+// HidePostgresConnString hides the connection string pgx put in err (a
+// *pgconn.ParseConfigError) when it is a keyword/value string, and returns
+// err. pgx masks only "password=value" there, not "password = value"
+// (libpq allows spaces around '='), "password= value", the rest of a value
+// after an escaped space, nor sslpassword's. A URL keeps pgx's masking,
+// which follows the URL's structure.
+func HidePostgresConnString(err error) error {
+	var pce *pgconn.ParseConfigError
+	if errors.As(err, &pce) && !strings.HasPrefix(pce.ConnString, "postgres://") && !strings.HasPrefix(pce.ConnString, "postgresql://") {
+		pce.ConnString = hiddenConnString
+	}
+	return err
 }
 
 // hiddenURL stands in an error for a URL whose userinfo cannot be told apart

@@ -53,6 +53,16 @@ func TestResolveOrder(t *testing.T) {
 		require.ErrorContains(t, err, "REDIS_URL is set but does not answer")
 	})
 
+	// DATABASE_URL that pgx cannot parse: the error does not show a
+	// keyword/value string pgx's masking would leave the password in.
+	t.Run("EnvUnparsableHidesKeywordValueString", func(t *testing.T) {
+		t.Parallel()
+		_, err := Resolve(ctx, Options{Getenv: env(map[string]string{"DATABASE_URL": "host=127.0.0.1 password = Qz9Wk7 port=zz"}), SkipRedis: true})
+		require.ErrorContains(t, err, "DATABASE_URL is set but does not answer")
+		require.ErrorContains(t, err, hiddenConnString)
+		require.NotContains(t, err.Error(), "Qz9Wk7")
+	})
+
 	t.Run("SkippedServersAreLeftOut", func(t *testing.T) {
 		pg, rd := deadURLs(t)
 		t.Parallel()
