@@ -20,6 +20,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/verity-go/verity/internal/deps"
+	"github.com/verity-go/verity/internal/lograte"
 )
 
 // settleTimeout bounds the statement that acknowledges, retries, buries and
@@ -50,7 +51,9 @@ type Relay struct {
 	cfg     RelayConfig
 	names   names
 	logger  *slog.Logger
-	running atomic.Bool
+	// batchFailures limits the warning for a batch with failures.
+	batchFailures lograte.Limiter
+	running       atomic.Bool
 
 	metrics   *relayMetrics
 	lastStats atomic.Pointer[statsSample] // latest Stats result, for the gauges
@@ -1268,11 +1271,15 @@ func (r *Relay) settle(ctx context.Context, token uuid.UUID, batch []Record, res
 		}
 	}
 	if failedCount > 0 {
-		// One line per batch, not per row: an outage of the handler's
-		// target (Redis down, NOAUTH) must be visible at the default level
-		// long before rows reach the dead-letter table.
-		r.logger.Warn("outbox batch had failures; rows will be retried after a backoff",
-			slog.Int("failed", failedCount), slog.Int("batch", len(batch)), slog.String("first_error", firstErr.Error()))
+		// One line per batch, not per row, and at most one a second: an
+		// outage of the handler's target (Redis down, NOAUTH) must be
+		// visible at the default level long before rows reach the
+		// dead-letter table, without a line per batch of new rows.
+		if log, suppressed := r.batchFailures.Allow(); log {
+			r.logger.Warn("outbox batch had failures; rows will be retried after a backoff",
+				slog.Int("failed", failedCount), slog.Int("batch", len(batch)), slog.String("first_error", firstErr.Error()),
+				slog.Int64(lograte.Suppressed, suppressed))
+		}
 	}
 	args := []any{pgUUID(token), nonNil(acked), nonNil(retryIDs), nonNil(retryErrs),
 		nonNil(retryDelays), nonNil(deadIDs), nonNil(deadErrs), nonNil(released), nonNil(retryAttempts), nonNil(deadAttempts),

@@ -236,8 +236,10 @@ type RelayConfig struct {
 	// random characters.
 	Name string
 
-	// Logger receives the relay's logs. Defaults to a logger that discards
-	// everything.
+	// Logger receives the relay's logs: among them, at Warn, a line for a
+	// batch whose Handler failed some rows (at most one a second, counting
+	// the batches left out under "suppressed"). Defaults to a logger that
+	// discards everything.
 	Logger *slog.Logger
 
 	// MeterProvider receives the relay's metrics (verity.outbox.*, see the

@@ -21,6 +21,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
+	"github.com/verity-go/verity/internal/lograte"
 	"github.com/verity-go/verity/internal/testenv"
 	"github.com/verity-go/verity/outbox"
 )
@@ -862,6 +863,38 @@ func TestRelayRetries(t *testing.T) {
 		require.Equal(t, 1, strings.Count(out, "outbox batch had failures"), out)
 		require.Contains(t, out, "failed=3")
 		require.Contains(t, out, "connection refused")
+	})
+
+	// Batches failing in a row during an outage log one line a second,
+	// the next one counting the batches left out; it was a line per batch,
+	// as many a second as batches of new rows.
+	t.Run("FailedBatchesWarnOnceASecond", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		var logs syncBuffer
+		h := &recorder{fail: func(rec outbox.Record) error { return errors.New("redis: connection refused") }}
+		r := b.relay(t, nil, h, outbox.RelayConfig{
+			BatchSize: 1, RetryBackoffMin: time.Minute, RetryBackoffMax: time.Minute,
+			Logger: slog.New(slog.NewTextHandler(&logs, &slog.HandlerOptions{Level: slog.LevelInfo})),
+		})
+		start := time.Now()
+		for i := range 5 {
+			b.appendCommitted(t, newMessage("scores", fmt.Sprint("k", i), 1))
+			n, err := r.RunOnce(ctx)
+			require.NoError(t, err)
+			require.Equal(t, 1, n)
+		}
+		if time.Since(start) >= lograte.Interval {
+			t.Skip("five batches took longer than the interval on this machine")
+		}
+		require.Equal(t, 1, strings.Count(logs.String(), "outbox batch had failures"), logs.String())
+		require.Contains(t, logs.String(), "suppressed=0")
+		time.Sleep(lograte.Interval - time.Since(start) + 50*time.Millisecond)
+		b.appendCommitted(t, newMessage("scores", "late", 1))
+		_, err := r.RunOnce(ctx)
+		require.NoError(t, err)
+		require.Equal(t, 2, strings.Count(logs.String(), "outbox batch had failures"), logs.String())
+		require.Contains(t, logs.String(), "suppressed=4")
 	})
 
 	t.Run("BackoffThenDeadLetterThenReplay", func(t *testing.T) {
