@@ -86,8 +86,9 @@ func (lc listenConn) run(ctx, stmtCtx context.Context, connected func(), notifie
 	pause := newPauser(lc.backoffMax)
 	for {
 		// The pause resets once the probe came back (or could not be
-		// sent), not at LISTEN: behind a proxy that loses notifications
-		// every LISTEN succeeds, and the pause must still grow.
+		// sent and the connection has lived checkAfter since), not at
+		// LISTEN: behind a proxy that loses notifications every LISTEN
+		// succeeds, and the pause must still grow.
 		err := lc.once(ctx, stmtCtx, connected, pause.reset, notified)
 		if ctx.Err() != nil {
 			return
@@ -103,7 +104,8 @@ func (lc listenConn) run(ctx, stmtCtx context.Context, connected func(), notifie
 
 // once connects, LISTENs and passes notifications on until an error. It
 // calls connected once LISTEN is in effect, and proven once the probe came
-// back or could not be sent.
+// back, or could not be sent and the connection has lived checkAfter
+// since it was started.
 func (lc listenConn) once(ctx, stmtCtx context.Context, connected, proven func(), notified func(string)) error {
 	poolCfg := lc.pool.Config()
 	// abandon closes every socket the connection dialled (its cancel
@@ -221,6 +223,14 @@ type listenProbe struct {
 	// deadline.
 	sending, awaiting bool
 	deadline          time.Time
+	// unsent: the probe could not be sent, which proves nothing either
+	// way. The connection then counts as proven once it has lived
+	// checkAfter since started, as when the pool made the send wait that
+	// long: a send refused at once (a closed pool) must not reset the
+	// pause of a connection that fails right after, at every notification
+	// of another connection's probe.
+	unsent  bool
+	started time.Time
 }
 
 // probeSent is sendProbe's answer: whether the probe was sent, and when.
@@ -240,35 +250,43 @@ func (lc listenConn) startProbe(ctx, stmtCtx context.Context, proven func()) *li
 	p := &listenProbe{
 		lc: lc, token: uuid.NewString(), proven: proven, wait: max(lc.checkAfter, probeWaitMin),
 		cancel: func() { cancelAcquire(); cancelSend() }, cancelAcquire: cancelAcquire, ctx: ctx,
-		sent: make(chan probeSent, 1), sending: true, awaiting: true,
+		sent: make(chan probeSent, 1), sending: true, awaiting: true, started: time.Now(),
 	}
 	go func() { p.sent <- lc.sendProbe(acquireCtx, sendCtx, p.token) }()
 	return p
 }
 
-// poll reads the send's answer if it has come.
+// poll reads the send's answer if it has come, and counts a connection
+// whose probe was not sent as proven once it has lived checkAfter.
 func (p *listenProbe) poll() {
-	if !p.sending {
-		return
-	}
-	select {
-	case r := <-p.sent:
-		p.sending = false
-		switch {
-		case r.ok:
-			p.deadline = r.at.Add(p.wait)
-		case p.awaiting: // proves nothing either way
-			p.awaiting = false
-			p.proven()
+	if p.sending {
+		select {
+		case r := <-p.sent:
+			p.sending = false
+			switch {
+			case r.ok:
+				p.deadline = r.at.Add(p.wait)
+			case p.awaiting: // proves nothing either way
+				p.awaiting = false
+				p.unsent = true
+			}
+		default:
 		}
-	default:
+	}
+	if p.unsent && time.Since(p.started) >= p.lc.checkAfter {
+		p.unsent = false
+		p.proven()
 	}
 }
 
-// waitFor shortens a wait of d for notifications to end at the deadline.
+// waitFor shortens a wait of d for notifications to end at the deadline,
+// or when a connection whose probe was not sent has lived checkAfter.
 func (p *listenProbe) waitFor(d time.Duration) time.Duration {
-	if p.awaiting && !p.sending {
+	switch {
+	case p.awaiting && !p.sending:
 		return min(d, time.Until(p.deadline))
+	case p.unsent:
+		return min(d, max(0, time.Until(p.started.Add(p.lc.checkAfter))))
 	}
 	return d
 }

@@ -323,7 +323,8 @@ func TestListenerPassesNotificationsWhileItsProbeWaits(t *testing.T) {
 
 // TestListenerPauseResetsWhenItsProbeCannotBeSent: the Listener's pool
 // has no connection free (its only one held), so no probe can be sent; a
-// probe that could not be sent proves nothing either way and resets the
+// probe that could not be sent proves nothing either way and, the
+// connection having lived ListenCheckInterval by then, resets the
 // reconnect pause (listen.go, run and listenProbe.poll): connections killed
 // one after another, each after its probe failed to go, are each
 // reconnected after the first pause, 100 ms.
@@ -459,4 +460,40 @@ func (b *testBundle) runOnListenerWithNoFreeConn(t *testing.T, cfg *outbox.Liste
 	require.NoError(t, err)
 	startRun(t, b.relay(t, nil, &recorder{}, outbox.RelayConfig{PollInterval: time.Hour, Listener: l}))
 	return logs
+}
+
+// TestListenerPauseGrowsWhenItsProbeIsRefusedAtOnce: the Listener's pool
+// is closed, so its probe is refused at once; other connections' probes,
+// which every LISTEN connection receives, keep arriving; each connection is
+// killed 50 ms after its LISTEN. None proved anything, so the pauses double
+// as documented. A refused send counted as proof as soon as the loop read
+// it, which any notification made it do: the Listener reconnected every
+// 100 ms for ever.
+func TestListenerPauseGrowsWhenItsProbeIsRefusedAtOnce(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	pool := poolWith(t, b, func(*pgxpool.Config) {})
+	pool.Close()
+	var logs testenv.LogSink
+	l, err := outbox.NewListener(pool, &outbox.ListenerConfig{Schema: b.cfg.Schema, Table: b.cfg.Table,
+		ListenCheckInterval: time.Second, ReconnectBackoffMax: time.Minute, Logger: logs.Logger()})
+	require.NoError(t, err)
+	startRun(t, b.relay(t, nil, &recorder{}, outbox.RelayConfig{PollInterval: time.Hour, Listener: l}))
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { // other connections' probes
+		defer close(done)
+		for ctx.Err() == nil {
+			_, _ = b.pool.Exec(ctx, `SELECT pg_notify('verity_listen_probe', 'another connection')`)
+			time.Sleep(2 * time.Millisecond)
+		}
+	}()
+	defer func() { cancel(); <-done }()
+	killListenerConnections(t, b, &logs, 4, func(int) { time.Sleep(50 * time.Millisecond) })
+	var pauses []time.Duration
+	for _, line := range logs.Lines(t, "outbox LISTEN connection failed; reconnecting") {
+		pauses = append(pauses, time.Duration(line["pause"].(float64)))
+	}
+	require.Equal(t, []time.Duration{100 * time.Millisecond, 200 * time.Millisecond, 400 * time.Millisecond, 800 * time.Millisecond}, pauses,
+		"connections that proved nothing reset the reconnect pause")
 }
