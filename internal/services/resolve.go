@@ -247,12 +247,20 @@ const hiddenConnString = "(keyword/value connection string not shown: it may hol
 // *pgconn.ParseConfigError) when it is a keyword/value string, and returns
 // err. pgx masks only "password=value" there, not "password = value"
 // (libpq allows spaces around '='), "password= value", the rest of a value
-// after an escaped space, nor sslpassword's. A URL keeps pgx's masking,
-// which follows the URL's structure.
+// after an escaped space, nor sslpassword's; and it quotes the word it
+// took for a keyword without '=', which after an unquoted password holding
+// a space is the rest of the password. A URL keeps pgx's masking, which
+// follows the URL's structure.
 func HidePostgresConnString(err error) error {
 	var pce *pgconn.ParseConfigError
 	if errors.As(err, &pce) && !strings.HasPrefix(pce.ConnString, "postgres://") && !strings.HasPrefix(pce.ConnString, "postgresql://") {
 		pce.ConnString = hiddenConnString
+		// pgx quotes the word it took for a keyword without '=': after an
+		// unquoted password holding a space, the rest of the password.
+		if inner := errors.Unwrap(pce); inner != nil && strings.HasPrefix(inner.Error(), `missing "=" after `) {
+			*pce = *pgconn.NewParseConfigError(hiddenConnString, "failed to parse as keyword/value",
+				errors.New(`missing "=" after a word (not shown: it may be part of a password; quote a value holding spaces)`)).(*pgconn.ParseConfigError)
+		}
 	}
 	return err
 }

@@ -77,17 +77,26 @@ func DropSchema(ctx context.Context, baseURL, schema string) error {
 	return err
 }
 
-// WithSearchPath returns a copy of a postgres:// URL that sets search_path.
+// WithSearchPath returns a copy of a PostgreSQL connection string (a
+// postgres:// URL or keyword/value) that sets search_path.
 func WithSearchPath(baseURL, schema string) string {
-	u, err := url.Parse(baseURL)
-	if err != nil || (u.Scheme != "postgres" && u.Scheme != "postgresql") {
-		// keyword/value form
-		return strings.TrimSpace(baseURL) + " search_path=" + schema
+	for _, prefix := range []string{"postgresql://", "postgres://"} {
+		if rest, ok := strings.CutPrefix(baseURL, prefix); ok {
+			// Read as pgx and libpq read it, not as net/url does: the
+			// userinfo ends at the first '@' before a '/', so a password
+			// may hold '#' or '?'; the query starts at the next '?'. A
+			// later search_path overrides an earlier one.
+			if i := strings.IndexAny(rest, "@/"); i >= 0 && rest[i] == '@' {
+				rest = rest[i+1:]
+			}
+			sep := "?"
+			if strings.Contains(rest, "?") {
+				sep = "&"
+			}
+			return baseURL + sep + "search_path=" + url.QueryEscape(schema)
+		}
 	}
-	q := u.Query()
-	q.Set("search_path", schema)
-	u.RawQuery = q.Encode()
-	return u.String()
+	return strings.TrimSpace(baseURL) + " search_path=" + schema // keyword/value
 }
 
 // ResolveForExample serves runnable Example functions, which cannot take a

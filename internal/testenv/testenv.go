@@ -74,7 +74,7 @@ func NewPool(t testing.TB, connString string) *pgxpool.Pool {
 	t.Helper()
 	cfg, err := pgxpool.ParseConfig(connString)
 	if err != nil {
-		t.Fatalf("testenv: parse %q: %v", connString, err)
+		t.Fatalf("testenv: parse: %v", services.HidePostgresConnString(err)) // the string may hold a password
 	}
 	cfg.MaxConns = poolMaxConns
 	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
