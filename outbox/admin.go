@@ -276,8 +276,9 @@ SELECT count(*) FROM restored, pg_notify($4, '')`
 // A replay that deadlocks with a transaction appending dead events (it
 // moved nothing) is run again, up to three times. If ctx ends while the
 // replay's statement runs (waiting on such an append, say), the statement
-// is cancelled on the server before ReplayDead returns, as for Migrate, and
-// moves nothing; the error then matches ctx's. (A statement that finished
+// is cancelled on the server before ReplayDead returns, as for Migrate
+// (and with its caveat: a server that does not answer within two seconds),
+// and moves nothing; the error then matches ctx's. (A statement that finished
 // first has moved its rows, and ReplayDead returns their count.)
 func (r *Relay) ReplayDead(ctx context.Context, filter ReplayFilter) (int64, error) {
 	if r.unmade() {

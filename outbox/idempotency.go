@@ -270,7 +270,8 @@ const pruneCommandsSQL = `DELETE FROM %s WHERE created_at < now() - $1 * interva
 // transaction as well as the retry window. The deletion is index-backed
 // (created_at); run it periodically, from any process. If ctx ends while
 // the DELETE runs (waiting for a record another transaction holds, say), it
-// is cancelled on the server before PruneCommands returns, as for Migrate,
+// is cancelled on the server before PruneCommands returns, as for Migrate
+// (and with its caveat: a server that does not answer within two seconds),
 // and deletes nothing. A
 // retention below one
 // microsecond (the unit it is sent in), which would delete every record, is

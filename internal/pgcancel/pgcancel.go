@@ -8,7 +8,9 @@
 // be granted meanwhile, and the statement commit after the call returned
 // its error (the caller's next statement, which the lock held up, can be
 // what lets it through). Exec and Run return only once the server has
-// taken the request and the statement has ended.
+// taken the request and the statement has ended, unless the server does
+// not answer within Grace: then they close the connection and return, and
+// the statement may run on until a cancel request reaches it.
 package pgcancel
 
 import (
@@ -91,8 +93,8 @@ func Exec(ctx context.Context, db Execer, sql string, args ...any) (pgconn.Comma
 // reached it. A statement cancelled in the caller's transaction
 // leaves that transaction aborted.
 func Run(ctx context.Context, pc *pgconn.PgConn, f func(context.Context) error) error {
-	if err := ctx.Err(); err != nil {
-		return err
+	if ctx.Err() != nil {
+		return ended(ctx, nil)
 	}
 	// f runs on a context that ctx's end does not reach, so that pgx keeps
 	// the connection open while the server answers.
@@ -122,8 +124,20 @@ func Run(ctx context.Context, pc *pgconn.PgConn, f func(context.Context) error) 
 	if err == nil {
 		return nil
 	}
-	if cause := context.Cause(ctx); cause != ctx.Err() {
+	return ended(ctx, err)
+}
+
+// ended returns ctx's error, with the caller's cause if one was given, and
+// err (the statement's) if not nil.
+func ended(ctx context.Context, err error) error {
+	cause := context.Cause(ctx)
+	switch {
+	case cause != ctx.Err() && err != nil:
 		return fmt.Errorf("%w (%w): %w", ctx.Err(), cause, err)
+	case cause != ctx.Err():
+		return fmt.Errorf("%w (%w)", ctx.Err(), cause)
+	case err != nil:
+		return fmt.Errorf("%w: %w", ctx.Err(), err)
 	}
-	return fmt.Errorf("%w: %w", ctx.Err(), err)
+	return ctx.Err()
 }

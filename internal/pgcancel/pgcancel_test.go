@@ -211,6 +211,12 @@ func TestExec(t *testing.T) {
 		for _, db := range []pgcancel.Execer{b.pg.Pool, conn} {
 			require.ErrorIs(t, execErr(cctx, db, script), context.Canceled)
 		}
+		errGone := errors.New("gone")
+		causeCtx, cancelCause := context.WithCancelCause(ctx)
+		cancelCause(errGone)
+		err = execErr(causeCtx, conn, script)
+		require.ErrorIs(t, err, context.Canceled)
+		require.ErrorIs(t, err, errGone, "the cause is kept")
 		b.requireNothingLeft(t)
 	})
 
