@@ -7,7 +7,6 @@ import (
 
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
-	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
 	"github.com/verity-go/verity/outbox"
@@ -20,6 +19,17 @@ func (b *testBundle) activeBackends(t *testing.T, appName string) int {
 	require.NoError(t, b.pool.QueryRow(context.Background(),
 		`SELECT count(*) FROM pg_stat_activity WHERE application_name = $1 AND state = 'active'`, appName).Scan(&n))
 	return n
+}
+
+// requireCancelledWhileWaiting runs call with a context it cancels once
+// appName's backend waits for a lock, and requires call to return ctx's
+// error within 5 s with no statement of appName's still running.
+func (b *testBundle) requireCancelledWhileWaiting(t *testing.T, appName string, call func(context.Context) error) {
+	t.Helper()
+	took, err := b.cancelWhenWaiting(t, appName, call)
+	require.ErrorIs(t, err, context.Canceled)
+	require.Less(t, took, 5*time.Second)
+	require.Zero(t, b.activeBackends(t, appName), "the call returned with its statement still running on the server")
 }
 
 // cancelWhenWaiting runs call with a context it cancels once appName's
@@ -63,13 +73,10 @@ func TestReplayDeadCancelledWhileWaiting(t *testing.T) {
 
 	appName := "replay-cancelled-" + uuid.NewString()
 	r := b.relay(t, newPoolNamed(t, b.pg.ConnString, appName), &recorder{}, outbox.RelayConfig{})
-	took, err := b.cancelWhenWaiting(t, appName, func(ctx context.Context) error {
+	b.requireCancelledWhileWaiting(t, appName, func(ctx context.Context) error {
 		_, err := r.ReplayDead(ctx, outbox.ReplayFilter{})
 		return err
 	})
-	require.ErrorIs(t, err, context.Canceled)
-	require.Less(t, took, 5*time.Second)
-	assert.Zero(t, b.activeBackends(t, appName), "ReplayDead returned with its statement still running on the server")
 
 	require.NoError(t, appender.Rollback(ctx))
 	time.Sleep(500 * time.Millisecond)
@@ -104,13 +111,10 @@ func TestPruneCommandsCancelledWhileWaiting(t *testing.T) {
 
 	appName := "prune-cancelled-" + uuid.NewString()
 	pool := newPoolNamed(t, b.pg.ConnString, appName)
-	took, err := b.cancelWhenWaiting(t, appName, func(ctx context.Context) error {
+	b.requireCancelledWhileWaiting(t, appName, func(ctx context.Context) error {
 		_, err := b.writer.PruneCommands(ctx, pool, time.Microsecond)
 		return err
 	})
-	require.ErrorIs(t, err, context.Canceled)
-	require.Less(t, took, 5*time.Second)
-	assert.Zero(t, b.activeBackends(t, appName), "PruneCommands returned with its DELETE still running on the server")
 
 	require.NoError(t, holder.Rollback(ctx))
 	time.Sleep(500 * time.Millisecond)

@@ -100,31 +100,32 @@ func TestExec(t *testing.T) {
 		b.requireNothingLeft(t)
 	})
 
-	t.Run("PoolConn", func(t *testing.T) {
-		t.Parallel()
-		b := setup(t)
-		c, err := b.pg.Pool.Acquire(ctx)
-		require.NoError(t, err)
-		defer c.Release()
-		elapsed, err := b.execOnceWaiting(t, c)
-		requireCancelled(t, err, elapsed)
-		b.requireNothingLeft(t)
-		_, err = c.Exec(ctx, `SELECT 1`)
-		require.NoError(t, err, "the connection is kept")
-	})
-
-	t.Run("Conn", func(t *testing.T) {
-		t.Parallel()
-		b := setup(t)
-		conn, err := pgx.Connect(ctx, b.pg.ConnString)
-		require.NoError(t, err)
-		defer conn.Close(ctx)
-		elapsed, err := b.execOnceWaiting(t, conn)
-		requireCancelled(t, err, elapsed)
-		b.requireNothingLeft(t)
-		_, err = conn.Exec(ctx, `SELECT 1`)
-		require.NoError(t, err, "the connection is kept")
-	})
+	// A connection of the caller's is kept, usable.
+	for name, open := range map[string]func(t *testing.T, b *testBundle) pgcancel.Execer{
+		"PoolConn": func(t *testing.T, b *testBundle) pgcancel.Execer {
+			c, err := b.pg.Pool.Acquire(ctx)
+			require.NoError(t, err)
+			t.Cleanup(c.Release)
+			return c
+		},
+		"Conn": func(t *testing.T, b *testBundle) pgcancel.Execer {
+			conn, err := pgx.Connect(ctx, b.pg.ConnString)
+			require.NoError(t, err)
+			t.Cleanup(func() { _ = conn.Close(ctx) })
+			return conn
+		},
+	} {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			b := setup(t)
+			db := open(t, b)
+			elapsed, err := b.execOnceWaiting(t, db)
+			requireCancelled(t, err, elapsed)
+			b.requireNothingLeft(t)
+			_, err = db.Exec(ctx, `SELECT 1`)
+			require.NoError(t, err, "the connection is kept")
+		})
+	}
 
 	t.Run("Tx", func(t *testing.T) {
 		t.Parallel()
