@@ -161,9 +161,10 @@ func (lc listenConn) once(ctx, stmtCtx context.Context, connected, proven func()
 	connected()
 	probe := lc.startProbe(ctx, stmtCtx, proven)
 	defer probe.stop()
+	heard := time.Now() // the idle check counts from the last notification or ping
 	for {
 		probe.poll()
-		wait := probe.waitFor(lc.checkAfter)
+		wait := probe.waitFor(lc.checkAfter - time.Since(heard))
 		waitCtx, cancel := context.WithTimeout(ctx, wait)
 		n, err := conn.WaitForNotification(waitCtx)
 		idle := waitCtx.Err() != nil && ctx.Err() == nil
@@ -171,6 +172,7 @@ func (lc listenConn) once(ctx, stmtCtx context.Context, connected, proven func()
 		// pgx may return one it buffered with an error. The pool's
 		// AfterConnect may LISTEN on channels of the application's own.
 		if n != nil {
+			heard = time.Now()
 			switch n.Channel {
 			case lc.channel:
 				notified(n.Payload)
@@ -184,8 +186,8 @@ func (lc listenConn) once(ctx, stmtCtx context.Context, connected, proven func()
 		if ctx.Err() == nil && probe.lost() {
 			return fmt.Errorf("no probe back within %s of sending it: %w", probe.wait, errNotificationsLost)
 		}
-		if idle && wait < lc.checkAfter {
-			continue // woken for the probe's deadline, not idle for checkAfter
+		if idle && time.Since(heard) < lc.checkAfter {
+			continue // woken for the probe, not idle for checkAfter
 		}
 		switch {
 		case err == nil:
@@ -200,6 +202,7 @@ func (lc listenConn) once(ctx, stmtCtx context.Context, connected, proven func()
 			if err != nil {
 				return fmt.Errorf("check after %s without a notification: %w", lc.checkAfter, err)
 			}
+			heard = time.Now()
 		}
 	}
 }

@@ -497,3 +497,48 @@ func TestListenerPauseGrowsWhenItsProbeIsRefusedAtOnce(t *testing.T) {
 	require.Equal(t, []time.Duration{100 * time.Millisecond, 200 * time.Millisecond, 400 * time.Millisecond, 800 * time.Millisecond}, pauses,
 		"connections that proved nothing reset the reconnect pause")
 }
+
+// TestListenerIdleCheckAfterARefusedProbe: a connection that has received
+// nothing for ListenCheckInterval is pinged, also when its probe was
+// refused at once and a notification then woke the loop before the
+// connection had lived that long. The wait cut short for the probe's sake
+// used to skip the ping, which came a whole interval late (1.9 s after the
+// notification with an interval of 1 s). A private server: every test's
+// probes on the shared one reach every LISTEN connection.
+func TestListenerIdleCheckAfterARefusedProbe(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	srv := testenv.StartPostgres(t)
+	pool := srv.Pool(t)
+	cfg := &outbox.Config{Schema: "idle_check"}
+	require.NoError(t, outbox.Migrate(ctx, pool, cfg))
+	w, err := outbox.NewWriter(cfg)
+	require.NoError(t, err)
+	refusing, err := pgxpool.New(ctx, srv.ConnString())
+	require.NoError(t, err)
+	refusing.Close() // the probe is refused at once
+	const check = time.Second
+	l, err := outbox.NewListener(refusing, &outbox.ListenerConfig{Schema: cfg.Schema,
+		ListenCheckInterval: check, ReconnectBackoffMax: time.Minute})
+	require.NoError(t, err)
+	r, err := outbox.NewRelay(pool, &recorder{}, &outbox.RelayConfig{Schema: cfg.Schema, PollInterval: time.Hour, Listener: l})
+	require.NoError(t, err)
+	startRun(t, r)
+	var pid int
+	var listened time.Time
+	require.Eventually(t, func() bool {
+		return pool.QueryRow(ctx, `SELECT pid, query_start FROM pg_stat_activity WHERE query = $1`,
+			`LISTEN "`+w.Channel()+`"`).Scan(&pid, &listened) == nil
+	}, 10*time.Second, 10*time.Millisecond)
+	time.Sleep(100 * time.Millisecond) // the refusal has come back
+	var notified time.Time
+	require.NoError(t, pool.QueryRow(ctx, `SELECT clock_timestamp() FROM pg_notify('verity_listen_probe', 'another connection')`).Scan(&notified))
+	var pinged time.Time
+	require.Eventually(t, func() bool {
+		err := pool.QueryRow(ctx, `SELECT query_start FROM pg_stat_activity WHERE pid = $1`, pid).Scan(&pinged)
+		return err == nil && pinged.After(listened)
+	}, 10*time.Second, 10*time.Millisecond)
+	quiet := pinged.Sub(notified)
+	require.GreaterOrEqual(t, quiet, check-50*time.Millisecond, "pinged before the interval")
+	require.Less(t, quiet, check+500*time.Millisecond, "the idle check skipped a ping: nothing received for %s", quiet)
+}
