@@ -23,6 +23,9 @@ func TestWithSearchPathKeepsWhatPgxReads(t *testing.T) {
 		"postgresql://postgres:pw@127.0.0.1:5432/test?sslmode=disable",
 		"postgres://postgres@127.0.0.1:5432/test?search_path=old",
 		"host=127.0.0.1 user=postgres password=pw dbname=test",
+		"postgres://postgres@127.0.0.1:5432/test?",
+		"postgres://postgres@127.0.0.1:5432/test?sslmode=disable&",
+		"postgres://postgres@127.0.0.1:5432?",
 	} {
 		want, err := pgxpool.ParseConfig(base)
 		require.NoError(t, err, base)

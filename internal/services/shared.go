@@ -92,6 +92,9 @@ func WithSearchPath(baseURL, schema string) string {
 			sep := "?"
 			if strings.Contains(rest, "?") {
 				sep = "&"
+				if strings.HasSuffix(rest, "?") || strings.HasSuffix(rest, "&") {
+					sep = "" // pgx refuses an empty parameter
+				}
 			}
 			return baseURL + sep + "search_path=" + url.QueryEscape(schema)
 		}
