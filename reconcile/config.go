@@ -268,7 +268,11 @@ type Target struct {
 	// for Redis (see RepairTimeout): a *redis.Client, *redis.ClusterClient
 	// or *redis.Ring whose ReadTimeout or WriteTimeout is -2, or -1 without
 	// ContextTimeoutEnabled, is refused with *ConfigError, as by
-	// projection.NewRedisProjector. For KindDocument it must be a
+	// projection.NewRedisProjector. With ContextTimeoutEnabled and the
+	// timeouts -1, only a context's deadline bounds a command: a Run,
+	// CheckKeys or Rebuild whose ctx has none, cancelled while Redis has
+	// stopped answering, waits for Redis (repairs and a rebuild's clean-up
+	// keep RepairTimeout's bound). For KindDocument it must be a
 	// *redis.Client or *redis.ClusterClient unless Config.SkipOrphans is
 	// set: the documents' orphan scan cannot cover a *redis.Ring's shards.
 	Client redis.UniversalClient
