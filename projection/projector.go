@@ -21,6 +21,9 @@ const (
 	// VersionBucketsDefault is the default Config.VersionBuckets: one
 	// version hash per collection.
 	VersionBucketsDefault = 0
+	// MaxValueBytesDefault is the default Config.MaxValueBytes: Redis's
+	// default proto-max-bulk-len, which is also its largest string.
+	MaxValueBytesDefault = 512 << 20
 )
 
 // Config configures a RedisProjector.
@@ -39,6 +42,14 @@ type Config struct {
 	// *LayoutMismatchError, and reconcile's Rebuild migrates a collection
 	// to a new count. Defaults to 0: one version hash per collection.
 	VersionBuckets int
+	// MaxValueBytes bounds a write's value (a hash field's or document's
+	// bytes), and its collection or document name and member. Redis refuses a larger bulk string by closing the
+	// connection, which would fail every write of the record's script
+	// call; a larger value fails its own record instead (*MapError
+	// wrapping *InvalidTargetError), so Handle dead-letters it alone. Set it
+	// to the server's proto-max-bulk-len if that was lowered. Defaults to
+	// MaxValueBytesDefault.
+	MaxValueBytes int
 	// Logger receives a debug line per batch, and a warning for a batch
 	// with an OutcomeConflict (one a second at most, per projector).
 	// Defaults to a logger that discards everything.
@@ -64,12 +75,18 @@ func (c *Config) WithDefaults() *Config {
 	if out.Logger == nil {
 		out.Logger = slog.New(slog.DiscardHandler)
 	}
+	if out.MaxValueBytes == 0 {
+		out.MaxValueBytes = MaxValueBytesDefault
+	}
 	return &out
 }
 
 func (c *Config) validate() error {
 	if _, err := NewKeyspace(c.Prefix); err != nil {
 		return &ConfigError{Field: "Config.Prefix", Reason: fmt.Sprintf("%q must not contain '{' or '}' (it would become the Redis Cluster hash tag); choose a prefix such as %q", c.Prefix, PrefixDefault)}
+	}
+	if c.MaxValueBytes < 0 {
+		return &ConfigError{Field: "Config.MaxValueBytes", Reason: fmt.Sprintf("is %d; use a positive size, or zero for the default (%d)", c.MaxValueBytes, MaxValueBytesDefault)}
 	}
 	return validateBuckets("Config.VersionBuckets", c.VersionBuckets)
 }
@@ -81,10 +98,11 @@ func (c *Config) validate() error {
 // for concurrent use. Create it with NewRedisProjector: the zero value
 // refuses every call with *ConfigError.
 type RedisProjector struct {
-	gate    *Gate
-	mapper  Mapper
-	logger  *slog.Logger
-	metrics *projectionMetrics // nil: no MeterProvider
+	gate     *Gate
+	maxValue int
+	mapper   Mapper
+	logger   *slog.Logger
+	metrics  *projectionMetrics // nil: no MeterProvider
 	// conflicts limits the warnings about OutcomeConflict to one line a
 	// second: a source that reuses versions may do so for many records.
 	conflicts lograte.Limiter
@@ -153,7 +171,7 @@ func NewRedisProjector(client redis.UniversalClient, mapper Mapper, cfg *Config)
 	}
 	gate := NewGate(client, ks)
 	gate.metrics = metrics
-	return &RedisProjector{gate: gate, mapper: mapper, logger: cfg.Logger, metrics: metrics}, nil
+	return &RedisProjector{gate: gate, maxValue: cfg.MaxValueBytes, mapper: mapper, logger: cfg.Logger, metrics: metrics}, nil
 }
 
 // checkTimeouts refuses a client that can wait for Redis forever (see
@@ -359,10 +377,27 @@ func (p *RedisProjector) mapRecord(i int, rec outbox.Record) (Write, error) {
 	if err == nil {
 		err = validateWrite(i, &w)
 	}
+	if err == nil {
+		err = p.checkSizes(i, &w)
+	}
 	if err != nil {
 		return Write{}, &MapError{Index: i, RecordID: rec.ID, Stream: rec.Stream, Err: err}
 	}
 	return w, nil
+}
+
+// checkSizes refuses a write with a value, member or name larger than
+// Config.MaxValueBytes, which Redis would refuse by closing the connection
+// and so fail every write sent with it. The target is left out of the
+// error when the name or member is the oversized part.
+func (p *RedisProjector) checkSizes(i int, w *Write) error {
+	switch {
+	case len(w.Target.Name) > p.maxValue || len(w.Target.Member) > p.maxValue:
+		return &InvalidTargetError{Index: i, Target: Target{Kind: w.Target.Kind}, Reason: fmt.Sprintf("its name (%d bytes) or member (%d bytes) is over Config.MaxValueBytes (%d)", len(w.Target.Name), len(w.Target.Member), p.maxValue)}
+	case len(w.Value.Data) > p.maxValue:
+		return &InvalidTargetError{Index: i, Target: w.Target, Reason: fmt.Sprintf("its value is %d bytes, over Config.MaxValueBytes (%d)", len(w.Value.Data), p.maxValue)}
+	}
+	return nil
 }
 
 func (p *RedisProjector) logBatch(ctx context.Context, batch []outbox.Record, outcomes []Outcome, results []outbox.Result) {

@@ -440,6 +440,12 @@ func TestNewRedisProjector(t *testing.T) {
 	require.Equal(t, "x:", d.Prefix)
 	require.NotNil(t, d.Logger)
 	require.Nil(t, cfg.Logger, "WithDefaults returns a copy")
+	require.Equal(t, MaxValueBytesDefault, d.MaxValueBytes)
+	require.Equal(t, 7, (&Config{MaxValueBytes: 7}).WithDefaults().MaxValueBytes)
+	_, err = NewRedisProjector(client, testMapper(), &Config{MaxValueBytes: -1})
+	var cfgErr *ConfigError
+	require.ErrorAs(t, err, &cfgErr)
+	require.Equal(t, "Config.MaxValueBytes", cfgErr.Field)
 }
 
 // TestNewRedisProjectorNeedsBoundedCommands: go-redis does not abort a
@@ -874,4 +880,48 @@ func TestDocumentNamespacesMustNotOverlap(t *testing.T) {
 			require.Contains(t, ce.Reason, tc.pair)
 		})
 	}
+}
+
+// TestHandleIsolatesAValueRedisWouldRefuse: Redis refuses a bulk string
+// longer than its proto-max-bulk-len by closing the connection, which
+// failed every record of the script call, on every retry, and so
+// dead-lettered the record's batch-mates with it. A write over
+// Config.MaxValueBytes now fails alone, before anything is sent. The
+// private server's limit is lowered to its 1 MB minimum to keep the test
+// small.
+func TestHandleIsolatesAValueRedisWouldRefuse(t *testing.T) {
+	t.Parallel()
+	const limit = 1 << 20
+	client := testenv.StartRedis(t, "--proto-max-bulk-len", "1mb").Client(t)
+	p, err := NewRedisProjector(client, testMapper(), &Config{Prefix: "size:", MaxValueBytes: limit})
+	require.NoError(t, err)
+	ctx := context.Background()
+
+	over := strings.Repeat("x", limit+1)
+	batch := []outbox.Record{
+		record("orders", "small", 1, `{"n":1}`),
+		record("orders", "over", 1, over),
+		record("orders", "at", 1, strings.Repeat("y", limit)),
+		record("profiles", over, 1, "v"), // the member is too long
+		record("profiles", "alice", 1, "v"),
+	}
+	results, err := p.Handle(ctx, batch)
+	require.NoError(t, err)
+	require.Len(t, results, len(batch))
+	for _, i := range []int{0, 2, 4} {
+		require.NoError(t, results[i].Err, "record %d fits Redis's limit", i)
+	}
+	for _, i := range []int{1, 3} {
+		var mapErr *MapError
+		require.ErrorAs(t, results[i].Err, &mapErr, "record %d", i)
+		require.Equal(t, i, mapErr.Index)
+		var targetErr *InvalidTargetError
+		require.ErrorAs(t, results[i].Err, &targetErr, "record %d", i)
+		require.Contains(t, targetErr.Reason, "Config.MaxValueBytes")
+		require.Less(t, len(results[i].Err.Error()), 1000, "record %d: the oversized bytes are not quoted", i)
+	}
+	for key, want := range map[string]bool{"small": true, "over": false, "at": true} {
+		require.Equal(t, want, readState(t, client, p.Keyspace(), Target{Kind: KindDocument, Name: "order:" + key}).exists, key)
+	}
+	require.True(t, readState(t, client, p.Keyspace(), Target{Kind: KindHash, Name: "profiles", Member: "alice"}).exists)
 }

@@ -1,6 +1,7 @@
 package projection
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -345,4 +346,44 @@ func TestRelayLayoutMismatchDeadLettersOnlyThatCollection(t *testing.T) {
 	require.Equal(t, 2, dead[0].Attempts, "retried before it was buried")
 	require.Contains(t, dead[0].LastError, "16 buckets")
 	require.True(t, readState(t, rb.client, rb.ks, Target{Kind: KindDocument, Name: "order:41"}).exists, "the order was not held back")
+}
+
+// TestRelayDeadLettersOnlyAValueRedisWouldRefuse: through a real relay,
+// a row over Redis's proto-max-bulk-len (lowered to its 1 MB minimum on a
+// private server) is retried and buried alone; the rows claimed with it
+// reach Redis. Before Config.MaxValueBytes all three were buried.
+func TestRelayDeadLettersOnlyAValueRedisWouldRefuse(t *testing.T) {
+	t.Parallel()
+	const limit = 1 << 20
+	client := testenv.StartRedis(t, "--proto-max-bulk-len", "1mb").Client(t)
+	rb := setupRelay(t, backend{name: "private", connect: func(t *testing.T) (redis.UniversalClient, string) { return client, "size:" }})
+	var err error
+	rb.projector, err = NewRedisProjector(client, testMapper(), &Config{Prefix: "size:", MaxValueBytes: limit})
+	require.NoError(t, err)
+	ctx := context.Background()
+	rb.commit(t,
+		outbox.Message{EventID: uuid.New(), Stream: "orders", Key: "a", Version: 1, Payload: []byte(`{"n":1}`)},
+		outbox.Message{EventID: uuid.New(), Stream: "orders", Key: "b", Version: 1, Payload: bytes.Repeat([]byte("x"), limit+1)},
+		outbox.Message{EventID: uuid.New(), Stream: "orders", Key: "c", Version: 1, Payload: []byte(`{"n":2}`)},
+	)
+	r := rb.relay(t, rb.projector, outbox.RelayConfig{MaxAttempts: 2})
+	require.Eventually(t, func() bool {
+		_, err := r.RunOnce(ctx)
+		require.NoError(t, err)
+		stats, err := r.Stats(ctx)
+		require.NoError(t, err)
+		return stats.Pending == 0
+	}, 10*time.Second, 20*time.Millisecond)
+
+	dead, err := r.DeadLetters(ctx, 0, 10)
+	require.NoError(t, err)
+	keys := make([]string, len(dead)) // not the records: one holds a megabyte
+	for i, d := range dead {
+		keys[i] = d.Key
+	}
+	require.Equal(t, []string{"b"}, keys, "dead letters")
+	require.Contains(t, dead[0].LastError, "Config.MaxValueBytes")
+	for _, key := range []string{"a", "c"} {
+		require.True(t, readState(t, client, rb.ks, Target{Kind: KindDocument, Name: "order:" + key}).exists, key)
+	}
 }
