@@ -502,7 +502,10 @@
 // role whose default_transaction_isolation is stricter, set
 // ConnConfig.RuntimeParams["default_transaction_isolation"] to "read
 // committed"), or claims and settles racing each other fail with
-// serialization errors and are retried.
+// serialization errors and are retried: a claim at the next poll, a settle
+// at once, up to five runs of its statement (as after a deadlock, or a
+// lock wait past a lock_timeout the pool's sessions set), after which the
+// batch's rows wait for their lease as after a crash.
 //
 // # Idempotent commands
 //

@@ -178,9 +178,11 @@ func (e *LeaseLostError) Is(target error) bool { return target == ErrLeaseLost }
 
 // PostgreSQL error codes the package interprets.
 const (
-	pgUniqueViolation  = "23505"
-	pgUndefinedTable   = "42P01"
-	pgDeadlockDetected = "40P01"
+	pgUniqueViolation      = "23505"
+	pgUndefinedTable       = "42P01"
+	pgDeadlockDetected     = "40P01"
+	pgSerializationFailure = "40001"
+	pgLockNotAvailable     = "55P03"
 )
 
 // isEventIDViolation reports a unique violation of the event id, not of

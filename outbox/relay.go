@@ -1287,19 +1287,32 @@ func (r *Relay) settle(ctx context.Context, token uuid.UUID, batch []Record, res
 	if len(r.cfg.Streams) > 0 {
 		args = append(args, r.cfg.Streams) // settleOthers
 	}
-	rows, err := r.pool.Query(ctx, r.settleSQL, args...)
-	if err != nil {
-		return mapError("settle batch", err)
-	}
 	type settledRow struct {
 		id   int64
 		kept bool // to bury, but its id is in the dead-letter table: retried
 	}
-	settled, err := pgx.CollectRows(rows, func(row pgx.CollectableRow) (settledRow, error) {
-		var s settledRow
-		return s, row.Scan(&s.id, &s.kept)
-	})
-	if err != nil {
+	var settled []settledRow
+	for attempt := 1; ; attempt++ {
+		rows, err := r.pool.Query(ctx, r.settleSQL, args...)
+		if err == nil {
+			settled, err = pgx.CollectRows(rows, func(row pgx.CollectableRow) (settledRow, error) {
+				var s settledRow
+				return s, row.Scan(&s.id, &s.kept)
+			})
+		}
+		if err == nil {
+			break
+		}
+		// A serialization failure or a deadlock (a pool whose default
+		// isolation is stricter than READ COMMITTED, racing a claim), or a
+		// lock wait past the session's lock_timeout, rolled the statement
+		// back whole: run it again rather than leave the handled rows
+		// leased, their attempt counted as a crash.
+		var pgErr *pgconn.PgError
+		if attempt < settleRetries && ctx.Err() == nil && errors.As(err, &pgErr) &&
+			(pgErr.Code == pgSerializationFailure || pgErr.Code == pgDeadlockDetected || pgErr.Code == pgLockNotAvailable) {
+			continue
+		}
 		return mapError("settle batch", err)
 	}
 	kept := make(map[int64]bool)
@@ -1355,6 +1368,11 @@ func (r *Relay) settle(ctx context.Context, token uuid.UUID, batch []Record, res
 	}
 	return nil
 }
+
+// settleRetries bounds the runs of a settle statement that PostgreSQL
+// rolled back whole: a serialization failure, a deadlock or a lock wait
+// past the session's lock_timeout.
+const settleRetries = 5
 
 // backoff is the delay before the attempt following attempt number attempts
 // (1-based): RetryBackoffMin doubled per attempt, capped at RetryBackoffMax,

@@ -181,3 +181,77 @@ func TestRelayFailedSettle(t *testing.T) {
 		require.Equal(t, total, held, "the other relay's leases are untouched")
 	})
 }
+
+// TestRelaySettleRetriesAStatementPostgreSQLRolledBack: a settle that
+// PostgreSQL rolls back whole (here at the session's lock_timeout, as for
+// a serialization failure or a deadlock) is run again. It was not: the
+// handled rows stayed leased, their attempt counted as a crash, and with
+// MaxAttempts 1 they went to the dead letters though the Handler had
+// succeeded.
+func TestRelaySettleRetriesAStatementPostgreSQLRolledBack(t *testing.T) {
+	t.Parallel()
+	const lockTimeout = 200 * time.Millisecond
+	b := setup(t)
+	ctx := context.Background()
+	pc, err := pgxpool.ParseConfig(b.pg.ConnString)
+	require.NoError(t, err)
+	pc.ConnConfig.RuntimeParams["lock_timeout"] = fmt.Sprint(lockTimeout.Milliseconds())
+	pool, err := pgxpool.NewWithConfig(ctx, pc)
+	require.NoError(t, err)
+	t.Cleanup(pool.Close)
+	msg := newMessage("s", "k", 1)
+	b.appendCommitted(t, msg)
+
+	// The Handler locks its row from another transaction, so the settle's
+	// DELETE waits; the lock is released once one settle attempt has
+	// timed out and the next is waiting.
+	var calls atomic.Int32
+	released := make(chan error, 1)
+	h := outbox.HandlerFunc(func(_ context.Context, batch []outbox.Record) ([]outbox.Result, error) {
+		if calls.Add(1) == 1 { // ctx, not the Handler's: the lock outlives the call
+			holder, err := b.pool.Begin(ctx)
+			if err != nil {
+				return nil, err
+			}
+			var pid int
+			if err := holder.QueryRow(ctx, `SELECT pg_backend_pid() FROM `+b.writer.Table()+` WHERE id = $1 FOR UPDATE`, batch[0].ID).Scan(&pid); err != nil {
+				_ = holder.Rollback(ctx)
+				return nil, err
+			}
+			go func() {
+				defer func() { _ = holder.Rollback(ctx) }()
+				deadline := time.Now().Add(30 * time.Second)
+				for {
+					var waiting int
+					if err := b.pool.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity WHERE $1 = ANY(pg_blocking_pids(pid))`, pid).Scan(&waiting); err != nil {
+						released <- err
+						return
+					}
+					if waiting > 0 {
+						break
+					}
+					if time.Now().After(deadline) {
+						released <- fmt.Errorf("the settle never waited for the row")
+						return
+					}
+					time.Sleep(5 * time.Millisecond)
+				}
+				time.Sleep(lockTimeout * 3 / 2)
+				released <- nil
+			}()
+		}
+		return make([]outbox.Result, len(batch)), nil
+	})
+	r, err := outbox.NewRelay(pool, h, &outbox.RelayConfig{Schema: b.cfg.Schema, MaxAttempts: 1, DisableNotify: true})
+	require.NoError(t, err)
+	n, err := r.RunOnce(ctx)
+	require.NoError(t, err, "the settle is run again after its lock_timeout")
+	require.Equal(t, 1, n)
+	require.NoError(t, <-released)
+
+	stats, err := r.Stats(ctx)
+	require.NoError(t, err)
+	require.Zero(t, stats.Pending)
+	require.Zero(t, stats.DeadLetters, "a row the Handler handled is not buried")
+	require.EqualValues(t, 1, calls.Load())
+}
