@@ -165,8 +165,11 @@ type RelayConfig struct {
 	// flushes. Set it if a re-delivery after a database crash is costly for
 	// your Handler, or if an operator must be able to rely on an
 	// acknowledgement surviving a crash. The outbox rows themselves, written
-	// in the caller's transaction, and ReplayDead are always durable.
-	// Defaults to false.
+	// in the caller's transaction, and ReplayDead commit as the session's
+	// synchronous_commit says: durably, unless the pool's role, database or
+	// connection sets it off (then a crash can forget a replay ReplayDead
+	// reported; the dead letters stay). With DurableBookkeeping the relay's
+	// statements too follow the session's setting. Defaults to false.
 	DurableBookkeeping bool
 
 	// DisableNotify turns off LISTEN: the relay finds work by polling only.
