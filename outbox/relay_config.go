@@ -231,8 +231,10 @@ type RelayConfig struct {
 	// lands in one or two partitions (256 consecutive ids each): with N
 	// streams' relays busy in one, a row may wait about N batches
 	// (measured: 50 streams writing 10 rows/s each, 40 ms batches, p99
-	// about 3 s), another reason to give streams that must not wait on
-	// each other tables of their own. Defaults to nil (every stream).
+	// about 3 s), and a row more than 32 rows behind another stream's
+	// backlog there may wait for most of that backlog (see "Waking
+	// relays"): other reasons to give streams that must not wait on each
+	// other tables of their own. Defaults to nil (every stream).
 	Streams []string
 
 	// Name identifies the relay in logs. Defaults to "relay-" followed by
