@@ -317,7 +317,7 @@
 // retries, then dead-letters it) and projects the rest. A failed script
 // call (a Redis error) fails the batch in Project; in Handle it fails only
 // the records of its slot group, with the call's error. A record whose
-// value, name or member is longer than Config.MaxValueBytes (Redis's
+// value, member or keys are longer than Config.MaxValueBytes (Redis's
 // proto-max-bulk-len, 512 MB unless lowered) counts as one that cannot be
 // mapped: Redis would close the connection on it, failing every record of
 // its call, on every retry.

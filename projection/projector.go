@@ -10,6 +10,7 @@ import (
 	"go.opentelemetry.io/otel/metric"
 
 	"github.com/verity-go/verity/internal/deps"
+	"github.com/verity-go/verity/internal/keyenc"
 	"github.com/verity-go/verity/internal/lograte"
 	"github.com/verity-go/verity/outbox"
 )
@@ -43,12 +44,13 @@ type Config struct {
 	// to a new count. Defaults to 0: one version hash per collection.
 	VersionBuckets int
 	// MaxValueBytes bounds a write's value (a hash field's or document's
-	// bytes), and its collection or document name and member. Redis refuses a larger bulk string by closing the
-	// connection, which would fail every write of the record's script
-	// call; a larger value fails its own record instead (*MapError
-	// wrapping *InvalidTargetError), so Handle dead-letters it alone. Set it
-	// to the server's proto-max-bulk-len if that was lowered. Defaults to
-	// MaxValueBytesDefault.
+	// bytes), its member, and the keys its collection or document name
+	// makes (escaped, with the prefix and suffixes). Redis refuses a
+	// larger bulk string by closing the connection, which would fail every
+	// write of the record's script call; a larger one fails its own record
+	// instead (*MapError wrapping *InvalidTargetError), so Handle
+	// dead-letters it alone. Set it to the server's proto-max-bulk-len if
+	// that was lowered. Defaults to MaxValueBytesDefault.
 	MaxValueBytes int
 	// Logger receives a debug line per batch, and a warning for a batch
 	// with an OutcomeConflict (one a second at most, per projector).
@@ -386,16 +388,27 @@ func (p *RedisProjector) mapRecord(i int, rec outbox.Record) (Write, error) {
 	return w, nil
 }
 
+// maxQuotedTarget is the longest name and member, together, that
+// checkSizes's error quotes.
+const maxQuotedTarget = 1024
+
 // checkSizes refuses a write with a value, member or name larger than
 // Config.MaxValueBytes, which Redis would refuse by closing the connection
 // and so fail every write sent with it. The target is left out of the
-// error when the name or member is the oversized part.
+// error when the name or member is the oversized part, or long.
 func (p *RedisProjector) checkSizes(i int, w *Write) error {
+	// Redis receives the name inside its keys, escaped and with the prefix
+	// and the longest suffix the gate writes (":z~rebuild~copied").
+	keyLen := len(p.gate.ks.prefix) + len("{}") + keyenc.EscapedLen(w.Target.Name) + len(suffixSortedSet+suffixRebuildCopied)
 	switch {
-	case len(w.Target.Name) > p.maxValue || len(w.Target.Member) > p.maxValue:
-		return &InvalidTargetError{Index: i, Target: Target{Kind: w.Target.Kind}, Reason: fmt.Sprintf("its name (%d bytes) or member (%d bytes) is over Config.MaxValueBytes (%d)", len(w.Target.Name), len(w.Target.Member), p.maxValue)}
+	case keyLen > p.maxValue || len(w.Target.Member) > p.maxValue:
+		return &InvalidTargetError{Index: i, Target: Target{Kind: w.Target.Kind}, Reason: fmt.Sprintf("its keys (%d bytes for a name of %d) or member (%d bytes) are over Config.MaxValueBytes (%d)", keyLen, len(w.Target.Name), len(w.Target.Member), p.maxValue)}
 	case len(w.Value.Data) > p.maxValue:
-		return &InvalidTargetError{Index: i, Target: w.Target, Reason: fmt.Sprintf("its value is %d bytes, over Config.MaxValueBytes (%d)", len(w.Value.Data), p.maxValue)}
+		target := w.Target
+		if len(target.Name)+len(target.Member) > maxQuotedTarget {
+			target = Target{Kind: target.Kind}
+		}
+		return &InvalidTargetError{Index: i, Target: target, Reason: fmt.Sprintf("its value is %d bytes, over Config.MaxValueBytes (%d)", len(w.Value.Data), p.maxValue)}
 	}
 	return nil
 }

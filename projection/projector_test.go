@@ -904,6 +904,10 @@ func TestHandleIsolatesAValueRedisWouldRefuse(t *testing.T) {
 		record("orders", "at", 1, strings.Repeat("y", limit)),
 		record("profiles", over, 1, "v"), // the member is too long
 		record("profiles", "alice", 1, "v"),
+		// A name under the limit whose keys are over it: each ':' is
+		// escaped to three bytes.
+		record("orders", strings.Repeat(":", limit/3), 1, `{}`),
+		record("profiles", strings.Repeat("m", 2000), 1, over), // not quoted either
 	}
 	results, err := p.Handle(ctx, batch)
 	require.NoError(t, err)
@@ -911,7 +915,7 @@ func TestHandleIsolatesAValueRedisWouldRefuse(t *testing.T) {
 	for _, i := range []int{0, 2, 4} {
 		require.NoError(t, results[i].Err, "record %d fits Redis's limit", i)
 	}
-	for _, i := range []int{1, 3} {
+	for _, i := range []int{1, 3, 5, 6} {
 		var mapErr *MapError
 		require.ErrorAs(t, results[i].Err, &mapErr, "record %d", i)
 		require.Equal(t, i, mapErr.Index)

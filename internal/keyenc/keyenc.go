@@ -53,6 +53,17 @@ func Escape(s string) string {
 	return b.String()
 }
 
+// EscapedLen returns len(Escape(s)) without building it.
+func EscapedLen(s string) int {
+	n := len(s)
+	for i := 0; i < len(s); i++ {
+		if !safe(s[i]) {
+			n += 2
+		}
+	}
+	return n
+}
+
 // ErrMalformed is returned by Unescape for input that Escape cannot produce.
 var ErrMalformed = errors.New("keyenc: malformed escaped string")
 

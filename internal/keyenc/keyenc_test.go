@@ -50,6 +50,7 @@ func TestEscapeEveryByte(t *testing.T) {
 			want = in
 		}
 		require.Equal(t, want, Escape(in), "byte %#02x", c)
+		require.Equal(t, len(want), EscapedLen(in), "byte %#02x", c)
 		require.Equal(t, "p:{"+want+"}:z", Tagged("p:", in, ":z"), "byte %#02x", c)
 	}
 }
@@ -109,6 +110,9 @@ func TestEscapeRoundTripsRandomBytes(t *testing.T) {
 		}
 		s := string(b)
 		escaped := Escape(s)
+		if n := EscapedLen(s); n != len(escaped) {
+			t.Fatalf("EscapedLen(%q) = %d, len(Escape) = %d", s, n, len(escaped))
+		}
 		if strings.ContainsAny(escaped, "{}:") {
 			t.Fatalf("Escape(%q) = %q holds a brace or separator", s, escaped)
 		}
@@ -168,8 +172,8 @@ func FuzzEscape(f *testing.F) {
 				want += 3
 			}
 		}
-		if len(out) != want {
-			t.Fatalf("Escape(%q) = %q: %d bytes, want %d", s, out, len(out), want)
+		if len(out) != want || EscapedLen(s) != want {
+			t.Fatalf("Escape(%q) = %q: %d bytes (EscapedLen %d), want %d", s, out, len(out), EscapedLen(s), want)
 		}
 		for i := 0; i < len(out); i++ {
 			switch c := out[i]; {
