@@ -130,6 +130,14 @@ type Config struct {
 	// ExamplesPerClass is the number of findings kept per class in
 	// Report.Examples; -1 keeps none. Defaults to ExamplesPerClassDefault.
 	ExamplesPerClass int
+	// MaxValueBytes bounds a hash or document source row's value as the
+	// projection's Config.MaxValueBytes does: a row over it is refused with
+	// *InvalidRowError, like a row with a version that is not positive,
+	// where Redis would close the connection on its write and leave the
+	// page's repairs uncertain on every run. Set it to the server's
+	// proto-max-bulk-len if that was lowered. Defaults to
+	// projection.MaxValueBytesDefault (512 MB).
+	MaxValueBytes int
 	// Policy chooses what is repaired. Defaults to repairing missing, stale
 	// and corrupt entries and only reporting ahead and orphan ones.
 	Policy Policy
@@ -208,6 +216,9 @@ func (c *Config) WithDefaults() *Config {
 	if c != nil {
 		out = *c
 	}
+	if out.MaxValueBytes == 0 {
+		out.MaxValueBytes = projection.MaxValueBytesDefault
+	}
 	if out.PageSize == 0 {
 		out.PageSize = PageSizeDefault
 	}
@@ -231,6 +242,8 @@ func (c *Config) WithDefaults() *Config {
 
 func (c *Config) validate() error {
 	switch {
+	case c.MaxValueBytes < 0:
+		return &ConfigError{Field: "Config.MaxValueBytes", Reason: fmt.Sprintf("is %d; use a positive size, or 0 for the default (%d)", c.MaxValueBytes, projection.MaxValueBytesDefault)}
 	case c.PageSize < 1 || c.PageSize > PageSizeMax:
 		return &ConfigError{Field: "Config.PageSize", Reason: fmt.Sprintf("must be between 1 and %d (0 uses the default)", PageSizeMax)}
 	case c.ReadAhead < 1 || c.ReadAhead > ReadAheadMax:

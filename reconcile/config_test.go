@@ -21,6 +21,7 @@ func TestConfig(t *testing.T) {
 		require.Equal(t, ExamplesPerClassDefault, cfg.ExamplesPerClass)
 		require.Equal(t, RepairTimeoutDefault, cfg.RepairTimeout)
 		require.Equal(t, RebuildMarkerTTLDefault, cfg.RebuildMarkerTTL)
+		require.Equal(t, projection.MaxValueBytesDefault, cfg.MaxValueBytes)
 		require.NotNil(t, cfg.Logger)
 		require.NoError(t, cfg.validate())
 
@@ -46,6 +47,7 @@ func TestConfig(t *testing.T) {
 			"Config.ExamplesPerClass": {ExamplesPerClass: -2},
 			"Config.RepairTimeout":    {RepairTimeout: -time.Second},
 			"Config.RebuildMarkerTTL": {RebuildMarkerTTL: time.Millisecond},
+			"Config.MaxValueBytes":    {MaxValueBytes: -1},
 			"Config.Policy.Orphan":    {Policy: Policy{Orphan: ActionRepair + 1}},
 			"Config.Policy.Missing":   {Policy: Policy{Missing: ActionRepair + 1}},
 			"Config.Policy.Stale":     {Policy: Policy{Stale: ActionRepair + 1}},

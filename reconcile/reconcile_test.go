@@ -790,6 +790,46 @@ func TestRunInvalidRowsFromAnySource(t *testing.T) {
 	}
 }
 
+// TestRunRefusesAValueOverMaxValueBytes: a hash or document row whose
+// value Redis would refuse for its length made Redis close the connection
+// on the page's repairs, on every run, reported as a connection error;
+// it is an *InvalidRowError now, like any row the projection could not
+// hold. A value at the limit, and a sorted set's row (whose Data is not
+// sent), pass.
+func TestRunRefusesAValueOverMaxValueBytes(t *testing.T) {
+	t.Parallel()
+	const limit = 10
+	forKinds(t, []projection.Kind{projection.KindHash, projection.KindDocument}, func(t *testing.T, b *testBundle) {
+		at := Row{Key: "at", Version: 1, Value: projection.Value{Data: []byte(strings.Repeat("x", limit))}}
+		over := Row{Key: "over", Version: 1, Value: projection.Value{Data: []byte(strings.Repeat("x", limit+1))}}
+		r, err := New(rowsSource{rows: []Row{at, over}}, b.target, &Config{MaxValueBytes: limit})
+		require.NoError(t, err)
+		rep, err := r.Run(context.Background(), RunOptions{})
+		var rowErr *InvalidRowError
+		require.ErrorAs(t, err, &rowErr)
+		require.Equal(t, "over", rowErr.Key)
+		require.Contains(t, rowErr.Reason, "Config.MaxValueBytes")
+		require.Zero(t, rep.Checked)
+		require.Equal(t, Projected{}, b.state(t, r, "at"), "nothing written")
+		if b.target.Kind == projection.KindHash { // Rebuild takes no documents
+			_, err = r.Rebuild(context.Background())
+			require.ErrorAs(t, err, &rowErr)
+			require.Equal(t, Projected{}, b.state(t, r, "at"), "nothing written")
+		}
+
+		r, err = New(rowsSource{rows: []Row{at}}, b.target, &Config{MaxValueBytes: limit})
+		require.NoError(t, err)
+		rep, err = r.Run(context.Background(), RunOptions{})
+		require.NoError(t, err)
+		require.EqualValues(t, 1, rep.Repaired)
+	})
+	b := setup(t, projection.KindSortedSet)
+	r, err := New(rowsSource{rows: []Row{{Key: "z", Version: 1, Value: projection.Value{Score: 1, Data: []byte("ignored")}}}}, b.target, &Config{MaxValueBytes: 1})
+	require.NoError(t, err)
+	_, err = r.Run(context.Background(), RunOptions{})
+	require.NoError(t, err, "a sorted set's row sends no Data")
+}
+
 // TestHazardousKeys reconciles keys that are empty or contain braces,
 // colons, glob characters, spaces and non-ASCII bytes.
 func TestHazardousKeys(t *testing.T) {

@@ -763,6 +763,9 @@ func (r *Reconciler) validateRow(row *Row) error {
 	if r.target.Kind == projection.KindSortedSet && (row.Value.Score < projection.MinScore || row.Value.Score > projection.MaxScore) {
 		return &InvalidRowError{Key: row.Key, Reason: fmt.Sprintf("score %d outside ±2^53", row.Value.Score)}
 	}
+	if n := len(row.Value.Data); r.target.Kind != projection.KindSortedSet && n > r.cfg.MaxValueBytes {
+		return &InvalidRowError{Key: row.Key, Reason: fmt.Sprintf("value is %d bytes, over Config.MaxValueBytes (%d)", n, r.cfg.MaxValueBytes)}
+	}
 	return nil
 }
 
