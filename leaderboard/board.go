@@ -504,12 +504,12 @@ func (b *Board) submitOne(ctx context.Context, cmd Command) (Result, error) {
 //     error also wraps the driver's unique violation (*pgconn.PgError).
 //
 // Under REPEATABLE READ or SERIALIZABLE, a concurrent update of the same
-// user may also fail with a serialization failure (SQLSTATE 40001), and
-// under SERIALIZABLE so may a twin committed while the statement ran,
-// whatever its user: PostgreSQL reports it as that failure, not as the
-// unique violation behind a *ConcurrentSubmitError. It is returned
-// wrapped; retry the transaction as for any such failure (the retry sees
-// the twin and reports Duplicate).
+// user (a twin among them) may also fail with a serialization failure
+// (SQLSTATE 40001), and under SERIALIZABLE so may a twin committed while
+// the statement ran, whatever its user: PostgreSQL reports it as that
+// failure, not as the unique violation behind a *ConcurrentSubmitError.
+// It is returned wrapped; retry the transaction as for any such failure
+// (the retry sees the twin and reports Duplicate).
 //
 // The verity.leaderboard.submits counter counts a SubmitTx that wrote its
 // command as staged, not applied: whether tx commits is the caller's to
@@ -677,8 +677,9 @@ func (b *Board) SubmitBatch(ctx context.Context, cmds []Command) ([]Result, erro
 //     outbox table (see SubmitTx).
 //   - A deadlock (SQLSTATE 40P01), which SubmitBatch retries itself, or
 //     under REPEATABLE READ or SERIALIZABLE a serialization failure
-//     (40001), which under SERIALIZABLE is also how PostgreSQL reports a
-//     twin committed meanwhile: returned wrapped; retry the transaction.
+//     (40001), which is also how PostgreSQL reports a twin committed
+//     meanwhile (under REPEATABLE READ one of the same user, under
+//     SERIALIZABLE any): returned wrapped; retry the transaction.
 //
 // The statement locks the batch's users' rows until tx ends, in user id
 // order, as SubmitBatch's does; a transaction that also changes them

@@ -325,8 +325,9 @@ func (e *IdempotencyConflictError) Unwrap() error { return ErrIdempotencyConflic
 // it back and retry the whole transaction, whose SubmitTx then returns the
 // twin's Result with Duplicate set (or an *IdempotencyConflictError if the
 // commands differ). Nothing of the caller's transaction can commit. It
-// matches ErrConcurrentSubmit. Under SERIALIZABLE, PostgreSQL reports the
-// same race as a serialization failure (SQLSTATE 40001) instead, which is
+// matches ErrConcurrentSubmit. Under SERIALIZABLE (any twin) and
+// REPEATABLE READ (a twin of the same user), PostgreSQL reports the same
+// race as a serialization failure (SQLSTATE 40001) instead, which is
 // returned as it is, and is retried the same way.
 type ConcurrentSubmitError struct {
 	// EventID is the command's event id. For SubmitBatchTx it is taken from

@@ -510,7 +510,8 @@
 // serialization errors and are retried: a claim at the next poll, a settle
 // at once, up to five runs of its statement (as after a deadlock, or a
 // lock wait past a lock_timeout the pool's sessions set), after which the
-// batch's rows wait for their lease as after a crash.
+// batch is left unsettled as after a crash: the relay's next claim ends
+// its leases, and the attempt counts.
 //
 // # Idempotent commands
 //
