@@ -155,7 +155,12 @@
 // trip, two when the page has both missing or stale entries (written
 // through the gate) and others (written by the compare-and-set script).
 // Memory is proportional to Config.PageSize times Config.ReadAhead,
-// not to the table: a 1,000,000-row pass runs in a few MiB.
+// not to the table: a 1,000,000-row pass runs in a few MiB. The one
+// exception is kept for the orphan scan, which must not count an entry
+// twice: a key per entry found ahead or corrupt, or missing or stale
+// whose repair raced or was not sent or answered, held by the Report
+// (tens of bytes each; a whole table found ahead, after a restore from an
+// older backup, keeps one per row).
 //
 // After the source, a full run looks for orphans. For a collection it first
 // compares counts (HLEN of the versions — of every bucket, pipelined —

@@ -597,6 +597,12 @@ func (r *Reconciler) classifyRead(ctx context.Context, rows []Row, projected []P
 	return findings, current, nil
 }
 
+// leftAsFound reports a result after which a missing or stale entry holds
+// its row's state (repaired) or what the pass read (nothing was sent).
+func leftAsFound(res Result) bool {
+	return res == ResultRepaired || res == ResultDryRun || res == ResultReported || res == ResultVetoed
+}
+
 // settleFindings counts checked source rows as checked, settles findings and
 // records them in rep.
 func (r *Reconciler) settleFindings(ctx context.Context, opts RunOptions, findings []Finding, checked int, rep *Report) error {
@@ -606,10 +612,12 @@ func (r *Reconciler) settleFindings(ctx context.Context, opts RunOptions, findin
 	for i := range findings {
 		f := &findings[i]
 		rep.tally.add(f)
-		if f.Result != ResultRepaired || (f.Class != ClassMissing && f.Class != ClassStale) {
+		if f.Class != ClassMissing && f.Class != ClassStale || !leftAsFound(f.Result) {
 			// checkFound must not count it again. (A missing or stale
-			// entry repaired holds its row's state: checkFound leaves
-			// it, so a pass repairing a whole lost Redis keeps none.)
+			// entry repaired holds its row's state, and one left as it
+			// was found, in a dry run say, is still missing or stale:
+			// checkFound leaves both, so a pass over a whole lost Redis
+			// keeps none, and memory stays bounded by the pages.)
 			if rep.drifted == nil {
 				rep.drifted = make(map[string]struct{})
 			}

@@ -159,9 +159,9 @@ type Report struct {
 	// nil.
 	orphaned map[string]struct{}
 	// drifted holds the keys checked against their source rows and found
-	// drifting (but missing and stale entries repaired, which then hold
-	// their rows' state), so that the orphan scan's check of found rows
-	// (checkFound) does not count them twice. Usually small.
+	// drifting (but missing and stale entries repaired or left as found,
+	// which checkFound never counts), so that the orphan scan's check of
+	// found rows (checkFound) does not count them twice. Usually small.
 	drifted map[string]struct{}
 }
 
