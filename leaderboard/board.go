@@ -121,9 +121,21 @@ type Board struct {
 	// shortRecord is the token of a Verify record a look found with fewer
 	// members than its pass saw (under lagMu): it never counts again, even
 	// once new scores make the sorted set as large.
-	shortRecord  string
-	lagProbe     lagProbe
-	lagFirst     chan struct{} // closed when the first lag measurement ends
+	shortRecord string
+	lagProbe    lagProbe
+	lagFirst    chan struct{} // closed when the first lag measurement ends
+	// steppedThrough is the latest creation time of an unprojected change
+	// a lag measurement found dated after the database clock (under
+	// lagMu); zero when none. Until every change dated up to it is
+	// projected, the lag stays unmeasured: once the clock passes such a
+	// change, its age (and that of changes written before the step) is
+	// understated by the step.
+	steppedThrough time.Time
+	// lastClock is the last successful lag reading's database clock and
+	// the local times its query was sent and answered (under lagMu): a
+	// database clock that advanced less than the local monotonic clock
+	// between two readings stepped back.
+	lastClock    struct{ dbNow, sent, replied time.Time }
 	verification verification
 	// lagGaugeProbe is closed when the measurement a metrics collection
 	// started is over; nil while none runs.

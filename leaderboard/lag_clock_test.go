@@ -2,12 +2,15 @@ package leaderboard
 
 import (
 	"context"
+	"fmt"
 	"math"
 	"strings"
 	"testing"
 	"time"
 	"unsafe"
 
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
 	"github.com/verity-go/verity/internal/testenv"
@@ -192,7 +195,7 @@ func TestLagWhenTheDatabaseClockSteppedBack(t *testing.T) {
 			time.Sleep(tb.board.Config().LagProbeInterval)
 		}
 		elapsed := time.Since(start)
-		lines := logs.Lines(t, "leaderboard: the database clock appears to have stepped back: a change of the board not yet projected is dated after it, so the projection lag cannot be measured (reads see Lag -1) until the change is projected or the clock passes it")
+		lines := logs.Lines(t, "leaderboard: the database clock appears to have stepped back: a change of the board not yet projected is dated after it, so the projection lag cannot be measured (reads see Lag -1) until the changes dated up to it are projected")
 		require.NotEmpty(t, lines)
 		require.LessOrEqual(t, len(lines), 1+int(elapsed/time.Second), "%d lines in %v", len(lines), elapsed)
 		require.Equal(t, "weekly-2026-48", lines[0]["board"])
@@ -488,4 +491,129 @@ func measuredNothingPending(t *testing.T) *testBundle {
 	require.NoError(t, err)
 	require.Zero(t, r.Freshness.Lag)
 	return tb
+}
+
+// skewedPool returns a pool on the bundle's database whose sessions see
+// PostgreSQL's clock shifted by the value of <schema>_skew.offset_us (in
+// microseconds; change it with setSkew): a schema before pg_catalog in the
+// search_path holds now(), clock_timestamp() and statement_timestamp(),
+// which verity's SQL calls unqualified. Column defaults (created_at DEFAULT
+// now()) keep pg_catalog's, as they were bound at CREATE TABLE.
+func (tb *testBundle) skewedPool(t *testing.T) (*pgxpool.Pool, func(time.Duration)) {
+	t.Helper()
+	ctx := context.Background()
+	skew := pgx.Identifier{tb.pg.Schema + "_skew"}.Sanitize()
+	for _, q := range []string{
+		`CREATE SCHEMA ` + skew,
+		`CREATE TABLE ` + skew + `.offset_us (v bigint NOT NULL)`,
+		`INSERT INTO ` + skew + `.offset_us VALUES (0)`,
+		`CREATE FUNCTION ` + skew + `.clock_timestamp() RETURNS timestamptz LANGUAGE sql VOLATILE AS
+			$$ SELECT pg_catalog.clock_timestamp() + (SELECT v FROM ` + skew + `.offset_us) * interval '1 microsecond' $$`,
+		`CREATE FUNCTION ` + skew + `.now() RETURNS timestamptz LANGUAGE sql STABLE AS
+			$$ SELECT pg_catalog.now() + (SELECT v FROM ` + skew + `.offset_us) * interval '1 microsecond' $$`,
+		`CREATE FUNCTION ` + skew + `.statement_timestamp() RETURNS timestamptz LANGUAGE sql STABLE AS
+			$$ SELECT pg_catalog.statement_timestamp() + (SELECT v FROM ` + skew + `.offset_us) * interval '1 microsecond' $$`,
+	} {
+		_, err := tb.pg.Pool.Exec(ctx, q)
+		require.NoError(t, err, q)
+	}
+	t.Cleanup(func() { _, _ = tb.pg.Pool.Exec(context.Background(), `DROP SCHEMA `+skew+` CASCADE`) })
+	pool := tb.newPool(t, func(c *pgxpool.Config) {
+		c.ConnConfig.RuntimeParams["search_path"] = fmt.Sprintf("%s, pg_catalog, %s", skew, pgx.Identifier{tb.pg.Schema}.Sanitize())
+	})
+	// The skew is in effect for the pool's sessions.
+	var d time.Duration
+	setSkew := func(d time.Duration) {
+		_, err := tb.pg.Pool.Exec(ctx, `UPDATE `+skew+`.offset_us SET v = $1`, d.Microseconds())
+		require.NoError(t, err)
+	}
+	setSkew(-time.Hour)
+	require.NoError(t, pool.QueryRow(ctx, `SELECT pg_catalog.clock_timestamp() - clock_timestamp()`).Scan(&d))
+	require.InDelta(t, float64(time.Hour), float64(d), float64(time.Minute), "the skew schema is not in effect")
+	setSkew(0)
+	return pool, setSkew
+}
+
+// skewedReader returns a FailClosed board of tb's tables and keys on a
+// pool whose database clock setSkew shifts (see skewedPool), with the
+// probe and MaxLag of clockStepBoard.
+func (tb *testBundle) skewedReader(t *testing.T) (*Board, func(time.Duration)) {
+	t.Helper()
+	pool, setSkew := tb.skewedPool(t)
+	reader, err := New(pool, tb.rd.Client, &Config{Name: tb.board.Config().Name, Schema: tb.pg.Schema, KeyPrefix: tb.rd.Prefix,
+		ReadPolicy: FailClosed, MaxLag: 400 * time.Millisecond, LagProbeInterval: 20 * time.Millisecond})
+	require.NoError(t, err)
+	t.Cleanup(reader.Close)
+	return reader, setSkew
+}
+
+// TestLagAfterTheDatabaseClockSteppedBack: PostgreSQL's own clock steps
+// back (not the rows' dates, as in TestLagWhenTheDatabaseClockSteppedBack)
+// while a change waits, never projected: Redis keeps user-a's 10, the
+// database holds 17. No FailClosed read may serve the 10 as fresh once
+// the change has waited longer than MaxLag. Before, once the clock passed
+// a change dated after it, its age was understated by the step and reads
+// were served for up to the step; and a step shorter than the change's
+// age, which dates no change after the clock, was not seen at all.
+func TestLagAfterTheDatabaseClockSteppedBack(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	// served counts reads that returned Redis's stale 10 after the change
+	// had waited longer than the board could have missed it by.
+	servedStale := func(t *testing.T, reader *Board, committed time.Time, read time.Duration, step func(waited time.Duration)) int {
+		t.Helper()
+		cfg := reader.Config()
+		served := 0
+		for waited := time.Since(committed); waited < read; waited = time.Since(committed) {
+			step(waited)
+			r, err := reader.Top(ctx, 10)
+			if err != nil {
+				var stale *StaleError
+				require.ErrorAs(t, err, &stale)
+			} else if r.Entries[0].Score == 10 && time.Since(committed) > cfg.MaxLag+cfg.LagProbeInterval+100*time.Millisecond {
+				served++
+			}
+			time.Sleep(20 * time.Millisecond)
+		}
+		return served
+	}
+	requireRecovers := func(t *testing.T, tb *testBundle, reader *Board) {
+		t.Helper()
+		tb.drain(t)
+		require.Eventually(t, func() bool {
+			r, err := reader.Top(ctx, 10)
+			return err == nil && r.Freshness.Source == SourceRedis && r.Entries[0].Score == 17 && r.Freshness.Lag >= 0
+		}, 10*time.Second, 20*time.Millisecond, "once the change is projected the lag is measured again")
+	}
+
+	t.Run("ClockPassesTheWaitingChange", func(t *testing.T) {
+		t.Parallel()
+		tb := clockStepBoard(t, FailClosed)
+		reader, setSkew := tb.skewedReader(t)
+		r, err := reader.Top(ctx, 10)
+		require.NoError(t, err)
+		require.Equal(t, int64(10), r.Entries[0].Score)
+		const step = 1500 * time.Millisecond
+		tb.submit(t, "user-a", 7) // never projected
+		committed := time.Now()
+		setSkew(-step)
+		require.Zero(t, servedStale(t, reader, committed, step+time.Second, func(time.Duration) {}))
+		requireRecovers(t, tb, reader)
+	})
+
+	t.Run("StepShorterThanTheChangesAge", func(t *testing.T) {
+		t.Parallel()
+		tb := clockStepBoard(t, FailClosed)
+		reader, setSkew := tb.skewedReader(t)
+		tb.submit(t, "user-a", 7) // never projected
+		committed := time.Now()
+		stepped := false
+		require.Zero(t, servedStale(t, reader, committed, 2*time.Second, func(waited time.Duration) {
+			if waited > time.Second && !stepped {
+				setSkew(-800 * time.Millisecond)
+				stepped = true
+			}
+		}))
+		requireRecovers(t, tb, reader)
+	})
 }

@@ -84,7 +84,12 @@ type Freshness struct {
 	// stepped back since the change was written (an NTP step, a VM
 	// resumed, a failover to a host whose clock lags), so that neither its
 	// age nor that of changes written before the step is known; reads see
-	// -1 until such a change is projected or the clock passes it. Lag sees
+	// -1 until every change dated up to it is projected (the clock passing
+	// it does not make its age known). A step back that leaves no change
+	// dated after the clock is seen the same way when the database clock
+	// advanced less than this process's monotonic clock between two
+	// measurements; a Board whose first measurement follows the step
+	// cannot tell, and understates the lag by the step. Lag sees
 	// the outbox only, not entries Redis itself lost (see Reading in the
 	// package documentation). Lag and ProjectedThrough are measured in the
 	// board's pool: on a standby they leave out what the primary committed
@@ -868,6 +873,7 @@ func (b *Board) freshness(ctx context.Context) (Freshness, error) {
 		// than MaxLag could not show the projection fresh anyway.
 		pctx, cancel := context.WithTimeout(ctx, max(b.cfg.MaxLag, lagGaugeTimeout))
 		reading, sent, err := b.measureLag(pctx)
+		replied := time.Now()
 		cancel()
 		if callerEnded(ctx, err) != nil {
 			// This caller gave up, which says nothing about the database:
@@ -886,13 +892,15 @@ func (b *Board) freshness(ctx context.Context) (Freshness, error) {
 			if nm := b.dbError("measuring projection lag", err); errors.Is(nm, ErrNotMigrated) {
 				p.notMigrated = nm
 			}
-		} else if ahead, stepped := reading.clockStepped(); stepped {
+		} else if ahead, stepped := reading.clockStepped(); b.stillStepped(reading, sent, replied) || stepped {
 			// Clamped to 0, such a row would make the lag 0 on every probe
 			// until the clock caught up with it: FailClosed reads would
-			// serve a projection behind by up to the step as fresh.
+			// serve a projection behind by up to the step as fresh. Nor
+			// does the clock passing it make its age known: it stays
+			// understated by the step until the row is projected.
 			p.failed = true
-			if log, suppressed := b.logs.clockStep.Allow(); log {
-				b.cfg.Logger.WarnContext(ctx, "leaderboard: the database clock appears to have stepped back: a change of the board not yet projected is dated after it, so the projection lag cannot be measured (reads see Lag -1) until the change is projected or the clock passes it",
+			if log, suppressed := b.logs.clockStep.Allow(); stepped && log {
+				b.cfg.Logger.WarnContext(ctx, "leaderboard: the database clock appears to have stepped back: a change of the board not yet projected is dated after it, so the projection lag cannot be measured (reads see Lag -1) until the changes dated up to it are projected",
 					"board", b.cfg.Name, "ahead", ahead, lograte.Suppressed, suppressed)
 			}
 		} else if reading.oldest != nil {
@@ -1216,6 +1224,51 @@ func (b *Board) measureLag(ctx context.Context) (r lagReading, sent time.Time, e
 		return r, sent, nil
 	}
 	return r, sent, err
+}
+
+// stillStepped records the latest unprojected change r found dated after
+// the database clock, and reports whether r's oldest unprojected change is
+// dated no later than one a measurement found so (the clock may have passed
+// it since, but the change is still unprojected, and its age unknown). It
+// forgets the change once r finds none that old.
+//
+// It also compares the database clock with the local monotonic clock
+// since the last reading: when the database clock advanced less than the
+// least local time between the two readings, it stepped back, and every
+// change written before the step (dated up to what the old clock would
+// read now, at most the last reading plus the local time since that
+// query was sent) is treated the same way, although none is dated after
+// the clock.
+func (b *Board) stillStepped(r lagReading, sent, replied time.Time) bool {
+	b.lagMu.Lock()
+	defer b.lagMu.Unlock()
+	if r.ahead != nil && r.ahead.After(b.steppedThrough) {
+		b.steppedThrough = *r.ahead
+	}
+	if last := b.lastClock; !last.sent.IsZero() {
+		least := sent.Sub(last.replied) // local time between the two clock readings, at least
+		if least > 0 && r.dbNow.Sub(last.dbNow) < least-clockTolerance(least) {
+			if through := last.dbNow.Add(replied.Sub(last.sent)); through.After(b.steppedThrough) {
+				b.steppedThrough = through
+			}
+		}
+	}
+	b.lastClock.dbNow, b.lastClock.sent, b.lastClock.replied = r.dbNow, sent, replied
+	if b.steppedThrough.IsZero() {
+		return false
+	}
+	if r.oldest == nil || r.oldest.After(b.steppedThrough) {
+		b.steppedThrough = time.Time{}
+		return false
+	}
+	return true
+}
+
+// clockTolerance is how much less than d the database clock may advance
+// over a local interval d without counting as a step back: 1 ms plus 0.1 %
+// (a clock slewed by NTP runs at most 0.05 % slow).
+func clockTolerance(d time.Duration) time.Duration {
+	return time.Millisecond + d/1000
 }
 
 // clockStepped reports whether r found an unprojected row dated after the
