@@ -133,7 +133,12 @@
 //     MaxAttempts already, which the claim moves to the dead-letter table:
 //     see below).
 //  3. The relay calls the Handler with the batch. Its context expires with
-//     the lease.
+//     the lease, measured on this process's clock from before the claim;
+//     the lease itself ends by the database's clock, so a step forward of
+//     that clock can end it early and hand the rows to another relay while
+//     this Handler still runs (this batch's settle then meets
+//     ErrLeaseLost, and the gate keeps Redis right; a Handler with
+//     effects outside Redis sees the rows twice, at once).
 //  4. One statement settles the batch, each part guarded by "the row's
 //     partition is still leased to this batch's token": successes are
 //     deleted (or marked published_at with KeepPublished); failures get

@@ -263,7 +263,9 @@ const pruneCommandsSQL = `DELETE FROM %s WHERE created_at < now() - $1 * interva
 // executed again (one retried while it is being pruned may be: see
 // RecordCommand), unless its outbox row is still there: then the retry's
 // Append fails with ErrEventIDExists and its transaction writes nothing.
-// Keep records longer than any client retries. A record's age counts from
+// Keep records longer than any client retries, with a margin for the
+// database clock stepping forward (ages are measured by it, retries by the
+// clients' clocks). A record's age counts from
 // the start of the transaction that recorded it (Command.RecordedAt), not
 // from its commit: a transaction open longer than retention commits a record
 // that the next prune deletes, so make retention cover the longest recording
