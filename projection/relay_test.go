@@ -331,13 +331,7 @@ func TestRelayLayoutMismatchDeadLettersOnlyThatCollection(t *testing.T) {
 	rb.commit(t, scoreMsg("bob", 1, 5),
 		outbox.Message{EventID: uuid.New(), Stream: "orders", Key: "41", Version: 1, Payload: []byte("{}")})
 	r := rb.relay(t, rb.projector, outbox.RelayConfig{MaxAttempts: 2})
-	require.Eventually(t, func() bool {
-		_, err := r.RunOnce(ctx)
-		require.NoError(t, err)
-		stats, err := r.Stats(ctx)
-		require.NoError(t, err)
-		return stats.Pending == 0
-	}, 10*time.Second, 20*time.Millisecond)
+	runUntilNonePending(t, r)
 
 	dead, err := r.DeadLetters(ctx, 0, 10)
 	require.NoError(t, err)
@@ -367,13 +361,7 @@ func TestRelayDeadLettersOnlyAValueRedisWouldRefuse(t *testing.T) {
 		outbox.Message{EventID: uuid.New(), Stream: "orders", Key: "c", Version: 1, Payload: []byte(`{"n":2}`)},
 	)
 	r := rb.relay(t, rb.projector, outbox.RelayConfig{MaxAttempts: 2})
-	require.Eventually(t, func() bool {
-		_, err := r.RunOnce(ctx)
-		require.NoError(t, err)
-		stats, err := r.Stats(ctx)
-		require.NoError(t, err)
-		return stats.Pending == 0
-	}, 10*time.Second, 20*time.Millisecond)
+	runUntilNonePending(t, r)
 
 	dead, err := r.DeadLetters(ctx, 0, 10)
 	require.NoError(t, err)
@@ -386,4 +374,18 @@ func TestRelayDeadLettersOnlyAValueRedisWouldRefuse(t *testing.T) {
 	for _, key := range []string{"a", "c"} {
 		require.True(t, readState(t, client, rb.ks, Target{Kind: KindDocument, Name: "order:" + key}).exists, key)
 	}
+}
+
+// runUntilNonePending runs r's batches until no row is pending: each
+// delivered, or retried up to its MaxAttempts and dead-lettered.
+func runUntilNonePending(t *testing.T, r *outbox.Relay) {
+	t.Helper()
+	ctx := context.Background()
+	require.Eventually(t, func() bool {
+		_, err := r.RunOnce(ctx)
+		require.NoError(t, err)
+		stats, err := r.Stats(ctx)
+		require.NoError(t, err)
+		return stats.Pending == 0
+	}, 10*time.Second, 20*time.Millisecond)
 }
