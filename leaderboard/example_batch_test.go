@@ -7,6 +7,7 @@ import (
 	"log"
 
 	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/verity-go/verity/leaderboard"
 )
@@ -75,32 +76,14 @@ func ExampleBoard_SubmitBatchTx() {
 		log.Fatal(err)
 	}
 
-	reward := func(winners []string) error {
-		tx, err := pool.Begin(ctx)
+	for range 2 { // the job runs twice
+		winners := []string{"ada", "bob"}
+		results, err := grantSeasonRewards(ctx, pool, board, winners)
 		if err != nil {
-			return err
-		}
-		defer tx.Rollback(ctx) //nolint:errcheck // a no-op after Commit
-		cmds := make([]leaderboard.Command, len(winners))
-		for i, user := range winners {
-			id := uuid.NewSHA1(uuid.NameSpaceURL, []byte("season-7-reward/"+user))
-			cmds[i] = leaderboard.Command{EventID: id, UserID: user, Delta: 100}
-		}
-		results, err := board.SubmitBatchTx(ctx, tx, cmds)
-		if err != nil {
-			return err
+			log.Fatal(err)
 		}
 		for i, res := range results {
 			fmt.Printf("%s: score %d, duplicate %t\n", winners[i], res.Score, res.Duplicate)
-		}
-		if _, err := tx.Exec(ctx, `INSERT INTO season_payouts VALUES (7, $1) ON CONFLICT DO NOTHING`, len(winners)); err != nil {
-			return err
-		}
-		return tx.Commit(ctx)
-	}
-	for range 2 { // the job runs twice
-		if err := reward([]string{"ada", "bob"}); err != nil {
-			log.Fatal(err)
 		}
 	}
 	// Output:
@@ -108,4 +91,38 @@ func ExampleBoard_SubmitBatchTx() {
 	// bob: score 100, duplicate false
 	// ada: score 100, duplicate true
 	// bob: score 100, duplicate true
+}
+
+// grantSeasonRewards is the reward job of ExampleBoard_SubmitBatchTx: one
+// pgx transaction scores the rewards and records the payout.
+func grantSeasonRewards(ctx context.Context, pool *pgxpool.Pool, board *leaderboard.Board, winners []string) ([]leaderboard.Result, error) {
+	results, err := grantSeasonRewardsTx(ctx, pool, board, winners)
+	if errors.Is(err, leaderboard.ErrConcurrentSubmit) {
+		// An overlapping run committed one of the rewards while this
+		// transaction ran, and aborted it. Run it once more: it sees that
+		// run's rewards and reports them as duplicates.
+		results, err = grantSeasonRewardsTx(ctx, pool, board, winners)
+	}
+	return results, err
+}
+
+func grantSeasonRewardsTx(ctx context.Context, pool *pgxpool.Pool, board *leaderboard.Board, winners []string) ([]leaderboard.Result, error) {
+	tx, err := pool.Begin(ctx)
+	if err != nil {
+		return nil, err
+	}
+	defer tx.Rollback(ctx) //nolint:errcheck // a no-op after Commit
+	cmds := make([]leaderboard.Command, len(winners))
+	for i, user := range winners {
+		id := uuid.NewSHA1(uuid.NameSpaceURL, []byte("season-7-reward/"+user))
+		cmds[i] = leaderboard.Command{EventID: id, UserID: user, Delta: 100}
+	}
+	results, err := board.SubmitBatchTx(ctx, tx, cmds)
+	if err != nil {
+		return nil, err
+	}
+	if _, err := tx.Exec(ctx, `INSERT INTO season_payouts VALUES (7, $1) ON CONFLICT DO NOTHING`, len(winners)); err != nil {
+		return nil, err
+	}
+	return results, tx.Commit(ctx)
 }

@@ -9,6 +9,7 @@ import (
 
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/jackc/pgx/v5/stdlib"
 	"github.com/stretchr/testify/require"
 
@@ -131,4 +132,71 @@ func TestSubmitTxRecipeAppliesAppWritesOnce(t *testing.T) {
 		require.EqualValues(t, 4, score)
 		require.EqualValues(t, 10, coins, "twins of one match credited the wallet more than once")
 	})
+}
+
+// TestSubmitBatchTxRecipeOverlappingRunsPayOnce runs
+// ExampleBoard_SubmitBatchTx's reward job twice at once (a cron overlap,
+// two replicas): both statements wait behind a lock on ada's score row, so
+// the second sees the first's commit mid-statement (ErrConcurrentSubmit).
+// The job retries that once and reports the rewards as duplicates; it
+// failed when the Example passed the error to log.Fatal.
+func TestSubmitBatchTxRecipeOverlappingRunsPayOnce(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pg := testenv.Postgres(t)
+	rd := testenv.Redis(t)
+	cfg := &leaderboard.Config{Name: "season-7", Schema: pg.Schema, KeyPrefix: rd.Prefix}
+	require.NoError(t, leaderboard.Migrate(ctx, pg.Pool, cfg))
+	board, err := leaderboard.New(pg.Pool, rd.Client, cfg)
+	require.NoError(t, err)
+	t.Cleanup(board.Close)
+	_, err = pg.Pool.Exec(ctx, `CREATE TABLE season_payouts (season int PRIMARY KEY, users int NOT NULL)`)
+	require.NoError(t, err)
+	_, err = board.Submit(ctx, leaderboard.Command{EventID: uuid.New(), UserID: "ada", Delta: 1})
+	require.NoError(t, err)
+
+	// The jobs' connections carry an application_name of their own, which
+	// tells their lock waits apart from other tests'.
+	app := "recipe-rewards-" + uuid.NewString()[:8]
+	pc := pg.Pool.Config()
+	pc.ConnConfig.RuntimeParams["application_name"] = app
+	jobs, err := pgxpool.NewWithConfig(ctx, pc)
+	require.NoError(t, err)
+	defer jobs.Close()
+
+	locker, err := pg.Pool.Begin(ctx)
+	require.NoError(t, err)
+	defer locker.Rollback(ctx) //nolint:errcheck // rolled back below
+	_, err = locker.Exec(ctx, `SELECT 1 FROM user_scores WHERE user_id = 'ada' FOR UPDATE`)
+	require.NoError(t, err)
+
+	const runs = 2
+	var (
+		wg      sync.WaitGroup
+		results = make([][]leaderboard.Result, runs)
+		errs    = make([]error, runs)
+	)
+	for i := range runs {
+		wg.Go(func() { results[i], errs[i] = grantSeasonRewards(ctx, jobs, board, []string{"ada", "bob"}) })
+	}
+	require.Eventually(t, func() bool {
+		var waiting int
+		err := pg.Pool.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity
+			WHERE application_name = $1 AND wait_event_type = 'Lock'`, app).Scan(&waiting)
+		return err == nil && waiting == runs
+	}, 10*time.Second, 5*time.Millisecond, "the runs never both waited for the lock")
+	require.NoError(t, locker.Rollback(ctx))
+	wg.Wait()
+
+	fresh := 0
+	for i := range runs {
+		require.NoError(t, errs[i], "run %d", i)
+		if !results[i][0].Duplicate {
+			fresh++
+		}
+	}
+	require.Equal(t, 1, fresh, "exactly one run grants the rewards")
+	var score int64
+	require.NoError(t, pg.Pool.QueryRow(ctx, `SELECT score FROM user_scores WHERE user_id = 'ada'`).Scan(&score))
+	require.EqualValues(t, 101, score, "the overlapping runs rewarded ada once")
 }
