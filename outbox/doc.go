@@ -13,8 +13,10 @@
 //	// Once, at deploy or start-up (idempotent):
 //	err := outbox.Migrate(ctx, pool, &outbox.Config{Schema: "app"})
 //
+//	// Once, at start-up (the error names a bad field):
+//	w, err := outbox.NewWriter(&outbox.Config{Schema: "app"})
+//
 //	// In every command handler, inside the caller's own transaction:
-//	w, _ := outbox.NewWriter(&outbox.Config{Schema: "app"})
 //	err = pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
 //		cmd, err := w.RecordCommand(ctx, tx, eventID, outbox.Fingerprint(requestBytes))
 //		if err != nil || cmd.Duplicate {
@@ -28,7 +30,7 @@
 //	})
 //
 //	// In one or more worker processes:
-//	relay, _ := outbox.NewRelay(pool, projector, &outbox.RelayConfig{Schema: "app"})
+//	relay, err := outbox.NewRelay(pool, projector, &outbox.RelayConfig{Schema: "app"})
 //	err = relay.Run(ctx) // until ctx is cancelled
 //
 // # Schema
