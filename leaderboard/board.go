@@ -135,7 +135,10 @@ type Board struct {
 	// the local times its query was sent and answered (under lagMu): a
 	// database clock that advanced less than the local monotonic clock
 	// between two readings stepped back.
-	lastClock    struct{ dbNow, sent, replied time.Time }
+	lastClock struct {
+		dbNow, sent, replied time.Time
+		conn                 *pgconn.PgConn
+	}
 	verification verification
 	// lagGaugeProbe is closed when the measurement a metrics collection
 	// started is over; nil while none runs.

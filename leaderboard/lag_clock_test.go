@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"math"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 	"unsafe"
@@ -616,4 +617,76 @@ func TestLagAfterTheDatabaseClockSteppedBack(t *testing.T) {
 		}))
 		requireRecovers(t, tb, reader)
 	})
+}
+
+// TestLagWithAPoolOverServersWhoseClocksDiffer: a reader's pool whose
+// connections reach two servers (two standbys behind a load balancer, say)
+// whose clocks differ by 200 ms, both at or ahead of the primary's that
+// dates the changes: no clock stepped back, and no change is dated after
+// either clock. A pending change a few ms old reads as a small lag, not
+// -1: comparing two probes' clocks across connections read half the
+// rounds as a step back (10 of 20).
+func TestLagWithAPoolOverServersWhoseClocksDiffer(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	tb := clockStepBoard(t, FailClosed)
+	skew := pgx.Identifier{tb.pg.Schema + "_clocks"}.Sanitize()
+	for _, q := range []string{
+		`CREATE SCHEMA ` + skew,
+		`CREATE FUNCTION ` + skew + `.clock_timestamp() RETURNS timestamptz LANGUAGE sql VOLATILE AS
+			$$ SELECT pg_catalog.clock_timestamp() + coalesce(nullif(current_setting('test.skew_us', true), ''), '0')::bigint * interval '1 microsecond' $$`,
+	} {
+		_, err := tb.pg.Pool.Exec(ctx, q)
+		require.NoError(t, err, q)
+	}
+	t.Cleanup(func() { _, _ = tb.pg.Pool.Exec(context.Background(), `DROP SCHEMA `+skew+` CASCADE`) })
+	var n atomic.Int64
+	pool := tb.newPool(t, func(c *pgxpool.Config) {
+		c.MaxConns, c.MinConns = 2, 0
+		c.ConnConfig.RuntimeParams["search_path"] = fmt.Sprintf("%s, pg_catalog, %s", skew, pgx.Identifier{tb.pg.Schema}.Sanitize())
+		c.AfterConnect = func(ctx context.Context, conn *pgx.Conn) error {
+			us := 200_000 * (n.Add(1) % 2) // "server" A: +200 ms, "server" B: +0
+			_, err := conn.Exec(ctx, fmt.Sprintf(`SET test.skew_us = '%d'`, us))
+			return err
+		}
+	})
+	c1, err := pool.Acquire(ctx)
+	require.NoError(t, err)
+	c2, err := pool.Acquire(ctx)
+	require.NoError(t, err)
+	conns := []*pgx.Conn{c1.Conn(), c2.Conn()}
+	c1.Release()
+	c2.Release()
+	reader, err := New(pool, tb.rd.Client, &Config{Name: tb.board.Config().Name, Schema: tb.pg.Schema, KeyPrefix: tb.rd.Prefix,
+		ReadPolicy: FailClosed, MaxLag: 400 * time.Millisecond, LagProbeInterval: 20 * time.Millisecond})
+	require.NoError(t, err)
+	t.Cleanup(reader.Close)
+
+	unmeasured, refused := 0, 0
+	const rounds = 20
+	for i := 0; i < rounds; i++ {
+		tb.drain(t)
+		tb.submit(t, "user-a", 1) // pending, a few ms old at the read
+		time.Sleep(25 * time.Millisecond)
+		// The probe gets the other connection ("server").
+		hc, err := pool.Acquire(ctx)
+		require.NoError(t, err)
+		var other *pgxpool.Conn
+		if hc.Conn() != conns[i%2] {
+			other = hc
+			hc, err = pool.Acquire(ctx)
+			require.NoError(t, err)
+			other.Release()
+		}
+		fr := reader.Freshness(ctx)
+		if fr.Lag < 0 {
+			unmeasured++
+		}
+		if _, err := reader.Top(ctx, 10); err != nil {
+			refused++
+		}
+		hc.Release()
+	}
+	t.Logf("rounds=%d unmeasured=%d refused=%d", rounds, unmeasured, refused)
+	require.Zero(t, unmeasured, "a healthy board read Lag -1 in %d of %d rounds (%d reads refused)", unmeasured, rounds, refused)
 }

@@ -13,6 +13,7 @@ import (
 	"unicode/utf8"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/redis/go-redis/v9"
 
 	"github.com/verity-go/verity/internal/clusterpin"
@@ -87,9 +88,12 @@ type Freshness struct {
 	// -1 until every change dated up to it is projected (the clock passing
 	// it does not make its age known). A step back that leaves no change
 	// dated after the clock is seen the same way when the database clock
-	// advanced less than this process's monotonic clock between two
-	// measurements; a Board whose first measurement follows the step
-	// cannot tell, and understates the lag by the step. Lag sees
+	// advanced less than this process's monotonic clock (by more than an
+	// eighth, which clock slewing can account for) between two
+	// measurements on one connection (a pool's connections may reach
+	// servers whose clocks differ); a Board whose first measurement
+	// follows the step, or whose measurements after it run on other
+	// connections, cannot tell, and understates the lag by the step. Lag sees
 	// the outbox only, not entries Redis itself lost (see Reading in the
 	// package documentation). Lag and ProjectedThrough are measured in the
 	// board's pool: on a standby they leave out what the primary committed
@@ -1187,6 +1191,10 @@ type lagReading struct {
 	// source is the database's identity (sourceIdentitySQL), read with
 	// Config.RequireVerifiedProjection only.
 	source string
+	// conn is the connection the query ran on: only two readings on one
+	// connection are known to read one server's clock (a pool's
+	// connections may reach different servers, whose clocks differ).
+	conn *pgconn.PgConn
 }
 
 // measureLag runs the lag query on a connection of its own and returns
@@ -1198,6 +1206,7 @@ func (b *Board) measureLag(ctx context.Context) (r lagReading, sent time.Time, e
 		return r, time.Now(), err
 	}
 	defer conn.Release()
+	r.conn = conn.Conn().PgConn()
 	sent = time.Now()
 	if !b.cfg.RequireVerifiedProjection {
 		err = conn.QueryRow(ctx, b.sql.lag, b.stream, b.cfg.Name).Scan(&r.dbNow, &r.oldest, &r.ahead)
@@ -1245,7 +1254,7 @@ func (b *Board) stillStepped(r lagReading, sent, replied time.Time) bool {
 	if r.ahead != nil && r.ahead.After(b.steppedThrough) {
 		b.steppedThrough = *r.ahead
 	}
-	if last := b.lastClock; !last.sent.IsZero() {
+	if last := b.lastClock; !last.sent.IsZero() && last.conn == r.conn {
 		least := sent.Sub(last.replied) // local time between the two clock readings, at least
 		if least > 0 && r.dbNow.Sub(last.dbNow) < least-clockTolerance(least) {
 			if through := last.dbNow.Add(replied.Sub(last.sent)); through.After(b.steppedThrough) {
@@ -1253,7 +1262,7 @@ func (b *Board) stillStepped(r lagReading, sent, replied time.Time) bool {
 			}
 		}
 	}
-	b.lastClock.dbNow, b.lastClock.sent, b.lastClock.replied = r.dbNow, sent, replied
+	b.lastClock.dbNow, b.lastClock.sent, b.lastClock.replied, b.lastClock.conn = r.dbNow, sent, replied, r.conn
 	if b.steppedThrough.IsZero() {
 		return false
 	}
@@ -1265,10 +1274,11 @@ func (b *Board) stillStepped(r lagReading, sent, replied time.Time) bool {
 }
 
 // clockTolerance is how much less than d the database clock may advance
-// over a local interval d without counting as a step back: 1 ms plus 0.1 %
-// (a clock slewed by NTP runs at most 0.05 % slow).
+// over a local interval d without counting as a step back: 1 ms plus an
+// eighth (chrony slews a clock by up to 8.3 %, ntpd by 0.05 %), which
+// understates a lag by that share of a probe interval at most.
 func clockTolerance(d time.Duration) time.Duration {
-	return time.Millisecond + d/1000
+	return time.Millisecond + d/8
 }
 
 // clockStepped reports whether r found an unprojected row dated after the
