@@ -828,6 +828,17 @@ func TestRunRefusesAValueOverMaxValueBytes(t *testing.T) {
 	require.NoError(t, err)
 	_, err = r.Run(context.Background(), RunOptions{})
 	require.NoError(t, err, "a sorted set's row sends no Data")
+
+	// A key is sent too, as a member or a hash field: one over the limit
+	// is refused the same way, quoted only in part.
+	long := strings.Repeat("k", 100)
+	r, err = New(rowsSource{rows: []Row{{Key: long, Version: 1, Value: projection.Value{Score: 1}}}}, b.target, &Config{MaxValueBytes: 99})
+	require.NoError(t, err)
+	_, err = r.Run(context.Background(), RunOptions{})
+	var rowErr *InvalidRowError
+	require.ErrorAs(t, err, &rowErr)
+	require.Equal(t, long[:64], rowErr.Key)
+	require.Contains(t, rowErr.Reason, "key is 100 bytes")
 }
 
 // TestHazardousKeys reconciles keys that are empty or contain braces,

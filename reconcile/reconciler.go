@@ -771,6 +771,11 @@ func (r *Reconciler) validateRow(row *Row) error {
 	if r.target.Kind == projection.KindSortedSet && (row.Value.Score < projection.MinScore || row.Value.Score > projection.MaxScore) {
 		return &InvalidRowError{Key: row.Key, Reason: fmt.Sprintf("score %d outside ±2^53", row.Value.Score)}
 	}
+	if n := len(row.Key); n > r.cfg.MaxValueBytes {
+		// Redis receives the key as a member, a hash field or inside a
+		// document's key: over its bulk limit it closes the connection.
+		return &InvalidRowError{Key: row.Key[:min(n, 64)], Reason: fmt.Sprintf("key is %d bytes (quoted up to 64), over Config.MaxValueBytes (%d)", n, r.cfg.MaxValueBytes)}
+	}
 	if n := len(row.Value.Data); r.target.Kind != projection.KindSortedSet && n > r.cfg.MaxValueBytes {
 		return &InvalidRowError{Key: row.Key, Reason: fmt.Sprintf("value is %d bytes, over Config.MaxValueBytes (%d)", n, r.cfg.MaxValueBytes)}
 	}
