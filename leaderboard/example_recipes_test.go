@@ -26,16 +26,24 @@ type recipeBundle struct {
 	connString string
 }
 
-func recipeSetup(t *testing.T) *recipeBundle {
+// recipeBoard returns a migrated board named name, in a schema and key
+// prefix of the test's own, and its database.
+func recipeBoard(t *testing.T, name string) (*leaderboard.Board, *testenv.PG) {
 	t.Helper()
-	ctx := context.Background()
 	pg := testenv.Postgres(t)
 	rd := testenv.Redis(t)
-	cfg := &leaderboard.Config{Name: "weekly-2026-48", Schema: pg.Schema, KeyPrefix: rd.Prefix}
-	require.NoError(t, leaderboard.Migrate(ctx, pg.Pool, cfg))
+	cfg := &leaderboard.Config{Name: name, Schema: pg.Schema, KeyPrefix: rd.Prefix}
+	require.NoError(t, leaderboard.Migrate(context.Background(), pg.Pool, cfg))
 	board, err := leaderboard.New(pg.Pool, rd.Client, cfg)
 	require.NoError(t, err)
 	t.Cleanup(board.Close)
+	return board, pg
+}
+
+func recipeSetup(t *testing.T) *recipeBundle {
+	t.Helper()
+	ctx := context.Background()
+	board, pg := recipeBoard(t, "weekly-2026-48")
 	db, err := sql.Open("pgx", pg.ConnString)
 	require.NoError(t, err)
 	t.Cleanup(func() { require.NoError(t, db.Close()) })
@@ -143,14 +151,8 @@ func TestSubmitTxRecipeAppliesAppWritesOnce(t *testing.T) {
 func TestSubmitBatchTxRecipeOverlappingRunsPayOnce(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	pg := testenv.Postgres(t)
-	rd := testenv.Redis(t)
-	cfg := &leaderboard.Config{Name: "season-7", Schema: pg.Schema, KeyPrefix: rd.Prefix}
-	require.NoError(t, leaderboard.Migrate(ctx, pg.Pool, cfg))
-	board, err := leaderboard.New(pg.Pool, rd.Client, cfg)
-	require.NoError(t, err)
-	t.Cleanup(board.Close)
-	_, err = pg.Pool.Exec(ctx, `CREATE TABLE season_payouts (season int PRIMARY KEY, users int NOT NULL)`)
+	board, pg := recipeBoard(t, "season-7")
+	_, err := pg.Pool.Exec(ctx, `CREATE TABLE season_payouts (season int PRIMARY KEY, users int NOT NULL)`)
 	require.NoError(t, err)
 	_, err = board.Submit(ctx, leaderboard.Command{EventID: uuid.New(), UserID: "ada", Delta: 1})
 	require.NoError(t, err)
