@@ -224,6 +224,44 @@ func TestRedisUnavailable(t *testing.T) {
 		require.EqualValues(t, 1, stats.RedisErrors)
 	})
 
+	// A dashboard subtracts FailOpenLoads from Loads (loads while Redis
+	// answered): no snapshot may hold a fail-open load but not its load,
+	// which made that difference wrap round to 2^64-1.
+	t.Run("StatsNeverShowMoreFailOpenLoadsThanLoads", func(t *testing.T) {
+		t.Parallel()
+		client := redis.NewClient(&redis.Options{Addr: "127.0.0.1:1", MaxRetries: -1, DialTimeout: time.Second})
+		t.Cleanup(func() { _ = client.Close() })
+		b := setupWith(t, client, "vc:", nil)
+		loadCtx, stop := context.WithTimeout(ctx, time.Second)
+		defer stop()
+		var loaders sync.WaitGroup
+		for range 2 {
+			loaders.Go(func() {
+				for loadCtx.Err() == nil {
+					_, _ = b.cache.Get(loadCtx, "p1", func(context.Context) (product, error) { return product{ID: "p1"}, nil })
+				}
+			})
+		}
+		reads, inconsistent := 0, 0
+		var example Stats
+		for loadCtx.Err() == nil {
+			s := b.cache.Stats()
+			reads++
+			if s.FailOpenLoads > s.Loads {
+				if inconsistent == 0 {
+					example = s
+				}
+				inconsistent++
+			}
+		}
+		loaders.Wait()
+		final := b.cache.Stats()
+		require.Positive(t, final.FailOpenLoads)
+		require.Equal(t, final.Loads, final.FailOpenLoads, "every load ran because Redis failed")
+		require.Zero(t, inconsistent, "of %d snapshots (%d fail-open loads): e.g. FailOpenLoads %d, Loads %d",
+			reads, final.FailOpenLoads, example.FailOpenLoads, example.Loads)
+	})
+
 	t.Run("FailOpenServesTheDatabaseNeverTheOldValue", func(t *testing.T) {
 		t.Parallel()
 		rs, b := setupPrivate(t, FailOpen)

@@ -77,19 +77,32 @@ type counters struct {
 }
 
 // Stats returns a snapshot of the counters (all zero for a nil *Cache).
+//
+// The counters are read one at a time while other goroutines count, so a
+// snapshot is not of one instant; but a count that is part of another
+// (FailOpenLoads of Loads, SharedLoads of Misses, LeaseWaitHits and
+// LeaseFallbacks of LeaseWaits, Fills and StaleFillsSkipped of Loads) is
+// never above it: a part is counted after its whole and read before it.
 func (c *Cache[T]) Stats() Stats {
 	if c == nil {
 		return Stats{}
 	}
 	s := &c.stats
+	var parts Stats
+	parts.FailOpenLoads = s.failOpenLoads.Load()
+	parts.SharedLoads = s.sharedLoads.Load()
+	parts.LeaseWaitHits = s.leaseWaitHits.Load()
+	parts.LeaseFallbacks = s.leaseFallbacks.Load()
+	parts.Fills = s.fills.Load()
+	parts.StaleFillsSkipped = s.staleFillsSkipped.Load()
 	return Stats{
 		Hits: s.hits.Load(), Misses: s.misses.Load(), Loads: s.loads.Load(),
-		SharedLoads: s.sharedLoads.Load(), Fills: s.fills.Load(),
-		StaleFillsSkipped: s.staleFillsSkipped.Load(),
+		SharedLoads: parts.SharedLoads, Fills: parts.Fills,
+		StaleFillsSkipped: parts.StaleFillsSkipped,
 		Invalidations:     s.invalidations.Load(),
-		LeaseWaits:        s.leaseWaits.Load(), LeaseWaitHits: s.leaseWaitHits.Load(),
-		LeaseFallbacks: s.leaseFallbacks.Load(),
+		LeaseWaits:        s.leaseWaits.Load(), LeaseWaitHits: parts.LeaseWaitHits,
+		LeaseFallbacks: parts.LeaseFallbacks,
 		RedisErrors:    s.redisErrors.Load(), DecodeErrors: s.decodeErrors.Load(),
-		FailOpenLoads: s.failOpenLoads.Load(), ReplicationErrors: s.replicationErrors.Load(),
+		FailOpenLoads: parts.FailOpenLoads, ReplicationErrors: s.replicationErrors.Load(),
 	}
 }
