@@ -136,6 +136,15 @@ func (ks Keyspace) VersionBuckets() int { return ks.buckets }
 // Prefix returns the key prefix.
 func (ks Keyspace) Prefix() string { return ks.prefix }
 
+// MaxKeyLen returns the length of the longest Redis key the gate (or a
+// rebuild) makes for a collection or document name: the prefix, the name
+// escaped inside the hash tag's braces, and the longest suffix. A
+// RedisProjector refuses a record whose MaxKeyLen is over
+// Config.MaxValueBytes, which Redis would refuse by closing the connection.
+func (ks Keyspace) MaxKeyLen(name string) int {
+	return len(ks.prefix) + len("{}") + keyenc.EscapedLen(name) + len(suffixSortedSet+suffixRebuildCopied)
+}
+
 func (ks Keyspace) key(name, suffix string) string { return keyenc.Tagged(ks.prefix, name, suffix) }
 
 // ValueKey returns the key holding t's value: the sorted set, the hash, or

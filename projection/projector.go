@@ -10,7 +10,6 @@ import (
 	"go.opentelemetry.io/otel/metric"
 
 	"github.com/verity-go/verity/internal/deps"
-	"github.com/verity-go/verity/internal/keyenc"
 	"github.com/verity-go/verity/internal/lograte"
 	"github.com/verity-go/verity/outbox"
 )
@@ -399,7 +398,7 @@ const maxQuotedTarget = 1024
 func (p *RedisProjector) checkSizes(i int, w *Write) error {
 	// Redis receives the name inside its keys, escaped and with the prefix
 	// and the longest suffix the gate writes (":z~rebuild~copied").
-	keyLen := len(p.gate.ks.prefix) + len("{}") + keyenc.EscapedLen(w.Target.Name) + len(suffixSortedSet+suffixRebuildCopied)
+	keyLen := p.gate.ks.MaxKeyLen(w.Target.Name)
 	switch {
 	case keyLen > p.maxValue || len(w.Target.Member) > p.maxValue:
 		return &InvalidTargetError{Index: i, Target: Target{Kind: w.Target.Kind}, Reason: fmt.Sprintf("its keys (%d bytes for a name of %d) or member (%d bytes) are over Config.MaxValueBytes (%d)", keyLen, len(w.Target.Name), len(w.Target.Member), p.maxValue)}

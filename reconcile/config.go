@@ -130,12 +130,14 @@ type Config struct {
 	// ExamplesPerClass is the number of findings kept per class in
 	// Report.Examples; -1 keeps none. Defaults to ExamplesPerClassDefault.
 	ExamplesPerClass int
-	// MaxValueBytes bounds a hash or document source row's value as the
-	// projection's Config.MaxValueBytes does: a row over it is refused with
-	// *InvalidRowError, like a row with a version that is not positive,
-	// where Redis would close the connection on its write and leave the
-	// page's repairs uncertain on every run. Set it to the server's
-	// proto-max-bulk-len if that was lowered. Defaults to
+	// MaxValueBytes bounds a source row as the projection's
+	// Config.MaxValueBytes does: a hash or document row's value, a row's
+	// key, and the keys a document row's key makes (escaped, with the
+	// prefix and suffixes: projection.Keyspace.MaxKeyLen). A row over it is
+	// refused with *InvalidRowError, like a row with a version that is not
+	// positive, where Redis would close the connection on its write and
+	// leave the page's repairs uncertain on every run. Set it to the
+	// server's proto-max-bulk-len if that was lowered. Defaults to
 	// projection.MaxValueBytesDefault (512 MB).
 	MaxValueBytes int
 	// Policy chooses what is repaired. Defaults to repairing missing, stale

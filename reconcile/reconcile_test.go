@@ -798,8 +798,10 @@ func TestRunInvalidRowsFromAnySource(t *testing.T) {
 // sent), pass.
 func TestRunRefusesAValueOverMaxValueBytes(t *testing.T) {
 	t.Parallel()
-	const limit = 10
 	forKinds(t, []projection.Kind{projection.KindHash, projection.KindDocument}, func(t *testing.T, b *testBundle) {
+		// Above the longest key a document row's key makes here (the
+		// test's prefix is long), so that only the values are over it.
+		limit := b.target.Keyspace.MaxKeyLen("over") + 10
 		at := Row{Key: "at", Version: 1, Value: projection.Value{Data: []byte(strings.Repeat("x", limit))}}
 		over := Row{Key: "over", Version: 1, Value: projection.Value{Data: []byte(strings.Repeat("x", limit+1))}}
 		r, err := New(rowsSource{rows: []Row{at, over}}, b.target, &Config{MaxValueBytes: limit})
@@ -839,6 +841,41 @@ func TestRunRefusesAValueOverMaxValueBytes(t *testing.T) {
 	require.ErrorAs(t, err, &rowErr)
 	require.Equal(t, long[:64], rowErr.Key)
 	require.Contains(t, rowErr.Reason, "key is 100 bytes")
+}
+
+// TestRunRefusesADocumentKeyWhoseRedisKeysAreTooLong: a document's key
+// goes to Redis inside its keys, escaped (a ':' takes three bytes), with
+// the prefix and suffixes. A key under Config.MaxValueBytes whose keys are
+// over it made Redis close the connection on the page's read ("reading
+// projection: ... connection reset by peer", on every run); it is refused
+// as an *InvalidRowError now, measured as the projection measures it.
+func TestRunRefusesADocumentKeyWhoseRedisKeysAreTooLong(t *testing.T) {
+	t.Parallel()
+	const limit = 1 << 20
+	rs := testenv.StartRedis(t, "--proto-max-bulk-len", "1mb")
+	b := setupWith(t, projection.KindDocument, rs.Client(t), "doc:")
+	long := strings.Repeat(":", limit/3+1) // 349,526 bytes, escaped to over 1 MB
+	require.Greater(t, b.target.Keyspace.MaxKeyLen(long), limit)
+	ok := Row{Key: "ok", Version: 1, Value: projection.Value{Data: []byte(`{}`)}}
+	over := Row{Key: long, Version: 1, Value: projection.Value{Data: []byte(`{}`)}}
+	r, err := New(rowsSource{rows: []Row{ok, over}}, b.target, &Config{MaxValueBytes: limit, SkipOrphans: true})
+	require.NoError(t, err)
+	_, err = r.Run(context.Background(), RunOptions{})
+	var rowErr *InvalidRowError
+	require.ErrorAs(t, err, &rowErr)
+	require.Equal(t, long[:64], rowErr.Key)
+	require.Contains(t, rowErr.Reason, "over Config.MaxValueBytes")
+	require.Equal(t, Projected{}, b.state(t, r, "ok"), "nothing written")
+
+	// The projection accepts a key whose keys are at the limit; so does
+	// reconcile, and repairs it.
+	fits := strings.Repeat("k", limit-b.target.Keyspace.MaxKeyLen(""))
+	require.Equal(t, limit, b.target.Keyspace.MaxKeyLen(fits))
+	r, err = New(rowsSource{rows: []Row{{Key: fits, Version: 1, Value: projection.Value{Data: []byte(`{}`)}}}}, b.target, &Config{MaxValueBytes: limit, SkipOrphans: true})
+	require.NoError(t, err)
+	rep, err := r.Run(context.Background(), RunOptions{})
+	require.NoError(t, err)
+	require.EqualValues(t, 1, rep.Repaired)
 }
 
 // TestHazardousKeys reconciles keys that are empty or contain braces,

@@ -776,6 +776,14 @@ func (r *Reconciler) validateRow(row *Row) error {
 		// document's key: over its bulk limit it closes the connection.
 		return &InvalidRowError{Key: row.Key[:min(n, 64)], Reason: fmt.Sprintf("key is %d bytes (quoted up to 64), over Config.MaxValueBytes (%d)", n, r.cfg.MaxValueBytes)}
 	}
+	if r.target.Kind == projection.KindDocument {
+		// A document's keys hold its key escaped, with the prefix and
+		// suffixes: measured as the projection measures a document name,
+		// so that a row it would refuse is refused here too.
+		if n := r.target.Keyspace.MaxKeyLen(r.target.Namespace + row.Key); n > r.cfg.MaxValueBytes {
+			return &InvalidRowError{Key: row.Key[:min(len(row.Key), 64)], Reason: fmt.Sprintf("document keys are up to %d bytes for a key of %d (quoted up to 64), over Config.MaxValueBytes (%d)", n, len(row.Key), r.cfg.MaxValueBytes)}
+		}
+	}
 	if n := len(row.Value.Data); r.target.Kind != projection.KindSortedSet && n > r.cfg.MaxValueBytes {
 		return &InvalidRowError{Key: row.Key, Reason: fmt.Sprintf("value is %d bytes, over Config.MaxValueBytes (%d)", n, r.cfg.MaxValueBytes)}
 	}
