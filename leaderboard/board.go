@@ -2,6 +2,7 @@ package leaderboard
 
 import (
 	"context"
+	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -99,6 +100,9 @@ type Board struct {
 	// pass's token and the sorted set's size then (absent when it was
 	// empty). All share the sorted set's hash tag.
 	verifiedKey, verifyingKey, heldKey string
+	// outboxTag names the outbox table in Verify's record (see
+	// projectionVerified): a record made for another table does not count.
+	outboxTag string
 
 	notifier *outbox.Notifier // wakes the relays after Submit and SubmitBatch
 	group    submitGroup      // coalesces concurrent Submit calls
@@ -215,6 +219,7 @@ func New(pool *pgxpool.Pool, rdb redis.UniversalClient, cfg *Config) (*Board, er
 	flat, _ := ks.WithVersionBuckets(0) // 0 buckets is always valid
 	b.unbucketedKey = flat.VersionKeys(c.Name, projection.KindSortedSet)[0]
 	b.verifiedKey, b.verifyingKey, b.heldKey = b.zsetKey+"~verified", b.zsetKey+"~verifying", b.zsetKey+"~verified~held"
+	b.outboxTag = outboxTagPrefix + hex.EncodeToString([]byte(qualify(c.Schema, w.Config().Table)))
 	b.primary = clusterpin.Client(rdb)
 	r := func(q string) string { return renderSQL(q, c.Schema, w.Config().Table) }
 	b.sql.submit, b.sql.submitTx, b.sql.lookupEvent = r(submitSQL), r(submitTxSQL), r(lookupEventSQL)

@@ -121,7 +121,11 @@ type Config struct {
 	// are dead-lettered (projection.ErrUnmappedStream), which the Lag does
 	// count. Give the board a table of its own when in doubt; another
 	// stream's backlog in the table also slows the board's lag probe (see
-	// "Reading" in the package documentation). Defaults to
+	// "Reading" in the package documentation). Changing it on a board
+	// with rows pending or dead-lettered in the old table strands them:
+	// the board's Worker relays only this table and its Lag counts only
+	// this table, so its reads serve Redis without those changes as fresh
+	// (see "Upgrading" in the package documentation). Defaults to
 	// OutboxTableDefault.
 	OutboxTable string
 

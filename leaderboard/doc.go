@@ -449,4 +449,18 @@
 // refuses them, FallbackToPostgres reads PostgreSQL), but the old release
 // serves the entries the new Workers changed, stale, as fresh; stopping
 // the old processes before starting new ones avoids that.
+//
+// Changing Config.OutboxTable: a board's Worker relays, and its Lag
+// counts, only the table its Config names. Rows the board left pending or
+// dead-lettered in the old table are never projected by the new Workers,
+// nor counted in their Lag: reads then serve Redis without those changes
+// as fresh, for good. Stop the board's writers of the old table, let a
+// Worker of the old table drain it (its Lag 0, no dead letters of the
+// board's stream) and only then start the new one; or run a reconcile
+// pass (or Verify) with the new table right after the switch. While old
+// and new processes run, each one's Lag misses the other's rows. Verify's
+// record names the outbox table: with RequireVerifiedProjection, a board
+// reads unverified until a Verify with its own table (a record made by an
+// earlier release names none and is trusted as before: run Verify after
+// the switch).
 package leaderboard

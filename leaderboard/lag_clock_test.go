@@ -463,7 +463,7 @@ func TestClockStepAndRecordOfAnotherDatabase(t *testing.T) {
 	// identifier), as after a failover.
 	record := tb.rd.Client.Get(ctx, tb.board.verifiedKey).Val()
 	f := strings.Fields(record)
-	require.Len(t, f, 3)
+	require.Len(t, f, 4) // token, time, database, outbox table
 	_, tl, _ := strings.Cut(f[2], ":")
 	f[2] = "1234567890123456789:" + tl
 	require.NoError(t, tb.rd.Client.Set(ctx, tb.board.verifiedKey, strings.Join(f, " "), 0).Err())

@@ -6,8 +6,8 @@
 -- the board (one hash, or its version buckets); all share the board's hash
 -- tag.
 -- ARGV[1] is the pass's token, ARGV[2] what to record after it: the time,
--- a space, and the identity of the database checked; ARGV[3] the number of
--- users the pass checked.
+-- the identity of the database checked and the board's outbox table,
+-- separated by spaces; ARGV[3] the number of users the pass checked.
 --
 -- The pass set KEYS[1] before it read anything. If Redis lost the board's
 -- keys since (a restart without persistence, FLUSHALL), KEYS[1] is gone or
@@ -17,7 +17,7 @@
 -- when another pass's
 -- marker, on this server, replaced this one's, 0 otherwise.
 --
--- The record is "<token> <time> <identity>". A client may run this script twice for
+-- The record is "<token> <time> <identity> <outbox>". A client may run this script twice for
 -- one call (go-redis resends it when the connection drops before the
 -- reply): the second run finds KEYS[1] deleted by the first, and the token
 -- in KEYS[2] tells that the record is this pass's, still in place.

@@ -214,7 +214,7 @@ func (b *Board) Verify(ctx context.Context, cfg *reconcile.Config) (report *reco
 	// with its version (current, repaired, or overtaken by a newer
 	// write): fewer members or versions mean some were lost during the
 	// pass, after it had found them.
-	args := []any{token, time.Now().UTC().Format(time.RFC3339Nano) + " " + source, report.Checked}
+	args := []any{token, time.Now().UTC().Format(time.RFC3339Nano) + " " + source + " " + b.outboxTag, report.Checked}
 	keys := append([]string{b.verifyingKey, b.verifiedKey, b.zsetKey, b.heldKey}, b.ks.VersionKeys(b.cfg.Name, projection.KindSortedSet)...)
 	n, err := verifiedScript.Run(ctx, b.rdb, keys, args...).Int()
 	err = b.sent(ctx, err)
@@ -343,6 +343,10 @@ func isRedisReply(err error) bool {
 	return errors.As(err, &reply)
 }
 
+// outboxTagPrefix begins the field of Verify's record that names the
+// board's outbox table (hex of its qualified name).
+const outboxTagPrefix = "o="
+
 // projectionVerified reports whether Redis holds Verify's record that the
 // projection is complete, read on the master, and the database identity
 // the record names ("" for a record of a release that named none). A
@@ -397,10 +401,20 @@ func (b *Board) projectionVerified(ctx context.Context) (verified bool, source s
 	if record.Err() != nil {
 		return false, "", nil // no record
 	}
-	// "<token> <time> <source>"; see Verify.
+	// "<token> <time> <source> <outbox tag>"; see Verify. The source is
+	// empty where the identity cannot be read, and earlier releases wrote
+	// no outbox tag.
 	fields := strings.Fields(record.Val())
-	if len(fields) >= 3 {
+	if len(fields) >= 3 && !strings.HasPrefix(fields[2], outboxTagPrefix) {
 		source = fields[2]
+	}
+	for _, f := range fields[min(len(fields), 2):] {
+		if strings.HasPrefix(f, outboxTagPrefix) && f != b.outboxTag {
+			// Made while the board used another outbox table: rows left
+			// pending there are neither projected by this board's Worker
+			// nor counted in its Lag.
+			return false, "", nil
+		}
 	}
 	companion := held.Err() == nil
 	if companion && len(fields) > 0 && !strings.HasPrefix(fields[0], heldTokenPrefix) {

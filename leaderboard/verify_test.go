@@ -1414,3 +1414,56 @@ func TestKeyPrefixMove(t *testing.T) {
 	require.NoError(t, err, "%+v", fr)
 	require.Equal(t, int64(15), e.Score)
 }
+
+// TestOutboxTableChange: a release that changes Config.OutboxTable while
+// the board's rows wait in the old table neither projects them nor counts
+// them in its Lag. Verify's record, made under the old table, vouched for
+// the new release's reads all the same: FailClosed served alice's score
+// without her last change, as fresh and verified (10 instead of 15). A
+// record names its outbox table now, and one naming another does not
+// count; Verify with the new table repairs from PostgreSQL and records.
+func TestOutboxTableChange(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	tb := setup(t, func(c *Config) {
+		c.ReadPolicy = FailClosed
+		c.RequireVerifiedProjection = true
+	})
+	tb.submit(t, "alice", 10)
+	tb.drain(t)
+	_, verified, err := tb.board.Verify(ctx, nil)
+	require.NoError(t, err)
+	require.True(t, verified)
+	tb.submit(t, "alice", 5) // pending in the old table: its Worker stopped
+
+	moved := tb.board.Config()
+	moved.OutboxTable = "lb_outbox_v2"
+	require.NoError(t, Migrate(ctx, tb.pg.Pool, &moved))
+	next, err := New(tb.pg.Pool, tb.rd.Client, &moved)
+	require.NoError(t, err)
+	t.Cleanup(next.Close)
+	w, err := next.Worker(nil)
+	require.NoError(t, err)
+	_, err = w.Drain(ctx)
+	require.NoError(t, err)
+
+	_, _, err = next.Rank(ctx, "alice")
+	var stale *StaleError
+	require.ErrorAs(t, err, &stale, "a record made under another outbox table vouches for nothing")
+	require.True(t, stale.Unverified)
+
+	_, verified, err = next.Verify(ctx, nil)
+	require.NoError(t, err)
+	require.True(t, verified)
+	e, fr, err := next.Rank(ctx, "alice")
+	require.NoError(t, err)
+	require.EqualValues(t, 15, e.Score, "Verify repaired the stranded change from PostgreSQL")
+	require.False(t, fr.Unverified)
+
+	// A process still on the old table (a rolling deploy) neither projects
+	// nor counts the new table's rows: the new record does not vouch for
+	// it either.
+	_, fr, err = tb.board.Rank(ctx, "alice", WithPolicy(ServeStale))
+	require.NoError(t, err)
+	require.True(t, fr.Unverified)
+}
