@@ -13,9 +13,12 @@ import (
 )
 
 // Attributes of the package's instruments. Boards are bounded in number;
-// user ids and event ids are never attributes.
+// user ids and event ids are never attributes. Every instrument carries the
+// board's Name and Schema: boards of the same name in different schemas
+// (one per tenant) are different boards, and report apart.
 const (
 	AttributeBoard   = "verity.leaderboard.board"
+	AttributeSchema  = "verity.leaderboard.schema"
 	AttributeOutcome = "verity.leaderboard.outcome"
 	AttributeSource  = "verity.leaderboard.source"
 )
@@ -43,7 +46,7 @@ const (
 
 // boardMetrics holds a board's instruments; nil records nothing.
 type boardMetrics struct {
-	board   attribute.KeyValue
+	board   []attribute.KeyValue // name and schema
 	submits metric.Int64Counter
 	reads   metric.Int64Counter
 
@@ -60,7 +63,7 @@ func newBoardMetrics(c *Config, lag func(context.Context) (time.Duration, bool))
 		return nil, nil
 	}
 	in := telemetry.New(c.MeterProvider, "leaderboard")
-	board := attribute.String(AttributeBoard, c.Name)
+	board := []attribute.KeyValue{attribute.String(AttributeBoard, c.Name), attribute.String(AttributeSchema, c.Schema)}
 	m := &boardMetrics{
 		board: board,
 		submits: in.Counter(metricSubmits, "{command}",
@@ -73,7 +76,7 @@ func newBoardMetrics(c *Config, lag func(context.Context) (time.Duration, bool))
 	if err := in.Err(); err != nil {
 		return nil, err
 	}
-	boardOp := metric.WithAttributeSet(attribute.NewSet(board))
+	boardOp := metric.WithAttributeSet(attribute.NewSet(board...))
 	prefetch := func() {
 		ended, cancel := context.WithCancel(context.Background())
 		cancel()
@@ -188,7 +191,7 @@ func (m *boardMetrics) submitted(ctx context.Context, n int, written string, dup
 	default:
 		outcome = outcomeError
 	}
-	m.submits.Add(ctx, int64(n), metric.WithAttributes(m.board, attribute.String(AttributeOutcome, outcome)))
+	m.submits.Add(ctx, int64(n), metric.WithAttributes(append(m.board[:len(m.board):len(m.board)], attribute.String(AttributeOutcome, outcome))...))
 }
 
 // read counts one read.
@@ -209,6 +212,6 @@ func (m *boardMetrics) read(ctx context.Context, fresh Freshness, err error) {
 	default:
 		source, outcome = "none", outcomeError
 	}
-	m.reads.Add(ctx, 1, metric.WithAttributes(m.board,
-		attribute.String(AttributeSource, source), attribute.String(AttributeOutcome, outcome)))
+	m.reads.Add(ctx, 1, metric.WithAttributes(append(m.board[:len(m.board):len(m.board)],
+		attribute.String(AttributeSource, source), attribute.String(AttributeOutcome, outcome))...))
 }

@@ -16,6 +16,7 @@ import (
 	"go.opentelemetry.io/otel/attribute"
 
 	"github.com/verity-go/verity/internal/telemetry/metrictest"
+	"github.com/verity-go/verity/internal/testenv"
 	"github.com/verity-go/verity/projection"
 	"github.com/verity-go/verity/reconcile"
 )
@@ -677,5 +678,73 @@ func TestLagGaugeCollectionStaysBounded(t *testing.T) {
 			}
 			return true
 		}, 5*time.Second, 50*time.Millisecond, "the gauge is back once the database answers")
+	})
+}
+
+// TestMetricsOfTenantBoards: boards of one name in two schemas (a board per
+// tenant) are two boards, and report apart to one MeterProvider. Their
+// instruments carried only the name: the lag gauge's two callbacks wrote
+// one series, the last one collected winning, so a lagging tenant's lag
+// read 0 beside a current one's; their submits, reads and reconcile runs
+// added up in one series.
+func TestMetricsOfTenantBoards(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	tenants := func(t *testing.T, probe time.Duration) (a, b *Board, rec *metrictest.Recorder) {
+		t.Helper()
+		rec = metrictest.New(t)
+		rd := testenv.Redis(t)
+		open := func(prefix string) *Board {
+			pg := testenv.Postgres(t)
+			cfg := &Config{Name: "weekly", Schema: pg.Schema, KeyPrefix: rd.Prefix + prefix,
+				MeterProvider: rec.Provider, LagProbeInterval: probe, MaxLag: 10 * time.Second}
+			require.NoError(t, Migrate(ctx, pg.Pool, cfg))
+			b, err := New(pg.Pool, rd.Client, cfg)
+			require.NoError(t, err)
+			t.Cleanup(b.Close)
+			return b
+		}
+		return open("a:"), open("b:"), rec
+	}
+	of := func(b *Board) attribute.KeyValue { return attribute.String(AttributeSchema, b.Config().Schema) }
+
+	t.Run("LagGaugeOfEach", func(t *testing.T) {
+		t.Parallel()
+		probe := 20 * time.Millisecond
+		lagging, current, rec := tenants(t, probe)
+		_, err := lagging.Submit(ctx, Command{EventID: uuid.New(), UserID: "ada", Delta: 5}) // no Worker: pending
+		require.NoError(t, err)
+		time.Sleep(300 * time.Millisecond)
+		for range 5 {
+			time.Sleep(2 * probe)
+			s := rec.Collect(t)
+			require.Equal(t, 2, s.Series(metricLag), "one lag series per board")
+			require.Greater(t, s.Float(metricLag, of(lagging)), 0.3)
+			require.Zero(t, s.Float(metricLag, of(current)))
+		}
+		s := rec.Collect(t)
+		require.EqualValues(t, 1, s.Int(metricSubmits, of(lagging)))
+		require.Zero(t, s.Int(metricSubmits, of(current)))
+	})
+
+	t.Run("ReconcileRunsOfEach", func(t *testing.T) {
+		t.Parallel()
+		drifted, clean, rec := tenants(t, 0)
+		_, err := drifted.Submit(ctx, Command{EventID: uuid.New(), UserID: "ada", Delta: 5}) // never projected: missing
+		require.NoError(t, err)
+		for _, b := range []*Board{drifted, clean} {
+			r, err := b.Reconciler(nil)
+			require.NoError(t, err)
+			_, err = r.Run(ctx, reconcile.RunOptions{DryRun: true})
+			require.NoError(t, err)
+		}
+		s := rec.Collect(t)
+		prefix := func(b *Board) attribute.KeyValue {
+			return attribute.String(reconcile.AttributePrefix, b.cfg.KeyPrefix)
+		}
+		require.Equal(t, 2, s.Series("verity.reconcile.runs"), "one series per tenant's board")
+		missing := attribute.String(reconcile.AttributeClass, reconcile.ClassMissing.String())
+		require.EqualValues(t, 1, s.Int("verity.reconcile.rows", prefix(drifted), missing))
+		require.Zero(t, s.Int("verity.reconcile.rows", prefix(clean), missing))
 	})
 }

@@ -7,6 +7,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/metric"
 
@@ -30,7 +31,8 @@ const (
 	metricDeadLetters     = "verity.outbox.dead_letters"
 )
 
-// AttributeTable is the attribute naming the outbox table ("schema.table")
+// AttributeTable is the attribute naming the outbox table ("schema.table";
+// quoted, "schema"."table", when either name holds a '.' or a '"')
 // on every instrument of the package. Relay names are not used: they are
 // random by default and would make unbounded series.
 const AttributeTable = "verity.outbox.table"
@@ -51,6 +53,11 @@ type relayMetrics struct {
 func newRelayMetrics(cfg *RelayConfig) (*relayMetrics, error) {
 	in := telemetry.New(cfg.MeterProvider, "outbox")
 	table := strings.TrimPrefix(cfg.Schema+"."+cfg.Table, ".")
+	if strings.ContainsAny(cfg.Schema+cfg.Table, `."`) {
+		// "a.b"."c" and "a"."b.c" would both read a.b.c: quoted, as
+		// PostgreSQL writes them, no two tables share the attribute.
+		table = pgx.Identifier{cfg.Schema, cfg.Table}.Sanitize()
+	}
 	m := &relayMetrics{
 		enabled: telemetry.Enabled(cfg.MeterProvider),
 		attrs:   metric.WithAttributeSet(attribute.NewSet(attribute.String(AttributeTable, table))),

@@ -3,13 +3,16 @@ package outbox_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
 	"go.opentelemetry.io/otel/attribute"
 
 	"github.com/verity-go/verity/internal/telemetry/metrictest"
+	"github.com/verity-go/verity/internal/testenv"
 	"github.com/verity-go/verity/outbox"
 )
 
@@ -145,4 +148,55 @@ func TestRelayMetricsLeaseLost(t *testing.T) {
 	s := rec.Collect(t)
 	require.Equal(t, int64(1), s.Int("verity.outbox.lease_lost", table))
 	require.Zero(t, s.Int("verity.outbox.acked"), "a refused acknowledgement is not counted")
+}
+
+// Two outboxes whose names hold a '.', schema "S.q" with table "t" and
+// schema "S" with table "q.t" (both legal quoted identifiers), both read
+// S.q.t in the verity.outbox.table attribute: one's dead letters were
+// counted as the other's, and their backlog gauges shared a series. Such
+// names are quoted in the attribute now, as PostgreSQL writes them; others
+// keep the plain schema.table their dashboards know.
+func TestRelayMetricsOfDottedTableNames(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pg := testenv.Postgres(t)
+	dotted := pg.Schema + ".q"
+	_, err := pg.Pool.Exec(ctx, "CREATE SCHEMA "+pgx.Identifier{dotted}.Sanitize())
+	require.NoError(t, err)
+	t.Cleanup(func() {
+		_, _ = pg.Pool.Exec(context.Background(), "DROP SCHEMA "+pgx.Identifier{dotted}.Sanitize()+" CASCADE")
+	})
+	rec := metrictest.New(t)
+	failing := &recorder{fail: func(outbox.Record) error { return errors.New("boom") }}
+	open := func(schema, table string) (*outbox.Writer, *outbox.Relay) {
+		cfg := &outbox.Config{Schema: schema, Table: table}
+		require.NoError(t, outbox.Migrate(ctx, pg.Pool, cfg))
+		w, err := outbox.NewWriter(cfg)
+		require.NoError(t, err)
+		r, err := outbox.NewRelay(pg.Pool, failing, &outbox.RelayConfig{Schema: schema, Table: table, MaxAttempts: 1, MeterProvider: rec.Provider})
+		require.NoError(t, err)
+		return w, r
+	}
+	wA, relayA := open(dotted, "t")
+	wB, relayB := open(pg.Schema, "q.t")
+	wC, relayC := open(pg.Schema, "plain")
+	for w, n := range map[*outbox.Writer]int{wA: 1, wB: 2, wC: 3} {
+		tx, err := pg.Pool.Begin(ctx)
+		require.NoError(t, err)
+		for i := range n {
+			require.NoError(t, w.Append(ctx, tx, newMessage("scores", fmt.Sprint("user-", i), 1)))
+		}
+		require.NoError(t, tx.Commit(ctx))
+	}
+	for _, r := range []*outbox.Relay{relayA, relayB, relayC} {
+		_, err := r.RunOnce(ctx)
+		require.NoError(t, err)
+	}
+
+	s := rec.Collect(t)
+	table := func(name string) attribute.KeyValue { return attribute.String(outbox.AttributeTable, name) }
+	require.Equal(t, 3, s.Series("verity.outbox.dead_lettered"), "one series per outbox table")
+	require.EqualValues(t, 1, s.Int("verity.outbox.dead_lettered", table(pgx.Identifier{dotted, "t"}.Sanitize())))
+	require.EqualValues(t, 2, s.Int("verity.outbox.dead_lettered", table(pgx.Identifier{pg.Schema, "q.t"}.Sanitize())))
+	require.EqualValues(t, 3, s.Int("verity.outbox.dead_lettered", table(pg.Schema+".plain")))
 }

@@ -16,9 +16,11 @@ import (
 // Attributes of the package's instruments. All are low-cardinality: the
 // name is a collection's (a board's) name, bounded by the number of
 // collections; documents report an empty name, because a document's Name
-// is its id.
+// is its id. Every instrument carries the projector's key prefix: one name
+// under two prefixes (a board per tenant) is two projections.
 const (
 	AttributeName    = "verity.projection.name"
+	AttributePrefix  = "verity.projection.prefix"
 	AttributeKind    = "verity.projection.kind"    // sorted-set, hash, document
 	AttributeOutcome = "verity.projection.outcome" // applied, duplicate, stale, conflict, unknown
 	AttributeMode    = "verity.projection.mode"    // live, shadow
@@ -57,13 +59,16 @@ type projectionMetrics struct {
 	batchDuration  metric.Float64Histogram
 	// now is the clock the lag is measured with.
 	now func() time.Time
+	// prefix is the projector's key prefix, an attribute of every
+	// instrument.
+	prefix attribute.KeyValue
 
 	// names caches the attribute option of each collection name, so the
 	// lag histogram does not allocate an attribute set per record.
 	names sync.Map // string -> metric.MeasurementOption
 }
 
-func newProjectionMetrics(mp metric.MeterProvider) (*projectionMetrics, error) {
+func newProjectionMetrics(mp metric.MeterProvider, prefix string) (*projectionMetrics, error) {
 	if !telemetry.Enabled(mp) {
 		return nil, nil
 	}
@@ -79,7 +84,8 @@ func newProjectionMetrics(mp metric.MeterProvider) (*projectionMetrics, error) {
 		batchDuration: in.Histogram(metricBatchDuration, "s",
 			"Duration of one gate call: one round trip (one script call per Redis Cluster slot, pipelined), plus the rounds that isolate a write Redis refused (a WRONGTYPE key, a layout mismatch) when there is one.",
 			telemetry.DurationBuckets()...),
-		now: time.Now,
+		now:    time.Now,
+		prefix: attribute.String(AttributePrefix, prefix),
 	}
 	return m, in.Err()
 }
@@ -88,7 +94,7 @@ func (m *projectionMetrics) nameOption(name string) metric.MeasurementOption {
 	if opt, ok := m.names.Load(name); ok {
 		return opt.(metric.MeasurementOption)
 	}
-	opt := metric.WithAttributeSet(attribute.NewSet(attribute.String(AttributeName, name)))
+	opt := metric.WithAttributeSet(attribute.NewSet(m.prefix, attribute.String(AttributeName, name)))
 	m.names.Store(name, opt)
 	return opt
 }
@@ -122,6 +128,7 @@ func (m *projectionMetrics) recordWrites(ctx context.Context, mode string, write
 	}
 	for k, n := range counts {
 		m.writes.Add(ctx, n, metric.WithAttributes(
+			m.prefix,
 			attribute.String(AttributeName, k.name),
 			attribute.String(AttributeKind, k.kind.String()),
 			attribute.String(AttributeOutcome, k.outcome.String()),
@@ -153,14 +160,14 @@ func (m *projectionMetrics) recordFailed(ctx context.Context, reason string, n i
 	if m == nil || n == 0 {
 		return
 	}
-	m.failed.Add(ctx, int64(n), metric.WithAttributes(attribute.String(AttributeReason, reason)))
+	m.failed.Add(ctx, int64(n), metric.WithAttributes(m.prefix, attribute.String(AttributeReason, reason)))
 }
 
 func (m *projectionMetrics) recordBatch(ctx context.Context, mode string, d time.Duration) {
 	if m == nil {
 		return
 	}
-	m.batchDuration.Record(ctx, d.Seconds(), metric.WithAttributes(attribute.String(AttributeMode, mode)))
+	m.batchDuration.Record(ctx, d.Seconds(), metric.WithAttributes(m.prefix, attribute.String(AttributeMode, mode)))
 }
 
 // metricName is the name attribute of a target: the collection's name, or

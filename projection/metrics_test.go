@@ -280,6 +280,35 @@ func TestProjectorMetrics(t *testing.T) {
 		require.Equal(t, 2, perWrite[2].(*WrongKeyTypeError).Index)
 	})
 
+	// Two projectors of one collection name under two prefixes (a board
+	// per tenant) report apart to one MeterProvider: their writes, lags
+	// and failures added up in one series.
+	t.Run("EachPrefixReportsApart", func(t *testing.T) {
+		t.Parallel()
+		rd := testenv.Redis(t)
+		rec := metrictest.New(t)
+		project := func(prefix string, records ...outbox.Record) {
+			p, err := NewRedisProjector(rd.Client, testMapper(), &Config{Prefix: prefix, MeterProvider: rec.Provider})
+			require.NoError(t, err)
+			for i := range records {
+				records[i].CreatedAt = time.Now()
+			}
+			_, err = p.Handle(ctx, records)
+			require.NoError(t, err)
+		}
+		project(rd.Prefix+"a:", record("scores", "alice", 1, "10"))
+		project(rd.Prefix+"b:", record("scores", "alice", 1, "10"), record("scores", "bob", 1, "3"), record("scores", "carol", 1, "x"))
+		s := rec.Collect(t)
+		a, b := attribute.String(AttributePrefix, rd.Prefix+"a:"), attribute.String(AttributePrefix, rd.Prefix+"b:")
+		require.EqualValues(t, 1, s.Int(metricWrites, a, board, outcome("applied")))
+		require.EqualValues(t, 2, s.Int(metricWrites, b, board, outcome("applied")))
+		require.Equal(t, uint64(1), s.Count(metricLag, a, board))
+		require.Equal(t, uint64(2), s.Count(metricLag, b, board))
+		require.Zero(t, s.Int(metricFailed, a))
+		require.EqualValues(t, 1, s.Int(metricFailed, b, attribute.String(AttributeReason, "map")))
+		require.Equal(t, uint64(1), s.Count(metricBatchDuration, a))
+	})
+
 	t.Run("NoProviderRecordsNothing", func(t *testing.T) {
 		t.Parallel()
 		rd := testenv.Redis(t)

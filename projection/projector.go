@@ -166,7 +166,7 @@ func NewRedisProjector(client redis.UniversalClient, mapper Mapper, cfg *Config)
 	if err != nil {
 		return nil, err
 	}
-	metrics, err := newProjectionMetrics(cfg.MeterProvider)
+	metrics, err := newProjectionMetrics(cfg.MeterProvider, ks.Prefix())
 	if err != nil {
 		return nil, fmt.Errorf("projection: NewRedisProjector: %w", err)
 	}

@@ -15,6 +15,7 @@ import (
 // Namespace (a document's own name is an id: unbounded).
 const (
 	AttributeName    = "verity.reconcile.name"
+	AttributePrefix  = "verity.reconcile.prefix"  // the Keyspace's prefix: collections of one name under two prefixes (tenants) are two projections
 	AttributeMode    = "verity.reconcile.mode"    // full, sample, keys
 	AttributeOutcome = "verity.reconcile.outcome" // ok, error; switched, aborted, in_progress, unsupported, error for rebuilds
 	AttributeDryRun  = "verity.reconcile.dry_run"
@@ -46,7 +47,7 @@ const (
 // Everything is recorded once per run from the finished Report, so the
 // counters add up exactly like the Report's.
 type reconcileMetrics struct {
-	name                          attribute.KeyValue
+	name                          []attribute.KeyValue // name and prefix
 	runs, rows, results, repaired metric.Int64Counter
 	rebuilds, rebuildRows         metric.Int64Counter
 	duration                      metric.Float64Histogram
@@ -58,7 +59,7 @@ func newReconcileMetrics(cfg *Config, target Target) (*reconcileMetrics, error) 
 	}
 	in := telemetry.New(cfg.MeterProvider, "reconcile")
 	m := &reconcileMetrics{
-		name: attribute.String(AttributeName, target.label()),
+		name: []attribute.KeyValue{attribute.String(AttributeName, target.label()), attribute.String(AttributePrefix, target.Keyspace.Prefix())},
 		runs: in.Counter(metricRuns, "{run}", "Reconcile runs (Run, CheckKeys) by mode (full, sample, keys), outcome (ok, error) and dry_run."),
 		rows: in.Counter(metricRows, "{entity}",
 			"Entities checked by reconcile runs, by class: current, missing, stale, ahead (a version the source never had), corrupt (same version, different value), orphan (not in the source)."),
@@ -78,11 +79,16 @@ func newReconcileMetrics(cfg *Config, target Target) (*reconcileMetrics, error) 
 	// alerts would miss the first drift a process finds.
 	for _, mode := range []string{modeFull, modeSample, modeKeys} {
 		for _, class := range Classes {
-			m.rows.Add(context.Background(), 0, metric.WithAttributes(m.name,
-				attribute.String(AttributeMode, mode), attribute.String(AttributeClass, class.String())))
+			m.rows.Add(context.Background(), 0, metric.WithAttributes(m.with(
+				attribute.String(AttributeMode, mode), attribute.String(AttributeClass, class.String()))...))
 		}
 	}
 	return m, nil
+}
+
+// with returns the run's name and prefix attributes followed by extra.
+func (m *reconcileMetrics) with(extra ...attribute.KeyValue) []attribute.KeyValue {
+	return append(m.name[:len(m.name):len(m.name)], extra...)
 }
 
 func (m *reconcileMetrics) recordRun(ctx context.Context, mode string, rep *Report, err error) {
@@ -94,24 +100,24 @@ func (m *reconcileMetrics) recordRun(ctx context.Context, mode string, rep *Repo
 		outcome = outcomeError
 	}
 	modeAttr := attribute.String(AttributeMode, mode)
-	m.runs.Add(ctx, 1, metric.WithAttributes(m.name, modeAttr,
-		attribute.String(AttributeOutcome, outcome), attribute.Bool(AttributeDryRun, rep.DryRun)))
+	m.runs.Add(ctx, 1, metric.WithAttributes(m.with(modeAttr,
+		attribute.String(AttributeOutcome, outcome), attribute.Bool(AttributeDryRun, rep.DryRun))...))
 	for class, n := range rep.Counts {
 		if n > 0 {
-			m.rows.Add(ctx, n, metric.WithAttributes(m.name, modeAttr, attribute.String(AttributeClass, class.String())))
+			m.rows.Add(ctx, n, metric.WithAttributes(m.with(modeAttr, attribute.String(AttributeClass, class.String()))...))
 		}
 	}
 	for result, n := range rep.Results {
 		if n > 0 {
-			m.results.Add(ctx, n, metric.WithAttributes(m.name, attribute.String(AttributeResult, result.String())))
+			m.results.Add(ctx, n, metric.WithAttributes(m.with(attribute.String(AttributeResult, result.String()))...))
 		}
 	}
 	for class, n := range rep.RepairedByClass {
 		if n > 0 {
-			m.repaired.Add(ctx, n, metric.WithAttributes(m.name, attribute.String(AttributeClass, class.String())))
+			m.repaired.Add(ctx, n, metric.WithAttributes(m.with(attribute.String(AttributeClass, class.String()))...))
 		}
 	}
-	m.duration.Record(ctx, rep.Duration.Seconds(), metric.WithAttributes(m.name, modeAttr))
+	m.duration.Record(ctx, rep.Duration.Seconds(), metric.WithAttributes(m.with(modeAttr)...))
 }
 
 func (m *reconcileMetrics) recordRebuild(ctx context.Context, rep *RebuildReport, err error) {
@@ -129,8 +135,8 @@ func (m *reconcileMetrics) recordRebuild(ctx context.Context, rep *RebuildReport
 	case errors.Is(err, ErrRebuildUnsupported):
 		outcome = outcomeUnsupported
 	}
-	m.rebuilds.Add(ctx, 1, metric.WithAttributes(m.name, attribute.String(AttributeOutcome, outcome)))
+	m.rebuilds.Add(ctx, 1, metric.WithAttributes(m.with(attribute.String(AttributeOutcome, outcome))...))
 	if rep.Rows > 0 {
-		m.rebuildRows.Add(ctx, rep.Rows, metric.WithAttributes(m.name))
+		m.rebuildRows.Add(ctx, rep.Rows, metric.WithAttributes(m.name...))
 	}
 }

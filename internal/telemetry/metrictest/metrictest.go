@@ -134,7 +134,7 @@ func sumPoints[N int64 | float64](s Snapshot, name string, attrs []attribute.Key
 	return total
 }
 
-// Series reports how many data points of the int64 counter name have
+// Series reports how many data points of the counter or gauge name have
 // attributes that include every one of attrs, zero-valued ones included:
 // an alert on Prometheus's increase() sees a series' first value only as
 // its start.
@@ -143,12 +143,25 @@ func (s Snapshot) Series(name string, attrs ...attribute.KeyValue) int {
 	if !ok {
 		return 0
 	}
-	n := 0
-	if d, ok := m.Data.(metricdata.Sum[int64]); ok {
+	var sets []attribute.Set
+	switch d := m.Data.(type) {
+	case metricdata.Sum[int64]:
 		for _, p := range d.DataPoints {
-			if matches(p.Attributes, attrs) {
-				n++
-			}
+			sets = append(sets, p.Attributes)
+		}
+	case metricdata.Gauge[int64]:
+		for _, p := range d.DataPoints {
+			sets = append(sets, p.Attributes)
+		}
+	case metricdata.Gauge[float64]:
+		for _, p := range d.DataPoints {
+			sets = append(sets, p.Attributes)
+		}
+	}
+	n := 0
+	for _, set := range sets {
+		if matches(set, attrs) {
+			n++
 		}
 	}
 	return n
