@@ -136,10 +136,11 @@ func (ks Keyspace) VersionBuckets() int { return ks.buckets }
 // Prefix returns the key prefix.
 func (ks Keyspace) Prefix() string { return ks.prefix }
 
-// MaxKeyLen returns the length of the longest Redis key the gate (or a
-// rebuild) makes for a collection or document name: the prefix, the name
-// escaped inside the hash tag's braces, and the longest suffix. A
-// RedisProjector refuses a record whose MaxKeyLen is over
+// MaxKeyLen bounds the length of every Redis key the gate (or a rebuild)
+// makes for a collection or document name: the prefix, the name escaped
+// inside the hash tag's braces, and the longest suffix of any kind
+// (":z~rebuild~copied"; a document's own keys are up to 14 bytes
+// shorter). A RedisProjector refuses a record whose MaxKeyLen is over
 // Config.MaxValueBytes, which Redis would refuse by closing the connection.
 func (ks Keyspace) MaxKeyLen(name string) int {
 	return len(ks.prefix) + len("{}") + keyenc.EscapedLen(name) + len(suffixSortedSet+suffixRebuildCopied)

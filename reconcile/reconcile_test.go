@@ -841,6 +841,9 @@ func TestRunRefusesAValueOverMaxValueBytes(t *testing.T) {
 	require.ErrorAs(t, err, &rowErr)
 	require.Equal(t, long[:64], rowErr.Key)
 	require.Contains(t, rowErr.Reason, "key is 100 bytes")
+	_, err = r.CheckKeys(context.Background(), []string{long}, RunOptions{})
+	require.ErrorAs(t, err, &rowErr, "CheckKeys refuses it too")
+	require.Contains(t, rowErr.Reason, "key is 100 bytes")
 }
 
 // TestRunRefusesADocumentKeyWhoseRedisKeysAreTooLong: a document's key
@@ -866,6 +869,18 @@ func TestRunRefusesADocumentKeyWhoseRedisKeysAreTooLong(t *testing.T) {
 	require.Equal(t, long[:64], rowErr.Key)
 	require.Contains(t, rowErr.Reason, "over Config.MaxValueBytes")
 	require.Equal(t, Projected{}, b.state(t, r, "ok"), "nothing written")
+
+	// CheckKeys sent the key to Redis before it looked at the row, and
+	// failed with the closed connection; it refuses the key before
+	// anything is read now, whether or not the source has it.
+	_, err = r.CheckKeys(context.Background(), []string{"ok", long}, RunOptions{})
+	require.ErrorAs(t, err, &rowErr)
+	require.Equal(t, long[:64], rowErr.Key)
+	require.Equal(t, Projected{}, b.state(t, r, "ok"), "nothing written")
+	lacking, err := New(rowsSource{}, b.target, &Config{MaxValueBytes: limit})
+	require.NoError(t, err)
+	_, err = lacking.CheckKeys(context.Background(), []string{long}, RunOptions{})
+	require.ErrorAs(t, err, &rowErr)
 
 	// The projection accepts a key whose keys are at the limit; so does
 	// reconcile, and repairs it.

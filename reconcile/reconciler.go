@@ -771,21 +771,29 @@ func (r *Reconciler) validateRow(row *Row) error {
 	if r.target.Kind == projection.KindSortedSet && (row.Value.Score < projection.MinScore || row.Value.Score > projection.MaxScore) {
 		return &InvalidRowError{Key: row.Key, Reason: fmt.Sprintf("score %d outside ±2^53", row.Value.Score)}
 	}
-	if n := len(row.Key); n > r.cfg.MaxValueBytes {
-		// Redis receives the key as a member, a hash field or inside a
-		// document's key: over its bulk limit it closes the connection.
-		return &InvalidRowError{Key: row.Key[:min(n, 64)], Reason: fmt.Sprintf("key is %d bytes (quoted up to 64), over Config.MaxValueBytes (%d)", n, r.cfg.MaxValueBytes)}
-	}
-	if r.target.Kind == projection.KindDocument {
-		// A document's keys hold its key escaped, with the prefix and
-		// suffixes: measured as the projection measures a document name,
-		// so that a row it would refuse is refused here too.
-		if n := r.target.Keyspace.MaxKeyLen(r.target.Namespace + row.Key); n > r.cfg.MaxValueBytes {
-			return &InvalidRowError{Key: row.Key[:min(len(row.Key), 64)], Reason: fmt.Sprintf("document keys are up to %d bytes for a key of %d (quoted up to 64), over Config.MaxValueBytes (%d)", n, len(row.Key), r.cfg.MaxValueBytes)}
-		}
+	if err := r.checkKeySize(row.Key); err != nil {
+		return err
 	}
 	if n := len(row.Value.Data); r.target.Kind != projection.KindSortedSet && n > r.cfg.MaxValueBytes {
 		return &InvalidRowError{Key: row.Key, Reason: fmt.Sprintf("value is %d bytes, over Config.MaxValueBytes (%d)", n, r.cfg.MaxValueBytes)}
+	}
+	return nil
+}
+
+// checkKeySize refuses a key longer than Config.MaxValueBytes, or, for a
+// document, one whose keys are: Redis receives it as a member, a hash field
+// or inside a document's keys, and closes the connection on a string over
+// its bulk limit.
+func (r *Reconciler) checkKeySize(key string) error {
+	if n := len(key); n > r.cfg.MaxValueBytes {
+		return &InvalidRowError{Key: key[:min(n, 64)], Reason: fmt.Sprintf("key is %d bytes (quoted up to 64), over Config.MaxValueBytes (%d)", n, r.cfg.MaxValueBytes)}
+	}
+	if r.target.Kind == projection.KindDocument {
+		// Measured as the projection measures a document's name, so that
+		// a row it would refuse is refused here too.
+		if n := r.target.Keyspace.MaxKeyLen(r.target.Namespace + key); n > r.cfg.MaxValueBytes {
+			return &InvalidRowError{Key: key[:min(len(key), 64)], Reason: fmt.Sprintf("document keys are up to %d bytes for a key of %d (quoted up to 64), over Config.MaxValueBytes (%d)", n, len(key), r.cfg.MaxValueBytes)}
+		}
 	}
 	return nil
 }
@@ -912,7 +920,10 @@ func (r *Reconciler) deliverAfterTakingBack(ctx context.Context, fs []*Finding) 
 // report as Run: keys the source has are compared with the projection, and
 // keys it lacks are checked for orphans. Use it to verify entities on
 // demand (before paying out a leaderboard prize, after an incident report)
-// without a full pass. opts.Sample is ignored.
+// without a full pass. opts.Sample is ignored. A key longer than
+// Config.MaxValueBytes (for a document, one whose keys are) is refused with
+// *InvalidRowError before anything is read, whether or not the source has
+// it: Redis would close the connection on it.
 func (r *Reconciler) CheckKeys(ctx context.Context, keys []string, opts RunOptions) (*Report, error) {
 	opts.Sample = 0
 	rep := newReport(opts)
@@ -923,7 +934,15 @@ func (r *Reconciler) CheckKeys(ctx context.Context, keys []string, opts RunOptio
 	// Refused as Run refuses it: through one snapshot, a key written and
 	// projected since reads as ahead (its new version would be taken back)
 	// or, if new, as an orphan (deleted).
-	err := r.refuseForcedRepairsOfFrozenSource(ctx, opts)
+	var err error
+	for _, k := range keys {
+		if err = r.checkKeySize(k); err != nil {
+			break
+		}
+	}
+	if err == nil {
+		err = r.refuseForcedRepairsOfFrozenSource(ctx, opts)
+	}
 	if err == nil {
 		err = r.checkKeys(ctx, opts, keys, rep)
 	}
