@@ -6,6 +6,7 @@ import (
 	"net/url"
 	"testing"
 
+	"github.com/redis/go-redis/v9"
 	"github.com/stretchr/testify/require"
 )
 
@@ -44,6 +45,36 @@ func TestResolveOrder(t *testing.T) {
 		require.Equal(t, rs.URL(), ep.RedisURL)
 		require.Equal(t, OriginPrivate, ep.PostgresOrigin)
 		require.NoError(t, pingPostgres(ctx, ep.PostgresURL))
+	})
+
+	// A user with exactly the commands the README's "Redis permissions"
+	// lists, which has no PING: the server answers NOPERM, so it answers.
+	// REDIS_URL was reported "set but does not answer", and the service
+	// refused to start with the README's ACL user unless given the flag.
+	t.Run("EnvUserWithoutPingAnswers", func(t *testing.T) {
+		t.Parallel()
+		rs, err := StartRedis(ctx, "")
+		require.NoError(t, err)
+		t.Cleanup(rs.Close)
+		opt, err := ParseRedisURL(rs.URL())
+		require.NoError(t, err)
+		admin := redis.NewClient(opt)
+		t.Cleanup(func() { _ = admin.Close() })
+		require.NoError(t, admin.Do(ctx, "ACL", "SETUSER", "svc", "reset", "on", ">pw", "~app:*", "-@all", "+get", "+evalsha").Err())
+		opt.Username, opt.Password = "svc", "pw"
+		restricted := redis.NewClient(opt)
+		t.Cleanup(func() { _ = restricted.Close() })
+		require.ErrorContains(t, restricted.Ping(ctx).Err(), "NOPERM", "the user may not PING")
+		u := fmt.Sprintf("redis://svc:pw@%s/0", opt.Addr)
+		ep, err := Resolve(ctx, Options{Getenv: env(map[string]string{"REDIS_URL": u}), SkipPostgres: true})
+		require.NoError(t, err)
+		t.Cleanup(ep.Close)
+		require.Equal(t, OriginEnv, ep.RedisOrigin)
+		require.Equal(t, u, ep.RedisURL)
+
+		// A wrong password is no answer worth using.
+		_, err = Resolve(ctx, Options{Getenv: env(map[string]string{"REDIS_URL": fmt.Sprintf("redis://svc:nope@%s/0", opt.Addr)}), SkipPostgres: true})
+		require.ErrorContains(t, err, "REDIS_URL is set but does not answer")
 	})
 
 	t.Run("EnvSetButDeadIsAnError", func(t *testing.T) {
