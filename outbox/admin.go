@@ -81,11 +81,19 @@ func (r *Relay) Stats(ctx context.Context) (Stats, error) {
 	if r.unmade() {
 		return Stats{}, errUnmadeRelay()
 	}
+	return r.statsOn(ctx, r.pool)
+}
+
+// statsOn is Stats's statement, run on q (the pool, or a connection taken
+// from it).
+func (r *Relay) statsOn(ctx context.Context, q interface {
+	QueryRow(context.Context, string, ...any) pgx.Row
+}) (Stats, error) {
 	var (
 		s     Stats
 		ageUS int64
 	)
-	err := r.pool.QueryRow(ctx, fmt.Sprintf(statsSQL, r.names.Outbox, r.names.Dead, r.names.Leases)).
+	err := q.QueryRow(ctx, fmt.Sprintf(statsSQL, r.names.Outbox, r.names.Dead, r.names.Leases)).
 		Scan(&s.Pending, &s.InFlight, &s.Retrying, &ageUS, &s.DeadLetters)
 	if err != nil {
 		return Stats{}, mapError("stats", err)

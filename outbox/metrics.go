@@ -118,9 +118,10 @@ func (r *Relay) registerGauges() (metric.Registration, error) {
 const statsRefreshTimeoutMin = 5 * time.Second
 
 // refreshStats keeps the Stats snapshot fresh until ctx (Run's) ends. A
-// refresh under way then finishes under workCtx, like a batch in flight:
-// cut off, its statement would leave pgx closing the connection in the
-// background after Run returned (see listen).
+// refresh whose statement was sent then finishes under workCtx, like a
+// batch in flight: cut off, its statement would leave pgx closing the
+// connection in the background after Run returned (see listen). One still
+// waiting for a pool connection sent nothing, and ends with ctx.
 func (r *Relay) refreshStats(ctx, workCtx context.Context) {
 	t := time.NewTicker(r.cfg.StatsInterval)
 	defer t.Stop()
@@ -128,8 +129,21 @@ func (r *Relay) refreshStats(ctx, workCtx context.Context) {
 		// Bounded: on a half-open connection pgx waits for ever (the
 		// kernel keeps the socket), and the gauges would stay absent while
 		// the relay runs and the database answers on new connections.
-		sctx, cancel := context.WithTimeout(workCtx, max(r.cfg.StatsInterval, statsRefreshTimeoutMin))
-		_, err := r.Stats(sctx)
+		deadline := time.Now().Add(max(r.cfg.StatsInterval, statsRefreshTimeoutMin))
+		sctx, cancel := context.WithDeadline(workCtx, deadline)
+		// The pool connection is waited for under ctx, as the claims' is:
+		// only a statement already sent gets the shutdown's grace.
+		actx, cancelAcquire := context.WithDeadline(ctx, deadline)
+		conn, err := r.pool.Acquire(actx)
+		cancelAcquire()
+		if err == nil {
+			_, err = r.statsOn(sctx, conn)
+			conn.Release()
+		} else if ctx.Err() != nil {
+			err = nil // shutting down: nothing was sent
+		} else {
+			err = mapError("stats", err)
+		}
 		cancel()
 		if err != nil && workCtx.Err() == nil {
 			r.logger.Warn("outbox relay could not refresh its stats for metrics", slog.String("error", err.Error()))

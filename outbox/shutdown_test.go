@@ -141,6 +141,35 @@ func closingGoroutines() (closing []string, undecided int) {
 	return closing, undecided
 }
 
+// TestRelayRunDoesNotWaitForAConnectionAStatsRefreshNeverGot: with
+// metrics on and the pool's only connection held by the application, the
+// relay has nothing in flight: its claim waits for a connection under
+// Run's ctx and ends with it. Its Stats refresh waited for one under the
+// shutdown's grace instead, and Run returned ShutdownTimeout (10 s) after
+// its ctx ended. Only a statement already sent gets the grace.
+func TestRelayRunDoesNotWaitForAConnectionAStatsRefreshNeverGot(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	pool := poolWith(t, b, func(pc *pgxpool.Config) { pc.MaxConns = 1 })
+	r := b.relay(t, pool, &recorder{}, outbox.RelayConfig{
+		PollInterval:  time.Hour,
+		DisableNotify: true,
+		MeterProvider: metrictest.New(t).Provider,
+	})
+	held, err := pool.Acquire(context.Background())
+	require.NoError(t, err)
+	defer held.Release()
+
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- r.Run(ctx) }()
+	time.Sleep(300 * time.Millisecond) // the claim and the refresh wait for the held connection
+	cancel()
+	began := time.Now()
+	require.NoError(t, <-done)
+	require.Less(t, time.Since(began), 2*time.Second, "nothing was in flight")
+}
+
 // TestRelayRunLetsAStatsRefreshFinish stops Run while its metrics' Stats
 // refresh waits for a lock: the refresh must finish (within the shutdown
 // grace, like a batch in flight) rather than be cut off, which left pgx
