@@ -360,9 +360,7 @@ func TestHostSuspendHidesNoRedisLoss(t *testing.T) {
 	})
 	tb.submit(t, "ada", 10)
 	tb.drain(t)
-	_, verified, err := tb.board.Verify(ctx, nil)
-	require.NoError(t, err)
-	require.True(t, verified)
+	tb.verify(t)
 	r, err := tb.board.Top(ctx, 10) // measures and looks for the record
 	require.NoError(t, err)
 	require.Len(t, r.Entries, 1)
@@ -454,9 +452,7 @@ func TestClockStepAndRecordOfAnotherDatabase(t *testing.T) {
 	})
 	tb.submit(t, "ada", 10)
 	tb.drain(t)
-	_, verified, err := tb.board.Verify(ctx, nil)
-	require.NoError(t, err)
-	require.True(t, verified)
+	tb.verify(t)
 	require.False(t, tb.board.Freshness(ctx).Unverified)
 
 	// The record now names another database (a promoted standby's system
@@ -475,7 +471,7 @@ func TestClockStepAndRecordOfAnotherDatabase(t *testing.T) {
 	fr := tb.board.Freshness(ctx)
 	require.Equal(t, time.Duration(-1), fr.Lag)
 	require.True(t, fr.Unverified, "the record names another database than the probe found, yet %+v", fr)
-	_, err = tb.board.Top(ctx, 10)
+	_, err := tb.board.Top(ctx, 10)
 	var stale *StaleError
 	require.ErrorAs(t, err, &stale)
 	require.True(t, stale.Unverified, "%v", err)

@@ -48,6 +48,15 @@ func record(t *testing.T, b *Board, user string, delta int64) uuid.UUID {
 }
 
 // drain projects everything pending.
+// verify runs a Verify pass on tb's board, which must record the
+// projection as verified.
+func (tb *testBundle) verify(t *testing.T) {
+	t.Helper()
+	_, verified, err := tb.board.Verify(context.Background(), nil)
+	require.NoError(t, err)
+	require.True(t, verified)
+}
+
 func (tb *testBundle) drain(t *testing.T) {
 	t.Helper()
 	w, err := tb.board.Worker(nil)

@@ -1113,9 +1113,7 @@ func TestCallerDeadlineIsNoRedisLoss(t *testing.T) {
 	})
 	tb.submit(t, "ada", 10)
 	tb.drain(t)
-	_, verified, err := tb.board.Verify(ctx, nil)
-	require.NoError(t, err)
-	require.True(t, verified)
+	tb.verify(t)
 
 	var proxy *delayProxy
 	board := boardOnClient(t, tb, func(opts *redis.Options) {
@@ -1431,9 +1429,7 @@ func TestOutboxTableChange(t *testing.T) {
 	})
 	tb.submit(t, "alice", 10)
 	tb.drain(t)
-	_, verified, err := tb.board.Verify(ctx, nil)
-	require.NoError(t, err)
-	require.True(t, verified)
+	tb.verify(t)
 	tb.submit(t, "alice", 5) // pending in the old table: its Worker stopped
 
 	moved := tb.board.Config()
@@ -1452,7 +1448,7 @@ func TestOutboxTableChange(t *testing.T) {
 	require.ErrorAs(t, err, &stale, "a record made under another outbox table vouches for nothing")
 	require.True(t, stale.Unverified)
 
-	_, verified, err = next.Verify(ctx, nil)
+	_, verified, err := next.Verify(ctx, nil)
 	require.NoError(t, err)
 	require.True(t, verified)
 	e, fr, err := next.Rank(ctx, "alice")

@@ -837,13 +837,19 @@ func TestRunRefusesAValueOverMaxValueBytes(t *testing.T) {
 	r, err = New(rowsSource{rows: []Row{{Key: long, Version: 1, Value: projection.Value{Score: 1}}}}, b.target, &Config{MaxValueBytes: 99})
 	require.NoError(t, err)
 	_, err = r.Run(context.Background(), RunOptions{})
+	require.Contains(t, requireInvalidRow(t, err, long[:64]).Reason, "key is 100 bytes")
+	_, err = r.CheckKeys(context.Background(), []string{long}, RunOptions{})
+	require.Contains(t, requireInvalidRow(t, err, long[:64]).Reason, "key is 100 bytes", "CheckKeys refuses it too")
+}
+
+// requireInvalidRow requires err to hold an *InvalidRowError for key (as
+// quoted: up to 64 bytes) and returns it.
+func requireInvalidRow(t *testing.T, err error, key string) *InvalidRowError {
+	t.Helper()
 	var rowErr *InvalidRowError
 	require.ErrorAs(t, err, &rowErr)
-	require.Equal(t, long[:64], rowErr.Key)
-	require.Contains(t, rowErr.Reason, "key is 100 bytes")
-	_, err = r.CheckKeys(context.Background(), []string{long}, RunOptions{})
-	require.ErrorAs(t, err, &rowErr, "CheckKeys refuses it too")
-	require.Contains(t, rowErr.Reason, "key is 100 bytes")
+	require.Equal(t, key, rowErr.Key)
+	return rowErr
 }
 
 // TestRunRefusesADocumentKeyWhoseRedisKeysAreTooLong: a document's key
@@ -864,23 +870,19 @@ func TestRunRefusesADocumentKeyWhoseRedisKeysAreTooLong(t *testing.T) {
 	r, err := New(rowsSource{rows: []Row{ok, over}}, b.target, &Config{MaxValueBytes: limit, SkipOrphans: true})
 	require.NoError(t, err)
 	_, err = r.Run(context.Background(), RunOptions{})
-	var rowErr *InvalidRowError
-	require.ErrorAs(t, err, &rowErr)
-	require.Equal(t, long[:64], rowErr.Key)
-	require.Contains(t, rowErr.Reason, "over Config.MaxValueBytes")
+	require.Contains(t, requireInvalidRow(t, err, long[:64]).Reason, "over Config.MaxValueBytes")
 	require.Equal(t, Projected{}, b.state(t, r, "ok"), "nothing written")
 
 	// CheckKeys sent the key to Redis before it looked at the row, and
 	// failed with the closed connection; it refuses the key before
 	// anything is read now, whether or not the source has it.
 	_, err = r.CheckKeys(context.Background(), []string{"ok", long}, RunOptions{})
-	require.ErrorAs(t, err, &rowErr)
-	require.Equal(t, long[:64], rowErr.Key)
+	requireInvalidRow(t, err, long[:64])
 	require.Equal(t, Projected{}, b.state(t, r, "ok"), "nothing written")
 	lacking, err := New(rowsSource{}, b.target, &Config{MaxValueBytes: limit})
 	require.NoError(t, err)
 	_, err = lacking.CheckKeys(context.Background(), []string{long}, RunOptions{})
-	require.ErrorAs(t, err, &rowErr)
+	requireInvalidRow(t, err, long[:64])
 
 	// The projection accepts a key whose keys are at the limit; so does
 	// reconcile, and repairs it.
