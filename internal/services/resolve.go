@@ -114,14 +114,14 @@ func Resolve(ctx context.Context, opts Options) (*Endpoints, error) {
 	ep := &Endpoints{}
 	var err error
 	if !opts.SkipPostgres {
-		ep.PostgresURL, ep.PostgresOrigin, err = resolveOne(ctx, ep, opts, opts.PostgresEnv, opts.LocalPostgresURL, pingPostgres, startPrivatePostgres, startDockerPostgres)
+		ep.PostgresURL, ep.PostgresOrigin, err = resolveOne(ctx, ep, opts, opts.PostgresEnv, opts.LocalPostgresURL, pingPostgres, pingPostgres, startPrivatePostgres, startDockerPostgres)
 		if err != nil {
 			ep.Close()
 			return nil, fmt.Errorf("postgres: %w", err)
 		}
 	}
 	if !opts.SkipRedis {
-		ep.RedisURL, ep.RedisOrigin, err = resolveOne(ctx, ep, opts, opts.RedisEnv, opts.LocalRedisURL, pingRedis, startPrivateRedis, startDockerRedis)
+		ep.RedisURL, ep.RedisOrigin, err = resolveOne(ctx, ep, opts, opts.RedisEnv, opts.LocalRedisURL, redisAnswers, pingRedis, startPrivateRedis, startDockerRedis)
 		if err != nil {
 			ep.Close()
 			return nil, fmt.Errorf("redis: %w", err)
@@ -134,13 +134,16 @@ func Resolve(ctx context.Context, opts Options) (*Endpoints, error) {
 
 type starter func(ctx context.Context, dir string) (url string, stop func(), err error)
 
+// resolveOne finds one server: answers checks the URL in env, ping the
+// local default (which must answer in full: a server its default user may
+// not use is no server to test with).
 func resolveOne(ctx context.Context, ep *Endpoints, opts Options, env, def string,
-	ping func(context.Context, string) error, private, docker starter,
+	answers, ping func(context.Context, string) error, private, docker starter,
 ) (string, Origin, error) {
 	if u := strings.TrimSpace(opts.Getenv(env)); u != "" {
 		// An explicit URL is never second-guessed: if it does not answer,
 		// that is an error, not a reason to use something else.
-		if err := ping(ctx, u); err != nil {
+		if err := answers(ctx, u); err != nil {
 			return "", "", fmt.Errorf("%s is set but does not answer: %w", env, err)
 		}
 		return u, OriginEnv, nil
@@ -193,11 +196,17 @@ func pingRedis(ctx context.Context, url string) error {
 	defer c.Close()
 	ctx, cancel := context.WithTimeout(ctx, 2*time.Second)
 	defer cancel()
-	err = c.Ping(ctx).Err()
-	if redis.HasErrorPrefix(err, "NOPERM") {
-		// The server answered: a user given only the commands its program
-		// needs (the README's "Redis permissions" lists no PING) may not
-		// run PING.
+	return c.Ping(ctx).Err()
+}
+
+// redisAnswers is pingRedis for a URL the user gave, whose user may lack
+// PING: the README's "Redis permissions" lists only the commands a program
+// needs, and no PING. Its NOPERM for PING is an answer. A NOPERM for a
+// command of the connection's handshake (SELECT for a /db, CLIENT SETNAME
+// for client_name=) is none: every command on such a connection fails.
+func redisAnswers(ctx context.Context, url string) error {
+	err := pingRedis(ctx, url)
+	if redis.HasErrorPrefix(err, "NOPERM") && strings.Contains(err.Error(), "'ping' command") {
 		return nil
 	}
 	return err

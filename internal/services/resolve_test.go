@@ -72,9 +72,22 @@ func TestResolveOrder(t *testing.T) {
 		require.Equal(t, OriginEnv, ep.RedisOrigin)
 		require.Equal(t, u, ep.RedisURL)
 
-		// A wrong password is no answer worth using.
-		_, err = Resolve(ctx, Options{Getenv: env(map[string]string{"REDIS_URL": fmt.Sprintf("redis://svc:nope@%s/0", opt.Addr)}), SkipPostgres: true})
-		require.ErrorContains(t, err, "REDIS_URL is set but does not answer")
+		// No answer worth using: a wrong password, or a NOPERM for a
+		// command go-redis sends on every connection it opens (SELECT for
+		// a database other than 0, CLIENT SETNAME for client_name=), on
+		// which every command would fail.
+		for _, bad := range []string{"redis://svc:nope@%s/0", "redis://svc:pw@%s/1", "redis://svc:pw@%s/0?client_name=lb"} {
+			_, err = Resolve(ctx, Options{Getenv: env(map[string]string{"REDIS_URL": fmt.Sprintf(bad, opt.Addr)}), SkipPostgres: true})
+			require.ErrorContains(t, err, "REDIS_URL is set but does not answer", bad)
+		}
+
+		// The local default must answer in full: with a default user that
+		// may not PING, a private server is started instead.
+		require.NoError(t, admin.Do(ctx, "ACL", "SETUSER", "default", "-ping").Err())
+		ep, err = Resolve(ctx, Options{Getenv: env(nil), LocalRedisURL: rs.URL(), SkipPostgres: true})
+		require.NoError(t, err)
+		t.Cleanup(ep.Close)
+		require.Equal(t, OriginPrivate, ep.RedisOrigin)
 	})
 
 	t.Run("EnvSetButDeadIsAnError", func(t *testing.T) {
