@@ -639,7 +639,9 @@ func (b *Board) checkDuplicate(cmd Command, res Result, board, user string, delt
 // The batch is one statement: it commits whole or not at all. When the
 // connection breaks (or the server dies) once it was sent, the error
 // matches ErrOutcomeUnknown: retry the batch with the same event ids, and
-// commands that committed come back as duplicates.
+// commands that committed come back as duplicates. So may a batch whose
+// ctx ended once it was sent, which returns ctx's error: as with Submit,
+// it may have committed, and the same retry answers.
 //
 // Commands of the same user are applied in batch order, each getting its
 // own version; the outbox receives only each user's final state (the

@@ -274,7 +274,11 @@ const pruneCommandsSQL = `DELETE FROM %s WHERE created_at < now() - $1 * interva
 // the DELETE runs (waiting for a record another transaction holds, say), it
 // is cancelled on the server before PruneCommands returns, as for Migrate
 // (and with its caveat: a server that does not answer within two seconds),
-// and deletes nothing. A
+// and deletes nothing. For a database/sql transaction (SQLTx) ending ctx is
+// left to the driver, as for Migrate: pgx's stdlib returns at once and
+// cancels the DELETE in the background, so it may still be waiting on the
+// server when PruneCommands returns (in the caller's transaction, which can
+// no longer commit: it deletes nothing). A
 // retention below one
 // microsecond (the unit it is sent in), which would delete every record, is
 // refused with a *ConfigError naming "retention" (ErrInvalidConfig), and
