@@ -24,7 +24,7 @@ var (
 	ErrInvalidRow = errors.New("reconcile: invalid source row")
 	// ErrRebuildInProgress: Rebuild found another rebuild's marker on the
 	// collection. Wait for it to finish (or for its marker TTL to expire).
-	ErrRebuildInProgress = errors.New("reconcile: a rebuild of this collection is already running")
+	ErrRebuildInProgress = errors.New("reconcile: a rebuild of this collection is already running (or one was killed: its marker expires within Config.RebuildMarkerTTL)")
 	// ErrRebuildAborted: the rebuild did not switch because its shadow keys
 	// cannot be trusted: it lost its marker before the switch (its TTL
 	// expired, or someone deleted it), so the gate may have stopped
