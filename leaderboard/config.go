@@ -192,7 +192,11 @@ type Config struct {
 
 	// ReadYourWritesTimeout bounds how long a read with AtLeast waits for
 	// the projection to reach the requested version before ReadPolicy
-	// applies. Defaults to ReadYourWritesTimeoutDefault.
+	// applies. A version poll still waiting for a pool connection, or for
+	// Redis's answer on a client with ContextTimeoutEnabled, is cut off when
+	// it runs out (without ContextTimeoutEnabled, go-redis waits for the
+	// answer to a command it has sent, up to its ReadTimeout). Defaults to
+	// ReadYourWritesTimeoutDefault.
 	ReadYourWritesTimeout time.Duration
 
 	// LagProbeInterval is how long a measured lag is reused before

@@ -4,7 +4,6 @@ import (
 	"context"
 	"fmt"
 	"math"
-	"net"
 	"sync"
 	"testing"
 	"time"
@@ -607,15 +606,15 @@ func TestLagGaugeCollectionStaysBounded(t *testing.T) {
 		tb := setup(t, func(c *Config) { c.RequireVerifiedProjection = true })
 		rec := metrictest.New(t)
 		opts := *tb.rd.Client.(*redis.Client).Options()
-		proxy := startDelayProxy(t, opts.Addr)
-		opts.Addr = proxy.ln.Addr().(*net.TCPAddr).String()
+		proxy := testenv.StartDelayProxy(t, opts.Addr)
+		opts.Addr = proxy.Addr()
 		client := redis.NewClient(&opts)
 		t.Cleanup(func() { _ = client.Close() })
 		all := newBoards(t, tb, rec, tb.pg.Pool, client)
-		t.Cleanup(func() { proxy.delay.Store(0) })
+		t.Cleanup(func() { proxy.SetDelay(0) })
 		run(t, rec, all,
-			func() { proxy.delay.Store(int64(time.Second)) },
-			func() { proxy.delay.Store(0) })
+			func() { proxy.SetDelay(time.Second) },
+			func() { proxy.SetDelay(0) })
 	})
 
 	// Collections that come at no steady interval get no measurement

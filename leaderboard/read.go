@@ -614,10 +614,19 @@ func (b *Board) waitForVersions(ctx context.Context, need []requirement) (int, e
 	}
 	cmds := make([]*redis.StringCmd, len(need))
 	got := make([]any, len(need))
+	unmet := 0 // the first requirement unmet at the last poll
 	for {
 		var layout *redis.SliceCmd
 		var unbucketed, values *redis.IntCmd
-		err := b.onMaster(ctx, keys[0], func(p redis.Pipeliner) {
+		// A poll is part of the wait: bounded by its deadline, so that a
+		// slow Redis (or a busy client pool) does not stretch the wait
+		// past ReadYourWritesTimeout. A timeout spent before the first
+		// poll (a few nanoseconds) still gets that one look.
+		pctx, cancel := ctx, context.CancelFunc(func() {})
+		if time.Now().Before(deadline) {
+			pctx, cancel = context.WithDeadline(ctx, deadline)
+		}
+		err := b.onMaster(pctx, keys[0], func(p redis.Pipeliner) {
 			// MGET, as reconcile reads it: a key of another type is no
 			// layout (nil), not a WRONGTYPE failure of the read.
 			layout = p.MGet(ctx, b.layoutKey)
@@ -627,6 +636,11 @@ func (b *Board) waitForVersions(ctx context.Context, need []requirement) (int, e
 				cmds[i] = p.HGet(ctx, keys[i], r.user)
 			}
 		})
+		cut := err != nil && ctx.Err() == nil && pctx.Err() != nil
+		cancel()
+		if cut {
+			return unmet, nil // the wait ran out during the poll
+		}
 		if err != nil && !errors.Is(err, redis.Nil) {
 			return 0, fmt.Errorf("leaderboard: reading the projected version: %w", err)
 		}
@@ -659,6 +673,7 @@ func (b *Board) waitForVersions(ctx context.Context, need []requirement) (int, e
 		if first < 0 {
 			return -1, nil
 		}
+		unmet = first
 		wait := min(backoff, time.Until(deadline))
 		if wait <= 0 {
 			return first, nil

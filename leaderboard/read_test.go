@@ -530,9 +530,9 @@ func TestReadPolicies(t *testing.T) {
 		tb := lagging(t, FallbackToPostgres)
 		pc, err := pgxpool.ParseConfig(tb.pg.ConnString)
 		require.NoError(t, err)
-		proxy := startDelayProxy(t, net.JoinHostPort(pc.ConnConfig.Host, strconv.Itoa(int(pc.ConnConfig.Port))))
+		proxy := testenv.StartDelayProxy(t, net.JoinHostPort(pc.ConnConfig.Host, strconv.Itoa(int(pc.ConnConfig.Port))))
 		pc.ConnConfig.Host = "127.0.0.1"
-		pc.ConnConfig.Port = uint16(proxy.ln.Addr().(*net.TCPAddr).Port)
+		pc.ConnConfig.Port = uint16(proxy.Port())
 		pc.MaxConns = 1
 		pool, err := pgxpool.NewWithConfig(ctx, pc)
 		require.NoError(t, err)
@@ -547,7 +547,7 @@ func TestReadPolicies(t *testing.T) {
 		require.NoError(t, err)
 		require.Equal(t, SourcePostgres, r.Freshness.Source)
 
-		proxy.delay.Store(int64(800 * time.Millisecond))
+		proxy.SetDelay(800 * time.Millisecond)
 		type answer struct {
 			r   Ranking
 			err error
@@ -561,7 +561,7 @@ func TestReadPolicies(t *testing.T) {
 		tb.submit(t, "late", 500)
 		committed := time.Now()
 		got := <-done
-		proxy.delay.Store(0)
+		proxy.SetDelay(0)
 		require.NoError(t, got.err)
 		require.Equal(t, SourcePostgres, got.r.Freshness.Source)
 		require.Len(t, got.r.Entries, 1, "setup: the answer's snapshot predates \"late\"")
@@ -1578,9 +1578,9 @@ func TestFreshnessProbe(t *testing.T) {
 		tb := setup(t)
 		pc, err := pgxpool.ParseConfig(tb.pg.ConnString)
 		require.NoError(t, err)
-		proxy := startDelayProxy(t, net.JoinHostPort(pc.ConnConfig.Host, strconv.Itoa(int(pc.ConnConfig.Port))))
+		proxy := testenv.StartDelayProxy(t, net.JoinHostPort(pc.ConnConfig.Host, strconv.Itoa(int(pc.ConnConfig.Port))))
 		pc.ConnConfig.Host = "127.0.0.1"
-		pc.ConnConfig.Port = uint16(proxy.ln.Addr().(*net.TCPAddr).Port)
+		pc.ConnConfig.Port = uint16(proxy.Port())
 		board, _ := tb.failClosedOnPoolOfOne(t, pc, 300*time.Millisecond, 50*time.Millisecond)
 		cfg := board.Config()
 
@@ -1593,7 +1593,7 @@ func TestFreshnessProbe(t *testing.T) {
 		require.Equal(t, int64(10), r.Entries[0].Score)
 		time.Sleep(2 * cfg.LagProbeInterval) // the next read measures again
 
-		proxy.delay.Store(int64(800 * time.Millisecond))
+		proxy.SetDelay(800 * time.Millisecond)
 		type answer struct {
 			r   Ranking
 			err error
@@ -1608,7 +1608,7 @@ func TestFreshnessProbe(t *testing.T) {
 		time.Sleep(100 * time.Millisecond)
 		tb.submit(t, "user-a", 7) // never projected
 		got := <-done
-		proxy.delay.Store(0)
+		proxy.SetDelay(0)
 		var staleErr *StaleError
 		require.ErrorAs(t, got.err, &staleErr, "served %v with lag %s", got.r.Entries, got.r.Freshness.Lag)
 		require.GreaterOrEqual(t, staleErr.Lag, 700*time.Millisecond)
@@ -1627,9 +1627,9 @@ func TestFreshnessProbe(t *testing.T) {
 		tb.drain(t)
 		pc, err := pgxpool.ParseConfig(tb.pg.ConnString)
 		require.NoError(t, err)
-		proxy := startDelayProxy(t, net.JoinHostPort(pc.ConnConfig.Host, strconv.Itoa(int(pc.ConnConfig.Port))))
+		proxy := testenv.StartDelayProxy(t, net.JoinHostPort(pc.ConnConfig.Host, strconv.Itoa(int(pc.ConnConfig.Port))))
 		pc.ConnConfig.Host = "127.0.0.1"
-		pc.ConnConfig.Port = uint16(proxy.ln.Addr().(*net.TCPAddr).Port)
+		pc.ConnConfig.Port = uint16(proxy.Port())
 		pc.ConnConfig.Fallbacks = nil
 		pool, err := pgxpool.NewWithConfig(ctx, pc)
 		require.NoError(t, err)
@@ -1639,11 +1639,11 @@ func TestFreshnessProbe(t *testing.T) {
 		board, err := New(pool, tb.rd.Client, &cfg)
 		require.NoError(t, err)
 		t.Cleanup(board.Close)
-		t.Cleanup(proxy.close) // before the pool's Close, which would wait for a held connection
+		t.Cleanup(proxy.Close) // before the pool's Close, which would wait for a held connection
 		_, err = board.Top(ctx, 10)
 		require.NoError(t, err)
 
-		proxy.frozen.Store(true)
+		proxy.Freeze()
 		time.Sleep(2 * cfg.LagProbeInterval) // the next read measures again
 		type answer struct {
 			r   Ranking
@@ -1655,8 +1655,8 @@ func TestFreshnessProbe(t *testing.T) {
 			stuck <- answer{r, err}
 		}()
 		// The probe's reply is held: the connection is dead for good.
-		require.Eventually(t, func() bool { return proxy.held.Load() > 0 }, 10*time.Second, time.Millisecond)
-		proxy.frozen.Store(false)
+		require.Eventually(t, func() bool { return proxy.Held() > 0 }, 10*time.Second, time.Millisecond)
+		proxy.Thaw()
 
 		select {
 		case got := <-stuck:
@@ -2403,4 +2403,65 @@ func TestFailClosedCancelledBeforeTheProbeIsNotStale(t *testing.T) {
 	_, err := tb.board.Top(rctx, 10)
 	require.ErrorIs(t, err, context.Canceled)
 	require.NotErrorIs(t, err, ErrStale)
+}
+
+// TestReadYourWritesTimeoutBoundsASlowPoll: the wait for an AtLeast
+// version ends at ReadYourWritesTimeout even when a poll is still waiting
+// for a pool connection or for a slow Redis's answer (a client with
+// ContextTimeoutEnabled): the policy then applies. Before, each poll ran
+// under the caller's ctx, and a read with a 150 ms timeout fell back after
+// well over the second Redis took to answer.
+func TestReadYourWritesTimeoutBoundsASlowPoll(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	tb := setup(t, func(c *Config) {
+		c.ReadPolicy = FallbackToPostgres
+		c.ReadYourWritesTimeout = 150 * time.Millisecond
+	})
+	res := tb.submit(t, "ada", 5)
+	tb.drain(t)
+	opts := *tb.rd.Client.(*redis.Client).Options()
+	proxy := testenv.StartDelayProxy(t, opts.Addr)
+	opts.Addr = proxy.Addr()
+	opts.PoolSize = 2
+	opts.ContextTimeoutEnabled = true
+	opts.ReadTimeout, opts.PoolTimeout = 30*time.Second, 30*time.Second // only the wait may cut a poll
+	client := redis.NewClient(&opts)
+	t.Cleanup(func() { _ = client.Close() })
+	cfg := tb.board.Config()
+	board, err := New(tb.pg.Pool, client, &cfg)
+	require.NoError(t, err)
+	t.Cleanup(board.Close)
+	_, err = board.Top(ctx, 10) // the lag probe's first look, before Redis slows
+	require.NoError(t, err)
+
+	const delay = time.Second
+	proxy.SetDelay(delay)
+	t.Cleanup(func() { proxy.SetDelay(0) })
+	stop := make(chan struct{})
+	var wg sync.WaitGroup
+	for range 4 { // other readers keep the client's two connections busy
+		wg.Go(func() {
+			for {
+				select {
+				case <-stop:
+					return
+				default:
+				}
+				_, _ = board.Top(ctx, 10, WithPolicy(ServeStale))
+			}
+		})
+	}
+	time.Sleep(100 * time.Millisecond)
+	start := time.Now()
+	// One past the committed version: never met.
+	_, fresh, err := board.Rank(ctx, "ada", AtLeast("ada", res.Version+1))
+	took := time.Since(start)
+	close(stop)
+	wg.Wait()
+	require.NoError(t, err)
+	require.Equal(t, SourcePostgres, fresh.Source)
+	require.False(t, fresh.AtLeastMet)
+	require.Less(t, took, cfg.ReadYourWritesTimeout+delay/2,
+		"the wait outlived ReadYourWritesTimeout by a slow poll")
 }

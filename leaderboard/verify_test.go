@@ -1115,10 +1115,10 @@ func TestCallerDeadlineIsNoRedisLoss(t *testing.T) {
 	tb.drain(t)
 	tb.verify(t)
 
-	var proxy *delayProxy
+	var proxy *testenv.DelayProxy
 	board := boardOnClient(t, tb, func(opts *redis.Options) {
-		proxy = startDelayProxy(t, opts.Addr)
-		opts.Addr = proxy.ln.Addr().(*net.TCPAddr).String()
+		proxy = testenv.StartDelayProxy(t, opts.Addr)
+		opts.Addr = proxy.Addr()
 		opts.ContextTimeoutEnabled = true
 		opts.ReadTimeout = 5 * time.Second
 		opts.MaxRetries = -1
@@ -1132,7 +1132,7 @@ func TestCallerDeadlineIsNoRedisLoss(t *testing.T) {
 		board.verification = verification{epoch: board.verification.epoch}
 		board.lagMu.Unlock()
 		// Warm the lag probe with a generous ctx (no Redis delay).
-		proxy.delay.Store(0)
+		proxy.SetDelay(0)
 		_, err := board.Top(ctx, 10)
 		require.NoError(t, err)
 		board.lagMu.Lock()
@@ -1140,12 +1140,12 @@ func TestCallerDeadlineIsNoRedisLoss(t *testing.T) {
 		board.lagMu.Unlock()
 
 		// A client with a 50 ms budget reads while Redis answers in 200 ms.
-		proxy.delay.Store(int64(200 * time.Millisecond))
+		proxy.SetDelay(200 * time.Millisecond)
 		short, cancel := context.WithTimeout(ctx, 50*time.Millisecond)
 		_, err = board.Top(short, 10)
 		cancel()
 		require.Error(t, err)
-		proxy.delay.Store(0)
+		proxy.SetDelay(0)
 
 		// A healthy Redis that holds the record: the next read must not be
 		// refused as unverified.
