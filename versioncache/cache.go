@@ -672,18 +672,24 @@ func (c *Cache[T]) waitForPeer(ctx context.Context, id string, r *readResult) (b
 			return false, zero, ctx.Err()
 		case <-timer.C:
 		}
-		next, err := c.pollWaited(ctx, id, r.version)
-		if err != nil {
-			return false, zero, &RedisError{Op: "read", ID: id, Err: err}
-		}
-		if next.found && r.undecodable != nil && bytes.Equal(next.current, r.undecodable) {
+		// A poll is part of the wait: bounded by its deadline, so that a
+		// slow Redis (or a busy client pool) does not stretch the wait
+		// past FillLeaseWait.
+		pctx, cancel := context.WithDeadline(ctx, deadline)
+		next, err := c.pollWaited(pctx, id, r.version)
+		if err == nil && next.found && r.undecodable != nil && bytes.Equal(next.current, r.undecodable) {
 			// Still the value this miss found undecodable (another
 			// release's): the lease holder has not filled yet. Look past
 			// it at the lease, taking it if the holder gave it up.
-			next, err = c.readScript(ctx, id, true, true, r.version)
-			if err != nil {
-				return false, zero, &RedisError{Op: "read", ID: id, Err: err}
-			}
+			next, err = c.readScript(pctx, id, true, true, r.version)
+		}
+		cut := err != nil && ctx.Err() == nil && pctx.Err() != nil
+		cancel()
+		if cut {
+			break // the wait ran out during the poll
+		}
+		if err != nil {
+			return false, zero, &RedisError{Op: "read", ID: id, Err: err}
 		}
 		if next.found {
 			// Whatever is in the current key is current, whoever filled it.

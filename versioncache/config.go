@@ -112,7 +112,11 @@ type Config struct {
 	FillLeaseTTL time.Duration
 
 	// FillLeaseWait is how long a process that lost the lease waits for the
-	// winner's value before loading itself. Defaults to FillLeaseWaitDefault.
+	// winner's value before loading itself. A poll still waiting for a pool
+	// connection, or for Redis's answer on a client with
+	// ContextTimeoutEnabled, is cut off when it runs out (without
+	// ContextTimeoutEnabled, go-redis waits for the answer to a command it
+	// has sent, up to its ReadTimeout). Defaults to FillLeaseWaitDefault.
 	FillLeaseWait time.Duration
 
 	// FillLeasePoll is the interval at which a waiting process looks for the

@@ -3,6 +3,8 @@ package versioncache
 import (
 	"context"
 	"errors"
+	"fmt"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -359,4 +361,97 @@ func TestWaiterTakesTheLeaseAFailedLoadGaveUp(t *testing.T) {
 			require.EqualValues(t, 1, b.Stats().Loads)
 		})
 	}
+}
+
+// missedKey marks the ctx of the Get whose miss scriptEnded times.
+type missedKey struct{}
+
+// scriptEnded records when the first script sent under a ctx marked with
+// missedKey returned: the miss that found another process's lease.
+type scriptEnded struct {
+	testenv.PassThroughHook
+	at *atomic.Int64 // unix nanoseconds
+}
+
+func (h scriptEnded) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
+	return func(ctx context.Context, cmd redis.Cmder) error {
+		err := next(ctx, cmd)
+		if n := cmd.Name(); ctx.Value(missedKey{}) != nil && (n == "evalsha" || n == "eval") {
+			h.at.CompareAndSwap(0, time.Now().UnixNano())
+		}
+		return err
+	}
+}
+
+// TestLeaseWaitBoundsASlowPoll: a process that lost the fill lease loads
+// itself FillLeaseWait after its miss even when its polls wait for a pool
+// connection or for a slow Redis's answer (a client with
+// ContextTimeoutEnabled). Before, each poll ran under the caller's ctx: a
+// Redis answering a second late, with the client's two connections busy,
+// held the waiter for seconds against a 300 ms FillLeaseWait.
+func TestLeaseWaitBoundsASlowPoll(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	rd := testenv.Redis(t)
+	cfg := Config{Prefix: rd.Prefix, FillLeaseTTL: time.Minute, FillLeaseWait: 300 * time.Millisecond, FillLeasePoll: 5 * time.Millisecond}
+	filler, err := New[product](rd.Client, &cfg)
+	require.NoError(t, err)
+	opts := *rd.Client.(*redis.Client).Options()
+	proxy := testenv.StartDelayProxy(t, opts.Addr)
+	opts.Addr = proxy.Addr()
+	opts.PoolSize = 2
+	opts.ContextTimeoutEnabled = true
+	opts.ReadTimeout, opts.PoolTimeout = 30*time.Second, 30*time.Second // only the wait may cut a poll
+	slow := redis.NewClient(&opts)
+	t.Cleanup(func() { _ = slow.Close() })
+	var missed atomic.Int64
+	slow.AddHook(scriptEnded{at: &missed})
+	waiter, err := New[product](slow, &cfg)
+	require.NoError(t, err)
+	src := newTruth()
+	src.write("p", 1)
+
+	var wg sync.WaitGroup
+	defer wg.Wait()
+	loading, finish := make(chan struct{}), make(chan struct{})
+	defer close(finish)
+	wg.Go(func() { // holds the lease until the test ends
+		_, err := filler.Get(ctx, "p", func(context.Context) (product, error) {
+			close(loading)
+			<-finish
+			return src.read("p"), nil
+		})
+		require.NoError(t, err)
+	})
+	<-loading
+	const delay = time.Second
+	proxy.SetDelay(delay)
+	defer proxy.SetDelay(0)
+	stop := make(chan struct{})
+	for i := range 2 { // other reads keep the client's two connections busy
+		wg.Go(func() {
+			for {
+				select {
+				case <-stop:
+					return
+				default:
+				}
+				_, _, _, _ = waiter.Peek(ctx, fmt.Sprintf("other-%d", i))
+			}
+		})
+	}
+	time.Sleep(100 * time.Millisecond)
+	var loadedAt atomic.Int64
+	got, err := waiter.Get(context.WithValue(ctx, missedKey{}, true), "p", func(context.Context) (product, error) {
+		loadedAt.Store(time.Now().UnixNano())
+		return src.read("p"), nil
+	})
+	close(stop)
+	require.NoError(t, err)
+	require.Equal(t, src.read("p"), got)
+	require.NotZero(t, missed.Load(), "the miss script never returned")
+	require.NotZero(t, loadedAt.Load(), "the waiter never loaded itself")
+	waited := time.Duration(loadedAt.Load() - missed.Load())
+	require.Less(t, waited, cfg.FillLeaseWait+delay/2, "the wait outlived FillLeaseWait by a slow poll")
+	require.Equal(t, uint64(1), waiter.Stats().LeaseFallbacks, "%+v waited %v", waiter.Stats(), waited)
 }
