@@ -577,7 +577,10 @@
 // reached it yet; the relay then ends the claim connection's backend,
 // cancels the claim there, waits for its transaction to end and frees what
 // it leased (bounded by a few seconds), so its partitions are not left to a
-// lease nobody holds. Behind PgBouncer, whose backend process IDs are keys
+// lease nobody holds. A release the database could not answer (a crash
+// that lost the claim's answer after its commit) is tried again before
+// each later claim until the lease would have ended, so the rows are
+// delivered again as soon as the database is back. Behind PgBouncer, whose backend process IDs are keys
 // of its own, or under a SET ROLE whose role may not signal the login
 // role's backends (as for the cancel), a claim still on its way when it
 // was cut off is not stopped: it may lease its partitions after the

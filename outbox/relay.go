@@ -702,11 +702,12 @@ func (r *Relay) runBatch(claimCtx, workCtx context.Context) (n int, again claimA
 // then finds them freed.
 const endUnsettledSQL = `UPDATE %s SET leased_until = now() WHERE owner = $1 AND leased_until > now()`
 
-// unsettledBatch is a batch whose settle failed, and when its lease ends
-// by itself.
+// unsettledBatch is a batch whose settle failed, or a cut-off claim whose
+// release failed (release), and when its lease ends by itself.
 type unsettledBatch struct {
-	token uuid.UUID
-	until time.Time
+	token   uuid.UUID
+	until   time.Time
+	release bool
 }
 
 // noteUnsettled records the batch of token, claimed at start, whose settle
@@ -718,9 +719,11 @@ func (r *Relay) noteUnsettled(token uuid.UUID, start time.Time) {
 }
 
 // endUnsettled ends the leases of the batches whose settle failed (a
-// connection lost as PostgreSQL restarted, say) before the next claim, so
-// that their rows are delivered again as soon as the database answers
-// rather than when the leases run out (LeaseDuration). A batch whose
+// connection lost as PostgreSQL restarted, say), and releases the cut-off
+// claims whose release failed (a claim that committed as PostgreSQL
+// crashed, losing only its answer), before the next claim, so that their
+// rows are delivered again as soon as the database answers rather than
+// when the leases run out (LeaseDuration). A batch whose
 // statement fails stays listed until its lease has run out by itself. It
 // runs under the claim's ctx: a shutdown does not wait for it, and a
 // statement cut short only leaves the lease to run out.
@@ -736,6 +739,20 @@ func (r *Relay) endUnsettled(ctx context.Context) {
 	for i, u := range pending {
 		if !time.Now().Before(u.until) {
 			continue // ran out by itself
+		}
+		if u.release {
+			// No backend to end: the claim's connection is gone, and its
+			// process ID may name another session by now.
+			if err := r.releaseClaim(ctx, u.token, 0); err != nil {
+				if serverAnswered(err) {
+					r.releaseFailed(err, false)
+					continue
+				}
+				r.logger.DebugContext(ctx, "outbox: releasing a cut-off claim did not succeed; retrying before the next claim", slog.Any("error", err))
+				r.keepUnsettled(pending[i:])
+				return
+			}
+			continue
 		}
 		uctx, cancel := context.WithTimeout(ctx, releaseClaimTimeout)
 		b := &pgx.Batch{}
@@ -907,10 +924,22 @@ func (r *Relay) claimOnce(acquireCtx, workCtx context.Context, token uuid.UUID) 
 	// Back to the pool first: releaseClaim may need this pool's only
 	// connection.
 	conn.Release()
-	var pgErr *pgconn.PgError
-	if err != nil && (!errors.As(err, &pgErr) || strings.HasPrefix(pgErr.Code, "08")) &&
+	if err != nil && !serverAnswered(err) &&
 		(!pgconn.SafeToRetry(err) || errors.Is(err, pgconn.ErrConnClosed)) {
-		r.releaseClaim(context.WithoutCancel(sendCtx), token, backend)
+		if rerr := r.releaseClaim(context.WithoutCancel(sendCtx), token, backend); rerr != nil {
+			// A crash loses the claim's answer, not its commit, and the
+			// release fails while the server is down: it is tried again
+			// before each claim (endUnsettled) until the lease ends. A
+			// server that answered (a claim still holding its lock at the
+			// lock timeout) would only make every claim wait as long again.
+			retry := !serverAnswered(rerr)
+			r.releaseFailed(rerr, retry)
+			if retry {
+				r.unsettledMu.Lock()
+				r.unsettled = append(r.unsettled, unsettledBatch{token: token, until: sent.Add(r.cfg.LeaseDuration), release: true})
+				r.unsettledMu.Unlock()
+			}
+		}
 	}
 	return c, sent, err
 }
@@ -1083,11 +1112,29 @@ WHERE l.locktype = 'advisory'
 	releaseClaimSQL         = `UPDATE %s SET owner = NULL, leased_until = NULL, inflight = '{}' WHERE owner = $1`
 )
 
+// serverAnswered reports whether err is PostgreSQL's own answer, not a
+// connection that failed (a connection exception, class 08, is
+// PgBouncer's report of a broken server connection).
+func serverAnswered(err error) bool {
+	var pgErr *pgconn.PgError
+	return errors.As(err, &pgErr) && !strings.HasPrefix(pgErr.Code, "08")
+}
+
+// releaseFailed logs a release of a cut-off claim that failed: its
+// partitions stay leased until the lease ends, unless retry says it is
+// tried again before the next claim.
+func (r *Relay) releaseFailed(err error, retry bool) {
+	msg := "outbox relay could not release the partitions of a failed claim; they stay leased until the lease ends"
+	if retry {
+		msg = "outbox relay could not release the partitions of a failed claim; retrying before each claim until the lease ends"
+	}
+	r.logger.Warn(msg, slog.String("error", err.Error()), slog.Duration("lease", r.cfg.LeaseDuration))
+}
+
 // releaseClaim frees the partitions a failed claim may have leased to token
 // (see claimOnce), sent on the connection whose backend process ID the
-// server gave as backend. A failure is logged: the lease then ends on its
-// own.
-func (r *Relay) releaseClaim(ctx context.Context, token uuid.UUID, backend uint32) {
+// server gave as backend (0: none to end). It returns why it could not.
+func (r *Relay) releaseClaim(ctx context.Context, token uuid.UUID, backend uint32) error {
 	ctx, cancel := context.WithTimeout(ctx, r.releaseTimeouts.total)
 	defer cancel()
 	key := claimLockKey(token)
@@ -1125,14 +1172,9 @@ func (r *Relay) releaseClaim(ctx context.Context, token uuid.UUID, backend uint3
 		r.logger.Debug("outbox relay could not cancel a cut-off claim; waiting for it to end",
 			slog.String("error", err.Error()))
 	}
-	failed := func(err error) {
-		r.logger.Warn("outbox relay could not release the partitions of a failed claim; they stay leased until the lease ends",
-			slog.String("error", err.Error()), slog.Duration("lease", r.cfg.LeaseDuration))
-	}
 	conn, err := r.pool.Acquire(ctx)
 	if err != nil {
-		failed(err)
-		return
+		return err
 	}
 	defer conn.Release()
 	// The wait gets the time left, less the margin, measured once the
@@ -1141,17 +1183,14 @@ func (r *Relay) releaseClaim(ctx context.Context, token uuid.UUID, backend uint3
 	wait := min(r.releaseTimeouts.lock, time.Until(deadline)-releaseServerMargin)
 	if wait < time.Millisecond {
 		// lock_timeout 0 would mean no limit at all.
-		failed(fmt.Errorf("no time left to wait for the claim to end: %w", context.DeadlineExceeded))
-		return
+		return fmt.Errorf("no time left to wait for the claim to end: %w", context.DeadlineExceeded)
 	}
 	b := &pgx.Batch{}
 	b.Queue(releaseLockTimeoutSQL, fmt.Sprintf("%dms", wait.Milliseconds()))
 	b.Queue(claimLockSQL, key)
 	b.Queue(releaseUpdateTimeoutSQL, fmt.Sprintf("%dms", releaseUpdateTimeout.Milliseconds()))
 	b.Queue(r.releaseSQL, pgUUID(token))
-	if err := conn.SendBatch(ctx, b).Close(); err != nil {
-		failed(err)
-	}
+	return conn.SendBatch(ctx, b).Close()
 }
 
 // handle calls the handler and always returns one result per record: a

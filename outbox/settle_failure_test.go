@@ -6,6 +6,9 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"os"
+	"path/filepath"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -254,4 +257,69 @@ func TestRelaySettleRetriesAStatementPostgreSQLRolledBack(t *testing.T) {
 	require.Zero(t, stats.Pending)
 	require.Zero(t, stats.DeadLetters, "a row the Handler handled is not buried")
 	require.EqualValues(t, 1, calls.Load())
+}
+
+// TestRelayReleasesAClaimACrashCutOff: a claim that committed as
+// PostgreSQL crashed (the crash lost its answer, not its commit) leaves
+// its partitions leased to a token nobody holds. The release the relay
+// sends at once fails (the server is down); it is tried again before the
+// next claim. Before, it was not: the rows waited for the whole lease (a
+// minute here) after the server was back.
+func TestRelayReleasesAClaimACrashCutOff(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	srv := testenv.StartPostgres(t)
+	pool := testenv.NewPool(t, srv.ConnString())
+	cfg := &outbox.Config{Schema: "crash"}
+	require.NoError(t, outbox.Migrate(ctx, pool, cfg))
+	w, err := outbox.NewWriter(cfg)
+	require.NoError(t, err)
+	b := &testBundle{pool: pool, cfg: cfg, writer: w}
+	b.appendCommitted(t, newMessage("s", "a", 1), newMessage("s", "b", 1))
+	var dataDir string
+	require.NoError(t, pool.QueryRow(ctx, `SHOW data_directory`).Scan(&dataDir))
+	h := &recorder{}
+	// DurableBookkeeping commits the claim synchronously: with a standby
+	// named that never connects, its commit is written and then waits.
+	r := b.relay(t, pool, h, outbox.RelayConfig{DurableBookkeeping: true, LeaseDuration: time.Minute})
+	_, err = pool.Exec(ctx, `ALTER SYSTEM SET synchronous_standby_names = 'nobody'`)
+	require.NoError(t, err)
+	_, err = pool.Exec(ctx, `SELECT pg_reload_conf()`)
+	require.NoError(t, err)
+	require.Eventually(t, func() bool {
+		var names string
+		return pool.QueryRow(ctx, `SHOW synchronous_standby_names`).Scan(&names) == nil && names == "nobody"
+	}, 10*time.Second, 10*time.Millisecond)
+
+	done := make(chan error, 1)
+	go func() { _, err := r.RunOnce(ctx); done <- err }()
+	require.Eventually(t, func() bool {
+		var n int
+		return pool.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity WHERE wait_event = 'SyncRep'`).Scan(&n) == nil && n > 0
+	}, 10*time.Second, 10*time.Millisecond, "the claim never waited for the standby")
+	require.NoError(t, srv.Kill())
+	select {
+	case err := <-done:
+		require.Error(t, err, "the claim's answer was lost")
+	case <-time.After(30 * time.Second):
+		t.Fatal("RunOnce did not return after the crash")
+	}
+	require.Empty(t, h.seen(), "the crashed claim reached no Handler")
+	auto := filepath.Join(dataDir, "postgresql.auto.conf")
+	text, err := os.ReadFile(auto)
+	require.NoError(t, err)
+	require.NoError(t, os.WriteFile(auto, []byte(strings.ReplaceAll(string(text), "synchronous_standby_names = 'nobody'", "")), 0o600))
+	require.NoError(t, srv.Start())
+	require.Eventually(t, func() bool { return pool.Ping(ctx) == nil }, 30*time.Second, 50*time.Millisecond)
+	var leased int
+	require.NoError(t, pool.QueryRow(ctx, `SELECT count(*) FROM `+b.leasesTable()+` WHERE leased_until > now()`).Scan(&leased))
+	require.Positive(t, leased, "the claim committed before the crash")
+
+	require.Eventually(t, func() bool {
+		_, err := r.RunOnce(ctx)
+		return err == nil && len(h.seen()) == 2
+	}, 20*time.Second, 100*time.Millisecond, "the crashed claim's rows waited for its lease")
+	for _, rec := range h.seen() {
+		require.Equal(t, 1, rec.Attempts, "the crashed claim counted no attempt")
+	}
 }
