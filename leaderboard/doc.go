@@ -35,8 +35,12 @@
 // of one command (a reused event id, a score out of range) is replayed as
 // one statement per command, all at once, so every caller gets the outcome
 // its command would have had alone, and a command that waits for a lock
-// holds up no other. The replays are not bounded by SubmitStatements: each
-// takes a pool connection of its own while the pool has one free.
+// holds up no other in its statement. The replays are not bounded by
+// SubmitStatements: each takes a pool connection of its own while the pool
+// has one free. A command waiting for a row lock (another transaction
+// holds the user's row) keeps its connection meanwhile, so as many such
+// commands as the pool has connections hold up every other Submit until
+// one ends: bound each call's ctx.
 // MaxSubmitsPerStatement 1 turns grouping off.
 //
 // A call that sends its statement itself (it found a statement free and
