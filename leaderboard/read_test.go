@@ -90,8 +90,57 @@ func allPages(t *testing.T, b *Board, n int, opts ...ReadOption) ([]Entry, Sourc
 
 func TestOrdering(t *testing.T) {
 	t.Parallel()
+
+	t.Run("ServerDefault", func(t *testing.T) {
+		t.Parallel()
+		requireOrdering(t, setup(t))
+	})
+
+	// The shared test database sorts like bytes (C.UTF-8): a query that
+	// lost its COLLATE "C" would still agree there. Under ICU's en-US,
+	// "a" < "B" < "b", and PostgreSQL's order must still be Redis's.
+	t.Run("ICUDatabase", func(t *testing.T) {
+		t.Parallel()
+		requireOrdering(t, setupInICUDatabase(t))
+	})
+}
+
+// setupInICUDatabase is setup on a database of its own whose default
+// collation is ICU's en-US, dropped at cleanup.
+func setupInICUDatabase(t *testing.T) *testBundle {
+	t.Helper()
 	ctx := context.Background()
-	tb := setup(t)
+	pg := testenv.Postgres(t)
+	db := "verity_icu_" + strings.ToLower(strings.NewReplacer("-", "_", ".", "_").Replace(pg.Schema))
+	_, err := pg.Pool.Exec(ctx, `CREATE DATABASE `+pgx.Identifier{db}.Sanitize()+
+		` TEMPLATE template0 ENCODING 'UTF8' LOCALE_PROVIDER icu ICU_LOCALE 'en-US' LOCALE 'C.UTF-8'`)
+	require.NoError(t, err)
+	t.Cleanup(func() {
+		_, err := pg.Pool.Exec(context.Background(), `DROP DATABASE `+pgx.Identifier{db}.Sanitize()+` WITH (FORCE)`)
+		require.NoError(t, err)
+	})
+	pc, err := pgxpool.ParseConfig(pg.ServerURL)
+	require.NoError(t, err)
+	pc.ConnConfig.Database = db
+	pool, err := pgxpool.NewWithConfig(ctx, pc)
+	require.NoError(t, err)
+	t.Cleanup(pool.Close)
+	var icu bool
+	require.NoError(t, pool.QueryRow(ctx, `SELECT 'a' < 'B'`).Scan(&icu))
+	require.True(t, icu, "the database sorts like bytes")
+	rd := testenv.Redis(t)
+	cfg := &Config{Name: "weekly-2026-48", Schema: "public", KeyPrefix: rd.Prefix}
+	require.NoError(t, Migrate(ctx, pool, cfg))
+	board, err := New(pool, rd.Client, cfg)
+	require.NoError(t, err)
+	return &testBundle{board: board, pg: &testenv.PG{Pool: pool, Schema: "public", ServerURL: pg.ServerURL}, rd: rd}
+}
+
+// requireOrdering checks that every read, from Redis and from PostgreSQL,
+// orders tied users by their ids' bytes.
+func requireOrdering(t *testing.T, tb *testBundle) {
+	t.Helper()
+	ctx := context.Background()
 
 	// Half the users tie on 50, the others on 20, one alone at 70 and one
 	// negative.
