@@ -136,8 +136,11 @@ type Config struct {
 	// prefix and suffixes: projection.Keyspace.MaxKeyLen). A row over it is
 	// refused with *InvalidRowError, like a row with a version that is not
 	// positive, where Redis would close the connection on its write and
-	// leave the page's repairs uncertain on every run. Set it to the
-	// server's proto-max-bulk-len if that was lowered. Defaults to
+	// leave the page's repairs uncertain on every run. A value or version
+	// read from Redis at or over it (one the projector accepted at the
+	// limit, a writer's) is sent back to the repair script as its SHA-1,
+	// to compare before writing. Set it to the server's proto-max-bulk-len
+	// if that was lowered. Defaults to
 	// projection.MaxValueBytesDefault (512 MB).
 	MaxValueBytes int
 	// Policy chooses what is repaired. Defaults to repairing missing, stale

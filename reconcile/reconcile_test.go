@@ -895,6 +895,54 @@ func TestRunRefusesADocumentKeyWhoseRedisKeysAreTooLong(t *testing.T) {
 	require.EqualValues(t, 1, rep.Repaired)
 }
 
+// TestRunRepairsEntriesReadAtMaxValueBytes: the repair script is sent what
+// was read, to compare before it writes; "=" and a value (or a version
+// field) of MaxValueBytes is one byte over Redis's bulk limit, and Redis
+// refused the call: an entry the projector had accepted at the limit,
+// ahead or orphaned, was "uncertain" on every run, and the run failed.
+// What is read at the limit is sent as its SHA-1 now.
+func TestRunRepairsEntriesReadAtMaxValueBytes(t *testing.T) {
+	t.Parallel()
+	const limit = 1 << 20
+	big := projection.Value{Data: bytes.Repeat([]byte("x"), limit)}
+	for _, kind := range []projection.Kind{projection.KindHash, projection.KindDocument} {
+		t.Run(kind.String(), func(t *testing.T) {
+			t.Parallel()
+			ctx := context.Background()
+			rs := testenv.StartRedis(t, "--proto-max-bulk-len", "1mb")
+			b := setupWith(t, kind, rs.Client(t), "lim:")
+			_, err := b.gate.Apply(ctx, []projection.Write{
+				{Target: b.target.target("ahead"), Version: 2, Value: big},
+				{Target: b.target.target("orphan"), Version: 1, Value: big},
+				{Target: b.target.target("bigversion"), Version: 1, Value: b.value("bigversion", 1)},
+			})
+			require.NoError(t, err)
+			// A version field a writer filled to the limit: corrupt.
+			bigVersion := strings.Repeat("9", limit)
+			b.setRaw(t, "bigversion", nil, &bigVersion)
+			rows := []Row{
+				{Key: "ahead", Version: 1, Value: b.value("ahead", 1)},
+				{Key: "bigversion", Version: 1, Value: b.value("bigversion", 1)},
+			}
+			all := Policy{Missing: ActionRepair, Stale: ActionRepair, Corrupt: ActionRepair, Ahead: ActionRepair, Orphan: ActionRepair}
+			r, err := New(rowsSource{rows: rows}, b.target, &Config{MaxValueBytes: limit, Policy: all})
+			require.NoError(t, err)
+			rep, err := r.Run(ctx, RunOptions{})
+			require.NoError(t, err)
+			require.EqualValues(t, 3, rep.Repaired, "%+v", rep)
+			for _, row := range rows {
+				got := b.state(t, r, row.Key)
+				require.Equal(t, row.Value.Data, got.Data, row.Key)
+				require.Equal(t, "1", got.RawVersion, row.Key)
+			}
+			require.Equal(t, Projected{}, b.state(t, r, "orphan"), "the orphan is gone")
+			rep, err = r.Run(ctx, RunOptions{})
+			require.NoError(t, err)
+			require.Zero(t, rep.Repaired)
+		})
+	}
+}
+
 // TestHazardousKeys reconciles keys that are empty or contain braces,
 // colons, glob characters, spaces and non-ASCII bytes.
 func TestHazardousKeys(t *testing.T) {

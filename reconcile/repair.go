@@ -2,7 +2,9 @@ package reconcile
 
 import (
 	"context"
+	"crypto/sha1"
 	_ "embed"
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"slices"
@@ -200,7 +202,7 @@ func (r *Reconciler) casRepair(ctx context.Context, fs []*Finding) (refused []er
 				value = nonNil(f.Source.Value.Data)
 			}
 		}
-		g.args = append(g.args, base, vbase, f.Key, expectVersion(f.Projected), r.expectValue(f.Projected), action, version, value)
+		g.args = append(g.args, base, vbase, f.Key, r.expectVersion(f.Projected), r.expectValue(f.Projected), action, version, value)
 		g.items = append(g.items, f)
 		g.itemKeys = append(g.itemKeys, [2]string{g.keys[base-1], g.keys[vbase-1]})
 	}
@@ -291,9 +293,19 @@ func checkRepairReply(reply any) error {
 	return fmt.Errorf("%w: repair result %v", ErrUnexpectedReply, reply)
 }
 
-func expectVersion(p Projected) string {
+// expectVersion and expectValue are what the repair script compares
+// Redis's version and value with: "-" for absent, "=" and what was read,
+// or, for what was read at or over Config.MaxValueBytes, "#" and its SHA-1
+// in hex: "=" and a value at the limit would be one byte over it, and
+// Redis would close the connection on every run (a value the projector
+// accepted, or a version field a writer filled).
+func (r *Reconciler) expectVersion(p Projected) string {
 	if !p.HasVersion {
 		return "-"
+	}
+	if len(p.RawVersion) >= r.cfg.MaxValueBytes {
+		sum := sha1.Sum([]byte(p.RawVersion))
+		return "#" + hex.EncodeToString(sum[:])
 	}
 	return "=" + p.RawVersion
 }
@@ -304,6 +316,10 @@ func (r *Reconciler) expectValue(p Projected) any {
 	}
 	if r.target.Kind == projection.KindSortedSet {
 		return "=" + strconv.FormatFloat(p.Score, 'g', -1, 64)
+	}
+	if len(p.Data) >= r.cfg.MaxValueBytes {
+		sum := sha1.Sum(p.Data)
+		return "#" + hex.EncodeToString(sum[:])
 	}
 	return append([]byte{'='}, p.Data...)
 }

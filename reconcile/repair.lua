@@ -17,6 +17,8 @@
 --   member      sorted-set member or hash field ("" for documents)
 --   expVersion  the version read before deciding: "-" absent, "=" .. raw
 --   expValue    the value read before deciding:   "-" absent, "=" .. raw
+--               (either, read at or over the size limit: "#" .. its SHA-1
+--               in hex, as "=" .. raw would be over Redis's bulk limit)
 --               (for sorted sets the raw score is compared as a number;
 --               versions always as exact strings)
 --   action      "set" writes newVersion/newValue, "del" removes both
@@ -80,11 +82,12 @@ end
 -- int64 versions above 2^53 that round to the same double would match.
 -- numeric is only set for a sorted-set score, whose text Redis may format
 -- differently from the read reply; scores are bounded to ±2^53, where
--- doubles are exact.
+-- doubles are exact. An expectation of "#" holds a SHA-1 of what was read.
 local function matches(stored, expected, numeric)
   if expected == '-' then return not stored end
   if not stored then return false end
   local raw = string.sub(expected, 2)
+  if string.sub(expected, 1, 1) == '#' then return redis.sha1hex(stored) == raw end
   if numeric and stored ~= raw then
     return tonumber(stored) == tonumber(raw)
   end
