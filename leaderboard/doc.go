@@ -226,7 +226,10 @@
 // lag probe, so a slow PostgreSQL does not delay it), and a Redis that
 // loses its data loses the record with it.
 // Losses that keep the record (eviction of some keys, a failover or a
-// restart from an older snapshot) still go unseen until a reconcile pass.
+// restart from an older snapshot, a Ring whose shards changed (SetAddrs)
+// back to a shard holding an older copy of the board, record included)
+// still go unseen until a reconcile pass: rebuild after changing a Ring's
+// shards (see package projection).
 // With a cluster client that reads from replicas (ReadOnly, RouteByLatency
 // or RouteRandomly), the board still reads from the masters, whose lag is
 // the one measured, and follows a failover or a resharding there. Such a
