@@ -183,6 +183,7 @@ const (
 	pgDeadlockDetected     = "40P01"
 	pgSerializationFailure = "40001"
 	pgLockNotAvailable     = "55P03"
+	pgQueryCanceled        = "57014"
 )
 
 // isEventIDViolation reports a unique violation of the event id, not of

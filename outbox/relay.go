@@ -744,7 +744,7 @@ func (r *Relay) endUnsettled(ctx context.Context) {
 			// No backend to end: the claim's connection is gone, and its
 			// process ID may name another session by now.
 			if err := r.releaseClaim(ctx, u.token, 0); err != nil {
-				if serverAnswered(err) {
+				if claimStillHeld(err) {
 					r.releaseFailed(err, false)
 					continue
 				}
@@ -928,11 +928,13 @@ func (r *Relay) claimOnce(acquireCtx, workCtx context.Context, token uuid.UUID) 
 		(!pgconn.SafeToRetry(err) || errors.Is(err, pgconn.ErrConnClosed)) {
 		if rerr := r.releaseClaim(context.WithoutCancel(sendCtx), token, backend); rerr != nil {
 			// A crash loses the claim's answer, not its commit, and the
-			// release fails while the server is down: it is tried again
-			// before each claim (endUnsettled) until the lease ends. A
-			// server that answered (a claim still holding its lock at the
-			// lock timeout) would only make every claim wait as long again.
-			retry := !serverAnswered(rerr)
+			// release fails while the server is down, or refuses
+			// connections as it shuts down or starts up (57P03): it is
+			// tried again before each claim (endUnsettled) until the lease
+			// ends. Not a claim still holding its lock at the release's
+			// timeouts: trying again would only make every claim wait as
+			// long.
+			retry := !claimStillHeld(rerr)
 			r.releaseFailed(rerr, retry)
 			if retry {
 				r.unsettledMu.Lock()
@@ -1118,6 +1120,14 @@ WHERE l.locktype = 'advisory'
 func serverAnswered(err error) bool {
 	var pgErr *pgconn.PgError
 	return errors.As(err, &pgErr) && !strings.HasPrefix(pgErr.Code, "08")
+}
+
+// claimStillHeld reports whether a release failed at its timeouts waiting
+// for the cut-off claim to end (lock_timeout, statement_timeout), rather
+// than for want of a database to run it.
+func claimStillHeld(err error) bool {
+	var pgErr *pgconn.PgError
+	return errors.As(err, &pgErr) && (pgErr.Code == pgLockNotAvailable || pgErr.Code == pgQueryCanceled)
 }
 
 // releaseFailed logs a release of a cut-off claim that failed: its

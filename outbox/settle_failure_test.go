@@ -260,13 +260,26 @@ func TestRelaySettleRetriesAStatementPostgreSQLRolledBack(t *testing.T) {
 }
 
 // TestRelayReleasesAClaimACrashCutOff: a claim that committed as
-// PostgreSQL crashed (the crash lost its answer, not its commit) leaves
-// its partitions leased to a token nobody holds. The release the relay
-// sends at once fails (the server is down); it is tried again before the
-// next claim. Before, it was not: the rows waited for the whole lease (a
+// PostgreSQL crashed or stopped (the claim's answer was lost, not its
+// commit) leaves its partitions leased to a token nobody holds. The
+// release the relay sends at once fails (the server is down, or refuses
+// connections as it shuts down: 57P03); it is tried again before the next
+// claim. Before, it was not: the rows waited for the whole lease (a
 // minute here) after the server was back.
 func TestRelayReleasesAClaimACrashCutOff(t *testing.T) {
 	t.Parallel()
+	for name, stop := range map[string]func(*testenv.PostgresServer) error{
+		"Crash":    (*testenv.PostgresServer).Kill,
+		"Shutdown": (*testenv.PostgresServer).Stop,
+	} {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			releaseAfterServerLoss(t, stop)
+		})
+	}
+}
+
+func releaseAfterServerLoss(t *testing.T, stop func(*testenv.PostgresServer) error) {
 	ctx := context.Background()
 	srv := testenv.StartPostgres(t)
 	pool := testenv.NewPool(t, srv.ConnString())
@@ -297,7 +310,7 @@ func TestRelayReleasesAClaimACrashCutOff(t *testing.T) {
 		var n int
 		return pool.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity WHERE wait_event = 'SyncRep'`).Scan(&n) == nil && n > 0
 	}, 10*time.Second, 10*time.Millisecond, "the claim never waited for the standby")
-	require.NoError(t, srv.Kill())
+	require.NoError(t, stop(srv))
 	select {
 	case err := <-done:
 		require.Error(t, err, "the claim's answer was lost")
