@@ -386,8 +386,9 @@ type StaleError struct {
 	MaxLag time.Duration
 	// UserID and Version are set when an AtLeast requirement was not met:
 	// the first one unmet, in the order of the read's AtLeast options
-	// (with the highest version asked for its user). Others may be unmet
-	// as well.
+	// (with the highest version asked for its user), at the last look
+	// Redis answered within ReadYourWritesTimeout (the first requirement
+	// when none did). Others may be unmet as well.
 	UserID  string
 	Version int64
 	// Unverified is set, with Lag -1, when Config.RequireVerifiedProjection

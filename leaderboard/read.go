@@ -614,7 +614,7 @@ func (b *Board) waitForVersions(ctx context.Context, need []requirement) (int, e
 	}
 	cmds := make([]*redis.StringCmd, len(need))
 	got := make([]any, len(need))
-	unmet := 0 // the first requirement unmet at the last poll
+	unmet := 0 // the first requirement unmet at the last poll answered (none: the first)
 	for {
 		var layout *redis.SliceCmd
 		var unbucketed, values *redis.IntCmd
@@ -636,7 +636,11 @@ func (b *Board) waitForVersions(ctx context.Context, need []requirement) (int, e
 				cmds[i] = p.HGet(ctx, keys[i], r.user)
 			}
 		})
-		cut := err != nil && ctx.Err() == nil && pctx.Err() != nil
+		// Only a poll left without an answer is cut: one Redis answered
+		// (redis.Nil for an absent version, an error reply) is read as
+		// such, even when the answer came after the deadline.
+		var replied redis.Error
+		cut := err != nil && !errors.As(err, &replied) && ctx.Err() == nil && pctx.Err() != nil
 		cancel()
 		if cut {
 			return unmet, nil // the wait ran out during the poll

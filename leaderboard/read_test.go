@@ -2514,3 +2514,43 @@ func TestReadYourWritesTimeoutBoundsASlowPoll(t *testing.T) {
 	require.Less(t, took, cfg.ReadYourWritesTimeout+delay/2,
 		"the wait outlived ReadYourWritesTimeout by a slow poll")
 }
+
+// TestReadYourWritesLateAnswerIsRead: a version poll Redis answered after
+// the wait's deadline (a client without ContextTimeoutEnabled waits for a
+// sent command's answer) is read, not taken for a poll cut off: here its
+// absent version (redis.Nil from the pipeline) names "bob", the first
+// requirement unmet. It was thrown away, and the StaleError named "ada",
+// whose version was met.
+func TestReadYourWritesLateAnswerIsRead(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	tb := setup(t, func(c *Config) {
+		c.ReadPolicy = FailClosed
+		c.ReadYourWritesTimeout = 150 * time.Millisecond
+		c.MaxLag = time.Hour
+	})
+	ada := tb.submit(t, "ada", 5)
+	tb.drain(t)
+	bob := tb.submit(t, "bob", 3) // never projected
+
+	opts := *tb.rd.Client.(*redis.Client).Options()
+	proxy := testenv.StartDelayProxy(t, opts.Addr)
+	opts.Addr = proxy.Addr()
+	opts.ReadTimeout = 30 * time.Second
+	client := redis.NewClient(&opts)
+	t.Cleanup(func() { _ = client.Close() })
+	cfg := tb.board.Config()
+	board, err := New(tb.pg.Pool, client, &cfg)
+	require.NoError(t, err)
+	t.Cleanup(board.Close)
+	_, err = board.Top(ctx, 10, WithPolicy(ServeStale)) // a connection and the lag probe, before Redis slows
+	require.NoError(t, err)
+
+	proxy.SetDelay(300 * time.Millisecond)
+	t.Cleanup(func() { proxy.SetDelay(0) })
+	_, err = board.Top(ctx, 10, AtLeast("ada", ada.Version), AtLeast("bob", bob.Version))
+	var stale *StaleError
+	require.ErrorAs(t, err, &stale)
+	require.Equal(t, "bob", stale.UserID, "the first requirement unmet: %v", stale)
+	require.Equal(t, bob.Version, stale.Version)
+}
