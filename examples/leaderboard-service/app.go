@@ -376,9 +376,12 @@ func connect(ctx context.Context, o *options, logger *slog.Logger) (*deps, error
 // a command. go-redis's defaults, 5 s and three retries, let a Redis that
 // stopped answering hold a read for up to 35 s: past the request's
 // deadline, so a fallback-to-postgres read answered 503 instead of falling
-// back, and past /healthz's pingTimeout, which only the client's
-// ReadTimeout bounds (it sets no ContextTimeoutEnabled). The Worker
-// retries its own batches, and the board's scripts answer in milliseconds.
+// back, and past /healthz's pingTimeout. The client also ends a command
+// at its context's deadline (ContextTimeoutEnabled) when that comes first,
+// so that a request's RequestTimeout bounds a command in flight: without
+// it, a read answered its 503 up to twice ReadTimeout past the deadline.
+// The Worker retries its own batches, and the board's scripts answer in
+// milliseconds.
 const (
 	redisReadTimeout = pingTimeout
 	redisMaxRetries  = -1 // none
@@ -399,6 +402,7 @@ func newRedisClient(rawURL string, cluster bool) (redis.UniversalClient, error) 
 		// and ASK replies, which the board's plain reads need during a
 		// slot migration, so it stays (the README says so).
 		setTimeouts(rawURL, &opt.ReadTimeout, &opt.MaxRetries)
+		opt.ContextTimeoutEnabled = true
 		return redis.NewClusterClient(opt), nil
 	}
 	opt, err := services.ParseRedisURL(rawURL)
@@ -406,6 +410,7 @@ func newRedisClient(rawURL string, cluster bool) (redis.UniversalClient, error) 
 		return nil, err
 	}
 	setTimeouts(rawURL, &opt.ReadTimeout, &opt.MaxRetries)
+	opt.ContextTimeoutEnabled = true
 	return redis.NewClient(opt), nil
 }
 

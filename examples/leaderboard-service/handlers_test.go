@@ -786,6 +786,34 @@ func TestReadsWithRedisFrozen(t *testing.T) {
 	require.Less(t, took, pingTimeout+time.Second, "the Redis ping outlived pingTimeout")
 }
 
+// TestRequestTimeoutWithRedisFrozen: RequestTimeout bounds a request whose
+// Redis command is in flight when Redis stops answering: the service's
+// client ends a command at its context's deadline too. Without
+// ContextTimeoutEnabled it ended only at the client's ReadTimeout (2 s),
+// and a read answered its 503 after 4 s against a 3 s RequestTimeout.
+func TestRequestTimeoutWithRedisFrozen(t *testing.T) {
+	t.Parallel()
+	const requestTimeout = 500 * time.Millisecond
+	rs := testenv.StartRedis(t)
+	rdb, err := newRedisClient(rs.URL(), false)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = rdb.Close() })
+	require.Less(t, requestTimeout, redisReadTimeout)
+	tb := serviceWithAdaConfig(t, rdb, leaderboard.ServeStale, ServiceConfig{RequestTimeout: requestTimeout})
+
+	info, err := rdb.InfoMap(context.Background(), "server").Result()
+	require.NoError(t, err)
+	pid, err := strconv.Atoi(info["Server"]["process_id"])
+	require.NoError(t, err)
+	require.NoError(t, syscall.Kill(pid, syscall.SIGSTOP))
+	t.Cleanup(func() { _ = syscall.Kill(pid, syscall.SIGCONT) })
+	for _, path := range []string{"/leaderboard", "/users/ada/rank"} {
+		res, took := tb.doWithin(t, 20*time.Second, http.MethodGet, path, nil, "")
+		require.Equal(t, http.StatusServiceUnavailable, res.status, "%s: %s", path, res.body)
+		require.Less(t, took, requestTimeout+800*time.Millisecond, "%s answered after %s, past RequestTimeout", path, took)
+	}
+}
+
 // TestRedisClientTimeouts: the service's client waits redisReadTimeout and
 // resends nothing, unless the URL says otherwise.
 func TestRedisClientTimeouts(t *testing.T) {
@@ -1006,6 +1034,13 @@ func TestUnreachableRedisOutOfClients(t *testing.T) {
 // under policy, whose user ada scored 5, projected and served.
 func serviceWithAda(t *testing.T, rdb redis.UniversalClient, policy leaderboard.ReadPolicy) *testBundle {
 	t.Helper()
+	return serviceWithAdaConfig(t, rdb, policy, ServiceConfig{})
+}
+
+// serviceWithAdaConfig is serviceWithAda with the service configured by
+// scfg.
+func serviceWithAdaConfig(t *testing.T, rdb redis.UniversalClient, policy leaderboard.ReadPolicy, scfg ServiceConfig) *testBundle {
+	t.Helper()
 	ctx := context.Background()
 	pg := testenv.Postgres(t)
 	cfg := &leaderboard.Config{Name: testBoard, Schema: pg.Schema, ReadPolicy: policy}
@@ -1013,7 +1048,7 @@ func serviceWithAda(t *testing.T, rdb redis.UniversalClient, policy leaderboard.
 	board, err := leaderboard.New(pg.Pool, rdb, cfg)
 	require.NoError(t, err)
 	t.Cleanup(board.Close)
-	svc, err := NewService(pg.Pool, rdb, board, ServiceConfig{})
+	svc, err := NewService(pg.Pool, rdb, board, scfg)
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = svc.Close() })
 	tb := &testBundle{svc: svc, srv: newServer(t, svc)}
