@@ -299,6 +299,9 @@ func releaseAfterServerLoss(t *testing.T, stop func(*testenv.PostgresServer) err
 	require.NoError(t, err)
 	_, err = pool.Exec(ctx, `SELECT pg_reload_conf()`)
 	require.NoError(t, err)
+	// An idle session applies a reload only after its next statement, so
+	// the claim could still commit without waiting: new sessions read it.
+	pool.Reset()
 	require.Eventually(t, func() bool {
 		var names string
 		return pool.QueryRow(ctx, `SHOW synchronous_standby_names`).Scan(&names) == nil && names == "nobody"
