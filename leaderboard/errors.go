@@ -428,10 +428,11 @@ func (e *StaleError) Unwrap() error { return ErrStale }
 // says how far that answer can be trusted, as it would for an entry: from
 // Redis (ServeStale, or a fresh enough projection), a user with no score
 // may be one whose first score is not projected yet (Lag), or one Redis
-// lost (Unverified). It is the zero Freshness for a user id no store can
-// hold (empty, not UTF-8, with a NUL byte), which is not looked up; an id
-// longer than Config.MaxUserIDLength is looked up (it may have been
-// stored under a larger limit).
+// lost (Unverified). It is the zero Freshness for a user id no board can
+// hold (empty, not UTF-8, with a NUL byte, longer than
+// MaxUserIDLengthLimit), which is not looked up; an id longer than
+// Config.MaxUserIDLength is looked up (it may have been stored under a
+// larger limit).
 type UserNotFoundError struct {
 	UserID    string
 	Freshness Freshness

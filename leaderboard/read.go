@@ -360,9 +360,12 @@ func (b *Board) Freshness(ctx context.Context) Freshness {
 }
 
 // storableUserID reports whether user could have been submitted: ids
-// PostgreSQL cannot store cannot have a score, and must not reach SQL.
+// PostgreSQL cannot store cannot have a score, and must not reach SQL; nor
+// can one longer than MaxUserIDLengthLimit, the most any Config allows,
+// which must not reach Redis either: one over its proto-max-bulk-len makes
+// Redis close the connection.
 func storableUserID(user string) bool {
-	return user != "" && utf8.ValidString(user) && strings.IndexByte(user, 0) < 0
+	return user != "" && len(user) <= MaxUserIDLengthLimit && utf8.ValidString(user) && strings.IndexByte(user, 0) < 0
 }
 
 // ranking trims a page fetched with one extra entry and sets Next.

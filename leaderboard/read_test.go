@@ -2554,3 +2554,40 @@ func TestReadYourWritesLateAnswerIsRead(t *testing.T) {
 	require.Equal(t, "bob", stale.UserID, "the first requirement unmet: %v", stale)
 	require.Equal(t, bob.Version, stale.Version)
 }
+
+// TestUserIDNoBoardCanHoldIsNotLookedUp: Rank and Around of an id longer
+// than MaxUserIDLengthLimit, which no Config allows, answer
+// *UserNotFoundError under every policy without sending it to Redis. It
+// was sent: one over the server's proto-max-bulk-len made Redis close the
+// connection, and ServeStale and FailClosed reads failed with the closed
+// connection.
+func TestUserIDNoBoardCanHoldIsNotLookedUp(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	client := testenv.StartRedis(t, "--proto-max-bulk-len", "1mb").Client(t)
+	pg := testenv.Postgres(t)
+	connections := func() string {
+		m, err := client.InfoMap(ctx, "stats").Result()
+		require.NoError(t, err)
+		return m["Stats"]["total_connections_received"]
+	}
+	for _, policy := range []ReadPolicy{ServeStale, FallbackToPostgres, FailClosed} {
+		cfg := &Config{Name: "b", Schema: pg.Schema, KeyPrefix: "lb:", ReadPolicy: policy}
+		require.NoError(t, Migrate(ctx, pg.Pool, cfg))
+		b, err := New(pg.Pool, client, cfg)
+		require.NoError(t, err)
+		t.Cleanup(b.Close)
+		// The longest id a board may store is looked up.
+		_, _, err = b.Rank(ctx, strings.Repeat("u", MaxUserIDLengthLimit))
+		require.ErrorIs(t, err, ErrUserNotFound, "%v", policy)
+		before := connections()
+		for _, n := range []int{MaxUserIDLengthLimit + 1, 1<<20 + 1} {
+			user := strings.Repeat("u", n)
+			_, _, err := b.Rank(ctx, user)
+			require.ErrorIs(t, err, ErrUserNotFound, "%v: Rank of a %d-byte id", policy, n)
+			_, err = b.Around(ctx, user, 2)
+			require.ErrorIs(t, err, ErrUserNotFound, "%v: Around of a %d-byte id", policy, n)
+		}
+		require.Equal(t, before, connections(), "%v: Redis closed connections", policy)
+	}
+}
