@@ -166,6 +166,48 @@ func TestRedisClusterReplicaReadsAfterSlotMove(t *testing.T) {
 	require.ErrorIs(t, err, ErrStale)
 }
 
+// TestRedisClusterWaitRunsOutFollowingRedirects: an AtLeast wait whose
+// deadline comes while its poll follows MOVED replies (only the slot's old
+// owner gave it away, so the two masters send the client back and forth)
+// applies the policy, as any wait that runs out: FailClosed answers
+// ErrStale. The redirect, wrapped in the deadline's error, was taken for
+// Redis's answer, and the read failed with "reading the projected
+// version: context deadline exceeded".
+func TestRedisClusterWaitRunsOutFollowingRedirects(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	cluster := testenv.StartRedisCluster(t, 3, 1)
+	client := cluster.ReadOnlyClient(t)
+	pg := testenv.Postgres(t)
+	cfg := &Config{Name: "pingpong", Schema: pg.Schema, KeyPrefix: "pp:", ReadPolicy: FailClosed,
+		ReadYourWritesTimeout: 300 * time.Millisecond}
+	require.NoError(t, Migrate(ctx, pg.Pool, cfg))
+	board, err := New(pg.Pool, client, cfg)
+	require.NoError(t, err)
+	t.Cleanup(board.Close)
+	_, err = board.Top(ctx, 1) // loads the slot map
+	require.NoError(t, err)
+
+	key := board.SortedSetKey()
+	slot, err := client.ClusterKeySlot(ctx, key).Result()
+	require.NoError(t, err)
+	owner, err := client.MasterForKey(ctx, key)
+	require.NoError(t, err)
+	var other string
+	for _, m := range testenv.Masters(t, client) {
+		if m.Options().Addr != owner.Options().Addr {
+			other, err = m.Do(ctx, "CLUSTER", "MYID").Text()
+			require.NoError(t, err)
+			break
+		}
+	}
+	require.NoError(t, owner.Do(ctx, "CLUSTER", "SETSLOT", slot, "NODE", other).Err())
+	for range 3 {
+		_, _, err := board.Rank(ctx, "nobody", AtLeast("nobody", 1))
+		require.ErrorIs(t, err, ErrStale)
+	}
+}
+
 // TestRedisClusterFailoverReads fails the board's master over to its
 // replica behind the back of a replica-reading cluster client. Its
 // connections all open with READONLY, and its slot map still names the

@@ -641,9 +641,12 @@ func (b *Board) waitForVersions(ctx context.Context, need []requirement) (int, e
 		})
 		// Only a poll left without an answer is cut: one Redis answered
 		// (redis.Nil for an absent version, an error reply) is read as
-		// such, even when the answer came after the deadline.
+		// such, even when the answer came after the deadline. A redirect
+		// followed until the deadline (clusterpin wraps the MOVED reply
+		// in the deadline's error) was left without one.
 		var replied redis.Error
-		cut := err != nil && !errors.As(err, &replied) && ctx.Err() == nil && pctx.Err() != nil
+		cut := err != nil && (!errors.As(err, &replied) || errors.Is(err, context.DeadlineExceeded)) &&
+			ctx.Err() == nil && pctx.Err() != nil
 		cancel()
 		if cut {
 			return unmet, nil // the wait ran out during the poll
