@@ -144,26 +144,35 @@ func TestRedisClusterReplicaReads(t *testing.T) {
 func TestRedisClusterReplicaReadsAfterSlotMove(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	cluster := testenv.StartRedisCluster(t, 3, 1)
-	client := cluster.ReadOnlyClient(t)
-	pg := testenv.Postgres(t)
-	cfg := &Config{Name: "moved", Schema: pg.Schema, KeyPrefix: "rv:", ReadPolicy: ServeStale}
-	require.NoError(t, Migrate(ctx, pg.Pool, cfg))
-	board, err := New(pg.Pool, client, cfg)
-	require.NoError(t, err)
-	t.Cleanup(board.Close)
-
-	_, err = board.Top(ctx, 1) // loads the slot map
-	require.NoError(t, err)
+	cluster, _, board := replicaReadingBoard(t, &Config{Name: "moved", KeyPrefix: "rv:", ReadPolicy: ServeStale})
 
 	cluster.ReassignSlot(t, board.SortedSetKey()) // the board has no keys yet
 
 	// The board's master-pinned reads follow the move as the cluster
 	// client does, without waiting for its periodic slot-map reload.
-	_, err = board.Top(ctx, 1)
+	_, err := board.Top(ctx, 1)
 	require.NoError(t, err, "a read pinned to the old master after the slot moved")
 	_, _, err = board.Rank(ctx, "nobody", AtLeast("nobody", 1)) // waitForVersions' HGET
 	require.ErrorIs(t, err, ErrStale)
+}
+
+// replicaReadingBoard opens the board cfg describes (in a schema of the
+// test's own) on a new 3-master cluster, through a client that reads from
+// replicas, and reads it once to load the client's slot map.
+func replicaReadingBoard(t *testing.T, cfg *Config) (*testenv.RedisCluster, *redis.ClusterClient, *Board) {
+	t.Helper()
+	ctx := context.Background()
+	cluster := testenv.StartRedisCluster(t, 3, 1)
+	client := cluster.ReadOnlyClient(t)
+	pg := testenv.Postgres(t)
+	cfg.Schema = pg.Schema
+	require.NoError(t, Migrate(ctx, pg.Pool, cfg))
+	board, err := New(pg.Pool, client, cfg)
+	require.NoError(t, err)
+	t.Cleanup(board.Close)
+	_, err = board.Top(ctx, 1)
+	require.NoError(t, err)
+	return cluster, client, board
 }
 
 // TestRedisClusterWaitRunsOutFollowingRedirects: an AtLeast wait whose
@@ -176,17 +185,8 @@ func TestRedisClusterReplicaReadsAfterSlotMove(t *testing.T) {
 func TestRedisClusterWaitRunsOutFollowingRedirects(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	cluster := testenv.StartRedisCluster(t, 3, 1)
-	client := cluster.ReadOnlyClient(t)
-	pg := testenv.Postgres(t)
-	cfg := &Config{Name: "pingpong", Schema: pg.Schema, KeyPrefix: "pp:", ReadPolicy: FailClosed,
-		ReadYourWritesTimeout: 300 * time.Millisecond}
-	require.NoError(t, Migrate(ctx, pg.Pool, cfg))
-	board, err := New(pg.Pool, client, cfg)
-	require.NoError(t, err)
-	t.Cleanup(board.Close)
-	_, err = board.Top(ctx, 1) // loads the slot map
-	require.NoError(t, err)
+	_, client, board := replicaReadingBoard(t, &Config{Name: "pingpong", KeyPrefix: "pp:", ReadPolicy: FailClosed,
+		ReadYourWritesTimeout: 300 * time.Millisecond})
 
 	key := board.SortedSetKey()
 	slot, err := client.ClusterKeySlot(ctx, key).Result()

@@ -605,11 +605,7 @@ func TestLagGaugeCollectionStaysBounded(t *testing.T) {
 		t.Parallel()
 		tb := setup(t, func(c *Config) { c.RequireVerifiedProjection = true })
 		rec := metrictest.New(t)
-		opts := *tb.rd.Client.(*redis.Client).Options()
-		proxy := testenv.StartDelayProxy(t, opts.Addr)
-		opts.Addr = proxy.Addr()
-		client := redis.NewClient(&opts)
-		t.Cleanup(func() { _ = client.Close() })
+		client, proxy := testenv.RedisBehindDelayProxy(t, tb.rd.Client, nil)
 		all := newBoards(t, tb, rec, tb.pg.Pool, client)
 		t.Cleanup(func() { proxy.SetDelay(0) })
 		run(t, rec, all,

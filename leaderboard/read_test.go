@@ -2469,14 +2469,11 @@ func TestReadYourWritesTimeoutBoundsASlowPoll(t *testing.T) {
 	})
 	res := tb.submit(t, "ada", 5)
 	tb.drain(t)
-	opts := *tb.rd.Client.(*redis.Client).Options()
-	proxy := testenv.StartDelayProxy(t, opts.Addr)
-	opts.Addr = proxy.Addr()
-	opts.PoolSize = 2
-	opts.ContextTimeoutEnabled = true
-	opts.ReadTimeout, opts.PoolTimeout = 30*time.Second, 30*time.Second // only the wait may cut a poll
-	client := redis.NewClient(&opts)
-	t.Cleanup(func() { _ = client.Close() })
+	client, proxy := testenv.RedisBehindDelayProxy(t, tb.rd.Client, func(opts *redis.Options) {
+		opts.PoolSize = 2
+		opts.ContextTimeoutEnabled = true
+		opts.ReadTimeout, opts.PoolTimeout = 30*time.Second, 30*time.Second // only the wait may cut a poll
+	})
 	cfg := tb.board.Config()
 	board, err := New(tb.pg.Pool, client, &cfg)
 	require.NoError(t, err)
@@ -2533,12 +2530,9 @@ func TestReadYourWritesLateAnswerIsRead(t *testing.T) {
 	tb.drain(t)
 	bob := tb.submit(t, "bob", 3) // never projected
 
-	opts := *tb.rd.Client.(*redis.Client).Options()
-	proxy := testenv.StartDelayProxy(t, opts.Addr)
-	opts.Addr = proxy.Addr()
-	opts.ReadTimeout = 30 * time.Second
-	client := redis.NewClient(&opts)
-	t.Cleanup(func() { _ = client.Close() })
+	client, proxy := testenv.RedisBehindDelayProxy(t, tb.rd.Client, func(opts *redis.Options) {
+		opts.ReadTimeout = 30 * time.Second
+	})
 	cfg := tb.board.Config()
 	board, err := New(tb.pg.Pool, client, &cfg)
 	require.NoError(t, err)

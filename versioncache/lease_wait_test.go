@@ -396,14 +396,11 @@ func TestLeaseWaitBoundsASlowPoll(t *testing.T) {
 	cfg := Config{Prefix: rd.Prefix, FillLeaseTTL: time.Minute, FillLeaseWait: 300 * time.Millisecond, FillLeasePoll: 5 * time.Millisecond}
 	filler, err := New[product](rd.Client, &cfg)
 	require.NoError(t, err)
-	opts := *rd.Client.(*redis.Client).Options()
-	proxy := testenv.StartDelayProxy(t, opts.Addr)
-	opts.Addr = proxy.Addr()
-	opts.PoolSize = 2
-	opts.ContextTimeoutEnabled = true
-	opts.ReadTimeout, opts.PoolTimeout = 30*time.Second, 30*time.Second // only the wait may cut a poll
-	slow := redis.NewClient(&opts)
-	t.Cleanup(func() { _ = slow.Close() })
+	slow, proxy := testenv.RedisBehindDelayProxy(t, rd.Client, func(opts *redis.Options) {
+		opts.PoolSize = 2
+		opts.ContextTimeoutEnabled = true
+		opts.ReadTimeout, opts.PoolTimeout = 30*time.Second, 30*time.Second // only the wait may cut a poll
+	})
 	var missed atomic.Int64
 	slow.AddHook(scriptEnded{at: &missed})
 	waiter, err := New[product](slow, &cfg)

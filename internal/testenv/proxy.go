@@ -7,6 +7,8 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/redis/go-redis/v9"
 )
 
 // DelayProxy forwards TCP connections to a server and, while a delay is
@@ -44,6 +46,27 @@ func StartDelayProxy(t testing.TB, target string) *DelayProxy {
 		p.wg.Wait()
 	})
 	return p
+}
+
+// RedisBehindDelayProxy returns a client with the options of client (a
+// *redis.Client) whose connections go through a new DelayProxy in front
+// of its server, the options edited by edit when it is not nil. The client
+// is closed at cleanup, before the proxy.
+func RedisBehindDelayProxy(t testing.TB, client redis.UniversalClient, edit func(*redis.Options)) (*redis.Client, *DelayProxy) {
+	t.Helper()
+	plain, ok := client.(*redis.Client)
+	if !ok {
+		t.Fatalf("testenv: RedisBehindDelayProxy needs a *redis.Client, not %T", client)
+	}
+	opts := *plain.Options()
+	proxy := StartDelayProxy(t, opts.Addr)
+	opts.Addr = proxy.Addr()
+	if edit != nil {
+		edit(&opts)
+	}
+	behind := redis.NewClient(&opts)
+	t.Cleanup(func() { _ = behind.Close() })
+	return behind, proxy
 }
 
 // Addr is the proxy's host:port.
