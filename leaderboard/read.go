@@ -643,10 +643,12 @@ func (b *Board) waitForVersions(ctx context.Context, need []requirement) (int, e
 		// (redis.Nil for an absent version, an error reply) is read as
 		// such, even when the answer came after the deadline. A redirect
 		// followed until the deadline (clusterpin wraps the MOVED reply
-		// in the deadline's error) was left without one.
+		// in the deadline's error) was left without one. callerEnded
+		// tells a poll cut by pctx's deadline apart from one cut by ctx's,
+		// also when the connection's i/o timeout came before the timer.
 		var replied redis.Error
 		cut := err != nil && (!errors.As(err, &replied) || errors.Is(err, context.DeadlineExceeded)) &&
-			ctx.Err() == nil && pctx.Err() != nil
+			callerEnded(ctx, err) == nil && callerEnded(pctx, err) != nil
 		cancel()
 		if cut {
 			return unmet, nil // the wait ran out during the poll
