@@ -3,6 +3,7 @@ package outbox_test
 import (
 	"bytes"
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"net"
@@ -295,24 +296,43 @@ func releaseAfterServerLoss(t *testing.T, stop func(*testenv.PostgresServer) err
 	// DurableBookkeeping commits the claim synchronously: with a standby
 	// named that never connects, its commit is written and then waits.
 	r := b.relay(t, pool, h, outbox.RelayConfig{DurableBookkeeping: true, LeaseDuration: time.Minute})
+	_, err = pool.Exec(ctx, `CREATE TABLE sync_probe (x int)`)
+	require.NoError(t, err)
 	_, err = pool.Exec(ctx, `ALTER SYSTEM SET synchronous_standby_names = 'nobody'`)
 	require.NoError(t, err)
 	_, err = pool.Exec(ctx, `SELECT pg_reload_conf()`)
 	require.NoError(t, err)
-	// An idle session applies a reload only after its next statement, so
-	// the claim could still commit without waiting: new sessions read it.
-	pool.Reset()
+	// Commits wait for the standby once the checkpointer has read the
+	// reload, which may be after any session has: wait until a probe's
+	// commit waits (cut off at once; its row commits all the same).
 	require.Eventually(t, func() bool {
-		var names string
-		return pool.QueryRow(ctx, `SHOW synchronous_standby_names`).Scan(&names) == nil && names == "nobody"
-	}, 10*time.Second, 10*time.Millisecond)
+		conn, err := pgx.Connect(ctx, srv.ConnString())
+		if err != nil {
+			return false
+		}
+		defer conn.Close(context.Background())
+		pctx, cancel := context.WithTimeout(ctx, 200*time.Millisecond)
+		defer cancel()
+		_, err = conn.Exec(pctx, `INSERT INTO sync_probe VALUES (1)`)
+		return errors.Is(err, context.DeadlineExceeded) || pctx.Err() != nil
+	}, 10*time.Second, 10*time.Millisecond, "commits never waited for the standby")
+	syncWaiters := func() int {
+		var n int
+		if err := pool.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity WHERE wait_event = 'SyncRep'`).Scan(&n); err != nil {
+			return -1
+		}
+		return n
+	}
+	// The probes' sessions still wait: end them, so that the wait below
+	// is the claim's.
+	_, err = pool.Exec(ctx, `SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE wait_event = 'SyncRep'`)
+	require.NoError(t, err)
+	require.Eventually(t, func() bool { return syncWaiters() == 0 }, 10*time.Second, 10*time.Millisecond)
 
 	done := make(chan error, 1)
 	go func() { _, err := r.RunOnce(ctx); done <- err }()
-	require.Eventually(t, func() bool {
-		var n int
-		return pool.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity WHERE wait_event = 'SyncRep'`).Scan(&n) == nil && n > 0
-	}, 10*time.Second, 10*time.Millisecond, "the claim never waited for the standby")
+	require.Eventually(t, func() bool { return syncWaiters() > 0 }, 10*time.Second, 10*time.Millisecond,
+		"the claim never waited for the standby")
 	require.NoError(t, stop(srv))
 	select {
 	case err := <-done:
