@@ -2469,17 +2469,11 @@ func TestReadYourWritesTimeoutBoundsASlowPoll(t *testing.T) {
 	})
 	res := tb.submit(t, "ada", 5)
 	tb.drain(t)
-	client, proxy := testenv.RedisBehindDelayProxy(t, tb.rd.Client, func(opts *redis.Options) {
+	board, proxy := tb.boardBehindDelayProxy(t, func(opts *redis.Options) {
 		opts.PoolSize = 2
 		opts.ContextTimeoutEnabled = true
 		opts.ReadTimeout, opts.PoolTimeout = 30*time.Second, 30*time.Second // only the wait may cut a poll
 	})
-	cfg := tb.board.Config()
-	board, err := New(tb.pg.Pool, client, &cfg)
-	require.NoError(t, err)
-	t.Cleanup(board.Close)
-	_, err = board.Top(ctx, 10) // the lag probe's first look, before Redis slows
-	require.NoError(t, err)
 
 	const delay = time.Second
 	proxy.SetDelay(delay)
@@ -2508,7 +2502,7 @@ func TestReadYourWritesTimeoutBoundsASlowPoll(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, SourcePostgres, fresh.Source)
 	require.False(t, fresh.AtLeastMet)
-	require.Less(t, took, cfg.ReadYourWritesTimeout+delay/2,
+	require.Less(t, took, board.Config().ReadYourWritesTimeout+delay/2,
 		"the wait outlived ReadYourWritesTimeout by a slow poll")
 }
 
@@ -2530,19 +2524,13 @@ func TestReadYourWritesLateAnswerIsRead(t *testing.T) {
 	tb.drain(t)
 	bob := tb.submit(t, "bob", 3) // never projected
 
-	client, proxy := testenv.RedisBehindDelayProxy(t, tb.rd.Client, func(opts *redis.Options) {
+	board, proxy := tb.boardBehindDelayProxy(t, func(opts *redis.Options) {
 		opts.ReadTimeout = 30 * time.Second
 	})
-	cfg := tb.board.Config()
-	board, err := New(tb.pg.Pool, client, &cfg)
-	require.NoError(t, err)
-	t.Cleanup(board.Close)
-	_, err = board.Top(ctx, 10, WithPolicy(ServeStale)) // a connection and the lag probe, before Redis slows
-	require.NoError(t, err)
 
 	proxy.SetDelay(300 * time.Millisecond)
 	t.Cleanup(func() { proxy.SetDelay(0) })
-	_, err = board.Top(ctx, 10, AtLeast("ada", ada.Version), AtLeast("bob", bob.Version))
+	_, err := board.Top(ctx, 10, AtLeast("ada", ada.Version), AtLeast("bob", bob.Version))
 	var stale *StaleError
 	require.ErrorAs(t, err, &stale)
 	require.Equal(t, "bob", stale.UserID, "the first requirement unmet: %v", stale)
@@ -2601,17 +2589,11 @@ func TestReadYourWritesWaitEndedByTheConnectionsDeadline(t *testing.T) {
 	})
 	res := tb.submit(t, "ada", 5)
 	tb.drain(t)
-	client, proxy := testenv.RedisBehindDelayProxy(t, tb.rd.Client, func(opts *redis.Options) {
+	board, proxy := tb.boardBehindDelayProxy(t, func(opts *redis.Options) {
 		opts.ContextTimeoutEnabled = true
 		opts.MaxRetries = -1
 		opts.ReadTimeout = 30 * time.Second
 	})
-	cfg := tb.board.Config()
-	board, err := New(tb.pg.Pool, client, &cfg)
-	require.NoError(t, err)
-	t.Cleanup(board.Close)
-	_, err = board.Top(ctx, 10)
-	require.NoError(t, err)
 
 	proxy.SetDelay(200 * time.Millisecond)
 	t.Cleanup(func() { proxy.SetDelay(0) })
@@ -2619,4 +2601,20 @@ func TestReadYourWritesWaitEndedByTheConnectionsDeadline(t *testing.T) {
 		_, _, err := board.Rank(ctx, "ada", AtLeast("ada", res.Version+1))
 		require.ErrorIs(t, err, ErrStale, "read %d", i)
 	}
+}
+
+// boardBehindDelayProxy opens the bundle's board again on a client whose
+// connections go through a delay proxy, its options edited by edit, and
+// reads it once (a connection and the lag probe) before the test slows
+// Redis.
+func (tb *testBundle) boardBehindDelayProxy(t *testing.T, edit func(*redis.Options)) (*Board, *testenv.DelayProxy) {
+	t.Helper()
+	client, proxy := testenv.RedisBehindDelayProxy(t, tb.rd.Client, edit)
+	cfg := tb.board.Config()
+	board, err := New(tb.pg.Pool, client, &cfg)
+	require.NoError(t, err)
+	t.Cleanup(board.Close)
+	_, err = board.Top(context.Background(), 10, WithPolicy(ServeStale))
+	require.NoError(t, err)
+	return board, proxy
 }
