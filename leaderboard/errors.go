@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"strings"
 	"time"
 
@@ -107,7 +108,8 @@ var (
 // outcomeUnknown wraps err, the error of a Submit or SubmitBatch statement
 // (dbError's already), in ErrOutcomeUnknown when the statement may have
 // reached the server and no answer says how it ended: not a server error,
-// nor one pgx reports as raised before anything was sent, nor a failure to
+// nor one pgx reports as raised before anything was sent (SafeToRetry, or
+// refusedByDriver's, which no retry gets past), nor a failure to
 // connect or to get a connection (a closed pool), nor the caller's context
 // error, which Submit's doc covers. A connection exception (SQLSTATE class
 // 08) is not the statement's answer: PgBouncer reports a server connection
@@ -132,10 +134,33 @@ func outcomeUnknown(err error) error {
 	case errors.Is(err, pgconn.ErrConnClosed):
 	case err == nil, errors.As(err, &pgErr), errors.As(err, &connectErr), pgconn.SafeToRetry(err),
 		errors.Is(err, puddle.ErrClosedPool), // pgxpool's Acquire: nothing sent
-		errors.Is(err, context.Canceled), errors.Is(err, context.DeadlineExceeded):
+		errors.Is(err, context.Canceled), errors.Is(err, context.DeadlineExceeded),
+		refusedByDriver(err):
 		return err
 	}
 	return fmt.Errorf("%w: %w", ErrOutcomeUnknown, err)
+}
+
+// refusedByDriver reports whether err holds one of the errors pgx returns,
+// unmarked, for a query it refuses before sending anything, and refuses
+// again on every retry: an exec mode whose cache the pool keeps empty
+// (statement_cache_capacity=0 with the default QueryExecModeCacheStatement,
+// as pgx v4's advice for PgBouncer had it), or the simple protocol on a
+// session whose standard_conforming_strings or client_encoding it cannot
+// quote for.
+func refusedByDriver(err error) bool {
+	switch e := err.(type) {
+	case nil:
+		return false
+	case interface{ Unwrap() []error }:
+		return slices.ContainsFunc(e.Unwrap(), refusedByDriver)
+	case interface{ Unwrap() error }:
+		return refusedByDriver(e.Unwrap())
+	}
+	msg := err.Error()
+	return strings.HasPrefix(msg, "cannot use QueryExecModeCacheStatement with disabled statement cache") ||
+		strings.HasPrefix(msg, "cannot use QueryExecModeCacheDescribe with disabled description cache") ||
+		strings.HasPrefix(msg, "simple protocol queries must be run with ")
 }
 
 // withCallerEnded makes err, the error of a call whose ctx has ended, match

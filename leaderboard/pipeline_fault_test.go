@@ -383,6 +383,47 @@ func TestSubmitErrorsThatAreNotWhatTheySeem(t *testing.T) {
 		require.NotErrorIs(t, err, ErrOutcomeUnknown)
 	})
 
+	// pgx refuses, before sending anything, every query of a pool whose
+	// exec mode needs a cache it was told to keep empty, or of a session
+	// the simple protocol cannot quote for; a retry meets the same
+	// refusal, so it is no outcome to find out by retrying.
+	t.Run("DriverRefusalIsNoUnknownOutcome", func(t *testing.T) {
+		t.Parallel()
+		tb := setup(t)
+		pools := map[string]func(*pgxpool.Config){
+			"StatementCacheDisabled": func(c *pgxpool.Config) {
+				c.ConnConfig.DefaultQueryExecMode = pgx.QueryExecModeCacheStatement
+				c.ConnConfig.StatementCacheCapacity = 0
+			},
+			"DescriptionCacheDisabled": func(c *pgxpool.Config) {
+				c.ConnConfig.DefaultQueryExecMode = pgx.QueryExecModeCacheDescribe
+				c.ConnConfig.DescriptionCacheCapacity = 0
+			},
+			"SimpleProtocolWithoutStandardStrings": func(c *pgxpool.Config) {
+				c.ConnConfig.DefaultQueryExecMode = pgx.QueryExecModeSimpleProtocol
+				c.ConnConfig.RuntimeParams["standard_conforming_strings"] = "off"
+			},
+			"SimpleProtocolInLatin1": func(c *pgxpool.Config) {
+				c.ConnConfig.DefaultQueryExecMode = pgx.QueryExecModeSimpleProtocol
+				c.ConnConfig.RuntimeParams["client_encoding"] = "LATIN1"
+			},
+		}
+		cfg := tb.board.Config()
+		for name, mutate := range pools {
+			board, err := New(tb.newPool(t, mutate), tb.rd.Client, &cfg)
+			require.NoError(t, err)
+			t.Cleanup(board.Close)
+			_, err = board.Submit(ctx, Command{EventID: uuid.New(), UserID: "u", Delta: 1})
+			require.Error(t, err, name)
+			require.NotErrorIs(t, err, ErrOutcomeUnknown, "%s: nothing was sent: %v", name, err)
+			_, err = board.SubmitBatch(ctx, []Command{{EventID: uuid.New(), UserID: "u", Delta: 1}, {EventID: uuid.New(), UserID: "v", Delta: 1}})
+			require.Error(t, err, name)
+			require.NotErrorIs(t, err, ErrOutcomeUnknown, "%s: nothing was sent: %v", name, err)
+		}
+		events, _, _ := tb.counts(t)
+		require.Zero(t, events, "nothing was written")
+	})
+
 	t.Run("OutboxIDClashIsNoIdempotencyConflict", func(t *testing.T) {
 		t.Parallel()
 		tb := setup(t)
