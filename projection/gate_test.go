@@ -238,6 +238,37 @@ func TestKeyspace(t *testing.T) {
 		require.Empty(t, ks.ShadowLayoutKey("x", KindDocument), "a document has no layout key, so no shadow of one")
 	})
 
+	// MaxKeyLen, which the projector and reconcile check against
+	// MaxValueBytes, bounds every key made for a name, the empty one
+	// (written "{%}") included.
+	t.Run("MaxKeyLenBoundsEveryKey", func(t *testing.T) {
+		t.Parallel()
+		base, err := NewKeyspace("p:")
+		require.NoError(t, err)
+		for _, buckets := range []int{0, 1, 7, VersionBucketsMax} {
+			ks, err := base.WithVersionBuckets(buckets)
+			require.NoError(t, err)
+			for _, name := range []string{"", "a", "weekly{x}:y", "\xff\x00"} {
+				longest := 0
+				for _, kind := range []Kind{KindSortedSet, KindHash, KindDocument} {
+					target := Target{Kind: kind, Name: name}
+					if kind != KindDocument {
+						target.Member = "m"
+					}
+					keys := []string{ks.ValueKey(target), ks.VersionKey(target), ks.LayoutKey(name, kind), ks.RebuildCopyKey(name, kind),
+						ks.RebuildMarkerKey(name, kind), ks.ShadowLayoutKey(name, kind), ks.ShadowValueKey(name, kind), ks.ShadowVersionKey(name, kind)}
+					keys = append(keys, ks.VersionKeys(name, kind)...)
+					keys = append(keys, ks.ShadowVersionKeys(name, kind)...)
+					for _, key := range keys {
+						require.LessOrEqual(t, len(key), ks.MaxKeyLen(name), "buckets %d, %v %q: key %q", buckets, kind, name, key)
+						longest = max(longest, len(key))
+					}
+				}
+				require.Equal(t, longest, ks.MaxKeyLen(name), "buckets %d, name %q: the bound is the longest key", buckets, name)
+			}
+		}
+	})
+
 	// Every key any package derives from a Keyspace, its own and the
 	// suffixes reconcile ("~switched", "~probe" on the rebuild marker) and
 	// leaderboard ("~verified", "~verifying", "~verified~held" on the value

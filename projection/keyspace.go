@@ -138,12 +138,12 @@ func (ks Keyspace) Prefix() string { return ks.prefix }
 
 // MaxKeyLen bounds the length of every Redis key the gate (or a rebuild)
 // makes for a collection or document name: the prefix, the name escaped
-// inside the hash tag's braces, and the longest suffix of any kind
-// (":z~rebuild~copied"; a document's own keys are up to 14 bytes
-// shorter). A RedisProjector refuses a record whose MaxKeyLen is over
+// inside the hash tag's braces (an empty name as "%"), and the longest
+// suffix of any kind (":z~rebuild~copied"; a document's own keys are up to
+// 14 bytes shorter). A RedisProjector refuses a record whose MaxKeyLen is over
 // Config.MaxValueBytes, which Redis would refuse by closing the connection.
 func (ks Keyspace) MaxKeyLen(name string) int {
-	return len(ks.prefix) + len("{}") + keyenc.EscapedLen(name) + len(suffixSortedSet+suffixRebuildCopied)
+	return keyenc.TaggedLen(ks.prefix, name, suffixSortedSet+suffixRebuildCopied)
 }
 
 func (ks Keyspace) key(name, suffix string) string { return keyenc.Tagged(ks.prefix, name, suffix) }

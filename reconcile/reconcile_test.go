@@ -886,7 +886,7 @@ func TestRunRefusesADocumentKeyWhoseRedisKeysAreTooLong(t *testing.T) {
 
 	// The projection accepts a key whose keys are at the limit; so does
 	// reconcile, and repairs it.
-	fits := strings.Repeat("k", limit-b.target.Keyspace.MaxKeyLen(""))
+	fits := strings.Repeat("k", limit-b.target.Keyspace.MaxKeyLen("k")+len("k"))
 	require.Equal(t, limit, b.target.Keyspace.MaxKeyLen(fits))
 	r, err = New(rowsSource{rows: []Row{{Key: fits, Version: 1, Value: projection.Value{Data: []byte(`{}`)}}}}, b.target, &Config{MaxValueBytes: limit, SkipOrphans: true})
 	require.NoError(t, err)

@@ -136,3 +136,9 @@ func Tagged(prefix, tag, suffix string) string {
 	}
 	return prefix + "{" + enc + "}" + suffix
 }
+
+// TaggedLen returns len(Tagged(prefix, tag, suffix)) without building the
+// key.
+func TaggedLen(prefix, tag, suffix string) int {
+	return len(prefix) + len("{}") + max(EscapedLen(tag), len("%")) + len(suffix)
+}

@@ -137,6 +137,9 @@ func TestTagged(t *testing.T) {
 	require.Equal(t, "p:{board}:z", Tagged("p:", "board", ":z"))
 	require.Equal(t, "p:{%}:z", Tagged("p:", "", ":z"), "an empty tag must still be a tag")
 	require.Equal(t, "p:{%7Bx%7D}:z", Tagged("p:", "{x}", ":z"))
+	for _, tag := range []string{"", "a", "{x}", "\xff\x00", "%"} {
+		require.Equal(t, len(Tagged("p:", tag, ":z")), TaggedLen("p:", tag, ":z"), "tag %q", tag)
+	}
 	require.Error(t, ValidatePrefix("a{b"))
 	require.Error(t, ValidatePrefix("a}b"), "a closing brace could end a hash tag too")
 	require.NoError(t, ValidatePrefix("app:v1:"))
