@@ -158,9 +158,11 @@
 // not to the table: a 1,000,000-row pass runs in a few MiB. The one
 // exception is kept for the orphan scan, which must not count an entry
 // twice: a key per entry found ahead or corrupt, or missing or stale
-// whose repair raced or was not sent or answered, held by the Report
-// (tens of bytes each; a whole table found ahead, after a restore from an
-// older backup, keeps one per row).
+// whose repair raced, was cut off or refused unsent (ResultNotAttempted)
+// or went unanswered (ResultUncertain), held by the Report (tens of bytes
+// each; a whole table found ahead, after a restore from an older backup,
+// keeps one per row). A missing or stale entry left as found on purpose (a
+// dry run, a report-only policy, a veto) keeps none.
 //
 // After the source, a full run looks for orphans. For a collection it first
 // compares counts (HLEN of the versions — of every bucket, pipelined —
