@@ -194,6 +194,62 @@ func TestClusterRebuildAbortsDuringMigration(t *testing.T) {
 	require.True(t, rb.Switched)
 }
 
+// TestClusterRebuildAbortsAfterKeysMoved: a Rebuild whose collection's
+// slot starts migrating mid-copy, its keys moved at once (all of them, or
+// only the live ones and the shadow layout key, so that the step's reads
+// meet both TRYAGAIN and ASK), the resharding finished a second later. The
+// failed rebuild's abort met ASK and MOVED as often as TRYAGAIN, and was
+// tried again on TRYAGAIN only: its marker held the next Rebuild off for
+// its TTL. And its step's reads, one MGET of both layout keys, made
+// go-redis send the pipeline's other commands to both masters at once (a
+// data race under -race).
+func TestClusterRebuildAbortsAfterKeysMoved(t *testing.T) {
+	t.Parallel()
+	for name, moved := range map[string]func(b *testBundle) []string{
+		"AllKeys": func(*testBundle) []string { return nil },
+		"LiveKeysAndShadowLayout": func(b *testBundle) []string {
+			return []string{b.ks.ValueKey(b.target.target("")), b.ks.VersionKeys(b.target.Name, b.kind)[0], b.ks.ShadowLayoutKey(b.target.Name, b.kind)}
+		},
+	} {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			ctx := context.Background()
+			client := testenv.StartRedisCluster(t, 3, 0).Client(t)
+			b, _, _, _ := projectedAndLoaded(t, projection.KindSortedSet, client, "rbm:")
+			finished := make(chan error, 1)
+			src := &pageHook{Source: b.source, before: func(n int32, _ Cursor) error {
+				if n == 2 {
+					migration := startSlotMigration(t, client, b.ks.ValueKey(b.target.target("")))
+					if err := migration.move(ctx, moved(b)...); err != nil {
+						return err
+					}
+					go func() {
+						time.Sleep(time.Second)
+						finished <- migration.finish(ctx)
+					}()
+				}
+				return nil
+			}}
+			r, err := New(src, b.target, &Config{PageSize: 10, ReadAhead: 1})
+			require.NoError(t, err)
+			_, err = r.Rebuild(ctx)
+			t.Logf("rebuild during migration: %v", err)
+			require.Error(t, err)
+			require.NoError(t, <-finished)
+
+			marker, err := client.Exists(ctx, b.ks.RebuildMarkerKey(b.target.Name, b.kind)).Result()
+			require.NoError(t, err)
+			shadow, err := client.Exists(ctx, b.ks.ShadowValueKey(b.target.Name, b.kind)).Result()
+			require.NoError(t, err)
+			require.Zero(t, marker, "the failed rebuild's marker is left")
+			require.Zero(t, shadow, "the failed rebuild's shadow values are left")
+			rb, err := b.reconciler(t, nil).Rebuild(ctx)
+			require.NoError(t, err, "a rebuild after the failed one")
+			require.True(t, rb.Switched)
+		})
+	}
+}
+
 // lookupHook fails the fail-th Lookup call (from 1).
 type lookupHook struct {
 	Source

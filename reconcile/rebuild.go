@@ -195,10 +195,13 @@ func (r *Reconciler) rebuild(ctx context.Context) (*RebuildReport, error) {
 		// Redis Cluster refuses every step (TRYAGAIN) while the
 		// collection's slot is being migrated: try again until it has
 		// moved, or the marker would hold other rebuilds off for its TTL.
+		// go-redis's redirects run out as often on an ASK (the source
+		// master lacks every key the step declares) or a MOVED (the slot
+		// has just been assigned) as on TRYAGAIN: those too.
 		var aerr error
 		for {
 			_, aerr = step(abortCtx, "abort")
-			if !redis.IsTryAgainError(aerr) || sleepCtx(abortCtx, 50*time.Millisecond) != nil {
+			if !(redis.IsTryAgainError(aerr) || clusterpin.IsRedirect(aerr)) || sleepCtx(abortCtx, 50*time.Millisecond) != nil {
 				break
 			}
 		}
@@ -259,11 +262,18 @@ func answered(err error) bool {
 func (r *Reconciler) rebuildStep(ctx context.Context, step, token, ttl string, copied int64) (int64, error) {
 	ks, kind, name := r.target.Keyspace, r.target.Kind, r.target.Name
 	var (
-		layoutKeys              *redis.SliceCmd
-		valueExists, flatExists *redis.IntCmd
+		liveLayout, shadowLayout *redis.SliceCmd
+		valueExists, flatExists  *redis.IntCmd
 	)
+	// One key per command: while the slot migrates, Redis refuses a
+	// command of several keys split between the two masters (TRYAGAIN),
+	// and go-redis's cluster pipeline then sends every command of the
+	// batch again, also those it is already following an ASK with: the
+	// same command runs on both masters at once (a data race on its
+	// reply, which can end as the ASK error).
 	queue := func(pipe redis.Pipeliner) {
-		layoutKeys = pipe.MGet(ctx, r.layoutKey, ks.ShadowLayoutKey(name, kind))
+		liveLayout = pipe.MGet(ctx, r.layoutKey)
+		shadowLayout = pipe.MGet(ctx, ks.ShadowLayoutKey(name, kind))
 		valueExists = pipe.Exists(ctx, r.valueKey)
 		flatExists = pipe.Exists(ctx, r.unbucketedKey)
 	}
@@ -281,7 +291,7 @@ func (r *Reconciler) rebuildStep(ctx context.Context, step, token, ttl string, c
 		if err != nil {
 			return 0, &stepNotSentError{err}
 		}
-		got := layoutKeys.Val()
+		got := append(liveLayout.Val(), shadowLayout.Val()...)
 		if len(got) != 2 {
 			return 0, fmt.Errorf("%w: MGET of 2 layout keys", ErrUnexpectedReply)
 		}

@@ -117,7 +117,7 @@ type rebuildReadsHook struct {
 
 func (h *rebuildReadsHook) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
 	return func(ctx context.Context, cmds []redis.Cmder) error {
-		if len(cmds) != 3 || cmds[0].Name() != "mget" { // not a rebuild step's reads
+		if len(cmds) != 4 || cmds[0].Name() != "mget" { // not a rebuild step's reads
 			return next(ctx, cmds)
 		}
 		n := h.n.Add(1)
