@@ -2,12 +2,15 @@ package main
 
 import (
 	"context"
+	"fmt"
+	"net"
 	"net/http"
 	"net/http/httptest"
 	"strings"
 	"testing"
 	"time"
 
+	"github.com/google/uuid"
 	"github.com/redis/go-redis/v9"
 	"github.com/stretchr/testify/require"
 
@@ -33,6 +36,89 @@ func TestClientGoneBeforeStaleAnswer(t *testing.T) {
 			rec := httptest.NewRecorder()
 			tb.svc.writeError(rec, req, err)
 			require.Equal(t, statusClientClosedRequest, rec.Code, "%s", rec.Body)
+		})
+	}
+}
+
+// A read-your-writes read while the board's slot is being moved, half its
+// keys on each master: through a cluster client that reads from replicas
+// (a cluster URL with read_only=true), the board's version poll is pinned
+// to masters and fails with the redirect itself, MOVED or ASK, where a
+// plain cluster client's fails with TRYAGAIN. Either is a slot being
+// moved, an outage to wait out: 503 with Retry-After, not a 500.
+func TestReadDuringSlotMigrationIs503(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	cluster := testenv.StartRedisCluster(t, 3, 1)
+	for name, client := range map[string]func(testing.TB) *redis.ClusterClient{
+		"PlainClient":  cluster.Client,
+		"ReplicaReads": cluster.ReadOnlyClient,
+	} {
+		t.Run(name, func(t *testing.T) {
+			rdb := client(t)
+			pg := testenv.Postgres(t)
+			cfg := &leaderboard.Config{Name: testBoard, Schema: pg.Schema, KeyPrefix: cluster.Prefix(t), ReadPolicy: leaderboard.ServeStale}
+			require.NoError(t, leaderboard.Migrate(ctx, pg.Pool, cfg))
+			board, err := leaderboard.New(pg.Pool, rdb, cfg)
+			require.NoError(t, err)
+			t.Cleanup(board.Close)
+			svc, err := NewService(pg.Pool, rdb, board, ServiceConfig{})
+			require.NoError(t, err)
+			t.Cleanup(func() { require.NoError(t, svc.Close()) })
+			var res leaderboard.Result
+			for i := range 10 {
+				res, err = board.Submit(ctx, leaderboard.Command{EventID: uuid.New(), UserID: fmt.Sprintf("u%d", i), Delta: int64(i + 1)})
+				require.NoError(t, err)
+			}
+			w, err := board.Worker(nil)
+			require.NoError(t, err)
+			_, err = w.Drain(ctx)
+			require.NoError(t, err)
+
+			plain := cluster.Client(t)
+			key := board.SortedSetKey()
+			slot, err := plain.ClusterKeySlot(ctx, key).Result()
+			require.NoError(t, err)
+			src, err := plain.MasterForKey(ctx, key)
+			require.NoError(t, err)
+			masters := testenv.Masters(t, plain)
+			var dst *redis.Client
+			for _, m := range masters {
+				if m.Options().Addr != src.Options().Addr {
+					dst = m
+					break
+				}
+			}
+			srcID, err := src.Do(ctx, "CLUSTER", "MYID").Text()
+			require.NoError(t, err)
+			dstID, err := dst.Do(ctx, "CLUSTER", "MYID").Text()
+			require.NoError(t, err)
+			require.NoError(t, dst.Do(ctx, "CLUSTER", "SETSLOT", slot, "IMPORTING", srcID).Err())
+			require.NoError(t, src.Do(ctx, "CLUSTER", "SETSLOT", slot, "MIGRATING", dstID).Err())
+			keys, err := src.ClusterGetKeysInSlot(ctx, int(slot), 100).Result()
+			require.NoError(t, err)
+			host, port, err := net.SplitHostPort(dst.Options().Addr)
+			require.NoError(t, err)
+			for i, k := range keys {
+				if i%2 == 0 {
+					require.NoError(t, src.Migrate(ctx, host, port, k, 0, 5*time.Second).Err())
+				}
+			}
+			t.Cleanup(func() { // the resharding finishes
+				rest, _ := src.ClusterGetKeysInSlot(ctx, int(slot), 100).Result()
+				for _, k := range rest {
+					_ = src.Migrate(ctx, host, port, k, 0, 5*time.Second).Err()
+				}
+				for _, m := range append([]*redis.Client{dst, src}, masters...) {
+					_ = m.Do(ctx, "CLUSTER", "SETSLOT", slot, "NODE", dstID).Err()
+				}
+			})
+
+			req := httptest.NewRequest(http.MethodGet, fmt.Sprintf("/users/u9/rank?at_least=%d", res.Version), nil)
+			rec := httptest.NewRecorder()
+			svc.Handler().ServeHTTP(rec, req)
+			require.Equal(t, http.StatusServiceUnavailable, rec.Code, "%s", rec.Body)
+			require.Equal(t, "1", rec.Header().Get("Retry-After"))
 		})
 	}
 }

@@ -875,8 +875,10 @@ const ringShardsDown = "redis: all ring shards are down"
 // serve a key for now: a cluster that lost a slot's master, a server
 // loading its dataset after a restart, a replica cut off from its master,
 // a slot being moved, a server held by a long-running script, a server
-// with no client slot left (maxclients).
-var unavailableReplies = []string{"CLUSTERDOWN ", "LOADING ", "MASTERDOWN ", "TRYAGAIN ", "BUSY ", "ERR max number of clients reached"}
+// with no client slot left (maxclients). A slot being moved also answers
+// with the redirect itself (MOVED, ASK) a read pinned to masters cannot
+// follow (a cluster client that reads from replicas, during a migration).
+var unavailableReplies = []string{"CLUSTERDOWN ", "LOADING ", "MASTERDOWN ", "TRYAGAIN ", "MOVED ", "ASK ", "BUSY ", "ERR max number of clients reached"}
 
 // writeUserNotFound is the 404 of GET /users/{id}/rank.
 func writeUserNotFound(w http.ResponseWriter) {

@@ -910,6 +910,8 @@ func TestUnreachable(t *testing.T) {
 		"Loading":        {reply("LOADING Redis is loading the dataset in memory"), true},
 		"MasterDown":     {reply("MASTERDOWN Link with MASTER is down and replica-serve-stale-data is set to 'no'."), true},
 		"TryAgain":       {reply("TRYAGAIN Multiple keys request during rehashing of slot"), true},
+		"Moved":          {reply("MOVED 9652 127.0.0.1:7001"), true},
+		"Ask":            {reply("ASK 9652 127.0.0.1:7001"), true},
 		"Busy":           {reply("BUSY Redis is busy running a script. You can only call SCRIPT KILL or SHUTDOWN NOSAVE."), true},
 		"MaxClients":     {reply("ERR max number of clients reached"), true},
 		"AdminShutdown":  {adminShutdown, true},
