@@ -1055,6 +1055,17 @@ func (b *Board) batchConflict(ctx context.Context, q rowQuerier, earlier, later 
 }
 
 func (b *Board) submitBatchOnce(ctx context.Context, cmds []Command, sent []int, ids []pgtype.UUID, users []string, deltas []int64, opts batchOptions, out []Result) error {
+	if opts.conn == nil {
+		// The connection first, as Submit takes it: a pool that cannot
+		// give one (its BeforeConnect, AfterConnect or PrepareConn hook
+		// refused) sent nothing, which a failed query would not tell.
+		conn, err := b.pool.Acquire(ctx)
+		if err != nil {
+			return b.dbError("submit batch", err)
+		}
+		defer conn.Release()
+		opts.conn = conn
+	}
 	rows, finish, err := b.sendBatch(ctx, len(sent), opts, ids, users, deltas)
 	if err != nil {
 		return b.mapBatchError(ctx, err, cmds, sent, opts)

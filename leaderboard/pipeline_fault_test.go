@@ -424,6 +424,41 @@ func TestSubmitErrorsThatAreNotWhatTheySeem(t *testing.T) {
 		require.Zero(t, events, "nothing was written")
 	})
 
+	// A pool whose hooks refuse every connection (a token fetch in
+	// BeforeConnect, type registration in AfterConnect, a PrepareConn
+	// check) sends nothing; SubmitBatch let its query take the connection
+	// and said otherwise.
+	t.Run("PoolThatGivesNoConnectionIsNoUnknownOutcome", func(t *testing.T) {
+		t.Parallel()
+		tb := setup(t)
+		refused := errors.New("no token for the database today")
+		pools := map[string]func(*pgxpool.Config){
+			"BeforeConnect": func(c *pgxpool.Config) {
+				c.BeforeConnect = func(context.Context, *pgx.ConnConfig) error { return refused }
+			},
+			"AfterConnect": func(c *pgxpool.Config) {
+				c.AfterConnect = func(context.Context, *pgx.Conn) error { return refused }
+			},
+			"PrepareConn": func(c *pgxpool.Config) {
+				c.PrepareConn = func(context.Context, *pgx.Conn) (bool, error) { return true, refused }
+			},
+		}
+		cfg := tb.board.Config()
+		for name, mutate := range pools {
+			board, err := New(tb.newPool(t, mutate), tb.rd.Client, &cfg)
+			require.NoError(t, err)
+			t.Cleanup(board.Close)
+			_, err = board.Submit(ctx, Command{EventID: uuid.New(), UserID: "u", Delta: 1})
+			require.ErrorIs(t, err, refused, name)
+			require.NotErrorIs(t, err, ErrOutcomeUnknown, "%s: nothing was sent: %v", name, err)
+			_, err = board.SubmitBatch(ctx, []Command{{EventID: uuid.New(), UserID: "u", Delta: 1}, {EventID: uuid.New(), UserID: "v", Delta: 1}})
+			require.ErrorIs(t, err, refused, name)
+			require.NotErrorIs(t, err, ErrOutcomeUnknown, "%s: nothing was sent: %v", name, err)
+		}
+		events, _, _ := tb.counts(t)
+		require.Zero(t, events, "nothing was written")
+	})
+
 	t.Run("OutboxIDClashIsNoIdempotencyConflict", func(t *testing.T) {
 		t.Parallel()
 		tb := setup(t)
