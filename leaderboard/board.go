@@ -206,11 +206,7 @@ func New(pool *pgxpool.Pool, rdb redis.UniversalClient, cfg *Config) (*Board, er
 		cursorTag:        cursorTagOf(c),
 		ks:               ks,
 	}
-	if b.metrics, err = newBoardMetrics(c, b.observedLag); err != nil {
-		return nil, fmt.Errorf("leaderboard: %w", err)
-	}
 	if b.notifier, err = outbox.NewNotifier(pool, w.Channel(), &outbox.NotifierConfig{Stream: b.stream, Logger: c.Logger}); err != nil {
-		_ = b.metrics.close()
 		return nil, fmt.Errorf("leaderboard: %w", err)
 	}
 	b.group.b, b.group.stallAfter = b, submitStallAfter
@@ -236,6 +232,12 @@ func New(pool *pgxpool.Pool, rdb redis.UniversalClient, cfg *Config) (*Board, er
 		b.sql.pageBytes: r(withAtLeast(pageBytesSQL, entry, 4)),
 		b.sql.rank:      r(withAtLeast(rankSQL, []string{"score", "rank"}, 2)),
 		b.sql.around:    r(withAtLeast(aroundSQL, entry, 3)),
+	}
+	// Last: the lag gauge's callback may run (and measure) as soon as it
+	// is registered, so the board must be complete by then.
+	if b.metrics, err = newBoardMetrics(c, b.observedLag); err != nil {
+		b.notifier.Close()
+		return nil, fmt.Errorf("leaderboard: %w", err)
 	}
 	return b, nil
 }

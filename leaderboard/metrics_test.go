@@ -2,6 +2,7 @@ package leaderboard
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"math"
 	"sync"
@@ -13,6 +14,8 @@ import (
 	"github.com/redis/go-redis/v9"
 	"github.com/stretchr/testify/require"
 	"go.opentelemetry.io/otel/attribute"
+	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
+	"go.opentelemetry.io/otel/sdk/metric/metricdata"
 
 	"github.com/verity-go/verity/internal/telemetry/metrictest"
 	"github.com/verity-go/verity/internal/testenv"
@@ -742,4 +745,58 @@ func TestMetricsOfTenantBoards(t *testing.T) {
 		require.EqualValues(t, 1, s.Int("verity.reconcile.rows", prefix(drifted), missing))
 		require.Zero(t, s.Int("verity.reconcile.rows", prefix(clean), missing))
 	})
+}
+
+// TestLagGaugeCollectedWhileBoardsAreMade: a service that makes a Board
+// per tenant or request while its exporter collects. New registered the
+// lag gauge's callback before it had built the board, so a collection
+// during New measured the lag of a half-built board (a data race on its
+// queries; the measurement failed, was logged, and, shared with reads,
+// made FailClosed reads of a current projection fail as stale).
+func TestLagGaugeCollectedWhileBoardsAreMade(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pg := testenv.Postgres(t)
+	rd := testenv.Redis(t)
+	reader := sdkmetric.NewManualReader()
+	provider := sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
+	t.Cleanup(func() { _ = provider.Shutdown(ctx) })
+	var logs testenv.LogSink
+	base := Config{Name: "tenant", Schema: pg.Schema, KeyPrefix: rd.Prefix, MeterProvider: provider, ReadPolicy: FailClosed, Logger: logs.Logger()}
+	require.NoError(t, Migrate(ctx, pg.Pool, &base))
+
+	stop, collected := make(chan struct{}), make(chan int)
+	go func() {
+		n := 0
+		defer func() { collected <- n }()
+		for {
+			select {
+			case <-stop:
+				return
+			case <-time.After(time.Millisecond):
+			}
+			var rm metricdata.ResourceMetrics
+			if reader.Collect(ctx, &rm) == nil {
+				n++
+			}
+		}
+	}()
+	stale := 0
+	for range 100 {
+		cfg := base
+		board, err := New(pg.Pool, rd.Client, &cfg)
+		require.NoError(t, err)
+		time.Sleep(2 * time.Millisecond)
+		// Nothing is pending: the empty projection is current.
+		if _, err := board.Top(ctx, 3); errors.Is(err, ErrStale) {
+			stale++
+		} else {
+			require.NoError(t, err)
+		}
+		board.Close()
+	}
+	close(stop)
+	require.Greater(t, <-collected, 50, "collections ran while the boards were made")
+	require.Zero(t, stale, "FailClosed reads of a current projection refused as stale")
+	require.Empty(t, logs.Lines(t, "leaderboard: measuring projection lag failed"), "a collection measured a half-built board")
 }
