@@ -7,6 +7,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/redis/go-redis/v9"
 	"github.com/stretchr/testify/require"
 
 	"github.com/verity-go/verity/internal/testenv"
@@ -197,12 +198,10 @@ func TestClusterRebuildAbortsDuringMigration(t *testing.T) {
 // TestClusterRebuildAbortsAfterKeysMoved: a Rebuild whose collection's
 // slot starts migrating mid-copy, its keys moved at once (all of them, or
 // only the live ones and the shadow layout key, so that the step's reads
-// meet both TRYAGAIN and ASK), the resharding finished a second later. The
-// failed rebuild's abort met ASK and MOVED as often as TRYAGAIN, and was
-// tried again on TRYAGAIN only: its marker held the next Rebuild off for
-// its TTL. And its step's reads, one MGET of both layout keys, made
-// go-redis send the pipeline's other commands to both masters at once (a
-// data race under -race).
+// meet both TRYAGAIN and ASK), the resharding finished a second later: the
+// failed rebuild cleans up, and the next one switches. Its step's reads,
+// one MGET of both layout keys, made go-redis send the pipeline's other
+// commands to both masters at once (a data race under -race).
 func TestClusterRebuildAbortsAfterKeysMoved(t *testing.T) {
 	t.Parallel()
 	for name, moved := range map[string]func(b *testBundle) []string{
@@ -248,6 +247,49 @@ func TestClusterRebuildAbortsAfterKeysMoved(t *testing.T) {
 			require.True(t, rb.Switched)
 		})
 	}
+}
+
+// TestClusterRebuildAbortRetriesARedirect: a Rebuild whose source fails
+// once every key of its slot has moved, the slot still migrating, on a
+// client whose redirects run out on ASK (go-redis follows ASK, is answered
+// TRYAGAIN after ASKING, follows ASK again: with MaxRedirects 2 the last
+// answer is the ASK). The abort is tried again until the resharding ends,
+// a second later, as on TRYAGAIN.
+func TestClusterRebuildAbortRetriesARedirect(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	cluster := testenv.StartRedisCluster(t, 3, 0)
+	client := redis.NewClusterClient(&redis.ClusterOptions{Addrs: cluster.Addrs(), MaxRedirects: 2})
+	t.Cleanup(func() { _ = client.Close() })
+	b, _, _, _ := projectedAndLoaded(t, projection.KindSortedSet, client, "rba:")
+	sourceFailed := errors.New("source failed")
+	finished := make(chan error, 1)
+	src := &pageHook{Source: b.source, before: func(n int32, _ Cursor) error {
+		if n != 2 {
+			return nil
+		}
+		migration := startSlotMigration(t, client, b.ks.ValueKey(b.target.target("")))
+		if err := migration.move(ctx); err != nil {
+			return err
+		}
+		go func() {
+			time.Sleep(time.Second)
+			finished <- migration.finish(ctx)
+		}()
+		return sourceFailed
+	}}
+	r, err := New(src, b.target, &Config{PageSize: 10, ReadAhead: 1})
+	require.NoError(t, err)
+	_, err = r.Rebuild(ctx)
+	require.ErrorIs(t, err, sourceFailed)
+	require.NotContains(t, err.Error(), "clean-up failed")
+	require.NoError(t, <-finished)
+	marker, err := client.Exists(ctx, b.ks.RebuildMarkerKey(b.target.Name, b.kind)).Result()
+	require.NoError(t, err)
+	require.Zero(t, marker, "the failed rebuild's marker is left")
+	rb, err := b.reconciler(t, nil).Rebuild(ctx)
+	require.NoError(t, err, "a rebuild after the failed one")
+	require.True(t, rb.Switched)
 }
 
 // lookupHook fails the fail-th Lookup call (from 1).
