@@ -3,6 +3,7 @@ package reconcile
 import (
 	"context"
 	"errors"
+	"slices"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -290,6 +291,32 @@ func TestClusterRebuildAbortRetriesARedirect(t *testing.T) {
 	rb, err := b.reconciler(t, nil).Rebuild(ctx)
 	require.NoError(t, err, "a rebuild after the failed one")
 	require.True(t, rb.Switched)
+}
+
+// TestClusterRebuildThroughASingleServerClientFailsAtOnce: a client for
+// one server, pointed at a cluster node that does not serve the
+// collection's slot, is redirected for good: the failed Rebuild's abort is
+// not tried again until RepairTimeout, as during a migration.
+func TestClusterRebuildThroughASingleServerClientFailsAtOnce(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	cluster := testenv.StartRedisCluster(t, 3, 0)
+	client := cluster.Client(t)
+	b, _, _, _ := projectedAndLoaded(t, projection.KindSortedSet, client, "rbs:")
+	owner, err := client.MasterForKey(ctx, b.ks.ValueKey(b.target.target("")))
+	require.NoError(t, err)
+	other := slices.IndexFunc(cluster.Addrs(), func(addr string) bool { return addr != owner.Options().Addr })
+	single := redis.NewClient(&redis.Options{Addr: cluster.Addrs()[other]})
+	t.Cleanup(func() { _ = single.Close() })
+	target := b.target
+	target.Client = single
+	r, err := New(b.source, target, &Config{RepairTimeout: 5 * time.Second})
+	require.NoError(t, err)
+	start := time.Now()
+	_, err = r.Rebuild(ctx)
+	require.Error(t, err)
+	require.ErrorContains(t, err, "MOVED")
+	require.Less(t, time.Since(start), 2*time.Second, "the abort waited for a redirect that lasts: %v", err)
 }
 
 // lookupHook fails the fail-th Lookup call (from 1).

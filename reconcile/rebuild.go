@@ -197,11 +197,14 @@ func (r *Reconciler) rebuild(ctx context.Context) (*RebuildReport, error) {
 		// moved, or the marker would hold other rebuilds off for its TTL.
 		// go-redis's redirects run out as often on an ASK (the source
 		// master lacks every key the step declares) or a MOVED (the slot
-		// has just been assigned) as on TRYAGAIN: those too.
+		// has just been assigned) as on TRYAGAIN: those too, for a
+		// cluster client (a single-server client on a cluster node is
+		// redirected for good).
+		_, onCluster := r.target.Client.(*redis.ClusterClient)
 		var aerr error
 		for {
 			_, aerr = step(abortCtx, "abort")
-			if !(redis.IsTryAgainError(aerr) || clusterpin.IsRedirect(aerr)) || sleepCtx(abortCtx, 50*time.Millisecond) != nil {
+			if !(redis.IsTryAgainError(aerr) || onCluster && clusterpin.IsRedirect(aerr)) || sleepCtx(abortCtx, 50*time.Millisecond) != nil {
 				break
 			}
 		}
