@@ -6,6 +6,7 @@ import (
 	"net"
 	"net/http"
 	"net/http/httptest"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -120,6 +121,41 @@ func TestReadDuringSlotMigrationIs503(t *testing.T) {
 			require.Equal(t, http.StatusServiceUnavailable, rec.Code, "%s", rec.Body)
 			require.Equal(t, "1", rec.Header().Get("Retry-After"))
 		})
+	}
+}
+
+// A service whose Redis URL names a cluster node, without --redis-cluster,
+// that does not serve the board's slot: every read is redirected for good,
+// a misconfiguration to fix (500), not an outage to wait out (503 with
+// Retry-After tells clients to retry every second for ever).
+func TestReadThroughASingleServerClientOnAClusterNodeIs500(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	cluster := testenv.StartRedisCluster(t, 3, 0)
+	clusterClient := cluster.Client(t)
+	pg := testenv.Postgres(t)
+	cfg := &leaderboard.Config{Name: testBoard, Schema: pg.Schema, KeyPrefix: cluster.Prefix(t), ReadPolicy: leaderboard.ServeStale}
+	require.NoError(t, leaderboard.Migrate(ctx, pg.Pool, cfg))
+	board, err := leaderboard.New(pg.Pool, clusterClient, cfg)
+	require.NoError(t, err)
+	t.Cleanup(board.Close)
+	owner, err := clusterClient.MasterForKey(ctx, board.SortedSetKey())
+	require.NoError(t, err)
+	other := slices.IndexFunc(cluster.Addrs(), func(addr string) bool { return addr != owner.Options().Addr })
+	single := redis.NewClient(&redis.Options{Addr: cluster.Addrs()[other]})
+	t.Cleanup(func() { _ = single.Close() })
+	misdirected, err := leaderboard.New(pg.Pool, single, cfg)
+	require.NoError(t, err)
+	t.Cleanup(misdirected.Close)
+	svc, err := NewService(pg.Pool, single, misdirected, ServiceConfig{})
+	require.NoError(t, err)
+	t.Cleanup(func() { require.NoError(t, svc.Close()) })
+
+	for _, path := range []string{"/leaderboard", "/users/u1/rank"} {
+		rec := httptest.NewRecorder()
+		svc.Handler().ServeHTTP(rec, httptest.NewRequest(http.MethodGet, path, nil))
+		require.Equal(t, http.StatusInternalServerError, rec.Code, "%s: %s", path, rec.Body)
+		require.Empty(t, rec.Header().Get("Retry-After"), path)
 	}
 }
 

@@ -704,7 +704,7 @@ func (s *Service) writeError(w http.ResponseWriter, r *http.Request, err error) 
 		s.logger.Warn("submit failed: PostgreSQL cannot be reached, ended the session or takes only reads", slog.Any("err", err))
 		w.Header().Set("Retry-After", "1")
 		writeJSON(w, http.StatusServiceUnavailable, errorResponse{Error: "the database cannot take the score now (unreachable, restarting or read-only); retry with the same Idempotency-Key"})
-	case (r.Method == http.MethodGet || r.Method == http.MethodHead) && unreachable(err):
+	case (r.Method == http.MethodGet || r.Method == http.MethodHead) && s.outage(err):
 		// A read under ServeStale or FailClosed whose Redis (or, falling
 		// back, PostgreSQL) cannot be reached: an outage the client can
 		// wait out, not a fault in this service.
@@ -730,7 +730,25 @@ func (s *Service) redisUnreachable(ctx context.Context) bool {
 	ctx, cancel := context.WithTimeout(ctx, pingTimeout)
 	defer cancel()
 	err := s.rdb.Exists(ctx, s.board.SortedSetKey()).Err()
-	return err != nil && unreachable(err)
+	return err != nil && s.outage(err)
+}
+
+// outage reports whether err, from a read, is an outage to wait out
+// (unreachable's classes) for this service's Redis client: a redirect
+// (MOVED, ASK) is one only for a cluster client, whose reads pinned to
+// masters meet it while a slot is being moved. A single-server client
+// pointed at a cluster node (--redis-url without --redis-cluster) is
+// redirected for good: a fault to fix.
+func (s *Service) outage(err error) bool {
+	if !unreachable(err) {
+		return false
+	}
+	if _, cluster := s.rdb.(*redis.ClusterClient); cluster {
+		return true
+	}
+	_, moved := redis.IsMovedError(err)
+	_, ask := redis.IsAskError(err)
+	return !moved && !ask
 }
 
 // postgresUnreachable reports whether PostgreSQL fails a ping (within
@@ -877,7 +895,8 @@ const ringShardsDown = "redis: all ring shards are down"
 // a slot being moved, a server held by a long-running script, a server
 // with no client slot left (maxclients). A slot being moved also answers
 // with the redirect itself (MOVED, ASK) a read pinned to masters cannot
-// follow (a cluster client that reads from replicas, during a migration).
+// follow (a cluster client that reads from replicas, during a migration);
+// to any other client a redirect is for good (Service.outage).
 var unavailableReplies = []string{"CLUSTERDOWN ", "LOADING ", "MASTERDOWN ", "TRYAGAIN ", "MOVED ", "ASK ", "BUSY ", "ERR max number of clients reached"}
 
 // writeUserNotFound is the 404 of GET /users/{id}/rank.
