@@ -220,12 +220,12 @@ func TestClusterRebuildAbortsAfterKeysMoved(t *testing.T) {
 			src := &pageHook{Source: b.source, before: func(n int32, _ Cursor) error {
 				if n == 2 {
 					migration := startSlotMigration(t, client, b.ks.ValueKey(b.target.target("")))
-					if err := migration.move(ctx, moved(b)...); err != nil {
+					if err := migration.Move(ctx, moved(b)...); err != nil {
 						return err
 					}
 					go func() {
 						time.Sleep(time.Second)
-						finished <- migration.finish(ctx)
+						finished <- migration.Finish(ctx)
 					}()
 				}
 				return nil
@@ -270,12 +270,12 @@ func TestClusterRebuildAbortRetriesARedirect(t *testing.T) {
 			return nil
 		}
 		migration := startSlotMigration(t, client, b.ks.ValueKey(b.target.target("")))
-		if err := migration.move(ctx); err != nil {
+		if err := migration.Move(ctx); err != nil {
 			return err
 		}
 		go func() {
 			time.Sleep(time.Second)
-			finished <- migration.finish(ctx)
+			finished <- migration.Finish(ctx)
 		}()
 		return sourceFailed
 	}}

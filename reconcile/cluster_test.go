@@ -387,72 +387,14 @@ func projectedAndLoaded(t *testing.T, kind projection.Kind, client redis.Univers
 // IMPORTING (destination) state, as redis-cli --cluster reshard does before
 // it moves the slot's keys, without moving any key yet. The migration it
 // returns moves them.
-func startSlotMigration(t *testing.T, client *redis.ClusterClient, key string) *slotMigration {
+func startSlotMigration(t *testing.T, client *redis.ClusterClient, key string) *testenv.SlotMigration {
 	t.Helper()
 	ctx := context.Background()
 	slot, err := client.ClusterKeySlot(ctx, key).Result()
 	require.NoError(t, err)
-	src, err := client.MasterForKey(ctx, key)
+	source, err := client.MasterForKey(ctx, key)
 	require.NoError(t, err)
-	m := &slotMigration{slot: slot, src: src, masters: testenv.Masters(t, client)}
-	for _, master := range m.masters {
-		if master.Options().Addr != src.Options().Addr {
-			m.dst = master
-			break
-		}
-	}
-	require.NotNil(t, m.dst)
-	srcID, err := src.Do(ctx, "CLUSTER", "MYID").Text()
-	require.NoError(t, err)
-	m.dstID, err = m.dst.Do(ctx, "CLUSTER", "MYID").Text()
-	require.NoError(t, err)
-	require.NoError(t, m.dst.Do(ctx, "CLUSTER", "SETSLOT", slot, "IMPORTING", srcID).Err())
-	require.NoError(t, src.Do(ctx, "CLUSTER", "SETSLOT", slot, "MIGRATING", m.dstID).Err())
-	return m
-}
-
-// slotMigration is a slot in migration from src to dst.
-type slotMigration struct {
-	slot     int64
-	src, dst *redis.Client
-	dstID    string
-	masters  []*redis.Client
-}
-
-// move moves keys (all the slot's keys still on the source when none are
-// given) to the destination, as redis-cli --cluster reshard does, key by
-// key.
-func (m *slotMigration) move(ctx context.Context, keys ...string) error {
-	if len(keys) == 0 {
-		var err error
-		if keys, err = m.src.ClusterGetKeysInSlot(ctx, int(m.slot), 100_000).Result(); err != nil {
-			return err
-		}
-	}
-	host, port, err := net.SplitHostPort(m.dst.Options().Addr)
-	if err != nil {
-		return err
-	}
-	for _, key := range keys {
-		if err := m.src.Migrate(ctx, host, port, key, 0, 5*time.Second).Err(); err != nil {
-			return fmt.Errorf("MIGRATE %s: %w", key, err)
-		}
-	}
-	return nil
-}
-
-// finish moves the keys left and assigns the slot to the destination on
-// every master, ending the migration.
-func (m *slotMigration) finish(ctx context.Context) error {
-	if err := m.move(ctx); err != nil {
-		return err
-	}
-	for _, master := range append([]*redis.Client{m.dst, m.src}, m.masters...) {
-		if err := master.Do(ctx, "CLUSTER", "SETSLOT", m.slot, "NODE", m.dstID).Err(); err != nil {
-			return fmt.Errorf("SETSLOT NODE on %s: %w", master.Options().Addr, err)
-		}
-	}
-	return nil
+	return testenv.StartSlotMigration(t, client, int(slot), source)
 }
 
 // beforeSwitch runs fn once, just before the first rebuild "switch" script

@@ -3,7 +3,6 @@ package main
 import (
 	"context"
 	"fmt"
-	"net"
 	"net/http"
 	"net/http/httptest"
 	"slices"
@@ -77,43 +76,19 @@ func TestReadDuringSlotMigrationIs503(t *testing.T) {
 			require.NoError(t, err)
 
 			plain := cluster.Client(t)
-			key := board.SortedSetKey()
-			slot, err := plain.ClusterKeySlot(ctx, key).Result()
+			slot, err := plain.ClusterKeySlot(ctx, board.SortedSetKey()).Result()
 			require.NoError(t, err)
-			src, err := plain.MasterForKey(ctx, key)
+			source, err := plain.MasterForKey(ctx, board.SortedSetKey())
 			require.NoError(t, err)
-			masters := testenv.Masters(t, plain)
-			var dst *redis.Client
-			for _, m := range masters {
-				if m.Options().Addr != src.Options().Addr {
-					dst = m
-					break
-				}
-			}
-			srcID, err := src.Do(ctx, "CLUSTER", "MYID").Text()
+			migration := testenv.StartSlotMigration(t, plain, int(slot), source)
+			keys, err := source.ClusterGetKeysInSlot(ctx, int(slot), 100).Result()
 			require.NoError(t, err)
-			dstID, err := dst.Do(ctx, "CLUSTER", "MYID").Text()
-			require.NoError(t, err)
-			require.NoError(t, dst.Do(ctx, "CLUSTER", "SETSLOT", slot, "IMPORTING", srcID).Err())
-			require.NoError(t, src.Do(ctx, "CLUSTER", "SETSLOT", slot, "MIGRATING", dstID).Err())
-			keys, err := src.ClusterGetKeysInSlot(ctx, int(slot), 100).Result()
-			require.NoError(t, err)
-			host, port, err := net.SplitHostPort(dst.Options().Addr)
-			require.NoError(t, err)
-			for i, k := range keys {
+			for i, key := range keys {
 				if i%2 == 0 {
-					require.NoError(t, src.Migrate(ctx, host, port, k, 0, 5*time.Second).Err())
+					require.NoError(t, migration.Move(ctx, key))
 				}
 			}
-			t.Cleanup(func() { // the resharding finishes
-				rest, _ := src.ClusterGetKeysInSlot(ctx, int(slot), 100).Result()
-				for _, k := range rest {
-					_ = src.Migrate(ctx, host, port, k, 0, 5*time.Second).Err()
-				}
-				for _, m := range append([]*redis.Client{dst, src}, masters...) {
-					_ = m.Do(ctx, "CLUSTER", "SETSLOT", slot, "NODE", dstID).Err()
-				}
-			})
+			t.Cleanup(func() { require.NoError(t, migration.Finish(ctx)) })
 
 			req := httptest.NewRequest(http.MethodGet, fmt.Sprintf("/users/u9/rank?at_least=%d", res.Version), nil)
 			rec := httptest.NewRecorder()

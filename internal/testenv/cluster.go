@@ -724,6 +724,85 @@ func (c *RedisCluster) ReadOnlyClient(t testing.TB) *redis.ClusterClient {
 	return client
 }
 
+// SlotMigration is a slot being moved from one master to another, as
+// redis-cli --cluster reshard moves it: CLUSTER SETSLOT IMPORTING on the
+// destination and MIGRATING on the source, MIGRATE key by key, then
+// SETSLOT NODE on every master.
+type SlotMigration struct {
+	Slot                int
+	Source, Destination *redis.Client
+	destinationID       string
+	masters             []*redis.Client
+}
+
+// StartSlotMigration puts slot, served by source (a master of client), into
+// MIGRATING on source and IMPORTING on another master, moving no key yet.
+// client's slot map is left as it was.
+func StartSlotMigration(t testing.TB, client *redis.ClusterClient, slot int, source *redis.Client) *SlotMigration {
+	t.Helper()
+	ctx := context.Background()
+	m := &SlotMigration{Slot: slot, Source: source, masters: Masters(t, client)}
+	for _, master := range m.masters {
+		if master.Options().Addr != source.Options().Addr {
+			m.Destination = master
+			break
+		}
+	}
+	if m.Destination == nil {
+		t.Fatalf("testenv: no master but %s to move slot %d to", source.Options().Addr, slot)
+	}
+	sourceID, err := source.Do(ctx, "CLUSTER", "MYID").Text()
+	if err == nil {
+		m.destinationID, err = m.Destination.Do(ctx, "CLUSTER", "MYID").Text()
+	}
+	if err == nil {
+		err = m.Destination.Do(ctx, "CLUSTER", "SETSLOT", slot, "IMPORTING", sourceID).Err()
+	}
+	if err == nil {
+		err = source.Do(ctx, "CLUSTER", "SETSLOT", slot, "MIGRATING", m.destinationID).Err()
+	}
+	if err != nil {
+		t.Fatalf("testenv: starting to move slot %d: %v", slot, err)
+	}
+	return m
+}
+
+// Move moves keys to the destination, key by key (every key of the slot
+// still on the source when none are given). It may be called from any
+// goroutine.
+func (m *SlotMigration) Move(ctx context.Context, keys ...string) error {
+	if len(keys) == 0 {
+		var err error
+		if keys, err = m.Source.ClusterGetKeysInSlot(ctx, m.Slot, 100_000).Result(); err != nil {
+			return err
+		}
+	}
+	host, port, err := net.SplitHostPort(m.Destination.Options().Addr)
+	if err != nil {
+		return err
+	}
+	for _, key := range keys {
+		if err := m.Source.Migrate(ctx, host, port, key, 0, 5*time.Second).Err(); err != nil {
+			return fmt.Errorf("testenv: MIGRATE %s: %w", key, err)
+		}
+	}
+	return nil
+}
+
+// Finish moves the keys left and assigns the slot to the destination on
+// every master, ending the migration. It may be called from any goroutine.
+func (m *SlotMigration) Finish(ctx context.Context) error {
+	if err := m.Move(ctx); err != nil {
+		return err
+	}
+	for _, master := range append([]*redis.Client{m.Destination, m.Source}, m.masters...) {
+		if err := master.Do(ctx, "CLUSTER", "SETSLOT", m.Slot, "NODE", m.destinationID).Err(); err != nil {
+			return fmt.Errorf("testenv: SETSLOT %d NODE on %s: %w", m.Slot, master.Options().Addr, err)
+		}
+	}
+	return nil
+}
+
 // Masters returns the node clients of client's masters.
 func Masters(t testing.TB, client *redis.ClusterClient) []*redis.Client {
 	t.Helper()
