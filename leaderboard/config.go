@@ -23,8 +23,12 @@ type ReadPolicy uint8
 const (
 	// ServeStale always answers from Redis and reports how stale the answer
 	// may be in Freshness (except an unmet AtLeast read that finds its user
-	// missing in Redis: a *StaleError, not a denial of the user's score). It never puts read load on PostgreSQL (apart
-	// from the cheap lag probe); a Redis error is returned to the caller.
+	// missing in Redis: a *StaleError, not a denial of the user's score).
+	// It never puts read load on PostgreSQL, apart from the cheap lag
+	// probe, which a PostgreSQL that stopped answering makes the read that
+	// sends it wait for until the probe is cut off (MaxLag or 5 s, whichever
+	// is longer; see the package doc). A Redis error is returned to the
+	// caller.
 	ServeStale ReadPolicy = iota + 1
 	// FallbackToPostgres answers from Redis while it is fresh enough and
 	// from PostgreSQL otherwise, including when Redis fails. Answers from
