@@ -248,14 +248,18 @@
 // and Redis refuses to look for keys on a migrating slot. Through Handle
 // only those records fail, and the relay retries them with backoff: let a
 // reshard finish well within the relay's MaxAttempts, or replay the dead
-// letters after it. When such a call is the first a pipeline sends to its
-// node, go-redis sends the node's other script calls of the batch again,
-// after they ran: their writes then come back duplicate or stale, not
-// applied, and the applied count and the lag histogram miss them for that
-// batch. What Redis holds is right; only those verdicts are off. The same
-// holds on any client whose MaxRetries lets go-redis resend a script whose
-// reply was lost (a connection cut after Redis ran it, a ReadTimeout):
-// the resent writes come back duplicate or stale.
+// letters after it. A batch whose writes span slots goes out as one
+// pipeline, and go-redis sends a node's whole part of a pipeline again when
+// its first command is answered TRYAGAIN, the script calls it is already
+// following a MOVED or ASK of included (one then runs on two masters at
+// once, and its own write comes back duplicate): on a cluster client the
+// gate therefore starts the pipeline with one single-key EXISTS per slot,
+// which Redis never answers TRYAGAIN, and the refused call alone fails.
+// A resent script's write still comes back duplicate or stale, not
+// applied, on any client whose MaxRetries lets go-redis resend a script
+// whose reply was lost (a connection cut after Redis ran it, a
+// ReadTimeout): the applied count and the lag histogram miss it for that
+// batch; what Redis holds is right.
 //
 // A *redis.Ring needs one option. By default go-redis pings every shard
 // and, after a few missed pings, hashes the keys of a shard it marks down

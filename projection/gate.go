@@ -12,6 +12,7 @@ import (
 
 	"github.com/redis/go-redis/v9"
 
+	"github.com/verity-go/verity/internal/clusterpin"
 	"github.com/verity-go/verity/internal/deps"
 )
 
@@ -710,7 +711,12 @@ func (g *Gate) eval(ctx context.Context, groups []*slotGroup) ([][]any, []error)
 		return replies, errs
 	}
 	cmds := make([]*redis.Cmd, len(groups))
+	guards := make([]string, len(groups))
+	for i, grp := range groups {
+		guards[i] = grp.keys[0]
+	}
 	pipe := g.client.Pipeline()
+	clusterpin.Guard(ctx, g.client, pipe, guards...)
 	for i, grp := range groups {
 		cmds[i] = g.script.EvalSha(ctx, pipe, grp.keys, grp.args...)
 	}
@@ -723,6 +729,11 @@ func (g *Gate) eval(ctx context.Context, groups []*slotGroup) ([][]any, []error)
 	}
 	if len(retry) > 0 {
 		pipe := g.client.Pipeline()
+		guards = guards[:0]
+		for _, i := range retry {
+			guards = append(guards, groups[i].keys[0])
+		}
+		clusterpin.Guard(ctx, g.client, pipe, guards...)
 		for _, i := range retry {
 			cmds[i] = g.script.Eval(ctx, pipe, groups[i].keys, groups[i].args...)
 		}

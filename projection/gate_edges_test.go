@@ -368,3 +368,107 @@ func TestLayoutMismatchSparesTheSameNameOfAnotherKind(t *testing.T) {
 	require.NoError(t, results[1].Err, "the hash named board has its own layout")
 	require.Equal(t, storedState{true, "Bob", "1"}, readState(t, client, p.Keyspace(), hash("board", "bob", 0, "").Target))
 }
+
+// TestGateAcrossSlotsDuringAResharding: a batch of two collections whose
+// slots differ and share a master, while a resharding moves B's slot (the
+// gate's client does not know yet: MOVED) and then A's (migrating: A's
+// script, which names A's rebuild marker and shadow keys, none of them
+// there, is answered TRYAGAIN before any key has moved). go-redis sent the
+// node's whole batch again on the TRYAGAIN, B's script included, which it
+// was already following the MOVED of: B's script ran twice on its new
+// master at once (a data race under -race), and the call could report
+// B's own write as a duplicate. A single-key guard ahead of each node's
+// batch keeps go-redis from sending it again (clusterpin.Guard).
+func TestGateAcrossSlotsDuringAResharding(t *testing.T) {
+	t.Parallel()
+	for name, finishDuringTheRetry := range map[string]bool{"MigrationUnfinished": false, "MigrationFinishedDuringTheRetry": true} {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			ctx := context.Background()
+			cluster := testenv.StartRedisCluster(t, 3, 0)
+			admin := cluster.Client(t)
+			ks, err := NewKeyspace("rs:")
+			require.NoError(t, err)
+			slot := func(name string) int { return ks.Slot(Target{Kind: KindSortedSet, Name: name}) }
+			masterOf := func(name string) *redis.Client {
+				m, err := admin.MasterForKey(ctx, ks.ValueKey(Target{Kind: KindSortedSet, Name: name}))
+				require.NoError(t, err)
+				return m
+			}
+			a, source := "c0", masterOf("c0")
+			b := ""
+			for i := 1; b == ""; i++ {
+				if name := "c" + strconv.Itoa(i); masterOf(name).Options().Addr == source.Options().Addr && slot(name) != slot(a) {
+					b = name
+				}
+			}
+			write := func(name string, version int64) Write {
+				return Write{Target: Target{Kind: KindSortedSet, Name: name, Member: "m"}, Version: version, Value: Value{Score: version}}
+			}
+
+			var migrateA *testenv.SlotMigration
+			var once sync.Once
+			finished := make(chan error, 1)
+			client := redis.NewClusterClient(&redis.ClusterOptions{Addrs: cluster.Addrs()})
+			t.Cleanup(func() { _ = client.Close() })
+			if finishDuringTheRetry {
+				// Right after the node's batch was answered TRYAGAIN, in
+				// go-redis's backoff before it sends the batch again.
+				client.OnNewNode(func(node *redis.Client) {
+					node.AddHook(afterTryAgain{fn: func() { once.Do(func() { finished <- migrateA.Finish(ctx) }) }})
+				})
+			}
+			gate := NewGate(client, ks)
+			var warm []Write // the script loaded on every master
+			for i := range 30 {
+				warm = append(warm, write("warm"+strconv.Itoa(i), 1))
+			}
+			_, err = gate.Apply(ctx, warm)
+			require.NoError(t, err)
+			outcomes, err := gate.Apply(ctx, []Write{write(a, 1), write(b, 1)})
+			require.NoError(t, err)
+			require.Equal(t, []Outcome{OutcomeApplied, OutcomeApplied}, outcomes)
+
+			require.NoError(t, testenv.StartSlotMigration(t, admin, slot(b), source).Finish(ctx))
+			migrateA = testenv.StartSlotMigration(t, admin, slot(a), source)
+			outcomes, err = gate.Apply(ctx, []Write{write(a, 2), write(b, 2)})
+			t.Logf("during the resharding: %v, %v", outcomes, err)
+			if err == nil {
+				require.Equal(t, []Outcome{OutcomeApplied, OutcomeApplied}, outcomes, "B's version 2 was written by this call")
+			}
+			if finishDuringTheRetry {
+				select {
+				case err := <-finished:
+					require.NoError(t, err)
+				default:
+					require.NoError(t, migrateA.Finish(ctx))
+				}
+			} else {
+				require.NoError(t, migrateA.Finish(ctx))
+			}
+			again, err := gate.Apply(ctx, []Write{write(a, 2), write(b, 2)})
+			require.NoError(t, err)
+			require.Equal(t, OutcomeDuplicate, again[1], "B's version 2 is stored")
+		})
+	}
+}
+
+// afterTryAgain runs fn after a pipeline one of whose commands was
+// answered TRYAGAIN.
+type afterTryAgain struct {
+	testenv.PassThroughHook
+	fn func()
+}
+
+func (h afterTryAgain) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+	return func(ctx context.Context, cmds []redis.Cmder) error {
+		err := next(ctx, cmds)
+		for _, cmd := range cmds {
+			if redis.IsTryAgainError(cmd.Err()) {
+				h.fn()
+				break
+			}
+		}
+		return err
+	}
+}

@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"slices"
+	"strconv"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -374,4 +376,112 @@ func TestClusterRerunKeepsRefusedOrphan(t *testing.T) {
 	require.Equal(t, orphan, refused.Key)
 	require.EqualValues(t, 1, rep.Counts[ClassOrphan])
 	require.EqualValues(t, 1, rep.Results[ResultNotAttempted])
+}
+
+// TestClusterRepairsAcrossSlotsDuringAResharding: a Run whose page holds
+// documents of two slots of one master, while a resharding moves B's slot
+// (the Run's client does not know yet: MOVED) and is moving A's (A's
+// version key moved, its value key not yet: TRYAGAIN). go-redis sent the
+// node's whole batch again on the TRYAGAIN, B's repair (and, reading, B's
+// MGET) included, which it was already following the MOVED of: it ran on
+// both masters at once (a data race under -race), and B, repaired by this
+// Run, was reported raced.
+func TestClusterRepairsAcrossSlotsDuringAResharding(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	// setup makes a cluster with documents A and B projected, and returns
+	// a client and the resharding to start.
+	setup := func(t *testing.T) (b *testBundle, client *redis.ClusterClient, docA, docB string, reshard func(context.Context) error) {
+		cluster := testenv.StartRedisCluster(t, 3, 0)
+		admin := cluster.Client(t)
+		client = redis.NewClusterClient(&redis.ClusterOptions{Addrs: cluster.Addrs()})
+		t.Cleanup(func() { _ = client.Close() })
+		b = setupWith(t, projection.KindDocument, client, "rs:")
+		masterOf := func(key string) *redis.Client {
+			m, err := admin.MasterForKey(ctx, b.ks.ValueKey(b.target.target(key)))
+			require.NoError(t, err)
+			return m
+		}
+		slot := func(key string) int { return b.ks.Slot(b.target.target(key)) }
+		docA, source := "a", masterOf("a")
+		for i := 0; docB == ""; i++ {
+			if key := "b" + strconv.Itoa(i); masterOf(key).Options().Addr == source.Options().Addr && slot(key) != slot(docA) {
+				docB = key
+			}
+		}
+		for _, key := range []string{docA, docB} {
+			b.insert(t, key, 1)
+			require.Equal(t, projection.OutcomeApplied, b.project(t, key, 1))
+		}
+		for _, m := range testenv.Masters(t, admin) { // the script loaded on every master
+			require.NoError(t, m.ScriptLoad(ctx, repairSource).Err())
+		}
+		reshard = func(ctx context.Context) error {
+			if err := testenv.StartSlotMigration(t, admin, slot(docB), source).Finish(ctx); err != nil {
+				return err
+			}
+			migration := testenv.StartSlotMigration(t, admin, slot(docA), source)
+			t.Cleanup(func() { require.NoError(t, migration.Finish(context.Background())) })
+			return migration.Move(ctx, b.ks.VersionKey(b.target.target(docA)))
+		}
+		return b, client, docA, docB, reshard
+	}
+
+	t.Run("Repair", func(t *testing.T) {
+		t.Parallel()
+		b, client, docA, docB, reshard := setup(t)
+		for _, key := range []string{docA, docB} {
+			b.setRaw(t, key, &projection.Value{Data: []byte("garbage")}, nil)
+		}
+		var (
+			once       sync.Once
+			reshardErr error
+			mu         sync.Mutex
+			results    = map[string]Result{}
+		)
+		r := b.reconciler(t, &Config{
+			BeforeRepair: func(ctx context.Context, _ Finding) bool {
+				once.Do(func() { reshardErr = reshard(ctx) })
+				return true
+			},
+			AfterRepair: func(_ context.Context, f Finding) {
+				mu.Lock()
+				defer mu.Unlock()
+				results[f.Key] = f.Result
+			},
+		})
+		_, err := r.Run(ctx, RunOptions{})
+		require.NoError(t, reshardErr)
+		t.Logf("run: %v; results %v", err, results)
+		require.Equal(t, ResultRepaired, results[docB], "B was repaired by this Run")
+		require.Equal(t, ResultNotAttempted, results[docA], "A's repair was answered TRYAGAIN")
+		got, err := client.Get(ctx, b.ks.ValueKey(b.target.target(docB))).Result()
+		require.NoError(t, err)
+		require.Equal(t, string(b.value(docB, 1).Data), got)
+	})
+
+	// Reading, many clients whose slot maps predate the resharding, so
+	// that some send both groups in one batch to the old master.
+	t.Run("Read", func(t *testing.T) {
+		t.Parallel()
+		b, client, _, _, reshard := setup(t)
+		var readers []*Reconciler
+		for range 8 {
+			reader := redis.NewClusterClient(&redis.ClusterOptions{Addrs: client.Options().Addrs})
+			t.Cleanup(func() { _ = reader.Close() })
+			require.NoError(t, reader.ForEachMaster(ctx, func(ctx context.Context, n *redis.Client) error { return n.Ping(ctx).Err() }))
+			target := b.target
+			target.Client = reader
+			r, err := New(b.source, target, nil)
+			require.NoError(t, err)
+			readers = append(readers, r)
+		}
+		require.NoError(t, reshard(ctx))
+		for _, r := range readers {
+			_, err := r.Run(ctx, RunOptions{DryRun: true})
+			if err != nil {
+				require.ErrorContains(t, err, "TRYAGAIN", "only the migrating slot's read may fail")
+			}
+		}
+	})
 }

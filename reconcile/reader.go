@@ -258,6 +258,11 @@ func (r *Reconciler) readDocuments(ctx context.Context, keys []string, out []Pro
 		if r.primary == nil {
 			if pipes[nil] == nil {
 				pipes[nil] = r.target.Client.Pipeline()
+				guards := make([]string, len(groups))
+				for i, g := range groups {
+					guards[i] = g.keys[1].(string)
+				}
+				clusterpin.Guard(ctx, r.target.Client, pipes[nil], guards...)
 			}
 			return pipes[nil], nil
 		}

@@ -212,6 +212,11 @@ func (r *Reconciler) casRepair(ctx context.Context, fs []*Finding) (refused []er
 		cmds[0] = r.repairScript.Run(ctx, r.target.Client, groups[0].keys, groups[0].args...)
 	} else {
 		pipe := r.target.Client.Pipeline()
+		guards := make([]string, len(groups))
+		for i, g := range groups {
+			guards[i] = g.keys[0]
+		}
+		clusterpin.Guard(ctx, r.target.Client, pipe, guards...)
 		for i, g := range groups {
 			cmds[i] = r.repairScript.EvalSha(ctx, pipe, g.keys, g.args...)
 		}
@@ -224,6 +229,11 @@ func (r *Reconciler) casRepair(ctx context.Context, fs []*Finding) (refused []er
 		}
 		if len(retry) > 0 {
 			pipe := r.target.Client.Pipeline()
+			guards = guards[:0]
+			for _, i := range retry {
+				guards = append(guards, groups[i].keys[0])
+			}
+			clusterpin.Guard(ctx, r.target.Client, pipe, guards...)
 			for _, i := range retry {
 				cmds[i] = r.repairScript.Eval(ctx, pipe, groups[i].keys, groups[i].args...)
 			}

@@ -461,3 +461,24 @@ func sleep(ctx context.Context, d time.Duration) error {
 		return nil
 	}
 }
+
+// Guard queues on pipe, when client is a *redis.ClusterClient and the
+// pipeline's commands touch more than one slot, one EXISTS of each key
+// (one key of each slot), ahead of the commands queued after it. go-redis's
+// cluster pipeline (v9 pipelineReadCmds) sends a node's whole batch again
+// when its first command is answered with an error it retries (TRYAGAIN: a
+// command of several keys in a slot being migrated), the commands of that
+// batch it is already following a MOVED or ASK of included: those then run
+// on both masters at once (a data race on their replies, and a write run
+// twice). A command of one key is never answered TRYAGAIN, and every node's
+// batch then starts with one. A pipeline of one slot's commands needs no
+// guard: go-redis sends it to one node, and a redirect moves all of it. The
+// guards' replies are of no interest.
+func Guard(ctx context.Context, client redis.UniversalClient, pipe redis.Pipeliner, keys ...string) {
+	if _, ok := client.(*redis.ClusterClient); !ok || len(keys) < 2 {
+		return
+	}
+	for _, key := range keys {
+		pipe.Exists(ctx, key)
+	}
+}
