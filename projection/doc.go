@@ -254,7 +254,10 @@
 // following a MOVED or ASK of included (one then runs on two masters at
 // once, and its own write comes back duplicate): on a cluster client the
 // gate therefore starts the pipeline with one single-key EXISTS per slot,
-// which Redis never answers TRYAGAIN, and the refused call alone fails.
+// which Redis never answers TRYAGAIN and which go-redis never sends again
+// (nor, with it, the node's batch: on LOADING, CLUSTERDOWN or a broken
+// connection the calls not answered fail, and the relay retries them), and
+// the refused call alone fails.
 // A resent script's write still comes back duplicate or stale, not
 // applied, on any client whose MaxRetries lets go-redis resend a script
 // whose reply was lost (a connection cut after Redis ran it, a

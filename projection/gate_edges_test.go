@@ -390,21 +390,7 @@ func TestGateAcrossSlotsDuringAResharding(t *testing.T) {
 			ks, err := NewKeyspace("rs:")
 			require.NoError(t, err)
 			slot := func(name string) int { return ks.Slot(Target{Kind: KindSortedSet, Name: name}) }
-			masterOf := func(name string) *redis.Client {
-				m, err := admin.MasterForKey(ctx, ks.ValueKey(Target{Kind: KindSortedSet, Name: name}))
-				require.NoError(t, err)
-				return m
-			}
-			a, source := "c0", masterOf("c0")
-			b := ""
-			for i := 1; b == ""; i++ {
-				if name := "c" + strconv.Itoa(i); masterOf(name).Options().Addr == source.Options().Addr && slot(name) != slot(a) {
-					b = name
-				}
-			}
-			write := func(name string, version int64) Write {
-				return Write{Target: Target{Kind: KindSortedSet, Name: name, Member: "m"}, Version: version, Value: Value{Score: version}}
-			}
+			a, b, source := twoSlotsOfOneMaster(t, admin, ks)
 
 			var migrateA *testenv.SlotMigration
 			var once sync.Once
@@ -418,13 +404,7 @@ func TestGateAcrossSlotsDuringAResharding(t *testing.T) {
 					node.AddHook(afterTryAgain{fn: func() { once.Do(func() { finished <- migrateA.Finish(ctx) }) }})
 				})
 			}
-			gate := NewGate(client, ks)
-			var warm []Write // the script loaded on every master
-			for i := range 30 {
-				warm = append(warm, write("warm"+strconv.Itoa(i), 1))
-			}
-			_, err = gate.Apply(ctx, warm)
-			require.NoError(t, err)
+			gate := warmGate(t, client, ks)
 			outcomes, err := gate.Apply(ctx, []Write{write(a, 1), write(b, 1)})
 			require.NoError(t, err)
 			require.Equal(t, []Outcome{OutcomeApplied, OutcomeApplied}, outcomes)
@@ -451,6 +431,81 @@ func TestGateAcrossSlotsDuringAResharding(t *testing.T) {
 			require.Equal(t, OutcomeDuplicate, again[1], "B's version 2 is stored")
 		})
 	}
+}
+
+// TestGateAcrossSlotsWithASlotNotServed: as
+// TestGateAcrossSlotsDuringAResharding, but the first command of the
+// node's batch is answered "CLUSTERDOWN Hash slot not served" (A's slot
+// unassigned, cluster-require-full-coverage no) while B's slot has moved.
+// go-redis sends a node's whole batch again on CLUSTERDOWN (and LOADING,
+// MASTERDOWN, a broken connection) as on TRYAGAIN, even when its first
+// command is a guard, unless the guard is a NoRetry command.
+func TestGateAcrossSlotsWithASlotNotServed(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	cluster := testenv.StartRedisCluster(t, 3, 0)
+	admin := cluster.Client(t)
+	ks, err := NewKeyspace("rs:")
+	require.NoError(t, err)
+	a, b, source := twoSlotsOfOneMaster(t, admin, ks)
+	client := redis.NewClusterClient(&redis.ClusterOptions{Addrs: cluster.Addrs()})
+	t.Cleanup(func() { _ = client.Close() })
+	gate := warmGate(t, client, ks)
+	outcomes, err := gate.Apply(ctx, []Write{write(b, 1)})
+	require.NoError(t, err)
+	require.Equal(t, []Outcome{OutcomeApplied}, outcomes)
+
+	masters := testenv.Masters(t, admin)
+	for _, m := range masters {
+		require.NoError(t, m.ConfigSet(ctx, "cluster-require-full-coverage", "no").Err())
+	}
+	require.NoError(t, testenv.StartSlotMigration(t, admin, ks.Slot(write(b, 0).Target), source).Finish(ctx))
+	for _, m := range masters {
+		require.NoError(t, m.Do(ctx, "CLUSTER", "DELSLOTS", ks.Slot(write(a, 0).Target)).Err())
+	}
+	outcomes, perWrite, err := gate.run(ctx, modeLive, "", []Write{write(a, 2), write(b, 2)}, false)
+	t.Logf("A's slot not served, B's moved: %v, %v, %v", outcomes, perWrite, err)
+	require.ErrorContains(t, perWrite[0], "CLUSTERDOWN")
+	require.NoError(t, perWrite[1])
+	require.Equal(t, OutcomeApplied, outcomes[1], "B's version 2 was written by this call")
+}
+
+// twoSlotsOfOneMaster returns two sorted-set collection names whose slots
+// differ and are served by one master, and that master.
+func twoSlotsOfOneMaster(t *testing.T, admin *redis.ClusterClient, ks Keyspace) (a, b string, master *redis.Client) {
+	t.Helper()
+	masterOf := func(name string) *redis.Client {
+		m, err := admin.MasterForKey(context.Background(), ks.ValueKey(write(name, 0).Target))
+		require.NoError(t, err)
+		return m
+	}
+	a, master = "c0", masterOf("c0")
+	for i := 1; b == ""; i++ {
+		if name := "c" + strconv.Itoa(i); masterOf(name).Options().Addr == master.Options().Addr && ks.Slot(write(name, 0).Target) != ks.Slot(write(a, 0).Target) {
+			b = name
+		}
+	}
+	return a, b, master
+}
+
+// write is a sorted-set write of member "m" of collection name at version,
+// scored version.
+func write(name string, version int64) Write {
+	return Write{Target: Target{Kind: KindSortedSet, Name: name, Member: "m"}, Version: version, Value: Value{Score: version}}
+}
+
+// warmGate returns a gate on client whose script every master has loaded,
+// as on a cluster in service.
+func warmGate(t *testing.T, client *redis.ClusterClient, ks Keyspace) *Gate {
+	t.Helper()
+	gate := NewGate(client, ks)
+	var warm []Write
+	for i := range 30 {
+		warm = append(warm, write("warm"+strconv.Itoa(i), 1))
+	}
+	_, err := gate.Apply(context.Background(), warm)
+	require.NoError(t, err)
+	return gate
 }
 
 // afterTryAgain runs fn after a pipeline one of whose commands was

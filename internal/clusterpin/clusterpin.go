@@ -467,18 +467,30 @@ func sleep(ctx context.Context, d time.Duration) error {
 // (one key of each slot), ahead of the commands queued after it. go-redis's
 // cluster pipeline (v9 pipelineReadCmds) sends a node's whole batch again
 // when its first command is answered with an error it retries (TRYAGAIN: a
-// command of several keys in a slot being migrated), the commands of that
-// batch it is already following a MOVED or ASK of included: those then run
-// on both masters at once (a data race on their replies, and a write run
-// twice). A command of one key is never answered TRYAGAIN, and every node's
-// batch then starts with one. A pipeline of one slot's commands needs no
-// guard: go-redis sends it to one node, and a redirect moves all of it. The
-// guards' replies are of no interest.
+// command of several keys in a slot being migrated; LOADING, CLUSTERDOWN,
+// MASTERDOWN) or a connection error cuts it, the commands of that batch it
+// is already following a MOVED or ASK of included: those then run on both
+// masters at once (a data race on their replies, and a write run twice).
+// The guards are NoRetry commands, and go-redis never sends again whole a
+// batch that holds one: a command it follows a redirect of runs once, and
+// the commands not answered fail with the batch's error, for the caller to
+// retry. A pipeline of one slot's commands needs no guard: go-redis sends
+// it to one node, and a redirect moves all of it. The guards' replies are
+// of no interest.
 func Guard(ctx context.Context, client redis.UniversalClient, pipe redis.Pipeliner, keys ...string) {
 	if _, ok := client.(*redis.ClusterClient); !ok || len(keys) < 2 {
 		return
 	}
 	for _, key := range keys {
-		pipe.Exists(ctx, key)
+		_ = pipe.Process(ctx, noRetry{redis.NewIntCmd(ctx, "exists", key)})
 	}
 }
+
+// noRetry is a command go-redis must not send again: a node's batch that
+// holds one is never sent again whole, whatever its first command was
+// answered (TRYAGAIN, but also LOADING, CLUSTERDOWN, MASTERDOWN) or
+// whichever connection error cut it, so that a command of the batch it is
+// following a MOVED or ASK of never runs twice.
+type noRetry struct{ *redis.IntCmd }
+
+func (noRetry) NoRetry() bool { return true }
