@@ -138,6 +138,12 @@
 // client's ReadTimeout) and has the map reloaded, so that the next one reaches
 // the replica promoted in its place within seconds, not at go-redis's
 // next periodic reload (ClusterStateReloadInterval, 60 s by default).
+// Document reads and compare-and-set repairs of several slots go out in
+// one pipeline that go-redis does not send again whole (so that a command
+// it follows a redirect of runs once; see the projection package's
+// resharding notes): a connection cut under it fails the run, its repairs
+// on that node ResultUncertain, where go-redis would otherwise have sent
+// the batch again.
 // Sentinel with replica reads (redis.NewUniversalClient with MasterName and
 // RouteRandomly or RouteByLatency) builds such a client over servers that
 // are not in cluster mode: those reads go to the master Sentinel named, as
