@@ -215,39 +215,8 @@ func TestClusterRebuildAbortsAfterKeysMoved(t *testing.T) {
 	} {
 		t.Run(name, func(t *testing.T) {
 			t.Parallel()
-			ctx := context.Background()
-			client := testenv.StartRedisCluster(t, 3, 0).Client(t)
-			b, _, _, _ := projectedAndLoaded(t, projection.KindSortedSet, client, "rbm:")
-			finished := make(chan error, 1)
-			src := &pageHook{Source: b.source, before: func(n int32, _ Cursor) error {
-				if n == 2 {
-					migration := startSlotMigration(t, client, b.ks.ValueKey(b.target.target("")))
-					if err := migration.Move(ctx, moved(b)...); err != nil {
-						return err
-					}
-					go func() {
-						time.Sleep(time.Second)
-						finished <- migration.Finish(ctx)
-					}()
-				}
-				return nil
-			}}
-			r, err := New(src, b.target, &Config{PageSize: 10, ReadAhead: 1})
-			require.NoError(t, err)
-			_, err = r.Rebuild(ctx)
-			t.Logf("rebuild during migration: %v", err)
+			err := rebuildCutByAMigration(t, testenv.StartRedisCluster(t, 3, 0).Client(t), moved, nil)
 			require.Error(t, err)
-			require.NoError(t, <-finished)
-
-			marker, err := client.Exists(ctx, b.ks.RebuildMarkerKey(b.target.Name, b.kind)).Result()
-			require.NoError(t, err)
-			shadow, err := client.Exists(ctx, b.ks.ShadowValueKey(b.target.Name, b.kind)).Result()
-			require.NoError(t, err)
-			require.Zero(t, marker, "the failed rebuild's marker is left")
-			require.Zero(t, shadow, "the failed rebuild's shadow values are left")
-			rb, err := b.reconciler(t, nil).Rebuild(ctx)
-			require.NoError(t, err, "a rebuild after the failed one")
-			require.True(t, rb.Switched)
 		})
 	}
 }
@@ -260,39 +229,56 @@ func TestClusterRebuildAbortsAfterKeysMoved(t *testing.T) {
 // a second later, as on TRYAGAIN.
 func TestClusterRebuildAbortRetriesARedirect(t *testing.T) {
 	t.Parallel()
-	ctx := context.Background()
 	cluster := testenv.StartRedisCluster(t, 3, 0)
 	client := redis.NewClusterClient(&redis.ClusterOptions{Addrs: cluster.Addrs(), MaxRedirects: 2})
 	t.Cleanup(func() { _ = client.Close() })
-	b, _, _, _ := projectedAndLoaded(t, projection.KindSortedSet, client, "rba:")
 	sourceFailed := errors.New("source failed")
+	err := rebuildCutByAMigration(t, client, func(*testBundle) []string { return nil }, sourceFailed)
+	require.ErrorIs(t, err, sourceFailed)
+	require.NotContains(t, err.Error(), "clean-up failed")
+}
+
+// rebuildCutByAMigration runs a Rebuild whose collection's slot starts
+// migrating before its second source page: the keys moved(b) names (all
+// of them for none) move at once, the page then fails with sourceErr
+// (nil: it does not), and the resharding finishes a second later. It
+// returns the Rebuild's error, once the failed rebuild is found cleaned up
+// and the next one switches.
+func rebuildCutByAMigration(t *testing.T, client *redis.ClusterClient, moved func(b *testBundle) []string, sourceErr error) error {
+	t.Helper()
+	ctx := context.Background()
+	b, _, _, _ := projectedAndLoaded(t, projection.KindSortedSet, client, "rbm:")
 	finished := make(chan error, 1)
 	src := &pageHook{Source: b.source, before: func(n int32, _ Cursor) error {
 		if n != 2 {
 			return nil
 		}
 		migration := startSlotMigration(t, client, b.ks.ValueKey(b.target.target("")))
-		if err := migration.Move(ctx); err != nil {
+		if err := migration.Move(ctx, moved(b)...); err != nil {
 			return err
 		}
 		go func() {
 			time.Sleep(time.Second)
 			finished <- migration.Finish(ctx)
 		}()
-		return sourceFailed
+		return sourceErr
 	}}
 	r, err := New(src, b.target, &Config{PageSize: 10, ReadAhead: 1})
 	require.NoError(t, err)
-	_, err = r.Rebuild(ctx)
-	require.ErrorIs(t, err, sourceFailed)
-	require.NotContains(t, err.Error(), "clean-up failed")
+	_, rebuildErr := r.Rebuild(ctx)
+	t.Logf("rebuild during migration: %v", rebuildErr)
 	require.NoError(t, <-finished)
+
 	marker, err := client.Exists(ctx, b.ks.RebuildMarkerKey(b.target.Name, b.kind)).Result()
 	require.NoError(t, err)
+	shadow, err := client.Exists(ctx, b.ks.ShadowValueKey(b.target.Name, b.kind)).Result()
+	require.NoError(t, err)
 	require.Zero(t, marker, "the failed rebuild's marker is left")
+	require.Zero(t, shadow, "the failed rebuild's shadow values are left")
 	rb, err := b.reconciler(t, nil).Rebuild(ctx)
 	require.NoError(t, err, "a rebuild after the failed one")
 	require.True(t, rb.Switched)
+	return rebuildErr
 }
 
 // TestClusterRebuildThroughASingleServerClientFailsAtOnce: a client for
