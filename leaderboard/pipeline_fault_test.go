@@ -383,77 +383,61 @@ func TestSubmitErrorsThatAreNotWhatTheySeem(t *testing.T) {
 		require.NotErrorIs(t, err, ErrOutcomeUnknown)
 	})
 
-	// pgx refuses, before sending anything, every query of a pool whose
-	// exec mode needs a cache it was told to keep empty, or of a session
-	// the simple protocol cannot quote for; a retry meets the same
-	// refusal, so it is no outcome to find out by retrying.
-	t.Run("DriverRefusalIsNoUnknownOutcome", func(t *testing.T) {
-		t.Parallel()
-		tb := setup(t)
-		pools := map[string]func(*pgxpool.Config){
-			"StatementCacheDisabled": func(c *pgxpool.Config) {
-				c.ConnConfig.DefaultQueryExecMode = pgx.QueryExecModeCacheStatement
-				c.ConnConfig.StatementCacheCapacity = 0
-			},
-			"DescriptionCacheDisabled": func(c *pgxpool.Config) {
-				c.ConnConfig.DefaultQueryExecMode = pgx.QueryExecModeCacheDescribe
-				c.ConnConfig.DescriptionCacheCapacity = 0
-			},
-			"SimpleProtocolWithoutStandardStrings": func(c *pgxpool.Config) {
-				c.ConnConfig.DefaultQueryExecMode = pgx.QueryExecModeSimpleProtocol
-				c.ConnConfig.RuntimeParams["standard_conforming_strings"] = "off"
-			},
-			"SimpleProtocolInLatin1": func(c *pgxpool.Config) {
-				c.ConnConfig.DefaultQueryExecMode = pgx.QueryExecModeSimpleProtocol
-				c.ConnConfig.RuntimeParams["client_encoding"] = "LATIN1"
-			},
-		}
-		cfg := tb.board.Config()
-		for name, mutate := range pools {
-			board, err := New(tb.newPool(t, mutate), tb.rd.Client, &cfg)
-			require.NoError(t, err)
-			t.Cleanup(board.Close)
-			_, err = board.Submit(ctx, Command{EventID: uuid.New(), UserID: "u", Delta: 1})
-			require.Error(t, err, name)
-			require.NotErrorIs(t, err, ErrOutcomeUnknown, "%s: nothing was sent: %v", name, err)
-			_, err = board.SubmitBatch(ctx, []Command{{EventID: uuid.New(), UserID: "u", Delta: 1}, {EventID: uuid.New(), UserID: "v", Delta: 1}})
-			require.Error(t, err, name)
-			require.NotErrorIs(t, err, ErrOutcomeUnknown, "%s: nothing was sent: %v", name, err)
-		}
-		events, _, _ := tb.counts(t)
-		require.Zero(t, events, "nothing was written")
-	})
-
-	// A pool whose hooks refuse every connection (a token fetch in
-	// BeforeConnect, type registration in AfterConnect, a PrepareConn
-	// check) sends nothing; SubmitBatch let its query take the connection
-	// and said otherwise.
-	t.Run("PoolThatGivesNoConnectionIsNoUnknownOutcome", func(t *testing.T) {
+	// Statements no retry gets sent: pgx refuses, before sending
+	// anything, every query of a pool whose exec mode needs a cache it was
+	// told to keep empty, or of a session the simple protocol cannot quote
+	// for; and a pool whose hooks refuse every connection (a token fetch
+	// in BeforeConnect, type registration in AfterConnect, a PrepareConn
+	// check) gives none to send on, which SubmitBatch, letting its query
+	// take the connection, called an unknown outcome.
+	t.Run("NothingSentIsNoUnknownOutcome", func(t *testing.T) {
 		t.Parallel()
 		tb := setup(t)
 		refused := errors.New("no token for the database today")
-		pools := map[string]func(*pgxpool.Config){
-			"BeforeConnect": func(c *pgxpool.Config) {
+		pools := map[string]struct {
+			mutate func(*pgxpool.Config)
+			cause  error // the error's cause, when the pool's
+		}{
+			"StatementCacheDisabled": {mutate: func(c *pgxpool.Config) {
+				c.ConnConfig.DefaultQueryExecMode = pgx.QueryExecModeCacheStatement
+				c.ConnConfig.StatementCacheCapacity = 0
+			}},
+			"DescriptionCacheDisabled": {mutate: func(c *pgxpool.Config) {
+				c.ConnConfig.DefaultQueryExecMode = pgx.QueryExecModeCacheDescribe
+				c.ConnConfig.DescriptionCacheCapacity = 0
+			}},
+			"SimpleProtocolWithoutStandardStrings": {mutate: func(c *pgxpool.Config) {
+				c.ConnConfig.DefaultQueryExecMode = pgx.QueryExecModeSimpleProtocol
+				c.ConnConfig.RuntimeParams["standard_conforming_strings"] = "off"
+			}},
+			"SimpleProtocolInLatin1": {mutate: func(c *pgxpool.Config) {
+				c.ConnConfig.DefaultQueryExecMode = pgx.QueryExecModeSimpleProtocol
+				c.ConnConfig.RuntimeParams["client_encoding"] = "LATIN1"
+			}},
+			"BeforeConnectRefuses": {cause: refused, mutate: func(c *pgxpool.Config) {
 				c.BeforeConnect = func(context.Context, *pgx.ConnConfig) error { return refused }
-			},
-			"AfterConnect": func(c *pgxpool.Config) {
+			}},
+			"AfterConnectRefuses": {cause: refused, mutate: func(c *pgxpool.Config) {
 				c.AfterConnect = func(context.Context, *pgx.Conn) error { return refused }
-			},
-			"PrepareConn": func(c *pgxpool.Config) {
+			}},
+			"PrepareConnRefuses": {cause: refused, mutate: func(c *pgxpool.Config) {
 				c.PrepareConn = func(context.Context, *pgx.Conn) (bool, error) { return true, refused }
-			},
+			}},
 		}
 		cfg := tb.board.Config()
-		for name, mutate := range pools {
-			board, err := New(tb.newPool(t, mutate), tb.rd.Client, &cfg)
+		for name, pool := range pools {
+			board, err := New(tb.newPool(t, pool.mutate), tb.rd.Client, &cfg)
 			require.NoError(t, err)
 			t.Cleanup(board.Close)
-			_, err = board.Submit(ctx, Command{EventID: uuid.New(), UserID: "u", Delta: 1})
-			require.ErrorIs(t, err, refused, name)
-			require.NotErrorIs(t, err, ErrOutcomeUnknown, "%s: nothing was sent: %v", name, err)
-			_, err = board.SubmitBatch(ctx, []Command{{EventID: uuid.New(), UserID: "u", Delta: 1}, {EventID: uuid.New(), UserID: "v", Delta: 1}})
-			require.ErrorIs(t, err, refused, name)
-			require.NotErrorIs(t, err, ErrOutcomeUnknown, "%s: nothing was sent: %v", name, err)
+			_, submitErr := board.Submit(ctx, Command{EventID: uuid.New(), UserID: "u", Delta: 1})
+			_, batchErr := board.SubmitBatch(ctx, []Command{{EventID: uuid.New(), UserID: "u", Delta: 1}, {EventID: uuid.New(), UserID: "v", Delta: 1}})
+			for _, err := range []error{submitErr, batchErr} {
+				require.Error(t, err, name)
+				require.NotErrorIs(t, err, ErrOutcomeUnknown, "%s: nothing was sent: %v", name, err)
+				if pool.cause != nil {
+					require.ErrorIs(t, err, pool.cause, name)
+				}
+			}
 		}
 		events, _, _ := tb.counts(t)
 		require.Zero(t, events, "nothing was written")
