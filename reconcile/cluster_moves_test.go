@@ -186,16 +186,7 @@ func TestClusterRebuildAbortsDuringMigration(t *testing.T) {
 	require.Error(t, err)
 
 	time.Sleep(1500 * time.Millisecond) // the resharding is called off
-	marker, err := client.Exists(ctx, b.ks.RebuildMarkerKey(b.target.Name, b.kind)).Result()
-	require.NoError(t, err)
-	shadow, err := client.Exists(ctx, b.ks.ShadowValueKey(b.target.Name, b.kind)).Result()
-	require.NoError(t, err)
-	require.Zero(t, marker, "the failed rebuild's marker is left")
-	require.Zero(t, shadow, "the failed rebuild's shadow values are left")
-	r2 := b.reconciler(t, nil)
-	rb, err := r2.Rebuild(ctx)
-	require.NoError(t, err, "a rebuild after the failed one")
-	require.True(t, rb.Switched)
+	requireFailedRebuildCleanedUp(t, b, client)
 }
 
 // TestClusterRebuildAbortsAfterKeysMoved: a Rebuild whose collection's
@@ -268,7 +259,16 @@ func rebuildCutByAMigration(t *testing.T, client *redis.ClusterClient, moved fun
 	_, rebuildErr := r.Rebuild(ctx)
 	t.Logf("rebuild during migration: %v", rebuildErr)
 	require.NoError(t, <-finished)
+	requireFailedRebuildCleanedUp(t, b, client)
+	return rebuildErr
+}
 
+// requireFailedRebuildCleanedUp checks that a failed Rebuild of b's
+// collection left neither its marker nor its shadow values, and that the
+// next Rebuild switches.
+func requireFailedRebuildCleanedUp(t *testing.T, b *testBundle, client *redis.ClusterClient) {
+	t.Helper()
+	ctx := context.Background()
 	marker, err := client.Exists(ctx, b.ks.RebuildMarkerKey(b.target.Name, b.kind)).Result()
 	require.NoError(t, err)
 	shadow, err := client.Exists(ctx, b.ks.ShadowValueKey(b.target.Name, b.kind)).Result()
@@ -278,7 +278,6 @@ func rebuildCutByAMigration(t *testing.T, client *redis.ClusterClient, moved fun
 	rb, err := b.reconciler(t, nil).Rebuild(ctx)
 	require.NoError(t, err, "a rebuild after the failed one")
 	require.True(t, rb.Switched)
-	return rebuildErr
 }
 
 // TestClusterRebuildThroughASingleServerClientFailsAtOnce: a client for
